@@ -1,0 +1,54 @@
+# Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, Kokkos Kernels, MPI and
+# CUDA+NCCL, each switchable with MESHLIB_WITH_<X>. Sets MESHLIB_HAVE_<X> and prints a summary that
+# says what was found and what each missing piece disables.
+
+include(meshlib_find_kokkos)
+meshlib_find_kokkos()
+
+set(MESHLIB_HAVE_KOKKOS_KERNELS FALSE)
+if(MESHLIB_WITH_KOKKOS_KERNELS)
+  meshlib_find_kokkos_kernels()
+endif()
+
+set(MESHLIB_HAVE_TBB FALSE)
+if(MESHLIB_WITH_TBB)
+  find_package(TBB CONFIG QUIET)
+  if(TBB_FOUND)
+    set(MESHLIB_HAVE_TBB TRUE)
+  endif()
+endif()
+
+set(MESHLIB_HAVE_MPI FALSE)
+if(MESHLIB_WITH_MPI)
+  find_package(MPI QUIET COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
+    set(MESHLIB_HAVE_MPI TRUE)
+  endif()
+endif()
+
+set(MESHLIB_HAVE_NCCL FALSE)
+if(MESHLIB_WITH_NCCL)
+  include(meshlib_find_nccl)
+  meshlib_find_nccl()
+endif()
+
+function(_meshlib_summary_line what have detail missing)
+  if(have)
+    message(STATUS "  ${what}: found ${detail}")
+  else()
+    message(STATUS "  ${what}: not found -> ${missing}")
+  endif()
+endfunction()
+
+function(meshlib_print_summary)
+  message(STATUS "meshlib ${PROJECT_VERSION} configuration:")
+  message(STATUS "  Kokkos: ${MESHLIB_KOKKOS_ORIGIN}")
+  _meshlib_summary_line("Kokkos Kernels" "${MESHLIB_HAVE_KOKKOS_KERNELS}" "${MESHLIB_KOKKOS_KERNELS_ORIGIN}"
+    "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
+  _meshlib_summary_line("oneTBB" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}"
+    "the thread communicator copies and reduces large slices without TBB (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+  _meshlib_summary_line("MPI" "${MESHLIB_HAVE_MPI}" "${MPI_CXX_LIBRARY_VERSION_STRING}"
+    "no meshlib::mpi target, MPI tests and MPI benchmark comparison skipped (MESHLIB_WITH_MPI=${MESHLIB_WITH_MPI})")
+  _meshlib_summary_line("CUDA + NCCL" "${MESHLIB_HAVE_NCCL}" "${MESHLIB_NCCL_LIBRARY}"
+    "no meshlib::nccl target (MESHLIB_WITH_NCCL=${MESHLIB_WITH_NCCL})")
+endfunction()

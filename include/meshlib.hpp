@@ -1,0 +1,7 @@
+#pragma once
+/// @file
+/// @brief meshlib: JAX-style SPMD sharding for C++. Everything that needs no optional dependency.
+/// The MPI and NCCL backends come in through <meshlib/mpi.hpp> and <meshlib/nccl.hpp>.
+
+#include "meshlib/core.hpp"
+#include "meshlib/comm.hpp"

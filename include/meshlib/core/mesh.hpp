@@ -1,0 +1,243 @@
+#pragma once
+/// @file
+/// @brief `mesh<Axes...>`: an N-dimensional grid of devices with named axes, as JAX's `Mesh`.
+///
+/// Devices are numbered in row-major order over the axes: the last axis varies fastest, as in
+/// `jax.make_mesh`. The group of a device along a set of axes is the device and every device that
+/// differs from it only in those axes; groups are what per-axis communicators are built from.
+
+#include <array>
+#include <cstddef>
+#include <initializer_list>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "meshlib/core/axis.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/core/fixed_string.hpp"
+
+namespace meshlib {
+
+namespace detail {
+
+template <class... Axes>
+consteval bool axis_names_unique() {
+  constexpr std::array<std::string_view, sizeof...(Axes)> names{Axes::name.view()...};
+  for (std::size_t i = 0; i < names.size(); ++i)
+    for (std::size_t j = i + 1; j < names.size(); ++j)
+      if (names[i] == names[j]) return false;
+  return true;
+}
+
+}  // namespace detail
+
+/// @brief A set of mesh axes, given by their positions in the mesh (bit i: axis i).
+/// Used for the device groups of collectives over several axes at once.
+using axis_mask = unsigned;
+
+/// @brief A device mesh with named axes `Axes...` (each an `axis<"name">` or `axis<"name", size>`).
+/// @code
+/// meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">> m{2, 4};  // 8 devices
+/// m.coords(5);                    // {1, 1}
+/// m.group<"model">(5);            // {4, 5, 6, 7}: device 5 and all that differ only in "model"
+/// @endcode
+template <mesh_axis... Axes>
+class mesh {
+  static_assert(sizeof...(Axes) > 0, "meshlib: a mesh needs at least one axis");
+  static_assert(detail::axis_names_unique<Axes...>(),
+                "meshlib: two axes of this mesh have the same name; each axis name must be unique");
+  static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
+
+ public:
+  using is_mesh = void;
+  static constexpr std::size_t ndim = sizeof...(Axes);
+  using coord_type = std::array<std::size_t, ndim>;
+
+  /// The axis names, in mesh order.
+  static constexpr std::array<std::string_view, ndim> axis_names{Axes::name.view()...};
+  /// The compile-time sizes (`dynamic_extent` where the size is given at run time).
+  static constexpr std::array<std::size_t, ndim> static_sizes{Axes::static_size...};
+  static constexpr std::size_t num_dynamic = ((Axes::static_size == dynamic_extent ? 1 : 0) + ...);
+
+  /// Position of the axis called `name`, or `ndim` when the mesh has no such axis.
+  static constexpr std::size_t find_axis(std::string_view name) noexcept {
+    for (std::size_t i = 0; i < ndim; ++i)
+      if (axis_names[i] == name) return i;
+    return ndim;
+  }
+  template <fixed_string Name>
+  static constexpr bool has_axis = find_axis(Name.view()) < ndim;
+  /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
+  template <fixed_string Name>
+  static constexpr std::size_t axis_position = [] {
+    static_assert(has_axis<Name>, "meshlib: the mesh has no axis of this name (see the axis named in the instantiation)");
+    return find_axis(Name.view());
+  }();
+
+  /// A mesh whose every axis has a static size.
+  constexpr mesh() requires(num_dynamic == 0) : sizes_{static_sizes} { finish(); }
+
+  /// Sizes for every axis, or only for the axes of dynamic size (mdspan's extents convention).
+  template <class... Sizes>
+    requires(sizeof...(Sizes) > 0 && (std::convertible_to<Sizes, std::size_t> && ...) &&
+             (sizeof...(Sizes) == ndim || sizeof...(Sizes) == num_dynamic))
+  constexpr explicit mesh(Sizes... sizes) {
+    std::array<std::size_t, sizeof...(Sizes)> given{static_cast<std::size_t>(sizes)...};
+    assign(std::span<const std::size_t>(given));
+  }
+
+  /// Sizes for every axis, in mesh order.
+  constexpr explicit mesh(const coord_type& sizes) { assign(std::span<const std::size_t>(sizes)); }
+
+  /// Number of devices.
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return size_; }
+  /// The sizes of all axes, in mesh order.
+  [[nodiscard]] constexpr const coord_type& shape() const noexcept { return sizes_; }
+  /// Size of the axis at position `i`.
+  [[nodiscard]] constexpr std::size_t axis_size(std::size_t i) const noexcept { return sizes_[i]; }
+  /// Size of the axis called `Name`.
+  template <fixed_string Name>
+  [[nodiscard]] constexpr std::size_t axis_size() const noexcept { return sizes_[axis_position<Name>]; }
+  /// Product of the sizes of the axes in `mask`.
+  [[nodiscard]] constexpr std::size_t axes_size(axis_mask mask) const noexcept {
+    std::size_t n = 1;
+    for (std::size_t i = 0; i < ndim; ++i)
+      if (mask & (axis_mask{1} << i)) n *= sizes_[i];
+    return n;
+  }
+
+  /// Mesh coordinates of `device` (row-major: the last axis varies fastest).
+  [[nodiscard]] constexpr coord_type coords(std::size_t device) const noexcept {
+    coord_type c{};
+    for (std::size_t i = ndim; i-- > 0;) {
+      c[i] = device % sizes_[i];
+      device /= sizes_[i];
+    }
+    return c;
+  }
+  /// Device at mesh coordinates `c`.
+  [[nodiscard]] constexpr std::size_t device_at(const coord_type& c) const noexcept {
+    std::size_t d = 0;
+    for (std::size_t i = 0; i < ndim; ++i) d = d * sizes_[i] + c[i];
+    return d;
+  }
+
+  /// Mask of the axes named `Names...`.
+  template <fixed_string... Names>
+  static constexpr axis_mask mask_of() noexcept {
+    return ((axis_mask{1} << axis_position<Names>) | ... | axis_mask{0});
+  }
+  /// Mask of every axis.
+  static constexpr axis_mask all_axes = ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1;
+
+  /// Rank of `device` within its group along `mask`: its row-major index over the axes in `mask`.
+  [[nodiscard]] constexpr std::size_t group_rank(std::size_t device, axis_mask mask) const noexcept {
+    return linear_over(coords(device), mask);
+  }
+  /// Which group along `mask` the device belongs to: its row-major index over the other axes.
+  /// Equal for exactly the members of one group (the `color` of a communicator split).
+  [[nodiscard]] constexpr std::size_t group_color(std::size_t device, axis_mask mask) const noexcept {
+    return linear_over(coords(device), all_axes & ~mask);
+  }
+  /// The group of `device` along the axes in `mask`, in group-rank order.
+  [[nodiscard]] std::vector<std::size_t> group(std::size_t device, axis_mask mask) const {
+    const coord_type base = coords(device);
+    const std::size_t n = axes_size(mask);
+    std::vector<std::size_t> out;
+    out.reserve(n);
+    for (std::size_t r = 0; r < n; ++r) {
+      coord_type c = base;
+      std::size_t rest = r;
+      for (std::size_t i = ndim; i-- > 0;) {
+        if (!(mask & (axis_mask{1} << i))) continue;
+        c[i] = rest % sizes_[i];
+        rest /= sizes_[i];
+      }
+      out.push_back(device_at(c));
+    }
+    return out;
+  }
+  /// The group of `device` along the axes named `Names...`.
+  template <fixed_string... Names>
+  [[nodiscard]] std::vector<std::size_t> group(std::size_t device) const {
+    return group(device, mask_of<Names...>());
+  }
+
+  /// Throws `mesh_error` unless the mesh has exactly `device_count` devices.
+  void check_device_count(std::size_t device_count) const {
+    if (size_ != device_count) {
+      std::ostringstream os;
+      os << "meshlib: mesh " << *this << " has " << size_ << " devices but " << device_count
+         << " devices are available; choose axis sizes whose product is " << device_count;
+      throw mesh_error(os.str());
+    }
+  }
+
+  friend constexpr bool operator==(const mesh& a, const mesh& b) noexcept { return a.sizes_ == b.sizes_; }
+
+  /// Prints `mesh{'data': 2, 'model': 4}`, as JAX prints a mesh's shape.
+  friend std::ostream& operator<<(std::ostream& os, const mesh& m) {
+    os << "mesh{";
+    for (std::size_t i = 0; i < ndim; ++i) os << (i ? ", " : "") << '\'' << axis_names[i] << "': " << m.sizes_[i];
+    return os << '}';
+  }
+  [[nodiscard]] std::string to_string() const {
+    std::ostringstream os;
+    os << *this;
+    return os.str();
+  }
+
+ private:
+  constexpr std::size_t linear_over(const coord_type& c, axis_mask mask) const noexcept {
+    std::size_t r = 0;
+    for (std::size_t i = 0; i < ndim; ++i)
+      if (mask & (axis_mask{1} << i)) r = r * sizes_[i] + c[i];
+    return r;
+  }
+
+  constexpr void assign(std::span<const std::size_t> given) {
+    if (given.size() == ndim) {
+      for (std::size_t i = 0; i < ndim; ++i) {
+        if (static_sizes[i] != dynamic_extent && given[i] != static_sizes[i]) {
+          throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has static size " +
+                           std::to_string(static_sizes[i]) + " but was given size " + std::to_string(given[i]));
+        }
+        sizes_[i] = given[i];
+      }
+    } else {
+      std::size_t k = 0;
+      for (std::size_t i = 0; i < ndim; ++i) sizes_[i] = static_sizes[i] == dynamic_extent ? given[k++] : static_sizes[i];
+    }
+    finish();
+  }
+
+  constexpr void finish() {
+    size_ = 1;
+    for (std::size_t i = 0; i < ndim; ++i) {
+      if (sizes_[i] == 0)
+        throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
+      size_ *= sizes_[i];
+    }
+  }
+
+  coord_type sizes_{};
+  std::size_t size_ = 1;
+};
+
+/// @brief A type that is a `mesh<...>`.
+template <class T>
+concept mesh_type = requires { typename T::is_mesh; };
+
+/// @brief Builds a mesh and checks it against the number of devices, as `jax.make_mesh`.
+/// @throws mesh_error when the product of `sizes` is not `device_count`.
+template <mesh_axis... Axes, class... Sizes>
+mesh<Axes...> make_mesh(std::size_t device_count, Sizes... sizes) {
+  mesh<Axes...> m(sizes...);
+  m.check_device_count(device_count);
+  return m;
+}
+
+}  // namespace meshlib
