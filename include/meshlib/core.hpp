@@ -7,3 +7,6 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/axis.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/core/named_sharding.hpp"
+#include "meshlib/core/shard_layout.hpp"
