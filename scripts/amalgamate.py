@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Generate single_include/meshlib.hpp from include/meshlib.hpp.
+
+Every `#include "meshlib/..."` (or `<meshlib/...>`) is replaced, recursively and in include
+order, by the text of that header the first time it is met and dropped after that, as
+`#pragma once` would do. Each inlined header is framed by `// begin meshlib/<file>` and
+`// end meshlib/<file>`; `#pragma once` lines are dropped and one include guard wraps the whole.
+Other includes (the standard library, Kokkos) are kept as they are.
+
+A header first met under a preprocessor condition (`#if ...`) is inlined there; including it
+again unconditionally later would then lose it when the condition is false, so that is an error.
+
+Usage:
+  python3 scripts/amalgamate.py            write single_include/meshlib.hpp
+  python3 scripts/amalgamate.py --stdout   print it instead
+  python3 scripts/amalgamate.py --check    exit 1 and print a diff when the file is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+INCLUDE_DIR = REPO / "include"
+ROOT_HEADER = "meshlib.hpp"
+OUTPUT = REPO / "single_include" / "meshlib.hpp"
+GUARD = "MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP"
+FIX_COMMAND = "python3 scripts/amalgamate.py"
+
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?:"(meshlib/[^"]+)"|<(meshlib/[^>]+)>)')
+PRAGMA_ONCE_RE = re.compile(r"^\s*#\s*pragma\s+once\b")
+IF_RE = re.compile(r"^\s*#\s*if(?:n?def)?\b")
+ENDIF_RE = re.compile(r"^\s*#\s*endif\b")
+
+
+class AmalgamationError(Exception):
+    pass
+
+
+class Amalgamator:
+    def __init__(self, include_dir: Path) -> None:
+        self.include_dir = include_dir
+        # header -> (where it was first included, whether under a condition)
+        self.seen: dict[str, tuple[str, bool]] = {}
+        self.out: list[str] = []
+
+    def inline(self, name: str, conditional: bool) -> None:
+        path = self.include_dir / name
+        if not path.is_file():
+            raise AmalgamationError(f"meshlib: amalgamate: {name} is included but {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        self.out.append(f"// begin {name}\n")
+        depth = 0  # preprocessor conditional depth inside this file
+        for number, line in enumerate(text.splitlines(), start=1):
+            if PRAGMA_ONCE_RE.match(line):
+                continue
+            match = INCLUDE_RE.match(line)
+            if match:
+                child = match.group(1) or match.group(2)
+                child_conditional = conditional or depth > 0
+                where = f"{name}:{number}"
+                if child in self.seen:
+                    first_where, first_conditional = self.seen[child]
+                    if first_conditional and not child_conditional:
+                        raise AmalgamationError(
+                            f"meshlib: amalgamate: {child} is first included under a preprocessor "
+                            f"condition ({first_where}) and later unconditionally ({where}); the single "
+                            f"header inlines each file once, so include it unconditionally first")
+                    continue
+                self.seen[child] = (where, child_conditional)
+                self.inline(child, child_conditional)
+                continue
+            if IF_RE.match(line):
+                depth += 1
+            elif ENDIF_RE.match(line):
+                depth -= 1
+            self.out.append(line + "\n")
+        self.out.append(f"// end {name}\n")
+
+    def run(self, root: str) -> str:
+        self.seen[root] = ("the root", False)
+        self.out = [
+            "// meshlib: JAX-style SPMD sharding for C++ -- single-header distribution.\n",
+            "// Generated from include/ by scripts/amalgamate.py; do not edit by hand:\n",
+            f"// change the headers in include/ and run `{FIX_COMMAND}`.\n",
+            f"#ifndef {GUARD}\n",
+            f"#define {GUARD}\n",
+        ]
+        self.inline(root, False)
+        self.out.append(f"#endif  // {GUARD}\n")
+        return "".join(self.out)
+
+
+def amalgamate(include_dir: Path = INCLUDE_DIR, root: str = ROOT_HEADER) -> str:
+    return Amalgamator(include_dir).run(root)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stdout", action="store_true", help="print the single header instead of writing it")
+    mode.add_argument("--check", action="store_true",
+                      help="compare with the committed file; print a diff and exit 1 when it differs")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help=f"file to write or check (default: {OUTPUT})")
+    args = parser.parse_args(argv)
+
+    try:
+        text = amalgamate()
+    except AmalgamationError as error:
+        print(error, file=sys.stderr)
+        return 2
+
+    if args.stdout:
+        sys.stdout.write(text)
+        return 0
+    if args.check:
+        current = args.output.read_text(encoding="utf-8") if args.output.is_file() else ""
+        if current == text:
+            print(f"{args.output} is up to date")
+            return 0
+        sys.stdout.writelines(difflib.unified_diff(
+            current.splitlines(keepends=True), text.splitlines(keepends=True),
+            fromfile=f"{args.output} (committed)", tofile=f"{args.output} (from include/)"))
+        print(f"\nmeshlib: {args.output} is stale: it differs from what include/ generates (diff above).\n"
+              f"Fix: run `{FIX_COMMAND}` in the repository root and commit the result.")
+        return 1
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    # newline="\n": the same bytes on every platform, so the check above compares like with like.
+    with open(args.output, "w", encoding="utf-8", newline="\n") as file:
+        file.write(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

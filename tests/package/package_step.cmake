@@ -1,0 +1,150 @@
+# One step of a package test, run as `cmake -D... -P package_step.cmake`.
+#
+# STEP=install     Install meshlib into STAGE, then move STAGE to PREFIX (package managers move
+#                  install trees; moving proves nothing points back at the old place) and check
+#                  that no installed file names STAGE, the source tree or a build tree.
+#                  Installs BUILD_DIR (the tree being tested) or, when CONFIGURE_ARGS is given, a
+#                  fresh configuration of SOURCE_DIR with those arguments ("|"-separated) in WORK.
+# STEP=consumer    Configure the consumer project CONSUMER into WORK with CONSUMER_ARGS
+#                  ("|"-separated). With EXPECT_FAIL=<regex>: configuring must fail and print it.
+#                  Otherwise build it and run RUN ("|"-separated command, relative to WORK), whose
+#                  output must match EXPECT_OUTPUT.
+#                  TARBALL_FROM=<source dir>: first pack meshlib's sources into WORK/meshlib.tar.gz
+#                  and pass its URL and SHA256 as MESHLIB_TARBALL / MESHLIB_TARBALL_SHA256.
+# Common: GENERATOR, CXX_COMPILER, BUILD_TYPE (of the enclosing build).
+
+cmake_minimum_required(VERSION 3.20)
+
+function(fail)
+  string(JOIN "" msg ${ARGN})
+  message(FATAL_ERROR "package test: ${msg}")
+endfunction()
+
+# Runs a command, echoes its output, fails unless it exits 0 (or, with EXPECT_FAILURE, non-zero).
+function(run_checked out_var)
+  cmake_parse_arguments(ARG "EXPECT_FAILURE" "WORKING_DIRECTORY" "COMMAND" ${ARGN})
+  if(NOT ARG_WORKING_DIRECTORY)
+    set(ARG_WORKING_DIRECTORY "${CMAKE_CURRENT_BINARY_DIR}")
+  endif()
+  string(JOIN " " shown ${ARG_COMMAND})
+  message(STATUS "package test: running: ${shown}")
+  execute_process(COMMAND ${ARG_COMMAND}
+    WORKING_DIRECTORY "${ARG_WORKING_DIRECTORY}"
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  message("${out}")
+  if(ARG_EXPECT_FAILURE)
+    if(rc EQUAL 0)
+      fail("expected this to fail, but it succeeded: ${shown}")
+    endif()
+  elseif(NOT rc EQUAL 0)
+    fail("exit status ${rc} from: ${shown}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
+function(generator_args out_var)
+  set(args -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
+    -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+  if(BUILD_TYPE)
+    list(APPEND args "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
+  endif()
+  set(${out_var} "${args}" PARENT_SCOPE)
+endfunction()
+
+foreach(var STEP WORK GENERATOR CXX_COMPILER)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    fail("${var} is not set")
+  endif()
+endforeach()
+generator_args(gen_args)
+
+if(STEP STREQUAL "install")
+  foreach(var STAGE PREFIX SOURCE_DIR)
+    if(NOT ${var})
+      fail("${var} is not set")
+    endif()
+  endforeach()
+  file(REMOVE_RECURSE "${STAGE}" "${PREFIX}")
+  set(tree "${BUILD_DIR}")
+  if(CONFIGURE_ARGS)
+    set(tree "${WORK}/meshlib-build")
+    file(REMOVE_RECURSE "${tree}")
+    string(REPLACE "|" ";" configure_args "${CONFIGURE_ARGS}")
+    run_checked(out COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${tree}" ${gen_args} ${configure_args})
+  endif()
+  run_checked(out COMMAND "${CMAKE_COMMAND}" --install "${tree}" --prefix "${STAGE}")
+  file(RENAME "${STAGE}" "${PREFIX}")
+
+  foreach(f include/meshlib.hpp include/meshlib/core/mesh.hpp
+            share/cmake/meshlib/meshlibConfig.cmake share/cmake/meshlib/meshlibConfigVersion.cmake
+            share/cmake/meshlib/meshlib-targets.cmake share/cmake/meshlib/meshlib_find_kokkos.cmake)
+    if(NOT EXISTS "${PREFIX}/${f}")
+      fail("the install tree lacks ${f}")
+    endif()
+  endforeach()
+  # Relocatable: no installed file may point back at where it was installed or built from.
+  file(GLOB_RECURSE installed LIST_DIRECTORIES false "${PREFIX}/*")
+  foreach(f IN LISTS installed)
+    file(READ "${f}" text)
+    foreach(bad "${STAGE}" "${SOURCE_DIR}" "${tree}")
+      string(FIND "${text}" "${bad}" at)
+      if(NOT at EQUAL -1)
+        fail("${f} names the absolute path ${bad}; the install tree must be relocatable")
+      endif()
+    endforeach()
+  endforeach()
+  file(READ "${PREFIX}/share/cmake/meshlib/meshlibConfigVersion.cmake" version_file)
+  if(version_file MATCHES "CMAKE_SIZEOF_VOID_P \"[0-9]")
+    fail("meshlibConfigVersion.cmake checks the pointer size; a header-only package must be ARCH_INDEPENDENT")
+  endif()
+  message(STATUS "package test: installed and moved to ${PREFIX}")
+
+elseif(STEP STREQUAL "consumer")
+  if(NOT CONSUMER)
+    fail("CONSUMER is not set")
+  endif()
+  file(REMOVE_RECURSE "${WORK}")
+  file(MAKE_DIRECTORY "${WORK}")
+  string(REPLACE "|" ";" consumer_args "${CONSUMER_ARGS}")
+
+  if(TARBALL_FROM)
+    # A release-style archive holding only what a consumer needs: proves the package is
+    # self-contained (no reference to tests/, scripts/ or anything outside it).
+    set(tarball "${WORK}/meshlib.tar.gz")
+    set(pack_dir "${WORK}/pack/meshlib-src")
+    file(MAKE_DIRECTORY "${pack_dir}")
+    file(COPY "${TARBALL_FROM}/CMakeLists.txt" "${TARBALL_FROM}/cmake" "${TARBALL_FROM}/include"
+      DESTINATION "${pack_dir}")
+    run_checked(out COMMAND "${CMAKE_COMMAND}" -E tar czf "${tarball}" meshlib-src
+      WORKING_DIRECTORY "${WORK}/pack")
+    file(SHA256 "${tarball}" sha)
+    list(APPEND consumer_args "-DMESHLIB_TARBALL=file://${tarball}" "-DMESHLIB_TARBALL_SHA256=${sha}")
+  endif()
+
+  set(build "${WORK}/build")
+  if(EXPECT_FAIL)
+    run_checked(out EXPECT_FAILURE
+      COMMAND "${CMAKE_COMMAND}" -S "${CONSUMER}" -B "${build}" ${gen_args} ${consumer_args})
+    # CMake wraps long messages: compare with runs of white space made single spaces.
+    string(REGEX REPLACE "[ \t\r\n]+" " " flat "${out}")
+    if(NOT flat MATCHES "${EXPECT_FAIL}")
+      fail("configuring failed as expected, but the output does not match '${EXPECT_FAIL}'")
+    endif()
+    message(STATUS "package test: configure failed with the expected message")
+    return()
+  endif()
+
+  run_checked(out COMMAND "${CMAKE_COMMAND}" -S "${CONSUMER}" -B "${build}" ${gen_args} ${consumer_args})
+  run_checked(out COMMAND "${CMAKE_COMMAND}" --build "${build}")
+  if(RUN)
+    string(REPLACE "|" ";" run_cmd "${RUN}")
+    run_checked(out COMMAND ${run_cmd} WORKING_DIRECTORY "${build}")
+    if(EXPECT_OUTPUT AND NOT out MATCHES "${EXPECT_OUTPUT}")
+      fail("the consumer ran, but its output does not match '${EXPECT_OUTPUT}'")
+    endif()
+  endif()
+  message(STATUS "package test: consumer configured, built and ran")
+
+else()
+  fail("unknown STEP '${STEP}'")
+endif()
