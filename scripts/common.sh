@@ -1,0 +1,23 @@
+# Shared by run_tests.sh and run_example.sh (sourced, not run). Both use one build directory with
+# the same settings, so running one after the other rebuilds nothing twice.
+#
+# BUILD_DIR   the build directory (default: build/ in the repository root)
+# BUILD_TYPE  the CMake build type (default: Release, at -O2: quicker to compile than -O3, and
+#             assertions stay on because tests rely on them)
+# JOBS        parallel jobs (default: nproc)
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$repo_root/build}"
+BUILD_TYPE="${BUILD_TYPE:-Release}"
+JOBS="${JOBS:-$(nproc)}"
+
+# Prints a label and the seconds since the script started.
+elapsed() { echo "== $1 after ${SECONDS}s"; }
+
+configure() {
+  cmake -S "$repo_root" -B "$BUILD_DIR" \
+    -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+    -DCMAKE_CXX_FLAGS_RELEASE="-O2" \
+    -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON \
+    "$@"
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what meshlib needs on Debian 12 (bookworm), and only what is missing: safe to run again.
+# apt-get update runs only when something is missing; sudo is used only when not root.
+set -euo pipefail
+
+packages=(
+  build-essential cmake python3            # compiler, build system, scripts/amalgamate.py
+  libtrilinos-kokkos-dev                   # Kokkos (required)
+  libtrilinos-kokkos-kernels-dev libopenblas-dev  # Kokkos Kernels: KokkosBlas::gemm for matmul
+  catch2                                   # tests
+  libtbb-dev                               # oneTBB (optional)
+  openmpi-bin libopenmpi-dev               # MPI communicator (optional)
+  python3-matplotlib                       # benchmark plots
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages are installed"
+  exit 0
+fi
+
+echo "install_deps: installing ${missing[*]}"
+if [ "$(id -u)" -eq 0 ]; then
+  sudo=()
+elif command -v sudo >/dev/null 2>&1; then
+  sudo=(sudo)
+else
+  echo "install_deps: need root or sudo to install: ${missing[*]}" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds the flagship example in build/ and runs it.
+# EXAMPLE: the example target to build and run (any target in examples/); arguments go to it.
+set -euo pipefail
+EXAMPLE="${EXAMPLE:-quickstart}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+SECONDS=0
+
+"$repo_root/scripts/install_deps.sh"
+configure
+cmake --build "$BUILD_DIR" -j "$JOBS" --target "$EXAMPLE"
+elapsed "built $EXAMPLE"
+
+exe="$(find "$BUILD_DIR/examples" -type f -name "$EXAMPLE" -perm -u+x | head -n 1)"
+if [ -z "$exe" ]; then
+  echo "run_example: built target $EXAMPLE but found no executable of that name under $BUILD_DIR/examples" >&2
+  exit 1
+fi
+echo "== $exe $*"
+exec "$exe" "$@"
