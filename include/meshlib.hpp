@@ -5,3 +5,4 @@
 
 #include "meshlib/core.hpp"
 #include "meshlib/comm.hpp"
+#include "meshlib/runtime.hpp"
