@@ -5,4 +5,5 @@
 
 #include "meshlib/core.hpp"
 #include "meshlib/comm.hpp"
+#include "meshlib/tensor.hpp"
 #include "meshlib/runtime.hpp"
