@@ -1,0 +1,33 @@
+#!/usr/bin/env python3
+"""Writes every ```cpp block of the given Markdown files that is a whole program (has `int main`)
+to OUT_DIR/<file-stem>_<n>.cpp, and prints the written paths, one a line. Used by the doc tests:
+an example in the docs that no longer compiles or runs fails the build."""
+
+import re
+import sys
+from pathlib import Path
+
+BLOCK_RE = re.compile(r"^```(?:cpp|c\+\+)[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def main(argv):
+    out_dir = Path(argv[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.cpp"):
+        old.unlink()
+    for md in map(Path, argv[1:]):
+        stem = re.sub(r"[^A-Za-z0-9]+", "_", md.stem).lower()
+        n = 0
+        for match in BLOCK_RE.finditer(md.read_text(encoding="utf-8")):
+            code = match.group(1)
+            if not re.search(r"\bint\s+main\s*\(", code):
+                continue
+            n += 1
+            path = out_dir / f"{stem}_{n}.cpp"
+            path.write_text(f"// Extracted from {md.name}, code block {n}; edit the Markdown, not this.\n{code}",
+                            encoding="utf-8")
+            print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
