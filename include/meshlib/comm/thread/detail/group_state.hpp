@@ -1,0 +1,399 @@
+#pragma once
+/// @file
+/// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
+/// failure record every group of that world shares, and the registry of sub-groups being split),
+/// one `group_state` per communicator group (the arrival counter, the release word, a slot per
+/// rank with its call descriptor and staging buffers, and the point-to-point mailboxes).
+///
+/// Synchronisation: one arrival point per step. Each rank writes its call descriptor into its slot,
+/// then increments `arrivals`; the rank whose increment completes the step checks every
+/// descriptor (mismatch detection) and releases the step by incrementing `word`. The others wait
+/// on `word`: they spin, then yield, then block on a condition variable with a deadline. A failure
+/// sets the high bit of `word` in every group of the world, which ends every wait at once.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/thread/options.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace meshlib::detail {
+
+/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
+/// avoids the memory-order mis-speculation penalty when the awaited line changes).
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+using comm_clock = std::chrono::steady_clock;
+
+enum class op_kind : std::uint8_t {
+  barrier,
+  all_reduce,
+  reduce,
+  broadcast,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  all_to_all_v,
+  ppermute,
+  split,
+  send,
+  recv,
+};
+
+constexpr std::string_view op_name(op_kind k) noexcept {
+  switch (k) {
+    case op_kind::barrier: return "barrier";
+    case op_kind::all_reduce: return "all_reduce";
+    case op_kind::reduce: return "reduce";
+    case op_kind::broadcast: return "broadcast";
+    case op_kind::all_gather: return "all_gather";
+    case op_kind::reduce_scatter: return "reduce_scatter";
+    case op_kind::all_to_all: return "all_to_all";
+    case op_kind::all_to_all_v: return "all_to_all_v";
+    case op_kind::ppermute: return "ppermute";
+    case op_kind::split: return "split";
+    case op_kind::send: return "send";
+    case op_kind::recv: return "recv";
+  }
+  return "unknown";
+}
+
+/// What one rank called in one step: compared across ranks by the releasing rank, and the source
+/// of the peers' buffer addresses for the zero-copy algorithms.
+struct call_desc {
+  op_kind kind = op_kind::barrier;
+  datatype dtype = datatype::float32;
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  std::uint64_t count = 0;
+  int color = 0;
+  int key = 0;
+  const void* src = nullptr;  ///< staged copy (one-shot) or the user's send buffer (zero-copy)
+  void* dst = nullptr;        ///< the user's receive buffer (zero-copy algorithms that push)
+  std::span<const permute_pair> pairs{};
+  const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd
+  int nv = 0;                                                       ///< length of each v array
+};
+
+inline bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
+inline bool uses_count(op_kind k) noexcept {
+  return uses_dtype(k) && k != op_kind::all_to_all_v;
+}
+inline bool uses_op(op_kind k) noexcept {
+  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+}
+inline bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
+
+inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
+  os << '[';
+  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << a[i];
+  os << ']';
+}
+
+/// "all_reduce(float32, count 8, op sum)": how error messages show a call.
+inline std::string describe(const call_desc& d) {
+  std::ostringstream os;
+  os << op_name(d.kind) << '(';
+  if (d.kind == op_kind::split) {
+    os << "color " << d.color << ", key " << d.key;
+  } else if (uses_dtype(d.kind)) {
+    os << d.dtype;
+    if (uses_count(d.kind)) os << ", count " << d.count;
+    if (uses_op(d.kind)) os << ", op " << d.op;
+    if (uses_root(d.kind)) os << ", root " << d.root;
+    if (d.kind == op_kind::ppermute) {
+      os << ", pairs [";
+      for (std::size_t i = 0; i < d.pairs.size(); ++i)
+        os << (i ? ", " : "") << '(' << d.pairs[i].source << ", " << d.pairs[i].dest << ')';
+      os << ']';
+    }
+    if (d.kind == op_kind::all_to_all_v) {
+      os << ", send_counts ";
+      print_v(os, d.v[0], d.nv);
+      os << ", recv_counts ";
+      print_v(os, d.v[2], d.nv);
+    }
+  }
+  os << ')';
+  return os.str();
+}
+
+/// Whether two ranks' calls agree on everything the step depends on.
+inline bool same_call(const call_desc& a, const call_desc& b) {
+  if (a.kind != b.kind) return false;
+  if (uses_dtype(a.kind) && a.dtype != b.dtype) return false;
+  if (uses_count(a.kind) && a.count != b.count) return false;
+  if (uses_op(a.kind) && a.op != b.op) return false;
+  if (uses_root(a.kind) && a.root != b.root) return false;
+  if (a.kind == op_kind::ppermute && !std::equal(a.pairs.begin(), a.pairs.end(), b.pairs.begin(), b.pairs.end()))
+    return false;
+  return true;
+}
+
+/// A buffer aligned to a cache line, grown by its owner only.
+class staging_buffer {
+ public:
+  staging_buffer() = default;
+  staging_buffer(const staging_buffer&) = delete;
+  staging_buffer& operator=(const staging_buffer&) = delete;
+  ~staging_buffer() { release(); }
+  std::byte* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      release();
+      const std::size_t cap = std::max<std::size_t>(bytes, 256);
+      data_ = static_cast<std::byte*>(::operator new(cap, std::align_val_t{64}));
+      capacity_ = cap;
+    }
+    return data_;
+  }
+
+ private:
+  void release() noexcept {
+    if (data_) ::operator delete(data_, std::align_val_t{64});
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+  std::byte* data_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+/// One rank's slot. Descriptors and staging buffers are double-buffered by the parity of the step:
+/// a rank can start step s+1 (and overwrite its parity-(s+1) copies) while slow peers still read
+/// its step-s copies, but it cannot start step s+2 before every peer arrived at s+1, that is,
+/// before every peer finished reading step s.
+struct alignas(64) rank_slot {
+  call_desc desc[2];
+  std::atomic<std::uint64_t> arrived{0};  ///< steps this rank has arrived at (diagnostics)
+  std::atomic<bool> departed{false};      ///< its handle was destroyed
+  std::atomic<bool> claimed{false};       ///< its handle was handed out
+  staging_buffer staging[2];
+};
+
+enum class failure_kind : std::uint8_t { aborted, timeout, mismatch };
+
+struct group_state;
+
+/// The failure record and sub-group registry shared by every group of one thread_world.
+struct world_state {
+  explicit world_state(const thread_comm_options& o) : options(o) {}
+
+  thread_comm_options options;
+  std::mutex mutex;
+  std::atomic<bool> failed{false};
+  failure_kind kind = failure_kind::aborted;  // guarded by mutex
+  int failed_rank = -1;                       // world rank of the root cause, -1 if none
+  std::string message;                        // guarded by mutex
+  std::vector<std::weak_ptr<group_state>> groups;
+  struct pending_group {
+    std::shared_ptr<group_state> state;
+    int claims = 0;
+  };
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, pending_group> pending;
+  std::uint64_t next_group_id = 0;
+
+  /// Records the root cause (the first failure wins) and releases every waiter of every group.
+  /// @returns whether this call recorded the root cause.
+  bool fail(failure_kind k, int world_rank, std::string msg);
+
+  /// Throws the error of the recorded root cause, `context` appended.
+  [[noreturn]] void rethrow(std::string_view context) {
+    failure_kind k;
+    std::string m;
+    {
+      std::lock_guard lk(mutex);
+      k = kind;
+      m = message;
+    }
+    if (!context.empty()) {
+      m += " [";
+      m += context;
+      m += ']';
+    }
+    switch (k) {
+      case failure_kind::timeout: throw comm_timeout(m);
+      case failure_kind::mismatch: throw collective_mismatch(m);
+      case failure_kind::aborted: break;
+    }
+    throw comm_aborted(m);
+  }
+
+  int root_cause_rank() {
+    std::lock_guard lk(mutex);
+    return failed_rank;
+  }
+};
+
+/// A point-to-point message in flight: send copies it here, so send never waits for recv.
+struct p2p_message {
+  int tag = 0;
+  datatype dtype = datatype::float32;
+  std::size_t count = 0;
+  std::vector<std::byte> data;
+};
+
+inline constexpr std::uint64_t failed_bit = std::uint64_t{1} << 63;
+
+/// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
+/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
+/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
+/// 35-40 us here, 600 cache-line handoffs).
+struct wait_policy {
+  std::chrono::nanoseconds spin;
+  std::chrono::nanoseconds yield;
+  std::chrono::nanoseconds timeout;
+  std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
+};
+
+/// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
+/// rank, one synchronisation plus a copy beats two synchronisations and no copy.
+inline std::size_t default_one_shot_max_bytes(int n) noexcept {
+  (void)n;
+  return std::size_t{16} << 10;
+}
+
+inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool oversubscribed = static_cast<unsigned>(n) > cores;
+  wait_policy p{};
+  p.spin = o.spin.count() >= 0 ? o.spin
+                               : (oversubscribed ? std::chrono::nanoseconds(200) : std::chrono::nanoseconds(50'000));
+  p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
+  p.timeout = o.timeout;
+  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(n);
+  return p;
+}
+
+struct group_state {
+  group_state(std::shared_ptr<world_state> w, std::vector<int> members, std::uint64_t gid)
+      : world(std::move(w)),
+        n(static_cast<int>(members.size())),
+        id(gid),
+        world_ranks(std::move(members)),
+        policy(make_wait_policy(world->options, n)),
+        slots(new rank_slot[static_cast<std::size_t>(n)]),
+        mailboxes(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)) {}
+
+  std::shared_ptr<world_state> world;
+  const int n;
+  const std::uint64_t id;
+  const std::vector<int> world_ranks;  ///< world rank of each group rank
+  const wait_policy policy;
+
+  // The arrival counter and the release word share a line: the rank that completes a step
+  // already owns the line when it releases the step.
+  alignas(64) std::atomic<std::uint64_t> arrivals{0};
+  std::atomic<std::uint64_t> word{0};  ///< released steps | failed_bit
+
+  alignas(64) std::atomic<int> sleepers{0};
+  std::mutex mutex;
+  std::condition_variable cv;
+
+  std::unique_ptr<rank_slot[]> slots;
+
+  std::mutex p2p_mutex;
+  std::condition_variable p2p_cv;
+  std::vector<std::deque<p2p_message>> mailboxes;  ///< [source * n + dest], guarded by p2p_mutex
+
+  bool is_world() const noexcept { return id == 0; }
+
+  /// "rank 2", or "rank 2 (world rank 5)" in a sub-group.
+  std::string rank_label(int r) const {
+    std::string s = "rank " + std::to_string(r);
+    if (!is_world()) s += " (world rank " + std::to_string(world_ranks[static_cast<std::size_t>(r)]) + ")";
+    return s;
+  }
+
+  /// Wakes every blocked waiter of this group (after `word` changed or a rank departed).
+  void wake() {
+    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+      { std::lock_guard lk(mutex); }
+      cv.notify_all();
+    }
+  }
+  void wake_all_unconditionally() {
+    { std::lock_guard lk(mutex); }
+    cv.notify_all();
+    { std::lock_guard lk(p2p_mutex); }
+    p2p_cv.notify_all();
+  }
+};
+
+inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
+  std::vector<std::shared_ptr<group_state>> live;
+  {
+    std::lock_guard lk(mutex);
+    if (failed.load(std::memory_order_relaxed)) return false;
+    kind = k;
+    failed_rank = world_rank;
+    message = std::move(msg);
+    failed.store(true, std::memory_order_seq_cst);
+    for (auto& w : groups)
+      if (auto g = w.lock()) live.push_back(std::move(g));
+  }
+  for (auto& g : live) {
+    g->word.fetch_or(failed_bit, std::memory_order_seq_cst);
+    g->wake_all_unconditionally();
+  }
+  return true;
+}
+
+/// Creates a group of `world` and registers it for failure propagation; the caller holds world->mutex.
+inline std::shared_ptr<group_state> make_group_locked(const std::shared_ptr<world_state>& world,
+                                                      std::vector<int> members) {
+  auto g = std::make_shared<group_state>(world, std::move(members), world->next_group_id++);
+  std::erase_if(world->groups, [](const std::weak_ptr<group_state>& w) { return w.expired(); });
+  world->groups.push_back(g);
+  if (world->failed.load(std::memory_order_relaxed)) g->word.fetch_or(failed_bit);
+  return g;
+}
+
+inline std::shared_ptr<group_state> make_group(const std::shared_ptr<world_state>& world, std::vector<int> members) {
+  std::lock_guard lk(world->mutex);
+  return make_group_locked(world, std::move(members));
+}
+
+/// The sub-group of color `color` made by the split in step `step` of group `parent`: the first
+/// member to come creates it, the others find it; the entry goes when every member took it.
+inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<world_state>& world, std::uint64_t parent,
+                                                      std::uint64_t step, int color, const std::vector<int>& members) {
+  std::lock_guard lk(world->mutex);
+  const auto key = std::make_tuple(parent, step, color);
+  auto it = world->pending.find(key);
+  if (it == world->pending.end())
+    it = world->pending.emplace(key, world_state::pending_group{make_group_locked(world, members), 0}).first;
+  std::shared_ptr<group_state> g = it->second.state;
+  if (++it->second.claims == static_cast<int>(members.size())) world->pending.erase(it);
+  return g;
+}
+
+}  // namespace meshlib::detail

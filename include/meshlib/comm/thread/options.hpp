@@ -1,0 +1,54 @@
+#pragma once
+/// @file
+/// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
+/// measured on a 2-core machine (see docs/benchmarks.md), and the `MESHLIB_COMM_TIMEOUT` default.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+
+#include "meshlib/comm/errors.hpp"
+
+namespace meshlib {
+
+/// @brief Timeout of a communicator whose creator gave none and whose environment has no
+/// `MESHLIB_COMM_TIMEOUT`: 60 seconds. Long enough for any step of a real program on a loaded
+/// machine, short enough that a hung CI job fails with a message instead of being killed.
+inline constexpr std::chrono::seconds default_comm_timeout_fallback{60};
+
+/// @brief The timeout communicators use unless told otherwise: `MESHLIB_COMM_TIMEOUT` (seconds, a
+/// positive decimal number such as `2` or `0.5`), else `default_comm_timeout_fallback` (60 s).
+/// @throws comm_argument_error when the variable is set to something that is not a positive number.
+inline std::chrono::nanoseconds default_comm_timeout() {
+  const char* env = std::getenv("MESHLIB_COMM_TIMEOUT");  // NOLINT(concurrency-mt-unsafe): read only
+  if (env == nullptr || *env == '\0') return default_comm_timeout_fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
+    throw comm_argument_error(std::string("meshlib: MESHLIB_COMM_TIMEOUT='") + env +
+                              "' is not a positive number of seconds; set it to e.g. 30 or 0.5, or unset it for " +
+                              std::to_string(default_comm_timeout_fallback.count()) + " s");
+  }
+  return std::chrono::nanoseconds(static_cast<long long>(seconds * 1e9));
+}
+
+/// @brief Options of a `thread_world`.
+/// @code
+/// meshlib::thread_world world(4, {.timeout = std::chrono::seconds(2)});
+/// @endcode
+struct thread_comm_options {
+  /// How long a participant waits for its peers in one step before `comm_timeout`.
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Largest payload (bytes staged per participant) sent through the one-shot algorithm, which
+  /// copies it into a shared slot and needs one synchronisation; larger payloads take the zero-copy
+  /// algorithm (peers read each other's buffers; two synchronisations). 0: the measured default.
+  std::size_t one_shot_max_bytes = 0;
+  /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
+  /// measured default, shorter when there are more participants than cores.
+  std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
+  /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
+  std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
+};
+
+}  // namespace meshlib

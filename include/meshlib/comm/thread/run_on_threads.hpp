@@ -1,0 +1,106 @@
+#pragma once
+/// @file
+/// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank. The one
+/// place where meshlib starts participant threads (shard_map and spmd use it).
+
+#include <exception>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/thread/thread_communicator.hpp"
+
+namespace meshlib {
+
+/// @brief Thrown by `run_on_threads` when a participant failed: the root cause, with its rank.
+/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
+/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
+class participant_error : public comm_error, public std::nested_exception {
+ public:
+  /// Must be constructed while the participant's exception is the current one (in a catch block).
+  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
+  /// Rank (in the world of `run_on_threads`) of the participant whose failure is the root cause.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
+};
+
+namespace detail {
+inline std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+}  // namespace detail
+
+/// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
+/// `thread_world(n, options)` (participant 0 on the calling thread), and returns when all have
+/// returned.
+///
+/// When a participant throws, the world is aborted with it as the root cause, so every peer that
+/// waits in (or later enters) a collective gets `comm_aborted` instead of hanging; once every
+/// thread has ended, `run_on_threads` throws `participant_error` for the root cause: the first
+/// participant to throw, or, when the communicator itself failed (a collective mismatch, a
+/// timeout), the lowest rank that threw.
+/// @code
+/// std::vector<float> out(4);
+/// meshlib::run_on_threads(4, [&](meshlib::thread_communicator& c) {
+///   float x = float(c.rank());
+///   c.all_gather(std::span<const float>(&x, 1), std::span(out).subspan(0, 4));  // every rank: {0,1,2,3}
+/// });
+/// @endcode
+/// @throws participant_error as above; comm_argument_error when n < 1; std::system_error when a
+/// thread cannot be started (after the started ones are aborted and joined).
+template <class F>
+  requires std::is_invocable_v<F&, thread_communicator&>
+void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
+  thread_world world(n, std::move(options));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  auto body = [&](int r) {
+    thread_communicator comm = world.communicator(r);
+    try {
+      fn(comm);
+    } catch (...) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, detail::what_of(errors[static_cast<std::size_t>(r)]));
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n > 0 ? n - 1 : 0));
+  try {
+    for (int r = 1; r < n; ++r) threads.emplace_back(body, r);
+  } catch (...) {
+    world.abort(0, "run_on_threads could not start a thread");
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  body(0);
+  for (auto& t : threads) t.join();
+
+  int root = world.failed() ? world.root_cause_rank() : -1;
+  if (root < 0 || root >= n || !errors[static_cast<std::size_t>(root)]) {
+    root = -1;
+    for (int r = 0; r < n && root < 0; ++r)
+      if (errors[static_cast<std::size_t>(r)]) root = r;
+  }
+  if (root < 0) return;
+  const auto& e = errors[static_cast<std::size_t>(root)];
+  try {
+    std::rethrow_exception(e);
+  } catch (...) {
+    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
+                                      " failed: " + detail::what_of(e));
+  }
+}
+
+}  // namespace meshlib

@@ -1,0 +1,965 @@
+#pragma once
+/// @file
+/// @brief The thread communicator: N participants that are N threads of one process, talking
+/// through shared memory. meshlib's embedded default, and what every test runs on.
+///
+/// @code
+/// meshlib::run_on_threads(4, [](meshlib::thread_communicator& comm) {
+///   std::vector<float> x(1024, float(comm.rank()));
+///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);   // in place: every x[i] == 6
+/// });
+/// @endcode
+/// or, by hand: `meshlib::thread_world world(4);` then on thread r `auto comm = world.communicator(r);`.
+///
+/// Algorithms (docs/design.md has the details and docs/benchmarks.md the measurements):
+/// - one-shot, for payloads up to `thread_comm_options::one_shot_max_bytes` per rank: each rank
+///   copies its payload into its slot and arrives; the last to arrive releases the step; each rank
+///   then reads what it needs from the peers' slots. One synchronisation per collective.
+/// - zero-copy, above that: each rank arrives with the addresses of its buffers; after the release
+///   each reads straight from its peers' buffers (all_reduce: rank k reduces slice k of every input
+///   and writes it into every output), then all meet once more so no buffer is left while a peer
+///   still reads or writes it. No byte is staged or moved twice.
+/// Both reduce each element in rank order, so results are bitwise identical on every rank, in
+/// every run, with either algorithm.
+///
+/// Faults: no wait is unbounded. A failed participant (`thread_world::abort`, or `run_on_threads`
+/// seeing it throw), a participant whose handle is destroyed while peers wait for it, a timeout, a
+/// mismatched step or an invalid argument fails the whole world (every group split from it), and
+/// every participant's pending and later calls throw the root cause's error type
+/// (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with the same root-cause message.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/request.hpp"
+#include "meshlib/comm/thread/detail/group_state.hpp"
+#include "meshlib/comm/thread/detail/reduce_kernels.hpp"
+#include "meshlib/comm/thread/options.hpp"
+
+namespace meshlib {
+
+class thread_world;
+
+/// @brief One participant's handle on a group of threads. Satisfies `communicator`.
+///
+/// A handle belongs to one thread at a time (it is movable, not copyable) and every operation
+/// blocks that thread until the operation is complete, then returns an already-complete
+/// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
+/// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
+class thread_communicator {
+ public:
+  using is_communicator = void;
+  using request_type = ready_request;
+  using context_type = host_context;
+
+  /// An empty handle (not part of any group); only assignable and destructible.
+  thread_communicator() = default;
+  thread_communicator(const thread_communicator&) = delete;
+  thread_communicator& operator=(const thread_communicator&) = delete;
+  thread_communicator(thread_communicator&& o) noexcept
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_) {}
+  thread_communicator& operator=(thread_communicator&& o) noexcept {
+    if (this != &o) {
+      depart();
+      state_ = std::move(o.state_);
+      rank_ = o.rank_;
+      step_ = o.step_;
+    }
+    return *this;
+  }
+  ~thread_communicator() { depart(); }
+
+  /// Rank of this participant in its group, in `[0, size())`.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of participants of the group (0 for an empty handle).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->n : 0; }
+  /// Whether the handle belongs to a group.
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// Rank of this participant in the world the group was split from.
+  [[nodiscard]] int world_rank() const noexcept {
+    return state_ ? state_->world_ranks[static_cast<std::size_t>(rank_)] : -1;
+  }
+
+  /// @brief Fails the whole world with this rank as the root cause; every participant's pending
+  /// and later calls throw `comm_aborted` naming this rank and `reason`.
+  /// @returns whether this call recorded the root cause (false when the world had already failed).
+  bool abort(std::string_view reason) {
+    require_valid(detail::op_kind::barrier);
+    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                               "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
+                                   std::string(reason));
+  }
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type = {}) {
+    check_out_of_place(detail::op_kind::all_reduce, send, recv, send.size());
+    return do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
+  }
+  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable(detail::op_kind::all_reduce);
+    return do_all_reduce<T>(buf.data(), buf.data(), buf.size(), op);
+  }
+
+  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type = {}) {
+    check_root(detail::op_kind::reduce, root);
+    if (rank_ == root) check_out_of_place(detail::op_kind::reduce, send, recv, send.size());
+    else check_usable(detail::op_kind::reduce);
+    return do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
+  }
+  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
+    check_root(detail::op_kind::reduce, root);
+    check_usable(detail::op_kind::reduce);
+    return do_reduce<T>(buf.data(), buf.data(), buf.size(), op, root);
+  }
+
+  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
+  /// length is `size() * recv.size()`.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type = {}) {
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul(detail::op_kind::reduce_scatter, count);
+    if (send.size() < total)
+      bad_argument(detail::op_kind::reduce_scatter,
+                   "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                       std::to_string(total) + " are needed");
+    check_out_of_place(detail::op_kind::reduce_scatter, send.first(total), recv, count);
+    return do_reduce_scatter<T>(send.data(), recv.data(), count, op);
+  }
+  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
+  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable(detail::op_kind::reduce_scatter);
+    const std::size_t count = blocks_of(detail::op_kind::reduce_scatter, buf.size());
+    return do_reduce_scatter<T>(buf.data(), buf.data() + static_cast<std::size_t>(rank_) * count, count, op);
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type = {}) {
+    check_root(detail::op_kind::broadcast, root);
+    if (rank_ == root) {
+      check_out_of_place(detail::op_kind::broadcast, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(detail::op_kind::broadcast, "root's send buffer holds " + std::to_string(send.size()) +
+                                                     " elements but recv.size() = " + std::to_string(recv.size()) +
+                                                     " are broadcast");
+    } else {
+      check_usable(detail::op_kind::broadcast);
+    }
+    return do_broadcast<T>(rank_ == root ? send.data() : nullptr, recv.data(), recv.size(), root);
+  }
+  /// @brief In-place broadcast: every rank's buf receives root's buf.
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
+    check_root(detail::op_kind::broadcast, root);
+    check_usable(detail::op_kind::broadcast);
+    return do_broadcast<T>(buf.data(), buf.data(), buf.size(), root);
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = send.size();
+    const std::size_t total = checked_mul(detail::op_kind::all_gather, count);
+    check_out_of_place(detail::op_kind::all_gather, send, recv, total);
+    return do_all_gather<T>(send.data(), recv.data(), count);
+  }
+  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type = {}) {
+    check_usable(detail::op_kind::all_gather);
+    const std::size_t count = blocks_of(detail::op_kind::all_gather, buf.size());
+    return do_all_gather<T>(buf.data() + static_cast<std::size_t>(rank_) * count, buf.data(), count);
+  }
+
+  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = blocks_of(detail::op_kind::all_to_all, send.size());
+    check_out_of_place(detail::op_kind::all_to_all, send, recv, send.size());
+    return do_all_to_all<T>(send.data(), recv.data(), count);
+  }
+  /// @brief In-place all_to_all.
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type = {}) {
+    check_usable(detail::op_kind::all_to_all);
+    const std::size_t count = blocks_of(detail::op_kind::all_to_all, buf.size());
+    return do_all_to_all<T>(buf.data(), buf.data(), count);
+  }
+
+  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
+  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
+  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type = {}) {
+    constexpr auto k = detail::op_kind::all_to_all_v;
+    check_usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (!send.empty() && !recv.empty() && overlap(send.data(), send.size(), recv.data(), recv.size()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
+                              recv_displs.data());
+  }
+
+  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
+  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
+  /// rank passes the same pairs; a duplicate source or destination is rejected.
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_out_of_place(detail::op_kind::ppermute, send, recv, send.size());
+    return do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
+  }
+  /// @brief In-place ppermute.
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_usable(detail::op_kind::ppermute);
+    return do_ppermute<T>(buf.data(), buf.data(), buf.size(), pairs);
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest`. Buffered: returns once buf is copied, whether or not `dest`
+  /// has posted its recv (so exchanges written as send-then-recv on every rank cannot deadlock).
+  template <class T>
+    requires comm_element<T>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
+    constexpr auto k = detail::op_kind::send;
+    check_usable(k);
+    check_peer(k, dest, "destination");
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = datatype_of<T>;
+    m.count = buf.size();
+    m.data.resize(buf.size_bytes());
+    detail::copy_bytes(m.data.data(), buf.data(), buf.size_bytes());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
+    }
+    g.p2p_cv.notify_all();
+    return {};
+  }
+
+  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
+  /// Its element type and count must be those of buf (else `collective_mismatch`).
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
+    constexpr auto k = detail::op_kind::recv;
+    check_usable(k);
+    check_peer(k, source, "source");
+    receive(buf.data(), buf.size(), datatype_of<T>, source, tag);
+    return {};
+  }
+
+  // ---- synchronisation and groups --------------------------------------------------------------
+
+  /// @brief Returns once every rank of the group has called barrier.
+  request_type barrier(context_type = {}) {
+    constexpr auto k = detail::op_kind::barrier;
+    check_usable(k);
+    detail::call_desc d;
+    d.kind = k;
+    arrive(&d);
+    return {};
+  }
+
+  /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
+  /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
+  /// the same world: a failure in any of them fails all.
+  thread_communicator split(int color, int key) {
+    constexpr auto k = detail::op_kind::split;
+    check_usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    detail::call_desc d;
+    d.kind = k;
+    d.color = color;
+    d.key = key;
+    const std::uint64_t s = arrive(&d);
+    auto& g = *state_;
+    std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
+    for (int r = 0; r < g.n; ++r) {
+      const auto& dr = g.slots[r].desc[s & 1];
+      if (dr.color == color) keyed.emplace_back(dr.key, r);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    std::vector<int> members;
+    members.reserve(keyed.size());
+    int new_rank = 0;
+    for (std::size_t i = 0; i < keyed.size(); ++i) {
+      if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
+      members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
+    }
+    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
+    sub->slots[new_rank].claimed.store(true);
+    return thread_communicator(std::move(sub), new_rank);
+  }
+
+ private:
+  friend class thread_world;
+  using op_kind = detail::op_kind;
+
+  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+
+  void depart() noexcept {
+    if (!state_) return;
+    state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
+    state_->wake_all_unconditionally();
+    state_.reset();
+  }
+
+  std::size_t mailbox(int src, int dst) const noexcept {
+    return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
+  }
+
+  // ---- argument checks: all run before this rank arrives, so before any data moves -------------
+
+  std::string where(op_kind k) const {
+    return std::string(detail::op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
+  }
+
+  void require_valid(op_kind k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
+                       " called on an empty thread_communicator handle (default-constructed or moved from)");
+  }
+
+  /// Refuses every call once the world has failed.
+  void check_usable(op_kind k) const {
+    require_valid(k);
+    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
+      state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
+  }
+
+  /// Fails the world (so that peers waiting for this rank are released) and throws comm_argument_error.
+  [[noreturn]] void bad_argument(op_kind k, const std::string& what) const {
+    require_valid(k);
+    const std::string msg = "meshlib: invalid argument to " + where(k) + ": " + what;
+    state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                        "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
+                            std::string(detail::op_name(k)) + ": " + what);
+    throw comm_argument_error(msg);
+  }
+
+  void check_root(op_kind k, int root) const {
+    check_usable(k);
+    if (root < 0 || root >= state_->n)
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(state_->n) + ")");
+  }
+
+  void check_peer(op_kind k, int peer, const char* what) const {
+    if (peer < 0 || peer >= state_->n)
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(state_->n) + ")");
+  }
+
+  static bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
+    const auto pa = reinterpret_cast<std::uintptr_t>(a);
+    const auto pb = reinterpret_cast<std::uintptr_t>(b);
+    return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
+  }
+
+  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
+  template <class T>
+  void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    check_usable(k);
+    if (recv.size() < needed)
+      bad_argument(k, "receive buffer holds " + std::to_string(recv.size()) + " elements but " +
+                          std::to_string(needed) + " are needed");
+    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; use the in-place form (one buffer) instead");
+  }
+
+  std::size_t checked_mul(op_kind k, std::size_t count) const {
+    check_usable(k);
+    const auto n = static_cast<std::size_t>(state_->n);
+    if (count > std::numeric_limits<std::size_t>::max() / n)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
+    return count * n;
+  }
+
+  std::size_t blocks_of(op_kind k, std::size_t total) const {
+    const auto n = static_cast<std::size_t>(state_->n);
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+
+  void check_layout(op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    const auto n = static_cast<std::size_t>(state_->n);
+    const std::string w(which);
+    if (counts.size() != n || displs.size() != n)
+      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
+                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = counts[j];
+      const std::int64_t d = displs[j];
+      if (c < 0 || d < 0)
+        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
+                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
+      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
+        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
+                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
+                            std::to_string(buffer) + " elements");
+    }
+  }
+
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    constexpr auto k = op_kind::ppermute;
+    check_usable(k);
+    const int n = state_->n;
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                            ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+    }
+  }
+
+  // ---- synchronisation -------------------------------------------------------------------------
+
+  /// Arrives at the next step with this rank's call (`d`), waits until every rank has, and returns
+  /// the step number. The rank that arrives last checks that all calls agree and releases the step.
+  std::uint64_t arrive(const detail::call_desc* d) {
+    auto& g = *state_;
+    const std::uint64_t s = step_++;
+    auto& slot = g.slots[rank_];
+    slot.desc[s & 1] = *d;
+    slot.arrived.store(s + 1, std::memory_order_release);
+    const std::uint64_t target = s + 1;
+    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (c == target * static_cast<std::uint64_t>(g.n)) {
+      if (g.n > 1) check_step(s);
+      // Release unless the world failed meanwhile: a step that a failed rank may have given up on
+      // must never be released, or peers would read the buffers of a rank that has left.
+      std::uint64_t w = g.word.load(std::memory_order_relaxed);
+      do {
+        if (w & detail::failed_bit) g.world->rethrow("seen by " + where(d->kind) + ", step " + std::to_string(s));
+      } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
+      g.wake();
+    } else {
+      wait_step(target, d->kind, s);
+    }
+    return s;
+  }
+
+  /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
+  /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
+  /// gets here after a bounded amount of copying; waiting here for a failure would let a rank
+  /// return (and its caller free its buffers) while a peer still copies them.
+  void complete() {
+    auto& g = *state_;
+    const std::uint64_t s = step_++;
+    g.slots[rank_].arrived.store(s + 1, std::memory_order_release);
+    const std::uint64_t target = s + 1;
+    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (c == target * static_cast<std::uint64_t>(g.n)) {
+      g.word.fetch_add(1, std::memory_order_seq_cst);
+      g.wake();
+      return;
+    }
+    auto done = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    const auto start = detail::comm_clock::now();
+    for (unsigned i = 1;; ++i) {
+      if (done()) return;
+      detail::cpu_relax();
+      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+    }
+    while (detail::comm_clock::now() - start < g.policy.spin + g.policy.yield) {
+      if (done()) return;
+      std::this_thread::yield();
+    }
+    std::unique_lock lk(g.mutex);
+    g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    while (!done()) g.cv.wait_for(lk, std::chrono::milliseconds(50));
+    g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  /// Mismatch detection, run by the last rank to arrive at step s while the others wait.
+  void check_step(std::uint64_t s) const {
+    auto& g = *state_;
+    const auto& d0 = g.slots[0].desc[s & 1];
+    bool ok = true;
+    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(d0, g.slots[r].desc[s & 1]);
+    std::string extra;
+    if (ok && d0.kind == op_kind::all_to_all_v) {
+      for (int i = 0; i < g.n && ok; ++i)
+        for (int j = 0; j < g.n && ok; ++j) {
+          const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
+          const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
+          if (sent != expected) {
+            ok = false;
+            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
+                    std::to_string(j) + ", which expects " + std::to_string(expected);
+          }
+        }
+    }
+    if (ok) return;
+    std::ostringstream os;
+    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
+       << " ranks: the ranks called different collectives";
+    for (int r = 0; r < g.n; ++r) os << (r ? "; " : ": ") << g.rank_label(r) << " called " << detail::describe(g.slots[r].desc[s & 1]);
+    os << extra;
+    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+    g.world->rethrow("seen by " + where(d0.kind));
+  }
+
+  /// Waits until step `target - 1` is released: spin, then yield, then block with a deadline.
+  /// Throws when the world fails first, when the timeout passes (naming the ranks that never
+  /// arrived) or when a rank that has not arrived has left.
+  void wait_step(std::uint64_t target, op_kind k, std::uint64_t s) {
+    auto& g = *state_;
+    auto released = [target](std::uint64_t w) { return (w & ~detail::failed_bit) >= target; };
+    std::uint64_t w = 0;
+    const auto start = detail::comm_clock::now();
+    for (unsigned i = 1;; ++i) {
+      w = g.word.load(std::memory_order_acquire);
+      if (released(w)) return;
+      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      detail::cpu_relax();
+      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+    }
+    for (;;) {
+      w = g.word.load(std::memory_order_acquire);
+      if (released(w)) return;
+      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
+      std::this_thread::yield();
+    }
+    const auto deadline = start + g.policy.timeout;
+    int departed = -1;
+    bool timed_out = false;
+    {
+      std::unique_lock lk(g.mutex);
+      g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      for (;;) {
+        w = g.word.load(std::memory_order_seq_cst);
+        if (released(w) || (w & detail::failed_bit)) break;
+        for (int r = 0; r < g.n && departed < 0; ++r)
+          if (g.slots[r].departed.load() && g.slots[r].arrived.load(std::memory_order_acquire) < target) departed = r;
+        if (departed >= 0) break;
+        const auto now = detail::comm_clock::now();
+        if (now >= deadline) {
+          timed_out = true;
+          break;
+        }
+        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+      }
+      g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+    }
+    if (released(w)) return;
+    if (departed >= 0) {
+      g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(departed)],
+                    "meshlib: communicator aborted: " + g.rank_label(departed) +
+                        " left the communicator (its handle was destroyed or its thread ended) while " +
+                        g.rank_label(rank_) + " waited for it in " + std::string(detail::op_name(k)) + " (step " +
+                        std::to_string(s) + ")");
+    } else if (timed_out) {
+      std::ostringstream os;
+      os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
+         << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
+      int missing = 0;
+      for (int r = 0; r < g.n; ++r)
+        if (g.slots[r].arrived.load(std::memory_order_acquire) < target)
+          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+      os << (missing ? " never arrived" : "every rank arrived late");
+      os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
+      g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
+    }
+    // The failure bit is set now; a release that won the race still counts.
+    if (released(g.word.load(std::memory_order_acquire))) return;
+    failed_while_waiting(k, s);
+  }
+
+  [[noreturn]] void failed_while_waiting(op_kind k, std::uint64_t s) const {
+    state_->world->rethrow("seen by " + where(k) + ", step " + std::to_string(s));
+  }
+
+  // ---- algorithms ------------------------------------------------------------------------------
+
+  bool one_shot(std::size_t staged_bytes) const noexcept { return staged_bytes <= state_->policy.one_shot_max; }
+
+  /// Copies `bytes` of data into this rank's staging buffer for step `s` (the next step).
+  const void* stage(const void* data, std::size_t bytes) {
+    auto& slot = state_->slots[rank_];
+    std::byte* buf = slot.staging[step_ & 1].reserve(bytes);
+    detail::copy_bytes(buf, data, bytes);
+    return buf;
+  }
+
+  template <class T>
+  const T* src_of(std::uint64_t s, int r) const noexcept {
+    return static_cast<const T*>(state_->slots[r].desc[s & 1].src);
+  }
+  template <class T>
+  T* dst_of(std::uint64_t s, int r) const noexcept {
+    return static_cast<T*>(state_->slots[r].desc[s & 1].dst);
+  }
+
+  /// [lo, hi) of the elements this rank reduces in the zero-copy all_reduce: contiguous slices,
+  /// cut at cache-line boundaries so that no two ranks write the same line.
+  std::pair<std::size_t, std::size_t> slice(std::size_t count, std::size_t elem, int k) const noexcept {
+    const std::size_t per_line = std::max<std::size_t>(1, 64 / elem);
+    const std::size_t lines = (count + per_line - 1) / per_line;
+    const auto n = static_cast<std::size_t>(state_->n);
+    const auto kk = static_cast<std::size_t>(k);
+    return {std::min(count, lines * kk / n * per_line), std::min(count, lines * (kk + 1) / n * per_line)};
+  }
+
+  template <class T>
+  detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
+    detail::call_desc d;
+    d.kind = k;
+    d.dtype = datatype_of<T>;
+    d.count = count;
+    return d;
+  }
+
+  template <class T>
+  request_type do_all_reduce(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_reduce, count);
+    d.op = op;
+    ins_.resize(static_cast<std::size_t>(n));
+    outs_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    if (one_shot(count * sizeof(T))) {
+      d.src = stage(send, count * sizeof(T));
+      const std::uint64_t s = arrive(&d);
+      for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
+      detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      return {};
+    }
+    d.src = send;
+    d.dst = recv;
+    const std::uint64_t s = arrive(&d);
+    const auto [lo, hi] = slice(count, sizeof(T), rank_);
+    T** out = reinterpret_cast<T**>(outs_.data());
+    for (int r = 0; r < n; ++r) {
+      in[r] = src_of<T>(s, r) + lo;
+      out[r] = dst_of<T>(s, r) + lo;
+    }
+    detail::reduce_into<T>(op, in, n, out, n, hi - lo);
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_reduce(const T* send, T* recv, std::size_t count, reduce_op op, int root) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::reduce, count);
+    d.op = op;
+    d.root = root;
+    ins_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    if (one_shot(count * sizeof(T))) {
+      d.src = stage(send, count * sizeof(T));
+      const std::uint64_t s = arrive(&d);
+      if (rank_ == root) {
+        for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
+        detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      }
+      return {};
+    }
+    d.src = send;
+    d.dst = rank_ == root ? recv : nullptr;
+    const std::uint64_t s = arrive(&d);
+    const auto [lo, hi] = slice(count, sizeof(T), rank_);
+    for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
+    T* out = dst_of<T>(s, root) + lo;
+    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo);
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_reduce_scatter(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::reduce_scatter, count);
+    d.op = op;
+    ins_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    const std::size_t mine = static_cast<std::size_t>(rank_) * count;
+    const std::size_t total_bytes = count * sizeof(T) * static_cast<std::size_t>(n);
+    const bool staged = one_shot(total_bytes);
+    d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
+    detail::reduce_into<T>(op, in, n, &recv, 1, count);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_broadcast(const T* send, T* recv, std::size_t count, int root) {
+    auto d = desc<T>(op_kind::broadcast, count);
+    d.root = root;
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    if (rank_ == root) d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    if (rank_ == root) detail::copy_bytes(recv, send, bytes);
+    else detail::copy_bytes(recv, src_of<T>(s, root), bytes);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_gather(const T* send, T* recv, std::size_t count) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_gather, count);
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) {
+      // Own block from the caller's buffer; in place it is already there and copy_bytes skips it.
+      const T* from = r == rank_ ? send : src_of<T>(s, r);
+      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes);
+    }
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_to_all(const T* send, T* recv, std::size_t count) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_to_all, count);
+    const std::size_t bytes = count * sizeof(T);
+    const std::size_t total = bytes * static_cast<std::size_t>(n);
+    const bool staged = one_shot(total);
+    if (staged) {
+      d.src = stage(send, total);
+    } else if (send == recv) {
+      // In place and zero-copy: peers read this rank's blocks while it overwrites them; give them a copy.
+      std::byte* copy = scratch_.reserve(total);
+      detail::copy_bytes(copy, send, total);
+      d.src = copy;
+    } else {
+      d.src = send;
+    }
+    const std::uint64_t s = arrive(&d);
+    const std::size_t mine = static_cast<std::size_t>(rank_) * count;
+    for (int r = 0; r < n; ++r)
+      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_to_all_v(const T* send, const std::int64_t* sc, const std::int64_t* sd, T* recv,
+                               const std::int64_t* rc, const std::int64_t* rd) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_to_all_v, 0);
+    d.src = send;
+    d.v[0] = sc;
+    d.v[1] = sd;
+    d.v[2] = rc;
+    d.v[3] = rd;
+    d.nv = n;
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) {
+      const auto& dr = state_->slots[r].desc[s & 1];
+      const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
+      detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
+    }
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_ppermute(const T* send, T* recv, std::size_t count, std::span<const permute_pair> pairs) {
+    auto d = desc<T>(op_kind::ppermute, count);
+    d.pairs = pairs;
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    if (staged) {
+      d.src = stage(send, bytes);
+    } else if (send == recv) {
+      std::byte* copy = scratch_.reserve(bytes);
+      detail::copy_bytes(copy, send, bytes);
+      d.src = copy;
+    } else {
+      d.src = send;
+    }
+    const std::uint64_t s = arrive(&d);
+    int from = -1;
+    for (const auto& p : pairs)
+      if (p.dest == rank_) from = p.source;
+    if (from >= 0) detail::copy_bytes(recv, src_of<T>(s, from), bytes);
+    else std::fill_n(recv, count, T{});
+    if (!staged) complete();
+    return {};
+  }
+
+  void receive(void* buf, std::size_t count, datatype dt, int source, int tag) {
+    constexpr auto k = op_kind::recv;
+    auto& g = *state_;
+    auto& box = g.mailboxes[mailbox(source, rank_)];
+    const auto deadline = detail::comm_clock::now() + g.policy.timeout;
+    std::unique_lock lk(g.p2p_mutex);
+    for (;;) {
+      auto it = std::find_if(box.begin(), box.end(), [tag](const detail::p2p_message& m) { return m.tag == tag; });
+      if (it != box.end()) {
+        if (it->dtype != dt || it->count != count) {
+          std::ostringstream os;
+          os << "meshlib: point-to-point mismatch: " << g.rank_label(source) << " sent " << it->count << " elements of "
+             << it->dtype << " with tag " << tag << " but " << g.rank_label(rank_) << " receives " << count
+             << " elements of " << dt;
+          lk.unlock();
+          g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+          g.world->rethrow("seen by " + where(k));
+        }
+        detail::copy_bytes(buf, it->data.data(), it->data.size());
+        box.erase(it);
+        return;
+      }
+      if (g.word.load(std::memory_order_acquire) & detail::failed_bit) {
+        lk.unlock();
+        g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
+      }
+      const auto now = detail::comm_clock::now();
+      if (g.slots[source].departed.load() || now >= deadline) {
+        lk.unlock();
+        if (now >= deadline)
+          g.world->fail(detail::failure_kind::timeout, world_rank(),
+                        "meshlib: recv from " + g.rank_label(source) + " with tag " + std::to_string(tag) +
+                            " timed out on " + g.rank_label(rank_) + " after " +
+                            std::to_string(std::chrono::duration<double>(g.policy.timeout).count()) + " s: " +
+                            g.rank_label(source) + " never sent it");
+        else
+          g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
+                        "meshlib: communicator aborted: " + g.rank_label(source) +
+                            " left the communicator (its handle was destroyed or its thread ended) while " +
+                            g.rank_label(rank_) + " waited to receive from it");
+        g.world->rethrow("seen by " + where(k));
+      }
+      g.p2p_cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+    }
+  }
+
+  std::shared_ptr<detail::group_state> state_;
+  int rank_ = 0;
+  std::uint64_t step_ = 0;  ///< steps this handle has taken part in (each collective takes 1 or 2)
+  std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
+  std::vector<void*> outs_;
+  detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+};
+
+static_assert(communicator<thread_communicator>);
+
+/// @brief The shared state of a group of `size` threads, and the source of their handles.
+///
+/// The world outlives nothing it hands out: handles share ownership of the state, so a handle
+/// may outlive its world. Destroying the world while a handle it gave out is still held aborts
+/// the world ("the thread_world was destroyed"), which releases every blocked participant.
+class thread_world {
+ public:
+  /// @throws comm_argument_error unless 1 <= size.
+  explicit thread_world(int size, thread_comm_options options = {}) {
+    if (size < 1)
+      throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
+    world_ = std::make_shared<detail::world_state>(options);
+    std::vector<int> ranks(static_cast<std::size_t>(size));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    group_ = detail::make_group(world_, std::move(ranks));
+  }
+  thread_world(const thread_world&) = delete;
+  thread_world& operator=(const thread_world&) = delete;
+  thread_world(thread_world&&) noexcept = default;
+  thread_world& operator=(thread_world&&) noexcept = default;
+  ~thread_world() {
+    if (!group_) return;
+    for (int r = 0; r < group_->n; ++r) {
+      const auto& slot = group_->slots[r];
+      if (slot.claimed.load() && !slot.departed.load()) {
+        world_->fail(detail::failure_kind::aborted, -1,
+                     "meshlib: communicator aborted: the thread_world was destroyed while rank " + std::to_string(r) +
+                         " still held its handle");
+        break;
+      }
+    }
+  }
+
+  /// Number of participants.
+  [[nodiscard]] int size() const noexcept { return group_->n; }
+
+  /// @brief The handle of participant `rank`, for the thread that plays it. Each rank's handle is
+  /// handed out once.
+  /// @throws comm_argument_error when rank is out of range or its handle was already taken.
+  [[nodiscard]] thread_communicator communicator(int rank) {
+    if (rank < 0 || rank >= group_->n)
+      throw comm_argument_error("meshlib: thread_world::communicator: rank " + std::to_string(rank) +
+                                " is out of range [0, " + std::to_string(group_->n) + ")");
+    if (group_->slots[rank].claimed.exchange(true))
+      throw comm_argument_error("meshlib: thread_world::communicator: the handle of rank " + std::to_string(rank) +
+                                " was already handed out; each rank has one handle");
+    return thread_communicator(group_, rank);
+  }
+
+  /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
+  /// @returns whether this call recorded the root cause.
+  bool abort(int rank, std::string_view reason) {
+    return world_->fail(detail::failure_kind::aborted, rank,
+                        "meshlib: communicator aborted: rank " + std::to_string(rank) + " failed: " + std::string(reason));
+  }
+
+  /// Whether the world has failed.
+  [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
+  /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
+  [[nodiscard]] int root_cause_rank() const { return world_->root_cause_rank(); }
+
+ private:
+  std::shared_ptr<detail::world_state> world_;
+  std::shared_ptr<detail::group_state> group_;
+};
+
+}  // namespace meshlib
