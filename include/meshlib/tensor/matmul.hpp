@@ -1,0 +1,287 @@
+#pragma once
+/// @file
+/// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global
+/// `sharded_tensor`s.
+///
+/// For `C = A . B` with `A` split as `P<r, k>` and `B` as `P<k2, c>`:
+/// | case | requirement | result |
+/// | --- | --- | --- |
+/// | batch (rows) sharded x replicated | `k == k2 == none` | `P<r, c>`, no communication |
+/// | column-sharded weights | `B = P<none, c>` | columns sharded over `c` |
+/// | contraction sharded on both sides | `k == k2` (same axes, same order) | local view: partial over `k` (complete with `psum`, or `psum_scatter` to get it sharded); global view: summed, replicated over `k` |
+/// | contraction sharded differently | `k != k2` | does not compile: reshard one side |
+/// | one axis on both output dimensions | `r` and `c` share an axis | does not compile |
+/// Local view only: a pending sum times a value is a pending sum (matmul is linear in each side),
+/// unless the other side varies over (or is partial over) the same axis: that does not compile.
+///
+/// Kernel: `KokkosBlas::gemm` for `float` / `double` when meshlib is built with Kokkos Kernels
+/// (`MESHLIB_ENABLE_KOKKOS_KERNELS`; with Debian's build it calls the BLAS TPL, OpenBLAS); otherwise,
+/// and for integer types, meshlib's own row-parallel Kokkos kernel (RangePolicy only: safe from
+/// concurrent device threads on Kokkos 3.4.1, which KokkosKernels' team-policy fallback is not).
+///
+/// BLAS threads: with one thread per device, a multi-threaded BLAS inside every device would
+/// oversubscribe the cores. The first `matmul` therefore sets OpenBLAS to one thread per call
+/// (`openblas_set_num_threads`, looked up with `dlsym`, so nothing is required at link time), unless
+/// `set_blas_threads_per_device(n)` was called first or `MESHLIB_BLAS_THREADS=n` is set.
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <dlfcn.h>
+
+#include "meshlib/core/errors.hpp"
+#include "meshlib/core/named_sharding.hpp"
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/sharded_tensor.hpp"
+#include "meshlib/tensor/spec_algebra.hpp"
+#include "meshlib/tensor/view.hpp"
+
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#include <KokkosBlas3_gemm.hpp>
+#endif
+
+namespace meshlib {
+
+namespace detail {
+
+inline std::atomic<bool>& blas_threads_chosen() {
+  static std::atomic<bool> chosen{false};
+  return chosen;
+}
+
+/// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
+inline void (*openblas_setter())(int) {
+  static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  return fn;
+}
+
+}  // namespace detail
+
+/// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
+/// has one setting). Call it before the device threads start.
+/// @returns whether an OpenBLAS was found to apply it to.
+inline bool set_blas_threads_per_device(int threads) {
+  detail::blas_threads_chosen() = true;
+  if (auto fn = detail::openblas_setter()) {
+    fn(threads < 1 ? 1 : threads);
+    return true;
+  }
+  return false;
+}
+
+namespace detail {
+
+/// Applies the default of one BLAS thread per device once, unless the user chose.
+inline void ensure_blas_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (blas_threads_chosen()) return;
+    int n = 1;
+    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS")) n = std::atoi(env);
+    set_blas_threads_per_device(n);
+  });
+}
+
+template <class T, class Space>
+inline constexpr bool use_blas_v =
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    (std::is_same_v<T, float> || std::is_same_v<T, double>) && host_accessible_v<Space>;
+#else
+    false;
+#endif
+
+/// One row of C per iteration, i-k-j order (unit stride on B and C, vectorisable), k in panels.
+template <class T>
+struct gemm_row_functor {
+  const T* a;
+  const T* b;
+  T* c;
+  std::size_t k, n;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    T* ci = c + i * n;
+    const T* ai = a + i * k;
+    for (std::size_t p = 0; p < k; ++p) {
+      const T aip = ai[p];
+      const T* bp = b + p * n;
+      for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+    }
+  }
+};
+
+/// C = A . B for row-major blocks, into a fresh view.
+template <class Space, class VA, class VB>
+auto gemm_view(const VA& a, const VB& b) {
+  using T = typename VA::non_const_value_type;
+  const std::size_t m = a.extent(0), k = a.extent(1), n = b.extent(1);
+  if (b.extent(0) != k)
+    throw sharding_error("meshlib: matmul: local blocks of shapes (" + std::to_string(m) + ", " + std::to_string(k) +
+                         ") and (" + std::to_string(b.extent(0)) + ", " + std::to_string(n) +
+                         ") do not chain; the contraction dimensions differ in size");
+  if constexpr (use_blas_v<T, Space>) {
+    ensure_blas_threads();
+    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
+    return c;
+  } else {
+    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", true);
+    launch<Space>(m, gemm_row_functor<T>{a.data(), b.data(), c.data(), k, n});
+    return c;
+  }
+}
+
+// ---- diagnostics --------------------------------------------------------------------------------
+
+template <bool Ok, fixed_string LhsContractionAxes, fixed_string RhsContractionAxes>
+struct matmul_contraction_sharded_differently {
+  static_assert(Ok,
+                "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
+                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes named in "
+                "matmul_contraction_sharded_differently<ok, lhs axes, rhs axes>; reshard (or all_gather) one operand "
+                "so that they match");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, fixed_string SharedAxes>
+struct matmul_output_dims_share_an_axis {
+  static_assert(Ok,
+                "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
+                "(rhs dimension 1) of the result (the axis is named in matmul_output_dims_share_an_axis<ok, axes>); "
+                "reshard one operand to replicate that dimension");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, fixed_string Axes>
+struct matmul_of_partial_value {
+  static_assert(Ok,
+                "meshlib: matmul: one operand is a pending sum over the axes named in matmul_of_partial_value<ok, "
+                "axes> and the other varies over (or is also partial over) them, so the product is not a pending "
+                "sum of anything; psum the partial operand first");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, class LhsSpec, class RhsSpec>
+struct matmul_incompatible_shardings {
+  static_assert(Ok,
+                "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
+                "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
+                "dimensions (the specs are the arguments of matmul_incompatible_shardings<ok, lhs spec, rhs spec>); "
+                "reshard one operand with meshlib::reshard<Spec>(x) first");
+  static constexpr bool value = Ok;
+};
+
+template <class A, class B>
+consteval bool diagnose_matmul_local() {
+  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: matmul of local values over different mesh types");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "meshlib: matmul operands must have the same element type");
+  using M = typename A::mesh_type;
+  constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
+  constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
+  constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
+  if constexpr (a1 != b0) {
+    return matmul_contraction_sharded_differently<false, axes_names_v<M, a1>, axes_names_v<M, b0>>::value;
+  } else if constexpr (shared != 0) {
+    return matmul_output_dims_share_an_axis<false, axes_names_v<M, shared>>::value;
+  } else if constexpr (bad_partial != 0) {
+    return matmul_of_partial_value<false, axes_names_v<M, bad_partial>>::value;
+  } else {
+    return true;
+  }
+}
+
+template <class A, class B>
+consteval bool diagnose_matmul_global() {
+  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: matmul of tensors over different mesh types");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "meshlib: matmul operands must have the same element type");
+  using SA = typename A::spec_type;
+  using SB = typename B::spec_type;
+  using shA = typename A::sharding_type;
+  using shB = typename B::sharding_type;
+  constexpr bool ok = SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0;
+  return matmul_incompatible_shardings<ok, SA, SB>::value;
+}
+
+}  // namespace detail
+
+/// @brief The product of two rank-2 local values (see the file comment for the result's layout).
+template <local_tensor_type A, local_tensor_type B>
+auto matmul(const A& a, const B& b) {
+  constexpr bool ok = detail::diagnose_matmul_local<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+  constexpr axis_mask partial = A::partial | B::partial | A::dims_type::at(1);
+  constexpr axis_mask vary = (A::vary | B::vary) & ~partial;
+  using out_t = rebind_local_t<A, typename A::value_type, 2, vary, partial,
+                               dim_masks<A::dims_type::at(0), B::dims_type::at(1)>>;
+  return out_t(detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
+  }
+}
+
+/// @brief The product of two rank-2 sharded tensors: spec `P<r, k> . P<k, c> = P<r, c>`, the
+/// contraction over `k`'s axes completed (summed over each group, in group-rank order).
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto matmul(const A& a, const B& b) {
+  constexpr bool ok = detail::diagnose_matmul_global<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+  using T = typename A::value_type;
+  using SA = typename A::spec_type;
+  using SB = typename B::spec_type;
+  using M = typename A::mesh_type;
+  using space = typename A::memory_space;
+  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
+  using out_sharding = named_sharding<M, out_spec>;
+  using out_t = sharded_tensor<T, 2, out_sharding, space>;
+  constexpr axis_mask c = A::sharding_type::dim_mask(1);
+  if (!(a.mesh() == b.mesh()) || a.sharding().rule() != b.sharding().rule() || a.extent(1) != b.extent(0))
+    throw sharding_error("meshlib: matmul: " + a.to_string() + " and " + b.to_string() +
+                         " need the same mesh sizes and shard rule and a common contraction size");
+  const std::size_t n = a.num_devices();
+  std::vector<typename out_t::view_type> prod(n);
+  std::vector<bool> local(n);
+  for (std::size_t dev : a.local_devices()) {
+    if (!b.is_local(dev))
+      throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+    local[dev] = true;
+  }
+  out_sharding s(a.mesh(), a.sharding().rule());
+  if constexpr (c == 0) {
+    return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
+  } else {
+    std::vector<typename out_t::view_type> sum(n);
+    for (std::size_t dev : a.local_devices()) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
+        if (!local[g])
+          throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
+                               " needs device " + std::to_string(g) +
+                               "'s block, which is not local; use the local view and psum");
+        const T* src = prod[g].data();
+        for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
+      }
+    }
+    return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
+  }
+  }
+}
+
+}  // namespace meshlib
