@@ -924,11 +924,2073 @@ std::array<std::size_t, Rank> global_shape_from_locals(const S& sharding,
 /// @file
 /// @brief The comm layer: the communicator concept, reduce ops, datatypes, errors, and the
 /// always-built thread communicator. Depends on core only.
+
+// begin meshlib/comm/errors.hpp
+/// @file
+/// @brief The exception types of the comm layer. Every blocking call of every communicator ends in
+/// one of these instead of hanging: a peer failed (`comm_aborted`), a peer never came
+/// (`comm_timeout`), peers disagreed about the step (`collective_mismatch`), or the caller's own
+/// arguments were wrong (`comm_argument_error`, thrown before any data moves).
+
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief Base of every communicator failure. Once a communicator has failed it refuses every
+/// further operation with an error of the root cause's type, naming the root cause.
+class comm_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A collective that not every participant reached within the communicator's timeout.
+/// `what()` names the operation, the step and the ranks that never arrived.
+class comm_timeout : public comm_error {
+ public:
+  using comm_error::comm_error;
+};
+
+/// @brief The communicator was aborted: a participant threw, its thread ended while peers waited
+/// for it, or the communicator was destroyed or aborted explicitly. `what()` names the rank that
+/// failed first and why; every participant sees the same root cause.
+class comm_aborted : public comm_error {
+ public:
+  using comm_error::comm_error;
+};
+
+/// @brief Participants called different collectives in the same step (another operation, count,
+/// element type, reduce op or root). Thrown on every participant; `what()` lists each rank's call.
+class collective_mismatch : public comm_error {
+ public:
+  using comm_error::comm_error;
+};
+
+/// @brief An invalid argument to a communicator operation (root or peer out of range, a negative or
+/// overflowing count, a buffer shorter than its count, a forbidden alias, a ppermute with a
+/// duplicate source or destination). Thrown before any data moves.
+class comm_argument_error : public comm_error {
+ public:
+  using comm_error::comm_error;
+};
+
+}  // namespace meshlib
+// end meshlib/comm/errors.hpp
+// begin meshlib/comm/datatype.hpp
+/// @file
+/// @brief Element types a communicator moves and reduces: `float`, `double`, 32- and 64-bit signed
+/// integers and `bfloat16`; the run-time tag `datatype` that describes them in descriptors, error
+/// messages and backend mappings (`ncclDataType_t`, `MPI_Datatype`).
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <ostream>
+#include <string_view>
+#include <type_traits>
+
+namespace meshlib {
+
+/// @brief A 16-bit brain floating-point number: the upper half of an IEEE `float` (8-bit exponent,
+/// 7-bit mantissa). Arithmetic goes through `float`; conversion from `float` rounds to nearest
+/// even, as NCCL's and PyTorch's `bfloat16` do, and keeps NaNs NaN.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  constexpr bfloat16() noexcept = default;
+  /// Rounds `f` to the nearest bfloat16 (ties to even).
+  constexpr bfloat16(float f) noexcept : bits(from_float(f)) {}  // NOLINT: implicit, as a float type
+  /// Widens exactly to float.
+  constexpr operator float() const noexcept {  // NOLINT: implicit, as a float type
+    return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+  }
+  /// A bfloat16 with exactly these bits.
+  [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
+    bfloat16 r;
+    r.bits = b;
+    return r;
+  }
+  /// Bitwise equality (so that determinism tests can compare results bit for bit, NaNs included).
+  [[nodiscard]] friend constexpr bool same_bits(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+  friend std::ostream& operator<<(std::ostream& os, bfloat16 b) { return os << static_cast<float>(b); }
+
+ private:
+  static constexpr std::uint16_t from_float(float f) noexcept {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+    const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<std::uint16_t>((u + rounding) >> 16);
+  }
+};
+static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+
+/// @brief Run-time tag of an element type.
+enum class datatype : std::uint8_t { float32, float64, int32, int64, bfloat16 };
+
+/// @brief "float32", "float64", "int32", "int64" or "bfloat16".
+[[nodiscard]] constexpr std::string_view to_string(datatype t) noexcept {
+  switch (t) {
+    case datatype::float32: return "float32";
+    case datatype::float64: return "float64";
+    case datatype::int32: return "int32";
+    case datatype::int64: return "int64";
+    case datatype::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_string(t); }
+
+/// @brief Size in bytes of one element of type `t`.
+[[nodiscard]] constexpr std::size_t size_of(datatype t) noexcept {
+  switch (t) {
+    case datatype::float32: return 4;
+    case datatype::float64: return 8;
+    case datatype::int32: return 4;
+    case datatype::int64: return 8;
+    case datatype::bfloat16: return 2;
+  }
+  return 0;
+}
+
+namespace detail {
+template <class T>
+consteval int datatype_index() {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, float>) return static_cast<int>(datatype::float32);
+  else if constexpr (std::is_same_v<U, double>) return static_cast<int>(datatype::float64);
+  else if constexpr (std::is_same_v<U, bfloat16>) return static_cast<int>(datatype::bfloat16);
+  // Any signed integer of 32 or 64 bits: int, long, long long and the <cstdint> aliases alike.
+  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 4) return static_cast<int>(datatype::int32);
+  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 8) return static_cast<int>(datatype::int64);
+  else return -1;
+}
+}  // namespace detail
+
+/// @brief An element type that every communicator can send and reduce.
+template <class T>
+concept comm_element = (detail::datatype_index<T>() >= 0);
+
+/// @brief The run-time tag of element type `T`.
+template <comm_element T>
+inline constexpr datatype datatype_of = static_cast<datatype>(detail::datatype_index<T>());
+
+/// @brief Every element type, for loops in tests and benchmarks.
+inline constexpr datatype all_datatypes[] = {datatype::float32, datatype::float64, datatype::int32, datatype::int64,
+                                             datatype::bfloat16};
+
+}  // namespace meshlib
+// end meshlib/comm/datatype.hpp
+// begin meshlib/comm/reduce_op.hpp
+/// @file
+/// @brief `reduce_op`: the reductions every communicator supports (NCCL's `ncclRedOp_t`, MPI's
+/// `MPI_Op`), `avg` included because JAX's `pmean` is one collective, not a sum and a division.
+
+#include <cstdint>
+#include <ostream>
+#include <string_view>
+
+namespace meshlib {
+
+/// @brief A reduction over the participants of a collective.
+///
+/// Reductions are applied in rank order (`((x0 op x1) op x2) ...`) by every backend that meshlib
+/// implements itself, so results are bitwise reproducible. Integer `sum` and `prod` wrap modulo
+/// 2^bits; integer `avg` is the wrapped sum divided by the participant count, rounded toward zero.
+/// `bfloat16` values are combined in `float` and rounded once at the end.
+enum class reduce_op : std::uint8_t {
+  sum,   ///< x0 + x1 + ... (JAX `psum`)
+  prod,  ///< x0 * x1 * ...
+  min,   ///< smallest value (JAX `pmin`)
+  max,   ///< largest value (JAX `pmax`)
+  avg,   ///< sum divided by the number of participants (JAX `pmean`)
+};
+
+/// @brief The name of a reduce op, as used in error messages: "sum", "prod", "min", "max", "avg".
+[[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::prod: return "prod";
+    case reduce_op::min: return "min";
+    case reduce_op::max: return "max";
+    case reduce_op::avg: return "avg";
+  }
+  return "unknown";
+}
+
+inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << to_string(op); }
+
+/// @brief Every reduce op, for loops in tests and benchmarks.
+inline constexpr reduce_op all_reduce_ops[] = {reduce_op::sum, reduce_op::prod, reduce_op::min, reduce_op::max,
+                                               reduce_op::avg};
+
+}  // namespace meshlib
+// end meshlib/comm/reduce_op.hpp
+// begin meshlib/comm/request.hpp
+/// @file
+/// @brief Completion handles. Every communicator operation returns its backend's `request_type`,
+/// so that code written against the `communicator` concept works unchanged with backends that
+/// complete later (NCCL enqueues on a CUDA stream, MPI has non-blocking calls), as kokkos-comm's
+/// `Req` and c10d's `Work`.
+
+#include <concepts>
+
+namespace meshlib {
+
+/// @brief A completion handle: `wait()` blocks until the operation is complete (its receive
+/// buffers hold the result and its send buffers may be reused); `test()` says whether it is,
+/// without blocking. Both may throw the communicator's errors.
+template <class R>
+concept comm_request = requires(R& r) {
+  r.wait();
+  { r.test() } -> std::convertible_to<bool>;
+};
+
+/// @brief The request of a backend that completes every operation before returning (the thread
+/// communicator): already complete, `wait()` does nothing.
+class ready_request {
+ public:
+  constexpr void wait() const noexcept {}
+  [[nodiscard]] constexpr bool test() const noexcept { return true; }
+};
+
+static_assert(comm_request<ready_request>);
+
+/// @brief The execution context of a backend that runs on the calling host thread (thread and MPI
+/// communicators): nothing to pass. A stream backend has its own context type (NCCL: a CUDA
+/// stream), and every operation takes one as an optional last argument.
+struct host_context {};
+
+}  // namespace meshlib
+// end meshlib/comm/request.hpp
+// begin meshlib/comm/communicator.hpp
+/// @file
+/// @brief The `communicator` concept that every backend (thread, MPI, NCCL) satisfies.
+///
+/// A communicator is one participant's handle on a group of `size()` participants numbered
+/// `0 .. size()-1`. Every collective must be called by every participant of the group, in the same
+/// order, with agreeing arguments; the backends check that and throw `collective_mismatch`
+/// where it is not so (the thread backend always; see docs/design.md for the others).
+///
+/// Operations (T is any `comm_element`; every one returns `C::request_type`, and takes an optional
+/// last argument of type `C::context_type`: a CUDA stream for NCCL, nothing for host backends):
+///
+/// | operation | out-of-place | in-place |
+/// | --- | --- | --- |
+/// | all_reduce | `all_reduce(send, recv, op)`: recv[i] = op over ranks of send[i] | `all_reduce(buf, op)` |
+/// | reduce | `reduce(send, recv, op, root)`: only root's recv is written | `reduce(buf, op, root)` |
+/// | broadcast | `broadcast(send, recv, root)`: send read on root only | `broadcast(buf, root)` |
+/// | all_gather | `all_gather(send, recv)`: recv = [send of rank 0, rank 1, ...] | `all_gather(buf)`: own block at buf[rank*c] |
+/// | reduce_scatter | `reduce_scatter(send, recv, op)`: recv = block `rank` of the reduced send | `reduce_scatter(buf, op)`: result at buf[rank*c] (NCCL's convention) |
+/// | all_to_all | `all_to_all(send, recv)`: block j of send goes to rank j, lands at block `rank` | `all_to_all(buf)` |
+/// | all_to_all_v | `all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)` | |
+/// | ppermute | `ppermute(send, recv, pairs)`: recv gets the send of the rank that sends to it, zeros if none | `ppermute(buf, pairs)` |
+/// | send / recv | `send(buf, dest, tag)`, `recv(buf, source, tag)` | |
+/// | barrier | `barrier()` | |
+/// | split | `split(color, key)` -> a communicator of the same type over the ranks of equal color, ordered by (key, rank) | |
+///
+/// Counts come from the spans: `all_reduce`, `reduce`, `broadcast` and `all_gather` move
+/// `send.size()` elements per rank, `reduce_scatter` `recv.size()` per rank, `all_to_all`
+/// `send.size() / size()` per peer. A receive buffer longer than needed is allowed (the rest is left
+/// untouched); a shorter one, and an overlap of send and receive buffers, are rejected with
+/// `comm_argument_error` before any data moves (pass the in-place form instead).
+
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief A (source, destination) pair of a `ppermute`, as in `jax.lax.ppermute(x, perm=[(0, 1), ...])`.
+struct permute_pair {
+  int source = 0;
+  int dest = 0;
+  friend constexpr bool operator==(const permute_pair&, const permute_pair&) = default;
+};
+
+namespace detail {
+// The element type through which the concept checks the templated operations; a backend must
+// provide them for every comm_element, the concept can only spell out one.
+using concept_probe_t = float;
+}  // namespace detail
+
+/// @brief Types that opted in as communicators (nested `is_communicator` tag), with their handle types.
+template <class C>
+concept communicator_tagged = requires {
+  typename C::is_communicator;
+  typename C::request_type;
+  typename C::context_type;
+} && comm_request<typename C::request_type>;
+
+/// @brief A participant handle of a group: `rank()` in `[0, size())`.
+template <class C>
+concept communicator_group = requires(const C& c) {
+  { c.rank() } -> std::same_as<int>;
+  { c.size() } -> std::same_as<int>;
+};
+
+/// @brief The reducing collectives, out-of-place and in-place.
+template <class C>
+concept reducing_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
+                                         std::span<detail::concept_probe_t> r, reduce_op op, int root) {
+  { c.all_reduce(s, r, op) } -> std::same_as<typename C::request_type>;
+  { c.all_reduce(r, op) } -> std::same_as<typename C::request_type>;
+  { c.reduce(s, r, op, root) } -> std::same_as<typename C::request_type>;
+  { c.reduce(r, op, root) } -> std::same_as<typename C::request_type>;
+  { c.reduce_scatter(s, r, op) } -> std::same_as<typename C::request_type>;
+  { c.reduce_scatter(r, op) } -> std::same_as<typename C::request_type>;
+};
+
+/// @brief The data-movement collectives, out-of-place and in-place.
+template <class C>
+concept moving_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
+                                       std::span<detail::concept_probe_t> r, std::span<const std::int64_t> counts,
+                                       std::span<const permute_pair> pairs, int root) {
+  { c.broadcast(s, r, root) } -> std::same_as<typename C::request_type>;
+  { c.broadcast(r, root) } -> std::same_as<typename C::request_type>;
+  { c.all_gather(s, r) } -> std::same_as<typename C::request_type>;
+  { c.all_gather(r) } -> std::same_as<typename C::request_type>;
+  { c.all_to_all(s, r) } -> std::same_as<typename C::request_type>;
+  { c.all_to_all(r) } -> std::same_as<typename C::request_type>;
+  { c.all_to_all_v(s, counts, counts, r, counts, counts) } -> std::same_as<typename C::request_type>;
+  { c.ppermute(s, r, pairs) } -> std::same_as<typename C::request_type>;
+  { c.ppermute(r, pairs) } -> std::same_as<typename C::request_type>;
+};
+
+/// @brief Point-to-point messages, matched by (source, tag) in send order.
+template <class C>
+concept point_to_point_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
+                                               std::span<detail::concept_probe_t> r, int peer, int tag) {
+  { c.send(s, peer, tag) } -> std::same_as<typename C::request_type>;
+  { c.recv(r, peer, tag) } -> std::same_as<typename C::request_type>;
+};
+
+/// @brief Synchronisation and sub-communicators.
+template <class C>
+concept structured_communicator = requires(C& c, int color, int key) {
+  { c.barrier() } -> std::same_as<typename C::request_type>;
+  { c.split(color, key) } -> std::same_as<C>;
+};
+
+/// @brief A communicator: one participant's handle on a group, with every collective meshlib uses.
+/// Satisfied by `thread_communicator` (and later the MPI and NCCL communicators).
+template <class C>
+concept communicator = communicator_tagged<C> && communicator_group<C> && reducing_communicator<C> &&
+                       moving_communicator<C> && point_to_point_communicator<C> && structured_communicator<C> &&
+                       std::movable<C>;
+
+}  // namespace meshlib
+// end meshlib/comm/communicator.hpp
+// begin meshlib/comm/thread/options.hpp
+/// @file
+/// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
+/// measured on a 2-core machine (see docs/benchmarks.md), and the `MESHLIB_COMM_TIMEOUT` default.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief Timeout of a communicator whose creator gave none and whose environment has no
+/// `MESHLIB_COMM_TIMEOUT`: 60 seconds. Long enough for any step of a real program on a loaded
+/// machine, short enough that a hung CI job fails with a message instead of being killed.
+inline constexpr std::chrono::seconds default_comm_timeout_fallback{60};
+
+/// @brief The timeout communicators use unless told otherwise: `MESHLIB_COMM_TIMEOUT` (seconds, a
+/// positive decimal number such as `2` or `0.5`), else `default_comm_timeout_fallback` (60 s).
+/// @throws comm_argument_error when the variable is set to something that is not a positive number.
+inline std::chrono::nanoseconds default_comm_timeout() {
+  const char* env = std::getenv("MESHLIB_COMM_TIMEOUT");  // NOLINT(concurrency-mt-unsafe): read only
+  if (env == nullptr || *env == '\0') return default_comm_timeout_fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
+    throw comm_argument_error(std::string("meshlib: MESHLIB_COMM_TIMEOUT='") + env +
+                              "' is not a positive number of seconds; set it to e.g. 30 or 0.5, or unset it for " +
+                              std::to_string(default_comm_timeout_fallback.count()) + " s");
+  }
+  return std::chrono::nanoseconds(static_cast<long long>(seconds * 1e9));
+}
+
+/// @brief Options of a `thread_world`.
+/// @code
+/// meshlib::thread_world world(4, {.timeout = std::chrono::seconds(2)});
+/// @endcode
+struct thread_comm_options {
+  /// How long a participant waits for its peers in one step before `comm_timeout`.
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Largest payload (bytes staged per participant) sent through the one-shot algorithm, which
+  /// copies it into a shared slot and needs one synchronisation; larger payloads take the zero-copy
+  /// algorithm (peers read each other's buffers; two synchronisations). 0: the measured default.
+  std::size_t one_shot_max_bytes = 0;
+  /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
+  /// measured default, shorter when there are more participants than cores.
+  std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
+  /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
+  std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
+};
+
+}  // namespace meshlib
+// end meshlib/comm/thread/options.hpp
+// begin meshlib/comm/thread/thread_communicator.hpp
+/// @file
+/// @brief The thread communicator: N participants that are N threads of one process, talking
+/// through shared memory. meshlib's embedded default, and what every test runs on.
+///
+/// @code
+/// meshlib::run_on_threads(4, [](meshlib::thread_communicator& comm) {
+///   std::vector<float> x(1024, float(comm.rank()));
+///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);   // in place: every x[i] == 6
+/// });
+/// @endcode
+/// or, by hand: `meshlib::thread_world world(4);` then on thread r `auto comm = world.communicator(r);`.
+///
+/// Algorithms (docs/design.md has the details and docs/benchmarks.md the measurements):
+/// - one-shot, for payloads up to `thread_comm_options::one_shot_max_bytes` per rank: each rank
+///   copies its payload into its slot and arrives; the last to arrive releases the step; each rank
+///   then reads what it needs from the peers' slots. One synchronisation per collective.
+/// - zero-copy, above that: each rank arrives with the addresses of its buffers; after the release
+///   each reads straight from its peers' buffers (all_reduce: rank k reduces slice k of every input
+///   and writes it into every output), then all meet once more so no buffer is left while a peer
+///   still reads or writes it. No byte is staged or moved twice.
+/// Both reduce each element in rank order, so results are bitwise identical on every rank, in
+/// every run, with either algorithm.
+///
+/// Faults: no wait is unbounded. A failed participant (`thread_world::abort`, or `run_on_threads`
+/// seeing it throw), a participant whose handle is destroyed while peers wait for it, a timeout, a
+/// mismatched step or an invalid argument fails the whole world (every group split from it), and
+/// every participant's pending and later calls throw the root cause's error type
+/// (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with the same root-cause message.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/thread/detail/group_state.hpp
+/// @file
+/// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
+/// failure record every group of that world shares, and the registry of sub-groups being split),
+/// one `group_state` per communicator group (the arrival counter, the release word, a slot per
+/// rank with its call descriptor and staging buffers, and the point-to-point mailboxes).
+///
+/// Synchronisation: one arrival point per step. Each rank writes its call descriptor into its slot,
+/// then increments `arrivals`; the rank whose increment completes the step checks every
+/// descriptor (mismatch detection) and releases the step by incrementing `word`. The others wait
+/// on `word`: they spin, then yield, then block on a condition variable with a deadline. A failure
+/// sets the high bit of `word` in every group of the world, which ends every wait at once.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace meshlib::detail {
+
+/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
+/// avoids the memory-order mis-speculation penalty when the awaited line changes).
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+using comm_clock = std::chrono::steady_clock;
+
+enum class op_kind : std::uint8_t {
+  barrier,
+  all_reduce,
+  reduce,
+  broadcast,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  all_to_all_v,
+  ppermute,
+  split,
+  send,
+  recv,
+};
+
+constexpr std::string_view op_name(op_kind k) noexcept {
+  switch (k) {
+    case op_kind::barrier: return "barrier";
+    case op_kind::all_reduce: return "all_reduce";
+    case op_kind::reduce: return "reduce";
+    case op_kind::broadcast: return "broadcast";
+    case op_kind::all_gather: return "all_gather";
+    case op_kind::reduce_scatter: return "reduce_scatter";
+    case op_kind::all_to_all: return "all_to_all";
+    case op_kind::all_to_all_v: return "all_to_all_v";
+    case op_kind::ppermute: return "ppermute";
+    case op_kind::split: return "split";
+    case op_kind::send: return "send";
+    case op_kind::recv: return "recv";
+  }
+  return "unknown";
+}
+
+/// What one rank called in one step: compared across ranks by the releasing rank, and the source
+/// of the peers' buffer addresses for the zero-copy algorithms.
+struct call_desc {
+  op_kind kind = op_kind::barrier;
+  datatype dtype = datatype::float32;
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  std::uint64_t count = 0;
+  int color = 0;
+  int key = 0;
+  const void* src = nullptr;  ///< staged copy (one-shot) or the user's send buffer (zero-copy)
+  void* dst = nullptr;        ///< the user's receive buffer (zero-copy algorithms that push)
+  std::span<const permute_pair> pairs{};
+  const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd
+  int nv = 0;                                                       ///< length of each v array
+};
+
+inline bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
+inline bool uses_count(op_kind k) noexcept {
+  return uses_dtype(k) && k != op_kind::all_to_all_v;
+}
+inline bool uses_op(op_kind k) noexcept {
+  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+}
+inline bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
+
+inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
+  os << '[';
+  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << a[i];
+  os << ']';
+}
+
+/// "all_reduce(float32, count 8, op sum)": how error messages show a call.
+inline std::string describe(const call_desc& d) {
+  std::ostringstream os;
+  os << op_name(d.kind) << '(';
+  if (d.kind == op_kind::split) {
+    os << "color " << d.color << ", key " << d.key;
+  } else if (uses_dtype(d.kind)) {
+    os << d.dtype;
+    if (uses_count(d.kind)) os << ", count " << d.count;
+    if (uses_op(d.kind)) os << ", op " << d.op;
+    if (uses_root(d.kind)) os << ", root " << d.root;
+    if (d.kind == op_kind::ppermute) {
+      os << ", pairs [";
+      for (std::size_t i = 0; i < d.pairs.size(); ++i)
+        os << (i ? ", " : "") << '(' << d.pairs[i].source << ", " << d.pairs[i].dest << ')';
+      os << ']';
+    }
+    if (d.kind == op_kind::all_to_all_v) {
+      os << ", send_counts ";
+      print_v(os, d.v[0], d.nv);
+      os << ", recv_counts ";
+      print_v(os, d.v[2], d.nv);
+    }
+  }
+  os << ')';
+  return os.str();
+}
+
+/// Whether two ranks' calls agree on everything the step depends on.
+inline bool same_call(const call_desc& a, const call_desc& b) {
+  if (a.kind != b.kind) return false;
+  if (uses_dtype(a.kind) && a.dtype != b.dtype) return false;
+  if (uses_count(a.kind) && a.count != b.count) return false;
+  if (uses_op(a.kind) && a.op != b.op) return false;
+  if (uses_root(a.kind) && a.root != b.root) return false;
+  if (a.kind == op_kind::ppermute && !std::equal(a.pairs.begin(), a.pairs.end(), b.pairs.begin(), b.pairs.end()))
+    return false;
+  return true;
+}
+
+/// A buffer aligned to a cache line, grown by its owner only.
+class staging_buffer {
+ public:
+  staging_buffer() = default;
+  staging_buffer(const staging_buffer&) = delete;
+  staging_buffer& operator=(const staging_buffer&) = delete;
+  ~staging_buffer() { release(); }
+  std::byte* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      release();
+      const std::size_t cap = std::max<std::size_t>(bytes, 256);
+      data_ = static_cast<std::byte*>(::operator new(cap, std::align_val_t{64}));
+      capacity_ = cap;
+    }
+    return data_;
+  }
+
+ private:
+  void release() noexcept {
+    if (data_) ::operator delete(data_, std::align_val_t{64});
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+  std::byte* data_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+/// One rank's slot. Descriptors and staging buffers are double-buffered by the parity of the step:
+/// a rank can start step s+1 (and overwrite its parity-(s+1) copies) while slow peers still read
+/// its step-s copies, but it cannot start step s+2 before every peer arrived at s+1, that is,
+/// before every peer finished reading step s.
+struct alignas(64) rank_slot {
+  call_desc desc[2];
+  std::atomic<std::uint64_t> arrived{0};  ///< steps this rank has arrived at (diagnostics)
+  std::atomic<bool> departed{false};      ///< its handle was destroyed
+  std::atomic<bool> claimed{false};       ///< its handle was handed out
+  staging_buffer staging[2];
+};
+
+enum class failure_kind : std::uint8_t { aborted, timeout, mismatch };
+
+struct group_state;
+
+/// The failure record and sub-group registry shared by every group of one thread_world.
+struct world_state {
+  explicit world_state(const thread_comm_options& o) : options(o) {}
+
+  thread_comm_options options;
+  std::mutex mutex;
+  std::atomic<bool> failed{false};
+  failure_kind kind = failure_kind::aborted;  // guarded by mutex
+  int failed_rank = -1;                       // world rank of the root cause, -1 if none
+  std::string message;                        // guarded by mutex
+  std::vector<std::weak_ptr<group_state>> groups;
+  struct pending_group {
+    std::shared_ptr<group_state> state;
+    int claims = 0;
+  };
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, pending_group> pending;
+  std::uint64_t next_group_id = 0;
+
+  /// Records the root cause (the first failure wins) and releases every waiter of every group.
+  /// @returns whether this call recorded the root cause.
+  bool fail(failure_kind k, int world_rank, std::string msg);
+
+  /// Throws the error of the recorded root cause, `context` appended.
+  [[noreturn]] void rethrow(std::string_view context) {
+    failure_kind k;
+    std::string m;
+    {
+      std::lock_guard lk(mutex);
+      k = kind;
+      m = message;
+    }
+    if (!context.empty()) {
+      m += " [";
+      m += context;
+      m += ']';
+    }
+    switch (k) {
+      case failure_kind::timeout: throw comm_timeout(m);
+      case failure_kind::mismatch: throw collective_mismatch(m);
+      case failure_kind::aborted: break;
+    }
+    throw comm_aborted(m);
+  }
+
+  int root_cause_rank() {
+    std::lock_guard lk(mutex);
+    return failed_rank;
+  }
+};
+
+/// A point-to-point message in flight: send copies it here, so send never waits for recv.
+struct p2p_message {
+  int tag = 0;
+  datatype dtype = datatype::float32;
+  std::size_t count = 0;
+  std::vector<std::byte> data;
+};
+
+inline constexpr std::uint64_t failed_bit = std::uint64_t{1} << 63;
+
+/// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
+/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
+/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
+/// 35-40 us here, 600 cache-line handoffs).
+struct wait_policy {
+  std::chrono::nanoseconds spin;
+  std::chrono::nanoseconds yield;
+  std::chrono::nanoseconds timeout;
+  std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
+};
+
+/// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
+/// rank, one synchronisation plus a copy beats two synchronisations and no copy.
+inline std::size_t default_one_shot_max_bytes(int n) noexcept {
+  (void)n;
+  return std::size_t{16} << 10;
+}
+
+inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool oversubscribed = static_cast<unsigned>(n) > cores;
+  wait_policy p{};
+  p.spin = o.spin.count() >= 0 ? o.spin
+                               : (oversubscribed ? std::chrono::nanoseconds(200) : std::chrono::nanoseconds(50'000));
+  p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
+  p.timeout = o.timeout;
+  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(n);
+  return p;
+}
+
+struct group_state {
+  group_state(std::shared_ptr<world_state> w, std::vector<int> members, std::uint64_t gid)
+      : world(std::move(w)),
+        n(static_cast<int>(members.size())),
+        id(gid),
+        world_ranks(std::move(members)),
+        policy(make_wait_policy(world->options, n)),
+        slots(new rank_slot[static_cast<std::size_t>(n)]),
+        mailboxes(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)) {}
+
+  std::shared_ptr<world_state> world;
+  const int n;
+  const std::uint64_t id;
+  const std::vector<int> world_ranks;  ///< world rank of each group rank
+  const wait_policy policy;
+
+  // The arrival counter and the release word share a line: the rank that completes a step
+  // already owns the line when it releases the step.
+  alignas(64) std::atomic<std::uint64_t> arrivals{0};
+  std::atomic<std::uint64_t> word{0};  ///< released steps | failed_bit
+
+  alignas(64) std::atomic<int> sleepers{0};
+  std::mutex mutex;
+  std::condition_variable cv;
+
+  std::unique_ptr<rank_slot[]> slots;
+
+  std::mutex p2p_mutex;
+  std::condition_variable p2p_cv;
+  std::vector<std::deque<p2p_message>> mailboxes;  ///< [source * n + dest], guarded by p2p_mutex
+
+  bool is_world() const noexcept { return id == 0; }
+
+  /// "rank 2", or "rank 2 (world rank 5)" in a sub-group.
+  std::string rank_label(int r) const {
+    std::string s = "rank " + std::to_string(r);
+    if (!is_world()) s += " (world rank " + std::to_string(world_ranks[static_cast<std::size_t>(r)]) + ")";
+    return s;
+  }
+
+  /// Wakes every blocked waiter of this group (after `word` changed or a rank departed).
+  void wake() {
+    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+      { std::lock_guard lk(mutex); }
+      cv.notify_all();
+    }
+  }
+  void wake_all_unconditionally() {
+    { std::lock_guard lk(mutex); }
+    cv.notify_all();
+    { std::lock_guard lk(p2p_mutex); }
+    p2p_cv.notify_all();
+  }
+};
+
+inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
+  std::vector<std::shared_ptr<group_state>> live;
+  {
+    std::lock_guard lk(mutex);
+    if (failed.load(std::memory_order_relaxed)) return false;
+    kind = k;
+    failed_rank = world_rank;
+    message = std::move(msg);
+    failed.store(true, std::memory_order_seq_cst);
+    for (auto& w : groups)
+      if (auto g = w.lock()) live.push_back(std::move(g));
+  }
+  for (auto& g : live) {
+    g->word.fetch_or(failed_bit, std::memory_order_seq_cst);
+    g->wake_all_unconditionally();
+  }
+  return true;
+}
+
+/// Creates a group of `world` and registers it for failure propagation; the caller holds world->mutex.
+inline std::shared_ptr<group_state> make_group_locked(const std::shared_ptr<world_state>& world,
+                                                      std::vector<int> members) {
+  auto g = std::make_shared<group_state>(world, std::move(members), world->next_group_id++);
+  std::erase_if(world->groups, [](const std::weak_ptr<group_state>& w) { return w.expired(); });
+  world->groups.push_back(g);
+  if (world->failed.load(std::memory_order_relaxed)) g->word.fetch_or(failed_bit);
+  return g;
+}
+
+inline std::shared_ptr<group_state> make_group(const std::shared_ptr<world_state>& world, std::vector<int> members) {
+  std::lock_guard lk(world->mutex);
+  return make_group_locked(world, std::move(members));
+}
+
+/// The sub-group of color `color` made by the split in step `step` of group `parent`: the first
+/// member to come creates it, the others find it; the entry goes when every member took it.
+inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<world_state>& world, std::uint64_t parent,
+                                                      std::uint64_t step, int color, const std::vector<int>& members) {
+  std::lock_guard lk(world->mutex);
+  const auto key = std::make_tuple(parent, step, color);
+  auto it = world->pending.find(key);
+  if (it == world->pending.end())
+    it = world->pending.emplace(key, world_state::pending_group{make_group_locked(world, members), 0}).first;
+  std::shared_ptr<group_state> g = it->second.state;
+  if (++it->second.claims == static_cast<int>(members.size())) world->pending.erase(it);
+  return g;
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/thread/detail/group_state.hpp
+// begin meshlib/comm/thread/detail/reduce_kernels.hpp
+/// @file
+/// @brief The element loops of the thread communicator: a rank-ordered reduction of n inputs into
+/// one or more outputs, and plain copies. One code path serves the one-shot and the zero-copy
+/// algorithms, so that both give the same bits: every element is combined as
+/// `((x0 op x1) op x2) ...` in rank order, whatever the algorithm, the slicing or the thread timing.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+
+namespace meshlib::detail {
+
+/// The type in which elements of T are combined: float for bfloat16 (NCCL's and PyTorch's
+/// accumulation type), the unsigned twin for integers (so that sum and prod wrap instead of
+/// overflowing into undefined behaviour), T itself for float and double.
+template <class T>
+struct accumulator {
+  using type = T;
+};
+template <>
+struct accumulator<bfloat16> {
+  using type = float;
+};
+template <class T>
+  requires std::is_integral_v<T>
+struct accumulator<T> {
+  using type = std::make_unsigned_t<T>;
+};
+template <class T>
+using accumulator_t = typename accumulator<T>::type;
+
+template <class T>
+constexpr accumulator_t<T> widen(T x) noexcept {
+  return static_cast<accumulator_t<T>>(x);
+}
+
+template <reduce_op Op, class T>
+constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
+  using A = accumulator_t<T>;
+  if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
+    return static_cast<A>(a + widen(x));
+  } else if constexpr (Op == reduce_op::prod) {
+    return static_cast<A>(a * widen(x));
+  } else if constexpr (std::is_integral_v<T>) {
+    // Compare as signed values; the accumulator holds them as unsigned bit patterns.
+    const T av = static_cast<T>(a);
+    if constexpr (Op == reduce_op::min) return x < av ? widen(x) : a;
+    else return av < x ? widen(x) : a;
+  } else {
+    const A xv = widen(x);
+    if constexpr (Op == reduce_op::min) return xv < a ? xv : a;
+    else return a < xv ? xv : a;
+  }
+}
+
+template <reduce_op Op, class T>
+constexpr T finish(accumulator_t<T> a, int n) noexcept {
+  if constexpr (Op == reduce_op::avg) {
+    if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<T>(a) / static_cast<T>(n));
+    else return static_cast<T>(a / static_cast<accumulator_t<T>>(n));
+  } else {
+    return static_cast<T>(a);
+  }
+}
+
+/// Elements combined per block: the accumulators of one block stay in L1.
+inline constexpr std::size_t reduce_block_elems = 1024;
+
+/// out[o][i] = in[0][i] op in[1][i] op ... op in[n-1][i] for i in [0, len), for each of the
+/// `nout` outputs. Inputs may alias outputs element for element (in-place collectives): each block
+/// is read completely before any of it is written.
+template <reduce_op Op, class T>
+void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+  using A = accumulator_t<T>;
+  A acc[reduce_block_elems];
+  for (std::size_t b = 0; b < len; b += reduce_block_elems) {
+    const std::size_t m = std::min(reduce_block_elems, len - b);
+    const T* in0 = in[0] + b;
+    for (std::size_t i = 0; i < m; ++i) acc[i] = widen(in0[i]);
+    for (int r = 1; r < n; ++r) {
+      const T* x = in[r] + b;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(acc[i], x[i]);
+    }
+    for (int o = 0; o < nout; ++o) {
+      T* y = out[o] + b;
+      for (std::size_t i = 0; i < m; ++i) y[i] = finish<Op, T>(acc[i], n);
+    }
+  }
+}
+
+/// Dispatches `reduce_into_op` on the run-time reduce op.
+template <class T>
+void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+  switch (op) {
+    case reduce_op::sum: return reduce_into_op<reduce_op::sum, T>(in, n, out, nout, len);
+    case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len);
+    case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len);
+    case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len);
+    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len);
+  }
+}
+
+/// memcpy that accepts empty ranges with null pointers (a span of size 0 may have data() == nullptr).
+inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
+  if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/thread/detail/reduce_kernels.hpp
+
+namespace meshlib {
+
+class thread_world;
+
+/// @brief One participant's handle on a group of threads. Satisfies `communicator`.
+///
+/// A handle belongs to one thread at a time (it is movable, not copyable) and every operation
+/// blocks that thread until the operation is complete, then returns an already-complete
+/// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
+/// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
+class thread_communicator {
+ public:
+  using is_communicator = void;
+  using request_type = ready_request;
+  using context_type = host_context;
+
+  /// An empty handle (not part of any group); only assignable and destructible.
+  thread_communicator() = default;
+  thread_communicator(const thread_communicator&) = delete;
+  thread_communicator& operator=(const thread_communicator&) = delete;
+  thread_communicator(thread_communicator&& o) noexcept
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_) {}
+  thread_communicator& operator=(thread_communicator&& o) noexcept {
+    if (this != &o) {
+      depart();
+      state_ = std::move(o.state_);
+      rank_ = o.rank_;
+      step_ = o.step_;
+    }
+    return *this;
+  }
+  ~thread_communicator() { depart(); }
+
+  /// Rank of this participant in its group, in `[0, size())`.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of participants of the group (0 for an empty handle).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->n : 0; }
+  /// Whether the handle belongs to a group.
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// Rank of this participant in the world the group was split from.
+  [[nodiscard]] int world_rank() const noexcept {
+    return state_ ? state_->world_ranks[static_cast<std::size_t>(rank_)] : -1;
+  }
+
+  /// @brief Fails the whole world with this rank as the root cause; every participant's pending
+  /// and later calls throw `comm_aborted` naming this rank and `reason`.
+  /// @returns whether this call recorded the root cause (false when the world had already failed).
+  bool abort(std::string_view reason) {
+    require_valid(detail::op_kind::barrier);
+    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                               "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
+                                   std::string(reason));
+  }
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type = {}) {
+    check_out_of_place(detail::op_kind::all_reduce, send, recv, send.size());
+    return do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
+  }
+  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable(detail::op_kind::all_reduce);
+    return do_all_reduce<T>(buf.data(), buf.data(), buf.size(), op);
+  }
+
+  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type = {}) {
+    check_root(detail::op_kind::reduce, root);
+    if (rank_ == root) check_out_of_place(detail::op_kind::reduce, send, recv, send.size());
+    else check_usable(detail::op_kind::reduce);
+    return do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
+  }
+  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
+    check_root(detail::op_kind::reduce, root);
+    check_usable(detail::op_kind::reduce);
+    return do_reduce<T>(buf.data(), buf.data(), buf.size(), op, root);
+  }
+
+  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
+  /// length is `size() * recv.size()`.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type = {}) {
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul(detail::op_kind::reduce_scatter, count);
+    if (send.size() < total)
+      bad_argument(detail::op_kind::reduce_scatter,
+                   "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                       std::to_string(total) + " are needed");
+    check_out_of_place(detail::op_kind::reduce_scatter, send.first(total), recv, count);
+    return do_reduce_scatter<T>(send.data(), recv.data(), count, op);
+  }
+  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
+  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable(detail::op_kind::reduce_scatter);
+    const std::size_t count = blocks_of(detail::op_kind::reduce_scatter, buf.size());
+    return do_reduce_scatter<T>(buf.data(), buf.data() + static_cast<std::size_t>(rank_) * count, count, op);
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type = {}) {
+    check_root(detail::op_kind::broadcast, root);
+    if (rank_ == root) {
+      check_out_of_place(detail::op_kind::broadcast, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(detail::op_kind::broadcast, "root's send buffer holds " + std::to_string(send.size()) +
+                                                     " elements but recv.size() = " + std::to_string(recv.size()) +
+                                                     " are broadcast");
+    } else {
+      check_usable(detail::op_kind::broadcast);
+    }
+    return do_broadcast<T>(rank_ == root ? send.data() : nullptr, recv.data(), recv.size(), root);
+  }
+  /// @brief In-place broadcast: every rank's buf receives root's buf.
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
+    check_root(detail::op_kind::broadcast, root);
+    check_usable(detail::op_kind::broadcast);
+    return do_broadcast<T>(buf.data(), buf.data(), buf.size(), root);
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = send.size();
+    const std::size_t total = checked_mul(detail::op_kind::all_gather, count);
+    check_out_of_place(detail::op_kind::all_gather, send, recv, total);
+    return do_all_gather<T>(send.data(), recv.data(), count);
+  }
+  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type = {}) {
+    check_usable(detail::op_kind::all_gather);
+    const std::size_t count = blocks_of(detail::op_kind::all_gather, buf.size());
+    return do_all_gather<T>(buf.data() + static_cast<std::size_t>(rank_) * count, buf.data(), count);
+  }
+
+  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = blocks_of(detail::op_kind::all_to_all, send.size());
+    check_out_of_place(detail::op_kind::all_to_all, send, recv, send.size());
+    return do_all_to_all<T>(send.data(), recv.data(), count);
+  }
+  /// @brief In-place all_to_all.
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type = {}) {
+    check_usable(detail::op_kind::all_to_all);
+    const std::size_t count = blocks_of(detail::op_kind::all_to_all, buf.size());
+    return do_all_to_all<T>(buf.data(), buf.data(), count);
+  }
+
+  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
+  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
+  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type = {}) {
+    constexpr auto k = detail::op_kind::all_to_all_v;
+    check_usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (!send.empty() && !recv.empty() && overlap(send.data(), send.size(), recv.data(), recv.size()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
+                              recv_displs.data());
+  }
+
+  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
+  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
+  /// rank passes the same pairs; a duplicate source or destination is rejected.
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_out_of_place(detail::op_kind::ppermute, send, recv, send.size());
+    return do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
+  }
+  /// @brief In-place ppermute.
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_usable(detail::op_kind::ppermute);
+    return do_ppermute<T>(buf.data(), buf.data(), buf.size(), pairs);
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest`. Buffered: returns once buf is copied, whether or not `dest`
+  /// has posted its recv (so exchanges written as send-then-recv on every rank cannot deadlock).
+  template <class T>
+    requires comm_element<T>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
+    constexpr auto k = detail::op_kind::send;
+    check_usable(k);
+    check_peer(k, dest, "destination");
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = datatype_of<T>;
+    m.count = buf.size();
+    m.data.resize(buf.size_bytes());
+    detail::copy_bytes(m.data.data(), buf.data(), buf.size_bytes());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
+    }
+    g.p2p_cv.notify_all();
+    return {};
+  }
+
+  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
+  /// Its element type and count must be those of buf (else `collective_mismatch`).
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
+    constexpr auto k = detail::op_kind::recv;
+    check_usable(k);
+    check_peer(k, source, "source");
+    receive(buf.data(), buf.size(), datatype_of<T>, source, tag);
+    return {};
+  }
+
+  // ---- synchronisation and groups --------------------------------------------------------------
+
+  /// @brief Returns once every rank of the group has called barrier.
+  request_type barrier(context_type = {}) {
+    constexpr auto k = detail::op_kind::barrier;
+    check_usable(k);
+    detail::call_desc d;
+    d.kind = k;
+    arrive(&d);
+    return {};
+  }
+
+  /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
+  /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
+  /// the same world: a failure in any of them fails all.
+  thread_communicator split(int color, int key) {
+    constexpr auto k = detail::op_kind::split;
+    check_usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    detail::call_desc d;
+    d.kind = k;
+    d.color = color;
+    d.key = key;
+    const std::uint64_t s = arrive(&d);
+    auto& g = *state_;
+    std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
+    for (int r = 0; r < g.n; ++r) {
+      const auto& dr = g.slots[r].desc[s & 1];
+      if (dr.color == color) keyed.emplace_back(dr.key, r);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    std::vector<int> members;
+    members.reserve(keyed.size());
+    int new_rank = 0;
+    for (std::size_t i = 0; i < keyed.size(); ++i) {
+      if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
+      members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
+    }
+    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
+    sub->slots[new_rank].claimed.store(true);
+    return thread_communicator(std::move(sub), new_rank);
+  }
+
+ private:
+  friend class thread_world;
+  using op_kind = detail::op_kind;
+
+  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+
+  void depart() noexcept {
+    if (!state_) return;
+    state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
+    state_->wake_all_unconditionally();
+    state_.reset();
+  }
+
+  std::size_t mailbox(int src, int dst) const noexcept {
+    return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
+  }
+
+  // ---- argument checks: all run before this rank arrives, so before any data moves -------------
+
+  std::string where(op_kind k) const {
+    return std::string(detail::op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
+  }
+
+  void require_valid(op_kind k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
+                       " called on an empty thread_communicator handle (default-constructed or moved from)");
+  }
+
+  /// Refuses every call once the world has failed.
+  void check_usable(op_kind k) const {
+    require_valid(k);
+    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
+      state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
+  }
+
+  /// Fails the world (so that peers waiting for this rank are released) and throws comm_argument_error.
+  [[noreturn]] void bad_argument(op_kind k, const std::string& what) const {
+    require_valid(k);
+    const std::string msg = "meshlib: invalid argument to " + where(k) + ": " + what;
+    state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                        "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
+                            std::string(detail::op_name(k)) + ": " + what);
+    throw comm_argument_error(msg);
+  }
+
+  void check_root(op_kind k, int root) const {
+    check_usable(k);
+    if (root < 0 || root >= state_->n)
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(state_->n) + ")");
+  }
+
+  void check_peer(op_kind k, int peer, const char* what) const {
+    if (peer < 0 || peer >= state_->n)
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(state_->n) + ")");
+  }
+
+  static bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
+    const auto pa = reinterpret_cast<std::uintptr_t>(a);
+    const auto pb = reinterpret_cast<std::uintptr_t>(b);
+    return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
+  }
+
+  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
+  template <class T>
+  void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    check_usable(k);
+    if (recv.size() < needed)
+      bad_argument(k, "receive buffer holds " + std::to_string(recv.size()) + " elements but " +
+                          std::to_string(needed) + " are needed");
+    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; use the in-place form (one buffer) instead");
+  }
+
+  std::size_t checked_mul(op_kind k, std::size_t count) const {
+    check_usable(k);
+    const auto n = static_cast<std::size_t>(state_->n);
+    if (count > std::numeric_limits<std::size_t>::max() / n)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
+    return count * n;
+  }
+
+  std::size_t blocks_of(op_kind k, std::size_t total) const {
+    const auto n = static_cast<std::size_t>(state_->n);
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+
+  void check_layout(op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    const auto n = static_cast<std::size_t>(state_->n);
+    const std::string w(which);
+    if (counts.size() != n || displs.size() != n)
+      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
+                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = counts[j];
+      const std::int64_t d = displs[j];
+      if (c < 0 || d < 0)
+        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
+                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
+      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
+        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
+                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
+                            std::to_string(buffer) + " elements");
+    }
+  }
+
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    constexpr auto k = op_kind::ppermute;
+    check_usable(k);
+    const int n = state_->n;
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                            ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+    }
+  }
+
+  // ---- synchronisation -------------------------------------------------------------------------
+
+  /// Arrives at the next step with this rank's call (`d`), waits until every rank has, and returns
+  /// the step number. The rank that arrives last checks that all calls agree and releases the step.
+  std::uint64_t arrive(const detail::call_desc* d) {
+    auto& g = *state_;
+    const std::uint64_t s = step_++;
+    auto& slot = g.slots[rank_];
+    slot.desc[s & 1] = *d;
+    slot.arrived.store(s + 1, std::memory_order_release);
+    const std::uint64_t target = s + 1;
+    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (c == target * static_cast<std::uint64_t>(g.n)) {
+      if (g.n > 1) check_step(s);
+      // Release unless the world failed meanwhile: a step that a failed rank may have given up on
+      // must never be released, or peers would read the buffers of a rank that has left.
+      std::uint64_t w = g.word.load(std::memory_order_relaxed);
+      do {
+        if (w & detail::failed_bit) g.world->rethrow("seen by " + where(d->kind) + ", step " + std::to_string(s));
+      } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
+      g.wake();
+    } else {
+      wait_step(target, d->kind, s);
+    }
+    return s;
+  }
+
+  /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
+  /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
+  /// gets here after a bounded amount of copying; waiting here for a failure would let a rank
+  /// return (and its caller free its buffers) while a peer still copies them.
+  void complete() {
+    auto& g = *state_;
+    const std::uint64_t s = step_++;
+    g.slots[rank_].arrived.store(s + 1, std::memory_order_release);
+    const std::uint64_t target = s + 1;
+    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (c == target * static_cast<std::uint64_t>(g.n)) {
+      g.word.fetch_add(1, std::memory_order_seq_cst);
+      g.wake();
+      return;
+    }
+    auto done = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    const auto start = detail::comm_clock::now();
+    for (unsigned i = 1;; ++i) {
+      if (done()) return;
+      detail::cpu_relax();
+      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+    }
+    while (detail::comm_clock::now() - start < g.policy.spin + g.policy.yield) {
+      if (done()) return;
+      std::this_thread::yield();
+    }
+    std::unique_lock lk(g.mutex);
+    g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    while (!done()) g.cv.wait_for(lk, std::chrono::milliseconds(50));
+    g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  /// Mismatch detection, run by the last rank to arrive at step s while the others wait.
+  void check_step(std::uint64_t s) const {
+    auto& g = *state_;
+    const auto& d0 = g.slots[0].desc[s & 1];
+    bool ok = true;
+    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(d0, g.slots[r].desc[s & 1]);
+    std::string extra;
+    if (ok && d0.kind == op_kind::all_to_all_v) {
+      for (int i = 0; i < g.n && ok; ++i)
+        for (int j = 0; j < g.n && ok; ++j) {
+          const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
+          const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
+          if (sent != expected) {
+            ok = false;
+            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
+                    std::to_string(j) + ", which expects " + std::to_string(expected);
+          }
+        }
+    }
+    if (ok) return;
+    std::ostringstream os;
+    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
+       << " ranks: the ranks called different collectives";
+    for (int r = 0; r < g.n; ++r) os << (r ? "; " : ": ") << g.rank_label(r) << " called " << detail::describe(g.slots[r].desc[s & 1]);
+    os << extra;
+    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+    g.world->rethrow("seen by " + where(d0.kind));
+  }
+
+  /// Waits until step `target - 1` is released: spin, then yield, then block with a deadline.
+  /// Throws when the world fails first, when the timeout passes (naming the ranks that never
+  /// arrived) or when a rank that has not arrived has left.
+  void wait_step(std::uint64_t target, op_kind k, std::uint64_t s) {
+    auto& g = *state_;
+    auto released = [target](std::uint64_t w) { return (w & ~detail::failed_bit) >= target; };
+    std::uint64_t w = 0;
+    const auto start = detail::comm_clock::now();
+    for (unsigned i = 1;; ++i) {
+      w = g.word.load(std::memory_order_acquire);
+      if (released(w)) return;
+      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      detail::cpu_relax();
+      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+    }
+    for (;;) {
+      w = g.word.load(std::memory_order_acquire);
+      if (released(w)) return;
+      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
+      std::this_thread::yield();
+    }
+    const auto deadline = start + g.policy.timeout;
+    int departed = -1;
+    bool timed_out = false;
+    {
+      std::unique_lock lk(g.mutex);
+      g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      for (;;) {
+        w = g.word.load(std::memory_order_seq_cst);
+        if (released(w) || (w & detail::failed_bit)) break;
+        for (int r = 0; r < g.n && departed < 0; ++r)
+          if (g.slots[r].departed.load() && g.slots[r].arrived.load(std::memory_order_acquire) < target) departed = r;
+        if (departed >= 0) break;
+        const auto now = detail::comm_clock::now();
+        if (now >= deadline) {
+          timed_out = true;
+          break;
+        }
+        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+      }
+      g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+    }
+    if (released(w)) return;
+    if (departed >= 0) {
+      g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(departed)],
+                    "meshlib: communicator aborted: " + g.rank_label(departed) +
+                        " left the communicator (its handle was destroyed or its thread ended) while " +
+                        g.rank_label(rank_) + " waited for it in " + std::string(detail::op_name(k)) + " (step " +
+                        std::to_string(s) + ")");
+    } else if (timed_out) {
+      std::ostringstream os;
+      os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
+         << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
+      int missing = 0;
+      for (int r = 0; r < g.n; ++r)
+        if (g.slots[r].arrived.load(std::memory_order_acquire) < target)
+          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+      os << (missing ? " never arrived" : "every rank arrived late");
+      os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
+      g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
+    }
+    // The failure bit is set now; a release that won the race still counts.
+    if (released(g.word.load(std::memory_order_acquire))) return;
+    failed_while_waiting(k, s);
+  }
+
+  [[noreturn]] void failed_while_waiting(op_kind k, std::uint64_t s) const {
+    state_->world->rethrow("seen by " + where(k) + ", step " + std::to_string(s));
+  }
+
+  // ---- algorithms ------------------------------------------------------------------------------
+
+  bool one_shot(std::size_t staged_bytes) const noexcept { return staged_bytes <= state_->policy.one_shot_max; }
+
+  /// Copies `bytes` of data into this rank's staging buffer for step `s` (the next step).
+  const void* stage(const void* data, std::size_t bytes) {
+    auto& slot = state_->slots[rank_];
+    std::byte* buf = slot.staging[step_ & 1].reserve(bytes);
+    detail::copy_bytes(buf, data, bytes);
+    return buf;
+  }
+
+  template <class T>
+  const T* src_of(std::uint64_t s, int r) const noexcept {
+    return static_cast<const T*>(state_->slots[r].desc[s & 1].src);
+  }
+  template <class T>
+  T* dst_of(std::uint64_t s, int r) const noexcept {
+    return static_cast<T*>(state_->slots[r].desc[s & 1].dst);
+  }
+
+  /// [lo, hi) of the elements this rank reduces in the zero-copy all_reduce: contiguous slices,
+  /// cut at cache-line boundaries so that no two ranks write the same line.
+  std::pair<std::size_t, std::size_t> slice(std::size_t count, std::size_t elem, int k) const noexcept {
+    const std::size_t per_line = std::max<std::size_t>(1, 64 / elem);
+    const std::size_t lines = (count + per_line - 1) / per_line;
+    const auto n = static_cast<std::size_t>(state_->n);
+    const auto kk = static_cast<std::size_t>(k);
+    return {std::min(count, lines * kk / n * per_line), std::min(count, lines * (kk + 1) / n * per_line)};
+  }
+
+  template <class T>
+  detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
+    detail::call_desc d;
+    d.kind = k;
+    d.dtype = datatype_of<T>;
+    d.count = count;
+    return d;
+  }
+
+  template <class T>
+  request_type do_all_reduce(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_reduce, count);
+    d.op = op;
+    ins_.resize(static_cast<std::size_t>(n));
+    outs_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    if (one_shot(count * sizeof(T))) {
+      d.src = stage(send, count * sizeof(T));
+      const std::uint64_t s = arrive(&d);
+      for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
+      detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      return {};
+    }
+    d.src = send;
+    d.dst = recv;
+    const std::uint64_t s = arrive(&d);
+    const auto [lo, hi] = slice(count, sizeof(T), rank_);
+    T** out = reinterpret_cast<T**>(outs_.data());
+    for (int r = 0; r < n; ++r) {
+      in[r] = src_of<T>(s, r) + lo;
+      out[r] = dst_of<T>(s, r) + lo;
+    }
+    detail::reduce_into<T>(op, in, n, out, n, hi - lo);
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_reduce(const T* send, T* recv, std::size_t count, reduce_op op, int root) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::reduce, count);
+    d.op = op;
+    d.root = root;
+    ins_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    if (one_shot(count * sizeof(T))) {
+      d.src = stage(send, count * sizeof(T));
+      const std::uint64_t s = arrive(&d);
+      if (rank_ == root) {
+        for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
+        detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      }
+      return {};
+    }
+    d.src = send;
+    d.dst = rank_ == root ? recv : nullptr;
+    const std::uint64_t s = arrive(&d);
+    const auto [lo, hi] = slice(count, sizeof(T), rank_);
+    for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
+    T* out = dst_of<T>(s, root) + lo;
+    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo);
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_reduce_scatter(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::reduce_scatter, count);
+    d.op = op;
+    ins_.resize(static_cast<std::size_t>(n));
+    const T** in = reinterpret_cast<const T**>(ins_.data());
+    const std::size_t mine = static_cast<std::size_t>(rank_) * count;
+    const std::size_t total_bytes = count * sizeof(T) * static_cast<std::size_t>(n);
+    const bool staged = one_shot(total_bytes);
+    d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
+    detail::reduce_into<T>(op, in, n, &recv, 1, count);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_broadcast(const T* send, T* recv, std::size_t count, int root) {
+    auto d = desc<T>(op_kind::broadcast, count);
+    d.root = root;
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    if (rank_ == root) d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    if (rank_ == root) detail::copy_bytes(recv, send, bytes);
+    else detail::copy_bytes(recv, src_of<T>(s, root), bytes);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_gather(const T* send, T* recv, std::size_t count) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_gather, count);
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) {
+      // Own block from the caller's buffer; in place it is already there and copy_bytes skips it.
+      const T* from = r == rank_ ? send : src_of<T>(s, r);
+      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes);
+    }
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_to_all(const T* send, T* recv, std::size_t count) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_to_all, count);
+    const std::size_t bytes = count * sizeof(T);
+    const std::size_t total = bytes * static_cast<std::size_t>(n);
+    const bool staged = one_shot(total);
+    if (staged) {
+      d.src = stage(send, total);
+    } else if (send == recv) {
+      // In place and zero-copy: peers read this rank's blocks while it overwrites them; give them a copy.
+      std::byte* copy = scratch_.reserve(total);
+      detail::copy_bytes(copy, send, total);
+      d.src = copy;
+    } else {
+      d.src = send;
+    }
+    const std::uint64_t s = arrive(&d);
+    const std::size_t mine = static_cast<std::size_t>(rank_) * count;
+    for (int r = 0; r < n; ++r)
+      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes);
+    if (!staged) complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_all_to_all_v(const T* send, const std::int64_t* sc, const std::int64_t* sd, T* recv,
+                               const std::int64_t* rc, const std::int64_t* rd) {
+    const int n = state_->n;
+    auto d = desc<T>(op_kind::all_to_all_v, 0);
+    d.src = send;
+    d.v[0] = sc;
+    d.v[1] = sd;
+    d.v[2] = rc;
+    d.v[3] = rd;
+    d.nv = n;
+    const std::uint64_t s = arrive(&d);
+    for (int r = 0; r < n; ++r) {
+      const auto& dr = state_->slots[r].desc[s & 1];
+      const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
+      detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
+    }
+    complete();
+    return {};
+  }
+
+  template <class T>
+  request_type do_ppermute(const T* send, T* recv, std::size_t count, std::span<const permute_pair> pairs) {
+    auto d = desc<T>(op_kind::ppermute, count);
+    d.pairs = pairs;
+    const std::size_t bytes = count * sizeof(T);
+    const bool staged = one_shot(bytes);
+    if (staged) {
+      d.src = stage(send, bytes);
+    } else if (send == recv) {
+      std::byte* copy = scratch_.reserve(bytes);
+      detail::copy_bytes(copy, send, bytes);
+      d.src = copy;
+    } else {
+      d.src = send;
+    }
+    const std::uint64_t s = arrive(&d);
+    int from = -1;
+    for (const auto& p : pairs)
+      if (p.dest == rank_) from = p.source;
+    if (from >= 0) detail::copy_bytes(recv, src_of<T>(s, from), bytes);
+    else std::fill_n(recv, count, T{});
+    if (!staged) complete();
+    return {};
+  }
+
+  void receive(void* buf, std::size_t count, datatype dt, int source, int tag) {
+    constexpr auto k = op_kind::recv;
+    auto& g = *state_;
+    auto& box = g.mailboxes[mailbox(source, rank_)];
+    const auto deadline = detail::comm_clock::now() + g.policy.timeout;
+    std::unique_lock lk(g.p2p_mutex);
+    for (;;) {
+      auto it = std::find_if(box.begin(), box.end(), [tag](const detail::p2p_message& m) { return m.tag == tag; });
+      if (it != box.end()) {
+        if (it->dtype != dt || it->count != count) {
+          std::ostringstream os;
+          os << "meshlib: point-to-point mismatch: " << g.rank_label(source) << " sent " << it->count << " elements of "
+             << it->dtype << " with tag " << tag << " but " << g.rank_label(rank_) << " receives " << count
+             << " elements of " << dt;
+          lk.unlock();
+          g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+          g.world->rethrow("seen by " + where(k));
+        }
+        detail::copy_bytes(buf, it->data.data(), it->data.size());
+        box.erase(it);
+        return;
+      }
+      if (g.word.load(std::memory_order_acquire) & detail::failed_bit) {
+        lk.unlock();
+        g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
+      }
+      const auto now = detail::comm_clock::now();
+      if (g.slots[source].departed.load() || now >= deadline) {
+        lk.unlock();
+        if (now >= deadline)
+          g.world->fail(detail::failure_kind::timeout, world_rank(),
+                        "meshlib: recv from " + g.rank_label(source) + " with tag " + std::to_string(tag) +
+                            " timed out on " + g.rank_label(rank_) + " after " +
+                            std::to_string(std::chrono::duration<double>(g.policy.timeout).count()) + " s: " +
+                            g.rank_label(source) + " never sent it");
+        else
+          g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
+                        "meshlib: communicator aborted: " + g.rank_label(source) +
+                            " left the communicator (its handle was destroyed or its thread ended) while " +
+                            g.rank_label(rank_) + " waited to receive from it");
+        g.world->rethrow("seen by " + where(k));
+      }
+      g.p2p_cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+    }
+  }
+
+  std::shared_ptr<detail::group_state> state_;
+  int rank_ = 0;
+  std::uint64_t step_ = 0;  ///< steps this handle has taken part in (each collective takes 1 or 2)
+  std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
+  std::vector<void*> outs_;
+  detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+};
+
+static_assert(communicator<thread_communicator>);
+
+/// @brief The shared state of a group of `size` threads, and the source of their handles.
+///
+/// The world outlives nothing it hands out: handles share ownership of the state, so a handle
+/// may outlive its world. Destroying the world while a handle it gave out is still held aborts
+/// the world ("the thread_world was destroyed"), which releases every blocked participant.
+class thread_world {
+ public:
+  /// @throws comm_argument_error unless 1 <= size.
+  explicit thread_world(int size, thread_comm_options options = {}) {
+    if (size < 1)
+      throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
+    world_ = std::make_shared<detail::world_state>(options);
+    std::vector<int> ranks(static_cast<std::size_t>(size));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    group_ = detail::make_group(world_, std::move(ranks));
+  }
+  thread_world(const thread_world&) = delete;
+  thread_world& operator=(const thread_world&) = delete;
+  thread_world(thread_world&&) noexcept = default;
+  thread_world& operator=(thread_world&&) noexcept = default;
+  ~thread_world() {
+    if (!group_) return;
+    for (int r = 0; r < group_->n; ++r) {
+      const auto& slot = group_->slots[r];
+      if (slot.claimed.load() && !slot.departed.load()) {
+        world_->fail(detail::failure_kind::aborted, -1,
+                     "meshlib: communicator aborted: the thread_world was destroyed while rank " + std::to_string(r) +
+                         " still held its handle");
+        break;
+      }
+    }
+  }
+
+  /// Number of participants.
+  [[nodiscard]] int size() const noexcept { return group_->n; }
+
+  /// @brief The handle of participant `rank`, for the thread that plays it. Each rank's handle is
+  /// handed out once.
+  /// @throws comm_argument_error when rank is out of range or its handle was already taken.
+  [[nodiscard]] thread_communicator communicator(int rank) {
+    if (rank < 0 || rank >= group_->n)
+      throw comm_argument_error("meshlib: thread_world::communicator: rank " + std::to_string(rank) +
+                                " is out of range [0, " + std::to_string(group_->n) + ")");
+    if (group_->slots[rank].claimed.exchange(true))
+      throw comm_argument_error("meshlib: thread_world::communicator: the handle of rank " + std::to_string(rank) +
+                                " was already handed out; each rank has one handle");
+    return thread_communicator(group_, rank);
+  }
+
+  /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
+  /// @returns whether this call recorded the root cause.
+  bool abort(int rank, std::string_view reason) {
+    return world_->fail(detail::failure_kind::aborted, rank,
+                        "meshlib: communicator aborted: rank " + std::to_string(rank) + " failed: " + std::string(reason));
+  }
+
+  /// Whether the world has failed.
+  [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
+  /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
+  [[nodiscard]] int root_cause_rank() const { return world_->root_cause_rank(); }
+
+ private:
+  std::shared_ptr<detail::world_state> world_;
+  std::shared_ptr<detail::group_state> group_;
+};
+
+}  // namespace meshlib
+// end meshlib/comm/thread/thread_communicator.hpp
+// begin meshlib/comm/thread/run_on_threads.hpp
+/// @file
+/// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank. The one
+/// place where meshlib starts participant threads (shard_map and spmd use it).
+
+#include <exception>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief Thrown by `run_on_threads` when a participant failed: the root cause, with its rank.
+/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
+/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
+class participant_error : public comm_error, public std::nested_exception {
+ public:
+  /// Must be constructed while the participant's exception is the current one (in a catch block).
+  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
+  /// Rank (in the world of `run_on_threads`) of the participant whose failure is the root cause.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
+};
+
+namespace detail {
+inline std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+}  // namespace detail
+
+/// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
+/// `thread_world(n, options)` (participant 0 on the calling thread), and returns when all have
+/// returned.
+///
+/// When a participant throws, the world is aborted with it as the root cause, so every peer that
+/// waits in (or later enters) a collective gets `comm_aborted` instead of hanging; once every
+/// thread has ended, `run_on_threads` throws `participant_error` for the root cause: the first
+/// participant to throw, or, when the communicator itself failed (a collective mismatch, a
+/// timeout), the lowest rank that threw.
+/// @code
+/// std::vector<float> out(4);
+/// meshlib::run_on_threads(4, [&](meshlib::thread_communicator& c) {
+///   float x = float(c.rank());
+///   c.all_gather(std::span<const float>(&x, 1), std::span(out).subspan(0, 4));  // every rank: {0,1,2,3}
+/// });
+/// @endcode
+/// @throws participant_error as above; comm_argument_error when n < 1; std::system_error when a
+/// thread cannot be started (after the started ones are aborted and joined).
+template <class F>
+  requires std::is_invocable_v<F&, thread_communicator&>
+void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
+  thread_world world(n, std::move(options));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  auto body = [&](int r) {
+    thread_communicator comm = world.communicator(r);
+    try {
+      fn(comm);
+    } catch (...) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, detail::what_of(errors[static_cast<std::size_t>(r)]));
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n > 0 ? n - 1 : 0));
+  try {
+    for (int r = 1; r < n; ++r) threads.emplace_back(body, r);
+  } catch (...) {
+    world.abort(0, "run_on_threads could not start a thread");
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  body(0);
+  for (auto& t : threads) t.join();
+
+  int root = world.failed() ? world.root_cause_rank() : -1;
+  if (root < 0 || root >= n || !errors[static_cast<std::size_t>(root)]) {
+    root = -1;
+    for (int r = 0; r < n && root < 0; ++r)
+      if (errors[static_cast<std::size_t>(r)]) root = r;
+  }
+  if (root < 0) return;
+  const auto& e = errors[static_cast<std::size_t>(root)];
+  try {
+    std::rethrow_exception(e);
+  } catch (...) {
+    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
+                                      " failed: " + detail::what_of(e));
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/comm/thread/run_on_threads.hpp
+// begin meshlib/comm/axis_communicators.hpp
+/// @file
+/// @brief `axis_communicators`: for one device of a `mesh`, the communicator of its group along
+/// any set of mesh axes, split from the communicator of the whole mesh, with ranks in the group's
+/// stable order (`mesh::group`, `mesh::group_rank`). Works with every backend (it only needs
+/// `split`) and builds each group's communicator once, on first use.
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief The communicators of one device's groups along the axes of a mesh.
+///
+/// The device is the rank of `world`, whose size must be the mesh's. `over<"data">()` is the
+/// communicator of the devices that differ from this one only in axis "data", ranked by their
+/// "data" coordinate; `over<"data", "model">()` (any subset, in any order) that of the group along
+/// both axes, ranked row-major over them. Its rank is `mesh.group_rank(device, mask)`.
+///
+/// The first call for a set of axes is collective over `world` (it splits it): every device must
+/// ask for the same sets of axes in the same order, as SPMD code does naturally (a device that
+/// asks for another set meets a `collective_mismatch`, not a hang). Later calls return the cached
+/// communicator at the cost of a map lookup. The whole mesh (every axis) is `world` itself.
+/// @code
+/// meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">> m{2, 2};
+/// meshlib::run_on_threads(4, [&](meshlib::thread_communicator& world) {
+///   meshlib::axis_communicators axes(world, m);
+///   auto& model = axes.over<"model">();   // devices {0,1} or {2,3}
+///   float x = 1.0f;
+///   model.all_reduce(std::span(&x, 1), meshlib::reduce_op::sum);  // x == 2
+/// });
+/// @endcode
+template <communicator Comm, mesh_type Mesh>
+class axis_communicators {
+ public:
+  /// @throws comm_argument_error when world.size() differs from mesh.size().
+  axis_communicators(Comm& world, const Mesh& mesh) : world_(&world), mesh_(mesh) {
+    if (static_cast<std::size_t>(world.size()) != mesh.size())
+      throw comm_argument_error("meshlib: axis_communicators: the communicator has " + std::to_string(world.size()) +
+                                " ranks but mesh " + mesh.to_string() + " has " + std::to_string(mesh.size()) +
+                                " devices; build it from the communicator of the whole mesh");
+  }
+
+  /// The device this object belongs to (its rank in the whole-mesh communicator).
+  [[nodiscard]] std::size_t device() const noexcept { return static_cast<std::size_t>(world_->rank()); }
+  [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
+
+  /// @brief The communicator of this device's group along the axes in `mask`.
+  Comm& over(axis_mask mask) {
+    mask &= Mesh::all_axes;
+    if (mask == Mesh::all_axes) return *world_;
+    auto it = groups_.find(mask);
+    if (it == groups_.end()) {
+      const std::size_t dev = device();
+      Comm sub = world_->split(static_cast<int>(mesh_.group_color(dev, mask)), static_cast<int>(mesh_.group_rank(dev, mask)));
+      it = groups_.emplace(mask, std::make_unique<Comm>(std::move(sub))).first;
+    }
+    return *it->second;
+  }
+
+  /// @brief The communicator of this device's group along the axes named `Names...`.
+  template <fixed_string... Names>
+  Comm& over() {
+    return over(Mesh::template mask_of<Names...>());
+  }
+
+ private:
+  Comm* world_;
+  Mesh mesh_;
+  std::map<axis_mask, std::unique_ptr<Comm>> groups_;
+};
+
+}  // namespace meshlib
+// end meshlib/comm/axis_communicators.hpp
 // end meshlib/comm.hpp
 // begin meshlib/tensor.hpp
 /// @file
 /// @brief The tensor layer: `sharded_tensor` (global view), `local_tensor` (the value a device sees
-/// inside `shard_map` / `spmd`), and local kernels with sharding propagation. Needs Kokkos.
+/// inside `shard_map` / `spmd`), and local kernels with sharding propagation (elementwise,
+/// reductions, transpose, matmul). Needs Kokkos; Kokkos Kernels is used for matmul where found.
 
 // begin meshlib/tensor/view.hpp
 /// @file
@@ -1043,6 +3105,83 @@ void launch(std::size_t n, const F& f) {
 }  // namespace detail
 }  // namespace meshlib
 // end meshlib/tensor/view.hpp
+// begin meshlib/tensor/spec_algebra.hpp
+/// @file
+/// @brief Building the partition spec of a kernel's result from its operands' specs (the global
+/// view's sharding propagation). Result specs drop trailing `none`s, so that the type a kernel
+/// returns is the one a user writes: the row sum of a `P<"data", none>` tensor is `P<"data">`.
+
+#include <array>
+#include <cstddef>
+#include <utility>
+
+
+namespace meshlib::detail {
+
+template <std::size_t N>
+constexpr std::size_t trimmed_length(const std::array<dim_spec, N>& dims) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < N; ++i)
+    if (!dims[i].replicated()) n = i + 1;
+  return n;
+}
+
+template <auto Dims, class Seq = std::make_index_sequence<trimmed_length(Dims)>>
+struct spec_from_array;
+template <auto Dims, std::size_t... I>
+struct spec_from_array<Dims, std::index_sequence<I...>> {
+  using type = partition_spec<Dims[I]...>;
+};
+
+/// The partition spec whose entries are `Dims` (a `std::array<dim_spec, N>`), trailing `none`s dropped.
+template <auto Dims>
+using spec_from_array_t = typename spec_from_array<Dims>::type;
+
+/// The entries of `Spec` for a rank-`Rank` array, trailing ones filled with `none`.
+template <class Spec, std::size_t Rank>
+constexpr std::array<dim_spec, Rank> spec_entries() {
+  std::array<dim_spec, Rank> out{};
+  for (std::size_t i = 0; i < Rank; ++i) out[i] = Spec::dim(i);
+  return out;
+}
+
+/// Length of `'data', 'model'` (or `none` for an empty mask) for the axes of `Mesh` in `Mask`.
+template <class Mesh, axis_mask Mask>
+consteval std::size_t axes_names_length() {
+  std::size_t n = 0;
+  bool first = true;
+  for (std::size_t i = 0; i < Mesh::ndim; ++i) {
+    if (!(Mask & (axis_mask{1} << i))) continue;
+    n += Mesh::axis_names[i].size() + 2 + (first ? 0 : 2);
+    first = false;
+  }
+  return first ? 4 : n;
+}
+
+/// `'data', 'model'` as a `fixed_string`, so that compile-time diagnostics can name axes in the
+/// template arguments the compiler prints; `none` for an empty mask.
+template <class Mesh, axis_mask Mask>
+inline constexpr auto axes_names_v = [] {
+  fixed_string<axes_names_length<Mesh, Mask>() + 1> s;
+  std::size_t k = 0;
+  auto put = [&](std::string_view v) {
+    for (char c : v) s.chars[k++] = c;
+  };
+  bool first = true;
+  for (std::size_t i = 0; i < Mesh::ndim; ++i) {
+    if (!(Mask & (axis_mask{1} << i))) continue;
+    if (!first) put(", ");
+    put("'");
+    put(Mesh::axis_names[i]);
+    put("'");
+    first = false;
+  }
+  if (first) put("none");
+  return s;
+}();
+
+}  // namespace meshlib::detail
+// end meshlib/tensor/spec_algebra.hpp
 // begin meshlib/tensor/local_tensor.hpp
 /// @file
 /// @brief `local_tensor`: the value one device sees inside `shard_map` / `spmd`, its block of a
@@ -1602,6 +3741,933 @@ auto to_host(const X& x) {
 
 }  // namespace meshlib
 // end meshlib/tensor/sharded_tensor.hpp
+// begin meshlib/tensor/elementwise.hpp
+/// @file
+/// @brief Elementwise kernels: `map`, `zip`, and the arithmetic operators, on local values (inside
+/// `shard_map` / `spmd`) and on global `sharded_tensor`s.
+///
+/// Sharding propagation: an elementwise result has its operands' layout. Both operands of a binary
+/// operation must have the *same* layout (same sharding in the global view; same vary, partial and
+/// dims in the local view): meshlib does not move data implicitly, so a mismatch does not compile
+/// and the message points to `reshard`.
+///
+/// Pending sums (`Partial`): only linear operations keep a value partial. `a + b`, `a - b`, `-a`,
+/// `a * s`, `s * a`, `a / s` are allowed on partial values (the sum of the parts is still the right
+/// answer); `map`, `zip`, `a * b`, `a + s` are not (`psum` first), because e.g. adding 1 to each of
+/// n parts adds n to their sum.
+/// @code
+/// auto y = x * 2.0f + 1.0f;                           // pmap-style x * 2 + 1
+/// auto z = meshlib::zip([](float a, float b) { return a > b ? a : b; }, x, y);
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+// ---- diagnostics ------------------------------------------------------------------------------
+// Each carries the offending types in its template arguments, so the compiler's "required from"
+// line names both operands next to the message.
+
+template <class A, class B>
+struct zip_needs_same_sharding {
+  static_assert(std::is_same_v<A, B>,
+                "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are the "
+                "arguments of zip_needs_same_sharding<A, B>); meshlib moves no data implicitly: "
+                "reshard one operand with meshlib::reshard<Spec>(x) so both have the same spec");
+  static constexpr bool value = true;
+};
+
+template <class A, class B>
+struct zip_needs_same_local_layout {
+  static_assert(std::is_same_v<A, B>,
+                "meshlib: zip / elementwise operator on local values: the operands vary over, are partial over, or are "
+                "sharded over different mesh axes (the two layouts, as local_layout<vary, partial, dims>, are the "
+                "arguments of zip_needs_same_local_layout<A, B>); make them agree first: psum / all_gather the one, "
+                "pbroadcast the other, or reshard the inputs of shard_map");
+  static constexpr bool value = true;
+};
+
+template <class Mesh, axis_mask Partial>
+struct operation_is_not_linear_on_partial {
+  static_assert(Partial == 0,
+                "meshlib: this operation is not linear, but the operand is a pending sum over the axes in "
+                "operation_is_not_linear_on_partial<mesh, partial-mask>; complete the sum with psum over those axes "
+                "first (only +, -, negation, and scaling by a scalar keep a value partial)");
+  static constexpr bool value = true;
+};
+
+/// The layout facts of a local value, compared by `zip` (the element type may differ).
+template <axis_mask Vary, axis_mask Partial, class Dims>
+struct local_layout {};
+
+template <class A, class B>
+consteval bool diagnose_zip_local() {
+  using la = local_layout<A::vary, A::partial, typename A::dims_type>;
+  using lb = local_layout<B::vary, B::partial, typename B::dims_type>;
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: zip on local values of different mesh types");
+  static_assert(A::rank == B::rank, "meshlib: zip on local values of different ranks");
+  return zip_needs_same_local_layout<la, lb>::value;
+}
+
+template <class A, class B>
+consteval bool diagnose_zip_global() {
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: zip on tensors over different mesh types");
+  static_assert(A::rank == B::rank, "meshlib: zip on tensors of different ranks");
+  return zip_needs_same_sharding<typename A::spec_type, typename B::spec_type>::value;
+}
+
+// ---- kernels on views -------------------------------------------------------------------------
+
+template <class F, class T, class U>
+struct map_functor {
+  F f;
+  const T* in;
+  U* out;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { out[i] = f(in[i]); }
+};
+
+template <class F, class T1, class T2, class U>
+struct zip_functor {
+  F f;
+  const T1* a;
+  const T2* b;
+  U* out;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { out[i] = f(a[i], b[i]); }
+};
+
+/// out = f(in), elementwise, into a fresh view of the same shape.
+template <class U, class Space, class View, class F>
+auto map_view(const View& in, const F& f) {
+  constexpr std::size_t rank = View::rank;
+  auto out = allocate<U, rank, Space>(extents_of(in), "meshlib::map", false);
+  launch<Space>(in.span(), map_functor<F, typename View::value_type, U>{f, in.data(), out.data()});
+  return out;
+}
+
+template <class U, class Space, class VA, class VB, class F>
+auto zip_view(const VA& a, const VB& b, const F& f) {
+  constexpr std::size_t rank = VA::rank;
+  if (extents_of(a) != extents_of(b))
+    throw sharding_error("meshlib: zip: the local blocks have shapes " + describe_shape(extents_of(a)) + " and " +
+                         describe_shape(extents_of(b)) + "; elementwise operands need equal shapes");
+  auto out = allocate<U, rank, Space>(extents_of(a), "meshlib::zip", false);
+  launch<Space>(a.span(), zip_functor<F, typename VA::value_type, typename VB::value_type, U>{f, a.data(), b.data(),
+                                                                                                out.data()});
+  return out;
+}
+
+template <class X, class U, class Views>
+auto rewrap_global(const X& x, Views&& blocks) {
+  using out_t = sharded_tensor<U, X::rank, typename X::sharding_type, typename X::memory_space>;
+  std::vector<bool> local(x.num_devices());
+  for (std::size_t d = 0; d < local.size(); ++d) local[d] = x.is_local(d);
+  return out_t(x.sharding(), x.global_shape(), std::forward<Views>(blocks), std::move(local));
+}
+
+template <class X, class Y>
+void check_same_global(const X& x, const Y& y, const char* op) {
+  if (!(x.sharding() == y.sharding()) || x.global_shape() != y.global_shape())
+    throw sharding_error(std::string("meshlib: ") + op + ": operands " + x.to_string() + " and " + y.to_string() +
+                         " differ in mesh sizes, shard rule or global shape");
+  for (std::size_t d = 0; d < x.num_devices(); ++d)
+    if (x.is_local(d) != y.is_local(d))
+      throw sharding_error(std::string("meshlib: ") + op + ": device " + std::to_string(d) +
+                           " is local to one operand and not the other");
+}
+
+}  // namespace detail
+
+// ---- local view ---------------------------------------------------------------------------------
+
+/// @brief `f` applied to every element of a local value; same layout, element type `f`'s result.
+/// @pre `x` is not partial (map is not linear in general).
+template <class F, local_tensor_type L>
+auto map(F f, const L& x) {
+  static_assert(detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value);
+  using T = typename L::value_type;
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
+  using out_t = with_value_t<L, U>;
+  return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+}
+
+/// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
+template <class F, local_tensor_type A, local_tensor_type B>
+auto zip(F f, const A& a, const B& b) {
+  static_assert(detail::diagnose_zip_local<A, B>());
+  static_assert(detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value);
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+  using out_t = with_value_t<A, U>;
+  return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+}
+
+namespace detail {
+/// Zip allowed on partial operands (for the linear operators +, -).
+template <class F, local_tensor_type A, local_tensor_type B>
+auto zip_linear(F f, const A& a, const B& b) {
+  static_assert(diagnose_zip_local<A, B>());
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+  using out_t = with_value_t<A, U>;
+  return out_t(zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+}
+template <class F, local_tensor_type L>
+auto map_linear(F f, const L& x) {
+  using T = typename L::value_type;
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
+  return with_value_t<L, U>(map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+}
+
+struct plus_fn {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION auto operator()(const A& a, const B& b) const { return a + b; }
+};
+struct minus_fn {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION auto operator()(const A& a, const B& b) const { return a - b; }
+};
+struct times_fn {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION auto operator()(const A& a, const B& b) const { return a * b; }
+};
+struct divide_fn {
+  template <class A, class B>
+  KOKKOS_INLINE_FUNCTION auto operator()(const A& a, const B& b) const { return a / b; }
+};
+template <class S, class Op, bool ScalarLeft>
+struct scalar_fn {
+  S s;
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(const T& x) const {
+    if constexpr (ScalarLeft) return static_cast<T>(Op{}(static_cast<T>(s), x));
+    else return static_cast<T>(Op{}(x, static_cast<T>(s)));
+  }
+};
+struct negate_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(const T& x) const { return static_cast<T>(-x); }
+};
+
+template <class S, class T>
+concept scalar_for = std::is_arithmetic_v<S> && std::is_arithmetic_v<T>;
+}  // namespace detail
+
+/// @brief Elementwise sum and difference: linear, so allowed on partial values of the same layout.
+template <local_tensor_type A, local_tensor_type B>
+auto operator+(const A& a, const B& b) {
+  return detail::zip_linear(detail::plus_fn{}, a, b);
+}
+template <local_tensor_type A, local_tensor_type B>
+auto operator-(const A& a, const B& b) {
+  return detail::zip_linear(detail::minus_fn{}, a, b);
+}
+/// @brief Elementwise product and quotient: not linear in the pair, so not on partial values.
+template <local_tensor_type A, local_tensor_type B>
+auto operator*(const A& a, const B& b) {
+  return zip(detail::times_fn{}, a, b);
+}
+template <local_tensor_type A, local_tensor_type B>
+auto operator/(const A& a, const B& b) {
+  return zip(detail::divide_fn{}, a, b);
+}
+template <local_tensor_type L>
+L operator-(const L& x) {
+  return detail::map_linear(detail::negate_fn{}, x);
+}
+
+/// @brief Scaling by a scalar: linear, allowed on partial values. The result keeps `x`'s element type.
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator*(const L& x, S s) {
+  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
+}
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator*(S s, const L& x) {
+  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
+}
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator/(const L& x, S s) {
+  return detail::map_linear(detail::scalar_fn<S, detail::divide_fn, false>{s}, x);
+}
+/// @brief Adding a scalar: not linear (it would be added once per part), so not on partial values.
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator+(const L& x, S s) {
+  return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
+}
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator+(S s, const L& x) {
+  return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
+}
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator-(const L& x, S s) {
+  return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
+}
+template <local_tensor_type L, class S>
+  requires detail::scalar_for<S, typename L::value_type>
+L operator-(S s, const L& x) {
+  return map(detail::scalar_fn<S, detail::minus_fn, true>{s}, x);
+}
+
+// ---- global view --------------------------------------------------------------------------------
+
+/// @brief `f` applied to every element of every local block; the result has `x`'s sharding.
+template <class F, sharded_tensor_type X>
+auto map(F f, const X& x) {
+  using T = typename X::value_type;
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
+  using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
+  std::vector<view_u> out(x.num_devices());
+  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  return detail::rewrap_global<X, U>(x, std::move(out));
+}
+
+/// @brief `f(a[i], b[i])` for every element; both tensors must have the same sharding.
+template <class F, sharded_tensor_type A, sharded_tensor_type B>
+auto zip(F f, const A& a, const B& b) {
+  static_assert(detail::diagnose_zip_global<A, B>());
+  detail::check_same_global(a, b, "zip");
+  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+  using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
+  std::vector<view_u> out(a.num_devices());
+  for (std::size_t d : a.local_devices())
+    out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+  return detail::rewrap_global<A, U>(a, std::move(out));
+}
+
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto operator+(const A& a, const B& b) {
+  return zip(detail::plus_fn{}, a, b);
+}
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto operator-(const A& a, const B& b) {
+  return zip(detail::minus_fn{}, a, b);
+}
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto operator*(const A& a, const B& b) {
+  return zip(detail::times_fn{}, a, b);
+}
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto operator/(const A& a, const B& b) {
+  return zip(detail::divide_fn{}, a, b);
+}
+template <sharded_tensor_type X>
+X operator-(const X& x) {
+  return map(detail::negate_fn{}, x);
+}
+
+#define MESHLIB_DETAIL_GLOBAL_SCALAR_OP(op, fn)                                                     \
+  template <sharded_tensor_type X, class S>                                                        \
+    requires detail::scalar_for<S, typename X::value_type>                                         \
+  X operator op(const X& x, S s) {                                                                 \
+    return map(detail::scalar_fn<S, detail::fn, false>{s}, x);                                     \
+  }                                                                                                \
+  template <sharded_tensor_type X, class S>                                                        \
+    requires detail::scalar_for<S, typename X::value_type>                                         \
+  X operator op(S s, const X& x) {                                                                 \
+    return map(detail::scalar_fn<S, detail::fn, true>{s}, x);                                      \
+  }
+MESHLIB_DETAIL_GLOBAL_SCALAR_OP(+, plus_fn)
+MESHLIB_DETAIL_GLOBAL_SCALAR_OP(-, minus_fn)
+MESHLIB_DETAIL_GLOBAL_SCALAR_OP(*, times_fn)
+MESHLIB_DETAIL_GLOBAL_SCALAR_OP(/, divide_fn)
+#undef MESHLIB_DETAIL_GLOBAL_SCALAR_OP
+
+}  // namespace meshlib
+// end meshlib/tensor/elementwise.hpp
+// begin meshlib/tensor/reduce.hpp
+/// @file
+/// @brief Reductions along one dimension: `sum<D>`, `mean<D>`, `max<D>`, on local values and on
+/// global `sharded_tensor`s. The result has rank `Rank - 1`.
+///
+/// Sharding propagation, local view (inside `shard_map` / `spmd`), when dimension `D` is a block of
+/// the axes `a` (its `dims` entry), following what JAX's shard_map gives for the same program:
+/// | reduction | local result | to complete it |
+/// | --- | --- | --- |
+/// | `sum<D>`  | partial over `a` (no longer varying over `a`) | `psum` over `a` |
+/// | `mean<D>` | partial over `a`: the local sum divided by the *global* extent of `D`, so that the sum of the parts is the global mean | `psum` over `a` |
+/// | `max<D>`  | still varying over `a`: the max of this block only (a max is no sum) | `pmax` over `a` |
+/// A dimension not sharded (`a` empty) reduces completely on each device. `sum` and `mean` are
+/// linear, so they also accept partial inputs; `max` does not.
+/// `mean` of an integer tensor returns `double` (as `jnp.mean` returns a float).
+///
+/// Global view: the reduction is complete (an "automatic psum"): the result's spec is the input's
+/// with dimension `D` removed, so the axes that split `D` now replicate the result. It needs every
+/// block of each reduced group in this process (the thread communicator case); otherwise it
+/// throws `sharding_error` (use the local view and a collective).
+///
+/// All loops are meshlib's own (one output element per RangePolicy iteration, the reduced
+/// dimension summed in index order): deterministic, and safe from concurrent device threads on
+/// Kokkos 3.4.1, whose parallel_reduce is not (see view.hpp).
+
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+enum class reduce_op { sum, max, mean };
+
+namespace detail {
+
+/// `Spec` of a rank-`Rank` array without entry `D`.
+template <class Spec, std::size_t Rank, std::size_t D>
+constexpr std::array<dim_spec, Rank - 1> remove_spec_entry() {
+  std::array<dim_spec, Rank - 1> out{};
+  for (std::size_t i = 0; i + 1 < Rank; ++i) out[i] = Spec::dim(i < D ? i : i + 1);
+  return out;
+}
+
+template <std::size_t D, std::size_t Rank>
+struct reduce_dim_in_range {
+  static_assert(D < Rank, "meshlib: reduction over a dimension the tensor does not have (see reduce_dim_in_range<dim, rank>)");
+  static constexpr bool value = true;
+};
+
+template <class Mesh, axis_mask Partial>
+struct max_of_partial_value {
+  static_assert(Partial == 0,
+                "meshlib: max over a value that is a pending sum over the axes in max_of_partial_value<mesh, mask>: "
+                "the max of the parts is not the max of the sum; psum over those axes first");
+  static constexpr bool value = true;
+};
+
+template <class T>
+using mean_result_t = std::conditional_t<std::is_floating_point_v<T>, T, double>;
+
+template <reduce_op Op, class T>
+using reduce_result_t = std::conditional_t<Op == reduce_op::mean, mean_result_t<T>, T>;
+
+template <class T>
+KOKKOS_INLINE_FUNCTION constexpr T lowest_of() {
+  if constexpr (std::numeric_limits<T>::has_infinity) return -std::numeric_limits<T>::infinity();
+  else return std::numeric_limits<T>::lowest();
+}
+
+/// One output element per iteration: out[o * inner + j] = reduce over k of in[(o * n + k) * inner + j].
+template <reduce_op Op, class T, class U>
+struct reduce_functor {
+  const T* in;
+  U* out;
+  std::size_t n, inner;
+  U scale;  // mean: 1 / global extent
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t idx) const {
+    const std::size_t o = idx / inner, j = idx % inner;
+    const T* p = in + o * n * inner + j;
+    if constexpr (Op == reduce_op::max) {
+      T acc = lowest_of<T>();
+      for (std::size_t k = 0; k < n; ++k) acc = p[k * inner] > acc ? p[k * inner] : acc;
+      out[idx] = acc;
+    } else {
+      U acc = U{};
+      for (std::size_t k = 0; k < n; ++k) acc += static_cast<U>(p[k * inner]);
+      out[idx] = Op == reduce_op::mean ? static_cast<U>(acc * scale) : acc;
+    }
+  }
+};
+
+/// Reduces dimension `D` of `in`; `mean_extent` is the extent `mean` divides by.
+template <reduce_op Op, std::size_t D, class Space, class U = void, class View>
+auto reduce_view(const View& in, std::size_t mean_extent) {
+  constexpr std::size_t rank = View::rank;
+  using T = typename View::value_type;
+  using R = std::conditional_t<std::is_void_v<U>, reduce_result_t<Op, T>, U>;
+  std::array<std::size_t, rank - 1> shape{};
+  std::size_t outer = 1, inner = 1;
+  for (std::size_t d = 0; d < rank; ++d) {
+    if (d < D) outer *= in.extent(d);
+    if (d > D) inner *= in.extent(d);
+    if (d != D) shape[d < D ? d : d - 1] = in.extent(d);
+  }
+  auto out = allocate<R, rank - 1, Space>(shape, "meshlib::reduce", false);
+  const R scale = mean_extent == 0 ? R{} : static_cast<R>(R{1} / static_cast<R>(mean_extent));
+  launch<Space>(outer * inner, reduce_functor<Op, T, R>{in.data(), out.data(), in.extent(D), inner, scale});
+  return out;
+}
+
+template <reduce_op Op, std::size_t D, local_tensor_type L>
+auto reduce_local(const L& x) {
+  static_assert(reduce_dim_in_range<D, L::rank>::value);
+  if constexpr (Op == reduce_op::max) static_assert(max_of_partial_value<typename L::mesh_type, L::partial>::value);
+  using T = typename L::value_type;
+  using U = reduce_result_t<Op, T>;
+  constexpr axis_mask a = L::dims_type::at(D);
+  constexpr axis_mask vary = Op == reduce_op::max ? L::vary : (L::vary & ~a);
+  constexpr axis_mask partial = Op == reduce_op::max ? L::partial : (L::partial | a);
+  using out_t = rebind_local_t<L, U, L::rank - 1, vary, partial, remove_dim_t<typename L::dims_type, D>>;
+  return out_t(reduce_view<Op, D, typename L::memory_space>(x.view(), x.global_extent(D)), x.mesh(), x.device());
+}
+
+template <reduce_op Op, std::size_t D, sharded_tensor_type X>
+auto reduce_global(const X& x) {
+  static_assert(reduce_dim_in_range<D, X::rank>::value);
+  using S = typename X::sharding_type;
+  using mesh_t = typename X::mesh_type;
+  using T = typename X::value_type;
+  using U = reduce_result_t<Op, T>;
+  using out_spec = spec_from_array_t<remove_spec_entry<typename X::spec_type, X::rank, D>()>;
+  using out_sharding = named_sharding<mesh_t, out_spec>;
+  using space = typename X::memory_space;
+  using out_t = sharded_tensor<U, X::rank - 1, out_sharding, space>;
+  constexpr axis_mask a = S::dim_mask(D);
+  const auto& m = x.mesh();
+  const std::size_t n = x.num_devices();
+  // Partial results per local device, over its own block.
+  using view_u = block_view_t<U, X::rank - 1, space>;
+  std::vector<view_u> part(n);
+  for (std::size_t dev : x.local_devices())
+    part[dev] = reduce_view<Op == reduce_op::max ? reduce_op::max : reduce_op::sum, D, space, U>(x.local(dev), 0);
+  if constexpr (a == 0) {
+    if constexpr (Op == reduce_op::mean) {
+      std::vector<view_u> out(n);
+      const U scale = x.extent(D) == 0 ? U{} : static_cast<U>(U{1} / static_cast<U>(x.extent(D)));
+      for (std::size_t dev : x.local_devices()) {
+        out[dev] = part[dev];
+        U* p = out[dev].data();
+        for (std::size_t i = 0; i < out[dev].span(); ++i) p[i] = static_cast<U>(p[i] * scale);
+      }
+      part = std::move(out);
+    }
+    std::vector<bool> local(n);
+    for (std::size_t d = 0; d < n; ++d) local[d] = x.is_local(d);
+    std::array<std::size_t, X::rank - 1> shape{};
+    for (std::size_t d = 0, k = 0; d < X::rank; ++d)
+      if (d != D) shape[k++] = x.extent(d);
+    return out_t(out_sharding(m, x.sharding().rule()), shape, std::move(part), std::move(local));
+  } else {
+    // Complete the reduction over each group along `a`, in group-rank order (deterministic).
+    std::array<std::size_t, X::rank - 1> shape{};
+    for (std::size_t d = 0, k = 0; d < X::rank; ++d)
+      if (d != D) shape[k++] = x.extent(d);
+    out_t out(out_sharding(m, x.sharding().rule()), shape, std::span<const std::size_t>(x.local_devices()));
+    const U scale = x.extent(D) == 0 ? U{} : static_cast<U>(U{1} / static_cast<U>(x.extent(D)));
+    for (std::size_t dev : x.local_devices()) {
+      U* dst = out.local(dev).data();
+      const std::size_t len = out.local(dev).span();
+      const auto group = m.group(dev, a);
+      bool first = true;
+      for (std::size_t g : group) {
+        if (!x.is_local(g))
+          throw sharding_error("meshlib: global " + std::string(Op == reduce_op::max ? "max" : Op == reduce_op::sum ? "sum" : "mean") +
+                               " over dimension " + std::to_string(D) + " of " + x.to_string() + " needs device " +
+                               std::to_string(g) + "'s block, which is not local; reduce in the local view and complete with a collective");
+        const U* src = part[g].data();
+        if (x.local_shape(g)[D] == 0) continue;  // an empty block (uneven rule) contributes nothing
+        for (std::size_t i = 0; i < len; ++i) {
+          if (first) dst[i] = src[i];
+          else if constexpr (Op == reduce_op::max) dst[i] = src[i] > dst[i] ? src[i] : dst[i];
+          else dst[i] += src[i];
+        }
+        first = false;
+      }
+      if (first && Op == reduce_op::max)
+        for (std::size_t i = 0; i < len; ++i) dst[i] = lowest_of<U>();
+      if constexpr (Op == reduce_op::mean)
+        for (std::size_t i = 0; i < len; ++i) dst[i] = static_cast<U>(dst[i] * scale);
+    }
+    return out;
+  }
+}
+
+}  // namespace detail
+
+/// @brief Sum over dimension `D` (local view: partial over `D`'s axes; global view: complete).
+template <std::size_t D, class X>
+  requires(local_tensor_type<X> || sharded_tensor_type<X>)
+auto sum(const X& x) {
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::sum, D>(x);
+  else return detail::reduce_global<reduce_op::sum, D>(x);
+}
+
+/// @brief Mean over dimension `D` (local view: partial over `D`'s axes, scaled by the global extent).
+template <std::size_t D, class X>
+  requires(local_tensor_type<X> || sharded_tensor_type<X>)
+auto mean(const X& x) {
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::mean, D>(x);
+  else return detail::reduce_global<reduce_op::mean, D>(x);
+}
+
+/// @brief Max over dimension `D` (local view: the block's max, still varying over `D`'s axes: pmax completes it).
+template <std::size_t D, class X>
+  requires(local_tensor_type<X> || sharded_tensor_type<X>)
+auto max(const X& x) {
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::max, D>(x);
+  else return detail::reduce_global<reduce_op::max, D>(x);
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/reduce.hpp
+// begin meshlib/tensor/transpose.hpp
+/// @file
+/// @brief `transpose` of rank-2 tensors. Sharding propagation: the dimensions swap and carry their
+/// sharding with them (local view: `dims` swap, vary and partial unchanged; global view: the spec
+/// entries swap, `P<"data", none>` becomes `P<none, "data">`). No data moves between devices.
+
+#include <array>
+#include <cstddef>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <class T>
+struct transpose_functor {
+  const T* in;
+  T* out;
+  std::size_t rows, cols;  // of `in`
+  static constexpr std::size_t tile = 32;
+  // One iteration per tile of `in`, so reads and writes both stay in cache.
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t t) const {
+    const std::size_t tiles_c = (cols + tile - 1) / tile;
+    const std::size_t r0 = (t / tiles_c) * tile, c0 = (t % tiles_c) * tile;
+    const std::size_t r1 = r0 + tile < rows ? r0 + tile : rows, c1 = c0 + tile < cols ? c0 + tile : cols;
+    for (std::size_t r = r0; r < r1; ++r)
+      for (std::size_t c = c0; c < c1; ++c) out[c * rows + r] = in[r * cols + c];
+  }
+};
+
+template <class Space, class View>
+auto transpose_view(const View& in) {
+  using T = typename View::value_type;
+  const std::size_t rows = in.extent(0), cols = in.extent(1);
+  auto out = allocate<T, 2, Space>({cols, rows}, "meshlib::transpose", false);
+  constexpr std::size_t tile = transpose_functor<T>::tile;
+  launch<Space>(((rows + tile - 1) / tile) * ((cols + tile - 1) / tile), transpose_functor<T>{in.data(), out.data(), rows, cols});
+  return out;
+}
+
+template <std::size_t Rank>
+struct transpose_needs_rank_2 {
+  static_assert(Rank == 2, "meshlib: transpose is defined for rank-2 tensors (see transpose_needs_rank_2<rank>)");
+  static constexpr bool value = true;
+};
+
+}  // namespace detail
+
+/// @brief The transpose of a rank-2 local value.
+template <local_tensor_type L>
+auto transpose(const L& x) {
+  static_assert(detail::transpose_needs_rank_2<L::rank>::value);
+  using out_t = with_dims_t<L, dim_masks<L::dims_type::at(1), L::dims_type::at(0)>>;
+  return out_t(detail::transpose_view<typename L::memory_space>(x.view()), x.mesh(), x.device());
+}
+
+/// @brief The transpose of a rank-2 sharded tensor: spec `P<a, b>` becomes `P<b, a>`.
+template <sharded_tensor_type X>
+auto transpose(const X& x) {
+  static_assert(detail::transpose_needs_rank_2<X::rank>::value);
+  using spec = typename X::spec_type;
+  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{spec::dim(1), spec::dim(0)}>;
+  using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
+  using out_t = sharded_tensor<typename X::value_type, 2, out_sharding, typename X::memory_space>;
+  std::vector<typename out_t::view_type> blocks(x.num_devices());
+  std::vector<bool> local(x.num_devices());
+  for (std::size_t d : x.local_devices()) {
+    blocks[d] = detail::transpose_view<typename X::memory_space>(x.local(d));
+    local[d] = true;
+  }
+  return out_t(out_sharding(x.mesh(), x.sharding().rule()), {x.extent(1), x.extent(0)}, std::move(blocks), std::move(local));
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/transpose.hpp
+// begin meshlib/tensor/matmul.hpp
+/// @file
+/// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global
+/// `sharded_tensor`s.
+///
+/// For `C = A . B` with `A` split as `P<r, k>` and `B` as `P<k2, c>`:
+/// | case | requirement | result |
+/// | --- | --- | --- |
+/// | batch (rows) sharded x replicated | `k == k2 == none` | `P<r, c>`, no communication |
+/// | column-sharded weights | `B = P<none, c>` | columns sharded over `c` |
+/// | contraction sharded on both sides | `k == k2` (same axes, same order) | local view: partial over `k` (complete with `psum`, or `psum_scatter` to get it sharded); global view: summed, replicated over `k` |
+/// | contraction sharded differently | `k != k2` | does not compile: reshard one side |
+/// | one axis on both output dimensions | `r` and `c` share an axis | does not compile |
+/// Local view only: a pending sum times a value is a pending sum (matmul is linear in each side),
+/// unless the other side varies over (or is partial over) the same axis: that does not compile.
+///
+/// Kernel: `KokkosBlas::gemm` for `float` / `double` when meshlib is built with Kokkos Kernels
+/// (`MESHLIB_ENABLE_KOKKOS_KERNELS`; with Debian's build it calls the BLAS TPL, OpenBLAS); otherwise,
+/// and for integer types, meshlib's own row-parallel Kokkos kernel (RangePolicy only: safe from
+/// concurrent device threads on Kokkos 3.4.1, which KokkosKernels' team-policy fallback is not).
+///
+/// BLAS threads: with one thread per device, a multi-threaded BLAS inside every device would
+/// oversubscribe the cores. The first `matmul` therefore sets OpenBLAS to one thread per call
+/// (`openblas_set_num_threads`, looked up with `dlsym`, so nothing is required at link time), unless
+/// `set_blas_threads_per_device(n)` was called first or `MESHLIB_BLAS_THREADS=n` is set.
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <dlfcn.h>
+
+
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#include <KokkosBlas3_gemm.hpp>
+#endif
+
+namespace meshlib {
+
+namespace detail {
+
+inline std::atomic<bool>& blas_threads_chosen() {
+  static std::atomic<bool> chosen{false};
+  return chosen;
+}
+
+/// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
+inline void (*openblas_setter())(int) {
+  static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  return fn;
+}
+
+}  // namespace detail
+
+/// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
+/// has one setting). Call it before the device threads start.
+/// @returns whether an OpenBLAS was found to apply it to.
+inline bool set_blas_threads_per_device(int threads) {
+  detail::blas_threads_chosen() = true;
+  if (auto fn = detail::openblas_setter()) {
+    fn(threads < 1 ? 1 : threads);
+    return true;
+  }
+  return false;
+}
+
+namespace detail {
+
+/// Applies the default of one BLAS thread per device once, unless the user chose.
+inline void ensure_blas_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (blas_threads_chosen()) return;
+    int n = 1;
+    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS")) n = std::atoi(env);
+    set_blas_threads_per_device(n);
+  });
+}
+
+template <class T, class Space>
+inline constexpr bool use_blas_v =
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    (std::is_same_v<T, float> || std::is_same_v<T, double>) && host_accessible_v<Space>;
+#else
+    false;
+#endif
+
+/// One row of C per iteration, i-k-j order (unit stride on B and C, vectorisable), k in panels.
+template <class T>
+struct gemm_row_functor {
+  const T* a;
+  const T* b;
+  T* c;
+  std::size_t k, n;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    T* ci = c + i * n;
+    const T* ai = a + i * k;
+    for (std::size_t p = 0; p < k; ++p) {
+      const T aip = ai[p];
+      const T* bp = b + p * n;
+      for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+    }
+  }
+};
+
+/// C = A . B for row-major blocks, into a fresh view.
+template <class Space, class VA, class VB>
+auto gemm_view(const VA& a, const VB& b) {
+  using T = typename VA::non_const_value_type;
+  const std::size_t m = a.extent(0), k = a.extent(1), n = b.extent(1);
+  if (b.extent(0) != k)
+    throw sharding_error("meshlib: matmul: local blocks of shapes (" + std::to_string(m) + ", " + std::to_string(k) +
+                         ") and (" + std::to_string(b.extent(0)) + ", " + std::to_string(n) +
+                         ") do not chain; the contraction dimensions differ in size");
+  if constexpr (use_blas_v<T, Space>) {
+    ensure_blas_threads();
+    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
+    return c;
+  } else {
+    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", true);
+    launch<Space>(m, gemm_row_functor<T>{a.data(), b.data(), c.data(), k, n});
+    return c;
+  }
+}
+
+// ---- diagnostics --------------------------------------------------------------------------------
+
+template <bool Ok, fixed_string LhsContractionAxes, fixed_string RhsContractionAxes>
+struct matmul_contraction_sharded_differently {
+  static_assert(Ok,
+                "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
+                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes named in "
+                "matmul_contraction_sharded_differently<ok, lhs axes, rhs axes>; reshard (or all_gather) one operand "
+                "so that they match");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, fixed_string SharedAxes>
+struct matmul_output_dims_share_an_axis {
+  static_assert(Ok,
+                "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
+                "(rhs dimension 1) of the result (the axis is named in matmul_output_dims_share_an_axis<ok, axes>); "
+                "reshard one operand to replicate that dimension");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, fixed_string Axes>
+struct matmul_of_partial_value {
+  static_assert(Ok,
+                "meshlib: matmul: one operand is a pending sum over the axes named in matmul_of_partial_value<ok, "
+                "axes> and the other varies over (or is also partial over) them, so the product is not a pending "
+                "sum of anything; psum the partial operand first");
+  static constexpr bool value = Ok;
+};
+
+template <bool Ok, class LhsSpec, class RhsSpec>
+struct matmul_incompatible_shardings {
+  static_assert(Ok,
+                "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
+                "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
+                "dimensions (the specs are the arguments of matmul_incompatible_shardings<ok, lhs spec, rhs spec>); "
+                "reshard one operand with meshlib::reshard<Spec>(x) first");
+  static constexpr bool value = Ok;
+};
+
+template <class A, class B>
+consteval bool diagnose_matmul_local() {
+  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: matmul of local values over different mesh types");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "meshlib: matmul operands must have the same element type");
+  using M = typename A::mesh_type;
+  constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
+  constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
+  constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
+  if constexpr (a1 != b0) {
+    return matmul_contraction_sharded_differently<false, axes_names_v<M, a1>, axes_names_v<M, b0>>::value;
+  } else if constexpr (shared != 0) {
+    return matmul_output_dims_share_an_axis<false, axes_names_v<M, shared>>::value;
+  } else if constexpr (bad_partial != 0) {
+    return matmul_of_partial_value<false, axes_names_v<M, bad_partial>>::value;
+  } else {
+    return true;
+  }
+}
+
+template <class A, class B>
+consteval bool diagnose_matmul_global() {
+  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
+  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
+                "meshlib: matmul of tensors over different mesh types");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "meshlib: matmul operands must have the same element type");
+  using SA = typename A::spec_type;
+  using SB = typename B::spec_type;
+  using shA = typename A::sharding_type;
+  using shB = typename B::sharding_type;
+  constexpr bool ok = SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0;
+  return matmul_incompatible_shardings<ok, SA, SB>::value;
+}
+
+}  // namespace detail
+
+/// @brief The product of two rank-2 local values (see the file comment for the result's layout).
+template <local_tensor_type A, local_tensor_type B>
+auto matmul(const A& a, const B& b) {
+  constexpr bool ok = detail::diagnose_matmul_local<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+  constexpr axis_mask partial = A::partial | B::partial | A::dims_type::at(1);
+  constexpr axis_mask vary = (A::vary | B::vary) & ~partial;
+  using out_t = rebind_local_t<A, typename A::value_type, 2, vary, partial,
+                               dim_masks<A::dims_type::at(0), B::dims_type::at(1)>>;
+  return out_t(detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
+  }
+}
+
+/// @brief The product of two rank-2 sharded tensors: spec `P<r, k> . P<k, c> = P<r, c>`, the
+/// contraction over `k`'s axes completed (summed over each group, in group-rank order).
+template <sharded_tensor_type A, sharded_tensor_type B>
+auto matmul(const A& a, const B& b) {
+  constexpr bool ok = detail::diagnose_matmul_global<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+  using T = typename A::value_type;
+  using SA = typename A::spec_type;
+  using SB = typename B::spec_type;
+  using M = typename A::mesh_type;
+  using space = typename A::memory_space;
+  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
+  using out_sharding = named_sharding<M, out_spec>;
+  using out_t = sharded_tensor<T, 2, out_sharding, space>;
+  constexpr axis_mask c = A::sharding_type::dim_mask(1);
+  if (!(a.mesh() == b.mesh()) || a.sharding().rule() != b.sharding().rule() || a.extent(1) != b.extent(0))
+    throw sharding_error("meshlib: matmul: " + a.to_string() + " and " + b.to_string() +
+                         " need the same mesh sizes and shard rule and a common contraction size");
+  const std::size_t n = a.num_devices();
+  std::vector<typename out_t::view_type> prod(n);
+  std::vector<bool> local(n);
+  for (std::size_t dev : a.local_devices()) {
+    if (!b.is_local(dev))
+      throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+    local[dev] = true;
+  }
+  out_sharding s(a.mesh(), a.sharding().rule());
+  if constexpr (c == 0) {
+    return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
+  } else {
+    std::vector<typename out_t::view_type> sum(n);
+    for (std::size_t dev : a.local_devices()) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
+        if (!local[g])
+          throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
+                               " needs device " + std::to_string(g) +
+                               "'s block, which is not local; use the local view and psum");
+        const T* src = prod[g].data();
+        for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
+      }
+    }
+    return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
+  }
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/matmul.hpp
 // end meshlib/tensor.hpp
 // begin meshlib/runtime.hpp
 /// @file
