@@ -6,4 +6,7 @@
 #include "meshlib/core.hpp"
 #include "meshlib/comm.hpp"
 #include "meshlib/tensor.hpp"
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
 #include "meshlib/runtime.hpp"
+#include "meshlib/debug.hpp"

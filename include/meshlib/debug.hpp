@@ -1,0 +1,5 @@
+#pragma once
+/// @file
+/// @brief The debug layer: sharding visualisation (and, later, traces and consistency checks).
+
+#include "meshlib/debug/visualize_sharding.hpp"

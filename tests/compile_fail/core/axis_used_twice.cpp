@@ -1,0 +1,4 @@
+// A mesh axis may split at most one dimension.
+#include <meshlib/core.hpp>
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+int main() { meshlib::named_sharding<mesh_t, meshlib::P<"data", "data">> s{mesh_t{2, 2}}; (void)s; }

@@ -1,0 +1,3 @@
+// Asking a mesh for an axis it does not have is a compile-time error, not a run-time lookup.
+#include <meshlib/core.hpp>
+int main() { meshlib::mesh<meshlib::axis<"data">> m{2}; return static_cast<int>(m.axis_size<"model">()); }
