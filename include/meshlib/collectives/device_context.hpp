@@ -1,0 +1,244 @@
+#pragma once
+/// @file
+/// @brief The device a piece of SPMD code runs as: its id, its mesh coordinates, and the
+/// communicator of each of its axis groups. `shard_map` and `spmd` install one per device thread
+/// (`detail::scoped_device`); typed collectives and `axis_index` / `axis_size` read it.
+///
+/// Why type-erased: a collective sees only a `local_tensor`, whose type names the mesh but not the
+/// backend, and the same program must run on the thread, MPI and NCCL backends unchanged. So the
+/// context holds its communicators behind `device_comm`, a small virtual interface over raw
+/// buffers and a run-time `datatype` tag, implemented once per backend by `device_comm_for<C>` on
+/// top of the `communicator` concept. The virtual call costs nothing next to the collective.
+///
+/// Sub-communicators come from the comm layer's `axis_communicators`: split on first use from the
+/// device's world communicator, cached per axis set. That is safe because every device of an SPMD
+/// program reaches the same collectives in the same order (what every backend already requires).
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "meshlib/collectives/errors.hpp"
+#include "meshlib/comm/axis_communicators.hpp"
+#include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/core/fixed_string.hpp"
+#include "meshlib/core/mesh.hpp"
+#include "meshlib/core/named_sharding.hpp"
+
+namespace meshlib {
+
+namespace detail {
+
+/// Calls `f.template operator()<T>()` with the element type `T` that `dt` names.
+template <class F>
+decltype(auto) with_element_type(datatype dt, F&& f) {
+  switch (dt) {
+    case datatype::float32: return f.template operator()<float>();
+    case datatype::float64: return f.template operator()<double>();
+    case datatype::int32: return f.template operator()<std::int32_t>();
+    case datatype::int64: return f.template operator()<std::int64_t>();
+    case datatype::bfloat16: return f.template operator()<bfloat16>();
+  }
+  return f.template operator()<float>();
+}
+
+/// One device's handle on one group (see the file comment): raw buffers, `count` elements of `dt`.
+class device_comm {
+ public:
+  virtual ~device_comm() = default;
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
+  /// In place: `buf[i]` = op over ranks.
+  virtual void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// `recv` = [send of rank 0, rank 1, ...], `count` elements each.
+  virtual void all_gather(const void* send, void* recv, std::size_t count, datatype dt) = 0;
+  /// `recv` = block `rank` (of `count` elements) of the reduction of `send` (`count * size()` elements).
+  virtual void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// Block j (of `count` elements) of `send` goes to rank j and lands at block `rank` of `recv`.
+  virtual void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) = 0;
+  /// Variable-sized all-to-all, counts and displacements in elements.
+  virtual void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, void* recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            std::size_t send_total, std::size_t recv_total, datatype dt) = 0;
+  /// `recv` = the `send` of the rank that sends to this one; zeros when none does.
+  virtual void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                        std::span<const permute_pair> pairs) = 0;
+  /// In place: every rank's `buf` = root's.
+  virtual void broadcast(void* buf, std::size_t count, datatype dt, int root) = 0;
+};
+
+/// `device_comm` over a backend communicator `C` (a reference: the communicator lives in
+/// `axis_communicators`).
+template <communicator C>
+class device_comm_for final : public device_comm {
+ public:
+  explicit device_comm_for(C& comm) : comm_(comm) {}
+  C& get() noexcept { return comm_; }
+
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+
+  void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+  }
+  void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
+                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size())))
+          .wait();
+    });
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
+                           std::span<T>(static_cast<T*>(recv), count), op)
+          .wait();
+    });
+  }
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
+    const std::size_t total = count * static_cast<std::size_t>(comm_.size());
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total))
+          .wait();
+    });
+  }
+  void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
+                    void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                    std::size_t send_total, std::size_t recv_total, datatype dt) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
+                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs)
+          .wait();
+    });
+  }
+  void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                std::span<const permute_pair> pairs) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
+                     pairs)
+          .wait();
+    });
+  }
+  void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
+    with_element_type(dt, [&]<class T>() { comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root).wait(); });
+  }
+
+ private:
+  C& comm_;
+};
+
+/// The device this thread runs as (see the file comment).
+class device_context {
+ public:
+  virtual ~device_context() = default;
+  /// The device id: its row-major index in the mesh.
+  [[nodiscard]] virtual std::size_t device() const noexcept = 0;
+  /// Position of the axis called `name` in the running mesh, or the mesh's rank when it has none.
+  [[nodiscard]] virtual std::size_t find_axis(std::string_view name) const noexcept = 0;
+  [[nodiscard]] virtual std::size_t axis_count() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
+  [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
+  [[nodiscard]] virtual std::string describe_mesh() const = 0;
+  /// The communicator of this device's group along the axes in `mask`, in group-rank order.
+  [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+};
+
+/// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
+/// communicator and the device's `axis_communicators`.
+template <communicator C, mesh_type Mesh>
+class device_context_for final : public device_context {
+ public:
+  device_context_for(const Mesh& mesh, std::size_t device, C world)
+      : mesh_(mesh), device_(device), coords_(mesh.coords(device)), world_(std::move(world)), axes_(world_, mesh) {}
+  device_context_for(const device_context_for&) = delete;
+  device_context_for& operator=(const device_context_for&) = delete;
+
+  std::size_t device() const noexcept override { return device_; }
+  std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
+  std::size_t axis_count() const noexcept override { return Mesh::ndim; }
+  std::size_t axis_size(std::size_t axis) const noexcept override { return mesh_.axis_size(axis); }
+  std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
+  std::string describe_mesh() const override { return mesh_.to_string(); }
+  const Mesh& mesh() const noexcept { return mesh_; }
+
+  device_comm& comm(axis_mask mask) override {
+    auto it = handles_.find(mask);
+    if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    return *it->second;
+  }
+
+ private:
+  Mesh mesh_;
+  std::size_t device_;
+  typename Mesh::coord_type coords_;
+  C world_;
+  axis_communicators<C, Mesh> axes_;
+  std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
+};
+
+inline device_context*& current_device_slot() noexcept {
+  thread_local device_context* current = nullptr;
+  return current;
+}
+
+/// Installs `ctx` as this thread's device for its lifetime (nests: restores the previous one).
+class scoped_device {
+ public:
+  explicit scoped_device(device_context& ctx) noexcept : previous_(current_device_slot()) { current_device_slot() = &ctx; }
+  ~scoped_device() { current_device_slot() = previous_; }
+  scoped_device(const scoped_device&) = delete;
+  scoped_device& operator=(const scoped_device&) = delete;
+
+ private:
+  device_context* previous_;
+};
+
+/// The running device; throws `spmd_context_error` outside `shard_map` / `spmd`.
+inline device_context& current_device(std::string_view what) {
+  device_context* c = current_device_slot();
+  if (!c)
+    throw spmd_context_error("meshlib: " + std::string(what) +
+                             " called outside shard_map / spmd: collectives and axis queries need a running device");
+  return *c;
+}
+
+inline std::size_t current_axis(std::string_view what, std::string_view name) {
+  device_context& c = current_device(what);
+  const std::size_t a = c.find_axis(name);
+  if (a >= c.axis_count())
+    throw spmd_context_error("meshlib: " + std::string(what) + "<\"" + std::string(name) + "\">: the running mesh " +
+                             c.describe_mesh() + " has no axis '" + std::string(name) + "'");
+  return a;
+}
+
+}  // namespace detail
+
+/// @brief This device's index along mesh axis `Name` (JAX's `lax.axis_index`), inside `shard_map` / `spmd`.
+/// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
+template <fixed_string Name>
+[[nodiscard]] std::size_t axis_index() {
+  const std::size_t a = detail::current_axis("axis_index", Name.view());
+  return detail::current_device("axis_index").coord(a);
+}
+
+/// @brief The size of mesh axis `Name` (JAX's `lax.axis_size` / `psum(1, name)`), inside `shard_map` / `spmd`.
+/// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
+template <fixed_string Name>
+[[nodiscard]] std::size_t axis_size() {
+  const std::size_t a = detail::current_axis("axis_size", Name.view());
+  return detail::current_device("axis_size").axis_size(a);
+}
+
+/// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.
+[[nodiscard]] inline std::size_t device_index() { return detail::current_device("device_index").device(); }
+
+}  // namespace meshlib

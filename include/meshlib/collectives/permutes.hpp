@@ -1,0 +1,116 @@
+#pragma once
+/// @file
+/// @brief `ppermute`, `broadcast`, `pvary` / `pbroadcast`: the collectives that keep a block's shape.
+/// @code
+/// // ring shift over axis "x" of size n: device i sends to i + 1
+/// std::vector<std::pair<std::size_t, std::size_t>> ring;
+/// for (std::size_t i = 0; i < n; ++i) ring.push_back({i, (i + 1) % n});
+/// auto y = meshlib::ppermute<"x">(x, ring);
+/// auto z = meshlib::broadcast<"x">(x, 0);   // every device of the group gets index 0's block
+/// auto v = meshlib::pvary<"x">(w);          // w replicated over x, now typed as varying (no copy)
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/gathers.hpp"
+#include "meshlib/collectives/type_rules.hpp"
+#include "meshlib/comm/communicator.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+
+namespace meshlib {
+
+namespace detail {
+
+template <class L, fixed_string Axis>
+consteval bool check_pvary_axis() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"pvary", Axis, mesh_t>::value;
+  else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
+    return pvary_of_varying_value<"pvary", Axis, L>::value;
+  else return true;
+}
+
+template <class L, fixed_string Axis>
+consteval bool check_broadcast() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"broadcast", Axis, mesh_t>::value;
+  else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
+    return broadcast_of_partial_value<"broadcast", Axis, L>::value;
+  else return true;
+}
+
+}  // namespace detail
+
+/// @brief Sends this device's block to another index of axis `Axis` (JAX `lax.ppermute(x, axis,
+/// perm)`): `perm` holds (source, destination) axis indices; a device that no pair sends to gets
+/// zeros. No index may appear twice as a source or twice as a destination. `x` must vary over
+/// `Axis`; the result has the same type.
+/// @throws comm_argument_error for an index out of range or repeated (from the communicator).
+template <fixed_string Axis, local_tensor_type L>
+[[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  constexpr bool ok = detail::check_moving_collective<"ppermute", L, Axis, 0>();
+  if constexpr (!ok) {
+    return L{};
+  } else {
+    using T = typename L::value_type;
+    constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+    const T* src = detail::contiguous_data(x, "ppermute");
+    std::vector<permute_pair> pairs;
+    pairs.reserve(perm.size());
+    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(s), static_cast<int>(d)});
+    auto out = detail::result_view<L>(x.shape());
+    detail::current_device("ppermute").comm(bit).ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    return L(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
+/// (MPI's / NCCL's broadcast; in JAX, `all_gather(x, axis)[root]`). The result is invariant over
+/// `Axis`; `x` must not be partial over it. A value already invariant over `Axis` passes through.
+template <fixed_string Axis, local_tensor_type L>
+[[nodiscard]] auto broadcast(const L& x, std::size_t root) {
+  constexpr bool ok = detail::check_broadcast<L, Axis>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "broadcast");
+    auto& comm = detail::current_device("broadcast").comm(bit);
+    if (root >= static_cast<std::size_t>(comm.size()))
+      throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
+                           " is out of range for an axis of size " + std::to_string(comm.size()));
+    auto out = detail::result_view<L>(x.shape());
+    std::copy_n(src, x.size(), out.data());
+    comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Marks a value invariant over the axes `Names...` as varying over them (JAX `lax.pvary`,
+/// formerly `pbroadcast`): no data moves, only the type changes, so that it can meet varying values
+/// (`x + axis-dependent value`) or go into a collective that needs a varying input.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pvary(const L& x) {
+  static_assert(sizeof...(Names) > 0, "meshlib: pvary needs at least one axis: pvary<\"data\">(x)");
+  constexpr bool ok = (detail::check_pvary_axis<L, Names>() && ...);
+  constexpr axis_mask mask = detail::safe_mask_v<typename L::mesh_type, Names...>;
+  using result_t = with_vary_t<L, L::vary | mask>;
+  if constexpr (!ok) return result_t{};
+  else return result_t(x.view(), x.mesh(), x.device());
+}
+
+/// @brief The older JAX name of `pvary`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pbroadcast(const L& x) {
+  return pvary<Names...>(x);
+}
+
+}  // namespace meshlib

@@ -1,0 +1,113 @@
+#pragma once
+/// @file
+/// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
+/// and friends. The result is invariant over the axes (and no longer partial over them).
+/// @code
+/// // inside shard_map over mesh<axis<"data">, axis<"model">>, x varies over both:
+/// auto s = meshlib::psum<"model">(x);          // the sum over the model group; varies over data only
+/// auto m = meshlib::pmean<"data", "model">(x); // the mean over every device
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+
+#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/type_rules.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/view.hpp"
+
+namespace meshlib {
+
+namespace detail {
+
+/// A fresh, uninitialised block of `shape` for the result of a collective on `L`.
+template <class L, std::size_t R = L::rank>
+auto result_view(const std::array<std::size_t, R>& shape) {
+  return allocate<typename L::value_type, R, typename L::memory_space>(shape, "meshlib::collective", false);
+}
+
+/// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
+template <class L>
+const typename L::value_type* contiguous_data(const L& x, std::string_view op) {
+  static_assert(host_accessible_v<typename L::memory_space>,
+                "meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory");
+  if (x.size() != 0 && !x.view().span_is_contiguous())
+    throw sharding_error("meshlib: " + std::string(op) + " needs a contiguous block; copy the strided view first");
+  return x.data();
+}
+
+template <fixed_string Op, class L, bool AllowPartial, fixed_string Axis>
+consteval bool check_reduction_axis() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!mesh_t::template has_axis<Axis>) {
+    return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+  } else {
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<Op, Axis, L>::value;
+    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<Op, Axis, L>::value;
+    else if constexpr (!AllowPartial && (L::vary & bit) == 0) return reduction_over_invariant_axis<Op, Axis, L>::value;
+    else return true;
+  }
+}
+
+template <fixed_string Op, class L, bool AllowPartial, fixed_string... Names>
+consteval bool check_reduction() {
+  static_assert(sizeof...(Names) > 0, "meshlib: psum / pmean / pmax / pmin need at least one axis: psum<\"data\">(x)");
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else return (check_reduction_axis<Op, L, AllowPartial, Names>() && ...);
+}
+
+/// The all-reduce `op` over the axes `Names...` of `x`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_over(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+  using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                       L::partial & ~mask>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, Op.view());
+    auto out = result_view<L>(x.shape());
+    std::copy_n(src, x.size(), out.data());
+    current_device(Op.view()).comm(mask).all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+}  // namespace detail
+
+/// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
+/// partial over, each axis; the result is invariant over them. Sums in rank order: bitwise
+/// reproducible.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto psum(const L& x) {
+  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmean(const L& x) {
+  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+}
+
+/// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
+/// vary over each axis and be partial over none.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmax(const L& x) {
+  return detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
+}
+
+/// @brief Elementwise minimum over the devices of the axes `Names...` (JAX `lax.pmin`); the type rule of `pmax`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmin(const L& x) {
+  return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
+}
+
+}  // namespace meshlib

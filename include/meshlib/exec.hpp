@@ -1,0 +1,6 @@
+#pragma once
+/// @file
+/// @brief The exec layer: `spmd(mesh, fn)` and `shard_map(fn, mesh, in_specs, out_specs)`.
+
+#include "meshlib/exec/spmd.hpp"
+#include "meshlib/exec/shard_map.hpp"

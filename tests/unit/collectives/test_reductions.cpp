@@ -1,0 +1,120 @@
+// psum / pmean / pmax / pmin on 1-D and 2-D meshes, several shapes and element types, against
+// host-computed references; the result types (vary / partial / dims) they compute at compile time.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "collectives_support.hpp"
+
+using namespace meshlib;
+using coll_test::value;
+
+namespace {
+
+using mesh1 = mesh<axis<"x">>;
+using mesh2 = mesh<axis<"data">, axis<"model">>;
+
+// ---- result types: checked at compile time -----------------------------------------------------
+using l2 = local_tensor<float, 2, mesh2, mesh2::mask_of<"data", "model">(), 0,
+                       dim_masks<mesh2::mask_of<"data">(), mesh2::mask_of<"model">()>>;
+using psum_model_t = decltype(psum<"model">(std::declval<l2>()));
+static_assert(psum_model_t::vary == mesh2::mask_of<"data">() && psum_model_t::partial == 0);
+static_assert(std::is_same_v<psum_model_t::dims_type, dim_masks<mesh2::mask_of<"data">(), 0>>);
+using psum_both_t = decltype(psum<"data", "model">(std::declval<l2>()));
+static_assert(psum_both_t::vary == 0 && std::is_same_v<psum_both_t::dims_type, dim_masks<0, 0>>);
+// A partial value: psum completes it.
+using partial_t = local_tensor<double, 1, mesh2, mesh2::mask_of<"data">(), mesh2::mask_of<"model">()>;
+using completed_t = decltype(psum<"model">(std::declval<partial_t>()));
+static_assert(completed_t::vary == mesh2::mask_of<"data">() && completed_t::partial == 0);
+using pmean_t = decltype(pmean<"model">(std::declval<partial_t>()));
+static_assert(pmean_t::partial == 0);
+using pmax_t = decltype(pmax<"data">(std::declval<l2>()));
+static_assert(pmax_t::vary == mesh2::mask_of<"model">());
+
+template <class T>
+void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
+  mesh1 m{n};
+  using L = local_tensor<T, 2, mesh1, mesh1::mask_of<"x">()>;
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<L>(m, shape);
+    return std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmean<"x">(x)),
+                      coll_test::capture(pmax<"x">(x)), coll_test::capture(pmin<"x">(x))};
+  });
+  const std::size_t size = shape[0] * shape[1];
+  for (std::size_t dev = 0; dev < n; ++dev) {
+    for (std::size_t k = 0; k < 4; ++k) REQUIRE(out[dev][k].shape == std::vector<std::size_t>{shape[0], shape[1]});
+    for (std::size_t i = 0; i < size; ++i) {
+      long long sum = 0, mx = std::numeric_limits<long long>::min(), mn = std::numeric_limits<long long>::max();
+      for (std::size_t d = 0; d < n; ++d) {
+        const long long v = static_cast<long long>(d) * 1000 + static_cast<long long>(i) * 3 - 7;
+        sum += v;
+        mx = std::max(mx, v);
+        mn = std::min(mn, v);
+      }
+      CHECK(out[dev][0].data[i] == static_cast<T>(sum));
+      if constexpr (std::is_integral_v<T>) {
+        // integer avg: the sum divided by n, rounded toward zero
+        CHECK(out[dev][1].data[i] == static_cast<T>(sum / static_cast<long long>(n)));
+      } else {
+        CHECK(out[dev][1].data[i] == static_cast<T>(static_cast<T>(sum) / static_cast<T>(n)));
+      }
+      CHECK(out[dev][2].data[i] == static_cast<T>(mx));
+      CHECK(out[dev][3].data[i] == static_cast<T>(mn));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("psum / pmean / pmax / pmin over a 1-D mesh match host references", "[collectives][reductions]") {
+  SECTION("float, 4 devices, (3, 5)") { check_1d_reductions<float>(4, {3, 5}); }
+  SECTION("double, 3 devices, (1, 7)") { check_1d_reductions<double>(3, {1, 7}); }
+  SECTION("int32, 8 devices, (2, 2)") { check_1d_reductions<std::int32_t>(8, {2, 2}); }
+  SECTION("int64, 2 devices, (4, 1)") { check_1d_reductions<std::int64_t>(2, {4, 1}); }
+  SECTION("float, 1 device") { check_1d_reductions<float>(1, {2, 3}); }
+}
+
+TEST_CASE("psum over one axis of a 2-D mesh sums exactly that axis group", "[collectives][reductions]") {
+  for (auto [a, b] : {std::pair<std::size_t, std::size_t>{2, 2}, {2, 3}, {3, 2}, {1, 4}}) {
+    mesh2 m{a, b};
+    using L = local_tensor<std::int64_t, 1, mesh2, mesh2::all_axes>;
+    auto out = spmd(m, [&] {
+      auto x = coll_test::make_block<L>(m, {5});
+      return std::array{coll_test::capture(psum<"model">(x)), coll_test::capture(psum<"data">(x)),
+                        coll_test::capture(psum<"data", "model">(x)), coll_test::capture(pmax<"model">(x))};
+    });
+    for (std::size_t dev = 0; dev < m.size(); ++dev) {
+      const auto c = m.coords(dev);
+      for (std::size_t i = 0; i < 5; ++i) {
+        std::int64_t over_model = 0, over_data = 0, over_all = 0, max_model = std::numeric_limits<std::int64_t>::min();
+        for (std::size_t d = 0; d < m.size(); ++d) {
+          const auto cd = m.coords(d);
+          const auto v = value<std::int64_t>(d, i);
+          if (cd[0] == c[0]) over_model += v, max_model = std::max(max_model, v);
+          if (cd[1] == c[1]) over_data += v;
+          over_all += v;
+        }
+        CHECK(out[dev][0].data[i] == over_model);
+        CHECK(out[dev][1].data[i] == over_data);
+        CHECK(out[dev][2].data[i] == over_all);
+        CHECK(out[dev][3].data[i] == max_model);
+      }
+    }
+  }
+}
+
+TEST_CASE("psum completes a partial value and leaves other axes varying", "[collectives][reductions]") {
+  mesh2 m{2, 2};
+  using P_t = local_tensor<float, 1, mesh2, mesh2::mask_of<"data">(), mesh2::mask_of<"model">()>;
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<P_t>(m, {3});
+    auto y = psum<"model">(x);
+    static_assert(decltype(y)::partial == 0 && decltype(y)::vary == mesh2::mask_of<"data">());
+    return coll_test::capture(y);
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    const std::size_t row = m.coords(dev)[0];
+    for (std::size_t i = 0; i < 3; ++i)
+      CHECK(out[dev].data[i] == value<float>(row * 2, i) + value<float>(row * 2 + 1, i));
+  }
+}
