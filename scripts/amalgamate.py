@@ -118,14 +118,15 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(text)
         return 0
     if args.check:
+        shown = args.output.relative_to(REPO) if args.output.is_relative_to(REPO) else args.output
         current = args.output.read_text(encoding="utf-8") if args.output.is_file() else ""
         if current == text:
-            print(f"{args.output} is up to date")
+            print(f"{shown} is up to date")
             return 0
         sys.stdout.writelines(difflib.unified_diff(
             current.splitlines(keepends=True), text.splitlines(keepends=True),
-            fromfile=f"{args.output} (committed)", tofile=f"{args.output} (from include/)"))
-        print(f"\nmeshlib: {args.output} is stale: it differs from what include/ generates (diff above).\n"
+            fromfile=f"{shown} (committed)", tofile=f"{shown} (from include/)"))
+        print(f"\nmeshlib: {shown} is stale: it differs from what include/ generates (diff above).\n"
               f"Fix: run `{FIX_COMMAND}` in the repository root and commit the result.")
         return 1
     args.output.parent.mkdir(parents=True, exist_ok=True)
