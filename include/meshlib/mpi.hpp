@@ -1,0 +1,17 @@
+#pragma once
+/// @file
+/// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime
+/// over MPI (`meshlib::mpi::initialize`). Needs the `meshlib::mpi` CMake target, which defines
+/// `MESHLIB_ENABLE_MPI` and links MPI.
+
+#if !MESHLIB_ENABLE_MPI
+#error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
+#else
+
+#include "meshlib/core.hpp"
+#include "meshlib/comm.hpp"
+#include "meshlib/runtime.hpp"
+#include "meshlib/comm/mpi/mpi_communicator.hpp"
+#include "meshlib/runtime/mpi_runtime.hpp"
+
+#endif

@@ -1,0 +1,515 @@
+// The MPI communicator under mpirun (2 and 4 ranks): every operation of the communicator concept,
+// out-of-place and in-place, for every element type and reduce op, checked twice:
+// - against expectations computed here from the inputs, and
+// - against the thread backend run in-process with as many threads as there are ranks: the same
+//   program on both backends must give the same bits (inputs are small integers, exact in every
+//   type, so float sums are exact whatever the order and bitwise equality holds for floats too;
+//   a random-float case checks the documented tolerance).
+#include <meshlib/mpi.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+
+using meshlib::bfloat16;
+using meshlib::mpi_communicator;
+using meshlib::permute_pair;
+using meshlib::reduce_op;
+
+namespace {
+
+mpi_communicator& world() {
+  static mpi_communicator w(MPI_COMM_WORLD);
+  return w;
+}
+
+/// Small integer inputs, different on every rank and element, exact in every element type.
+/// Products stay small: values in {-2..2} for prod.
+template <class T>
+T input(int rank, std::size_t i, reduce_op op = reduce_op::sum) {
+  const long v = op == reduce_op::prod ? static_cast<long>((rank + i) % 5) - 2
+                                       : static_cast<long>((rank * 7 + i * 3) % 23) - 11;
+  if constexpr (std::is_same_v<T, bfloat16>) return bfloat16(static_cast<float>(v));
+  else return static_cast<T>(v);
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+template <class T>
+double as_double(T x) {
+  return static_cast<double>(static_cast<std::conditional_t<std::is_same_v<T, bfloat16>, float, T>>(x));
+}
+
+/// Runs `op(comm)` on the MPI world and on a thread world of the same size; returns
+/// {this rank's MPI result, the same rank's thread result}.
+template <class T, class Op>
+std::pair<std::vector<T>, std::vector<T>> on_both(Op op) {
+  auto& w = world();
+  std::vector<T> got = op(w);
+  std::vector<T> expected;
+  meshlib::run_on_threads(w.size(), [&](meshlib::thread_communicator& c) {
+    auto r = op(c);
+    if (c.rank() == w.rank()) expected = std::move(r);
+  });
+  return {std::move(got), std::move(expected)};
+}
+
+/// Expected element-wise reduction over ranks of input<T>(r, i, op), combined in rank order in the
+/// accumulator type, as the communicator contract says.
+template <class T>
+T expected_reduce(reduce_op op, int n, std::size_t i) {
+  using A = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
+  A acc = static_cast<A>(input<T>(0, i, op));
+  for (int r = 1; r < n; ++r) {
+    const A x = static_cast<A>(input<T>(r, i, op));
+    switch (op) {
+      case reduce_op::sum:
+      case reduce_op::avg: acc = static_cast<A>(acc + x); break;
+      case reduce_op::prod: acc = static_cast<A>(acc * x); break;
+      case reduce_op::min: acc = x < acc ? x : acc; break;
+      case reduce_op::max: acc = acc < x ? x : acc; break;
+    }
+  }
+  if (op == reduce_op::avg) acc = static_cast<A>(acc / static_cast<A>(n));
+  return static_cast<T>(acc);
+}
+
+template <class T>
+void check_reductions(std::size_t count) {
+  const int n = world().size();
+  const int me = world().rank();
+  for (reduce_op op : meshlib::all_reduce_ops) {
+    INFO("type " << meshlib::datatype_of<T> << ", op " << op << ", count " << count);
+    std::vector<T> expected(count);
+    for (std::size_t i = 0; i < count; ++i) expected[i] = expected_reduce<T>(op, n, i);
+
+    // all_reduce, out of place and in place.
+    auto [a, ta] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count), r(count);
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i, op);
+      c.all_reduce(std::span<const T>(s), std::span(r), op).wait();
+      return r;
+    });
+    CHECK(same_bits(a, expected));
+    CHECK(same_bits(a, ta));
+    auto [b, tb] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count);
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i, op);
+      c.all_reduce(std::span(s), op);
+      return s;
+    });
+    CHECK(same_bits(b, expected));
+    CHECK(same_bits(b, tb));
+
+    // reduce to the last rank, out of place and in place; other ranks' buffers are untouched.
+    const int root = n - 1;
+    auto [c1, tc1] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count), r(count, T(7));
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i, op);
+      c.reduce(std::span<const T>(s), std::span(r), op, root);
+      return r;
+    });
+    CHECK(same_bits(c1, me == root ? expected : std::vector<T>(count, T(7))));
+    CHECK(same_bits(c1, tc1));
+    auto [c2, tc2] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count);
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i, op);
+      c.reduce(std::span(s), op, root);
+      return s;
+    });
+    if (me == root) CHECK(same_bits(c2, expected));
+    CHECK(same_bits(c2, tc2));
+
+    // reduce_scatter: send of n*count, block rank() of the reduction; in place at block rank().
+    auto [d1, td1] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count * static_cast<std::size_t>(n)), r(count);
+      for (std::size_t i = 0; i < s.size(); ++i) s[i] = input<T>(c.rank(), i, op);
+      c.reduce_scatter(std::span<const T>(s), std::span(r), op);
+      return r;
+    });
+    std::vector<T> block(count);
+    for (std::size_t i = 0; i < count; ++i) block[i] = expected_reduce<T>(op, n, static_cast<std::size_t>(me) * count + i);
+    CHECK(same_bits(d1, block));
+    CHECK(same_bits(d1, td1));
+    auto [d2, td2] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count * static_cast<std::size_t>(n));
+      for (std::size_t i = 0; i < s.size(); ++i) s[i] = input<T>(c.rank(), i, op);
+      c.reduce_scatter(std::span(s), op);
+      return s;
+    });
+    CHECK(same_bits(std::vector<T>(d2.begin() + static_cast<long>(me * count), d2.begin() + static_cast<long>((me + 1) * count)), block));
+    CHECK(same_bits(d2, td2));  // the other blocks are left as they were, as on threads
+  }
+}
+
+template <class T>
+void check_movement(std::size_t count) {
+  const int n = world().size();
+  const int me = world().rank();
+  const auto un = static_cast<std::size_t>(n);
+  INFO("type " << meshlib::datatype_of<T> << ", count " << count);
+
+  // broadcast from every root, out of place and in place.
+  for (int root = 0; root < n; ++root) {
+    auto [a, ta] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count), r(count, T(3));
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i);
+      c.broadcast(std::span<const T>(s), std::span(r), root);
+      return r;
+    });
+    std::vector<T> expected(count);
+    for (std::size_t i = 0; i < count; ++i) expected[i] = input<T>(root, i);
+    CHECK(same_bits(a, expected));
+    CHECK(same_bits(a, ta));
+    auto [b, tb] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count);
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i);
+      c.broadcast(std::span(s), root);
+      return s;
+    });
+    CHECK(same_bits(b, expected));
+    CHECK(same_bits(b, tb));
+  }
+
+  // all_gather.
+  std::vector<T> gathered(count * un);
+  for (std::size_t r = 0; r < un; ++r)
+    for (std::size_t i = 0; i < count; ++i) gathered[r * count + i] = input<T>(static_cast<int>(r), i);
+  auto [g1, tg1] = on_both<T>([&](auto& c) {
+    std::vector<T> s(count), r(count * un);
+    for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i);
+    c.all_gather(std::span<const T>(s), std::span(r));
+    return r;
+  });
+  CHECK(same_bits(g1, gathered));
+  CHECK(same_bits(g1, tg1));
+  auto [g2, tg2] = on_both<T>([&](auto& c) {
+    std::vector<T> b(count * un, T(0));
+    for (std::size_t i = 0; i < count; ++i) b[static_cast<std::size_t>(c.rank()) * count + i] = input<T>(c.rank(), i);
+    c.all_gather(std::span(b));
+    return b;
+  });
+  CHECK(same_bits(g2, gathered));
+  CHECK(same_bits(g2, tg2));
+
+  // all_to_all: block j of rank r's send is input(r, j*count + i); rank me receives block me of every rank.
+  std::vector<T> transposed(count * un);
+  for (std::size_t r = 0; r < un; ++r)
+    for (std::size_t i = 0; i < count; ++i)
+      transposed[r * count + i] = input<T>(static_cast<int>(r), static_cast<std::size_t>(me) * count + i);
+  auto [t1, tt1] = on_both<T>([&](auto& c) {
+    std::vector<T> s(count * un), r(count * un);
+    for (std::size_t i = 0; i < s.size(); ++i) s[i] = input<T>(c.rank(), i);
+    c.all_to_all(std::span<const T>(s), std::span(r));
+    return r;
+  });
+  CHECK(same_bits(t1, transposed));
+  CHECK(same_bits(t1, tt1));
+  auto [t2, tt2] = on_both<T>([&](auto& c) {
+    std::vector<T> s(count * un);
+    for (std::size_t i = 0; i < s.size(); ++i) s[i] = input<T>(c.rank(), i);
+    c.all_to_all(std::span(s));
+    return s;
+  });
+  CHECK(same_bits(t2, transposed));
+  CHECK(same_bits(t2, tt2));
+
+  // all_to_all_v: rank r sends (r + j) % 3 + count elements to rank j, packed in order.
+  auto cnt = [&](int r, int j) { return static_cast<std::int64_t>((r + j) % 3) + static_cast<std::int64_t>(count); };
+  auto [v1, tv1] = on_both<T>([&](auto& c) {
+    const int r = c.rank();
+    std::vector<std::int64_t> sc(un), sd(un), rc(un), rd(un);
+    std::int64_t so = 0, ro = 0;
+    for (int j = 0; j < n; ++j) {
+      sc[static_cast<std::size_t>(j)] = cnt(r, j);
+      sd[static_cast<std::size_t>(j)] = so;
+      so += cnt(r, j);
+      rc[static_cast<std::size_t>(j)] = cnt(j, r);
+      rd[static_cast<std::size_t>(j)] = ro;
+      ro += cnt(j, r);
+    }
+    std::vector<T> s(static_cast<std::size_t>(so)), out(static_cast<std::size_t>(ro));
+    for (std::size_t i = 0; i < s.size(); ++i) s[i] = input<T>(r, i);
+    c.all_to_all_v(std::span<const T>(s), std::span<const std::int64_t>(sc), std::span<const std::int64_t>(sd),
+                   std::span(out), std::span<const std::int64_t>(rc), std::span<const std::int64_t>(rd));
+    return out;
+  });
+  std::vector<T> vexp;
+  for (int j = 0; j < n; ++j) {
+    std::int64_t off = 0;
+    for (int k = 0; k < me; ++k) off += cnt(j, k);
+    for (std::int64_t i = 0; i < cnt(j, me); ++i) vexp.push_back(input<T>(j, static_cast<std::size_t>(off + i)));
+  }
+  CHECK(same_bits(v1, vexp));
+  CHECK(same_bits(v1, tv1));
+
+  // ppermute: a ring shift, and a partial permutation where some ranks receive zeros.
+  std::vector<permute_pair> ring, partial;
+  for (int r = 0; r < n; ++r) ring.push_back({r, (r + 1) % n});
+  partial.push_back({0, n - 1});
+  for (const auto& pairs : {ring, partial}) {
+    auto [p1, tp1] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count), r(count, T(5));
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i);
+      c.ppermute(std::span<const T>(s), std::span(r), std::span<const permute_pair>(pairs));
+      return r;
+    });
+    std::vector<T> pexp(count, T(0));
+    for (const auto& p : pairs)
+      if (p.dest == me)
+        for (std::size_t i = 0; i < count; ++i) pexp[i] = input<T>(p.source, i);
+    CHECK(same_bits(p1, pexp));
+    CHECK(same_bits(p1, tp1));
+    auto [p2, tp2] = on_both<T>([&](auto& c) {
+      std::vector<T> s(count);
+      for (std::size_t i = 0; i < count; ++i) s[i] = input<T>(c.rank(), i);
+      c.ppermute(std::span(s), std::span<const permute_pair>(pairs));
+      return s;
+    });
+    CHECK(same_bits(p2, pexp));
+    CHECK(same_bits(p2, tp2));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mpi_communicator satisfies the concept and adopts MPI_COMM_WORLD", "[mpi]") {
+  static_assert(meshlib::communicator<mpi_communicator>);
+  int r = -1, n = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  CHECK(world().rank() == r);
+  CHECK(world().size() == n);
+  CHECK(world().native() == MPI_COMM_WORLD);
+}
+
+TEST_CASE("reductions match the expectations and the thread backend bit for bit", "[mpi][reduce]") {
+  for (std::size_t count : {std::size_t{1}, std::size_t{37}, std::size_t{20000}}) {
+    check_reductions<std::int32_t>(count);
+    check_reductions<std::int64_t>(count);
+    check_reductions<float>(count);
+    check_reductions<double>(count);
+    check_reductions<bfloat16>(count);
+  }
+}
+
+TEST_CASE("data movement matches the expectations and the thread backend bit for bit", "[mpi][move]") {
+  for (std::size_t count : {std::size_t{1}, std::size_t{13}, std::size_t{40000}}) {
+    check_movement<std::int32_t>(count);
+    check_movement<std::int64_t>(count);
+    check_movement<float>(count);
+    check_movement<double>(count);
+    check_movement<bfloat16>(count);
+  }
+}
+
+TEST_CASE("integer sums wrap as on the thread backend", "[mpi][reduce]") {
+  auto [a, ta] = on_both<std::int32_t>([](auto& c) {
+    std::vector<std::int32_t> x{std::numeric_limits<std::int32_t>::max(), std::numeric_limits<std::int32_t>::min() + c.rank(),
+                                -7 * (c.rank() + 1)};
+    c.all_reduce(std::span(x), reduce_op::sum);
+    return x;
+  });
+  CHECK(same_bits(a, ta));
+  const auto n = static_cast<std::uint32_t>(world().size());
+  CHECK(static_cast<std::uint32_t>(a[0]) == static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()) * n);
+}
+
+TEST_CASE("random floats agree with the thread backend within the documented tolerance", "[mpi][reduce]") {
+  const std::size_t count = 5000;
+  auto make = [&](int rank) {
+    std::mt19937 g(static_cast<unsigned>(rank) * 7919u + 1u);
+    std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+    std::vector<float> x(count);
+    for (auto& v : x) v = d(g);
+    return x;
+  };
+  for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+    auto [a, ta] = on_both<float>([&](auto& c) {
+      auto x = make(c.rank());
+      c.all_reduce(std::span(x), op);
+      return x;
+    });
+    REQUIRE(a.size() == ta.size());
+    for (std::size_t i = 0; i < count; ++i) CHECK(std::fabs(a[i] - ta[i]) <= 1e-6f * static_cast<float>(world().size()));
+    // bfloat16 (widened to float by default): within one bfloat16 ulp of the thread result.
+    auto [b, tb] = on_both<bfloat16>([&](auto& c) {
+      auto x = make(c.rank());
+      std::vector<bfloat16> y(x.begin(), x.end());
+      c.all_reduce(std::span(y), op);
+      return y;
+    });
+    for (std::size_t i = 0; i < count; ++i) CHECK(std::fabs(float(b[i]) - float(tb[i])) <= std::fabs(float(tb[i])) / 128.0f + 1e-6f);
+  }
+}
+
+TEST_CASE("bfloat16 on the wire: a user-defined MPI op that combines in float", "[mpi][bf16]") {
+  meshlib::mpi_comm_options o;
+  o.bfloat16_on_wire = true;
+  mpi_communicator c(MPI_COMM_WORLD, o);
+  const int n = c.size();
+  for (reduce_op op : meshlib::all_reduce_ops) {
+    std::vector<bfloat16> x(64);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = input<bfloat16>(c.rank(), i, op);
+    c.all_reduce(std::span(x), op);
+    // Small integers: exact in bfloat16 at every step, so the result is exact.
+    for (std::size_t i = 0; i < x.size(); ++i) CHECK(same_bits(x[i], expected_reduce<bfloat16>(op, n, i)));
+  }
+}
+
+TEST_CASE("send and recv: buffered, matched by source and tag, lengths checked", "[mpi][p2p]") {
+  auto& w = world();
+  const int n = w.size();
+  const int me = w.rank();
+  // Everyone sends first, then receives: must not deadlock (sends are buffered).
+  std::vector<std::int64_t> out(50000, me);
+  for (int tag : {3, 1}) {
+    out[0] = me * 100 + tag;
+    w.send(std::span(out), (me + 1) % n, tag);
+  }
+  for (int tag : {1, 3}) {  // received in another order than sent: matched by tag
+    std::vector<std::int64_t> in(50000);
+    const int from = (me + n - 1) % n;
+    w.recv(std::span(in), from, tag);
+    CHECK(in[0] == from * 100 + tag);
+    CHECK(in[1] == from);
+  }
+  // A message of another length is a collective_mismatch on the receiver.
+  std::vector<float> two(2), three(3);
+  w.send(std::span(two), (me + 1) % n, 9);
+  REQUIRE_THROWS_AS(w.recv(std::span(three), (me + n - 1) % n, 9), meshlib::collective_mismatch);
+  REQUIRE_THROWS_AS(w.send(std::span(two), n, 0), meshlib::comm_argument_error);
+  REQUIRE_THROWS_AS(w.recv(std::span(two), 0, -1), meshlib::comm_argument_error);
+  w.barrier();
+}
+
+TEST_CASE("argument errors are thrown before any data moves", "[mpi][errors]") {
+  auto& w = world();
+  std::vector<float> a(8), b(4);
+  REQUIRE_THROWS_AS(w.all_reduce(std::span<const float>(a), std::span(b), reduce_op::sum), meshlib::comm_argument_error);
+  REQUIRE_THROWS_AS(w.all_reduce(std::span<const float>(a).first(4), std::span(a).subspan(2, 4), reduce_op::sum),
+                    meshlib::comm_argument_error);
+  REQUIRE_THROWS_AS(w.broadcast(std::span(a), w.size()), meshlib::comm_argument_error);
+  REQUIRE_THROWS_AS(w.reduce(std::span(a), reduce_op::sum, -1), meshlib::comm_argument_error);
+  std::vector<float> odd(static_cast<std::size_t>(w.size()) * 3 + 1);
+  REQUIRE_THROWS_AS(w.all_to_all(std::span(odd)), meshlib::comm_argument_error);
+  const permute_pair dup[] = {{0, 1}, {0, 0}};
+  REQUIRE_THROWS_AS(w.ppermute(std::span(a), std::span<const permute_pair>(dup)), meshlib::comm_argument_error);
+  REQUIRE_THROWS_AS(w.split(-1, 0), meshlib::comm_argument_error);
+  try {
+    w.all_gather(std::span<const float>(a), std::span(b));
+  } catch (const meshlib::comm_argument_error& e) {
+    CHECK(std::string(e.what()).find("meshlib: invalid argument to all_gather on MPI rank") != std::string::npos);
+  }
+  w.barrier();  // every rank made the same mistakes: still in step
+}
+
+TEST_CASE("an adopted MPI_Comm is never freed; split results are meshlib's", "[mpi][ownership]") {
+  MPI_Comm mine = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &mine);
+  MPI_Comm_set_errhandler(mine, MPI_ERRORS_RETURN);
+  MPI_Comm sub_native = MPI_COMM_NULL;
+  {
+    mpi_communicator c(mine);
+    CHECK(c.native() == mine);
+    auto copy = c;  // handles share the communicator
+    auto sub = copy.split(c.rank() % 2, -c.rank());
+    sub_native = sub.native();
+    CHECK(sub_native != mine);
+    // key = -rank: the order within each color is reversed.
+    const int members = (c.size() - c.rank() % 2 + 1) / 2;
+    CHECK(sub.size() == members);
+    CHECK(sub.rank() == members - 1 - c.rank() / 2);
+    int x = c.rank();
+    sub.all_reduce(std::span(&x, 1), reduce_op::sum);
+    int expect = 0;
+    for (int r = c.rank() % 2; r < c.size(); r += 2) expect += r;
+    CHECK(x == expect);
+  }
+  // The application's communicator still works after every handle is gone.
+  CHECK(MPI_Barrier(mine) == MPI_SUCCESS);
+  int x = 1, y = 0;
+  CHECK(MPI_Allreduce(&x, &y, 1, MPI_INT, MPI_SUM, mine) == MPI_SUCCESS);
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  CHECK(y == n);
+  MPI_Comm_free(&mine);
+}
+
+TEST_CASE("per-axis sub-communicators of a mesh come from MPI_Comm_split", "[mpi][mesh]") {
+  auto& w = world();
+  const int n = w.size();
+  using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+  const mesh_t m{static_cast<std::size_t>(n / 2), std::size_t{2}};
+  meshlib::axis_communicators<mpi_communicator, mesh_t> axes(w, m);
+  const auto dev = static_cast<std::size_t>(w.rank());
+  for (auto mask : {mesh_t::mask_of<"data">(), mesh_t::mask_of<"model">(), mesh_t::all_axes}) {
+    auto& c = axes.over(mask);
+    const auto group = m.group(dev, mask);
+    CHECK(static_cast<std::size_t>(c.size()) == group.size());
+    CHECK(static_cast<std::size_t>(c.rank()) == m.group_rank(dev, mask));
+    // Each member contributes its device id; the group sum is the sum of the group's ids.
+    std::int64_t x = static_cast<std::int64_t>(dev);
+    c.all_reduce(std::span(&x, 1), reduce_op::sum);
+    CHECK(x == std::accumulate(group.begin(), group.end(), std::int64_t{0}));
+    std::vector<std::int64_t> ids(group.size());
+    const std::int64_t mine = static_cast<std::int64_t>(dev);
+    c.all_gather(std::span<const std::int64_t>(&mine, 1), std::span(ids));
+    CHECK(std::equal(ids.begin(), ids.end(), group.begin()));  // group-rank order
+  }
+}
+
+TEST_CASE("verify_collectives: ranks that disagree all see collective_mismatch", "[mpi][errors]") {
+  meshlib::mpi_comm_options o;
+  o.verify_collectives = true;
+  mpi_communicator c(MPI_COMM_WORLD, o);
+  std::vector<float> x(c.rank() == 0 ? 4 : 5, 1.0f);
+  try {
+    c.all_reduce(std::span(x), reduce_op::sum);
+    FAIL("different counts must be a collective_mismatch");
+  } catch (const meshlib::collective_mismatch& e) {
+    const std::string w = e.what();
+    CHECK(w.find("rank 0: ") != std::string::npos);
+    CHECK(w.find("count 4") != std::string::npos);
+    CHECK(w.find("count 5") != std::string::npos);
+  }
+  std::vector<float> y(3, 1.0f);
+  c.all_reduce(std::span(y), reduce_op::sum);  // agreeing calls still work
+  CHECK(y[0] == static_cast<float>(c.size()));
+}
+
+TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator stays failed", "[mpi][timeout]") {
+  meshlib::mpi_comm_options o;
+  o.timeout = std::chrono::milliseconds(300);
+  mpi_communicator c(MPI_COMM_WORLD, o);
+  std::vector<float> x(16, 1.0f);
+  if (c.rank() == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      c.all_reduce(std::span(x), reduce_op::sum);
+      FAIL("must time out");
+    } catch (const meshlib::comm_timeout& e) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      CHECK(s >= 0.29);
+      CHECK(s < 10.0);
+      CHECK(std::string(e.what()).find("all_reduce on MPI rank 0") != std::string::npos);
+    }
+    REQUIRE_THROWS_AS(c.barrier(), meshlib::comm_timeout);  // refused: failed
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  // The others now make the call rank 0 gave up on, so its pending request completes in the
+  // background and the run ends cleanly.
+  if (c.rank() != 0) c.all_reduce(std::span(x), reduce_op::sum);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
