@@ -1,0 +1,89 @@
+// Shared by comm_bench (thread communicator) and mpi_bench (OpenMPI): the operations, the sizes,
+// the iteration counts and the row format, so that both programs measure the same thing.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace bench {
+
+inline const char* const ops[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"};
+
+/// Nominal sizes: 8 B to 64 MiB, every factor of 8 plus the sizes the targets name.
+inline std::vector<std::size_t> sizes(std::size_t lo, std::size_t hi) {
+  const std::size_t all[] = {8,        64,       512,       4u << 10,  32u << 10, 64u << 10,
+                             256u << 10, 1u << 20, 4u << 20, 16u << 20, 64u << 20};
+  std::vector<std::size_t> out;
+  for (std::size_t s : all)
+    if (s >= lo && s <= hi) out.push_back(s);
+  return out;
+}
+
+/// Elements of float per rank, as nccl-tests counts them: `size` is the per-rank buffer of
+/// all_reduce and broadcast, the gathered output of all_gather, the scattered input of
+/// reduce_scatter, the whole send buffer of all_to_all. Returns the per-rank (per-block) count.
+inline std::size_t count_for(std::string_view op, std::size_t size, int n) {
+  const std::size_t elems = std::max<std::size_t>(1, size / sizeof(float));
+  if (op == "all_reduce" || op == "broadcast") return elems;
+  return std::max<std::size_t>(1, elems / static_cast<std::size_t>(n));
+}
+
+/// Bytes per rank actually moved for the row (size rounded to whole elements and blocks).
+inline std::size_t bytes_for(std::string_view op, std::size_t count, int n) {
+  if (op == "all_reduce" || op == "broadcast") return count * sizeof(float);
+  return count * sizeof(float) * static_cast<std::size_t>(n);
+}
+
+/// nccl-tests' bus bandwidth factor: what each link carries relative to the algorithm bandwidth.
+inline double bus_factor(std::string_view op, int n) {
+  const double nn = n;
+  if (op == "all_reduce") return 2 * (nn - 1) / nn;
+  if (op == "broadcast") return 1;
+  return (nn - 1) / nn;
+}
+
+/// Iterations of one measurement: enough to last ~20 ms, at least 5.
+inline int iterations_for(std::size_t bytes) {
+  const double per_iter_guess = 2e-7 + static_cast<double>(bytes) / 2e9;  // seconds
+  return static_cast<int>(std::clamp(0.02 / per_iter_guess, 5.0, 20000.0));
+}
+
+inline void print_header(const char* impl) {
+  std::printf("# impl %s: op bytes participants iters time_us algbw_GBps busbw_GBps\n", impl);
+}
+
+inline void print_row(const char* impl, std::string_view op, std::size_t nominal, std::size_t bytes, int n, int iters,
+                      double seconds) {
+  const double algbw = static_cast<double>(bytes) / seconds / 1e9;
+  std::printf("%s %.*s %zu %zu %d %d %.3f %.3f %.3f\n", impl, static_cast<int>(op.size()), op.data(), nominal, bytes, n,
+              iters, seconds * 1e6, algbw, algbw * bus_factor(op, n));
+  std::fflush(stdout);
+}
+
+/// "--name value" from argv, or `fallback`.
+inline std::string arg(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
+inline std::size_t parse_size(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (*end == 'K' || *end == 'k') v *= 1024;
+  else if (*end == 'M' || *end == 'm') v *= 1024 * 1024;
+  else if (*end == 'G' || *end == 'g') v *= 1024.0 * 1024 * 1024;
+  return static_cast<std::size_t>(v);
+}
+
+inline bool selected(const std::string& list, std::string_view op) {
+  return list == "all" || ("," + list + ",").find("," + std::string(op) + ",") != std::string::npos;
+}
+
+}  // namespace bench

@@ -1,0 +1,57 @@
+// The pure-MPI peer of comm_bench: the same operations, sizes, iteration counts and rows, through
+// MPI_Allreduce, MPI_Allgather, MPI_Reduce_scatter_block, MPI_Alltoall and MPI_Bcast.
+//
+//   mpirun -np N mpi_bench [--ops all] [--min 8] [--max 64M] [--repeat R]
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+void run_op(std::string_view op, std::vector<float>& a, std::vector<float>& b, std::size_t count) {
+  const int c = static_cast<int>(count);
+  if (op == "all_reduce") MPI_Allreduce(a.data(), b.data(), c, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  else if (op == "all_gather") MPI_Allgather(a.data(), c, MPI_FLOAT, b.data(), c, MPI_FLOAT, MPI_COMM_WORLD);
+  else if (op == "reduce_scatter") MPI_Reduce_scatter_block(a.data(), b.data(), c, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  else if (op == "all_to_all") MPI_Alltoall(a.data(), c, MPI_FLOAT, b.data(), c, MPI_FLOAT, MPI_COMM_WORLD);
+  else MPI_Bcast(a.data(), c, MPI_FLOAT, 0, MPI_COMM_WORLD);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const std::string ops = bench::arg(argc, argv, "--ops", "all");
+  const std::size_t lo = bench::parse_size(bench::arg(argc, argv, "--min", "8"));
+  const std::size_t hi = bench::parse_size(bench::arg(argc, argv, "--max", "64M"));
+  const int repeat = std::stoi(bench::arg(argc, argv, "--repeat", "1"));
+  if (rank == 0) bench::print_header("mpi");
+  std::vector<float> a(hi / sizeof(float) + 64, 1.0f), b(hi / sizeof(float) + 64, 0.0f);
+  for (const char* op : bench::ops) {
+    if (!bench::selected(ops, op)) continue;
+    for (std::size_t size : bench::sizes(lo, hi)) {
+      const std::size_t count = bench::count_for(op, size, n);
+      const std::size_t bytes = bench::bytes_for(op, count, n);
+      const int iters = bench::iterations_for(bytes);
+      for (int rep = 0; rep < repeat; ++rep) {
+        for (int w = 0; w < std::max(2, iters / 10); ++w) run_op(op, a, b, count);
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t0 = MPI_Wtime();
+        for (int it = 0; it < iters; ++it) run_op(op, a, b, count);
+        double sec = (MPI_Wtime() - t0) / iters, worst = 0;
+        MPI_Reduce(&sec, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+        if (rank == 0) bench::print_row("mpi", op, size, bytes, n, iters, worst);
+      }
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
