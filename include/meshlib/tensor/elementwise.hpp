@@ -297,14 +297,18 @@ auto map(F f, const X& x) {
 /// @brief `f(a[i], b[i])` for every element; both tensors must have the same sharding.
 template <class F, sharded_tensor_type A, sharded_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  static_assert(detail::diagnose_zip_global<A, B>());
-  detail::check_same_global(a, b, "zip");
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
-  std::vector<view_u> out(a.num_devices());
-  for (std::size_t d : a.local_devices())
-    out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
-  return detail::rewrap_global<A, U>(a, std::move(out));
+  constexpr bool ok = detail::diagnose_zip_global<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+    detail::check_same_global(a, b, "zip");
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
+    std::vector<view_u> out(a.num_devices());
+    for (std::size_t d : a.local_devices())
+      out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    return detail::rewrap_global<A, U>(a, std::move(out));
+  }
 }
 
 template <sharded_tensor_type A, sharded_tensor_type B>
