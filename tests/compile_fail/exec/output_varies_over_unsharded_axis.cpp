@@ -1,0 +1,13 @@
+// shard_map output varying over "model", but the out_spec does not shard it over "model".
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
+
+using namespace meshlib;
+using mesh_t = mesh<axis<"data">, axis<"model">>;
+
+int main() {
+  mesh_t m{2, 2};
+  auto x = zeros<float>(named_sharding<mesh_t, P<"data", "model">>{m}, std::array<std::size_t, 2>{4, 4});
+  auto f = shard_map([](auto b) { return b; }, m, P<"data", "model">{}, P<"data">{});
+  (void)f(x);
+}
