@@ -42,7 +42,7 @@ struct zip_needs_same_sharding {
                 "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are the "
                 "arguments of zip_needs_same_sharding<A, B>); meshlib moves no data implicitly: "
                 "reshard one operand with meshlib::reshard<Spec>(x) so both have the same spec");
-  static constexpr bool value = true;
+  static constexpr bool value = std::is_same_v<A, B>;
 };
 
 template <class A, class B>
@@ -52,7 +52,7 @@ struct zip_needs_same_local_layout {
                 "sharded over different mesh axes (the two layouts, as local_layout<vary, partial, dims>, are the "
                 "arguments of zip_needs_same_local_layout<A, B>); make them agree first: psum / all_gather the one, "
                 "pbroadcast the other, or reshard the inputs of shard_map");
-  static constexpr bool value = true;
+  static constexpr bool value = std::is_same_v<A, B>;
 };
 
 template <class Mesh, axis_mask Partial>
@@ -61,7 +61,7 @@ struct operation_is_not_linear_on_partial {
                 "meshlib: this operation is not linear, but the operand is a pending sum over the axes in "
                 "operation_is_not_linear_on_partial<mesh, partial-mask>; complete the sum with psum over those axes "
                 "first (only +, -, negation, and scaling by a scalar keep a value partial)");
-  static constexpr bool value = true;
+  static constexpr bool value = Partial == 0;
 };
 
 /// The layout facts of a local value, compared by `zip` (the element type may differ).
@@ -153,31 +153,40 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  static_assert(detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value);
-  using T = typename L::value_type;
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
-  using out_t = with_value_t<L, U>;
-  return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+  if constexpr (!detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value) {
+    return x;  // the diagnostic above has fired
+  } else {
+    using T = typename L::value_type;
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
+    using out_t = with_value_t<L, U>;
+    return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+  }
 }
 
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  static_assert(detail::diagnose_zip_local<A, B>());
-  static_assert(detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value);
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using out_t = with_value_t<A, U>;
-  return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  if constexpr (!detail::diagnose_zip_local<A, B>() ||
+                !detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value) {
+    return a;  // a diagnostic above has fired
+  } else {
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using out_t = with_value_t<A, U>;
+    return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  }
 }
 
 namespace detail {
 /// Zip allowed on partial operands (for the linear operators +, -).
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip_linear(F f, const A& a, const B& b) {
-  static_assert(diagnose_zip_local<A, B>());
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using out_t = with_value_t<A, U>;
-  return out_t(zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  if constexpr (!diagnose_zip_local<A, B>()) {
+    return a;  // the diagnostic above has fired
+  } else {
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using out_t = with_value_t<A, U>;
+    return out_t(zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  }
 }
 template <class F, local_tensor_type L>
 auto map_linear(F f, const L& x) {
