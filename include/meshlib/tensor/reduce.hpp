@@ -121,7 +121,7 @@ auto reduce_view(const View& in, std::size_t mean_extent) {
 template <reduce_op Op, std::size_t D, local_tensor_type L>
 auto reduce_local(const L& x) {
   static_assert(reduce_dim_in_range<D, L::rank>::value);
-  if constexpr (Op == reduce_op::max && !max_of_partial_value<typename L::mesh_type, L::partial>::value) {
+  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_op::max ? L::partial : 0)>::value) {
     return x;  // the diagnostic above has fired
   } else {
   using T = typename L::value_type;
