@@ -12,6 +12,7 @@
 #include "meshlib/comm.hpp"
 #include "meshlib/runtime.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
+#include "meshlib/comm/mpi/hybrid_communicator.hpp"
 #include "meshlib/runtime/mpi_runtime.hpp"
 
 #endif

@@ -1,0 +1,210 @@
+// Hybrid meshes: P processes (the mpirun ranks) x 2 threads form one mesh of 2P devices. The same
+// program, every collective on every axis group of two meshes and on irregular split groups, runs
+// once on the hybrid communicator and once on a pure thread world of 2P threads inside each
+// process; every device's results must be the same bits (floats and bfloat16 included: the hybrid
+// reductions use the thread backend's kernels in rank order).
+#include <meshlib/mpi.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+
+using meshlib::bfloat16;
+using meshlib::permute_pair;
+using meshlib::reduce_op;
+
+namespace {
+
+constexpr int threads = 2;
+
+using log_t = std::vector<unsigned char>;
+
+template <class T>
+void record(log_t& log, const std::vector<T>& v) {
+  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+  log.insert(log.end(), p, p + v.size() * sizeof(T));
+}
+
+/// Pseudo-random inputs (not exact: float results depend on the reduction order).
+template <class T>
+std::vector<T> inputs(int device, std::size_t count, int salt) {
+  std::mt19937 g(static_cast<unsigned>(device * 131 + salt));
+  std::vector<T> v(count);
+  for (auto& x : v) {
+    if constexpr (std::is_integral_v<T>) x = static_cast<T>(static_cast<std::int64_t>(g()) - (1ll << 31));
+    else x = static_cast<T>(std::uniform_real_distribution<float>(-3.0f, 3.0f)(g));
+  }
+  return v;
+}
+
+/// Every operation of the concept on `c`, each result appended to `log`.
+template <class T, class Comm>
+void run_ops(Comm& c, int device, log_t& log) {
+  const int n = c.size();
+  const auto un = static_cast<std::size_t>(n);
+  const std::size_t count = 5;
+  for (reduce_op op : meshlib::all_reduce_ops) {
+    auto s = inputs<T>(device, count, 1);
+    std::vector<T> r(count);
+    c.all_reduce(std::span<const T>(s), std::span(r), op);
+    record(log, r);
+    c.all_reduce(std::span(s), op);
+    record(log, s);
+    auto s2 = inputs<T>(device, count * un, 2);
+    std::vector<T> r2(count);
+    c.reduce_scatter(std::span<const T>(s2), std::span(r2), op);
+    record(log, r2);
+    c.reduce_scatter(std::span(s2), op);
+    record(log, s2);
+    auto s3 = inputs<T>(device, count, 3);
+    std::vector<T> r3(count, T(1));
+    c.reduce(std::span<const T>(s3), std::span(r3), op, n - 1);
+    record(log, r3);
+    c.reduce(std::span(s3), op, 0);
+    if (c.rank() == 0) record(log, s3);
+  }
+  for (int root : {0, n - 1}) {
+    auto b = inputs<T>(device, count, 4);
+    c.broadcast(std::span(b), root);
+    record(log, b);
+    std::vector<T> br(count);
+    c.broadcast(std::span<const T>(b), std::span(br), (root + 1) % n);
+    record(log, br);
+  }
+  {
+    auto s = inputs<T>(device, count, 5);
+    std::vector<T> r(count * un);
+    c.all_gather(std::span<const T>(s), std::span(r));
+    record(log, r);
+    std::vector<T> ip(count * un, T(0));
+    std::copy(s.begin(), s.end(), ip.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.rank()) * count));
+    c.all_gather(std::span(ip));
+    record(log, ip);
+  }
+  {
+    auto s = inputs<T>(device, count * un, 6);
+    std::vector<T> r(count * un);
+    c.all_to_all(std::span<const T>(s), std::span(r));
+    record(log, r);
+    c.all_to_all(std::span(s));
+    record(log, s);
+  }
+  {
+    // Rank r sends (r + j) % 3 elements to rank j.
+    std::vector<std::int64_t> sc(un), sd(un), rc(un), rd(un);
+    std::int64_t so = 0, ro = 0;
+    for (int j = 0; j < n; ++j) {
+      const auto ju = static_cast<std::size_t>(j);
+      sc[ju] = (c.rank() + j) % 3;
+      sd[ju] = so;
+      so += sc[ju];
+      rc[ju] = (j + c.rank()) % 3;
+      rd[ju] = ro;
+      ro += rc[ju];
+    }
+    auto s = inputs<T>(device, static_cast<std::size_t>(so), 7);
+    std::vector<T> r(static_cast<std::size_t>(ro));
+    c.all_to_all_v(std::span<const T>(s), std::span<const std::int64_t>(sc), std::span<const std::int64_t>(sd),
+                   std::span(r), std::span<const std::int64_t>(rc), std::span<const std::int64_t>(rd));
+    record(log, r);
+  }
+  {
+    std::vector<permute_pair> ring;
+    for (int r = 0; r < n; ++r) ring.push_back({r, (r + 1) % n});
+    auto s = inputs<T>(device, count, 8);
+    std::vector<T> r(count);
+    c.ppermute(std::span<const T>(s), std::span(r), std::span<const permute_pair>(ring));
+    record(log, r);
+    const permute_pair one[] = {{n - 1, 0}};
+    c.ppermute(std::span(s), std::span<const permute_pair>(one));
+    record(log, s);
+  }
+  {
+    // Point to point around the ring: send first (buffered), then receive.
+    auto s = inputs<T>(device, count, 9);
+    c.send(std::span(s), (c.rank() + 1) % n, 4);
+    std::vector<T> r(count);
+    c.recv(std::span(r), (c.rank() + n - 1) % n, 4);
+    record(log, r);
+  }
+  c.barrier();
+}
+
+template <class Comm>
+void run_all_types(Comm& c, int device, log_t& log) {
+  run_ops<std::int32_t>(c, device, log);
+  run_ops<std::int64_t>(c, device, log);
+  run_ops<float>(c, device, log);
+  run_ops<double>(c, device, log);
+  run_ops<bfloat16>(c, device, log);
+}
+
+/// The program every device runs: the whole world, every axis group of a 2-axis mesh, and an
+/// irregular split (device 0 alone; everyone else in reverse order).
+template <class Mesh, class Comm>
+log_t program(Comm& world, const Mesh& m) {
+  log_t log;
+  const int device = world.rank();
+  run_all_types(world, device, log);
+  meshlib::axis_communicators<Comm, Mesh> axes(world, m);
+  for (auto mask : {Mesh::template mask_of<"x">(), Mesh::template mask_of<"y">()}) run_all_types(axes.over(mask), device, log);
+  auto odd = world.split(device == 0 ? 0 : 1, -device);
+  run_all_types(odd, device, log);
+  return log;
+}
+
+template <class Mesh>
+void check_mesh(const Mesh& m) {
+  auto procs = meshlib::mpi::world();
+  const int p = procs.rank();
+  const int devices = procs.size() * threads;
+  std::vector<log_t> hybrid(threads), reference(static_cast<std::size_t>(devices));
+  meshlib::run_hybrid(procs, threads, [&](meshlib::hybrid_communicator& c) {
+    CHECK(c.size() == devices);
+    hybrid[static_cast<std::size_t>(c.rank() - p * threads)] = program(c, m);
+  });
+  meshlib::run_on_threads(devices, [&](meshlib::thread_communicator& c) {
+    reference[static_cast<std::size_t>(c.rank())] = program(c, m);
+  });
+  for (int t = 0; t < threads; ++t) {
+    INFO("mesh " << m << ", device " << p * threads + t);
+    const auto& a = hybrid[static_cast<std::size_t>(t)];
+    const auto& b = reference[static_cast<std::size_t>(p * threads + t)];
+    REQUIRE(!a.empty());
+    REQUIRE(a.size() == b.size());
+    CHECK(std::memcmp(a.data(), b.data(), a.size()) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("hybrid (process x thread) mesh: every collective equals the pure-thread run", "[mpi][hybrid]") {
+  meshlib::mpi::options o;
+  o.runtime.local_device_count = threads;
+  meshlib::mpi::guard run(MPI_COMM_WORLD, o);
+  const auto P = static_cast<std::size_t>(meshlib::mpi::world().size());
+  using mesh_t = meshlib::mesh<meshlib::axis<"x">, meshlib::axis<"y">>;
+  check_mesh(mesh_t{P, std::size_t{threads}});  // x spans processes, y stays inside one
+  check_mesh(mesh_t{std::size_t{threads}, P});  // with P = 4, y spans two processes of two threads
+}
+
+TEST_CASE("hybrid: a thread that throws fails its process's group and is reported with its device", "[mpi][hybrid]") {
+  auto procs = meshlib::mpi_communicator(MPI_COMM_WORLD);
+  try {
+    meshlib::run_hybrid(procs, threads, [&](meshlib::hybrid_communicator& c) {
+      if (c.rank() % threads == 1) throw std::runtime_error("boom");
+      // Thread 0 waits for thread 1 in the local part of a collective: released, not hung.
+      std::int32_t x = 1;
+      c.local().all_reduce(std::span(&x, 1), reduce_op::sum);
+    });
+    FAIL("must throw participant_error");
+  } catch (const meshlib::participant_error& e) {
+    CHECK(e.rank() == procs.rank() * threads + 1);
+    CHECK(std::string(e.what()).find("boom") != std::string::npos);
+  }
+}
