@@ -106,19 +106,23 @@ inline bool is_prefix(const std::vector<std::size_t>& p, const std::vector<std::
 
 template <class Mesh>
 std::string describe_dyn_spec(const dyn_spec& s) {
-  std::string out = "P<";
+  // Built with a stream: GCC 12 warns falsely (-Wrestrict) on `"\"" + std::string(...)` at -O2.
+  std::ostringstream os;
+  os << "P<";
   for (std::size_t d = 0; d < s.size(); ++d) {
-    out += d ? ", " : "";
-    if (s[d].empty()) out += "none";
-    else if (s[d].size() == 1) out += "\"" + std::string(Mesh::axis_names[s[d][0]]) + "\"";
-    else {
-      out += "axes(";
-      for (std::size_t k = 0; k < s[d].size(); ++k)
-        out += (k ? ", \"" : "\"") + std::string(Mesh::axis_names[s[d][k]]) + "\"";
-      out += ")";
+    if (d) os << ", ";
+    if (s[d].empty()) {
+      os << "none";
+    } else if (s[d].size() == 1) {
+      os << '"' << Mesh::axis_names[s[d][0]] << '"';
+    } else {
+      os << "axes(";
+      for (std::size_t k = 0; k < s[d].size(); ++k) os << (k ? ", " : "") << '"' << Mesh::axis_names[s[d][k]] << '"';
+      os << ')';
     }
   }
-  return out + ">";
+  os << '>';
+  return os.str();
 }
 
 }  // namespace detail
