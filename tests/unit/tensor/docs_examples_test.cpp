@@ -1,0 +1,69 @@
+// The examples of docs/tensors.md, compiled and checked. Keep the two in step: each TEST_CASE here
+// is one numbered example there.
+#include <array>
+#include <thread>
+#include <vector>
+
+#include "meshlib/tensor.hpp"
+#include "meshlib_catch.hpp"
+
+TEST_CASE("docs/tensors.md example 1: the global view", "[tensor][docs]") {
+  using namespace meshlib;
+  using mesh_t = mesh<axis<"data">, axis<"model">>;
+  mesh_t m{2, 2};
+  named_sharding<mesh_t, P<"data", "model">> s{m};
+
+  std::vector<float> host(4 * 6);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(i);
+  auto x = from_host(s, std::array<std::size_t, 2>{4, 6}, host);  // scatter
+
+  // device 3 is (data 1, model 1): rows 2..3, columns 3..5
+  CHECK(x.block_of(3).offset == std::array<std::size_t, 2>{2, 3});
+  CHECK(x.local(3)(0, 0) == 15.0f);  // a Kokkos::View, row-major
+  CHECK(x.to_host() == host);        // gather
+
+  auto y = make_array_from_callback<int>(std::array<std::size_t, 2>{4, 6}, s,
+                                         [](const std::array<std::size_t, 2>& g) { return static_cast<int>(g[0] * 10 + g[1]); });
+  CHECK(y.to_host()[7] == 11);
+  auto z = full(s, std::array<std::size_t, 2>{4, 6}, 1.5);
+  CHECK(z.to_host()[23] == 1.5);
+}
+
+TEST_CASE("docs/tensors.md example 2: kernels in the global view", "[tensor][docs]") {
+  using namespace meshlib;
+  using mesh_t = mesh<axis<"data">, axis<"model">>;
+  mesh_t m{2, 2};
+  auto x = full(named_sharding<mesh_t, P<"data", "model">>{m}, std::array<std::size_t, 2>{4, 6}, 1.0f);
+  auto w = full(named_sharding<mesh_t, P<"model">>{m}, std::array<std::size_t, 2>{6, 3}, 2.0f);
+
+  auto y = x * 2.0f + 1.0f;  // same sharding as x
+  auto r = sum<1>(y);        // P<"data">: the 'model' parts summed for you
+  auto c = matmul(x, w);     // P<"data", "model"> . P<"model"> = P<"data">, contraction summed
+  static_assert(std::is_same_v<decltype(r)::spec_type, P<"data">>);
+  static_assert(std::is_same_v<decltype(c)::spec_type, P<"data">>);
+  CHECK(r.to_host() == std::vector<float>(4, 18.0f));
+  CHECK(c.to_host() == std::vector<float>(12, 12.0f));
+}
+
+TEST_CASE("docs/tensors.md example 3: the local view, one thread per device", "[tensor][docs]") {
+  using namespace meshlib;
+  using mesh_t = mesh<axis<"data">, axis<"model">>;
+  mesh_t m{2, 2};
+  auto x = full(named_sharding<mesh_t, P<"data", "model">>{m}, std::array<std::size_t, 2>{4, 6}, 1.0f);
+  auto w = full(named_sharding<mesh_t, P<"model">>{m}, std::array<std::size_t, 2>{6, 3}, 2.0f);
+
+  std::vector<std::vector<float>> partial_products(m.size());
+  std::vector<std::thread> devices;
+  for (std::size_t dev = 0; dev < m.size(); ++dev)
+    devices.emplace_back([&, dev] {
+      auto lx = x.local_value(dev);  // vary {'data', 'model'}
+      auto lw = w.local_value(dev);  // vary {'model'}
+      auto p = matmul(lx, lw);       // vary {'data'}, partial {'model'}: psum over 'model' completes it
+      static_assert(decltype(p)::partial == mesh_t::mask_of<"model">());
+      static_assert(decltype(p)::vary == mesh_t::mask_of<"data">());
+      partial_products[dev].assign(p.data(), p.data() + p.size());
+    });
+  for (auto& t : devices) t.join();
+  // the psum, by hand: devices 0 and 1 form the 'model' group of data row 0
+  for (std::size_t i = 0; i < partial_products[0].size(); ++i) CHECK(partial_products[0][i] + partial_products[1][i] == 12.0f);
+}
