@@ -159,6 +159,14 @@ TEST_CASE("reshard picks the cheap plan for each kind of transition", "[collecti
     CHECK(p.steps().size() >= 2);
     CHECK(p.steps().back().kind == reshard_kind::local_slice);
   }
+  SECTION("the example of docs/resharding.md: (8, 96) floats on 2 devices") {
+    mesh1 m1{2};
+    auto x = from_host(named_sharding<mesh1, P<"a", none>>{m1}, std::array<std::size_t, 2>{8, 96},
+                       std::vector<float>(8 * 96, 0.0f));
+    const auto p = plan_reshard<P<none, "a">>(x);
+    CHECK(p.max_bytes_sent() == 768);
+    CHECK(p.to_string().find("all_to_all over 'a' (split dim 1, concat dim 0) -> P<none, \"a\">") != std::string::npos);
+  }
   SECTION("same spec: nothing to do") { CHECK(plan_reshard<P<"a">>(rows).empty()); }
   SECTION("uneven sizes: the general exchange") {
     auto u = from_host(named_sharding<mesh2, P<"a">>{m, shard_rule::uneven}, std::array<std::size_t, 2>{7, 5},
