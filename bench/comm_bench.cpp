@@ -47,6 +47,9 @@ int main(int argc, char** argv) {
   opts.one_shot_max_bytes = bench::parse_size(bench::arg(argc, argv, "--one-shot-max", "0"));
   const long long spin = std::stoll(bench::arg(argc, argv, "--spin-ns", "-1"));
   opts.spin = std::chrono::nanoseconds(spin);
+  opts.streaming_min_bytes = bench::parse_size(bench::arg(argc, argv, "--stream-min", "0"));
+  // Bind participants to cores as OpenMPI binds its ranks (its default), unless --pin 0.
+  opts.pin_threads = bench::arg(argc, argv, "--pin", "1") == "1";
   const auto sizes = bench::sizes(lo, hi);
   bench::print_header("thread");
 

@@ -279,9 +279,10 @@ std::vector<coll_case<T>> make_cases(int n, std::size_t c) {
 }
 
 template <class T>
-void check_all_cases(int n, std::size_t one_shot_max) {
+void check_all_cases(int n, std::size_t one_shot_max, std::size_t streaming_min = 0) {
   meshlib::thread_comm_options opts = options_with_timeout(60);
   opts.one_shot_max_bytes = one_shot_max;
+  opts.streaming_min_bytes = streaming_min;
   const std::size_t counts[] = {0, 1, 13, 300};
   std::vector<std::vector<coll_case<T>>> all;
   for (std::size_t c : counts) all.push_back(make_cases<T>(n, c));
@@ -302,7 +303,7 @@ void check_all_cases(int n, std::size_t one_shot_max) {
     for (auto& cases : all)
       for (auto& cs : cases) {
         INFO(cs.name << ", " << n << " participants, rank " << r << ", element " << meshlib::datatype_of<T>
-                     << ", one_shot_max_bytes " << one_shot_max);
+                     << ", one_shot_max_bytes " << one_shot_max << ", streaming_min_bytes " << streaming_min);
         const auto expected = cs.expect(r, n);
         CHECK(same_bits(got[static_cast<std::size_t>(r)][idx], expected));
         ++idx;
@@ -314,6 +315,7 @@ template <class T>
 void check_type() {
   for (int n : {1, 2, 3, 4, 8, 16}) {
     check_all_cases<T>(n, 1);        // zero-copy for every non-empty payload
+    check_all_cases<T>(n, 1, 1);     // zero-copy with streaming stores
     check_all_cases<T>(n, 1 << 20);  // one-shot for every payload
   }
 }

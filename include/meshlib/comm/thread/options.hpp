@@ -44,11 +44,20 @@ struct thread_comm_options {
   /// copies it into a shared slot and needs one synchronisation; larger payloads take the zero-copy
   /// algorithm (peers read each other's buffers; two synchronisations). 0: the measured default.
   std::size_t one_shot_max_bytes = 0;
+  /// Payload (bytes per rank) from which the zero-copy algorithms write with non-temporal
+  /// (streaming) stores, which skip the read-for-ownership of lines that will not be read again
+  /// soon. 0: the measured default; SIZE_MAX: never.
+  std::size_t streaming_min_bytes = 0;
   /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
   /// measured default, shorter when there are more participants than cores.
   std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
   /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
   std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
+  /// `run_on_threads` only: pin participant r to the r-th CPU the process may run on (modulo their
+  /// number), as OpenMPI binds its ranks to cores; the calling thread's affinity is restored when
+  /// it returns. Keeps two communicating participants from sharing a core on a busy machine.
+  /// Linux only; ignored elsewhere.
+  bool pin_threads = false;
 };
 
 }  // namespace meshlib

@@ -5,6 +5,10 @@
 /// place where meshlib starts participant threads (shard_map and spmd use it).
 
 #include <exception>
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -32,6 +36,25 @@ class participant_error : public comm_error, public std::nested_exception {
 };
 
 namespace detail {
+/// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
+#if defined(__linux__)
+inline void pin_to(const cpu_set_t& allowed, int index) {
+  const int count = CPU_COUNT(&allowed);
+  if (count <= 0) return;
+  int want = index % count;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    if (want-- == 0) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+      return;
+    }
+  }
+}
+#endif
+
 inline std::string what_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -64,9 +87,30 @@ inline std::string what_of(const std::exception_ptr& e) {
 template <class F>
   requires std::is_invocable_v<F&, thread_communicator&>
 void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
+  const bool pin = options.pin_threads;
   thread_world world(n, std::move(options));
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+#if defined(__linux__)
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  // Pin only when every participant gets its own CPU; oversubscribed participants must be free to
+  // move to whichever core is idle (OpenMPI does not bind oversubscribed ranks either).
+  const bool can_pin = pin && pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                       n <= CPU_COUNT(&allowed);
+  struct restore_affinity {
+    bool active;
+    cpu_set_t mask;
+    ~restore_affinity() {
+      if (active) pthread_setaffinity_np(pthread_self(), sizeof(mask), &mask);
+    }
+  } restore{can_pin, allowed};
+#else
+  (void)pin;
+#endif
   auto body = [&](int r) {
+#if defined(__linux__)
+    if (can_pin) detail::pin_to(allowed, r);
+#endif
     thread_communicator comm = world.communicator(r);
     try {
       fn(comm);

@@ -76,13 +76,14 @@ class thread_communicator {
   thread_communicator(const thread_communicator&) = delete;
   thread_communicator& operator=(const thread_communicator&) = delete;
   thread_communicator(thread_communicator&& o) noexcept
-      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_) {}
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
       depart();
       state_ = std::move(o.state_);
       rank_ = o.rank_;
       step_ = o.step_;
+      central_ = o.central_;
     }
     return *this;
   }
@@ -302,7 +303,7 @@ class thread_communicator {
     check_usable(k);
     detail::call_desc d;
     d.kind = k;
-    arrive(&d);
+    arrive(d, false);
     return {};
   }
 
@@ -317,12 +318,12 @@ class thread_communicator {
     d.kind = k;
     d.color = color;
     d.key = key;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, false);
     auto& g = *state_;
     std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
     for (int r = 0; r < g.n; ++r) {
-      const auto& dr = g.slots[r].desc[s & 1];
-      if (dr.color == color) keyed.emplace_back(dr.key, r);
+      const auto& lr = line(r, s);
+      if (lr.color == color) keyed.emplace_back(lr.key, r);
     }
     std::sort(keyed.begin(), keyed.end());
     std::vector<int> members;
@@ -465,72 +466,152 @@ class thread_communicator {
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
+  //
+  // Every collective is one step. A rank publishes its call in its flag line for the step (one
+  // cache line: step number, call, up to 24 bytes of payload) and:
+  // - one-shot steps (payload staged in the slot, nothing of the caller's is read by peers): waits
+  //   until every peer's flag line shows the step, checks that the calls agree, and goes on. One
+  //   synchronisation; on two cores, one cache-line transfer each way.
+  // - zero-copy steps (peers read the caller's own buffers): also arrives at the group's counter;
+  //   the rank that arrives last checks the calls and releases the step with a compare-and-swap
+  //   that fails once the world has failed, so that a step a rank gave up on (timeout, abort) is
+  //   never released and no one reads the buffers of a rank that has left. After the copies all
+  //   meet once more (complete()).
 
-  /// Arrives at the next step with this rank's call (`d`), waits until every rank has, and returns
-  /// the step number. The rank that arrives last checks that all calls agree and releases the step.
-  std::uint64_t arrive(const detail::call_desc* d) {
+  /// The flag line of rank r for step s.
+  detail::flag_line& line(int r, std::uint64_t s) const noexcept { return state_->slots[r].line[s & 1]; }
+
+  /// Copies `bytes` of payload where peers will read it in the next step: into the flag line
+  /// when it fits, else into this rank's staging buffer.
+  const void* stage(const void* data, std::size_t bytes) {
+    auto& slot = state_->slots[rank_];
+    std::byte* buf = bytes <= detail::inline_capacity ? slot.line[step_ & 1].inline_data
+                                                      : slot.staging[step_ & 1].reserve(bytes);
+    detail::copy_bytes(buf, data, bytes);
+    return buf;
+  }
+
+  /// Takes the next step with this rank's call `d` and returns the step number once the step may
+  /// proceed (every rank arrived with an agreeing call).
+  std::uint64_t arrive(const detail::call_desc& d, bool zero_copy) {
     auto& g = *state_;
     const std::uint64_t s = step_++;
     auto& slot = g.slots[rank_];
-    slot.desc[s & 1] = *d;
-    slot.arrived.store(s + 1, std::memory_order_release);
-    const std::uint64_t target = s + 1;
+    slot.desc[s & 1] = d;
+    if (d.kind == op_kind::ppermute) slot.pairs[s & 1].assign(d.pairs.begin(), d.pairs.end());
+    auto& ln = slot.line[s & 1];
+    ln.kind = d.kind;
+    ln.dtype = d.dtype;
+    ln.op = d.op;
+    ln.root = d.root;
+    ln.count = d.count;
+    ln.color = d.color;
+    ln.key = d.key;
+    ln.src = d.src;
+    // A release store, not seq_cst: a full fence here would wait for the peers' copies of this
+    // line to be invalidated, one cache-line transfer on the critical path. The price is that the
+    // sleeper check below may miss a waiter that is just going to sleep; sleepers re-check every
+    // millisecond (wait_until), so a missed wake-up costs at most that, and only after the waiter
+    // had already waited for milliseconds.
+    ln.seq.store(s + 1, std::memory_order_release);
+    g.wake();
+    if (g.n == 1) return s;
+    if (!zero_copy) {
+      wait_flags(s, d.kind);
+      check_flags(s);
+      return s;
+    }
+    arrive_central(d.kind, s);
+    return s;
+  }
+
+  /// Waits until every peer's flag line shows step s.
+  void wait_flags(std::uint64_t s, op_kind k) {
+    const int n = state_->n;
+    int next = 0;  // ranks below `next` have arrived
+    auto ready = [&] {
+      while (next < n && line(next, s).seq.load(std::memory_order_acquire) > s) ++next;
+      return next == n;
+    };
+    auto arrived = [&](int r) { return line(r, s).seq.load(std::memory_order_acquire) > s; };
+    wait_until(ready, arrived, k, s, /*cancellable=*/true);
+  }
+
+  /// Mismatch detection of a one-shot step; every rank runs it on the same lines, so every rank
+  /// reaches the same verdict.
+  void check_flags(std::uint64_t s) const {
+    auto& g = *state_;
+    const auto& mine = line(rank_, s);
+    const auto& my_pairs = g.slots[rank_].pairs[s & 1];
+    bool ok = true;
+    for (int r = 0; r < g.n && ok; ++r)
+      if (r != rank_) ok = detail::same_call(mine, line(r, s), my_pairs, g.slots[r].pairs[s & 1]);
+    if (!ok) report_mismatch(s, "", /*with_arrays=*/false);
+  }
+
+  [[noreturn]] void report_mismatch(std::uint64_t s, const std::string& extra, bool with_arrays) const {
+    auto& g = *state_;
+    std::ostringstream os;
+    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
+       << " ranks: the ranks called different collectives";
+    for (int r = 0; r < g.n; ++r)
+      os << (r ? "; " : ": ") << g.rank_label(r) << " called "
+         << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
+    os << extra;
+    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+    g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
+  }
+
+  /// The central arrival of a zero-copy step.
+  void arrive_central(op_kind k, std::uint64_t s) {
+    auto& g = *state_;
+    const std::uint64_t target = ++central_;
+    g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
-      if (g.n > 1) check_step(s);
-      // Release unless the world failed meanwhile: a step that a failed rank may have given up on
-      // must never be released, or peers would read the buffers of a rank that has left.
+      check_step(s);
       std::uint64_t w = g.word.load(std::memory_order_relaxed);
       do {
-        if (w & detail::failed_bit) g.world->rethrow("seen by " + where(d->kind) + ", step " + std::to_string(s));
+        if (w & detail::failed_bit) failed_while_waiting(k, s);
       } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
       g.wake();
-    } else {
-      wait_step(target, d->kind, s);
+      return;
     }
-    return s;
+    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
+    wait_until(ready, arrived, k, s, /*cancellable=*/true);
   }
 
   /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
   /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
-  /// gets here after a bounded amount of copying; waiting here for a failure would let a rank
+  /// gets here after a bounded amount of copying; giving up here on a failure would let a rank
   /// return (and its caller free its buffers) while a peer still copies them.
   void complete() {
+    detail::stream_fence();  // streaming stores are weakly ordered: drain them before telling peers
     auto& g = *state_;
-    const std::uint64_t s = step_++;
-    g.slots[rank_].arrived.store(s + 1, std::memory_order_release);
-    const std::uint64_t target = s + 1;
+    if (g.n == 1) return;
+    const std::uint64_t target = ++central_;
+    g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
       g.word.fetch_add(1, std::memory_order_seq_cst);
       g.wake();
       return;
     }
-    auto done = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    const auto start = detail::comm_clock::now();
-    for (unsigned i = 1;; ++i) {
-      if (done()) return;
-      detail::cpu_relax();
-      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
-    }
-    while (detail::comm_clock::now() - start < g.policy.spin + g.policy.yield) {
-      if (done()) return;
-      std::this_thread::yield();
-    }
-    std::unique_lock lk(g.mutex);
-    g.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    while (!done()) g.cv.wait_for(lk, std::chrono::milliseconds(50));
-    g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    wait_until(ready, [](int) { return true; }, op_kind::barrier, step_ - 1, /*cancellable=*/false);
   }
 
-  /// Mismatch detection, run by the last rank to arrive at step s while the others wait.
+  /// Mismatch detection of a zero-copy step, run by the last rank to arrive while the others are
+  /// blocked (so their descriptors, and the arrays they point to, are safe to read).
   void check_step(std::uint64_t s) const {
     auto& g = *state_;
-    const auto& d0 = g.slots[0].desc[s & 1];
+    const auto& l0 = line(0, s);
+    const auto& p0 = g.slots[0].pairs[s & 1];
     bool ok = true;
-    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(d0, g.slots[r].desc[s & 1]);
+    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(l0, line(r, s), p0, g.slots[r].pairs[s & 1]);
     std::string extra;
-    if (ok && d0.kind == op_kind::all_to_all_v) {
+    if (ok && l0.kind == op_kind::all_to_all_v) {
       for (int i = 0; i < g.n && ok; ++i)
         for (int j = 0; j < g.n && ok; ++j) {
           const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
@@ -542,60 +623,72 @@ class thread_communicator {
           }
         }
     }
-    if (ok) return;
-    std::ostringstream os;
-    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
-       << " ranks: the ranks called different collectives";
-    for (int r = 0; r < g.n; ++r) os << (r ? "; " : ": ") << g.rank_label(r) << " called " << detail::describe(g.slots[r].desc[s & 1]);
-    os << extra;
-    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
-    g.world->rethrow("seen by " + where(d0.kind));
+    if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until step `target - 1` is released: spin, then yield, then block with a deadline.
-  /// Throws when the world fails first, when the timeout passes (naming the ranks that never
-  /// arrived) or when a rank that has not arrived has left.
-  void wait_step(std::uint64_t target, op_kind k, std::uint64_t s) {
+  /// Waits until `ready()`: spins, then yields, then blocks with a deadline. When `cancellable`,
+  /// throws once the world fails first, when the timeout passes (naming the ranks for which
+  /// `arrived(r)` is false) or when such a rank has left.
+  template <class Ready, class Arrived>
+  void wait_until(Ready&& ready, Arrived&& arrived, op_kind k, std::uint64_t s, bool cancellable) {
     auto& g = *state_;
-    auto released = [target](std::uint64_t w) { return (w & ~detail::failed_bit) >= target; };
-    std::uint64_t w = 0;
+    auto failed = [&] { return cancellable && (g.word.load(std::memory_order_acquire) & detail::failed_bit); };
+    // A first burst of spinning without reading the clock: most waits of a participant with a
+    // core of its own end within it.
+    for (int i = 0; i < g.policy.burst; ++i) {
+      if (ready()) return;
+      detail::cpu_relax();
+    }
     const auto start = detail::comm_clock::now();
     for (unsigned i = 1;; ++i) {
-      w = g.word.load(std::memory_order_acquire);
-      if (released(w)) return;
-      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (ready()) return;
+      if (failed()) {
+        if (ready()) return;
+        failed_while_waiting(k, s);
+      }
       detail::cpu_relax();
-      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+      if ((i & 31u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
     }
     for (;;) {
-      w = g.word.load(std::memory_order_acquire);
-      if (released(w)) return;
-      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (ready()) return;
+      if (failed()) {
+        if (ready()) return;
+        failed_while_waiting(k, s);
+      }
       if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
       std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout;
     int departed = -1;
     bool timed_out = false;
+    bool done = false;
     {
       std::unique_lock lk(g.mutex);
       g.sleepers.fetch_add(1, std::memory_order_seq_cst);
       for (;;) {
-        w = g.word.load(std::memory_order_seq_cst);
-        if (released(w) || (w & detail::failed_bit)) break;
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        if (ready()) {
+          done = true;
+          break;
+        }
+        if (!cancellable) {
+          g.cv.wait_for(lk, std::chrono::milliseconds(1));
+          continue;
+        }
+        if (failed()) break;
         for (int r = 0; r < g.n && departed < 0; ++r)
-          if (g.slots[r].departed.load() && g.slots[r].arrived.load(std::memory_order_acquire) < target) departed = r;
+          if (g.slots[r].departed.load() && !arrived(r)) departed = r;
         if (departed >= 0) break;
         const auto now = detail::comm_clock::now();
         if (now >= deadline) {
           timed_out = true;
           break;
         }
-        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(1)));
       }
       g.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
-    if (released(w)) return;
+    if (done) return;
     if (departed >= 0) {
       g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(departed)],
                     "meshlib: communicator aborted: " + g.rank_label(departed) +
@@ -608,14 +701,13 @@ class thread_communicator {
          << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
       int missing = 0;
       for (int r = 0; r < g.n; ++r)
-        if (g.slots[r].arrived.load(std::memory_order_acquire) < target)
-          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        if (!arrived(r)) os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
       os << (missing ? " never arrived" : "every rank arrived late");
       os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
       g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
     }
-    // The failure bit is set now; a release that won the race still counts.
-    if (released(g.word.load(std::memory_order_acquire))) return;
+    // The failure bit is set now; a step that became ready meanwhile still counts.
+    if (ready()) return;
     failed_while_waiting(k, s);
   }
 
@@ -626,18 +718,18 @@ class thread_communicator {
   // ---- algorithms ------------------------------------------------------------------------------
 
   bool one_shot(std::size_t staged_bytes) const noexcept { return staged_bytes <= state_->policy.one_shot_max; }
+  bool streaming(std::size_t payload_bytes) const noexcept { return payload_bytes >= state_->policy.streaming_min; }
 
-  /// Copies `bytes` of data into this rank's staging buffer for step `s` (the next step).
-  const void* stage(const void* data, std::size_t bytes) {
-    auto& slot = state_->slots[rank_];
-    std::byte* buf = slot.staging[step_ & 1].reserve(bytes);
-    detail::copy_bytes(buf, data, bytes);
-    return buf;
+  /// A zero-copy path's copy: streaming stores for big payloads.
+  static void move_bytes(void* dst, const void* src, std::size_t bytes, bool stream) noexcept {
+    if (bytes == 0 || dst == src) return;
+    if (stream) detail::stream_bytes(dst, src, bytes);
+    else std::memcpy(dst, src, bytes);
   }
 
   template <class T>
   const T* src_of(std::uint64_t s, int r) const noexcept {
-    return static_cast<const T*>(state_->slots[r].desc[s & 1].src);
+    return static_cast<const T*>(line(r, s).src);
   }
   template <class T>
   T* dst_of(std::uint64_t s, int r) const noexcept {
@@ -673,21 +765,21 @@ class thread_communicator {
     const T** in = reinterpret_cast<const T**>(ins_.data());
     if (one_shot(count * sizeof(T))) {
       d.src = stage(send, count * sizeof(T));
-      const std::uint64_t s = arrive(&d);
+      const std::uint64_t s = arrive(d, false);
       for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
       detail::reduce_into<T>(op, in, n, &recv, 1, count);
       return {};
     }
     d.src = send;
     d.dst = recv;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     T** out = reinterpret_cast<T**>(outs_.data());
     for (int r = 0; r < n; ++r) {
       in[r] = src_of<T>(s, r) + lo;
       out[r] = dst_of<T>(s, r) + lo;
     }
-    detail::reduce_into<T>(op, in, n, out, n, hi - lo);
+    detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -702,7 +794,7 @@ class thread_communicator {
     const T** in = reinterpret_cast<const T**>(ins_.data());
     if (one_shot(count * sizeof(T))) {
       d.src = stage(send, count * sizeof(T));
-      const std::uint64_t s = arrive(&d);
+      const std::uint64_t s = arrive(d, false);
       if (rank_ == root) {
         for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
         detail::reduce_into<T>(op, in, n, &recv, 1, count);
@@ -711,11 +803,11 @@ class thread_communicator {
     }
     d.src = send;
     d.dst = rank_ == root ? recv : nullptr;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
     T* out = dst_of<T>(s, root) + lo;
-    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo);
+    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -731,9 +823,9 @@ class thread_communicator {
     const std::size_t total_bytes = count * sizeof(T) * static_cast<std::size_t>(n);
     const bool staged = one_shot(total_bytes);
     d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
-    detail::reduce_into<T>(op, in, n, &recv, 1, count);
+    detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
     if (!staged) complete();
     return {};
   }
@@ -745,9 +837,10 @@ class thread_communicator {
     const std::size_t bytes = count * sizeof(T);
     const bool staged = one_shot(bytes);
     if (rank_ == root) d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
-    if (rank_ == root) detail::copy_bytes(recv, send, bytes);
-    else detail::copy_bytes(recv, src_of<T>(s, root), bytes);
+    const std::uint64_t s = arrive(d, !staged);
+    const bool stream = !staged && streaming(bytes);
+    if (rank_ == root) move_bytes(recv, send, bytes, stream);
+    else move_bytes(recv, src_of<T>(s, root), bytes, stream);
     if (!staged) complete();
     return {};
   }
@@ -759,11 +852,12 @@ class thread_communicator {
     const std::size_t bytes = count * sizeof(T);
     const bool staged = one_shot(bytes);
     d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
+    const bool stream = !staged && streaming(bytes * static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
-      // Own block from the caller's buffer; in place it is already there and copy_bytes skips it.
+      // Own block from the caller's buffer; in place it is already there and move_bytes skips it.
       const T* from = r == rank_ ? send : src_of<T>(s, r);
-      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes);
+      move_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes, stream);
     }
     if (!staged) complete();
     return {};
@@ -786,10 +880,10 @@ class thread_communicator {
     } else {
       d.src = send;
     }
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     const std::size_t mine = static_cast<std::size_t>(rank_) * count;
-    for (int r = 0; r < n; ++r)
-      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes);
+    const bool stream = !staged && streaming(total);
+    for (int r = 0; r < n; ++r) move_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes, stream);
     if (!staged) complete();
     return {};
   }
@@ -805,7 +899,7 @@ class thread_communicator {
     d.v[2] = rc;
     d.v[3] = rd;
     d.nv = n;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     for (int r = 0; r < n; ++r) {
       const auto& dr = state_->slots[r].desc[s & 1];
       const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
@@ -830,7 +924,7 @@ class thread_communicator {
     } else {
       d.src = send;
     }
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     int from = -1;
     for (const auto& p : pairs)
       if (p.dest == rank_) from = p.source;
@@ -888,7 +982,8 @@ class thread_communicator {
 
   std::shared_ptr<detail::group_state> state_;
   int rank_ = 0;
-  std::uint64_t step_ = 0;  ///< steps this handle has taken part in (each collective takes 1 or 2)
+  std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
+  std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)

@@ -88,7 +88,7 @@ constexpr std::string_view op_name(op_kind k) noexcept {
   return "unknown";
 }
 
-/// What one rank called in one step: compared across ranks by the releasing rank, and the source
+/// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
 struct call_desc {
   op_kind kind = op_kind::barrier;
@@ -100,7 +100,7 @@ struct call_desc {
   int key = 0;
   const void* src = nullptr;  ///< staged copy (one-shot) or the user's send buffer (zero-copy)
   void* dst = nullptr;        ///< the user's receive buffer (zero-copy algorithms that push)
-  std::span<const permute_pair> pairs{};
+  std::span<const permute_pair> pairs{};  ///< ppermute: the caller's pairs (the slot keeps a copy)
   const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd
   int nv = 0;                                                       ///< length of each v array
 };
@@ -120,8 +120,10 @@ inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
   os << ']';
 }
 
-/// "all_reduce(float32, count 8, op sum)": how error messages show a call.
-inline std::string describe(const call_desc& d) {
+/// "all_reduce(float32, count 8, op sum)": how error messages show a call. `pairs` is the slot's
+/// copy of a ppermute's pairs; the all_to_all_v counts are printed only when `with_arrays` (they
+/// live in the caller's memory, which is safe to read only while the caller is blocked).
+inline std::string describe(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
   std::ostringstream os;
   os << op_name(d.kind) << '(';
   if (d.kind == op_kind::split) {
@@ -133,11 +135,11 @@ inline std::string describe(const call_desc& d) {
     if (uses_root(d.kind)) os << ", root " << d.root;
     if (d.kind == op_kind::ppermute) {
       os << ", pairs [";
-      for (std::size_t i = 0; i < d.pairs.size(); ++i)
-        os << (i ? ", " : "") << '(' << d.pairs[i].source << ", " << d.pairs[i].dest << ')';
+      for (std::size_t i = 0; i < pairs.size(); ++i)
+        os << (i ? ", " : "") << '(' << pairs[i].source << ", " << pairs[i].dest << ')';
       os << ']';
     }
-    if (d.kind == op_kind::all_to_all_v) {
+    if (d.kind == op_kind::all_to_all_v && with_arrays) {
       os << ", send_counts ";
       print_v(os, d.v[0], d.nv);
       os << ", recv_counts ";
@@ -148,15 +150,33 @@ inline std::string describe(const call_desc& d) {
   return os.str();
 }
 
-/// Whether two ranks' calls agree on everything the step depends on.
-inline bool same_call(const call_desc& a, const call_desc& b) {
+/// The hot part of a rank's call in one step, in one cache line with its step number, so that a
+/// peer learns that the rank arrived, what it called, and (for up to 24 bytes) its payload, from
+/// one cache-line transfer.
+struct alignas(64) flag_line {
+  std::atomic<std::uint64_t> seq{0};  ///< step + 1 once this line holds the rank's call of that step
+  op_kind kind = op_kind::barrier;
+  datatype dtype = datatype::float32;
+  reduce_op op = reduce_op::sum;
+  std::int32_t root = 0;
+  std::uint64_t count = 0;
+  std::int32_t color = 0;
+  std::int32_t key = 0;
+  const void* src = nullptr;
+  alignas(8) std::byte inline_data[24] = {};
+};
+static_assert(sizeof(flag_line) == 64);
+inline constexpr std::size_t inline_capacity = sizeof(flag_line::inline_data);
+
+/// Whether two ranks' calls agree on everything the step depends on (pairs: the slots' copies).
+inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<permute_pair>& pa,
+                      const std::vector<permute_pair>& pb) {
   if (a.kind != b.kind) return false;
   if (uses_dtype(a.kind) && a.dtype != b.dtype) return false;
   if (uses_count(a.kind) && a.count != b.count) return false;
   if (uses_op(a.kind) && a.op != b.op) return false;
   if (uses_root(a.kind) && a.root != b.root) return false;
-  if (a.kind == op_kind::ppermute && !std::equal(a.pairs.begin(), a.pairs.end(), b.pairs.begin(), b.pairs.end()))
-    return false;
+  if (a.kind == op_kind::ppermute && pa != pb) return false;
   return true;
 }
 
@@ -187,13 +207,15 @@ class staging_buffer {
   std::size_t capacity_ = 0;
 };
 
-/// One rank's slot. Descriptors and staging buffers are double-buffered by the parity of the step:
+/// One rank's slot. Flag lines, descriptors and staging buffers are double-buffered by the parity of the step:
 /// a rank can start step s+1 (and overwrite its parity-(s+1) copies) while slow peers still read
 /// its step-s copies, but it cannot start step s+2 before every peer arrived at s+1, that is,
 /// before every peer finished reading step s.
 struct alignas(64) rank_slot {
+  flag_line line[2];
   call_desc desc[2];
-  std::atomic<std::uint64_t> arrived{0};  ///< steps this rank has arrived at (diagnostics)
+  std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
+  alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
@@ -272,7 +294,13 @@ struct wait_policy {
   std::chrono::nanoseconds yield;
   std::chrono::nanoseconds timeout;
   std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
+  int burst;                 ///< spins before the first clock reading
+  std::size_t streaming_min; ///< payload bytes from which zero-copy paths use streaming stores
 };
+
+/// Measured (docs/benchmarks.md): streaming stores pay once the buffers of all ranks no longer
+/// fit in the caches.
+inline constexpr std::size_t default_streaming_min_bytes = std::size_t{8} << 20;
 
 /// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
 /// rank, one synchronisation plus a copy beats two synchronisations and no copy.
@@ -289,6 +317,8 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
                                : (oversubscribed ? std::chrono::nanoseconds(200) : std::chrono::nanoseconds(50'000));
   p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
   p.timeout = o.timeout;
+  p.burst = oversubscribed ? 2 : 64;
+  p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
   p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(n);
   return p;
 }
@@ -333,9 +363,11 @@ struct group_state {
     return s;
   }
 
-  /// Wakes every blocked waiter of this group (after `word` changed or a rank departed).
+  /// Wakes every blocked waiter of this group (after a rank arrived or departed). Blocked
+  /// waiters also re-check every millisecond, so a wake-up missed by this unfenced check (the
+  /// arrival store may still be in the store buffer) only delays a waiter that was asleep anyway.
   void wake() {
-    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+    if (sleepers.load(std::memory_order_relaxed) != 0) {
       { std::lock_guard lk(mutex); }
       cv.notify_all();
     }

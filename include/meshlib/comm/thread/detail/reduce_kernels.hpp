@@ -14,6 +14,10 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace meshlib::detail {
 
 /// The type in which elements of T are combined: float for bfloat16 (NCCL's and PyTorch's
@@ -72,13 +76,58 @@ constexpr T finish(accumulator_t<T> a, int n) noexcept {
 /// Elements combined per block: the accumulators of one block stay in L1.
 inline constexpr std::size_t reduce_block_elems = 1024;
 
+/// Copies `bytes` with non-temporal (streaming) stores where the target is 16-byte aligned: the
+/// written lines bypass the caches, so a copy much larger than the last-level cache neither reads
+/// the target lines first (no read-for-ownership) nor evicts the sources. The caller issues
+/// `stream_fence()` before it tells peers that the data is there.
+inline void stream_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
+#if defined(__SSE2__)
+  auto* d = static_cast<std::byte*>(dst);
+  const auto* s = static_cast<const std::byte*>(src);
+  const std::size_t head = (16 - (reinterpret_cast<std::uintptr_t>(d) & 15)) & 15;
+  if (head >= bytes) {
+    std::memcpy(d, s, bytes);
+    return;
+  }
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  std::size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  for (; i + 16 <= bytes; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+/// Orders the streaming stores before the stores that follow (the release of a step).
+inline void stream_fence() noexcept {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 /// out[o][i] = in[0][i] op in[1][i] op ... op in[n-1][i] for i in [0, len), for each of the
 /// `nout` outputs. Inputs may alias outputs element for element (in-place collectives): each block
-/// is read completely before any of it is written.
+/// is read completely before any of it is written. With `streaming`, outputs are written with
+/// non-temporal stores (call stream_fence() before publishing them).
 template <reduce_op Op, class T>
-void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len, bool streaming) {
   using A = accumulator_t<T>;
   A acc[reduce_block_elems];
+  T res[reduce_block_elems];
   for (std::size_t b = 0; b < len; b += reduce_block_elems) {
     const std::size_t m = std::min(reduce_block_elems, len - b);
     const T* in0 = in[0] + b;
@@ -87,22 +136,29 @@ void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::siz
       const T* x = in[r] + b;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(acc[i], x[i]);
     }
-    for (int o = 0; o < nout; ++o) {
-      T* y = out[o] + b;
+    if (nout == 1 && !streaming) {
+      T* y = out[0] + b;
       for (std::size_t i = 0; i < m; ++i) y[i] = finish<Op, T>(acc[i], n);
+      continue;
+    }
+    for (std::size_t i = 0; i < m; ++i) res[i] = finish<Op, T>(acc[i], n);
+    for (int o = 0; o < nout; ++o) {
+      if (streaming) stream_bytes(out[o] + b, res, m * sizeof(T));
+      else std::memcpy(out[o] + b, res, m * sizeof(T));
     }
   }
 }
 
 /// Dispatches `reduce_into_op` on the run-time reduce op.
 template <class T>
-void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nout, std::size_t len,
+                 bool streaming = false) {
   switch (op) {
-    case reduce_op::sum: return reduce_into_op<reduce_op::sum, T>(in, n, out, nout, len);
-    case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len);
-    case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len);
-    case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len);
-    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len);
+    case reduce_op::sum: return reduce_into_op<reduce_op::sum, T>(in, n, out, nout, len, streaming);
+    case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len, streaming);
+    case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len, streaming);
+    case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len, streaming);
+    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len, streaming);
   }
 }
 

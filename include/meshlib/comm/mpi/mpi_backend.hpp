@@ -1,0 +1,105 @@
+#pragma once
+/// @file
+/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the
+/// exec layer asks of a backend (see `meshlib/collectives/backend.hpp`): `run(n, body)` and
+/// `local_devices(n)`.
+///
+/// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
+/// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
+///   device `p*T + t` being thread t of rank p.
+///
+/// @code
+/// meshlib::mpi::guard run;
+/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
+/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_backend{meshlib::mpi::world()});
+/// @endcode
+///
+/// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
+/// its device id, the exception nested); devices in other processes that wait for it in a
+/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
+/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+
+#if MESHLIB_ENABLE_MPI
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/mpi/hybrid_communicator.hpp"
+#include "meshlib/comm/mpi/mpi_communicator.hpp"
+#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/thread/run_on_threads.hpp"
+
+namespace meshlib {
+
+/// @brief One device per MPI rank of `comm`.
+struct mpi_backend {
+  mpi_communicator comm;
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    try {
+      body(static_cast<std::size_t>(comm.rank()), comm);
+    } catch (...) {
+      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
+                                               std::to_string(comm.size()) + " failed: " +
+                                               detail::what_of(std::current_exception()));
+    }
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    return {static_cast<std::size_t>(comm.rank())};
+  }
+
+ private:
+  void check(std::size_t n) const {
+    if (n != static_cast<std::size_t>(comm.size()))
+      throw comm_argument_error("meshlib: mpi_backend runs one device per MPI rank, but the mesh has " +
+                                std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
+                                " ranks; use a mesh of " + std::to_string(comm.size()) +
+                                " devices, or hybrid_backend for several devices (threads) per rank");
+  }
+};
+
+/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
+struct hybrid_backend {
+  mpi_communicator comm;
+  int threads = 1;
+  thread_comm_options options{};
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    run_hybrid(
+        comm, threads,
+        [&](hybrid_communicator& c) {
+          const auto device = static_cast<std::size_t>(c.rank());
+          body(device, std::move(c));
+        },
+        options);
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    std::vector<std::size_t> d;
+    for (int t = 0; t < threads; ++t) d.push_back(static_cast<std::size_t>(comm.rank() * threads + t));
+    return d;
+  }
+
+ private:
+  void check(std::size_t n) const {
+    const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
+    if (n != have)
+      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
+                                std::to_string(threads) + " threads = " + std::to_string(have) +
+                                " devices, but the mesh has " + std::to_string(n));
+  }
+};
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
