@@ -1,0 +1,138 @@
+// spmd and shard_map on the MPI backends: the same SPMD program (typed collectives over each axis
+// of a 2-D mesh) runs on thread_backend (every device a thread of this process), mpi_backend (one
+// device per rank) and hybrid_backend (2 threads per rank); every device this process runs must
+// see the same bits as on threads. Values are small integers, so float results are exact too.
+#include <meshlib/collectives.hpp>
+#include <meshlib/exec.hpp>
+#include <meshlib/comm/mpi/mpi_backend.hpp>
+#include <meshlib/mpi.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+
+using namespace meshlib;
+
+namespace {
+
+using mesh2 = mesh<axis<"data">, axis<"model">>;
+constexpr axis_mask D = mesh2::mask_of<"data">();
+constexpr axis_mask M = mesh2::mask_of<"model">();
+
+template <class T>
+T value(std::size_t dev, std::size_t i) {
+  return static_cast<T>(static_cast<long long>(dev) * 100 + static_cast<long long>(i) * 3 - 7);
+}
+
+template <class L>
+L fill_block(const mesh2& m, typename L::shape_type shape) {
+  const std::size_t dev = device_index();
+  L x(shape, m, dev);
+  for (std::size_t i = 0; i < x.size(); ++i) x.data()[i] = value<typename L::value_type>(dev, i);
+  return x;
+}
+
+template <class L>
+void append(std::vector<double>& out, const L& x) {
+  for (std::size_t d = 0; d < L::rank; ++d) out.push_back(static_cast<double>(x.extent(d)));
+  for (std::size_t i = 0; i < x.size(); ++i) out.push_back(static_cast<double>(x.data()[i]));
+}
+
+/// Every typed collective, over each axis: what each device saw, flattened.
+template <class T>
+std::vector<double> program(const mesh2& m) {
+  const std::size_t a = m.axis_size<"data">(), b = m.axis_size<"model">();
+  using rows_t = local_tensor<T, 2, mesh2, D | M, 0, dim_masks<D, M>>;
+  using full_t = local_tensor<T, 2, mesh2, D | M>;
+  std::vector<double> out;
+  auto x = fill_block<rows_t>(m, {2, 3});
+  append(out, psum<"data">(x));
+  append(out, psum<"model">(x));
+  append(out, psum<"data", "model">(x));
+  append(out, pmax<"model">(x));
+  append(out, pmin<"data">(x));
+  append(out, all_gather<"model", 1>(x));
+  append(out, all_gather<"data", 0>(x));
+  append(out, all_gather<"data", 1>(x, untiled));
+  append(out, broadcast<"model">(x, b - 1));
+  std::vector<std::pair<std::size_t, std::size_t>> ring;
+  for (std::size_t i = 0; i < a; ++i) ring.emplace_back(i, (i + 1) % a);
+  append(out, ppermute<"data">(x, ring));
+  auto y = fill_block<full_t>(m, {2 * b, 2 * a});
+  append(out, psum_scatter<"model", 0>(y));
+  append(out, all_to_all<"data", 1, 0>(y));
+  out.push_back(static_cast<double>(axis_index<"data">()));
+  out.push_back(static_cast<double>(axis_index<"model">()));
+  return out;
+}
+
+template <class T, class Backend>
+void check_backend(const mesh2& m, const Backend& backend) {
+  INFO("type " << datatype_of<T> << ", mesh " << m);
+  const auto reference = spmd(m, [&] { return program<T>(m); });
+  const auto got = spmd(m, [&] { return program<T>(m); }, backend);
+  REQUIRE(got.size() == m.size());
+  for (std::size_t dev : backend.local_devices(m.size())) {
+    INFO("device " << dev);
+    REQUIRE(!got[dev].empty());
+    REQUIRE(got[dev].size() == reference[dev].size());
+    CHECK(std::memcmp(got[dev].data(), reference[dev].data(), got[dev].size() * sizeof(double)) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("spmd on mpi_backend and hybrid_backend equals the thread backend", "[mpi][exec]") {
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const auto n = static_cast<std::size_t>(world.size());
+  // One device per rank: mesh (n/2) x 2.
+  const mpi_backend per_rank{world};
+  check_backend<std::int32_t>(mesh2{n / 2, 2}, per_rank);
+  check_backend<std::int64_t>(mesh2{n / 2, 2}, per_rank);
+  check_backend<float>(mesh2{n / 2, 2}, per_rank);
+  check_backend<double>(mesh2{n / 2, 2}, per_rank);
+  // Two threads per rank: meshes n x 2 (model inside a process) and 2 x n (model across processes).
+  const hybrid_backend hybrid{world, 2};
+  check_backend<std::int32_t>(mesh2{n, 2}, hybrid);
+  check_backend<float>(mesh2{n, 2}, hybrid);
+  check_backend<std::int64_t>(mesh2{2, n}, hybrid);
+  check_backend<double>(mesh2{2, n}, hybrid);
+}
+
+TEST_CASE("mpi_backend: a mesh of the wrong size is rejected with the fix", "[mpi][exec]") {
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const mpi_backend per_rank{world};
+  mesh2 m{static_cast<std::size_t>(world.size()), 3};
+  try {
+    spmd(m, [] {}, per_rank);
+    FAIL("must throw");
+  } catch (const comm_argument_error& e) {
+    CHECK(std::string(e.what()).find("hybrid_backend") != std::string::npos);
+  }
+}
+
+TEST_CASE("spmd on MPI: a device that throws is reported with its id on its process", "[mpi][exec]") {
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const hybrid_backend hybrid{world, 2};
+  mesh2 m{static_cast<std::size_t>(world.size()), 2};
+  try {
+    // Thread 1 of every process throws before any collective; thread 0 waits for it in the local
+    // part of a psum over "model" (inside the process) and is released by the abort.
+    spmd(
+        m,
+        [&] {
+          if (axis_index<"model">() == 1) throw std::runtime_error("device failed on purpose");
+          auto x = fill_block<local_tensor<float, 1, mesh2, D | M>>(m, {2});
+          (void)psum<"model">(x);
+        },
+        hybrid);
+    FAIL("must throw device_error");
+  } catch (const device_error& e) {
+    CHECK(e.device() == static_cast<std::size_t>(world.rank()) * 2 + 1);
+    CHECK(std::string(e.what()).find("device failed on purpose") != std::string::npos);
+  }
+}
