@@ -1,0 +1,110 @@
+// meshlib's MPI all_reduce against MPI_Allreduce called directly: same run, same ranks, same
+// buffers, measurements interleaved round by round so that both see the same machine, medians
+// over the rounds. Prints a Markdown table (rank 0); bench/mpi_overhead.py puts it into
+// docs/benchmarks.md.
+//
+//   mpirun -np N mpi_overhead [--sizes 1M,4M,16M] [--rounds 15]
+//
+// Variants of meshlib's all_reduce (float, sum, in place as MPI_IN_PLACE):
+//   default      timeout on (MESHLIB_COMM_TIMEOUT or 60 s): a polled MPI_Ibarrier, then MPI_Allreduce
+//   no timeout   mpi_comm_options::timeout = 0: MPI_Allreduce straight away
+//   polled       blocking_min_bytes = max: MPI_Iallreduce polled against the deadline
+#include <meshlib/comm/mpi/mpi_communicator.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& def) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (name == argv[i]) return argv[i + 1];
+  return def;
+}
+
+std::size_t parse_size(const std::string& s) {
+  std::size_t v = std::stoull(s);
+  const char u = s.empty() ? 0 : s.back();
+  if (u == 'K' || u == 'k') v <<= 10;
+  if (u == 'M' || u == 'm') v <<= 20;
+  if (u == 'G' || u == 'g') v <<= 30;
+  return v;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// Seconds per call of `f`, the slowest rank's, over `iters` calls.
+template <class F>
+double time_it(int iters, F&& f) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = MPI_Wtime();
+  for (int i = 0; i < iters; ++i) f();
+  double t = (MPI_Wtime() - t0) / iters, worst = 0;
+  MPI_Allreduce(&t, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<std::size_t> sizes;
+  {
+    std::string list = arg(argc, argv, "--sizes", "1M,4M,16M");
+    for (std::size_t pos = 0; pos <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', pos), list.size());
+      sizes.push_back(parse_size(list.substr(pos, comma - pos)));
+      pos = comma + 1;
+    }
+  }
+  const int rounds = std::stoi(arg(argc, argv, "--rounds", "15"));
+  {
+    meshlib::mpi_communicator with_timeout(MPI_COMM_WORLD);
+    meshlib::mpi_comm_options o;
+    o.timeout = std::chrono::nanoseconds(0);
+    meshlib::mpi_communicator no_timeout(MPI_COMM_WORLD, o);
+    o = {};
+    o.blocking_min_bytes = std::numeric_limits<std::size_t>::max();
+    meshlib::mpi_communicator polled(MPI_COMM_WORLD, o);
+    if (rank == 0) {
+      std::printf("| bytes per rank | ranks | MPI_Allreduce (us) | meshlib default (us) | overhead | meshlib no timeout (us) | overhead | meshlib polled Iallreduce (us) | overhead |\n");
+      std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    }
+    for (std::size_t bytes : sizes) {
+      const std::size_t count = bytes / sizeof(float);
+      std::vector<float> buf(count, 1.0f);
+      const int iters = std::max(3, static_cast<int>(20e-3 / (1e-6 + static_cast<double>(bytes) / 1e9)));
+      std::vector<double> direct, dflt, none, poll;
+      auto run_direct = [&] {
+        MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      };
+      auto run_with = [&](meshlib::mpi_communicator& c) { return [&] { c.all_reduce(std::span(buf), meshlib::reduce_op::sum); }; };
+      time_it(iters, run_direct);  // warm-up
+      time_it(iters, run_with(with_timeout));
+      for (int r = 0; r < rounds; ++r) {
+        direct.push_back(time_it(iters, run_direct));
+        dflt.push_back(time_it(iters, run_with(with_timeout)));
+        none.push_back(time_it(iters, run_with(no_timeout)));
+        poll.push_back(time_it(iters, run_with(polled)));
+      }
+      const double d = median(direct), a = median(dflt), b = median(none), c = median(poll);
+      if (rank == 0)
+        std::printf("| %zu | %d | %.1f | %.1f | %+.1f%% | %.1f | %+.1f%% | %.1f | %+.1f%% |\n", bytes, n, d * 1e6, a * 1e6,
+                    (a / d - 1) * 100, b * 1e6, (b / d - 1) * 100, c * 1e6, (c / d - 1) * 100);
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
