@@ -39,7 +39,9 @@
 
 namespace meshlib {
 
-enum class reduce_op { sum, max, mean };
+/// The reductions of the local kernels (named apart from the comm layer's `reduce_op`, which
+/// `<meshlib.hpp>` also includes).
+enum class reduce_kind { sum, max, mean };
 
 namespace detail {
 
@@ -68,8 +70,8 @@ struct max_of_partial_value {
 template <class T>
 using mean_result_t = std::conditional_t<std::is_floating_point_v<T>, T, double>;
 
-template <reduce_op Op, class T>
-using reduce_result_t = std::conditional_t<Op == reduce_op::mean, mean_result_t<T>, T>;
+template <reduce_kind Op, class T>
+using reduce_result_t = std::conditional_t<Op == reduce_kind::mean, mean_result_t<T>, T>;
 
 template <class T>
 KOKKOS_INLINE_FUNCTION constexpr T lowest_of() {
@@ -78,7 +80,7 @@ KOKKOS_INLINE_FUNCTION constexpr T lowest_of() {
 }
 
 /// One output element per iteration: out[o * inner + j] = reduce over k of in[(o * n + k) * inner + j].
-template <reduce_op Op, class T, class U>
+template <reduce_kind Op, class T, class U>
 struct reduce_functor {
   const T* in;
   U* out;
@@ -87,20 +89,20 @@ struct reduce_functor {
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t idx) const {
     const std::size_t o = idx / inner, j = idx % inner;
     const T* p = in + o * n * inner + j;
-    if constexpr (Op == reduce_op::max) {
+    if constexpr (Op == reduce_kind::max) {
       T acc = lowest_of<T>();
       for (std::size_t k = 0; k < n; ++k) acc = p[k * inner] > acc ? p[k * inner] : acc;
       out[idx] = acc;
     } else {
       U acc = U{};
       for (std::size_t k = 0; k < n; ++k) acc += static_cast<U>(p[k * inner]);
-      out[idx] = Op == reduce_op::mean ? static_cast<U>(acc * scale) : acc;
+      out[idx] = Op == reduce_kind::mean ? static_cast<U>(acc * scale) : acc;
     }
   }
 };
 
 /// Reduces dimension `D` of `in`; `mean_extent` is the extent `mean` divides by.
-template <reduce_op Op, std::size_t D, class Space, class U = void, class View>
+template <reduce_kind Op, std::size_t D, class Space, class U = void, class View>
 auto reduce_view(const View& in, std::size_t mean_extent) {
   constexpr std::size_t rank = View::rank;
   using T = typename View::value_type;
@@ -118,23 +120,23 @@ auto reduce_view(const View& in, std::size_t mean_extent) {
   return out;
 }
 
-template <reduce_op Op, std::size_t D, local_tensor_type L>
+template <reduce_kind Op, std::size_t D, local_tensor_type L>
 auto reduce_local(const L& x) {
   static_assert(reduce_dim_in_range<D, L::rank>::value);
-  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_op::max ? L::partial : 0)>::value) {
+  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_kind::max ? L::partial : 0)>::value) {
     return x;  // the diagnostic above has fired
   } else {
   using T = typename L::value_type;
   using U = reduce_result_t<Op, T>;
   constexpr axis_mask a = L::dims_type::at(D);
-  constexpr axis_mask vary = Op == reduce_op::max ? L::vary : (L::vary & ~a);
-  constexpr axis_mask partial = Op == reduce_op::max ? L::partial : (L::partial | a);
+  constexpr axis_mask vary = Op == reduce_kind::max ? L::vary : (L::vary & ~a);
+  constexpr axis_mask partial = Op == reduce_kind::max ? L::partial : (L::partial | a);
   using out_t = rebind_local_t<L, U, L::rank - 1, vary, partial, remove_dim_t<typename L::dims_type, D>>;
   return out_t(reduce_view<Op, D, typename L::memory_space>(x.view(), x.global_extent(D)), x.mesh(), x.device());
   }
 }
 
-template <reduce_op Op, std::size_t D, sharded_tensor_type X>
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
 auto reduce_global(const X& x) {
   static_assert(reduce_dim_in_range<D, X::rank>::value);
   using S = typename X::sharding_type;
@@ -152,9 +154,9 @@ auto reduce_global(const X& x) {
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
   for (std::size_t dev : x.local_devices())
-    part[dev] = reduce_view<Op == reduce_op::max ? reduce_op::max : reduce_op::sum, D, space, U>(x.local(dev), 0);
+    part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
   if constexpr (a == 0) {
-    if constexpr (Op == reduce_op::mean) {
+    if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
       const U scale = x.extent(D) == 0 ? U{} : static_cast<U>(U{1} / static_cast<U>(x.extent(D)));
       for (std::size_t dev : x.local_devices()) {
@@ -184,21 +186,21 @@ auto reduce_global(const X& x) {
       bool first = true;
       for (std::size_t g : group) {
         if (!x.is_local(g))
-          throw sharding_error("meshlib: global " + std::string(Op == reduce_op::max ? "max" : Op == reduce_op::sum ? "sum" : "mean") +
+          throw sharding_error("meshlib: global " + std::string(Op == reduce_kind::max ? "max" : Op == reduce_kind::sum ? "sum" : "mean") +
                                " over dimension " + std::to_string(D) + " of " + x.to_string() + " needs device " +
                                std::to_string(g) + "'s block, which is not local; reduce in the local view and complete with a collective");
         const U* src = part[g].data();
         if (x.local_shape(g)[D] == 0) continue;  // an empty block (uneven rule) contributes nothing
         for (std::size_t i = 0; i < len; ++i) {
           if (first) dst[i] = src[i];
-          else if constexpr (Op == reduce_op::max) dst[i] = src[i] > dst[i] ? src[i] : dst[i];
+          else if constexpr (Op == reduce_kind::max) dst[i] = src[i] > dst[i] ? src[i] : dst[i];
           else dst[i] += src[i];
         }
         first = false;
       }
-      if (first && Op == reduce_op::max)
+      if (first && Op == reduce_kind::max)
         for (std::size_t i = 0; i < len; ++i) dst[i] = lowest_of<U>();
-      if constexpr (Op == reduce_op::mean)
+      if constexpr (Op == reduce_kind::mean)
         for (std::size_t i = 0; i < len; ++i) dst[i] = static_cast<U>(dst[i] * scale);
     }
     return out;
@@ -211,24 +213,24 @@ auto reduce_global(const X& x) {
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto sum(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::sum, D>(x);
-  else return detail::reduce_global<reduce_op::sum, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::sum, D>(x);
+  else return detail::reduce_global<reduce_kind::sum, D>(x);
 }
 
 /// @brief Mean over dimension `D` (local view: partial over `D`'s axes, scaled by the global extent).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto mean(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::mean, D>(x);
-  else return detail::reduce_global<reduce_op::mean, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::mean, D>(x);
+  else return detail::reduce_global<reduce_kind::mean, D>(x);
 }
 
 /// @brief Max over dimension `D` (local view: the block's max, still varying over `D`'s axes: pmax completes it).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto max(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::max, D>(x);
-  else return detail::reduce_global<reduce_op::max, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::max, D>(x);
+  else return detail::reduce_global<reduce_kind::max, D>(x);
 }
 
 }  // namespace meshlib
