@@ -621,10 +621,14 @@ class mpi_communicator {
             v.end());
   }
 
+  static constexpr std::string_view verified_ops[] = {"all_reduce", "reduce",     "reduce_scatter", "broadcast",
+                                                      "all_gather", "all_to_all", "all_to_all_v",   "ppermute"};
+
   /// With verify_collectives: every rank's (operation, type, count, op, root) must agree.
   void verify(std::string_view k, datatype dt, std::size_t count, int op, int root) {
-    std::int64_t mine[5] = {static_cast<std::int64_t>(std::hash<std::string_view>{}(k) & 0x7fffffff),
-                            static_cast<std::int64_t>(dt), static_cast<std::int64_t>(count), op, root};
+    std::int64_t kind = 0;
+    while (kind < 8 && verified_ops[kind] != k) ++kind;
+    std::int64_t mine[5] = {kind, static_cast<std::int64_t>(dt), static_cast<std::int64_t>(count), op, root};
     std::vector<std::int64_t> all(5 * static_cast<std::size_t>(size()));
     timed(k, 0, [&](MPI_Request* r) { return MPI_Iallgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm, r); },
           [&] { return MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm); });
@@ -632,14 +636,16 @@ class mpi_communicator {
     for (int r = 1; r < size(); ++r)
       same = same && std::equal(all.begin(), all.begin() + 5, all.begin() + 5 * r);
     if (same) return;
-    std::string msg = "meshlib: collective mismatch on MPI communicator of " + std::to_string(size()) +
-                      " ranks: ranks called different collectives; this rank (" + std::to_string(rank()) + ") called " +
-                      std::string(k) + ". Calls:";
+    std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
+                      " ranks (seen by rank " + std::to_string(rank()) + "): the ranks called different collectives:";
     for (int r = 0; r < size(); ++r) {
       const auto* d = all.data() + 5 * r;
-      msg += " rank " + std::to_string(r) + ": op#" + std::to_string(d[0]) + " " +
-             std::string(to_string(static_cast<datatype>(d[1]))) + " count " + std::to_string(d[2]) + " reduce " +
-             std::to_string(d[3]) + " root " + std::to_string(d[4]) + ";";
+      const bool reducing = d[0] <= 2;
+      msg += std::string(r ? ";" : "") + " rank " + std::to_string(r) + ": " +
+             std::string(d[0] < 8 ? verified_ops[d[0]] : "?") + " of " + std::to_string(d[2]) + " " +
+             std::string(to_string(static_cast<datatype>(d[1]))) +
+             (reducing ? ", op " + std::string(to_string(static_cast<reduce_op>(d[3]))) : std::string()) +
+             (d[0] == 1 || d[0] == 3 ? ", root " + std::to_string(d[4]) : std::string());
     }
     throw collective_mismatch(msg);
   }
