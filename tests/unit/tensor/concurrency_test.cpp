@@ -22,9 +22,9 @@ using mesh_t = mesh<axis<"data">, axis<"model">>;
 using shape2 = std::array<std::size_t, 2>;
 
 #if defined(MESHLIB_UNDER_TSAN)
-constexpr int iterations = 40;
+constexpr int iterations = 200;
 #else
-constexpr int iterations = 150;
+constexpr int iterations = 1500;
 #endif
 constexpr std::size_t devices = 8;
 
@@ -45,13 +45,13 @@ TEST_CASE("all kernel families from 8 device threads at once give exact results"
   mesh_t m{2, 4};
   named_sharding<mesh_t, P<"data", "model">> s_dm{m};
   named_sharding<mesh_t, P<"model">> s_m{m};
-  // global: x 8 x 32 (blocks 4 x 8), w 32 x 24 (blocks 8 x 24): per-device matmul 4x8 . 8x24
-  const shape2 xs{8, 32}, ws{32, 24};
-  const auto hx = ref::iota<float>(8 * 32, 1, 13);
-  const auto hw = ref::iota<float>(32 * 24, 3, 9);
-  const auto hi = ref::iota<std::int32_t>(8 * 32, 7, 41);
-  const auto hwi = ref::iota<std::int32_t>(32 * 24, 2, 11);
-  const auto hd = ref::iota<double>(8 * 32, 5, 29);
+  // global: x 16 x 256 (blocks 8 x 64), w 256 x 48 (blocks 64 x 48): per-device matmul 8x64 . 64x48
+  const shape2 xs{16, 256}, ws{256, 48};
+  const auto hx = ref::iota<float>(16 * 256, 1, 13);
+  const auto hw = ref::iota<float>(256 * 48, 3, 9);
+  const auto hi = ref::iota<std::int32_t>(16 * 256, 7, 41);
+  const auto hwi = ref::iota<std::int32_t>(256 * 48, 2, 11);
+  const auto hd = ref::iota<double>(16 * 256, 5, 29);
   auto x = from_host(s_dm, xs, hx);
   auto w = from_host(s_m, ws, hw);
   auto xi = from_host(s_dm, xs, hi);
@@ -72,13 +72,13 @@ TEST_CASE("all kernel families from 8 device threads at once give exact results"
     auto& e = want[dev];
     for (float v : bx) e.affine.push_back(v * 2.0f + 1.0f);
     for (std::size_t i = 0; i < bi.size(); ++i) e.zipped.push_back(bi[i] * 3 - (bi[i] > 0 ? bi[i] : -bi[i]));
-    e.matmul_f = ref::matmul(bx, bw, 4, 8, 24);
-    e.matmul_i = ref::matmul(bi, bwi, 4, 8, 24);
-    e.rowsum_f = ref::reduce<float>(bx, shape2{4, 8}, 1, ref::op::sum);
-    e.colmax_i = ref::reduce<std::int32_t>(bi, shape2{4, 8}, 0, ref::op::max);
-    e.rowmean_d = ref::reduce<double>(bd, shape2{4, 8}, 1, ref::op::sum);
-    for (auto& v : e.rowmean_d) v /= 32.0;  // mean over the global extent: partial over 'model'
-    e.transposed = ref::transpose(bx, 4, 8);
+    e.matmul_f = ref::matmul(bx, bw, 8, 64, 48);
+    e.matmul_i = ref::matmul(bi, bwi, 8, 64, 48);
+    e.rowsum_f = ref::reduce<float>(bx, shape2{8, 64}, 1, ref::op::sum);
+    e.colmax_i = ref::reduce<std::int32_t>(bi, shape2{8, 64}, 0, ref::op::max);
+    e.rowmean_d = ref::reduce<double>(bd, shape2{8, 64}, 1, ref::op::sum);
+    for (auto& v : e.rowmean_d) v /= 256.0;  // mean over the global extent: partial over 'model'
+    e.transposed = ref::transpose(bx, 8, 64);
   }
 
   std::vector<std::array<int, 8>> failures(devices, std::array<int, 8>{});
