@@ -118,3 +118,25 @@ TEST_CASE("psum completes a partial value and leaves other axes varying", "[coll
       CHECK(out[dev].data[i] == value<float>(row * 2, i) + value<float>(row * 2 + 1, i));
   }
 }
+
+TEST_CASE("psum and pmax of bfloat16 blocks (small integers, exact in bfloat16)", "[collectives][reductions]") {
+  mesh1 m{4};
+  using L = local_tensor<bfloat16, 1, mesh1, mesh1::mask_of<"x">()>;
+  auto out = spmd(m, [&] {
+    L x(std::array<std::size_t, 1>{6}, m, device_index());
+    for (std::size_t i = 0; i < 6; ++i) x(i) = bfloat16(static_cast<float>(device_index() * 3 + i) - 4.0f);
+    auto s = psum<"x">(x);
+    auto mx = pmax<"x">(x);
+    std::vector<float> r;
+    for (std::size_t i = 0; i < 6; ++i) r.push_back(static_cast<float>(s(i)));
+    for (std::size_t i = 0; i < 6; ++i) r.push_back(static_cast<float>(mx(i)));
+    return r;
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev)
+    for (std::size_t i = 0; i < 6; ++i) {
+      float sum = 0;
+      for (std::size_t d = 0; d < 4; ++d) sum += static_cast<float>(d * 3 + i) - 4.0f;
+      CHECK(out[dev][i] == sum);
+      CHECK(out[dev][6 + i] == static_cast<float>(9 + i) - 4.0f);
+    }
+}
