@@ -1,8 +1,10 @@
 #pragma once
 /// @file
-/// @brief `transpose` of rank-2 tensors. Sharding propagation: the dimensions swap and carry their
-/// sharding with them (local view: `dims` swap, vary and partial unchanged; global view: the spec
-/// entries swap, `P<"data", none>` becomes `P<none, "data">`). No data moves between devices.
+/// @brief `transpose`: `transpose(x)` swaps the two dimensions of a rank-2 tensor;
+/// `transpose<P0, P1, ...>(x)` permutes the dimensions of any rank as `np.transpose(x, axes)`
+/// (result dimension `i` is input dimension `Pi`). Sharding propagation: dimensions carry their
+/// sharding with them (local view: `dims` permuted, vary and partial unchanged; global view: the
+/// spec entries permuted, `P<"data", none>` becomes `P<none, "data">`). No data moves between devices.
 
 #include <array>
 #include <cstddef>
@@ -47,35 +49,107 @@ auto transpose_view(const View& in) {
 
 template <std::size_t Rank>
 struct transpose_needs_rank_2 {
-  static_assert(Rank == 2, "meshlib: transpose is defined for rank-2 tensors (see transpose_needs_rank_2<rank>)");
-  static constexpr bool value = true;
+  static_assert(Rank == 2,
+                "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
+                "name the permutation: transpose<1, 0, 2>(x) (see transpose_needs_rank_2<rank>)");
+  static constexpr bool value = Rank == 2;
 };
+
+/// Result element `i` (row-major over the output) reads input offset sum_d idx_d * stride[d], where
+/// `stride[d]` is the input stride of the input dimension that output dimension `d` comes from.
+template <class T, std::size_t R>
+struct permute_functor {
+  const T* in;
+  T* out;
+  std::array<std::size_t, R> out_extent;
+  std::array<std::size_t, R> stride;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    std::size_t rem = i, off = 0;
+    for (std::size_t d = R; d-- > 0;) {
+      off += (rem % out_extent[d]) * stride[d];
+      rem /= out_extent[d];
+    }
+    out[i] = in[off];
+  }
+};
+
+template <std::array Perm>
+consteval bool is_permutation() {
+  for (std::size_t i = 0; i < Perm.size(); ++i) {
+    if (Perm[i] >= Perm.size()) return false;
+    for (std::size_t j = i + 1; j < Perm.size(); ++j)
+      if (Perm[i] == Perm[j]) return false;
+  }
+  return true;
+}
+
+template <std::size_t Rank, std::size_t... Perm>
+struct transpose_needs_a_permutation {
+  static constexpr bool value =
+      sizeof...(Perm) == Rank && is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>();
+  static_assert(value,
+                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (see "
+                "transpose_needs_a_permutation<rank, indices...>)");
+};
+
+template <class Space, std::size_t... Perm, class View>
+auto permute_view(const View& in) {
+  using T = typename View::non_const_value_type;
+  constexpr std::size_t R = View::rank;
+  constexpr std::array<std::size_t, R> perm{Perm...};
+  std::array<std::size_t, R> in_stride{}, out_extent{}, stride{};
+  std::size_t st = 1;
+  for (std::size_t d = R; d-- > 0;) {
+    in_stride[d] = st;
+    st *= in.extent(d);
+  }
+  for (std::size_t d = 0; d < R; ++d) {
+    out_extent[d] = in.extent(perm[d]);
+    stride[d] = in_stride[perm[d]];
+  }
+  auto out = allocate<T, R, Space>(out_extent, "meshlib::transpose", false);
+  launch<Space>(in.span(), permute_functor<T, R>{in.data(), out.data(), out_extent, stride});
+  return out;
+}
 
 }  // namespace detail
 
-/// @brief The transpose of a rank-2 local value.
-template <local_tensor_type L>
-auto transpose(const L& x) {
-  static_assert(detail::transpose_needs_rank_2<L::rank>::value);
-  using out_t = with_dims_t<L, dim_masks<L::dims_type::at(1), L::dims_type::at(0)>>;
-  return out_t(detail::transpose_view<typename L::memory_space>(x.view()), x.mesh(), x.device());
-}
-
-/// @brief The transpose of a rank-2 sharded tensor: spec `P<a, b>` becomes `P<b, a>`.
-template <sharded_tensor_type X>
+/// @brief `x` with its dimensions permuted (`transpose<1, 0, 2>(x)`), or, with no indices, the
+/// transpose of a rank-2 `x`. Local values and sharded tensors alike.
+template <std::size_t... Perm, class X>
+  requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
-  static_assert(detail::transpose_needs_rank_2<X::rank>::value);
-  using spec = typename X::spec_type;
-  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{spec::dim(1), spec::dim(0)}>;
-  using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
-  using out_t = sharded_tensor<typename X::value_type, 2, out_sharding, typename X::memory_space>;
-  std::vector<typename out_t::view_type> blocks(x.num_devices());
-  std::vector<bool> local(x.num_devices());
-  for (std::size_t d : x.local_devices()) {
-    blocks[d] = detail::transpose_view<typename X::memory_space>(x.local(d));
-    local[d] = true;
+  if constexpr (sizeof...(Perm) == 0) {
+    if constexpr (!detail::transpose_needs_rank_2<X::rank>::value) return x;  // the diagnostic has fired
+    else return transpose<1, 0>(x);
+  } else if constexpr (!detail::transpose_needs_a_permutation<X::rank, Perm...>::value) {
+    return x;  // the diagnostic above has fired
+  } else {
+    constexpr std::array<std::size_t, X::rank> perm{Perm...};
+    using space = typename X::memory_space;
+    auto kernel = [](const auto& v) {
+      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return detail::transpose_view<space>(v);  // cache-tiled
+      else return detail::permute_view<space, Perm...>(v);
+    };
+    if constexpr (local_tensor_type<X>) {
+      using out_t = with_dims_t<X, permute_dims_t<typename X::dims_type, perm>>;
+      return out_t(kernel(x.view()), x.mesh(), x.device());
+    } else {
+      using spec = typename X::spec_type;
+      using out_spec = detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
+      using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
+      using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
+      std::vector<typename out_t::view_type> blocks(x.num_devices());
+      std::vector<bool> local(x.num_devices());
+      for (std::size_t d : x.local_devices()) {
+        blocks[d] = kernel(x.local(d));
+        local[d] = true;
+      }
+      typename out_t::shape_type shape{};
+      for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
+      return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
+    }
   }
-  return out_t(out_sharding(x.mesh(), x.sharding().rule()), {x.extent(1), x.extent(0)}, std::move(blocks), std::move(local));
 }
 
 }  // namespace meshlib

@@ -302,3 +302,29 @@ TEST_CASE("matmul follows GSPMD's rules and computes exactly", "[tensor][matmul]
   SECTION("OpenBLAS is found for the per-device thread setting") { CHECK(set_blas_threads_per_device(1)); }
 #endif
 }
+
+TEST_CASE("transpose<P...> permutes dimensions of any rank with their sharding", "[tensor][transpose]") {
+  mesh2 m{2, 3};
+  const std::array<std::size_t, 3> shape{4, 3, 5};
+  const auto h = ref::iota<double>(60);
+  named_sharding<mesh2, P<"data", "model">> s{m};
+  auto x = from_host(s, shape, h);
+  // reference: out[a][b][c] with out dims (2, 0, 1) = in[b][c][a]
+  std::vector<double> want;
+  for (std::size_t a = 0; a < 5; ++a)
+    for (std::size_t b = 0; b < 4; ++b)
+      for (std::size_t c = 0; c < 3; ++c) want.push_back(h[(b * 3 + c) * 5 + a]);
+  auto t = transpose<2, 0, 1>(x);
+  static_assert(std::is_same_v<decltype(t)::spec_type, P<none, "data", "model">>);
+  CHECK(t.global_shape() == std::array<std::size_t, 3>{5, 4, 3});
+  CHECK(t.to_host() == want);
+  CHECK(transpose<0, 1, 2>(x).to_host() == h);
+  CHECK(transpose<0, 1>(from_host(s_dm{m}, shape2{2, 3}, std::vector<int>{1, 2, 3, 4, 5, 6})).to_host() ==
+        std::vector<int>{1, 2, 3, 4, 5, 6});
+  auto lt = transpose<1, 2, 0>(x.local_value(5));
+  static_assert(std::is_same_v<decltype(lt)::dims_type, dim_masks<M, 0u, D>>);
+  CHECK(lt.shape() == std::array<std::size_t, 3>{1, 5, 2});
+  // device 5 = (data 1, model 2): rows 2..3, column 2, all of dim 2
+  for (std::size_t i = 0; i < 5; ++i)
+    for (std::size_t j = 0; j < 2; ++j) CHECK(lt(0, i, j) == h[((2 + j) * 3 + 2) * 5 + i]);
+}
