@@ -1,6 +1,7 @@
 // all_gather (tiled, untiled), psum_scatter, all_to_all, ppermute, broadcast, pvary on 1-D and
 // 2-D meshes: every output element is checked against the element of the device it must come
 // from, computed on the host from the mesh's group order.
+#include <algorithm>
 #include <cstdint>
 
 #include "collectives_support.hpp"
@@ -203,4 +204,71 @@ TEST_CASE("run-time misuse: indivisible sizes and bad roots throw, naming the ax
   CHECK(msg.find("not divisible by 3") != std::string::npos);
   const std::string msg2 = coll_test::message_of([&] { spmd(m, [&] { (void)broadcast<"x">(coll_test::make_block<L>(m, {4}), 3); }); });
   CHECK(msg2.find("root index 3 is out of range") != std::string::npos);
+}
+
+TEST_CASE("collectives over non-adjacent axes of a 3-axis mesh use the mesh's group order", "[collectives][mesh3]") {
+  using mesh3 = mesh<axis<"a">, axis<"b">, axis<"c">>;
+  constexpr axis_mask AC = mesh3::mask_of<"a", "c">();
+  mesh3 m{2, 3, 2};
+  using L = local_tensor<std::int32_t, 1, mesh3, mesh3::all_axes>;
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<L>(m, {2});
+    return std::array{coll_test::capture(psum<"a", "c">(x)), coll_test::capture(all_gather<"b", 0>(x)),
+                      coll_test::capture(pmin<"c", "a">(x))};
+  });
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    const auto group = m.group(dev, AC);  // 4 devices: same b coordinate
+    REQUIRE(group.size() == 4);
+    for (std::size_t i = 0; i < 2; ++i) {
+      std::int32_t s = 0, mn = value<std::int32_t>(group[0], i);
+      for (auto g : group) s += value<std::int32_t>(g, i), mn = std::min(mn, value<std::int32_t>(g, i));
+      CHECK(out[dev][0].data[i] == s);
+      CHECK(out[dev][2].data[i] == mn);
+    }
+    const auto bgroup = m.group(dev, mesh3::mask_of<"b">());
+    REQUIRE(out[dev][1].shape == std::vector<std::size_t>{6});
+    for (std::size_t j = 0; j < 3; ++j)
+      for (std::size_t i = 0; i < 2; ++i) CHECK(out[dev][1].data[j * 2 + i] == value<std::int32_t>(bgroup[j], i));
+  }
+}
+
+TEST_CASE("every collective from 8 device threads, many rounds, exact (also run under TSan)", "[collectives][stress]") {
+#if defined(MESHLIB_UNDER_TSAN)
+  const std::size_t rounds = 10;
+#else
+  const std::size_t rounds = 50;
+#endif
+  mesh2 m{2, 4};
+  using L = local_tensor<float, 2, mesh2, D | M, 0, dim_masks<D, M>>;
+  std::vector<std::pair<std::size_t, std::size_t>> ring{{0, 1}, {1, 2}, {2, 3}, {3, 0}};
+  auto out = spmd(m, [&] {
+    std::size_t bad = 0;
+    for (std::size_t r = 0; r < rounds; ++r) {
+      auto x = coll_test::make_block<L>(m, {4, 4});
+      const std::size_t dev = device_index();
+      const std::size_t mi = axis_index<"model">();
+      auto s = psum<"model">(x);
+      auto g = all_gather<"model", 1>(x);
+      auto t = all_to_all<"model", 0, 1>(x);
+      auto p = ppermute<"model">(x, ring);
+      auto b = broadcast<"data">(x, 1);
+      auto sc = psum_scatter<"data", 1>(s);  // s still varies over data
+      for (std::size_t i = 0; i < 16; ++i) {
+        float want = 0;
+        for (std::size_t j = 0; j < 4; ++j) want += value<float>(m.group(dev, M)[j], i);
+        bad += s.data()[i] != want;
+      }
+      bad += g(1, 5) != value<float>(m.group(dev, M)[1], 1 * 4 + 1);
+      bad += t(0, 4) != value<float>(m.group(dev, M)[1], mi * 4 + 0);
+      bad += p(0, 0) != value<float>(m.group(dev, M)[(mi + 3) % 4], 0);
+      bad += b(3, 3) != value<float>(m.group(dev, D)[1], 15);
+      // psum_scatter over data of the model-sums: device (di, mi) keeps columns [2 di, 2 di + 2) of
+      // the sum over every device of the mesh
+      float all = 0;
+      for (std::size_t d = 0; d < m.size(); ++d) all += value<float>(d, axis_index<"data">() * 2);
+      bad += sc.extent(1) != 2 || sc(0, 0) != all;
+    }
+    return bad;
+  });
+  for (auto b : out) CHECK(b == 0);
 }
