@@ -7,7 +7,8 @@
 /// rule, as JAX requires) and each device's block becomes a `local_tensor` that varies over the
 /// spec's axes. Leaving, each output is checked at compile time as JAX's `check_vma` does: it must
 /// be invariant over every axis its out-spec does not shard it over, and partial over none; the
-/// blocks are then assembled by the out-spec.
+/// blocks are then assembled by the out-spec. Like every `sharded_tensor`, the result is a handle:
+/// an output that is an input block returned unchanged shares that block's memory.
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
 /// mesh_t m{4};
@@ -239,6 +240,11 @@ class shard_map_fn {
       local[dev] = true;
       shapes[dev] = v.shape();
     }
+    // Devices another process runs (MPI backends): under the even rule every block has the shape
+    // of this process's blocks.
+    const std::size_t first_local = backend_.local_devices(n).front();
+    for (std::size_t dev = 0; dev < n; ++dev)
+      if (!local[dev]) shapes[dev] = shapes[first_local];
     const auto global = global_shape_from_locals(sharding, std::span<const std::array<std::size_t, local_t::rank>>(shapes));
     return global_t(sharding, global, std::move(blocks), std::move(local));
   }
