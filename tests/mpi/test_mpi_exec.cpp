@@ -136,3 +136,35 @@ TEST_CASE("spmd on MPI: a device that throws is reported with its id on its proc
     CHECK(std::string(e.what()).find("device failed on purpose") != std::string::npos);
   }
 }
+
+TEST_CASE("shard_map on mpi_backend and hybrid_backend: each process's output blocks equal the thread run", "[mpi][exec]") {
+  using mesh1 = mesh<axis<"x">>;
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const auto n = static_cast<std::size_t>(world.size());
+  auto check = [&](std::size_t devices, const auto& backend) {
+    const mesh1 m{devices};
+    std::vector<float> host(4 * devices);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(i % 13) - 4.0f;
+    auto x = from_host(named_sharding<mesh1, P<"x">>{m}, std::array<std::size_t, 1>{4 * devices}, host);
+    auto fn = [](auto b) {
+      auto total = psum<"x">(b);  // replicated (4,): the sum of every device's block
+      return std::make_tuple(total, all_gather<"x", 0>(b));
+    };
+    auto [ref_sum, ref_all] = shard_map(fn, m, P<"x">{}, specs<P<>, P<>>{})(x);
+    auto [sum, all] = shard_map(fn, m, P<"x">{}, specs<P<>, P<>>{}, backend)(x);
+    for (std::size_t dev : backend.local_devices(devices)) {
+      INFO("device " << dev);
+      REQUIRE(sum.is_local(dev));
+      REQUIRE(all.is_local(dev));
+      for (std::size_t i = 0; i < 4; ++i) {
+        float expect = 0;
+        for (std::size_t d = 0; d < devices; ++d) expect += host[d * 4 + i];
+        CHECK(sum.local(dev)(i) == expect);
+        CHECK(sum.local(dev)(i) == ref_sum.local(dev)(i));
+      }
+      for (std::size_t i = 0; i < 4 * devices; ++i) CHECK(all.local(dev)(i) == ref_all.local(dev)(i));
+    }
+  };
+  check(n, mpi_backend{world});
+  check(2 * n, hybrid_backend{world, 2});
+}
