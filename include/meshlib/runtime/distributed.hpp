@@ -153,15 +153,19 @@ inline void initialize(const options& opt = {}) {
   }
   if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
 
+  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
   if (st.initialized) {
     if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
-        st.local_devices == local)
-      return;
-    throw distributed_error("meshlib: distributed::initialize was already called as " +
-                            detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                            detail::describe(launch, local) + "; call distributed::shutdown() first");
+        st.local_devices == local) {
+      if (!adds_exchange) return;
+      // Initialised from the environment first, now given a transport (mpi::initialize): keep
+      // everything, run the start-up checks over it and keep it.
+    } else {
+      throw distributed_error("meshlib: distributed::initialize was already called as " +
+                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+    }
   }
-
   if (opt.exchange && launch.process_count > 1) {
     // Every process must see the same world and the same number of devices per process, and the
     // indices must be a permutation: two processes with one index would hang the first collective.
@@ -176,6 +180,11 @@ inline void initialize(const options& opt = {}) {
         throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
                                std::to_string(ranks[1]) + " both claim process index " + idx +
                                "; every process needs its own index");
+  }
+
+  if (adds_exchange) {
+    st.exchange = opt.exchange;
+    return;
   }
 
   bool owns_kokkos = false;

@@ -278,3 +278,24 @@ TEST_CASE("processes that disagree are reported with both values", "[runtime][di
     CHECK(has(e.what(), "process 1 has mesh{'data': 2, 'model': 2}"));
   }
 }
+
+TEST_CASE("a transport given after an environment initialisation is adopted and checked", "[runtime][distributed]") {
+  reset_after reset;
+  dist::shutdown();
+  dist::options env_only;
+  env_only.env = dist::map_env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  dist::initialize(env_only);
+  CHECK(dist::launch().source == dist::launcher::openmpi);
+  // The same process, now with a transport whose other process disagrees on the device count.
+  auto o = env_only;
+  o.exchange = std::make_shared<scripted_exchange>(1, 2, [](int, std::string_view, std::size_t) {
+    return std::string("2 processes x 4 local devices");
+  });
+  REQUIRE_THROWS_AS(dist::initialize(o), meshlib::process_mismatch);
+  // A transport that agrees is kept: mesh checks now reach the other process.
+  auto good = agreeing(1, 2);
+  good.env = env_only.env;
+  dist::initialize(good);
+  CHECK(dist::launch().source == dist::launcher::openmpi);  // the first initialisation stands
+  CHECK(dist::exchange() == good.exchange);
+}

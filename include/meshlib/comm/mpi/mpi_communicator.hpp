@@ -20,6 +20,10 @@
 /// MPI is already finalised); the adopted one is never freed or modified. `native()` is the
 /// adopted `MPI_Comm`.
 ///
+/// Threads. A handle and its copies share one MPI communicator and must be used by one thread at a
+/// time (as an `MPI_Comm` in most programs); several threads use several communicators (`split`),
+/// or `hybrid_communicator`.
+///
 /// Completion. Every operation is complete when it returns (the buffers hold the result) and
 /// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
 /// data and returns; the copy is sent in the background and progressed by later calls.
