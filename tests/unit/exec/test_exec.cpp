@@ -180,3 +180,40 @@ TEST_CASE("shard_map: an input on another mesh, or an indivisible one, throws be
   auto u = from_host(named_sharding<mesh1, P<>>{m}, std::array<std::size_t, 1>{6}, iota_host(6));
   REQUIRE_THROWS_AS(f(u), sharding_error);
 }
+
+TEST_CASE("shard_map: an invariant output under a sharding out_spec tiles identical blocks (as JAX)", "[exec][shard_map]") {
+  mesh1 m{3};
+  const auto host = iota_host(6, 1);
+  auto x = from_host(named_sharding<mesh1, P<"x">>{m}, std::array<std::size_t, 1>{6}, host);
+  auto f = shard_map([](auto b) { return psum<"x">(b); }, m, P<"x">{}, P<"x">{});
+  const auto y = f(x).to_host();
+  // blocks {1,2}, {3,4}, {5,6}: the sum {9, 12} on every device, tiled three times
+  CHECK(y == std::vector<float>{9, 12, 9, 12, 9, 12});
+}
+
+TEST_CASE("spmd takes a backend: thread_backend options reach the communicator", "[exec][spmd]") {
+  mesh1 m{2};
+  using L = local_tensor<float, 1, mesh1, mesh1::all_axes>;
+  const auto start = std::chrono::steady_clock::now();
+  // Device 1 joins the psum only after 1.5 s and fails nothing: only the 300 ms timeout ends device 0's wait.
+  bool caught = false;
+  try {
+    spmd(
+        m,
+        [&] {
+          if (axis_index<"x">() == 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            return;
+          }
+          L x(std::array<std::size_t, 1>{1}, m, device_index());
+          (void)psum<"x">(x);
+        },
+        thread_backend{{.timeout = std::chrono::milliseconds(300)}});
+  } catch (const device_error& e) {
+    caught = true;
+    CHECK(e.device() == 0);
+    REQUIRE_THROWS_AS(e.rethrow_cause(), comm_timeout);
+  }
+  CHECK(caught);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
