@@ -44,7 +44,7 @@ def main():
         print("\n".join(rows))
         tables.append((r, load, rows))
     section = [HEADING, "",
-               "meshlib's `mpi_communicator::all_reduce` (float, sum, in place) against `MPI_Allreduce` called",
+               "meshlib's `mpi_communicator::all_reduce` (float, sum, out of place) against `MPI_Allreduce` called",
                "directly on the same ranks, in the same run, measurements interleaved round by round; each cell",
                f"is the median over {args.rounds} rounds of the slowest rank's time per call. Target: at most",
                "+5% at 1 MiB and above for the default configuration. Written by `bench/mpi_overhead.py`",
