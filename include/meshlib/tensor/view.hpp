@@ -12,14 +12,24 @@
 /// - `parallel_for` over a `RangePolicy`: `ParallelFor<..., RangePolicy, Serial>` is a plain loop
 ///   over the functor copy; the launch only flips the *thread-local* `t_tracking_enabled` flag and
 ///   calls the profiling hooks, which read one global and do nothing when no tool is loaded.
-/// - View reference counting: `SharedAllocationRecord` counts with atomics, and without
-///   `KOKKOS_ENABLE_DEBUG` (Debian's build) no global record list exists.
-/// So meshlib launches *only* RangePolicy `parallel_for` with plain functors (`detail::launch`),
-/// computes every reduction and scan itself with deterministic per-element loops, and serialises
-/// only View allocation (`detail::allocate`) behind one mutex: allocation goes through the
-/// uninstrumented libkokkoscore (HostSpace::allocate, record construction, the labels), where
-/// ThreadSanitizer cannot see, and it is cheap next to the kernels, so the lock costs no speedup.
-/// Deallocation (the last reference dropping) is an atomic decrement and a `free`, safe as is.
+/// - Without `KOKKOS_ENABLE_DEBUG` (Debian's build) no global list of allocation records exists.
+/// What is NOT safe, and ThreadSanitizer cannot show it (it is inside the uninstrumented
+/// libkokkoscore): a Serial-only Kokkos compiles its atomics as plain operations, so
+/// `SharedAllocationRecord::increment` / `decrement`, the reference count of a managed View, is a
+/// plain read-modify-write (disassembled: `mov; lea 1; mov`, no `lock`). Two threads copying or
+/// destroying handles of the *same* allocation at once can lose a count (a leak, or a double free).
+/// So meshlib:
+/// - launches *only* RangePolicy `parallel_for`, with plain functors over raw pointers
+///   (`detail::launch`): no View is copied into a kernel;
+/// - computes every reduction and scan itself with deterministic per-element loops;
+/// - serialises View allocation (`detail::allocate`) behind one mutex: it runs in the
+///   uninstrumented library (HostSpace::allocate, record construction, the label) and is cheap
+///   next to the kernels (measured in bench/matmul_bench.cpp), so the lock costs no speedup;
+/// - keeps one allocation per device block (a replicated tensor still has one block per device),
+///   so that a device thread copies and drops only handles of its own blocks.
+/// The rule for code running on device threads (shard_map bodies, collectives): copy or destroy
+/// `Kokkos::View` handles only of your own device's blocks; to read another device's block, use its
+/// `data()` or `detail::unmanaged(view)` (an unmanaged view touches no reference count).
 
 #include <array>
 #include <cstddef>
@@ -49,6 +59,18 @@ struct add_pointers<T, 0> {
 /// The view type of a rank-`Rank` block: row-major, as NumPy and JAX lay arrays out.
 template <class T, std::size_t Rank, class Space>
 using block_view_t = Kokkos::View<typename add_pointers<T, Rank>::type, Kokkos::LayoutRight, Space>;
+
+/// The unmanaged form of a block view: same data, no reference counting (safe to copy between
+/// device threads; the owner must outlive it).
+template <class T, std::size_t Rank, class Space>
+using unmanaged_view_t =
+    Kokkos::View<typename add_pointers<T, Rank>::type, Kokkos::LayoutRight, Space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+/// `v` as an unmanaged view (see `unmanaged_view_t`).
+template <class View>
+auto unmanaged(const View& v) {
+  return unmanaged_view_t<typename View::value_type, View::rank, typename View::memory_space>(v);
+}
 
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>

@@ -47,3 +47,17 @@ TEST_CASE("local_value wraps the device's block without copying", "[tensor][loca
   local_tensor<int, 1, mesh2> z(std::array<std::size_t, 1>{5}, m, 2);
   for (std::size_t i = 0; i < 5; ++i) CHECK(z(i) == 0);
 }
+
+TEST_CASE("unmanaged views share data without touching the reference count", "[tensor][view]") {
+  auto v = meshlib::detail::allocate<double, 2>({3, 4});
+  const auto before = v.use_count();
+  {
+    auto u = meshlib::detail::unmanaged(v);
+    auto u2 = u;
+    CHECK(u2.data() == v.data());
+    CHECK(u2.extent(1) == 4);
+    CHECK(v.use_count() == before);
+  }
+  auto copy = v;
+  CHECK(v.use_count() == before + 1);
+}
