@@ -328,3 +328,21 @@ TEST_CASE("transpose<P...> permutes dimensions of any rank with their sharding",
   for (std::size_t i = 0; i < 5; ++i)
     for (std::size_t j = 0; j < 2; ++j) CHECK(lt(0, i, j) == h[((2 + j) * 3 + 2) * 5 + i]);
 }
+
+TEST_CASE("linear operators on partial local values: the parts still sum to the right answer", "[tensor][elementwise]") {
+  mesh2 m{2, 3};
+  const auto h = ref::iota<double>(4 * 9, 1, 10);
+  auto x = from_host(s_dm{m}, shape2{4, 9}, h);
+  const auto rs = ref::reduce<double>(h, shape2{4, 9}, 1, ref::op::sum);
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    std::vector<double> total(2, 0.0);
+    for (std::size_t g : m.group<"model">(dev)) {
+      auto p = sum<1>(x.local_value(g));            // partial over 'model'
+      auto q = (3.0 * p - p / 2.0 + (-p)) * 2.0;    // = 3 p, still partial
+      static_assert(decltype(q)::partial == M);
+      for (std::size_t i = 0; i < 2; ++i) total[i] += q(i);
+    }
+    const std::size_t r0 = m.coords(dev)[0] * 2;
+    CHECK(total == std::vector<double>{3 * rs[r0], 3 * rs[r0 + 1]});
+  }
+}
