@@ -96,10 +96,15 @@ int main(int argc, char** argv) {
       time_it(iters, run_direct);  // warm-up
       time_it(iters, run_with(with_timeout));
       for (int r = 0; r < rounds; ++r) {
-        direct.push_back(time_it(iters, run_direct));
-        dflt.push_back(time_it(iters, run_with(with_timeout)));
-        none.push_back(time_it(iters, run_with(no_timeout)));
-        poll.push_back(time_it(iters, run_with(polled)));
+        // The order rotates every round, so that no variant always runs right after another.
+        for (int k = 0; k < 4; ++k) {
+          switch ((r + k) % 4) {
+            case 0: direct.push_back(time_it(iters, run_direct)); break;
+            case 1: dflt.push_back(time_it(iters, run_with(with_timeout))); break;
+            case 2: none.push_back(time_it(iters, run_with(no_timeout))); break;
+            default: poll.push_back(time_it(iters, run_with(polled))); break;
+          }
+        }
       }
       const double d = median(direct), a = median(dflt), b = median(none), c = median(poll);
       if (rank == 0)
