@@ -1,11 +1,18 @@
 // Faults and bad input: every blocking call of the thread communicator ends, with the documented
 // error, naming the rank, the operation and the calls involved.
 #include <atomic>
+#include <functional>
+#include <limits>
 #include <chrono>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "comm_test_support.hpp"
 #include "meshlib_catch.hpp"
@@ -521,4 +528,57 @@ TEST_CASE("handles: each rank's handle once, empty handles refuse to work", "[co
   REQUIRE_THROWS_AS(a.barrier(), meshlib::comm_error);
   REQUIRE_THROWS_AS(thread_world(0), meshlib::comm_argument_error);
   REQUIRE_THROWS_AS(meshlib::run_on_threads(0, [](thread_communicator&) {}), meshlib::comm_argument_error);
+}
+
+TEST_CASE("run_on_threads: pinned participants, the caller's affinity restored", "[comm][threads]") {
+#if defined(__linux__)
+  cpu_set_t before;
+  CPU_ZERO(&before);
+  REQUIRE(pthread_getaffinity_np(pthread_self(), sizeof(before), &before) == 0);
+  const int cpus = CPU_COUNT(&before);
+  std::vector<int> on_one_cpu(static_cast<std::size_t>(cpus), 0);
+  meshlib::thread_comm_options o;
+  o.pin_threads = true;
+  meshlib::run_on_threads(
+      cpus,
+      [&](thread_communicator& c) {
+        cpu_set_t mine;
+        CPU_ZERO(&mine);
+        pthread_getaffinity_np(pthread_self(), sizeof(mine), &mine);
+        on_one_cpu[static_cast<std::size_t>(c.rank())] = CPU_COUNT(&mine) == 1;
+        c.barrier();
+      },
+      o);
+  for (int v : on_one_cpu) CHECK(v == 1);
+  cpu_set_t after;
+  CPU_ZERO(&after);
+  REQUIRE(pthread_getaffinity_np(pthread_self(), sizeof(after), &after) == 0);
+  CHECK(CPU_EQUAL(&before, &after));
+  // more participants than CPUs: not pinned, so that they can run wherever a core is free
+  std::atomic<int> pinned{0};
+  meshlib::run_on_threads(
+      cpus + 1,
+      [&](thread_communicator&) {
+        cpu_set_t mine;
+        CPU_ZERO(&mine);
+        pthread_getaffinity_np(pthread_self(), sizeof(mine), &mine);
+        if (CPU_COUNT(&mine) == 1 && cpus > 1) pinned.fetch_add(1);
+      },
+      o);
+  CHECK(pinned.load() == 0);
+#endif
+}
+
+TEST_CASE("run_on_threads: a participant's exception type survives, nested", "[comm][threads]") {
+  try {
+    meshlib::run_on_threads(3, [](thread_communicator& c) {
+      if (c.rank() == 1) throw meshlib::sharding_error("bad shard on 1");
+      c.barrier();
+    });
+    FAIL("run_on_threads did not throw");
+  } catch (const meshlib::participant_error& e) {
+    CHECK(e.rank() == 1);
+    CHECK(contains(e.what(), "participant 1 of 3 failed: bad shard on 1"));
+    REQUIRE_THROWS_AS(e.rethrow_nested(), meshlib::sharding_error);
+  }
 }

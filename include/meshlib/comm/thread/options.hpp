@@ -40,9 +40,12 @@ inline std::chrono::nanoseconds default_comm_timeout() {
 struct thread_comm_options {
   /// How long a participant waits for its peers in one step before `comm_timeout`.
   std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Largest payload (bytes staged per participant) sent through the one-shot algorithm, which
-  /// copies it into a shared slot and needs one synchronisation; larger payloads take the zero-copy
-  /// algorithm (peers read each other's buffers; two synchronisations). 0: the measured default.
+  /// The one-shot algorithm (each rank copies its payload into a shared slot; one
+  /// synchronisation) runs while the bytes each rank stages are at most this (for all_reduce and
+  /// reduce: times the number of ranks, because there each rank then reads every payload whole);
+  /// above it the zero-copy algorithm runs (peers read each other's buffers; two
+  /// synchronisations). 0: the measured default, 2 KiB when each participant has a core, 64 KiB
+  /// when there are more participants than cores (each synchronisation then costs context switches).
   std::size_t one_shot_max_bytes = 0;
   /// Payload (bytes per rank) from which the zero-copy algorithms write with non-temporal
   /// (streaming) stores, which skip the read-for-ownership of lines that will not be read again

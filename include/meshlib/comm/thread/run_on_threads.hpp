@@ -76,10 +76,10 @@ inline std::string what_of(const std::exception_ptr& e) {
 /// participant to throw, or, when the communicator itself failed (a collective mismatch, a
 /// timeout), the lowest rank that threw.
 /// @code
-/// std::vector<float> out(4);
+/// std::vector<std::vector<float>> out(4, std::vector<float>(4));   // one result per participant
 /// meshlib::run_on_threads(4, [&](meshlib::thread_communicator& c) {
-///   float x = float(c.rank());
-///   c.all_gather(std::span<const float>(&x, 1), std::span(out).subspan(0, 4));  // every rank: {0,1,2,3}
+///   const float x = float(c.rank());
+///   c.all_gather(std::span<const float>(&x, 1), std::span<float>(out[c.rank()]));  // {0, 1, 2, 3}
 /// });
 /// @endcode
 /// @throws participant_error as above; comm_argument_error when n < 1; std::system_error when a

@@ -666,7 +666,6 @@ class thread_communicator {
       std::unique_lock lk(g.mutex);
       g.sleepers.fetch_add(1, std::memory_order_seq_cst);
       for (;;) {
-        std::atomic_thread_fence(std::memory_order_seq_cst);
         if (ready()) {
           done = true;
           break;
@@ -763,7 +762,7 @@ class thread_communicator {
     ins_.resize(static_cast<std::size_t>(n));
     outs_.resize(static_cast<std::size_t>(n));
     const T** in = reinterpret_cast<const T**>(ins_.data());
-    if (one_shot(count * sizeof(T))) {
+    if (one_shot(count * sizeof(T) * static_cast<std::size_t>(n))) {  // each rank reads n payloads
       d.src = stage(send, count * sizeof(T));
       const std::uint64_t s = arrive(d, false);
       for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
@@ -792,7 +791,7 @@ class thread_communicator {
     d.root = root;
     ins_.resize(static_cast<std::size_t>(n));
     const T** in = reinterpret_cast<const T**>(ins_.data());
-    if (one_shot(count * sizeof(T))) {
+    if (one_shot(count * sizeof(T) * static_cast<std::size_t>(n))) {  // each rank reads n payloads
       d.src = stage(send, count * sizeof(T));
       const std::uint64_t s = arrive(d, false);
       if (rank_ == root) {

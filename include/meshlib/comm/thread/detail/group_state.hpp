@@ -303,10 +303,10 @@ struct wait_policy {
 inline constexpr std::size_t default_streaming_min_bytes = std::size_t{8} << 20;
 
 /// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
-/// rank, one synchronisation plus a copy beats two synchronisations and no copy.
-inline std::size_t default_one_shot_max_bytes(int n) noexcept {
-  (void)n;
-  return std::size_t{16} << 10;
+/// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
+/// synchronisation costs context switches, so the one-shot algorithm pays for much longer.
+inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
+  return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
 }
 
 inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
@@ -319,7 +319,7 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
   p.timeout = o.timeout;
   p.burst = oversubscribed ? 2 : 64;
   p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
-  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(n);
+  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(oversubscribed);
   return p;
 }
 
