@@ -7,8 +7,8 @@
 #                  fresh configuration of SOURCE_DIR with those arguments ("|"-separated) in WORK.
 # STEP=consumer    Configure the consumer project CONSUMER into WORK with CONSUMER_ARGS
 #                  ("|"-separated). With EXPECT_FAIL=<regex>: configuring must fail and print it.
-#                  Otherwise build it and run RUN ("|"-separated command, relative to WORK), whose
-#                  output must match EXPECT_OUTPUT.
+#                  Otherwise build it and run RUN ("|"-separated command, in the consumer's
+#                  build directory), whose output must match EXPECT_OUTPUT; then RUN2 likewise.
 #                  TARBALL_FROM=<source dir>: first pack meshlib's sources into WORK/meshlib.tar.gz
 #                  and pass its URL and SHA256 as MESHLIB_TARBALL / MESHLIB_TARBALL_SHA256.
 # Common: GENERATOR, CXX_COMPILER, BUILD_TYPE (of the enclosing build).
@@ -136,13 +136,15 @@ elseif(STEP STREQUAL "consumer")
 
   run_checked(out COMMAND "${CMAKE_COMMAND}" -S "${CONSUMER}" -B "${build}" ${gen_args} ${consumer_args})
   run_checked(out COMMAND "${CMAKE_COMMAND}" --build "${build}")
-  if(RUN)
-    string(REPLACE "|" ";" run_cmd "${RUN}")
-    run_checked(out COMMAND ${run_cmd} WORKING_DIRECTORY "${build}")
-    if(EXPECT_OUTPUT AND NOT out MATCHES "${EXPECT_OUTPUT}")
-      fail("the consumer ran, but its output does not match '${EXPECT_OUTPUT}'")
+  foreach(suffix "" 2)
+    if(RUN${suffix})
+      string(REPLACE "|" ";" run_cmd "${RUN${suffix}}")
+      run_checked(out COMMAND ${run_cmd} WORKING_DIRECTORY "${build}")
+      if(NOT out MATCHES "${EXPECT_OUTPUT${suffix}}")
+        fail("the consumer ran, but its output does not match '${EXPECT_OUTPUT${suffix}}'")
+      endif()
     endif()
-  endif()
+  endforeach()
   message(STATUS "package test: consumer configured, built and ran")
 
 else()

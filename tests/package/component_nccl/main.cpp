@@ -2,7 +2,7 @@
 // ncclGetVersion needs no GPU, so this runs on a machine without one.
 #include <nccl.h>
 
-#include <meshlib.hpp>
+#include <meshlib/core.hpp>  // not the whole umbrella: this checks what the component brings
 #if __has_include(<meshlib/nccl.hpp>)
 #include <meshlib/nccl.hpp>
 #endif
