@@ -54,6 +54,16 @@ inline int iterations_for(std::size_t bytes) {
   return static_cast<int>(std::clamp(0.02 / per_iter_guess, 5.0, 20000.0));
 }
 
+/// Batches per measurement: each row reports the median over batches of the slowest rank's mean
+/// time per call in the batch. On a machine shared with other jobs a preemption hits a few batches,
+/// not the median (nccl-tests reports the mean of one long batch, which such stalls dominate).
+inline constexpr int batches = 9;
+
+inline double median_of(double* v, int n) {
+  std::sort(v, v + n);
+  return v[n / 2];
+}
+
 inline void print_header(const char* impl) {
   std::printf("# impl %s: op bytes participants iters time_us algbw_GBps busbw_GBps\n", impl);
 }

@@ -69,12 +69,17 @@ int main(int argc, char** argv) {
               const int iters = bench::iterations_for(bytes);
               for (int rep = 0; rep < repeat; ++rep) {
                 for (int w = 0; w < std::max(2, iters / 10); ++w) run_op(c, op, a, b, count);  // warm-up
+                const int per_batch = std::max(1, iters / bench::batches);
+                double sec[bench::batches];
                 c.barrier();
-                const auto t0 = std::chrono::steady_clock::now();
-                for (int it = 0; it < iters; ++it) run_op(c, op, a, b, count);
-                double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
-                c.all_reduce(std::span<double>(&sec, 1), reduce_op::max);  // the slowest rank's time
-                if (c.rank() == 0) bench::print_row("thread", op, size, bytes, n, iters, sec);
+                for (int k = 0; k < bench::batches; ++k) {
+                  const auto t0 = std::chrono::steady_clock::now();
+                  for (int it = 0; it < per_batch; ++it) run_op(c, op, a, b, count);
+                  sec[k] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / per_batch;
+                }
+                c.all_reduce(std::span<double>(sec), reduce_op::max);  // the slowest rank's time, per batch
+                if (c.rank() == 0)
+                  bench::print_row("thread", op, size, bytes, n, per_batch * bench::batches, bench::median_of(sec, bench::batches));
               }
             }
           }
