@@ -1324,15 +1324,27 @@ inline std::chrono::nanoseconds default_comm_timeout() {
 struct thread_comm_options {
   /// How long a participant waits for its peers in one step before `comm_timeout`.
   std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Largest payload (bytes staged per participant) sent through the one-shot algorithm, which
-  /// copies it into a shared slot and needs one synchronisation; larger payloads take the zero-copy
-  /// algorithm (peers read each other's buffers; two synchronisations). 0: the measured default.
+  /// The one-shot algorithm (each rank copies its payload into a shared slot; one
+  /// synchronisation) runs while the bytes each rank stages are at most this (for all_reduce and
+  /// reduce: times the number of ranks, because there each rank then reads every payload whole);
+  /// above it the zero-copy algorithm runs (peers read each other's buffers; two
+  /// synchronisations). 0: the measured default, 2 KiB when each participant has a core, 64 KiB
+  /// when there are more participants than cores (each synchronisation then costs context switches).
   std::size_t one_shot_max_bytes = 0;
+  /// Payload (bytes per rank) from which the zero-copy algorithms write with non-temporal
+  /// (streaming) stores, which skip the read-for-ownership of lines that will not be read again
+  /// soon. 0: the measured default; SIZE_MAX: never.
+  std::size_t streaming_min_bytes = 0;
   /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
   /// measured default, shorter when there are more participants than cores.
   std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
   /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
   std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
+  /// `run_on_threads` only: pin participant r to the r-th CPU the process may run on (modulo their
+  /// number), as OpenMPI binds its ranks to cores; the calling thread's affinity is restored when
+  /// it returns. Keeps two communicating participants from sharing a core on a busy machine.
+  /// Linux only; ignored elsewhere.
+  bool pin_threads = false;
 };
 
 }  // namespace meshlib
@@ -1470,7 +1482,7 @@ constexpr std::string_view op_name(op_kind k) noexcept {
   return "unknown";
 }
 
-/// What one rank called in one step: compared across ranks by the releasing rank, and the source
+/// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
 struct call_desc {
   op_kind kind = op_kind::barrier;
@@ -1482,7 +1494,7 @@ struct call_desc {
   int key = 0;
   const void* src = nullptr;  ///< staged copy (one-shot) or the user's send buffer (zero-copy)
   void* dst = nullptr;        ///< the user's receive buffer (zero-copy algorithms that push)
-  std::span<const permute_pair> pairs{};
+  std::span<const permute_pair> pairs{};  ///< ppermute: the caller's pairs (the slot keeps a copy)
   const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd
   int nv = 0;                                                       ///< length of each v array
 };
@@ -1502,8 +1514,10 @@ inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
   os << ']';
 }
 
-/// "all_reduce(float32, count 8, op sum)": how error messages show a call.
-inline std::string describe(const call_desc& d) {
+/// "all_reduce(float32, count 8, op sum)": how error messages show a call. `pairs` is the slot's
+/// copy of a ppermute's pairs; the all_to_all_v counts are printed only when `with_arrays` (they
+/// live in the caller's memory, which is safe to read only while the caller is blocked).
+inline std::string describe(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
   std::ostringstream os;
   os << op_name(d.kind) << '(';
   if (d.kind == op_kind::split) {
@@ -1515,11 +1529,11 @@ inline std::string describe(const call_desc& d) {
     if (uses_root(d.kind)) os << ", root " << d.root;
     if (d.kind == op_kind::ppermute) {
       os << ", pairs [";
-      for (std::size_t i = 0; i < d.pairs.size(); ++i)
-        os << (i ? ", " : "") << '(' << d.pairs[i].source << ", " << d.pairs[i].dest << ')';
+      for (std::size_t i = 0; i < pairs.size(); ++i)
+        os << (i ? ", " : "") << '(' << pairs[i].source << ", " << pairs[i].dest << ')';
       os << ']';
     }
-    if (d.kind == op_kind::all_to_all_v) {
+    if (d.kind == op_kind::all_to_all_v && with_arrays) {
       os << ", send_counts ";
       print_v(os, d.v[0], d.nv);
       os << ", recv_counts ";
@@ -1530,15 +1544,33 @@ inline std::string describe(const call_desc& d) {
   return os.str();
 }
 
-/// Whether two ranks' calls agree on everything the step depends on.
-inline bool same_call(const call_desc& a, const call_desc& b) {
+/// The hot part of a rank's call in one step, in one cache line with its step number, so that a
+/// peer learns that the rank arrived, what it called, and (for up to 24 bytes) its payload, from
+/// one cache-line transfer.
+struct alignas(64) flag_line {
+  std::atomic<std::uint64_t> seq{0};  ///< step + 1 once this line holds the rank's call of that step
+  op_kind kind = op_kind::barrier;
+  datatype dtype = datatype::float32;
+  reduce_op op = reduce_op::sum;
+  std::int32_t root = 0;
+  std::uint64_t count = 0;
+  std::int32_t color = 0;
+  std::int32_t key = 0;
+  const void* src = nullptr;
+  alignas(8) std::byte inline_data[24] = {};
+};
+static_assert(sizeof(flag_line) == 64);
+inline constexpr std::size_t inline_capacity = sizeof(flag_line::inline_data);
+
+/// Whether two ranks' calls agree on everything the step depends on (pairs: the slots' copies).
+inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<permute_pair>& pa,
+                      const std::vector<permute_pair>& pb) {
   if (a.kind != b.kind) return false;
   if (uses_dtype(a.kind) && a.dtype != b.dtype) return false;
   if (uses_count(a.kind) && a.count != b.count) return false;
   if (uses_op(a.kind) && a.op != b.op) return false;
   if (uses_root(a.kind) && a.root != b.root) return false;
-  if (a.kind == op_kind::ppermute && !std::equal(a.pairs.begin(), a.pairs.end(), b.pairs.begin(), b.pairs.end()))
-    return false;
+  if (a.kind == op_kind::ppermute && pa != pb) return false;
   return true;
 }
 
@@ -1569,13 +1601,15 @@ class staging_buffer {
   std::size_t capacity_ = 0;
 };
 
-/// One rank's slot. Descriptors and staging buffers are double-buffered by the parity of the step:
+/// One rank's slot. Flag lines, descriptors and staging buffers are double-buffered by the parity of the step:
 /// a rank can start step s+1 (and overwrite its parity-(s+1) copies) while slow peers still read
 /// its step-s copies, but it cannot start step s+2 before every peer arrived at s+1, that is,
 /// before every peer finished reading step s.
 struct alignas(64) rank_slot {
+  flag_line line[2];
   call_desc desc[2];
-  std::atomic<std::uint64_t> arrived{0};  ///< steps this rank has arrived at (diagnostics)
+  std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
+  alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
@@ -1654,13 +1688,19 @@ struct wait_policy {
   std::chrono::nanoseconds yield;
   std::chrono::nanoseconds timeout;
   std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
+  int burst;                 ///< spins before the first clock reading
+  std::size_t streaming_min; ///< payload bytes from which zero-copy paths use streaming stores
 };
 
+/// Measured (docs/benchmarks.md): streaming stores pay once the buffers of all ranks no longer
+/// fit in the caches.
+inline constexpr std::size_t default_streaming_min_bytes = std::size_t{8} << 20;
+
 /// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
-/// rank, one synchronisation plus a copy beats two synchronisations and no copy.
-inline std::size_t default_one_shot_max_bytes(int n) noexcept {
-  (void)n;
-  return std::size_t{16} << 10;
+/// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
+/// synchronisation costs context switches, so the one-shot algorithm pays for much longer.
+inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
+  return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
 }
 
 inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
@@ -1671,7 +1711,9 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
                                : (oversubscribed ? std::chrono::nanoseconds(200) : std::chrono::nanoseconds(50'000));
   p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
   p.timeout = o.timeout;
-  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(n);
+  p.burst = oversubscribed ? 2 : 64;
+  p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
+  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(oversubscribed);
   return p;
 }
 
@@ -1715,9 +1757,11 @@ struct group_state {
     return s;
   }
 
-  /// Wakes every blocked waiter of this group (after `word` changed or a rank departed).
+  /// Wakes every blocked waiter of this group (after a rank arrived or departed). Blocked
+  /// waiters also re-check every millisecond, so a wake-up missed by this unfenced check (the
+  /// arrival store may still be in the store buffer) only delays a waiter that was asleep anyway.
   void wake() {
-    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+    if (sleepers.load(std::memory_order_relaxed) != 0) {
       { std::lock_guard lk(mutex); }
       cv.notify_all();
     }
@@ -1794,6 +1838,10 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
 #include <type_traits>
 
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace meshlib::detail {
 
 /// The type in which elements of T are combined: float for bfloat16 (NCCL's and PyTorch's
@@ -1852,13 +1900,58 @@ constexpr T finish(accumulator_t<T> a, int n) noexcept {
 /// Elements combined per block: the accumulators of one block stay in L1.
 inline constexpr std::size_t reduce_block_elems = 1024;
 
+/// Copies `bytes` with non-temporal (streaming) stores where the target is 16-byte aligned: the
+/// written lines bypass the caches, so a copy much larger than the last-level cache neither reads
+/// the target lines first (no read-for-ownership) nor evicts the sources. The caller issues
+/// `stream_fence()` before it tells peers that the data is there.
+inline void stream_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
+#if defined(__SSE2__)
+  auto* d = static_cast<std::byte*>(dst);
+  const auto* s = static_cast<const std::byte*>(src);
+  const std::size_t head = (16 - (reinterpret_cast<std::uintptr_t>(d) & 15)) & 15;
+  if (head >= bytes) {
+    std::memcpy(d, s, bytes);
+    return;
+  }
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  std::size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  for (; i + 16 <= bytes; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+/// Orders the streaming stores before the stores that follow (the release of a step).
+inline void stream_fence() noexcept {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 /// out[o][i] = in[0][i] op in[1][i] op ... op in[n-1][i] for i in [0, len), for each of the
 /// `nout` outputs. Inputs may alias outputs element for element (in-place collectives): each block
-/// is read completely before any of it is written.
+/// is read completely before any of it is written. With `streaming`, outputs are written with
+/// non-temporal stores (call stream_fence() before publishing them).
 template <reduce_op Op, class T>
-void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len, bool streaming) {
   using A = accumulator_t<T>;
   A acc[reduce_block_elems];
+  T res[reduce_block_elems];
   for (std::size_t b = 0; b < len; b += reduce_block_elems) {
     const std::size_t m = std::min(reduce_block_elems, len - b);
     const T* in0 = in[0] + b;
@@ -1867,22 +1960,29 @@ void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::siz
       const T* x = in[r] + b;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(acc[i], x[i]);
     }
-    for (int o = 0; o < nout; ++o) {
-      T* y = out[o] + b;
+    if (nout == 1 && !streaming) {
+      T* y = out[0] + b;
       for (std::size_t i = 0; i < m; ++i) y[i] = finish<Op, T>(acc[i], n);
+      continue;
+    }
+    for (std::size_t i = 0; i < m; ++i) res[i] = finish<Op, T>(acc[i], n);
+    for (int o = 0; o < nout; ++o) {
+      if (streaming) stream_bytes(out[o] + b, res, m * sizeof(T));
+      else std::memcpy(out[o] + b, res, m * sizeof(T));
     }
   }
 }
 
 /// Dispatches `reduce_into_op` on the run-time reduce op.
 template <class T>
-void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nout, std::size_t len) {
+void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nout, std::size_t len,
+                 bool streaming = false) {
   switch (op) {
-    case reduce_op::sum: return reduce_into_op<reduce_op::sum, T>(in, n, out, nout, len);
-    case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len);
-    case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len);
-    case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len);
-    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len);
+    case reduce_op::sum: return reduce_into_op<reduce_op::sum, T>(in, n, out, nout, len, streaming);
+    case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len, streaming);
+    case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len, streaming);
+    case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len, streaming);
+    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len, streaming);
   }
 }
 
@@ -1915,13 +2015,14 @@ class thread_communicator {
   thread_communicator(const thread_communicator&) = delete;
   thread_communicator& operator=(const thread_communicator&) = delete;
   thread_communicator(thread_communicator&& o) noexcept
-      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_) {}
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
       depart();
       state_ = std::move(o.state_);
       rank_ = o.rank_;
       step_ = o.step_;
+      central_ = o.central_;
     }
     return *this;
   }
@@ -2141,7 +2242,7 @@ class thread_communicator {
     check_usable(k);
     detail::call_desc d;
     d.kind = k;
-    arrive(&d);
+    arrive(d, false);
     return {};
   }
 
@@ -2156,12 +2257,12 @@ class thread_communicator {
     d.kind = k;
     d.color = color;
     d.key = key;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, false);
     auto& g = *state_;
     std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
     for (int r = 0; r < g.n; ++r) {
-      const auto& dr = g.slots[r].desc[s & 1];
-      if (dr.color == color) keyed.emplace_back(dr.key, r);
+      const auto& lr = line(r, s);
+      if (lr.color == color) keyed.emplace_back(lr.key, r);
     }
     std::sort(keyed.begin(), keyed.end());
     std::vector<int> members;
@@ -2304,72 +2405,152 @@ class thread_communicator {
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
+  //
+  // Every collective is one step. A rank publishes its call in its flag line for the step (one
+  // cache line: step number, call, up to 24 bytes of payload) and:
+  // - one-shot steps (payload staged in the slot, nothing of the caller's is read by peers): waits
+  //   until every peer's flag line shows the step, checks that the calls agree, and goes on. One
+  //   synchronisation; on two cores, one cache-line transfer each way.
+  // - zero-copy steps (peers read the caller's own buffers): also arrives at the group's counter;
+  //   the rank that arrives last checks the calls and releases the step with a compare-and-swap
+  //   that fails once the world has failed, so that a step a rank gave up on (timeout, abort) is
+  //   never released and no one reads the buffers of a rank that has left. After the copies all
+  //   meet once more (complete()).
 
-  /// Arrives at the next step with this rank's call (`d`), waits until every rank has, and returns
-  /// the step number. The rank that arrives last checks that all calls agree and releases the step.
-  std::uint64_t arrive(const detail::call_desc* d) {
+  /// The flag line of rank r for step s.
+  detail::flag_line& line(int r, std::uint64_t s) const noexcept { return state_->slots[r].line[s & 1]; }
+
+  /// Copies `bytes` of payload where peers will read it in the next step: into the flag line
+  /// when it fits, else into this rank's staging buffer.
+  const void* stage(const void* data, std::size_t bytes) {
+    auto& slot = state_->slots[rank_];
+    std::byte* buf = bytes <= detail::inline_capacity ? slot.line[step_ & 1].inline_data
+                                                      : slot.staging[step_ & 1].reserve(bytes);
+    detail::copy_bytes(buf, data, bytes);
+    return buf;
+  }
+
+  /// Takes the next step with this rank's call `d` and returns the step number once the step may
+  /// proceed (every rank arrived with an agreeing call).
+  std::uint64_t arrive(const detail::call_desc& d, bool zero_copy) {
     auto& g = *state_;
     const std::uint64_t s = step_++;
     auto& slot = g.slots[rank_];
-    slot.desc[s & 1] = *d;
-    slot.arrived.store(s + 1, std::memory_order_release);
-    const std::uint64_t target = s + 1;
+    slot.desc[s & 1] = d;
+    if (d.kind == op_kind::ppermute) slot.pairs[s & 1].assign(d.pairs.begin(), d.pairs.end());
+    auto& ln = slot.line[s & 1];
+    ln.kind = d.kind;
+    ln.dtype = d.dtype;
+    ln.op = d.op;
+    ln.root = d.root;
+    ln.count = d.count;
+    ln.color = d.color;
+    ln.key = d.key;
+    ln.src = d.src;
+    // A release store, not seq_cst: a full fence here would wait for the peers' copies of this
+    // line to be invalidated, one cache-line transfer on the critical path. The price is that the
+    // sleeper check below may miss a waiter that is just going to sleep; sleepers re-check every
+    // millisecond (wait_until), so a missed wake-up costs at most that, and only after the waiter
+    // had already waited for milliseconds.
+    ln.seq.store(s + 1, std::memory_order_release);
+    g.wake();
+    if (g.n == 1) return s;
+    if (!zero_copy) {
+      wait_flags(s, d.kind);
+      check_flags(s);
+      return s;
+    }
+    arrive_central(d.kind, s);
+    return s;
+  }
+
+  /// Waits until every peer's flag line shows step s.
+  void wait_flags(std::uint64_t s, op_kind k) {
+    const int n = state_->n;
+    int next = 0;  // ranks below `next` have arrived
+    auto ready = [&] {
+      while (next < n && line(next, s).seq.load(std::memory_order_acquire) > s) ++next;
+      return next == n;
+    };
+    auto arrived = [&](int r) { return line(r, s).seq.load(std::memory_order_acquire) > s; };
+    wait_until(ready, arrived, k, s, /*cancellable=*/true);
+  }
+
+  /// Mismatch detection of a one-shot step; every rank runs it on the same lines, so every rank
+  /// reaches the same verdict.
+  void check_flags(std::uint64_t s) const {
+    auto& g = *state_;
+    const auto& mine = line(rank_, s);
+    const auto& my_pairs = g.slots[rank_].pairs[s & 1];
+    bool ok = true;
+    for (int r = 0; r < g.n && ok; ++r)
+      if (r != rank_) ok = detail::same_call(mine, line(r, s), my_pairs, g.slots[r].pairs[s & 1]);
+    if (!ok) report_mismatch(s, "", /*with_arrays=*/false);
+  }
+
+  [[noreturn]] void report_mismatch(std::uint64_t s, const std::string& extra, bool with_arrays) const {
+    auto& g = *state_;
+    std::ostringstream os;
+    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
+       << " ranks: the ranks called different collectives";
+    for (int r = 0; r < g.n; ++r)
+      os << (r ? "; " : ": ") << g.rank_label(r) << " called "
+         << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
+    os << extra;
+    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+    g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
+  }
+
+  /// The central arrival of a zero-copy step.
+  void arrive_central(op_kind k, std::uint64_t s) {
+    auto& g = *state_;
+    const std::uint64_t target = ++central_;
+    g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
-      if (g.n > 1) check_step(s);
-      // Release unless the world failed meanwhile: a step that a failed rank may have given up on
-      // must never be released, or peers would read the buffers of a rank that has left.
+      check_step(s);
       std::uint64_t w = g.word.load(std::memory_order_relaxed);
       do {
-        if (w & detail::failed_bit) g.world->rethrow("seen by " + where(d->kind) + ", step " + std::to_string(s));
+        if (w & detail::failed_bit) failed_while_waiting(k, s);
       } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
       g.wake();
-    } else {
-      wait_step(target, d->kind, s);
+      return;
     }
-    return s;
+    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
+    wait_until(ready, arrived, k, s, /*cancellable=*/true);
   }
 
   /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
   /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
-  /// gets here after a bounded amount of copying; waiting here for a failure would let a rank
+  /// gets here after a bounded amount of copying; giving up here on a failure would let a rank
   /// return (and its caller free its buffers) while a peer still copies them.
   void complete() {
+    detail::stream_fence();  // streaming stores are weakly ordered: drain them before telling peers
     auto& g = *state_;
-    const std::uint64_t s = step_++;
-    g.slots[rank_].arrived.store(s + 1, std::memory_order_release);
-    const std::uint64_t target = s + 1;
+    if (g.n == 1) return;
+    const std::uint64_t target = ++central_;
+    g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
       g.word.fetch_add(1, std::memory_order_seq_cst);
       g.wake();
       return;
     }
-    auto done = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    const auto start = detail::comm_clock::now();
-    for (unsigned i = 1;; ++i) {
-      if (done()) return;
-      detail::cpu_relax();
-      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
-    }
-    while (detail::comm_clock::now() - start < g.policy.spin + g.policy.yield) {
-      if (done()) return;
-      std::this_thread::yield();
-    }
-    std::unique_lock lk(g.mutex);
-    g.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    while (!done()) g.cv.wait_for(lk, std::chrono::milliseconds(50));
-    g.sleepers.fetch_sub(1, std::memory_order_relaxed);
+    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+    wait_until(ready, [](int) { return true; }, op_kind::barrier, step_ - 1, /*cancellable=*/false);
   }
 
-  /// Mismatch detection, run by the last rank to arrive at step s while the others wait.
+  /// Mismatch detection of a zero-copy step, run by the last rank to arrive while the others are
+  /// blocked (so their descriptors, and the arrays they point to, are safe to read).
   void check_step(std::uint64_t s) const {
     auto& g = *state_;
-    const auto& d0 = g.slots[0].desc[s & 1];
+    const auto& l0 = line(0, s);
+    const auto& p0 = g.slots[0].pairs[s & 1];
     bool ok = true;
-    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(d0, g.slots[r].desc[s & 1]);
+    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(l0, line(r, s), p0, g.slots[r].pairs[s & 1]);
     std::string extra;
-    if (ok && d0.kind == op_kind::all_to_all_v) {
+    if (ok && l0.kind == op_kind::all_to_all_v) {
       for (int i = 0; i < g.n && ok; ++i)
         for (int j = 0; j < g.n && ok; ++j) {
           const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
@@ -2381,60 +2562,71 @@ class thread_communicator {
           }
         }
     }
-    if (ok) return;
-    std::ostringstream os;
-    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
-       << " ranks: the ranks called different collectives";
-    for (int r = 0; r < g.n; ++r) os << (r ? "; " : ": ") << g.rank_label(r) << " called " << detail::describe(g.slots[r].desc[s & 1]);
-    os << extra;
-    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
-    g.world->rethrow("seen by " + where(d0.kind));
+    if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until step `target - 1` is released: spin, then yield, then block with a deadline.
-  /// Throws when the world fails first, when the timeout passes (naming the ranks that never
-  /// arrived) or when a rank that has not arrived has left.
-  void wait_step(std::uint64_t target, op_kind k, std::uint64_t s) {
+  /// Waits until `ready()`: spins, then yields, then blocks with a deadline. When `cancellable`,
+  /// throws once the world fails first, when the timeout passes (naming the ranks for which
+  /// `arrived(r)` is false) or when such a rank has left.
+  template <class Ready, class Arrived>
+  void wait_until(Ready&& ready, Arrived&& arrived, op_kind k, std::uint64_t s, bool cancellable) {
     auto& g = *state_;
-    auto released = [target](std::uint64_t w) { return (w & ~detail::failed_bit) >= target; };
-    std::uint64_t w = 0;
+    auto failed = [&] { return cancellable && (g.word.load(std::memory_order_acquire) & detail::failed_bit); };
+    // A first burst of spinning without reading the clock: most waits of a participant with a
+    // core of its own end within it.
+    for (int i = 0; i < g.policy.burst; ++i) {
+      if (ready()) return;
+      detail::cpu_relax();
+    }
     const auto start = detail::comm_clock::now();
     for (unsigned i = 1;; ++i) {
-      w = g.word.load(std::memory_order_acquire);
-      if (released(w)) return;
-      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (ready()) return;
+      if (failed()) {
+        if (ready()) return;
+        failed_while_waiting(k, s);
+      }
       detail::cpu_relax();
-      if ((i & 63u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+      if ((i & 31u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
     }
     for (;;) {
-      w = g.word.load(std::memory_order_acquire);
-      if (released(w)) return;
-      if (w & detail::failed_bit) failed_while_waiting(k, s);
+      if (ready()) return;
+      if (failed()) {
+        if (ready()) return;
+        failed_while_waiting(k, s);
+      }
       if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
       std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout;
     int departed = -1;
     bool timed_out = false;
+    bool done = false;
     {
       std::unique_lock lk(g.mutex);
       g.sleepers.fetch_add(1, std::memory_order_seq_cst);
       for (;;) {
-        w = g.word.load(std::memory_order_seq_cst);
-        if (released(w) || (w & detail::failed_bit)) break;
+        if (ready()) {
+          done = true;
+          break;
+        }
+        if (!cancellable) {
+          g.cv.wait_for(lk, std::chrono::milliseconds(1));
+          continue;
+        }
+        if (failed()) break;
         for (int r = 0; r < g.n && departed < 0; ++r)
-          if (g.slots[r].departed.load() && g.slots[r].arrived.load(std::memory_order_acquire) < target) departed = r;
+          if (g.slots[r].departed.load() && !arrived(r)) departed = r;
         if (departed >= 0) break;
         const auto now = detail::comm_clock::now();
         if (now >= deadline) {
           timed_out = true;
           break;
         }
-        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(100)));
+        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(1)));
       }
       g.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
-    if (released(w)) return;
+    if (done) return;
     if (departed >= 0) {
       g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(departed)],
                     "meshlib: communicator aborted: " + g.rank_label(departed) +
@@ -2447,14 +2639,13 @@ class thread_communicator {
          << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
       int missing = 0;
       for (int r = 0; r < g.n; ++r)
-        if (g.slots[r].arrived.load(std::memory_order_acquire) < target)
-          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        if (!arrived(r)) os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
       os << (missing ? " never arrived" : "every rank arrived late");
       os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
       g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
     }
-    // The failure bit is set now; a release that won the race still counts.
-    if (released(g.word.load(std::memory_order_acquire))) return;
+    // The failure bit is set now; a step that became ready meanwhile still counts.
+    if (ready()) return;
     failed_while_waiting(k, s);
   }
 
@@ -2465,18 +2656,18 @@ class thread_communicator {
   // ---- algorithms ------------------------------------------------------------------------------
 
   bool one_shot(std::size_t staged_bytes) const noexcept { return staged_bytes <= state_->policy.one_shot_max; }
+  bool streaming(std::size_t payload_bytes) const noexcept { return payload_bytes >= state_->policy.streaming_min; }
 
-  /// Copies `bytes` of data into this rank's staging buffer for step `s` (the next step).
-  const void* stage(const void* data, std::size_t bytes) {
-    auto& slot = state_->slots[rank_];
-    std::byte* buf = slot.staging[step_ & 1].reserve(bytes);
-    detail::copy_bytes(buf, data, bytes);
-    return buf;
+  /// A zero-copy path's copy: streaming stores for big payloads.
+  static void move_bytes(void* dst, const void* src, std::size_t bytes, bool stream) noexcept {
+    if (bytes == 0 || dst == src) return;
+    if (stream) detail::stream_bytes(dst, src, bytes);
+    else std::memcpy(dst, src, bytes);
   }
 
   template <class T>
   const T* src_of(std::uint64_t s, int r) const noexcept {
-    return static_cast<const T*>(state_->slots[r].desc[s & 1].src);
+    return static_cast<const T*>(line(r, s).src);
   }
   template <class T>
   T* dst_of(std::uint64_t s, int r) const noexcept {
@@ -2510,23 +2701,23 @@ class thread_communicator {
     ins_.resize(static_cast<std::size_t>(n));
     outs_.resize(static_cast<std::size_t>(n));
     const T** in = reinterpret_cast<const T**>(ins_.data());
-    if (one_shot(count * sizeof(T))) {
+    if (one_shot(count * sizeof(T) * static_cast<std::size_t>(n))) {  // each rank reads n payloads
       d.src = stage(send, count * sizeof(T));
-      const std::uint64_t s = arrive(&d);
+      const std::uint64_t s = arrive(d, false);
       for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
       detail::reduce_into<T>(op, in, n, &recv, 1, count);
       return {};
     }
     d.src = send;
     d.dst = recv;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     T** out = reinterpret_cast<T**>(outs_.data());
     for (int r = 0; r < n; ++r) {
       in[r] = src_of<T>(s, r) + lo;
       out[r] = dst_of<T>(s, r) + lo;
     }
-    detail::reduce_into<T>(op, in, n, out, n, hi - lo);
+    detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -2539,9 +2730,9 @@ class thread_communicator {
     d.root = root;
     ins_.resize(static_cast<std::size_t>(n));
     const T** in = reinterpret_cast<const T**>(ins_.data());
-    if (one_shot(count * sizeof(T))) {
+    if (one_shot(count * sizeof(T) * static_cast<std::size_t>(n))) {  // each rank reads n payloads
       d.src = stage(send, count * sizeof(T));
-      const std::uint64_t s = arrive(&d);
+      const std::uint64_t s = arrive(d, false);
       if (rank_ == root) {
         for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
         detail::reduce_into<T>(op, in, n, &recv, 1, count);
@@ -2550,11 +2741,11 @@ class thread_communicator {
     }
     d.src = send;
     d.dst = rank_ == root ? recv : nullptr;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
     T* out = dst_of<T>(s, root) + lo;
-    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo);
+    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -2570,9 +2761,9 @@ class thread_communicator {
     const std::size_t total_bytes = count * sizeof(T) * static_cast<std::size_t>(n);
     const bool staged = one_shot(total_bytes);
     d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
-    detail::reduce_into<T>(op, in, n, &recv, 1, count);
+    detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
     if (!staged) complete();
     return {};
   }
@@ -2584,9 +2775,10 @@ class thread_communicator {
     const std::size_t bytes = count * sizeof(T);
     const bool staged = one_shot(bytes);
     if (rank_ == root) d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
-    if (rank_ == root) detail::copy_bytes(recv, send, bytes);
-    else detail::copy_bytes(recv, src_of<T>(s, root), bytes);
+    const std::uint64_t s = arrive(d, !staged);
+    const bool stream = !staged && streaming(bytes);
+    if (rank_ == root) move_bytes(recv, send, bytes, stream);
+    else move_bytes(recv, src_of<T>(s, root), bytes, stream);
     if (!staged) complete();
     return {};
   }
@@ -2598,11 +2790,12 @@ class thread_communicator {
     const std::size_t bytes = count * sizeof(T);
     const bool staged = one_shot(bytes);
     d.src = staged ? stage(send, bytes) : static_cast<const void*>(send);
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
+    const bool stream = !staged && streaming(bytes * static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
-      // Own block from the caller's buffer; in place it is already there and copy_bytes skips it.
+      // Own block from the caller's buffer; in place it is already there and move_bytes skips it.
       const T* from = r == rank_ ? send : src_of<T>(s, r);
-      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes);
+      move_bytes(recv + static_cast<std::size_t>(r) * count, from, bytes, stream);
     }
     if (!staged) complete();
     return {};
@@ -2625,10 +2818,10 @@ class thread_communicator {
     } else {
       d.src = send;
     }
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     const std::size_t mine = static_cast<std::size_t>(rank_) * count;
-    for (int r = 0; r < n; ++r)
-      detail::copy_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes);
+    const bool stream = !staged && streaming(total);
+    for (int r = 0; r < n; ++r) move_bytes(recv + static_cast<std::size_t>(r) * count, src_of<T>(s, r) + mine, bytes, stream);
     if (!staged) complete();
     return {};
   }
@@ -2644,7 +2837,7 @@ class thread_communicator {
     d.v[2] = rc;
     d.v[3] = rd;
     d.nv = n;
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, true);
     for (int r = 0; r < n; ++r) {
       const auto& dr = state_->slots[r].desc[s & 1];
       const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
@@ -2669,7 +2862,7 @@ class thread_communicator {
     } else {
       d.src = send;
     }
-    const std::uint64_t s = arrive(&d);
+    const std::uint64_t s = arrive(d, !staged);
     int from = -1;
     for (const auto& p : pairs)
       if (p.dest == rank_) from = p.source;
@@ -2727,7 +2920,8 @@ class thread_communicator {
 
   std::shared_ptr<detail::group_state> state_;
   int rank_ = 0;
-  std::uint64_t step_ = 0;  ///< steps this handle has taken part in (each collective takes 1 or 2)
+  std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
+  std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
@@ -2810,6 +3004,10 @@ class thread_world {
 /// place where meshlib starts participant threads (shard_map and spmd use it).
 
 #include <exception>
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -2834,6 +3032,25 @@ class participant_error : public comm_error, public std::nested_exception {
 };
 
 namespace detail {
+/// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
+#if defined(__linux__)
+inline void pin_to(const cpu_set_t& allowed, int index) {
+  const int count = CPU_COUNT(&allowed);
+  if (count <= 0) return;
+  int want = index % count;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    if (want-- == 0) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+      return;
+    }
+  }
+}
+#endif
+
 inline std::string what_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -2855,10 +3072,10 @@ inline std::string what_of(const std::exception_ptr& e) {
 /// participant to throw, or, when the communicator itself failed (a collective mismatch, a
 /// timeout), the lowest rank that threw.
 /// @code
-/// std::vector<float> out(4);
+/// std::vector<std::vector<float>> out(4, std::vector<float>(4));   // one result per participant
 /// meshlib::run_on_threads(4, [&](meshlib::thread_communicator& c) {
-///   float x = float(c.rank());
-///   c.all_gather(std::span<const float>(&x, 1), std::span(out).subspan(0, 4));  // every rank: {0,1,2,3}
+///   const float x = float(c.rank());
+///   c.all_gather(std::span<const float>(&x, 1), std::span<float>(out[c.rank()]));  // {0, 1, 2, 3}
 /// });
 /// @endcode
 /// @throws participant_error as above; comm_argument_error when n < 1; std::system_error when a
@@ -2866,9 +3083,30 @@ inline std::string what_of(const std::exception_ptr& e) {
 template <class F>
   requires std::is_invocable_v<F&, thread_communicator&>
 void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
+  const bool pin = options.pin_threads;
   thread_world world(n, std::move(options));
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+#if defined(__linux__)
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  // Pin only when every participant gets its own CPU; oversubscribed participants must be free to
+  // move to whichever core is idle (OpenMPI does not bind oversubscribed ranks either).
+  const bool can_pin = pin && pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                       n <= CPU_COUNT(&allowed);
+  struct restore_affinity {
+    bool active;
+    cpu_set_t mask;
+    ~restore_affinity() {
+      if (active) pthread_setaffinity_np(pthread_self(), sizeof(mask), &mask);
+    }
+  } restore{can_pin, allowed};
+#else
+  (void)pin;
+#endif
   auto body = [&](int r) {
+#if defined(__linux__)
+    if (can_pin) detail::pin_to(allowed, r);
+#endif
     thread_communicator comm = world.communicator(r);
     try {
       fn(comm);
@@ -3006,14 +3244,24 @@ class axis_communicators {
 /// - `parallel_for` over a `RangePolicy`: `ParallelFor<..., RangePolicy, Serial>` is a plain loop
 ///   over the functor copy; the launch only flips the *thread-local* `t_tracking_enabled` flag and
 ///   calls the profiling hooks, which read one global and do nothing when no tool is loaded.
-/// - View reference counting: `SharedAllocationRecord` counts with atomics, and without
-///   `KOKKOS_ENABLE_DEBUG` (Debian's build) no global record list exists.
-/// So meshlib launches *only* RangePolicy `parallel_for` with plain functors (`detail::launch`),
-/// computes every reduction and scan itself with deterministic per-element loops, and serialises
-/// only View allocation (`detail::allocate`) behind one mutex: allocation goes through the
-/// uninstrumented libkokkoscore (HostSpace::allocate, record construction, the labels), where
-/// ThreadSanitizer cannot see, and it is cheap next to the kernels, so the lock costs no speedup.
-/// Deallocation (the last reference dropping) is an atomic decrement and a `free`, safe as is.
+/// - Without `KOKKOS_ENABLE_DEBUG` (Debian's build) no global list of allocation records exists.
+/// What is NOT safe, and ThreadSanitizer cannot show it (it is inside the uninstrumented
+/// libkokkoscore): a Serial-only Kokkos compiles its atomics as plain operations, so
+/// `SharedAllocationRecord::increment` / `decrement`, the reference count of a managed View, is a
+/// plain read-modify-write (disassembled: `mov; lea 1; mov`, no `lock`). Two threads copying or
+/// destroying handles of the *same* allocation at once can lose a count (a leak, or a double free).
+/// So meshlib:
+/// - launches *only* RangePolicy `parallel_for`, with plain functors over raw pointers
+///   (`detail::launch`): no View is copied into a kernel;
+/// - computes every reduction and scan itself with deterministic per-element loops;
+/// - serialises View allocation (`detail::allocate`) behind one mutex: it runs in the
+///   uninstrumented library (HostSpace::allocate, record construction, the label) and is cheap
+///   next to the kernels (measured in bench/matmul_bench.cpp), so the lock costs no speedup;
+/// - keeps one allocation per device block (a replicated tensor still has one block per device),
+///   so that a device thread copies and drops only handles of its own blocks.
+/// The rule for code running on device threads (shard_map bodies, collectives): copy or destroy
+/// `Kokkos::View` handles only of your own device's blocks; to read another device's block, use its
+/// `data()` or `detail::unmanaged(view)` (an unmanaged view touches no reference count).
 
 #include <array>
 #include <cstddef>
@@ -3043,6 +3291,18 @@ struct add_pointers<T, 0> {
 /// The view type of a rank-`Rank` block: row-major, as NumPy and JAX lay arrays out.
 template <class T, std::size_t Rank, class Space>
 using block_view_t = Kokkos::View<typename add_pointers<T, Rank>::type, Kokkos::LayoutRight, Space>;
+
+/// The unmanaged form of a block view: same data, no reference counting (safe to copy between
+/// device threads; the owner must outlive it).
+template <class T, std::size_t Rank, class Space>
+using unmanaged_view_t =
+    Kokkos::View<typename add_pointers<T, Rank>::type, Kokkos::LayoutRight, Space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+/// `v` as an unmanaged view (see `unmanaged_view_t`).
+template <class View>
+auto unmanaged(const View& v) {
+  return unmanaged_view_t<typename View::value_type, View::rank, typename View::memory_space>(v);
+}
 
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
@@ -3781,7 +4041,7 @@ struct zip_needs_same_sharding {
                 "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are the "
                 "arguments of zip_needs_same_sharding<A, B>); meshlib moves no data implicitly: "
                 "reshard one operand with meshlib::reshard<Spec>(x) so both have the same spec");
-  static constexpr bool value = true;
+  static constexpr bool value = std::is_same_v<A, B>;
 };
 
 template <class A, class B>
@@ -3791,7 +4051,7 @@ struct zip_needs_same_local_layout {
                 "sharded over different mesh axes (the two layouts, as local_layout<vary, partial, dims>, are the "
                 "arguments of zip_needs_same_local_layout<A, B>); make them agree first: psum / all_gather the one, "
                 "pbroadcast the other, or reshard the inputs of shard_map");
-  static constexpr bool value = true;
+  static constexpr bool value = std::is_same_v<A, B>;
 };
 
 template <class Mesh, axis_mask Partial>
@@ -3800,7 +4060,7 @@ struct operation_is_not_linear_on_partial {
                 "meshlib: this operation is not linear, but the operand is a pending sum over the axes in "
                 "operation_is_not_linear_on_partial<mesh, partial-mask>; complete the sum with psum over those axes "
                 "first (only +, -, negation, and scaling by a scalar keep a value partial)");
-  static constexpr bool value = true;
+  static constexpr bool value = Partial == 0;
 };
 
 /// The layout facts of a local value, compared by `zip` (the element type may differ).
@@ -3892,31 +4152,40 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  static_assert(detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value);
-  using T = typename L::value_type;
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
-  using out_t = with_value_t<L, U>;
-  return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+  if constexpr (!detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value) {
+    return x;  // the diagnostic above has fired
+  } else {
+    using T = typename L::value_type;
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
+    using out_t = with_value_t<L, U>;
+    return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+  }
 }
 
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  static_assert(detail::diagnose_zip_local<A, B>());
-  static_assert(detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value);
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using out_t = with_value_t<A, U>;
-  return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  if constexpr (!detail::diagnose_zip_local<A, B>() ||
+                !detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value) {
+    return a;  // a diagnostic above has fired
+  } else {
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using out_t = with_value_t<A, U>;
+    return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  }
 }
 
 namespace detail {
 /// Zip allowed on partial operands (for the linear operators +, -).
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip_linear(F f, const A& a, const B& b) {
-  static_assert(diagnose_zip_local<A, B>());
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using out_t = with_value_t<A, U>;
-  return out_t(zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  if constexpr (!diagnose_zip_local<A, B>()) {
+    return a;  // the diagnostic above has fired
+  } else {
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using out_t = with_value_t<A, U>;
+    return out_t(zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+  }
 }
 template <class F, local_tensor_type L>
 auto map_linear(F f, const L& x) {
@@ -4036,14 +4305,18 @@ auto map(F f, const X& x) {
 /// @brief `f(a[i], b[i])` for every element; both tensors must have the same sharding.
 template <class F, sharded_tensor_type A, sharded_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  static_assert(detail::diagnose_zip_global<A, B>());
-  detail::check_same_global(a, b, "zip");
-  using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-  using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
-  std::vector<view_u> out(a.num_devices());
-  for (std::size_t d : a.local_devices())
-    out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
-  return detail::rewrap_global<A, U>(a, std::move(out));
+  constexpr bool ok = detail::diagnose_zip_global<A, B>();
+  if constexpr (!ok) {
+    return;  // the diagnostic above has fired
+  } else {
+    detail::check_same_global(a, b, "zip");
+    using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
+    using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
+    std::vector<view_u> out(a.num_devices());
+    for (std::size_t d : a.local_devices())
+      out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    return detail::rewrap_global<A, U>(a, std::move(out));
+  }
 }
 
 template <sharded_tensor_type A, sharded_tensor_type B>
@@ -4120,7 +4393,9 @@ MESHLIB_DETAIL_GLOBAL_SCALAR_OP(/, divide_fn)
 
 namespace meshlib {
 
-enum class reduce_op { sum, max, mean };
+/// The reductions of the local kernels (named apart from the comm layer's `reduce_op`, which
+/// `<meshlib.hpp>` also includes).
+enum class reduce_kind { sum, max, mean };
 
 namespace detail {
 
@@ -4143,14 +4418,14 @@ struct max_of_partial_value {
   static_assert(Partial == 0,
                 "meshlib: max over a value that is a pending sum over the axes in max_of_partial_value<mesh, mask>: "
                 "the max of the parts is not the max of the sum; psum over those axes first");
-  static constexpr bool value = true;
+  static constexpr bool value = Partial == 0;
 };
 
 template <class T>
 using mean_result_t = std::conditional_t<std::is_floating_point_v<T>, T, double>;
 
-template <reduce_op Op, class T>
-using reduce_result_t = std::conditional_t<Op == reduce_op::mean, mean_result_t<T>, T>;
+template <reduce_kind Op, class T>
+using reduce_result_t = std::conditional_t<Op == reduce_kind::mean, mean_result_t<T>, T>;
 
 template <class T>
 KOKKOS_INLINE_FUNCTION constexpr T lowest_of() {
@@ -4159,7 +4434,7 @@ KOKKOS_INLINE_FUNCTION constexpr T lowest_of() {
 }
 
 /// One output element per iteration: out[o * inner + j] = reduce over k of in[(o * n + k) * inner + j].
-template <reduce_op Op, class T, class U>
+template <reduce_kind Op, class T, class U>
 struct reduce_functor {
   const T* in;
   U* out;
@@ -4168,20 +4443,20 @@ struct reduce_functor {
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t idx) const {
     const std::size_t o = idx / inner, j = idx % inner;
     const T* p = in + o * n * inner + j;
-    if constexpr (Op == reduce_op::max) {
+    if constexpr (Op == reduce_kind::max) {
       T acc = lowest_of<T>();
       for (std::size_t k = 0; k < n; ++k) acc = p[k * inner] > acc ? p[k * inner] : acc;
       out[idx] = acc;
     } else {
       U acc = U{};
       for (std::size_t k = 0; k < n; ++k) acc += static_cast<U>(p[k * inner]);
-      out[idx] = Op == reduce_op::mean ? static_cast<U>(acc * scale) : acc;
+      out[idx] = Op == reduce_kind::mean ? static_cast<U>(acc * scale) : acc;
     }
   }
 };
 
 /// Reduces dimension `D` of `in`; `mean_extent` is the extent `mean` divides by.
-template <reduce_op Op, std::size_t D, class Space, class U = void, class View>
+template <reduce_kind Op, std::size_t D, class Space, class U = void, class View>
 auto reduce_view(const View& in, std::size_t mean_extent) {
   constexpr std::size_t rank = View::rank;
   using T = typename View::value_type;
@@ -4199,20 +4474,23 @@ auto reduce_view(const View& in, std::size_t mean_extent) {
   return out;
 }
 
-template <reduce_op Op, std::size_t D, local_tensor_type L>
+template <reduce_kind Op, std::size_t D, local_tensor_type L>
 auto reduce_local(const L& x) {
   static_assert(reduce_dim_in_range<D, L::rank>::value);
-  if constexpr (Op == reduce_op::max) static_assert(max_of_partial_value<typename L::mesh_type, L::partial>::value);
+  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_kind::max ? L::partial : 0)>::value) {
+    return x;  // the diagnostic above has fired
+  } else {
   using T = typename L::value_type;
   using U = reduce_result_t<Op, T>;
   constexpr axis_mask a = L::dims_type::at(D);
-  constexpr axis_mask vary = Op == reduce_op::max ? L::vary : (L::vary & ~a);
-  constexpr axis_mask partial = Op == reduce_op::max ? L::partial : (L::partial | a);
+  constexpr axis_mask vary = Op == reduce_kind::max ? L::vary : (L::vary & ~a);
+  constexpr axis_mask partial = Op == reduce_kind::max ? L::partial : (L::partial | a);
   using out_t = rebind_local_t<L, U, L::rank - 1, vary, partial, remove_dim_t<typename L::dims_type, D>>;
   return out_t(reduce_view<Op, D, typename L::memory_space>(x.view(), x.global_extent(D)), x.mesh(), x.device());
+  }
 }
 
-template <reduce_op Op, std::size_t D, sharded_tensor_type X>
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
 auto reduce_global(const X& x) {
   static_assert(reduce_dim_in_range<D, X::rank>::value);
   using S = typename X::sharding_type;
@@ -4230,9 +4508,9 @@ auto reduce_global(const X& x) {
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
   for (std::size_t dev : x.local_devices())
-    part[dev] = reduce_view<Op == reduce_op::max ? reduce_op::max : reduce_op::sum, D, space, U>(x.local(dev), 0);
+    part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
   if constexpr (a == 0) {
-    if constexpr (Op == reduce_op::mean) {
+    if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
       const U scale = x.extent(D) == 0 ? U{} : static_cast<U>(U{1} / static_cast<U>(x.extent(D)));
       for (std::size_t dev : x.local_devices()) {
@@ -4262,21 +4540,21 @@ auto reduce_global(const X& x) {
       bool first = true;
       for (std::size_t g : group) {
         if (!x.is_local(g))
-          throw sharding_error("meshlib: global " + std::string(Op == reduce_op::max ? "max" : Op == reduce_op::sum ? "sum" : "mean") +
+          throw sharding_error("meshlib: global " + std::string(Op == reduce_kind::max ? "max" : Op == reduce_kind::sum ? "sum" : "mean") +
                                " over dimension " + std::to_string(D) + " of " + x.to_string() + " needs device " +
                                std::to_string(g) + "'s block, which is not local; reduce in the local view and complete with a collective");
         const U* src = part[g].data();
         if (x.local_shape(g)[D] == 0) continue;  // an empty block (uneven rule) contributes nothing
         for (std::size_t i = 0; i < len; ++i) {
           if (first) dst[i] = src[i];
-          else if constexpr (Op == reduce_op::max) dst[i] = src[i] > dst[i] ? src[i] : dst[i];
+          else if constexpr (Op == reduce_kind::max) dst[i] = src[i] > dst[i] ? src[i] : dst[i];
           else dst[i] += src[i];
         }
         first = false;
       }
-      if (first && Op == reduce_op::max)
+      if (first && Op == reduce_kind::max)
         for (std::size_t i = 0; i < len; ++i) dst[i] = lowest_of<U>();
-      if constexpr (Op == reduce_op::mean)
+      if constexpr (Op == reduce_kind::mean)
         for (std::size_t i = 0; i < len; ++i) dst[i] = static_cast<U>(dst[i] * scale);
     }
     return out;
@@ -4289,33 +4567,35 @@ auto reduce_global(const X& x) {
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto sum(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::sum, D>(x);
-  else return detail::reduce_global<reduce_op::sum, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::sum, D>(x);
+  else return detail::reduce_global<reduce_kind::sum, D>(x);
 }
 
 /// @brief Mean over dimension `D` (local view: partial over `D`'s axes, scaled by the global extent).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto mean(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::mean, D>(x);
-  else return detail::reduce_global<reduce_op::mean, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::mean, D>(x);
+  else return detail::reduce_global<reduce_kind::mean, D>(x);
 }
 
 /// @brief Max over dimension `D` (local view: the block's max, still varying over `D`'s axes: pmax completes it).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto max(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_op::max, D>(x);
-  else return detail::reduce_global<reduce_op::max, D>(x);
+  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::max, D>(x);
+  else return detail::reduce_global<reduce_kind::max, D>(x);
 }
 
 }  // namespace meshlib
 // end meshlib/tensor/reduce.hpp
 // begin meshlib/tensor/transpose.hpp
 /// @file
-/// @brief `transpose` of rank-2 tensors. Sharding propagation: the dimensions swap and carry their
-/// sharding with them (local view: `dims` swap, vary and partial unchanged; global view: the spec
-/// entries swap, `P<"data", none>` becomes `P<none, "data">`). No data moves between devices.
+/// @brief `transpose`: `transpose(x)` swaps the two dimensions of a rank-2 tensor;
+/// `transpose<P0, P1, ...>(x)` permutes the dimensions of any rank as `np.transpose(x, axes)`
+/// (result dimension `i` is input dimension `Pi`). Sharding propagation: dimensions carry their
+/// sharding with them (local view: `dims` permuted, vary and partial unchanged; global view: the
+/// spec entries permuted, `P<"data", none>` becomes `P<none, "data">`). No data moves between devices.
 
 #include <array>
 #include <cstddef>
@@ -4354,35 +4634,107 @@ auto transpose_view(const View& in) {
 
 template <std::size_t Rank>
 struct transpose_needs_rank_2 {
-  static_assert(Rank == 2, "meshlib: transpose is defined for rank-2 tensors (see transpose_needs_rank_2<rank>)");
-  static constexpr bool value = true;
+  static_assert(Rank == 2,
+                "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
+                "name the permutation: transpose<1, 0, 2>(x) (see transpose_needs_rank_2<rank>)");
+  static constexpr bool value = Rank == 2;
 };
+
+/// Result element `i` (row-major over the output) reads input offset sum_d idx_d * stride[d], where
+/// `stride[d]` is the input stride of the input dimension that output dimension `d` comes from.
+template <class T, std::size_t R>
+struct permute_functor {
+  const T* in;
+  T* out;
+  std::array<std::size_t, R> out_extent;
+  std::array<std::size_t, R> stride;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    std::size_t rem = i, off = 0;
+    for (std::size_t d = R; d-- > 0;) {
+      off += (rem % out_extent[d]) * stride[d];
+      rem /= out_extent[d];
+    }
+    out[i] = in[off];
+  }
+};
+
+template <std::array Perm>
+consteval bool is_permutation() {
+  for (std::size_t i = 0; i < Perm.size(); ++i) {
+    if (Perm[i] >= Perm.size()) return false;
+    for (std::size_t j = i + 1; j < Perm.size(); ++j)
+      if (Perm[i] == Perm[j]) return false;
+  }
+  return true;
+}
+
+template <std::size_t Rank, std::size_t... Perm>
+struct transpose_needs_a_permutation {
+  static constexpr bool value =
+      sizeof...(Perm) == Rank && is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>();
+  static_assert(value,
+                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (see "
+                "transpose_needs_a_permutation<rank, indices...>)");
+};
+
+template <class Space, std::size_t... Perm, class View>
+auto permute_view(const View& in) {
+  using T = typename View::non_const_value_type;
+  constexpr std::size_t R = View::rank;
+  constexpr std::array<std::size_t, R> perm{Perm...};
+  std::array<std::size_t, R> in_stride{}, out_extent{}, stride{};
+  std::size_t st = 1;
+  for (std::size_t d = R; d-- > 0;) {
+    in_stride[d] = st;
+    st *= in.extent(d);
+  }
+  for (std::size_t d = 0; d < R; ++d) {
+    out_extent[d] = in.extent(perm[d]);
+    stride[d] = in_stride[perm[d]];
+  }
+  auto out = allocate<T, R, Space>(out_extent, "meshlib::transpose", false);
+  launch<Space>(in.span(), permute_functor<T, R>{in.data(), out.data(), out_extent, stride});
+  return out;
+}
 
 }  // namespace detail
 
-/// @brief The transpose of a rank-2 local value.
-template <local_tensor_type L>
-auto transpose(const L& x) {
-  static_assert(detail::transpose_needs_rank_2<L::rank>::value);
-  using out_t = with_dims_t<L, dim_masks<L::dims_type::at(1), L::dims_type::at(0)>>;
-  return out_t(detail::transpose_view<typename L::memory_space>(x.view()), x.mesh(), x.device());
-}
-
-/// @brief The transpose of a rank-2 sharded tensor: spec `P<a, b>` becomes `P<b, a>`.
-template <sharded_tensor_type X>
+/// @brief `x` with its dimensions permuted (`transpose<1, 0, 2>(x)`), or, with no indices, the
+/// transpose of a rank-2 `x`. Local values and sharded tensors alike.
+template <std::size_t... Perm, class X>
+  requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
-  static_assert(detail::transpose_needs_rank_2<X::rank>::value);
-  using spec = typename X::spec_type;
-  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{spec::dim(1), spec::dim(0)}>;
-  using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
-  using out_t = sharded_tensor<typename X::value_type, 2, out_sharding, typename X::memory_space>;
-  std::vector<typename out_t::view_type> blocks(x.num_devices());
-  std::vector<bool> local(x.num_devices());
-  for (std::size_t d : x.local_devices()) {
-    blocks[d] = detail::transpose_view<typename X::memory_space>(x.local(d));
-    local[d] = true;
+  if constexpr (sizeof...(Perm) == 0) {
+    if constexpr (!detail::transpose_needs_rank_2<X::rank>::value) return x;  // the diagnostic has fired
+    else return transpose<1, 0>(x);
+  } else if constexpr (!detail::transpose_needs_a_permutation<X::rank, Perm...>::value) {
+    return x;  // the diagnostic above has fired
+  } else {
+    constexpr std::array<std::size_t, X::rank> perm{Perm...};
+    using space = typename X::memory_space;
+    auto kernel = [](const auto& v) {
+      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return detail::transpose_view<space>(v);  // cache-tiled
+      else return detail::permute_view<space, Perm...>(v);
+    };
+    if constexpr (local_tensor_type<X>) {
+      using out_t = with_dims_t<X, permute_dims_t<typename X::dims_type, perm>>;
+      return out_t(kernel(x.view()), x.mesh(), x.device());
+    } else {
+      using spec = typename X::spec_type;
+      using out_spec = detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
+      using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
+      using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
+      std::vector<typename out_t::view_type> blocks(x.num_devices());
+      std::vector<bool> local(x.num_devices());
+      for (std::size_t d : x.local_devices()) {
+        blocks[d] = kernel(x.local(d));
+        local[d] = true;
+      }
+      typename out_t::shape_type shape{};
+      for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
+      return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
+    }
   }
-  return out_t(out_sharding(x.mesh(), x.sharding().rule()), {x.extent(1), x.extent(0)}, std::move(blocks), std::move(local));
 }
 
 }  // namespace meshlib
@@ -4669,6 +5021,1943 @@ auto matmul(const A& a, const B& b) {
 }  // namespace meshlib
 // end meshlib/tensor/matmul.hpp
 // end meshlib/tensor.hpp
+// begin meshlib/collectives.hpp
+/// @file
+/// @brief The collectives layer: the device context (`axis_index`, `axis_size`), backends, typed
+/// collectives (`psum`, `pmean`, `pmax`, `pmin`, `all_gather`, `psum_scatter`, `all_to_all`,
+/// `ppermute`, `broadcast`, `pvary`) and `reshard`. Depends on core, comm and tensor.
+
+// begin meshlib/collectives/errors.hpp
+/// @file
+/// @brief The exceptions of SPMD execution: `device_error` (how a failure on one device of
+/// `shard_map` / `spmd` / `reshard` reaches the caller) and `spmd_context_error` (a collective or
+/// axis query used where no device runs).
+
+#include <cstddef>
+#include <exception>
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief A collective or axis query used where it cannot run: outside `shard_map` / `spmd`, or
+/// naming an axis the running mesh does not have.
+class spmd_context_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A device of `shard_map` / `spmd` threw. `device()` is the device that failed first (the
+/// root cause: devices that only saw their peers' failure, as `comm_aborted`, are not reported),
+/// `cause()` the exception it threw, and `what()` reads
+/// `meshlib: device 3 of mesh{'x': 4} failed: <the cause's what()>`.
+/// @code
+/// try { meshlib::spmd(m, fn); }
+/// catch (const meshlib::device_error& e) {
+///   e.device();            // 3
+///   e.rethrow_cause();     // throws the original exception, with its own type
+/// }
+/// @endcode
+class device_error : public error {
+ public:
+  device_error(std::size_t device, std::exception_ptr cause, const std::string& what)
+      : error(what), device_(device), cause_(std::move(cause)) {}
+
+  [[nodiscard]] std::size_t device() const noexcept { return device_; }
+  [[nodiscard]] std::exception_ptr cause() const noexcept { return cause_; }
+  [[noreturn]] void rethrow_cause() const { std::rethrow_exception(cause_); }
+
+ private:
+  std::size_t device_;
+  std::exception_ptr cause_;
+};
+
+}  // namespace meshlib
+// end meshlib/collectives/errors.hpp
+// begin meshlib/collectives/device_context.hpp
+/// @file
+/// @brief The device a piece of SPMD code runs as: its id, its mesh coordinates, and the
+/// communicator of each of its axis groups. `shard_map` and `spmd` install one per device thread
+/// (`detail::scoped_device`); typed collectives and `axis_index` / `axis_size` read it.
+///
+/// Why type-erased: a collective sees only a `local_tensor`, whose type names the mesh but not the
+/// backend, and the same program must run on the thread, MPI and NCCL backends unchanged. So the
+/// context holds its communicators behind `device_comm`, a small virtual interface over raw
+/// buffers and a run-time `datatype` tag, implemented once per backend by `device_comm_for<C>` on
+/// top of the `communicator` concept. The virtual call costs nothing next to the collective.
+///
+/// Sub-communicators come from the comm layer's `axis_communicators`: split on first use from the
+/// device's world communicator, cached per axis set. That is safe because every device of an SPMD
+/// program reaches the same collectives in the same order (what every backend already requires).
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// Calls `f.template operator()<T>()` with the element type `T` that `dt` names.
+template <class F>
+decltype(auto) with_element_type(datatype dt, F&& f) {
+  switch (dt) {
+    case datatype::float32: return f.template operator()<float>();
+    case datatype::float64: return f.template operator()<double>();
+    case datatype::int32: return f.template operator()<std::int32_t>();
+    case datatype::int64: return f.template operator()<std::int64_t>();
+    case datatype::bfloat16: return f.template operator()<bfloat16>();
+  }
+  return f.template operator()<float>();
+}
+
+/// One device's handle on one group (see the file comment): raw buffers, `count` elements of `dt`.
+class device_comm {
+ public:
+  virtual ~device_comm() = default;
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
+  /// In place: `buf[i]` = op over ranks.
+  virtual void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// `recv` = [send of rank 0, rank 1, ...], `count` elements each.
+  virtual void all_gather(const void* send, void* recv, std::size_t count, datatype dt) = 0;
+  /// `recv` = block `rank` (of `count` elements) of the reduction of `send` (`count * size()` elements).
+  virtual void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// Block j (of `count` elements) of `send` goes to rank j and lands at block `rank` of `recv`.
+  virtual void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) = 0;
+  /// Variable-sized all-to-all, counts and displacements in elements.
+  virtual void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, void* recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            std::size_t send_total, std::size_t recv_total, datatype dt) = 0;
+  /// `recv` = the `send` of the rank that sends to this one; zeros when none does.
+  virtual void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                        std::span<const permute_pair> pairs) = 0;
+  /// In place: every rank's `buf` = root's.
+  virtual void broadcast(void* buf, std::size_t count, datatype dt, int root) = 0;
+};
+
+/// `device_comm` over a backend communicator `C` (a reference: the communicator lives in
+/// `axis_communicators`).
+template <communicator C>
+class device_comm_for final : public device_comm {
+ public:
+  explicit device_comm_for(C& comm) : comm_(comm) {}
+  C& get() noexcept { return comm_; }
+
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+
+  void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+  }
+  void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
+                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size())))
+          .wait();
+    });
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
+                           std::span<T>(static_cast<T*>(recv), count), op)
+          .wait();
+    });
+  }
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
+    const std::size_t total = count * static_cast<std::size_t>(comm_.size());
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total))
+          .wait();
+    });
+  }
+  void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
+                    void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                    std::size_t send_total, std::size_t recv_total, datatype dt) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
+                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs)
+          .wait();
+    });
+  }
+  void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                std::span<const permute_pair> pairs) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
+                     pairs)
+          .wait();
+    });
+  }
+  void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
+    with_element_type(dt, [&]<class T>() { comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root).wait(); });
+  }
+
+ private:
+  C& comm_;
+};
+
+/// The device this thread runs as (see the file comment).
+class device_context {
+ public:
+  virtual ~device_context() = default;
+  /// The device id: its row-major index in the mesh.
+  [[nodiscard]] virtual std::size_t device() const noexcept = 0;
+  /// Position of the axis called `name` in the running mesh, or the mesh's rank when it has none.
+  [[nodiscard]] virtual std::size_t find_axis(std::string_view name) const noexcept = 0;
+  [[nodiscard]] virtual std::size_t axis_count() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
+  [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
+  [[nodiscard]] virtual std::string describe_mesh() const = 0;
+  /// The communicator of this device's group along the axes in `mask`, in group-rank order.
+  [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+};
+
+/// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
+/// communicator and the device's `axis_communicators`.
+template <communicator C, mesh_type Mesh>
+class device_context_for final : public device_context {
+ public:
+  device_context_for(const Mesh& mesh, std::size_t device, C world)
+      : mesh_(mesh), device_(device), coords_(mesh.coords(device)), world_(std::move(world)), axes_(world_, mesh) {}
+  device_context_for(const device_context_for&) = delete;
+  device_context_for& operator=(const device_context_for&) = delete;
+
+  std::size_t device() const noexcept override { return device_; }
+  std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
+  std::size_t axis_count() const noexcept override { return Mesh::ndim; }
+  std::size_t axis_size(std::size_t axis) const noexcept override { return mesh_.axis_size(axis); }
+  std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
+  std::string describe_mesh() const override { return mesh_.to_string(); }
+  const Mesh& mesh() const noexcept { return mesh_; }
+
+  device_comm& comm(axis_mask mask) override {
+    auto it = handles_.find(mask);
+    if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    return *it->second;
+  }
+
+ private:
+  Mesh mesh_;
+  std::size_t device_;
+  typename Mesh::coord_type coords_;
+  C world_;
+  axis_communicators<C, Mesh> axes_;
+  std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
+};
+
+inline device_context*& current_device_slot() noexcept {
+  thread_local device_context* current = nullptr;
+  return current;
+}
+
+/// Installs `ctx` as this thread's device for its lifetime (nests: restores the previous one).
+class scoped_device {
+ public:
+  explicit scoped_device(device_context& ctx) noexcept : previous_(current_device_slot()) { current_device_slot() = &ctx; }
+  ~scoped_device() { current_device_slot() = previous_; }
+  scoped_device(const scoped_device&) = delete;
+  scoped_device& operator=(const scoped_device&) = delete;
+
+ private:
+  device_context* previous_;
+};
+
+/// The running device; throws `spmd_context_error` outside `shard_map` / `spmd`.
+inline device_context& current_device(std::string_view what) {
+  device_context* c = current_device_slot();
+  if (!c)
+    throw spmd_context_error("meshlib: " + std::string(what) +
+                             " called outside shard_map / spmd: collectives and axis queries need a running device");
+  return *c;
+}
+
+inline std::size_t current_axis(std::string_view what, std::string_view name) {
+  device_context& c = current_device(what);
+  const std::size_t a = c.find_axis(name);
+  if (a >= c.axis_count())
+    throw spmd_context_error("meshlib: " + std::string(what) + "<\"" + std::string(name) + "\">: the running mesh " +
+                             c.describe_mesh() + " has no axis '" + std::string(name) + "'");
+  return a;
+}
+
+}  // namespace detail
+
+/// @brief This device's index along mesh axis `Name` (JAX's `lax.axis_index`), inside `shard_map` / `spmd`.
+/// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
+template <fixed_string Name>
+[[nodiscard]] std::size_t axis_index() {
+  const std::size_t a = detail::current_axis("axis_index", Name.view());
+  return detail::current_device("axis_index").coord(a);
+}
+
+/// @brief The size of mesh axis `Name` (JAX's `lax.axis_size` / `psum(1, name)`), inside `shard_map` / `spmd`.
+/// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
+template <fixed_string Name>
+[[nodiscard]] std::size_t axis_size() {
+  const std::size_t a = detail::current_axis("axis_size", Name.view());
+  return detail::current_device("axis_size").axis_size(a);
+}
+
+/// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.
+[[nodiscard]] inline std::size_t device_index() { return detail::current_device("device_index").device(); }
+
+}  // namespace meshlib
+// end meshlib/collectives/device_context.hpp
+// begin meshlib/collectives/backend.hpp
+/// @file
+/// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
+/// thread per device on a fresh `thread_world`; a later backend (MPI: one process per rank) plugs
+/// into `shard_map`, `spmd` and `reshard` unchanged by providing the same two members.
+///
+/// A backend `B` provides:
+/// - `b.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh
+///   that this process runs, `world` being that device's communicator over all `n` devices (rank
+///   = device id), and returns when every call has returned. When a call throws, peers blocked in
+///   collectives must be released (the communicator aborts) and `run` throws `participant_error`
+///   naming the rank of the root cause, with the device's exception nested.
+/// - `b.local_devices(n)`: the devices this process runs, ascending.
+
+#include <cstddef>
+#include <exception>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief The default backend: one thread per device, all in this process, over a fresh
+/// `thread_world` per call (`run_on_threads`).
+/// @code
+/// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
+/// @endcode
+struct thread_backend {
+  thread_comm_options options{};
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    run_on_threads(
+        static_cast<int>(n),
+        [&](thread_communicator& c) {
+          const auto device = static_cast<std::size_t>(c.rank());
+          body(device, std::move(c));
+        },
+        options);
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    std::vector<std::size_t> d(n);
+    std::iota(d.begin(), d.end(), std::size_t{0});
+    return d;
+  }
+};
+
+namespace detail {
+
+/// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
+/// installed, and turns a device's failure into `device_error`.
+template <mesh_type Mesh, class Backend, class Body>
+void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  try {
+    backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
+      device_context_for<C, Mesh> ctx(m, device, std::move(world));
+      scoped_device installed(ctx);
+      body(device);
+    });
+  } catch (const participant_error& e) {
+    const auto device = static_cast<std::size_t>(e.rank());
+    std::exception_ptr cause = e.nested_ptr();
+    std::string what = e.what();
+    if (cause) {
+      try {
+        std::rethrow_exception(cause);
+      } catch (const std::exception& x) {
+        what = x.what();
+      } catch (...) {
+        what = "an exception not derived from std::exception";
+      }
+    }
+    throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
+                                          " failed: " + what);
+  }
+}
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/collectives/backend.hpp
+// begin meshlib/collectives/type_rules.hpp
+/// @file
+/// @brief The compile-time rules of the typed collectives: what each accepts, the type it returns,
+/// and the one `static_assert` a misuse fires.
+///
+/// A `local_tensor` carries `vary` (axes it may differ over), `partial` (axes over which it is a
+/// pending sum) and `Dims` (per dimension, the axes it is a block of). The rules, as JAX's
+/// `check_vma` plus the pending-sum set:
+///
+/// | op | needs, for its axis `a` | result |
+/// | --- | --- | --- |
+/// | `psum`, `pmean` | `a` in vary or partial | `a` out of vary, partial and every dim |
+/// | `pmax`, `pmin` | `a` in vary; partial over no axis | `a` out of vary and every dim |
+/// | `all_gather<a, d>` | `a` in vary; no dim but `d` a block of `a` | `a` out of vary and dim `d` |
+/// | `psum_scatter<a, d>` | `a` in vary or partial; `d` not already a block of `a` | `a` in vary and dim `d`, out of partial |
+/// | `all_to_all<a, s, c>` | `a` in vary; no dim but `c` a block of `a` | dim `c`'s `a` moves to dim `s` |
+/// | `ppermute<a>` | `a` in vary | unchanged |
+/// | `broadcast<a>` | `a` not in partial | `a` out of vary and every dim |
+/// | `pvary<a>` | `a` in neither vary nor partial | `a` in vary |
+///
+/// Every collective other than psum / pmean / psum_scatter refuses a value partial over its axis,
+/// because moving summands around does not move the sum; and pmax / pmin refuse any partial value,
+/// because the max of summands is not the max of the sum.
+///
+/// Why a diagnostic struct per rule: C++20 cannot put the axis name into a `static_assert` message,
+/// so the message states the rule and the fix, and the struct's template arguments (printed by the
+/// compiler on the "required from" line right above it) name the operation, the axis and the value.
+
+#include <array>
+#include <cstddef>
+
+
+namespace meshlib::detail {
+
+template <fixed_string Op, fixed_string Axis, class Mesh>
+struct collective_axis_not_in_mesh {
+  static_assert(Mesh::template has_axis<Axis>,
+                "meshlib: a collective names an axis that the mesh does not have (the operation, axis and mesh are "
+                "the arguments of collective_axis_not_in_mesh<op, axis, mesh>); name one of the mesh's axes");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct psum_over_invariant_axis {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: psum / pmean over an axis the value neither varies over nor is partial over (see "
+                "psum_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis, so "
+                "the sum would only scale it by the axis size; drop the axis, or pvary over it first");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct reduction_over_invariant_axis {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: pmax / pmin over an axis the value does not vary over (see "
+                "reduction_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis; "
+                "drop the axis");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct extremum_of_partial_value {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis (see "
+                "extremum_of_partial_value<op, axis, value>): the max of the summands is not the max of the sum; "
+                "psum over the partial axes first");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct collective_of_partial_value {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over (see "
+                "collective_of_partial_value<op, axis, value>): moving summands does not move the sum; psum or "
+                "psum_scatter over that axis first");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct collective_needs_varying_input {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over (see "
+                "collective_needs_varying_input<op, axis, value>): every device of that axis already holds the same "
+                "block; drop the collective, or pvary over the axis first if you mean it");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, std::size_t Dim, std::size_t ShardedDim, class Value>
+struct gather_along_unsharded_dim {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: all_gather over an axis along a dimension that is not sharded on that axis (see "
+                "gather_along_unsharded_dim<op, axis, dim, sharded_dim, value>: sharded_dim is the one sharded on the "
+                "axis); gather along sharded_dim, or all_to_all to move the sharding first");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, std::size_t Dim, class Value>
+struct dimension_already_sharded_on_axis {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
+                "sharded on (see dimension_already_sharded_on_axis<op, axis, dim, value>); scatter along another "
+                "dimension");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct pvary_of_varying_value {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over (see "
+                "pvary_of_varying_value<op, axis, value>); drop the axis");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, fixed_string Axis, class Value>
+struct broadcast_of_partial_value {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: broadcast over an axis the value is a pending sum (partial) over (see "
+                "broadcast_of_partial_value<op, axis, value>): one summand is not the sum; psum first");
+  static constexpr bool value = true;
+};
+
+template <fixed_string Op, std::size_t Dim, std::size_t Rank>
+struct collective_dimension_out_of_range {
+  static_assert(Dim < Rank,
+                "meshlib: a collective names a dimension past the value's rank (see "
+                "collective_dimension_out_of_range<op, dim, rank>)");
+  static constexpr bool value = true;
+};
+
+template <class T>
+struct collective_element_type {
+  static_assert(comm_element<T>,
+                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only (see "
+                "collective_element_type<T>)");
+  static constexpr bool value = true;
+};
+
+/// Mask of the axes `Names...` of `Mesh` that exist (unknown names are diagnosed separately, so that
+/// computing a result type never fires a second error).
+template <class Mesh, fixed_string... Names>
+inline constexpr axis_mask safe_mask_v =
+    ((Mesh::template has_axis<Names> ? axis_mask{1} << Mesh::find_axis(Names.view()) : axis_mask{0}) | ... | axis_mask{0});
+
+/// The first dimension of `Dims` that is a block of an axis in `bit`, or `Dims::size`.
+template <class Dims>
+constexpr std::size_t dim_sharded_on(axis_mask bit) noexcept {
+  for (std::size_t d = 0; d < Dims::size; ++d)
+    if (Dims::at(d) & bit) return d;
+  return Dims::size;
+}
+
+// ---- result Dims ------------------------------------------------------------------------------
+
+// (Written with index packs, not std::array template arguments, which crash GCC 12.)
+template <class Dims, axis_mask Mask, class Seq = std::make_index_sequence<Dims::size>>
+struct dims_without_impl;
+template <class Dims, axis_mask Mask, std::size_t... I>
+struct dims_without_impl<Dims, Mask, std::index_sequence<I...>> {
+  using type = dim_masks<static_cast<axis_mask>(Dims::at(I) & ~Mask)...>;
+};
+template <class Dims, axis_mask Bit, std::size_t D, class Seq = std::make_index_sequence<Dims::size>>
+struct dims_moved_impl;
+template <class Dims, axis_mask Bit, std::size_t D, std::size_t... I>
+struct dims_moved_impl<Dims, Bit, D, std::index_sequence<I...>> {
+  using type = dim_masks<static_cast<axis_mask>((Dims::at(I) & ~Bit) | (I == D ? Bit : axis_mask{0}))...>;
+};
+template <class Dims, std::size_t D, class Seq = std::make_index_sequence<Dims::size + 1>>
+struct dims_insert_impl;
+template <class Dims, std::size_t D, std::size_t... I>
+struct dims_insert_impl<Dims, D, std::index_sequence<I...>> {
+  using type = dim_masks<(I == D ? axis_mask{0} : Dims::at(I < D ? I : I - 1))...>;
+};
+
+/// `Dims` with the axes of `Mask` removed from every dimension.
+template <class Dims, axis_mask Mask>
+using dims_without_t = typename dims_without_impl<Dims, Mask>::type;
+/// `Dims` with `Bit` removed everywhere and added to dimension `D`.
+template <class Dims, axis_mask Bit, std::size_t D>
+using dims_moved_to_t = typename dims_moved_impl<Dims, Bit, D>::type;
+/// `Dims` with a replicated dimension inserted at position `D` (untiled all_gather).
+template <class Dims, std::size_t D>
+using dims_insert_t = typename dims_insert_impl<Dims, D>::type;
+
+}  // namespace meshlib::detail
+// end meshlib/collectives/type_rules.hpp
+// begin meshlib/collectives/block_ops.hpp
+/// @file
+/// @brief Copies of rectangular boxes between row-major buffers: what every collective does to
+/// pack what it sends and unpack what it receives. Plain host loops on purpose: they run on the
+/// device threads, and only RangePolicy kernels are safe to launch from them on Kokkos 3.4.1
+/// (see tensor/view.hpp); a row-by-row `std::copy` is as fast as a kernel for a copy anyway.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+
+namespace meshlib::detail {
+
+/// Number of elements of a box of shape `e`.
+template <std::size_t Rank>
+constexpr std::size_t box_size(const std::array<std::size_t, Rank>& e) noexcept {
+  std::size_t n = 1;
+  for (auto x : e) n *= x;
+  return n;
+}
+
+/// Copies the box of extent `ext` at `src_off` in `src` (shape `src_shape`) to `dst_off` in `dst`
+/// (shape `dst_shape`). Both row-major and contiguous.
+template <class T, std::size_t Rank>
+void copy_box(const T* src, const std::array<std::size_t, Rank>& src_shape, const std::array<std::size_t, Rank>& src_off,
+              T* dst, const std::array<std::size_t, Rank>& dst_shape, const std::array<std::size_t, Rank>& dst_off,
+              const std::array<std::size_t, Rank>& ext) {
+  if constexpr (Rank == 0) {
+    *dst = *src;
+  } else {
+    if (box_size(ext) == 0) return;
+    std::array<std::size_t, Rank> idx{};  // position within the box, last dimension excluded
+    const std::size_t row = ext[Rank - 1];
+    while (true) {
+      std::size_t s = 0, d = 0;
+      for (std::size_t k = 0; k < Rank; ++k) {
+        s = s * src_shape[k] + src_off[k] + idx[k];
+        d = d * dst_shape[k] + dst_off[k] + idx[k];
+      }
+      std::copy_n(src + s, row, dst + d);
+      // Advance over every dimension but the last.
+      std::size_t k = Rank - 1;
+      while (k > 0) {
+        --k;
+        if (++idx[k] < ext[k]) break;
+        idx[k] = 0;
+        if (k == 0) return;
+      }
+      if constexpr (Rank == 1) return;
+    }
+  }
+}
+
+/// `shape` with dimension `d` replaced by `v`.
+template <std::size_t Rank>
+constexpr std::array<std::size_t, Rank> with_extent(std::array<std::size_t, Rank> shape, std::size_t d, std::size_t v) noexcept {
+  shape[d] = v;
+  return shape;
+}
+
+/// Offset `o` along dimension `d`, zero elsewhere.
+template <std::size_t Rank>
+constexpr std::array<std::size_t, Rank> offset_along(std::size_t d, std::size_t o) noexcept {
+  std::array<std::size_t, Rank> r{};
+  r[d] = o;
+  return r;
+}
+
+/// Packs `src` (shape `shape`) as `parts` consecutive chunks split along dimension `d`: chunk j is
+/// the slab `[j*c, (j+1)*c)` of `d`, `c = shape[d] / parts`.
+template <class T, std::size_t Rank>
+void pack_chunks(const T* src, const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t parts, T* dst) {
+  const std::size_t c = shape[d] / parts;
+  const auto chunk = with_extent(shape, d, c);
+  const std::size_t n = box_size(chunk);
+  for (std::size_t j = 0; j < parts; ++j)
+    copy_box(src, shape, offset_along<Rank>(d, j * c), dst + j * n, chunk, std::array<std::size_t, Rank>{}, chunk);
+}
+
+/// The inverse: `parts` consecutive chunks of shape `chunk` in `src` placed side by side along
+/// dimension `d` of `dst` (whose extent along `d` is `parts * chunk[d]`).
+template <class T, std::size_t Rank>
+void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std::size_t d, std::size_t parts, T* dst) {
+  const auto shape = with_extent(chunk, d, chunk[d] * parts);
+  const std::size_t n = box_size(chunk);
+  for (std::size_t j = 0; j < parts; ++j)
+    copy_box(src + j * n, chunk, std::array<std::size_t, Rank>{}, dst, shape, offset_along<Rank>(d, j * chunk[d]), chunk);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/collectives/block_ops.hpp
+// begin meshlib/collectives/reductions.hpp
+/// @file
+/// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
+/// and friends. The result is invariant over the axes (and no longer partial over them).
+/// @code
+/// // inside shard_map over mesh<axis<"data">, axis<"model">>, x varies over both:
+/// auto s = meshlib::psum<"model">(x);          // the sum over the model group; varies over data only
+/// auto m = meshlib::pmean<"data", "model">(x); // the mean over every device
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// A fresh, uninitialised block of `shape` for the result of a collective on `L`.
+template <class L, std::size_t R = L::rank>
+auto result_view(const std::array<std::size_t, R>& shape) {
+  return allocate<typename L::value_type, R, typename L::memory_space>(shape, "meshlib::collective", false);
+}
+
+/// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
+template <class L>
+const typename L::value_type* contiguous_data(const L& x, std::string_view op) {
+  static_assert(host_accessible_v<typename L::memory_space>,
+                "meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory");
+  if (x.size() != 0 && !x.view().span_is_contiguous())
+    throw sharding_error("meshlib: " + std::string(op) + " needs a contiguous block; copy the strided view first");
+  return x.data();
+}
+
+template <fixed_string Op, class L, bool AllowPartial, fixed_string Axis>
+consteval bool check_reduction_axis() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!mesh_t::template has_axis<Axis>) {
+    return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+  } else {
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<Op, Axis, L>::value;
+    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<Op, Axis, L>::value;
+    else if constexpr (!AllowPartial && (L::vary & bit) == 0) return reduction_over_invariant_axis<Op, Axis, L>::value;
+    else return true;
+  }
+}
+
+template <fixed_string Op, class L, bool AllowPartial, fixed_string... Names>
+consteval bool check_reduction() {
+  static_assert(sizeof...(Names) > 0, "meshlib: psum / pmean / pmax / pmin need at least one axis: psum<\"data\">(x)");
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else return (check_reduction_axis<Op, L, AllowPartial, Names>() && ...);
+}
+
+/// The all-reduce `op` over the axes `Names...` of `x`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_over(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+  using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                       L::partial & ~mask>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, Op.view());
+    auto out = result_view<L>(x.shape());
+    std::copy_n(src, x.size(), out.data());
+    current_device(Op.view()).comm(mask).all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+}  // namespace detail
+
+/// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
+/// partial over, each axis; the result is invariant over them. Sums in rank order: bitwise
+/// reproducible.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto psum(const L& x) {
+  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmean(const L& x) {
+  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+}
+
+/// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
+/// vary over each axis and be partial over none.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmax(const L& x) {
+  return detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
+}
+
+/// @brief Elementwise minimum over the devices of the axes `Names...` (JAX `lax.pmin`); the type rule of `pmax`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pmin(const L& x) {
+  return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/reductions.hpp
+// begin meshlib/collectives/gathers.hpp
+/// @file
+/// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,
+/// as `jax.lax.all_gather`, `jax.lax.psum_scatter(..., tiled=True)` and `jax.lax.all_to_all`.
+/// Blocks are placed in axis-index order: the block of the device at index `i` of the axis is
+/// chunk `i` of the gathered (or scattered) dimension.
+/// @code
+/// // x: block of a P<"data", none> array, shape (2, 6) on each of 4 devices of axis "data"
+/// auto full   = meshlib::all_gather<"data", 0>(x);                    // (8, 6), invariant over data
+/// auto stack  = meshlib::all_gather<"data", 0>(x, meshlib::untiled);  // (4, 2, 6)
+/// auto moved  = meshlib::all_to_all<"data", 1, 0>(x);                 // (8, 6/4): now sharded on dim 1
+/// auto shard  = meshlib::psum_scatter<"data", 0>(y);                  // sum over data, scattered on dim 0
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief Tag of the untiled `all_gather`: stack the blocks along a new dimension (JAX `tiled=False`).
+struct untiled_t {
+  explicit untiled_t() = default;
+};
+inline constexpr untiled_t untiled{};
+
+namespace detail {
+
+/// Common checks: element type, axis in mesh, dimension in range, not partial over the axis, and
+/// (when `NeedVary`) varying over it.
+template <fixed_string Op, class L, fixed_string Axis, std::size_t Dim, bool NeedVary = true>
+consteval bool check_moving_collective() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<Op, Dim, L::rank>::value;
+  else {
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    if constexpr ((L::partial & bit) != 0) return collective_of_partial_value<Op, Axis, L>::value;
+    else if constexpr (NeedVary && (L::vary & bit) == 0) return collective_needs_varying_input<Op, Axis, L>::value;
+    else return true;
+  }
+}
+
+template <class L, fixed_string Axis, std::size_t Dim>
+consteval bool check_all_gather() {
+  if constexpr (!check_moving_collective<"all_gather", L, Axis, Dim>()) return false;
+  else {
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
+    if constexpr (sharded != L::rank && sharded != Dim)
+      return gather_along_unsharded_dim<"all_gather", Axis, Dim, sharded, L>::value;
+    else return true;
+  }
+}
+
+template <class L, fixed_string Axis, std::size_t Dim>
+consteval bool check_psum_scatter() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"psum_scatter", Axis, mesh_t>::value;
+  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<"psum_scatter", Dim, L::rank>::value;
+  else {
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    if constexpr (((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<"psum_scatter", Axis, L>::value;
+    else if constexpr ((L::dims_type::at(Dim) & bit) != 0)
+      return dimension_already_sharded_on_axis<"psum_scatter", Axis, Dim, L>::value;
+    else return true;
+  }
+}
+
+template <class L, fixed_string Axis, std::size_t Split, std::size_t Concat>
+consteval bool check_all_to_all() {
+  if constexpr (!check_moving_collective<"all_to_all", L, Axis, Split>()) return false;
+  else if constexpr (Concat >= L::rank) return collective_dimension_out_of_range<"all_to_all", Concat, L::rank>::value;
+  else {
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
+    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
+    if constexpr (Split != Concat && (L::dims_type::at(Split) & bit) != 0)
+      return dimension_already_sharded_on_axis<"all_to_all", Axis, Split, L>::value;
+    else if constexpr (sharded != L::rank && sharded != Concat)
+      return gather_along_unsharded_dim<"all_to_all", Axis, Concat, sharded, L>::value;
+    else return true;
+  }
+}
+
+template <class L, fixed_string Axis>
+constexpr axis_mask axis_bit_v = safe_mask_v<typename L::mesh_type, Axis>;
+
+/// Throws unless `n` divides dimension `dim` of size `extent`.
+inline void check_divides(std::string_view op, std::string_view axis, std::size_t dim, std::size_t extent, std::size_t n) {
+  if (extent % n != 0)
+    throw sharding_error("meshlib: " + std::string(op) + " over axis '" + std::string(axis) + "' (size " +
+                         std::to_string(n) + ") splits dimension " + std::to_string(dim) + " of size " +
+                         std::to_string(extent) + ", which is not divisible by " + std::to_string(n));
+}
+
+}  // namespace detail
+
+/// @brief Tiled all-gather over axis `Axis` along dimension `Dim` (JAX `all_gather(x, axis, axis=Dim,
+/// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
+/// must vary over `Axis`, and if some dimension is sharded on `Axis` it must be `Dim`; the result
+/// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
+template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x) {
+  constexpr bool ok = detail::check_all_gather<L, Axis, Dim>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "all_gather");
+    auto& comm = detail::current_device("all_gather").comm(bit);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) * n));
+    detail::unpack_chunks(recv.data(), x.shape(), Dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
+/// at position `Dim` (`Dim = 0`: a leading dimension of the axis size). The type rule of the tiled form.
+template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x, untiled_t) {
+  static_assert(Dim <= L::rank, "meshlib: untiled all_gather inserts its new dimension at a position past the rank");
+  constexpr bool ok = detail::check_moving_collective<"all_gather", L, Axis, 0>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  using dims_t = detail::dims_insert_t<detail::dims_without_t<typename L::dims_type, bit>, Dim>;
+  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~bit, L::partial, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "all_gather");
+    auto& comm = detail::current_device("all_gather").comm(bit);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    std::array<std::size_t, L::rank + 1> chunk{};
+    for (std::size_t i = 0, j = 0; i < L::rank + 1; ++i) chunk[i] = i == Dim ? 1 : x.extent(j++);
+    auto out = detail::result_view<L, L::rank + 1>(detail::with_extent(chunk, Dim, n));
+    if constexpr (Dim == 0) {
+      comm.all_gather(src, out.data(), x.size(), datatype_of<T>);
+    } else {
+      std::vector<T> recv(x.size() * n);
+      comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+      detail::unpack_chunks(recv.data(), chunk, Dim, n, out.data());
+    }
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
+/// scatter_dimension=Dim, tiled=True)`): the sum over the group, of which the device at axis index
+/// `i` keeps chunk `i` of dimension `Dim`. `x` must vary over or be partial over `Axis`; the result
+/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it.
+/// @throws sharding_error when the axis size does not divide dimension `Dim`.
+template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x) {
+  constexpr bool ok = detail::check_psum_scatter<L, Axis, Dim>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  using dims_t = std::conditional_t<ok, detail::dims_moved_to_t<typename L::dims_type, bit, (Dim < L::rank ? Dim : 0)>,
+                                    typename L::dims_type>;
+  using result_t = with_vary_partial_t<with_dims_t<L, dims_t>, L::vary | bit, L::partial & ~bit>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "psum_scatter");
+    auto& comm = detail::current_device("psum_scatter").comm(bit);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    detail::check_divides("psum_scatter", Axis.view(), Dim, x.extent(Dim), n);
+    std::vector<T> send(x.size());
+    detail::pack_chunks(src, x.shape(), Dim, n, send.data());
+    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) / n));
+    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
+/// concat_axis=Concat, tiled=True)`): dimension `Split` is cut into axis-size chunks, chunk `j` goes
+/// to the device at axis index `j`, and the received chunks are concatenated along `Concat` in
+/// axis-index order. Moves sharding on `Axis` from dimension `Concat` to dimension `Split`.
+/// @throws sharding_error when the axis size does not divide dimension `Split`.
+template <fixed_string Axis, std::size_t Split, std::size_t Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x) {
+  constexpr bool ok = detail::check_all_to_all<L, Axis, Split, Concat>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  constexpr bool tracked = ok && (L::dims_type::at(Concat < L::rank ? Concat : 0) & bit) != 0;
+  using dims_t = std::conditional_t<tracked, detail::dims_moved_to_t<typename L::dims_type, bit, (Split < L::rank ? Split : 0)>,
+                                    typename L::dims_type>;
+  using result_t = with_dims_t<L, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "all_to_all");
+    auto& comm = detail::current_device("all_to_all").comm(bit);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    detail::check_divides("all_to_all", Axis.view(), Split, x.extent(Split), n);
+    std::vector<T> send(x.size()), recv(x.size());
+    detail::pack_chunks(src, x.shape(), Split, n, send.data());
+    comm.all_to_all(send.data(), recv.data(), x.size() / n, datatype_of<T>);
+    const auto chunk = detail::with_extent(x.shape(), Split, x.extent(Split) / n);
+    auto out = detail::result_view<L>(detail::with_extent(chunk, Concat, chunk[Concat] * n));
+    detail::unpack_chunks(recv.data(), chunk, Concat, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/gathers.hpp
+// begin meshlib/collectives/permutes.hpp
+/// @file
+/// @brief `ppermute`, `broadcast`, `pvary` / `pbroadcast`: the collectives that keep a block's shape.
+/// @code
+/// // ring shift over axis "x" of size n: device i sends to i + 1
+/// std::vector<std::pair<std::size_t, std::size_t>> ring;
+/// for (std::size_t i = 0; i < n; ++i) ring.push_back({i, (i + 1) % n});
+/// auto y = meshlib::ppermute<"x">(x, ring);
+/// auto z = meshlib::broadcast<"x">(x, 0);   // every device of the group gets index 0's block
+/// auto v = meshlib::pvary<"x">(w);          // w replicated over x, now typed as varying (no copy)
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <class L, fixed_string Axis>
+consteval bool check_pvary_axis() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"pvary", Axis, mesh_t>::value;
+  else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
+    return pvary_of_varying_value<"pvary", Axis, L>::value;
+  else return true;
+}
+
+template <class L, fixed_string Axis>
+consteval bool check_broadcast() {
+  using mesh_t = typename L::mesh_type;
+  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"broadcast", Axis, mesh_t>::value;
+  else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
+    return broadcast_of_partial_value<"broadcast", Axis, L>::value;
+  else return true;
+}
+
+}  // namespace detail
+
+/// @brief Sends this device's block to another index of axis `Axis` (JAX `lax.ppermute(x, axis,
+/// perm)`): `perm` holds (source, destination) axis indices; a device that no pair sends to gets
+/// zeros. No index may appear twice as a source or twice as a destination. `x` must vary over
+/// `Axis`; the result has the same type.
+/// @throws comm_argument_error for an index out of range or repeated (from the communicator).
+template <fixed_string Axis, local_tensor_type L>
+[[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  constexpr bool ok = detail::check_moving_collective<"ppermute", L, Axis, 0>();
+  if constexpr (!ok) {
+    return L{};
+  } else {
+    using T = typename L::value_type;
+    constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+    const T* src = detail::contiguous_data(x, "ppermute");
+    std::vector<permute_pair> pairs;
+    pairs.reserve(perm.size());
+    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(s), static_cast<int>(d)});
+    auto out = detail::result_view<L>(x.shape());
+    detail::current_device("ppermute").comm(bit).ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    return L(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
+/// (MPI's / NCCL's broadcast; in JAX, `all_gather(x, axis)[root]`). The result is invariant over
+/// `Axis`; `x` must not be partial over it. A value already invariant over `Axis` passes through.
+template <fixed_string Axis, local_tensor_type L>
+[[nodiscard]] auto broadcast(const L& x, std::size_t root) {
+  constexpr bool ok = detail::check_broadcast<L, Axis>();
+  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = detail::contiguous_data(x, "broadcast");
+    auto& comm = detail::current_device("broadcast").comm(bit);
+    if (root >= static_cast<std::size_t>(comm.size()))
+      throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
+                           " is out of range for an axis of size " + std::to_string(comm.size()));
+    auto out = detail::result_view<L>(x.shape());
+    std::copy_n(src, x.size(), out.data());
+    comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief Marks a value invariant over the axes `Names...` as varying over them (JAX `lax.pvary`,
+/// formerly `pbroadcast`): no data moves, only the type changes, so that it can meet varying values
+/// (`x + axis-dependent value`) or go into a collective that needs a varying input.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pvary(const L& x) {
+  static_assert(sizeof...(Names) > 0, "meshlib: pvary needs at least one axis: pvary<\"data\">(x)");
+  constexpr bool ok = (detail::check_pvary_axis<L, Names>() && ...);
+  constexpr axis_mask mask = detail::safe_mask_v<typename L::mesh_type, Names...>;
+  using result_t = with_vary_t<L, L::vary | mask>;
+  if constexpr (!ok) return result_t{};
+  else return result_t(x.view(), x.mesh(), x.device());
+}
+
+/// @brief The older JAX name of `pvary`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pbroadcast(const L& x) {
+  return pvary<Names...>(x);
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/permutes.hpp
+// begin meshlib/collectives/reshard_plan.hpp
+/// @file
+/// @brief `reshard_plan`: the collectives that move an array from one sharding of a mesh to another,
+/// chosen before anything moves, so that a user can print the plan and see the bytes each device
+/// will send.
+///
+/// The planner works on the run-time form of a spec (per dimension, the mesh positions of the axes
+/// that split it, major to minor) and walks from the source spec to the target spec:
+/// - a dimension whose axes are not a prefix of its target's loses its minor axis `a`; when `a`
+///   is exactly the next axis the target adds to another dimension, one `all_to_all` over `a`
+///   moves it there; otherwise an `all_gather` over `a` drops it;
+/// - once every dimension's axes are a prefix of its target's, one local slice adds the rest (no
+///   communication: the target block lies inside the block the device already holds).
+/// Each step is exact only when every sharded dimension divides evenly by its shard counts, which
+/// the planner checks; otherwise (the `uneven` rule with sizes that do not divide), it falls back to
+/// the general `exchange`, where every device receives, from one holder each, the intersection of
+/// its target block with the source blocks.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief What one step of a reshard plan does.
+enum class reshard_kind {
+  local_slice,  ///< keep a sub-block of the local block; no communication
+  all_gather,   ///< tiled all_gather over one axis along one dimension (shard -> replicate)
+  all_to_all,   ///< all_to_all over one axis: split one dimension, concatenate another (move)
+  exchange,     ///< general point-to-point exchange of block intersections (any -> any)
+};
+
+[[nodiscard]] constexpr std::string_view to_string(reshard_kind k) noexcept {
+  switch (k) {
+    case reshard_kind::local_slice: return "local_slice";
+    case reshard_kind::all_gather: return "all_gather";
+    case reshard_kind::all_to_all: return "all_to_all";
+    case reshard_kind::exchange: return "exchange";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+/// Run-time partition spec: per dimension, the mesh positions of its axes, major to minor.
+using dyn_spec = std::vector<std::vector<std::size_t>>;
+
+/// The run-time form of the spec of sharding `S`, padded to `Rank` dimensions.
+template <sharding_type S>
+dyn_spec to_dyn_spec(std::size_t rank) {
+  dyn_spec out(rank);
+  for (std::size_t d = 0; d < rank; ++d) {
+    const auto ax = S::dim_axes(d);
+    for (std::size_t k = 0; k < S::dim_axis_count(d); ++k) out[d].push_back(ax[k]);
+  }
+  return out;
+}
+
+/// Number of shards of one dimension split over `axes`.
+template <class Mesh>
+std::size_t dyn_shards(const Mesh& m, const std::vector<std::size_t>& axes) {
+  std::size_t n = 1;
+  for (auto a : axes) n *= m.axis_size(a);
+  return n;
+}
+
+/// The block of `device` for global shape `shape` under the run-time spec `spec`.
+template <class Mesh, std::size_t Rank>
+block<Rank> dyn_block_of(const Mesh& m, const dyn_spec& spec, const std::array<std::size_t, Rank>& shape,
+                         std::size_t device, shard_rule rule) {
+  const auto c = m.coords(device);
+  block<Rank> b;
+  for (std::size_t d = 0; d < Rank; ++d) {
+    std::size_t idx = 0;
+    for (auto a : spec[d]) idx = idx * m.axis_size(a) + c[a];
+    const auto [off, ext] = split_dim(shape[d], dyn_shards(m, spec[d]), idx, rule);
+    b.offset[d] = off;
+    b.extent[d] = ext;
+  }
+  return b;
+}
+
+/// Intersection of two blocks (extent 0 somewhere when they do not meet).
+template <std::size_t Rank>
+block<Rank> intersect(const block<Rank>& a, const block<Rank>& b) {
+  block<Rank> r;
+  for (std::size_t d = 0; d < Rank; ++d) {
+    const std::size_t lo = std::max(a.offset[d], b.offset[d]);
+    const std::size_t hi = std::min(a.offset[d] + a.extent[d], b.offset[d] + b.extent[d]);
+    r.offset[d] = lo;
+    r.extent[d] = hi > lo ? hi - lo : 0;
+  }
+  return r;
+}
+
+inline bool is_prefix(const std::vector<std::size_t>& p, const std::vector<std::size_t>& v) {
+  return p.size() <= v.size() && std::equal(p.begin(), p.end(), v.begin());
+}
+
+template <class Mesh>
+std::string describe_dyn_spec(const dyn_spec& s) {
+  // Built with a stream: GCC 12 warns falsely (-Wrestrict) on `"\"" + std::string(...)` at -O2.
+  std::ostringstream os;
+  os << "P<";
+  for (std::size_t d = 0; d < s.size(); ++d) {
+    if (d) os << ", ";
+    if (s[d].empty()) {
+      os << "none";
+    } else if (s[d].size() == 1) {
+      os << '"' << Mesh::axis_names[s[d][0]] << '"';
+    } else {
+      os << "axes(";
+      for (std::size_t k = 0; k < s[d].size(); ++k) os << (k ? ", " : "") << '"' << Mesh::axis_names[s[d][k]] << '"';
+      os << ')';
+    }
+  }
+  os << '>';
+  return os.str();
+}
+
+}  // namespace detail
+
+/// @brief One step of a reshard plan.
+struct reshard_step {
+  reshard_kind kind = reshard_kind::local_slice;
+  /// Mesh position of the axis the collective runs over (all_gather, all_to_all).
+  std::size_t axis = 0;
+  /// all_gather: the dimension gathered; all_to_all: the dimension split (it becomes sharded).
+  std::size_t split_dim = 0;
+  /// all_to_all: the dimension concatenated (it stops being sharded on `axis`).
+  std::size_t concat_dim = 0;
+  /// The spec after this step.
+  detail::dyn_spec after;
+  /// Bytes each device sends to other devices in this step, indexed by device.
+  std::vector<std::size_t> bytes_sent;
+  /// A line such as `all_gather over 'model' along dim 1 -> P<"data", none>`.
+  std::string description;
+};
+
+/// @brief The plan that `reshard<To>(x)` runs: inspect it with `plan_reshard<To>(x)` first.
+/// @code
+/// auto plan = meshlib::plan_reshard<meshlib::P<meshlib::none, "data">>(x);
+/// std::cout << plan;                 // one line per collective
+/// plan.max_bytes_sent();             // the busiest device's traffic
+/// @endcode
+class reshard_plan {
+ public:
+  reshard_plan() = default;
+  reshard_plan(std::string from, std::string to, std::size_t devices, std::vector<reshard_step> steps)
+      : from_(std::move(from)), to_(std::move(to)), devices_(devices), steps_(std::move(steps)) {}
+
+  [[nodiscard]] const std::vector<reshard_step>& steps() const noexcept { return steps_; }
+  /// True when source and target are the same sharding: nothing runs.
+  [[nodiscard]] bool empty() const noexcept { return steps_.empty(); }
+  /// True when no step sends data.
+  [[nodiscard]] bool communication_free() const noexcept {
+    for (const auto& s : steps_)
+      for (auto b : s.bytes_sent)
+        if (b) return false;
+    return true;
+  }
+  /// Bytes device `device` sends over the whole plan.
+  [[nodiscard]] std::size_t bytes_sent(std::size_t device) const noexcept {
+    std::size_t n = 0;
+    for (const auto& s : steps_) n += device < s.bytes_sent.size() ? s.bytes_sent[device] : 0;
+    return n;
+  }
+  /// The largest `bytes_sent(d)` over devices.
+  [[nodiscard]] std::size_t max_bytes_sent() const noexcept {
+    std::size_t m = 0;
+    for (std::size_t d = 0; d < devices_; ++d) m = std::max(m, bytes_sent(d));
+    return m;
+  }
+  /// Sum of `bytes_sent(d)` over devices.
+  [[nodiscard]] std::size_t total_bytes_sent() const noexcept {
+    std::size_t m = 0;
+    for (std::size_t d = 0; d < devices_; ++d) m += bytes_sent(d);
+    return m;
+  }
+  /// The kinds of the steps, in order (handy in tests).
+  [[nodiscard]] std::vector<reshard_kind> kinds() const {
+    std::vector<reshard_kind> k;
+    for (const auto& s : steps_) k.push_back(s.kind);
+    return k;
+  }
+
+  /// Prints `reshard P<"data", none> -> P<none, "data">: all_to_all over 'data' ... (N bytes/device max)`.
+  friend std::ostream& operator<<(std::ostream& os, const reshard_plan& p) {
+    os << "reshard " << p.from_ << " -> " << p.to_ << ":";
+    if (p.steps_.empty()) os << " nothing to do";
+    for (const auto& s : p.steps_) {
+      std::size_t mx = 0;
+      for (auto b : s.bytes_sent) mx = std::max(mx, b);
+      os << "\n  " << s.description << " (max " << mx << " bytes sent per device)";
+    }
+    return os;
+  }
+  [[nodiscard]] std::string to_string() const {
+    std::ostringstream os;
+    os << *this;
+    return os.str();
+  }
+
+ private:
+  std::string from_, to_;
+  std::size_t devices_ = 0;
+  std::vector<reshard_step> steps_;
+};
+
+namespace detail {
+
+/// Whether the step-by-step plan is exact: every dimension divides evenly by the shard counts of
+/// both specs (then every intermediate spec, whose counts divide one of them, divides evenly too).
+template <class Mesh, std::size_t Rank>
+bool stepwise_exact(const Mesh& m, const dyn_spec& from, const dyn_spec& to, const std::array<std::size_t, Rank>& shape) {
+  for (std::size_t d = 0; d < Rank; ++d) {
+    if (shape[d] % dyn_shards(m, from[d]) != 0 || shape[d] % dyn_shards(m, to[d]) != 0) return false;
+    // A dimension that passes through an intermediate spec: the common prefix keeps it divisible.
+  }
+  return true;
+}
+
+/// For the general exchange: which device sends device `dst` its piece of the source block that
+/// `src_rep` (any holder of that block) holds: `dst` itself when it holds that block, otherwise one
+/// holder chosen by `dst`'s index so that the load spreads over the replicas.
+template <class Mesh>
+std::size_t exchange_source(const Mesh& m, const dyn_spec& from, std::size_t src_rep, std::size_t dst) {
+  axis_mask used = 0;
+  for (const auto& axes : from)
+    for (auto a : axes) used |= axis_mask{1} << a;
+  const axis_mask rep = Mesh::all_axes & ~used;
+  const auto holders = m.group(src_rep, rep);
+  for (auto h : holders)
+    if (h == dst) return dst;
+  return holders[dst % holders.size()];
+}
+
+/// The devices whose source block is distinct: one representative per block (the group leaders
+/// along the replicated axes).
+template <class Mesh>
+std::vector<std::size_t> block_representatives(const Mesh& m, const dyn_spec& from) {
+  axis_mask used = 0;
+  for (const auto& axes : from)
+    for (auto a : axes) used |= axis_mask{1} << a;
+  const axis_mask rep = Mesh::all_axes & ~used;
+  std::vector<std::size_t> out;
+  for (std::size_t d = 0; d < m.size(); ++d)
+    if (m.group_rank(d, rep) == 0) out.push_back(d);
+  return out;
+}
+
+/// The plan from `from` to `to` for global shape `shape`, elements of `elem_size` bytes.
+template <class Mesh, std::size_t Rank>
+reshard_plan make_reshard_plan(const Mesh& m, const dyn_spec& from, shard_rule from_rule, const dyn_spec& to,
+                               shard_rule to_rule, const std::array<std::size_t, Rank>& shape, std::size_t elem_size) {
+  const std::size_t n = m.size();
+  std::vector<reshard_step> steps;
+  // Under the step-wise plan every dimension divides evenly, where both rules give the same blocks.
+  const shard_rule rule = shard_rule::even;
+  auto local_bytes = [&](const dyn_spec& s, std::size_t dev) {
+    return dyn_block_of(m, s, shape, dev, rule).size() * elem_size;
+  };
+  const bool same_blocks = stepwise_exact(m, from, to, shape) || from_rule == to_rule;
+  if (from == to && same_blocks) return reshard_plan(describe_dyn_spec<Mesh>(from), describe_dyn_spec<Mesh>(to), n, {});
+
+  if (!stepwise_exact(m, from, to, shape)) {
+    reshard_step st;
+    st.kind = reshard_kind::exchange;
+    st.after = to;
+    st.bytes_sent.assign(n, 0);
+    const auto reps = block_representatives(m, from);
+    for (std::size_t dst = 0; dst < n; ++dst) {
+      const auto want = dyn_block_of(m, to, shape, dst, to_rule);
+      for (auto r : reps) {
+        const auto piece = intersect(want, dyn_block_of(m, from, shape, r, from_rule));
+        if (piece.size() == 0) continue;
+        const std::size_t src = exchange_source(m, from, r, dst);
+        if (src != dst) st.bytes_sent[src] += piece.size() * elem_size;
+      }
+    }
+    st.description = "exchange of block intersections (general plan) -> " + describe_dyn_spec<Mesh>(to);
+    steps.push_back(std::move(st));
+    return reshard_plan(describe_dyn_spec<Mesh>(from), describe_dyn_spec<Mesh>(to), n, std::move(steps));
+  }
+
+  dyn_spec cur = from;
+  while (true) {
+    std::size_t bad = Rank;
+    for (std::size_t d = 0; d < Rank; ++d)
+      if (!is_prefix(cur[d], to[d])) {
+        bad = d;
+        break;
+      }
+    if (bad == Rank) break;
+    const std::size_t a = cur[bad].back();
+    // Does the target add `a` to another dimension right after what that dimension holds now?
+    std::size_t dest = Rank;
+    for (std::size_t d = 0; d < Rank; ++d)
+      if (d != bad && is_prefix(cur[d], to[d]) && to[d].size() > cur[d].size() && to[d][cur[d].size()] == a) dest = d;
+    reshard_step st;
+    st.axis = a;
+    st.bytes_sent.assign(n, 0);
+    const std::size_t g = m.axis_size(a);
+    if (dest != Rank) {
+      st.kind = reshard_kind::all_to_all;
+      st.split_dim = dest;
+      st.concat_dim = bad;
+      for (std::size_t dev = 0; dev < n; ++dev) st.bytes_sent[dev] = local_bytes(cur, dev) / g * (g - 1);
+      cur[bad].pop_back();
+      cur[dest].push_back(a);
+      st.description = "all_to_all over '" + std::string(Mesh::axis_names[a]) + "' (split dim " +
+                       std::to_string(dest) + ", concat dim " + std::to_string(bad) + ") -> " +
+                       describe_dyn_spec<Mesh>(cur);
+    } else {
+      st.kind = reshard_kind::all_gather;
+      st.split_dim = bad;
+      for (std::size_t dev = 0; dev < n; ++dev) st.bytes_sent[dev] = local_bytes(cur, dev) * (g - 1);
+      cur[bad].pop_back();
+      st.description = "all_gather over '" + std::string(Mesh::axis_names[a]) + "' along dim " + std::to_string(bad) +
+                       " -> " + describe_dyn_spec<Mesh>(cur);
+    }
+    st.after = cur;
+    steps.push_back(std::move(st));
+  }
+  if (cur != to) {
+    reshard_step st;
+    st.kind = reshard_kind::local_slice;
+    st.after = to;
+    st.bytes_sent.assign(n, 0);
+    st.description = "local slice (no communication) -> " + describe_dyn_spec<Mesh>(to);
+    steps.push_back(std::move(st));
+  }
+  return reshard_plan(describe_dyn_spec<Mesh>(from), describe_dyn_spec<Mesh>(to), n, std::move(steps));
+}
+
+}  // namespace detail
+
+/// @brief The plan that moves an array of shape `shape` with elements of `elem_size` bytes from
+/// sharding `from` to spec `ToSpec` of the same mesh.
+template <partition_spec_type ToSpec, sharding_type From, std::size_t Rank>
+reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, Rank>& shape, std::size_t elem_size) {
+  using to_sharding = named_sharding<typename From::mesh_type, ToSpec>;
+  static_assert(From::template check_rank<Rank>() && to_sharding::template check_rank<Rank>());
+  return detail::make_reshard_plan(from.mesh(), detail::to_dyn_spec<From>(Rank), from.rule(),
+                                   detail::to_dyn_spec<to_sharding>(Rank), from.rule(), shape, elem_size);
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/reshard_plan.hpp
+// begin meshlib/collectives/reshard.hpp
+/// @file
+/// @brief `reshard<ToSpec>(x)`: the same global array under another sharding of the same mesh, as
+/// `jax.device_put(x, NamedSharding(mesh, spec))` / DTensor's `redistribute`. The plan (see
+/// reshard_plan.hpp) is chosen first and can be inspected with `plan_reshard<ToSpec>(x)`; then every
+/// device runs it on its own block, each step a collective over its axis group.
+/// @code
+/// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", none>>{m}, shape, host);
+/// std::cout << meshlib::plan_reshard<meshlib::P<none, "data">>(x);   // all_to_all over 'data' ...
+/// auto y = meshlib::reshard<meshlib::P<none, "data">>(x);            // to_host(y) == to_host(x)
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// Runs `plan` on one device: `src` is its block under `from` (rule `from_rule`), the result its
+/// block under the plan's target (rule `to_rule`), written to `dst` (already of the target shape).
+template <class T, class Mesh, std::size_t Rank>
+void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t device, const dyn_spec& from,
+                      shard_rule from_rule, shard_rule to_rule, const std::array<std::size_t, Rank>& shape, const T* src,
+                      T* dst) {
+  device_context& ctx = current_device("reshard");
+  using shape_t = std::array<std::size_t, Rank>;
+  dyn_spec cur = from;
+  shape_t cur_shape = dyn_block_of(m, cur, shape, device, from_rule).extent;
+  std::vector<T> buf(src, src + box_size(cur_shape));
+  std::vector<T> next;
+  for (const auto& st : plan.steps()) {
+    switch (st.kind) {
+      case reshard_kind::all_gather: {
+        auto& comm = ctx.comm(axis_mask{1} << st.axis);
+        const std::size_t n = static_cast<std::size_t>(comm.size());
+        std::vector<T> recv(buf.size() * n);
+        comm.all_gather(buf.data(), recv.data(), buf.size(), datatype_of<T>);
+        next.assign(recv.size(), T{});
+        unpack_chunks(recv.data(), cur_shape, st.split_dim, n, next.data());
+        cur_shape[st.split_dim] *= n;
+        break;
+      }
+      case reshard_kind::all_to_all: {
+        auto& comm = ctx.comm(axis_mask{1} << st.axis);
+        const std::size_t n = static_cast<std::size_t>(comm.size());
+        std::vector<T> send(buf.size()), recv(buf.size());
+        pack_chunks(buf.data(), cur_shape, st.split_dim, n, send.data());
+        comm.all_to_all(send.data(), recv.data(), buf.size() / n, datatype_of<T>);
+        shape_t chunk = cur_shape;
+        chunk[st.split_dim] /= n;
+        next.assign(buf.size(), T{});
+        unpack_chunks(recv.data(), chunk, st.concat_dim, n, next.data());
+        cur_shape = chunk;
+        cur_shape[st.concat_dim] *= n;
+        break;
+      }
+      case reshard_kind::local_slice: {
+        const auto have = dyn_block_of(m, cur, shape, device, shard_rule::even);
+        const auto want = dyn_block_of(m, st.after, shape, device, shard_rule::even);
+        shape_t off{};
+        for (std::size_t d = 0; d < Rank; ++d) off[d] = want.offset[d] - have.offset[d];
+        next.assign(want.size(), T{});
+        copy_box(buf.data(), cur_shape, off, next.data(), want.extent, shape_t{}, want.extent);
+        cur_shape = want.extent;
+        break;
+      }
+      case reshard_kind::exchange: {
+        auto& comm = ctx.comm(Mesh::all_axes);
+        const std::size_t n = m.size();
+        const auto reps = block_representatives(m, from);
+        const auto mine = dyn_block_of(m, from, shape, device, from_rule);
+        const auto want = dyn_block_of(m, st.after, shape, device, to_rule);
+        std::vector<std::int64_t> send_counts(n, 0), send_displs(n, 0), recv_counts(n, 0), recv_displs(n, 0);
+        std::vector<T> send;
+        // What this device sends to each destination: every piece it is the chosen source of.
+        for (std::size_t dst = 0; dst < n; ++dst) {
+          send_displs[dst] = static_cast<std::int64_t>(send.size());
+          const auto their = dyn_block_of(m, st.after, shape, dst, to_rule);
+          for (auto r : reps) {
+            const auto piece = intersect(their, dyn_block_of(m, from, shape, r, from_rule));
+            if (piece.size() == 0 || exchange_source(m, from, r, dst) != device) continue;
+            const std::size_t at = send.size();
+            send.resize(at + piece.size());
+            shape_t off{};
+            for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - mine.offset[d];
+            copy_box(buf.data(), cur_shape, off, send.data() + at, piece.extent, shape_t{}, piece.extent);
+          }
+          send_counts[dst] = static_cast<std::int64_t>(send.size()) - send_displs[dst];
+        }
+        // What it receives from each source, in the same order the source packs it.
+        std::vector<block<Rank>> pieces;
+        std::vector<std::size_t> piece_src;
+        std::size_t total = 0;
+        for (std::size_t s = 0; s < n; ++s) {
+          recv_displs[s] = static_cast<std::int64_t>(total);
+          for (auto r : reps) {
+            const auto piece = intersect(want, dyn_block_of(m, from, shape, r, from_rule));
+            if (piece.size() == 0 || exchange_source(m, from, r, device) != s) continue;
+            pieces.push_back(piece);
+            total += piece.size();
+          }
+          recv_counts[s] = static_cast<std::int64_t>(total) - recv_displs[s];
+        }
+        std::vector<T> recv(total);
+        comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, send.size(),
+                          recv.size(), datatype_of<T>);
+        next.assign(want.size(), T{});
+        std::size_t at = 0;
+        for (const auto& piece : pieces) {
+          shape_t off{};
+          for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - want.offset[d];
+          copy_box(recv.data() + at, piece.extent, shape_t{}, next.data(), want.extent, off, piece.extent);
+          at += piece.size();
+        }
+        cur_shape = want.extent;
+        break;
+      }
+    }
+    buf.swap(next);
+    cur = st.after;
+  }
+  std::copy(buf.begin(), buf.end(), dst);
+}
+
+}  // namespace detail
+
+/// @brief The plan `reshard(x, to)` runs, without running it.
+template <sharded_tensor_type X, sharding_type To>
+[[nodiscard]] reshard_plan plan_reshard(const X& x, const To& to) {
+  using from_t = typename X::sharding_type;
+  static_assert(std::is_same_v<typename from_t::mesh_type, typename To::mesh_type>,
+                "meshlib: reshard moves an array between shardings of the same mesh type");
+  static_assert(To::template check_rank<X::rank>());
+  if (!(x.mesh() == to.mesh()))
+    throw sharding_error("meshlib: reshard from mesh " + x.mesh().to_string() + " to mesh " + to.mesh().to_string() +
+                         ": both shardings must use the same mesh");
+  return detail::make_reshard_plan(x.mesh(), detail::to_dyn_spec<from_t>(X::rank), x.sharding().rule(),
+                                   detail::to_dyn_spec<To>(X::rank), to.rule(), x.global_shape(),
+                                   sizeof(typename X::value_type));
+}
+
+/// @brief The plan `reshard<ToSpec>(x)` runs, without running it.
+template <partition_spec_type ToSpec, sharded_tensor_type X>
+[[nodiscard]] reshard_plan plan_reshard(const X& x) {
+  return plan_reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()));
+}
+
+/// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
+/// on every device of `backend` (default: one thread per device).
+/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not divide).
+template <sharded_tensor_type X, sharding_type To, class Backend = thread_backend>
+[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend = {}) {
+  using T = typename X::value_type;
+  constexpr std::size_t Rank = X::rank;
+  using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
+  const reshard_plan plan = plan_reshard(x, to);
+  result_t out(to, x.global_shape(), std::span<const std::size_t>(backend.local_devices(x.mesh().size())));
+  if (plan.empty()) {
+    // Same blocks: copy them (the result owns its memory, as after any reshard).
+    for (auto dev : out.local_devices())
+      std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
+    return out;
+  }
+  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
+  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
+    detail::run_reshard_plan<T>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+                                x.local(dev).data(), out.local(dev).data());
+  });
+  return out;
+}
+
+/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule.
+template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thread_backend>
+[[nodiscard]] auto reshard(const X& x, const Backend& backend = {}) {
+  return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/reshard.hpp
+// end meshlib/collectives.hpp
+// begin meshlib/exec.hpp
+/// @file
+/// @brief The exec layer: `spmd(mesh, fn)` and `shard_map(fn, mesh, in_specs, out_specs)`.
+
+// begin meshlib/exec/spmd.hpp
+/// @file
+/// @brief `spmd(mesh, fn)`: runs `fn` once per device of `mesh`, as a multi-controller JAX program
+/// runs once per process: the program owns its data, builds its `local_tensor`s, and talks to its
+/// peers through the typed collectives. Inside, `axis_index<"a">()`, `axis_size<"a">()` and
+/// `device_index()` say where it runs.
+/// @code
+/// meshlib::mesh<meshlib::axis<"x">> m{4};
+/// auto ids = meshlib::spmd(m, [] { return meshlib::axis_index<"x">(); });   // {0, 1, 2, 3}
+/// @endcode
+
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+template <class Fn>
+decltype(auto) call_on_device(Fn& fn, std::size_t device) {
+  if constexpr (std::is_invocable_v<Fn&, std::size_t>) return fn(device);
+  else return fn();
+}
+template <class Fn>
+using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
+}  // namespace detail
+
+/// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend` (default: one thread
+/// per device, thread communicator).
+/// @returns nothing when `fn` returns nothing; otherwise one result per device, indexed by device
+/// id (entries of devices another process runs are value-initialised).
+/// @throws device_error when a device throws: the first device that failed, its exception nested;
+/// every other device is released from its collectives (no hang).
+template <mesh_type Mesh, class Fn, class Backend = thread_backend>
+  requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
+auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
+  using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  if constexpr (std::is_void_v<result_t>) {
+    detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
+  } else {
+    std::vector<result_t> out(m.size());
+    detail::run_devices(m, backend, [&](std::size_t device) { out[device] = detail::call_on_device(fn, device); });
+    return out;
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/exec/spmd.hpp
+// begin meshlib/exec/shard_map.hpp
+/// @file
+/// @brief `shard_map(fn, mesh, in_specs, out_specs)`: global sharded arrays in, `fn` once per device
+/// on its blocks, global sharded arrays out, as `jax.shard_map`.
+///
+/// Entering, each input is laid out by its in-spec (resharded first when it is not already; even
+/// rule, as JAX requires) and each device's block becomes a `local_tensor` that varies over the
+/// spec's axes. Leaving, each output is checked at compile time as JAX's `check_vma` does: it must
+/// be invariant over every axis its out-spec does not shard it over, and partial over none; the
+/// blocks are then assembled by the out-spec. Like every `sharded_tensor`, the result is a handle:
+/// an output that is an input block returned unchanged shares that block's memory.
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
+/// mesh_t m{4};
+/// auto f = meshlib::shard_map([](auto b) { return meshlib::psum<"x">(b); }, m,
+///                             meshlib::P<"x">{}, meshlib::P<>{});
+/// auto total = f(x);   // x: a P<"x"> array of shape (8,); total: replicated (2,), the sum of the blocks
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief A list of partition specs: the in_specs (or out_specs) of a `shard_map` with several
+/// inputs (outputs). A single `P<...>` stands for a list of one.
+template <partition_spec_type... Specs>
+struct specs {
+  using is_spec_list = void;
+  static constexpr std::size_t size = sizeof...(Specs);
+};
+
+namespace detail {
+
+template <class S>
+struct spec_list {
+  static_assert(partition_spec_type<S>, "meshlib: shard_map: in_specs / out_specs must be a P<...> or a specs<P<...>, ...>");
+  using type = specs<S>;
+  static constexpr bool single = true;
+};
+template <class... S>
+struct spec_list<specs<S...>> {
+  using type = specs<S...>;
+  static constexpr bool single = false;
+};
+
+template <std::size_t I, class List>
+struct spec_at;
+template <std::size_t I, class... S>
+struct spec_at<I, specs<S...>> {
+  using type = std::tuple_element_t<I, std::tuple<S...>>;
+};
+
+/// Name of axis `I` of `Mesh` as a `fixed_string`, for diagnostics.
+template <class Mesh, std::size_t I>
+inline constexpr auto mesh_axis_name = [] {
+  constexpr std::string_view name = Mesh::axis_names[I];
+  fixed_string<name.size() + 1> s;
+  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
+  return s;
+}();
+
+constexpr std::size_t lowest_axis(axis_mask m) noexcept {
+  std::size_t i = 0;
+  while (!(m & (axis_mask{1} << i))) ++i;
+  return i;
+}
+
+template <std::size_t Output, class Value>
+struct shard_map_output_is_not_a_local_tensor {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
+                "out_spec) (see shard_map_output_is_not_a_local_tensor<output, type>)");
+  static constexpr bool value = false;
+};
+
+template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
+struct shard_map_output_is_partial {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis (see "
+                "shard_map_output_is_partial<output, axis, out_spec, value>); complete it with psum, or psum_scatter, "
+                "over that axis before returning it");
+  static constexpr bool value = false;
+};
+
+template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
+struct shard_map_output_varies_over_unsharded_axis {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over (see "
+                "shard_map_output_varies_over_unsharded_axis<output, axis, out_spec, value>): its blocks differ along "
+                "that axis, so no one global array holds them; psum / pmean / all_gather over the axis, or shard the "
+                "output over it in out_specs");
+  static constexpr bool value = false;
+};
+
+template <std::size_t Output, class Mesh, class OutSpec, class Value>
+struct shard_map_output_on_another_mesh {
+  static_assert(sizeof(Value) == 0,
+                "meshlib: shard_map: an output lives on another mesh type than the shard_map's (see "
+                "shard_map_output_on_another_mesh<output, mesh, out_spec, value>)");
+  static constexpr bool value = false;
+};
+
+/// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
+template <std::size_t Output, class Mesh, class OutSpec, class L>
+consteval bool check_output() {
+  if constexpr (!local_tensor_type<L>) {
+    return shard_map_output_is_not_a_local_tensor<Output, L>::value;
+  } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
+    return shard_map_output_on_another_mesh<Output, Mesh, OutSpec, L>::value;
+  } else {
+    using S = named_sharding<Mesh, OutSpec>;
+    static_assert(S::template check_rank<L::rank>());
+    constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
+    if constexpr (L::partial != 0)
+      return shard_map_output_is_partial<Output, mesh_axis_name<Mesh, lowest_axis(L::partial)>, OutSpec, L>::value;
+    else if constexpr (unsharded_vary != 0)
+      return shard_map_output_varies_over_unsharded_axis<Output, mesh_axis_name<Mesh, lowest_axis(unsharded_vary)>,
+                                                         OutSpec, L>::value;
+    else return true;
+  }
+}
+
+template <class R>
+struct as_tuple {
+  using type = std::tuple<R>;
+  static std::tuple<R> wrap(R r) { return std::tuple<R>(std::move(r)); }
+};
+template <class... R>
+struct as_tuple<std::tuple<R...>> {
+  using type = std::tuple<R...>;
+  static std::tuple<R...> wrap(std::tuple<R...> r) { return r; }
+};
+
+/// The global type an output of local type `L` assembles into under `OutSpec`.
+template <class Mesh, class OutSpec, class L>
+using global_of_t = sharded_tensor<typename L::value_type, L::rank, named_sharding<Mesh, OutSpec>, typename L::memory_space>;
+
+}  // namespace detail
+
+/// @brief The function `shard_map` returns: call it with the global inputs.
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend>
+class shard_map_fn {
+  using in_list = typename detail::spec_list<InSpecs>::type;
+  using out_list = typename detail::spec_list<OutSpecs>::type;
+  static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
+
+ public:
+  shard_map_fn(Fn fn, const Mesh& mesh, Backend backend) : fn_(std::move(fn)), mesh_(mesh), backend_(std::move(backend)) {}
+
+  /// Runs the function on every device. `xs` are global `sharded_tensor`s on this mesh, one per in-spec.
+  /// @returns one global `sharded_tensor` (or a `std::tuple` of them, for `specs<...>` out_specs).
+  /// @throws device_error when a device throws; sharding_error when an input does not fit its in-spec.
+  template <sharded_tensor_type... Xs>
+  auto operator()(const Xs&... xs) const {
+    static_assert(sizeof...(Xs) == in_list::size,
+                  "meshlib: shard_map: the number of arguments differs from the number of in_specs");
+    static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
+                  "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
+    return call(std::index_sequence_for<Xs...>{}, xs...);
+  }
+
+ private:
+  template <std::size_t I, class X>
+  auto prepare(const X& x) const {
+    using spec_t = typename detail::spec_at<I, in_list>::type;
+    using sharding_t = named_sharding<Mesh, spec_t>;
+    if (!(x.mesh() == mesh_))
+      throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " lives on mesh " + x.mesh().to_string() +
+                           " but the shard_map runs on " + mesh_.to_string());
+    if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
+      if (x.sharding().rule() == shard_rule::even) return x;
+    }
+    return reshard(x, sharding_t(mesh_, shard_rule::even), backend_);
+  }
+
+  template <std::size_t... I, class... Xs>
+  auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    auto inputs = std::make_tuple(prepare<I>(xs)...);
+    using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
+    using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
+    constexpr std::size_t n_out = std::tuple_size_v<results_t>;
+    static_assert(n_out == out_list::size,
+                  "meshlib: shard_map: the function returns a different number of outputs than out_specs has specs");
+    constexpr bool ok = check_outputs<results_t>(std::make_index_sequence<n_out>{});
+    if constexpr (!ok) {
+      return;
+    } else {
+      const std::size_t n = mesh_.size();
+      std::vector<results_t> per_device(n);
+      detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
+        per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+      });
+      auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
+      if constexpr (single_output) return std::get<0>(std::move(outs));
+      else return outs;
+    }
+  }
+
+  template <class Results, std::size_t... O>
+  static consteval bool check_outputs(std::index_sequence<O...>) {
+    return (detail::check_output<O, Mesh, typename detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
+            ...);
+  }
+
+  template <class Results, std::size_t... O>
+  auto assemble(std::vector<Results>& per_device, std::index_sequence<O...>) const {
+    return std::make_tuple(assemble_one<O, Results>(per_device)...);
+  }
+
+  template <std::size_t O, class Results>
+  auto assemble_one(std::vector<Results>& per_device) const {
+    using local_t = std::tuple_element_t<O, Results>;
+    using spec_t = typename detail::spec_at<O, out_list>::type;
+    using global_t = detail::global_of_t<Mesh, spec_t, local_t>;
+    using sharding_t = typename global_t::sharding_type;
+    const sharding_t sharding(mesh_, shard_rule::even);
+    const std::size_t n = mesh_.size();
+    std::vector<typename global_t::view_type> blocks(n);
+    std::vector<bool> local(n, false);
+    std::vector<std::array<std::size_t, local_t::rank>> shapes(n);
+    for (std::size_t dev : backend_.local_devices(n)) {
+      const local_t& v = std::get<O>(per_device[dev]);
+      blocks[dev] = v.view();
+      local[dev] = true;
+      shapes[dev] = v.shape();
+    }
+    // Devices another process runs (MPI backends): under the even rule every block has the shape
+    // of this process's blocks.
+    const std::size_t first_local = backend_.local_devices(n).front();
+    for (std::size_t dev = 0; dev < n; ++dev)
+      if (!local[dev]) shapes[dev] = shapes[first_local];
+    const auto global = global_shape_from_locals(sharding, std::span<const std::array<std::size_t, local_t::rank>>(shapes));
+    return global_t(sharding, global, std::move(blocks), std::move(local));
+  }
+
+  Fn fn_;
+  Mesh mesh_;
+  Backend backend_;
+};
+
+/// @brief `fn` mapped over the blocks of its inputs on `mesh` (JAX `shard_map(fn, mesh=, in_specs=,
+/// out_specs=)`). `in_specs` / `out_specs`: a `P<...>{}` for one input / output, or
+/// `specs<P<...>, ...>{}` for several (then `fn` returns a `std::tuple`). `fn` is called once per
+/// device with that device's `local_tensor` blocks, on `backend` (default: one thread per device).
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend = thread_backend>
+[[nodiscard]] auto shard_map(Fn fn, const Mesh& mesh, InSpecs, OutSpecs, Backend backend = {}) {
+  return shard_map_fn<Fn, Mesh, InSpecs, OutSpecs, Backend>(std::move(fn), mesh, std::move(backend));
+}
+
+}  // namespace meshlib
+// end meshlib/exec/shard_map.hpp
+// end meshlib/exec.hpp
 // begin meshlib/runtime.hpp
 /// @file
 /// @brief The runtime layer: the processes of a run (`distributed::initialize`, launcher
@@ -5158,15 +7447,19 @@ inline void initialize(const options& opt = {}) {
   }
   if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
 
+  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
   if (st.initialized) {
     if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
-        st.local_devices == local)
-      return;
-    throw distributed_error("meshlib: distributed::initialize was already called as " +
-                            detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                            detail::describe(launch, local) + "; call distributed::shutdown() first");
+        st.local_devices == local) {
+      if (!adds_exchange) return;
+      // Initialised from the environment first, now given a transport (mpi::initialize): keep
+      // everything, run the start-up checks over it and keep it.
+    } else {
+      throw distributed_error("meshlib: distributed::initialize was already called as " +
+                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+    }
   }
-
   if (opt.exchange && launch.process_count > 1) {
     // Every process must see the same world and the same number of devices per process, and the
     // indices must be a permutation: two processes with one index would hang the first collective.
@@ -5181,6 +7474,11 @@ inline void initialize(const options& opt = {}) {
         throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
                                std::to_string(ranks[1]) + " both claim process index " + idx +
                                "; every process needs its own index");
+  }
+
+  if (adds_exchange) {
+    st.exchange = opt.exchange;
+    return;
   }
 
   bool owns_kokkos = false;
@@ -5505,5 +7803,80 @@ inline const bool kokkos_hooks_registered = [] {
 }  // namespace meshlib::distributed::detail
 // end meshlib/runtime/kokkos_runtime.hpp
 // end meshlib/runtime.hpp
+// begin meshlib/debug.hpp
+/// @file
+/// @brief The debug layer: sharding visualisation (and, later, traces and consistency checks).
+
+// begin meshlib/debug/visualize_sharding.hpp
+/// @file
+/// @brief A text picture of which devices hold which block of a 1-D or 2-D global array, in the
+/// spirit of `jax.debug.visualize_array_sharding`.
+///
+/// @code
+/// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
+/// // +-------------+-------------+
+/// // |  dev 0,1    |  dev 2,3    |   <- devices that hold the block (replicas)
+/// // | [0:4, 0:4]  | [0:4, 4:8]  |   <- the block, in NumPy slice notation
+/// // +-------------+-------------+
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`: one cell
+/// per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each naming the devices
+/// that hold it and its slice of the global array.
+/// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
+template <sharding_type S, std::size_t Rank>
+std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
+  static_assert(Rank == 1 || Rank == 2, "meshlib: visualize_sharding draws 1-D and 2-D arrays only");
+  const shard_layout<S, Rank> layout(sharding, global_shape);
+  const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
+  const std::size_t cols = sharding.num_shards(Rank - 1);
+
+  std::vector<std::vector<std::string>> devs(rows, std::vector<std::string>(cols));
+  std::vector<std::vector<std::string>> slices(rows, std::vector<std::string>(cols));
+  for (std::size_t dev = 0; dev < sharding.mesh().size(); ++dev) {
+    const std::size_t r = Rank == 2 ? sharding.shard_index(dev, 0) : 0;
+    const std::size_t c = sharding.shard_index(dev, Rank - 1);
+    devs[r][c] += (devs[r][c].empty() ? "dev " : ",") + std::to_string(dev);
+    if (slices[r][c].empty()) {
+      const auto b = layout.block_of(dev);
+      std::ostringstream os;
+      os << b;
+      slices[r][c] = b.size() == 0 && global_shape[Rank - 1] != 0 ? "(empty)" : os.str();
+    }
+  }
+  std::size_t width = 0;
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) width = std::max({width, devs[r][c].size(), slices[r][c].size()});
+  width += 2;
+
+  std::string rule = "+";
+  for (std::size_t c = 0; c < cols; ++c) rule += std::string(width, '-') + "+";
+  rule += '\n';
+  auto cell = [width](const std::string& s) { return " " + s + std::string(width - 1 - s.size(), ' ') + "|"; };
+  std::string out = rule;
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::string a = "|", b = "|";
+    for (std::size_t c = 0; c < cols; ++c) {
+      a += cell(devs[r][c]);
+      b += cell(slices[r][c]);
+    }
+    out += a + "\n" + b + "\n" + rule;
+  }
+  return out;
+}
+
+}  // namespace meshlib
+// end meshlib/debug/visualize_sharding.hpp
+// end meshlib/debug.hpp
 // end meshlib.hpp
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
