@@ -121,7 +121,7 @@ class sharded_tensor {
     for (std::size_t dev = 0; dev < blocks_.size(); ++dev)
       if (local_[dev] && detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
         throw sharding_error("meshlib: sharded_tensor: device " + std::to_string(dev) + "'s block has shape " +
-                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + to_string_of_spec() +
+                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
                              " on global shape " + detail::describe_shape(global_shape) + " gives it shape " +
                              detail::describe_shape(layout_.local_shape(dev)));
   }
@@ -200,7 +200,6 @@ class sharded_tensor {
     std::iota(d.begin(), d.end(), std::size_t{0});
     return d;
   }
-  std::string to_string_of_spec() const { return sharding().to_string(); }
   static std::string block_string(const block<Rank>& b) {
     std::ostringstream os;
     os << b;

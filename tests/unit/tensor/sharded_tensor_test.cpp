@@ -187,3 +187,19 @@ TEST_CASE("sharded_tensor errors and printing", "[tensor][sharded_tensor]") {
   auto x = zeros<float>(s, std::array<std::size_t, 2>{4, 6});
   CHECK(x.to_string() == "sharded_tensor<(4, 6), named_sharding(mesh{'data': 2, 'model': 3}, P<\"data\", \"model\">)>");
 }
+
+TEST_CASE("wrapping blocks checks their shapes against the layout", "[tensor][sharded_tensor]") {
+  mesh1 m{2};
+  named_sharding<mesh1, P<"x">> s{m};
+  using t = sharded_tensor<float, 1, named_sharding<mesh1, P<"x">>>;
+  std::vector<t::view_type> blocks{meshlib::detail::allocate<float, 1>({3}), meshlib::detail::allocate<float, 1>({2})};
+  try {
+    t x(s, std::array<std::size_t, 1>{6}, blocks, std::vector<bool>{true, true});
+    FAIL("expected sharding_error");
+  } catch (const sharding_error& e) {
+    CHECK(std::string(e.what()).find("device 1's block has shape (2,)") != std::string::npos);
+  }
+  blocks[1] = meshlib::detail::allocate<float, 1>({3});
+  t ok(s, std::array<std::size_t, 1>{6}, blocks, std::vector<bool>{true, true});
+  CHECK(ok.local(1).data() == blocks[1].data());  // wrapped, not copied
+}
