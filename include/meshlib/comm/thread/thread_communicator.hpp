@@ -12,13 +12,15 @@
 /// or, by hand: `meshlib::thread_world world(4);` then on thread r `auto comm = world.communicator(r);`.
 ///
 /// Algorithms (docs/design.md has the details and docs/benchmarks.md the measurements):
-/// - one-shot, for payloads up to `thread_comm_options::one_shot_max_bytes` per rank: each rank
-///   copies its payload into its slot and arrives; the last to arrive releases the step; each rank
-///   then reads what it needs from the peers' slots. One synchronisation per collective.
+/// - one-shot, for small payloads (`thread_comm_options::one_shot_max_bytes`): each rank copies
+///   its payload into its slot (up to 24 bytes into the very cache line that announces its
+///   arrival) and publishes its call; once every peer's call is there, each rank reads what it
+///   needs from the peers' slots. One synchronisation per collective.
 /// - zero-copy, above that: each rank arrives with the addresses of its buffers; after the release
 ///   each reads straight from its peers' buffers (all_reduce: rank k reduces slice k of every input
 ///   and writes it into every output), then all meet once more so no buffer is left while a peer
-///   still reads or writes it. No byte is staged or moved twice.
+///   still reads or writes it. No byte is staged or moved twice; big payloads are written with
+///   streaming stores.
 /// Both reduce each element in rank order, so results are bitwise identical on every rank, in
 /// every run, with either algorithm.
 ///
@@ -562,44 +564,49 @@ class thread_communicator {
     g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
   }
 
-  /// The central arrival of a zero-copy step.
+  /// The central arrival of a zero-copy step. The release decides, once for all, whether the step
+  /// happens; only then does every rank check the calls (from the flag lines and the slots' copies,
+  /// which stay valid while any rank may still read them), so the releaser does not read its peers'
+  /// lines one after the other on the critical path. all_to_all_v, whose check reads arrays in the
+  /// callers' memory, is checked by the releaser while every other rank is still blocked.
   void arrive_central(op_kind k, std::uint64_t s) {
     auto& g = *state_;
     const std::uint64_t target = ++central_;
     g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
-      check_step(s);
+      if (k == op_kind::all_to_all_v) check_step(s);
       std::uint64_t w = g.word.load(std::memory_order_relaxed);
       do {
         if (w & detail::failed_bit) failed_while_waiting(k, s);
       } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
       g.wake();
-      return;
+    } else {
+      auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+      auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
+      wait_until(ready, arrived, k, s, /*cancellable=*/true);
     }
-    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
-    wait_until(ready, arrived, k, s, /*cancellable=*/true);
+    if (k != op_kind::all_to_all_v) check_flags(s);
   }
 
   /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
-  /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
-  /// gets here after a bounded amount of copying; giving up here on a failure would let a rank
-  /// return (and its caller free its buffers) while a peer still copies them.
+  /// its peers' buffers (each rank raises its `done` flag; one cache-line transfer each way).
+  /// Cannot fail: every rank is past the release of the step, so every rank gets here after a
+  /// bounded amount of copying; giving up here on a failure would let a rank return (and its
+  /// caller free its buffers) while a peer still copies them.
   void complete() {
     detail::stream_fence();  // streaming stores are weakly ordered: drain them before telling peers
     auto& g = *state_;
     if (g.n == 1) return;
-    const std::uint64_t target = ++central_;
-    g.slots[rank_].arrived.store(target, std::memory_order_release);
-    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
-    if (c == target * static_cast<std::uint64_t>(g.n)) {
-      g.word.fetch_add(1, std::memory_order_seq_cst);
-      g.wake();
-      return;
-    }
-    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    wait_until(ready, [](int) { return true; }, op_kind::barrier, step_ - 1, /*cancellable=*/false);
+    const std::uint64_t s = step_ - 1;
+    g.slots[rank_].done.store(s + 1, std::memory_order_release);
+    g.wake();
+    int next = 0;
+    auto ready = [&] {
+      while (next < g.n && g.slots[next].done.load(std::memory_order_acquire) > s) ++next;
+      return next == g.n;
+    };
+    wait_until(ready, [](int) { return true; }, op_kind::barrier, s, /*cancellable=*/false);
   }
 
   /// Mismatch detection of a zero-copy step, run by the last rank to arrive while the others are

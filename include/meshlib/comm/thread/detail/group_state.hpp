@@ -5,11 +5,13 @@
 /// one `group_state` per communicator group (the arrival counter, the release word, a slot per
 /// rank with its call descriptor and staging buffers, and the point-to-point mailboxes).
 ///
-/// Synchronisation: one arrival point per step. Each rank writes its call descriptor into its slot,
-/// then increments `arrivals`; the rank whose increment completes the step checks every
-/// descriptor (mismatch detection) and releases the step by incrementing `word`. The others wait
-/// on `word`: they spin, then yield, then block on a condition variable with a deadline. A failure
-/// sets the high bit of `word` in every group of the world, which ends every wait at once.
+/// Synchronisation (details in docs/design.md, "The thread communicator"): every collective is
+/// one step. Each rank publishes its call in its flag line for the step (one cache line). One-shot
+/// steps wait for every peer's flag line and compare the calls; zero-copy steps also count arrivals
+/// on `arrivals`, and the rank that completes the count releases the step by incrementing `word`
+/// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
+/// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
+/// the world, which ends every wait at once.
 
 #include <algorithm>
 #include <atomic>
@@ -216,6 +218,7 @@ struct alignas(64) rank_slot {
   call_desc desc[2];
   std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
+  alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
@@ -300,7 +303,7 @@ struct wait_policy {
 
 /// Measured (docs/benchmarks.md): streaming stores pay once the buffers of all ranks no longer
 /// fit in the caches.
-inline constexpr std::size_t default_streaming_min_bytes = std::size_t{8} << 20;
+inline constexpr std::size_t default_streaming_min_bytes = std::size_t{32} << 20;
 
 /// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
 /// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a

@@ -126,26 +126,50 @@ inline void stream_fence() noexcept {
 template <reduce_op Op, class T>
 void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len, bool streaming) {
   using A = accumulator_t<T>;
+  // float and double sum/prod/min/max accumulate in T itself: then the first output's block can be
+  // the accumulator (one pass for two ranks instead of three), unless it is also a later input
+  // (an in-place reduce to a root other than 0), which must be read before anything is written.
+  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::avg;
+  bool direct = direct_ok && !streaming && n >= 2;
+  for (int r = 1; r < n && direct; ++r) direct = in[r] != out[0];
+  if (direct) {
+    for (std::size_t b = 0; b < len; b += reduce_block_elems) {
+      const std::size_t m = std::min(reduce_block_elems, len - b);
+      T* y = out[0] + b;
+      const T* x0 = in[0] + b;
+      const T* x1 = in[1] + b;
+      for (std::size_t i = 0; i < m; ++i) y[i] = combine<Op, T>(x0[i], x1[i]);
+      for (int r = 2; r < n; ++r) {
+        const T* x = in[r] + b;
+        for (std::size_t i = 0; i < m; ++i) y[i] = combine<Op, T>(y[i], x[i]);
+      }
+      for (int o = 1; o < nout; ++o) std::memcpy(out[o] + b, y, m * sizeof(T));
+    }
+    return;
+  }
   A acc[reduce_block_elems];
   T res[reduce_block_elems];
   for (std::size_t b = 0; b < len; b += reduce_block_elems) {
     const std::size_t m = std::min(reduce_block_elems, len - b);
     const T* in0 = in[0] + b;
-    for (std::size_t i = 0; i < m; ++i) acc[i] = widen(in0[i]);
-    for (int r = 1; r < n; ++r) {
+    if (n >= 2) {
+      const T* in1 = in[1] + b;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(widen(in0[i]), in1[i]);
+    } else {
+      for (std::size_t i = 0; i < m; ++i) acc[i] = widen(in0[i]);
+    }
+    for (int r = 2; r < n; ++r) {
       const T* x = in[r] + b;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(acc[i], x[i]);
     }
-    if (nout == 1 && !streaming) {
+    if (!streaming) {
       T* y = out[0] + b;
       for (std::size_t i = 0; i < m; ++i) y[i] = finish<Op, T>(acc[i], n);
+      for (int o = 1; o < nout; ++o) std::memcpy(out[o] + b, y, m * sizeof(T));
       continue;
     }
     for (std::size_t i = 0; i < m; ++i) res[i] = finish<Op, T>(acc[i], n);
-    for (int o = 0; o < nout; ++o) {
-      if (streaming) stream_bytes(out[o] + b, res, m * sizeof(T));
-      else std::memcpy(out[o] + b, res, m * sizeof(T));
-    }
+    for (int o = 0; o < nout; ++o) stream_bytes(out[o] + b, res, m * sizeof(T));
   }
 }
 
