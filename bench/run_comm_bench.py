@@ -191,9 +191,12 @@ def write_docs(args, table, parts, ops):
                  "(all_gather, reduce_scatter, all_to_all), 1 (broadcast). `speedup` is the thread "
                  "communicator's algbw over OpenMPI's (`mpirun -np N --oversubscribe`, shared memory, "
                  "`MPI_Allreduce`, `MPI_Allgather`, `MPI_Reduce_scatter_block`, `MPI_Alltoall`, `MPI_Bcast`) "
-                 "in the same run: above 1, meshlib is faster. float32, sum. Time is the slowest rank's "
-                 "mean over the iterations of one launch. Threads are pinned to cores when every rank has "
-                 "one (`thread_comm_options::pin_threads`), as OpenMPI binds its ranks by default.")
+                 "in the same run: above 1, meshlib is faster. float32, sum. Time: in each launch, the "
+                 "iterations run in 9 batches; a batch's time is the slowest rank's mean time per call, "
+                 "the launch's time the median batch (a preemption by another job spoils a batch, not "
+                 "the row), and the table's time the median over launches. Threads are pinned to cores "
+                 "when every rank has one (`thread_comm_options::pin_threads`), as OpenMPI binds its "
+                 "ranks by default; oversubscribed, neither binds.")
     lines.append("")
     lines.append("Note: `MPI_Bcast` of a few bytes returns on the root before the others have the data "
                  "(eager send), while the thread communicator's broadcast synchronises every rank "
