@@ -582,3 +582,71 @@ TEST_CASE("run_on_threads: a participant's exception type survives, nested", "[c
     REQUIRE_THROWS_AS(e.rethrow_nested(), meshlib::sharding_error);
   }
 }
+
+TEST_CASE("a mismatch between a one-shot and a zero-copy call fails both", "[comm][faults][repeat]") {
+  auto res = run_recording(2, options_with_timeout(30), [](thread_communicator& c) {
+    std::vector<float> x(c.rank() == 0 ? 4 : 100'000, 1.0f);  // 16 B (one-shot) against 400 KB (zero-copy)
+    c.all_reduce(std::span<float>(x), reduce_op::sum);
+  });
+  for (int r = 0; r < 2; ++r) {
+    INFO(res.per_rank[r].what);
+    CHECK(res.per_rank[r].type == "mismatch");
+    CHECK(contains(res.per_rank[r].what, "rank 0 called all_reduce(float32, count 4, op sum)"));
+    CHECK(contains(res.per_rank[r].what, "rank 1 called all_reduce(float32, count 100000, op sum)"));
+  }
+  auto res2 = run_recording(3, options_with_timeout(30), [](thread_communicator& c) {
+    std::vector<double> x(50'000, 1.0), y(150'000);
+    if (c.rank() == 2) c.barrier();
+    else c.all_gather(std::span<const double>(x), std::span<double>(y));
+  });
+  for (int r = 0; r < 3; ++r) {
+    INFO(res2.per_rank[r].what);
+    CHECK(res2.per_rank[r].type == "mismatch");
+    CHECK(contains(res2.per_rank[r].what, "rank 2 called barrier()"));
+  }
+}
+
+TEST_CASE("zero-copy steps time out and notice departed ranks too", "[comm][faults]") {
+  auto opts = options_with_timeout(0.2);
+  opts.one_shot_max_bytes = 1;  // every payload takes the zero-copy path
+  auto res = run_recording(3, opts, [](thread_communicator& c) {
+    if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::vector<float> x(1000, 1.0f);
+    c.all_reduce(std::span<float>(x), reduce_op::max);
+  });
+  for (int r = 0; r < 3; ++r) {
+    INFO(res.per_rank[r].what);
+    CHECK(res.per_rank[r].type == "timeout");
+    CHECK(contains(res.per_rank[r].what, "rank(s) 1 never arrived"));
+  }
+  opts.timeout = std::chrono::seconds(30);
+  thread_world world(3, opts);
+  const auto t0 = clk::now();
+  auto got = run_manually(world, 3, [](thread_communicator& c) {
+    if (c.rank() == 2) return;
+    std::vector<float> x(1000, 1.0f), y(3000);
+    c.all_gather(std::span<const float>(x), std::span<float>(y));
+  });
+  CHECK(seconds_since(t0) < 1.0);
+  for (int r : {0, 1}) {
+    INFO(got[r].what);
+    CHECK(got[r].type == "aborted");
+    CHECK(contains(got[r].what, "rank 2 left the communicator"));
+  }
+}
+
+TEST_CASE("a failure in a sub-communicator releases waiters of the whole world", "[comm][faults][repeat]") {
+  auto res = run_recording(4, options_with_timeout(30), [](thread_communicator& c) {
+    auto half = c.split(c.rank() / 2, c.rank());
+    if (c.rank() == 3) throw std::runtime_error("rank 3 gives up");
+    std::vector<int> x(10, 1);
+    if (c.rank() == 2) half.all_reduce(std::span<int>(x), reduce_op::sum);  // waits for rank 3
+    else c.barrier();                                                           // waits for ranks 2, 3
+  });
+  CHECK(res.failed_rank == 3);
+  for (int r : {0, 1, 2}) {
+    INFO(res.per_rank[r].what);
+    CHECK(res.per_rank[r].type == "aborted");
+    CHECK(contains(res.per_rank[r].what, "rank 3 failed: rank 3 gives up"));
+  }
+}
