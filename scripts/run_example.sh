@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds the flagship example in build/ and runs it.
-# EXAMPLE: the example target to build and run (any target in examples/); arguments go to it.
+# EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart);
+# arguments go to it.
 set -euo pipefail
-EXAMPLE="${EXAMPLE:-quickstart}"
+EXAMPLE="${EXAMPLE:-flagship}"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SECONDS=0
 
