@@ -1363,13 +1363,15 @@ struct thread_comm_options {
 /// or, by hand: `meshlib::thread_world world(4);` then on thread r `auto comm = world.communicator(r);`.
 ///
 /// Algorithms (docs/design.md has the details and docs/benchmarks.md the measurements):
-/// - one-shot, for payloads up to `thread_comm_options::one_shot_max_bytes` per rank: each rank
-///   copies its payload into its slot and arrives; the last to arrive releases the step; each rank
-///   then reads what it needs from the peers' slots. One synchronisation per collective.
+/// - one-shot, for small payloads (`thread_comm_options::one_shot_max_bytes`): each rank copies
+///   its payload into its slot (up to 24 bytes into the very cache line that announces its
+///   arrival) and publishes its call; once every peer's call is there, each rank reads what it
+///   needs from the peers' slots. One synchronisation per collective.
 /// - zero-copy, above that: each rank arrives with the addresses of its buffers; after the release
 ///   each reads straight from its peers' buffers (all_reduce: rank k reduces slice k of every input
 ///   and writes it into every output), then all meet once more so no buffer is left while a peer
-///   still reads or writes it. No byte is staged or moved twice.
+///   still reads or writes it. No byte is staged or moved twice; big payloads are written with
+///   streaming stores.
 /// Both reduce each element in rank order, so results are bitwise identical on every rank, in
 /// every run, with either algorithm.
 ///
@@ -1404,11 +1406,13 @@ struct thread_comm_options {
 /// one `group_state` per communicator group (the arrival counter, the release word, a slot per
 /// rank with its call descriptor and staging buffers, and the point-to-point mailboxes).
 ///
-/// Synchronisation: one arrival point per step. Each rank writes its call descriptor into its slot,
-/// then increments `arrivals`; the rank whose increment completes the step checks every
-/// descriptor (mismatch detection) and releases the step by incrementing `word`. The others wait
-/// on `word`: they spin, then yield, then block on a condition variable with a deadline. A failure
-/// sets the high bit of `word` in every group of the world, which ends every wait at once.
+/// Synchronisation (details in docs/design.md, "The thread communicator"): every collective is
+/// one step. Each rank publishes its call in its flag line for the step (one cache line). One-shot
+/// steps wait for every peer's flag line and compare the calls; zero-copy steps also count arrivals
+/// on `arrivals`, and the rank that completes the count releases the step by incrementing `word`
+/// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
+/// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
+/// the world, which ends every wait at once.
 
 #include <algorithm>
 #include <atomic>
@@ -1610,6 +1614,7 @@ struct alignas(64) rank_slot {
   call_desc desc[2];
   std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
+  alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
@@ -1694,7 +1699,7 @@ struct wait_policy {
 
 /// Measured (docs/benchmarks.md): streaming stores pay once the buffers of all ranks no longer
 /// fit in the caches.
-inline constexpr std::size_t default_streaming_min_bytes = std::size_t{8} << 20;
+inline constexpr std::size_t default_streaming_min_bytes = std::size_t{32} << 20;
 
 /// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
 /// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
@@ -1950,26 +1955,50 @@ inline void stream_fence() noexcept {
 template <reduce_op Op, class T>
 void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::size_t len, bool streaming) {
   using A = accumulator_t<T>;
+  // float and double sum/prod/min/max accumulate in T itself: then the first output's block can be
+  // the accumulator (one pass for two ranks instead of three), unless it is also a later input
+  // (an in-place reduce to a root other than 0), which must be read before anything is written.
+  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::avg;
+  bool direct = direct_ok && !streaming && n >= 2;
+  for (int r = 1; r < n && direct; ++r) direct = in[r] != out[0];
+  if (direct) {
+    for (std::size_t b = 0; b < len; b += reduce_block_elems) {
+      const std::size_t m = std::min(reduce_block_elems, len - b);
+      T* y = out[0] + b;
+      const T* x0 = in[0] + b;
+      const T* x1 = in[1] + b;
+      for (std::size_t i = 0; i < m; ++i) y[i] = combine<Op, T>(x0[i], x1[i]);
+      for (int r = 2; r < n; ++r) {
+        const T* x = in[r] + b;
+        for (std::size_t i = 0; i < m; ++i) y[i] = combine<Op, T>(y[i], x[i]);
+      }
+      for (int o = 1; o < nout; ++o) std::memcpy(out[o] + b, y, m * sizeof(T));
+    }
+    return;
+  }
   A acc[reduce_block_elems];
   T res[reduce_block_elems];
   for (std::size_t b = 0; b < len; b += reduce_block_elems) {
     const std::size_t m = std::min(reduce_block_elems, len - b);
     const T* in0 = in[0] + b;
-    for (std::size_t i = 0; i < m; ++i) acc[i] = widen(in0[i]);
-    for (int r = 1; r < n; ++r) {
+    if (n >= 2) {
+      const T* in1 = in[1] + b;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(widen(in0[i]), in1[i]);
+    } else {
+      for (std::size_t i = 0; i < m; ++i) acc[i] = widen(in0[i]);
+    }
+    for (int r = 2; r < n; ++r) {
       const T* x = in[r] + b;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, T>(acc[i], x[i]);
     }
-    if (nout == 1 && !streaming) {
+    if (!streaming) {
       T* y = out[0] + b;
       for (std::size_t i = 0; i < m; ++i) y[i] = finish<Op, T>(acc[i], n);
+      for (int o = 1; o < nout; ++o) std::memcpy(out[o] + b, y, m * sizeof(T));
       continue;
     }
     for (std::size_t i = 0; i < m; ++i) res[i] = finish<Op, T>(acc[i], n);
-    for (int o = 0; o < nout; ++o) {
-      if (streaming) stream_bytes(out[o] + b, res, m * sizeof(T));
-      else std::memcpy(out[o] + b, res, m * sizeof(T));
-    }
+    for (int o = 0; o < nout; ++o) stream_bytes(out[o] + b, res, m * sizeof(T));
   }
 }
 
@@ -2501,44 +2530,49 @@ class thread_communicator {
     g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
   }
 
-  /// The central arrival of a zero-copy step.
+  /// The central arrival of a zero-copy step. The release decides, once for all, whether the step
+  /// happens; only then does every rank check the calls (from the flag lines and the slots' copies,
+  /// which stay valid while any rank may still read them), so the releaser does not read its peers'
+  /// lines one after the other on the critical path. all_to_all_v, whose check reads arrays in the
+  /// callers' memory, is checked by the releaser while every other rank is still blocked.
   void arrive_central(op_kind k, std::uint64_t s) {
     auto& g = *state_;
     const std::uint64_t target = ++central_;
     g.slots[rank_].arrived.store(target, std::memory_order_release);
     const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (c == target * static_cast<std::uint64_t>(g.n)) {
-      check_step(s);
+      if (k == op_kind::all_to_all_v) check_step(s);
       std::uint64_t w = g.word.load(std::memory_order_relaxed);
       do {
         if (w & detail::failed_bit) failed_while_waiting(k, s);
       } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
       g.wake();
-      return;
+    } else {
+      auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
+      auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
+      wait_until(ready, arrived, k, s, /*cancellable=*/true);
     }
-    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
-    wait_until(ready, arrived, k, s, /*cancellable=*/true);
+    if (k != op_kind::all_to_all_v) check_flags(s);
   }
 
   /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
-  /// its peers' buffers. Cannot fail: every rank is past the release of the step, so every rank
-  /// gets here after a bounded amount of copying; giving up here on a failure would let a rank
-  /// return (and its caller free its buffers) while a peer still copies them.
+  /// its peers' buffers (each rank raises its `done` flag; one cache-line transfer each way).
+  /// Cannot fail: every rank is past the release of the step, so every rank gets here after a
+  /// bounded amount of copying; giving up here on a failure would let a rank return (and its
+  /// caller free its buffers) while a peer still copies them.
   void complete() {
     detail::stream_fence();  // streaming stores are weakly ordered: drain them before telling peers
     auto& g = *state_;
     if (g.n == 1) return;
-    const std::uint64_t target = ++central_;
-    g.slots[rank_].arrived.store(target, std::memory_order_release);
-    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
-    if (c == target * static_cast<std::uint64_t>(g.n)) {
-      g.word.fetch_add(1, std::memory_order_seq_cst);
-      g.wake();
-      return;
-    }
-    auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-    wait_until(ready, [](int) { return true; }, op_kind::barrier, step_ - 1, /*cancellable=*/false);
+    const std::uint64_t s = step_ - 1;
+    g.slots[rank_].done.store(s + 1, std::memory_order_release);
+    g.wake();
+    int next = 0;
+    auto ready = [&] {
+      while (next < g.n && g.slots[next].done.load(std::memory_order_acquire) > s) ++next;
+      return next == g.n;
+    };
+    wait_until(ready, [](int) { return true; }, op_kind::barrier, s, /*cancellable=*/false);
   }
 
   /// Mismatch detection of a zero-copy step, run by the last rank to arrive while the others are
@@ -3778,7 +3812,7 @@ class sharded_tensor {
     for (std::size_t dev = 0; dev < blocks_.size(); ++dev)
       if (local_[dev] && detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
         throw sharding_error("meshlib: sharded_tensor: device " + std::to_string(dev) + "'s block has shape " +
-                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + to_string_of_spec() +
+                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
                              " on global shape " + detail::describe_shape(global_shape) + " gives it shape " +
                              detail::describe_shape(layout_.local_shape(dev)));
   }
@@ -3857,7 +3891,6 @@ class sharded_tensor {
     std::iota(d.begin(), d.end(), std::size_t{0});
     return d;
   }
-  std::string to_string_of_spec() const { return sharding().to_string(); }
   static std::string block_string(const block<Rank>& b) {
     std::ostringstream os;
     os << b;
