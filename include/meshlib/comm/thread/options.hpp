@@ -47,9 +47,10 @@ struct thread_comm_options {
   /// synchronisations). 0: the measured default, 2 KiB when each participant has a core, 64 KiB
   /// when there are more participants than cores (each synchronisation then costs context switches).
   std::size_t one_shot_max_bytes = 0;
-  /// Payload (bytes per rank) from which the zero-copy algorithms write with non-temporal
-  /// (streaming) stores, which skip the read-for-ownership of lines that will not be read again
-  /// soon. 0: the measured default; SIZE_MAX: never.
+  /// Payload of all ranks together (bytes per rank times ranks) from which the zero-copy
+  /// algorithms write with non-temporal (streaming) stores, which skip the read-for-ownership of
+  /// lines that will not be read again soon and leave the caches to the inputs. 0: the measured
+  /// default (64 MiB); SIZE_MAX: never.
   std::size_t streaming_min_bytes = 0;
   /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
   /// measured default, shorter when there are more participants than cores.

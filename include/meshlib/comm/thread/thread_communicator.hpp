@@ -724,7 +724,11 @@ class thread_communicator {
   // ---- algorithms ------------------------------------------------------------------------------
 
   bool one_shot(std::size_t staged_bytes) const noexcept { return staged_bytes <= state_->policy.one_shot_max; }
-  bool streaming(std::size_t payload_bytes) const noexcept { return payload_bytes >= state_->policy.streaming_min; }
+  /// Whether a zero-copy path moving `payload_bytes` per rank writes with streaming stores: when the
+  /// payloads of all ranks together reach `streaming_min` (they no longer fit in the caches).
+  bool streaming(std::size_t payload_bytes) const noexcept {
+    return payload_bytes >= state_->policy.streaming_min / static_cast<std::size_t>(state_->n);
+  }
 
   /// A zero-copy path's copy: streaming stores for big payloads.
   static void move_bytes(void* dst, const void* src, std::size_t bytes, bool stream) noexcept {
