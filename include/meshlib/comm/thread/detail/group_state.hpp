@@ -317,7 +317,7 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
   const bool oversubscribed = static_cast<unsigned>(n) > cores;
   wait_policy p{};
   p.spin = o.spin.count() >= 0 ? o.spin
-                               : (oversubscribed ? std::chrono::nanoseconds(200) : std::chrono::nanoseconds(50'000));
+                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
   p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
   p.timeout = o.timeout;
   p.burst = oversubscribed ? 2 : 64;
