@@ -11,6 +11,7 @@ launches, and every ratio is computed from two medians of the same run.
 """
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -53,6 +54,8 @@ def main():
     ap.add_argument("--no-mpi", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="where benchmarks.md and benchmarks_comm.png go")
     ap.add_argument("--no-docs", action="store_true", help="print only")
+    ap.add_argument("--raw", default=None, help="save the raw samples to this JSON file (default: <build>/comm_bench_raw.json)")
+    ap.add_argument("--from-raw", default=None, help="skip the runs; rebuild table and docs from a saved JSON file")
     args = ap.parse_args()
 
     comm_bench = os.path.join(args.build, "bench", "comm_bench")
@@ -64,7 +67,15 @@ def main():
     samples = defaultdict(list)
     nbytes = {}
     args.load = os.getloadavg()[0]
-    for launch in range(args.launches):
+    if args.from_raw:
+        with open(args.from_raw) as f:
+            raw = json.load(f)
+        args.load, args.launches, parts = raw["load"], raw["launches"], raw["participants"]
+        for k, v in raw["samples"]:
+            samples[tuple(k)] = v
+        for k, v in raw["bytes"]:
+            nbytes[tuple(k)] = v
+    for launch in range(0 if args.from_raw else args.launches):
         print(f"launch {launch + 1}/{args.launches}", file=sys.stderr, flush=True)
         for n in parts:
             rows = run([comm_bench, "--participants", str(n)] + common)
@@ -73,6 +84,14 @@ def main():
             for impl, op, nominal, b, nn, iters, t_us, algbw, busbw in rows:
                 samples[(impl, op, int(nominal), int(nn))].append(float(t_us))
                 nbytes[(op, int(nominal), int(nn))] = int(b)
+
+    if not args.from_raw:
+        raw_path = args.raw or os.path.join(args.build, "comm_bench_raw.json")
+        with open(raw_path, "w") as f:
+            json.dump({"load": args.load, "launches": args.launches, "participants": parts,
+                       "samples": [[list(k), v] for k, v in samples.items()],
+                       "bytes": [[list(k), v] for k, v in nbytes.items()]}, f)
+        print(f"raw samples in {raw_path}", file=sys.stderr)
 
     ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
     factor = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
@@ -175,6 +194,7 @@ def write_docs(args, table, parts, ops):
         fig.tight_layout()
         fig.savefig(png, dpi=100)
     except ImportError:
+        print("matplotlib not found: no plot (run with a Python that has it, e.g. /usr/bin/python3)", file=sys.stderr)
         png = None
 
     mpi_version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()
