@@ -1012,7 +1012,7 @@ class thread_world {
   explicit thread_world(int size, thread_comm_options options = {}) {
     if (size < 1)
       throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
-    world_ = std::make_shared<detail::world_state>(options);
+    world_ = std::make_shared<detail::world_state>(options, size);
     std::vector<int> ranks(static_cast<std::size_t>(size));
     std::iota(ranks.begin(), ranks.end(), 0);
     group_ = detail::make_group(world_, std::move(ranks));
