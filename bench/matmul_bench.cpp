@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -55,7 +56,22 @@ double max_abs_diff(const float* a, const float* b, std::size_t n) {
 }
 }  // namespace
 
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", std::gmtime(&t));
+  return buf;
+}
+
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string one;
+  in >> one;
+  return one.empty() ? std::string("unknown") : one;
+}
+
 int main(int argc, char** argv) {
+  const std::string started = utc_now(), load_at_start = load_average();
   const char* docs_path = argc > 2 && std::strcmp(argv[1], "--docs") == 0 ? argv[2] : nullptr;
   Kokkos::ScopeGuard kokkos(argc, argv);
   set_blas_threads_per_device(1);  // the baseline and meshlib both get one BLAS thread
@@ -218,7 +234,8 @@ int main(int argc, char** argv) {
            "local blocks (KokkosBlas::gemm -> OpenBLAS), one BLAS thread per device, devices as std::threads; "
            "best of repeated runs, interleaved. The last row is the same work as raw cblas_sgemm calls: the "
            "parallel speedup this machine allows at the time of the run (other jobs share its "
-        << std::thread::hardware_concurrency() << " cores).\n\n"
+        << std::thread::hardware_concurrency() << " cores). Run " << started << ", load average " << load_at_start
+        << " at the start.\n\n"
         << table;
     std::printf("\nwrote the \"## matmul\" section of %s\n", docs_path);
   }
