@@ -76,6 +76,18 @@ std::vector<coll_case<T>> make_cases(int n, std::size_t c) {
                        for (std::size_t i = 0; i < c; ++i) e[i] = reference<T>(op, nn, i, 4);
                        return e;
                      }});
+    cases.push_back({"reduce in place to the last rank" + so,  // the root's buffer is input n-1 and the output
+                     [=](thread_communicator& k) {
+                       auto buf = inputs<T>(k.rank(), c, 18);
+                       k.reduce(std::span<T>(buf), op, root);
+                       return buf;
+                     },
+                     [=](int r, int nn) {
+                       if (r != root) return inputs<T>(r, c, 18);
+                       std::vector<T> e(c);
+                       for (std::size_t i = 0; i < c; ++i) e[i] = reference<T>(op, nn, i, 18);
+                       return e;
+                     }});
     cases.push_back({"reduce_scatter" + so,
                      [=](thread_communicator& k) {
                        auto in = inputs<T>(k.rank(), c * static_cast<std::size_t>(k.size()), 5);
