@@ -1627,9 +1627,10 @@ struct group_state;
 
 /// The failure record and sub-group registry shared by every group of one thread_world.
 struct world_state {
-  explicit world_state(const thread_comm_options& o) : options(o) {}
+  world_state(const thread_comm_options& o, int participants) : options(o), size(participants) {}
 
   thread_comm_options options;
+  const int size;  ///< threads of the world: whether they outnumber the cores decides how groups wait
   std::mutex mutex;
   std::atomic<bool> failed{false};
   failure_kind kind = failure_kind::aborted;  // guarded by mutex
@@ -1709,9 +1710,11 @@ inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
   return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
 }
 
-inline wait_policy make_wait_policy(const thread_comm_options& o, int n) {
+/// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
+/// 8 threads on 2 cores must yield, not spin).
+inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const bool oversubscribed = static_cast<unsigned>(n) > cores;
+  const bool oversubscribed = static_cast<unsigned>(threads) > cores;
   wait_policy p{};
   p.spin = o.spin.count() >= 0 ? o.spin
                                : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
@@ -1729,7 +1732,7 @@ struct group_state {
         n(static_cast<int>(members.size())),
         id(gid),
         world_ranks(std::move(members)),
-        policy(make_wait_policy(world->options, n)),
+        policy(make_wait_policy(world->options, world->size)),
         slots(new rank_slot[static_cast<std::size_t>(n)]),
         mailboxes(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)) {}
 
@@ -2979,7 +2982,7 @@ class thread_world {
   explicit thread_world(int size, thread_comm_options options = {}) {
     if (size < 1)
       throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
-    world_ = std::make_shared<detail::world_state>(options);
+    world_ = std::make_shared<detail::world_state>(options, size);
     std::vector<int> ranks(static_cast<std::size_t>(size));
     std::iota(ranks.begin(), ranks.end(), 0);
     group_ = detail::make_group(world_, std::move(ranks));
