@@ -6,9 +6,10 @@
 //   mpirun -np N mpi_overhead [--sizes 1M,4M,16M] [--rounds 15]
 //
 // Variants of meshlib's all_reduce (float, sum, out of place: the inputs stay the same every call):
-//   default      timeout on (MESHLIB_COMM_TIMEOUT or 60 s): a polled MPI_Ibarrier, then MPI_Allreduce
+//   default      timeout on (MESHLIB_COMM_TIMEOUT or 60 s), large_payload_mode::automatic
 //   no timeout   mpi_comm_options::timeout = 0: MPI_Allreduce straight away
-//   polled       blocking_min_bytes = max: MPI_Iallreduce polled against the deadline
+//   barrier      large_payload_mode::barrier_then_blocking: a polled MPI_Ibarrier, then MPI_Allreduce
+//   polled       large_payload_mode::nonblocking: MPI_Iallreduce polled against the deadline
 #include <meshlib/comm/mpi/mpi_communicator.hpp>
 
 #include <mpi.h>
@@ -16,7 +17,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -76,17 +76,19 @@ int main(int argc, char** argv) {
     o.timeout = std::chrono::nanoseconds(0);
     meshlib::mpi_communicator no_timeout(MPI_COMM_WORLD, o);
     o = {};
-    o.blocking_min_bytes = std::numeric_limits<std::size_t>::max();
+    o.large_payloads = meshlib::mpi_comm_options::large_payload_mode::nonblocking;
     meshlib::mpi_communicator polled(MPI_COMM_WORLD, o);
+    o.large_payloads = meshlib::mpi_comm_options::large_payload_mode::barrier_then_blocking;
+    meshlib::mpi_communicator barrier(MPI_COMM_WORLD, o);
     if (rank == 0) {
-      std::printf("| bytes per rank | ranks | MPI_Allreduce (us) | meshlib default (us) | overhead | meshlib no timeout (us) | overhead | meshlib polled Iallreduce (us) | overhead |\n");
-      std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      std::printf("| bytes per rank | ranks | MPI_Allreduce (us) | meshlib default (us) | overhead | no timeout (us) | overhead | barrier + blocking (us) | overhead | polled Iallreduce (us) | overhead |\n");
+      std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     }
     for (std::size_t bytes : sizes) {
       const std::size_t count = bytes / sizeof(float);
       std::vector<float> in(count, 1.0f), out(count, 0.0f);
       const int iters = std::max(3, static_cast<int>(20e-3 / (1e-6 + static_cast<double>(bytes) / 1e9)));
-      std::vector<double> direct, dflt, none, poll;
+      std::vector<double> direct, dflt, none, bar, poll;
       auto run_direct = [&] {
         MPI_Allreduce(in.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       };
@@ -97,19 +99,21 @@ int main(int argc, char** argv) {
       time_it(iters, run_with(with_timeout));
       for (int r = 0; r < rounds; ++r) {
         // The order rotates every round, so that no variant always runs right after another.
-        for (int k = 0; k < 4; ++k) {
-          switch ((r + k) % 4) {
+        for (int k = 0; k < 5; ++k) {
+          switch ((r + k) % 5) {
             case 0: direct.push_back(time_it(iters, run_direct)); break;
             case 1: dflt.push_back(time_it(iters, run_with(with_timeout))); break;
             case 2: none.push_back(time_it(iters, run_with(no_timeout))); break;
+            case 3: bar.push_back(time_it(iters, run_with(barrier))); break;
             default: poll.push_back(time_it(iters, run_with(polled))); break;
           }
         }
       }
-      const double d = median(direct), a = median(dflt), b = median(none), c = median(poll);
+      const double d = median(direct), a = median(dflt), b = median(none), e = median(bar), c = median(poll);
       if (rank == 0)
-        std::printf("| %zu | %d | %.1f | %.1f | %+.1f%% | %.1f | %+.1f%% | %.1f | %+.1f%% |\n", bytes, n, d * 1e6, a * 1e6,
-                    (a / d - 1) * 100, b * 1e6, (b / d - 1) * 100, c * 1e6, (c / d - 1) * 100);
+        std::printf("| %zu | %d | %.1f | %.1f | %+.1f%% | %.1f | %+.1f%% | %.1f | %+.1f%% | %.1f | %+.1f%% |\n", bytes, n,
+                    d * 1e6, a * 1e6, (a / d - 1) * 100, b * 1e6, (b / d - 1) * 100, e * 1e6, (e / d - 1) * 100,
+                    c * 1e6, (c / d - 1) * 100);
     }
   }
   MPI_Finalize();

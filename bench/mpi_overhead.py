@@ -50,11 +50,13 @@ def main():
                "+5% at 1 MiB and above for the default configuration. Written by `bench/mpi_overhead.py`",
                f"on {datetime.date.today()} ({platform.node()}, {os.cpu_count()} cores, "
                f"{subprocess.run(['mpirun', '--version'], capture_output=True, text=True).stdout.splitlines()[0]}).", "",
-               "- *default*: timeout on; a polled `MPI_Ibarrier` (everyone has arrived, else `comm_timeout`),",
-               "  then MPI's blocking `MPI_Allreduce`, whose tuned algorithms beat the non-blocking ones.",
+               "- *default*: timeout on, `large_payload_mode::automatic`: *barrier + blocking* when the node",
+               "  has a core per rank, *polled* when its ranks outnumber its cores (4 ranks on 2 cores here).",
                "- *no timeout*: `mpi_comm_options::timeout = 0`: `MPI_Allreduce` straight away.",
+               "- *barrier + blocking*: a polled `MPI_Ibarrier` (everyone has arrived, else `comm_timeout`),",
+               "  then MPI's blocking `MPI_Allreduce`, whose tuned algorithms beat the non-blocking ones.",
                "- *polled*: `MPI_Iallreduce` polled against the deadline (what payloads under",
-               "  `blocking_min_bytes`, 64 KiB, use); shown to justify the default for large payloads.", ""]
+               "  `blocking_min_bytes`, 64 KiB, always use).", ""]
     for r, load, rows in tables:
         section.append(f"{r} ranks (load average {load:.1f} when the run started):")
         section.append("")

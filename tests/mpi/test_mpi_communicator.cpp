@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -511,4 +512,27 @@ TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator sta
   // background and the run ends cleanly.
   if (c.rank() != 0) c.all_reduce(std::span(x), reduce_op::sum);
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("large payloads: barrier then blocking, or polled non-blocking, give the same result", "[mpi][large]") {
+  using mode = meshlib::mpi_comm_options::large_payload_mode;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int on_node = 0;
+  MPI_Comm_size(node, &on_node);
+  MPI_Comm_free(&node);
+  CHECK(world().oversubscribed() == (static_cast<unsigned>(on_node) > std::thread::hardware_concurrency()));
+  const std::size_t count = 100000;  // 400 KB: above blocking_min_bytes
+  for (mode m : {mode::automatic, mode::barrier_then_blocking, mode::nonblocking}) {
+    meshlib::mpi_comm_options o;
+    o.large_payloads = m;
+    mpi_communicator c(MPI_COMM_WORLD, o);
+    std::vector<std::int64_t> x(count);
+    for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<std::int64_t>(i) * (c.rank() + 1);
+    c.all_reduce(std::span(x), reduce_op::sum);
+    const std::int64_t ranks_sum = static_cast<std::int64_t>(c.size()) * (c.size() + 1) / 2;
+    bool ok = true;
+    for (std::size_t i = 0; i < count; ++i) ok = ok && x[i] == static_cast<std::int64_t>(i) * ranks_sum;
+    CHECK(ok);
+  }
 }

@@ -32,7 +32,9 @@
 /// unbounded: a payload under `blocking_min_bytes` runs as MPI's non-blocking collective, polled
 /// against the deadline; a larger one first polls a non-blocking barrier (every rank has arrived)
 /// and then runs MPI's blocking collective, whose tuned algorithms are faster than the
-/// non-blocking ones for large payloads (docs/benchmarks.md). A deadline that passes raises
+/// non-blocking ones for large payloads (docs/benchmarks.md), except when the node runs more
+/// ranks than it has cores: there the extra barrier costs more than the non-blocking algorithms
+/// lose, so large payloads are polled non-blocking collectives too (`large_payloads`). A deadline that passes raises
 /// `comm_timeout` naming the operation and the rank. MPI cannot cancel a collective, so the
 /// communicator is then failed: every later call throws `comm_timeout` with the same message;
 /// end the run (an uncaught exception does so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
@@ -81,9 +83,16 @@ struct mpi_comm_options {
   /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
   /// negative: no deadline (MPI's blocking calls throughout).
   std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Payloads (bytes per rank) at least this large: a polled barrier, then MPI's blocking
-  /// collective; smaller ones: MPI's non-blocking collective, polled.
+  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
+  /// ones run MPI's non-blocking collective, polled.
   std::size_t blocking_min_bytes = std::size_t{64} << 10;
+  /// How large payloads wait under a deadline.
+  enum class large_payload_mode {
+    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
+    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
+    nonblocking,            ///< MPI's non-blocking collective, polled
+  };
+  large_payload_mode large_payloads = large_payload_mode::automatic;
   /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
   /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
   /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
@@ -103,6 +112,8 @@ struct mpi_comm_state {
   int rank = 0;
   int size = 0;
   int tag_ub = 32767;
+  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
+  bool oversubscribed = false;
   mpi_comm_options options;
   bool failed = false;
   std::string failure;
@@ -166,6 +177,15 @@ class mpi_communicator {
     s->options = options;
     check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
     finish(*s);
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
     state_ = std::move(s);
   }
 
@@ -179,6 +199,8 @@ class mpi_communicator {
     if (!state_) return MPI_COMM_NULL;
     return state_->adopted != MPI_COMM_NULL ? state_->adopted : state_->comm;
   }
+  /// Whether this node runs more ranks than it has cores (decides `large_payload_mode::automatic`).
+  [[nodiscard]] bool oversubscribed() const noexcept { return state_ && state_->oversubscribed; }
   [[nodiscard]] const mpi_comm_options& options() const {
     require_valid("options");
     return state_->options;
@@ -451,6 +473,7 @@ class mpi_communicator {
     barrier();
     auto s = std::make_shared<detail::mpi_comm_state>();
     s->options = state_->options;
+    s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -604,7 +627,10 @@ class mpi_communicator {
       return;
     }
     MPI_Request r = MPI_REQUEST_NULL;
-    if (bytes >= state_->options.blocking_min_bytes) {
+    using mode = mpi_comm_options::large_payload_mode;
+    const mode m = state_->options.large_payloads;
+    const bool barrier_first = m == mode::barrier_then_blocking || (m == mode::automatic && !state_->oversubscribed);
+    if (bytes >= state_->options.blocking_min_bytes && barrier_first) {
       check_rc(MPI_Ibarrier(state_->comm, &r), "MPI_Ibarrier");
       wait(k, r);
       check_rc(bl(), k);
