@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -348,9 +349,23 @@ class thread_communicator {
 
   void depart() noexcept {
     if (!state_) return;
+    if (std::uncaught_exceptions() > 0)
+      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
+                                            std::memory_order_relaxed);
     state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
     state_->wake_all_unconditionally();
     state_.reset();
+  }
+
+  /// Whether rank `r` of this group has left for good: its handle is gone, and if an exception
+  /// took it, the grace for that exception's report has passed (see `unwind_grace`).
+  bool departure_is_final(int r) const noexcept {
+    const auto& slot = state_->slots[static_cast<std::size_t>(r)];
+    if (!slot.departed.load()) return false;
+    const std::int64_t at = slot.unwound_at.load(std::memory_order_relaxed);
+    return at == 0 ||
+           detail::comm_clock::now().time_since_epoch().count() - at >=
+               std::chrono::duration_cast<detail::comm_clock::duration>(detail::unwind_grace).count();
   }
 
   std::size_t mailbox(int src, int dst) const noexcept {
@@ -683,7 +698,7 @@ class thread_communicator {
         }
         if (failed()) break;
         for (int r = 0; r < g.n && departed < 0; ++r)
-          if (g.slots[r].departed.load() && !arrived(r)) departed = r;
+          if (departure_is_final(r) && !arrived(r)) departed = r;
         if (departed >= 0) break;
         const auto now = detail::comm_clock::now();
         if (now >= deadline) {
@@ -971,7 +986,7 @@ class thread_communicator {
         g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
       }
       const auto now = detail::comm_clock::now();
-      if (g.slots[source].departed.load() || now >= deadline) {
+      if (departure_is_final(source) || now >= deadline) {
         lk.unlock();
         if (now >= deadline)
           g.world->fail(detail::failure_kind::timeout, world_rank(),

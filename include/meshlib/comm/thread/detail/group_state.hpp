@@ -57,6 +57,10 @@ inline void cpu_relax() noexcept {
 
 using comm_clock = std::chrono::steady_clock;
 
+/// How long a waiter waits, after a peer's handle was destroyed by an exception unwinding its
+/// stack, for that peer's runner to report the exception (well inside the 1 s promise).
+inline constexpr std::chrono::milliseconds unwind_grace{200};
+
 enum class op_kind : std::uint8_t {
   barrier,
   all_reduce,
@@ -220,6 +224,10 @@ struct alignas(64) rank_slot {
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
   std::atomic<bool> departed{false};      ///< its handle was destroyed
+  /// When the handle was destroyed by stack unwinding (steady-clock ticks; 0: it was not). Its
+  /// thread is about to report the exception itself, and that exception is the better root cause
+  /// than "it left": waiters give it `unwind_grace` to arrive before they blame the departure.
+  std::atomic<std::int64_t> unwound_at{0};
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
 };
