@@ -1388,6 +1388,7 @@ struct thread_comm_options {
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -1453,6 +1454,10 @@ inline void cpu_relax() noexcept {
 }
 
 using comm_clock = std::chrono::steady_clock;
+
+/// How long a waiter waits, after a peer's handle was destroyed by an exception unwinding its
+/// stack, for that peer's runner to report the exception (well inside the 1 s promise).
+inline constexpr std::chrono::milliseconds unwind_grace{200};
 
 enum class op_kind : std::uint8_t {
   barrier,
@@ -1617,6 +1622,10 @@ struct alignas(64) rank_slot {
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
   std::atomic<bool> departed{false};      ///< its handle was destroyed
+  /// When the handle was destroyed by stack unwinding (steady-clock ticks; 0: it was not). Its
+  /// thread is about to report the exception itself, and that exception is the better root cause
+  /// than "it left": waiters give it `unwind_grace` to arrive before they blame the departure.
+  std::atomic<std::int64_t> unwound_at{0};
   std::atomic<bool> claimed{false};       ///< its handle was handed out
   staging_buffer staging[2];
 };
@@ -2318,9 +2327,23 @@ class thread_communicator {
 
   void depart() noexcept {
     if (!state_) return;
+    if (std::uncaught_exceptions() > 0)
+      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
+                                            std::memory_order_relaxed);
     state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
     state_->wake_all_unconditionally();
     state_.reset();
+  }
+
+  /// Whether rank `r` of this group has left for good: its handle is gone, and if an exception
+  /// took it, the grace for that exception's report has passed (see `unwind_grace`).
+  bool departure_is_final(int r) const noexcept {
+    const auto& slot = state_->slots[static_cast<std::size_t>(r)];
+    if (!slot.departed.load()) return false;
+    const std::int64_t at = slot.unwound_at.load(std::memory_order_relaxed);
+    return at == 0 ||
+           detail::comm_clock::now().time_since_epoch().count() - at >=
+               std::chrono::duration_cast<detail::comm_clock::duration>(detail::unwind_grace).count();
   }
 
   std::size_t mailbox(int src, int dst) const noexcept {
@@ -2653,7 +2676,7 @@ class thread_communicator {
         }
         if (failed()) break;
         for (int r = 0; r < g.n && departed < 0; ++r)
-          if (g.slots[r].departed.load() && !arrived(r)) departed = r;
+          if (departure_is_final(r) && !arrived(r)) departed = r;
         if (departed >= 0) break;
         const auto now = detail::comm_clock::now();
         if (now >= deadline) {
@@ -2941,7 +2964,7 @@ class thread_communicator {
         g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
       }
       const auto now = detail::comm_clock::now();
-      if (g.slots[source].departed.load() || now >= deadline) {
+      if (departure_is_final(source) || now >= deadline) {
         lk.unlock();
         if (now >= deadline)
           g.world->fail(detail::failure_kind::timeout, world_rank(),
