@@ -1401,6 +1401,40 @@ struct thread_comm_options {
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/detail/buffer_checks.hpp
+/// @file
+/// @brief The buffer checks every backend runs before any data moves, so that a wrong call reads
+/// the same on the thread, MPI and hybrid communicators.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace meshlib::detail {
+
+/// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
+/// nothing.
+inline bool buffers_overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b);
+  return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
+}
+
+/// What is wrong with the buffers of an out-of-place call that writes `needed` elements to `recv`,
+/// or an empty string when nothing is.
+template <class T>
+std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std::size_t needed) {
+  if (recv.size() < needed)
+    return "receive buffer holds " + std::to_string(recv.size()) + " elements but " + std::to_string(needed) +
+           " are needed";
+  if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    return "the send and receive buffers overlap; use the in-place form (one buffer) instead";
+  return {};
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/buffer_checks.hpp
 // begin meshlib/comm/thread/detail/group_state.hpp
 /// @file
 /// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
@@ -2216,7 +2250,7 @@ class thread_communicator {
     check_usable(k);
     check_layout(k, "send", send.size(), send_counts, send_displs);
     check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (!send.empty() && !recv.empty() && overlap(send.data(), send.size(), recv.data(), recv.size()))
+    if (!send.empty() && !recv.empty() && detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
       bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
     return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
                               recv_displs.data());
@@ -2391,21 +2425,11 @@ class thread_communicator {
                           std::to_string(state_->n) + ")");
   }
 
-  static bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
-    const auto pa = reinterpret_cast<std::uintptr_t>(a);
-    const auto pb = reinterpret_cast<std::uintptr_t>(b);
-    return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
-  }
-
   /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
   template <class T>
   void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
     check_usable(k);
-    if (recv.size() < needed)
-      bad_argument(k, "receive buffer holds " + std::to_string(recv.size()) + " elements but " +
-                          std::to_string(needed) + " are needed");
-    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; use the in-place form (one buffer) instead");
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
   }
 
   std::size_t checked_mul(op_kind k, std::size_t count) const {

@@ -14,6 +14,7 @@
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"
 #include "meshlib_catch.hpp"
+#include "message_of.hpp"
 
 namespace coll_test {
 
@@ -52,15 +53,6 @@ seen<typename L::value_type> capture(const L& x) {
 /// Row-major flat index of (r, c) in a (rows, cols) block.
 constexpr std::size_t at2(std::size_t r, std::size_t c, std::size_t cols) { return r * cols + c; }
 
-/// The message of an exception (for checks of what() without Catch2 matchers).
-template <class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
+using meshlib_test::message_of;
 
 }  // namespace coll_test

@@ -5,6 +5,7 @@
 
 #include "meshlib/core.hpp"
 #include "meshlib_catch.hpp"
+#include "message_of.hpp"
 
 using namespace meshlib;
 
@@ -12,15 +13,7 @@ namespace {
 using mesh_2d = mesh<axis<"data">, axis<"model">>;
 using mesh_3d = mesh<axis<"a">, axis<"b">, axis<"c">>;
 
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using meshlib_test::message_of;
 }  // namespace
 
 TEST_CASE("mesh numbers devices row-major, the last axis fastest", "[core][mesh]") {

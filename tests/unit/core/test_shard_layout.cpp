@@ -4,6 +4,7 @@
 
 #include "meshlib/core.hpp"
 #include "meshlib_catch.hpp"
+#include "message_of.hpp"
 
 using namespace meshlib;
 
@@ -11,15 +12,7 @@ namespace {
 using mesh_2d = mesh<axis<"data">, axis<"model">>;
 using shape2 = std::array<std::size_t, 2>;
 
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using meshlib_test::message_of;
 }  // namespace
 
 TEST_CASE("even layout of a 2-D array over a 2x4 mesh", "[core][layout]") {

@@ -12,6 +12,7 @@
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"
 #include "meshlib_catch.hpp"
+#include "message_of.hpp"
 
 using namespace meshlib;
 
@@ -20,15 +21,7 @@ namespace {
 using mesh1 = mesh<axis<"x">>;
 using mesh2 = mesh<axis<"data">, axis<"model">>;
 
-template <class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
+using meshlib_test::message_of;
 
 /// y = x * a + b on a block (a local kernel written out, so the test depends on no tensor kernel).
 template <class L>

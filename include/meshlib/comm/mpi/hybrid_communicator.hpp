@@ -56,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
@@ -486,19 +487,10 @@ class hybrid_communicator {
   void check_tag(std::string_view k, int tag) const {
     if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative");
   }
-  static bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
-    const auto pa = reinterpret_cast<std::uintptr_t>(a);
-    const auto pb = reinterpret_cast<std::uintptr_t>(b);
-    return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
-  }
   template <class T>
   void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
     check_usable(k);
-    if (recv.size() < needed)
-      bad_argument(k, "receive buffer holds " + std::to_string(recv.size()) + " elements but " +
-                          std::to_string(needed) + " are needed");
-    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; use the in-place form (one buffer) instead");
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
   }
   std::size_t blocks_of(std::string_view k, std::size_t total) const {
     check_usable(k);

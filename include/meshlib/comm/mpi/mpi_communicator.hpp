@@ -68,6 +68,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
@@ -346,7 +347,7 @@ class mpi_communicator {
     const auto sd = layout(k, "send", send.size(), send_displs, &send_counts);
     const auto rc = layout(k, "recv", recv.size(), recv_counts);
     const auto rd = layout(k, "recv", recv.size(), recv_displs, &recv_counts);
-    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
       bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
     if (state_->options.verify_collectives) {
       verify(k, datatype_of<T>, 0, 0, 0);
@@ -524,19 +525,10 @@ class mpi_communicator {
       bad_argument(k, "count " + std::to_string(count) + " exceeds MPI's int count (" + std::to_string(INT_MAX) +
                           "); split the call");
   }
-  static bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
-    const auto pa = reinterpret_cast<std::uintptr_t>(a);
-    const auto pb = reinterpret_cast<std::uintptr_t>(b);
-    return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
-  }
   template <class T>
   void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
     check_usable(k);
-    if (recv.size() < needed)
-      bad_argument(k, "receive buffer holds " + std::to_string(recv.size()) + " elements but " +
-                          std::to_string(needed) + " are needed");
-    if (overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; use the in-place form (one buffer) instead");
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
   }
   std::size_t checked_mul(std::string_view k, std::size_t count) const {
     check_usable(k);
