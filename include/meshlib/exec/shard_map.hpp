@@ -32,6 +32,7 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/core/shard_layout.hpp"
+#include "meshlib/debug/check_replicated.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
@@ -205,6 +206,7 @@ class shard_map_fn {
       std::vector<results_t> per_device(n);
       detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
         per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));
