@@ -5187,6 +5187,1255 @@ class device_error : public error {
 #include <string_view>
 #include <vector>
 
+// begin meshlib/debug/observe.hpp
+/// @file
+/// @brief The debug layer's one decorator point. A runner creates one `run_observer` per run
+/// (`shard_map`, `spmd`, `reshard`); when tracing, debug mode or a Kokkos tool is on, every device's
+/// communicators are wrapped in an `observed_comm`, which forwards every operation to the real one
+/// and around it: records the collective in the trace (`trace.hpp`), reports it to Kokkos tools as a
+/// profiling region, checks its input and output for NaN/Inf, and marks the device's arrival on the
+/// run's board so that a watchdog can warn about a device that keeps the others waiting. When all
+/// three are off the runner does not wrap: the cost is one predictable branch per collective (on
+/// the observer pointer, in `device_context_for::comm`).
+///
+/// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
+/// @code
+/// meshlib::enable_debug_mode({.slow_warning_fraction = 0.1, .timeout = std::chrono::seconds(5)});
+/// auto y = f(x);   // NaN/Inf in a collective -> nonfinite_error; a device 0.5 s late -> one warning
+/// @endcode
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// begin meshlib/debug/errors.hpp
+/// @file
+/// @brief The errors of debug mode's checks: `debug_check_error` and its two kinds.
+
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief A debug-mode check failed (see docs/debugging.md).
+class debug_check_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A value whose type says it is replicated over some axes differs between the devices of
+/// one of those groups (`check_replicated`; debug mode checks `shard_map` outputs).
+/// `what()` names the first differing device, the element index and both values.
+class replica_mismatch : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+/// @brief A collective's input or output holds a NaN or an infinity (debug mode). `what()` names
+/// the device, the operation and the element.
+class nonfinite_error : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/errors.hpp
+// begin meshlib/debug/trace.hpp
+/// @file
+/// @brief The trace recorder: a timeline of every collective and every user region, per device,
+/// written as Chrome trace event JSON (Perfetto's UI and chrome://tracing open it), and a summary
+/// per collective type, axis and device. Off by default; on through `start_trace(path)` /
+/// `stop_trace()` (as `jax.profiler.start_trace` / `stop_trace`), the RAII `scoped_trace`, or the
+/// environment: `MESHLIB_TRACE=trace.json` traces the whole program and writes the file (and prints
+/// the summary to stderr) at exit.
+///
+/// The recorder only stores events; the runners feed it through the debug layer's one decorator
+/// point (`observe.hpp`), and `trace_region` adds the user's regions.
+/// @code
+/// meshlib::start_trace("step.json");
+/// auto y = f(x);                                    // a shard_map: its collectives are recorded
+/// std::cerr << meshlib::stop_trace();               // writes step.json; prints the summary
+/// @endcode
+///
+/// File layout (one JSON object): `traceEvents` holds, per device, a `thread_name` metadata record
+/// ("device 3 (data=1, model=1)") and a `thread_sort_index`; one complete event (`ph: "X"`) per
+/// collective with `args` {axes, dtype, bytes, wait_us, group}; one per region (`cat: "region"`);
+/// and flow events (`ph: "s"/"t"/"f"`) that join the devices of each collective at the moment the
+/// last of them arrived. `pid` is the process index (one file per process in multi-process runs:
+/// `trace.json` becomes `trace.p1.json` for process 1), `tid` the device id; regions run outside
+/// any device go to the `host` track.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// begin meshlib/runtime/launcher.hpp
+/// @file
+/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
+/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
+/// environment comes in through an `env_source`, so every launcher is testable in one process.
+///
+/// Sources, and the variables each reads:
+///
+/// | source        | process index         | process count        | local rank                    |
+/// | ------------- | --------------------- | -------------------- | ----------------------------- |
+/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
+/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
+/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
+/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
+///
+/// Rules (the same in `docs/multi-process.md`):
+/// - A source counts as present when its process-index variable is set; its count must then be set
+///   too, both must be decimal numbers, and index < count, else `distributed_error`.
+/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
+///   process itself: every one that is present must agree on (index, count), else
+///   `distributed_error` naming both sources and values. The first present in that order wins.
+/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
+///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
+///   against it only when it claims at least as many processes: the same count must give the same
+///   index, and more tasks than processes is a contradiction.
+/// - No source at all: one process (index 0 of 1), the embedded default.
+
+#include <charconv>
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+// begin meshlib/runtime/errors.hpp
+/// @file
+/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
+/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
+
+
+namespace meshlib {
+
+/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
+/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
+/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
+/// arguments. `what()` names every variable and value involved.
+class distributed_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief Processes that disagree about something every process must share (the process count,
+/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
+/// disagreeing process's value, by the start-up checks that exchange a description of the value.
+class process_mismatch : public distributed_error {
+ public:
+  using distributed_error::distributed_error;
+};
+
+}  // namespace meshlib
+// end meshlib/runtime/errors.hpp
+
+namespace meshlib::distributed {
+
+/// @brief Where the process index and count came from.
+enum class launcher {
+  none,                ///< nothing set: one process
+  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
+  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
+  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
+  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
+  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
+  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
+  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
+};
+
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::explicit_arguments: return "explicit arguments";
+    case launcher::communicator: return "communicator";
+    case launcher::meshlib_env: return "meshlib environment";
+    case launcher::openmpi: return "OpenMPI";
+    case launcher::mpich: return "MPICH/PMI";
+    case launcher::torchrun: return "torchrun";
+    case launcher::slurm: return "Slurm";
+  }
+  return "unknown";
+}
+inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
+
+/// @brief What detection found: this process's index, the process count, the local rank on its
+/// node when the launcher says, and which source decided.
+struct launch_info {
+  std::size_t process_index = 0;
+  std::size_t process_count = 1;
+  std::optional<std::size_t> local_rank;
+  launcher source = launcher::none;
+
+  friend bool operator==(const launch_info&, const launch_info&) = default;
+  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
+  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
+    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
+    if (i.local_rank) os << ", local rank " << *i.local_rank;
+    return os << ')';
+  }
+};
+
+/// @brief Looks up an environment variable: its value, or nothing when unset.
+using env_source = std::function<std::optional<std::string>(std::string_view)>;
+
+/// @brief The process's own environment (`std::getenv`).
+inline env_source process_env() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+/// @brief An environment given as a map, for tests and for programs that read their configuration
+/// elsewhere.
+inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+/// @brief Values given to `initialize` that override or must agree with the environment.
+struct explicit_launch {
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+};
+
+namespace detail {
+
+struct launcher_vars {
+  launcher source;
+  std::string_view index, count, local;
+};
+
+inline constexpr launcher_vars launcher_table[] = {
+    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
+    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+};
+
+/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
+inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+  std::string_view s = raw;
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  std::size_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
+    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
+                            "' is not a non-negative decimal number");
+  return v;
+}
+
+/// One source's claim, with the text that names it in errors.
+struct claim {
+  launch_info info;
+  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
+};
+
+inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+  const auto idx = env(v.index);
+  if (!idx) return std::nullopt;
+  const auto cnt = env(v.count);
+  if (!cnt)
+    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
+                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
+                            " is not set; set both or neither");
+  claim c;
+  c.info.source = v.source;
+  c.info.process_index = parse_count(v.index, *idx);
+  c.info.process_count = parse_count(v.count, *cnt);
+  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
+           "=" + *cnt + ")";
+  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
+                            "the count, and the count at least 1");
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  return c;
+}
+
+inline std::string describe_claim(const claim& c) {
+  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
+}
+
+}  // namespace detail
+
+/// @brief Detects this process's index and the process count from explicit values, an adopted
+/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
+/// this file's comment.
+/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
+inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  std::vector<detail::claim> direct;
+  if (given.process_id || given.num_processes) {
+    if (!given.process_id || !given.num_processes)
+      throw distributed_error(
+          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
+    detail::claim c;
+    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
+    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
+             ", num_processes=" + std::to_string(*given.num_processes) + ")";
+    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
+                              "than num_processes, and num_processes at least 1");
+    direct.push_back(std::move(c));
+  }
+  if (comm) {
+    detail::claim c;
+    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
+    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
+             std::to_string(comm->second) + ")";
+    direct.push_back(std::move(c));
+  }
+  std::optional<detail::claim> slurm;
+  std::vector<detail::claim> env_claims;
+  for (const auto& v : detail::launcher_table) {
+    auto c = detail::read_launcher(v, env);
+    if (!c) continue;
+    if (v.source == launcher::slurm)
+      slurm = std::move(c);
+    else
+      env_claims.push_back(std::move(*c));
+  }
+  // An adopted communicator is authoritative for the index and count: an application may hand
+  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
+  // only consulted for the local rank then.
+  const bool have_comm = comm.has_value();
+  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
+
+  for (std::size_t i = 1; i < direct.size(); ++i) {
+    const auto& a = direct[0].info;
+    const auto& b = direct[i].info;
+    if (a.process_index != b.process_index || a.process_count != b.process_count)
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                              ", but " + detail::describe_claim(direct[i]) +
+                              "; unset the stale variables or fix the arguments");
+  }
+
+  launch_info out;
+  if (!direct.empty()) {
+    out = direct[0].info;
+    if (slurm && !have_comm) {
+      const auto& s = slurm->info;
+      const bool contradicts = s.process_count > out.process_count ||
+                               (s.process_count == out.process_count && s.process_index != out.process_index);
+      if (contradicts)
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                                ", but " + detail::describe_claim(*slurm) +
+                                "; a Slurm step may start several processes per task but never fewer processes "
+                                "than tasks");
+    }
+  } else if (slurm) {
+    out = slurm->info;
+  }
+  // The local rank: from the winning source, else from any other that sets one.
+  if (!out.local_rank) {
+    for (const auto& c : direct)
+      if (c.info.local_rank) {
+        out.local_rank = c.info.local_rank;
+        break;
+      }
+    if (!out.local_rank)
+      for (const auto& c : env_claims)
+        if (c.info.local_rank) {
+          out.local_rank = c.info.local_rank;
+          break;
+        }
+    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
+  }
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/launcher.hpp
+
+namespace meshlib {
+
+/// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
+struct trace_summary_row {
+  std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
+  std::string axes;  ///< "model", "data,model"
+  std::size_t device = 0;
+  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
+  double time_s = 0;      ///< time inside the collective, waiting included
+  double wait_s = 0;      ///< time spent waiting for the last device of the group to arrive
+};
+
+/// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
+/// wait time; and the slowest device (the one its peers waited for longest). Printable.
+struct trace_summary {
+  std::vector<trace_summary_row> rows;
+  std::size_t devices = 0;
+  double traced_s = 0;
+  /// The device the others waited for longest, when any waited at all.
+  std::optional<std::size_t> slowest_device;
+  /// How long, summed over collectives, the others waited for `slowest_device` after their first arrival.
+  double slowest_lateness_s = 0;
+  /// The file written (empty when none was).
+  std::string path;
+
+  friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
+    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
+       << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
+    os << std::left << std::setw(14) << "op" << std::setw(14) << "axes" << std::right << std::setw(7) << "device"
+       << std::setw(8) << "count" << std::setw(12) << "bytes" << std::setw(12) << "time ms" << std::setw(12)
+       << "wait ms" << '\n';
+    for (const auto& r : s.rows)
+      os << std::left << std::setw(14) << r.op << std::setw(14) << r.axes << std::right << std::setw(7) << r.device
+         << std::setw(8) << r.count << std::setw(12) << r.bytes << std::setw(12) << r.time_s * 1e3 << std::setw(12)
+         << r.wait_s * 1e3 << '\n';
+    if (s.slowest_device)
+      os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
+         << " ms for it in all)\n";
+    else
+      os << "slowest device: none (no collective waited for a late device)\n";
+    os.unsetf(std::ios::floatfield);
+    return os;
+  }
+  [[nodiscard]] std::string to_string() const {
+    std::ostringstream os;
+    os << *this;
+    return os.str();
+  }
+};
+
+namespace detail {
+
+/// One recorded event (a collective or a region) on one track.
+struct trace_event {
+  std::string name;
+  std::string axes;   // collectives: the axes, comma separated
+  std::string dtype;  // collectives: float32, ...
+  std::size_t bytes = 0;
+  std::int64_t start_ns = 0;
+  std::int64_t end_ns = 0;
+  bool collective = false;
+  // Identifies one collective across its devices: the run, the group (axes and color) and the
+  // position of the collective in that group's sequence.
+  std::uint64_t run = 0;
+  std::uint64_t mask = 0;
+  std::size_t color = 0;
+  std::uint64_t seq = 0;
+  std::string group;  // the group's device ids, "0,1"
+};
+
+/// The track of regions that run outside any device (on the host thread).
+inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
+
+/// Process-wide recorder (see the file comment). Appends are per track under the track's own
+/// mutex, so device threads do not contend with each other.
+class trace_recorder {
+ public:
+  struct track {
+    std::mutex m;
+    std::string name;
+    std::vector<trace_event> events;
+  };
+
+  static trace_recorder& get() {
+    static trace_recorder r;
+    return r;
+  }
+
+  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
+
+  [[nodiscard]] std::int64_t now_ns() const noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - origin_).count();
+  }
+
+  void start(std::string path) {
+    std::lock_guard lk(m_);
+    tracks_.clear();
+    path_ = std::move(path);
+    started_ns_ = now_ns();
+    on_.store(true, std::memory_order_release);
+  }
+
+  /// A fresh id for one shard_map / spmd / reshard run.
+  std::uint64_t next_run() noexcept { return runs_.fetch_add(1) + 1; }
+
+  /// The track of `id` (a device id or `host_track`), created on first use.
+  track& track_of(std::size_t id) {
+    std::lock_guard lk(m_);
+    auto& t = tracks_[id];
+    if (!t) {
+      t = std::make_unique<track>();
+      t->name = id == host_track ? "host" : "device " + std::to_string(id);
+    }
+    return *t;
+  }
+
+  void name_track(std::size_t id, std::string name) {
+    track& t = track_of(id);
+    std::lock_guard lk(t.m);
+    t.name = std::move(name);
+  }
+
+  void record(track& t, trace_event e) {
+    std::lock_guard lk(t.m);
+    t.events.push_back(std::move(e));
+  }
+
+  /// Stops recording, writes the file (when a path was given) and returns the summary.
+  trace_summary stop() {
+    std::lock_guard lk(m_);
+    on_.store(false, std::memory_order_release);
+    trace_summary s = summarize();
+    if (!path_.empty()) {
+      s.path = file_for_process(path_);
+      write(s.path);
+    }
+    tracks_.clear();
+    path_.clear();
+    return s;
+  }
+
+  /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
+  ~trace_recorder() {
+    if (from_env_ && on()) {
+      try {
+        std::cerr << stop();
+      } catch (const std::exception& e) {
+        std::cerr << e.what() << '\n';
+      }
+    }
+  }
+
+  trace_recorder(const trace_recorder&) = delete;
+  trace_recorder& operator=(const trace_recorder&) = delete;
+
+ private:
+  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
+    const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
+    if (env != nullptr && *env != '\0') {
+      from_env_ = true;
+      start(env);
+    }
+  }
+
+  /// `trace.json` for a single-process run; `trace.p<index>.json` for process `index` of several.
+  static std::string file_for_process(const std::string& path) {
+    std::size_t index = 0, count = 1;
+    try {
+      const auto l = distributed::detect_launch(distributed::process_env());
+      index = l.process_index;
+      count = l.process_count;
+    } catch (const std::exception&) {
+      // An inconsistent launcher environment is reported by distributed::initialize; here one file.
+    }
+    if (count <= 1) return path;
+    const std::size_t dot = path.rfind('.');
+    const std::size_t slash = path.rfind('/');
+    const std::string suffix = ".p" + std::to_string(index);
+    if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return path + suffix;
+    return path.substr(0, dot) + suffix + path.substr(dot);
+  }
+
+  static std::size_t process_index() {
+    try {
+      return distributed::detect_launch(distributed::process_env()).process_index;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+
+  using key_t = std::tuple<std::uint64_t, std::uint64_t, std::size_t, std::uint64_t>;
+  struct instance {
+    std::int64_t first = INT64_MAX, last = INT64_MIN;
+    std::vector<std::pair<std::size_t, const trace_event*>> members;  // (track, event)
+  };
+
+  std::map<key_t, instance> instances() const {
+    std::map<key_t, instance> out;
+    for (const auto& [id, t] : tracks_)
+      for (const auto& e : t->events) {
+        if (!e.collective) continue;
+        auto& in = out[key_t{e.run, e.mask, e.color, e.seq}];
+        in.first = std::min(in.first, e.start_ns);
+        in.last = std::max(in.last, e.start_ns);
+        in.members.emplace_back(id, &e);
+      }
+    return out;
+  }
+
+  static std::int64_t wait_of(const instance& in, const trace_event& e) {
+    return std::clamp<std::int64_t>(in.last - e.start_ns, 0, e.end_ns - e.start_ns);
+  }
+
+  trace_summary summarize() const {
+    trace_summary s;
+    const auto inst = instances();
+    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
+    std::map<std::size_t, double> lateness;
+    std::int64_t lo = started_ns_, hi = started_ns_;
+    for (const auto& [id, t] : tracks_) {
+      if (id != host_track) ++s.devices;
+      for (const auto& e : t->events) hi = std::max(hi, e.end_ns);
+    }
+    for (const auto& [key, in] : inst) {
+      const trace_event* late = nullptr;
+      std::size_t late_dev = 0;
+      for (const auto& [dev, e] : in.members) {
+        auto& r = rows[{e->name, e->axes, dev}];
+        r.op = e->name;
+        r.axes = e->axes;
+        r.device = dev;
+        ++r.count;
+        r.bytes += e->bytes;
+        r.time_s += static_cast<double>(e->end_ns - e->start_ns) * 1e-9;
+        r.wait_s += static_cast<double>(wait_of(in, *e)) * 1e-9;
+        if (!late || e->start_ns > late->start_ns) {
+          late = e;
+          late_dev = dev;
+        }
+      }
+      if (late && in.members.size() > 1 && in.last > in.first)
+        lateness[late_dev] += static_cast<double>(in.last - in.first) * 1e-9;
+    }
+    for (auto& [k, r] : rows) s.rows.push_back(r);
+    for (const auto& [dev, l] : lateness)
+      if (l > s.slowest_lateness_s) {
+        s.slowest_lateness_s = l;
+        s.slowest_device = dev;
+      }
+    s.traced_s = static_cast<double>(hi - lo) * 1e-9;
+    return s;
+  }
+
+  static void json_string(std::ostream& os, std::string_view s) {
+    os << '"';
+    for (char c : s) {
+      switch (c) {
+        case '"': os << "\\\""; break;
+        case '\\': os << "\\\\"; break;
+        case '\n': os << "\\n"; break;
+        case '\t': os << "\\t"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+            os << buf;
+          } else {
+            os << c;
+          }
+      }
+    }
+    os << '"';
+  }
+
+  void write(const std::string& path) const {
+    std::ofstream f(path);
+    if (!f) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    const std::size_t pid = process_index();
+    // Microseconds with nanosecond digits: the unit of the Chrome trace format.
+    auto us = [this](std::int64_t ns) {
+      std::ostringstream o;
+      o << std::fixed << std::setprecision(3) << static_cast<double>(ns - started_ns_) * 1e-3;
+      return o.str();
+    };
+    auto dur = [](std::int64_t ns) {
+      std::ostringstream o;
+      o << std::fixed << std::setprecision(3) << static_cast<double>(ns) * 1e-3;
+      return o.str();
+    };
+    auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
+    const auto inst = instances();
+    f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
+    f << R"({"ph":"M","name":"process_name","pid":)" << pid << R"(,"tid":0,"args":{"name":"meshlib process )" << pid
+      << "\"}}";
+    for (const auto& [id, t] : tracks_) {
+      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(id) << ",\"args\":{\"name\":";
+      json_string(f, t->name);
+      f << "}}";
+      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(id)
+        << ",\"args\":{\"sort_index\":" << (id == host_track ? std::string("-1") : std::to_string(id)) << "}}";
+    }
+    for (const auto& [id, t] : tracks_)
+      for (const auto& e : t->events) {
+        f << ",\n{\"ph\":\"X\",\"name\":";
+        json_string(f, e.name);
+        f << ",\"cat\":\"" << (e.collective ? "collective" : "region") << "\",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(e.start_ns) << ",\"dur\":" << dur(e.end_ns - e.start_ns);
+        if (e.collective) {
+          const auto& in = inst.at(key_t{e.run, e.mask, e.color, e.seq});
+          f << ",\"args\":{\"axes\":";
+          json_string(f, e.axes);
+          f << ",\"dtype\":\"" << e.dtype << "\",\"bytes\":" << e.bytes << ",\"wait_us\":" << dur(wait_of(in, e))
+            << ",\"group\":\"" << e.group << "\",\"seq\":" << e.seq << "}";
+        }
+        f << "}";
+      }
+    // Flow arrows: one chain per collective through its devices in id order, at the moment the
+    // last of them arrived (a moment inside every member's slice).
+    std::uint64_t flow = 0;
+    for (const auto& [key, in] : inst) {
+      if (in.members.size() < 2) continue;
+      auto members = in.members;
+      std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      ++flow;
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        const auto& [id, e] = members[i];
+        const char* ph = i == 0 ? "s" : (i + 1 == members.size() ? "f" : "t");
+        const std::int64_t at = std::clamp(in.last, e->start_ns, e->end_ns);
+        f << ",\n{\"ph\":\"" << ph << "\",\"name\":";
+        json_string(f, e->name);
+        f << ",\"cat\":\"collective\",\"id\":" << flow << ",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(at) << (i + 1 == members.size() ? ",\"bp\":\"e\"" : "") << "}";
+      }
+    }
+    f << "\n]}\n";
+    if (!f) throw error("meshlib: stop_trace: writing '" + path + "' failed");
+  }
+
+  std::atomic<bool> on_{false};
+  std::atomic<std::uint64_t> runs_{0};
+  std::mutex m_;
+  std::map<std::size_t, std::unique_ptr<track>> tracks_;
+  std::string path_;
+  std::chrono::steady_clock::time_point origin_;
+  std::int64_t started_ns_ = 0;
+  bool from_env_ = false;
+};
+
+}  // namespace detail
+
+/// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
+/// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
+/// Restarting discards what was recorded. Runs that are already going keep their state: tracing
+/// is read when a `shard_map`, `spmd` or `reshard` starts.
+inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
+
+/// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
+/// @throws error when the file cannot be written (naming it).
+inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
+
+/// @brief True while a trace is being recorded.
+[[nodiscard]] inline bool tracing() noexcept { return detail::trace_recorder::get().on(); }
+
+/// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
+/// destructor writes the file. Call `stop()` to get the summary earlier.
+class scoped_trace {
+ public:
+  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
+  ~scoped_trace() {
+    if (!stopped_) {
+      try {
+        (void)stop_trace();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+      }
+    }
+  }
+  trace_summary stop() {
+    stopped_ = true;
+    return stop_trace();
+  }
+  scoped_trace(const scoped_trace&) = delete;
+  scoped_trace& operator=(const scoped_trace&) = delete;
+
+ private:
+  bool stopped_ = false;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/trace.hpp
+
+// Kokkos' profiling interface (Kokkos 3.4 and 4.x both have Kokkos::Profiling::pushRegion /
+// popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
+#if __has_include(<Kokkos_Core.hpp>)
+#include <Kokkos_Core.hpp>
+#define MESHLIB_DEBUG_HAS_KOKKOS 1
+#else
+#define MESHLIB_DEBUG_HAS_KOKKOS 0
+#endif
+
+namespace meshlib {
+
+/// @brief What debug mode checks.
+struct debug_options {
+  /// Check every collective's input and output for NaN and infinity (floating-point types).
+  bool check_nonfinite = true;
+  /// Check that `shard_map` outputs are identical over the axes their type says they are replicated over.
+  bool check_replicas = true;
+  /// Warn once about a collective whose devices have waited this fraction of `timeout` for a late
+  /// peer. 0 disables the warning.
+  double slow_warning_fraction = 0.25;
+  /// The communicators' timeout that the fraction is of (the backend's own setting is not visible
+  /// here; default: `MESHLIB_COMM_TIMEOUT` or 60 s, the communicators' default too).
+  std::chrono::nanoseconds timeout = [] {
+    try {
+      return default_comm_timeout();
+    } catch (const std::exception&) {
+      return std::chrono::nanoseconds(default_comm_timeout_fallback);
+    }
+  }();
+  /// Where warnings go (default: one line on std::cerr).
+  std::function<void(const std::string&)> on_warning;
+};
+
+namespace detail {
+
+struct debug_state {
+  std::mutex m;
+  std::atomic<bool> on{false};
+  debug_options options;
+
+  static debug_state& get() {
+    static debug_state s;
+    return s;
+  }
+
+ private:
+  debug_state() {
+    const char* env = std::getenv("MESHLIB_DEBUG");  // NOLINT(concurrency-mt-unsafe): read once
+    on.store(env != nullptr && *env != '\0' && std::string_view(env) != "0");
+  }
+};
+
+}  // namespace detail
+
+/// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
+inline void enable_debug_mode(debug_options options = {}) {
+  auto& s = detail::debug_state::get();
+  std::lock_guard lk(s.m);
+  s.options = std::move(options);
+  s.on.store(true);
+}
+
+/// @brief Turns debug mode off.
+inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
+
+/// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
+[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
+
+/// @brief Debug mode for a scope; restores the previous state.
+class scoped_debug_mode {
+ public:
+  explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    previous_ = s.options;
+    s.options = std::move(options);
+    s.on.store(true);
+  }
+  ~scoped_debug_mode() {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    s.options = std::move(previous_);
+    s.on.store(was_);
+  }
+  scoped_debug_mode(const scoped_debug_mode&) = delete;
+  scoped_debug_mode& operator=(const scoped_debug_mode&) = delete;
+
+ private:
+  bool was_;
+  debug_options previous_;
+};
+
+namespace detail {
+
+/// Inside this scope the calling thread's collectives are not observed: the debug layer's own
+/// collectives (ordered printing, replica checks) stay out of the trace and the checks.
+inline int& unobserved_depth() noexcept {
+  thread_local int depth = 0;
+  return depth;
+}
+struct unobserved_scope {
+  unobserved_scope() noexcept { ++unobserved_depth(); }
+  ~unobserved_scope() { --unobserved_depth(); }
+  unobserved_scope(const unobserved_scope&) = delete;
+  unobserved_scope& operator=(const unobserved_scope&) = delete;
+};
+
+/// "device 3 (data=1, model=1)".
+template <mesh_type Mesh>
+std::string device_label(const Mesh& m, std::size_t device) {
+  std::string s = "device " + std::to_string(device) + " (";
+  const auto c = m.coords(device);
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    s += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+  return s + ")";
+}
+
+inline std::string join_ids(const std::vector<std::size_t>& ids) {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+/// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
+struct comm_site {
+  std::size_t device = 0;
+  std::string device_label;
+  axis_mask mask = 0;
+  std::string axes;  // "model", "data,model"
+  std::size_t color = 0;
+  std::vector<std::size_t> group;  // device ids in group-rank order
+  std::size_t group_rank = 0;
+};
+
+/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
+constexpr const char* reduction_name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "psum";
+    case reduce_op::avg: return "pmean";
+    case reduce_op::max: return "pmax";
+    case reduce_op::min: return "pmin";
+    default: return "all_reduce";
+  }
+}
+
+/// The first non-finite element of `n` elements of `dt` at `p`, or -1.
+inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
+  auto scan = [&](auto tag) -> std::ptrdiff_t {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(p);
+    for (std::size_t i = 0; i < n; ++i) {
+      const double v = static_cast<double>(static_cast<float>(x[i]));
+      if (!std::isfinite(v)) {
+        value = v;
+        return static_cast<std::ptrdiff_t>(i);
+      }
+    }
+    return -1;
+  };
+  switch (dt) {
+    case datatype::float32: return scan(float{});
+    case datatype::bfloat16: return scan(bfloat16{});
+    case datatype::float64: {
+      const double* x = static_cast<const double*>(p);
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i])) {
+          value = x[i];
+          return static_cast<std::ptrdiff_t>(i);
+        }
+      return -1;
+    }
+    default: return -1;
+  }
+}
+
+/// Shared state of one run (see the file comment).
+class run_observer {
+ public:
+  /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
+  /// and, in debug mode with slow warnings on, starts the watchdog.
+  template <mesh_type Mesh>
+  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
+    auto& rec = trace_recorder::get();
+    tracing_ = rec.on();
+    auto& dbg = debug_state::get();
+    debug_ = dbg.on.load();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+#endif
+    if (!(tracing_ || debug_ || kokkos_)) return;
+    if (debug_) {
+      std::lock_guard lk(dbg.m);
+      options_ = dbg.options;
+    }
+    run_ = rec.next_run();
+    local_.assign(m.size(), false);
+    for (auto d : local) local_[d] = true;
+    if (tracing_)
+      for (auto d : local) rec.name_track(d, device_label(m, d));
+    if (debug_ && options_.slow_warning_fraction > 0) {
+      threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
+      watchdog_ = std::thread([this] { watch(); });
+    }
+  }
+  ~run_observer() {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard lk(m_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      watchdog_.join();
+    }
+  }
+  run_observer(const run_observer&) = delete;
+  run_observer& operator=(const run_observer&) = delete;
+
+  [[nodiscard]] bool active() const noexcept { return tracing_ || debug_ || kokkos_; }
+  [[nodiscard]] bool tracing() const noexcept { return tracing_; }
+  [[nodiscard]] bool kokkos() const noexcept { return kokkos_; }
+  [[nodiscard]] bool check_nonfinite() const noexcept { return debug_ && options_.check_nonfinite; }
+  [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
+
+  template <mesh_type Mesh>
+  comm_site site(const Mesh& m, std::size_t device, axis_mask mask) const {
+    comm_site s;
+    s.device = device;
+    s.device_label = device_label(m, device);
+    s.mask = mask & Mesh::all_axes;
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+    s.color = m.group_color(device, s.mask);
+    s.group = m.group(device, s.mask);
+    s.group_rank = m.group_rank(device, s.mask);
+    return s;
+  }
+
+  /// The device of `site` entered its `seq`-th collective `what` on its group.
+  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto& p = board_[key_t{site.mask, site.color, seq}];
+    if (p.arrived.empty()) {
+      p.what = what;
+      p.group = site.group;
+      p.arrived.assign(site.group.size(), false);
+      p.first_ns = now_ns();
+      for (auto d : site.group) p.local += d < local_.size() && local_[d] ? 1 : 0;
+    }
+    p.arrived[site.group_rank] = true;
+  }
+  /// The device of `site` left it (returned or threw).
+  void depart(const comm_site& site, std::uint64_t seq) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto it = board_.find(key_t{site.mask, site.color, seq});
+    if (it != board_.end() && ++it->second.departed >= it->second.local) board_.erase(it);
+  }
+
+  void warn(const std::string& message) const {
+    if (options_.on_warning) options_.on_warning(message);
+    else std::cerr << message << '\n' << std::flush;
+  }
+
+  /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
+  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+                    datatype dt) const {
+    double v = 0;
+    const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);
+    if (i < 0) return;
+    std::ostringstream os;
+    os << "meshlib: debug mode: " << op << " over '" << site.axes << "' on " << site.device_label << ": " << which
+       << " element " << i << " is " << v << " (" << to_string(dt) << ")";
+    throw nonfinite_error(os.str());
+  }
+
+ private:
+  using key_t = std::tuple<axis_mask, std::size_t, std::uint64_t>;
+  struct pending {
+    std::string what;
+    std::vector<std::size_t> group;
+    std::vector<bool> arrived;
+    std::size_t local = 0;
+    std::size_t departed = 0;
+    std::int64_t first_ns = 0;
+    bool warned = false;
+  };
+
+  static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void watch() {
+    const auto poll = std::clamp<std::chrono::nanoseconds>(threshold_ / 8, std::chrono::milliseconds(1),
+                                                           std::chrono::milliseconds(100));
+    std::unique_lock lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, poll);
+      const std::int64_t now = now_ns();
+      for (auto& [key, p] : board_) {
+        if (p.warned || now - p.first_ns < threshold_.count()) continue;
+        std::vector<std::size_t> missing, here, elsewhere;
+        for (std::size_t r = 0; r < p.group.size(); ++r) {
+          const std::size_t d = p.group[r];
+          if (p.arrived[r]) here.push_back(d);
+          else if (d < local_.size() && local_[d]) missing.push_back(d);
+          else elsewhere.push_back(d);
+        }
+        if (missing.empty() && elsewhere.empty()) continue;
+        p.warned = true;
+        std::ostringstream os;
+        os << std::fixed << std::setprecision(2) << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+           << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
+           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
+        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
+                                   << " of other processes";
+        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
+           << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
+        warn(os.str());
+      }
+    }
+  }
+
+  bool tracing_ = false, debug_ = false, kokkos_ = false;
+  debug_options options_;
+  std::uint64_t run_ = 0;
+  std::vector<bool> local_;
+  std::chrono::nanoseconds threshold_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::map<key_t, pending> board_;
+  std::thread watchdog_;
+};
+
+/// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
+/// every operation goes to `inner` with the observation around it (see the file comment).
+template <class Iface>
+class observed_comm final : public Iface {
+ public:
+  observed_comm(Iface& inner, run_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+    if (obs_.tracing()) track_ = &trace_recorder::get().track_of(site_.device);
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+
+  void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
+    observe(reduction_name(op), dt, count, buf, count, buf, count, [&] { inner_.all_reduce(buf, count, dt, op); });
+  }
+  void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
+    observe("all_gather", dt, count, send, count, recv, count * n(), [&] { inner_.all_gather(send, recv, count, dt); });
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    const char* name = op == reduce_op::sum ? "psum_scatter" : "reduce_scatter";
+    observe(name, dt, count * n(), send, count * n(), recv, count,
+            [&] { inner_.reduce_scatter(send, recv, count, dt, op); });
+  }
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
+    observe("all_to_all", dt, count * n(), send, count * n(), recv, count * n(),
+            [&] { inner_.all_to_all(send, recv, count, dt); });
+  }
+  void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
+                    void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                    std::size_t send_total, std::size_t recv_total, datatype dt) override {
+    observe("all_to_all_v", dt, send_total, send, send_total, recv, recv_total, [&] {
+      inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, send_total, recv_total, dt);
+    });
+  }
+  void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                std::span<const permute_pair> pairs) override {
+    observe("ppermute", dt, count, send, count, recv, count, [&] { inner_.ppermute(send, recv, count, dt, pairs); });
+  }
+  void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
+    // Only the root's buffer is an input: the others' may hold anything before the call.
+    const bool is_root = static_cast<int>(site_.group_rank) == root;
+    observe("broadcast", dt, is_root ? count : 0, buf, is_root ? count : 0, buf, count,
+            [&] { inner_.broadcast(buf, count, dt, root); });
+  }
+
+ private:
+  std::size_t n() const { return static_cast<std::size_t>(inner_.size()); }
+
+  template <class F>
+  void observe(const char* name, datatype dt, std::size_t send_count, const void* in, std::size_t in_count,
+               const void* out, std::size_t out_count, F&& call) {
+    if (unobserved_depth() > 0) {
+      call();
+      return;
+    }
+    const std::uint64_t seq = seq_++;
+    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "input", in, in_count, dt);
+    const std::string what = std::string(name) + " over '" + site_.axes + "'";
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (obs_.kokkos()) Kokkos::Profiling::pushRegion("meshlib::" + what);
+#endif
+    auto& rec = trace_recorder::get();
+    const std::int64_t start = rec.now_ns();
+    obs_.arrive(site_, seq, what);
+    struct leave {
+      observed_comm& self;
+      std::uint64_t seq;
+      ~leave() {
+        self.obs_.depart(self.site_, seq);
+#if MESHLIB_DEBUG_HAS_KOKKOS
+        if (self.obs_.kokkos()) Kokkos::Profiling::popRegion();
+#endif
+      }
+    };
+    {
+      leave guard{*this, seq};
+      call();
+    }
+    if (track_ != nullptr) {
+      trace_event e;
+      e.name = name;
+      e.axes = site_.axes;
+      e.dtype = std::string(to_string(dt));
+      e.bytes = send_count * size_of(dt);
+      e.start_ns = start;
+      e.end_ns = rec.now_ns();
+      e.collective = true;
+      e.run = obs_.run();
+      e.mask = site_.mask;
+      e.color = site_.color;
+      e.seq = seq;
+      e.group = join_ids(site_.group);
+      rec.record(*track_, std::move(e));
+    }
+    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "output", out, out_count, dt);
+  }
+
+  Iface& inner_;
+  run_observer& obs_;
+  comm_site site_;
+  trace_recorder::track* track_ = nullptr;
+  std::uint64_t seq_ = 0;
+};
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/observe.hpp
+
+/// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
+/// does, to measure what the hook costs when tracing and debug mode are off).
+#ifndef MESHLIB_DEBUG_HOOKS
+#define MESHLIB_DEBUG_HOOKS 1
+#endif
 
 namespace meshlib {
 
@@ -5300,6 +6549,7 @@ class device_context {
   /// Position of the axis called `name` in the running mesh, or the mesh's rank when it has none.
   [[nodiscard]] virtual std::size_t find_axis(std::string_view name) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_count() const noexcept = 0;
+  [[nodiscard]] virtual std::string_view axis_name(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
@@ -5308,18 +6558,25 @@ class device_context {
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
-/// communicator and the device's `axis_communicators`.
+/// communicator and the device's `axis_communicators`. With an `observer` (tracing, debug mode or a
+/// Kokkos tool on: see debug/observe.hpp), its communicators are handed out decorated.
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world)
-      : mesh_(mesh), device_(device), coords_(mesh.coords(device)), world_(std::move(world)), axes_(world_, mesh) {}
+  device_context_for(const Mesh& mesh, std::size_t device, C world, run_observer* observer = nullptr)
+      : mesh_(mesh),
+        device_(device),
+        coords_(mesh.coords(device)),
+        world_(std::move(world)),
+        axes_(world_, mesh),
+        observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
   std::size_t axis_count() const noexcept override { return Mesh::ndim; }
+  std::string_view axis_name(std::size_t axis) const noexcept override { return Mesh::axis_names[axis]; }
   std::size_t axis_size(std::size_t axis) const noexcept override { return mesh_.axis_size(axis); }
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
@@ -5328,7 +6585,12 @@ class device_context_for final : public device_context {
   device_comm& comm(axis_mask mask) override {
     auto it = handles_.find(mask);
     if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+#if MESHLIB_DEBUG_HOOKS
+    if (observer_ == nullptr) [[likely]] return *it->second;
+    return observed(mask, *it->second);
+#else
     return *it->second;
+#endif
   }
 
  private:
@@ -5338,6 +6600,18 @@ class device_context_for final : public device_context {
   C world_;
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
+  // The debug layer's decorator point (debug/observe.hpp): only with an observer.
+  run_observer* observer_;
+  std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
+
+  device_comm& observed(axis_mask mask, device_comm& raw) {
+    auto it = observed_.find(mask);
+    if (it == observed_.end())
+      it = observed_.emplace(mask, std::make_unique<observed_comm<device_comm>>(raw, *observer_,
+                                                                                observer_->site(mesh_, device_, mask)))
+               .first;
+    return *it->second;
+  }
 };
 
 inline device_context*& current_device_slot() noexcept {
@@ -5454,9 +6728,10 @@ namespace detail {
 /// installed, and turns a device's failure into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
-      device_context_for<C, Mesh> ctx(m, device, std::move(world));
+      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
       body(device);
     });
@@ -6814,6 +8089,129 @@ auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/debug/check_replicated.hpp
+/// @file
+/// @brief `check_replicated(x)`: meshlib's `checkify` for sharding. A `local_tensor` whose type says
+/// it is invariant over some mesh axes must hold the same bits on every device of each group along
+/// those axes; this gathers the copies and compares them, naming the first differing device, the
+/// element and both values. Debug mode runs it on every `shard_map` output.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   auto w = meshlib::psum<"data">(g);     // invariant over 'data'
+///   meshlib::check_replicated(w);          // throws replica_mismatch if a kernel made copies diverge
+/// });
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <local_tensor_type L>
+void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
+  using T = typename L::value_type;
+  using Mesh = typename L::mesh_type;
+  mask &= Mesh::all_axes;
+  if (mask == 0) return;
+  device_context& ctx = current_device(what);
+  const std::size_t count = x.size();
+  std::vector<T> mine(count);
+  const auto shape = x.shape();
+  {
+    // Copy out in row-major order (the block may be a strided view).
+    std::array<std::size_t, L::rank> idx{};
+    for (std::size_t k = 0; k < count; ++k) {
+      mine[k] = std::apply([&](auto... i) { return x.view()(i...); }, idx);
+      for (std::size_t d = L::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  unobserved_scope quiet;
+  auto& comm = ctx.comm(mask);
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<T> all(count * n);
+  comm.all_gather(mine.data(), all.data(), count, datatype_of<T>);
+  const std::vector<std::size_t> group = x.mesh().group(ctx.device(), mask);
+  for (std::size_t r = 1; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i) {
+      const T& a = all[i];
+      const T& b = all[r * count + i];
+      if (std::memcmp(&a, &b, sizeof(T)) == 0) continue;
+      std::ostringstream os;
+      os << "meshlib: " << what << ": the value is replicated over " << describe_axes<Mesh>(mask) << " (devices ";
+      for (std::size_t g = 0; g < group.size(); ++g) os << (g ? ", " : "") << group[g];
+      os << ") but device " << group[r] << " differs from device " << group[0] << " at element " << i << " (index (";
+      std::size_t rest = i;
+      std::array<std::size_t, L::rank> idx{};
+      for (std::size_t d = L::rank; d-- > 0;) {
+        idx[d] = shape[d] ? rest % shape[d] : 0;
+        rest = shape[d] ? rest / shape[d] : 0;
+      }
+      for (std::size_t d = 0; d < L::rank; ++d) os << (d ? ", " : "") << idx[d];
+      os << ")): " << b << " on device " << group[r] << " vs " << a << " on device " << group[0]
+         << "; a kernel computed different values on replicas";
+      throw replica_mismatch(os.str());
+    }
+}
+
+}  // namespace detail
+
+/// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
+/// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
+/// nor is partial over). Collective over those groups: every device must call it.
+/// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
+template <local_tensor_type L>
+void check_replicated(const L& x) {
+  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
+}
+
+/// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
+template <fixed_string... Names, local_tensor_type L>
+  requires(sizeof...(Names) > 0)
+void check_replicated(const L& x) {
+  using Mesh = typename L::mesh_type;
+  static_assert((Mesh::template has_axis<Names> && ...), "meshlib: check_replicated<...>: the mesh has no such axis");
+  constexpr axis_mask mask = Mesh::template mask_of<Names...>();
+  static_assert((mask & (L::vary | L::partial)) == 0,
+                "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
+                "so its copies are not expected to agree; check only axes its type is invariant over");
+  detail::check_replicated_over(x, mask, "check_replicated");
+}
+
+namespace detail {
+
+/// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
+template <class Tuple>
+void debug_check_outputs(const Tuple& outputs) {
+  if (!debug_mode()) [[likely]]
+    return;
+  {
+    auto& s = debug_state::get();
+    std::lock_guard lk(s.m);
+    if (!s.options.check_replicas) return;
+  }
+  std::apply(
+      [](const auto&... o) {
+        (check_replicated_over(o, std::remove_cvref_t<decltype(o)>::mesh_type::all_axes &
+                                      ~std::remove_cvref_t<decltype(o)>::vary & ~std::remove_cvref_t<decltype(o)>::partial,
+                               "shard_map output (debug mode)"),
+         ...);
+      },
+      outputs);
+}
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/check_replicated.hpp
 
 namespace meshlib {
 
@@ -6985,6 +8383,7 @@ class shard_map_fn {
       std::vector<results_t> per_device(n);
       detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
         per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));
@@ -7053,298 +8452,6 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend
 /// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
 /// <meshlib/mpi.hpp>.
 
-// begin meshlib/runtime/errors.hpp
-/// @file
-/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
-/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
-
-
-namespace meshlib {
-
-/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
-/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
-/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
-/// arguments. `what()` names every variable and value involved.
-class distributed_error : public error {
- public:
-  using error::error;
-};
-
-/// @brief Processes that disagree about something every process must share (the process count,
-/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
-/// disagreeing process's value, by the start-up checks that exchange a description of the value.
-class process_mismatch : public distributed_error {
- public:
-  using distributed_error::distributed_error;
-};
-
-}  // namespace meshlib
-// end meshlib/runtime/errors.hpp
-// begin meshlib/runtime/launcher.hpp
-/// @file
-/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
-/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
-/// environment comes in through an `env_source`, so every launcher is testable in one process.
-///
-/// Sources, and the variables each reads:
-///
-/// | source        | process index         | process count        | local rank                    |
-/// | ------------- | --------------------- | -------------------- | ----------------------------- |
-/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
-/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
-/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
-/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
-/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
-///
-/// Rules (the same in `docs/multi-process.md`):
-/// - A source counts as present when its process-index variable is set; its count must then be set
-///   too, both must be decimal numbers, and index < count, else `distributed_error`.
-/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
-///   process itself: every one that is present must agree on (index, count), else
-///   `distributed_error` naming both sources and values. The first present in that order wins.
-/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
-///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
-///   against it only when it claims at least as many processes: the same count must give the same
-///   index, and more tasks than processes is a contradiction.
-/// - No source at all: one process (index 0 of 1), the embedded default.
-
-#include <charconv>
-#include <cstddef>
-#include <cstdlib>
-#include <functional>
-#include <map>
-#include <optional>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief Where the process index and count came from.
-enum class launcher {
-  none,                ///< nothing set: one process
-  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
-  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
-  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
-  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
-  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
-  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
-  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
-};
-
-[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
-  switch (l) {
-    case launcher::none: return "none";
-    case launcher::explicit_arguments: return "explicit arguments";
-    case launcher::communicator: return "communicator";
-    case launcher::meshlib_env: return "meshlib environment";
-    case launcher::openmpi: return "OpenMPI";
-    case launcher::mpich: return "MPICH/PMI";
-    case launcher::torchrun: return "torchrun";
-    case launcher::slurm: return "Slurm";
-  }
-  return "unknown";
-}
-inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
-
-/// @brief What detection found: this process's index, the process count, the local rank on its
-/// node when the launcher says, and which source decided.
-struct launch_info {
-  std::size_t process_index = 0;
-  std::size_t process_count = 1;
-  std::optional<std::size_t> local_rank;
-  launcher source = launcher::none;
-
-  friend bool operator==(const launch_info&, const launch_info&) = default;
-  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
-  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
-    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
-    if (i.local_rank) os << ", local rank " << *i.local_rank;
-    return os << ')';
-  }
-};
-
-/// @brief Looks up an environment variable: its value, or nothing when unset.
-using env_source = std::function<std::optional<std::string>(std::string_view)>;
-
-/// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
-  return [](std::string_view name) -> std::optional<std::string> {
-    const char* v = std::getenv(std::string(name).c_str());
-    if (!v) return std::nullopt;
-    return std::string(v);
-  };
-}
-
-/// @brief An environment given as a map, for tests and for programs that read their configuration
-/// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
-  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
-
-/// @brief Values given to `initialize` that override or must agree with the environment.
-struct explicit_launch {
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-};
-
-namespace detail {
-
-struct launcher_vars {
-  launcher source;
-  std::string_view index, count, local;
-};
-
-inline constexpr launcher_vars launcher_table[] = {
-    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
-    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
-    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
-    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-};
-
-/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
-  std::string_view s = raw;
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  std::size_t v = 0;
-  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
-    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
-                            "' is not a non-negative decimal number");
-  return v;
-}
-
-/// One source's claim, with the text that names it in errors.
-struct claim {
-  launch_info info;
-  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
-};
-
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
-  const auto idx = env(v.index);
-  if (!idx) return std::nullopt;
-  const auto cnt = env(v.count);
-  if (!cnt)
-    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
-                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
-                            " is not set; set both or neither");
-  claim c;
-  c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
-  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
-           "=" + *cnt + ")";
-  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
-                            "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
-  return c;
-}
-
-inline std::string describe_claim(const claim& c) {
-  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
-}
-
-}  // namespace detail
-
-/// @brief Detects this process's index and the process count from explicit values, an adopted
-/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
-/// this file's comment.
-/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
-  if (given.process_id || given.num_processes) {
-    if (!given.process_id || !given.num_processes)
-      throw distributed_error(
-          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
-    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
-    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
-             ", num_processes=" + std::to_string(*given.num_processes) + ")";
-    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
-                              "than num_processes, and num_processes at least 1");
-    direct.push_back(std::move(c));
-  }
-  if (comm) {
-    detail::claim c;
-    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
-    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
-             std::to_string(comm->second) + ")";
-    direct.push_back(std::move(c));
-  }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
-  for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
-    if (!c) continue;
-    if (v.source == launcher::slurm)
-      slurm = std::move(c);
-    else
-      env_claims.push_back(std::move(*c));
-  }
-  // An adopted communicator is authoritative for the index and count: an application may hand
-  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
-  // only consulted for the local rank then.
-  const bool have_comm = comm.has_value();
-  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
-
-  for (std::size_t i = 1; i < direct.size(); ++i) {
-    const auto& a = direct[0].info;
-    const auto& b = direct[i].info;
-    if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
-                              "; unset the stale variables or fix the arguments");
-  }
-
-  launch_info out;
-  if (!direct.empty()) {
-    out = direct[0].info;
-    if (slurm && !have_comm) {
-      const auto& s = slurm->info;
-      const bool contradicts = s.process_count > out.process_count ||
-                               (s.process_count == out.process_count && s.process_index != out.process_index);
-      if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
-                                "; a Slurm step may start several processes per task but never fewer processes "
-                                "than tasks");
-    }
-  } else if (slurm) {
-    out = slurm->info;
-  }
-  // The local rank: from the winning source, else from any other that sets one.
-  if (!out.local_rank) {
-    for (const auto& c : direct)
-      if (c.info.local_rank) {
-        out.local_rank = c.info.local_rank;
-        break;
-      }
-    if (!out.local_rank)
-      for (const auto& c : env_claims)
-        if (c.info.local_rank) {
-          out.local_rank = c.info.local_rank;
-          break;
-        }
-    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
-  }
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/launcher.hpp
 // begin meshlib/runtime/process_exchange.hpp
 /// @file
 /// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
@@ -7893,12 +9000,196 @@ inline const bool kokkos_hooks_registered = [] {
 // end meshlib/runtime.hpp
 // begin meshlib/debug.hpp
 /// @file
-/// @brief The debug layer: sharding visualisation (and, later, traces and consistency checks).
+/// @brief The debug layer: traces (Chrome trace JSON, Kokkos profiling regions, a summary),
+/// per-device printing, sharding pictures and descriptions, and debug mode's checks (replicas,
+/// NaN/Inf, late devices). See docs/debugging.md.
 
+// begin meshlib/debug/trace_region.hpp
+/// @file
+/// @brief `trace_region`: a named span of the program, as `jax.profiler.TraceAnnotation`. It shows
+/// on the running device's track of the trace (or the host track outside `shard_map` / `spmd`),
+/// and Kokkos tools see it as a profiling region (`Kokkos::Profiling::pushRegion`/`popRegion`)
+/// next to the kernels. `scoped_region` is another name for it.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   meshlib::trace_region r("forward");
+///   auto h = meshlib::psum<"model">(matmul(x, w));
+/// });
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
+/// flag when neither tracing nor a Kokkos tool is on.
+class trace_region {
+ public:
+  explicit trace_region(std::string name) {
+    auto& rec = detail::trace_recorder::get();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+    if (kokkos_) Kokkos::Profiling::pushRegion(name);
+#endif
+    if (!rec.on()) return;
+    const detail::device_context* ctx = detail::current_device_slot();
+    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
+    name_ = std::move(name);
+    start_ = rec.now_ns();
+  }
+  ~trace_region() {
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::popRegion();
+#endif
+    if (track_ == nullptr) return;
+    auto& rec = detail::trace_recorder::get();
+    detail::trace_event e;
+    e.name = std::move(name_);
+    e.start_ns = start_;
+    e.end_ns = rec.now_ns();
+    try {
+      rec.record(*track_, std::move(e));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
+    }
+  }
+  trace_region(const trace_region&) = delete;
+  trace_region& operator=(const trace_region&) = delete;
+
+ private:
+  detail::trace_recorder::track* track_ = nullptr;
+  std::string name_;
+  std::int64_t start_ = 0;
+  bool kokkos_ = false;
+};
+
+/// @brief Another name for `trace_region`.
+using scoped_region = trace_region;
+
+}  // namespace meshlib
+// end meshlib/debug/trace_region.hpp
+// begin meshlib/debug/debug_print.hpp
+/// @file
+/// @brief `debug_print(format, values...)` inside `shard_map` / `spmd`, as `jax.debug.print`: every
+/// device prints one line, prefixed with its id and mesh coordinates, in device order, each line
+/// whole. `{}` in the format stands for the next value; a `local_tensor` prints its elements.
+/// @code
+/// meshlib::spmd(m, [&] { meshlib::debug_print("x = {}, step {}", x, step); });
+/// // [device 0 (data=0, model=0)] x = [1, 2], step 3
+/// // [device 1 (data=0, model=1)] x = [3, 4], step 3
+/// @endcode
+///
+/// Every device of the mesh must call it (it is collective, as every SPMD statement): the devices
+/// take turns in id order, one whole-mesh barrier per turn, so lines never interleave and come in
+/// order whatever the thread timing. Outside `shard_map` / `spmd` it prints the line once, unprefixed.
+/// In multi-process runs each process prints its own devices' lines in turn; how the launcher
+/// merges the processes' outputs is up to it.
+
+#include <cstddef>
+#include <cstdint>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <class T>
+void print_value(std::ostream& os, const T& v) {
+  if constexpr (local_tensor_type<T>) {
+    // Elements in row-major order, nested by dimension: [[1, 2], [3, 4]].
+    const auto shape = v.shape();
+    std::array<std::size_t, T::rank> idx{};
+    const std::size_t n = v.size();
+    if (n == 0) {
+      os << "[]";
+      return;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      std::size_t open = 0;
+      for (std::size_t d = T::rank; d-- > 0 && idx[d] == 0;) ++open;
+      if (k != 0) os << ", ";
+      for (std::size_t i = 0; i < open; ++i) os << '[';
+      const auto& x = std::apply([&](auto... i) -> decltype(auto) { return v.view()(i...); }, idx);
+      if constexpr (sizeof(x) == 1) os << +x;
+      else os << x;
+      std::size_t close = 0;
+      for (std::size_t d = T::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+        ++close;
+      }
+      for (std::size_t i = 0; i < close; ++i) os << ']';
+    }
+  } else {
+    os << v;
+  }
+}
+
+inline void format_into(std::ostream& os, std::string_view fmt) { os << fmt; }
+
+template <class A, class... Rest>
+void format_into(std::ostream& os, std::string_view fmt, const A& a, const Rest&... rest) {
+  const std::size_t at = fmt.find("{}");
+  if (at == std::string_view::npos) {
+    os << fmt;
+    return;
+  }
+  os << fmt.substr(0, at);
+  print_value(os, a);
+  format_into(os, fmt.substr(at + 2), rest...);
+}
+
+/// Where `debug_print` writes (std::cout unless a test redirects it).
+inline std::ostream*& debug_print_stream() noexcept {
+  static std::ostream* s = &std::cout;
+  return s;
+}
+
+}  // namespace detail
+
+/// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
+/// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
+template <class... Args>
+void debug_print(std::string_view format, const Args&... values) {
+  std::ostringstream line;
+  detail::device_context* ctx = detail::current_device_slot();
+  std::ostream& out = *detail::debug_print_stream();
+  if (ctx == nullptr) {
+    detail::format_into(line, format, values...);
+    line << '\n';
+    out << line.str() << std::flush;
+    return;
+  }
+  std::size_t n = 1;
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) n *= ctx->axis_size(a);
+  line << "[device " << ctx->device() << " (";
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
+  line << ")] ";
+  detail::format_into(line, format, values...);
+  line << '\n';
+  const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
+  detail::unobserved_scope quiet;
+  auto& world = ctx->comm(all);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (d == ctx->device()) out << line.str() << std::flush;
+    std::int32_t turn = 0;
+    world.all_reduce(&turn, 1, datatype::int32, reduce_op::sum);
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/debug/debug_print.hpp
 // begin meshlib/debug/visualize_sharding.hpp
 /// @file
-/// @brief A text picture of which devices hold which block of a 1-D or 2-D global array, in the
-/// spirit of `jax.debug.visualize_array_sharding`.
+/// @brief A text picture of which devices hold which block of a global array, in the spirit of
+/// `jax.debug.visualize_array_sharding`: 1-D and 2-D arrays as a grid of blocks, arrays of higher
+/// rank as a table with one row per device (its coordinates and its block).
 ///
 /// @code
 /// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
@@ -7918,14 +9209,50 @@ inline const bool kokkos_hooks_registered = [] {
 
 namespace meshlib {
 
-/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`: one cell
-/// per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each naming the devices
-/// that hold it and its slice of the global array.
+namespace detail {
+
+/// Rank 3 and up: one row per device, `device | coordinates | block`.
+template <sharding_type S, std::size_t Rank>
+std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) {
+  using Mesh = typename S::mesh_type;
+  const auto& m = sharding.mesh();
+  std::vector<std::array<std::string, 3>> rows{{"device", "coords", "block"}};
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    std::string coords;
+    const auto c = m.coords(dev);
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      coords += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+    std::ostringstream os;
+    os << layout.block_of(dev);
+    rows.push_back({std::to_string(dev), coords, os.str()});
+  }
+  std::array<std::size_t, 3> w{};
+  for (const auto& r : rows)
+    for (std::size_t k = 0; k < 3; ++k) w[k] = std::max(w[k], r[k].size());
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t k = 0; k < 3; ++k) line += (k ? " | " : "") + r[k] + std::string(w[k] - r[k].size(), ' ');
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
+/// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
+/// naming the devices that hold it and its slice of the global array. Rank 3 and up: one row per
+/// device with its mesh coordinates and its block.
 /// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
 template <sharding_type S, std::size_t Rank>
 std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
-  static_assert(Rank == 1 || Rank == 2, "meshlib: visualize_sharding draws 1-D and 2-D arrays only");
+  static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
   const shard_layout<S, Rank> layout(sharding, global_shape);
+  if constexpr (Rank > 2) {
+    return detail::block_table(sharding, layout);
+  } else {
   const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
   const std::size_t cols = sharding.num_shards(Rank - 1);
 
@@ -7961,10 +9288,100 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
     out += a + "\n" + b + "\n" + rule;
   }
   return out;
+  }
 }
 
 }  // namespace meshlib
 // end meshlib/debug/visualize_sharding.hpp
+// begin meshlib/debug/describe.hpp
+/// @file
+/// @brief One-line type descriptions and plan descriptions, as JAX prints avals
+/// (`f32[8@data,4@model]`), and `visualize` for any sharded tensor.
+/// @code
+/// meshlib::describe(x);      // "f32[8@data,4]": dim 0 split over 'data', dim 1 replicated
+/// meshlib::visualize(x);     // that line, then the picture of the blocks (visualize_sharding)
+/// meshlib::describe(meshlib::plan_reshard<meshlib::P<meshlib::none, "data">>(x));
+/// // reshard P<"data", none> -> P<none, "data">: 1 step(s), 48 bytes in all
+/// //   1. all_to_all over 'data' along dims 1 <-> 0 -> P<none, "data">
+/// //      bytes sent: device 0: 24, device 1: 24
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// JAX's short dtype names.
+template <class T>
+constexpr const char* short_dtype_name() noexcept {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, double>) return "f64";
+  else if constexpr (std::is_same_v<T, bfloat16>) return "bf16";
+  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
+  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
+  else if constexpr (std::is_same_v<T, std::int16_t>) return "i16";
+  else if constexpr (std::is_same_v<T, std::int8_t>) return "i8";
+  else if constexpr (std::is_same_v<T, std::uint32_t>) return "u32";
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
+  else if constexpr (std::is_same_v<T, bool>) return "bool";
+  else return "?";
+}
+
+}  // namespace detail
+
+/// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
+/// split it (`@(data,model)` for several; nothing for a replicated dimension).
+template <sharded_tensor_type X>
+[[nodiscard]] std::string describe(const X& x) {
+  using S = typename X::sharding_type;
+  using Mesh = typename X::mesh_type;
+  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
+  for (std::size_t d = 0; d < X::rank; ++d) {
+    s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
+    const std::size_t k = S::dim_axis_count(d);
+    const auto axes = S::dim_axes(d);
+    if (k == 0) continue;
+    s += k == 1 ? "@" : "@(";
+    for (std::size_t j = 0; j < k; ++j) s += (j ? "," : "") + std::string(Mesh::axis_names[axes[j]]);
+    if (k > 1) s += ")";
+  }
+  return s + "]";
+}
+
+/// @brief Every step of a reshard plan and the bytes each device sends in it.
+[[nodiscard]] inline std::string describe(const reshard_plan& plan) {
+  std::ostringstream os;
+  std::size_t devices = 0;
+  for (const auto& st : plan.steps()) devices = std::max(devices, st.bytes_sent.size());
+  const std::string head = plan.to_string();
+  os << head.substr(0, head.find('\n')) << ' ' << plan.steps().size() << " step(s), " << plan.total_bytes_sent()
+     << " bytes sent in all\n";
+  std::size_t i = 0;
+  for (const auto& st : plan.steps()) {
+    os << "  " << ++i << ". " << st.description << "\n     bytes sent:";
+    for (std::size_t d = 0; d < st.bytes_sent.size(); ++d) os << (d ? "," : "") << " device " << d << ": " << st.bytes_sent[d];
+    if (st.bytes_sent.empty()) os << " none";
+    os << '\n';
+  }
+  return os.str();
+}
+
+/// @brief `describe(x)` on one line, then the blocks of `x` (`visualize_sharding`): a grid for 1-D
+/// and 2-D arrays, one row per device for higher ranks.
+template <sharded_tensor_type X>
+[[nodiscard]] std::string visualize(const X& x) {
+  return describe(x) + "\n" + visualize_sharding(x.sharding(), x.global_shape());
+}
+
+}  // namespace meshlib
+// end meshlib/debug/describe.hpp
 // end meshlib/debug.hpp
 // end meshlib.hpp
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP

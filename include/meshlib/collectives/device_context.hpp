@@ -34,6 +34,12 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/debug/observe.hpp"
 
+/// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
+/// does, to measure what the hook costs when tracing and debug mode are off).
+#ifndef MESHLIB_DEBUG_HOOKS
+#define MESHLIB_DEBUG_HOOKS 1
+#endif
+
 namespace meshlib {
 
 namespace detail {
@@ -182,8 +188,12 @@ class device_context_for final : public device_context {
   device_comm& comm(axis_mask mask) override {
     auto it = handles_.find(mask);
     if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+#if MESHLIB_DEBUG_HOOKS
     if (observer_ == nullptr) [[likely]] return *it->second;
     return observed(mask, *it->second);
+#else
+    return *it->second;
+#endif
   }
 
  private:
