@@ -131,6 +131,7 @@ class trace_recorder {
     std::mutex m;
     std::string name;
     std::vector<trace_event> events;
+    std::uint64_t session = 0;  // the last trace session that used it
   };
 
   static trace_recorder& get() {
@@ -146,7 +147,12 @@ class trace_recorder {
 
   void start(std::string path) {
     std::lock_guard lk(m_);
-    tracks_.clear();
+    // Tracks live as long as the program (a running device may hold one): restarting empties them.
+    ++session_;
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      t->events.clear();
+    }
     path_ = std::move(path);
     started_ns_ = now_ns();
     on_.store(true, std::memory_order_release);
@@ -163,6 +169,7 @@ class trace_recorder {
       t = std::make_unique<track>();
       t->name = id == host_track ? "host" : "device " + std::to_string(id);
     }
+    t->session = session_;
     return *t;
   }
 
@@ -181,12 +188,20 @@ class trace_recorder {
   trace_summary stop() {
     std::lock_guard lk(m_);
     on_.store(false, std::memory_order_release);
+    // Devices of a run still going may append while this runs: take each track's events under its lock.
+    snapshot_.clear();
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      if (t->session != session_ && t->events.empty()) continue;
+      snapshot_.push_back({id, t->name, std::move(t->events)});
+      t->events.clear();
+    }
     trace_summary s = summarize();
     if (!path_.empty()) {
       s.path = file_for_process(path_);
       write(s.path);
     }
-    tracks_.clear();
+    snapshot_.clear();
     path_.clear();
     return s;
   }
@@ -248,13 +263,13 @@ class trace_recorder {
 
   std::map<key_t, instance> instances() const {
     std::map<key_t, instance> out;
-    for (const auto& [id, t] : tracks_)
-      for (const auto& e : t->events) {
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
         if (!e.collective) continue;
         auto& in = out[key_t{e.run, e.mask, e.color, e.seq}];
         in.first = std::min(in.first, e.start_ns);
         in.last = std::max(in.last, e.start_ns);
-        in.members.emplace_back(id, &e);
+        in.members.emplace_back(t.id, &e);
       }
     return out;
   }
@@ -269,9 +284,9 @@ class trace_recorder {
     std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
     std::map<std::size_t, double> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
-    for (const auto& [id, t] : tracks_) {
-      if (id != host_track) ++s.devices;
-      for (const auto& e : t->events) hi = std::max(hi, e.end_ns);
+    for (const auto& t : snapshot_) {
+      if (t.id != host_track) ++s.devices;
+      for (const auto& e : t.events) hi = std::max(hi, e.end_ns);
     }
     for (const auto& [key, in] : inst) {
       const trace_event* late = nullptr;
@@ -344,15 +359,16 @@ class trace_recorder {
     f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
     f << R"({"ph":"M","name":"process_name","pid":)" << pid << R"(,"tid":0,"args":{"name":"meshlib process )" << pid
       << "\"}}";
-    for (const auto& [id, t] : tracks_) {
-      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(id) << ",\"args\":{\"name\":";
-      json_string(f, t->name);
+    for (const auto& t : snapshot_) {
+      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(t.id) << ",\"args\":{\"name\":";
+      json_string(f, t.name);
       f << "}}";
-      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(id)
-        << ",\"args\":{\"sort_index\":" << (id == host_track ? std::string("-1") : std::to_string(id)) << "}}";
+      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(t.id)
+        << ",\"args\":{\"sort_index\":" << (t.id == host_track ? std::string("-1") : std::to_string(t.id)) << "}}";
     }
-    for (const auto& [id, t] : tracks_)
-      for (const auto& e : t->events) {
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
+        const std::size_t id = t.id;
         f << ",\n{\"ph\":\"X\",\"name\":";
         json_string(f, e.name);
         f << ",\"cat\":\"" << (e.collective ? "collective" : "region") << "\",\"pid\":" << pid << ",\"tid\":" << tid(id)
@@ -392,6 +408,14 @@ class trace_recorder {
   std::atomic<std::uint64_t> runs_{0};
   std::mutex m_;
   std::map<std::size_t, std::unique_ptr<track>> tracks_;
+  // What stop() took from the tracks (in id order, the host track last): summarised and written.
+  struct taken {
+    std::size_t id;
+    std::string name;
+    std::vector<trace_event> events;
+  };
+  std::vector<taken> snapshot_;
+  std::uint64_t session_ = 0;
   std::string path_;
   std::chrono::steady_clock::time_point origin_;
   std::int64_t started_ns_ = 0;

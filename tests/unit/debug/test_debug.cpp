@@ -322,3 +322,37 @@ TEST_CASE("describe(plan) lists each collective and the bytes every device sends
   CHECK(contains(d, "  1. all_to_all over 'x'"));
   CHECK(contains(d, "bytes sent: device 0: 24, device 1: 24"));
 }
+
+// Run by the CTest test debug_kokkos_tool, with a Kokkos tool loaded that writes every pushed region
+// name to MESHLIB_TEST_TOOL_OUT; hidden from the plain run.
+TEST_CASE("Kokkos tools see meshlib's regions and collectives", "[.kokkos_tool]") {
+  const char* path = std::getenv("MESHLIB_TEST_TOOL_OUT");
+  REQUIRE(path != nullptr);
+  REQUIRE(Kokkos::Profiling::profileLibraryLoaded());
+  CHECK_FALSE(tracing());  // no trace needed: a loaded tool is enough
+  mesh1 m{3};
+  spmd(m, [&] {
+    trace_region r("user region");
+    vec1 x(std::array<std::size_t, 1>{2}, m, device_index());
+    (void)pmean<"x">(x);
+  });
+  std::ifstream f(path);
+  std::map<std::string, int> seen;
+  for (std::string line; std::getline(f, line);) ++seen[line];
+  CHECK(seen["user region"] == 3);
+  CHECK(seen["meshlib::pmean over 'x'"] == 3);
+}
+
+// Run by the CTest test debug_trace_env_run with MESHLIB_TRACE set: tracing is on from the start and
+// the file is written at exit (checked by check_trace.py in debug_trace_env_check).
+TEST_CASE("MESHLIB_TRACE traces the whole program", "[.trace_env]") {
+  REQUIRE(std::getenv("MESHLIB_TRACE") != nullptr);
+  REQUIRE(tracing());
+  mesh2 m{2, 2};
+  spmd(m, [&] {
+    trace_region r("forward");
+    vec2 x(std::array<std::size_t, 1>{2}, m, device_index());
+    (void)psum<"model">(x);
+    (void)all_gather<"data", 0>(x);
+  });
+}
