@@ -2,12 +2,13 @@
 """Checks a meshlib trace file with Python's JSON parser: every device has exactly one thread_name
 record and the expected complete events, each with name, ph, ts, dur, pid and tid.
 
-    check_trace.py FILE DEVICES NAME[,NAME...]
+    check_trace.py FILE DEVICES NAME[,NAME...] [--pid P]
 """
 import json
 import sys
 
 path, devices, names = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+pid = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--pid" else 0
 with open(path) as f:
     doc = json.load(f)
 events = doc["traceEvents"]
@@ -16,6 +17,8 @@ for e in events:
     for key in ("name", "ph", "pid", "tid"):
         if key not in e:
             errors.append(f"event without '{key}': {e}")
+    if e.get("pid") != pid:
+        errors.append(f"event of pid {e.get('pid')}, expected {pid}: {e}")
     if e.get("ph") == "X" and not ("ts" in e and "dur" in e and e["dur"] >= 0):
         errors.append(f"complete event without ts/dur: {e}")
 for d in range(devices):
