@@ -59,7 +59,7 @@ function(meshlib_print_summary)
     "the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
   _meshlib_summary_line("zlib" "${MESHLIB_HAVE_ZLIB}" "${ZLIB_VERSION_STRING}"
     "the IDX reader reads only uncompressed files; gunzip Fashion-MNIST's .gz files first (MESHLIB_WITH_ZLIB=${MESHLIB_WITH_ZLIB})")
-  _meshlib_summary_line("MPI" """"${MESHLIB_HAVE_MPI}" "${MPI_CXX_LIBRARY_VERSION_STRING}"
+  _meshlib_summary_line("MPI" "${MESHLIB_HAVE_MPI}" "${MPI_CXX_LIBRARY_VERSION_STRING}"
     "no meshlib::mpi target, MPI tests and MPI benchmark comparison skipped (MESHLIB_WITH_MPI=${MESHLIB_WITH_MPI})")
   _meshlib_summary_line("CUDA + NCCL" "${MESHLIB_HAVE_NCCL}" "${MESHLIB_NCCL_LIBRARY}"
     "no meshlib::nccl target (MESHLIB_WITH_NCCL=${MESHLIB_WITH_NCCL})")

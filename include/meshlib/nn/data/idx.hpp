@@ -134,8 +134,8 @@ inline std::vector<std::size_t> idx_dims(const std::filesystem::path& path,
 
   const std::uint8_t* pixels = image_bytes.data() + 16;
   ds.x.resize(ds.count * ds.features);
-  constexpr float scale = 1.0f / 255.0f;
-  for (std::size_t i = 0; i < ds.x.size(); ++i) ds.x[i] = static_cast<float>(pixels[i]) * scale;
+  // Divided, not multiplied by 1/255: p / 255.0f is the correctly rounded value a user expects.
+  for (std::size_t i = 0; i < ds.x.size(); ++i) ds.x[i] = static_cast<float>(pixels[i]) / 255.0f;
   return ds;
 }
 
