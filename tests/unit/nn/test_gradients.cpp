@@ -153,3 +153,22 @@ TEST_CASE("the loss and the gradients do not depend on the mesh", "[nn][gradient
   CHECK(std::abs(run(4, 1) - ref) < 1e-12);
   CHECK(std::abs(run(1, 4) - ref) < 1e-12);
 }
+
+TEST_CASE("layer norm and dropout: gradients match finite differences, the dropout mask is mesh-invariant",
+          "[nn][gradients]") {
+  double first = 0;
+  for (auto shape : {std::array<std::size_t, 2>{1, 1}, std::array<std::size_t, 2>{2, 2}}) {
+    const mesh_t m{shape[0], shape[1]};
+    const nn::rng_key key{6};
+    nn::sequential net(nn::column_dense<double, mesh_t>(m, "c1", in, hidden, key), nn::dropout<double>(m, "drop", 0.3f),
+                       nn::gelu<double>(m), nn::row_dense<double, mesh_t>(m, "r2", hidden, hidden, key),
+                       nn::layer_norm<double, mesh_t>(m, "ln", hidden), nn::dense<double, mesh_t>(m, "d3", hidden, 3, key));
+    net.begin_step(key.fold_in(1), true);
+    const double l = loss_and_grad(m, net, make_problem(3), false);
+    if (shape[0] == 1) first = l;
+    else CHECK(std::abs(l - first) < 1e-12);  // the same elements dropped on (2, 2) as on one device
+    check_gradients(m, net, make_problem(3));
+    net.begin_step(key.fold_in(1), false);  // evaluation: dropout is the identity
+    CHECK(std::abs(loss_and_grad(m, net, make_problem(3), false) - l) > 1e-6);
+  }
+}
