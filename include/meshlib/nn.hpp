@@ -18,3 +18,4 @@
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/checkpoint.hpp"

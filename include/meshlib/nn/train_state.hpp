@@ -119,6 +119,38 @@ class train_state {
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
 
+  /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer
+  /// state device `dev` holds: elements `[offset, offset + len)` of the parameter's local block;
+  /// slot `s` of element `k` of the run is `slot0[s * slot_stride + k]`. Replicated: whole blocks;
+  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  template <class F>
+  void for_each_state_run(std::size_t dev, F&& f) {
+    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+    float* st = state_.at(dev).data();
+    if (!options.zero) {
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        f(i, std::size_t{0}, params[i].count[dev], st + off, n);
+        off += params[i].count[dev];
+      }
+      return;
+    }
+    const std::size_t dp = mesh.axes_size(data_axes), size = (n + dp - 1) / dp, begin = mesh.group_rank(dev, data_axes) * size;
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) f(i, lo - off, hi - lo, st + (lo - begin), size);
+      off += p.count[dev];
+    }
+  }
+  /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
+  /// (one device of each group holding the same state).
+  [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
+    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(options.zero ? data_axes : axis_mask{0});
+    return mesh.group_rank(dev, replicas) == 0;
+  }
+
   /// One device's share of a step after its backward passes: synchronise, clip, update.
   /// Returns the global gradient norm.
   double apply_gradients(std::size_t dev, double& sync_seconds) {
