@@ -2,15 +2,23 @@
 // (4, 2) by default: the batch is split over "data", the hidden layers Megatron-style over "model"
 // (fc1 column-parallel, fc2 row-parallel with one psum), the gradients synchronised over "data".
 // The numbers do not depend on the mesh: the same seed gives the same losses on (1, 1) or (2, 4).
+// Under `mpirun -np P` (built with MPI) the mesh spans P processes x (D*M/P) threads, each process
+// loading only its share of every batch, with the same losses as the single-process run.
 //
 //   train_fashion_mnist [--mesh 4x2] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+#include <meshlib/mpi.hpp>
+#endif
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
+#include <span>
+#include <vector>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -38,8 +46,8 @@ void usage() {
                "  --accumulation K      micro-batches per step (one gradient sync per step); default 1\n"
                "  --precision P         f32 | bf16 (bf16: gradients reduced in bfloat16 on the wire); default f32\n"
                "  --zero                ZeRO-1: optimizer state sharded over the data axis\n"
-               "  --checkpoint-dir DIR  (not available in this build: see docs/training.md)\n"
-               "  --resume              (not available in this build)\n"
+               "  --checkpoint-dir DIR  save a checkpoint there after every epoch (restorable on any mesh)\n"
+               "  --resume              restore the checkpoint in --checkpoint-dir first, continue from its step\n"
                "  --data DIR            Fashion-MNIST IDX files; default " << meshlib::nn::default_fashion_mnist_dir().string() << "\n"
                "  --seed S              initialisation and shuffling seed; default 0\n"
                "  --steps N             stop after N steps (smoke runs)\n"
@@ -86,24 +94,41 @@ options parse(int argc, char** argv) {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 
-template <meshlib::comm_element Wire>
-int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
+/// Where this process runs: its devices, its index, the process count, and the backend.
+template <class Backend>
+struct placement {
+  std::vector<std::size_t> devices;
+  std::size_t process = 0, processes = 1;
+  Backend backend;
+};
+
+template <meshlib::comm_element Wire, class Backend>
+int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placement<Backend>& where) {
   namespace nn = meshlib::nn;
   const mesh_t mesh{o.data, o.model};
   const nn::rng_key key{o.seed};
-  nn::sequential net(nn::column_dense<float, mesh_t>(mesh, "fc1", 784, o.hidden, key), nn::relu<float>(mesh),
-                     nn::row_dense<float, mesh_t>(mesh, "fc2", o.hidden, o.hidden, key), nn::relu<float>(mesh),
-                     nn::dense<float, mesh_t>(mesh, "fc3", o.hidden, 10, key));
-  nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed});
+  const std::span<const std::size_t> local(where.devices);
+  const bool lead = where.process == 0;
+  nn::sequential net(nn::column_dense<float, mesh_t>(mesh, "fc1", 784, o.hidden, key, local), nn::relu<float>(mesh),
+                     nn::row_dense<float, mesh_t>(mesh, "fc2", o.hidden, o.hidden, key, local), nn::relu<float>(mesh),
+                     nn::dense<float, mesh_t>(mesh, "fc3", o.hidden, 10, key, local));
+  if (o.batch % o.data != 0 || o.batch % where.processes != 0)
+    throw std::invalid_argument("--batch " + std::to_string(o.batch) + " does not split over the " + std::to_string(o.data) +
+                                " devices of the data axis (and " + std::to_string(where.processes) + " processes)");
+  nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed, .process_index = where.process,
+                                    .process_count = where.processes});
   const std::size_t steps = loader.steps_per_epoch();
   const std::size_t total = o.limit_steps ? o.limit_steps : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(100, total / 10), total, 0.02f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adamw" ? nn::adamw(lr, 1e-4f) : nn::adam(lr);
   nn::train_state<mesh_t, decltype(net), "data", Wire> state(
-      mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero}, key);
+      mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero}, key, local);
+  static std::ostream silent(nullptr);
+  std::ostream& out = lead ? std::cout : silent;  // one process prints
 
-  std::cout << "train_fashion_mnist: MLP 784-" << o.hidden << "-" << o.hidden << "-10 on " << mesh << " ("
-            << mesh.size() << " thread devices)\n"
+  out << "train_fashion_mnist: MLP 784-" << o.hidden << "-" << o.hidden << "-10 on " << mesh << " ("
+            << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " thread devices)\n"
+                                    : std::to_string(mesh.size()) + " thread devices)\n")
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
             << "  batch " << o.batch << " (" << o.batch / o.data << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
@@ -117,32 +142,39 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
     count += n;
     std::string shape = "(";
     for (std::size_t d = 0; d < p.shape.size(); ++d) shape += (d ? ", " : "") + std::to_string(p.shape[d]);
-    std::cout << "    " << p.name << std::string(8 - p.name.size(), ' ') << shape << ")" << std::string(14 - shape.size(), ' ')
+    out << "    " << p.name << std::string(8 - p.name.size(), ' ') << shape << ")" << std::string(14 - shape.size(), ' ')
               << p.sharding << "\n";
   }
-  std::cout << "  " << count << " parameters; optimizer state per device: " << state.optimizer_state_size(0) << " floats\n";
-  if (!o.trace.empty()) std::cout << "  --trace " << o.trace << ": no tracer in this build; nothing is written\n";
-  if (!o.checkpoint_dir.empty() || o.resume)
-    std::cout << "  --checkpoint-dir / --resume: checkpoints are not available in this build; training from scratch\n";
+  out << "  " << count << " parameters; optimizer state per device: " << state.optimizer_state_size(where.devices.front())
+      << " floats\n";
+  if (!o.trace.empty()) out << "  --trace " << o.trace << ": no tracer in this build; nothing is written\n";
+  if (o.resume) {
+    if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint-dir");
+    nn::restore_checkpoint(o.checkpoint_dir, state);
+    out << "  resumed from " << o.checkpoint_dir << " at step " << state.step << "\n";
+  }
+  if (!o.checkpoint_dir.empty() && where.processes > 1)
+    throw std::invalid_argument("--checkpoint-dir: checkpoints are single-process in this version");
 
   const auto start = std::chrono::steady_clock::now();
-  std::size_t done = 0;
+  std::size_t done = state.step;
   double acc_test = 0;
-  for (std::size_t epoch = 0; epoch < o.epochs && done < total; ++epoch) {
+  for (std::size_t epoch = done / steps; epoch < o.epochs && done < total; ++epoch) {
     const auto t0 = std::chrono::steady_clock::now();
     loader.start_epoch(epoch);
     double loss_sum = 0, sync = 0;
     std::size_t correct = 0, seen = 0, n = 0;
+    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(loader.next());  // resumed mid-epoch
     while (auto b = loader.next()) {
       if (done == total) break;
-      const auto m = nn::train_step(state, *b);
+      const auto m = nn::train_step(state, *b, where.backend);
       loss_sum += m.loss;
       correct += m.correct;
       seen += m.rows;
       sync += m.sync_seconds;
       ++n;
       ++done;
-      if (n % 47 == 0 || n == steps) {
+      if (lead && (n % 47 == 0 || n == steps)) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::printf("\r  epoch %zu  [%3zu%%] step %zu/%zu  loss %.4f  %.0f samples/s", epoch + 1, n * 100 / steps, n, steps,
                     loss_sum / static_cast<double>(n), static_cast<double>(seen) / s);
@@ -150,14 +182,15 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
       }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const auto t = nn::evaluate(state, fm.test);
+    const auto t = nn::evaluate(state, fm.test, 1000, where.backend);
     acc_test = static_cast<double>(t.correct) / static_cast<double>(t.rows);
-    std::printf("\r  epoch %zu: loss %.4f  train acc %.2f%%  test loss %.4f  test acc %.2f%%  %.0f samples/s  %.1f s (sync %.0f%%)\n",
+    if (!o.checkpoint_dir.empty()) nn::save_checkpoint(o.checkpoint_dir, state);
+    if (lead) std::printf("\r  epoch %zu: loss %.4f  train acc %.2f%%  test loss %.4f  test acc %.2f%%  %.0f samples/s  %.1f s (sync %.0f%%)\n",
                 epoch + 1, loss_sum / static_cast<double>(n), 100.0 * static_cast<double>(correct) / static_cast<double>(seen),
                 t.loss, 100.0 * acc_test, static_cast<double>(seen) / secs, secs, 100.0 * sync / secs);
   }
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("done: %zu steps in %.1f s, test accuracy %.2f%% on %s\n", done, total_s, 100.0 * acc_test,
+  if (lead) std::printf("done: %zu steps in %.1f s, test accuracy %.2f%% on %s\n", done, total_s, 100.0 * acc_test,
               mesh.to_string().c_str());
   return 0;
 }
@@ -172,6 +205,18 @@ int main(int argc, char** argv) {
     std::cerr << "train_fashion_mnist: " << e.what() << "\n";
     return 2;
   }
+  std::size_t processes = 1;
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* e = std::getenv(v)) processes = std::max<std::size_t>(processes, std::strtoul(e, nullptr, 10));
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+  std::unique_ptr<meshlib::mpi::guard> mpi;
+  if (processes > 1) mpi = std::make_unique<meshlib::mpi::guard>();
+#else
+  if (processes > 1) {
+    std::cerr << "train_fashion_mnist: started by an MPI launcher, but built without MPI\n";
+    return 1;
+  }
+#endif
   Kokkos::ScopeGuard kokkos(argc, argv);
   meshlib::nn::fashion_mnist fm;
   try {
@@ -181,7 +226,26 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    return o.precision == "bf16" ? train<meshlib::bfloat16>(o, fm) : train<float>(o, fm);
+    auto run = [&](const auto& where) {
+      return o.precision == "bf16" ? train<meshlib::bfloat16>(o, fm, where) : train<float>(o, fm, where);
+    };
+    const std::size_t devices = o.data * o.model;
+    if (processes == 1) {
+      placement<meshlib::thread_backend> where;
+      for (std::size_t d = 0; d < devices; ++d) where.devices.push_back(d);
+      return run(where);
+    }
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+    auto world = meshlib::mpi::world();
+    const auto p = static_cast<std::size_t>(world.rank());
+    if (devices % processes != 0)
+      throw std::invalid_argument("the mesh's " + std::to_string(devices) + " devices do not split over " +
+                                  std::to_string(processes) + " processes");
+    const std::size_t t = devices / processes;
+    placement<meshlib::hybrid_backend> where{{}, p, processes, meshlib::hybrid_backend{world, static_cast<int>(t)}};
+    for (std::size_t d = 0; d < t; ++d) where.devices.push_back(p * t + d);
+    return run(where);
+#endif
   } catch (const std::exception& e) {
     std::cerr << "train_fashion_mnist: " << e.what() << "\n";
     return 1;
