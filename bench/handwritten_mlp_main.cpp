@@ -84,6 +84,12 @@ int main(int argc, char** argv) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   std::printf("OpenBLAS %s, core %s, %d threads, OPENBLAS_CORETYPE=%s\n", openblas_get_config(),
               openblas_get_corename(), threads, coretype ? coretype : "(unset)");
+  // Other jobs on the machine distort every time below: say how busy it was.
+  if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
+    double one = 0;
+    if (std::fscanf(f, "%lf", &one) == 1) std::printf("load average at start: %.1f\n", one);
+    std::fclose(f);
+  }
 
   meshlib::nn::fashion_mnist data;
   try {
