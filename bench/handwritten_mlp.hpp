@@ -7,8 +7,11 @@
 //
 // Careful means: every product is one sgemm on row-major batches; bias gradients are sgemv with a
 // vector of ones; for SGD the momentum update is folded into the gradient sgemm (V = momentum V +
-// A^T dZ through beta) and the weight update is one saxpy; the element-wise passes (bias + ReLU,
-// the ReLU mask, Adam's update) run on as many threads as BLAS has, in contiguous halves.
+// A^T dZ through beta) and the weight update is one saxpy; each element-wise pass (bias + ReLU,
+// the ReLU mask, Adam's update) is one loop over contiguous memory. Those loops run on the calling
+// thread by default: splitting them over a second std::thread measured slower here (3 runs each
+// way on the shared 2-core machine: the step took 73-74% of its sgemm time's rate with a helper
+// thread, 79-93% without), as OpenBLAS's idle worker holds the other core; `threads` changes it.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +41,7 @@ struct mlp_config {
   float final_fraction = 0.0f;
   float momentum = 0.9f;  ///< SGD
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  ///< Adam (eps outside the square root, as optax)
-  int threads = 2;        ///< threads of the element-wise passes (BLAS's are set by the caller)
+  int threads = 1;        ///< threads of the element-wise passes (BLAS's are set by the caller)
   std::uint64_t seed = 0;
 };
 

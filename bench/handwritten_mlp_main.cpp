@@ -9,7 +9,7 @@
 // flagship's shuffle), never in the trainer.
 //
 // Usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] [--lr X]
-//                        [--momentum X] [--threads T] [--seed S] [--data DIR]
+//                        [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   handwritten::mlp_config config;
   std::size_t epochs = 5;
   int threads = 2;
-  int elementwise_threads = 0;  // 0: as many as BLAS
+  int elementwise_threads = 1;  // see handwritten_mlp.hpp
   std::string dir = meshlib::nn::default_fashion_mnist_dir().string();
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -76,12 +76,12 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] "
-                   "[--lr X] [--momentum X] [--threads T] [--seed S] [--data DIR]\n");
+                   "[--lr X] [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]\n");
       return arg == "--help" ? 0 : 2;
     }
   }
   openblas_set_num_threads(threads);
-  config.threads = elementwise_threads > 0 ? elementwise_threads : threads;
+  config.threads = elementwise_threads;
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   std::printf("OpenBLAS %s, core %s, %d threads, OPENBLAS_CORETYPE=%s\n", openblas_get_config(),
               openblas_get_corename(), threads, coretype ? coretype : "(unset)");
