@@ -23,8 +23,8 @@ struct dataset {
   std::size_t count = 0;     ///< number of examples
   std::size_t features = 0;  ///< floats per example (28 * 28 = 784 for Fashion-MNIST)
   std::size_t classes = 0;   ///< labels are in [0, classes)
-  std::vector<float> x;         ///< count * features values, row-major; IDX pixels scaled to [0, 1]
-  std::vector<std::int32_t> y;  ///< count labels
+  std::vector<float> x{};         ///< count * features values, row-major; IDX pixels scaled to [0, 1]
+  std::vector<std::int32_t> y{};  ///< count labels
 
   /// @brief The features of example `i`.
   [[nodiscard]] std::span<const float> row(std::size_t i) const noexcept {

@@ -57,8 +57,8 @@ struct loader_options {
 /// @brief This process's rows of one global batch. It owns its data: it stays valid after the
 /// loader moves on.
 struct batch {
-  std::vector<float> x;         ///< rows * features values, row-major
-  std::vector<std::int32_t> y;  ///< rows labels
+  std::vector<float> x{};         ///< rows * features values, row-major
+  std::vector<std::int32_t> y{};  ///< rows labels
   std::size_t rows = 0;           ///< this process's rows
   std::size_t features = 0;
   std::size_t global_offset = 0;  ///< row of the global batch where this process's rows start
