@@ -73,51 +73,22 @@ struct batch {
   }
 };
 
-/// @brief Shuffles, batches and shards a dataset, one epoch at a time. The dataset must outlive
-/// the loader. Not thread-safe: one thread calls start_epoch and next.
+/// @brief Shuffles, batches and shards a dataset, one epoch at a time. A dataset passed as an
+/// lvalue is read in place and must outlive the loader; one passed as an rvalue
+/// (`data_loader(load_fashion_mnist().train, ...)`) is moved into the loader. Not thread-safe: one
+/// thread calls start_epoch and next.
 class data_loader {
  public:
+  /// @brief A loader that reads `ds` in place (no copy); `ds` must outlive it.
   /// @throws meshlib::data_error when the options cannot batch the dataset: a global batch of 0,
   /// a process index outside [0, process_count), a global batch not divisible by the process
   /// count, no batch at all in an epoch, or a dataset whose vectors disagree with its counts.
-  data_loader(const dataset& ds, loader_options options) : ds_(ds), options_(options) {
-    const std::string where = "meshlib: data_loader: ";
-    if (ds.x.size() != ds.count * ds.features || ds.y.size() != ds.count) {
-      throw data_error(where + "the dataset is inconsistent: count " + std::to_string(ds.count) +
-                       " and features " + std::to_string(ds.features) + " need " +
-                       std::to_string(ds.count * ds.features) + " values and " +
-                       std::to_string(ds.count) + " labels, found " + std::to_string(ds.x.size()) +
-                       " and " + std::to_string(ds.y.size()));
-    }
-    if (options.global_batch == 0) {
-      throw data_error(where + "global_batch is 0, expected at least 1");
-    }
-    if (options.process_count == 0) {
-      throw data_error(where + "process_count is 0, expected at least 1");
-    }
-    if (options.process_index >= options.process_count) {
-      throw data_error(where + "process_index " + std::to_string(options.process_index) +
-                       " is out of range for process_count " +
-                       std::to_string(options.process_count));
-    }
-    if (options.global_batch % options.process_count != 0) {
-      throw data_error(where + "global batch " + std::to_string(options.global_batch) +
-                       " does not split evenly over " + std::to_string(options.process_count) +
-                       " processes (remainder " +
-                       std::to_string(options.global_batch % options.process_count) +
-                       "); choose a global batch divisible by the process count");
-    }
-    steps_ = options.drop_last ? ds.count / options.global_batch
-                               : (ds.count + options.global_batch - 1) / options.global_batch;
-    if (steps_ == 0) {
-      throw data_error(where + "an epoch has no batch: the dataset has " +
-                       std::to_string(ds.count) + " examples, fewer than the global batch of " +
-                       std::to_string(options.global_batch) +
-                       (ds.count ? " (with drop_last; set drop_last = false to keep them)" : ""));
-    }
-#if defined(MESHLIB_ENABLE_TBB)
-    if (options.prefetch > 0) slots_ = std::make_unique<slot[]>(options.prefetch);
-#endif
+  data_loader(const dataset& ds, loader_options options) : ds_(ds), options_(options) { check(); }
+
+  /// @brief A loader that owns `ds` (a temporary would otherwise dangle).
+  data_loader(dataset&& ds, loader_options options)
+      : owned_(std::make_unique<const dataset>(std::move(ds))), ds_(*owned_), options_(options) {
+    check();
   }
 
   data_loader(const data_loader&) = delete;
@@ -125,6 +96,9 @@ class data_loader {
 
   /// Waits for batches still being assembled: they read the dataset and this loader.
   ~data_loader() { drain(); }
+
+  /// @brief The dataset the loader reads.
+  [[nodiscard]] const dataset& data() const noexcept { return ds_; }
 
   /// @brief Global batches per epoch: count / global_batch, rounded up when drop_last is false.
   [[nodiscard]] std::size_t steps_per_epoch() const noexcept { return steps_; }
@@ -186,6 +160,49 @@ class data_loader {
   }
 
  private:
+  /// The options against the dataset, and the steps per epoch; see the constructor.
+  void check() {
+    const dataset& ds = ds_;
+    const loader_options& options = options_;
+    const std::string where = "meshlib: data_loader: ";
+    if (ds.x.size() != ds.count * ds.features || ds.y.size() != ds.count) {
+      throw data_error(where + "the dataset is inconsistent: count " + std::to_string(ds.count) +
+                       " and features " + std::to_string(ds.features) + " need " +
+                       std::to_string(ds.count * ds.features) + " values and " +
+                       std::to_string(ds.count) + " labels, found " + std::to_string(ds.x.size()) +
+                       " and " + std::to_string(ds.y.size()));
+    }
+    if (options.global_batch == 0) {
+      throw data_error(where + "global_batch is 0, expected at least 1");
+    }
+    if (options.process_count == 0) {
+      throw data_error(where + "process_count is 0, expected at least 1");
+    }
+    if (options.process_index >= options.process_count) {
+      throw data_error(where + "process_index " + std::to_string(options.process_index) +
+                       " is out of range for process_count " +
+                       std::to_string(options.process_count));
+    }
+    if (options.global_batch % options.process_count != 0) {
+      throw data_error(where + "global batch " + std::to_string(options.global_batch) +
+                       " does not split evenly over " + std::to_string(options.process_count) +
+                       " processes (remainder " +
+                       std::to_string(options.global_batch % options.process_count) +
+                       "); choose a global batch divisible by the process count");
+    }
+    steps_ = options.drop_last ? ds.count / options.global_batch
+                               : (ds.count + options.global_batch - 1) / options.global_batch;
+    if (steps_ == 0) {
+      throw data_error(where + "an epoch has no batch: the dataset has " +
+                       std::to_string(ds.count) + " examples, fewer than the global batch of " +
+                       std::to_string(options.global_batch) +
+                       (ds.count ? " (with drop_last; set drop_last = false to keep them)" : ""));
+    }
+#if defined(MESHLIB_ENABLE_TBB)
+    if (options.prefetch > 0) slots_ = std::make_unique<slot[]>(options.prefetch);
+#endif
+  }
+
   /// Rows [p*g/n, (p+1)*g/n) of the global batch `step`, g its size: the share of process p of n.
   [[nodiscard]] batch assemble(std::size_t step) const {
     const std::size_t start = step * options_.global_batch;
@@ -245,6 +262,7 @@ class data_loader {
 #endif
   }
 
+  std::unique_ptr<const dataset> owned_;  // set when constructed from an rvalue
   const dataset& ds_;
   loader_options options_;
   std::size_t steps_ = 0;

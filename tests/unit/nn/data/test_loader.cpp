@@ -247,3 +247,20 @@ TEST_CASE("loader options that cannot batch the data set are data_errors", "[nn]
   CHECK(message_of<meshlib::data_error>([&] { (void)loader.next(); }) ==
         "meshlib: data_loader: next() called before start_epoch(epoch)");
 }
+
+TEST_CASE("a loader built from a temporary dataset owns it", "[nn][data][loader]") {
+  const dataset reference = numbered(50, 4);
+  data_loader kept(reference, {.global_batch = 10, .seed = 3});
+  data_loader owning(numbered(50, 4), {.global_batch = 10, .seed = 3});  // the temporary is moved in
+  CHECK(&kept.data() == &reference);
+  CHECK(owning.data().count == 50);
+  for (std::size_t epoch : {0u, 1u}) {
+    const auto a = drain_epoch(kept, epoch);
+    const auto b = drain_epoch(owning, epoch);
+    REQUIRE(a.size() == b.size());
+    for (std::size_t s = 0; s < a.size(); ++s) {
+      REQUIRE(same(a[s], b[s]));
+      (void)examples_of(b[s]);
+    }
+  }
+}
