@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../unit/comm/comm_test_support.hpp"
 #include "meshlib/comm.hpp"
 
 namespace conformance {
@@ -325,31 +326,10 @@ void check_values(Comm& c, findings& f, const std::vector<std::size_t>& counts =
 
 // ---- fault rows ----------------------------------------------------------------------------------
 
-/// What one participant saw in a fault row.
-struct outcome {
-  std::string type;  ///< "aborted", "timeout", "mismatch", "argument", "other", "" (none)
-  std::string what;
-  double seconds = 0;  ///< from the row's start to the participant's error (or return)
-};
-
-inline outcome classify(const std::exception_ptr& e) {
-  outcome c;
-  if (!e) return c;
-  try {
-    std::rethrow_exception(e);
-  } catch (const meshlib::comm_aborted& x) {
-    c = {"aborted", x.what()};
-  } catch (const meshlib::comm_timeout& x) {
-    c = {"timeout", x.what()};
-  } catch (const meshlib::collective_mismatch& x) {
-    c = {"mismatch", x.what()};
-  } catch (const meshlib::comm_argument_error& x) {
-    c = {"argument", x.what()};
-  } catch (const std::exception& x) {
-    c = {"other", x.what()};
-  }
-  return c;
-}
+/// What one participant saw in a fault row: error type ("aborted", "timeout", "mismatch",
+/// "argument", "other", "" for none), message and seconds (the comm tests' own record).
+using outcome = comm_test::caught;
+using comm_test::classify;
 
 /// A fault row: `body` runs on every participant of a fresh group; `check(rank, n, outcome)` says
 /// what is wrong with what that participant saw ("" when it is right).
@@ -553,6 +533,29 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
                     if (!has(o.what, "simultaneous 0") && !has(o.what, "simultaneous 1"))
                       return "message '" + o.what + "' names neither thrower";
                     return want(o, "aborted", {}, bound_s);
+                  }});
+  return rows;
+}
+
+/// Destruction while blocked: a participant's handle is destroyed (moved out and dropped) while its
+/// peers wait for it in a collective; they must be released with comm_aborted naming it, not at
+/// the timeout. For backends whose handles are per participant (thread, hybrid within a process).
+template <class Comm>
+std::vector<fault_row<Comm>> departure_rows(double bound_s, std::function<std::string(int)> label) {
+  std::vector<fault_row<Comm>> rows;
+  rows.push_back({"destruction while blocked: a handle dropped while its peers wait for it",
+                  [](Comm& c) {
+                    if (c.rank() == 1) {
+                      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the peers block first
+                      Comm gone = std::move(c);
+                      return;
+                    }
+                    std::vector<float> x(4, 1.0f);
+                    c.all_reduce(std::span(x), reduce_op::sum);
+                  },
+                  [=](int r, int, const outcome& o) {
+                    if (r == 1) return o.type.empty() ? std::string() : "the departing rank got " + o.type;
+                    return want(o, "aborted", {label(1), "left the communicator"}, bound_s);
                   }});
   return rows;
 }

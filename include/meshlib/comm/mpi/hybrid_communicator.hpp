@@ -32,15 +32,21 @@
 /// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
 ///
 /// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
-/// different groups call MPI concurrently), else `comm_error` at construction. A failure on a
-/// leader's MPI call aborts the process's thread group, so its members get `comm_aborted` instead
-/// of waiting; peers in other processes get `comm_timeout` (or `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+/// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
+/// (it throws, or a local timeout or mismatch fails its process's thread group), every device of
+/// every process is released within milliseconds with `comm_aborted` naming the global device
+/// ("hybrid device 3 of 4 failed: <what>"): its process aborts its thread group and tells the
+/// others through an abort channel (`detail::abort_channel`: a duplicate communicator polled by a
+/// watcher thread; on with `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. Errors of the
+/// internal steps are rethrown naming the operation the user called; a failed world refuses every
+/// later call. `run_hybrid` throws `participant_error` naming the global device at fault.
 
 #if MESHLIB_ENABLE_MPI
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -69,6 +75,8 @@ namespace meshlib {
 
 namespace detail {
 
+struct abort_channel;
+
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
   int n = 0;                            ///< members
@@ -82,6 +90,7 @@ struct hybrid_group {
   int my_proc_pos = 0;
   std::chrono::nanoseconds timeout{};
   mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
+  std::shared_ptr<abort_channel> channel;  ///< the world's (shared by every group split from it)
   MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
   int tag_ub = 32767;
 
@@ -127,6 +136,87 @@ struct hybrid_group {
   [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
   [[nodiscard]] bool uniform() const noexcept {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
+  }
+};
+
+/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
+/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
+/// fails, its process sends "device D failed: <what>" to every other process (once); a process
+/// that receives it fails its thread world with that message, so every device of every process is
+/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
+/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
+/// beside the devices); without it the channel is off and peers of other processes time out.
+struct abort_channel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int process = 0;
+  int processes = 1;
+  bool enabled = false;
+  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
+  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::mutex mutex;
+  std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool sent = false;                     ///< guarded by mutex
+  std::vector<char> inbox = std::vector<char>(4096);
+  MPI_Request inbox_request = MPI_REQUEST_NULL;
+  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::atomic<bool> stop{false};
+  std::thread watcher;
+
+  /// Records the root cause once and releases the leaders' MPI waits.
+  void interrupt(const std::string& msg) {
+    std::lock_guard lk(mutex);
+    if (interrupted.load()) return;
+    message = msg;
+    interrupted.store(true, std::memory_order_release);
+  }
+  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
+  void check() {
+    if (!interrupted.load(std::memory_order_acquire)) return;
+    std::lock_guard lk(mutex);
+    throw comm_aborted(message);
+  }
+  /// Tells every other process that global device `device` failed (once per world).
+  void notify(int device, const std::string& what) {
+    if (!enabled) return;
+    std::lock_guard lk(mutex);
+    if (sent) return;
+    sent = true;
+    std::vector<char> msg(sizeof(int) + std::min<std::size_t>(what.size(), inbox.size() - sizeof(int)));
+    std::memcpy(msg.data(), &device, sizeof(int));
+    std::memcpy(msg.data() + sizeof(int), what.data(), msg.size() - sizeof(int));
+    for (int p = 0; p < processes; ++p) {
+      if (p == process) continue;
+      outbox.emplace_back(MPI_REQUEST_NULL, msg);
+      auto& [req, buf] = outbox.back();
+      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+    }
+  }
+  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
+  void close(std::chrono::milliseconds grace) noexcept {
+    stop.store(true);
+    if (watcher.joinable()) watcher.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin || !enabled) return;
+    if (inbox_request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&inbox_request);
+      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    bool pending = false;
+    for (auto& [req, buf] : outbox) {
+      int done = 0;
+      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (req != MPI_REQUEST_NULL && !done) {
+        pending = true;
+        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
+        (void)new std::vector<char>(std::move(buf));
+      }
+    }
+    if (!pending) MPI_Comm_free(&comm);
   }
 };
 
@@ -185,6 +275,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
           auto ng = std::make_shared<detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
+          ng->channel = g.channel;
           for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
           ng->layout(my_process);
           bool hosts = false;
@@ -256,7 +347,29 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     if (!group_)
       throw comm_error("meshlib: " + std::string(k) + " called on an empty hybrid_communicator handle");
   }
-  void ensure_usable(op_kind k) const { check_usable(detail::op_name(k)); }
+  void ensure_usable(op_kind k) const;
+
+  /// Runs `f` (a transport), rethrowing a failure of the internal steps with the same type and
+  /// root-cause message but naming the operation the user called and the global device.
+  template <class F>
+  request_type guarded(op_kind k, F&& f) {
+    auto context = [&](const std::exception& e) {
+      std::string m = e.what();
+      if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
+      return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
+    };
+    try {
+      return f();
+    } catch (const comm_argument_error&) {
+      throw;
+    } catch (const comm_aborted& e) {
+      throw comm_aborted(context(e));
+    } catch (const comm_timeout& e) {
+      throw comm_timeout(context(e));
+    } catch (const collective_mismatch& e) {
+      throw collective_mismatch(context(e));
+    }
+  }
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
@@ -266,7 +379,12 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// The transport of operation K (the front end has checked its arguments). Every collective
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
+  }
+
+  template <op_kind K, class T>
+  request_type transport_steps(const detail::operation<T>& o, context_type) {
     const auto n = static_cast<std::size_t>(size());
     if constexpr (K == op_kind::all_reduce) {
       reduce_to(std::span<const T>(o.send, o.count), o.recv, o.op, o.count, 0);
@@ -533,6 +651,17 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   std::vector<pending> sends_;
 };
 
+/// Refuses calls on an empty handle, and every call once the world has failed (here or in another
+/// process), with the root cause's message.
+inline void hybrid_communicator::ensure_usable(op_kind k) const {
+  check_usable(detail::op_name(k));
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
+    std::lock_guard lk(group_->channel->mutex);
+    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
+                       " of " + std::to_string(size()) + ": the communicator has failed]");
+  }
+}
+
 static_assert(communicator<hybrid_communicator>);
 
 /// @brief One process's part of a hybrid group of `procs.size()` processes x `threads` threads.
@@ -557,13 +686,19 @@ class hybrid_world {
     group_->timeout = procs.options().timeout;
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
-    group_->mpi = procs;
+    // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
+    group_->mpi = mpi_communicator(procs.native(), procs.options());
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
     hybrid_communicator::set_tag_ub(*group_);
     process_ = procs.rank();
+    group_->channel = channel_;
+    open_channel(procs, level);
   }
+  hybrid_world(const hybrid_world&) = delete;
+  hybrid_world& operator=(const hybrid_world&) = delete;
+  ~hybrid_world() { channel_->close(std::chrono::milliseconds(1000)); }
 
   /// Devices in the world: processes x threads.
   [[nodiscard]] int size() const noexcept { return group_->n; }
@@ -578,17 +713,72 @@ class hybrid_world {
     return c;
   }
 
-  /// Fails this process's thread group (its members get `comm_aborted`).
-  bool abort(int t, std::string_view reason) { return local_.abort(t, reason); }
+  /// @brief Fails the hybrid world with local thread `t` (global device `process * T + t`) as the
+  /// root cause: this process's devices get `comm_aborted` at once, and so (through the abort
+  /// channel) do the devices of every other process, all naming "hybrid device D of N".
+  bool abort(int t, std::string_view reason) {
+    const int device = process_ * threads_ + t;
+    const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
+    const bool first = local_.abort(t, reason, who);
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    // A failure that came from another process is not sent back; any other (a throw, or a local
+    // timeout or mismatch that the devices rethrow) is told to every process.
+    if (channel_->remote_device.load() < 0) {
+      const int root = local_.root_cause_rank();
+      const int blamed = first || root < 0 ? device : process_ * threads_ + root;
+      channel_->notify(blamed, std::string(reason));
+    }
+    return first;
+  }
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
-  /// Local thread of the root cause of a failure, -1 when none.
+  /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
   [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }
+  /// Global device of a failure that another process reported through the abort channel, -1 if none.
+  [[nodiscard]] int remote_root_cause_device() const noexcept { return channel_->remote_device.load(); }
 
  private:
+  void open_channel(const mpi_communicator& procs, int level) {
+    auto& ch = *channel_;
+    ch.process = procs.rank();
+    ch.processes = procs.size();
+    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    auto* channel = channel_.get();
+    group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    if (!ch.enabled) return;
+    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
+      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
+    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
+              &ch.inbox_request);
+    const int devices = size();
+    ch.watcher = std::thread([this, channel, devices] {
+      while (!channel->stop.load()) {
+        int done = 0;
+        MPI_Status st;
+        MPI_Test(&channel->inbox_request, &done, &st);
+        if (done) {
+          int bytes = 0;
+          MPI_Get_count(&st, MPI_CHAR, &bytes);
+          int device = -1;
+          std::memcpy(&device, channel->inbox.data(), sizeof(int));
+          const std::string what(channel->inbox.data() + sizeof(int),
+                                 static_cast<std::size_t>(std::max(0, bytes - static_cast<int>(sizeof(int)))));
+          const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
+          channel->remote_device.store(device);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
+          local_.abort(-1, what, who);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  }
+
   int threads_;
   int process_ = 0;
   thread_world local_;
   std::shared_ptr<detail::hybrid_group> group_;
+  std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
 };
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
@@ -613,17 +803,32 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
   body(0);
   for (auto& th : pool) th.join();
   // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
-  // lowest thread that threw.
+  // lowest thread that threw; a failure another process reported is blamed on its device.
   int root = world.failed() ? world.root_cause_thread() : -1;
+  const int remote = world.remote_root_cause_device();
   if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
     root = -1;
     for (int t = 0; t < threads && root < 0; ++t)
       if (errors[static_cast<std::size_t>(t)]) root = t;
   }
   if (root >= 0) {
-    const int t = root;
+    // A failure another process reported is blamed on its device, unless a thread here failed
+    // on its own at the same time (an exception that is not a communicator's): that one is real.
+    int own = -1;
+    for (int u = 0; u < threads && own < 0; ++u) {
+      const auto& eu = errors[static_cast<std::size_t>(u)];
+      if (!eu) continue;
+      try {
+        std::rethrow_exception(eu);
+      } catch (const comm_error&) {
+      } catch (...) {
+        own = u;
+      }
+    }
+    const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
+    const int t = remote >= 0 && own >= 0 ? own : root;
     const auto& e = errors[static_cast<std::size_t>(t)];
-    const int device = procs.rank() * threads + t;
+    const int device = blame_remote ? remote : procs.rank() * threads + t;
     try {
       std::rethrow_exception(e);
     } catch (...) {

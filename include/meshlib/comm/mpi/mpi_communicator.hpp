@@ -65,6 +65,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -132,6 +133,10 @@ struct mpi_comm_state {
   bool failed_by_mismatch = false;  ///< else a timeout
   std::string failure;
   std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
+  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
+  /// failed, here or in another process): called by every wait while it polls, it throws that
+  /// failure. Copied into split results.
+  std::function<void()> check_interrupt;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -172,6 +177,7 @@ struct mpi_comm_state {
 /// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
 class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
+  friend class hybrid_world;  // installs check_interrupt on its own duplicate
   using op_kind = detail::op_kind;
 
  public:
@@ -245,6 +251,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     auto s = std::make_shared<detail::mpi_comm_state>();
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
+    s->check_interrupt = state_->check_interrupt;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -451,7 +458,9 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       check_rc(test(&done), "MPI_Test");
       if (done) return;
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+      if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
+      if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
     }
   }
   void wait(std::string_view k, MPI_Request& r) {
@@ -497,6 +506,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (done) return;
       if (spins > 256) std::this_thread::yield();
       if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
       const auto now = clock::now();
       if (!noted && now - start > std::chrono::milliseconds(10)) {
         noted = true;

@@ -842,8 +842,14 @@ class thread_world {
   /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
   /// @returns whether this call recorded the root cause.
   bool abort(int rank, std::string_view reason) {
+    return abort(rank, reason, "rank " + std::to_string(rank));
+  }
+  /// @brief As `abort(rank, reason)`, with the failed participant named `who` in the message
+  /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
+  /// device; rank -1 is a participant outside this world (a device of another process).
+  bool abort(int rank, std::string_view reason, std::string_view who) {
     return world_->fail(detail::failure_kind::aborted, rank,
-                        "meshlib: communicator aborted: rank " + std::to_string(rank) + " failed: " + std::string(reason));
+                        "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
   /// Whether the world has failed.
