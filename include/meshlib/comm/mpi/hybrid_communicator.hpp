@@ -151,6 +151,11 @@ struct abort_channel {
   int process = 0;
   int processes = 1;
   bool enabled = false;
+  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
+  /// same order: construction is collective). MPI may give a new duplicate the context id of a
+  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
+  /// epoch and dropped.
+  std::uint64_t epoch = 0;
   std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
   std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
   std::mutex mutex;
@@ -181,9 +186,11 @@ struct abort_channel {
     std::lock_guard lk(mutex);
     if (sent) return;
     sent = true;
-    std::vector<char> msg(sizeof(int) + std::min<std::size_t>(what.size(), inbox.size() - sizeof(int)));
-    std::memcpy(msg.data(), &device, sizeof(int));
-    std::memcpy(msg.data() + sizeof(int), what.data(), msg.size() - sizeof(int));
+    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
+    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
+    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
+    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
     for (int p = 0; p < processes; ++p) {
       if (p == process) continue;
       outbox.emplace_back(MPI_REQUEST_NULL, msg);
@@ -742,6 +749,8 @@ class hybrid_world {
     ch.process = procs.rank();
     ch.processes = procs.size();
     ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    static std::atomic<std::uint64_t> worlds{0};
+    ch.epoch = ++worlds;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
     if (!ch.enabled) return;
@@ -757,12 +766,21 @@ class hybrid_world {
         MPI_Status st;
         MPI_Test(&channel->inbox_request, &done, &st);
         if (done) {
+          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
           int bytes = 0;
           MPI_Get_count(&st, MPI_CHAR, &bytes);
+          std::uint64_t epoch = 0;
           int device = -1;
-          std::memcpy(&device, channel->inbox.data(), sizeof(int));
-          const std::string what(channel->inbox.data() + sizeof(int),
-                                 static_cast<std::size_t>(std::max(0, bytes - static_cast<int>(sizeof(int)))));
+          if (bytes >= head) {
+            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
+            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
+          }
+          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
+            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
+                      channel->comm, &channel->inbox_request);
+            continue;
+          }
+          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
           channel->remote_device.store(device);
           channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
