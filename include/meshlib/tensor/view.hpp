@@ -39,6 +39,8 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "meshlib/runtime/kokkos_runtime.hpp"
+
 namespace meshlib {
 
 /// @brief The memory space meshlib puts blocks in unless told otherwise.
@@ -75,11 +77,11 @@ auto unmanaged(const View& v) {
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
 using exec_space_for_t = std::conditional_t<
-    Kokkos::Impl::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
+    Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
     Kokkos::DefaultHostExecutionSpace>;
 
 template <class Space>
-inline constexpr bool host_accessible_v = Kokkos::Impl::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
 /// The one lock around Kokkos global state (see the file comment).
 inline std::mutex& kokkos_state_mutex() {
@@ -94,6 +96,7 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
+  require_kokkos(label);
   view_t v;
   {
     std::lock_guard<std::mutex> lock(kokkos_state_mutex());
