@@ -3357,6 +3357,8 @@ class axis_communicators {
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
 
@@ -4152,10 +4154,107 @@ using exec_space_for_t = std::conditional_t<
 template <class Space>
 inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
-/// The one lock around Kokkos global state (see the file comment).
+/// The one lock around Kokkos global state (see the file comment). Taken on Kokkos 3.x only:
+/// Kokkos 4 counts View references atomically in every build and allocates thread-safely.
 inline std::mutex& kokkos_state_mutex() {
   static std::mutex m;
   return m;
+}
+
+/// Whether device threads may each compute on their own execution-space instance: Kokkos 4 makes
+/// independent instances (`partition_space`; a Serial instance has its own scratch buffer, an
+/// OpenMP instance its own thread pool and lock). Kokkos 3.4.1 Serial has one instance, and
+/// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
+inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
+
+/// `n` execution-space instances of `Exec`, one per device.
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n) {
+  if constexpr (kokkos_has_instances_v) {
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
+      // partition_space aborts when there are more partitions than pool threads: then one thread each.
+      const int pool = Exec().concurrency();
+      if (static_cast<int>(n) > pool) {
+        std::vector<Exec> v;
+        v.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
+        return v;
+      }
+    }
+#endif
+#if KOKKOS_VERSION >= 40000
+    return Kokkos::Experimental::partition_space(Exec(), std::vector<int>(n, 1));
+#endif
+  }
+  return std::vector<Exec>(n, Exec());
+}
+
+/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
+/// hook (an instance must not outlive Kokkos).
+template <class Exec>
+class device_instance_cache {
+ public:
+  static Exec get(std::size_t device, std::size_t n) {
+    static device_instance_cache cache;
+    std::lock_guard lock(cache.m_);
+    for (auto& [size, v] : cache.sets_)
+      if (size == n) return v[device];
+    if (!cache.hooked_) {
+      cache.hooked_ = true;
+      Kokkos::push_finalize_hook([] {
+        std::lock_guard l(cache.m_);
+        cache.sets_.clear();
+        cache.hooked_ = false;
+      });
+    }
+    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
+    return cache.sets_.back().second[device];
+  }
+
+ private:
+  std::mutex m_;
+  bool hooked_ = false;
+  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+};
+
+/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+template <class Space>
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+}
+
+/// This thread's current instance of `Exec` (null: none installed; kernels use the default).
+template <class Exec>
+const Exec*& current_exec_slot() noexcept {
+  thread_local const Exec* current = nullptr;
+  return current;
+}
+
+/// Installs `instance` as this thread's instance for kernels on memory `Space`, for its lifetime.
+template <class Space>
+class scoped_exec_space {
+ public:
+  using exec_type = exec_space_for_t<Space>;
+  explicit scoped_exec_space(exec_type instance) noexcept
+      : instance_(std::move(instance)), previous_(current_exec_slot<exec_type>()) {
+    current_exec_slot<exec_type>() = &instance_;
+  }
+  ~scoped_exec_space() { current_exec_slot<exec_type>() = previous_; }
+  scoped_exec_space(const scoped_exec_space&) = delete;
+  scoped_exec_space& operator=(const scoped_exec_space&) = delete;
+
+ private:
+  exec_type instance_;
+  const exec_type* previous_;
+};
+
+/// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
+template <class Space>
+exec_space_for_t<Space> current_exec() {
+  using exec_type = exec_space_for_t<Space>;
+  if (const exec_type* e = current_exec_slot<exec_type>()) return *e;
+  return exec_type();
 }
 
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
@@ -4168,7 +4267,8 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
   require_kokkos(label);
   view_t v;
   {
-    std::lock_guard<std::mutex> lock(kokkos_state_mutex());
+    std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
+    if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
@@ -4179,8 +4279,9 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     if constexpr (host_accessible_v<Space>) {
       for (std::size_t i = 0; i < n; ++i) p[i] = T{};
     } else {
-      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
-      Kokkos::fence();
+      const auto exec = current_exec<Space>();
+      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(exec, 0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+      exec.fence();
     }
   }
   return v;
@@ -4194,12 +4295,17 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
-/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for`: the only launch meshlib makes,
-/// because it is the only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
+/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
+/// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
+/// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   if (n == 0) return;
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(0, n), f);
+  const auto exec = current_exec<Space>();
+  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
 }
 
 }  // namespace detail
@@ -4865,6 +4971,193 @@ auto to_host(const X& x) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/tensor/device_workers.hpp
+/// @file
+/// @brief The persistent device worker threads that run global-view operations (elementwise,
+/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+///
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
+/// more than a small kernel; these threads start on first use and wait (blocked, so an
+/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
+/// always run by the same worker (its index in the call's device list), on device `d`'s own
+/// execution-space instance (`device_instance`), so its kernels never queue behind another
+/// device's. Workers are pinned to one core each when the machine has at least as many cores as
+/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
+/// a few launches took 150x longer).
+///
+/// The calling thread runs the first device itself. A global-view operation called from inside
+/// another one (or from a worker) runs its devices one after another instead of waiting for
+/// workers that are busy with its caller.
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+inline bool& in_device_worker() noexcept {
+  thread_local bool inside = false;
+  return inside;
+}
+
+/// The process-wide pool (see the file comment).
+class device_workers {
+ public:
+  static device_workers& get() {
+    static device_workers w;
+    return w;
+  }
+  device_workers(const device_workers&) = delete;
+  device_workers& operator=(const device_workers&) = delete;
+  ~device_workers() {
+    {
+      std::lock_guard l(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
+  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  template <class F>
+  void run(std::size_t count, F& f) {
+    if (count == 0) return;
+    std::vector<std::exception_ptr> errors(count);
+    struct context {
+      F* f;
+      std::exception_ptr* errors;
+    } ctx{&f, errors.data()};
+    auto call = [](void* p, std::size_t i) {
+      auto* c = static_cast<context*>(p);
+      try {
+        (*c->f)(i);
+      } catch (...) {
+        c->errors[i] = std::current_exception();
+      }
+    };
+    if (count == 1 || in_device_worker()) {
+      inside_guard g;
+      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
+    } else {
+      std::lock_guard submit(submit_);
+      grow(count - 1);
+      {
+        std::lock_guard l(m_);
+        job_ = job{call, &ctx, count};
+        remaining_ = count - 1;
+        ++generation_;
+      }
+      work_cv_.notify_all();
+      {
+        inside_guard g;
+        call(&ctx, 0);
+      }
+      std::unique_lock l(m_);
+      done_cv_.wait(l, [&] { return remaining_ == 0; });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  device_workers() = default;
+
+  struct inside_guard {
+    bool previous = in_device_worker();
+    inside_guard() { in_device_worker() = true; }
+    ~inside_guard() { in_device_worker() = previous; }
+  };
+
+  struct job {
+    void (*call)(void*, std::size_t) = nullptr;
+    void* ctx = nullptr;
+    std::size_t count = 0;
+  };
+
+  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
+  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
+  /// with the caller); oversubscribed, they stay free to move to an idle core.
+  void grow(std::size_t n) {
+    if (threads_.size() >= n) return;
+#if defined(__linux__)
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+#endif
+    while (threads_.size() < n) {
+      const std::size_t index = threads_.size() + 1;
+#if defined(__linux__)
+      threads_.emplace_back([this, index, pin, allowed] {
+        if (pin) pin_to(allowed, static_cast<int>(index));
+        serve(index);
+      });
+#else
+      threads_.emplace_back([this, index] { serve(index); });
+#endif
+    }
+  }
+
+  void serve(std::size_t index) {
+    in_device_worker() = true;
+    std::uint64_t seen = 0;
+    std::unique_lock l(m_);
+    for (;;) {
+      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= job_.count) continue;
+      const job j = job_;
+      l.unlock();
+      j.call(j.ctx, index);
+      l.lock();
+      if (--remaining_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex submit_;  // one operation at a time
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+  std::uint64_t generation_ = 0;
+  job job_{};
+  std::size_t remaining_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+};
+
+/// Below this many element operations in all, waking workers costs more than it saves (a wake is
+/// a few microseconds; a host kernel does about a thousand element operations per microsecond).
+inline constexpr std::size_t parallel_work_threshold = std::size_t{1} << 15;
+
+/// Runs `f(d)` for every device `d` in `devices` at once (see the file comment), each on its
+/// execution-space instance for memory space `Space` among `num_devices` devices. `work`: the
+/// element operations of all devices together; below `parallel_work_threshold` the calling thread
+/// runs the devices one after another (still each on its instance).
+template <class Space, class F>
+void for_each_device(std::span<const std::size_t> devices, std::size_t num_devices, std::size_t work, F&& f) {
+  if (devices.empty()) return;
+  (void)device_instance<Space>(0, num_devices);  // made here, not in the workers
+  auto task = [&](std::size_t i) {
+    const std::size_t d = devices[i];
+    scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
+    f(d);
+  };
+  if (work < parallel_work_threshold) {
+    for (std::size_t i = 0; i < devices.size(); ++i) task(i);
+    return;
+  }
+  device_workers::get().run(devices.size(), task);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/tensor/device_workers.hpp
 
 namespace meshlib {
 
@@ -5137,7 +5430,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -5152,8 +5447,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
@@ -5346,8 +5642,9 @@ auto reduce_global(const X& x) {
   // Partial results per local device, over its own block.
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
-  for (std::size_t dev : x.local_devices())
+  for_each_device<space>(x.local_devices(), n, x.size(), [&](std::size_t dev) {
     part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
+  });
   if constexpr (a == 0) {
     if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
@@ -5565,10 +5862,8 @@ auto transpose(const X& x) {
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      for (std::size_t d : x.local_devices()) {
-        blocks[d] = kernel(x.local(d));
-        local[d] = true;
-      }
+      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
       return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
@@ -5701,7 +5996,12 @@ auto gemm_view(const VA& a, const VB& b) {
     ensure_blas_threads();
     auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#if KOKKOS_VERSION >= 40000
+    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
+#else
     if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
 #endif
     return c;
   } else {
@@ -5831,27 +6131,34 @@ auto matmul(const A& a, const B& b) {
   for (std::size_t dev : a.local_devices()) {
     if (!b.is_local(dev))
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
     local[dev] = true;
   }
+  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
+  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
   } else {
     std::vector<typename out_t::view_type> sum(n);
-    for (std::size_t dev : a.local_devices()) {
-      const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
-      T* dst = sum[dev].data();
-      for (std::size_t g : a.mesh().group(dev, c)) {
+    for (std::size_t dev : a.local_devices())
+      for (std::size_t g : a.mesh().group(dev, c))
         if (!local[g])
           throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
+    // Each device sums its group's products in group-rank order (the same bits on every device).
+    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
         for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
       }
-    }
+    });
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
   }
   }
@@ -6202,13 +6509,16 @@ struct thread_backend {
 namespace detail {
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// installed, and turns a device's failure into `device_error`.
+/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
+/// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world));
       scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
       body(device);
     });
   } catch (const participant_error& e) {
@@ -6521,6 +6831,8 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 
 namespace meshlib {
@@ -6584,6 +6896,28 @@ auto all_reduce_over(const L& x) {
   }
 }
 
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
+  }
+}
+
 }  // namespace detail
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
@@ -6592,6 +6926,19 @@ auto all_reduce_over(const L& x) {
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
