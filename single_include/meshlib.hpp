@@ -3628,8 +3628,760 @@ class axis_communicators {
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/kokkos_runtime.hpp
+/// @file
+/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
+/// detection and the process queries build without Kokkos. Including this header makes
+/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
+/// `shutdown` finalise it only when `initialize` was the one that initialised it.
+///
+/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
+/// program that shuts meshlib down and initialises it again must own Kokkos itself
+/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
+/// letting Kokkos fail.
+///
+/// It also holds the Kokkos lifecycle rule every meshlib entry point checks
+/// (`detail::require_kokkos`): Kokkos must be initialised before the first tensor is made and
+/// before any device thread starts, and stay initialised until the last tensor is gone. Without
+/// the check, a forgotten `Kokkos::ScopeGuard` aborts inside a device thread with Kokkos' own
+/// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
+/// the cause nor the fix.
+
+#include <string>
+#include <string_view>
+
+#include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/distributed.hpp
+/// @file
+/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
+///
+/// @code
+/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
+/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
+/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
+/// @endcode
+///
+/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
+/// the same count on every process, checked at start-up). The global devices are numbered
+/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
+/// mesh numbers its devices row-major (the last axis varies fastest), so in
+/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
+/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
+/// inside a process.
+///
+/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
+/// process, index 0, one local device, as JAX does.
+///
+/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
+/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
+/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
+
+#include <cstddef>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// begin meshlib/runtime/errors.hpp
+/// @file
+/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
+/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
+
+
+namespace meshlib {
+
+/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
+/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
+/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
+/// arguments. `what()` names every variable and value involved.
+class distributed_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief Processes that disagree about something every process must share (the process count,
+/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
+/// disagreeing process's value, by the start-up checks that exchange a description of the value.
+class process_mismatch : public distributed_error {
+ public:
+  using distributed_error::distributed_error;
+};
+
+}  // namespace meshlib
+// end meshlib/runtime/errors.hpp
+// begin meshlib/runtime/launcher.hpp
+/// @file
+/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
+/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
+/// environment comes in through an `env_source`, so every launcher is testable in one process.
+///
+/// Sources, and the variables each reads:
+///
+/// | source        | process index         | process count        | local rank                    |
+/// | ------------- | --------------------- | -------------------- | ----------------------------- |
+/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
+/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
+/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
+/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
+///
+/// Rules (the same in `docs/multi-process.md`):
+/// - A source counts as present when its process-index variable is set; its count must then be set
+///   too, both must be decimal numbers, and index < count, else `distributed_error`.
+/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
+///   process itself: every one that is present must agree on (index, count), else
+///   `distributed_error` naming both sources and values. The first present in that order wins.
+/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
+///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
+///   against it only when it claims at least as many processes: the same count must give the same
+///   index, and more tasks than processes is a contradiction.
+/// - No source at all: one process (index 0 of 1), the embedded default.
+
+#include <charconv>
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+
+namespace meshlib::distributed {
+
+/// @brief Where the process index and count came from.
+enum class launcher {
+  none,                ///< nothing set: one process
+  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
+  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
+  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
+  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
+  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
+  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
+  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
+};
+
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::explicit_arguments: return "explicit arguments";
+    case launcher::communicator: return "communicator";
+    case launcher::meshlib_env: return "meshlib environment";
+    case launcher::openmpi: return "OpenMPI";
+    case launcher::mpich: return "MPICH/PMI";
+    case launcher::torchrun: return "torchrun";
+    case launcher::slurm: return "Slurm";
+  }
+  return "unknown";
+}
+inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
+
+/// @brief What detection found: this process's index, the process count, the local rank on its
+/// node when the launcher says, and which source decided.
+struct launch_info {
+  std::size_t process_index = 0;
+  std::size_t process_count = 1;
+  std::optional<std::size_t> local_rank;
+  launcher source = launcher::none;
+
+  friend bool operator==(const launch_info&, const launch_info&) = default;
+  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
+  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
+    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
+    if (i.local_rank) os << ", local rank " << *i.local_rank;
+    return os << ')';
+  }
+};
+
+/// @brief Looks up an environment variable: its value, or nothing when unset.
+using env_source = std::function<std::optional<std::string>(std::string_view)>;
+
+/// @brief The process's own environment (`std::getenv`).
+inline env_source process_env() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+/// @brief An environment given as a map, for tests and for programs that read their configuration
+/// elsewhere.
+inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+/// @brief Values given to `initialize` that override or must agree with the environment.
+struct explicit_launch {
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+};
+
+namespace detail {
+
+struct launcher_vars {
+  launcher source;
+  std::string_view index, count, local;
+};
+
+inline constexpr launcher_vars launcher_table[] = {
+    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
+    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+};
+
+/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
+inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+  std::string_view s = raw;
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  std::size_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
+    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
+                            "' is not a non-negative decimal number");
+  return v;
+}
+
+/// One source's claim, with the text that names it in errors.
+struct claim {
+  launch_info info;
+  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
+};
+
+inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+  const auto idx = env(v.index);
+  if (!idx) return std::nullopt;
+  const auto cnt = env(v.count);
+  if (!cnt)
+    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
+                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
+                            " is not set; set both or neither");
+  claim c;
+  c.info.source = v.source;
+  c.info.process_index = parse_count(v.index, *idx);
+  c.info.process_count = parse_count(v.count, *cnt);
+  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
+           "=" + *cnt + ")";
+  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
+                            "the count, and the count at least 1");
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  return c;
+}
+
+inline std::string describe_claim(const claim& c) {
+  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
+}
+
+}  // namespace detail
+
+/// @brief Detects this process's index and the process count from explicit values, an adopted
+/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
+/// this file's comment.
+/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
+inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  std::vector<detail::claim> direct;
+  if (given.process_id || given.num_processes) {
+    if (!given.process_id || !given.num_processes)
+      throw distributed_error(
+          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
+    detail::claim c;
+    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
+    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
+             ", num_processes=" + std::to_string(*given.num_processes) + ")";
+    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
+                              "than num_processes, and num_processes at least 1");
+    direct.push_back(std::move(c));
+  }
+  if (comm) {
+    detail::claim c;
+    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
+    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
+             std::to_string(comm->second) + ")";
+    direct.push_back(std::move(c));
+  }
+  std::optional<detail::claim> slurm;
+  std::vector<detail::claim> env_claims;
+  for (const auto& v : detail::launcher_table) {
+    auto c = detail::read_launcher(v, env);
+    if (!c) continue;
+    if (v.source == launcher::slurm)
+      slurm = std::move(c);
+    else
+      env_claims.push_back(std::move(*c));
+  }
+  // An adopted communicator is authoritative for the index and count: an application may hand
+  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
+  // only consulted for the local rank then.
+  const bool have_comm = comm.has_value();
+  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
+
+  for (std::size_t i = 1; i < direct.size(); ++i) {
+    const auto& a = direct[0].info;
+    const auto& b = direct[i].info;
+    if (a.process_index != b.process_index || a.process_count != b.process_count)
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                              ", but " + detail::describe_claim(direct[i]) +
+                              "; unset the stale variables or fix the arguments");
+  }
+
+  launch_info out;
+  if (!direct.empty()) {
+    out = direct[0].info;
+    if (slurm && !have_comm) {
+      const auto& s = slurm->info;
+      const bool contradicts = s.process_count > out.process_count ||
+                               (s.process_count == out.process_count && s.process_index != out.process_index);
+      if (contradicts)
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                                ", but " + detail::describe_claim(*slurm) +
+                                "; a Slurm step may start several processes per task but never fewer processes "
+                                "than tasks");
+    }
+  } else if (slurm) {
+    out = slurm->info;
+  }
+  // The local rank: from the winning source, else from any other that sets one.
+  if (!out.local_rank) {
+    for (const auto& c : direct)
+      if (c.info.local_rank) {
+        out.local_rank = c.info.local_rank;
+        break;
+      }
+    if (!out.local_rank)
+      for (const auto& c : env_claims)
+        if (c.info.local_rank) {
+          out.local_rank = c.info.local_rank;
+          break;
+        }
+    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
+  }
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/launcher.hpp
+// begin meshlib/runtime/process_exchange.hpp
+/// @file
+/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
+/// to check at start-up that every process was given the same arguments, and to abort them all
+/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
+/// single process needs none.
+
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace meshlib::distributed {
+
+/// @brief A transport between the processes of one run.
+class process_exchange {
+ public:
+  virtual ~process_exchange() = default;
+  /// This process's rank in the transport.
+  [[nodiscard]] virtual std::size_t rank() const = 0;
+  /// Number of processes in the transport.
+  [[nodiscard]] virtual std::size_t size() const = 0;
+  /// Every process's `mine`, in rank order. Collective: every process calls it.
+  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
+  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
+  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
+};
+
+/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
+class single_process_exchange final : public process_exchange {
+ public:
+  [[nodiscard]] std::size_t rank() const override { return 0; }
+  [[nodiscard]] std::size_t size() const override { return 1; }
+  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
+  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
+};
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/process_exchange.hpp
+
+namespace meshlib::distributed {
+
+/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
+struct options {
+  /// This process's index; with `num_processes`, overrides detection (and must agree with any
+  /// launcher or communicator that is present).
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
+  std::optional<std::size_t> local_device_count;
+  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
+  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
+  bool initialize_kokkos = true;
+  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
+  /// process index and count, and the start-up consistency checks run over it.
+  std::shared_ptr<process_exchange> exchange;
+  /// Where launcher variables are read; default the process environment.
+  env_source env;
+};
+
+namespace detail {
+
+/// Filled by optional headers (Kokkos) so that this one depends on neither.
+struct runtime_hooks {
+  /// Initialises Kokkos when it is not; returns whether it did.
+  bool (*start_kokkos)() = nullptr;
+  void (*stop_kokkos)() = nullptr;
+};
+inline runtime_hooks& hooks() {
+  static runtime_hooks h;
+  return h;
+}
+
+struct runtime_state {
+  bool initialized = false;
+  launch_info launch;
+  std::size_t local_devices = 1;
+  std::shared_ptr<process_exchange> exchange;
+  bool owns_kokkos = false;
+  /// Kokkos 3.x cannot be initialised again in a process once finalised.
+  bool finalized_kokkos = false;
+};
+inline runtime_state& state() {
+  static runtime_state s;
+  return s;
+}
+inline std::recursive_mutex& state_mutex() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+inline std::string describe(const launch_info& l, std::size_t local) {
+  std::ostringstream os;
+  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
+  return os.str();
+}
+
+/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
+inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
+  bool same = true;
+  for (const auto& v : all) same = same && v == all.front();
+  if (same) return;
+  // Group processes by value so a 1024-process run prints each distinct value once.
+  std::map<std::string, std::vector<std::size_t>> by_value;
+  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
+  std::ostringstream os;
+  os << "meshlib: the processes disagree about " << what << ": ";
+  bool first = true;
+  for (const auto& [value, procs] : by_value) {
+    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
+    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
+    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
+    os << (procs.size() == 1 ? " has " : " have ") << value;
+    first = false;
+  }
+  os << "; every process must pass the same value";
+  throw process_mismatch(os.str());
+}
+
+}  // namespace detail
+
+/// @brief Whether `initialize` has run (and `shutdown` has not since).
+[[nodiscard]] inline bool is_initialized() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().initialized;
+}
+
+/// @brief Starts this process's part of a run: detects the process index and count (see
+/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
+/// the program has not, and, with a transport, checks that every process agrees on the process
+/// count and local device count and that no two claim the same index.
+///
+/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
+/// resolves to other values throws `distributed_error` (call `shutdown` first).
+/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
+/// processes disagree.
+inline void initialize(const options& opt = {}) {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  const env_source env = opt.env ? opt.env : process_env();
+
+  std::optional<std::pair<std::size_t, std::size_t>> comm;
+  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
+  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
+
+  std::size_t local = 1;
+  if (opt.local_device_count) {
+    local = *opt.local_device_count;
+  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
+    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
+  }
+  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
+
+  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
+  if (st.initialized) {
+    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
+        st.local_devices == local) {
+      if (!adds_exchange) return;
+      // Initialised from the environment first, now given a transport (mpi::initialize): keep
+      // everything, run the start-up checks over it and keep it.
+    } else {
+      throw distributed_error("meshlib: distributed::initialize was already called as " +
+                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+    }
+  }
+  if (opt.exchange && launch.process_count > 1) {
+    // Every process must see the same world and the same number of devices per process, and the
+    // indices must be a permutation: two processes with one index would hang the first collective.
+    detail::require_equal("the process count and local device count",
+                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
+                                                   std::to_string(local) + " local devices"));
+    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
+    std::map<std::string, std::vector<std::size_t>> seen;
+    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
+    for (const auto& [idx, ranks] : seen)
+      if (ranks.size() > 1)
+        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
+                               std::to_string(ranks[1]) + " both claim process index " + idx +
+                               "; every process needs its own index");
+  }
+
+  if (adds_exchange) {
+    st.exchange = opt.exchange;
+    return;
+  }
+
+  bool owns_kokkos = false;
+  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
+    if (st.finalized_kokkos)
+      throw distributed_error(
+          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
+          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
+          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
+    owns_kokkos = detail::hooks().start_kokkos();
+  }
+
+  st.initialized = true;
+  st.launch = launch;
+  st.local_devices = local;
+  st.exchange = opt.exchange;
+  st.owns_kokkos = owns_kokkos;
+}
+
+/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
+/// and releases the transport (the MPI exchange never frees a communicator it did not create).
+/// Does nothing when not initialised.
+inline void shutdown() {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  if (!st.initialized) return;
+  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
+    detail::hooks().stop_kokkos();
+    st.finalized_kokkos = true;
+  }
+  const bool finalized = st.finalized_kokkos;
+  st = detail::runtime_state{};
+  st.finalized_kokkos = finalized;
+}
+
+/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
+/// the one that initialised: a guard inside an already initialised program changes nothing.
+class guard {
+ public:
+  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
+  guard(const guard&) = delete;
+  guard& operator=(const guard&) = delete;
+  ~guard() {
+    if (owner_) shutdown();
+  }
+
+ private:
+  bool owner_;
+};
+
+/// @brief How this process was launched (the embedded default before `initialize`).
+[[nodiscard]] inline launch_info launch() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().launch;
+}
+/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
+[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
+/// @brief Number of processes in the run (`jax.process_count`).
+[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
+/// @brief Devices each process owns (`jax.local_device_count`).
+[[nodiscard]] inline std::size_t local_device_count() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().local_devices;
+}
+/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
+[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
+/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
+[[nodiscard]] inline std::vector<std::size_t> devices() {
+  std::vector<std::size_t> out(device_count());
+  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
+  return out;
+}
+/// @brief The process that owns global device `device`.
+[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
+/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
+[[nodiscard]] inline std::vector<std::size_t> local_devices() {
+  const std::size_t t = local_device_count();
+  const std::size_t first = process_index() * t;
+  std::vector<std::size_t> out(t);
+  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
+  return out;
+}
+/// @brief Whether global device `device` belongs to this process.
+[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
+
+/// @brief The transport given to `initialize`, or a single-process one.
+[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
+  std::lock_guard lock(detail::state_mutex());
+  if (detail::state().exchange) return detail::state().exchange;
+  static const auto single = std::make_shared<single_process_exchange>();
+  return single;
+}
+
+/// @brief Ends the whole run because of `reason`: prints
+/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
+/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
+[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
+  const auto l = launch();
+  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
+            << std::endl;
+  exchange()->abort(exit_code, reason);
+}
+
+/// @brief Checks that every process passes the same `value` for `what`: a collective over the
+/// transport that throws `process_mismatch` on every process, naming each process's value, so a
+/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
+/// process or without a transport.
+inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
+  std::shared_ptr<process_exchange> ex;
+  {
+    std::lock_guard lock(detail::state_mutex());
+    ex = detail::state().exchange;
+  }
+  if (!ex || ex->size() <= 1) return;
+  detail::require_equal(what, ex->all_gather(value));
+}
+
+/// @brief Checks that `m` covers every device of the run and that every process built the same
+/// mesh (axis names and sizes).
+/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
+/// process) when processes built different meshes.
+template <mesh_type Mesh>
+void check_mesh(const Mesh& m) {
+  const std::size_t n = device_count();
+  if (m.size() != n) {
+    std::ostringstream os;
+    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
+       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
+    throw mesh_error(os.str());
+  }
+  check_same_on_all_processes("the mesh", m.to_string());
+}
+
+/// @brief Builds a mesh over every device of the run and checks it on every process, as
+/// `jax.make_mesh` over `jax.devices()`.
+template <mesh_axis... Axes, class... Sizes>
+mesh<Axes...> make_global_mesh(Sizes... sizes) {
+  mesh<Axes...> m(sizes...);
+  check_mesh(m);
+  return m;
+}
+
+/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
+template <mesh_type Mesh>
+std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
+  std::vector<typename Mesh::coord_type> out;
+  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/distributed.hpp
+
+namespace meshlib {
+
+/// @brief A meshlib entry point was called while Kokkos is not initialised (never was, or was
+/// already finalised). `what()` names the entry point and the fix.
+/// @code
+/// int main(int argc, char** argv) {
+///   Kokkos::ScopeGuard kokkos(argc, argv);  // or meshlib::distributed::guard / meshlib::mpi::guard
+///   meshlib::mesh<meshlib::axis<"x">> m{2};
+///   meshlib::spmd(m, [] {});                // without the guard: throws kokkos_lifecycle_error
+/// }
+/// @endcode
+class kokkos_lifecycle_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+/// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
+inline void require_kokkos(std::string_view what) {
+  if (Kokkos::is_initialized()) [[likely]]
+    return;
+#if KOKKOS_VERSION >= 40000
+  const bool finalized = Kokkos::is_finalized();
+#else
+  const bool finalized = false;  // Kokkos 3.x cannot tell "finalised" from "never initialised"
+#endif
+  throw kokkos_lifecycle_error(
+      "meshlib: " + std::string(what) + ": Kokkos " + (finalized ? "was already finalised" : "is not initialised") +
+      "; hold a Kokkos::ScopeGuard in main() (or meshlib::distributed::guard, or meshlib::mpi::guard with MPI, "
+      "which initialise MPI and Kokkos in the right order) before the first meshlib call and before any device "
+      "thread starts, and keep it alive until every tensor is destroyed");
+}
+
+}  // namespace detail
+}  // namespace meshlib
+
+namespace meshlib::distributed::detail {
+
+inline bool start_kokkos() {
+  if (Kokkos::is_initialized()) return false;
+  Kokkos::initialize();
+  return true;
+}
+
+inline void stop_kokkos() {
+  if (Kokkos::is_initialized()) Kokkos::finalize();
+}
+
+/// Registers the hooks before `main` (an inline variable is initialised once per program).
+inline const bool kokkos_hooks_registered = [] {
+  hooks().start_kokkos = &start_kokkos;
+  hooks().stop_kokkos = &stop_kokkos;
+  return true;
+}();
+
+}  // namespace meshlib::distributed::detail
+// end meshlib/runtime/kokkos_runtime.hpp
 
 namespace meshlib {
 
@@ -3667,16 +4419,113 @@ auto unmanaged(const View& v) {
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
 using exec_space_for_t = std::conditional_t<
-    Kokkos::Impl::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
+    Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
     Kokkos::DefaultHostExecutionSpace>;
 
 template <class Space>
-inline constexpr bool host_accessible_v = Kokkos::Impl::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
-/// The one lock around Kokkos global state (see the file comment).
+/// The one lock around Kokkos global state (see the file comment). Taken on Kokkos 3.x only:
+/// Kokkos 4 counts View references atomically in every build and allocates thread-safely.
 inline std::mutex& kokkos_state_mutex() {
   static std::mutex m;
   return m;
+}
+
+/// Whether device threads may each compute on their own execution-space instance: Kokkos 4 makes
+/// independent instances (`partition_space`; a Serial instance has its own scratch buffer, an
+/// OpenMP instance its own thread pool and lock). Kokkos 3.4.1 Serial has one instance, and
+/// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
+inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
+
+/// `n` execution-space instances of `Exec`, one per device.
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n) {
+  if constexpr (kokkos_has_instances_v) {
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
+      // partition_space aborts when there are more partitions than pool threads: then one thread each.
+      const int pool = Exec().concurrency();
+      if (static_cast<int>(n) > pool) {
+        std::vector<Exec> v;
+        v.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
+        return v;
+      }
+    }
+#endif
+#if KOKKOS_VERSION >= 40000
+    return Kokkos::Experimental::partition_space(Exec(), std::vector<int>(n, 1));
+#endif
+  }
+  return std::vector<Exec>(n, Exec());
+}
+
+/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
+/// hook (an instance must not outlive Kokkos).
+template <class Exec>
+class device_instance_cache {
+ public:
+  static Exec get(std::size_t device, std::size_t n) {
+    static device_instance_cache cache;
+    std::lock_guard lock(cache.m_);
+    for (auto& [size, v] : cache.sets_)
+      if (size == n) return v[device];
+    if (!cache.hooked_) {
+      cache.hooked_ = true;
+      Kokkos::push_finalize_hook([] {
+        std::lock_guard l(cache.m_);
+        cache.sets_.clear();
+        cache.hooked_ = false;
+      });
+    }
+    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
+    return cache.sets_.back().second[device];
+  }
+
+ private:
+  std::mutex m_;
+  bool hooked_ = false;
+  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+};
+
+/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+template <class Space>
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+}
+
+/// This thread's current instance of `Exec` (null: none installed; kernels use the default).
+template <class Exec>
+const Exec*& current_exec_slot() noexcept {
+  thread_local const Exec* current = nullptr;
+  return current;
+}
+
+/// Installs `instance` as this thread's instance for kernels on memory `Space`, for its lifetime.
+template <class Space>
+class scoped_exec_space {
+ public:
+  using exec_type = exec_space_for_t<Space>;
+  explicit scoped_exec_space(exec_type instance) noexcept
+      : instance_(std::move(instance)), previous_(current_exec_slot<exec_type>()) {
+    current_exec_slot<exec_type>() = &instance_;
+  }
+  ~scoped_exec_space() { current_exec_slot<exec_type>() = previous_; }
+  scoped_exec_space(const scoped_exec_space&) = delete;
+  scoped_exec_space& operator=(const scoped_exec_space&) = delete;
+
+ private:
+  exec_type instance_;
+  const exec_type* previous_;
+};
+
+/// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
+template <class Space>
+exec_space_for_t<Space> current_exec() {
+  using exec_type = exec_space_for_t<Space>;
+  if (const exec_type* e = current_exec_slot<exec_type>()) return *e;
+  return exec_type();
 }
 
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
@@ -3686,9 +4535,11 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
+  require_kokkos(label);
   view_t v;
   {
-    std::lock_guard<std::mutex> lock(kokkos_state_mutex());
+    std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
+    if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
@@ -3699,8 +4550,9 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     if constexpr (host_accessible_v<Space>) {
       for (std::size_t i = 0; i < n; ++i) p[i] = T{};
     } else {
-      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
-      Kokkos::fence();
+      const auto exec = current_exec<Space>();
+      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(exec, 0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+      exec.fence();
     }
   }
   return v;
@@ -3714,12 +4566,17 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
-/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for`: the only launch meshlib makes,
-/// because it is the only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
+/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
+/// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
+/// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   if (n == 0) return;
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(0, n), f);
+  const auto exec = current_exec<Space>();
+  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
 }
 
 }  // namespace detail
@@ -4385,6 +5242,193 @@ auto to_host(const X& x) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/tensor/device_workers.hpp
+/// @file
+/// @brief The persistent device worker threads that run global-view operations (elementwise,
+/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+///
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
+/// more than a small kernel; these threads start on first use and wait (blocked, so an
+/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
+/// always run by the same worker (its index in the call's device list), on device `d`'s own
+/// execution-space instance (`device_instance`), so its kernels never queue behind another
+/// device's. Workers are pinned to one core each when the machine has at least as many cores as
+/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
+/// a few launches took 150x longer).
+///
+/// The calling thread runs the first device itself. A global-view operation called from inside
+/// another one (or from a worker) runs its devices one after another instead of waiting for
+/// workers that are busy with its caller.
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+inline bool& in_device_worker() noexcept {
+  thread_local bool inside = false;
+  return inside;
+}
+
+/// The process-wide pool (see the file comment).
+class device_workers {
+ public:
+  static device_workers& get() {
+    static device_workers w;
+    return w;
+  }
+  device_workers(const device_workers&) = delete;
+  device_workers& operator=(const device_workers&) = delete;
+  ~device_workers() {
+    {
+      std::lock_guard l(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
+  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  template <class F>
+  void run(std::size_t count, F& f) {
+    if (count == 0) return;
+    std::vector<std::exception_ptr> errors(count);
+    struct context {
+      F* f;
+      std::exception_ptr* errors;
+    } ctx{&f, errors.data()};
+    auto call = [](void* p, std::size_t i) {
+      auto* c = static_cast<context*>(p);
+      try {
+        (*c->f)(i);
+      } catch (...) {
+        c->errors[i] = std::current_exception();
+      }
+    };
+    if (count == 1 || in_device_worker()) {
+      inside_guard g;
+      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
+    } else {
+      std::lock_guard submit(submit_);
+      grow(count - 1);
+      {
+        std::lock_guard l(m_);
+        job_ = job{call, &ctx, count};
+        remaining_ = count - 1;
+        ++generation_;
+      }
+      work_cv_.notify_all();
+      {
+        inside_guard g;
+        call(&ctx, 0);
+      }
+      std::unique_lock l(m_);
+      done_cv_.wait(l, [&] { return remaining_ == 0; });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  device_workers() = default;
+
+  struct inside_guard {
+    bool previous = in_device_worker();
+    inside_guard() { in_device_worker() = true; }
+    ~inside_guard() { in_device_worker() = previous; }
+  };
+
+  struct job {
+    void (*call)(void*, std::size_t) = nullptr;
+    void* ctx = nullptr;
+    std::size_t count = 0;
+  };
+
+  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
+  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
+  /// with the caller); oversubscribed, they stay free to move to an idle core.
+  void grow(std::size_t n) {
+    if (threads_.size() >= n) return;
+#if defined(__linux__)
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+#endif
+    while (threads_.size() < n) {
+      const std::size_t index = threads_.size() + 1;
+#if defined(__linux__)
+      threads_.emplace_back([this, index, pin, allowed] {
+        if (pin) pin_to(allowed, static_cast<int>(index));
+        serve(index);
+      });
+#else
+      threads_.emplace_back([this, index] { serve(index); });
+#endif
+    }
+  }
+
+  void serve(std::size_t index) {
+    in_device_worker() = true;
+    std::uint64_t seen = 0;
+    std::unique_lock l(m_);
+    for (;;) {
+      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= job_.count) continue;
+      const job j = job_;
+      l.unlock();
+      j.call(j.ctx, index);
+      l.lock();
+      if (--remaining_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex submit_;  // one operation at a time
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+  std::uint64_t generation_ = 0;
+  job job_{};
+  std::size_t remaining_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+};
+
+/// Below this many element operations in all, waking workers costs more than it saves (a wake is
+/// a few microseconds; a host kernel does about a thousand element operations per microsecond).
+inline constexpr std::size_t parallel_work_threshold = std::size_t{1} << 15;
+
+/// Runs `f(d)` for every device `d` in `devices` at once (see the file comment), each on its
+/// execution-space instance for memory space `Space` among `num_devices` devices. `work`: the
+/// element operations of all devices together; below `parallel_work_threshold` the calling thread
+/// runs the devices one after another (still each on its instance).
+template <class Space, class F>
+void for_each_device(std::span<const std::size_t> devices, std::size_t num_devices, std::size_t work, F&& f) {
+  if (devices.empty()) return;
+  (void)device_instance<Space>(0, num_devices);  // made here, not in the workers
+  auto task = [&](std::size_t i) {
+    const std::size_t d = devices[i];
+    scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
+    f(d);
+  };
+  if (work < parallel_work_threshold) {
+    for (std::size_t i = 0; i < devices.size(); ++i) task(i);
+    return;
+  }
+  device_workers::get().run(devices.size(), task);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/tensor/device_workers.hpp
 
 namespace meshlib {
 
@@ -4657,7 +5701,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -4672,8 +5718,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
@@ -4866,8 +5913,9 @@ auto reduce_global(const X& x) {
   // Partial results per local device, over its own block.
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
-  for (std::size_t dev : x.local_devices())
+  for_each_device<space>(x.local_devices(), n, x.size(), [&](std::size_t dev) {
     part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
+  });
   if constexpr (a == 0) {
     if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
@@ -5085,10 +6133,8 @@ auto transpose(const X& x) {
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      for (std::size_t d : x.local_devices()) {
-        blocks[d] = kernel(x.local(d));
-        local[d] = true;
-      }
+      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
       return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
@@ -5221,7 +6267,12 @@ auto gemm_view(const VA& a, const VB& b) {
     ensure_blas_threads();
     auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#if KOKKOS_VERSION >= 40000
+    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
+#else
     if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
 #endif
     return c;
   } else {
@@ -5351,27 +6402,34 @@ auto matmul(const A& a, const B& b) {
   for (std::size_t dev : a.local_devices()) {
     if (!b.is_local(dev))
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
     local[dev] = true;
   }
+  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
+  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
   } else {
     std::vector<typename out_t::view_type> sum(n);
-    for (std::size_t dev : a.local_devices()) {
-      const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
-      T* dst = sum[dev].data();
-      for (std::size_t g : a.mesh().group(dev, c)) {
+    for (std::size_t dev : a.local_devices())
+      for (std::size_t g : a.mesh().group(dev, c))
         if (!local[g])
           throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
+    // Each device sums its group's products in group-rank order (the same bits on every device).
+    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
         for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
       }
-    }
+    });
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
   }
   }
@@ -5574,298 +6632,6 @@ class nonfinite_error : public debug_check_error {
 #include <utility>
 #include <vector>
 
-// begin meshlib/runtime/launcher.hpp
-/// @file
-/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
-/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
-/// environment comes in through an `env_source`, so every launcher is testable in one process.
-///
-/// Sources, and the variables each reads:
-///
-/// | source        | process index         | process count        | local rank                    |
-/// | ------------- | --------------------- | -------------------- | ----------------------------- |
-/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
-/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
-/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
-/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
-/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
-///
-/// Rules (the same in `docs/multi-process.md`):
-/// - A source counts as present when its process-index variable is set; its count must then be set
-///   too, both must be decimal numbers, and index < count, else `distributed_error`.
-/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
-///   process itself: every one that is present must agree on (index, count), else
-///   `distributed_error` naming both sources and values. The first present in that order wins.
-/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
-///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
-///   against it only when it claims at least as many processes: the same count must give the same
-///   index, and more tasks than processes is a contradiction.
-/// - No source at all: one process (index 0 of 1), the embedded default.
-
-#include <charconv>
-#include <cstddef>
-#include <cstdlib>
-#include <functional>
-#include <map>
-#include <optional>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <vector>
-
-// begin meshlib/runtime/errors.hpp
-/// @file
-/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
-/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
-
-
-namespace meshlib {
-
-/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
-/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
-/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
-/// arguments. `what()` names every variable and value involved.
-class distributed_error : public error {
- public:
-  using error::error;
-};
-
-/// @brief Processes that disagree about something every process must share (the process count,
-/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
-/// disagreeing process's value, by the start-up checks that exchange a description of the value.
-class process_mismatch : public distributed_error {
- public:
-  using distributed_error::distributed_error;
-};
-
-}  // namespace meshlib
-// end meshlib/runtime/errors.hpp
-
-namespace meshlib::distributed {
-
-/// @brief Where the process index and count came from.
-enum class launcher {
-  none,                ///< nothing set: one process
-  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
-  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
-  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
-  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
-  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
-  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
-  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
-};
-
-[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
-  switch (l) {
-    case launcher::none: return "none";
-    case launcher::explicit_arguments: return "explicit arguments";
-    case launcher::communicator: return "communicator";
-    case launcher::meshlib_env: return "meshlib environment";
-    case launcher::openmpi: return "OpenMPI";
-    case launcher::mpich: return "MPICH/PMI";
-    case launcher::torchrun: return "torchrun";
-    case launcher::slurm: return "Slurm";
-  }
-  return "unknown";
-}
-inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
-
-/// @brief What detection found: this process's index, the process count, the local rank on its
-/// node when the launcher says, and which source decided.
-struct launch_info {
-  std::size_t process_index = 0;
-  std::size_t process_count = 1;
-  std::optional<std::size_t> local_rank;
-  launcher source = launcher::none;
-
-  friend bool operator==(const launch_info&, const launch_info&) = default;
-  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
-  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
-    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
-    if (i.local_rank) os << ", local rank " << *i.local_rank;
-    return os << ')';
-  }
-};
-
-/// @brief Looks up an environment variable: its value, or nothing when unset.
-using env_source = std::function<std::optional<std::string>(std::string_view)>;
-
-/// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
-  return [](std::string_view name) -> std::optional<std::string> {
-    const char* v = std::getenv(std::string(name).c_str());
-    if (!v) return std::nullopt;
-    return std::string(v);
-  };
-}
-
-/// @brief An environment given as a map, for tests and for programs that read their configuration
-/// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
-  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
-
-/// @brief Values given to `initialize` that override or must agree with the environment.
-struct explicit_launch {
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-};
-
-namespace detail {
-
-struct launcher_vars {
-  launcher source;
-  std::string_view index, count, local;
-};
-
-inline constexpr launcher_vars launcher_table[] = {
-    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
-    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
-    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
-    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-};
-
-/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
-  std::string_view s = raw;
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  std::size_t v = 0;
-  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
-    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
-                            "' is not a non-negative decimal number");
-  return v;
-}
-
-/// One source's claim, with the text that names it in errors.
-struct claim {
-  launch_info info;
-  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
-};
-
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
-  const auto idx = env(v.index);
-  if (!idx) return std::nullopt;
-  const auto cnt = env(v.count);
-  if (!cnt)
-    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
-                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
-                            " is not set; set both or neither");
-  claim c;
-  c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
-  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
-           "=" + *cnt + ")";
-  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
-                            "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
-  return c;
-}
-
-inline std::string describe_claim(const claim& c) {
-  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
-}
-
-}  // namespace detail
-
-/// @brief Detects this process's index and the process count from explicit values, an adopted
-/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
-/// this file's comment.
-/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
-  if (given.process_id || given.num_processes) {
-    if (!given.process_id || !given.num_processes)
-      throw distributed_error(
-          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
-    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
-    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
-             ", num_processes=" + std::to_string(*given.num_processes) + ")";
-    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
-                              "than num_processes, and num_processes at least 1");
-    direct.push_back(std::move(c));
-  }
-  if (comm) {
-    detail::claim c;
-    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
-    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
-             std::to_string(comm->second) + ")";
-    direct.push_back(std::move(c));
-  }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
-  for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
-    if (!c) continue;
-    if (v.source == launcher::slurm)
-      slurm = std::move(c);
-    else
-      env_claims.push_back(std::move(*c));
-  }
-  // An adopted communicator is authoritative for the index and count: an application may hand
-  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
-  // only consulted for the local rank then.
-  const bool have_comm = comm.has_value();
-  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
-
-  for (std::size_t i = 1; i < direct.size(); ++i) {
-    const auto& a = direct[0].info;
-    const auto& b = direct[i].info;
-    if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
-                              "; unset the stale variables or fix the arguments");
-  }
-
-  launch_info out;
-  if (!direct.empty()) {
-    out = direct[0].info;
-    if (slurm && !have_comm) {
-      const auto& s = slurm->info;
-      const bool contradicts = s.process_count > out.process_count ||
-                               (s.process_count == out.process_count && s.process_index != out.process_index);
-      if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
-                                "; a Slurm step may start several processes per task but never fewer processes "
-                                "than tasks");
-    }
-  } else if (slurm) {
-    out = slurm->info;
-  }
-  // The local rank: from the winning source, else from any other that sets one.
-  if (!out.local_rank) {
-    for (const auto& c : direct)
-      if (c.info.local_rank) {
-        out.local_rank = c.info.local_rank;
-        break;
-      }
-    if (!out.local_rank)
-      for (const auto& c : env_claims)
-        if (c.info.local_rank) {
-          out.local_rank = c.info.local_rank;
-          break;
-        }
-    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
-  }
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/launcher.hpp
 
 namespace meshlib {
 
@@ -7020,14 +7786,17 @@ struct thread_backend {
 namespace detail {
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// installed, and turns a device's failure into `device_error`.
+/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
+/// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
       body(device);
     });
   } catch (const participant_error& e) {
@@ -7340,6 +8109,8 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 
 namespace meshlib {
@@ -7403,6 +8174,28 @@ auto all_reduce_over(const L& x) {
   }
 }
 
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
+  }
+}
+
 }  // namespace detail
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
@@ -7411,6 +8204,19 @@ auto all_reduce_over(const L& x) {
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
@@ -8340,10 +9146,12 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
+/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
 template <mesh_type Mesh, class Fn, class Backend = thread_backend>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  detail::require_kokkos("spmd");
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {
@@ -8664,6 +9472,7 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
@@ -8747,380 +9556,6 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend
 /// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
 /// <meshlib/mpi.hpp>.
 
-// begin meshlib/runtime/process_exchange.hpp
-/// @file
-/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
-/// to check at start-up that every process was given the same arguments, and to abort them all
-/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
-/// single process needs none.
-
-#include <cstddef>
-#include <cstdlib>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace meshlib::distributed {
-
-/// @brief A transport between the processes of one run.
-class process_exchange {
- public:
-  virtual ~process_exchange() = default;
-  /// This process's rank in the transport.
-  [[nodiscard]] virtual std::size_t rank() const = 0;
-  /// Number of processes in the transport.
-  [[nodiscard]] virtual std::size_t size() const = 0;
-  /// Every process's `mine`, in rank order. Collective: every process calls it.
-  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
-  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
-  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
-};
-
-/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
-class single_process_exchange final : public process_exchange {
- public:
-  [[nodiscard]] std::size_t rank() const override { return 0; }
-  [[nodiscard]] std::size_t size() const override { return 1; }
-  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
-  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
-};
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/process_exchange.hpp
-// begin meshlib/runtime/distributed.hpp
-/// @file
-/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
-///
-/// @code
-/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
-/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
-/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
-/// @endcode
-///
-/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
-/// the same count on every process, checked at start-up). The global devices are numbered
-/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
-/// mesh numbers its devices row-major (the last axis varies fastest), so in
-/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
-/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
-/// inside a process.
-///
-/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
-/// process, index 0, one local device, as JAX does.
-///
-/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
-/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
-/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
-
-#include <cstddef>
-#include <iostream>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
-struct options {
-  /// This process's index; with `num_processes`, overrides detection (and must agree with any
-  /// launcher or communicator that is present).
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
-  std::optional<std::size_t> local_device_count;
-  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
-  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
-  bool initialize_kokkos = true;
-  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
-  /// process index and count, and the start-up consistency checks run over it.
-  std::shared_ptr<process_exchange> exchange;
-  /// Where launcher variables are read; default the process environment.
-  env_source env;
-};
-
-namespace detail {
-
-/// Filled by optional headers (Kokkos) so that this one depends on neither.
-struct runtime_hooks {
-  /// Initialises Kokkos when it is not; returns whether it did.
-  bool (*start_kokkos)() = nullptr;
-  void (*stop_kokkos)() = nullptr;
-};
-inline runtime_hooks& hooks() {
-  static runtime_hooks h;
-  return h;
-}
-
-struct runtime_state {
-  bool initialized = false;
-  launch_info launch;
-  std::size_t local_devices = 1;
-  std::shared_ptr<process_exchange> exchange;
-  bool owns_kokkos = false;
-  /// Kokkos 3.x cannot be initialised again in a process once finalised.
-  bool finalized_kokkos = false;
-};
-inline runtime_state& state() {
-  static runtime_state s;
-  return s;
-}
-inline std::recursive_mutex& state_mutex() {
-  static std::recursive_mutex m;
-  return m;
-}
-
-inline std::string describe(const launch_info& l, std::size_t local) {
-  std::ostringstream os;
-  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
-  return os.str();
-}
-
-/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
-inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
-  bool same = true;
-  for (const auto& v : all) same = same && v == all.front();
-  if (same) return;
-  // Group processes by value so a 1024-process run prints each distinct value once.
-  std::map<std::string, std::vector<std::size_t>> by_value;
-  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
-  std::ostringstream os;
-  os << "meshlib: the processes disagree about " << what << ": ";
-  bool first = true;
-  for (const auto& [value, procs] : by_value) {
-    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
-    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
-    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
-    os << (procs.size() == 1 ? " has " : " have ") << value;
-    first = false;
-  }
-  os << "; every process must pass the same value";
-  throw process_mismatch(os.str());
-}
-
-}  // namespace detail
-
-/// @brief Whether `initialize` has run (and `shutdown` has not since).
-[[nodiscard]] inline bool is_initialized() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().initialized;
-}
-
-/// @brief Starts this process's part of a run: detects the process index and count (see
-/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
-/// the program has not, and, with a transport, checks that every process agrees on the process
-/// count and local device count and that no two claim the same index.
-///
-/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
-/// resolves to other values throws `distributed_error` (call `shutdown` first).
-/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
-/// processes disagree.
-inline void initialize(const options& opt = {}) {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  const env_source env = opt.env ? opt.env : process_env();
-
-  std::optional<std::pair<std::size_t, std::size_t>> comm;
-  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
-  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
-
-  std::size_t local = 1;
-  if (opt.local_device_count) {
-    local = *opt.local_device_count;
-  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
-    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
-  }
-  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
-
-  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
-  if (st.initialized) {
-    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
-        st.local_devices == local) {
-      if (!adds_exchange) return;
-      // Initialised from the environment first, now given a transport (mpi::initialize): keep
-      // everything, run the start-up checks over it and keep it.
-    } else {
-      throw distributed_error("meshlib: distributed::initialize was already called as " +
-                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                              detail::describe(launch, local) + "; call distributed::shutdown() first");
-    }
-  }
-  if (opt.exchange && launch.process_count > 1) {
-    // Every process must see the same world and the same number of devices per process, and the
-    // indices must be a permutation: two processes with one index would hang the first collective.
-    detail::require_equal("the process count and local device count",
-                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
-                                                   std::to_string(local) + " local devices"));
-    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    std::map<std::string, std::vector<std::size_t>> seen;
-    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
-    for (const auto& [idx, ranks] : seen)
-      if (ranks.size() > 1)
-        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
-                               std::to_string(ranks[1]) + " both claim process index " + idx +
-                               "; every process needs its own index");
-  }
-
-  if (adds_exchange) {
-    st.exchange = opt.exchange;
-    return;
-  }
-
-  bool owns_kokkos = false;
-  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
-    if (st.finalized_kokkos)
-      throw distributed_error(
-          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
-          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
-          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
-    owns_kokkos = detail::hooks().start_kokkos();
-  }
-
-  st.initialized = true;
-  st.launch = launch;
-  st.local_devices = local;
-  st.exchange = opt.exchange;
-  st.owns_kokkos = owns_kokkos;
-}
-
-/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
-/// and releases the transport (the MPI exchange never frees a communicator it did not create).
-/// Does nothing when not initialised.
-inline void shutdown() {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  if (!st.initialized) return;
-  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
-    detail::hooks().stop_kokkos();
-    st.finalized_kokkos = true;
-  }
-  const bool finalized = st.finalized_kokkos;
-  st = detail::runtime_state{};
-  st.finalized_kokkos = finalized;
-}
-
-/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
-/// the one that initialised: a guard inside an already initialised program changes nothing.
-class guard {
- public:
-  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
-  guard(const guard&) = delete;
-  guard& operator=(const guard&) = delete;
-  ~guard() {
-    if (owner_) shutdown();
-  }
-
- private:
-  bool owner_;
-};
-
-/// @brief How this process was launched (the embedded default before `initialize`).
-[[nodiscard]] inline launch_info launch() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().launch;
-}
-/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
-[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
-/// @brief Number of processes in the run (`jax.process_count`).
-[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
-/// @brief Devices each process owns (`jax.local_device_count`).
-[[nodiscard]] inline std::size_t local_device_count() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().local_devices;
-}
-/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
-[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
-/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
-[[nodiscard]] inline std::vector<std::size_t> devices() {
-  std::vector<std::size_t> out(device_count());
-  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
-  return out;
-}
-/// @brief The process that owns global device `device`.
-[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
-/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
-[[nodiscard]] inline std::vector<std::size_t> local_devices() {
-  const std::size_t t = local_device_count();
-  const std::size_t first = process_index() * t;
-  std::vector<std::size_t> out(t);
-  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
-  return out;
-}
-/// @brief Whether global device `device` belongs to this process.
-[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
-
-/// @brief The transport given to `initialize`, or a single-process one.
-[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
-  std::lock_guard lock(detail::state_mutex());
-  if (detail::state().exchange) return detail::state().exchange;
-  static const auto single = std::make_shared<single_process_exchange>();
-  return single;
-}
-
-/// @brief Ends the whole run because of `reason`: prints
-/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
-/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
-[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
-  const auto l = launch();
-  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
-            << std::endl;
-  exchange()->abort(exit_code, reason);
-}
-
-/// @brief Checks that every process passes the same `value` for `what`: a collective over the
-/// transport that throws `process_mismatch` on every process, naming each process's value, so a
-/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
-/// process or without a transport.
-inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
-  std::shared_ptr<process_exchange> ex;
-  {
-    std::lock_guard lock(detail::state_mutex());
-    ex = detail::state().exchange;
-  }
-  if (!ex || ex->size() <= 1) return;
-  detail::require_equal(what, ex->all_gather(value));
-}
-
-/// @brief Checks that `m` covers every device of the run and that every process built the same
-/// mesh (axis names and sizes).
-/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
-/// process) when processes built different meshes.
-template <mesh_type Mesh>
-void check_mesh(const Mesh& m) {
-  const std::size_t n = device_count();
-  if (m.size() != n) {
-    std::ostringstream os;
-    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
-       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
-    throw mesh_error(os.str());
-  }
-  check_same_on_all_processes("the mesh", m.to_string());
-}
-
-/// @brief Builds a mesh over every device of the run and checks it on every process, as
-/// `jax.make_mesh` over `jax.devices()`.
-template <mesh_axis... Axes, class... Sizes>
-mesh<Axes...> make_global_mesh(Sizes... sizes) {
-  mesh<Axes...> m(sizes...);
-  check_mesh(m);
-  return m;
-}
-
-/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
-template <mesh_type Mesh>
-std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
-  std::vector<typename Mesh::coord_type> out;
-  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/distributed.hpp
 // begin meshlib/runtime/process_data.hpp
 /// @file
 /// @brief Per-process data loading: which rows of a global batch this process's devices own under
@@ -9256,42 +9691,6 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
 
 }  // namespace meshlib::distributed
 // end meshlib/runtime/process_data.hpp
-// begin meshlib/runtime/kokkos_runtime.hpp
-/// @file
-/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
-/// detection and the process queries build without Kokkos. Including this header makes
-/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
-/// `shutdown` finalise it only when `initialize` was the one that initialised it.
-///
-/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
-/// program that shuts meshlib down and initialises it again must own Kokkos itself
-/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
-/// letting Kokkos fail.
-
-#include <Kokkos_Core.hpp>
-
-
-namespace meshlib::distributed::detail {
-
-inline bool start_kokkos() {
-  if (Kokkos::is_initialized()) return false;
-  Kokkos::initialize();
-  return true;
-}
-
-inline void stop_kokkos() {
-  if (Kokkos::is_initialized()) Kokkos::finalize();
-}
-
-/// Registers the hooks before `main` (an inline variable is initialised once per program).
-inline const bool kokkos_hooks_registered = [] {
-  hooks().start_kokkos = &start_kokkos;
-  hooks().stop_kokkos = &stop_kokkos;
-  return true;
-}();
-
-}  // namespace meshlib::distributed::detail
-// end meshlib/runtime/kokkos_runtime.hpp
 // end meshlib/runtime.hpp
 // begin meshlib/debug.hpp
 /// @file

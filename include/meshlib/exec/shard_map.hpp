@@ -33,6 +33,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/debug/check_replicated.hpp"
+#include "meshlib/runtime/kokkos_runtime.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
@@ -192,6 +193,7 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
