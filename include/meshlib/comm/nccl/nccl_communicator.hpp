@@ -1,0 +1,898 @@
+#pragma once
+/// @file
+/// @brief The NCCL communicator: one participant per GPU, collectives on device buffers, ordered on
+/// a CUDA stream. Satisfies `communicator`.
+///
+/// @code
+/// // one process per GPU (ids exchanged by MPI: <meshlib/comm/nccl/mpi_bootstrap.hpp>, or by the
+/// // launcher's environment: meshlib::nccl::connect_from_environment in <meshlib/nccl.hpp>)
+/// meshlib::nccl_communicator comm(id, nranks, rank, {.device = local_rank});
+/// float* x = nullptr;
+/// cudaMalloc(&x, n * sizeof(float));
+/// auto r = comm.all_reduce(std::span(x, n), meshlib::reduce_op::sum);   // enqueued on comm.stream()
+/// r.wait();                                                             // or keep computing on the stream
+/// @endcode
+///
+/// Streams. Every communicator is bound to one CUDA stream (`nccl_comm_options::stream`: the
+/// stream of the Kokkos execution-space instance the device computes on, e.g.
+/// `{.stream = Kokkos::Cuda(...)}`, or any `cudaStream_t`; by default a new non-blocking stream
+/// the communicator owns). Every operation enqueues its NCCL calls on that stream, or on the
+/// stream given as its last argument, and returns at once with a request that completes when an
+/// event recorded after the calls does. Kernels before the call on the same stream are ordered
+/// before it, kernels after it see its result: no host synchronisation in between. Buffers are
+/// device memory (checked with `cudaPointerGetAttributes` unless `check_pointers` is off).
+///
+/// Faults. The communicator is created non-blocking (`ncclCommInitRankConfig` with
+/// `blocking = 0`), so no NCCL call blocks the host. `wait()` polls the event and
+/// `ncclCommGetAsyncError` against the timeout (`MESHLIB_COMM_TIMEOUT`, default 60 s); an
+/// asynchronous error or a passed deadline calls `ncclCommAbort` and throws `comm_aborted` or
+/// `comm_timeout` naming the operation and NCCL's error text. After that every operation is
+/// refused with the same root cause. Every CUDA and NCCL return code is checked
+/// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
+/// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
+/// collective, or another count): they end in the timeout.
+///
+/// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
+/// a time, as NCCL's; `abort()` may be called from any thread.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/buffer_checks.hpp"
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/nccl/detail/nccl_types.hpp"
+#include "meshlib/comm/nccl/stream_request.hpp"
+#include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/request.hpp"
+#include "meshlib/comm/thread/options.hpp"
+
+namespace meshlib {
+
+/// @brief The execution context of the NCCL communicator: the CUDA stream an operation is enqueued
+/// on. Default-constructed it means "the communicator's own stream"; it converts from a
+/// `cudaStream_t` and from any execution-space instance with `cuda_stream()` (`Kokkos::Cuda`),
+/// without meshlib including Kokkos' CUDA headers.
+class cuda_stream_ref {
+ public:
+  /// The communicator's bound stream.
+  constexpr cuda_stream_ref() noexcept = default;
+  /// `s` (`nullptr` is CUDA's legacy default stream, not "unset").
+  constexpr cuda_stream_ref(cudaStream_t s) noexcept : stream_(s), given_(true) {}  // NOLINT: implicit, as a stream
+  /// The stream of a Kokkos CUDA execution-space instance (anything with `cuda_stream()`).
+  template <class Exec>
+    requires(!std::same_as<std::remove_cvref_t<Exec>, cuda_stream_ref>) && requires(const Exec& e) {
+      { e.cuda_stream() } -> std::convertible_to<cudaStream_t>;
+    }
+  cuda_stream_ref(const Exec& exec) : cuda_stream_ref(static_cast<cudaStream_t>(exec.cuda_stream())) {}  // NOLINT
+
+  /// Whether a stream was given.
+  [[nodiscard]] constexpr bool given() const noexcept { return given_; }
+  /// The given stream, or `fallback` when none was.
+  [[nodiscard]] constexpr cudaStream_t or_else(cudaStream_t fallback) const noexcept { return given_ ? stream_ : fallback; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  bool given_ = false;
+};
+
+/// @brief Options of an `nccl_communicator`.
+struct nccl_comm_options {
+  /// The GPU of this participant; negative: the calling thread's current device.
+  int device = -1;
+  /// The stream the communicator is bound to; unset: a new non-blocking stream it owns.
+  cuda_stream_ref stream{};
+  /// How long `wait()` lets an operation run before `ncclCommAbort` and `comm_timeout`. Zero or
+  /// negative: no deadline.
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
+  /// pointer would otherwise crash the NCCL kernel). About 0.2 us a buffer; off for measured code.
+  bool check_pointers = true;
+};
+
+namespace detail {
+
+/// Makes `device` the calling thread's current CUDA device for a scope.
+class cuda_device_scope {
+ public:
+  cuda_device_scope(int device, std::string_view what) {
+    check_cuda(cudaGetDevice(&previous_), what, "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), what, "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~cuda_device_scope() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
+  }
+  cuda_device_scope(const cuda_device_scope&) = delete;
+  cuda_device_scope& operator=(const cuda_device_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+/// The NCCL communicator, stream and event pool shared by the handles and requests of one
+/// participant: the `Channel` of `basic_stream_request`.
+struct nccl_comm_state {
+  using event_type = cudaEvent_t;
+
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<void> stream_owner;  ///< holds a stream this communicator (or its parent) created
+  nccl_comm_options options;
+  int* scratch = nullptr;  ///< one device int: the payload of barrier()
+  std::vector<cudaEvent_t> free_events;
+
+  mutable std::mutex mutex;  ///< guards comm against abort() from another thread, and the failure
+  std::atomic<bool> failed{false};
+  bool failed_by_timeout = false;
+  std::string failure;
+
+  nccl_comm_state() = default;
+  nccl_comm_state(const nccl_comm_state&) = delete;
+  nccl_comm_state& operator=(const nccl_comm_state&) = delete;
+
+  ~nccl_comm_state() {
+    int previous = 0;
+    const bool have_device = cudaGetDevice(&previous) == cudaSuccess;
+    if (have_device && previous != device) (void)cudaSetDevice(device);
+    if (comm != nullptr && !failed.load()) {
+      // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
+      // within the timeout (a peer is gone) is an abort.
+      bool clean = ncclCommFinalize(comm) != ncclSuccess ? false : true;
+      if (clean) clean = settle_for_destroy();
+      if (clean) (void)ncclCommDestroy(comm);
+      else (void)ncclCommAbort(comm);
+    }
+    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
+    if (scratch != nullptr) (void)cudaFree(scratch);
+    if (have_device && previous != device) (void)cudaSetDevice(previous);
+  }
+
+  /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
+  [[nodiscard]] std::string describe(std::string_view op) const {
+    return std::string(op) + " on NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " (GPU " +
+           std::to_string(device) + ")";
+  }
+  [[nodiscard]] long long timeout_ms() const noexcept {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
+  }
+
+  /// One look at `event` and at the communicator's asynchronous error; never blocks.
+  stream_poll poll(cudaEvent_t event) {
+    std::lock_guard lock(mutex);
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return stream_poll::complete();
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
+    }
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
+    if (rc != ncclSuccess) return stream_poll::failed("ncclCommGetAsyncError failed: " + nccl_result_text(rc), false);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const char* last = ncclGetLastError(comm);
+      return stream_poll::failed(nccl_result_text(async) + (last != nullptr && *last ? std::string(": ") + last : ""));
+    }
+    return stream_poll::pending();
+  }
+
+  /// Aborts the NCCL communicator (its kernels stop, peers see ncclRemoteError) and records why;
+  /// later operations are refused with `reason`. Idempotent, callable from any thread.
+  void abort(const std::string& reason, bool by_timeout = false) {
+    std::lock_guard lock(mutex);
+    if (failed.load()) return;
+    constexpr std::string_view prefix = "meshlib: ";
+    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
+    failed_by_timeout = by_timeout;
+    failed.store(true);
+    if (comm != nullptr) {
+      cuda_device_guard_noexcept g(device);
+      (void)ncclCommAbort(comm);
+    }
+  }
+
+  cudaEvent_t acquire_event(std::string_view what) {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
+    return e;
+  }
+  void release(cudaEvent_t e) noexcept {
+    try {
+      free_events.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+
+ private:
+  struct cuda_device_guard_noexcept {
+    int previous = -1;
+    explicit cuda_device_guard_noexcept(int d) noexcept {
+      if (cudaGetDevice(&previous) == cudaSuccess && previous != d) (void)cudaSetDevice(d);
+    }
+    ~cuda_device_guard_noexcept() {
+      if (previous >= 0) (void)cudaSetDevice(previous);
+    }
+  };
+  bool settle_for_destroy() noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::hours(1));
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess) return false;
+      if (async == ncclSuccess) return true;
+      if (async != ncclInProgress || std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::yield();
+    }
+  }
+};
+
+}  // namespace detail
+
+/// @brief The request of the NCCL communicator: completes when the event recorded after the
+/// operation's NCCL calls does (see `basic_stream_request`).
+using nccl_request = basic_stream_request<detail::nccl_comm_state>;
+
+/// @brief One GPU's handle on an NCCL communicator. Copies share it.
+class nccl_communicator {
+ public:
+  using is_communicator = void;
+  using request_type = nccl_request;
+  using context_type = cuda_stream_ref;
+
+  /// An empty handle; only assignable and destructible.
+  nccl_communicator() = default;
+
+  /// @brief Joins the group of `nranks` participants that share `id` as participant `rank`
+  /// (collective over the group: every participant makes this call, each with its own GPU).
+  /// @throws comm_argument_error for a rank outside [0, nranks) or a device that does not exist;
+  /// comm_timeout when the group is not complete within the timeout; comm_error when NCCL fails.
+  nccl_communicator(const ncclUniqueId& id, int nranks, int rank, nccl_comm_options options = {}) {
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+      throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
+                                " is outside a group of " + std::to_string(nranks) +
+                                " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    auto s = make_state(options, rank, nranks, "nccl_communicator");
+    {
+      detail::cuda_device_scope g(s->device, "nccl_communicator");
+      ncclConfig_t config = nonblocking_config();
+      ncclUniqueId copy = id;
+      init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
+    }
+    state_ = std::move(s);
+  }
+
+  /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
+  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
+
+  /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
+  [[nodiscard]] static ncclUniqueId new_unique_id() {
+    ncclUniqueId id{};
+    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
+    return id;
+  }
+
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// The GPU of this participant.
+  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The stream the communicator is bound to.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// NCCL's communicator, for calls meshlib does not wrap.
+  [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
+  [[nodiscard]] const nccl_comm_options& options() const {
+    require_valid("options");
+    return state_->options;
+  }
+  /// Whether the communicator has failed (aborted, or an operation timed out).
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
+
+  /// @brief Aborts the communicator (`ncclCommAbort`): outstanding operations of every participant
+  /// end in `comm_aborted` naming `reason`. Any thread may call it.
+  void abort(std::string_view reason) {
+    require_valid("abort");
+    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
+  }
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], on every rank (`ncclAllReduce`).
+  template <nccl_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type ctx = {}) {
+    constexpr std::string_view k = "all_reduce";
+    check_out_of_place(k, send, recv, send.size());
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclAllReduce", ncclAllReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op),
+                                             state_->comm, s));
+    });
+  }
+  /// @brief In-place all_reduce.
+  template <nccl_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr std::string_view k = "all_reduce";
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclAllReduce",
+           ncclAllReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
+    });
+  }
+
+  /// @brief Only `root` receives the reduction (`ncclReduce`); recv is ignored elsewhere.
+  template <nccl_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type ctx = {}) {
+    constexpr std::string_view k = "reduce";
+    check_root(k, root);
+    if (rank() == root) check_out_of_place(k, send, recv, send.size());
+    else check_device(k, "send", send.data(), send.size_bytes());
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclReduce", ncclReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op), root,
+                                       state_->comm, s));
+    });
+  }
+  /// @brief In-place reduce: root's buf receives the result.
+  template <nccl_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
+    constexpr std::string_view k = "reduce";
+    check_root(k, root);
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclReduce",
+           ncclReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), root, state_->comm, s));
+    });
+  }
+
+  /// @brief recv = block `rank()` of the reduction of every rank's send (`ncclReduceScatter`).
+  template <nccl_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type ctx = {}) {
+    constexpr std::string_view k = "reduce_scatter";
+    check_usable(k);
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul(k, count);
+    if (send.size() < total)
+      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                          std::to_string(total) + " are needed");
+    check_out_of_place(k, send.first(total), recv, count);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclReduceScatter", ncclReduceScatter(send.data(), recv.data(), count, nccl_datatype_of<T>,
+                                                     to_nccl(op), state_->comm, s));
+    });
+  }
+  /// @brief In-place reduce_scatter: the result lands in block `rank()` of buf (NCCL's in-place form).
+  template <nccl_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr std::string_view k = "reduce_scatter";
+    const std::size_t c = blocks_of(k, buf.size());
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclReduceScatter", ncclReduceScatter(buf.data(), buf.data() + static_cast<std::size_t>(rank()) * c, c,
+                                                     nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
+    });
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send, read on root only (`ncclBroadcast`).
+  template <nccl_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type ctx = {}) {
+    constexpr std::string_view k = "broadcast";
+    check_root(k, root);
+    if (rank() == root) {
+      check_out_of_place(k, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
+                            std::to_string(recv.size()) + " are broadcast");
+    } else {
+      check_device(k, "receive", recv.data(), recv.size_bytes());
+    }
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclBroadcast",
+           ncclBroadcast(send.data(), recv.data(), recv.size(), nccl_datatype_of<T>, root, state_->comm, s));
+    });
+  }
+  /// @brief In-place broadcast.
+  template <nccl_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
+    constexpr std::string_view k = "broadcast";
+    check_root(k, root);
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclBroadcast",
+           ncclBroadcast(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, root, state_->comm, s));
+    });
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...] (`ncclAllGather`).
+  template <nccl_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr std::string_view k = "all_gather";
+    check_out_of_place(k, send, recv, checked_mul(k, send.size()));
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclAllGather",
+           ncclAllGather(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, state_->comm, s));
+    });
+  }
+  /// @brief In-place all_gather: the own block is already at block `rank()` of buf.
+  template <nccl_element T>
+  request_type all_gather(std::span<T> buf, context_type ctx = {}) {
+    constexpr std::string_view k = "all_gather";
+    const std::size_t c = blocks_of(k, buf.size());
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclAllGather", ncclAllGather(buf.data() + static_cast<std::size_t>(rank()) * c, buf.data(), c,
+                                             nccl_datatype_of<T>, state_->comm, s));
+    });
+  }
+
+  /// @brief Block j of send goes to rank j, landing in its block `rank()` (grouped
+  /// `ncclSend`/`ncclRecv`: NCCL has no all-to-all).
+  template <nccl_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr std::string_view k = "all_to_all";
+    const std::size_t c = blocks_of(k, send.size());
+    check_out_of_place(k, send, recv, send.size());
+    return enqueue(k, ctx, [&](cudaStream_t s) { exchange_blocks<T>(k, send.data(), recv.data(), c, s); });
+  }
+  /// @brief In-place all_to_all (through a stream-ordered scratch copy).
+  template <nccl_element T>
+  request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
+    constexpr std::string_view k = "all_to_all";
+    const std::size_t c = blocks_of(k, buf.size());
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      with_copy<T>(k, buf, s, [&](const T* copy) { exchange_blocks<T>(k, copy, buf.data(), c, s); });
+    });
+  }
+
+  /// @brief all_to_all with a count and displacement (elements) per peer (grouped send/recv).
+  template <nccl_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type ctx = {}) {
+    constexpr std::string_view k = "all_to_all_v";
+    check_usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    check_device(k, "send", send.data(), send.size_bytes());
+    check_device(k, "receive", recv.data(), recv.size_bytes());
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      group(k, [&] {
+        for (int p = 0; p < size(); ++p) {
+          const auto i = static_cast<std::size_t>(p);
+          if (send_counts[i] > 0)
+            call(k, "ncclSend", ncclSend(send.data() + send_displs[i], static_cast<std::size_t>(send_counts[i]),
+                                         nccl_datatype_of<T>, p, state_->comm, s));
+          if (recv_counts[i] > 0)
+            call(k, "ncclRecv", ncclRecv(recv.data() + recv_displs[i], static_cast<std::size_t>(recv_counts[i]),
+                                         nccl_datatype_of<T>, p, state_->comm, s));
+        }
+      });
+    });
+  }
+
+  /// @brief recv gets the send of the pair whose destination this rank is, or zeros (as JAX):
+  /// grouped `ncclSend`/`ncclRecv`, `cudaMemsetAsync` where no pair sends here.
+  template <nccl_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr std::string_view k = "ppermute";
+    check_pairs(k, pairs);
+    check_out_of_place(k, send, recv, send.size());
+    return enqueue(k, ctx, [&](cudaStream_t s) { permute<T>(k, send.data(), recv.data(), send.size(), pairs, s); });
+  }
+  /// @brief In-place ppermute (through a stream-ordered scratch copy).
+  template <nccl_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr std::string_view k = "ppermute";
+    check_pairs(k, pairs);
+    check_buffers(k, buf);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      with_copy<T>(k, buf, s, [&](const T* copy) { permute<T>(k, copy, buf.data(), buf.size(), pairs, s); });
+    });
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest` (`ncclSend`). NCCL has no tags: `tag` must be 0, and messages
+  /// between two ranks match in order. Completes when the peer has received (NCCL does not buffer).
+  template <class T>
+    requires nccl_element<T>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
+    constexpr std::string_view k = "send";
+    check_usable(k);
+    check_peer(k, dest, "destination");
+    check_tag(k, tag);
+    check_device(k, "send", buf.data(), buf.size_bytes());
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclSend", ncclSend(buf.data(), buf.size(), nccl_datatype_of<std::remove_cv_t<T>>, dest, state_->comm, s));
+    });
+  }
+  /// @brief Receives the next message from `source` into buf (`ncclRecv`); `tag` must be 0.
+  template <nccl_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
+    constexpr std::string_view k = "recv";
+    check_usable(k);
+    check_peer(k, source, "source");
+    check_tag(k, tag);
+    check_device(k, "receive", buf.data(), buf.size_bytes());
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclRecv", ncclRecv(buf.data(), buf.size(), nccl_datatype_of<T>, source, state_->comm, s));
+    });
+  }
+
+  // ---- synchronisation and groups --------------------------------------------------------------
+
+  /// @brief Completes once every rank has reached it: an `ncclAllReduce` of one int (NCCL has no
+  /// barrier). Ordered on the stream like every operation; `wait()` on the request to block.
+  request_type barrier(context_type ctx = {}) {
+    constexpr std::string_view k = "barrier";
+    check_usable(k);
+    return enqueue(k, ctx, [&](cudaStream_t s) {
+      call(k, "ncclAllReduce",
+           ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
+    });
+  }
+
+  /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
+  /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
+  nccl_communicator split(int color, int key) {
+    constexpr std::string_view k = "split";
+    check_usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = state_->options;
+    s->device = state_->device;
+    s->stream = state_->stream;
+    s->stream_owner = state_->stream_owner;
+    {
+      detail::cuda_device_scope g(s->device, state_->describe(k));
+      ncclConfig_t config = nonblocking_config();
+      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
+      if (rc != ncclSuccess && rc != ncclInProgress) {
+        fail_with(k, "ncclCommSplit", rc);
+      }
+      settle_new(*s, state_->describe(k), "ncclCommSplit");
+      call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
+      call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
+      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
+    }
+    return nccl_communicator(std::move(s));
+  }
+
+  // ---- for creation functions ------------------------------------------------------------------
+
+  /// The non-blocking configuration every meshlib NCCL communicator is made with.
+  [[nodiscard]] static ncclConfig_t nonblocking_config() noexcept {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    return config;
+  }
+  /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
+  /// communicator yet.
+  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
+                                                                           int nranks, std::string_view what) {
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = options;
+    s->rank = rank;
+    s->size = nranks;
+    int count = 0;
+    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+    int device = options.device;
+    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    if (device >= count)
+      throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
+                                " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
+    s->device = device;
+    detail::cuda_device_scope g(device, what);
+    if (options.stream.given()) {
+      s->stream = options.stream.or_else(nullptr);
+    } else {
+      cudaStream_t st = nullptr;
+      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
+      s->stream = st;
+      s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
+        int prev = 0;
+        const bool ok = cudaGetDevice(&prev) == cudaSuccess;
+        (void)cudaSetDevice(device);
+        (void)cudaStreamDestroy(static_cast<cudaStream_t>(p));
+        if (ok) (void)cudaSetDevice(prev);
+      });
+    }
+    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
+    return s;
+  }
+  /// Checks the result of a communicator-creating call and polls the new communicator until it is
+  /// ready (non-blocking creation returns ncclInProgress), against the timeout.
+  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
+    const std::string what = s.describe("nccl_communicator creation");
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
+    settle_new(s, what, call_name);
+  }
+
+ private:
+  // ---- enqueueing ------------------------------------------------------------------------------
+
+  template <class F>
+  request_type enqueue(std::string_view k, context_type ctx, F&& calls) {
+    detail::cuda_device_scope g(state_->device, state_->describe(k));
+    const cudaStream_t s = ctx.or_else(state_->stream);
+    calls(s);
+    cudaEvent_t ev = state_->acquire_event(state_->describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+  /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
+  void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    if (rc == ncclSuccess) return;
+    if (rc == ncclInProgress) {
+      settle(k, name);
+      return;
+    }
+    fail_with(k, name, rc);
+  }
+  [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    const char* last = ncclGetLastError(state_->comm);
+    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
+                                                            last != nullptr ? std::string_view(last) : std::string_view{});
+    // Argument errors leave the communicator usable; anything else may have left it half-way
+    // through a collective, so it is aborted and later calls are refused.
+    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
+    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
+  }
+  void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
+    if (rc == cudaSuccess) return;
+    detail::check_cuda(rc, state_->describe(k), name);
+  }
+  /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
+  void settle(std::string_view k, std::string_view name) const {
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
+      if (rc != ncclSuccess) fail_with(k, "ncclCommGetAsyncError", rc);
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) fail_with(k, name, async);
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        const std::string m = "meshlib: " + state_->describe(k) + ": " + std::string(name) +
+                              " was not issued within the communicator's timeout (" +
+                              std::to_string(state_->timeout_ms()) + " ms); the communicator was aborted";
+        state_->abort(m, true);
+        throw comm_timeout(m);
+      }
+      std::this_thread::yield();
+    }
+  }
+  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+    const auto deadline = s.options.timeout.count() > 0
+                              ? std::optional(std::chrono::steady_clock::now() + s.options.timeout)
+                              : std::nullopt;
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
+      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) {
+        const std::string last = ncclGetLastError(s.comm);
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        detail::check_nccl(async, what, name, last.c_str());
+      }
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        throw comm_timeout("meshlib: " + what + ": " + std::string(name) + " did not complete within the timeout (" +
+                           std::to_string(s.timeout_ms()) + " ms); not every participant joined the group");
+      }
+      std::this_thread::yield();
+    }
+  }
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> deadline_from_now() const {
+    if (state_->options.timeout.count() <= 0) return std::nullopt;
+    return std::chrono::steady_clock::now() + state_->options.timeout;
+  }
+  /// Runs the NCCL calls of `body` as one group (`ncclGroupStart`/`ncclGroupEnd`).
+  template <class F>
+  void group(std::string_view k, F&& body) const {
+    call(k, "ncclGroupStart", ncclGroupStart());
+    try {
+      body();
+    } catch (...) {
+      (void)ncclGroupEnd();
+      throw;
+    }
+    call(k, "ncclGroupEnd", ncclGroupEnd());
+  }
+  template <class T>
+  void exchange_blocks(std::string_view k, const T* send, T* recv, std::size_t c, cudaStream_t s) const {
+    group(k, [&] {
+      for (int p = 0; p < size(); ++p) {
+        const std::size_t off = static_cast<std::size_t>(p) * c;
+        call(k, "ncclSend", ncclSend(send + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+        call(k, "ncclRecv", ncclRecv(recv + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+      }
+    });
+  }
+  template <class T>
+  void permute(std::string_view k, const T* send, T* recv, std::size_t n, std::span<const permute_pair> pairs,
+               cudaStream_t s) const {
+    const int me = rank();
+    const permute_pair* incoming = nullptr;
+    for (const auto& p : pairs)
+      if (p.dest == me) incoming = &p;
+    if (incoming == nullptr) {
+      cuda_call(k, "cudaMemsetAsync", cudaMemsetAsync(recv, 0, n * sizeof(T), s));  // all-zero bits are 0 in every type
+    } else if (incoming->source == me) {
+      cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(recv, send, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    }
+    group(k, [&] {
+      for (const auto& p : pairs) {
+        if (p.source == p.dest) continue;
+        if (p.source == me) call(k, "ncclSend", ncclSend(send, n, nccl_datatype_of<T>, p.dest, state_->comm, s));
+        if (p.dest == me) call(k, "ncclRecv", ncclRecv(recv, n, nccl_datatype_of<T>, p.source, state_->comm, s));
+      }
+    });
+  }
+  /// Runs `body(copy)` with a stream-ordered device copy of buf (`cudaMallocAsync`, freed after).
+  template <class T, class F>
+  void with_copy(std::string_view k, std::span<T> buf, cudaStream_t s, F&& body) const {
+    if (buf.empty()) {
+      body(static_cast<const T*>(nullptr));
+      return;
+    }
+    void* copy = nullptr;
+    cuda_call(k, "cudaMallocAsync", cudaMallocAsync(&copy, buf.size_bytes(), s));
+    struct release {
+      void* p;
+      cudaStream_t s;
+      ~release() { (void)cudaFreeAsync(p, s); }
+    } r{copy, s};
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(copy, buf.data(), buf.size_bytes(), cudaMemcpyDeviceToDevice, s));
+    body(static_cast<const T*>(copy));
+  }
+
+  // ---- checks ----------------------------------------------------------------------------------
+
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty nccl_communicator handle (default-constructed or moved from)");
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    if (state_->failed.load()) {
+      std::lock_guard lock(state_->mutex);
+      const std::string m = "meshlib: refused " + state_->describe(k) + ": the communicator has failed: " + state_->failure;
+      if (state_->failed_by_timeout) throw comm_timeout(m);
+      throw comm_aborted(m);
+    }
+  }
+  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
+    throw comm_argument_error("meshlib: invalid argument to " + state_->describe(k) + ": " + what);
+  }
+  void check_root(std::string_view k, int root) const {
+    check_usable(k);
+    if (root < 0 || root >= size())
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
+  }
+  void check_peer(std::string_view k, int peer, const char* what) const {
+    if (peer < 0 || peer >= size())
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(size()) + ")");
+  }
+  void check_tag(std::string_view k, int tag) const {
+    if (tag != 0)
+      bad_argument(k, "tag " + std::to_string(tag) +
+                          " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
+  }
+  [[nodiscard]] std::size_t checked_mul(std::string_view k, std::size_t count) const {
+    if (count != 0 && static_cast<std::size_t>(size()) > std::numeric_limits<std::size_t>::max() / count)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(size()) + " ranks overflows");
+    return count * static_cast<std::size_t>(size());
+  }
+  [[nodiscard]] std::size_t blocks_of(std::string_view k, std::size_t n) const {
+    check_usable(k);
+    if (n % static_cast<std::size_t>(size()) != 0)
+      bad_argument(k, "buffer of " + std::to_string(n) + " elements does not split into " + std::to_string(size()) +
+                          " equal blocks (one per rank)");
+    return n / static_cast<std::size_t>(size());
+  }
+  template <class T>
+  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    check_usable(k);
+    const std::string problem = detail::out_of_place_problem(send, recv, needed);
+    if (!problem.empty()) bad_argument(k, problem);
+    check_device(k, "send", send.data(), send.size_bytes());
+    check_device(k, "receive", recv.data(), recv.size_bytes());
+  }
+  template <class T>
+  void check_buffers(std::string_view k, std::span<T> buf) const {
+    check_usable(k);
+    check_device(k, "the", buf.data(), buf.size_bytes());
+  }
+  /// A buffer must be device memory (or managed memory) of this GPU.
+  void check_device(std::string_view k, std::string_view name, const void* p, std::size_t bytes) const {
+    if (!state_->options.check_pointers || bytes == 0) return;
+    cudaPointerAttributes a{};
+    const cudaError_t rc = cudaPointerGetAttributes(&a, p);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      bad_argument(k, std::string(name) + " buffer is not memory CUDA knows (" + detail::cuda_error_text(rc) +
+                          "); NCCL moves device memory");
+    }
+    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+      bad_argument(k, std::string(name) +
+                          " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)");
+    if (a.type == cudaMemoryTypeDevice && a.device != state_->device)
+      bad_argument(k, std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
+                          std::to_string(state_->device));
+  }
+  void check_pairs(std::string_view k, std::span<const permute_pair> pairs) const {
+    check_usable(k);
+    std::vector<char> src(static_cast<std::size_t>(size()), 0), dst(static_cast<std::size_t>(size()), 0);
+    for (const auto& p : pairs) {
+      check_peer(k, p.source, "source");
+      check_peer(k, p.dest, "destination");
+      if (src[static_cast<std::size_t>(p.source)]++ != 0)
+        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of more than one pair");
+      if (dst[static_cast<std::size_t>(p.dest)]++ != 0)
+        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of more than one pair");
+    }
+  }
+  void check_layout(std::string_view k, const char* side, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    if (counts.size() != static_cast<std::size_t>(size()) || displs.size() != static_cast<std::size_t>(size()))
+      bad_argument(k, std::string(side) + " counts and displacements need one entry per rank (" + std::to_string(size()) +
+                          "), got " + std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      if (counts[i] < 0 || displs[i] < 0)
+        bad_argument(k, std::string(side) + " count or displacement for rank " + std::to_string(i) + " is negative");
+      if (static_cast<std::uint64_t>(counts[i]) + static_cast<std::uint64_t>(displs[i]) > buffer)
+        bad_argument(k, std::string(side) + " block of rank " + std::to_string(i) + " ends at element " +
+                            std::to_string(counts[i] + displs[i]) + ", past the buffer's " + std::to_string(buffer));
+    }
+  }
+
+  std::shared_ptr<detail::nccl_comm_state> state_;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
