@@ -196,5 +196,40 @@ int main(int argc, char** argv) {
   }, options);
   if (n < 2)
     std::printf("\n# one GPU: NCCL copies within it, so busbw is 0 by definition; several ranks need several GPUs\n");
+
+  // Several mesh devices sharing GPU 0: all_reduce against the device-to-device copy of the same
+  // size (target: algbw at least 0.7x the copy's at 256 MiB).
+  std::printf("\n# several mesh devices on GPU 0 (shared_gpu_communicator), all_reduce float32, in place\n");
+  std::printf("%8s %12s %10s %12s %12s %8s\n", "devices", "size(B)", "time(us)", "algbw(GB/s)", "memcpy(GB/s)", "ratio");
+  for (int devices : {2, 4}) {
+    for (std::size_t bytes : {std::size_t{1} << 20, std::size_t{16} << 20, std::size_t{256} << 20}) {
+      if (bytes > max_bytes) continue;
+      const std::size_t elems = bytes / sizeof(float);
+      const int iters = iterations_for(bytes);
+      double t = 0;
+      double copy = 0;
+      ml::run_on_shared_gpu(devices, [&](ml::shared_gpu_communicator& c) {
+        float* x = nullptr;
+        ok(cudaMalloc(&x, bytes), "cudaMalloc");
+        ok(cudaMemset(x, 0, bytes), "cudaMemset");
+        const cudaStream_t s = c.stream();
+        c.barrier().wait();
+        const double mine = time_on_stream(s, iters, [&] { (void)c.all_reduce(std::span<float>(x, elems), ml::reduce_op::sum); });
+        c.barrier().wait();
+        if (c.rank() == 0) {
+          float* y = nullptr;
+          ok(cudaMalloc(&y, bytes), "cudaMalloc");
+          copy = time_on_stream(s, iters, [&] { ok(cudaMemcpyAsync(y, x, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync"); });
+          cudaFree(y);
+          t = mine;
+        }
+        c.barrier().wait();
+        cudaFree(x);
+      }, {.device = 0});
+      const double algbw = static_cast<double>(bytes) / t / 1e9;
+      const double cbw = static_cast<double>(bytes) / copy / 1e9;
+      std::printf("%8d %12zu %10.2f %12.2f %12.2f %8.3f\n", devices, bytes, t * 1e6, algbw, cbw, algbw / cbw);
+    }
+  }
   return 0;
 }

@@ -9,7 +9,7 @@
 #   2. builds meshlib's NCCL targets with the host compiler (nccl_host_tests, nccl_device_tests,
 #      nccl_bench) in $BUILD_DIR (default build-gpu/meshlib; BUILD_DIR=build reuses the test build);
 #   3. runs the host tests, then the device tests: every collective against host results on one
-#      NCCL rank per GPU (one rank on one GPU);
+#      NCCL rank per GPU (one rank on one GPU), and on 1, 3 and 4 mesh devices sharing GPU 0;
 #   4. builds Kokkos 4.6.01 with CUDA (-DKokkos_ENABLE_CUDA=ON -DKokkos_ARCH_HOPPER90=ON) from
 #      ../shared/vendor/kokkos-4.6.01.tar.gz (or $KOKKOS_TARBALL), cached in build-gpu/kokkos-cuda,
 #      and with it tests/device/kokkos_cuda: a Kokkos kernel, an NCCL all_reduce and a second kernel
@@ -17,7 +17,8 @@
 #   5. the flagship training example on the GPU mesh, where it can run there;
 #   6. nccl_bench: nccl-tests rows (bytes, time, algbw, busbw) of all_reduce, all_gather and
 #      reduce_scatter from 8 B to --max-bytes (1 GiB), with raw NCCL and cudaMemcpy device-to-device
-#      bandwidth in the same run, and the wrapper overhead over ncclAllReduce at 8 B.
+#      bandwidth in the same run, the wrapper overhead over ncclAllReduce at 8 B, and all_reduce
+#      between 2 and 4 mesh devices sharing GPU 0 against the device-to-device copy bandwidth.
 # Exit status: 0 when everything that ran passed (skips included), 1 when something failed.
 set -uo pipefail
 
@@ -102,8 +103,10 @@ step "3. NCCL tests"
 if [ $built -eq 1 ]; then
   run_test "nccl_host_tests (mapping, errors, request state machine, argument checks)" \
     "$BUILD_DIR/tests/unit/nccl/nccl_host_tests"
-  run_test "nccl_device_tests: every collective vs host results on $gpus NCCL rank(s), one per GPU" \
-    "$BUILD_DIR/tests/device/nccl_device_tests"
+  run_test "nccl_device_tests [nccl]: every collective vs host results on $gpus NCCL rank(s), one per GPU; stream ordering; errors" \
+    "$BUILD_DIR/tests/device/nccl_device_tests" "[nccl]"
+  run_test "nccl_device_tests [shared_gpu]: 1, 3 and 4 mesh devices on GPU 0 (copies + NVRTC reduction kernel), bitwise vs the thread communicator, mismatch, send/recv" \
+    "$BUILD_DIR/tests/device/nccl_device_tests" "[shared_gpu]"
 else
   skip "NCCL tests (not built)"
 fi
@@ -111,7 +114,6 @@ if [ "$gpus" -lt 2 ]; then
   skip "several NCCL ranks (processes or threads on different GPUs): this machine has $gpus GPU(s); NCCL refuses two ranks on one GPU"
 fi
 skip "the conformance kit on NCCL: the comm front end's kit is not instantiated for NCCL yet (see docs/gpu.md)"
-skip "several mesh devices on one GPU (one stream each): not implemented yet (docs/gpu.md)"
 
 # ---- 4. Kokkos 4.6 with CUDA ---------------------------------------------------------------------------
 step "4. Kokkos 4.6.01 with CUDA, and the NCCL communicator on a Kokkos instance's stream"

@@ -6,6 +6,7 @@
 #include <meshlib/nccl.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <span>
 #include <string>
@@ -63,11 +64,11 @@ double value(int r, std::size_t i) { return static_cast<double>(r * 1000 + stati
 
 }  // namespace
 
-TEST_CASE("nccl device: every collective matches the host reference on one rank per GPU", "[device]") {
-  const auto gpus = all_gpus();
-  const int n = static_cast<int>(gpus.size());
+/// Every collective of communicator `c` (n participants) against results computed on the host.
+template <class Comm>
+void check_collectives(Comm& c, int n) {
   constexpr std::size_t count = 4096;
-  ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) {
+  {
     const int r = c.rank();
     const cudaStream_t s = c.stream();
     std::vector<float> mine(count);
@@ -150,10 +151,73 @@ TEST_CASE("nccl device: every collective matches the host reference on one rank 
     send.put(mine, s);
     alone.all_reduce(send.span(), ml::reduce_op::sum).wait();
     REQUIRE(send.get(s) == mine);
-  });
+  }
 }
 
-TEST_CASE("nccl device: bfloat16 and int64 sums", "[device]") {
+TEST_CASE("nccl device: every collective matches the host reference on one rank per GPU", "[device][nccl]") {
+  const auto gpus = all_gpus();
+  ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) { check_collectives(c, static_cast<int>(gpus.size())); });
+}
+
+TEST_CASE("shared GPU: every collective matches the host reference on 1, 3 and 4 devices of one GPU", "[device][shared_gpu]") {
+  for (int n : {1, 3, 4}) {
+    INFO(n << " devices on GPU 0");
+    ml::run_on_shared_gpu(n, [&](ml::shared_gpu_communicator& c) { check_collectives(c, n); }, {.device = 0});
+  }
+}
+
+TEST_CASE("shared GPU: every reduce op and type is bitwise the thread communicator's", "[device][shared_gpu]") {
+  constexpr int n = 3;
+  constexpr std::size_t count = 1000;
+  auto input = [](int r, std::size_t i) { return static_cast<double>((static_cast<int>(i) * 7 + r * 13) % 23) - 11.5; };
+  auto run = [&]<class T>(T) {
+    for (ml::reduce_op op : ml::all_reduce_ops) {
+      std::vector<std::vector<T>> expect(n, std::vector<T>(count));
+      ml::run_on_threads(n, [&](ml::thread_communicator& c) {
+        std::vector<T> x(count);
+        for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<T>(input(c.rank(), i));
+        c.all_reduce(std::span<const T>(x), std::span<T>(expect[static_cast<std::size_t>(c.rank())]), op);
+      });
+      ml::run_on_shared_gpu(n, [&](ml::shared_gpu_communicator& c) {
+        std::vector<T> x(count);
+        for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<T>(input(c.rank(), i));
+        device_array<T> d(x, c.stream());
+        c.all_reduce(d.span(), op).wait();
+        const auto got = d.get(c.stream());
+        REQUIRE(std::memcmp(got.data(), expect[static_cast<std::size_t>(c.rank())].data(), count * sizeof(T)) == 0);
+      }, {.device = 0});
+    }
+  };
+  run(float{});
+  run(double{});
+  run(std::int32_t{});
+  run(std::int64_t{});
+  run(ml::bfloat16{});
+}
+
+TEST_CASE("shared GPU: devices that call different collectives all get collective_mismatch", "[device][shared_gpu]") {
+  const std::string m = message_of<ml::participant_error>([] {
+    ml::run_on_shared_gpu(2, [&](ml::shared_gpu_communicator& c) {
+      device_array<float> d(8);
+      if (c.rank() == 0) c.all_reduce(d.span(), ml::reduce_op::sum).wait();
+      else c.all_gather(d.span()).wait();
+    }, {.device = 0});
+  });
+  CHECK(m == "meshlib: participant 0 of 2 failed: meshlib: collective mismatch on the devices of GPU 0 (seen by device "
+             "0): device 0 called all_reduce(float32, 8 elements, sum); device 1 called all_gather(float32, 4 elements)");
+}
+
+TEST_CASE("shared GPU: send and recv between devices of one GPU", "[device][shared_gpu]") {
+  ml::run_on_shared_gpu(2, [&](ml::shared_gpu_communicator& c) {
+    std::vector<float> v(100, static_cast<float>(c.rank() + 1));
+    device_array<float> d(v, c.stream());
+    if (c.rank() == 0) c.send(d.span(), 1, 5).wait();
+    else c.recv(d.span(), 0, 5).wait();
+    for (float x : d.get(c.stream())) REQUIRE(x == 1.0f);
+  }, {.device = 0});
+}
+
+TEST_CASE("nccl device: bfloat16 and int64 sums", "[device][nccl]") {
   const auto gpus = all_gpus();
   const int n = static_cast<int>(gpus.size());
   ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) {
@@ -169,7 +233,7 @@ TEST_CASE("nccl device: bfloat16 and int64 sums", "[device]") {
   });
 }
 
-TEST_CASE("nccl device: stream ordering without host synchronisation", "[device]") {
+TEST_CASE("nccl device: stream ordering without host synchronisation", "[device][nccl]") {
   ml::run_on_gpus(all_gpus(), [&](ml::nccl_communicator& c) {
     const cudaStream_t s = c.stream();
     device_array<std::int32_t> x(1 << 20);
@@ -183,7 +247,7 @@ TEST_CASE("nccl device: stream ordering without host synchronisation", "[device]
   });
 }
 
-TEST_CASE("nccl device: host memory, another GPU's memory and an aborted communicator are clear errors", "[device]") {
+TEST_CASE("nccl device: host memory, another GPU's memory and an aborted communicator are clear errors", "[device][nccl]") {
   const int gpus[] = {0};
   ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) {
     std::vector<float> host(16);

@@ -393,3 +393,50 @@ TEST_CASE("nccl::bootstrap_address: NCCL_COMM_ID, else MASTER_ADDR:MASTER_PORT+1
           (void)ml::nccl::bootstrap_address(map_env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}), two);
         }) == "meshlib: MASTER_PORT='70000' is not a port in [1, 65534]");
 }
+
+// ---- several devices on one GPU ------------------------------------------------------------------
+
+static_assert(ml::communicator<ml::shared_gpu_communicator>);
+
+TEST_CASE("shared GPU: the reduction kernel compiles with NVRTC (no GPU needed) and has one kernel per type",
+          "[nccl][shared_gpu]") {
+  for (const char* arch : {"compute_80", "compute_90"}) {
+    INFO(arch);
+    const std::string ptx = ml::detail::compile_reduce_kernels(arch);
+    CHECK(ptx.find(".target sm_" + std::string(arch).substr(8)) != std::string::npos);
+    for (ml::datatype t : ml::all_datatypes)
+      CHECK(ptx.find(".entry " + ml::detail::reduce_kernel_name(t)) != std::string::npos);
+  }
+  CHECK(message_of<ml::comm_error>([] { (void)ml::detail::compile_reduce_kernels("compute_1"); })
+            .starts_with("meshlib: compiling the device reduction kernel: nvrtcCompileProgram failed: "));
+}
+
+TEST_CASE("shared GPU: the argument checks are the NCCL communicator's, naming the shared-GPU device", "[nccl][shared_gpu]") {
+  ml::thread_world world(4);
+  auto s = std::make_shared<ml::detail::shared_gpu_state>();
+  s->host = world.communicator(1);
+  s->options.check_pointers = false;
+  ml::shared_gpu_communicator c(std::move(s));  // no stream, no events: every check runs before CUDA
+  auto nccl = fake_communicator(1, 4);
+  std::vector<float> a(8), b(8), small(3);
+  auto arg = [](auto f) { return message_of<ml::comm_argument_error>(f); };
+  auto same_check = [&](auto call) {
+    const std::string mine = arg([&] { call(c); });
+    std::string theirs = arg([&] { call(nccl); });
+    const std::string from = "on NCCL rank 1 of 4 (GPU 0)";
+    theirs.replace(theirs.find(from), from.size(), "on shared-GPU device 1 of 4 (GPU 0)");
+    CHECK(mine == theirs);
+    CHECK(mine.starts_with("meshlib: invalid argument to "));
+  };
+  same_check([&](auto& x) { (void)x.all_gather(std::span<const float>(small), std::span(b)); });
+  same_check([&](auto& x) { (void)x.reduce(std::span<const float>(a), std::span(b), ml::reduce_op::sum, 7); });
+  same_check([&](auto& x) { (void)x.all_to_all(std::span(small)); });
+  const ml::permute_pair dup[] = {{0, 1}, {0, 2}};
+  same_check([&](auto& x) { (void)x.ppermute(std::span(a), dup); });
+  same_check([&](auto& x) { (void)x.split(-1, 0); });
+  CHECK(arg([&] { (void)c.reduce_scatter(std::span<const float>(small), std::span(b.data(), 2), ml::reduce_op::sum); }) ==
+        "meshlib: invalid argument to reduce_scatter on shared-GPU device 1 of 4 (GPU 0): send buffer holds 3 elements "
+        "but size() * recv.size() = 8 are needed");
+  CHECK(message_of<ml::comm_argument_error>([] { ml::run_on_shared_gpu(33, [](ml::shared_gpu_communicator&) {}, {.device = 0}); })
+            == "meshlib: run_on_shared_gpu: 33 devices on one GPU; at most 32 are supported");
+}

@@ -61,6 +61,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/nccl/detail/device_checks.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
@@ -262,7 +263,9 @@ struct nccl_comm_state {
 using nccl_request = basic_stream_request<detail::nccl_comm_state>;
 
 /// @brief One GPU's handle on an NCCL communicator. Copies share it.
-class nccl_communicator {
+class nccl_communicator : private detail::device_checks<nccl_communicator> {
+  friend class detail::device_checks<nccl_communicator>;
+
  public:
   using is_communicator = void;
   using request_type = nccl_request;
@@ -340,7 +343,7 @@ class nccl_communicator {
   template <nccl_element T>
   request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
     constexpr std::string_view k = "all_reduce";
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclAllReduce",
            ncclAllReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
@@ -365,7 +368,7 @@ class nccl_communicator {
   request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
     constexpr std::string_view k = "reduce";
     check_root(k, root);
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclReduce",
            ncclReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), root, state_->comm, s));
@@ -394,7 +397,7 @@ class nccl_communicator {
   request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
     constexpr std::string_view k = "reduce_scatter";
     const std::size_t c = blocks_of(k, buf.size());
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclReduceScatter", ncclReduceScatter(buf.data(), buf.data() + static_cast<std::size_t>(rank()) * c, c,
                                                      nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
@@ -427,7 +430,7 @@ class nccl_communicator {
   request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
     constexpr std::string_view k = "broadcast";
     check_root(k, root);
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclBroadcast",
            ncclBroadcast(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, root, state_->comm, s));
@@ -449,7 +452,7 @@ class nccl_communicator {
   request_type all_gather(std::span<T> buf, context_type ctx = {}) {
     constexpr std::string_view k = "all_gather";
     const std::size_t c = blocks_of(k, buf.size());
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclAllGather", ncclAllGather(buf.data() + static_cast<std::size_t>(rank()) * c, buf.data(), c,
                                              nccl_datatype_of<T>, state_->comm, s));
@@ -470,7 +473,7 @@ class nccl_communicator {
   request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
     constexpr std::string_view k = "all_to_all";
     const std::size_t c = blocks_of(k, buf.size());
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       with_copy<T>(k, buf, s, [&](const T* copy) { exchange_blocks<T>(k, copy, buf.data(), c, s); });
     });
@@ -520,7 +523,7 @@ class nccl_communicator {
   request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
     constexpr std::string_view k = "ppermute";
     check_pairs(k, pairs);
-    check_buffers(k, buf);
+    check_buffer(k, buf);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       with_copy<T>(k, buf, s, [&](const T* copy) { permute<T>(k, copy, buf.data(), buf.size(), pairs, s); });
     });
@@ -788,6 +791,9 @@ class nccl_communicator {
 
   // ---- checks ----------------------------------------------------------------------------------
 
+  [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
+  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
+
   void require_valid(std::string_view k) const {
     if (!state_)
       throw comm_error("meshlib: " + std::string(k) +
@@ -802,90 +808,10 @@ class nccl_communicator {
       throw comm_aborted(m);
     }
   }
-  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
-    throw comm_argument_error("meshlib: invalid argument to " + state_->describe(k) + ": " + what);
-  }
-  void check_root(std::string_view k, int root) const {
-    check_usable(k);
-    if (root < 0 || root >= size())
-      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
-  }
-  void check_peer(std::string_view k, int peer, const char* what) const {
-    if (peer < 0 || peer >= size())
-      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
-                          std::to_string(size()) + ")");
-  }
   void check_tag(std::string_view k, int tag) const {
     if (tag != 0)
       bad_argument(k, "tag " + std::to_string(tag) +
                           " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
-  }
-  [[nodiscard]] std::size_t checked_mul(std::string_view k, std::size_t count) const {
-    if (count != 0 && static_cast<std::size_t>(size()) > std::numeric_limits<std::size_t>::max() / count)
-      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(size()) + " ranks overflows");
-    return count * static_cast<std::size_t>(size());
-  }
-  [[nodiscard]] std::size_t blocks_of(std::string_view k, std::size_t n) const {
-    check_usable(k);
-    if (n % static_cast<std::size_t>(size()) != 0)
-      bad_argument(k, "buffer of " + std::to_string(n) + " elements does not split into " + std::to_string(size()) +
-                          " equal blocks (one per rank)");
-    return n / static_cast<std::size_t>(size());
-  }
-  template <class T>
-  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    const std::string problem = detail::out_of_place_problem(send, recv, needed);
-    if (!problem.empty()) bad_argument(k, problem);
-    check_device(k, "send", send.data(), send.size_bytes());
-    check_device(k, "receive", recv.data(), recv.size_bytes());
-  }
-  template <class T>
-  void check_buffers(std::string_view k, std::span<T> buf) const {
-    check_usable(k);
-    check_device(k, "the", buf.data(), buf.size_bytes());
-  }
-  /// A buffer must be device memory (or managed memory) of this GPU.
-  void check_device(std::string_view k, std::string_view name, const void* p, std::size_t bytes) const {
-    if (!state_->options.check_pointers || bytes == 0) return;
-    cudaPointerAttributes a{};
-    const cudaError_t rc = cudaPointerGetAttributes(&a, p);
-    if (rc != cudaSuccess) {
-      (void)cudaGetLastError();
-      bad_argument(k, std::string(name) + " buffer is not memory CUDA knows (" + detail::cuda_error_text(rc) +
-                          "); NCCL moves device memory");
-    }
-    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-      bad_argument(k, std::string(name) +
-                          " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)");
-    if (a.type == cudaMemoryTypeDevice && a.device != state_->device)
-      bad_argument(k, std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
-                          std::to_string(state_->device));
-  }
-  void check_pairs(std::string_view k, std::span<const permute_pair> pairs) const {
-    check_usable(k);
-    std::vector<char> src(static_cast<std::size_t>(size()), 0), dst(static_cast<std::size_t>(size()), 0);
-    for (const auto& p : pairs) {
-      check_peer(k, p.source, "source");
-      check_peer(k, p.dest, "destination");
-      if (src[static_cast<std::size_t>(p.source)]++ != 0)
-        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of more than one pair");
-      if (dst[static_cast<std::size_t>(p.dest)]++ != 0)
-        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of more than one pair");
-    }
-  }
-  void check_layout(std::string_view k, const char* side, std::size_t buffer, std::span<const std::int64_t> counts,
-                    std::span<const std::int64_t> displs) const {
-    if (counts.size() != static_cast<std::size_t>(size()) || displs.size() != static_cast<std::size_t>(size()))
-      bad_argument(k, std::string(side) + " counts and displacements need one entry per rank (" + std::to_string(size()) +
-                          "), got " + std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
-    for (std::size_t i = 0; i < counts.size(); ++i) {
-      if (counts[i] < 0 || displs[i] < 0)
-        bad_argument(k, std::string(side) + " count or displacement for rank " + std::to_string(i) + " is negative");
-      if (static_cast<std::uint64_t>(counts[i]) + static_cast<std::uint64_t>(displs[i]) > buffer)
-        bad_argument(k, std::string(side) + " block of rank " + std::to_string(i) + " ends at element " +
-                            std::to_string(counts[i] + displs[i]) + ", past the buffer's " + std::to_string(buffer));
-    }
   }
 
   std::shared_ptr<detail::nccl_comm_state> state_;
