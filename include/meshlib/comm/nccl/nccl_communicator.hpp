@@ -33,7 +33,11 @@
 /// collective, or another count): they end in the timeout.
 ///
 /// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
-/// a time, as NCCL's; `abort()` may be called from any thread.
+/// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
+/// finalizes the communicator (`ncclCommFinalize`, which waits for the peers to finalize too, then
+/// `ncclCommDestroy`; `ncclCommAbort` if that does not finish within the timeout): communicators of
+/// several GPUs in one process are destroyed concurrently (`run_on_gpus` does, and
+/// `destroy_communicators` for the result of `nccl_communicators`).
 
 #if MESHLIB_ENABLE_NCCL
 
@@ -162,7 +166,8 @@ struct nccl_comm_state {
     if (comm != nullptr && !failed.load()) {
       // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
       // within the timeout (a peer is gone) is an abort.
-      bool clean = ncclCommFinalize(comm) != ncclSuccess ? false : true;
+      const ncclResult_t fin = ncclCommFinalize(comm);  // non-blocking: usually ncclInProgress
+      bool clean = fin == ncclSuccess || fin == ncclInProgress;
       if (clean) clean = settle_for_destroy();
       if (clean) (void)ncclCommDestroy(comm);
       else (void)ncclCommAbort(comm);

@@ -75,6 +75,16 @@ namespace meshlib {
   return out;
 }
 
+/// @brief Destroys communicators of several GPUs of this process concurrently, one thread each:
+/// finalizing one waits for its peers to finalize, so destroying them one after another from one
+/// thread would wait for the timeout. Leaves `comms` empty.
+inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms) threads.emplace_back([&c] { c = nccl_communicator{}; });
+  for (auto& t : threads) t.join();
+  comms.clear();
+}
+
 /// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
 /// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
 /// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
@@ -107,9 +117,10 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
   } catch (...) {
     for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
     for (auto& t : threads) t.join();
-    throw;
+    throw;  // aborted communicators are released without finalizing
   }
   for (auto& t : threads) t.join();
+  destroy_communicators(comms);
   const int root = first.load();
   if (root < 0) return;
   const auto& e = errors[static_cast<std::size_t>(root)];
@@ -117,7 +128,7 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
     std::rethrow_exception(e);
   } catch (...) {
     throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                      " (GPU " + std::to_string(comms[static_cast<std::size_t>(root)].device()) +
+                                      " (GPU " + std::to_string(devices[static_cast<std::size_t>(root)]) +
                                       ") failed: " + detail::what_of(e));
   }
 }
