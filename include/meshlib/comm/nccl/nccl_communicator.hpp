@@ -67,6 +67,7 @@
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/detail/device_checks.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
+#include "meshlib/comm/nccl/detail/stream_state.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -74,95 +75,20 @@
 
 namespace meshlib {
 
-/// @brief The execution context of the NCCL communicator: the CUDA stream an operation is enqueued
-/// on. Default-constructed it means "the communicator's own stream"; it converts from a
-/// `cudaStream_t` and from any execution-space instance with `cuda_stream()` (`Kokkos::Cuda`),
-/// without meshlib including Kokkos' CUDA headers.
-class cuda_stream_ref {
- public:
-  /// The communicator's bound stream.
-  constexpr cuda_stream_ref() noexcept = default;
-  /// `s` (`nullptr` is CUDA's legacy default stream, not "unset").
-  constexpr cuda_stream_ref(cudaStream_t s) noexcept : stream_(s), given_(true) {}  // NOLINT: implicit, as a stream
-  /// The stream of a Kokkos CUDA execution-space instance (anything with `cuda_stream()`).
-  template <class Exec>
-    requires(!std::same_as<std::remove_cvref_t<Exec>, cuda_stream_ref>) && requires(const Exec& e) {
-      { e.cuda_stream() } -> std::convertible_to<cudaStream_t>;
-    }
-  cuda_stream_ref(const Exec& exec) : cuda_stream_ref(static_cast<cudaStream_t>(exec.cuda_stream())) {}  // NOLINT
-
-  /// Whether a stream was given.
-  [[nodiscard]] constexpr bool given() const noexcept { return given_; }
-  /// The given stream, or `fallback` when none was.
-  [[nodiscard]] constexpr cudaStream_t or_else(cudaStream_t fallback) const noexcept { return given_ ? stream_ : fallback; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-  bool given_ = false;
-};
-
-/// @brief Options of an `nccl_communicator`.
-struct nccl_comm_options {
-  /// The GPU of this participant; negative: the calling thread's current device.
-  int device = -1;
-  /// The stream the communicator is bound to; unset: a new non-blocking stream it owns.
-  cuda_stream_ref stream{};
-  /// How long `wait()` lets an operation run before `ncclCommAbort` and `comm_timeout`. Zero or
-  /// negative: no deadline.
-  std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
-  /// pointer would otherwise crash the NCCL kernel). About 0.2 us a buffer; off for measured code.
-  bool check_pointers = true;
-};
-
 namespace detail {
-
-/// Makes `device` the calling thread's current CUDA device for a scope.
-class cuda_device_scope {
- public:
-  cuda_device_scope(int device, std::string_view what) {
-    check_cuda(cudaGetDevice(&previous_), what, "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), what, "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~cuda_device_scope() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
-  }
-  cuda_device_scope(const cuda_device_scope&) = delete;
-  cuda_device_scope& operator=(const cuda_device_scope&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 /// The NCCL communicator, stream and event pool shared by the handles and requests of one
 /// participant: the `Channel` of `basic_stream_request`.
-struct nccl_comm_state {
-  using event_type = cudaEvent_t;
-
+struct nccl_comm_state : stream_state {
   ncclComm_t comm = nullptr;
   int rank = 0;
   int size = 0;
-  int device = 0;
-  cudaStream_t stream = nullptr;
-  std::shared_ptr<void> stream_owner;  ///< holds a stream this communicator (or its parent) created
-  nccl_comm_options options;
   int* scratch = nullptr;  ///< one device int: the payload of barrier()
-  std::vector<cudaEvent_t> free_events;
-
-  mutable std::mutex mutex;  ///< guards comm against abort() from another thread, and the failure
-  std::atomic<bool> failed{false};
-  bool failed_by_timeout = false;
-  std::string failure;
 
   nccl_comm_state() = default;
-  nccl_comm_state(const nccl_comm_state&) = delete;
-  nccl_comm_state& operator=(const nccl_comm_state&) = delete;
 
   ~nccl_comm_state() {
-    int previous = 0;
-    const bool have_device = cudaGetDevice(&previous) == cudaSuccess;
-    if (have_device && previous != device) (void)cudaSetDevice(device);
+    cuda_device_scope_noexcept g(device);
     if (comm != nullptr && !failed.load()) {
       // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
       // within the timeout (a peer is gone) is an abort.
@@ -172,9 +98,7 @@ struct nccl_comm_state {
       if (clean) (void)ncclCommDestroy(comm);
       else (void)ncclCommAbort(comm);
     }
-    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
     if (scratch != nullptr) (void)cudaFree(scratch);
-    if (have_device && previous != device) (void)cudaSetDevice(previous);
   }
 
   /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
@@ -182,10 +106,6 @@ struct nccl_comm_state {
     return std::string(op) + " on NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " (GPU " +
            std::to_string(device) + ")";
   }
-  [[nodiscard]] long long timeout_ms() const noexcept {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
-  }
-
   /// One look at `event` and at the communicator's asynchronous error; never blocks.
   stream_poll poll(cudaEvent_t event) {
     std::lock_guard lock(mutex);
@@ -210,45 +130,14 @@ struct nccl_comm_state {
   /// later operations are refused with `reason`. Idempotent, callable from any thread.
   void abort(const std::string& reason, bool by_timeout = false) {
     std::lock_guard lock(mutex);
-    if (failed.load()) return;
-    constexpr std::string_view prefix = "meshlib: ";
-    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
-    failed_by_timeout = by_timeout;
-    failed.store(true);
+    if (!record_failure(reason, by_timeout)) return;
     if (comm != nullptr) {
-      cuda_device_guard_noexcept g(device);
+      cuda_device_scope_noexcept g(device);
       (void)ncclCommAbort(comm);
     }
   }
 
-  cudaEvent_t acquire_event(std::string_view what) {
-    if (!free_events.empty()) {
-      cudaEvent_t e = free_events.back();
-      free_events.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
-    return e;
-  }
-  void release(cudaEvent_t e) noexcept {
-    try {
-      free_events.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
-  }
-
  private:
-  struct cuda_device_guard_noexcept {
-    int previous = -1;
-    explicit cuda_device_guard_noexcept(int d) noexcept {
-      if (cudaGetDevice(&previous) == cudaSuccess && previous != d) (void)cudaSetDevice(d);
-    }
-    ~cuda_device_guard_noexcept() {
-      if (previous >= 0) (void)cudaSetDevice(previous);
-    }
-  };
   bool settle_for_destroy() noexcept {
     const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::hours(1));
     for (;;) {
@@ -360,9 +249,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
                       context_type ctx = {}) {
     constexpr std::string_view k = "reduce";
-    check_root(k, root);
-    if (rank() == root) check_out_of_place(k, send, recv, send.size());
-    else check_device(k, "send", send.data(), send.size_bytes());
+    check_reduce(k, send, recv, root);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclReduce", ncclReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op), root,
                                        state_->comm, s));
@@ -385,13 +272,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                               context_type ctx = {}) {
     constexpr std::string_view k = "reduce_scatter";
-    check_usable(k);
-    const std::size_t count = recv.size();
-    const std::size_t total = checked_mul(k, count);
-    if (send.size() < total)
-      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
-                          std::to_string(total) + " are needed");
-    check_out_of_place(k, send.first(total), recv, count);
+    const std::size_t count = check_reduce_scatter(k, send, recv);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclReduceScatter", ncclReduceScatter(send.data(), recv.data(), count, nccl_datatype_of<T>,
                                                      to_nccl(op), state_->comm, s));
@@ -416,15 +297,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
                          context_type ctx = {}) {
     constexpr std::string_view k = "broadcast";
-    check_root(k, root);
-    if (rank() == root) {
-      check_out_of_place(k, send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
-                            std::to_string(recv.size()) + " are broadcast");
-    } else {
-      check_device(k, "receive", recv.data(), recv.size_bytes());
-    }
+    check_broadcast(k, send, recv, root);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       call(k, "ncclBroadcast",
            ncclBroadcast(send.data(), recv.data(), recv.size(), nccl_datatype_of<T>, root, state_->comm, s));
@@ -491,13 +364,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                             std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                             context_type ctx = {}) {
     constexpr std::string_view k = "all_to_all_v";
-    check_usable(k);
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    check_device(k, "send", send.data(), send.size_bytes());
-    check_device(k, "receive", recv.data(), recv.size_bytes());
+    check_all_to_all_v(k, send, send_counts, send_displs, recv, recv_counts, recv_displs);
     return enqueue(k, ctx, [&](cudaStream_t s) {
       group(k, [&] {
         for (int p = 0; p < size(); ++p) {
@@ -580,8 +447,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
-    check_usable(k);
-    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_color(k, color);
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = state_->options;
     s->device = state_->device;
@@ -806,12 +672,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   }
   void check_usable(std::string_view k) const {
     require_valid(k);
-    if (state_->failed.load()) {
-      std::lock_guard lock(state_->mutex);
-      const std::string m = "meshlib: refused " + state_->describe(k) + ": the communicator has failed: " + state_->failure;
-      if (state_->failed_by_timeout) throw comm_timeout(m);
-      throw comm_aborted(m);
-    }
+    state_->refuse_if_failed(state_->describe(k));
   }
   void check_tag(std::string_view k, int tag) const {
     if (tag != 0)

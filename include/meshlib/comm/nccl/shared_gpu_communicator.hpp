@@ -49,6 +49,7 @@
 #include "meshlib/comm/nccl/detail/device_checks.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/reduce_kernel.hpp"
+#include "meshlib/comm/nccl/detail/stream_state.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
@@ -60,26 +61,14 @@ namespace meshlib {
 namespace detail {
 
 /// One participant's stream, events and host handle: the `Channel` of its requests.
-struct shared_gpu_state {
-  using event_type = cudaEvent_t;
-
+struct shared_gpu_state : stream_state {
   thread_communicator host;
-  int device = 0;
-  cudaStream_t stream = nullptr;
-  std::shared_ptr<void> stream_owner;
-  nccl_comm_options options;
   cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
   cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
-  std::vector<cudaEvent_t> free_events;
-  bool failed = false;
-  bool failed_by_timeout = false;
-  std::string failure;
 
   shared_gpu_state() = default;
-  shared_gpu_state(const shared_gpu_state&) = delete;
-  shared_gpu_state& operator=(const shared_gpu_state&) = delete;
   ~shared_gpu_state() {
-    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
+    cuda_device_scope_noexcept g(device);
     if (ready != nullptr) (void)cudaEventDestroy(ready);
     if (done != nullptr) (void)cudaEventDestroy(done);
   }
@@ -88,11 +77,8 @@ struct shared_gpu_state {
     return std::string(op) + " on shared-GPU device " + std::to_string(host.rank()) + " of " +
            std::to_string(host.size()) + " (GPU " + std::to_string(device) + ")";
   }
-  [[nodiscard]] long long timeout_ms() const noexcept {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
-  }
   stream_poll poll(cudaEvent_t event) {
-    if (failed) return stream_poll::failed("the communicator has failed: " + failure);
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
     const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) return stream_poll::complete();
     if (q == cudaErrorNotReady) return stream_poll::pending();
@@ -100,29 +86,11 @@ struct shared_gpu_state {
     return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
   }
   void abort(const std::string& reason, bool by_timeout = false) {
-    if (failed) return;
-    constexpr std::string_view prefix = "meshlib: ";
-    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
-    failed = true;
-    failed_by_timeout = by_timeout;
+    {
+      std::lock_guard lock(mutex);
+      if (!record_failure(reason, by_timeout)) return;
+    }
     if (host.valid()) (void)host.abort(failure);  // peers waiting on the host rendezvous stop too
-  }
-  cudaEvent_t acquire_event(std::string_view what) {
-    if (!free_events.empty()) {
-      cudaEvent_t e = free_events.back();
-      free_events.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
-    return e;
-  }
-  void release(cudaEvent_t e) noexcept {
-    try {
-      free_events.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
   }
 };
 
@@ -191,7 +159,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
-  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed; }
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
   /// Aborts the group: every participant's pending and later calls fail naming `reason`.
   void abort(std::string_view reason) {
     require_valid("abort");
@@ -217,9 +185,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
                       context_type ctx = {}) {
     constexpr std::string_view k = "reduce";
-    check_root(k, root);
-    if (rank() == root) check_out_of_place(k, send, recv, send.size());
-    else check_device(k, "send", send.data(), send.size_bytes());
+    check_reduce(k, send, recv, root);
     return reduction<T>(k, 1, send.data(), recv.data(), send.size(), op, root, ctx);
   }
   template <comm_element T>
@@ -233,13 +199,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                               context_type ctx = {}) {
     constexpr std::string_view k = "reduce_scatter";
-    check_usable(k);
-    const std::size_t c = recv.size();
-    const std::size_t total = checked_mul(k, c);
-    if (send.size() < total)
-      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
-                          std::to_string(total) + " are needed");
-    check_out_of_place(k, send.first(total), recv, c);
+    const std::size_t c = check_reduce_scatter(k, send, recv);
     return reduction<T>(k, 4, send.data(), recv.data(), c, op, -1, ctx);
   }
   template <comm_element T>
@@ -256,15 +216,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
                          context_type ctx = {}) {
     constexpr std::string_view k = "broadcast";
-    check_root(k, root);
-    if (rank() == root) {
-      check_out_of_place(k, send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
-                            std::to_string(recv.size()) + " are broadcast");
-    } else {
-      check_device(k, "receive", recv.data(), recv.size_bytes());
-    }
+    check_broadcast(k, send, recv, root);
     return movement<T>(k, 2, send.data(), recv.data(), recv.size(), root, 0, ctx, [&](const auto& all, cudaStream_t s) {
       const auto& r = all[static_cast<std::size_t>(root)];
       copy(k, recv.data(), reinterpret_cast<const T*>(r.send), recv.size(), s);
@@ -332,13 +284,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
                             std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                             context_type ctx = {}) {
     constexpr std::string_view k = "all_to_all_v";
-    check_usable(k);
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    check_device(k, "send", send.data(), send.size_bytes());
-    check_device(k, "receive", recv.data(), recv.size_bytes());
+    check_all_to_all_v(k, send, send_counts, send_displs, recv, recv_counts, recv_displs);
     // Every receiver's counts and displacements, so that each sender pushes to the right place.
     const auto n = static_cast<std::size_t>(size());
     std::vector<std::int64_t> mine(2 * n);
@@ -450,8 +396,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   /// same GPU and stream.
   shared_gpu_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
-    check_usable(k);
-    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_color(k, color);
     nccl_comm_options o = state_->options;
     o.device = state_->device;
     o.stream = state_->stream;
@@ -470,11 +415,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   }
   void check_usable(std::string_view k) const {
     require_valid(k);
-    if (state_->failed) {
-      const std::string m = "meshlib: refused " + describe(k) + ": the communicator has failed: " + state_->failure;
-      if (state_->failed_by_timeout) throw comm_timeout(m);
-      throw comm_aborted(m);
-    }
+    state_->refuse_if_failed(describe(k));
   }
   void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
     if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);

@@ -88,6 +88,55 @@ class device_checks {
       bad_argument(k, std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
                           std::to_string(self().device()));
   }
+  /// reduce: root's buffers as an out-of-place call, the others' send only.
+  template <class T>
+  void check_reduce(std::string_view k, std::span<const T> send, std::span<T> recv, int root) const {
+    check_root(k, root);
+    if (self().rank() == root) check_out_of_place(k, send, recv, send.size());
+    else check_device(k, "send", send.data(), send.size_bytes());
+  }
+  /// broadcast: root's send covers recv; the others' recv only.
+  template <class T>
+  void check_broadcast(std::string_view k, std::span<const T> send, std::span<T> recv, int root) const {
+    check_root(k, root);
+    if (self().rank() == root) {
+      check_out_of_place(k, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
+                            std::to_string(recv.size()) + " are broadcast");
+    } else {
+      check_device(k, "receive", recv.data(), recv.size_bytes());
+    }
+  }
+  /// reduce_scatter: send holds size() blocks of recv.size(); returns the block size.
+  template <class T>
+  [[nodiscard]] std::size_t check_reduce_scatter(std::string_view k, std::span<const T> send, std::span<T> recv) const {
+    self().check_usable(k);
+    const std::size_t total = checked_mul(k, recv.size());
+    if (send.size() < total)
+      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                          std::to_string(total) + " are needed");
+    check_out_of_place(k, send.first(total), recv, recv.size());
+    return recv.size();
+  }
+  /// all_to_all_v: both layouts, no overlap, device buffers.
+  template <class T>
+  void check_all_to_all_v(std::string_view k, std::span<const T> send, std::span<const std::int64_t> send_counts,
+                          std::span<const std::int64_t> send_displs, std::span<T> recv,
+                          std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs) const {
+    self().check_usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    check_device(k, "send", send.data(), send.size_bytes());
+    check_device(k, "receive", recv.data(), recv.size_bytes());
+  }
+  void check_color(std::string_view k, int color) const {
+    self().check_usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+  }
+
   void check_pairs(std::string_view k, std::span<const permute_pair> pairs) const {
     self().check_usable(k);
     const auto n = static_cast<std::size_t>(self().size());
