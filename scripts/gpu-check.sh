@@ -7,7 +7,8 @@
 # Steps (each prints "== [Ns] step"; the end prints CHECKED / NOT CHECKED lines):
 #   1. the GPUs (nvidia-smi) and the CUDA and NCCL versions;
 #   2. builds meshlib's NCCL targets with the host compiler (nccl_host_tests, nccl_device_tests,
-#      nccl_bench) in $BUILD_DIR (default build-gpu/meshlib; BUILD_DIR=build reuses the test build);
+#      nccl_bench) in $BUILD_DIR (default build-gpu/meshlib; BUILD_DIR=build reuses the test build),
+#      and compiles <meshlib/nccl.hpp> with nvcc next to a kernel;
 #   3. runs the host tests, then the device tests: every collective against host results on one
 #      NCCL rank per GPU (one rank on one GPU), and on 1, 3 and 4 mesh devices sharing GPU 0;
 #   4. builds Kokkos 4.6.01 with CUDA (-DKokkos_ENABLE_CUDA=ON -DKokkos_ARCH_HOPPER90=ON) from
@@ -97,6 +98,18 @@ else
   echo "--no-build: using $BUILD_DIR"
 fi
 mkdir -p "$GPU_DIR"
+
+step "2b. nvcc compiles <meshlib/nccl.hpp> with a kernel (tests/device/nvcc_header_check.cu)"
+if command -v nvcc >/dev/null 2>&1; then
+  if nvcc -std=c++20 -arch=sm_90 -DMESHLIB_ENABLE_NCCL=1 -I"$repo/include" -c "$repo/tests/device/nvcc_header_check.cu" \
+       -o "$GPU_DIR/nvcc_header_check.o"; then
+    ok "nvcc -std=c++20 -arch=sm_90 compiles <meshlib/nccl.hpp>"
+  else
+    fail "nvcc compile of <meshlib/nccl.hpp>"
+  fi
+else
+  skip "nvcc compile of <meshlib/nccl.hpp>: nvcc not found"
+fi
 
 # ---- 3. tests ------------------------------------------------------------------------------------------
 step "3. NCCL tests"
