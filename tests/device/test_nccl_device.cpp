@@ -159,6 +159,29 @@ TEST_CASE("nccl device: every collective matches the host reference on one rank 
   ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) { check_collectives(c, static_cast<int>(gpus.size())); });
 }
 
+TEST_CASE("nccl device: verify_collectives passes agreeing calls, and names each rank's call when they differ",
+          "[device][nccl]") {
+  const auto gpus = all_gpus();
+  ml::nccl_comm_options checked;
+  checked.verify_collectives = true;
+  ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) { check_collectives(c, static_cast<int>(gpus.size())); }, checked);
+  if (gpus.size() < 2) {
+    SUCCEED("a mismatch between NCCL ranks needs two GPUs; this machine has one");
+    return;
+  }
+  const int two[] = {0, 1};
+  const std::string m = message_of<ml::participant_error>([&] {
+    ml::run_on_gpus(two, [&](ml::nccl_communicator& c) {
+      device_array<float> d(8);
+      if (c.rank() == 0) c.all_reduce(d.span(), ml::reduce_op::sum).wait();
+      else c.all_gather(d.span()).wait();
+    }, checked);
+  });
+  CHECK(m.find("collective mismatch (seen by NCCL rank ") != std::string::npos);
+  CHECK(m.find("rank 0 called all_reduce(float32, 8 elements, sum); rank 1 called all_gather(float32, 4 elements)") !=
+        std::string::npos);
+}
+
 TEST_CASE("shared GPU: every collective matches the host reference on 1, 3 and 4 devices of one GPU", "[device][shared_gpu]") {
   for (int n : {1, 3, 4}) {
     INFO(n << " devices on GPU 0");

@@ -5,6 +5,7 @@
 
 #include <meshlib/nccl.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -439,4 +440,57 @@ TEST_CASE("shared GPU: the argument checks are the NCCL communicator's, naming t
         "but size() * recv.size() = 8 are needed");
   CHECK(message_of<ml::comm_argument_error>([] { ml::run_on_shared_gpu(33, [](ml::shared_gpu_communicator&) {}, {.device = 0}); })
             == "meshlib: run_on_shared_gpu: 33 devices on one GPU; at most 32 are supported");
+}
+
+// ---- the call fingerprint of verify_collectives -------------------------------------------------------
+
+TEST_CASE("call fingerprint: packing is lossless for every operation, type, op and root", "[nccl][fingerprint]") {
+  using ml::detail::call_fingerprint;
+  using ml::detail::device_op;
+  std::vector<std::int64_t> seen;
+  for (int op = 0; op <= static_cast<int>(device_op::barrier); ++op)
+    for (int type = -1; type <= 4; ++type)
+      for (int red = -1; red <= 4; ++red)
+        for (int root : {-1, 0, 1, 4095, 65534})
+          for (std::uint64_t count : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{19}, (std::uint64_t{1} << 36) - 1}) {
+            call_fingerprint f{static_cast<device_op>(op), type, red, root, count};
+            const auto back = call_fingerprint::unpack(f.pack());
+            REQUIRE(back.op == f.op);
+            REQUIRE(back.type == type);
+            REQUIRE(back.reduce == red);
+            REQUIRE(back.root == root);
+            REQUIRE(back.count == count);
+            seen.push_back(f.pack());
+          }
+  std::sort(seen.begin(), seen.end());
+  CHECK(std::adjacent_find(seen.begin(), seen.end()) == seen.end());  // distinct calls, distinct fingerprints
+}
+
+TEST_CASE("call fingerprint: agreeing calls give no message; disagreeing ones list every rank's call", "[nccl][fingerprint]") {
+  using ml::detail::call_fingerprint;
+  using ml::detail::device_op;
+  const auto a = call_fingerprint{device_op::all_reduce, 0, 0, -1, 8}.pack();
+  const auto b = call_fingerprint{device_op::all_gather, 0, -1, -1, 4}.pack();
+  const auto c = call_fingerprint{device_op::broadcast, 3, -1, 1, 3}.pack();
+  const auto d = call_fingerprint{}.pack();
+  const std::int64_t same[] = {a, a, a};
+  CHECK(ml::detail::mismatch_message("NCCL rank 0 of 3, GPU 0", same).empty());
+  const std::int64_t differ[] = {a, b, c, d};
+  CHECK(ml::detail::mismatch_message("NCCL rank 2 of 4, GPU 2", differ) ==
+        "meshlib: collective mismatch (seen by NCCL rank 2 of 4, GPU 2): rank 0 called all_reduce(float32, 8 elements, "
+        "sum); rank 1 called all_gather(float32, 4 elements); rank 2 called broadcast(int64, 3 elements, root 1); rank 3 "
+        "called barrier()");
+}
+
+TEST_CASE("stream request: a mismatch reported by the channel is a collective_mismatch with its message", "[nccl][request]") {
+  struct mismatch_stream : fake_stream {
+    ml::stream_poll poll(int) { return ml::stream_poll::mismatched("meshlib: collective mismatch (seen by x): rank 0 called barrier()"); }
+  };
+  auto s = std::make_shared<mismatch_stream>();
+  ml::basic_stream_request<mismatch_stream> r(s, 1, "barrier", std::chrono::hours(1));
+  CHECK(message_of<ml::collective_mismatch>([&] { r.wait(); }) ==
+        "meshlib: collective mismatch (seen by x): rank 0 called barrier()");
+  REQUIRE(s->aborts.size() == 1);  // the mismatched collective may never finish: the channel is aborted
+  CHECK(message_of<ml::collective_mismatch>([&] { r.wait(); }) ==
+        "meshlib: collective mismatch (seen by x): rank 0 called barrier()");
 }

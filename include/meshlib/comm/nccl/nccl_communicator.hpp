@@ -49,6 +49,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/nccl/detail/call_fingerprint.hpp"
 #include "meshlib/comm/nccl/detail/device_checks.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
@@ -85,6 +87,18 @@ struct nccl_comm_state : stream_state {
   int size = 0;
   int* scratch = nullptr;  ///< one device int: the payload of barrier()
 
+  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
+  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
+  static constexpr int check_slots = 64;
+  std::int64_t* check_dev = nullptr;
+  std::int64_t* check_host = nullptr;
+  struct pending_check {
+    cudaEvent_t event;
+    int slot;
+  };
+  std::deque<pending_check> checks;
+  int next_slot = 0;
+
   nccl_comm_state() = default;
 
   ~nccl_comm_state() {
@@ -99,6 +113,35 @@ struct nccl_comm_state : stream_state {
       else (void)ncclCommAbort(comm);
     }
     if (scratch != nullptr) (void)cudaFree(scratch);
+    for (const auto& c : checks) (void)cudaEventDestroy(c.event);
+    if (check_dev != nullptr) (void)cudaFree(check_dev);
+    if (check_host != nullptr) (void)cudaFreeHost(check_host);
+  }
+
+  /// Compares the fingerprints of every check whose copies have arrived: the message of the first
+  /// disagreement, else empty. Never blocks.
+  std::string compare_checks(std::string* cuda_failure) {
+    for (auto it = checks.begin(); it != checks.end();) {
+      const cudaError_t q = cudaEventQuery(it->event);
+      if (q == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      if (q != cudaSuccess) {
+        (void)cudaGetLastError();
+        *cuda_failure = "cudaEventQuery failed: " + cuda_error_text(q);
+        return {};
+      }
+      const auto slot = static_cast<std::size_t>(it->slot);
+      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
+      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
+                                           std::to_string(device),
+                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
+      release(it->event);
+      it = checks.erase(it);
+      if (!m.empty()) return m;
+    }
+    return {};
   }
 
   /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
@@ -110,7 +153,12 @@ struct nccl_comm_state : stream_state {
   stream_poll poll(cudaEvent_t event) {
     std::lock_guard lock(mutex);
     if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    // The event first: when it has completed, so has this operation's check (enqueued before it on
+    // the same stream), which compare_checks then sees.
     const cudaError_t q = cudaEventQuery(event);
+    std::string cuda_failure;
+    if (std::string m = compare_checks(&cuda_failure); !m.empty()) return stream_poll::mismatched(std::move(m));
+    if (!cuda_failure.empty()) return stream_poll::failed(cuda_failure, false);
     if (q == cudaSuccess) return stream_poll::complete();
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -228,7 +276,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                           context_type ctx = {}) {
     constexpr std::string_view k = "all_reduce";
     check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_reduce, send.size(), op), [&](cudaStream_t s) {
       call(k, "ncclAllReduce", ncclAllReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op),
                                              state_->comm, s));
     });
@@ -238,7 +286,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
     constexpr std::string_view k = "all_reduce";
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_reduce, buf.size(), op), [&](cudaStream_t s) {
       call(k, "ncclAllReduce",
            ncclAllReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
     });
@@ -250,7 +298,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                       context_type ctx = {}) {
     constexpr std::string_view k = "reduce";
     check_reduce(k, send, recv, root);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::reduce, send.size(), op, root), [&](cudaStream_t s) {
       call(k, "ncclReduce", ncclReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op), root,
                                        state_->comm, s));
     });
@@ -261,7 +309,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "reduce";
     check_root(k, root);
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::reduce, buf.size(), op, root), [&](cudaStream_t s) {
       call(k, "ncclReduce",
            ncclReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), root, state_->comm, s));
     });
@@ -273,7 +321,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                               context_type ctx = {}) {
     constexpr std::string_view k = "reduce_scatter";
     const std::size_t count = check_reduce_scatter(k, send, recv);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::reduce_scatter, count, op), [&](cudaStream_t s) {
       call(k, "ncclReduceScatter", ncclReduceScatter(send.data(), recv.data(), count, nccl_datatype_of<T>,
                                                      to_nccl(op), state_->comm, s));
     });
@@ -284,7 +332,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "reduce_scatter";
     const std::size_t c = blocks_of(k, buf.size());
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::reduce_scatter, c, op), [&](cudaStream_t s) {
       call(k, "ncclReduceScatter", ncclReduceScatter(buf.data(), buf.data() + static_cast<std::size_t>(rank()) * c, c,
                                                      nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
     });
@@ -298,7 +346,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                          context_type ctx = {}) {
     constexpr std::string_view k = "broadcast";
     check_broadcast(k, send, recv, root);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::broadcast, recv.size(), std::nullopt, root), [&](cudaStream_t s) {
       call(k, "ncclBroadcast",
            ncclBroadcast(send.data(), recv.data(), recv.size(), nccl_datatype_of<T>, root, state_->comm, s));
     });
@@ -309,7 +357,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "broadcast";
     check_root(k, root);
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::broadcast, buf.size(), std::nullopt, root), [&](cudaStream_t s) {
       call(k, "ncclBroadcast",
            ncclBroadcast(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, root, state_->comm, s));
     });
@@ -320,7 +368,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
     constexpr std::string_view k = "all_gather";
     check_out_of_place(k, send, recv, checked_mul(k, send.size()));
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_gather, send.size()), [&](cudaStream_t s) {
       call(k, "ncclAllGather",
            ncclAllGather(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, state_->comm, s));
     });
@@ -331,7 +379,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "all_gather";
     const std::size_t c = blocks_of(k, buf.size());
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_gather, c), [&](cudaStream_t s) {
       call(k, "ncclAllGather", ncclAllGather(buf.data() + static_cast<std::size_t>(rank()) * c, buf.data(), c,
                                              nccl_datatype_of<T>, state_->comm, s));
     });
@@ -344,7 +392,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "all_to_all";
     const std::size_t c = blocks_of(k, send.size());
     check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, [&](cudaStream_t s) { exchange_blocks<T>(k, send.data(), recv.data(), c, s); });
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all, c), [&](cudaStream_t s) { exchange_blocks<T>(k, send.data(), recv.data(), c, s); });
   }
   /// @brief In-place all_to_all (through a stream-ordered scratch copy).
   template <nccl_element T>
@@ -352,7 +400,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "all_to_all";
     const std::size_t c = blocks_of(k, buf.size());
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all, c), [&](cudaStream_t s) {
       with_copy<T>(k, buf, s, [&](const T* copy) { exchange_blocks<T>(k, copy, buf.data(), c, s); });
     });
   }
@@ -365,7 +413,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
                             context_type ctx = {}) {
     constexpr std::string_view k = "all_to_all_v";
     check_all_to_all_v(k, send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all_v, 0), [&](cudaStream_t s) {
       group(k, [&] {
         for (int p = 0; p < size(); ++p) {
           const auto i = static_cast<std::size_t>(p);
@@ -388,7 +436,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "ppermute";
     check_pairs(k, pairs);
     check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, [&](cudaStream_t s) { permute<T>(k, send.data(), recv.data(), send.size(), pairs, s); });
+    return enqueue(k, ctx, fp<T>(detail::device_op::ppermute, send.size()), [&](cudaStream_t s) { permute<T>(k, send.data(), recv.data(), send.size(), pairs, s); });
   }
   /// @brief In-place ppermute (through a stream-ordered scratch copy).
   template <nccl_element T>
@@ -396,7 +444,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     constexpr std::string_view k = "ppermute";
     check_pairs(k, pairs);
     check_buffer(k, buf);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, fp<T>(detail::device_op::ppermute, buf.size()), [&](cudaStream_t s) {
       with_copy<T>(k, buf, s, [&](const T* copy) { permute<T>(k, copy, buf.data(), buf.size(), pairs, s); });
     });
   }
@@ -413,7 +461,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     check_peer(k, dest, "destination");
     check_tag(k, tag);
     check_device(k, "send", buf.data(), buf.size_bytes());
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
       call(k, "ncclSend", ncclSend(buf.data(), buf.size(), nccl_datatype_of<std::remove_cv_t<T>>, dest, state_->comm, s));
     });
   }
@@ -425,7 +473,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     check_peer(k, source, "source");
     check_tag(k, tag);
     check_device(k, "receive", buf.data(), buf.size_bytes());
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
       call(k, "ncclRecv", ncclRecv(buf.data(), buf.size(), nccl_datatype_of<T>, source, state_->comm, s));
     });
   }
@@ -437,7 +485,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   request_type barrier(context_type ctx = {}) {
     constexpr std::string_view k = "barrier";
     check_usable(k);
-    return enqueue(k, ctx, [&](cudaStream_t s) {
+    return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
       call(k, "ncclAllReduce",
            ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
     });
@@ -523,13 +571,76 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
   // ---- enqueueing ------------------------------------------------------------------------------
 
   template <class F>
-  request_type enqueue(std::string_view k, context_type ctx, F&& calls) {
+  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
+                       F&& calls) {
     detail::cuda_device_scope g(state_->device, state_->describe(k));
     const cudaStream_t s = ctx.or_else(state_->stream);
+    if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
     calls(s);
     cudaEvent_t ev = state_->acquire_event(state_->describe(k));
     cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
     return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+  template <class T>
+  static detail::call_fingerprint fp(detail::device_op op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+                                     int root = -1) {
+    detail::call_fingerprint f;
+    f.op = op;
+    if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
+    else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
+    f.reduce = r ? static_cast<int>(*r) : -1;
+    f.root = root;
+    f.count = count;
+    return f;
+  }
+  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
+  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
+  void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
+    auto& st = *state_;
+    const auto n1 = static_cast<std::size_t>(st.size + 1);
+    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
+    if (st.check_dev == nullptr) {
+      cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
+      cuda_call(k, "cudaHostAlloc",
+                cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
+    }
+    const int slot = st.next_slot;
+    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
+    // The slot's previous check must have been compared before its memory is reused.
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      bool busy = false;
+      for (const auto& c : st.checks) busy = busy || c.slot == slot;
+      if (!busy) break;
+      std::string cuda_failure;
+      std::string m;
+      {
+        std::lock_guard lock(st.mutex);
+        m = st.compare_checks(&cuda_failure);
+      }
+      if (!m.empty()) {
+        st.abort(m);
+        throw collective_mismatch(m);
+      }
+      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
+        st.abort(t, true);
+        throw comm_timeout(t);
+      }
+      std::this_thread::yield();
+    }
+    std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
+    std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
+    host[0] = fp;
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
+    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
+    cuda_call(k, "cudaMemcpyAsync",
+              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost, s));
+    cudaEvent_t ev = st.acquire_event(st.describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    st.checks.push_back({ev, slot});
   }
   /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
   void call(std::string_view k, std::string_view name, ncclResult_t rc) const {

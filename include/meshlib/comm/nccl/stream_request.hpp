@@ -16,6 +16,11 @@
 /// | complete | true | returns |
 /// | failed | throws the same error again | throws the same error again |
 ///
+/// A channel that checks the participants' calls (the NCCL communicator's `verify_collectives`)
+/// reports a disagreement as a failed poll marked `mismatch`: the request throws
+/// `collective_mismatch` with the channel's message and aborts the channel (the mismatched
+/// collective itself may never finish).
+///
 /// A `Channel` provides `event_type`, `poll(event_type) -> stream_poll` (never blocks),
 /// `abort(reason, timed_out)` (stops the channel's outstanding work; later operations on the channel are
 /// refused), `release(event_type)` (takes back an event for reuse) and `describe(op)` (the
@@ -40,11 +45,17 @@ struct stream_poll {
   /// this participant's own call did (`comm_error`).
   std::string error;
   bool peer_failed = true;
+  /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
+  /// is then the whole message, listing each participant's call.
+  bool mismatch = false;
 
   [[nodiscard]] static stream_poll pending() { return {}; }
   [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
   [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
     return {state::failed, std::move(why), peer};
+  }
+  [[nodiscard]] static stream_poll mismatched(std::string message) {
+    return {state::failed, std::move(message), false, true};
   }
 };
 
@@ -79,6 +90,7 @@ class basic_stream_request {
       failure_ = std::move(o.failure_);
       failure_is_timeout_ = o.failure_is_timeout_;
       failure_is_abort_ = o.failure_is_abort_;
+      failure_is_mismatch_ = o.failure_is_mismatch_;
     }
     return *this;
   }
@@ -120,7 +132,10 @@ class basic_stream_request {
       give_back();
       return true;
     }
-    if (p.status == stream_poll::state::failed) {
+    if (p.status == stream_poll::state::failed && p.mismatch) {
+      failure_is_mismatch_ = true;
+      fail(p.error.starts_with("meshlib: ") ? p.error.substr(9) : p.error, false, false);
+    } else if (p.status == stream_poll::state::failed) {
       fail(channel_->describe(op_) + " failed: " + p.error, false, p.peer_failed);
     } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
       fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
@@ -144,6 +159,7 @@ class basic_stream_request {
     rethrow();
   }
   [[noreturn]] void rethrow() const {
+    if (failure_is_mismatch_) throw collective_mismatch(failure_);
     if (failure_is_timeout_) throw comm_timeout(failure_);
     if (failure_is_abort_) throw comm_aborted(failure_);
     throw comm_error(failure_);
@@ -162,6 +178,7 @@ class basic_stream_request {
   std::string failure_;
   bool failure_is_timeout_ = false;
   bool failure_is_abort_ = false;
+  bool failure_is_mismatch_ = false;
 };
 
 }  // namespace meshlib

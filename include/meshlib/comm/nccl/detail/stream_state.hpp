@@ -64,6 +64,13 @@ struct nccl_comm_options {
   /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
   /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
   bool check_pointers = true;
+  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
+  /// type, count, reduce op, root) on the stream, so that participants that disagree get
+  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
+  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
+  /// channel), hence off by default; the shared-GPU communicator always checks (its host
+  /// rendezvous carries the check for free).
+  bool verify_collectives = false;
 };
 
 namespace detail {
