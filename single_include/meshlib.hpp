@@ -1283,6 +1283,524 @@ concept communicator = communicator_tagged<C> && communicator_group<C> && reduci
 
 }  // namespace meshlib
 // end meshlib/comm/communicator.hpp
+// begin meshlib/comm/frontend.hpp
+/// @file
+/// @brief `communicator_frontend`: the public operations of every communicator, written once.
+///
+/// A backend derives from `communicator_frontend<Backend, Request, Context>` and implements only
+/// its transport; the front end gives it every overload of the `communicator` concept (in-place and
+/// out-of-place), checks every argument before any data moves (buffer sizes, overlap, roots,
+/// peers, tags, ppermute pairs, all_to_all_v layouts, element-count overflow) and builds every
+/// argument error, so that a wrong call reads the same on every backend.
+///
+/// @code
+/// class my_communicator : public meshlib::communicator_frontend<my_communicator> {
+///   friend class meshlib::communicator_frontend<my_communicator>;
+///  public:
+///   int rank() const noexcept;  int size() const noexcept;
+///   my_communicator split(int color, int key);    // (call check_split(color) first)
+///  private:
+///   void ensure_usable(meshlib::detail::op_kind) const;   // throws on an empty or failed handle
+///   std::string label() const;                             // "rank 2", "MPI rank 1", ...
+///   template <meshlib::detail::op_kind K, class T>                    // the transport of operation K
+///   ready_request transport(const meshlib::detail::operation<T>&, host_context);
+/// };
+/// @endcode
+///
+/// Optional hook: `void on_argument_error(op_kind, const std::string& what) const`, called before
+/// the front end throws `comm_argument_error` (the thread backend fails its world there, so that
+/// peers already waiting for this rank are released at once).
+///
+/// Asynchronous backends: every operation takes an optional last argument of the backend's
+/// `Context` (a CUDA stream for NCCL) and returns its `Request`; the front end passes both through
+/// untouched, so a stream-ordered backend plugs in without any change above it.
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// begin meshlib/comm/detail/buffer_checks.hpp
+/// @file
+/// @brief The buffer checks every backend runs before any data moves, so that a wrong call reads
+/// the same on the thread, MPI and hybrid communicators.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace meshlib::detail {
+
+/// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
+/// nothing.
+inline bool buffers_overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b);
+  return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
+}
+
+/// What is wrong with the buffers of an out-of-place call that writes `needed` elements to `recv`,
+/// or an empty string when nothing is.
+template <class T>
+std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std::size_t needed) {
+  if (recv.size() < needed)
+    return "receive buffer holds " + std::to_string(recv.size()) + " elements but " + std::to_string(needed) +
+           " are needed";
+  if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    return "the send and receive buffers overlap; use the in-place form (one buffer) instead";
+  return {};
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/buffer_checks.hpp
+// begin meshlib/comm/detail/operation.hpp
+/// @file
+/// @brief The description of one communicator operation, as the front end hands it to a backend's
+/// transport: what was called (`op_kind`), on which buffers, with which count, reduce op, root,
+/// peer or tag. Every backend sees the same normalised description, whatever overload the user
+/// called (in-place forms set `in_place` and point `send` and `recv` into the one buffer), and
+/// the MPI backends derive their mismatch fingerprint from it.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// The operations of the `communicator` concept (the values are part of the MPI fingerprint).
+enum class op_kind : std::uint8_t {
+  barrier,
+  all_reduce,
+  reduce,
+  broadcast,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  all_to_all_v,
+  ppermute,
+  split,
+  send,
+  recv,
+};
+
+/// The public name of an operation, as error messages show it.
+constexpr std::string_view op_name(op_kind k) noexcept {
+  switch (k) {
+    case op_kind::barrier: return "barrier";
+    case op_kind::all_reduce: return "all_reduce";
+    case op_kind::reduce: return "reduce";
+    case op_kind::broadcast: return "broadcast";
+    case op_kind::all_gather: return "all_gather";
+    case op_kind::reduce_scatter: return "reduce_scatter";
+    case op_kind::all_to_all: return "all_to_all";
+    case op_kind::all_to_all_v: return "all_to_all_v";
+    case op_kind::ppermute: return "ppermute";
+    case op_kind::split: return "split";
+    case op_kind::send: return "send";
+    case op_kind::recv: return "recv";
+  }
+  return "unknown";
+}
+
+/// One operation, after the front end's checks. Buffer conventions (n = size(), c = count):
+///
+/// | kind | send | recv | count |
+/// | --- | --- | --- | --- |
+/// | all_reduce, reduce | c elements (== recv in place) | c elements (reduce: root only) | c |
+/// | reduce_scatter | n*c elements | c elements (in place: block rank() of send) | c |
+/// | broadcast | root's c elements (nullptr elsewhere out of place; == recv in place) | c elements | c |
+/// | all_gather | c elements (in place: block rank() of recv) | n*c elements | c |
+/// | all_to_all | n*c elements (== recv in place) | n*c elements | c (per peer) |
+/// | all_to_all_v | the send buffer; counts/displs in `v` | the receive buffer | 0 |
+/// | ppermute | c elements (== recv in place) | c elements | c |
+/// | send / recv | the message (`peer`, `tag`) | the message | c |
+/// | barrier | - | - | 0 |
+template <class T>
+struct operation {
+  op_kind kind = op_kind::barrier;
+  const T* send = nullptr;
+  T* recv = nullptr;
+  std::size_t count = 0;
+  reduce_op op = reduce_op::sum;
+  int root = 0;  ///< root of reduce and broadcast
+  int peer = 0;  ///< destination of send, source of recv
+  int tag = 0;
+  bool in_place = false;
+  std::span<const permute_pair> pairs{};                            ///< ppermute
+  const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd (n each)
+};
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/operation.hpp
+
+namespace meshlib {
+
+/// @brief The shared front end of the communicators (see the file comment): `Backend` derives from
+/// it and provides the transport.
+template <class Backend, class Request = ready_request, class Context = host_context>
+class communicator_frontend {
+ public:
+  using is_communicator = void;
+  using request_type = Request;
+  using context_type = Context;
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_reduce;
+    check_out_of_place(k, send, recv, send.size());
+    return start<k>(reducing<T>(k, send.data(), recv.data(), send.size(), op, false), ctx);
+  }
+  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_reduce;
+    usable(k);
+    return start<k>(reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true), ctx);
+  }
+
+  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce;
+    check_root(k, root);
+    if (self().rank() == root) check_out_of_place(k, send, recv, send.size());
+    auto o = reducing<T>(k, send.data(), self().rank() == root ? recv.data() : nullptr, send.size(), op, false);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce;
+    check_root(k, root);
+    auto o = reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
+  /// length is `size() * recv.size()`.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce_scatter;
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul(k, count);
+    if (send.size() < total)
+      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                          std::to_string(total) + " are needed");
+    check_out_of_place(k, send.first(total), recv, count);
+    return start<k>(reducing<T>(k, send.data(), recv.data(), count, op, false), ctx);
+  }
+  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
+  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce_scatter;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(reducing<T>(k, buf.data(), buf.data() + block(count), count, op, true), ctx);
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::broadcast;
+    check_root(k, root);
+    const bool is_root = self().rank() == root;
+    if (is_root) {
+      check_out_of_place(k, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
+                            std::to_string(recv.size()) + " are broadcast");
+    }
+    auto o = moving<T>(k, is_root ? send.data() : nullptr, recv.data(), recv.size(), false);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place broadcast: every rank's buf receives root's buf.
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::broadcast;
+    check_root(k, root);
+    auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_gather;
+    const std::size_t count = send.size();
+    check_out_of_place(k, send, recv, checked_mul(k, count));
+    return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
+  }
+  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_gather;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(moving<T>(k, buf.data() + block(count), buf.data(), count, true), ctx);
+  }
+
+  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all;
+    const std::size_t count = blocks_of(k, send.size());
+    check_out_of_place(k, send, recv, send.size());
+    return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
+  }
+  /// @brief In-place all_to_all.
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(moving<T>(k, buf.data(), buf.data(), count, true), ctx);
+  }
+
+  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
+  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
+  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all_v;
+    usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    auto o = moving<T>(k, send.data(), recv.data(), 0, false);
+    o.v[0] = send_counts.data();
+    o.v[1] = send_displs.data();
+    o.v[2] = recv_counts.data();
+    o.v[3] = recv_displs.data();
+    return start<k>(o, ctx);
+  }
+
+  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
+  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
+  /// rank passes the same pairs; a duplicate source or destination is rejected.
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::ppermute;
+    check_pairs(pairs);
+    check_out_of_place(k, send, recv, send.size());
+    auto o = moving<T>(k, send.data(), recv.data(), send.size(), false);
+    o.pairs = pairs;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place ppermute.
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::ppermute;
+    check_pairs(pairs);
+    auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
+    o.pairs = pairs;
+    return start<k>(o, ctx);
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest` with `tag` (>= 0). Buffered: returns once buf is copied,
+  /// whether or not `dest` has posted its recv (so exchanges written as send-then-recv on every
+  /// rank cannot deadlock).
+  template <class T>
+    requires comm_element<std::remove_cv_t<T>>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
+    using U = std::remove_cv_t<T>;
+    constexpr auto k = detail::op_kind::send;
+    check_peer(k, dest, "destination");
+    check_tag(k, tag);
+    auto o = moving<U>(k, buf.data(), nullptr, buf.size(), false);
+    o.peer = dest;
+    o.tag = tag;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
+  /// Its element type and count must be those of buf (else `collective_mismatch`).
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::recv;
+    check_peer(k, source, "source");
+    check_tag(k, tag);
+    auto o = moving<T>(k, nullptr, buf.data(), buf.size(), false);
+    o.peer = source;
+    o.tag = tag;
+    return start<k>(o, ctx);
+  }
+
+  // ---- synchronisation -------------------------------------------------------------------------
+
+  /// @brief Returns once every rank of the group has called barrier.
+  request_type barrier(context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::barrier;
+    usable(k);
+    detail::operation<float> o;
+    o.kind = k;
+    return start<k>(o, ctx);
+  }
+
+ protected:
+  communicator_frontend() = default;
+
+  /// The default of the optional hook (see the file comment): nothing to release.
+  void on_argument_error(detail::op_kind, const std::string&) const {}
+
+  /// For `split`: refuses a negative color (after the usability check).
+  void check_split(int color) const {
+    constexpr auto k = detail::op_kind::split;
+    usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+  }
+
+  /// "all_reduce on rank 2 of 4": how messages name the call and the caller.
+  std::string where(detail::op_kind k) const {
+    return std::string(detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
+  }
+
+  /// Throws `comm_argument_error` ("meshlib: invalid argument to <where>: <what>") after the
+  /// backend's `on_argument_error` hook. For the backends' own limits too (MPI's int counts).
+  [[noreturn]] void bad_argument(detail::op_kind k, const std::string& what) const {
+    self().on_argument_error(k, what);
+    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
+  }
+
+ private:
+  Backend& self() noexcept { return static_cast<Backend&>(*this); }
+  const Backend& self() const noexcept { return static_cast<const Backend&>(*this); }
+
+  template <detail::op_kind K, class T>
+  request_type start(detail::operation<T> o, context_type ctx) {
+    o.kind = K;
+    return self().template transport<K, T>(o, ctx);
+  }
+
+  template <class T>
+  static detail::operation<T> moving(detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
+    detail::operation<T> o;
+    o.kind = k;
+    o.send = send;
+    o.recv = recv;
+    o.count = count;
+    o.in_place = in_place;
+    return o;
+  }
+  template <class T>
+  static detail::operation<T> reducing(detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
+                                       bool in_place) {
+    auto o = moving<T>(k, send, recv, count, in_place);
+    o.op = op;
+    return o;
+  }
+
+  std::size_t block(std::size_t count) const noexcept { return static_cast<std::size_t>(self().rank()) * count; }
+
+  void usable(detail::op_kind k) const { self().ensure_usable(k); }
+
+  void check_root(detail::op_kind k, int root) const {
+    usable(k);
+    if (root < 0 || root >= self().size())
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(self().size()) + ")");
+  }
+
+  void check_peer(detail::op_kind k, int peer, const char* what) const {
+    usable(k);
+    if (peer < 0 || peer >= self().size())
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(self().size()) + ")");
+  }
+
+  void check_tag(detail::op_kind k, int tag) const {
+    if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
+  }
+
+  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
+  template <class T>
+  void check_out_of_place(detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    usable(k);
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+  }
+
+  /// count * size(), refused when it overflows.
+  std::size_t checked_mul(detail::op_kind k, std::size_t count) const {
+    usable(k);
+    const auto n = static_cast<std::size_t>(self().size());
+    if (count > std::numeric_limits<std::size_t>::max() / n)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
+    return count * n;
+  }
+
+  /// The block length of a buffer of `size()` equal blocks.
+  std::size_t blocks_of(detail::op_kind k, std::size_t total) const {
+    usable(k);
+    const auto n = static_cast<std::size_t>(self().size());
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+
+  /// One side of an all_to_all_v: n counts and displacements, each block inside the buffer. The
+  /// end of a block is compared without adding count and displacement first (int64 overflow).
+  void check_layout(detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    const auto n = static_cast<std::size_t>(self().size());
+    const std::string w(which);
+    if (counts.size() != n || displs.size() != n)
+      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
+                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = counts[j];
+      const std::int64_t d = displs[j];
+      if (c < 0 || d < 0)
+        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
+                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
+      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
+        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
+                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
+                            std::to_string(buffer) + " elements");
+    }
+  }
+
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    constexpr auto k = detail::op_kind::ppermute;
+    usable(k);
+    const int n = self().size();
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                            ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+    }
+  }
+};
+
+}  // namespace meshlib
+// end meshlib/comm/frontend.hpp
 // begin meshlib/comm/thread/options.hpp
 /// @file
 /// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
@@ -1401,40 +1919,6 @@ struct thread_comm_options {
 #include <utility>
 #include <vector>
 
-// begin meshlib/comm/detail/buffer_checks.hpp
-/// @file
-/// @brief The buffer checks every backend runs before any data moves, so that a wrong call reads
-/// the same on the thread, MPI and hybrid communicators.
-
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-
-namespace meshlib::detail {
-
-/// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
-/// nothing.
-inline bool buffers_overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
-  const auto pa = reinterpret_cast<std::uintptr_t>(a);
-  const auto pb = reinterpret_cast<std::uintptr_t>(b);
-  return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
-}
-
-/// What is wrong with the buffers of an out-of-place call that writes `needed` elements to `recv`,
-/// or an empty string when nothing is.
-template <class T>
-std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std::size_t needed) {
-  if (recv.size() < needed)
-    return "receive buffer holds " + std::to_string(recv.size()) + " elements but " + std::to_string(needed) +
-           " are needed";
-  if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-    return "the send and receive buffers overlap; use the in-place form (one buffer) instead";
-  return {};
-}
-
-}  // namespace meshlib::detail
-// end meshlib/comm/detail/buffer_checks.hpp
 // begin meshlib/comm/thread/detail/group_state.hpp
 /// @file
 /// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
@@ -1493,38 +1977,6 @@ using comm_clock = std::chrono::steady_clock;
 /// stack, for that peer's runner to report the exception (well inside the 1 s promise).
 inline constexpr std::chrono::milliseconds unwind_grace{200};
 
-enum class op_kind : std::uint8_t {
-  barrier,
-  all_reduce,
-  reduce,
-  broadcast,
-  all_gather,
-  reduce_scatter,
-  all_to_all,
-  all_to_all_v,
-  ppermute,
-  split,
-  send,
-  recv,
-};
-
-constexpr std::string_view op_name(op_kind k) noexcept {
-  switch (k) {
-    case op_kind::barrier: return "barrier";
-    case op_kind::all_reduce: return "all_reduce";
-    case op_kind::reduce: return "reduce";
-    case op_kind::broadcast: return "broadcast";
-    case op_kind::all_gather: return "all_gather";
-    case op_kind::reduce_scatter: return "reduce_scatter";
-    case op_kind::all_to_all: return "all_to_all";
-    case op_kind::all_to_all_v: return "all_to_all_v";
-    case op_kind::ppermute: return "ppermute";
-    case op_kind::split: return "split";
-    case op_kind::send: return "send";
-    case op_kind::recv: return "recv";
-  }
-  return "unknown";
-}
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
@@ -1884,6 +2336,7 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
 /// `((x0 op x1) op x2) ...` in rank order, whatever the algorithm, the slicing or the thread timing.
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -1920,6 +2373,34 @@ constexpr accumulator_t<T> widen(T x) noexcept {
   return static_cast<accumulator_t<T>>(x);
 }
 
+/// Whether the sign bit of a float or double is set (-0.0 included), usable in constexpr code.
+template <class F>
+constexpr bool sign_bit(F v) noexcept {
+  if constexpr (sizeof(F) == 4) return (std::bit_cast<std::uint32_t>(v) >> 31) != 0;
+  else return (std::bit_cast<std::uint64_t>(v) >> 63) != 0;
+}
+
+/// max of floating-point values as meshlib defines it on every backend: a NaN anywhere gives NaN
+/// (the first in rank order: `a` is the running result of the lower ranks), and +0 > -0. So the
+/// result does not depend on the order of the participants, and NaN is not lost as with
+/// `a < b ? b : a` (which keeps `a` whenever `b` is NaN).
+template <class F>
+constexpr F float_max(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? b : a;
+  return a < b ? b : a;
+}
+
+/// min, the mirror of `float_max`: NaN anywhere gives NaN, and -0 < +0.
+template <class F>
+constexpr F float_min(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? a : b;
+  return b < a ? b : a;
+}
+
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
@@ -1933,9 +2414,8 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
     if constexpr (Op == reduce_op::min) return x < av ? widen(x) : a;
     else return av < x ? widen(x) : a;
   } else {
-    const A xv = widen(x);
-    if constexpr (Op == reduce_op::min) return xv < a ? xv : a;
-    else return a < xv ? xv : a;
+    if constexpr (Op == reduce_op::min) return float_min(a, widen(x));
+    else return float_max(a, widen(x));
   }
 }
 
@@ -2080,11 +2560,10 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator {
+class thread_communicator : public communicator_frontend<thread_communicator> {
+  friend class communicator_frontend<thread_communicator>;
+
  public:
-  using is_communicator = void;
-  using request_type = ready_request;
-  using context_type = host_context;
 
   /// An empty handle (not part of any group); only assignable and destructible.
   thread_communicator() = default;
@@ -2125,210 +2604,17 @@ class thread_communicator {
                                    std::string(reason));
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
+  // The collectives, point to point and barrier: communicator_frontend (argument checks); the
+  // transport is below.
 
-  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type = {}) {
-    check_out_of_place(detail::op_kind::all_reduce, send, recv, send.size());
-    return do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
-  }
-  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::all_reduce);
-    return do_all_reduce<T>(buf.data(), buf.data(), buf.size(), op);
-  }
-
-  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    if (rank_ == root) check_out_of_place(detail::op_kind::reduce, send, recv, send.size());
-    else check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
-  }
-  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(buf.data(), buf.data(), buf.size(), op, root);
-  }
-
-  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
-  /// length is `size() * recv.size()`.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type = {}) {
-    const std::size_t count = recv.size();
-    const std::size_t total = checked_mul(detail::op_kind::reduce_scatter, count);
-    if (send.size() < total)
-      bad_argument(detail::op_kind::reduce_scatter,
-                   "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
-                       std::to_string(total) + " are needed");
-    check_out_of_place(detail::op_kind::reduce_scatter, send.first(total), recv, count);
-    return do_reduce_scatter<T>(send.data(), recv.data(), count, op);
-  }
-  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
-  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::reduce_scatter);
-    const std::size_t count = blocks_of(detail::op_kind::reduce_scatter, buf.size());
-    return do_reduce_scatter<T>(buf.data(), buf.data() + static_cast<std::size_t>(rank_) * count, count, op);
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    if (rank_ == root) {
-      check_out_of_place(detail::op_kind::broadcast, send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument(detail::op_kind::broadcast, "root's send buffer holds " + std::to_string(send.size()) +
-                                                     " elements but recv.size() = " + std::to_string(recv.size()) +
-                                                     " are broadcast");
-    } else {
-      check_usable(detail::op_kind::broadcast);
-    }
-    return do_broadcast<T>(rank_ == root ? send.data() : nullptr, recv.data(), recv.size(), root);
-  }
-  /// @brief In-place broadcast: every rank's buf receives root's buf.
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    check_usable(detail::op_kind::broadcast);
-    return do_broadcast<T>(buf.data(), buf.data(), buf.size(), root);
-  }
-
-  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = send.size();
-    const std::size_t total = checked_mul(detail::op_kind::all_gather, count);
-    check_out_of_place(detail::op_kind::all_gather, send, recv, total);
-    return do_all_gather<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_gather);
-    const std::size_t count = blocks_of(detail::op_kind::all_gather, buf.size());
-    return do_all_gather<T>(buf.data() + static_cast<std::size_t>(rank_) * count, buf.data(), count);
-  }
-
-  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, send.size());
-    check_out_of_place(detail::op_kind::all_to_all, send, recv, send.size());
-    return do_all_to_all<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_to_all.
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_to_all);
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, buf.size());
-    return do_all_to_all<T>(buf.data(), buf.data(), count);
-  }
-
-  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
-  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
-  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type = {}) {
-    constexpr auto k = detail::op_kind::all_to_all_v;
-    check_usable(k);
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (!send.empty() && !recv.empty() && detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
-                              recv_displs.data());
-  }
-
-  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
-  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
-  /// rank passes the same pairs; a duplicate source or destination is rejected.
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_out_of_place(detail::op_kind::ppermute, send, recv, send.size());
-    return do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
-  }
-  /// @brief In-place ppermute.
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_usable(detail::op_kind::ppermute);
-    return do_ppermute<T>(buf.data(), buf.data(), buf.size(), pairs);
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to rank `dest`. Buffered: returns once buf is copied, whether or not `dest`
-  /// has posted its recv (so exchanges written as send-then-recv on every rank cannot deadlock).
-  template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::send;
-    check_usable(k);
-    check_peer(k, dest, "destination");
-    detail::p2p_message m;
-    m.tag = tag;
-    m.dtype = datatype_of<T>;
-    m.count = buf.size();
-    m.data.resize(buf.size_bytes());
-    detail::copy_bytes(m.data.data(), buf.data(), buf.size_bytes());
-    auto& g = *state_;
-    {
-      std::lock_guard lk(g.p2p_mutex);
-      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
-    }
-    g.p2p_cv.notify_all();
-    return {};
-  }
-
-  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
-  /// Its element type and count must be those of buf (else `collective_mismatch`).
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::recv;
-    check_usable(k);
-    check_peer(k, source, "source");
-    receive(buf.data(), buf.size(), datatype_of<T>, source, tag);
-    return {};
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Returns once every rank of the group has called barrier.
-  request_type barrier(context_type = {}) {
-    constexpr auto k = detail::op_kind::barrier;
-    check_usable(k);
-    detail::call_desc d;
-    d.kind = k;
-    arrive(d, false);
-    return {};
-  }
+  // ---- groups ----------------------------------------------------------------------------------
 
   /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
   /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
   /// the same world: a failure in any of them fails all.
   thread_communicator split(int color, int key) {
     constexpr auto k = detail::op_kind::split;
-    check_usable(k);
-    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_split(color);
     detail::call_desc d;
     d.kind = k;
     d.color = color;
@@ -2384,11 +2670,10 @@ class thread_communicator {
     return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
   }
 
-  // ---- argument checks: all run before this rank arrives, so before any data moves -------------
+  // ---- the front end's hooks: its argument checks all run before this rank arrives, so before
+  // any data moves -----------------------------------------------------------------------------
 
-  std::string where(op_kind k) const {
-    return std::string(detail::op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
-  }
+  std::string label() const { return state_->rank_label(rank_); }
 
   void require_valid(op_kind k) const {
     if (!state_)
@@ -2397,91 +2682,61 @@ class thread_communicator {
   }
 
   /// Refuses every call once the world has failed.
-  void check_usable(op_kind k) const {
+  void ensure_usable(op_kind k) const {
     require_valid(k);
     if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
       state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
   }
 
-  /// Fails the world (so that peers waiting for this rank are released) and throws comm_argument_error.
-  [[noreturn]] void bad_argument(op_kind k, const std::string& what) const {
+  /// Fails the world before the front end throws comm_argument_error, so that peers waiting for
+  /// this rank are released at once.
+  void on_argument_error(op_kind k, const std::string& what) const {
     require_valid(k);
-    const std::string msg = "meshlib: invalid argument to " + where(k) + ": " + what;
     state_->world->fail(detail::failure_kind::aborted, world_rank(),
                         "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
                             std::string(detail::op_name(k)) + ": " + what);
-    throw comm_argument_error(msg);
   }
 
-  void check_root(op_kind k, int root) const {
-    check_usable(k);
-    if (root < 0 || root >= state_->n)
-      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(state_->n) + ")");
-  }
-
-  void check_peer(op_kind k, int peer, const char* what) const {
-    if (peer < 0 || peer >= state_->n)
-      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
-                          std::to_string(state_->n) + ")");
-  }
-
-  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
-  template <class T>
-  void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
-  }
-
-  std::size_t checked_mul(op_kind k, std::size_t count) const {
-    check_usable(k);
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (count > std::numeric_limits<std::size_t>::max() / n)
-      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
-    return count * n;
-  }
-
-  std::size_t blocks_of(op_kind k, std::size_t total) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (total % n != 0)
-      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
-                          " equal blocks");
-    return total / n;
-  }
-
-  void check_layout(op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
-                    std::span<const std::int64_t> displs) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    const std::string w(which);
-    if (counts.size() != n || displs.size() != n)
-      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
-                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t c = counts[j];
-      const std::int64_t d = displs[j];
-      if (c < 0 || d < 0)
-        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
-                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
-      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
-        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
-                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
-                            std::to_string(buffer) + " elements");
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
+    else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::broadcast) return do_broadcast<T>(o.send, o.recv, o.count, o.root);
+    else if constexpr (K == op_kind::all_gather) return do_all_gather<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all) return do_all_to_all<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all_v)
+      return do_all_to_all_v<T>(o.send, o.v[0], o.v[1], o.recv, o.v[2], o.v[3]);
+    else if constexpr (K == op_kind::ppermute) return do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+    else if constexpr (K == op_kind::send) return post(o.send, o.count, datatype_of<T>, o.peer, o.tag);
+    else if constexpr (K == op_kind::recv) {
+      receive(o.recv, o.count, datatype_of<T>, o.peer, o.tag);
+      return {};
+    } else {
+      static_assert(K == op_kind::barrier);
+      detail::call_desc d;
+      d.kind = K;
+      arrive(d, false);
+      return {};
     }
   }
 
-  void check_pairs(std::span<const permute_pair> pairs) const {
-    constexpr auto k = op_kind::ppermute;
-    check_usable(k);
-    const int n = state_->n;
-    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
-    for (const auto& p : pairs) {
-      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
-        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
-                            ") names a rank out of range [0, " + std::to_string(n) + ")");
-      if (src[static_cast<std::size_t>(p.source)]++)
-        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
-      if (dst[static_cast<std::size_t>(p.dest)]++)
-        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+  /// Buffered send: the message is copied into the mailbox of (this rank, dest).
+  request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = dt;
+    m.count = count;
+    m.data.resize(count * size_of(dt));
+    detail::copy_bytes(m.data.data(), data, m.data.size());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
     }
+    g.p2p_cv.notify_all();
+    return {};
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
@@ -2723,11 +2978,18 @@ class thread_communicator {
       os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
          << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
       int missing = 0;
+      int first_missing = -1;
       for (int r = 0; r < g.n; ++r)
-        if (!arrived(r)) os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        if (!arrived(r)) {
+          if (first_missing < 0) first_missing = r;
+          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        }
       os << (missing ? " never arrived" : "every rank arrived late");
       os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
-      g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
+      // The root cause is the first rank that never arrived, not this waiter (device_error::device()
+      // of spmd names it).
+      g.world->fail(detail::failure_kind::timeout,
+                    first_missing >= 0 ? g.world_ranks[static_cast<std::size_t>(first_missing)] : world_rank(), os.str());
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
     if (ready()) return;
@@ -3216,14 +3478,17 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   body(0);
   for (auto& t : threads) t.join();
 
+  // The blamed participant is the world's root cause (the first to throw, or the first that never
+  // arrived at a collective that timed out), even when it threw nothing itself (it was only late);
+  // the exception reported is its own, else that of the lowest participant that threw.
   int root = world.failed() ? world.root_cause_rank() : -1;
-  if (root < 0 || root >= n || !errors[static_cast<std::size_t>(root)]) {
-    root = -1;
-    for (int r = 0; r < n && root < 0; ++r)
-      if (errors[static_cast<std::size_t>(r)]) root = r;
-  }
-  if (root < 0) return;
-  const auto& e = errors[static_cast<std::size_t>(root)];
+  int source = -1;
+  for (int r = 0; r < n && source < 0; ++r)
+    if (errors[static_cast<std::size_t>(r)]) source = r;
+  if (source < 0) return;
+  if (root < 0 || root >= n) root = source;
+  else if (errors[static_cast<std::size_t>(root)]) source = root;
+  const auto& e = errors[static_cast<std::size_t>(source)];
   try {
     std::rethrow_exception(e);
   } catch (...) {
