@@ -277,7 +277,7 @@ TEST_CASE("nccl device: host memory, another GPU's memory and an aborted communi
   ml::run_on_gpus(gpus, [&](ml::nccl_communicator& c) {
     std::vector<float> host(16);
     CHECK(message_of<ml::comm_argument_error>([&] { (void)c.all_reduce(std::span(host), ml::reduce_op::sum); }) ==
-          "meshlib: invalid argument to all_reduce on NCCL rank 0 of 1 (GPU 0): the buffer is host memory; NCCL moves "
+          "meshlib: invalid argument to all_reduce on NCCL rank 0 of 1: send buffer is host memory; NCCL moves "
           "device memory (cudaMalloc, or a Kokkos::CudaSpace view)");
     c.abort("test");
     device_array<float> d(16);

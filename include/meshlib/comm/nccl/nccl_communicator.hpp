@@ -67,7 +67,7 @@
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/detail/call_fingerprint.hpp"
-#include "meshlib/comm/nccl/detail/device_checks.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
@@ -205,13 +205,10 @@ struct nccl_comm_state : stream_state {
 using nccl_request = basic_stream_request<detail::nccl_comm_state>;
 
 /// @brief One GPU's handle on an NCCL communicator. Copies share it.
-class nccl_communicator : private detail::device_checks<nccl_communicator> {
-  friend class detail::device_checks<nccl_communicator>;
+class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
+  friend class communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref>;
 
  public:
-  using is_communicator = void;
-  using request_type = nccl_request;
-  using context_type = cuda_stream_ref;
 
   /// An empty handle; only assignable and destructible.
   nccl_communicator() = default;
@@ -268,234 +265,15 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
-
-  /// @brief recv[i] = op over every rank of send[i], on every rank (`ncclAllReduce`).
-  template <nccl_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type ctx = {}) {
-    constexpr std::string_view k = "all_reduce";
-    check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_reduce, send.size(), op), [&](cudaStream_t s) {
-      call(k, "ncclAllReduce", ncclAllReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op),
-                                             state_->comm, s));
-    });
-  }
-  /// @brief In-place all_reduce.
-  template <nccl_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr std::string_view k = "all_reduce";
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_reduce, buf.size(), op), [&](cudaStream_t s) {
-      call(k, "ncclAllReduce",
-           ncclAllReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
-    });
-  }
-
-  /// @brief Only `root` receives the reduction (`ncclReduce`); recv is ignored elsewhere.
-  template <nccl_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type ctx = {}) {
-    constexpr std::string_view k = "reduce";
-    check_reduce(k, send, recv, root);
-    return enqueue(k, ctx, fp<T>(detail::device_op::reduce, send.size(), op, root), [&](cudaStream_t s) {
-      call(k, "ncclReduce", ncclReduce(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, to_nccl(op), root,
-                                       state_->comm, s));
-    });
-  }
-  /// @brief In-place reduce: root's buf receives the result.
-  template <nccl_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
-    constexpr std::string_view k = "reduce";
-    check_root(k, root);
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::reduce, buf.size(), op, root), [&](cudaStream_t s) {
-      call(k, "ncclReduce",
-           ncclReduce(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, to_nccl(op), root, state_->comm, s));
-    });
-  }
-
-  /// @brief recv = block `rank()` of the reduction of every rank's send (`ncclReduceScatter`).
-  template <nccl_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type ctx = {}) {
-    constexpr std::string_view k = "reduce_scatter";
-    const std::size_t count = check_reduce_scatter(k, send, recv);
-    return enqueue(k, ctx, fp<T>(detail::device_op::reduce_scatter, count, op), [&](cudaStream_t s) {
-      call(k, "ncclReduceScatter", ncclReduceScatter(send.data(), recv.data(), count, nccl_datatype_of<T>,
-                                                     to_nccl(op), state_->comm, s));
-    });
-  }
-  /// @brief In-place reduce_scatter: the result lands in block `rank()` of buf (NCCL's in-place form).
-  template <nccl_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr std::string_view k = "reduce_scatter";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::reduce_scatter, c, op), [&](cudaStream_t s) {
-      call(k, "ncclReduceScatter", ncclReduceScatter(buf.data(), buf.data() + static_cast<std::size_t>(rank()) * c, c,
-                                                     nccl_datatype_of<T>, to_nccl(op), state_->comm, s));
-    });
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  /// @brief Every rank's recv receives root's send, read on root only (`ncclBroadcast`).
-  template <nccl_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type ctx = {}) {
-    constexpr std::string_view k = "broadcast";
-    check_broadcast(k, send, recv, root);
-    return enqueue(k, ctx, fp<T>(detail::device_op::broadcast, recv.size(), std::nullopt, root), [&](cudaStream_t s) {
-      call(k, "ncclBroadcast",
-           ncclBroadcast(send.data(), recv.data(), recv.size(), nccl_datatype_of<T>, root, state_->comm, s));
-    });
-  }
-  /// @brief In-place broadcast.
-  template <nccl_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
-    constexpr std::string_view k = "broadcast";
-    check_root(k, root);
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::broadcast, buf.size(), std::nullopt, root), [&](cudaStream_t s) {
-      call(k, "ncclBroadcast",
-           ncclBroadcast(buf.data(), buf.data(), buf.size(), nccl_datatype_of<T>, root, state_->comm, s));
-    });
-  }
-
-  /// @brief recv = [send of rank 0, send of rank 1, ...] (`ncclAllGather`).
-  template <nccl_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr std::string_view k = "all_gather";
-    check_out_of_place(k, send, recv, checked_mul(k, send.size()));
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_gather, send.size()), [&](cudaStream_t s) {
-      call(k, "ncclAllGather",
-           ncclAllGather(send.data(), recv.data(), send.size(), nccl_datatype_of<T>, state_->comm, s));
-    });
-  }
-  /// @brief In-place all_gather: the own block is already at block `rank()` of buf.
-  template <nccl_element T>
-  request_type all_gather(std::span<T> buf, context_type ctx = {}) {
-    constexpr std::string_view k = "all_gather";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_gather, c), [&](cudaStream_t s) {
-      call(k, "ncclAllGather", ncclAllGather(buf.data() + static_cast<std::size_t>(rank()) * c, buf.data(), c,
-                                             nccl_datatype_of<T>, state_->comm, s));
-    });
-  }
-
-  /// @brief Block j of send goes to rank j, landing in its block `rank()` (grouped
-  /// `ncclSend`/`ncclRecv`: NCCL has no all-to-all).
-  template <nccl_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all";
-    const std::size_t c = blocks_of(k, send.size());
-    check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all, c), [&](cudaStream_t s) { exchange_blocks<T>(k, send.data(), recv.data(), c, s); });
-  }
-  /// @brief In-place all_to_all (through a stream-ordered scratch copy).
-  template <nccl_element T>
-  request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all, c), [&](cudaStream_t s) {
-      with_copy<T>(k, buf, s, [&](const T* copy) { exchange_blocks<T>(k, copy, buf.data(), c, s); });
-    });
-  }
-
-  /// @brief all_to_all with a count and displacement (elements) per peer (grouped send/recv).
-  template <nccl_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all_v";
-    check_all_to_all_v(k, send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    return enqueue(k, ctx, fp<T>(detail::device_op::all_to_all_v, 0), [&](cudaStream_t s) {
-      group(k, [&] {
-        for (int p = 0; p < size(); ++p) {
-          const auto i = static_cast<std::size_t>(p);
-          if (send_counts[i] > 0)
-            call(k, "ncclSend", ncclSend(send.data() + send_displs[i], static_cast<std::size_t>(send_counts[i]),
-                                         nccl_datatype_of<T>, p, state_->comm, s));
-          if (recv_counts[i] > 0)
-            call(k, "ncclRecv", ncclRecv(recv.data() + recv_displs[i], static_cast<std::size_t>(recv_counts[i]),
-                                         nccl_datatype_of<T>, p, state_->comm, s));
-        }
-      });
-    });
-  }
-
-  /// @brief recv gets the send of the pair whose destination this rank is, or zeros (as JAX):
-  /// grouped `ncclSend`/`ncclRecv`, `cudaMemsetAsync` where no pair sends here.
-  template <nccl_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr std::string_view k = "ppermute";
-    check_pairs(k, pairs);
-    check_out_of_place(k, send, recv, send.size());
-    return enqueue(k, ctx, fp<T>(detail::device_op::ppermute, send.size()), [&](cudaStream_t s) { permute<T>(k, send.data(), recv.data(), send.size(), pairs, s); });
-  }
-  /// @brief In-place ppermute (through a stream-ordered scratch copy).
-  template <nccl_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr std::string_view k = "ppermute";
-    check_pairs(k, pairs);
-    check_buffer(k, buf);
-    return enqueue(k, ctx, fp<T>(detail::device_op::ppermute, buf.size()), [&](cudaStream_t s) {
-      with_copy<T>(k, buf, s, [&](const T* copy) { permute<T>(k, copy, buf.data(), buf.size(), pairs, s); });
-    });
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to rank `dest` (`ncclSend`). NCCL has no tags: `tag` must be 0, and messages
-  /// between two ranks match in order. Completes when the peer has received (NCCL does not buffer).
-  template <class T>
-    requires nccl_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
-    constexpr std::string_view k = "send";
-    check_usable(k);
-    check_peer(k, dest, "destination");
-    check_tag(k, tag);
-    check_device(k, "send", buf.data(), buf.size_bytes());
-    return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
-      call(k, "ncclSend", ncclSend(buf.data(), buf.size(), nccl_datatype_of<std::remove_cv_t<T>>, dest, state_->comm, s));
-    });
-  }
-  /// @brief Receives the next message from `source` into buf (`ncclRecv`); `tag` must be 0.
-  template <nccl_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
-    constexpr std::string_view k = "recv";
-    check_usable(k);
-    check_peer(k, source, "source");
-    check_tag(k, tag);
-    check_device(k, "receive", buf.data(), buf.size_bytes());
-    return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
-      call(k, "ncclRecv", ncclRecv(buf.data(), buf.size(), nccl_datatype_of<T>, source, state_->comm, s));
-    });
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Completes once every rank has reached it: an `ncclAllReduce` of one int (NCCL has no
-  /// barrier). Ordered on the stream like every operation; `wait()` on the request to block.
-  request_type barrier(context_type ctx = {}) {
-    constexpr std::string_view k = "barrier";
-    check_usable(k);
-    return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
-      call(k, "ncclAllReduce",
-           ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
-    });
-  }
+  // The operations (all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all,
+  // all_to_all_v, ppermute, send, recv, barrier, in every overload) and their argument checks come
+  // from communicator_frontend; `transport` below is the NCCL part.
 
   /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
   /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
-    check_color(k, color);
+    check_split(color);
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = state_->options;
     s->device = state_->device;
@@ -582,7 +360,7 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     return request_type(state_, ev, std::string(k), state_->options.timeout);
   }
   template <class T>
-  static detail::call_fingerprint fp(detail::device_op op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
                                      int root = -1) {
     detail::call_fingerprint f;
     f.op = op;
@@ -771,24 +549,131 @@ class nccl_communicator : private detail::device_checks<nccl_communicator> {
     body(static_cast<const T*>(copy));
   }
 
-  // ---- checks ----------------------------------------------------------------------------------
+  // ---- the front end's hooks ---------------------------------------------------------------------
 
-  [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
-  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
-
+  [[nodiscard]] std::string label() const { return "NCCL rank " + std::to_string(rank()); }
   void require_valid(std::string_view k) const {
     if (!state_)
       throw comm_error("meshlib: " + std::string(k) +
                        " called on an empty nccl_communicator handle (default-constructed or moved from)");
   }
+  void ensure_usable(detail::op_kind k) const {
+    require_valid(detail::op_name(k));
+    state_->refuse_if_failed(state_->describe(detail::op_name(k)));
+  }
   void check_usable(std::string_view k) const {
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  void check_tag(std::string_view k, int tag) const {
-    if (tag != 0)
-      bad_argument(k, "tag " + std::to_string(tag) +
-                          " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
+  /// A buffer of `elems` elements of T must be device memory of this GPU.
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (!state_->options.check_pointers) return;
+    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
+      this->bad_argument(K, problem);
+  }
+
+  /// The NCCL transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const ncclDataType_t t = nccl_datatype_of<T>;
+    const ncclRedOp_t r = to_nccl(o.op);
+    auto fingerprint = [&](int root = -1, bool reducing = false) {
+      return fp<T>(K, K == op_kind::all_to_all_v ? 0 : c, reducing ? std::optional(o.op) : std::nullopt, root);
+    };
+    if constexpr (K == op_kind::all_reduce) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root, true), [&](cudaStream_t s) {
+        call(k, "ncclReduce", ncclReduce(o.send, o.recv, c, t, r, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclReduceScatter", ncclReduceScatter(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root), [&](cudaStream_t s) {
+        call(k, "ncclBroadcast", ncclBroadcast(o.send, o.recv, c, t, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        call(k, "ncclAllGather", ncclAllGather(o.send, o.recv, c, t, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_to_all) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c * n), s, [&](const T* copy) { exchange_blocks<T>(k, copy, o.recv, c, s); });
+        else
+          exchange_blocks<T>(k, o.send, o.recv, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      std::size_t send_end = 0;
+      std::size_t recv_end = 0;
+      for (std::size_t j = 0; j < n; ++j) {
+        send_end = std::max(send_end, static_cast<std::size_t>(o.v[0][j] + o.v[1][j]));
+        recv_end = std::max(recv_end, static_cast<std::size_t>(o.v[2][j] + o.v[3][j]));
+      }
+      device_buffer<K>("send", o.send, send_end);
+      device_buffer<K>("receive", o.recv, recv_end);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        group(k, [&] {
+          for (std::size_t j = 0; j < n; ++j) {
+            const int p = static_cast<int>(j);
+            if (o.v[0][j] > 0)
+              call(k, "ncclSend", ncclSend(o.send + o.v[1][j], static_cast<std::size_t>(o.v[0][j]), t, p, state_->comm, s));
+            if (o.v[2][j] > 0)
+              call(k, "ncclRecv", ncclRecv(o.recv + o.v[3][j], static_cast<std::size_t>(o.v[2][j]), t, p, state_->comm, s));
+          }
+        });
+      });
+    } else if constexpr (K == op_kind::ppermute) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c), s, [&](const T* copy) { permute<T>(k, copy, o.recv, c, o.pairs, s); });
+        else
+          permute<T>(k, o.send, o.recv, c, o.pairs, s);
+      });
+    } else if constexpr (K == op_kind::send || K == op_kind::recv) {
+      if (o.tag != 0)
+        this->bad_argument(K, "tag " + std::to_string(o.tag) +
+                                  " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
+      if constexpr (K == op_kind::send) {
+        device_buffer<K>("send", o.send, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclSend", ncclSend(o.send, c, t, o.peer, state_->comm, s));
+        });
+      } else {
+        device_buffer<K>("receive", o.recv, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclRecv", ncclRecv(o.recv, c, t, o.peer, state_->comm, s));
+        });
+      }
+    } else {
+      static_assert(K == op_kind::barrier);
+      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
+      });
+    }
   }
 
   std::shared_ptr<detail::nccl_comm_state> state_;

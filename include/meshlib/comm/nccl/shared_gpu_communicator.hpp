@@ -46,7 +46,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
-#include "meshlib/comm/nccl/detail/device_checks.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/reduce_kernel.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
@@ -97,7 +97,7 @@ struct shared_gpu_state : stream_state {
 /// The descriptor every participant publishes for a collective (int64 words, so that the host
 /// communicator's all_gather moves it).
 struct shared_gpu_call {
-  std::int64_t op = 0;      ///< index into shared_gpu_op_names
+  std::int64_t op = 0;      ///< detail::op_kind
   std::int64_t type = -1;   ///< datatype, or -1
   std::int64_t count = 0;   ///< elements (per rank, as the concept counts them)
   std::int64_t root = -1;   ///< root, or -1
@@ -107,9 +107,6 @@ struct shared_gpu_call {
   std::int64_t ready = 0;   ///< cudaEvent_t
 };
 static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
-inline constexpr const char* shared_gpu_op_names[] = {"all_reduce", "reduce",     "broadcast", "all_gather",
-                                                      "reduce_scatter", "all_to_all", "all_to_all_v",
-                                                      "ppermute",   "barrier"};
 
 }  // namespace detail
 
@@ -118,13 +115,11 @@ using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
 
 /// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
 /// handle belongs to one thread).
-class shared_gpu_communicator : private detail::device_checks<shared_gpu_communicator> {
-  friend class detail::device_checks<shared_gpu_communicator>;
+class shared_gpu_communicator
+    : public communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref> {
+  friend class communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref>;
 
  public:
-  using is_communicator = void;
-  using request_type = shared_gpu_request;
-  using context_type = cuda_stream_ref;
 
   shared_gpu_communicator() = default;
 
@@ -166,237 +161,13 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
     state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
+  // The operations and their argument checks come from communicator_frontend; `transport` (below)
+  // is the shared-GPU part.
 
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type ctx = {}) {
-    constexpr std::string_view k = "all_reduce";
-    check_out_of_place(k, send, recv, send.size());
-    return reduction<T>(k, 0, send.data(), recv.data(), send.size(), op, -1, ctx);
-  }
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr std::string_view k = "all_reduce";
-    check_buffer(k, buf);
-    return reduction<T>(k, 0, buf.data(), buf.data(), buf.size(), op, -1, ctx);
-  }
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type ctx = {}) {
-    constexpr std::string_view k = "reduce";
-    check_reduce(k, send, recv, root);
-    return reduction<T>(k, 1, send.data(), recv.data(), send.size(), op, root, ctx);
-  }
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
-    constexpr std::string_view k = "reduce";
-    check_root(k, root);
-    check_buffer(k, buf);
-    return reduction<T>(k, 1, buf.data(), buf.data(), buf.size(), op, root, ctx);
-  }
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type ctx = {}) {
-    constexpr std::string_view k = "reduce_scatter";
-    const std::size_t c = check_reduce_scatter(k, send, recv);
-    return reduction<T>(k, 4, send.data(), recv.data(), c, op, -1, ctx);
-  }
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr std::string_view k = "reduce_scatter";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    return reduction<T>(k, 4, buf.data(), buf.data() + static_cast<std::size_t>(rank()) * c, c, op, -1, ctx);
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type ctx = {}) {
-    constexpr std::string_view k = "broadcast";
-    check_broadcast(k, send, recv, root);
-    return movement<T>(k, 2, send.data(), recv.data(), recv.size(), root, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      const auto& r = all[static_cast<std::size_t>(root)];
-      copy(k, recv.data(), reinterpret_cast<const T*>(r.send), recv.size(), s);
-    });
-  }
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
-    constexpr std::string_view k = "broadcast";
-    check_root(k, root);
-    check_buffer(k, buf);
-    return movement<T>(k, 2, buf.data(), buf.data(), buf.size(), root, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      if (rank() != root) copy(k, buf.data(), reinterpret_cast<const T*>(all[static_cast<std::size_t>(root)].send), buf.size(), s);
-    });
-  }
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr std::string_view k = "all_gather";
-    const std::size_t c = send.size();
-    check_out_of_place(k, send, recv, checked_mul(k, c));
-    return movement<T>(k, 3, send.data(), recv.data(), c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      for (int q = 0; q < size(); ++q)  // push my block into every recv
-        copy(k, reinterpret_cast<T*>(all[static_cast<std::size_t>(q)].recv) + static_cast<std::size_t>(rank()) * c,
-             send.data(), c, s);
-    });
-  }
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type ctx = {}) {
-    constexpr std::string_view k = "all_gather";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    const T* mine = buf.data() + static_cast<std::size_t>(rank()) * c;
-    return movement<T>(k, 3, buf.data(), buf.data(), c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      for (int q = 0; q < size(); ++q)
-        if (q != rank())
-          copy(k, reinterpret_cast<T*>(all[static_cast<std::size_t>(q)].recv) + static_cast<std::size_t>(rank()) * c, mine,
-               c, s);
-    });
-  }
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all";
-    const std::size_t c = blocks_of(k, send.size());
-    check_out_of_place(k, send, recv, send.size());
-    return movement<T>(k, 5, send.data(), recv.data(), c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      push_blocks(k, send.data(), all, c, s);
-    });
-  }
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all";
-    const std::size_t c = blocks_of(k, buf.size());
-    check_buffer(k, buf);
-    // Peers overwrite this buffer while this participant sends from it: send from a copy.
-    const cudaStream_t s0 = ctx.or_else(state_->stream);
-    T* copy_of = scratch_copy(k, buf, s0);
-    auto r = movement<T>(k, 5, copy_of, buf.data(), c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      push_blocks(k, static_cast<const T*>(copy_of), all, c, s);
-    });
-    free_after(k, copy_of, s0);
-    return r;
-  }
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type ctx = {}) {
-    constexpr std::string_view k = "all_to_all_v";
-    check_all_to_all_v(k, send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    // Every receiver's counts and displacements, so that each sender pushes to the right place.
-    const auto n = static_cast<std::size_t>(size());
-    std::vector<std::int64_t> mine(2 * n);
-    std::copy(recv_counts.begin(), recv_counts.end(), mine.begin());
-    std::copy(recv_displs.begin(), recv_displs.end(), mine.begin() + static_cast<std::ptrdiff_t>(n));
-    std::vector<std::int64_t> theirs(2 * n * n);
-    return movement<T>(k, 6, send.data(), recv.data(), 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-      (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
-      for (std::size_t j = 0; j < n; ++j) {
-        const std::int64_t want = theirs[j * 2 * n + static_cast<std::size_t>(rank())];
-        if (want != send_counts[j])
-          throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
-                                    std::to_string(send_counts[j]) + " elements to rank " + std::to_string(j) +
-                                    " but that rank's recv_counts[" + std::to_string(rank()) + "] = " + std::to_string(want));
-        const std::int64_t at = theirs[j * 2 * n + n + static_cast<std::size_t>(rank())];
-        copy(k, reinterpret_cast<T*>(all[j].recv) + at, send.data() + send_displs[j], static_cast<std::size_t>(want), s);
-      }
-    });
-  }
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr std::string_view k = "ppermute";
-    check_pairs(k, pairs);
-    check_out_of_place(k, send, recv, send.size());
-    return movement<T>(k, 7, send.data(), recv.data(), send.size(), -1, hash_pairs(pairs), ctx,
-                       [&](const auto& all, cudaStream_t s) { pull_permuted(k, recv.data(), send.size(), all, pairs, s); });
-  }
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr std::string_view k = "ppermute";
-    check_pairs(k, pairs);
-    check_buffer(k, buf);
-    const cudaStream_t s0 = ctx.or_else(state_->stream);
-    T* copy_of = scratch_copy(k, buf, s0);
-    auto r = movement<T>(k, 7, copy_of, buf.data(), buf.size(), -1, hash_pairs(pairs), ctx,
-                         [&](const auto& all, cudaStream_t s) { pull_permuted(k, buf.data(), buf.size(), all, pairs, s); });
-    free_after(k, copy_of, s0);
-    return r;
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to `dest`; returns once `dest` has enqueued the copy (its recv), with a
-  /// request that completes when the copy has. Messages match by (source, tag) in order.
-  template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
-    constexpr std::string_view k = "send";
-    check_usable(k);
-    check_peer(k, dest, "destination");
-    check_device(k, "send", buf.data(), buf.size_bytes());
-    detail::cuda_device_scope g(state_->device, describe(k));
-    const cudaStream_t s = ctx.or_else(state_->stream);
-    cudaEvent_t ready = nullptr;
-    cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
-    const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(buf.data()), static_cast<std::int64_t>(buf.size()),
-                                 static_cast<std::int64_t>(datatype_of<std::remove_cv_t<T>>),
-                                 reinterpret_cast<std::int64_t>(ready)};
-    (void)state_->host.send(std::span<const std::int64_t>(msg), dest, tag);
-    std::int64_t done = 0;
-    (void)state_->host.recv(std::span<std::int64_t>(&done, 1), dest, tag);
-    auto* done_event = reinterpret_cast<cudaEvent_t>(done);
-    cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
-    (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
-    (void)cudaEventDestroy(ready);
-    return complete_on(k, s);
-  }
-  /// @brief Receives the next message from `source` with `tag`; its length and type must be buf's.
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
-    constexpr std::string_view k = "recv";
-    check_usable(k);
-    check_peer(k, source, "source");
-    check_device(k, "receive", buf.data(), buf.size_bytes());
-    detail::cuda_device_scope g(state_->device, describe(k));
-    const cudaStream_t s = ctx.or_else(state_->stream);
-    std::int64_t msg[4] = {};
-    (void)state_->host.recv(std::span<std::int64_t>(msg), source, tag);
-    auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
-    cudaEvent_t done = nullptr;
-    cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    const bool same = msg[1] == static_cast<std::int64_t>(buf.size()) && msg[2] == static_cast<std::int64_t>(datatype_of<T>);
-    if (same) {
-      cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready, 0));
-      copy(k, buf.data(), reinterpret_cast<const T*>(msg[0]), buf.size(), s);
-    }
-    cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
-    const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
-    (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), source, tag);  // the sender destroys both events
-    if (!same)
-      throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(buf.size()) + " elements of " +
-                                std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(source) +
-                                " (tag " + std::to_string(tag) + ") but the message holds " + std::to_string(msg[1]) +
-                                " elements of " + std::string(to_string(static_cast<datatype>(msg[2]))));
-    return complete_on(k, s);
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Every stream waits until every participant's stream has reached the barrier.
-  request_type barrier(context_type ctx = {}) {
-    constexpr std::string_view k = "barrier";
-    check_usable(k);
-    return movement<float>(k, 8, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
-  }
   /// @brief Devices with the same `color` form a new group (`thread_communicator::split`), on the
   /// same GPU and stream.
   shared_gpu_communicator split(int color, int key) {
-    constexpr std::string_view k = "split";
-    check_color(k, color);
+    check_split(color);
     nccl_comm_options o = state_->options;
     o.device = state_->device;
     o.stream = state_->stream;
@@ -416,6 +187,127 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
   void check_usable(std::string_view k) const {
     require_valid(k);
     state_->refuse_if_failed(describe(k));
+  }
+  // ---- the front end's hooks
+  [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (!state_->options.check_pointers) return;
+    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
+      this->bad_argument(K, problem);
+  }
+
+  /// The shared-GPU transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    constexpr int code = static_cast<int>(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const std::size_t me = static_cast<std::size_t>(rank());
+    if constexpr (K == op_kind::all_reduce || K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return reduction<T>(k, K == op_kind::all_reduce ? 0 : 1, code, o.send, o.recv, c, o.op,
+                          K == op_kind::reduce ? o.root : -1, ctx);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      // In place, the front end passes send = the buffer and recv = its block rank(): every
+      // device reads block r of each send, so the sends' bases are what the peers need.
+      return reduction<T>(k, 4, code, o.send, o.recv, c, o.op, -1, ctx);
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return movement<T>(k, code, o.send, o.recv, c, o.root, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        copy(k, o.recv, reinterpret_cast<const T*>(all[static_cast<std::size_t>(o.root)].send), c, s);
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return movement<T>(k, code, o.send, o.recv, c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        for (const auto& peer : all)  // push my block into every recv (in place: my own is there already)
+          copy(k, reinterpret_cast<T*>(peer.recv) + me * c, o.send, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all || K == op_kind::ppermute) {
+      const std::size_t len = K == op_kind::all_to_all ? c * n : c;
+      device_buffer<K>("send", o.send, len);
+      device_buffer<K>("receive", o.recv, len);
+      const cudaStream_t s0 = ctx.or_else(state_->stream);
+      // In place, peers overwrite this buffer while this device sends from it: send from a copy.
+      T* copy_of = o.in_place ? scratch_copy(k, std::span<T>(o.recv, len), s0) : nullptr;
+      const T* from = o.in_place ? copy_of : o.send;
+      const std::int64_t extra = K == op_kind::ppermute ? hash_pairs(o.pairs) : 0;
+      auto r = movement<T>(k, code, from, o.recv, c, -1, extra, ctx, [&](const auto& all, cudaStream_t s) {
+        if constexpr (K == op_kind::all_to_all) push_blocks(k, from, all, c, s);
+        else pull_permuted(k, o.recv, c, all, o.pairs, s);
+      });
+      if (copy_of != nullptr) free_after(k, copy_of, s0);
+      return r;
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      // Every receiver's counts and displacements, so that each sender pushes to the right place.
+      std::vector<std::int64_t> mine(2 * n);
+      std::copy(o.v[2], o.v[2] + n, mine.begin());
+      std::copy(o.v[3], o.v[3] + n, mine.begin() + static_cast<std::ptrdiff_t>(n));
+      std::vector<std::int64_t> theirs(2 * n * n);
+      return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
+        for (std::size_t j = 0; j < n; ++j) {
+          const std::int64_t want = theirs[j * 2 * n + me];
+          if (want != o.v[0][j])
+            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
+                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
+                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+          const std::int64_t at = theirs[j * 2 * n + n + me];
+          copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
+        }
+      });
+    } else if constexpr (K == op_kind::send) {
+      device_buffer<K>("send", o.send, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      cudaEvent_t ready = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
+      const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(o.send), static_cast<std::int64_t>(c),
+                                   static_cast<std::int64_t>(datatype_of<T>), reinterpret_cast<std::int64_t>(ready)};
+      (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag);
+      std::int64_t done = 0;
+      (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag);
+      auto* done_event = reinterpret_cast<cudaEvent_t>(done);
+      cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
+      (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
+      (void)cudaEventDestroy(ready);
+      return complete_on(k, s);
+    } else if constexpr (K == op_kind::recv) {
+      device_buffer<K>("receive", o.recv, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      std::int64_t msg[4] = {};
+      (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag);
+      auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
+      cudaEvent_t done = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      const bool same = msg[1] == static_cast<std::int64_t>(c) && msg[2] == static_cast<std::int64_t>(datatype_of<T>);
+      if (same) {
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready, 0));
+        copy(k, o.recv, reinterpret_cast<const T*>(msg[0]), c, s);
+      }
+      cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
+      const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
+      (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);  // the sender destroys both events
+      if (!same)
+        throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(c) + " elements of " +
+                                  std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(o.peer) +
+                                  " (tag " + std::to_string(o.tag) + ") but the message holds " + std::to_string(msg[1]) +
+                                  " elements of " + std::string(to_string(static_cast<datatype>(msg[2]))));
+      return complete_on(k, s);
+    } else {
+      static_assert(K == op_kind::barrier);
+      return movement<float>(k, code, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
+    }
   }
   void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
     if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
@@ -480,11 +372,13 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
                       " (seen by device " + std::to_string(rank()) + "):";
       for (std::size_t q = 0; q < n; ++q) {
         const auto& c = all[q];
-        m += " device " + std::to_string(q) + " called " + detail::shared_gpu_op_names[c.op] + "(";
+        m += " device " + std::to_string(q) + " called " + std::string(detail::op_name(static_cast<detail::op_kind>(c.op))) + "(";
         m += c.type >= 0 ? std::string(to_string(static_cast<datatype>(c.type))) : std::string("-");
         m += ", " + std::to_string(c.count) + " elements";
         if (c.root >= 0) m += ", root " + std::to_string(c.root);
-        if (c.op == 0 || c.op == 1 || c.op == 4) m += ", " + std::string(to_string(static_cast<reduce_op>(c.extra)));
+        if (c.op == static_cast<int>(detail::op_kind::all_reduce) || c.op == static_cast<int>(detail::op_kind::reduce) ||
+            c.op == static_cast<int>(detail::op_kind::reduce_scatter))
+          m += ", " + std::string(to_string(static_cast<reduce_op>(c.extra)));
         m += ")";
         m += q + 1 < n ? ";" : "";
       }
@@ -520,7 +414,7 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
     const cudaStream_t s = ctx.or_else(state_->stream);
     detail::shared_gpu_call mine;
     mine.op = op;
-    mine.type = send == nullptr && recv == nullptr && count == 0 && op == 8 ? -1 : static_cast<std::int64_t>(datatype_of<T>);
+    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
     mine.count = static_cast<std::int64_t>(count);
     mine.root = root;
     mine.extra = extra;
@@ -533,9 +427,9 @@ class shared_gpu_communicator : private detail::device_checks<shared_gpu_communi
 
   /// all_reduce (shape 0), reduce (1) and reduce_scatter (4): participant r reduces block r.
   template <class T>
-  request_type reduction(std::string_view k, int shape, const T* send, T* recv, std::size_t count, reduce_op op,
+  request_type reduction(std::string_view k, int shape, int code, const T* send, T* recv, std::size_t count, reduce_op op,
                          int root, context_type ctx) {
-    return movement<T>(k, shape, send, recv, count, root, static_cast<std::int64_t>(op), ctx,
+    return movement<T>(k, code, send, recv, count, root, static_cast<std::int64_t>(op), ctx,
                        [&](const auto& all, cudaStream_t s) {
       const auto n = static_cast<std::size_t>(size());
       const auto r = static_cast<std::size_t>(rank());

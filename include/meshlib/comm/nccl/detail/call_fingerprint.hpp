@@ -15,28 +15,13 @@
 #include <string_view>
 
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
 namespace meshlib::detail {
 
-/// The collectives a device communicator checks, in fingerprint order.
-enum class device_op : std::uint8_t {
-  all_reduce,
-  reduce,
-  broadcast,
-  all_gather,
-  reduce_scatter,
-  all_to_all,
-  all_to_all_v,
-  ppermute,
-  barrier,
-};
-inline constexpr std::string_view device_op_names[] = {"all_reduce", "reduce",     "broadcast",
-                                                      "all_gather", "reduce_scatter", "all_to_all",
-                                                      "all_to_all_v", "ppermute", "barrier"};
-
 struct call_fingerprint {
-  device_op op = device_op::barrier;
+  op_kind op = op_kind::barrier;
   int type = -1;     ///< datatype, or -1
   int reduce = -1;   ///< reduce_op, or -1
   int root = -1;     ///< or -1
@@ -53,7 +38,7 @@ struct call_fingerprint {
   [[nodiscard]] static call_fingerprint unpack(std::int64_t packed) noexcept {
     const auto bits = static_cast<std::uint64_t>(packed);
     call_fingerprint f;
-    f.op = static_cast<device_op>(bits & 31u);
+    f.op = static_cast<op_kind>(bits & 31u);
     const auto t = static_cast<int>((bits >> 5) & 15u);
     const auto r = static_cast<int>((bits >> 9) & 7u);
     const auto o = static_cast<int>((bits >> 12) & 0xffffu);
@@ -65,10 +50,9 @@ struct call_fingerprint {
   }
   /// "all_reduce(float32, 8 elements, sum)", "broadcast(int64, 3 elements, root 1)", "barrier()".
   [[nodiscard]] std::string text() const {
-    const auto i = static_cast<std::size_t>(op);
-    std::string s(i < std::size(device_op_names) ? device_op_names[i] : std::string_view("unknown"));
+    std::string s(op_name(op));
     s += "(";
-    if (op != device_op::barrier) {
+    if (op != op_kind::barrier) {
       s += type >= 0 && type <= 4 ? std::string(to_string(static_cast<datatype>(type))) : std::string("-");
       s += ", " + std::to_string(count) + " elements";
       if (reduce >= 0 && reduce <= 4) s += ", " + std::string(to_string(static_cast<reduce_op>(reduce)));

@@ -107,6 +107,25 @@ struct cuda_device_scope_noexcept {
   cuda_device_scope_noexcept& operator=(const cuda_device_scope_noexcept&) = delete;
 };
 
+/// What is wrong with a buffer that must be device (or managed) memory of GPU `device`, or empty:
+/// a host pointer would crash a kernel instead of failing.
+[[nodiscard]] inline std::string device_buffer_problem(std::string_view name, const void* p, std::size_t bytes, int device) {
+  if (bytes == 0) return {};
+  cudaPointerAttributes a{};
+  const cudaError_t rc = cudaPointerGetAttributes(&a, p);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string(name) + " buffer is not memory CUDA knows (" + cuda_error_text(rc) +
+           "); device communicators move device memory";
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    return std::string(name) + " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)";
+  if (a.type == cudaMemoryTypeDevice && a.device != device)
+    return std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
+           std::to_string(device);
+  return {};
+}
+
 /// A participant's GPU, stream, events, options and failure.
 struct stream_state {
   using event_type = cudaEvent_t;
