@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, Kokkos Kernels, MPI and
 # CUDA+NCCL, each switchable with MESHLIB_WITH_<X>. Sets MESHLIB_HAVE_<X> and prints a summary that
 # says what was found and what each missing piece disables.

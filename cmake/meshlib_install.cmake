@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Install rules and the CMake package of meshlib.
 #
 # Layout (relocatable: nothing below names the install prefix or this build machine's paths;

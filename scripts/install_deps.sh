@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what meshlib needs on Debian 12 (bookworm), and only what is missing: safe to run again.
 # apt-get update runs only when something is missing; sudo is used only when not root.
 set -euo pipefail

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what is missing, builds the flagship example in build/ and runs it.
 # EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart);
 # arguments go to it.

@@ -1,6 +1,24 @@
-// meshlib: JAX-style SPMD sharding for C++ -- single-header distribution.
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// meshlib 0.1.0: JAX-style SPMD sharding for C++ -- single-header distribution.
 // Generated from include/ by scripts/amalgamate.py; do not edit by hand:
 // change the headers in include/ and run `python3 scripts/amalgamate.py`.
+//
+// Configuration. Needs C++20, Kokkos (its headers and library) and threads. Optional parts
+// are off unless their macro is defined to 1 before this file is included (or with -D); each
+// also needs its library at link time, so none is switched on by finding a header:
+//   MESHLIB_ENABLE_KOKKOS_KERNELS=1  (meshlib::kokkos_kernels in CMake)
+//       matmul through KokkosBlas::gemm (BLAS speed; link Kokkos Kernels and a BLAS) instead of
+//       meshlib's own, much slower kernel
+//   MESHLIB_ENABLE_MPI=1  (meshlib::mpi in CMake)
+//       <meshlib/mpi.hpp>: the MPI and hybrid process x thread communicators,
+//       meshlib::mpi::initialize (link MPI)
+//   MESHLIB_ENABLE_NCCL=1  (meshlib::nccl in CMake)
+//       the NCCL communicator for CUDA devices (link CUDA's runtime and NCCL)
+//   MESHLIB_ENABLE_TBB=1  (meshlib::tbb in CMake)
+//       the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)
+// To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at
+// run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.
+// Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.
 #ifndef MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
 #define MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
 // begin meshlib.hpp
@@ -8,6 +26,139 @@
 /// @brief meshlib: JAX-style SPMD sharding for C++. Everything that needs no optional dependency.
 /// The MPI and NCCL backends come in through <meshlib/mpi.hpp> and <meshlib/nccl.hpp>.
 
+// begin meshlib/version.hpp
+/// @file
+/// @brief meshlib's version, as macros for the preprocessor and as constants for C++.
+///
+/// The version's one source is the file `VERSION` at the top of the repository; this header,
+/// CMake's project version, the Conan, vcpkg and Spack recipes and pkg-config repeat it, and the
+/// test `package_versions_agree` fails when any of them differs.
+///
+/// Example:
+/// @code
+/// static_assert(MESHLIB_VERSION >= 100, "this program needs meshlib 0.1.0 or newer");
+/// std::cout << "meshlib " << meshlib::version_string << '\n';
+/// @endcode
+
+#include <string_view>
+
+/// @brief The major version: changes when a release breaks source compatibility.
+#define MESHLIB_VERSION_MAJOR 0
+/// @brief The minor version: new features, source compatible within the major version.
+#define MESHLIB_VERSION_MINOR 1
+/// @brief The patch version: fixes only.
+#define MESHLIB_VERSION_PATCH 0
+/// @brief The version as one comparable number: major * 10000 + minor * 100 + patch.
+#define MESHLIB_VERSION (MESHLIB_VERSION_MAJOR * 10000 + MESHLIB_VERSION_MINOR * 100 + MESHLIB_VERSION_PATCH)
+/// @brief The version as a string literal, "major.minor.patch".
+#define MESHLIB_VERSION_STRING "0.1.0"
+
+namespace meshlib {
+
+/// @brief The version of the meshlib headers in use, "major.minor.patch" (`MESHLIB_VERSION_STRING`).
+inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
+
+}  // namespace meshlib
+// end meshlib/version.hpp
+// begin meshlib/config.hpp
+/// @file
+/// @brief Which optional parts this translation unit was compiled with, as `meshlib::config`.
+///
+/// Each optional part is switched on by one macro, which the matching CMake target defines (and
+/// which a user of the single header defines by hand, next to linking the library it needs):
+///
+/// | macro                               | CMake target             | what it enables                                       |
+/// | ----------------------------------- | ------------------------ | ----------------------------------------------------- |
+/// | `MESHLIB_ENABLE_KOKKOS_KERNELS=1`   | meshlib::kokkos_kernels  | matmul through `KokkosBlas::gemm` (BLAS speed) instead of meshlib's own kernel |
+/// | `MESHLIB_ENABLE_MPI=1`              | meshlib::mpi             | `<meshlib/mpi.hpp>`: MPI and hybrid communicators, `meshlib::mpi::initialize` |
+/// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
+/// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
+///
+/// None is switched on by finding a header with `__has_include`: each needs a library at link
+/// time too, and a header found without its library would turn into a link error far from the
+/// cause. Define `MESHLIB_VERBOSE_CONFIG` to have the compiler print one line saying which parts
+/// are on (and which could be, because their headers are on the include path).
+///
+/// Example:
+/// @code
+/// std::cout << "matmul kernel: " << meshlib::config::matmul_kernel << '\n';
+/// if constexpr (!meshlib::config::mpi) { /* run on threads only */ }
+/// @endcode
+
+#include <string_view>
+
+
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#define MESHLIB_CONFIG_KOKKOS_KERNELS_ 1
+#else
+#define MESHLIB_CONFIG_KOKKOS_KERNELS_ 0
+#endif
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+#define MESHLIB_CONFIG_MPI_ 1
+#else
+#define MESHLIB_CONFIG_MPI_ 0
+#endif
+#if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL
+#define MESHLIB_CONFIG_NCCL_ 1
+#else
+#define MESHLIB_CONFIG_NCCL_ 0
+#endif
+#if defined(MESHLIB_ENABLE_TBB) && MESHLIB_ENABLE_TBB
+#define MESHLIB_CONFIG_TBB_ 1
+#else
+#define MESHLIB_CONFIG_TBB_ 0
+#endif
+
+namespace meshlib {
+
+/// @brief The optional parts compiled into this translation unit (see the table in the file's doc).
+struct config {
+  /// @brief meshlib's version, "major.minor.patch".
+  static constexpr std::string_view version{MESHLIB_VERSION_STRING};
+  /// @brief True when matmul calls `KokkosBlas::gemm` (`MESHLIB_ENABLE_KOKKOS_KERNELS`).
+  static constexpr bool kokkos_kernels = MESHLIB_CONFIG_KOKKOS_KERNELS_ == 1;
+  /// @brief True when the MPI communicators are available (`MESHLIB_ENABLE_MPI`).
+  static constexpr bool mpi = MESHLIB_CONFIG_MPI_ == 1;
+  /// @brief True when the NCCL communicator is available (`MESHLIB_ENABLE_NCCL`).
+  static constexpr bool nccl = MESHLIB_CONFIG_NCCL_ == 1;
+  /// @brief True when the oneTBB-backed parts are available (`MESHLIB_ENABLE_TBB`).
+  static constexpr bool tbb = MESHLIB_CONFIG_TBB_ == 1;
+  /// @brief The kernel local matmuls use: "KokkosBlas::gemm" or "meshlib built-in".
+  static constexpr std::string_view matmul_kernel = kokkos_kernels ? "KokkosBlas::gemm" : "meshlib built-in";
+};
+
+}  // namespace meshlib
+
+#if defined(MESHLIB_VERBOSE_CONFIG)
+#define MESHLIB_CONFIG_STR_(x) #x
+#define MESHLIB_CONFIG_PRAGMA_(x) _Pragma(MESHLIB_CONFIG_STR_(x))
+#if MESHLIB_CONFIG_KOKKOS_KERNELS_
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=KokkosBlas::gemm"
+#elif __has_include(<KokkosBlas3_gemm.hpp>)
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=built-in (Kokkos Kernels found: define MESHLIB_ENABLE_KOKKOS_KERNELS=1 and link it)"
+#else
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=built-in"
+#endif
+#if MESHLIB_CONFIG_MPI_
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=on"
+#elif __has_include(<mpi.h>)
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=off (mpi.h found: define MESHLIB_ENABLE_MPI=1 and link MPI)"
+#else
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=off"
+#endif
+#if MESHLIB_CONFIG_NCCL_
+#define MESHLIB_CONFIG_NCCL_TEXT_ "nccl=on"
+#else
+#define MESHLIB_CONFIG_NCCL_TEXT_ "nccl=off"
+#endif
+#if MESHLIB_CONFIG_TBB_
+#define MESHLIB_CONFIG_TBB_TEXT_ "tbb=on"
+#else
+#define MESHLIB_CONFIG_TBB_TEXT_ "tbb=off"
+#endif
+MESHLIB_CONFIG_PRAGMA_(message("meshlib " MESHLIB_VERSION_STRING ": " MESHLIB_CONFIG_KK_TEXT_ ", " MESHLIB_CONFIG_MPI_TEXT_ ", " MESHLIB_CONFIG_NCCL_TEXT_ ", " MESHLIB_CONFIG_TBB_TEXT_))
+#endif
+// end meshlib/config.hpp
 // begin meshlib/core.hpp
 /// @file
 /// @brief The core layer: axes, meshes, partition specs, shardings and shard layout math.
@@ -7967,4 +8118,2046 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
 // end meshlib/debug/visualize_sharding.hpp
 // end meshlib/debug.hpp
 // end meshlib.hpp
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+// begin meshlib/mpi.hpp
+/// @file
+/// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime
+/// over MPI (`meshlib::mpi::initialize`). Needs the `meshlib::mpi` CMake target, which defines
+/// `MESHLIB_ENABLE_MPI` and links MPI.
+
+#if !MESHLIB_ENABLE_MPI
+#error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
+#else
+
+// begin meshlib/comm/mpi/mpi_communicator.hpp
+/// @file
+/// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
+/// programs that already use MPI. Satisfies `communicator`.
+///
+/// @code
+/// MPI_Init(&argc, &argv);
+/// {
+///   meshlib::mpi_communicator comm(MPI_COMM_WORLD);      // adopts: never frees MPI_COMM_WORLD
+///   std::vector<float> x(1024, float(comm.rank()));
+///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);
+/// }
+/// MPI_Finalize();
+/// @endcode
+///
+/// Communicators. Adopting an `MPI_Comm` duplicates it once (`MPI_Comm_dup`, collective) into a
+/// private communicator that carries every meshlib operation, with `MPI_ERRORS_RETURN` so that MPI
+/// errors become `comm_error`s and meshlib's messages can never match the application's. The
+/// duplicate, and every communicator `split` makes, is freed when the last handle goes (unless
+/// MPI is already finalised); the adopted one is never freed or modified. `native()` is the
+/// adopted `MPI_Comm`.
+///
+/// Threads. A handle and its copies share one MPI communicator and must be used by one thread at a
+/// time (as an `MPI_Comm` in most programs); several threads use several communicators (`split`),
+/// or `hybrid_communicator`.
+///
+/// Completion. Every operation is complete when it returns (the buffers hold the result) and
+/// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
+/// data and returns; the copy is sent in the background and progressed by later calls.
+///
+/// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
+/// unbounded: a payload under `blocking_min_bytes` runs as MPI's non-blocking collective, polled
+/// against the deadline; a larger one first polls a non-blocking barrier (every rank has arrived)
+/// and then runs MPI's blocking collective, whose tuned algorithms are faster than the
+/// non-blocking ones for large payloads (docs/benchmarks.md), except when the node runs more
+/// ranks than it has cores: there the extra barrier costs more than the non-blocking algorithms
+/// lose, so large payloads are polled non-blocking collectives too (`large_payloads`). A deadline that passes raises
+/// `comm_timeout` naming the operation and the rank. MPI cannot cancel a collective, so the
+/// communicator is then failed: every later call throws `comm_timeout` with the same message;
+/// end the run (an uncaught exception does so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+///
+/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
+/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
+/// process. Argument errors (`comm_argument_error`) are thrown on the rank that made them, before
+/// any data moves; peers see a timeout. With `verify_collectives`, every collective first exchanges
+/// a descriptor of the call, and ranks that disagree (operation, type, count, op, root) all throw
+/// `collective_mismatch` listing each rank's call, as the thread backend always does.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/mpi/detail/mpi_types.hpp
+/// @file
+/// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
+/// MPI call. Internal to the MPI communicator.
+///
+/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, avg) | MPI op |
+/// | --- | --- | --- | --- |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`, `MPI_MIN`, `MPI_MAX`; avg = `MPI_SUM` then / n |
+/// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
+/// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+namespace meshlib::detail {
+
+/// The text MPI gives for error code `rc`.
+inline std::string mpi_error_string(int rc) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(buf, static_cast<std::size_t>(len));
+}
+
+/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, avg).
+template <comm_element T>
+MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<U, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<U, bfloat16>) return MPI_UINT16_T;
+  else if constexpr (sizeof(U) == 4) return wrapping ? MPI_UINT32_T : MPI_INT32_T;
+  else return wrapping ? MPI_UINT64_T : MPI_INT64_T;
+}
+
+/// Whether op combines by addition or multiplication (wraps for integers).
+constexpr bool wraps(reduce_op op) noexcept {
+  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::avg;
+}
+
+/// MPI's op for a meshlib op (avg is a sum followed by a division by the participant count).
+inline MPI_Op mpi_op(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum:
+    case reduce_op::avg: return MPI_SUM;
+    case reduce_op::prod: return MPI_PROD;
+    case reduce_op::min: return MPI_MIN;
+    case reduce_op::max: return MPI_MAX;
+  }
+  return MPI_SUM;
+}
+
+/// bfloat16 user-defined ops: each combination is done in float and rounded to bfloat16.
+template <reduce_op Op>
+void bf16_combine(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const bfloat16*>(in);
+  auto* b = static_cast<bfloat16*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = a[i];
+    const float y = b[i];
+    float r;
+    if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) r = x + y;
+    else if constexpr (Op == reduce_op::prod) r = x * y;
+    else if constexpr (Op == reduce_op::min) r = y < x ? y : x;
+    else r = x < y ? y : x;
+    b[i] = bfloat16(r);
+  }
+}
+
+/// The user-defined `MPI_Op` for bfloat16 and `op`, created on first use (after `MPI_Init`) and
+/// kept until `MPI_Finalize` frees it with the rest of MPI's state.
+inline MPI_Op bf16_mpi_op(reduce_op op) {
+  static MPI_Op ops[5] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  static const bool made = [] {
+    MPI_Op_create(&bf16_combine<reduce_op::sum>, 1, &ops[static_cast<int>(reduce_op::sum)]);
+    MPI_Op_create(&bf16_combine<reduce_op::prod>, 1, &ops[static_cast<int>(reduce_op::prod)]);
+    MPI_Op_create(&bf16_combine<reduce_op::min>, 1, &ops[static_cast<int>(reduce_op::min)]);
+    MPI_Op_create(&bf16_combine<reduce_op::max>, 1, &ops[static_cast<int>(reduce_op::max)]);
+    ops[static_cast<int>(reduce_op::avg)] = ops[static_cast<int>(reduce_op::sum)];
+    return true;
+  }();
+  (void)made;
+  return ops[static_cast<int>(op)];
+}
+
+/// After a sum: divide by the participant count as the thread backend's avg does (integers:
+/// the wrapped sum, as signed, divided toward zero).
+template <comm_element T>
+void finish_avg(T* data, std::size_t count, int n) noexcept {
+  for (std::size_t i = 0; i < count; ++i) {
+    if constexpr (std::is_integral_v<T>) data[i] = static_cast<T>(data[i] / static_cast<T>(n));
+    else if constexpr (std::is_same_v<T, bfloat16>) data[i] = bfloat16(static_cast<float>(data[i]) / static_cast<float>(n));
+    else data[i] = static_cast<T>(data[i] / static_cast<T>(n));
+  }
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/mpi_types.hpp
+
+namespace meshlib {
+
+/// @brief Options of an `mpi_communicator`.
+struct mpi_comm_options {
+  /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
+  /// negative: no deadline (MPI's blocking calls throughout).
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
+  /// ones run MPI's non-blocking collective, polled.
+  std::size_t blocking_min_bytes = std::size_t{64} << 10;
+  /// How large payloads wait under a deadline.
+  enum class large_payload_mode {
+    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
+    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
+    nonblocking,            ///< MPI's non-blocking collective, polled
+  };
+  large_payload_mode large_payloads = large_payload_mode::automatic;
+  /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
+  /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
+  /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
+  /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
+  bool bfloat16_on_wire = false;
+  /// Check before every collective that every rank makes the same call (one extra small
+  /// all-gather per collective); a disagreement throws `collective_mismatch` on every rank.
+  bool verify_collectives = false;
+};
+
+namespace detail {
+
+/// The MPI state shared by the handles of one communicator.
+struct mpi_comm_state {
+  MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
+  MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
+  int rank = 0;
+  int size = 0;
+  int tag_ub = 32767;
+  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
+  bool oversubscribed = false;
+  mpi_comm_options options;
+  bool failed = false;
+  std::string failure;
+  struct pending_send {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+  };
+  std::vector<pending_send> sends;
+
+  mpi_comm_state() = default;
+  mpi_comm_state(const mpi_comm_state&) = delete;
+  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
+
+  ~mpi_comm_state() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // nothing can be freed any more
+    // Buffered sends still in flight: give them the timeout to complete, then leave them to MPI.
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::nanoseconds(0));
+    for (auto& s : sends) {
+      int done = 0;
+      while (s.request != MPI_REQUEST_NULL && !done) {
+        MPI_Test(&s.request, &done, MPI_STATUS_IGNORE);
+        if (!done && std::chrono::steady_clock::now() > deadline) break;
+        if (!done) std::this_thread::yield();
+      }
+      if (!done && s.request != MPI_REQUEST_NULL) {
+        MPI_Request_free(&s.request);  // allowed for point-to-point: MPI finishes it on its own
+        // ... reading the buffer until then, so it must outlive this object: leak it on purpose.
+        (void)new std::vector<unsigned char>(std::move(s.data));
+      }
+    }
+    if (comm != MPI_COMM_NULL && !failed) MPI_Comm_free(&comm);
+  }
+};
+
+}  // namespace detail
+
+/// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
+class mpi_communicator {
+ public:
+  using is_communicator = void;
+  using request_type = ready_request;
+  using context_type = host_context;
+
+  /// An empty handle; only assignable and destructible.
+  mpi_communicator() = default;
+
+  /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
+  /// application's: meshlib never frees or modifies it.
+  /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
+  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init)
+      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
+                       "meshlib::mpi::initialize)");
+    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->adopted = comm;
+    s->options = options;
+    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
+    finish(*s);
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
+    state_ = std::move(s);
+  }
+
+  /// Rank of this process in the communicator.
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  /// Number of ranks (0 for an empty handle).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// The adopted `MPI_Comm`, or for a split result meshlib's own.
+  [[nodiscard]] MPI_Comm native() const noexcept {
+    if (!state_) return MPI_COMM_NULL;
+    return state_->adopted != MPI_COMM_NULL ? state_->adopted : state_->comm;
+  }
+  /// Whether this node runs more ranks than it has cores (decides `large_payload_mode::automatic`).
+  [[nodiscard]] bool oversubscribed() const noexcept { return state_ && state_->oversubscribed; }
+  [[nodiscard]] const mpi_comm_options& options() const {
+    require_valid("options");
+    return state_->options;
+  }
+
+  /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
+  /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
+  [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
+    std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
+    MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
+    std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
+  }
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], on every rank.
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type = {}) {
+    check_out_of_place("all_reduce", send, recv, send.size());
+    do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
+    return {};
+  }
+  /// @brief In-place all_reduce (`MPI_IN_PLACE`).
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable("all_reduce");
+    do_all_reduce<T>(nullptr, buf.data(), buf.size(), op);
+    return {};
+  }
+
+  /// @brief Only `root` receives the reduction; recv is ignored elsewhere.
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type = {}) {
+    check_root("reduce", root);
+    if (rank() == root) check_out_of_place("reduce", send, recv, send.size());
+    do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
+    return {};
+  }
+  /// @brief In-place reduce: root's buf receives the result (`MPI_IN_PLACE` on root).
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
+    check_root("reduce", root);
+    do_reduce<T>(rank() == root ? nullptr : buf.data(), buf.data(), buf.size(), op, root);
+    return {};
+  }
+
+  /// @brief recv = block `rank()` of the reduction of every rank's send (`size() * recv.size()`).
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type = {}) {
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul("reduce_scatter", count);
+    if (send.size() < total)
+      bad_argument("reduce_scatter", "send buffer holds " + std::to_string(send.size()) +
+                                         " elements but size() * recv.size() = " + std::to_string(total) +
+                                         " are needed");
+    check_out_of_place("reduce_scatter", send.first(total), recv, count);
+    do_reduce_scatter<T>(send.data(), recv.data(), count, op);
+    return {};
+  }
+  /// @brief In-place reduce_scatter (NCCL's convention): the result lands in block `rank()` of buf.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
+    check_usable("reduce_scatter");
+    const std::size_t count = blocks_of("reduce_scatter", buf.size());
+    // MPI's in-place form puts the result at the start of the buffer and may use the rest as
+    // scratch; meshlib's leaves every other block as it was. So the input is copied, and the result
+    // written straight into block rank().
+    const std::vector<T> input(buf.begin(), buf.end());
+    do_reduce_scatter<T>(input.data(), buf.data() + static_cast<std::size_t>(rank()) * count, count, op);
+    return {};
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send (read on root only).
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type = {}) {
+    check_root("broadcast", root);
+    if (rank() == root) {
+      check_out_of_place("broadcast", send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument("broadcast", "root's send buffer holds " + std::to_string(send.size()) +
+                                      " elements but recv.size() = " + std::to_string(recv.size()) + " are broadcast");
+      if (!recv.empty()) std::memcpy(recv.data(), send.data(), recv.size_bytes());
+    }
+    do_broadcast<T>(recv.data(), recv.size(), root);
+    return {};
+  }
+  /// @brief In-place broadcast.
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
+    check_root("broadcast", root);
+    do_broadcast<T>(buf.data(), buf.size(), root);
+    return {};
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...].
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = send.size();
+    check_out_of_place("all_gather", send, recv, checked_mul("all_gather", count));
+    do_all_gather<T>(send.data(), recv.data(), count);
+    return {};
+  }
+  /// @brief In-place all_gather (`MPI_IN_PLACE`): own block already at block `rank()`.
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type = {}) {
+    check_usable("all_gather");
+    do_all_gather<T>(nullptr, buf.data(), blocks_of("all_gather", buf.size()));
+    return {};
+  }
+
+  /// @brief Block j of send goes to rank j, landing in its block `rank()`.
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = blocks_of("all_to_all", send.size());
+    check_out_of_place("all_to_all", send, recv, send.size());
+    do_all_to_all<T>(send.data(), recv.data(), count);
+    return {};
+  }
+  /// @brief In-place all_to_all (`MPI_IN_PLACE`).
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type = {}) {
+    check_usable("all_to_all");
+    do_all_to_all<T>(nullptr, buf.data(), blocks_of("all_to_all", buf.size()));
+    return {};
+  }
+
+  /// @brief all_to_all with a count per peer (`MPI_Alltoallv`). Counts and displacements must fit
+  /// in an `int` (MPI's), else `comm_argument_error`.
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type = {}) {
+    constexpr const char* k = "all_to_all_v";
+    check_usable(k);
+    const auto sc = layout(k, "send", send.size(), send_counts);
+    const auto sd = layout(k, "send", send.size(), send_displs, &send_counts);
+    const auto rc = layout(k, "recv", recv.size(), recv_counts);
+    const auto rd = layout(k, "recv", recv.size(), recv_displs, &recv_counts);
+    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    if (state_->options.verify_collectives) {
+      verify(k, datatype_of<T>, 0, 0, 0);
+      // Every rank's recv_counts[j] must be rank j's send_counts[rank()].
+      std::vector<int> their(static_cast<std::size_t>(size()));
+      timed("all_to_all_v (count check)", sizeof(int) * their.size(),
+            [&](MPI_Request* r) { return MPI_Ialltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm, r); },
+            [&] { return MPI_Alltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm); });
+      for (int j = 0; j < size(); ++j)
+        if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
+          throw collective_mismatch("meshlib: all_to_all_v on MPI rank " + std::to_string(rank()) + ": recv_counts[" +
+                                    std::to_string(j) + "] = " + std::to_string(rc[static_cast<std::size_t>(j)]) +
+                                    " but rank " + std::to_string(j) + " sends " +
+                                    std::to_string(their[static_cast<std::size_t>(j)]) + " elements");
+    }
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    std::size_t bytes = 0;
+    for (int c : sc) bytes += static_cast<std::size_t>(c) * sizeof(T);
+    timed(k, bytes,
+          [&](MPI_Request* r) {
+            return MPI_Ialltoallv(send.data(), sc.data(), sd.data(), t, recv.data(), rc.data(), rd.data(), t,
+                                  state_->comm, r);
+          },
+          [&] {
+            return MPI_Alltoallv(send.data(), sc.data(), sd.data(), t, recv.data(), rc.data(), rd.data(), t,
+                                 state_->comm);
+          });
+    return {};
+  }
+
+  /// @brief recv gets the send of the pair whose destination this rank is, or zeros (as JAX).
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_out_of_place("ppermute", send, recv, send.size());
+    do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
+    return {};
+  }
+  /// @brief In-place ppermute.
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    const std::vector<T> copy(buf.begin(), buf.end());
+    do_ppermute<T>(copy.data(), buf.data(), buf.size(), pairs);
+    return {};
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest` with `tag` (0 <= tag < the MPI tag bound - 1). Buffered:
+  /// returns once buf is copied, so exchanges written as send-then-recv on every rank cannot
+  /// deadlock.
+  template <class T>
+    requires comm_element<T>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
+    check_usable("send");
+    check_peer("send", dest, "destination");
+    check_tag("send", tag);
+    progress_sends();
+    detail::mpi_comm_state::pending_send p;
+    p.data.resize(buf.size_bytes());
+    if (!buf.empty()) std::memcpy(p.data.data(), buf.data(), buf.size_bytes());
+    check_count("send", buf.size());
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(buf.size()), detail::mpi_datatype<std::remove_cv_t<T>>(), dest,
+                       tag, state_->comm, &p.request),
+             "MPI_Isend");
+    state_->sends.push_back(std::move(p));
+    return {};
+  }
+
+  /// @brief Receives into buf the oldest message from `source` with `tag`; its count must be
+  /// buf's (else `collective_mismatch`).
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
+    check_usable("recv");
+    check_peer("recv", source, "source");
+    check_tag("recv", tag);
+    check_count("recv", buf.size());
+    // Probe first (matched probe: safe when other threads use the communicator), so that a
+    // message of another length is reported instead of truncated.
+    MPI_Status st;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    poll("recv", [&](int* done) {
+      progress_sends();
+      return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
+    });
+    int got = 0;
+    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    if (got != static_cast<int>(buf.size())) {
+      // Consume the message so the stream stays in order, then report.
+      std::vector<unsigned char> sink;
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
+      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      throw collective_mismatch("meshlib: recv on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                                " expected " + std::to_string(buf.size()) + " elements of " +
+                                std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(source) +
+                                " (tag " + std::to_string(tag) + ") but the message holds " +
+                                (got == MPI_UNDEFINED ? std::to_string(bytes) + " bytes" : std::to_string(got)));
+    }
+    check_rc(MPI_Mrecv(buf.data(), got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    return {};
+  }
+
+  // ---- synchronisation and groups --------------------------------------------------------------
+
+  /// @brief Returns once every rank has called barrier (polled against the timeout).
+  request_type barrier(context_type = {}) {
+    check_usable("barrier");
+    progress_sends();
+    timed("barrier", 0, [&](MPI_Request* r) { return MPI_Ibarrier(state_->comm, r); },
+          [&] { return MPI_Barrier(state_->comm); });
+    return {};
+  }
+
+  /// @brief `MPI_Comm_split`: ranks with the same `color` (>= 0) form a new communicator, ordered
+  /// by (key, rank). The result owns its `MPI_Comm` and has this one's options.
+  mpi_communicator split(int color, int key) {
+    check_usable("split");
+    if (color < 0) bad_argument("split", "color " + std::to_string(color) + " is negative; colors are >= 0");
+    // Arrive first (polled), so that a rank that never splits is a timeout, not a hang.
+    barrier();
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->options = state_->options;
+    s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
+    check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
+    finish(*s);
+    mpi_communicator out;
+    out.state_ = std::move(s);
+    return out;
+  }
+
+ private:
+  // ---- checks ----------------------------------------------------------------------------------
+
+  std::string where(std::string_view k) const {
+    return std::string(k) + " on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size());
+  }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty mpi_communicator handle (default-constructed or moved from)");
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    if (state_->failed) throw comm_timeout("meshlib: refused " + where(k) + ": the communicator has failed: " + state_->failure);
+  }
+  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
+    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
+  }
+  void check_rc(int rc, std::string_view call) const {
+    if (rc != MPI_SUCCESS)
+      throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
+                       ": " + detail::mpi_error_string(rc));
+  }
+  void check_root(std::string_view k, int root) const {
+    check_usable(k);
+    if (root < 0 || root >= size())
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
+  }
+  void check_peer(std::string_view k, int peer, const char* what) const {
+    if (peer < 0 || peer >= size())
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(size()) + ")");
+  }
+  void check_tag(std::string_view k, int tag) const {
+    if (tag < 0 || tag >= state_->tag_ub)
+      bad_argument(k, "tag " + std::to_string(tag) + " is out of range [0, " + std::to_string(state_->tag_ub) +
+                          "); the top tag is meshlib's");
+  }
+  void check_count(std::string_view k, std::size_t count) const {
+    if (count > static_cast<std::size_t>(INT_MAX))
+      bad_argument(k, "count " + std::to_string(count) + " exceeds MPI's int count (" + std::to_string(INT_MAX) +
+                          "); split the call");
+  }
+  template <class T>
+  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    check_usable(k);
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+  }
+  std::size_t checked_mul(std::string_view k, std::size_t count) const {
+    check_usable(k);
+    const auto n = static_cast<std::size_t>(size());
+    if (count > std::numeric_limits<std::size_t>::max() / n)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
+    return count * n;
+  }
+  std::size_t blocks_of(std::string_view k, std::size_t total) const {
+    const auto n = static_cast<std::size_t>(size());
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+  /// Counts (or, with `counts`, displacements) of an all_to_all_v side as MPI's ints.
+  std::vector<int> layout(std::string_view k, const char* which, std::size_t buffer, std::span<const std::int64_t> v,
+                          const std::span<const std::int64_t>* counts = nullptr) const {
+    const auto n = static_cast<std::size_t>(size());
+    const std::string w = std::string(which) + (counts ? "_displs" : "_counts");
+    if (v.size() != n)
+      bad_argument(k, w + " needs " + std::to_string(n) + " entries, got " + std::to_string(v.size()));
+    std::vector<int> out(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      if (v[j] < 0 || v[j] > INT_MAX)
+        bad_argument(k, w + "[" + std::to_string(j) + "] = " + std::to_string(v[j]) + " is negative or exceeds MPI's int");
+      out[j] = static_cast<int>(v[j]);
+      if (counts) {
+        const std::int64_t c = (*counts)[j];
+        if (static_cast<std::uint64_t>(c) + static_cast<std::uint64_t>(v[j]) > buffer)
+          bad_argument(k, std::string(which) + " block " + std::to_string(j) + " (displacement " + std::to_string(v[j]) +
+                              ", count " + std::to_string(c) + ") runs past the end of the " + which + " buffer of " +
+                              std::to_string(buffer) + " elements");
+      }
+    }
+    return out;
+  }
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    check_usable("ppermute");
+    const int n = size();
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument("ppermute", "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                                     ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument("ppermute", "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument("ppermute", "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+    }
+  }
+
+  // ---- waiting ---------------------------------------------------------------------------------
+
+  bool has_deadline() const noexcept { return state_->options.timeout.count() > 0; }
+
+  /// Polls `test(&done)` (an MPI call returning its error code) until done or the deadline.
+  template <class Test>
+  void poll(std::string_view k, Test&& test) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = has_deadline() ? start + state_->options.timeout : std::chrono::steady_clock::time_point::max();
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      check_rc(test(&done), "MPI_Test");
+      if (done) return;
+      if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+    }
+  }
+  void wait(std::string_view k, MPI_Request& r) {
+    poll(k, [&](int* done) { return MPI_Test(&r, done, MPI_STATUS_IGNORE); });
+  }
+
+  [[noreturn]] void fail_timeout(std::string_view k) {
+    const double secs = std::chrono::duration<double>(state_->options.timeout).count();
+    state_->failed = true;
+    state_->failure = "meshlib: " + where(k) + " did not complete within " + std::to_string(secs) +
+                      " s: a peer never called it (it failed, or called another operation); MPI cannot cancel a "
+                      "collective, so this communicator refuses further operations; end the run";
+    throw comm_timeout(state_->failure);
+  }
+
+  /// Runs one collective under the timeout: see the file comment.
+  template <class NonBlocking, class Blocking>
+  void timed(std::string_view k, std::size_t bytes, NonBlocking&& nb, Blocking&& bl) {
+    if (!has_deadline()) {
+      check_rc(bl(), k);
+      return;
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    using mode = mpi_comm_options::large_payload_mode;
+    const mode m = state_->options.large_payloads;
+    const bool barrier_first = m == mode::barrier_then_blocking || (m == mode::automatic && !state_->oversubscribed);
+    if (bytes >= state_->options.blocking_min_bytes && barrier_first) {
+      check_rc(MPI_Ibarrier(state_->comm, &r), "MPI_Ibarrier");
+      wait(k, r);
+      check_rc(bl(), k);
+    } else {
+      check_rc(nb(&r), k);
+      wait(k, r);
+    }
+  }
+
+  void progress_sends() {
+    auto& v = state_->sends;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [&](detail::mpi_comm_state::pending_send& s) {
+                             int done = 0;
+                             check_rc(MPI_Test(&s.request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+                             return done != 0;
+                           }),
+            v.end());
+  }
+
+  static constexpr std::string_view verified_ops[] = {"all_reduce", "reduce",     "reduce_scatter", "broadcast",
+                                                      "all_gather", "all_to_all", "all_to_all_v",   "ppermute"};
+
+  /// With verify_collectives: every rank's (operation, type, count, op, root) must agree.
+  void verify(std::string_view k, datatype dt, std::size_t count, int op, int root) {
+    std::int64_t kind = 0;
+    while (kind < 8 && verified_ops[kind] != k) ++kind;
+    std::int64_t mine[5] = {kind, static_cast<std::int64_t>(dt), static_cast<std::int64_t>(count), op, root};
+    std::vector<std::int64_t> all(5 * static_cast<std::size_t>(size()));
+    timed(k, 0, [&](MPI_Request* r) { return MPI_Iallgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm, r); },
+          [&] { return MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm); });
+    bool same = true;
+    for (int r = 1; r < size(); ++r)
+      same = same && std::equal(all.begin(), all.begin() + 5, all.begin() + 5 * r);
+    if (same) return;
+    std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
+                      " ranks (seen by rank " + std::to_string(rank()) + "): the ranks called different collectives:";
+    for (int r = 0; r < size(); ++r) {
+      const auto* d = all.data() + 5 * r;
+      const bool reducing = d[0] <= 2;
+      msg += std::string(r ? ";" : "") + " rank " + std::to_string(r) + ": " +
+             std::string(d[0] < 8 ? verified_ops[d[0]] : "?") + " of " + std::to_string(d[2]) + " " +
+             std::string(to_string(static_cast<datatype>(d[1]))) +
+             (reducing ? ", op " + std::string(to_string(static_cast<reduce_op>(d[3]))) : std::string()) +
+             (d[0] == 1 || d[0] == 3 ? ", root " + std::to_string(d[4]) : std::string());
+    }
+    throw collective_mismatch(msg);
+  }
+
+  template <class T>
+  void maybe_verify(std::string_view k, std::size_t count, reduce_op op, int root) {
+    if (state_->options.verify_collectives) verify(k, datatype_of<T>, count, static_cast<int>(op), root);
+  }
+
+  // ---- operations ------------------------------------------------------------------------------
+
+  static const void* in_place(const void* p) noexcept { return p ? p : MPI_IN_PLACE; }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_reduce(const T* send, T* recv, std::size_t count, reduce_op op) {
+    maybe_verify<T>("all_reduce", count, op, 0);
+    check_count("all_reduce", count);
+    progress_sends();
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        std::vector<float> w(count);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < count; ++i) w[i] = src[i];
+        all_reduce_raw<float>(nullptr, w.data(), count, op);
+        for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    all_reduce_raw<T>(send, recv, count, op);
+  }
+
+  template <class T>
+  void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    timed("all_reduce", count * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
+          [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
+    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+  }
+
+  /// On root, send == nullptr means in place; elsewhere send is read.
+  template <class T>
+  void do_reduce(const T* send, T* recv, std::size_t count, reduce_op op, int root) {
+    maybe_verify<T>("reduce", count, op, root);
+    check_count("reduce", count);
+    progress_sends();
+    const bool is_root = rank() == root;
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        std::vector<float> w(count);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < count; ++i) w[i] = src[i];
+        std::vector<float> res(is_root ? count : 0);
+        do_reduce<float>(is_root ? nullptr : w.data(), is_root ? w.data() : res.data(), count, op, root);
+        if (is_root)
+          for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    const void* s = is_root ? in_place(send) : static_cast<const void*>(send);
+    void* rb = is_root ? static_cast<void*>(recv) : nullptr;
+    timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
+          [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
+    if (is_root && op == reduce_op::avg) detail::finish_avg(recv, count, size());
+  }
+
+  /// send == nullptr: in place, the result at the start of recv (MPI's convention).
+  template <class T>
+  void do_reduce_scatter(const T* send, T* recv, std::size_t count, reduce_op op) {
+    maybe_verify<T>("reduce_scatter", count, op, 0);
+    check_count("reduce_scatter", count * static_cast<std::size_t>(size()));
+    progress_sends();
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        const std::size_t total = count * static_cast<std::size_t>(size());
+        std::vector<float> w(total);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < total; ++i) w[i] = src[i];
+        do_reduce_scatter<float>(nullptr, w.data(), count, op);
+        for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
+          [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
+    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+  }
+
+  template <class T>
+  void do_broadcast(T* buf, std::size_t count, int root) {
+    maybe_verify<T>("broadcast", count, reduce_op::sum, root);
+    check_count("broadcast", count);
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    timed("broadcast", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ibcast(buf, n, t, root, state_->comm, r); },
+          [&] { return MPI_Bcast(buf, n, t, root, state_->comm); });
+  }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_gather(const T* send, T* recv, std::size_t count) {
+    maybe_verify<T>("all_gather", count, reduce_op::sum, 0);
+    check_count("all_gather", count * static_cast<std::size_t>(size()));
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    // MPI_IN_PLACE ignores the send count and type.
+    timed("all_gather", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallgather(in_place(send), n, t, recv, n, t, state_->comm, r); },
+          [&] { return MPI_Allgather(in_place(send), n, t, recv, n, t, state_->comm); });
+  }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_to_all(const T* send, T* recv, std::size_t count) {
+    maybe_verify<T>("all_to_all", count, reduce_op::sum, 0);
+    check_count("all_to_all", count * static_cast<std::size_t>(size()));
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    timed("all_to_all", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ialltoall(in_place(send), n, t, recv, n, t, state_->comm, r); },
+          [&] { return MPI_Alltoall(in_place(send), n, t, recv, n, t, state_->comm); });
+  }
+
+  template <class T>
+  void do_ppermute(const T* send, T* recv, std::size_t count, std::span<const permute_pair> pairs) {
+    maybe_verify<T>("ppermute", count, reduce_op::sum, static_cast<int>(pairs.size()));
+    check_count("ppermute", count);
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    const int tag = state_->tag_ub;  // meshlib's own tag: never a user's
+    MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    bool receives = false;
+    for (const auto& p : pairs) {
+      if (p.dest == rank()) {
+        check_rc(MPI_Irecv(recv, n, t, p.source, tag, state_->comm, &reqs[0]), "MPI_Irecv");
+        receives = true;
+      }
+      if (p.source == rank()) check_rc(MPI_Isend(send, n, t, p.dest, tag, state_->comm, &reqs[1]), "MPI_Isend");
+    }
+    if (!receives && count != 0) std::fill(recv, recv + count, T{});
+    poll("ppermute", [&](int* done) { return MPI_Testall(2, reqs, done, MPI_STATUSES_IGNORE); });
+  }
+
+  template <class T>
+  static MPI_Op reduce_mpi_op(reduce_op op) {
+    if constexpr (std::is_same_v<T, bfloat16>) return detail::bf16_mpi_op(op);
+    else return detail::mpi_op(op);
+  }
+
+  void finish(detail::mpi_comm_state& s) {
+    check_rc(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    MPI_Comm_rank(s.comm, &s.rank);
+    MPI_Comm_size(s.comm, &s.size);
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(s.comm, MPI_TAG_UB, &ub, &flag);
+    if (flag && ub) s.tag_ub = *ub;
+  }
+
+  std::shared_ptr<detail::mpi_comm_state> state_;
+};
+
+static_assert(communicator<mpi_communicator>);
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_communicator.hpp
+// begin meshlib/comm/mpi/hybrid_communicator.hpp
+/// @file
+/// @brief Hybrid meshes: P processes x T threads per process form one group of P*T devices.
+/// Threads of one process talk through a `thread_communicator` (shared memory), processes through
+/// an `mpi_communicator`. Satisfies `communicator`, so `axis_communicators`, the collectives and
+/// `spmd` run on it unchanged.
+///
+/// @code
+/// meshlib::mpi::guard run;                                   // MPI with MPI_THREAD_MULTIPLE
+/// meshlib::run_hybrid(meshlib::mpi::world(), 2, [&](meshlib::hybrid_communicator& comm) {
+///   // comm.rank() is the device p*2 + t; comm.size() is 2*P
+///   meshlib::mesh<meshlib::axis<"process">, meshlib::axis<"thread">> m{P, 2};
+///   meshlib::axis_communicators axes(comm, m);
+///   float x = 1;
+///   axes.over<"process">().all_reduce(std::span(&x, 1), meshlib::reduce_op::sum);  // crosses processes
+/// });
+/// @endcode
+///
+/// Devices. Device `p*T + t` is thread t of process p (the process-major order of
+/// `distributed::devices()`), so in `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis
+/// stays inside a process.
+///
+/// Algorithms. A collective over a group that spans processes runs in three steps: the members in
+/// one process exchange their inputs through the thread communicator, one thread per process (the
+/// lowest member, "leader") exchanges the process's inputs with the other processes through MPI,
+/// and the leader hands the result to its process's members through the thread communicator.
+/// Reductions gather every member's input and reduce them in rank order with the thread backend's
+/// own kernels, so every result is bitwise equal to the pure-thread run of the same program, for
+/// floats too; the price is n times the traffic of a bandwidth-optimal all_reduce (docs/design.md).
+/// Broadcast is a local broadcast in the root's process, an MPI broadcast between leaders and a
+/// local broadcast elsewhere. A group inside one process never touches MPI. Point-to-point between
+/// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
+///
+/// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
+/// different groups call MPI concurrently), else `comm_error` at construction. A failure on a
+/// leader's MPI call aborts the process's thread group, so its members get `comm_aborted` instead
+/// of waiting; peers in other processes get `comm_timeout` (or `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// One hybrid group as seen from one process: shared by that process's members of the group.
+struct hybrid_group {
+  int n = 0;                            ///< members
+  int threads_per_process = 1;          ///< T of the world the group was split from
+  std::vector<int> member_device;       ///< device of each group rank
+  std::vector<int> member_proc_pos;     ///< position (in `counts`) of each member's process
+  std::vector<int> member_local;        ///< rank of each member in its process's thread group
+  std::vector<int> counts;              ///< members in each hosting process, processes ascending
+  std::vector<int> gathered_to_rank;    ///< group rank of each position of the gathered order
+  bool identity = true;                 ///< gathered order is group-rank order
+  int my_proc_pos = 0;
+  std::chrono::nanoseconds timeout{};
+  mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
+  MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
+  int tag_ub = 32767;
+
+  std::mutex handoff_mutex;             ///< split results, from the leader to the other members
+  std::map<std::uint64_t, std::pair<std::map<int, std::shared_ptr<hybrid_group>>, int>> handoff;
+
+  hybrid_group() = default;
+  hybrid_group(const hybrid_group&) = delete;
+  hybrid_group& operator=(const hybrid_group&) = delete;
+  ~hybrid_group() {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
+  }
+
+  /// Fills the derived fields from the member devices (in group-rank order).
+  void layout(int my_process) {
+    n = static_cast<int>(member_device.size());
+    std::vector<int> procs;
+    for (int d : member_device) procs.push_back(d / threads_per_process);
+    std::vector<int> sorted = procs;
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    counts.assign(sorted.size(), 0);
+    member_proc_pos.resize(static_cast<std::size_t>(n));
+    member_local.resize(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      const int pos = static_cast<int>(std::lower_bound(sorted.begin(), sorted.end(), procs[static_cast<std::size_t>(r)]) - sorted.begin());
+      member_proc_pos[static_cast<std::size_t>(r)] = pos;
+      member_local[static_cast<std::size_t>(r)] = counts[static_cast<std::size_t>(pos)]++;
+    }
+    my_proc_pos = static_cast<int>(std::lower_bound(sorted.begin(), sorted.end(), my_process) - sorted.begin());
+    // Gathered order: processes ascending, members of one process in group-rank order.
+    std::vector<int> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return member_proc_pos[static_cast<std::size_t>(a)] < member_proc_pos[static_cast<std::size_t>(b)];
+    });
+    gathered_to_rank = order;
+    identity = true;
+    for (int i = 0; i < n; ++i) identity = identity && order[static_cast<std::size_t>(i)] == i;
+  }
+  [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
+  [[nodiscard]] bool uniform() const noexcept {
+    return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
+  }
+};
+
+}  // namespace detail
+
+/// @brief One device's handle on a hybrid group (P processes x T threads). Move-only, as the
+/// thread communicator it contains.
+class hybrid_communicator {
+ public:
+  using is_communicator = void;
+  using request_type = ready_request;
+  using context_type = host_context;
+
+  hybrid_communicator() = default;
+  hybrid_communicator(hybrid_communicator&&) noexcept = default;
+  hybrid_communicator& operator=(hybrid_communicator&&) noexcept = default;
+  ~hybrid_communicator() { drain_sends(); }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return group_ ? group_->n : 0; }
+  /// This device's handle on the members of its group in its own process.
+  [[nodiscard]] thread_communicator& local() noexcept { return local_; }
+  /// Whether the group spans more than one process.
+  [[nodiscard]] bool spans_processes() const noexcept { return group_ && group_->spans_processes(); }
+
+  // ---- reducing collectives (every input gathered, reduced in rank order) ---------------------
+
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type = {}) {
+    check_out_of_place("all_reduce", send, recv, send.size());
+    reduce_to(std::span<const T>(send), recv.data(), op, send.size(), 0);
+    return {};
+  }
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
+    reduce_to(std::span<const T>(buf), buf.data(), op, buf.size(), 0);
+    return {};
+  }
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type = {}) {
+    check_rank("reduce", root, "root");
+    if (rank_ == root) check_out_of_place("reduce", send, recv, send.size());
+    reduce_to(std::span<const T>(send), rank_ == root ? recv.data() : nullptr, op, send.size(), 0);
+    return {};
+  }
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
+    check_rank("reduce", root, "root");
+    reduce_to(std::span<const T>(buf), rank_ == root ? buf.data() : nullptr, op, buf.size(), 0);
+    return {};
+  }
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type = {}) {
+    const std::size_t count = recv.size();
+    const std::size_t total = count * static_cast<std::size_t>(size());
+    if (send.size() < total)
+      bad_argument("reduce_scatter", "send buffer holds " + std::to_string(send.size()) +
+                                         " elements but size() * recv.size() = " + std::to_string(total) + " are needed");
+    check_out_of_place("reduce_scatter", send.first(total), recv, count);
+    reduce_to(std::span<const T>(send.first(total)), recv.data(), op, count, static_cast<std::size_t>(rank_) * count);
+    return {};
+  }
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
+    const std::size_t count = blocks_of("reduce_scatter", buf.size());
+    const std::vector<T> in(buf.begin(), buf.end());
+    reduce_to(std::span<const T>(in), buf.data() + static_cast<std::size_t>(rank_) * count, op, count,
+              static_cast<std::size_t>(rank_) * count);
+    return {};
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type = {}) {
+    check_rank("broadcast", root, "root");
+    if (rank_ == root) {
+      check_out_of_place("broadcast", send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument("broadcast", "root's send buffer holds " + std::to_string(send.size()) +
+                                      " elements but recv.size() = " + std::to_string(recv.size()) + " are broadcast");
+      if (!recv.empty()) std::memcpy(recv.data(), send.data(), recv.size_bytes());
+    }
+    do_broadcast(recv, root);
+    return {};
+  }
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
+    check_rank("broadcast", root, "root");
+    do_broadcast(buf, root);
+    return {};
+  }
+
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    check_out_of_place("all_gather", send, recv, send.size() * static_cast<std::size_t>(size()));
+    const auto all = gather_all(std::span<const T>(send));
+    std::copy(all.begin(), all.end(), recv.begin());
+    return {};
+  }
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type = {}) {
+    const std::size_t count = blocks_of("all_gather", buf.size());
+    const std::vector<T> mine(buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank_) * count),
+                              buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank_ + 1) * count));
+    const auto all = gather_all(std::span<const T>(mine));
+    std::copy(all.begin(), all.end(), buf.begin());
+    return {};
+  }
+
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
+    const std::size_t count = blocks_of("all_to_all", send.size());
+    check_out_of_place("all_to_all", send, recv, send.size());
+    transpose(std::span<const T>(send), recv.data(), count);
+    return {};
+  }
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type = {}) {
+    const std::size_t count = blocks_of("all_to_all", buf.size());
+    const std::vector<T> in(buf.begin(), buf.end());
+    transpose(std::span<const T>(in), buf.data(), count);
+    return {};
+  }
+
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type = {}) {
+    constexpr const char* k = "all_to_all_v";
+    check_usable(k);
+    const auto n = static_cast<std::size_t>(size());
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    // Every member's counts and displacements, then every member's whole send buffer.
+    std::vector<std::int64_t> meta(2 * n);
+    std::copy(send_counts.begin(), send_counts.end(), meta.begin());
+    std::copy(send_displs.begin(), send_displs.end(), meta.begin() + static_cast<std::ptrdiff_t>(n));
+    const auto metas = gather_all(std::span<const std::int64_t>(meta));
+    std::vector<std::size_t> offsets;
+    const auto data = gather_var(std::span<const T>(send), offsets);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
+      const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
+      if (c != recv_counts[j])
+        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
+                                  std::to_string(j) + "] = " + std::to_string(recv_counts[j]) + " but device " +
+                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+      std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
+                  recv.begin() + recv_displs[j]);
+    }
+    return {};
+  }
+
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    check_out_of_place("ppermute", send, recv, send.size());
+    permute(std::span<const T>(send), recv.data(), pairs);
+    return {};
+  }
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
+    check_pairs(pairs);
+    const std::vector<T> in(buf.begin(), buf.end());
+    permute(std::span<const T>(in), buf.data(), pairs);
+    return {};
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// Buffered, as on the other backends: within a process through the thread communicator,
+  /// between processes with `MPI_Isend` from this thread.
+  template <class T>
+    requires comm_element<T>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
+    check_rank("send", dest, "destination");
+    check_tag("send", tag);
+    const auto& g = *group_;
+    const auto d = static_cast<std::size_t>(dest);
+    if (g.member_proc_pos[d] == g.my_proc_pos) return local_.send(buf, g.member_local[d], tag);
+    progress_sends();
+    pending p;
+    p.data.resize(buf.size_bytes());
+    if (!buf.empty()) std::memcpy(p.data.data(), buf.data(), buf.size_bytes());
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(buf.size()), detail::mpi_datatype<std::remove_cv_t<T>>(),
+                       g.member_proc_pos[d], wire_tag(tag, my_local(), g.member_local[d]), g.p2p, &p.request),
+             "MPI_Isend");
+    sends_.push_back(std::move(p));
+    return {};
+  }
+
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
+    check_rank("recv", source, "source");
+    check_tag("recv", tag);
+    const auto& g = *group_;
+    const auto s = static_cast<std::size_t>(source);
+    if (g.member_proc_pos[s] == g.my_proc_pos) return local_.recv(buf, g.member_local[s], tag);
+    MPI_Status st;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    const int wtag = wire_tag(tag, g.member_local[s], my_local());
+    const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+    for (unsigned spins = 0;; ++spins) {
+      progress_sends();
+      int found = 0;
+      check_rc(MPI_Improbe(g.member_proc_pos[s], wtag, g.p2p, &found, &msg, &st), "MPI_Improbe");
+      if (found) break;
+      if (spins > 256) std::this_thread::yield();
+      if (g.timeout.count() > 0 && (spins & 63) == 0 && std::chrono::steady_clock::now() > deadline)
+        throw comm_timeout("meshlib: recv on hybrid device " + std::to_string(rank_) + " from device " +
+                           std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
+    }
+    int got = 0;
+    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    if (got != static_cast<int>(buf.size())) {
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      std::vector<unsigned char> sink(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
+      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      throw collective_mismatch("meshlib: recv on hybrid device " + std::to_string(rank_) + " expected " +
+                                std::to_string(buf.size()) + " elements from device " + std::to_string(source) +
+                                " but the message holds " + std::to_string(got));
+    }
+    check_rc(MPI_Mrecv(buf.data(), got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    return {};
+  }
+
+  // ---- synchronisation and groups --------------------------------------------------------------
+
+  request_type barrier(context_type = {}) {
+    const std::int32_t token = 0;
+    (void)gather_all(std::span<const std::int32_t>(&token, 1));
+    return {};
+  }
+
+  /// Collective over the group: members with the same `color` form a new hybrid group, ordered by
+  /// (key, rank). The processes hosting a new group that spans several get an MPI communicator
+  /// split from this group's (one `MPI_Comm_split` per such color).
+  hybrid_communicator split(int color, int key) {
+    check_usable("split");
+    if (color < 0) bad_argument("split", "color " + std::to_string(color) + " is negative; colors are >= 0");
+    auto& g = *group_;
+    const std::int64_t mine[3] = {color, key, g.member_device[static_cast<std::size_t>(rank_)]};
+    const auto info = gather_all(std::span<const std::int64_t>(mine, 3));
+    const int n = size();
+    // Members of each color, in new-rank order.
+    std::map<int, std::vector<int>> by_color;  // color -> old ranks
+    for (int r = 0; r < n; ++r) by_color[static_cast<int>(info[static_cast<std::size_t>(3 * r)])].push_back(r);
+    for (auto& [c, members] : by_color)
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+        return info[static_cast<std::size_t>(3 * a + 1)] < info[static_cast<std::size_t>(3 * b + 1)];
+      });
+    const auto& mine_members = by_color[color];
+    const int new_rank = static_cast<int>(std::find(mine_members.begin(), mine_members.end(), rank_) - mine_members.begin());
+    thread_communicator sub_local = local_.split(color, new_rank);
+
+    const std::uint64_t seq = split_seq_++;
+    const int my_process = g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process;
+    if (local_.rank() == 0) {
+      try {
+        std::map<int, std::shared_ptr<detail::hybrid_group>> made;
+        for (const auto& [c, members] : by_color) {
+          auto ng = std::make_shared<detail::hybrid_group>();
+          ng->threads_per_process = g.threads_per_process;
+          ng->timeout = g.timeout;
+          for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
+          ng->layout(my_process);
+          bool hosts = false;
+          for (int d : ng->member_device) hosts = hosts || d / g.threads_per_process == my_process;
+          if (ng->spans_processes()) {
+            // Every process of this group takes part; only the hosts keep the result.
+            mpi_communicator sub = g.mpi.split(hosts ? 1 : 0, my_process);
+            if (hosts) {
+              ng->mpi = std::move(sub);
+              check_rc(MPI_Comm_dup(ng->mpi.native(), &ng->p2p), "MPI_Comm_dup");
+              MPI_Comm_set_errhandler(ng->p2p, MPI_ERRORS_RETURN);
+              set_tag_ub(*ng);
+            }
+          }
+          if (hosts) made.emplace(c, std::move(ng));
+        }
+        std::lock_guard lk(g.handoff_mutex);
+        g.handoff[seq] = {std::move(made), local_.size()};
+      } catch (const std::exception& e) {
+        local_.abort(std::string("hybrid split failed on the process leader: ") + e.what());
+        throw;
+      }
+    }
+    local_.barrier();  // the leader has published
+    std::shared_ptr<detail::hybrid_group> ng;
+    {
+      std::lock_guard lk(g.handoff_mutex);
+      auto it = g.handoff.find(seq);
+      ng = it->second.first.at(color);
+      if (--it->second.second == 0) g.handoff.erase(it);
+    }
+    hybrid_communicator out;
+    out.group_ = std::move(ng);
+    out.local_ = std::move(sub_local);
+    out.rank_ = new_rank;
+    return out;
+  }
+
+ private:
+  friend class hybrid_world;
+
+  struct pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+  };
+
+  static void set_tag_ub(detail::hybrid_group& g) {
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(g.p2p, MPI_TAG_UB, &ub, &flag);
+    if (flag && ub) g.tag_ub = *ub;
+  }
+
+  int my_local() const noexcept { return group_->member_local[static_cast<std::size_t>(rank_)]; }
+
+  int wire_tag(int tag, int src_local, int dst_local) const {
+    const auto l = static_cast<std::int64_t>(*std::max_element(group_->counts.begin(), group_->counts.end()));
+    const std::int64_t t = (static_cast<std::int64_t>(tag) * l + src_local) * l + dst_local;
+    if (t > group_->tag_ub)
+      bad_argument("send", "tag " + std::to_string(tag) + " is too large for a hybrid group with " + std::to_string(l) +
+                               " threads per process (MPI's tag bound is " + std::to_string(group_->tag_ub) + ")");
+    return static_cast<int>(t);
+  }
+
+  // ---- checks ----------------------------------------------------------------------------------
+
+  std::string where(std::string_view k) const {
+    return std::string(k) + " on hybrid device " + std::to_string(rank_) + " of " + std::to_string(size());
+  }
+  void check_usable(std::string_view k) const {
+    if (!group_)
+      throw comm_error("meshlib: " + std::string(k) + " called on an empty hybrid_communicator handle");
+  }
+  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
+    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
+  }
+  void check_rc(int rc, std::string_view call) const {
+    if (rc != MPI_SUCCESS)
+      throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
+                       detail::mpi_error_string(rc));
+  }
+  void check_rank(std::string_view k, int r, const char* what) const {
+    check_usable(k);
+    if (r < 0 || r >= size())
+      bad_argument(k, std::string(what) + " " + std::to_string(r) + " is out of range [0, " + std::to_string(size()) + ")");
+  }
+  void check_tag(std::string_view k, int tag) const {
+    if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative");
+  }
+  template <class T>
+  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    check_usable(k);
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+  }
+  std::size_t blocks_of(std::string_view k, std::size_t total) const {
+    check_usable(k);
+    const auto n = static_cast<std::size_t>(size());
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+  void check_layout(std::string_view k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    const auto n = static_cast<std::size_t>(size());
+    if (counts.size() != n || displs.size() != n)
+      bad_argument(k, std::string(which) + " counts and displacements need " + std::to_string(n) + " entries each");
+    for (std::size_t j = 0; j < n; ++j)
+      if (counts[j] < 0 || displs[j] < 0 || static_cast<std::uint64_t>(counts[j] + displs[j]) > buffer)
+        bad_argument(k, std::string(which) + " block " + std::to_string(j) + " (displacement " +
+                            std::to_string(displs[j]) + ", count " + std::to_string(counts[j]) +
+                            ") is negative or runs past the end of the buffer of " + std::to_string(buffer) + " elements");
+  }
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    check_usable("ppermute");
+    const int n = size();
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument("ppermute", "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                                     ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument("ppermute", "rank " + std::to_string(p.source) + " is the source of two pairs");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument("ppermute", "rank " + std::to_string(p.dest) + " is the destination of two pairs");
+    }
+  }
+
+  // ---- the three-step exchange -----------------------------------------------------------------
+
+  /// Every member's `mine` (all the same length), in group-rank order.
+  template <class T>
+  std::vector<T> gather_all(std::span<const T> mine) {
+    check_usable("collective");
+    auto& g = *group_;
+    const std::size_t c = mine.size();
+    std::vector<T> local_all(static_cast<std::size_t>(local_.size()) * c);
+    local_.all_gather(mine, std::span(local_all));
+    if (!g.spans_processes()) return reorder(std::move(local_all), c);
+    std::vector<T> all(static_cast<std::size_t>(g.n) * c);
+    if (local_.rank() == 0) {
+      try {
+        if (g.uniform()) {
+          g.mpi.all_gather(std::span<const T>(local_all), std::span(all));
+        } else {
+          const std::size_t np = g.counts.size();
+          std::vector<std::int64_t> sc(np, static_cast<std::int64_t>(local_all.size())), sd(np, 0), rc(np), rd(np);
+          std::int64_t off = 0;
+          for (std::size_t j = 0; j < np; ++j) {
+            rc[j] = static_cast<std::int64_t>(static_cast<std::size_t>(g.counts[j]) * c);
+            rd[j] = off;
+            off += rc[j];
+          }
+          g.mpi.all_to_all_v(std::span<const T>(local_all), std::span<const std::int64_t>(sc),
+                             std::span<const std::int64_t>(sd), std::span(all), std::span<const std::int64_t>(rc),
+                             std::span<const std::int64_t>(rd));
+        }
+      } catch (const std::exception& e) {
+        local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+        throw;
+      }
+    }
+    local_.broadcast(std::span(all), 0);
+    return reorder(std::move(all), c);
+  }
+
+  /// Every member's `mine` (lengths may differ), concatenated in group-rank order; offsets[r] is
+  /// where member r's part starts.
+  template <class T>
+  std::vector<T> gather_var(std::span<const T> mine, std::vector<std::size_t>& offsets) {
+    const std::int64_t len = static_cast<std::int64_t>(mine.size());
+    const auto lens = gather_all(std::span<const std::int64_t>(&len, 1));
+    const auto longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+    std::vector<T> padded(longest);
+    std::copy(mine.begin(), mine.end(), padded.begin());
+    const auto all = gather_all(std::span<const T>(padded));
+    std::vector<T> out;
+    offsets.assign(lens.size(), 0);
+    for (std::size_t r = 0; r < lens.size(); ++r) {
+      offsets[r] = out.size();
+      out.insert(out.end(), all.begin() + static_cast<std::ptrdiff_t>(r * longest),
+                 all.begin() + static_cast<std::ptrdiff_t>(r * longest + static_cast<std::size_t>(lens[r])));
+    }
+    return out;
+  }
+
+  template <class T>
+  std::vector<T> reorder(std::vector<T> gathered, std::size_t c) const {
+    const auto& g = *group_;
+    if (g.identity) return gathered;
+    std::vector<T> out(gathered.size());
+    for (std::size_t pos = 0; pos < g.gathered_to_rank.size(); ++pos)
+      std::copy_n(gathered.begin() + static_cast<std::ptrdiff_t>(pos * c), c,
+                  out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(g.gathered_to_rank[pos]) * c));
+    return out;
+  }
+
+  /// out[i] = op over members of their input[offset + i], i < count (out == nullptr: nothing written).
+  template <class T>
+  void reduce_to(std::span<const T> input, T* out, reduce_op op, std::size_t count, std::size_t offset) {
+    check_usable("reduce");
+    const auto all = gather_all(input);
+    if (!out || count == 0) return;
+    const std::size_t per = input.size();
+    std::vector<const T*> ptrs(static_cast<std::size_t>(size()));
+    for (std::size_t r = 0; r < ptrs.size(); ++r) ptrs[r] = all.data() + r * per + offset;
+    T* outs[1] = {out};
+    detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
+  }
+
+  template <class T>
+  void transpose(std::span<const T> send, T* recv, std::size_t count) {
+    const auto all = gather_all(send);
+    const std::size_t per = send.size();
+    for (std::size_t j = 0; j < static_cast<std::size_t>(size()); ++j)
+      std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(j * per + static_cast<std::size_t>(rank_) * count), count,
+                  recv + j * count);
+  }
+
+  template <class T>
+  void permute(std::span<const T> send, T* recv, std::span<const permute_pair> pairs) {
+    const auto all = gather_all(send);
+    const std::size_t c = send.size();
+    std::fill(recv, recv + c, T{});
+    for (const auto& p : pairs)
+      if (p.dest == rank_)
+        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(p.source) * c), c, recv);
+  }
+
+  template <class T>
+  void do_broadcast(std::span<T> buf, int root) {
+    auto& g = *group_;
+    const auto r = static_cast<std::size_t>(root);
+    const int root_pos = g.member_proc_pos[r];
+    if (!g.spans_processes()) {
+      local_.broadcast(buf, g.member_local[r]);
+      return;
+    }
+    if (g.my_proc_pos == root_pos) local_.broadcast(buf, g.member_local[r]);
+    if (local_.rank() == 0) {
+      try {
+        g.mpi.broadcast(buf, root_pos);
+      } catch (const std::exception& e) {
+        local_.abort(std::string("the process leader's MPI broadcast failed: ") + e.what());
+        throw;
+      }
+    }
+    if (g.my_proc_pos != root_pos) local_.broadcast(buf, 0);
+  }
+
+  void progress_sends() {
+    sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
+                                [](pending& p) {
+                                  int done = 0;
+                                  MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
+                                  return done != 0;
+                                }),
+                 sends_.end());
+  }
+  void drain_sends() noexcept {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) return;
+    for (auto& p : sends_) {
+      if (p.request == MPI_REQUEST_NULL) continue;
+      MPI_Request_free(&p.request);
+      (void)new std::vector<unsigned char>(std::move(p.data));  // MPI may still read it
+    }
+    sends_.clear();
+  }
+
+  std::shared_ptr<detail::hybrid_group> group_;
+  thread_communicator local_;
+  int rank_ = 0;
+  std::uint64_t split_seq_ = 0;
+  std::vector<pending> sends_;
+};
+
+static_assert(communicator<hybrid_communicator>);
+
+/// @brief One process's part of a hybrid group of `procs.size()` processes x `threads` threads.
+/// Construction is collective over `procs` (it duplicates it for point-to-point traffic).
+class hybrid_world {
+ public:
+  /// @throws comm_error when T > 1 and MPI does not provide `MPI_THREAD_MULTIPLE`;
+  /// comm_argument_error when threads < 1.
+  hybrid_world(const mpi_communicator& procs, int threads, thread_comm_options options = {})
+      : threads_(threads), local_(threads > 0 ? threads : 1, std::move(options)) {
+    if (threads < 1)
+      throw comm_argument_error("meshlib: a hybrid_world needs at least 1 thread per process, got " +
+                                std::to_string(threads));
+    int level = 0;
+    MPI_Query_thread(&level);
+    if (threads > 1 && level < MPI_THREAD_MULTIPLE)
+      throw comm_error("meshlib: a hybrid mesh with " + std::to_string(threads) +
+                       " threads per process needs MPI_THREAD_MULTIPLE, but MPI was initialised with a lower thread "
+                       "level; initialise it with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or meshlib::mpi::initialize");
+    group_ = std::make_shared<detail::hybrid_group>();
+    group_->threads_per_process = threads;
+    group_->timeout = procs.options().timeout;
+    for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
+    group_->layout(procs.rank());
+    group_->mpi = procs;
+    if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
+      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
+    hybrid_communicator::set_tag_ub(*group_);
+    process_ = procs.rank();
+  }
+
+  /// Devices in the world: processes x threads.
+  [[nodiscard]] int size() const noexcept { return group_->n; }
+  [[nodiscard]] int threads_per_process() const noexcept { return threads_; }
+
+  /// The handle of local thread `t` (device `process * T + t`); each once.
+  [[nodiscard]] hybrid_communicator communicator(int t) {
+    hybrid_communicator c;
+    c.local_ = local_.communicator(t);
+    c.group_ = group_;
+    c.rank_ = process_ * threads_ + t;
+    return c;
+  }
+
+  /// Fails this process's thread group (its members get `comm_aborted`).
+  bool abort(int t, std::string_view reason) { return local_.abort(t, reason); }
+  [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
+  /// Local thread of the root cause of a failure, -1 when none.
+  [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }
+
+ private:
+  int threads_;
+  int process_ = 0;
+  thread_world local_;
+  std::shared_ptr<detail::hybrid_group> group_;
+};
+
+/// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
+/// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
+/// failure as `participant_error` (with the device). Collective over `procs`.
+template <class F>
+  requires std::is_invocable_v<F&, hybrid_communicator&>
+void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {}) {
+  hybrid_world world(procs, threads, std::move(options));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
+  auto body = [&](int t) {
+    try {
+      hybrid_communicator comm = world.communicator(t);
+      fn(comm);
+    } catch (...) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  body(0);
+  for (auto& th : pool) th.join();
+  // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
+  // lowest thread that threw.
+  int root = world.failed() ? world.root_cause_thread() : -1;
+  if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
+    root = -1;
+    for (int t = 0; t < threads && root < 0; ++t)
+      if (errors[static_cast<std::size_t>(t)]) root = t;
+  }
+  if (root >= 0) {
+    const int t = root;
+    const auto& e = errors[static_cast<std::size_t>(t)];
+    const int device = procs.rank() * threads + t;
+    try {
+      std::rethrow_exception(e);
+    } catch (...) {
+      throw participant_error(device, "meshlib: hybrid device " + std::to_string(device) + " of " +
+                                          std::to_string(world.size()) + " failed: " + detail::what_of(e));
+    }
+  }
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/hybrid_communicator.hpp
+// begin meshlib/comm/mpi/mpi_backend.hpp
+/// @file
+/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the
+/// exec layer asks of a backend (see `meshlib/collectives/backend.hpp`): `run(n, body)` and
+/// `local_devices(n)`.
+///
+/// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
+/// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
+///   device `p*T + t` being thread t of rank p.
+///
+/// @code
+/// meshlib::mpi::guard run;
+/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
+/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_backend{meshlib::mpi::world()});
+/// @endcode
+///
+/// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
+/// its device id, the exception nested); devices in other processes that wait for it in a
+/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
+/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+
+#if MESHLIB_ENABLE_MPI
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief One device per MPI rank of `comm`.
+struct mpi_backend {
+  mpi_communicator comm;
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    try {
+      body(static_cast<std::size_t>(comm.rank()), comm);
+    } catch (...) {
+      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
+                                               std::to_string(comm.size()) + " failed: " +
+                                               detail::what_of(std::current_exception()));
+    }
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    return {static_cast<std::size_t>(comm.rank())};
+  }
+
+ private:
+  void check(std::size_t n) const {
+    if (n != static_cast<std::size_t>(comm.size()))
+      throw comm_argument_error("meshlib: mpi_backend runs one device per MPI rank, but the mesh has " +
+                                std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
+                                " ranks; use a mesh of " + std::to_string(comm.size()) +
+                                " devices, or hybrid_backend for several devices (threads) per rank");
+  }
+};
+
+/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
+struct hybrid_backend {
+  mpi_communicator comm;
+  int threads = 1;
+  thread_comm_options options{};
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    run_hybrid(
+        comm, threads,
+        [&](hybrid_communicator& c) {
+          const auto device = static_cast<std::size_t>(c.rank());
+          body(device, std::move(c));
+        },
+        options);
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    std::vector<std::size_t> d;
+    for (int t = 0; t < threads; ++t) d.push_back(static_cast<std::size_t>(comm.rank() * threads + t));
+    return d;
+  }
+
+ private:
+  void check(std::size_t n) const {
+    const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
+    if (n != have)
+      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
+                                std::to_string(threads) + " threads = " + std::to_string(have) +
+                                " devices, but the mesh has " + std::to_string(n));
+  }
+};
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_backend.hpp
+// begin meshlib/runtime/mpi_runtime.hpp
+/// @file
+/// @brief The runtime over MPI: `meshlib::mpi::initialize` starts MPI when the program has not,
+/// adopts the application's communicator, and runs `distributed::initialize` with an exchange over
+/// it (so that the start-up consistency checks and `distributed::abort` reach every process);
+/// a terminate handler turns an uncaught exception on one rank into an `MPI_Abort` with a readable
+/// reason instead of a silent hang of the others.
+///
+/// @code
+/// int main(int argc, char** argv) {
+///   MPI_Init(&argc, &argv);                 // or let meshlib do it
+///   {
+///     meshlib::mpi::guard run(MPI_COMM_WORLD);
+///     auto comm = meshlib::mpi::world();    // an mpi_communicator over the adopted MPI_Comm
+///     ...
+///   }
+///   MPI_Finalize();
+/// }
+/// @endcode
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::mpi {
+
+/// @brief A `process_exchange` over an `mpi_communicator`: its waits have the communicator's
+/// timeout, and `abort` is `MPI_Abort`.
+class exchange final : public distributed::process_exchange {
+ public:
+  explicit exchange(mpi_communicator comm) : comm_(std::move(comm)) {}
+  [[nodiscard]] std::size_t rank() const override { return static_cast<std::size_t>(comm_.rank()); }
+  [[nodiscard]] std::size_t size() const override { return static_cast<std::size_t>(comm_.size()); }
+
+  /// Strings travel as 32-bit words (the communicator moves numbers, not bytes), padded to the
+  /// longest: a length exchange, then one all_gather.
+  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override {
+    const std::size_t n = size();
+    std::int64_t len = static_cast<std::int64_t>(mine.size());
+    std::vector<std::int64_t> lens(n);
+    comm_.all_gather(std::span<const std::int64_t>(&len, 1), std::span(lens));
+    std::int64_t longest = 0;
+    for (auto l : lens) longest = std::max(longest, l);
+    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
+    std::vector<std::int32_t> packed(words, 0), all(words * n, 0);
+    if (!mine.empty()) std::memcpy(packed.data(), mine.data(), mine.size());
+    comm_.all_gather(std::span<const std::int32_t>(packed), std::span(all));
+    std::vector<std::string> out(n);
+    for (std::size_t r = 0; r < n; ++r)
+      out[r].assign(reinterpret_cast<const char*>(all.data() + r * words), static_cast<std::size_t>(lens[r]));
+    return out;
+  }
+
+  [[noreturn]] void abort(int exit_code, std::string_view reason) override { comm_.abort(reason, exit_code); }
+
+  [[nodiscard]] const mpi_communicator& communicator() const noexcept { return comm_; }
+
+ private:
+  mpi_communicator comm_;
+};
+
+/// @brief Options of `mpi::initialize`, on top of `distributed::options`.
+struct options {
+  distributed::options runtime;
+  mpi_comm_options comm;
+  /// Install a terminate handler that prints the uncaught exception and calls `MPI_Abort`.
+  bool abort_on_uncaught_exception = true;
+};
+
+namespace detail {
+
+struct mpi_runtime_state {
+  bool started_mpi = false;
+  std::shared_ptr<exchange> ex;
+  std::terminate_handler previous = nullptr;
+};
+inline mpi_runtime_state& mpi_state() {
+  static mpi_runtime_state s;
+  return s;
+}
+
+/// The terminate handler: an uncaught exception on one rank ends every rank with its reason.
+[[noreturn]] inline void abort_on_terminate() {
+  std::string reason = "std::terminate was called";
+  if (const auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      reason = std::string("uncaught exception: ") + x.what();
+    } catch (...) {
+      reason = "uncaught exception not derived from std::exception";
+    }
+  }
+  int rank = 0, size = 1, init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+  }
+  std::cerr << "meshlib: MPI rank " << rank << " of " << size << " aborts the run: " << reason << std::endl;
+  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+}  // namespace detail
+
+/// @brief Starts the run over MPI. Initialises MPI (`MPI_Init_thread`, asking for
+/// `MPI_THREAD_MULTIPLE`, which hybrid meshes need) when the program has not; adopts `comm`
+/// (default `MPI_COMM_WORLD`, never freed); calls `distributed::initialize` with an exchange over
+/// it, so the process index and count are `comm`'s rank and size and the start-up checks run on
+/// every process. Collective over `comm`. Idempotent, as `distributed::initialize`.
+/// @throws distributed_error, process_mismatch (see `distributed::initialize`), comm_error.
+inline void initialize(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {}) {
+  auto& st = detail::mpi_state();
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) {
+    int provided = 0;
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
+      throw comm_error("meshlib: MPI_Init_thread failed");
+    st.started_mpi = true;
+  }
+  if (distributed::is_initialized() && st.ex) {
+    distributed::options again = opt.runtime;
+    again.exchange = st.ex;
+    distributed::initialize(again);  // no-op when the same, distributed_error otherwise
+    return;
+  }
+  auto ex = std::make_shared<exchange>(mpi_communicator(comm, opt.comm));
+  distributed::options o = opt.runtime;
+  o.exchange = ex;
+  distributed::initialize(o);
+  st.ex = std::move(ex);
+  if (opt.abort_on_uncaught_exception && !st.previous) st.previous = std::set_terminate(&detail::abort_on_terminate);
+}
+
+/// @brief The communicator of the run (over the `MPI_Comm` given to `initialize`).
+/// @throws distributed_error before `mpi::initialize`.
+[[nodiscard]] inline mpi_communicator world() {
+  auto& st = detail::mpi_state();
+  if (!st.ex) throw distributed_error("meshlib: mpi::world() called before mpi::initialize()");
+  return st.ex->communicator();
+}
+
+/// @brief Ends the run over MPI: `distributed::shutdown`, frees meshlib's communicators, restores
+/// the terminate handler, and calls `MPI_Finalize` only when `initialize` called `MPI_Init`.
+inline void finalize() {
+  auto& st = detail::mpi_state();
+  distributed::shutdown();
+  st.ex.reset();
+  if (st.previous) {
+    std::set_terminate(st.previous);
+    st.previous = nullptr;
+  }
+  if (st.started_mpi) {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) MPI_Finalize();
+    st.started_mpi = false;
+  }
+}
+
+/// @brief `initialize` in the constructor, `finalize` in the destructor.
+/// Only the guard that initialised finalises: a guard in an initialised program changes nothing.
+class guard {
+ public:
+  explicit guard(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {})
+      : owner_(!detail::mpi_state().ex) {
+    initialize(comm, opt);
+  }
+  guard(const guard&) = delete;
+  guard& operator=(const guard&) = delete;
+  ~guard() {
+    if (owner_) finalize();
+  }
+
+ private:
+  bool owner_;
+};
+
+}  // namespace meshlib::mpi
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/runtime/mpi_runtime.hpp
+
+#endif
+// end meshlib/mpi.hpp
+#endif  // MESHLIB_ENABLE_MPI
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP

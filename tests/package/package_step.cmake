@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # One step of a package test, run as `cmake -D... -P package_step.cmake`.
 #
 # STEP=install     Install meshlib into STAGE, then move STAGE to PREFIX (package managers move

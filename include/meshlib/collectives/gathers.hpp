@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,

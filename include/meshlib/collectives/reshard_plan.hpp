@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `reshard_plan`: the collectives that move an array from one sharding of a mesh to another,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Element types a communicator moves and reduces: `float`, `double`, 32- and 64-bit signed

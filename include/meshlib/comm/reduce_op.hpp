@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `reduce_op`: the reductions every communicator supports (NCCL's `ncclRedOp_t`, MPI's

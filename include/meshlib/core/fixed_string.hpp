@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `fixed_string`: a string usable as a C++20 class-type template parameter, so that mesh

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `partition_spec` / `P<...>`: how each dimension of a tensor is split over mesh axes, as

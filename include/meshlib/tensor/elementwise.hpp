@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Elementwise kernels: `map`, `zip`, and the arithmetic operators, on local values (inside

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `local_tensor`: the value one device sees inside `shard_map` / `spmd`, its block of a

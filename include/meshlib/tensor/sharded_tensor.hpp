@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `sharded_tensor`: one logical array of a global shape laid out over a mesh, each device

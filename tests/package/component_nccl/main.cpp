@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Built against meshlib::nccl only: nccl.h, NCCL and CUDA's runtime must come with the component.
 // ncclGetVersion needs no GPU, so this runs on a machine without one.
 #include <nccl.h>
