@@ -2,6 +2,8 @@
 # meshlib_write_pkgconfig(<file>): writes meshlib.pc for non-CMake builds. It carries meshlib's
 # include directory (relative to the .pc file, so the install stays relocatable) and the flags of
 # the Kokkos this build found: Kokkos is part of <meshlib.hpp>, and Kokkos 3.x/Debian ship no .pc.
+# Kokkos comes in with -isystem, as CMake makes imported include directories system ones: its
+# headers warn under -Wall -Wextra in C++20.
 # The optional parts (MPI, NCCL, oneTBB, Kokkos Kernels) are not in it: define their
 # MESHLIB_ENABLE_<X>=1 and add their own flags (docs/install.md shows how).
 
@@ -13,13 +15,13 @@ function(meshlib_write_pkgconfig file)
     get_filename_component(_libdir "${MESHLIB_KOKKOS_CORE_LIBRARY}" DIRECTORY)
     get_filename_component(_libname "${MESHLIB_KOKKOS_CORE_LIBRARY}" NAME_WE)
     string(REGEX REPLACE "^lib" "" _libname "${_libname}")
-    set(MESHLIB_PC_KOKKOS_CFLAGS "-I${MESHLIB_KOKKOS_INCLUDE_DIR}")
+    set(MESHLIB_PC_KOKKOS_CFLAGS "-isystem ${MESHLIB_KOKKOS_INCLUDE_DIR}")
     set(MESHLIB_PC_KOKKOS_LIBS "-L${_libdir} -l${_libname} ${CMAKE_DL_LIBS}")
   elseif(Kokkos_DIR)
     # A Kokkos CMake package in <kokkos prefix>/lib*/cmake/Kokkos.
     get_filename_component(_kokkos_prefix "${Kokkos_DIR}/../../.." ABSOLUTE)
     get_filename_component(_kokkos_libdir "${Kokkos_DIR}/../.." ABSOLUTE)
-    set(MESHLIB_PC_KOKKOS_CFLAGS "-I${_kokkos_prefix}/include")
+    set(MESHLIB_PC_KOKKOS_CFLAGS "-isystem ${_kokkos_prefix}/include")
     set(MESHLIB_PC_KOKKOS_LIBS "-L${_kokkos_libdir} -lkokkoscore -ldl")
   else()
     set(MESHLIB_PC_KOKKOS_CFLAGS "")

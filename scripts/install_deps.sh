@@ -12,6 +12,8 @@ packages=(
   libtbb-dev                               # oneTBB (optional)
   openmpi-bin libopenmpi-dev               # MPI communicator (optional)
   python3-matplotlib                       # benchmark plots
+  doxygen pkg-config python3-jsonschema    # packaging tests: API reference, pkg-config, vcpkg manifest schema
+  python3-fasteners python3-jinja2 python3-requests python3-colorama python3-patch-ng  # Conan 2 from source (packaging test)
 )
 
 missing=()

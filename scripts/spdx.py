@@ -63,9 +63,13 @@ def comment_for(rel: str, path: Path) -> str | None:
     return None
 
 
-def repository_files(root: Path) -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-                         cwd=root, check=True, capture_output=True).stdout
+def repository_files(root: Path) -> list[str] | None:
+    """Tracked and untracked-but-not-ignored files; None outside a git checkout (a release tarball)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                             cwd=root, check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
     return sorted({f for f in out.decode().split("\0") if f and (root / f).is_file()})
 
 
@@ -89,8 +93,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="the repository (default: this one)")
     args = parser.parse_args(argv)
 
+    files = repository_files(args.root)
+    if files is None:
+        print(f"SKIPPED: {args.root} is not a git checkout (the check lists files with git ls-files)")
+        return 77
     missing, checked = [], 0
-    for rel in repository_files(args.root):
+    for rel in files:
         path = args.root / rel
         leader = comment_for(rel, path)
         if leader is None:

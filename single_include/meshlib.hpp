@@ -198,6 +198,7 @@ struct fixed_string {
   friend std::ostream& operator<<(std::ostream& os, const fixed_string& s) { return os << s.view(); }
 };
 
+/// @brief Deduces the size from the literal: `fixed_string{"data"}` is a `fixed_string<5>`.
 template <std::size_t N>
 fixed_string(const char (&)[N]) -> fixed_string<N>;
 
@@ -542,6 +543,7 @@ namespace meshlib {
 struct none_t {
   friend constexpr bool operator==(none_t, none_t) noexcept { return true; }
 };
+/// @brief A replicated dimension in a partition spec: JAX's `None` in `P("data", None)`.
 inline constexpr none_t none{};
 
 /// @brief One entry of a partition spec: the mesh axes (0 to `max_axes`) a dimension is split over.
@@ -1010,6 +1012,7 @@ class shard_layout {
   shape_type global_;
 };
 
+/// @brief Deduces the rank from the global shape: `shard_layout{sharding, std::array<std::size_t, 2>{8, 6}}`.
 template <sharding_type S, std::size_t Rank>
 shard_layout(const S&, const std::array<std::size_t, Rank>&) -> shard_layout<S, Rank>;
 
@@ -1190,6 +1193,7 @@ enum class datatype : std::uint8_t { float32, float64, int32, int64, bfloat16 };
   }
   return "unknown";
 }
+/// @brief Prints the datatype's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_string(t); }
 
 /// @brief Size in bytes of one element of type `t`.
@@ -1269,6 +1273,7 @@ enum class reduce_op : std::uint8_t {
   return "unknown";
 }
 
+/// @brief Prints the reduce op's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << to_string(op); }
 
 /// @brief Every reduce op, for loops in tests and benchmarks.
@@ -3854,6 +3859,7 @@ class local_tensor {
 template <class T>
 concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local_tensor; };
 
+/// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
 
@@ -3871,6 +3877,7 @@ struct rebind_local<local_tensor<T, Rank, M, V0, P0, D0, S>, U, R, V, P, D> {
 template <local_tensor_type L, axis_mask NewVary>
 using with_vary_t = typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
                                                   typename L::dims_type>::type;
+/// @brief `L` with its partial axes replaced.
 template <local_tensor_type L, axis_mask NewPartial>
 using with_partial_t = typename detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
                                                      typename L::dims_type>::type;
@@ -3878,9 +3885,11 @@ using with_partial_t = typename detail::rebind_local<L, typename L::value_type, 
 template <local_tensor_type L, axis_mask NewVary, axis_mask NewPartial>
 using with_vary_partial_t =
     typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
+/// @brief `L` with its per-dimension sharding masks replaced.
 template <local_tensor_type L, class NewDims>
 using with_dims_t =
     typename detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
+/// @brief `L` with element type `U`.
 template <local_tensor_type L, class U>
 using with_value_t = typename detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
 /// @brief The general form: element type, rank, vary, partial and dims all given.
@@ -3890,6 +3899,7 @@ using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
 /// @brief `Dims` without dimension `D`, and `Dims` permuted (`Perm[i]`: the source of entry `i`).
 template <class Dims, std::size_t D>
 using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
+/// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
 template <class Dims, std::array Perm>
 using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
 
@@ -4129,6 +4139,7 @@ class sharded_tensor {
 /// @brief A type that is a `sharded_tensor<...>`.
 template <class T>
 concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sharded_tensor; };
+/// @brief True for `sharded_tensor` types (the `sharded_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 
@@ -4472,6 +4483,7 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator+(const A& a, const B& b) {
   return detail::zip_linear(detail::plus_fn{}, a, b);
 }
+/// @brief Elementwise difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator-(const A& a, const B& b) {
   return detail::zip_linear(detail::minus_fn{}, a, b);
@@ -4481,10 +4493,12 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator*(const A& a, const B& b) {
   return zip(detail::times_fn{}, a, b);
 }
+/// @brief Elementwise quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation: linear, allowed on partial values.
 template <local_tensor_type L>
 L operator-(const L& x) {
   return detail::map_linear(detail::negate_fn{}, x);
@@ -4496,11 +4510,13 @@ template <local_tensor_type L, class S>
 L operator*(const L& x, S s) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
 }
+/// @brief Scaling by a scalar on the left: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator*(S s, const L& x) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
 }
+/// @brief Division by a scalar: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator/(const L& x, S s) {
@@ -4512,16 +4528,19 @@ template <local_tensor_type L, class S>
 L operator+(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
 }
+/// @brief Adding a scalar on the left: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator+(S s, const L& x) {
   return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
 }
+/// @brief Subtracting a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
 }
+/// @brief Subtracting from a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(S s, const L& x) {
@@ -4574,6 +4593,7 @@ template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation of every element of a sharded tensor.
 template <sharded_tensor_type X>
 X operator-(const X& x) {
   return map(detail::negate_fn{}, x);
@@ -6041,6 +6061,7 @@ namespace meshlib {
 struct untiled_t {
   explicit untiled_t() = default;
 };
+/// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
 namespace detail {
@@ -6382,6 +6403,7 @@ enum class reshard_kind {
   exchange,     ///< general point-to-point exchange of block intersections (any -> any)
 };
 
+/// @brief The name of a resharding step kind, as printed in plans.
 [[nodiscard]] constexpr std::string_view to_string(reshard_kind k) noexcept {
   switch (k) {
     case reshard_kind::local_slice: return "local_slice";
@@ -7287,6 +7309,7 @@ enum class launcher {
   slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
 };
 
+/// @brief The launcher's name ("mpirun", "slurm", ...), as printed in diagnostics.
 [[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
   switch (l) {
     case launcher::none: return "none";
@@ -7300,6 +7323,7 @@ enum class launcher {
   }
   return "unknown";
 }
+/// @brief Prints the launcher's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
 
 /// @brief What detection found: this process's index, the process count, the local rank on its
@@ -7939,6 +7963,7 @@ std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::si
   return merged;
 }
 
+/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
 template <sharding_type S, std::size_t Rank>
 std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
   return process_rows(layout, process_index(), local_device_count());
@@ -7998,6 +8023,7 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
   return out;
 }
 
+/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
 template <class T, sharding_type S, std::size_t Rank>
 std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
   return split_process_local_data<T>(layout, local, process_index(), local_device_count());

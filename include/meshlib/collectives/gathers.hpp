@@ -30,6 +30,7 @@ namespace meshlib {
 struct untiled_t {
   explicit untiled_t() = default;
 };
+/// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
 namespace detail {

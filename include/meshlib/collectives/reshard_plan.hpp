@@ -38,6 +38,7 @@ enum class reshard_kind {
   exchange,     ///< general point-to-point exchange of block intersections (any -> any)
 };
 
+/// @brief The name of a resharding step kind, as printed in plans.
 [[nodiscard]] constexpr std::string_view to_string(reshard_kind k) noexcept {
   switch (k) {
     case reshard_kind::local_slice: return "local_slice";

@@ -62,6 +62,7 @@ enum class datatype : std::uint8_t { float32, float64, int32, int64, bfloat16 };
   }
   return "unknown";
 }
+/// @brief Prints the datatype's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_string(t); }
 
 /// @brief Size in bytes of one element of type `t`.

@@ -36,6 +36,7 @@ enum class reduce_op : std::uint8_t {
   return "unknown";
 }
 
+/// @brief Prints the reduce op's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << to_string(op); }
 
 /// @brief Every reduce op, for loops in tests and benchmarks.

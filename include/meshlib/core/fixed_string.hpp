@@ -33,6 +33,7 @@ struct fixed_string {
   friend std::ostream& operator<<(std::ostream& os, const fixed_string& s) { return os << s.view(); }
 };
 
+/// @brief Deduces the size from the literal: `fixed_string{"data"}` is a `fixed_string<5>`.
 template <std::size_t N>
 fixed_string(const char (&)[N]) -> fixed_string<N>;
 

@@ -71,6 +71,7 @@ std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::si
   return merged;
 }
 
+/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
 template <sharding_type S, std::size_t Rank>
 std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
   return process_rows(layout, process_index(), local_device_count());
@@ -130,6 +131,7 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
   return out;
 }
 
+/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
 template <class T, sharding_type S, std::size_t Rank>
 std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
   return split_process_local_data<T>(layout, local, process_index(), local_device_count());

@@ -233,6 +233,7 @@ class sharded_tensor {
 /// @brief A type that is a `sharded_tensor<...>`.
 template <class T>
 concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sharded_tensor; };
+/// @brief True for `sharded_tensor` types (the `sharded_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 
