@@ -8,6 +8,7 @@ Options (all off by default; each brings its dependency and the CMake component 
     mpi             the MPI communicators             (requires openmpi)
     nccl            the NCCL communicator             (needs CUDA's toolkit and NCCL from the system)
     tbb             the oneTBB-backed parts           (requires onetbb)
+    zlib            .gz files in the IDX reader       (requires zlib)
 
 The package is meshlib's own CMake install (its config repairs Debian's Kokkos and offers the
 components), so consumers write find_package(meshlib CONFIG REQUIRED [COMPONENTS ...]) as with any
@@ -35,8 +36,9 @@ class MeshlibConan(ConanFile):
         "mpi": [True, False],
         "nccl": [True, False],
         "tbb": [True, False],
+        "zlib": [True, False],
     }
-    default_options = {"kokkos_kernels": False, "mpi": False, "nccl": False, "tbb": False}
+    default_options = {"kokkos_kernels": False, "mpi": False, "nccl": False, "tbb": False, "zlib": False}
     exports_sources = "VERSION", "LICENSE", "CMakeLists.txt", "cmake/*", "include/*"
     no_copy_source = True
 
@@ -56,6 +58,8 @@ class MeshlibConan(ConanFile):
             self.requires("openmpi/[>=4.1 <6]")
         if self.options.tbb:
             self.requires("onetbb/[>=2021.5 <2023]")
+        if self.options.zlib:
+            self.requires("zlib/[>=1.2.11 <2]")
 
     def package_id(self):
         # Header-only: the same package for every compiler and build type; the options stay,
@@ -74,6 +78,7 @@ class MeshlibConan(ConanFile):
             "MESHLIB_WITH_MPI": bool(self.options.mpi),
             "MESHLIB_WITH_NCCL": bool(self.options.nccl),
             "MESHLIB_WITH_TBB": bool(self.options.tbb),
+            "MESHLIB_WITH_ZLIB": bool(self.options.zlib),
         })
         tc.generate()
 
@@ -101,3 +106,5 @@ class MeshlibConan(ConanFile):
             self.cpp_info.defines.append("MESHLIB_ENABLE_NCCL=1")
         if self.options.tbb:
             self.cpp_info.defines.append("MESHLIB_ENABLE_TBB=1")
+        if self.options.zlib:
+            self.cpp_info.defines.append("MESHLIB_ENABLE_ZLIB=1")

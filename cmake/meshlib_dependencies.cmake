@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-# Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, Kokkos Kernels, MPI and
+# Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, zlib, Kokkos Kernels, MPI and
 # CUDA+NCCL, each switchable with MESHLIB_WITH_<X>. Sets MESHLIB_HAVE_<X> and prints a summary that
 # says what was found and what each missing piece disables.
 
@@ -16,6 +16,14 @@ if(MESHLIB_WITH_TBB)
   find_package(TBB CONFIG QUIET)
   if(TBB_FOUND)
     set(MESHLIB_HAVE_TBB TRUE)
+  endif()
+endif()
+
+set(MESHLIB_HAVE_ZLIB FALSE)
+if(MESHLIB_WITH_ZLIB)
+  find_package(ZLIB QUIET)
+  if(ZLIB_FOUND)
+    set(MESHLIB_HAVE_ZLIB TRUE)
   endif()
 endif()
 
@@ -50,7 +58,9 @@ function(meshlib_print_summary)
   _meshlib_summary_line("Kokkos Kernels" "${MESHLIB_HAVE_KOKKOS_KERNELS}" "${MESHLIB_KOKKOS_KERNELS_ORIGIN}"
     "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
   _meshlib_summary_line("oneTBB" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}"
-    "no meshlib::tbb target: the oneTBB-backed parts are off (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+    "no meshlib::tbb target: the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+  _meshlib_summary_line("zlib" "${MESHLIB_HAVE_ZLIB}" "${ZLIB_VERSION_STRING}"
+    "no meshlib::zlib target: the IDX reader reads only uncompressed files (MESHLIB_WITH_ZLIB=${MESHLIB_WITH_ZLIB})")
   # FindMPI leaves MPI_CXX_LIBRARY_VERSION_STRING empty when it cannot run a test program; the
   # standard version and the library it links are always known.
   set(_mpi_detail "")

@@ -37,10 +37,10 @@ install(EXPORT meshlib-targets
 # The components the installed config knows, and which of them this build provides. Each optional
 # dependency is a component: the installed config finds it only when the consumer names it.
 #   kokkos_kernels  meshlib::kokkos_kernels (made by the config from the found Kokkos Kernels)
-#   mpi, tbb, nccl  meshlib::<c>, each in its own export set meshlib-<c>-targets.cmake
+#   mpi, tbb, zlib, nccl  meshlib::<c>, each in its own export set meshlib-<c>-targets.cmake
 # nccl is offered, but built only when the NCCL backend's header exists: a component whose code
 # does not exist is refused with a message rather than "found".
-set(MESHLIB_KNOWN_COMPONENTS kokkos_kernels mpi nccl tbb)
+set(MESHLIB_KNOWN_COMPONENTS kokkos_kernels mpi nccl tbb zlib)
 set(MESHLIB_BUILT_COMPONENTS "")
 if(MESHLIB_HAVE_KOKKOS_KERNELS)
   list(APPEND MESHLIB_BUILT_COMPONENTS kokkos_kernels)
@@ -58,6 +58,9 @@ if(MESHLIB_HAVE_NCCL AND MESHLIB_NCCL_HAS_CODE)
 endif()
 if(MESHLIB_HAVE_TBB)
   list(APPEND _meshlib_exported_components tbb)
+endif()
+if(MESHLIB_HAVE_ZLIB)
+  list(APPEND _meshlib_exported_components zlib)
 endif()
 foreach(_meshlib_comp IN LISTS _meshlib_exported_components)
   list(APPEND MESHLIB_BUILT_COMPONENTS ${_meshlib_comp})

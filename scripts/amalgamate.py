@@ -50,6 +50,8 @@ OPTIONAL_PARTS = [
      "the NCCL communicator for CUDA devices (link CUDA's runtime and NCCL)"),
     ("MESHLIB_ENABLE_TBB", "meshlib::tbb", None,
      "the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)"),
+    ("MESHLIB_ENABLE_ZLIB", "meshlib::zlib", None,
+     "the IDX reader of the data pipeline reads .gz files (link zlib)"),
 ]
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?:"(meshlib/[^"]+)"|<(meshlib/[^>]+)>)')

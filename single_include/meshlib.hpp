@@ -16,6 +16,8 @@
 //       the NCCL communicator for CUDA devices (link CUDA's runtime and NCCL)
 //   MESHLIB_ENABLE_TBB=1  (meshlib::tbb in CMake)
 //       the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)
+//   MESHLIB_ENABLE_ZLIB=1  (meshlib::zlib in CMake)
+//       the IDX reader of the data pipeline reads .gz files (link zlib)
 // To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at
 // run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.
 // Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.

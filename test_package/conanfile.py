@@ -21,7 +21,7 @@ class MeshlibTestConan(ConanFile):
     def generate(self):
         tc = CMakeToolchain(self)
         meshlib = self.dependencies["meshlib"]
-        components = [c for c in ("kokkos_kernels", "mpi", "nccl", "tbb") if meshlib.options.get_safe(c)]
+        components = [c for c in ("kokkos_kernels", "mpi", "nccl", "tbb", "zlib") if meshlib.options.get_safe(c)]
         tc.cache_variables["MESHLIB_COMPONENTS"] = ";".join(components)
         tc.generate()
 

@@ -29,6 +29,7 @@ class Meshlib(CMakePackage):
     variant("mpi", default=False, description="The MPI and hybrid process x thread communicators")
     variant("nccl", default=False, description="The NCCL communicator for CUDA devices")
     variant("tbb", default=False, description="The oneTBB-backed parts")
+    variant("zlib", default=False, description=".gz files in the IDX reader of the data pipeline")
 
     depends_on("cxx", type="build")
     depends_on("cmake@3.20:", type="build")
@@ -38,6 +39,7 @@ class Meshlib(CMakePackage):
     depends_on("nccl", when="+nccl")
     depends_on("cuda", when="+nccl")
     depends_on("intel-oneapi-tbb", when="+tbb")
+    depends_on("zlib-api", when="+zlib")
 
     def cmake_args(self):
         return [
@@ -50,4 +52,5 @@ class Meshlib(CMakePackage):
             self.define_from_variant("MESHLIB_WITH_MPI", "mpi"),
             self.define_from_variant("MESHLIB_WITH_NCCL", "nccl"),
             self.define_from_variant("MESHLIB_WITH_TBB", "tbb"),
+            self.define_from_variant("MESHLIB_WITH_ZLIB", "zlib"),
         ]

@@ -30,6 +30,7 @@ vcpkg_check_features(OUT_FEATURE_OPTIONS FEATURE_OPTIONS
     mpi  MESHLIB_WITH_MPI
     nccl MESHLIB_WITH_NCCL
     tbb  MESHLIB_WITH_TBB
+    zlib MESHLIB_WITH_ZLIB
 )
 
 vcpkg_cmake_configure(
