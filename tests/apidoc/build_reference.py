@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MEMBER_OF_CLASS = re.compile(r"(?:error|warning): Member .* of (class|struct|union) \S+ is not documented\.")
+MEMBER_OF_CLASS = re.compile(r"(?:error|warning): Member .* of (class|struct|union) .+ is not documented\.")
 
 
 def main(argv: list[str]) -> int:
