@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared by comm_bench (thread communicator) and mpi_bench (OpenMPI): the operations, the sizes,
 // the iteration counts and the row format, so that both programs measure the same thing.
 #pragma once

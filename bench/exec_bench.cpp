@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Execution-layer benchmarks (issue 9), each against a real peer in the same run, medians over
 // interleaved launches (a launch of one side, then one of the other, repeated), so that a stall of
 // the shared machine hits both sides alike:

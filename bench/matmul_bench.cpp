@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // matmul benchmarks of the tensor layer (issue 4):
 //  1. one 1024 x 1024 float matmul through meshlib::matmul (local view) against cblas_sgemm called
 //     directly on the same data (target: within 10%);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // nccl-tests style table for meshlib's NCCL communicator, against raw NCCL in the same run.
 //
 //   nccl_bench [--min-bytes B] [--max-bytes B] [--gpus N]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Finds Kokkos (and optionally Kokkos Kernels) and makes the imported targets meshlib::kokkos and
 # meshlib::kokkos_kernels. Used by meshlib's own build and by the installed meshlibConfig.cmake,
 # so a consumer finds Kokkos the same way meshlib was built.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Finds CUDA's runtime, NVRTC (the run-time compiler of the shared-GPU reduction kernel) and NCCL;
 # sets MESHLIB_HAVE_NCCL and makes meshlib::nccl_dep.
 include_guard(GLOBAL)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Builds and installs Kokkos 4.6.01 (Serial + OpenMP) and Kokkos Kernels 4.6.01 (BLAS component,
 # OpenBLAS TPL) from local release snapshots into a prefix, once: a stamp file in the prefix records
 # what was built, and a second run with the same inputs does nothing. run_tests.sh uses it for its

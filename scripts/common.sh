@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Shared by run_tests.sh and run_example.sh (sourced, not run). Both use one build directory with
 # the same settings, so running one after the other rebuilds nothing twice.
 #

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # meshlib's GPU check: one script for a machine with an NVIDIA GPU (made for one H200 and 16 cores,
 # under 8 minutes), which also runs without one and then says what it could not check.
 #

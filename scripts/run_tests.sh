@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what is missing, builds meshlib's tests (Release, -O2) in build/ and runs them all.
 # The last lines are ctest's summary ("100% tests passed, 0 tests failed out of N"); the exit
 # status is ctest's. When a target fails to build, the build keeps going, ctest runs what was

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief meshlib on GPUs over NCCL: the NCCL communicator (one GPU per participant, collectives

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The communicator conformance kit: one suite, templated on the communicator, that every backend
 // (thread, MPI, hybrid, and any new one such as NCCL) passes before it lands.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Main of the device tests: skips (exit code 77, CTest's SKIP_RETURN_CODE) with the reason when
 // this machine has no CUDA device, else runs the Catch2 session.
 #if defined(MESHLIB_CATCH2_MAJOR) && MESHLIB_CATCH2_MAJOR >= 3

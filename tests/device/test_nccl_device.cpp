@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The NCCL communicator on real GPUs: every operation against results computed on the host, over
 // one rank per visible GPU (one rank on a one-GPU machine), through run_on_gpus. Skipped (see
 // device_main.cpp) where no CUDA device is.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The MPI communicator under mpirun (2 and 4 ranks): every operation of the communicator concept,
 // out-of-place and in-place, for every element type and reduce op, checked twice:
 // - against expectations computed here from the inputs, and

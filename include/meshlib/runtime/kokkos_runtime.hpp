@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher

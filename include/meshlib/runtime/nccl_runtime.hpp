@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief One process per GPU without MPI: `nccl::connect_from_environment()` reads the process

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Reductions along one dimension: `sum<D>`, `mean<D>`, `max<D>`, on local values and on

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `transpose`: `transpose(x)` swaps the two dimensions of a rank-2 tensor;

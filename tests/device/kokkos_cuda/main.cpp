@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Kernels and collectives ordered by one stream, with no host synchronisation in between: a Kokkos
 // kernel fills x on an execution-space instance, the NCCL communicator bound to that instance's
 // stream all-reduces x into y, a second kernel doubles y. If the collective were not ordered after

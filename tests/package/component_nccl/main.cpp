@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Built against meshlib::nccl only: <meshlib/nccl.hpp>, nccl.h, NCCL and CUDA's runtime must come
 // with the component. Needs no GPU: it checks the NCCL communicator's types and NCCL's version,
 // and, where a GPU is present, makes a one-rank communicator and all-reduces on it.

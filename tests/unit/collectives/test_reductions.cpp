@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // psum / pmean / pmax / pmin on 1-D and 2-D meshes, several shapes and element types, against
 // host-computed references; the result types (vary / partial / dims) they compute at compile time.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Faults and bad input: every blocking call of the thread communicator ends, with the documented
 // error, naming the rank, the operation and the calls involved.
 #include <atomic>

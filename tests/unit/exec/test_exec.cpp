@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // spmd and shard_map: per-device execution, axis queries, error propagation without hangs, global
 // in / global out with the out-spec assembly, input resharding, several inputs and outputs.
 #include <atomic>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The parts of the NCCL backend that need no GPU: they run in CI, where CUDA and NCCL are
 // installed but no device is.
 #include <cuda_bf16.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The Kokkos lifecycle rule: every meshlib entry point used before Kokkos is initialised, or after
 // it is finalised, throws kokkos_lifecycle_error naming the entry point and the fix, before any
 // device thread starts. Its own main (not the shared Catch2 main, which initialises Kokkos first).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Every kernel family, launched from 8 device threads at once, many times, with exact results.
 // Built twice: plainly and under ThreadSanitizer (tensor_concurrency_tsan), where any report fails
 // the test (halt_on_error). This is the proof that meshlib's launch discipline (RangePolicy only,

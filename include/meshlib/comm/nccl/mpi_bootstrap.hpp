@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief One process per GPU, launched by MPI: `nccl_communicator_from_mpi(comm)` makes the NCCL

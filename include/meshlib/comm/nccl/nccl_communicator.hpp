@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The NCCL communicator: one participant per GPU, collectives on device buffers, ordered on

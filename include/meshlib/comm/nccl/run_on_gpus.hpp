@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief One process driving several GPUs: `nccl_communicators(devices)` makes one communicator

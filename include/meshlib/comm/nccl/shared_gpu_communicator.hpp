@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Several mesh devices on one GPU: `shared_gpu_communicator`, one participant per device,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `basic_stream_request<Channel>`: the request of a stream-ordered backend. An operation

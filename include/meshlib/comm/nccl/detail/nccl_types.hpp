@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief How meshlib's element types, reduce ops and errors map to NCCL's and CUDA's: the pure

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The reduction kernel of several mesh devices on one GPU, compiled at run time with NVRTC
