@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "meshlib/core/axis.hpp"
+#include "meshlib/core/checked_size.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 
@@ -219,7 +220,14 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
-      size_ *= sizes_[i];
+      // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
+      if (sizes_[i] > detail::max_sane_size)
+        throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
+                         " (" + std::to_string(static_cast<long long>(sizes_[i])) +
+                         " as a signed number); a mesh axis size must be positive");
+      if (__builtin_mul_overflow(size_, sizes_[i], &size_))
+        throw mesh_error("meshlib: the device count of the mesh overflows at axis '" + std::string(axis_names[i]) +
+                         "' (size " + std::to_string(sizes_[i]) + "): the product of the axis sizes does not fit in 64 bits");
     }
   }
 
