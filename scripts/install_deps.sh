@@ -11,6 +11,7 @@ packages=(
   libtbb-dev                               # oneTBB (optional)
   openmpi-bin libopenmpi-dev               # MPI communicator (optional)
   python3-matplotlib                       # benchmark plots
+  clang-14                                 # compile-fail tests' second compiler (diagnostics read well on Clang too)
 )
 
 missing=()

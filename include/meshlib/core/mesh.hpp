@@ -17,6 +17,7 @@
 
 #include "meshlib/core/axis.hpp"
 #include "meshlib/core/checked_size.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 
@@ -31,6 +32,14 @@ consteval bool axis_names_unique() {
     for (std::size_t j = i + 1; j < names.size(); ++j)
       if (names[i] == names[j]) return false;
   return true;
+}
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_has_no_axis() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: the mesh has no axis of this name (the name and the mesh's axes are spelled out in the "
+                "condition); name one of the mesh's axes");
+  return false;
 }
 
 }  // namespace detail
@@ -74,7 +83,8 @@ class mesh {
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
-    static_assert(has_axis<Name>, "meshlib: the mesh has no axis of this name (see the axis named in the instantiation)");
+    if constexpr (!has_axis<Name>)
+      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
