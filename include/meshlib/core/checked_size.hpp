@@ -35,15 +35,20 @@ inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view wh
 /// size looks negative (above `max_sane_size`) or the product overflows. Builds no string unless it
 /// throws: it runs on every size query.
 inline std::size_t checked_product(std::span<const std::size_t> sizes, std::string_view what) {
+  const auto where = [&] {
+    std::string s = "meshlib: " + std::string(what) + " (";
+    for (std::size_t d = 0; d < sizes.size(); ++d) s += (d ? ", " : "") + std::to_string(sizes[d]);
+    return s + (sizes.size() == 1 ? ",)" : ")");
+  };
   std::size_t n = 1;
   for (std::size_t d = 0; d < sizes.size(); ++d) {
     if (sizes[d] > max_sane_size)
-      throw sharding_error("meshlib: " + std::string(what) + ": dimension " + std::to_string(d) + " has size " +
-                           std::to_string(sizes[d]) + " (" + std::to_string(static_cast<long long>(sizes[d])) +
+      throw sharding_error(where() + ": dimension " + std::to_string(d) + " has size " + std::to_string(sizes[d]) +
+                           " (" + std::to_string(static_cast<long long>(sizes[d])) +
                            " as a signed number), larger than 2^62: a negative or overflowed size?");
     if (__builtin_mul_overflow(n, sizes[d], &n))
-      throw sharding_error("meshlib: " + std::string(what) + ": the element count overflows at dimension " +
-                           std::to_string(d) + " (size " + std::to_string(sizes[d]) + "): it does not fit in 64 bits");
+      throw sharding_error(where() + ": the element count overflows at dimension " + std::to_string(d) + " (size " +
+                           std::to_string(sizes[d]) + "): it does not fit in 64 bits");
   }
   return n;
 }
