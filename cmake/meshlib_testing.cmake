@@ -11,7 +11,8 @@
 #     output matches REGEX (the first words of the static_assert message we promise the user) and,
 #     when given, NAMES (what the diagnostic's condition spells out, in either order: GCC prints it
 #     after the message, Clang before). In NAMES, @model@ stands for the char pack 'm', 'o', 'd',
-#     'e', 'l' that both compilers print for the axis name "model" (core/diagnostics.hpp).
+#     'e', 'l' that both compilers print for the axis name "model" (core/diagnostics.hpp), and
+#     ">>" matches Clang's ">>" and GCC's "> >".
 #     GCC_ONLY: no Clang leg (diagnostics not yet single-error on Clang). When clang++-14 is
 #     found (MESHLIB_COMPILE_FAIL_CLANG), a second test compile_fail_clang_<n> runs the same source
 #     through Clang (-fsyntax-only, ~3 s each) and checks the same REGEX and that Clang reports
@@ -91,6 +92,7 @@ function(meshlib_add_compile_fail_test)
       _meshlib_char_pack(pack "${name}")
       string(REPLACE "${hole}" "${pack}" ARG_NAMES "${ARG_NAMES}")
     endforeach()
+    string(REPLACE ">>" "> ?>" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >"
     set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
   endif()
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})

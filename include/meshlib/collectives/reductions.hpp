@@ -79,7 +79,7 @@ auto all_reduce_over(const L& x) {
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
   using T = typename L::value_type;
   // An integer mean is a sum in T (wrapping, as JAX's int32 psum) then a true division.
-  constexpr bool int_mean = ROp == reduce_op::avg && std::is_integral_v<T>;
+  constexpr bool int_mean = ROp == reduce_op::mean && std::is_integral_v<T>;
   using U = std::conditional_t<int_mean, mean_value_t<T>, T>;
   using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
                                   dims_without_t<typename L::dims_type, mask>>;
@@ -118,7 +118,7 @@ template <fixed_string... Names, local_tensor_type L>
 /// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
