@@ -1,4 +1,4 @@
-# Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, Kokkos Kernels, MPI and
+# Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, zlib, Kokkos Kernels, MPI and
 # CUDA+NCCL, each switchable with MESHLIB_WITH_<X>. Sets MESHLIB_HAVE_<X> and prints a summary that
 # says what was found and what each missing piece disables.
 
@@ -15,6 +15,14 @@ if(MESHLIB_WITH_TBB)
   find_package(TBB CONFIG QUIET)
   if(TBB_FOUND)
     set(MESHLIB_HAVE_TBB TRUE)
+  endif()
+endif()
+
+set(MESHLIB_HAVE_ZLIB FALSE)
+if(MESHLIB_WITH_ZLIB)
+  find_package(ZLIB QUIET)
+  if(ZLIB_FOUND)
+    set(MESHLIB_HAVE_ZLIB TRUE)
   endif()
 endif()
 
@@ -47,6 +55,10 @@ function(meshlib_print_summary)
     "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
   _meshlib_summary_line("oneTBB" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}"
     "the thread communicator copies and reduces large slices without TBB (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+  _meshlib_summary_line("oneTBB (data loader)" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}: batches prefetched on oneTBB threads"
+    "the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+  _meshlib_summary_line("zlib" "${MESHLIB_HAVE_ZLIB}" "${ZLIB_VERSION_STRING}"
+    "the IDX reader reads only uncompressed files; gunzip Fashion-MNIST's .gz files first (MESHLIB_WITH_ZLIB=${MESHLIB_WITH_ZLIB})")
   _meshlib_summary_line("MPI" "${MESHLIB_HAVE_MPI}" "${MPI_CXX_LIBRARY_VERSION_STRING}"
     "no meshlib::mpi target, MPI tests and MPI benchmark comparison skipped (MESHLIB_WITH_MPI=${MESHLIB_WITH_MPI})")
   _meshlib_summary_line("CUDA + NCCL" "${MESHLIB_HAVE_NCCL}" "${MESHLIB_NCCL_LIBRARY}"

@@ -55,7 +55,7 @@ if(MESHLIB_HAVE_NCCL)
 endif()
 
 # Booleans baked into the config: what the installed targets link to.
-foreach(_meshlib_dep TBB KOKKOS_KERNELS MPI NCCL)
+foreach(_meshlib_dep TBB ZLIB KOKKOS_KERNELS MPI NCCL)
   if(MESHLIB_HAVE_${_meshlib_dep})
     set(MESHLIB_CONFIG_HAVE_${_meshlib_dep} TRUE)
   else()

@@ -8,7 +8,9 @@ packages=(
   libtrilinos-kokkos-dev                   # Kokkos (required)
   libtrilinos-kokkos-kernels-dev libopenblas-dev  # Kokkos Kernels: KokkosBlas::gemm for matmul
   catch2                                   # tests
-  libtbb-dev                               # oneTBB (optional)
+  libtbb-dev                               # oneTBB (optional; the data loader prefetches with it)
+  zlib1g-dev                               # zlib: the IDX reader reads .gz data files
+  dataset-fashion-mnist                    # Fashion-MNIST IDX files for the training flagship and its tests
   openmpi-bin libopenmpi-dev               # MPI communicator (optional)
   python3-matplotlib                       # benchmark plots
   clang-14                                 # compile-fail tests' second compiler (diagnostics read well on Clang too)

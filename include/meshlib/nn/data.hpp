@@ -1,0 +1,11 @@
+#pragma once
+/// @file
+/// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
+/// seeded epoch permutation and the sharded, prefetching data loader.
+
+#include "meshlib/nn/data/errors.hpp"
+#include "meshlib/nn/data/dataset.hpp"
+#include "meshlib/nn/data/idx.hpp"
+#include "meshlib/nn/data/fashion_mnist.hpp"
+#include "meshlib/nn/data/permutation.hpp"
+#include "meshlib/nn/data/loader.hpp"
