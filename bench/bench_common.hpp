@@ -76,6 +76,17 @@ inline void print_row(const char* impl, std::string_view op, std::size_t nominal
   std::fflush(stdout);
 }
 
+/// `n` floats in [-1, 1] from a fixed linear congruential sequence (matmul_bench, exec_bench).
+inline std::vector<float> random_matrix(std::size_t n, unsigned seed) {
+  std::vector<float> v(n);
+  unsigned x = seed;
+  for (auto& e : v) {
+    x = x * 1664525u + 1013904223u;
+    e = static_cast<float>((x >> 8) % 2001) / 1000.0f - 1.0f;
+  }
+  return v;
+}
+
 /// "--name value" from argv, or `fallback`.
 inline std::string arg(int argc, char** argv, const char* name, const char* fallback) {
   for (int i = 1; i + 1 < argc; ++i)

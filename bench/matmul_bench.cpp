@@ -21,6 +21,7 @@
 
 #include <cblas.h>
 
+#include "bench_common.hpp"
 #include "meshlib/tensor.hpp"
 
 namespace {
@@ -39,15 +40,7 @@ double best_seconds(int reps, F&& f) {
   return best;
 }
 
-std::vector<float> random_matrix(std::size_t n, unsigned seed) {
-  std::vector<float> v(n);
-  unsigned x = seed;
-  for (auto& e : v) {
-    x = x * 1664525u + 1013904223u;
-    e = static_cast<float>((x >> 8) % 2001) / 1000.0f - 1.0f;
-  }
-  return v;
-}
+using bench::random_matrix;
 
 double max_abs_diff(const float* a, const float* b, std::size_t n) {
   double d = 0;

@@ -21,3 +21,8 @@ configure() {
     -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON \
     "$@"
 }
+
+# The Kokkos version a configured build directory uses, as its configure summary printed it.
+kokkos_version_of() {
+  sed -n 's/^MESHLIB_KOKKOS_VERSION:INTERNAL=//p' "$1/CMakeCache.txt" 2>/dev/null | head -1
+}

@@ -1516,6 +1516,524 @@ concept communicator = communicator_tagged<C> && communicator_group<C> && reduci
 
 }  // namespace meshlib
 // end meshlib/comm/communicator.hpp
+// begin meshlib/comm/frontend.hpp
+/// @file
+/// @brief `communicator_frontend`: the public operations of every communicator, written once.
+///
+/// A backend derives from `communicator_frontend<Backend, Request, Context>` and implements only
+/// its transport; the front end gives it every overload of the `communicator` concept (in-place and
+/// out-of-place), checks every argument before any data moves (buffer sizes, overlap, roots,
+/// peers, tags, ppermute pairs, all_to_all_v layouts, element-count overflow) and builds every
+/// argument error, so that a wrong call reads the same on every backend.
+///
+/// @code
+/// class my_communicator : public meshlib::communicator_frontend<my_communicator> {
+///   friend class meshlib::communicator_frontend<my_communicator>;
+///  public:
+///   int rank() const noexcept;  int size() const noexcept;
+///   my_communicator split(int color, int key);    // (call check_split(color) first)
+///  private:
+///   void ensure_usable(meshlib::detail::op_kind) const;   // throws on an empty or failed handle
+///   std::string label() const;                             // "rank 2", "MPI rank 1", ...
+///   template <meshlib::detail::op_kind K, class T>                    // the transport of operation K
+///   ready_request transport(const meshlib::detail::operation<T>&, host_context);
+/// };
+/// @endcode
+///
+/// Optional hook: `void on_argument_error(op_kind, const std::string& what) const`, called before
+/// the front end throws `comm_argument_error` (the thread backend fails its world there, so that
+/// peers already waiting for this rank are released at once).
+///
+/// Asynchronous backends: every operation takes an optional last argument of the backend's
+/// `Context` (a CUDA stream for NCCL) and returns its `Request`; the front end passes both through
+/// untouched, so a stream-ordered backend plugs in without any change above it.
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// begin meshlib/comm/detail/buffer_checks.hpp
+/// @file
+/// @brief The buffer checks every backend runs before any data moves, so that a wrong call reads
+/// the same on the thread, MPI and hybrid communicators.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace meshlib::detail {
+
+/// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
+/// nothing.
+inline bool buffers_overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b);
+  return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
+}
+
+/// What is wrong with the buffers of an out-of-place call that writes `needed` elements to `recv`,
+/// or an empty string when nothing is.
+template <class T>
+std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std::size_t needed) {
+  if (recv.size() < needed)
+    return "receive buffer holds " + std::to_string(recv.size()) + " elements but " + std::to_string(needed) +
+           " are needed";
+  if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    return "the send and receive buffers overlap; use the in-place form (one buffer) instead";
+  return {};
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/buffer_checks.hpp
+// begin meshlib/comm/detail/operation.hpp
+/// @file
+/// @brief The description of one communicator operation, as the front end hands it to a backend's
+/// transport: what was called (`op_kind`), on which buffers, with which count, reduce op, root,
+/// peer or tag. Every backend sees the same normalised description, whatever overload the user
+/// called (in-place forms set `in_place` and point `send` and `recv` into the one buffer), and
+/// the MPI backends derive their mismatch fingerprint from it.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// The operations of the `communicator` concept (the values are part of the MPI fingerprint).
+enum class op_kind : std::uint8_t {
+  barrier,
+  all_reduce,
+  reduce,
+  broadcast,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  all_to_all_v,
+  ppermute,
+  split,
+  send,
+  recv,
+};
+
+/// The public name of an operation, as error messages show it.
+constexpr std::string_view op_name(op_kind k) noexcept {
+  switch (k) {
+    case op_kind::barrier: return "barrier";
+    case op_kind::all_reduce: return "all_reduce";
+    case op_kind::reduce: return "reduce";
+    case op_kind::broadcast: return "broadcast";
+    case op_kind::all_gather: return "all_gather";
+    case op_kind::reduce_scatter: return "reduce_scatter";
+    case op_kind::all_to_all: return "all_to_all";
+    case op_kind::all_to_all_v: return "all_to_all_v";
+    case op_kind::ppermute: return "ppermute";
+    case op_kind::split: return "split";
+    case op_kind::send: return "send";
+    case op_kind::recv: return "recv";
+  }
+  return "unknown";
+}
+
+/// One operation, after the front end's checks. Buffer conventions (n = size(), c = count):
+///
+/// | kind | send | recv | count |
+/// | --- | --- | --- | --- |
+/// | all_reduce, reduce | c elements (== recv in place) | c elements (reduce: root only) | c |
+/// | reduce_scatter | n*c elements | c elements (in place: block rank() of send) | c |
+/// | broadcast | root's c elements (nullptr elsewhere out of place; == recv in place) | c elements | c |
+/// | all_gather | c elements (in place: block rank() of recv) | n*c elements | c |
+/// | all_to_all | n*c elements (== recv in place) | n*c elements | c (per peer) |
+/// | all_to_all_v | the send buffer; counts/displs in `v` | the receive buffer | 0 |
+/// | ppermute | c elements (== recv in place) | c elements | c |
+/// | send / recv | the message (`peer`, `tag`) | the message | c |
+/// | barrier | - | - | 0 |
+template <class T>
+struct operation {
+  op_kind kind = op_kind::barrier;
+  const T* send = nullptr;
+  T* recv = nullptr;
+  std::size_t count = 0;
+  reduce_op op = reduce_op::sum;
+  int root = 0;  ///< root of reduce and broadcast
+  int peer = 0;  ///< destination of send, source of recv
+  int tag = 0;
+  bool in_place = false;
+  std::span<const permute_pair> pairs{};                            ///< ppermute
+  const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd (n each)
+};
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/operation.hpp
+
+namespace meshlib {
+
+/// @brief The shared front end of the communicators (see the file comment): `Backend` derives from
+/// it and provides the transport.
+template <class Backend, class Request = ready_request, class Context = host_context>
+class communicator_frontend {
+ public:
+  using is_communicator = void;
+  using request_type = Request;
+  using context_type = Context;
+
+  // ---- reducing collectives --------------------------------------------------------------------
+
+  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
+  template <comm_element T>
+  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                          context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_reduce;
+    check_out_of_place(k, send, recv, send.size());
+    return start<k>(reducing<T>(k, send.data(), recv.data(), send.size(), op, false), ctx);
+  }
+  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
+  template <comm_element T>
+  request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_reduce;
+    usable(k);
+    return start<k>(reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true), ctx);
+  }
+
+  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
+  template <comm_element T>
+  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
+                      context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce;
+    check_root(k, root);
+    if (self().rank() == root) check_out_of_place(k, send, recv, send.size());
+    auto o = reducing<T>(k, send.data(), self().rank() == root ? recv.data() : nullptr, send.size(), op, false);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
+  template <comm_element T>
+  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce;
+    check_root(k, root);
+    auto o = reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
+  /// length is `size() * recv.size()`.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                              context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce_scatter;
+    const std::size_t count = recv.size();
+    const std::size_t total = checked_mul(k, count);
+    if (send.size() < total)
+      bad_argument(k, "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
+                          std::to_string(total) + " are needed");
+    check_out_of_place(k, send.first(total), recv, count);
+    return start<k>(reducing<T>(k, send.data(), recv.data(), count, op, false), ctx);
+  }
+  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
+  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
+  template <comm_element T>
+  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::reduce_scatter;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(reducing<T>(k, buf.data(), buf.data() + block(count), count, op, true), ctx);
+  }
+
+  // ---- data movement ---------------------------------------------------------------------------
+
+  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
+  template <comm_element T>
+  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
+                         context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::broadcast;
+    check_root(k, root);
+    const bool is_root = self().rank() == root;
+    if (is_root) {
+      check_out_of_place(k, send, recv, recv.size());
+      if (send.size() < recv.size())
+        bad_argument(k, "root's send buffer holds " + std::to_string(send.size()) + " elements but recv.size() = " +
+                            std::to_string(recv.size()) + " are broadcast");
+    }
+    auto o = moving<T>(k, is_root ? send.data() : nullptr, recv.data(), recv.size(), false);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place broadcast: every rank's buf receives root's buf.
+  template <comm_element T>
+  request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::broadcast;
+    check_root(k, root);
+    auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
+    o.root = root;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
+  template <comm_element T>
+  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_gather;
+    const std::size_t count = send.size();
+    check_out_of_place(k, send, recv, checked_mul(k, count));
+    return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
+  }
+  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
+  template <comm_element T>
+  request_type all_gather(std::span<T> buf, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_gather;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(moving<T>(k, buf.data() + block(count), buf.data(), count, true), ctx);
+  }
+
+  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
+  template <comm_element T>
+  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all;
+    const std::size_t count = blocks_of(k, send.size());
+    check_out_of_place(k, send, recv, send.size());
+    return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
+  }
+  /// @brief In-place all_to_all.
+  template <comm_element T>
+  request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all;
+    const std::size_t count = blocks_of(k, buf.size());
+    return start<k>(moving<T>(k, buf.data(), buf.data(), count, true), ctx);
+  }
+
+  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
+  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
+  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
+  template <comm_element T>
+  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, std::span<T> recv,
+                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                            context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::all_to_all_v;
+    usable(k);
+    check_layout(k, "send", send.size(), send_counts, send_displs);
+    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
+    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
+    auto o = moving<T>(k, send.data(), recv.data(), 0, false);
+    o.v[0] = send_counts.data();
+    o.v[1] = send_displs.data();
+    o.v[2] = recv_counts.data();
+    o.v[3] = recv_displs.data();
+    return start<k>(o, ctx);
+  }
+
+  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
+  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
+  /// rank passes the same pairs; a duplicate source or destination is rejected.
+  template <comm_element T>
+  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::ppermute;
+    check_pairs(pairs);
+    check_out_of_place(k, send, recv, send.size());
+    auto o = moving<T>(k, send.data(), recv.data(), send.size(), false);
+    o.pairs = pairs;
+    return start<k>(o, ctx);
+  }
+  /// @brief In-place ppermute.
+  template <comm_element T>
+  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::ppermute;
+    check_pairs(pairs);
+    auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
+    o.pairs = pairs;
+    return start<k>(o, ctx);
+  }
+
+  // ---- point to point --------------------------------------------------------------------------
+
+  /// @brief Sends buf to rank `dest` with `tag` (>= 0). Buffered: returns once buf is copied,
+  /// whether or not `dest` has posted its recv (so exchanges written as send-then-recv on every
+  /// rank cannot deadlock).
+  template <class T>
+    requires comm_element<std::remove_cv_t<T>>
+  request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
+    using U = std::remove_cv_t<T>;
+    constexpr auto k = detail::op_kind::send;
+    check_peer(k, dest, "destination");
+    check_tag(k, tag);
+    auto o = moving<U>(k, buf.data(), nullptr, buf.size(), false);
+    o.peer = dest;
+    o.tag = tag;
+    return start<k>(o, ctx);
+  }
+
+  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
+  /// Its element type and count must be those of buf (else `collective_mismatch`).
+  template <comm_element T>
+  request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::recv;
+    check_peer(k, source, "source");
+    check_tag(k, tag);
+    auto o = moving<T>(k, nullptr, buf.data(), buf.size(), false);
+    o.peer = source;
+    o.tag = tag;
+    return start<k>(o, ctx);
+  }
+
+  // ---- synchronisation -------------------------------------------------------------------------
+
+  /// @brief Returns once every rank of the group has called barrier.
+  request_type barrier(context_type ctx = {}) {
+    constexpr auto k = detail::op_kind::barrier;
+    usable(k);
+    detail::operation<float> o;
+    o.kind = k;
+    return start<k>(o, ctx);
+  }
+
+ protected:
+  communicator_frontend() = default;
+
+  /// The default of the optional hook (see the file comment): nothing to release.
+  void on_argument_error(detail::op_kind, const std::string&) const {}
+
+  /// For `split`: refuses a negative color (after the usability check).
+  void check_split(int color) const {
+    constexpr auto k = detail::op_kind::split;
+    usable(k);
+    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+  }
+
+  /// "all_reduce on rank 2 of 4": how messages name the call and the caller.
+  std::string where(detail::op_kind k) const {
+    return std::string(detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
+  }
+
+  /// Throws `comm_argument_error` ("meshlib: invalid argument to <where>: <what>") after the
+  /// backend's `on_argument_error` hook. For the backends' own limits too (MPI's int counts).
+  [[noreturn]] void bad_argument(detail::op_kind k, const std::string& what) const {
+    self().on_argument_error(k, what);
+    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
+  }
+
+ private:
+  Backend& self() noexcept { return static_cast<Backend&>(*this); }
+  const Backend& self() const noexcept { return static_cast<const Backend&>(*this); }
+
+  template <detail::op_kind K, class T>
+  request_type start(detail::operation<T> o, context_type ctx) {
+    o.kind = K;
+    return self().template transport<K, T>(o, ctx);
+  }
+
+  template <class T>
+  static detail::operation<T> moving(detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
+    detail::operation<T> o;
+    o.kind = k;
+    o.send = send;
+    o.recv = recv;
+    o.count = count;
+    o.in_place = in_place;
+    return o;
+  }
+  template <class T>
+  static detail::operation<T> reducing(detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
+                                       bool in_place) {
+    auto o = moving<T>(k, send, recv, count, in_place);
+    o.op = op;
+    return o;
+  }
+
+  std::size_t block(std::size_t count) const noexcept { return static_cast<std::size_t>(self().rank()) * count; }
+
+  void usable(detail::op_kind k) const { self().ensure_usable(k); }
+
+  void check_root(detail::op_kind k, int root) const {
+    usable(k);
+    if (root < 0 || root >= self().size())
+      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(self().size()) + ")");
+  }
+
+  void check_peer(detail::op_kind k, int peer, const char* what) const {
+    usable(k);
+    if (peer < 0 || peer >= self().size())
+      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
+                          std::to_string(self().size()) + ")");
+  }
+
+  void check_tag(detail::op_kind k, int tag) const {
+    if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
+  }
+
+  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
+  template <class T>
+  void check_out_of_place(detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+    usable(k);
+    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+  }
+
+  /// count * size(), refused when it overflows.
+  std::size_t checked_mul(detail::op_kind k, std::size_t count) const {
+    usable(k);
+    const auto n = static_cast<std::size_t>(self().size());
+    if (count > std::numeric_limits<std::size_t>::max() / n)
+      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
+    return count * n;
+  }
+
+  /// The block length of a buffer of `size()` equal blocks.
+  std::size_t blocks_of(detail::op_kind k, std::size_t total) const {
+    usable(k);
+    const auto n = static_cast<std::size_t>(self().size());
+    if (total % n != 0)
+      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
+                          " equal blocks");
+    return total / n;
+  }
+
+  /// One side of an all_to_all_v: n counts and displacements, each block inside the buffer. The
+  /// end of a block is compared without adding count and displacement first (int64 overflow).
+  void check_layout(detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+                    std::span<const std::int64_t> displs) const {
+    const auto n = static_cast<std::size_t>(self().size());
+    const std::string w(which);
+    if (counts.size() != n || displs.size() != n)
+      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
+                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = counts[j];
+      const std::int64_t d = displs[j];
+      if (c < 0 || d < 0)
+        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
+                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
+      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
+        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
+                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
+                            std::to_string(buffer) + " elements");
+    }
+  }
+
+  void check_pairs(std::span<const permute_pair> pairs) const {
+    constexpr auto k = detail::op_kind::ppermute;
+    usable(k);
+    const int n = self().size();
+    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+    for (const auto& p : pairs) {
+      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
+        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
+                            ") names a rank out of range [0, " + std::to_string(n) + ")");
+      if (src[static_cast<std::size_t>(p.source)]++)
+        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
+      if (dst[static_cast<std::size_t>(p.dest)]++)
+        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+    }
+  }
+};
+
+}  // namespace meshlib
+// end meshlib/comm/frontend.hpp
 // begin meshlib/comm/thread/options.hpp
 /// @file
 /// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
@@ -1634,40 +2152,6 @@ struct thread_comm_options {
 #include <utility>
 #include <vector>
 
-// begin meshlib/comm/detail/buffer_checks.hpp
-/// @file
-/// @brief The buffer checks every backend runs before any data moves, so that a wrong call reads
-/// the same on the thread, MPI and hybrid communicators.
-
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-
-namespace meshlib::detail {
-
-/// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
-/// nothing.
-inline bool buffers_overlap(const void* a, std::size_t an, const void* b, std::size_t bn) noexcept {
-  const auto pa = reinterpret_cast<std::uintptr_t>(a);
-  const auto pb = reinterpret_cast<std::uintptr_t>(b);
-  return an != 0 && bn != 0 && pa < pb + bn && pb < pa + an;
-}
-
-/// What is wrong with the buffers of an out-of-place call that writes `needed` elements to `recv`,
-/// or an empty string when nothing is.
-template <class T>
-std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std::size_t needed) {
-  if (recv.size() < needed)
-    return "receive buffer holds " + std::to_string(recv.size()) + " elements but " + std::to_string(needed) +
-           " are needed";
-  if (buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-    return "the send and receive buffers overlap; use the in-place form (one buffer) instead";
-  return {};
-}
-
-}  // namespace meshlib::detail
-// end meshlib/comm/detail/buffer_checks.hpp
 // begin meshlib/comm/thread/detail/group_state.hpp
 /// @file
 /// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
@@ -1726,38 +2210,6 @@ using comm_clock = std::chrono::steady_clock;
 /// stack, for that peer's runner to report the exception (well inside the 1 s promise).
 inline constexpr std::chrono::milliseconds unwind_grace{200};
 
-enum class op_kind : std::uint8_t {
-  barrier,
-  all_reduce,
-  reduce,
-  broadcast,
-  all_gather,
-  reduce_scatter,
-  all_to_all,
-  all_to_all_v,
-  ppermute,
-  split,
-  send,
-  recv,
-};
-
-constexpr std::string_view op_name(op_kind k) noexcept {
-  switch (k) {
-    case op_kind::barrier: return "barrier";
-    case op_kind::all_reduce: return "all_reduce";
-    case op_kind::reduce: return "reduce";
-    case op_kind::broadcast: return "broadcast";
-    case op_kind::all_gather: return "all_gather";
-    case op_kind::reduce_scatter: return "reduce_scatter";
-    case op_kind::all_to_all: return "all_to_all";
-    case op_kind::all_to_all_v: return "all_to_all_v";
-    case op_kind::ppermute: return "ppermute";
-    case op_kind::split: return "split";
-    case op_kind::send: return "send";
-    case op_kind::recv: return "recv";
-  }
-  return "unknown";
-}
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
@@ -2117,6 +2569,7 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
 /// `((x0 op x1) op x2) ...` in rank order, whatever the algorithm, the slicing or the thread timing.
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -2153,6 +2606,34 @@ constexpr accumulator_t<T> widen(T x) noexcept {
   return static_cast<accumulator_t<T>>(x);
 }
 
+/// Whether the sign bit of a float or double is set (-0.0 included), usable in constexpr code.
+template <class F>
+constexpr bool sign_bit(F v) noexcept {
+  if constexpr (sizeof(F) == 4) return (std::bit_cast<std::uint32_t>(v) >> 31) != 0;
+  else return (std::bit_cast<std::uint64_t>(v) >> 63) != 0;
+}
+
+/// max of floating-point values as meshlib defines it on every backend: a NaN anywhere gives NaN
+/// (the first in rank order: `a` is the running result of the lower ranks), and +0 > -0. So the
+/// result does not depend on the order of the participants, and NaN is not lost as with
+/// `a < b ? b : a` (which keeps `a` whenever `b` is NaN).
+template <class F>
+constexpr F float_max(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? b : a;
+  return a < b ? b : a;
+}
+
+/// min, the mirror of `float_max`: NaN anywhere gives NaN, and -0 < +0.
+template <class F>
+constexpr F float_min(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? a : b;
+  return b < a ? b : a;
+}
+
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
@@ -2166,9 +2647,8 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
     if constexpr (Op == reduce_op::min) return x < av ? widen(x) : a;
     else return av < x ? widen(x) : a;
   } else {
-    const A xv = widen(x);
-    if constexpr (Op == reduce_op::min) return xv < a ? xv : a;
-    else return a < xv ? xv : a;
+    if constexpr (Op == reduce_op::min) return float_min(a, widen(x));
+    else return float_max(a, widen(x));
   }
 }
 
@@ -2313,11 +2793,10 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator {
+class thread_communicator : public communicator_frontend<thread_communicator> {
+  friend class communicator_frontend<thread_communicator>;
+
  public:
-  using is_communicator = void;
-  using request_type = ready_request;
-  using context_type = host_context;
 
   /// An empty handle (not part of any group); only assignable and destructible.
   thread_communicator() = default;
@@ -2358,210 +2837,17 @@ class thread_communicator {
                                    std::string(reason));
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
+  // The collectives, point to point and barrier: communicator_frontend (argument checks); the
+  // transport is below.
 
-  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type = {}) {
-    check_out_of_place(detail::op_kind::all_reduce, send, recv, send.size());
-    return do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
-  }
-  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::all_reduce);
-    return do_all_reduce<T>(buf.data(), buf.data(), buf.size(), op);
-  }
-
-  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    if (rank_ == root) check_out_of_place(detail::op_kind::reduce, send, recv, send.size());
-    else check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
-  }
-  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(buf.data(), buf.data(), buf.size(), op, root);
-  }
-
-  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
-  /// length is `size() * recv.size()`.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type = {}) {
-    const std::size_t count = recv.size();
-    const std::size_t total = checked_mul(detail::op_kind::reduce_scatter, count);
-    if (send.size() < total)
-      bad_argument(detail::op_kind::reduce_scatter,
-                   "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
-                       std::to_string(total) + " are needed");
-    check_out_of_place(detail::op_kind::reduce_scatter, send.first(total), recv, count);
-    return do_reduce_scatter<T>(send.data(), recv.data(), count, op);
-  }
-  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
-  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::reduce_scatter);
-    const std::size_t count = blocks_of(detail::op_kind::reduce_scatter, buf.size());
-    return do_reduce_scatter<T>(buf.data(), buf.data() + static_cast<std::size_t>(rank_) * count, count, op);
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    if (rank_ == root) {
-      check_out_of_place(detail::op_kind::broadcast, send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument(detail::op_kind::broadcast, "root's send buffer holds " + std::to_string(send.size()) +
-                                                     " elements but recv.size() = " + std::to_string(recv.size()) +
-                                                     " are broadcast");
-    } else {
-      check_usable(detail::op_kind::broadcast);
-    }
-    return do_broadcast<T>(rank_ == root ? send.data() : nullptr, recv.data(), recv.size(), root);
-  }
-  /// @brief In-place broadcast: every rank's buf receives root's buf.
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    check_usable(detail::op_kind::broadcast);
-    return do_broadcast<T>(buf.data(), buf.data(), buf.size(), root);
-  }
-
-  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = send.size();
-    const std::size_t total = checked_mul(detail::op_kind::all_gather, count);
-    check_out_of_place(detail::op_kind::all_gather, send, recv, total);
-    return do_all_gather<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_gather);
-    const std::size_t count = blocks_of(detail::op_kind::all_gather, buf.size());
-    return do_all_gather<T>(buf.data() + static_cast<std::size_t>(rank_) * count, buf.data(), count);
-  }
-
-  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, send.size());
-    check_out_of_place(detail::op_kind::all_to_all, send, recv, send.size());
-    return do_all_to_all<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_to_all.
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_to_all);
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, buf.size());
-    return do_all_to_all<T>(buf.data(), buf.data(), count);
-  }
-
-  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
-  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
-  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type = {}) {
-    constexpr auto k = detail::op_kind::all_to_all_v;
-    check_usable(k);
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (!send.empty() && !recv.empty() && detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
-                              recv_displs.data());
-  }
-
-  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
-  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
-  /// rank passes the same pairs; a duplicate source or destination is rejected.
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_out_of_place(detail::op_kind::ppermute, send, recv, send.size());
-    return do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
-  }
-  /// @brief In-place ppermute.
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_usable(detail::op_kind::ppermute);
-    return do_ppermute<T>(buf.data(), buf.data(), buf.size(), pairs);
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to rank `dest`. Buffered: returns once buf is copied, whether or not `dest`
-  /// has posted its recv (so exchanges written as send-then-recv on every rank cannot deadlock).
-  template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::send;
-    check_usable(k);
-    check_peer(k, dest, "destination");
-    detail::p2p_message m;
-    m.tag = tag;
-    m.dtype = datatype_of<T>;
-    m.count = buf.size();
-    m.data.resize(buf.size_bytes());
-    detail::copy_bytes(m.data.data(), buf.data(), buf.size_bytes());
-    auto& g = *state_;
-    {
-      std::lock_guard lk(g.p2p_mutex);
-      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
-    }
-    g.p2p_cv.notify_all();
-    return {};
-  }
-
-  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
-  /// Its element type and count must be those of buf (else `collective_mismatch`).
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::recv;
-    check_usable(k);
-    check_peer(k, source, "source");
-    receive(buf.data(), buf.size(), datatype_of<T>, source, tag);
-    return {};
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Returns once every rank of the group has called barrier.
-  request_type barrier(context_type = {}) {
-    constexpr auto k = detail::op_kind::barrier;
-    check_usable(k);
-    detail::call_desc d;
-    d.kind = k;
-    arrive(d, false);
-    return {};
-  }
+  // ---- groups ----------------------------------------------------------------------------------
 
   /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
   /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
   /// the same world: a failure in any of them fails all.
   thread_communicator split(int color, int key) {
     constexpr auto k = detail::op_kind::split;
-    check_usable(k);
-    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_split(color);
     detail::call_desc d;
     d.kind = k;
     d.color = color;
@@ -2617,11 +2903,10 @@ class thread_communicator {
     return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
   }
 
-  // ---- argument checks: all run before this rank arrives, so before any data moves -------------
+  // ---- the front end's hooks: its argument checks all run before this rank arrives, so before
+  // any data moves -----------------------------------------------------------------------------
 
-  std::string where(op_kind k) const {
-    return std::string(detail::op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
-  }
+  std::string label() const { return state_->rank_label(rank_); }
 
   void require_valid(op_kind k) const {
     if (!state_)
@@ -2630,91 +2915,61 @@ class thread_communicator {
   }
 
   /// Refuses every call once the world has failed.
-  void check_usable(op_kind k) const {
+  void ensure_usable(op_kind k) const {
     require_valid(k);
     if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
       state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
   }
 
-  /// Fails the world (so that peers waiting for this rank are released) and throws comm_argument_error.
-  [[noreturn]] void bad_argument(op_kind k, const std::string& what) const {
+  /// Fails the world before the front end throws comm_argument_error, so that peers waiting for
+  /// this rank are released at once.
+  void on_argument_error(op_kind k, const std::string& what) const {
     require_valid(k);
-    const std::string msg = "meshlib: invalid argument to " + where(k) + ": " + what;
     state_->world->fail(detail::failure_kind::aborted, world_rank(),
                         "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
                             std::string(detail::op_name(k)) + ": " + what);
-    throw comm_argument_error(msg);
   }
 
-  void check_root(op_kind k, int root) const {
-    check_usable(k);
-    if (root < 0 || root >= state_->n)
-      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(state_->n) + ")");
-  }
-
-  void check_peer(op_kind k, int peer, const char* what) const {
-    if (peer < 0 || peer >= state_->n)
-      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
-                          std::to_string(state_->n) + ")");
-  }
-
-  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
-  template <class T>
-  void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
-  }
-
-  std::size_t checked_mul(op_kind k, std::size_t count) const {
-    check_usable(k);
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (count > std::numeric_limits<std::size_t>::max() / n)
-      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
-    return count * n;
-  }
-
-  std::size_t blocks_of(op_kind k, std::size_t total) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (total % n != 0)
-      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
-                          " equal blocks");
-    return total / n;
-  }
-
-  void check_layout(op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
-                    std::span<const std::int64_t> displs) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    const std::string w(which);
-    if (counts.size() != n || displs.size() != n)
-      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
-                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t c = counts[j];
-      const std::int64_t d = displs[j];
-      if (c < 0 || d < 0)
-        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
-                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
-      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
-        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
-                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
-                            std::to_string(buffer) + " elements");
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
+    else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::broadcast) return do_broadcast<T>(o.send, o.recv, o.count, o.root);
+    else if constexpr (K == op_kind::all_gather) return do_all_gather<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all) return do_all_to_all<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all_v)
+      return do_all_to_all_v<T>(o.send, o.v[0], o.v[1], o.recv, o.v[2], o.v[3]);
+    else if constexpr (K == op_kind::ppermute) return do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+    else if constexpr (K == op_kind::send) return post(o.send, o.count, datatype_of<T>, o.peer, o.tag);
+    else if constexpr (K == op_kind::recv) {
+      receive(o.recv, o.count, datatype_of<T>, o.peer, o.tag);
+      return {};
+    } else {
+      static_assert(K == op_kind::barrier);
+      detail::call_desc d;
+      d.kind = K;
+      arrive(d, false);
+      return {};
     }
   }
 
-  void check_pairs(std::span<const permute_pair> pairs) const {
-    constexpr auto k = op_kind::ppermute;
-    check_usable(k);
-    const int n = state_->n;
-    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
-    for (const auto& p : pairs) {
-      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
-        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
-                            ") names a rank out of range [0, " + std::to_string(n) + ")");
-      if (src[static_cast<std::size_t>(p.source)]++)
-        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
-      if (dst[static_cast<std::size_t>(p.dest)]++)
-        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+  /// Buffered send: the message is copied into the mailbox of (this rank, dest).
+  request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = dt;
+    m.count = count;
+    m.data.resize(count * size_of(dt));
+    detail::copy_bytes(m.data.data(), data, m.data.size());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
     }
+    g.p2p_cv.notify_all();
+    return {};
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
@@ -2956,11 +3211,18 @@ class thread_communicator {
       os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
          << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
       int missing = 0;
+      int first_missing = -1;
       for (int r = 0; r < g.n; ++r)
-        if (!arrived(r)) os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        if (!arrived(r)) {
+          if (first_missing < 0) first_missing = r;
+          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        }
       os << (missing ? " never arrived" : "every rank arrived late");
       os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
-      g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
+      // The root cause is the first rank that never arrived, not this waiter (device_error::device()
+      // of spmd names it).
+      g.world->fail(detail::failure_kind::timeout,
+                    first_missing >= 0 ? g.world_ranks[static_cast<std::size_t>(first_missing)] : world_rank(), os.str());
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
     if (ready()) return;
@@ -3303,8 +3565,14 @@ class thread_world {
   /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
   /// @returns whether this call recorded the root cause.
   bool abort(int rank, std::string_view reason) {
+    return abort(rank, reason, "rank " + std::to_string(rank));
+  }
+  /// @brief As `abort(rank, reason)`, with the failed participant named `who` in the message
+  /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
+  /// device; rank -1 is a participant outside this world (a device of another process).
+  bool abort(int rank, std::string_view reason, std::string_view who) {
     return world_->fail(detail::failure_kind::aborted, rank,
-                        "meshlib: communicator aborted: rank " + std::to_string(rank) + " failed: " + std::string(reason));
+                        "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
   /// Whether the world has failed.
@@ -3449,14 +3717,17 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   body(0);
   for (auto& t : threads) t.join();
 
+  // The blamed participant is the world's root cause (the first to throw, or the first that never
+  // arrived at a collective that timed out), even when it threw nothing itself (it was only late);
+  // the exception reported is its own, else that of the lowest participant that threw.
   int root = world.failed() ? world.root_cause_rank() : -1;
-  if (root < 0 || root >= n || !errors[static_cast<std::size_t>(root)]) {
-    root = -1;
-    for (int r = 0; r < n && root < 0; ++r)
-      if (errors[static_cast<std::size_t>(r)]) root = r;
-  }
-  if (root < 0) return;
-  const auto& e = errors[static_cast<std::size_t>(root)];
+  int source = -1;
+  for (int r = 0; r < n && source < 0; ++r)
+    if (errors[static_cast<std::size_t>(r)]) source = r;
+  if (source < 0) return;
+  if (root < 0 || root >= n) root = source;
+  else if (errors[static_cast<std::size_t>(root)]) source = root;
+  const auto& e = errors[static_cast<std::size_t>(source)];
   try {
     std::rethrow_exception(e);
   } catch (...) {
@@ -3590,8 +3861,760 @@ class axis_communicators {
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/kokkos_runtime.hpp
+/// @file
+/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
+/// detection and the process queries build without Kokkos. Including this header makes
+/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
+/// `shutdown` finalise it only when `initialize` was the one that initialised it.
+///
+/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
+/// program that shuts meshlib down and initialises it again must own Kokkos itself
+/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
+/// letting Kokkos fail.
+///
+/// It also holds the Kokkos lifecycle rule every meshlib entry point checks
+/// (`detail::require_kokkos`): Kokkos must be initialised before the first tensor is made and
+/// before any device thread starts, and stay initialised until the last tensor is gone. Without
+/// the check, a forgotten `Kokkos::ScopeGuard` aborts inside a device thread with Kokkos' own
+/// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
+/// the cause nor the fix.
+
+#include <string>
+#include <string_view>
+
+#include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/distributed.hpp
+/// @file
+/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
+///
+/// @code
+/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
+/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
+/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
+/// @endcode
+///
+/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
+/// the same count on every process, checked at start-up). The global devices are numbered
+/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
+/// mesh numbers its devices row-major (the last axis varies fastest), so in
+/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
+/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
+/// inside a process.
+///
+/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
+/// process, index 0, one local device, as JAX does.
+///
+/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
+/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
+/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
+
+#include <cstddef>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// begin meshlib/runtime/errors.hpp
+/// @file
+/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
+/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
+
+
+namespace meshlib {
+
+/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
+/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
+/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
+/// arguments. `what()` names every variable and value involved.
+class distributed_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief Processes that disagree about something every process must share (the process count,
+/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
+/// disagreeing process's value, by the start-up checks that exchange a description of the value.
+class process_mismatch : public distributed_error {
+ public:
+  using distributed_error::distributed_error;
+};
+
+}  // namespace meshlib
+// end meshlib/runtime/errors.hpp
+// begin meshlib/runtime/launcher.hpp
+/// @file
+/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
+/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
+/// environment comes in through an `env_source`, so every launcher is testable in one process.
+///
+/// Sources, and the variables each reads:
+///
+/// | source        | process index         | process count        | local rank                    |
+/// | ------------- | --------------------- | -------------------- | ----------------------------- |
+/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
+/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
+/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
+/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
+///
+/// Rules (the same in `docs/multi-process.md`):
+/// - A source counts as present when its process-index variable is set; its count must then be set
+///   too, both must be decimal numbers, and index < count, else `distributed_error`.
+/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
+///   process itself: every one that is present must agree on (index, count), else
+///   `distributed_error` naming both sources and values. The first present in that order wins.
+/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
+///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
+///   against it only when it claims at least as many processes: the same count must give the same
+///   index, and more tasks than processes is a contradiction.
+/// - No source at all: one process (index 0 of 1), the embedded default.
+
+#include <charconv>
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+
+namespace meshlib::distributed {
+
+/// @brief Where the process index and count came from.
+enum class launcher {
+  none,                ///< nothing set: one process
+  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
+  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
+  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
+  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
+  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
+  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
+  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
+};
+
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::explicit_arguments: return "explicit arguments";
+    case launcher::communicator: return "communicator";
+    case launcher::meshlib_env: return "meshlib environment";
+    case launcher::openmpi: return "OpenMPI";
+    case launcher::mpich: return "MPICH/PMI";
+    case launcher::torchrun: return "torchrun";
+    case launcher::slurm: return "Slurm";
+  }
+  return "unknown";
+}
+inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
+
+/// @brief What detection found: this process's index, the process count, the local rank on its
+/// node when the launcher says, and which source decided.
+struct launch_info {
+  std::size_t process_index = 0;
+  std::size_t process_count = 1;
+  std::optional<std::size_t> local_rank;
+  launcher source = launcher::none;
+
+  friend bool operator==(const launch_info&, const launch_info&) = default;
+  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
+  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
+    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
+    if (i.local_rank) os << ", local rank " << *i.local_rank;
+    return os << ')';
+  }
+};
+
+/// @brief Looks up an environment variable: its value, or nothing when unset.
+using env_source = std::function<std::optional<std::string>(std::string_view)>;
+
+/// @brief The process's own environment (`std::getenv`).
+inline env_source process_env() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+/// @brief An environment given as a map, for tests and for programs that read their configuration
+/// elsewhere.
+inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+/// @brief Values given to `initialize` that override or must agree with the environment.
+struct explicit_launch {
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+};
+
+namespace detail {
+
+struct launcher_vars {
+  launcher source;
+  std::string_view index, count, local;
+};
+
+inline constexpr launcher_vars launcher_table[] = {
+    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
+    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+};
+
+/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
+inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+  std::string_view s = raw;
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  std::size_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
+    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
+                            "' is not a non-negative decimal number");
+  return v;
+}
+
+/// One source's claim, with the text that names it in errors.
+struct claim {
+  launch_info info;
+  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
+};
+
+inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+  const auto idx = env(v.index);
+  if (!idx) return std::nullopt;
+  const auto cnt = env(v.count);
+  if (!cnt)
+    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
+                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
+                            " is not set; set both or neither");
+  claim c;
+  c.info.source = v.source;
+  c.info.process_index = parse_count(v.index, *idx);
+  c.info.process_count = parse_count(v.count, *cnt);
+  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
+           "=" + *cnt + ")";
+  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
+                            "the count, and the count at least 1");
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  return c;
+}
+
+inline std::string describe_claim(const claim& c) {
+  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
+}
+
+}  // namespace detail
+
+/// @brief Detects this process's index and the process count from explicit values, an adopted
+/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
+/// this file's comment.
+/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
+inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  std::vector<detail::claim> direct;
+  if (given.process_id || given.num_processes) {
+    if (!given.process_id || !given.num_processes)
+      throw distributed_error(
+          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
+    detail::claim c;
+    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
+    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
+             ", num_processes=" + std::to_string(*given.num_processes) + ")";
+    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
+                              "than num_processes, and num_processes at least 1");
+    direct.push_back(std::move(c));
+  }
+  if (comm) {
+    detail::claim c;
+    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
+    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
+             std::to_string(comm->second) + ")";
+    direct.push_back(std::move(c));
+  }
+  std::optional<detail::claim> slurm;
+  std::vector<detail::claim> env_claims;
+  for (const auto& v : detail::launcher_table) {
+    auto c = detail::read_launcher(v, env);
+    if (!c) continue;
+    if (v.source == launcher::slurm)
+      slurm = std::move(c);
+    else
+      env_claims.push_back(std::move(*c));
+  }
+  // An adopted communicator is authoritative for the index and count: an application may hand
+  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
+  // only consulted for the local rank then.
+  const bool have_comm = comm.has_value();
+  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
+
+  for (std::size_t i = 1; i < direct.size(); ++i) {
+    const auto& a = direct[0].info;
+    const auto& b = direct[i].info;
+    if (a.process_index != b.process_index || a.process_count != b.process_count)
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                              ", but " + detail::describe_claim(direct[i]) +
+                              "; unset the stale variables or fix the arguments");
+  }
+
+  launch_info out;
+  if (!direct.empty()) {
+    out = direct[0].info;
+    if (slurm && !have_comm) {
+      const auto& s = slurm->info;
+      const bool contradicts = s.process_count > out.process_count ||
+                               (s.process_count == out.process_count && s.process_index != out.process_index);
+      if (contradicts)
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                                ", but " + detail::describe_claim(*slurm) +
+                                "; a Slurm step may start several processes per task but never fewer processes "
+                                "than tasks");
+    }
+  } else if (slurm) {
+    out = slurm->info;
+  }
+  // The local rank: from the winning source, else from any other that sets one.
+  if (!out.local_rank) {
+    for (const auto& c : direct)
+      if (c.info.local_rank) {
+        out.local_rank = c.info.local_rank;
+        break;
+      }
+    if (!out.local_rank)
+      for (const auto& c : env_claims)
+        if (c.info.local_rank) {
+          out.local_rank = c.info.local_rank;
+          break;
+        }
+    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
+  }
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/launcher.hpp
+// begin meshlib/runtime/process_exchange.hpp
+/// @file
+/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
+/// to check at start-up that every process was given the same arguments, and to abort them all
+/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
+/// single process needs none.
+
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace meshlib::distributed {
+
+/// @brief A transport between the processes of one run.
+class process_exchange {
+ public:
+  virtual ~process_exchange() = default;
+  /// This process's rank in the transport.
+  [[nodiscard]] virtual std::size_t rank() const = 0;
+  /// Number of processes in the transport.
+  [[nodiscard]] virtual std::size_t size() const = 0;
+  /// Every process's `mine`, in rank order. Collective: every process calls it.
+  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
+  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
+  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
+};
+
+/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
+class single_process_exchange final : public process_exchange {
+ public:
+  [[nodiscard]] std::size_t rank() const override { return 0; }
+  [[nodiscard]] std::size_t size() const override { return 1; }
+  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
+  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
+};
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/process_exchange.hpp
+
+namespace meshlib::distributed {
+
+/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
+struct options {
+  /// This process's index; with `num_processes`, overrides detection (and must agree with any
+  /// launcher or communicator that is present).
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
+  std::optional<std::size_t> local_device_count;
+  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
+  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
+  bool initialize_kokkos = true;
+  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
+  /// process index and count, and the start-up consistency checks run over it.
+  std::shared_ptr<process_exchange> exchange;
+  /// Where launcher variables are read; default the process environment.
+  env_source env;
+};
+
+namespace detail {
+
+/// Filled by optional headers (Kokkos) so that this one depends on neither.
+struct runtime_hooks {
+  /// Initialises Kokkos when it is not; returns whether it did.
+  bool (*start_kokkos)() = nullptr;
+  void (*stop_kokkos)() = nullptr;
+};
+inline runtime_hooks& hooks() {
+  static runtime_hooks h;
+  return h;
+}
+
+struct runtime_state {
+  bool initialized = false;
+  launch_info launch;
+  std::size_t local_devices = 1;
+  std::shared_ptr<process_exchange> exchange;
+  bool owns_kokkos = false;
+  /// Kokkos 3.x cannot be initialised again in a process once finalised.
+  bool finalized_kokkos = false;
+};
+inline runtime_state& state() {
+  static runtime_state s;
+  return s;
+}
+inline std::recursive_mutex& state_mutex() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+inline std::string describe(const launch_info& l, std::size_t local) {
+  std::ostringstream os;
+  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
+  return os.str();
+}
+
+/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
+inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
+  bool same = true;
+  for (const auto& v : all) same = same && v == all.front();
+  if (same) return;
+  // Group processes by value so a 1024-process run prints each distinct value once.
+  std::map<std::string, std::vector<std::size_t>> by_value;
+  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
+  std::ostringstream os;
+  os << "meshlib: the processes disagree about " << what << ": ";
+  bool first = true;
+  for (const auto& [value, procs] : by_value) {
+    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
+    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
+    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
+    os << (procs.size() == 1 ? " has " : " have ") << value;
+    first = false;
+  }
+  os << "; every process must pass the same value";
+  throw process_mismatch(os.str());
+}
+
+}  // namespace detail
+
+/// @brief Whether `initialize` has run (and `shutdown` has not since).
+[[nodiscard]] inline bool is_initialized() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().initialized;
+}
+
+/// @brief Starts this process's part of a run: detects the process index and count (see
+/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
+/// the program has not, and, with a transport, checks that every process agrees on the process
+/// count and local device count and that no two claim the same index.
+///
+/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
+/// resolves to other values throws `distributed_error` (call `shutdown` first).
+/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
+/// processes disagree.
+inline void initialize(const options& opt = {}) {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  const env_source env = opt.env ? opt.env : process_env();
+
+  std::optional<std::pair<std::size_t, std::size_t>> comm;
+  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
+  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
+
+  std::size_t local = 1;
+  if (opt.local_device_count) {
+    local = *opt.local_device_count;
+  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
+    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
+  }
+  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
+
+  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
+  if (st.initialized) {
+    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
+        st.local_devices == local) {
+      if (!adds_exchange) return;
+      // Initialised from the environment first, now given a transport (mpi::initialize): keep
+      // everything, run the start-up checks over it and keep it.
+    } else {
+      throw distributed_error("meshlib: distributed::initialize was already called as " +
+                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+    }
+  }
+  if (opt.exchange && launch.process_count > 1) {
+    // Every process must see the same world and the same number of devices per process, and the
+    // indices must be a permutation: two processes with one index would hang the first collective.
+    detail::require_equal("the process count and local device count",
+                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
+                                                   std::to_string(local) + " local devices"));
+    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
+    std::map<std::string, std::vector<std::size_t>> seen;
+    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
+    for (const auto& [idx, ranks] : seen)
+      if (ranks.size() > 1)
+        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
+                               std::to_string(ranks[1]) + " both claim process index " + idx +
+                               "; every process needs its own index");
+  }
+
+  if (adds_exchange) {
+    st.exchange = opt.exchange;
+    return;
+  }
+
+  bool owns_kokkos = false;
+  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
+    if (st.finalized_kokkos)
+      throw distributed_error(
+          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
+          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
+          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
+    owns_kokkos = detail::hooks().start_kokkos();
+  }
+
+  st.initialized = true;
+  st.launch = launch;
+  st.local_devices = local;
+  st.exchange = opt.exchange;
+  st.owns_kokkos = owns_kokkos;
+}
+
+/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
+/// and releases the transport (the MPI exchange never frees a communicator it did not create).
+/// Does nothing when not initialised.
+inline void shutdown() {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  if (!st.initialized) return;
+  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
+    detail::hooks().stop_kokkos();
+    st.finalized_kokkos = true;
+  }
+  const bool finalized = st.finalized_kokkos;
+  st = detail::runtime_state{};
+  st.finalized_kokkos = finalized;
+}
+
+/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
+/// the one that initialised: a guard inside an already initialised program changes nothing.
+class guard {
+ public:
+  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
+  guard(const guard&) = delete;
+  guard& operator=(const guard&) = delete;
+  ~guard() {
+    if (owner_) shutdown();
+  }
+
+ private:
+  bool owner_;
+};
+
+/// @brief How this process was launched (the embedded default before `initialize`).
+[[nodiscard]] inline launch_info launch() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().launch;
+}
+/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
+[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
+/// @brief Number of processes in the run (`jax.process_count`).
+[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
+/// @brief Devices each process owns (`jax.local_device_count`).
+[[nodiscard]] inline std::size_t local_device_count() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().local_devices;
+}
+/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
+[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
+/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
+[[nodiscard]] inline std::vector<std::size_t> devices() {
+  std::vector<std::size_t> out(device_count());
+  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
+  return out;
+}
+/// @brief The process that owns global device `device`.
+[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
+/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
+[[nodiscard]] inline std::vector<std::size_t> local_devices() {
+  const std::size_t t = local_device_count();
+  const std::size_t first = process_index() * t;
+  std::vector<std::size_t> out(t);
+  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
+  return out;
+}
+/// @brief Whether global device `device` belongs to this process.
+[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
+
+/// @brief The transport given to `initialize`, or a single-process one.
+[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
+  std::lock_guard lock(detail::state_mutex());
+  if (detail::state().exchange) return detail::state().exchange;
+  static const auto single = std::make_shared<single_process_exchange>();
+  return single;
+}
+
+/// @brief Ends the whole run because of `reason`: prints
+/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
+/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
+[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
+  const auto l = launch();
+  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
+            << std::endl;
+  exchange()->abort(exit_code, reason);
+}
+
+/// @brief Checks that every process passes the same `value` for `what`: a collective over the
+/// transport that throws `process_mismatch` on every process, naming each process's value, so a
+/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
+/// process or without a transport.
+inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
+  std::shared_ptr<process_exchange> ex;
+  {
+    std::lock_guard lock(detail::state_mutex());
+    ex = detail::state().exchange;
+  }
+  if (!ex || ex->size() <= 1) return;
+  detail::require_equal(what, ex->all_gather(value));
+}
+
+/// @brief Checks that `m` covers every device of the run and that every process built the same
+/// mesh (axis names and sizes).
+/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
+/// process) when processes built different meshes.
+template <mesh_type Mesh>
+void check_mesh(const Mesh& m) {
+  const std::size_t n = device_count();
+  if (m.size() != n) {
+    std::ostringstream os;
+    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
+       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
+    throw mesh_error(os.str());
+  }
+  check_same_on_all_processes("the mesh", m.to_string());
+}
+
+/// @brief Builds a mesh over every device of the run and checks it on every process, as
+/// `jax.make_mesh` over `jax.devices()`.
+template <mesh_axis... Axes, class... Sizes>
+mesh<Axes...> make_global_mesh(Sizes... sizes) {
+  mesh<Axes...> m(sizes...);
+  check_mesh(m);
+  return m;
+}
+
+/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
+template <mesh_type Mesh>
+std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
+  std::vector<typename Mesh::coord_type> out;
+  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/distributed.hpp
+
+namespace meshlib {
+
+/// @brief A meshlib entry point was called while Kokkos is not initialised (never was, or was
+/// already finalised). `what()` names the entry point and the fix.
+/// @code
+/// int main(int argc, char** argv) {
+///   Kokkos::ScopeGuard kokkos(argc, argv);  // or meshlib::distributed::guard / meshlib::mpi::guard
+///   meshlib::mesh<meshlib::axis<"x">> m{2};
+///   meshlib::spmd(m, [] {});                // without the guard: throws kokkos_lifecycle_error
+/// }
+/// @endcode
+class kokkos_lifecycle_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+/// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
+inline void require_kokkos(std::string_view what) {
+  if (Kokkos::is_initialized()) [[likely]]
+    return;
+#if KOKKOS_VERSION >= 40000
+  const bool finalized = Kokkos::is_finalized();
+#else
+  const bool finalized = false;  // Kokkos 3.x cannot tell "finalised" from "never initialised"
+#endif
+  throw kokkos_lifecycle_error(
+      "meshlib: " + std::string(what) + ": Kokkos " + (finalized ? "was already finalised" : "is not initialised") +
+      "; hold a Kokkos::ScopeGuard in main() (or meshlib::distributed::guard, or meshlib::mpi::guard with MPI, "
+      "which initialise MPI and Kokkos in the right order) before the first meshlib call and before any device "
+      "thread starts, and keep it alive until every tensor is destroyed");
+}
+
+}  // namespace detail
+}  // namespace meshlib
+
+namespace meshlib::distributed::detail {
+
+inline bool start_kokkos() {
+  if (Kokkos::is_initialized()) return false;
+  Kokkos::initialize();
+  return true;
+}
+
+inline void stop_kokkos() {
+  if (Kokkos::is_initialized()) Kokkos::finalize();
+}
+
+/// Registers the hooks before `main` (an inline variable is initialised once per program).
+inline const bool kokkos_hooks_registered = [] {
+  hooks().start_kokkos = &start_kokkos;
+  hooks().stop_kokkos = &stop_kokkos;
+  return true;
+}();
+
+}  // namespace meshlib::distributed::detail
+// end meshlib/runtime/kokkos_runtime.hpp
 
 namespace meshlib {
 
@@ -3629,16 +4652,113 @@ auto unmanaged(const View& v) {
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
 using exec_space_for_t = std::conditional_t<
-    Kokkos::Impl::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
+    Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
     Kokkos::DefaultHostExecutionSpace>;
 
 template <class Space>
-inline constexpr bool host_accessible_v = Kokkos::Impl::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
-/// The one lock around Kokkos global state (see the file comment).
+/// The one lock around Kokkos global state (see the file comment). Taken on Kokkos 3.x only:
+/// Kokkos 4 counts View references atomically in every build and allocates thread-safely.
 inline std::mutex& kokkos_state_mutex() {
   static std::mutex m;
   return m;
+}
+
+/// Whether device threads may each compute on their own execution-space instance: Kokkos 4 makes
+/// independent instances (`partition_space`; a Serial instance has its own scratch buffer, an
+/// OpenMP instance its own thread pool and lock). Kokkos 3.4.1 Serial has one instance, and
+/// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
+inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
+
+/// `n` execution-space instances of `Exec`, one per device.
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n) {
+  if constexpr (kokkos_has_instances_v) {
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
+      // partition_space aborts when there are more partitions than pool threads: then one thread each.
+      const int pool = Exec().concurrency();
+      if (static_cast<int>(n) > pool) {
+        std::vector<Exec> v;
+        v.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
+        return v;
+      }
+    }
+#endif
+#if KOKKOS_VERSION >= 40000
+    return Kokkos::Experimental::partition_space(Exec(), std::vector<int>(n, 1));
+#endif
+  }
+  return std::vector<Exec>(n, Exec());
+}
+
+/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
+/// hook (an instance must not outlive Kokkos).
+template <class Exec>
+class device_instance_cache {
+ public:
+  static Exec get(std::size_t device, std::size_t n) {
+    static device_instance_cache cache;
+    std::lock_guard lock(cache.m_);
+    for (auto& [size, v] : cache.sets_)
+      if (size == n) return v[device];
+    if (!cache.hooked_) {
+      cache.hooked_ = true;
+      Kokkos::push_finalize_hook([] {
+        std::lock_guard l(cache.m_);
+        cache.sets_.clear();
+        cache.hooked_ = false;
+      });
+    }
+    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
+    return cache.sets_.back().second[device];
+  }
+
+ private:
+  std::mutex m_;
+  bool hooked_ = false;
+  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+};
+
+/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+template <class Space>
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+}
+
+/// This thread's current instance of `Exec` (null: none installed; kernels use the default).
+template <class Exec>
+const Exec*& current_exec_slot() noexcept {
+  thread_local const Exec* current = nullptr;
+  return current;
+}
+
+/// Installs `instance` as this thread's instance for kernels on memory `Space`, for its lifetime.
+template <class Space>
+class scoped_exec_space {
+ public:
+  using exec_type = exec_space_for_t<Space>;
+  explicit scoped_exec_space(exec_type instance) noexcept
+      : instance_(std::move(instance)), previous_(current_exec_slot<exec_type>()) {
+    current_exec_slot<exec_type>() = &instance_;
+  }
+  ~scoped_exec_space() { current_exec_slot<exec_type>() = previous_; }
+  scoped_exec_space(const scoped_exec_space&) = delete;
+  scoped_exec_space& operator=(const scoped_exec_space&) = delete;
+
+ private:
+  exec_type instance_;
+  const exec_type* previous_;
+};
+
+/// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
+template <class Space>
+exec_space_for_t<Space> current_exec() {
+  using exec_type = exec_space_for_t<Space>;
+  if (const exec_type* e = current_exec_slot<exec_type>()) return *e;
+  return exec_type();
 }
 
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
@@ -3648,9 +4768,11 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
+  require_kokkos(label);
   view_t v;
   {
-    std::lock_guard<std::mutex> lock(kokkos_state_mutex());
+    std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
+    if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
@@ -3661,8 +4783,9 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     if constexpr (host_accessible_v<Space>) {
       for (std::size_t i = 0; i < n; ++i) p[i] = T{};
     } else {
-      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
-      Kokkos::fence();
+      const auto exec = current_exec<Space>();
+      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(exec, 0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+      exec.fence();
     }
   }
   return v;
@@ -3676,12 +4799,17 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
-/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for`: the only launch meshlib makes,
-/// because it is the only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
+/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
+/// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
+/// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   if (n == 0) return;
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(0, n), f);
+  const auto exec = current_exec<Space>();
+  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
 }
 
 }  // namespace detail
@@ -4346,6 +5474,193 @@ auto to_host(const X& x) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/tensor/device_workers.hpp
+/// @file
+/// @brief The persistent device worker threads that run global-view operations (elementwise,
+/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+///
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
+/// more than a small kernel; these threads start on first use and wait (blocked, so an
+/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
+/// always run by the same worker (its index in the call's device list), on device `d`'s own
+/// execution-space instance (`device_instance`), so its kernels never queue behind another
+/// device's. Workers are pinned to one core each when the machine has at least as many cores as
+/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
+/// a few launches took 150x longer).
+///
+/// The calling thread runs the first device itself. A global-view operation called from inside
+/// another one (or from a worker) runs its devices one after another instead of waiting for
+/// workers that are busy with its caller.
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+inline bool& in_device_worker() noexcept {
+  thread_local bool inside = false;
+  return inside;
+}
+
+/// The process-wide pool (see the file comment).
+class device_workers {
+ public:
+  static device_workers& get() {
+    static device_workers w;
+    return w;
+  }
+  device_workers(const device_workers&) = delete;
+  device_workers& operator=(const device_workers&) = delete;
+  ~device_workers() {
+    {
+      std::lock_guard l(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
+  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  template <class F>
+  void run(std::size_t count, F& f) {
+    if (count == 0) return;
+    std::vector<std::exception_ptr> errors(count);
+    struct context {
+      F* f;
+      std::exception_ptr* errors;
+    } ctx{&f, errors.data()};
+    auto call = [](void* p, std::size_t i) {
+      auto* c = static_cast<context*>(p);
+      try {
+        (*c->f)(i);
+      } catch (...) {
+        c->errors[i] = std::current_exception();
+      }
+    };
+    if (count == 1 || in_device_worker()) {
+      inside_guard g;
+      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
+    } else {
+      std::lock_guard submit(submit_);
+      grow(count - 1);
+      {
+        std::lock_guard l(m_);
+        job_ = job{call, &ctx, count};
+        remaining_ = count - 1;
+        ++generation_;
+      }
+      work_cv_.notify_all();
+      {
+        inside_guard g;
+        call(&ctx, 0);
+      }
+      std::unique_lock l(m_);
+      done_cv_.wait(l, [&] { return remaining_ == 0; });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  device_workers() = default;
+
+  struct inside_guard {
+    bool previous = in_device_worker();
+    inside_guard() { in_device_worker() = true; }
+    ~inside_guard() { in_device_worker() = previous; }
+  };
+
+  struct job {
+    void (*call)(void*, std::size_t) = nullptr;
+    void* ctx = nullptr;
+    std::size_t count = 0;
+  };
+
+  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
+  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
+  /// with the caller); oversubscribed, they stay free to move to an idle core.
+  void grow(std::size_t n) {
+    if (threads_.size() >= n) return;
+#if defined(__linux__)
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+#endif
+    while (threads_.size() < n) {
+      const std::size_t index = threads_.size() + 1;
+#if defined(__linux__)
+      threads_.emplace_back([this, index, pin, allowed] {
+        if (pin) pin_to(allowed, static_cast<int>(index));
+        serve(index);
+      });
+#else
+      threads_.emplace_back([this, index] { serve(index); });
+#endif
+    }
+  }
+
+  void serve(std::size_t index) {
+    in_device_worker() = true;
+    std::uint64_t seen = 0;
+    std::unique_lock l(m_);
+    for (;;) {
+      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= job_.count) continue;
+      const job j = job_;
+      l.unlock();
+      j.call(j.ctx, index);
+      l.lock();
+      if (--remaining_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex submit_;  // one operation at a time
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+  std::uint64_t generation_ = 0;
+  job job_{};
+  std::size_t remaining_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+};
+
+/// Below this many element operations in all, waking workers costs more than it saves (a wake is
+/// a few microseconds; a host kernel does about a thousand element operations per microsecond).
+inline constexpr std::size_t parallel_work_threshold = std::size_t{1} << 15;
+
+/// Runs `f(d)` for every device `d` in `devices` at once (see the file comment), each on its
+/// execution-space instance for memory space `Space` among `num_devices` devices. `work`: the
+/// element operations of all devices together; below `parallel_work_threshold` the calling thread
+/// runs the devices one after another (still each on its instance).
+template <class Space, class F>
+void for_each_device(std::span<const std::size_t> devices, std::size_t num_devices, std::size_t work, F&& f) {
+  if (devices.empty()) return;
+  (void)device_instance<Space>(0, num_devices);  // made here, not in the workers
+  auto task = [&](std::size_t i) {
+    const std::size_t d = devices[i];
+    scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
+    f(d);
+  };
+  if (work < parallel_work_threshold) {
+    for (std::size_t i = 0; i < devices.size(); ++i) task(i);
+    return;
+  }
+  device_workers::get().run(devices.size(), task);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/tensor/device_workers.hpp
 
 namespace meshlib {
 
@@ -4618,7 +5933,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -4633,8 +5950,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
@@ -4827,8 +6145,9 @@ auto reduce_global(const X& x) {
   // Partial results per local device, over its own block.
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
-  for (std::size_t dev : x.local_devices())
+  for_each_device<space>(x.local_devices(), n, x.size(), [&](std::size_t dev) {
     part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
+  });
   if constexpr (a == 0) {
     if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
@@ -5046,10 +6365,8 @@ auto transpose(const X& x) {
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      for (std::size_t d : x.local_devices()) {
-        blocks[d] = kernel(x.local(d));
-        local[d] = true;
-      }
+      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
       return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
@@ -5182,7 +6499,12 @@ auto gemm_view(const VA& a, const VB& b) {
     ensure_blas_threads();
     auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#if KOKKOS_VERSION >= 40000
+    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
+#else
     if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
 #endif
     return c;
   } else {
@@ -5312,27 +6634,34 @@ auto matmul(const A& a, const B& b) {
   for (std::size_t dev : a.local_devices()) {
     if (!b.is_local(dev))
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
     local[dev] = true;
   }
+  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
+  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
   } else {
     std::vector<typename out_t::view_type> sum(n);
-    for (std::size_t dev : a.local_devices()) {
-      const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
-      T* dst = sum[dev].data();
-      for (std::size_t g : a.mesh().group(dev, c)) {
+    for (std::size_t dev : a.local_devices())
+      for (std::size_t g : a.mesh().group(dev, c))
         if (!local[g])
           throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
+    // Each device sums its group's products in group-rank order (the same bits on every device).
+    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
         for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
       }
-    }
+    });
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
   }
   }
@@ -5420,6 +6749,987 @@ class device_error : public error {
 #include <string_view>
 #include <vector>
 
+// begin meshlib/debug/observe.hpp
+/// @file
+/// @brief The debug layer's one decorator point. A runner creates one `run_observer` per run
+/// (`shard_map`, `spmd`, `reshard`); when tracing, debug mode or a Kokkos tool is on, every device's
+/// communicators are wrapped in an `observed_comm`, which forwards every operation to the real one
+/// and around it: records the collective in the trace (`trace.hpp`), reports it to Kokkos tools as a
+/// profiling region, checks its input and output for NaN/Inf, and marks the device's arrival on the
+/// run's board so that a watchdog can warn about a device that keeps the others waiting. When all
+/// three are off the runner does not wrap: the cost is one predictable branch per collective (on
+/// the observer pointer, in `device_context_for::comm`).
+///
+/// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
+/// @code
+/// meshlib::enable_debug_mode({.slow_warning_fraction = 0.1, .timeout = std::chrono::seconds(5)});
+/// auto y = f(x);   // NaN/Inf in a collective -> nonfinite_error; a device 0.5 s late -> one warning
+/// @endcode
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// begin meshlib/debug/errors.hpp
+/// @file
+/// @brief The errors of debug mode's checks: `debug_check_error` and its two kinds.
+
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief A debug-mode check failed (see docs/debugging.md).
+class debug_check_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A value whose type says it is replicated over some axes differs between the devices of
+/// one of those groups (`check_replicated`; debug mode checks `shard_map` outputs).
+/// `what()` names the first differing device, the element index and both values.
+class replica_mismatch : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+/// @brief A collective's input or output holds a NaN or an infinity (debug mode). `what()` names
+/// the device, the operation and the element.
+class nonfinite_error : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/errors.hpp
+// begin meshlib/debug/trace.hpp
+/// @file
+/// @brief The trace recorder: a timeline of every collective and every user region, per device,
+/// written as Chrome trace event JSON (Perfetto's UI and chrome://tracing open it), and a summary
+/// per collective type, axis and device. Off by default; on through `start_trace(path)` /
+/// `stop_trace()` (as `jax.profiler.start_trace` / `stop_trace`), the RAII `scoped_trace`, or the
+/// environment: `MESHLIB_TRACE=trace.json` traces the whole program and writes the file (and prints
+/// the summary to stderr) at exit.
+///
+/// The recorder only stores events; the runners feed it through the debug layer's one decorator
+/// point (`observe.hpp`), and `trace_region` adds the user's regions.
+/// @code
+/// meshlib::start_trace("step.json");
+/// auto y = f(x);                                    // a shard_map: its collectives are recorded
+/// std::cerr << meshlib::stop_trace();               // writes step.json; prints the summary
+/// @endcode
+///
+/// File layout (one JSON object): `traceEvents` holds, per device, a `thread_name` metadata record
+/// ("device 3 (data=1, model=1)") and a `thread_sort_index`; one complete event (`ph: "X"`) per
+/// collective with `args` {axes, dtype, bytes, wait_us, group}; one per region (`cat: "region"`);
+/// and flow events (`ph: "s"/"t"/"f"`) that join the devices of each collective at the moment the
+/// last of them arrived. `pid` is the process index (one file per process in multi-process runs:
+/// `trace.json` becomes `trace.p1.json` for process 1), `tid` the device id; regions run outside
+/// any device go to the `host` track.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
+struct trace_summary_row {
+  std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
+  std::string axes;  ///< "model", "data,model"
+  std::size_t device = 0;
+  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
+  double time_s = 0;      ///< time inside the collective, waiting included
+  double wait_s = 0;      ///< time spent waiting for the last device of the group to arrive
+};
+
+/// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
+/// wait time; and the slowest device (the one its peers waited for longest). Printable.
+struct trace_summary {
+  std::vector<trace_summary_row> rows;
+  std::size_t devices = 0;
+  double traced_s = 0;
+  /// The device the others waited for longest, when any waited at all.
+  std::optional<std::size_t> slowest_device;
+  /// How long, summed over collectives, the others waited for `slowest_device` after their first arrival.
+  double slowest_lateness_s = 0;
+  /// The file written (empty when none was).
+  std::string path;
+
+  friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
+    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
+       << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
+    os << std::left << std::setw(14) << "op" << std::setw(14) << "axes" << std::right << std::setw(7) << "device"
+       << std::setw(8) << "count" << std::setw(12) << "bytes" << std::setw(12) << "time ms" << std::setw(12)
+       << "wait ms" << '\n';
+    for (const auto& r : s.rows)
+      os << std::left << std::setw(14) << r.op << std::setw(14) << r.axes << std::right << std::setw(7) << r.device
+         << std::setw(8) << r.count << std::setw(12) << r.bytes << std::setw(12) << r.time_s * 1e3 << std::setw(12)
+         << r.wait_s * 1e3 << '\n';
+    if (s.slowest_device)
+      os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
+         << " ms for it in all)\n";
+    else
+      os << "slowest device: none (no collective waited for a late device)\n";
+    os.unsetf(std::ios::floatfield);
+    return os;
+  }
+  [[nodiscard]] std::string to_string() const {
+    std::ostringstream os;
+    os << *this;
+    return os.str();
+  }
+};
+
+namespace detail {
+
+/// One recorded event (a collective or a region) on one track.
+struct trace_event {
+  std::string name;
+  std::string axes;   // collectives: the axes, comma separated
+  std::string dtype;  // collectives: float32, ...
+  std::size_t bytes = 0;
+  std::int64_t start_ns = 0;
+  std::int64_t end_ns = 0;
+  bool collective = false;
+  // Identifies one collective across its devices: the run, the group (axes and color) and the
+  // position of the collective in that group's sequence.
+  std::uint64_t run = 0;
+  std::uint64_t mask = 0;
+  std::size_t color = 0;
+  std::uint64_t seq = 0;
+  std::string group;  // the group's device ids, "0,1"
+};
+
+/// The track of regions that run outside any device (on the host thread).
+inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
+
+/// Process-wide recorder (see the file comment). Appends are per track under the track's own
+/// mutex, so device threads do not contend with each other.
+class trace_recorder {
+ public:
+  struct track {
+    std::mutex m;
+    std::string name;
+    std::vector<trace_event> events;
+    std::uint64_t session = 0;  // the last trace session that used it
+  };
+
+  static trace_recorder& get() {
+    static trace_recorder r;
+    return r;
+  }
+
+  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
+
+  [[nodiscard]] std::int64_t now_ns() const noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - origin_).count();
+  }
+
+  void start(std::string path) {
+    std::lock_guard lk(m_);
+    // Tracks live as long as the program (a running device may hold one): restarting empties them.
+    ++session_;
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      t->events.clear();
+    }
+    path_ = std::move(path);
+    started_ns_ = now_ns();
+    on_.store(true, std::memory_order_release);
+  }
+
+  /// A fresh id for one shard_map / spmd / reshard run.
+  std::uint64_t next_run() noexcept { return runs_.fetch_add(1) + 1; }
+
+  /// The track of `id` (a device id or `host_track`), created on first use.
+  track& track_of(std::size_t id) {
+    std::lock_guard lk(m_);
+    auto& t = tracks_[id];
+    if (!t) {
+      t = std::make_unique<track>();
+      t->name = id == host_track ? "host" : "device " + std::to_string(id);
+    }
+    t->session = session_;
+    return *t;
+  }
+
+  void name_track(std::size_t id, std::string name) {
+    track& t = track_of(id);
+    std::lock_guard lk(t.m);
+    t.name = std::move(name);
+  }
+
+  void record(track& t, trace_event e) {
+    std::lock_guard lk(t.m);
+    t.events.push_back(std::move(e));
+  }
+
+  /// Stops recording, writes the file (when a path was given) and returns the summary.
+  trace_summary stop() {
+    std::lock_guard lk(m_);
+    on_.store(false, std::memory_order_release);
+    // Devices of a run still going may append while this runs: take each track's events under its lock.
+    snapshot_.clear();
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      if (t->session != session_ && t->events.empty()) continue;
+      snapshot_.push_back({id, t->name, std::move(t->events)});
+      t->events.clear();
+    }
+    trace_summary s = summarize();
+    if (!path_.empty()) {
+      s.path = file_for_process(path_);
+      write(s.path);
+    }
+    snapshot_.clear();
+    path_.clear();
+    return s;
+  }
+
+  /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
+  ~trace_recorder() {
+    if (from_env_ && on()) {
+      try {
+        std::cerr << stop();
+      } catch (const std::exception& e) {
+        std::cerr << e.what() << '\n';
+      }
+    }
+  }
+
+  trace_recorder(const trace_recorder&) = delete;
+  trace_recorder& operator=(const trace_recorder&) = delete;
+
+ private:
+  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
+    const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
+    if (env != nullptr && *env != '\0') {
+      from_env_ = true;
+      start(env);
+    }
+  }
+
+  /// `trace.json` for a single-process run; `trace.p<index>.json` for process `index` of several.
+  static std::string file_for_process(const std::string& path) {
+    std::size_t index = 0, count = 1;
+    try {
+      const auto l = distributed::detect_launch(distributed::process_env());
+      index = l.process_index;
+      count = l.process_count;
+    } catch (const std::exception&) {
+      // An inconsistent launcher environment is reported by distributed::initialize; here one file.
+    }
+    if (count <= 1) return path;
+    const std::size_t dot = path.rfind('.');
+    const std::size_t slash = path.rfind('/');
+    const std::string suffix = ".p" + std::to_string(index);
+    if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return path + suffix;
+    return path.substr(0, dot) + suffix + path.substr(dot);
+  }
+
+  static std::size_t process_index() {
+    try {
+      return distributed::detect_launch(distributed::process_env()).process_index;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+
+  using key_t = std::tuple<std::uint64_t, std::uint64_t, std::size_t, std::uint64_t>;
+  struct instance {
+    std::int64_t first = INT64_MAX, last = INT64_MIN;
+    std::vector<std::pair<std::size_t, const trace_event*>> members;  // (track, event)
+  };
+
+  std::map<key_t, instance> instances() const {
+    std::map<key_t, instance> out;
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
+        if (!e.collective) continue;
+        auto& in = out[key_t{e.run, e.mask, e.color, e.seq}];
+        in.first = std::min(in.first, e.start_ns);
+        in.last = std::max(in.last, e.start_ns);
+        in.members.emplace_back(t.id, &e);
+      }
+    return out;
+  }
+
+  static std::int64_t wait_of(const instance& in, const trace_event& e) {
+    return std::clamp<std::int64_t>(in.last - e.start_ns, 0, e.end_ns - e.start_ns);
+  }
+
+  trace_summary summarize() const {
+    trace_summary s;
+    const auto inst = instances();
+    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
+    std::map<std::size_t, double> lateness;
+    std::int64_t lo = started_ns_, hi = started_ns_;
+    for (const auto& t : snapshot_) {
+      if (t.id != host_track) ++s.devices;
+      for (const auto& e : t.events) hi = std::max(hi, e.end_ns);
+    }
+    for (const auto& [key, in] : inst) {
+      const trace_event* late = nullptr;
+      std::size_t late_dev = 0;
+      for (const auto& [dev, e] : in.members) {
+        auto& r = rows[{e->name, e->axes, dev}];
+        r.op = e->name;
+        r.axes = e->axes;
+        r.device = dev;
+        ++r.count;
+        r.bytes += e->bytes;
+        r.time_s += static_cast<double>(e->end_ns - e->start_ns) * 1e-9;
+        r.wait_s += static_cast<double>(wait_of(in, *e)) * 1e-9;
+        if (!late || e->start_ns > late->start_ns) {
+          late = e;
+          late_dev = dev;
+        }
+      }
+      if (late && in.members.size() > 1 && in.last > in.first)
+        lateness[late_dev] += static_cast<double>(in.last - in.first) * 1e-9;
+    }
+    for (auto& [k, r] : rows) s.rows.push_back(r);
+    for (const auto& [dev, l] : lateness)
+      if (l > s.slowest_lateness_s) {
+        s.slowest_lateness_s = l;
+        s.slowest_device = dev;
+      }
+    s.traced_s = static_cast<double>(hi - lo) * 1e-9;
+    return s;
+  }
+
+  static void json_string(std::ostream& os, std::string_view s) {
+    os << '"';
+    for (char c : s) {
+      switch (c) {
+        case '"': os << "\\\""; break;
+        case '\\': os << "\\\\"; break;
+        case '\n': os << "\\n"; break;
+        case '\t': os << "\\t"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+            os << buf;
+          } else {
+            os << c;
+          }
+      }
+    }
+    os << '"';
+  }
+
+  void write(const std::string& path) const {
+    std::ofstream f(path);
+    if (!f) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    const std::size_t pid = process_index();
+    // Microseconds with nanosecond digits: the unit of the Chrome trace format.
+    auto us = [this](std::int64_t ns) {
+      std::ostringstream o;
+      o << std::fixed << std::setprecision(3) << static_cast<double>(ns - started_ns_) * 1e-3;
+      return o.str();
+    };
+    auto dur = [](std::int64_t ns) {
+      std::ostringstream o;
+      o << std::fixed << std::setprecision(3) << static_cast<double>(ns) * 1e-3;
+      return o.str();
+    };
+    auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
+    const auto inst = instances();
+    f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
+    f << R"({"ph":"M","name":"process_name","pid":)" << pid << R"(,"tid":0,"args":{"name":"meshlib process )" << pid
+      << "\"}}";
+    for (const auto& t : snapshot_) {
+      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(t.id) << ",\"args\":{\"name\":";
+      json_string(f, t.name);
+      f << "}}";
+      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(t.id)
+        << ",\"args\":{\"sort_index\":" << (t.id == host_track ? std::string("-1") : std::to_string(t.id)) << "}}";
+    }
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
+        const std::size_t id = t.id;
+        f << ",\n{\"ph\":\"X\",\"name\":";
+        json_string(f, e.name);
+        f << ",\"cat\":\"" << (e.collective ? "collective" : "region") << "\",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(e.start_ns) << ",\"dur\":" << dur(e.end_ns - e.start_ns);
+        if (e.collective) {
+          const auto& in = inst.at(key_t{e.run, e.mask, e.color, e.seq});
+          f << ",\"args\":{\"axes\":";
+          json_string(f, e.axes);
+          f << ",\"dtype\":\"" << e.dtype << "\",\"bytes\":" << e.bytes << ",\"wait_us\":" << dur(wait_of(in, e))
+            << ",\"group\":\"" << e.group << "\",\"seq\":" << e.seq << "}";
+        }
+        f << "}";
+      }
+    // Flow arrows: one chain per collective through its devices in id order, at the moment the
+    // last of them arrived (a moment inside every member's slice).
+    std::uint64_t flow = 0;
+    for (const auto& [key, in] : inst) {
+      if (in.members.size() < 2) continue;
+      auto members = in.members;
+      std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      ++flow;
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        const auto& [id, e] = members[i];
+        const char* ph = i == 0 ? "s" : (i + 1 == members.size() ? "f" : "t");
+        const std::int64_t at = std::clamp(in.last, e->start_ns, e->end_ns);
+        f << ",\n{\"ph\":\"" << ph << "\",\"name\":";
+        json_string(f, e->name);
+        f << ",\"cat\":\"collective\",\"id\":" << flow << ",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(at) << (i + 1 == members.size() ? ",\"bp\":\"e\"" : "") << "}";
+      }
+    }
+    f << "\n]}\n";
+    if (!f) throw error("meshlib: stop_trace: writing '" + path + "' failed");
+  }
+
+  std::atomic<bool> on_{false};
+  std::atomic<std::uint64_t> runs_{0};
+  std::mutex m_;
+  std::map<std::size_t, std::unique_ptr<track>> tracks_;
+  // What stop() took from the tracks (in id order, the host track last): summarised and written.
+  struct taken {
+    std::size_t id;
+    std::string name;
+    std::vector<trace_event> events;
+  };
+  std::vector<taken> snapshot_;
+  std::uint64_t session_ = 0;
+  std::string path_;
+  std::chrono::steady_clock::time_point origin_;
+  std::int64_t started_ns_ = 0;
+  bool from_env_ = false;
+};
+
+}  // namespace detail
+
+/// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
+/// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
+/// Restarting discards what was recorded. Runs that are already going keep their state: tracing
+/// is read when a `shard_map`, `spmd` or `reshard` starts.
+inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
+
+/// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
+/// @throws error when the file cannot be written (naming it).
+inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
+
+/// @brief True while a trace is being recorded.
+[[nodiscard]] inline bool tracing() noexcept { return detail::trace_recorder::get().on(); }
+
+/// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
+/// destructor writes the file. Call `stop()` to get the summary earlier.
+class scoped_trace {
+ public:
+  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
+  ~scoped_trace() {
+    if (!stopped_) {
+      try {
+        (void)stop_trace();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+      }
+    }
+  }
+  trace_summary stop() {
+    stopped_ = true;
+    return stop_trace();
+  }
+  scoped_trace(const scoped_trace&) = delete;
+  scoped_trace& operator=(const scoped_trace&) = delete;
+
+ private:
+  bool stopped_ = false;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/trace.hpp
+
+// Kokkos' profiling interface (Kokkos 3.4 and 4.x both have Kokkos::Profiling::pushRegion /
+// popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
+#if __has_include(<Kokkos_Core.hpp>)
+#include <Kokkos_Core.hpp>
+#define MESHLIB_DEBUG_HAS_KOKKOS 1
+#else
+#define MESHLIB_DEBUG_HAS_KOKKOS 0
+#endif
+
+namespace meshlib {
+
+/// @brief What debug mode checks.
+struct debug_options {
+  /// Check every collective's input and output for NaN and infinity (floating-point types).
+  bool check_nonfinite = true;
+  /// Check that `shard_map` outputs are identical over the axes their type says they are replicated over.
+  bool check_replicas = true;
+  /// Warn once about a collective whose devices have waited this fraction of `timeout` for a late
+  /// peer. 0 disables the warning.
+  double slow_warning_fraction = 0.25;
+  /// The communicators' timeout that the fraction is of (the backend's own setting is not visible
+  /// here; default: `MESHLIB_COMM_TIMEOUT` or 60 s, the communicators' default too).
+  std::chrono::nanoseconds timeout = [] {
+    try {
+      return default_comm_timeout();
+    } catch (const std::exception&) {
+      return std::chrono::nanoseconds(default_comm_timeout_fallback);
+    }
+  }();
+  /// Where warnings go (default: one line on std::cerr).
+  std::function<void(const std::string&)> on_warning;
+};
+
+namespace detail {
+
+struct debug_state {
+  std::mutex m;
+  std::atomic<bool> on{false};
+  debug_options options;
+
+  static debug_state& get() {
+    static debug_state s;
+    return s;
+  }
+
+ private:
+  debug_state() {
+    const char* env = std::getenv("MESHLIB_DEBUG");  // NOLINT(concurrency-mt-unsafe): read once
+    on.store(env != nullptr && *env != '\0' && std::string_view(env) != "0");
+  }
+};
+
+}  // namespace detail
+
+/// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
+inline void enable_debug_mode(debug_options options = {}) {
+  auto& s = detail::debug_state::get();
+  std::lock_guard lk(s.m);
+  s.options = std::move(options);
+  s.on.store(true);
+}
+
+/// @brief Turns debug mode off.
+inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
+
+/// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
+[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
+
+/// @brief Debug mode for a scope; restores the previous state.
+class scoped_debug_mode {
+ public:
+  explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    previous_ = s.options;
+    s.options = std::move(options);
+    s.on.store(true);
+  }
+  ~scoped_debug_mode() {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    s.options = std::move(previous_);
+    s.on.store(was_);
+  }
+  scoped_debug_mode(const scoped_debug_mode&) = delete;
+  scoped_debug_mode& operator=(const scoped_debug_mode&) = delete;
+
+ private:
+  bool was_;
+  debug_options previous_;
+};
+
+namespace detail {
+
+/// Inside this scope the calling thread's collectives are not observed: the debug layer's own
+/// collectives (ordered printing, replica checks) stay out of the trace and the checks.
+inline int& unobserved_depth() noexcept {
+  thread_local int depth = 0;
+  return depth;
+}
+struct unobserved_scope {
+  unobserved_scope() noexcept { ++unobserved_depth(); }
+  ~unobserved_scope() { --unobserved_depth(); }
+  unobserved_scope(const unobserved_scope&) = delete;
+  unobserved_scope& operator=(const unobserved_scope&) = delete;
+};
+
+/// "device 3 (data=1, model=1)".
+template <mesh_type Mesh>
+std::string device_label(const Mesh& m, std::size_t device) {
+  std::string s = "device " + std::to_string(device) + " (";
+  const auto c = m.coords(device);
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    s += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+  return s + ")";
+}
+
+inline std::string join_ids(const std::vector<std::size_t>& ids) {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+/// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
+struct comm_site {
+  std::size_t device = 0;
+  std::string device_label;
+  axis_mask mask = 0;
+  std::string axes;  // "model", "data,model"
+  std::size_t color = 0;
+  std::vector<std::size_t> group;  // device ids in group-rank order
+  std::size_t group_rank = 0;
+};
+
+/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
+constexpr const char* reduction_name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "psum";
+    case reduce_op::mean: return "pmean";
+    case reduce_op::max: return "pmax";
+    case reduce_op::min: return "pmin";
+    default: return "all_reduce";
+  }
+}
+
+/// The first non-finite element of `n` elements of `dt` at `p`, or -1.
+inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
+  auto scan = [&](auto tag) -> std::ptrdiff_t {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(p);
+    for (std::size_t i = 0; i < n; ++i) {
+      const double v = static_cast<double>(static_cast<float>(x[i]));
+      if (!std::isfinite(v)) {
+        value = v;
+        return static_cast<std::ptrdiff_t>(i);
+      }
+    }
+    return -1;
+  };
+  switch (dt) {
+    case datatype::float32: return scan(float{});
+    case datatype::bfloat16: return scan(bfloat16{});
+    case datatype::float64: {
+      const double* x = static_cast<const double*>(p);
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i])) {
+          value = x[i];
+          return static_cast<std::ptrdiff_t>(i);
+        }
+      return -1;
+    }
+    default: return -1;
+  }
+}
+
+/// Shared state of one run (see the file comment).
+class run_observer {
+ public:
+  /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
+  /// and, in debug mode with slow warnings on, starts the watchdog.
+  template <mesh_type Mesh>
+  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
+    auto& rec = trace_recorder::get();
+    tracing_ = rec.on();
+    auto& dbg = debug_state::get();
+    debug_ = dbg.on.load();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+#endif
+    if (!(tracing_ || debug_ || kokkos_)) return;
+    if (debug_) {
+      std::lock_guard lk(dbg.m);
+      options_ = dbg.options;
+    }
+    run_ = rec.next_run();
+    local_.assign(m.size(), false);
+    for (auto d : local) local_[d] = true;
+    if (tracing_)
+      for (auto d : local) rec.name_track(d, device_label(m, d));
+    if (debug_ && options_.slow_warning_fraction > 0) {
+      threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
+      watchdog_ = std::thread([this] { watch(); });
+    }
+  }
+  ~run_observer() {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard lk(m_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      watchdog_.join();
+    }
+  }
+  run_observer(const run_observer&) = delete;
+  run_observer& operator=(const run_observer&) = delete;
+
+  [[nodiscard]] bool active() const noexcept { return tracing_ || debug_ || kokkos_; }
+  [[nodiscard]] bool tracing() const noexcept { return tracing_; }
+  [[nodiscard]] bool kokkos() const noexcept { return kokkos_; }
+  [[nodiscard]] bool check_nonfinite() const noexcept { return debug_ && options_.check_nonfinite; }
+  [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
+
+  template <mesh_type Mesh>
+  comm_site site(const Mesh& m, std::size_t device, axis_mask mask) const {
+    comm_site s;
+    s.device = device;
+    s.device_label = device_label(m, device);
+    s.mask = mask & Mesh::all_axes;
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+    s.color = m.group_color(device, s.mask);
+    s.group = m.group(device, s.mask);
+    s.group_rank = m.group_rank(device, s.mask);
+    return s;
+  }
+
+  /// The device of `site` entered its `seq`-th collective `what` on its group.
+  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto& p = board_[key_t{site.mask, site.color, seq}];
+    if (p.arrived.empty()) {
+      p.what = what;
+      p.group = site.group;
+      p.arrived.assign(site.group.size(), false);
+      p.first_ns = now_ns();
+      for (auto d : site.group) p.local += d < local_.size() && local_[d] ? 1 : 0;
+    }
+    p.arrived[site.group_rank] = true;
+  }
+  /// The device of `site` left it (returned or threw).
+  void depart(const comm_site& site, std::uint64_t seq) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto it = board_.find(key_t{site.mask, site.color, seq});
+    if (it != board_.end() && ++it->second.departed >= it->second.local) board_.erase(it);
+  }
+
+  void warn(const std::string& message) const {
+    if (options_.on_warning) options_.on_warning(message);
+    else std::cerr << message << '\n' << std::flush;
+  }
+
+  /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
+  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+                    datatype dt) const {
+    double v = 0;
+    const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);
+    if (i < 0) return;
+    std::ostringstream os;
+    os << "meshlib: debug mode: " << op << " over '" << site.axes << "' on " << site.device_label << ": " << which
+       << " element " << i << " is " << v << " (" << to_string(dt) << ")";
+    throw nonfinite_error(os.str());
+  }
+
+ private:
+  using key_t = std::tuple<axis_mask, std::size_t, std::uint64_t>;
+  struct pending {
+    std::string what;
+    std::vector<std::size_t> group;
+    std::vector<bool> arrived;
+    std::size_t local = 0;
+    std::size_t departed = 0;
+    std::int64_t first_ns = 0;
+    bool warned = false;
+  };
+
+  static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void watch() {
+    const auto poll = std::clamp<std::chrono::nanoseconds>(threshold_ / 8, std::chrono::milliseconds(1),
+                                                           std::chrono::milliseconds(100));
+    std::unique_lock lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, poll);
+      const std::int64_t now = now_ns();
+      for (auto& [key, p] : board_) {
+        if (p.warned || now - p.first_ns < threshold_.count()) continue;
+        std::vector<std::size_t> missing, here, elsewhere;
+        for (std::size_t r = 0; r < p.group.size(); ++r) {
+          const std::size_t d = p.group[r];
+          if (p.arrived[r]) here.push_back(d);
+          else if (d < local_.size() && local_[d]) missing.push_back(d);
+          else elsewhere.push_back(d);
+        }
+        if (missing.empty() && elsewhere.empty()) continue;
+        p.warned = true;
+        std::ostringstream os;
+        os << std::fixed << std::setprecision(2) << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+           << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
+           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
+        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
+                                   << " of other processes";
+        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
+           << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
+        warn(os.str());
+      }
+    }
+  }
+
+  bool tracing_ = false, debug_ = false, kokkos_ = false;
+  debug_options options_;
+  std::uint64_t run_ = 0;
+  std::vector<bool> local_;
+  std::chrono::nanoseconds threshold_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::map<key_t, pending> board_;
+  std::thread watchdog_;
+};
+
+/// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
+/// every operation goes to `inner` with the observation around it (see the file comment).
+template <class Iface>
+class observed_comm final : public Iface {
+ public:
+  observed_comm(Iface& inner, run_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+    if (obs_.tracing()) track_ = &trace_recorder::get().track_of(site_.device);
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+
+  void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
+    observe(reduction_name(op), dt, count, buf, count, buf, count, [&] { inner_.all_reduce(buf, count, dt, op); });
+  }
+  void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
+    observe("all_gather", dt, count, send, count, recv, count * n(), [&] { inner_.all_gather(send, recv, count, dt); });
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    const char* name = op == reduce_op::sum ? "psum_scatter" : "reduce_scatter";
+    observe(name, dt, count * n(), send, count * n(), recv, count,
+            [&] { inner_.reduce_scatter(send, recv, count, dt, op); });
+  }
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
+    observe("all_to_all", dt, count * n(), send, count * n(), recv, count * n(),
+            [&] { inner_.all_to_all(send, recv, count, dt); });
+  }
+  void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
+                    void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+                    std::size_t send_total, std::size_t recv_total, datatype dt) override {
+    observe("all_to_all_v", dt, send_total, send, send_total, recv, recv_total, [&] {
+      inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, send_total, recv_total, dt);
+    });
+  }
+  void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
+                std::span<const permute_pair> pairs) override {
+    observe("ppermute", dt, count, send, count, recv, count, [&] { inner_.ppermute(send, recv, count, dt, pairs); });
+  }
+  void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
+    // Only the root's buffer is an input: the others' may hold anything before the call.
+    const bool is_root = static_cast<int>(site_.group_rank) == root;
+    observe("broadcast", dt, is_root ? count : 0, buf, is_root ? count : 0, buf, count,
+            [&] { inner_.broadcast(buf, count, dt, root); });
+  }
+
+ private:
+  std::size_t n() const { return static_cast<std::size_t>(inner_.size()); }
+
+  template <class F>
+  void observe(const char* name, datatype dt, std::size_t send_count, const void* in, std::size_t in_count,
+               const void* out, std::size_t out_count, F&& call) {
+    if (unobserved_depth() > 0) {
+      call();
+      return;
+    }
+    const std::uint64_t seq = seq_++;
+    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "input", in, in_count, dt);
+    const std::string what = std::string(name) + " over '" + site_.axes + "'";
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (obs_.kokkos()) Kokkos::Profiling::pushRegion("meshlib::" + what);
+#endif
+    auto& rec = trace_recorder::get();
+    const std::int64_t start = rec.now_ns();
+    obs_.arrive(site_, seq, what);
+    struct leave {
+      observed_comm& self;
+      std::uint64_t seq;
+      ~leave() {
+        self.obs_.depart(self.site_, seq);
+#if MESHLIB_DEBUG_HAS_KOKKOS
+        if (self.obs_.kokkos()) Kokkos::Profiling::popRegion();
+#endif
+      }
+    };
+    {
+      leave guard{*this, seq};
+      call();
+    }
+    if (track_ != nullptr) {
+      trace_event e;
+      e.name = name;
+      e.axes = site_.axes;
+      e.dtype = std::string(to_string(dt));
+      e.bytes = send_count * size_of(dt);
+      e.start_ns = start;
+      e.end_ns = rec.now_ns();
+      e.collective = true;
+      e.run = obs_.run();
+      e.mask = site_.mask;
+      e.color = site_.color;
+      e.seq = seq;
+      e.group = join_ids(site_.group);
+      rec.record(*track_, std::move(e));
+    }
+    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "output", out, out_count, dt);
+  }
+
+  Iface& inner_;
+  run_observer& obs_;
+  comm_site site_;
+  trace_recorder::track* track_ = nullptr;
+  std::uint64_t seq_ = 0;
+};
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/observe.hpp
+
+/// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
+/// does, to measure what the hook costs when tracing and debug mode are off).
+#ifndef MESHLIB_DEBUG_HOOKS
+#define MESHLIB_DEBUG_HOOKS 1
+#endif
 
 namespace meshlib {
 
@@ -5533,6 +7843,7 @@ class device_context {
   /// Position of the axis called `name` in the running mesh, or the mesh's rank when it has none.
   [[nodiscard]] virtual std::size_t find_axis(std::string_view name) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_count() const noexcept = 0;
+  [[nodiscard]] virtual std::string_view axis_name(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
@@ -5541,18 +7852,25 @@ class device_context {
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
-/// communicator and the device's `axis_communicators`.
+/// communicator and the device's `axis_communicators`. With an `observer` (tracing, debug mode or a
+/// Kokkos tool on: see debug/observe.hpp), its communicators are handed out decorated.
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world)
-      : mesh_(mesh), device_(device), coords_(mesh.coords(device)), world_(std::move(world)), axes_(world_, mesh) {}
+  device_context_for(const Mesh& mesh, std::size_t device, C world, run_observer* observer = nullptr)
+      : mesh_(mesh),
+        device_(device),
+        coords_(mesh.coords(device)),
+        world_(std::move(world)),
+        axes_(world_, mesh),
+        observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
   std::size_t axis_count() const noexcept override { return Mesh::ndim; }
+  std::string_view axis_name(std::size_t axis) const noexcept override { return Mesh::axis_names[axis]; }
   std::size_t axis_size(std::size_t axis) const noexcept override { return mesh_.axis_size(axis); }
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
@@ -5561,7 +7879,12 @@ class device_context_for final : public device_context {
   device_comm& comm(axis_mask mask) override {
     auto it = handles_.find(mask);
     if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+#if MESHLIB_DEBUG_HOOKS
+    if (observer_ == nullptr) [[likely]] return *it->second;
+    return observed(mask, *it->second);
+#else
     return *it->second;
+#endif
   }
 
  private:
@@ -5571,6 +7894,18 @@ class device_context_for final : public device_context {
   C world_;
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
+  // The debug layer's decorator point (debug/observe.hpp): only with an observer.
+  run_observer* observer_;
+  std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
+
+  device_comm& observed(axis_mask mask, device_comm& raw) {
+    auto it = observed_.find(mask);
+    if (it == observed_.end())
+      it = observed_.emplace(mask, std::make_unique<observed_comm<device_comm>>(raw, *observer_,
+                                                                                observer_->site(mesh_, device_, mask)))
+               .first;
+    return *it->second;
+  }
 };
 
 inline device_context*& current_device_slot() noexcept {
@@ -5684,13 +8019,17 @@ struct thread_backend {
 namespace detail {
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// installed, and turns a device's failure into `device_error`.
+/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
+/// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
-      device_context_for<C, Mesh> ctx(m, device, std::move(world));
+      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
       body(device);
     });
   } catch (const participant_error& e) {
@@ -6223,6 +8562,7 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 #include <cstddef>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 
 namespace meshlib {
@@ -6307,6 +8647,28 @@ auto all_reduce_over(const L& x) {
   }
 }
 
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
+  }
+}
+
 }  // namespace detail
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
@@ -6315,6 +8677,19 @@ auto all_reduce_over(const L& x) {
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
@@ -7528,10 +9903,12 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
+/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
 template <mesh_type Mesh, class Fn, class Backend = thread_backend>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  detail::require_kokkos("spmd");
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {
@@ -7572,6 +9949,129 @@ auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/debug/check_replicated.hpp
+/// @file
+/// @brief `check_replicated(x)`: meshlib's `checkify` for sharding. A `local_tensor` whose type says
+/// it is invariant over some mesh axes must hold the same bits on every device of each group along
+/// those axes; this gathers the copies and compares them, naming the first differing device, the
+/// element and both values. Debug mode runs it on every `shard_map` output.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   auto w = meshlib::psum<"data">(g);     // invariant over 'data'
+///   meshlib::check_replicated(w);          // throws replica_mismatch if a kernel made copies diverge
+/// });
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <local_tensor_type L>
+void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
+  using T = typename L::value_type;
+  using Mesh = typename L::mesh_type;
+  mask &= Mesh::all_axes;
+  if (mask == 0) return;
+  device_context& ctx = current_device(what);
+  const std::size_t count = x.size();
+  std::vector<T> mine(count);
+  const auto shape = x.shape();
+  {
+    // Copy out in row-major order (the block may be a strided view).
+    std::array<std::size_t, L::rank> idx{};
+    for (std::size_t k = 0; k < count; ++k) {
+      mine[k] = std::apply([&](auto... i) { return x.view()(i...); }, idx);
+      for (std::size_t d = L::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  unobserved_scope quiet;
+  auto& comm = ctx.comm(mask);
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<T> all(count * n);
+  comm.all_gather(mine.data(), all.data(), count, datatype_of<T>);
+  const std::vector<std::size_t> group = x.mesh().group(ctx.device(), mask);
+  for (std::size_t r = 1; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i) {
+      const T& a = all[i];
+      const T& b = all[r * count + i];
+      if (std::memcmp(&a, &b, sizeof(T)) == 0) continue;
+      std::ostringstream os;
+      os << "meshlib: " << what << ": the value is replicated over " << describe_axes<Mesh>(mask) << " (devices ";
+      for (std::size_t g = 0; g < group.size(); ++g) os << (g ? ", " : "") << group[g];
+      os << ") but device " << group[r] << " differs from device " << group[0] << " at element " << i << " (index (";
+      std::size_t rest = i;
+      std::array<std::size_t, L::rank> idx{};
+      for (std::size_t d = L::rank; d-- > 0;) {
+        idx[d] = shape[d] ? rest % shape[d] : 0;
+        rest = shape[d] ? rest / shape[d] : 0;
+      }
+      for (std::size_t d = 0; d < L::rank; ++d) os << (d ? ", " : "") << idx[d];
+      os << ")): " << b << " on device " << group[r] << " vs " << a << " on device " << group[0]
+         << "; a kernel computed different values on replicas";
+      throw replica_mismatch(os.str());
+    }
+}
+
+}  // namespace detail
+
+/// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
+/// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
+/// nor is partial over). Collective over those groups: every device must call it.
+/// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
+template <local_tensor_type L>
+void check_replicated(const L& x) {
+  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
+}
+
+/// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
+template <fixed_string... Names, local_tensor_type L>
+  requires(sizeof...(Names) > 0)
+void check_replicated(const L& x) {
+  using Mesh = typename L::mesh_type;
+  static_assert((Mesh::template has_axis<Names> && ...), "meshlib: check_replicated<...>: the mesh has no such axis");
+  constexpr axis_mask mask = Mesh::template mask_of<Names...>();
+  static_assert((mask & (L::vary | L::partial)) == 0,
+                "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
+                "so its copies are not expected to agree; check only axes its type is invariant over");
+  detail::check_replicated_over(x, mask, "check_replicated");
+}
+
+namespace detail {
+
+/// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
+template <class Tuple>
+void debug_check_outputs(const Tuple& outputs) {
+  if (!debug_mode()) [[likely]]
+    return;
+  {
+    auto& s = debug_state::get();
+    std::lock_guard lk(s.m);
+    if (!s.options.check_replicas) return;
+  }
+  std::apply(
+      [](const auto&... o) {
+        (check_replicated_over(o, std::remove_cvref_t<decltype(o)>::mesh_type::all_axes &
+                                      ~std::remove_cvref_t<decltype(o)>::vary & ~std::remove_cvref_t<decltype(o)>::partial,
+                               "shard_map output (debug mode)"),
+         ...);
+      },
+      outputs);
+}
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/check_replicated.hpp
 
 namespace meshlib {
 
@@ -7735,6 +10235,7 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
@@ -7749,6 +10250,7 @@ class shard_map_fn {
       std::vector<results_t> per_device(n);
       detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
         per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));
@@ -7822,672 +10324,6 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend
 /// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
 /// <meshlib/mpi.hpp>.
 
-// begin meshlib/runtime/errors.hpp
-/// @file
-/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
-/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
-
-
-namespace meshlib {
-
-/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
-/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
-/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
-/// arguments. `what()` names every variable and value involved.
-class distributed_error : public error {
- public:
-  using error::error;
-};
-
-/// @brief Processes that disagree about something every process must share (the process count,
-/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
-/// disagreeing process's value, by the start-up checks that exchange a description of the value.
-class process_mismatch : public distributed_error {
- public:
-  using distributed_error::distributed_error;
-};
-
-}  // namespace meshlib
-// end meshlib/runtime/errors.hpp
-// begin meshlib/runtime/launcher.hpp
-/// @file
-/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
-/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
-/// environment comes in through an `env_source`, so every launcher is testable in one process.
-///
-/// Sources, and the variables each reads:
-///
-/// | source        | process index         | process count        | local rank                    |
-/// | ------------- | --------------------- | -------------------- | ----------------------------- |
-/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
-/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
-/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
-/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
-/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
-///
-/// Rules (the same in `docs/multi-process.md`):
-/// - A source counts as present when its process-index variable is set; its count must then be set
-///   too, both must be decimal numbers, and index < count, else `distributed_error`.
-/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
-///   process itself: every one that is present must agree on (index, count), else
-///   `distributed_error` naming both sources and values. The first present in that order wins.
-/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
-///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
-///   against it only when it claims at least as many processes: the same count must give the same
-///   index, and more tasks than processes is a contradiction.
-/// - No source at all: one process (index 0 of 1), the embedded default.
-
-#include <charconv>
-#include <cstddef>
-#include <cstdlib>
-#include <functional>
-#include <map>
-#include <optional>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief Where the process index and count came from.
-enum class launcher {
-  none,                ///< nothing set: one process
-  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
-  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
-  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
-  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
-  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
-  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
-  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
-};
-
-[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
-  switch (l) {
-    case launcher::none: return "none";
-    case launcher::explicit_arguments: return "explicit arguments";
-    case launcher::communicator: return "communicator";
-    case launcher::meshlib_env: return "meshlib environment";
-    case launcher::openmpi: return "OpenMPI";
-    case launcher::mpich: return "MPICH/PMI";
-    case launcher::torchrun: return "torchrun";
-    case launcher::slurm: return "Slurm";
-  }
-  return "unknown";
-}
-inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
-
-/// @brief What detection found: this process's index, the process count, the local rank on its
-/// node when the launcher says, and which source decided.
-struct launch_info {
-  std::size_t process_index = 0;
-  std::size_t process_count = 1;
-  std::optional<std::size_t> local_rank;
-  launcher source = launcher::none;
-
-  friend bool operator==(const launch_info&, const launch_info&) = default;
-  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
-  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
-    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
-    if (i.local_rank) os << ", local rank " << *i.local_rank;
-    return os << ')';
-  }
-};
-
-/// @brief Looks up an environment variable: its value, or nothing when unset.
-using env_source = std::function<std::optional<std::string>(std::string_view)>;
-
-/// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
-  return [](std::string_view name) -> std::optional<std::string> {
-    const char* v = std::getenv(std::string(name).c_str());
-    if (!v) return std::nullopt;
-    return std::string(v);
-  };
-}
-
-/// @brief An environment given as a map, for tests and for programs that read their configuration
-/// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
-  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
-
-/// @brief Values given to `initialize` that override or must agree with the environment.
-struct explicit_launch {
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-};
-
-namespace detail {
-
-struct launcher_vars {
-  launcher source;
-  std::string_view index, count, local;
-};
-
-inline constexpr launcher_vars launcher_table[] = {
-    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
-    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
-    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
-    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-};
-
-/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
-  std::string_view s = raw;
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  std::size_t v = 0;
-  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
-    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
-                            "' is not a non-negative decimal number");
-  return v;
-}
-
-/// One source's claim, with the text that names it in errors.
-struct claim {
-  launch_info info;
-  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
-};
-
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
-  const auto idx = env(v.index);
-  if (!idx) return std::nullopt;
-  const auto cnt = env(v.count);
-  if (!cnt)
-    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
-                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
-                            " is not set; set both or neither");
-  claim c;
-  c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
-  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
-           "=" + *cnt + ")";
-  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
-                            "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
-  return c;
-}
-
-inline std::string describe_claim(const claim& c) {
-  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
-}
-
-}  // namespace detail
-
-/// @brief Detects this process's index and the process count from explicit values, an adopted
-/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
-/// this file's comment.
-/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
-  if (given.process_id || given.num_processes) {
-    if (!given.process_id || !given.num_processes)
-      throw distributed_error(
-          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
-    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
-    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
-             ", num_processes=" + std::to_string(*given.num_processes) + ")";
-    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
-                              "than num_processes, and num_processes at least 1");
-    direct.push_back(std::move(c));
-  }
-  if (comm) {
-    detail::claim c;
-    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
-    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
-             std::to_string(comm->second) + ")";
-    direct.push_back(std::move(c));
-  }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
-  for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
-    if (!c) continue;
-    if (v.source == launcher::slurm)
-      slurm = std::move(c);
-    else
-      env_claims.push_back(std::move(*c));
-  }
-  // An adopted communicator is authoritative for the index and count: an application may hand
-  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
-  // only consulted for the local rank then.
-  const bool have_comm = comm.has_value();
-  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
-
-  for (std::size_t i = 1; i < direct.size(); ++i) {
-    const auto& a = direct[0].info;
-    const auto& b = direct[i].info;
-    if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
-                              "; unset the stale variables or fix the arguments");
-  }
-
-  launch_info out;
-  if (!direct.empty()) {
-    out = direct[0].info;
-    if (slurm && !have_comm) {
-      const auto& s = slurm->info;
-      const bool contradicts = s.process_count > out.process_count ||
-                               (s.process_count == out.process_count && s.process_index != out.process_index);
-      if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
-                                "; a Slurm step may start several processes per task but never fewer processes "
-                                "than tasks");
-    }
-  } else if (slurm) {
-    out = slurm->info;
-  }
-  // The local rank: from the winning source, else from any other that sets one.
-  if (!out.local_rank) {
-    for (const auto& c : direct)
-      if (c.info.local_rank) {
-        out.local_rank = c.info.local_rank;
-        break;
-      }
-    if (!out.local_rank)
-      for (const auto& c : env_claims)
-        if (c.info.local_rank) {
-          out.local_rank = c.info.local_rank;
-          break;
-        }
-    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
-  }
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/launcher.hpp
-// begin meshlib/runtime/process_exchange.hpp
-/// @file
-/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
-/// to check at start-up that every process was given the same arguments, and to abort them all
-/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
-/// single process needs none.
-
-#include <cstddef>
-#include <cstdlib>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace meshlib::distributed {
-
-/// @brief A transport between the processes of one run.
-class process_exchange {
- public:
-  virtual ~process_exchange() = default;
-  /// This process's rank in the transport.
-  [[nodiscard]] virtual std::size_t rank() const = 0;
-  /// Number of processes in the transport.
-  [[nodiscard]] virtual std::size_t size() const = 0;
-  /// Every process's `mine`, in rank order. Collective: every process calls it.
-  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
-  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
-  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
-};
-
-/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
-class single_process_exchange final : public process_exchange {
- public:
-  [[nodiscard]] std::size_t rank() const override { return 0; }
-  [[nodiscard]] std::size_t size() const override { return 1; }
-  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
-  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
-};
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/process_exchange.hpp
-// begin meshlib/runtime/distributed.hpp
-/// @file
-/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
-///
-/// @code
-/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
-/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
-/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
-/// @endcode
-///
-/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
-/// the same count on every process, checked at start-up). The global devices are numbered
-/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
-/// mesh numbers its devices row-major (the last axis varies fastest), so in
-/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
-/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
-/// inside a process.
-///
-/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
-/// process, index 0, one local device, as JAX does.
-///
-/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
-/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
-/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
-
-#include <cstddef>
-#include <iostream>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
-struct options {
-  /// This process's index; with `num_processes`, overrides detection (and must agree with any
-  /// launcher or communicator that is present).
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
-  std::optional<std::size_t> local_device_count;
-  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
-  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
-  bool initialize_kokkos = true;
-  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
-  /// process index and count, and the start-up consistency checks run over it.
-  std::shared_ptr<process_exchange> exchange;
-  /// Where launcher variables are read; default the process environment.
-  env_source env;
-};
-
-namespace detail {
-
-/// Filled by optional headers (Kokkos) so that this one depends on neither.
-struct runtime_hooks {
-  /// Initialises Kokkos when it is not; returns whether it did.
-  bool (*start_kokkos)() = nullptr;
-  void (*stop_kokkos)() = nullptr;
-};
-inline runtime_hooks& hooks() {
-  static runtime_hooks h;
-  return h;
-}
-
-struct runtime_state {
-  bool initialized = false;
-  launch_info launch;
-  std::size_t local_devices = 1;
-  std::shared_ptr<process_exchange> exchange;
-  bool owns_kokkos = false;
-  /// Kokkos 3.x cannot be initialised again in a process once finalised.
-  bool finalized_kokkos = false;
-};
-inline runtime_state& state() {
-  static runtime_state s;
-  return s;
-}
-inline std::recursive_mutex& state_mutex() {
-  static std::recursive_mutex m;
-  return m;
-}
-
-inline std::string describe(const launch_info& l, std::size_t local) {
-  std::ostringstream os;
-  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
-  return os.str();
-}
-
-/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
-inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
-  bool same = true;
-  for (const auto& v : all) same = same && v == all.front();
-  if (same) return;
-  // Group processes by value so a 1024-process run prints each distinct value once.
-  std::map<std::string, std::vector<std::size_t>> by_value;
-  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
-  std::ostringstream os;
-  os << "meshlib: the processes disagree about " << what << ": ";
-  bool first = true;
-  for (const auto& [value, procs] : by_value) {
-    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
-    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
-    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
-    os << (procs.size() == 1 ? " has " : " have ") << value;
-    first = false;
-  }
-  os << "; every process must pass the same value";
-  throw process_mismatch(os.str());
-}
-
-}  // namespace detail
-
-/// @brief Whether `initialize` has run (and `shutdown` has not since).
-[[nodiscard]] inline bool is_initialized() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().initialized;
-}
-
-/// @brief Starts this process's part of a run: detects the process index and count (see
-/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
-/// the program has not, and, with a transport, checks that every process agrees on the process
-/// count and local device count and that no two claim the same index.
-///
-/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
-/// resolves to other values throws `distributed_error` (call `shutdown` first).
-/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
-/// processes disagree.
-inline void initialize(const options& opt = {}) {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  const env_source env = opt.env ? opt.env : process_env();
-
-  std::optional<std::pair<std::size_t, std::size_t>> comm;
-  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
-  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
-
-  std::size_t local = 1;
-  if (opt.local_device_count) {
-    local = *opt.local_device_count;
-  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
-    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
-  }
-  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
-
-  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
-  if (st.initialized) {
-    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
-        st.local_devices == local) {
-      if (!adds_exchange) return;
-      // Initialised from the environment first, now given a transport (mpi::initialize): keep
-      // everything, run the start-up checks over it and keep it.
-    } else {
-      throw distributed_error("meshlib: distributed::initialize was already called as " +
-                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                              detail::describe(launch, local) + "; call distributed::shutdown() first");
-    }
-  }
-  if (opt.exchange && launch.process_count > 1) {
-    // Every process must see the same world and the same number of devices per process, and the
-    // indices must be a permutation: two processes with one index would hang the first collective.
-    detail::require_equal("the process count and local device count",
-                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
-                                                   std::to_string(local) + " local devices"));
-    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    std::map<std::string, std::vector<std::size_t>> seen;
-    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
-    for (const auto& [idx, ranks] : seen)
-      if (ranks.size() > 1)
-        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
-                               std::to_string(ranks[1]) + " both claim process index " + idx +
-                               "; every process needs its own index");
-  }
-
-  if (adds_exchange) {
-    st.exchange = opt.exchange;
-    return;
-  }
-
-  bool owns_kokkos = false;
-  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
-    if (st.finalized_kokkos)
-      throw distributed_error(
-          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
-          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
-          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
-    owns_kokkos = detail::hooks().start_kokkos();
-  }
-
-  st.initialized = true;
-  st.launch = launch;
-  st.local_devices = local;
-  st.exchange = opt.exchange;
-  st.owns_kokkos = owns_kokkos;
-}
-
-/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
-/// and releases the transport (the MPI exchange never frees a communicator it did not create).
-/// Does nothing when not initialised.
-inline void shutdown() {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  if (!st.initialized) return;
-  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
-    detail::hooks().stop_kokkos();
-    st.finalized_kokkos = true;
-  }
-  const bool finalized = st.finalized_kokkos;
-  st = detail::runtime_state{};
-  st.finalized_kokkos = finalized;
-}
-
-/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
-/// the one that initialised: a guard inside an already initialised program changes nothing.
-class guard {
- public:
-  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
-  guard(const guard&) = delete;
-  guard& operator=(const guard&) = delete;
-  ~guard() {
-    if (owner_) shutdown();
-  }
-
- private:
-  bool owner_;
-};
-
-/// @brief How this process was launched (the embedded default before `initialize`).
-[[nodiscard]] inline launch_info launch() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().launch;
-}
-/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
-[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
-/// @brief Number of processes in the run (`jax.process_count`).
-[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
-/// @brief Devices each process owns (`jax.local_device_count`).
-[[nodiscard]] inline std::size_t local_device_count() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().local_devices;
-}
-/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
-[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
-/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
-[[nodiscard]] inline std::vector<std::size_t> devices() {
-  std::vector<std::size_t> out(device_count());
-  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
-  return out;
-}
-/// @brief The process that owns global device `device`.
-[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
-/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
-[[nodiscard]] inline std::vector<std::size_t> local_devices() {
-  const std::size_t t = local_device_count();
-  const std::size_t first = process_index() * t;
-  std::vector<std::size_t> out(t);
-  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
-  return out;
-}
-/// @brief Whether global device `device` belongs to this process.
-[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
-
-/// @brief The transport given to `initialize`, or a single-process one.
-[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
-  std::lock_guard lock(detail::state_mutex());
-  if (detail::state().exchange) return detail::state().exchange;
-  static const auto single = std::make_shared<single_process_exchange>();
-  return single;
-}
-
-/// @brief Ends the whole run because of `reason`: prints
-/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
-/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
-[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
-  const auto l = launch();
-  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
-            << std::endl;
-  exchange()->abort(exit_code, reason);
-}
-
-/// @brief Checks that every process passes the same `value` for `what`: a collective over the
-/// transport that throws `process_mismatch` on every process, naming each process's value, so a
-/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
-/// process or without a transport.
-inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
-  std::shared_ptr<process_exchange> ex;
-  {
-    std::lock_guard lock(detail::state_mutex());
-    ex = detail::state().exchange;
-  }
-  if (!ex || ex->size() <= 1) return;
-  detail::require_equal(what, ex->all_gather(value));
-}
-
-/// @brief Checks that `m` covers every device of the run and that every process built the same
-/// mesh (axis names and sizes).
-/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
-/// process) when processes built different meshes.
-template <mesh_type Mesh>
-void check_mesh(const Mesh& m) {
-  const std::size_t n = device_count();
-  if (m.size() != n) {
-    std::ostringstream os;
-    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
-       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
-    throw mesh_error(os.str());
-  }
-  check_same_on_all_processes("the mesh", m.to_string());
-}
-
-/// @brief Builds a mesh over every device of the run and checks it on every process, as
-/// `jax.make_mesh` over `jax.devices()`.
-template <mesh_axis... Axes, class... Sizes>
-mesh<Axes...> make_global_mesh(Sizes... sizes) {
-  mesh<Axes...> m(sizes...);
-  check_mesh(m);
-  return m;
-}
-
-/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
-template <mesh_type Mesh>
-std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
-  std::vector<typename Mesh::coord_type> out;
-  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/distributed.hpp
 // begin meshlib/runtime/process_data.hpp
 /// @file
 /// @brief Per-process data loading: which rows of a global batch this process's devices own under
@@ -8623,51 +10459,199 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
 
 }  // namespace meshlib::distributed
 // end meshlib/runtime/process_data.hpp
-// begin meshlib/runtime/kokkos_runtime.hpp
-/// @file
-/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
-/// detection and the process queries build without Kokkos. Including this header makes
-/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
-/// `shutdown` finalise it only when `initialize` was the one that initialised it.
-///
-/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
-/// program that shuts meshlib down and initialises it again must own Kokkos itself
-/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
-/// letting Kokkos fail.
-
-#include <Kokkos_Core.hpp>
-
-
-namespace meshlib::distributed::detail {
-
-inline bool start_kokkos() {
-  if (Kokkos::is_initialized()) return false;
-  Kokkos::initialize();
-  return true;
-}
-
-inline void stop_kokkos() {
-  if (Kokkos::is_initialized()) Kokkos::finalize();
-}
-
-/// Registers the hooks before `main` (an inline variable is initialised once per program).
-inline const bool kokkos_hooks_registered = [] {
-  hooks().start_kokkos = &start_kokkos;
-  hooks().stop_kokkos = &stop_kokkos;
-  return true;
-}();
-
-}  // namespace meshlib::distributed::detail
-// end meshlib/runtime/kokkos_runtime.hpp
 // end meshlib/runtime.hpp
 // begin meshlib/debug.hpp
 /// @file
-/// @brief The debug layer: sharding visualisation (and, later, traces and consistency checks).
+/// @brief The debug layer: traces (Chrome trace JSON, Kokkos profiling regions, a summary),
+/// per-device printing, sharding pictures and descriptions, and debug mode's checks (replicas,
+/// NaN/Inf, late devices). See docs/debugging.md.
 
+// begin meshlib/debug/trace_region.hpp
+/// @file
+/// @brief `trace_region`: a named span of the program, as `jax.profiler.TraceAnnotation`. It shows
+/// on the running device's track of the trace (or the host track outside `shard_map` / `spmd`),
+/// and Kokkos tools see it as a profiling region (`Kokkos::Profiling::pushRegion`/`popRegion`)
+/// next to the kernels. `scoped_region` is another name for it.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   meshlib::trace_region r("forward");
+///   auto h = meshlib::psum<"model">(matmul(x, w));
+/// });
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
+/// flag when neither tracing nor a Kokkos tool is on.
+class trace_region {
+ public:
+  explicit trace_region(std::string name) {
+    auto& rec = detail::trace_recorder::get();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+    if (kokkos_) Kokkos::Profiling::pushRegion(name);
+#endif
+    if (!rec.on()) return;
+    const detail::device_context* ctx = detail::current_device_slot();
+    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
+    name_ = std::move(name);
+    start_ = rec.now_ns();
+  }
+  ~trace_region() {
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::popRegion();
+#endif
+    if (track_ == nullptr) return;
+    auto& rec = detail::trace_recorder::get();
+    detail::trace_event e;
+    e.name = std::move(name_);
+    e.start_ns = start_;
+    e.end_ns = rec.now_ns();
+    try {
+      rec.record(*track_, std::move(e));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
+    }
+  }
+  trace_region(const trace_region&) = delete;
+  trace_region& operator=(const trace_region&) = delete;
+
+ private:
+  detail::trace_recorder::track* track_ = nullptr;
+  std::string name_;
+  std::int64_t start_ = 0;
+  bool kokkos_ = false;
+};
+
+/// @brief Another name for `trace_region`.
+using scoped_region = trace_region;
+
+}  // namespace meshlib
+// end meshlib/debug/trace_region.hpp
+// begin meshlib/debug/debug_print.hpp
+/// @file
+/// @brief `debug_print(format, values...)` inside `shard_map` / `spmd`, as `jax.debug.print`: every
+/// device prints one line, prefixed with its id and mesh coordinates, in device order, each line
+/// whole. `{}` in the format stands for the next value; a `local_tensor` prints its elements.
+/// @code
+/// meshlib::spmd(m, [&] { meshlib::debug_print("x = {}, step {}", x, step); });
+/// // [device 0 (data=0, model=0)] x = [1, 2], step 3
+/// // [device 1 (data=0, model=1)] x = [3, 4], step 3
+/// @endcode
+///
+/// Every device of the mesh must call it (it is collective, as every SPMD statement): the devices
+/// take turns in id order, one whole-mesh barrier per turn, so lines never interleave and come in
+/// order whatever the thread timing. Outside `shard_map` / `spmd` it prints the line once, unprefixed.
+/// In multi-process runs each process prints its own devices' lines in turn; how the launcher
+/// merges the processes' outputs is up to it.
+
+#include <cstddef>
+#include <cstdint>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <class T>
+void print_value(std::ostream& os, const T& v) {
+  if constexpr (local_tensor_type<T>) {
+    // Elements in row-major order, nested by dimension: [[1, 2], [3, 4]].
+    const auto shape = v.shape();
+    std::array<std::size_t, T::rank> idx{};
+    const std::size_t n = v.size();
+    if (n == 0) {
+      os << "[]";
+      return;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      std::size_t open = 0;
+      for (std::size_t d = T::rank; d-- > 0 && idx[d] == 0;) ++open;
+      if (k != 0) os << ", ";
+      for (std::size_t i = 0; i < open; ++i) os << '[';
+      const auto& x = std::apply([&](auto... i) -> decltype(auto) { return v.view()(i...); }, idx);
+      if constexpr (sizeof(x) == 1) os << +x;
+      else os << x;
+      std::size_t close = 0;
+      for (std::size_t d = T::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+        ++close;
+      }
+      for (std::size_t i = 0; i < close; ++i) os << ']';
+    }
+  } else {
+    os << v;
+  }
+}
+
+inline void format_into(std::ostream& os, std::string_view fmt) { os << fmt; }
+
+template <class A, class... Rest>
+void format_into(std::ostream& os, std::string_view fmt, const A& a, const Rest&... rest) {
+  const std::size_t at = fmt.find("{}");
+  if (at == std::string_view::npos) {
+    os << fmt;
+    return;
+  }
+  os << fmt.substr(0, at);
+  print_value(os, a);
+  format_into(os, fmt.substr(at + 2), rest...);
+}
+
+/// Where `debug_print` writes (std::cout unless a test redirects it).
+inline std::ostream*& debug_print_stream() noexcept {
+  static std::ostream* s = &std::cout;
+  return s;
+}
+
+}  // namespace detail
+
+/// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
+/// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
+template <class... Args>
+void debug_print(std::string_view format, const Args&... values) {
+  std::ostringstream line;
+  detail::device_context* ctx = detail::current_device_slot();
+  std::ostream& out = *detail::debug_print_stream();
+  if (ctx == nullptr) {
+    detail::format_into(line, format, values...);
+    line << '\n';
+    out << line.str() << std::flush;
+    return;
+  }
+  std::size_t n = 1;
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) n *= ctx->axis_size(a);
+  line << "[device " << ctx->device() << " (";
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
+  line << ")] ";
+  detail::format_into(line, format, values...);
+  line << '\n';
+  const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
+  detail::unobserved_scope quiet;
+  auto& world = ctx->comm(all);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (d == ctx->device()) out << line.str() << std::flush;
+    std::int32_t turn = 0;
+    world.all_reduce(&turn, 1, datatype::int32, reduce_op::sum);
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/debug/debug_print.hpp
 // begin meshlib/debug/visualize_sharding.hpp
 /// @file
-/// @brief A text picture of which devices hold which block of a 1-D or 2-D global array, in the
-/// spirit of `jax.debug.visualize_array_sharding`.
+/// @brief A text picture of which devices hold which block of a global array, in the spirit of
+/// `jax.debug.visualize_array_sharding`: 1-D and 2-D arrays as a grid of blocks, arrays of higher
+/// rank as a table with one row per device (its coordinates and its block).
 ///
 /// @code
 /// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
@@ -8687,14 +10671,50 @@ inline const bool kokkos_hooks_registered = [] {
 
 namespace meshlib {
 
-/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`: one cell
-/// per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each naming the devices
-/// that hold it and its slice of the global array.
+namespace detail {
+
+/// Rank 3 and up: one row per device, `device | coordinates | block`.
+template <sharding_type S, std::size_t Rank>
+std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) {
+  using Mesh = typename S::mesh_type;
+  const auto& m = sharding.mesh();
+  std::vector<std::array<std::string, 3>> rows{{"device", "coords", "block"}};
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    std::string coords;
+    const auto c = m.coords(dev);
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      coords += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+    std::ostringstream os;
+    os << layout.block_of(dev);
+    rows.push_back({std::to_string(dev), coords, os.str()});
+  }
+  std::array<std::size_t, 3> w{};
+  for (const auto& r : rows)
+    for (std::size_t k = 0; k < 3; ++k) w[k] = std::max(w[k], r[k].size());
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t k = 0; k < 3; ++k) line += (k ? " | " : "") + r[k] + std::string(w[k] - r[k].size(), ' ');
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
+/// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
+/// naming the devices that hold it and its slice of the global array. Rank 3 and up: one row per
+/// device with its mesh coordinates and its block.
 /// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
 template <sharding_type S, std::size_t Rank>
 std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
-  static_assert(Rank == 1 || Rank == 2, "meshlib: visualize_sharding draws 1-D and 2-D arrays only");
+  static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
   const shard_layout<S, Rank> layout(sharding, global_shape);
+  if constexpr (Rank > 2) {
+    return detail::block_table(sharding, layout);
+  } else {
   const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
   const std::size_t cols = sharding.num_shards(Rank - 1);
 
@@ -8730,10 +10750,100 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
     out += a + "\n" + b + "\n" + rule;
   }
   return out;
+  }
 }
 
 }  // namespace meshlib
 // end meshlib/debug/visualize_sharding.hpp
+// begin meshlib/debug/describe.hpp
+/// @file
+/// @brief One-line type descriptions and plan descriptions, as JAX prints avals
+/// (`f32[8@data,4@model]`), and `visualize` for any sharded tensor.
+/// @code
+/// meshlib::describe(x);      // "f32[8@data,4]": dim 0 split over 'data', dim 1 replicated
+/// meshlib::visualize(x);     // that line, then the picture of the blocks (visualize_sharding)
+/// meshlib::describe(meshlib::plan_reshard<meshlib::P<meshlib::none, "data">>(x));
+/// // reshard P<"data", none> -> P<none, "data">: 1 step(s), 48 bytes in all
+/// //   1. all_to_all over 'data' along dims 1 <-> 0 -> P<none, "data">
+/// //      bytes sent: device 0: 24, device 1: 24
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// JAX's short dtype names.
+template <class T>
+constexpr const char* short_dtype_name() noexcept {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, double>) return "f64";
+  else if constexpr (std::is_same_v<T, bfloat16>) return "bf16";
+  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
+  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
+  else if constexpr (std::is_same_v<T, std::int16_t>) return "i16";
+  else if constexpr (std::is_same_v<T, std::int8_t>) return "i8";
+  else if constexpr (std::is_same_v<T, std::uint32_t>) return "u32";
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
+  else if constexpr (std::is_same_v<T, bool>) return "bool";
+  else return "?";
+}
+
+}  // namespace detail
+
+/// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
+/// split it (`@(data,model)` for several; nothing for a replicated dimension).
+template <sharded_tensor_type X>
+[[nodiscard]] std::string describe(const X& x) {
+  using S = typename X::sharding_type;
+  using Mesh = typename X::mesh_type;
+  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
+  for (std::size_t d = 0; d < X::rank; ++d) {
+    s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
+    const std::size_t k = S::dim_axis_count(d);
+    const auto axes = S::dim_axes(d);
+    if (k == 0) continue;
+    s += k == 1 ? "@" : "@(";
+    for (std::size_t j = 0; j < k; ++j) s += (j ? "," : "") + std::string(Mesh::axis_names[axes[j]]);
+    if (k > 1) s += ")";
+  }
+  return s + "]";
+}
+
+/// @brief Every step of a reshard plan and the bytes each device sends in it.
+[[nodiscard]] inline std::string describe(const reshard_plan& plan) {
+  std::ostringstream os;
+  std::size_t devices = 0;
+  for (const auto& st : plan.steps()) devices = std::max(devices, st.bytes_sent.size());
+  const std::string head = plan.to_string();
+  os << head.substr(0, head.find('\n')) << ' ' << plan.steps().size() << " step(s), " << plan.total_bytes_sent()
+     << " bytes sent in all\n";
+  std::size_t i = 0;
+  for (const auto& st : plan.steps()) {
+    os << "  " << ++i << ". " << st.description << "\n     bytes sent:";
+    for (std::size_t d = 0; d < st.bytes_sent.size(); ++d) os << (d ? "," : "") << " device " << d << ": " << st.bytes_sent[d];
+    if (st.bytes_sent.empty()) os << " none";
+    os << '\n';
+  }
+  return os.str();
+}
+
+/// @brief `describe(x)` on one line, then the blocks of `x` (`visualize_sharding`): a grid for 1-D
+/// and 2-D arrays, one row per device for higher ranks.
+template <sharded_tensor_type X>
+[[nodiscard]] std::string visualize(const X& x) {
+  return describe(x) + "\n" + visualize_sharding(x.sharding(), x.global_shape());
+}
+
+}  // namespace meshlib
+// end meshlib/debug/describe.hpp
 // end meshlib/debug.hpp
 // end meshlib.hpp
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP

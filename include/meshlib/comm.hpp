@@ -8,6 +8,7 @@
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"

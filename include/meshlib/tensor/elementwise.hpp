@@ -26,6 +26,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
@@ -299,7 +300,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -314,8 +317,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }

@@ -15,18 +15,15 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/nn/random.hpp"
+
 namespace meshlib::nn {
 namespace detail {
 
-/// SplitMix64 (Steele, Lea, Flood 2014): a counter-based 64-bit mixer, fully specified, so the
+/// SplitMix64 (Steele, Lea, Flood 2014), the mixer of nn/random.hpp: fully specified, so the
 /// permutation does not depend on the standard library (std::shuffle and the std distributions
 /// are implementation-defined and differ between libstdc++ and libc++).
-inline std::uint64_t splitmix64(std::uint64_t x) noexcept {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+inline std::uint64_t splitmix64(std::uint64_t x) noexcept { return mix64(x); }
 
 /// A uniform integer in [0, range) from the stream keyed by `key`: draws below 2^64 mod range are
 /// rejected so that every residue is equally likely (arc4random_uniform's method).

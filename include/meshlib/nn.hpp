@@ -1,0 +1,21 @@
+#pragma once
+/// @file
+/// @brief meshlib's training layer: layers with forward and backward, losses, optimizers and
+/// schedules, data-parallel gradient synchronisation, ZeRO-1, `train_state` / `train_step`, and the
+/// data pipeline. See docs/training.md.
+
+#include "meshlib/nn/random.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/layers/dense.hpp"
+#include "meshlib/nn/layers/activation.hpp"
+#include "meshlib/nn/layers/layer_norm.hpp"
+#include "meshlib/nn/layers/dropout.hpp"
+#include "meshlib/nn/loss.hpp"
+#include "meshlib/nn/sequential.hpp"
+#include "meshlib/nn/collective_transpose.hpp"
+#include "meshlib/nn/schedule.hpp"
+#include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/grad_sync.hpp"
+#include "meshlib/nn/data.hpp"
+#include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/checkpoint.hpp"

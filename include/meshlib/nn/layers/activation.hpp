@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// @brief Elementwise activations with forward and backward: `relu` and `gelu` (tanh form, as
+/// `jax.nn.gelu(approximate=True)`). Elementwise maps keep the sharding, so the cotangent has the
+/// input's type and no communication happens in either direction.
+/// @code
+/// meshlib::nn::relu<float> act(mesh.size());
+/// // inside spmd: auto h = act.forward(x); ... auto dx = act.backward(dh);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The shared body of elementwise activations: `Fn::f(x)` forward, `Fn::df(x)` its derivative.
+template <class T, class Fn>
+class elementwise_activation {
+ public:
+  explicit elementwise_activation(std::size_t devices) : saved_(devices), out_(devices), dx_(devices) {}
+  template <class Mesh>
+  explicit elementwise_activation(const Mesh& mesh) : elementwise_activation(mesh.size()) {}
+
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
+    const std::size_t dev = x.device(), n = x.size();
+    saved_[dev] = x.data();
+    T* y = out_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) y[i] = Fn::f(x.data()[i]);
+    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+  }
+
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), n = dy.size();
+    const T* x = saved_[dev];
+    T* dx = dx_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * Fn::df(x[i]);
+    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+  }
+
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  std::vector<const T*> saved_;
+  device_buffers<T> out_, dx_;
+};
+
+struct relu_fn {
+  template <class T>
+  static T f(T x) { return x > T{0} ? x : T{0}; }
+  template <class T>
+  static T df(T x) { return x > T{0} ? T{1} : T{0}; }
+};
+
+struct gelu_fn {
+  static constexpr double c = 0.7978845608028654;  // sqrt(2 / pi)
+  template <class T>
+  static T f(T x) {
+    const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
+    return T(0.5) * x * (T{1} + std::tanh(u));
+  }
+  template <class T>
+  static T df(T x) {
+    const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
+    const T t = std::tanh(u);
+    const T du = static_cast<T>(c) * (T{1} + T(3 * 0.044715) * x * x);
+    return T(0.5) * (T{1} + t) + T(0.5) * x * (T{1} - t * t) * du;
+  }
+};
+}  // namespace detail
+
+/// @brief `max(x, 0)`.
+template <class T>
+using relu = detail::elementwise_activation<T, detail::relu_fn>;
+/// @brief `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+template <class T>
+using gelu = detail::elementwise_activation<T, detail::gelu_fn>;
+
+}  // namespace meshlib::nn

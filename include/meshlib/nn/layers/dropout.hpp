@@ -1,0 +1,74 @@
+#pragma once
+/// @file
+/// @brief `dropout` with a mesh-invariant mask: element `(r, c)` of the *global* activation is kept
+/// iff `uniform(key.fold_in(step).fold_in(id), r * cols + c) >= rate`, computed by whichever device
+/// holds it, so a sharded activation drops exactly the elements the single-device run drops
+/// (`flax.linen.Dropout`, but with JAX's values independent of the sharding). Identity in evaluation.
+/// @code
+/// meshlib::nn::dropout<float> drop(m, "drop1", 0.1f);
+/// // train_step calls begin_step(key, true) on the model; then inside spmd: auto y = drop.forward(x);
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/random.hpp"
+
+namespace meshlib::nn {
+
+/// @brief Inverted dropout: kept elements are scaled by `1 / (1 - rate)`.
+template <class T>
+class dropout {
+ public:
+  template <mesh_type Mesh>
+  dropout(const Mesh& mesh, const std::string& name, float rate)
+      : id_(detail::name_id(name)), rate_(rate), mask_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {}
+
+  /// The step's key and mode (called by `sequential::begin_step` before the devices run).
+  void begin_step(rng_key key, bool train) {
+    key_ = key.fold_in(id_);
+    train_ = train;
+  }
+
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
+    if (!train_ || rate_ <= 0.0f) return x;
+    const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
+    const std::size_t gcols = x.global_extent(1);
+    T* mask = mask_.get(dev, rows * cols);
+    T* y = out_.get(dev, rows * cols);
+    const T keep = T{1} / static_cast<T>(1.0f - rate_);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) {
+        const std::uint64_t g = static_cast<std::uint64_t>((r0 + i) * gcols + c0 + j);
+        mask[i * cols + j] = uniform(key_, g) >= rate_ ? keep : T{0};
+        y[i * cols + j] = x.data()[i * cols + j] * mask[i * cols + j];
+      }
+    return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+  }
+
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    if (!train_ || rate_ <= 0.0f) return dy;
+    const std::size_t dev = dy.device(), n = dy.size();
+    const T* mask = mask_.get(dev, n);
+    T* dx = dx_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * mask[i];
+    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+  }
+
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  std::uint64_t id_;
+  float rate_;
+  rng_key key_{};
+  bool train_ = false;
+  detail::device_buffers<T> mask_, out_, dx_;
+};
+
+}  // namespace meshlib::nn

@@ -1,0 +1,102 @@
+#pragma once
+/// @file
+/// @brief `layer_norm`: normalises each row over its features, `y = (x - mean) / sqrt(var + eps) * g + b`
+/// (`flax.linen.LayerNorm`), with forward and backward. The features must not be sharded (a
+/// compile error says so): the row statistics are then local, and the cotangent has the input's type.
+/// @code
+/// meshlib::nn::layer_norm<float, mesh_t> ln(m, "ln1", 1024);
+/// // inside spmd: auto y = ln.forward(x);  ...  auto dx = ln.backward(dy);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/parameter.hpp"
+
+namespace meshlib::nn {
+
+/// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
+template <class T, mesh_type Mesh>
+class layer_norm {
+ public:
+  using sharding = named_sharding<Mesh, P<none>>;
+  parameter<T, 1, sharding> g, b;
+
+  layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
+             std::span<const std::size_t> local_devices = {})
+      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
+        b(name + ".b", sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices),
+        eps_(eps),
+        xhat_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
+                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                  "feature dimension first");
+    const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
+    T* xh = xhat_.get(dev, rows * n + rows);  // xhat, then 1/std per row
+    T* rstd = xh + rows * n;
+    T* y = out_.get(dev, rows * n);
+    const T* gv = g.value.local(dev).data();
+    const T* bv = b.value.local(dev).data();
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* xi = x.data() + i * n;
+      T mean = 0, var = 0;
+      for (std::size_t j = 0; j < n; ++j) mean += xi[j];
+      mean /= static_cast<T>(n);
+      for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
+      var /= static_cast<T>(n);
+      rstd[i] = T{1} / std::sqrt(var + eps_);
+      for (std::size_t j = 0; j < n; ++j) {
+        xh[i * n + j] = (xi[j] - mean) * rstd[i];
+        y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
+      }
+    }
+    return X(typename X::view_type(y, rows, n), x.mesh(), dev);
+  }
+
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
+    const T* xh = xhat_.get(dev, rows * n + rows);
+    const T* rstd = xh + rows * n;
+    const T* gv = g.value.local(dev).data();
+    T* gg = g.grad.local(dev).data();
+    T* gb = b.grad.local(dev).data();
+    T* dx = dx_.get(dev, rows * n);
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* d = dy.data() + i * n;
+      T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
+      for (std::size_t j = 0; j < n; ++j) {
+        const T dxh = d[j] * gv[j];
+        s1 += dxh;
+        s2 += dxh * xh[i * n + j];
+        gg[j] += d[j] * xh[i * n + j];
+        gb[j] += d[j];
+      }
+      s1 /= static_cast<T>(n);
+      s2 /= static_cast<T>(n);
+      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
+    }
+    return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
+  }
+
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(g.ref());
+    out.push_back(b.ref());
+  }
+
+ private:
+  T eps_;
+  detail::device_buffers<T> xhat_, out_, dx_;
+};
+
+}  // namespace meshlib::nn

@@ -1,0 +1,116 @@
+#pragma once
+/// @file
+/// @brief `softmax_cross_entropy`: the mean over the *global* batch of `-log softmax(logits)[label]`,
+/// with its gradient, for logits whose rows (the batch) are sharded over the data axis and whose
+/// columns (the classes) may be sharded over a model axis. Sharded classes are never gathered: the
+/// row maximum is a `pmax`, the normaliser and the target logit are `psum`s of one number per row
+/// over the axes that shard the classes (read from the logits' type), as Megatron's vocab-parallel
+/// cross-entropy does.
+///
+/// Each device's `loss` is its rows' share of the mean (a pending sum over the data axis); the
+/// gradient `(softmax - onehot) / global_batch` has the logits' type.
+/// @code
+/// meshlib::nn::softmax_cross_entropy<float> ce(mesh.size());
+/// // inside spmd, logits (B/4, 10) varying over data:
+/// auto r = ce.forward(logits, my_labels, 256);   // r.loss: this device's share; r.correct: argmax hits
+/// auto dlogits = ce.backward(logits);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+
+namespace meshlib::nn {
+
+/// @brief What one device's rows contribute (see the file comment).
+struct loss_part {
+  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
+  std::size_t correct = 0;    ///< rows whose target logit is the row maximum
+};
+
+/// @brief Softmax cross-entropy on (possibly class-sharded) logits (see the file comment).
+template <class T>
+class softmax_cross_entropy {
+ public:
+  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), rows_(devices) {}
+  template <mesh_type Mesh>
+  explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
+
+  /// Loss of this device's rows; `labels[i]` is the class of local row `i`; `global_batch` the
+  /// number of rows over all data devices (the mean's denominator). Keeps the gradient for `backward`.
+  /// @throws std::out_of_range when a label is not a class index.
+  template <local_tensor_type Z>
+  loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    static_assert(Z::rank == 2 && Z::partial == 0,
+                  "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
+    constexpr axis_mask class_axes = Z::dims_type::at(1);
+    const std::size_t dev = logits.device(), rows = logits.extent(0), cols = logits.extent(1);
+    if (labels.size() != rows)
+      throw sharding_error("meshlib::nn: softmax_cross_entropy: " + std::to_string(labels.size()) + " labels for " +
+                           std::to_string(rows) + " rows of logits on device " + std::to_string(dev));
+    const std::size_t col0 = detail::global_offset(logits, 1);
+    const std::size_t classes = cols * logits.mesh().axes_size(class_axes);
+    T* g = grad_.get(dev, rows * cols + 3 * rows);
+    T* mx = g + rows * cols;  // per row: max, then normaliser, then target logit
+    T* sum = mx + rows;
+    T* tgt = sum + rows;
+    const T* z = logits.data();
+    for (std::size_t i = 0; i < rows; ++i) {
+      if (labels[i] < 0 || static_cast<std::size_t>(labels[i]) >= classes)
+        throw std::out_of_range("meshlib::nn: softmax_cross_entropy: label " + std::to_string(labels[i]) + " of row " +
+                                std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
+                                std::to_string(classes) + ")");
+      T m = -std::numeric_limits<T>::infinity();
+      for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
+      mx[i] = m;
+    }
+    if constexpr (class_axes != 0) reduce(mx, rows, class_axes, reduce_op::max);
+    for (std::size_t i = 0; i < rows; ++i) {
+      T s = 0;
+      for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
+      sum[i] = s;
+      const std::size_t l = static_cast<std::size_t>(labels[i]);
+      tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
+    }
+    if constexpr (class_axes != 0) reduce(sum, 2 * rows, class_axes, reduce_op::sum);  // normaliser and target
+    loss_part out;
+    const T inv_b = T{1} / static_cast<T>(global_batch);
+    for (std::size_t i = 0; i < rows; ++i) {
+      out.loss += (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / static_cast<double>(global_batch);
+      out.correct += tgt[i] >= mx[i] ? 1 : 0;
+      const std::size_t l = static_cast<std::size_t>(labels[i]);
+      const T inv = T{1} / sum[i];
+      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
+      if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
+    }
+    rows_[dev] = rows;
+    return out;
+  }
+
+  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
+  template <local_tensor_type Z>
+  Z backward(const Z& logits) {
+    const std::size_t dev = logits.device();
+    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
+    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
+  }
+
+ private:
+  static void reduce(T* buf, std::size_t n, axis_mask axes, reduce_op op) {
+    meshlib::detail::current_device("softmax_cross_entropy").comm(axes).all_reduce(buf, n, datatype_of<T>, op);
+  }
+  detail::device_buffers<T> grad_;
+  std::vector<std::size_t> rows_;
+};
+
+}  // namespace meshlib::nn

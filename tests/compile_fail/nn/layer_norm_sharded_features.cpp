@@ -1,0 +1,14 @@
+// layer_norm over features sharded over "model" (the output of a column-parallel layer) would
+// normalise each shard on its own: refused at compile time.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+using x_t = meshlib::entry_local_t<float, 2, meshlib::named_sharding<mesh_t, meshlib::P<"data">>>;
+
+void check(meshlib::nn::column_dense<float, mesh_t>& fc, meshlib::nn::layer_norm<float, mesh_t>& ln, const x_t& x) {
+  auto h = fc.forward(x);  // (B, H/m), features sharded over "model"
+  ln.forward(h);
+}
+
+int main() {}

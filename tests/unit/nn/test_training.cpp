@@ -1,0 +1,156 @@
+// Training on a synthetic problem: per-step losses do not depend on the mesh, ZeRO-1 equals the
+// replicated optimizer, k micro-batches equal one batch, bucketing issues the expected number of
+// collectives, bad batches are refused with a clear error.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+#include "message_of.hpp"
+
+namespace {
+
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+namespace nn = meshlib::nn;
+
+constexpr std::size_t features = 12, hidden = 16, classes = 4, batch = 32;
+
+/// A learnable synthetic problem: the class is the argmax of four fixed projections.
+nn::dataset synthetic(std::size_t count) {
+  nn::dataset ds;
+  ds.count = count;
+  ds.features = features;
+  ds.classes = classes;
+  ds.x.resize(count * features);
+  ds.y.resize(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    double best = -1e9;
+    for (std::size_t f = 0; f < features; ++f)
+      ds.x[i * features + f] = static_cast<float>(0.5 + 0.5 * std::sin(1.7 * static_cast<double>(i * features + f) + 0.3));
+    for (std::size_t c = 0; c < classes; ++c) {
+      double s = 0;
+      for (std::size_t f = 0; f < features; ++f) s += ds.x[i * features + f] * std::cos(static_cast<double>(c * 7 + f));
+      if (s > best) {
+        best = s;
+        ds.y[i] = static_cast<std::int32_t>(c);
+      }
+    }
+  }
+  return ds;
+}
+
+auto make_net(const mesh_t& m) {
+  const nn::rng_key key{11};
+  return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", features, hidden, key), nn::relu<float>(m),
+                        nn::row_dense<float, mesh_t>(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
+                        nn::dense<float, mesh_t>(m, "fc3", hidden, classes, key));
+}
+
+std::vector<double> run(const mesh_t& m, nn::optimizer opt, nn::train_options o, std::size_t steps = 6) {
+  const auto ds = synthetic(batch * steps);
+  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11});
+  std::vector<double> losses;
+  for (std::size_t s = 0; s < steps; ++s) {
+    const auto r = nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                                  std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch);
+    losses.push_back(r.loss);
+  }
+  return losses;
+}
+
+void require_close(const std::vector<double>& a, const std::vector<double>& b, double rel) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i << ": " << a[i] << " vs " << b[i]);
+    REQUIRE(std::abs(a[i] - b[i]) <= rel * std::abs(b[i]));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("per-step losses agree on every mesh shape (data, tensor and hybrid parallel)", "[nn][training]") {
+  for (const auto& opt : {nn::adam(nn::constant(1e-2f)), nn::sgd(nn::warmup_cosine(5e-2f, 2, 6), 0.9f),
+                          nn::adamw(nn::constant(1e-2f), 1e-2f)}) {
+    INFO(opt.name());
+    const auto ref = run(mesh_t{1, 1}, opt, {});
+    CHECK(ref.back() < ref.front());  // it learns
+    for (auto [d, mo] : {std::pair<std::size_t, std::size_t>{8, 1}, {4, 2}, {2, 4}, {1, 8}}) {
+      INFO("mesh (" << d << ", " << mo << ")");
+      require_close(run(mesh_t{d, mo}, opt, {}), ref, 1e-5);
+    }
+  }
+}
+
+TEST_CASE("ZeRO-1 gives the replicated optimizer's losses with 1/n of its state", "[nn][training][zero]") {
+  auto opt = nn::adamw(nn::constant(1e-2f), 1e-2f);
+  opt.clip_norm = 0.5f;  // clipping over the shards too
+  const auto ref = run(mesh_t{4, 2}, opt, {});
+  require_close(run(mesh_t{4, 2}, opt, {.zero = true}), ref, 1e-6);
+  require_close(run(mesh_t{2, 1}, opt, {.zero = true}), ref, 1e-5);
+  const mesh_t m{4, 2};
+  nn::train_state replicated(m, make_net(m), opt, {});
+  nn::train_state sharded(m, make_net(m), opt, {.zero = true});
+  CHECK(sharded.optimizer_state_size(0) == (replicated.optimizer_state_size(0) / 2 + 3) / 4 * 2);
+}
+
+TEST_CASE("k micro-batches of b rows equal one step of k*b rows", "[nn][training][accumulation]") {
+  const auto opt = nn::adam(nn::constant(1e-2f));
+  const auto ref = run(mesh_t{2, 2}, opt, {.accumulation = 1});
+  require_close(run(mesh_t{2, 2}, opt, {.accumulation = 4}), ref, 1e-5);
+  require_close(run(mesh_t{1, 1}, opt, {.accumulation = 2}), ref, 1e-5);
+}
+
+TEST_CASE("gradient buckets: the bucket size sets the number of collectives, not the result", "[nn][training][buckets]") {
+  const auto opt = nn::adam(nn::constant(1e-2f));
+  const auto ref = run(mesh_t{4, 2}, opt, {.bucket_elements = 0}, 2);
+  require_close(run(mesh_t{4, 2}, opt, {.bucket_elements = 100}, 2), ref, 1e-6);
+  const mesh_t m{4, 1};
+  nn::train_state state(m, make_net(m), opt, {.bucket_elements = 100});
+  const auto ds = synthetic(batch);
+  nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), batch, 0, batch);
+  // fc1 12x16+16, fc2 16x16+16, fc3 16x4+4 = 548 gradient elements per device: 6 buckets of <= 100.
+  CHECK(state.sync().collectives(0) == 6);
+}
+
+TEST_CASE("gradients reduced in bfloat16 on the wire stay close to float", "[nn][training][precision]") {
+  const auto opt = nn::adam(nn::constant(1e-2f));
+  const auto ref = run(mesh_t{4, 1}, opt, {}, 3);
+  const mesh_t m{4, 1};
+  nn::train_state<mesh_t, decltype(make_net(m)), "data", meshlib::bfloat16> state(m, make_net(m), opt, {});
+  const auto ds = synthetic(batch * 3);
+  std::vector<double> got;
+  for (std::size_t s = 0; s < 3; ++s)
+    got.push_back(nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                                 std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch)
+                      .loss);
+  CHECK(got[0] == ref[0]);  // the first loss comes before any update
+  require_close(got, ref, 2e-2);
+}
+
+TEST_CASE("a batch the data axis cannot split is refused before any device runs", "[nn][training][errors]") {
+  const mesh_t m{4, 2};
+  nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-3f)), {.accumulation = 2});
+  const auto ds = synthetic(12);
+  const auto msg = meshlib_test::message_of<meshlib::sharding_error>([&] {
+    nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), 12, 0, 12);
+  });
+  CHECK(msg ==
+        "meshlib::nn: train_step: the global batch of 12 rows does not split evenly over the 4 devices of the data "
+        "axis x 2 accumulation steps; choose a batch size that is a multiple of 8");
+  CHECK(state.step == 0);
+}
+
+TEST_CASE("a label outside the classes names the row and the device", "[nn][training][errors]") {
+  const mesh_t m{2, 1};
+  nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-3f)), {});
+  auto ds = synthetic(batch);
+  ds.y[20] = 9;
+  const auto msg = meshlib_test::message_of<meshlib::device_error>([&] {
+    nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), batch, 0, batch);
+  });
+  CHECK(msg.find("label 9 of row 4 on device 1 is not in [0, 4)") != std::string::npos);
+}
