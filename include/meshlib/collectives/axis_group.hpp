@@ -2,7 +2,7 @@
 #pragma once
 /// @file
 /// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
-/// tuple `axis_name=('i', 'j')`. The group position of a device is row-major over the axes *in the
+/// tuple `axis_name=("i", "j")`. The group position of a device is row-major over the axes *in the
 /// order written*, which may differ from the mesh's order; `axis_index<"i", "j">()` returns it.
 /// @code
 /// // mesh<axis<"i">, axis<"j">>, sizes 2 x 3: device (i, j) is at position j * 2 + i of ("j", "i")
@@ -125,7 +125,7 @@ void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<st
 }  // namespace detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
-/// the order written (JAX's `lax.axis_index(('i', 'j'))`). One axis: see `axis_index<"i">()`.
+/// the order written (JAX's `lax.axis_index(("i", "j"))`). One axis: see `axis_index<"i">()`.
 /// @throws spmd_context_error outside `shard_map` / `spmd`, or for an axis the running mesh lacks.
 template <fixed_string A, fixed_string B, fixed_string... More>
 [[nodiscard]] std::size_t axis_index() {

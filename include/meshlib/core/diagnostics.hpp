@@ -11,7 +11,7 @@
 /// `meshlib::diagnostic::axis<'d', 'a', 't', 'a'>`.
 ///
 /// Why a function and not a struct: a struct whose `static_assert` fails is an invalid type on
-/// Clang, and every later use of it (`::value`) is a second, third, fourth error. A function whose
+/// Clang, and every later use of it (`T::value`) is a second, third, fourth error. A function whose
 /// body fails still returns, so the caller carries on quietly with a `false` and the user reads one
 /// error (stdexec's diagnose functions).
 /// @code
