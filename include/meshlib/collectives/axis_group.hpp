@@ -28,7 +28,9 @@ namespace meshlib {
 template <fixed_string... Names>
 struct axis_group {
   static_assert(sizeof...(Names) > 0, "meshlib: axis_group needs at least one axis: axis_group<\"data\">");
+  /// Tag that opts the group into the `axis_group_type` concept checks.
   using is_axis_group = void;
+  /// How many axes the group names.
   static constexpr std::size_t size = sizeof...(Names);
 };
 

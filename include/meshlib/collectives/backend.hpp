@@ -36,8 +36,10 @@ namespace meshlib {
 /// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
 /// @endcode
 struct thread_backend {
+  /// Options of each call's `thread_world` (timeout, spin policy), passed to `run_on_threads`.
   thread_comm_options options{};
 
+  /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     run_on_threads(
@@ -49,6 +51,7 @@ struct thread_backend {
         options);
   }
 
+  /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     std::vector<std::size_t> d(n);
     std::iota(d.begin(), d.end(), std::size_t{0});

@@ -33,11 +33,15 @@ class spmd_context_error : public error {
 /// @endcode
 class device_error : public error {
  public:
+  /// @brief Wraps the exception `cause` thrown on `device`; `what` is the message naming the device.
   device_error(std::size_t device, std::exception_ptr cause, const std::string& what)
       : error(what), device_(device), cause_(std::move(cause)) {}
 
+  /// The index of the device whose body threw.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
+  /// The original exception, for `std::rethrow_exception`.
   [[nodiscard]] std::exception_ptr cause() const noexcept { return cause_; }
+  /// Rethrows the original exception, to catch it by its own type.
   [[noreturn]] void rethrow_cause() const { std::rethrow_exception(cause_); }
 
  private:

@@ -131,6 +131,7 @@ std::string describe_dyn_spec(const dyn_spec& s) {
 
 /// @brief One step of a reshard plan.
 struct reshard_step {
+  /// Which kind of step: a local slice or the collective it runs.
   reshard_kind kind = reshard_kind::local_slice;
   /// Mesh position of the axis the collective runs over (all_gather, all_to_all).
   std::size_t axis = 0;
@@ -155,9 +156,11 @@ struct reshard_step {
 class reshard_plan {
  public:
   reshard_plan() = default;
+  /// @brief A plan from sharding `from` to `to` (both as printed) over `devices` devices, running `steps` in order.
   reshard_plan(std::string from, std::string to, std::size_t devices, std::vector<reshard_step> steps)
       : from_(std::move(from)), to_(std::move(to)), devices_(devices), steps_(std::move(steps)) {}
 
+  /// The steps in the order they run; empty when nothing moves.
   [[nodiscard]] const std::vector<reshard_step>& steps() const noexcept { return steps_; }
   /// True when source and target are the same sharding: nothing runs.
   [[nodiscard]] bool empty() const noexcept { return steps_.empty(); }
@@ -204,6 +207,7 @@ class reshard_plan {
     }
     return os;
   }
+  /// The plan as printed by `operator<<`: one line per step.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;

@@ -52,6 +52,7 @@ class axis_communicators {
 
   /// The device this object belongs to (its rank in the whole-mesh communicator).
   [[nodiscard]] std::size_t device() const noexcept { return static_cast<std::size_t>(world_->rank()); }
+  /// The mesh whose axes the communicators span.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
 
   /// @brief The communicator of this device's group along the axes in `mask`.

@@ -45,8 +45,11 @@ namespace meshlib {
 
 /// @brief A (source, destination) pair of a `ppermute`, as in `jax.lax.ppermute(x, perm=[(0, 1), ...])`.
 struct permute_pair {
+  /// The rank that sends.
   int source = 0;
+  /// The rank that receives what `source` sends.
   int dest = 0;
+  /// Pairs are equal when source and dest both match.
   friend constexpr bool operator==(const permute_pair&, const permute_pair&) = default;
 };
 

@@ -19,6 +19,7 @@ namespace meshlib {
 /// 7-bit mantissa). Arithmetic goes through `float`; conversion from `float` rounds to nearest
 /// even, as NCCL's and PyTorch's `bfloat16` do, and keeps NaNs NaN.
 struct bfloat16 {
+  /// The raw bits: the upper 16 bits of the IEEE float32 value.
   std::uint16_t bits = 0;
 
   constexpr bfloat16() noexcept = default;
@@ -36,6 +37,7 @@ struct bfloat16 {
   }
   /// Bitwise equality (so that determinism tests can compare results bit for bit, NaNs included).
   [[nodiscard]] friend constexpr bool same_bits(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+  /// Prints the value as its float.
   friend std::ostream& operator<<(std::ostream& os, bfloat16 b) { return os << static_cast<float>(b); }
 
  private:

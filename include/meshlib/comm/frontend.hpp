@@ -54,8 +54,11 @@ namespace meshlib {
 template <class Backend, class Request = ready_request, class Context = host_context>
 class communicator_frontend {
  public:
+  /// Tag that opts the communicator into the `communicator` concept.
   using is_communicator = void;
+  /// What the non-blocking calls return (`wait()` / `test()`).
   using request_type = Request;
+  /// The backend state the collectives run on.
   using context_type = Context;
 
   // ---- reducing collectives --------------------------------------------------------------------

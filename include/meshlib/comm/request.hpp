@@ -23,7 +23,9 @@ concept comm_request = requires(R& r) {
 /// communicator): already complete, `wait()` does nothing.
 class ready_request {
  public:
+  /// Returns at once: the operation already finished.
   constexpr void wait() const noexcept {}
+  /// Always true: the operation already finished.
   [[nodiscard]] constexpr bool test() const noexcept { return true; }
 };
 

@@ -239,11 +239,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
  public:
 
   hybrid_communicator() = default;
+  /// Movable: the moved-from communicator is no longer valid.
   hybrid_communicator(hybrid_communicator&&) noexcept = default;
+  /// Move assignment: the moved-from communicator is no longer valid.
   hybrid_communicator& operator=(hybrid_communicator&&) noexcept = default;
   ~hybrid_communicator() { drain_sends(); }
 
+  /// This participant's rank over all processes and threads.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of participants: processes times threads per process (0 when moved from).
   [[nodiscard]] int size() const noexcept { return group_ ? group_->n : 0; }
   /// This device's handle on the members of its group in its own process.
   [[nodiscard]] thread_communicator& local() noexcept { return local_; }
@@ -710,6 +714,7 @@ class hybrid_world {
 
   /// Devices in the world: processes x threads.
   [[nodiscard]] int size() const noexcept { return group_->n; }
+  /// How many threads (devices) each process runs.
   [[nodiscard]] int threads_per_process() const noexcept { return threads_; }
 
   /// The handle of local thread `t` (device `process * T + t`); each once.
@@ -738,6 +743,7 @@ class hybrid_world {
     }
     return first;
   }
+  /// True once a participant of this process failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
   /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
   [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }

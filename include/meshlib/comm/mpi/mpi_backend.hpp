@@ -37,8 +37,10 @@ namespace meshlib {
 
 /// @brief One device per MPI rank of `comm`.
 struct mpi_backend {
+  /// The MPI communicator whose ranks are the devices (one device per rank).
   mpi_communicator comm;
 
+  /// @brief Runs `body(device, communicator)` once, as this rank's device; `n` must equal the number of ranks.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
@@ -51,6 +53,7 @@ struct mpi_backend {
     }
   }
 
+  /// The device this process runs: its own rank.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     check(n);
     return {static_cast<std::size_t>(comm.rank())};
@@ -68,10 +71,14 @@ struct mpi_backend {
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
 struct hybrid_backend {
+  /// The MPI communicator over the processes.
   mpi_communicator comm;
+  /// Threads (devices) per process; the mesh has ranks times threads devices.
   int threads = 1;
+  /// Options of each process's thread world.
   thread_comm_options options{};
 
+  /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
@@ -84,6 +91,7 @@ struct hybrid_backend {
         options);
   }
 
+  /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     check(n);
     std::vector<std::size_t> d;

@@ -104,6 +104,7 @@ struct mpi_comm_options {
     barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
     nonblocking,            ///< MPI's non-blocking collective, polled
   };
+  /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
   large_payload_mode large_payloads = large_payload_mode::automatic;
   /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
   /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
@@ -217,6 +218,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
   /// Number of ranks (0 for an empty handle).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
   /// The adopted `MPI_Comm`, or for a split result meshlib's own.
   [[nodiscard]] MPI_Comm native() const noexcept {
@@ -225,6 +227,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   /// Whether this node runs more ranks than it has cores (decides `large_payload_mode::automatic`).
   [[nodiscard]] bool oversubscribed() const noexcept { return state_ && state_->oversubscribed; }
+  /// The options the communicator was made with.
   [[nodiscard]] const mpi_comm_options& options() const {
     require_valid("options");
     return state_->options;

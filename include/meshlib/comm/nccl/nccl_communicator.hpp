@@ -243,8 +243,11 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     return id;
   }
 
+  /// This GPU's rank in the NCCL communicator (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  /// The number of ranks (0 when moved from).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
   /// The GPU of this participant.
   [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
@@ -252,6 +255,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
   /// NCCL's communicator, for calls meshlib does not wrap.
   [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
+  /// The options the communicator was made with.
   [[nodiscard]] const nccl_comm_options& options() const {
     require_valid("options");
     return state_->options;

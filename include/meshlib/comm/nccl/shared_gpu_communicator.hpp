@@ -150,11 +150,17 @@ class shared_gpu_communicator
   /// @brief Adopts a participant's state (for creation functions and tests).
   explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
 
+  /// This participant's rank (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
+  /// The number of participants (0 when moved from).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->host.size() : 0; }
+  /// The CUDA device this participant uses (-1 when moved from).
   [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The CUDA stream the collectives run on (null when moved from).
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// True once a participant failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
   /// Aborts the group: every participant's pending and later calls fail naming `reason`.
   void abort(std::string_view reason) {

@@ -40,21 +40,28 @@ namespace meshlib {
 
 /// @brief What one poll of a stream event found.
 struct stream_poll {
+  /// Where the operation stands.
   enum class state { pending, complete, failed };
+  /// What this poll found.
   state status = state::pending;
   /// For `failed`: why (NCCL's or CUDA's error text), and whether a peer failed (`comm_aborted`) or
   /// this participant's own call did (`comm_error`).
   std::string error;
+  /// For `failed`: true when a peer failed (`comm_aborted`), false when this call did (`comm_error`).
   bool peer_failed = true;
   /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
   /// is then the whole message, listing each participant's call.
   bool mismatch = false;
 
+  /// Not done yet: poll again.
   [[nodiscard]] static stream_poll pending() { return {}; }
+  /// Done without error.
   [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
+  /// Failed because of `why`; `peer` says whether a peer (true) or this call (false) failed.
   [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
     return {state::failed, std::move(why), peer};
   }
+  /// Failed because participants called different collectives; `message` lists each call.
   [[nodiscard]] static stream_poll mismatched(std::string message) {
     return {state::failed, std::move(message), false, true};
   }
@@ -65,6 +72,7 @@ struct stream_poll {
 template <class Channel>
 class basic_stream_request {
  public:
+  /// The event type the channel records on the stream.
   using event_type = typename Channel::event_type;
 
   /// An empty request: already complete.
@@ -78,7 +86,9 @@ class basic_stream_request {
     if (timeout.count() > 0) deadline_ = std::chrono::steady_clock::now() + timeout;
   }
 
+  /// Movable: the moved-from request no longer waits on anything.
   basic_stream_request(basic_stream_request&& o) noexcept { *this = std::move(o); }
+  /// Move assignment: the moved-from request no longer waits on anything.
   basic_stream_request& operator=(basic_stream_request&& o) noexcept {
     if (this != &o) {
       give_back();

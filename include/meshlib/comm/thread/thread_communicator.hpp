@@ -80,8 +80,10 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   thread_communicator() = default;
   thread_communicator(const thread_communicator&) = delete;
   thread_communicator& operator=(const thread_communicator&) = delete;
+  /// Movable: the moved-from communicator is no longer valid.
   thread_communicator(thread_communicator&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
+  /// Move assignment: the moved-from communicator is no longer valid.
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
       depart();
@@ -809,7 +811,9 @@ class thread_world {
   }
   thread_world(const thread_world&) = delete;
   thread_world& operator=(const thread_world&) = delete;
+  /// Movable: the world's shared state moves with it.
   thread_world(thread_world&&) noexcept = default;
+  /// Move assignment: the world's shared state moves with it.
   thread_world& operator=(thread_world&&) noexcept = default;
   ~thread_world() {
     if (!group_) return;
