@@ -24,10 +24,14 @@ template <fixed_string Name, std::size_t Size = dynamic_extent>
 struct axis {
   static_assert(!Name.empty(), "meshlib: a mesh axis needs a non-empty name");
   static_assert(Size != 0, "meshlib: a mesh axis of static size 0 holds no device");
+  /// Tag that opts the axis into the `mesh_axis` concept.
   using is_mesh_axis = void;  // opt-in tag of the mesh_axis concept
+  /// The axis name, as written in `axis<"data">`.
   static constexpr fixed_string name = Name;
+  /// The compile-time size, or `dynamic_extent` when the size is given at run time.
   static constexpr std::size_t static_size = Size;
 
+  /// Prints `axis<"name">`.
   friend std::ostream& operator<<(std::ostream& os, axis) { return os << "axis<\"" << Name.view() << "\">"; }
 };
 

@@ -63,14 +63,18 @@ class mesh {
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
  public:
+  /// Tag that opts the mesh into the `mesh_type` concept.
   using is_mesh = void;
+  /// The number of axes.
   static constexpr std::size_t ndim = sizeof...(Axes);
+  /// A device coordinate: one index per axis, in mesh order.
   using coord_type = std::array<std::size_t, ndim>;
 
   /// The axis names, in mesh order.
   static constexpr std::array<std::string_view, ndim> axis_names{Axes::name.view()...};
   /// The compile-time sizes (`dynamic_extent` where the size is given at run time).
   static constexpr std::array<std::size_t, ndim> static_sizes{Axes::static_size...};
+  /// How many axes take their size at run time (the constructor's arguments).
   static constexpr std::size_t num_dynamic = ((Axes::static_size == dynamic_extent ? 1 : 0) + ...);
 
   /// Position of the axis called `name`, or `ndim` when the mesh has no such axis.
@@ -79,6 +83,7 @@ class mesh {
       if (axis_names[i] == name) return i;
     return ndim;
   }
+  /// True when the mesh has an axis called `Name`; for `if constexpr` and `requires`.
   template <fixed_string Name>
   static constexpr bool has_axis = find_axis(Name.view()) < ndim;
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
@@ -188,6 +193,7 @@ class mesh {
     }
   }
 
+  /// Meshes of one type are equal when their axis sizes are.
   friend constexpr bool operator==(const mesh& a, const mesh& b) noexcept { return a.sizes_ == b.sizes_; }
 
   /// Prints `mesh{'data': 2, 'model': 4}`, as JAX prints a mesh's shape.
@@ -196,6 +202,7 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) os << (i ? ", " : "") << '\'' << axis_names[i] << "': " << m.sizes_[i];
     return os << '}';
   }
+  /// The mesh as printed by `operator<<`, such as `mesh{'data': 2, 'model': 4}`.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;

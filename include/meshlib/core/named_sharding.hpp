@@ -126,8 +126,11 @@ class named_sharding {
   static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
+  /// Tag that opts the sharding into the `sharding_type` concept.
   using is_named_sharding = void;
+  /// The mesh the sharding places blocks on.
   using mesh_type = Mesh;
+  /// The partition spec: which mesh axes each array dimension is split over.
   using spec_type = Spec;
 
   /// Mesh positions of the axes that split dimension `d`, major to minor.
@@ -165,9 +168,12 @@ class named_sharding {
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;
+  /// @brief The sharding of `Spec` over `mesh`; `rule` says how an extent the axes do not divide is split (see `shard_rule`).
   explicit named_sharding(Mesh mesh, shard_rule rule = shard_rule::even) : mesh_(mesh), rule_(rule) {}
 
+  /// The mesh the blocks lie on.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
+  /// How an extent that the axis size does not divide is split.
   [[nodiscard]] shard_rule rule() const noexcept { return rule_; }
 
   /// Number of shards dimension `d` is split into.
@@ -182,6 +188,7 @@ class named_sharding {
     return i;
   }
 
+  /// Equal when the meshes and rules are equal (the spec is part of the type).
   friend bool operator==(const named_sharding& a, const named_sharding& b) noexcept {
     return a.mesh_ == b.mesh_ && a.rule_ == b.rule_;
   }
@@ -190,6 +197,7 @@ class named_sharding {
     return os << "named_sharding(" << s.mesh_ << ", " << Spec{} << (s.rule_ == shard_rule::uneven ? ", uneven" : "")
               << ')';
   }
+  /// The sharding as printed by `operator<<`: the spec and the mesh.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;

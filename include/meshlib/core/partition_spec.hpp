@@ -22,6 +22,7 @@ namespace meshlib {
 
 /// @brief The value that marks a replicated dimension in a partition spec (JAX's `None`).
 struct none_t {
+  /// All `none` values are equal.
   friend constexpr bool operator==(none_t, none_t) noexcept { return true; }
 };
 /// @brief A replicated dimension in a partition spec: JAX's `None` in `P("data", None)`.
@@ -31,19 +32,26 @@ inline constexpr none_t none{};
 /// A structural type, so specs are template arguments; built implicitly from `"name"` or `none`,
 /// and by `axes(...)` for several axes.
 struct dim_spec {
+  /// The most mesh axes one dimension can be split over.
   static constexpr std::size_t max_axes = 4;
+  /// The longest axis name, NUL included, a dim_spec can hold.
   static constexpr std::size_t max_name = 32;
 
+  /// The axis names, in the order given; the first `count` are used.
   char names[max_axes][max_name] = {};
+  /// How many axes the dimension is split over (0: replicated).
   std::size_t count = 0;
 
   constexpr dim_spec() = default;
+  /// A replicated dimension: `P<none>`.
   constexpr dim_spec(none_t) noexcept {}
+  /// A dimension split over one axis: `P<"data">`.
   template <std::size_t N>
   constexpr dim_spec(const char (&name)[N]) {  // NOLINT: implicit on purpose, P<"data">
     push(name);
   }
 
+  /// Appends axis `name`; used by `axes(...)` to split a dimension over several axes.
   template <std::size_t N>
   constexpr void push(const char (&name)[N]) {
     static_assert(N <= max_name, "meshlib: axis names in a partition spec are limited to 31 characters");
@@ -53,17 +61,22 @@ struct dim_spec {
     ++count;
   }
 
+  /// The name of the `i`-th axis (`i < size()`).
   [[nodiscard]] constexpr std::string_view axis(std::size_t i) const noexcept {
     return std::string_view(names[i]);
   }
+  /// How many axes the dimension is split over.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return count; }
+  /// True when the dimension is not split (`none`).
   [[nodiscard]] constexpr bool replicated() const noexcept { return count == 0; }
+  /// True when the dimension is split over axis `name`.
   [[nodiscard]] constexpr bool uses(std::string_view name) const noexcept {
     for (std::size_t i = 0; i < count; ++i)
       if (axis(i) == name) return true;
     return false;
   }
 
+  /// Equal when they name the same axes in the same order.
   friend constexpr bool operator==(const dim_spec& a, const dim_spec& b) noexcept {
     if (a.count != b.count) return false;
     for (std::size_t i = 0; i < a.count; ++i)
@@ -94,8 +107,11 @@ constexpr dim_spec axes(const char (&... names)[N]) {
 /// @brief A partition spec: entry `i` says how tensor dimension `i` is split.
 template <dim_spec... Dims>
 struct partition_spec {
+  /// Tag that opts the spec into the `partition_spec_type` concept.
   using is_partition_spec = void;
+  /// The number of dimensions the spec describes.
   static constexpr std::size_t size = sizeof...(Dims);
+  /// The per-dimension entries, in dimension order.
   static constexpr std::array<dim_spec, sizeof...(Dims)> dims{Dims...};
 
   /// The entry for dimension `d` (`none` past the end: trailing dimensions are replicated).
@@ -120,6 +136,7 @@ struct partition_spec {
     for (std::size_t i = 0; i < size; ++i) os << (i ? ", " : "") << dims[i];
     return os << '>';
   }
+  /// The spec as `operator<<` prints it, such as `P<"data", none>`.
   static std::string to_string() {
     std::ostringstream os;
     os << partition_spec{};

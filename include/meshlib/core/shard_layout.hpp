@@ -30,7 +30,9 @@ namespace meshlib {
 /// @brief A rectangular block of a global array: an offset and an extent per dimension.
 template <std::size_t Rank>
 struct block {
+  /// Where the block starts in the global array, per dimension.
   std::array<std::size_t, Rank> offset{};
+  /// The block's size per dimension.
   std::array<std::size_t, Rank> extent{};
 
   /// Number of elements.
@@ -45,6 +47,7 @@ struct block {
       if (g[d] < offset[d] || g[d] >= offset[d] + extent[d]) return false;
     return true;
   }
+  /// Blocks are equal when offsets and extents are.
   friend constexpr bool operator==(const block&, const block&) = default;
 
   /// Prints `[0:4, 2:4]` (NumPy slice notation).
@@ -100,7 +103,9 @@ class shard_layout {
   static_assert(S::template check_rank<Rank>());
 
  public:
+  /// A global or local shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// The mesh of the sharding.
   using mesh_type = typename S::mesh_type;
 
   /// @throws sharding_error when a size is negative-converted (above 2^62) or the element count
@@ -121,8 +126,11 @@ class shard_layout {
     }
   }
 
+  /// The sharding the layout was computed for.
   [[nodiscard]] const S& sharding() const noexcept { return sharding_; }
+  /// The shape of the whole (global) array.
   [[nodiscard]] const shape_type& global_shape() const noexcept { return global_; }
+  /// The number of devices of the mesh, each with one block.
   [[nodiscard]] std::size_t num_devices() const noexcept { return sharding_.mesh().size(); }
 
   /// The block device `device` holds.

@@ -117,6 +117,7 @@ inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
 /// @brief Debug mode for a scope; restores the previous state.
 class scoped_debug_mode {
  public:
+  /// Turns debug mode on with `options` until the scope ends.
   explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
     auto& s = detail::debug_state::get();
     std::lock_guard lk(s.m);

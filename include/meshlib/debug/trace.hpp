@@ -56,7 +56,9 @@ namespace meshlib {
 struct trace_summary_row {
   std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
   std::string axes;  ///< "model", "data,model"
+  /// The device this row counts.
   std::size_t device = 0;
+  /// How many calls of the collective this device made.
   std::size_t count = 0;
   std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
   double time_s = 0;      ///< time inside the collective, waiting included
@@ -66,8 +68,11 @@ struct trace_summary_row {
 /// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
 /// wait time; and the slowest device (the one its peers waited for longest). Printable.
 struct trace_summary {
+  /// One row per collective type, axes and device.
   std::vector<trace_summary_row> rows;
+  /// The number of devices traced.
   std::size_t devices = 0;
+  /// Seconds from start to stop of the trace.
   double traced_s = 0;
   /// The device the others waited for longest, when any waited at all.
   std::optional<std::size_t> slowest_device;
@@ -76,6 +81,7 @@ struct trace_summary {
   /// The file written (empty when none was).
   std::string path;
 
+  /// Prints the table: one line per row, then the slowest device.
   friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
     os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
@@ -94,6 +100,7 @@ struct trace_summary {
     os.unsetf(std::ios::floatfield);
     return os;
   }
+  /// The table as `operator<<` prints it.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -442,6 +449,7 @@ inline trace_summary stop_trace() { return detail::trace_recorder::get().stop();
 /// destructor writes the file. Call `stop()` to get the summary earlier.
 class scoped_trace {
  public:
+  /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
   explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
   ~scoped_trace() {
     if (!stopped_) {
@@ -451,6 +459,7 @@ class scoped_trace {
       }
     }
   }
+  /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
   trace_summary stop() {
     stopped_ = true;
     return stop_trace();

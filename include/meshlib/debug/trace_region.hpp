@@ -26,6 +26,7 @@ namespace meshlib {
 /// flag when neither tracing nor a Kokkos tool is on.
 class trace_region {
  public:
+  /// Opens the region `name`; it closes when the object is destroyed.
   explicit trace_region(std::string name) {
     auto& rec = detail::trace_recorder::get();
 #if MESHLIB_DEBUG_HAS_KOKKOS

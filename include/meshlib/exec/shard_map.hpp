@@ -46,7 +46,9 @@ namespace meshlib {
 /// inputs (outputs). A single `P<...>` stands for a list of one.
 template <partition_spec_type... Specs>
 struct specs {
+  /// Tag that opts the list into the `spec_list` checks.
   using is_spec_list = void;
+  /// How many specs the list holds (one per argument or result).
   static constexpr std::size_t size = sizeof...(Specs);
 };
 
@@ -155,6 +157,7 @@ class shard_map_fn {
   static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
 
  public:
+  /// Wraps `fn` to run on every device of `mesh` through `backend`.
   shard_map_fn(Fn fn, const Mesh& mesh, Backend backend) : fn_(std::move(fn)), mesh_(mesh), backend_(std::move(backend)) {}
 
   /// Runs the function on every device. `xs` are global `sharded_tensor`s on this mesh, one per in-spec.
