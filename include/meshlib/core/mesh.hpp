@@ -202,7 +202,7 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) os << (i ? ", " : "") << '\'' << axis_names[i] << "': " << m.sizes_[i];
     return os << '}';
   }
-  /// The mesh as printed by `operator<<`, such as `mesh{'data': 2, 'model': 4}`.
+  /// The mesh as `operator<<` prints it: each axis name with its size, in mesh order.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;

@@ -42,6 +42,7 @@ class grad_sync {
   static_assert(comm_element<Wire>, "meshlib::nn: grad_sync: the wire type must be a communicator element type");
 
  public:
+  /// The element type gradients travel in (narrower than `T` to halve the traffic, e.g. bfloat16).
   using wire_type = Wire;
   grad_sync() = default;
   /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: one bucket).

@@ -43,7 +43,9 @@ struct loss_part {
 template <class T>
 class softmax_cross_entropy {
  public:
+  /// Holds per-device scratch for `devices` devices.
   explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), rows_(devices) {}
+  /// Holds per-device scratch for every device of `mesh`.
   template <mesh_type Mesh>
   explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
 

@@ -21,9 +21,12 @@ enum class optimizer_kind { sgd, adam, adamw };
 
 /// @brief An optimizer's rule and hyperparameters (see the factories below).
 struct optimizer {
+  /// The update rule.
   optimizer_kind kind = optimizer_kind::adam;
+  /// The learning rate per step.
   schedule lr = constant(1e-3f);
   float momentum = 0.0f;      ///< sgd
+  /// adam/adamw: moment decay rates `b1`, `b2` and the denominator's `eps`.
   float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
   float weight_decay = 0.0f;  ///< adamw (decoupled), on parameters marked `decay`
   float clip_norm = 0.0f;     ///< > 0: clip the gradient to this global norm (over every shard)
@@ -31,6 +34,7 @@ struct optimizer {
   /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
   [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
 
+  /// The rule for logs: `sgd(momentum ...)`, `adam` or `adamw(weight decay ...)`.
   [[nodiscard]] std::string name() const {
     switch (kind) {
       case optimizer_kind::sgd: return "sgd(momentum " + std::to_string(momentum) + ")";

@@ -65,27 +65,37 @@ constexpr std::uint64_t name_id(std::string_view name) noexcept {
 /// by device id; `value[d] == nullptr` where device `d` is not local to this process.
 template <class T = float>
 struct param_ref {
+  /// The parameter's name, such as `"layer1.w"`.
   std::string name;
   std::vector<std::size_t> shape;      ///< global shape
   std::string sharding;                ///< printed named_sharding
   std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
   axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
   bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
+  /// per device: the value and gradient blocks, or nullptr where the device is not local.
   std::vector<T*> value, grad;         ///< per device: the block, or nullptr
   std::vector<std::size_t> count;      ///< per device: elements in the block
+  /// per device: where the block lies in the global array (offset) and its size (extent).
   std::vector<std::vector<std::size_t>> offset, extent;  ///< per device: where the block lies
 };
 
 /// @brief A trainable array: value and gradient with sharding `S`.
 template <class T, std::size_t Rank, sharding_type S>
 struct parameter {
+  /// The sharded array type of value and gradient.
   using tensor_type = sharded_tensor<T, Rank, S>;
+  /// A device's block of the value or gradient.
   using local_type = typename tensor_type::local_type;
+  /// The global shape.
   using shape_type = std::array<std::size_t, Rank>;
 
+  /// The parameter's name, used in checkpoints and messages.
   std::string name;
+  /// The current value.
   tensor_type value;
+  /// The gradient of the loss with respect to `value`.
   tensor_type grad;
+  /// Whether AdamW's weight decay applies (true for weights, false for biases and norms).
   bool decay = true;
 
   /// Initialises element `g` to `init(key.fold_in(name_id(name)), g)`; `local_devices` empty: all.

@@ -33,10 +33,13 @@ constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
 /// @brief A random key (JAX's `PRNGKey`): a 64-bit value; `fold_in` derives independent streams
 /// (per parameter id, per step, per layer) as `jax.random.fold_in` does.
 struct rng_key {
+  /// The key's 64 bits.
   std::uint64_t value = 0;
+  /// A new key derived from this one and `data` (as `jax.random.fold_in`); the key itself is unchanged.
   [[nodiscard]] constexpr rng_key fold_in(std::uint64_t data) const noexcept {
     return rng_key{detail::mix64(value ^ detail::mix64(data + 0x632BE59BD9B4E019ull))};
   }
+  /// Keys are equal when their values are.
   friend constexpr bool operator==(rng_key, rng_key) = default;
 };
 

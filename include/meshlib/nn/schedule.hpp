@@ -16,11 +16,16 @@ namespace meshlib::nn {
 /// @brief `lr(step)`: `peak` after a linear warm-up of `warmup` steps, then constant (`total == 0`)
 /// or a cosine decay to `peak * final_fraction` at step `total`.
 struct schedule {
+  /// The learning rate after warm-up.
   float peak = 1e-3f;
+  /// Steps of linear warm-up from `peak / warmup` to `peak`.
   std::size_t warmup = 0;
+  /// The step where the cosine decay ends (0: no decay).
   std::size_t total = 0;
+  /// The final rate as a fraction of `peak`.
   float final_fraction = 0.0f;
 
+  /// The learning rate at `step` (counted from 0).
   [[nodiscard]] float operator()(std::size_t step) const noexcept {
     if (step < warmup) return peak * static_cast<float>(step + 1) / static_cast<float>(warmup);
     if (total == 0) return peak;

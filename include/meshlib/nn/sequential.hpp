@@ -44,15 +44,20 @@ struct backward_cotangent_type_differs_from_input {
 template <class... Layers>
 class sequential {
  public:
+  /// The number of layers.
   static constexpr std::size_t size = sizeof...(Layers);
+  /// The layers, in the order the input goes through them.
   std::tuple<Layers...> layers;
 
+  /// Chains `ls` in order: each layer receives the previous layer's output.
   explicit sequential(Layers... ls) : layers(std::move(ls)...) {}
 
   /// The type layer `I` receives when the network receives `X`.
   template <class X, std::size_t I>
   struct input_of {
+    /// What layer `I - 1` receives.
     using prev = typename input_of<X, I - 1>::type;
+    /// What layer `I - 1` returns, so what layer `I` receives.
     using type = std::remove_cvref_t<decltype(std::declval<std::tuple_element_t<I - 1, std::tuple<Layers...>>&>().forward(
         std::declval<const prev&>()))>;
   };
@@ -62,6 +67,7 @@ class sequential {
     using type = X;  ///< `X` itself
   };
 
+  /// Forward through every layer, first to last; returns the last layer's output.
   template <local_tensor_type X>
   auto forward(const X& x) {
     return forward_from<0>(x);
@@ -79,6 +85,7 @@ class sequential {
     std::apply([&](auto&... l) { (begin_one(l, key, train), ...); }, layers);
   }
 
+  /// Appends every layer's parameters to `out`, in layer order.
   template <class T>
   void collect(std::vector<param_ref<T>>& out) const {
     std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);

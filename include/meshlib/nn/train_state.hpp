@@ -71,20 +71,33 @@ struct step_metrics {
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float>
 class train_state {
  public:
+  /// The element type of parameters and optimizer state.
   using T = float;
+  /// The mesh the model runs on.
   using mesh_type = Mesh;
+  /// The mesh axes of `Data`, over which gradients are averaged.
   static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
   /// The type of a device's block of the input batch: rows sharded over `Data`.
   using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
 
+  /// The mesh the model runs on.
   Mesh mesh;
+  /// The network; its parameters live inside it.
   Model model;
+  /// The update rule and hyperparameters.
   optimizer opt;
+  /// Accumulation, ZeRO and bucketing options.
   train_options options;
+  /// Optimizer steps taken so far.
   std::size_t step = 0;
+  /// The key each step's randomness (dropout) is folded from.
   rng_key key;
+  /// Views of every parameter of `model`, in layer order.
   std::vector<param_ref<T>> params;
 
+  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
+  /// `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `opts.accumulation` is 0.
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : mesh(m),
@@ -116,8 +129,11 @@ class train_state {
   [[nodiscard]] const std::vector<std::size_t>& local_devices() const noexcept { return local_; }
   /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here).
   [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const { return state_.at(dev).size(); }
+  /// The optimizer state of device `dev` (for checkpoints and tests).
   [[nodiscard]] std::vector<float>& optimizer_state(std::size_t dev) { return state_.at(dev); }
+  /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
+  /// The loss function, with the last step's per-device values.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
 
   /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer

@@ -61,11 +61,13 @@ struct batch {
   std::vector<float> x{};         ///< rows * features values, row-major
   std::vector<std::int32_t> y{};  ///< rows labels
   std::size_t rows = 0;           ///< this process's rows
+  /// values per row: `x` holds `rows * features` values
   std::size_t features = 0;
   std::size_t global_offset = 0;  ///< row of the global batch where this process's rows start
   std::size_t global_rows = 0;    ///< rows of the whole global batch (global_batch but for a last,
                                   ///< incomplete batch kept by drop_last = false)
   std::size_t step = 0;           ///< index of the global batch in its epoch
+  /// the epoch this batch belongs to, from 0
   std::size_t epoch = 0;
 
   /// @brief The features of row `r` of this share.
@@ -104,6 +106,7 @@ class data_loader {
   /// @brief Global batches per epoch: count / global_batch, rounded up when drop_last is false.
   [[nodiscard]] std::size_t steps_per_epoch() const noexcept { return steps_; }
 
+  /// The options the loader was made with.
   [[nodiscard]] const loader_options& options() const noexcept { return options_; }
 
   /// @brief True when batches are assembled ahead on oneTBB threads (a oneTBB build and

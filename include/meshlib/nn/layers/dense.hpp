@@ -73,13 +73,20 @@ using transposed_t = with_dims_t<W, dim_masks<W::dims_type::at(1), W::dims_type:
 template <class T, mesh_type Mesh, dense_kind Kind, fixed_string Model = "model">
 class basic_dense {
  public:
+  /// The sharding of the weight: split over `Model` by columns or rows as `Kind` says.
   using w_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::w>;
+  /// The sharding of the bias: split with the weight's output columns, else replicated.
   using b_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::b>;
+  /// The weight, `in x out`.
   using weight_type = parameter<T, 2, w_sharding>;
+  /// The bias, `out`.
   using bias_type = parameter<T, 1, b_sharding>;
+  /// A device's block of the weight.
   using w_local = typename weight_type::local_type;
 
+  /// The weight `W` (`y = x W + b`); its name is `name + ".w"`.
   weight_type w;
+  /// The bias `b`; its name is `name + ".b"`.
   bias_type b;
 
   /// `in -> out` features; W ~ Glorot uniform from `key` (mesh-invariant), b = 0. Parameters are

@@ -24,6 +24,7 @@ namespace meshlib::nn {
 template <class T>
 class dropout {
  public:
+  /// Drops each value with probability `rate` in training; `name` seeds its own random stream.
   template <mesh_type Mesh>
   dropout(const Mesh& mesh, const std::string& name, float rate)
       : id_(detail::name_id(name)), rate_(rate), mask_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {}
@@ -34,6 +35,7 @@ class dropout {
     train_ = train;
   }
 
+  /// Zeroes each value with probability `rate` and scales the rest by `1 / (1 - rate)`; the identity outside training.
   template <local_tensor_type X>
   X forward(const X& x) {
     const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
@@ -52,6 +54,7 @@ class dropout {
     return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
   }
 
+  /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     if (!train_ || rate_ <= 0.0f) return dy;
@@ -62,6 +65,7 @@ class dropout {
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
+  /// Adds nothing: dropout has no parameters.
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:

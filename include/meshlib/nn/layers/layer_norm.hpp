@@ -25,9 +25,12 @@ namespace meshlib::nn {
 template <class T, mesh_type Mesh>
 class layer_norm {
  public:
+  /// Scale and shift are replicated on every device.
   using sharding = named_sharding<Mesh, P<none>>;
+  /// The scale `g` (named `name + ".g"`) and shift `b` (`name + ".b"`), `features` each.
   parameter<T, 1, sharding> g, b;
 
+  /// Normalises `features` values per row; `eps` keeps the division finite. `local_devices`: this process's devices (empty: all).
   layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
              std::span<const std::size_t> local_devices = {})
       : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
@@ -37,6 +40,7 @@ class layer_norm {
         out_(mesh.size()),
         dx_(mesh.size()) {}
 
+  /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
   template <local_tensor_type X>
   X forward(const X& x) {
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
@@ -64,6 +68,7 @@ class layer_norm {
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
+  /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
@@ -90,6 +95,7 @@ class layer_norm {
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 
+  /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
   void collect(std::vector<param_ref<T>>& out) const {
     out.push_back(g.ref());
     out.push_back(b.ref());
