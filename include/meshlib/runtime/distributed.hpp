@@ -48,6 +48,7 @@ struct options {
   /// This process's index; with `num_processes`, overrides detection (and must agree with any
   /// launcher or communicator that is present).
   std::optional<std::size_t> process_id;
+  /// The number of processes; with `process_id`, overrides detection.
   std::optional<std::size_t> num_processes;
   /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
   std::optional<std::size_t> local_device_count;
@@ -225,6 +226,7 @@ inline void shutdown() {
 /// the one that initialised: a guard inside an already initialised program changes nothing.
 class guard {
  public:
+  /// Calls `initialize(opt)`; the guard shuts down at its end only when this call was the one that initialised.
   explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
   guard(const guard&) = delete;
   guard& operator=(const guard&) = delete;

@@ -76,11 +76,16 @@ inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_
 /// @brief What detection found: this process's index, the process count, the local rank on its
 /// node when the launcher says, and which source decided.
 struct launch_info {
+  /// This process's index, from 0.
   std::size_t process_index = 0;
+  /// The number of processes of the job.
   std::size_t process_count = 1;
+  /// The rank on this node, when the launcher says.
   std::optional<std::size_t> local_rank;
+  /// Which launcher's environment (or explicit value) decided.
   launcher source = launcher::none;
 
+  /// Equal when every field is.
   friend bool operator==(const launch_info&, const launch_info&) = default;
   /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
   friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
@@ -114,7 +119,9 @@ inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) 
 
 /// @brief Values given to `initialize` that override or must agree with the environment.
 struct explicit_launch {
+  /// The process index given to `initialize`, if any.
   std::optional<std::size_t> process_id;
+  /// The process count given to `initialize`, if any.
   std::optional<std::size_t> num_processes;
 };
 

@@ -46,6 +46,7 @@ namespace meshlib::mpi {
 /// timeout, and `abort` is `MPI_Abort`.
 class exchange final : public distributed::process_exchange {
  public:
+  /// Exchanges over `comm`'s ranks, one process each.
   explicit exchange(mpi_communicator comm) : comm_(std::move(comm)) {}
   [[nodiscard]] std::size_t rank() const override { return static_cast<std::size_t>(comm_.rank()); }
   [[nodiscard]] std::size_t size() const override { return static_cast<std::size_t>(comm_.size()); }
@@ -71,6 +72,7 @@ class exchange final : public distributed::process_exchange {
 
   [[noreturn]] void abort(int exit_code, std::string_view reason) override { comm_.abort(reason, exit_code); }
 
+  /// The communicator the exchange runs over.
   [[nodiscard]] const mpi_communicator& communicator() const noexcept { return comm_; }
 
  private:
@@ -79,7 +81,9 @@ class exchange final : public distributed::process_exchange {
 
 /// @brief Options of `mpi::initialize`, on top of `distributed::options`.
 struct options {
+  /// The process-level options (`distributed::options`); the process index and count come from MPI.
   distributed::options runtime;
+  /// Options of the `mpi_communicator` made over the processes (timeout, large payloads).
   mpi_comm_options comm;
   /// Install a terminate handler that prints the uncaught exception and calls `MPI_Abort`.
   bool abort_on_uncaught_exception = true;
@@ -183,6 +187,7 @@ inline void finalize() {
 /// Only the guard that initialised finalises: a guard in an initialised program changes nothing.
 class guard {
  public:
+  /// Calls `initialize(comm, opt)`; the guard finalises at its end only when this call was the one that initialised.
   explicit guard(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {})
       : owner_(!detail::mpi_state().ex) {
     initialize(comm, opt);

@@ -34,10 +34,15 @@ namespace meshlib::distributed {
 
 /// @brief Rows `[begin, end)` of dimension 0 of a global array.
 struct row_range {
+  /// The first row.
   std::size_t begin = 0;
+  /// One past the last row.
   std::size_t end = 0;
+  /// The number of rows, `end - begin`.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
+  /// Equal when begin and end are.
   friend constexpr bool operator==(const row_range&, const row_range&) = default;
+  /// Prints `[begin, end)`.
   friend std::ostream& operator<<(std::ostream& os, const row_range& r) { return os << '[' << r.begin << ", " << r.end << ')'; }
 };
 

@@ -39,11 +39,15 @@ namespace meshlib {
 /// @brief For each dimension of a local block, the mask of mesh axes that dimension is a block of.
 template <axis_mask... M>
 struct dim_masks {
+  /// Tag by which `local_tensor` checks that its `Dims` is a `dim_masks`.
   using is_dim_masks = void;
+  /// The rank: one mask per dimension.
   static constexpr std::size_t size = sizeof...(M);
+  /// The masks, in dimension order.
   static constexpr std::array<axis_mask, sizeof...(M)> values{M...};
   /// Every axis some dimension is sharded over.
   static constexpr axis_mask all = (axis_mask{0} | ... | M);
+  /// The mask of dimension `d`; 0 (not sharded) for `d` past the rank.
   static constexpr axis_mask at(std::size_t d) noexcept { return d < size ? values[d] : axis_mask{0}; }
 };
 
@@ -109,15 +113,25 @@ class local_tensor {
                 "meshlib: local_tensor: Vary / Partial name axes the mesh does not have");
 
  public:
+  /// Tag that opts the type into the `local_tensor_type` concept.
   using is_local_tensor = void;
+  /// The element type.
   using value_type = T;
+  /// The mesh the block belongs to.
   using mesh_type = Mesh;
+  /// Per dimension, the mesh axes it is a block of (`dim_masks`).
   using dims_type = Dims;
+  /// The Kokkos memory space the block lives in.
   using memory_space = Space;
+  /// The block's storage: a row-major `Kokkos::View` in `Space`.
   using view_type = detail::block_view_t<T, Rank, Space>;
+  /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// The number of dimensions.
   static constexpr std::size_t rank = Rank;
+  /// The mesh axes over which the value differs from device to device.
   static constexpr axis_mask vary = Vary;
+  /// The mesh axes over which the value is a pending sum (a `psum` is still due).
   static constexpr axis_mask partial = Partial;
 
   local_tensor() = default;
@@ -127,12 +141,19 @@ class local_tensor {
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
       : view_(detail::allocate<T, Rank, Space>(shape, "meshlib::local_tensor")), mesh_(mesh), device_(device) {}
 
+  /// The block's storage (shared, not copied).
   [[nodiscard]] const view_type& view() const noexcept { return view_; }
+  /// The mesh the block belongs to.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
+  /// The device whose block this is.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
+  /// The block's shape.
   [[nodiscard]] shape_type shape() const { return detail::extents_of(view_); }
+  /// The block's extent in dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return view_.extent(d); }
+  /// The number of elements of the block.
   [[nodiscard]] std::size_t size() const noexcept { return view_.size(); }
+  /// The first element; the block is contiguous, row-major.
   [[nodiscard]] T* data() const noexcept { return view_.data(); }
   /// Size of dimension `d` of the global array this block belongs to (even rule: every block of a
   /// dimension has the same size, as `shard_map` requires).
@@ -152,6 +173,7 @@ class local_tensor {
     return os << "local_tensor<" << detail::describe_shape(t.shape()) << " on device " << t.device_
               << ", vary " << describe_axes<Mesh>(Vary) << ", partial " << describe_axes<Mesh>(Partial) << '>';
   }
+  /// The block as `operator<<` prints it.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;

@@ -80,17 +80,27 @@ class sharded_tensor {
   static_assert(Sharding::template check_rank<Rank>());
 
  public:
+  /// Tag that opts the type into the `sharded_tensor_type` concept.
   using is_sharded_tensor = void;
+  /// The element type.
   using value_type = T;
+  /// How the array is split over the mesh.
   using sharding_type = Sharding;
+  /// The mesh of the sharding.
   using mesh_type = typename Sharding::mesh_type;
+  /// The partition spec of the sharding.
   using spec_type = typename Sharding::spec_type;
+  /// The Kokkos memory space the blocks live in.
   using memory_space = Space;
+  /// A block's storage: a row-major `Kokkos::View` in `Space`.
   using view_type = detail::block_view_t<T, Rank, Space>;
+  /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// Which block of the global array each device holds.
   using layout_type = shard_layout<Sharding, Rank>;
   /// The type of a block inside `shard_map`: varying over the spec's axes.
   using local_type = entry_local_t<T, Rank, Sharding, Space>;
+  /// The number of dimensions.
   static constexpr std::size_t rank = Rank;
 
   /// Zero blocks for every device of the mesh (the thread-communicator case).
@@ -126,13 +136,19 @@ class sharded_tensor {
                              detail::describe_shape(layout_.local_shape(dev)));
   }
 
+  /// How the array is split over the mesh.
   [[nodiscard]] const Sharding& sharding() const noexcept { return layout_.sharding(); }
+  /// The mesh the blocks lie on.
   [[nodiscard]] const mesh_type& mesh() const noexcept { return layout_.sharding().mesh(); }
+  /// Which block each device holds.
   [[nodiscard]] const layout_type& layout() const noexcept { return layout_; }
+  /// The shape of the whole (global) array.
   [[nodiscard]] const shape_type& global_shape() const noexcept { return layout_.global_shape(); }
+  /// The global extent of dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return layout_.global_shape()[d]; }
   /// Number of elements of the global array.
   [[nodiscard]] std::size_t size() const noexcept { return detail::shape_size(global_shape()); }
+  /// The number of devices of the mesh, local or not.
   [[nodiscard]] std::size_t num_devices() const noexcept { return blocks_.size(); }
 
   /// Whether this process holds device `dev`'s block.
@@ -156,7 +172,9 @@ class sharded_tensor {
   [[nodiscard]] local_type local_value(std::size_t dev) const { return local_type(local(dev), mesh(), dev); }
   /// Offsets and extents of device `dev`'s block in the global array.
   [[nodiscard]] block<Rank> block_of(std::size_t dev) const noexcept { return layout_.block_of(dev); }
+  /// Where device `dev`'s block starts in the global array.
   [[nodiscard]] shape_type offsets(std::size_t dev) const noexcept { return layout_.block_of(dev).offset; }
+  /// The shape of device `dev`'s block.
   [[nodiscard]] shape_type local_shape(std::size_t dev) const noexcept { return layout_.local_shape(dev); }
 
   /// The global array, row-major, each element read from the first local device holding it.
@@ -188,6 +206,7 @@ class sharded_tensor {
   friend std::ostream& operator<<(std::ostream& os, const sharded_tensor& t) {
     return os << "sharded_tensor<" << detail::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
   }
+  /// The array as `operator<<` prints it: global shape and sharding.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
