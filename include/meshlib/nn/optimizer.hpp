@@ -26,8 +26,12 @@ struct optimizer {
   /// The learning rate per step.
   schedule lr = constant(1e-3f);
   float momentum = 0.0f;      ///< sgd
-  /// adam/adamw: moment decay rates `b1`, `b2` and the denominator's `eps`.
+  /// adam/adamw: decay rate of the first moment (the gradient's running mean).
   float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+  /// @var b2
+  /// adam/adamw: decay rate of the second moment (the squared gradient's running mean).
+  /// @var eps
+  /// adam/adamw: added to the denominator's square root so the update stays finite.
   float weight_decay = 0.0f;  ///< adamw (decoupled), on parameters marked `decay`
   float clip_norm = 0.0f;     ///< > 0: clip the gradient to this global norm (over every shard)
 

@@ -27,8 +27,10 @@ class layer_norm {
  public:
   /// Scale and shift are replicated on every device.
   using sharding = named_sharding<Mesh, P<none>>;
-  /// The scale `g` (named `name + ".g"`) and shift `b` (`name + ".b"`), `features` each.
+  /// The scale `g` (named `name + ".g"`, initially 1), `features` values.
   parameter<T, 1, sharding> g, b;
+  /// @var b
+  /// The shift `b` (named `name + ".b"`, initially 0), `features` values.
 
   /// Normalises `features` values per row; `eps` keeps the division finite. `local_devices`: this process's devices (empty: all).
   layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
