@@ -182,21 +182,29 @@ namespace meshlib {
 /// @tparam N the size of the literal including its terminating zero.
 template <std::size_t N>
 struct fixed_string {
+  /// The characters, with the terminating NUL.
   char chars[N] = {};
 
   constexpr fixed_string() = default;
+  /// Copies a string literal; implicit, so `axis<"data">` works.
   constexpr fixed_string(const char (&s)[N]) noexcept { std::copy_n(s, N, chars); }
 
+  /// The characters without the NUL.
   [[nodiscard]] constexpr std::string_view view() const noexcept { return {chars, N - 1}; }
+  /// The number of characters, NUL excluded.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return N - 1; }
+  /// True for `""`.
   [[nodiscard]] constexpr bool empty() const noexcept { return N == 1; }
+  /// Converts to `view()`, so a name compares with and passes as a `std::string_view`.
   constexpr operator std::string_view() const noexcept { return view(); }
 
+  /// Equal when the characters are equal; strings of different lengths compare unequal.
   template <std::size_t M>
   [[nodiscard]] friend constexpr bool operator==(const fixed_string& a, const fixed_string<M>& b) noexcept {
     return a.view() == b.view();
   }
 
+  /// Prints the characters.
   friend std::ostream& operator<<(std::ostream& os, const fixed_string& s) { return os << s.view(); }
 };
 
@@ -262,10 +270,14 @@ template <fixed_string Name, std::size_t Size = dynamic_extent>
 struct axis {
   static_assert(!Name.empty(), "meshlib: a mesh axis needs a non-empty name");
   static_assert(Size != 0, "meshlib: a mesh axis of static size 0 holds no device");
+  /// Tag that opts the axis into the `mesh_axis` concept.
   using is_mesh_axis = void;  // opt-in tag of the mesh_axis concept
+  /// The axis name, as written in `axis<"data">`.
   static constexpr fixed_string name = Name;
+  /// The compile-time size, or `dynamic_extent` when the size is given at run time.
   static constexpr std::size_t static_size = Size;
 
+  /// Prints `axis<"name">`.
   friend std::ostream& operator<<(std::ostream& os, axis) { return os << "axis<\"" << Name.view() << "\">"; }
 };
 
@@ -376,7 +388,7 @@ std::size_t checked_bytes(std::size_t count, std::string_view what) {
 /// `meshlib::diagnostic::axis<'d', 'a', 't', 'a'>`.
 ///
 /// Why a function and not a struct: a struct whose `static_assert` fails is an invalid type on
-/// Clang, and every later use of it (`::value`) is a second, third, fourth error. A function whose
+/// Clang, and every later use of it (`T::value`) is a second, third, fourth error. A function whose
 /// body fails still returns, so the caller carries on quietly with a `false` and the user reads one
 /// error (stdexec's diagnose functions).
 /// @code
@@ -531,14 +543,18 @@ class mesh {
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
  public:
+  /// Tag that opts the mesh into the `mesh_type` concept.
   using is_mesh = void;
+  /// The number of axes.
   static constexpr std::size_t ndim = sizeof...(Axes);
+  /// A device coordinate: one index per axis, in mesh order.
   using coord_type = std::array<std::size_t, ndim>;
 
   /// The axis names, in mesh order.
   static constexpr std::array<std::string_view, ndim> axis_names{Axes::name.view()...};
   /// The compile-time sizes (`dynamic_extent` where the size is given at run time).
   static constexpr std::array<std::size_t, ndim> static_sizes{Axes::static_size...};
+  /// How many axes take their size at run time (the constructor's arguments).
   static constexpr std::size_t num_dynamic = ((Axes::static_size == dynamic_extent ? 1 : 0) + ...);
 
   /// Position of the axis called `name`, or `ndim` when the mesh has no such axis.
@@ -547,6 +563,7 @@ class mesh {
       if (axis_names[i] == name) return i;
     return ndim;
   }
+  /// True when the mesh has an axis called `Name`; for `if constexpr` and `requires`.
   template <fixed_string Name>
   static constexpr bool has_axis = find_axis(Name.view()) < ndim;
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
@@ -656,6 +673,7 @@ class mesh {
     }
   }
 
+  /// Meshes of one type are equal when their axis sizes are.
   friend constexpr bool operator==(const mesh& a, const mesh& b) noexcept { return a.sizes_ == b.sizes_; }
 
   /// Prints `mesh{'data': 2, 'model': 4}`, as JAX prints a mesh's shape.
@@ -664,6 +682,7 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) os << (i ? ", " : "") << '\'' << axis_names[i] << "': " << m.sizes_[i];
     return os << '}';
   }
+  /// The mesh as `operator<<` prints it: each axis name with its size, in mesh order.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -752,6 +771,7 @@ namespace meshlib {
 
 /// @brief The value that marks a replicated dimension in a partition spec (JAX's `None`).
 struct none_t {
+  /// All `none` values are equal.
   friend constexpr bool operator==(none_t, none_t) noexcept { return true; }
 };
 /// @brief A replicated dimension in a partition spec: JAX's `None` in `P("data", None)`.
@@ -761,19 +781,26 @@ inline constexpr none_t none{};
 /// A structural type, so specs are template arguments; built implicitly from `"name"` or `none`,
 /// and by `axes(...)` for several axes.
 struct dim_spec {
+  /// The most mesh axes one dimension can be split over.
   static constexpr std::size_t max_axes = 4;
+  /// The longest axis name, NUL included, a dim_spec can hold.
   static constexpr std::size_t max_name = 32;
 
+  /// The axis names, in the order given; the first `count` are used.
   char names[max_axes][max_name] = {};
+  /// How many axes the dimension is split over (0: replicated).
   std::size_t count = 0;
 
   constexpr dim_spec() = default;
+  /// A replicated dimension: `P<none>`.
   constexpr dim_spec(none_t) noexcept {}
+  /// A dimension split over one axis: `P<"data">`.
   template <std::size_t N>
   constexpr dim_spec(const char (&name)[N]) {  // NOLINT: implicit on purpose, P<"data">
     push(name);
   }
 
+  /// Appends axis `name`; used by `axes(...)` to split a dimension over several axes.
   template <std::size_t N>
   constexpr void push(const char (&name)[N]) {
     static_assert(N <= max_name, "meshlib: axis names in a partition spec are limited to 31 characters");
@@ -783,17 +810,22 @@ struct dim_spec {
     ++count;
   }
 
+  /// The name of the `i`-th axis (`i < size()`).
   [[nodiscard]] constexpr std::string_view axis(std::size_t i) const noexcept {
     return std::string_view(names[i]);
   }
+  /// How many axes the dimension is split over.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return count; }
+  /// True when the dimension is not split (`none`).
   [[nodiscard]] constexpr bool replicated() const noexcept { return count == 0; }
+  /// True when the dimension is split over axis `name`.
   [[nodiscard]] constexpr bool uses(std::string_view name) const noexcept {
     for (std::size_t i = 0; i < count; ++i)
       if (axis(i) == name) return true;
     return false;
   }
 
+  /// Equal when they name the same axes in the same order.
   friend constexpr bool operator==(const dim_spec& a, const dim_spec& b) noexcept {
     if (a.count != b.count) return false;
     for (std::size_t i = 0; i < a.count; ++i)
@@ -824,8 +856,11 @@ constexpr dim_spec axes(const char (&... names)[N]) {
 /// @brief A partition spec: entry `i` says how tensor dimension `i` is split.
 template <dim_spec... Dims>
 struct partition_spec {
+  /// Tag that opts the spec into the `partition_spec_type` concept.
   using is_partition_spec = void;
+  /// The number of dimensions the spec describes.
   static constexpr std::size_t size = sizeof...(Dims);
+  /// The per-dimension entries, in dimension order.
   static constexpr std::array<dim_spec, sizeof...(Dims)> dims{Dims...};
 
   /// The entry for dimension `d` (`none` past the end: trailing dimensions are replicated).
@@ -850,6 +885,7 @@ struct partition_spec {
     for (std::size_t i = 0; i < size; ++i) os << (i ? ", " : "") << dims[i];
     return os << '>';
   }
+  /// The spec as `operator<<` prints it, such as `P<"data", none>`.
   static std::string to_string() {
     std::ostringstream os;
     os << partition_spec{};
@@ -991,8 +1027,11 @@ class named_sharding {
   static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
+  /// Tag that opts the sharding into the `sharding_type` concept.
   using is_named_sharding = void;
+  /// The mesh the sharding places blocks on.
   using mesh_type = Mesh;
+  /// The partition spec: which mesh axes each array dimension is split over.
   using spec_type = Spec;
 
   /// Mesh positions of the axes that split dimension `d`, major to minor.
@@ -1030,9 +1069,12 @@ class named_sharding {
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;
+  /// @brief The sharding of `Spec` over `mesh`; `rule` says how an extent the axes do not divide is split (see `shard_rule`).
   explicit named_sharding(Mesh mesh, shard_rule rule = shard_rule::even) : mesh_(mesh), rule_(rule) {}
 
+  /// The mesh the blocks lie on.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
+  /// How an extent that the axis size does not divide is split.
   [[nodiscard]] shard_rule rule() const noexcept { return rule_; }
 
   /// Number of shards dimension `d` is split into.
@@ -1047,6 +1089,7 @@ class named_sharding {
     return i;
   }
 
+  /// Equal when the meshes and rules are equal (the spec is part of the type).
   friend bool operator==(const named_sharding& a, const named_sharding& b) noexcept {
     return a.mesh_ == b.mesh_ && a.rule_ == b.rule_;
   }
@@ -1055,6 +1098,7 @@ class named_sharding {
     return os << "named_sharding(" << s.mesh_ << ", " << Spec{} << (s.rule_ == shard_rule::uneven ? ", uneven" : "")
               << ')';
   }
+  /// The sharding as printed by `operator<<`: the spec and the mesh.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -1113,7 +1157,9 @@ namespace meshlib {
 /// @brief A rectangular block of a global array: an offset and an extent per dimension.
 template <std::size_t Rank>
 struct block {
+  /// Where the block starts in the global array, per dimension.
   std::array<std::size_t, Rank> offset{};
+  /// The block's size per dimension.
   std::array<std::size_t, Rank> extent{};
 
   /// Number of elements.
@@ -1128,6 +1174,7 @@ struct block {
       if (g[d] < offset[d] || g[d] >= offset[d] + extent[d]) return false;
     return true;
   }
+  /// Blocks are equal when offsets and extents are.
   friend constexpr bool operator==(const block&, const block&) = default;
 
   /// Prints `[0:4, 2:4]` (NumPy slice notation).
@@ -1183,7 +1230,9 @@ class shard_layout {
   static_assert(S::template check_rank<Rank>());
 
  public:
+  /// A global or local shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// The mesh of the sharding.
   using mesh_type = typename S::mesh_type;
 
   /// @throws sharding_error when a size is negative-converted (above 2^62) or the element count
@@ -1204,8 +1253,11 @@ class shard_layout {
     }
   }
 
+  /// The sharding the layout was computed for.
   [[nodiscard]] const S& sharding() const noexcept { return sharding_; }
+  /// The shape of the whole (global) array.
   [[nodiscard]] const shape_type& global_shape() const noexcept { return global_; }
+  /// The number of devices of the mesh, each with one block.
   [[nodiscard]] std::size_t num_devices() const noexcept { return sharding_.mesh().size(); }
 
   /// The block device `device` holds.
@@ -1384,6 +1436,7 @@ namespace meshlib {
 /// 7-bit mantissa). Arithmetic goes through `float`; conversion from `float` rounds to nearest
 /// even, as NCCL's and PyTorch's `bfloat16` do, and keeps NaNs NaN.
 struct bfloat16 {
+  /// The raw bits: the upper 16 bits of the IEEE float32 value.
   std::uint16_t bits = 0;
 
   constexpr bfloat16() noexcept = default;
@@ -1401,6 +1454,7 @@ struct bfloat16 {
   }
   /// Bitwise equality (so that determinism tests can compare results bit for bit, NaNs included).
   [[nodiscard]] friend constexpr bool same_bits(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+  /// Prints the value as its float.
   friend std::ostream& operator<<(std::ostream& os, bfloat16 b) { return os << static_cast<float>(b); }
 
  private:
@@ -1541,7 +1595,9 @@ concept comm_request = requires(R& r) {
 /// communicator): already complete, `wait()` does nothing.
 class ready_request {
  public:
+  /// Returns at once: the operation already finished.
   constexpr void wait() const noexcept {}
+  /// Always true: the operation already finished.
   [[nodiscard]] constexpr bool test() const noexcept { return true; }
 };
 
@@ -1596,8 +1652,11 @@ namespace meshlib {
 
 /// @brief A (source, destination) pair of a `ppermute`, as in `jax.lax.ppermute(x, perm=[(0, 1), ...])`.
 struct permute_pair {
+  /// The rank that sends.
   int source = 0;
+  /// The rank that receives what `source` sends.
   int dest = 0;
+  /// Pairs are equal when source and dest both match.
   friend constexpr bool operator==(const permute_pair&, const permute_pair&) = default;
 };
 
@@ -1837,8 +1896,11 @@ namespace meshlib {
 template <class Backend, class Request = ready_request, class Context = host_context>
 class communicator_frontend {
  public:
+  /// Tag that opts the communicator into the `communicator` concept.
   using is_communicator = void;
+  /// What the non-blocking calls return (`wait()` / `test()`).
   using request_type = Request;
+  /// The backend state the collectives run on.
   using context_type = Context;
 
   // ---- reducing collectives --------------------------------------------------------------------
@@ -2960,8 +3022,10 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   thread_communicator() = default;
   thread_communicator(const thread_communicator&) = delete;
   thread_communicator& operator=(const thread_communicator&) = delete;
+  /// Movable: the moved-from communicator is no longer valid.
   thread_communicator(thread_communicator&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
+  /// Move assignment: the moved-from communicator is no longer valid.
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
       depart();
@@ -3689,7 +3753,9 @@ class thread_world {
   }
   thread_world(const thread_world&) = delete;
   thread_world& operator=(const thread_world&) = delete;
+  /// Movable: the world's shared state moves with it.
   thread_world(thread_world&&) noexcept = default;
+  /// Move assignment: the world's shared state moves with it.
   thread_world& operator=(thread_world&&) noexcept = default;
   ~thread_world() {
     if (!group_) return;
@@ -3945,6 +4011,7 @@ class axis_communicators {
 
   /// The device this object belongs to (its rank in the whole-mesh communicator).
   [[nodiscard]] std::size_t device() const noexcept { return static_cast<std::size_t>(world_->rank()); }
+  /// The mesh whose axes the communicators span.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
 
   /// @brief The communicator of this device's group along the axes in `mask`.
@@ -4187,11 +4254,16 @@ inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_
 /// @brief What detection found: this process's index, the process count, the local rank on its
 /// node when the launcher says, and which source decided.
 struct launch_info {
+  /// This process's index, from 0.
   std::size_t process_index = 0;
+  /// The number of processes of the job.
   std::size_t process_count = 1;
+  /// The rank on this node, when the launcher says.
   std::optional<std::size_t> local_rank;
+  /// Which launcher's environment (or explicit value) decided.
   launcher source = launcher::none;
 
+  /// Equal when every field is.
   friend bool operator==(const launch_info&, const launch_info&) = default;
   /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
   friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
@@ -4225,7 +4297,9 @@ inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) 
 
 /// @brief Values given to `initialize` that override or must agree with the environment.
 struct explicit_launch {
+  /// The process index given to `initialize`, if any.
   std::optional<std::size_t> process_id;
+  /// The process count given to `initialize`, if any.
   std::optional<std::size_t> num_processes;
 };
 
@@ -4426,6 +4500,7 @@ struct options {
   /// This process's index; with `num_processes`, overrides detection (and must agree with any
   /// launcher or communicator that is present).
   std::optional<std::size_t> process_id;
+  /// The number of processes; with `process_id`, overrides detection.
   std::optional<std::size_t> num_processes;
   /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
   std::optional<std::size_t> local_device_count;
@@ -4603,6 +4678,7 @@ inline void shutdown() {
 /// the one that initialised: a guard inside an already initialised program changes nothing.
 class guard {
  public:
+  /// Calls `initialize(opt)`; the guard shuts down at its end only when this call was the one that initialised.
   explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
   guard(const guard&) = delete;
   guard& operator=(const guard&) = delete;
@@ -5088,11 +5164,15 @@ namespace meshlib {
 /// @brief For each dimension of a local block, the mask of mesh axes that dimension is a block of.
 template <axis_mask... M>
 struct dim_masks {
+  /// Tag by which `local_tensor` checks that its `Dims` is a `dim_masks`.
   using is_dim_masks = void;
+  /// The rank: one mask per dimension.
   static constexpr std::size_t size = sizeof...(M);
+  /// The masks, in dimension order.
   static constexpr std::array<axis_mask, sizeof...(M)> values{M...};
   /// Every axis some dimension is sharded over.
   static constexpr axis_mask all = (axis_mask{0} | ... | M);
+  /// The mask of dimension `d`; 0 (not sharded) for `d` past the rank.
   static constexpr axis_mask at(std::size_t d) noexcept { return d < size ? values[d] : axis_mask{0}; }
 };
 
@@ -5158,15 +5238,25 @@ class local_tensor {
                 "meshlib: local_tensor: Vary / Partial name axes the mesh does not have");
 
  public:
+  /// Tag that opts the type into the `local_tensor_type` concept.
   using is_local_tensor = void;
+  /// The element type.
   using value_type = T;
+  /// The mesh the block belongs to.
   using mesh_type = Mesh;
+  /// Per dimension, the mesh axes it is a block of (`dim_masks`).
   using dims_type = Dims;
+  /// The Kokkos memory space the block lives in.
   using memory_space = Space;
+  /// The block's storage: a row-major `Kokkos::View` in `Space`.
   using view_type = detail::block_view_t<T, Rank, Space>;
+  /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// The number of dimensions.
   static constexpr std::size_t rank = Rank;
+  /// The mesh axes over which the value differs from device to device.
   static constexpr axis_mask vary = Vary;
+  /// The mesh axes over which the value is a pending sum (a `psum` is still due).
   static constexpr axis_mask partial = Partial;
 
   local_tensor() = default;
@@ -5176,12 +5266,19 @@ class local_tensor {
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
       : view_(detail::allocate<T, Rank, Space>(shape, "meshlib::local_tensor")), mesh_(mesh), device_(device) {}
 
+  /// The block's storage (shared, not copied).
   [[nodiscard]] const view_type& view() const noexcept { return view_; }
+  /// The mesh the block belongs to.
   [[nodiscard]] const Mesh& mesh() const noexcept { return mesh_; }
+  /// The device whose block this is.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
+  /// The block's shape.
   [[nodiscard]] shape_type shape() const { return detail::extents_of(view_); }
+  /// The block's extent in dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return view_.extent(d); }
+  /// The number of elements of the block.
   [[nodiscard]] std::size_t size() const noexcept { return view_.size(); }
+  /// The first element; the block is contiguous, row-major.
   [[nodiscard]] T* data() const noexcept { return view_.data(); }
   /// Size of dimension `d` of the global array this block belongs to (even rule: every block of a
   /// dimension has the same size, as `shard_map` requires).
@@ -5201,6 +5298,7 @@ class local_tensor {
     return os << "local_tensor<" << detail::describe_shape(t.shape()) << " on device " << t.device_
               << ", vary " << describe_axes<Mesh>(Vary) << ", partial " << describe_axes<Mesh>(Partial) << '>';
   }
+  /// The block as `operator<<` prints it.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -5351,17 +5449,27 @@ class sharded_tensor {
   static_assert(Sharding::template check_rank<Rank>());
 
  public:
+  /// Tag that opts the type into the `sharded_tensor_type` concept.
   using is_sharded_tensor = void;
+  /// The element type.
   using value_type = T;
+  /// How the array is split over the mesh.
   using sharding_type = Sharding;
+  /// The mesh of the sharding.
   using mesh_type = typename Sharding::mesh_type;
+  /// The partition spec of the sharding.
   using spec_type = typename Sharding::spec_type;
+  /// The Kokkos memory space the blocks live in.
   using memory_space = Space;
+  /// A block's storage: a row-major `Kokkos::View` in `Space`.
   using view_type = detail::block_view_t<T, Rank, Space>;
+  /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
+  /// Which block of the global array each device holds.
   using layout_type = shard_layout<Sharding, Rank>;
   /// The type of a block inside `shard_map`: varying over the spec's axes.
   using local_type = entry_local_t<T, Rank, Sharding, Space>;
+  /// The number of dimensions.
   static constexpr std::size_t rank = Rank;
 
   /// Zero blocks for every device of the mesh (the thread-communicator case).
@@ -5397,13 +5505,19 @@ class sharded_tensor {
                              detail::describe_shape(layout_.local_shape(dev)));
   }
 
+  /// How the array is split over the mesh.
   [[nodiscard]] const Sharding& sharding() const noexcept { return layout_.sharding(); }
+  /// The mesh the blocks lie on.
   [[nodiscard]] const mesh_type& mesh() const noexcept { return layout_.sharding().mesh(); }
+  /// Which block each device holds.
   [[nodiscard]] const layout_type& layout() const noexcept { return layout_; }
+  /// The shape of the whole (global) array.
   [[nodiscard]] const shape_type& global_shape() const noexcept { return layout_.global_shape(); }
+  /// The global extent of dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return layout_.global_shape()[d]; }
   /// Number of elements of the global array.
   [[nodiscard]] std::size_t size() const noexcept { return detail::shape_size(global_shape()); }
+  /// The number of devices of the mesh, local or not.
   [[nodiscard]] std::size_t num_devices() const noexcept { return blocks_.size(); }
 
   /// Whether this process holds device `dev`'s block.
@@ -5427,7 +5541,9 @@ class sharded_tensor {
   [[nodiscard]] local_type local_value(std::size_t dev) const { return local_type(local(dev), mesh(), dev); }
   /// Offsets and extents of device `dev`'s block in the global array.
   [[nodiscard]] block<Rank> block_of(std::size_t dev) const noexcept { return layout_.block_of(dev); }
+  /// Where device `dev`'s block starts in the global array.
   [[nodiscard]] shape_type offsets(std::size_t dev) const noexcept { return layout_.block_of(dev).offset; }
+  /// The shape of device `dev`'s block.
   [[nodiscard]] shape_type local_shape(std::size_t dev) const noexcept { return layout_.local_shape(dev); }
 
   /// The global array, row-major, each element read from the first local device holding it.
@@ -5459,6 +5575,7 @@ class sharded_tensor {
   friend std::ostream& operator<<(std::ostream& os, const sharded_tensor& t) {
     return os << "sharded_tensor<" << detail::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
   }
+  /// The array as `operator<<` prints it: global shape and sharding.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -6885,11 +7002,15 @@ class spmd_context_error : public error {
 /// @endcode
 class device_error : public error {
  public:
+  /// @brief Wraps the exception `cause` thrown on `device`; `what` is the message naming the device.
   device_error(std::size_t device, std::exception_ptr cause, const std::string& what)
       : error(what), device_(device), cause_(std::move(cause)) {}
 
+  /// The index of the device whose body threw.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
+  /// The original exception, for `std::rethrow_exception`.
   [[nodiscard]] std::exception_ptr cause() const noexcept { return cause_; }
+  /// Rethrows the original exception, to catch it by its own type.
   [[noreturn]] void rethrow_cause() const { std::rethrow_exception(cause_); }
 
  private:
@@ -7047,7 +7168,9 @@ namespace meshlib {
 struct trace_summary_row {
   std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
   std::string axes;  ///< "model", "data,model"
+  /// The device this row counts.
   std::size_t device = 0;
+  /// How many calls of the collective this device made.
   std::size_t count = 0;
   std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
   double time_s = 0;      ///< time inside the collective, waiting included
@@ -7057,8 +7180,11 @@ struct trace_summary_row {
 /// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
 /// wait time; and the slowest device (the one its peers waited for longest). Printable.
 struct trace_summary {
+  /// One row per collective type, axes and device.
   std::vector<trace_summary_row> rows;
+  /// The number of devices traced.
   std::size_t devices = 0;
+  /// Seconds from start to stop of the trace.
   double traced_s = 0;
   /// The device the others waited for longest, when any waited at all.
   std::optional<std::size_t> slowest_device;
@@ -7067,6 +7193,7 @@ struct trace_summary {
   /// The file written (empty when none was).
   std::string path;
 
+  /// Prints the table: one line per row, then the slowest device.
   friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
     os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
@@ -7085,6 +7212,7 @@ struct trace_summary {
     os.unsetf(std::ios::floatfield);
     return os;
   }
+  /// The table as `operator<<` prints it.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -7433,6 +7561,7 @@ inline trace_summary stop_trace() { return detail::trace_recorder::get().stop();
 /// destructor writes the file. Call `stop()` to get the summary earlier.
 class scoped_trace {
  public:
+  /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
   explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
   ~scoped_trace() {
     if (!stopped_) {
@@ -7442,6 +7571,7 @@ class scoped_trace {
       }
     }
   }
+  /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
   trace_summary stop() {
     stopped_ = true;
     return stop_trace();
@@ -7529,6 +7659,7 @@ inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
 /// @brief Debug mode for a scope; restores the previous state.
 class scoped_debug_mode {
  public:
+  /// Turns debug mode on with `options` until the scope ends.
   explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
     auto& s = detail::debug_state::get();
     std::lock_guard lk(s.m);
@@ -8173,8 +8304,10 @@ namespace meshlib {
 /// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
 /// @endcode
 struct thread_backend {
+  /// Options of each call's `thread_world` (timeout, spin policy), passed to `run_on_threads`.
   thread_comm_options options{};
 
+  /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     run_on_threads(
@@ -8186,6 +8319,7 @@ struct thread_backend {
         options);
   }
 
+  /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     std::vector<std::size_t> d(n);
     std::iota(d.begin(), d.end(), std::size_t{0});
@@ -8233,7 +8367,7 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
 // begin meshlib/collectives/axis_group.hpp
 /// @file
 /// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
-/// tuple `axis_name=('i', 'j')`. The group position of a device is row-major over the axes *in the
+/// tuple `axis_name=("i", "j")`. The group position of a device is row-major over the axes *in the
 /// order written*, which may differ from the mesh's order; `axis_index<"i", "j">()` returns it.
 /// @code
 /// // mesh<axis<"i">, axis<"j">>, sizes 2 x 3: device (i, j) is at position j * 2 + i of ("j", "i")
@@ -8256,7 +8390,9 @@ namespace meshlib {
 template <fixed_string... Names>
 struct axis_group {
   static_assert(sizeof...(Names) > 0, "meshlib: axis_group needs at least one axis: axis_group<\"data\">");
+  /// Tag that opts the group into the `axis_group_type` concept checks.
   using is_axis_group = void;
+  /// How many axes the group names.
   static constexpr std::size_t size = sizeof...(Names);
 };
 
@@ -8353,7 +8489,7 @@ void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<st
 }  // namespace detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
-/// the order written (JAX's `lax.axis_index(('i', 'j'))`). One axis: see `axis_index<"i">()`.
+/// the order written (JAX's `lax.axis_index(("i", "j"))`). One axis: see `axis_index<"i">()`.
 /// @throws spmd_context_error outside `shard_map` / `spmd`, or for an axis the running mesh lacks.
 template <fixed_string A, fixed_string B, fixed_string... More>
 [[nodiscard]] std::size_t axis_index() {
@@ -9635,6 +9771,7 @@ std::string describe_dyn_spec(const dyn_spec& s) {
 
 /// @brief One step of a reshard plan.
 struct reshard_step {
+  /// Which kind of step: a local slice or the collective it runs.
   reshard_kind kind = reshard_kind::local_slice;
   /// Mesh position of the axis the collective runs over (all_gather, all_to_all).
   std::size_t axis = 0;
@@ -9659,9 +9796,11 @@ struct reshard_step {
 class reshard_plan {
  public:
   reshard_plan() = default;
+  /// @brief A plan from sharding `from` to `to` (both as printed) over `devices` devices, running `steps` in order.
   reshard_plan(std::string from, std::string to, std::size_t devices, std::vector<reshard_step> steps)
       : from_(std::move(from)), to_(std::move(to)), devices_(devices), steps_(std::move(steps)) {}
 
+  /// The steps in the order they run; empty when nothing moves.
   [[nodiscard]] const std::vector<reshard_step>& steps() const noexcept { return steps_; }
   /// True when source and target are the same sharding: nothing runs.
   [[nodiscard]] bool empty() const noexcept { return steps_.empty(); }
@@ -9708,6 +9847,7 @@ class reshard_plan {
     }
     return os;
   }
+  /// The plan as printed by `operator<<`: one line per step.
   [[nodiscard]] std::string to_string() const {
     std::ostringstream os;
     os << *this;
@@ -10258,7 +10398,9 @@ namespace meshlib {
 /// inputs (outputs). A single `P<...>` stands for a list of one.
 template <partition_spec_type... Specs>
 struct specs {
+  /// Tag that opts the list into the `spec_list` checks.
   using is_spec_list = void;
+  /// How many specs the list holds (one per argument or result).
   static constexpr std::size_t size = sizeof...(Specs);
 };
 
@@ -10367,6 +10509,7 @@ class shard_map_fn {
   static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
 
  public:
+  /// Wraps `fn` to run on every device of `mesh` through `backend`.
   shard_map_fn(Fn fn, const Mesh& mesh, Backend backend) : fn_(std::move(fn)), mesh_(mesh), backend_(std::move(backend)) {}
 
   /// Runs the function on every device. `xs` are global `sharded_tensor`s on this mesh, one per in-spec.
@@ -10535,10 +10678,15 @@ namespace meshlib::distributed {
 
 /// @brief Rows `[begin, end)` of dimension 0 of a global array.
 struct row_range {
+  /// The first row.
   std::size_t begin = 0;
+  /// One past the last row.
   std::size_t end = 0;
+  /// The number of rows, `end - begin`.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
+  /// Equal when begin and end are.
   friend constexpr bool operator==(const row_range&, const row_range&) = default;
+  /// Prints `[begin, end)`.
   friend std::ostream& operator<<(std::ostream& os, const row_range& r) { return os << '[' << r.begin << ", " << r.end << ')'; }
 };
 
@@ -10671,6 +10819,7 @@ namespace meshlib {
 /// flag when neither tracing nor a Kokkos tool is on.
 class trace_region {
  public:
+  /// Opens the region `name`; it closes when the object is destroyed.
   explicit trace_region(std::string name) {
     auto& rec = detail::trace_recorder::get();
 #if MESHLIB_DEBUG_HAS_KOKKOS
@@ -11271,6 +11420,7 @@ struct mpi_comm_options {
     barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
     nonblocking,            ///< MPI's non-blocking collective, polled
   };
+  /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
   large_payload_mode large_payloads = large_payload_mode::automatic;
   /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
   /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
@@ -11384,6 +11534,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
   /// Number of ranks (0 for an empty handle).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
   /// The adopted `MPI_Comm`, or for a split result meshlib's own.
   [[nodiscard]] MPI_Comm native() const noexcept {
@@ -11392,6 +11543,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   /// Whether this node runs more ranks than it has cores (decides `large_payload_mode::automatic`).
   [[nodiscard]] bool oversubscribed() const noexcept { return state_ && state_->oversubscribed; }
+  /// The options the communicator was made with.
   [[nodiscard]] const mpi_comm_options& options() const {
     require_valid("options");
     return state_->options;
@@ -12222,11 +12374,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
  public:
 
   hybrid_communicator() = default;
+  /// Movable: the moved-from communicator is no longer valid.
   hybrid_communicator(hybrid_communicator&&) noexcept = default;
+  /// Move assignment: the moved-from communicator is no longer valid.
   hybrid_communicator& operator=(hybrid_communicator&&) noexcept = default;
   ~hybrid_communicator() { drain_sends(); }
 
+  /// This participant's rank over all processes and threads.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of participants: processes times threads per process (0 when moved from).
   [[nodiscard]] int size() const noexcept { return group_ ? group_->n : 0; }
   /// This device's handle on the members of its group in its own process.
   [[nodiscard]] thread_communicator& local() noexcept { return local_; }
@@ -12693,6 +12849,7 @@ class hybrid_world {
 
   /// Devices in the world: processes x threads.
   [[nodiscard]] int size() const noexcept { return group_->n; }
+  /// How many threads (devices) each process runs.
   [[nodiscard]] int threads_per_process() const noexcept { return threads_; }
 
   /// The handle of local thread `t` (device `process * T + t`); each once.
@@ -12721,6 +12878,7 @@ class hybrid_world {
     }
     return first;
   }
+  /// True once a participant of this process failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
   /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
   [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }
@@ -12877,8 +13035,10 @@ namespace meshlib {
 
 /// @brief One device per MPI rank of `comm`.
 struct mpi_backend {
+  /// The MPI communicator whose ranks are the devices (one device per rank).
   mpi_communicator comm;
 
+  /// @brief Runs `body(device, communicator)` once, as this rank's device; `n` must equal the number of ranks.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
@@ -12891,6 +13051,7 @@ struct mpi_backend {
     }
   }
 
+  /// The device this process runs: its own rank.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     check(n);
     return {static_cast<std::size_t>(comm.rank())};
@@ -12908,10 +13069,14 @@ struct mpi_backend {
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
 struct hybrid_backend {
+  /// The MPI communicator over the processes.
   mpi_communicator comm;
+  /// Threads (devices) per process; the mesh has ranks times threads devices.
   int threads = 1;
+  /// Options of each process's thread world.
   thread_comm_options options{};
 
+  /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
@@ -12924,6 +13089,7 @@ struct hybrid_backend {
         options);
   }
 
+  /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
     check(n);
     std::vector<std::size_t> d;
@@ -12989,6 +13155,7 @@ namespace meshlib::mpi {
 /// timeout, and `abort` is `MPI_Abort`.
 class exchange final : public distributed::process_exchange {
  public:
+  /// Exchanges over `comm`'s ranks, one process each.
   explicit exchange(mpi_communicator comm) : comm_(std::move(comm)) {}
   [[nodiscard]] std::size_t rank() const override { return static_cast<std::size_t>(comm_.rank()); }
   [[nodiscard]] std::size_t size() const override { return static_cast<std::size_t>(comm_.size()); }
@@ -13014,6 +13181,7 @@ class exchange final : public distributed::process_exchange {
 
   [[noreturn]] void abort(int exit_code, std::string_view reason) override { comm_.abort(reason, exit_code); }
 
+  /// The communicator the exchange runs over.
   [[nodiscard]] const mpi_communicator& communicator() const noexcept { return comm_; }
 
  private:
@@ -13022,7 +13190,9 @@ class exchange final : public distributed::process_exchange {
 
 /// @brief Options of `mpi::initialize`, on top of `distributed::options`.
 struct options {
+  /// The process-level options (`distributed::options`); the process index and count come from MPI.
   distributed::options runtime;
+  /// Options of the `mpi_communicator` made over the processes (timeout, large payloads).
   mpi_comm_options comm;
   /// Install a terminate handler that prints the uncaught exception and calls `MPI_Abort`.
   bool abort_on_uncaught_exception = true;
@@ -13126,6 +13296,7 @@ inline void finalize() {
 /// Only the guard that initialised finalises: a guard in an initialised program changes nothing.
 class guard {
  public:
+  /// Calls `initialize(comm, opt)`; the guard finalises at its end only when this call was the one that initialised.
   explicit guard(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {})
       : owner_(!detail::mpi_state().ex) {
     initialize(comm, opt);
@@ -13398,21 +13569,28 @@ namespace meshlib {
 
 /// @brief What one poll of a stream event found.
 struct stream_poll {
+  /// Where the operation stands.
   enum class state { pending, complete, failed };
+  /// What this poll found.
   state status = state::pending;
   /// For `failed`: why (NCCL's or CUDA's error text), and whether a peer failed (`comm_aborted`) or
   /// this participant's own call did (`comm_error`).
   std::string error;
+  /// For `failed`: true when a peer failed (`comm_aborted`), false when this call did (`comm_error`).
   bool peer_failed = true;
   /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
   /// is then the whole message, listing each participant's call.
   bool mismatch = false;
 
+  /// Not done yet: poll again.
   [[nodiscard]] static stream_poll pending() { return {}; }
+  /// Done without error.
   [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
+  /// Failed because of `why`; `peer` says whether a peer (true) or this call (false) failed.
   [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
     return {state::failed, std::move(why), peer};
   }
+  /// Failed because participants called different collectives; `message` lists each call.
   [[nodiscard]] static stream_poll mismatched(std::string message) {
     return {state::failed, std::move(message), false, true};
   }
@@ -13423,6 +13601,7 @@ struct stream_poll {
 template <class Channel>
 class basic_stream_request {
  public:
+  /// The event type the channel records on the stream.
   using event_type = typename Channel::event_type;
 
   /// An empty request: already complete.
@@ -13436,7 +13615,9 @@ class basic_stream_request {
     if (timeout.count() > 0) deadline_ = std::chrono::steady_clock::now() + timeout;
   }
 
+  /// Movable: the moved-from request no longer waits on anything.
   basic_stream_request(basic_stream_request&& o) noexcept { *this = std::move(o); }
+  /// Move assignment: the moved-from request no longer waits on anything.
   basic_stream_request& operator=(basic_stream_request&& o) noexcept {
     if (this != &o) {
       give_back();
@@ -14042,8 +14223,11 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     return id;
   }
 
+  /// This GPU's rank in the NCCL communicator (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  /// The number of ranks (0 when moved from).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
   /// The GPU of this participant.
   [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
@@ -14051,6 +14235,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
   /// NCCL's communicator, for calls meshlib does not wrap.
   [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
+  /// The options the communicator was made with.
   [[nodiscard]] const nccl_comm_options& options() const {
     require_valid("options");
     return state_->options;
@@ -14928,11 +15113,17 @@ class shared_gpu_communicator
   /// @brief Adopts a participant's state (for creation functions and tests).
   explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
 
+  /// This participant's rank (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
+  /// The number of participants (0 when moved from).
   [[nodiscard]] int size() const noexcept { return state_ ? state_->host.size() : 0; }
+  /// The CUDA device this participant uses (-1 when moved from).
   [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The CUDA stream the collectives run on (null when moved from).
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// False after a move (the communicator owns nothing).
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// True once a participant failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
   /// Aborts the group: every participant's pending and later calls fail naming `reason`.
   void abort(std::string_view reason) {
