@@ -133,7 +133,7 @@ class train_state {
   [[nodiscard]] std::vector<float>& optimizer_state(std::size_t dev) { return state_.at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
-  /// The loss function, with the last step's per-device values.
+  /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
 
   /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer

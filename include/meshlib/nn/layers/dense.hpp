@@ -73,9 +73,10 @@ using transposed_t = with_dims_t<W, dim_masks<W::dims_type::at(1), W::dims_type:
 template <class T, mesh_type Mesh, dense_kind Kind, fixed_string Model = "model">
 class basic_dense {
  public:
-  /// The sharding of the weight: split over `Model` by columns or rows as `Kind` says.
+  /// The sharding of the weight: replicated (`dense`), split over `Model` by output columns
+  /// (`column_dense`) or by input rows (`row_dense`).
   using w_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::w>;
-  /// The sharding of the bias: split with the weight's output columns, else replicated.
+  /// The sharding of the bias: split over `Model` with the output columns (`column_dense`), else replicated.
   using b_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::b>;
   /// The weight, `in x out`.
   using weight_type = parameter<T, 2, w_sharding>;
