@@ -1896,7 +1896,7 @@ namespace meshlib {
 template <class Backend, class Request = ready_request, class Context = host_context>
 class communicator_frontend {
  public:
-  /// Tag that opts the communicator into the `communicator` concept.
+  /// Tag that opts the communicator into the `communicator_tagged` concept.
   using is_communicator = void;
   /// What the non-blocking calls return (`wait()` / `test()`).
   using request_type = Request;
@@ -10398,7 +10398,7 @@ namespace meshlib {
 /// inputs (outputs). A single `P<...>` stands for a list of one.
 template <partition_spec_type... Specs>
 struct specs {
-  /// Tag that opts the list into the `spec_list` checks.
+  /// Tag that marks the type as a list of specs, one per argument or result.
   using is_spec_list = void;
   /// How many specs the list holds (one per argument or result).
   static constexpr std::size_t size = sizeof...(Specs);

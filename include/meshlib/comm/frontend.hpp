@@ -54,7 +54,7 @@ namespace meshlib {
 template <class Backend, class Request = ready_request, class Context = host_context>
 class communicator_frontend {
  public:
-  /// Tag that opts the communicator into the `communicator` concept.
+  /// Tag that opts the communicator into the `communicator_tagged` concept.
   using is_communicator = void;
   /// What the non-blocking calls return (`wait()` / `test()`).
   using request_type = Request;

@@ -46,7 +46,7 @@ namespace meshlib {
 /// inputs (outputs). A single `P<...>` stands for a list of one.
 template <partition_spec_type... Specs>
 struct specs {
-  /// Tag that opts the list into the `spec_list` checks.
+  /// Tag that marks the type as a list of specs, one per argument or result.
   using is_spec_list = void;
   /// How many specs the list holds (one per argument or result).
   static constexpr std::size_t size = sizeof...(Specs);
