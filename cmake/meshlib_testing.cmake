@@ -93,7 +93,7 @@ function(meshlib_add_compile_fail_test)
       _meshlib_char_pack(pack "${name}")
       string(REPLACE "${hole}" "${pack}" ARG_NAMES "${ARG_NAMES}")
     endforeach()
-    string(REPLACE ">>" "> ?>" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >"
+    string(REPLACE ">" "> ?" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >", "> > >"
     set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
   endif()
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})

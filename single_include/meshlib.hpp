@@ -5262,9 +5262,11 @@ class local_tensor {
   local_tensor() = default;
   /// Wraps `view`, device `device`'s block on `mesh` (no copy).
   local_tensor(view_type view, const Mesh& mesh, std::size_t device) : view_(std::move(view)), mesh_(mesh), device_(device) {}
-  /// A zero block of `shape` on `device`.
+  /// A zero block of `shape` on `device`. Throws `sharding_error` naming the dimension and its size
+  /// when the element or byte count overflows (a wrapped count would allocate a small block).
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
-      : view_(detail::allocate<T, Rank, Space>(shape, "meshlib::local_tensor")), mesh_(mesh), device_(device) {}
+      : view_(detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
+        device_(device) {}
 
   /// The block's storage (shared, not copied).
   [[nodiscard]] const view_type& view() const noexcept { return view_; }
@@ -5306,6 +5308,12 @@ class local_tensor {
   }
 
  private:
+  static const shape_type& checked_shape(const shape_type& shape) {
+    (void)detail::checked_bytes<T>(detail::checked_product(shape, "the local_tensor block shape"),
+                                   "the byte count of the local_tensor block");
+    return shape;
+  }
+
   view_type view_{};
   Mesh mesh_{[] {
     if constexpr (Mesh::num_dynamic == 0) return Mesh{};
@@ -5325,6 +5333,22 @@ concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local
 /// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
+
+namespace detail {
+/// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).
+template <class L, class Seq = std::make_index_sequence<L::rank>>
+struct diag_value_impl;
+template <class L, std::size_t... I>
+struct diag_value_impl<L, std::index_sequence<I...>> {
+  using mesh_t = typename L::mesh_type;
+  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
+};
+/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
+template <class L>
+using diag_value_t = typename diag_value_impl<L>::type;
+}  // namespace detail
 
 namespace detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
@@ -5950,57 +5974,79 @@ namespace meshlib {
 namespace detail {
 
 // ---- diagnostics ------------------------------------------------------------------------------
-// Each carries the offending types in its template arguments, so the compiler's "required from"
-// line names both operands next to the message.
+// Each is a function whose one static_assert names, in its failing condition, the operands' specs
+// or layouts spelled out with axis names (core/diagnostics.hpp): one error on GCC and Clang.
 
-template <class A, class B>
-struct zip_needs_same_sharding {
-  static_assert(std::is_same_v<A, B>,
-                "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are the "
-                "arguments of zip_needs_same_sharding<A, B>); meshlib moves no data implicitly: "
-                "reshard one operand with meshlib::reshard<Spec>(x) so both have the same spec");
-  static constexpr bool value = std::is_same_v<A, B>;
-};
+template <class Op, class LhsSpec, class RhsSpec>
+consteval bool zip_needs_same_sharding() {
+  static_assert(always_false<Op, LhsSpec, RhsSpec>,
+                "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are "
+                "spelled out in the condition); meshlib moves no data implicitly: reshard one operand with "
+                "meshlib::reshard<Spec>(x) so both have the same spec");
+  return false;
+}
 
-template <class A, class B>
-struct zip_needs_same_local_layout {
-  static_assert(std::is_same_v<A, B>,
+template <class Op, class LhsValue, class RhsValue>
+consteval bool zip_needs_same_local_layout() {
+  static_assert(always_false<Op, LhsValue, RhsValue>,
                 "meshlib: zip / elementwise operator on local values: the operands vary over, are partial over, or are "
-                "sharded over different mesh axes (the two layouts, as local_layout<vary, partial, dims>, are the "
-                "arguments of zip_needs_same_local_layout<A, B>); make them agree first: psum / all_gather the one, "
-                "pbroadcast the other, or reshard the inputs of shard_map");
-  static constexpr bool value = std::is_same_v<A, B>;
-};
+                "sharded over different mesh axes (the two layouts are spelled out in the condition); make them "
+                "agree first: psum / all_gather the one, pbroadcast the other, or reshard the inputs of shard_map");
+  return false;
+}
 
-template <class Mesh, axis_mask Partial>
-struct operation_is_not_linear_on_partial {
-  static_assert(Partial == 0,
-                "meshlib: this operation is not linear, but the operand is a pending sum over the axes in "
-                "operation_is_not_linear_on_partial<mesh, partial-mask>; complete the sum with psum over those axes "
-                "first (only +, -, negation, and scaling by a scalar keep a value partial)");
-  static constexpr bool value = Partial == 0;
-};
+template <class Op, class LhsRank, class RhsRank>
+consteval bool zip_of_different_ranks() {
+  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
+  return false;
+}
 
-/// The layout facts of a local value, compared by `zip` (the element type may differ).
-template <axis_mask Vary, axis_mask Partial, class Dims>
-struct local_layout {};
+template <class Op, class LhsMesh, class RhsMesh>
+consteval bool zip_of_different_meshes() {
+  static_assert(always_false<Op, LhsMesh, RhsMesh>,
+                "meshlib: zip / elementwise operator on operands over different mesh types");
+  return false;
+}
+
+template <class PartialAxes, class Value>
+consteval bool operation_is_not_linear_on_partial() {
+  static_assert(always_false<PartialAxes, Value>,
+                "meshlib: this operation is not linear, but the operand is a pending sum over the axes spelled out in "
+                "the condition; complete the sum with psum over those axes first (only +, -, negation, and scaling "
+                "by a scalar keep a value partial)");
+  return false;
+}
+
+/// True when `L` is not partial; otherwise fires `operation_is_not_linear_on_partial`.
+template <class L>
+consteval bool check_not_partial() {
+  if constexpr (L::partial != 0)
+    return operation_is_not_linear_on_partial<diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+  else return true;
+}
 
 template <class A, class B>
 consteval bool diagnose_zip_local() {
-  using la = local_layout<A::vary, A::partial, typename A::dims_type>;
-  using lb = local_layout<B::vary, B::partial, typename B::dims_type>;
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: zip on local values of different mesh types");
-  static_assert(A::rank == B::rank, "meshlib: zip on local values of different ranks");
-  return zip_needs_same_local_layout<la, lb>::value;
+  using op_t = diag_op_t<"zip">;
+  if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (A::rank != B::rank)
+    return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<diag_value_t<A>, diag_value_t<B>>)
+    return zip_needs_same_local_layout<op_t, diag_value_t<A>, diag_value_t<B>>();
+  else return true;
 }
 
 template <class A, class B>
 consteval bool diagnose_zip_global() {
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: zip on tensors over different mesh types");
-  static_assert(A::rank == B::rank, "meshlib: zip on tensors of different ranks");
-  return zip_needs_same_sharding<typename A::spec_type, typename B::spec_type>::value;
+  using op_t = diag_op_t<"zip">;
+  if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (A::rank != B::rank)
+    return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<typename A::spec_type, typename B::spec_type>)
+    return zip_needs_same_sharding<op_t, diag_spec_t<typename A::spec_type>, diag_spec_t<typename B::spec_type>>();
+  else return true;
 }
 
 // ---- kernels on views -------------------------------------------------------------------------
@@ -6070,7 +6116,7 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  if constexpr (!detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value) {
+  if constexpr (!detail::check_not_partial<L>()) {
     return x;  // the diagnostic above has fired
   } else {
     using T = typename L::value_type;
@@ -6083,9 +6129,10 @@ auto map(F f, const L& x) {
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  if constexpr (!detail::diagnose_zip_local<A, B>() ||
-                !detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value) {
-    return a;  // a diagnostic above has fired
+  if constexpr (!detail::diagnose_zip_local<A, B>()) {
+    return a;  // the diagnostic above has fired
+  } else if constexpr (!detail::check_not_partial<A>()) {
+    return a;  // the diagnostic above has fired
   } else {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using out_t = with_value_t<A, U>;
@@ -6337,19 +6384,28 @@ constexpr std::array<dim_spec, Rank - 1> remove_spec_entry() {
   return out;
 }
 
-template <std::size_t D, std::size_t Rank>
-struct reduce_dim_in_range {
-  static_assert(D < Rank, "meshlib: reduction over a dimension the tensor does not have (see reduce_dim_in_range<dim, rank>)");
-  static constexpr bool value = true;
-};
+template <class Dim, class Rank>
+consteval bool reduction_over_missing_dim() {
+  static_assert(always_false<Dim, Rank>,
+                "meshlib: reduction over a dimension the tensor does not have (the dimension and the rank are spelled "
+                "out in the condition)");
+  return false;
+}
 
-template <class Mesh, axis_mask Partial>
-struct max_of_partial_value {
-  static_assert(Partial == 0,
-                "meshlib: max over a value that is a pending sum over the axes in max_of_partial_value<mesh, mask>: "
-                "the max of the parts is not the max of the sum; psum over those axes first");
-  static constexpr bool value = Partial == 0;
-};
+template <class Op, class PartialAxes, class Value>
+consteval bool max_of_partial_value() {
+  static_assert(always_false<Op, PartialAxes, Value>,
+                "meshlib: max over a value that is a pending sum over the axes spelled out in the condition: the max "
+                "of the parts is not the max of the sum; psum over those axes first");
+  return false;
+}
+
+/// True when dimension `D` exists; otherwise fires `reduction_over_missing_dim`.
+template <std::size_t D, std::size_t Rank>
+consteval bool check_reduce_dim() {
+  if constexpr (D < Rank) return true;
+  else return reduction_over_missing_dim<diagnostic::dim<D>, diagnostic::size<Rank>>();
+}
 
 template <class T>
 using mean_result_t = std::conditional_t<std::is_floating_point_v<T>, T, double>;
@@ -6404,10 +6460,19 @@ auto reduce_view(const View& in, std::size_t mean_extent) {
   return out;
 }
 
+/// True when reducing dimension `D` of local value `L` with `Op` is allowed; otherwise fires the
+/// one diagnostic that says why.
+template <reduce_kind Op, std::size_t D, class L>
+consteval bool check_reduce_local() {
+  if constexpr (!check_reduce_dim<D, L::rank>()) return false;
+  else if constexpr (Op == reduce_kind::max && L::partial != 0)
+    return max_of_partial_value<diag_op_t<"max">, diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+  else return true;
+}
+
 template <reduce_kind Op, std::size_t D, local_tensor_type L>
 auto reduce_local(const L& x) {
-  static_assert(reduce_dim_in_range<D, L::rank>::value);
-  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_kind::max ? L::partial : 0)>::value) {
+  if constexpr (!check_reduce_local<Op, D, L>()) {
     return x;  // the diagnostic above has fired
   } else {
   using T = typename L::value_type;
@@ -6421,8 +6486,16 @@ auto reduce_local(const L& x) {
 }
 
 template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
+auto reduce_global_checked(const X& x);
+
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
 auto reduce_global(const X& x) {
-  static_assert(reduce_dim_in_range<D, X::rank>::value);
+  if constexpr (!check_reduce_dim<D, X::rank>()) return x;  // the diagnostic has fired
+  else return reduce_global_checked<Op, D>(x);
+}
+
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
+auto reduce_global_checked(const X& x) {
   using S = typename X::sharding_type;
   using mesh_t = typename X::mesh_type;
   using T = typename X::value_type;
@@ -6563,13 +6636,13 @@ auto transpose_view(const View& in) {
   return out;
 }
 
-template <std::size_t Rank>
-struct transpose_needs_rank_2 {
-  static_assert(Rank == 2,
+template <class Op, class Rank>
+consteval bool transpose_needs_rank_2() {
+  static_assert(always_false<Op, Rank>,
                 "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
-                "name the permutation: transpose<1, 0, 2>(x) (see transpose_needs_rank_2<rank>)");
-  static constexpr bool value = Rank == 2;
-};
+                "name the permutation: transpose<1, 0, 2>(x) (the rank is spelled out in the condition)");
+  return false;
+}
 
 /// Result element `i` (row-major over the output) reads input offset sum_d idx_d * stride[d], where
 /// `stride[d]` is the input stride of the input dimension that output dimension `d` comes from.
@@ -6599,14 +6672,13 @@ consteval bool is_permutation() {
   return true;
 }
 
-template <std::size_t Rank, std::size_t... Perm>
-struct transpose_needs_a_permutation {
-  static constexpr bool value =
-      sizeof...(Perm) == Rank && is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>();
-  static_assert(value,
-                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (see "
-                "transpose_needs_a_permutation<rank, indices...>)");
-};
+template <class Op, class Rank, class... Indices>
+consteval bool transpose_needs_a_permutation() {
+  static_assert(always_false<Op, Rank, Indices...>,
+                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (the "
+                "rank and the indices are spelled out in the condition)");
+  return false;
+}
 
 template <class Space, std::size_t... Perm, class View>
 auto permute_view(const View& in) {
@@ -6636,10 +6708,14 @@ template <std::size_t... Perm, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
   if constexpr (sizeof...(Perm) == 0) {
-    if constexpr (!detail::transpose_needs_rank_2<X::rank>::value) return x;  // the diagnostic has fired
+    if constexpr (X::rank != 2) return detail::transpose_needs_rank_2<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>>(), x;
     else return transpose<1, 0>(x);
-  } else if constexpr (!detail::transpose_needs_a_permutation<X::rank, Perm...>::value) {
-    return x;  // the diagnostic above has fired
+  } else if constexpr (sizeof...(Perm) != X::rank ||
+                       !detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
+    // the diagnostic fires; x is returned so that the caller sees one error only
+    return detail::transpose_needs_a_permutation<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>,
+                                                 diagnostic::dim<Perm>...>(),
+           x;
   } else {
     constexpr std::array<std::size_t, X::rank> perm{Perm...};
     using space = typename X::memory_space;
@@ -6807,80 +6883,105 @@ auto gemm_view(const VA& a, const VB& b) {
 }
 
 // ---- diagnostics --------------------------------------------------------------------------------
+// Each is a function whose one static_assert names, in its failing condition, the axes or specs at
+// fault spelled out with axis names (core/diagnostics.hpp): one error on GCC and Clang.
 
-template <bool Ok, fixed_string LhsContractionAxes, fixed_string RhsContractionAxes>
-struct matmul_contraction_sharded_differently {
-  static_assert(Ok,
+template <class LhsContractionAxes, class RhsContractionAxes>
+consteval bool matmul_contraction_sharded_differently() {
+  static_assert(always_false<LhsContractionAxes, RhsContractionAxes>,
                 "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
-                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes named in "
-                "matmul_contraction_sharded_differently<ok, lhs axes, rhs axes>; reshard (or all_gather) one operand "
-                "so that they match");
-  static constexpr bool value = Ok;
-};
+                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes spelled out in the condition "
+                "(lhs, rhs); reshard (or all_gather) one operand so that they match");
+  return false;
+}
 
-template <bool Ok, fixed_string SharedAxes>
-struct matmul_output_dims_share_an_axis {
-  static_assert(Ok,
+template <class SharedAxes>
+consteval bool matmul_output_dims_share_an_axis() {
+  static_assert(always_false<SharedAxes>,
                 "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
-                "(rhs dimension 1) of the result (the axis is named in matmul_output_dims_share_an_axis<ok, axes>); "
-                "reshard one operand to replicate that dimension");
-  static constexpr bool value = Ok;
-};
+                "(rhs dimension 1) of the result (the axis is spelled out in the condition); reshard one operand "
+                "to replicate that dimension");
+  return false;
+}
 
-template <bool Ok, fixed_string Axes>
-struct matmul_of_partial_value {
-  static_assert(Ok,
-                "meshlib: matmul: one operand is a pending sum over the axes named in matmul_of_partial_value<ok, "
-                "axes> and the other varies over (or is also partial over) them, so the product is not a pending "
-                "sum of anything; psum the partial operand first");
-  static constexpr bool value = Ok;
-};
+template <class Axes>
+consteval bool matmul_of_partial_value() {
+  static_assert(always_false<Axes>,
+                "meshlib: matmul: one operand is a pending sum over the axes spelled out in the condition and the "
+                "other varies over (or is also partial over) them, so the product is not a pending sum of anything; "
+                "psum the partial operand first");
+  return false;
+}
 
-template <bool Ok, class LhsSpec, class RhsSpec>
-struct matmul_incompatible_shardings {
-  static_assert(Ok,
+template <class LhsSpec, class RhsSpec>
+consteval bool matmul_incompatible_shardings() {
+  static_assert(always_false<LhsSpec, RhsSpec>,
                 "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
                 "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
-                "dimensions (the specs are the arguments of matmul_incompatible_shardings<ok, lhs spec, rhs spec>); "
-                "reshard one operand with meshlib::reshard<Spec>(x) first");
-  static constexpr bool value = Ok;
-};
+                "dimensions (the specs are spelled out in the condition); reshard one operand with "
+                "meshlib::reshard<Spec>(x) first");
+  return false;
+}
+
+template <class Op, class LhsRank, class RhsRank>
+consteval bool matmul_needs_rank_2() {
+  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
+  return false;
+}
+
+template <class Op, class LhsMesh, class RhsMesh>
+consteval bool matmul_of_different_meshes() {
+  static_assert(always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
+  return false;
+}
+
+template <class Op, class LhsType, class RhsType>
+consteval bool matmul_of_different_element_types() {
+  static_assert(always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
+  return false;
+}
+
+/// The checks both views share: ranks, mesh and element type.
+template <class A, class B>
+consteval bool diagnose_matmul_operands() {
+  using op_t = diag_op_t<"matmul">;
+  if constexpr (A::rank != 2 || B::rank != 2)
+    return matmul_needs_rank_2<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return matmul_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (!std::is_same_v<typename A::value_type, typename B::value_type>)
+    return matmul_of_different_element_types<op_t, typename A::value_type, typename B::value_type>();
+  else return true;
+}
 
 template <class A, class B>
 consteval bool diagnose_matmul_local() {
-  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: matmul of local values over different mesh types");
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "meshlib: matmul operands must have the same element type");
-  using M = typename A::mesh_type;
-  constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
-  constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
-  constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
-  if constexpr (a1 != b0) {
-    return matmul_contraction_sharded_differently<false, axes_names_v<M, a1>, axes_names_v<M, b0>>::value;
-  } else if constexpr (shared != 0) {
-    return matmul_output_dims_share_an_axis<false, axes_names_v<M, shared>>::value;
-  } else if constexpr (bad_partial != 0) {
-    return matmul_of_partial_value<false, axes_names_v<M, bad_partial>>::value;
+  if constexpr (!diagnose_matmul_operands<A, B>()) {
+    return false;
   } else {
-    return true;
+    using M = typename A::mesh_type;
+    constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
+    constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
+    constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
+    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diag_axes_t<M, a1>, diag_axes_t<M, b0>>();
+    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diag_axes_t<M, shared>>();
+    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diag_axes_t<M, bad_partial>>();
+    else return true;
   }
 }
 
 template <class A, class B>
 consteval bool diagnose_matmul_global() {
-  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: matmul of tensors over different mesh types");
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "meshlib: matmul operands must have the same element type");
-  using SA = typename A::spec_type;
-  using SB = typename B::spec_type;
-  using shA = typename A::sharding_type;
-  using shB = typename B::sharding_type;
-  constexpr bool ok = SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0;
-  return matmul_incompatible_shardings<ok, SA, SB>::value;
+  if constexpr (!diagnose_matmul_operands<A, B>()) {
+    return false;
+  } else {
+    using SA = typename A::spec_type;
+    using SB = typename B::spec_type;
+    using shA = typename A::sharding_type;
+    using shB = typename B::sharding_type;
+    if constexpr (SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0) return true;
+    else return matmul_incompatible_shardings<diag_spec_t<SA>, diag_spec_t<SB>>();
+  }
 }
 
 }  // namespace detail
@@ -8548,19 +8649,7 @@ template <fixed_string A, fixed_string B, fixed_string... More>
 
 namespace meshlib::detail {
 
-/// The layout of local value `L`, spelled out for a diagnostic.
-template <class L, class Seq = std::make_index_sequence<L::rank>>
-struct diag_value_impl;
-template <class L, std::size_t... I>
-struct diag_value_impl<L, std::index_sequence<I...>> {
-  using mesh_t = typename L::mesh_type;
-  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
-                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
-                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
-};
-/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
-template <class L>
-using diag_value_t = typename diag_value_impl<L>::type;
+// diag_value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
 
 // Each diagnostic is a function whose one static_assert names, in its failing condition, the
 // operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.

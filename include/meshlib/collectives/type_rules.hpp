@@ -41,19 +41,7 @@
 
 namespace meshlib::detail {
 
-/// The layout of local value `L`, spelled out for a diagnostic.
-template <class L, class Seq = std::make_index_sequence<L::rank>>
-struct diag_value_impl;
-template <class L, std::size_t... I>
-struct diag_value_impl<L, std::index_sequence<I...>> {
-  using mesh_t = typename L::mesh_type;
-  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
-                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
-                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
-};
-/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
-template <class L>
-using diag_value_t = typename diag_value_impl<L>::type;
+// diag_value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
 
 // Each diagnostic is a function whose one static_assert names, in its failing condition, the
 // operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
@@ -35,57 +36,79 @@ namespace meshlib {
 namespace detail {
 
 // ---- diagnostics ------------------------------------------------------------------------------
-// Each carries the offending types in its template arguments, so the compiler's "required from"
-// line names both operands next to the message.
+// Each is a function whose one static_assert names, in its failing condition, the operands' specs
+// or layouts spelled out with axis names (core/diagnostics.hpp): one error on GCC and Clang.
 
-template <class A, class B>
-struct zip_needs_same_sharding {
-  static_assert(std::is_same_v<A, B>,
-                "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are the "
-                "arguments of zip_needs_same_sharding<A, B>); meshlib moves no data implicitly: "
-                "reshard one operand with meshlib::reshard<Spec>(x) so both have the same spec");
-  static constexpr bool value = std::is_same_v<A, B>;
-};
+template <class Op, class LhsSpec, class RhsSpec>
+consteval bool zip_needs_same_sharding() {
+  static_assert(always_false<Op, LhsSpec, RhsSpec>,
+                "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are "
+                "spelled out in the condition); meshlib moves no data implicitly: reshard one operand with "
+                "meshlib::reshard<Spec>(x) so both have the same spec");
+  return false;
+}
 
-template <class A, class B>
-struct zip_needs_same_local_layout {
-  static_assert(std::is_same_v<A, B>,
+template <class Op, class LhsValue, class RhsValue>
+consteval bool zip_needs_same_local_layout() {
+  static_assert(always_false<Op, LhsValue, RhsValue>,
                 "meshlib: zip / elementwise operator on local values: the operands vary over, are partial over, or are "
-                "sharded over different mesh axes (the two layouts, as local_layout<vary, partial, dims>, are the "
-                "arguments of zip_needs_same_local_layout<A, B>); make them agree first: psum / all_gather the one, "
-                "pbroadcast the other, or reshard the inputs of shard_map");
-  static constexpr bool value = std::is_same_v<A, B>;
-};
+                "sharded over different mesh axes (the two layouts are spelled out in the condition); make them "
+                "agree first: psum / all_gather the one, pbroadcast the other, or reshard the inputs of shard_map");
+  return false;
+}
 
-template <class Mesh, axis_mask Partial>
-struct operation_is_not_linear_on_partial {
-  static_assert(Partial == 0,
-                "meshlib: this operation is not linear, but the operand is a pending sum over the axes in "
-                "operation_is_not_linear_on_partial<mesh, partial-mask>; complete the sum with psum over those axes "
-                "first (only +, -, negation, and scaling by a scalar keep a value partial)");
-  static constexpr bool value = Partial == 0;
-};
+template <class Op, class LhsRank, class RhsRank>
+consteval bool zip_of_different_ranks() {
+  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
+  return false;
+}
 
-/// The layout facts of a local value, compared by `zip` (the element type may differ).
-template <axis_mask Vary, axis_mask Partial, class Dims>
-struct local_layout {};
+template <class Op, class LhsMesh, class RhsMesh>
+consteval bool zip_of_different_meshes() {
+  static_assert(always_false<Op, LhsMesh, RhsMesh>,
+                "meshlib: zip / elementwise operator on operands over different mesh types");
+  return false;
+}
+
+template <class PartialAxes, class Value>
+consteval bool operation_is_not_linear_on_partial() {
+  static_assert(always_false<PartialAxes, Value>,
+                "meshlib: this operation is not linear, but the operand is a pending sum over the axes spelled out in "
+                "the condition; complete the sum with psum over those axes first (only +, -, negation, and scaling "
+                "by a scalar keep a value partial)");
+  return false;
+}
+
+/// True when `L` is not partial; otherwise fires `operation_is_not_linear_on_partial`.
+template <class L>
+consteval bool check_not_partial() {
+  if constexpr (L::partial != 0)
+    return operation_is_not_linear_on_partial<diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+  else return true;
+}
 
 template <class A, class B>
 consteval bool diagnose_zip_local() {
-  using la = local_layout<A::vary, A::partial, typename A::dims_type>;
-  using lb = local_layout<B::vary, B::partial, typename B::dims_type>;
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: zip on local values of different mesh types");
-  static_assert(A::rank == B::rank, "meshlib: zip on local values of different ranks");
-  return zip_needs_same_local_layout<la, lb>::value;
+  using op_t = diag_op_t<"zip">;
+  if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (A::rank != B::rank)
+    return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<diag_value_t<A>, diag_value_t<B>>)
+    return zip_needs_same_local_layout<op_t, diag_value_t<A>, diag_value_t<B>>();
+  else return true;
 }
 
 template <class A, class B>
 consteval bool diagnose_zip_global() {
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: zip on tensors over different mesh types");
-  static_assert(A::rank == B::rank, "meshlib: zip on tensors of different ranks");
-  return zip_needs_same_sharding<typename A::spec_type, typename B::spec_type>::value;
+  using op_t = diag_op_t<"zip">;
+  if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (A::rank != B::rank)
+    return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<typename A::spec_type, typename B::spec_type>)
+    return zip_needs_same_sharding<op_t, diag_spec_t<typename A::spec_type>, diag_spec_t<typename B::spec_type>>();
+  else return true;
 }
 
 // ---- kernels on views -------------------------------------------------------------------------
@@ -155,7 +178,7 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  if constexpr (!detail::operation_is_not_linear_on_partial<typename L::mesh_type, L::partial>::value) {
+  if constexpr (!detail::check_not_partial<L>()) {
     return x;  // the diagnostic above has fired
   } else {
     using T = typename L::value_type;
@@ -168,9 +191,10 @@ auto map(F f, const L& x) {
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  if constexpr (!detail::diagnose_zip_local<A, B>() ||
-                !detail::operation_is_not_linear_on_partial<typename A::mesh_type, A::partial>::value) {
-    return a;  // a diagnostic above has fired
+  if constexpr (!detail::diagnose_zip_local<A, B>()) {
+    return a;  // the diagnostic above has fired
+  } else if constexpr (!detail::check_not_partial<A>()) {
+    return a;  // the diagnostic above has fired
   } else {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using out_t = with_value_t<A, U>;

@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "meshlib/core/checked_size.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/shard_layout.hpp"
@@ -137,9 +139,11 @@ class local_tensor {
   local_tensor() = default;
   /// Wraps `view`, device `device`'s block on `mesh` (no copy).
   local_tensor(view_type view, const Mesh& mesh, std::size_t device) : view_(std::move(view)), mesh_(mesh), device_(device) {}
-  /// A zero block of `shape` on `device`.
+  /// A zero block of `shape` on `device`. Throws `sharding_error` naming the dimension and its size
+  /// when the element or byte count overflows (a wrapped count would allocate a small block).
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
-      : view_(detail::allocate<T, Rank, Space>(shape, "meshlib::local_tensor")), mesh_(mesh), device_(device) {}
+      : view_(detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
+        device_(device) {}
 
   /// The block's storage (shared, not copied).
   [[nodiscard]] const view_type& view() const noexcept { return view_; }
@@ -181,6 +185,12 @@ class local_tensor {
   }
 
  private:
+  static const shape_type& checked_shape(const shape_type& shape) {
+    (void)detail::checked_bytes<T>(detail::checked_product(shape, "the local_tensor block shape"),
+                                   "the byte count of the local_tensor block");
+    return shape;
+  }
+
   view_type view_{};
   Mesh mesh_{[] {
     if constexpr (Mesh::num_dynamic == 0) return Mesh{};
@@ -200,6 +210,22 @@ concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local
 /// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
+
+namespace detail {
+/// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).
+template <class L, class Seq = std::make_index_sequence<L::rank>>
+struct diag_value_impl;
+template <class L, std::size_t... I>
+struct diag_value_impl<L, std::index_sequence<I...>> {
+  using mesh_t = typename L::mesh_type;
+  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
+};
+/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
+template <class L>
+using diag_value_t = typename diag_value_impl<L>::type;
+}  // namespace detail
 
 namespace detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>

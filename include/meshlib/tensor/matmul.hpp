@@ -36,6 +36,7 @@
 
 #include <dlfcn.h>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
@@ -146,80 +147,105 @@ auto gemm_view(const VA& a, const VB& b) {
 }
 
 // ---- diagnostics --------------------------------------------------------------------------------
+// Each is a function whose one static_assert names, in its failing condition, the axes or specs at
+// fault spelled out with axis names (core/diagnostics.hpp): one error on GCC and Clang.
 
-template <bool Ok, fixed_string LhsContractionAxes, fixed_string RhsContractionAxes>
-struct matmul_contraction_sharded_differently {
-  static_assert(Ok,
+template <class LhsContractionAxes, class RhsContractionAxes>
+consteval bool matmul_contraction_sharded_differently() {
+  static_assert(always_false<LhsContractionAxes, RhsContractionAxes>,
                 "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
-                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes named in "
-                "matmul_contraction_sharded_differently<ok, lhs axes, rhs axes>; reshard (or all_gather) one operand "
-                "so that they match");
-  static constexpr bool value = Ok;
-};
+                "but lhs dimension 1 and rhs dimension 0 are sharded over the axes spelled out in the condition "
+                "(lhs, rhs); reshard (or all_gather) one operand so that they match");
+  return false;
+}
 
-template <bool Ok, fixed_string SharedAxes>
-struct matmul_output_dims_share_an_axis {
-  static_assert(Ok,
+template <class SharedAxes>
+consteval bool matmul_output_dims_share_an_axis() {
+  static_assert(always_false<SharedAxes>,
                 "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
-                "(rhs dimension 1) of the result (the axis is named in matmul_output_dims_share_an_axis<ok, axes>); "
-                "reshard one operand to replicate that dimension");
-  static constexpr bool value = Ok;
-};
+                "(rhs dimension 1) of the result (the axis is spelled out in the condition); reshard one operand "
+                "to replicate that dimension");
+  return false;
+}
 
-template <bool Ok, fixed_string Axes>
-struct matmul_of_partial_value {
-  static_assert(Ok,
-                "meshlib: matmul: one operand is a pending sum over the axes named in matmul_of_partial_value<ok, "
-                "axes> and the other varies over (or is also partial over) them, so the product is not a pending "
-                "sum of anything; psum the partial operand first");
-  static constexpr bool value = Ok;
-};
+template <class Axes>
+consteval bool matmul_of_partial_value() {
+  static_assert(always_false<Axes>,
+                "meshlib: matmul: one operand is a pending sum over the axes spelled out in the condition and the "
+                "other varies over (or is also partial over) them, so the product is not a pending sum of anything; "
+                "psum the partial operand first");
+  return false;
+}
 
-template <bool Ok, class LhsSpec, class RhsSpec>
-struct matmul_incompatible_shardings {
-  static_assert(Ok,
+template <class LhsSpec, class RhsSpec>
+consteval bool matmul_incompatible_shardings() {
+  static_assert(always_false<LhsSpec, RhsSpec>,
                 "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
                 "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
-                "dimensions (the specs are the arguments of matmul_incompatible_shardings<ok, lhs spec, rhs spec>); "
-                "reshard one operand with meshlib::reshard<Spec>(x) first");
-  static constexpr bool value = Ok;
-};
+                "dimensions (the specs are spelled out in the condition); reshard one operand with "
+                "meshlib::reshard<Spec>(x) first");
+  return false;
+}
+
+template <class Op, class LhsRank, class RhsRank>
+consteval bool matmul_needs_rank_2() {
+  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
+  return false;
+}
+
+template <class Op, class LhsMesh, class RhsMesh>
+consteval bool matmul_of_different_meshes() {
+  static_assert(always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
+  return false;
+}
+
+template <class Op, class LhsType, class RhsType>
+consteval bool matmul_of_different_element_types() {
+  static_assert(always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
+  return false;
+}
+
+/// The checks both views share: ranks, mesh and element type.
+template <class A, class B>
+consteval bool diagnose_matmul_operands() {
+  using op_t = diag_op_t<"matmul">;
+  if constexpr (A::rank != 2 || B::rank != 2)
+    return matmul_needs_rank_2<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
+  else if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
+    return matmul_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
+  else if constexpr (!std::is_same_v<typename A::value_type, typename B::value_type>)
+    return matmul_of_different_element_types<op_t, typename A::value_type, typename B::value_type>();
+  else return true;
+}
 
 template <class A, class B>
 consteval bool diagnose_matmul_local() {
-  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: matmul of local values over different mesh types");
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "meshlib: matmul operands must have the same element type");
-  using M = typename A::mesh_type;
-  constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
-  constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
-  constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
-  if constexpr (a1 != b0) {
-    return matmul_contraction_sharded_differently<false, axes_names_v<M, a1>, axes_names_v<M, b0>>::value;
-  } else if constexpr (shared != 0) {
-    return matmul_output_dims_share_an_axis<false, axes_names_v<M, shared>>::value;
-  } else if constexpr (bad_partial != 0) {
-    return matmul_of_partial_value<false, axes_names_v<M, bad_partial>>::value;
+  if constexpr (!diagnose_matmul_operands<A, B>()) {
+    return false;
   } else {
-    return true;
+    using M = typename A::mesh_type;
+    constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
+    constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
+    constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
+    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diag_axes_t<M, a1>, diag_axes_t<M, b0>>();
+    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diag_axes_t<M, shared>>();
+    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diag_axes_t<M, bad_partial>>();
+    else return true;
   }
 }
 
 template <class A, class B>
 consteval bool diagnose_matmul_global() {
-  static_assert(A::rank == 2 && B::rank == 2, "meshlib: matmul needs two rank-2 operands");
-  static_assert(std::is_same_v<typename A::mesh_type, typename B::mesh_type>,
-                "meshlib: matmul of tensors over different mesh types");
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "meshlib: matmul operands must have the same element type");
-  using SA = typename A::spec_type;
-  using SB = typename B::spec_type;
-  using shA = typename A::sharding_type;
-  using shB = typename B::sharding_type;
-  constexpr bool ok = SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0;
-  return matmul_incompatible_shardings<ok, SA, SB>::value;
+  if constexpr (!diagnose_matmul_operands<A, B>()) {
+    return false;
+  } else {
+    using SA = typename A::spec_type;
+    using SB = typename B::spec_type;
+    using shA = typename A::sharding_type;
+    using shB = typename B::sharding_type;
+    if constexpr (SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0) return true;
+    else return matmul_incompatible_shardings<diag_spec_t<SA>, diag_spec_t<SB>>();
+  }
 }
 
 }  // namespace detail

@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
@@ -55,19 +56,28 @@ constexpr std::array<dim_spec, Rank - 1> remove_spec_entry() {
   return out;
 }
 
-template <std::size_t D, std::size_t Rank>
-struct reduce_dim_in_range {
-  static_assert(D < Rank, "meshlib: reduction over a dimension the tensor does not have (see reduce_dim_in_range<dim, rank>)");
-  static constexpr bool value = true;
-};
+template <class Dim, class Rank>
+consteval bool reduction_over_missing_dim() {
+  static_assert(always_false<Dim, Rank>,
+                "meshlib: reduction over a dimension the tensor does not have (the dimension and the rank are spelled "
+                "out in the condition)");
+  return false;
+}
 
-template <class Mesh, axis_mask Partial>
-struct max_of_partial_value {
-  static_assert(Partial == 0,
-                "meshlib: max over a value that is a pending sum over the axes in max_of_partial_value<mesh, mask>: "
-                "the max of the parts is not the max of the sum; psum over those axes first");
-  static constexpr bool value = Partial == 0;
-};
+template <class Op, class PartialAxes, class Value>
+consteval bool max_of_partial_value() {
+  static_assert(always_false<Op, PartialAxes, Value>,
+                "meshlib: max over a value that is a pending sum over the axes spelled out in the condition: the max "
+                "of the parts is not the max of the sum; psum over those axes first");
+  return false;
+}
+
+/// True when dimension `D` exists; otherwise fires `reduction_over_missing_dim`.
+template <std::size_t D, std::size_t Rank>
+consteval bool check_reduce_dim() {
+  if constexpr (D < Rank) return true;
+  else return reduction_over_missing_dim<diagnostic::dim<D>, diagnostic::size<Rank>>();
+}
 
 template <class T>
 using mean_result_t = std::conditional_t<std::is_floating_point_v<T>, T, double>;
@@ -122,10 +132,19 @@ auto reduce_view(const View& in, std::size_t mean_extent) {
   return out;
 }
 
+/// True when reducing dimension `D` of local value `L` with `Op` is allowed; otherwise fires the
+/// one diagnostic that says why.
+template <reduce_kind Op, std::size_t D, class L>
+consteval bool check_reduce_local() {
+  if constexpr (!check_reduce_dim<D, L::rank>()) return false;
+  else if constexpr (Op == reduce_kind::max && L::partial != 0)
+    return max_of_partial_value<diag_op_t<"max">, diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+  else return true;
+}
+
 template <reduce_kind Op, std::size_t D, local_tensor_type L>
 auto reduce_local(const L& x) {
-  static_assert(reduce_dim_in_range<D, L::rank>::value);
-  if constexpr (!max_of_partial_value<typename L::mesh_type, (Op == reduce_kind::max ? L::partial : 0)>::value) {
+  if constexpr (!check_reduce_local<Op, D, L>()) {
     return x;  // the diagnostic above has fired
   } else {
   using T = typename L::value_type;
@@ -139,8 +158,16 @@ auto reduce_local(const L& x) {
 }
 
 template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
+auto reduce_global_checked(const X& x);
+
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
 auto reduce_global(const X& x) {
-  static_assert(reduce_dim_in_range<D, X::rank>::value);
+  if constexpr (!check_reduce_dim<D, X::rank>()) return x;  // the diagnostic has fired
+  else return reduce_global_checked<Op, D>(x);
+}
+
+template <reduce_kind Op, std::size_t D, sharded_tensor_type X>
+auto reduce_global_checked(const X& x) {
   using S = typename X::sharding_type;
   using mesh_t = typename X::mesh_type;
   using T = typename X::value_type;

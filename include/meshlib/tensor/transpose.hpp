@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -49,13 +50,13 @@ auto transpose_view(const View& in) {
   return out;
 }
 
-template <std::size_t Rank>
-struct transpose_needs_rank_2 {
-  static_assert(Rank == 2,
+template <class Op, class Rank>
+consteval bool transpose_needs_rank_2() {
+  static_assert(always_false<Op, Rank>,
                 "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
-                "name the permutation: transpose<1, 0, 2>(x) (see transpose_needs_rank_2<rank>)");
-  static constexpr bool value = Rank == 2;
-};
+                "name the permutation: transpose<1, 0, 2>(x) (the rank is spelled out in the condition)");
+  return false;
+}
 
 /// Result element `i` (row-major over the output) reads input offset sum_d idx_d * stride[d], where
 /// `stride[d]` is the input stride of the input dimension that output dimension `d` comes from.
@@ -85,14 +86,13 @@ consteval bool is_permutation() {
   return true;
 }
 
-template <std::size_t Rank, std::size_t... Perm>
-struct transpose_needs_a_permutation {
-  static constexpr bool value =
-      sizeof...(Perm) == Rank && is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>();
-  static_assert(value,
-                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (see "
-                "transpose_needs_a_permutation<rank, indices...>)");
-};
+template <class Op, class Rank, class... Indices>
+consteval bool transpose_needs_a_permutation() {
+  static_assert(always_false<Op, Rank, Indices...>,
+                "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (the "
+                "rank and the indices are spelled out in the condition)");
+  return false;
+}
 
 template <class Space, std::size_t... Perm, class View>
 auto permute_view(const View& in) {
@@ -122,10 +122,14 @@ template <std::size_t... Perm, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
   if constexpr (sizeof...(Perm) == 0) {
-    if constexpr (!detail::transpose_needs_rank_2<X::rank>::value) return x;  // the diagnostic has fired
+    if constexpr (X::rank != 2) return detail::transpose_needs_rank_2<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>>(), x;
     else return transpose<1, 0>(x);
-  } else if constexpr (!detail::transpose_needs_a_permutation<X::rank, Perm...>::value) {
-    return x;  // the diagnostic above has fired
+  } else if constexpr (sizeof...(Perm) != X::rank ||
+                       !detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
+    // the diagnostic fires; x is returned so that the caller sees one error only
+    return detail::transpose_needs_a_permutation<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>,
+                                                 diagnostic::dim<Perm>...>(),
+           x;
   } else {
     constexpr std::array<std::size_t, X::rank> perm{Perm...};
     using space = typename X::memory_space;

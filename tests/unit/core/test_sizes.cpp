@@ -58,6 +58,20 @@ TEST_CASE("the issue's bad sizes get clear errors naming the dimension or axis a
   CHECK(message_of<sharding_error>([&] { (void)zeros<float>(s, std::array<std::size_t, 2>{std::size_t(-8), 4}); }) ==
         "meshlib: the global shape (18446744073709551608, 4): dimension 0 has size 18446744073709551608 (-8 as a "
         "signed number), larger than 2^62: a negative or overflowed size?");
+  // local_tensor's own block allocation (what shard_map bodies and tests build directly).
+  CHECK(message_of<sharding_error>([] {
+          (void)local_tensor<float, 2, mesh2>(std::array<std::size_t, 2>{std::size_t{1} << 40, std::size_t{1} << 30},
+                                              mesh2{2, 2}, 0);
+        }) == "meshlib: the local_tensor block shape (1099511627776, 1073741824): the element count overflows at "
+              "dimension 1 (size 1073741824): it does not fit in 64 bits");
+  CHECK(message_of<sharding_error>([] {
+          (void)local_tensor<float, 2, mesh2>(std::array<std::size_t, 2>{3, std::size_t(-1)}, mesh2{2, 2}, 0);
+        }) == "meshlib: the local_tensor block shape (3, 18446744073709551615): dimension 1 has size "
+              "18446744073709551615 (-1 as a signed number), larger than 2^62: a negative or overflowed size?");
+  CHECK(message_of<sharding_error>([] {
+          (void)local_tensor<double, 1, mesh2>(std::array<std::size_t, 1>{std::size_t{1} << 62}, mesh2{2, 2}, 0);
+        }) == "meshlib: the byte count of the local_tensor block overflows: 4611686018427387904 x 8 does not fit in 64 "
+              "bits");
   // A count that fits but whose bytes do not: 2^61 doubles.
   CHECK(message_of<sharding_error>([&] { (void)zeros<double>(s, std::array<std::size_t, 2>{std::size_t{1} << 61, 2}); }) ==
         "meshlib: the byte count of the global shape overflows: 4611686018427387904 x 8 does not fit in 64 bits");
@@ -98,6 +112,14 @@ TEST_CASE("random huge, zero and negative-converted sizes through every construc
     expect([&] { (void)from_host(s, shape, host); });
     expect([&] { (void)make_array_from_callback<float>(shape, s, [](const std::array<std::size_t, 2>&) { return 1.0f; }); });
     expect([&] { (void)shard_layout(s, shape); });
+    // A local block of the same shape: the exact element count, or sharding_error naming its shape.
+    if (bad) {
+      const std::string m = message_of<sharding_error>([&] { (void)local_tensor<float, 2, mesh2>(shape, mesh2{2, 2}, 0); });
+      CHECK(m.rfind("meshlib: the local_tensor block shape (", 0) == 0);
+    } else {
+      const local_tensor<float, 2, mesh2> block(shape, mesh2{2, 2}, 0);
+      CHECK(block.size() == static_cast<std::size_t>(product));
+    }
     if (!bad) {
       auto x = from_host(s, shape, host);
       CHECK(x.size() == static_cast<std::size_t>(product));
