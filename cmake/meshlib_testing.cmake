@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Test helpers shared by every test folder.
 #
 #  meshlib_add_catch_test(NAME <n> SOURCES <src...> [LIBRARIES <lib...>] [LABELS <label...>] [TSAN])

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // flagship: tensor parallelism on a 2-D (data, model) mesh, the Megatron MLP of JAX's shard_map
 // tutorial: a column-parallel matmul, a nonlinearity, a row-parallel matmul, and one psum.
 //
@@ -9,6 +10,10 @@
 //
 // The types carry the layout: h @ W2 is `partial` over "model", and returning it without the psum
 // does not compile (shard_map's check_vma). The result is checked against a host computation.
+//
+// `flagship --trace trace.json` also records a timeline of three steps (docs/debugging.md): every
+// device's regions and its psum, written as Chrome trace JSON for Perfetto / chrome://tracing, and
+// prints the trace summary.
 #include <meshlib.hpp>
 
 #include <algorithm>
@@ -17,10 +22,12 @@
 #include <cmath>
 #include <cstddef>
 #include <iostream>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
-int run() {
+int run(const std::string& trace_path) {
   using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
   const mesh_t mesh{2, 2};
   constexpr std::size_t B = 64, D = 32, H = 128;
@@ -39,16 +46,31 @@ int run() {
 
   auto mlp = meshlib::shard_map(
       [](auto xb, auto w1b, auto w2b) {
-        auto h = meshlib::map([](float v) { return v > 0.0f ? v : 0.0f; }, meshlib::matmul(xb, w1b));  // column-parallel
-        auto partial = meshlib::matmul(h, w2b);                                                        // row-parallel
+        meshlib::trace_region step("mlp");  // regions: free unless tracing or a Kokkos tool is on
+        auto h = [&] {
+          meshlib::trace_region r("x @ W1, relu");
+          return meshlib::map([](float v) { return v > 0.0f ? v : 0.0f; }, meshlib::matmul(xb, w1b));  // column-parallel
+        }();
+        auto partial = [&] {
+          meshlib::trace_region r("h @ W2");
+          return meshlib::matmul(h, w2b);  // row-parallel
+        }();
         static_assert(decltype(partial)::partial == mesh_t::mask_of<"model">(), "h @ W2 is a pending sum over model");
-        return meshlib::psum<"model">(partial);                                                        // the one psum
+        return meshlib::psum<"model">(partial);  // the one psum
       },
       mesh, meshlib::specs<P<"data", none>, P<none, "model">, P<"model", none>>{}, P<"data", none>{});
 
+  if (!trace_path.empty()) meshlib::start_trace(trace_path);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto y = mlp(x, w1, w2);
+  auto y = mlp(x, w1, w2);
   const auto t1 = std::chrono::steady_clock::now();
+  if (!trace_path.empty()) {
+    for (int step = 1; step < 3; ++step) {
+      meshlib::trace_region r("step " + std::to_string(step));
+      y = mlp(x, w1, w2);
+    }
+    std::cout << meshlib::stop_trace();
+  }
 
   // Host reference in double.
   const auto got = meshlib::to_host(y);
@@ -81,7 +103,16 @@ int run() {
 }  // namespace
 
 int main(int argc, char* argv[]) {
+  std::string trace;
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--trace") {
+      if (i + 1 >= argc) {
+        std::cerr << "usage: flagship [--trace FILE.json]\n";
+        return 2;
+      }
+      trace = argv[i + 1];
+    }
   // Kokkos lives for the whole program; every view above is gone when run() returns.
   Kokkos::ScopeGuard kokkos(argc, argv);
-  return run();
+  return run(trace);
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // An existing MPI code adopting meshlib: the application owns its communicator (here a split of
 // MPI_COMM_WORLD, as a solver that runs beside other components would have), hands it to meshlib,
 // and runs one data-parallel SGD step of a linear model y = w . x:

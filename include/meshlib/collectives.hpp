@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The collectives layer: the device context (`axis_index`, `axis_size`), backends, typed

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The comm layer: the communicator concept, reduce ops, datatypes, errors, and the
@@ -8,6 +9,7 @@
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/communicator.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"

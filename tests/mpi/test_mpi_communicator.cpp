@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The MPI communicator under mpirun (2 and 4 ranks): every operation of the communicator concept,
 // out-of-place and in-place, for every element type and reduce op, checked twice:
 // - against expectations computed here from the inputs, and
@@ -471,21 +472,28 @@ TEST_CASE("per-axis sub-communicators of a mesh come from MPI_Comm_split", "[mpi
   }
 }
 
-TEST_CASE("verify_collectives: ranks that disagree all see collective_mismatch", "[mpi][errors]") {
-  meshlib::mpi_comm_options o;
-  o.verify_collectives = true;
-  mpi_communicator c(MPI_COMM_WORLD, o);
+TEST_CASE("mismatch detection is always on: ranks that disagree all see collective_mismatch", "[mpi][errors]") {
+  mpi_communicator c(MPI_COMM_WORLD);  // default options: the fingerprint check is not optional
   std::vector<float> x(c.rank() == 0 ? 4 : 5, 1.0f);
   try {
     c.all_reduce(std::span(x), reduce_op::sum);
     FAIL("different counts must be a collective_mismatch");
   } catch (const meshlib::collective_mismatch& e) {
     const std::string w = e.what();
-    CHECK(w.find("rank 0: all_reduce of 4 float32, op sum") != std::string::npos);
-    CHECK(w.find("rank 1: all_reduce of 5 float32, op sum") != std::string::npos);
+    CHECK(w.find("rank 0 called all_reduce(float32, count 4, op sum) as call #0") != std::string::npos);
+    CHECK(w.find("rank 1 called all_reduce(float32, count 5, op sum) as call #0") != std::string::npos);
   }
+  // Like the thread backend, a failed communicator refuses further calls with the root cause.
   std::vector<float> y(3, 1.0f);
-  c.all_reduce(std::span(y), reduce_op::sum);  // agreeing calls still work
+  try {
+    c.all_reduce(std::span(y), reduce_op::sum);
+    FAIL("a failed communicator must refuse");
+  } catch (const meshlib::collective_mismatch& e) {
+    CHECK(std::string(e.what()).find("refused all_reduce") != std::string::npos);
+  }
+  // A fresh communicator over the same ranks works: nothing is left pending.
+  mpi_communicator d(MPI_COMM_WORLD);
+  d.all_reduce(std::span(y), reduce_op::sum);
   CHECK(y[0] == static_cast<float>(c.size()));
 }
 
@@ -504,13 +512,15 @@ TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator sta
       CHECK(s >= 0.29);
       CHECK(s < 10.0);
       CHECK(std::string(e.what()).find("all_reduce on MPI rank 0") != std::string::npos);
+      std::string missing = "rank(s) 1";
+      for (int r = 2; r < c.size(); ++r) missing += ", " + std::to_string(r);
+      CHECK(std::string(e.what()).find(missing + " never arrived") != std::string::npos);
     }
     REQUIRE_THROWS_AS(c.barrier(), meshlib::comm_timeout);  // refused: failed
   }
-  MPI_Barrier(MPI_COMM_WORLD);
-  // The others now make the call rank 0 gave up on, so its pending request completes in the
-  // background and the run ends cleanly.
-  if (c.rank() != 0) c.all_reduce(std::span(x), reduce_op::sum);
+  // The others never make the call: rank 0's fingerprint exchange stays pending in its failed
+  // communicator (never freed), which MPI tolerates until MPI_Finalize. (Had they made it late,
+  // their data collective would wait for rank 0 forever: MPI cannot cancel either side.)
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The device a piece of SPMD code runs as: its id, its mesh coordinates, and the
@@ -32,6 +33,13 @@
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/named_sharding.hpp"
+#include "meshlib/debug/observe.hpp"
+
+/// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
+/// does, to measure what the hook costs when tracing and debug mode are off).
+#ifndef MESHLIB_DEBUG_HOOKS
+#define MESHLIB_DEBUG_HOOKS 1
+#endif
 
 namespace meshlib {
 
@@ -145,6 +153,7 @@ class device_context {
   /// Position of the axis called `name` in the running mesh, or the mesh's rank when it has none.
   [[nodiscard]] virtual std::size_t find_axis(std::string_view name) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_count() const noexcept = 0;
+  [[nodiscard]] virtual std::string_view axis_name(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
@@ -153,18 +162,25 @@ class device_context {
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
-/// communicator and the device's `axis_communicators`.
+/// communicator and the device's `axis_communicators`. With an `observer` (tracing, debug mode or a
+/// Kokkos tool on: see debug/observe.hpp), its communicators are handed out decorated.
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world)
-      : mesh_(mesh), device_(device), coords_(mesh.coords(device)), world_(std::move(world)), axes_(world_, mesh) {}
+  device_context_for(const Mesh& mesh, std::size_t device, C world, run_observer* observer = nullptr)
+      : mesh_(mesh),
+        device_(device),
+        coords_(mesh.coords(device)),
+        world_(std::move(world)),
+        axes_(world_, mesh),
+        observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
   std::size_t axis_count() const noexcept override { return Mesh::ndim; }
+  std::string_view axis_name(std::size_t axis) const noexcept override { return Mesh::axis_names[axis]; }
   std::size_t axis_size(std::size_t axis) const noexcept override { return mesh_.axis_size(axis); }
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
@@ -173,7 +189,12 @@ class device_context_for final : public device_context {
   device_comm& comm(axis_mask mask) override {
     auto it = handles_.find(mask);
     if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+#if MESHLIB_DEBUG_HOOKS
+    if (observer_ == nullptr) [[likely]] return *it->second;
+    return observed(mask, *it->second);
+#else
     return *it->second;
+#endif
   }
 
  private:
@@ -183,6 +204,18 @@ class device_context_for final : public device_context {
   C world_;
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
+  // The debug layer's decorator point (debug/observe.hpp): only with an observer.
+  run_observer* observer_;
+  std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
+
+  device_comm& observed(axis_mask mask, device_comm& raw) {
+    auto it = observed_.find(mask);
+    if (it == observed_.end())
+      it = observed_.emplace(mask, std::make_unique<observed_comm<device_comm>>(raw, *observer_,
+                                                                                observer_->site(mesh_, device_, mask)))
+               .first;
+    return *it->second;
+  }
 };
 
 inline device_context*& current_device_slot() noexcept {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,
@@ -29,6 +30,7 @@ namespace meshlib {
 struct untiled_t {
   explicit untiled_t() = default;
 };
+/// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
 namespace detail {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
@@ -11,6 +12,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/type_rules.hpp"
@@ -81,6 +84,28 @@ auto all_reduce_over(const L& x) {
   }
 }
 
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
+  }
+}
+
 }  // namespace detail
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
@@ -89,6 +114,19 @@ auto all_reduce_over(const L& x) {
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+}
+
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `reduce_op`: the reductions every communicator supports (NCCL's `ncclRedOp_t`, MPI's
@@ -35,6 +36,7 @@ enum class reduce_op : std::uint8_t {
   return "unknown";
 }
 
+/// @brief Prints the reduce op's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << to_string(op); }
 
 /// @brief Every reduce op, for loops in tests and benchmarks.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Shard layout math: for a global shape and a sharding, which block of the global array
@@ -159,6 +160,7 @@ class shard_layout {
   shape_type global_;
 };
 
+/// @brief Deduces the rank from the global shape: `shard_layout{sharding, std::array<std::size_t, 2>{8, 6}}`.
 template <sharding_type S, std::size_t Rank>
 shard_layout(const S&, const std::array<std::size_t, Rank>&) -> shard_layout<S, Rank>;
 

@@ -1,7 +1,9 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief A text picture of which devices hold which block of a 1-D or 2-D global array, in the
-/// spirit of `jax.debug.visualize_array_sharding`.
+/// @brief A text picture of which devices hold which block of a global array, in the spirit of
+/// `jax.debug.visualize_array_sharding`: 1-D and 2-D arrays as a grid of blocks, arrays of higher
+/// rank as a table with one row per device (its coordinates and its block).
 ///
 /// @code
 /// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
@@ -22,14 +24,50 @@
 
 namespace meshlib {
 
-/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`: one cell
-/// per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each naming the devices
-/// that hold it and its slice of the global array.
+namespace detail {
+
+/// Rank 3 and up: one row per device, `device | coordinates | block`.
+template <sharding_type S, std::size_t Rank>
+std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) {
+  using Mesh = typename S::mesh_type;
+  const auto& m = sharding.mesh();
+  std::vector<std::array<std::string, 3>> rows{{"device", "coords", "block"}};
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    std::string coords;
+    const auto c = m.coords(dev);
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      coords += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+    std::ostringstream os;
+    os << layout.block_of(dev);
+    rows.push_back({std::to_string(dev), coords, os.str()});
+  }
+  std::array<std::size_t, 3> w{};
+  for (const auto& r : rows)
+    for (std::size_t k = 0; k < 3; ++k) w[k] = std::max(w[k], r[k].size());
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t k = 0; k < 3; ++k) line += (k ? " | " : "") + r[k] + std::string(w[k] - r[k].size(), ' ');
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
+/// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
+/// naming the devices that hold it and its slice of the global array. Rank 3 and up: one row per
+/// device with its mesh coordinates and its block.
 /// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
 template <sharding_type S, std::size_t Rank>
 std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
-  static_assert(Rank == 1 || Rank == 2, "meshlib: visualize_sharding draws 1-D and 2-D arrays only");
+  static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
   const shard_layout<S, Rank> layout(sharding, global_shape);
+  if constexpr (Rank > 2) {
+    return detail::block_table(sharding, layout);
+  } else {
   const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
   const std::size_t cols = sharding.num_shards(Rank - 1);
 
@@ -65,6 +103,7 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
     out += a + "\n" + b + "\n" + rule;
   }
   return out;
+  }
 }
 
 }  // namespace meshlib

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `shard_map(fn, mesh, in_specs, out_specs)`: global sharded arrays in, `fn` once per device
@@ -32,6 +33,8 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/core/shard_layout.hpp"
+#include "meshlib/debug/check_replicated.hpp"
+#include "meshlib/runtime/kokkos_runtime.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
@@ -191,6 +194,7 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
@@ -205,6 +209,7 @@ class shard_map_fn {
       std::vector<results_t> per_device(n);
       detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
         per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));

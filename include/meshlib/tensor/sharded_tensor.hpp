@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `sharded_tensor`: one logical array of a global shape laid out over a mesh, each device
@@ -232,6 +233,7 @@ class sharded_tensor {
 /// @brief A type that is a `sharded_tensor<...>`.
 template <class T>
 concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sharded_tensor; };
+/// @brief True for `sharded_tensor` types (the `sharded_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 

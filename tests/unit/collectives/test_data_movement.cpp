@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // all_gather (tiled, untiled), psum_scatter, all_to_all, ppermute, broadcast, pvary on 1-D and
 // 2-D meshes: every output element is checked against the element of the device it must come
 // from, computed on the host from the mesh's group order.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // psum / pmean / pmax / pmin on 1-D and 2-D meshes, several shapes and element types, against
 // host-computed references; the result types (vary / partial / dims) they compute at compile time.
 #include <algorithm>
@@ -139,4 +140,36 @@ TEST_CASE("psum and pmax of bfloat16 blocks (small integers, exact in bfloat16)"
       CHECK(out[dev][i] == sum);
       CHECK(out[dev][6 + i] == static_cast<float>(9 + i) - 4.0f);
     }
+}
+
+// A donated psum (an rvalue) sums in the value's own buffer when nothing else holds it: the result
+// has the input's data pointer and the right sums. A value something else still holds is copied
+// first, so the holder keeps its data.
+TEST_CASE("psum of a donated value reuses its buffer; of a shared one, copies", "[collectives][psum][donation]") {
+  mesh1 m{3};
+  using L = local_tensor<std::int64_t, 2, mesh1, mesh1::mask_of<"x">()>;
+  const std::array<std::size_t, 2> shape{2, 5};
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<L>(m, shape);
+    const auto* before = x.data();
+    auto donated = psum<"x">(std::move(x));
+    const bool reused = donated.data() == before;
+    auto y = coll_test::make_block<L>(m, shape);
+    const L holder = y;  // a second holder: y's buffer must survive unchanged
+    auto copied = psum<"x">(std::move(y));
+    const bool fresh = copied.data() != holder.data();
+    return std::tuple{reused, fresh, coll_test::capture(donated), coll_test::capture(copied), coll_test::capture(holder)};
+  });
+  for (std::size_t dev = 0; dev < 3; ++dev) {
+    INFO("device " << dev);
+    CHECK(std::get<0>(out[dev]));
+    CHECK(std::get<1>(out[dev]));
+    for (std::size_t i = 0; i < 10; ++i) {
+      long long sum = 0;
+      for (std::size_t d = 0; d < 3; ++d) sum += static_cast<long long>(d) * 1000 + static_cast<long long>(i) * 3 - 7;
+      CHECK(std::get<2>(out[dev]).data[i] == sum);
+      CHECK(std::get<3>(out[dev]).data[i] == sum);
+      CHECK(std::get<4>(out[dev]).data[i] == static_cast<long long>(dev) * 1000 + static_cast<long long>(i) * 3 - 7);
+    }
+  }
 }

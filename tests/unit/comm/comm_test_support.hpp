@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared helpers of the comm tests: deterministic inputs, independent reference reductions, and
 // bitwise comparison. Catch2 assertions are not thread-safe, so tests collect what each
 // participant saw and check it on the main thread.

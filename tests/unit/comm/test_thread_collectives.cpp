@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Every collective of the thread communicator, for every element type and reduce op, in-place and
 // out-of-place, through both algorithms, for 1 to 64 participants, against independently computed
 // expectations, compared bit for bit.

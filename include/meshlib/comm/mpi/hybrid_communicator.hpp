@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Hybrid meshes: P processes x T threads per process form one group of P*T devices.
@@ -32,15 +33,21 @@
 /// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
 ///
 /// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
-/// different groups call MPI concurrently), else `comm_error` at construction. A failure on a
-/// leader's MPI call aborts the process's thread group, so its members get `comm_aborted` instead
-/// of waiting; peers in other processes get `comm_timeout` (or `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+/// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
+/// (it throws, or a local timeout or mismatch fails its process's thread group), every device of
+/// every process is released within milliseconds with `comm_aborted` naming the global device
+/// ("hybrid device 3 of 4 failed: <what>"): its process aborts its thread group and tells the
+/// others through an abort channel (`detail::abort_channel`: a duplicate communicator polled by a
+/// watcher thread; on with `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. Errors of the
+/// internal steps are rethrown naming the operation the user called; a failed world refuses every
+/// later call. `run_hybrid` throws `participant_error` naming the global device at fault.
 
 #if MESHLIB_ENABLE_MPI
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +66,7 @@
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
@@ -67,6 +75,8 @@
 namespace meshlib {
 
 namespace detail {
+
+struct abort_channel;
 
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
@@ -81,6 +91,7 @@ struct hybrid_group {
   int my_proc_pos = 0;
   std::chrono::nanoseconds timeout{};
   mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
+  std::shared_ptr<abort_channel> channel;  ///< the world's (shared by every group split from it)
   MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
   int tag_ub = 32767;
 
@@ -129,15 +140,103 @@ struct hybrid_group {
   }
 };
 
+/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
+/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
+/// fails, its process sends "device D failed: <what>" to every other process (once); a process
+/// that receives it fails its thread world with that message, so every device of every process is
+/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
+/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
+/// beside the devices); without it the channel is off and peers of other processes time out.
+struct abort_channel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int process = 0;
+  int processes = 1;
+  bool enabled = false;
+  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
+  /// same order: construction is collective). MPI may give a new duplicate the context id of a
+  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
+  /// epoch and dropped.
+  std::uint64_t epoch = 0;
+  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
+  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::mutex mutex;
+  std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool sent = false;                     ///< guarded by mutex
+  std::vector<char> inbox = std::vector<char>(4096);
+  MPI_Request inbox_request = MPI_REQUEST_NULL;
+  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::atomic<bool> stop{false};
+  std::thread watcher;
+
+  /// Records the root cause once and releases the leaders' MPI waits.
+  void interrupt(const std::string& msg) {
+    std::lock_guard lk(mutex);
+    if (interrupted.load()) return;
+    message = msg;
+    interrupted.store(true, std::memory_order_release);
+  }
+  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
+  void check() {
+    if (!interrupted.load(std::memory_order_acquire)) return;
+    std::lock_guard lk(mutex);
+    throw comm_aborted(message);
+  }
+  /// Tells every other process that global device `device` failed (once per world).
+  void notify(int device, const std::string& what) {
+    if (!enabled) return;
+    std::lock_guard lk(mutex);
+    if (sent) return;
+    sent = true;
+    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
+    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
+    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
+    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
+    for (int p = 0; p < processes; ++p) {
+      if (p == process) continue;
+      outbox.emplace_back(MPI_REQUEST_NULL, msg);
+      auto& [req, buf] = outbox.back();
+      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+    }
+  }
+  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
+  void close(std::chrono::milliseconds grace) noexcept {
+    stop.store(true);
+    if (watcher.joinable()) watcher.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin || !enabled) return;
+    if (inbox_request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&inbox_request);
+      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    bool pending = false;
+    for (auto& [req, buf] : outbox) {
+      int done = 0;
+      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (req != MPI_REQUEST_NULL && !done) {
+        pending = true;
+        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
+        (void)new std::vector<char>(std::move(buf));
+      }
+    }
+    if (!pending) MPI_Comm_free(&comm);
+  }
+};
+
 }  // namespace detail
 
 /// @brief One device's handle on a hybrid group (P processes x T threads). Move-only, as the
 /// thread communicator it contains.
-class hybrid_communicator {
+class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
+  friend class communicator_frontend<hybrid_communicator>;
+  using op_kind = detail::op_kind;
+
  public:
-  using is_communicator = void;
-  using request_type = ready_request;
-  using context_type = host_context;
 
   hybrid_communicator() = default;
   hybrid_communicator(hybrid_communicator&&) noexcept = default;
@@ -151,229 +250,15 @@ class hybrid_communicator {
   /// Whether the group spans more than one process.
   [[nodiscard]] bool spans_processes() const noexcept { return group_ && group_->spans_processes(); }
 
-  // ---- reducing collectives (every input gathered, reduced in rank order) ---------------------
+  // The collectives, point to point and barrier: communicator_frontend; the transport is below.
 
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type = {}) {
-    check_out_of_place("all_reduce", send, recv, send.size());
-    reduce_to(std::span<const T>(send), recv.data(), op, send.size(), 0);
-    return {};
-  }
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
-    reduce_to(std::span<const T>(buf), buf.data(), op, buf.size(), 0);
-    return {};
-  }
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type = {}) {
-    check_rank("reduce", root, "root");
-    if (rank_ == root) check_out_of_place("reduce", send, recv, send.size());
-    reduce_to(std::span<const T>(send), rank_ == root ? recv.data() : nullptr, op, send.size(), 0);
-    return {};
-  }
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
-    check_rank("reduce", root, "root");
-    reduce_to(std::span<const T>(buf), rank_ == root ? buf.data() : nullptr, op, buf.size(), 0);
-    return {};
-  }
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type = {}) {
-    const std::size_t count = recv.size();
-    const std::size_t total = count * static_cast<std::size_t>(size());
-    if (send.size() < total)
-      bad_argument("reduce_scatter", "send buffer holds " + std::to_string(send.size()) +
-                                         " elements but size() * recv.size() = " + std::to_string(total) + " are needed");
-    check_out_of_place("reduce_scatter", send.first(total), recv, count);
-    reduce_to(std::span<const T>(send.first(total)), recv.data(), op, count, static_cast<std::size_t>(rank_) * count);
-    return {};
-  }
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
-    const std::size_t count = blocks_of("reduce_scatter", buf.size());
-    const std::vector<T> in(buf.begin(), buf.end());
-    reduce_to(std::span<const T>(in), buf.data() + static_cast<std::size_t>(rank_) * count, op, count,
-              static_cast<std::size_t>(rank_) * count);
-    return {};
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type = {}) {
-    check_rank("broadcast", root, "root");
-    if (rank_ == root) {
-      check_out_of_place("broadcast", send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument("broadcast", "root's send buffer holds " + std::to_string(send.size()) +
-                                      " elements but recv.size() = " + std::to_string(recv.size()) + " are broadcast");
-      if (!recv.empty()) std::memcpy(recv.data(), send.data(), recv.size_bytes());
-    }
-    do_broadcast(recv, root);
-    return {};
-  }
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
-    check_rank("broadcast", root, "root");
-    do_broadcast(buf, root);
-    return {};
-  }
-
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    check_out_of_place("all_gather", send, recv, send.size() * static_cast<std::size_t>(size()));
-    const auto all = gather_all(std::span<const T>(send));
-    std::copy(all.begin(), all.end(), recv.begin());
-    return {};
-  }
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type = {}) {
-    const std::size_t count = blocks_of("all_gather", buf.size());
-    const std::vector<T> mine(buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank_) * count),
-                              buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank_ + 1) * count));
-    const auto all = gather_all(std::span<const T>(mine));
-    std::copy(all.begin(), all.end(), buf.begin());
-    return {};
-  }
-
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = blocks_of("all_to_all", send.size());
-    check_out_of_place("all_to_all", send, recv, send.size());
-    transpose(std::span<const T>(send), recv.data(), count);
-    return {};
-  }
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type = {}) {
-    const std::size_t count = blocks_of("all_to_all", buf.size());
-    const std::vector<T> in(buf.begin(), buf.end());
-    transpose(std::span<const T>(in), buf.data(), count);
-    return {};
-  }
-
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type = {}) {
-    constexpr const char* k = "all_to_all_v";
-    check_usable(k);
-    const auto n = static_cast<std::size_t>(size());
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    // Every member's counts and displacements, then every member's whole send buffer.
-    std::vector<std::int64_t> meta(2 * n);
-    std::copy(send_counts.begin(), send_counts.end(), meta.begin());
-    std::copy(send_displs.begin(), send_displs.end(), meta.begin() + static_cast<std::ptrdiff_t>(n));
-    const auto metas = gather_all(std::span<const std::int64_t>(meta));
-    std::vector<std::size_t> offsets;
-    const auto data = gather_var(std::span<const T>(send), offsets);
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
-      const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
-      if (c != recv_counts[j])
-        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
-                                  std::to_string(j) + "] = " + std::to_string(recv_counts[j]) + " but device " +
-                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
-      std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
-                  recv.begin() + recv_displs[j]);
-    }
-    return {};
-  }
-
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_out_of_place("ppermute", send, recv, send.size());
-    permute(std::span<const T>(send), recv.data(), pairs);
-    return {};
-  }
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    const std::vector<T> in(buf.begin(), buf.end());
-    permute(std::span<const T>(in), buf.data(), pairs);
-    return {};
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// Buffered, as on the other backends: within a process through the thread communicator,
-  /// between processes with `MPI_Isend` from this thread.
-  template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
-    check_rank("send", dest, "destination");
-    check_tag("send", tag);
-    const auto& g = *group_;
-    const auto d = static_cast<std::size_t>(dest);
-    if (g.member_proc_pos[d] == g.my_proc_pos) return local_.send(buf, g.member_local[d], tag);
-    progress_sends();
-    pending p;
-    p.data.resize(buf.size_bytes());
-    if (!buf.empty()) std::memcpy(p.data.data(), buf.data(), buf.size_bytes());
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(buf.size()), detail::mpi_datatype<std::remove_cv_t<T>>(),
-                       g.member_proc_pos[d], wire_tag(tag, my_local(), g.member_local[d]), g.p2p, &p.request),
-             "MPI_Isend");
-    sends_.push_back(std::move(p));
-    return {};
-  }
-
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
-    check_rank("recv", source, "source");
-    check_tag("recv", tag);
-    const auto& g = *group_;
-    const auto s = static_cast<std::size_t>(source);
-    if (g.member_proc_pos[s] == g.my_proc_pos) return local_.recv(buf, g.member_local[s], tag);
-    MPI_Status st;
-    MPI_Message msg = MPI_MESSAGE_NULL;
-    const int wtag = wire_tag(tag, g.member_local[s], my_local());
-    const auto deadline = std::chrono::steady_clock::now() + g.timeout;
-    for (unsigned spins = 0;; ++spins) {
-      progress_sends();
-      int found = 0;
-      check_rc(MPI_Improbe(g.member_proc_pos[s], wtag, g.p2p, &found, &msg, &st), "MPI_Improbe");
-      if (found) break;
-      if (spins > 256) std::this_thread::yield();
-      if (g.timeout.count() > 0 && (spins & 63) == 0 && std::chrono::steady_clock::now() > deadline)
-        throw comm_timeout("meshlib: recv on hybrid device " + std::to_string(rank_) + " from device " +
-                           std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
-    }
-    int got = 0;
-    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
-    if (got != static_cast<int>(buf.size())) {
-      int bytes = 0;
-      MPI_Get_count(&st, MPI_BYTE, &bytes);
-      std::vector<unsigned char> sink(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
-      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
-      throw collective_mismatch("meshlib: recv on hybrid device " + std::to_string(rank_) + " expected " +
-                                std::to_string(buf.size()) + " elements from device " + std::to_string(source) +
-                                " but the message holds " + std::to_string(got));
-    }
-    check_rc(MPI_Mrecv(buf.data(), got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
-    return {};
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  request_type barrier(context_type = {}) {
-    const std::int32_t token = 0;
-    (void)gather_all(std::span<const std::int32_t>(&token, 1));
-    return {};
-  }
+  // ---- groups ----------------------------------------------------------------------------------
 
   /// Collective over the group: members with the same `color` form a new hybrid group, ordered by
   /// (key, rank). The processes hosting a new group that spans several get an MPI communicator
   /// split from this group's (one `MPI_Comm_split` per such color).
   hybrid_communicator split(int color, int key) {
-    check_usable("split");
-    if (color < 0) bad_argument("split", "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_split(color);
     auto& g = *group_;
     const std::int64_t mine[3] = {color, key, g.member_device[static_cast<std::size_t>(rank_)]};
     const auto info = gather_all(std::span<const std::int64_t>(mine, 3));
@@ -398,6 +283,7 @@ class hybrid_communicator {
           auto ng = std::make_shared<detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
+          ng->channel = g.channel;
           for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
           ng->layout(my_process);
           bool hosts = false;
@@ -457,73 +343,170 @@ class hybrid_communicator {
     const auto l = static_cast<std::int64_t>(*std::max_element(group_->counts.begin(), group_->counts.end()));
     const std::int64_t t = (static_cast<std::int64_t>(tag) * l + src_local) * l + dst_local;
     if (t > group_->tag_ub)
-      bad_argument("send", "tag " + std::to_string(tag) + " is too large for a hybrid group with " + std::to_string(l) +
+      bad_argument(op_kind::send, "tag " + std::to_string(tag) + " is too large for a hybrid group with " + std::to_string(l) +
                                " threads per process (MPI's tag bound is " + std::to_string(group_->tag_ub) + ")");
     return static_cast<int>(t);
   }
 
-  // ---- checks ----------------------------------------------------------------------------------
+  // ---- the front end's hooks -------------------------------------------------------------------
 
-  std::string where(std::string_view k) const {
-    return std::string(k) + " on hybrid device " + std::to_string(rank_) + " of " + std::to_string(size());
-  }
+  std::string label() const { return "hybrid device " + std::to_string(rank_); }
   void check_usable(std::string_view k) const {
     if (!group_)
       throw comm_error("meshlib: " + std::string(k) + " called on an empty hybrid_communicator handle");
   }
-  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
-    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
+  void ensure_usable(op_kind k) const;
+
+  /// Runs `f` (a transport), rethrowing a failure of the internal steps with the same type and
+  /// root-cause message but naming the operation the user called and the global device.
+  template <class F>
+  request_type guarded(op_kind k, F&& f) {
+    auto context = [&](const std::exception& e) {
+      std::string m = e.what();
+      if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
+      return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
+    };
+    try {
+      return f();
+    } catch (const comm_argument_error&) {
+      throw;
+    } catch (const comm_aborted& e) {
+      throw comm_aborted(context(e));
+    } catch (const comm_timeout& e) {
+      throw comm_timeout(context(e));
+    } catch (const collective_mismatch& e) {
+      throw collective_mismatch(context(e));
+    }
   }
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
                        detail::mpi_error_string(rc));
   }
-  void check_rank(std::string_view k, int r, const char* what) const {
-    check_usable(k);
-    if (r < 0 || r >= size())
-      bad_argument(k, std::string(what) + " " + std::to_string(r) + " is out of range [0, " + std::to_string(size()) + ")");
+
+  /// The transport of operation K (the front end has checked its arguments). Every collective
+  /// gathers its inputs before it writes an output, so in-place calls need no copies.
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
   }
-  void check_tag(std::string_view k, int tag) const {
-    if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative");
-  }
-  template <class T>
-  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
-  }
-  std::size_t blocks_of(std::string_view k, std::size_t total) const {
-    check_usable(k);
+
+  template <op_kind K, class T>
+  request_type transport_steps(const detail::operation<T>& o, context_type) {
     const auto n = static_cast<std::size_t>(size());
-    if (total % n != 0)
-      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
-                          " equal blocks");
-    return total / n;
-  }
-  void check_layout(std::string_view k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
-                    std::span<const std::int64_t> displs) const {
-    const auto n = static_cast<std::size_t>(size());
-    if (counts.size() != n || displs.size() != n)
-      bad_argument(k, std::string(which) + " counts and displacements need " + std::to_string(n) + " entries each");
-    for (std::size_t j = 0; j < n; ++j)
-      if (counts[j] < 0 || displs[j] < 0 || static_cast<std::uint64_t>(counts[j] + displs[j]) > buffer)
-        bad_argument(k, std::string(which) + " block " + std::to_string(j) + " (displacement " +
-                            std::to_string(displs[j]) + ", count " + std::to_string(counts[j]) +
-                            ") is negative or runs past the end of the buffer of " + std::to_string(buffer) + " elements");
-  }
-  void check_pairs(std::span<const permute_pair> pairs) const {
-    check_usable("ppermute");
-    const int n = size();
-    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
-    for (const auto& p : pairs) {
-      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
-        bad_argument("ppermute", "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
-                                     ") names a rank out of range [0, " + std::to_string(n) + ")");
-      if (src[static_cast<std::size_t>(p.source)]++)
-        bad_argument("ppermute", "rank " + std::to_string(p.source) + " is the source of two pairs");
-      if (dst[static_cast<std::size_t>(p.dest)]++)
-        bad_argument("ppermute", "rank " + std::to_string(p.dest) + " is the destination of two pairs");
+    if constexpr (K == op_kind::all_reduce) {
+      reduce_to(std::span<const T>(o.send, o.count), o.recv, o.op, o.count, 0);
+    } else if constexpr (K == op_kind::reduce) {
+      reduce_to(std::span<const T>(o.send, o.count), rank_ == o.root ? o.recv : nullptr, o.op, o.count, 0);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      reduce_to(std::span<const T>(o.send, o.count * n), o.recv, o.op, o.count,
+                static_cast<std::size_t>(rank_) * o.count);
+    } else if constexpr (K == op_kind::broadcast) {
+      if (rank_ == o.root && !o.in_place && o.count != 0) std::memcpy(o.recv, o.send, o.count * sizeof(T));
+      do_broadcast(std::span<T>(o.recv, o.count), o.root);
+    } else if constexpr (K == op_kind::all_gather) {
+      const auto all = gather_all(std::span<const T>(o.send, o.count));
+      std::copy(all.begin(), all.end(), o.recv);
+    } else if constexpr (K == op_kind::all_to_all) {
+      transpose(std::span<const T>(o.send, o.count * n), o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      do_all_to_all_v<T>(o);
+    } else if constexpr (K == op_kind::ppermute) {
+      permute(std::span<const T>(o.send, o.count), o.recv, o.pairs);
+    } else if constexpr (K == op_kind::send) {
+      return do_send<T>(o);
+    } else if constexpr (K == op_kind::recv) {
+      return do_recv<T>(o);
+    } else {
+      static_assert(K == op_kind::barrier);
+      const std::int32_t token = 0;
+      (void)gather_all(std::span<const std::int32_t>(&token, 1));
     }
+    return {};
+  }
+
+  template <class T>
+  void do_all_to_all_v(const detail::operation<T>& o) {
+    const auto n = static_cast<std::size_t>(size());
+    const std::int64_t* sc = o.v[0];
+    const std::int64_t* sd = o.v[1];
+    const std::int64_t* rcounts = o.v[2];
+    const std::int64_t* rd = o.v[3];
+    std::size_t send_len = 0;  // the send buffer as far as the blocks reach
+    for (std::size_t j = 0; j < n; ++j) send_len = std::max(send_len, static_cast<std::size_t>(sc[j] + sd[j]));
+    // Every member's counts and displacements, then every member's send blocks.
+    std::vector<std::int64_t> meta(2 * n);
+    std::copy(sc, sc + n, meta.begin());
+    std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
+    const auto metas = gather_all(std::span<const std::int64_t>(meta));
+    std::vector<std::size_t> offsets;
+    const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
+      const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
+      if (c != rcounts[j])
+        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
+                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
+                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+      std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
+                  o.recv + rd[j]);
+    }
+  }
+
+  /// Buffered, as on the other backends: within a process through the thread communicator,
+  /// between processes with `MPI_Isend` from this thread.
+  template <class T>
+  request_type do_send(const detail::operation<T>& o) {
+    const auto& g = *group_;
+    const auto d = static_cast<std::size_t>(o.peer);
+    if (g.member_proc_pos[d] == g.my_proc_pos)
+      return local_.send(std::span<const T>(o.send, o.count), g.member_local[d], o.tag);
+    progress_sends();
+    pending p;
+    p.data.resize(o.count * sizeof(T));
+    if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), g.member_proc_pos[d],
+                       wire_tag(o.tag, my_local(), g.member_local[d]), g.p2p, &p.request),
+             "MPI_Isend");
+    sends_.push_back(std::move(p));
+    return {};
+  }
+
+  template <class T>
+  request_type do_recv(const detail::operation<T>& o) {
+    const auto& g = *group_;
+    const int source = o.peer;
+    const int tag = o.tag;
+    const auto s = static_cast<std::size_t>(source);
+    if (g.member_proc_pos[s] == g.my_proc_pos)
+      return local_.recv(std::span<T>(o.recv, o.count), g.member_local[s], tag);
+    MPI_Status st;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    const int wtag = wire_tag(tag, g.member_local[s], my_local());
+    const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+    for (unsigned spins = 0;; ++spins) {
+      progress_sends();
+      int found = 0;
+      check_rc(MPI_Improbe(g.member_proc_pos[s], wtag, g.p2p, &found, &msg, &st), "MPI_Improbe");
+      if (found) break;
+      if (spins > 256) std::this_thread::yield();
+      if (g.timeout.count() > 0 && (spins & 63) == 0 && std::chrono::steady_clock::now() > deadline)
+        throw comm_timeout("meshlib: recv on hybrid device " + std::to_string(rank_) + " from device " +
+                           std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
+    }
+    int got = 0;
+    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    if (got != static_cast<int>(o.count)) {
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      std::vector<unsigned char> sink(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
+      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      throw collective_mismatch("meshlib: recv on hybrid device " + std::to_string(rank_) + " expected " +
+                                std::to_string(o.count) + " elements from device " + std::to_string(source) +
+                                " but the message holds " + std::to_string(got));
+    }
+    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    return {};
   }
 
   // ---- the three-step exchange -----------------------------------------------------------------
@@ -676,6 +659,17 @@ class hybrid_communicator {
   std::vector<pending> sends_;
 };
 
+/// Refuses calls on an empty handle, and every call once the world has failed (here or in another
+/// process), with the root cause's message.
+inline void hybrid_communicator::ensure_usable(op_kind k) const {
+  check_usable(detail::op_name(k));
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
+    std::lock_guard lk(group_->channel->mutex);
+    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
+                       " of " + std::to_string(size()) + ": the communicator has failed]");
+  }
+}
+
 static_assert(communicator<hybrid_communicator>);
 
 /// @brief One process's part of a hybrid group of `procs.size()` processes x `threads` threads.
@@ -700,13 +694,19 @@ class hybrid_world {
     group_->timeout = procs.options().timeout;
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
-    group_->mpi = procs;
+    // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
+    group_->mpi = mpi_communicator(procs.native(), procs.options());
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
     hybrid_communicator::set_tag_ub(*group_);
     process_ = procs.rank();
+    group_->channel = channel_;
+    open_channel(procs, level);
   }
+  hybrid_world(const hybrid_world&) = delete;
+  hybrid_world& operator=(const hybrid_world&) = delete;
+  ~hybrid_world() { channel_->close(std::chrono::milliseconds(1000)); }
 
   /// Devices in the world: processes x threads.
   [[nodiscard]] int size() const noexcept { return group_->n; }
@@ -721,17 +721,83 @@ class hybrid_world {
     return c;
   }
 
-  /// Fails this process's thread group (its members get `comm_aborted`).
-  bool abort(int t, std::string_view reason) { return local_.abort(t, reason); }
+  /// @brief Fails the hybrid world with local thread `t` (global device `process * T + t`) as the
+  /// root cause: this process's devices get `comm_aborted` at once, and so (through the abort
+  /// channel) do the devices of every other process, all naming "hybrid device D of N".
+  bool abort(int t, std::string_view reason) {
+    const int device = process_ * threads_ + t;
+    const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
+    const bool first = local_.abort(t, reason, who);
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    // A failure that came from another process is not sent back; any other (a throw, or a local
+    // timeout or mismatch that the devices rethrow) is told to every process.
+    if (channel_->remote_device.load() < 0) {
+      const int root = local_.root_cause_rank();
+      const int blamed = first || root < 0 ? device : process_ * threads_ + root;
+      channel_->notify(blamed, std::string(reason));
+    }
+    return first;
+  }
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
-  /// Local thread of the root cause of a failure, -1 when none.
+  /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
   [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }
+  /// Global device of a failure that another process reported through the abort channel, -1 if none.
+  [[nodiscard]] int remote_root_cause_device() const noexcept { return channel_->remote_device.load(); }
 
  private:
+  void open_channel(const mpi_communicator& procs, int level) {
+    auto& ch = *channel_;
+    ch.process = procs.rank();
+    ch.processes = procs.size();
+    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    static std::atomic<std::uint64_t> worlds{0};
+    ch.epoch = ++worlds;
+    auto* channel = channel_.get();
+    group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    if (!ch.enabled) return;
+    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
+      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
+    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
+              &ch.inbox_request);
+    const int devices = size();
+    ch.watcher = std::thread([this, channel, devices] {
+      while (!channel->stop.load()) {
+        int done = 0;
+        MPI_Status st;
+        MPI_Test(&channel->inbox_request, &done, &st);
+        if (done) {
+          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
+          int bytes = 0;
+          MPI_Get_count(&st, MPI_CHAR, &bytes);
+          std::uint64_t epoch = 0;
+          int device = -1;
+          if (bytes >= head) {
+            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
+            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
+          }
+          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
+            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
+                      channel->comm, &channel->inbox_request);
+            continue;
+          }
+          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
+          const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
+          channel->remote_device.store(device);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
+          local_.abort(-1, what, who);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  }
+
   int threads_;
   int process_ = 0;
   thread_world local_;
   std::shared_ptr<detail::hybrid_group> group_;
+  std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
 };
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
@@ -756,17 +822,32 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
   body(0);
   for (auto& th : pool) th.join();
   // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
-  // lowest thread that threw.
+  // lowest thread that threw; a failure another process reported is blamed on its device.
   int root = world.failed() ? world.root_cause_thread() : -1;
+  const int remote = world.remote_root_cause_device();
   if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
     root = -1;
     for (int t = 0; t < threads && root < 0; ++t)
       if (errors[static_cast<std::size_t>(t)]) root = t;
   }
   if (root >= 0) {
-    const int t = root;
+    // A failure another process reported is blamed on its device, unless a thread here failed
+    // on its own at the same time (an exception that is not a communicator's): that one is real.
+    int own = -1;
+    for (int u = 0; u < threads && own < 0; ++u) {
+      const auto& eu = errors[static_cast<std::size_t>(u)];
+      if (!eu) continue;
+      try {
+        std::rethrow_exception(eu);
+      } catch (const comm_error&) {
+      } catch (...) {
+        own = u;
+      }
+    }
+    const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
+    const int t = remote >= 0 && own >= 0 ? own : root;
     const auto& e = errors[static_cast<std::size_t>(t)];
-    const int device = procs.rank() * threads + t;
+    const int device = blame_remote ? remote : procs.rank() * threads + t;
     try {
       std::rethrow_exception(e);
     } catch (...) {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
@@ -28,24 +29,32 @@
 /// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
 /// data and returns; the copy is sent in the background and progressed by later calls.
 ///
+/// Mismatch detection (always on). Before its data moves, every collective exchanges a
+/// fingerprint of the call (call number, operation, element type, count, reduce op, root,
+/// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
+/// root, operation or order) all throw `collective_mismatch` naming every rank's call, so a
+/// mismatch never reaches MPI's data collectives (no `MPI_ERR_TRUNCATE`, garbage or heap
+/// corruption). all_to_all_v also checks every rank's receive counts against its peers' send
+/// counts. The cost is measured in docs/benchmarks.md ("MPI overhead").
+///
 /// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
-/// unbounded: a payload under `blocking_min_bytes` runs as MPI's non-blocking collective, polled
-/// against the deadline; a larger one first polls a non-blocking barrier (every rank has arrived)
-/// and then runs MPI's blocking collective, whose tuned algorithms are faster than the
-/// non-blocking ones for large payloads (docs/benchmarks.md), except when the node runs more
-/// ranks than it has cores: there the extra barrier costs more than the non-blocking algorithms
-/// lose, so large payloads are polled non-blocking collectives too (`large_payloads`). A deadline that passes raises
-/// `comm_timeout` naming the operation and the rank. MPI cannot cancel a collective, so the
-/// communicator is then failed: every later call throws `comm_timeout` with the same message;
-/// end the run (an uncaught exception does so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+/// unbounded: the fingerprint exchange is polled against the deadline, and it tells every rank
+/// that all have arrived; then a payload under `blocking_min_bytes` runs as MPI's non-blocking
+/// collective, polled, and a larger one as MPI's blocking collective, whose tuned algorithms are
+/// faster than the non-blocking ones for large payloads (docs/benchmarks.md), except when the node
+/// runs more ranks than it has cores: there large payloads are polled non-blocking collectives too
+/// (`large_payloads`). A deadline that passes raises `comm_timeout` naming the operation and the
+/// rank. MPI cannot cancel a collective, so the communicator is then failed: every later call
+/// throws the root cause's error with the same message; end the run (an uncaught exception does
+/// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
 /// Faults. A rank that throws does not reach its next collective; its peers then time out instead
 /// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
-/// process. Argument errors (`comm_argument_error`) are thrown on the rank that made them, before
-/// any data moves; peers see a timeout. With `verify_collectives`, every collective first exchanges
-/// a descriptor of the call, and ranks that disagree (operation, type, count, op, root) all throw
-/// `collective_mismatch` listing each rank's call, as the thread backend always does.
+/// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
+/// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
+/// communicator (the application's, e.g. `MPI_COMM_WORLD`) are never made fatal or otherwise
+/// changed by meshlib: only its own duplicates use `MPI_ERRORS_RETURN`.
 
 #if MESHLIB_ENABLE_MPI
 
@@ -57,6 +66,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -72,6 +82,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -99,9 +110,8 @@ struct mpi_comm_options {
   /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
   /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
   bool bfloat16_on_wire = false;
-  /// Check before every collective that every rank makes the same call (one extra small
-  /// all-gather per collective); a disagreement throws `collective_mismatch` on every rank.
-  bool verify_collectives = false;
+  /// Kept for source compatibility and ignored: every collective is checked (see the file comment).
+  bool verify_collectives = true;
 };
 
 namespace detail {
@@ -110,6 +120,10 @@ namespace detail {
 struct mpi_comm_state {
   MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
   MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
+  /// A duplicate of `comm` for arrival notes: a rank that waits long in a collective tells its
+  /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
+  MPI_Comm side = MPI_COMM_NULL;
+  std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
   int rank = 0;
   int size = 0;
   int tag_ub = 32767;
@@ -117,7 +131,13 @@ struct mpi_comm_state {
   bool oversubscribed = false;
   mpi_comm_options options;
   bool failed = false;
+  bool failed_by_mismatch = false;  ///< else a timeout
   std::string failure;
+  std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
+  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
+  /// failed, here or in another process): called by every wait while it polls, it throws that
+  /// failure. Copied into split results.
+  std::function<void()> check_interrupt;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -147,18 +167,21 @@ struct mpi_comm_state {
         (void)new std::vector<unsigned char>(std::move(s.data));
       }
     }
-    if (comm != MPI_COMM_NULL && !failed) MPI_Comm_free(&comm);
+    // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
+    if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && !failed) MPI_Comm_free(&side);
   }
 };
 
 }  // namespace detail
 
 /// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
-class mpi_communicator {
+class mpi_communicator : public communicator_frontend<mpi_communicator> {
+  friend class communicator_frontend<mpi_communicator>;
+  friend class hybrid_world;  // installs check_interrupt on its own duplicate
+  using op_kind = detail::op_kind;
+
  public:
-  using is_communicator = void;
-  using request_type = ready_request;
-  using context_type = host_context;
 
   /// An empty handle; only assignable and destructible.
   mpi_communicator() = default;
@@ -215,218 +238,187 @@ class mpi_communicator {
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
+  // The collectives, point to point and barrier: communicator_frontend; the transport is below.
 
-  /// @brief recv[i] = op over every rank of send[i], on every rank.
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type = {}) {
-    check_out_of_place("all_reduce", send, recv, send.size());
-    do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
-    return {};
-  }
-  /// @brief In-place all_reduce (`MPI_IN_PLACE`).
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable("all_reduce");
-    do_all_reduce<T>(nullptr, buf.data(), buf.size(), op);
-    return {};
-  }
+  // ---- groups ----------------------------------------------------------------------------------
 
-  /// @brief Only `root` receives the reduction; recv is ignored elsewhere.
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type = {}) {
-    check_root("reduce", root);
-    if (rank() == root) check_out_of_place("reduce", send, recv, send.size());
-    do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
-    return {};
-  }
-  /// @brief In-place reduce: root's buf receives the result (`MPI_IN_PLACE` on root).
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
-    check_root("reduce", root);
-    do_reduce<T>(rank() == root ? nullptr : buf.data(), buf.data(), buf.size(), op, root);
-    return {};
+  /// @brief `MPI_Comm_split`: ranks with the same `color` (>= 0) form a new communicator, ordered
+  /// by (key, rank). The result owns its `MPI_Comm` and has this one's options.
+  mpi_communicator split(int color, int key) {
+    check_split(color);
+    // Arrive first (polled, with the fingerprint), so that a rank that never splits is a timeout,
+    // not a hang, and a rank that calls something else a mismatch.
+    agree(op_kind::split, datatype::float32, 0, reduce_op::sum, 0);
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->options = state_->options;
+    s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
+    s->check_interrupt = state_->check_interrupt;
+    check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
+    finish(*s);
+    mpi_communicator out;
+    out.state_ = std::move(s);
+    return out;
   }
 
-  /// @brief recv = block `rank()` of the reduction of every rank's send (`size() * recv.size()`).
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type = {}) {
-    const std::size_t count = recv.size();
-    const std::size_t total = checked_mul("reduce_scatter", count);
-    if (send.size() < total)
-      bad_argument("reduce_scatter", "send buffer holds " + std::to_string(send.size()) +
-                                         " elements but size() * recv.size() = " + std::to_string(total) +
-                                         " are needed");
-    check_out_of_place("reduce_scatter", send.first(total), recv, count);
-    do_reduce_scatter<T>(send.data(), recv.data(), count, op);
-    return {};
-  }
-  /// @brief In-place reduce_scatter (NCCL's convention): the result lands in block `rank()` of buf.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable("reduce_scatter");
-    const std::size_t count = blocks_of("reduce_scatter", buf.size());
-    // MPI's in-place form puts the result at the start of the buffer and may use the rest as
-    // scratch; meshlib's leaves every other block as it was. So the input is copied, and the result
-    // written straight into block rank().
-    const std::vector<T> input(buf.begin(), buf.end());
-    do_reduce_scatter<T>(input.data(), buf.data() + static_cast<std::size_t>(rank()) * count, count, op);
-    return {};
-  }
+ private:
+  // ---- the front end's hooks -------------------------------------------------------------------
 
-  // ---- data movement ---------------------------------------------------------------------------
-
-  /// @brief Every rank's recv receives root's send (read on root only).
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type = {}) {
-    check_root("broadcast", root);
-    if (rank() == root) {
-      check_out_of_place("broadcast", send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument("broadcast", "root's send buffer holds " + std::to_string(send.size()) +
-                                      " elements but recv.size() = " + std::to_string(recv.size()) + " are broadcast");
-      if (!recv.empty()) std::memcpy(recv.data(), send.data(), recv.size_bytes());
+  std::string label() const { return "MPI rank " + std::to_string(rank()); }
+  std::string where(std::string_view k) const {
+    return std::string(k) + " on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size());
+  }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty mpi_communicator handle (default-constructed or moved from)");
+  }
+  void ensure_usable(op_kind k) const {
+    require_valid(detail::op_name(k));
+    if (!state_->failed) return;
+    const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
+    if (state_->failed_by_mismatch) throw collective_mismatch(msg);
+    throw comm_timeout(msg);
+  }
+  void check_rc(int rc, std::string_view call) const {
+    if (rc != MPI_SUCCESS)
+      throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
+                       ": " + detail::mpi_error_string(rc));
+  }
+  void check_tag_bound(op_kind k, int tag) const {
+    if (tag >= state_->tag_ub)
+      bad_argument(k, "tag " + std::to_string(tag) + " is out of range [0, " + std::to_string(state_->tag_ub) +
+                          "); the top tag is meshlib's");
+  }
+  /// MPI counts are ints.
+  void check_count(op_kind k, std::size_t count) const {
+    if (count > static_cast<std::size_t>(INT_MAX))
+      bad_argument(k, "count " + std::to_string(count) + " exceeds MPI's int count (" + std::to_string(INT_MAX) +
+                          "); split the call");
+  }
+  /// An all_to_all_v side's counts or displacements as MPI's ints.
+  std::vector<int> ints(op_kind k, const char* what, const std::int64_t* v) const {
+    std::vector<int> out(static_cast<std::size_t>(size()));
+    for (std::size_t j = 0; j < out.size(); ++j) {
+      if (v[j] > INT_MAX)
+        bad_argument(k, std::string(what) + "[" + std::to_string(j) + "] = " + std::to_string(v[j]) + " exceeds MPI's int");
+      out[j] = static_cast<int>(v[j]);
     }
-    do_broadcast<T>(recv.data(), recv.size(), root);
-    return {};
+    return out;
   }
-  /// @brief In-place broadcast.
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
-    check_root("broadcast", root);
-    do_broadcast<T>(buf.data(), buf.size(), root);
+
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    const bool is_root = rank() == o.root;
+    if constexpr (K == op_kind::all_reduce) {
+      do_all_reduce<T>(o.in_place ? nullptr : o.send, o.recv, o.count, o.op);
+    } else if constexpr (K == op_kind::reduce) {
+      do_reduce<T>(o.in_place && is_root ? nullptr : o.send, o.recv, o.count, o.op, o.root);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      if (o.in_place) {
+        // MPI's in-place form puts the result at the start of the buffer and may use the rest as
+        // scratch; meshlib's leaves every other block as it was. So the input is copied, and the
+        // result written straight into block rank().
+        const std::vector<T> input(o.send, o.send + o.count * static_cast<std::size_t>(size()));
+        do_reduce_scatter<T>(input.data(), o.recv, o.count, o.op);
+      } else {
+        do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+      }
+    } else if constexpr (K == op_kind::broadcast) {
+      if (is_root && !o.in_place && o.count != 0) std::memcpy(o.recv, o.send, o.count * sizeof(T));
+      do_broadcast<T>(o.recv, o.count, o.root);
+    } else if constexpr (K == op_kind::all_gather) {
+      do_all_gather<T>(o.in_place ? nullptr : o.send, o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all) {
+      do_all_to_all<T>(o.in_place ? nullptr : o.send, o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      do_all_to_all_v<T>(o);
+    } else if constexpr (K == op_kind::ppermute) {
+      if (o.in_place) {
+        const std::vector<T> copy(o.send, o.send + o.count);
+        do_ppermute<T>(copy.data(), o.recv, o.count, o.pairs);
+      } else {
+        do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+      }
+    } else if constexpr (K == op_kind::send) {
+      do_send<T>(o);
+    } else if constexpr (K == op_kind::recv) {
+      do_recv<T>(o);
+    } else {
+      static_assert(K == op_kind::barrier);
+      progress_sends();
+      agree(K, datatype::float32, 0, reduce_op::sum, 0);  // the fingerprint exchange is a barrier
+    }
     return {};
   }
 
-  /// @brief recv = [send of rank 0, send of rank 1, ...].
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = send.size();
-    check_out_of_place("all_gather", send, recv, checked_mul("all_gather", count));
-    do_all_gather<T>(send.data(), recv.data(), count);
-    return {};
-  }
-  /// @brief In-place all_gather (`MPI_IN_PLACE`): own block already at block `rank()`.
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type = {}) {
-    check_usable("all_gather");
-    do_all_gather<T>(nullptr, buf.data(), blocks_of("all_gather", buf.size()));
-    return {};
-  }
-
-  /// @brief Block j of send goes to rank j, landing in its block `rank()`.
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = blocks_of("all_to_all", send.size());
-    check_out_of_place("all_to_all", send, recv, send.size());
-    do_all_to_all<T>(send.data(), recv.data(), count);
-    return {};
-  }
-  /// @brief In-place all_to_all (`MPI_IN_PLACE`).
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type = {}) {
-    check_usable("all_to_all");
-    do_all_to_all<T>(nullptr, buf.data(), blocks_of("all_to_all", buf.size()));
-    return {};
-  }
-
-  /// @brief all_to_all with a count per peer (`MPI_Alltoallv`). Counts and displacements must fit
-  /// in an `int` (MPI's), else `comm_argument_error`.
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type = {}) {
-    constexpr const char* k = "all_to_all_v";
-    check_usable(k);
-    const auto sc = layout(k, "send", send.size(), send_counts);
-    const auto sd = layout(k, "send", send.size(), send_displs, &send_counts);
-    const auto rc = layout(k, "recv", recv.size(), recv_counts);
-    const auto rd = layout(k, "recv", recv.size(), recv_displs, &recv_counts);
-    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    if (state_->options.verify_collectives) {
-      verify(k, datatype_of<T>, 0, 0, 0);
-      // Every rank's recv_counts[j] must be rank j's send_counts[rank()].
+  template <class T>
+  void do_all_to_all_v(const detail::operation<T>& o) {
+    constexpr auto k = op_kind::all_to_all_v;
+    const auto sc = ints(k, "send_counts", o.v[0]);
+    const auto sd = ints(k, "send_displs", o.v[1]);
+    const auto rc = ints(k, "recv_counts", o.v[2]);
+    const auto rd = ints(k, "recv_displs", o.v[3]);
+    agree(k, datatype_of<T>, 0, reduce_op::sum, 0);
+    {
+      // Every rank's recv_counts[j] must be rank j's send_counts[rank()]; all ranks learn whether
+      // any rank disagrees, so that all throw (never MPI_ERR_TRUNCATE or a hang).
       std::vector<int> their(static_cast<std::size_t>(size()));
-      timed("all_to_all_v (count check)", sizeof(int) * their.size(),
+      timed("all_to_all_v", sizeof(int) * their.size(),
             [&](MPI_Request* r) { return MPI_Ialltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm, r); },
             [&] { return MPI_Alltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm); });
-      for (int j = 0; j < size(); ++j)
+      std::string mine;
+      for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          throw collective_mismatch("meshlib: all_to_all_v on MPI rank " + std::to_string(rank()) + ": recv_counts[" +
-                                    std::to_string(j) + "] = " + std::to_string(rc[static_cast<std::size_t>(j)]) +
-                                    " but rank " + std::to_string(j) + " sends " +
-                                    std::to_string(their[static_cast<std::size_t>(j)]) + " elements");
+          mine = "rank " + std::to_string(rank()) + " expects recv_counts[" + std::to_string(j) + "] = " +
+                 std::to_string(rc[static_cast<std::size_t>(j)]) + " elements but rank " + std::to_string(j) +
+                 " sends " + std::to_string(their[static_cast<std::size_t>(j)]);
+      int bad = mine.empty() ? -1 : rank();
+      int first_bad = -1;
+      timed("all_to_all_v", 0,
+            [&](MPI_Request* r) { return MPI_Iallreduce(&bad, &first_bad, 1, MPI_INT, MPI_MAX, state_->comm, r); },
+            [&] { return MPI_Allreduce(&bad, &first_bad, 1, MPI_INT, MPI_MAX, state_->comm); });
+      if (first_bad >= 0) {
+        state_->failed = true;
+        state_->failed_by_mismatch = true;
+        state_->failure = "meshlib: collective mismatch in all_to_all_v on an MPI communicator of " +
+                          std::to_string(size()) + " ranks: the counts disagree" +
+                          (mine.empty() ? " (rank " + std::to_string(first_bad) + " saw it)" : ": " + mine);
+        throw collective_mismatch(state_->failure);
+      }
     }
+    progress_sends();
     const MPI_Datatype t = detail::mpi_datatype<T>();
     std::size_t bytes = 0;
     for (int c : sc) bytes += static_cast<std::size_t>(c) * sizeof(T);
-    timed(k, bytes,
+    timed("all_to_all_v", bytes,
           [&](MPI_Request* r) {
-            return MPI_Ialltoallv(send.data(), sc.data(), sd.data(), t, recv.data(), rc.data(), rd.data(), t,
-                                  state_->comm, r);
+            return MPI_Ialltoallv(o.send, sc.data(), sd.data(), t, o.recv, rc.data(), rd.data(), t, state_->comm, r);
           },
-          [&] {
-            return MPI_Alltoallv(send.data(), sc.data(), sd.data(), t, recv.data(), rc.data(), rd.data(), t,
-                                 state_->comm);
-          });
-    return {};
+          [&] { return MPI_Alltoallv(o.send, sc.data(), sd.data(), t, o.recv, rc.data(), rd.data(), t, state_->comm); });
   }
 
-  /// @brief recv gets the send of the pair whose destination this rank is, or zeros (as JAX).
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_out_of_place("ppermute", send, recv, send.size());
-    do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
-    return {};
-  }
-  /// @brief In-place ppermute.
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    const std::vector<T> copy(buf.begin(), buf.end());
-    do_ppermute<T>(copy.data(), buf.data(), buf.size(), pairs);
-    return {};
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to rank `dest` with `tag` (0 <= tag < the MPI tag bound - 1). Buffered:
-  /// returns once buf is copied, so exchanges written as send-then-recv on every rank cannot
-  /// deadlock.
+  /// Buffered: the data is copied and sent in the background (progressed by later calls).
   template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
-    check_usable("send");
-    check_peer("send", dest, "destination");
-    check_tag("send", tag);
+  void do_send(const detail::operation<T>& o) {
+    check_tag_bound(op_kind::send, o.tag);
+    check_count(op_kind::send, o.count);
     progress_sends();
     detail::mpi_comm_state::pending_send p;
-    p.data.resize(buf.size_bytes());
-    if (!buf.empty()) std::memcpy(p.data.data(), buf.data(), buf.size_bytes());
-    check_count("send", buf.size());
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(buf.size()), detail::mpi_datatype<std::remove_cv_t<T>>(), dest,
-                       tag, state_->comm, &p.request),
+    p.data.resize(o.count * sizeof(T));
+    if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
+                       &p.request),
              "MPI_Isend");
     state_->sends.push_back(std::move(p));
-    return {};
   }
 
-  /// @brief Receives into buf the oldest message from `source` with `tag`; its count must be
-  /// buf's (else `collective_mismatch`).
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
-    check_usable("recv");
-    check_peer("recv", source, "source");
-    check_tag("recv", tag);
-    check_count("recv", buf.size());
+  template <class T>
+  void do_recv(const detail::operation<T>& o) {
+    check_tag_bound(op_kind::recv, o.tag);
+    check_count(op_kind::recv, o.count);
+    const int source = o.peer;
+    const int tag = o.tag;
     // Probe first (matched probe: safe when other threads use the communicator), so that a
     // message of another length is reported instead of truncated.
     MPI_Status st;
@@ -437,7 +429,7 @@ class mpi_communicator {
     });
     int got = 0;
     MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
-    if (got != static_cast<int>(buf.size())) {
+    if (got != static_cast<int>(o.count)) {
       // Consume the message so the stream stays in order, then report.
       std::vector<unsigned char> sink;
       int bytes = 0;
@@ -445,140 +437,12 @@ class mpi_communicator {
       sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
       MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
       throw collective_mismatch("meshlib: recv on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-                                " expected " + std::to_string(buf.size()) + " elements of " +
+                                " expected " + std::to_string(o.count) + " elements of " +
                                 std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(source) +
                                 " (tag " + std::to_string(tag) + ") but the message holds " +
                                 (got == MPI_UNDEFINED ? std::to_string(bytes) + " bytes" : std::to_string(got)));
     }
-    check_rc(MPI_Mrecv(buf.data(), got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
-    return {};
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Returns once every rank has called barrier (polled against the timeout).
-  request_type barrier(context_type = {}) {
-    check_usable("barrier");
-    progress_sends();
-    timed("barrier", 0, [&](MPI_Request* r) { return MPI_Ibarrier(state_->comm, r); },
-          [&] { return MPI_Barrier(state_->comm); });
-    return {};
-  }
-
-  /// @brief `MPI_Comm_split`: ranks with the same `color` (>= 0) form a new communicator, ordered
-  /// by (key, rank). The result owns its `MPI_Comm` and has this one's options.
-  mpi_communicator split(int color, int key) {
-    check_usable("split");
-    if (color < 0) bad_argument("split", "color " + std::to_string(color) + " is negative; colors are >= 0");
-    // Arrive first (polled), so that a rank that never splits is a timeout, not a hang.
-    barrier();
-    auto s = std::make_shared<detail::mpi_comm_state>();
-    s->options = state_->options;
-    s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
-    check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
-    finish(*s);
-    mpi_communicator out;
-    out.state_ = std::move(s);
-    return out;
-  }
-
- private:
-  // ---- checks ----------------------------------------------------------------------------------
-
-  std::string where(std::string_view k) const {
-    return std::string(k) + " on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size());
-  }
-  void require_valid(std::string_view k) const {
-    if (!state_)
-      throw comm_error("meshlib: " + std::string(k) +
-                       " called on an empty mpi_communicator handle (default-constructed or moved from)");
-  }
-  void check_usable(std::string_view k) const {
-    require_valid(k);
-    if (state_->failed) throw comm_timeout("meshlib: refused " + where(k) + ": the communicator has failed: " + state_->failure);
-  }
-  [[noreturn]] void bad_argument(std::string_view k, const std::string& what) const {
-    throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
-  }
-  void check_rc(int rc, std::string_view call) const {
-    if (rc != MPI_SUCCESS)
-      throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
-                       ": " + detail::mpi_error_string(rc));
-  }
-  void check_root(std::string_view k, int root) const {
-    check_usable(k);
-    if (root < 0 || root >= size())
-      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
-  }
-  void check_peer(std::string_view k, int peer, const char* what) const {
-    if (peer < 0 || peer >= size())
-      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
-                          std::to_string(size()) + ")");
-  }
-  void check_tag(std::string_view k, int tag) const {
-    if (tag < 0 || tag >= state_->tag_ub)
-      bad_argument(k, "tag " + std::to_string(tag) + " is out of range [0, " + std::to_string(state_->tag_ub) +
-                          "); the top tag is meshlib's");
-  }
-  void check_count(std::string_view k, std::size_t count) const {
-    if (count > static_cast<std::size_t>(INT_MAX))
-      bad_argument(k, "count " + std::to_string(count) + " exceeds MPI's int count (" + std::to_string(INT_MAX) +
-                          "); split the call");
-  }
-  template <class T>
-  void check_out_of_place(std::string_view k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
-  }
-  std::size_t checked_mul(std::string_view k, std::size_t count) const {
-    check_usable(k);
-    const auto n = static_cast<std::size_t>(size());
-    if (count > std::numeric_limits<std::size_t>::max() / n)
-      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
-    return count * n;
-  }
-  std::size_t blocks_of(std::string_view k, std::size_t total) const {
-    const auto n = static_cast<std::size_t>(size());
-    if (total % n != 0)
-      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
-                          " equal blocks");
-    return total / n;
-  }
-  /// Counts (or, with `counts`, displacements) of an all_to_all_v side as MPI's ints.
-  std::vector<int> layout(std::string_view k, const char* which, std::size_t buffer, std::span<const std::int64_t> v,
-                          const std::span<const std::int64_t>* counts = nullptr) const {
-    const auto n = static_cast<std::size_t>(size());
-    const std::string w = std::string(which) + (counts ? "_displs" : "_counts");
-    if (v.size() != n)
-      bad_argument(k, w + " needs " + std::to_string(n) + " entries, got " + std::to_string(v.size()));
-    std::vector<int> out(n);
-    for (std::size_t j = 0; j < n; ++j) {
-      if (v[j] < 0 || v[j] > INT_MAX)
-        bad_argument(k, w + "[" + std::to_string(j) + "] = " + std::to_string(v[j]) + " is negative or exceeds MPI's int");
-      out[j] = static_cast<int>(v[j]);
-      if (counts) {
-        const std::int64_t c = (*counts)[j];
-        if (static_cast<std::uint64_t>(c) + static_cast<std::uint64_t>(v[j]) > buffer)
-          bad_argument(k, std::string(which) + " block " + std::to_string(j) + " (displacement " + std::to_string(v[j]) +
-                              ", count " + std::to_string(c) + ") runs past the end of the " + which + " buffer of " +
-                              std::to_string(buffer) + " elements");
-      }
-    }
-    return out;
-  }
-  void check_pairs(std::span<const permute_pair> pairs) const {
-    check_usable("ppermute");
-    const int n = size();
-    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
-    for (const auto& p : pairs) {
-      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
-        bad_argument("ppermute", "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
-                                     ") names a rank out of range [0, " + std::to_string(n) + ")");
-      if (src[static_cast<std::size_t>(p.source)]++)
-        bad_argument("ppermute", "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
-      if (dst[static_cast<std::size_t>(p.dest)]++)
-        bad_argument("ppermute", "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
-    }
+    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
   }
 
   // ---- waiting ---------------------------------------------------------------------------------
@@ -595,20 +459,84 @@ class mpi_communicator {
       check_rc(test(&done), "MPI_Test");
       if (done) return;
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+      if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
+      if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
     }
   }
   void wait(std::string_view k, MPI_Request& r) {
     poll(k, [&](int* done) { return MPI_Test(&r, done, MPI_STATUS_IGNORE); });
   }
 
-  [[noreturn]] void fail_timeout(std::string_view k) {
+  [[noreturn]] void fail_timeout(std::string_view k, const std::string& who = "a peer never called it") {
     const double secs = std::chrono::duration<double>(state_->options.timeout).count();
     state_->failed = true;
-    state_->failure = "meshlib: " + where(k) + " did not complete within " + std::to_string(secs) +
-                      " s: a peer never called it (it failed, or called another operation); MPI cannot cancel a "
+    state_->failure = "meshlib: " + where(k) + " did not complete within " + std::to_string(secs) + " s: " + who +
+                      " (it failed, is still busy, or called another operation); MPI cannot cancel a "
                       "collective, so this communicator refuses further operations; end the run";
     throw comm_timeout(state_->failure);
+  }
+
+  static constexpr int arrival_tag = 1;
+
+  /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
+  void drain_arrival_notes() {
+    for (;;) {
+      int found = 0;
+      MPI_Status st;
+      check_rc(MPI_Iprobe(MPI_ANY_SOURCE, arrival_tag, state_->side, &found, &st), "MPI_Iprobe");
+      if (!found) return;
+      std::uint64_t call = 0;
+      check_rc(MPI_Recv(&call, 1, MPI_UINT64_T, st.MPI_SOURCE, arrival_tag, state_->side, MPI_STATUS_IGNORE), "MPI_Recv");
+      state_->peer_waits_in[static_cast<std::size_t>(st.MPI_SOURCE)] = call + 1;
+    }
+  }
+
+  /// Waits for the fingerprint exchange of call `call` (every rank has arrived once it completes).
+  /// After 10 ms it tells the peers that it waits in this call (so nothing is sent on the fast
+  /// path); at the deadline it reads the peers' notes for a short grace and names the ranks that
+  /// never said they arrived.
+  void wait_arrival(std::string_view k, MPI_Request& r, std::uint64_t call) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    const auto deadline = start + state_->options.timeout;
+    bool noted = false;
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      check_rc(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      if (spins > 256) std::this_thread::yield();
+      if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
+      const auto now = clock::now();
+      if (!noted && now - start > std::chrono::milliseconds(10)) {
+        noted = true;
+        drain_arrival_notes();
+        for (int peer = 0; peer < size(); ++peer) {
+          if (peer == rank()) continue;
+          detail::mpi_comm_state::pending_send p;
+          p.data.resize(sizeof(call));
+          std::memcpy(p.data.data(), &call, sizeof(call));
+          check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
+          state_->sends.push_back(std::move(p));
+        }
+      }
+      if (now > deadline) {
+        // Peers that arrived at about the same time send their notes within 10 ms of arriving.
+        const auto grace_end = clock::now() + std::chrono::milliseconds(50);
+        while (clock::now() < grace_end) {
+          drain_arrival_notes();
+          progress_sends();
+          std::this_thread::yield();
+        }
+        std::string missing;
+        int count = 0;
+        for (int peer = 0; peer < size(); ++peer)
+          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1)
+            missing += (count++ ? ", " : "") + std::to_string(peer);
+        fail_timeout(k, count ? "rank(s) " + missing + " never arrived" : "every rank arrived, but not in time");
+      }
+    }
   }
 
   /// Runs one collective under the timeout: see the file comment.
@@ -623,8 +551,8 @@ class mpi_communicator {
     const mode m = state_->options.large_payloads;
     const bool barrier_first = m == mode::barrier_then_blocking || (m == mode::automatic && !state_->oversubscribed);
     if (bytes >= state_->options.blocking_min_bytes && barrier_first) {
-      check_rc(MPI_Ibarrier(state_->comm, &r), "MPI_Ibarrier");
-      wait(k, r);
+      // Every rank has arrived: the fingerprint exchange (agree) that precedes every data
+      // collective completed, so MPI's blocking collective cannot wait unboundedly.
       check_rc(bl(), k);
     } else {
       check_rc(nb(&r), k);
@@ -643,38 +571,80 @@ class mpi_communicator {
             v.end());
   }
 
-  static constexpr std::string_view verified_ops[] = {"all_reduce", "reduce",     "reduce_scatter", "broadcast",
-                                                      "all_gather", "all_to_all", "all_to_all_v",   "ppermute"};
-
-  /// With verify_collectives: every rank's (operation, type, count, op, root) must agree.
-  void verify(std::string_view k, datatype dt, std::size_t count, int op, int root) {
-    std::int64_t kind = 0;
-    while (kind < 8 && verified_ops[kind] != k) ++kind;
-    std::int64_t mine[5] = {kind, static_cast<std::int64_t>(dt), static_cast<std::int64_t>(count), op, root};
-    std::vector<std::int64_t> all(5 * static_cast<std::size_t>(size()));
-    timed(k, 0, [&](MPI_Request* r) { return MPI_Iallgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm, r); },
-          [&] { return MPI_Allgather(mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, state_->comm); });
-    bool same = true;
-    for (int r = 1; r < size(); ++r)
-      same = same && std::equal(all.begin(), all.begin() + 5, all.begin() + 5 * r);
-    if (same) return;
-    std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
-                      " ranks (seen by rank " + std::to_string(rank()) + "): the ranks called different collectives:";
-    for (int r = 0; r < size(); ++r) {
-      const auto* d = all.data() + 5 * r;
-      const bool reducing = d[0] <= 2;
-      msg += std::string(r ? ";" : "") + " rank " + std::to_string(r) + ": " +
-             std::string(d[0] < 8 ? verified_ops[d[0]] : "?") + " of " + std::to_string(d[2]) + " " +
-             std::string(to_string(static_cast<datatype>(d[1]))) +
-             (reducing ? ", op " + std::string(to_string(static_cast<reduce_op>(d[3]))) : std::string()) +
-             (d[0] == 1 || d[0] == 3 ? ", root " + std::to_string(d[4]) : std::string());
+  /// Always-on mismatch detection. Before the data moves, every rank contributes a fingerprint of
+  /// its call (call number on this communicator, operation, element type, count, reduce op, root,
+  /// ppermute pairs) to one polled 16-byte all-reduce (max of the fingerprint and of its
+  /// complement: all ranks agree exactly when both maxima are this rank's own values, so every
+  /// rank reaches the same verdict). It doubles as the arrival check of the blocking large-payload
+  /// path (see `timed`). On disagreement the ranks exchange their full calls, the communicator is
+  /// failed, and every rank throws `collective_mismatch` naming each rank's call: a mismatched
+  /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
+  /// garbage, no hang).
+  void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
+    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const std::uint64_t rec[call_fields] = {state_->calls++,
+                                            static_cast<std::uint64_t>(k),
+                                            k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
+                                            static_cast<std::uint64_t>(count),
+                                            has_op ? static_cast<std::uint64_t>(op) : 0,
+                                            has_root ? static_cast<std::uint64_t>(root) : 0,
+                                            extra};
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
+    for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
+    const std::uint64_t mine[2] = {h, ~h};
+    std::uint64_t most[2] = {0, 0};
+    const std::string_view name = detail::op_name(k);
+    if (!has_deadline()) {
+      check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
+    } else {
+      MPI_Request r = MPI_REQUEST_NULL;
+      check_rc(MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm, &r), name);
+      wait_arrival(name, r, rec[0]);
     }
-    throw collective_mismatch(msg);
+    if (most[0] == mine[0] && most[1] == mine[1]) return;
+    std::vector<std::uint64_t> all(call_fields * static_cast<std::size_t>(size()));
+    timed(name, 0, [&](MPI_Request* r) {
+            return MPI_Iallgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm, r);
+          },
+          [&] { return MPI_Allgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm); });
+    std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
+                      " ranks: the ranks called different collectives";
+    for (int r = 0; r < size(); ++r) msg += (r ? "; " : ": ") + describe_call(r, all.data() + call_fields * r);
+    state_->failed = true;
+    state_->failed_by_mismatch = true;
+    state_->failure = msg;
+    throw collective_mismatch(msg + " (seen by MPI rank " + std::to_string(rank()) + ")");
+  }
+
+  static constexpr int call_fields = 7;
+
+  /// "rank 1 called all_reduce(float32, count 8, op sum) as call #3"
+  static std::string describe_call(int r, const std::uint64_t* d) {
+    const auto k = static_cast<op_kind>(d[1]);
+    std::string s = "rank " + std::to_string(r) + " called " + std::string(detail::op_name(k)) + "(";
+    if (d[2] != 0) {
+      s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+      if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+      if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+        s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+      if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+    }
+    return s + ") as call #" + std::to_string(d[0]);
   }
 
   template <class T>
-  void maybe_verify(std::string_view k, std::size_t count, reduce_op op, int root) {
-    if (state_->options.verify_collectives) verify(k, datatype_of<T>, count, static_cast<int>(op), root);
+  void maybe_verify(op_kind k, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
+    agree(k, datatype_of<T>, count, op, root, extra);
+  }
+
+  /// A fingerprint of ppermute pairs (every rank must pass the same).
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto& p : pairs)
+      h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+          1099511628211ull;
+    return h ^ pairs.size();
   }
 
   // ---- operations ------------------------------------------------------------------------------
@@ -684,8 +654,8 @@ class mpi_communicator {
   /// send == nullptr: in place.
   template <class T>
   void do_all_reduce(const T* send, T* recv, std::size_t count, reduce_op op) {
-    maybe_verify<T>("all_reduce", count, op, 0);
-    check_count("all_reduce", count);
+    maybe_verify<T>(op_kind::all_reduce, count, op, 0);
+    check_count(op_kind::all_reduce, count);
     progress_sends();
     if constexpr (std::is_same_v<T, bfloat16>) {
       if (!state_->options.bfloat16_on_wire) {
@@ -714,8 +684,8 @@ class mpi_communicator {
   /// On root, send == nullptr means in place; elsewhere send is read.
   template <class T>
   void do_reduce(const T* send, T* recv, std::size_t count, reduce_op op, int root) {
-    maybe_verify<T>("reduce", count, op, root);
-    check_count("reduce", count);
+    maybe_verify<T>(op_kind::reduce, count, op, root);
+    check_count(op_kind::reduce, count);
     progress_sends();
     const bool is_root = rank() == root;
     if constexpr (std::is_same_v<T, bfloat16>) {
@@ -743,8 +713,8 @@ class mpi_communicator {
   /// send == nullptr: in place, the result at the start of recv (MPI's convention).
   template <class T>
   void do_reduce_scatter(const T* send, T* recv, std::size_t count, reduce_op op) {
-    maybe_verify<T>("reduce_scatter", count, op, 0);
-    check_count("reduce_scatter", count * static_cast<std::size_t>(size()));
+    maybe_verify<T>(op_kind::reduce_scatter, count, op, 0);
+    check_count(op_kind::reduce_scatter, count * static_cast<std::size_t>(size()));
     progress_sends();
     if constexpr (std::is_same_v<T, bfloat16>) {
       if (!state_->options.bfloat16_on_wire) {
@@ -768,8 +738,8 @@ class mpi_communicator {
 
   template <class T>
   void do_broadcast(T* buf, std::size_t count, int root) {
-    maybe_verify<T>("broadcast", count, reduce_op::sum, root);
-    check_count("broadcast", count);
+    maybe_verify<T>(op_kind::broadcast, count, reduce_op::sum, root);
+    check_count(op_kind::broadcast, count);
     progress_sends();
     const MPI_Datatype t = detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
@@ -780,8 +750,8 @@ class mpi_communicator {
   /// send == nullptr: in place.
   template <class T>
   void do_all_gather(const T* send, T* recv, std::size_t count) {
-    maybe_verify<T>("all_gather", count, reduce_op::sum, 0);
-    check_count("all_gather", count * static_cast<std::size_t>(size()));
+    maybe_verify<T>(op_kind::all_gather, count, reduce_op::sum, 0);
+    check_count(op_kind::all_gather, count * static_cast<std::size_t>(size()));
     progress_sends();
     const MPI_Datatype t = detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
@@ -794,8 +764,8 @@ class mpi_communicator {
   /// send == nullptr: in place.
   template <class T>
   void do_all_to_all(const T* send, T* recv, std::size_t count) {
-    maybe_verify<T>("all_to_all", count, reduce_op::sum, 0);
-    check_count("all_to_all", count * static_cast<std::size_t>(size()));
+    maybe_verify<T>(op_kind::all_to_all, count, reduce_op::sum, 0);
+    check_count(op_kind::all_to_all, count * static_cast<std::size_t>(size()));
     progress_sends();
     const MPI_Datatype t = detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
@@ -806,8 +776,8 @@ class mpi_communicator {
 
   template <class T>
   void do_ppermute(const T* send, T* recv, std::size_t count, std::span<const permute_pair> pairs) {
-    maybe_verify<T>("ppermute", count, reduce_op::sum, static_cast<int>(pairs.size()));
-    check_count("ppermute", count);
+    maybe_verify<T>(op_kind::ppermute, count, reduce_op::sum, 0, pairs_hash(pairs));
+    check_count(op_kind::ppermute, count);
     progress_sends();
     const MPI_Datatype t = detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
@@ -828,13 +798,16 @@ class mpi_communicator {
   template <class T>
   static MPI_Op reduce_mpi_op(reduce_op op) {
     if constexpr (std::is_same_v<T, bfloat16>) return detail::bf16_mpi_op(op);
-    else return detail::mpi_op(op);
+    else return detail::mpi_op<T>(op);
   }
 
   void finish(detail::mpi_comm_state& s) {
     check_rc(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Comm_rank(s.comm, &s.rank);
     MPI_Comm_size(s.comm, &s.size);
+    check_rc(MPI_Comm_dup(s.comm, &s.side), "MPI_Comm_dup");
+    check_rc(MPI_Comm_set_errhandler(s.side, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    s.peer_waits_in.assign(static_cast<std::size_t>(s.size), 0);
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(s.comm, MPI_TAG_UB, &ub, &flag);

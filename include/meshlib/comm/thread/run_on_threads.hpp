@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
@@ -131,14 +132,17 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   body(0);
   for (auto& t : threads) t.join();
 
+  // The blamed participant is the world's root cause (the first to throw, or the first that never
+  // arrived at a collective that timed out), even when it threw nothing itself (it was only late);
+  // the exception reported is its own, else that of the lowest participant that threw.
   int root = world.failed() ? world.root_cause_rank() : -1;
-  if (root < 0 || root >= n || !errors[static_cast<std::size_t>(root)]) {
-    root = -1;
-    for (int r = 0; r < n && root < 0; ++r)
-      if (errors[static_cast<std::size_t>(r)]) root = r;
-  }
-  if (root < 0) return;
-  const auto& e = errors[static_cast<std::size_t>(root)];
+  int source = -1;
+  for (int r = 0; r < n && source < 0; ++r)
+    if (errors[static_cast<std::size_t>(r)]) source = r;
+  if (source < 0) return;
+  if (root < 0 || root >= n) root = source;
+  else if (errors[static_cast<std::size_t>(root)]) source = root;
+  const auto& e = errors[static_cast<std::size_t>(source)];
   try {
     std::rethrow_exception(e);
   } catch (...) {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The thread communicator: N participants that are N threads of one process, talking
@@ -53,6 +54,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/thread/detail/group_state.hpp"
@@ -69,11 +71,10 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator {
+class thread_communicator : public communicator_frontend<thread_communicator> {
+  friend class communicator_frontend<thread_communicator>;
+
  public:
-  using is_communicator = void;
-  using request_type = ready_request;
-  using context_type = host_context;
 
   /// An empty handle (not part of any group); only assignable and destructible.
   thread_communicator() = default;
@@ -114,210 +115,17 @@ class thread_communicator {
                                    std::string(reason));
   }
 
-  // ---- reducing collectives --------------------------------------------------------------------
+  // The collectives, point to point and barrier: communicator_frontend (argument checks); the
+  // transport is below.
 
-  /// @brief recv[i] = op over every rank of send[i], for i < send.size(), on every rank.
-  template <comm_element T>
-  request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                          context_type = {}) {
-    check_out_of_place(detail::op_kind::all_reduce, send, recv, send.size());
-    return do_all_reduce<T>(send.data(), recv.data(), send.size(), op);
-  }
-  /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
-  template <comm_element T>
-  request_type all_reduce(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::all_reduce);
-    return do_all_reduce<T>(buf.data(), buf.data(), buf.size(), op);
-  }
-
-  /// @brief Like all_reduce, but only `root` receives the result; recv is ignored elsewhere.
-  template <comm_element T>
-  request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
-                      context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    if (rank_ == root) check_out_of_place(detail::op_kind::reduce, send, recv, send.size());
-    else check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(send.data(), recv.data(), send.size(), op, root);
-  }
-  /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
-  template <comm_element T>
-  request_type reduce(std::span<T> buf, reduce_op op, int root, context_type = {}) {
-    check_root(detail::op_kind::reduce, root);
-    check_usable(detail::op_kind::reduce);
-    return do_reduce<T>(buf.data(), buf.data(), buf.size(), op, root);
-  }
-
-  /// @brief recv = block `rank()` of the element-wise reduction of every rank's send, whose
-  /// length is `size() * recv.size()`.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                              context_type = {}) {
-    const std::size_t count = recv.size();
-    const std::size_t total = checked_mul(detail::op_kind::reduce_scatter, count);
-    if (send.size() < total)
-      bad_argument(detail::op_kind::reduce_scatter,
-                   "send buffer holds " + std::to_string(send.size()) + " elements but size() * recv.size() = " +
-                       std::to_string(total) + " are needed");
-    check_out_of_place(detail::op_kind::reduce_scatter, send.first(total), recv, count);
-    return do_reduce_scatter<T>(send.data(), recv.data(), count, op);
-  }
-  /// @brief In-place reduce_scatter (NCCL's convention): buf holds `size()` blocks; block `rank()`
-  /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
-  template <comm_element T>
-  request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type = {}) {
-    check_usable(detail::op_kind::reduce_scatter);
-    const std::size_t count = blocks_of(detail::op_kind::reduce_scatter, buf.size());
-    return do_reduce_scatter<T>(buf.data(), buf.data() + static_cast<std::size_t>(rank_) * count, count, op);
-  }
-
-  // ---- data movement ---------------------------------------------------------------------------
-
-  /// @brief Every rank's recv receives root's send (read on root only); `recv.size()` is the count.
-  template <comm_element T>
-  request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
-                         context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    if (rank_ == root) {
-      check_out_of_place(detail::op_kind::broadcast, send, recv, recv.size());
-      if (send.size() < recv.size())
-        bad_argument(detail::op_kind::broadcast, "root's send buffer holds " + std::to_string(send.size()) +
-                                                     " elements but recv.size() = " + std::to_string(recv.size()) +
-                                                     " are broadcast");
-    } else {
-      check_usable(detail::op_kind::broadcast);
-    }
-    return do_broadcast<T>(rank_ == root ? send.data() : nullptr, recv.data(), recv.size(), root);
-  }
-  /// @brief In-place broadcast: every rank's buf receives root's buf.
-  template <comm_element T>
-  request_type broadcast(std::span<T> buf, int root, context_type = {}) {
-    check_root(detail::op_kind::broadcast, root);
-    check_usable(detail::op_kind::broadcast);
-    return do_broadcast<T>(buf.data(), buf.data(), buf.size(), root);
-  }
-
-  /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
-  template <comm_element T>
-  request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = send.size();
-    const std::size_t total = checked_mul(detail::op_kind::all_gather, count);
-    check_out_of_place(detail::op_kind::all_gather, send, recv, total);
-    return do_all_gather<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
-  template <comm_element T>
-  request_type all_gather(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_gather);
-    const std::size_t count = blocks_of(detail::op_kind::all_gather, buf.size());
-    return do_all_gather<T>(buf.data() + static_cast<std::size_t>(rank_) * count, buf.data(), count);
-  }
-
-  /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
-  template <comm_element T>
-  request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type = {}) {
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, send.size());
-    check_out_of_place(detail::op_kind::all_to_all, send, recv, send.size());
-    return do_all_to_all<T>(send.data(), recv.data(), count);
-  }
-  /// @brief In-place all_to_all.
-  template <comm_element T>
-  request_type all_to_all(std::span<T> buf, context_type = {}) {
-    check_usable(detail::op_kind::all_to_all);
-    const std::size_t count = blocks_of(detail::op_kind::all_to_all, buf.size());
-    return do_all_to_all<T>(buf.data(), buf.data(), count);
-  }
-
-  /// @brief all_to_all with a count per peer (MPI_Alltoallv): `send_counts[j]` elements from
-  /// `send[send_displs[j]]` go to rank j, which receives them at `recv[recv_displs[rank()]]`; every
-  /// rank's `recv_counts[j]` must equal rank j's `send_counts[rank()]` (else `collective_mismatch`).
-  template <comm_element T>
-  request_type all_to_all_v(std::span<const std::type_identity_t<T>> send, std::span<const std::int64_t> send_counts,
-                            std::span<const std::int64_t> send_displs, std::span<T> recv,
-                            std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                            context_type = {}) {
-    constexpr auto k = detail::op_kind::all_to_all_v;
-    check_usable(k);
-    check_layout(k, "send", send.size(), send_counts, send_displs);
-    check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (!send.empty() && !recv.empty() && detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
-      bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
-    return do_all_to_all_v<T>(send.data(), send_counts.data(), send_displs.data(), recv.data(), recv_counts.data(),
-                              recv_displs.data());
-  }
-
-  /// @brief Each rank sends its send to the destination of the pairs whose source it is; recv
-  /// receives the send of the pair whose destination this rank is, or zeros (as in JAX). Every
-  /// rank passes the same pairs; a duplicate source or destination is rejected.
-  template <comm_element T>
-  request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_out_of_place(detail::op_kind::ppermute, send, recv, send.size());
-    return do_ppermute<T>(send.data(), recv.data(), send.size(), pairs);
-  }
-  /// @brief In-place ppermute.
-  template <comm_element T>
-  request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type = {}) {
-    check_pairs(pairs);
-    check_usable(detail::op_kind::ppermute);
-    return do_ppermute<T>(buf.data(), buf.data(), buf.size(), pairs);
-  }
-
-  // ---- point to point --------------------------------------------------------------------------
-
-  /// @brief Sends buf to rank `dest`. Buffered: returns once buf is copied, whether or not `dest`
-  /// has posted its recv (so exchanges written as send-then-recv on every rank cannot deadlock).
-  template <class T>
-    requires comm_element<T>
-  request_type send(std::span<T> buf, int dest, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::send;
-    check_usable(k);
-    check_peer(k, dest, "destination");
-    detail::p2p_message m;
-    m.tag = tag;
-    m.dtype = datatype_of<T>;
-    m.count = buf.size();
-    m.data.resize(buf.size_bytes());
-    detail::copy_bytes(m.data.data(), buf.data(), buf.size_bytes());
-    auto& g = *state_;
-    {
-      std::lock_guard lk(g.p2p_mutex);
-      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
-    }
-    g.p2p_cv.notify_all();
-    return {};
-  }
-
-  /// @brief Receives into buf the oldest message that rank `source` sent to this rank with `tag`.
-  /// Its element type and count must be those of buf (else `collective_mismatch`).
-  template <comm_element T>
-  request_type recv(std::span<T> buf, int source, int tag = 0, context_type = {}) {
-    constexpr auto k = detail::op_kind::recv;
-    check_usable(k);
-    check_peer(k, source, "source");
-    receive(buf.data(), buf.size(), datatype_of<T>, source, tag);
-    return {};
-  }
-
-  // ---- synchronisation and groups --------------------------------------------------------------
-
-  /// @brief Returns once every rank of the group has called barrier.
-  request_type barrier(context_type = {}) {
-    constexpr auto k = detail::op_kind::barrier;
-    check_usable(k);
-    detail::call_desc d;
-    d.kind = k;
-    arrive(d, false);
-    return {};
-  }
+  // ---- groups ----------------------------------------------------------------------------------
 
   /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
   /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
   /// the same world: a failure in any of them fails all.
   thread_communicator split(int color, int key) {
     constexpr auto k = detail::op_kind::split;
-    check_usable(k);
-    if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
+    check_split(color);
     detail::call_desc d;
     d.kind = k;
     d.color = color;
@@ -373,11 +181,10 @@ class thread_communicator {
     return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
   }
 
-  // ---- argument checks: all run before this rank arrives, so before any data moves -------------
+  // ---- the front end's hooks: its argument checks all run before this rank arrives, so before
+  // any data moves -----------------------------------------------------------------------------
 
-  std::string where(op_kind k) const {
-    return std::string(detail::op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
-  }
+  std::string label() const { return state_->rank_label(rank_); }
 
   void require_valid(op_kind k) const {
     if (!state_)
@@ -386,91 +193,61 @@ class thread_communicator {
   }
 
   /// Refuses every call once the world has failed.
-  void check_usable(op_kind k) const {
+  void ensure_usable(op_kind k) const {
     require_valid(k);
     if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
       state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
   }
 
-  /// Fails the world (so that peers waiting for this rank are released) and throws comm_argument_error.
-  [[noreturn]] void bad_argument(op_kind k, const std::string& what) const {
+  /// Fails the world before the front end throws comm_argument_error, so that peers waiting for
+  /// this rank are released at once.
+  void on_argument_error(op_kind k, const std::string& what) const {
     require_valid(k);
-    const std::string msg = "meshlib: invalid argument to " + where(k) + ": " + what;
     state_->world->fail(detail::failure_kind::aborted, world_rank(),
                         "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
                             std::string(detail::op_name(k)) + ": " + what);
-    throw comm_argument_error(msg);
   }
 
-  void check_root(op_kind k, int root) const {
-    check_usable(k);
-    if (root < 0 || root >= state_->n)
-      bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(state_->n) + ")");
-  }
-
-  void check_peer(op_kind k, int peer, const char* what) const {
-    if (peer < 0 || peer >= state_->n)
-      bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
-                          std::to_string(state_->n) + ")");
-  }
-
-  /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
-  template <class T>
-  void check_out_of_place(op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
-    check_usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
-  }
-
-  std::size_t checked_mul(op_kind k, std::size_t count) const {
-    check_usable(k);
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (count > std::numeric_limits<std::size_t>::max() / n)
-      bad_argument(k, "count " + std::to_string(count) + " times " + std::to_string(n) + " ranks overflows");
-    return count * n;
-  }
-
-  std::size_t blocks_of(op_kind k, std::size_t total) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    if (total % n != 0)
-      bad_argument(k, "buffer of " + std::to_string(total) + " elements does not split into " + std::to_string(n) +
-                          " equal blocks");
-    return total / n;
-  }
-
-  void check_layout(op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
-                    std::span<const std::int64_t> displs) const {
-    const auto n = static_cast<std::size_t>(state_->n);
-    const std::string w(which);
-    if (counts.size() != n || displs.size() != n)
-      bad_argument(k, w + "_counts and " + w + "_displs need " + std::to_string(n) + " entries each, got " +
-                          std::to_string(counts.size()) + " and " + std::to_string(displs.size()));
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t c = counts[j];
-      const std::int64_t d = displs[j];
-      if (c < 0 || d < 0)
-        bad_argument(k, w + "_counts[" + std::to_string(j) + "] = " + std::to_string(c) + " and " + w + "_displs[" +
-                            std::to_string(j) + "] = " + std::to_string(d) + ": counts and displacements must be >= 0");
-      if (c > std::numeric_limits<std::int64_t>::max() - d || static_cast<std::uint64_t>(c + d) > buffer)
-        bad_argument(k, w + " block " + std::to_string(j) + " (displacement " + std::to_string(d) + ", count " +
-                            std::to_string(c) + ") overflows or runs past the end of the " + w + " buffer of " +
-                            std::to_string(buffer) + " elements");
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
+    else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::broadcast) return do_broadcast<T>(o.send, o.recv, o.count, o.root);
+    else if constexpr (K == op_kind::all_gather) return do_all_gather<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all) return do_all_to_all<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all_v)
+      return do_all_to_all_v<T>(o.send, o.v[0], o.v[1], o.recv, o.v[2], o.v[3]);
+    else if constexpr (K == op_kind::ppermute) return do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+    else if constexpr (K == op_kind::send) return post(o.send, o.count, datatype_of<T>, o.peer, o.tag);
+    else if constexpr (K == op_kind::recv) {
+      receive(o.recv, o.count, datatype_of<T>, o.peer, o.tag);
+      return {};
+    } else {
+      static_assert(K == op_kind::barrier);
+      detail::call_desc d;
+      d.kind = K;
+      arrive(d, false);
+      return {};
     }
   }
 
-  void check_pairs(std::span<const permute_pair> pairs) const {
-    constexpr auto k = op_kind::ppermute;
-    check_usable(k);
-    const int n = state_->n;
-    std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
-    for (const auto& p : pairs) {
-      if (p.source < 0 || p.source >= n || p.dest < 0 || p.dest >= n)
-        bad_argument(k, "pair (" + std::to_string(p.source) + ", " + std::to_string(p.dest) +
-                            ") names a rank out of range [0, " + std::to_string(n) + ")");
-      if (src[static_cast<std::size_t>(p.source)]++)
-        bad_argument(k, "rank " + std::to_string(p.source) + " is the source of two pairs; each rank sends at most once");
-      if (dst[static_cast<std::size_t>(p.dest)]++)
-        bad_argument(k, "rank " + std::to_string(p.dest) + " is the destination of two pairs; each rank receives at most once");
+  /// Buffered send: the message is copied into the mailbox of (this rank, dest).
+  request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = dt;
+    m.count = count;
+    m.data.resize(count * size_of(dt));
+    detail::copy_bytes(m.data.data(), data, m.data.size());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
     }
+    g.p2p_cv.notify_all();
+    return {};
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
@@ -712,11 +489,18 @@ class thread_communicator {
       os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
          << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
       int missing = 0;
+      int first_missing = -1;
       for (int r = 0; r < g.n; ++r)
-        if (!arrived(r)) os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        if (!arrived(r)) {
+          if (first_missing < 0) first_missing = r;
+          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+        }
       os << (missing ? " never arrived" : "every rank arrived late");
       os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
-      g.world->fail(detail::failure_kind::timeout, world_rank(), os.str());
+      // The root cause is the first rank that never arrived, not this waiter (device_error::device()
+      // of spmd names it).
+      g.world->fail(detail::failure_kind::timeout,
+                    first_missing >= 0 ? g.world_ranks[static_cast<std::size_t>(first_missing)] : world_rank(), os.str());
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
     if (ready()) return;
@@ -1059,8 +843,14 @@ class thread_world {
   /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
   /// @returns whether this call recorded the root cause.
   bool abort(int rank, std::string_view reason) {
+    return abort(rank, reason, "rank " + std::to_string(rank));
+  }
+  /// @brief As `abort(rank, reason)`, with the failed participant named `who` in the message
+  /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
+  /// device; rank -1 is a participant outside this world (a device of another process).
+  bool abort(int rank, std::string_view reason, std::string_view who) {
     return world_->fail(detail::failure_kind::aborted, rank,
-                        "meshlib: communicator aborted: rank " + std::to_string(rank) + " failed: " + std::string(reason));
+                        "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
   /// Whether the world has failed.

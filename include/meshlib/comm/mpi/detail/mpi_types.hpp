@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
@@ -5,7 +6,7 @@
 ///
 /// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, avg) | MPI op |
 /// | --- | --- | --- | --- |
-/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`, `MPI_MIN`, `MPI_MAX`; avg = `MPI_SUM` then / n |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); avg = `MPI_SUM` then / n |
 /// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
 /// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
 
@@ -18,6 +19,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 
 #if MESHLIB_ENABLE_MPI
 
@@ -49,8 +51,37 @@ constexpr bool wraps(reduce_op op) noexcept {
   return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::avg;
 }
 
-/// MPI's op for a meshlib op (avg is a sum followed by a division by the participant count).
-inline MPI_Op mpi_op(reduce_op op) noexcept {
+/// meshlib's min or max of float or double (`float_min`, `float_max`: NaN propagates, -0 < +0) as
+/// an MPI user op; MPI's own MPI_MIN and MPI_MAX lose a NaN that is not in the first operand.
+/// `in` holds the lower ranks' result (the op is created non-commutative, so MPI keeps rank order).
+template <class F, reduce_op Op>
+void float_minmax_combine(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const F*>(in);
+  auto* b = static_cast<F*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Op == reduce_op::min ? float_min(a[i], b[i]) : float_max(a[i], b[i]);
+}
+
+/// The user ops of `float_minmax_combine`: [float min, float max, double min, double max], created
+/// on first use (after `MPI_Init`) and kept until `MPI_Finalize`.
+inline MPI_Op float_minmax_op(bool is_double, reduce_op op) {
+  static MPI_Op ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  static const bool made = [] {
+    MPI_Op_create(&float_minmax_combine<float, reduce_op::min>, 0, &ops[0]);
+    MPI_Op_create(&float_minmax_combine<float, reduce_op::max>, 0, &ops[1]);
+    MPI_Op_create(&float_minmax_combine<double, reduce_op::min>, 0, &ops[2]);
+    MPI_Op_create(&float_minmax_combine<double, reduce_op::max>, 0, &ops[3]);
+    return true;
+  }();
+  (void)made;
+  return ops[(is_double ? 2 : 0) + (op == reduce_op::max ? 1 : 0)];
+}
+
+/// MPI's op for a meshlib op on T (avg is a sum followed by a division by the participant count;
+/// min and max of floating-point values are meshlib's user ops).
+template <class T>
+MPI_Op mpi_op(reduce_op op) {
+  if constexpr (std::is_floating_point_v<T>)
+    if (op == reduce_op::min || op == reduce_op::max) return float_minmax_op(std::is_same_v<T, double>, op);
   switch (op) {
     case reduce_op::sum:
     case reduce_op::avg: return MPI_SUM;
@@ -72,8 +103,8 @@ void bf16_combine(void* in, void* inout, int* len, MPI_Datatype*) {
     float r;
     if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) r = x + y;
     else if constexpr (Op == reduce_op::prod) r = x * y;
-    else if constexpr (Op == reduce_op::min) r = y < x ? y : x;
-    else r = x < y ? y : x;
+    else if constexpr (Op == reduce_op::min) r = float_min(x, y);
+    else r = float_max(x, y);
     b[i] = bfloat16(r);
   }
 }

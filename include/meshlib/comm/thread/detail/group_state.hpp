@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The shared state of the thread communicator: one `world_state` per `thread_world` (the
@@ -35,6 +36,7 @@
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/thread/options.hpp"
@@ -61,38 +63,6 @@ using comm_clock = std::chrono::steady_clock;
 /// stack, for that peer's runner to report the exception (well inside the 1 s promise).
 inline constexpr std::chrono::milliseconds unwind_grace{200};
 
-enum class op_kind : std::uint8_t {
-  barrier,
-  all_reduce,
-  reduce,
-  broadcast,
-  all_gather,
-  reduce_scatter,
-  all_to_all,
-  all_to_all_v,
-  ppermute,
-  split,
-  send,
-  recv,
-};
-
-constexpr std::string_view op_name(op_kind k) noexcept {
-  switch (k) {
-    case op_kind::barrier: return "barrier";
-    case op_kind::all_reduce: return "all_reduce";
-    case op_kind::reduce: return "reduce";
-    case op_kind::broadcast: return "broadcast";
-    case op_kind::all_gather: return "all_gather";
-    case op_kind::reduce_scatter: return "reduce_scatter";
-    case op_kind::all_to_all: return "all_to_all";
-    case op_kind::all_to_all_v: return "all_to_all_v";
-    case op_kind::ppermute: return "ppermute";
-    case op_kind::split: return "split";
-    case op_kind::send: return "send";
-    case op_kind::recv: return "recv";
-  }
-  return "unknown";
-}
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The element loops of the thread communicator: a rank-ordered reduction of n inputs into
@@ -6,6 +7,7 @@
 /// `((x0 op x1) op x2) ...` in rank order, whatever the algorithm, the slicing or the thread timing.
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +46,34 @@ constexpr accumulator_t<T> widen(T x) noexcept {
   return static_cast<accumulator_t<T>>(x);
 }
 
+/// Whether the sign bit of a float or double is set (-0.0 included), usable in constexpr code.
+template <class F>
+constexpr bool sign_bit(F v) noexcept {
+  if constexpr (sizeof(F) == 4) return (std::bit_cast<std::uint32_t>(v) >> 31) != 0;
+  else return (std::bit_cast<std::uint64_t>(v) >> 63) != 0;
+}
+
+/// max of floating-point values as meshlib defines it on every backend: a NaN anywhere gives NaN
+/// (the first in rank order: `a` is the running result of the lower ranks), and +0 > -0. So the
+/// result does not depend on the order of the participants, and NaN is not lost as with
+/// `a < b ? b : a` (which keeps `a` whenever `b` is NaN).
+template <class F>
+constexpr F float_max(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? b : a;
+  return a < b ? b : a;
+}
+
+/// min, the mirror of `float_max`: NaN anywhere gives NaN, and -0 < +0.
+template <class F>
+constexpr F float_min(F a, F b) noexcept {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return sign_bit(a) ? a : b;
+  return b < a ? b : a;
+}
+
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
@@ -57,9 +87,8 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
     if constexpr (Op == reduce_op::min) return x < av ? widen(x) : a;
     else return av < x ? widen(x) : a;
   } else {
-    const A xv = widen(x);
-    if constexpr (Op == reduce_op::min) return xv < a ? xv : a;
-    else return a < xv ? xv : a;
+    if constexpr (Op == reduce_op::min) return float_min(a, widen(x));
+    else return float_max(a, widen(x));
   }
 }
 
