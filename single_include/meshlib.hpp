@@ -296,6 +296,199 @@ concept mesh_axis = requires {
 #include <string_view>
 #include <vector>
 
+// begin meshlib/core/checked_size.hpp
+/// @file
+/// @brief Products of sizes that cannot wrap: the element count of a shape, the device count of a
+/// mesh, a byte count. Each throws a `meshlib::error` subtype naming what overflowed, instead of
+/// wrapping to a small number that passes a later size check and writes past a buffer.
+/// @code
+/// meshlib::detail::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// A size that came from a negative signed value (e.g. `mesh{-1}`, `size_t(-8)`) reads as a number
+/// near 2^64; anything above 2^62 is refused as certainly not a real size.
+inline constexpr std::size_t max_sane_size = std::size_t{1} << 62;
+
+/// `a * b`, or throws `sharding_error` saying that `what` overflows.
+inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
+  std::size_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r))
+    throw sharding_error("meshlib: " + std::string(what) + " overflows: " + std::to_string(a) + " x " + std::to_string(b) +
+                         " does not fit in 64 bits");
+  return r;
+}
+
+/// The product of `sizes`; throws `sharding_error` naming `what`, the dimension and its value when a
+/// size looks negative (above `max_sane_size`) or the product overflows. Builds no string unless it
+/// throws: it runs on every size query.
+inline std::size_t checked_product(std::span<const std::size_t> sizes, std::string_view what) {
+  const auto where = [&] {
+    std::string s = "meshlib: " + std::string(what) + " (";
+    for (std::size_t d = 0; d < sizes.size(); ++d) s += (d ? ", " : "") + std::to_string(sizes[d]);
+    return s + (sizes.size() == 1 ? ",)" : ")");
+  };
+  std::size_t n = 1;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > max_sane_size)
+      throw sharding_error(where() + ": dimension " + std::to_string(d) + " has size " + std::to_string(sizes[d]) +
+                           " (" + std::to_string(static_cast<long long>(sizes[d])) +
+                           " as a signed number), larger than 2^62: a negative or overflowed size?");
+    if (__builtin_mul_overflow(n, sizes[d], &n))
+      throw sharding_error(where() + ": the element count overflows at dimension " + std::to_string(d) + " (size " +
+                           std::to_string(sizes[d]) + "): it does not fit in 64 bits");
+  }
+  return n;
+}
+
+/// `checked_product` of a shape array.
+template <std::size_t Rank>
+std::size_t checked_product(const std::array<std::size_t, Rank>& shape, std::string_view what) {
+  return checked_product(std::span<const std::size_t>(shape.data(), Rank), what);
+}
+
+/// The byte count of `count` elements of `T`, checked.
+template <class T>
+std::size_t checked_bytes(std::size_t count, std::string_view what) {
+  return checked_mul(count, sizeof(T), what);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/core/checked_size.hpp
+// begin meshlib/core/diagnostics.hpp
+/// @file
+/// @brief How meshlib's compile-time errors name what is wrong: one `static_assert`, fired as a
+/// statement, whose failing condition spells the operation, the axes and the layout as types that
+/// GCC and Clang both print readably.
+///
+/// Why types of characters: C++20 cannot put an axis name into a `static_assert` message, and Clang
+/// prints a class-type template argument such as `fixed_string{"data"}` as `{{100, 97, 116, 97, 0}}`.
+/// Both compilers print a `char` pack as characters, so the names travel as
+/// `meshlib::diagnostic::axis<'d', 'a', 't', 'a'>`.
+///
+/// Why a function and not a struct: a struct whose `static_assert` fails is an invalid type on
+/// Clang, and every later use of it (`::value`) is a second, third, fourth error. A function whose
+/// body fails still returns, so the caller carries on quietly with a `false` and the user reads one
+/// error (stdexec's diagnose functions).
+/// @code
+/// template <class Op, class Axis>
+/// consteval bool psum_over_invariant_axis() {
+///   static_assert(meshlib::detail::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
+///   return false;
+/// }
+/// // in the check: psum_over_invariant_axis<diag_op_t<"psum">, diag_axis_t<"model">>()
+/// @endcode
+
+#include <cstddef>
+#include <string_view>
+#include <utility>
+
+
+/// @brief The types that only appear in compile-time error messages. Users never name them.
+namespace meshlib::diagnostic {
+
+/// The collective or function at fault: `op<'p', 's', 'u', 'm'>`.
+template <char... C>
+struct op {};
+/// A mesh axis name: `axis<'m', 'o', 'd', 'e', 'l'>`.
+template <char... C>
+struct axis {};
+/// A set of axes (an `axis_mask` spelled out), in mesh order.
+template <class... Axes>
+struct axes {};
+/// The axes a value varies over / is a pending sum over.
+template <class Axes>
+struct vary {};
+template <class Axes>
+struct partial {};
+/// Per dimension, the axes the dimension is a block of.
+template <class... DimAxes>
+struct dims {};
+/// A dimension number.
+template <std::size_t D>
+struct dim {};
+/// A value's layout: `value<vary<axes<...>>, partial<axes<>>, dims<axes<...>, axes<>>>`.
+template <class Vary, class Partial, class Dims>
+struct value {};
+/// A partition spec, one entry per dimension: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class... Entries>
+struct spec {};
+/// The size of a dimension or axis known only at run time.
+struct dynamic {};
+/// A size known at compile time.
+template <std::size_t N>
+struct size {};
+
+}  // namespace meshlib::diagnostic
+
+namespace meshlib::detail {
+
+/// False for every argument list, but only once the arguments are known: the condition of every
+/// diagnostic, so that the compiler prints the arguments next to the message.
+template <class... T>
+inline constexpr bool always_false = false;
+
+template <template <char...> class W, std::string_view const& S, class Seq = std::make_index_sequence<S.size()>>
+struct chars_of;
+template <template <char...> class W, std::string_view const& S, std::size_t... I>
+struct chars_of<W, S, std::index_sequence<I...>> {
+  using type = W<S[I]...>;
+};
+
+template <fixed_string Name>
+inline constexpr std::string_view name_view_v = Name.view();
+
+/// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
+template <fixed_string Name>
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view_v<Name>>::type;
+/// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
+template <fixed_string Name>
+using diag_op_t = typename chars_of<diagnostic::op, name_view_v<Name>>::type;
+
+template <class Mesh, std::size_t I>
+inline constexpr std::string_view mesh_axis_name_v = Mesh::axis_names[I];
+
+template <class Mesh, unsigned Mask, class Seq = std::make_index_sequence<Mesh::ndim>>
+struct diag_axes_impl;
+template <class A, class B>
+struct concat_axes;
+template <class... A, class... B>
+struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
+  using type = diagnostic::axes<A..., B...>;
+};
+template <class Mesh, unsigned Mask, std::size_t I>
+using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name_v<Mesh, I>>::type>,
+                                      diagnostic::axes<>>;
+template <class Mesh, unsigned Mask>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {
+  using type = diagnostic::axes<>;
+};
+template <class Mesh, unsigned Mask, std::size_t I0, std::size_t... I>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<I0, I...>> {
+  using type = typename concat_axes<one_axis_t<Mesh, Mask, I0>,
+                                    typename diag_axes_impl<Mesh, Mask, std::index_sequence<I...>>::type>::type;
+};
+
+/// The axes of `Mesh` in `Mask`, spelled out: `diagnostic::axes<axis<'d','a','t','a'>>`.
+template <class Mesh, unsigned Mask>
+using diag_axes_t = typename diag_axes_impl<Mesh, Mask>::type;
+
+/// `diagnostic::size<N>`, or `diagnostic::dynamic` for a size known only at run time.
+template <std::size_t N>
+using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
+
+}  // namespace meshlib::detail
+// end meshlib/core/diagnostics.hpp
 
 namespace meshlib {
 
@@ -308,6 +501,14 @@ consteval bool axis_names_unique() {
     for (std::size_t j = i + 1; j < names.size(); ++j)
       if (names[i] == names[j]) return false;
   return true;
+}
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_has_no_axis() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: the mesh has no axis of this name (the name and the mesh's axes are spelled out in the "
+                "condition); name one of the mesh's axes");
+  return false;
 }
 
 }  // namespace detail
@@ -351,7 +552,8 @@ class mesh {
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
-    static_assert(has_axis<Name>, "meshlib: the mesh has no axis of this name (see the axis named in the instantiation)");
+    if constexpr (!has_axis<Name>)
+      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
@@ -497,7 +699,14 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
-      size_ *= sizes_[i];
+      // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
+      if (sizes_[i] > detail::max_sane_size)
+        throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
+                         " (" + std::to_string(static_cast<long long>(sizes_[i])) +
+                         " as a signed number); a mesh axis size must be positive");
+      if (__builtin_mul_overflow(size_, sizes_[i], &size_))
+        throw mesh_error("meshlib: the device count of the mesh overflows at axis '" + std::string(axis_names[i]) +
+                         "' (size " + std::to_string(sizes_[i]) + "): the product of the axis sizes does not fit in 64 bits");
     }
   }
 
@@ -670,6 +879,7 @@ concept partition_spec_type = requires { typename T::is_partition_spec; };
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 
 
 namespace meshlib {
@@ -706,49 +916,66 @@ consteval bool has_repeated_axis() {
   return false;
 }
 
-/// The name of axis `K` of dimension `D` of `Spec` as a `fixed_string`, for diagnostics.
 template <class Spec, std::size_t D, std::size_t K>
-inline constexpr auto spec_axis_name = [] {
-  constexpr std::string_view name = Spec::dims[D].axis(K);
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+inline constexpr std::string_view spec_axis_name_v = Spec::dims[D].axis(K);
 
-// The diagnostics below carry the offending axis and spec in their template arguments, so that the
-// compiler's "in instantiation of" line names them next to the static_assert message.
-template <fixed_string Axis, class Spec, class Mesh>
-struct spec_names_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have "
-                "(the axis, spec and mesh are the arguments of spec_names_axis_not_in_mesh<axis, spec, mesh>); "
-                "add the axis to the mesh or fix its name in the spec");
-  static constexpr bool value = true;
+template <class Spec, std::size_t D, class Seq = std::make_index_sequence<Spec::dim(D).size()>>
+struct diag_spec_entry;
+template <class Spec, std::size_t D, std::size_t... K>
+struct diag_spec_entry<Spec, D, std::index_sequence<K...>> {
+  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, D, K>>::type...>;
 };
+template <class Spec, class Seq = std::make_index_sequence<Spec::size>>
+struct diag_spec_impl;
+template <class Spec, std::size_t... D>
+struct diag_spec_impl<Spec, std::index_sequence<D...>> {
+  using type = diagnostic::spec<typename diag_spec_entry<Spec, D>::type...>;
+};
+/// A partition spec spelled out for a diagnostic: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class Spec>
+using diag_spec_t = typename diag_spec_impl<Spec>::type;
+
+/// Marks a check whose diagnostic has already fired inside (core/diagnostics.hpp): always true, so
+/// that the `static_assert` around a class-level check never adds a second error.
+constexpr bool diagnosed(bool) noexcept { return true; }
+
+// The diagnostics below name the offending axis and spec in their failing condition (see
+// core/diagnostics.hpp): one error on GCC and Clang.
+template <class Axis, class Spec, class MeshAxes>
+consteval bool spec_names_axis_not_in_mesh() {
+  static_assert(always_false<Axis, Spec, MeshAxes>,
+                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have (the axis, "
+                "the spec and the mesh's axes are spelled out in the condition); add the axis to the mesh or fix its "
+                "name in the spec");
+  return false;
+}
 
 template <class Spec>
-struct spec_uses_an_axis_twice {
-  static_assert(!has_repeated_axis<Spec>(),
-                "meshlib: named_sharding: the partition spec uses a mesh axis twice (see spec_uses_an_axis_twice<spec>); "
-                "a mesh axis can split at most one dimension, once");
-  static constexpr bool value = true;
-};
+consteval bool spec_uses_an_axis_twice() {
+  static_assert(always_false<Spec>,
+                "meshlib: named_sharding: the partition spec uses a mesh axis twice; a mesh axis can split at most "
+                "one dimension, once");
+  return false;
+}
 
-template <std::size_t Rank, class Spec>
-struct spec_longer_than_rank {
-  static_assert(Spec::size <= Rank,
-                "meshlib: the partition spec has more entries than the tensor has dimensions "
-                "(see spec_longer_than_rank<rank, spec>); drop the extra entries");
-  static constexpr bool value = true;
-};
+template <class Rank, class Spec>
+consteval bool spec_longer_than_rank() {
+  static_assert(always_false<Rank, Spec>,
+                "meshlib: the partition spec has more entries than the tensor has dimensions; drop the extra entries");
+  return false;
+}
 
+/// True when `Spec` fits `Mesh`; otherwise fires the one diagnostic and returns false.
 template <class Mesh, class Spec>
 consteval bool diagnose_sharding() {
   constexpr auto bad = first_unknown_axis<Mesh, Spec>();
   if constexpr (bad.first < Spec::size) {
-    return spec_names_axis_not_in_mesh<spec_axis_name<Spec, bad.first, bad.second>, Spec, Mesh>::value;
+    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, bad.first, bad.second>>::type,
+                                       diag_spec_t<Spec>, diag_axes_t<Mesh, Mesh::all_axes>>();
+  } else if constexpr (has_repeated_axis<Spec>()) {
+    return spec_uses_an_axis_twice<diag_spec_t<Spec>>();
   } else {
-    return spec_uses_an_axis_twice<Spec>::value;
+    return true;
   }
 }
 
@@ -761,7 +988,7 @@ consteval bool diagnose_sharding() {
 /// @endcode
 template <mesh_type Mesh, partition_spec_type Spec>
 class named_sharding {
-  static_assert(detail::diagnose_sharding<Mesh, Spec>());
+  static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
   using is_named_sharding = void;
@@ -796,7 +1023,10 @@ class named_sharding {
   /// Rejects, at compile time, a spec longer than a tensor of rank `Rank`.
   template <std::size_t Rank>
   static constexpr bool check_rank() noexcept {
-    return detail::spec_longer_than_rank<Rank, Spec>::value;
+    // True either way: a spec that is too long fires its one diagnostic here, and the
+    // static_assert(check_rank<R>()) of every caller stays quiet.
+    if constexpr (Spec::size <= Rank) return true;
+    else return detail::diagnosed(detail::spec_longer_than_rank<diagnostic::size<Rank>, detail::diag_spec_t<Spec>>());
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;
@@ -956,9 +1186,11 @@ class shard_layout {
   using shape_type = std::array<std::size_t, Rank>;
   using mesh_type = typename S::mesh_type;
 
-  /// @throws sharding_error under `shard_rule::even` when a sharded dimension does not divide
+  /// @throws sharding_error when a size is negative-converted (above 2^62) or the element count
+  /// overflows (naming the dimension and its size), and under `shard_rule::even` when a sharded dimension does not divide
   /// evenly; the message names the dimension, its size, the axes and their sizes.
   shard_layout(const S& sharding, const shape_type& global_shape) : sharding_(sharding), global_(global_shape) {
+    detail::checked_product(global_, "the global shape");
     for (std::size_t d = 0; d < Rank; ++d) {
       const std::size_t shards = sharding_.num_shards(d);
       if (sharding_.rule() == shard_rule::even && global_[d] % shards != 0) {
@@ -1241,7 +1473,8 @@ inline constexpr datatype all_datatypes[] = {datatype::float32, datatype::float6
 // begin meshlib/comm/reduce_op.hpp
 /// @file
 /// @brief `reduce_op`: the reductions every communicator supports (NCCL's `ncclRedOp_t`, MPI's
-/// `MPI_Op`), `avg` included because JAX's `pmean` is one collective, not a sum and a division.
+/// `MPI_Op`), `mean` included because JAX's `pmean` is one collective, not a sum and a division.
+/// One name for it across meshlib (`pmean`, `mean<D>`, `reduce_op::mean`); NCCL calls it `ncclAvg`.
 
 #include <cstdint>
 #include <ostream>
@@ -1253,24 +1486,24 @@ namespace meshlib {
 ///
 /// Reductions are applied in rank order (`((x0 op x1) op x2) ...`) by every backend that meshlib
 /// implements itself, so results are bitwise reproducible. Integer `sum` and `prod` wrap modulo
-/// 2^bits; integer `avg` is the wrapped sum divided by the participant count, rounded toward zero.
+/// 2^bits; integer `mean` is the wrapped sum divided by the participant count, rounded toward zero.
 /// `bfloat16` values are combined in `float` and rounded once at the end.
 enum class reduce_op : std::uint8_t {
   sum,   ///< x0 + x1 + ... (JAX `psum`)
   prod,  ///< x0 * x1 * ...
   min,   ///< smallest value (JAX `pmin`)
   max,   ///< largest value (JAX `pmax`)
-  avg,   ///< sum divided by the number of participants (JAX `pmean`)
+  mean,  ///< sum divided by the number of participants (JAX `pmean`; NCCL's `ncclAvg`)
 };
 
-/// @brief The name of a reduce op, as used in error messages: "sum", "prod", "min", "max", "avg".
+/// @brief The name of a reduce op, as used in error messages: "sum", "prod", "min", "max", "mean".
 [[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "sum";
     case reduce_op::prod: return "prod";
     case reduce_op::min: return "min";
     case reduce_op::max: return "max";
-    case reduce_op::avg: return "avg";
+    case reduce_op::mean: return "mean";
   }
   return "unknown";
 }
@@ -1280,7 +1513,7 @@ inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << t
 
 /// @brief Every reduce op, for loops in tests and benchmarks.
 inline constexpr reduce_op all_reduce_ops[] = {reduce_op::sum, reduce_op::prod, reduce_op::min, reduce_op::max,
-                                               reduce_op::avg};
+                                               reduce_op::mean};
 
 }  // namespace meshlib
 // end meshlib/comm/reduce_op.hpp
@@ -2562,7 +2795,7 @@ constexpr F float_min(F a, F b) noexcept {
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
-  if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) {
     return static_cast<A>(a + widen(x));
   } else if constexpr (Op == reduce_op::prod) {
     return static_cast<A>(a * widen(x));
@@ -2579,7 +2812,7 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
 
 template <reduce_op Op, class T>
 constexpr T finish(accumulator_t<T> a, int n) noexcept {
-  if constexpr (Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::mean) {
     if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<T>(a) / static_cast<T>(n));
     else return static_cast<T>(a / static_cast<accumulator_t<T>>(n));
   } else {
@@ -2643,7 +2876,7 @@ void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::siz
   // float and double sum/prod/min/max accumulate in T itself: then the first output's block can be
   // the accumulator (one pass for two ranks instead of three), unless it is also a later input
   // (an in-place reduce to a root other than 0), which must be read before anything is written.
-  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::avg;
+  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::mean;
   bool direct = direct_ok && !streaming && n >= 2;
   for (int r = 1; r < n && direct; ++r) direct = in[r] != out[0];
   if (direct) {
@@ -2696,7 +2929,7 @@ void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nou
     case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len, streaming);
     case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len, streaming);
     case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len, streaming);
-    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len, streaming);
+    case reduce_op::mean: return reduce_into_op<reduce_op::mean, T>(in, n, out, nout, len, streaming);
   }
 }
 
@@ -5104,10 +5337,8 @@ constexpr std::size_t flat_index(const std::array<std::size_t, Rank>& shape, con
 }
 
 template <std::size_t Rank>
-constexpr std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
-  std::size_t n = 1;
-  for (auto e : s) n *= e;
-  return n;
+std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
+  return checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
 }
 
 }  // namespace detail
@@ -5141,6 +5372,7 @@ class sharded_tensor {
   /// Zero blocks for the devices in `local_devices` only (one process of a multi-process run).
   sharded_tensor(const Sharding& sharding, const shape_type& global_shape, std::span<const std::size_t> local_devices)
       : layout_(sharding, global_shape), blocks_(sharding.mesh().size()), local_(sharding.mesh().size(), false) {
+    detail::checked_bytes<T>(size(), "the byte count of the global shape");
     for (std::size_t dev : local_devices) {
       if (dev >= blocks_.size())
         throw sharding_error("meshlib: sharded_tensor: local device " + std::to_string(dev) + " is not in mesh " +
@@ -6617,7 +6849,8 @@ auto matmul(const A& a, const B& b) {
 /// @file
 /// @brief The collectives layer: the device context (`axis_index`, `axis_size`), backends, typed
 /// collectives (`psum`, `pmean`, `pmax`, `pmin`, `all_gather`, `psum_scatter`, `all_to_all`,
-/// `ppermute`, `broadcast`, `pvary`) and `reshard`. Depends on core, comm and tensor.
+/// `ppermute`, `broadcast`, `pvary`), the local relabelling steps (`forget_dims`, `reshape`,
+/// `axis_index(x)`) and `reshard`. Depends on core, comm and tensor.
 
 // begin meshlib/collectives/errors.hpp
 /// @file
@@ -7363,7 +7596,7 @@ struct comm_site {
 constexpr const char* reduction_name(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "psum";
-    case reduce_op::avg: return "pmean";
+    case reduce_op::mean: return "pmean";
     case reduce_op::max: return "pmax";
     case reduce_op::min: return "pmin";
     default: return "all_reduce";
@@ -7997,6 +8230,151 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
 }  // namespace detail
 }  // namespace meshlib
 // end meshlib/collectives/backend.hpp
+// begin meshlib/collectives/axis_group.hpp
+/// @file
+/// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
+/// tuple `axis_name=('i', 'j')`. The group position of a device is row-major over the axes *in the
+/// order written*, which may differ from the mesh's order; `axis_index<"i", "j">()` returns it.
+/// @code
+/// // mesh<axis<"i">, axis<"j">>, sizes 2 x 3: device (i, j) is at position j * 2 + i of ("j", "i")
+/// auto g = meshlib::all_gather<meshlib::axis_group<"j", "i">, 0>(x);  // blocks in ("j", "i") order
+/// std::size_t p = meshlib::axis_index<"j", "i">();                    // this device's position
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief The mesh axes `Names...`, in the order written, as one collective's group (JAX's tuple
+/// of axis names). Only a tag: it names axes, it holds nothing.
+template <fixed_string... Names>
+struct axis_group {
+  static_assert(sizeof...(Names) > 0, "meshlib: axis_group needs at least one axis: axis_group<\"data\">");
+  using is_axis_group = void;
+  static constexpr std::size_t size = sizeof...(Names);
+};
+
+/// @brief A type that is an `axis_group<...>`.
+template <class G>
+concept axis_group_type = requires { typename G::is_axis_group; };
+
+namespace detail {
+
+template <class G>
+struct group_traits;
+template <fixed_string... Names>
+struct group_traits<axis_group<Names...>> {
+  /// Mesh positions of the axes, in the order written (`Mesh::ndim` for a name the mesh lacks).
+  template <class Mesh>
+  static constexpr std::array<std::size_t, sizeof...(Names)> positions{Mesh::find_axis(Names.view())...};
+  /// The names, in the order written.
+  static constexpr std::array<std::string_view, sizeof...(Names)> names{Names.view()...};
+};
+
+/// Mesh positions of the axes of `G`, in the order written.
+template <class Mesh, class G>
+inline constexpr auto group_positions_v = group_traits<G>::template positions<Mesh>;
+
+/// "'i'" or "('j', 'i')": the group as a message names it.
+template <class G>
+std::string describe_group() {
+  const auto& n = group_traits<G>::names;
+  if (n.size() == 1) return "'" + std::string(n[0]) + "'";
+  std::string s = "(";
+  for (std::size_t k = 0; k < n.size(); ++k) s += (k ? ", '" : "'") + std::string(n[k]) + "'";
+  return s + ")";
+}
+
+/// Whether the axes at mesh positions `pos`, written in that order, are in mesh order: then the
+/// communicator's rank is the group position and nothing needs reordering.
+template <std::size_t K>
+constexpr bool in_mesh_order(const std::array<std::size_t, K>& pos) noexcept {
+  for (std::size_t k = 1; k < K; ++k)
+    if (pos[k] < pos[k - 1]) return false;
+  return true;
+}
+
+/// The position, row-major over the axes `pos` in the order written, of the device with mesh
+/// coordinates `coord` (JAX's axis_index of a tuple of axes).
+template <class Coord, std::size_t K>
+std::size_t written_position(const Coord& coord, const std::vector<std::size_t>& sizes, const std::array<std::size_t, K>& pos) {
+  std::size_t w = 0;
+  for (std::size_t k = 0; k < K; ++k) w = w * sizes[pos[k]] + coord[pos[k]];
+  return w;
+}
+
+/// For each rank `r` of the communicator over the axes `pos` (whose ranks run row-major in mesh
+/// order), its position in the order written. Empty when the two orders agree.
+template <std::size_t K>
+std::vector<std::size_t> written_order(const std::vector<std::size_t>& axis_sizes, std::array<std::size_t, K> pos) {
+  if (in_mesh_order(pos)) return {};
+  std::array<std::size_t, K> sorted = pos;
+  std::sort(sorted.begin(), sorted.end());
+  std::size_t n = 1;
+  for (auto p : pos) n *= axis_sizes[p];
+  std::vector<std::size_t> coord(axis_sizes.size(), 0), out(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    std::size_t rest = r;
+    for (std::size_t k = K; k-- > 0;) {
+      coord[sorted[k]] = rest % axis_sizes[sorted[k]];
+      rest /= axis_sizes[sorted[k]];
+    }
+    out[r] = written_position(coord, axis_sizes, pos);
+  }
+  return out;
+}
+
+/// `written_order` for the group `G` on the running device's mesh.
+template <class Mesh, class G>
+std::vector<std::size_t> written_order_of(const Mesh& mesh) {
+  std::vector<std::size_t> sizes(Mesh::ndim);
+  for (std::size_t a = 0; a < Mesh::ndim; ++a) sizes[a] = mesh.axis_size(a);
+  return written_order(sizes, group_positions_v<Mesh, G>);
+}
+
+/// Copies `count` blocks of `block` elements: block `r` of `src` to block `to[r]` of `dst`.
+template <class T>
+void scatter_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& to) {
+  for (std::size_t r = 0; r < to.size(); ++r) std::copy_n(src + r * block, block, dst + to[r] * block);
+}
+
+/// Copies blocks: block `r` of `dst` is block `from[r]` of `src`.
+template <class T>
+void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& from) {
+  for (std::size_t r = 0; r < from.size(); ++r) std::copy_n(src + from[r] * block, block, dst + r * block);
+}
+
+}  // namespace detail
+
+/// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
+/// the order written (JAX's `lax.axis_index(('i', 'j'))`). One axis: see `axis_index<"i">()`.
+/// @throws spmd_context_error outside `shard_map` / `spmd`, or for an axis the running mesh lacks.
+template <fixed_string A, fixed_string B, fixed_string... More>
+[[nodiscard]] std::size_t axis_index() {
+  constexpr std::array<std::string_view, 2 + sizeof...(More)> names{A.view(), B.view(), More.view()...};
+  std::size_t w = 0;
+  for (auto name : names) {
+    const std::size_t a = detail::current_axis("axis_index", name);
+    auto& dev = detail::current_device("axis_index");
+    w = w * dev.axis_size(a) + dev.coord(a);
+  }
+  return w;
+}
+
+/// @brief The size of the group of the axes `A, B, More...` (the product of their sizes).
+template <fixed_string A, fixed_string B, fixed_string... More>
+[[nodiscard]] std::size_t axis_size() {
+  return axis_size<A>() * axis_size<B>() * (std::size_t{1} * ... * axis_size<More>());
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/axis_group.hpp
 // begin meshlib/collectives/type_rules.hpp
 /// @file
 /// @brief The compile-time rules of the typed collectives: what each accepts, the type it returns,
@@ -8021,118 +8399,180 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
 /// because moving summands around does not move the sum; and pmax / pmin refuse any partial value,
 /// because the max of summands is not the max of the sum.
 ///
-/// Why a diagnostic struct per rule: C++20 cannot put the axis name into a `static_assert` message,
-/// so the message states the rule and the fix, and the struct's template arguments (printed by the
-/// compiler on the "required from" line right above it) name the operation, the axis and the value.
+/// Why a diagnostic function per rule: C++20 cannot put the axis name into a `static_assert` message,
+/// so the message states the rule and the fix, and the failing condition (printed by GCC and Clang
+/// on the error line or the note right under it) spells the operation, the axis and the value's
+/// layout as `meshlib::diagnostic` types (see core/diagnostics.hpp): one error on either compiler.
 
 #include <array>
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 
 
 namespace meshlib::detail {
 
-template <fixed_string Op, fixed_string Axis, class Mesh>
-struct collective_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: a collective names an axis that the mesh does not have (the operation, axis and mesh are "
-                "the arguments of collective_axis_not_in_mesh<op, axis, mesh>); name one of the mesh's axes");
-  static constexpr bool value = true;
+/// The layout of local value `L`, spelled out for a diagnostic.
+template <class L, class Seq = std::make_index_sequence<L::rank>>
+struct diag_value_impl;
+template <class L, std::size_t... I>
+struct diag_value_impl<L, std::index_sequence<I...>> {
+  using mesh_t = typename L::mesh_type;
+  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
 };
+/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
+template <class L>
+using diag_value_t = typename diag_value_impl<L>::type;
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct psum_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: psum / pmean over an axis the value neither varies over nor is partial over (see "
-                "psum_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis, so "
-                "the sum would only scale it by the axis size; drop the axis, or pvary over it first");
-  static constexpr bool value = true;
-};
+// Each diagnostic is a function whose one static_assert names, in its failing condition, the
+// operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct reduction_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin over an axis the value does not vary over (see "
-                "reduction_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis; "
-                "drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class MeshAxes>
+consteval bool collective_axis_not_in_mesh() {
+  static_assert(always_false<Op, Axis, MeshAxes>,
+                "meshlib: a collective names an axis that the mesh does not have (the operation, the axis and the "
+                "mesh's axes are spelled out in the condition); name one of the mesh's axes");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct extremum_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis (see "
-                "extremum_of_partial_value<op, axis, value>): the max of the summands is not the max of the sum; "
-                "psum over the partial axes first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool psum_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: psum / pmean / psum_scatter over an axis the value neither varies over nor is partial over: "
+                "it is already equal on every device of that axis, so the sum would only scale it by the axis size; "
+                "drop the axis, or write pvary<axis>(x) first if you mean the scaled sum");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over (see "
-                "collective_of_partial_value<op, axis, value>): moving summands does not move the sum; psum or "
-                "psum_scatter over that axis first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool reduction_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin over an axis the value does not vary over: it is already equal on every device "
+                "of that axis; drop the axis, or write pvary<axis>(x) first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_needs_varying_input {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over (see "
-                "collective_needs_varying_input<op, axis, value>): every device of that axis already holds the same "
-                "block; drop the collective, or pvary over the axis first if you mean it");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool extremum_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis: the max of the "
+                "summands is not the max of the sum; psum over the partial axes first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, std::size_t ShardedDim, class Value>
-struct gather_along_unsharded_dim {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather over an axis along a dimension that is not sharded on that axis (see "
-                "gather_along_unsharded_dim<op, axis, dim, sharded_dim, value>: sharded_dim is the one sharded on the "
-                "axis); gather along sharded_dim, or all_to_all to move the sharding first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool collective_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over: moving "
+                "summands does not move the sum; psum or psum_scatter over that axis first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, class Value>
-struct dimension_already_sharded_on_axis {
-  static_assert(sizeof(Value) == 0,
+template <class Op, class Axis, class Value>
+consteval bool collective_needs_varying_input() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over: every device "
+                "of that axis already holds the same block; drop the collective, or write pvary<axis>(x) first if you "
+                "mean it");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool gather_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_gather along a dimension that is not the one sharded on the axis (the second "
+                "diagnostic::dim is the sharded one); gather along the sharded dimension, all_to_all to move the "
+                "sharding first, or forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool concat_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_to_all concatenates along a dimension that is not the one sharded on the axis (the "
+                "second diagnostic::dim is the sharded one); concatenate along the sharded dimension, or "
+                "forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class Value>
+consteval bool dimension_already_sharded_on_axis() {
+  static_assert(always_false<Op, Axis, Dim, Value>,
                 "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
-                "sharded on (see dimension_already_sharded_on_axis<op, axis, dim, value>); scatter along another "
-                "dimension");
-  static constexpr bool value = true;
-};
+                "sharded on; split another dimension, or forget_dims<axis>(x) first to treat the block as "
+                "unlabelled (the JAX tutorial's psum_scatter of an already scattered block)");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct pvary_of_varying_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over (see "
-                "pvary_of_varying_value<op, axis, value>); drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool pvary_of_varying_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over; drop the "
+                "axis");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct broadcast_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: broadcast over an axis the value is a pending sum (partial) over (see "
-                "broadcast_of_partial_value<op, axis, value>): one summand is not the sum; psum first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool broadcast_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: broadcast over an axis the value is a pending sum (partial) over: one summand is not the "
+                "sum; psum first");
+  return false;
+}
 
-template <fixed_string Op, std::size_t Dim, std::size_t Rank>
-struct collective_dimension_out_of_range {
-  static_assert(Dim < Rank,
-                "meshlib: a collective names a dimension past the value's rank (see "
-                "collective_dimension_out_of_range<op, dim, rank>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Dim, class Rank>
+consteval bool collective_dimension_out_of_range() {
+  static_assert(always_false<Op, Dim, Rank>,
+                "meshlib: a collective names a dimension past the value's rank (negative numbers count from the "
+                "end, as in JAX)");
+  return false;
+}
 
-template <class T>
-struct collective_element_type {
-  static_assert(comm_element<T>,
-                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only (see "
-                "collective_element_type<T>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis>
+consteval bool collective_axis_repeated() {
+  static_assert(always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
+  return false;
+}
+
+template <class Op, class T>
+consteval bool collective_element_type() {
+  static_assert(always_false<Op, T>,
+                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only");
+  return false;
+}
+
+/// The element-type check: true, or the diagnostic.
+template <fixed_string Op, class T>
+consteval bool check_element_type() {
+  if constexpr (comm_element<T>) return true;
+  else return collective_element_type<diag_op_t<Op>, T>();
+}
+
+/// The axis-in-mesh check: true, or the diagnostic.
+template <fixed_string Op, fixed_string Axis, class Mesh>
+consteval bool check_axis_in_mesh() {
+  if constexpr (Mesh::template has_axis<Axis>) return true;
+  else return collective_axis_not_in_mesh<diag_op_t<Op>, diag_axis_t<Axis>, diag_axes_t<Mesh, Mesh::all_axes>>();
+}
+
+/// A dimension number as JAX counts it: negative numbers count from `Rank` (the rank, or the rank
+/// plus one where a dimension is inserted). Out of range maps to `Rank` (diagnosed by the caller).
+template <int Dim, std::size_t Rank>
+inline constexpr std::size_t norm_dim_v =
+    Dim < 0 ? (static_cast<long long>(Rank) + Dim < 0 ? Rank : static_cast<std::size_t>(static_cast<long long>(Rank) + Dim))
+            : (static_cast<std::size_t>(Dim) < Rank ? static_cast<std::size_t>(Dim) : Rank);
+
+/// The range check of a dimension number: true, or the diagnostic.
+template <fixed_string Op, int Dim, std::size_t Rank>
+consteval bool check_dim() {
+  if constexpr (norm_dim_v<Dim, Rank> < Rank) return true;
+  else {
+    using dim_t = std::conditional_t<(Dim < 0), diagnostic::dim<static_cast<std::size_t>(-Dim)>, diagnostic::dim<static_cast<std::size_t>(Dim)>>;
+    return collective_dimension_out_of_range<diag_op_t<Op>, dim_t, diagnostic::size<Rank>>();
+  }
+}
 
 /// Mask of the axes `Names...` of `Mesh` that exist (unknown names are diagnosed separately, so that
 /// computing a result type never fires a second error).
@@ -8169,6 +8609,18 @@ template <class Dims, std::size_t D, std::size_t... I>
 struct dims_insert_impl<Dims, D, std::index_sequence<I...>> {
   using type = dim_masks<(I == D ? axis_mask{0} : Dims::at(I < D ? I : I - 1))...>;
 };
+
+template <class Dims, std::size_t D, bool = (Dims::size > 0)>
+struct remove_dim_or_self {
+  using type = Dims;
+};
+template <class Dims, std::size_t D>
+struct remove_dim_or_self<Dims, D, true> {
+  using type = typename remove_dim_impl<Dims, D>::type;
+};
+/// `Dims` without dimension `D` (itself when it has no dimension: only in a refused call).
+template <class Dims, std::size_t D>
+using remove_dim_or_self_t = typename remove_dim_or_self<Dims, D>::type;
 
 /// `Dims` with the axes of `Mask` removed from every dimension.
 template <class Dims, axis_mask Mask>
@@ -8314,12 +8766,16 @@ template <fixed_string Op, class L, bool AllowPartial, fixed_string Axis>
 consteval bool check_reduction_axis() {
   using mesh_t = typename L::mesh_type;
   if constexpr (!mesh_t::template has_axis<Axis>) {
-    return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<Op, Axis, L>::value;
-    else if constexpr (!AllowPartial && (L::vary & bit) == 0) return reduction_over_invariant_axis<Op, Axis, L>::value;
+    using op_t = diag_op_t<Op>;
+    using axis_t = diag_axis_t<Axis>;
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (!AllowPartial && (L::vary & bit) == 0)
+      return reduction_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
     else return true;
   }
 }
@@ -8327,9 +8783,14 @@ consteval bool check_reduction_axis() {
 template <fixed_string Op, class L, bool AllowPartial, fixed_string... Names>
 consteval bool check_reduction() {
   static_assert(sizeof...(Names) > 0, "meshlib: psum / pmean / pmax / pmin need at least one axis: psum<\"data\">(x)");
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
   else return (check_reduction_axis<Op, L, AllowPartial, Names>() && ...);
 }
+
+/// The element type of `pmean`'s result: JAX's true division, so an integer mean is a floating
+/// value (int32 -> float, as JAX's float32; int64 -> double), never a truncated integer.
+template <class T>
+using mean_value_t = std::conditional_t<std::is_integral_v<T>, std::conditional_t<(sizeof(T) <= 4), float, double>, T>;
 
 /// The all-reduce `op` over the axes `Names...` of `x`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
@@ -8337,17 +8798,29 @@ auto all_reduce_over(const L& x) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
-                                       L::partial & ~mask>;
+  using T = typename L::value_type;
+  // An integer mean is a sum in T (wrapping, as JAX's int32 psum) then a true division.
+  constexpr bool int_mean = ROp == reduce_op::mean && std::is_integral_v<T>;
+  using U = std::conditional_t<int_mean, mean_value_t<T>, T>;
+  using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
+                                  dims_without_t<typename L::dims_type, mask>>;
   if constexpr (!ok) {
     return result_t{};
   } else {
-    using T = typename L::value_type;
     const T* src = contiguous_data(x, Op.view());
     auto out = result_view<L>(x.shape());
     std::copy_n(src, x.size(), out.data());
-    current_device(Op.view()).comm(mask).all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
-    return result_t(out, x.mesh(), x.device());
+    auto& comm = current_device(Op.view()).comm(mask);
+    if constexpr (int_mean) {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, reduce_op::sum);
+      auto mean = allocate<U, L::rank, typename L::memory_space>(x.shape(), "meshlib::collective", false);
+      const U n = static_cast<U>(comm.size());
+      for (std::size_t i = 0; i < x.size(); ++i) mean.data()[i] = static_cast<U>(out.data()[i]) / n;
+      return result_t(mean, x.mesh(), x.device());
+    } else {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+      return result_t(out, x.mesh(), x.device());
+    }
   }
 }
 
@@ -8397,9 +8870,11 @@ template <fixed_string... Names, local_tensor_type L>
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
+/// The mean of integers is a true division, as in JAX: `float` for 32-bit integers (JAX's float32),
+/// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
@@ -8420,18 +8895,23 @@ template <fixed_string... Names, local_tensor_type L>
 // begin meshlib/collectives/gathers.hpp
 /// @file
 /// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,
-/// as `jax.lax.all_gather`, `jax.lax.psum_scatter(..., tiled=True)` and `jax.lax.all_to_all`.
-/// Blocks are placed in axis-index order: the block of the device at index `i` of the axis is
-/// chunk `i` of the gathered (or scattered) dimension.
+/// as `jax.lax.all_gather`, `jax.lax.psum_scatter` and `jax.lax.all_to_all`, tiled (meshlib's
+/// default) or untiled (`meshlib::untiled`, JAX's default `tiled=False`), over one axis (`"i"`) or
+/// several in the order written (`axis_group<"j", "i">`). Blocks are placed in group-position order:
+/// the block of the device at position `p` of the group (`axis_index<...>()`) is chunk `p` of the
+/// gathered (or scattered) dimension. Dimension numbers may be negative and count from the end, as
+/// in JAX (for the untiled all_gather, from the end of the result).
 /// @code
 /// // x: block of a P<"data", none> array, shape (2, 6) on each of 4 devices of axis "data"
 /// auto full   = meshlib::all_gather<"data", 0>(x);                    // (8, 6), invariant over data
 /// auto stack  = meshlib::all_gather<"data", 0>(x, meshlib::untiled);  // (4, 2, 6)
 /// auto moved  = meshlib::all_to_all<"data", 1, 0>(x);                 // (8, 6/4): now sharded on dim 1
 /// auto shard  = meshlib::psum_scatter<"data", 0>(y);                  // sum over data, scattered on dim 0
+/// auto both   = meshlib::all_gather<meshlib::axis_group<"model", "data">, -1>(z);  // ('model', 'data')
 /// @endcode
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -8439,7 +8919,9 @@ template <fixed_string... Names, local_tensor_type L>
 
 namespace meshlib {
 
-/// @brief Tag of the untiled `all_gather`: stack the blocks along a new dimension (JAX `tiled=False`).
+/// @brief Tag of the untiled forms (JAX `tiled=False`): `all_gather` stacks the blocks along a new
+/// dimension, `psum_scatter` removes the scattered dimension, `all_to_all` removes the split
+/// dimension and inserts one of the group size at the concat position.
 struct untiled_t {
   explicit untiled_t() = default;
 };
@@ -8448,75 +8930,281 @@ inline constexpr untiled_t untiled{};
 
 namespace detail {
 
-/// Common checks: element type, axis in mesh, dimension in range, not partial over the axis, and
-/// (when `NeedVary`) varying over it.
-template <fixed_string Op, class L, fixed_string Axis, std::size_t Dim, bool NeedVary = true>
-consteval bool check_moving_collective() {
+/// What a collective needs of the value, per axis of its group.
+enum class axis_rule {
+  moves,  ///< varies over the axis, not partial over it (all_gather, all_to_all, ppermute)
+  sums,   ///< varies over or is partial over the axis (psum_scatter)
+};
+
+template <fixed_string Op, class L, fixed_string Axis, axis_rule Rule>
+consteval bool check_group_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<Op, Dim, L::rank>::value;
-  else {
+  if constexpr (!mesh_t::template has_axis<Axis>) {
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
+  } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr ((L::partial & bit) != 0) return collective_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (NeedVary && (L::vary & bit) == 0) return collective_needs_varying_input<Op, Axis, L>::value;
+    if constexpr (Rule == axis_rule::sums && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::partial & bit) != 0)
+      return collective_of_partial_value<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::vary & bit) == 0)
+      return collective_needs_varying_input<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class G>
+struct group_checks;
+template <fixed_string... Names>
+struct group_checks<axis_group<Names...>> {
+  /// Element type, each axis in the mesh and as `Rule` wants it, no axis twice.
+  template <fixed_string Op, class L, axis_rule Rule>
+  static consteval bool run() {
+    using mesh_t = typename L::mesh_type;
+    if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
+    else if constexpr (!(check_group_axis<Op, L, Names, Rule>() && ...)) return false;
+    else if constexpr (std::popcount(safe_mask_v<mesh_t, Names...>) != sizeof...(Names))
+      return collective_axis_repeated<diag_op_t<Op>, diag_axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
+    else return true;
+  }
+  template <class Mesh>
+  static constexpr axis_mask mask = safe_mask_v<Mesh, Names...>;
+};
+
+/// Mask of the axes of group `G` (those the mesh has).
+template <class Mesh, class G>
+inline constexpr axis_mask group_mask_v = group_checks<G>::template mask<Mesh>;
+
+/// The first dimension other than `Keep` that is a block of an axis of `Mask`, or `Dims::size`.
+template <class Dims>
+constexpr std::size_t other_dim_sharded_on(axis_mask mask, std::size_t keep) noexcept {
+  for (std::size_t d = 0; d < Dims::size; ++d)
+    if (d != keep && (Dims::at(d) & mask) != 0) return d;
+  return Dims::size;
+}
+
+template <class L, class G, int DimArg>
 consteval bool check_all_gather() {
-  if constexpr (!check_moving_collective<"all_gather", L, Axis, Dim>()) return false;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_gather", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (sharded != L::rank && sharded != Dim)
-      return gather_along_unsharded_dim<"all_gather", Axis, Dim, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, dim);
+    if constexpr (other != L::rank)
+      return gather_along_unsharded_dim<diag_op_t<"all_gather">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<dim>, diagnostic::dim<other>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class L, class G, int DimArg>
+consteval bool check_all_gather_untiled() {
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else return check_dim<"all_gather", DimArg, L::rank + 1>();
+}
+
+template <class L, class G, int DimArg, bool Tiled>
 consteval bool check_psum_scatter() {
-  using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"psum_scatter", Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<"psum_scatter", Dim, L::rank>::value;
-  else {
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<"psum_scatter", Axis, L>::value;
-    else if constexpr ((L::dims_type::at(Dim) & bit) != 0)
-      return dimension_already_sharded_on_axis<"psum_scatter", Axis, Dim, L>::value;
-    else return true;
-  }
-}
-
-template <class L, fixed_string Axis, std::size_t Split, std::size_t Concat>
-consteval bool check_all_to_all() {
-  if constexpr (!check_moving_collective<"all_to_all", L, Axis, Split>()) return false;
-  else if constexpr (Concat >= L::rank) return collective_dimension_out_of_range<"all_to_all", Concat, L::rank>::value;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"psum_scatter", L, axis_rule::sums>()) return false;
+  else if constexpr (!check_dim<"psum_scatter", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (Split != Concat && (L::dims_type::at(Split) & bit) != 0)
-      return dimension_already_sharded_on_axis<"all_to_all", Axis, Split, L>::value;
-    else if constexpr (sharded != L::rank && sharded != Concat)
-      return gather_along_unsharded_dim<"all_to_all", Axis, Concat, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    if constexpr (Tiled && (L::dims_type::at(dim) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"psum_scatter">, diag_axes_t<mesh_t, mask & L::dims_type::at(dim)>,
+                                               diagnostic::dim<dim>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis>
-constexpr axis_mask axis_bit_v = safe_mask_v<typename L::mesh_type, Axis>;
+template <class L, class G, int SplitArg, int ConcatArg, bool Tiled>
+consteval bool check_all_to_all() {
+  constexpr std::size_t split = norm_dim_v<SplitArg, L::rank>;
+  constexpr std::size_t concat = norm_dim_v<ConcatArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_to_all", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_to_all", SplitArg, L::rank>()) return false;
+  else if constexpr (!check_dim<"all_to_all", ConcatArg, L::rank>()) return false;
+  else if constexpr (!Tiled) return true;  // the untiled form forgets the per-dimension labels of its axes
+  else {
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, concat);
+    if constexpr (split != concat && (L::dims_type::at(split) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(split)>,
+                                               diagnostic::dim<split>, diag_value_t<L>>();
+    else if constexpr (other != L::rank)
+      return concat_along_unsharded_dim<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<concat>, diagnostic::dim<other>, diag_value_t<L>>();
+    else return true;
+  }
+}
 
-/// Throws unless `n` divides dimension `dim` of size `extent`.
-inline void check_divides(std::string_view op, std::string_view axis, std::size_t dim, std::size_t extent, std::size_t n) {
-  if (extent % n != 0)
-    throw sharding_error("meshlib: " + std::string(op) + " over axis '" + std::string(axis) + "' (size " +
+/// Throws unless dimension `dim` of size `extent` splits into `n` chunks (tiled: `n` divides it;
+/// untiled: it equals `n`).
+template <class G>
+void check_split(std::string_view op, std::size_t dim, std::size_t extent, std::size_t n, bool tiled) {
+  if (tiled ? extent % n != 0 : extent != n)
+    throw sharding_error("meshlib: " + std::string(op) + " over " + describe_group<G>() + " (group size " +
                          std::to_string(n) + ") splits dimension " + std::to_string(dim) + " of size " +
-                         std::to_string(extent) + ", which is not divisible by " + std::to_string(n));
+                         std::to_string(extent) + (tiled ? ", which is not divisible by " : ", which the untiled form needs to equal ") +
+                         std::to_string(n));
+}
+
+/// `shape` without dimension `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank - 1> without_dim(const std::array<std::size_t, Rank>& shape, std::size_t d) {
+  std::array<std::size_t, Rank - 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank; ++i)
+    if (i != d) out[j++] = shape[i];
+  return out;
+}
+
+/// `shape` with a dimension of size `v` inserted at position `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank + 1> with_dim(const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t v) {
+  std::array<std::size_t, Rank + 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank + 1; ++i) out[i] = i == d ? v : shape[j++];
+  return out;
+}
+
+/// The group communicator's blocks in `buf` (`n` blocks of `block`), received in rank (mesh)
+/// order, put in the order written.
+template <class T>
+void to_written_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  scatter_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+/// The inverse: blocks in the order written, put in rank order for sending.
+template <class T>
+void to_rank_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  gather_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_tiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather<L, G, DimArg>();
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using result_t = with_vary_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L>(with_extent(x.shape(), dim, x.extent(dim) * n));
+    unpack_chunks(recv.data(), x.shape(), dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_untiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather_untiled<L, G, DimArg>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank + 1> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using dims_t = dims_insert_t<dims_without_t<typename L::dims_type, mask>, dim>;
+  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~mask, L::partial, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const auto chunk = with_dim(x.shape(), dim, 1);
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L, L::rank + 1>(with_extent(chunk, dim, n));
+    unpack_chunks(recv.data(), chunk, dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, bool Tiled, class L>
+auto psum_scatter_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_psum_scatter<L, G, DimArg, Tiled>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr std::size_t out_rank = Tiled || L::rank == 0 ? L::rank : L::rank - 1;
+  using dims_t = std::conditional_t<Tiled, dims_moved_to_t<typename L::dims_type, mask, dim>,
+                                    remove_dim_or_self_t<typename L::dims_type, dim>>;
+  using result_t = rebind_local_t<L, typename L::value_type, out_rank, L::vary | mask, L::partial & ~mask, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "psum_scatter");
+    auto& comm = current_device("psum_scatter").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
+    std::vector<T> send(x.size());
+    pack_chunks(src, x.shape(), dim, n, send.data());
+    to_rank_order(send, x.size() / n, written_order_of<mesh_t, G>(x.mesh()));
+    auto out = [&] {
+      if constexpr (Tiled) return result_view<L>(with_extent(x.shape(), dim, x.extent(dim) / n));
+      else return result_view<L, out_rank>(without_dim(x.shape(), dim));
+    }();
+    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int SplitArg, int ConcatArg, bool Tiled, class L>
+auto all_to_all_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_to_all<L, G, SplitArg, ConcatArg, Tiled>();
+  constexpr std::size_t split = ok ? norm_dim_v<SplitArg, L::rank> : 0;
+  constexpr std::size_t concat = ok ? norm_dim_v<ConcatArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr bool tracked = (L::dims_type::at(concat) & mask) != 0;
+  using dims_t = std::conditional_t<
+      Tiled, std::conditional_t<tracked, dims_moved_to_t<typename L::dims_type, mask, split>, typename L::dims_type>,
+      dims_insert_t<remove_dim_or_self_t<dims_without_t<typename L::dims_type, mask>, split>, concat>>;
+  using result_t = with_dims_t<L, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_to_all");
+    auto& comm = current_device("all_to_all").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("all_to_all", split, x.extent(split), n, Tiled);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    const std::size_t block = x.size() / n;
+    std::vector<T> send(x.size()), recv(x.size());
+    pack_chunks(src, x.shape(), split, n, send.data());
+    to_rank_order(send, block, order);
+    comm.all_to_all(send.data(), recv.data(), block, datatype_of<T>);
+    to_written_order(recv, block, order);
+    // Tiled: chunk j has the input's shape with split cut by n. Untiled: the split dimension
+    // (now of size 1) removed and a size-1 dimension inserted at concat: the same elements in the
+    // same order, stacked along concat.
+    const auto chunk = [&] {
+      if constexpr (Tiled) return with_extent(x.shape(), split, x.extent(split) / n);
+      else return with_dim(without_dim(x.shape(), split), concat, 1);
+    }();
+    auto out = result_view<L>(with_extent(chunk, concat, chunk[concat] * n));
+    unpack_chunks(recv.data(), chunk, concat, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -8525,82 +9213,54 @@ inline void check_divides(std::string_view op, std::string_view axis, std::size_
 /// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
 /// must vary over `Axis`, and if some dimension is sharded on `Axis` it must be `Dim`; the result
 /// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  constexpr bool ok = detail::check_all_gather<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) * n));
-    detail::unpack_chunks(recv.data(), x.shape(), Dim, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The tiled all-gather over several axes, in the order written (JAX `axis_name=('i', 'j')`).
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x) {
+  return detail::all_gather_tiled<G, Dim>(x);
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
-/// at position `Dim` (`Dim = 0`: a leading dimension of the axis size). The type rule of the tiled form.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+/// at position `Dim` of the result (`Dim = 0`: a leading dimension of the group size; `-1`: a
+/// trailing one). The type rule of the tiled form.
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  static_assert(Dim <= L::rank, "meshlib: untiled all_gather inserts its new dimension at a position past the rank");
-  constexpr bool ok = detail::check_moving_collective<"all_gather", L, Axis, 0>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = detail::dims_insert_t<detail::dims_without_t<typename L::dims_type, bit>, Dim>;
-  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~bit, L::partial, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::array<std::size_t, L::rank + 1> chunk{};
-    for (std::size_t i = 0, j = 0; i < L::rank + 1; ++i) chunk[i] = i == Dim ? 1 : x.extent(j++);
-    auto out = detail::result_view<L, L::rank + 1>(detail::with_extent(chunk, Dim, n));
-    if constexpr (Dim == 0) {
-      comm.all_gather(src, out.data(), x.size(), datatype_of<T>);
-    } else {
-      std::vector<T> recv(x.size() * n);
-      comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-      detail::unpack_chunks(recv.data(), chunk, Dim, n, out.data());
-    }
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The untiled all-gather over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x, untiled_t) {
+  return detail::all_gather_untiled<G, Dim>(x);
 }
 
 /// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
 /// scatter_dimension=Dim, tiled=True)`): the sum over the group, of which the device at axis index
 /// `i` keeps chunk `i` of dimension `Dim`. `x` must vary over or be partial over `Axis`; the result
-/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it.
+/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it. A
+/// dimension already sharded on `Axis` is refused: `forget_dims<Axis>(x)` first to scatter it again.
 /// @throws sharding_error when the axis size does not divide dimension `Dim`.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  constexpr bool ok = detail::check_psum_scatter<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = std::conditional_t<ok, detail::dims_moved_to_t<typename L::dims_type, bit, (Dim < L::rank ? Dim : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_t>, L::vary | bit, L::partial & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "psum_scatter");
-    auto& comm = detail::current_device("psum_scatter").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("psum_scatter", Axis.view(), Dim, x.extent(Dim), n);
-    std::vector<T> send(x.size());
-    detail::pack_chunks(src, x.shape(), Dim, n, send.data());
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) / n));
-    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
+}
+/// @brief The tiled reduce-scatter over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x) {
+  return detail::psum_scatter_impl<G, Dim, true>(x);
+}
+/// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
+/// group size, is removed; the device at group position `i` keeps slice `i` of the sum.
+/// @throws sharding_error when dimension `Dim` is not the group size.
+template <fixed_string Axis, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
+}
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<G, Dim, false>(x);
 }
 
 /// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
@@ -8608,30 +9268,27 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
 /// to the device at axis index `j`, and the received chunks are concatenated along `Concat` in
 /// axis-index order. Moves sharding on `Axis` from dimension `Concat` to dimension `Split`.
 /// @throws sharding_error when the axis size does not divide dimension `Split`.
-template <fixed_string Axis, std::size_t Split, std::size_t Concat, local_tensor_type L>
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  constexpr bool ok = detail::check_all_to_all<L, Axis, Split, Concat>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  constexpr bool tracked = ok && (L::dims_type::at(Concat < L::rank ? Concat : 0) & bit) != 0;
-  using dims_t = std::conditional_t<tracked, detail::dims_moved_to_t<typename L::dims_type, bit, (Split < L::rank ? Split : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_dims_t<L, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_to_all");
-    auto& comm = detail::current_device("all_to_all").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("all_to_all", Axis.view(), Split, x.extent(Split), n);
-    std::vector<T> send(x.size()), recv(x.size());
-    detail::pack_chunks(src, x.shape(), Split, n, send.data());
-    comm.all_to_all(send.data(), recv.data(), x.size() / n, datatype_of<T>);
-    const auto chunk = detail::with_extent(x.shape(), Split, x.extent(Split) / n);
-    auto out = detail::result_view<L>(detail::with_extent(chunk, Concat, chunk[Concat] * n));
-    detail::unpack_chunks(recv.data(), chunk, Concat, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
+}
+/// @brief The tiled all-to-all over several axes, in the order written.
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x) {
+  return detail::all_to_all_impl<G, Split, Concat, true>(x);
+}
+/// @brief Untiled all-to-all (JAX `tiled=False`): dimension `Split`, whose size must equal the group
+/// size `n`, is removed, and a dimension of size `n` is inserted at position `Concat` of the result;
+/// entry `j` along it is what the device at group position `j` sent. The result's dimensions carry
+/// no sharding on the group's axes (as after `forget_dims`).
+/// @throws sharding_error when dimension `Split` is not the group size.
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
+}
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<G, Split, Concat, false>(x);
 }
 
 }  // namespace meshlib
@@ -8662,20 +9319,45 @@ namespace detail {
 template <class L, fixed_string Axis>
 consteval bool check_pvary_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"pvary", Axis, mesh_t>::value;
+  if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"pvary", Axis, mesh_t>();
   else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return pvary_of_varying_value<"pvary", Axis, L>::value;
+    return pvary_of_varying_value<diag_op_t<"pvary">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
 }
 
 template <class L, fixed_string Axis>
 consteval bool check_broadcast() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"broadcast", Axis, mesh_t>::value;
+  if constexpr (!check_element_type<"broadcast", typename L::value_type>()) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"broadcast", Axis, mesh_t>();
   else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return broadcast_of_partial_value<"broadcast", Axis, L>::value;
+    return broadcast_of_partial_value<diag_op_t<"broadcast">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
+}
+
+template <class G, class L>
+auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = group_checks<G>::template run<"ppermute", L, axis_rule::moves>();
+  if constexpr (!ok) {
+    return L{};
+  } else {
+    using T = typename L::value_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    const T* src = contiguous_data(x, "ppermute");
+    auto& comm = current_device("ppermute").comm(mask);
+    // perm names group positions in the order written; the communicator ranks run in mesh order.
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    std::vector<std::size_t> rank_of(order.size());
+    for (std::size_t r = 0; r < order.size(); ++r) rank_of[order[r]] = r;
+    const auto to_rank = [&](std::size_t p) { return p < rank_of.size() ? rank_of[p] : p; };  // out of range: the communicator says so
+    std::vector<permute_pair> pairs;
+    pairs.reserve(perm.size());
+    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(to_rank(s)), static_cast<int>(to_rank(d))});
+    auto out = result_view<L>(x.shape());
+    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    return L(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -8687,20 +9369,13 @@ consteval bool check_broadcast() {
 /// @throws comm_argument_error for an index out of range or repeated (from the communicator).
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  constexpr bool ok = detail::check_moving_collective<"ppermute", L, Axis, 0>();
-  if constexpr (!ok) {
-    return L{};
-  } else {
-    using T = typename L::value_type;
-    constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-    const T* src = detail::contiguous_data(x, "ppermute");
-    std::vector<permute_pair> pairs;
-    pairs.reserve(perm.size());
-    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(s), static_cast<int>(d)});
-    auto out = detail::result_view<L>(x.shape());
-    detail::current_device("ppermute").comm(bit).ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
-    return L(out, x.mesh(), x.device());
-  }
+  return detail::ppermute_impl<axis_group<Axis>>(x, perm);
+}
+/// @brief `ppermute` over several axes: `perm` holds group positions, row-major over the axes in
+/// the order written (JAX `ppermute(x, ('i', 'j'), perm)`).
+template <axis_group_type G, local_tensor_type L>
+[[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  return detail::ppermute_impl<G>(x, perm);
 }
 
 /// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
@@ -8709,7 +9384,7 @@ template <fixed_string Axis, local_tensor_type L>
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto broadcast(const L& x, std::size_t root) {
   constexpr bool ok = detail::check_broadcast<L, Axis>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  constexpr axis_mask bit = detail::safe_mask_v<typename L::mesh_type, Axis>;
   using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
   if constexpr (!ok) {
     return result_t{};
@@ -8748,6 +9423,88 @@ template <fixed_string... Names, local_tensor_type L>
 
 }  // namespace meshlib
 // end meshlib/collectives/permutes.hpp
+// begin meshlib/collectives/relabel.hpp
+/// @file
+/// @brief Local steps that change what the type says about a per-device value, without
+/// communication: `forget_dims` (drop the record of which dimension is a block of which axis),
+/// `reshape` (a new local shape for the same elements) and `axis_index(x)` (this device's group
+/// position as a per-device int32 scalar, as JAX's `lax.axis_index`).
+///
+/// Why `forget_dims` exists: meshlib tracks, per dimension, the axes it is a block of, and uses it
+/// to refuse a gather or scatter along the wrong dimension. JAX does not track it, so some valid JAX
+/// programs split a dimension that is already a block of the axis (the tutorial's `psum_scatter` of
+/// a scattered block) or concatenate along another one. `forget_dims<"i">(x)` says "treat this block
+/// as unlabelled along 'i'": the value still varies over 'i', only the per-dimension record goes.
+/// @code
+/// auto y = meshlib::psum_scatter<"i", 0>(meshlib::forget_dims<"i">(x));  // x's dim 0 was a block of 'i'
+/// auto r = meshlib::reshape(x, std::array<std::size_t, 1>{x.size()});    // flatten the local block
+/// auto k = meshlib::axis_index<"i">(x);   // local_tensor<std::int32_t, 0, ...> varying over 'i'
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief `x` with no dimension recorded as a block of the axes `Names...` (see the file comment).
+/// The value, its `vary` and `partial` sets are unchanged and no data moves.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto forget_dims(const L& x) {
+  static_assert(sizeof...(Names) > 0, "meshlib: forget_dims needs at least one axis: forget_dims<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
+  using result_t = with_dims_t<L, detail::dims_without_t<typename L::dims_type, detail::safe_mask_v<mesh_t, Names...>>>;
+  if constexpr (!ok) return result_t{};
+  else return result_t(x.view(), x.mesh(), x.device());
+}
+
+/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
+/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
+/// `partial` are kept.
+/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
+template <std::size_t R, local_tensor_type L>
+[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
+  using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
+  const std::size_t n = detail::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  if (n != x.size())
+    throw sharding_error("meshlib: reshape of a local block of shape " + detail::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + detail::describe_shape(shape) + " (" +
+                         std::to_string(n) + " elements); the element counts must agree");
+  const auto* src = detail::contiguous_data(x, "reshape");
+  auto out = detail::result_view<L, R>(shape);
+  std::copy_n(src, n, out.data());
+  return result_t(out, x.mesh(), x.device());
+}
+
+/// @brief This device's position in the group of the axes `Names...` (row-major in the order
+/// written) as a per-device value on `like`'s mesh: an `std::int32_t` scalar that varies over those
+/// axes, as JAX's `lax.axis_index` inside `shard_map`. `like` only names the mesh and device.
+/// @throws spmd_context_error outside `shard_map` / `spmd`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto axis_index(const L& like) {
+  static_assert(sizeof...(Names) > 0, "meshlib: axis_index needs at least one axis: axis_index<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
+  using result_t = local_tensor<std::int32_t, 0, mesh_t, detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
+                                typename L::memory_space>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    std::size_t p = 0;
+    if constexpr (sizeof...(Names) == 1) p = (axis_index<Names>(), ...);
+    else p = axis_index<Names...>();
+    auto out = detail::allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
+    *out.data() = static_cast<std::int32_t>(p);
+    return result_t(out, like.mesh(), like.device());
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/relabel.hpp
 // begin meshlib/collectives/reshard_plan.hpp
 /// @file
 /// @brief `reshard_plan`: the collectives that move an array from one sharding of a mesh to another,
@@ -9526,72 +10283,61 @@ struct spec_at<I, specs<S...>> {
   using type = std::tuple_element_t<I, std::tuple<S...>>;
 };
 
-/// Name of axis `I` of `Mesh` as a `fixed_string`, for diagnostics.
-template <class Mesh, std::size_t I>
-inline constexpr auto mesh_axis_name = [] {
-  constexpr std::string_view name = Mesh::axis_names[I];
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+// The diagnostics below name the output, the axis, the out_spec and the value's layout in their
+// failing condition (see core/diagnostics.hpp): one error on GCC and Clang.
 
-constexpr std::size_t lowest_axis(axis_mask m) noexcept {
-  std::size_t i = 0;
-  while (!(m & (axis_mask{1} << i))) ++i;
-  return i;
+template <class Output, class Value>
+consteval bool shard_map_output_is_not_a_local_tensor() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
+                "out_spec)");
+  return false;
 }
 
-template <std::size_t Output, class Value>
-struct shard_map_output_is_not_a_local_tensor {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
-                "out_spec) (see shard_map_output_is_not_a_local_tensor<output, type>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_is_partial() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
+                "psum_scatter, over that axis before returning it");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_is_partial {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis (see "
-                "shard_map_output_is_partial<output, axis, out_spec, value>); complete it with psum, or psum_scatter, "
-                "over that axis before returning it");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_varies_over_unsharded_axis() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
+                "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
+                "axis, or shard the output over it in out_specs");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_varies_over_unsharded_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over (see "
-                "shard_map_output_varies_over_unsharded_axis<output, axis, out_spec, value>): its blocks differ along "
-                "that axis, so no one global array holds them; psum / pmean / all_gather over the axis, or shard the "
-                "output over it in out_specs");
-  static constexpr bool value = false;
-};
-
-template <std::size_t Output, class Mesh, class OutSpec, class Value>
-struct shard_map_output_on_another_mesh {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output lives on another mesh type than the shard_map's (see "
-                "shard_map_output_on_another_mesh<output, mesh, out_spec, value>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Value>
+consteval bool shard_map_output_on_another_mesh() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
+  return false;
+}
 
 /// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
 template <std::size_t Output, class Mesh, class OutSpec, class L>
 consteval bool check_output() {
+  using out_t = diagnostic::dim<Output>;
   if constexpr (!local_tensor_type<L>) {
-    return shard_map_output_is_not_a_local_tensor<Output, L>::value;
+    return shard_map_output_is_not_a_local_tensor<out_t, L>();
   } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
-    return shard_map_output_on_another_mesh<Output, Mesh, OutSpec, L>::value;
+    return shard_map_output_on_another_mesh<out_t, L>();
+  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+    return false;
+  } else if constexpr (OutSpec::size > L::rank) {
+    return false;  // check_rank fired the diagnostic
   } else {
     using S = named_sharding<Mesh, OutSpec>;
-    static_assert(S::template check_rank<L::rank>());
     constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
     if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<Output, mesh_axis_name<Mesh, lowest_axis(L::partial)>, OutSpec, L>::value;
+      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
     else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<Output, mesh_axis_name<Mesh, lowest_axis(unsharded_vary)>,
-                                                         OutSpec, L>::value;
+      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
+                                                         diag_value_t<L>>();
     else return true;
   }
 }
@@ -9632,7 +10378,11 @@ class shard_map_fn {
                   "meshlib: shard_map: the number of arguments differs from the number of in_specs");
     static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
                   "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
-    return call(std::index_sequence_for<Xs...>{}, xs...);
+    // A bad in_spec fires its one diagnostic here and stops: the body is not instantiated on a
+    // local type that cannot exist, which would add a screenful of follow-on errors.
+    constexpr bool specs_ok = check_in_specs(std::index_sequence_for<Xs...>{});
+    if constexpr (!specs_ok) return;
+    else return call(std::index_sequence_for<Xs...>{}, xs...);
   }
 
  private:
@@ -9646,7 +10396,20 @@ class shard_map_fn {
     if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
       if (x.sharding().rule() == shard_rule::even) return x;
     }
-    return reshard(x, sharding_t(mesh_, shard_rule::even), backend_);
+    // shard_map gives every device a block of one shape (as JAX's), so an input must split evenly
+    // under its in_spec; say so in shard_map's words (the layout's own advice, shard_rule::uneven,
+    // is what this input may already use).
+    const sharding_t even(mesh_, shard_rule::even);
+    for (std::size_t d = 0; d < X::rank; ++d)
+      if (x.global_shape()[d] % even.num_shards(d) != 0)
+        throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
+                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
+                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             " in its in_spec " + spec_t::to_string() +
+                             "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
+                             "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
+    return reshard(x, even, backend_);
   }
 
   template <std::size_t... I, class... Xs>
@@ -9672,6 +10435,11 @@ class shard_map_fn {
       if constexpr (single_output) return std::get<0>(std::move(outs));
       else return outs;
     }
+  }
+
+  template <std::size_t... I>
+  static consteval bool check_in_specs(std::index_sequence<I...>) {
+    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
   }
 
   template <class Results, std::size_t... O>
@@ -10354,9 +11122,9 @@ template <sharded_tensor_type X>
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
 /// MPI call. Internal to the MPI communicator.
 ///
-/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, avg) | MPI op |
+/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, mean) | MPI op |
 /// | --- | --- | --- | --- |
-/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); avg = `MPI_SUM` then / n |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
 /// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
 /// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
 
@@ -10381,7 +11149,7 @@ inline std::string mpi_error_string(int rc) {
   return std::string(buf, static_cast<std::size_t>(len));
 }
 
-/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, avg).
+/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, mean).
 template <comm_element T>
 MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
   using U = std::remove_cv_t<T>;
@@ -10394,7 +11162,7 @@ MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
 
 /// Whether op combines by addition or multiplication (wraps for integers).
 constexpr bool wraps(reduce_op op) noexcept {
-  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::avg;
+  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::mean;
 }
 
 /// meshlib's min or max of float or double (`float_min`, `float_max`: NaN propagates, -0 < +0) as
@@ -10422,7 +11190,7 @@ inline MPI_Op float_minmax_op(bool is_double, reduce_op op) {
   return ops[(is_double ? 2 : 0) + (op == reduce_op::max ? 1 : 0)];
 }
 
-/// MPI's op for a meshlib op on T (avg is a sum followed by a division by the participant count;
+/// MPI's op for a meshlib op on T (mean is a sum followed by a division by the participant count;
 /// min and max of floating-point values are meshlib's user ops).
 template <class T>
 MPI_Op mpi_op(reduce_op op) {
@@ -10430,7 +11198,7 @@ MPI_Op mpi_op(reduce_op op) {
     if (op == reduce_op::min || op == reduce_op::max) return float_minmax_op(std::is_same_v<T, double>, op);
   switch (op) {
     case reduce_op::sum:
-    case reduce_op::avg: return MPI_SUM;
+    case reduce_op::mean: return MPI_SUM;
     case reduce_op::prod: return MPI_PROD;
     case reduce_op::min: return MPI_MIN;
     case reduce_op::max: return MPI_MAX;
@@ -10447,7 +11215,7 @@ void bf16_combine(void* in, void* inout, int* len, MPI_Datatype*) {
     const float x = a[i];
     const float y = b[i];
     float r;
-    if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) r = x + y;
+    if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) r = x + y;
     else if constexpr (Op == reduce_op::prod) r = x * y;
     else if constexpr (Op == reduce_op::min) r = float_min(x, y);
     else r = float_max(x, y);
@@ -10464,14 +11232,14 @@ inline MPI_Op bf16_mpi_op(reduce_op op) {
     MPI_Op_create(&bf16_combine<reduce_op::prod>, 1, &ops[static_cast<int>(reduce_op::prod)]);
     MPI_Op_create(&bf16_combine<reduce_op::min>, 1, &ops[static_cast<int>(reduce_op::min)]);
     MPI_Op_create(&bf16_combine<reduce_op::max>, 1, &ops[static_cast<int>(reduce_op::max)]);
-    ops[static_cast<int>(reduce_op::avg)] = ops[static_cast<int>(reduce_op::sum)];
+    ops[static_cast<int>(reduce_op::mean)] = ops[static_cast<int>(reduce_op::sum)];
     return true;
   }();
   (void)made;
   return ops[static_cast<int>(op)];
 }
 
-/// After a sum: divide by the participant count as the thread backend's avg does (integers:
+/// After a sum: divide by the participant count as the thread backend's mean does (integers:
 /// the wrapped sum, as signed, divided toward zero).
 template <comm_element T>
 void finish_avg(T* data, std::size_t count, int n) noexcept {
@@ -11077,7 +11845,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     timed("all_reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   /// On root, send == nullptr means in place; elsewhere send is read.
@@ -11106,7 +11874,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     void* rb = is_root ? static_cast<void*>(recv) : nullptr;
     timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
           [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
-    if (is_root && op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (is_root && op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   /// send == nullptr: in place, the result at the start of recv (MPI's convention).
@@ -11132,7 +11900,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   template <class T>
@@ -12405,7 +13173,7 @@ class guard {
 /// | `float`, `double`, `int32`, `int64` | `ncclFloat32`, `ncclFloat64`, `ncclInt32`, `ncclInt64` |
 /// | `bfloat16` (meshlib's, or CUDA's `__nv_bfloat16`) | `ncclBfloat16` |
 /// | `__half` (CUDA's, NCCL backend only) | `ncclFloat16` |
-/// | `sum`, `prod`, `min`, `max`, `avg` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
+/// | `sum`, `prod`, `min`, `max`, `mean` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
 ///
 /// Errors: every CUDA and NCCL return code goes through `check_nccl` / `check_cuda`, which throw
 ///
@@ -12489,15 +13257,15 @@ inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(d
   return ncclNumTypes;
 }
 
-/// @brief NCCL's reduction of a `reduce_op`; `avg` is NCCL's own `ncclAvg` (one pass, no division
-/// kernel afterwards). Integer `avg` in NCCL rounds as its sum divided by the count, as meshlib's.
+/// @brief NCCL's reduction of a `reduce_op`; `mean` is NCCL's own `ncclAvg` (one pass, no division
+/// kernel afterwards). Integer `mean` in NCCL rounds as its sum divided by the count, as meshlib's.
 [[nodiscard]] constexpr ncclRedOp_t to_nccl(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
     case reduce_op::prod: return ncclProd;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::mean: return ncclAvg;
   }
   return ncclNumOps;
 }
@@ -13726,7 +14494,7 @@ static_assert(communicator<nccl_communicator>);
 /// @code
 /// const int gpus[] = {0, 1, 2, 3};
 /// meshlib::run_on_gpus(gpus, [&](meshlib::nccl_communicator& c) {   // thread r drives GPU gpus[r]
-///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::avg).wait();
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::mean).wait();
 /// });
 /// @endcode
 ///
@@ -13910,7 +14678,7 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
 ///
 /// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
 /// backend does, so results are bitwise those of the thread communicator: integer sums and products
-/// wrap (computed unsigned), integer avg is the wrapped sum divided by n toward zero, bfloat16 is
+/// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
 /// combined in float and rounded once (nearest even, NaNs stay NaN), min/max keep the earlier value
 /// unless the later one compares less/greater. It writes the result to every output pointer, so
 /// that one launch per participant both reduces its block and distributes it.
@@ -13952,7 +14720,7 @@ __device__ inline unsigned short float_to_bf16(float f) {
   unsigned rounding = 0x7fffu + ((u >> 16) & 1u);
   return (unsigned short)((u + rounding) >> 16);
 }
-// op: 0 sum, 1 prod, 2 min, 3 max, 4 avg (meshlib::reduce_op's order)
+// op: 0 sum, 1 prod, 2 min, 3 max, 4 mean (meshlib::reduce_op's order)
 #define MESHLIB_REDUCE_KERNEL(NAME, T, ACC, UACC, LOAD, STORE, DIVIDE)                                   \
 extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned long long count, int op) { \
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;                        \

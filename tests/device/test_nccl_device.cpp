@@ -88,7 +88,7 @@ void check_collectives(Comm& c, int n) {
     got = send.get(s);
     for (std::size_t i = 0; i < count; ++i) REQUIRE(got[i] == static_cast<float>(value(n - 1, i)));
     send.put(mine, s);
-    c.all_reduce(send.cspan(), recv.span(), ml::reduce_op::avg).wait();
+    c.all_reduce(send.cspan(), recv.span(), ml::reduce_op::mean).wait();
     got = recv.get(s);
     for (std::size_t i = 0; i < count; ++i) {
       double e = 0;

@@ -184,7 +184,7 @@ struct comm_site {
 constexpr const char* reduction_name(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "psum";
-    case reduce_op::avg: return "pmean";
+    case reduce_op::mean: return "pmean";
     case reduce_op::max: return "pmax";
     case reduce_op::min: return "pmin";
     default: return "all_reduce";

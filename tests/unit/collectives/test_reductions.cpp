@@ -38,12 +38,19 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
   using L = local_tensor<T, 2, mesh1, mesh1::mask_of<"x">()>;
   auto out = spmd(m, [&] {
     auto x = coll_test::make_block<L>(m, shape);
-    return std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmean<"x">(x)),
-                      coll_test::capture(pmax<"x">(x)), coll_test::capture(pmin<"x">(x))};
+    // pmean of integers is a floating value (JAX's true division); seen here as T's mean type U.
+    auto mean = pmean<"x">(x);
+    static_assert(std::is_same_v<typename decltype(mean)::value_type, detail::mean_value_t<T>>);
+    return std::pair{std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmax<"x">(x)),
+                                coll_test::capture(pmin<"x">(x))},
+                     coll_test::capture(mean)};
   });
   const std::size_t size = shape[0] * shape[1];
   for (std::size_t dev = 0; dev < n; ++dev) {
-    for (std::size_t k = 0; k < 4; ++k) REQUIRE(out[dev][k].shape == std::vector<std::size_t>{shape[0], shape[1]});
+    const auto& r = out[dev].first;
+    const auto& mean = out[dev].second;
+    for (std::size_t k = 0; k < 3; ++k) REQUIRE(r[k].shape == std::vector<std::size_t>{shape[0], shape[1]});
+    REQUIRE(mean.shape == std::vector<std::size_t>{shape[0], shape[1]});
     for (std::size_t i = 0; i < size; ++i) {
       long long sum = 0, mx = std::numeric_limits<long long>::min(), mn = std::numeric_limits<long long>::max();
       for (std::size_t d = 0; d < n; ++d) {
@@ -52,15 +59,12 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
         mx = std::max(mx, v);
         mn = std::min(mn, v);
       }
-      CHECK(out[dev][0].data[i] == static_cast<T>(sum));
-      if constexpr (std::is_integral_v<T>) {
-        // integer avg: the sum divided by n, rounded toward zero
-        CHECK(out[dev][1].data[i] == static_cast<T>(sum / static_cast<long long>(n)));
-      } else {
-        CHECK(out[dev][1].data[i] == static_cast<T>(static_cast<T>(sum) / static_cast<T>(n)));
-      }
-      CHECK(out[dev][2].data[i] == static_cast<T>(mx));
-      CHECK(out[dev][3].data[i] == static_cast<T>(mn));
+      CHECK(r[0].data[i] == static_cast<T>(sum));
+      // pmean: the sum (in T) divided by n in U, as JAX's psum(x) / n: never truncated for integers.
+      using U = detail::mean_value_t<T>;
+      CHECK(mean.data[i] == static_cast<U>(static_cast<U>(static_cast<T>(sum)) / static_cast<U>(n)));
+      CHECK(r[1].data[i] == static_cast<T>(mx));
+      CHECK(r[2].data[i] == static_cast<T>(mn));
     }
   }
 }

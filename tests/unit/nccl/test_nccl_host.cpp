@@ -65,7 +65,7 @@ TEST_CASE("nccl: reduce ops map to NCCL's, avg to ncclAvg", "[nccl]") {
   CHECK(ml::to_nccl(ml::reduce_op::prod) == ncclProd);
   CHECK(ml::to_nccl(ml::reduce_op::min) == ncclMin);
   CHECK(ml::to_nccl(ml::reduce_op::max) == ncclMax);
-  CHECK(ml::to_nccl(ml::reduce_op::avg) == ncclAvg);
+  CHECK(ml::to_nccl(ml::reduce_op::mean) == ncclAvg);
   std::vector<ncclRedOp_t> seen;
   for (ml::reduce_op op : ml::all_reduce_ops) seen.push_back(ml::to_nccl(op));
   std::sort(seen.begin(), seen.end());

@@ -8,7 +8,7 @@
 /// @code
 /// const int gpus[] = {0, 1, 2, 3};
 /// meshlib::run_on_gpus(gpus, [&](meshlib::nccl_communicator& c) {   // thread r drives GPU gpus[r]
-///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::avg).wait();
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::mean).wait();
 /// });
 /// @endcode
 ///

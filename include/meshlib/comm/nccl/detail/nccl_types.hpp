@@ -9,7 +9,7 @@
 /// | `float`, `double`, `int32`, `int64` | `ncclFloat32`, `ncclFloat64`, `ncclInt32`, `ncclInt64` |
 /// | `bfloat16` (meshlib's, or CUDA's `__nv_bfloat16`) | `ncclBfloat16` |
 /// | `__half` (CUDA's, NCCL backend only) | `ncclFloat16` |
-/// | `sum`, `prod`, `min`, `max`, `avg` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
+/// | `sum`, `prod`, `min`, `max`, `mean` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
 ///
 /// Errors: every CUDA and NCCL return code goes through `check_nccl` / `check_cuda`, which throw
 ///
@@ -96,15 +96,15 @@ inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(d
   return ncclNumTypes;
 }
 
-/// @brief NCCL's reduction of a `reduce_op`; `avg` is NCCL's own `ncclAvg` (one pass, no division
-/// kernel afterwards). Integer `avg` in NCCL rounds as its sum divided by the count, as meshlib's.
+/// @brief NCCL's reduction of a `reduce_op`; `mean` is NCCL's own `ncclAvg` (one pass, no division
+/// kernel afterwards). Integer `mean` in NCCL rounds as its sum divided by the count, as meshlib's.
 [[nodiscard]] constexpr ncclRedOp_t to_nccl(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
     case reduce_op::prod: return ncclProd;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::mean: return ncclAvg;
   }
   return ncclNumOps;
 }

@@ -10,7 +10,7 @@
 ///
 /// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
 /// backend does, so results are bitwise those of the thread communicator: integer sums and products
-/// wrap (computed unsigned), integer avg is the wrapped sum divided by n toward zero, bfloat16 is
+/// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
 /// combined in float and rounded once (nearest even, NaNs stay NaN), min/max keep the earlier value
 /// unless the later one compares less/greater. It writes the result to every output pointer, so
 /// that one launch per participant both reduces its block and distributes it.
@@ -56,7 +56,7 @@ __device__ inline unsigned short float_to_bf16(float f) {
   unsigned rounding = 0x7fffu + ((u >> 16) & 1u);
   return (unsigned short)((u + rounding) >> 16);
 }
-// op: 0 sum, 1 prod, 2 min, 3 max, 4 avg (meshlib::reduce_op's order)
+// op: 0 sum, 1 prod, 2 min, 3 max, 4 mean (meshlib::reduce_op's order)
 #define MESHLIB_REDUCE_KERNEL(NAME, T, ACC, UACC, LOAD, STORE, DIVIDE)                                   \
 extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned long long count, int op) { \
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;                        \
