@@ -105,8 +105,8 @@ class sequential {
     using in_t = typename input_of<X, I>::type;
     auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
     if (I > 0 || need_dx) round(dx);
-    static_assert(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
-                                                                     decltype(dx)>::value);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
+                                                                            decltype(dx)>) > 0);  // one error, its own
     if constexpr (I == 0) return dx;
     else return backward_from<X, I - 1>(dx, need_dx);
   }

@@ -84,8 +84,9 @@ struct step_metrics {
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
           compute_precision Compute = float>
 class train_state {
-  static_assert(detail::gradient_reduction_type_narrower_than_compute_type<
-                detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>::value);
+  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
+  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
+                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
 
  public:
   using T = float;
