@@ -29,7 +29,7 @@ namespace {
 struct options {
   std::size_t data = 4, model = 2, epochs = 6, batch = 256, hidden = 1024, accumulation = 1;
   float lr = 1e-3f;
-  std::string optimizer = "adam", precision = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
+  std::string optimizer = "adam", precision = "f32", reduce = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir, trace;
   bool zero = false, resume = false;
   std::uint64_t seed = 0;
@@ -45,7 +45,10 @@ void usage() {
                "  --optimizer NAME      adam | adamw | sgd; default adam\n"
                "  --hidden H            hidden width, divisible by M; default 1024\n"
                "  --accumulation K      micro-batches per step (one gradient sync per step); default 1\n"
-               "  --precision P         f32 | bf16 (bf16: gradients reduced in bfloat16 on the wire); default f32\n"
+               "  --precision P         f32 | bf16 | f16: the type parameters, activations and gradients are\n"
+               "                        computed in (bf16/f16: float master weights; f16: dynamic loss scaling);\n"
+               "                        default f32\n"
+               "  --reduce-in R         f32 | bf16: the gradient reduction's type on the wire; default f32\n"
                "  --zero                ZeRO-1: optimizer state sharded over the data axis\n"
                "  --checkpoint-dir DIR  save a checkpoint there after every epoch (restorable on any mesh)\n"
                "  --resume              restore the checkpoint in --checkpoint-dir first, continue from its step\n"
@@ -78,6 +81,7 @@ options parse(int argc, char** argv) {
     else if (a == "--hidden") o.hidden = std::stoul(value());
     else if (a == "--accumulation") o.accumulation = std::stoul(value());
     else if (a == "--precision") o.precision = value();
+    else if (a == "--reduce-in") o.reduce = value();
     else if (a == "--zero") o.zero = true;
     else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
     else if (a == "--resume") o.resume = true;
@@ -87,7 +91,12 @@ options parse(int argc, char** argv) {
     else if (a == "--trace") o.trace = value();
     else throw std::invalid_argument("unknown option '" + a + "' (see --help)");
   }
-  if (o.precision != "f32" && o.precision != "bf16") throw std::invalid_argument("--precision is f32 or bf16");
+  if (o.precision != "f32" && o.precision != "bf16" && o.precision != "f16")
+    throw std::invalid_argument("--precision is f32, bf16 or f16, not '" + o.precision + "'");
+#if !MESHLIB_HAS_FLOAT16
+  if (o.precision == "f16") throw std::invalid_argument("--precision f16: this compiler has no _Float16");
+#endif
+  if (o.reduce != "f32" && o.reduce != "bf16") throw std::invalid_argument("--reduce-in is f32 or bf16, not '" + o.reduce + "'");
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
     throw std::invalid_argument("--optimizer is adam, adamw or sgd");
   return o;
@@ -103,7 +112,7 @@ struct placement {
   Backend backend;
 };
 
-template <meshlib::comm_element Wire, class Backend>
+template <meshlib::comm_element Wire, class Compute, class Backend>
 int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placement<Backend>& where) {
   namespace nn = meshlib::nn;
   const mesh_t mesh{o.data, o.model};
@@ -122,7 +131,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   const std::size_t total = o.limit_steps ? o.limit_steps : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(100, total / 10), total, 0.02f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adamw" ? nn::adamw(lr, 1e-4f) : nn::adam(lr);
-  nn::train_state<mesh_t, decltype(net), "data", Wire> state(
+  nn::train_state<mesh_t, decltype(net), "data", Wire, Compute> state(
       mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero}, key, local);
   static std::ostream silent(nullptr);
   std::ostream& out = lead ? std::cout : silent;  // one process prints
@@ -134,7 +143,10 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
             << "  batch " << o.batch << " (" << o.batch / o.data << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
             << opt.name() << ", lr " << o.lr << " warm-up + cosine, gradients reduced in "
-            << (std::is_same_v<Wire, float> ? "float32" : "bfloat16") << (o.zero ? ", ZeRO-1 optimizer state" : "") << "\n"
+            << nn::precision_name<Wire>() << ", computed in " << nn::precision_name<Compute>()
+            << (state.mixed ? " with float master weights" : "")
+            << (state.loss_scaling() ? ", dynamic loss scaling from " + std::to_string(static_cast<long long>(state.loss_scale())) : std::string())
+            << (o.zero ? ", ZeRO-1 optimizer state" : "") << "\n"
             << "  parameters:\n";
   std::size_t count = 0;
   for (const auto& p : state.params) {
@@ -170,12 +182,13 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
       if (done == total) break;
       meshlib::trace_region step_region("step " + std::to_string(done + 1));
       const auto m = nn::train_step(state, *b, where.backend);
+      ++done;
+      if (m.skipped) continue;  // f16 loss scaling: gradients overflowed, the scale was halved, no update
       loss_sum += m.loss;
       correct += m.correct;
       seen += m.rows;
       sync += m.sync_seconds;
       ++n;
-      ++done;
       if (lead && (n % 47 == 0 || n == steps)) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::printf("\r  epoch %zu  [%3zu%%] step %zu/%zu  loss %.4f  %.0f samples/s", epoch + 1, n * 100 / steps, n, steps,
@@ -233,7 +246,13 @@ int main(int argc, char** argv) {
   }
   try {
     auto run = [&](const auto& where) {
-      return o.precision == "bf16" ? train<meshlib::bfloat16>(o, fm, where) : train<float>(o, fm, where);
+      using meshlib::bfloat16;
+      const bool wire16 = o.reduce == "bf16";
+      if (o.precision == "bf16") return wire16 ? train<bfloat16, bfloat16>(o, fm, where) : train<float, bfloat16>(o, fm, where);
+#if MESHLIB_HAS_FLOAT16
+      if (o.precision == "f16") return train<float, meshlib::float16>(o, fm, where);  // float16 is no wire type
+#endif
+      return wire16 ? train<bfloat16, float>(o, fm, where) : train<float, float>(o, fm, where);
     };
     const std::size_t devices = o.data * o.model;
     if (processes == 1) {

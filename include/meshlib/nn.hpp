@@ -16,6 +16,7 @@
 #include "meshlib/nn/collective_transpose.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/train_state.hpp"

@@ -125,7 +125,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state) {
     for (std::size_t s = 0; s < slots; ++s) opt[i * slots + s].assign(values[i].size(), 0.0f);
     for (std::size_t dev : state.local_devices())
       if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0)
-        for (std::size_t k = 0; k < p.count[dev]; ++k) values[i][detail::global_index(p, dev, k)] = p.value[dev][k];
+        for (std::size_t k = 0; k < p.count[dev]; ++k) values[i][detail::global_index(p, dev, k)] = state.master(i, dev)[k];
   }
   for (std::size_t dev : state.local_devices())
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, const float* st, std::size_t stride) {
@@ -212,8 +212,9 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state) {
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
     for (std::size_t dev : state.local_devices())
-      for (std::size_t k = 0; k < p.count[dev]; ++k) p.value[dev][k] = values[i][detail::global_index(p, dev, k)];
+      for (std::size_t k = 0; k < p.count[dev]; ++k) state.master(i, dev)[k] = values[i][detail::global_index(p, dev, k)];
   }
+  state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, float* st, std::size_t stride) {
       const auto& p = state.params[i];

@@ -16,6 +16,7 @@
 /// // inside spmd: auto logits = net.forward(x); ... net.backward<decltype(x)>(dlogits);
 /// @endcode
 
+#include <concepts>
 #include <cstddef>
 #include <tuple>
 #include <type_traits>
@@ -48,6 +49,9 @@ class sequential {
   static constexpr std::size_t size = sizeof...(Layers);
   /// The layers, in the order the input goes through them.
   std::tuple<Layers...> layers;
+  /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
+  /// layer's output and every cotangent is rounded to the compute type in place.
+  void (*round_activations)(float*, std::size_t) noexcept = nullptr;
 
   /// Chains `ls` in order: each layer receives the previous layer's output.
   explicit sequential(Layers... ls) : layers(std::move(ls)...) {}
@@ -94,18 +98,30 @@ class sequential {
  private:
   template <std::size_t I, class X>
   auto forward_from(const X& x) {
-    if constexpr (I == size) return x;
-    else return forward_from<I + 1>(std::get<I>(layers).forward(x));
+    if constexpr (I == size) {
+      return x;
+    } else {
+      auto y = std::get<I>(layers).forward(x);
+      round(y);
+      return forward_from<I + 1>(y);
+    }
   }
 
   template <class X, std::size_t I, class DY>
   auto backward_from(const DY& dy, bool need_dx) {
     using in_t = typename input_of<X, I>::type;
     auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
-    static_assert(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
-                                                                     decltype(dx)>::value);
+    if (I > 0 || need_dx) round(dx);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
+                                                                            decltype(dx)>) > 0);  // one error, its own
     if constexpr (I == 0) return dx;
     else return backward_from<X, I - 1>(dx, need_dx);
+  }
+
+  template <class Y>
+  void round(Y& y) const noexcept {
+    if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
+      if (round_activations != nullptr) round_activations(y.data(), y.size());
   }
 
   template <class L>

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,6 +39,7 @@
 #include "meshlib/nn/loss.hpp"
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
 
 namespace meshlib::nn {
@@ -47,6 +49,12 @@ struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
   bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
   std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: one bucket)
+  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
+  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
+  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
+  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
+  float loss_scale = 0.0f;
+  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
 };
 
 namespace detail {
@@ -64,15 +72,29 @@ struct step_metrics {
   std::size_t rows = 0;        ///< rows of the global batch
   double grad_norm = 0;        ///< global gradient norm before clipping (train_step)
   double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
+  bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
+  double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
 };
 
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
-/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type.
-template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float>
+/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
+/// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
+/// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
+/// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
+template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
+          compute_precision Compute = float>
 class train_state {
+  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
+  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
+                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+
  public:
   /// The element type of parameters and optimizer state.
   using T = float;
+  /// The type parameters, activations and gradients are rounded to.
+  using compute_type = Compute;
+  /// True when `Compute` is a 16-bit type and float master weights are kept.
+  static constexpr bool mixed = !std::is_same_v<Compute, float>;
   /// The mesh the model runs on.
   using mesh_type = Mesh;
   /// The mesh axes of `Data`, over which gradients are averaged.
@@ -108,8 +130,16 @@ class train_state {
         sync_(m.size(), opts.bucket_elements),
         loss_(m.size()),
         state_(m.size()),
-        gather_(m.size()) {
+        gather_(m.size()),
+        input_(m.size()),
+        masters_(m.size()),
+        offsets_(m.size()) {
     model.collect(params);
+    loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
+    scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
+    if constexpr (mixed)
+      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
+        model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
     std::vector<std::size_t> all;
     if (local_devices.empty())
@@ -122,6 +152,68 @@ class train_state {
       const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
       const std::size_t len = options.zero ? (n + dp - 1) / dp : n;
       state_[dev].assign(opt.slots() * len, 0.0f);
+      std::size_t off = 0;
+      for (const auto& p : params) {
+        offsets_[dev].push_back(off);
+        if constexpr (mixed) masters_[dev].insert(masters_[dev].end(), p.value[dev], p.value[dev] + p.count[dev]);
+        off += p.count[dev];
+      }
+    }
+    refresh_compute_copies();
+  }
+
+  /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
+  /// `Compute` the parameter's value is its rounding (with float, the value itself).
+  [[nodiscard]] float* master(std::size_t i, std::size_t dev) {
+    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    else return params.at(i).value[dev];
+  }
+  /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
+  /// by restore_checkpoint). A no-op when computing in float.
+  void refresh_compute_copies() {
+    if constexpr (mixed)
+      for (std::size_t dev : local_)
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+          detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
+        }
+  }
+  /// The current loss scale (1 without loss scaling).
+  [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
+  /// Whether dynamic loss scaling is on.
+  [[nodiscard]] bool loss_scaling() const noexcept { return scaling_; }
+  /// Consecutive good steps since the scale last changed.
+  [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
+
+  /// Device `dev`'s input rows as the model sees them: `x` itself in float, else a copy rounded to
+  /// `Compute` (the caller's data is never modified).
+  [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    if constexpr (!mixed) {
+      return const_cast<float*>(x);
+    } else {
+      float* b = input_.get(dev, n);
+      std::copy_n(x, n, b);
+      detail::round_to<Compute>(b, n);
+      return b;
+    }
+  }
+
+  /// Called by train_step after the spmd region with every device's verdict (equal on all of
+  /// them): advances the step, or, on a skipped step, halves the loss scale.
+  void finish_step(bool skipped) {
+    if (!scaling_) {
+      ++step;
+      return;
+    }
+    if (skipped) {
+      loss_scale_ = std::max(loss_scale_ * 0.5f, 1.0f / 65536.0f);
+      good_steps_ = 0;
+      return;
+    }
+    ++step;
+    if (++good_steps_ >= options.scale_growth_interval) {
+      loss_scale_ *= 2.0f;
+      good_steps_ = 0;
     }
   }
 
@@ -177,6 +269,7 @@ class train_state {
     if (!options.zero) {
       T* g = sync_.all_reduce(params, dev, data_axes);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      unscale(g, grad_sync<T, Wire>::flat_size(params, dev));
       // Global norm: a block replicated over some axes is counted on one device of that group.
       double sq[1] = {0};
       std::size_t off = 0;
@@ -187,21 +280,26 @@ class train_state {
       }
       all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
       const double norm = std::sqrt(sq[0]);
+      // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
+      // of them: the skip verdict is the same on every device.
+      if (scaling_ && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
       const std::size_t n = off;
       float* m = state_[dev].data();
       float* v = opt.slots() > 1 ? m + n : m;
       off = 0;
-      for (const auto& p : params) {
-        opt.update(p.value[dev], g + off, m + off, v + off, p.count[dev], step, scale, p.decay);
-        off += p.count[dev];
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        opt.update(master(i, dev), g + off, m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
+        off += params[i].count[dev];
       }
+      refresh_device(dev);
       return norm;
     }
     const std::size_t rank = mesh.group_rank(dev, data_axes);
     std::size_t begin = 0, size = 0;
     T* g = sync_.reduce_scatter(params, dev, data_axes, dp, rank, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    unscale(g, size);
     double sq[1] = {0};
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
       if (mesh.group_rank(dev, mesh.all_axes & ~p.sharded_axes & ~data_axes) == 0)
@@ -209,32 +307,50 @@ class train_state {
     });
     all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
     const double norm = std::sqrt(sq[0]);
+    if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
     float* m = state_[dev].data();
     float* v = opt.slots() > 1 ? m + size : m;
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      opt.update(p.value[dev] + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
+      opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
     });
     // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
     T* send = gather_.get(dev, size * (dp + 1));
     T* recv = send + size;
     std::fill_n(send, size, T{});
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      std::copy_n(p.value[dev] + in_param, len, send + s);
+      std::copy_n(master_of(p, dev) + in_param, len, send + s);
     });
     const auto t1 = std::chrono::steady_clock::now();
     if (dp > 1) meshlib::detail::current_device("train_step").comm(data_axes).all_gather(send, recv, size, datatype_of<T>);
     else std::copy_n(send, size, recv);
     sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     std::size_t off = 0;
-    for (const auto& p : params) {
-      std::copy_n(recv + off, p.count[dev], p.value[dev]);
-      off += p.count[dev];
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      std::copy_n(recv + off, params[i].count[dev], master(i, dev));
+      off += params[i].count[dev];
     }
+    refresh_device(dev);
     return norm;
   }
 
  private:
+  void unscale(T* g, std::size_t n) const noexcept {
+    if (scaling_ && loss_scale_ != 1.0f) {
+      const float inv = 1.0f / loss_scale_;
+      for (std::size_t i = 0; i < n; ++i) g[i] *= inv;
+    }
+  }
+  float* master_of(const param_ref<T>& p, std::size_t dev) {
+    return master(static_cast<std::size_t>(&p - params.data()), dev);
+  }
+  void refresh_device(std::size_t dev) {
+    if constexpr (mixed)
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+        detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
+      }
+  }
   float clip_scale(double norm) const {
     return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
   }
@@ -255,6 +371,12 @@ class train_state {
   std::vector<std::vector<float>> state_;
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
+  detail::device_buffers<T> input_;
+  std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
+  std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
+  float loss_scale_ = 1.0f;
+  bool scaling_ = false;
+  std::size_t good_steps_ = 0;
 };
 
 namespace detail {
@@ -303,23 +425,41 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
-          X xb(typename X::view_type(const_cast<float*>(x.data()) + r0 * features, micro, features), s.mesh, dev);
+          X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
+               s.mesh, dev);
           auto logits = s.model.forward(xb);
           const loss_part part = s.loss().forward(logits, y.subspan(r0, micro), global_rows);
-          s.model.template backward<X>(s.loss().backward(logits));
+          auto dlogits = s.loss().backward(logits);
+          if (s.loss_scaling() || State::mixed) {
+            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+            const float ls = s.loss_scale();
+            float* d = dlogits.data();
+            for (std::size_t i = 0; i < dlogits.size(); ++i) d[i] *= ls;
+            detail::round_to<typename State::compute_type>(d, dlogits.size());
+          }
+          s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
+        if constexpr (State::mixed)
+          for (const auto& p : s.params) detail::round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
+        m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
+        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
         detail::sum_over(State::data_axes, sums);
         m.loss = sums[0];
         m.correct = static_cast<std::size_t>(sums[1] + 0.5);
         m.rows = global_rows;
       },
       backend);
-  ++s.step;
-  return out[s.local_devices().front()];
+  const step_metrics& r = out[s.local_devices().front()];
+  for (std::size_t dev : s.local_devices())
+    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                           std::to_string(dev) + ")");
+  s.finish_step(r.skipped);
+  return r;
 }
 
 /// @brief `train_step` on a batch from `data_loader`.
@@ -345,8 +485,9 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
         for (std::size_t start = 0; start < ds.count; start += batch_rows) {
           const std::size_t len = std::min(batch_rows, ds.count - start);
           const std::size_t lo = start + len * di / dp, hi = start + len * (di + 1) / dp;
-          X xb(typename X::view_type(const_cast<float*>(ds.x.data()) + lo * ds.features, hi - lo, ds.features), s.mesh,
-               dev);
+          X xb(typename X::view_type(s.input_block(dev, ds.x.data() + lo * ds.features, (hi - lo) * ds.features), hi - lo,
+                                     ds.features),
+               s.mesh, dev);
           auto logits = s.model.forward(xb);
           const loss_part part = s.loss().forward(logits, std::span<const std::int32_t>(ds.y).subspan(lo, hi - lo), ds.count);
           sums[0] += part.loss;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "meshlib_catch.hpp"
+#include "synthetic_problem.hpp"
 #include "message_of.hpp"
 
 namespace {
@@ -20,29 +21,7 @@ namespace nn = meshlib::nn;
 
 constexpr std::size_t features = 12, hidden = 16, classes = 4, batch = 32;
 
-/// A learnable synthetic problem: the class is the argmax of four fixed projections.
-nn::dataset synthetic(std::size_t count) {
-  nn::dataset ds;
-  ds.count = count;
-  ds.features = features;
-  ds.classes = classes;
-  ds.x.resize(count * features);
-  ds.y.resize(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    double best = -1e9;
-    for (std::size_t f = 0; f < features; ++f)
-      ds.x[i * features + f] = static_cast<float>(0.5 + 0.5 * std::sin(1.7 * static_cast<double>(i * features + f) + 0.3));
-    for (std::size_t c = 0; c < classes; ++c) {
-      double s = 0;
-      for (std::size_t f = 0; f < features; ++f) s += ds.x[i * features + f] * std::cos(static_cast<double>(c * 7 + f));
-      if (s > best) {
-        best = s;
-        ds.y[i] = static_cast<std::int32_t>(c);
-      }
-    }
-  }
-  return ds;
-}
+nn::dataset synthetic(std::size_t count) { return meshlib_test::synthetic_problem(count, features, classes); }
 
 auto make_net(const mesh_t& m) {
   const nn::rng_key key{11};
