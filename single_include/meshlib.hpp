@@ -3874,6 +3874,54 @@ inline std::string what_of(const std::exception_ptr& e) {
     return "an exception not derived from std::exception";
   }
 }
+
+/// @brief The participants' failures in one run on a `thread_world`, and who is blamed for them:
+/// shared by `run_on_threads` and the persistent device threads (`thread_backend`), so that both
+/// report the same root cause with the same message.
+class participant_failures {
+ public:
+  /// For a world of `n` participants.
+  explicit participant_failures(int n) : errors_(static_cast<std::size_t>(n)) {}
+
+  /// Runs `fn(comm)` as participant `r` of `world`; an exception is recorded and aborts the world
+  /// with it as the root cause (while `r` still holds its handle, so the abort, not its departure,
+  /// is what its peers see).
+  template <class F>
+  void run(thread_world& world, int r, F& fn) {
+    thread_communicator comm = world.communicator(r);
+    try {
+      fn(comm);
+    } catch (...) {
+      errors_[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, what_of(errors_[static_cast<std::size_t>(r)]));
+    }
+  }
+
+  /// Once every participant has ended: throws `participant_error` for the root cause, if any
+  /// failed. The blamed participant is the world's root cause (the first to throw, or the first
+  /// that never arrived at a collective that timed out), even when it threw nothing itself (it
+  /// was only late); the exception reported is its own, else that of the lowest participant that threw.
+  void rethrow(const thread_world& world) const {
+    const int n = static_cast<int>(errors_.size());
+    int root = world.failed() ? world.root_cause_rank() : -1;
+    int source = -1;
+    for (int r = 0; r < n && source < 0; ++r)
+      if (errors_[static_cast<std::size_t>(r)]) source = r;
+    if (source < 0) return;
+    if (root < 0 || root >= n) root = source;
+    else if (errors_[static_cast<std::size_t>(root)]) source = root;
+    const auto& e = errors_[static_cast<std::size_t>(source)];
+    try {
+      std::rethrow_exception(e);
+    } catch (...) {
+      throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
+                                        " failed: " + what_of(e));
+    }
+  }
+
+ private:
+  std::vector<std::exception_ptr> errors_;
+};
 }  // namespace detail
 
 /// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
@@ -3899,7 +3947,6 @@ template <class F>
 void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   const bool pin = options.pin_threads;
   thread_world world(n, std::move(options));
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
 #if defined(__linux__)
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
@@ -3917,17 +3964,12 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
 #else
   (void)pin;
 #endif
+  detail::participant_failures failures(n);
   auto body = [&](int r) {
 #if defined(__linux__)
     if (can_pin) detail::pin_to(allowed, r);
 #endif
-    thread_communicator comm = world.communicator(r);
-    try {
-      fn(comm);
-    } catch (...) {
-      errors[static_cast<std::size_t>(r)] = std::current_exception();
-      world.abort(r, detail::what_of(errors[static_cast<std::size_t>(r)]));
-    }
+    failures.run(world, r, fn);
   };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(n > 0 ? n - 1 : 0));
@@ -3940,24 +3982,7 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   }
   body(0);
   for (auto& t : threads) t.join();
-
-  // The blamed participant is the world's root cause (the first to throw, or the first that never
-  // arrived at a collective that timed out), even when it threw nothing itself (it was only late);
-  // the exception reported is its own, else that of the lowest participant that threw.
-  int root = world.failed() ? world.root_cause_rank() : -1;
-  int source = -1;
-  for (int r = 0; r < n && source < 0; ++r)
-    if (errors[static_cast<std::size_t>(r)]) source = r;
-  if (source < 0) return;
-  if (root < 0 || root >= n) root = source;
-  else if (errors[static_cast<std::size_t>(root)]) source = root;
-  const auto& e = errors[static_cast<std::size_t>(source)];
-  try {
-    std::rethrow_exception(e);
-  } catch (...) {
-    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                      " failed: " + detail::what_of(e));
-  }
+  failures.rethrow(world);
 }
 
 }  // namespace meshlib
@@ -5783,26 +5808,34 @@ auto to_host(const X& x) {
 
 // begin meshlib/tensor/device_workers.hpp
 /// @file
-/// @brief The persistent device worker threads that run global-view operations (elementwise,
-/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+/// @brief The persistent device threads that run every local device at once: `spmd` and
+/// `shard_map` calls on a `thread_backend` / `thread_runner` (exec/thread_runner.hpp), and
+/// global-view operations (elementwise, reductions, matmul, transpose on `sharded_tensor`s).
 ///
-/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
-/// more than a small kernel; these threads start on first use and wait (blocked, so an
-/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
-/// always run by the same worker (its index in the call's device list), on device `d`'s own
-/// execution-space instance (`device_instance`), so its kernels never queue behind another
-/// device's. Workers are pinned to one core each when the machine has at least as many cores as
-/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
-/// a few launches took 150x longer).
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per device
+/// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
+/// a training step's collectives; these threads start on first use and wait, blocked on a futex so
+/// that an oversubscribed machine loses no core to them, for the next job. Index `i` of a job is
+/// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
+/// keeps its thread, its thread-local state and its execution-space instance from call to call.
+/// Workers are pinned to one core each while a job has no more indices than the process has
+/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
+/// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
 ///
-/// The calling thread runs the first device itself. A global-view operation called from inside
-/// another one (or from a worker) runs its devices one after another instead of waiting for
-/// workers that are busy with its caller.
+/// The pool lives in the tensor layer because global-view operations use it; the exec layer's
+/// runners (exec/runner.hpp) build on it. There is one process-wide pool (`get()`), and a
+/// `thread_runner` owns one of its own for as long as the user keeps it.
+///
+/// No job waits for the pool: a job submitted from inside a job (from a device thread of any pool)
+/// or while another thread's job runs is refused by `try_run`, and `run` then runs its indices one
+/// after another on the calling thread (global-view operations: their devices do not talk to each
+/// other), while `spmd` starts threads of its own (its devices do).
 
-#include <condition_variable>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -5811,74 +5844,93 @@ auto to_host(const X& x) {
 
 namespace meshlib::detail {
 
+/// Whether the calling thread is running an index of a `device_workers` job (any pool's).
 inline bool& in_device_worker() noexcept {
   thread_local bool inside = false;
   return inside;
 }
 
-/// The process-wide pool (see the file comment).
+/// A pool of persistent device threads (see the file comment).
 class device_workers {
  public:
+  /// The process-wide pool: started on first use, its threads joined at exit.
   static device_workers& get() {
     static device_workers w;
     return w;
   }
+  /// An empty pool; threads start on the first job that needs them.
+  device_workers() = default;
   device_workers(const device_workers&) = delete;
   device_workers& operator=(const device_workers&) = delete;
+  /// Stops and joins every worker (none may be running a job: jobs are synchronous).
   ~device_workers() {
-    {
-      std::lock_guard l(m_);
-      stop_ = true;
+    stop_.store(true, std::memory_order_release);
+    for (auto& w : workers_) {
+      w->go.fetch_add(1, std::memory_order_release);
+      w->go.notify_one();
     }
-    work_cv_.notify_all();
-    for (auto& t : threads_) t.join();
+    for (auto& w : workers_) w->thread.join();
   }
 
-  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
-  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  /// Calls `f(i)` for every `i` in `[0, count)` at once, `i = 0` on the calling thread and `i` on
+  /// worker `i`, and returns when all have returned; rethrows the exception of the lowest `i` that
+  /// threw. When the pool cannot take the job (see the file comment), runs the indices one after
+  /// another on the calling thread instead.
   template <class F>
   void run(std::size_t count, F& f) {
-    if (count == 0) return;
     std::vector<std::exception_ptr> errors(count);
-    struct context {
-      F* f;
-      std::exception_ptr* errors;
-    } ctx{&f, errors.data()};
-    auto call = [](void* p, std::size_t i) {
-      auto* c = static_cast<context*>(p);
+    auto guarded = [&](std::size_t i) {
       try {
-        (*c->f)(i);
+        f(i);
       } catch (...) {
-        c->errors[i] = std::current_exception();
+        errors[i] = std::current_exception();
       }
     };
-    if (count == 1 || in_device_worker()) {
+    if (!try_run(count, guarded)) {
       inside_guard g;
-      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
-    } else {
-      std::lock_guard submit(submit_);
-      grow(count - 1);
-      {
-        std::lock_guard l(m_);
-        job_ = job{call, &ctx, count};
-        remaining_ = count - 1;
-        ++generation_;
-      }
-      work_cv_.notify_all();
-      {
-        inside_guard g;
-        call(&ctx, 0);
-      }
-      std::unique_lock l(m_);
-      done_cv_.wait(l, [&] { return remaining_ == 0; });
+      for (std::size_t i = 0; i < count; ++i) guarded(i);
     }
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   }
 
- private:
-  device_workers() = default;
+  /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
+  /// while another thread's job runs, so that a caller whose indices must run at the same time
+  /// (they communicate) can start threads of its own instead.
+  /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
+  template <class F>
+  [[nodiscard]] bool try_run(std::size_t count, F& f) {
+    if (count == 0) return true;
+    if (in_device_worker()) return false;
+    std::unique_lock submit(submit_, std::try_to_lock);
+    if (!submit.owns_lock()) return false;
+    if (count == 1) {
+      inside_guard g;
+      f(std::size_t{0});
+      return true;
+    }
+    grow(count - 1);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin_fits(count)};
+    remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
+    for (std::size_t i = 1; i < count; ++i) {
+      auto& w = *workers_[i - 1];
+      w.go.fetch_add(1, std::memory_order_release);  // publishes job_ to worker i
+      w.go.notify_one();
+    }
+    {
+      inside_guard g;
+      f(std::size_t{0});
+    }
+    for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;
+         left = remaining_.load(std::memory_order_acquire))
+      remaining_.wait(left, std::memory_order_acquire);
+    return true;
+  }
 
+  /// Worker threads started so far (index `i` of a job runs on the `i`-th, for `i >= 1`).
+  [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
+
+ private:
   struct inside_guard {
     bool previous = in_device_worker();
     inside_guard() { in_device_worker() = true; }
@@ -5889,57 +5941,74 @@ class device_workers {
     void (*call)(void*, std::size_t) = nullptr;
     void* ctx = nullptr;
     std::size_t count = 0;
+    bool pin = false;
   };
 
-  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
-  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
-  /// with the caller); oversubscribed, they stay free to move to an idle core.
-  void grow(std::size_t n) {
-    if (threads_.size() >= n) return;
+  struct worker {
+    std::atomic<std::uint32_t> go{0};  // bumped once per job for this worker, and at stop
+    std::thread thread;
+  };
+
 #if defined(__linux__)
-    cpu_set_t allowed;
-    CPU_ZERO(&allowed);
-    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
-                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+  /// The CPUs this process may run on when the pool started its first worker.
+  static const cpu_set_t& allowed_cpus() {
+    static const cpu_set_t set = [] {
+      cpu_set_t s;
+      CPU_ZERO(&s);
+      if (pthread_getaffinity_np(pthread_self(), sizeof(s), &s) != 0) CPU_ZERO(&s);
+      return s;
+    }();
+    return set;
+  }
 #endif
-    while (threads_.size() < n) {
-      const std::size_t index = threads_.size() + 1;
+  /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
+  static bool pin_fits([[maybe_unused]] std::size_t count) {
 #if defined(__linux__)
-      threads_.emplace_back([this, index, pin, allowed] {
-        if (pin) pin_to(allowed, static_cast<int>(index));
-        serve(index);
-      });
+    return count <= static_cast<std::size_t>(CPU_COUNT(&allowed_cpus()));
 #else
-      threads_.emplace_back([this, index] { serve(index); });
+    return false;
 #endif
+  }
+
+  /// Starts workers until there are `n`.
+  void grow(std::size_t n) {
+    while (workers_.size() < n) {
+      auto w = std::make_unique<worker>();
+      const std::size_t index = workers_.size() + 1;
+      w->thread = std::thread([this, index, &go = w->go] { serve(index, go); });
+      workers_.push_back(std::move(w));
     }
   }
 
-  void serve(std::size_t index) {
+  /// Worker `index`'s loop: block until its `go` moves, run its index of the job, count down.
+  void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
     in_device_worker() = true;
-    std::uint64_t seen = 0;
-    std::unique_lock l(m_);
+    bool pinned = false;
+    std::uint32_t seen = 0;
     for (;;) {
-      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (index >= job_.count) continue;
+      go.wait(seen, std::memory_order_acquire);
+      seen = go.load(std::memory_order_acquire);
+      if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
-      l.unlock();
+#if defined(__linux__)
+      // Pinned while the job fits the cores (the comm layer's `pin_to`, as `run_on_threads` pins);
+      // given all CPUs back for a larger job. A syscall only when the policy changes.
+      if (j.pin != pinned) {
+        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
+        else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
+        pinned = j.pin;
+      }
+#endif
       j.call(j.ctx, index);
-      l.lock();
-      if (--remaining_ == 0) done_cv_.notify_one();
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
     }
   }
 
-  std::mutex submit_;  // one operation at a time
-  std::mutex m_;
-  std::condition_variable work_cv_, done_cv_;
-  std::uint64_t generation_ = 0;
+  std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
   job job_{};
-  std::size_t remaining_ = 0;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+  std::atomic<std::uint32_t> remaining_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::unique_ptr<worker>> workers_;  // workers_[i] serves index i + 1
 };
 
 /// Below this many element operations in all, waking workers costs more than it saves (a wake is
@@ -8378,10 +8447,12 @@ template <fixed_string Name>
 // begin meshlib/collectives/backend.hpp
 /// @file
 /// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
-/// thread per device on a fresh `thread_world`; a later backend (MPI: one process per rank) plugs
-/// into `shard_map`, `spmd` and `reshard` unchanged by providing the same two members.
+/// persistent thread per device on a fresh `thread_world`; the MPI backends (one process per
+/// rank, or threads in processes: comm/mpi/mpi_backend.hpp) plug into `shard_map`, `spmd` and
+/// `reshard` unchanged by providing the same members. exec/runner.hpp states this as the
+/// `runner` concept.
 ///
-/// A backend `B` provides:
+/// A backend `B` provides (and marks itself with `using is_runner = void;`):
 /// - `b.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh
 ///   that this process runs, `world` being that device's communicator over all `n` devices (rank
 ///   = device id), and returns when every call has returned. When a call throws, peers blocked in
@@ -8391,6 +8462,7 @@ template <fixed_string Name>
 
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -8399,25 +8471,49 @@ template <fixed_string Name>
 
 namespace meshlib {
 
-/// @brief The default backend: one thread per device, all in this process, over a fresh
-/// `thread_world` per call (`run_on_threads`).
+/// @brief The default backend (a runner: exec/runner.hpp): one thread per device, all in this
+/// process, each call on a fresh `thread_world`, run by persistent device threads
+/// (`detail::device_workers`): the process-wide ones, or those of a `thread_runner`
+/// (exec/thread_runner.hpp) that owns its own. Device 0 runs on the calling thread and device `d`
+/// always on the pool's worker `d`, so repeated calls reuse the same threads.
+///
+/// A call that the pool cannot take (a `spmd` inside a device of another call, or while another
+/// thread's call holds the pool) runs on threads started for it (`run_on_threads`), with the same
+/// results and errors: nested calls never wait for the threads of their caller.
 /// @code
 /// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
 /// @endcode
 struct thread_backend {
-  /// Options of each call's `thread_world` (timeout, spin policy), passed to `run_on_threads`.
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+
+  /// Options of each call's `thread_world` (timeout, spin policy). `pin_threads` applies only to
+  /// calls that start their own threads: the persistent ones pin themselves whenever every device
+  /// has a core (device_workers.hpp).
   thread_comm_options options{};
+  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
+  std::shared_ptr<detail::device_workers> workers{};
 
   /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
+  /// @throws participant_error naming the root-cause device (see the file comment).
   template <class Body>
   void run(std::size_t n, Body&& body) const {
-    run_on_threads(
-        static_cast<int>(n),
-        [&](thread_communicator& c) {
-          const auto device = static_cast<std::size_t>(c.rank());
-          body(device, std::move(c));
-        },
-        options);
+    auto device = [&](thread_communicator& c) {
+      const auto d = static_cast<std::size_t>(c.rank());
+      body(d, std::move(c));
+    };
+    const int size = static_cast<int>(n);
+    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
+    // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
+    // a microsecond per device next to the wake-up of the threads.
+    thread_world world(size, options);
+    detail::participant_failures failures(size);
+    auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
+    if (!pool.try_run(n, task)) {
+      run_on_threads(size, device, options);
+      return;
+    }
+    failures.rethrow(world);
   }
 
   /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).
@@ -10275,8 +10371,92 @@ template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thr
 // end meshlib/collectives.hpp
 // begin meshlib/exec.hpp
 /// @file
-/// @brief The exec layer: `spmd(mesh, fn)` and `shard_map(fn, mesh, in_specs, out_specs)`.
+/// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
+/// `shard_map(fn, mesh, in_specs, out_specs)`.
 
+// begin meshlib/exec/runner.hpp
+/// @file
+/// @brief The `runner` concept: what runs one program per device for `spmd`, `shard_map` and
+/// `reshard`. Satisfied by `thread_backend` / `thread_runner` (persistent threads in this
+/// process), and, with MPI, by `mpi_backend` (a process per device) and `hybrid_backend` (threads
+/// in processes).
+/// @code
+/// static_assert(meshlib::runner<meshlib::thread_runner>);
+/// meshlib::thread_runner r;                     // owns its device threads while it lives
+/// meshlib::spmd(m, [] { /* ... */ }, r);        // every call reuses them
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <vector>
+
+namespace meshlib {
+
+namespace detail {
+/// A device body as `run_devices` hands it to a runner: called once per local device with that
+/// device's world communicator, whatever its type.
+struct runner_body_archetype {
+  template <class Communicator>
+  void operator()(std::size_t, Communicator) const {}
+};
+}  // namespace detail
+
+/// @brief A runner: opts in with `using is_runner = void;` and provides
+/// - `r.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh that
+///   this process runs, `world` being that device's communicator over all `n` devices (rank =
+///   device id); returns when every call has returned. When a call throws, peers blocked in
+///   collectives are released (the communicator aborts) and `run` throws `participant_error`
+///   naming the root cause's rank, the device's exception nested.
+/// - `r.local_devices(n)`: the devices this process runs, ascending.
+///
+/// Which runner is the default: `thread_backend` on the process-wide device threads, also after
+/// `distributed::initialize` (an MPI launch passes `mpi_backend` or `hybrid_backend` explicitly,
+/// as `docs/multi-process.md` shows).
+template <class R>
+concept runner = requires { typename R::is_runner; } &&
+                 requires(const R& r, std::size_t n, detail::runner_body_archetype body) {
+                   r.run(n, body);
+                   { r.local_devices(n) } -> std::same_as<std::vector<std::size_t>>;
+                 };
+
+}  // namespace meshlib
+// end meshlib/exec/runner.hpp
+// begin meshlib/exec/thread_runner.hpp
+/// @file
+/// @brief `thread_runner`: a thread runner that owns its device threads for as long as the user
+/// keeps it (or any copy of it). Without one, `spmd` and `shard_map` run on the process-wide
+/// device threads, which are just as persistent; an own runner keeps a library's or a test's
+/// devices off the threads that global-view operations and other callers use, and ends its
+/// threads when it goes.
+/// @code
+/// meshlib::mesh<meshlib::axis<"x">> m{4};
+/// meshlib::thread_runner runner({.timeout = std::chrono::seconds(10)});
+/// for (int step = 0; step < 1000; ++step)
+///   meshlib::spmd(m, [] { /* one step */ }, runner);     // the same 3 worker threads every step
+/// @endcode
+
+#include <memory>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief A `thread_backend` with device threads of its own: they start on the first call that
+/// needs them (as many as the largest mesh run on it, less the calling thread, which runs device
+/// 0) and are joined when the last copy of the runner is destroyed. Calls on one runner run one
+/// at a time; a call made while another thread's call runs on it, or from inside one of its
+/// devices, starts threads of its own (see `thread_backend`).
+struct thread_runner : thread_backend {
+  /// A runner whose calls' communicators get `options` (timeout, spin policy).
+  explicit thread_runner(thread_comm_options options = {})
+      : thread_backend{std::move(options), std::make_shared<detail::device_workers>()} {}
+};
+
+static_assert(runner<thread_backend>);
+static_assert(runner<thread_runner>);
+
+}  // namespace meshlib
+// end meshlib/exec/thread_runner.hpp
 // begin meshlib/exec/spmd.hpp
 /// @file
 /// @brief `spmd(mesh, fn)`: runs `fn` once per device of `mesh`, as a multi-controller JAX program
@@ -10305,14 +10485,14 @@ template <class Fn>
 using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
 }  // namespace detail
 
-/// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend` (default: one thread
-/// per device, thread communicator).
+/// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
+/// the process-wide persistent device threads, thread communicator; a `thread_runner` owns its own).
 /// @returns nothing when `fn` returns nothing; otherwise one result per device, indexed by device
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
 /// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
-template <mesh_type Mesh, class Fn, class Backend = thread_backend>
+template <mesh_type Mesh, class Fn, runner Backend = thread_backend>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
@@ -10719,8 +10899,9 @@ class shard_map_fn {
 /// @brief `fn` mapped over the blocks of its inputs on `mesh` (JAX `shard_map(fn, mesh=, in_specs=,
 /// out_specs=)`). `in_specs` / `out_specs`: a `P<...>{}` for one input / output, or
 /// `specs<P<...>, ...>{}` for several (then `fn` returns a `std::tuple`). `fn` is called once per
-/// device with that device's `local_tensor` blocks, on `backend` (default: one thread per device).
-template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend = thread_backend>
+/// device with that device's `local_tensor` blocks, on `backend`, a `runner` (default: the
+/// process-wide persistent device threads; exec/runner.hpp).
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backend = thread_backend>
 [[nodiscard]] auto shard_map(Fn fn, const Mesh& mesh, InSpecs, OutSpecs, Backend backend = {}) {
   return shard_map_fn<Fn, Mesh, InSpecs, OutSpecs, Backend>(std::move(fn), mesh, std::move(backend));
 }
@@ -13093,9 +13274,10 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 // end meshlib/comm/mpi/hybrid_communicator.hpp
 // begin meshlib/comm/mpi/mpi_backend.hpp
 /// @file
-/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the
-/// exec layer asks of a backend (see `meshlib/collectives/backend.hpp`): `run(n, body)` and
-/// `local_devices(n)`.
+/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI: runners (the concept of
+/// `meshlib/exec/runner.hpp`, members as `meshlib/collectives/backend.hpp` describes them):
+/// `run(n, body)` and `local_devices(n)`. Unlike `thread_backend`, `hybrid_backend` still starts
+/// its threads on every call (`run_hybrid`).
 ///
 /// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
 /// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
@@ -13124,6 +13306,8 @@ namespace meshlib {
 
 /// @brief One device per MPI rank of `comm`.
 struct mpi_backend {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
   /// The MPI communicator whose ranks are the devices (one device per rank).
   mpi_communicator comm;
 
@@ -13158,6 +13342,8 @@ struct mpi_backend {
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
 struct hybrid_backend {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
   /// The MPI communicator over the processes.
   mpi_communicator comm;
   /// Threads (devices) per process; the mesh has ranks times threads devices.

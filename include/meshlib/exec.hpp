@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The exec layer: `spmd(mesh, fn)` and `shard_map(fn, mesh, in_specs, out_specs)`.
+/// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
+/// `shard_map(fn, mesh, in_specs, out_specs)`.
 
+#include "meshlib/exec/runner.hpp"
+#include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/exec/shard_map.hpp"

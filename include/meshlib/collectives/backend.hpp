@@ -2,10 +2,12 @@
 #pragma once
 /// @file
 /// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
-/// thread per device on a fresh `thread_world`; a later backend (MPI: one process per rank) plugs
-/// into `shard_map`, `spmd` and `reshard` unchanged by providing the same two members.
+/// persistent thread per device on a fresh `thread_world`; the MPI backends (one process per
+/// rank, or threads in processes: comm/mpi/mpi_backend.hpp) plug into `shard_map`, `spmd` and
+/// `reshard` unchanged by providing the same members. exec/runner.hpp states this as the
+/// `runner` concept.
 ///
-/// A backend `B` provides:
+/// A backend `B` provides (and marks itself with `using is_runner = void;`):
 /// - `b.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh
 ///   that this process runs, `world` being that device's communicator over all `n` devices (rank
 ///   = device id), and returns when every call has returned. When a call throws, peers blocked in
@@ -15,6 +17,7 @@
 
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -26,29 +29,54 @@
 #include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
 
-/// @brief The default backend: one thread per device, all in this process, over a fresh
-/// `thread_world` per call (`run_on_threads`).
+/// @brief The default backend (a runner: exec/runner.hpp): one thread per device, all in this
+/// process, each call on a fresh `thread_world`, run by persistent device threads
+/// (`detail::device_workers`): the process-wide ones, or those of a `thread_runner`
+/// (exec/thread_runner.hpp) that owns its own. Device 0 runs on the calling thread and device `d`
+/// always on the pool's worker `d`, so repeated calls reuse the same threads.
+///
+/// A call that the pool cannot take (a `spmd` inside a device of another call, or while another
+/// thread's call holds the pool) runs on threads started for it (`run_on_threads`), with the same
+/// results and errors: nested calls never wait for the threads of their caller.
 /// @code
 /// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
 /// @endcode
 struct thread_backend {
-  /// Options of each call's `thread_world` (timeout, spin policy), passed to `run_on_threads`.
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+
+  /// Options of each call's `thread_world` (timeout, spin policy). `pin_threads` applies only to
+  /// calls that start their own threads: the persistent ones pin themselves whenever every device
+  /// has a core (device_workers.hpp).
   thread_comm_options options{};
+  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
+  std::shared_ptr<detail::device_workers> workers{};
 
   /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
+  /// @throws participant_error naming the root-cause device (see the file comment).
   template <class Body>
   void run(std::size_t n, Body&& body) const {
-    run_on_threads(
-        static_cast<int>(n),
-        [&](thread_communicator& c) {
-          const auto device = static_cast<std::size_t>(c.rank());
-          body(device, std::move(c));
-        },
-        options);
+    auto device = [&](thread_communicator& c) {
+      const auto d = static_cast<std::size_t>(c.rank());
+      body(d, std::move(c));
+    };
+    const int size = static_cast<int>(n);
+    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
+    // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
+    // a microsecond per device next to the wake-up of the threads.
+    thread_world world(size, options);
+    detail::participant_failures failures(size);
+    auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
+    if (!pool.try_run(n, task)) {
+      run_on_threads(size, device, options);
+      return;
+    }
+    failures.rethrow(world);
   }
 
   /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).

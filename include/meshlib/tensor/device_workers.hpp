@@ -1,26 +1,34 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The persistent device worker threads that run global-view operations (elementwise,
-/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+/// @brief The persistent device threads that run every local device at once: `spmd` and
+/// `shard_map` calls on a `thread_backend` / `thread_runner` (exec/thread_runner.hpp), and
+/// global-view operations (elementwise, reductions, matmul, transpose on `sharded_tensor`s).
 ///
-/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
-/// more than a small kernel; these threads start on first use and wait (blocked, so an
-/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
-/// always run by the same worker (its index in the call's device list), on device `d`'s own
-/// execution-space instance (`device_instance`), so its kernels never queue behind another
-/// device's. Workers are pinned to one core each when the machine has at least as many cores as
-/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
-/// a few launches took 150x longer).
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per device
+/// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
+/// a training step's collectives; these threads start on first use and wait, blocked on a futex so
+/// that an oversubscribed machine loses no core to them, for the next job. Index `i` of a job is
+/// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
+/// keeps its thread, its thread-local state and its execution-space instance from call to call.
+/// Workers are pinned to one core each while a job has no more indices than the process has
+/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
+/// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
 ///
-/// The calling thread runs the first device itself. A global-view operation called from inside
-/// another one (or from a worker) runs its devices one after another instead of waiting for
-/// workers that are busy with its caller.
+/// The pool lives in the tensor layer because global-view operations use it; the exec layer's
+/// runners (exec/runner.hpp) build on it. There is one process-wide pool (`get()`), and a
+/// `thread_runner` owns one of its own for as long as the user keeps it.
+///
+/// No job waits for the pool: a job submitted from inside a job (from a device thread of any pool)
+/// or while another thread's job runs is refused by `try_run`, and `run` then runs its indices one
+/// after another on the calling thread (global-view operations: their devices do not talk to each
+/// other), while `spmd` starts threads of its own (its devices do).
 
-#include <condition_variable>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -31,74 +39,93 @@
 
 namespace meshlib::detail {
 
+/// Whether the calling thread is running an index of a `device_workers` job (any pool's).
 inline bool& in_device_worker() noexcept {
   thread_local bool inside = false;
   return inside;
 }
 
-/// The process-wide pool (see the file comment).
+/// A pool of persistent device threads (see the file comment).
 class device_workers {
  public:
+  /// The process-wide pool: started on first use, its threads joined at exit.
   static device_workers& get() {
     static device_workers w;
     return w;
   }
+  /// An empty pool; threads start on the first job that needs them.
+  device_workers() = default;
   device_workers(const device_workers&) = delete;
   device_workers& operator=(const device_workers&) = delete;
+  /// Stops and joins every worker (none may be running a job: jobs are synchronous).
   ~device_workers() {
-    {
-      std::lock_guard l(m_);
-      stop_ = true;
+    stop_.store(true, std::memory_order_release);
+    for (auto& w : workers_) {
+      w->go.fetch_add(1, std::memory_order_release);
+      w->go.notify_one();
     }
-    work_cv_.notify_all();
-    for (auto& t : threads_) t.join();
+    for (auto& w : workers_) w->thread.join();
   }
 
-  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
-  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  /// Calls `f(i)` for every `i` in `[0, count)` at once, `i = 0` on the calling thread and `i` on
+  /// worker `i`, and returns when all have returned; rethrows the exception of the lowest `i` that
+  /// threw. When the pool cannot take the job (see the file comment), runs the indices one after
+  /// another on the calling thread instead.
   template <class F>
   void run(std::size_t count, F& f) {
-    if (count == 0) return;
     std::vector<std::exception_ptr> errors(count);
-    struct context {
-      F* f;
-      std::exception_ptr* errors;
-    } ctx{&f, errors.data()};
-    auto call = [](void* p, std::size_t i) {
-      auto* c = static_cast<context*>(p);
+    auto guarded = [&](std::size_t i) {
       try {
-        (*c->f)(i);
+        f(i);
       } catch (...) {
-        c->errors[i] = std::current_exception();
+        errors[i] = std::current_exception();
       }
     };
-    if (count == 1 || in_device_worker()) {
+    if (!try_run(count, guarded)) {
       inside_guard g;
-      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
-    } else {
-      std::lock_guard submit(submit_);
-      grow(count - 1);
-      {
-        std::lock_guard l(m_);
-        job_ = job{call, &ctx, count};
-        remaining_ = count - 1;
-        ++generation_;
-      }
-      work_cv_.notify_all();
-      {
-        inside_guard g;
-        call(&ctx, 0);
-      }
-      std::unique_lock l(m_);
-      done_cv_.wait(l, [&] { return remaining_ == 0; });
+      for (std::size_t i = 0; i < count; ++i) guarded(i);
     }
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   }
 
- private:
-  device_workers() = default;
+  /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
+  /// while another thread's job runs, so that a caller whose indices must run at the same time
+  /// (they communicate) can start threads of its own instead.
+  /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
+  template <class F>
+  [[nodiscard]] bool try_run(std::size_t count, F& f) {
+    if (count == 0) return true;
+    if (in_device_worker()) return false;
+    std::unique_lock submit(submit_, std::try_to_lock);
+    if (!submit.owns_lock()) return false;
+    if (count == 1) {
+      inside_guard g;
+      f(std::size_t{0});
+      return true;
+    }
+    grow(count - 1);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin_fits(count)};
+    remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
+    for (std::size_t i = 1; i < count; ++i) {
+      auto& w = *workers_[i - 1];
+      w.go.fetch_add(1, std::memory_order_release);  // publishes job_ to worker i
+      w.go.notify_one();
+    }
+    {
+      inside_guard g;
+      f(std::size_t{0});
+    }
+    for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;
+         left = remaining_.load(std::memory_order_acquire))
+      remaining_.wait(left, std::memory_order_acquire);
+    return true;
+  }
 
+  /// Worker threads started so far (index `i` of a job runs on the `i`-th, for `i >= 1`).
+  [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
+
+ private:
   struct inside_guard {
     bool previous = in_device_worker();
     inside_guard() { in_device_worker() = true; }
@@ -109,57 +136,74 @@ class device_workers {
     void (*call)(void*, std::size_t) = nullptr;
     void* ctx = nullptr;
     std::size_t count = 0;
+    bool pin = false;
   };
 
-  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
-  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
-  /// with the caller); oversubscribed, they stay free to move to an idle core.
-  void grow(std::size_t n) {
-    if (threads_.size() >= n) return;
+  struct worker {
+    std::atomic<std::uint32_t> go{0};  // bumped once per job for this worker, and at stop
+    std::thread thread;
+  };
+
 #if defined(__linux__)
-    cpu_set_t allowed;
-    CPU_ZERO(&allowed);
-    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
-                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+  /// The CPUs this process may run on when the pool started its first worker.
+  static const cpu_set_t& allowed_cpus() {
+    static const cpu_set_t set = [] {
+      cpu_set_t s;
+      CPU_ZERO(&s);
+      if (pthread_getaffinity_np(pthread_self(), sizeof(s), &s) != 0) CPU_ZERO(&s);
+      return s;
+    }();
+    return set;
+  }
 #endif
-    while (threads_.size() < n) {
-      const std::size_t index = threads_.size() + 1;
+  /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
+  static bool pin_fits([[maybe_unused]] std::size_t count) {
 #if defined(__linux__)
-      threads_.emplace_back([this, index, pin, allowed] {
-        if (pin) pin_to(allowed, static_cast<int>(index));
-        serve(index);
-      });
+    return count <= static_cast<std::size_t>(CPU_COUNT(&allowed_cpus()));
 #else
-      threads_.emplace_back([this, index] { serve(index); });
+    return false;
 #endif
+  }
+
+  /// Starts workers until there are `n`.
+  void grow(std::size_t n) {
+    while (workers_.size() < n) {
+      auto w = std::make_unique<worker>();
+      const std::size_t index = workers_.size() + 1;
+      w->thread = std::thread([this, index, &go = w->go] { serve(index, go); });
+      workers_.push_back(std::move(w));
     }
   }
 
-  void serve(std::size_t index) {
+  /// Worker `index`'s loop: block until its `go` moves, run its index of the job, count down.
+  void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
     in_device_worker() = true;
-    std::uint64_t seen = 0;
-    std::unique_lock l(m_);
+    bool pinned = false;
+    std::uint32_t seen = 0;
     for (;;) {
-      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (index >= job_.count) continue;
+      go.wait(seen, std::memory_order_acquire);
+      seen = go.load(std::memory_order_acquire);
+      if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
-      l.unlock();
+#if defined(__linux__)
+      // Pinned while the job fits the cores (the comm layer's `pin_to`, as `run_on_threads` pins);
+      // given all CPUs back for a larger job. A syscall only when the policy changes.
+      if (j.pin != pinned) {
+        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
+        else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
+        pinned = j.pin;
+      }
+#endif
       j.call(j.ctx, index);
-      l.lock();
-      if (--remaining_ == 0) done_cv_.notify_one();
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
     }
   }
 
-  std::mutex submit_;  // one operation at a time
-  std::mutex m_;
-  std::condition_variable work_cv_, done_cv_;
-  std::uint64_t generation_ = 0;
+  std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
   job job_{};
-  std::size_t remaining_ = 0;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+  std::atomic<std::uint32_t> remaining_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::unique_ptr<worker>> workers_;  // workers_[i] serves index i + 1
 };
 
 /// Below this many element operations in all, waking workers costs more than it saves (a wake is

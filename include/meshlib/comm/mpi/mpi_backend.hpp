@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the
-/// exec layer asks of a backend (see `meshlib/collectives/backend.hpp`): `run(n, body)` and
-/// `local_devices(n)`.
+/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI: runners (the concept of
+/// `meshlib/exec/runner.hpp`, members as `meshlib/collectives/backend.hpp` describes them):
+/// `run(n, body)` and `local_devices(n)`. Unlike `thread_backend`, `hybrid_backend` still starts
+/// its threads on every call (`run_hybrid`).
 ///
 /// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
 /// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
@@ -37,6 +38,8 @@ namespace meshlib {
 
 /// @brief One device per MPI rank of `comm`.
 struct mpi_backend {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
   /// The MPI communicator whose ranks are the devices (one device per rank).
   mpi_communicator comm;
 
@@ -71,6 +74,8 @@ struct mpi_backend {
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
 struct hybrid_backend {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
   /// The MPI communicator over the processes.
   mpi_communicator comm;
   /// Threads (devices) per process; the mesh has ranks times threads devices.

@@ -65,6 +65,54 @@ inline std::string what_of(const std::exception_ptr& e) {
     return "an exception not derived from std::exception";
   }
 }
+
+/// @brief The participants' failures in one run on a `thread_world`, and who is blamed for them:
+/// shared by `run_on_threads` and the persistent device threads (`thread_backend`), so that both
+/// report the same root cause with the same message.
+class participant_failures {
+ public:
+  /// For a world of `n` participants.
+  explicit participant_failures(int n) : errors_(static_cast<std::size_t>(n)) {}
+
+  /// Runs `fn(comm)` as participant `r` of `world`; an exception is recorded and aborts the world
+  /// with it as the root cause (while `r` still holds its handle, so the abort, not its departure,
+  /// is what its peers see).
+  template <class F>
+  void run(thread_world& world, int r, F& fn) {
+    thread_communicator comm = world.communicator(r);
+    try {
+      fn(comm);
+    } catch (...) {
+      errors_[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, what_of(errors_[static_cast<std::size_t>(r)]));
+    }
+  }
+
+  /// Once every participant has ended: throws `participant_error` for the root cause, if any
+  /// failed. The blamed participant is the world's root cause (the first to throw, or the first
+  /// that never arrived at a collective that timed out), even when it threw nothing itself (it
+  /// was only late); the exception reported is its own, else that of the lowest participant that threw.
+  void rethrow(const thread_world& world) const {
+    const int n = static_cast<int>(errors_.size());
+    int root = world.failed() ? world.root_cause_rank() : -1;
+    int source = -1;
+    for (int r = 0; r < n && source < 0; ++r)
+      if (errors_[static_cast<std::size_t>(r)]) source = r;
+    if (source < 0) return;
+    if (root < 0 || root >= n) root = source;
+    else if (errors_[static_cast<std::size_t>(root)]) source = root;
+    const auto& e = errors_[static_cast<std::size_t>(source)];
+    try {
+      std::rethrow_exception(e);
+    } catch (...) {
+      throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
+                                        " failed: " + what_of(e));
+    }
+  }
+
+ private:
+  std::vector<std::exception_ptr> errors_;
+};
 }  // namespace detail
 
 /// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
@@ -90,7 +138,6 @@ template <class F>
 void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   const bool pin = options.pin_threads;
   thread_world world(n, std::move(options));
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
 #if defined(__linux__)
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
@@ -108,17 +155,12 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
 #else
   (void)pin;
 #endif
+  detail::participant_failures failures(n);
   auto body = [&](int r) {
 #if defined(__linux__)
     if (can_pin) detail::pin_to(allowed, r);
 #endif
-    thread_communicator comm = world.communicator(r);
-    try {
-      fn(comm);
-    } catch (...) {
-      errors[static_cast<std::size_t>(r)] = std::current_exception();
-      world.abort(r, detail::what_of(errors[static_cast<std::size_t>(r)]));
-    }
+    failures.run(world, r, fn);
   };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(n > 0 ? n - 1 : 0));
@@ -131,24 +173,7 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
   }
   body(0);
   for (auto& t : threads) t.join();
-
-  // The blamed participant is the world's root cause (the first to throw, or the first that never
-  // arrived at a collective that timed out), even when it threw nothing itself (it was only late);
-  // the exception reported is its own, else that of the lowest participant that threw.
-  int root = world.failed() ? world.root_cause_rank() : -1;
-  int source = -1;
-  for (int r = 0; r < n && source < 0; ++r)
-    if (errors[static_cast<std::size_t>(r)]) source = r;
-  if (source < 0) return;
-  if (root < 0 || root >= n) root = source;
-  else if (errors[static_cast<std::size_t>(root)]) source = root;
-  const auto& e = errors[static_cast<std::size_t>(source)];
-  try {
-    std::rethrow_exception(e);
-  } catch (...) {
-    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                      " failed: " + detail::what_of(e));
-  }
+  failures.rethrow(world);
 }
 
 }  // namespace meshlib

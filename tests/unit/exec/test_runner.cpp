@@ -1,0 +1,203 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// Runners (exec/runner.hpp, exec/thread_runner.hpp): spmd and shard_map on persistent device
+// threads. Repeated calls give the values computed here independently, on the same threads (the
+// proof that they persist); a failed call leaves the next one a fresh world; nested calls, calls
+// from two threads at once and meshes of changing size neither deadlock nor mix up devices.
+#include <array>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
+#include "meshlib_catch.hpp"
+#include "message_of.hpp"
+
+using namespace meshlib;
+
+namespace {
+
+using mesh1 = mesh<axis<"x">>;
+using L = local_tensor<double, 1, mesh1, mesh1::all_axes>;
+
+// Each device contributes (device + 1) * k; psum over all of them; returns what each device got.
+template <class Runner>
+std::vector<double> device_sums(const mesh1& m, double k, const Runner& runner) {
+  return spmd(
+      m,
+      [&] {
+        L x(std::array<std::size_t, 1>{1}, m, device_index());
+        x.data()[0] = static_cast<double>(device_index() + 1) * k;
+        return psum<"x">(x).data()[0];
+      },
+      runner);
+}
+
+// 1 + 2 + ... + n, times k: what every device of `device_sums` must get.
+double expected_sum(std::size_t n, double k) { return k * static_cast<double>(n * (n + 1) / 2); }
+
+template <class Runner>
+std::vector<std::thread::id> device_threads(const mesh1& m, const Runner& runner) {
+  return spmd(m, [] { return std::this_thread::get_id(); }, runner);
+}
+
+// Has run/local_devices like a runner but does not opt in: not a runner (opt-in, not shape).
+struct lookalike {
+  template <class Body>
+  void run(std::size_t, Body&&) const {}
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t) const { return {}; }
+};
+
+}  // namespace
+
+static_assert(runner<thread_backend>);
+static_assert(runner<thread_runner>);
+static_assert(!runner<lookalike>);
+static_assert(!runner<int>);
+
+TEMPLATE_TEST_CASE("repeated calls give the independently computed sums, on the same threads every time",
+                   "[exec][runner]", thread_backend, thread_runner) {
+  const TestType runner{};
+  const mesh1 m{4};
+  const auto first = device_threads(m, runner);
+  REQUIRE(first.size() == 4);
+  CHECK(first[0] == std::this_thread::get_id());  // device 0 runs on the caller
+  for (std::size_t d = 1; d < 4; ++d)
+    for (std::size_t e = 0; e < d; ++e) CHECK(first[d] != first[e]);
+  for (int call = 0; call < 50; ++call) {
+    const double k = 1.0 + call;
+    const auto sums = device_sums(m, k, runner);
+    REQUIRE(sums.size() == 4);
+    for (double s : sums) CHECK(s == expected_sum(4, k));
+  }
+  CHECK(device_threads(m, runner) == first);  // persistent: no thread was replaced
+}
+
+TEST_CASE("shard_map on a thread_runner reuses its threads and computes the same as the default", "[exec][runner]") {
+  const mesh1 m{4};
+  const thread_runner runner;
+  std::vector<double> host(8);
+  for (std::size_t i = 0; i < 8; ++i) host[i] = static_cast<double>(i) * 0.5 - 1;
+  auto x = from_host(named_sharding<mesh1, P<"x">>{m}, std::array<std::size_t, 1>{8}, host);
+  const auto ids = device_threads(m, runner);
+  for (int call = 0; call < 5; ++call) {
+    auto f = shard_map(
+        [&](auto b) {
+          decltype(b) y(b.shape(), b.mesh(), b.device());  // a copy would share b's view
+          for (std::size_t i = 0; i < b.size(); ++i) y.data()[i] = b.data()[i] * 3 + call;
+          return y;
+        },
+        m, P<"x">{}, P<"x">{}, runner);
+    const auto got = f(x).to_host();
+    REQUIRE(got.size() == 8);
+    for (std::size_t i = 0; i < 8; ++i) CHECK(got[i] == host[i] * 3 + call);
+  }
+  CHECK(device_threads(m, runner) == ids);
+}
+
+TEST_CASE("after a failed call the next call runs on a fresh world, on the same threads", "[exec][runner][errors]") {
+  const mesh1 m{3};
+  const thread_runner runner;
+  const auto ids = device_threads(m, runner);
+  for (int round = 0; round < 3; ++round) {
+    bool caught = false;
+    try {
+      spmd(
+          m,
+          [&] {
+            if (device_index() == 1) throw std::runtime_error("boom in round " + std::to_string(round));
+            L x(std::array<std::size_t, 1>{1}, m, device_index());
+            (void)psum<"x">(x);  // devices 0 and 2 wait for device 1: released by the abort
+          },
+          runner);
+    } catch (const device_error& e) {
+      caught = true;
+      CHECK(e.device() == 1);
+      CHECK(std::string(e.what()) ==
+            "meshlib: device 1 of mesh{'x': 3} failed: boom in round " + std::to_string(round));
+      REQUIRE_THROWS_AS(e.rethrow_cause(), std::runtime_error);
+    }
+    CHECK(caught);
+    // The world of the failed call stays failed; the next call must not see it.
+    const auto sums = device_sums(m, 2.0, runner);
+    for (double s : sums) CHECK(s == expected_sum(3, 2.0));
+  }
+  CHECK(device_threads(m, runner) == ids);
+  // Outside any call the calling thread is no device again.
+  REQUIRE_THROWS_AS(device_index(), spmd_context_error);
+}
+
+TEMPLATE_TEST_CASE("an spmd inside a device of another runs to completion (threads of its own)", "[exec][runner]",
+                   thread_backend, thread_runner) {
+  const TestType runner{};
+  const mesh1 outer{2}, inner{3};
+  const auto outer_ids = device_threads(outer, runner);
+  const auto got = spmd(
+      outer,
+      [&] {
+        const std::size_t me = device_index();
+        // The inner devices talk to each other, so they cannot run one after another on this thread.
+        const auto sums = device_sums(inner, static_cast<double>(me + 1), runner);
+        const auto ids = device_threads(inner, runner);
+        // The inner call's device 0 is this outer device's thread; the outer device is itself again after it.
+        const bool inner0_here = ids[0] == std::this_thread::get_id();
+        const bool back = device_index() == me;
+        return std::array<double, 5>{sums[0], sums[1], sums[2], inner0_here ? 1.0 : 0.0, back ? 1.0 : 0.0};
+      },
+      runner);
+  REQUIRE(got.size() == 2);
+  for (std::size_t d = 0; d < 2; ++d) {
+    INFO("outer device " << d);
+    for (std::size_t i = 0; i < 3; ++i) CHECK(got[d][i] == expected_sum(3, static_cast<double>(d + 1)));
+    CHECK(got[d][3] == 1.0);
+    CHECK(got[d][4] == 1.0);
+  }
+  CHECK(device_threads(outer, runner) == outer_ids);  // the nested calls left the runner's threads alone
+}
+
+TEST_CASE("meshes of different sizes in sequence: device d of each runs on worker d", "[exec][runner]") {
+  const thread_runner runner;
+  const auto big = device_threads(mesh1{8}, runner);
+  for (std::size_t n : {2u, 8u, 3u, 1u, 5u, 8u}) {
+    INFO(n << " devices");
+    const mesh1 m{n};
+    const auto ids = device_threads(m, runner);
+    REQUIRE(ids.size() == n);
+    for (std::size_t d = 0; d < n; ++d) CHECK(ids[d] == big[d]);
+    const auto sums = device_sums(m, 0.25, runner);
+    for (double s : sums) CHECK(s == expected_sum(n, 0.25));
+    const auto where = spmd(m, [] { return std::array<std::size_t, 2>{device_index(), axis_size<"x">()}; }, runner);
+    for (std::size_t d = 0; d < n; ++d) CHECK(where[d] == std::array<std::size_t, 2>{d, n});
+  }
+}
+
+TEST_CASE("two threads calling on one runner at once both finish with their own results", "[exec][runner]") {
+  const thread_runner runner;
+  const mesh1 m{2};
+  std::array<std::vector<double>, 2> got;
+  {
+    std::thread other([&] {
+      for (int i = 0; i < 20; ++i) got[1] = device_sums(m, 3.0, runner);
+    });
+    for (int i = 0; i < 20; ++i) got[0] = device_sums(m, 5.0, runner);
+    other.join();
+  }
+  CHECK(got[0] == std::vector<double>(2, expected_sum(2, 5.0)));
+  CHECK(got[1] == std::vector<double>(2, expected_sum(2, 3.0)));
+}
+
+TEST_CASE("a thread_runner joins its threads when its last copy goes, also after a failure", "[exec][runner]") {
+  const mesh1 m{4};
+  {
+    thread_runner runner;
+    const thread_runner copy = runner;  // copies share the threads
+    CHECK(device_threads(m, copy) == device_threads(m, runner));
+    REQUIRE_THROWS_AS(spmd(
+                          m, [] { if (device_index() == 3) throw std::logic_error("late failure"); }, runner),
+                      device_error);
+  }  // joins here: a hang would stop the test binary (the process-wide threads are joined at its exit)
+  const auto sums = device_sums(m, 1.0, thread_backend{});
+  for (double s : sums) CHECK(s == expected_sum(4, 1.0));
+}
