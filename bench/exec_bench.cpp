@@ -2,7 +2,9 @@
 // Execution-layer benchmarks (issue 9), each against a real peer in the same run, medians over
 // interleaved launches (a launch of one side, then one of the other, repeated), so that a stall of
 // the shared machine hits both sides alike:
-//  1. an empty `spmd` call on 2 and 8 devices (per call; target <= 10 us and <= 60 us);
+//  1. an empty `spmd` and `shard_map` call on 2 and 8 devices on the persistent device threads (the
+//     process-wide runner and an own `thread_runner`) against a thread started per device and call
+//     (per call; target <= 10 us and <= 60 us);
 //  2. typed `psum` (copying, and donated) against the thread communicator's own `all_reduce` on 2
 //     devices, at 8 B, 1 MiB and 16 MiB (targets: +0.1 us at 8 B, >= 0.9x bandwidth at 1 and 16 MiB);
 //  3. global-view column-parallel `matmul` 2048^3 (X replicated, W P<none, "x">) on 2 devices against
@@ -36,21 +38,59 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// ---- 1. empty spmd -------------------------------------------------------------------------------
+// ---- 1. empty spmd / shard_map ------------------------------------------------------------------
+// The peer: what every call did before the persistent runners, a new thread per device and call
+// (`run_on_threads`, still meshlib's path for nested calls), as a runner of its own.
+struct start_threads_per_call {
+  using is_runner = void;
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    run_on_threads(static_cast<int>(n), [&](thread_communicator& c) { body(static_cast<std::size_t>(c.rank()), std::move(c)); });
+  }
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return thread_backend{}.local_devices(n); }
+};
+
 void bench_empty_call() {
-  constexpr int batches = 9, calls = 200;
-  std::vector<double> t2, t8;
-  const mesh1 m2{2}, m8{8};
+  constexpr int batches = 9;
+  const thread_runner own;
+  struct row {
+    std::size_t devices;
+    std::vector<double> start, pooled, owned, map_start, map_pooled;
+  };
+  std::array<row, 2> rows{row{2, {}, {}, {}, {}, {}}, row{8, {}, {}, {}, {}, {}}};
+  auto per_call = [](int calls, auto&& call) {
+    call();  // warm: threads started, instances made
+    const auto t0 = clock_type::now();
+    for (int c = 0; c < calls; ++c) call();
+    return seconds_since(t0) / calls;
+  };
   for (int b = 0; b < batches; ++b) {
-    for (auto [m, out] : {std::pair{&m2, &t2}, std::pair{&m8, &t8}}) {
-      const auto t0 = clock_type::now();
-      for (int c = 0; c < calls; ++c) spmd(*m, [] {});
-      out->push_back(seconds_since(t0) / calls);
+    for (auto& r : rows) {
+      const mesh1 m{r.devices};
+      const int slow_calls = r.devices > 2 ? 20 : 100, fast_calls = 400;
+      auto x = from_host(named_sharding<mesh1, P<"x">>{m}, std::array<std::size_t, 1>{r.devices}, std::vector<float>(r.devices));
+      auto id = [](auto blk) { return blk; };
+      const auto map_start = shard_map(id, m, P<"x">{}, P<"x">{}, start_threads_per_call{});
+      const auto map_pooled = shard_map(id, m, P<"x">{}, P<"x">{});
+      r.start.push_back(per_call(slow_calls, [&] { spmd(m, [] {}, start_threads_per_call{}); }));
+      r.pooled.push_back(per_call(fast_calls, [&] { spmd(m, [] {}); }));
+      r.owned.push_back(per_call(fast_calls, [&] { spmd(m, [] {}, own); }));
+      r.map_start.push_back(per_call(slow_calls, [&] { (void)map_start(x); }));
+      r.map_pooled.push_back(per_call(fast_calls, [&] { (void)map_pooled(x); }));
     }
   }
-  std::printf("\n### Empty spmd call\n\n| devices | per call (us) | target (us) | met |\n| --- | --- | --- | --- |\n");
-  std::printf("| 2 | %.1f | 10 | %s |\n", median(t2) * 1e6, median(t2) <= 10e-6 ? "yes" : "no");
-  std::printf("| 8 | %.1f | 60 | %s |\n", median(t8) * 1e6, median(t8) <= 60e-6 ? "yes" : "no");
+  std::printf("\n### Empty spmd / shard_map call: persistent device threads against a thread per device and call\n\n"
+              "| devices | call | threads started per call (us) | process-wide runner (us) | own thread_runner (us) | speedup | target (us) | met |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const auto& r : rows) {
+    const double target = r.devices == 2 ? 10e-6 : 60e-6;
+    const double start = median(r.start), pooled = median(r.pooled), owned = median(r.owned);
+    std::printf("| %zu | spmd | %.1f | %.1f | %.1f | %.0fx | %.0f | %s |\n", r.devices, start * 1e6, pooled * 1e6,
+                owned * 1e6, start / pooled, target * 1e6, std::max(pooled, owned) <= target ? "yes" : "no");
+    const double ms = median(r.map_start), mp = median(r.map_pooled);
+    std::printf("| %zu | shard_map, %zu floats | %.1f | %.1f | | %.0fx | %.0f | %s |\n", r.devices, r.devices, ms * 1e6,
+                mp * 1e6, ms / mp, target * 1e6, mp <= target ? "yes" : "no");
+  }
 }
 
 // ---- 2. psum against the communicator's all_reduce -----------------------------------------------

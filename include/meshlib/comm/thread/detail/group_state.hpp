@@ -20,7 +20,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -294,7 +293,9 @@ inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
 /// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
 /// 8 threads on 2 cores must yield, not spin).
 inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  // Read once: hardware_concurrency reads /sys on every call (11 us here), and every group (a
+  // world per spmd call, a sub-group per axis used) asks.
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const bool oversubscribed = static_cast<unsigned>(threads) > cores;
   wait_policy p{};
   p.spin = o.spin.count() >= 0 ? o.spin
@@ -336,7 +337,9 @@ struct group_state {
 
   std::mutex p2p_mutex;
   std::condition_variable p2p_cv;
-  std::vector<std::deque<p2p_message>> mailboxes;  ///< [source * n + dest], guarded by p2p_mutex
+  /// [source * n + dest], guarded by p2p_mutex; in send order. Vectors, not deques: a default
+  /// deque allocates, and a world (one per spmd call) has n * n mailboxes, nearly always empty.
+  std::vector<std::vector<p2p_message>> mailboxes;
 
   bool is_world() const noexcept { return id == 0; }
 
