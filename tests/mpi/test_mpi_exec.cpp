@@ -18,6 +18,10 @@
 
 using namespace meshlib;
 
+// The MPI backends are runners (exec/runner.hpp), as the thread runners are.
+static_assert(runner<mpi_backend>);
+static_assert(runner<hybrid_backend>);
+
 namespace {
 
 using mesh2 = mesh<axis<"data">, axis<"model">>;
