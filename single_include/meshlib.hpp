@@ -3817,8 +3817,10 @@ class thread_world {
 // begin meshlib/comm/thread/run_on_threads.hpp
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
-/// of n threads, joins them, and rethrows the root cause of a failure with its rank. The one
-/// place where meshlib starts participant threads (shard_map and spmd use it).
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank. `spmd` and
+/// `shard_map` run on persistent device threads instead (tensor/device_workers.hpp) and come here
+/// only for a call those cannot take (a nested call); both report failures through
+/// `detail::participant_failures`.
 
 #include <exception>
 #if defined(__linux__)
@@ -5846,6 +5848,10 @@ auto to_host(const X& x) {
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <unistd.h>
+#endif
+
 
 namespace meshlib::detail {
 
@@ -5869,6 +5875,12 @@ class device_workers {
   device_workers& operator=(const device_workers&) = delete;
   /// Stops and joins every worker (none may be running a job: jobs are synchronous).
   ~device_workers() {
+#if defined(__linux__)
+    if (forked()) {  // the workers live in the parent only: nothing to stop or join here
+      for (auto& w : workers_) (void)w.release();
+      return;
+    }
+#endif
     stop_.store(true, std::memory_order_release);
     for (auto& w : workers_) {
       w->go.fetch_add(1, std::memory_order_release);
@@ -5907,6 +5919,9 @@ class device_workers {
   [[nodiscard]] bool try_run(std::size_t count, F& f) {
     if (count == 0) return true;
     if (in_device_worker()) return false;
+#if defined(__linux__)
+    if (forked()) return false;  // a child of fork() has none of the workers
+#endif
     std::unique_lock submit(submit_, std::try_to_lock);
     if (!submit.owns_lock()) return false;
     if (count == 1) {
@@ -5974,6 +5989,12 @@ class device_workers {
     return false;
 #endif
   }
+
+#if defined(__linux__)
+  /// Whether this is a child process of the one that started the workers.
+  [[nodiscard]] bool forked() const noexcept { return !workers_.empty() && ::getpid() != owner_; }
+  pid_t owner_ = ::getpid();
+#endif
 
   /// Starts workers until there are `n`.
   void grow(std::size_t n) {

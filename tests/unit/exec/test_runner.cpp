@@ -5,10 +5,15 @@
 // from two threads at once and meshes of changing size neither deadlock nor mix up devices.
 #include <array>
 #include <cstddef>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+#if defined(__linux__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
 
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"
@@ -201,3 +206,31 @@ TEST_CASE("a thread_runner joins its threads when its last copy goes, also after
   const auto sums = device_sums(m, 1.0, thread_backend{});
   for (double s : sums) CHECK(s == expected_sum(4, 1.0));
 }
+
+#if defined(__SANITIZE_THREAD__)
+#define RUNNER_TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define RUNNER_TEST_TSAN 1
+#endif
+#endif
+#if defined(__linux__) && !defined(RUNNER_TEST_TSAN)  // ThreadSanitizer refuses threads after a fork
+TEST_CASE("a child of fork() runs spmd on threads of its own (the parent's workers are not in it)", "[exec][runner]") {
+  const mesh1 m{3};
+  (void)device_sums(m, 1.0, thread_backend{});  // the process-wide workers exist now
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // Waiting for the parent's workers would hang here; exit code 0 only for the right sums.
+    const auto sums = device_sums(m, 2.0, thread_backend{});
+    bool ok = sums.size() == 3;
+    for (double s : sums) ok = ok && s == expected_sum(3, 2.0);
+    std::_Exit(ok ? 0 : 1);
+  }
+  int status = -1;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(device_sums(m, 3.0, thread_backend{}) == std::vector<double>(3, expected_sum(3, 3.0)));
+}
+#endif

@@ -2,8 +2,10 @@
 #pragma once
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
-/// of n threads, joins them, and rethrows the root cause of a failure with its rank. The one
-/// place where meshlib starts participant threads (shard_map and spmd use it).
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank. `spmd` and
+/// `shard_map` run on persistent device threads instead (tensor/device_workers.hpp) and come here
+/// only for a call those cannot take (a nested call); both report failures through
+/// `detail::participant_failures`.
 
 #include <exception>
 #if defined(__linux__)
