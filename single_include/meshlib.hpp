@@ -5992,8 +5992,8 @@ class device_workers {
 
 #if defined(__linux__)
   /// Whether this is a child process of the one that started the workers.
-  [[nodiscard]] bool forked() const noexcept { return !workers_.empty() && ::getpid() != owner_; }
-  pid_t owner_ = ::getpid();
+  [[nodiscard]] bool forked() const noexcept { return ::getpid() != owner_; }
+  const pid_t owner_ = ::getpid();
 #endif
 
   /// Starts workers until there are `n`.
