@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <string>
 
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/schedule.hpp"
 
 namespace meshlib::nn {
@@ -49,27 +50,36 @@ struct optimizer {
   }
 
   /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
-  /// `m`, `v`: the state slots of these elements (`v` unused by sgd).
+  /// `m`, `v`: the state slots of these elements (`v` unused by sgd). One pass over the arrays,
+  /// vectorised (nn/detail/simd.hpp: the same numbers, bitwise, as the element-by-element rule).
   void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
               bool decay) const noexcept {
+    using detail::load_as, detail::splat, detail::store_at;
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      for (std::size_t i = 0; i < n; ++i) {
-        m[i] = momentum * m[i] + g[i] * scale;
-        p[i] -= rate * m[i];
-      }
+      detail::for_lanes(n, [&](std::size_t i, auto tag) {
+        const auto mi = splat(momentum, tag) * load_as(m, i, tag) + load_as(g, i, tag) * splat(scale, tag);
+        store_at(m, i, mi);
+        store_at(p, i, load_as(p, i, tag) - splat(rate, tag) * mi);
+      });
       return;
     }
     const double t = static_cast<double>(step + 1);
     const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
-    for (std::size_t i = 0; i < n; ++i) {
-      const float gi = g[i] * scale;
-      m[i] = b1 * m[i] + (1.0f - b1) * gi;
-      v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-      p[i] -= rate * ((m[i] * c1) / (std::sqrt(v[i] * c2) + eps) + wd * p[i]);
-    }
+    const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
+    detail::for_lanes(n, [&](std::size_t i, auto tag) {
+      const auto gi = load_as(g, i, tag) * splat(scale, tag);
+      const auto mi = splat(b1, tag) * load_as(m, i, tag) + splat(one_b1, tag) * gi;
+      const auto vi = splat(b2, tag) * load_as(v, i, tag) + splat(one_b2, tag) * gi * gi;
+      const auto pi = load_as(p, i, tag);
+      store_at(m, i, mi);
+      store_at(v, i, vi);
+      store_at(p, i,
+               pi - splat(rate, tag) * ((mi * splat(c1, tag)) / (detail::sqrt_of(vi * splat(c2, tag)) + splat(eps, tag)) +
+                                        splat(wd, tag) * pi));
+    });
   }
 };
 
