@@ -8,6 +8,7 @@
 /// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
 /// @endcode
 
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -54,13 +55,13 @@ struct optimizer {
   /// vectorised (nn/detail/simd.hpp: the same numbers, bitwise, as the element-by-element rule).
   void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
               bool decay) const noexcept {
-    using detail::load_as, detail::splat, detail::store_at;
+    using detail::load_as, detail::store_at;
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      detail::for_lanes(n, [&](std::size_t i, auto tag) {
-        const auto mi = splat(momentum, tag) * load_as(m, i, tag) + load_as(g, i, tag) * splat(scale, tag);
+      detail::for_lanes(n, std::array<float, 3>{momentum, scale, rate}, [&](std::size_t i, const auto& k) {
+        const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
         store_at(m, i, mi);
-        store_at(p, i, load_as(p, i, tag) - splat(rate, tag) * mi);
+        store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
       });
       return;
     }
@@ -68,17 +69,16 @@ struct optimizer {
     const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
-    const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
-    detail::for_lanes(n, [&](std::size_t i, auto tag) {
-      const auto gi = load_as(g, i, tag) * splat(scale, tag);
-      const auto mi = splat(b1, tag) * load_as(m, i, tag) + splat(one_b1, tag) * gi;
-      const auto vi = splat(b2, tag) * load_as(v, i, tag) + splat(one_b2, tag) * gi * gi;
-      const auto pi = load_as(p, i, tag);
+    const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
+    detail::for_lanes(n, ks, [&](std::size_t i, const auto& k) {
+      const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
+      const auto gi = load_as(g, i, scale_) * scale_;
+      const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
+      const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
+      const auto pi = load_as(p, i, scale_);
       store_at(m, i, mi);
       store_at(v, i, vi);
-      store_at(p, i,
-               pi - splat(rate, tag) * ((mi * splat(c1, tag)) / (detail::sqrt_of(vi * splat(c2, tag)) + splat(eps, tag)) +
-                                        splat(wd, tag) * pi));
+      store_at(p, i, pi - rate_ * ((mi * c1_) / (detail::sqrt_of(vi * c2_) + eps_) + wd_ * pi));
     });
   }
 };

@@ -12,9 +12,12 @@
 /// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
 /// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
 /// @code
-/// auto body = [](auto x) { return detail::sqrt_of(x) * x; };   // on float or simd_float
+/// detail::for_lanes(n, std::array<float, 1>{2.0f}, [&](std::size_t i, const auto& k) {
+///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
+/// });
 /// @endcode
 
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -47,7 +50,7 @@ inline simd_float load(const float* p) noexcept {
 /// Stores `v` to `p` (no alignment needed).
 inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
 /// Every lane `s`.
-inline simd_float splat(float s, simd_float) noexcept {
+inline simd_float splat(float s) noexcept {
   simd_float v;
   for (std::size_t i = 0; i < simd_lanes; ++i) v[i] = s;
   return v;
@@ -64,24 +67,26 @@ inline simd_float sqrt_of(simd_float v) noexcept {
 inline constexpr std::size_t simd_lanes = 1;
 #endif
 
-/// `s` itself (the scalar form of `splat`).
-inline float splat(float s, float) noexcept { return s; }
 /// `std::sqrt(v)` (the scalar form of `sqrt_of`).
 inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
 
-/// Calls `f(i, tag)` for the elements `[0, n)`: with a `simd_float` tag for lanes
-/// `[i, i + simd_lanes)` over the bulk, with a `float` tag for single elements over the rest. `f`
-/// reads with `load_as(p, i, tag)`, writes with `store_at`, and makes constants with `splat`.
-template <class F>
-void for_lanes(std::size_t n, F&& f) {
+/// Calls `f(i, c)` for the elements `[0, n)`: over the bulk, for lanes `[i, i + simd_lanes)` with
+/// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
+/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`. The constants are splat once,
+/// outside the loop, into a local the stores cannot alias (a member read through `this` in the loop
+/// would be reloaded and re-splat after every store).
+template <std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, F&& f) {
   std::size_t i = 0;
 #if MESHLIB_NN_SIMD
-  for (; i + simd_lanes <= n; i += simd_lanes) f(i, simd_float{});
+  std::array<simd_float, K> kv;
+  for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
+  for (; i + simd_lanes <= n; i += simd_lanes) f(i, kv);
 #endif
-  for (; i < n; ++i) f(i, 0.0f);
+  for (; i < n; ++i) f(i, k);
 }
 
-/// Loads element(s) `i` of `p` as the tag's type (`float` or `simd_float`).
+/// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
 inline float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
 /// Stores `v` at element(s) `i` of `p`.
 inline void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
