@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Training benchmark (issue 8): samples/s of meshlib's training step (MLP 784-H-H-10, Adam, batch
 // 256, synthetic inputs) for hidden sizes 1024 and 2048 on meshes (1,1), (2,1), (1,2), (4,2),
-// (2,4), the share of the step spent in the gradient synchronisation, against two peers in the same
-// run: the 1-device step and the hand-written cblas_sgemm trainer (bench/handwritten_mlp.hpp) with
-// 2 OpenBLAS threads. Both sides run the same OpenBLAS kernels (OPENBLAS_CORETYPE as set in the
-// environment, printed). Not a test: it prints a table (docs/benchmarks.md keeps the numbers).
+// (2,4) (with a data axis: also with ZeRO-1), the share of the step spent in the gradient
+// synchronisation, against two peers in the same run: the 1-device step and the hand-written
+// cblas_sgemm trainer (bench/handwritten_mlp.hpp) with 2 OpenBLAS threads. Both sides run the
+// same OpenBLAS kernels (OPENBLAS_CORETYPE as set in the environment, printed). Not a test: it
+// prints a table (docs/benchmarks.md keeps the numbers).
 //
 //   train_bench [--steps N] [--hidden 1024,2048]
 #include <meshlib.hpp>
@@ -34,15 +35,17 @@ struct result {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-result run_meshlib(std::size_t d, std::size_t m, std::size_t hidden, std::size_t steps, const std::vector<float>& x,
-                   const std::vector<std::int32_t>& y) {
+result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, std::size_t steps,
+                   const std::vector<float>& x, const std::vector<std::int32_t>& y) {
   meshlib::set_blas_threads_per_device(1);
   const mesh_t mesh{d, m};
   const nn::rng_key key{0};
   nn::sequential net(nn::column_dense<float, mesh_t>(mesh, "fc1", inputs, hidden, key), nn::relu<float>(mesh),
                      nn::row_dense<float, mesh_t>(mesh, "fc2", hidden, hidden, key), nn::relu<float>(mesh),
                      nn::dense<float, mesh_t>(mesh, "fc3", hidden, classes, key));
-  nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)));
+  nn::train_options options;
+  options.zero = zero;
+  nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)), options);
   auto one = [&](std::size_t s) {
     const std::size_t b = s % 4;
     return nn::train_step(state, std::span<const float>(x).subspan(b * batch * inputs, batch * inputs),
@@ -99,13 +102,15 @@ int main(int argc, char** argv) {
     const double peer = run_peer(h, steps, x, y);
     std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | |\n", h, peer);
     double one = 0;
-    for (auto [d, m] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}}) {
-      const auto r = run_meshlib(d, m, h, steps, x, y);
-      if (d * m == 1) one = r.samples_per_s;
-      std::printf("| %zu | (%zu, %zu) | %.0f | %.2fx | %.2fx | %.0f%% |\n", h, d, m, r.samples_per_s, r.samples_per_s / one,
-                  r.samples_per_s / peer, 100.0 * r.sync_share);
-      std::fflush(stdout);
-    }
+    for (auto [d, m] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}})
+      for (bool zero : {false, true}) {
+        if (zero && d == 1) continue;  // ZeRO-1 shards over the data axis: the same step without one
+        const auto r = run_meshlib(d, m, zero, h, steps, x, y);
+        if (d * m == 1) one = r.samples_per_s;
+        std::printf("| %zu | (%zu, %zu)%s | %.0f | %.2fx | %.2fx | %.0f%% |\n", h, d, m, zero ? " ZeRO-1" : "",
+                    r.samples_per_s, r.samples_per_s / one, r.samples_per_s / peer, 100.0 * r.sync_share);
+        std::fflush(stdout);
+      }
   }
   return 0;
 }
