@@ -11492,6 +11492,80 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/mpi_types.hpp
+// begin meshlib/comm/mpi/detail/settle.hpp
+/// @file
+/// @brief `settle_messages`: before meshlib frees one of its own MPI communicators that carries
+/// unsolicited point-to-point messages (arrival notes, the hybrid abort channel), every rank
+/// receives the messages still in flight to it. Internal to the MPI communicators.
+///
+/// Why: a message that arrives after `MPI_Comm_free` waits inside MPI for whichever communicator
+/// later gets the freed one's context id, and OpenMPI 4.1 matches it there when that communicator
+/// is created: it crashed in `mca_pml_ob1_add_comm` (under `MPI_Comm_dup`) when the new
+/// communicator had fewer ranks than the message's source. A communicator that cannot be
+/// settled is left allocated instead, so its context id is never reused.
+
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+namespace meshlib::detail {
+
+/// @brief Exchanges how many messages with tag `tag` each rank sent to each other rank on `comm`
+/// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
+/// yet received (`received` counts per source, updated). Returns false when a peer does not take
+/// part within `grace` or MPI fails: the caller must then not free `comm`.
+inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint64_t>& sent,
+                            std::vector<std::uint64_t>& received, std::chrono::milliseconds grace) noexcept {
+  const int size = static_cast<int>(sent.size());
+  if (size <= 1) return true;
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + grace;
+  // Heap buffers, released only on success: when a peer never joins, MPI keeps the all-to-all
+  // pending and may still read and write them.
+  auto* out = new std::vector<std::uint64_t>(sent);
+  auto* expect = new std::vector<std::uint64_t>(sent.size(), 0);
+  MPI_Request r = MPI_REQUEST_NULL;
+  if (MPI_Ialltoall(out->data(), 1, MPI_UINT64_T, expect->data(), 1, MPI_UINT64_T, comm, &r) != MPI_SUCCESS)
+    return false;
+  for (int done = 0; !done;) {
+    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) break;
+    if (clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  delete out;
+  std::vector<char> sink;
+  for (int peer = 0; peer < size; ++peer) {
+    const auto p = static_cast<std::size_t>(peer);
+    while (received[p] < (*expect)[p]) {
+      int found = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(peer, tag, comm, &found, &st) != MPI_SUCCESS) return false;
+      if (!found) {
+        if (clock::now() > deadline) return false;
+        std::this_thread::yield();
+        continue;
+      }
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 1));
+      if (MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+      ++received[p];
+    }
+  }
+  delete expect;
+  return true;
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/settle.hpp
 
 namespace meshlib {
 
@@ -11530,6 +11604,9 @@ struct mpi_comm_state {
   /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
   MPI_Comm side = MPI_COMM_NULL;
   std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
+  static constexpr int arrival_tag = 1;      ///< the tag of arrival notes on `side`
+  std::vector<std::uint64_t> notes_sent;     ///< per rank: arrival notes sent to it on `side`
+  std::vector<std::uint64_t> notes_received; ///< per rank: arrival notes received from it on `side`
   int rank = 0;
   int size = 0;
   int tag_ub = 32767;
@@ -11575,7 +11652,10 @@ struct mpi_comm_state {
     }
     // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
     if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
-    if (side != MPI_COMM_NULL && !failed) MPI_Comm_free(&side);
+    // Arrival notes still in flight must be received first (detail/settle.hpp says why).
+    if (side != MPI_COMM_NULL && !failed &&
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000)))
+      MPI_Comm_free(&side);
   }
 };
 
@@ -11885,7 +11965,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     throw comm_timeout(state_->failure);
   }
 
-  static constexpr int arrival_tag = 1;
+  static constexpr int arrival_tag = detail::mpi_comm_state::arrival_tag;
 
   /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
   void drain_arrival_notes() {
@@ -11897,6 +11977,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::uint64_t call = 0;
       check_rc(MPI_Recv(&call, 1, MPI_UINT64_T, st.MPI_SOURCE, arrival_tag, state_->side, MPI_STATUS_IGNORE), "MPI_Recv");
       state_->peer_waits_in[static_cast<std::size_t>(st.MPI_SOURCE)] = call + 1;
+      ++state_->notes_received[static_cast<std::size_t>(st.MPI_SOURCE)];
     }
   }
 
@@ -11927,6 +12008,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           std::memcpy(p.data.data(), &call, sizeof(call));
           check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
           state_->sends.push_back(std::move(p));
+          ++state_->notes_sent[static_cast<std::size_t>(peer)];
         }
       }
       if (now > deadline) {
@@ -12216,6 +12298,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     check_rc(MPI_Comm_dup(s.comm, &s.side), "MPI_Comm_dup");
     check_rc(MPI_Comm_set_errhandler(s.side, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     s.peer_waits_in.assign(static_cast<std::size_t>(s.size), 0);
+    s.notes_sent.assign(static_cast<std::size_t>(s.size), 0);
+    s.notes_received.assign(static_cast<std::size_t>(s.size), 0);
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(s.comm, MPI_TAG_UB, &ub, &flag);
@@ -12325,11 +12409,7 @@ struct hybrid_group {
   hybrid_group() = default;
   hybrid_group(const hybrid_group&) = delete;
   hybrid_group& operator=(const hybrid_group&) = delete;
-  ~hybrid_group() {
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (!fin && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
-  }
+  ~hybrid_group();
 
   /// Fills the derived fields from the member devices (in group-rank order).
   void layout(int my_process) {
@@ -12389,6 +12469,8 @@ struct abort_channel {
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
   std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
+  std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the watcher)
   std::atomic<bool> stop{false};
   std::thread watcher;
 
@@ -12421,6 +12503,7 @@ struct abort_channel {
       outbox.emplace_back(MPI_REQUEST_NULL, msg);
       auto& [req, buf] = outbox.back();
       MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+      ++sent_to[static_cast<std::size_t>(p)];
     }
   }
   /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
@@ -12432,7 +12515,12 @@ struct abort_channel {
     if (fin || !enabled) return;
     if (inbox_request != MPI_REQUEST_NULL) {
       MPI_Cancel(&inbox_request);
-      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
+      MPI_Status st;
+      MPI_Wait(&inbox_request, &st);
+      int cancelled = 0;
+      MPI_Test_cancelled(&st, &cancelled);
+      if (!cancelled && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < processes)
+        ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
     }
     const auto deadline = std::chrono::steady_clock::now() + grace;
     bool pending = false;
@@ -12448,9 +12536,21 @@ struct abort_channel {
         (void)new std::vector<char>(std::move(buf));
       }
     }
-    if (!pending) MPI_Comm_free(&comm);
+    // Failure messages still in flight to this process must be received before the free
+    // (detail/settle.hpp says why); when they cannot be, the duplicate stays allocated.
+    if (!pending && settle_messages(comm, 0, sent_to, received_from, grace)) MPI_Comm_free(&comm);
   }
 };
+
+inline hybrid_group::~hybrid_group() {
+  int fin = 0;
+  MPI_Finalized(&fin);
+  // After a failure, point-to-point messages of the abandoned operations may still be in flight
+  // to this process: the duplicate stays allocated so that no later communicator inherits them
+  // with its context id (detail/settle.hpp).
+  const bool failed = channel && channel->interrupted.load();
+  if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
+}
 
 }  // namespace detail
 
@@ -12980,6 +13080,8 @@ class hybrid_world {
     ch.process = procs.rank();
     ch.processes = procs.size();
     ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    ch.sent_to.assign(static_cast<std::size_t>(procs.size()), 0);
+    ch.received_from.assign(static_cast<std::size_t>(procs.size()), 0);
     static std::atomic<std::uint64_t> worlds{0};
     ch.epoch = ++worlds;
     auto* channel = channel_.get();
@@ -12997,6 +13099,7 @@ class hybrid_world {
         MPI_Status st;
         MPI_Test(&channel->inbox_request, &done, &st);
         if (done) {
+          ++channel->received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
           constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
           int bytes = 0;
           MPI_Get_count(&st, MPI_CHAR, &bytes);

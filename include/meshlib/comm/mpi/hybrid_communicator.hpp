@@ -67,6 +67,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
@@ -101,11 +102,7 @@ struct hybrid_group {
   hybrid_group() = default;
   hybrid_group(const hybrid_group&) = delete;
   hybrid_group& operator=(const hybrid_group&) = delete;
-  ~hybrid_group() {
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (!fin && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
-  }
+  ~hybrid_group();
 
   /// Fills the derived fields from the member devices (in group-rank order).
   void layout(int my_process) {
@@ -165,6 +162,8 @@ struct abort_channel {
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
   std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
+  std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the watcher)
   std::atomic<bool> stop{false};
   std::thread watcher;
 
@@ -197,6 +196,7 @@ struct abort_channel {
       outbox.emplace_back(MPI_REQUEST_NULL, msg);
       auto& [req, buf] = outbox.back();
       MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+      ++sent_to[static_cast<std::size_t>(p)];
     }
   }
   /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
@@ -208,7 +208,12 @@ struct abort_channel {
     if (fin || !enabled) return;
     if (inbox_request != MPI_REQUEST_NULL) {
       MPI_Cancel(&inbox_request);
-      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
+      MPI_Status st;
+      MPI_Wait(&inbox_request, &st);
+      int cancelled = 0;
+      MPI_Test_cancelled(&st, &cancelled);
+      if (!cancelled && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < processes)
+        ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
     }
     const auto deadline = std::chrono::steady_clock::now() + grace;
     bool pending = false;
@@ -224,9 +229,21 @@ struct abort_channel {
         (void)new std::vector<char>(std::move(buf));
       }
     }
-    if (!pending) MPI_Comm_free(&comm);
+    // Failure messages still in flight to this process must be received before the free
+    // (detail/settle.hpp says why); when they cannot be, the duplicate stays allocated.
+    if (!pending && settle_messages(comm, 0, sent_to, received_from, grace)) MPI_Comm_free(&comm);
   }
 };
+
+inline hybrid_group::~hybrid_group() {
+  int fin = 0;
+  MPI_Finalized(&fin);
+  // After a failure, point-to-point messages of the abandoned operations may still be in flight
+  // to this process: the duplicate stays allocated so that no later communicator inherits them
+  // with its context id (detail/settle.hpp).
+  const bool failed = channel && channel->interrupted.load();
+  if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
+}
 
 }  // namespace detail
 
@@ -756,6 +773,8 @@ class hybrid_world {
     ch.process = procs.rank();
     ch.processes = procs.size();
     ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    ch.sent_to.assign(static_cast<std::size_t>(procs.size()), 0);
+    ch.received_from.assign(static_cast<std::size_t>(procs.size()), 0);
     static std::atomic<std::uint64_t> worlds{0};
     ch.epoch = ++worlds;
     auto* channel = channel_.get();
@@ -773,6 +792,7 @@ class hybrid_world {
         MPI_Status st;
         MPI_Test(&channel->inbox_request, &done, &st);
         if (done) {
+          ++channel->received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
           constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
           int bytes = 0;
           MPI_Get_count(&st, MPI_CHAR, &bytes);

@@ -84,6 +84,7 @@
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
+#include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/thread/options.hpp"
@@ -125,6 +126,9 @@ struct mpi_comm_state {
   /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
   MPI_Comm side = MPI_COMM_NULL;
   std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
+  static constexpr int arrival_tag = 1;      ///< the tag of arrival notes on `side`
+  std::vector<std::uint64_t> notes_sent;     ///< per rank: arrival notes sent to it on `side`
+  std::vector<std::uint64_t> notes_received; ///< per rank: arrival notes received from it on `side`
   int rank = 0;
   int size = 0;
   int tag_ub = 32767;
@@ -170,7 +174,10 @@ struct mpi_comm_state {
     }
     // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
     if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
-    if (side != MPI_COMM_NULL && !failed) MPI_Comm_free(&side);
+    // Arrival notes still in flight must be received first (detail/settle.hpp says why).
+    if (side != MPI_COMM_NULL && !failed &&
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000)))
+      MPI_Comm_free(&side);
   }
 };
 
@@ -480,7 +487,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     throw comm_timeout(state_->failure);
   }
 
-  static constexpr int arrival_tag = 1;
+  static constexpr int arrival_tag = detail::mpi_comm_state::arrival_tag;
 
   /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
   void drain_arrival_notes() {
@@ -492,6 +499,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::uint64_t call = 0;
       check_rc(MPI_Recv(&call, 1, MPI_UINT64_T, st.MPI_SOURCE, arrival_tag, state_->side, MPI_STATUS_IGNORE), "MPI_Recv");
       state_->peer_waits_in[static_cast<std::size_t>(st.MPI_SOURCE)] = call + 1;
+      ++state_->notes_received[static_cast<std::size_t>(st.MPI_SOURCE)];
     }
   }
 
@@ -522,6 +530,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           std::memcpy(p.data.data(), &call, sizeof(call));
           check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
           state_->sends.push_back(std::move(p));
+          ++state_->notes_sent[static_cast<std::size_t>(peer)];
         }
       }
       if (now > deadline) {
@@ -811,6 +820,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     check_rc(MPI_Comm_dup(s.comm, &s.side), "MPI_Comm_dup");
     check_rc(MPI_Comm_set_errhandler(s.side, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     s.peer_waits_in.assign(static_cast<std::size_t>(s.size), 0);
+    s.notes_sent.assign(static_cast<std::size_t>(s.size), 0);
+    s.notes_received.assign(static_cast<std::size_t>(s.size), 0);
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(s.comm, MPI_TAG_UB, &ub, &flag);
