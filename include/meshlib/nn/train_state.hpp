@@ -403,6 +403,8 @@ inline void sum_over(axis_mask axes, double (&v)[2]) {
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
 /// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
+/// The parameters' gradient blocks are zeroed at the start and serve as the synchronisation's
+/// buffers (the big ones are all-reduced in place): after the step they are scratch.
 /// @throws sharding_error when the batch does not split over the data axis and the accumulation
 /// steps, or when a device's rows are not in this process's share.
 template <class State, class Backend = thread_backend>
