@@ -106,3 +106,9 @@ TEST_CASE("hybrid communicator: conformance throw rows (released across processe
   for (const auto& row : conformance::throw_rows<comm>(2.0, [](int d) { return "hybrid device " + std::to_string(d); }))
     run_hybrid_row(row, 5.0);
 }
+
+TEST_CASE("hybrid communicator: conformance mismatch rows (every device of every process)", "[conformance][hybrid]") {
+  using comm = meshlib::hybrid_communicator;
+  // Every device gets collective_mismatch naming both calls within 2 s (a 5 s timeout).
+  for (const auto& row : conformance::mismatch_rows<comm>()) run_hybrid_row(row, 5.0);
+}

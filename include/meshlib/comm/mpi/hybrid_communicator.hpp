@@ -387,8 +387,51 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
   request_type transport(const detail::operation<T>& o, context_type ctx) {
-    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
+    return guarded(K, [&] {
+      if constexpr (K != op_kind::send && K != op_kind::recv) {
+        agree(K, o);
+        if constexpr (K == op_kind::barrier) return request_type{};  // the fingerprint exchange is a barrier
+      }
+      return transport_steps<K, T>(o, ctx);
+    });
   }
+
+  /// Always-on mismatch detection across every device of every process. Before the data moves,
+  /// the members gather a fingerprint of their calls (call number on this group, operation,
+  /// element type, count, reduce op, root, ppermute pairs) with the same internal exchange every
+  /// call shares, so that all members see every call and every member of every process throws
+  /// `collective_mismatch` naming the operation it called and each device's call (global device
+  /// ids), instead of an internal step failing on one process leader.
+  template <class T>
+  void agree(op_kind k, const detail::operation<T>& o) {
+    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const std::uint64_t rec[call_fields] = {calls_++,
+                                            static_cast<std::uint64_t>(k),
+                                            k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
+                                            static_cast<std::uint64_t>(o.count),
+                                            has_op ? static_cast<std::uint64_t>(o.op) : 0,
+                                            has_root ? static_cast<std::uint64_t>(o.root) : 0,
+                                            k == op_kind::ppermute ? detail::pairs_hash(o.pairs) : 0};
+    // int64 on the wire (a communicator element type); the bits are the record's.
+    std::int64_t wire[call_fields];
+    std::memcpy(wire, rec, sizeof(rec));
+    const auto got = gather_all(std::span<const std::int64_t>(wire, call_fields));
+    std::vector<std::uint64_t> all(got.size());
+    std::memcpy(all.data(), got.data(), got.size() * sizeof(std::uint64_t));
+    bool same = true;
+    for (std::size_t i = 0; i < all.size(); ++i) same = same && all[i] == rec[i % call_fields];
+    if (same) return;
+    const auto& g = *group_;
+    std::string msg = "meshlib: collective mismatch on a hybrid communicator of " + std::to_string(size()) +
+                      " devices: the devices called different collectives";
+    for (int r = 0; r < size(); ++r)
+      msg += (r ? "; " : ": ") +
+             detail::describe_call("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+                                   all.data() + call_fields * static_cast<std::size_t>(r));
+    throw collective_mismatch(msg);
+  }
+  static constexpr std::size_t call_fields = 7;
 
   template <op_kind K, class T>
   request_type transport_steps(const detail::operation<T>& o, context_type) {
@@ -655,6 +698,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   thread_communicator local_;
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
+  std::uint64_t calls_ = 0;  ///< collectives called on this handle's group (the fingerprint's sequence number)
   std::vector<pending> sends_;
 };
 
