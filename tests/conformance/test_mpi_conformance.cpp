@@ -26,8 +26,12 @@ void run_row(const conformance::fault_row<meshlib::mpi_communicator>& row, doubl
     const auto t0 = clk::now();
     try {
       row.body(c);
-    } catch (...) {
+    } catch (const meshlib::comm_error&) {
       mine = conformance::classify(std::current_exception());
+    } catch (const std::exception& e) {
+      // The rank's own failure (not the communicator's): tell the peers, as a runner does.
+      mine = conformance::classify(std::current_exception());
+      c.fail(e.what());
     }
     mine.seconds = std::chrono::duration<double>(clk::now() - t0).count();
   }
@@ -89,6 +93,13 @@ TEST_CASE("MPI communicator: conformance fault rows (mismatch, arguments, timing
   for (const auto& row : conformance::mismatch_rows<comm>()) run_row(row, 5.0);
   for (const auto& row : conformance::argument_rows<comm>()) run_row(row, 5.0);
   for (const auto& row : conformance::timing_rows<comm>(1.0)) run_row(row, 1.0);
+}
+
+TEST_CASE("MPI communicator: conformance throw rows (peers released through the abort channel)", "[conformance][mpi]") {
+  using comm = meshlib::mpi_communicator;
+  // Bound 2 s against a 5 s timeout: the peers are released by the abort channel, not the timeout.
+  for (const auto& row : conformance::throw_rows<comm>(2.0, [](int r) { return "MPI rank " + std::to_string(r); }))
+    run_row(row, 5.0);
 }
 
 TEST_CASE("hybrid communicator: conformance value rows", "[conformance][hybrid]") {

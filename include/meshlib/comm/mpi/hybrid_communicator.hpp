@@ -66,6 +66,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
@@ -74,8 +75,6 @@
 namespace meshlib {
 
 namespace detail {
-
-struct abort_channel;
 
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
@@ -136,94 +135,6 @@ struct hybrid_group {
   [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
   [[nodiscard]] bool uniform() const noexcept {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
-  }
-};
-
-/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
-/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
-/// fails, its process sends "device D failed: <what>" to every other process (once); a process
-/// that receives it fails its thread world with that message, so every device of every process is
-/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
-/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
-/// beside the devices); without it the channel is off and peers of other processes time out.
-struct abort_channel {
-  MPI_Comm comm = MPI_COMM_NULL;
-  int process = 0;
-  int processes = 1;
-  bool enabled = false;
-  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
-  /// same order: construction is collective). MPI may give a new duplicate the context id of a
-  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
-  /// epoch and dropped.
-  std::uint64_t epoch = 0;
-  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
-  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
-  std::mutex mutex;
-  std::string message;                   ///< the root cause's message (guarded by mutex)
-  bool sent = false;                     ///< guarded by mutex
-  std::vector<char> inbox = std::vector<char>(4096);
-  MPI_Request inbox_request = MPI_REQUEST_NULL;
-  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
-  std::atomic<bool> stop{false};
-  std::thread watcher;
-
-  /// Records the root cause once and releases the leaders' MPI waits.
-  void interrupt(const std::string& msg) {
-    std::lock_guard lk(mutex);
-    if (interrupted.load()) return;
-    message = msg;
-    interrupted.store(true, std::memory_order_release);
-  }
-  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
-  void check() {
-    if (!interrupted.load(std::memory_order_acquire)) return;
-    std::lock_guard lk(mutex);
-    throw comm_aborted(message);
-  }
-  /// Tells every other process that global device `device` failed (once per world).
-  void notify(int device, const std::string& what) {
-    if (!enabled) return;
-    std::lock_guard lk(mutex);
-    if (sent) return;
-    sent = true;
-    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
-    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
-    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
-    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
-    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
-    for (int p = 0; p < processes; ++p) {
-      if (p == process) continue;
-      outbox.emplace_back(MPI_REQUEST_NULL, msg);
-      auto& [req, buf] = outbox.back();
-      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
-    }
-  }
-  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
-  void close(std::chrono::milliseconds grace) noexcept {
-    stop.store(true);
-    if (watcher.joinable()) watcher.join();
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (fin || !enabled) return;
-    if (inbox_request != MPI_REQUEST_NULL) {
-      MPI_Cancel(&inbox_request);
-      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + grace;
-    bool pending = false;
-    for (auto& [req, buf] : outbox) {
-      int done = 0;
-      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
-        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      if (req != MPI_REQUEST_NULL && !done) {
-        pending = true;
-        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
-        (void)new std::vector<char>(std::move(buf));
-      }
-    }
-    if (!pending) MPI_Comm_free(&comm);
   }
 };
 
@@ -790,43 +701,18 @@ class hybrid_world {
  private:
   void open_channel(const mpi_communicator& procs, int level) {
     auto& ch = *channel_;
-    ch.process = procs.rank();
-    ch.processes = procs.size();
-    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
-    static std::atomic<std::uint64_t> worlds{0};
-    ch.epoch = ++worlds;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    // The watcher calls MPI beside the devices: only with MPI_THREAD_MULTIPLE.
+    ch.open(procs.native(), level >= MPI_THREAD_MULTIPLE);
     if (!ch.enabled) return;
-    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
-      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
-    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
-    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
-              &ch.inbox_request);
     const int devices = size();
     ch.watcher = std::thread([this, channel, devices] {
       while (!channel->stop.load()) {
-        int done = 0;
-        MPI_Status st;
-        MPI_Test(&channel->inbox_request, &done, &st);
-        if (done) {
-          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
-          int bytes = 0;
-          MPI_Get_count(&st, MPI_CHAR, &bytes);
-          std::uint64_t epoch = 0;
-          int device = -1;
-          if (bytes >= head) {
-            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
-            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
-          }
-          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
-            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
-                      channel->comm, &channel->inbox_request);
-            continue;
-          }
-          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
+        int device = -1;
+        std::string what;
+        if (channel->poll(device, what)) {
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          channel->remote_device.store(device);
           channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
           local_.abort(-1, what, who);
           return;

@@ -82,6 +82,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -137,6 +138,9 @@ struct mpi_comm_state {
   /// failed, here or in another process): called by every wait while it polls, it throws that
   /// failure. Copied into split results.
   std::function<void()> check_interrupt;
+  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
+  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
+  std::shared_ptr<abort_channel> channel;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -226,6 +230,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = options;
     check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
     finish(*s);
+    // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
+    s->channel = std::make_shared<detail::abort_channel>();
+    s->channel->open(s->comm, true);
+    s->check_interrupt = [ch = s->channel.get()] {
+      int r = -1;
+      std::string what;
+      if (ch->poll(r, what))
+        ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
+                      std::to_string(ch->processes) + " failed: " + what);
+      ch->check();
+    };
     {
       MPI_Comm node = MPI_COMM_NULL;
       check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
@@ -263,6 +278,24 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
   }
 
+  /// @brief Fails this communicator with this rank as the root cause, without ending the
+  /// process (the runner of a rank that threw calls it): every other rank's polled wait on this
+  /// communicator or a split of it ends within milliseconds with `comm_aborted` "meshlib:
+  /// communicator aborted: MPI rank R of N failed: <reason>" (R and N in the adopted
+  /// communicator), and every later call on any rank throws it too. Waits without a deadline
+  /// (`timeout` 0: blocking MPI calls) cannot be released.
+  ///
+  /// @code
+  /// try { step(comm); } catch (const std::exception& e) { comm.fail(e.what()); throw; }
+  /// @endcode
+  void fail(std::string_view reason) {
+    require_valid("fail");
+    auto& ch = *state_->channel;
+    ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
+                 std::to_string(ch.processes) + " failed: " + std::string(reason));
+    if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
+  }
+
   // The collectives, point to point and barrier: communicator_frontend; the transport is below.
 
   // ---- groups ----------------------------------------------------------------------------------
@@ -278,6 +311,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
+    s->channel = state_->channel;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -299,6 +333,11 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire)) {
+      std::lock_guard lk(state_->channel->mutex);
+      throw comm_aborted(state_->channel->message + " [refused " + where(detail::op_name(k)) +
+                         ": the communicator has failed]");
+    }
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
