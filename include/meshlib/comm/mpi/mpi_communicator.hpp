@@ -47,8 +47,11 @@
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
-/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
+/// throws without calling `fail` does not reach its next collective; its peers then time out
+/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -288,7 +291,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @code
   /// try { step(comm); } catch (const std::exception& e) { comm.fail(e.what()); throw; }
   /// @endcode
-  void fail(std::string_view reason) {
+  void fail(std::string_view reason) const {
     require_valid("fail");
     auto& ch = *state_->channel;
     ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
