@@ -44,14 +44,6 @@ struct mpi_backend {
     try {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
-      // The rank's own failure (not a communicator error it saw): release its peers at once.
-      const auto e = std::current_exception();
-      try {
-        std::rethrow_exception(e);
-      } catch (const comm_error&) {
-      } catch (...) {
-        comm.fail(detail::what_of(e));
-      }
       throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
                                                std::to_string(comm.size()) + " failed: " +
                                                detail::what_of(std::current_exception()));
