@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared by comm_bench (thread communicator) and mpi_bench (OpenMPI): the operations, the sizes,
 // the iteration counts and the row format, so that both programs measure the same thing.
 #pragma once
@@ -74,6 +75,17 @@ inline void print_row(const char* impl, std::string_view op, std::size_t nominal
   std::printf("%s %.*s %zu %zu %d %d %.3f %.3f %.3f\n", impl, static_cast<int>(op.size()), op.data(), nominal, bytes, n,
               iters, seconds * 1e6, algbw, algbw * bus_factor(op, n));
   std::fflush(stdout);
+}
+
+/// `n` floats in [-1, 1] from a fixed linear congruential sequence (matmul_bench, exec_bench).
+inline std::vector<float> random_matrix(std::size_t n, unsigned seed) {
+  std::vector<float> v(n);
+  unsigned x = seed;
+  for (auto& e : v) {
+    x = x * 1664525u + 1013904223u;
+    e = static_cast<float>((x >> 8) % 2001) / 1000.0f - 1.0f;
+  }
+  return v;
 }
 
 /// "--name value" from argv, or `fallback`.

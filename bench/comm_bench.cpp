@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The thread communicator's benchmark: nccl-tests style rows (op, bytes per rank, participants,
 // time, algbw, busbw) for all_reduce, all_gather, reduce_scatter, all_to_all and broadcast.
 // Run by bench/run_comm_bench.py next to mpi_bench; see docs/benchmarks.md.

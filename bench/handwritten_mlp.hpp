@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The hand-written peer of the training benchmark (issue 8): a plain single-process C++ trainer of
 // the flagship's model, an MLP inputs-hidden-hidden-classes with ReLU and softmax cross-entropy,
 // trained by Adam or SGD with momentum under the flagship's learning-rate schedule (linear warm-up,

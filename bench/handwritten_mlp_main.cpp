@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Trains the hand-written peer (bench/handwritten_mlp.hpp) on Fashion-MNIST with 2 OpenBLAS
 // threads, with the flagship's defaults (Adam, peak lr 1e-3, linear warm-up over min(100, steps/10)
 // steps, cosine decay to 2% of the peak at the last step, batch 256, 5 epochs), and prints, per epoch, the mean loss, test accuracy and training samples/s; then the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // matmul benchmarks of the tensor layer (issue 4):
 //  1. one 1024 x 1024 float matmul through meshlib::matmul (local view) against cblas_sgemm called
 //     directly on the same data (target: within 10%);
@@ -21,6 +22,7 @@
 
 #include <cblas.h>
 
+#include "bench_common.hpp"
 #include "meshlib/tensor.hpp"
 
 namespace {
@@ -39,15 +41,7 @@ double best_seconds(int reps, F&& f) {
   return best;
 }
 
-std::vector<float> random_matrix(std::size_t n, unsigned seed) {
-  std::vector<float> v(n);
-  unsigned x = seed;
-  for (auto& e : v) {
-    x = x * 1664525u + 1013904223u;
-    e = static_cast<float>((x >> 8) % 2001) / 1000.0f - 1.0f;
-  }
-  return v;
-}
+using bench::random_matrix;
 
 double max_abs_diff(const float* a, const float* b, std::size_t n) {
   double d = 0;

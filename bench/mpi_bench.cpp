@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The pure-MPI peer of comm_bench: the same operations, sizes, iteration counts and rows, through
 // MPI_Allreduce, MPI_Allgather, MPI_Reduce_scatter_block, MPI_Alltoall and MPI_Bcast.
 //

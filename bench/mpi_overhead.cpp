@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // meshlib's MPI all_reduce against MPI_Allreduce called directly: same run, same ranks, same
 // buffers, measurements interleaved round by round so that both see the same machine, medians
 // over the rounds. Prints a Markdown table (rank 0); bench/mpi_overhead.py puts it into

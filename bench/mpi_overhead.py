@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Runs bench/mpi_overhead under mpirun (2 and 4 ranks by default) and writes the "## MPI overhead"
 section of docs/benchmarks.md: replaced in place when present, appended otherwise, so the rest of
 the file (the comm benchmarks that bench/run_comm_bench.py writes) is left alone.

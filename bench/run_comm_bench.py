@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Runs the thread communicator's benchmark and its pure-MPI peer in one run, several launches
 each (interleaved, so both see the same machine), and writes the medians: an nccl-tests style
 table on stdout, the "## Communicators" section of docs/benchmarks.md (replaced in place when

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // trace_bench: what the debug layer's hook costs. An 8-byte all_reduce between two devices (one
 // thread each), through the typed psum, in four variants measured in the same run:
 //   raw        the thread communicator's all_reduce, no meshlib front end (the peer)

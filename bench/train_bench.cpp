@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Training benchmark (issue 8): samples/s of meshlib's training step (MLP 784-H-H-10, Adam, batch
 // 256, synthetic inputs) for hidden sizes 1024 and 2048 on meshes (1,1), (2,1), (1,2), (4,2),
 // (2,4), the share of the step spent in the gradient synchronisation, against two peers in the same

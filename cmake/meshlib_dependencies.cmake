@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Finds meshlib's dependencies: Kokkos (required), and the optional oneTBB, zlib, Kokkos Kernels, MPI and
 # CUDA+NCCL, each switchable with MESHLIB_WITH_<X>. Sets MESHLIB_HAVE_<X> and prints a summary that
 # says what was found and what each missing piece disables.
@@ -41,8 +42,11 @@ if(MESHLIB_WITH_NCCL)
 endif()
 
 function(_meshlib_summary_line what have detail missing)
-  if(have)
+  string(STRIP "${detail}" detail)
+  if(have AND detail)
     message(STATUS "  ${what}: found ${detail}")
+  elseif(have)
+    message(STATUS "  ${what}: found")
   else()
     message(STATUS "  ${what}: not found -> ${missing}")
   endif()
@@ -54,13 +58,27 @@ function(meshlib_print_summary)
   _meshlib_summary_line("Kokkos Kernels" "${MESHLIB_HAVE_KOKKOS_KERNELS}" "${MESHLIB_KOKKOS_KERNELS_ORIGIN}"
     "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
   _meshlib_summary_line("oneTBB" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}"
-    "the thread communicator copies and reduces large slices without TBB (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
-  _meshlib_summary_line("oneTBB (data loader)" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}: batches prefetched on oneTBB threads"
-    "the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
+    "no meshlib::tbb target: the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
   _meshlib_summary_line("zlib" "${MESHLIB_HAVE_ZLIB}" "${ZLIB_VERSION_STRING}"
-    "the IDX reader reads only uncompressed files; gunzip Fashion-MNIST's .gz files first (MESHLIB_WITH_ZLIB=${MESHLIB_WITH_ZLIB})")
-  _meshlib_summary_line("MPI" "${MESHLIB_HAVE_MPI}" "${MPI_CXX_LIBRARY_VERSION_STRING}"
+    "no meshlib::zlib target: the IDX reader reads only uncompressed files (MESHLIB_WITH_ZLIB=${MESHLIB_WITH_ZLIB})")
+  # FindMPI leaves MPI_CXX_LIBRARY_VERSION_STRING empty when it cannot run a test program; the
+  # standard version and the library it links are always known.
+  set(_mpi_detail "")
+  if(MESHLIB_HAVE_MPI)
+    set(_mpi_detail "MPI ${MPI_CXX_VERSION}")
+    if(MPI_CXX_LIBRARY_VERSION_STRING)
+      string(REGEX REPLACE "[,\n].*" "" _mpi_library "${MPI_CXX_LIBRARY_VERSION_STRING}")
+      string(APPEND _mpi_detail " (${_mpi_library})")
+    elseif(MPI_mpi_cxx_LIBRARY OR MPI_mpi_LIBRARY)
+      string(APPEND _mpi_detail " (${MPI_mpi_LIBRARY})")
+    endif()
+  endif()
+  _meshlib_summary_line("MPI" "${MESHLIB_HAVE_MPI}" "${_mpi_detail}"
     "no meshlib::mpi target, MPI tests and MPI benchmark comparison skipped (MESHLIB_WITH_MPI=${MESHLIB_WITH_MPI})")
-  _meshlib_summary_line("CUDA + NCCL" "${MESHLIB_HAVE_NCCL}" "${MESHLIB_NCCL_LIBRARY}"
+  set(_nccl_detail "${MESHLIB_NCCL_LIBRARY}")
+  if(MESHLIB_HAVE_NCCL AND NOT EXISTS "${PROJECT_SOURCE_DIR}/include/meshlib/nccl.hpp")
+    string(APPEND _nccl_detail " (no <meshlib/nccl.hpp> in this source tree: the installed package does not offer the nccl component)")
+  endif()
+  _meshlib_summary_line("CUDA + NCCL" "${MESHLIB_HAVE_NCCL}" "${_nccl_detail}"
     "no meshlib::nccl target (MESHLIB_WITH_NCCL=${MESHLIB_WITH_NCCL})")
 endfunction()

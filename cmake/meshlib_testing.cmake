@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Test helpers shared by every test folder.
 #
 #  meshlib_add_catch_test(NAME <n> SOURCES <src...> [LIBRARIES <lib...>] [LABELS <label...>] [TSAN])
@@ -5,9 +6,18 @@
 #     Catch2 v2 takes ~30 s to compile, so it is built once for every binary), registered as one
 #     CTest test. TSAN also builds <n>_tsan under -fsanitize=thread (when MESHLIB_SANITIZE_THREAD)
 #     and registers it with the label "tsan".
-#  meshlib_add_compile_fail_test(NAME <n> SOURCE <src> REGEX <regex> [LIBRARIES <lib...>])
+#  meshlib_add_compile_fail_test(NAME <n> SOURCE <src> REGEX <regex> [NAMES <regex>] [GCC_ONLY]
+#                                [LIBRARIES <lib...>])
 #     A program that must not compile: the test builds it and passes only when the compiler's
-#     output matches REGEX (the static_assert message we promise the user).
+#     output matches REGEX (the first words of the static_assert message we promise the user) and,
+#     when given, NAMES (what the diagnostic's condition spells out, in either order: GCC prints it
+#     after the message, Clang before). In NAMES, @model@ stands for the char pack 'm', 'o', 'd',
+#     'e', 'l' that both compilers print for the axis name "model" (core/diagnostics.hpp), and
+#     ">>" matches Clang's ">>" and GCC's "> >".
+#     GCC_ONLY: no Clang leg (diagnostics not yet single-error on Clang). When clang++-14 is
+#     found (MESHLIB_COMPILE_FAIL_CLANG), a second test compile_fail_clang_<n> runs the same source
+#     through Clang (-fsyntax-only, ~3 s each) and checks the same REGEX and that Clang reports
+#     exactly one error: diagnostics must read well on both compilers.
 
 include_guard(GLOBAL)
 
@@ -54,9 +64,38 @@ function(meshlib_add_catch_test)
   endif()
 endfunction()
 
+find_program(MESHLIB_CLANGXX NAMES clang++-14 clang++ DOC "Clang for the compile-fail tests' second leg")
+option(MESHLIB_COMPILE_FAIL_CLANG "Also check every compile-fail test's message under Clang" ON)
+
+# "model" -> "'m', 'o', 'd', 'e', 'l'": an axis name as GCC and Clang print a char pack.
+function(_meshlib_char_pack out name)
+  string(LENGTH "${name}" n)
+  set(r "")
+  math(EXPR last "${n} - 1")
+  foreach(i RANGE ${last})
+    string(SUBSTRING "${name}" ${i} 1 c)
+    if(i GREATER 0)
+      string(APPEND r ", ")
+    endif()
+    string(APPEND r "'${c}'")
+  endforeach()
+  set(${out} "${r}" PARENT_SCOPE)
+endfunction()
+
 function(meshlib_add_compile_fail_test)
-  cmake_parse_arguments(ARG "" "NAME;SOURCE;REGEX" "LIBRARIES" ${ARGN})
+  cmake_parse_arguments(ARG "GCC_ONLY" "NAME;SOURCE;REGEX;NAMES" "LIBRARIES" ${ARGN})
   set(target compile_fail_${ARG_NAME})
+  if(ARG_NAMES)
+    string(REGEX MATCHALL "@[A-Za-z0-9_]+@" holes "${ARG_NAMES}")
+    list(REMOVE_DUPLICATES holes)
+    foreach(hole IN LISTS holes)
+      string(REPLACE "@" "" name "${hole}")
+      _meshlib_char_pack(pack "${name}")
+      string(REPLACE "${hole}" "${pack}" ARG_NAMES "${ARG_NAMES}")
+    endforeach()
+    string(REPLACE ">>" "> ?>" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >"
+    set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
+  endif()
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})
   target_link_libraries(${target} PRIVATE meshlib::meshlib ${ARG_LIBRARIES})
   add_test(NAME ${target}
@@ -64,7 +103,22 @@ function(meshlib_add_compile_fail_test)
   # The compiler's output must carry the promised message; a program that compiles cannot print it.
   set_tests_properties(${target} PROPERTIES
     PASS_REGULAR_EXPRESSION "${ARG_REGEX}"
+    FAIL_REGULAR_EXPRESSION "error: .*error: "  # one mistake, one error
     LABELS "compile_fail"
     RESOURCE_LOCK meshlib_build_tree
     TIMEOUT 300)
+  if(MESHLIB_COMPILE_FAIL_CLANG AND MESHLIB_CLANGXX AND NOT ARG_GCC_ONLY)
+    # The include directories and definitions of the GCC target, transitive ones included.
+    set(incs "$<TARGET_PROPERTY:${target},INCLUDE_DIRECTORIES>")
+    set(defs "$<TARGET_PROPERTY:${target},COMPILE_DEFINITIONS>")
+    add_test(NAME compile_fail_clang_${ARG_NAME}
+      COMMAND ${CMAKE_COMMAND} -DCLANGXX=${MESHLIB_CLANGXX} -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/${ARG_SOURCE}
+        "-DINCLUDES=${incs}" "-DDEFINES=${defs}"
+        -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_clang_compile_fail.cmake)
+    set_tests_properties(compile_fail_clang_${ARG_NAME} PROPERTIES
+      PASS_REGULAR_EXPRESSION "${ARG_REGEX}"
+      FAIL_REGULAR_EXPRESSION "meshlib-clang-leg: (compiled|[0-9]+ errors)"
+      LABELS "compile_fail;clang"
+      TIMEOUT 300)
+  endif()
 endfunction()

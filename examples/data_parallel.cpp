@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // data_parallel: data-parallel training with gradient averaging by `pmean`, the pattern of JAX's
 // "data parallelism" tutorials. The batch is split over axis "data"; the weights are replicated.
 // Every device computes the gradient of the mean-squared error on its shard of the batch, and

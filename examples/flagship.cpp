@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // flagship: tensor parallelism on a 2-D (data, model) mesh, the Megatron MLP of JAX's shard_map
 // tutorial: a column-parallel matmul, a nonlinearity, a row-parallel matmul, and one psum.
 //

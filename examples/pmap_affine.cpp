@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // pmap_affine: the first pattern of JAX's parallelism tutorials, `pmap(lambda x: x * 2 + 1)`,
 // written with meshlib: one axis over every device, an array split over it, the function applied
 // by every device to its own block, and the blocks assembled back into one array.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // quickstart: the vocabulary of meshlib in one screen. Eight devices in a 2 x 4 mesh with axes
 // "data" and "model"; an 8 x 6 array whose rows are split over "data" and replicated over "model"
 // (JAX: NamedSharding(mesh, P("data", None))); and which block of it every device holds.

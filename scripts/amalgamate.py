@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Generate single_include/meshlib.hpp from include/meshlib.hpp.
 
 Every `#include "meshlib/..."` (or `<meshlib/...>`) is replaced, recursively and in include
 order, by the text of that header the first time it is met and dropped after that, as
 `#pragma once` would do. Each inlined header is framed by `// begin meshlib/<file>` and
-`// end meshlib/<file>`; `#pragma once` lines are dropped and one include guard wraps the whole.
+`// end meshlib/<file>`; `#pragma once` and SPDX lines are dropped and one include guard wraps the whole.
 Other includes (the standard library, Kokkos) are kept as they are.
+
+The file starts with the SPDX licence line and a generated configuration block: meshlib's version
+(from VERSION) and the macros that switch on the optional parts, with what each enables. After the
+umbrella come the optional parts' own umbrellas (<meshlib/mpi.hpp>, <meshlib/nccl.hpp> when it
+exists), each under `#if` of its macro, so one file serves every configuration.
 
 A header first met under a preprocessor condition (`#if ...`) is inlined there; including it
 again unconditionally later would then lose it when the condition is false, so that is an error.
@@ -30,9 +36,27 @@ ROOT_HEADER = "meshlib.hpp"
 OUTPUT = REPO / "single_include" / "meshlib.hpp"
 GUARD = "MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP"
 FIX_COMMAND = "python3 scripts/amalgamate.py"
+SPDX_LINE = "// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception"
+
+# (macro, CMake target, umbrella inlined under the macro or None, what it enables).
+OPTIONAL_PARTS = [
+    ("MESHLIB_ENABLE_KOKKOS_KERNELS", "meshlib::kokkos_kernels", None,
+     "matmul through KokkosBlas::gemm (BLAS speed; link Kokkos Kernels and a BLAS) instead of "
+     "meshlib's own, much slower kernel"),
+    ("MESHLIB_ENABLE_MPI", "meshlib::mpi", "meshlib/mpi.hpp",
+     "<meshlib/mpi.hpp>: the MPI and hybrid process x thread communicators, meshlib::mpi::initialize "
+     "(link MPI)"),
+    ("MESHLIB_ENABLE_NCCL", "meshlib::nccl", "meshlib/nccl.hpp",
+     "the NCCL communicator for CUDA devices (link CUDA's runtime and NCCL)"),
+    ("MESHLIB_ENABLE_TBB", "meshlib::tbb", None,
+     "the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)"),
+    ("MESHLIB_ENABLE_ZLIB", "meshlib::zlib", None,
+     "the IDX reader of the data pipeline reads .gz files (link zlib)"),
+]
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?:"(meshlib/[^"]+)"|<(meshlib/[^>]+)>)')
 PRAGMA_ONCE_RE = re.compile(r"^\s*#\s*pragma\s+once\b")
+SPDX_RE = re.compile(r"^\s*//\s*SPDX-License-Identifier:")
 IF_RE = re.compile(r"^\s*#\s*if(?:n?def)?\b")
 ENDIF_RE = re.compile(r"^\s*#\s*endif\b")
 
@@ -56,8 +80,8 @@ class Amalgamator:
         self.out.append(f"// begin {name}\n")
         depth = 0  # preprocessor conditional depth inside this file
         for number, line in enumerate(text.splitlines(), start=1):
-            if PRAGMA_ONCE_RE.match(line):
-                continue
+            if PRAGMA_ONCE_RE.match(line) or SPDX_RE.match(line):
+                continue  # the single header has one SPDX line, at its top
             match = INCLUDE_RE.match(line)
             if match:
                 child = match.group(1) or match.group(2)
@@ -81,18 +105,60 @@ class Amalgamator:
             self.out.append(line + "\n")
         self.out.append(f"// end {name}\n")
 
-    def run(self, root: str) -> str:
-        self.seen[root] = ("the root", False)
-        self.out = [
-            "// meshlib: JAX-style SPMD sharding for C++ -- single-header distribution.\n",
+    def config_block(self) -> list[str]:
+        version = read_version(self.include_dir.parent / "VERSION")
+        lines = [
+            f"// meshlib {version}: JAX-style SPMD sharding for C++ -- single-header distribution.\n",
             "// Generated from include/ by scripts/amalgamate.py; do not edit by hand:\n",
             f"// change the headers in include/ and run `{FIX_COMMAND}`.\n",
+            "//\n",
+            "// Configuration. Needs C++20, Kokkos (its headers and library) and threads. Optional parts\n",
+            "// are off unless their macro is defined to 1 before this file is included (or with -D); each\n",
+            "// also needs its library at link time, so none is switched on by finding a header:\n",
+        ]
+        for macro, target, _, what in OPTIONAL_PARTS:
+            lines.append(f"//   {macro}=1  ({target} in CMake)\n")
+            lines.extend(f"//       {part}\n" for part in wrap(what, 88))
+        lines += [
+            "// To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at\n",
+            "// run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.\n",
+            "// Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.\n",
+        ]
+        return lines
+
+    def run(self, root: str) -> str:
+        self.seen[root] = ("the root", False)
+        self.out = [SPDX_LINE + "\n"] + self.config_block() + [
             f"#ifndef {GUARD}\n",
             f"#define {GUARD}\n",
         ]
         self.inline(root, False)
+        for macro, _, umbrella, _ in OPTIONAL_PARTS:
+            if umbrella and (self.include_dir / umbrella).is_file() and umbrella not in self.seen:
+                self.seen[umbrella] = (f"the optional part {macro}", True)
+                self.out.append(f"#if defined({macro}) && {macro}\n")
+                self.inline(umbrella, True)
+                self.out.append(f"#endif  // {macro}\n")
         self.out.append(f"#endif  // {GUARD}\n")
         return "".join(self.out)
+
+
+def wrap(text: str, width: int) -> list[str]:
+    lines, current = [], ""
+    for word in text.split():
+        if current and len(current) + 1 + len(word) > width:
+            lines.append(current)
+            current = word
+        else:
+            current = f"{current} {word}" if current else word
+    return lines + [current] if current else lines
+
+
+def read_version(path: Path) -> str:
+    """The version from VERSION (major.minor.patch), or "(unversioned)" for a tree without one."""
+    if not path.is_file():
+        return "(unversioned)"
+    return path.read_text(encoding="utf-8").strip()
 
 
 def amalgamate(include_dir: Path = INCLUDE_DIR, root: str = ROOT_HEADER) -> str:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Shared by run_tests.sh and run_example.sh (sourced, not run). Both use one build directory with
 # the same settings, so running one after the other rebuilds nothing twice.
 #
@@ -20,4 +21,9 @@ configure() {
     -DCMAKE_CXX_FLAGS_RELEASE="-O2" \
     -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON \
     "$@"
+}
+
+# The Kokkos version a configured build directory uses, as its configure summary printed it.
+kokkos_version_of() {
+  sed -n 's/^MESHLIB_KOKKOS_VERSION:INTERNAL=//p' "$1/CMakeCache.txt" 2>/dev/null | head -1
 }

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what meshlib needs on Debian 12 (bookworm), and only what is missing: safe to run again.
 # apt-get update runs only when something is missing; sudo is used only when not root.
 set -euo pipefail
@@ -13,6 +14,9 @@ packages=(
   dataset-fashion-mnist                    # Fashion-MNIST IDX files for the training flagship and its tests
   openmpi-bin libopenmpi-dev               # MPI communicator (optional)
   python3-matplotlib                       # benchmark plots
+  doxygen pkg-config python3-jsonschema    # packaging tests: API reference, pkg-config, vcpkg manifest schema
+  python3-fasteners python3-jinja2 python3-requests python3-colorama python3-patch-ng  # Conan 2 from source (packaging test)
+  clang-14                                 # compile-fail tests' second compiler (diagnostics read well on Clang too)
 )
 
 missing=()

@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what is missing, builds meshlib's tests (Release, -O2) in build/ and runs them all.
 # The last lines are ctest's summary ("100% tests passed, 0 tests failed out of N"); the exit
 # status is ctest's. When a target fails to build, the build keeps going, ctest runs what was
 # built (a test whose binary is missing counts as failed), a last line says the build failed, and
 # the exit status is non-zero. Extra arguments go to ctest (e.g. -L package, -R mesh).
+#
+# Then the Kokkos 4 leg (MESHLIB_KOKKOS4_LEG=0 turns it off): Kokkos 4.6.01 (Serial+OpenMP) and
+# Kokkos Kernels 4.6.01 are built once from the release snapshots in ../shared/vendor (or
+# $MESHLIB_VENDOR_DIR) into $BUILD_DIR/_deps/ (scripts/build_kokkos4.sh; cached by a stamp), a
+# second build directory $BUILD_DIR/kokkos4 is configured against them, and every unit,
+# compile-fail and MPI test runs again there (the package-consumer tests, which check packaging
+# and not Kokkos, run only in the first leg). Without the snapshots the leg says it skipped. The
+# exit status is non-zero when either leg failed; the last lines summarise both.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SECONDS=0
@@ -27,13 +36,53 @@ else
   elapsed "built"
 fi
 
-cd "$BUILD_DIR"
 echo "== running the tests (-j $JOBS); total so far ${SECONDS}s"
 test_status=0
-ctest --output-on-failure -j "$JOBS" "$@" || test_status=$?
+(cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS" "$@") || test_status=$?
+summary="== Kokkos $(kokkos_version_of "$BUILD_DIR") leg: tests $( [ "$test_status" -eq 0 ] && echo passed || echo FAILED)"
 if [ "$build_status" -ne 0 ]; then
   # In an incremental build an old binary of a target that failed may have run above.
-  echo "== BUILD FAILED (status $build_status): the results above may include stale binaries"
-  exit "$build_status"
+  summary="$summary; BUILD FAILED (status $build_status): the results above may include stale binaries"
 fi
-exit "$test_status"
+elapsed "first leg done"
+
+k4_status=0
+k4_summary="== Kokkos 4 leg: off (MESHLIB_KOKKOS4_LEG=0)"
+if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
+  k4_prefix="$BUILD_DIR/_deps/kokkos-4.6.01"
+  k4_build="$BUILD_DIR/kokkos4"
+  vendor_status=0
+  "$repo_root/scripts/build_kokkos4.sh" "$k4_prefix" || vendor_status=$?
+  if [ "$vendor_status" -eq 3 ]; then
+    k4_summary="== Kokkos 4 leg: SKIPPED (no Kokkos 4.6.01 snapshots in ${MESHLIB_VENDOR_DIR:-$repo_root/../shared/vendor})"
+  elif [ "$vendor_status" -ne 0 ]; then
+    k4_status=$vendor_status
+    k4_summary="== Kokkos 4 leg: FAILED to build Kokkos 4.6.01 (status $vendor_status; see above)"
+  else
+    elapsed "Kokkos 4.6.01 ready"
+    # No ThreadSanitizer copies (the first leg runs them); package consumers need an install, not Kokkos.
+    # Benchmarks are not tests: the leg builds only what ctest runs.
+    BUILD_DIR="$k4_build" configure -DCMAKE_PREFIX_PATH="$k4_prefix" -DMESHLIB_SANITIZE_THREAD=OFF \
+      -DMESHLIB_BUILD_BENCHMARKS=OFF >/dev/null
+    k4_build_status=0
+    cmake --build "$k4_build" -j "$JOBS" -- "${keep_going[@]}" || k4_build_status=$?
+    elapsed "Kokkos 4 leg built (status $k4_build_status)"
+    k4_test_status=0
+    # OMP_PROC_BIND=false: what Kokkos asks for unit tests (and it silences its start-up warning).
+    (cd "$k4_build" && OMP_PROC_BIND=false ctest --output-on-failure -j "$JOBS" -LE package "$@") || k4_test_status=$?
+    k4_summary="== Kokkos $(kokkos_version_of "$k4_build") leg: tests $( [ "$k4_test_status" -eq 0 ] && echo passed || echo FAILED)"
+    if [ "$k4_build_status" -ne 0 ]; then
+      k4_summary="$k4_summary; BUILD FAILED (status $k4_build_status)"
+      k4_status=$k4_build_status
+    else
+      k4_status=$k4_test_status
+    fi
+  fi
+fi
+
+elapsed "all done"
+echo "$summary"
+echo "$k4_summary"
+if [ "$build_status" -ne 0 ]; then exit "$build_status"; fi
+if [ "$test_status" -ne 0 ]; then exit "$test_status"; fi
+exit "$k4_status"

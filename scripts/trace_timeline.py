@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Draws a meshlib trace (Chrome trace event JSON, as written by meshlib::stop_trace) as an SVG
 timeline: one row per device, regions and collectives as nested slices, flow arrows joining the
 devices of each collective. For machines without Perfetto's UI or chrome://tracing at hand; the

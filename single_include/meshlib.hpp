@@ -1,6 +1,26 @@
-// meshlib: JAX-style SPMD sharding for C++ -- single-header distribution.
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// meshlib 0.1.0: JAX-style SPMD sharding for C++ -- single-header distribution.
 // Generated from include/ by scripts/amalgamate.py; do not edit by hand:
 // change the headers in include/ and run `python3 scripts/amalgamate.py`.
+//
+// Configuration. Needs C++20, Kokkos (its headers and library) and threads. Optional parts
+// are off unless their macro is defined to 1 before this file is included (or with -D); each
+// also needs its library at link time, so none is switched on by finding a header:
+//   MESHLIB_ENABLE_KOKKOS_KERNELS=1  (meshlib::kokkos_kernels in CMake)
+//       matmul through KokkosBlas::gemm (BLAS speed; link Kokkos Kernels and a BLAS) instead of
+//       meshlib's own, much slower kernel
+//   MESHLIB_ENABLE_MPI=1  (meshlib::mpi in CMake)
+//       <meshlib/mpi.hpp>: the MPI and hybrid process x thread communicators,
+//       meshlib::mpi::initialize (link MPI)
+//   MESHLIB_ENABLE_NCCL=1  (meshlib::nccl in CMake)
+//       the NCCL communicator for CUDA devices (link CUDA's runtime and NCCL)
+//   MESHLIB_ENABLE_TBB=1  (meshlib::tbb in CMake)
+//       the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)
+//   MESHLIB_ENABLE_ZLIB=1  (meshlib::zlib in CMake)
+//       the IDX reader of the data pipeline reads .gz files (link zlib)
+// To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at
+// run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.
+// Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.
 #ifndef MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
 #define MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
 // begin meshlib.hpp
@@ -8,6 +28,139 @@
 /// @brief meshlib: JAX-style SPMD sharding for C++. Everything that needs no optional dependency.
 /// The MPI and NCCL backends come in through <meshlib/mpi.hpp> and <meshlib/nccl.hpp>.
 
+// begin meshlib/version.hpp
+/// @file
+/// @brief meshlib's version, as macros for the preprocessor and as constants for C++.
+///
+/// The version's one source is the file `VERSION` at the top of the repository; this header,
+/// CMake's project version, the Conan, vcpkg and Spack recipes and pkg-config repeat it, and the
+/// test `package_versions_agree` fails when any of them differs.
+///
+/// Example:
+/// @code
+/// static_assert(MESHLIB_VERSION >= 100, "this program needs meshlib 0.1.0 or newer");
+/// std::cout << "meshlib " << meshlib::version_string << '\n';
+/// @endcode
+
+#include <string_view>
+
+/// @brief The major version: changes when a release breaks source compatibility.
+#define MESHLIB_VERSION_MAJOR 0
+/// @brief The minor version: new features, source compatible within the major version.
+#define MESHLIB_VERSION_MINOR 1
+/// @brief The patch version: fixes only.
+#define MESHLIB_VERSION_PATCH 0
+/// @brief The version as one comparable number: major * 10000 + minor * 100 + patch.
+#define MESHLIB_VERSION (MESHLIB_VERSION_MAJOR * 10000 + MESHLIB_VERSION_MINOR * 100 + MESHLIB_VERSION_PATCH)
+/// @brief The version as a string literal, "major.minor.patch".
+#define MESHLIB_VERSION_STRING "0.1.0"
+
+namespace meshlib {
+
+/// @brief The version of the meshlib headers in use, "major.minor.patch" (`MESHLIB_VERSION_STRING`).
+inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
+
+}  // namespace meshlib
+// end meshlib/version.hpp
+// begin meshlib/config.hpp
+/// @file
+/// @brief Which optional parts this translation unit was compiled with, as `meshlib::config`.
+///
+/// Each optional part is switched on by one macro, which the matching CMake target defines (and
+/// which a user of the single header defines by hand, next to linking the library it needs):
+///
+/// | macro                               | CMake target             | what it enables                                       |
+/// | ----------------------------------- | ------------------------ | ----------------------------------------------------- |
+/// | `MESHLIB_ENABLE_KOKKOS_KERNELS=1`   | meshlib::kokkos_kernels  | matmul through `KokkosBlas::gemm` (BLAS speed) instead of meshlib's own kernel |
+/// | `MESHLIB_ENABLE_MPI=1`              | meshlib::mpi             | `<meshlib/mpi.hpp>`: MPI and hybrid communicators, `meshlib::mpi::initialize` |
+/// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
+/// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
+///
+/// None is switched on by finding a header with `__has_include`: each needs a library at link
+/// time too, and a header found without its library would turn into a link error far from the
+/// cause. Define `MESHLIB_VERBOSE_CONFIG` to have the compiler print one line saying which parts
+/// are on (and which could be, because their headers are on the include path).
+///
+/// Example:
+/// @code
+/// std::cout << "matmul kernel: " << meshlib::config::matmul_kernel << '\n';
+/// if constexpr (!meshlib::config::mpi) { /* run on threads only */ }
+/// @endcode
+
+#include <string_view>
+
+
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#define MESHLIB_CONFIG_KOKKOS_KERNELS_ 1
+#else
+#define MESHLIB_CONFIG_KOKKOS_KERNELS_ 0
+#endif
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+#define MESHLIB_CONFIG_MPI_ 1
+#else
+#define MESHLIB_CONFIG_MPI_ 0
+#endif
+#if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL
+#define MESHLIB_CONFIG_NCCL_ 1
+#else
+#define MESHLIB_CONFIG_NCCL_ 0
+#endif
+#if defined(MESHLIB_ENABLE_TBB) && MESHLIB_ENABLE_TBB
+#define MESHLIB_CONFIG_TBB_ 1
+#else
+#define MESHLIB_CONFIG_TBB_ 0
+#endif
+
+namespace meshlib {
+
+/// @brief The optional parts compiled into this translation unit (see the table in the file's doc).
+struct config {
+  /// @brief meshlib's version, "major.minor.patch".
+  static constexpr std::string_view version{MESHLIB_VERSION_STRING};
+  /// @brief True when matmul calls `KokkosBlas::gemm` (`MESHLIB_ENABLE_KOKKOS_KERNELS`).
+  static constexpr bool kokkos_kernels = MESHLIB_CONFIG_KOKKOS_KERNELS_ == 1;
+  /// @brief True when the MPI communicators are available (`MESHLIB_ENABLE_MPI`).
+  static constexpr bool mpi = MESHLIB_CONFIG_MPI_ == 1;
+  /// @brief True when the NCCL communicator is available (`MESHLIB_ENABLE_NCCL`).
+  static constexpr bool nccl = MESHLIB_CONFIG_NCCL_ == 1;
+  /// @brief True when the oneTBB-backed parts are available (`MESHLIB_ENABLE_TBB`).
+  static constexpr bool tbb = MESHLIB_CONFIG_TBB_ == 1;
+  /// @brief The kernel local matmuls use: "KokkosBlas::gemm" or "meshlib built-in".
+  static constexpr std::string_view matmul_kernel = kokkos_kernels ? "KokkosBlas::gemm" : "meshlib built-in";
+};
+
+}  // namespace meshlib
+
+#if defined(MESHLIB_VERBOSE_CONFIG)
+#define MESHLIB_CONFIG_STR_(x) #x
+#define MESHLIB_CONFIG_PRAGMA_(x) _Pragma(MESHLIB_CONFIG_STR_(x))
+#if MESHLIB_CONFIG_KOKKOS_KERNELS_
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=KokkosBlas::gemm"
+#elif __has_include(<KokkosBlas3_gemm.hpp>)
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=built-in (Kokkos Kernels found: define MESHLIB_ENABLE_KOKKOS_KERNELS=1 and link it)"
+#else
+#define MESHLIB_CONFIG_KK_TEXT_ "matmul=built-in"
+#endif
+#if MESHLIB_CONFIG_MPI_
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=on"
+#elif __has_include(<mpi.h>)
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=off (mpi.h found: define MESHLIB_ENABLE_MPI=1 and link MPI)"
+#else
+#define MESHLIB_CONFIG_MPI_TEXT_ "mpi=off"
+#endif
+#if MESHLIB_CONFIG_NCCL_
+#define MESHLIB_CONFIG_NCCL_TEXT_ "nccl=on"
+#else
+#define MESHLIB_CONFIG_NCCL_TEXT_ "nccl=off"
+#endif
+#if MESHLIB_CONFIG_TBB_
+#define MESHLIB_CONFIG_TBB_TEXT_ "tbb=on"
+#else
+#define MESHLIB_CONFIG_TBB_TEXT_ "tbb=off"
+#endif
+MESHLIB_CONFIG_PRAGMA_(message("meshlib " MESHLIB_VERSION_STRING ": " MESHLIB_CONFIG_KK_TEXT_ ", " MESHLIB_CONFIG_MPI_TEXT_ ", " MESHLIB_CONFIG_NCCL_TEXT_ ", " MESHLIB_CONFIG_TBB_TEXT_))
+#endif
+// end meshlib/config.hpp
 // begin meshlib/core.hpp
 /// @file
 /// @brief The core layer: axes, meshes, partition specs, shardings and shard layout math.
@@ -47,6 +200,7 @@ struct fixed_string {
   friend std::ostream& operator<<(std::ostream& os, const fixed_string& s) { return os << s.view(); }
 };
 
+/// @brief Deduces the size from the literal: `fixed_string{"data"}` is a `fixed_string<5>`.
 template <std::size_t N>
 fixed_string(const char (&)[N]) -> fixed_string<N>;
 
@@ -142,6 +296,199 @@ concept mesh_axis = requires {
 #include <string_view>
 #include <vector>
 
+// begin meshlib/core/checked_size.hpp
+/// @file
+/// @brief Products of sizes that cannot wrap: the element count of a shape, the device count of a
+/// mesh, a byte count. Each throws a `meshlib::error` subtype naming what overflowed, instead of
+/// wrapping to a small number that passes a later size check and writes past a buffer.
+/// @code
+/// meshlib::detail::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// A size that came from a negative signed value (e.g. `mesh{-1}`, `size_t(-8)`) reads as a number
+/// near 2^64; anything above 2^62 is refused as certainly not a real size.
+inline constexpr std::size_t max_sane_size = std::size_t{1} << 62;
+
+/// `a * b`, or throws `sharding_error` saying that `what` overflows.
+inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
+  std::size_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r))
+    throw sharding_error("meshlib: " + std::string(what) + " overflows: " + std::to_string(a) + " x " + std::to_string(b) +
+                         " does not fit in 64 bits");
+  return r;
+}
+
+/// The product of `sizes`; throws `sharding_error` naming `what`, the dimension and its value when a
+/// size looks negative (above `max_sane_size`) or the product overflows. Builds no string unless it
+/// throws: it runs on every size query.
+inline std::size_t checked_product(std::span<const std::size_t> sizes, std::string_view what) {
+  const auto where = [&] {
+    std::string s = "meshlib: " + std::string(what) + " (";
+    for (std::size_t d = 0; d < sizes.size(); ++d) s += (d ? ", " : "") + std::to_string(sizes[d]);
+    return s + (sizes.size() == 1 ? ",)" : ")");
+  };
+  std::size_t n = 1;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > max_sane_size)
+      throw sharding_error(where() + ": dimension " + std::to_string(d) + " has size " + std::to_string(sizes[d]) +
+                           " (" + std::to_string(static_cast<long long>(sizes[d])) +
+                           " as a signed number), larger than 2^62: a negative or overflowed size?");
+    if (__builtin_mul_overflow(n, sizes[d], &n))
+      throw sharding_error(where() + ": the element count overflows at dimension " + std::to_string(d) + " (size " +
+                           std::to_string(sizes[d]) + "): it does not fit in 64 bits");
+  }
+  return n;
+}
+
+/// `checked_product` of a shape array.
+template <std::size_t Rank>
+std::size_t checked_product(const std::array<std::size_t, Rank>& shape, std::string_view what) {
+  return checked_product(std::span<const std::size_t>(shape.data(), Rank), what);
+}
+
+/// The byte count of `count` elements of `T`, checked.
+template <class T>
+std::size_t checked_bytes(std::size_t count, std::string_view what) {
+  return checked_mul(count, sizeof(T), what);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/core/checked_size.hpp
+// begin meshlib/core/diagnostics.hpp
+/// @file
+/// @brief How meshlib's compile-time errors name what is wrong: one `static_assert`, fired as a
+/// statement, whose failing condition spells the operation, the axes and the layout as types that
+/// GCC and Clang both print readably.
+///
+/// Why types of characters: C++20 cannot put an axis name into a `static_assert` message, and Clang
+/// prints a class-type template argument such as `fixed_string{"data"}` as `{{100, 97, 116, 97, 0}}`.
+/// Both compilers print a `char` pack as characters, so the names travel as
+/// `meshlib::diagnostic::axis<'d', 'a', 't', 'a'>`.
+///
+/// Why a function and not a struct: a struct whose `static_assert` fails is an invalid type on
+/// Clang, and every later use of it (`::value`) is a second, third, fourth error. A function whose
+/// body fails still returns, so the caller carries on quietly with a `false` and the user reads one
+/// error (stdexec's diagnose functions).
+/// @code
+/// template <class Op, class Axis>
+/// consteval bool psum_over_invariant_axis() {
+///   static_assert(meshlib::detail::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
+///   return false;
+/// }
+/// // in the check: psum_over_invariant_axis<diag_op_t<"psum">, diag_axis_t<"model">>()
+/// @endcode
+
+#include <cstddef>
+#include <string_view>
+#include <utility>
+
+
+/// @brief The types that only appear in compile-time error messages. Users never name them.
+namespace meshlib::diagnostic {
+
+/// The collective or function at fault: `op<'p', 's', 'u', 'm'>`.
+template <char... C>
+struct op {};
+/// A mesh axis name: `axis<'m', 'o', 'd', 'e', 'l'>`.
+template <char... C>
+struct axis {};
+/// A set of axes (an `axis_mask` spelled out), in mesh order.
+template <class... Axes>
+struct axes {};
+/// The axes a value varies over / is a pending sum over.
+template <class Axes>
+struct vary {};
+template <class Axes>
+struct partial {};
+/// Per dimension, the axes the dimension is a block of.
+template <class... DimAxes>
+struct dims {};
+/// A dimension number.
+template <std::size_t D>
+struct dim {};
+/// A value's layout: `value<vary<axes<...>>, partial<axes<>>, dims<axes<...>, axes<>>>`.
+template <class Vary, class Partial, class Dims>
+struct value {};
+/// A partition spec, one entry per dimension: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class... Entries>
+struct spec {};
+/// The size of a dimension or axis known only at run time.
+struct dynamic {};
+/// A size known at compile time.
+template <std::size_t N>
+struct size {};
+
+}  // namespace meshlib::diagnostic
+
+namespace meshlib::detail {
+
+/// False for every argument list, but only once the arguments are known: the condition of every
+/// diagnostic, so that the compiler prints the arguments next to the message.
+template <class... T>
+inline constexpr bool always_false = false;
+
+template <template <char...> class W, std::string_view const& S, class Seq = std::make_index_sequence<S.size()>>
+struct chars_of;
+template <template <char...> class W, std::string_view const& S, std::size_t... I>
+struct chars_of<W, S, std::index_sequence<I...>> {
+  using type = W<S[I]...>;
+};
+
+template <fixed_string Name>
+inline constexpr std::string_view name_view_v = Name.view();
+
+/// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
+template <fixed_string Name>
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view_v<Name>>::type;
+/// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
+template <fixed_string Name>
+using diag_op_t = typename chars_of<diagnostic::op, name_view_v<Name>>::type;
+
+template <class Mesh, std::size_t I>
+inline constexpr std::string_view mesh_axis_name_v = Mesh::axis_names[I];
+
+template <class Mesh, unsigned Mask, class Seq = std::make_index_sequence<Mesh::ndim>>
+struct diag_axes_impl;
+template <class A, class B>
+struct concat_axes;
+template <class... A, class... B>
+struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
+  using type = diagnostic::axes<A..., B...>;
+};
+template <class Mesh, unsigned Mask, std::size_t I>
+using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name_v<Mesh, I>>::type>,
+                                      diagnostic::axes<>>;
+template <class Mesh, unsigned Mask>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {
+  using type = diagnostic::axes<>;
+};
+template <class Mesh, unsigned Mask, std::size_t I0, std::size_t... I>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<I0, I...>> {
+  using type = typename concat_axes<one_axis_t<Mesh, Mask, I0>,
+                                    typename diag_axes_impl<Mesh, Mask, std::index_sequence<I...>>::type>::type;
+};
+
+/// The axes of `Mesh` in `Mask`, spelled out: `diagnostic::axes<axis<'d','a','t','a'>>`.
+template <class Mesh, unsigned Mask>
+using diag_axes_t = typename diag_axes_impl<Mesh, Mask>::type;
+
+/// `diagnostic::size<N>`, or `diagnostic::dynamic` for a size known only at run time.
+template <std::size_t N>
+using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
+
+}  // namespace meshlib::detail
+// end meshlib/core/diagnostics.hpp
 
 namespace meshlib {
 
@@ -154,6 +501,14 @@ consteval bool axis_names_unique() {
     for (std::size_t j = i + 1; j < names.size(); ++j)
       if (names[i] == names[j]) return false;
   return true;
+}
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_has_no_axis() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: the mesh has no axis of this name (the name and the mesh's axes are spelled out in the "
+                "condition); name one of the mesh's axes");
+  return false;
 }
 
 }  // namespace detail
@@ -197,7 +552,8 @@ class mesh {
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
-    static_assert(has_axis<Name>, "meshlib: the mesh has no axis of this name (see the axis named in the instantiation)");
+    if constexpr (!has_axis<Name>)
+      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
@@ -343,7 +699,14 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
-      size_ *= sizes_[i];
+      // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
+      if (sizes_[i] > detail::max_sane_size)
+        throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
+                         " (" + std::to_string(static_cast<long long>(sizes_[i])) +
+                         " as a signed number); a mesh axis size must be positive");
+      if (__builtin_mul_overflow(size_, sizes_[i], &size_))
+        throw mesh_error("meshlib: the device count of the mesh overflows at axis '" + std::string(axis_names[i]) +
+                         "' (size " + std::to_string(sizes_[i]) + "): the product of the axis sizes does not fit in 64 bits");
     }
   }
 
@@ -391,6 +754,7 @@ namespace meshlib {
 struct none_t {
   friend constexpr bool operator==(none_t, none_t) noexcept { return true; }
 };
+/// @brief A replicated dimension in a partition spec: JAX's `None` in `P("data", None)`.
 inline constexpr none_t none{};
 
 /// @brief One entry of a partition spec: the mesh axes (0 to `max_axes`) a dimension is split over.
@@ -515,6 +879,7 @@ concept partition_spec_type = requires { typename T::is_partition_spec; };
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 
 
 namespace meshlib {
@@ -551,49 +916,66 @@ consteval bool has_repeated_axis() {
   return false;
 }
 
-/// The name of axis `K` of dimension `D` of `Spec` as a `fixed_string`, for diagnostics.
 template <class Spec, std::size_t D, std::size_t K>
-inline constexpr auto spec_axis_name = [] {
-  constexpr std::string_view name = Spec::dims[D].axis(K);
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+inline constexpr std::string_view spec_axis_name_v = Spec::dims[D].axis(K);
 
-// The diagnostics below carry the offending axis and spec in their template arguments, so that the
-// compiler's "in instantiation of" line names them next to the static_assert message.
-template <fixed_string Axis, class Spec, class Mesh>
-struct spec_names_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have "
-                "(the axis, spec and mesh are the arguments of spec_names_axis_not_in_mesh<axis, spec, mesh>); "
-                "add the axis to the mesh or fix its name in the spec");
-  static constexpr bool value = true;
+template <class Spec, std::size_t D, class Seq = std::make_index_sequence<Spec::dim(D).size()>>
+struct diag_spec_entry;
+template <class Spec, std::size_t D, std::size_t... K>
+struct diag_spec_entry<Spec, D, std::index_sequence<K...>> {
+  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, D, K>>::type...>;
 };
+template <class Spec, class Seq = std::make_index_sequence<Spec::size>>
+struct diag_spec_impl;
+template <class Spec, std::size_t... D>
+struct diag_spec_impl<Spec, std::index_sequence<D...>> {
+  using type = diagnostic::spec<typename diag_spec_entry<Spec, D>::type...>;
+};
+/// A partition spec spelled out for a diagnostic: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class Spec>
+using diag_spec_t = typename diag_spec_impl<Spec>::type;
+
+/// Marks a check whose diagnostic has already fired inside (core/diagnostics.hpp): always true, so
+/// that the `static_assert` around a class-level check never adds a second error.
+constexpr bool diagnosed(bool) noexcept { return true; }
+
+// The diagnostics below name the offending axis and spec in their failing condition (see
+// core/diagnostics.hpp): one error on GCC and Clang.
+template <class Axis, class Spec, class MeshAxes>
+consteval bool spec_names_axis_not_in_mesh() {
+  static_assert(always_false<Axis, Spec, MeshAxes>,
+                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have (the axis, "
+                "the spec and the mesh's axes are spelled out in the condition); add the axis to the mesh or fix its "
+                "name in the spec");
+  return false;
+}
 
 template <class Spec>
-struct spec_uses_an_axis_twice {
-  static_assert(!has_repeated_axis<Spec>(),
-                "meshlib: named_sharding: the partition spec uses a mesh axis twice (see spec_uses_an_axis_twice<spec>); "
-                "a mesh axis can split at most one dimension, once");
-  static constexpr bool value = true;
-};
+consteval bool spec_uses_an_axis_twice() {
+  static_assert(always_false<Spec>,
+                "meshlib: named_sharding: the partition spec uses a mesh axis twice; a mesh axis can split at most "
+                "one dimension, once");
+  return false;
+}
 
-template <std::size_t Rank, class Spec>
-struct spec_longer_than_rank {
-  static_assert(Spec::size <= Rank,
-                "meshlib: the partition spec has more entries than the tensor has dimensions "
-                "(see spec_longer_than_rank<rank, spec>); drop the extra entries");
-  static constexpr bool value = true;
-};
+template <class Rank, class Spec>
+consteval bool spec_longer_than_rank() {
+  static_assert(always_false<Rank, Spec>,
+                "meshlib: the partition spec has more entries than the tensor has dimensions; drop the extra entries");
+  return false;
+}
 
+/// True when `Spec` fits `Mesh`; otherwise fires the one diagnostic and returns false.
 template <class Mesh, class Spec>
 consteval bool diagnose_sharding() {
   constexpr auto bad = first_unknown_axis<Mesh, Spec>();
   if constexpr (bad.first < Spec::size) {
-    return spec_names_axis_not_in_mesh<spec_axis_name<Spec, bad.first, bad.second>, Spec, Mesh>::value;
+    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, bad.first, bad.second>>::type,
+                                       diag_spec_t<Spec>, diag_axes_t<Mesh, Mesh::all_axes>>();
+  } else if constexpr (has_repeated_axis<Spec>()) {
+    return spec_uses_an_axis_twice<diag_spec_t<Spec>>();
   } else {
-    return spec_uses_an_axis_twice<Spec>::value;
+    return true;
   }
 }
 
@@ -606,7 +988,7 @@ consteval bool diagnose_sharding() {
 /// @endcode
 template <mesh_type Mesh, partition_spec_type Spec>
 class named_sharding {
-  static_assert(detail::diagnose_sharding<Mesh, Spec>());
+  static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
   using is_named_sharding = void;
@@ -641,7 +1023,10 @@ class named_sharding {
   /// Rejects, at compile time, a spec longer than a tensor of rank `Rank`.
   template <std::size_t Rank>
   static constexpr bool check_rank() noexcept {
-    return detail::spec_longer_than_rank<Rank, Spec>::value;
+    // True either way: a spec that is too long fires its one diagnostic here, and the
+    // static_assert(check_rank<R>()) of every caller stays quiet.
+    if constexpr (Spec::size <= Rank) return true;
+    else return detail::diagnosed(detail::spec_longer_than_rank<diagnostic::size<Rank>, detail::diag_spec_t<Spec>>());
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;
@@ -801,9 +1186,11 @@ class shard_layout {
   using shape_type = std::array<std::size_t, Rank>;
   using mesh_type = typename S::mesh_type;
 
-  /// @throws sharding_error under `shard_rule::even` when a sharded dimension does not divide
+  /// @throws sharding_error when a size is negative-converted (above 2^62) or the element count
+  /// overflows (naming the dimension and its size), and under `shard_rule::even` when a sharded dimension does not divide
   /// evenly; the message names the dimension, its size, the axes and their sizes.
   shard_layout(const S& sharding, const shape_type& global_shape) : sharding_(sharding), global_(global_shape) {
+    detail::checked_product(global_, "the global shape");
     for (std::size_t d = 0; d < Rank; ++d) {
       const std::size_t shards = sharding_.num_shards(d);
       if (sharding_.rule() == shard_rule::even && global_[d] % shards != 0) {
@@ -859,6 +1246,7 @@ class shard_layout {
   shape_type global_;
 };
 
+/// @brief Deduces the rank from the global shape: `shard_layout{sharding, std::array<std::size_t, 2>{8, 6}}`.
 template <sharding_type S, std::size_t Rank>
 shard_layout(const S&, const std::array<std::size_t, Rank>&) -> shard_layout<S, Rank>;
 
@@ -1039,6 +1427,7 @@ enum class datatype : std::uint8_t { float32, float64, int32, int64, bfloat16 };
   }
   return "unknown";
 }
+/// @brief Prints the datatype's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_string(t); }
 
 /// @brief Size in bytes of one element of type `t`.
@@ -1084,7 +1473,8 @@ inline constexpr datatype all_datatypes[] = {datatype::float32, datatype::float6
 // begin meshlib/comm/reduce_op.hpp
 /// @file
 /// @brief `reduce_op`: the reductions every communicator supports (NCCL's `ncclRedOp_t`, MPI's
-/// `MPI_Op`), `avg` included because JAX's `pmean` is one collective, not a sum and a division.
+/// `MPI_Op`), `mean` included because JAX's `pmean` is one collective, not a sum and a division.
+/// One name for it across meshlib (`pmean`, `mean<D>`, `reduce_op::mean`); NCCL calls it `ncclAvg`.
 
 #include <cstdint>
 #include <ostream>
@@ -1096,33 +1486,34 @@ namespace meshlib {
 ///
 /// Reductions are applied in rank order (`((x0 op x1) op x2) ...`) by every backend that meshlib
 /// implements itself, so results are bitwise reproducible. Integer `sum` and `prod` wrap modulo
-/// 2^bits; integer `avg` is the wrapped sum divided by the participant count, rounded toward zero.
+/// 2^bits; integer `mean` is the wrapped sum divided by the participant count, rounded toward zero.
 /// `bfloat16` values are combined in `float` and rounded once at the end.
 enum class reduce_op : std::uint8_t {
   sum,   ///< x0 + x1 + ... (JAX `psum`)
   prod,  ///< x0 * x1 * ...
   min,   ///< smallest value (JAX `pmin`)
   max,   ///< largest value (JAX `pmax`)
-  avg,   ///< sum divided by the number of participants (JAX `pmean`)
+  mean,  ///< sum divided by the number of participants (JAX `pmean`; NCCL's `ncclAvg`)
 };
 
-/// @brief The name of a reduce op, as used in error messages: "sum", "prod", "min", "max", "avg".
+/// @brief The name of a reduce op, as used in error messages: "sum", "prod", "min", "max", "mean".
 [[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "sum";
     case reduce_op::prod: return "prod";
     case reduce_op::min: return "min";
     case reduce_op::max: return "max";
-    case reduce_op::avg: return "avg";
+    case reduce_op::mean: return "mean";
   }
   return "unknown";
 }
 
+/// @brief Prints the reduce op's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, reduce_op op) { return os << to_string(op); }
 
 /// @brief Every reduce op, for loops in tests and benchmarks.
 inline constexpr reduce_op all_reduce_ops[] = {reduce_op::sum, reduce_op::prod, reduce_op::min, reduce_op::max,
-                                               reduce_op::avg};
+                                               reduce_op::mean};
 
 }  // namespace meshlib
 // end meshlib/comm/reduce_op.hpp
@@ -2404,7 +2795,7 @@ constexpr F float_min(F a, F b) noexcept {
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
-  if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) {
     return static_cast<A>(a + widen(x));
   } else if constexpr (Op == reduce_op::prod) {
     return static_cast<A>(a * widen(x));
@@ -2421,7 +2812,7 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
 
 template <reduce_op Op, class T>
 constexpr T finish(accumulator_t<T> a, int n) noexcept {
-  if constexpr (Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::mean) {
     if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<T>(a) / static_cast<T>(n));
     else return static_cast<T>(a / static_cast<accumulator_t<T>>(n));
   } else {
@@ -2485,7 +2876,7 @@ void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::siz
   // float and double sum/prod/min/max accumulate in T itself: then the first output's block can be
   // the accumulator (one pass for two ranks instead of three), unless it is also a later input
   // (an in-place reduce to a root other than 0), which must be read before anything is written.
-  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::avg;
+  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::mean;
   bool direct = direct_ok && !streaming && n >= 2;
   for (int r = 1; r < n && direct; ++r) direct = in[r] != out[0];
   if (direct) {
@@ -2538,7 +2929,7 @@ void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nou
     case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len, streaming);
     case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len, streaming);
     case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len, streaming);
-    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len, streaming);
+    case reduce_op::mean: return reduce_into_op<reduce_op::mean, T>(in, n, out, nout, len, streaming);
   }
 }
 
@@ -3628,8 +4019,762 @@ class axis_communicators {
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/kokkos_runtime.hpp
+/// @file
+/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
+/// detection and the process queries build without Kokkos. Including this header makes
+/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
+/// `shutdown` finalise it only when `initialize` was the one that initialised it.
+///
+/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
+/// program that shuts meshlib down and initialises it again must own Kokkos itself
+/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
+/// letting Kokkos fail.
+///
+/// It also holds the Kokkos lifecycle rule every meshlib entry point checks
+/// (`detail::require_kokkos`): Kokkos must be initialised before the first tensor is made and
+/// before any device thread starts, and stay initialised until the last tensor is gone. Without
+/// the check, a forgotten `Kokkos::ScopeGuard` aborts inside a device thread with Kokkos' own
+/// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
+/// the cause nor the fix.
+
+#include <string>
+#include <string_view>
+
+#include <Kokkos_Core.hpp>
+
+// begin meshlib/runtime/distributed.hpp
+/// @file
+/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
+///
+/// @code
+/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
+/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
+/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
+/// @endcode
+///
+/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
+/// the same count on every process, checked at start-up). The global devices are numbered
+/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
+/// mesh numbers its devices row-major (the last axis varies fastest), so in
+/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
+/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
+/// inside a process.
+///
+/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
+/// process, index 0, one local device, as JAX does.
+///
+/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
+/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
+/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
+
+#include <cstddef>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// begin meshlib/runtime/errors.hpp
+/// @file
+/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
+/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
+
+
+namespace meshlib {
+
+/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
+/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
+/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
+/// arguments. `what()` names every variable and value involved.
+class distributed_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief Processes that disagree about something every process must share (the process count,
+/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
+/// disagreeing process's value, by the start-up checks that exchange a description of the value.
+class process_mismatch : public distributed_error {
+ public:
+  using distributed_error::distributed_error;
+};
+
+}  // namespace meshlib
+// end meshlib/runtime/errors.hpp
+// begin meshlib/runtime/launcher.hpp
+/// @file
+/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
+/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
+/// environment comes in through an `env_source`, so every launcher is testable in one process.
+///
+/// Sources, and the variables each reads:
+///
+/// | source        | process index         | process count        | local rank                    |
+/// | ------------- | --------------------- | -------------------- | ----------------------------- |
+/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
+/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
+/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
+/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
+///
+/// Rules (the same in `docs/multi-process.md`):
+/// - A source counts as present when its process-index variable is set; its count must then be set
+///   too, both must be decimal numbers, and index < count, else `distributed_error`.
+/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
+///   process itself: every one that is present must agree on (index, count), else
+///   `distributed_error` naming both sources and values. The first present in that order wins.
+/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
+///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
+///   against it only when it claims at least as many processes: the same count must give the same
+///   index, and more tasks than processes is a contradiction.
+/// - No source at all: one process (index 0 of 1), the embedded default.
+
+#include <charconv>
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+
+namespace meshlib::distributed {
+
+/// @brief Where the process index and count came from.
+enum class launcher {
+  none,                ///< nothing set: one process
+  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
+  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
+  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
+  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
+  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
+  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
+  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
+};
+
+/// @brief The launcher's name ("mpirun", "slurm", ...), as printed in diagnostics.
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::explicit_arguments: return "explicit arguments";
+    case launcher::communicator: return "communicator";
+    case launcher::meshlib_env: return "meshlib environment";
+    case launcher::openmpi: return "OpenMPI";
+    case launcher::mpich: return "MPICH/PMI";
+    case launcher::torchrun: return "torchrun";
+    case launcher::slurm: return "Slurm";
+  }
+  return "unknown";
+}
+/// @brief Prints the launcher's name (`to_string`).
+inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
+
+/// @brief What detection found: this process's index, the process count, the local rank on its
+/// node when the launcher says, and which source decided.
+struct launch_info {
+  std::size_t process_index = 0;
+  std::size_t process_count = 1;
+  std::optional<std::size_t> local_rank;
+  launcher source = launcher::none;
+
+  friend bool operator==(const launch_info&, const launch_info&) = default;
+  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
+  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
+    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
+    if (i.local_rank) os << ", local rank " << *i.local_rank;
+    return os << ')';
+  }
+};
+
+/// @brief Looks up an environment variable: its value, or nothing when unset.
+using env_source = std::function<std::optional<std::string>(std::string_view)>;
+
+/// @brief The process's own environment (`std::getenv`).
+inline env_source process_env() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+/// @brief An environment given as a map, for tests and for programs that read their configuration
+/// elsewhere.
+inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+/// @brief Values given to `initialize` that override or must agree with the environment.
+struct explicit_launch {
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+};
+
+namespace detail {
+
+struct launcher_vars {
+  launcher source;
+  std::string_view index, count, local;
+};
+
+inline constexpr launcher_vars launcher_table[] = {
+    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
+    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+};
+
+/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
+inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+  std::string_view s = raw;
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  std::size_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
+    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
+                            "' is not a non-negative decimal number");
+  return v;
+}
+
+/// One source's claim, with the text that names it in errors.
+struct claim {
+  launch_info info;
+  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
+};
+
+inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+  const auto idx = env(v.index);
+  if (!idx) return std::nullopt;
+  const auto cnt = env(v.count);
+  if (!cnt)
+    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
+                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
+                            " is not set; set both or neither");
+  claim c;
+  c.info.source = v.source;
+  c.info.process_index = parse_count(v.index, *idx);
+  c.info.process_count = parse_count(v.count, *cnt);
+  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
+           "=" + *cnt + ")";
+  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
+                            "the count, and the count at least 1");
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  return c;
+}
+
+inline std::string describe_claim(const claim& c) {
+  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
+}
+
+}  // namespace detail
+
+/// @brief Detects this process's index and the process count from explicit values, an adopted
+/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
+/// this file's comment.
+/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
+inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  std::vector<detail::claim> direct;
+  if (given.process_id || given.num_processes) {
+    if (!given.process_id || !given.num_processes)
+      throw distributed_error(
+          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
+    detail::claim c;
+    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
+    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
+             ", num_processes=" + std::to_string(*given.num_processes) + ")";
+    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
+      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
+                              "than num_processes, and num_processes at least 1");
+    direct.push_back(std::move(c));
+  }
+  if (comm) {
+    detail::claim c;
+    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
+    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
+             std::to_string(comm->second) + ")";
+    direct.push_back(std::move(c));
+  }
+  std::optional<detail::claim> slurm;
+  std::vector<detail::claim> env_claims;
+  for (const auto& v : detail::launcher_table) {
+    auto c = detail::read_launcher(v, env);
+    if (!c) continue;
+    if (v.source == launcher::slurm)
+      slurm = std::move(c);
+    else
+      env_claims.push_back(std::move(*c));
+  }
+  // An adopted communicator is authoritative for the index and count: an application may hand
+  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
+  // only consulted for the local rank then.
+  const bool have_comm = comm.has_value();
+  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
+
+  for (std::size_t i = 1; i < direct.size(); ++i) {
+    const auto& a = direct[0].info;
+    const auto& b = direct[i].info;
+    if (a.process_index != b.process_index || a.process_count != b.process_count)
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                              ", but " + detail::describe_claim(direct[i]) +
+                              "; unset the stale variables or fix the arguments");
+  }
+
+  launch_info out;
+  if (!direct.empty()) {
+    out = direct[0].info;
+    if (slurm && !have_comm) {
+      const auto& s = slurm->info;
+      const bool contradicts = s.process_count > out.process_count ||
+                               (s.process_count == out.process_count && s.process_index != out.process_index);
+      if (contradicts)
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
+                                ", but " + detail::describe_claim(*slurm) +
+                                "; a Slurm step may start several processes per task but never fewer processes "
+                                "than tasks");
+    }
+  } else if (slurm) {
+    out = slurm->info;
+  }
+  // The local rank: from the winning source, else from any other that sets one.
+  if (!out.local_rank) {
+    for (const auto& c : direct)
+      if (c.info.local_rank) {
+        out.local_rank = c.info.local_rank;
+        break;
+      }
+    if (!out.local_rank)
+      for (const auto& c : env_claims)
+        if (c.info.local_rank) {
+          out.local_rank = c.info.local_rank;
+          break;
+        }
+    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
+  }
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/launcher.hpp
+// begin meshlib/runtime/process_exchange.hpp
+/// @file
+/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
+/// to check at start-up that every process was given the same arguments, and to abort them all
+/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
+/// single process needs none.
+
+#include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace meshlib::distributed {
+
+/// @brief A transport between the processes of one run.
+class process_exchange {
+ public:
+  virtual ~process_exchange() = default;
+  /// This process's rank in the transport.
+  [[nodiscard]] virtual std::size_t rank() const = 0;
+  /// Number of processes in the transport.
+  [[nodiscard]] virtual std::size_t size() const = 0;
+  /// Every process's `mine`, in rank order. Collective: every process calls it.
+  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
+  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
+  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
+};
+
+/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
+class single_process_exchange final : public process_exchange {
+ public:
+  [[nodiscard]] std::size_t rank() const override { return 0; }
+  [[nodiscard]] std::size_t size() const override { return 1; }
+  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
+  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
+};
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/process_exchange.hpp
+
+namespace meshlib::distributed {
+
+/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
+struct options {
+  /// This process's index; with `num_processes`, overrides detection (and must agree with any
+  /// launcher or communicator that is present).
+  std::optional<std::size_t> process_id;
+  std::optional<std::size_t> num_processes;
+  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
+  std::optional<std::size_t> local_device_count;
+  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
+  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
+  bool initialize_kokkos = true;
+  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
+  /// process index and count, and the start-up consistency checks run over it.
+  std::shared_ptr<process_exchange> exchange;
+  /// Where launcher variables are read; default the process environment.
+  env_source env;
+};
+
+namespace detail {
+
+/// Filled by optional headers (Kokkos) so that this one depends on neither.
+struct runtime_hooks {
+  /// Initialises Kokkos when it is not; returns whether it did.
+  bool (*start_kokkos)() = nullptr;
+  void (*stop_kokkos)() = nullptr;
+};
+inline runtime_hooks& hooks() {
+  static runtime_hooks h;
+  return h;
+}
+
+struct runtime_state {
+  bool initialized = false;
+  launch_info launch;
+  std::size_t local_devices = 1;
+  std::shared_ptr<process_exchange> exchange;
+  bool owns_kokkos = false;
+  /// Kokkos 3.x cannot be initialised again in a process once finalised.
+  bool finalized_kokkos = false;
+};
+inline runtime_state& state() {
+  static runtime_state s;
+  return s;
+}
+inline std::recursive_mutex& state_mutex() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+inline std::string describe(const launch_info& l, std::size_t local) {
+  std::ostringstream os;
+  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
+  return os.str();
+}
+
+/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
+inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
+  bool same = true;
+  for (const auto& v : all) same = same && v == all.front();
+  if (same) return;
+  // Group processes by value so a 1024-process run prints each distinct value once.
+  std::map<std::string, std::vector<std::size_t>> by_value;
+  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
+  std::ostringstream os;
+  os << "meshlib: the processes disagree about " << what << ": ";
+  bool first = true;
+  for (const auto& [value, procs] : by_value) {
+    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
+    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
+    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
+    os << (procs.size() == 1 ? " has " : " have ") << value;
+    first = false;
+  }
+  os << "; every process must pass the same value";
+  throw process_mismatch(os.str());
+}
+
+}  // namespace detail
+
+/// @brief Whether `initialize` has run (and `shutdown` has not since).
+[[nodiscard]] inline bool is_initialized() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().initialized;
+}
+
+/// @brief Starts this process's part of a run: detects the process index and count (see
+/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
+/// the program has not, and, with a transport, checks that every process agrees on the process
+/// count and local device count and that no two claim the same index.
+///
+/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
+/// resolves to other values throws `distributed_error` (call `shutdown` first).
+/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
+/// processes disagree.
+inline void initialize(const options& opt = {}) {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  const env_source env = opt.env ? opt.env : process_env();
+
+  std::optional<std::pair<std::size_t, std::size_t>> comm;
+  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
+  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
+
+  std::size_t local = 1;
+  if (opt.local_device_count) {
+    local = *opt.local_device_count;
+  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
+    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
+  }
+  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
+
+  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
+  if (st.initialized) {
+    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
+        st.local_devices == local) {
+      if (!adds_exchange) return;
+      // Initialised from the environment first, now given a transport (mpi::initialize): keep
+      // everything, run the start-up checks over it and keep it.
+    } else {
+      throw distributed_error("meshlib: distributed::initialize was already called as " +
+                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+    }
+  }
+  if (opt.exchange && launch.process_count > 1) {
+    // Every process must see the same world and the same number of devices per process, and the
+    // indices must be a permutation: two processes with one index would hang the first collective.
+    detail::require_equal("the process count and local device count",
+                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
+                                                   std::to_string(local) + " local devices"));
+    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
+    std::map<std::string, std::vector<std::size_t>> seen;
+    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
+    for (const auto& [idx, ranks] : seen)
+      if (ranks.size() > 1)
+        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
+                               std::to_string(ranks[1]) + " both claim process index " + idx +
+                               "; every process needs its own index");
+  }
+
+  if (adds_exchange) {
+    st.exchange = opt.exchange;
+    return;
+  }
+
+  bool owns_kokkos = false;
+  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
+    if (st.finalized_kokkos)
+      throw distributed_error(
+          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
+          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
+          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
+    owns_kokkos = detail::hooks().start_kokkos();
+  }
+
+  st.initialized = true;
+  st.launch = launch;
+  st.local_devices = local;
+  st.exchange = opt.exchange;
+  st.owns_kokkos = owns_kokkos;
+}
+
+/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
+/// and releases the transport (the MPI exchange never frees a communicator it did not create).
+/// Does nothing when not initialised.
+inline void shutdown() {
+  std::lock_guard lock(detail::state_mutex());
+  auto& st = detail::state();
+  if (!st.initialized) return;
+  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
+    detail::hooks().stop_kokkos();
+    st.finalized_kokkos = true;
+  }
+  const bool finalized = st.finalized_kokkos;
+  st = detail::runtime_state{};
+  st.finalized_kokkos = finalized;
+}
+
+/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
+/// the one that initialised: a guard inside an already initialised program changes nothing.
+class guard {
+ public:
+  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
+  guard(const guard&) = delete;
+  guard& operator=(const guard&) = delete;
+  ~guard() {
+    if (owner_) shutdown();
+  }
+
+ private:
+  bool owner_;
+};
+
+/// @brief How this process was launched (the embedded default before `initialize`).
+[[nodiscard]] inline launch_info launch() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().launch;
+}
+/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
+[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
+/// @brief Number of processes in the run (`jax.process_count`).
+[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
+/// @brief Devices each process owns (`jax.local_device_count`).
+[[nodiscard]] inline std::size_t local_device_count() {
+  std::lock_guard lock(detail::state_mutex());
+  return detail::state().local_devices;
+}
+/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
+[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
+/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
+[[nodiscard]] inline std::vector<std::size_t> devices() {
+  std::vector<std::size_t> out(device_count());
+  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
+  return out;
+}
+/// @brief The process that owns global device `device`.
+[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
+/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
+[[nodiscard]] inline std::vector<std::size_t> local_devices() {
+  const std::size_t t = local_device_count();
+  const std::size_t first = process_index() * t;
+  std::vector<std::size_t> out(t);
+  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
+  return out;
+}
+/// @brief Whether global device `device` belongs to this process.
+[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
+
+/// @brief The transport given to `initialize`, or a single-process one.
+[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
+  std::lock_guard lock(detail::state_mutex());
+  if (detail::state().exchange) return detail::state().exchange;
+  static const auto single = std::make_shared<single_process_exchange>();
+  return single;
+}
+
+/// @brief Ends the whole run because of `reason`: prints
+/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
+/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
+[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
+  const auto l = launch();
+  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
+            << std::endl;
+  exchange()->abort(exit_code, reason);
+}
+
+/// @brief Checks that every process passes the same `value` for `what`: a collective over the
+/// transport that throws `process_mismatch` on every process, naming each process's value, so a
+/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
+/// process or without a transport.
+inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
+  std::shared_ptr<process_exchange> ex;
+  {
+    std::lock_guard lock(detail::state_mutex());
+    ex = detail::state().exchange;
+  }
+  if (!ex || ex->size() <= 1) return;
+  detail::require_equal(what, ex->all_gather(value));
+}
+
+/// @brief Checks that `m` covers every device of the run and that every process built the same
+/// mesh (axis names and sizes).
+/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
+/// process) when processes built different meshes.
+template <mesh_type Mesh>
+void check_mesh(const Mesh& m) {
+  const std::size_t n = device_count();
+  if (m.size() != n) {
+    std::ostringstream os;
+    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
+       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
+    throw mesh_error(os.str());
+  }
+  check_same_on_all_processes("the mesh", m.to_string());
+}
+
+/// @brief Builds a mesh over every device of the run and checks it on every process, as
+/// `jax.make_mesh` over `jax.devices()`.
+template <mesh_axis... Axes, class... Sizes>
+mesh<Axes...> make_global_mesh(Sizes... sizes) {
+  mesh<Axes...> m(sizes...);
+  check_mesh(m);
+  return m;
+}
+
+/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
+template <mesh_type Mesh>
+std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
+  std::vector<typename Mesh::coord_type> out;
+  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
+  return out;
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/distributed.hpp
+
+namespace meshlib {
+
+/// @brief A meshlib entry point was called while Kokkos is not initialised (never was, or was
+/// already finalised). `what()` names the entry point and the fix.
+/// @code
+/// int main(int argc, char** argv) {
+///   Kokkos::ScopeGuard kokkos(argc, argv);  // or meshlib::distributed::guard / meshlib::mpi::guard
+///   meshlib::mesh<meshlib::axis<"x">> m{2};
+///   meshlib::spmd(m, [] {});                // without the guard: throws kokkos_lifecycle_error
+/// }
+/// @endcode
+class kokkos_lifecycle_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+/// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
+inline void require_kokkos(std::string_view what) {
+  if (Kokkos::is_initialized()) [[likely]]
+    return;
+#if KOKKOS_VERSION >= 40000
+  const bool finalized = Kokkos::is_finalized();
+#else
+  const bool finalized = false;  // Kokkos 3.x cannot tell "finalised" from "never initialised"
+#endif
+  throw kokkos_lifecycle_error(
+      "meshlib: " + std::string(what) + ": Kokkos " + (finalized ? "was already finalised" : "is not initialised") +
+      "; hold a Kokkos::ScopeGuard in main() (or meshlib::distributed::guard, or meshlib::mpi::guard with MPI, "
+      "which initialise MPI and Kokkos in the right order) before the first meshlib call and before any device "
+      "thread starts, and keep it alive until every tensor is destroyed");
+}
+
+}  // namespace detail
+}  // namespace meshlib
+
+namespace meshlib::distributed::detail {
+
+inline bool start_kokkos() {
+  if (Kokkos::is_initialized()) return false;
+  Kokkos::initialize();
+  return true;
+}
+
+inline void stop_kokkos() {
+  if (Kokkos::is_initialized()) Kokkos::finalize();
+}
+
+/// Registers the hooks before `main` (an inline variable is initialised once per program).
+inline const bool kokkos_hooks_registered = [] {
+  hooks().start_kokkos = &start_kokkos;
+  hooks().stop_kokkos = &stop_kokkos;
+  return true;
+}();
+
+}  // namespace meshlib::distributed::detail
+// end meshlib/runtime/kokkos_runtime.hpp
 
 namespace meshlib {
 
@@ -3667,16 +4812,113 @@ auto unmanaged(const View& v) {
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
 using exec_space_for_t = std::conditional_t<
-    Kokkos::Impl::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
+    Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
     Kokkos::DefaultHostExecutionSpace>;
 
 template <class Space>
-inline constexpr bool host_accessible_v = Kokkos::Impl::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
-/// The one lock around Kokkos global state (see the file comment).
+/// The one lock around Kokkos global state (see the file comment). Taken on Kokkos 3.x only:
+/// Kokkos 4 counts View references atomically in every build and allocates thread-safely.
 inline std::mutex& kokkos_state_mutex() {
   static std::mutex m;
   return m;
+}
+
+/// Whether device threads may each compute on their own execution-space instance: Kokkos 4 makes
+/// independent instances (`partition_space`; a Serial instance has its own scratch buffer, an
+/// OpenMP instance its own thread pool and lock). Kokkos 3.4.1 Serial has one instance, and
+/// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
+inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
+
+/// `n` execution-space instances of `Exec`, one per device.
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n) {
+  if constexpr (kokkos_has_instances_v) {
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
+      // partition_space aborts when there are more partitions than pool threads: then one thread each.
+      const int pool = Exec().concurrency();
+      if (static_cast<int>(n) > pool) {
+        std::vector<Exec> v;
+        v.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
+        return v;
+      }
+    }
+#endif
+#if KOKKOS_VERSION >= 40000
+    return Kokkos::Experimental::partition_space(Exec(), std::vector<int>(n, 1));
+#endif
+  }
+  return std::vector<Exec>(n, Exec());
+}
+
+/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
+/// hook (an instance must not outlive Kokkos).
+template <class Exec>
+class device_instance_cache {
+ public:
+  static Exec get(std::size_t device, std::size_t n) {
+    static device_instance_cache cache;
+    std::lock_guard lock(cache.m_);
+    for (auto& [size, v] : cache.sets_)
+      if (size == n) return v[device];
+    if (!cache.hooked_) {
+      cache.hooked_ = true;
+      Kokkos::push_finalize_hook([] {
+        std::lock_guard l(cache.m_);
+        cache.sets_.clear();
+        cache.hooked_ = false;
+      });
+    }
+    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
+    return cache.sets_.back().second[device];
+  }
+
+ private:
+  std::mutex m_;
+  bool hooked_ = false;
+  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+};
+
+/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+template <class Space>
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+}
+
+/// This thread's current instance of `Exec` (null: none installed; kernels use the default).
+template <class Exec>
+const Exec*& current_exec_slot() noexcept {
+  thread_local const Exec* current = nullptr;
+  return current;
+}
+
+/// Installs `instance` as this thread's instance for kernels on memory `Space`, for its lifetime.
+template <class Space>
+class scoped_exec_space {
+ public:
+  using exec_type = exec_space_for_t<Space>;
+  explicit scoped_exec_space(exec_type instance) noexcept
+      : instance_(std::move(instance)), previous_(current_exec_slot<exec_type>()) {
+    current_exec_slot<exec_type>() = &instance_;
+  }
+  ~scoped_exec_space() { current_exec_slot<exec_type>() = previous_; }
+  scoped_exec_space(const scoped_exec_space&) = delete;
+  scoped_exec_space& operator=(const scoped_exec_space&) = delete;
+
+ private:
+  exec_type instance_;
+  const exec_type* previous_;
+};
+
+/// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
+template <class Space>
+exec_space_for_t<Space> current_exec() {
+  using exec_type = exec_space_for_t<Space>;
+  if (const exec_type* e = current_exec_slot<exec_type>()) return *e;
+  return exec_type();
 }
 
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
@@ -3686,9 +4928,11 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
+  require_kokkos(label);
   view_t v;
   {
-    std::lock_guard<std::mutex> lock(kokkos_state_mutex());
+    std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
+    if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
@@ -3699,8 +4943,9 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     if constexpr (host_accessible_v<Space>) {
       for (std::size_t i = 0; i < n; ++i) p[i] = T{};
     } else {
-      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
-      Kokkos::fence();
+      const auto exec = current_exec<Space>();
+      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(exec, 0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+      exec.fence();
     }
   }
   return v;
@@ -3714,12 +4959,17 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
-/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for`: the only launch meshlib makes,
-/// because it is the only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
+/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
+/// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
+/// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   if (n == 0) return;
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(0, n), f);
+  const auto exec = current_exec<Space>();
+  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
 }
 
 }  // namespace detail
@@ -3974,6 +5224,7 @@ class local_tensor {
 template <class T>
 concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local_tensor; };
 
+/// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
 
@@ -3991,6 +5242,7 @@ struct rebind_local<local_tensor<T, Rank, M, V0, P0, D0, S>, U, R, V, P, D> {
 template <local_tensor_type L, axis_mask NewVary>
 using with_vary_t = typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
                                                   typename L::dims_type>::type;
+/// @brief `L` with its partial axes replaced.
 template <local_tensor_type L, axis_mask NewPartial>
 using with_partial_t = typename detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
                                                      typename L::dims_type>::type;
@@ -3998,9 +5250,11 @@ using with_partial_t = typename detail::rebind_local<L, typename L::value_type, 
 template <local_tensor_type L, axis_mask NewVary, axis_mask NewPartial>
 using with_vary_partial_t =
     typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
+/// @brief `L` with its per-dimension sharding masks replaced.
 template <local_tensor_type L, class NewDims>
 using with_dims_t =
     typename detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
+/// @brief `L` with element type `U`.
 template <local_tensor_type L, class U>
 using with_value_t = typename detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
 /// @brief The general form: element type, rank, vary, partial and dims all given.
@@ -4010,6 +5264,7 @@ using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
 /// @brief `Dims` without dimension `D`, and `Dims` permuted (`Perm[i]`: the source of entry `i`).
 template <class Dims, std::size_t D>
 using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
+/// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
 template <class Dims, std::array Perm>
 using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
 
@@ -4082,10 +5337,8 @@ constexpr std::size_t flat_index(const std::array<std::size_t, Rank>& shape, con
 }
 
 template <std::size_t Rank>
-constexpr std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
-  std::size_t n = 1;
-  for (auto e : s) n *= e;
-  return n;
+std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
+  return checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
 }
 
 }  // namespace detail
@@ -4119,6 +5372,7 @@ class sharded_tensor {
   /// Zero blocks for the devices in `local_devices` only (one process of a multi-process run).
   sharded_tensor(const Sharding& sharding, const shape_type& global_shape, std::span<const std::size_t> local_devices)
       : layout_(sharding, global_shape), blocks_(sharding.mesh().size()), local_(sharding.mesh().size(), false) {
+    detail::checked_bytes<T>(size(), "the byte count of the global shape");
     for (std::size_t dev : local_devices) {
       if (dev >= blocks_.size())
         throw sharding_error("meshlib: sharded_tensor: local device " + std::to_string(dev) + " is not in mesh " +
@@ -4249,6 +5503,7 @@ class sharded_tensor {
 /// @brief A type that is a `sharded_tensor<...>`.
 template <class T>
 concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sharded_tensor; };
+/// @brief True for `sharded_tensor` types (the `sharded_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 
@@ -4385,6 +5640,193 @@ auto to_host(const X& x) {
 #include <utility>
 #include <vector>
 
+// begin meshlib/tensor/device_workers.hpp
+/// @file
+/// @brief The persistent device worker threads that run global-view operations (elementwise,
+/// reductions, matmul, transpose on `sharded_tensor`s) on every local device at once.
+///
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per call,
+/// more than a small kernel; these threads start on first use and wait (blocked, so an
+/// oversubscribed machine loses no core to them) for the next operation. Device `d` of a call is
+/// always run by the same worker (its index in the call's device list), on device `d`'s own
+/// execution-space instance (`device_instance`), so its kernels never queue behind another
+/// device's. Workers are pinned to one core each when the machine has at least as many cores as
+/// the call has devices, which keeps two device threads off one core (measured: unpinned, one in
+/// a few launches took 150x longer).
+///
+/// The calling thread runs the first device itself. A global-view operation called from inside
+/// another one (or from a worker) runs its devices one after another instead of waiting for
+/// workers that are busy with its caller.
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+inline bool& in_device_worker() noexcept {
+  thread_local bool inside = false;
+  return inside;
+}
+
+/// The process-wide pool (see the file comment).
+class device_workers {
+ public:
+  static device_workers& get() {
+    static device_workers w;
+    return w;
+  }
+  device_workers(const device_workers&) = delete;
+  device_workers& operator=(const device_workers&) = delete;
+  ~device_workers() {
+    {
+      std::lock_guard l(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Calls `f(i)` for every `i` in `[0, count)`, `i = 0` on the calling thread and `i` on worker
+  /// `i`, and returns when all have returned. Rethrows the exception of the lowest `i` that threw.
+  template <class F>
+  void run(std::size_t count, F& f) {
+    if (count == 0) return;
+    std::vector<std::exception_ptr> errors(count);
+    struct context {
+      F* f;
+      std::exception_ptr* errors;
+    } ctx{&f, errors.data()};
+    auto call = [](void* p, std::size_t i) {
+      auto* c = static_cast<context*>(p);
+      try {
+        (*c->f)(i);
+      } catch (...) {
+        c->errors[i] = std::current_exception();
+      }
+    };
+    if (count == 1 || in_device_worker()) {
+      inside_guard g;
+      for (std::size_t i = 0; i < count; ++i) call(&ctx, i);
+    } else {
+      std::lock_guard submit(submit_);
+      grow(count - 1);
+      {
+        std::lock_guard l(m_);
+        job_ = job{call, &ctx, count};
+        remaining_ = count - 1;
+        ++generation_;
+      }
+      work_cv_.notify_all();
+      {
+        inside_guard g;
+        call(&ctx, 0);
+      }
+      std::unique_lock l(m_);
+      done_cv_.wait(l, [&] { return remaining_ == 0; });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  device_workers() = default;
+
+  struct inside_guard {
+    bool previous = in_device_worker();
+    inside_guard() { in_device_worker() = true; }
+    ~inside_guard() { in_device_worker() = previous; }
+  };
+
+  struct job {
+    void (*call)(void*, std::size_t) = nullptr;
+    void* ctx = nullptr;
+    std::size_t count = 0;
+  };
+
+  /// Starts workers until there are `n`, pinning the new ones (the comm layer's `pin_to`, as
+  /// `run_on_threads` pins) when the machine has a core for every device of this call (`n + 1`
+  /// with the caller); oversubscribed, they stay free to move to an idle core.
+  void grow(std::size_t n) {
+    if (threads_.size() >= n) return;
+#if defined(__linux__)
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool pin = pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 &&
+                     n + 1 <= static_cast<std::size_t>(CPU_COUNT(&allowed));
+#endif
+    while (threads_.size() < n) {
+      const std::size_t index = threads_.size() + 1;
+#if defined(__linux__)
+      threads_.emplace_back([this, index, pin, allowed] {
+        if (pin) pin_to(allowed, static_cast<int>(index));
+        serve(index);
+      });
+#else
+      threads_.emplace_back([this, index] { serve(index); });
+#endif
+    }
+  }
+
+  void serve(std::size_t index) {
+    in_device_worker() = true;
+    std::uint64_t seen = 0;
+    std::unique_lock l(m_);
+    for (;;) {
+      work_cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= job_.count) continue;
+      const job j = job_;
+      l.unlock();
+      j.call(j.ctx, index);
+      l.lock();
+      if (--remaining_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex submit_;  // one operation at a time
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+  std::uint64_t generation_ = 0;
+  job job_{};
+  std::size_t remaining_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;  // threads_[i] serves index i + 1
+};
+
+/// Below this many element operations in all, waking workers costs more than it saves (a wake is
+/// a few microseconds; a host kernel does about a thousand element operations per microsecond).
+inline constexpr std::size_t parallel_work_threshold = std::size_t{1} << 15;
+
+/// Runs `f(d)` for every device `d` in `devices` at once (see the file comment), each on its
+/// execution-space instance for memory space `Space` among `num_devices` devices. `work`: the
+/// element operations of all devices together; below `parallel_work_threshold` the calling thread
+/// runs the devices one after another (still each on its instance).
+template <class Space, class F>
+void for_each_device(std::span<const std::size_t> devices, std::size_t num_devices, std::size_t work, F&& f) {
+  if (devices.empty()) return;
+  (void)device_instance<Space>(0, num_devices);  // made here, not in the workers
+  auto task = [&](std::size_t i) {
+    const std::size_t d = devices[i];
+    scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
+    f(d);
+  };
+  if (work < parallel_work_threshold) {
+    for (std::size_t i = 0; i < devices.size(); ++i) task(i);
+    return;
+  }
+  device_workers::get().run(devices.size(), task);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/tensor/device_workers.hpp
 
 namespace meshlib {
 
@@ -4592,6 +6034,7 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator+(const A& a, const B& b) {
   return detail::zip_linear(detail::plus_fn{}, a, b);
 }
+/// @brief Elementwise difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator-(const A& a, const B& b) {
   return detail::zip_linear(detail::minus_fn{}, a, b);
@@ -4601,10 +6044,12 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator*(const A& a, const B& b) {
   return zip(detail::times_fn{}, a, b);
 }
+/// @brief Elementwise quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation: linear, allowed on partial values.
 template <local_tensor_type L>
 L operator-(const L& x) {
   return detail::map_linear(detail::negate_fn{}, x);
@@ -4616,11 +6061,13 @@ template <local_tensor_type L, class S>
 L operator*(const L& x, S s) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
 }
+/// @brief Scaling by a scalar on the left: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator*(S s, const L& x) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
 }
+/// @brief Division by a scalar: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator/(const L& x, S s) {
@@ -4632,16 +6079,19 @@ template <local_tensor_type L, class S>
 L operator+(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
 }
+/// @brief Adding a scalar on the left: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator+(S s, const L& x) {
   return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
 }
+/// @brief Subtracting a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
 }
+/// @brief Subtracting from a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(S s, const L& x) {
@@ -4657,7 +6107,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -4672,8 +6124,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
@@ -4694,6 +6147,7 @@ template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation of every element of a sharded tensor.
 template <sharded_tensor_type X>
 X operator-(const X& x) {
   return map(detail::negate_fn{}, x);
@@ -4866,8 +6320,9 @@ auto reduce_global(const X& x) {
   // Partial results per local device, over its own block.
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
-  for (std::size_t dev : x.local_devices())
+  for_each_device<space>(x.local_devices(), n, x.size(), [&](std::size_t dev) {
     part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
+  });
   if constexpr (a == 0) {
     if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);
@@ -5085,10 +6540,8 @@ auto transpose(const X& x) {
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      for (std::size_t d : x.local_devices()) {
-        blocks[d] = kernel(x.local(d));
-        local[d] = true;
-      }
+      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
       return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));
@@ -5221,7 +6674,12 @@ auto gemm_view(const VA& a, const VB& b) {
     ensure_blas_threads();
     auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#if KOKKOS_VERSION >= 40000
+    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
+#else
     if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
 #endif
     return c;
   } else {
@@ -5351,27 +6809,34 @@ auto matmul(const A& a, const B& b) {
   for (std::size_t dev : a.local_devices()) {
     if (!b.is_local(dev))
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
     local[dev] = true;
   }
+  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
+  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
   } else {
     std::vector<typename out_t::view_type> sum(n);
-    for (std::size_t dev : a.local_devices()) {
-      const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
-      T* dst = sum[dev].data();
-      for (std::size_t g : a.mesh().group(dev, c)) {
+    for (std::size_t dev : a.local_devices())
+      for (std::size_t g : a.mesh().group(dev, c))
         if (!local[g])
           throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
+    // Each device sums its group's products in group-rank order (the same bits on every device).
+    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
         for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
       }
-    }
+    });
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
   }
   }
@@ -5384,7 +6849,8 @@ auto matmul(const A& a, const B& b) {
 /// @file
 /// @brief The collectives layer: the device context (`axis_index`, `axis_size`), backends, typed
 /// collectives (`psum`, `pmean`, `pmax`, `pmin`, `all_gather`, `psum_scatter`, `all_to_all`,
-/// `ppermute`, `broadcast`, `pvary`) and `reshard`. Depends on core, comm and tensor.
+/// `ppermute`, `broadcast`, `pvary`), the local relabelling steps (`forget_dims`, `reshape`,
+/// `axis_index(x)`) and `reshard`. Depends on core, comm and tensor.
 
 // begin meshlib/collectives/errors.hpp
 /// @file
@@ -5574,298 +7040,6 @@ class nonfinite_error : public debug_check_error {
 #include <utility>
 #include <vector>
 
-// begin meshlib/runtime/launcher.hpp
-/// @file
-/// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
-/// or from the environment a launcher sets, as `jax.distributed.initialize` does. Pure: the
-/// environment comes in through an `env_source`, so every launcher is testable in one process.
-///
-/// Sources, and the variables each reads:
-///
-/// | source        | process index         | process count        | local rank                    |
-/// | ------------- | --------------------- | -------------------- | ----------------------------- |
-/// | meshlib       | `MESHLIB_PROCESS_ID`  | `MESHLIB_PROCESS_COUNT` | `MESHLIB_LOCAL_RANK`       |
-/// | OpenMPI       | `OMPI_COMM_WORLD_RANK`| `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
-/// | MPICH / PMI   | `PMI_RANK`            | `PMI_SIZE`           | `MPI_LOCALRANKID`             |
-/// | torchrun      | `RANK`                | `WORLD_SIZE`         | `LOCAL_RANK`                  |
-/// | Slurm         | `SLURM_PROCID`        | `SLURM_NTASKS`       | `SLURM_LOCALID`               |
-///
-/// Rules (the same in `docs/multi-process.md`):
-/// - A source counts as present when its process-index variable is set; its count must then be set
-///   too, both must be decimal numbers, and index < count, else `distributed_error`.
-/// - Explicit arguments, meshlib's variables, OpenMPI, MPICH/PMI and torchrun each describe the
-///   process itself: every one that is present must agree on (index, count), else
-///   `distributed_error` naming both sources and values. The first present in that order wins.
-/// - Slurm describes the task `srun` started, which may itself start several processes (`mpirun`
-///   or `torchrun` inside an allocation). So when another source is present, Slurm is checked
-///   against it only when it claims at least as many processes: the same count must give the same
-///   index, and more tasks than processes is a contradiction.
-/// - No source at all: one process (index 0 of 1), the embedded default.
-
-#include <charconv>
-#include <cstddef>
-#include <cstdlib>
-#include <functional>
-#include <map>
-#include <optional>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <vector>
-
-// begin meshlib/runtime/errors.hpp
-/// @file
-/// @brief The exception types of the runtime layer: what a launch can get wrong before any data
-/// moves. Both are thrown at start-up so that a bad launch fails loudly instead of hanging later.
-
-
-namespace meshlib {
-
-/// @brief A launch meshlib cannot make sense of: contradictory launcher environments (OpenMPI says
-/// rank 1 of 4, torchrun says rank 2 of 4), a rank outside its world, a variable that is not a
-/// number, explicit arguments that contradict the launcher, or `initialize` called again with other
-/// arguments. `what()` names every variable and value involved.
-class distributed_error : public error {
- public:
-  using error::error;
-};
-
-/// @brief Processes that disagree about something every process must share (the process count,
-/// the local device count, a mesh's shape or axis names). Thrown on every process, with each
-/// disagreeing process's value, by the start-up checks that exchange a description of the value.
-class process_mismatch : public distributed_error {
- public:
-  using distributed_error::distributed_error;
-};
-
-}  // namespace meshlib
-// end meshlib/runtime/errors.hpp
-
-namespace meshlib::distributed {
-
-/// @brief Where the process index and count came from.
-enum class launcher {
-  none,                ///< nothing set: one process
-  explicit_arguments,  ///< `initialize(options{.process_id = ..., .num_processes = ...})`
-  communicator,        ///< an adopted communicator (an `MPI_Comm` handed to meshlib)
-  meshlib_env,         ///< `MESHLIB_PROCESS_ID` / `MESHLIB_PROCESS_COUNT`
-  openmpi,             ///< `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (`mpirun` of OpenMPI)
-  mpich,               ///< `PMI_RANK` / `PMI_SIZE` (MPICH's Hydra, Intel MPI, PMI launchers)
-  torchrun,            ///< `RANK` / `WORLD_SIZE` (torchrun, torch.distributed.launch)
-  slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
-};
-
-[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
-  switch (l) {
-    case launcher::none: return "none";
-    case launcher::explicit_arguments: return "explicit arguments";
-    case launcher::communicator: return "communicator";
-    case launcher::meshlib_env: return "meshlib environment";
-    case launcher::openmpi: return "OpenMPI";
-    case launcher::mpich: return "MPICH/PMI";
-    case launcher::torchrun: return "torchrun";
-    case launcher::slurm: return "Slurm";
-  }
-  return "unknown";
-}
-inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
-
-/// @brief What detection found: this process's index, the process count, the local rank on its
-/// node when the launcher says, and which source decided.
-struct launch_info {
-  std::size_t process_index = 0;
-  std::size_t process_count = 1;
-  std::optional<std::size_t> local_rank;
-  launcher source = launcher::none;
-
-  friend bool operator==(const launch_info&, const launch_info&) = default;
-  /// Prints `process 1 of 4 (OpenMPI, local rank 1)`.
-  friend std::ostream& operator<<(std::ostream& os, const launch_info& i) {
-    os << "process " << i.process_index << " of " << i.process_count << " (" << i.source;
-    if (i.local_rank) os << ", local rank " << *i.local_rank;
-    return os << ')';
-  }
-};
-
-/// @brief Looks up an environment variable: its value, or nothing when unset.
-using env_source = std::function<std::optional<std::string>(std::string_view)>;
-
-/// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
-  return [](std::string_view name) -> std::optional<std::string> {
-    const char* v = std::getenv(std::string(name).c_str());
-    if (!v) return std::nullopt;
-    return std::string(v);
-  };
-}
-
-/// @brief An environment given as a map, for tests and for programs that read their configuration
-/// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
-  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
-
-/// @brief Values given to `initialize` that override or must agree with the environment.
-struct explicit_launch {
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-};
-
-namespace detail {
-
-struct launcher_vars {
-  launcher source;
-  std::string_view index, count, local;
-};
-
-inline constexpr launcher_vars launcher_table[] = {
-    {launcher::meshlib_env, "MESHLIB_PROCESS_ID", "MESHLIB_PROCESS_COUNT", "MESHLIB_LOCAL_RANK"},
-    {launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-    {launcher::mpich, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
-    {launcher::torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"},
-    {launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-};
-
-/// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
-  std::string_view s = raw;
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  std::size_t v = 0;
-  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size())
-    throw distributed_error("meshlib: environment variable " + std::string(var) + "='" + raw +
-                            "' is not a non-negative decimal number");
-  return v;
-}
-
-/// One source's claim, with the text that names it in errors.
-struct claim {
-  launch_info info;
-  std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
-};
-
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
-  const auto idx = env(v.index);
-  if (!idx) return std::nullopt;
-  const auto cnt = env(v.count);
-  if (!cnt)
-    throw distributed_error("meshlib: " + std::string(to_string(v.source)) + " launch detected (" +
-                            std::string(v.index) + "=" + *idx + ") but " + std::string(v.count) +
-                            " is not set; set both or neither");
-  claim c;
-  c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
-  c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
-           "=" + *cnt + ")";
-  if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-    throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
-                            "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
-  return c;
-}
-
-inline std::string describe_claim(const claim& c) {
-  return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
-}
-
-}  // namespace detail
-
-/// @brief Detects this process's index and the process count from explicit values, an adopted
-/// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
-/// this file's comment.
-/// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
-  if (given.process_id || given.num_processes) {
-    if (!given.process_id || !given.num_processes)
-      throw distributed_error(
-          "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
-    c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
-    c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
-             ", num_processes=" + std::to_string(*given.num_processes) + ")";
-    if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
-      throw distributed_error("meshlib: " + c.what + " name a process outside its world: process_id must be less "
-                              "than num_processes, and num_processes at least 1");
-    direct.push_back(std::move(c));
-  }
-  if (comm) {
-    detail::claim c;
-    c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
-    c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
-             std::to_string(comm->second) + ")";
-    direct.push_back(std::move(c));
-  }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
-  for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
-    if (!c) continue;
-    if (v.source == launcher::slurm)
-      slurm = std::move(c);
-    else
-      env_claims.push_back(std::move(*c));
-  }
-  // An adopted communicator is authoritative for the index and count: an application may hand
-  // meshlib a sub-communicator whose ranks differ from the launcher's world, so the environment is
-  // only consulted for the local rank then.
-  const bool have_comm = comm.has_value();
-  if (!have_comm) direct.insert(direct.end(), env_claims.begin(), env_claims.end());
-
-  for (std::size_t i = 1; i < direct.size(); ++i) {
-    const auto& a = direct[0].info;
-    const auto& b = direct[i].info;
-    if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
-                              "; unset the stale variables or fix the arguments");
-  }
-
-  launch_info out;
-  if (!direct.empty()) {
-    out = direct[0].info;
-    if (slurm && !have_comm) {
-      const auto& s = slurm->info;
-      const bool contradicts = s.process_count > out.process_count ||
-                               (s.process_count == out.process_count && s.process_index != out.process_index);
-      if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
-                                "; a Slurm step may start several processes per task but never fewer processes "
-                                "than tasks");
-    }
-  } else if (slurm) {
-    out = slurm->info;
-  }
-  // The local rank: from the winning source, else from any other that sets one.
-  if (!out.local_rank) {
-    for (const auto& c : direct)
-      if (c.info.local_rank) {
-        out.local_rank = c.info.local_rank;
-        break;
-      }
-    if (!out.local_rank)
-      for (const auto& c : env_claims)
-        if (c.info.local_rank) {
-          out.local_rank = c.info.local_rank;
-          break;
-        }
-    if (!out.local_rank && slurm && slurm->info.process_count == out.process_count) out.local_rank = slurm->info.local_rank;
-  }
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/launcher.hpp
 
 namespace meshlib {
 
@@ -6286,8 +7460,10 @@ class scoped_trace {
 // popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
 #if __has_include(<Kokkos_Core.hpp>)
 #include <Kokkos_Core.hpp>
+/// 1 when Kokkos' headers are on the include path (this header then uses Kokkos' profiling hooks).
 #define MESHLIB_DEBUG_HAS_KOKKOS 1
 #else
+/// 0 when Kokkos' headers are not on the include path (the header builds without Kokkos).
 #define MESHLIB_DEBUG_HAS_KOKKOS 0
 #endif
 
@@ -6420,7 +7596,7 @@ struct comm_site {
 constexpr const char* reduction_name(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "psum";
-    case reduce_op::avg: return "pmean";
+    case reduce_op::mean: return "pmean";
     case reduce_op::max: return "pmax";
     case reduce_op::min: return "pmin";
     default: return "all_reduce";
@@ -7020,14 +8196,17 @@ struct thread_backend {
 namespace detail {
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// installed, and turns a device's failure into `device_error`.
+/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
+/// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
       body(device);
     });
   } catch (const participant_error& e) {
@@ -7051,6 +8230,151 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
 }  // namespace detail
 }  // namespace meshlib
 // end meshlib/collectives/backend.hpp
+// begin meshlib/collectives/axis_group.hpp
+/// @file
+/// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
+/// tuple `axis_name=('i', 'j')`. The group position of a device is row-major over the axes *in the
+/// order written*, which may differ from the mesh's order; `axis_index<"i", "j">()` returns it.
+/// @code
+/// // mesh<axis<"i">, axis<"j">>, sizes 2 x 3: device (i, j) is at position j * 2 + i of ("j", "i")
+/// auto g = meshlib::all_gather<meshlib::axis_group<"j", "i">, 0>(x);  // blocks in ("j", "i") order
+/// std::size_t p = meshlib::axis_index<"j", "i">();                    // this device's position
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief The mesh axes `Names...`, in the order written, as one collective's group (JAX's tuple
+/// of axis names). Only a tag: it names axes, it holds nothing.
+template <fixed_string... Names>
+struct axis_group {
+  static_assert(sizeof...(Names) > 0, "meshlib: axis_group needs at least one axis: axis_group<\"data\">");
+  using is_axis_group = void;
+  static constexpr std::size_t size = sizeof...(Names);
+};
+
+/// @brief A type that is an `axis_group<...>`.
+template <class G>
+concept axis_group_type = requires { typename G::is_axis_group; };
+
+namespace detail {
+
+template <class G>
+struct group_traits;
+template <fixed_string... Names>
+struct group_traits<axis_group<Names...>> {
+  /// Mesh positions of the axes, in the order written (`Mesh::ndim` for a name the mesh lacks).
+  template <class Mesh>
+  static constexpr std::array<std::size_t, sizeof...(Names)> positions{Mesh::find_axis(Names.view())...};
+  /// The names, in the order written.
+  static constexpr std::array<std::string_view, sizeof...(Names)> names{Names.view()...};
+};
+
+/// Mesh positions of the axes of `G`, in the order written.
+template <class Mesh, class G>
+inline constexpr auto group_positions_v = group_traits<G>::template positions<Mesh>;
+
+/// "'i'" or "('j', 'i')": the group as a message names it.
+template <class G>
+std::string describe_group() {
+  const auto& n = group_traits<G>::names;
+  if (n.size() == 1) return "'" + std::string(n[0]) + "'";
+  std::string s = "(";
+  for (std::size_t k = 0; k < n.size(); ++k) s += (k ? ", '" : "'") + std::string(n[k]) + "'";
+  return s + ")";
+}
+
+/// Whether the axes at mesh positions `pos`, written in that order, are in mesh order: then the
+/// communicator's rank is the group position and nothing needs reordering.
+template <std::size_t K>
+constexpr bool in_mesh_order(const std::array<std::size_t, K>& pos) noexcept {
+  for (std::size_t k = 1; k < K; ++k)
+    if (pos[k] < pos[k - 1]) return false;
+  return true;
+}
+
+/// The position, row-major over the axes `pos` in the order written, of the device with mesh
+/// coordinates `coord` (JAX's axis_index of a tuple of axes).
+template <class Coord, std::size_t K>
+std::size_t written_position(const Coord& coord, const std::vector<std::size_t>& sizes, const std::array<std::size_t, K>& pos) {
+  std::size_t w = 0;
+  for (std::size_t k = 0; k < K; ++k) w = w * sizes[pos[k]] + coord[pos[k]];
+  return w;
+}
+
+/// For each rank `r` of the communicator over the axes `pos` (whose ranks run row-major in mesh
+/// order), its position in the order written. Empty when the two orders agree.
+template <std::size_t K>
+std::vector<std::size_t> written_order(const std::vector<std::size_t>& axis_sizes, std::array<std::size_t, K> pos) {
+  if (in_mesh_order(pos)) return {};
+  std::array<std::size_t, K> sorted = pos;
+  std::sort(sorted.begin(), sorted.end());
+  std::size_t n = 1;
+  for (auto p : pos) n *= axis_sizes[p];
+  std::vector<std::size_t> coord(axis_sizes.size(), 0), out(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    std::size_t rest = r;
+    for (std::size_t k = K; k-- > 0;) {
+      coord[sorted[k]] = rest % axis_sizes[sorted[k]];
+      rest /= axis_sizes[sorted[k]];
+    }
+    out[r] = written_position(coord, axis_sizes, pos);
+  }
+  return out;
+}
+
+/// `written_order` for the group `G` on the running device's mesh.
+template <class Mesh, class G>
+std::vector<std::size_t> written_order_of(const Mesh& mesh) {
+  std::vector<std::size_t> sizes(Mesh::ndim);
+  for (std::size_t a = 0; a < Mesh::ndim; ++a) sizes[a] = mesh.axis_size(a);
+  return written_order(sizes, group_positions_v<Mesh, G>);
+}
+
+/// Copies `count` blocks of `block` elements: block `r` of `src` to block `to[r]` of `dst`.
+template <class T>
+void scatter_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& to) {
+  for (std::size_t r = 0; r < to.size(); ++r) std::copy_n(src + r * block, block, dst + to[r] * block);
+}
+
+/// Copies blocks: block `r` of `dst` is block `from[r]` of `src`.
+template <class T>
+void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& from) {
+  for (std::size_t r = 0; r < from.size(); ++r) std::copy_n(src + from[r] * block, block, dst + r * block);
+}
+
+}  // namespace detail
+
+/// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
+/// the order written (JAX's `lax.axis_index(('i', 'j'))`). One axis: see `axis_index<"i">()`.
+/// @throws spmd_context_error outside `shard_map` / `spmd`, or for an axis the running mesh lacks.
+template <fixed_string A, fixed_string B, fixed_string... More>
+[[nodiscard]] std::size_t axis_index() {
+  constexpr std::array<std::string_view, 2 + sizeof...(More)> names{A.view(), B.view(), More.view()...};
+  std::size_t w = 0;
+  for (auto name : names) {
+    const std::size_t a = detail::current_axis("axis_index", name);
+    auto& dev = detail::current_device("axis_index");
+    w = w * dev.axis_size(a) + dev.coord(a);
+  }
+  return w;
+}
+
+/// @brief The size of the group of the axes `A, B, More...` (the product of their sizes).
+template <fixed_string A, fixed_string B, fixed_string... More>
+[[nodiscard]] std::size_t axis_size() {
+  return axis_size<A>() * axis_size<B>() * (std::size_t{1} * ... * axis_size<More>());
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/axis_group.hpp
 // begin meshlib/collectives/type_rules.hpp
 /// @file
 /// @brief The compile-time rules of the typed collectives: what each accepts, the type it returns,
@@ -7075,118 +8399,180 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
 /// because moving summands around does not move the sum; and pmax / pmin refuse any partial value,
 /// because the max of summands is not the max of the sum.
 ///
-/// Why a diagnostic struct per rule: C++20 cannot put the axis name into a `static_assert` message,
-/// so the message states the rule and the fix, and the struct's template arguments (printed by the
-/// compiler on the "required from" line right above it) name the operation, the axis and the value.
+/// Why a diagnostic function per rule: C++20 cannot put the axis name into a `static_assert` message,
+/// so the message states the rule and the fix, and the failing condition (printed by GCC and Clang
+/// on the error line or the note right under it) spells the operation, the axis and the value's
+/// layout as `meshlib::diagnostic` types (see core/diagnostics.hpp): one error on either compiler.
 
 #include <array>
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 
 
 namespace meshlib::detail {
 
-template <fixed_string Op, fixed_string Axis, class Mesh>
-struct collective_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: a collective names an axis that the mesh does not have (the operation, axis and mesh are "
-                "the arguments of collective_axis_not_in_mesh<op, axis, mesh>); name one of the mesh's axes");
-  static constexpr bool value = true;
+/// The layout of local value `L`, spelled out for a diagnostic.
+template <class L, class Seq = std::make_index_sequence<L::rank>>
+struct diag_value_impl;
+template <class L, std::size_t... I>
+struct diag_value_impl<L, std::index_sequence<I...>> {
+  using mesh_t = typename L::mesh_type;
+  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
 };
+/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
+template <class L>
+using diag_value_t = typename diag_value_impl<L>::type;
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct psum_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: psum / pmean over an axis the value neither varies over nor is partial over (see "
-                "psum_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis, so "
-                "the sum would only scale it by the axis size; drop the axis, or pvary over it first");
-  static constexpr bool value = true;
-};
+// Each diagnostic is a function whose one static_assert names, in its failing condition, the
+// operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct reduction_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin over an axis the value does not vary over (see "
-                "reduction_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis; "
-                "drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class MeshAxes>
+consteval bool collective_axis_not_in_mesh() {
+  static_assert(always_false<Op, Axis, MeshAxes>,
+                "meshlib: a collective names an axis that the mesh does not have (the operation, the axis and the "
+                "mesh's axes are spelled out in the condition); name one of the mesh's axes");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct extremum_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis (see "
-                "extremum_of_partial_value<op, axis, value>): the max of the summands is not the max of the sum; "
-                "psum over the partial axes first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool psum_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: psum / pmean / psum_scatter over an axis the value neither varies over nor is partial over: "
+                "it is already equal on every device of that axis, so the sum would only scale it by the axis size; "
+                "drop the axis, or write pvary<axis>(x) first if you mean the scaled sum");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over (see "
-                "collective_of_partial_value<op, axis, value>): moving summands does not move the sum; psum or "
-                "psum_scatter over that axis first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool reduction_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin over an axis the value does not vary over: it is already equal on every device "
+                "of that axis; drop the axis, or write pvary<axis>(x) first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_needs_varying_input {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over (see "
-                "collective_needs_varying_input<op, axis, value>): every device of that axis already holds the same "
-                "block; drop the collective, or pvary over the axis first if you mean it");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool extremum_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis: the max of the "
+                "summands is not the max of the sum; psum over the partial axes first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, std::size_t ShardedDim, class Value>
-struct gather_along_unsharded_dim {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather over an axis along a dimension that is not sharded on that axis (see "
-                "gather_along_unsharded_dim<op, axis, dim, sharded_dim, value>: sharded_dim is the one sharded on the "
-                "axis); gather along sharded_dim, or all_to_all to move the sharding first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool collective_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over: moving "
+                "summands does not move the sum; psum or psum_scatter over that axis first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, class Value>
-struct dimension_already_sharded_on_axis {
-  static_assert(sizeof(Value) == 0,
+template <class Op, class Axis, class Value>
+consteval bool collective_needs_varying_input() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over: every device "
+                "of that axis already holds the same block; drop the collective, or write pvary<axis>(x) first if you "
+                "mean it");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool gather_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_gather along a dimension that is not the one sharded on the axis (the second "
+                "diagnostic::dim is the sharded one); gather along the sharded dimension, all_to_all to move the "
+                "sharding first, or forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool concat_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_to_all concatenates along a dimension that is not the one sharded on the axis (the "
+                "second diagnostic::dim is the sharded one); concatenate along the sharded dimension, or "
+                "forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class Value>
+consteval bool dimension_already_sharded_on_axis() {
+  static_assert(always_false<Op, Axis, Dim, Value>,
                 "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
-                "sharded on (see dimension_already_sharded_on_axis<op, axis, dim, value>); scatter along another "
-                "dimension");
-  static constexpr bool value = true;
-};
+                "sharded on; split another dimension, or forget_dims<axis>(x) first to treat the block as "
+                "unlabelled (the JAX tutorial's psum_scatter of an already scattered block)");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct pvary_of_varying_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over (see "
-                "pvary_of_varying_value<op, axis, value>); drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool pvary_of_varying_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over; drop the "
+                "axis");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct broadcast_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: broadcast over an axis the value is a pending sum (partial) over (see "
-                "broadcast_of_partial_value<op, axis, value>): one summand is not the sum; psum first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool broadcast_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: broadcast over an axis the value is a pending sum (partial) over: one summand is not the "
+                "sum; psum first");
+  return false;
+}
 
-template <fixed_string Op, std::size_t Dim, std::size_t Rank>
-struct collective_dimension_out_of_range {
-  static_assert(Dim < Rank,
-                "meshlib: a collective names a dimension past the value's rank (see "
-                "collective_dimension_out_of_range<op, dim, rank>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Dim, class Rank>
+consteval bool collective_dimension_out_of_range() {
+  static_assert(always_false<Op, Dim, Rank>,
+                "meshlib: a collective names a dimension past the value's rank (negative numbers count from the "
+                "end, as in JAX)");
+  return false;
+}
 
-template <class T>
-struct collective_element_type {
-  static_assert(comm_element<T>,
-                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only (see "
-                "collective_element_type<T>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis>
+consteval bool collective_axis_repeated() {
+  static_assert(always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
+  return false;
+}
+
+template <class Op, class T>
+consteval bool collective_element_type() {
+  static_assert(always_false<Op, T>,
+                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only");
+  return false;
+}
+
+/// The element-type check: true, or the diagnostic.
+template <fixed_string Op, class T>
+consteval bool check_element_type() {
+  if constexpr (comm_element<T>) return true;
+  else return collective_element_type<diag_op_t<Op>, T>();
+}
+
+/// The axis-in-mesh check: true, or the diagnostic.
+template <fixed_string Op, fixed_string Axis, class Mesh>
+consteval bool check_axis_in_mesh() {
+  if constexpr (Mesh::template has_axis<Axis>) return true;
+  else return collective_axis_not_in_mesh<diag_op_t<Op>, diag_axis_t<Axis>, diag_axes_t<Mesh, Mesh::all_axes>>();
+}
+
+/// A dimension number as JAX counts it: negative numbers count from `Rank` (the rank, or the rank
+/// plus one where a dimension is inserted). Out of range maps to `Rank` (diagnosed by the caller).
+template <int Dim, std::size_t Rank>
+inline constexpr std::size_t norm_dim_v =
+    Dim < 0 ? (static_cast<long long>(Rank) + Dim < 0 ? Rank : static_cast<std::size_t>(static_cast<long long>(Rank) + Dim))
+            : (static_cast<std::size_t>(Dim) < Rank ? static_cast<std::size_t>(Dim) : Rank);
+
+/// The range check of a dimension number: true, or the diagnostic.
+template <fixed_string Op, int Dim, std::size_t Rank>
+consteval bool check_dim() {
+  if constexpr (norm_dim_v<Dim, Rank> < Rank) return true;
+  else {
+    using dim_t = std::conditional_t<(Dim < 0), diagnostic::dim<static_cast<std::size_t>(-Dim)>, diagnostic::dim<static_cast<std::size_t>(Dim)>>;
+    return collective_dimension_out_of_range<diag_op_t<Op>, dim_t, diagnostic::size<Rank>>();
+  }
+}
 
 /// Mask of the axes `Names...` of `Mesh` that exist (unknown names are diagnosed separately, so that
 /// computing a result type never fires a second error).
@@ -7223,6 +8609,18 @@ template <class Dims, std::size_t D, std::size_t... I>
 struct dims_insert_impl<Dims, D, std::index_sequence<I...>> {
   using type = dim_masks<(I == D ? axis_mask{0} : Dims::at(I < D ? I : I - 1))...>;
 };
+
+template <class Dims, std::size_t D, bool = (Dims::size > 0)>
+struct remove_dim_or_self {
+  using type = Dims;
+};
+template <class Dims, std::size_t D>
+struct remove_dim_or_self<Dims, D, true> {
+  using type = typename remove_dim_impl<Dims, D>::type;
+};
+/// `Dims` without dimension `D` (itself when it has no dimension: only in a refused call).
+template <class Dims, std::size_t D>
+using remove_dim_or_self_t = typename remove_dim_or_self<Dims, D>::type;
 
 /// `Dims` with the axes of `Mask` removed from every dimension.
 template <class Dims, axis_mask Mask>
@@ -7340,6 +8738,8 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 
 namespace meshlib {
@@ -7366,12 +8766,16 @@ template <fixed_string Op, class L, bool AllowPartial, fixed_string Axis>
 consteval bool check_reduction_axis() {
   using mesh_t = typename L::mesh_type;
   if constexpr (!mesh_t::template has_axis<Axis>) {
-    return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<Op, Axis, L>::value;
-    else if constexpr (!AllowPartial && (L::vary & bit) == 0) return reduction_over_invariant_axis<Op, Axis, L>::value;
+    using op_t = diag_op_t<Op>;
+    using axis_t = diag_axis_t<Axis>;
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (!AllowPartial && (L::vary & bit) == 0)
+      return reduction_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
     else return true;
   }
 }
@@ -7379,9 +8783,14 @@ consteval bool check_reduction_axis() {
 template <fixed_string Op, class L, bool AllowPartial, fixed_string... Names>
 consteval bool check_reduction() {
   static_assert(sizeof...(Names) > 0, "meshlib: psum / pmean / pmax / pmin need at least one axis: psum<\"data\">(x)");
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
   else return (check_reduction_axis<Op, L, AllowPartial, Names>() && ...);
 }
+
+/// The element type of `pmean`'s result: JAX's true division, so an integer mean is a floating
+/// value (int32 -> float, as JAX's float32; int64 -> double), never a truncated integer.
+template <class T>
+using mean_value_t = std::conditional_t<std::is_integral_v<T>, std::conditional_t<(sizeof(T) <= 4), float, double>, T>;
 
 /// The all-reduce `op` over the axes `Names...` of `x`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
@@ -7389,17 +8798,51 @@ auto all_reduce_over(const L& x) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
-                                       L::partial & ~mask>;
+  using T = typename L::value_type;
+  // An integer mean is a sum in T (wrapping, as JAX's int32 psum) then a true division.
+  constexpr bool int_mean = ROp == reduce_op::mean && std::is_integral_v<T>;
+  using U = std::conditional_t<int_mean, mean_value_t<T>, T>;
+  using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
+                                  dims_without_t<typename L::dims_type, mask>>;
   if constexpr (!ok) {
     return result_t{};
   } else {
-    using T = typename L::value_type;
     const T* src = contiguous_data(x, Op.view());
     auto out = result_view<L>(x.shape());
     std::copy_n(src, x.size(), out.data());
-    current_device(Op.view()).comm(mask).all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
-    return result_t(out, x.mesh(), x.device());
+    auto& comm = current_device(Op.view()).comm(mask);
+    if constexpr (int_mean) {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, reduce_op::sum);
+      auto mean = allocate<U, L::rank, typename L::memory_space>(x.shape(), "meshlib::collective", false);
+      const U n = static_cast<U>(comm.size());
+      for (std::size_t i = 0; i < x.size(); ++i) mean.data()[i] = static_cast<U>(out.data()[i]) / n;
+      return result_t(mean, x.mesh(), x.device());
+    } else {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+      return result_t(out, x.mesh(), x.device());
+    }
+  }
+}
+
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
   }
 }
 
@@ -7413,10 +8856,25 @@ template <fixed_string... Names, local_tensor_type L>
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
 }
 
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+}
+
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
+/// The mean of integers is a true division, as in JAX: `float` for 32-bit integers (JAX's float32),
+/// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
@@ -7437,18 +8895,23 @@ template <fixed_string... Names, local_tensor_type L>
 // begin meshlib/collectives/gathers.hpp
 /// @file
 /// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,
-/// as `jax.lax.all_gather`, `jax.lax.psum_scatter(..., tiled=True)` and `jax.lax.all_to_all`.
-/// Blocks are placed in axis-index order: the block of the device at index `i` of the axis is
-/// chunk `i` of the gathered (or scattered) dimension.
+/// as `jax.lax.all_gather`, `jax.lax.psum_scatter` and `jax.lax.all_to_all`, tiled (meshlib's
+/// default) or untiled (`meshlib::untiled`, JAX's default `tiled=False`), over one axis (`"i"`) or
+/// several in the order written (`axis_group<"j", "i">`). Blocks are placed in group-position order:
+/// the block of the device at position `p` of the group (`axis_index<...>()`) is chunk `p` of the
+/// gathered (or scattered) dimension. Dimension numbers may be negative and count from the end, as
+/// in JAX (for the untiled all_gather, from the end of the result).
 /// @code
 /// // x: block of a P<"data", none> array, shape (2, 6) on each of 4 devices of axis "data"
 /// auto full   = meshlib::all_gather<"data", 0>(x);                    // (8, 6), invariant over data
 /// auto stack  = meshlib::all_gather<"data", 0>(x, meshlib::untiled);  // (4, 2, 6)
 /// auto moved  = meshlib::all_to_all<"data", 1, 0>(x);                 // (8, 6/4): now sharded on dim 1
 /// auto shard  = meshlib::psum_scatter<"data", 0>(y);                  // sum over data, scattered on dim 0
+/// auto both   = meshlib::all_gather<meshlib::axis_group<"model", "data">, -1>(z);  // ('model', 'data')
 /// @endcode
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -7456,83 +8919,292 @@ template <fixed_string... Names, local_tensor_type L>
 
 namespace meshlib {
 
-/// @brief Tag of the untiled `all_gather`: stack the blocks along a new dimension (JAX `tiled=False`).
+/// @brief Tag of the untiled forms (JAX `tiled=False`): `all_gather` stacks the blocks along a new
+/// dimension, `psum_scatter` removes the scattered dimension, `all_to_all` removes the split
+/// dimension and inserts one of the group size at the concat position.
 struct untiled_t {
   explicit untiled_t() = default;
 };
+/// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
 namespace detail {
 
-/// Common checks: element type, axis in mesh, dimension in range, not partial over the axis, and
-/// (when `NeedVary`) varying over it.
-template <fixed_string Op, class L, fixed_string Axis, std::size_t Dim, bool NeedVary = true>
-consteval bool check_moving_collective() {
+/// What a collective needs of the value, per axis of its group.
+enum class axis_rule {
+  moves,  ///< varies over the axis, not partial over it (all_gather, all_to_all, ppermute)
+  sums,   ///< varies over or is partial over the axis (psum_scatter)
+};
+
+template <fixed_string Op, class L, fixed_string Axis, axis_rule Rule>
+consteval bool check_group_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<Op, Dim, L::rank>::value;
-  else {
+  if constexpr (!mesh_t::template has_axis<Axis>) {
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
+  } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr ((L::partial & bit) != 0) return collective_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (NeedVary && (L::vary & bit) == 0) return collective_needs_varying_input<Op, Axis, L>::value;
+    if constexpr (Rule == axis_rule::sums && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::partial & bit) != 0)
+      return collective_of_partial_value<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::vary & bit) == 0)
+      return collective_needs_varying_input<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class G>
+struct group_checks;
+template <fixed_string... Names>
+struct group_checks<axis_group<Names...>> {
+  /// Element type, each axis in the mesh and as `Rule` wants it, no axis twice.
+  template <fixed_string Op, class L, axis_rule Rule>
+  static consteval bool run() {
+    using mesh_t = typename L::mesh_type;
+    if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
+    else if constexpr (!(check_group_axis<Op, L, Names, Rule>() && ...)) return false;
+    else if constexpr (std::popcount(safe_mask_v<mesh_t, Names...>) != sizeof...(Names))
+      return collective_axis_repeated<diag_op_t<Op>, diag_axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
+    else return true;
+  }
+  template <class Mesh>
+  static constexpr axis_mask mask = safe_mask_v<Mesh, Names...>;
+};
+
+/// Mask of the axes of group `G` (those the mesh has).
+template <class Mesh, class G>
+inline constexpr axis_mask group_mask_v = group_checks<G>::template mask<Mesh>;
+
+/// The first dimension other than `Keep` that is a block of an axis of `Mask`, or `Dims::size`.
+template <class Dims>
+constexpr std::size_t other_dim_sharded_on(axis_mask mask, std::size_t keep) noexcept {
+  for (std::size_t d = 0; d < Dims::size; ++d)
+    if (d != keep && (Dims::at(d) & mask) != 0) return d;
+  return Dims::size;
+}
+
+template <class L, class G, int DimArg>
 consteval bool check_all_gather() {
-  if constexpr (!check_moving_collective<"all_gather", L, Axis, Dim>()) return false;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_gather", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (sharded != L::rank && sharded != Dim)
-      return gather_along_unsharded_dim<"all_gather", Axis, Dim, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, dim);
+    if constexpr (other != L::rank)
+      return gather_along_unsharded_dim<diag_op_t<"all_gather">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<dim>, diagnostic::dim<other>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class L, class G, int DimArg>
+consteval bool check_all_gather_untiled() {
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else return check_dim<"all_gather", DimArg, L::rank + 1>();
+}
+
+template <class L, class G, int DimArg, bool Tiled>
 consteval bool check_psum_scatter() {
-  using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"psum_scatter", Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<"psum_scatter", Dim, L::rank>::value;
-  else {
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<"psum_scatter", Axis, L>::value;
-    else if constexpr ((L::dims_type::at(Dim) & bit) != 0)
-      return dimension_already_sharded_on_axis<"psum_scatter", Axis, Dim, L>::value;
-    else return true;
-  }
-}
-
-template <class L, fixed_string Axis, std::size_t Split, std::size_t Concat>
-consteval bool check_all_to_all() {
-  if constexpr (!check_moving_collective<"all_to_all", L, Axis, Split>()) return false;
-  else if constexpr (Concat >= L::rank) return collective_dimension_out_of_range<"all_to_all", Concat, L::rank>::value;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"psum_scatter", L, axis_rule::sums>()) return false;
+  else if constexpr (!check_dim<"psum_scatter", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (Split != Concat && (L::dims_type::at(Split) & bit) != 0)
-      return dimension_already_sharded_on_axis<"all_to_all", Axis, Split, L>::value;
-    else if constexpr (sharded != L::rank && sharded != Concat)
-      return gather_along_unsharded_dim<"all_to_all", Axis, Concat, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    if constexpr (Tiled && (L::dims_type::at(dim) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"psum_scatter">, diag_axes_t<mesh_t, mask & L::dims_type::at(dim)>,
+                                               diagnostic::dim<dim>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis>
-constexpr axis_mask axis_bit_v = safe_mask_v<typename L::mesh_type, Axis>;
+template <class L, class G, int SplitArg, int ConcatArg, bool Tiled>
+consteval bool check_all_to_all() {
+  constexpr std::size_t split = norm_dim_v<SplitArg, L::rank>;
+  constexpr std::size_t concat = norm_dim_v<ConcatArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_to_all", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_to_all", SplitArg, L::rank>()) return false;
+  else if constexpr (!check_dim<"all_to_all", ConcatArg, L::rank>()) return false;
+  else if constexpr (!Tiled) return true;  // the untiled form forgets the per-dimension labels of its axes
+  else {
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, concat);
+    if constexpr (split != concat && (L::dims_type::at(split) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(split)>,
+                                               diagnostic::dim<split>, diag_value_t<L>>();
+    else if constexpr (other != L::rank)
+      return concat_along_unsharded_dim<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<concat>, diagnostic::dim<other>, diag_value_t<L>>();
+    else return true;
+  }
+}
 
-/// Throws unless `n` divides dimension `dim` of size `extent`.
-inline void check_divides(std::string_view op, std::string_view axis, std::size_t dim, std::size_t extent, std::size_t n) {
-  if (extent % n != 0)
-    throw sharding_error("meshlib: " + std::string(op) + " over axis '" + std::string(axis) + "' (size " +
+/// Throws unless dimension `dim` of size `extent` splits into `n` chunks (tiled: `n` divides it;
+/// untiled: it equals `n`).
+template <class G>
+void check_split(std::string_view op, std::size_t dim, std::size_t extent, std::size_t n, bool tiled) {
+  if (tiled ? extent % n != 0 : extent != n)
+    throw sharding_error("meshlib: " + std::string(op) + " over " + describe_group<G>() + " (group size " +
                          std::to_string(n) + ") splits dimension " + std::to_string(dim) + " of size " +
-                         std::to_string(extent) + ", which is not divisible by " + std::to_string(n));
+                         std::to_string(extent) + (tiled ? ", which is not divisible by " : ", which the untiled form needs to equal ") +
+                         std::to_string(n));
+}
+
+/// `shape` without dimension `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank - 1> without_dim(const std::array<std::size_t, Rank>& shape, std::size_t d) {
+  std::array<std::size_t, Rank - 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank; ++i)
+    if (i != d) out[j++] = shape[i];
+  return out;
+}
+
+/// `shape` with a dimension of size `v` inserted at position `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank + 1> with_dim(const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t v) {
+  std::array<std::size_t, Rank + 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank + 1; ++i) out[i] = i == d ? v : shape[j++];
+  return out;
+}
+
+/// The group communicator's blocks in `buf` (`n` blocks of `block`), received in rank (mesh)
+/// order, put in the order written.
+template <class T>
+void to_written_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  scatter_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+/// The inverse: blocks in the order written, put in rank order for sending.
+template <class T>
+void to_rank_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  gather_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_tiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather<L, G, DimArg>();
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using result_t = with_vary_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L>(with_extent(x.shape(), dim, x.extent(dim) * n));
+    unpack_chunks(recv.data(), x.shape(), dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_untiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather_untiled<L, G, DimArg>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank + 1> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using dims_t = dims_insert_t<dims_without_t<typename L::dims_type, mask>, dim>;
+  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~mask, L::partial, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const auto chunk = with_dim(x.shape(), dim, 1);
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L, L::rank + 1>(with_extent(chunk, dim, n));
+    unpack_chunks(recv.data(), chunk, dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, bool Tiled, class L>
+auto psum_scatter_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_psum_scatter<L, G, DimArg, Tiled>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr std::size_t out_rank = Tiled || L::rank == 0 ? L::rank : L::rank - 1;
+  using dims_t = std::conditional_t<Tiled, dims_moved_to_t<typename L::dims_type, mask, dim>,
+                                    remove_dim_or_self_t<typename L::dims_type, dim>>;
+  using result_t = rebind_local_t<L, typename L::value_type, out_rank, L::vary | mask, L::partial & ~mask, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "psum_scatter");
+    auto& comm = current_device("psum_scatter").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
+    std::vector<T> send(x.size());
+    pack_chunks(src, x.shape(), dim, n, send.data());
+    to_rank_order(send, x.size() / n, written_order_of<mesh_t, G>(x.mesh()));
+    auto out = [&] {
+      if constexpr (Tiled) return result_view<L>(with_extent(x.shape(), dim, x.extent(dim) / n));
+      else return result_view<L, out_rank>(without_dim(x.shape(), dim));
+    }();
+    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int SplitArg, int ConcatArg, bool Tiled, class L>
+auto all_to_all_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_to_all<L, G, SplitArg, ConcatArg, Tiled>();
+  constexpr std::size_t split = ok ? norm_dim_v<SplitArg, L::rank> : 0;
+  constexpr std::size_t concat = ok ? norm_dim_v<ConcatArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr bool tracked = (L::dims_type::at(concat) & mask) != 0;
+  using dims_t = std::conditional_t<
+      Tiled, std::conditional_t<tracked, dims_moved_to_t<typename L::dims_type, mask, split>, typename L::dims_type>,
+      dims_insert_t<remove_dim_or_self_t<dims_without_t<typename L::dims_type, mask>, split>, concat>>;
+  using result_t = with_dims_t<L, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_to_all");
+    auto& comm = current_device("all_to_all").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("all_to_all", split, x.extent(split), n, Tiled);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    const std::size_t block = x.size() / n;
+    std::vector<T> send(x.size()), recv(x.size());
+    pack_chunks(src, x.shape(), split, n, send.data());
+    to_rank_order(send, block, order);
+    comm.all_to_all(send.data(), recv.data(), block, datatype_of<T>);
+    to_written_order(recv, block, order);
+    // Tiled: chunk j has the input's shape with split cut by n. Untiled: the split dimension
+    // (now of size 1) removed and a size-1 dimension inserted at concat: the same elements in the
+    // same order, stacked along concat.
+    const auto chunk = [&] {
+      if constexpr (Tiled) return with_extent(x.shape(), split, x.extent(split) / n);
+      else return with_dim(without_dim(x.shape(), split), concat, 1);
+    }();
+    auto out = result_view<L>(with_extent(chunk, concat, chunk[concat] * n));
+    unpack_chunks(recv.data(), chunk, concat, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -7541,82 +9213,54 @@ inline void check_divides(std::string_view op, std::string_view axis, std::size_
 /// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
 /// must vary over `Axis`, and if some dimension is sharded on `Axis` it must be `Dim`; the result
 /// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  constexpr bool ok = detail::check_all_gather<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) * n));
-    detail::unpack_chunks(recv.data(), x.shape(), Dim, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The tiled all-gather over several axes, in the order written (JAX `axis_name=('i', 'j')`).
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x) {
+  return detail::all_gather_tiled<G, Dim>(x);
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
-/// at position `Dim` (`Dim = 0`: a leading dimension of the axis size). The type rule of the tiled form.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+/// at position `Dim` of the result (`Dim = 0`: a leading dimension of the group size; `-1`: a
+/// trailing one). The type rule of the tiled form.
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  static_assert(Dim <= L::rank, "meshlib: untiled all_gather inserts its new dimension at a position past the rank");
-  constexpr bool ok = detail::check_moving_collective<"all_gather", L, Axis, 0>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = detail::dims_insert_t<detail::dims_without_t<typename L::dims_type, bit>, Dim>;
-  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~bit, L::partial, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::array<std::size_t, L::rank + 1> chunk{};
-    for (std::size_t i = 0, j = 0; i < L::rank + 1; ++i) chunk[i] = i == Dim ? 1 : x.extent(j++);
-    auto out = detail::result_view<L, L::rank + 1>(detail::with_extent(chunk, Dim, n));
-    if constexpr (Dim == 0) {
-      comm.all_gather(src, out.data(), x.size(), datatype_of<T>);
-    } else {
-      std::vector<T> recv(x.size() * n);
-      comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-      detail::unpack_chunks(recv.data(), chunk, Dim, n, out.data());
-    }
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The untiled all-gather over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x, untiled_t) {
+  return detail::all_gather_untiled<G, Dim>(x);
 }
 
 /// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
 /// scatter_dimension=Dim, tiled=True)`): the sum over the group, of which the device at axis index
 /// `i` keeps chunk `i` of dimension `Dim`. `x` must vary over or be partial over `Axis`; the result
-/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it.
+/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it. A
+/// dimension already sharded on `Axis` is refused: `forget_dims<Axis>(x)` first to scatter it again.
 /// @throws sharding_error when the axis size does not divide dimension `Dim`.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  constexpr bool ok = detail::check_psum_scatter<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = std::conditional_t<ok, detail::dims_moved_to_t<typename L::dims_type, bit, (Dim < L::rank ? Dim : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_t>, L::vary | bit, L::partial & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "psum_scatter");
-    auto& comm = detail::current_device("psum_scatter").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("psum_scatter", Axis.view(), Dim, x.extent(Dim), n);
-    std::vector<T> send(x.size());
-    detail::pack_chunks(src, x.shape(), Dim, n, send.data());
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) / n));
-    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
+}
+/// @brief The tiled reduce-scatter over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x) {
+  return detail::psum_scatter_impl<G, Dim, true>(x);
+}
+/// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
+/// group size, is removed; the device at group position `i` keeps slice `i` of the sum.
+/// @throws sharding_error when dimension `Dim` is not the group size.
+template <fixed_string Axis, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
+}
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<G, Dim, false>(x);
 }
 
 /// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
@@ -7624,30 +9268,27 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
 /// to the device at axis index `j`, and the received chunks are concatenated along `Concat` in
 /// axis-index order. Moves sharding on `Axis` from dimension `Concat` to dimension `Split`.
 /// @throws sharding_error when the axis size does not divide dimension `Split`.
-template <fixed_string Axis, std::size_t Split, std::size_t Concat, local_tensor_type L>
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  constexpr bool ok = detail::check_all_to_all<L, Axis, Split, Concat>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  constexpr bool tracked = ok && (L::dims_type::at(Concat < L::rank ? Concat : 0) & bit) != 0;
-  using dims_t = std::conditional_t<tracked, detail::dims_moved_to_t<typename L::dims_type, bit, (Split < L::rank ? Split : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_dims_t<L, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_to_all");
-    auto& comm = detail::current_device("all_to_all").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("all_to_all", Axis.view(), Split, x.extent(Split), n);
-    std::vector<T> send(x.size()), recv(x.size());
-    detail::pack_chunks(src, x.shape(), Split, n, send.data());
-    comm.all_to_all(send.data(), recv.data(), x.size() / n, datatype_of<T>);
-    const auto chunk = detail::with_extent(x.shape(), Split, x.extent(Split) / n);
-    auto out = detail::result_view<L>(detail::with_extent(chunk, Concat, chunk[Concat] * n));
-    detail::unpack_chunks(recv.data(), chunk, Concat, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
+}
+/// @brief The tiled all-to-all over several axes, in the order written.
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x) {
+  return detail::all_to_all_impl<G, Split, Concat, true>(x);
+}
+/// @brief Untiled all-to-all (JAX `tiled=False`): dimension `Split`, whose size must equal the group
+/// size `n`, is removed, and a dimension of size `n` is inserted at position `Concat` of the result;
+/// entry `j` along it is what the device at group position `j` sent. The result's dimensions carry
+/// no sharding on the group's axes (as after `forget_dims`).
+/// @throws sharding_error when dimension `Split` is not the group size.
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
+}
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<G, Split, Concat, false>(x);
 }
 
 }  // namespace meshlib
@@ -7678,20 +9319,45 @@ namespace detail {
 template <class L, fixed_string Axis>
 consteval bool check_pvary_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"pvary", Axis, mesh_t>::value;
+  if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"pvary", Axis, mesh_t>();
   else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return pvary_of_varying_value<"pvary", Axis, L>::value;
+    return pvary_of_varying_value<diag_op_t<"pvary">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
 }
 
 template <class L, fixed_string Axis>
 consteval bool check_broadcast() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"broadcast", Axis, mesh_t>::value;
+  if constexpr (!check_element_type<"broadcast", typename L::value_type>()) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"broadcast", Axis, mesh_t>();
   else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return broadcast_of_partial_value<"broadcast", Axis, L>::value;
+    return broadcast_of_partial_value<diag_op_t<"broadcast">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
+}
+
+template <class G, class L>
+auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = group_checks<G>::template run<"ppermute", L, axis_rule::moves>();
+  if constexpr (!ok) {
+    return L{};
+  } else {
+    using T = typename L::value_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    const T* src = contiguous_data(x, "ppermute");
+    auto& comm = current_device("ppermute").comm(mask);
+    // perm names group positions in the order written; the communicator ranks run in mesh order.
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    std::vector<std::size_t> rank_of(order.size());
+    for (std::size_t r = 0; r < order.size(); ++r) rank_of[order[r]] = r;
+    const auto to_rank = [&](std::size_t p) { return p < rank_of.size() ? rank_of[p] : p; };  // out of range: the communicator says so
+    std::vector<permute_pair> pairs;
+    pairs.reserve(perm.size());
+    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(to_rank(s)), static_cast<int>(to_rank(d))});
+    auto out = result_view<L>(x.shape());
+    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    return L(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -7703,20 +9369,13 @@ consteval bool check_broadcast() {
 /// @throws comm_argument_error for an index out of range or repeated (from the communicator).
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  constexpr bool ok = detail::check_moving_collective<"ppermute", L, Axis, 0>();
-  if constexpr (!ok) {
-    return L{};
-  } else {
-    using T = typename L::value_type;
-    constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-    const T* src = detail::contiguous_data(x, "ppermute");
-    std::vector<permute_pair> pairs;
-    pairs.reserve(perm.size());
-    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(s), static_cast<int>(d)});
-    auto out = detail::result_view<L>(x.shape());
-    detail::current_device("ppermute").comm(bit).ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
-    return L(out, x.mesh(), x.device());
-  }
+  return detail::ppermute_impl<axis_group<Axis>>(x, perm);
+}
+/// @brief `ppermute` over several axes: `perm` holds group positions, row-major over the axes in
+/// the order written (JAX `ppermute(x, ('i', 'j'), perm)`).
+template <axis_group_type G, local_tensor_type L>
+[[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  return detail::ppermute_impl<G>(x, perm);
 }
 
 /// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
@@ -7725,7 +9384,7 @@ template <fixed_string Axis, local_tensor_type L>
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto broadcast(const L& x, std::size_t root) {
   constexpr bool ok = detail::check_broadcast<L, Axis>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  constexpr axis_mask bit = detail::safe_mask_v<typename L::mesh_type, Axis>;
   using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
   if constexpr (!ok) {
     return result_t{};
@@ -7764,6 +9423,88 @@ template <fixed_string... Names, local_tensor_type L>
 
 }  // namespace meshlib
 // end meshlib/collectives/permutes.hpp
+// begin meshlib/collectives/relabel.hpp
+/// @file
+/// @brief Local steps that change what the type says about a per-device value, without
+/// communication: `forget_dims` (drop the record of which dimension is a block of which axis),
+/// `reshape` (a new local shape for the same elements) and `axis_index(x)` (this device's group
+/// position as a per-device int32 scalar, as JAX's `lax.axis_index`).
+///
+/// Why `forget_dims` exists: meshlib tracks, per dimension, the axes it is a block of, and uses it
+/// to refuse a gather or scatter along the wrong dimension. JAX does not track it, so some valid JAX
+/// programs split a dimension that is already a block of the axis (the tutorial's `psum_scatter` of
+/// a scattered block) or concatenate along another one. `forget_dims<"i">(x)` says "treat this block
+/// as unlabelled along 'i'": the value still varies over 'i', only the per-dimension record goes.
+/// @code
+/// auto y = meshlib::psum_scatter<"i", 0>(meshlib::forget_dims<"i">(x));  // x's dim 0 was a block of 'i'
+/// auto r = meshlib::reshape(x, std::array<std::size_t, 1>{x.size()});    // flatten the local block
+/// auto k = meshlib::axis_index<"i">(x);   // local_tensor<std::int32_t, 0, ...> varying over 'i'
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief `x` with no dimension recorded as a block of the axes `Names...` (see the file comment).
+/// The value, its `vary` and `partial` sets are unchanged and no data moves.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto forget_dims(const L& x) {
+  static_assert(sizeof...(Names) > 0, "meshlib: forget_dims needs at least one axis: forget_dims<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
+  using result_t = with_dims_t<L, detail::dims_without_t<typename L::dims_type, detail::safe_mask_v<mesh_t, Names...>>>;
+  if constexpr (!ok) return result_t{};
+  else return result_t(x.view(), x.mesh(), x.device());
+}
+
+/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
+/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
+/// `partial` are kept.
+/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
+template <std::size_t R, local_tensor_type L>
+[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
+  using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
+  const std::size_t n = detail::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  if (n != x.size())
+    throw sharding_error("meshlib: reshape of a local block of shape " + detail::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + detail::describe_shape(shape) + " (" +
+                         std::to_string(n) + " elements); the element counts must agree");
+  const auto* src = detail::contiguous_data(x, "reshape");
+  auto out = detail::result_view<L, R>(shape);
+  std::copy_n(src, n, out.data());
+  return result_t(out, x.mesh(), x.device());
+}
+
+/// @brief This device's position in the group of the axes `Names...` (row-major in the order
+/// written) as a per-device value on `like`'s mesh: an `std::int32_t` scalar that varies over those
+/// axes, as JAX's `lax.axis_index` inside `shard_map`. `like` only names the mesh and device.
+/// @throws spmd_context_error outside `shard_map` / `spmd`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto axis_index(const L& like) {
+  static_assert(sizeof...(Names) > 0, "meshlib: axis_index needs at least one axis: axis_index<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
+  using result_t = local_tensor<std::int32_t, 0, mesh_t, detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
+                                typename L::memory_space>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    std::size_t p = 0;
+    if constexpr (sizeof...(Names) == 1) p = (axis_index<Names>(), ...);
+    else p = axis_index<Names...>();
+    auto out = detail::allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
+    *out.data() = static_cast<std::int32_t>(p);
+    return result_t(out, like.mesh(), like.device());
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/collectives/relabel.hpp
 // begin meshlib/collectives/reshard_plan.hpp
 /// @file
 /// @brief `reshard_plan`: the collectives that move an array from one sharding of a mesh to another,
@@ -7801,6 +9542,7 @@ enum class reshard_kind {
   exchange,     ///< general point-to-point exchange of block intersections (any -> any)
 };
 
+/// @brief The name of a resharding step kind, as printed in plans.
 [[nodiscard]] constexpr std::string_view to_string(reshard_kind k) noexcept {
   switch (k) {
     case reshard_kind::local_slice: return "local_slice";
@@ -8340,10 +10082,12 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
+/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
 template <mesh_type Mesh, class Fn, class Backend = thread_backend>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  detail::require_kokkos("spmd");
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {
@@ -8539,72 +10283,61 @@ struct spec_at<I, specs<S...>> {
   using type = std::tuple_element_t<I, std::tuple<S...>>;
 };
 
-/// Name of axis `I` of `Mesh` as a `fixed_string`, for diagnostics.
-template <class Mesh, std::size_t I>
-inline constexpr auto mesh_axis_name = [] {
-  constexpr std::string_view name = Mesh::axis_names[I];
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+// The diagnostics below name the output, the axis, the out_spec and the value's layout in their
+// failing condition (see core/diagnostics.hpp): one error on GCC and Clang.
 
-constexpr std::size_t lowest_axis(axis_mask m) noexcept {
-  std::size_t i = 0;
-  while (!(m & (axis_mask{1} << i))) ++i;
-  return i;
+template <class Output, class Value>
+consteval bool shard_map_output_is_not_a_local_tensor() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
+                "out_spec)");
+  return false;
 }
 
-template <std::size_t Output, class Value>
-struct shard_map_output_is_not_a_local_tensor {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
-                "out_spec) (see shard_map_output_is_not_a_local_tensor<output, type>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_is_partial() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
+                "psum_scatter, over that axis before returning it");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_is_partial {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis (see "
-                "shard_map_output_is_partial<output, axis, out_spec, value>); complete it with psum, or psum_scatter, "
-                "over that axis before returning it");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_varies_over_unsharded_axis() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
+                "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
+                "axis, or shard the output over it in out_specs");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_varies_over_unsharded_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over (see "
-                "shard_map_output_varies_over_unsharded_axis<output, axis, out_spec, value>): its blocks differ along "
-                "that axis, so no one global array holds them; psum / pmean / all_gather over the axis, or shard the "
-                "output over it in out_specs");
-  static constexpr bool value = false;
-};
-
-template <std::size_t Output, class Mesh, class OutSpec, class Value>
-struct shard_map_output_on_another_mesh {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output lives on another mesh type than the shard_map's (see "
-                "shard_map_output_on_another_mesh<output, mesh, out_spec, value>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Value>
+consteval bool shard_map_output_on_another_mesh() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
+  return false;
+}
 
 /// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
 template <std::size_t Output, class Mesh, class OutSpec, class L>
 consteval bool check_output() {
+  using out_t = diagnostic::dim<Output>;
   if constexpr (!local_tensor_type<L>) {
-    return shard_map_output_is_not_a_local_tensor<Output, L>::value;
+    return shard_map_output_is_not_a_local_tensor<out_t, L>();
   } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
-    return shard_map_output_on_another_mesh<Output, Mesh, OutSpec, L>::value;
+    return shard_map_output_on_another_mesh<out_t, L>();
+  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+    return false;
+  } else if constexpr (OutSpec::size > L::rank) {
+    return false;  // check_rank fired the diagnostic
   } else {
     using S = named_sharding<Mesh, OutSpec>;
-    static_assert(S::template check_rank<L::rank>());
     constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
     if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<Output, mesh_axis_name<Mesh, lowest_axis(L::partial)>, OutSpec, L>::value;
+      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
     else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<Output, mesh_axis_name<Mesh, lowest_axis(unsharded_vary)>,
-                                                         OutSpec, L>::value;
+      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
+                                                         diag_value_t<L>>();
     else return true;
   }
 }
@@ -8645,7 +10378,11 @@ class shard_map_fn {
                   "meshlib: shard_map: the number of arguments differs from the number of in_specs");
     static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
                   "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
-    return call(std::index_sequence_for<Xs...>{}, xs...);
+    // A bad in_spec fires its one diagnostic here and stops: the body is not instantiated on a
+    // local type that cannot exist, which would add a screenful of follow-on errors.
+    constexpr bool specs_ok = check_in_specs(std::index_sequence_for<Xs...>{});
+    if constexpr (!specs_ok) return;
+    else return call(std::index_sequence_for<Xs...>{}, xs...);
   }
 
  private:
@@ -8659,11 +10396,25 @@ class shard_map_fn {
     if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
       if (x.sharding().rule() == shard_rule::even) return x;
     }
-    return reshard(x, sharding_t(mesh_, shard_rule::even), backend_);
+    // shard_map gives every device a block of one shape (as JAX's), so an input must split evenly
+    // under its in_spec; say so in shard_map's words (the layout's own advice, shard_rule::uneven,
+    // is what this input may already use).
+    const sharding_t even(mesh_, shard_rule::even);
+    for (std::size_t d = 0; d < X::rank; ++d)
+      if (x.global_shape()[d] % even.num_shards(d) != 0)
+        throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
+                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
+                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             " in its in_spec " + spec_t::to_string() +
+                             "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
+                             "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
+    return reshard(x, even, backend_);
   }
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
@@ -8684,6 +10435,11 @@ class shard_map_fn {
       if constexpr (single_output) return std::get<0>(std::move(outs));
       else return outs;
     }
+  }
+
+  template <std::size_t... I>
+  static consteval bool check_in_specs(std::index_sequence<I...>) {
+    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
   }
 
   template <class Results, std::size_t... O>
@@ -8747,380 +10503,6 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend
 /// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
 /// <meshlib/mpi.hpp>.
 
-// begin meshlib/runtime/process_exchange.hpp
-/// @file
-/// @brief `process_exchange`: the one thing the runtime needs from a transport between processes,
-/// to check at start-up that every process was given the same arguments, and to abort them all
-/// with a reason. The MPI backend provides one over an `MPI_Comm` (`meshlib::mpi::exchange`); a
-/// single process needs none.
-
-#include <cstddef>
-#include <cstdlib>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace meshlib::distributed {
-
-/// @brief A transport between the processes of one run.
-class process_exchange {
- public:
-  virtual ~process_exchange() = default;
-  /// This process's rank in the transport.
-  [[nodiscard]] virtual std::size_t rank() const = 0;
-  /// Number of processes in the transport.
-  [[nodiscard]] virtual std::size_t size() const = 0;
-  /// Every process's `mine`, in rank order. Collective: every process calls it.
-  [[nodiscard]] virtual std::vector<std::string> all_gather(std::string_view mine) = 0;
-  /// Ends every process of the run with `reason` printed by the caller first (`MPI_Abort`).
-  [[noreturn]] virtual void abort(int exit_code, std::string_view reason) = 0;
-};
-
-/// @brief The exchange of a run of one process: gathers its own value, aborts with `std::abort`.
-class single_process_exchange final : public process_exchange {
- public:
-  [[nodiscard]] std::size_t rank() const override { return 0; }
-  [[nodiscard]] std::size_t size() const override { return 1; }
-  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override { return {std::string(mine)}; }
-  [[noreturn]] void abort(int, std::string_view) override { std::abort(); }
-};
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/process_exchange.hpp
-// begin meshlib/runtime/distributed.hpp
-/// @file
-/// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.
-///
-/// @code
-/// meshlib::distributed::guard run;                 // detects mpirun / srun / torchrun / nothing
-/// auto m = meshlib::distributed::make_global_mesh<meshlib::axis<"data">>(meshlib::distributed::device_count());
-/// for (std::size_t d : meshlib::distributed::local_devices()) { /* this process's devices */ }
-/// @endcode
-///
-/// Devices. Each process owns `local_device_count()` devices (threads on a CPU, GPUs with NCCL;
-/// the same count on every process, checked at start-up). The global devices are numbered
-/// process-major: process `p` owns devices `[p*T, (p+1)*T)` with `T = local_device_count()`. A
-/// mesh numbers its devices row-major (the last axis varies fastest), so in
-/// `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis is the one inside a process and the
-/// first one spans processes; more generally, the trailing axes whose sizes multiply to `T` stay
-/// inside a process.
-///
-/// Before `initialize` (and after `shutdown`) every query answers for the embedded default: one
-/// process, index 0, one local device, as JAX does.
-///
-/// This header needs neither Kokkos nor MPI. Kokkos is initialised by `initialize` only when
-/// `<meshlib/runtime/kokkos_runtime.hpp>` is included (it is by `<meshlib/runtime.hpp>`), and a
-/// transport to check and abort other processes comes from `<meshlib/mpi.hpp>`.
-
-#include <cstddef>
-#include <iostream>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief The arguments of `initialize`, all optional (`jax.distributed.initialize`'s).
-struct options {
-  /// This process's index; with `num_processes`, overrides detection (and must agree with any
-  /// launcher or communicator that is present).
-  std::optional<std::size_t> process_id;
-  std::optional<std::size_t> num_processes;
-  /// Devices this process owns; default `MESHLIB_LOCAL_DEVICE_COUNT` from the environment, else 1.
-  std::optional<std::size_t> local_device_count;
-  /// Initialise Kokkos when the program has not (and finalise it in `shutdown`). Needs
-  /// `<meshlib/runtime/kokkos_runtime.hpp>`; without it this flag does nothing.
-  bool initialize_kokkos = true;
-  /// A transport to the other processes (`meshlib::mpi::exchange`): its rank and size decide the
-  /// process index and count, and the start-up consistency checks run over it.
-  std::shared_ptr<process_exchange> exchange;
-  /// Where launcher variables are read; default the process environment.
-  env_source env;
-};
-
-namespace detail {
-
-/// Filled by optional headers (Kokkos) so that this one depends on neither.
-struct runtime_hooks {
-  /// Initialises Kokkos when it is not; returns whether it did.
-  bool (*start_kokkos)() = nullptr;
-  void (*stop_kokkos)() = nullptr;
-};
-inline runtime_hooks& hooks() {
-  static runtime_hooks h;
-  return h;
-}
-
-struct runtime_state {
-  bool initialized = false;
-  launch_info launch;
-  std::size_t local_devices = 1;
-  std::shared_ptr<process_exchange> exchange;
-  bool owns_kokkos = false;
-  /// Kokkos 3.x cannot be initialised again in a process once finalised.
-  bool finalized_kokkos = false;
-};
-inline runtime_state& state() {
-  static runtime_state s;
-  return s;
-}
-inline std::recursive_mutex& state_mutex() {
-  static std::recursive_mutex m;
-  return m;
-}
-
-inline std::string describe(const launch_info& l, std::size_t local) {
-  std::ostringstream os;
-  os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
-  return os.str();
-}
-
-/// Throws `process_mismatch` on every process unless every element of `all` equals the first.
-inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
-  bool same = true;
-  for (const auto& v : all) same = same && v == all.front();
-  if (same) return;
-  // Group processes by value so a 1024-process run prints each distinct value once.
-  std::map<std::string, std::vector<std::size_t>> by_value;
-  for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
-  std::ostringstream os;
-  os << "meshlib: the processes disagree about " << what << ": ";
-  bool first = true;
-  for (const auto& [value, procs] : by_value) {
-    os << (first ? "" : "; ") << (procs.size() == 1 ? "process " : "processes ");
-    for (std::size_t i = 0; i < procs.size() && i < 8; ++i) os << (i ? "," : "") << procs[i];
-    if (procs.size() > 8) os << ",... (" << procs.size() << " in all)";
-    os << (procs.size() == 1 ? " has " : " have ") << value;
-    first = false;
-  }
-  os << "; every process must pass the same value";
-  throw process_mismatch(os.str());
-}
-
-}  // namespace detail
-
-/// @brief Whether `initialize` has run (and `shutdown` has not since).
-[[nodiscard]] inline bool is_initialized() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().initialized;
-}
-
-/// @brief Starts this process's part of a run: detects the process index and count (see
-/// launcher.hpp for the rules), sets the local device count, initialises Kokkos when asked and
-/// the program has not, and, with a transport, checks that every process agrees on the process
-/// count and local device count and that no two claim the same index.
-///
-/// Idempotent: a second call with arguments that resolve to the same values does nothing; one that
-/// resolves to other values throws `distributed_error` (call `shutdown` first).
-/// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
-/// processes disagree.
-inline void initialize(const options& opt = {}) {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  const env_source env = opt.env ? opt.env : process_env();
-
-  std::optional<std::pair<std::size_t, std::size_t>> comm;
-  if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
-  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
-
-  std::size_t local = 1;
-  if (opt.local_device_count) {
-    local = *opt.local_device_count;
-  } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
-    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
-  }
-  if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
-
-  const bool adds_exchange = st.initialized && !st.exchange && opt.exchange;
-  if (st.initialized) {
-    if (st.launch.process_index == launch.process_index && st.launch.process_count == launch.process_count &&
-        st.local_devices == local) {
-      if (!adds_exchange) return;
-      // Initialised from the environment first, now given a transport (mpi::initialize): keep
-      // everything, run the start-up checks over it and keep it.
-    } else {
-      throw distributed_error("meshlib: distributed::initialize was already called as " +
-                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                              detail::describe(launch, local) + "; call distributed::shutdown() first");
-    }
-  }
-  if (opt.exchange && launch.process_count > 1) {
-    // Every process must see the same world and the same number of devices per process, and the
-    // indices must be a permutation: two processes with one index would hang the first collective.
-    detail::require_equal("the process count and local device count",
-                          opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
-                                                   std::to_string(local) + " local devices"));
-    const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    std::map<std::string, std::vector<std::size_t>> seen;
-    for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
-    for (const auto& [idx, ranks] : seen)
-      if (ranks.size() > 1)
-        throw process_mismatch("meshlib: transport ranks " + std::to_string(ranks[0]) + " and " +
-                               std::to_string(ranks[1]) + " both claim process index " + idx +
-                               "; every process needs its own index");
-  }
-
-  if (adds_exchange) {
-    st.exchange = opt.exchange;
-    return;
-  }
-
-  bool owns_kokkos = false;
-  if (opt.initialize_kokkos && detail::hooks().start_kokkos) {
-    if (st.finalized_kokkos)
-      throw distributed_error(
-          "meshlib: distributed::initialize would initialise Kokkos again, but meshlib finalised it in an earlier "
-          "shutdown() and Kokkos 3.x cannot be initialised twice in one process; initialise Kokkos in main() "
-          "instead (Kokkos::ScopeGuard), or pass initialize_kokkos = false");
-    owns_kokkos = detail::hooks().start_kokkos();
-  }
-
-  st.initialized = true;
-  st.launch = launch;
-  st.local_devices = local;
-  st.exchange = opt.exchange;
-  st.owns_kokkos = owns_kokkos;
-}
-
-/// @brief Ends this process's part of the run: finalises Kokkos if `initialize` initialised it,
-/// and releases the transport (the MPI exchange never frees a communicator it did not create).
-/// Does nothing when not initialised.
-inline void shutdown() {
-  std::lock_guard lock(detail::state_mutex());
-  auto& st = detail::state();
-  if (!st.initialized) return;
-  if (st.owns_kokkos && detail::hooks().stop_kokkos) {
-    detail::hooks().stop_kokkos();
-    st.finalized_kokkos = true;
-  }
-  const bool finalized = st.finalized_kokkos;
-  st = detail::runtime_state{};
-  st.finalized_kokkos = finalized;
-}
-
-/// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
-/// the one that initialised: a guard inside an already initialised program changes nothing.
-class guard {
- public:
-  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
-  guard(const guard&) = delete;
-  guard& operator=(const guard&) = delete;
-  ~guard() {
-    if (owner_) shutdown();
-  }
-
- private:
-  bool owner_;
-};
-
-/// @brief How this process was launched (the embedded default before `initialize`).
-[[nodiscard]] inline launch_info launch() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().launch;
-}
-/// @brief This process's index, `0 <= process_index() < process_count()` (`jax.process_index`).
-[[nodiscard]] inline std::size_t process_index() { return launch().process_index; }
-/// @brief Number of processes in the run (`jax.process_count`).
-[[nodiscard]] inline std::size_t process_count() { return launch().process_count; }
-/// @brief Devices each process owns (`jax.local_device_count`).
-[[nodiscard]] inline std::size_t local_device_count() {
-  std::lock_guard lock(detail::state_mutex());
-  return detail::state().local_devices;
-}
-/// @brief Devices in the run: `process_count() * local_device_count()` (`jax.device_count`).
-[[nodiscard]] inline std::size_t device_count() { return process_count() * local_device_count(); }
-/// @brief Every device of the run, in global order `0 .. device_count()-1` (`jax.devices`).
-[[nodiscard]] inline std::vector<std::size_t> devices() {
-  std::vector<std::size_t> out(device_count());
-  for (std::size_t d = 0; d < out.size(); ++d) out[d] = d;
-  return out;
-}
-/// @brief The process that owns global device `device`.
-[[nodiscard]] inline std::size_t process_of(std::size_t device) { return device / local_device_count(); }
-/// @brief This process's devices, in global order: `[i*T, (i+1)*T)` (`jax.local_devices`).
-[[nodiscard]] inline std::vector<std::size_t> local_devices() {
-  const std::size_t t = local_device_count();
-  const std::size_t first = process_index() * t;
-  std::vector<std::size_t> out(t);
-  for (std::size_t i = 0; i < t; ++i) out[i] = first + i;
-  return out;
-}
-/// @brief Whether global device `device` belongs to this process.
-[[nodiscard]] inline bool is_local(std::size_t device) { return process_of(device) == process_index(); }
-
-/// @brief The transport given to `initialize`, or a single-process one.
-[[nodiscard]] inline std::shared_ptr<process_exchange> exchange() {
-  std::lock_guard lock(detail::state_mutex());
-  if (detail::state().exchange) return detail::state().exchange;
-  static const auto single = std::make_shared<single_process_exchange>();
-  return single;
-}
-
-/// @brief Ends the whole run because of `reason`: prints
-/// `meshlib: process i of N aborts the run: <reason>` on this process's stderr, then aborts every
-/// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
-[[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
-  const auto l = launch();
-  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
-            << std::endl;
-  exchange()->abort(exit_code, reason);
-}
-
-/// @brief Checks that every process passes the same `value` for `what`: a collective over the
-/// transport that throws `process_mismatch` on every process, naming each process's value, so a
-/// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
-/// process or without a transport.
-inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
-  std::shared_ptr<process_exchange> ex;
-  {
-    std::lock_guard lock(detail::state_mutex());
-    ex = detail::state().exchange;
-  }
-  if (!ex || ex->size() <= 1) return;
-  detail::require_equal(what, ex->all_gather(value));
-}
-
-/// @brief Checks that `m` covers every device of the run and that every process built the same
-/// mesh (axis names and sizes).
-/// @throws mesh_error when the mesh has another number of devices; process_mismatch (on every
-/// process) when processes built different meshes.
-template <mesh_type Mesh>
-void check_mesh(const Mesh& m) {
-  const std::size_t n = device_count();
-  if (m.size() != n) {
-    std::ostringstream os;
-    os << "meshlib: mesh " << m << " has " << m.size() << " devices but the run has " << n << " (" << process_count()
-       << " processes x " << local_device_count() << " local devices); choose axis sizes whose product is " << n;
-    throw mesh_error(os.str());
-  }
-  check_same_on_all_processes("the mesh", m.to_string());
-}
-
-/// @brief Builds a mesh over every device of the run and checks it on every process, as
-/// `jax.make_mesh` over `jax.devices()`.
-template <mesh_axis... Axes, class... Sizes>
-mesh<Axes...> make_global_mesh(Sizes... sizes) {
-  mesh<Axes...> m(sizes...);
-  check_mesh(m);
-  return m;
-}
-
-/// @brief The mesh coordinates of this process's devices, in `local_devices()` order.
-template <mesh_type Mesh>
-std::vector<typename Mesh::coord_type> local_coords(const Mesh& m) {
-  std::vector<typename Mesh::coord_type> out;
-  for (std::size_t d : local_devices()) out.push_back(m.coords(d));
-  return out;
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/distributed.hpp
 // begin meshlib/runtime/process_data.hpp
 /// @file
 /// @brief Per-process data loading: which rows of a global batch this process's devices own under
@@ -9190,6 +10572,7 @@ std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::si
   return merged;
 }
 
+/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
 template <sharding_type S, std::size_t Rank>
 std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
   return process_rows(layout, process_index(), local_device_count());
@@ -9249,6 +10632,7 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
   return out;
 }
 
+/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
 template <class T, sharding_type S, std::size_t Rank>
 std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
   return split_process_local_data<T>(layout, local, process_index(), local_device_count());
@@ -9256,42 +10640,6 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
 
 }  // namespace meshlib::distributed
 // end meshlib/runtime/process_data.hpp
-// begin meshlib/runtime/kokkos_runtime.hpp
-/// @file
-/// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
-/// detection and the process queries build without Kokkos. Including this header makes
-/// `initialize` initialise Kokkos when the program has not (`options::initialize_kokkos`), and
-/// `shutdown` finalise it only when `initialize` was the one that initialised it.
-///
-/// Kokkos 3.x (3.4.1 here) cannot be initialised again in a process after `Kokkos::finalize`: a
-/// program that shuts meshlib down and initialises it again must own Kokkos itself
-/// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
-/// letting Kokkos fail.
-
-#include <Kokkos_Core.hpp>
-
-
-namespace meshlib::distributed::detail {
-
-inline bool start_kokkos() {
-  if (Kokkos::is_initialized()) return false;
-  Kokkos::initialize();
-  return true;
-}
-
-inline void stop_kokkos() {
-  if (Kokkos::is_initialized()) Kokkos::finalize();
-}
-
-/// Registers the hooks before `main` (an inline variable is initialised once per program).
-inline const bool kokkos_hooks_registered = [] {
-  hooks().start_kokkos = &start_kokkos;
-  hooks().stop_kokkos = &stop_kokkos;
-  return true;
-}();
-
-}  // namespace meshlib::distributed::detail
-// end meshlib/runtime/kokkos_runtime.hpp
 // end meshlib/runtime.hpp
 // begin meshlib/debug.hpp
 /// @file
@@ -9679,4 +11027,4364 @@ template <sharded_tensor_type X>
 // end meshlib/debug/describe.hpp
 // end meshlib/debug.hpp
 // end meshlib.hpp
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+// begin meshlib/mpi.hpp
+/// @file
+/// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime
+/// over MPI (`meshlib::mpi::initialize`). Needs the `meshlib::mpi` CMake target, which defines
+/// `MESHLIB_ENABLE_MPI` and links MPI.
+
+#if !MESHLIB_ENABLE_MPI
+#error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
+#else
+
+// begin meshlib/comm/mpi/mpi_communicator.hpp
+/// @file
+/// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
+/// programs that already use MPI. Satisfies `communicator`.
+///
+/// @code
+/// MPI_Init(&argc, &argv);
+/// {
+///   meshlib::mpi_communicator comm(MPI_COMM_WORLD);      // adopts: never frees MPI_COMM_WORLD
+///   std::vector<float> x(1024, float(comm.rank()));
+///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);
+/// }
+/// MPI_Finalize();
+/// @endcode
+///
+/// Communicators. Adopting an `MPI_Comm` duplicates it once (`MPI_Comm_dup`, collective) into a
+/// private communicator that carries every meshlib operation, with `MPI_ERRORS_RETURN` so that MPI
+/// errors become `comm_error`s and meshlib's messages can never match the application's. The
+/// duplicate, and every communicator `split` makes, is freed when the last handle goes (unless
+/// MPI is already finalised); the adopted one is never freed or modified. `native()` is the
+/// adopted `MPI_Comm`.
+///
+/// Threads. A handle and its copies share one MPI communicator and must be used by one thread at a
+/// time (as an `MPI_Comm` in most programs); several threads use several communicators (`split`),
+/// or `hybrid_communicator`.
+///
+/// Completion. Every operation is complete when it returns (the buffers hold the result) and
+/// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
+/// data and returns; the copy is sent in the background and progressed by later calls.
+///
+/// Mismatch detection (always on). Before its data moves, every collective exchanges a
+/// fingerprint of the call (call number, operation, element type, count, reduce op, root,
+/// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
+/// root, operation or order) all throw `collective_mismatch` naming every rank's call, so a
+/// mismatch never reaches MPI's data collectives (no `MPI_ERR_TRUNCATE`, garbage or heap
+/// corruption). all_to_all_v also checks every rank's receive counts against its peers' send
+/// counts. The cost is measured in docs/benchmarks.md ("MPI overhead").
+///
+/// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
+/// unbounded: the fingerprint exchange is polled against the deadline, and it tells every rank
+/// that all have arrived; then a payload under `blocking_min_bytes` runs as MPI's non-blocking
+/// collective, polled, and a larger one as MPI's blocking collective, whose tuned algorithms are
+/// faster than the non-blocking ones for large payloads (docs/benchmarks.md), except when the node
+/// runs more ranks than it has cores: there large payloads are polled non-blocking collectives too
+/// (`large_payloads`). A deadline that passes raises `comm_timeout` naming the operation and the
+/// rank. MPI cannot cancel a collective, so the communicator is then failed: every later call
+/// throws the root cause's error with the same message; end the run (an uncaught exception does
+/// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+///
+/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
+/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
+/// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
+/// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
+/// communicator (the application's, e.g. `MPI_COMM_WORLD`) are never made fatal or otherwise
+/// changed by meshlib: only its own duplicates use `MPI_ERRORS_RETURN`.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/mpi/detail/mpi_types.hpp
+/// @file
+/// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
+/// MPI call. Internal to the MPI communicator.
+///
+/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, mean) | MPI op |
+/// | --- | --- | --- | --- |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
+/// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
+/// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+namespace meshlib::detail {
+
+/// The text MPI gives for error code `rc`.
+inline std::string mpi_error_string(int rc) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(buf, static_cast<std::size_t>(len));
+}
+
+/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, mean).
+template <comm_element T>
+MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<U, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<U, bfloat16>) return MPI_UINT16_T;
+  else if constexpr (sizeof(U) == 4) return wrapping ? MPI_UINT32_T : MPI_INT32_T;
+  else return wrapping ? MPI_UINT64_T : MPI_INT64_T;
+}
+
+/// Whether op combines by addition or multiplication (wraps for integers).
+constexpr bool wraps(reduce_op op) noexcept {
+  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::mean;
+}
+
+/// meshlib's min or max of float or double (`float_min`, `float_max`: NaN propagates, -0 < +0) as
+/// an MPI user op; MPI's own MPI_MIN and MPI_MAX lose a NaN that is not in the first operand.
+/// `in` holds the lower ranks' result (the op is created non-commutative, so MPI keeps rank order).
+template <class F, reduce_op Op>
+void float_minmax_combine(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const F*>(in);
+  auto* b = static_cast<F*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Op == reduce_op::min ? float_min(a[i], b[i]) : float_max(a[i], b[i]);
+}
+
+/// The user ops of `float_minmax_combine`: [float min, float max, double min, double max], created
+/// on first use (after `MPI_Init`) and kept until `MPI_Finalize`.
+inline MPI_Op float_minmax_op(bool is_double, reduce_op op) {
+  static MPI_Op ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  static const bool made = [] {
+    MPI_Op_create(&float_minmax_combine<float, reduce_op::min>, 0, &ops[0]);
+    MPI_Op_create(&float_minmax_combine<float, reduce_op::max>, 0, &ops[1]);
+    MPI_Op_create(&float_minmax_combine<double, reduce_op::min>, 0, &ops[2]);
+    MPI_Op_create(&float_minmax_combine<double, reduce_op::max>, 0, &ops[3]);
+    return true;
+  }();
+  (void)made;
+  return ops[(is_double ? 2 : 0) + (op == reduce_op::max ? 1 : 0)];
+}
+
+/// MPI's op for a meshlib op on T (mean is a sum followed by a division by the participant count;
+/// min and max of floating-point values are meshlib's user ops).
+template <class T>
+MPI_Op mpi_op(reduce_op op) {
+  if constexpr (std::is_floating_point_v<T>)
+    if (op == reduce_op::min || op == reduce_op::max) return float_minmax_op(std::is_same_v<T, double>, op);
+  switch (op) {
+    case reduce_op::sum:
+    case reduce_op::mean: return MPI_SUM;
+    case reduce_op::prod: return MPI_PROD;
+    case reduce_op::min: return MPI_MIN;
+    case reduce_op::max: return MPI_MAX;
+  }
+  return MPI_SUM;
+}
+
+/// bfloat16 user-defined ops: each combination is done in float and rounded to bfloat16.
+template <reduce_op Op>
+void bf16_combine(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const bfloat16*>(in);
+  auto* b = static_cast<bfloat16*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = a[i];
+    const float y = b[i];
+    float r;
+    if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) r = x + y;
+    else if constexpr (Op == reduce_op::prod) r = x * y;
+    else if constexpr (Op == reduce_op::min) r = float_min(x, y);
+    else r = float_max(x, y);
+    b[i] = bfloat16(r);
+  }
+}
+
+/// The user-defined `MPI_Op` for bfloat16 and `op`, created on first use (after `MPI_Init`) and
+/// kept until `MPI_Finalize` frees it with the rest of MPI's state.
+inline MPI_Op bf16_mpi_op(reduce_op op) {
+  static MPI_Op ops[5] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  static const bool made = [] {
+    MPI_Op_create(&bf16_combine<reduce_op::sum>, 1, &ops[static_cast<int>(reduce_op::sum)]);
+    MPI_Op_create(&bf16_combine<reduce_op::prod>, 1, &ops[static_cast<int>(reduce_op::prod)]);
+    MPI_Op_create(&bf16_combine<reduce_op::min>, 1, &ops[static_cast<int>(reduce_op::min)]);
+    MPI_Op_create(&bf16_combine<reduce_op::max>, 1, &ops[static_cast<int>(reduce_op::max)]);
+    ops[static_cast<int>(reduce_op::mean)] = ops[static_cast<int>(reduce_op::sum)];
+    return true;
+  }();
+  (void)made;
+  return ops[static_cast<int>(op)];
+}
+
+/// After a sum: divide by the participant count as the thread backend's mean does (integers:
+/// the wrapped sum, as signed, divided toward zero).
+template <comm_element T>
+void finish_avg(T* data, std::size_t count, int n) noexcept {
+  for (std::size_t i = 0; i < count; ++i) {
+    if constexpr (std::is_integral_v<T>) data[i] = static_cast<T>(data[i] / static_cast<T>(n));
+    else if constexpr (std::is_same_v<T, bfloat16>) data[i] = bfloat16(static_cast<float>(data[i]) / static_cast<float>(n));
+    else data[i] = static_cast<T>(data[i] / static_cast<T>(n));
+  }
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/mpi_types.hpp
+
+namespace meshlib {
+
+/// @brief Options of an `mpi_communicator`.
+struct mpi_comm_options {
+  /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
+  /// negative: no deadline (MPI's blocking calls throughout).
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
+  /// ones run MPI's non-blocking collective, polled.
+  std::size_t blocking_min_bytes = std::size_t{64} << 10;
+  /// How large payloads wait under a deadline.
+  enum class large_payload_mode {
+    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
+    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
+    nonblocking,            ///< MPI's non-blocking collective, polled
+  };
+  large_payload_mode large_payloads = large_payload_mode::automatic;
+  /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
+  /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
+  /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
+  /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
+  bool bfloat16_on_wire = false;
+  /// Kept for source compatibility and ignored: every collective is checked (see the file comment).
+  bool verify_collectives = true;
+};
+
+namespace detail {
+
+/// The MPI state shared by the handles of one communicator.
+struct mpi_comm_state {
+  MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
+  MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
+  /// A duplicate of `comm` for arrival notes: a rank that waits long in a collective tells its
+  /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
+  MPI_Comm side = MPI_COMM_NULL;
+  std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
+  int rank = 0;
+  int size = 0;
+  int tag_ub = 32767;
+  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
+  bool oversubscribed = false;
+  mpi_comm_options options;
+  bool failed = false;
+  bool failed_by_mismatch = false;  ///< else a timeout
+  std::string failure;
+  std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
+  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
+  /// failed, here or in another process): called by every wait while it polls, it throws that
+  /// failure. Copied into split results.
+  std::function<void()> check_interrupt;
+  struct pending_send {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+  };
+  std::vector<pending_send> sends;
+
+  mpi_comm_state() = default;
+  mpi_comm_state(const mpi_comm_state&) = delete;
+  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
+
+  ~mpi_comm_state() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // nothing can be freed any more
+    // Buffered sends still in flight: give them the timeout to complete, then leave them to MPI.
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::nanoseconds(0));
+    for (auto& s : sends) {
+      int done = 0;
+      while (s.request != MPI_REQUEST_NULL && !done) {
+        MPI_Test(&s.request, &done, MPI_STATUS_IGNORE);
+        if (!done && std::chrono::steady_clock::now() > deadline) break;
+        if (!done) std::this_thread::yield();
+      }
+      if (!done && s.request != MPI_REQUEST_NULL) {
+        MPI_Request_free(&s.request);  // allowed for point-to-point: MPI finishes it on its own
+        // ... reading the buffer until then, so it must outlive this object: leak it on purpose.
+        (void)new std::vector<unsigned char>(std::move(s.data));
+      }
+    }
+    // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
+    if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && !failed) MPI_Comm_free(&side);
+  }
+};
+
+}  // namespace detail
+
+/// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
+class mpi_communicator : public communicator_frontend<mpi_communicator> {
+  friend class communicator_frontend<mpi_communicator>;
+  friend class hybrid_world;  // installs check_interrupt on its own duplicate
+  using op_kind = detail::op_kind;
+
+ public:
+
+  /// An empty handle; only assignable and destructible.
+  mpi_communicator() = default;
+
+  /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
+  /// application's: meshlib never frees or modifies it.
+  /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
+  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init)
+      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
+                       "meshlib::mpi::initialize)");
+    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->adopted = comm;
+    s->options = options;
+    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
+    finish(*s);
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
+    state_ = std::move(s);
+  }
+
+  /// Rank of this process in the communicator.
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  /// Number of ranks (0 for an empty handle).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// The adopted `MPI_Comm`, or for a split result meshlib's own.
+  [[nodiscard]] MPI_Comm native() const noexcept {
+    if (!state_) return MPI_COMM_NULL;
+    return state_->adopted != MPI_COMM_NULL ? state_->adopted : state_->comm;
+  }
+  /// Whether this node runs more ranks than it has cores (decides `large_payload_mode::automatic`).
+  [[nodiscard]] bool oversubscribed() const noexcept { return state_ && state_->oversubscribed; }
+  [[nodiscard]] const mpi_comm_options& options() const {
+    require_valid("options");
+    return state_->options;
+  }
+
+  /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
+  /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
+  [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
+    std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
+    MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
+    std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
+  }
+
+  // The collectives, point to point and barrier: communicator_frontend; the transport is below.
+
+  // ---- groups ----------------------------------------------------------------------------------
+
+  /// @brief `MPI_Comm_split`: ranks with the same `color` (>= 0) form a new communicator, ordered
+  /// by (key, rank). The result owns its `MPI_Comm` and has this one's options.
+  mpi_communicator split(int color, int key) {
+    check_split(color);
+    // Arrive first (polled, with the fingerprint), so that a rank that never splits is a timeout,
+    // not a hang, and a rank that calls something else a mismatch.
+    agree(op_kind::split, datatype::float32, 0, reduce_op::sum, 0);
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->options = state_->options;
+    s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
+    s->check_interrupt = state_->check_interrupt;
+    check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
+    finish(*s);
+    mpi_communicator out;
+    out.state_ = std::move(s);
+    return out;
+  }
+
+ private:
+  // ---- the front end's hooks -------------------------------------------------------------------
+
+  std::string label() const { return "MPI rank " + std::to_string(rank()); }
+  std::string where(std::string_view k) const {
+    return std::string(k) + " on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size());
+  }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty mpi_communicator handle (default-constructed or moved from)");
+  }
+  void ensure_usable(op_kind k) const {
+    require_valid(detail::op_name(k));
+    if (!state_->failed) return;
+    const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
+    if (state_->failed_by_mismatch) throw collective_mismatch(msg);
+    throw comm_timeout(msg);
+  }
+  void check_rc(int rc, std::string_view call) const {
+    if (rc != MPI_SUCCESS)
+      throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
+                       ": " + detail::mpi_error_string(rc));
+  }
+  void check_tag_bound(op_kind k, int tag) const {
+    if (tag >= state_->tag_ub)
+      bad_argument(k, "tag " + std::to_string(tag) + " is out of range [0, " + std::to_string(state_->tag_ub) +
+                          "); the top tag is meshlib's");
+  }
+  /// MPI counts are ints.
+  void check_count(op_kind k, std::size_t count) const {
+    if (count > static_cast<std::size_t>(INT_MAX))
+      bad_argument(k, "count " + std::to_string(count) + " exceeds MPI's int count (" + std::to_string(INT_MAX) +
+                          "); split the call");
+  }
+  /// An all_to_all_v side's counts or displacements as MPI's ints.
+  std::vector<int> ints(op_kind k, const char* what, const std::int64_t* v) const {
+    std::vector<int> out(static_cast<std::size_t>(size()));
+    for (std::size_t j = 0; j < out.size(); ++j) {
+      if (v[j] > INT_MAX)
+        bad_argument(k, std::string(what) + "[" + std::to_string(j) + "] = " + std::to_string(v[j]) + " exceeds MPI's int");
+      out[j] = static_cast<int>(v[j]);
+    }
+    return out;
+  }
+
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    const bool is_root = rank() == o.root;
+    if constexpr (K == op_kind::all_reduce) {
+      do_all_reduce<T>(o.in_place ? nullptr : o.send, o.recv, o.count, o.op);
+    } else if constexpr (K == op_kind::reduce) {
+      do_reduce<T>(o.in_place && is_root ? nullptr : o.send, o.recv, o.count, o.op, o.root);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      if (o.in_place) {
+        // MPI's in-place form puts the result at the start of the buffer and may use the rest as
+        // scratch; meshlib's leaves every other block as it was. So the input is copied, and the
+        // result written straight into block rank().
+        const std::vector<T> input(o.send, o.send + o.count * static_cast<std::size_t>(size()));
+        do_reduce_scatter<T>(input.data(), o.recv, o.count, o.op);
+      } else {
+        do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+      }
+    } else if constexpr (K == op_kind::broadcast) {
+      if (is_root && !o.in_place && o.count != 0) std::memcpy(o.recv, o.send, o.count * sizeof(T));
+      do_broadcast<T>(o.recv, o.count, o.root);
+    } else if constexpr (K == op_kind::all_gather) {
+      do_all_gather<T>(o.in_place ? nullptr : o.send, o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all) {
+      do_all_to_all<T>(o.in_place ? nullptr : o.send, o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      do_all_to_all_v<T>(o);
+    } else if constexpr (K == op_kind::ppermute) {
+      if (o.in_place) {
+        const std::vector<T> copy(o.send, o.send + o.count);
+        do_ppermute<T>(copy.data(), o.recv, o.count, o.pairs);
+      } else {
+        do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+      }
+    } else if constexpr (K == op_kind::send) {
+      do_send<T>(o);
+    } else if constexpr (K == op_kind::recv) {
+      do_recv<T>(o);
+    } else {
+      static_assert(K == op_kind::barrier);
+      progress_sends();
+      agree(K, datatype::float32, 0, reduce_op::sum, 0);  // the fingerprint exchange is a barrier
+    }
+    return {};
+  }
+
+  template <class T>
+  void do_all_to_all_v(const detail::operation<T>& o) {
+    constexpr auto k = op_kind::all_to_all_v;
+    const auto sc = ints(k, "send_counts", o.v[0]);
+    const auto sd = ints(k, "send_displs", o.v[1]);
+    const auto rc = ints(k, "recv_counts", o.v[2]);
+    const auto rd = ints(k, "recv_displs", o.v[3]);
+    agree(k, datatype_of<T>, 0, reduce_op::sum, 0);
+    {
+      // Every rank's recv_counts[j] must be rank j's send_counts[rank()]; all ranks learn whether
+      // any rank disagrees, so that all throw (never MPI_ERR_TRUNCATE or a hang).
+      std::vector<int> their(static_cast<std::size_t>(size()));
+      timed("all_to_all_v", sizeof(int) * their.size(),
+            [&](MPI_Request* r) { return MPI_Ialltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm, r); },
+            [&] { return MPI_Alltoall(sc.data(), 1, MPI_INT, their.data(), 1, MPI_INT, state_->comm); });
+      std::string mine;
+      for (int j = 0; j < size() && mine.empty(); ++j)
+        if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
+          mine = "rank " + std::to_string(rank()) + " expects recv_counts[" + std::to_string(j) + "] = " +
+                 std::to_string(rc[static_cast<std::size_t>(j)]) + " elements but rank " + std::to_string(j) +
+                 " sends " + std::to_string(their[static_cast<std::size_t>(j)]);
+      int bad = mine.empty() ? -1 : rank();
+      int first_bad = -1;
+      timed("all_to_all_v", 0,
+            [&](MPI_Request* r) { return MPI_Iallreduce(&bad, &first_bad, 1, MPI_INT, MPI_MAX, state_->comm, r); },
+            [&] { return MPI_Allreduce(&bad, &first_bad, 1, MPI_INT, MPI_MAX, state_->comm); });
+      if (first_bad >= 0) {
+        state_->failed = true;
+        state_->failed_by_mismatch = true;
+        state_->failure = "meshlib: collective mismatch in all_to_all_v on an MPI communicator of " +
+                          std::to_string(size()) + " ranks: the counts disagree" +
+                          (mine.empty() ? " (rank " + std::to_string(first_bad) + " saw it)" : ": " + mine);
+        throw collective_mismatch(state_->failure);
+      }
+    }
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    std::size_t bytes = 0;
+    for (int c : sc) bytes += static_cast<std::size_t>(c) * sizeof(T);
+    timed("all_to_all_v", bytes,
+          [&](MPI_Request* r) {
+            return MPI_Ialltoallv(o.send, sc.data(), sd.data(), t, o.recv, rc.data(), rd.data(), t, state_->comm, r);
+          },
+          [&] { return MPI_Alltoallv(o.send, sc.data(), sd.data(), t, o.recv, rc.data(), rd.data(), t, state_->comm); });
+  }
+
+  /// Buffered: the data is copied and sent in the background (progressed by later calls).
+  template <class T>
+  void do_send(const detail::operation<T>& o) {
+    check_tag_bound(op_kind::send, o.tag);
+    check_count(op_kind::send, o.count);
+    progress_sends();
+    detail::mpi_comm_state::pending_send p;
+    p.data.resize(o.count * sizeof(T));
+    if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
+                       &p.request),
+             "MPI_Isend");
+    state_->sends.push_back(std::move(p));
+  }
+
+  template <class T>
+  void do_recv(const detail::operation<T>& o) {
+    check_tag_bound(op_kind::recv, o.tag);
+    check_count(op_kind::recv, o.count);
+    const int source = o.peer;
+    const int tag = o.tag;
+    // Probe first (matched probe: safe when other threads use the communicator), so that a
+    // message of another length is reported instead of truncated.
+    MPI_Status st;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    poll("recv", [&](int* done) {
+      progress_sends();
+      return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
+    });
+    int got = 0;
+    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    if (got != static_cast<int>(o.count)) {
+      // Consume the message so the stream stays in order, then report.
+      std::vector<unsigned char> sink;
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
+      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      throw collective_mismatch("meshlib: recv on MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                                " expected " + std::to_string(o.count) + " elements of " +
+                                std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(source) +
+                                " (tag " + std::to_string(tag) + ") but the message holds " +
+                                (got == MPI_UNDEFINED ? std::to_string(bytes) + " bytes" : std::to_string(got)));
+    }
+    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+  }
+
+  // ---- waiting ---------------------------------------------------------------------------------
+
+  bool has_deadline() const noexcept { return state_->options.timeout.count() > 0; }
+
+  /// Polls `test(&done)` (an MPI call returning its error code) until done or the deadline.
+  template <class Test>
+  void poll(std::string_view k, Test&& test) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = has_deadline() ? start + state_->options.timeout : std::chrono::steady_clock::time_point::max();
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      check_rc(test(&done), "MPI_Test");
+      if (done) return;
+      if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
+      if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
+      if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+    }
+  }
+  void wait(std::string_view k, MPI_Request& r) {
+    poll(k, [&](int* done) { return MPI_Test(&r, done, MPI_STATUS_IGNORE); });
+  }
+
+  [[noreturn]] void fail_timeout(std::string_view k, const std::string& who = "a peer never called it") {
+    const double secs = std::chrono::duration<double>(state_->options.timeout).count();
+    state_->failed = true;
+    state_->failure = "meshlib: " + where(k) + " did not complete within " + std::to_string(secs) + " s: " + who +
+                      " (it failed, is still busy, or called another operation); MPI cannot cancel a "
+                      "collective, so this communicator refuses further operations; end the run";
+    throw comm_timeout(state_->failure);
+  }
+
+  static constexpr int arrival_tag = 1;
+
+  /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
+  void drain_arrival_notes() {
+    for (;;) {
+      int found = 0;
+      MPI_Status st;
+      check_rc(MPI_Iprobe(MPI_ANY_SOURCE, arrival_tag, state_->side, &found, &st), "MPI_Iprobe");
+      if (!found) return;
+      std::uint64_t call = 0;
+      check_rc(MPI_Recv(&call, 1, MPI_UINT64_T, st.MPI_SOURCE, arrival_tag, state_->side, MPI_STATUS_IGNORE), "MPI_Recv");
+      state_->peer_waits_in[static_cast<std::size_t>(st.MPI_SOURCE)] = call + 1;
+    }
+  }
+
+  /// Waits for the fingerprint exchange of call `call` (every rank has arrived once it completes).
+  /// After 10 ms it tells the peers that it waits in this call (so nothing is sent on the fast
+  /// path); at the deadline it reads the peers' notes for a short grace and names the ranks that
+  /// never said they arrived.
+  void wait_arrival(std::string_view k, MPI_Request& r, std::uint64_t call) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    const auto deadline = start + state_->options.timeout;
+    bool noted = false;
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      check_rc(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      if (spins > 256) std::this_thread::yield();
+      if ((spins & 63) != 0) continue;
+      if (state_->check_interrupt) state_->check_interrupt();
+      const auto now = clock::now();
+      if (!noted && now - start > std::chrono::milliseconds(10)) {
+        noted = true;
+        drain_arrival_notes();
+        for (int peer = 0; peer < size(); ++peer) {
+          if (peer == rank()) continue;
+          detail::mpi_comm_state::pending_send p;
+          p.data.resize(sizeof(call));
+          std::memcpy(p.data.data(), &call, sizeof(call));
+          check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
+          state_->sends.push_back(std::move(p));
+        }
+      }
+      if (now > deadline) {
+        // Peers that arrived at about the same time send their notes within 10 ms of arriving.
+        const auto grace_end = clock::now() + std::chrono::milliseconds(50);
+        while (clock::now() < grace_end) {
+          drain_arrival_notes();
+          progress_sends();
+          std::this_thread::yield();
+        }
+        std::string missing;
+        int count = 0;
+        for (int peer = 0; peer < size(); ++peer)
+          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1)
+            missing += (count++ ? ", " : "") + std::to_string(peer);
+        fail_timeout(k, count ? "rank(s) " + missing + " never arrived" : "every rank arrived, but not in time");
+      }
+    }
+  }
+
+  /// Runs one collective under the timeout: see the file comment.
+  template <class NonBlocking, class Blocking>
+  void timed(std::string_view k, std::size_t bytes, NonBlocking&& nb, Blocking&& bl) {
+    if (!has_deadline()) {
+      check_rc(bl(), k);
+      return;
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    using mode = mpi_comm_options::large_payload_mode;
+    const mode m = state_->options.large_payloads;
+    const bool barrier_first = m == mode::barrier_then_blocking || (m == mode::automatic && !state_->oversubscribed);
+    if (bytes >= state_->options.blocking_min_bytes && barrier_first) {
+      // Every rank has arrived: the fingerprint exchange (agree) that precedes every data
+      // collective completed, so MPI's blocking collective cannot wait unboundedly.
+      check_rc(bl(), k);
+    } else {
+      check_rc(nb(&r), k);
+      wait(k, r);
+    }
+  }
+
+  void progress_sends() {
+    auto& v = state_->sends;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [&](detail::mpi_comm_state::pending_send& s) {
+                             int done = 0;
+                             check_rc(MPI_Test(&s.request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+                             return done != 0;
+                           }),
+            v.end());
+  }
+
+  /// Always-on mismatch detection. Before the data moves, every rank contributes a fingerprint of
+  /// its call (call number on this communicator, operation, element type, count, reduce op, root,
+  /// ppermute pairs) to one polled 16-byte all-reduce (max of the fingerprint and of its
+  /// complement: all ranks agree exactly when both maxima are this rank's own values, so every
+  /// rank reaches the same verdict). It doubles as the arrival check of the blocking large-payload
+  /// path (see `timed`). On disagreement the ranks exchange their full calls, the communicator is
+  /// failed, and every rank throws `collective_mismatch` naming each rank's call: a mismatched
+  /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
+  /// garbage, no hang).
+  void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
+    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const std::uint64_t rec[call_fields] = {state_->calls++,
+                                            static_cast<std::uint64_t>(k),
+                                            k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
+                                            static_cast<std::uint64_t>(count),
+                                            has_op ? static_cast<std::uint64_t>(op) : 0,
+                                            has_root ? static_cast<std::uint64_t>(root) : 0,
+                                            extra};
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
+    for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
+    const std::uint64_t mine[2] = {h, ~h};
+    std::uint64_t most[2] = {0, 0};
+    const std::string_view name = detail::op_name(k);
+    if (!has_deadline()) {
+      check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
+    } else {
+      MPI_Request r = MPI_REQUEST_NULL;
+      check_rc(MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm, &r), name);
+      wait_arrival(name, r, rec[0]);
+    }
+    if (most[0] == mine[0] && most[1] == mine[1]) return;
+    std::vector<std::uint64_t> all(call_fields * static_cast<std::size_t>(size()));
+    timed(name, 0, [&](MPI_Request* r) {
+            return MPI_Iallgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm, r);
+          },
+          [&] { return MPI_Allgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm); });
+    std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
+                      " ranks: the ranks called different collectives";
+    for (int r = 0; r < size(); ++r) msg += (r ? "; " : ": ") + describe_call(r, all.data() + call_fields * r);
+    state_->failed = true;
+    state_->failed_by_mismatch = true;
+    state_->failure = msg;
+    throw collective_mismatch(msg + " (seen by MPI rank " + std::to_string(rank()) + ")");
+  }
+
+  static constexpr int call_fields = 7;
+
+  /// "rank 1 called all_reduce(float32, count 8, op sum) as call #3"
+  static std::string describe_call(int r, const std::uint64_t* d) {
+    const auto k = static_cast<op_kind>(d[1]);
+    std::string s = "rank " + std::to_string(r) + " called " + std::string(detail::op_name(k)) + "(";
+    if (d[2] != 0) {
+      s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+      if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+      if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+        s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+      if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+    }
+    return s + ") as call #" + std::to_string(d[0]);
+  }
+
+  template <class T>
+  void maybe_verify(op_kind k, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
+    agree(k, datatype_of<T>, count, op, root, extra);
+  }
+
+  /// A fingerprint of ppermute pairs (every rank must pass the same).
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto& p : pairs)
+      h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+          1099511628211ull;
+    return h ^ pairs.size();
+  }
+
+  // ---- operations ------------------------------------------------------------------------------
+
+  static const void* in_place(const void* p) noexcept { return p ? p : MPI_IN_PLACE; }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_reduce(const T* send, T* recv, std::size_t count, reduce_op op) {
+    maybe_verify<T>(op_kind::all_reduce, count, op, 0);
+    check_count(op_kind::all_reduce, count);
+    progress_sends();
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        std::vector<float> w(count);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < count; ++i) w[i] = src[i];
+        all_reduce_raw<float>(nullptr, w.data(), count, op);
+        for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    all_reduce_raw<T>(send, recv, count, op);
+  }
+
+  template <class T>
+  void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    timed("all_reduce", count * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
+          [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+  }
+
+  /// On root, send == nullptr means in place; elsewhere send is read.
+  template <class T>
+  void do_reduce(const T* send, T* recv, std::size_t count, reduce_op op, int root) {
+    maybe_verify<T>(op_kind::reduce, count, op, root);
+    check_count(op_kind::reduce, count);
+    progress_sends();
+    const bool is_root = rank() == root;
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        std::vector<float> w(count);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < count; ++i) w[i] = src[i];
+        std::vector<float> res(is_root ? count : 0);
+        do_reduce<float>(is_root ? nullptr : w.data(), is_root ? w.data() : res.data(), count, op, root);
+        if (is_root)
+          for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    const void* s = is_root ? in_place(send) : static_cast<const void*>(send);
+    void* rb = is_root ? static_cast<void*>(recv) : nullptr;
+    timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
+          [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
+    if (is_root && op == reduce_op::mean) detail::finish_avg(recv, count, size());
+  }
+
+  /// send == nullptr: in place, the result at the start of recv (MPI's convention).
+  template <class T>
+  void do_reduce_scatter(const T* send, T* recv, std::size_t count, reduce_op op) {
+    maybe_verify<T>(op_kind::reduce_scatter, count, op, 0);
+    check_count(op_kind::reduce_scatter, count * static_cast<std::size_t>(size()));
+    progress_sends();
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (!state_->options.bfloat16_on_wire) {
+        const std::size_t total = count * static_cast<std::size_t>(size());
+        std::vector<float> w(total);
+        const T* src = send ? send : recv;
+        for (std::size_t i = 0; i < total; ++i) w[i] = src[i];
+        do_reduce_scatter<float>(nullptr, w.data(), count, op);
+        for (std::size_t i = 0; i < count; ++i) recv[i] = bfloat16(w[i]);
+        return;
+      }
+    }
+    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Op o = reduce_mpi_op<T>(op);
+    const int n = static_cast<int>(count);
+    timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
+          [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+  }
+
+  template <class T>
+  void do_broadcast(T* buf, std::size_t count, int root) {
+    maybe_verify<T>(op_kind::broadcast, count, reduce_op::sum, root);
+    check_count(op_kind::broadcast, count);
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    timed("broadcast", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ibcast(buf, n, t, root, state_->comm, r); },
+          [&] { return MPI_Bcast(buf, n, t, root, state_->comm); });
+  }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_gather(const T* send, T* recv, std::size_t count) {
+    maybe_verify<T>(op_kind::all_gather, count, reduce_op::sum, 0);
+    check_count(op_kind::all_gather, count * static_cast<std::size_t>(size()));
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    // MPI_IN_PLACE ignores the send count and type.
+    timed("all_gather", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallgather(in_place(send), n, t, recv, n, t, state_->comm, r); },
+          [&] { return MPI_Allgather(in_place(send), n, t, recv, n, t, state_->comm); });
+  }
+
+  /// send == nullptr: in place.
+  template <class T>
+  void do_all_to_all(const T* send, T* recv, std::size_t count) {
+    maybe_verify<T>(op_kind::all_to_all, count, reduce_op::sum, 0);
+    check_count(op_kind::all_to_all, count * static_cast<std::size_t>(size()));
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    timed("all_to_all", count * static_cast<std::size_t>(size()) * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ialltoall(in_place(send), n, t, recv, n, t, state_->comm, r); },
+          [&] { return MPI_Alltoall(in_place(send), n, t, recv, n, t, state_->comm); });
+  }
+
+  template <class T>
+  void do_ppermute(const T* send, T* recv, std::size_t count, std::span<const permute_pair> pairs) {
+    maybe_verify<T>(op_kind::ppermute, count, reduce_op::sum, 0, pairs_hash(pairs));
+    check_count(op_kind::ppermute, count);
+    progress_sends();
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int n = static_cast<int>(count);
+    const int tag = state_->tag_ub;  // meshlib's own tag: never a user's
+    MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    bool receives = false;
+    for (const auto& p : pairs) {
+      if (p.dest == rank()) {
+        check_rc(MPI_Irecv(recv, n, t, p.source, tag, state_->comm, &reqs[0]), "MPI_Irecv");
+        receives = true;
+      }
+      if (p.source == rank()) check_rc(MPI_Isend(send, n, t, p.dest, tag, state_->comm, &reqs[1]), "MPI_Isend");
+    }
+    if (!receives && count != 0) std::fill(recv, recv + count, T{});
+    poll("ppermute", [&](int* done) { return MPI_Testall(2, reqs, done, MPI_STATUSES_IGNORE); });
+  }
+
+  template <class T>
+  static MPI_Op reduce_mpi_op(reduce_op op) {
+    if constexpr (std::is_same_v<T, bfloat16>) return detail::bf16_mpi_op(op);
+    else return detail::mpi_op<T>(op);
+  }
+
+  void finish(detail::mpi_comm_state& s) {
+    check_rc(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    MPI_Comm_rank(s.comm, &s.rank);
+    MPI_Comm_size(s.comm, &s.size);
+    check_rc(MPI_Comm_dup(s.comm, &s.side), "MPI_Comm_dup");
+    check_rc(MPI_Comm_set_errhandler(s.side, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    s.peer_waits_in.assign(static_cast<std::size_t>(s.size), 0);
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(s.comm, MPI_TAG_UB, &ub, &flag);
+    if (flag && ub) s.tag_ub = *ub;
+  }
+
+  std::shared_ptr<detail::mpi_comm_state> state_;
+};
+
+static_assert(communicator<mpi_communicator>);
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_communicator.hpp
+// begin meshlib/comm/mpi/hybrid_communicator.hpp
+/// @file
+/// @brief Hybrid meshes: P processes x T threads per process form one group of P*T devices.
+/// Threads of one process talk through a `thread_communicator` (shared memory), processes through
+/// an `mpi_communicator`. Satisfies `communicator`, so `axis_communicators`, the collectives and
+/// `spmd` run on it unchanged.
+///
+/// @code
+/// meshlib::mpi::guard run;                                   // MPI with MPI_THREAD_MULTIPLE
+/// meshlib::run_hybrid(meshlib::mpi::world(), 2, [&](meshlib::hybrid_communicator& comm) {
+///   // comm.rank() is the device p*2 + t; comm.size() is 2*P
+///   meshlib::mesh<meshlib::axis<"process">, meshlib::axis<"thread">> m{P, 2};
+///   meshlib::axis_communicators axes(comm, m);
+///   float x = 1;
+///   axes.over<"process">().all_reduce(std::span(&x, 1), meshlib::reduce_op::sum);  // crosses processes
+/// });
+/// @endcode
+///
+/// Devices. Device `p*T + t` is thread t of process p (the process-major order of
+/// `distributed::devices()`), so in `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis
+/// stays inside a process.
+///
+/// Algorithms. A collective over a group that spans processes runs in three steps: the members in
+/// one process exchange their inputs through the thread communicator, one thread per process (the
+/// lowest member, "leader") exchanges the process's inputs with the other processes through MPI,
+/// and the leader hands the result to its process's members through the thread communicator.
+/// Reductions gather every member's input and reduce them in rank order with the thread backend's
+/// own kernels, so every result is bitwise equal to the pure-thread run of the same program, for
+/// floats too; the price is n times the traffic of a bandwidth-optimal all_reduce (docs/design.md).
+/// Broadcast is a local broadcast in the root's process, an MPI broadcast between leaders and a
+/// local broadcast elsewhere. A group inside one process never touches MPI. Point-to-point between
+/// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
+///
+/// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
+/// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
+/// (it throws, or a local timeout or mismatch fails its process's thread group), every device of
+/// every process is released within milliseconds with `comm_aborted` naming the global device
+/// ("hybrid device 3 of 4 failed: <what>"): its process aborts its thread group and tells the
+/// others through an abort channel (`detail::abort_channel`: a duplicate communicator polled by a
+/// watcher thread; on with `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. Errors of the
+/// internal steps are rethrown naming the operation the user called; a failed world refuses every
+/// later call. `run_hybrid` throws `participant_error` naming the global device at fault.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+struct abort_channel;
+
+/// One hybrid group as seen from one process: shared by that process's members of the group.
+struct hybrid_group {
+  int n = 0;                            ///< members
+  int threads_per_process = 1;          ///< T of the world the group was split from
+  std::vector<int> member_device;       ///< device of each group rank
+  std::vector<int> member_proc_pos;     ///< position (in `counts`) of each member's process
+  std::vector<int> member_local;        ///< rank of each member in its process's thread group
+  std::vector<int> counts;              ///< members in each hosting process, processes ascending
+  std::vector<int> gathered_to_rank;    ///< group rank of each position of the gathered order
+  bool identity = true;                 ///< gathered order is group-rank order
+  int my_proc_pos = 0;
+  std::chrono::nanoseconds timeout{};
+  mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
+  std::shared_ptr<abort_channel> channel;  ///< the world's (shared by every group split from it)
+  MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
+  int tag_ub = 32767;
+
+  std::mutex handoff_mutex;             ///< split results, from the leader to the other members
+  std::map<std::uint64_t, std::pair<std::map<int, std::shared_ptr<hybrid_group>>, int>> handoff;
+
+  hybrid_group() = default;
+  hybrid_group(const hybrid_group&) = delete;
+  hybrid_group& operator=(const hybrid_group&) = delete;
+  ~hybrid_group() {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
+  }
+
+  /// Fills the derived fields from the member devices (in group-rank order).
+  void layout(int my_process) {
+    n = static_cast<int>(member_device.size());
+    std::vector<int> procs;
+    for (int d : member_device) procs.push_back(d / threads_per_process);
+    std::vector<int> sorted = procs;
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    counts.assign(sorted.size(), 0);
+    member_proc_pos.resize(static_cast<std::size_t>(n));
+    member_local.resize(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      const int pos = static_cast<int>(std::lower_bound(sorted.begin(), sorted.end(), procs[static_cast<std::size_t>(r)]) - sorted.begin());
+      member_proc_pos[static_cast<std::size_t>(r)] = pos;
+      member_local[static_cast<std::size_t>(r)] = counts[static_cast<std::size_t>(pos)]++;
+    }
+    my_proc_pos = static_cast<int>(std::lower_bound(sorted.begin(), sorted.end(), my_process) - sorted.begin());
+    // Gathered order: processes ascending, members of one process in group-rank order.
+    std::vector<int> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return member_proc_pos[static_cast<std::size_t>(a)] < member_proc_pos[static_cast<std::size_t>(b)];
+    });
+    gathered_to_rank = order;
+    identity = true;
+    for (int i = 0; i < n; ++i) identity = identity && order[static_cast<std::size_t>(i)] == i;
+  }
+  [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
+  [[nodiscard]] bool uniform() const noexcept {
+    return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
+  }
+};
+
+/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
+/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
+/// fails, its process sends "device D failed: <what>" to every other process (once); a process
+/// that receives it fails its thread world with that message, so every device of every process is
+/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
+/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
+/// beside the devices); without it the channel is off and peers of other processes time out.
+struct abort_channel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int process = 0;
+  int processes = 1;
+  bool enabled = false;
+  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
+  /// same order: construction is collective). MPI may give a new duplicate the context id of a
+  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
+  /// epoch and dropped.
+  std::uint64_t epoch = 0;
+  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
+  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::mutex mutex;
+  std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool sent = false;                     ///< guarded by mutex
+  std::vector<char> inbox = std::vector<char>(4096);
+  MPI_Request inbox_request = MPI_REQUEST_NULL;
+  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::atomic<bool> stop{false};
+  std::thread watcher;
+
+  /// Records the root cause once and releases the leaders' MPI waits.
+  void interrupt(const std::string& msg) {
+    std::lock_guard lk(mutex);
+    if (interrupted.load()) return;
+    message = msg;
+    interrupted.store(true, std::memory_order_release);
+  }
+  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
+  void check() {
+    if (!interrupted.load(std::memory_order_acquire)) return;
+    std::lock_guard lk(mutex);
+    throw comm_aborted(message);
+  }
+  /// Tells every other process that global device `device` failed (once per world).
+  void notify(int device, const std::string& what) {
+    if (!enabled) return;
+    std::lock_guard lk(mutex);
+    if (sent) return;
+    sent = true;
+    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
+    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
+    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
+    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
+    for (int p = 0; p < processes; ++p) {
+      if (p == process) continue;
+      outbox.emplace_back(MPI_REQUEST_NULL, msg);
+      auto& [req, buf] = outbox.back();
+      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+    }
+  }
+  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
+  void close(std::chrono::milliseconds grace) noexcept {
+    stop.store(true);
+    if (watcher.joinable()) watcher.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin || !enabled) return;
+    if (inbox_request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&inbox_request);
+      MPI_Wait(&inbox_request, MPI_STATUS_IGNORE);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    bool pending = false;
+    for (auto& [req, buf] : outbox) {
+      int done = 0;
+      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (req != MPI_REQUEST_NULL && !done) {
+        pending = true;
+        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
+        (void)new std::vector<char>(std::move(buf));
+      }
+    }
+    if (!pending) MPI_Comm_free(&comm);
+  }
+};
+
+}  // namespace detail
+
+/// @brief One device's handle on a hybrid group (P processes x T threads). Move-only, as the
+/// thread communicator it contains.
+class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
+  friend class communicator_frontend<hybrid_communicator>;
+  using op_kind = detail::op_kind;
+
+ public:
+
+  hybrid_communicator() = default;
+  hybrid_communicator(hybrid_communicator&&) noexcept = default;
+  hybrid_communicator& operator=(hybrid_communicator&&) noexcept = default;
+  ~hybrid_communicator() { drain_sends(); }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return group_ ? group_->n : 0; }
+  /// This device's handle on the members of its group in its own process.
+  [[nodiscard]] thread_communicator& local() noexcept { return local_; }
+  /// Whether the group spans more than one process.
+  [[nodiscard]] bool spans_processes() const noexcept { return group_ && group_->spans_processes(); }
+
+  // The collectives, point to point and barrier: communicator_frontend; the transport is below.
+
+  // ---- groups ----------------------------------------------------------------------------------
+
+  /// Collective over the group: members with the same `color` form a new hybrid group, ordered by
+  /// (key, rank). The processes hosting a new group that spans several get an MPI communicator
+  /// split from this group's (one `MPI_Comm_split` per such color).
+  hybrid_communicator split(int color, int key) {
+    check_split(color);
+    auto& g = *group_;
+    const std::int64_t mine[3] = {color, key, g.member_device[static_cast<std::size_t>(rank_)]};
+    const auto info = gather_all(std::span<const std::int64_t>(mine, 3));
+    const int n = size();
+    // Members of each color, in new-rank order.
+    std::map<int, std::vector<int>> by_color;  // color -> old ranks
+    for (int r = 0; r < n; ++r) by_color[static_cast<int>(info[static_cast<std::size_t>(3 * r)])].push_back(r);
+    for (auto& [c, members] : by_color)
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+        return info[static_cast<std::size_t>(3 * a + 1)] < info[static_cast<std::size_t>(3 * b + 1)];
+      });
+    const auto& mine_members = by_color[color];
+    const int new_rank = static_cast<int>(std::find(mine_members.begin(), mine_members.end(), rank_) - mine_members.begin());
+    thread_communicator sub_local = local_.split(color, new_rank);
+
+    const std::uint64_t seq = split_seq_++;
+    const int my_process = g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process;
+    if (local_.rank() == 0) {
+      try {
+        std::map<int, std::shared_ptr<detail::hybrid_group>> made;
+        for (const auto& [c, members] : by_color) {
+          auto ng = std::make_shared<detail::hybrid_group>();
+          ng->threads_per_process = g.threads_per_process;
+          ng->timeout = g.timeout;
+          ng->channel = g.channel;
+          for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
+          ng->layout(my_process);
+          bool hosts = false;
+          for (int d : ng->member_device) hosts = hosts || d / g.threads_per_process == my_process;
+          if (ng->spans_processes()) {
+            // Every process of this group takes part; only the hosts keep the result.
+            mpi_communicator sub = g.mpi.split(hosts ? 1 : 0, my_process);
+            if (hosts) {
+              ng->mpi = std::move(sub);
+              check_rc(MPI_Comm_dup(ng->mpi.native(), &ng->p2p), "MPI_Comm_dup");
+              MPI_Comm_set_errhandler(ng->p2p, MPI_ERRORS_RETURN);
+              set_tag_ub(*ng);
+            }
+          }
+          if (hosts) made.emplace(c, std::move(ng));
+        }
+        std::lock_guard lk(g.handoff_mutex);
+        g.handoff[seq] = {std::move(made), local_.size()};
+      } catch (const std::exception& e) {
+        local_.abort(std::string("hybrid split failed on the process leader: ") + e.what());
+        throw;
+      }
+    }
+    local_.barrier();  // the leader has published
+    std::shared_ptr<detail::hybrid_group> ng;
+    {
+      std::lock_guard lk(g.handoff_mutex);
+      auto it = g.handoff.find(seq);
+      ng = it->second.first.at(color);
+      if (--it->second.second == 0) g.handoff.erase(it);
+    }
+    hybrid_communicator out;
+    out.group_ = std::move(ng);
+    out.local_ = std::move(sub_local);
+    out.rank_ = new_rank;
+    return out;
+  }
+
+ private:
+  friend class hybrid_world;
+
+  struct pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+  };
+
+  static void set_tag_ub(detail::hybrid_group& g) {
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(g.p2p, MPI_TAG_UB, &ub, &flag);
+    if (flag && ub) g.tag_ub = *ub;
+  }
+
+  int my_local() const noexcept { return group_->member_local[static_cast<std::size_t>(rank_)]; }
+
+  int wire_tag(int tag, int src_local, int dst_local) const {
+    const auto l = static_cast<std::int64_t>(*std::max_element(group_->counts.begin(), group_->counts.end()));
+    const std::int64_t t = (static_cast<std::int64_t>(tag) * l + src_local) * l + dst_local;
+    if (t > group_->tag_ub)
+      bad_argument(op_kind::send, "tag " + std::to_string(tag) + " is too large for a hybrid group with " + std::to_string(l) +
+                               " threads per process (MPI's tag bound is " + std::to_string(group_->tag_ub) + ")");
+    return static_cast<int>(t);
+  }
+
+  // ---- the front end's hooks -------------------------------------------------------------------
+
+  std::string label() const { return "hybrid device " + std::to_string(rank_); }
+  void check_usable(std::string_view k) const {
+    if (!group_)
+      throw comm_error("meshlib: " + std::string(k) + " called on an empty hybrid_communicator handle");
+  }
+  void ensure_usable(op_kind k) const;
+
+  /// Runs `f` (a transport), rethrowing a failure of the internal steps with the same type and
+  /// root-cause message but naming the operation the user called and the global device.
+  template <class F>
+  request_type guarded(op_kind k, F&& f) {
+    auto context = [&](const std::exception& e) {
+      std::string m = e.what();
+      if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
+      return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
+    };
+    try {
+      return f();
+    } catch (const comm_argument_error&) {
+      throw;
+    } catch (const comm_aborted& e) {
+      throw comm_aborted(context(e));
+    } catch (const comm_timeout& e) {
+      throw comm_timeout(context(e));
+    } catch (const collective_mismatch& e) {
+      throw collective_mismatch(context(e));
+    }
+  }
+  void check_rc(int rc, std::string_view call) const {
+    if (rc != MPI_SUCCESS)
+      throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
+                       detail::mpi_error_string(rc));
+  }
+
+  /// The transport of operation K (the front end has checked its arguments). Every collective
+  /// gathers its inputs before it writes an output, so in-place calls need no copies.
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
+  }
+
+  template <op_kind K, class T>
+  request_type transport_steps(const detail::operation<T>& o, context_type) {
+    const auto n = static_cast<std::size_t>(size());
+    if constexpr (K == op_kind::all_reduce) {
+      reduce_to(std::span<const T>(o.send, o.count), o.recv, o.op, o.count, 0);
+    } else if constexpr (K == op_kind::reduce) {
+      reduce_to(std::span<const T>(o.send, o.count), rank_ == o.root ? o.recv : nullptr, o.op, o.count, 0);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      reduce_to(std::span<const T>(o.send, o.count * n), o.recv, o.op, o.count,
+                static_cast<std::size_t>(rank_) * o.count);
+    } else if constexpr (K == op_kind::broadcast) {
+      if (rank_ == o.root && !o.in_place && o.count != 0) std::memcpy(o.recv, o.send, o.count * sizeof(T));
+      do_broadcast(std::span<T>(o.recv, o.count), o.root);
+    } else if constexpr (K == op_kind::all_gather) {
+      const auto all = gather_all(std::span<const T>(o.send, o.count));
+      std::copy(all.begin(), all.end(), o.recv);
+    } else if constexpr (K == op_kind::all_to_all) {
+      transpose(std::span<const T>(o.send, o.count * n), o.recv, o.count);
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      do_all_to_all_v<T>(o);
+    } else if constexpr (K == op_kind::ppermute) {
+      permute(std::span<const T>(o.send, o.count), o.recv, o.pairs);
+    } else if constexpr (K == op_kind::send) {
+      return do_send<T>(o);
+    } else if constexpr (K == op_kind::recv) {
+      return do_recv<T>(o);
+    } else {
+      static_assert(K == op_kind::barrier);
+      const std::int32_t token = 0;
+      (void)gather_all(std::span<const std::int32_t>(&token, 1));
+    }
+    return {};
+  }
+
+  template <class T>
+  void do_all_to_all_v(const detail::operation<T>& o) {
+    const auto n = static_cast<std::size_t>(size());
+    const std::int64_t* sc = o.v[0];
+    const std::int64_t* sd = o.v[1];
+    const std::int64_t* rcounts = o.v[2];
+    const std::int64_t* rd = o.v[3];
+    std::size_t send_len = 0;  // the send buffer as far as the blocks reach
+    for (std::size_t j = 0; j < n; ++j) send_len = std::max(send_len, static_cast<std::size_t>(sc[j] + sd[j]));
+    // Every member's counts and displacements, then every member's send blocks.
+    std::vector<std::int64_t> meta(2 * n);
+    std::copy(sc, sc + n, meta.begin());
+    std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
+    const auto metas = gather_all(std::span<const std::int64_t>(meta));
+    std::vector<std::size_t> offsets;
+    const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
+      const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
+      if (c != rcounts[j])
+        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
+                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
+                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+      std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
+                  o.recv + rd[j]);
+    }
+  }
+
+  /// Buffered, as on the other backends: within a process through the thread communicator,
+  /// between processes with `MPI_Isend` from this thread.
+  template <class T>
+  request_type do_send(const detail::operation<T>& o) {
+    const auto& g = *group_;
+    const auto d = static_cast<std::size_t>(o.peer);
+    if (g.member_proc_pos[d] == g.my_proc_pos)
+      return local_.send(std::span<const T>(o.send, o.count), g.member_local[d], o.tag);
+    progress_sends();
+    pending p;
+    p.data.resize(o.count * sizeof(T));
+    if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), g.member_proc_pos[d],
+                       wire_tag(o.tag, my_local(), g.member_local[d]), g.p2p, &p.request),
+             "MPI_Isend");
+    sends_.push_back(std::move(p));
+    return {};
+  }
+
+  template <class T>
+  request_type do_recv(const detail::operation<T>& o) {
+    const auto& g = *group_;
+    const int source = o.peer;
+    const int tag = o.tag;
+    const auto s = static_cast<std::size_t>(source);
+    if (g.member_proc_pos[s] == g.my_proc_pos)
+      return local_.recv(std::span<T>(o.recv, o.count), g.member_local[s], tag);
+    MPI_Status st;
+    MPI_Message msg = MPI_MESSAGE_NULL;
+    const int wtag = wire_tag(tag, g.member_local[s], my_local());
+    const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+    for (unsigned spins = 0;; ++spins) {
+      progress_sends();
+      int found = 0;
+      check_rc(MPI_Improbe(g.member_proc_pos[s], wtag, g.p2p, &found, &msg, &st), "MPI_Improbe");
+      if (found) break;
+      if (spins > 256) std::this_thread::yield();
+      if (g.timeout.count() > 0 && (spins & 63) == 0 && std::chrono::steady_clock::now() > deadline)
+        throw comm_timeout("meshlib: recv on hybrid device " + std::to_string(rank_) + " from device " +
+                           std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
+    }
+    int got = 0;
+    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    if (got != static_cast<int>(o.count)) {
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      std::vector<unsigned char> sink(static_cast<std::size_t>(bytes > 0 ? bytes : 0));
+      MPI_Mrecv(sink.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+      throw collective_mismatch("meshlib: recv on hybrid device " + std::to_string(rank_) + " expected " +
+                                std::to_string(o.count) + " elements from device " + std::to_string(source) +
+                                " but the message holds " + std::to_string(got));
+    }
+    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    return {};
+  }
+
+  // ---- the three-step exchange -----------------------------------------------------------------
+
+  /// Every member's `mine` (all the same length), in group-rank order.
+  template <class T>
+  std::vector<T> gather_all(std::span<const T> mine) {
+    check_usable("collective");
+    auto& g = *group_;
+    const std::size_t c = mine.size();
+    std::vector<T> local_all(static_cast<std::size_t>(local_.size()) * c);
+    local_.all_gather(mine, std::span(local_all));
+    if (!g.spans_processes()) return reorder(std::move(local_all), c);
+    std::vector<T> all(static_cast<std::size_t>(g.n) * c);
+    if (local_.rank() == 0) {
+      try {
+        if (g.uniform()) {
+          g.mpi.all_gather(std::span<const T>(local_all), std::span(all));
+        } else {
+          const std::size_t np = g.counts.size();
+          std::vector<std::int64_t> sc(np, static_cast<std::int64_t>(local_all.size())), sd(np, 0), rc(np), rd(np);
+          std::int64_t off = 0;
+          for (std::size_t j = 0; j < np; ++j) {
+            rc[j] = static_cast<std::int64_t>(static_cast<std::size_t>(g.counts[j]) * c);
+            rd[j] = off;
+            off += rc[j];
+          }
+          g.mpi.all_to_all_v(std::span<const T>(local_all), std::span<const std::int64_t>(sc),
+                             std::span<const std::int64_t>(sd), std::span(all), std::span<const std::int64_t>(rc),
+                             std::span<const std::int64_t>(rd));
+        }
+      } catch (const std::exception& e) {
+        local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+        throw;
+      }
+    }
+    local_.broadcast(std::span(all), 0);
+    return reorder(std::move(all), c);
+  }
+
+  /// Every member's `mine` (lengths may differ), concatenated in group-rank order; offsets[r] is
+  /// where member r's part starts.
+  template <class T>
+  std::vector<T> gather_var(std::span<const T> mine, std::vector<std::size_t>& offsets) {
+    const std::int64_t len = static_cast<std::int64_t>(mine.size());
+    const auto lens = gather_all(std::span<const std::int64_t>(&len, 1));
+    const auto longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+    std::vector<T> padded(longest);
+    std::copy(mine.begin(), mine.end(), padded.begin());
+    const auto all = gather_all(std::span<const T>(padded));
+    std::vector<T> out;
+    offsets.assign(lens.size(), 0);
+    for (std::size_t r = 0; r < lens.size(); ++r) {
+      offsets[r] = out.size();
+      out.insert(out.end(), all.begin() + static_cast<std::ptrdiff_t>(r * longest),
+                 all.begin() + static_cast<std::ptrdiff_t>(r * longest + static_cast<std::size_t>(lens[r])));
+    }
+    return out;
+  }
+
+  template <class T>
+  std::vector<T> reorder(std::vector<T> gathered, std::size_t c) const {
+    const auto& g = *group_;
+    if (g.identity) return gathered;
+    std::vector<T> out(gathered.size());
+    for (std::size_t pos = 0; pos < g.gathered_to_rank.size(); ++pos)
+      std::copy_n(gathered.begin() + static_cast<std::ptrdiff_t>(pos * c), c,
+                  out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(g.gathered_to_rank[pos]) * c));
+    return out;
+  }
+
+  /// out[i] = op over members of their input[offset + i], i < count (out == nullptr: nothing written).
+  template <class T>
+  void reduce_to(std::span<const T> input, T* out, reduce_op op, std::size_t count, std::size_t offset) {
+    check_usable("reduce");
+    const auto all = gather_all(input);
+    if (!out || count == 0) return;
+    const std::size_t per = input.size();
+    std::vector<const T*> ptrs(static_cast<std::size_t>(size()));
+    for (std::size_t r = 0; r < ptrs.size(); ++r) ptrs[r] = all.data() + r * per + offset;
+    T* outs[1] = {out};
+    detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
+  }
+
+  template <class T>
+  void transpose(std::span<const T> send, T* recv, std::size_t count) {
+    const auto all = gather_all(send);
+    const std::size_t per = send.size();
+    for (std::size_t j = 0; j < static_cast<std::size_t>(size()); ++j)
+      std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(j * per + static_cast<std::size_t>(rank_) * count), count,
+                  recv + j * count);
+  }
+
+  template <class T>
+  void permute(std::span<const T> send, T* recv, std::span<const permute_pair> pairs) {
+    const auto all = gather_all(send);
+    const std::size_t c = send.size();
+    std::fill(recv, recv + c, T{});
+    for (const auto& p : pairs)
+      if (p.dest == rank_)
+        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(p.source) * c), c, recv);
+  }
+
+  template <class T>
+  void do_broadcast(std::span<T> buf, int root) {
+    auto& g = *group_;
+    const auto r = static_cast<std::size_t>(root);
+    const int root_pos = g.member_proc_pos[r];
+    if (!g.spans_processes()) {
+      local_.broadcast(buf, g.member_local[r]);
+      return;
+    }
+    if (g.my_proc_pos == root_pos) local_.broadcast(buf, g.member_local[r]);
+    if (local_.rank() == 0) {
+      try {
+        g.mpi.broadcast(buf, root_pos);
+      } catch (const std::exception& e) {
+        local_.abort(std::string("the process leader's MPI broadcast failed: ") + e.what());
+        throw;
+      }
+    }
+    if (g.my_proc_pos != root_pos) local_.broadcast(buf, 0);
+  }
+
+  void progress_sends() {
+    sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
+                                [](pending& p) {
+                                  int done = 0;
+                                  MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
+                                  return done != 0;
+                                }),
+                 sends_.end());
+  }
+  void drain_sends() noexcept {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) return;
+    for (auto& p : sends_) {
+      if (p.request == MPI_REQUEST_NULL) continue;
+      MPI_Request_free(&p.request);
+      (void)new std::vector<unsigned char>(std::move(p.data));  // MPI may still read it
+    }
+    sends_.clear();
+  }
+
+  std::shared_ptr<detail::hybrid_group> group_;
+  thread_communicator local_;
+  int rank_ = 0;
+  std::uint64_t split_seq_ = 0;
+  std::vector<pending> sends_;
+};
+
+/// Refuses calls on an empty handle, and every call once the world has failed (here or in another
+/// process), with the root cause's message.
+inline void hybrid_communicator::ensure_usable(op_kind k) const {
+  check_usable(detail::op_name(k));
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
+    std::lock_guard lk(group_->channel->mutex);
+    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
+                       " of " + std::to_string(size()) + ": the communicator has failed]");
+  }
+}
+
+static_assert(communicator<hybrid_communicator>);
+
+/// @brief One process's part of a hybrid group of `procs.size()` processes x `threads` threads.
+/// Construction is collective over `procs` (it duplicates it for point-to-point traffic).
+class hybrid_world {
+ public:
+  /// @throws comm_error when T > 1 and MPI does not provide `MPI_THREAD_MULTIPLE`;
+  /// comm_argument_error when threads < 1.
+  hybrid_world(const mpi_communicator& procs, int threads, thread_comm_options options = {})
+      : threads_(threads), local_(threads > 0 ? threads : 1, std::move(options)) {
+    if (threads < 1)
+      throw comm_argument_error("meshlib: a hybrid_world needs at least 1 thread per process, got " +
+                                std::to_string(threads));
+    int level = 0;
+    MPI_Query_thread(&level);
+    if (threads > 1 && level < MPI_THREAD_MULTIPLE)
+      throw comm_error("meshlib: a hybrid mesh with " + std::to_string(threads) +
+                       " threads per process needs MPI_THREAD_MULTIPLE, but MPI was initialised with a lower thread "
+                       "level; initialise it with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or meshlib::mpi::initialize");
+    group_ = std::make_shared<detail::hybrid_group>();
+    group_->threads_per_process = threads;
+    group_->timeout = procs.options().timeout;
+    for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
+    group_->layout(procs.rank());
+    // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
+    group_->mpi = mpi_communicator(procs.native(), procs.options());
+    if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
+      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
+    hybrid_communicator::set_tag_ub(*group_);
+    process_ = procs.rank();
+    group_->channel = channel_;
+    open_channel(procs, level);
+  }
+  hybrid_world(const hybrid_world&) = delete;
+  hybrid_world& operator=(const hybrid_world&) = delete;
+  ~hybrid_world() { channel_->close(std::chrono::milliseconds(1000)); }
+
+  /// Devices in the world: processes x threads.
+  [[nodiscard]] int size() const noexcept { return group_->n; }
+  [[nodiscard]] int threads_per_process() const noexcept { return threads_; }
+
+  /// The handle of local thread `t` (device `process * T + t`); each once.
+  [[nodiscard]] hybrid_communicator communicator(int t) {
+    hybrid_communicator c;
+    c.local_ = local_.communicator(t);
+    c.group_ = group_;
+    c.rank_ = process_ * threads_ + t;
+    return c;
+  }
+
+  /// @brief Fails the hybrid world with local thread `t` (global device `process * T + t`) as the
+  /// root cause: this process's devices get `comm_aborted` at once, and so (through the abort
+  /// channel) do the devices of every other process, all naming "hybrid device D of N".
+  bool abort(int t, std::string_view reason) {
+    const int device = process_ * threads_ + t;
+    const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
+    const bool first = local_.abort(t, reason, who);
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    // A failure that came from another process is not sent back; any other (a throw, or a local
+    // timeout or mismatch that the devices rethrow) is told to every process.
+    if (channel_->remote_device.load() < 0) {
+      const int root = local_.root_cause_rank();
+      const int blamed = first || root < 0 ? device : process_ * threads_ + root;
+      channel_->notify(blamed, std::string(reason));
+    }
+    return first;
+  }
+  [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
+  /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
+  [[nodiscard]] int root_cause_thread() const { return local_.root_cause_rank(); }
+  /// Global device of a failure that another process reported through the abort channel, -1 if none.
+  [[nodiscard]] int remote_root_cause_device() const noexcept { return channel_->remote_device.load(); }
+
+ private:
+  void open_channel(const mpi_communicator& procs, int level) {
+    auto& ch = *channel_;
+    ch.process = procs.rank();
+    ch.processes = procs.size();
+    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
+    static std::atomic<std::uint64_t> worlds{0};
+    ch.epoch = ++worlds;
+    auto* channel = channel_.get();
+    group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    if (!ch.enabled) return;
+    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
+      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
+    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
+              &ch.inbox_request);
+    const int devices = size();
+    ch.watcher = std::thread([this, channel, devices] {
+      while (!channel->stop.load()) {
+        int done = 0;
+        MPI_Status st;
+        MPI_Test(&channel->inbox_request, &done, &st);
+        if (done) {
+          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
+          int bytes = 0;
+          MPI_Get_count(&st, MPI_CHAR, &bytes);
+          std::uint64_t epoch = 0;
+          int device = -1;
+          if (bytes >= head) {
+            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
+            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
+          }
+          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
+            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
+                      channel->comm, &channel->inbox_request);
+            continue;
+          }
+          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
+          const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
+          channel->remote_device.store(device);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
+          local_.abort(-1, what, who);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  }
+
+  int threads_;
+  int process_ = 0;
+  thread_world local_;
+  std::shared_ptr<detail::hybrid_group> group_;
+  std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
+};
+
+/// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
+/// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
+/// failure as `participant_error` (with the device). Collective over `procs`.
+template <class F>
+  requires std::is_invocable_v<F&, hybrid_communicator&>
+void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {}) {
+  hybrid_world world(procs, threads, std::move(options));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
+  auto body = [&](int t) {
+    try {
+      hybrid_communicator comm = world.communicator(t);
+      fn(comm);
+    } catch (...) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  body(0);
+  for (auto& th : pool) th.join();
+  // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
+  // lowest thread that threw; a failure another process reported is blamed on its device.
+  int root = world.failed() ? world.root_cause_thread() : -1;
+  const int remote = world.remote_root_cause_device();
+  if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
+    root = -1;
+    for (int t = 0; t < threads && root < 0; ++t)
+      if (errors[static_cast<std::size_t>(t)]) root = t;
+  }
+  if (root >= 0) {
+    // A failure another process reported is blamed on its device, unless a thread here failed
+    // on its own at the same time (an exception that is not a communicator's): that one is real.
+    int own = -1;
+    for (int u = 0; u < threads && own < 0; ++u) {
+      const auto& eu = errors[static_cast<std::size_t>(u)];
+      if (!eu) continue;
+      try {
+        std::rethrow_exception(eu);
+      } catch (const comm_error&) {
+      } catch (...) {
+        own = u;
+      }
+    }
+    const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
+    const int t = remote >= 0 && own >= 0 ? own : root;
+    const auto& e = errors[static_cast<std::size_t>(t)];
+    const int device = blame_remote ? remote : procs.rank() * threads + t;
+    try {
+      std::rethrow_exception(e);
+    } catch (...) {
+      throw participant_error(device, "meshlib: hybrid device " + std::to_string(device) + " of " +
+                                          std::to_string(world.size()) + " failed: " + detail::what_of(e));
+    }
+  }
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/hybrid_communicator.hpp
+// begin meshlib/comm/mpi/mpi_backend.hpp
+/// @file
+/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the
+/// exec layer asks of a backend (see `meshlib/collectives/backend.hpp`): `run(n, body)` and
+/// `local_devices(n)`.
+///
+/// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
+/// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
+///   device `p*T + t` being thread t of rank p.
+///
+/// @code
+/// meshlib::mpi::guard run;
+/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
+/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_backend{meshlib::mpi::world()});
+/// @endcode
+///
+/// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
+/// its device id, the exception nested); devices in other processes that wait for it in a
+/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
+/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+
+#if MESHLIB_ENABLE_MPI
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief One device per MPI rank of `comm`.
+struct mpi_backend {
+  mpi_communicator comm;
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    try {
+      body(static_cast<std::size_t>(comm.rank()), comm);
+    } catch (...) {
+      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
+                                               std::to_string(comm.size()) + " failed: " +
+                                               detail::what_of(std::current_exception()));
+    }
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    return {static_cast<std::size_t>(comm.rank())};
+  }
+
+ private:
+  void check(std::size_t n) const {
+    if (n != static_cast<std::size_t>(comm.size()))
+      throw comm_argument_error("meshlib: mpi_backend runs one device per MPI rank, but the mesh has " +
+                                std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
+                                " ranks; use a mesh of " + std::to_string(comm.size()) +
+                                " devices, or hybrid_backend for several devices (threads) per rank");
+  }
+};
+
+/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
+struct hybrid_backend {
+  mpi_communicator comm;
+  int threads = 1;
+  thread_comm_options options{};
+
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    run_hybrid(
+        comm, threads,
+        [&](hybrid_communicator& c) {
+          const auto device = static_cast<std::size_t>(c.rank());
+          body(device, std::move(c));
+        },
+        options);
+  }
+
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    std::vector<std::size_t> d;
+    for (int t = 0; t < threads; ++t) d.push_back(static_cast<std::size_t>(comm.rank() * threads + t));
+    return d;
+  }
+
+ private:
+  void check(std::size_t n) const {
+    const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
+    if (n != have)
+      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
+                                std::to_string(threads) + " threads = " + std::to_string(have) +
+                                " devices, but the mesh has " + std::to_string(n));
+  }
+};
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_backend.hpp
+// begin meshlib/runtime/mpi_runtime.hpp
+/// @file
+/// @brief The runtime over MPI: `meshlib::mpi::initialize` starts MPI when the program has not,
+/// adopts the application's communicator, and runs `distributed::initialize` with an exchange over
+/// it (so that the start-up consistency checks and `distributed::abort` reach every process);
+/// a terminate handler turns an uncaught exception on one rank into an `MPI_Abort` with a readable
+/// reason instead of a silent hang of the others.
+///
+/// @code
+/// int main(int argc, char** argv) {
+///   MPI_Init(&argc, &argv);                 // or let meshlib do it
+///   {
+///     meshlib::mpi::guard run(MPI_COMM_WORLD);
+///     auto comm = meshlib::mpi::world();    // an mpi_communicator over the adopted MPI_Comm
+///     ...
+///   }
+///   MPI_Finalize();
+/// }
+/// @endcode
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::mpi {
+
+/// @brief A `process_exchange` over an `mpi_communicator`: its waits have the communicator's
+/// timeout, and `abort` is `MPI_Abort`.
+class exchange final : public distributed::process_exchange {
+ public:
+  explicit exchange(mpi_communicator comm) : comm_(std::move(comm)) {}
+  [[nodiscard]] std::size_t rank() const override { return static_cast<std::size_t>(comm_.rank()); }
+  [[nodiscard]] std::size_t size() const override { return static_cast<std::size_t>(comm_.size()); }
+
+  /// Strings travel as 32-bit words (the communicator moves numbers, not bytes), padded to the
+  /// longest: a length exchange, then one all_gather.
+  [[nodiscard]] std::vector<std::string> all_gather(std::string_view mine) override {
+    const std::size_t n = size();
+    std::int64_t len = static_cast<std::int64_t>(mine.size());
+    std::vector<std::int64_t> lens(n);
+    comm_.all_gather(std::span<const std::int64_t>(&len, 1), std::span(lens));
+    std::int64_t longest = 0;
+    for (auto l : lens) longest = std::max(longest, l);
+    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
+    std::vector<std::int32_t> packed(words, 0), all(words * n, 0);
+    if (!mine.empty()) std::memcpy(packed.data(), mine.data(), mine.size());
+    comm_.all_gather(std::span<const std::int32_t>(packed), std::span(all));
+    std::vector<std::string> out(n);
+    for (std::size_t r = 0; r < n; ++r)
+      out[r].assign(reinterpret_cast<const char*>(all.data() + r * words), static_cast<std::size_t>(lens[r]));
+    return out;
+  }
+
+  [[noreturn]] void abort(int exit_code, std::string_view reason) override { comm_.abort(reason, exit_code); }
+
+  [[nodiscard]] const mpi_communicator& communicator() const noexcept { return comm_; }
+
+ private:
+  mpi_communicator comm_;
+};
+
+/// @brief Options of `mpi::initialize`, on top of `distributed::options`.
+struct options {
+  distributed::options runtime;
+  mpi_comm_options comm;
+  /// Install a terminate handler that prints the uncaught exception and calls `MPI_Abort`.
+  bool abort_on_uncaught_exception = true;
+};
+
+namespace detail {
+
+struct mpi_runtime_state {
+  bool started_mpi = false;
+  std::shared_ptr<exchange> ex;
+  std::terminate_handler previous = nullptr;
+};
+inline mpi_runtime_state& mpi_state() {
+  static mpi_runtime_state s;
+  return s;
+}
+
+/// The terminate handler: an uncaught exception on one rank ends every rank with its reason.
+[[noreturn]] inline void abort_on_terminate() {
+  std::string reason = "std::terminate was called";
+  if (const auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      reason = std::string("uncaught exception: ") + x.what();
+    } catch (...) {
+      reason = "uncaught exception not derived from std::exception";
+    }
+  }
+  int rank = 0, size = 1, init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+  }
+  std::cerr << "meshlib: MPI rank " << rank << " of " << size << " aborts the run: " << reason << std::endl;
+  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+}  // namespace detail
+
+/// @brief Starts the run over MPI. Initialises MPI (`MPI_Init_thread`, asking for
+/// `MPI_THREAD_MULTIPLE`, which hybrid meshes need) when the program has not; adopts `comm`
+/// (default `MPI_COMM_WORLD`, never freed); calls `distributed::initialize` with an exchange over
+/// it, so the process index and count are `comm`'s rank and size and the start-up checks run on
+/// every process. Collective over `comm`. Idempotent, as `distributed::initialize`.
+/// @throws distributed_error, process_mismatch (see `distributed::initialize`), comm_error.
+inline void initialize(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {}) {
+  auto& st = detail::mpi_state();
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) {
+    int provided = 0;
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
+      throw comm_error("meshlib: MPI_Init_thread failed");
+    st.started_mpi = true;
+  }
+  if (distributed::is_initialized() && st.ex) {
+    distributed::options again = opt.runtime;
+    again.exchange = st.ex;
+    distributed::initialize(again);  // no-op when the same, distributed_error otherwise
+    return;
+  }
+  auto ex = std::make_shared<exchange>(mpi_communicator(comm, opt.comm));
+  distributed::options o = opt.runtime;
+  o.exchange = ex;
+  distributed::initialize(o);
+  st.ex = std::move(ex);
+  if (opt.abort_on_uncaught_exception && !st.previous) st.previous = std::set_terminate(&detail::abort_on_terminate);
+}
+
+/// @brief The communicator of the run (over the `MPI_Comm` given to `initialize`).
+/// @throws distributed_error before `mpi::initialize`.
+[[nodiscard]] inline mpi_communicator world() {
+  auto& st = detail::mpi_state();
+  if (!st.ex) throw distributed_error("meshlib: mpi::world() called before mpi::initialize()");
+  return st.ex->communicator();
+}
+
+/// @brief Ends the run over MPI: `distributed::shutdown`, frees meshlib's communicators, restores
+/// the terminate handler, and calls `MPI_Finalize` only when `initialize` called `MPI_Init`.
+inline void finalize() {
+  auto& st = detail::mpi_state();
+  distributed::shutdown();
+  st.ex.reset();
+  if (st.previous) {
+    std::set_terminate(st.previous);
+    st.previous = nullptr;
+  }
+  if (st.started_mpi) {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) MPI_Finalize();
+    st.started_mpi = false;
+  }
+}
+
+/// @brief `initialize` in the constructor, `finalize` in the destructor.
+/// Only the guard that initialised finalises: a guard in an initialised program changes nothing.
+class guard {
+ public:
+  explicit guard(MPI_Comm comm = MPI_COMM_WORLD, const options& opt = {})
+      : owner_(!detail::mpi_state().ex) {
+    initialize(comm, opt);
+  }
+  guard(const guard&) = delete;
+  guard& operator=(const guard&) = delete;
+  ~guard() {
+    if (owner_) finalize();
+  }
+
+ private:
+  bool owner_;
+};
+
+}  // namespace meshlib::mpi
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/runtime/mpi_runtime.hpp
+
+#endif
+// end meshlib/mpi.hpp
+#endif  // MESHLIB_ENABLE_MPI
+#if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL
+// begin meshlib/nccl.hpp
+/// @file
+/// @brief meshlib on GPUs over NCCL: the NCCL communicator (one GPU per participant, collectives
+/// on device buffers ordered on CUDA streams), one process driving several GPUs (`run_on_gpus`),
+/// several mesh devices sharing one GPU (`shared_gpu_communicator`, `run_on_shared_gpu`),
+/// one process per GPU through MPI (`nccl_communicator_from_mpi`, when `meshlib::mpi` is linked
+/// too) or through the launcher's environment (`nccl::connect_from_environment`). Needs the
+/// `meshlib::nccl` CMake target, which defines `MESHLIB_ENABLE_NCCL` and links NCCL and CUDA's
+/// runtime. See docs/gpu.md.
+
+#if !MESHLIB_ENABLE_NCCL
+#error "meshlib: <meshlib/nccl.hpp> needs CUDA and NCCL; link the meshlib::nccl CMake target (it defines MESHLIB_ENABLE_NCCL=1), or configure with CUDA and NCCL found"
+#else
+
+// begin meshlib/comm/nccl/detail/nccl_types.hpp
+/// @file
+/// @brief How meshlib's element types, reduce ops and errors map to NCCL's and CUDA's: the pure
+/// part of the NCCL backend, which needs the headers and libraries but no GPU (so CI tests it).
+///
+/// | meshlib | NCCL |
+/// | --- | --- |
+/// | `float`, `double`, `int32`, `int64` | `ncclFloat32`, `ncclFloat64`, `ncclInt32`, `ncclInt64` |
+/// | `bfloat16` (meshlib's, or CUDA's `__nv_bfloat16`) | `ncclBfloat16` |
+/// | `__half` (CUDA's, NCCL backend only) | `ncclFloat16` |
+/// | `sum`, `prod`, `min`, `max`, `mean` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
+///
+/// Errors: every CUDA and NCCL return code goes through `check_nccl` / `check_cuda`, which throw
+///
+/// | code | meshlib exception |
+/// | --- | --- |
+/// | `ncclInvalidArgument`, `ncclInvalidUsage`; `cudaErrorInvalidValue`, `cudaErrorInvalidDevice`, `cudaErrorInvalidDevicePointer` | `comm_argument_error` |
+/// | `ncclRemoteError` (a peer failed or left) | `comm_aborted` |
+/// | every other failure (`ncclSystemError`, `ncclInternalError`, `ncclUnhandledCudaError`, CUDA errors) | `comm_error` |
+///
+/// with the message "meshlib: <operation> <where>: <call> failed: <NCCL's or CUDA's error
+/// string>[ (<ncclGetLastError>)]".
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+
+// CUDA's 16-bit float types, when the program already includes their headers (nvcc always does for
+// __half through cuda_runtime.h); forward declarations would clash with them, so they are only
+// recognised when present.
+#if defined(__CUDA_FP16_TYPES_EXIST__) || defined(__CUDA_FP16_HPP__) || defined(__CUDA_FP16_H__)
+#define MESHLIB_NCCL_HAS_CUDA_HALF 1
+#endif
+#if defined(__CUDA_BF16_TYPES_EXIST__) || defined(__CUDA_BF16_HPP__) || defined(__CUDA_BF16_H__)
+#define MESHLIB_NCCL_HAS_CUDA_BF16 1
+#endif
+
+namespace meshlib {
+
+namespace detail {
+template <class T>
+consteval int nccl_type_index() {
+  using U = std::remove_cv_t<T>;
+#if defined(MESHLIB_NCCL_HAS_CUDA_HALF)
+  if constexpr (std::is_same_v<U, __half>) return ncclFloat16;
+  else
+#endif
+#if defined(MESHLIB_NCCL_HAS_CUDA_BF16)
+  if constexpr (std::is_same_v<U, __nv_bfloat16>) return ncclBfloat16;
+  else
+#endif
+  if constexpr (comm_element<U>) {
+    switch (datatype_of<U>) {
+      case datatype::float32: return ncclFloat32;
+      case datatype::float64: return ncclFloat64;
+      case datatype::int32: return ncclInt32;
+      case datatype::int64: return ncclInt64;
+      case datatype::bfloat16: return ncclBfloat16;
+    }
+    return -1;
+  } else {
+    return -1;
+  }
+}
+}  // namespace detail
+
+/// @brief An element type the NCCL communicator moves and reduces: every `comm_element`, plus CUDA's
+/// `__half` and `__nv_bfloat16` when their headers are included (`<cuda_fp16.h>`, `<cuda_bf16.h>`).
+template <class T>
+concept nccl_element = (detail::nccl_type_index<T>() >= 0);
+
+/// @brief NCCL's data type of element type `T` (`ncclBfloat16` for meshlib's `bfloat16`,
+/// `ncclFloat16` for `__half`).
+template <nccl_element T>
+inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(detail::nccl_type_index<T>());
+
+/// @brief NCCL's data type of a run-time `datatype` tag.
+[[nodiscard]] constexpr ncclDataType_t to_nccl(datatype t) noexcept {
+  switch (t) {
+    case datatype::float32: return ncclFloat32;
+    case datatype::float64: return ncclFloat64;
+    case datatype::int32: return ncclInt32;
+    case datatype::int64: return ncclInt64;
+    case datatype::bfloat16: return ncclBfloat16;
+  }
+  return ncclNumTypes;
+}
+
+/// @brief NCCL's reduction of a `reduce_op`; `mean` is NCCL's own `ncclAvg` (one pass, no division
+/// kernel afterwards). Integer `mean` in NCCL rounds as its sum divided by the count, as meshlib's.
+[[nodiscard]] constexpr ncclRedOp_t to_nccl(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::prod: return ncclProd;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::mean: return ncclAvg;
+  }
+  return ncclNumOps;
+}
+
+namespace detail {
+
+/// Which meshlib exception an NCCL result becomes (see the file comment).
+enum class comm_failure_kind { argument, aborted, timeout, error };
+
+[[nodiscard]] constexpr comm_failure_kind failure_kind_of(ncclResult_t rc) noexcept {
+  switch (rc) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage: return comm_failure_kind::argument;
+    case ncclRemoteError: return comm_failure_kind::aborted;
+    default: return comm_failure_kind::error;
+  }
+}
+
+[[nodiscard]] constexpr comm_failure_kind failure_kind_of(cudaError_t rc) noexcept {
+  switch (rc) {
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle: return comm_failure_kind::argument;
+    default: return comm_failure_kind::error;
+  }
+}
+
+/// Throws the exception of `kind` with `message`.
+[[noreturn]] inline void throw_comm_failure(comm_failure_kind kind, const std::string& message) {
+  switch (kind) {
+    case comm_failure_kind::argument: throw comm_argument_error(message);
+    case comm_failure_kind::aborted: throw comm_aborted(message);
+    case comm_failure_kind::timeout: throw comm_timeout(message);
+    case comm_failure_kind::error: break;
+  }
+  throw comm_error(message);
+}
+
+/// "ncclInvalidArgument: invalid argument" style text for an NCCL result: the enumerator's name
+/// (what users search for) and NCCL's description.
+[[nodiscard]] inline std::string nccl_result_text(ncclResult_t rc) {
+  const char* name = "ncclResult";
+  switch (rc) {
+    case ncclSuccess: name = "ncclSuccess"; break;
+    case ncclUnhandledCudaError: name = "ncclUnhandledCudaError"; break;
+    case ncclSystemError: name = "ncclSystemError"; break;
+    case ncclInternalError: name = "ncclInternalError"; break;
+    case ncclInvalidArgument: name = "ncclInvalidArgument"; break;
+    case ncclInvalidUsage: name = "ncclInvalidUsage"; break;
+    case ncclRemoteError: name = "ncclRemoteError"; break;
+    case ncclInProgress: name = "ncclInProgress"; break;
+    default: return "NCCL error " + std::to_string(static_cast<int>(rc));
+  }
+  return std::string(name) + " (" + ncclGetErrorString(rc) + ")";
+}
+
+/// "cudaErrorNoDevice (no CUDA-capable device is detected)" for a CUDA error.
+[[nodiscard]] inline std::string cuda_error_text(cudaError_t rc) {
+  return std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")";
+}
+
+/// The message of a failed call: "meshlib: <what>: <call> failed: <text>[: <detail>]".
+[[nodiscard]] inline std::string failed_call_message(std::string_view what, std::string_view call,
+                                                     const std::string& text, std::string_view detail = {}) {
+  std::string m = "meshlib: " + std::string(what) + ": " + std::string(call) + " failed: " + text;
+  if (!detail.empty()) m += std::string(": ") + std::string(detail);
+  return m;
+}
+
+/// Throws the meshlib exception of a failed NCCL call (`rc` other than ncclSuccess and
+/// ncclInProgress); `last_error` is `ncclGetLastError(comm)` where a communicator exists.
+inline void check_nccl(ncclResult_t rc, std::string_view what, std::string_view call, const char* last_error = nullptr) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  throw_comm_failure(failure_kind_of(rc),
+                     failed_call_message(what, call, nccl_result_text(rc),
+                                         last_error != nullptr ? std::string_view(last_error) : std::string_view{}));
+}
+
+/// Throws the meshlib exception of a failed CUDA runtime call, and clears CUDA's sticky last error
+/// for non-sticky failures so that the next call does not report it again.
+inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view call) {
+  if (rc == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw_comm_failure(failure_kind_of(rc), failed_call_message(what, call, cuda_error_text(rc)));
+}
+
+}  // namespace detail
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/nccl_types.hpp
+// begin meshlib/comm/nccl/stream_request.hpp
+/// @file
+/// @brief `basic_stream_request<Channel>`: the request of a stream-ordered backend. An operation
+/// is enqueued on a CUDA stream and an event recorded after it; the request completes when that
+/// event does. Waiting polls the event and the channel's asynchronous error against the
+/// communicator's timeout, so no wait is unbounded: an error of the channel (NCCL's
+/// `ncclCommGetAsyncError`) or a passed deadline aborts the channel (`ncclCommAbort`) and throws
+/// `comm_aborted` or `comm_timeout` naming the operation.
+///
+/// The state machine is independent of CUDA (CI tests it with a fake stream):
+///
+/// | state | `test()` | `wait()` |
+/// | --- | --- | --- |
+/// | empty (default-constructed) | true | returns |
+/// | pending | polls once: complete -> true; failed -> aborts, throws; deadline passed -> aborts, throws `comm_timeout`; else false | polls until one of those |
+/// | complete | true | returns |
+/// | failed | throws the same error again | throws the same error again |
+///
+/// A channel that checks the participants' calls (the NCCL communicator's `verify_collectives`)
+/// reports a disagreement as a failed poll marked `mismatch`: the request throws
+/// `collective_mismatch` with the channel's message and aborts the channel (the mismatched
+/// collective itself may never finish).
+///
+/// A `Channel` provides `event_type`, `poll(event_type) -> stream_poll` (never blocks),
+/// `abort(reason, timed_out)` (stops the channel's outstanding work; later operations on the channel are
+/// refused), `release(event_type)` (takes back an event for reuse) and `describe(op)` (the
+/// operation and the participant, for messages).
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief What one poll of a stream event found.
+struct stream_poll {
+  enum class state { pending, complete, failed };
+  state status = state::pending;
+  /// For `failed`: why (NCCL's or CUDA's error text), and whether a peer failed (`comm_aborted`) or
+  /// this participant's own call did (`comm_error`).
+  std::string error;
+  bool peer_failed = true;
+  /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
+  /// is then the whole message, listing each participant's call.
+  bool mismatch = false;
+
+  [[nodiscard]] static stream_poll pending() { return {}; }
+  [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
+  [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
+    return {state::failed, std::move(why), peer};
+  }
+  [[nodiscard]] static stream_poll mismatched(std::string message) {
+    return {state::failed, std::move(message), false, true};
+  }
+};
+
+/// @brief A request that completes when its stream event does. Movable, not copyable; destroying a
+/// pending request does not wait (the work stays ordered on its stream) and returns its event.
+template <class Channel>
+class basic_stream_request {
+ public:
+  using event_type = typename Channel::event_type;
+
+  /// An empty request: already complete.
+  basic_stream_request() = default;
+
+  /// @brief A pending request for `op`, whose completion `event` marks; waits end with
+  /// `comm_timeout` after `timeout` (zero or negative: never).
+  basic_stream_request(std::shared_ptr<Channel> channel, event_type event, std::string op,
+                       std::chrono::nanoseconds timeout)
+      : channel_(std::move(channel)), event_(event), op_(std::move(op)), state_(state::pending) {
+    if (timeout.count() > 0) deadline_ = std::chrono::steady_clock::now() + timeout;
+  }
+
+  basic_stream_request(basic_stream_request&& o) noexcept { *this = std::move(o); }
+  basic_stream_request& operator=(basic_stream_request&& o) noexcept {
+    if (this != &o) {
+      give_back();
+      channel_ = std::move(o.channel_);
+      event_ = o.event_;
+      has_event_ = std::exchange(o.has_event_, false);
+      op_ = std::move(o.op_);
+      state_ = std::exchange(o.state_, state::empty);
+      deadline_ = o.deadline_;
+      failure_ = std::move(o.failure_);
+      failure_is_timeout_ = o.failure_is_timeout_;
+      failure_is_abort_ = o.failure_is_abort_;
+      failure_is_mismatch_ = o.failure_is_mismatch_;
+    }
+    return *this;
+  }
+  basic_stream_request(const basic_stream_request&) = delete;
+  basic_stream_request& operator=(const basic_stream_request&) = delete;
+  ~basic_stream_request() { give_back(); }
+
+  /// @brief Whether the operation is complete, without blocking.
+  /// @throws comm_aborted, comm_timeout or comm_error as `wait()`.
+  [[nodiscard]] bool test() {
+    switch (state_) {
+      case state::empty:
+      case state::complete: return true;
+      case state::failed: rethrow();
+      case state::pending: break;
+    }
+    return step();
+  }
+
+  /// @brief Blocks until the operation is complete (its receive buffers hold the result).
+  /// @throws comm_aborted when the channel reports an error (a peer failed, the communicator was
+  /// aborted), comm_timeout when the deadline passes first (the channel is aborted then too).
+  void wait() {
+    while (!test()) std::this_thread::yield();
+  }
+
+  /// Whether the request is still pending (neither complete nor failed).
+  [[nodiscard]] bool pending() const noexcept { return state_ == state::pending; }
+  /// The operation's name, as in error messages.
+  [[nodiscard]] const std::string& operation() const noexcept { return op_; }
+
+ private:
+  enum class state { empty, pending, complete, failed };
+
+  bool step() {
+    stream_poll p = channel_->poll(event_);
+    if (p.status == stream_poll::state::complete) {
+      state_ = state::complete;
+      give_back();
+      return true;
+    }
+    if (p.status == stream_poll::state::failed && p.mismatch) {
+      failure_is_mismatch_ = true;
+      fail(p.error.starts_with("meshlib: ") ? p.error.substr(9) : p.error, false, false);
+    } else if (p.status == stream_poll::state::failed) {
+      fail(channel_->describe(op_) + " failed: " + p.error, false, p.peer_failed);
+    } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
+      fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
+               std::to_string(timeout_ms()) + " ms); a peer never joined, or the collectives were called in "
+               "different orders (NCCL cannot tell); the communicator was aborted",
+           true, false);
+    }
+    return false;
+  }
+  [[nodiscard]] long long timeout_ms() const noexcept {
+    // Recomputed for the message only: the deadline minus the creation time is not kept.
+    return channel_ ? channel_->timeout_ms() : 0;
+  }
+  [[noreturn]] void fail(std::string message, bool timeout, bool aborted) {
+    failure_ = "meshlib: " + std::move(message);
+    failure_is_timeout_ = timeout;
+    failure_is_abort_ = aborted;
+    state_ = state::failed;
+    channel_->abort(failure_, timeout);
+    give_back();
+    rethrow();
+  }
+  [[noreturn]] void rethrow() const {
+    if (failure_is_mismatch_) throw collective_mismatch(failure_);
+    if (failure_is_timeout_) throw comm_timeout(failure_);
+    if (failure_is_abort_) throw comm_aborted(failure_);
+    throw comm_error(failure_);
+  }
+  void give_back() noexcept {
+    if (channel_ && has_event_) channel_->release(event_);
+    has_event_ = false;
+  }
+
+  std::shared_ptr<Channel> channel_;
+  event_type event_{};
+  bool has_event_ = true;
+  std::string op_;
+  state state_ = state::empty;
+  std::optional<std::chrono::steady_clock::time_point> deadline_;
+  std::string failure_;
+  bool failure_is_timeout_ = false;
+  bool failure_is_abort_ = false;
+  bool failure_is_mismatch_ = false;
+};
+
+}  // namespace meshlib
+// end meshlib/comm/nccl/stream_request.hpp
+// begin meshlib/comm/nccl/detail/stream_state.hpp
+/// @file
+/// @brief What the two device communicators' participants have in common: a GPU, a stream (owned
+/// or borrowed), a pool of completion events, options, and the failure that refuses later calls.
+/// The base of `nccl_comm_state` and `shared_gpu_state` (the `Channel`s of their requests).
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <concepts>
+#include <type_traits>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief The execution context of the device communicators: the CUDA stream an operation is
+/// enqueued on. Default-constructed it means "the communicator's own stream"; it converts from a
+/// `cudaStream_t` and from any execution-space instance with `cuda_stream()` (`Kokkos::Cuda`),
+/// without meshlib including Kokkos' CUDA headers.
+class cuda_stream_ref {
+ public:
+  /// The communicator's bound stream.
+  constexpr cuda_stream_ref() noexcept = default;
+  /// `s` (`nullptr` is CUDA's legacy default stream, not "unset").
+  constexpr cuda_stream_ref(cudaStream_t s) noexcept : stream_(s), given_(true) {}  // NOLINT: implicit, as a stream
+  /// The stream of a Kokkos CUDA execution-space instance (anything with `cuda_stream()`).
+  template <class Exec>
+    requires(!std::same_as<std::remove_cvref_t<Exec>, cuda_stream_ref>) && requires(const Exec& e) {
+      { e.cuda_stream() } -> std::convertible_to<cudaStream_t>;
+    }
+  cuda_stream_ref(const Exec& exec) : cuda_stream_ref(static_cast<cudaStream_t>(exec.cuda_stream())) {}  // NOLINT
+
+  /// Whether a stream was given.
+  [[nodiscard]] constexpr bool given() const noexcept { return given_; }
+  /// The given stream, or `fallback` when none was.
+  [[nodiscard]] constexpr cudaStream_t or_else(cudaStream_t fallback) const noexcept { return given_ ? stream_ : fallback; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  bool given_ = false;
+};
+
+/// @brief Options of the device communicators (`nccl_communicator`, `shared_gpu_communicator`).
+struct nccl_comm_options {
+  /// The GPU of this participant; negative: the calling thread's current device.
+  int device = -1;
+  /// The stream the communicator is bound to; unset: a new non-blocking stream it owns.
+  cuda_stream_ref stream{};
+  /// How long `wait()` lets an operation run before the communicator is aborted with
+  /// `comm_timeout`. Zero or negative: no deadline.
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
+  /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
+  bool check_pointers = true;
+  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
+  /// type, count, reduce op, root) on the stream, so that participants that disagree get
+  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
+  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
+  /// channel), hence off by default; the shared-GPU communicator always checks (its host
+  /// rendezvous carries the check for free).
+  bool verify_collectives = false;
+};
+
+namespace detail {
+
+/// Makes `device` the calling thread's current CUDA device for a scope.
+class cuda_device_scope {
+ public:
+  cuda_device_scope(int device, std::string_view what) {
+    check_cuda(cudaGetDevice(&previous_), what, "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), what, "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~cuda_device_scope() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
+  }
+  cuda_device_scope(const cuda_device_scope&) = delete;
+  cuda_device_scope& operator=(const cuda_device_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+/// The same, for destructors: never throws, does nothing without a device.
+struct cuda_device_scope_noexcept {
+  int previous = -1;
+  explicit cuda_device_scope_noexcept(int d) noexcept {
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    else if (previous != d) (void)cudaSetDevice(d);
+  }
+  ~cuda_device_scope_noexcept() {
+    if (previous >= 0) (void)cudaSetDevice(previous);
+  }
+  cuda_device_scope_noexcept(const cuda_device_scope_noexcept&) = delete;
+  cuda_device_scope_noexcept& operator=(const cuda_device_scope_noexcept&) = delete;
+};
+
+/// What is wrong with a buffer that must be device (or managed) memory of GPU `device`, or empty:
+/// a host pointer would crash a kernel instead of failing.
+[[nodiscard]] inline std::string device_buffer_problem(std::string_view name, const void* p, std::size_t bytes, int device) {
+  if (bytes == 0) return {};
+  cudaPointerAttributes a{};
+  const cudaError_t rc = cudaPointerGetAttributes(&a, p);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string(name) + " buffer is not memory CUDA knows (" + cuda_error_text(rc) +
+           "); device communicators move device memory";
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    return std::string(name) + " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)";
+  if (a.type == cudaMemoryTypeDevice && a.device != device)
+    return std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
+           std::to_string(device);
+  return {};
+}
+
+/// A participant's GPU, stream, events, options and failure.
+struct stream_state {
+  using event_type = cudaEvent_t;
+
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<void> stream_owner;  ///< holds a stream this participant (or its parent) created
+  nccl_comm_options options;
+  std::vector<cudaEvent_t> free_events;
+
+  mutable std::mutex mutex;  ///< guards the failure (and the NCCL communicator) against abort() from another thread
+  std::atomic<bool> failed{false};
+  bool failed_by_timeout = false;
+  std::string failure;
+
+  stream_state() = default;
+  stream_state(const stream_state&) = delete;
+  stream_state& operator=(const stream_state&) = delete;
+  ~stream_state() {
+    cuda_device_scope_noexcept g(device);
+    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
+  }
+
+  [[nodiscard]] long long timeout_ms() const noexcept {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
+  }
+  /// Records the root cause (without its "meshlib: " prefix); false when one was recorded already.
+  bool record_failure(const std::string& reason, bool by_timeout) {
+    if (failed.load()) return false;
+    constexpr std::string_view prefix = "meshlib: ";
+    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
+    failed_by_timeout = by_timeout;
+    failed.store(true);
+    return true;
+  }
+  /// Throws the refusal of operation `where` when the participant has failed.
+  void refuse_if_failed(const std::string& where) const {
+    if (!failed.load()) return;
+    std::lock_guard lock(mutex);
+    const std::string m = "meshlib: refused " + where + ": the communicator has failed: " + failure;
+    if (failed_by_timeout) throw comm_timeout(m);
+    throw comm_aborted(m);
+  }
+  cudaEvent_t acquire_event(std::string_view what) {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
+    return e;
+  }
+  void release(cudaEvent_t e) noexcept {
+    try {
+      free_events.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/stream_state.hpp
+// begin meshlib/comm/nccl/nccl_communicator.hpp
+/// @file
+/// @brief The NCCL communicator: one participant per GPU, collectives on device buffers, ordered on
+/// a CUDA stream. Satisfies `communicator`.
+///
+/// @code
+/// // one process per GPU (ids exchanged by MPI: <meshlib/comm/nccl/mpi_bootstrap.hpp>, or by the
+/// // launcher's environment: meshlib::nccl::connect_from_environment in <meshlib/nccl.hpp>)
+/// meshlib::nccl_communicator comm(id, nranks, rank, {.device = local_rank});
+/// float* x = nullptr;
+/// cudaMalloc(&x, n * sizeof(float));
+/// auto r = comm.all_reduce(std::span(x, n), meshlib::reduce_op::sum);   // enqueued on comm.stream()
+/// r.wait();                                                             // or keep computing on the stream
+/// @endcode
+///
+/// Streams. Every communicator is bound to one CUDA stream (`nccl_comm_options::stream`: the
+/// stream of the Kokkos execution-space instance the device computes on, e.g.
+/// `{.stream = Kokkos::Cuda(...)}`, or any `cudaStream_t`; by default a new non-blocking stream
+/// the communicator owns). Every operation enqueues its NCCL calls on that stream, or on the
+/// stream given as its last argument, and returns at once with a request that completes when an
+/// event recorded after the calls does. Kernels before the call on the same stream are ordered
+/// before it, kernels after it see its result: no host synchronisation in between. Buffers are
+/// device memory (checked with `cudaPointerGetAttributes` unless `check_pointers` is off).
+///
+/// Faults. The communicator is created non-blocking (`ncclCommInitRankConfig` with
+/// `blocking = 0`), so no NCCL call blocks the host. `wait()` polls the event and
+/// `ncclCommGetAsyncError` against the timeout (`MESHLIB_COMM_TIMEOUT`, default 60 s); an
+/// asynchronous error or a passed deadline calls `ncclCommAbort` and throws `comm_aborted` or
+/// `comm_timeout` naming the operation and NCCL's error text. After that every operation is
+/// refused with the same root cause. Every CUDA and NCCL return code is checked
+/// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
+/// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
+/// collective, or another count): they end in the timeout.
+///
+/// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
+/// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
+/// finalizes the communicator (`ncclCommFinalize`, which waits for the peers to finalize too, then
+/// `ncclCommDestroy`; `ncclCommAbort` if that does not finish within the timeout): communicators of
+/// several GPUs in one process are destroyed concurrently (`run_on_gpus` does, and
+/// `destroy_communicators` for the result of `nccl_communicators`).
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/nccl/detail/call_fingerprint.hpp
+/// @file
+/// @brief A collective call packed into one int64, so that a device communicator can compare every
+/// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
+/// in the `collective_mismatch` message what each participant called.
+///
+/// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
+/// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+struct call_fingerprint {
+  op_kind op = op_kind::barrier;
+  int type = -1;     ///< datatype, or -1
+  int reduce = -1;   ///< reduce_op, or -1
+  int root = -1;     ///< or -1
+  std::uint64_t count = 0;
+
+  [[nodiscard]] std::int64_t pack() const noexcept {
+    const std::uint64_t t = type < 0 ? 15u : static_cast<std::uint64_t>(type);
+    const std::uint64_t r = reduce < 0 ? 7u : static_cast<std::uint64_t>(reduce);
+    const std::uint64_t o = root < 0 ? 65535u : static_cast<std::uint64_t>(root) & 0xffffu;
+    const std::uint64_t bits = static_cast<std::uint64_t>(op) | (t << 5) | (r << 9) | (o << 12) |
+                               ((count & ((std::uint64_t{1} << 36) - 1)) << 28);
+    return static_cast<std::int64_t>(bits);
+  }
+  [[nodiscard]] static call_fingerprint unpack(std::int64_t packed) noexcept {
+    const auto bits = static_cast<std::uint64_t>(packed);
+    call_fingerprint f;
+    f.op = static_cast<op_kind>(bits & 31u);
+    const auto t = static_cast<int>((bits >> 5) & 15u);
+    const auto r = static_cast<int>((bits >> 9) & 7u);
+    const auto o = static_cast<int>((bits >> 12) & 0xffffu);
+    f.type = t == 15 ? -1 : t;
+    f.reduce = r == 7 ? -1 : r;
+    f.root = o == 65535 ? -1 : o;
+    f.count = bits >> 28;
+    return f;
+  }
+  /// "all_reduce(float32, 8 elements, sum)", "broadcast(int64, 3 elements, root 1)", "barrier()".
+  [[nodiscard]] std::string text() const {
+    std::string s(op_name(op));
+    s += "(";
+    if (op != op_kind::barrier) {
+      s += type >= 0 && type <= 4 ? std::string(to_string(static_cast<datatype>(type))) : std::string("-");
+      s += ", " + std::to_string(count) + " elements";
+      if (reduce >= 0 && reduce <= 4) s += ", " + std::string(to_string(static_cast<reduce_op>(reduce)));
+      if (root >= 0) s += ", root " + std::to_string(root);
+    }
+    return s + ")";
+  }
+};
+
+/// The `collective_mismatch` message for the gathered fingerprints (one per rank), or empty when
+/// they agree.
+[[nodiscard]] inline std::string mismatch_message(std::string_view seen_by, std::span<const std::int64_t> all) {
+  bool agree = true;
+  for (std::int64_t f : all) agree = agree && f == all[0];
+  if (agree) return {};
+  std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    m += " rank " + std::to_string(r) + " called " + call_fingerprint::unpack(all[r]).text() + (r + 1 < all.size() ? ";" : "");
+  return m;
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/call_fingerprint.hpp
+
+namespace meshlib {
+
+namespace detail {
+
+/// The NCCL communicator, stream and event pool shared by the handles and requests of one
+/// participant: the `Channel` of `basic_stream_request`.
+struct nccl_comm_state : stream_state {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int* scratch = nullptr;  ///< one device int: the payload of barrier()
+
+  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
+  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
+  static constexpr int check_slots = 64;
+  std::int64_t* check_dev = nullptr;
+  std::int64_t* check_host = nullptr;
+  struct pending_check {
+    cudaEvent_t event;
+    int slot;
+  };
+  std::deque<pending_check> checks;
+  int next_slot = 0;
+
+  nccl_comm_state() = default;
+
+  ~nccl_comm_state() {
+    cuda_device_scope_noexcept g(device);
+    if (comm != nullptr && !failed.load()) {
+      // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
+      // within the timeout (a peer is gone) is an abort.
+      const ncclResult_t fin = ncclCommFinalize(comm);  // non-blocking: usually ncclInProgress
+      bool clean = fin == ncclSuccess || fin == ncclInProgress;
+      if (clean) clean = settle_for_destroy();
+      if (clean) (void)ncclCommDestroy(comm);
+      else (void)ncclCommAbort(comm);
+    }
+    if (scratch != nullptr) (void)cudaFree(scratch);
+    for (const auto& c : checks) (void)cudaEventDestroy(c.event);
+    if (check_dev != nullptr) (void)cudaFree(check_dev);
+    if (check_host != nullptr) (void)cudaFreeHost(check_host);
+  }
+
+  /// Compares the fingerprints of every check whose copies have arrived: the message of the first
+  /// disagreement, else empty. Never blocks.
+  std::string compare_checks(std::string* cuda_failure) {
+    for (auto it = checks.begin(); it != checks.end();) {
+      const cudaError_t q = cudaEventQuery(it->event);
+      if (q == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      if (q != cudaSuccess) {
+        (void)cudaGetLastError();
+        *cuda_failure = "cudaEventQuery failed: " + cuda_error_text(q);
+        return {};
+      }
+      const auto slot = static_cast<std::size_t>(it->slot);
+      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
+      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
+                                           std::to_string(device),
+                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
+      release(it->event);
+      it = checks.erase(it);
+      if (!m.empty()) return m;
+    }
+    return {};
+  }
+
+  /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
+  [[nodiscard]] std::string describe(std::string_view op) const {
+    return std::string(op) + " on NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " (GPU " +
+           std::to_string(device) + ")";
+  }
+  /// One look at `event` and at the communicator's asynchronous error; never blocks.
+  stream_poll poll(cudaEvent_t event) {
+    std::lock_guard lock(mutex);
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    // The event first: when it has completed, so has this operation's check (enqueued before it on
+    // the same stream), which compare_checks then sees.
+    const cudaError_t q = cudaEventQuery(event);
+    std::string cuda_failure;
+    if (std::string m = compare_checks(&cuda_failure); !m.empty()) return stream_poll::mismatched(std::move(m));
+    if (!cuda_failure.empty()) return stream_poll::failed(cuda_failure, false);
+    if (q == cudaSuccess) return stream_poll::complete();
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
+    }
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
+    if (rc != ncclSuccess) return stream_poll::failed("ncclCommGetAsyncError failed: " + nccl_result_text(rc), false);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const char* last = ncclGetLastError(comm);
+      return stream_poll::failed(nccl_result_text(async) + (last != nullptr && *last ? std::string(": ") + last : ""));
+    }
+    return stream_poll::pending();
+  }
+
+  /// Aborts the NCCL communicator (its kernels stop, peers see ncclRemoteError) and records why;
+  /// later operations are refused with `reason`. Idempotent, callable from any thread.
+  void abort(const std::string& reason, bool by_timeout = false) {
+    std::lock_guard lock(mutex);
+    if (!record_failure(reason, by_timeout)) return;
+    if (comm != nullptr) {
+      cuda_device_scope_noexcept g(device);
+      (void)ncclCommAbort(comm);
+    }
+  }
+
+ private:
+  bool settle_for_destroy() noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::hours(1));
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess) return false;
+      if (async == ncclSuccess) return true;
+      if (async != ncclInProgress || std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::yield();
+    }
+  }
+};
+
+}  // namespace detail
+
+/// @brief The request of the NCCL communicator: completes when the event recorded after the
+/// operation's NCCL calls does (see `basic_stream_request`).
+using nccl_request = basic_stream_request<detail::nccl_comm_state>;
+
+/// @brief One GPU's handle on an NCCL communicator. Copies share it.
+class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
+  friend class communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref>;
+
+ public:
+
+  /// An empty handle; only assignable and destructible.
+  nccl_communicator() = default;
+
+  /// @brief Joins the group of `nranks` participants that share `id` as participant `rank`
+  /// (collective over the group: every participant makes this call, each with its own GPU).
+  /// @throws comm_argument_error for a rank outside [0, nranks) or a device that does not exist;
+  /// comm_timeout when the group is not complete within the timeout; comm_error when NCCL fails.
+  nccl_communicator(const ncclUniqueId& id, int nranks, int rank, nccl_comm_options options = {}) {
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+      throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
+                                " is outside a group of " + std::to_string(nranks) +
+                                " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    auto s = make_state(options, rank, nranks, "nccl_communicator");
+    {
+      detail::cuda_device_scope g(s->device, "nccl_communicator");
+      ncclConfig_t config = nonblocking_config();
+      ncclUniqueId copy = id;
+      init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
+    }
+    state_ = std::move(s);
+  }
+
+  /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
+  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
+
+  /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
+  [[nodiscard]] static ncclUniqueId new_unique_id() {
+    ncclUniqueId id{};
+    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
+    return id;
+  }
+
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// The GPU of this participant.
+  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The stream the communicator is bound to.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// NCCL's communicator, for calls meshlib does not wrap.
+  [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
+  [[nodiscard]] const nccl_comm_options& options() const {
+    require_valid("options");
+    return state_->options;
+  }
+  /// Whether the communicator has failed (aborted, or an operation timed out).
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
+
+  /// @brief Aborts the communicator (`ncclCommAbort`): outstanding operations of every participant
+  /// end in `comm_aborted` naming `reason`. Any thread may call it.
+  void abort(std::string_view reason) {
+    require_valid("abort");
+    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
+  }
+
+  // The operations (all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all,
+  // all_to_all_v, ppermute, send, recv, barrier, in every overload) and their argument checks come
+  // from communicator_frontend; `transport` below is the NCCL part.
+
+  /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
+  /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
+  nccl_communicator split(int color, int key) {
+    constexpr std::string_view k = "split";
+    check_split(color);
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = state_->options;
+    s->device = state_->device;
+    s->stream = state_->stream;
+    s->stream_owner = state_->stream_owner;
+    {
+      detail::cuda_device_scope g(s->device, state_->describe(k));
+      ncclConfig_t config = nonblocking_config();
+      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
+      if (rc != ncclSuccess && rc != ncclInProgress) {
+        fail_with(k, "ncclCommSplit", rc);
+      }
+      settle_new(*s, state_->describe(k), "ncclCommSplit");
+      call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
+      call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
+      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
+    }
+    return nccl_communicator(std::move(s));
+  }
+
+  // ---- for creation functions ------------------------------------------------------------------
+
+  /// The non-blocking configuration every meshlib NCCL communicator is made with.
+  [[nodiscard]] static ncclConfig_t nonblocking_config() noexcept {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    return config;
+  }
+  /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
+  /// communicator yet.
+  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
+                                                                           int nranks, std::string_view what) {
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = options;
+    s->rank = rank;
+    s->size = nranks;
+    int count = 0;
+    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+    int device = options.device;
+    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    if (device >= count)
+      throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
+                                " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
+    s->device = device;
+    detail::cuda_device_scope g(device, what);
+    if (options.stream.given()) {
+      s->stream = options.stream.or_else(nullptr);
+    } else {
+      cudaStream_t st = nullptr;
+      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
+      s->stream = st;
+      s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
+        int prev = 0;
+        const bool ok = cudaGetDevice(&prev) == cudaSuccess;
+        (void)cudaSetDevice(device);
+        (void)cudaStreamDestroy(static_cast<cudaStream_t>(p));
+        if (ok) (void)cudaSetDevice(prev);
+      });
+    }
+    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
+    return s;
+  }
+  /// Checks the result of a communicator-creating call and polls the new communicator until it is
+  /// ready (non-blocking creation returns ncclInProgress), against the timeout.
+  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
+    const std::string what = s.describe("nccl_communicator creation");
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
+    settle_new(s, what, call_name);
+  }
+
+ private:
+  // ---- enqueueing ------------------------------------------------------------------------------
+
+  template <class F>
+  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
+                       F&& calls) {
+    detail::cuda_device_scope g(state_->device, state_->describe(k));
+    const cudaStream_t s = ctx.or_else(state_->stream);
+    if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
+    calls(s);
+    cudaEvent_t ev = state_->acquire_event(state_->describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+  template <class T>
+  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+                                     int root = -1) {
+    detail::call_fingerprint f;
+    f.op = op;
+    if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
+    else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
+    f.reduce = r ? static_cast<int>(*r) : -1;
+    f.root = root;
+    f.count = count;
+    return f;
+  }
+  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
+  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
+  void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
+    auto& st = *state_;
+    const auto n1 = static_cast<std::size_t>(st.size + 1);
+    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
+    if (st.check_dev == nullptr) {
+      cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
+      cuda_call(k, "cudaHostAlloc",
+                cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
+    }
+    const int slot = st.next_slot;
+    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
+    // The slot's previous check must have been compared before its memory is reused.
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      bool busy = false;
+      for (const auto& c : st.checks) busy = busy || c.slot == slot;
+      if (!busy) break;
+      std::string cuda_failure;
+      std::string m;
+      {
+        std::lock_guard lock(st.mutex);
+        m = st.compare_checks(&cuda_failure);
+      }
+      if (!m.empty()) {
+        st.abort(m);
+        throw collective_mismatch(m);
+      }
+      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
+        st.abort(t, true);
+        throw comm_timeout(t);
+      }
+      std::this_thread::yield();
+    }
+    std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
+    std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
+    host[0] = fp;
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
+    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
+    cuda_call(k, "cudaMemcpyAsync",
+              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost, s));
+    cudaEvent_t ev = st.acquire_event(st.describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    st.checks.push_back({ev, slot});
+  }
+  /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
+  void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    if (rc == ncclSuccess) return;
+    if (rc == ncclInProgress) {
+      settle(k, name);
+      return;
+    }
+    fail_with(k, name, rc);
+  }
+  [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    const char* last = ncclGetLastError(state_->comm);
+    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
+                                                            last != nullptr ? std::string_view(last) : std::string_view{});
+    // Argument errors leave the communicator usable; anything else may have left it half-way
+    // through a collective, so it is aborted and later calls are refused.
+    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
+    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
+  }
+  void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
+    if (rc == cudaSuccess) return;
+    detail::check_cuda(rc, state_->describe(k), name);
+  }
+  /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
+  void settle(std::string_view k, std::string_view name) const {
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
+      if (rc != ncclSuccess) fail_with(k, "ncclCommGetAsyncError", rc);
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) fail_with(k, name, async);
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        const std::string m = "meshlib: " + state_->describe(k) + ": " + std::string(name) +
+                              " was not issued within the communicator's timeout (" +
+                              std::to_string(state_->timeout_ms()) + " ms); the communicator was aborted";
+        state_->abort(m, true);
+        throw comm_timeout(m);
+      }
+      std::this_thread::yield();
+    }
+  }
+  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+    const auto deadline = s.options.timeout.count() > 0
+                              ? std::optional(std::chrono::steady_clock::now() + s.options.timeout)
+                              : std::nullopt;
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
+      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) {
+        const std::string last = ncclGetLastError(s.comm);
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        detail::check_nccl(async, what, name, last.c_str());
+      }
+      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        throw comm_timeout("meshlib: " + what + ": " + std::string(name) + " did not complete within the timeout (" +
+                           std::to_string(s.timeout_ms()) + " ms); not every participant joined the group");
+      }
+      std::this_thread::yield();
+    }
+  }
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> deadline_from_now() const {
+    if (state_->options.timeout.count() <= 0) return std::nullopt;
+    return std::chrono::steady_clock::now() + state_->options.timeout;
+  }
+  /// Runs the NCCL calls of `body` as one group (`ncclGroupStart`/`ncclGroupEnd`).
+  template <class F>
+  void group(std::string_view k, F&& body) const {
+    call(k, "ncclGroupStart", ncclGroupStart());
+    try {
+      body();
+    } catch (...) {
+      (void)ncclGroupEnd();
+      throw;
+    }
+    call(k, "ncclGroupEnd", ncclGroupEnd());
+  }
+  template <class T>
+  void exchange_blocks(std::string_view k, const T* send, T* recv, std::size_t c, cudaStream_t s) const {
+    group(k, [&] {
+      for (int p = 0; p < size(); ++p) {
+        const std::size_t off = static_cast<std::size_t>(p) * c;
+        call(k, "ncclSend", ncclSend(send + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+        call(k, "ncclRecv", ncclRecv(recv + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+      }
+    });
+  }
+  template <class T>
+  void permute(std::string_view k, const T* send, T* recv, std::size_t n, std::span<const permute_pair> pairs,
+               cudaStream_t s) const {
+    const int me = rank();
+    const permute_pair* incoming = nullptr;
+    for (const auto& p : pairs)
+      if (p.dest == me) incoming = &p;
+    if (incoming == nullptr) {
+      cuda_call(k, "cudaMemsetAsync", cudaMemsetAsync(recv, 0, n * sizeof(T), s));  // all-zero bits are 0 in every type
+    } else if (incoming->source == me) {
+      cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(recv, send, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    }
+    group(k, [&] {
+      for (const auto& p : pairs) {
+        if (p.source == p.dest) continue;
+        if (p.source == me) call(k, "ncclSend", ncclSend(send, n, nccl_datatype_of<T>, p.dest, state_->comm, s));
+        if (p.dest == me) call(k, "ncclRecv", ncclRecv(recv, n, nccl_datatype_of<T>, p.source, state_->comm, s));
+      }
+    });
+  }
+  /// Runs `body(copy)` with a stream-ordered device copy of buf (`cudaMallocAsync`, freed after).
+  template <class T, class F>
+  void with_copy(std::string_view k, std::span<T> buf, cudaStream_t s, F&& body) const {
+    if (buf.empty()) {
+      body(static_cast<const T*>(nullptr));
+      return;
+    }
+    void* copy = nullptr;
+    cuda_call(k, "cudaMallocAsync", cudaMallocAsync(&copy, buf.size_bytes(), s));
+    struct release {
+      void* p;
+      cudaStream_t s;
+      ~release() { (void)cudaFreeAsync(p, s); }
+    } r{copy, s};
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(copy, buf.data(), buf.size_bytes(), cudaMemcpyDeviceToDevice, s));
+    body(static_cast<const T*>(copy));
+  }
+
+  // ---- the front end's hooks ---------------------------------------------------------------------
+
+  [[nodiscard]] std::string label() const { return "NCCL rank " + std::to_string(rank()); }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty nccl_communicator handle (default-constructed or moved from)");
+  }
+  void ensure_usable(detail::op_kind k) const {
+    require_valid(detail::op_name(k));
+    state_->refuse_if_failed(state_->describe(detail::op_name(k)));
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    state_->refuse_if_failed(state_->describe(k));
+  }
+  /// A buffer of `elems` elements of T must be device memory of this GPU.
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (!state_->options.check_pointers) return;
+    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
+      this->bad_argument(K, problem);
+  }
+
+  /// The NCCL transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const ncclDataType_t t = nccl_datatype_of<T>;
+    const ncclRedOp_t r = to_nccl(o.op);
+    auto fingerprint = [&](int root = -1, bool reducing = false) {
+      return fp<T>(K, K == op_kind::all_to_all_v ? 0 : c, reducing ? std::optional(o.op) : std::nullopt, root);
+    };
+    if constexpr (K == op_kind::all_reduce) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root, true), [&](cudaStream_t s) {
+        call(k, "ncclReduce", ncclReduce(o.send, o.recv, c, t, r, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclReduceScatter", ncclReduceScatter(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root), [&](cudaStream_t s) {
+        call(k, "ncclBroadcast", ncclBroadcast(o.send, o.recv, c, t, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        call(k, "ncclAllGather", ncclAllGather(o.send, o.recv, c, t, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_to_all) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c * n), s, [&](const T* copy) { exchange_blocks<T>(k, copy, o.recv, c, s); });
+        else
+          exchange_blocks<T>(k, o.send, o.recv, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      std::size_t send_end = 0;
+      std::size_t recv_end = 0;
+      for (std::size_t j = 0; j < n; ++j) {
+        send_end = std::max(send_end, static_cast<std::size_t>(o.v[0][j] + o.v[1][j]));
+        recv_end = std::max(recv_end, static_cast<std::size_t>(o.v[2][j] + o.v[3][j]));
+      }
+      device_buffer<K>("send", o.send, send_end);
+      device_buffer<K>("receive", o.recv, recv_end);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        group(k, [&] {
+          for (std::size_t j = 0; j < n; ++j) {
+            const int p = static_cast<int>(j);
+            if (o.v[0][j] > 0)
+              call(k, "ncclSend", ncclSend(o.send + o.v[1][j], static_cast<std::size_t>(o.v[0][j]), t, p, state_->comm, s));
+            if (o.v[2][j] > 0)
+              call(k, "ncclRecv", ncclRecv(o.recv + o.v[3][j], static_cast<std::size_t>(o.v[2][j]), t, p, state_->comm, s));
+          }
+        });
+      });
+    } else if constexpr (K == op_kind::ppermute) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c), s, [&](const T* copy) { permute<T>(k, copy, o.recv, c, o.pairs, s); });
+        else
+          permute<T>(k, o.send, o.recv, c, o.pairs, s);
+      });
+    } else if constexpr (K == op_kind::send || K == op_kind::recv) {
+      if (o.tag != 0)
+        this->bad_argument(K, "tag " + std::to_string(o.tag) +
+                                  " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
+      if constexpr (K == op_kind::send) {
+        device_buffer<K>("send", o.send, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclSend", ncclSend(o.send, c, t, o.peer, state_->comm, s));
+        });
+      } else {
+        device_buffer<K>("receive", o.recv, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclRecv", ncclRecv(o.recv, c, t, o.peer, state_->comm, s));
+        });
+      }
+    } else {
+      static_assert(K == op_kind::barrier);
+      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
+      });
+    }
+  }
+
+  std::shared_ptr<detail::nccl_comm_state> state_;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/nccl_communicator.hpp
+// begin meshlib/comm/nccl/run_on_gpus.hpp
+/// @file
+/// @brief One process driving several GPUs: `nccl_communicators(devices)` makes one communicator
+/// per GPU in one call, and `run_on_gpus(devices, fn)` runs `fn(comm)` on one runner thread per
+/// GPU, as `run_on_threads` does for the thread communicator.
+///
+/// @code
+/// const int gpus[] = {0, 1, 2, 3};
+/// meshlib::run_on_gpus(gpus, [&](meshlib::nccl_communicator& c) {   // thread r drives GPU gpus[r]
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::mean).wait();
+/// });
+/// @endcode
+///
+/// Creation follows `ncclCommInitAll` (one unique id, `ncclCommInitRank` for every GPU inside one
+/// `ncclGroupStart`/`ncclGroupEnd`), but with the non-blocking configuration every meshlib
+/// communicator has (`ncclCommInitAll` takes no configuration), so that a fault ends in an error
+/// instead of a hang. NCCL refuses two ranks on one GPU: `devices` must be distinct.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <exception>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief One NCCL communicator per GPU of `devices` (rank r on `devices[r]`), each bound to a new
+/// stream of its own unless `options.stream` is given (then it must be usable on every device).
+/// @throws comm_argument_error for an empty list, a repeated device or one that does not exist;
+/// comm_error, comm_timeout when NCCL fails.
+[[nodiscard]] inline std::vector<nccl_communicator> nccl_communicators(std::span<const int> devices,
+                                                                      nccl_comm_options options = {}) {
+  constexpr std::string_view what = "nccl_communicators";
+  if (devices.empty()) throw comm_argument_error("meshlib: nccl_communicators needs at least one GPU");
+  for (std::size_t i = 0; i < devices.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (devices[i] == devices[j])
+        throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
+                                  " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
+                                  "GPU, and the thread communicator between devices that share one)");
+  const int n = static_cast<int>(devices.size());
+  const ncclUniqueId id = nccl_communicator::new_unique_id();
+  std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
+  for (int r = 0; r < n; ++r) {
+    nccl_comm_options o = options;
+    o.device = devices[static_cast<std::size_t>(r)];
+    states.push_back(nccl_communicator::make_state(o, r, n, what));
+  }
+  {
+    ncclConfig_t config = nccl_communicator::nonblocking_config();
+    detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    for (int r = 0; r < n; ++r) {
+      auto& s = *states[static_cast<std::size_t>(r)];
+      detail::cuda_device_scope g(s.device, what);
+      ncclUniqueId copy = id;
+      const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, n, copy, r, &config);
+      if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    detail::check_nccl(first, what, "ncclCommInitRankConfig");
+    detail::check_nccl(end, what, "ncclGroupEnd");
+  }
+  std::vector<nccl_communicator> out;
+  for (auto& s : states) {
+    nccl_communicator::init_checked(*s, ncclInProgress, "ncclCommInitRankConfig");
+    out.emplace_back(std::move(s));
+  }
+  return out;
+}
+
+/// @brief Destroys communicators of several GPUs of this process concurrently, one thread each:
+/// finalizing one waits for its peers to finalize, so destroying them one after another from one
+/// thread would wait for the timeout. Leaves `comms` empty.
+inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms) threads.emplace_back([&c] { c = nccl_communicator{}; });
+  for (auto& t : threads) t.join();
+  comms.clear();
+}
+
+/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
+/// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
+/// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
+/// threads have ended `participant_error` is thrown for the first failure, its exception nested.
+template <class F>
+  requires std::is_invocable_v<F&, nccl_communicator&>
+void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
+  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+  const int n = static_cast<int>(comms.size());
+  std::vector<std::exception_ptr> errors(comms.size());
+  std::atomic<int> first{-1};
+  auto body = [&](int r) {
+    auto& c = comms[static_cast<std::size_t>(r)];
+    try {
+      detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
+      fn(c);
+    } catch (...) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      int none = -1;
+      first.compare_exchange_strong(none, r);
+      const std::string why = "participant " + std::to_string(r) + " failed: " +
+                              detail::what_of(errors[static_cast<std::size_t>(r)]);
+      for (auto& other : comms) other.abort(why);
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(comms.size());
+  try {
+    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  } catch (...) {
+    for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+    for (auto& t : threads) t.join();
+    throw;  // aborted communicators are released without finalizing
+  }
+  for (auto& t : threads) t.join();
+  destroy_communicators(comms);
+  const int root = first.load();
+  if (root < 0) return;
+  const auto& e = errors[static_cast<std::size_t>(root)];
+  try {
+    std::rethrow_exception(e);
+  } catch (...) {
+    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
+                                      " (GPU " + std::to_string(devices[static_cast<std::size_t>(root)]) +
+                                      ") failed: " + detail::what_of(e));
+  }
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/run_on_gpus.hpp
+// begin meshlib/comm/nccl/shared_gpu_communicator.hpp
+/// @file
+/// @brief Several mesh devices on one GPU: `shared_gpu_communicator`, one participant per device,
+/// each with its own CUDA stream on the same GPU, as JAX users test sharded programs with several
+/// CPU devices on one machine. NCCL refuses two ranks on one GPU, so the collectives run here:
+/// device-to-device copies (`cudaMemcpyAsync`) and one reduction kernel (detail/reduce_kernel.hpp,
+/// compiled at run time by NVRTC so that the library stays header-only for every host compiler).
+/// Satisfies `communicator`; same options (`nccl_comm_options`), requests and errors as the NCCL
+/// communicator.
+///
+/// @code
+/// meshlib::run_on_shared_gpu(4, [&](meshlib::shared_gpu_communicator& c) {   // 4 devices on GPU 0
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::sum).wait();
+/// });
+/// @endcode
+///
+/// How an operation runs. The participants meet on the host (a `thread_communicator`, which also
+/// gives them its fault handling: a participant that throws aborts the others' waits). Each
+/// records a "ready" event on its stream and publishes it with its buffer pointers and a
+/// descriptor of the call; the descriptors must agree (operation, type, count, root, pairs), else
+/// every participant throws `collective_mismatch` listing each rank's call. Each stream then waits
+/// for every peer's "ready" event and enqueues its share of the work: for the reductions,
+/// participant r reduces block r of every input and writes it to every output (one kernel, so the
+/// whole payload is read once and written once, and in-place works because blocks are disjoint);
+/// for data movement, each participant pushes or pulls its blocks with copies. Finally each stream
+/// records "done", the participants exchange those events, and each stream waits for all of them,
+/// so no participant reuses a buffer a peer still reads. Nothing blocks the host on the GPU: the
+/// request completes when the participant's stream passes that point.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/nccl/detail/reduce_kernel.hpp
+/// @file
+/// @brief The reduction kernel of several mesh devices on one GPU, compiled at run time with NVRTC
+/// (CUDA's run-time compiler, part of every CUDA toolkit) and launched through the CUDA runtime's
+/// library API. Why at run time: meshlib is header-only and its users compile with g++ or clang,
+/// not nvcc; a kernel in a `__CUDACC__` header would exist only in nvcc-compiled programs, and one
+/// through Kokkos only where Kokkos has CUDA. NVRTC keeps the kernel in this header, for every
+/// compiler, at the cost of one compilation per process (about 0.1-0.3 s, on first use).
+///
+/// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
+/// backend does, so results are bitwise those of the thread communicator: integer sums and products
+/// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
+/// combined in float and rounded once (nearest even, NaNs stay NaN), min/max keep the earlier value
+/// unless the later one compares less/greater. It writes the result to every output pointer, so
+/// that one launch per participant both reduces its block and distributes it.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nvrtc.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+/// Most participants one launch reduces (the pointer tables go by value in the kernel arguments).
+inline constexpr int max_local_devices = 32;
+
+/// Pointer tables passed by value: inputs and outputs of one launch.
+struct reduce_pointers {
+  const void* in[max_local_devices];
+  void* out[max_local_devices];
+};
+
+/// The kernels' source: one `extern "C"` kernel per element type, named `meshlib_reduce_<type>`.
+inline constexpr std::string_view reduce_kernel_source = R"(
+struct reduce_pointers { const void* in[32]; void* out[32]; };
+__device__ inline float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ inline unsigned short float_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
+  unsigned rounding = 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)((u + rounding) >> 16);
+}
+// op: 0 sum, 1 prod, 2 min, 3 max, 4 mean (meshlib::reduce_op's order)
+#define MESHLIB_REDUCE_KERNEL(NAME, T, ACC, UACC, LOAD, STORE, DIVIDE)                                   \
+extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned long long count, int op) { \
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;                        \
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) { \
+    ACC a = LOAD(((const T*)p.in[0])[i]);                                                               \
+    for (int k = 1; k < n_in; ++k) {                                                                    \
+      const ACC b = LOAD(((const T*)p.in[k])[i]);                                                       \
+      switch (op) {                                                                                     \
+        case 0: case 4: a = (ACC)((UACC)a + (UACC)b); break;                                            \
+        case 1: a = (ACC)((UACC)a * (UACC)b); break;                                                    \
+        case 2: a = b < a ? b : a; break;                                                               \
+        default: a = b > a ? b : a; break;                                                              \
+      }                                                                                                 \
+    }                                                                                                   \
+    if (op == 4) a = DIVIDE(a, n_in);                                                                   \
+    const T r = STORE(a);                                                                               \
+    for (int k = 0; k < n_out; ++k) ((T*)p.out[k])[i] = r;                                              \
+  }                                                                                                     \
+}
+#define MESHLIB_SAME(x) (x)
+#define MESHLIB_DIV(a, n) ((a) / (n))
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_float32, float, float, float, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_float64, double, double, double, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_int32, int, int, unsigned int, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_int64, long long, long long, unsigned long long, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_bfloat16, unsigned short, float, float, bf16_to_float, float_to_bf16, MESHLIB_DIV)
+)";
+
+/// The kernel name for element type `t`.
+[[nodiscard]] inline std::string reduce_kernel_name(datatype t) { return "meshlib_reduce_" + std::string(to_string(t)); }
+
+/// Compiles the kernels for `arch` (e.g. "compute_90") to PTX.
+/// @throws comm_error with NVRTC's log when compilation fails.
+[[nodiscard]] inline std::string compile_reduce_kernels(const std::string& arch) {
+  nvrtcProgram prog = nullptr;
+  auto check = [&](nvrtcResult rc, const char* call) {
+    if (rc == NVRTC_SUCCESS) return;
+    std::string log;
+    std::size_t size = 0;
+    if (prog != nullptr && nvrtcGetProgramLogSize(prog, &size) == NVRTC_SUCCESS && size > 1) {
+      log.resize(size);
+      (void)nvrtcGetProgramLog(prog, log.data());
+    }
+    if (prog != nullptr) (void)nvrtcDestroyProgram(&prog);
+    throw comm_error("meshlib: compiling the device reduction kernel: " + std::string(call) + " failed: " +
+                     nvrtcGetErrorString(rc) + (log.empty() ? "" : "\n" + log));
+  };
+  const std::string source(reduce_kernel_source);
+  check(nvrtcCreateProgram(&prog, source.c_str(), "meshlib_reduce.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
+  const std::string arch_opt = "--gpu-architecture=" + arch;
+  const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
+  check(nvrtcCompileProgram(prog, 2, opts), "nvrtcCompileProgram");
+  std::size_t size = 0;
+  check(nvrtcGetPTXSize(prog, &size), "nvrtcGetPTXSize");
+  std::string ptx(size, '\0');
+  check(nvrtcGetPTX(prog, ptx.data()), "nvrtcGetPTX");
+  (void)nvrtcDestroyProgram(&prog);
+  return ptx;
+}
+
+/// The loaded kernels of the current device's architecture, compiled once per process and
+/// architecture.
+class reduce_kernels {
+ public:
+  /// The kernel for `t` on the current device.
+  static cudaKernel_t get(datatype t, std::string_view what) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    int major = 0;
+    int minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), what, "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), what, "cudaDeviceGetAttribute");
+    const std::string arch = "compute_" + std::to_string(major * 10 + minor);
+    static std::mutex mutex;
+    static std::map<std::string, cudaLibrary_t> libraries;  // never unloaded: lives as long as the process
+    std::lock_guard lock(mutex);
+    auto it = libraries.find(arch);
+    if (it == libraries.end()) {
+      const std::string ptx = compile_reduce_kernels(arch);
+      cudaLibrary_t lib = nullptr;
+      check_cuda(cudaLibraryLoadData(&lib, ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0), what,
+                 "cudaLibraryLoadData");
+      it = libraries.emplace(arch, lib).first;
+    }
+    cudaKernel_t k = nullptr;
+    check_cuda(cudaLibraryGetKernel(&k, it->second, reduce_kernel_name(t).c_str()), what, "cudaLibraryGetKernel");
+    return k;
+  }
+};
+
+/// Enqueues on `stream`: out[j][i] = op over in[0..n_in)[i], for i < count and every output j.
+inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void*>& in, const std::vector<void*>& out,
+                          std::size_t count, cudaStream_t stream, std::string_view what) {
+  if (count == 0) return;
+  reduce_pointers p{};
+  for (std::size_t i = 0; i < in.size(); ++i) p.in[i] = in[i];
+  for (std::size_t i = 0; i < out.size(); ++i) p.out[i] = out[i];
+  int n_in = static_cast<int>(in.size());
+  int n_out = static_cast<int>(out.size());
+  unsigned long long n = count;
+  int o = static_cast<int>(op);
+  void* args[] = {&p, &n_in, &n_out, &n, &o};
+  const unsigned threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4096));
+  const cudaKernel_t k = reduce_kernels::get(t, what);
+  check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(k), dim3(blocks), dim3(threads), args, 0, stream), what,
+             "cudaLaunchKernel");
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/reduce_kernel.hpp
+
+namespace meshlib {
+
+namespace detail {
+
+/// One participant's stream, events and host handle: the `Channel` of its requests.
+struct shared_gpu_state : stream_state {
+  thread_communicator host;
+  cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
+  cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
+
+  shared_gpu_state() = default;
+  ~shared_gpu_state() {
+    cuda_device_scope_noexcept g(device);
+    if (ready != nullptr) (void)cudaEventDestroy(ready);
+    if (done != nullptr) (void)cudaEventDestroy(done);
+  }
+
+  [[nodiscard]] std::string describe(std::string_view op) const {
+    return std::string(op) + " on shared-GPU device " + std::to_string(host.rank()) + " of " +
+           std::to_string(host.size()) + " (GPU " + std::to_string(device) + ")";
+  }
+  stream_poll poll(cudaEvent_t event) {
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return stream_poll::complete();
+    if (q == cudaErrorNotReady) return stream_poll::pending();
+    (void)cudaGetLastError();
+    return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
+  }
+  void abort(const std::string& reason, bool by_timeout = false) {
+    {
+      std::lock_guard lock(mutex);
+      if (!record_failure(reason, by_timeout)) return;
+    }
+    if (host.valid()) (void)host.abort(failure);  // peers waiting on the host rendezvous stop too
+  }
+};
+
+/// The descriptor every participant publishes for a collective (int64 words, so that the host
+/// communicator's all_gather moves it).
+struct shared_gpu_call {
+  std::int64_t op = 0;      ///< detail::op_kind
+  std::int64_t type = -1;   ///< datatype, or -1
+  std::int64_t count = 0;   ///< elements (per rank, as the concept counts them)
+  std::int64_t root = -1;   ///< root, or -1
+  std::int64_t extra = 0;   ///< reduce op, or a hash of the ppermute pairs
+  std::int64_t send = 0;    ///< device pointers
+  std::int64_t recv = 0;
+  std::int64_t ready = 0;   ///< cudaEvent_t
+};
+static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
+
+}  // namespace detail
+
+/// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
+using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
+
+/// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
+/// handle belongs to one thread).
+class shared_gpu_communicator
+    : public communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref> {
+  friend class communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref>;
+
+ public:
+
+  shared_gpu_communicator() = default;
+
+  /// @brief Device `host.rank()` of `host.size()` on GPU `options.device` (default: current),
+  /// bound to `options.stream` (default: a new non-blocking stream). Not collective.
+  explicit shared_gpu_communicator(thread_communicator host, nccl_comm_options options = {}) {
+    if (!host.valid()) throw comm_argument_error("meshlib: shared_gpu_communicator needs a valid thread_communicator");
+    if (host.size() > detail::max_local_devices)
+      throw comm_argument_error("meshlib: shared_gpu_communicator: " + std::to_string(host.size()) +
+                                " devices on one GPU; at most " + std::to_string(detail::max_local_devices) + " are supported");
+    // The stream and device come from the same code as the NCCL communicator's.
+    auto base = nccl_communicator::make_state(options, host.rank(), host.size(), "shared_gpu_communicator");
+    auto s = std::make_shared<detail::shared_gpu_state>();
+    s->host = std::move(host);
+    s->device = base->device;
+    s->stream = base->stream;
+    s->stream_owner = base->stream_owner;
+    s->options = options;
+    {
+      detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
+      s->ready = s->acquire_event("shared_gpu_communicator");
+      s->done = s->acquire_event("shared_gpu_communicator");
+    }
+    state_ = std::move(s);
+  }
+
+  /// @brief Adopts a participant's state (for creation functions and tests).
+  explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
+
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->host.size() : 0; }
+  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
+  /// Aborts the group: every participant's pending and later calls fail naming `reason`.
+  void abort(std::string_view reason) {
+    require_valid("abort");
+    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
+  }
+
+  // The operations and their argument checks come from communicator_frontend; `transport` (below)
+  // is the shared-GPU part.
+
+  /// @brief Devices with the same `color` form a new group (`thread_communicator::split`), on the
+  /// same GPU and stream.
+  shared_gpu_communicator split(int color, int key) {
+    check_split(color);
+    nccl_comm_options o = state_->options;
+    o.device = state_->device;
+    o.stream = state_->stream;
+    shared_gpu_communicator out(state_->host.split(color, key), o);
+    out.state_->stream_owner = state_->stream_owner;  // keeps the parent's stream alive
+    return out;
+  }
+
+ private:
+  [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
+  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty shared_gpu_communicator handle (default-constructed or moved from)");
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    state_->refuse_if_failed(describe(k));
+  }
+  // ---- the front end's hooks
+  [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (!state_->options.check_pointers) return;
+    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
+      this->bad_argument(K, problem);
+  }
+
+  /// The shared-GPU transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    constexpr int code = static_cast<int>(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const std::size_t me = static_cast<std::size_t>(rank());
+    if constexpr (K == op_kind::all_reduce || K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return reduction<T>(k, K == op_kind::all_reduce ? 0 : 1, code, o.send, o.recv, c, o.op,
+                          K == op_kind::reduce ? o.root : -1, ctx);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      // In place, the front end passes send = the buffer and recv = its block rank(): every
+      // device reads block r of each send, so the sends' bases are what the peers need.
+      return reduction<T>(k, 4, code, o.send, o.recv, c, o.op, -1, ctx);
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return movement<T>(k, code, o.send, o.recv, c, o.root, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        copy(k, o.recv, reinterpret_cast<const T*>(all[static_cast<std::size_t>(o.root)].send), c, s);
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return movement<T>(k, code, o.send, o.recv, c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        for (const auto& peer : all)  // push my block into every recv (in place: my own is there already)
+          copy(k, reinterpret_cast<T*>(peer.recv) + me * c, o.send, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all || K == op_kind::ppermute) {
+      const std::size_t len = K == op_kind::all_to_all ? c * n : c;
+      device_buffer<K>("send", o.send, len);
+      device_buffer<K>("receive", o.recv, len);
+      const cudaStream_t s0 = ctx.or_else(state_->stream);
+      // In place, peers overwrite this buffer while this device sends from it: send from a copy.
+      T* copy_of = o.in_place ? scratch_copy(k, std::span<T>(o.recv, len), s0) : nullptr;
+      const T* from = o.in_place ? copy_of : o.send;
+      const std::int64_t extra = K == op_kind::ppermute ? hash_pairs(o.pairs) : 0;
+      auto r = movement<T>(k, code, from, o.recv, c, -1, extra, ctx, [&](const auto& all, cudaStream_t s) {
+        if constexpr (K == op_kind::all_to_all) push_blocks(k, from, all, c, s);
+        else pull_permuted(k, o.recv, c, all, o.pairs, s);
+      });
+      if (copy_of != nullptr) free_after(k, copy_of, s0);
+      return r;
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      // Every receiver's counts and displacements, so that each sender pushes to the right place.
+      std::vector<std::int64_t> mine(2 * n);
+      std::copy(o.v[2], o.v[2] + n, mine.begin());
+      std::copy(o.v[3], o.v[3] + n, mine.begin() + static_cast<std::ptrdiff_t>(n));
+      std::vector<std::int64_t> theirs(2 * n * n);
+      return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
+        for (std::size_t j = 0; j < n; ++j) {
+          const std::int64_t want = theirs[j * 2 * n + me];
+          if (want != o.v[0][j])
+            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
+                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
+                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+          const std::int64_t at = theirs[j * 2 * n + n + me];
+          copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
+        }
+      });
+    } else if constexpr (K == op_kind::send) {
+      device_buffer<K>("send", o.send, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      cudaEvent_t ready = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
+      const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(o.send), static_cast<std::int64_t>(c),
+                                   static_cast<std::int64_t>(datatype_of<T>), reinterpret_cast<std::int64_t>(ready)};
+      (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag);
+      std::int64_t done = 0;
+      (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag);
+      auto* done_event = reinterpret_cast<cudaEvent_t>(done);
+      cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
+      (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
+      (void)cudaEventDestroy(ready);
+      return complete_on(k, s);
+    } else if constexpr (K == op_kind::recv) {
+      device_buffer<K>("receive", o.recv, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      std::int64_t msg[4] = {};
+      (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag);
+      auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
+      cudaEvent_t done = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      const bool same = msg[1] == static_cast<std::int64_t>(c) && msg[2] == static_cast<std::int64_t>(datatype_of<T>);
+      if (same) {
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready, 0));
+        copy(k, o.recv, reinterpret_cast<const T*>(msg[0]), c, s);
+      }
+      cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
+      const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
+      (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);  // the sender destroys both events
+      if (!same)
+        throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(c) + " elements of " +
+                                  std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(o.peer) +
+                                  " (tag " + std::to_string(o.tag) + ") but the message holds " + std::to_string(msg[1]) +
+                                  " elements of " + std::string(to_string(static_cast<datatype>(msg[2]))));
+      return complete_on(k, s);
+    } else {
+      static_assert(K == op_kind::barrier);
+      return movement<float>(k, code, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
+    }
+  }
+  void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
+    if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
+  }
+  template <class T>
+  void copy(std::string_view k, T* to, const T* from, std::size_t n, cudaStream_t s) const {
+    if (n == 0 || to == from) return;
+    cuda(k, "cudaMemcpyAsync", cudaMemcpyAsync(to, from, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+  }
+  template <class T>
+  T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
+    if (buf.empty()) return buf.data();
+    detail::cuda_device_scope g(state_->device, describe(k));
+    void* p = nullptr;
+    cuda(k, "cudaMallocAsync", cudaMallocAsync(&p, buf.size_bytes(), s));
+    copy(k, static_cast<T*>(p), buf.data(), buf.size(), s);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  void free_after(std::string_view k, T* p, cudaStream_t s) const {
+    // Freed on the stream after the peers' "done" events it waited on: no peer reads it any more.
+    if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
+  }
+  static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
+    for (const auto& p : pairs)
+      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
+    return static_cast<std::int64_t>(h);
+  }
+  template <class T, class All>
+  void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {
+    for (int j = 0; j < size(); ++j)
+      copy(k, reinterpret_cast<T*>(all[static_cast<std::size_t>(j)].recv) + static_cast<std::size_t>(rank()) * c,
+           from + static_cast<std::size_t>(j) * c, c, s);
+  }
+  template <class T, class All>
+  void pull_permuted(std::string_view k, T* to, std::size_t n, const All& all, std::span<const permute_pair> pairs,
+                     cudaStream_t s) const {
+    for (const auto& p : pairs)
+      if (p.dest == rank()) {
+        copy(k, to, reinterpret_cast<const T*>(all[static_cast<std::size_t>(p.source)].send), n, s);
+        return;
+      }
+    if (n != 0) cuda(k, "cudaMemsetAsync", cudaMemsetAsync(to, 0, n * sizeof(T), s));  // no source: zeros
+  }
+
+  /// Publishes this participant's call, checks that every participant made the same one, and
+  /// orders this stream after every peer's "ready" event.
+  std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready, s));
+    mine.ready = reinterpret_cast<std::int64_t>(state_->ready);
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<detail::shared_gpu_call> all(n);
+    (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
+                                  std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    bool agree = true;
+    for (const auto& c : all)
+      agree = agree && c.op == all[0].op && c.type == all[0].type && c.count == all[0].count && c.root == all[0].root &&
+              c.extra == all[0].extra;
+    if (!agree) {
+      std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
+                      " (seen by device " + std::to_string(rank()) + "):";
+      for (std::size_t q = 0; q < n; ++q) {
+        const auto& c = all[q];
+        m += " device " + std::to_string(q) + " called " + std::string(detail::op_name(static_cast<detail::op_kind>(c.op))) + "(";
+        m += c.type >= 0 ? std::string(to_string(static_cast<datatype>(c.type))) : std::string("-");
+        m += ", " + std::to_string(c.count) + " elements";
+        if (c.root >= 0) m += ", root " + std::to_string(c.root);
+        if (c.op == static_cast<int>(detail::op_kind::all_reduce) || c.op == static_cast<int>(detail::op_kind::reduce) ||
+            c.op == static_cast<int>(detail::op_kind::reduce_scatter))
+          m += ", " + std::string(to_string(static_cast<reduce_op>(c.extra)));
+        m += ")";
+        m += q + 1 < n ? ";" : "";
+      }
+      throw collective_mismatch(m);
+    }
+    for (std::size_t q = 0; q < n; ++q)
+      if (static_cast<int>(q) != rank())
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q].ready), 0));
+    return all;
+  }
+  /// Records "done", waits for every peer's, and returns the request of this participant.
+  request_type depart(std::string_view k, cudaStream_t s) {
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done, s));
+    const auto n = static_cast<std::size_t>(size());
+    const auto mine = reinterpret_cast<std::int64_t>(state_->done);
+    std::vector<std::int64_t> all(n);
+    (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
+    for (std::size_t q = 0; q < n; ++q)
+      if (static_cast<int>(q) != rank())
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q]), 0));
+    return complete_on(k, s);
+  }
+  request_type complete_on(std::string_view k, cudaStream_t s) {
+    cudaEvent_t ev = state_->acquire_event(describe(k));
+    cuda(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+
+  template <class T, class Body>
+  request_type movement(std::string_view k, int op, const T* send, T* recv, std::size_t count, int root,
+                        std::int64_t extra, context_type ctx, Body&& body) {
+    detail::cuda_device_scope g(state_->device, describe(k));
+    const cudaStream_t s = ctx.or_else(state_->stream);
+    detail::shared_gpu_call mine;
+    mine.op = op;
+    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
+    mine.count = static_cast<std::int64_t>(count);
+    mine.root = root;
+    mine.extra = extra;
+    mine.send = reinterpret_cast<std::int64_t>(send);
+    mine.recv = reinterpret_cast<std::int64_t>(recv);
+    const auto all = arrive(k, mine, s);
+    body(all, s);
+    return depart(k, s);
+  }
+
+  /// all_reduce (shape 0), reduce (1) and reduce_scatter (4): participant r reduces block r.
+  template <class T>
+  request_type reduction(std::string_view k, int shape, int code, const T* send, T* recv, std::size_t count, reduce_op op,
+                         int root, context_type ctx) {
+    return movement<T>(k, code, send, recv, count, root, static_cast<std::int64_t>(op), ctx,
+                       [&](const auto& all, cudaStream_t s) {
+      const auto n = static_cast<std::size_t>(size());
+      const auto r = static_cast<std::size_t>(rank());
+      std::vector<const void*> in;
+      std::vector<void*> out;
+      std::size_t begin = 0;
+      std::size_t len = 0;
+      if (shape == 4) {  // reduce_scatter: my whole result block, from block r of every send
+        len = count;
+        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + r * count);
+        out.push_back(recv);
+      } else {  // my slice of the payload, from every send, to every (all_reduce) or root's (reduce) recv
+        begin = count * r / n;
+        len = count * (r + 1) / n - begin;
+        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + begin);
+        if (shape == 0)
+          for (const auto& c : all) out.push_back(reinterpret_cast<T*>(c.recv) + begin);
+        else
+          out.push_back(reinterpret_cast<T*>(all[static_cast<std::size_t>(root)].recv) + begin);
+      }
+      detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
+    });
+  }
+
+  std::shared_ptr<detail::shared_gpu_state> state_;
+};
+
+static_assert(communicator<shared_gpu_communicator>);
+
+/// @brief Runs `fn(shared_gpu_communicator&)` for `n` mesh devices sharing one GPU
+/// (`options.device`, default the current one), one thread and one new stream each, as
+/// `run_on_threads` (whose fault handling it has: `participant_error` names the first failure).
+template <class F>
+  requires std::is_invocable_v<F&, shared_gpu_communicator&>
+void run_on_shared_gpu(int n, F&& fn, nccl_comm_options options = {}, thread_comm_options host_options = {}) {
+  if (n > detail::max_local_devices)
+    throw comm_argument_error("meshlib: run_on_shared_gpu: " + std::to_string(n) + " devices on one GPU; at most " +
+                              std::to_string(detail::max_local_devices) + " are supported");
+  if (options.device < 0) detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
+  run_on_threads(
+      n,
+      [&](thread_communicator& host) {
+        shared_gpu_communicator c(std::move(host), options);
+        fn(c);
+      },
+      std::move(host_options));
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/shared_gpu_communicator.hpp
+// begin meshlib/comm/nccl/mpi_bootstrap.hpp
+/// @file
+/// @brief One process per GPU, launched by MPI: `nccl_communicator_from_mpi(comm)` makes the NCCL
+/// communicator of the processes of an `MPI_Comm` (rank 0 makes the unique id, `MPI_Bcast` gives
+/// it to all; NCCL rank = MPI rank). Each process takes the GPU of its node-local rank unless
+/// `options.device` says otherwise. Needs both `meshlib::mpi` and `meshlib::nccl`.
+///
+/// @code
+/// MPI_Init(&argc, &argv);
+/// { auto comm = meshlib::nccl_communicator_from_mpi(MPI_COMM_WORLD); ... }
+/// MPI_Finalize();
+/// @endcode
+
+#if MESHLIB_ENABLE_NCCL && MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+
+namespace meshlib {
+
+/// @brief The NCCL communicator over the processes of `comm` (collective over `comm`).
+/// @throws comm_error when MPI is not initialised or an MPI call fails; as `nccl_communicator`.
+[[nodiscard]] inline nccl_communicator nccl_communicator_from_mpi(MPI_Comm comm, nccl_comm_options options = {}) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) throw comm_error("meshlib: nccl_communicator_from_mpi needs MPI to be initialised first (MPI_Init)");
+  int rank = 0;
+  int size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  if (options.device < 0) {
+    MPI_Comm node = MPI_COMM_NULL;
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+      throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Comm_split_type failed");
+    int local = 0;
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    int count = 0;
+    detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
+    options.device = local % count;  // count >= 1 here: cudaGetDeviceCount fails without a device
+  }
+  ncclUniqueId id{};
+  if (rank == 0) id = nccl_communicator::new_unique_id();
+  if (MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm) != MPI_SUCCESS)
+    throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Bcast of the NCCL unique id failed");
+  return nccl_communicator(id, size, rank, options);
+}
+
+}  // namespace meshlib
+
+#endif
+// end meshlib/comm/nccl/mpi_bootstrap.hpp
+// begin meshlib/runtime/nccl_runtime.hpp
+/// @file
+/// @brief One process per GPU without MPI: `nccl::connect_from_environment()` reads the process
+/// index and count from the launcher's environment (`detect_launch`: meshlib's variables, OpenMPI,
+/// MPICH/PMI, torchrun's `RANK`/`WORLD_SIZE`, Slurm), picks the GPU of the local rank, and lets
+/// NCCL's own bootstrap connect the processes: every process derives the same unique id from
+/// `NCCL_COMM_ID=host:port` (process 0 listens there). Where `NCCL_COMM_ID` is unset, it is taken
+/// from torchrun-style `MASTER_ADDR` and `MASTER_PORT` as `MASTER_ADDR:(MASTER_PORT + 1)` (the
+/// launcher's own store holds `MASTER_PORT`). No meshlib network layer is involved.
+///
+/// @code
+/// // torchrun --nproc-per-node 8 ./train   (or srun, or mpirun without linking MPI)
+/// meshlib::nccl_communicator world = meshlib::nccl::connect_from_environment();
+/// @endcode
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cstdlib>
+#include <string>
+
+
+namespace meshlib::nccl {
+
+using distributed::env_source;
+using distributed::launch_info;
+
+/// @brief The `host:port` NCCL's bootstrap uses, from `NCCL_COMM_ID`, else from `MASTER_ADDR` and
+/// `MASTER_PORT`; empty for a single process with neither.
+/// @throws distributed_error when several processes have neither, or `MASTER_PORT` is not a port.
+[[nodiscard]] inline std::string bootstrap_address(const env_source& env, const launch_info& info) {
+  if (auto id = env("NCCL_COMM_ID"); id && !id->empty()) return *id;
+  const auto addr = env("MASTER_ADDR");
+  const auto port = env("MASTER_PORT");
+  if (addr && port && !addr->empty()) {
+    const std::size_t p = distributed::detail::parse_count("MASTER_PORT", *port);
+    if (p == 0 || p >= 65535)
+      throw distributed_error("meshlib: MASTER_PORT='" + *port + "' is not a port in [1, 65534]");
+    return *addr + ":" + std::to_string(p + 1);
+  }
+  if (info.process_count > 1)
+    throw distributed_error("meshlib: nccl::connect_from_environment: " + std::to_string(info.process_count) +
+                            " processes need a rendezvous address for NCCL; set NCCL_COMM_ID=host:port (process 0's "
+                            "host, a free port) or MASTER_ADDR and MASTER_PORT, or create the communicator through MPI "
+                            "(nccl_communicator_from_mpi)");
+  return {};
+}
+
+/// @brief This process's NCCL communicator over every process of the run (see the file comment).
+/// The GPU is `options.device` if set, else the local rank modulo the GPUs visible.
+/// @throws distributed_error for a malformed or contradictory environment; as `nccl_communicator`.
+[[nodiscard]] inline nccl_communicator connect_from_environment(nccl_comm_options options = {},
+                                                                const env_source& env = distributed::process_env()) {
+  const launch_info info = distributed::detect_launch(env);
+  const std::string address = bootstrap_address(env, info);
+  if (options.device < 0) {
+    int count = 0;
+    meshlib::detail::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
+    options.device = static_cast<int>(info.local_rank.value_or(info.process_index % static_cast<std::size_t>(count)) %
+                                      static_cast<std::size_t>(count));
+  }
+  // NCCL reads NCCL_COMM_ID in ncclGetUniqueId and, on rank 0, in ncclCommInitRank.
+  if (!address.empty()) ::setenv("NCCL_COMM_ID", address.c_str(), 1);  // NOLINT(concurrency-mt-unsafe): start-up
+  const ncclUniqueId id = nccl_communicator::new_unique_id();
+  return nccl_communicator(id, static_cast<int>(info.process_count), static_cast<int>(info.process_index), options);
+}
+
+}  // namespace meshlib::nccl
+
+#endif
+// end meshlib/runtime/nccl_runtime.hpp
+
+#endif
+// end meshlib/nccl.hpp
+#endif  // MESHLIB_ENABLE_NCCL
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP

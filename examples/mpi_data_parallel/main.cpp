@@ -1,9 +1,10 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // An existing MPI code adopting meshlib: the application owns its communicator (here a split of
 // MPI_COMM_WORLD, as a solver that runs beside other components would have), hands it to meshlib,
 // and runs one data-parallel SGD step of a linear model y = w . x:
 //   1. each process reads only its rows of the global batch (distributed::process_rows),
 //   2. computes the mean gradient of the squared error over its rows,
-//   3. meshlib averages the gradients over the processes (all_reduce, reduce_op::avg),
+//   3. meshlib averages the gradients over the processes (all_reduce, reduce_op::mean),
 //   4. every process applies the same update.
 // The example checks its result against the full-batch gradient computed serially on every
 // process, and that every process holds the same weights; it exits non-zero when either fails.
@@ -71,7 +72,7 @@ int main(int argc, char** argv) {
     std::vector<double> w(features, 0.0);
     auto g = gradient(w, mine);
     auto comm = meshlib::mpi::world();
-    comm.all_reduce(std::span(g), meshlib::reduce_op::avg);
+    comm.all_reduce(std::span(g), meshlib::reduce_op::mean);
     for (std::size_t j = 0; j < features; ++j) w[j] -= learning_rate * g[j];
 
     // Check against the serial full-batch step.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_fashion_mnist: trains an MLP (784-1024-1024-10) on Fashion-MNIST on a (data, model) mesh,
 // (4, 2) by default: the batch is split over "data", the hidden layers Megatron-style over "model"
 // (fc1 column-parallel, fc2 row-parallel with one psum), the gradients synchronised over "data".

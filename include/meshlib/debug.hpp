@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The debug layer: traces (Chrome trace JSON, Kokkos profiling regions, a summary),

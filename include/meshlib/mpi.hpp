@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime

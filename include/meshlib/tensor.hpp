@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The tensor layer: `sharded_tensor` (global view), `local_tensor` (the value a device sees

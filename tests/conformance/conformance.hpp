@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The communicator conformance kit: one suite, templated on the communicator, that every backend
 // (thread, MPI, hybrid, and any new one such as NCCL) passes before it lands.
 //
@@ -92,12 +93,12 @@ T expected(reduce_op op, int n, std::size_t i) {
     U acc = static_cast<U>(value<T>(0, n, i, op));
     for (int r = 1; r < n; ++r) {
       const T x = value<T>(r, n, i, op);
-      if (op == reduce_op::sum || op == reduce_op::avg) acc = static_cast<U>(acc + static_cast<U>(x));
+      if (op == reduce_op::sum || op == reduce_op::mean) acc = static_cast<U>(acc + static_cast<U>(x));
       else if (op == reduce_op::prod) acc = static_cast<U>(acc * static_cast<U>(x));
       else if (op == reduce_op::min) acc = x < static_cast<T>(acc) ? static_cast<U>(x) : acc;
       else acc = x > static_cast<T>(acc) ? static_cast<U>(x) : acc;
     }
-    if (op == reduce_op::avg) return static_cast<T>(static_cast<T>(acc) / static_cast<T>(n));
+    if (op == reduce_op::mean) return static_cast<T>(static_cast<T>(acc) / static_cast<T>(n));
     return static_cast<T>(acc);
   } else {
     using A = acc_t<T>;
@@ -118,7 +119,7 @@ T expected(reduce_op op, int n, std::size_t i) {
       const A x = static_cast<A>(value<T>(r, n, i, op));
       acc = op == reduce_op::prod ? acc * x : acc + x;
     }
-    if (op == reduce_op::avg) acc = acc / static_cast<A>(n);
+    if (op == reduce_op::mean) acc = acc / static_cast<A>(n);
     return static_cast<T>(acc);
   }
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The conformance kit on the MPI communicator (one rank per process, run with 2 and 4 ranks) and
 // on the hybrid communicator (the processes x 2 threads).
 #include <meshlib/mpi.hpp>

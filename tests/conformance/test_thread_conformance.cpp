@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The conformance kit on the thread communicator: every value row for groups of 1 to 4 threads,
 // and every fault row on a fresh world each (timeouts short, so the whole file runs in seconds).
 #include <chrono>

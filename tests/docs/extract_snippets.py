@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Writes every ```cpp block of the given Markdown files that is a whole program (has `int main`)
 to OUT_DIR/<file-stem>_<n>.cpp, and prints the written paths, one a line. Used by the doc tests:
 an example in the docs that no longer compiles or runs fails the build."""

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Rank 1 makes an invalid call and lets the exception escape; rank 0 waits in a collective that
 // rank 1 never reaches. meshlib's terminate handler must end both with rank 1's reason (the test
 // checks the message), long before rank 0's timeout of 600 s.

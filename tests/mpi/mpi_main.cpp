@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The main of meshlib's MPI test binaries: MPI (with MPI_THREAD_MULTIPLE, for hybrid meshes), then
 // Kokkos, then Catch2. Every rank runs (and reports) every test
 // (collectives need all of them), and the exit code is the worst of all ranks.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Hybrid meshes: P processes (the mpirun ranks) x 2 threads form one mesh of 2P devices. The same
 // program, every collective on every axis group of two meshes and on irregular split groups, runs
 // once on the hybrid communicator and once on a pure thread world of 2P threads inside each

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The MPI communicator under mpirun (2 and 4 ranks): every operation of the communicator concept,
 // out-of-place and in-place, for every element type and reduce op, checked twice:
 // - against expectations computed here from the inputs, and
@@ -76,13 +77,13 @@ T expected_reduce(reduce_op op, int n, std::size_t i) {
     const A x = static_cast<A>(input<T>(r, i, op));
     switch (op) {
       case reduce_op::sum:
-      case reduce_op::avg: acc = static_cast<A>(acc + x); break;
+      case reduce_op::mean: acc = static_cast<A>(acc + x); break;
       case reduce_op::prod: acc = static_cast<A>(acc * x); break;
       case reduce_op::min: acc = x < acc ? x : acc; break;
       case reduce_op::max: acc = acc < x ? x : acc; break;
     }
   }
-  if (op == reduce_op::avg) acc = static_cast<A>(acc / static_cast<A>(n));
+  if (op == reduce_op::mean) acc = static_cast<A>(acc / static_cast<A>(n));
   return static_cast<T>(acc);
 }
 
@@ -336,7 +337,7 @@ TEST_CASE("random floats agree with the thread backend within the documented tol
     for (auto& v : x) v = d(g);
     return x;
   };
-  for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+  for (reduce_op op : {reduce_op::sum, reduce_op::mean, reduce_op::max}) {
     auto [a, ta] = on_both<float>([&](auto& c) {
       auto x = make(c.rank());
       c.all_reduce(std::span(x), op);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // spmd and shard_map on the MPI backends: the same SPMD program (typed collectives over each axis
 // of a 2-D mesh) runs on thread_backend (every device a thread of this process), mpi_backend (one
 // device per rank) and hybrid_backend (2 threads per rank); every device this process runs must

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The runtime over MPI: mpi::initialize adopts the communicator, the process index and count are
 // its rank and size, the start-up checks run on every process, and a mesh built differently on
 // one process is reported on all of them with both values.

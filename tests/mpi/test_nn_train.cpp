@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Training over MPI: the same model and batches on a (4, 2) mesh of P processes x 8/P threads
 // (hybrid_backend, each process holding only its devices' parameter blocks and its share of every
 // batch) gives the per-step losses of the single-process thread run.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The program every package consumer builds: it includes the umbrella header and Kokkos, and
 // checks a few mesh facts against values worked out by hand, so a consumer that builds against
 // a broken or stale install fails here rather than passing silently.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Uses meshlib::headers alone: the core and comm layers must build with no Kokkos header on the
 // include path (this target does not bring one).
 #include <meshlib/comm.hpp>

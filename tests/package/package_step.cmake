@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # One step of a package test, run as `cmake -D... -P package_step.cmake`.
 #
 # STEP=install     Install meshlib into STAGE, then move STAGE to PREFIX (package managers move
@@ -9,8 +10,12 @@
 #                  ("|"-separated). With EXPECT_FAIL=<regex>: configuring must fail and print it.
 #                  Otherwise build it and run RUN ("|"-separated command, in the consumer's
 #                  build directory), whose output must match EXPECT_OUTPUT; then RUN2 likewise.
+#                  The consumer's configure must print no CMake warning. INSTALL_EMPTY_OF_MESHLIB=ON:
+#                  also install the consumer and check that no meshlib file came with it.
 #                  TARBALL_FROM=<source dir>: first pack meshlib's sources into WORK/meshlib.tar.gz
 #                  and pass its URL and SHA256 as MESHLIB_TARBALL / MESHLIB_TARBALL_SHA256.
+# STEP=pkgconfig   Compile and run CONSUMER_SOURCE with `c++ -std=c++20 $(pkg-config --cflags --libs
+#                  meshlib)` against the install in PREFIX (PKG_CONFIG_PATH=PREFIX/share/pkgconfig).
 # Common: GENERATOR, CXX_COMPILER, BUILD_TYPE (of the enclosing build).
 
 cmake_minimum_required(VERSION 3.20)
@@ -133,8 +138,8 @@ elseif(STEP STREQUAL "consumer")
     set(tarball "${WORK}/meshlib.tar.gz")
     set(pack_dir "${WORK}/pack/meshlib-src")
     file(MAKE_DIRECTORY "${pack_dir}")
-    file(COPY "${TARBALL_FROM}/CMakeLists.txt" "${TARBALL_FROM}/cmake" "${TARBALL_FROM}/include"
-      DESTINATION "${pack_dir}")
+    file(COPY "${TARBALL_FROM}/CMakeLists.txt" "${TARBALL_FROM}/VERSION" "${TARBALL_FROM}/LICENSE"
+      "${TARBALL_FROM}/cmake" "${TARBALL_FROM}/include" DESTINATION "${pack_dir}")
     run_checked(out COMMAND "${CMAKE_COMMAND}" -E tar czf "${tarball}" meshlib-src
       WORKING_DIRECTORY "${WORK}/pack")
     file(SHA256 "${tarball}" sha)
@@ -155,7 +160,24 @@ elseif(STEP STREQUAL "consumer")
   endif()
 
   run_checked(out COMMAND "${CMAKE_COMMAND}" -S "${CONSUMER}" -B "${build}" ${gen_args} ${consumer_args})
+  if(out MATCHES "CMake Warning")
+    fail("configuring the consumer printed a CMake warning (above), but a consumer must see none")
+  endif()
   run_checked(out COMMAND "${CMAKE_COMMAND}" --build "${build}")
+  if(INSTALL_EMPTY_OF_MESHLIB)
+    set(consumer_prefix "${WORK}/consumer-install")
+    run_checked(out COMMAND "${CMAKE_COMMAND}" --install "${build}" --prefix "${consumer_prefix}")
+    file(GLOB_RECURSE installed RELATIVE "${consumer_prefix}" "${consumer_prefix}/*")
+    if(NOT installed)
+      fail("the consumer's install is empty: the check below would prove nothing")
+    endif()
+    foreach(f IN LISTS installed)
+      if(f MATCHES "meshlib")
+        fail("installing the consumer also installed meshlib's ${f}: a subproject must install nothing unless asked (MESHLIB_INSTALL)")
+      endif()
+    endforeach()
+    message(STATUS "package test: the consumer's install holds only its own files: ${installed}")
+  endif()
   foreach(suffix "" 2)
     if(RUN${suffix})
       string(REPLACE "|" ";" run_cmd "${RUN${suffix}}")
@@ -166,6 +188,34 @@ elseif(STEP STREQUAL "consumer")
     endif()
   endforeach()
   message(STATUS "package test: consumer configured, built and ran")
+
+elseif(STEP STREQUAL "pkgconfig")
+  find_program(pkg_config NAMES pkg-config pkgconf)
+  if(NOT pkg_config)
+    fail("pkg-config not found (apt-get install pkg-config)")
+  endif()
+  file(REMOVE_RECURSE "${WORK}")
+  file(MAKE_DIRECTORY "${WORK}")
+  set(ENV{PKG_CONFIG_PATH} "${PREFIX}/share/pkgconfig")
+  run_checked(version COMMAND "${pkg_config}" --modversion meshlib)
+  string(STRIP "${version}" version)
+  if(NOT version STREQUAL EXPECT_VERSION)
+    fail("pkg-config says meshlib ${version}, expected ${EXPECT_VERSION}")
+  endif()
+  run_checked(flags COMMAND "${pkg_config}" --cflags --libs meshlib)
+  string(STRIP "${flags}" flags)
+  separate_arguments(flags UNIX_COMMAND "${flags}")
+  # The flags must point into the moved install, not at the source or build tree.
+  if(NOT "${flags}" MATCHES "-I${PREFIX}/share/pkgconfig/../../include")
+    fail("pkg-config --cflags does not name the install's include directory: ${flags}")
+  endif()
+  run_checked(out COMMAND "${CXX_COMPILER}" -std=c++20 -Wall -Wextra -Werror
+    "-DMESHLIB_CONSUMER_KIND=\"pkg-config\"" "${CONSUMER_SOURCE}" -o "${WORK}/consumer" ${flags})
+  run_checked(out COMMAND "${WORK}/consumer")
+  if(NOT out MATCHES "meshlib consumer OK \\(pkg-config\\)")
+    fail("the pkg-config consumer ran, but did not say OK")
+  endif()
+  message(STATUS "package test: compiled and ran a consumer with pkg-config --cflags --libs meshlib")
 
 else()
   fail("unknown STEP '${STEP}'")

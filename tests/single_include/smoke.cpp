@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Built against single_include/meshlib.hpp alone (include/ is not on the include path).
 #include <Kokkos_Core.hpp>
 #include <meshlib.hpp>

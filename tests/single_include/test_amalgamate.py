@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Checks the rules of scripts/amalgamate.py on small made-up include trees."""
 
 import importlib.util
@@ -34,12 +35,17 @@ root = tree({
     "meshlib.hpp": '#pragma once\n#include "meshlib/a.hpp"\n#include <meshlib/b.hpp>\n#include "meshlib/a.hpp"\n',
     "meshlib/a.hpp": '#pragma once\n#include <vector>\n#include "meshlib/c.hpp"\nint a;\n',
     "meshlib/b.hpp": '  #  pragma   once\n#include "meshlib/c.hpp"\nint b;\n',
-    "meshlib/c.hpp": "#pragma once\nint c;\n",
+    "meshlib/c.hpp": "// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception\n#pragma once\nint c;\n",
 })
 out = amalgamate.amalgamate(root)
 lines = out.splitlines()
-check("guard", lines[3] == f"#ifndef {amalgamate.GUARD}" and lines[4] == f"#define {amalgamate.GUARD}"
+guard_at = lines.index(f"#ifndef {amalgamate.GUARD}")
+check("guard", lines[guard_at + 1] == f"#define {amalgamate.GUARD}"
       and lines[-1].startswith(f"#endif  // {amalgamate.GUARD}"), out)
+# One SPDX line, the first; the configuration block before the guard names every macro.
+check("one SPDX line first", lines[0] == amalgamate.SPDX_LINE and out.count("SPDX-License-Identifier") == 1, out)
+for macro, *_ in amalgamate.OPTIONAL_PARTS:
+    check(f"config block names {macro}", any(macro in l for l in lines[:guard_at]), out)
 check("no pragma once", "pragma" not in out, out)
 check("kept foreign include", "#include <vector>" in lines, out)
 check("no meshlib include left", not any("#include" in l and "meshlib/" in l for l in lines), out)
@@ -53,6 +59,20 @@ idx = {m: lines.index(m) for m in ["// begin meshlib/a.hpp", "// begin meshlib/c
 check("nesting", idx["// begin meshlib/a.hpp"] < idx["// begin meshlib/c.hpp"] < idx["// end meshlib/c.hpp"]
       < idx["// end meshlib/a.hpp"], idx)
 check("deterministic", out == amalgamate.amalgamate(root))
+
+# An optional part's umbrella, when it exists, is inlined after the root under #if of its macro,
+# and the headers it shares with the root are not repeated.
+root = tree({
+    "meshlib.hpp": '#include "meshlib/a.hpp"\n',
+    "meshlib/a.hpp": "int a;\n",
+    "meshlib/mpi.hpp": '#include "meshlib/a.hpp"\n#include "meshlib/m.hpp"\n',
+    "meshlib/m.hpp": "int m;\n",
+})
+lines = amalgamate.amalgamate(root).splitlines()
+at = lines.index("#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI")
+check("optional part guarded", lines.index("int m;") > at and lines.index("// end meshlib.hpp") < at
+      and lines.count("int a;") == 1, lines)
+check("absent optional part skipped", "MESHLIB_ENABLE_NCCL) &&" not in "\n".join(lines), lines)
 
 # A missing header is an error that names it.
 root = tree({"meshlib.hpp": '#include "meshlib/missing.hpp"\n'})

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The Catch2 main of every meshlib test binary, compiled once. Kokkos is initialised here for the
 // whole run because Kokkos 3.x cannot be initialised twice in one process.
 #if defined(MESHLIB_CATCH2_MAJOR) && MESHLIB_CATCH2_MAJOR >= 3

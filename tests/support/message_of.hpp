@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The what() of the exception a callable throws, for exact checks of error messages that read the
 // same with Catch2 v2 and v3 (whose string matchers are spelled differently).
 #pragma once

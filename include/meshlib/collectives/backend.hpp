@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
@@ -25,6 +26,7 @@
 #include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
 
@@ -57,14 +59,17 @@ struct thread_backend {
 namespace detail {
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// installed, and turns a device's failure into `device_error`.
+/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
+/// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
       body(device);
     });
   } catch (const participant_error& e) {

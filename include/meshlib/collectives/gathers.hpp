@@ -1,22 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `all_gather`, `psum_scatter`, `all_to_all`: the collectives that change a block's shape,
-/// as `jax.lax.all_gather`, `jax.lax.psum_scatter(..., tiled=True)` and `jax.lax.all_to_all`.
-/// Blocks are placed in axis-index order: the block of the device at index `i` of the axis is
-/// chunk `i` of the gathered (or scattered) dimension.
+/// as `jax.lax.all_gather`, `jax.lax.psum_scatter` and `jax.lax.all_to_all`, tiled (meshlib's
+/// default) or untiled (`meshlib::untiled`, JAX's default `tiled=False`), over one axis (`"i"`) or
+/// several in the order written (`axis_group<"j", "i">`). Blocks are placed in group-position order:
+/// the block of the device at position `p` of the group (`axis_index<...>()`) is chunk `p` of the
+/// gathered (or scattered) dimension. Dimension numbers may be negative and count from the end, as
+/// in JAX (for the untiled all_gather, from the end of the result).
 /// @code
 /// // x: block of a P<"data", none> array, shape (2, 6) on each of 4 devices of axis "data"
 /// auto full   = meshlib::all_gather<"data", 0>(x);                    // (8, 6), invariant over data
 /// auto stack  = meshlib::all_gather<"data", 0>(x, meshlib::untiled);  // (4, 2, 6)
 /// auto moved  = meshlib::all_to_all<"data", 1, 0>(x);                 // (8, 6/4): now sharded on dim 1
 /// auto shard  = meshlib::psum_scatter<"data", 0>(y);                  // sum over data, scattered on dim 0
+/// auto both   = meshlib::all_gather<meshlib::axis_group<"model", "data">, -1>(z);  // ('model', 'data')
 /// @endcode
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <string>
 #include <vector>
 
+#include "meshlib/collectives/axis_group.hpp"
 #include "meshlib/collectives/block_ops.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/reductions.hpp"
@@ -25,83 +32,292 @@
 
 namespace meshlib {
 
-/// @brief Tag of the untiled `all_gather`: stack the blocks along a new dimension (JAX `tiled=False`).
+/// @brief Tag of the untiled forms (JAX `tiled=False`): `all_gather` stacks the blocks along a new
+/// dimension, `psum_scatter` removes the scattered dimension, `all_to_all` removes the split
+/// dimension and inserts one of the group size at the concat position.
 struct untiled_t {
   explicit untiled_t() = default;
 };
+/// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
 namespace detail {
 
-/// Common checks: element type, axis in mesh, dimension in range, not partial over the axis, and
-/// (when `NeedVary`) varying over it.
-template <fixed_string Op, class L, fixed_string Axis, std::size_t Dim, bool NeedVary = true>
-consteval bool check_moving_collective() {
+/// What a collective needs of the value, per axis of its group.
+enum class axis_rule {
+  moves,  ///< varies over the axis, not partial over it (all_gather, all_to_all, ppermute)
+  sums,   ///< varies over or is partial over the axis (psum_scatter)
+};
+
+template <fixed_string Op, class L, fixed_string Axis, axis_rule Rule>
+consteval bool check_group_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<Op, Dim, L::rank>::value;
-  else {
+  if constexpr (!mesh_t::template has_axis<Axis>) {
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
+  } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr ((L::partial & bit) != 0) return collective_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (NeedVary && (L::vary & bit) == 0) return collective_needs_varying_input<Op, Axis, L>::value;
+    if constexpr (Rule == axis_rule::sums && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::partial & bit) != 0)
+      return collective_of_partial_value<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+    else if constexpr (Rule == axis_rule::moves && (L::vary & bit) == 0)
+      return collective_needs_varying_input<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class G>
+struct group_checks;
+template <fixed_string... Names>
+struct group_checks<axis_group<Names...>> {
+  /// Element type, each axis in the mesh and as `Rule` wants it, no axis twice.
+  template <fixed_string Op, class L, axis_rule Rule>
+  static consteval bool run() {
+    using mesh_t = typename L::mesh_type;
+    if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
+    else if constexpr (!(check_group_axis<Op, L, Names, Rule>() && ...)) return false;
+    else if constexpr (std::popcount(safe_mask_v<mesh_t, Names...>) != sizeof...(Names))
+      return collective_axis_repeated<diag_op_t<Op>, diag_axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
+    else return true;
+  }
+  template <class Mesh>
+  static constexpr axis_mask mask = safe_mask_v<Mesh, Names...>;
+};
+
+/// Mask of the axes of group `G` (those the mesh has).
+template <class Mesh, class G>
+inline constexpr axis_mask group_mask_v = group_checks<G>::template mask<Mesh>;
+
+/// The first dimension other than `Keep` that is a block of an axis of `Mask`, or `Dims::size`.
+template <class Dims>
+constexpr std::size_t other_dim_sharded_on(axis_mask mask, std::size_t keep) noexcept {
+  for (std::size_t d = 0; d < Dims::size; ++d)
+    if (d != keep && (Dims::at(d) & mask) != 0) return d;
+  return Dims::size;
+}
+
+template <class L, class G, int DimArg>
 consteval bool check_all_gather() {
-  if constexpr (!check_moving_collective<"all_gather", L, Axis, Dim>()) return false;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_gather", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (sharded != L::rank && sharded != Dim)
-      return gather_along_unsharded_dim<"all_gather", Axis, Dim, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, dim);
+    if constexpr (other != L::rank)
+      return gather_along_unsharded_dim<diag_op_t<"all_gather">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<dim>, diagnostic::dim<other>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis, std::size_t Dim>
+template <class L, class G, int DimArg>
+consteval bool check_all_gather_untiled() {
+  if constexpr (!group_checks<G>::template run<"all_gather", L, axis_rule::moves>()) return false;
+  else return check_dim<"all_gather", DimArg, L::rank + 1>();
+}
+
+template <class L, class G, int DimArg, bool Tiled>
 consteval bool check_psum_scatter() {
-  using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"psum_scatter", Axis, mesh_t>::value;
-  else if constexpr (Dim >= L::rank) return collective_dimension_out_of_range<"psum_scatter", Dim, L::rank>::value;
-  else {
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<"psum_scatter", Axis, L>::value;
-    else if constexpr ((L::dims_type::at(Dim) & bit) != 0)
-      return dimension_already_sharded_on_axis<"psum_scatter", Axis, Dim, L>::value;
-    else return true;
-  }
-}
-
-template <class L, fixed_string Axis, std::size_t Split, std::size_t Concat>
-consteval bool check_all_to_all() {
-  if constexpr (!check_moving_collective<"all_to_all", L, Axis, Split>()) return false;
-  else if constexpr (Concat >= L::rank) return collective_dimension_out_of_range<"all_to_all", Concat, L::rank>::value;
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"psum_scatter", L, axis_rule::sums>()) return false;
+  else if constexpr (!check_dim<"psum_scatter", DimArg, L::rank>()) return false;
   else {
     using mesh_t = typename L::mesh_type;
-    constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    constexpr std::size_t sharded = dim_sharded_on<typename L::dims_type>(bit);
-    if constexpr (Split != Concat && (L::dims_type::at(Split) & bit) != 0)
-      return dimension_already_sharded_on_axis<"all_to_all", Axis, Split, L>::value;
-    else if constexpr (sharded != L::rank && sharded != Concat)
-      return gather_along_unsharded_dim<"all_to_all", Axis, Concat, sharded, L>::value;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    if constexpr (Tiled && (L::dims_type::at(dim) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"psum_scatter">, diag_axes_t<mesh_t, mask & L::dims_type::at(dim)>,
+                                               diagnostic::dim<dim>, diag_value_t<L>>();
     else return true;
   }
 }
 
-template <class L, fixed_string Axis>
-constexpr axis_mask axis_bit_v = safe_mask_v<typename L::mesh_type, Axis>;
+template <class L, class G, int SplitArg, int ConcatArg, bool Tiled>
+consteval bool check_all_to_all() {
+  constexpr std::size_t split = norm_dim_v<SplitArg, L::rank>;
+  constexpr std::size_t concat = norm_dim_v<ConcatArg, L::rank>;
+  if constexpr (!group_checks<G>::template run<"all_to_all", L, axis_rule::moves>()) return false;
+  else if constexpr (!check_dim<"all_to_all", SplitArg, L::rank>()) return false;
+  else if constexpr (!check_dim<"all_to_all", ConcatArg, L::rank>()) return false;
+  else if constexpr (!Tiled) return true;  // the untiled form forgets the per-dimension labels of its axes
+  else {
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, concat);
+    if constexpr (split != concat && (L::dims_type::at(split) & mask) != 0)
+      return dimension_already_sharded_on_axis<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(split)>,
+                                               diagnostic::dim<split>, diag_value_t<L>>();
+    else if constexpr (other != L::rank)
+      return concat_along_unsharded_dim<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<concat>, diagnostic::dim<other>, diag_value_t<L>>();
+    else return true;
+  }
+}
 
-/// Throws unless `n` divides dimension `dim` of size `extent`.
-inline void check_divides(std::string_view op, std::string_view axis, std::size_t dim, std::size_t extent, std::size_t n) {
-  if (extent % n != 0)
-    throw sharding_error("meshlib: " + std::string(op) + " over axis '" + std::string(axis) + "' (size " +
+/// Throws unless dimension `dim` of size `extent` splits into `n` chunks (tiled: `n` divides it;
+/// untiled: it equals `n`).
+template <class G>
+void check_split(std::string_view op, std::size_t dim, std::size_t extent, std::size_t n, bool tiled) {
+  if (tiled ? extent % n != 0 : extent != n)
+    throw sharding_error("meshlib: " + std::string(op) + " over " + describe_group<G>() + " (group size " +
                          std::to_string(n) + ") splits dimension " + std::to_string(dim) + " of size " +
-                         std::to_string(extent) + ", which is not divisible by " + std::to_string(n));
+                         std::to_string(extent) + (tiled ? ", which is not divisible by " : ", which the untiled form needs to equal ") +
+                         std::to_string(n));
+}
+
+/// `shape` without dimension `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank - 1> without_dim(const std::array<std::size_t, Rank>& shape, std::size_t d) {
+  std::array<std::size_t, Rank - 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank; ++i)
+    if (i != d) out[j++] = shape[i];
+  return out;
+}
+
+/// `shape` with a dimension of size `v` inserted at position `d`.
+template <std::size_t Rank>
+std::array<std::size_t, Rank + 1> with_dim(const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t v) {
+  std::array<std::size_t, Rank + 1> out{};
+  for (std::size_t i = 0, j = 0; i < Rank + 1; ++i) out[i] = i == d ? v : shape[j++];
+  return out;
+}
+
+/// The group communicator's blocks in `buf` (`n` blocks of `block`), received in rank (mesh)
+/// order, put in the order written.
+template <class T>
+void to_written_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  scatter_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+/// The inverse: blocks in the order written, put in rank order for sending.
+template <class T>
+void to_rank_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
+  if (order.empty()) return;
+  std::vector<T> tmp(buf.size());
+  gather_blocks(buf.data(), tmp.data(), block, order);
+  buf.swap(tmp);
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_tiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather<L, G, DimArg>();
+  constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using result_t = with_vary_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L>(with_extent(x.shape(), dim, x.extent(dim) * n));
+    unpack_chunks(recv.data(), x.shape(), dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, class L>
+auto all_gather_untiled(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_gather_untiled<L, G, DimArg>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank + 1> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  using dims_t = dims_insert_t<dims_without_t<typename L::dims_type, mask>, dim>;
+  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~mask, L::partial, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_gather");
+    auto& comm = current_device("all_gather").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const auto chunk = with_dim(x.shape(), dim, 1);
+    std::vector<T> recv(x.size() * n);
+    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
+    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
+    auto out = result_view<L, L::rank + 1>(with_extent(chunk, dim, n));
+    unpack_chunks(recv.data(), chunk, dim, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int DimArg, bool Tiled, class L>
+auto psum_scatter_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_psum_scatter<L, G, DimArg, Tiled>();
+  constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr std::size_t out_rank = Tiled || L::rank == 0 ? L::rank : L::rank - 1;
+  using dims_t = std::conditional_t<Tiled, dims_moved_to_t<typename L::dims_type, mask, dim>,
+                                    remove_dim_or_self_t<typename L::dims_type, dim>>;
+  using result_t = rebind_local_t<L, typename L::value_type, out_rank, L::vary | mask, L::partial & ~mask, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "psum_scatter");
+    auto& comm = current_device("psum_scatter").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
+    std::vector<T> send(x.size());
+    pack_chunks(src, x.shape(), dim, n, send.data());
+    to_rank_order(send, x.size() / n, written_order_of<mesh_t, G>(x.mesh()));
+    auto out = [&] {
+      if constexpr (Tiled) return result_view<L>(with_extent(x.shape(), dim, x.extent(dim) / n));
+      else return result_view<L, out_rank>(without_dim(x.shape(), dim));
+    }();
+    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    return result_t(out, x.mesh(), x.device());
+  }
+}
+
+template <class G, int SplitArg, int ConcatArg, bool Tiled, class L>
+auto all_to_all_impl(const L& x) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = check_all_to_all<L, G, SplitArg, ConcatArg, Tiled>();
+  constexpr std::size_t split = ok ? norm_dim_v<SplitArg, L::rank> : 0;
+  constexpr std::size_t concat = ok ? norm_dim_v<ConcatArg, L::rank> : 0;
+  constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+  constexpr bool tracked = (L::dims_type::at(concat) & mask) != 0;
+  using dims_t = std::conditional_t<
+      Tiled, std::conditional_t<tracked, dims_moved_to_t<typename L::dims_type, mask, split>, typename L::dims_type>,
+      dims_insert_t<remove_dim_or_self_t<dims_without_t<typename L::dims_type, mask>, split>, concat>>;
+  using result_t = with_dims_t<L, dims_t>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    using T = typename L::value_type;
+    const T* src = contiguous_data(x, "all_to_all");
+    auto& comm = current_device("all_to_all").comm(mask);
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    check_split<G>("all_to_all", split, x.extent(split), n, Tiled);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    const std::size_t block = x.size() / n;
+    std::vector<T> send(x.size()), recv(x.size());
+    pack_chunks(src, x.shape(), split, n, send.data());
+    to_rank_order(send, block, order);
+    comm.all_to_all(send.data(), recv.data(), block, datatype_of<T>);
+    to_written_order(recv, block, order);
+    // Tiled: chunk j has the input's shape with split cut by n. Untiled: the split dimension
+    // (now of size 1) removed and a size-1 dimension inserted at concat: the same elements in the
+    // same order, stacked along concat.
+    const auto chunk = [&] {
+      if constexpr (Tiled) return with_extent(x.shape(), split, x.extent(split) / n);
+      else return with_dim(without_dim(x.shape(), split), concat, 1);
+    }();
+    auto out = result_view<L>(with_extent(chunk, concat, chunk[concat] * n));
+    unpack_chunks(recv.data(), chunk, concat, n, out.data());
+    return result_t(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -110,82 +326,54 @@ inline void check_divides(std::string_view op, std::string_view axis, std::size_
 /// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
 /// must vary over `Axis`, and if some dimension is sharded on `Axis` it must be `Dim`; the result
 /// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  constexpr bool ok = detail::check_all_gather<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) * n));
-    detail::unpack_chunks(recv.data(), x.shape(), Dim, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The tiled all-gather over several axes, in the order written (JAX `axis_name=('i', 'j')`).
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x) {
+  return detail::all_gather_tiled<G, Dim>(x);
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
-/// at position `Dim` (`Dim = 0`: a leading dimension of the axis size). The type rule of the tiled form.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+/// at position `Dim` of the result (`Dim = 0`: a leading dimension of the group size; `-1`: a
+/// trailing one). The type rule of the tiled form.
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  static_assert(Dim <= L::rank, "meshlib: untiled all_gather inserts its new dimension at a position past the rank");
-  constexpr bool ok = detail::check_moving_collective<"all_gather", L, Axis, 0>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = detail::dims_insert_t<detail::dims_without_t<typename L::dims_type, bit>, Dim>;
-  using result_t = rebind_local_t<L, typename L::value_type, L::rank + 1, L::vary & ~bit, L::partial, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_gather");
-    auto& comm = detail::current_device("all_gather").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::array<std::size_t, L::rank + 1> chunk{};
-    for (std::size_t i = 0, j = 0; i < L::rank + 1; ++i) chunk[i] = i == Dim ? 1 : x.extent(j++);
-    auto out = detail::result_view<L, L::rank + 1>(detail::with_extent(chunk, Dim, n));
-    if constexpr (Dim == 0) {
-      comm.all_gather(src, out.data(), x.size(), datatype_of<T>);
-    } else {
-      std::vector<T> recv(x.size() * n);
-      comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-      detail::unpack_chunks(recv.data(), chunk, Dim, n, out.data());
-    }
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
+}
+/// @brief The untiled all-gather over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather(const L& x, untiled_t) {
+  return detail::all_gather_untiled<G, Dim>(x);
 }
 
 /// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
 /// scatter_dimension=Dim, tiled=True)`): the sum over the group, of which the device at axis index
 /// `i` keeps chunk `i` of dimension `Dim`. `x` must vary over or be partial over `Axis`; the result
-/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it.
+/// varies over `Axis`, is no longer partial over it, and dimension `Dim` is sharded on it. A
+/// dimension already sharded on `Axis` is refused: `forget_dims<Axis>(x)` first to scatter it again.
 /// @throws sharding_error when the axis size does not divide dimension `Dim`.
-template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  constexpr bool ok = detail::check_psum_scatter<L, Axis, Dim>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  using dims_t = std::conditional_t<ok, detail::dims_moved_to_t<typename L::dims_type, bit, (Dim < L::rank ? Dim : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_t>, L::vary | bit, L::partial & ~bit>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "psum_scatter");
-    auto& comm = detail::current_device("psum_scatter").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("psum_scatter", Axis.view(), Dim, x.extent(Dim), n);
-    std::vector<T> send(x.size());
-    detail::pack_chunks(src, x.shape(), Dim, n, send.data());
-    auto out = detail::result_view<L>(detail::with_extent(x.shape(), Dim, x.extent(Dim) / n));
-    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
+}
+/// @brief The tiled reduce-scatter over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x) {
+  return detail::psum_scatter_impl<G, Dim, true>(x);
+}
+/// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
+/// group size, is removed; the device at group position `i` keeps slice `i` of the sum.
+/// @throws sharding_error when dimension `Dim` is not the group size.
+template <fixed_string Axis, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
+}
+template <axis_group_type G, int Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
+  return detail::psum_scatter_impl<G, Dim, false>(x);
 }
 
 /// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
@@ -193,30 +381,27 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
 /// to the device at axis index `j`, and the received chunks are concatenated along `Concat` in
 /// axis-index order. Moves sharding on `Axis` from dimension `Concat` to dimension `Split`.
 /// @throws sharding_error when the axis size does not divide dimension `Split`.
-template <fixed_string Axis, std::size_t Split, std::size_t Concat, local_tensor_type L>
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  constexpr bool ok = detail::check_all_to_all<L, Axis, Split, Concat>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-  constexpr bool tracked = ok && (L::dims_type::at(Concat < L::rank ? Concat : 0) & bit) != 0;
-  using dims_t = std::conditional_t<tracked, detail::dims_moved_to_t<typename L::dims_type, bit, (Split < L::rank ? Split : 0)>,
-                                    typename L::dims_type>;
-  using result_t = with_dims_t<L, dims_t>;
-  if constexpr (!ok) {
-    return result_t{};
-  } else {
-    using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "all_to_all");
-    auto& comm = detail::current_device("all_to_all").comm(bit);
-    const std::size_t n = static_cast<std::size_t>(comm.size());
-    detail::check_divides("all_to_all", Axis.view(), Split, x.extent(Split), n);
-    std::vector<T> send(x.size()), recv(x.size());
-    detail::pack_chunks(src, x.shape(), Split, n, send.data());
-    comm.all_to_all(send.data(), recv.data(), x.size() / n, datatype_of<T>);
-    const auto chunk = detail::with_extent(x.shape(), Split, x.extent(Split) / n);
-    auto out = detail::result_view<L>(detail::with_extent(chunk, Concat, chunk[Concat] * n));
-    detail::unpack_chunks(recv.data(), chunk, Concat, n, out.data());
-    return result_t(out, x.mesh(), x.device());
-  }
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
+}
+/// @brief The tiled all-to-all over several axes, in the order written.
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x) {
+  return detail::all_to_all_impl<G, Split, Concat, true>(x);
+}
+/// @brief Untiled all-to-all (JAX `tiled=False`): dimension `Split`, whose size must equal the group
+/// size `n`, is removed, and a dimension of size `n` is inserted at position `Concat` of the result;
+/// entry `j` along it is what the device at group position `j` sent. The result's dimensions carry
+/// no sharding on the group's axes (as after `forget_dims`).
+/// @throws sharding_error when dimension `Split` is not the group size.
+template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
+}
+template <axis_group_type G, int Split, int Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all(const L& x, untiled_t) {
+  return detail::all_to_all_impl<G, Split, Concat, false>(x);
 }
 
 }  // namespace meshlib

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `ppermute`, `broadcast`, `pvary` / `pbroadcast`: the collectives that keep a block's shape.
@@ -29,20 +30,45 @@ namespace detail {
 template <class L, fixed_string Axis>
 consteval bool check_pvary_axis() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"pvary", Axis, mesh_t>::value;
+  if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"pvary", Axis, mesh_t>();
   else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return pvary_of_varying_value<"pvary", Axis, L>::value;
+    return pvary_of_varying_value<diag_op_t<"pvary">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
 }
 
 template <class L, fixed_string Axis>
 consteval bool check_broadcast() {
   using mesh_t = typename L::mesh_type;
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
-  else if constexpr (!mesh_t::template has_axis<Axis>) return collective_axis_not_in_mesh<"broadcast", Axis, mesh_t>::value;
+  if constexpr (!check_element_type<"broadcast", typename L::value_type>()) return false;
+  else if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"broadcast", Axis, mesh_t>();
   else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return broadcast_of_partial_value<"broadcast", Axis, L>::value;
+    return broadcast_of_partial_value<diag_op_t<"broadcast">, diag_axis_t<Axis>, diag_value_t<L>>();
   else return true;
+}
+
+template <class G, class L>
+auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = group_checks<G>::template run<"ppermute", L, axis_rule::moves>();
+  if constexpr (!ok) {
+    return L{};
+  } else {
+    using T = typename L::value_type;
+    constexpr axis_mask mask = group_mask_v<mesh_t, G>;
+    const T* src = contiguous_data(x, "ppermute");
+    auto& comm = current_device("ppermute").comm(mask);
+    // perm names group positions in the order written; the communicator ranks run in mesh order.
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    std::vector<std::size_t> rank_of(order.size());
+    for (std::size_t r = 0; r < order.size(); ++r) rank_of[order[r]] = r;
+    const auto to_rank = [&](std::size_t p) { return p < rank_of.size() ? rank_of[p] : p; };  // out of range: the communicator says so
+    std::vector<permute_pair> pairs;
+    pairs.reserve(perm.size());
+    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(to_rank(s)), static_cast<int>(to_rank(d))});
+    auto out = result_view<L>(x.shape());
+    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    return L(out, x.mesh(), x.device());
+  }
 }
 
 }  // namespace detail
@@ -54,20 +80,13 @@ consteval bool check_broadcast() {
 /// @throws comm_argument_error for an index out of range or repeated (from the communicator).
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  constexpr bool ok = detail::check_moving_collective<"ppermute", L, Axis, 0>();
-  if constexpr (!ok) {
-    return L{};
-  } else {
-    using T = typename L::value_type;
-    constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
-    const T* src = detail::contiguous_data(x, "ppermute");
-    std::vector<permute_pair> pairs;
-    pairs.reserve(perm.size());
-    for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(s), static_cast<int>(d)});
-    auto out = detail::result_view<L>(x.shape());
-    detail::current_device("ppermute").comm(bit).ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
-    return L(out, x.mesh(), x.device());
-  }
+  return detail::ppermute_impl<axis_group<Axis>>(x, perm);
+}
+/// @brief `ppermute` over several axes: `perm` holds group positions, row-major over the axes in
+/// the order written (JAX `ppermute(x, ('i', 'j'), perm)`).
+template <axis_group_type G, local_tensor_type L>
+[[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  return detail::ppermute_impl<G>(x, perm);
 }
 
 /// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
@@ -76,7 +95,7 @@ template <fixed_string Axis, local_tensor_type L>
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto broadcast(const L& x, std::size_t root) {
   constexpr bool ok = detail::check_broadcast<L, Axis>();
-  constexpr axis_mask bit = detail::axis_bit_v<L, Axis>;
+  constexpr axis_mask bit = detail::safe_mask_v<typename L::mesh_type, Axis>;
   using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
   if constexpr (!ok) {
     return result_t{};

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
@@ -11,6 +12,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/type_rules.hpp"
@@ -44,12 +47,16 @@ template <fixed_string Op, class L, bool AllowPartial, fixed_string Axis>
 consteval bool check_reduction_axis() {
   using mesh_t = typename L::mesh_type;
   if constexpr (!mesh_t::template has_axis<Axis>) {
-    return collective_axis_not_in_mesh<Op, Axis, mesh_t>::value;
+    return check_axis_in_mesh<Op, Axis, mesh_t>();
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<Op, Axis, L>::value;
-    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0) return psum_over_invariant_axis<Op, Axis, L>::value;
-    else if constexpr (!AllowPartial && (L::vary & bit) == 0) return reduction_over_invariant_axis<Op, Axis, L>::value;
+    using op_t = diag_op_t<Op>;
+    using axis_t = diag_axis_t<Axis>;
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0)
+      return psum_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+    else if constexpr (!AllowPartial && (L::vary & bit) == 0)
+      return reduction_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
     else return true;
   }
 }
@@ -57,9 +64,14 @@ consteval bool check_reduction_axis() {
 template <fixed_string Op, class L, bool AllowPartial, fixed_string... Names>
 consteval bool check_reduction() {
   static_assert(sizeof...(Names) > 0, "meshlib: psum / pmean / pmax / pmin need at least one axis: psum<\"data\">(x)");
-  if constexpr (!collective_element_type<typename L::value_type>::value) return false;
+  if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
   else return (check_reduction_axis<Op, L, AllowPartial, Names>() && ...);
 }
+
+/// The element type of `pmean`'s result: JAX's true division, so an integer mean is a floating
+/// value (int32 -> float, as JAX's float32; int64 -> double), never a truncated integer.
+template <class T>
+using mean_value_t = std::conditional_t<std::is_integral_v<T>, std::conditional_t<(sizeof(T) <= 4), float, double>, T>;
 
 /// The all-reduce `op` over the axes `Names...` of `x`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
@@ -67,17 +79,51 @@ auto all_reduce_over(const L& x) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
-  using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
-                                       L::partial & ~mask>;
+  using T = typename L::value_type;
+  // An integer mean is a sum in T (wrapping, as JAX's int32 psum) then a true division.
+  constexpr bool int_mean = ROp == reduce_op::mean && std::is_integral_v<T>;
+  using U = std::conditional_t<int_mean, mean_value_t<T>, T>;
+  using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
+                                  dims_without_t<typename L::dims_type, mask>>;
   if constexpr (!ok) {
     return result_t{};
   } else {
-    using T = typename L::value_type;
     const T* src = contiguous_data(x, Op.view());
     auto out = result_view<L>(x.shape());
     std::copy_n(src, x.size(), out.data());
-    current_device(Op.view()).comm(mask).all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
-    return result_t(out, x.mesh(), x.device());
+    auto& comm = current_device(Op.view()).comm(mask);
+    if constexpr (int_mean) {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, reduce_op::sum);
+      auto mean = allocate<U, L::rank, typename L::memory_space>(x.shape(), "meshlib::collective", false);
+      const U n = static_cast<U>(comm.size());
+      for (std::size_t i = 0; i < x.size(); ++i) mean.data()[i] = static_cast<U>(out.data()[i]) / n;
+      return result_t(mean, x.mesh(), x.device());
+    } else {
+      comm.all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+      return result_t(out, x.mesh(), x.device());
+    }
+  }
+}
+
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
+/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
+auto all_reduce_donated(L&& x) {
+  constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
+  if constexpr (!ok) {
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+  } else {
+    // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
+    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+    using mesh_t = typename L::mesh_type;
+    constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
+    using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
+                                         L::partial & ~mask>;
+    using T = typename L::value_type;
+    auto buffer = x.view();
+    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    return result_t(std::move(buffer), x.mesh(), x.device());
   }
 }
 
@@ -91,10 +137,25 @@ template <fixed_string... Names, local_tensor_type L>
   return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
 }
 
+/// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
+/// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
+/// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
+/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// @code
+/// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+}
+
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
+/// The mean of integers is a true division, as in JAX: `float` for 32-bit integers (JAX's float32),
+/// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::avg, true, Names...>(x);
+  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must

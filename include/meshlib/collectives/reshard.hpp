@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `reshard<ToSpec>(x)`: the same global array under another sharding of the same mesh, as

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `reshard_plan`: the collectives that move an array from one sharding of a mesh to another,
@@ -37,6 +38,7 @@ enum class reshard_kind {
   exchange,     ///< general point-to-point exchange of block intersections (any -> any)
 };
 
+/// @brief The name of a resharding step kind, as printed in plans.
 [[nodiscard]] constexpr std::string_view to_string(reshard_kind k) noexcept {
   switch (k) {
     case reshard_kind::local_slice: return "local_slice";

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The compile-time rules of the typed collectives: what each accepts, the type it returns,
@@ -22,121 +23,185 @@
 /// because moving summands around does not move the sum; and pmax / pmin refuse any partial value,
 /// because the max of summands is not the max of the sum.
 ///
-/// Why a diagnostic struct per rule: C++20 cannot put the axis name into a `static_assert` message,
-/// so the message states the rule and the fix, and the struct's template arguments (printed by the
-/// compiler on the "required from" line right above it) name the operation, the axis and the value.
+/// Why a diagnostic function per rule: C++20 cannot put the axis name into a `static_assert` message,
+/// so the message states the rule and the fix, and the failing condition (printed by GCC and Clang
+/// on the error line or the note right under it) spells the operation, the axis and the value's
+/// layout as `meshlib::diagnostic` types (see core/diagnostics.hpp): one error on either compiler.
 
 #include <array>
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 
+#include "meshlib/comm/datatype.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::detail {
 
-template <fixed_string Op, fixed_string Axis, class Mesh>
-struct collective_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: a collective names an axis that the mesh does not have (the operation, axis and mesh are "
-                "the arguments of collective_axis_not_in_mesh<op, axis, mesh>); name one of the mesh's axes");
-  static constexpr bool value = true;
+/// The layout of local value `L`, spelled out for a diagnostic.
+template <class L, class Seq = std::make_index_sequence<L::rank>>
+struct diag_value_impl;
+template <class L, std::size_t... I>
+struct diag_value_impl<L, std::index_sequence<I...>> {
+  using mesh_t = typename L::mesh_type;
+  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
 };
+/// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
+template <class L>
+using diag_value_t = typename diag_value_impl<L>::type;
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct psum_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: psum / pmean over an axis the value neither varies over nor is partial over (see "
-                "psum_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis, so "
-                "the sum would only scale it by the axis size; drop the axis, or pvary over it first");
-  static constexpr bool value = true;
-};
+// Each diagnostic is a function whose one static_assert names, in its failing condition, the
+// operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct reduction_over_invariant_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin over an axis the value does not vary over (see "
-                "reduction_over_invariant_axis<op, axis, value>): it is already equal on every device of that axis; "
-                "drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class MeshAxes>
+consteval bool collective_axis_not_in_mesh() {
+  static_assert(always_false<Op, Axis, MeshAxes>,
+                "meshlib: a collective names an axis that the mesh does not have (the operation, the axis and the "
+                "mesh's axes are spelled out in the condition); name one of the mesh's axes");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct extremum_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis (see "
-                "extremum_of_partial_value<op, axis, value>): the max of the summands is not the max of the sum; "
-                "psum over the partial axes first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool psum_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: psum / pmean / psum_scatter over an axis the value neither varies over nor is partial over: "
+                "it is already equal on every device of that axis, so the sum would only scale it by the axis size; "
+                "drop the axis, or write pvary<axis>(x) first if you mean the scaled sum");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over (see "
-                "collective_of_partial_value<op, axis, value>): moving summands does not move the sum; psum or "
-                "psum_scatter over that axis first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool reduction_over_invariant_axis() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin over an axis the value does not vary over: it is already equal on every device "
+                "of that axis; drop the axis, or write pvary<axis>(x) first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct collective_needs_varying_input {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over (see "
-                "collective_needs_varying_input<op, axis, value>): every device of that axis already holds the same "
-                "block; drop the collective, or pvary over the axis first if you mean it");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool extremum_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis: the max of the "
+                "summands is not the max of the sum; psum over the partial axes first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, std::size_t ShardedDim, class Value>
-struct gather_along_unsharded_dim {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: all_gather over an axis along a dimension that is not sharded on that axis (see "
-                "gather_along_unsharded_dim<op, axis, dim, sharded_dim, value>: sharded_dim is the one sharded on the "
-                "axis); gather along sharded_dim, or all_to_all to move the sharding first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool collective_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over: moving "
+                "summands does not move the sum; psum or psum_scatter over that axis first");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, std::size_t Dim, class Value>
-struct dimension_already_sharded_on_axis {
-  static_assert(sizeof(Value) == 0,
+template <class Op, class Axis, class Value>
+consteval bool collective_needs_varying_input() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over: every device "
+                "of that axis already holds the same block; drop the collective, or write pvary<axis>(x) first if you "
+                "mean it");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool gather_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_gather along a dimension that is not the one sharded on the axis (the second "
+                "diagnostic::dim is the sharded one); gather along the sharded dimension, all_to_all to move the "
+                "sharding first, or forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class ShardedDim, class Value>
+consteval bool concat_along_unsharded_dim() {
+  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+                "meshlib: all_to_all concatenates along a dimension that is not the one sharded on the axis (the "
+                "second diagnostic::dim is the sharded one); concatenate along the sharded dimension, or "
+                "forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
+  return false;
+}
+
+template <class Op, class Axis, class Dim, class Value>
+consteval bool dimension_already_sharded_on_axis() {
+  static_assert(always_false<Op, Axis, Dim, Value>,
                 "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
-                "sharded on (see dimension_already_sharded_on_axis<op, axis, dim, value>); scatter along another "
-                "dimension");
-  static constexpr bool value = true;
-};
+                "sharded on; split another dimension, or forget_dims<axis>(x) first to treat the block as "
+                "unlabelled (the JAX tutorial's psum_scatter of an already scattered block)");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct pvary_of_varying_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over (see "
-                "pvary_of_varying_value<op, axis, value>); drop the axis");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool pvary_of_varying_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over; drop the "
+                "axis");
+  return false;
+}
 
-template <fixed_string Op, fixed_string Axis, class Value>
-struct broadcast_of_partial_value {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: broadcast over an axis the value is a pending sum (partial) over (see "
-                "broadcast_of_partial_value<op, axis, value>): one summand is not the sum; psum first");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis, class Value>
+consteval bool broadcast_of_partial_value() {
+  static_assert(always_false<Op, Axis, Value>,
+                "meshlib: broadcast over an axis the value is a pending sum (partial) over: one summand is not the "
+                "sum; psum first");
+  return false;
+}
 
-template <fixed_string Op, std::size_t Dim, std::size_t Rank>
-struct collective_dimension_out_of_range {
-  static_assert(Dim < Rank,
-                "meshlib: a collective names a dimension past the value's rank (see "
-                "collective_dimension_out_of_range<op, dim, rank>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Dim, class Rank>
+consteval bool collective_dimension_out_of_range() {
+  static_assert(always_false<Op, Dim, Rank>,
+                "meshlib: a collective names a dimension past the value's rank (negative numbers count from the "
+                "end, as in JAX)");
+  return false;
+}
 
-template <class T>
-struct collective_element_type {
-  static_assert(comm_element<T>,
-                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only (see "
-                "collective_element_type<T>)");
-  static constexpr bool value = true;
-};
+template <class Op, class Axis>
+consteval bool collective_axis_repeated() {
+  static_assert(always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
+  return false;
+}
+
+template <class Op, class T>
+consteval bool collective_element_type() {
+  static_assert(always_false<Op, T>,
+                "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only");
+  return false;
+}
+
+/// The element-type check: true, or the diagnostic.
+template <fixed_string Op, class T>
+consteval bool check_element_type() {
+  if constexpr (comm_element<T>) return true;
+  else return collective_element_type<diag_op_t<Op>, T>();
+}
+
+/// The axis-in-mesh check: true, or the diagnostic.
+template <fixed_string Op, fixed_string Axis, class Mesh>
+consteval bool check_axis_in_mesh() {
+  if constexpr (Mesh::template has_axis<Axis>) return true;
+  else return collective_axis_not_in_mesh<diag_op_t<Op>, diag_axis_t<Axis>, diag_axes_t<Mesh, Mesh::all_axes>>();
+}
+
+/// A dimension number as JAX counts it: negative numbers count from `Rank` (the rank, or the rank
+/// plus one where a dimension is inserted). Out of range maps to `Rank` (diagnosed by the caller).
+template <int Dim, std::size_t Rank>
+inline constexpr std::size_t norm_dim_v =
+    Dim < 0 ? (static_cast<long long>(Rank) + Dim < 0 ? Rank : static_cast<std::size_t>(static_cast<long long>(Rank) + Dim))
+            : (static_cast<std::size_t>(Dim) < Rank ? static_cast<std::size_t>(Dim) : Rank);
+
+/// The range check of a dimension number: true, or the diagnostic.
+template <fixed_string Op, int Dim, std::size_t Rank>
+consteval bool check_dim() {
+  if constexpr (norm_dim_v<Dim, Rank> < Rank) return true;
+  else {
+    using dim_t = std::conditional_t<(Dim < 0), diagnostic::dim<static_cast<std::size_t>(-Dim)>, diagnostic::dim<static_cast<std::size_t>(Dim)>>;
+    return collective_dimension_out_of_range<diag_op_t<Op>, dim_t, diagnostic::size<Rank>>();
+  }
+}
 
 /// Mask of the axes `Names...` of `Mesh` that exist (unknown names are diagnosed separately, so that
 /// computing a result type never fires a second error).
@@ -173,6 +238,18 @@ template <class Dims, std::size_t D, std::size_t... I>
 struct dims_insert_impl<Dims, D, std::index_sequence<I...>> {
   using type = dim_masks<(I == D ? axis_mask{0} : Dims::at(I < D ? I : I - 1))...>;
 };
+
+template <class Dims, std::size_t D, bool = (Dims::size > 0)>
+struct remove_dim_or_self {
+  using type = Dims;
+};
+template <class Dims, std::size_t D>
+struct remove_dim_or_self<Dims, D, true> {
+  using type = typename remove_dim_impl<Dims, D>::type;
+};
+/// `Dims` without dimension `D` (itself when it has no dimension: only in a refused call).
+template <class Dims, std::size_t D>
+using remove_dim_or_self_t = typename remove_dim_or_self<Dims, D>::type;
 
 /// `Dims` with the axes of `Mask` removed from every dimension.
 template <class Dims, axis_mask Mask>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The `communicator` concept that every backend (thread, MPI, NCCL) satisfies.

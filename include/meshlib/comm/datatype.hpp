@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Element types a communicator moves and reduces: `float`, `double`, 32- and 64-bit signed
@@ -61,6 +62,7 @@ enum class datatype : std::uint8_t { float32, float64, int32, int64, bfloat16 };
   }
   return "unknown";
 }
+/// @brief Prints the datatype's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_string(t); }
 
 /// @brief Size in bytes of one element of type `t`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Completion handles. Every communicator operation returns its backend's `request_type`,

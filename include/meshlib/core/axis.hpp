@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `axis<"name">`: a named mesh axis. The name is part of the type, so collectives and

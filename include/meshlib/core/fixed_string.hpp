@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `fixed_string`: a string usable as a C++20 class-type template parameter, so that mesh
@@ -32,6 +33,7 @@ struct fixed_string {
   friend std::ostream& operator<<(std::ostream& os, const fixed_string& s) { return os << s.view(); }
 };
 
+/// @brief Deduces the size from the literal: `fixed_string{"data"}` is a `fixed_string<5>`.
 template <std::size_t N>
 fixed_string(const char (&)[N]) -> fixed_string<N>;
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `mesh<Axes...>`: an N-dimensional grid of devices with named axes, as JAX's `Mesh`.
@@ -16,6 +17,8 @@
 #include <vector>
 
 #include "meshlib/core/axis.hpp"
+#include "meshlib/core/checked_size.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 
@@ -30,6 +33,14 @@ consteval bool axis_names_unique() {
     for (std::size_t j = i + 1; j < names.size(); ++j)
       if (names[i] == names[j]) return false;
   return true;
+}
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_has_no_axis() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: the mesh has no axis of this name (the name and the mesh's axes are spelled out in the "
+                "condition); name one of the mesh's axes");
+  return false;
 }
 
 }  // namespace detail
@@ -73,7 +84,8 @@ class mesh {
   /// Position of axis `Name` in the mesh; naming an axis the mesh lacks does not compile.
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
-    static_assert(has_axis<Name>, "meshlib: the mesh has no axis of this name (see the axis named in the instantiation)");
+    if constexpr (!has_axis<Name>)
+      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
@@ -219,7 +231,14 @@ class mesh {
     for (std::size_t i = 0; i < ndim; ++i) {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
-      size_ *= sizes_[i];
+      // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
+      if (sizes_[i] > detail::max_sane_size)
+        throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
+                         " (" + std::to_string(static_cast<long long>(sizes_[i])) +
+                         " as a signed number); a mesh axis size must be positive");
+      if (__builtin_mul_overflow(size_, sizes_[i], &size_))
+        throw mesh_error("meshlib: the device count of the mesh overflows at axis '" + std::string(axis_names[i]) +
+                         "' (size " + std::to_string(sizes_[i]) + "): the product of the axis sizes does not fit in 64 bits");
     }
   }
 

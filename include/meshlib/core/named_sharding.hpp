@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `named_sharding<Mesh, Spec>`: a partition spec bound to a mesh, as JAX's `NamedSharding`.
@@ -10,7 +11,9 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/partition_spec.hpp"
 
@@ -48,49 +51,66 @@ consteval bool has_repeated_axis() {
   return false;
 }
 
-/// The name of axis `K` of dimension `D` of `Spec` as a `fixed_string`, for diagnostics.
 template <class Spec, std::size_t D, std::size_t K>
-inline constexpr auto spec_axis_name = [] {
-  constexpr std::string_view name = Spec::dims[D].axis(K);
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+inline constexpr std::string_view spec_axis_name_v = Spec::dims[D].axis(K);
 
-// The diagnostics below carry the offending axis and spec in their template arguments, so that the
-// compiler's "in instantiation of" line names them next to the static_assert message.
-template <fixed_string Axis, class Spec, class Mesh>
-struct spec_names_axis_not_in_mesh {
-  static_assert(Mesh::template has_axis<Axis>,
-                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have "
-                "(the axis, spec and mesh are the arguments of spec_names_axis_not_in_mesh<axis, spec, mesh>); "
-                "add the axis to the mesh or fix its name in the spec");
-  static constexpr bool value = true;
+template <class Spec, std::size_t D, class Seq = std::make_index_sequence<Spec::dim(D).size()>>
+struct diag_spec_entry;
+template <class Spec, std::size_t D, std::size_t... K>
+struct diag_spec_entry<Spec, D, std::index_sequence<K...>> {
+  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, D, K>>::type...>;
 };
+template <class Spec, class Seq = std::make_index_sequence<Spec::size>>
+struct diag_spec_impl;
+template <class Spec, std::size_t... D>
+struct diag_spec_impl<Spec, std::index_sequence<D...>> {
+  using type = diagnostic::spec<typename diag_spec_entry<Spec, D>::type...>;
+};
+/// A partition spec spelled out for a diagnostic: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class Spec>
+using diag_spec_t = typename diag_spec_impl<Spec>::type;
+
+/// Marks a check whose diagnostic has already fired inside (core/diagnostics.hpp): always true, so
+/// that the `static_assert` around a class-level check never adds a second error.
+constexpr bool diagnosed(bool) noexcept { return true; }
+
+// The diagnostics below name the offending axis and spec in their failing condition (see
+// core/diagnostics.hpp): one error on GCC and Clang.
+template <class Axis, class Spec, class MeshAxes>
+consteval bool spec_names_axis_not_in_mesh() {
+  static_assert(always_false<Axis, Spec, MeshAxes>,
+                "meshlib: named_sharding: the partition spec names an axis that the mesh does not have (the axis, "
+                "the spec and the mesh's axes are spelled out in the condition); add the axis to the mesh or fix its "
+                "name in the spec");
+  return false;
+}
 
 template <class Spec>
-struct spec_uses_an_axis_twice {
-  static_assert(!has_repeated_axis<Spec>(),
-                "meshlib: named_sharding: the partition spec uses a mesh axis twice (see spec_uses_an_axis_twice<spec>); "
-                "a mesh axis can split at most one dimension, once");
-  static constexpr bool value = true;
-};
+consteval bool spec_uses_an_axis_twice() {
+  static_assert(always_false<Spec>,
+                "meshlib: named_sharding: the partition spec uses a mesh axis twice; a mesh axis can split at most "
+                "one dimension, once");
+  return false;
+}
 
-template <std::size_t Rank, class Spec>
-struct spec_longer_than_rank {
-  static_assert(Spec::size <= Rank,
-                "meshlib: the partition spec has more entries than the tensor has dimensions "
-                "(see spec_longer_than_rank<rank, spec>); drop the extra entries");
-  static constexpr bool value = true;
-};
+template <class Rank, class Spec>
+consteval bool spec_longer_than_rank() {
+  static_assert(always_false<Rank, Spec>,
+                "meshlib: the partition spec has more entries than the tensor has dimensions; drop the extra entries");
+  return false;
+}
 
+/// True when `Spec` fits `Mesh`; otherwise fires the one diagnostic and returns false.
 template <class Mesh, class Spec>
 consteval bool diagnose_sharding() {
   constexpr auto bad = first_unknown_axis<Mesh, Spec>();
   if constexpr (bad.first < Spec::size) {
-    return spec_names_axis_not_in_mesh<spec_axis_name<Spec, bad.first, bad.second>, Spec, Mesh>::value;
+    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, bad.first, bad.second>>::type,
+                                       diag_spec_t<Spec>, diag_axes_t<Mesh, Mesh::all_axes>>();
+  } else if constexpr (has_repeated_axis<Spec>()) {
+    return spec_uses_an_axis_twice<diag_spec_t<Spec>>();
   } else {
-    return spec_uses_an_axis_twice<Spec>::value;
+    return true;
   }
 }
 
@@ -103,7 +123,7 @@ consteval bool diagnose_sharding() {
 /// @endcode
 template <mesh_type Mesh, partition_spec_type Spec>
 class named_sharding {
-  static_assert(detail::diagnose_sharding<Mesh, Spec>());
+  static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
   using is_named_sharding = void;
@@ -138,7 +158,10 @@ class named_sharding {
   /// Rejects, at compile time, a spec longer than a tensor of rank `Rank`.
   template <std::size_t Rank>
   static constexpr bool check_rank() noexcept {
-    return detail::spec_longer_than_rank<Rank, Spec>::value;
+    // True either way: a spec that is too long fires its one diagnostic here, and the
+    // static_assert(check_rank<R>()) of every caller stays quiet.
+    if constexpr (Spec::size <= Rank) return true;
+    else return detail::diagnosed(detail::spec_longer_than_rank<diagnostic::size<Rank>, detail::diag_spec_t<Spec>>());
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `partition_spec` / `P<...>`: how each dimension of a tensor is split over mesh axes, as
@@ -23,6 +24,7 @@ namespace meshlib {
 struct none_t {
   friend constexpr bool operator==(none_t, none_t) noexcept { return true; }
 };
+/// @brief A replicated dimension in a partition spec: JAX's `None` in `P("data", None)`.
 inline constexpr none_t none{};
 
 /// @brief One entry of a partition spec: the mesh axes (0 to `max_axes`) a dimension is split over.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Shard layout math: for a global shape and a sharding, which block of the global array
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "meshlib/core/checked_size.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 
@@ -101,9 +103,11 @@ class shard_layout {
   using shape_type = std::array<std::size_t, Rank>;
   using mesh_type = typename S::mesh_type;
 
-  /// @throws sharding_error under `shard_rule::even` when a sharded dimension does not divide
+  /// @throws sharding_error when a size is negative-converted (above 2^62) or the element count
+  /// overflows (naming the dimension and its size), and under `shard_rule::even` when a sharded dimension does not divide
   /// evenly; the message names the dimension, its size, the axes and their sizes.
   shard_layout(const S& sharding, const shape_type& global_shape) : sharding_(sharding), global_(global_shape) {
+    detail::checked_product(global_, "the global shape");
     for (std::size_t d = 0; d < Rank; ++d) {
       const std::size_t shards = sharding_.num_shards(d);
       if (sharding_.rule() == shard_rule::even && global_[d] % shards != 0) {
@@ -159,6 +163,7 @@ class shard_layout {
   shape_type global_;
 };
 
+/// @brief Deduces the rank from the global shape: `shard_layout{sharding, std::array<std::size_t, 2>{8, 6}}`.
 template <sharding_type S, std::size_t Rank>
 shard_layout(const S&, const std::array<std::size_t, Rank>&) -> shard_layout<S, Rank>;
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `check_replicated(x)`: meshlib's `checkify` for sharding. A `local_tensor` whose type says

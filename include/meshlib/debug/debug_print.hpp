@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `debug_print(format, values...)` inside `shard_map` / `spmd`, as `jax.debug.print`: every

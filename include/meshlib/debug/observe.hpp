@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The debug layer's one decorator point. A runner creates one `run_observer` per run
@@ -47,8 +48,10 @@
 // popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
 #if __has_include(<Kokkos_Core.hpp>)
 #include <Kokkos_Core.hpp>
+/// 1 when Kokkos' headers are on the include path (this header then uses Kokkos' profiling hooks).
 #define MESHLIB_DEBUG_HAS_KOKKOS 1
 #else
+/// 0 when Kokkos' headers are not on the include path (the header builds without Kokkos).
 #define MESHLIB_DEBUG_HAS_KOKKOS 0
 #endif
 
@@ -181,7 +184,7 @@ struct comm_site {
 constexpr const char* reduction_name(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return "psum";
-    case reduce_op::avg: return "pmean";
+    case reduce_op::mean: return "pmean";
     case reduce_op::max: return "pmax";
     case reduce_op::min: return "pmin";
     default: return "all_reduce";

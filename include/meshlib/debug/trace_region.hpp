@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `trace_region`: a named span of the program, as `jax.profiler.TraceAnnotation`. It shows

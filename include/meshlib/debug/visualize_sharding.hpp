@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief A text picture of which devices hold which block of a global array, in the spirit of

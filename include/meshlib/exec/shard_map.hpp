@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `shard_map(fn, mesh, in_specs, out_specs)`: global sharded arrays in, `fn` once per device
@@ -29,10 +30,13 @@
 
 #include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/reshard.hpp"
+#include "meshlib/collectives/type_rules.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/debug/check_replicated.hpp"
+#include "meshlib/runtime/kokkos_runtime.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
@@ -67,72 +71,61 @@ struct spec_at<I, specs<S...>> {
   using type = std::tuple_element_t<I, std::tuple<S...>>;
 };
 
-/// Name of axis `I` of `Mesh` as a `fixed_string`, for diagnostics.
-template <class Mesh, std::size_t I>
-inline constexpr auto mesh_axis_name = [] {
-  constexpr std::string_view name = Mesh::axis_names[I];
-  fixed_string<name.size() + 1> s;
-  for (std::size_t i = 0; i < name.size(); ++i) s.chars[i] = name[i];
-  return s;
-}();
+// The diagnostics below name the output, the axis, the out_spec and the value's layout in their
+// failing condition (see core/diagnostics.hpp): one error on GCC and Clang.
 
-constexpr std::size_t lowest_axis(axis_mask m) noexcept {
-  std::size_t i = 0;
-  while (!(m & (axis_mask{1} << i))) ++i;
-  return i;
+template <class Output, class Value>
+consteval bool shard_map_output_is_not_a_local_tensor() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
+                "out_spec)");
+  return false;
 }
 
-template <std::size_t Output, class Value>
-struct shard_map_output_is_not_a_local_tensor {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
-                "out_spec) (see shard_map_output_is_not_a_local_tensor<output, type>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_is_partial() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
+                "psum_scatter, over that axis before returning it");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_is_partial {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis (see "
-                "shard_map_output_is_partial<output, axis, out_spec, value>); complete it with psum, or psum_scatter, "
-                "over that axis before returning it");
-  static constexpr bool value = false;
-};
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_varies_over_unsharded_axis() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
+                "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
+                "axis, or shard the output over it in out_specs");
+  return false;
+}
 
-template <std::size_t Output, fixed_string Axis, class OutSpec, class Value>
-struct shard_map_output_varies_over_unsharded_axis {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over (see "
-                "shard_map_output_varies_over_unsharded_axis<output, axis, out_spec, value>): its blocks differ along "
-                "that axis, so no one global array holds them; psum / pmean / all_gather over the axis, or shard the "
-                "output over it in out_specs");
-  static constexpr bool value = false;
-};
-
-template <std::size_t Output, class Mesh, class OutSpec, class Value>
-struct shard_map_output_on_another_mesh {
-  static_assert(sizeof(Value) == 0,
-                "meshlib: shard_map: an output lives on another mesh type than the shard_map's (see "
-                "shard_map_output_on_another_mesh<output, mesh, out_spec, value>)");
-  static constexpr bool value = false;
-};
+template <class Output, class Value>
+consteval bool shard_map_output_on_another_mesh() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
+  return false;
+}
 
 /// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
 template <std::size_t Output, class Mesh, class OutSpec, class L>
 consteval bool check_output() {
+  using out_t = diagnostic::dim<Output>;
   if constexpr (!local_tensor_type<L>) {
-    return shard_map_output_is_not_a_local_tensor<Output, L>::value;
+    return shard_map_output_is_not_a_local_tensor<out_t, L>();
   } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
-    return shard_map_output_on_another_mesh<Output, Mesh, OutSpec, L>::value;
+    return shard_map_output_on_another_mesh<out_t, L>();
+  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+    return false;
+  } else if constexpr (OutSpec::size > L::rank) {
+    return false;  // check_rank fired the diagnostic
   } else {
     using S = named_sharding<Mesh, OutSpec>;
-    static_assert(S::template check_rank<L::rank>());
     constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
     if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<Output, mesh_axis_name<Mesh, lowest_axis(L::partial)>, OutSpec, L>::value;
+      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
     else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<Output, mesh_axis_name<Mesh, lowest_axis(unsharded_vary)>,
-                                                         OutSpec, L>::value;
+      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
+                                                         diag_value_t<L>>();
     else return true;
   }
 }
@@ -173,7 +166,11 @@ class shard_map_fn {
                   "meshlib: shard_map: the number of arguments differs from the number of in_specs");
     static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
                   "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
-    return call(std::index_sequence_for<Xs...>{}, xs...);
+    // A bad in_spec fires its one diagnostic here and stops: the body is not instantiated on a
+    // local type that cannot exist, which would add a screenful of follow-on errors.
+    constexpr bool specs_ok = check_in_specs(std::index_sequence_for<Xs...>{});
+    if constexpr (!specs_ok) return;
+    else return call(std::index_sequence_for<Xs...>{}, xs...);
   }
 
  private:
@@ -187,11 +184,25 @@ class shard_map_fn {
     if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
       if (x.sharding().rule() == shard_rule::even) return x;
     }
-    return reshard(x, sharding_t(mesh_, shard_rule::even), backend_);
+    // shard_map gives every device a block of one shape (as JAX's), so an input must split evenly
+    // under its in_spec; say so in shard_map's words (the layout's own advice, shard_rule::uneven,
+    // is what this input may already use).
+    const sharding_t even(mesh_, shard_rule::even);
+    for (std::size_t d = 0; d < X::rank; ++d)
+      if (x.global_shape()[d] % even.num_shards(d) != 0)
+        throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
+                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
+                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             " in its in_spec " + spec_t::to_string() +
+                             "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
+                             "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
+    return reshard(x, even, backend_);
   }
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
     using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
@@ -212,6 +223,11 @@ class shard_map_fn {
       if constexpr (single_output) return std::get<0>(std::move(outs));
       else return outs;
     }
+  }
+
+  template <std::size_t... I>
+  static consteval bool check_in_specs(std::index_sequence<I...>) {
+    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
   }
 
   template <class Results, std::size_t... O>

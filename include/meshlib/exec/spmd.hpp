@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `spmd(mesh, fn)`: runs `fn` once per device of `mesh`, as a multi-controller JAX program
@@ -15,6 +16,7 @@
 
 #include "meshlib/collectives/backend.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/runtime/kokkos_runtime.hpp"
 
 namespace meshlib {
 
@@ -34,10 +36,12 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
+/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
 template <mesh_type Mesh, class Fn, class Backend = thread_backend>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  detail::require_kokkos("spmd");
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Checkpoints of a `train_state`: `save_checkpoint(dir, state)` and

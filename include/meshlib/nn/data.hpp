@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the

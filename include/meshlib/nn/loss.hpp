@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `softmax_cross_entropy`: the mean over the *global* batch of `-log softmax(logits)[label]`,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Optimizers as elementwise update rules (optax's `sgd(momentum)`, `adam`, `adamw`): the

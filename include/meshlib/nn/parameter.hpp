@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `parameter`: a trainable sharded array (its value and its gradient, same sharding), and

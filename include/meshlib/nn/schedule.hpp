@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Learning-rate schedules (optax's `constant_schedule`, `linear_schedule` warm-up and

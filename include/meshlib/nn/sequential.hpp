@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `sequential`: layers run forward in order and backward in reverse, as `flax.linen.Sequential`
@@ -55,9 +56,10 @@ class sequential {
     using type = std::remove_cvref_t<decltype(std::declval<std::tuple_element_t<I - 1, std::tuple<Layers...>>&>().forward(
         std::declval<const prev&>()))>;
   };
+  /// Layer 0 receives the network's own input `X`.
   template <class X>
   struct input_of<X, 0> {
-    using type = X;
+    using type = X;  ///< `X` itself
   };
 
   template <local_tensor_type X>

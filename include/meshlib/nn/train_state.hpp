@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `meshlib::distributed`: the processes of one run, modelled on `jax.distributed`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The Kokkos part of `distributed::initialize`, kept out of distributed.hpp so that launcher
@@ -9,10 +10,58 @@
 /// program that shuts meshlib down and initialises it again must own Kokkos itself
 /// (`Kokkos::ScopeGuard` in `main`); `initialize` says so with a `distributed_error` instead of
 /// letting Kokkos fail.
+///
+/// It also holds the Kokkos lifecycle rule every meshlib entry point checks
+/// (`detail::require_kokkos`): Kokkos must be initialised before the first tensor is made and
+/// before any device thread starts, and stay initialised until the last tensor is gone. Without
+/// the check, a forgotten `Kokkos::ScopeGuard` aborts inside a device thread with Kokkos' own
+/// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
+/// the cause nor the fix.
+
+#include <string>
+#include <string_view>
 
 #include <Kokkos_Core.hpp>
 
+#include "meshlib/core/errors.hpp"
 #include "meshlib/runtime/distributed.hpp"
+
+namespace meshlib {
+
+/// @brief A meshlib entry point was called while Kokkos is not initialised (never was, or was
+/// already finalised). `what()` names the entry point and the fix.
+/// @code
+/// int main(int argc, char** argv) {
+///   Kokkos::ScopeGuard kokkos(argc, argv);  // or meshlib::distributed::guard / meshlib::mpi::guard
+///   meshlib::mesh<meshlib::axis<"x">> m{2};
+///   meshlib::spmd(m, [] {});                // without the guard: throws kokkos_lifecycle_error
+/// }
+/// @endcode
+class kokkos_lifecycle_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+/// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
+inline void require_kokkos(std::string_view what) {
+  if (Kokkos::is_initialized()) [[likely]]
+    return;
+#if KOKKOS_VERSION >= 40000
+  const bool finalized = Kokkos::is_finalized();
+#else
+  const bool finalized = false;  // Kokkos 3.x cannot tell "finalised" from "never initialised"
+#endif
+  throw kokkos_lifecycle_error(
+      "meshlib: " + std::string(what) + ": Kokkos " + (finalized ? "was already finalised" : "is not initialised") +
+      "; hold a Kokkos::ScopeGuard in main() (or meshlib::distributed::guard, or meshlib::mpi::guard with MPI, "
+      "which initialise MPI and Kokkos in the right order) before the first meshlib call and before any device "
+      "thread starts, and keep it alive until every tensor is destroyed");
+}
+
+}  // namespace detail
+}  // namespace meshlib
 
 namespace meshlib::distributed::detail {
 

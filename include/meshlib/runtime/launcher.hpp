@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Launcher detection: which process this is, out of how many, read from explicit arguments
@@ -55,6 +56,7 @@ enum class launcher {
   slurm,               ///< `SLURM_PROCID` / `SLURM_NTASKS` (`srun`)
 };
 
+/// @brief The launcher's name ("mpirun", "slurm", ...), as printed in diagnostics.
 [[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
   switch (l) {
     case launcher::none: return "none";
@@ -68,6 +70,7 @@ enum class launcher {
   }
   return "unknown";
 }
+/// @brief Prints the launcher's name (`to_string`).
 inline std::ostream& operator<<(std::ostream& os, launcher l) { return os << to_string(l); }
 
 /// @brief What detection found: this process's index, the process count, the local rank on its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The runtime over MPI: `meshlib::mpi::initialize` starts MPI when the program has not,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Per-process data loading: which rows of a global batch this process's devices own under
@@ -70,6 +71,7 @@ std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::si
   return merged;
 }
 
+/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
 template <sharding_type S, std::size_t Rank>
 std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
   return process_rows(layout, process_index(), local_device_count());
@@ -129,6 +131,7 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
   return out;
 }
 
+/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
 template <class T, sharding_type S, std::size_t Rank>
 std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
   return split_process_local_data<T>(layout, local, process_index(), local_device_count());

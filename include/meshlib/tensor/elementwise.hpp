@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Elementwise kernels: `map`, `zip`, and the arithmetic operators, on local values (inside
@@ -26,6 +27,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
@@ -234,6 +236,7 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator+(const A& a, const B& b) {
   return detail::zip_linear(detail::plus_fn{}, a, b);
 }
+/// @brief Elementwise difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator-(const A& a, const B& b) {
   return detail::zip_linear(detail::minus_fn{}, a, b);
@@ -243,10 +246,12 @@ template <local_tensor_type A, local_tensor_type B>
 auto operator*(const A& a, const B& b) {
   return zip(detail::times_fn{}, a, b);
 }
+/// @brief Elementwise quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation: linear, allowed on partial values.
 template <local_tensor_type L>
 L operator-(const L& x) {
   return detail::map_linear(detail::negate_fn{}, x);
@@ -258,11 +263,13 @@ template <local_tensor_type L, class S>
 L operator*(const L& x, S s) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
 }
+/// @brief Scaling by a scalar on the left: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator*(S s, const L& x) {
   return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
 }
+/// @brief Division by a scalar: linear, allowed on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator/(const L& x, S s) {
@@ -274,16 +281,19 @@ template <local_tensor_type L, class S>
 L operator+(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
 }
+/// @brief Adding a scalar on the left: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator+(S s, const L& x) {
   return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
 }
+/// @brief Subtracting a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(const L& x, S s) {
   return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
 }
+/// @brief Subtracting from a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
   requires detail::scalar_for<S, typename L::value_type>
 L operator-(S s, const L& x) {
@@ -299,7 +309,9 @@ auto map(F f, const X& x) {
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
   using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  for (std::size_t d : x.local_devices()) out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  });
   return detail::rewrap_global<X, U>(x, std::move(out));
 }
 
@@ -314,8 +326,9 @@ auto zip(F f, const A& a, const B& b) {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    for (std::size_t d : a.local_devices())
+    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
       out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    });
     return detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
@@ -336,6 +349,7 @@ template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator/(const A& a, const B& b) {
   return zip(detail::divide_fn{}, a, b);
 }
+/// @brief Negation of every element of a sharded tensor.
 template <sharded_tensor_type X>
 X operator-(const X& x) {
   return map(detail::negate_fn{}, x);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `local_tensor`: the value one device sees inside `shard_map` / `spmd`, its block of a
@@ -174,6 +175,7 @@ class local_tensor {
 template <class T>
 concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local_tensor; };
 
+/// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
 
@@ -191,6 +193,7 @@ struct rebind_local<local_tensor<T, Rank, M, V0, P0, D0, S>, U, R, V, P, D> {
 template <local_tensor_type L, axis_mask NewVary>
 using with_vary_t = typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
                                                   typename L::dims_type>::type;
+/// @brief `L` with its partial axes replaced.
 template <local_tensor_type L, axis_mask NewPartial>
 using with_partial_t = typename detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
                                                      typename L::dims_type>::type;
@@ -198,9 +201,11 @@ using with_partial_t = typename detail::rebind_local<L, typename L::value_type, 
 template <local_tensor_type L, axis_mask NewVary, axis_mask NewPartial>
 using with_vary_partial_t =
     typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
+/// @brief `L` with its per-dimension sharding masks replaced.
 template <local_tensor_type L, class NewDims>
 using with_dims_t =
     typename detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
+/// @brief `L` with element type `U`.
 template <local_tensor_type L, class U>
 using with_value_t = typename detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
 /// @brief The general form: element type, rank, vary, partial and dims all given.
@@ -210,6 +215,7 @@ using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
 /// @brief `Dims` without dimension `D`, and `Dims` permuted (`Perm[i]`: the source of entry `i`).
 template <class Dims, std::size_t D>
 using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
+/// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
 template <class Dims, std::array Perm>
 using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global
@@ -41,6 +42,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
@@ -128,7 +130,12 @@ auto gemm_view(const VA& a, const VB& b) {
     ensure_blas_threads();
     auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#if KOKKOS_VERSION >= 40000
+    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
+    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
+#else
     if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
+#endif
 #endif
     return c;
   } else {
@@ -258,27 +265,34 @@ auto matmul(const A& a, const B& b) {
   for (std::size_t dev : a.local_devices()) {
     if (!b.is_local(dev))
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
     local[dev] = true;
   }
+  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
+  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(prod), std::move(local));
   } else {
     std::vector<typename out_t::view_type> sum(n);
-    for (std::size_t dev : a.local_devices()) {
-      const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
-      T* dst = sum[dev].data();
-      for (std::size_t g : a.mesh().group(dev, c)) {
+    for (std::size_t dev : a.local_devices())
+      for (std::size_t g : a.mesh().group(dev, c))
         if (!local[g])
           throw sharding_error("meshlib: matmul: completing the contraction over " + describe_axes<M>(c) +
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
+    // Each device sums its group's products in group-rank order (the same bits on every device).
+    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+      const auto& first = prod[dev];
+      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      T* dst = sum[dev].data();
+      for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
         for (std::size_t i = 0; i < sum[dev].span(); ++i) dst[i] += src[i];
       }
-    }
+    });
     return out_t(s, {a.extent(0), b.extent(1)}, std::move(sum), std::move(local));
   }
   }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Reductions along one dimension: `sum<D>`, `mean<D>`, `max<D>`, on local values and on
@@ -35,6 +36,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
@@ -153,8 +155,9 @@ auto reduce_global(const X& x) {
   // Partial results per local device, over its own block.
   using view_u = block_view_t<U, X::rank - 1, space>;
   std::vector<view_u> part(n);
-  for (std::size_t dev : x.local_devices())
+  for_each_device<space>(x.local_devices(), n, x.size(), [&](std::size_t dev) {
     part[dev] = reduce_view<Op == reduce_kind::max ? reduce_kind::max : reduce_kind::sum, D, space, U>(x.local(dev), 0);
+  });
   if constexpr (a == 0) {
     if constexpr (Op == reduce_kind::mean) {
       std::vector<view_u> out(n);

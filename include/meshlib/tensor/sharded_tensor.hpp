@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `sharded_tensor`: one logical array of a global shape laid out over a mesh, each device
@@ -65,10 +66,8 @@ constexpr std::size_t flat_index(const std::array<std::size_t, Rank>& shape, con
 }
 
 template <std::size_t Rank>
-constexpr std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
-  std::size_t n = 1;
-  for (auto e : s) n *= e;
-  return n;
+std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
+  return checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
 }
 
 }  // namespace detail
@@ -102,6 +101,7 @@ class sharded_tensor {
   /// Zero blocks for the devices in `local_devices` only (one process of a multi-process run).
   sharded_tensor(const Sharding& sharding, const shape_type& global_shape, std::span<const std::size_t> local_devices)
       : layout_(sharding, global_shape), blocks_(sharding.mesh().size()), local_(sharding.mesh().size(), false) {
+    detail::checked_bytes<T>(size(), "the byte count of the global shape");
     for (std::size_t dev : local_devices) {
       if (dev >= blocks_.size())
         throw sharding_error("meshlib: sharded_tensor: local device " + std::to_string(dev) + " is not in mesh " +
@@ -232,6 +232,7 @@ class sharded_tensor {
 /// @brief A type that is a `sharded_tensor<...>`.
 template <class T>
 concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sharded_tensor; };
+/// @brief True for `sharded_tensor` types (the `sharded_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `transpose`: `transpose(x)` swaps the two dimensions of a rank-2 tensor;
@@ -15,6 +16,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
+#include "meshlib/tensor/device_workers.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
@@ -141,10 +143,8 @@ auto transpose(const X& x) {
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      for (std::size_t d : x.local_devices()) {
-        blocks[d] = kernel(x.local(d));
-        local[d] = true;
-      }
+      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
       return out_t(out_sharding(x.mesh(), x.sharding().rule()), shape, std::move(blocks), std::move(local));

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The Kokkos side of the tensor layer: the view type of a block, allocation that is safe
@@ -36,8 +37,12 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
+
+#include "meshlib/runtime/kokkos_runtime.hpp"
 
 namespace meshlib {
 
@@ -75,16 +80,113 @@ auto unmanaged(const View& v) {
 /// The execution space that runs kernels on memory of `Space`.
 template <class Space>
 using exec_space_for_t = std::conditional_t<
-    Kokkos::Impl::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
+    Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible, Kokkos::DefaultExecutionSpace,
     Kokkos::DefaultHostExecutionSpace>;
 
 template <class Space>
-inline constexpr bool host_accessible_v = Kokkos::Impl::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+inline constexpr bool host_accessible_v = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
 
-/// The one lock around Kokkos global state (see the file comment).
+/// The one lock around Kokkos global state (see the file comment). Taken on Kokkos 3.x only:
+/// Kokkos 4 counts View references atomically in every build and allocates thread-safely.
 inline std::mutex& kokkos_state_mutex() {
   static std::mutex m;
   return m;
+}
+
+/// Whether device threads may each compute on their own execution-space instance: Kokkos 4 makes
+/// independent instances (`partition_space`; a Serial instance has its own scratch buffer, an
+/// OpenMP instance its own thread pool and lock). Kokkos 3.4.1 Serial has one instance, and
+/// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
+inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
+
+/// `n` execution-space instances of `Exec`, one per device.
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n) {
+  if constexpr (kokkos_has_instances_v) {
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
+      // partition_space aborts when there are more partitions than pool threads: then one thread each.
+      const int pool = Exec().concurrency();
+      if (static_cast<int>(n) > pool) {
+        std::vector<Exec> v;
+        v.reserve(n);
+        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
+        return v;
+      }
+    }
+#endif
+#if KOKKOS_VERSION >= 40000
+    return Kokkos::Experimental::partition_space(Exec(), std::vector<int>(n, 1));
+#endif
+  }
+  return std::vector<Exec>(n, Exec());
+}
+
+/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
+/// hook (an instance must not outlive Kokkos).
+template <class Exec>
+class device_instance_cache {
+ public:
+  static Exec get(std::size_t device, std::size_t n) {
+    static device_instance_cache cache;
+    std::lock_guard lock(cache.m_);
+    for (auto& [size, v] : cache.sets_)
+      if (size == n) return v[device];
+    if (!cache.hooked_) {
+      cache.hooked_ = true;
+      Kokkos::push_finalize_hook([] {
+        std::lock_guard l(cache.m_);
+        cache.sets_.clear();
+        cache.hooked_ = false;
+      });
+    }
+    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
+    return cache.sets_.back().second[device];
+  }
+
+ private:
+  std::mutex m_;
+  bool hooked_ = false;
+  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+};
+
+/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+template <class Space>
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+}
+
+/// This thread's current instance of `Exec` (null: none installed; kernels use the default).
+template <class Exec>
+const Exec*& current_exec_slot() noexcept {
+  thread_local const Exec* current = nullptr;
+  return current;
+}
+
+/// Installs `instance` as this thread's instance for kernels on memory `Space`, for its lifetime.
+template <class Space>
+class scoped_exec_space {
+ public:
+  using exec_type = exec_space_for_t<Space>;
+  explicit scoped_exec_space(exec_type instance) noexcept
+      : instance_(std::move(instance)), previous_(current_exec_slot<exec_type>()) {
+    current_exec_slot<exec_type>() = &instance_;
+  }
+  ~scoped_exec_space() { current_exec_slot<exec_type>() = previous_; }
+  scoped_exec_space(const scoped_exec_space&) = delete;
+  scoped_exec_space& operator=(const scoped_exec_space&) = delete;
+
+ private:
+  exec_type instance_;
+  const exec_type* previous_;
+};
+
+/// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
+template <class Space>
+exec_space_for_t<Space> current_exec() {
+  using exec_type = exec_space_for_t<Space>;
+  if (const exec_type* e = current_exec_slot<exec_type>()) return *e;
+  return exec_type();
 }
 
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
@@ -94,9 +196,11 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
+  require_kokkos(label);
   view_t v;
   {
-    std::lock_guard<std::mutex> lock(kokkos_state_mutex());
+    std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
+    if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
@@ -107,8 +211,9 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     if constexpr (host_accessible_v<Space>) {
       for (std::size_t i = 0; i < n; ++i) p[i] = T{};
     } else {
-      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
-      Kokkos::fence();
+      const auto exec = current_exec<Space>();
+      Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>>(exec, 0, n), KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+      exec.fence();
     }
   }
   return v;
@@ -122,12 +227,17 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
-/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for`: the only launch meshlib makes,
-/// because it is the only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
+/// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
+/// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
+/// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   if (n == 0) return;
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(0, n), f);
+  const auto exec = current_exec<Space>();
+  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
 }
 
 }  // namespace detail

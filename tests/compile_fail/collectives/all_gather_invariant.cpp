@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // all_gather over an axis the value does not vary over.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

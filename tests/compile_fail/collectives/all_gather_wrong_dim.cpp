@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // all_gather over "model" along dim 0, but dim 1 is the one sharded on "model".
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // a collective naming an axis the mesh lacks.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

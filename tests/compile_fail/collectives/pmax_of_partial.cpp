@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // pmax of a pending sum: the max of summands is not the max of the sum.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

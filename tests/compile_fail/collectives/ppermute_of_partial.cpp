@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // ppermute of a value partial over the axis: moving summands does not move the sum.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

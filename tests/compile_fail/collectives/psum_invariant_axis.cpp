@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // psum over an axis the value does not vary over: the sum would only scale it.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

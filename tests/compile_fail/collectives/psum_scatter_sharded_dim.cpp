@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // psum_scatter along a dimension already sharded on the axis.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // pvary over an axis the value already varies over.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

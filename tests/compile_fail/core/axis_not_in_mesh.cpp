@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A spec that names an axis the mesh does not have ("modle" for "model") must not compile.
 #include <meshlib/core.hpp>
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;

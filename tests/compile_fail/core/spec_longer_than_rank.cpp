@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A two-entry spec cannot lay out a 1-D array.
 #include <array>
 #include <meshlib/core.hpp>

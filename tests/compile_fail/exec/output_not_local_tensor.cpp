@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // shard_map function returning something that is not a local_tensor.
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

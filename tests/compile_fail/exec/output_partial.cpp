@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // shard_map output that is a pending sum over "model".
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"

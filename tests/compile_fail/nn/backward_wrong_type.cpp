@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A layer whose backward does not transpose its forward: its cotangent varies over "model" while its
 // input does not. sequential::backward must refuse it at compile time.
 #include <meshlib.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // layer_norm over features sharded over "model" (the output of a column-parallel layer) would
 // normalise each shard on its own: refused at compile time.
 #include <meshlib.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A pending sum plus a scalar would add the scalar once per part: psum first.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Global view: lhs contraction dimension sharded on 'model', rhs contraction dimension replicated.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Local view: the diagnostic names the contraction axes of both sides ('model' and none).
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // One axis cannot shard both the rows and the columns of the product.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The max of the parts of a pending sum is not the max of the sum.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

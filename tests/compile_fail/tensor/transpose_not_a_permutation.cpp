@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // transpose<P...> needs a permutation of 0 .. rank-1.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

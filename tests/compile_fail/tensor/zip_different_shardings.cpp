@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // zip of two tensors with different specs must not compile, and must point to reshard.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

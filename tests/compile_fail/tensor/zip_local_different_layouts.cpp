@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Inside shard_map: a value varying over 'data' and one varying over 'model' cannot be zipped.
 #include "meshlib/tensor.hpp"
 using namespace meshlib;

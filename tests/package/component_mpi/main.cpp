@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Built against meshlib::mpi only: MPI's header and library must come with the component.
 #include <mpi.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Helpers of the collectives tests: per-device blocks with values that name their device and
 // position, so that every expected value is computed on the host from first principles (which
 // device's element should land where), never by running a collective.

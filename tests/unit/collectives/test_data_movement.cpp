@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // all_gather (tiled, untiled), psum_scatter, all_to_all, ppermute, broadcast, pvary on 1-D and
 // 2-D meshes: every output element is checked against the element of the device it must come
 // from, computed on the host from the mesh's group order.
@@ -200,7 +201,8 @@ TEST_CASE("run-time misuse: indivisible sizes and bad roots throw, naming the ax
   const std::string msg = coll_test::message_of([&] {
     spmd(m, [&] { (void)psum_scatter<"x", 0>(coll_test::make_block<L>(m, {4})); });
   });
-  CHECK(msg.find("psum_scatter over axis 'x'") != std::string::npos);
+  CHECK(msg.find("psum_scatter over 'x' (group size 3) splits dimension 0 of size 4, which is not divisible by 3") !=
+        std::string::npos);
   CHECK(msg.find("not divisible by 3") != std::string::npos);
   const std::string msg2 = coll_test::message_of([&] { spmd(m, [&] { (void)broadcast<"x">(coll_test::make_block<L>(m, {4}), 3); }); });
   CHECK(msg2.find("root index 3 is out of range") != std::string::npos);

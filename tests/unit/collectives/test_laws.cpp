@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Laws the collectives obey, checked over every 2-D mesh shape up to 3 x 3 and both axes:
 //   all_gather(psum_scatter(x)) == psum(x)                       (reduce-scatter + all-gather = all-reduce)
 //   all_to_all<s, c>(all_to_all<c, s>(x)) == x                   (all_to_all is invertible)

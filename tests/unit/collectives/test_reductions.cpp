@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // psum / pmean / pmax / pmin on 1-D and 2-D meshes, several shapes and element types, against
 // host-computed references; the result types (vary / partial / dims) they compute at compile time.
 #include <algorithm>
@@ -37,12 +38,19 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
   using L = local_tensor<T, 2, mesh1, mesh1::mask_of<"x">()>;
   auto out = spmd(m, [&] {
     auto x = coll_test::make_block<L>(m, shape);
-    return std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmean<"x">(x)),
-                      coll_test::capture(pmax<"x">(x)), coll_test::capture(pmin<"x">(x))};
+    // pmean of integers is a floating value (JAX's true division); seen here as T's mean type U.
+    auto mean = pmean<"x">(x);
+    static_assert(std::is_same_v<typename decltype(mean)::value_type, detail::mean_value_t<T>>);
+    return std::pair{std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmax<"x">(x)),
+                                coll_test::capture(pmin<"x">(x))},
+                     coll_test::capture(mean)};
   });
   const std::size_t size = shape[0] * shape[1];
   for (std::size_t dev = 0; dev < n; ++dev) {
-    for (std::size_t k = 0; k < 4; ++k) REQUIRE(out[dev][k].shape == std::vector<std::size_t>{shape[0], shape[1]});
+    const auto& r = out[dev].first;
+    const auto& mean = out[dev].second;
+    for (std::size_t k = 0; k < 3; ++k) REQUIRE(r[k].shape == std::vector<std::size_t>{shape[0], shape[1]});
+    REQUIRE(mean.shape == std::vector<std::size_t>{shape[0], shape[1]});
     for (std::size_t i = 0; i < size; ++i) {
       long long sum = 0, mx = std::numeric_limits<long long>::min(), mn = std::numeric_limits<long long>::max();
       for (std::size_t d = 0; d < n; ++d) {
@@ -51,15 +59,12 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
         mx = std::max(mx, v);
         mn = std::min(mn, v);
       }
-      CHECK(out[dev][0].data[i] == static_cast<T>(sum));
-      if constexpr (std::is_integral_v<T>) {
-        // integer avg: the sum divided by n, rounded toward zero
-        CHECK(out[dev][1].data[i] == static_cast<T>(sum / static_cast<long long>(n)));
-      } else {
-        CHECK(out[dev][1].data[i] == static_cast<T>(static_cast<T>(sum) / static_cast<T>(n)));
-      }
-      CHECK(out[dev][2].data[i] == static_cast<T>(mx));
-      CHECK(out[dev][3].data[i] == static_cast<T>(mn));
+      CHECK(r[0].data[i] == static_cast<T>(sum));
+      // pmean: the sum (in T) divided by n in U, as JAX's psum(x) / n: never truncated for integers.
+      using U = detail::mean_value_t<T>;
+      CHECK(mean.data[i] == static_cast<U>(static_cast<U>(static_cast<T>(sum)) / static_cast<U>(n)));
+      CHECK(r[1].data[i] == static_cast<T>(mx));
+      CHECK(r[2].data[i] == static_cast<T>(mn));
     }
   }
 }
@@ -139,4 +144,36 @@ TEST_CASE("psum and pmax of bfloat16 blocks (small integers, exact in bfloat16)"
       CHECK(out[dev][i] == sum);
       CHECK(out[dev][6 + i] == static_cast<float>(9 + i) - 4.0f);
     }
+}
+
+// A donated psum (an rvalue) sums in the value's own buffer when nothing else holds it: the result
+// has the input's data pointer and the right sums. A value something else still holds is copied
+// first, so the holder keeps its data.
+TEST_CASE("psum of a donated value reuses its buffer; of a shared one, copies", "[collectives][psum][donation]") {
+  mesh1 m{3};
+  using L = local_tensor<std::int64_t, 2, mesh1, mesh1::mask_of<"x">()>;
+  const std::array<std::size_t, 2> shape{2, 5};
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<L>(m, shape);
+    const auto* before = x.data();
+    auto donated = psum<"x">(std::move(x));
+    const bool reused = donated.data() == before;
+    auto y = coll_test::make_block<L>(m, shape);
+    const L holder = y;  // a second holder: y's buffer must survive unchanged
+    auto copied = psum<"x">(std::move(y));
+    const bool fresh = copied.data() != holder.data();
+    return std::tuple{reused, fresh, coll_test::capture(donated), coll_test::capture(copied), coll_test::capture(holder)};
+  });
+  for (std::size_t dev = 0; dev < 3; ++dev) {
+    INFO("device " << dev);
+    CHECK(std::get<0>(out[dev]));
+    CHECK(std::get<1>(out[dev]));
+    for (std::size_t i = 0; i < 10; ++i) {
+      long long sum = 0;
+      for (std::size_t d = 0; d < 3; ++d) sum += static_cast<long long>(d) * 1000 + static_cast<long long>(i) * 3 - 7;
+      CHECK(std::get<2>(out[dev]).data[i] == sum);
+      CHECK(std::get<3>(out[dev]).data[i] == sum);
+      CHECK(std::get<4>(out[dev]).data[i] == static_cast<long long>(dev) * 1000 + static_cast<long long>(i) * 3 - 7);
+    }
+  }
 }

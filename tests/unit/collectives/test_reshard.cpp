@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // reshard: the plan chosen for each kind of transition (and its byte counts), and the property
 // that resharding never changes the array: over random meshes (1 to 3 axes), shapes (uneven ones
 // under shard_rule::uneven) and pairs of specs, every device's block of reshard(x) holds exactly

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared helpers of the comm tests: deterministic inputs, independent reference reductions, and
 // bitwise comparison. Catch2 assertions are not thread-safe, so tests collect what each
 // participant saw and check it on the main thread.
@@ -39,7 +40,7 @@ std::vector<T> inputs(int r, std::size_t count, int salt = 0) {
 }
 
 /// The reference reduction, written from the documented semantics: rank order, float
-/// accumulation for bfloat16, wrap-around for integers, avg = sum / n.
+/// accumulation for bfloat16, wrap-around for integers, mean = sum / n.
 template <class T>
 T reference(reduce_op op, int n, std::size_t i, int salt = 0, int index_offset = 0) {
   const std::size_t at = i + static_cast<std::size_t>(index_offset);
@@ -50,13 +51,13 @@ T reference(reduce_op op, int n, std::size_t i, int salt = 0, int index_offset =
       const T x = input<T>(r, at, salt);
       switch (op) {
         case reduce_op::sum:
-        case reduce_op::avg: acc = static_cast<U>(acc + static_cast<U>(x)); break;
+        case reduce_op::mean: acc = static_cast<U>(acc + static_cast<U>(x)); break;
         case reduce_op::prod: acc = static_cast<U>(acc * static_cast<U>(x)); break;
         case reduce_op::min: acc = x < static_cast<T>(acc) ? static_cast<U>(x) : acc; break;
         case reduce_op::max: acc = x > static_cast<T>(acc) ? static_cast<U>(x) : acc; break;
       }
     }
-    if (op == reduce_op::avg) return static_cast<T>(static_cast<T>(acc) / static_cast<T>(n));
+    if (op == reduce_op::mean) return static_cast<T>(static_cast<T>(acc) / static_cast<T>(n));
     return static_cast<T>(acc);
   } else {
     using A = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
@@ -65,13 +66,13 @@ T reference(reduce_op op, int n, std::size_t i, int salt = 0, int index_offset =
       const A x = static_cast<A>(input<T>(r, at, salt));
       switch (op) {
         case reduce_op::sum:
-        case reduce_op::avg: acc = acc + x; break;
+        case reduce_op::mean: acc = acc + x; break;
         case reduce_op::prod: acc = acc * x; break;
         case reduce_op::min: acc = x < acc ? x : acc; break;
         case reduce_op::max: acc = acc < x ? x : acc; break;
       }
     }
-    if (op == reduce_op::avg) acc = acc / static_cast<A>(n);
+    if (op == reduce_op::mean) acc = acc / static_cast<A>(n);
     return static_cast<T>(acc);
   }
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Built against meshlib::headers only: the comm layer must not need Kokkos.
 #include <cstdio>
 #include <span>

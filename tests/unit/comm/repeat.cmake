@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Runs EXE with the Catch2 test filter FILTER TIMES times; fails on the first failing run.
 foreach(i RANGE 1 ${TIMES})
   execute_process(COMMAND ${EXE} ${FILTER} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)

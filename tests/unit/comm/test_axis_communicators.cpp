@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Sub-communicators along mesh axes: for every device and every subset of axes, the communicator
 // holds exactly the device's group, ranked in the group's stable order.
 #include <vector>

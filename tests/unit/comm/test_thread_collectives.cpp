@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Every collective of the thread communicator, for every element type and reduce op, in-place and
 // out-of-place, through both algorithms, for 1 to 64 participants, against independently computed
 // expectations, compared bit for bit.
@@ -388,7 +389,7 @@ TEST_CASE("bfloat16 rounds to nearest even and accumulates in float", "[comm][da
 }
 
 TEST_CASE("reduce ops and datatypes print their names", "[comm][datatype]") {
-  CHECK(meshlib::to_string(reduce_op::avg) == "avg");
+  CHECK(meshlib::to_string(reduce_op::mean) == "mean");
   CHECK(meshlib::to_string(meshlib::datatype::bfloat16) == "bfloat16");
   CHECK(meshlib::datatype_of<long long> == meshlib::datatype::int64);
   CHECK(meshlib::datatype_of<int> == meshlib::datatype::int32);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Faults and bad input: every blocking call of the thread communicator ends, with the documented
 // error, naming the rank, the operation and the calls involved.
 #include <atomic>
@@ -352,7 +353,7 @@ TEST_CASE("zero-count collectives still synchronise", "[comm][faults][repeat]") 
     c.all_reduce(std::span<const float>(none), std::span<float>(none), reduce_op::sum);
     waited[static_cast<std::size_t>(c.rank())] = seconds_since(t0);
     // every other zero-count operation completes too
-    c.all_reduce(std::span<float>(none), reduce_op::avg);
+    c.all_reduce(std::span<float>(none), reduce_op::mean);
     c.reduce(std::span<float>(none), reduce_op::sum, 1);
     c.broadcast(std::span<float>(none), 2);
     c.all_gather(std::span<float>(none));

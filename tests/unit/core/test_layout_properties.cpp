@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Property test of the layout law over every legal partition spec of ranks 1-4 on meshes of 1-3
 // axes: for random axis sizes (1-4) and random shapes (with 0- and 1-sized dimensions), every element
 // of the global array is held by exactly the devices an independent formula names, blocks of replicas

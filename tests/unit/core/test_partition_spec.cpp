@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #include <sstream>
 #include <string>
 #include <type_traits>

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Checks a meshlib trace file with Python's JSON parser: every device has exactly one thread_name
 record and the expected complete events, each with name, ph, ts, dur, pid and tid.
 

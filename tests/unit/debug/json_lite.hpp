@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A small JSON reader for the tests (objects, arrays, strings, numbers, true/false/null): enough to
 // parse the trace files meshlib writes back and check their structure. Throws std::runtime_error
 // with the offset on malformed input, so a broken file fails the test with a reason.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A minimal Kokkos tool (loaded through KOKKOS_TOOLS_LIBS / KOKKOS_PROFILE_LIBRARY) that appends the
 // name of every profiling region pushed to the file named by MESHLIB_TEST_TOOL_OUT: the proof that
 // meshlib's regions and collectives reach Kokkos tools.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The debug layer: trace files parsed back as JSON (per device: collectives, regions, thread names,
 // flows), the summary and its slowest device, ordered per-device printing, debug mode's replica,
 // NaN/Inf and late-device checks, and the pictures and descriptions of shardings and plans.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // spmd and shard_map: per-device execution, axis queries, error propagation without hangs, global
 // in / global out with the out-spec assembly, input resharding, several inputs and outputs.
 #include <atomic>
@@ -209,4 +210,27 @@ TEST_CASE("spmd takes a backend: thread_backend options reach the communicator",
   }
   CHECK(caught);
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
+
+// Every device computes on its own execution-space instance, the same one on every call (Kokkos 4:
+// partition_space / one OpenMP thread each; Kokkos 3.4.1 has one Serial instance, which meshlib's
+// RangePolicy-only kernels share safely: see tensor/view.hpp).
+TEST_CASE("every device runs kernels on its own execution-space instance, the same on every call", "[exec][instances]") {
+#if KOKKOS_VERSION >= 40000
+  mesh1 m{3};
+  auto mine = [] { return detail::current_exec<default_memory_space>(); };
+  const auto first = spmd(m, mine);
+  const auto again = spmd(m, mine);
+  REQUIRE(first.size() == 3);
+  for (std::size_t d = 0; d < 3; ++d) {
+    INFO("device " << d);
+    CHECK(first[d] == again[d]);
+    CHECK(!(first[d] == Kokkos::DefaultExecutionSpace()));
+    for (std::size_t e = d + 1; e < 3; ++e) CHECK(!(first[d] == first[e]));
+  }
+  // Outside any device: the default instance.
+  CHECK(detail::current_exec<default_memory_space>() == Kokkos::DefaultExecutionSpace());
+#else
+  SUCCEED("Kokkos " << KOKKOS_VERSION << ": one Serial instance for every device");
+#endif
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Checkpoints: saved on one mesh, restored on another (and across ZeRO-1), training continues with
 // the losses of an uninterrupted run; bad checkpoints are refused with the file and parameter named.
 #include <meshlib.hpp>

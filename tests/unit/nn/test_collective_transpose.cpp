@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The backward of each collective is its transpose: <f(x), y> = <x, f^T(y)> with the inner product
 // of the global values (a value invariant over the axis counted once, a varying or pending-sum value
 // summed over the devices), for every pair of nn/collective_transpose.hpp, on 4 devices.

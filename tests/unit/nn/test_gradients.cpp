@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Every layer's backward against central finite differences of the loss, in double, on one device
 // and on a (2, 2) mesh (data x model), so the collectives of the backward pass (psum <-> pvary) are
 // exercised by real sharded gradients.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Training on a synthetic problem: per-step losses do not depend on the mesh, ZeRO-1 equals the
 // replicated optimizer, k micro-batches equal one batch, bucketing issues the expected number of
 // collectives, bad batches are refused with a clear error.

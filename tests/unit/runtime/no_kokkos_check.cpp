@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Builds against meshlib::headers (no Kokkos on the include path) and checks detection from the
 // real process environment, which CTest sets to OpenMPI's variables for one process.
 #include <meshlib/runtime/distributed.hpp>

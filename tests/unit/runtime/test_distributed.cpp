@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // distributed::initialize / shutdown / guard, the process queries and global device order, the
 // Kokkos ownership rule, and the start-up consistency checks over a scripted transport that plays
 // the other processes.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Launcher detection: each launcher's variables, agreement and contradiction between sources, and
 // malformed values. The environment is a map, so nothing here depends on how the test was run.
 #include <meshlib/runtime/launcher.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Per-process data loading: the rows each process reads, and the split of those rows into its
 // devices' shards, checked against the global array element by element for several meshes,
 // specs and process sizes.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Every kernel family, launched from 8 device threads at once, many times, with exact results.
 // Built twice: plainly and under ThreadSanitizer (tensor_concurrency_tsan), where any report fails
 // the test (halt_on_error). This is the proof that meshlib's launch discipline (RangePolicy only,
@@ -5,6 +6,7 @@
 // Debian's Kokkos 3.4.1, whose team policies, scans and reductions are not.
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -144,4 +146,41 @@ TEST_CASE("control: Kokkos parallel_scan from 8 threads races on Kokkos 3.4.1", 
     });
   for (auto& t : threads) t.join();
   for (auto r : results) CHECK(r == 499500L * iterations);
+}
+
+// Global-view operations run every local device's block at once on the persistent device workers
+// (tensor/device_workers.hpp). Each call of the function below waits until all 4 devices have
+// entered it: run in parallel, they all pass; run one after another, device 0 waits alone until
+// the deadline and returns -1. Repeated, so that the same workers serve later calls.
+namespace {
+struct wait_for_all {
+  std::atomic<int>* entered;
+  int devices;
+  float operator()(float v) const {
+    entered->fetch_add(1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (entered->load() < devices && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    return entered->load() >= devices ? v : -1.0f;
+  }
+  float operator()(float a, float b) const { return (*this)(a + b); }
+};
+}  // namespace
+
+TEST_CASE("global-view map and zip run every device at once", "[tensor][concurrency][global_view]") {
+  using mesh1 = mesh<axis<"x">>;
+  mesh1 m{4};
+  named_sharding<mesh1, P<"x">> s{m};
+  // Large enough to be worth the workers (detail::parallel_work_threshold).
+  const std::size_t size = 4 * meshlib::detail::parallel_work_threshold;
+  const auto h = ref::iota<float>(size, 1, 1000);
+  std::vector<float> twice(size);
+  for (std::size_t i = 0; i < size; ++i) twice[i] = h[i] + h[i];
+  auto x = from_host(s, std::array<std::size_t, 1>{size}, h);
+  for (int round = 0; round < 3; ++round) {
+    INFO("round " << round);
+    std::atomic<int> entered{0};
+    CHECK(map(wait_for_all{&entered, 4}, x).to_host() == h);
+    std::atomic<int> entered2{0};
+    CHECK(zip(wait_for_all{&entered2, 4}, x, x).to_host() == twice);
+  }
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The examples of docs/tensors.md, compiled and checked. Keep the two in step: each TEST_CASE here
 // is one numbered example there.
 #include <array>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Local kernels and their sharding propagation, global and local view, checked against the plain
 // loops of reference.hpp on 1-D and 2-D meshes, even and uneven shapes, four dtypes.
 #include <array>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // local_tensor: the type-level facts (vary, partial, dims) and the handle over a block.
 #include <array>
 #include <string>

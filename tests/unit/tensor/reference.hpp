@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Plain-loop reference implementations on row-major std::vectors: the independent expectations
 // the tensor tests compare against. Nothing here uses meshlib's layout math or kernels.
 #pragma once

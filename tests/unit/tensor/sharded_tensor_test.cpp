@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // sharded_tensor: scatter / gather / callback / fill, checked element by element against blocks
 // computed here with plain index arithmetic (not with shard_layout).
 #include <array>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI, with the two members the

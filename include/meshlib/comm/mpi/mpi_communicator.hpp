@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
@@ -728,7 +729,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     timed("all_reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   /// On root, send == nullptr means in place; elsewhere send is read.
@@ -757,7 +758,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     void* rb = is_root ? static_cast<void*>(recv) : nullptr;
     timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
           [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
-    if (is_root && op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (is_root && op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   /// send == nullptr: in place, the result at the start of recv (MPI's convention).
@@ -783,7 +784,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::avg) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
   }
 
   template <class T>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`

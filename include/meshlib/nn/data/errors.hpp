@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The exception type of meshlib's data pipeline: a data set file that is missing or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Fashion-MNIST (Zalando's 28x28 grey images of clothes, 10 classes; 60,000 for training and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The data loader: shuffles a dataset with a seeded permutation per epoch, cuts it into

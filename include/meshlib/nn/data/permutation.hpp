@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The seeded shuffle of a data loader: a permutation of [0, count) that depends only on

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The one BLAS call of the training layer: `C = alpha op(A) op(B) + beta C` on raw row-major

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Elementwise activations with forward and backward: `relu` and `gelu` (tanh form, as

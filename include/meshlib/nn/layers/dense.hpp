@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Dense layers `y = x W + b` with forward and backward: replicated (`dense`), and the two

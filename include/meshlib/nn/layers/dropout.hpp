@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `dropout` with a mesh-invariant mask: element `(r, c)` of the *global* activation is kept

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief `layer_norm`: normalises each row over its features, `y = (x - mean) / sqrt(var + eps) * g + b`

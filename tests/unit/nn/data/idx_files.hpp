@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Small IDX files written by hand for the data tests: good ones, and each kind of damage.
 #pragma once
 #include <unistd.h>

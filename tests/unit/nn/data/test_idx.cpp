@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The IDX reader and the Fashion-MNIST loader: values read back from hand-written files, and every
 // defect of a file gives a data_error whose message names the file and what was expected and found.
 #include <array>

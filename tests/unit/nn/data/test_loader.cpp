@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The epoch permutation and the data loader: permutation laws, process shares that reassemble the
 // global batch, prefetched batches equal to sequential ones, and every bad option.
 #include <algorithm>

@@ -1,11 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
 /// MPI call. Internal to the MPI communicator.
 ///
-/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, avg) | MPI op |
+/// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, mean) | MPI op |
 /// | --- | --- | --- | --- |
-/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); avg = `MPI_SUM` then / n |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
 /// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
 /// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
 
@@ -34,7 +35,7 @@ inline std::string mpi_error_string(int rc) {
   return std::string(buf, static_cast<std::size_t>(len));
 }
 
-/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, avg).
+/// MPI's datatype for T. `wrapping`: the unsigned twin of integers (sum, prod, mean).
 template <comm_element T>
 MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
   using U = std::remove_cv_t<T>;
@@ -47,7 +48,7 @@ MPI_Datatype mpi_datatype(bool wrapping = false) noexcept {
 
 /// Whether op combines by addition or multiplication (wraps for integers).
 constexpr bool wraps(reduce_op op) noexcept {
-  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::avg;
+  return op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::mean;
 }
 
 /// meshlib's min or max of float or double (`float_min`, `float_max`: NaN propagates, -0 < +0) as
@@ -75,7 +76,7 @@ inline MPI_Op float_minmax_op(bool is_double, reduce_op op) {
   return ops[(is_double ? 2 : 0) + (op == reduce_op::max ? 1 : 0)];
 }
 
-/// MPI's op for a meshlib op on T (avg is a sum followed by a division by the participant count;
+/// MPI's op for a meshlib op on T (mean is a sum followed by a division by the participant count;
 /// min and max of floating-point values are meshlib's user ops).
 template <class T>
 MPI_Op mpi_op(reduce_op op) {
@@ -83,7 +84,7 @@ MPI_Op mpi_op(reduce_op op) {
     if (op == reduce_op::min || op == reduce_op::max) return float_minmax_op(std::is_same_v<T, double>, op);
   switch (op) {
     case reduce_op::sum:
-    case reduce_op::avg: return MPI_SUM;
+    case reduce_op::mean: return MPI_SUM;
     case reduce_op::prod: return MPI_PROD;
     case reduce_op::min: return MPI_MIN;
     case reduce_op::max: return MPI_MAX;
@@ -100,7 +101,7 @@ void bf16_combine(void* in, void* inout, int* len, MPI_Datatype*) {
     const float x = a[i];
     const float y = b[i];
     float r;
-    if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) r = x + y;
+    if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) r = x + y;
     else if constexpr (Op == reduce_op::prod) r = x * y;
     else if constexpr (Op == reduce_op::min) r = float_min(x, y);
     else r = float_max(x, y);
@@ -117,14 +118,14 @@ inline MPI_Op bf16_mpi_op(reduce_op op) {
     MPI_Op_create(&bf16_combine<reduce_op::prod>, 1, &ops[static_cast<int>(reduce_op::prod)]);
     MPI_Op_create(&bf16_combine<reduce_op::min>, 1, &ops[static_cast<int>(reduce_op::min)]);
     MPI_Op_create(&bf16_combine<reduce_op::max>, 1, &ops[static_cast<int>(reduce_op::max)]);
-    ops[static_cast<int>(reduce_op::avg)] = ops[static_cast<int>(reduce_op::sum)];
+    ops[static_cast<int>(reduce_op::mean)] = ops[static_cast<int>(reduce_op::sum)];
     return true;
   }();
   (void)made;
   return ops[static_cast<int>(op)];
 }
 
-/// After a sum: divide by the participant count as the thread backend's avg does (integers:
+/// After a sum: divide by the participant count as the thread backend's mean does (integers:
 /// the wrapped sum, as signed, divided toward zero).
 template <comm_element T>
 void finish_avg(T* data, std::size_t count, int n) noexcept {

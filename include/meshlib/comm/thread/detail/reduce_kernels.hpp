@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief The element loops of the thread communicator: a rank-ordered reduction of n inputs into
@@ -76,7 +77,7 @@ constexpr F float_min(F a, F b) noexcept {
 template <reduce_op Op, class T>
 constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
   using A = accumulator_t<T>;
-  if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::sum || Op == reduce_op::mean) {
     return static_cast<A>(a + widen(x));
   } else if constexpr (Op == reduce_op::prod) {
     return static_cast<A>(a * widen(x));
@@ -93,7 +94,7 @@ constexpr accumulator_t<T> combine(accumulator_t<T> a, T x) noexcept {
 
 template <reduce_op Op, class T>
 constexpr T finish(accumulator_t<T> a, int n) noexcept {
-  if constexpr (Op == reduce_op::avg) {
+  if constexpr (Op == reduce_op::mean) {
     if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<T>(a) / static_cast<T>(n));
     else return static_cast<T>(a / static_cast<accumulator_t<T>>(n));
   } else {
@@ -157,7 +158,7 @@ void reduce_into_op(const T* const* in, int n, T* const* out, int nout, std::siz
   // float and double sum/prod/min/max accumulate in T itself: then the first output's block can be
   // the accumulator (one pass for two ranks instead of three), unless it is also a later input
   // (an in-place reduce to a root other than 0), which must be read before anything is written.
-  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::avg;
+  constexpr bool direct_ok = std::is_same_v<A, T> && Op != reduce_op::mean;
   bool direct = direct_ok && !streaming && n >= 2;
   for (int r = 1; r < n && direct; ++r) direct = in[r] != out[0];
   if (direct) {
@@ -210,7 +211,7 @@ void reduce_into(reduce_op op, const T* const* in, int n, T* const* out, int nou
     case reduce_op::prod: return reduce_into_op<reduce_op::prod, T>(in, n, out, nout, len, streaming);
     case reduce_op::min: return reduce_into_op<reduce_op::min, T>(in, n, out, nout, len, streaming);
     case reduce_op::max: return reduce_into_op<reduce_op::max, T>(in, n, out, nout, len, streaming);
-    case reduce_op::avg: return reduce_into_op<reduce_op::avg, T>(in, n, out, nout, len, streaming);
+    case reduce_op::mean: return reduce_into_op<reduce_op::mean, T>(in, n, out, nout, len, streaming);
   }
 }
 

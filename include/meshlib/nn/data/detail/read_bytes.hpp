@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
 /// @brief Reads a whole data file into memory, gunzipping it on the fly when it is gzip-compressed

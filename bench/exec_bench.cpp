@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// Execution-layer benchmarks (issue 9), each against a real peer in the same run, medians over
+// interleaved launches (a launch of one side, then one of the other, repeated), so that a stall of
+// the shared machine hits both sides alike:
+//  1. an empty `spmd` call on 2 and 8 devices (per call; target <= 10 us and <= 60 us);
+//  2. typed `psum` (copying, and donated) against the thread communicator's own `all_reduce` on 2
+//     devices, at 8 B, 1 MiB and 16 MiB (targets: +0.1 us at 8 B, >= 0.9x bandwidth at 1 and 16 MiB);
+//  3. global-view column-parallel `matmul` 2048^3 (X replicated, W P<none, "x">) on 2 devices against
+//     the same product on 1 device (target >= 1.8x), and the 1-device one against cblas_sgemm
+//     (target >= 0.9x);
+//  4. ten launches of a 2-device 8 B all_reduce: each launch's median call (target: all < 2 us).
+// Prints markdown tables; the Kokkos version and OPENBLAS_CORETYPE are printed with them.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cblas.h>
+
+#include "bench_common.hpp"
+#include "meshlib.hpp"
+
+namespace {
+using namespace meshlib;
+using clock_type = std::chrono::steady_clock;
+using mesh1 = mesh<axis<"x">>;
+
+double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// ---- 1. empty spmd -------------------------------------------------------------------------------
+void bench_empty_call() {
+  constexpr int batches = 9, calls = 200;
+  std::vector<double> t2, t8;
+  const mesh1 m2{2}, m8{8};
+  for (int b = 0; b < batches; ++b) {
+    for (auto [m, out] : {std::pair{&m2, &t2}, std::pair{&m8, &t8}}) {
+      const auto t0 = clock_type::now();
+      for (int c = 0; c < calls; ++c) spmd(*m, [] {});
+      out->push_back(seconds_since(t0) / calls);
+    }
+  }
+  std::printf("\n### Empty spmd call\n\n| devices | per call (us) | target (us) | met |\n| --- | --- | --- | --- |\n");
+  std::printf("| 2 | %.1f | 10 | %s |\n", median(t2) * 1e6, median(t2) <= 10e-6 ? "yes" : "no");
+  std::printf("| 8 | %.1f | 60 | %s |\n", median(t8) * 1e6, median(t8) <= 60e-6 ? "yes" : "no");
+}
+
+// ---- 2. psum against the communicator's all_reduce -----------------------------------------------
+void bench_psum() {
+  const mesh1 m{2};
+  using L = local_tensor<float, 1, mesh1, mesh1::mask_of<"x">()>;
+  const std::array<std::size_t, 3> sizes{8, 1u << 20, 16u << 20};
+  constexpr int batches = 7;
+  std::printf("\n### Typed psum against the thread communicator's all_reduce, 2 devices\n\n"
+              "| size | all_reduce (us) | psum (us) | psum donated (us) | psum / all_reduce bandwidth | donated / all_reduce | target |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (std::size_t bytes : sizes) {
+    const std::size_t count = std::max<std::size_t>(1, bytes / sizeof(float));
+    const int iters = bytes <= 64 ? 20000 : bytes <= (1u << 20) ? 200 : 20;
+    std::vector<double> t_comm, t_psum, t_don;
+    for (int b = 0; b < batches; ++b) {
+      // the peer: the communicator's own all_reduce on a buffer, in place
+      run_on_threads(2, [&](thread_communicator& c) {
+        std::vector<float> buf(count, 0.0f);
+        c.barrier().wait();
+        const auto t0 = clock_type::now();
+        for (int i = 0; i < iters; ++i) c.all_reduce(std::span<float>(buf), reduce_op::sum).wait();
+        if (c.rank() == 0) t_comm.push_back(seconds_since(t0) / iters);
+      });
+      spmd(m, [&](std::size_t dev) {
+        L x(std::array<std::size_t, 1>{count}, m, dev);
+        auto t0 = clock_type::now();
+        for (int i = 0; i < iters; ++i) {
+          auto r = psum<"x">(x);
+          (void)r;
+        }
+        if (dev == 0) t_psum.push_back(seconds_since(t0) / iters);
+        t0 = clock_type::now();
+        for (int i = 0; i < iters; ++i) {
+          auto r = psum<"x">(std::move(x));
+          x = L(r.view(), m, dev);  // the sum, as the next varying input: x stays the only holder
+        }
+        if (dev == 0) t_don.push_back(seconds_since(t0) / iters);
+      });
+    }
+    const double c = median(t_comm), p = median(t_psum), d = median(t_don);
+    const std::string target = bytes <= 64 ? "+0.1 us: " + std::string(d - c <= 0.1e-6 ? "met (donated)" : "missed")
+                                           : ">= 0.9x: " + std::string(c / d >= 0.9 ? "met (donated)" : "missed") +
+                                                 std::string(c / p >= 0.9 ? ", met (copying)" : ", missed (copying)");
+    std::printf("| %zu B | %.2f | %.2f | %.2f | %.2fx | %.2fx | %s |\n", bytes, c * 1e6, p * 1e6, d * 1e6, c / p, c / d,
+                target.c_str());
+  }
+}
+
+// ---- 3. global-view matmul -----------------------------------------------------------------------
+using bench::random_matrix;
+
+void bench_matmul(std::size_t n) {
+  const auto hx = random_matrix(n * n, 1), hw = random_matrix(n * n, 2);
+  const std::array<std::size_t, 2> shape{n, n};
+  const mesh1 m1{1}, m2{2};
+  auto x1 = from_host(named_sharding<mesh1, P<>>(m1), shape, hx);
+  auto w1 = from_host(named_sharding<mesh1, P<none, "x">>(m1), shape, hw);
+  auto x2 = from_host(named_sharding<mesh1, P<>>(m2), shape, hx);
+  auto w2 = from_host(named_sharding<mesh1, P<none, "x">>(m2), shape, hw);
+  std::vector<float> c(n * n);
+  constexpr int batches = 5;
+  std::vector<double> t_blas, t1, t2;
+  (void)matmul(x1, w1);  // warm up (BLAS threads set to 1 per device, workers started)
+  (void)matmul(x2, w2);
+  for (int b = 0; b < batches; ++b) {
+    auto t0 = clock_type::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(n), static_cast<int>(n),
+                1.0f, hx.data(), static_cast<int>(n), hw.data(), static_cast<int>(n), 0.0f, c.data(), static_cast<int>(n));
+    t_blas.push_back(seconds_since(t0));
+    t0 = clock_type::now();
+    (void)matmul(x1, w1);
+    t1.push_back(seconds_since(t0));
+    t0 = clock_type::now();
+    (void)matmul(x2, w2);
+    t2.push_back(seconds_since(t0));
+  }
+  const double blas = median(t_blas), one = median(t1), two = median(t2);
+  const double flop = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+  std::printf("\n### Global-view column-parallel matmul %zu^3 (X replicated, W P<none, \"x\">), one BLAS thread per device\n\n"
+              "| run | time (ms) | GFLOP/s | ratio | target |\n| --- | --- | --- | --- | --- |\n",
+              n);
+  std::printf("| cblas_sgemm, 1 thread | %.1f | %.1f | | |\n", blas * 1e3, flop / blas / 1e9);
+  std::printf("| meshlib, 1 device | %.1f | %.1f | %.2fx cblas | >= 0.9x: %s |\n", one * 1e3, flop / one / 1e9, blas / one,
+              blas / one >= 0.9 ? "met" : "missed");
+  std::printf("| meshlib, 2 devices | %.1f | %.1f | %.2fx 1 device | >= 1.8x: %s |\n", two * 1e3, flop / two / 1e9, one / two,
+              one / two >= 1.8 ? "met" : "missed");
+}
+
+// ---- 4. latency stability ------------------------------------------------------------------------
+void bench_latency_launches() {
+  std::printf("\n### Ten launches of a 2-device 8 B all_reduce (each launch: median of 2000 calls)\n\n| launch | median (us) |\n| --- | --- |\n");
+  double worst = 0;
+  for (int launch = 0; launch < 10; ++launch) {
+    double med = 0;
+    run_on_threads(2, [&](thread_communicator& c) {
+      std::array<float, 2> buf{};
+      std::vector<double> t(2000);
+      c.barrier().wait();
+      for (auto& e : t) {
+        const auto t0 = clock_type::now();
+        c.all_reduce(std::span<float>(buf), reduce_op::sum).wait();
+        e = seconds_since(t0);
+      }
+      if (c.rank() == 0) med = median(t);
+    });
+    worst = std::max(worst, med);
+    std::printf("| %d | %.2f |\n", launch, med * 1e6);
+  }
+  std::printf("\nWorst launch %.2f us: target (every launch < 2 us) %s.\n", worst * 1e6, worst < 2e-6 ? "met" : "missed");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  std::printf("## Execution layer (bench/exec_bench.cpp)\n\nKokkos %d.%d.%d (%s), OPENBLAS_CORETYPE=%s, %u hardware threads.\n",
+              KOKKOS_VERSION / 10000, KOKKOS_VERSION / 100 % 100, KOKKOS_VERSION % 100,
+              Kokkos::DefaultExecutionSpace::name(), coretype ? coretype : "(unset)",
+              std::thread::hardware_concurrency());
+  const std::string only = argc > 1 ? argv[1] : "";
+  if (only.empty() || only == "call") bench_empty_call();
+  if (only.empty() || only == "psum") bench_psum();
+  if (only.empty() || only == "matmul") bench_matmul(2048);
+  if (only.empty() || only == "latency") bench_latency_launches();
+  return 0;
+}

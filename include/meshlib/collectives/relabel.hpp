@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief Local steps that change what the type says about a per-device value, without
+/// communication: `forget_dims` (drop the record of which dimension is a block of which axis),
+/// `reshape` (a new local shape for the same elements) and `axis_index(x)` (this device's group
+/// position as a per-device int32 scalar, as JAX's `lax.axis_index`).
+///
+/// Why `forget_dims` exists: meshlib tracks, per dimension, the axes it is a block of, and uses it
+/// to refuse a gather or scatter along the wrong dimension. JAX does not track it, so some valid JAX
+/// programs split a dimension that is already a block of the axis (the tutorial's `psum_scatter` of
+/// a scattered block) or concatenate along another one. `forget_dims<"i">(x)` says "treat this block
+/// as unlabelled along 'i'": the value still varies over 'i', only the per-dimension record goes.
+/// @code
+/// auto y = meshlib::psum_scatter<"i", 0>(meshlib::forget_dims<"i">(x));  // x's dim 0 was a block of 'i'
+/// auto r = meshlib::reshape(x, std::array<std::size_t, 1>{x.size()});    // flatten the local block
+/// auto k = meshlib::axis_index<"i">(x);   // local_tensor<std::int32_t, 0, ...> varying over 'i'
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "meshlib/collectives/axis_group.hpp"
+#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/reductions.hpp"
+#include "meshlib/collectives/type_rules.hpp"
+#include "meshlib/core/checked_size.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+
+namespace meshlib {
+
+/// @brief `x` with no dimension recorded as a block of the axes `Names...` (see the file comment).
+/// The value, its `vary` and `partial` sets are unchanged and no data moves.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto forget_dims(const L& x) {
+  static_assert(sizeof...(Names) > 0, "meshlib: forget_dims needs at least one axis: forget_dims<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
+  using result_t = with_dims_t<L, detail::dims_without_t<typename L::dims_type, detail::safe_mask_v<mesh_t, Names...>>>;
+  if constexpr (!ok) return result_t{};
+  else return result_t(x.view(), x.mesh(), x.device());
+}
+
+/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
+/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
+/// `partial` are kept.
+/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
+template <std::size_t R, local_tensor_type L>
+[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
+  using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
+  const std::size_t n = detail::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  if (n != x.size())
+    throw sharding_error("meshlib: reshape of a local block of shape " + detail::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + detail::describe_shape(shape) + " (" +
+                         std::to_string(n) + " elements); the element counts must agree");
+  const auto* src = detail::contiguous_data(x, "reshape");
+  auto out = detail::result_view<L, R>(shape);
+  std::copy_n(src, n, out.data());
+  return result_t(out, x.mesh(), x.device());
+}
+
+/// @brief This device's position in the group of the axes `Names...` (row-major in the order
+/// written) as a per-device value on `like`'s mesh: an `std::int32_t` scalar that varies over those
+/// axes, as JAX's `lax.axis_index` inside `shard_map`. `like` only names the mesh and device.
+/// @throws spmd_context_error outside `shard_map` / `spmd`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto axis_index(const L& like) {
+  static_assert(sizeof...(Names) > 0, "meshlib: axis_index needs at least one axis: axis_index<\"data\">(x)");
+  using mesh_t = typename L::mesh_type;
+  constexpr bool ok = (detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
+  using result_t = local_tensor<std::int32_t, 0, mesh_t, detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
+                                typename L::memory_space>;
+  if constexpr (!ok) {
+    return result_t{};
+  } else {
+    std::size_t p = 0;
+    if constexpr (sizeof...(Names) == 1) p = (axis_index<Names>(), ...);
+    else p = axis_index<Names...>();
+    auto out = detail::allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
+    *out.data() = static_cast<std::int32_t>(p);
+    return result_t(out, like.mesh(), like.device());
+  }
+}
+
+}  // namespace meshlib

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief How meshlib's compile-time errors name what is wrong: one `static_assert`, fired as a
+/// statement, whose failing condition spells the operation, the axes and the layout as types that
+/// GCC and Clang both print readably.
+///
+/// Why types of characters: C++20 cannot put an axis name into a `static_assert` message, and Clang
+/// prints a class-type template argument such as `fixed_string{"data"}` as `{{100, 97, 116, 97, 0}}`.
+/// Both compilers print a `char` pack as characters, so the names travel as
+/// `meshlib::diagnostic::axis<'d', 'a', 't', 'a'>`.
+///
+/// Why a function and not a struct: a struct whose `static_assert` fails is an invalid type on
+/// Clang, and every later use of it (`::value`) is a second, third, fourth error. A function whose
+/// body fails still returns, so the caller carries on quietly with a `false` and the user reads one
+/// error (stdexec's diagnose functions).
+/// @code
+/// template <class Op, class Axis>
+/// consteval bool psum_over_invariant_axis() {
+///   static_assert(meshlib::detail::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
+///   return false;
+/// }
+/// // in the check: psum_over_invariant_axis<diag_op_t<"psum">, diag_axis_t<"model">>()
+/// @endcode
+
+#include <cstddef>
+#include <string_view>
+#include <utility>
+
+#include "meshlib/core/fixed_string.hpp"
+
+/// @brief The types that only appear in compile-time error messages. Users never name them.
+namespace meshlib::diagnostic {
+
+/// The collective or function at fault: `op<'p', 's', 'u', 'm'>`.
+template <char... C>
+struct op {};
+/// A mesh axis name: `axis<'m', 'o', 'd', 'e', 'l'>`.
+template <char... C>
+struct axis {};
+/// A set of axes (an `axis_mask` spelled out), in mesh order.
+template <class... Axes>
+struct axes {};
+/// The axes a value varies over / is a pending sum over.
+template <class Axes>
+struct vary {};
+template <class Axes>
+struct partial {};
+/// Per dimension, the axes the dimension is a block of.
+template <class... DimAxes>
+struct dims {};
+/// A dimension number.
+template <std::size_t D>
+struct dim {};
+/// A value's layout: `value<vary<axes<...>>, partial<axes<>>, dims<axes<...>, axes<>>>`.
+template <class Vary, class Partial, class Dims>
+struct value {};
+/// A partition spec, one entry per dimension: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
+template <class... Entries>
+struct spec {};
+/// The size of a dimension or axis known only at run time.
+struct dynamic {};
+/// A size known at compile time.
+template <std::size_t N>
+struct size {};
+
+}  // namespace meshlib::diagnostic
+
+namespace meshlib::detail {
+
+/// False for every argument list, but only once the arguments are known: the condition of every
+/// diagnostic, so that the compiler prints the arguments next to the message.
+template <class... T>
+inline constexpr bool always_false = false;
+
+template <template <char...> class W, std::string_view const& S, class Seq = std::make_index_sequence<S.size()>>
+struct chars_of;
+template <template <char...> class W, std::string_view const& S, std::size_t... I>
+struct chars_of<W, S, std::index_sequence<I...>> {
+  using type = W<S[I]...>;
+};
+
+template <fixed_string Name>
+inline constexpr std::string_view name_view_v = Name.view();
+
+/// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
+template <fixed_string Name>
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view_v<Name>>::type;
+/// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
+template <fixed_string Name>
+using diag_op_t = typename chars_of<diagnostic::op, name_view_v<Name>>::type;
+
+template <class Mesh, std::size_t I>
+inline constexpr std::string_view mesh_axis_name_v = Mesh::axis_names[I];
+
+template <class Mesh, unsigned Mask, class Seq = std::make_index_sequence<Mesh::ndim>>
+struct diag_axes_impl;
+template <class A, class B>
+struct concat_axes;
+template <class... A, class... B>
+struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
+  using type = diagnostic::axes<A..., B...>;
+};
+template <class Mesh, unsigned Mask, std::size_t I>
+using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name_v<Mesh, I>>::type>,
+                                      diagnostic::axes<>>;
+template <class Mesh, unsigned Mask>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {
+  using type = diagnostic::axes<>;
+};
+template <class Mesh, unsigned Mask, std::size_t I0, std::size_t... I>
+struct diag_axes_impl<Mesh, Mask, std::index_sequence<I0, I...>> {
+  using type = typename concat_axes<one_axis_t<Mesh, Mask, I0>,
+                                    typename diag_axes_impl<Mesh, Mask, std::index_sequence<I...>>::type>::type;
+};
+
+/// The axes of `Mesh` in `Mask`, spelled out: `diagnostic::axes<axis<'d','a','t','a'>>`.
+template <class Mesh, unsigned Mask>
+using diag_axes_t = typename diag_axes_impl<Mesh, Mask>::type;
+
+/// `diagnostic::size<N>`, or `diagnostic::dynamic` for a size known only at run time.
+template <std::size_t N>
+using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
+
+}  // namespace meshlib::detail

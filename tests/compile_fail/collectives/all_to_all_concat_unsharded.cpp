@@ -1,0 +1,16 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// all_to_all over "model" with split = concat = dim 0 while dim 1 is the one sharded on it: the message speaks of all_to_all and names forget_dims.
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
+
+using namespace meshlib;
+using mesh_t = mesh<axis<"data">, axis<"model">>;
+constexpr axis_mask D = mesh_t::mask_of<"data">();
+constexpr axis_mask M = mesh_t::mask_of<"model">();
+
+int main() {
+  spmd(mesh_t{2, 2}, [] {
+    local_tensor<float, 2, mesh_t, D | M, 0, dim_masks<D, M>> x;
+    (void)all_to_all<"model", 0, 0>(x);
+  });
+}

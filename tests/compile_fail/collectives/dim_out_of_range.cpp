@@ -1,0 +1,16 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// all_gather along dimension -3 of a rank-2 value (negative numbers count from the end, as in JAX).
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
+
+using namespace meshlib;
+using mesh_t = mesh<axis<"data">, axis<"model">>;
+constexpr axis_mask D = mesh_t::mask_of<"data">();
+constexpr axis_mask M = mesh_t::mask_of<"model">();
+
+int main() {
+  spmd(mesh_t{2, 2}, [] {
+    local_tensor<float, 2, mesh_t, D | M> x;
+    (void)all_gather<"model", -3>(x);
+  });
+}

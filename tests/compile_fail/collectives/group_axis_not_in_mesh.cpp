@@ -1,0 +1,16 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// a typo in one axis of an axis_group.
+#include "meshlib/collectives.hpp"
+#include "meshlib/exec.hpp"
+
+using namespace meshlib;
+using mesh_t = mesh<axis<"data">, axis<"model">>;
+constexpr axis_mask D = mesh_t::mask_of<"data">();
+constexpr axis_mask M = mesh_t::mask_of<"model">();
+
+int main() {
+  spmd(mesh_t{2, 2}, [] {
+    local_tensor<float, 1, mesh_t, D | M> x;
+    (void)ppermute<axis_group<"data", "modle">>(x, {});
+  });
+}
