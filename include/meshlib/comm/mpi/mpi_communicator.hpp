@@ -48,8 +48,11 @@
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
-/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
+/// throws without calling `fail` does not reach its next collective; its peers then time out
+/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -83,6 +86,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/reduce_op.hpp"
@@ -143,6 +147,9 @@ struct mpi_comm_state {
   /// failed, here or in another process): called by every wait while it polls, it throws that
   /// failure. Copied into split results.
   std::function<void()> check_interrupt;
+  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
+  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
+  std::shared_ptr<abort_channel> channel;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -181,6 +188,32 @@ struct mpi_comm_state {
   }
 };
 
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
+/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
+/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
+inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
+  const auto k = static_cast<op_kind>(d[1]);
+  std::string s = who + " called " + std::string(op_name(k)) + "(";
+  if (d[2] != 0) {
+    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+  }
+  return s + ") as call #" + std::to_string(d[0]);
+}
+
+/// A fingerprint of ppermute pairs (every participant must pass the same).
+inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& p : pairs)
+    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+        1099511628211ull;
+  return h ^ pairs.size();
+}
+
 }  // namespace detail
 
 /// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
@@ -209,6 +242,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = options;
     check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
     finish(*s);
+    // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
+    s->channel = std::make_shared<detail::abort_channel>();
+    s->channel->open(s->comm, true);
+    s->check_interrupt = [ch = s->channel.get()] {
+      int r = -1;
+      std::string what;
+      if (ch->poll(r, what))
+        ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
+                      std::to_string(ch->processes) + " failed: " + what);
+      ch->check();
+    };
     {
       MPI_Comm node = MPI_COMM_NULL;
       check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
@@ -248,6 +292,24 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
   }
 
+  /// @brief Fails this communicator with this rank as the root cause, without ending the
+  /// process (the runner of a rank that threw calls it): every other rank's polled wait on this
+  /// communicator or a split of it ends within milliseconds with `comm_aborted` "meshlib:
+  /// communicator aborted: MPI rank R of N failed: <reason>" (R and N in the adopted
+  /// communicator), and every later call on any rank throws it too. Waits without a deadline
+  /// (`timeout` 0: blocking MPI calls) cannot be released.
+  ///
+  /// @code
+  /// try { step(comm); } catch (const std::exception& e) { comm.fail(e.what()); throw; }
+  /// @endcode
+  void fail(std::string_view reason) const {
+    require_valid("fail");
+    auto& ch = *state_->channel;
+    ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
+                 std::to_string(ch.processes) + " failed: " + std::string(reason));
+    if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
+  }
+
   // The collectives, point to point and barrier: communicator_frontend; the transport is below.
 
   // ---- groups ----------------------------------------------------------------------------------
@@ -263,6 +325,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
+    s->channel = state_->channel;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -284,6 +347,11 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire)) {
+      std::lock_guard lk(state_->channel->mutex);
+      throw comm_aborted(state_->channel->message + " [refused " + where(detail::op_name(k)) +
+                         ": the communicator has failed]");
+    }
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
@@ -631,18 +699,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   static constexpr int call_fields = 7;
 
-  /// "rank 1 called all_reduce(float32, count 8, op sum) as call #3"
   static std::string describe_call(int r, const std::uint64_t* d) {
-    const auto k = static_cast<op_kind>(d[1]);
-    std::string s = "rank " + std::to_string(r) + " called " + std::string(detail::op_name(k)) + "(";
-    if (d[2] != 0) {
-      s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-      if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-      if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-        s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-      if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-    }
-    return s + ") as call #" + std::to_string(d[0]);
+    return detail::describe_call("rank " + std::to_string(r), d);
   }
 
   template <class T>
@@ -650,14 +708,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     agree(k, datatype_of<T>, count, op, root, extra);
   }
 
-  /// A fingerprint of ppermute pairs (every rank must pass the same).
-  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-    std::uint64_t h = 1469598103934665603ull;
-    for (const auto& p : pairs)
-      h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-          1099511628211ull;
-    return h ^ pairs.size();
-  }
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return detail::pairs_hash(pairs); }
 
   // ---- operations ------------------------------------------------------------------------------
 
