@@ -11341,6 +11341,7 @@ template <sharded_tensor_type X>
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -11406,18 +11407,30 @@ namespace meshlib::detail {
 /// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
 /// yet received (`received` counts per source, updated). Returns false when a peer does not take
 /// part within `grace` or MPI fails: the caller must then not free `comm`.
+///
+/// `clean`, when given, is this rank's vote that the communicators it closes with `comm` carry no
+/// abandoned operation (no timeout, no failure); it travels in the same all-to-all and comes back
+/// true only when every rank voted so (false when the exchange fails). A rank that left cleanly
+/// learns this way that a peer abandoned a collective whose messages may still reach it.
 inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint64_t>& sent,
-                            std::vector<std::uint64_t>& received, std::chrono::milliseconds grace) noexcept {
+                            std::vector<std::uint64_t>& received, std::chrono::milliseconds grace,
+                            bool* clean = nullptr) noexcept {
   const int size = static_cast<int>(sent.size());
   if (size <= 1) return true;
+  const bool mine = clean == nullptr || *clean;
+  if (clean != nullptr) *clean = false;  // until every rank's vote is in
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + grace;
   // Heap buffers, released only on success: when a peer never joins, MPI keeps the all-to-all
-  // pending and may still read and write them.
-  auto* out = new std::vector<std::uint64_t>(sent);
-  auto* expect = new std::vector<std::uint64_t>(sent.size(), 0);
+  // pending and may still read and write them. Two words per peer: the count and the vote.
+  auto* out = new std::vector<std::uint64_t>(2 * sent.size());
+  auto* in = new std::vector<std::uint64_t>(2 * sent.size(), 0);
+  for (std::size_t p = 0; p < sent.size(); ++p) {
+    (*out)[2 * p] = sent[p];
+    (*out)[2 * p + 1] = mine ? 1 : 0;
+  }
   MPI_Request r = MPI_REQUEST_NULL;
-  if (MPI_Ialltoall(out->data(), 1, MPI_UINT64_T, expect->data(), 1, MPI_UINT64_T, comm, &r) != MPI_SUCCESS)
+  if (MPI_Ialltoall(out->data(), 2, MPI_UINT64_T, in->data(), 2, MPI_UINT64_T, comm, &r) != MPI_SUCCESS)
     return false;
   for (int done = 0; !done;) {
     if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
@@ -11426,10 +11439,12 @@ inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint6
     std::this_thread::yield();
   }
   delete out;
+  bool all_clean = true;
+  for (std::size_t p = 0; p < sent.size(); ++p) all_clean = all_clean && (*in)[2 * p + 1] != 0;
   std::vector<char> sink;
   for (int peer = 0; peer < size; ++peer) {
     const auto p = static_cast<std::size_t>(peer);
-    while (received[p] < (*expect)[p]) {
+    while (received[p] < (*in)[2 * p]) {
       int found = 0;
       MPI_Status st;
       if (MPI_Iprobe(peer, tag, comm, &found, &st) != MPI_SUCCESS) return false;
@@ -11445,7 +11460,8 @@ inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint6
       ++received[p];
     }
   }
-  delete expect;
+  delete in;
+  if (clean != nullptr) *clean = all_clean;
   return true;
 }
 
@@ -11475,6 +11491,7 @@ struct abort_channel {
   std::uint64_t epoch = 0;
   std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
   std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
@@ -11545,11 +11562,13 @@ struct abort_channel {
     return true;
   }
 
-  /// Records the root cause once and releases the leaders' MPI waits.
-  void interrupt(const std::string& msg) {
+  /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
+  /// releases the waits that check the channel.
+  void interrupt(const std::string& msg, int participant = -1) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
+    root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
@@ -11843,12 +11862,20 @@ struct mpi_comm_state {
         (void)new std::vector<unsigned char>(std::move(s.data));
       }
     }
-    // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
-    if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
-    // Arrival notes still in flight must be received first (detail/settle.hpp says why).
-    if (side != MPI_COMM_NULL && !failed &&
-        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000)))
-      MPI_Comm_free(&side);
+    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
+    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
+    // collective that MPI cannot cancel: it may still send to every rank, and a message that
+    // arrives after the free waits for the next communicator given the same context id
+    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
+    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
+    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
+    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
+    bool clean = !interrupted && (!failed || failed_by_mismatch);
+    const bool settled =
+        side == MPI_COMM_NULL ||
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
+    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
   }
 };
 
@@ -11894,40 +11921,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
   /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
-  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) {
-    int init = 0;
-    MPI_Initialized(&init);
-    if (!init)
-      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
-                       "meshlib::mpi::initialize)");
-    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
-    auto s = std::make_shared<detail::mpi_comm_state>();
-    s->adopted = comm;
-    s->options = options;
-    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
-    finish(*s);
-    // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
-    s->channel = std::make_shared<detail::abort_channel>();
-    s->channel->open(s->comm, true);
-    s->check_interrupt = [ch = s->channel.get()] {
-      int r = -1;
-      std::string what;
-      if (ch->poll(r, what))
-        ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
-                      std::to_string(ch->processes) + " failed: " + what);
-      ch->check();
-    };
-    {
-      MPI_Comm node = MPI_COMM_NULL;
-      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
-      int on_node = 1;
-      MPI_Comm_size(node, &on_node);
-      MPI_Comm_free(&node);
-      const unsigned cores = std::thread::hardware_concurrency();
-      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
-    }
-    state_ = std::move(s);
-  }
+  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) : mpi_communicator(comm, options, true) {}
 
   /// Rank of this process in the communicator.
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
@@ -11947,6 +11941,48 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     require_valid("options");
     return state_->options;
   }
+
+ private:
+  /// `own_channel` false: the owner (a hybrid world) installs its own abort channel and
+  /// `check_interrupt` right after, so none is opened here (no extra duplicate).
+  mpi_communicator(MPI_Comm comm, mpi_comm_options options, bool own_channel) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init)
+      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
+                       "meshlib::mpi::initialize)");
+    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->adopted = comm;
+    s->options = options;
+    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
+    finish(*s);
+    if (own_channel) {
+      // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
+      s->channel = std::make_shared<detail::abort_channel>();
+      s->channel->open(s->comm, true);
+      s->check_interrupt = [ch = s->channel.get()] {
+        int r = -1;
+        std::string what;
+        if (ch->poll(r, what))
+          ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
+                        std::to_string(ch->processes) + " failed: " + what, r);
+        ch->check();
+      };
+    }
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
+    state_ = std::move(s);
+  }
+
+ public:
 
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
@@ -11970,8 +12006,31 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     require_valid("fail");
     auto& ch = *state_->channel;
     ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
-                 std::to_string(ch.processes) + " failed: " + std::string(reason));
+                 std::to_string(ch.processes) + " failed: " + std::string(reason), ch.process);
     if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
+  }
+
+  /// @brief The rank of this communicator that failed it (or the communicator it was split from)
+  /// through `fail`, here or in another process, once this rank knows of it; -1 otherwise: no
+  /// such failure, a failed rank outside this split, or a timeout or mismatch (which every
+  /// waiting rank detects itself).
+  ///
+  /// @code
+  /// catch (const meshlib::comm_aborted&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
+  /// @endcode
+  [[nodiscard]] int root_cause_rank() const noexcept {
+    if (!state_ || !state_->channel || !state_->channel->interrupted.load(std::memory_order_acquire)) return -1;
+    const int r = state_->channel->root_cause.load();
+    if (r < 0 || state_->adopted != MPI_COMM_NULL || state_->channel->comm == MPI_COMM_NULL) return r;
+    // A split: the channel names ranks of the adopted communicator.
+    MPI_Group from = MPI_GROUP_NULL, to = MPI_GROUP_NULL;
+    MPI_Comm_group(state_->channel->comm, &from);
+    MPI_Comm_group(state_->comm, &to);
+    int mine = MPI_UNDEFINED;
+    MPI_Group_translate_ranks(from, 1, &r, to, &mine);
+    MPI_Group_free(&from);
+    MPI_Group_free(&to);
+    return mine == MPI_UNDEFINED ? -1 : mine;
   }
 
   // The collectives, point to point and barrier: communicator_frontend; the transport is below.
@@ -12168,7 +12227,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     poll("recv", [&](int* done) {
       progress_sends();
       return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
-    });
+    }, /*interruptible=*/true);  // a probe leaves nothing pending; a failed sender never sends
     int got = 0;
     MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
@@ -12192,8 +12251,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   bool has_deadline() const noexcept { return state_->options.timeout.count() > 0; }
 
   /// Polls `test(&done)` (an MPI call returning its error code) until done or the deadline.
+  /// `interruptible`: whether a failure elsewhere (`check_interrupt`) may end the wait. Only waits
+  /// that leave nothing pending may be (a matched probe); a data transfer posted after the
+  /// fingerprint exchange completes on every rank without help (every rank has posted it), and
+  /// abandoning it would leave MPI writing into the caller's buffers after the throw.
   template <class Test>
-  void poll(std::string_view k, Test&& test) {
+  void poll(std::string_view k, Test&& test, bool interruptible = false) {
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = has_deadline() ? start + state_->options.timeout : std::chrono::steady_clock::time_point::max();
     for (unsigned spins = 0;; ++spins) {
@@ -12202,7 +12265,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (done) return;
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
       if ((spins & 63) != 0) continue;
-      if (state_->check_interrupt) state_->check_interrupt();
+      if (interruptible && state_->check_interrupt) state_->check_interrupt();
       if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
     }
   }
@@ -12336,15 +12399,23 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             extra};
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
     for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
-    const std::uint64_t mine[2] = {h, ~h};
-    std::uint64_t most[2] = {0, 0};
+    // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
+    // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
+    auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
+    const std::uint64_t* mine = fp->data();
+    std::uint64_t* most = fp->data() + 2;
     const std::string_view name = detail::op_name(k);
     if (!has_deadline()) {
       check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
     } else {
       MPI_Request r = MPI_REQUEST_NULL;
       check_rc(MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm, &r), name);
-      wait_arrival(name, r, rec[0]);
+      try {
+        wait_arrival(name, r, rec[0]);
+      } catch (...) {
+        (void)fp.release();  // still MPI's: see above
+        throw;
+      }
     }
     if (most[0] == mine[0] && most[1] == mine[1]) return;
     std::vector<std::uint64_t> all(call_fields * static_cast<std::size_t>(size()));
@@ -13204,7 +13275,7 @@ class hybrid_world {
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options());
+    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -13260,6 +13331,9 @@ class hybrid_world {
     auto& ch = *channel_;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    // Also tells the leaders' communicator, when it is freed, that the world failed (its abandoned
+    // collectives must keep it allocated); splits of it inherit both.
+    group_->mpi.state_->channel = channel_;
     // The watcher calls MPI beside the devices: only with MPI_THREAD_MULTIPLE.
     ch.open(procs.native(), level >= MPI_THREAD_MULTIPLE);
     if (!ch.enabled) return;
@@ -13364,9 +13438,13 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 /// @endcode
 ///
 /// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
-/// its device id, the exception nested); devices in other processes that wait for it in a
-/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
-/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+/// its device id). `mpi_backend` also fails its communicator with that rank as the root cause
+/// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
+/// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
+/// themselves) with its message. The communicator then refuses every later call on every rank
+/// (an abandoned collective may still be pending on it): continue with a new one. With
+/// `hybrid_backend` the same holds per run (each run is a new hybrid world). When the exception is
+/// not caught the whole run ends through `MPI_Abort` (the terminate handler of `mpi::initialize`).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -13390,9 +13468,23 @@ struct mpi_backend {
     try {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
-      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
-                                               std::to_string(comm.size()) + " failed: " +
-                                               detail::what_of(std::current_exception()));
+      const auto e = std::current_exception();
+      const std::string what = detail::what_of(e);
+      int blamed = comm.rank();
+      try {
+        std::rethrow_exception(e);
+      } catch (const comm_aborted&) {
+        // Released by another rank's failure: blame that rank.
+        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+      } catch (const comm_timeout&) {
+        // Every waiting rank times out on its own; the message names the ranks that never arrived.
+      } catch (const collective_mismatch&) {
+        // Every rank of the collective throws it.
+      } catch (...) {
+        comm.fail(what);  // the rank's own failure: release its peers at once
+      }
+      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
+                                          std::to_string(comm.size()) + " failed: " + what);
     }
   }
 

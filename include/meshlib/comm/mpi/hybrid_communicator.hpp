@@ -660,7 +660,7 @@ class hybrid_world {
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options());
+    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -716,6 +716,9 @@ class hybrid_world {
     auto& ch = *channel_;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    // Also tells the leaders' communicator, when it is freed, that the world failed (its abandoned
+    // collectives must keep it allocated); splits of it inherit both.
+    group_->mpi.state_->channel = channel_;
     // The watcher calls MPI beside the devices: only with MPI_THREAD_MULTIPLE.
     ch.open(procs.native(), level >= MPI_THREAD_MULTIPLE);
     if (!ch.enabled) return;

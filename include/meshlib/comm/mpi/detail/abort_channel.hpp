@@ -44,6 +44,7 @@ struct abort_channel {
   std::uint64_t epoch = 0;
   std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
   std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
@@ -114,11 +115,13 @@ struct abort_channel {
     return true;
   }
 
-  /// Records the root cause once and releases the leaders' MPI waits.
-  void interrupt(const std::string& msg) {
+  /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
+  /// releases the waits that check the channel.
+  void interrupt(const std::string& msg, int participant = -1) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
+    root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
