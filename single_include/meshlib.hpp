@@ -3799,6 +3799,13 @@ class thread_world {
                         "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
+  /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
+  /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
+  /// participant being the root cause. @returns whether this call recorded the root cause.
+  bool fail_as_mismatch(std::string_view message) {
+    return world_->fail(detail::failure_kind::mismatch, -1, std::string(message));
+  }
+
   /// Whether the world has failed.
   [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
   /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
@@ -11474,7 +11481,7 @@ namespace meshlib::detail {
 
 /// Fault propagation between processes, shared by the MPI communicator (one rank per process) and
 /// the hybrid world. Each process posts one receive on a duplicate communicator of its own. When a
-/// participant fails, its process sends "<epoch><participant><what>" to every other process (once);
+/// participant fails, its process sends "<epoch><participant><kind><what>" to every other process (once);
 /// a process that receives it (`poll`, called by the MPI waits of `mpi_communicator`, or by the
 /// hybrid world's watcher thread every millisecond) records the root cause (`interrupt`), and its
 /// waits end with `comm_aborted` naming the participant (`check`). The owner names participants
@@ -11494,6 +11501,7 @@ struct abort_channel {
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool mismatch = false;                 ///< the root cause is a collective mismatch, not a failure (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
@@ -11534,9 +11542,13 @@ struct abort_channel {
     MPI_Irecv(inbox.data(), static_cast<int>(inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, comm, &inbox_request);
   }
 
-  /// Tests for a report from another process: true (with its participant and message) once one of
-  /// this channel's epoch has arrived; reports meant for an earlier channel are dropped.
-  bool poll(int& device, std::string& what) {
+  /// The header of a report: epoch, participant, kind (1: a collective mismatch).
+  static constexpr std::size_t head = sizeof(std::uint64_t) + 2 * sizeof(int);
+
+  /// Tests for a report from another process: true (with its participant, message and whether it
+  /// is a collective mismatch) once one of this channel's epoch has arrived; reports meant for an
+  /// earlier channel are dropped.
+  bool poll(int& device, std::string& what, bool& is_mismatch) {
     if (!enabled || stop.load()) return false;
     std::unique_lock lk(poll_mutex, std::try_to_lock);
     if (!lk.owns_lock() || inbox_request == MPI_REQUEST_NULL) return false;
@@ -11545,48 +11557,58 @@ struct abort_channel {
     MPI_Test(&inbox_request, &done, &st);
     if (!done) return false;
     ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-    constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
     int bytes = 0;
     MPI_Get_count(&st, MPI_CHAR, &bytes);
     std::uint64_t e = 0;
-    if (bytes >= head) {
+    int kind = 0;
+    if (bytes >= static_cast<int>(head)) {
       std::memcpy(&e, inbox.data(), sizeof(std::uint64_t));
       std::memcpy(&device, inbox.data() + sizeof(std::uint64_t), sizeof(int));
+      std::memcpy(&kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
     }
     if (e != epoch) {  // meant for an earlier channel (MPI reuses a freed duplicate's context id)
       post();
       return false;
     }
-    what.assign(inbox.data() + head, static_cast<std::size_t>(bytes - head));
+    what.assign(inbox.data() + head, static_cast<std::size_t>(bytes) - head);
+    is_mismatch = kind == 1;
     remote_device.store(device);
     return true;
   }
 
   /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
   /// releases the waits that check the channel.
-  void interrupt(const std::string& msg, int participant = -1) {
+  /// `is_mismatch`: the root cause is a collective mismatch (waits then throw collective_mismatch).
+  void interrupt(const std::string& msg, int participant = -1, bool is_mismatch = false) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
+    mismatch = is_mismatch;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
   void check() {
-    if (!interrupted.load(std::memory_order_acquire)) return;
-    std::lock_guard lk(mutex);
-    throw comm_aborted(message);
+    if (interrupted.load(std::memory_order_acquire)) rethrow("");
   }
-  /// Tells every other process that global device `device` failed (once per world).
-  void notify(int device, const std::string& what) {
+  /// Throws the recorded root cause (`comm_aborted`, or `collective_mismatch`) with `suffix` appended.
+  [[noreturn]] void rethrow(const std::string& suffix) {
+    std::lock_guard lk(mutex);
+    if (mismatch) throw collective_mismatch(message + suffix);
+    throw comm_aborted(message + suffix);
+  }
+  /// Tells every other process that participant `device` failed, or saw a collective mismatch
+  /// (`is_mismatch`), with `what` (once per channel).
+  void notify(int device, const std::string& what, bool is_mismatch = false) {
     if (!enabled) return;
     std::lock_guard lk(mutex);
     if (sent) return;
     sent = true;
-    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
+    const int kind = is_mismatch ? 1 : 0;
     std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
     std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
     std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &kind, sizeof(int));
     std::memcpy(msg.data() + head, what.data(), msg.size() - head);
     for (int p = 0; p < processes; ++p) {
       if (p == process) continue;
@@ -11964,7 +11986,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        if (ch->poll(r, what))
+        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
+        if (ch->poll(r, what, mismatch))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
         ch->check();
@@ -12070,11 +12093,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
-    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire)) {
-      std::lock_guard lk(state_->channel->mutex);
-      throw comm_aborted(state_->channel->message + " [refused " + where(detail::op_name(k)) +
-                         ": the communicator has failed]");
-    }
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
+      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
@@ -13243,11 +13263,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
   check_usable(detail::op_name(k));
-  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
-    std::lock_guard lk(group_->channel->mutex);
-    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
-                       " of " + std::to_string(size()) + ": the communicator has failed]");
-  }
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
+    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+                             std::to_string(size()) + ": the communicator has failed]");
 }
 
 static_assert(communicator<hybrid_communicator>);
@@ -13309,7 +13327,7 @@ class hybrid_world {
     const int device = process_ * threads_ + t;
     const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
     const bool first = local_.abort(t, reason, who);
-    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason), device);
     // A failure that came from another process is not sent back; any other (a throw, or a local
     // timeout or mismatch that the devices rethrow) is told to every process.
     if (channel_->remote_device.load() < 0) {
@@ -13317,6 +13335,17 @@ class hybrid_world {
       const int blamed = first || root < 0 ? device : process_ * threads_ + root;
       channel_->notify(blamed, std::string(reason));
     }
+    return first;
+  }
+  /// @brief Local thread `t` left with `collective_mismatch` (`message`): fails the hybrid world as
+  /// that mismatch, so that every device of every process that still waits (for the verdict of
+  /// that collective, or in any other) gets `collective_mismatch` with the same message, never
+  /// `comm_aborted`. Every member of the mismatched collective detects it on its own; this only
+  /// keeps the error's type when another device's failure would otherwise overtake it.
+  bool fail_mismatch(int t, std::string_view message) {
+    const bool first = local_.fail_as_mismatch(message);
+    channel_->interrupt(std::string(message), -1, true);
+    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -13342,10 +13371,18 @@ class hybrid_world {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        if (channel->poll(device, what)) {
+        bool mismatch = false;
+        if (channel->poll(device, what, mismatch)) {
+          // The thread world first, so that a leader released by the channel finds the root cause
+          // already recorded there (its own abort of the thread world is then not the first).
+          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
+            local_.fail_as_mismatch(what);
+            channel->interrupt(what, device, true);
+            return;
+          }
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
           local_.abort(-1, what, who);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -13372,6 +13409,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     try {
       hybrid_communicator comm = world.communicator(t);
       fn(comm);
+    } catch (const collective_mismatch& e) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));

@@ -628,11 +628,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
   check_usable(detail::op_name(k));
-  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
-    std::lock_guard lk(group_->channel->mutex);
-    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
-                       " of " + std::to_string(size()) + ": the communicator has failed]");
-  }
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
+    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+                             std::to_string(size()) + ": the communicator has failed]");
 }
 
 static_assert(communicator<hybrid_communicator>);
@@ -694,7 +692,7 @@ class hybrid_world {
     const int device = process_ * threads_ + t;
     const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
     const bool first = local_.abort(t, reason, who);
-    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason), device);
     // A failure that came from another process is not sent back; any other (a throw, or a local
     // timeout or mismatch that the devices rethrow) is told to every process.
     if (channel_->remote_device.load() < 0) {
@@ -702,6 +700,17 @@ class hybrid_world {
       const int blamed = first || root < 0 ? device : process_ * threads_ + root;
       channel_->notify(blamed, std::string(reason));
     }
+    return first;
+  }
+  /// @brief Local thread `t` left with `collective_mismatch` (`message`): fails the hybrid world as
+  /// that mismatch, so that every device of every process that still waits (for the verdict of
+  /// that collective, or in any other) gets `collective_mismatch` with the same message, never
+  /// `comm_aborted`. Every member of the mismatched collective detects it on its own; this only
+  /// keeps the error's type when another device's failure would otherwise overtake it.
+  bool fail_mismatch(int t, std::string_view message) {
+    const bool first = local_.fail_as_mismatch(message);
+    channel_->interrupt(std::string(message), -1, true);
+    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -727,10 +736,18 @@ class hybrid_world {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        if (channel->poll(device, what)) {
+        bool mismatch = false;
+        if (channel->poll(device, what, mismatch)) {
+          // The thread world first, so that a leader released by the channel finds the root cause
+          // already recorded there (its own abort of the thread world is then not the first).
+          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
+            local_.fail_as_mismatch(what);
+            channel->interrupt(what, device, true);
+            return;
+          }
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
           local_.abort(-1, what, who);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -757,6 +774,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     try {
       hybrid_communicator comm = world.communicator(t);
       fn(comm);
+    } catch (const collective_mismatch& e) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));

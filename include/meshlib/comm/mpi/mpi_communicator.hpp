@@ -282,7 +282,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        if (ch->poll(r, what))
+        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
+        if (ch->poll(r, what, mismatch))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
         ch->check();
@@ -388,11 +389,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
-    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire)) {
-      std::lock_guard lk(state_->channel->mutex);
-      throw comm_aborted(state_->channel->message + " [refused " + where(detail::op_name(k)) +
-                         ": the communicator has failed]");
-    }
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
+      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);

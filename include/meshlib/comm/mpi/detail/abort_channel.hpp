@@ -27,7 +27,7 @@ namespace meshlib::detail {
 
 /// Fault propagation between processes, shared by the MPI communicator (one rank per process) and
 /// the hybrid world. Each process posts one receive on a duplicate communicator of its own. When a
-/// participant fails, its process sends "<epoch><participant><what>" to every other process (once);
+/// participant fails, its process sends "<epoch><participant><kind><what>" to every other process (once);
 /// a process that receives it (`poll`, called by the MPI waits of `mpi_communicator`, or by the
 /// hybrid world's watcher thread every millisecond) records the root cause (`interrupt`), and its
 /// waits end with `comm_aborted` naming the participant (`check`). The owner names participants
@@ -47,6 +47,7 @@ struct abort_channel {
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool mismatch = false;                 ///< the root cause is a collective mismatch, not a failure (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
@@ -87,9 +88,13 @@ struct abort_channel {
     MPI_Irecv(inbox.data(), static_cast<int>(inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, comm, &inbox_request);
   }
 
-  /// Tests for a report from another process: true (with its participant and message) once one of
-  /// this channel's epoch has arrived; reports meant for an earlier channel are dropped.
-  bool poll(int& device, std::string& what) {
+  /// The header of a report: epoch, participant, kind (1: a collective mismatch).
+  static constexpr std::size_t head = sizeof(std::uint64_t) + 2 * sizeof(int);
+
+  /// Tests for a report from another process: true (with its participant, message and whether it
+  /// is a collective mismatch) once one of this channel's epoch has arrived; reports meant for an
+  /// earlier channel are dropped.
+  bool poll(int& device, std::string& what, bool& is_mismatch) {
     if (!enabled || stop.load()) return false;
     std::unique_lock lk(poll_mutex, std::try_to_lock);
     if (!lk.owns_lock() || inbox_request == MPI_REQUEST_NULL) return false;
@@ -98,48 +103,58 @@ struct abort_channel {
     MPI_Test(&inbox_request, &done, &st);
     if (!done) return false;
     ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-    constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
     int bytes = 0;
     MPI_Get_count(&st, MPI_CHAR, &bytes);
     std::uint64_t e = 0;
-    if (bytes >= head) {
+    int kind = 0;
+    if (bytes >= static_cast<int>(head)) {
       std::memcpy(&e, inbox.data(), sizeof(std::uint64_t));
       std::memcpy(&device, inbox.data() + sizeof(std::uint64_t), sizeof(int));
+      std::memcpy(&kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
     }
     if (e != epoch) {  // meant for an earlier channel (MPI reuses a freed duplicate's context id)
       post();
       return false;
     }
-    what.assign(inbox.data() + head, static_cast<std::size_t>(bytes - head));
+    what.assign(inbox.data() + head, static_cast<std::size_t>(bytes) - head);
+    is_mismatch = kind == 1;
     remote_device.store(device);
     return true;
   }
 
   /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
   /// releases the waits that check the channel.
-  void interrupt(const std::string& msg, int participant = -1) {
+  /// `is_mismatch`: the root cause is a collective mismatch (waits then throw collective_mismatch).
+  void interrupt(const std::string& msg, int participant = -1, bool is_mismatch = false) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
+    mismatch = is_mismatch;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
   void check() {
-    if (!interrupted.load(std::memory_order_acquire)) return;
-    std::lock_guard lk(mutex);
-    throw comm_aborted(message);
+    if (interrupted.load(std::memory_order_acquire)) rethrow("");
   }
-  /// Tells every other process that global device `device` failed (once per world).
-  void notify(int device, const std::string& what) {
+  /// Throws the recorded root cause (`comm_aborted`, or `collective_mismatch`) with `suffix` appended.
+  [[noreturn]] void rethrow(const std::string& suffix) {
+    std::lock_guard lk(mutex);
+    if (mismatch) throw collective_mismatch(message + suffix);
+    throw comm_aborted(message + suffix);
+  }
+  /// Tells every other process that participant `device` failed, or saw a collective mismatch
+  /// (`is_mismatch`), with `what` (once per channel).
+  void notify(int device, const std::string& what, bool is_mismatch = false) {
     if (!enabled) return;
     std::lock_guard lk(mutex);
     if (sent) return;
     sent = true;
-    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
+    const int kind = is_mismatch ? 1 : 0;
     std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
     std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
     std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &kind, sizeof(int));
     std::memcpy(msg.data() + head, what.data(), msg.size() - head);
     for (int p = 0; p < processes; ++p) {
       if (p == process) continue;
