@@ -3802,6 +3802,13 @@ class thread_world {
                         "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
+  /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
+  /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
+  /// participant being the root cause. @returns whether this call recorded the root cause.
+  bool fail_as_mismatch(std::string_view message) {
+    return world_->fail(detail::failure_kind::mismatch, -1, std::string(message));
+  }
+
   /// Whether the world has failed.
   [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
   /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
@@ -11532,8 +11539,11 @@ template <sharded_tensor_type X>
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
-/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
+/// throws without calling `fail` does not reach its next collective; its peers then time out
+/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -11545,6 +11555,7 @@ template <sharded_tensor_type X>
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -11562,6 +11573,300 @@ template <sharded_tensor_type X>
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/mpi/detail/abort_channel.hpp
+/// @file
+/// @brief The abort channel: how one process tells the others that a participant failed, so that
+/// their waits end within milliseconds instead of at the timeout. Used by `mpi_communicator`
+/// (participants are MPI ranks) and `hybrid_world` (participants are global devices).
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/mpi/detail/settle.hpp
+/// @file
+/// @brief `settle_messages`: before meshlib frees one of its own MPI communicators that carries
+/// unsolicited point-to-point messages (arrival notes, the hybrid abort channel), every rank
+/// receives the messages still in flight to it. Internal to the MPI communicators.
+///
+/// Why: a message that arrives after `MPI_Comm_free` waits inside MPI for whichever communicator
+/// later gets the freed one's context id, and OpenMPI 4.1 matches it there when that communicator
+/// is created: it crashed in `mca_pml_ob1_add_comm` (under `MPI_Comm_dup`) when the new
+/// communicator had fewer ranks than the message's source. A communicator that cannot be
+/// settled is left allocated instead, so its context id is never reused.
+
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+namespace meshlib::detail {
+
+/// @brief Exchanges how many messages with tag `tag` each rank sent to each other rank on `comm`
+/// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
+/// yet received (`received` counts per source, updated). Returns false when a peer does not take
+/// part within `grace` or MPI fails: the caller must then not free `comm`.
+///
+/// `clean`, when given, is this rank's vote that the communicators it closes with `comm` carry no
+/// abandoned operation (no timeout, no failure); it travels in the same all-to-all and comes back
+/// true only when every rank voted so (false when the exchange fails). A rank that left cleanly
+/// learns this way that a peer abandoned a collective whose messages may still reach it.
+inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint64_t>& sent,
+                            std::vector<std::uint64_t>& received, std::chrono::milliseconds grace,
+                            bool* clean = nullptr) noexcept {
+  const int size = static_cast<int>(sent.size());
+  if (size <= 1) return true;
+  const bool mine = clean == nullptr || *clean;
+  if (clean != nullptr) *clean = false;  // until every rank's vote is in
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + grace;
+  // Heap buffers, released only on success: when a peer never joins, MPI keeps the all-to-all
+  // pending and may still read and write them. Two words per peer: the count and the vote.
+  auto* out = new std::vector<std::uint64_t>(2 * sent.size());
+  auto* in = new std::vector<std::uint64_t>(2 * sent.size(), 0);
+  for (std::size_t p = 0; p < sent.size(); ++p) {
+    (*out)[2 * p] = sent[p];
+    (*out)[2 * p + 1] = mine ? 1 : 0;
+  }
+  MPI_Request r = MPI_REQUEST_NULL;
+  if (MPI_Ialltoall(out->data(), 2, MPI_UINT64_T, in->data(), 2, MPI_UINT64_T, comm, &r) != MPI_SUCCESS)
+    return false;
+  for (int done = 0; !done;) {
+    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) break;
+    if (clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  delete out;
+  bool all_clean = true;
+  for (std::size_t p = 0; p < sent.size(); ++p) all_clean = all_clean && (*in)[2 * p + 1] != 0;
+  std::vector<char> sink;
+  for (int peer = 0; peer < size; ++peer) {
+    const auto p = static_cast<std::size_t>(peer);
+    while (received[p] < (*in)[2 * p]) {
+      int found = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(peer, tag, comm, &found, &st) != MPI_SUCCESS) return false;
+      if (!found) {
+        if (clock::now() > deadline) return false;
+        std::this_thread::yield();
+        continue;
+      }
+      int bytes = 0;
+      MPI_Get_count(&st, MPI_BYTE, &bytes);
+      sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 1));
+      if (MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+      ++received[p];
+    }
+  }
+  delete in;
+  if (clean != nullptr) *clean = all_clean;
+  return true;
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/settle.hpp
+
+namespace meshlib::detail {
+
+/// Fault propagation between processes, shared by the MPI communicator (one rank per process) and
+/// the hybrid world. Each process posts one receive on a duplicate communicator of its own. When a
+/// participant fails, its process sends "<epoch><participant><kind><what>" to every other process (once);
+/// a process that receives it (`poll`, called by the MPI waits of `mpi_communicator`, or by the
+/// hybrid world's watcher thread every millisecond) records the root cause (`interrupt`), and its
+/// waits end with `comm_aborted` naming the participant (`check`). The owner names participants
+/// (an MPI rank, a global hybrid device).
+struct abort_channel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int process = 0;
+  int processes = 1;
+  bool enabled = false;
+  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
+  /// same order: construction is collective). MPI may give a new duplicate the context id of a
+  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
+  /// epoch and dropped.
+  std::uint64_t epoch = 0;
+  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
+  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
+  std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
+  std::mutex mutex;
+  std::string message;                   ///< the root cause's message (guarded by mutex)
+  bool mismatch = false;                 ///< the root cause is a collective mismatch, not a failure (guarded by mutex)
+  bool sent = false;                     ///< guarded by mutex
+  std::vector<char> inbox = std::vector<char>(4096);
+  MPI_Request inbox_request = MPI_REQUEST_NULL;
+  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
+  std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
+  std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the poller)
+  std::atomic<bool> stop{false};
+  std::thread watcher;                   ///< the hybrid world's poller (the MPI communicator polls from its waits)
+  std::mutex poll_mutex;                 ///< one poller at a time (threads may share a split's channel)
+  bool closed = false;
+
+  abort_channel() = default;
+  abort_channel(const abort_channel&) = delete;
+  abort_channel& operator=(const abort_channel&) = delete;
+  ~abort_channel() { close(std::chrono::milliseconds(1000)); }
+
+  /// Every process opens its channels in the same order (construction of the owners is
+  /// collective), so this counter names the same channel on every process.
+  static std::uint64_t next_epoch() {
+    static std::atomic<std::uint64_t> channels{0};
+    return ++channels;
+  }
+
+  /// Collective over `parent`: duplicates it and posts the receive (when `enable`).
+  void open(MPI_Comm parent, bool enable) {
+    MPI_Comm_rank(parent, &process);
+    MPI_Comm_size(parent, &processes);
+    epoch = next_epoch();
+    enabled = enable && processes > 1;
+    sent_to.assign(static_cast<std::size_t>(processes), 0);
+    received_from.assign(static_cast<std::size_t>(processes), 0);
+    if (!enabled) return;
+    if (MPI_Comm_dup(parent, &comm) != MPI_SUCCESS) throw comm_error("meshlib: abort channel: MPI_Comm_dup failed");
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    post();
+  }
+  void post() {
+    MPI_Irecv(inbox.data(), static_cast<int>(inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, comm, &inbox_request);
+  }
+
+  /// The header of a report: epoch, participant, kind (1: a collective mismatch).
+  static constexpr std::size_t head = sizeof(std::uint64_t) + 2 * sizeof(int);
+
+  /// Tests for a report from another process: true (with its participant, message and whether it
+  /// is a collective mismatch) once one of this channel's epoch has arrived; reports meant for an
+  /// earlier channel are dropped.
+  bool poll(int& device, std::string& what, bool& is_mismatch) {
+    if (!enabled || stop.load()) return false;
+    std::unique_lock lk(poll_mutex, std::try_to_lock);
+    if (!lk.owns_lock() || inbox_request == MPI_REQUEST_NULL) return false;
+    int done = 0;
+    MPI_Status st;
+    MPI_Test(&inbox_request, &done, &st);
+    if (!done) return false;
+    ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
+    int bytes = 0;
+    MPI_Get_count(&st, MPI_CHAR, &bytes);
+    std::uint64_t e = 0;
+    int kind = 0;
+    if (bytes >= static_cast<int>(head)) {
+      std::memcpy(&e, inbox.data(), sizeof(std::uint64_t));
+      std::memcpy(&device, inbox.data() + sizeof(std::uint64_t), sizeof(int));
+      std::memcpy(&kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
+    }
+    if (e != epoch) {  // meant for an earlier channel (MPI reuses a freed duplicate's context id)
+      post();
+      return false;
+    }
+    what.assign(inbox.data() + head, static_cast<std::size_t>(bytes) - head);
+    is_mismatch = kind == 1;
+    remote_device.store(device);
+    return true;
+  }
+
+  /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
+  /// releases the waits that check the channel.
+  /// `is_mismatch`: the root cause is a collective mismatch (waits then throw collective_mismatch).
+  void interrupt(const std::string& msg, int participant = -1, bool is_mismatch = false) {
+    std::lock_guard lk(mutex);
+    if (interrupted.load()) return;
+    message = msg;
+    mismatch = is_mismatch;
+    root_cause.store(participant);
+    interrupted.store(true, std::memory_order_release);
+  }
+  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
+  void check() {
+    if (interrupted.load(std::memory_order_acquire)) rethrow("");
+  }
+  /// Throws the recorded root cause (`comm_aborted`, or `collective_mismatch`) with `suffix` appended.
+  [[noreturn]] void rethrow(const std::string& suffix) {
+    std::lock_guard lk(mutex);
+    if (mismatch) throw collective_mismatch(message + suffix);
+    throw comm_aborted(message + suffix);
+  }
+  /// Tells every other process that participant `device` failed, or saw a collective mismatch
+  /// (`is_mismatch`), with `what` (once per channel).
+  void notify(int device, const std::string& what, bool is_mismatch = false) {
+    if (!enabled) return;
+    std::lock_guard lk(mutex);
+    if (sent) return;
+    sent = true;
+    const int kind = is_mismatch ? 1 : 0;
+    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
+    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
+    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
+    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &kind, sizeof(int));
+    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
+    for (int p = 0; p < processes; ++p) {
+      if (p == process) continue;
+      outbox.emplace_back(MPI_REQUEST_NULL, msg);
+      auto& [req, buf] = outbox.back();
+      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
+      ++sent_to[static_cast<std::size_t>(p)];
+    }
+  }
+  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
+  void close(std::chrono::milliseconds grace) noexcept {
+    if (closed) return;
+    closed = true;
+    stop.store(true);
+    if (watcher.joinable()) watcher.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin || !enabled) return;
+    if (inbox_request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&inbox_request);
+      MPI_Status st;
+      MPI_Wait(&inbox_request, &st);
+      int cancelled = 0;
+      MPI_Test_cancelled(&st, &cancelled);
+      if (!cancelled && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < processes)
+        ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
+    }
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    bool pending = false;
+    for (auto& [req, buf] : outbox) {
+      int done = 0;
+      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (req != MPI_REQUEST_NULL && !done) {
+        pending = true;
+        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
+        (void)new std::vector<char>(std::move(buf));
+      }
+    }
+    // Failure messages still in flight to this process must be received before the free
+    // (detail/settle.hpp says why); when they cannot be, the duplicate stays allocated.
+    if (!pending && settle_messages(comm, 0, sent_to, received_from, grace)) MPI_Comm_free(&comm);
+  }
+};
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/abort_channel.hpp
 // begin meshlib/comm/mpi/detail/mpi_types.hpp
 /// @file
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
@@ -11699,80 +12004,6 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/mpi_types.hpp
-// begin meshlib/comm/mpi/detail/settle.hpp
-/// @file
-/// @brief `settle_messages`: before meshlib frees one of its own MPI communicators that carries
-/// unsolicited point-to-point messages (arrival notes, the hybrid abort channel), every rank
-/// receives the messages still in flight to it. Internal to the MPI communicators.
-///
-/// Why: a message that arrives after `MPI_Comm_free` waits inside MPI for whichever communicator
-/// later gets the freed one's context id, and OpenMPI 4.1 matches it there when that communicator
-/// is created: it crashed in `mca_pml_ob1_add_comm` (under `MPI_Comm_dup`) when the new
-/// communicator had fewer ranks than the message's source. A communicator that cannot be
-/// settled is left allocated instead, so its context id is never reused.
-
-#include <chrono>
-#include <cstdint>
-#include <thread>
-#include <vector>
-
-#if MESHLIB_ENABLE_MPI
-
-#include <mpi.h>
-
-namespace meshlib::detail {
-
-/// @brief Exchanges how many messages with tag `tag` each rank sent to each other rank on `comm`
-/// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
-/// yet received (`received` counts per source, updated). Returns false when a peer does not take
-/// part within `grace` or MPI fails: the caller must then not free `comm`.
-inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint64_t>& sent,
-                            std::vector<std::uint64_t>& received, std::chrono::milliseconds grace) noexcept {
-  const int size = static_cast<int>(sent.size());
-  if (size <= 1) return true;
-  using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + grace;
-  // Heap buffers, released only on success: when a peer never joins, MPI keeps the all-to-all
-  // pending and may still read and write them.
-  auto* out = new std::vector<std::uint64_t>(sent);
-  auto* expect = new std::vector<std::uint64_t>(sent.size(), 0);
-  MPI_Request r = MPI_REQUEST_NULL;
-  if (MPI_Ialltoall(out->data(), 1, MPI_UINT64_T, expect->data(), 1, MPI_UINT64_T, comm, &r) != MPI_SUCCESS)
-    return false;
-  for (int done = 0; !done;) {
-    if (MPI_Test(&r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
-    if (done) break;
-    if (clock::now() > deadline) return false;
-    std::this_thread::yield();
-  }
-  delete out;
-  std::vector<char> sink;
-  for (int peer = 0; peer < size; ++peer) {
-    const auto p = static_cast<std::size_t>(peer);
-    while (received[p] < (*expect)[p]) {
-      int found = 0;
-      MPI_Status st;
-      if (MPI_Iprobe(peer, tag, comm, &found, &st) != MPI_SUCCESS) return false;
-      if (!found) {
-        if (clock::now() > deadline) return false;
-        std::this_thread::yield();
-        continue;
-      }
-      int bytes = 0;
-      MPI_Get_count(&st, MPI_BYTE, &bytes);
-      sink.resize(static_cast<std::size_t>(bytes > 0 ? bytes : 1));
-      if (MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
-      ++received[p];
-    }
-  }
-  delete expect;
-  return true;
-}
-
-}  // namespace meshlib::detail
-
-#endif  // MESHLIB_ENABLE_MPI
-// end meshlib/comm/mpi/detail/settle.hpp
 
 namespace meshlib {
 
@@ -11828,6 +12059,9 @@ struct mpi_comm_state {
   /// failed, here or in another process): called by every wait while it polls, it throws that
   /// failure. Copied into split results.
   std::function<void()> check_interrupt;
+  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
+  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
+  std::shared_ptr<abort_channel> channel;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -11857,14 +12091,48 @@ struct mpi_comm_state {
         (void)new std::vector<unsigned char>(std::move(s.data));
       }
     }
-    // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
-    if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
-    // Arrival notes still in flight must be received first (detail/settle.hpp says why).
-    if (side != MPI_COMM_NULL && !failed &&
-        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000)))
-      MPI_Comm_free(&side);
+    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
+    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
+    // collective that MPI cannot cancel: it may still send to every rank, and a message that
+    // arrives after the free waits for the next communicator given the same context id
+    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
+    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
+    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
+    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
+    bool clean = !interrupted && (!failed || failed_by_mismatch);
+    const bool settled =
+        side == MPI_COMM_NULL ||
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
+    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
   }
 };
+
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
+/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
+/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
+inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
+  const auto k = static_cast<op_kind>(d[1]);
+  std::string s = who + " called " + std::string(op_name(k)) + "(";
+  if (d[2] != 0) {
+    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+  }
+  return s + ") as call #" + std::to_string(d[0]);
+}
+
+/// A fingerprint of ppermute pairs (every participant must pass the same).
+inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& p : pairs)
+    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+        1099511628211ull;
+  return h ^ pairs.size();
+}
 
 }  // namespace detail
 
@@ -11882,29 +12150,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
   /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
-  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) {
-    int init = 0;
-    MPI_Initialized(&init);
-    if (!init)
-      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
-                       "meshlib::mpi::initialize)");
-    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
-    auto s = std::make_shared<detail::mpi_comm_state>();
-    s->adopted = comm;
-    s->options = options;
-    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
-    finish(*s);
-    {
-      MPI_Comm node = MPI_COMM_NULL;
-      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
-      int on_node = 1;
-      MPI_Comm_size(node, &on_node);
-      MPI_Comm_free(&node);
-      const unsigned cores = std::thread::hardware_concurrency();
-      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
-    }
-    state_ = std::move(s);
-  }
+  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) : mpi_communicator(comm, options, true) {}
 
   /// Rank of this process in the communicator.
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
@@ -11925,12 +12171,96 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     return state_->options;
   }
 
+ private:
+  /// `own_channel` false: the owner (a hybrid world) installs its own abort channel and
+  /// `check_interrupt` right after, so none is opened here (no extra duplicate).
+  mpi_communicator(MPI_Comm comm, mpi_comm_options options, bool own_channel) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init)
+      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
+                       "meshlib::mpi::initialize)");
+    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->adopted = comm;
+    s->options = options;
+    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
+    finish(*s);
+    if (own_channel) {
+      // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
+      s->channel = std::make_shared<detail::abort_channel>();
+      s->channel->open(s->comm, true);
+      s->check_interrupt = [ch = s->channel.get()] {
+        int r = -1;
+        std::string what;
+        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
+        if (ch->poll(r, what, mismatch))
+          ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
+                        std::to_string(ch->processes) + " failed: " + what, r);
+        ch->check();
+      };
+    }
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
+    state_ = std::move(s);
+  }
+
+ public:
+
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
     std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
+  }
+
+  /// @brief Fails this communicator with this rank as the root cause, without ending the
+  /// process (the runner of a rank that threw calls it): every other rank's polled wait on this
+  /// communicator or a split of it ends within milliseconds with `comm_aborted` "meshlib:
+  /// communicator aborted: MPI rank R of N failed: <reason>" (R and N in the adopted
+  /// communicator), and every later call on any rank throws it too. Waits without a deadline
+  /// (`timeout` 0: blocking MPI calls) cannot be released.
+  ///
+  /// @code
+  /// try { step(comm); } catch (const std::exception& e) { comm.fail(e.what()); throw; }
+  /// @endcode
+  void fail(std::string_view reason) const {
+    require_valid("fail");
+    auto& ch = *state_->channel;
+    ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
+                 std::to_string(ch.processes) + " failed: " + std::string(reason), ch.process);
+    if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
+  }
+
+  /// @brief The rank of this communicator that failed it (or the communicator it was split from)
+  /// through `fail`, here or in another process, once this rank knows of it; -1 otherwise: no
+  /// such failure, a failed rank outside this split, or a timeout or mismatch (which every
+  /// waiting rank detects itself).
+  ///
+  /// @code
+  /// catch (const meshlib::comm_aborted&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
+  /// @endcode
+  [[nodiscard]] int root_cause_rank() const noexcept {
+    if (!state_ || !state_->channel || !state_->channel->interrupted.load(std::memory_order_acquire)) return -1;
+    const int r = state_->channel->root_cause.load();
+    if (r < 0 || state_->adopted != MPI_COMM_NULL || state_->channel->comm == MPI_COMM_NULL) return r;
+    // A split: the channel names ranks of the adopted communicator.
+    MPI_Group from = MPI_GROUP_NULL, to = MPI_GROUP_NULL;
+    MPI_Comm_group(state_->channel->comm, &from);
+    MPI_Comm_group(state_->comm, &to);
+    int mine = MPI_UNDEFINED;
+    MPI_Group_translate_ranks(from, 1, &r, to, &mine);
+    MPI_Group_free(&from);
+    MPI_Group_free(&to);
+    return mine == MPI_UNDEFINED ? -1 : mine;
   }
 
   // The collectives, point to point and barrier: communicator_frontend; the transport is below.
@@ -11948,6 +12278,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
+    s->channel = state_->channel;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -11969,6 +12300,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
+      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
@@ -12121,7 +12454,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     poll("recv", [&](int* done) {
       progress_sends();
       return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
-    });
+    }, /*interruptible=*/true);  // a probe leaves nothing pending; a failed sender never sends
     int got = 0;
     MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
@@ -12145,8 +12478,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   bool has_deadline() const noexcept { return state_->options.timeout.count() > 0; }
 
   /// Polls `test(&done)` (an MPI call returning its error code) until done or the deadline.
+  /// `interruptible`: whether a failure elsewhere (`check_interrupt`) may end the wait. Only waits
+  /// that leave nothing pending may be (a matched probe); a data transfer posted after the
+  /// fingerprint exchange completes on every rank without help (every rank has posted it), and
+  /// abandoning it would leave MPI writing into the caller's buffers after the throw.
   template <class Test>
-  void poll(std::string_view k, Test&& test) {
+  void poll(std::string_view k, Test&& test, bool interruptible = false) {
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = has_deadline() ? start + state_->options.timeout : std::chrono::steady_clock::time_point::max();
     for (unsigned spins = 0;; ++spins) {
@@ -12155,7 +12492,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (done) return;
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
       if ((spins & 63) != 0) continue;
-      if (state_->check_interrupt) state_->check_interrupt();
+      if (interruptible && state_->check_interrupt) state_->check_interrupt();
       if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
     }
   }
@@ -12289,15 +12626,23 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             extra};
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
     for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
-    const std::uint64_t mine[2] = {h, ~h};
-    std::uint64_t most[2] = {0, 0};
+    // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
+    // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
+    auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
+    const std::uint64_t* mine = fp->data();
+    std::uint64_t* most = fp->data() + 2;
     const std::string_view name = detail::op_name(k);
     if (!has_deadline()) {
       check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
     } else {
       MPI_Request r = MPI_REQUEST_NULL;
       check_rc(MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm, &r), name);
-      wait_arrival(name, r, rec[0]);
+      try {
+        wait_arrival(name, r, rec[0]);
+      } catch (...) {
+        (void)fp.release();  // still MPI's: see above
+        throw;
+      }
     }
     if (most[0] == mine[0] && most[1] == mine[1]) return;
     std::vector<std::uint64_t> all(call_fields * static_cast<std::size_t>(size()));
@@ -12316,18 +12661,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   static constexpr int call_fields = 7;
 
-  /// "rank 1 called all_reduce(float32, count 8, op sum) as call #3"
   static std::string describe_call(int r, const std::uint64_t* d) {
-    const auto k = static_cast<op_kind>(d[1]);
-    std::string s = "rank " + std::to_string(r) + " called " + std::string(detail::op_name(k)) + "(";
-    if (d[2] != 0) {
-      s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-      if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-      if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-        s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-      if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-    }
-    return s + ") as call #" + std::to_string(d[0]);
+    return detail::describe_call("rank " + std::to_string(r), d);
   }
 
   template <class T>
@@ -12335,14 +12670,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     agree(k, datatype_of<T>, count, op, root, extra);
   }
 
-  /// A fingerprint of ppermute pairs (every rank must pass the same).
-  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-    std::uint64_t h = 1469598103934665603ull;
-    for (const auto& p : pairs)
-      h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-          1099511628211ull;
-    return h ^ pairs.size();
-  }
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return detail::pairs_hash(pairs); }
 
   // ---- operations ------------------------------------------------------------------------------
 
@@ -12591,8 +12919,6 @@ namespace meshlib {
 
 namespace detail {
 
-struct abort_channel;
-
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
   int n = 0;                            ///< members
@@ -12648,104 +12974,6 @@ struct hybrid_group {
   [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
   [[nodiscard]] bool uniform() const noexcept {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
-  }
-};
-
-/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
-/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
-/// fails, its process sends "device D failed: <what>" to every other process (once); a process
-/// that receives it fails its thread world with that message, so every device of every process is
-/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
-/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
-/// beside the devices); without it the channel is off and peers of other processes time out.
-struct abort_channel {
-  MPI_Comm comm = MPI_COMM_NULL;
-  int process = 0;
-  int processes = 1;
-  bool enabled = false;
-  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
-  /// same order: construction is collective). MPI may give a new duplicate the context id of a
-  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
-  /// epoch and dropped.
-  std::uint64_t epoch = 0;
-  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
-  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
-  std::mutex mutex;
-  std::string message;                   ///< the root cause's message (guarded by mutex)
-  bool sent = false;                     ///< guarded by mutex
-  std::vector<char> inbox = std::vector<char>(4096);
-  MPI_Request inbox_request = MPI_REQUEST_NULL;
-  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
-  std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
-  std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the watcher)
-  std::atomic<bool> stop{false};
-  std::thread watcher;
-
-  /// Records the root cause once and releases the leaders' MPI waits.
-  void interrupt(const std::string& msg) {
-    std::lock_guard lk(mutex);
-    if (interrupted.load()) return;
-    message = msg;
-    interrupted.store(true, std::memory_order_release);
-  }
-  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
-  void check() {
-    if (!interrupted.load(std::memory_order_acquire)) return;
-    std::lock_guard lk(mutex);
-    throw comm_aborted(message);
-  }
-  /// Tells every other process that global device `device` failed (once per world).
-  void notify(int device, const std::string& what) {
-    if (!enabled) return;
-    std::lock_guard lk(mutex);
-    if (sent) return;
-    sent = true;
-    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
-    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
-    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
-    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
-    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
-    for (int p = 0; p < processes; ++p) {
-      if (p == process) continue;
-      outbox.emplace_back(MPI_REQUEST_NULL, msg);
-      auto& [req, buf] = outbox.back();
-      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
-      ++sent_to[static_cast<std::size_t>(p)];
-    }
-  }
-  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
-  void close(std::chrono::milliseconds grace) noexcept {
-    stop.store(true);
-    if (watcher.joinable()) watcher.join();
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (fin || !enabled) return;
-    if (inbox_request != MPI_REQUEST_NULL) {
-      MPI_Cancel(&inbox_request);
-      MPI_Status st;
-      MPI_Wait(&inbox_request, &st);
-      int cancelled = 0;
-      MPI_Test_cancelled(&st, &cancelled);
-      if (!cancelled && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < processes)
-        ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-    }
-    const auto deadline = std::chrono::steady_clock::now() + grace;
-    bool pending = false;
-    for (auto& [req, buf] : outbox) {
-      int done = 0;
-      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
-        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      if (req != MPI_REQUEST_NULL && !done) {
-        pending = true;
-        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
-        (void)new std::vector<char>(std::move(buf));
-      }
-    }
-    // Failure messages still in flight to this process must be received before the free
-    // (detail/settle.hpp says why); when they cannot be, the duplicate stays allocated.
-    if (!pending && settle_messages(comm, 0, sent_to, received_from, grace)) MPI_Comm_free(&comm);
   }
 };
 
@@ -12923,8 +13151,51 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
   request_type transport(const detail::operation<T>& o, context_type ctx) {
-    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
+    return guarded(K, [&] {
+      if constexpr (K != op_kind::send && K != op_kind::recv) {
+        agree(K, o);
+        if constexpr (K == op_kind::barrier) return request_type{};  // the fingerprint exchange is a barrier
+      }
+      return transport_steps<K, T>(o, ctx);
+    });
   }
+
+  /// Always-on mismatch detection across every device of every process. Before the data moves,
+  /// the members gather a fingerprint of their calls (call number on this group, operation,
+  /// element type, count, reduce op, root, ppermute pairs) with the same internal exchange every
+  /// call shares, so that all members see every call and every member of every process throws
+  /// `collective_mismatch` naming the operation it called and each device's call (global device
+  /// ids), instead of an internal step failing on one process leader.
+  template <class T>
+  void agree(op_kind k, const detail::operation<T>& o) {
+    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const std::uint64_t rec[call_fields] = {calls_++,
+                                            static_cast<std::uint64_t>(k),
+                                            k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
+                                            static_cast<std::uint64_t>(o.count),
+                                            has_op ? static_cast<std::uint64_t>(o.op) : 0,
+                                            has_root ? static_cast<std::uint64_t>(o.root) : 0,
+                                            k == op_kind::ppermute ? detail::pairs_hash(o.pairs) : 0};
+    // int64 on the wire (a communicator element type); the bits are the record's.
+    std::int64_t wire[call_fields];
+    std::memcpy(wire, rec, sizeof(rec));
+    const auto got = gather_all(std::span<const std::int64_t>(wire, call_fields));
+    std::vector<std::uint64_t> all(got.size());
+    std::memcpy(all.data(), got.data(), got.size() * sizeof(std::uint64_t));
+    bool same = true;
+    for (std::size_t i = 0; i < all.size(); ++i) same = same && all[i] == rec[i % call_fields];
+    if (same) return;
+    const auto& g = *group_;
+    std::string msg = "meshlib: collective mismatch on a hybrid communicator of " + std::to_string(size()) +
+                      " devices: the devices called different collectives";
+    for (int r = 0; r < size(); ++r)
+      msg += (r ? "; " : ": ") +
+             detail::describe_call("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+                                   all.data() + call_fields * static_cast<std::size_t>(r));
+    throw collective_mismatch(msg);
+  }
+  static constexpr std::size_t call_fields = 7;
 
   template <op_kind K, class T>
   request_type transport_steps(const detail::operation<T>& o, context_type) {
@@ -13191,6 +13462,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   thread_communicator local_;
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
+  std::uint64_t calls_ = 0;  ///< collectives called on this handle's group (the fingerprint's sequence number)
   std::vector<pending> sends_;
 };
 
@@ -13198,11 +13470,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
   check_usable(detail::op_name(k));
-  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
-    std::lock_guard lk(group_->channel->mutex);
-    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
-                       " of " + std::to_string(size()) + ": the communicator has failed]");
-  }
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
+    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+                             std::to_string(size()) + ": the communicator has failed]");
 }
 
 static_assert(communicator<hybrid_communicator>);
@@ -13230,7 +13500,7 @@ class hybrid_world {
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options());
+    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -13264,7 +13534,7 @@ class hybrid_world {
     const int device = process_ * threads_ + t;
     const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
     const bool first = local_.abort(t, reason, who);
-    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason), device);
     // A failure that came from another process is not sent back; any other (a throw, or a local
     // timeout or mismatch that the devices rethrow) is told to every process.
     if (channel_->remote_device.load() < 0) {
@@ -13272,6 +13542,17 @@ class hybrid_world {
       const int blamed = first || root < 0 ? device : process_ * threads_ + root;
       channel_->notify(blamed, std::string(reason));
     }
+    return first;
+  }
+  /// @brief Local thread `t` left with `collective_mismatch` (`message`): fails the hybrid world as
+  /// that mismatch, so that every device of every process that still waits (for the verdict of
+  /// that collective, or in any other) gets `collective_mismatch` with the same message, never
+  /// `comm_aborted`. Every member of the mismatched collective detects it on its own; this only
+  /// keeps the error's type when another device's failure would otherwise overtake it.
+  bool fail_mismatch(int t, std::string_view message) {
+    const bool first = local_.fail_as_mismatch(message);
+    channel_->interrupt(std::string(message), -1, true);
+    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -13284,48 +13565,31 @@ class hybrid_world {
  private:
   void open_channel(const mpi_communicator& procs, int level) {
     auto& ch = *channel_;
-    ch.process = procs.rank();
-    ch.processes = procs.size();
-    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
-    ch.sent_to.assign(static_cast<std::size_t>(procs.size()), 0);
-    ch.received_from.assign(static_cast<std::size_t>(procs.size()), 0);
-    static std::atomic<std::uint64_t> worlds{0};
-    ch.epoch = ++worlds;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    // Also tells the leaders' communicator, when it is freed, that the world failed (its abandoned
+    // collectives must keep it allocated); splits of it inherit both.
+    group_->mpi.state_->channel = channel_;
+    // The watcher calls MPI beside the devices: only with MPI_THREAD_MULTIPLE.
+    ch.open(procs.native(), level >= MPI_THREAD_MULTIPLE);
     if (!ch.enabled) return;
-    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
-      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
-    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
-    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
-              &ch.inbox_request);
     const int devices = size();
     ch.watcher = std::thread([this, channel, devices] {
       while (!channel->stop.load()) {
-        int done = 0;
-        MPI_Status st;
-        MPI_Test(&channel->inbox_request, &done, &st);
-        if (done) {
-          ++channel->received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
-          int bytes = 0;
-          MPI_Get_count(&st, MPI_CHAR, &bytes);
-          std::uint64_t epoch = 0;
-          int device = -1;
-          if (bytes >= head) {
-            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
-            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
+        int device = -1;
+        std::string what;
+        bool mismatch = false;
+        if (channel->poll(device, what, mismatch)) {
+          // The thread world first, so that a leader released by the channel finds the root cause
+          // already recorded there (its own abort of the thread world is then not the first).
+          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
+            local_.fail_as_mismatch(what);
+            channel->interrupt(what, device, true);
+            return;
           }
-          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
-            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
-                      channel->comm, &channel->inbox_request);
-            continue;
-          }
-          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          channel->remote_device.store(device);
-          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
           local_.abort(-1, what, who);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -13352,6 +13616,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     try {
       hybrid_communicator comm = world.communicator(t);
       fn(comm);
+    } catch (const collective_mismatch& e) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
@@ -13419,9 +13686,13 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 /// @endcode
 ///
 /// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
-/// its device id, the exception nested); devices in other processes that wait for it in a
-/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
-/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+/// its device id). `mpi_backend` also fails its communicator with that rank as the root cause
+/// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
+/// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
+/// themselves) with its message. The communicator then refuses every later call on every rank
+/// (an abandoned collective may still be pending on it): continue with a new one. With
+/// `hybrid_backend` the same holds per run (each run is a new hybrid world). When the exception is
+/// not caught the whole run ends through `MPI_Abort` (the terminate handler of `mpi::initialize`).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -13447,9 +13718,23 @@ struct mpi_backend {
     try {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
-      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
-                                               std::to_string(comm.size()) + " failed: " +
-                                               detail::what_of(std::current_exception()));
+      const auto e = std::current_exception();
+      const std::string what = detail::what_of(e);
+      int blamed = comm.rank();
+      try {
+        std::rethrow_exception(e);
+      } catch (const comm_aborted&) {
+        // Released by another rank's failure: blame that rank.
+        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+      } catch (const comm_timeout&) {
+        // Every waiting rank times out on its own; the message names the ranks that never arrived.
+      } catch (const collective_mismatch&) {
+        // Every rank of the collective throws it.
+      } catch (...) {
+        comm.fail(what);  // the rank's own failure: release its peers at once
+      }
+      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
+                                          std::to_string(comm.size()) + " failed: " + what);
     }
   }
 

@@ -8,7 +8,9 @@
 #include <meshlib/comm/mpi/mpi_backend.hpp>
 #include <meshlib/mpi.hpp>
 
+#include <chrono>
 #include <cstdint>
+#include <stdexcept>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -140,6 +142,88 @@ TEST_CASE("spmd on MPI: a device that throws is reported with its id on its proc
     CHECK(e.device() == static_cast<std::size_t>(world.rank()) * 2 + 1);
     CHECK(std::string(e.what()).find("device failed on purpose") != std::string::npos);
   }
+}
+
+// Fault propagation with one rank per process (issue 10): the last rank throws before a psum
+// that every other rank waits in; the others must be released by the abort channel well before
+// the 20 s timeout, with device_error naming the failed rank and its message, not themselves.
+TEST_CASE("spmd on mpi_backend: a rank that throws releases every other rank at once, naming it", "[mpi][exec][faults]") {
+  using mesh1 = mesh<axis<"x">>;
+  mpi_comm_options o;
+  o.timeout = std::chrono::seconds(20);
+  auto c = mpi_communicator(MPI_COMM_WORLD, o);
+  const int n = c.size();
+  const mpi_backend backend{c};
+  const mesh1 m{static_cast<std::size_t>(n)};
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    spmd(
+        m,
+        [&] {
+          if (device_index() == static_cast<std::size_t>(n - 1)) throw std::runtime_error("rank gives up on purpose");
+          local_tensor<float, 1, mesh1, mesh1::all_axes> x({4}, m, device_index());
+          (void)psum<"x">(x);
+        },
+        backend);
+    FAIL("must throw device_error");
+  } catch (const device_error& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string w = e.what();
+    INFO(w);
+    CHECK(e.device() == static_cast<std::size_t>(n - 1));
+    CHECK(w.find("rank gives up on purpose") != std::string::npos);
+    if (c.rank() != n - 1) {
+      CHECK(w.find("MPI rank " + std::to_string(n - 1) + " of " + std::to_string(n) + " failed") != std::string::npos);
+      CHECK_THROWS_AS(e.rethrow_cause(), comm_aborted);
+      CHECK(s < 2.0);  // released by the channel, not by the 20 s timeout
+    }
+  }
+  CHECK(c.root_cause_rank() == n - 1);
+  // Sticky on every rank (a released rank left its fingerprint exchange pending on it): refused.
+  float y = 1.0f;
+  try {
+    c.all_reduce(std::span(&y, 1), reduce_op::sum);
+    FAIL("a failed communicator must refuse");
+  } catch (const comm_aborted& e) {
+    CHECK(std::string(e.what()).find("rank gives up on purpose") != std::string::npos);
+    CHECK(std::string(e.what()).find("refused all_reduce") != std::string::npos);
+  }
+  // A new communicator over the same ranks works.
+  auto d = mpi_communicator(MPI_COMM_WORLD, o);
+  d.all_reduce(std::span(&y, 1), reduce_op::sum);
+  CHECK(y == static_cast<float>(n));
+}
+
+// A split of a failed communicator names the failed rank in its own numbering (or -1 when the
+// failed rank is not a member).
+TEST_CASE("mpi_communicator::fail: splits share the failure and name the rank in their numbering", "[mpi][faults]") {
+  mpi_comm_options o;
+  o.timeout = std::chrono::seconds(20);
+  auto c = mpi_communicator(MPI_COMM_WORLD, o);
+  const int n = c.size();
+  // Reversed order: world rank r is rank n-1-r of the split.
+  auto rev = c.split(0, n - 1 - c.rank());
+  auto odd = c.split(c.rank() % 2, c.rank());
+  CHECK(c.root_cause_rank() == -1);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (c.rank() == 1) {
+    c.fail("rank 1 fails on purpose");
+  } else {
+    float x = 1.0f;
+    try {
+      rev.all_reduce(std::span(&x, 1), reduce_op::sum);  // rank 1 never arrives
+      FAIL("must be released");
+    } catch (const comm_aborted& e) {
+      CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 2.0);
+      CHECK(std::string(e.what()).find("MPI rank 1 of " + std::to_string(n) + " failed: rank 1 fails on purpose") !=
+            std::string::npos);
+    }
+  }
+  CHECK(c.root_cause_rank() == 1);
+  CHECK(rev.root_cause_rank() == n - 2);
+  CHECK(odd.root_cause_rank() == (c.rank() % 2 == 1 ? 0 : -1));
+  CHECK_THROWS_AS(odd.barrier(), comm_aborted);
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST_CASE("shard_map on mpi_backend and hybrid_backend: each process's output blocks equal the thread run", "[mpi][exec]") {

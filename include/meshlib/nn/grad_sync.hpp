@@ -2,21 +2,27 @@
 #pragma once
 /// @file
 /// @brief Data-parallel gradient synchronisation: every local gradient block (a pending sum over the
-/// data axis: `x^T dy` contracts the data-sharded batch) is packed into one flat buffer per device
-/// and completed with one collective per *bucket* of at most `bucket_elements` elements (PyTorch
-/// DDP's gradient buckets: many small gradients, few collectives). Either an all-reduce (`psum`,
-/// every replica gets the whole sum) or, for ZeRO-1, a reduce-scatter (`psum_scatter`, each data
-/// replica gets the sum of its 1/n slice of the flat buffer, and only updates that slice).
+/// data axis: `x^T dy` contracts the data-sharded batch) is completed with few collectives, grouped
+/// into *buckets* of at most `bucket_elements` elements (PyTorch DDP's gradient buckets: many small
+/// gradients, few collectives). Either an all-reduce (`psum`, every replica gets the whole sum) or,
+/// for ZeRO-1, a reduce-scatter (`psum_scatter`, each data replica gets the sum of its 1/n slice of
+/// the flat gradient vector, the concatenation of the blocks, and only updates that slice).
+///
+/// All-reduce buckets: a gradient of at least half a bucket (the big weights: nearly all the bytes)
+/// is reduced on its own, in place in the parameter's gradient block, in pieces of at most
+/// `bucket_elements`: no byte is staged. The smaller ones are packed, in parameter order, into shared
+/// buckets of at most `bucket_elements` and reduced there. Over a group of one device nothing moves.
 ///
 /// The wire type `Wire` is a compile-time parameter: gradients are converted to `Wire` when packed
-/// and reduced in `Wire`; `grad_sync<float, bfloat16>` halves the traffic, and a reduction cannot
-/// run in a narrower type than the one named in the program. Buckets run one after the other
-/// today; the layout (contiguous buckets of a flat buffer, filled in parameter order) leaves room
-/// for overlapping a bucket's collective with the backward of earlier layers once the communicator
-/// is asynchronous.
+/// and reduced in `Wire` (every bucket is then packed); `grad_sync<float, bfloat16>` halves the
+/// traffic, and a reduction cannot run in a narrower type than the one named in the program.
+/// Buckets run one after the other today; they are filled in parameter order, which leaves room for
+/// overlapping a bucket's collective with the backward of earlier layers once the communicator is
+/// asynchronous.
 /// @code
 /// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
-/// // inside spmd, after backward: sync.all_reduce<"data">(params, dev);
+/// // inside spmd, after backward: const auto& g = sync.all_reduce(params, dev, data_axes);
+/// // g[i]: parameter i's summed gradient block
 /// @endcode
 
 #include <algorithm>
@@ -45,9 +51,9 @@ class grad_sync {
   /// The element type gradients travel in (narrower than `T` to halve the traffic, e.g. bfloat16).
   using wire_type = Wire;
   grad_sync() = default;
-  /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: one bucket).
+  /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: no limit).
   grad_sync(std::size_t devices, std::size_t bucket_elements)
-      : bucket_(bucket_elements), wire_(devices), flat_(devices), shard_(devices), flat_wire_(devices), collectives_(devices, 0) {}
+      : bucket_(bucket_elements), wire_(devices), flat_(devices), shard_(devices), collectives_(devices, 0), summed_(devices) {}
 
   /// Elements of the flat buffer on device `dev` (sum of its local gradient blocks).
   [[nodiscard]] static std::size_t flat_size(const std::vector<param_ref<T>>& params, std::size_t dev) {
@@ -56,44 +62,77 @@ class grad_sync {
     return n;
   }
 
-  /// Packs every gradient into the flat buffer and all-reduces it over the axes `axes`, bucket by
-  /// bucket; returns the flat summed gradient (parameter order). With `axes == 0` nothing moves.
-  T* all_reduce(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes) {
+  /// All-reduces every gradient over the axes `axes`, bucket by bucket (see the file comment), and
+  /// returns, per parameter, where its summed gradient block lies: its own gradient block (reduced
+  /// in place) or a piece of the packed buffer. The pointers stay valid until the next call on `dev`.
+  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes) {
+    constexpr bool same = std::is_same_v<Wire, T>;
     const std::size_t n = flat_size(params, dev);
-    Wire* w = pack(params, dev, n, 0);
+    meshlib::detail::device_comm* comm = nullptr;
     if (axes != 0) {
-      auto& comm = meshlib::detail::current_device("grad_sync").comm(axes);
-      const std::size_t step = bucket_ == 0 ? n : bucket_;
-      for (std::size_t off = 0; off < n; off += step) {
-        comm.all_reduce(w + off, std::min(step, n - off), datatype_of<Wire>, reduce_op::sum);
-        ++collectives_[dev];
-      }
+      comm = &meshlib::detail::current_device("grad_sync").comm(axes);
+      if (comm->size() == 1) comm = nullptr;  // a group of one: nothing to add
     }
-    return unpack_wire(dev, w, n);
+    std::vector<T*>& out = summed_.at(dev);
+    out.assign(params.size(), nullptr);
+    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
+    Wire* w = same && comm == nullptr ? nullptr : wire_.get(dev, n);
+    T* f = same ? nullptr : flat_.get(dev, n);
+    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
+    auto flush = [&] {
+      if (used == open) return;
+      if (comm != nullptr) reduce(*comm, w + open, used - open, dev);
+      if constexpr (!same)
+        for (std::size_t e = open; e < used; ++e) f[e] = static_cast<T>(w[e]);
+      open = used;
+    };
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::size_t c = params[i].count[dev];
+      T* g = params[i].grad[dev];
+      if constexpr (same)
+        if (comm == nullptr || c >= big) {  // in place, in the gradient block itself
+          out[i] = g;
+          if (comm != nullptr) reduce(*comm, g, c, dev);
+          continue;
+        }
+      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
+      for (std::size_t e = 0; e < c; ++e) w[used + e] = static_cast<Wire>(g[e]);
+      if constexpr (same) out[i] = w + used;
+      else out[i] = f + used;
+      used += c;
+      if (c >= big) flush();
+    }
+    flush();
+    return out;
   }
 
-  /// ZeRO-1: packs the gradients, pads the flat buffer to a multiple of the group size, and
-  /// reduce-scatters it over `axes`: returns this device's slice `[begin, begin + size)` of the
-  /// summed flat gradient, `size = ceil(n / group)`.
+  /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
+  /// over `axes`: returns this device's slice `[begin, begin + size)` of the summed flat gradient,
+  /// `size = ceil(n / group)`. Bucket `b` of each rank's part is one reduce-scatter of equal pieces;
+  /// the gradients are packed straight into that order (one copy).
   T* reduce_scatter(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes, std::size_t group,
                     std::size_t rank, std::size_t& begin, std::size_t& size) {
     const std::size_t n = flat_size(params, dev);
     size = (n + group - 1) / group;
     begin = rank * size;
-    Wire* w = pack(params, dev, n, size * group - n);
-    Wire* out = shard_.get(dev, size);
-    if (group == 1) {
-      std::copy_n(w, size, out);
-    } else {
-      // Bucketed: bucket b is a slice of every rank's part, so each collective is a reduce-scatter
-      // of equal pieces.
+    const std::size_t step = bucket_ == 0 || group == 1 ? std::max<std::size_t>(size, 1)
+                                                        : std::max<std::size_t>(1, bucket_ / group);
+    Wire* send = wire_.get(dev, size * group);
+    // Flat element j = r * size + o (rank r's part, offset o in it) goes to bucket o / step, where
+    // the pieces of the ranks lie one after the other: segments in increasing flat order.
+    flat_cursor cur{params, dev};
+    for (std::size_t r = 0; r < group; ++r)
+      for (std::size_t o = 0; o < size; o += step) {
+        const std::size_t len = std::min(step, size - o);
+        cur.copy(r * size + o, len, send + o * group + r * len);
+      }
+    Wire* out = send + rank * size;  // group == 1: the packed vector is the slice
+    if (group > 1) {
       auto& comm = meshlib::detail::current_device("grad_sync").comm(axes);
-      const std::size_t step = bucket_ == 0 ? size : std::max<std::size_t>(1, bucket_ / group);
-      Wire* send = flat_wire_.get(dev, step * group);
-      for (std::size_t off = 0; off < size; off += step) {
-        const std::size_t len = std::min(step, size - off);
-        for (std::size_t r = 0; r < group; ++r) std::copy_n(w + r * size + off, len, send + r * len);
-        comm.reduce_scatter(send, out + off, len, datatype_of<Wire>, reduce_op::sum);
+      out = shard_.get(dev, size);
+      for (std::size_t o = 0; o < size; o += step) {
+        const std::size_t len = std::min(step, size - o);
+        comm.reduce_scatter(send + o * group, out + o, len, datatype_of<Wire>, reduce_op::sum);
         ++collectives_[dev];
       }
     }
@@ -104,17 +143,35 @@ class grad_sync {
   [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
 
  private:
-  Wire* pack(const std::vector<param_ref<T>>& params, std::size_t dev, std::size_t n, std::size_t pad) {
-    Wire* w = wire_.get(dev, n + pad);
-    std::size_t off = 0;
-    for (const auto& p : params) {
-      const T* g = p.grad[dev];
-      for (std::size_t i = 0; i < p.count[dev]; ++i) w[off + i] = static_cast<Wire>(g[i]);
-      off += p.count[dev];
+  /// All-reduces `len` elements of `buf` in place, in pieces of at most the bucket size.
+  void reduce(meshlib::detail::device_comm& comm, Wire* buf, std::size_t len, std::size_t dev) {
+    const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
+    for (std::size_t o = 0; o < len; o += step) {
+      comm.all_reduce(buf + o, std::min(step, len - o), datatype_of<Wire>, reduce_op::sum);
+      ++collectives_[dev];
     }
-    std::fill_n(w + n, pad, Wire{});
-    return w;
   }
+  /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),
+  /// converted to `Wire`, for runs asked for in increasing order.
+  struct flat_cursor {
+    const std::vector<param_ref<T>>& params;
+    std::size_t dev, i = 0, start = 0;  // parameter i's block starts at flat offset `start`
+    void copy(std::size_t at, std::size_t len, Wire* to) {
+      while (len > 0) {
+        while (i < params.size() && start + params[i].count[dev] <= at) start += params[i++].count[dev];
+        if (i == params.size()) {
+          std::fill_n(to, len, Wire{});
+          return;
+        }
+        const std::size_t k = std::min(len, start + params[i].count[dev] - at);
+        const T* g = params[i].grad[dev] + (at - start);
+        for (std::size_t e = 0; e < k; ++e) to[e] = static_cast<Wire>(g[e]);
+        at += k;
+        to += k;
+        len -= k;
+      }
+    }
+  };
   T* unpack_wire(std::size_t dev, Wire* w, std::size_t n) {
     if constexpr (std::is_same_v<Wire, T>) {
       return w;
@@ -129,8 +186,8 @@ class grad_sync {
   detail::device_buffers<Wire> wire_;
   detail::device_buffers<T> flat_;
   detail::device_buffers<Wire> shard_;
-  detail::device_buffers<Wire> flat_wire_;
   std::vector<std::size_t> collectives_;
+  std::vector<std::vector<T*>> summed_;  ///< per device: where each parameter's summed gradient lies
 };
 
 }  // namespace meshlib::nn

@@ -35,6 +35,7 @@
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/loss.hpp"
 #include "meshlib/nn/optimizer.hpp"
@@ -48,7 +49,7 @@ namespace meshlib::nn {
 struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
   bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
-  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: one bucket)
+  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
   /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
   /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
   /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
@@ -267,16 +268,12 @@ class train_state {
     const auto t0 = std::chrono::steady_clock::now();
     auto& all = meshlib::detail::current_device("train_step").comm(mesh.all_axes);
     if (!options.zero) {
-      T* g = sync_.all_reduce(params, dev, data_axes);
+      const std::vector<T*>& g = sync_.all_reduce(params, dev, data_axes);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      unscale(g, grad_sync<T, Wire>::flat_size(params, dev));
-      // Global norm: a block replicated over some axes is counted on one device of that group.
       double sq[1] = {0};
-      std::size_t off = 0;
-      for (const auto& p : params) {
-        if (mesh.group_rank(dev, mesh.all_axes & ~p.sharded_axes) == 0)
-          for (std::size_t i = 0; i < p.count[dev]; ++i) sq[0] += static_cast<double>(g[off + i]) * g[off + i];
-        off += p.count[dev];
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        unscale(g[i], params[i].count[dev]);
+        sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
       }
       all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
       const double norm = std::sqrt(sq[0]);
@@ -284,12 +281,12 @@ class train_state {
       // of them: the skip verdict is the same on every device.
       if (scaling_ && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
-      const std::size_t n = off;
+      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
       float* m = state_[dev].data();
       float* v = opt.slots() > 1 ? m + n : m;
-      off = 0;
+      std::size_t off = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        opt.update(master(i, dev), g + off, m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
+        opt.update(master(i, dev), g[i], m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
         off += params[i].count[dev];
       }
       refresh_device(dev);
@@ -302,8 +299,7 @@ class train_state {
     unscale(g, size);
     double sq[1] = {0};
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
-      if (mesh.group_rank(dev, mesh.all_axes & ~p.sharded_axes & ~data_axes) == 0)
-        for (std::size_t i = 0; i < len; ++i) sq[0] += static_cast<double>(g[s + i]) * g[s + i];
+      sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
     });
     all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
     const double norm = std::sqrt(sq[0]);
@@ -335,6 +331,15 @@ class train_state {
   }
 
  private:
+  /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
+  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
+  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
+  double share_of_squares(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
+    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
+    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
+    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
+    return detail::sum_of_squares(g + lo, hi - lo);
+  }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
       const float inv = 1.0f / loss_scale_;
@@ -398,6 +403,8 @@ inline void sum_over(axis_mask axes, double (&v)[2]) {
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
 /// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
+/// The parameters' gradient blocks are zeroed at the start and serve as the synchronisation's
+/// buffers (the big ones are all-reduced in place): after the step they are scratch.
 /// @throws sharding_error when the batch does not split over the data axis and the accumulation
 /// steps, or when a device's rows are not in this process's share.
 template <class State, class Backend = thread_backend>

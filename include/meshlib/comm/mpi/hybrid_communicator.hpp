@@ -67,7 +67,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
-#include "meshlib/comm/mpi/detail/settle.hpp"
+#include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
@@ -76,8 +76,6 @@
 namespace meshlib {
 
 namespace detail {
-
-struct abort_channel;
 
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
@@ -134,104 +132,6 @@ struct hybrid_group {
   [[nodiscard]] bool spans_processes() const noexcept { return counts.size() > 1; }
   [[nodiscard]] bool uniform() const noexcept {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
-  }
-};
-
-/// Fault propagation between the processes of a hybrid world. Each process posts one receive on a
-/// duplicate communicator of its own; a watcher thread polls it (every millisecond). When a device
-/// fails, its process sends "device D failed: <what>" to every other process (once); a process
-/// that receives it fails its thread world with that message, so every device of every process is
-/// released within milliseconds with an error naming the global device, and the leaders' MPI waits
-/// end through `mpi_comm_state::check_interrupt`. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI
-/// beside the devices); without it the channel is off and peers of other processes time out.
-struct abort_channel {
-  MPI_Comm comm = MPI_COMM_NULL;
-  int process = 0;
-  int processes = 1;
-  bool enabled = false;
-  /// Which hybrid world of this run the channel belongs to (every process opens its worlds in the
-  /// same order: construction is collective). MPI may give a new duplicate the context id of a
-  /// freed one, so a message sent to an earlier world can arrive here: it is recognised by its
-  /// epoch and dropped.
-  std::uint64_t epoch = 0;
-  std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
-  std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
-  std::mutex mutex;
-  std::string message;                   ///< the root cause's message (guarded by mutex)
-  bool sent = false;                     ///< guarded by mutex
-  std::vector<char> inbox = std::vector<char>(4096);
-  MPI_Request inbox_request = MPI_REQUEST_NULL;
-  std::vector<std::pair<MPI_Request, std::vector<char>>> outbox;  ///< guarded by mutex
-  std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
-  std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the watcher)
-  std::atomic<bool> stop{false};
-  std::thread watcher;
-
-  /// Records the root cause once and releases the leaders' MPI waits.
-  void interrupt(const std::string& msg) {
-    std::lock_guard lk(mutex);
-    if (interrupted.load()) return;
-    message = msg;
-    interrupted.store(true, std::memory_order_release);
-  }
-  /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
-  void check() {
-    if (!interrupted.load(std::memory_order_acquire)) return;
-    std::lock_guard lk(mutex);
-    throw comm_aborted(message);
-  }
-  /// Tells every other process that global device `device` failed (once per world).
-  void notify(int device, const std::string& what) {
-    if (!enabled) return;
-    std::lock_guard lk(mutex);
-    if (sent) return;
-    sent = true;
-    constexpr std::size_t head = sizeof(std::uint64_t) + sizeof(int);
-    std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
-    std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
-    std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
-    std::memcpy(msg.data() + head, what.data(), msg.size() - head);
-    for (int p = 0; p < processes; ++p) {
-      if (p == process) continue;
-      outbox.emplace_back(MPI_REQUEST_NULL, msg);
-      auto& [req, buf] = outbox.back();
-      MPI_Isend(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, p, 0, comm, &req);
-      ++sent_to[static_cast<std::size_t>(p)];
-    }
-  }
-  /// Ends the watcher and completes or abandons the channel's requests (at most `grace` for the sends).
-  void close(std::chrono::milliseconds grace) noexcept {
-    stop.store(true);
-    if (watcher.joinable()) watcher.join();
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (fin || !enabled) return;
-    if (inbox_request != MPI_REQUEST_NULL) {
-      MPI_Cancel(&inbox_request);
-      MPI_Status st;
-      MPI_Wait(&inbox_request, &st);
-      int cancelled = 0;
-      MPI_Test_cancelled(&st, &cancelled);
-      if (!cancelled && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < processes)
-        ++received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-    }
-    const auto deadline = std::chrono::steady_clock::now() + grace;
-    bool pending = false;
-    for (auto& [req, buf] : outbox) {
-      int done = 0;
-      while (req != MPI_REQUEST_NULL && !done && std::chrono::steady_clock::now() < deadline) {
-        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      if (req != MPI_REQUEST_NULL && !done) {
-        pending = true;
-        MPI_Request_free(&req);  // MPI finishes it on its own, reading buf: leak it on purpose
-        (void)new std::vector<char>(std::move(buf));
-      }
-    }
-    // Failure messages still in flight to this process must be received before the free
-    // (detail/settle.hpp says why); when they cannot be, the duplicate stays allocated.
-    if (!pending && settle_messages(comm, 0, sent_to, received_from, grace)) MPI_Comm_free(&comm);
   }
 };
 
@@ -409,8 +309,51 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
   request_type transport(const detail::operation<T>& o, context_type ctx) {
-    return guarded(K, [&] { return transport_steps<K, T>(o, ctx); });
+    return guarded(K, [&] {
+      if constexpr (K != op_kind::send && K != op_kind::recv) {
+        agree(K, o);
+        if constexpr (K == op_kind::barrier) return request_type{};  // the fingerprint exchange is a barrier
+      }
+      return transport_steps<K, T>(o, ctx);
+    });
   }
+
+  /// Always-on mismatch detection across every device of every process. Before the data moves,
+  /// the members gather a fingerprint of their calls (call number on this group, operation,
+  /// element type, count, reduce op, root, ppermute pairs) with the same internal exchange every
+  /// call shares, so that all members see every call and every member of every process throws
+  /// `collective_mismatch` naming the operation it called and each device's call (global device
+  /// ids), instead of an internal step failing on one process leader.
+  template <class T>
+  void agree(op_kind k, const detail::operation<T>& o) {
+    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const std::uint64_t rec[call_fields] = {calls_++,
+                                            static_cast<std::uint64_t>(k),
+                                            k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
+                                            static_cast<std::uint64_t>(o.count),
+                                            has_op ? static_cast<std::uint64_t>(o.op) : 0,
+                                            has_root ? static_cast<std::uint64_t>(o.root) : 0,
+                                            k == op_kind::ppermute ? detail::pairs_hash(o.pairs) : 0};
+    // int64 on the wire (a communicator element type); the bits are the record's.
+    std::int64_t wire[call_fields];
+    std::memcpy(wire, rec, sizeof(rec));
+    const auto got = gather_all(std::span<const std::int64_t>(wire, call_fields));
+    std::vector<std::uint64_t> all(got.size());
+    std::memcpy(all.data(), got.data(), got.size() * sizeof(std::uint64_t));
+    bool same = true;
+    for (std::size_t i = 0; i < all.size(); ++i) same = same && all[i] == rec[i % call_fields];
+    if (same) return;
+    const auto& g = *group_;
+    std::string msg = "meshlib: collective mismatch on a hybrid communicator of " + std::to_string(size()) +
+                      " devices: the devices called different collectives";
+    for (int r = 0; r < size(); ++r)
+      msg += (r ? "; " : ": ") +
+             detail::describe_call("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+                                   all.data() + call_fields * static_cast<std::size_t>(r));
+    throw collective_mismatch(msg);
+  }
+  static constexpr std::size_t call_fields = 7;
 
   template <op_kind K, class T>
   request_type transport_steps(const detail::operation<T>& o, context_type) {
@@ -677,6 +620,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   thread_communicator local_;
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
+  std::uint64_t calls_ = 0;  ///< collectives called on this handle's group (the fingerprint's sequence number)
   std::vector<pending> sends_;
 };
 
@@ -684,11 +628,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
   check_usable(detail::op_name(k));
-  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire)) {
-    std::lock_guard lk(group_->channel->mutex);
-    throw comm_aborted(group_->channel->message + " [refused " + std::string(detail::op_name(k)) + " on " + label() +
-                       " of " + std::to_string(size()) + ": the communicator has failed]");
-  }
+  if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
+    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+                             std::to_string(size()) + ": the communicator has failed]");
 }
 
 static_assert(communicator<hybrid_communicator>);
@@ -716,7 +658,7 @@ class hybrid_world {
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options());
+    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -750,7 +692,7 @@ class hybrid_world {
     const int device = process_ * threads_ + t;
     const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(size());
     const bool first = local_.abort(t, reason, who);
-    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason));
+    channel_->interrupt("meshlib: communicator aborted: " + who + " failed: " + std::string(reason), device);
     // A failure that came from another process is not sent back; any other (a throw, or a local
     // timeout or mismatch that the devices rethrow) is told to every process.
     if (channel_->remote_device.load() < 0) {
@@ -758,6 +700,17 @@ class hybrid_world {
       const int blamed = first || root < 0 ? device : process_ * threads_ + root;
       channel_->notify(blamed, std::string(reason));
     }
+    return first;
+  }
+  /// @brief Local thread `t` left with `collective_mismatch` (`message`): fails the hybrid world as
+  /// that mismatch, so that every device of every process that still waits (for the verdict of
+  /// that collective, or in any other) gets `collective_mismatch` with the same message, never
+  /// `comm_aborted`. Every member of the mismatched collective detects it on its own; this only
+  /// keeps the error's type when another device's failure would otherwise overtake it.
+  bool fail_mismatch(int t, std::string_view message) {
+    const bool first = local_.fail_as_mismatch(message);
+    channel_->interrupt(std::string(message), -1, true);
+    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -770,48 +723,31 @@ class hybrid_world {
  private:
   void open_channel(const mpi_communicator& procs, int level) {
     auto& ch = *channel_;
-    ch.process = procs.rank();
-    ch.processes = procs.size();
-    ch.enabled = level >= MPI_THREAD_MULTIPLE && procs.size() > 1;
-    ch.sent_to.assign(static_cast<std::size_t>(procs.size()), 0);
-    ch.received_from.assign(static_cast<std::size_t>(procs.size()), 0);
-    static std::atomic<std::uint64_t> worlds{0};
-    ch.epoch = ++worlds;
     auto* channel = channel_.get();
     group_->mpi.state_->check_interrupt = [channel] { channel->check(); };
+    // Also tells the leaders' communicator, when it is freed, that the world failed (its abandoned
+    // collectives must keep it allocated); splits of it inherit both.
+    group_->mpi.state_->channel = channel_;
+    // The watcher calls MPI beside the devices: only with MPI_THREAD_MULTIPLE.
+    ch.open(procs.native(), level >= MPI_THREAD_MULTIPLE);
     if (!ch.enabled) return;
-    if (MPI_Comm_dup(procs.native(), &ch.comm) != MPI_SUCCESS)
-      throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
-    MPI_Comm_set_errhandler(ch.comm, MPI_ERRORS_RETURN);
-    MPI_Irecv(ch.inbox.data(), static_cast<int>(ch.inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, ch.comm,
-              &ch.inbox_request);
     const int devices = size();
     ch.watcher = std::thread([this, channel, devices] {
       while (!channel->stop.load()) {
-        int done = 0;
-        MPI_Status st;
-        MPI_Test(&channel->inbox_request, &done, &st);
-        if (done) {
-          ++channel->received_from[static_cast<std::size_t>(st.MPI_SOURCE)];
-          constexpr int head = static_cast<int>(sizeof(std::uint64_t) + sizeof(int));
-          int bytes = 0;
-          MPI_Get_count(&st, MPI_CHAR, &bytes);
-          std::uint64_t epoch = 0;
-          int device = -1;
-          if (bytes >= head) {
-            std::memcpy(&epoch, channel->inbox.data(), sizeof(std::uint64_t));
-            std::memcpy(&device, channel->inbox.data() + sizeof(std::uint64_t), sizeof(int));
+        int device = -1;
+        std::string what;
+        bool mismatch = false;
+        if (channel->poll(device, what, mismatch)) {
+          // The thread world first, so that a leader released by the channel finds the root cause
+          // already recorded there (its own abort of the thread world is then not the first).
+          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
+            local_.fail_as_mismatch(what);
+            channel->interrupt(what, device, true);
+            return;
           }
-          if (epoch != channel->epoch) {  // meant for an earlier world: drop it, listen again
-            MPI_Irecv(channel->inbox.data(), static_cast<int>(channel->inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0,
-                      channel->comm, &channel->inbox_request);
-            continue;
-          }
-          const std::string what(channel->inbox.data() + head, static_cast<std::size_t>(bytes - head));
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          channel->remote_device.store(device);
-          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what);
           local_.abort(-1, what, who);
+          channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -838,6 +774,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     try {
       hybrid_communicator comm = world.communicator(t);
       fn(comm);
+    } catch (const collective_mismatch& e) {
+      errors[static_cast<std::size_t>(t)] = std::current_exception();
+      world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));

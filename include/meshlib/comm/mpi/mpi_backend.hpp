@@ -17,9 +17,13 @@
 /// @endcode
 ///
 /// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
-/// its device id, the exception nested); devices in other processes that wait for it in a
-/// collective get `comm_timeout` after the communicator's timeout, or the whole run ends through
-/// `MPI_Abort` when the exception is not caught (the terminate handler of `mpi::initialize`).
+/// its device id). `mpi_backend` also fails its communicator with that rank as the root cause
+/// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
+/// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
+/// themselves) with its message. The communicator then refuses every later call on every rank
+/// (an abandoned collective may still be pending on it): continue with a new one. With
+/// `hybrid_backend` the same holds per run (each run is a new hybrid world). When the exception is
+/// not caught the whole run ends through `MPI_Abort` (the terminate handler of `mpi::initialize`).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -50,9 +54,23 @@ struct mpi_backend {
     try {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
-      throw participant_error(comm.rank(), "meshlib: MPI rank " + std::to_string(comm.rank()) + " of " +
-                                               std::to_string(comm.size()) + " failed: " +
-                                               detail::what_of(std::current_exception()));
+      const auto e = std::current_exception();
+      const std::string what = detail::what_of(e);
+      int blamed = comm.rank();
+      try {
+        std::rethrow_exception(e);
+      } catch (const comm_aborted&) {
+        // Released by another rank's failure: blame that rank.
+        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+      } catch (const comm_timeout&) {
+        // Every waiting rank times out on its own; the message names the ranks that never arrived.
+      } catch (const collective_mismatch&) {
+        // Every rank of the collective throws it.
+      } catch (...) {
+        comm.fail(what);  // the rank's own failure: release its peers at once
+      }
+      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
+                                          std::to_string(comm.size()) + " failed: " + what);
     }
   }
 

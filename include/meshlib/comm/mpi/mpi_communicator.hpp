@@ -48,8 +48,11 @@
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws does not reach its next collective; its peers then time out instead
-/// of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
+/// throws without calling `fail` does not reach its next collective; its peers then time out
+/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -61,6 +64,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -83,6 +87,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/reduce_op.hpp"
@@ -143,6 +148,9 @@ struct mpi_comm_state {
   /// failed, here or in another process): called by every wait while it polls, it throws that
   /// failure. Copied into split results.
   std::function<void()> check_interrupt;
+  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
+  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
+  std::shared_ptr<abort_channel> channel;
   struct pending_send {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<unsigned char> data;
@@ -172,14 +180,48 @@ struct mpi_comm_state {
         (void)new std::vector<unsigned char>(std::move(s.data));
       }
     }
-    // A timed-out communicator may have a collective pending that MPI cannot cancel: leave it.
-    if (comm != MPI_COMM_NULL && (!failed || failed_by_mismatch)) MPI_Comm_free(&comm);
-    // Arrival notes still in flight must be received first (detail/settle.hpp says why).
-    if (side != MPI_COMM_NULL && !failed &&
-        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000)))
-      MPI_Comm_free(&side);
+    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
+    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
+    // collective that MPI cannot cancel: it may still send to every rank, and a message that
+    // arrives after the free waits for the next communicator given the same context id
+    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
+    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
+    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
+    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
+    bool clean = !interrupted && (!failed || failed_by_mismatch);
+    const bool settled =
+        side == MPI_COMM_NULL ||
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
+    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
   }
 };
+
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
+/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
+/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
+inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
+  const auto k = static_cast<op_kind>(d[1]);
+  std::string s = who + " called " + std::string(op_name(k)) + "(";
+  if (d[2] != 0) {
+    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+  }
+  return s + ") as call #" + std::to_string(d[0]);
+}
+
+/// A fingerprint of ppermute pairs (every participant must pass the same).
+inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& p : pairs)
+    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+        1099511628211ull;
+  return h ^ pairs.size();
+}
 
 }  // namespace detail
 
@@ -197,29 +239,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
   /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
-  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) {
-    int init = 0;
-    MPI_Initialized(&init);
-    if (!init)
-      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
-                       "meshlib::mpi::initialize)");
-    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
-    auto s = std::make_shared<detail::mpi_comm_state>();
-    s->adopted = comm;
-    s->options = options;
-    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
-    finish(*s);
-    {
-      MPI_Comm node = MPI_COMM_NULL;
-      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
-      int on_node = 1;
-      MPI_Comm_size(node, &on_node);
-      MPI_Comm_free(&node);
-      const unsigned cores = std::thread::hardware_concurrency();
-      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
-    }
-    state_ = std::move(s);
-  }
+  explicit mpi_communicator(MPI_Comm comm, mpi_comm_options options = {}) : mpi_communicator(comm, options, true) {}
 
   /// Rank of this process in the communicator.
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
@@ -240,12 +260,96 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     return state_->options;
   }
 
+ private:
+  /// `own_channel` false: the owner (a hybrid world) installs its own abort channel and
+  /// `check_interrupt` right after, so none is opened here (no extra duplicate).
+  mpi_communicator(MPI_Comm comm, mpi_comm_options options, bool own_channel) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init)
+      throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
+                       "meshlib::mpi::initialize)");
+    if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
+    auto s = std::make_shared<detail::mpi_comm_state>();
+    s->adopted = comm;
+    s->options = options;
+    check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
+    finish(*s);
+    if (own_channel) {
+      // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
+      s->channel = std::make_shared<detail::abort_channel>();
+      s->channel->open(s->comm, true);
+      s->check_interrupt = [ch = s->channel.get()] {
+        int r = -1;
+        std::string what;
+        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
+        if (ch->poll(r, what, mismatch))
+          ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
+                        std::to_string(ch->processes) + " failed: " + what, r);
+        ch->check();
+      };
+    }
+    {
+      MPI_Comm node = MPI_COMM_NULL;
+      check_rc(MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+      int on_node = 1;
+      MPI_Comm_size(node, &on_node);
+      MPI_Comm_free(&node);
+      const unsigned cores = std::thread::hardware_concurrency();
+      s->oversubscribed = cores != 0 && static_cast<unsigned>(on_node) > cores;
+    }
+    state_ = std::move(s);
+  }
+
+ public:
+
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
     std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
+  }
+
+  /// @brief Fails this communicator with this rank as the root cause, without ending the
+  /// process (the runner of a rank that threw calls it): every other rank's polled wait on this
+  /// communicator or a split of it ends within milliseconds with `comm_aborted` "meshlib:
+  /// communicator aborted: MPI rank R of N failed: <reason>" (R and N in the adopted
+  /// communicator), and every later call on any rank throws it too. Waits without a deadline
+  /// (`timeout` 0: blocking MPI calls) cannot be released.
+  ///
+  /// @code
+  /// try { step(comm); } catch (const std::exception& e) { comm.fail(e.what()); throw; }
+  /// @endcode
+  void fail(std::string_view reason) const {
+    require_valid("fail");
+    auto& ch = *state_->channel;
+    ch.interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(ch.process) + " of " +
+                 std::to_string(ch.processes) + " failed: " + std::string(reason), ch.process);
+    if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
+  }
+
+  /// @brief The rank of this communicator that failed it (or the communicator it was split from)
+  /// through `fail`, here or in another process, once this rank knows of it; -1 otherwise: no
+  /// such failure, a failed rank outside this split, or a timeout or mismatch (which every
+  /// waiting rank detects itself).
+  ///
+  /// @code
+  /// catch (const meshlib::comm_aborted&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
+  /// @endcode
+  [[nodiscard]] int root_cause_rank() const noexcept {
+    if (!state_ || !state_->channel || !state_->channel->interrupted.load(std::memory_order_acquire)) return -1;
+    const int r = state_->channel->root_cause.load();
+    if (r < 0 || state_->adopted != MPI_COMM_NULL || state_->channel->comm == MPI_COMM_NULL) return r;
+    // A split: the channel names ranks of the adopted communicator.
+    MPI_Group from = MPI_GROUP_NULL, to = MPI_GROUP_NULL;
+    MPI_Comm_group(state_->channel->comm, &from);
+    MPI_Comm_group(state_->comm, &to);
+    int mine = MPI_UNDEFINED;
+    MPI_Group_translate_ranks(from, 1, &r, to, &mine);
+    MPI_Group_free(&from);
+    MPI_Group_free(&to);
+    return mine == MPI_UNDEFINED ? -1 : mine;
   }
 
   // The collectives, point to point and barrier: communicator_frontend; the transport is below.
@@ -263,6 +367,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
+    s->channel = state_->channel;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -284,6 +389,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
   void ensure_usable(op_kind k) const {
     require_valid(detail::op_name(k));
+    if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
+      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
     const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
@@ -436,7 +543,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     poll("recv", [&](int* done) {
       progress_sends();
       return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
-    });
+    }, /*interruptible=*/true);  // a probe leaves nothing pending; a failed sender never sends
     int got = 0;
     MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
@@ -460,8 +567,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   bool has_deadline() const noexcept { return state_->options.timeout.count() > 0; }
 
   /// Polls `test(&done)` (an MPI call returning its error code) until done or the deadline.
+  /// `interruptible`: whether a failure elsewhere (`check_interrupt`) may end the wait. Only waits
+  /// that leave nothing pending may be (a matched probe); a data transfer posted after the
+  /// fingerprint exchange completes on every rank without help (every rank has posted it), and
+  /// abandoning it would leave MPI writing into the caller's buffers after the throw.
   template <class Test>
-  void poll(std::string_view k, Test&& test) {
+  void poll(std::string_view k, Test&& test, bool interruptible = false) {
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = has_deadline() ? start + state_->options.timeout : std::chrono::steady_clock::time_point::max();
     for (unsigned spins = 0;; ++spins) {
@@ -470,7 +581,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (done) return;
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
       if ((spins & 63) != 0) continue;
-      if (state_->check_interrupt) state_->check_interrupt();
+      if (interruptible && state_->check_interrupt) state_->check_interrupt();
       if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
     }
   }
@@ -604,15 +715,23 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             extra};
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
     for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
-    const std::uint64_t mine[2] = {h, ~h};
-    std::uint64_t most[2] = {0, 0};
+    // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
+    // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
+    auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
+    const std::uint64_t* mine = fp->data();
+    std::uint64_t* most = fp->data() + 2;
     const std::string_view name = detail::op_name(k);
     if (!has_deadline()) {
       check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
     } else {
       MPI_Request r = MPI_REQUEST_NULL;
       check_rc(MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm, &r), name);
-      wait_arrival(name, r, rec[0]);
+      try {
+        wait_arrival(name, r, rec[0]);
+      } catch (...) {
+        (void)fp.release();  // still MPI's: see above
+        throw;
+      }
     }
     if (most[0] == mine[0] && most[1] == mine[1]) return;
     std::vector<std::uint64_t> all(call_fields * static_cast<std::size_t>(size()));
@@ -631,18 +750,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   static constexpr int call_fields = 7;
 
-  /// "rank 1 called all_reduce(float32, count 8, op sum) as call #3"
   static std::string describe_call(int r, const std::uint64_t* d) {
-    const auto k = static_cast<op_kind>(d[1]);
-    std::string s = "rank " + std::to_string(r) + " called " + std::string(detail::op_name(k)) + "(";
-    if (d[2] != 0) {
-      s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-      if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-      if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-        s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-      if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-    }
-    return s + ") as call #" + std::to_string(d[0]);
+    return detail::describe_call("rank " + std::to_string(r), d);
   }
 
   template <class T>
@@ -650,14 +759,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     agree(k, datatype_of<T>, count, op, root, extra);
   }
 
-  /// A fingerprint of ppermute pairs (every rank must pass the same).
-  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-    std::uint64_t h = 1469598103934665603ull;
-    for (const auto& p : pairs)
-      h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-          1099511628211ull;
-    return h ^ pairs.size();
-  }
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return detail::pairs_hash(pairs); }
 
   // ---- operations ------------------------------------------------------------------------------
 

@@ -857,6 +857,13 @@ class thread_world {
                         "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
+  /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
+  /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
+  /// participant being the root cause. @returns whether this call recorded the root cause.
+  bool fail_as_mismatch(std::string_view message) {
+    return world_->fail(detail::failure_kind::mismatch, -1, std::string(message));
+  }
+
   /// Whether the world has failed.
   [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
   /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
