@@ -8,9 +8,12 @@
 /// Why persistent: starting and joining a thread per device costs tens of microseconds per device
 /// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
 /// a training step's collectives; these threads start on first use and wait, blocked on a futex so
-/// that an oversubscribed machine loses no core to them, for the next job. They do not spin
-/// first: measured on the shared 2-core machine, a worker spinning for the next call made a 2-device
-/// empty `spmd` 5x slower (49 us against 10 us), its core being the one the caller needed. Index `i` of a job is
+/// that an oversubscribed machine loses no core to them, for the next job. Only while every index
+/// of the job has a core of its own do the waiting threads (worker and caller) first poll for
+/// at most 50 us: on an idle virtual machine a futex wake-up of a sleeping core took 27-50 us per
+/// empty 2-device `spmd` (1.5-2.8 us with the bounded poll); oversubscribed, they block at once
+/// (an unbounded spin made a 2-device call 5x slower on a busy machine: the spinner held the core
+/// the caller needed). Index `i` of a job is
 /// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
 /// keeps its thread, its thread-local state and its execution-space instance from call to call.
 /// Workers are pinned to one core each while a job has no more indices than the process has
@@ -27,6 +30,7 @@
 /// other), while `spmd` starts threads of its own (its devices do).
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -131,9 +135,10 @@ class device_workers {
       inside_guard g;
       f(std::size_t{0});
     }
+    const bool spin = job_.pin;
     for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;
          left = remaining_.load(std::memory_order_acquire))
-      remaining_.wait(left, std::memory_order_acquire);
+      if (!spin || !spin_while_equal(remaining_, left)) remaining_.wait(left, std::memory_order_acquire);
     return true;
   }
 
@@ -141,6 +146,24 @@ class device_workers {
   [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
 
  private:
+  /// Polls `a` for up to `spin_budget` while it still holds `old`; true when it changed. Used only
+  /// while every index of the job has a core of its own (never when oversubscribed): waking a
+  /// blocked thread on an idle core of a virtual machine costs tens of microseconds (measured on
+  /// the idle 2-core machine: 27-50 us per empty 2-device call blocked, against 6 us when the cores
+  /// were busy), more than the short calls of a training step take; a bounded spin keeps that
+  /// cost off the common back-to-back calls and gives the core back soon after.
+  static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
+    const auto until = std::chrono::steady_clock::now() + spin_budget;
+    for (unsigned i = 1;; ++i) {
+      if (a.load(std::memory_order_acquire) != old) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
+    }
+  }
+  static constexpr std::chrono::microseconds spin_budget{50};
+
   struct inside_guard {
     bool previous = in_device_worker();
     inside_guard() { in_device_worker() = true; }
@@ -202,7 +225,7 @@ class device_workers {
     bool pinned = false;
     std::uint32_t seen = 0;
     for (;;) {
-      go.wait(seen, std::memory_order_acquire);
+      if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
       seen = go.load(std::memory_order_acquire);
       if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
