@@ -163,11 +163,9 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   if (!o.trace.empty()) meshlib::start_trace(o.trace);  // every device's collectives, per step
   if (o.resume) {
     if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint-dir");
-    nn::restore_checkpoint(o.checkpoint_dir, state);
+    nn::restore_checkpoint(o.checkpoint_dir, state);  // under mpirun: every process, its own blocks
     out << "  resumed from " << o.checkpoint_dir << " at step " << state.step << "\n";
   }
-  if (!o.checkpoint_dir.empty() && where.processes > 1)
-    throw std::invalid_argument("--checkpoint-dir: checkpoints are single-process in this version");
 
   const auto start = std::chrono::steady_clock::now();
   std::size_t done = state.step;

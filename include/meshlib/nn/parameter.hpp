@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -77,6 +78,11 @@ struct param_ref {
   std::vector<std::size_t> count;      ///< per device: elements in the block
   /// per device: where the block lies in the global array (offset) and its size (extent).
   std::vector<std::vector<std::size_t>> offset, extent;  ///< per device: where the block lies
+  /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
+  /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
+  /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
+  /// zeroes those.
+  std::uint8_t* overwrite = nullptr;
 };
 
 /// @brief A trainable array: value and gradient with sharding `S`.
@@ -112,13 +118,25 @@ struct parameter {
             },
             local_devices)),
         grad(zeros<T>(sharding, shape, local_devices)),
-        decay(decay_) {}
+        decay(decay_),
+        overwrite_(new std::uint8_t[sharding.mesh().size()]()) {}
 
   /// This device's value block, typed as it enters shard_map (varying over the spec's axes).
   [[nodiscard]] local_type local(std::size_t dev) const { return value.local_value(dev); }
 
-  /// The untyped view (see `param_ref`).
-  [[nodiscard]] param_ref<T> ref() const {
+  /// How device `dev`'s next backward writes its gradient block: `T{0}` (overwrite, once) when
+  /// `train_step` marked the block as holding a previous step's gradient, else `T{1}` (add: a
+  /// later micro-batch of the same step). A layer that asks this before each write, as a GEMM's
+  /// `beta`, saves `train_step` a pass that zeroes every gradient (a read and a write of the whole
+  /// model per step), and announces it with `ref(true)`.
+  [[nodiscard]] T grad_beta(std::size_t dev) {
+    if (overwrite_[dev] == 0) return T{1};
+    overwrite_[dev] = 0;
+    return T{0};
+  }
+
+  /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
+  [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
     param_ref<T> r;
     r.name = name;
     r.shape.assign(value.global_shape().begin(), value.global_shape().end());
@@ -126,6 +144,7 @@ struct parameter {
     for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
     r.sharded_axes = S::sharded_axes;
     r.decay = decay;
+    r.overwrite = overwrites ? overwrite_.get() : nullptr;
     const std::size_t n = value.num_devices();
     r.value.assign(n, nullptr);
     r.grad.assign(n, nullptr);
@@ -142,6 +161,10 @@ struct parameter {
     }
     return r;
   }
+
+ private:
+  // Per device; shared by copies (a layer is moved into its model after the state took its refs).
+  std::shared_ptr<std::uint8_t[]> overwrite_;
 };
 
 }  // namespace meshlib::nn

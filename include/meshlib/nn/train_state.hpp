@@ -403,8 +403,9 @@ inline void sum_over(axis_mask axes, double (&v)[2]) {
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
 /// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
-/// The parameters' gradient blocks are zeroed at the start and serve as the synchronisation's
-/// buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
 /// @throws sharding_error when the batch does not split over the data axis and the accumulation
 /// steps, or when a device's rows are not in this process's share.
 template <class State, class Backend = thread_backend>
@@ -428,7 +429,11 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
                                std::to_string(first) + ", " + std::to_string(first + local_rows) +
                                ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
                                ", " + std::to_string(global_offset + rows) + ")");
-        for (const auto& p : s.params) std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+        // Last step's gradients: the layers that can overwrite them in the first backward do (no
+        // zeroing pass over the model), the others add to zeros.
+        for (const auto& p : s.params)
+          if (p.overwrite) p.overwrite[dev] = 1;
+          else std::fill_n(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
@@ -448,6 +453,11 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
+        for (const auto& p : s.params)
+          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
+            std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+            p.overwrite[dev] = 0;
+          }
         if constexpr (State::mixed)
           for (const auto& p : s.params) detail::round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];

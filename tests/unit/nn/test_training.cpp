@@ -136,3 +136,69 @@ TEST_CASE("a label outside the classes names the row and the device", "[nn][trai
   });
   CHECK(msg.find("label 9 of row 4 on device 1 is not in [0, 4)") != std::string::npos);
 }
+
+namespace {
+/// Parameter `p`'s global row-major values, read from the devices that hold its blocks.
+std::vector<float> global_values(const nn::param_ref<float>& p, std::size_t devices) {
+  std::size_t total = 1;
+  for (auto e : p.shape) total *= e;
+  std::vector<float> out(total);
+  for (std::size_t dev = 0; dev < devices; ++dev)
+    for (std::size_t i = 0; i < p.count[dev]; ++i) {
+      std::size_t rem = i, flat = 0;
+      std::vector<std::size_t> idx(p.shape.size());
+      for (std::size_t d = p.shape.size(); d-- > 0;) {
+        idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
+        rem /= p.extent[dev][d];
+      }
+      for (std::size_t d = 0; d < p.shape.size(); ++d) flat = flat * p.shape[d] + idx[d];
+      out[flat] = p.value[dev][i];
+    }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("every train_step applies its own batch's gradient: SGD gives theta - lr g, step after step",
+          "[nn][training][accumulation]") {
+  // The reference: one device, gradients zeroed before each backward by the test itself, theta -= lr g.
+  // train_step instead lets the first backward of a step overwrite last step's gradients: a
+  // gradient left over from an earlier step or micro-batch would show here.
+  constexpr std::size_t steps = 3;
+  constexpr float lr = 0.5f;
+  const auto ds = synthetic(batch * steps);
+  const mesh_t one{1, 1};
+  auto ref = make_net(one);
+  std::vector<nn::param_ref<float>> rp;
+  ref.collect(rp);
+  nn::softmax_cross_entropy<float> ce(one);
+  for (std::size_t s = 0; s < steps; ++s) {
+    const std::vector<float> rows(ds.x.begin() + static_cast<std::ptrdiff_t>(s * batch * features),
+                                  ds.x.begin() + static_cast<std::ptrdiff_t>((s + 1) * batch * features));
+    const auto xs = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data">>{one},
+                                       std::array<std::size_t, 2>{batch, features}, rows);
+    meshlib::spmd(one, [&](std::size_t dev) {
+      for (const auto& p : rp) std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+      auto x = xs.local_value(dev);
+      auto logits = ref.forward(x);
+      static_cast<void>(ce.forward(logits, std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch));
+      ref.template backward<decltype(x)>(ce.backward(logits), true);
+      for (const auto& p : rp)
+        for (std::size_t i = 0; i < p.count[dev]; ++i) p.value[dev][i] -= lr * p.grad[dev][i];
+    });
+  }
+  for (const auto& [shape, k] : {std::pair{mesh_t{1, 1}, std::size_t{1}}, std::pair{mesh_t{1, 1}, std::size_t{2}},
+                                 std::pair{mesh_t{2, 2}, std::size_t{1}}, std::pair{mesh_t{2, 2}, std::size_t{2}}}) {
+    INFO(shape << ", " << k << " micro-batch(es)");
+    nn::train_state state(shape, make_net(shape), nn::sgd(nn::constant(lr), 0.0f), {.accumulation = k}, nn::rng_key{11});
+    for (std::size_t s = 0; s < steps; ++s)
+      static_cast<void>(nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                                       std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch));
+    for (std::size_t i = 0; i < rp.size(); ++i) {
+      const auto want = global_values(rp[i], 1), got = global_values(state.params[i], shape.size());
+      for (std::size_t e = 0; e < want.size(); ++e) {
+        INFO(rp[i].name << " element " << e);
+        REQUIRE(std::abs(got[e] - want[e]) <= 1e-5f * (1.0f + std::abs(want[e])));
+      }
+    }
+  }
+}

@@ -18,7 +18,8 @@
 /// | `row_dense<Model>` | `P<Model, none>` | `P<none>` | `psum<Model>(x_b W_b) + b` | `pvary<Model>(dy) W_b^T`: sharded |
 ///
 /// Weight gradients are `x^T dy`: a contraction over the batch, so a pending sum over the data axis
-/// (what the data-parallel synchronisation completes); they accumulate (`+=`) until `zero_grad`.
+/// (what the data-parallel synchronisation completes); they accumulate (`+=`) over the micro-batches
+/// of a step, and the first backward of a `train_step` overwrites them (`parameter::grad_beta`).
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 /// mesh_t m{4, 2};
@@ -27,6 +28,7 @@
 /// // inside spmd: auto h = fc1.forward(x); auto y = fc2.forward(h);   // y replicated over model
 /// @endcode
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -126,7 +128,7 @@ class basic_dense {
     return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
   }
 
-  /// Accumulates `dW += x^T dy`, `db += sum_rows dy` and returns `dx` (when `need_dx`; otherwise a
+  /// Accumulates `dW += x^T dy`, `db += sum_rows dy` (overwrites them when `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise a
   /// tensor of the right type and shape whose contents are unspecified).
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
@@ -146,7 +148,8 @@ class basic_dense {
     const w_local wl = w.local(dev);
     T* gw = w.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
-    nn::detail::gemm<T>(true, false, in, out, rows, T{1}, x, dy.data(), T{1}, gw);
+    nn::detail::gemm<T>(true, false, in, out, rows, T{1}, x, dy.data(), w.grad_beta(dev), gw);
+    if (b.grad_beta(dev) == T{0}) std::fill_n(gb, out, T{0});
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < out; ++j) gb[j] += dy.data()[i * out + j];
     T* dx = dx_.get(dev, rows * in);
@@ -163,8 +166,8 @@ class basic_dense {
 
   /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
   void collect(std::vector<param_ref<T>>& out) const {
-    out.push_back(w.ref());
-    out.push_back(b.ref());
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    out.push_back(b.ref(true));
   }
 
  private:
