@@ -92,7 +92,10 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
                   runtime_kokkos_lifecycle_check nn_unit debug_tests train_fashion_mnist)
       k4_tests=(-R '^(tensor_unit|tensor_concurrency|collectives_tests|exec_tests|runtime_kokkos_lifecycle_check|nn_unit|debug_tests|example_train_fashion_mnist_.*)$')
     fi
-    cmake --build "$k4_build" -j "$JOBS" "${k4_targets[@]}" -- "${keep_going[@]}" || k4_build_status=$?
+    # Its own generator's keep-going flag (the first build directory may use another generator).
+    k4_keep_going=(-k)
+    if grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja" "$k4_build/CMakeCache.txt"; then k4_keep_going=(-k 0); fi
+    cmake --build "$k4_build" -j "$JOBS" "${k4_targets[@]}" -- "${k4_keep_going[@]}" || k4_build_status=$?
     elapsed "Kokkos 4 leg built (status $k4_build_status)"
     k4_test_status=0
     # OMP_PROC_BIND=false: what Kokkos asks for unit tests (and it silences its start-up warning).

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 #include <stdexcept>
@@ -234,7 +235,10 @@ int main(int argc, char** argv) {
     return 1;
   }
 #endif
-  Kokkos::ScopeGuard kokkos(argc, argv);
+  // Under mpirun mpi::guard has initialised Kokkos already (after MPI); Kokkos 4 aborts on a
+  // second ScopeGuard, so the example holds one only when it is the first.
+  std::optional<Kokkos::ScopeGuard> kokkos;
+  if (!Kokkos::is_initialized()) kokkos.emplace(argc, argv);
   meshlib::nn::fashion_mnist fm;
   try {
     fm = meshlib::nn::load_fashion_mnist(o.data_dir);
