@@ -60,7 +60,7 @@ TEST_CASE("thread communicator: conformance fault rows", "[conformance][thread]"
     for (const auto& row : conformance::argument_rows<comm>()) run_row(row, n, 5.0);
     for (const auto& row : conformance::throw_rows<comm>(2.0, [](int r) { return "rank " + std::to_string(r); }))
       run_row(row, n, 5.0);
-    for (const auto& row : conformance::timing_rows<comm>(0.5)) run_row(row, n, 0.5);
+    for (const auto& row : conformance::timing_rows<comm>(1.0)) run_row(row, n, 1.0);
     for (const auto& row : conformance::departure_rows<comm>(2.0, [](int r) { return "rank " + std::to_string(r); }))
       run_row(row, n, 5.0);
   }
