@@ -2406,6 +2406,69 @@ struct thread_comm_options {
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/detail/failure.hpp
+/// @file
+/// @brief Who failed and who is missing: the failure kinds every backend records, the error each
+/// one rethrows, and the one wording of a timeout. Written once so that a backend built on another
+/// (the hybrid communicator on the thread world and MPI) can restate a failure in its own terms
+/// (global device ids, the operation the user called) from the same facts, instead of parsing or
+/// copying another backend's message.
+
+#include <chrono>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+/// How a group failed; decides the error type every participant rethrows. The values travel
+/// between processes in abort-channel reports.
+enum class failure_kind : std::uint8_t { aborted = 0, timeout = 1, mismatch = 2 };
+
+/// Throws the error of kind `k` with message `m`.
+[[noreturn]] inline void throw_failure(failure_kind k, std::string m) {
+  switch (k) {
+    case failure_kind::timeout: throw comm_timeout(std::move(m));
+    case failure_kind::mismatch: throw collective_mismatch(std::move(m));
+    case failure_kind::aborted: break;
+  }
+  throw comm_aborted(std::move(m));
+}
+
+/// The facts of a timeout, in the failed group's own numbering: the participant that detected it
+/// and those that never arrived (ascending; empty: every one arrived, but not in time).
+struct missing_report {
+  int waiter = -1;
+  std::vector<int> missing;
+};
+
+/// "<noun>(s) 1, 3" for the participants `ids` (as `name(id)` writes each one's number).
+template <class Name>
+std::string list_participants(std::string_view noun, const std::vector<int>& ids, Name&& name) {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : std::string(noun) + "(s) ") + name(ids[i]);
+  return s;
+}
+
+/// The wording of every timeout: "meshlib: <op> timed out on <waiter> of <n> after <s> s: <missing>
+/// never arrived; raise the timeout (<knob>) if they are only slow". `missing` empty: every
+/// participant arrived, but late.
+inline std::string timeout_message(std::string_view op, std::string_view waiter, int n,
+                                   std::chrono::nanoseconds timeout, const std::string& missing,
+                                   std::string_view knob) {
+  std::ostringstream os;
+  os << "meshlib: " << op << " timed out on " << waiter << " of " << n << " after "
+     << std::chrono::duration<double>(timeout).count() << " s: ";
+  os << (missing.empty() ? std::string("every rank arrived late") : missing + " never arrived");
+  os << "; raise the timeout (" << knob << ") if they are only slow";
+  return os.str();
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/failure.hpp
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -2568,8 +2631,6 @@ struct alignas(64) rank_slot {
   staging_buffer staging[2];
 };
 
-enum class failure_kind : std::uint8_t { aborted, timeout, mismatch };
-
 struct group_state;
 
 /// The failure record and sub-group registry shared by every group of one thread_world.
@@ -2583,6 +2644,7 @@ struct world_state {
   failure_kind kind = failure_kind::aborted;  // guarded by mutex
   int failed_rank = -1;                       // world rank of the root cause, -1 if none
   std::string message;                        // guarded by mutex
+  missing_report timed_out;                   // a timeout's waiter and missing ranks (world ranks; guarded by mutex)
   std::vector<std::weak_ptr<group_state>> groups;
   struct pending_group {
     std::shared_ptr<group_state> state;
@@ -2593,7 +2655,7 @@ struct world_state {
 
   /// Records the root cause (the first failure wins) and releases every waiter of every group.
   /// @returns whether this call recorded the root cause.
-  bool fail(failure_kind k, int world_rank, std::string msg);
+  bool fail(failure_kind k, int world_rank, std::string msg, missing_report report = {});
 
   /// Throws the error of the recorded root cause, `context` appended.
   [[noreturn]] void rethrow(std::string_view context) {
@@ -2609,12 +2671,16 @@ struct world_state {
       m += context;
       m += ']';
     }
-    switch (k) {
-      case failure_kind::timeout: throw comm_timeout(m);
-      case failure_kind::mismatch: throw collective_mismatch(m);
-      case failure_kind::aborted: break;
-    }
-    throw comm_aborted(m);
+    throw_failure(k, std::move(m));
+  }
+
+  /// The facts of the root cause when it is a timeout this world detected (world ranks), so that
+  /// an owner can restate it in its own terms; false when it is not.
+  bool timeout_facts(missing_report& out) {
+    std::lock_guard lk(mutex);
+    if (!failed.load(std::memory_order_relaxed) || kind != failure_kind::timeout || timed_out.waiter < 0) return false;
+    out = timed_out;
+    return true;
   }
 
   int root_cause_rank() {
@@ -2734,7 +2800,7 @@ struct group_state {
   }
 };
 
-inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
+inline bool world_state::fail(failure_kind k, int world_rank, std::string msg, missing_report report) {
   std::vector<std::shared_ptr<group_state>> live;
   {
     std::lock_guard lk(mutex);
@@ -2742,6 +2808,7 @@ inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
     kind = k;
     failed_rank = world_rank;
     message = std::move(msg);
+    timed_out = std::move(report);
     failed.store(true, std::memory_order_seq_cst);
     for (auto& w : groups)
       if (auto g = w.lock()) live.push_back(std::move(g));
@@ -3018,6 +3085,7 @@ class thread_world;
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
 class thread_communicator : public communicator_frontend<thread_communicator> {
   friend class communicator_frontend<thread_communicator>;
+  friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
 
  public:
 
@@ -3395,7 +3463,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
       if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
       std::this_thread::yield();
     }
-    const auto deadline = start + g.policy.timeout;
+    const auto deadline = start + g.policy.timeout + patience_;
     int departed = -1;
     bool timed_out = false;
     bool done = false;
@@ -3432,22 +3500,24 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
                         g.rank_label(rank_) + " waited for it in " + std::string(detail::op_name(k)) + " (step " +
                         std::to_string(s) + ")");
     } else if (timed_out) {
-      std::ostringstream os;
-      os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
-         << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
-      int missing = 0;
-      int first_missing = -1;
+      detail::missing_report facts;
+      facts.waiter = world_rank();
+      std::vector<int> missing;
       for (int r = 0; r < g.n; ++r)
         if (!arrived(r)) {
-          if (first_missing < 0) first_missing = r;
-          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+          missing.push_back(r);
+          facts.missing.push_back(g.world_ranks[static_cast<std::size_t>(r)]);
         }
-      os << (missing ? " never arrived" : "every rank arrived late");
-      os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
+      const std::string msg = detail::timeout_message(
+          std::string(detail::op_name(k)) + " (step " + std::to_string(s) + ")", g.rank_label(rank_), g.n,
+          g.policy.timeout,
+          detail::list_participants("rank", missing,
+                                    [&](int r) { return g.is_world() ? std::to_string(r) : g.rank_label(r); }),
+          "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
       // The root cause is the first rank that never arrived, not this waiter (device_error::device()
-      // of spmd names it).
-      g.world->fail(detail::failure_kind::timeout,
-                    first_missing >= 0 ? g.world_ranks[static_cast<std::size_t>(first_missing)] : world_rank(), os.str());
+      // of spmd names it). The facts let an owner (the hybrid communicator) name them its own way.
+      const int culprit = missing.empty() ? world_rank() : facts.missing.front();
+      g.world->fail(detail::failure_kind::timeout, culprit, msg, std::move(facts));
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
     if (ready()) return;
@@ -3734,6 +3804,11 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+  /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
+  /// but while a hybrid member waits for its leader's exchange between processes: the process
+  /// whose device never arrived must time out first, so that its report (naming that device)
+  /// reaches every process before a waiter elsewhere blames the innocent leader.
+  std::chrono::nanoseconds patience_{0};
 };
 
 static_assert(communicator<thread_communicator>);
@@ -3805,8 +3880,14 @@ class thread_world {
   /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
   /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
   /// participant being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as_mismatch(std::string_view message) {
-    return world_->fail(detail::failure_kind::mismatch, -1, std::string(message));
+  bool fail_as_mismatch(std::string_view message) { return fail_as(detail::failure_kind::mismatch, message); }
+
+  /// @brief Fails the world with an error detected elsewhere (by another process of a hybrid
+  /// world, or by its leader's exchange between processes): every participant gets the error of
+  /// `kind` (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with `message`, no participant
+  /// of this world being the root cause. @returns whether this call recorded the root cause.
+  bool fail_as(detail::failure_kind kind, std::string_view message) {
+    return world_->fail(kind, -1, std::string(message));
   }
 
   /// Whether the world has failed.
@@ -11543,6 +11624,11 @@ template <sharded_tensor_type X>
 /// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
 /// data and returns; the copy is sent in the background and progressed by later calls.
 ///
+/// Determinism. Float and double sum, prod and mean over more than two ranks are reduced in rank
+/// order with the thread backend's kernel (`detail/ordered_reduce.hpp`), not in MPI's unspecified
+/// order, so every backend gives the same bits for the same inputs; two ranks, integers, min and
+/// max run MPI's native reduction (whose result does not depend on the order there).
+///
 /// Mismatch detection (always on). Before its data moves, every collective exchanges a
 /// fingerprint of the call (call number, operation, element type, count, reduce op, root,
 /// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
@@ -11714,7 +11800,8 @@ namespace meshlib::detail {
 /// participant fails, its process sends "<epoch><participant><kind><what>" to every other process (once);
 /// a process that receives it (`poll`, called by the MPI waits of `mpi_communicator`, or by the
 /// hybrid world's watcher thread every millisecond) records the root cause (`interrupt`), and its
-/// waits end with `comm_aborted` naming the participant (`check`). The owner names participants
+/// waits end with the root cause's error (`check`): `comm_aborted` naming the participant that
+/// failed, or the `comm_timeout` or `collective_mismatch` that another process detected. The owner names participants
 /// (an MPI rank, a global hybrid device).
 struct abort_channel {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -11731,7 +11818,7 @@ struct abort_channel {
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
-  bool mismatch = false;                 ///< the root cause is a collective mismatch, not a failure (guarded by mutex)
+  failure_kind kind = failure_kind::aborted;  ///< the root cause's kind: the error waits throw (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
@@ -11772,13 +11859,12 @@ struct abort_channel {
     MPI_Irecv(inbox.data(), static_cast<int>(inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, comm, &inbox_request);
   }
 
-  /// The header of a report: epoch, participant, kind (1: a collective mismatch).
+  /// The header of a report: epoch, participant, kind (`failure_kind`).
   static constexpr std::size_t head = sizeof(std::uint64_t) + 2 * sizeof(int);
 
-  /// Tests for a report from another process: true (with its participant, message and whether it
-  /// is a collective mismatch) once one of this channel's epoch has arrived; reports meant for an
-  /// earlier channel are dropped.
-  bool poll(int& device, std::string& what, bool& is_mismatch) {
+  /// Tests for a report from another process: true (with its participant, message and kind) once
+  /// one of this channel's epoch has arrived; reports meant for an earlier channel are dropped.
+  bool poll(int& device, std::string& what, failure_kind& reported) {
     if (!enabled || stop.load()) return false;
     std::unique_lock lk(poll_mutex, std::try_to_lock);
     if (!lk.owns_lock() || inbox_request == MPI_REQUEST_NULL) return false;
@@ -11790,30 +11876,30 @@ struct abort_channel {
     int bytes = 0;
     MPI_Get_count(&st, MPI_CHAR, &bytes);
     std::uint64_t e = 0;
-    int kind = 0;
+    int wire_kind = 0;
     if (bytes >= static_cast<int>(head)) {
       std::memcpy(&e, inbox.data(), sizeof(std::uint64_t));
       std::memcpy(&device, inbox.data() + sizeof(std::uint64_t), sizeof(int));
-      std::memcpy(&kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
+      std::memcpy(&wire_kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
     }
     if (e != epoch) {  // meant for an earlier channel (MPI reuses a freed duplicate's context id)
       post();
       return false;
     }
     what.assign(inbox.data() + head, static_cast<std::size_t>(bytes) - head);
-    is_mismatch = kind == 1;
+    reported = wire_kind == 1 ? failure_kind::timeout : wire_kind == 2 ? failure_kind::mismatch : failure_kind::aborted;
     remote_device.store(device);
     return true;
   }
 
   /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
   /// releases the waits that check the channel.
-  /// `is_mismatch`: the root cause is a collective mismatch (waits then throw collective_mismatch).
-  void interrupt(const std::string& msg, int participant = -1, bool is_mismatch = false) {
+  /// `k`: the error the waits then throw (a timeout or mismatch seen elsewhere keeps its type).
+  void interrupt(const std::string& msg, int participant = -1, failure_kind k = failure_kind::aborted) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
-    mismatch = is_mismatch;
+    kind = k;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
@@ -11821,24 +11907,35 @@ struct abort_channel {
   void check() {
     if (interrupted.load(std::memory_order_acquire)) rethrow("");
   }
-  /// Throws the recorded root cause (`comm_aborted`, or `collective_mismatch`) with `suffix` appended.
-  [[noreturn]] void rethrow(const std::string& suffix) {
+  /// The recorded root cause: its kind, and its message in `msg`.
+  failure_kind recorded(std::string& msg) {
     std::lock_guard lk(mutex);
-    if (mismatch) throw collective_mismatch(message + suffix);
-    throw comm_aborted(message + suffix);
+    msg = message;
+    return kind;
   }
-  /// Tells every other process that participant `device` failed, or saw a collective mismatch
-  /// (`is_mismatch`), with `what` (once per channel).
-  void notify(int device, const std::string& what, bool is_mismatch = false) {
+  /// Throws the recorded root cause (its kind's error) with `suffix` appended.
+  [[noreturn]] void rethrow(const std::string& suffix) {
+    std::string m;
+    failure_kind k;
+    {
+      std::lock_guard lk(mutex);
+      m = message + suffix;
+      k = kind;
+    }
+    throw_failure(k, std::move(m));
+  }
+  /// Tells every other process that participant `device` failed (`k` aborted), or that a timeout
+  /// or collective mismatch was seen here, with `what` (once per channel).
+  void notify(int device, const std::string& what, failure_kind k = failure_kind::aborted) {
     if (!enabled) return;
     std::lock_guard lk(mutex);
     if (sent) return;
     sent = true;
-    const int kind = is_mismatch ? 1 : 0;
+    const int wire_kind = static_cast<int>(k);
     std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
     std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
     std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
-    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &kind, sizeof(int));
+    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &wire_kind, sizeof(int));
     std::memcpy(msg.data() + head, what.data(), msg.size() - head);
     for (int p = 0; p < processes; ++p) {
       if (p == process) continue;
@@ -11897,7 +11994,7 @@ struct abort_channel {
 ///
 /// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, mean) | MPI op |
 /// | --- | --- | --- | --- |
-/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD` (over more than 2 ranks: moved and reduced in rank order instead, `ordered_reduce.hpp`); min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
 /// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
 /// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
 
@@ -12027,6 +12124,49 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/mpi_types.hpp
+// begin meshlib/comm/mpi/detail/ordered_reduce.hpp
+/// @file
+/// @brief Floating-point reductions in rank order on MPI: the same bits as the thread backend.
+///
+/// IEEE addition and multiplication are commutative but not associative, and `MPI_Allreduce`
+/// combines the ranks' values in an order of its own (ring, tree, recursive halving: it depends on
+/// the size, the message length and the MPI build). The thread backend combines every element as
+/// `((x0 op x1) op x2) ...` in rank order. So for float and double sum, prod and mean over more
+/// than two ranks, the MPI communicator moves the inputs instead and reduces them with the thread
+/// backend's own kernel (`reduce_into`): an all-to-all of blocks, each rank reducing its block in
+/// rank order (a reduce-scatter), then an all-gather for all_reduce, or a gather to the root for
+/// reduce. With two ranks every order is `x0 op x1` (commutativity), so MPI's native path already
+/// gives those bits and stays. Integers (exact, wrapping) and min / max (meshlib's NaN-aware ops
+/// do not depend on the order) stay native too.
+
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+/// Whether a reduction of T with `op` over `ranks` ranks must run in rank order to give the thread
+/// backend's bits (see the file comment).
+template <class T>
+constexpr bool needs_rank_order(reduce_op op, int ranks) noexcept {
+  return std::is_floating_point_v<T> && ranks > 2 &&
+         (op == reduce_op::sum || op == reduce_op::prod || op == reduce_op::mean);
+}
+
+/// out[i] = blocks[0][i] op blocks[1][i] op ... in rank order (mean: divided by n), i < len, where
+/// block r starts at `blocks + r * stride`. The thread backend's kernel, so its bits.
+template <class T>
+void reduce_blocks_in_order(reduce_op op, const T* blocks, int n, std::size_t stride, T* out, std::size_t len) {
+  if (len == 0) return;
+  std::vector<const T*> in(static_cast<std::size_t>(n));
+  for (std::size_t r = 0; r < in.size(); ++r) in[r] = blocks + r * stride;
+  T* outs[1] = {out};
+  reduce_into<T>(op, in.data(), n, outs, 1, len);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/mpi/detail/ordered_reduce.hpp
 
 namespace meshlib {
 
@@ -12047,7 +12187,7 @@ struct mpi_comm_options {
   /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
   large_payload_mode large_payloads = large_payload_mode::automatic;
   /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
-  /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
+  /// once (bitwise equal to the thread backend: sums in rank order, `detail/ordered_reduce.hpp`);
   /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
   /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
   bool bfloat16_on_wire = false;
@@ -12077,6 +12217,9 @@ struct mpi_comm_state {
   bool failed = false;
   bool failed_by_mismatch = false;  ///< else a timeout
   std::string failure;
+  /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
+  /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
+  std::vector<int> missing;
   std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
   /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
   /// failed, here or in another process): called by every wait while it polls, it throws that
@@ -12163,6 +12306,7 @@ inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
 class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
+  friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
   using op_kind = detail::op_kind;
 
  public:
@@ -12216,8 +12360,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
-        if (ch->poll(r, what, mismatch))
+        detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
+        if (ch->poll(r, what, kind))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
         ch->check();
@@ -12588,9 +12732,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         }
         std::string missing;
         int count = 0;
+        state_->missing.clear();
         for (int peer = 0; peer < size(); ++peer)
-          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1)
+          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1) {
             missing += (count++ ? ", " : "") + std::to_string(peer);
+            state_->missing.push_back(peer);
+          }
         fail_timeout(k, count ? "rank(s) " + missing + " never arrived" : "every rank arrived, but not in time");
       }
     }
@@ -12720,6 +12867,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_all_reduce<T>(send ? send : recv, recv, count, op);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -12748,6 +12899,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_reduce<T>(is_root && !send ? recv : send, recv, count, op, root);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -12775,6 +12930,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_reduce_scatter<T>(send ? send : recv, recv, count, op);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -12782,6 +12941,54 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
     if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+  }
+
+  // Float sum, prod and mean over more than two ranks, in rank order (detail/ordered_reduce.hpp):
+  // the inputs move, and the thread backend's kernel reduces them, so the bits are the thread
+  // backend's. `src` may be `recv` (in place): every input is copied out before a result is written.
+
+  /// Rank me's result block: block me of every rank, reduced in rank order.
+  template <class T>
+  void ordered_reduce_scatter(const T* src, T* recv, std::size_t count, reduce_op op) {
+    const auto n = static_cast<std::size_t>(size());
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int c = static_cast<int>(count);
+    std::vector<T> blocks(count * n);
+    timed("reduce_scatter", count * n * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ialltoall(src, c, t, blocks.data(), c, t, state_->comm, r); },
+          [&] { return MPI_Alltoall(src, c, t, blocks.data(), c, t, state_->comm); });
+    detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
+  }
+
+  /// A reduce-scatter of blocks of ceil(count / n) elements (the input padded), then an all-gather.
+  template <class T>
+  void ordered_all_reduce(const T* src, T* recv, std::size_t count, reduce_op op) {
+    if (count == 0) return;
+    const auto n = static_cast<std::size_t>(size());
+    const std::size_t c = (count + n - 1) / n;
+    std::vector<T> padded(c * n), mine(c), all(c * n);
+    std::copy_n(src, count, padded.begin());
+    ordered_reduce_scatter<T>(padded.data(), mine.data(), c, op);
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int ci = static_cast<int>(c);
+    timed("all_reduce", c * n * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallgather(mine.data(), ci, t, all.data(), ci, t, state_->comm, r); },
+          [&] { return MPI_Allgather(mine.data(), ci, t, all.data(), ci, t, state_->comm); });
+    std::copy_n(all.begin(), count, recv);
+  }
+
+  /// Every rank's input gathered on the root, reduced there in rank order.
+  template <class T>
+  void ordered_reduce(const T* src, T* recv, std::size_t count, reduce_op op, int root) {
+    const auto n = static_cast<std::size_t>(size());
+    const bool is_root = rank() == root;
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int c = static_cast<int>(count);
+    std::vector<T> all(is_root ? count * n : 0);
+    timed("reduce", count * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Igather(src, c, t, all.data(), c, t, root, state_->comm, r); },
+          [&] { return MPI_Gather(src, c, t, all.data(), c, t, root, state_->comm); });
+    if (is_root) detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
   }
 
   template <class T>
@@ -12908,13 +13115,18 @@ static_assert(communicator<mpi_communicator>);
 ///
 /// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
 /// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
-/// (it throws, or a local timeout or mismatch fails its process's thread group), every device of
-/// every process is released within milliseconds with `comm_aborted` naming the global device
-/// ("hybrid device 3 of 4 failed: <what>"): its process aborts its thread group and tells the
-/// others through an abort channel (`detail::abort_channel`: a duplicate communicator polled by a
-/// watcher thread; on with `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. Errors of the
-/// internal steps are rethrown naming the operation the user called; a failed world refuses every
-/// later call. `run_hybrid` throws `participant_error` naming the global device at fault.
+/// (it throws, or a mismatch fails its process's thread group), every device of every process is
+/// released within milliseconds with `comm_aborted` naming the global device ("hybrid device 3 of
+/// 4 failed: <what>"): its process aborts its thread group and tells the others through an abort
+/// channel (`detail::abort_channel`: a duplicate communicator polled by a watcher thread; on with
+/// `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. A device that never arrives is
+/// detected by its local peers, and every device of every process gets `comm_timeout` naming the
+/// operation the user called and the global device(s) that never arrived ("all_reduce timed out on
+/// hybrid device 2 of 4 after 1 s: hybrid device(s) 3 never arrived"; the leaders' exchange waits
+/// a little longer, `hybrid_group::patience`, so that this precise report comes first). Errors of
+/// the internal steps are rethrown naming the operation the user called; a failed world refuses
+/// every later call. `run_hybrid` throws `participant_error` naming the global device at fault
+/// (for a timeout, the device that never arrived).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -12954,6 +13166,11 @@ struct hybrid_group {
   bool identity = true;                 ///< gathered order is group-rank order
   int my_proc_pos = 0;
   std::chrono::nanoseconds timeout{};
+  /// How much longer than a local step a member waits for its leader's exchange between processes
+  /// (`thread_communicator::patience_`); the leaders' own MPI waits get half of it. So a device
+  /// that never arrives is detected first in its own process, by the peers that wait for it
+  /// locally, and their report naming it reaches every process before anyone blames a leader.
+  std::chrono::nanoseconds patience{};
   mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
   std::shared_ptr<abort_channel> channel;  ///< the world's (shared by every group split from it)
   MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
@@ -13069,6 +13286,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
           auto ng = std::make_shared<detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
+          ng->patience = g.patience;
           ng->channel = g.channel;
           for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
           ng->layout(my_process);
@@ -13152,6 +13370,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
       return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
     };
+    current_ = k;
     try {
       return f();
     } catch (const comm_argument_error&) {
@@ -13159,7 +13378,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     } catch (const comm_aborted& e) {
       throw comm_aborted(context(e));
     } catch (const comm_timeout& e) {
-      throw comm_timeout(context(e));
+      throw comm_timeout(context(comm_timeout(restate_timeout(k, e))));
     } catch (const collective_mismatch& e) {
       throw collective_mismatch(context(e));
     }
@@ -13169,6 +13388,92 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
                        detail::mpi_error_string(rc));
   }
+
+  // ---- failures seen by one process, told to all ------------------------------------------------
+
+  /// Global device of local thread `t` of this process.
+  int device_of_thread(int t) const {
+    const auto& g = *group_;
+    return g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process * g.threads_per_process + t;
+  }
+
+  /// Records failure `msg` of kind `k` for every device of every process: the abort channel, whose
+  /// report the other processes' watchers turn into the same error, then this process's thread
+  /// world (unless it failed already, as it has when it detected the failure itself).
+  /// `culprit`: the global device at fault, -1 when unknown.
+  void tell_everyone(detail::failure_kind k, int culprit, const std::string& msg) {
+    auto& ch = *group_->channel;
+    const bool remote = culprit >= 0 && culprit / group_->threads_per_process !=
+                                            device_of_thread(0) / group_->threads_per_process;
+    int none = -1;
+    if (remote) ch.remote_device.compare_exchange_strong(none, culprit);  // run_hybrid blames it
+    // The channel first (see the watcher in hybrid_world): a device released by the thread world
+    // that leaves run_hybrid must find this root cause there, not record its own abort.
+    ch.interrupt(msg, culprit, k);
+    ch.notify(culprit, msg, k);
+    local_.state_->world->fail(k, -1, msg);
+  }
+
+  /// A timeout in terms of the user's call: when this process's thread world detected it (a local
+  /// peer never arrived at an internal step), the message names the operation the user called and
+  /// the global devices that never arrived, never an internal step or a local thread, and every
+  /// process is told; a timeout from elsewhere (another process's report, or the leader's exchange,
+  /// `leader_failed`) is already in those terms.
+  std::string restate_timeout(op_kind k, const comm_timeout& e) {
+    detail::missing_report facts;
+    if (!local_.valid() || !local_.state_->world->timeout_facts(facts)) return e.what();
+    const std::string msg = detail::timeout_message(
+        detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
+        local_.state_->policy.timeout,
+        detail::list_participants("hybrid device", facts.missing,
+                                  [&](int t) { return std::to_string(device_of_thread(t)); }),
+        "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
+    tell_everyone(detail::failure_kind::timeout,
+                  device_of_thread(facts.missing.empty() ? facts.waiter : facts.missing.front()), msg);
+    return msg;
+  }
+
+  /// The leader's exchange between processes failed with `e` (rethrown by the caller). Its own
+  /// timeout means whole processes never reached the exchange (their devices were not even
+  /// missing locally, or their report would have come first): named by their devices, with the
+  /// operation the user called, and told to every process. Any other failure aborts this
+  /// process's thread world, so that the members waiting for the leader are released.
+  void leader_failed(const std::exception& e) {
+    auto& g = *group_;
+    if (g.channel->interrupted.load()) {
+      // Released by the root cause the channel holds (from another process, or from a device
+      // here): the members waiting for this leader get the same error.
+      std::string msg;
+      const auto kind = g.channel->recorded(msg);
+      local_.state_->world->fail(kind, -1, msg);
+      return;
+    }
+    if (dynamic_cast<const comm_timeout*>(&e) == nullptr) {
+      local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+      return;
+    }
+    std::vector<int> devices;
+    for (int pos : g.mpi.state_->missing)
+      for (int r = 0; r < g.n; ++r)
+        if (g.member_proc_pos[static_cast<std::size_t>(r)] == pos) devices.push_back(g.member_device[static_cast<std::size_t>(r)]);
+    std::sort(devices.begin(), devices.end());
+    const std::string who = detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
+    const std::string msg = detail::timeout_message(
+        detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
+        size(), g.mpi.state_->options.timeout, who.empty() ? who : who + " (whole processes)",
+        "thread_comm_options::timeout, mpi_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
+    tell_everyone(detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
+    throw comm_timeout(msg);
+  }
+
+  /// While a member waits for its leader's exchange between processes (see `hybrid_group::patience`).
+  struct patient {
+    thread_communicator& c;
+    patient(thread_communicator& comm, std::chrono::nanoseconds extra) : c(comm) { c.patience_ = extra; }
+    patient(const patient&) = delete;
+    patient& operator=(const patient&) = delete;
+    ~patient() { c.patience_ = std::chrono::nanoseconds(0); }
+  };
 
   /// The transport of operation K (the front end has checked its arguments). Every collective
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
@@ -13368,11 +13673,14 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                              std::span<const std::int64_t>(rd));
         }
       } catch (const std::exception& e) {
-        local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+        leader_failed(e);
         throw;
       }
     }
-    local_.broadcast(std::span(all), 0);
+    {
+      patient wait_for_leader(local_, g.patience);
+      local_.broadcast(std::span(all), 0);
+    }
     return reorder(std::move(all), c);
   }
 
@@ -13453,11 +13761,14 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       try {
         g.mpi.broadcast(buf, root_pos);
       } catch (const std::exception& e) {
-        local_.abort(std::string("the process leader's MPI broadcast failed: ") + e.what());
+        leader_failed(e);
         throw;
       }
     }
-    if (g.my_proc_pos != root_pos) local_.broadcast(buf, 0);
+    if (g.my_proc_pos != root_pos) {
+      patient wait_for_leader(local_, g.patience);
+      local_.broadcast(buf, 0);
+    }
   }
 
   void progress_sends() {
@@ -13486,6 +13797,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
   std::uint64_t calls_ = 0;  ///< collectives called on this handle's group (the fingerprint's sequence number)
+  op_kind current_ = op_kind::barrier;  ///< the operation the user called last (named by a leader's timeout)
   std::vector<pending> sends_;
 };
 
@@ -13507,7 +13819,7 @@ class hybrid_world {
   /// @throws comm_error when T > 1 and MPI does not provide `MPI_THREAD_MULTIPLE`;
   /// comm_argument_error when threads < 1.
   hybrid_world(const mpi_communicator& procs, int threads, thread_comm_options options = {})
-      : threads_(threads), local_(threads > 0 ? threads : 1, std::move(options)) {
+      : threads_(threads), local_(threads > 0 ? threads : 1, options) {
     if (threads < 1)
       throw comm_argument_error("meshlib: a hybrid_world needs at least 1 thread per process, got " +
                                 std::to_string(threads));
@@ -13520,10 +13832,19 @@ class hybrid_world {
     group_ = std::make_shared<detail::hybrid_group>();
     group_->threads_per_process = threads;
     group_->timeout = procs.options().timeout;
+    // The leaders' exchange waits longer than a local step, and the members waiting for it longer
+    // still (hybrid_group::patience): a device that never arrives is named by its own process.
+    const auto local_timeout = options.timeout;
+    const auto grace = local_timeout.count() > 0
+                           ? std::min<std::chrono::nanoseconds>(local_timeout / 2, std::chrono::seconds(2))
+                           : std::chrono::nanoseconds(0);
+    group_->patience = 2 * grace;
+    mpi_comm_options leaders = procs.options();
+    if (leaders.timeout.count() > 0) leaders.timeout = std::max(leaders.timeout, local_timeout) + grace;
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
+    group_->mpi = mpi_communicator(procs.native(), leaders, false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -13574,8 +13895,9 @@ class hybrid_world {
   /// keeps the error's type when another device's failure would otherwise overtake it.
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
-    channel_->interrupt(std::string(message), -1, true);
-    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
+    channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    if (channel_->remote_device.load() < 0)
+      channel_->notify(process_ * threads_ + t, std::string(message), detail::failure_kind::mismatch);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -13601,18 +13923,21 @@ class hybrid_world {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        bool mismatch = false;
-        if (channel->poll(device, what, mismatch)) {
-          // The thread world first, so that a leader released by the channel finds the root cause
-          // already recorded there (its own abort of the thread world is then not the first).
-          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
-            local_.fail_as_mismatch(what);
-            channel->interrupt(what, device, true);
+        detail::failure_kind kind{};
+        if (channel->poll(device, what, kind)) {
+          // The channel first, then the thread world: a device that the thread world releases
+          // and that leaves run_hybrid reports its error to the channel, which must already hold
+          // the root cause (a leader released by the channel records the same in the thread world).
+          if (kind != detail::failure_kind::aborted) {
+            // A timeout or mismatch another process saw: the same error and message here, not an
+            // abort (the message already names global devices and the user's operation).
+            channel->interrupt(what, device, kind);
+            local_.fail_as(kind, what);
             return;
           }
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          local_.abort(-1, what, who);
           channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
+          local_.abort(-1, what, who);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -13677,7 +14002,11 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
     const int t = remote >= 0 && own >= 0 ? own : root;
     const auto& e = errors[static_cast<std::size_t>(t)];
-    const int device = blame_remote ? remote : procs.rank() * threads + t;
+    // The thread at fault may have thrown nothing (it never arrived at a collective that timed
+    // out): it is still the device to blame, with the message of the thread that saw it.
+    const int cause = world.root_cause_thread();
+    const int at_fault = own < 0 && cause >= 0 && cause < threads ? cause : t;
+    const int device = blame_remote ? remote : procs.rank() * threads + at_fault;
     try {
       std::rethrow_exception(e);
     } catch (...) {

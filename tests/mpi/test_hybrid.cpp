@@ -6,10 +6,13 @@
 // reductions use the thread backend's kernels in rank order).
 #include <meshlib/mpi.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -208,4 +211,63 @@ TEST_CASE("hybrid: a thread that throws fails its process's group and is reporte
     CHECK(e.rank() == procs.rank() * threads + 1);
     CHECK(std::string(e.what()).find("boom") != std::string::npos);
   }
+}
+
+// Issue 10: a device that never arrives at a collective. The devices of its process detect it
+// (they wait for it locally) and tell every process: every device of every process gets
+// comm_timeout with one root-cause message that names the operation the user called and the
+// global device that never arrived, never an internal step or a local thread index.
+TEST_CASE("hybrid: a device that never arrives times out everywhere, named by its global id", "[mpi][hybrid][faults]") {
+  meshlib::mpi_comm_options mo;
+  mo.timeout = std::chrono::seconds(2);
+  auto procs = meshlib::mpi_communicator(MPI_COMM_WORLD, mo);
+  meshlib::thread_comm_options to;
+  to.timeout = mo.timeout;
+  const int n = procs.size() * threads;
+  std::vector<std::string> seen(threads), type(threads);
+  std::vector<double> secs(threads, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int blamed = -1;
+  try {
+    meshlib::run_hybrid(
+        procs, threads,
+        [&](meshlib::hybrid_communicator& c) {
+          const auto t = static_cast<std::size_t>(c.local().rank());
+          if (c.rank() == n - 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(4500));
+            return;
+          }
+          std::vector<float> x(4, 1.0f);
+          try {
+            c.all_reduce(std::span(x), reduce_op::sum);
+          } catch (const meshlib::comm_timeout& e) {
+            type[t] = "timeout";
+            seen[t] = e.what();
+            secs[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            throw;
+          } catch (const std::exception& e) {
+            type[t] = "other";
+            seen[t] = e.what();
+            throw;
+          }
+        },
+        to);
+  } catch (const meshlib::participant_error& e) {
+    blamed = e.rank();
+  }
+  CHECK(blamed == n - 1);
+  const std::string root = "meshlib: all_reduce timed out on hybrid device " + std::to_string(n - 2) + " of " +
+                           std::to_string(n) + " after 2 s: hybrid device(s) " + std::to_string(n - 1) +
+                           " never arrived; raise the timeout";
+  for (int t = 0; t < threads; ++t) {
+    const int device = procs.rank() * threads + t;
+    if (device == n - 1) continue;
+    INFO("device " << device << ": " << seen[static_cast<std::size_t>(t)]);
+    CHECK(type[static_cast<std::size_t>(t)] == "timeout");
+    CHECK(seen[static_cast<std::size_t>(t)].rfind(root, 0) == 0);
+    CHECK(seen[static_cast<std::size_t>(t)].find("[seen by all_reduce on hybrid device " + std::to_string(device)) !=
+          std::string::npos);
+    CHECK(secs[static_cast<std::size_t>(t)] < 2 * 2.0 + 1.5);  // the timeout, not twice the default
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }

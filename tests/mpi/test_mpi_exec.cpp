@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -142,6 +143,46 @@ TEST_CASE("spmd on MPI: a device that throws is reported with its id on its proc
     CHECK(e.device() == static_cast<std::size_t>(world.rank()) * 2 + 1);
     CHECK(std::string(e.what()).find("device failed on purpose") != std::string::npos);
   }
+}
+
+// Blame across processes (issue 10): the last device never arrives at a psum over every device.
+// Every device of every process gets comm_timeout (not comm_aborted) naming that device by its
+// global id, and device_error::device() is that device on every process, not a waiter.
+TEST_CASE("spmd on hybrid_backend: a device that never arrives is blamed on every process", "[mpi][exec][faults]") {
+  mpi_comm_options o;
+  o.timeout = std::chrono::seconds(1);
+  auto world = mpi_communicator(MPI_COMM_WORLD, o);
+  const hybrid_backend hybrid{world, 2, {.timeout = std::chrono::seconds(1)}};
+  const std::size_t n = static_cast<std::size_t>(world.size()) * 2;
+  mesh2 m{static_cast<std::size_t>(world.size()), 2};
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    spmd(
+        m,
+        [&] {
+          if (device_index() == n - 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+            return;
+          }
+          auto x = fill_block<local_tensor<float, 1, mesh2, D | M>>(m, {2});
+          (void)psum<"data", "model">(x);
+        },
+        hybrid);
+    FAIL("must throw device_error");
+  } catch (const device_error& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string w = e.what();
+    INFO(w);
+    CHECK(e.device() == n - 1);
+    CHECK_THROWS_AS(e.rethrow_cause(), comm_timeout);
+    CHECK(w.find("hybrid device(s) " + std::to_string(n - 1) + " never arrived") != std::string::npos);
+    CHECK(w.find("all_reduce timed out") != std::string::npos);
+    CHECK(w.find("(step") == std::string::npos);  // never an internal step
+    // Released within 2x the timeout plus slack, not the default 20 s (the last process waits
+    // for its sleeping device to return).
+    if (static_cast<std::size_t>(world.rank()) != n / 2 - 1) CHECK(s < 3.5);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Fault propagation with one rank per process (issue 10): the last rank throws before a psum

@@ -34,13 +34,18 @@
 ///
 /// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
 /// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
-/// (it throws, or a local timeout or mismatch fails its process's thread group), every device of
-/// every process is released within milliseconds with `comm_aborted` naming the global device
-/// ("hybrid device 3 of 4 failed: <what>"): its process aborts its thread group and tells the
-/// others through an abort channel (`detail::abort_channel`: a duplicate communicator polled by a
-/// watcher thread; on with `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. Errors of the
-/// internal steps are rethrown naming the operation the user called; a failed world refuses every
-/// later call. `run_hybrid` throws `participant_error` naming the global device at fault.
+/// (it throws, or a mismatch fails its process's thread group), every device of every process is
+/// released within milliseconds with `comm_aborted` naming the global device ("hybrid device 3 of
+/// 4 failed: <what>"): its process aborts its thread group and tells the others through an abort
+/// channel (`detail::abort_channel`: a duplicate communicator polled by a watcher thread; on with
+/// `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. A device that never arrives is
+/// detected by its local peers, and every device of every process gets `comm_timeout` naming the
+/// operation the user called and the global device(s) that never arrived ("all_reduce timed out on
+/// hybrid device 2 of 4 after 1 s: hybrid device(s) 3 never arrived"; the leaders' exchange waits
+/// a little longer, `hybrid_group::patience`, so that this precise report comes first). Errors of
+/// the internal steps are rethrown naming the operation the user called; a failed world refuses
+/// every later call. `run_hybrid` throws `participant_error` naming the global device at fault
+/// (for a timeout, the device that never arrived).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -64,6 +69,7 @@
 #include <vector>
 
 #include "meshlib/comm/detail/buffer_checks.hpp"
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
@@ -89,6 +95,11 @@ struct hybrid_group {
   bool identity = true;                 ///< gathered order is group-rank order
   int my_proc_pos = 0;
   std::chrono::nanoseconds timeout{};
+  /// How much longer than a local step a member waits for its leader's exchange between processes
+  /// (`thread_communicator::patience_`); the leaders' own MPI waits get half of it. So a device
+  /// that never arrives is detected first in its own process, by the peers that wait for it
+  /// locally, and their report naming it reaches every process before anyone blames a leader.
+  std::chrono::nanoseconds patience{};
   mpi_communicator mpi;                 ///< over the hosting processes; used by the leader only
   std::shared_ptr<abort_channel> channel;  ///< the world's (shared by every group split from it)
   MPI_Comm p2p = MPI_COMM_NULL;         ///< meshlib's duplicate for point-to-point between processes
@@ -204,6 +215,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
           auto ng = std::make_shared<detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
+          ng->patience = g.patience;
           ng->channel = g.channel;
           for (int r : members) ng->member_device.push_back(static_cast<int>(info[static_cast<std::size_t>(3 * r + 2)]));
           ng->layout(my_process);
@@ -287,6 +299,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
       return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
     };
+    current_ = k;
     try {
       return f();
     } catch (const comm_argument_error&) {
@@ -294,7 +307,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     } catch (const comm_aborted& e) {
       throw comm_aborted(context(e));
     } catch (const comm_timeout& e) {
-      throw comm_timeout(context(e));
+      throw comm_timeout(context(comm_timeout(restate_timeout(k, e))));
     } catch (const collective_mismatch& e) {
       throw collective_mismatch(context(e));
     }
@@ -304,6 +317,92 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
                        detail::mpi_error_string(rc));
   }
+
+  // ---- failures seen by one process, told to all ------------------------------------------------
+
+  /// Global device of local thread `t` of this process.
+  int device_of_thread(int t) const {
+    const auto& g = *group_;
+    return g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process * g.threads_per_process + t;
+  }
+
+  /// Records failure `msg` of kind `k` for every device of every process: the abort channel, whose
+  /// report the other processes' watchers turn into the same error, then this process's thread
+  /// world (unless it failed already, as it has when it detected the failure itself).
+  /// `culprit`: the global device at fault, -1 when unknown.
+  void tell_everyone(detail::failure_kind k, int culprit, const std::string& msg) {
+    auto& ch = *group_->channel;
+    const bool remote = culprit >= 0 && culprit / group_->threads_per_process !=
+                                            device_of_thread(0) / group_->threads_per_process;
+    int none = -1;
+    if (remote) ch.remote_device.compare_exchange_strong(none, culprit);  // run_hybrid blames it
+    // The channel first (see the watcher in hybrid_world): a device released by the thread world
+    // that leaves run_hybrid must find this root cause there, not record its own abort.
+    ch.interrupt(msg, culprit, k);
+    ch.notify(culprit, msg, k);
+    local_.state_->world->fail(k, -1, msg);
+  }
+
+  /// A timeout in terms of the user's call: when this process's thread world detected it (a local
+  /// peer never arrived at an internal step), the message names the operation the user called and
+  /// the global devices that never arrived, never an internal step or a local thread, and every
+  /// process is told; a timeout from elsewhere (another process's report, or the leader's exchange,
+  /// `leader_failed`) is already in those terms.
+  std::string restate_timeout(op_kind k, const comm_timeout& e) {
+    detail::missing_report facts;
+    if (!local_.valid() || !local_.state_->world->timeout_facts(facts)) return e.what();
+    const std::string msg = detail::timeout_message(
+        detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
+        local_.state_->policy.timeout,
+        detail::list_participants("hybrid device", facts.missing,
+                                  [&](int t) { return std::to_string(device_of_thread(t)); }),
+        "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
+    tell_everyone(detail::failure_kind::timeout,
+                  device_of_thread(facts.missing.empty() ? facts.waiter : facts.missing.front()), msg);
+    return msg;
+  }
+
+  /// The leader's exchange between processes failed with `e` (rethrown by the caller). Its own
+  /// timeout means whole processes never reached the exchange (their devices were not even
+  /// missing locally, or their report would have come first): named by their devices, with the
+  /// operation the user called, and told to every process. Any other failure aborts this
+  /// process's thread world, so that the members waiting for the leader are released.
+  void leader_failed(const std::exception& e) {
+    auto& g = *group_;
+    if (g.channel->interrupted.load()) {
+      // Released by the root cause the channel holds (from another process, or from a device
+      // here): the members waiting for this leader get the same error.
+      std::string msg;
+      const auto kind = g.channel->recorded(msg);
+      local_.state_->world->fail(kind, -1, msg);
+      return;
+    }
+    if (dynamic_cast<const comm_timeout*>(&e) == nullptr) {
+      local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+      return;
+    }
+    std::vector<int> devices;
+    for (int pos : g.mpi.state_->missing)
+      for (int r = 0; r < g.n; ++r)
+        if (g.member_proc_pos[static_cast<std::size_t>(r)] == pos) devices.push_back(g.member_device[static_cast<std::size_t>(r)]);
+    std::sort(devices.begin(), devices.end());
+    const std::string who = detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
+    const std::string msg = detail::timeout_message(
+        detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
+        size(), g.mpi.state_->options.timeout, who.empty() ? who : who + " (whole processes)",
+        "thread_comm_options::timeout, mpi_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
+    tell_everyone(detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
+    throw comm_timeout(msg);
+  }
+
+  /// While a member waits for its leader's exchange between processes (see `hybrid_group::patience`).
+  struct patient {
+    thread_communicator& c;
+    patient(thread_communicator& comm, std::chrono::nanoseconds extra) : c(comm) { c.patience_ = extra; }
+    patient(const patient&) = delete;
+    patient& operator=(const patient&) = delete;
+    ~patient() { c.patience_ = std::chrono::nanoseconds(0); }
+  };
 
   /// The transport of operation K (the front end has checked its arguments). Every collective
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
@@ -503,11 +602,14 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                              std::span<const std::int64_t>(rd));
         }
       } catch (const std::exception& e) {
-        local_.abort(std::string("the process leader's MPI exchange failed: ") + e.what());
+        leader_failed(e);
         throw;
       }
     }
-    local_.broadcast(std::span(all), 0);
+    {
+      patient wait_for_leader(local_, g.patience);
+      local_.broadcast(std::span(all), 0);
+    }
     return reorder(std::move(all), c);
   }
 
@@ -588,11 +690,14 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       try {
         g.mpi.broadcast(buf, root_pos);
       } catch (const std::exception& e) {
-        local_.abort(std::string("the process leader's MPI broadcast failed: ") + e.what());
+        leader_failed(e);
         throw;
       }
     }
-    if (g.my_proc_pos != root_pos) local_.broadcast(buf, 0);
+    if (g.my_proc_pos != root_pos) {
+      patient wait_for_leader(local_, g.patience);
+      local_.broadcast(buf, 0);
+    }
   }
 
   void progress_sends() {
@@ -621,6 +726,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
   std::uint64_t calls_ = 0;  ///< collectives called on this handle's group (the fingerprint's sequence number)
+  op_kind current_ = op_kind::barrier;  ///< the operation the user called last (named by a leader's timeout)
   std::vector<pending> sends_;
 };
 
@@ -642,7 +748,7 @@ class hybrid_world {
   /// @throws comm_error when T > 1 and MPI does not provide `MPI_THREAD_MULTIPLE`;
   /// comm_argument_error when threads < 1.
   hybrid_world(const mpi_communicator& procs, int threads, thread_comm_options options = {})
-      : threads_(threads), local_(threads > 0 ? threads : 1, std::move(options)) {
+      : threads_(threads), local_(threads > 0 ? threads : 1, options) {
     if (threads < 1)
       throw comm_argument_error("meshlib: a hybrid_world needs at least 1 thread per process, got " +
                                 std::to_string(threads));
@@ -655,10 +761,19 @@ class hybrid_world {
     group_ = std::make_shared<detail::hybrid_group>();
     group_->threads_per_process = threads;
     group_->timeout = procs.options().timeout;
+    // The leaders' exchange waits longer than a local step, and the members waiting for it longer
+    // still (hybrid_group::patience): a device that never arrives is named by its own process.
+    const auto local_timeout = options.timeout;
+    const auto grace = local_timeout.count() > 0
+                           ? std::min<std::chrono::nanoseconds>(local_timeout / 2, std::chrono::seconds(2))
+                           : std::chrono::nanoseconds(0);
+    group_->patience = 2 * grace;
+    mpi_comm_options leaders = procs.options();
+    if (leaders.timeout.count() > 0) leaders.timeout = std::max(leaders.timeout, local_timeout) + grace;
     for (int d = 0; d < procs.size() * threads; ++d) group_->member_device.push_back(d);
     group_->layout(procs.rank());
     // meshlib's own duplicate (collective), so that the interrupt hook is never the application's.
-    group_->mpi = mpi_communicator(procs.native(), procs.options(), false);  // open_channel installs the world's
+    group_->mpi = mpi_communicator(procs.native(), leaders, false);  // open_channel installs the world's
     if (MPI_Comm_dup(procs.native(), &group_->p2p) != MPI_SUCCESS)
       throw comm_error("meshlib: hybrid_world: MPI_Comm_dup failed");
     MPI_Comm_set_errhandler(group_->p2p, MPI_ERRORS_RETURN);
@@ -709,8 +824,9 @@ class hybrid_world {
   /// keeps the error's type when another device's failure would otherwise overtake it.
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
-    channel_->interrupt(std::string(message), -1, true);
-    if (channel_->remote_device.load() < 0) channel_->notify(process_ * threads_ + t, std::string(message), true);
+    channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    if (channel_->remote_device.load() < 0)
+      channel_->notify(process_ * threads_ + t, std::string(message), detail::failure_kind::mismatch);
     return first;
   }
   /// True once a participant of this process failed; the others then stop waiting.
@@ -736,18 +852,21 @@ class hybrid_world {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        bool mismatch = false;
-        if (channel->poll(device, what, mismatch)) {
-          // The thread world first, so that a leader released by the channel finds the root cause
-          // already recorded there (its own abort of the thread world is then not the first).
-          if (mismatch) {  // a mismatch another process saw: the same error here, not an abort
-            local_.fail_as_mismatch(what);
-            channel->interrupt(what, device, true);
+        detail::failure_kind kind{};
+        if (channel->poll(device, what, kind)) {
+          // The channel first, then the thread world: a device that the thread world releases
+          // and that leaves run_hybrid reports its error to the channel, which must already hold
+          // the root cause (a leader released by the channel records the same in the thread world).
+          if (kind != detail::failure_kind::aborted) {
+            // A timeout or mismatch another process saw: the same error and message here, not an
+            // abort (the message already names global devices and the user's operation).
+            channel->interrupt(what, device, kind);
+            local_.fail_as(kind, what);
             return;
           }
           const std::string who = "hybrid device " + std::to_string(device) + " of " + std::to_string(devices);
-          local_.abort(-1, what, who);
           channel->interrupt("meshlib: communicator aborted: " + who + " failed: " + what, device);
+          local_.abort(-1, what, who);
           return;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -812,7 +931,11 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
     const int t = remote >= 0 && own >= 0 ? own : root;
     const auto& e = errors[static_cast<std::size_t>(t)];
-    const int device = blame_remote ? remote : procs.rank() * threads + t;
+    // The thread at fault may have thrown nothing (it never arrived at a collective that timed
+    // out): it is still the device to blame, with the message of the thread that saw it.
+    const int cause = world.root_cause_thread();
+    const int at_fault = own < 0 && cause >= 0 && cause < threads ? cause : t;
+    const int device = blame_remote ? remote : procs.rank() * threads + at_fault;
     try {
       std::rethrow_exception(e);
     } catch (...) {

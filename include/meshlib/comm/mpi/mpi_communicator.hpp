@@ -29,6 +29,11 @@
 /// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
 /// data and returns; the copy is sent in the background and progressed by later calls.
 ///
+/// Determinism. Float and double sum, prod and mean over more than two ranks are reduced in rank
+/// order with the thread backend's kernel (`detail/ordered_reduce.hpp`), not in MPI's unspecified
+/// order, so every backend gives the same bits for the same inputs; two ranks, integers, min and
+/// max run MPI's native reduction (whose result does not depend on the order there).
+///
 /// Mismatch detection (always on). Before its data moves, every collective exchanges a
 /// fingerprint of the call (call number, operation, element type, count, reduce op, root,
 /// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
@@ -89,6 +94,7 @@
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
+#include "meshlib/comm/mpi/detail/ordered_reduce.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -113,7 +119,7 @@ struct mpi_comm_options {
   /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
   large_payload_mode large_payloads = large_payload_mode::automatic;
   /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
-  /// once (bitwise equal to the thread backend for min and max, within float rounding for sums);
+  /// once (bitwise equal to the thread backend: sums in rank order, `detail/ordered_reduce.hpp`);
   /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
   /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
   bool bfloat16_on_wire = false;
@@ -143,6 +149,9 @@ struct mpi_comm_state {
   bool failed = false;
   bool failed_by_mismatch = false;  ///< else a timeout
   std::string failure;
+  /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
+  /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
+  std::vector<int> missing;
   std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
   /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
   /// failed, here or in another process): called by every wait while it polls, it throws that
@@ -229,6 +238,7 @@ inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
 class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
+  friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
   using op_kind = detail::op_kind;
 
  public:
@@ -282,8 +292,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        bool mismatch = false;  // never sent on a plain communicator: every rank detects its own
-        if (ch->poll(r, what, mismatch))
+        detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
+        if (ch->poll(r, what, kind))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
         ch->check();
@@ -654,9 +664,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         }
         std::string missing;
         int count = 0;
+        state_->missing.clear();
         for (int peer = 0; peer < size(); ++peer)
-          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1)
+          if (peer != rank() && state_->peer_waits_in[static_cast<std::size_t>(peer)] != call + 1) {
             missing += (count++ ? ", " : "") + std::to_string(peer);
+            state_->missing.push_back(peer);
+          }
         fail_timeout(k, count ? "rank(s) " + missing + " never arrived" : "every rank arrived, but not in time");
       }
     }
@@ -786,6 +799,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_all_reduce<T>(send ? send : recv, recv, count, op);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -814,6 +831,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_reduce<T>(is_root && !send ? recv : send, recv, count, op, root);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -841,6 +862,10 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
+    if (detail::needs_rank_order<T>(op, size())) {
+      ordered_reduce_scatter<T>(send ? send : recv, recv, count, op);
+      return;
+    }
     const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
@@ -848,6 +873,54 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
     if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+  }
+
+  // Float sum, prod and mean over more than two ranks, in rank order (detail/ordered_reduce.hpp):
+  // the inputs move, and the thread backend's kernel reduces them, so the bits are the thread
+  // backend's. `src` may be `recv` (in place): every input is copied out before a result is written.
+
+  /// Rank me's result block: block me of every rank, reduced in rank order.
+  template <class T>
+  void ordered_reduce_scatter(const T* src, T* recv, std::size_t count, reduce_op op) {
+    const auto n = static_cast<std::size_t>(size());
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int c = static_cast<int>(count);
+    std::vector<T> blocks(count * n);
+    timed("reduce_scatter", count * n * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Ialltoall(src, c, t, blocks.data(), c, t, state_->comm, r); },
+          [&] { return MPI_Alltoall(src, c, t, blocks.data(), c, t, state_->comm); });
+    detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
+  }
+
+  /// A reduce-scatter of blocks of ceil(count / n) elements (the input padded), then an all-gather.
+  template <class T>
+  void ordered_all_reduce(const T* src, T* recv, std::size_t count, reduce_op op) {
+    if (count == 0) return;
+    const auto n = static_cast<std::size_t>(size());
+    const std::size_t c = (count + n - 1) / n;
+    std::vector<T> padded(c * n), mine(c), all(c * n);
+    std::copy_n(src, count, padded.begin());
+    ordered_reduce_scatter<T>(padded.data(), mine.data(), c, op);
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int ci = static_cast<int>(c);
+    timed("all_reduce", c * n * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Iallgather(mine.data(), ci, t, all.data(), ci, t, state_->comm, r); },
+          [&] { return MPI_Allgather(mine.data(), ci, t, all.data(), ci, t, state_->comm); });
+    std::copy_n(all.begin(), count, recv);
+  }
+
+  /// Every rank's input gathered on the root, reduced there in rank order.
+  template <class T>
+  void ordered_reduce(const T* src, T* recv, std::size_t count, reduce_op op, int root) {
+    const auto n = static_cast<std::size_t>(size());
+    const bool is_root = rank() == root;
+    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const int c = static_cast<int>(count);
+    std::vector<T> all(is_root ? count * n : 0);
+    timed("reduce", count * sizeof(T),
+          [&](MPI_Request* r) { return MPI_Igather(src, c, t, all.data(), c, t, root, state_->comm, r); },
+          [&] { return MPI_Gather(src, c, t, all.data(), c, t, root, state_->comm); });
+    if (is_root) detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
   }
 
   template <class T>

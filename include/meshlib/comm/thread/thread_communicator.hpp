@@ -73,6 +73,7 @@ class thread_world;
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
 class thread_communicator : public communicator_frontend<thread_communicator> {
   friend class communicator_frontend<thread_communicator>;
+  friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
 
  public:
 
@@ -450,7 +451,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
       if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
       std::this_thread::yield();
     }
-    const auto deadline = start + g.policy.timeout;
+    const auto deadline = start + g.policy.timeout + patience_;
     int departed = -1;
     bool timed_out = false;
     bool done = false;
@@ -487,22 +488,24 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
                         g.rank_label(rank_) + " waited for it in " + std::string(detail::op_name(k)) + " (step " +
                         std::to_string(s) + ")");
     } else if (timed_out) {
-      std::ostringstream os;
-      os << "meshlib: " << detail::op_name(k) << " (step " << s << ") timed out on " << g.rank_label(rank_) << " of "
-         << g.n << " after " << std::chrono::duration<double>(g.policy.timeout).count() << " s: ";
-      int missing = 0;
-      int first_missing = -1;
+      detail::missing_report facts;
+      facts.waiter = world_rank();
+      std::vector<int> missing;
       for (int r = 0; r < g.n; ++r)
         if (!arrived(r)) {
-          if (first_missing < 0) first_missing = r;
-          os << (missing++ ? ", " : "rank(s) ") << (g.is_world() ? std::to_string(r) : g.rank_label(r));
+          missing.push_back(r);
+          facts.missing.push_back(g.world_ranks[static_cast<std::size_t>(r)]);
         }
-      os << (missing ? " never arrived" : "every rank arrived late");
-      os << "; raise the timeout (thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT) if they are only slow";
+      const std::string msg = detail::timeout_message(
+          std::string(detail::op_name(k)) + " (step " + std::to_string(s) + ")", g.rank_label(rank_), g.n,
+          g.policy.timeout,
+          detail::list_participants("rank", missing,
+                                    [&](int r) { return g.is_world() ? std::to_string(r) : g.rank_label(r); }),
+          "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
       // The root cause is the first rank that never arrived, not this waiter (device_error::device()
-      // of spmd names it).
-      g.world->fail(detail::failure_kind::timeout,
-                    first_missing >= 0 ? g.world_ranks[static_cast<std::size_t>(first_missing)] : world_rank(), os.str());
+      // of spmd names it). The facts let an owner (the hybrid communicator) name them its own way.
+      const int culprit = missing.empty() ? world_rank() : facts.missing.front();
+      g.world->fail(detail::failure_kind::timeout, culprit, msg, std::move(facts));
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
     if (ready()) return;
@@ -789,6 +792,11 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+  /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
+  /// but while a hybrid member waits for its leader's exchange between processes: the process
+  /// whose device never arrived must time out first, so that its report (naming that device)
+  /// reaches every process before a waiter elsewhere blames the innocent leader.
+  std::chrono::nanoseconds patience_{0};
 };
 
 static_assert(communicator<thread_communicator>);
@@ -860,8 +868,14 @@ class thread_world {
   /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
   /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
   /// participant being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as_mismatch(std::string_view message) {
-    return world_->fail(detail::failure_kind::mismatch, -1, std::string(message));
+  bool fail_as_mismatch(std::string_view message) { return fail_as(detail::failure_kind::mismatch, message); }
+
+  /// @brief Fails the world with an error detected elsewhere (by another process of a hybrid
+  /// world, or by its leader's exchange between processes): every participant gets the error of
+  /// `kind` (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with `message`, no participant
+  /// of this world being the root cause. @returns whether this call recorded the root cause.
+  bool fail_as(detail::failure_kind kind, std::string_view message) {
+    return world_->fail(kind, -1, std::string(message));
   }
 
   /// Whether the world has failed.

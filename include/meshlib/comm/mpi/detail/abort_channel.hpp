@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
 
@@ -30,7 +31,8 @@ namespace meshlib::detail {
 /// participant fails, its process sends "<epoch><participant><kind><what>" to every other process (once);
 /// a process that receives it (`poll`, called by the MPI waits of `mpi_communicator`, or by the
 /// hybrid world's watcher thread every millisecond) records the root cause (`interrupt`), and its
-/// waits end with `comm_aborted` naming the participant (`check`). The owner names participants
+/// waits end with the root cause's error (`check`): `comm_aborted` naming the participant that
+/// failed, or the `comm_timeout` or `collective_mismatch` that another process detected. The owner names participants
 /// (an MPI rank, a global hybrid device).
 struct abort_channel {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -47,7 +49,7 @@ struct abort_channel {
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
-  bool mismatch = false;                 ///< the root cause is a collective mismatch, not a failure (guarded by mutex)
+  failure_kind kind = failure_kind::aborted;  ///< the root cause's kind: the error waits throw (guarded by mutex)
   bool sent = false;                     ///< guarded by mutex
   std::vector<char> inbox = std::vector<char>(4096);
   MPI_Request inbox_request = MPI_REQUEST_NULL;
@@ -88,13 +90,12 @@ struct abort_channel {
     MPI_Irecv(inbox.data(), static_cast<int>(inbox.size()), MPI_CHAR, MPI_ANY_SOURCE, 0, comm, &inbox_request);
   }
 
-  /// The header of a report: epoch, participant, kind (1: a collective mismatch).
+  /// The header of a report: epoch, participant, kind (`failure_kind`).
   static constexpr std::size_t head = sizeof(std::uint64_t) + 2 * sizeof(int);
 
-  /// Tests for a report from another process: true (with its participant, message and whether it
-  /// is a collective mismatch) once one of this channel's epoch has arrived; reports meant for an
-  /// earlier channel are dropped.
-  bool poll(int& device, std::string& what, bool& is_mismatch) {
+  /// Tests for a report from another process: true (with its participant, message and kind) once
+  /// one of this channel's epoch has arrived; reports meant for an earlier channel are dropped.
+  bool poll(int& device, std::string& what, failure_kind& reported) {
     if (!enabled || stop.load()) return false;
     std::unique_lock lk(poll_mutex, std::try_to_lock);
     if (!lk.owns_lock() || inbox_request == MPI_REQUEST_NULL) return false;
@@ -106,30 +107,30 @@ struct abort_channel {
     int bytes = 0;
     MPI_Get_count(&st, MPI_CHAR, &bytes);
     std::uint64_t e = 0;
-    int kind = 0;
+    int wire_kind = 0;
     if (bytes >= static_cast<int>(head)) {
       std::memcpy(&e, inbox.data(), sizeof(std::uint64_t));
       std::memcpy(&device, inbox.data() + sizeof(std::uint64_t), sizeof(int));
-      std::memcpy(&kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
+      std::memcpy(&wire_kind, inbox.data() + sizeof(std::uint64_t) + sizeof(int), sizeof(int));
     }
     if (e != epoch) {  // meant for an earlier channel (MPI reuses a freed duplicate's context id)
       post();
       return false;
     }
     what.assign(inbox.data() + head, static_cast<std::size_t>(bytes) - head);
-    is_mismatch = kind == 1;
+    reported = wire_kind == 1 ? failure_kind::timeout : wire_kind == 2 ? failure_kind::mismatch : failure_kind::aborted;
     remote_device.store(device);
     return true;
   }
 
   /// Records the root cause (`participant` failed, -1 when the owner does not name it) once and
   /// releases the waits that check the channel.
-  /// `is_mismatch`: the root cause is a collective mismatch (waits then throw collective_mismatch).
-  void interrupt(const std::string& msg, int participant = -1, bool is_mismatch = false) {
+  /// `k`: the error the waits then throw (a timeout or mismatch seen elsewhere keeps its type).
+  void interrupt(const std::string& msg, int participant = -1, failure_kind k = failure_kind::aborted) {
     std::lock_guard lk(mutex);
     if (interrupted.load()) return;
     message = msg;
-    mismatch = is_mismatch;
+    kind = k;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
   }
@@ -137,24 +138,35 @@ struct abort_channel {
   void check() {
     if (interrupted.load(std::memory_order_acquire)) rethrow("");
   }
-  /// Throws the recorded root cause (`comm_aborted`, or `collective_mismatch`) with `suffix` appended.
-  [[noreturn]] void rethrow(const std::string& suffix) {
+  /// The recorded root cause: its kind, and its message in `msg`.
+  failure_kind recorded(std::string& msg) {
     std::lock_guard lk(mutex);
-    if (mismatch) throw collective_mismatch(message + suffix);
-    throw comm_aborted(message + suffix);
+    msg = message;
+    return kind;
   }
-  /// Tells every other process that participant `device` failed, or saw a collective mismatch
-  /// (`is_mismatch`), with `what` (once per channel).
-  void notify(int device, const std::string& what, bool is_mismatch = false) {
+  /// Throws the recorded root cause (its kind's error) with `suffix` appended.
+  [[noreturn]] void rethrow(const std::string& suffix) {
+    std::string m;
+    failure_kind k;
+    {
+      std::lock_guard lk(mutex);
+      m = message + suffix;
+      k = kind;
+    }
+    throw_failure(k, std::move(m));
+  }
+  /// Tells every other process that participant `device` failed (`k` aborted), or that a timeout
+  /// or collective mismatch was seen here, with `what` (once per channel).
+  void notify(int device, const std::string& what, failure_kind k = failure_kind::aborted) {
     if (!enabled) return;
     std::lock_guard lk(mutex);
     if (sent) return;
     sent = true;
-    const int kind = is_mismatch ? 1 : 0;
+    const int wire_kind = static_cast<int>(k);
     std::vector<char> msg(head + std::min<std::size_t>(what.size(), inbox.size() - head));
     std::memcpy(msg.data(), &epoch, sizeof(std::uint64_t));
     std::memcpy(msg.data() + sizeof(std::uint64_t), &device, sizeof(int));
-    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &kind, sizeof(int));
+    std::memcpy(msg.data() + sizeof(std::uint64_t) + sizeof(int), &wire_kind, sizeof(int));
     std::memcpy(msg.data() + head, what.data(), msg.size() - head);
     for (int p = 0; p < processes; ++p) {
       if (p == process) continue;

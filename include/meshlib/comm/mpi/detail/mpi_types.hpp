@@ -6,7 +6,7 @@
 ///
 /// | meshlib | MPI datatype (min, max, moves) | MPI datatype (sum, prod, mean) | MPI op |
 /// | --- | --- | --- | --- |
-/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD`; min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
+/// | float / double | `MPI_FLOAT` / `MPI_DOUBLE` | same | `MPI_SUM`, `MPI_PROD` (over more than 2 ranks: moved and reduced in rank order instead, `ordered_reduce.hpp`); min/max: meshlib's user ops (NaN propagates, -0 < +0); mean = `MPI_SUM` then / n |
 /// | int32 / int64 | `MPI_INT32_T` / `MPI_INT64_T` | `MPI_UINT32_T` / `MPI_UINT64_T` | the same ops; unsigned so that sums wrap as the thread backend's do (signed overflow is undefined in MPI's C loops) |
 /// | bfloat16 | `MPI_UINT16_T` (its bits) | widened to `MPI_FLOAT` (default) or 16-bit on the wire with a user-defined op that combines in float | see `mpi_comm_options::bfloat16_on_wire` |
 

@@ -35,6 +35,7 @@
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/reduce_op.hpp"
@@ -201,8 +202,6 @@ struct alignas(64) rank_slot {
   staging_buffer staging[2];
 };
 
-enum class failure_kind : std::uint8_t { aborted, timeout, mismatch };
-
 struct group_state;
 
 /// The failure record and sub-group registry shared by every group of one thread_world.
@@ -216,6 +215,7 @@ struct world_state {
   failure_kind kind = failure_kind::aborted;  // guarded by mutex
   int failed_rank = -1;                       // world rank of the root cause, -1 if none
   std::string message;                        // guarded by mutex
+  missing_report timed_out;                   // a timeout's waiter and missing ranks (world ranks; guarded by mutex)
   std::vector<std::weak_ptr<group_state>> groups;
   struct pending_group {
     std::shared_ptr<group_state> state;
@@ -226,7 +226,7 @@ struct world_state {
 
   /// Records the root cause (the first failure wins) and releases every waiter of every group.
   /// @returns whether this call recorded the root cause.
-  bool fail(failure_kind k, int world_rank, std::string msg);
+  bool fail(failure_kind k, int world_rank, std::string msg, missing_report report = {});
 
   /// Throws the error of the recorded root cause, `context` appended.
   [[noreturn]] void rethrow(std::string_view context) {
@@ -242,12 +242,16 @@ struct world_state {
       m += context;
       m += ']';
     }
-    switch (k) {
-      case failure_kind::timeout: throw comm_timeout(m);
-      case failure_kind::mismatch: throw collective_mismatch(m);
-      case failure_kind::aborted: break;
-    }
-    throw comm_aborted(m);
+    throw_failure(k, std::move(m));
+  }
+
+  /// The facts of the root cause when it is a timeout this world detected (world ranks), so that
+  /// an owner can restate it in its own terms; false when it is not.
+  bool timeout_facts(missing_report& out) {
+    std::lock_guard lk(mutex);
+    if (!failed.load(std::memory_order_relaxed) || kind != failure_kind::timeout || timed_out.waiter < 0) return false;
+    out = timed_out;
+    return true;
   }
 
   int root_cause_rank() {
@@ -367,7 +371,7 @@ struct group_state {
   }
 };
 
-inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
+inline bool world_state::fail(failure_kind k, int world_rank, std::string msg, missing_report report) {
   std::vector<std::shared_ptr<group_state>> live;
   {
     std::lock_guard lk(mutex);
@@ -375,6 +379,7 @@ inline bool world_state::fail(failure_kind k, int world_rank, std::string msg) {
     kind = k;
     failed_rank = world_rank;
     message = std::move(msg);
+    timed_out = std::move(report);
     failed.store(true, std::memory_order_seq_cst);
     for (auto& w : groups)
       if (auto g = w.lock()) live.push_back(std::move(g));

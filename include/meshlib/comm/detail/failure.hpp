@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief Who failed and who is missing: the failure kinds every backend records, the error each
+/// one rethrows, and the one wording of a timeout. Written once so that a backend built on another
+/// (the hybrid communicator on the thread world and MPI) can restate a failure in its own terms
+/// (global device ids, the operation the user called) from the same facts, instead of parsing or
+/// copying another backend's message.
+
+#include <chrono>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "meshlib/comm/errors.hpp"
+
+namespace meshlib::detail {
+
+/// How a group failed; decides the error type every participant rethrows. The values travel
+/// between processes in abort-channel reports.
+enum class failure_kind : std::uint8_t { aborted = 0, timeout = 1, mismatch = 2 };
+
+/// Throws the error of kind `k` with message `m`.
+[[noreturn]] inline void throw_failure(failure_kind k, std::string m) {
+  switch (k) {
+    case failure_kind::timeout: throw comm_timeout(std::move(m));
+    case failure_kind::mismatch: throw collective_mismatch(std::move(m));
+    case failure_kind::aborted: break;
+  }
+  throw comm_aborted(std::move(m));
+}
+
+/// The facts of a timeout, in the failed group's own numbering: the participant that detected it
+/// and those that never arrived (ascending; empty: every one arrived, but not in time).
+struct missing_report {
+  int waiter = -1;
+  std::vector<int> missing;
+};
+
+/// "<noun>(s) 1, 3" for the participants `ids` (as `name(id)` writes each one's number).
+template <class Name>
+std::string list_participants(std::string_view noun, const std::vector<int>& ids, Name&& name) {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : std::string(noun) + "(s) ") + name(ids[i]);
+  return s;
+}
+
+/// The wording of every timeout: "meshlib: <op> timed out on <waiter> of <n> after <s> s: <missing>
+/// never arrived; raise the timeout (<knob>) if they are only slow". `missing` empty: every
+/// participant arrived, but late.
+inline std::string timeout_message(std::string_view op, std::string_view waiter, int n,
+                                   std::chrono::nanoseconds timeout, const std::string& missing,
+                                   std::string_view knob) {
+  std::ostringstream os;
+  os << "meshlib: " << op << " timed out on " << waiter << " of " << n << " after "
+     << std::chrono::duration<double>(timeout).count() << " s: ";
+  os << (missing.empty() ? std::string("every rank arrived late") : missing + " never arrived");
+  os << "; raise the timeout (" << knob << ") if they are only slow";
+  return os.str();
+}
+
+}  // namespace meshlib::detail
