@@ -7327,6 +7327,106 @@ class device_error : public error {
 
 }  // namespace meshlib
 // end meshlib/collectives/errors.hpp
+// begin meshlib/collectives/workspace.hpp
+/// @file
+/// @brief `collective_workspace`: the buffers one device's typed collectives write their results
+/// and staging into, reused from call to call, so that a collective called again with the same
+/// shapes allocates nothing (issue 9: a typed `psum` used to allocate and copy its result on every
+/// call, which doubled its latency at 8 B and cost 40% of the bandwidth at 16 MiB).
+///
+/// Why reuse is safe: a buffer is handed out again only while the workspace holds its only
+/// reference (`Kokkos::View::use_count() == 1`). A result the caller still holds keeps the count
+/// above one, so a later call never overwrites it: it takes another buffer, or a fresh one.
+///
+/// Lifetime: the workspace belongs to one `device_context`, which lives for one `shard_map` /
+/// `spmd` call on that device's thread; it holds only its own views (no communicator, no pointer
+/// into the call), and drops them on that thread when the call ends (the Kokkos 3.4.1 rule of
+/// tensor/view.hpp: a device thread copies and drops handles only of its own blocks). A result
+/// that outlives the call keeps its buffer; the workspace merely lets go of it.
+
+#include <array>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <typeindex>
+#include <typeinfo>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+/// The reusable buffers of one device (see the file comment), by view type and extents.
+class collective_workspace {
+ public:
+  /// How many buffers of one type and shape are kept; past that, a call whose every kept buffer is
+  /// still held gets a fresh one that the workspace does not keep.
+  static constexpr std::size_t buffers_per_shape = 4;
+
+  collective_workspace() = default;
+  collective_workspace(const collective_workspace&) = delete;
+  collective_workspace& operator=(const collective_workspace&) = delete;
+
+  /// A block of `shape` (uninitialised) that nobody but the workspace holds.
+  template <class T, std::size_t Rank, class Space>
+  block_view_t<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
+    using view_t = block_view_t<T, Rank, Space>;
+    auto& kept = slots_[key_of<view_t>(shape)];
+    for (auto& s : kept) {
+      auto& v = static_cast<slot<view_t>&>(*s).view;
+      if (v.use_count() == 1) return v;
+    }
+    ++allocations_;
+    view_t fresh = allocate<T, Rank, Space>(shape, "meshlib::collective", false);
+    if (kept.size() < buffers_per_shape) kept.push_back(std::make_unique<slot<view_t>>(fresh));
+    return fresh;
+  }
+
+  /// A one-dimensional staging buffer of `n` elements, for use within one collective call.
+  template <class T, class Space>
+  block_view_t<T, 1, Space> scratch(std::size_t n) {
+    return acquire<T, 1, Space>(std::array<std::size_t, 1>{n});
+  }
+
+  /// Whether `v` is one of the workspace's buffers (then the workspace holds one of its references).
+  template <class View>
+  [[nodiscard]] bool holds(const View& v) const {
+    const auto it = slots_.find(key_of<View>(extents_of(v)));
+    if (it == slots_.end()) return false;
+    for (const auto& s : it->second)
+      if (static_cast<const slot<View>&>(*s).view.data() == v.data()) return true;
+    return false;
+  }
+
+  /// Buffers allocated so far (a fresh workspace: 0; after warm-up a repeated call adds none).
+  [[nodiscard]] std::size_t allocations() const noexcept { return allocations_; }
+
+ private:
+  struct slot_base {
+    virtual ~slot_base() = default;
+  };
+  template <class View>
+  struct slot final : slot_base {
+    explicit slot(View v) : view(std::move(v)) {}
+    View view;
+  };
+  /// The view type and its extents (unused ones 0): a buffer is reused only for the same shape,
+  /// because a Kokkos view cannot be re-shaped while sharing ownership.
+  using key = std::tuple<std::type_index, std::array<std::size_t, 8>>;
+
+  template <class View, std::size_t Rank>
+  static key key_of(const std::array<std::size_t, Rank>& shape) {
+    std::array<std::size_t, 8> e{};
+    for (std::size_t d = 0; d < Rank; ++d) e[d] = shape[d];
+    return key{std::type_index(typeid(View)), e};
+  }
+
+  std::map<key, std::vector<std::unique_ptr<slot_base>>> slots_;
+  std::size_t allocations_ = 0;
+};
+
+}  // namespace meshlib::detail
+// end meshlib/collectives/workspace.hpp
 // begin meshlib/collectives/device_context.hpp
 /// @file
 /// @brief The device a piece of SPMD code runs as: its id, its mesh coordinates, and the
@@ -8247,6 +8347,10 @@ class observed_comm final : public Iface {
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
     observe(reduction_name(op), dt, count, buf, count, buf, count, [&] { inner_.all_reduce(buf, count, dt, op); });
   }
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    observe(reduction_name(op), dt, count, send, count, recv, count,
+            [&] { inner_.all_reduce(send, recv, count, dt, op); });
+  }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     observe("all_gather", dt, count, send, count, recv, count * n(), [&] { inner_.all_gather(send, recv, count, dt); });
   }
@@ -8371,6 +8475,9 @@ class device_comm {
   [[nodiscard]] virtual int size() const = 0;
   /// In place: `buf[i]` = op over ranks.
   virtual void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// Out of place: `recv[i]` = op over ranks of `send[i]` (the typed collectives' form: the
+  /// backend reads the input where it lies, so no copy into the result comes first).
+  virtual void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) = 0;
   /// `recv` = [send of rank 0, rank 1, ...], `count` elements each.
   virtual void all_gather(const void* send, void* recv, std::size_t count, datatype dt) = 0;
   /// `recv` = block `rank` (of `count` elements) of the reduction of `send` (`count * size()` elements).
@@ -8402,6 +8509,12 @@ class device_comm_for final : public device_comm {
 
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+  }
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op)
+          .wait();
+    });
   }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
@@ -8464,6 +8577,12 @@ class device_context {
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
   /// The communicator of this device's group along the axes in `mask`, in group-rank order.
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp); it lives as
+  /// long as this context, one `shard_map` / `spmd` call, and holds nothing of the call's communicators.
+  [[nodiscard]] collective_workspace& workspace() noexcept { return workspace_; }
+
+ private:
+  collective_workspace workspace_;
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
@@ -8808,18 +8927,6 @@ std::vector<std::size_t> written_order_of(const Mesh& mesh) {
   return written_order(sizes, group_positions_v<Mesh, G>);
 }
 
-/// Copies `count` blocks of `block` elements: block `r` of `src` to block `to[r]` of `dst`.
-template <class T>
-void scatter_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& to) {
-  for (std::size_t r = 0; r < to.size(); ++r) std::copy_n(src + r * block, block, dst + to[r] * block);
-}
-
-/// Copies blocks: block `r` of `dst` is block `from[r]` of `src`.
-template <class T>
-void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& from) {
-  for (std::size_t r = 0; r < from.size(); ++r) std::copy_n(src + from[r] * block, block, dst + r * block);
-}
-
 }  // namespace detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
@@ -9095,13 +9202,15 @@ using dims_insert_t = typename dims_insert_impl<Dims, D>::type;
 // begin meshlib/collectives/block_ops.hpp
 /// @file
 /// @brief Copies of rectangular boxes between row-major buffers: what every collective does to
-/// pack what it sends and unpack what it receives. Plain host loops on purpose: they run on the
-/// device threads, and only RangePolicy kernels are safe to launch from them on Kokkos 3.4.1
-/// (see tensor/view.hpp); a row-by-row `std::copy` is as fast as a kernel for a copy anyway.
+/// pack what it sends and unpack what it receives. Kernels in the blocks' memory space (issue 9:
+/// no `std::vector` staging and host loops, so that device memory works unchanged), one index per
+/// row: RangePolicy `parallel_for` through `launch`, the only launch that is safe from several
+/// device threads on Kokkos 3.4.1 (tensor/view.hpp), over plain pointers.
 
-#include <algorithm>
 #include <array>
 #include <cstddef>
+#include <span>
+
 
 namespace meshlib::detail {
 
@@ -9113,36 +9222,62 @@ constexpr std::size_t box_size(const std::array<std::size_t, Rank>& e) noexcept 
   return n;
 }
 
-/// Copies the box of extent `ext` at `src_off` in `src` (shape `src_shape`) to `dst_off` in `dst`
-/// (shape `dst_shape`). Both row-major and contiguous.
+/// One row (the last dimension) per index of a box copy between row-major buffers: plain
+/// pointers and fixed arrays, so it runs on any execution space and copies no View (view.hpp).
 template <class T, std::size_t Rank>
-void copy_box(const T* src, const std::array<std::size_t, Rank>& src_shape, const std::array<std::size_t, Rank>& src_off,
-              T* dst, const std::array<std::size_t, Rank>& dst_shape, const std::array<std::size_t, Rank>& dst_off,
-              const std::array<std::size_t, Rank>& ext) {
-  if constexpr (Rank == 0) {
-    *dst = *src;
-  } else {
-    if (box_size(ext) == 0) return;
-    std::array<std::size_t, Rank> idx{};  // position within the box, last dimension excluded
-    const std::size_t row = ext[Rank - 1];
-    while (true) {
+struct box_copy_kernel {
+  static constexpr std::size_t n = Rank == 0 ? 1 : Rank;
+  const T* src;
+  T* dst;
+  std::size_t src_shape[n], src_off[n], dst_shape[n], dst_off[n], ext[n];
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t row) const {
+    if constexpr (Rank == 0) {
+      dst[0] = src[0];
+    } else {
+      std::size_t idx[n] = {};
+      for (std::size_t k = Rank - 1; k-- > 0;) {  // row -> position in the box, last dimension excluded
+        idx[k] = row % ext[k];
+        row /= ext[k];
+      }
       std::size_t s = 0, d = 0;
       for (std::size_t k = 0; k < Rank; ++k) {
         s = s * src_shape[k] + src_off[k] + idx[k];
         d = d * dst_shape[k] + dst_off[k] + idx[k];
       }
-      std::copy_n(src + s, row, dst + d);
-      // Advance over every dimension but the last.
-      std::size_t k = Rank - 1;
-      while (k > 0) {
-        --k;
-        if (++idx[k] < ext[k]) break;
-        idx[k] = 0;
-        if (k == 0) return;
-      }
-      if constexpr (Rank == 1) return;
+      for (std::size_t e = 0; e < ext[Rank - 1]; ++e) dst[d + e] = src[s + e];
     }
   }
+};
+
+/// Copies the box of extent `ext` at `src_off` in `src` (shape `src_shape`) to `dst_off` in `dst`
+/// (shape `dst_shape`), both row-major and contiguous in memory `Space`: a kernel over the box's
+/// rows on the running device's execution-space instance (`launch`).
+template <class Space, class T, std::size_t Rank>
+void copy_box(const T* src, const std::array<std::size_t, Rank>& src_shape, const std::array<std::size_t, Rank>& src_off,
+              T* dst, const std::array<std::size_t, Rank>& dst_shape, const std::array<std::size_t, Rank>& dst_off,
+              const std::array<std::size_t, Rank>& ext) {
+  box_copy_kernel<T, Rank> k{src, dst, {}, {}, {}, {}, {}};
+  if constexpr (Rank == 0) {
+    launch<Space>(1, k);
+  } else {
+    if (box_size(ext) == 0) return;
+    for (std::size_t d = 0; d < Rank; ++d) {
+      k.src_shape[d] = src_shape[d];
+      k.src_off[d] = src_off[d];
+      k.dst_shape[d] = dst_shape[d];
+      k.dst_off[d] = dst_off[d];
+      k.ext[d] = ext[d];
+    }
+    launch<Space>(box_size(ext) / ext[Rank - 1], k);
+  }
+}
+
+/// `n` contiguous elements from `src` to `dst` in memory `Space`, as a kernel.
+template <class Space, class T>
+void copy_elements(const T* src, std::size_t n, T* dst) {
+  copy_box<Space>(src, std::array<std::size_t, 1>{n}, std::array<std::size_t, 1>{}, dst, std::array<std::size_t, 1>{n},
+                  std::array<std::size_t, 1>{}, std::array<std::size_t, 1>{n});
 }
 
 /// `shape` with dimension `d` replaced by `v`.
@@ -9160,25 +9295,36 @@ constexpr std::array<std::size_t, Rank> offset_along(std::size_t d, std::size_t 
   return r;
 }
 
-/// Packs `src` (shape `shape`) as `parts` consecutive chunks split along dimension `d`: chunk j is
-/// the slab `[j*c, (j+1)*c)` of `d`, `c = shape[d] / parts`.
-template <class T, std::size_t Rank>
-void pack_chunks(const T* src, const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t parts, T* dst) {
+/// Which chunk block `r` of a packed buffer is: `order[r]`, or `r` when `order` is empty (the
+/// group's rank order is the order written; see `written_order` in axis_group.hpp).
+inline std::size_t chunk_of(std::span<const std::size_t> order, std::size_t r) noexcept {
+  return order.empty() ? r : order[r];
+}
+
+/// Packs `src` (shape `shape`, memory `Space`) as `parts` consecutive blocks split along dimension
+/// `d`: block r is chunk `chunk_of(order, r)`, the slab `[j*c, (j+1)*c)` of `d` for that j,
+/// `c = shape[d] / parts`. (Packing and reordering are one pass: no staging buffer.)
+template <class Space, class T, std::size_t Rank>
+void pack_chunks(const T* src, const std::array<std::size_t, Rank>& shape, std::size_t d, std::size_t parts, T* dst,
+                 std::span<const std::size_t> order = {}) {
   const std::size_t c = shape[d] / parts;
   const auto chunk = with_extent(shape, d, c);
   const std::size_t n = box_size(chunk);
-  for (std::size_t j = 0; j < parts; ++j)
-    copy_box(src, shape, offset_along<Rank>(d, j * c), dst + j * n, chunk, std::array<std::size_t, Rank>{}, chunk);
+  for (std::size_t r = 0; r < parts; ++r)
+    copy_box<Space>(src, shape, offset_along<Rank>(d, chunk_of(order, r) * c), dst + r * n, chunk,
+                    std::array<std::size_t, Rank>{}, chunk);
 }
 
-/// The inverse: `parts` consecutive chunks of shape `chunk` in `src` placed side by side along
-/// dimension `d` of `dst` (whose extent along `d` is `parts * chunk[d]`).
-template <class T, std::size_t Rank>
-void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std::size_t d, std::size_t parts, T* dst) {
+/// The inverse: `parts` consecutive blocks of shape `chunk` in `src`, block r placed as chunk
+/// `chunk_of(order, r)` along dimension `d` of `dst` (whose extent along `d` is `parts * chunk[d]`).
+template <class Space, class T, std::size_t Rank>
+void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std::size_t d, std::size_t parts, T* dst,
+                   std::span<const std::size_t> order = {}) {
   const auto shape = with_extent(chunk, d, chunk[d] * parts);
   const std::size_t n = box_size(chunk);
-  for (std::size_t j = 0; j < parts; ++j)
-    copy_box(src + j * n, chunk, std::array<std::size_t, Rank>{}, dst, shape, offset_along<Rank>(d, j * chunk[d]), chunk);
+  for (std::size_t r = 0; r < parts; ++r)
+    copy_box<Space>(src + r * n, chunk, std::array<std::size_t, Rank>{}, dst, shape,
+                    offset_along<Rank>(d, chunk_of(order, r) * chunk[d]), chunk);
 }
 
 }  // namespace meshlib::detail
@@ -9186,7 +9332,10 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 // begin meshlib/collectives/reductions.hpp
 /// @file
 /// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
-/// and friends. The result is invariant over the axes (and no longer partial over them).
+/// and friends. The result is invariant over the axes (and no longer partial over them). Results
+/// are written out of place into the device's workspace (collectives/workspace.hpp): after the
+/// first call of a shape, a call allocates and copies nothing, and never overwrites a result
+/// that is still held.
 /// @code
 /// // inside shard_map over mesh<axis<"data">, axis<"model">>, x varies over both:
 /// auto s = meshlib::psum<"model">(x);          // the sum over the model group; varies over data only
@@ -9194,6 +9343,7 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 /// @endcode
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <string>
 #include <type_traits>
@@ -9208,6 +9358,13 @@ namespace detail {
 template <class L, std::size_t R = L::rank>
 auto result_view(const std::array<std::size_t, R>& shape) {
   return allocate<typename L::value_type, R, typename L::memory_space>(shape, "meshlib::collective", false);
+}
+
+/// A block of `shape` for the result of a collective, from the running device's workspace
+/// (collectives/workspace.hpp): reused when nobody holds it any more, so a repeated call allocates nothing.
+template <class T, std::size_t R, class Space>
+block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
+  return ctx.workspace().template acquire<T, R, Space>(shape);
 }
 
 /// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
@@ -9265,18 +9422,24 @@ auto all_reduce_over(const L& x) {
   if constexpr (!ok) {
     return result_t{};
   } else {
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, Op.view());
-    auto out = result_view<L>(x.shape());
-    std::copy_n(src, x.size(), out.data());
-    auto& comm = current_device(Op.view()).comm(mask);
+    device_context& ctx = current_device(Op.view());
+    auto& comm = ctx.comm(mask);
     if constexpr (int_mean) {
-      comm.all_reduce(out.data(), x.size(), datatype_of<T>, reduce_op::sum);
-      auto mean = allocate<U, L::rank, typename L::memory_space>(x.shape(), "meshlib::collective", false);
+      // The integer sum in a staging buffer, then the true division into the result.
+      auto sum = ctx.workspace().template scratch<T, space_t>(x.size());
+      comm.all_reduce(src, sum.data(), x.size(), datatype_of<T>, reduce_op::sum);
+      auto mean = workspace_view<U, L::rank, space_t>(ctx, x.shape());
       const U n = static_cast<U>(comm.size());
-      for (std::size_t i = 0; i < x.size(); ++i) mean.data()[i] = static_cast<U>(out.data()[i]) / n;
+      const T* s = sum.data();
+      U* m = mean.data();
+      launch<space_t>(x.size(), KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
       return result_t(mean, x.mesh(), x.device());
     } else {
-      comm.all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+      // Out of place: the backend reads x where it lies and writes the workspace's buffer.
+      auto out = workspace_view<T, L::rank, space_t>(ctx, x.shape());
+      comm.all_reduce(src, out.data(), x.size(), datatype_of<T>, ROp);
       return result_t(out, x.mesh(), x.device());
     }
   }
@@ -9291,7 +9454,10 @@ auto all_reduce_donated(L&& x) {
     return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
-    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+    // A result of an earlier collective is held by the workspace too, which counts as no holder.
+    device_context& ctx = current_device(Op.view());
+    const long holders = x.view().use_count() - (ctx.workspace().holds(x.view()) ? 1 : 0);
+    if (holders != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
       return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -9299,7 +9465,7 @@ auto all_reduce_donated(L&& x) {
                                          L::partial & ~mask>;
     using T = typename L::value_type;
     auto buffer = x.view();
-    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    ctx.comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
     return result_t(std::move(buffer), x.mesh(), x.device());
   }
 }
@@ -9528,23 +9694,29 @@ std::array<std::size_t, Rank + 1> with_dim(const std::array<std::size_t, Rank>& 
   return out;
 }
 
-/// The group communicator's blocks in `buf` (`n` blocks of `block`), received in rank (mesh)
-/// order, put in the order written.
-template <class T>
-void to_written_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
-  if (order.empty()) return;
-  std::vector<T> tmp(buf.size());
-  scatter_blocks(buf.data(), tmp.data(), block, order);
-  buf.swap(tmp);
+/// Whether the chunks of `shape` along dimension `d` are consecutive blocks in memory (every
+/// dimension before `d` of extent 1), so that a collective's packed buffer is the block itself.
+template <std::size_t Rank>
+constexpr bool chunks_contiguous(const std::array<std::size_t, Rank>& shape, std::size_t d) noexcept {
+  for (std::size_t k = 0; k < d; ++k)
+    if (shape[k] != 1) return false;
+  return true;
 }
 
-/// The inverse: blocks in the order written, put in rank order for sending.
-template <class T>
-void to_rank_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
-  if (order.empty()) return;
-  std::vector<T> tmp(buf.size());
-  gather_blocks(buf.data(), tmp.data(), block, order);
-  buf.swap(tmp);
+/// All-gathers `src` (a block of shape `chunk`) over `comm` into `out`, the `n` blocks side by side
+/// along dimension `dim` in the order written (`order`, see `written_order`): straight into `out`
+/// when its chunks are consecutive in memory, else through a workspace staging buffer.
+template <class Space, class T, std::size_t Rank>
+void gather_into(device_context& ctx, device_comm& comm, const T* src, const std::array<std::size_t, Rank>& chunk,
+                 std::size_t dim, std::size_t n, const std::vector<std::size_t>& order, T* out) {
+  const std::size_t count = box_size(chunk);
+  if (order.empty() && chunks_contiguous(chunk, dim)) {
+    comm.all_gather(src, out, count, datatype_of<T>);
+    return;
+  }
+  auto recv = ctx.workspace().template scratch<T, Space>(count * n);
+  comm.all_gather(src, recv.data(), count, datatype_of<T>);
+  unpack_chunks<Space>(recv.data(), chunk, dim, n, out, order);
 }
 
 template <class G, int DimArg, class L>
@@ -9558,14 +9730,13 @@ auto all_gather_tiled(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_gather");
-    auto& comm = current_device("all_gather").comm(mask);
+    device_context& ctx = current_device("all_gather");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
-    auto out = result_view<L>(with_extent(x.shape(), dim, x.extent(dim) * n));
-    unpack_chunks(recv.data(), x.shape(), dim, n, out.data());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) * n));
+    gather_into<space_t>(ctx, comm, src, x.shape(), dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -9582,15 +9753,14 @@ auto all_gather_untiled(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_gather");
-    auto& comm = current_device("all_gather").comm(mask);
+    device_context& ctx = current_device("all_gather");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     const auto chunk = with_dim(x.shape(), dim, 1);
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
-    auto out = result_view<L, L::rank + 1>(with_extent(chunk, dim, n));
-    unpack_chunks(recv.data(), chunk, dim, n, out.data());
+    auto out = workspace_view<T, L::rank + 1, space_t>(ctx, with_extent(chunk, dim, n));
+    gather_into<space_t>(ctx, comm, src, chunk, dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -9609,18 +9779,24 @@ auto psum_scatter_impl(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "psum_scatter");
-    auto& comm = current_device("psum_scatter").comm(mask);
+    device_context& ctx = current_device("psum_scatter");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
-    std::vector<T> send(x.size());
-    pack_chunks(src, x.shape(), dim, n, send.data());
-    to_rank_order(send, x.size() / n, written_order_of<mesh_t, G>(x.mesh()));
     auto out = [&] {
-      if constexpr (Tiled) return result_view<L>(with_extent(x.shape(), dim, x.extent(dim) / n));
-      else return result_view<L, out_rank>(without_dim(x.shape(), dim));
+      if constexpr (Tiled) return workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) / n));
+      else return workspace_view<T, out_rank, space_t>(ctx, without_dim(x.shape(), dim));
     }();
-    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    if (order.empty() && chunks_contiguous(x.shape(), dim)) {
+      comm.reduce_scatter(src, out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);  // x is packed already
+    } else {
+      auto send = ctx.workspace().template scratch<T, space_t>(x.size());
+      pack_chunks<space_t>(src, x.shape(), dim, n, send.data(), order);
+      comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    }
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -9641,17 +9817,14 @@ auto all_to_all_impl(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_to_all");
-    auto& comm = current_device("all_to_all").comm(mask);
+    device_context& ctx = current_device("all_to_all");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("all_to_all", split, x.extent(split), n, Tiled);
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     const std::size_t block = x.size() / n;
-    std::vector<T> send(x.size()), recv(x.size());
-    pack_chunks(src, x.shape(), split, n, send.data());
-    to_rank_order(send, block, order);
-    comm.all_to_all(send.data(), recv.data(), block, datatype_of<T>);
-    to_written_order(recv, block, order);
     // Tiled: chunk j has the input's shape with split cut by n. Untiled: the split dimension
     // (now of size 1) removed and a size-1 dimension inserted at concat: the same elements in the
     // same order, stacked along concat.
@@ -9659,8 +9832,18 @@ auto all_to_all_impl(const L& x) {
       if constexpr (Tiled) return with_extent(x.shape(), split, x.extent(split) / n);
       else return with_dim(without_dim(x.shape(), split), concat, 1);
     }();
-    auto out = result_view<L>(with_extent(chunk, concat, chunk[concat] * n));
-    unpack_chunks(recv.data(), chunk, concat, n, out.data());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(chunk, concat, chunk[concat] * n));
+    // Staging only where a packed buffer is not the block itself (chunks_contiguous).
+    const bool direct_send = order.empty() && chunks_contiguous(x.shape(), split);
+    const bool direct_recv = order.empty() && chunks_contiguous(chunk, concat);
+    block_view_t<T, 1, space_t> send, recv;
+    if (!direct_send) {
+      send = ctx.workspace().template scratch<T, space_t>(x.size());
+      pack_chunks<space_t>(src, x.shape(), split, n, send.data(), order);
+    }
+    if (!direct_recv) recv = ctx.workspace().template scratch<T, space_t>(x.size());
+    comm.all_to_all(direct_send ? src : send.data(), direct_recv ? out.data() : recv.data(), block, datatype_of<T>);
+    if (!direct_recv) unpack_chunks<space_t>(recv.data(), chunk, concat, n, out.data(), order);
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -10346,38 +10529,53 @@ namespace detail {
 
 /// Runs `plan` on one device: `src` is its block under `from` (rule `from_rule`), the result its
 /// block under the plan's target (rule `to_rule`), written to `dst` (already of the target shape).
-template <class T, class Mesh, std::size_t Rank>
+/// Every buffer lives in memory `Space` and every copy is a kernel (block_ops.hpp); the last step
+/// writes straight into `dst`, so no step is followed by a copy.
+template <class T, class Space, class Mesh, std::size_t Rank>
 void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t device, const dyn_spec& from,
                       shard_rule from_rule, shard_rule to_rule, const std::array<std::size_t, Rank>& shape, const T* src,
                       T* dst) {
   device_context& ctx = current_device("reshard");
   using shape_t = std::array<std::size_t, Rank>;
+  using buffer_t = block_view_t<T, 1, Space>;
+  auto staging = [](std::size_t n, bool zero = false) {
+    return allocate<T, 1, Space>(std::array<std::size_t, 1>{n}, "meshlib::reshard", zero);
+  };
   dyn_spec cur = from;
   shape_t cur_shape = dyn_block_of(m, cur, shape, device, from_rule).extent;
-  std::vector<T> buf(src, src + box_size(cur_shape));
-  std::vector<T> next;
-  for (const auto& st : plan.steps()) {
+  const T* in = src;  // the current block: x's own, then the last step's output
+  buffer_t held;      // keeps `in` alive once it is a staging buffer
+  const auto& steps = plan.steps();
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const auto& st = steps[i];
+    const bool last = i + 1 == steps.size();
+    const std::size_t in_size = box_size(cur_shape);
+    buffer_t next;
+    // Where this step writes its block of `out_size` elements: `dst` for the last step.
+    auto output = [&](std::size_t out_size, bool zero = false) -> T* {
+      if (last) return dst;
+      next = staging(out_size, zero);
+      return next.data();
+    };
     switch (st.kind) {
       case reshard_kind::all_gather: {
         auto& comm = ctx.comm(axis_mask{1} << st.axis);
         const std::size_t n = static_cast<std::size_t>(comm.size());
-        std::vector<T> recv(buf.size() * n);
-        comm.all_gather(buf.data(), recv.data(), buf.size(), datatype_of<T>);
-        next.assign(recv.size(), T{});
-        unpack_chunks(recv.data(), cur_shape, st.split_dim, n, next.data());
+        buffer_t recv = staging(in_size * n);
+        comm.all_gather(in, recv.data(), in_size, datatype_of<T>);
+        unpack_chunks<Space>(recv.data(), cur_shape, st.split_dim, n, output(in_size * n));
         cur_shape[st.split_dim] *= n;
         break;
       }
       case reshard_kind::all_to_all: {
         auto& comm = ctx.comm(axis_mask{1} << st.axis);
         const std::size_t n = static_cast<std::size_t>(comm.size());
-        std::vector<T> send(buf.size()), recv(buf.size());
-        pack_chunks(buf.data(), cur_shape, st.split_dim, n, send.data());
-        comm.all_to_all(send.data(), recv.data(), buf.size() / n, datatype_of<T>);
+        buffer_t send = staging(in_size), recv = staging(in_size);
+        pack_chunks<Space>(in, cur_shape, st.split_dim, n, send.data());
+        comm.all_to_all(send.data(), recv.data(), in_size / n, datatype_of<T>);
         shape_t chunk = cur_shape;
         chunk[st.split_dim] /= n;
-        next.assign(buf.size(), T{});
-        unpack_chunks(recv.data(), chunk, st.concat_dim, n, next.data());
+        unpack_chunks<Space>(recv.data(), chunk, st.concat_dim, n, output(in_size));
         cur_shape = chunk;
         cur_shape[st.concat_dim] *= n;
         break;
@@ -10387,8 +10585,7 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
         const auto want = dyn_block_of(m, st.after, shape, device, shard_rule::even);
         shape_t off{};
         for (std::size_t d = 0; d < Rank; ++d) off[d] = want.offset[d] - have.offset[d];
-        next.assign(want.size(), T{});
-        copy_box(buf.data(), cur_shape, off, next.data(), want.extent, shape_t{}, want.extent);
+        copy_box<Space>(in, cur_shape, off, output(want.size()), want.extent, shape_t{}, want.extent);
         cur_shape = want.extent;
         break;
       }
@@ -10398,56 +10595,60 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
         const auto reps = block_representatives(m, from);
         const auto mine = dyn_block_of(m, from, shape, device, from_rule);
         const auto want = dyn_block_of(m, st.after, shape, device, to_rule);
+        // The plan of the exchange (host metadata only): what this device sends to each
+        // destination, every piece it is the chosen source of, and what it receives from each
+        // source, in the order that source packs it.
         std::vector<std::int64_t> send_counts(n, 0), send_displs(n, 0), recv_counts(n, 0), recv_displs(n, 0);
-        std::vector<T> send;
-        // What this device sends to each destination: every piece it is the chosen source of.
-        for (std::size_t dst = 0; dst < n; ++dst) {
-          send_displs[dst] = static_cast<std::int64_t>(send.size());
-          const auto their = dyn_block_of(m, st.after, shape, dst, to_rule);
+        std::vector<block<Rank>> sent, pieces;
+        std::size_t send_total = 0;
+        for (std::size_t to = 0; to < n; ++to) {
+          send_displs[to] = static_cast<std::int64_t>(send_total);
+          const auto their = dyn_block_of(m, st.after, shape, to, to_rule);
           for (auto r : reps) {
             const auto piece = intersect(their, dyn_block_of(m, from, shape, r, from_rule));
-            if (piece.size() == 0 || exchange_source(m, from, r, dst) != device) continue;
-            const std::size_t at = send.size();
-            send.resize(at + piece.size());
-            shape_t off{};
-            for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - mine.offset[d];
-            copy_box(buf.data(), cur_shape, off, send.data() + at, piece.extent, shape_t{}, piece.extent);
+            if (piece.size() == 0 || exchange_source(m, from, r, to) != device) continue;
+            sent.push_back(piece);
+            send_total += piece.size();
           }
-          send_counts[dst] = static_cast<std::int64_t>(send.size()) - send_displs[dst];
+          send_counts[to] = static_cast<std::int64_t>(send_total) - send_displs[to];
         }
-        // What it receives from each source, in the same order the source packs it.
-        std::vector<block<Rank>> pieces;
-        std::vector<std::size_t> piece_src;
-        std::size_t total = 0;
+        std::size_t recv_total = 0;
         for (std::size_t s = 0; s < n; ++s) {
-          recv_displs[s] = static_cast<std::int64_t>(total);
+          recv_displs[s] = static_cast<std::int64_t>(recv_total);
           for (auto r : reps) {
             const auto piece = intersect(want, dyn_block_of(m, from, shape, r, from_rule));
             if (piece.size() == 0 || exchange_source(m, from, r, device) != s) continue;
             pieces.push_back(piece);
-            total += piece.size();
+            recv_total += piece.size();
           }
-          recv_counts[s] = static_cast<std::int64_t>(total) - recv_displs[s];
+          recv_counts[s] = static_cast<std::int64_t>(recv_total) - recv_displs[s];
         }
-        std::vector<T> recv(total);
-        comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, send.size(),
-                          recv.size(), datatype_of<T>);
-        next.assign(want.size(), T{});
+        buffer_t send = staging(send_total), recv = staging(recv_total);
         std::size_t at = 0;
+        for (const auto& piece : sent) {
+          shape_t off{};
+          for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - mine.offset[d];
+          copy_box<Space>(in, cur_shape, off, send.data() + at, piece.extent, shape_t{}, piece.extent);
+          at += piece.size();
+        }
+        comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, send_total,
+                          recv_total, datatype_of<T>);
+        T* out = output(want.size(), true);
+        at = 0;
         for (const auto& piece : pieces) {
           shape_t off{};
           for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - want.offset[d];
-          copy_box(recv.data() + at, piece.extent, shape_t{}, next.data(), want.extent, off, piece.extent);
+          copy_box<Space>(recv.data() + at, piece.extent, shape_t{}, out, want.extent, off, piece.extent);
           at += piece.size();
         }
         cur_shape = want.extent;
         break;
       }
     }
-    buf.swap(next);
+    held = next;
+    in = held.data();
     cur = st.after;
   }
-  std::copy(buf.begin(), buf.end(), dst);
 }
 
 }  // namespace detail
@@ -10491,7 +10692,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   }
   const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
   detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
                                 x.local(dev).data(), out.local(dev).data());
   });
   return out;

@@ -7,6 +7,7 @@
 /// `axis_index(x)`) and `reshard`. Depends on core, comm and tensor.
 
 #include "meshlib/collectives/errors.hpp"
+#include "meshlib/collectives/workspace.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/axis_group.hpp"

@@ -112,18 +112,6 @@ std::vector<std::size_t> written_order_of(const Mesh& mesh) {
   return written_order(sizes, group_positions_v<Mesh, G>);
 }
 
-/// Copies `count` blocks of `block` elements: block `r` of `src` to block `to[r]` of `dst`.
-template <class T>
-void scatter_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& to) {
-  for (std::size_t r = 0; r < to.size(); ++r) std::copy_n(src + r * block, block, dst + to[r] * block);
-}
-
-/// Copies blocks: block `r` of `dst` is block `from[r]` of `src`.
-template <class T>
-void gather_blocks(const T* src, T* dst, std::size_t block, const std::vector<std::size_t>& from) {
-  for (std::size_t r = 0; r < from.size(); ++r) std::copy_n(src + from[r] * block, block, dst + r * block);
-}
-
 }  // namespace detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "meshlib/collectives/errors.hpp"
+#include "meshlib/collectives/workspace.hpp"
 #include "meshlib/comm/axis_communicators.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
@@ -66,6 +67,9 @@ class device_comm {
   [[nodiscard]] virtual int size() const = 0;
   /// In place: `buf[i]` = op over ranks.
   virtual void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) = 0;
+  /// Out of place: `recv[i]` = op over ranks of `send[i]` (the typed collectives' form: the
+  /// backend reads the input where it lies, so no copy into the result comes first).
+  virtual void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) = 0;
   /// `recv` = [send of rank 0, rank 1, ...], `count` elements each.
   virtual void all_gather(const void* send, void* recv, std::size_t count, datatype dt) = 0;
   /// `recv` = block `rank` (of `count` elements) of the reduction of `send` (`count * size()` elements).
@@ -97,6 +101,12 @@ class device_comm_for final : public device_comm {
 
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+  }
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    with_element_type(dt, [&]<class T>() {
+      comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op)
+          .wait();
+    });
   }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
@@ -159,6 +169,12 @@ class device_context {
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
   /// The communicator of this device's group along the axes in `mask`, in group-rank order.
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp); it lives as
+  /// long as this context, one `shard_map` / `spmd` call, and holds nothing of the call's communicators.
+  [[nodiscard]] collective_workspace& workspace() noexcept { return workspace_; }
+
+ private:
+  collective_workspace workspace_;
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world

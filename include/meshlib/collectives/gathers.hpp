@@ -183,23 +183,29 @@ std::array<std::size_t, Rank + 1> with_dim(const std::array<std::size_t, Rank>& 
   return out;
 }
 
-/// The group communicator's blocks in `buf` (`n` blocks of `block`), received in rank (mesh)
-/// order, put in the order written.
-template <class T>
-void to_written_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
-  if (order.empty()) return;
-  std::vector<T> tmp(buf.size());
-  scatter_blocks(buf.data(), tmp.data(), block, order);
-  buf.swap(tmp);
+/// Whether the chunks of `shape` along dimension `d` are consecutive blocks in memory (every
+/// dimension before `d` of extent 1), so that a collective's packed buffer is the block itself.
+template <std::size_t Rank>
+constexpr bool chunks_contiguous(const std::array<std::size_t, Rank>& shape, std::size_t d) noexcept {
+  for (std::size_t k = 0; k < d; ++k)
+    if (shape[k] != 1) return false;
+  return true;
 }
 
-/// The inverse: blocks in the order written, put in rank order for sending.
-template <class T>
-void to_rank_order(std::vector<T>& buf, std::size_t block, const std::vector<std::size_t>& order) {
-  if (order.empty()) return;
-  std::vector<T> tmp(buf.size());
-  gather_blocks(buf.data(), tmp.data(), block, order);
-  buf.swap(tmp);
+/// All-gathers `src` (a block of shape `chunk`) over `comm` into `out`, the `n` blocks side by side
+/// along dimension `dim` in the order written (`order`, see `written_order`): straight into `out`
+/// when its chunks are consecutive in memory, else through a workspace staging buffer.
+template <class Space, class T, std::size_t Rank>
+void gather_into(device_context& ctx, device_comm& comm, const T* src, const std::array<std::size_t, Rank>& chunk,
+                 std::size_t dim, std::size_t n, const std::vector<std::size_t>& order, T* out) {
+  const std::size_t count = box_size(chunk);
+  if (order.empty() && chunks_contiguous(chunk, dim)) {
+    comm.all_gather(src, out, count, datatype_of<T>);
+    return;
+  }
+  auto recv = ctx.workspace().template scratch<T, Space>(count * n);
+  comm.all_gather(src, recv.data(), count, datatype_of<T>);
+  unpack_chunks<Space>(recv.data(), chunk, dim, n, out, order);
 }
 
 template <class G, int DimArg, class L>
@@ -213,14 +219,13 @@ auto all_gather_tiled(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_gather");
-    auto& comm = current_device("all_gather").comm(mask);
+    device_context& ctx = current_device("all_gather");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
-    auto out = result_view<L>(with_extent(x.shape(), dim, x.extent(dim) * n));
-    unpack_chunks(recv.data(), x.shape(), dim, n, out.data());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) * n));
+    gather_into<space_t>(ctx, comm, src, x.shape(), dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -237,15 +242,14 @@ auto all_gather_untiled(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_gather");
-    auto& comm = current_device("all_gather").comm(mask);
+    device_context& ctx = current_device("all_gather");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     const auto chunk = with_dim(x.shape(), dim, 1);
-    std::vector<T> recv(x.size() * n);
-    comm.all_gather(src, recv.data(), x.size(), datatype_of<T>);
-    to_written_order(recv, x.size(), written_order_of<mesh_t, G>(x.mesh()));
-    auto out = result_view<L, L::rank + 1>(with_extent(chunk, dim, n));
-    unpack_chunks(recv.data(), chunk, dim, n, out.data());
+    auto out = workspace_view<T, L::rank + 1, space_t>(ctx, with_extent(chunk, dim, n));
+    gather_into<space_t>(ctx, comm, src, chunk, dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -264,18 +268,24 @@ auto psum_scatter_impl(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "psum_scatter");
-    auto& comm = current_device("psum_scatter").comm(mask);
+    device_context& ctx = current_device("psum_scatter");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
-    std::vector<T> send(x.size());
-    pack_chunks(src, x.shape(), dim, n, send.data());
-    to_rank_order(send, x.size() / n, written_order_of<mesh_t, G>(x.mesh()));
     auto out = [&] {
-      if constexpr (Tiled) return result_view<L>(with_extent(x.shape(), dim, x.extent(dim) / n));
-      else return result_view<L, out_rank>(without_dim(x.shape(), dim));
+      if constexpr (Tiled) return workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) / n));
+      else return workspace_view<T, out_rank, space_t>(ctx, without_dim(x.shape(), dim));
     }();
-    comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    if (order.empty() && chunks_contiguous(x.shape(), dim)) {
+      comm.reduce_scatter(src, out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);  // x is packed already
+    } else {
+      auto send = ctx.workspace().template scratch<T, space_t>(x.size());
+      pack_chunks<space_t>(src, x.shape(), dim, n, send.data(), order);
+      comm.reduce_scatter(send.data(), out.data(), x.size() / n, datatype_of<T>, reduce_op::sum);
+    }
     return result_t(out, x.mesh(), x.device());
   }
 }
@@ -296,17 +306,14 @@ auto all_to_all_impl(const L& x) {
     return result_t{};
   } else {
     using T = typename L::value_type;
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, "all_to_all");
-    auto& comm = current_device("all_to_all").comm(mask);
+    device_context& ctx = current_device("all_to_all");
+    auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("all_to_all", split, x.extent(split), n, Tiled);
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     const std::size_t block = x.size() / n;
-    std::vector<T> send(x.size()), recv(x.size());
-    pack_chunks(src, x.shape(), split, n, send.data());
-    to_rank_order(send, block, order);
-    comm.all_to_all(send.data(), recv.data(), block, datatype_of<T>);
-    to_written_order(recv, block, order);
     // Tiled: chunk j has the input's shape with split cut by n. Untiled: the split dimension
     // (now of size 1) removed and a size-1 dimension inserted at concat: the same elements in the
     // same order, stacked along concat.
@@ -314,8 +321,18 @@ auto all_to_all_impl(const L& x) {
       if constexpr (Tiled) return with_extent(x.shape(), split, x.extent(split) / n);
       else return with_dim(without_dim(x.shape(), split), concat, 1);
     }();
-    auto out = result_view<L>(with_extent(chunk, concat, chunk[concat] * n));
-    unpack_chunks(recv.data(), chunk, concat, n, out.data());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(chunk, concat, chunk[concat] * n));
+    // Staging only where a packed buffer is not the block itself (chunks_contiguous).
+    const bool direct_send = order.empty() && chunks_contiguous(x.shape(), split);
+    const bool direct_recv = order.empty() && chunks_contiguous(chunk, concat);
+    block_view_t<T, 1, space_t> send, recv;
+    if (!direct_send) {
+      send = ctx.workspace().template scratch<T, space_t>(x.size());
+      pack_chunks<space_t>(src, x.shape(), split, n, send.data(), order);
+    }
+    if (!direct_recv) recv = ctx.workspace().template scratch<T, space_t>(x.size());
+    comm.all_to_all(direct_send ? src : send.data(), direct_recv ? out.data() : recv.data(), block, datatype_of<T>);
+    if (!direct_recv) unpack_chunks<space_t>(recv.data(), chunk, concat, n, out.data(), order);
     return result_t(out, x.mesh(), x.device());
   }
 }

@@ -2,7 +2,10 @@
 #pragma once
 /// @file
 /// @brief `psum`, `pmean`, `pmax`, `pmin`: all-reduce over one or more mesh axes, as `jax.lax.psum`
-/// and friends. The result is invariant over the axes (and no longer partial over them).
+/// and friends. The result is invariant over the axes (and no longer partial over them). Results
+/// are written out of place into the device's workspace (collectives/workspace.hpp): after the
+/// first call of a shape, a call allocates and copies nothing, and never overwrites a result
+/// that is still held.
 /// @code
 /// // inside shard_map over mesh<axis<"data">, axis<"model">>, x varies over both:
 /// auto s = meshlib::psum<"model">(x);          // the sum over the model group; varies over data only
@@ -10,6 +13,7 @@
 /// @endcode
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <string>
 #include <type_traits>
@@ -31,6 +35,13 @@ namespace detail {
 template <class L, std::size_t R = L::rank>
 auto result_view(const std::array<std::size_t, R>& shape) {
   return allocate<typename L::value_type, R, typename L::memory_space>(shape, "meshlib::collective", false);
+}
+
+/// A block of `shape` for the result of a collective, from the running device's workspace
+/// (collectives/workspace.hpp): reused when nobody holds it any more, so a repeated call allocates nothing.
+template <class T, std::size_t R, class Space>
+block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
+  return ctx.workspace().template acquire<T, R, Space>(shape);
 }
 
 /// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
@@ -88,18 +99,24 @@ auto all_reduce_over(const L& x) {
   if constexpr (!ok) {
     return result_t{};
   } else {
+    using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, Op.view());
-    auto out = result_view<L>(x.shape());
-    std::copy_n(src, x.size(), out.data());
-    auto& comm = current_device(Op.view()).comm(mask);
+    device_context& ctx = current_device(Op.view());
+    auto& comm = ctx.comm(mask);
     if constexpr (int_mean) {
-      comm.all_reduce(out.data(), x.size(), datatype_of<T>, reduce_op::sum);
-      auto mean = allocate<U, L::rank, typename L::memory_space>(x.shape(), "meshlib::collective", false);
+      // The integer sum in a staging buffer, then the true division into the result.
+      auto sum = ctx.workspace().template scratch<T, space_t>(x.size());
+      comm.all_reduce(src, sum.data(), x.size(), datatype_of<T>, reduce_op::sum);
+      auto mean = workspace_view<U, L::rank, space_t>(ctx, x.shape());
       const U n = static_cast<U>(comm.size());
-      for (std::size_t i = 0; i < x.size(); ++i) mean.data()[i] = static_cast<U>(out.data()[i]) / n;
+      const T* s = sum.data();
+      U* m = mean.data();
+      launch<space_t>(x.size(), KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
       return result_t(mean, x.mesh(), x.device());
     } else {
-      comm.all_reduce(out.data(), x.size(), datatype_of<T>, ROp);
+      // Out of place: the backend reads x where it lies and writes the workspace's buffer.
+      auto out = workspace_view<T, L::rank, space_t>(ctx, x.shape());
+      comm.all_reduce(src, out.data(), x.size(), datatype_of<T>, ROp);
       return result_t(out, x.mesh(), x.device());
     }
   }
@@ -114,7 +131,10 @@ auto all_reduce_donated(L&& x) {
     return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
-    if (x.view().use_count() != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+    // A result of an earlier collective is held by the workspace too, which counts as no holder.
+    device_context& ctx = current_device(Op.view());
+    const long holders = x.view().use_count() - (ctx.workspace().holds(x.view()) ? 1 : 0);
+    if (holders != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
       return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -122,7 +142,7 @@ auto all_reduce_donated(L&& x) {
                                          L::partial & ~mask>;
     using T = typename L::value_type;
     auto buffer = x.view();
-    current_device(Op.view()).comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
+    ctx.comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
     return result_t(std::move(buffer), x.mesh(), x.device());
   }
 }

@@ -30,38 +30,53 @@ namespace detail {
 
 /// Runs `plan` on one device: `src` is its block under `from` (rule `from_rule`), the result its
 /// block under the plan's target (rule `to_rule`), written to `dst` (already of the target shape).
-template <class T, class Mesh, std::size_t Rank>
+/// Every buffer lives in memory `Space` and every copy is a kernel (block_ops.hpp); the last step
+/// writes straight into `dst`, so no step is followed by a copy.
+template <class T, class Space, class Mesh, std::size_t Rank>
 void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t device, const dyn_spec& from,
                       shard_rule from_rule, shard_rule to_rule, const std::array<std::size_t, Rank>& shape, const T* src,
                       T* dst) {
   device_context& ctx = current_device("reshard");
   using shape_t = std::array<std::size_t, Rank>;
+  using buffer_t = block_view_t<T, 1, Space>;
+  auto staging = [](std::size_t n, bool zero = false) {
+    return allocate<T, 1, Space>(std::array<std::size_t, 1>{n}, "meshlib::reshard", zero);
+  };
   dyn_spec cur = from;
   shape_t cur_shape = dyn_block_of(m, cur, shape, device, from_rule).extent;
-  std::vector<T> buf(src, src + box_size(cur_shape));
-  std::vector<T> next;
-  for (const auto& st : plan.steps()) {
+  const T* in = src;  // the current block: x's own, then the last step's output
+  buffer_t held;      // keeps `in` alive once it is a staging buffer
+  const auto& steps = plan.steps();
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const auto& st = steps[i];
+    const bool last = i + 1 == steps.size();
+    const std::size_t in_size = box_size(cur_shape);
+    buffer_t next;
+    // Where this step writes its block of `out_size` elements: `dst` for the last step.
+    auto output = [&](std::size_t out_size, bool zero = false) -> T* {
+      if (last) return dst;
+      next = staging(out_size, zero);
+      return next.data();
+    };
     switch (st.kind) {
       case reshard_kind::all_gather: {
         auto& comm = ctx.comm(axis_mask{1} << st.axis);
         const std::size_t n = static_cast<std::size_t>(comm.size());
-        std::vector<T> recv(buf.size() * n);
-        comm.all_gather(buf.data(), recv.data(), buf.size(), datatype_of<T>);
-        next.assign(recv.size(), T{});
-        unpack_chunks(recv.data(), cur_shape, st.split_dim, n, next.data());
+        buffer_t recv = staging(in_size * n);
+        comm.all_gather(in, recv.data(), in_size, datatype_of<T>);
+        unpack_chunks<Space>(recv.data(), cur_shape, st.split_dim, n, output(in_size * n));
         cur_shape[st.split_dim] *= n;
         break;
       }
       case reshard_kind::all_to_all: {
         auto& comm = ctx.comm(axis_mask{1} << st.axis);
         const std::size_t n = static_cast<std::size_t>(comm.size());
-        std::vector<T> send(buf.size()), recv(buf.size());
-        pack_chunks(buf.data(), cur_shape, st.split_dim, n, send.data());
-        comm.all_to_all(send.data(), recv.data(), buf.size() / n, datatype_of<T>);
+        buffer_t send = staging(in_size), recv = staging(in_size);
+        pack_chunks<Space>(in, cur_shape, st.split_dim, n, send.data());
+        comm.all_to_all(send.data(), recv.data(), in_size / n, datatype_of<T>);
         shape_t chunk = cur_shape;
         chunk[st.split_dim] /= n;
-        next.assign(buf.size(), T{});
-        unpack_chunks(recv.data(), chunk, st.concat_dim, n, next.data());
+        unpack_chunks<Space>(recv.data(), chunk, st.concat_dim, n, output(in_size));
         cur_shape = chunk;
         cur_shape[st.concat_dim] *= n;
         break;
@@ -71,8 +86,7 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
         const auto want = dyn_block_of(m, st.after, shape, device, shard_rule::even);
         shape_t off{};
         for (std::size_t d = 0; d < Rank; ++d) off[d] = want.offset[d] - have.offset[d];
-        next.assign(want.size(), T{});
-        copy_box(buf.data(), cur_shape, off, next.data(), want.extent, shape_t{}, want.extent);
+        copy_box<Space>(in, cur_shape, off, output(want.size()), want.extent, shape_t{}, want.extent);
         cur_shape = want.extent;
         break;
       }
@@ -82,56 +96,60 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
         const auto reps = block_representatives(m, from);
         const auto mine = dyn_block_of(m, from, shape, device, from_rule);
         const auto want = dyn_block_of(m, st.after, shape, device, to_rule);
+        // The plan of the exchange (host metadata only): what this device sends to each
+        // destination, every piece it is the chosen source of, and what it receives from each
+        // source, in the order that source packs it.
         std::vector<std::int64_t> send_counts(n, 0), send_displs(n, 0), recv_counts(n, 0), recv_displs(n, 0);
-        std::vector<T> send;
-        // What this device sends to each destination: every piece it is the chosen source of.
-        for (std::size_t dst = 0; dst < n; ++dst) {
-          send_displs[dst] = static_cast<std::int64_t>(send.size());
-          const auto their = dyn_block_of(m, st.after, shape, dst, to_rule);
+        std::vector<block<Rank>> sent, pieces;
+        std::size_t send_total = 0;
+        for (std::size_t to = 0; to < n; ++to) {
+          send_displs[to] = static_cast<std::int64_t>(send_total);
+          const auto their = dyn_block_of(m, st.after, shape, to, to_rule);
           for (auto r : reps) {
             const auto piece = intersect(their, dyn_block_of(m, from, shape, r, from_rule));
-            if (piece.size() == 0 || exchange_source(m, from, r, dst) != device) continue;
-            const std::size_t at = send.size();
-            send.resize(at + piece.size());
-            shape_t off{};
-            for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - mine.offset[d];
-            copy_box(buf.data(), cur_shape, off, send.data() + at, piece.extent, shape_t{}, piece.extent);
+            if (piece.size() == 0 || exchange_source(m, from, r, to) != device) continue;
+            sent.push_back(piece);
+            send_total += piece.size();
           }
-          send_counts[dst] = static_cast<std::int64_t>(send.size()) - send_displs[dst];
+          send_counts[to] = static_cast<std::int64_t>(send_total) - send_displs[to];
         }
-        // What it receives from each source, in the same order the source packs it.
-        std::vector<block<Rank>> pieces;
-        std::vector<std::size_t> piece_src;
-        std::size_t total = 0;
+        std::size_t recv_total = 0;
         for (std::size_t s = 0; s < n; ++s) {
-          recv_displs[s] = static_cast<std::int64_t>(total);
+          recv_displs[s] = static_cast<std::int64_t>(recv_total);
           for (auto r : reps) {
             const auto piece = intersect(want, dyn_block_of(m, from, shape, r, from_rule));
             if (piece.size() == 0 || exchange_source(m, from, r, device) != s) continue;
             pieces.push_back(piece);
-            total += piece.size();
+            recv_total += piece.size();
           }
-          recv_counts[s] = static_cast<std::int64_t>(total) - recv_displs[s];
+          recv_counts[s] = static_cast<std::int64_t>(recv_total) - recv_displs[s];
         }
-        std::vector<T> recv(total);
-        comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, send.size(),
-                          recv.size(), datatype_of<T>);
-        next.assign(want.size(), T{});
+        buffer_t send = staging(send_total), recv = staging(recv_total);
         std::size_t at = 0;
+        for (const auto& piece : sent) {
+          shape_t off{};
+          for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - mine.offset[d];
+          copy_box<Space>(in, cur_shape, off, send.data() + at, piece.extent, shape_t{}, piece.extent);
+          at += piece.size();
+        }
+        comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs, send_total,
+                          recv_total, datatype_of<T>);
+        T* out = output(want.size(), true);
+        at = 0;
         for (const auto& piece : pieces) {
           shape_t off{};
           for (std::size_t d = 0; d < Rank; ++d) off[d] = piece.offset[d] - want.offset[d];
-          copy_box(recv.data() + at, piece.extent, shape_t{}, next.data(), want.extent, off, piece.extent);
+          copy_box<Space>(recv.data() + at, piece.extent, shape_t{}, out, want.extent, off, piece.extent);
           at += piece.size();
         }
         cur_shape = want.extent;
         break;
       }
     }
-    buf.swap(next);
+    held = next;
+    in = held.data();
     cur = st.after;
   }
-  std::copy(buf.begin(), buf.end(), dst);
 }
 
 }  // namespace detail
@@ -175,7 +193,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   }
   const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
   detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
                                 x.local(dev).data(), out.local(dev).data());
   });
   return out;

@@ -398,6 +398,10 @@ class observed_comm final : public Iface {
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
     observe(reduction_name(op), dt, count, buf, count, buf, count, [&] { inner_.all_reduce(buf, count, dt, op); });
   }
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
+    observe(reduction_name(op), dt, count, send, count, recv, count,
+            [&] { inner_.all_reduce(send, recv, count, dt, op); });
+  }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     observe("all_gather", dt, count, send, count, recv, count * n(), [&] { inner_.all_gather(send, recv, count, dt); });
   }
