@@ -88,9 +88,9 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
       # Kokkos version beyond what these cover, and run in the first leg. Keeps the whole command
       # within budget on 2 cores (measured cold: 30.4 min with them, here); MESHLIB_KOKKOS4_LEG=full
       # builds and runs everything.
-      k4_targets=(--target tensor_unit tensor_concurrency collectives_tests exec_tests
+      k4_targets=(--target tensor_unit tensor_concurrency kokkos_threads collectives_tests exec_tests
                   runtime_kokkos_lifecycle_check nn_unit debug_tests train_fashion_mnist)
-      k4_tests=(-R '^(tensor_unit|tensor_concurrency|collectives_tests|exec_tests|runtime_kokkos_lifecycle_check|nn_unit|debug_tests|example_train_fashion_mnist_.*)$')
+      k4_tests=(-R '^(tensor_unit|tensor_concurrency|kokkos_threads|collectives_tests|exec_tests|runtime_kokkos_lifecycle_check|nn_unit|debug_tests|example_train_fashion_mnist_.*)$')
     fi
     # Its own generator's keep-going flag (the first build directory may use another generator).
     k4_keep_going=(-k)

@@ -5961,8 +5961,11 @@ class device_workers {
     static device_workers w;
     return w;
   }
-  /// An empty pool; threads start on the first job that needs them.
-  device_workers() = default;
+  /// An empty pool; threads start on the first job that needs them. `may_pin`: whether workers
+  /// pin themselves to a core while a job fits the cores (false for the threads of a process
+  /// that shares its node's cores with other processes of one run: each would pin its worker `i`
+  /// to the same core `i`; MPI launchers bind the processes themselves).
+  explicit device_workers(bool may_pin = true) : may_pin_(may_pin) {}
   device_workers(const device_workers&) = delete;
   device_workers& operator=(const device_workers&) = delete;
   /// Stops and joins every worker (none may be running a job: jobs are synchronous).
@@ -6022,7 +6025,7 @@ class device_workers {
       return true;
     }
     grow(count - 1);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin_fits(count)};
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
     remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
     for (std::size_t i = 1; i < count; ++i) {
       auto& w = *workers_[i - 1];
@@ -6141,6 +6144,7 @@ class device_workers {
     }
   }
 
+  const bool may_pin_ = true;
   std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
   job job_{};
   std::atomic<std::uint32_t> remaining_{0};
@@ -10716,8 +10720,9 @@ template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thr
 /// @file
 /// @brief The `runner` concept: what runs one program per device for `spmd`, `shard_map` and
 /// `reshard`. Satisfied by `thread_backend` / `thread_runner` (persistent threads in this
-/// process), and, with MPI, by `mpi_backend` (a process per device) and `hybrid_backend` (threads
-/// in processes).
+/// process), with MPI by `mpi_runner` (a process per device) and `hybrid_backend` /
+/// `hybrid_runner` (persistent threads in processes; exec/mpi_runner.hpp), and by
+/// `default_runner`, which picks one of them at each call (exec/default_runner.hpp).
 /// @code
 /// static_assert(meshlib::runner<meshlib::thread_runner>);
 /// meshlib::thread_runner r;                     // owns its device threads while it lives
@@ -10747,9 +10752,9 @@ struct runner_body_archetype {
 ///   naming the root cause's rank, the device's exception nested.
 /// - `r.local_devices(n)`: the devices this process runs, ascending.
 ///
-/// Which runner is the default: `thread_backend` on the process-wide device threads, also after
-/// `distributed::initialize` (an MPI launch passes `mpi_backend` or `hybrid_backend` explicitly,
-/// as `docs/multi-process.md` shows).
+/// Which runner is the default (`default_runner`): `thread_backend` on the process-wide device
+/// threads in one process; once `mpi::initialize` has started a run of several processes, those
+/// processes' device threads (`hybrid_backend`, n / P devices per process).
 template <class R>
 concept runner = requires { typename R::is_runner; } &&
                  requires(const R& r, std::size_t n, detail::runner_body_archetype body) {
@@ -10795,1089 +10800,134 @@ static_assert(runner<thread_runner>);
 
 }  // namespace meshlib
 // end meshlib/exec/thread_runner.hpp
-// begin meshlib/exec/spmd.hpp
+// begin meshlib/exec/default_runner.hpp
 /// @file
-/// @brief `spmd(mesh, fn)`: runs `fn` once per device of `mesh`, as a multi-controller JAX program
-/// runs once per process: the program owns its data, builds its `local_tensor`s, and talks to its
-/// peers through the typed collectives. Inside, `axis_index<"a">()`, `axis_size<"a">()` and
-/// `device_index()` say where it runs.
+/// @brief `default_runner`: what `spmd` and `shard_map` run on when no runner is passed. In one
+/// process, the process-wide persistent device threads (`thread_backend`). Once
+/// `mpi::initialize` (or `mpi::guard`) has started a run of several processes, the multi-process
+/// runner: a mesh of n devices over the P processes of `mpi::world()` runs as P processes x
+/// n / P device threads (`hybrid_backend`), device `p * (n / P) + t` being thread t of process p,
+/// as `distributed::local_devices()` numbers them. The hybrid collectives reduce in the thread
+/// backend's order, so a program gives the same bits under `mpirun` as on threads.
+///
+/// Exceptions: a call made inside a device (a nested `spmd`) runs on threads of its own process,
+/// as before, because the other processes do not make it; a launcher that `distributed::initialize`
+/// detected without MPI (torchrun, or mpirun with `distributed::initialize` alone) gives no
+/// transport to run a mesh over the processes, and the default runner says so instead of running
+/// every device in each process. Pass a runner explicitly to choose otherwise (`thread_runner{}`:
+/// every device in this process; `mpi_runner{comm}`: one device per rank).
 /// @code
-/// meshlib::mesh<meshlib::axis<"x">> m{4};
-/// auto ids = meshlib::spmd(m, [] { return meshlib::axis_index<"x">(); });   // {0, 1, 2, 3}
+/// meshlib::mpi::guard run;                                     // mpirun -np 2
+/// meshlib::mesh<meshlib::axis<"x">> m{4};                        // 2 processes x 2 threads
+/// auto ids = meshlib::spmd(m, [] { return meshlib::device_index(); });
+/// // process 0: {0, 1, 0, 0}; process 1: {0, 0, 2, 3} (other processes' entries value-initialised)
 /// @endcode
 
 #include <cstddef>
-#include <type_traits>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
-
-namespace meshlib {
-
-namespace detail {
-template <class Fn>
-decltype(auto) call_on_device(Fn& fn, std::size_t device) {
-  if constexpr (std::is_invocable_v<Fn&, std::size_t>) return fn(device);
-  else return fn();
-}
-template <class Fn>
-using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
-}  // namespace detail
-
-/// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
-/// the process-wide persistent device threads, thread communicator; a `thread_runner` owns its own).
-/// @returns nothing when `fn` returns nothing; otherwise one result per device, indexed by device
-/// id (entries of devices another process runs are value-initialised).
-/// @throws device_error when a device throws: the first device that failed, its exception nested;
-/// every other device is released from its collectives (no hang).
-/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
-template <mesh_type Mesh, class Fn, runner Backend = thread_backend>
-  requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
-auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
-  using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
-  detail::require_kokkos("spmd");
-  if constexpr (std::is_void_v<result_t>) {
-    detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
-  } else {
-    std::vector<result_t> out(m.size());
-    detail::run_devices(m, backend, [&](std::size_t device) { out[device] = detail::call_on_device(fn, device); });
-    return out;
-  }
-}
-
-}  // namespace meshlib
-// end meshlib/exec/spmd.hpp
-// begin meshlib/exec/shard_map.hpp
+#if MESHLIB_ENABLE_MPI
+// begin meshlib/exec/mpi_runner.hpp
 /// @file
-/// @brief `shard_map(fn, mesh, in_specs, out_specs)`: global sharded arrays in, `fn` once per device
-/// on its blocks, global sharded arrays out, as `jax.shard_map`.
+/// @brief The multi-process runners (exec/runner.hpp): `mpi_runner` (one device per MPI rank,
+/// also named `mpi_backend`) and `hybrid_backend` / `hybrid_runner` (P processes x T device
+/// threads: device `p*T + t` is thread t of process p).
 ///
-/// Entering, each input is laid out by its in-spec (resharded first when it is not already; even
-/// rule, as JAX requires) and each device's block becomes a `local_tensor` that varies over the
-/// spec's axes. Leaving, each output is checked at compile time as JAX's `check_vma` does: it must
-/// be invariant over every axis its out-spec does not shard it over, and partial over none; the
-/// blocks are then assembled by the out-spec. Like every `sharded_tensor`, the result is a handle:
-/// an output that is an input block returned unchanged shares that block's memory.
+/// The device threads of a hybrid mesh are persistent, as `thread_backend`'s: `hybrid_backend`
+/// runs them on the process-wide hybrid device threads, and a `hybrid_runner` owns threads of its
+/// own for as long as the user keeps it. What each call still builds is its hybrid world (the
+/// communicators: a duplicate of the process communicator for the leaders, one for point-to-point
+/// and the abort channel with its watcher thread), collectively over the processes, and frees it
+/// at the end of the call (its messages settled first, comm/mpi/detail/settle.hpp). Why not keep
+/// the world too: a world that failed refuses every later call, and a clean one would carry a
+/// call's unreceived point-to-point messages and its collective sequence numbers into the next
+/// call; a fresh world gives every call the error isolation of a new communicator.
+///
+/// Device threads of a hybrid mesh are not pinned to cores: every process of a node would pin
+/// its thread `t` to the same core `t` (MPI launchers bind processes to cores themselves).
 /// @code
-/// using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
-/// mesh_t m{4};
-/// auto f = meshlib::shard_map([](auto b) { return meshlib::psum<"x">(b); }, m,
-///                             meshlib::P<"x">{}, meshlib::P<>{});
-/// auto total = f(x);   // x: a P<"x"> array of shape (8,); total: replicated (2,), the sum of the blocks
+/// meshlib::mpi::guard run;                                        // mpirun -np 2
+/// meshlib::hybrid_runner runner(meshlib::mpi::world(), 4);        // 2 processes x 4 threads
+/// meshlib::mesh<meshlib::axis<"process">, meshlib::axis<"thread">> m{2, 4};
+/// for (int step = 0; step < 1000; ++step)
+///   meshlib::spmd(m, [] { /* one step */ }, runner);             // the same 3 worker threads every step
 /// @endcode
 
-#include <array>
+#if MESHLIB_ENABLE_MPI
+
 #include <cstddef>
-#include <span>
+#include <memory>
 #include <string>
-#include <string_view>
-#include <tuple>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
-// begin meshlib/debug/check_replicated.hpp
+// begin meshlib/comm/mpi/hybrid_communicator.hpp
 /// @file
-/// @brief `check_replicated(x)`: meshlib's `checkify` for sharding. A `local_tensor` whose type says
-/// it is invariant over some mesh axes must hold the same bits on every device of each group along
-/// those axes; this gathers the copies and compares them, naming the first differing device, the
-/// element and both values. Debug mode runs it on every `shard_map` output.
+/// @brief Hybrid meshes: P processes x T threads per process form one group of P*T devices.
+/// Threads of one process talk through a `thread_communicator` (shared memory), processes through
+/// an `mpi_communicator`. Satisfies `communicator`, so `axis_communicators`, the collectives and
+/// `spmd` run on it unchanged.
+///
 /// @code
-/// meshlib::spmd(m, [&] {
-///   auto w = meshlib::psum<"data">(g);     // invariant over 'data'
-///   meshlib::check_replicated(w);          // throws replica_mismatch if a kernel made copies diverge
+/// meshlib::mpi::guard run;                                   // MPI with MPI_THREAD_MULTIPLE
+/// meshlib::run_hybrid(meshlib::mpi::world(), 2, [&](meshlib::hybrid_communicator& comm) {
+///   // comm.rank() is the device p*2 + t; comm.size() is 2*P
+///   meshlib::mesh<meshlib::axis<"process">, meshlib::axis<"thread">> m{P, 2};
+///   meshlib::axis_communicators axes(comm, m);
+///   float x = 1;
+///   axes.over<"process">().all_reduce(std::span(&x, 1), meshlib::reduce_op::sum);  // crosses processes
 /// });
 /// @endcode
-
-#include <array>
-#include <cstddef>
-#include <cstring>
-#include <sstream>
-#include <string>
-#include <vector>
-
-
-namespace meshlib {
-
-namespace detail {
-
-template <local_tensor_type L>
-void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
-  using T = typename L::value_type;
-  using Mesh = typename L::mesh_type;
-  mask &= Mesh::all_axes;
-  if (mask == 0) return;
-  device_context& ctx = current_device(what);
-  const std::size_t count = x.size();
-  std::vector<T> mine(count);
-  const auto shape = x.shape();
-  {
-    // Copy out in row-major order (the block may be a strided view).
-    std::array<std::size_t, L::rank> idx{};
-    for (std::size_t k = 0; k < count; ++k) {
-      mine[k] = std::apply([&](auto... i) { return x.view()(i...); }, idx);
-      for (std::size_t d = L::rank; d-- > 0;) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-    }
-  }
-  unobserved_scope quiet;
-  auto& comm = ctx.comm(mask);
-  const auto n = static_cast<std::size_t>(comm.size());
-  std::vector<T> all(count * n);
-  comm.all_gather(mine.data(), all.data(), count, datatype_of<T>);
-  const std::vector<std::size_t> group = x.mesh().group(ctx.device(), mask);
-  for (std::size_t r = 1; r < n; ++r)
-    for (std::size_t i = 0; i < count; ++i) {
-      const T& a = all[i];
-      const T& b = all[r * count + i];
-      if (std::memcmp(&a, &b, sizeof(T)) == 0) continue;
-      std::ostringstream os;
-      os << "meshlib: " << what << ": the value is replicated over " << describe_axes<Mesh>(mask) << " (devices ";
-      for (std::size_t g = 0; g < group.size(); ++g) os << (g ? ", " : "") << group[g];
-      os << ") but device " << group[r] << " differs from device " << group[0] << " at element " << i << " (index (";
-      std::size_t rest = i;
-      std::array<std::size_t, L::rank> idx{};
-      for (std::size_t d = L::rank; d-- > 0;) {
-        idx[d] = shape[d] ? rest % shape[d] : 0;
-        rest = shape[d] ? rest / shape[d] : 0;
-      }
-      for (std::size_t d = 0; d < L::rank; ++d) os << (d ? ", " : "") << idx[d];
-      os << ")): " << b << " on device " << group[r] << " vs " << a << " on device " << group[0]
-         << "; a kernel computed different values on replicas";
-      throw replica_mismatch(os.str());
-    }
-}
-
-}  // namespace detail
-
-/// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
-/// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
-/// nor is partial over). Collective over those groups: every device must call it.
-/// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
-template <local_tensor_type L>
-void check_replicated(const L& x) {
-  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
-}
-
-/// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
-template <fixed_string... Names, local_tensor_type L>
-  requires(sizeof...(Names) > 0)
-void check_replicated(const L& x) {
-  using Mesh = typename L::mesh_type;
-  static_assert((Mesh::template has_axis<Names> && ...), "meshlib: check_replicated<...>: the mesh has no such axis");
-  constexpr axis_mask mask = Mesh::template mask_of<Names...>();
-  static_assert((mask & (L::vary | L::partial)) == 0,
-                "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
-                "so its copies are not expected to agree; check only axes its type is invariant over");
-  detail::check_replicated_over(x, mask, "check_replicated");
-}
-
-namespace detail {
-
-/// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
-template <class Tuple>
-void debug_check_outputs(const Tuple& outputs) {
-  if (!debug_mode()) [[likely]]
-    return;
-  {
-    auto& s = debug_state::get();
-    std::lock_guard lk(s.m);
-    if (!s.options.check_replicas) return;
-  }
-  std::apply(
-      [](const auto&... o) {
-        (check_replicated_over(o, std::remove_cvref_t<decltype(o)>::mesh_type::all_axes &
-                                      ~std::remove_cvref_t<decltype(o)>::vary & ~std::remove_cvref_t<decltype(o)>::partial,
-                               "shard_map output (debug mode)"),
-         ...);
-      },
-      outputs);
-}
-
-}  // namespace detail
-}  // namespace meshlib
-// end meshlib/debug/check_replicated.hpp
-
-namespace meshlib {
-
-/// @brief A list of partition specs: the in_specs (or out_specs) of a `shard_map` with several
-/// inputs (outputs). A single `P<...>` stands for a list of one.
-template <partition_spec_type... Specs>
-struct specs {
-  /// Tag that marks the type as a list of specs, one per argument or result.
-  using is_spec_list = void;
-  /// How many specs the list holds (one per argument or result).
-  static constexpr std::size_t size = sizeof...(Specs);
-};
-
-namespace detail {
-
-template <class S>
-struct spec_list {
-  static_assert(partition_spec_type<S>, "meshlib: shard_map: in_specs / out_specs must be a P<...> or a specs<P<...>, ...>");
-  using type = specs<S>;
-  static constexpr bool single = true;
-};
-template <class... S>
-struct spec_list<specs<S...>> {
-  using type = specs<S...>;
-  static constexpr bool single = false;
-};
-
-template <std::size_t I, class List>
-struct spec_at;
-template <std::size_t I, class... S>
-struct spec_at<I, specs<S...>> {
-  using type = std::tuple_element_t<I, std::tuple<S...>>;
-};
-
-// The diagnostics below name the output, the axis, the out_spec and the value's layout in their
-// failing condition (see core/diagnostics.hpp): one error on GCC and Clang.
-
-template <class Output, class Value>
-consteval bool shard_map_output_is_not_a_local_tensor() {
-  static_assert(always_false<Output, Value>,
-                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
-                "out_spec)");
-  return false;
-}
-
-template <class Output, class Axes, class OutSpec, class Value>
-consteval bool shard_map_output_is_partial() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
-                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
-                "psum_scatter, over that axis before returning it");
-  return false;
-}
-
-template <class Output, class Axes, class OutSpec, class Value>
-consteval bool shard_map_output_varies_over_unsharded_axis() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
-                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
-                "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
-                "axis, or shard the output over it in out_specs");
-  return false;
-}
-
-template <class Output, class Value>
-consteval bool shard_map_output_on_another_mesh() {
-  static_assert(always_false<Output, Value>,
-                "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
-  return false;
-}
-
-/// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
-template <std::size_t Output, class Mesh, class OutSpec, class L>
-consteval bool check_output() {
-  using out_t = diagnostic::dim<Output>;
-  if constexpr (!local_tensor_type<L>) {
-    return shard_map_output_is_not_a_local_tensor<out_t, L>();
-  } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
-    return shard_map_output_on_another_mesh<out_t, L>();
-  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
-    return false;
-  } else if constexpr (OutSpec::size > L::rank) {
-    return false;  // check_rank fired the diagnostic
-  } else {
-    using S = named_sharding<Mesh, OutSpec>;
-    constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
-    if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
-    else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
-                                                         diag_value_t<L>>();
-    else return true;
-  }
-}
-
-template <class R>
-struct as_tuple {
-  using type = std::tuple<R>;
-  static std::tuple<R> wrap(R r) { return std::tuple<R>(std::move(r)); }
-};
-template <class... R>
-struct as_tuple<std::tuple<R...>> {
-  using type = std::tuple<R...>;
-  static std::tuple<R...> wrap(std::tuple<R...> r) { return r; }
-};
-
-/// The global type an output of local type `L` assembles into under `OutSpec`.
-template <class Mesh, class OutSpec, class L>
-using global_of_t = sharded_tensor<typename L::value_type, L::rank, named_sharding<Mesh, OutSpec>, typename L::memory_space>;
-
-}  // namespace detail
-
-/// @brief The function `shard_map` returns: call it with the global inputs.
-template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend>
-class shard_map_fn {
-  using in_list = typename detail::spec_list<InSpecs>::type;
-  using out_list = typename detail::spec_list<OutSpecs>::type;
-  static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
-
- public:
-  /// Wraps `fn` to run on every device of `mesh` through `backend`.
-  shard_map_fn(Fn fn, const Mesh& mesh, Backend backend) : fn_(std::move(fn)), mesh_(mesh), backend_(std::move(backend)) {}
-
-  /// Runs the function on every device. `xs` are global `sharded_tensor`s on this mesh, one per in-spec.
-  /// @returns one global `sharded_tensor` (or a `std::tuple` of them, for `specs<...>` out_specs).
-  /// @throws device_error when a device throws; sharding_error when an input does not fit its in-spec.
-  template <sharded_tensor_type... Xs>
-  auto operator()(const Xs&... xs) const {
-    static_assert(sizeof...(Xs) == in_list::size,
-                  "meshlib: shard_map: the number of arguments differs from the number of in_specs");
-    static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
-                  "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
-    // A bad in_spec fires its one diagnostic here and stops: the body is not instantiated on a
-    // local type that cannot exist, which would add a screenful of follow-on errors.
-    constexpr bool specs_ok = check_in_specs(std::index_sequence_for<Xs...>{});
-    if constexpr (!specs_ok) return;
-    else return call(std::index_sequence_for<Xs...>{}, xs...);
-  }
-
- private:
-  template <std::size_t I, class X>
-  auto prepare(const X& x) const {
-    using spec_t = typename detail::spec_at<I, in_list>::type;
-    using sharding_t = named_sharding<Mesh, spec_t>;
-    if (!(x.mesh() == mesh_))
-      throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " lives on mesh " + x.mesh().to_string() +
-                           " but the shard_map runs on " + mesh_.to_string());
-    if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
-      if (x.sharding().rule() == shard_rule::even) return x;
-    }
-    // shard_map gives every device a block of one shape (as JAX's), so an input must split evenly
-    // under its in_spec; say so in shard_map's words (the layout's own advice, shard_rule::uneven,
-    // is what this input may already use).
-    const sharding_t even(mesh_, shard_rule::even);
-    for (std::size_t d = 0; d < X::rank; ++d)
-      if (x.global_shape()[d] % even.num_shards(d) != 0)
-        throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
-                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
-                             " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
-                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
-                             " in its in_spec " + spec_t::to_string() +
-                             "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
-                             "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
-    return reshard(x, even, backend_);
-  }
-
-  template <std::size_t... I, class... Xs>
-  auto call(std::index_sequence<I...>, const Xs&... xs) const {
-    detail::require_kokkos("shard_map");
-    auto inputs = std::make_tuple(prepare<I>(xs)...);
-    using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
-    using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
-    constexpr std::size_t n_out = std::tuple_size_v<results_t>;
-    static_assert(n_out == out_list::size,
-                  "meshlib: shard_map: the function returns a different number of outputs than out_specs has specs");
-    constexpr bool ok = check_outputs<results_t>(std::make_index_sequence<n_out>{});
-    if constexpr (!ok) {
-      return;
-    } else {
-      const std::size_t n = mesh_.size();
-      std::vector<results_t> per_device(n);
-      detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
-        per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
-        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
-      });
-      auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
-      if constexpr (single_output) return std::get<0>(std::move(outs));
-      else return outs;
-    }
-  }
-
-  template <std::size_t... I>
-  static consteval bool check_in_specs(std::index_sequence<I...>) {
-    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
-  }
-
-  template <class Results, std::size_t... O>
-  static consteval bool check_outputs(std::index_sequence<O...>) {
-    return (detail::check_output<O, Mesh, typename detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
-            ...);
-  }
-
-  template <class Results, std::size_t... O>
-  auto assemble(std::vector<Results>& per_device, std::index_sequence<O...>) const {
-    return std::make_tuple(assemble_one<O, Results>(per_device)...);
-  }
-
-  template <std::size_t O, class Results>
-  auto assemble_one(std::vector<Results>& per_device) const {
-    using local_t = std::tuple_element_t<O, Results>;
-    using spec_t = typename detail::spec_at<O, out_list>::type;
-    using global_t = detail::global_of_t<Mesh, spec_t, local_t>;
-    using sharding_t = typename global_t::sharding_type;
-    const sharding_t sharding(mesh_, shard_rule::even);
-    const std::size_t n = mesh_.size();
-    std::vector<typename global_t::view_type> blocks(n);
-    std::vector<bool> local(n, false);
-    std::vector<std::array<std::size_t, local_t::rank>> shapes(n);
-    for (std::size_t dev : backend_.local_devices(n)) {
-      const local_t& v = std::get<O>(per_device[dev]);
-      blocks[dev] = v.view();
-      local[dev] = true;
-      shapes[dev] = v.shape();
-    }
-    // Devices another process runs (MPI backends): under the even rule every block has the shape
-    // of this process's blocks.
-    const std::size_t first_local = backend_.local_devices(n).front();
-    for (std::size_t dev = 0; dev < n; ++dev)
-      if (!local[dev]) shapes[dev] = shapes[first_local];
-    const auto global = global_shape_from_locals(sharding, std::span<const std::array<std::size_t, local_t::rank>>(shapes));
-    return global_t(sharding, global, std::move(blocks), std::move(local));
-  }
-
-  Fn fn_;
-  Mesh mesh_;
-  Backend backend_;
-};
-
-/// @brief `fn` mapped over the blocks of its inputs on `mesh` (JAX `shard_map(fn, mesh=, in_specs=,
-/// out_specs=)`). `in_specs` / `out_specs`: a `P<...>{}` for one input / output, or
-/// `specs<P<...>, ...>{}` for several (then `fn` returns a `std::tuple`). `fn` is called once per
-/// device with that device's `local_tensor` blocks, on `backend`, a `runner` (default: the
-/// process-wide persistent device threads; exec/runner.hpp).
-template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backend = thread_backend>
-[[nodiscard]] auto shard_map(Fn fn, const Mesh& mesh, InSpecs, OutSpecs, Backend backend = {}) {
-  return shard_map_fn<Fn, Mesh, InSpecs, OutSpecs, Backend>(std::move(fn), mesh, std::move(backend));
-}
-
-}  // namespace meshlib
-// end meshlib/exec/shard_map.hpp
-// end meshlib/exec.hpp
-// begin meshlib/runtime.hpp
-/// @file
-/// @brief The runtime layer: the processes of a run (`distributed::initialize`, launcher
-/// detection, process index and count, local devices, global mesh checks), per-process data
-/// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
-/// <meshlib/mpi.hpp>.
-
-// begin meshlib/runtime/process_data.hpp
-/// @file
-/// @brief Per-process data loading: which rows of a global batch this process's devices own under
-/// a sharding, so a data pipeline reads only its share (JAX's `ds.shard(num_shards=process_count(),
-/// index=process_index())`), and how the rows a process read split into its devices' shards
-/// (`jax.make_array_from_process_local_data`).
 ///
-/// @code
-/// meshlib::shard_layout layout{sharding, std::array<std::size_t, 2>{global_batch, features}};
-/// auto rows = meshlib::distributed::process_rows(layout);             // e.g. {[64, 128)}
-/// std::vector<float> mine = read_rows(rows);                          // rows x features, row-major
-/// auto shards = meshlib::distributed::split_process_local_data<float>(layout, mine);
-/// // shards[i]: the row-major block of local device i (local_devices()[i])
-/// @endcode
+/// Devices. Device `p*T + t` is thread t of process p (the process-major order of
+/// `distributed::devices()`), so in `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis
+/// stays inside a process.
 ///
-/// The process-local data is the concatenation, in `process_rows` order, of the global rows this
-/// process's devices hold, each row complete in the other dimensions (a process reads whole
-/// examples; devices that split the other dimensions take their columns from them).
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <ostream>
-#include <span>
-#include <string>
-#include <vector>
-
-
-namespace meshlib::distributed {
-
-/// @brief Rows `[begin, end)` of dimension 0 of a global array.
-struct row_range {
-  /// The first row.
-  std::size_t begin = 0;
-  /// One past the last row.
-  std::size_t end = 0;
-  /// The number of rows, `end - begin`.
-  [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
-  /// Equal when begin and end are.
-  friend constexpr bool operator==(const row_range&, const row_range&) = default;
-  /// Prints `[begin, end)`.
-  friend std::ostream& operator<<(std::ostream& os, const row_range& r) { return os << '[' << r.begin << ", " << r.end << ')'; }
-};
-
-/// @brief The rows of dimension 0 that the devices of process `process` (each process owning
-/// `local_devices` consecutive global devices) hold under `layout`: sorted, disjoint, adjacent
-/// ranges merged, empty blocks skipped. Defaults: this process, `local_device_count()`.
-/// @post The ranges of all processes cover every row; processes that hold replicas of one block
-/// (the batch is replicated over an axis that spans processes) get the same rows.
-template <sharding_type S, std::size_t Rank>
-std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::size_t process,
-                                    std::size_t local_devices) {
-  static_assert(Rank >= 1, "meshlib: process_rows needs an array of rank at least 1");
-  if (local_devices == 0 || (process + 1) * local_devices > layout.num_devices())
-    throw mesh_error("meshlib: process_rows: process " + std::to_string(process) + " with " +
-                     std::to_string(local_devices) + " local devices lies outside the mesh " +
-                     layout.sharding().mesh().to_string() + " of " + std::to_string(layout.num_devices()) +
-                     " devices");
-  std::vector<row_range> r;
-  for (std::size_t i = 0; i < local_devices; ++i) {
-    const auto b = layout.block_of(process * local_devices + i);
-    if (b.extent[0] > 0) r.push_back({b.offset[0], b.offset[0] + b.extent[0]});
-  }
-  std::sort(r.begin(), r.end(), [](const row_range& a, const row_range& b) { return a.begin < b.begin; });
-  std::vector<row_range> merged;
-  for (const auto& x : r) {
-    if (!merged.empty() && x.begin <= merged.back().end)
-      merged.back().end = std::max(merged.back().end, x.end);
-    else
-      merged.push_back(x);
-  }
-  return merged;
-}
-
-/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
-template <sharding_type S, std::size_t Rank>
-std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
-  return process_rows(layout, process_index(), local_device_count());
-}
-
-/// @brief Number of rows in `ranges`: the rows of the process-local data.
-[[nodiscard]] inline std::size_t row_count(const std::vector<row_range>& ranges) noexcept {
-  std::size_t n = 0;
-  for (const auto& r : ranges) n += r.size();
-  return n;
-}
-
-/// @brief Splits the process-local data (the rows of `process_rows`, concatenated, row-major over
-/// the global shape's other dimensions) into the row-major block of each of the process's devices.
-/// Defaults: this process, `local_device_count()`.
-/// @throws sharding_error when `local` has another number of elements than the process's rows.
-template <class T, sharding_type S, std::size_t Rank>
-std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local,
-                                                     std::size_t process, std::size_t local_devices) {
-  const auto rows = process_rows(layout, process, local_devices);
-  const auto& g = layout.global_shape();
-  std::size_t row_elems = 1;
-  for (std::size_t d = 1; d < Rank; ++d) row_elems *= g[d];
-  if (local.size() != row_count(rows) * row_elems)
-    throw sharding_error("meshlib: split_process_local_data: process " + std::to_string(process) + " holds rows " +
-                         std::to_string(row_count(rows)) + " x " + std::to_string(row_elems) + " = " +
-                         std::to_string(row_count(rows) * row_elems) + " elements under " +
-                         layout.sharding().to_string() + ", but " + std::to_string(local.size()) + " were given");
-  // Local row of global row `gr`: its position within the concatenated ranges.
-  auto local_row = [&](std::size_t gr) {
-    std::size_t base = 0;
-    for (const auto& r : rows) {
-      if (gr < r.end) return base + (gr - r.begin);
-      base += r.size();
-    }
-    return base;  // unreachable for rows the process holds
-  };
-  std::vector<std::vector<T>> out;
-  out.reserve(local_devices);
-  for (std::size_t i = 0; i < local_devices; ++i) {
-    const auto b = layout.block_of(process * local_devices + i);
-    std::vector<T> shard;
-    shard.reserve(b.size());
-    std::array<std::size_t, Rank> idx{};
-    for (std::size_t k = 0; k < b.size(); ++k) {
-      // idx runs row-major over the block; the source is row-major over (local rows, g[1..]).
-      std::size_t src = local_row(b.offset[0] + idx[0]);
-      for (std::size_t d = 1; d < Rank; ++d) src = src * g[d] + b.offset[d] + idx[d];
-      shard.push_back(local[src]);
-      for (std::size_t d = Rank; d-- > 0;) {
-        if (++idx[d] < b.extent[d]) break;
-        idx[d] = 0;
-      }
-    }
-    out.push_back(std::move(shard));
-  }
-  return out;
-}
-
-/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
-template <class T, sharding_type S, std::size_t Rank>
-std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
-  return split_process_local_data<T>(layout, local, process_index(), local_device_count());
-}
-
-}  // namespace meshlib::distributed
-// end meshlib/runtime/process_data.hpp
-// end meshlib/runtime.hpp
-// begin meshlib/debug.hpp
-/// @file
-/// @brief The debug layer: traces (Chrome trace JSON, Kokkos profiling regions, a summary),
-/// per-device printing, sharding pictures and descriptions, and debug mode's checks (replicas,
-/// NaN/Inf, late devices). See docs/debugging.md.
-
-// begin meshlib/debug/trace_region.hpp
-/// @file
-/// @brief `trace_region`: a named span of the program, as `jax.profiler.TraceAnnotation`. It shows
-/// on the running device's track of the trace (or the host track outside `shard_map` / `spmd`),
-/// and Kokkos tools see it as a profiling region (`Kokkos::Profiling::pushRegion`/`popRegion`)
-/// next to the kernels. `scoped_region` is another name for it.
-/// @code
-/// meshlib::spmd(m, [&] {
-///   meshlib::trace_region r("forward");
-///   auto h = meshlib::psum<"model">(matmul(x, w));
-/// });
-/// @endcode
-
-#include <cstddef>
-#include <string>
-#include <utility>
-
-
-namespace meshlib {
-
-/// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
-/// flag when neither tracing nor a Kokkos tool is on.
-class trace_region {
- public:
-  /// Opens the region `name`; it closes when the object is destroyed.
-  explicit trace_region(std::string name) {
-    auto& rec = detail::trace_recorder::get();
-#if MESHLIB_DEBUG_HAS_KOKKOS
-    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
-    if (kokkos_) Kokkos::Profiling::pushRegion(name);
-#endif
-    if (!rec.on()) return;
-    const detail::device_context* ctx = detail::current_device_slot();
-    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
-    name_ = std::move(name);
-    start_ = rec.now_ns();
-  }
-  ~trace_region() {
-#if MESHLIB_DEBUG_HAS_KOKKOS
-    if (kokkos_) Kokkos::Profiling::popRegion();
-#endif
-    if (track_ == nullptr) return;
-    auto& rec = detail::trace_recorder::get();
-    detail::trace_event e;
-    e.name = std::move(name_);
-    e.start_ns = start_;
-    e.end_ns = rec.now_ns();
-    try {
-      rec.record(*track_, std::move(e));
-    } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
-    }
-  }
-  trace_region(const trace_region&) = delete;
-  trace_region& operator=(const trace_region&) = delete;
-
- private:
-  detail::trace_recorder::track* track_ = nullptr;
-  std::string name_;
-  std::int64_t start_ = 0;
-  bool kokkos_ = false;
-};
-
-/// @brief Another name for `trace_region`.
-using scoped_region = trace_region;
-
-}  // namespace meshlib
-// end meshlib/debug/trace_region.hpp
-// begin meshlib/debug/debug_print.hpp
-/// @file
-/// @brief `debug_print(format, values...)` inside `shard_map` / `spmd`, as `jax.debug.print`: every
-/// device prints one line, prefixed with its id and mesh coordinates, in device order, each line
-/// whole. `{}` in the format stands for the next value; a `local_tensor` prints its elements.
-/// @code
-/// meshlib::spmd(m, [&] { meshlib::debug_print("x = {}, step {}", x, step); });
-/// // [device 0 (data=0, model=0)] x = [1, 2], step 3
-/// // [device 1 (data=0, model=1)] x = [3, 4], step 3
-/// @endcode
+/// Algorithms. A collective over a group that spans processes runs in three steps: the members in
+/// one process exchange their inputs through the thread communicator, one thread per process (the
+/// lowest member, "leader") exchanges the process's inputs with the other processes through MPI,
+/// and the leader hands the result to its process's members through the thread communicator.
+/// Reductions gather every member's input and reduce them in rank order with the thread backend's
+/// own kernels, so every result is bitwise equal to the pure-thread run of the same program, for
+/// floats too; the price is n times the traffic of a bandwidth-optimal all_reduce (docs/design.md).
+/// Broadcast is a local broadcast in the root's process, an MPI broadcast between leaders and a
+/// local broadcast elsewhere. A group inside one process never touches MPI. Point-to-point between
+/// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
 ///
-/// Every device of the mesh must call it (it is collective, as every SPMD statement): the devices
-/// take turns in id order, one whole-mesh barrier per turn, so lines never interleave and come in
-/// order whatever the thread timing. Outside `shard_map` / `spmd` it prints the line once, unprefixed.
-/// In multi-process runs each process prints its own devices' lines in turn; how the launcher
-/// merges the processes' outputs is up to it.
-
-#include <cstddef>
-#include <cstdint>
-#include <iostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-
-
-namespace meshlib {
-
-namespace detail {
-
-template <class T>
-void print_value(std::ostream& os, const T& v) {
-  if constexpr (local_tensor_type<T>) {
-    // Elements in row-major order, nested by dimension: [[1, 2], [3, 4]].
-    const auto shape = v.shape();
-    std::array<std::size_t, T::rank> idx{};
-    const std::size_t n = v.size();
-    if (n == 0) {
-      os << "[]";
-      return;
-    }
-    for (std::size_t k = 0; k < n; ++k) {
-      std::size_t open = 0;
-      for (std::size_t d = T::rank; d-- > 0 && idx[d] == 0;) ++open;
-      if (k != 0) os << ", ";
-      for (std::size_t i = 0; i < open; ++i) os << '[';
-      const auto& x = std::apply([&](auto... i) -> decltype(auto) { return v.view()(i...); }, idx);
-      if constexpr (sizeof(x) == 1) os << +x;
-      else os << x;
-      std::size_t close = 0;
-      for (std::size_t d = T::rank; d-- > 0;) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-        ++close;
-      }
-      for (std::size_t i = 0; i < close; ++i) os << ']';
-    }
-  } else {
-    os << v;
-  }
-}
-
-inline void format_into(std::ostream& os, std::string_view fmt) { os << fmt; }
-
-template <class A, class... Rest>
-void format_into(std::ostream& os, std::string_view fmt, const A& a, const Rest&... rest) {
-  const std::size_t at = fmt.find("{}");
-  if (at == std::string_view::npos) {
-    os << fmt;
-    return;
-  }
-  os << fmt.substr(0, at);
-  print_value(os, a);
-  format_into(os, fmt.substr(at + 2), rest...);
-}
-
-/// Where `debug_print` writes (std::cout unless a test redirects it).
-inline std::ostream*& debug_print_stream() noexcept {
-  static std::ostream* s = &std::cout;
-  return s;
-}
-
-}  // namespace detail
-
-/// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
-/// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
-template <class... Args>
-void debug_print(std::string_view format, const Args&... values) {
-  std::ostringstream line;
-  detail::device_context* ctx = detail::current_device_slot();
-  std::ostream& out = *detail::debug_print_stream();
-  if (ctx == nullptr) {
-    detail::format_into(line, format, values...);
-    line << '\n';
-    out << line.str() << std::flush;
-    return;
-  }
-  std::size_t n = 1;
-  for (std::size_t a = 0; a < ctx->axis_count(); ++a) n *= ctx->axis_size(a);
-  line << "[device " << ctx->device() << " (";
-  for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
-  line << ")] ";
-  detail::format_into(line, format, values...);
-  line << '\n';
-  const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
-  detail::unobserved_scope quiet;
-  auto& world = ctx->comm(all);
-  for (std::size_t d = 0; d < n; ++d) {
-    if (d == ctx->device()) out << line.str() << std::flush;
-    std::int32_t turn = 0;
-    world.all_reduce(&turn, 1, datatype::int32, reduce_op::sum);
-  }
-}
-
-}  // namespace meshlib
-// end meshlib/debug/debug_print.hpp
-// begin meshlib/debug/visualize_sharding.hpp
-/// @file
-/// @brief A text picture of which devices hold which block of a global array, in the spirit of
-/// `jax.debug.visualize_array_sharding`: 1-D and 2-D arrays as a grid of blocks, arrays of higher
-/// rank as a table with one row per device (its coordinates and its block).
-///
-/// @code
-/// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
-/// // +-------------+-------------+
-/// // |  dev 0,1    |  dev 2,3    |   <- devices that hold the block (replicas)
-/// // | [0:4, 0:4]  | [0:4, 4:8]  |   <- the block, in NumPy slice notation
-/// // +-------------+-------------+
-/// @endcode
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <sstream>
-#include <string>
-#include <vector>
-
-
-namespace meshlib {
-
-namespace detail {
-
-/// Rank 3 and up: one row per device, `device | coordinates | block`.
-template <sharding_type S, std::size_t Rank>
-std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) {
-  using Mesh = typename S::mesh_type;
-  const auto& m = sharding.mesh();
-  std::vector<std::array<std::string, 3>> rows{{"device", "coords", "block"}};
-  for (std::size_t dev = 0; dev < m.size(); ++dev) {
-    std::string coords;
-    const auto c = m.coords(dev);
-    for (std::size_t a = 0; a < Mesh::ndim; ++a)
-      coords += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
-    std::ostringstream os;
-    os << layout.block_of(dev);
-    rows.push_back({std::to_string(dev), coords, os.str()});
-  }
-  std::array<std::size_t, 3> w{};
-  for (const auto& r : rows)
-    for (std::size_t k = 0; k < 3; ++k) w[k] = std::max(w[k], r[k].size());
-  std::string out;
-  for (const auto& r : rows) {
-    std::string line;
-    for (std::size_t k = 0; k < 3; ++k) line += (k ? " | " : "") + r[k] + std::string(w[k] - r[k].size(), ' ');
-    while (!line.empty() && line.back() == ' ') line.pop_back();
-    out += line + "\n";
-  }
-  return out;
-}
-
-}  // namespace detail
-
-/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
-/// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
-/// naming the devices that hold it and its slice of the global array. Rank 3 and up: one row per
-/// device with its mesh coordinates and its block.
-/// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
-template <sharding_type S, std::size_t Rank>
-std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
-  static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
-  const shard_layout<S, Rank> layout(sharding, global_shape);
-  if constexpr (Rank > 2) {
-    return detail::block_table(sharding, layout);
-  } else {
-  const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
-  const std::size_t cols = sharding.num_shards(Rank - 1);
-
-  std::vector<std::vector<std::string>> devs(rows, std::vector<std::string>(cols));
-  std::vector<std::vector<std::string>> slices(rows, std::vector<std::string>(cols));
-  for (std::size_t dev = 0; dev < sharding.mesh().size(); ++dev) {
-    const std::size_t r = Rank == 2 ? sharding.shard_index(dev, 0) : 0;
-    const std::size_t c = sharding.shard_index(dev, Rank - 1);
-    devs[r][c] += (devs[r][c].empty() ? "dev " : ",") + std::to_string(dev);
-    if (slices[r][c].empty()) {
-      const auto b = layout.block_of(dev);
-      std::ostringstream os;
-      os << b;
-      slices[r][c] = b.size() == 0 && global_shape[Rank - 1] != 0 ? "(empty)" : os.str();
-    }
-  }
-  std::size_t width = 0;
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t c = 0; c < cols; ++c) width = std::max({width, devs[r][c].size(), slices[r][c].size()});
-  width += 2;
-
-  std::string rule = "+";
-  for (std::size_t c = 0; c < cols; ++c) rule += std::string(width, '-') + "+";
-  rule += '\n';
-  auto cell = [width](const std::string& s) { return " " + s + std::string(width - 1 - s.size(), ' ') + "|"; };
-  std::string out = rule;
-  for (std::size_t r = 0; r < rows; ++r) {
-    std::string a = "|", b = "|";
-    for (std::size_t c = 0; c < cols; ++c) {
-      a += cell(devs[r][c]);
-      b += cell(slices[r][c]);
-    }
-    out += a + "\n" + b + "\n" + rule;
-  }
-  return out;
-  }
-}
-
-}  // namespace meshlib
-// end meshlib/debug/visualize_sharding.hpp
-// begin meshlib/debug/describe.hpp
-/// @file
-/// @brief One-line type descriptions and plan descriptions, as JAX prints avals
-/// (`f32[8@data,4@model]`), and `visualize` for any sharded tensor.
-/// @code
-/// meshlib::describe(x);      // "f32[8@data,4]": dim 0 split over 'data', dim 1 replicated
-/// meshlib::visualize(x);     // that line, then the picture of the blocks (visualize_sharding)
-/// meshlib::describe(meshlib::plan_reshard<meshlib::P<meshlib::none, "data">>(x));
-/// // reshard P<"data", none> -> P<none, "data">: 1 step(s), 48 bytes in all
-/// //   1. all_to_all over 'data' along dims 1 <-> 0 -> P<none, "data">
-/// //      bytes sent: device 0: 24, device 1: 24
-/// @endcode
-
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <sstream>
-#include <string>
-#include <type_traits>
-
-
-namespace meshlib {
-
-namespace detail {
-
-/// JAX's short dtype names.
-template <class T>
-constexpr const char* short_dtype_name() noexcept {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, double>) return "f64";
-  else if constexpr (std::is_same_v<T, bfloat16>) return "bf16";
-  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
-  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
-  else if constexpr (std::is_same_v<T, std::int16_t>) return "i16";
-  else if constexpr (std::is_same_v<T, std::int8_t>) return "i8";
-  else if constexpr (std::is_same_v<T, std::uint32_t>) return "u32";
-  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
-  else if constexpr (std::is_same_v<T, bool>) return "bool";
-  else return "?";
-}
-
-}  // namespace detail
-
-/// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
-/// split it (`@(data,model)` for several; nothing for a replicated dimension).
-template <sharded_tensor_type X>
-[[nodiscard]] std::string describe(const X& x) {
-  using S = typename X::sharding_type;
-  using Mesh = typename X::mesh_type;
-  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
-  for (std::size_t d = 0; d < X::rank; ++d) {
-    s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
-    const std::size_t k = S::dim_axis_count(d);
-    const auto axes = S::dim_axes(d);
-    if (k == 0) continue;
-    s += k == 1 ? "@" : "@(";
-    for (std::size_t j = 0; j < k; ++j) s += (j ? "," : "") + std::string(Mesh::axis_names[axes[j]]);
-    if (k > 1) s += ")";
-  }
-  return s + "]";
-}
-
-/// @brief Every step of a reshard plan and the bytes each device sends in it.
-[[nodiscard]] inline std::string describe(const reshard_plan& plan) {
-  std::ostringstream os;
-  std::size_t devices = 0;
-  for (const auto& st : plan.steps()) devices = std::max(devices, st.bytes_sent.size());
-  const std::string head = plan.to_string();
-  os << head.substr(0, head.find('\n')) << ' ' << plan.steps().size() << " step(s), " << plan.total_bytes_sent()
-     << " bytes sent in all\n";
-  std::size_t i = 0;
-  for (const auto& st : plan.steps()) {
-    os << "  " << ++i << ". " << st.description << "\n     bytes sent:";
-    for (std::size_t d = 0; d < st.bytes_sent.size(); ++d) os << (d ? "," : "") << " device " << d << ": " << st.bytes_sent[d];
-    if (st.bytes_sent.empty()) os << " none";
-    os << '\n';
-  }
-  return os.str();
-}
-
-/// @brief `describe(x)` on one line, then the blocks of `x` (`visualize_sharding`): a grid for 1-D
-/// and 2-D arrays, one row per device for higher ranks.
-template <sharded_tensor_type X>
-[[nodiscard]] std::string visualize(const X& x) {
-  return describe(x) + "\n" + visualize_sharding(x.sharding(), x.global_shape());
-}
-
-}  // namespace meshlib
-// end meshlib/debug/describe.hpp
-// end meshlib/debug.hpp
-// end meshlib.hpp
-#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
-// begin meshlib/mpi.hpp
-/// @file
-/// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime
-/// over MPI (`meshlib::mpi::initialize`). Needs the `meshlib::mpi` CMake target, which defines
-/// `MESHLIB_ENABLE_MPI` and links MPI.
-
-#if !MESHLIB_ENABLE_MPI
-#error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
-#else
-
-// begin meshlib/comm/mpi/mpi_communicator.hpp
-/// @file
-/// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
-/// programs that already use MPI. Satisfies `communicator`.
-///
-/// @code
-/// MPI_Init(&argc, &argv);
-/// {
-///   meshlib::mpi_communicator comm(MPI_COMM_WORLD);      // adopts: never frees MPI_COMM_WORLD
-///   std::vector<float> x(1024, float(comm.rank()));
-///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);
-/// }
-/// MPI_Finalize();
-/// @endcode
-///
-/// Communicators. Adopting an `MPI_Comm` duplicates it once (`MPI_Comm_dup`, collective) into a
-/// private communicator that carries every meshlib operation, with `MPI_ERRORS_RETURN` so that MPI
-/// errors become `comm_error`s and meshlib's messages can never match the application's. The
-/// duplicate, and every communicator `split` makes, is freed when the last handle goes (unless
-/// MPI is already finalised); the adopted one is never freed or modified. `native()` is the
-/// adopted `MPI_Comm`.
-///
-/// Threads. A handle and its copies share one MPI communicator and must be used by one thread at a
-/// time (as an `MPI_Comm` in most programs); several threads use several communicators (`split`),
-/// or `hybrid_communicator`.
-///
-/// Completion. Every operation is complete when it returns (the buffers hold the result) and
-/// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
-/// data and returns; the copy is sent in the background and progressed by later calls.
-///
-/// Determinism. Float and double sum, prod and mean over more than two ranks are reduced in rank
-/// order with the thread backend's kernel (`detail/ordered_reduce.hpp`), not in MPI's unspecified
-/// order, so every backend gives the same bits for the same inputs; two ranks, integers, min and
-/// max run MPI's native reduction (whose result does not depend on the order there).
-///
-/// Mismatch detection (always on). Before its data moves, every collective exchanges a
-/// fingerprint of the call (call number, operation, element type, count, reduce op, root,
-/// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
-/// root, operation or order) all throw `collective_mismatch` naming every rank's call, so a
-/// mismatch never reaches MPI's data collectives (no `MPI_ERR_TRUNCATE`, garbage or heap
-/// corruption). all_to_all_v also checks every rank's receive counts against its peers' send
-/// counts. The cost is measured in docs/benchmarks.md ("MPI overhead").
-///
-/// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
-/// unbounded: the fingerprint exchange is polled against the deadline, and it tells every rank
-/// that all have arrived; then a payload under `blocking_min_bytes` runs as MPI's non-blocking
-/// collective, polled, and a larger one as MPI's blocking collective, whose tuned algorithms are
-/// faster than the non-blocking ones for large payloads (docs/benchmarks.md), except when the node
-/// runs more ranks than it has cores: there large payloads are polled non-blocking collectives too
-/// (`large_payloads`). A deadline that passes raises `comm_timeout` naming the operation and the
-/// rank. MPI cannot cancel a collective, so the communicator is then failed: every later call
-/// throws the root cause's error with the same message; end the run (an uncaught exception does
-/// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
-///
-/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
-/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
-/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
-/// throws without calling `fail` does not reach its next collective; its peers then time out
-/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
-/// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
-/// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
-/// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
-/// communicator (the application's, e.g. `MPI_COMM_WORLD`) are never made fatal or otherwise
-/// changed by meshlib: only its own duplicates use `MPI_ERRORS_RETURN`.
+/// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
+/// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
+/// (it throws, or a mismatch fails its process's thread group), every device of every process is
+/// released within milliseconds with `comm_aborted` naming the global device ("hybrid device 3 of
+/// 4 failed: <what>"): its process aborts its thread group and tells the others through an abort
+/// channel (`detail::abort_channel`: a duplicate communicator polled by a watcher thread; on with
+/// `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. A device that never arrives is
+/// detected by its local peers, and every device of every process gets `comm_timeout` naming the
+/// operation the user called and the global device(s) that never arrived ("all_reduce timed out on
+/// hybrid device 2 of 4 after 1 s: hybrid device(s) 3 never arrived"; the leaders' exchange waits
+/// a little longer, `hybrid_group::patience`, so that this precise report comes first). Errors of
+/// the internal steps are rethrown naming the operation the user called; a failed world refuses
+/// every later call. `run_hybrid` throws `participant_error` naming the global device at fault
+/// (for a timeout, the device that never arrived).
 
 #if MESHLIB_ENABLE_MPI
 
 #include <mpi.h>
 
 #include <algorithm>
-#include <array>
+#include <atomic>
 #include <chrono>
-#include <climits>
-#include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <iostream>
-#include <limits>
+#include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <numeric>
 #include <span>
 #include <string>
-#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -12188,6 +11238,94 @@ struct abort_channel {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/abort_channel.hpp
+// begin meshlib/comm/mpi/mpi_communicator.hpp
+/// @file
+/// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
+/// programs that already use MPI. Satisfies `communicator`.
+///
+/// @code
+/// MPI_Init(&argc, &argv);
+/// {
+///   meshlib::mpi_communicator comm(MPI_COMM_WORLD);      // adopts: never frees MPI_COMM_WORLD
+///   std::vector<float> x(1024, float(comm.rank()));
+///   comm.all_reduce(std::span(x), meshlib::reduce_op::sum);
+/// }
+/// MPI_Finalize();
+/// @endcode
+///
+/// Communicators. Adopting an `MPI_Comm` duplicates it once (`MPI_Comm_dup`, collective) into a
+/// private communicator that carries every meshlib operation, with `MPI_ERRORS_RETURN` so that MPI
+/// errors become `comm_error`s and meshlib's messages can never match the application's. The
+/// duplicate, and every communicator `split` makes, is freed when the last handle goes (unless
+/// MPI is already finalised); the adopted one is never freed or modified. `native()` is the
+/// adopted `MPI_Comm`.
+///
+/// Threads. A handle and its copies share one MPI communicator and must be used by one thread at a
+/// time (as an `MPI_Comm` in most programs); several threads use several communicators (`split`),
+/// or `hybrid_communicator`.
+///
+/// Completion. Every operation is complete when it returns (the buffers hold the result) and
+/// returns a `ready_request`, as the thread communicator does. `send` is buffered: it copies its
+/// data and returns; the copy is sent in the background and progressed by later calls.
+///
+/// Determinism. Float and double sum, prod and mean over more than two ranks are reduced in rank
+/// order with the thread backend's kernel (`detail/ordered_reduce.hpp`), not in MPI's unspecified
+/// order, so every backend gives the same bits for the same inputs; two ranks, integers, min and
+/// max run MPI's native reduction (whose result does not depend on the order there).
+///
+/// Mismatch detection (always on). Before its data moves, every collective exchanges a
+/// fingerprint of the call (call number, operation, element type, count, reduce op, root,
+/// ppermute pairs) in one polled 16-byte all-reduce; ranks that disagree (another count, type, op,
+/// root, operation or order) all throw `collective_mismatch` naming every rank's call, so a
+/// mismatch never reaches MPI's data collectives (no `MPI_ERR_TRUNCATE`, garbage or heap
+/// corruption). all_to_all_v also checks every rank's receive counts against its peers' send
+/// counts. The cost is measured in docs/benchmarks.md ("MPI overhead").
+///
+/// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
+/// unbounded: the fingerprint exchange is polled against the deadline, and it tells every rank
+/// that all have arrived; then a payload under `blocking_min_bytes` runs as MPI's non-blocking
+/// collective, polled, and a larger one as MPI's blocking collective, whose tuned algorithms are
+/// faster than the non-blocking ones for large payloads (docs/benchmarks.md), except when the node
+/// runs more ranks than it has cores: there large payloads are polled non-blocking collectives too
+/// (`large_payloads`). A deadline that passes raises `comm_timeout` naming the operation and the
+/// rank. MPI cannot cancel a collective, so the communicator is then failed: every later call
+/// throws the root cause's error with the same message; end the run (an uncaught exception does
+/// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
+///
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
+/// throws without calling `fail` does not reach its next collective; its peers then time out
+/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
+/// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
+/// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
+/// communicator (the application's, e.g. `MPI_COMM_WORLD`) are never made fatal or otherwise
+/// changed by meshlib: only its own duplicates use `MPI_ERRORS_RETURN`.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
 // begin meshlib/comm/mpi/detail/mpi_types.hpp
 /// @file
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
@@ -13281,75 +12419,6 @@ static_assert(communicator<mpi_communicator>);
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/mpi_communicator.hpp
-// begin meshlib/comm/mpi/hybrid_communicator.hpp
-/// @file
-/// @brief Hybrid meshes: P processes x T threads per process form one group of P*T devices.
-/// Threads of one process talk through a `thread_communicator` (shared memory), processes through
-/// an `mpi_communicator`. Satisfies `communicator`, so `axis_communicators`, the collectives and
-/// `spmd` run on it unchanged.
-///
-/// @code
-/// meshlib::mpi::guard run;                                   // MPI with MPI_THREAD_MULTIPLE
-/// meshlib::run_hybrid(meshlib::mpi::world(), 2, [&](meshlib::hybrid_communicator& comm) {
-///   // comm.rank() is the device p*2 + t; comm.size() is 2*P
-///   meshlib::mesh<meshlib::axis<"process">, meshlib::axis<"thread">> m{P, 2};
-///   meshlib::axis_communicators axes(comm, m);
-///   float x = 1;
-///   axes.over<"process">().all_reduce(std::span(&x, 1), meshlib::reduce_op::sum);  // crosses processes
-/// });
-/// @endcode
-///
-/// Devices. Device `p*T + t` is thread t of process p (the process-major order of
-/// `distributed::devices()`), so in `mesh<axis<"process">, axis<"thread">>{P, T}` the last axis
-/// stays inside a process.
-///
-/// Algorithms. A collective over a group that spans processes runs in three steps: the members in
-/// one process exchange their inputs through the thread communicator, one thread per process (the
-/// lowest member, "leader") exchanges the process's inputs with the other processes through MPI,
-/// and the leader hands the result to its process's members through the thread communicator.
-/// Reductions gather every member's input and reduce them in rank order with the thread backend's
-/// own kernels, so every result is bitwise equal to the pure-thread run of the same program, for
-/// floats too; the price is n times the traffic of a bandwidth-optimal all_reduce (docs/design.md).
-/// Broadcast is a local broadcast in the root's process, an MPI broadcast between leaders and a
-/// local broadcast elsewhere. A group inside one process never touches MPI. Point-to-point between
-/// processes goes straight to MPI from the calling thread on the group's own duplicate communicator.
-///
-/// Requirements and faults: MPI must provide `MPI_THREAD_MULTIPLE` when T > 1 (leaders of
-/// different groups call MPI concurrently), else `comm_error` at construction. When a device fails
-/// (it throws, or a mismatch fails its process's thread group), every device of every process is
-/// released within milliseconds with `comm_aborted` naming the global device ("hybrid device 3 of
-/// 4 failed: <what>"): its process aborts its thread group and tells the others through an abort
-/// channel (`detail::abort_channel`: a duplicate communicator polled by a watcher thread; on with
-/// `MPI_THREAD_MULTIPLE`), whose leaders' MPI waits end too. A device that never arrives is
-/// detected by its local peers, and every device of every process gets `comm_timeout` naming the
-/// operation the user called and the global device(s) that never arrived ("all_reduce timed out on
-/// hybrid device 2 of 4 after 1 s: hybrid device(s) 3 never arrived"; the leaders' exchange waits
-/// a little longer, `hybrid_group::patience`, so that this precise report comes first). Errors of
-/// the internal steps are rethrown naming the operation the user called; a failed world refuses
-/// every later call. `run_hybrid` throws `participant_error` naming the global device at fault
-/// (for a timeout, the device that never arrived).
-
-#if MESHLIB_ENABLE_MPI
-
-#include <mpi.h>
-
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <numeric>
-#include <span>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
 
 namespace meshlib {
 
@@ -14153,12 +13222,30 @@ class hybrid_world {
   std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
 };
 
+namespace detail {
+/// How `run_hybrid` runs its threads by default: `threads - 1` started for the call (thread 0 is
+/// the caller's), joined before it returns. A launcher `launch(threads, body)` must call
+/// `body(t)` for every `t` in `[0, threads)` at once and return when all have returned; `body`
+/// does not throw. The persistent runners pass their device threads instead (exec/mpi_runner.hpp).
+struct start_hybrid_threads {
+  template <class Body>
+  void operator()(int threads, Body& body) const {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+    body(0);
+    for (auto& th : pool) th.join();
+  }
+};
+}  // namespace detail
+
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
-/// failure as `participant_error` (with the device). Collective over `procs`.
-template <class F>
+/// failure as `participant_error` (with the device). Collective over `procs`. `launch` runs the
+/// threads (default: started for this call; see `detail::start_hybrid_threads`).
+template <class F, class Launch = detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
-void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {}) {
+void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {},
+                Launch launch = {}) {
   hybrid_world world(procs, threads, std::move(options));
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
   auto body = [&](int t) {
@@ -14173,10 +13260,7 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
     }
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
-  body(0);
-  for (auto& th : pool) th.join();
+  launch(threads, body);
   // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
   // lowest thread that threw; a failure another process reported is blamed on its device.
   int root = world.failed() ? world.root_cause_thread() : -1;
@@ -14223,14 +13307,11 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 // end meshlib/comm/mpi/hybrid_communicator.hpp
 // begin meshlib/comm/mpi/mpi_backend.hpp
 /// @file
-/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI: runners (the concept of
-/// `meshlib/exec/runner.hpp`, members as `meshlib/collectives/backend.hpp` describes them):
-/// `run(n, body)` and `local_devices(n)`. Unlike `thread_backend`, `hybrid_backend` still starts
-/// its threads on every call (`run_hybrid`).
-///
-/// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
-/// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
-///   device `p*T + t` being thread t of rank p.
+/// @brief `mpi_backend`: runs `spmd`, `shard_map` and `reshard` over MPI with one device per MPI
+/// rank: a runner (the concept of `meshlib/exec/runner.hpp`, members as
+/// `meshlib/collectives/backend.hpp` describes them): `run(n, body)` and `local_devices(n)`; a
+/// mesh of n devices needs a communicator of n ranks. `meshlib/exec/mpi_runner.hpp` names it
+/// `mpi_runner` too, beside `hybrid_backend` / `hybrid_runner` (threads in processes).
 ///
 /// @code
 /// meshlib::mpi::guard run;
@@ -14243,9 +13324,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 /// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
 /// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
 /// themselves) with its message. The communicator then refuses every later call on every rank
-/// (an abandoned collective may still be pending on it): continue with a new one. With
-/// `hybrid_backend` the same holds per run (each run is a new hybrid world). When the exception is
-/// not caught the whole run ends through `MPI_Abort` (the terminate handler of `mpi::initialize`).
+/// (an abandoned collective may still be pending on it): continue with a new one. When the
+/// exception is not caught the whole run ends through `MPI_Abort` (the terminate handler of
+/// `mpi::initialize`).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -14307,7 +13388,42 @@ struct mpi_backend {
   }
 };
 
-/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_backend.hpp
+
+namespace meshlib {
+
+/// @brief The runner with one device per MPI rank: `mpi_backend` (comm/mpi/mpi_backend.hpp),
+/// under the name the other runners have. It has no threads to keep: the device is the process.
+using mpi_runner = mpi_backend;
+
+namespace detail {
+/// The process-wide device threads of hybrid meshes (not pinned: see the file comment). Apart
+/// from the process-wide threads of `thread_backend`, so that a hybrid mesh's devices never wait
+/// for, or pin, the threads that global-view operations use.
+inline device_workers& hybrid_device_workers() {
+  static device_workers w(false);
+  return w;
+}
+
+/// Runs a hybrid world's threads on `pool` (the launcher of `run_hybrid`); a call the pool cannot
+/// take (nested in a device, or while another thread's call holds it) starts threads of its own.
+struct pool_launch {
+  device_workers* pool;
+  template <class Body>
+  void operator()(int threads, Body& body) const {
+    auto task = [&body](std::size_t t) { body(static_cast<int>(t)); };
+    if (!pool->try_run(static_cast<std::size_t>(threads), task)) start_hybrid_threads{}(threads, body);
+  }
+};
+}  // namespace detail
+
+/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`, run by
+/// the process-wide hybrid device threads (persistent), or by `workers` when set (a
+/// `hybrid_runner` sets its own). Each call is collective over `comm` and builds a new hybrid
+/// world (see the file comment): a failure fails that call on every process, not the next one.
 struct hybrid_backend {
   /// Marks a runner (exec/runner.hpp).
   using is_runner = void;
@@ -14317,6 +13433,8 @@ struct hybrid_backend {
   int threads = 1;
   /// Options of each process's thread world.
   thread_comm_options options{};
+  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
+  std::shared_ptr<detail::device_workers> workers{};
 
   /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
@@ -14328,7 +13446,7 @@ struct hybrid_backend {
           const auto device = static_cast<std::size_t>(c.rank());
           body(device, std::move(c));
         },
-        options);
+        options, detail::pool_launch{workers ? workers.get() : &detail::hybrid_device_workers()});
   }
 
   /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
@@ -14349,10 +13467,23 @@ struct hybrid_backend {
   }
 };
 
+/// @brief A `hybrid_backend` with device threads of its own, as `thread_runner` is a
+/// `thread_backend` with its own: they start on the first call (threads - 1 of them; the calling
+/// thread runs local thread 0) and are joined when the last copy of the runner is destroyed.
+struct hybrid_runner : hybrid_backend {
+  /// `threads` devices per rank of `comm`; each call's thread world gets `options`.
+  hybrid_runner(mpi_communicator comm, int threads, thread_comm_options options = {})
+      : hybrid_backend{std::move(comm), threads, std::move(options), std::make_shared<detail::device_workers>(false)} {}
+};
+
+static_assert(runner<mpi_runner>);
+static_assert(runner<hybrid_backend>);
+static_assert(runner<hybrid_runner>);
+
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_MPI
-// end meshlib/comm/mpi/mpi_backend.hpp
+// end meshlib/exec/mpi_runner.hpp
 // begin meshlib/runtime/mpi_runtime.hpp
 /// @file
 /// @brief The runtime over MPI: `meshlib::mpi::initialize` starts MPI when the program has not,
@@ -14557,6 +13688,1086 @@ class guard {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/runtime/mpi_runtime.hpp
+#endif
+
+namespace meshlib {
+
+namespace detail {
+
+/// The multi-process part of the default runner: the processes' communicator and how many of
+/// an `n`-device mesh's devices each runs; empty when the default is the thread runner.
+#if MESHLIB_ENABLE_MPI
+inline std::optional<hybrid_backend> default_process_runner(std::size_t n) {
+#else
+inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n) {
+#endif
+  if (current_device_slot() != nullptr) return std::nullopt;  // nested in a device: local threads
+  const auto launch = distributed::launch();
+  const std::size_t procs = launch.process_count;
+  if (procs <= 1) return std::nullopt;
+  const std::string run = "the run has " + std::to_string(procs) + " processes (" +
+                          std::string(distributed::to_string(launch.source)) + ")";
+#if MESHLIB_ENABLE_MPI
+  if (!mpi::detail::mpi_state().ex)
+#endif
+    throw distributed_error("meshlib: spmd / shard_map on the default runner: " + run +
+                            ", but no MPI communicator joins them to run a mesh over them: start the run with "
+                            "meshlib::mpi::initialize() (or a meshlib::mpi::guard; link meshlib::mpi), or pass a "
+                            "runner explicitly (thread_runner{} runs every device in this process)");
+#if MESHLIB_ENABLE_MPI
+  if (n == 0 || n % procs != 0)
+    throw mesh_error("meshlib: spmd / shard_map on the default runner: " + run +
+                     ", which run a mesh's devices in equal shares, but the mesh has " + std::to_string(n) +
+                     " devices; use a multiple of " + std::to_string(procs) +
+                     " (distributed::device_count() is " + std::to_string(distributed::device_count()) +
+                     "), or pass a runner explicitly (thread_runner{} runs every device in this process)");
+  return hybrid_backend{mpi::world(), static_cast<int>(n / procs)};
+#endif
+}
+
+}  // namespace detail
+
+/// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
+/// process-wide device threads, or, in a run of several processes started with
+/// `mpi::initialize`, those processes' device threads (`hybrid_backend`). Decided at each call.
+/// @throws distributed_error when `distributed::initialize` found several processes but MPI does
+/// not join them; mesh_error when the mesh's devices do not split evenly over the processes.
+struct default_runner {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+
+  /// @brief Runs `body(device, communicator)` for this process's devices of an `n`-device mesh.
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+#if MESHLIB_ENABLE_MPI
+    if (const auto procs = detail::default_process_runner(n)) {
+      procs->run(n, body);
+      return;
+    }
+#else
+    (void)detail::default_process_runner(n);
+#endif
+    thread_backend{}.run(n, body);
+  }
+
+  /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
+  /// `n / P` consecutive ones.
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+#if MESHLIB_ENABLE_MPI
+    if (const auto procs = detail::default_process_runner(n)) return procs->local_devices(n);
+#else
+    (void)detail::default_process_runner(n);
+#endif
+    return thread_backend{}.local_devices(n);
+  }
+};
+
+static_assert(runner<default_runner>);
+
+}  // namespace meshlib
+// end meshlib/exec/default_runner.hpp
+// begin meshlib/exec/spmd.hpp
+/// @file
+/// @brief `spmd(mesh, fn)`: runs `fn` once per device of `mesh`, as a multi-controller JAX program
+/// runs once per process: the program owns its data, builds its `local_tensor`s, and talks to its
+/// peers through the typed collectives. Inside, `axis_index<"a">()`, `axis_size<"a">()` and
+/// `device_index()` say where it runs.
+/// @code
+/// meshlib::mesh<meshlib::axis<"x">> m{4};
+/// auto ids = meshlib::spmd(m, [] { return meshlib::axis_index<"x">(); });   // {0, 1, 2, 3}
+/// @endcode
+
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+template <class Fn>
+decltype(auto) call_on_device(Fn& fn, std::size_t device) {
+  if constexpr (std::is_invocable_v<Fn&, std::size_t>) return fn(device);
+  else return fn();
+}
+template <class Fn>
+using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
+}  // namespace detail
+
+/// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
+/// `default_runner`, the process-wide persistent device threads, or the processes' device threads
+/// once `mpi::initialize` has started several; a `thread_runner` owns threads of its own).
+/// @returns nothing when `fn` returns nothing; otherwise one result per device, indexed by device
+/// id (entries of devices another process runs are value-initialised).
+/// @throws device_error when a device throws: the first device that failed, its exception nested;
+/// every other device is released from its collectives (no hang).
+/// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
+template <mesh_type Mesh, class Fn, runner Backend = default_runner>
+  requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
+auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
+  using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
+  detail::require_kokkos("spmd");
+  if constexpr (std::is_void_v<result_t>) {
+    detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
+  } else {
+    std::vector<result_t> out(m.size());
+    detail::run_devices(m, backend, [&](std::size_t device) { out[device] = detail::call_on_device(fn, device); });
+    return out;
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/exec/spmd.hpp
+// begin meshlib/exec/shard_map.hpp
+/// @file
+/// @brief `shard_map(fn, mesh, in_specs, out_specs)`: global sharded arrays in, `fn` once per device
+/// on its blocks, global sharded arrays out, as `jax.shard_map`.
+///
+/// Entering, each input is laid out by its in-spec (resharded first when it is not already; even
+/// rule, as JAX requires) and each device's block becomes a `local_tensor` that varies over the
+/// spec's axes. Leaving, each output is checked at compile time as JAX's `check_vma` does: it must
+/// be invariant over every axis its out-spec does not shard it over, and partial over none; the
+/// blocks are then assembled by the out-spec. Like every `sharded_tensor`, the result is a handle:
+/// an output that is an input block returned unchanged shares that block's memory.
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
+/// mesh_t m{4};
+/// auto f = meshlib::shard_map([](auto b) { return meshlib::psum<"x">(b); }, m,
+///                             meshlib::P<"x">{}, meshlib::P<>{});
+/// auto total = f(x);   // x: a P<"x"> array of shape (8,); total: replicated (2,), the sum of the blocks
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/debug/check_replicated.hpp
+/// @file
+/// @brief `check_replicated(x)`: meshlib's `checkify` for sharding. A `local_tensor` whose type says
+/// it is invariant over some mesh axes must hold the same bits on every device of each group along
+/// those axes; this gathers the copies and compares them, naming the first differing device, the
+/// element and both values. Debug mode runs it on every `shard_map` output.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   auto w = meshlib::psum<"data">(g);     // invariant over 'data'
+///   meshlib::check_replicated(w);          // throws replica_mismatch if a kernel made copies diverge
+/// });
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <local_tensor_type L>
+void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
+  using T = typename L::value_type;
+  using Mesh = typename L::mesh_type;
+  mask &= Mesh::all_axes;
+  if (mask == 0) return;
+  device_context& ctx = current_device(what);
+  const std::size_t count = x.size();
+  std::vector<T> mine(count);
+  const auto shape = x.shape();
+  {
+    // Copy out in row-major order (the block may be a strided view).
+    std::array<std::size_t, L::rank> idx{};
+    for (std::size_t k = 0; k < count; ++k) {
+      mine[k] = std::apply([&](auto... i) { return x.view()(i...); }, idx);
+      for (std::size_t d = L::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  unobserved_scope quiet;
+  auto& comm = ctx.comm(mask);
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<T> all(count * n);
+  comm.all_gather(mine.data(), all.data(), count, datatype_of<T>);
+  const std::vector<std::size_t> group = x.mesh().group(ctx.device(), mask);
+  for (std::size_t r = 1; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i) {
+      const T& a = all[i];
+      const T& b = all[r * count + i];
+      if (std::memcmp(&a, &b, sizeof(T)) == 0) continue;
+      std::ostringstream os;
+      os << "meshlib: " << what << ": the value is replicated over " << describe_axes<Mesh>(mask) << " (devices ";
+      for (std::size_t g = 0; g < group.size(); ++g) os << (g ? ", " : "") << group[g];
+      os << ") but device " << group[r] << " differs from device " << group[0] << " at element " << i << " (index (";
+      std::size_t rest = i;
+      std::array<std::size_t, L::rank> idx{};
+      for (std::size_t d = L::rank; d-- > 0;) {
+        idx[d] = shape[d] ? rest % shape[d] : 0;
+        rest = shape[d] ? rest / shape[d] : 0;
+      }
+      for (std::size_t d = 0; d < L::rank; ++d) os << (d ? ", " : "") << idx[d];
+      os << ")): " << b << " on device " << group[r] << " vs " << a << " on device " << group[0]
+         << "; a kernel computed different values on replicas";
+      throw replica_mismatch(os.str());
+    }
+}
+
+}  // namespace detail
+
+/// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
+/// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
+/// nor is partial over). Collective over those groups: every device must call it.
+/// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
+template <local_tensor_type L>
+void check_replicated(const L& x) {
+  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
+}
+
+/// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
+template <fixed_string... Names, local_tensor_type L>
+  requires(sizeof...(Names) > 0)
+void check_replicated(const L& x) {
+  using Mesh = typename L::mesh_type;
+  static_assert((Mesh::template has_axis<Names> && ...), "meshlib: check_replicated<...>: the mesh has no such axis");
+  constexpr axis_mask mask = Mesh::template mask_of<Names...>();
+  static_assert((mask & (L::vary | L::partial)) == 0,
+                "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
+                "so its copies are not expected to agree; check only axes its type is invariant over");
+  detail::check_replicated_over(x, mask, "check_replicated");
+}
+
+namespace detail {
+
+/// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
+template <class Tuple>
+void debug_check_outputs(const Tuple& outputs) {
+  if (!debug_mode()) [[likely]]
+    return;
+  {
+    auto& s = debug_state::get();
+    std::lock_guard lk(s.m);
+    if (!s.options.check_replicas) return;
+  }
+  std::apply(
+      [](const auto&... o) {
+        (check_replicated_over(o, std::remove_cvref_t<decltype(o)>::mesh_type::all_axes &
+                                      ~std::remove_cvref_t<decltype(o)>::vary & ~std::remove_cvref_t<decltype(o)>::partial,
+                               "shard_map output (debug mode)"),
+         ...);
+      },
+      outputs);
+}
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/check_replicated.hpp
+
+namespace meshlib {
+
+/// @brief A list of partition specs: the in_specs (or out_specs) of a `shard_map` with several
+/// inputs (outputs). A single `P<...>` stands for a list of one.
+template <partition_spec_type... Specs>
+struct specs {
+  /// Tag that marks the type as a list of specs, one per argument or result.
+  using is_spec_list = void;
+  /// How many specs the list holds (one per argument or result).
+  static constexpr std::size_t size = sizeof...(Specs);
+};
+
+namespace detail {
+
+template <class S>
+struct spec_list {
+  static_assert(partition_spec_type<S>, "meshlib: shard_map: in_specs / out_specs must be a P<...> or a specs<P<...>, ...>");
+  using type = specs<S>;
+  static constexpr bool single = true;
+};
+template <class... S>
+struct spec_list<specs<S...>> {
+  using type = specs<S...>;
+  static constexpr bool single = false;
+};
+
+template <std::size_t I, class List>
+struct spec_at;
+template <std::size_t I, class... S>
+struct spec_at<I, specs<S...>> {
+  using type = std::tuple_element_t<I, std::tuple<S...>>;
+};
+
+// The diagnostics below name the output, the axis, the out_spec and the value's layout in their
+// failing condition (see core/diagnostics.hpp): one error on GCC and Clang.
+
+template <class Output, class Value>
+consteval bool shard_map_output_is_not_a_local_tensor() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
+                "out_spec)");
+  return false;
+}
+
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_is_partial() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
+                "psum_scatter, over that axis before returning it");
+  return false;
+}
+
+template <class Output, class Axes, class OutSpec, class Value>
+consteval bool shard_map_output_varies_over_unsharded_axis() {
+  static_assert(always_false<Output, Axes, OutSpec, Value>,
+                "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
+                "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
+                "axis, or shard the output over it in out_specs");
+  return false;
+}
+
+template <class Output, class Value>
+consteval bool shard_map_output_on_another_mesh() {
+  static_assert(always_false<Output, Value>,
+                "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
+  return false;
+}
+
+/// JAX's check_vma for output `Output`, one static_assert on the first unmet requirement.
+template <std::size_t Output, class Mesh, class OutSpec, class L>
+consteval bool check_output() {
+  using out_t = diagnostic::dim<Output>;
+  if constexpr (!local_tensor_type<L>) {
+    return shard_map_output_is_not_a_local_tensor<out_t, L>();
+  } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
+    return shard_map_output_on_another_mesh<out_t, L>();
+  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+    return false;
+  } else if constexpr (OutSpec::size > L::rank) {
+    return false;  // check_rank fired the diagnostic
+  } else {
+    using S = named_sharding<Mesh, OutSpec>;
+    constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
+    if constexpr (L::partial != 0)
+      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
+    else if constexpr (unsharded_vary != 0)
+      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
+                                                         diag_value_t<L>>();
+    else return true;
+  }
+}
+
+template <class R>
+struct as_tuple {
+  using type = std::tuple<R>;
+  static std::tuple<R> wrap(R r) { return std::tuple<R>(std::move(r)); }
+};
+template <class... R>
+struct as_tuple<std::tuple<R...>> {
+  using type = std::tuple<R...>;
+  static std::tuple<R...> wrap(std::tuple<R...> r) { return r; }
+};
+
+/// The global type an output of local type `L` assembles into under `OutSpec`.
+template <class Mesh, class OutSpec, class L>
+using global_of_t = sharded_tensor<typename L::value_type, L::rank, named_sharding<Mesh, OutSpec>, typename L::memory_space>;
+
+}  // namespace detail
+
+/// @brief The function `shard_map` returns: call it with the global inputs.
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend>
+class shard_map_fn {
+  using in_list = typename detail::spec_list<InSpecs>::type;
+  using out_list = typename detail::spec_list<OutSpecs>::type;
+  static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
+
+ public:
+  /// Wraps `fn` to run on every device of `mesh` through `backend`.
+  shard_map_fn(Fn fn, const Mesh& mesh, Backend backend) : fn_(std::move(fn)), mesh_(mesh), backend_(std::move(backend)) {}
+
+  /// Runs the function on every device. `xs` are global `sharded_tensor`s on this mesh, one per in-spec.
+  /// @returns one global `sharded_tensor` (or a `std::tuple` of them, for `specs<...>` out_specs).
+  /// @throws device_error when a device throws; sharding_error when an input does not fit its in-spec.
+  template <sharded_tensor_type... Xs>
+  auto operator()(const Xs&... xs) const {
+    static_assert(sizeof...(Xs) == in_list::size,
+                  "meshlib: shard_map: the number of arguments differs from the number of in_specs");
+    static_assert((std::is_same_v<typename Xs::mesh_type, Mesh> && ...),
+                  "meshlib: shard_map: every input must be sharded over the shard_map's mesh type");
+    // A bad in_spec fires its one diagnostic here and stops: the body is not instantiated on a
+    // local type that cannot exist, which would add a screenful of follow-on errors.
+    constexpr bool specs_ok = check_in_specs(std::index_sequence_for<Xs...>{});
+    if constexpr (!specs_ok) return;
+    else return call(std::index_sequence_for<Xs...>{}, xs...);
+  }
+
+ private:
+  template <std::size_t I, class X>
+  auto prepare(const X& x) const {
+    using spec_t = typename detail::spec_at<I, in_list>::type;
+    using sharding_t = named_sharding<Mesh, spec_t>;
+    if (!(x.mesh() == mesh_))
+      throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " lives on mesh " + x.mesh().to_string() +
+                           " but the shard_map runs on " + mesh_.to_string());
+    if constexpr (std::is_same_v<typename X::sharding_type, sharding_t>) {
+      if (x.sharding().rule() == shard_rule::even) return x;
+    }
+    // shard_map gives every device a block of one shape (as JAX's), so an input must split evenly
+    // under its in_spec; say so in shard_map's words (the layout's own advice, shard_rule::uneven,
+    // is what this input may already use).
+    const sharding_t even(mesh_, shard_rule::even);
+    for (std::size_t d = 0; d < X::rank; ++d)
+      if (x.global_shape()[d] % even.num_shards(d) != 0)
+        throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
+                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
+                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             " in its in_spec " + spec_t::to_string() +
+                             "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
+                             "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
+    return reshard(x, even, backend_);
+  }
+
+  template <std::size_t... I, class... Xs>
+  auto call(std::index_sequence<I...>, const Xs&... xs) const {
+    detail::require_kokkos("shard_map");
+    auto inputs = std::make_tuple(prepare<I>(xs)...);
+    using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
+    using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
+    constexpr std::size_t n_out = std::tuple_size_v<results_t>;
+    static_assert(n_out == out_list::size,
+                  "meshlib: shard_map: the function returns a different number of outputs than out_specs has specs");
+    constexpr bool ok = check_outputs<results_t>(std::make_index_sequence<n_out>{});
+    if constexpr (!ok) {
+      return;
+    } else {
+      const std::size_t n = mesh_.size();
+      std::vector<results_t> per_device(n);
+      detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
+        per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
+      });
+      auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
+      if constexpr (single_output) return std::get<0>(std::move(outs));
+      else return outs;
+    }
+  }
+
+  template <std::size_t... I>
+  static consteval bool check_in_specs(std::index_sequence<I...>) {
+    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
+  }
+
+  template <class Results, std::size_t... O>
+  static consteval bool check_outputs(std::index_sequence<O...>) {
+    return (detail::check_output<O, Mesh, typename detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
+            ...);
+  }
+
+  template <class Results, std::size_t... O>
+  auto assemble(std::vector<Results>& per_device, std::index_sequence<O...>) const {
+    return std::make_tuple(assemble_one<O, Results>(per_device)...);
+  }
+
+  template <std::size_t O, class Results>
+  auto assemble_one(std::vector<Results>& per_device) const {
+    using local_t = std::tuple_element_t<O, Results>;
+    using spec_t = typename detail::spec_at<O, out_list>::type;
+    using global_t = detail::global_of_t<Mesh, spec_t, local_t>;
+    using sharding_t = typename global_t::sharding_type;
+    const sharding_t sharding(mesh_, shard_rule::even);
+    const std::size_t n = mesh_.size();
+    std::vector<typename global_t::view_type> blocks(n);
+    std::vector<bool> local(n, false);
+    std::vector<std::array<std::size_t, local_t::rank>> shapes(n);
+    for (std::size_t dev : backend_.local_devices(n)) {
+      const local_t& v = std::get<O>(per_device[dev]);
+      blocks[dev] = v.view();
+      local[dev] = true;
+      shapes[dev] = v.shape();
+    }
+    // Devices another process runs (MPI backends): under the even rule every block has the shape
+    // of this process's blocks.
+    const std::size_t first_local = backend_.local_devices(n).front();
+    for (std::size_t dev = 0; dev < n; ++dev)
+      if (!local[dev]) shapes[dev] = shapes[first_local];
+    const auto global = global_shape_from_locals(sharding, std::span<const std::array<std::size_t, local_t::rank>>(shapes));
+    return global_t(sharding, global, std::move(blocks), std::move(local));
+  }
+
+  Fn fn_;
+  Mesh mesh_;
+  Backend backend_;
+};
+
+/// @brief `fn` mapped over the blocks of its inputs on `mesh` (JAX `shard_map(fn, mesh=, in_specs=,
+/// out_specs=)`). `in_specs` / `out_specs`: a `P<...>{}` for one input / output, or
+/// `specs<P<...>, ...>{}` for several (then `fn` returns a `std::tuple`). `fn` is called once per
+/// device with that device's `local_tensor` blocks, on `backend`, a `runner` (default:
+/// `default_runner`: this process's device threads, or the processes' once `mpi::initialize` has
+/// started several; exec/default_runner.hpp).
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backend = default_runner>
+[[nodiscard]] auto shard_map(Fn fn, const Mesh& mesh, InSpecs, OutSpecs, Backend backend = {}) {
+  return shard_map_fn<Fn, Mesh, InSpecs, OutSpecs, Backend>(std::move(fn), mesh, std::move(backend));
+}
+
+}  // namespace meshlib
+// end meshlib/exec/shard_map.hpp
+// end meshlib/exec.hpp
+// begin meshlib/runtime.hpp
+/// @file
+/// @brief The runtime layer: the processes of a run (`distributed::initialize`, launcher
+/// detection, process index and count, local devices, global mesh checks), per-process data
+/// loading, and Kokkos initialisation. Depends on core and comm; the MPI transport comes in through
+/// <meshlib/mpi.hpp>.
+
+// begin meshlib/runtime/process_data.hpp
+/// @file
+/// @brief Per-process data loading: which rows of a global batch this process's devices own under
+/// a sharding, so a data pipeline reads only its share (JAX's `ds.shard(num_shards=process_count(),
+/// index=process_index())`), and how the rows a process read split into its devices' shards
+/// (`jax.make_array_from_process_local_data`).
+///
+/// @code
+/// meshlib::shard_layout layout{sharding, std::array<std::size_t, 2>{global_batch, features}};
+/// auto rows = meshlib::distributed::process_rows(layout);             // e.g. {[64, 128)}
+/// std::vector<float> mine = read_rows(rows);                          // rows x features, row-major
+/// auto shards = meshlib::distributed::split_process_local_data<float>(layout, mine);
+/// // shards[i]: the row-major block of local device i (local_devices()[i])
+/// @endcode
+///
+/// The process-local data is the concatenation, in `process_rows` order, of the global rows this
+/// process's devices hold, each row complete in the other dimensions (a process reads whole
+/// examples; devices that split the other dimensions take their columns from them).
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::distributed {
+
+/// @brief Rows `[begin, end)` of dimension 0 of a global array.
+struct row_range {
+  /// The first row.
+  std::size_t begin = 0;
+  /// One past the last row.
+  std::size_t end = 0;
+  /// The number of rows, `end - begin`.
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
+  /// Equal when begin and end are.
+  friend constexpr bool operator==(const row_range&, const row_range&) = default;
+  /// Prints `[begin, end)`.
+  friend std::ostream& operator<<(std::ostream& os, const row_range& r) { return os << '[' << r.begin << ", " << r.end << ')'; }
+};
+
+/// @brief The rows of dimension 0 that the devices of process `process` (each process owning
+/// `local_devices` consecutive global devices) hold under `layout`: sorted, disjoint, adjacent
+/// ranges merged, empty blocks skipped. Defaults: this process, `local_device_count()`.
+/// @post The ranges of all processes cover every row; processes that hold replicas of one block
+/// (the batch is replicated over an axis that spans processes) get the same rows.
+template <sharding_type S, std::size_t Rank>
+std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout, std::size_t process,
+                                    std::size_t local_devices) {
+  static_assert(Rank >= 1, "meshlib: process_rows needs an array of rank at least 1");
+  if (local_devices == 0 || (process + 1) * local_devices > layout.num_devices())
+    throw mesh_error("meshlib: process_rows: process " + std::to_string(process) + " with " +
+                     std::to_string(local_devices) + " local devices lies outside the mesh " +
+                     layout.sharding().mesh().to_string() + " of " + std::to_string(layout.num_devices()) +
+                     " devices");
+  std::vector<row_range> r;
+  for (std::size_t i = 0; i < local_devices; ++i) {
+    const auto b = layout.block_of(process * local_devices + i);
+    if (b.extent[0] > 0) r.push_back({b.offset[0], b.offset[0] + b.extent[0]});
+  }
+  std::sort(r.begin(), r.end(), [](const row_range& a, const row_range& b) { return a.begin < b.begin; });
+  std::vector<row_range> merged;
+  for (const auto& x : r) {
+    if (!merged.empty() && x.begin <= merged.back().end)
+      merged.back().end = std::max(merged.back().end, x.end);
+    else
+      merged.push_back(x);
+  }
+  return merged;
+}
+
+/// @brief The global rows (dimension 0) this process's devices hold, merged into ranges: what it must load.
+template <sharding_type S, std::size_t Rank>
+std::vector<row_range> process_rows(const shard_layout<S, Rank>& layout) {
+  return process_rows(layout, process_index(), local_device_count());
+}
+
+/// @brief Number of rows in `ranges`: the rows of the process-local data.
+[[nodiscard]] inline std::size_t row_count(const std::vector<row_range>& ranges) noexcept {
+  std::size_t n = 0;
+  for (const auto& r : ranges) n += r.size();
+  return n;
+}
+
+/// @brief Splits the process-local data (the rows of `process_rows`, concatenated, row-major over
+/// the global shape's other dimensions) into the row-major block of each of the process's devices.
+/// Defaults: this process, `local_device_count()`.
+/// @throws sharding_error when `local` has another number of elements than the process's rows.
+template <class T, sharding_type S, std::size_t Rank>
+std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local,
+                                                     std::size_t process, std::size_t local_devices) {
+  const auto rows = process_rows(layout, process, local_devices);
+  const auto& g = layout.global_shape();
+  std::size_t row_elems = 1;
+  for (std::size_t d = 1; d < Rank; ++d) row_elems *= g[d];
+  if (local.size() != row_count(rows) * row_elems)
+    throw sharding_error("meshlib: split_process_local_data: process " + std::to_string(process) + " holds rows " +
+                         std::to_string(row_count(rows)) + " x " + std::to_string(row_elems) + " = " +
+                         std::to_string(row_count(rows) * row_elems) + " elements under " +
+                         layout.sharding().to_string() + ", but " + std::to_string(local.size()) + " were given");
+  // Local row of global row `gr`: its position within the concatenated ranges.
+  auto local_row = [&](std::size_t gr) {
+    std::size_t base = 0;
+    for (const auto& r : rows) {
+      if (gr < r.end) return base + (gr - r.begin);
+      base += r.size();
+    }
+    return base;  // unreachable for rows the process holds
+  };
+  std::vector<std::vector<T>> out;
+  out.reserve(local_devices);
+  for (std::size_t i = 0; i < local_devices; ++i) {
+    const auto b = layout.block_of(process * local_devices + i);
+    std::vector<T> shard;
+    shard.reserve(b.size());
+    std::array<std::size_t, Rank> idx{};
+    for (std::size_t k = 0; k < b.size(); ++k) {
+      // idx runs row-major over the block; the source is row-major over (local rows, g[1..]).
+      std::size_t src = local_row(b.offset[0] + idx[0]);
+      for (std::size_t d = 1; d < Rank; ++d) src = src * g[d] + b.offset[d] + idx[d];
+      shard.push_back(local[src]);
+      for (std::size_t d = Rank; d-- > 0;) {
+        if (++idx[d] < b.extent[d]) break;
+        idx[d] = 0;
+      }
+    }
+    out.push_back(std::move(shard));
+  }
+  return out;
+}
+
+/// @brief Splits the rows this process loaded (`process_rows`, row-major) into one block per local device.
+template <class T, sharding_type S, std::size_t Rank>
+std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>& layout, std::span<const T> local) {
+  return split_process_local_data<T>(layout, local, process_index(), local_device_count());
+}
+
+}  // namespace meshlib::distributed
+// end meshlib/runtime/process_data.hpp
+// end meshlib/runtime.hpp
+// begin meshlib/debug.hpp
+/// @file
+/// @brief The debug layer: traces (Chrome trace JSON, Kokkos profiling regions, a summary),
+/// per-device printing, sharding pictures and descriptions, and debug mode's checks (replicas,
+/// NaN/Inf, late devices). See docs/debugging.md.
+
+// begin meshlib/debug/trace_region.hpp
+/// @file
+/// @brief `trace_region`: a named span of the program, as `jax.profiler.TraceAnnotation`. It shows
+/// on the running device's track of the trace (or the host track outside `shard_map` / `spmd`),
+/// and Kokkos tools see it as a profiling region (`Kokkos::Profiling::pushRegion`/`popRegion`)
+/// next to the kernels. `scoped_region` is another name for it.
+/// @code
+/// meshlib::spmd(m, [&] {
+///   meshlib::trace_region r("forward");
+///   auto h = meshlib::psum<"model">(matmul(x, w));
+/// });
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
+/// flag when neither tracing nor a Kokkos tool is on.
+class trace_region {
+ public:
+  /// Opens the region `name`; it closes when the object is destroyed.
+  explicit trace_region(std::string name) {
+    auto& rec = detail::trace_recorder::get();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+    if (kokkos_) Kokkos::Profiling::pushRegion(name);
+#endif
+    if (!rec.on()) return;
+    const detail::device_context* ctx = detail::current_device_slot();
+    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
+    name_ = std::move(name);
+    start_ = rec.now_ns();
+  }
+  ~trace_region() {
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::popRegion();
+#endif
+    if (track_ == nullptr) return;
+    auto& rec = detail::trace_recorder::get();
+    detail::trace_event e;
+    e.name = std::move(name_);
+    e.start_ns = start_;
+    e.end_ns = rec.now_ns();
+    try {
+      rec.record(*track_, std::move(e));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
+    }
+  }
+  trace_region(const trace_region&) = delete;
+  trace_region& operator=(const trace_region&) = delete;
+
+ private:
+  detail::trace_recorder::track* track_ = nullptr;
+  std::string name_;
+  std::int64_t start_ = 0;
+  bool kokkos_ = false;
+};
+
+/// @brief Another name for `trace_region`.
+using scoped_region = trace_region;
+
+}  // namespace meshlib
+// end meshlib/debug/trace_region.hpp
+// begin meshlib/debug/debug_print.hpp
+/// @file
+/// @brief `debug_print(format, values...)` inside `shard_map` / `spmd`, as `jax.debug.print`: every
+/// device prints one line, prefixed with its id and mesh coordinates, in device order, each line
+/// whole. `{}` in the format stands for the next value; a `local_tensor` prints its elements.
+/// @code
+/// meshlib::spmd(m, [&] { meshlib::debug_print("x = {}, step {}", x, step); });
+/// // [device 0 (data=0, model=0)] x = [1, 2], step 3
+/// // [device 1 (data=0, model=1)] x = [3, 4], step 3
+/// @endcode
+///
+/// Every device of the mesh must call it (it is collective, as every SPMD statement): the devices
+/// take turns in id order, one whole-mesh barrier per turn, so lines never interleave and come in
+/// order whatever the thread timing. Outside `shard_map` / `spmd` it prints the line once, unprefixed.
+/// In multi-process runs each process prints its own devices' lines in turn; how the launcher
+/// merges the processes' outputs is up to it.
+
+#include <cstddef>
+#include <cstdint>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib {
+
+namespace detail {
+
+template <class T>
+void print_value(std::ostream& os, const T& v) {
+  if constexpr (local_tensor_type<T>) {
+    // Elements in row-major order, nested by dimension: [[1, 2], [3, 4]].
+    const auto shape = v.shape();
+    std::array<std::size_t, T::rank> idx{};
+    const std::size_t n = v.size();
+    if (n == 0) {
+      os << "[]";
+      return;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      std::size_t open = 0;
+      for (std::size_t d = T::rank; d-- > 0 && idx[d] == 0;) ++open;
+      if (k != 0) os << ", ";
+      for (std::size_t i = 0; i < open; ++i) os << '[';
+      const auto& x = std::apply([&](auto... i) -> decltype(auto) { return v.view()(i...); }, idx);
+      if constexpr (sizeof(x) == 1) os << +x;
+      else os << x;
+      std::size_t close = 0;
+      for (std::size_t d = T::rank; d-- > 0;) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+        ++close;
+      }
+      for (std::size_t i = 0; i < close; ++i) os << ']';
+    }
+  } else {
+    os << v;
+  }
+}
+
+inline void format_into(std::ostream& os, std::string_view fmt) { os << fmt; }
+
+template <class A, class... Rest>
+void format_into(std::ostream& os, std::string_view fmt, const A& a, const Rest&... rest) {
+  const std::size_t at = fmt.find("{}");
+  if (at == std::string_view::npos) {
+    os << fmt;
+    return;
+  }
+  os << fmt.substr(0, at);
+  print_value(os, a);
+  format_into(os, fmt.substr(at + 2), rest...);
+}
+
+/// Where `debug_print` writes (std::cout unless a test redirects it).
+inline std::ostream*& debug_print_stream() noexcept {
+  static std::ostream* s = &std::cout;
+  return s;
+}
+
+}  // namespace detail
+
+/// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
+/// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
+template <class... Args>
+void debug_print(std::string_view format, const Args&... values) {
+  std::ostringstream line;
+  detail::device_context* ctx = detail::current_device_slot();
+  std::ostream& out = *detail::debug_print_stream();
+  if (ctx == nullptr) {
+    detail::format_into(line, format, values...);
+    line << '\n';
+    out << line.str() << std::flush;
+    return;
+  }
+  std::size_t n = 1;
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) n *= ctx->axis_size(a);
+  line << "[device " << ctx->device() << " (";
+  for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
+  line << ")] ";
+  detail::format_into(line, format, values...);
+  line << '\n';
+  const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
+  detail::unobserved_scope quiet;
+  auto& world = ctx->comm(all);
+  for (std::size_t d = 0; d < n; ++d) {
+    if (d == ctx->device()) out << line.str() << std::flush;
+    std::int32_t turn = 0;
+    world.all_reduce(&turn, 1, datatype::int32, reduce_op::sum);
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/debug/debug_print.hpp
+// begin meshlib/debug/visualize_sharding.hpp
+/// @file
+/// @brief A text picture of which devices hold which block of a global array, in the spirit of
+/// `jax.debug.visualize_array_sharding`: 1-D and 2-D arrays as a grid of blocks, arrays of higher
+/// rank as a table with one row per device (its coordinates and its block).
+///
+/// @code
+/// std::cout << meshlib::visualize_sharding(sharding, std::array<std::size_t, 2>{4, 8});
+/// // +-------------+-------------+
+/// // |  dev 0,1    |  dev 2,3    |   <- devices that hold the block (replicas)
+/// // | [0:4, 0:4]  | [0:4, 4:8]  |   <- the block, in NumPy slice notation
+/// // +-------------+-------------+
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// Rank 3 and up: one row per device, `device | coordinates | block`.
+template <sharding_type S, std::size_t Rank>
+std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) {
+  using Mesh = typename S::mesh_type;
+  const auto& m = sharding.mesh();
+  std::vector<std::array<std::string, 3>> rows{{"device", "coords", "block"}};
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    std::string coords;
+    const auto c = m.coords(dev);
+    for (std::size_t a = 0; a < Mesh::ndim; ++a)
+      coords += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
+    std::ostringstream os;
+    os << layout.block_of(dev);
+    rows.push_back({std::to_string(dev), coords, os.str()});
+  }
+  std::array<std::size_t, 3> w{};
+  for (const auto& r : rows)
+    for (std::size_t k = 0; k < 3; ++k) w[k] = std::max(w[k], r[k].size());
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t k = 0; k < 3; ++k) line += (k ? " | " : "") + r[k] + std::string(w[k] - r[k].size(), ' ');
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
+/// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
+/// naming the devices that hold it and its slice of the global array. Rank 3 and up: one row per
+/// device with its mesh coordinates and its block.
+/// @throws sharding_error as `shard_layout` does for a shape the sharding's rule cannot split.
+template <sharding_type S, std::size_t Rank>
+std::string visualize_sharding(const S& sharding, const std::array<std::size_t, Rank>& global_shape) {
+  static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
+  const shard_layout<S, Rank> layout(sharding, global_shape);
+  if constexpr (Rank > 2) {
+    return detail::block_table(sharding, layout);
+  } else {
+  const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
+  const std::size_t cols = sharding.num_shards(Rank - 1);
+
+  std::vector<std::vector<std::string>> devs(rows, std::vector<std::string>(cols));
+  std::vector<std::vector<std::string>> slices(rows, std::vector<std::string>(cols));
+  for (std::size_t dev = 0; dev < sharding.mesh().size(); ++dev) {
+    const std::size_t r = Rank == 2 ? sharding.shard_index(dev, 0) : 0;
+    const std::size_t c = sharding.shard_index(dev, Rank - 1);
+    devs[r][c] += (devs[r][c].empty() ? "dev " : ",") + std::to_string(dev);
+    if (slices[r][c].empty()) {
+      const auto b = layout.block_of(dev);
+      std::ostringstream os;
+      os << b;
+      slices[r][c] = b.size() == 0 && global_shape[Rank - 1] != 0 ? "(empty)" : os.str();
+    }
+  }
+  std::size_t width = 0;
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) width = std::max({width, devs[r][c].size(), slices[r][c].size()});
+  width += 2;
+
+  std::string rule = "+";
+  for (std::size_t c = 0; c < cols; ++c) rule += std::string(width, '-') + "+";
+  rule += '\n';
+  auto cell = [width](const std::string& s) { return " " + s + std::string(width - 1 - s.size(), ' ') + "|"; };
+  std::string out = rule;
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::string a = "|", b = "|";
+    for (std::size_t c = 0; c < cols; ++c) {
+      a += cell(devs[r][c]);
+      b += cell(slices[r][c]);
+    }
+    out += a + "\n" + b + "\n" + rule;
+  }
+  return out;
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/debug/visualize_sharding.hpp
+// begin meshlib/debug/describe.hpp
+/// @file
+/// @brief One-line type descriptions and plan descriptions, as JAX prints avals
+/// (`f32[8@data,4@model]`), and `visualize` for any sharded tensor.
+/// @code
+/// meshlib::describe(x);      // "f32[8@data,4]": dim 0 split over 'data', dim 1 replicated
+/// meshlib::visualize(x);     // that line, then the picture of the blocks (visualize_sharding)
+/// meshlib::describe(meshlib::plan_reshard<meshlib::P<meshlib::none, "data">>(x));
+/// // reshard P<"data", none> -> P<none, "data">: 1 step(s), 48 bytes in all
+/// //   1. all_to_all over 'data' along dims 1 <-> 0 -> P<none, "data">
+/// //      bytes sent: device 0: 24, device 1: 24
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// JAX's short dtype names.
+template <class T>
+constexpr const char* short_dtype_name() noexcept {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, double>) return "f64";
+  else if constexpr (std::is_same_v<T, bfloat16>) return "bf16";
+  else if constexpr (std::is_same_v<T, std::int32_t>) return "i32";
+  else if constexpr (std::is_same_v<T, std::int64_t>) return "i64";
+  else if constexpr (std::is_same_v<T, std::int16_t>) return "i16";
+  else if constexpr (std::is_same_v<T, std::int8_t>) return "i8";
+  else if constexpr (std::is_same_v<T, std::uint32_t>) return "u32";
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return "u8";
+  else if constexpr (std::is_same_v<T, bool>) return "bool";
+  else return "?";
+}
+
+}  // namespace detail
+
+/// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
+/// split it (`@(data,model)` for several; nothing for a replicated dimension).
+template <sharded_tensor_type X>
+[[nodiscard]] std::string describe(const X& x) {
+  using S = typename X::sharding_type;
+  using Mesh = typename X::mesh_type;
+  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
+  for (std::size_t d = 0; d < X::rank; ++d) {
+    s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
+    const std::size_t k = S::dim_axis_count(d);
+    const auto axes = S::dim_axes(d);
+    if (k == 0) continue;
+    s += k == 1 ? "@" : "@(";
+    for (std::size_t j = 0; j < k; ++j) s += (j ? "," : "") + std::string(Mesh::axis_names[axes[j]]);
+    if (k > 1) s += ")";
+  }
+  return s + "]";
+}
+
+/// @brief Every step of a reshard plan and the bytes each device sends in it.
+[[nodiscard]] inline std::string describe(const reshard_plan& plan) {
+  std::ostringstream os;
+  std::size_t devices = 0;
+  for (const auto& st : plan.steps()) devices = std::max(devices, st.bytes_sent.size());
+  const std::string head = plan.to_string();
+  os << head.substr(0, head.find('\n')) << ' ' << plan.steps().size() << " step(s), " << plan.total_bytes_sent()
+     << " bytes sent in all\n";
+  std::size_t i = 0;
+  for (const auto& st : plan.steps()) {
+    os << "  " << ++i << ". " << st.description << "\n     bytes sent:";
+    for (std::size_t d = 0; d < st.bytes_sent.size(); ++d) os << (d ? "," : "") << " device " << d << ": " << st.bytes_sent[d];
+    if (st.bytes_sent.empty()) os << " none";
+    os << '\n';
+  }
+  return os.str();
+}
+
+/// @brief `describe(x)` on one line, then the blocks of `x` (`visualize_sharding`): a grid for 1-D
+/// and 2-D arrays, one row per device for higher ranks.
+template <sharded_tensor_type X>
+[[nodiscard]] std::string visualize(const X& x) {
+  return describe(x) + "\n" + visualize_sharding(x.sharding(), x.global_shape());
+}
+
+}  // namespace meshlib
+// end meshlib/debug/describe.hpp
+// end meshlib/debug.hpp
+// end meshlib.hpp
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+// begin meshlib/mpi.hpp
+/// @file
+/// @brief meshlib over MPI: the MPI communicator, hybrid process x thread meshes, and the runtime
+/// over MPI (`meshlib::mpi::initialize`). Needs the `meshlib::mpi` CMake target, which defines
+/// `MESHLIB_ENABLE_MPI` and links MPI.
+
+#if !MESHLIB_ENABLE_MPI
+#error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
+#else
+
 
 #endif
 // end meshlib/mpi.hpp

@@ -5,7 +5,7 @@
 // see the same bits as on threads. Values are small integers, so float results are exact too.
 #include <meshlib/collectives.hpp>
 #include <meshlib/exec.hpp>
-#include <meshlib/comm/mpi/mpi_backend.hpp>
+#include <meshlib/exec/mpi_runner.hpp>
 #include <meshlib/mpi.hpp>
 
 #include <chrono>
@@ -297,4 +297,115 @@ TEST_CASE("shard_map on mpi_backend and hybrid_backend: each process's output bl
   };
   check(n, mpi_backend{world});
   check(2 * n, hybrid_backend{world, 2});
+}
+
+// Persistent hybrid threads (exec/mpi_runner.hpp): every call of a hybrid_runner runs local
+// thread t on the same thread (0 on the caller), and the process-wide threads of hybrid_backend
+// persist too; the psum across processes gives the sum over every device of every process.
+TEST_CASE("hybrid_runner and hybrid_backend run every call on the same device threads", "[mpi][exec][runner]") {
+  using mesh1 = mesh<axis<"x">>;
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const auto P = static_cast<std::size_t>(world.size());
+  constexpr int T = 2;
+  const mesh1 m{P * T};
+  const double n = static_cast<double>(m.size());
+  auto probe = [&](const auto& runner) {
+    std::vector<std::thread::id> ids(m.size());
+    const auto sums = spmd(
+        m,
+        [&] {
+          ids[device_index()] = std::this_thread::get_id();
+          local_tensor<double, 1, mesh1, mesh1::all_axes> x({1}, m, device_index());
+          x.data()[0] = static_cast<double>(device_index() + 1);
+          return psum<"x">(x).data()[0];
+        },
+        runner);
+    for (std::size_t d : runner.local_devices(m.size())) CHECK(sums[d] == n * (n + 1) / 2);
+    return ids;
+  };
+  const std::size_t first = static_cast<std::size_t>(world.rank()) * T;
+  for (int which = 0; which < 2; ++which) {
+    INFO((which == 0 ? "hybrid_runner" : "hybrid_backend"));
+    const hybrid_backend runner = which == 0 ? hybrid_runner(world, T) : hybrid_backend{world, T};
+    const auto a = probe(runner), b = probe(runner), c = probe(runner);
+    CHECK(a[first] == std::this_thread::get_id());  // local thread 0 is the caller
+    for (std::size_t d = first; d < first + T; ++d) {
+      CHECK(a[d] == b[d]);
+      CHECK(a[d] == c[d]);
+    }
+    CHECK(a[first + 1] != a[first]);
+  }
+}
+
+// The default runner (exec/default_runner.hpp): once mpi::initialize has started P > 1
+// processes, spmd and shard_map without a runner run n / P devices in each process.
+TEST_CASE("after mpi::initialize the default runner spreads a mesh over the processes", "[mpi][exec][runner]") {
+  using mesh1 = mesh<axis<"x">>;
+  int r = 0, p = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  MPI_Comm_size(MPI_COMM_WORLD, &p);
+  const auto rank = static_cast<std::size_t>(r), procs = static_cast<std::size_t>(p);
+  const mesh1 m{2 * procs};
+  const double n = static_cast<double>(m.size());
+  auto program = [&] {
+    local_tensor<double, 1, mesh1, mesh1::all_axes> x({1}, m, device_index());
+    x.data()[0] = static_cast<double>(device_index() + 1);
+    return std::pair{device_index(), psum<"x">(x).data()[0]};
+  };
+  // Before: every device in this process.
+  CHECK(default_runner{}.local_devices(m.size()) == thread_backend{}.local_devices(m.size()));
+  {
+    meshlib::mpi::options o;
+    o.runtime.local_device_count = 2;
+    meshlib::mpi::guard run(MPI_COMM_WORLD, o);
+    const std::vector<std::size_t> mine{2 * rank, 2 * rank + 1};
+    CHECK(default_runner{}.local_devices(m.size()) == mine);
+    const auto got = spmd(m, program);
+    REQUIRE(got.size() == m.size());
+    for (std::size_t d = 0; d < m.size(); ++d) {
+      INFO("device " << d);
+      if (d / 2 == rank) {
+        CHECK(got[d].first == d);
+        CHECK(got[d].second == n * (n + 1) / 2);  // every process's devices took part
+      } else {
+        CHECK(got[d].first == 0);  // run by another process: value-initialised here
+        CHECK(got[d].second == 0.0);
+      }
+    }
+    // shard_map: this process holds its own blocks of the replicated sum.
+    std::vector<float> host(2 * m.size());
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(i);
+    auto x = from_host(named_sharding<mesh1, P<"x">>{m}, std::array<std::size_t, 1>{host.size()}, host);
+    auto total = shard_map([](auto b) { return psum<"x">(b); }, m, P<"x">{}, P<>{})(x);
+    for (std::size_t d = 0; d < m.size(); ++d) CHECK(total.is_local(d) == (d / 2 == rank));
+    for (std::size_t d : mine)
+      for (std::size_t i = 0; i < 2; ++i) {
+        float expect = 0;
+        for (std::size_t e = 0; e < m.size(); ++e) expect += host[2 * e + i];
+        CHECK(total.local(d)(i) == expect);
+      }
+    // A nested spmd inside a device runs on this process's threads: the other processes do not make it.
+    const auto nested = spmd(m, [] { return spmd(mesh1{3}, [] { return device_index(); }); });
+    for (std::size_t d : mine) CHECK(nested[d] == std::vector<std::size_t>{0, 1, 2});
+    // A mesh that does not split evenly over the processes is refused, with the fix.
+    const mesh1 odd{2 * procs + 1};
+    try {
+      spmd(odd, [] {});
+      FAIL("must throw");
+    } catch (const mesh_error& e) {
+      CHECK(std::string(e.what()) == "meshlib: spmd / shard_map on the default runner: the run has " + std::to_string(procs) +
+                                         " processes (communicator), which run a mesh's devices in equal shares, but "
+                                         "the mesh has " + std::to_string(2 * procs + 1) + " devices; use a multiple of " +
+                                         std::to_string(procs) + " (distributed::device_count() is " +
+                                         std::to_string(2 * procs) +
+                                         "), or pass a runner explicitly (thread_runner{} runs every device in this "
+                                         "process)");
+    }
+    // An explicit thread runner still runs every device here.
+    const auto local = spmd(m, [] { return device_index(); }, thread_runner{});
+    for (std::size_t d = 0; d < m.size(); ++d) CHECK(local[d] == d);
+  }
+  // After: threads again.
+  const auto after = spmd(m, [] { return device_index(); });
+  for (std::size_t d = 0; d < m.size(); ++d) CHECK(after[d] == d);
 }

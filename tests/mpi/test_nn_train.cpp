@@ -3,7 +3,7 @@
 // (hybrid_backend, each process holding only its devices' parameter blocks and its share of every
 // batch) gives the per-step losses of the single-process thread run.
 #include <meshlib.hpp>
-#include <meshlib/comm/mpi/mpi_backend.hpp>
+#include <meshlib/exec/mpi_runner.hpp>
 #include <meshlib/mpi.hpp>
 #include <meshlib/nn.hpp>
 

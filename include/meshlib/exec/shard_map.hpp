@@ -36,6 +36,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/debug/check_replicated.hpp"
+#include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/runtime/kokkos_runtime.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -279,9 +280,10 @@ class shard_map_fn {
 /// @brief `fn` mapped over the blocks of its inputs on `mesh` (JAX `shard_map(fn, mesh=, in_specs=,
 /// out_specs=)`). `in_specs` / `out_specs`: a `P<...>{}` for one input / output, or
 /// `specs<P<...>, ...>{}` for several (then `fn` returns a `std::tuple`). `fn` is called once per
-/// device with that device's `local_tensor` blocks, on `backend`, a `runner` (default: the
-/// process-wide persistent device threads; exec/runner.hpp).
-template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backend = thread_backend>
+/// device with that device's `local_tensor` blocks, on `backend`, a `runner` (default:
+/// `default_runner`: this process's device threads, or the processes' once `mpi::initialize` has
+/// started several; exec/default_runner.hpp).
+template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backend = default_runner>
 [[nodiscard]] auto shard_map(Fn fn, const Mesh& mesh, InSpecs, OutSpecs, Backend backend = {}) {
   return shard_map_fn<Fn, Mesh, InSpecs, OutSpecs, Backend>(std::move(fn), mesh, std::move(backend));
 }

@@ -16,6 +16,7 @@
 
 #include "meshlib/collectives/backend.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/runtime/kokkos_runtime.hpp"
 
@@ -32,13 +33,14 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 }  // namespace detail
 
 /// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
-/// the process-wide persistent device threads, thread communicator; a `thread_runner` owns its own).
+/// `default_runner`, the process-wide persistent device threads, or the processes' device threads
+/// once `mpi::initialize` has started several; a `thread_runner` owns threads of its own).
 /// @returns nothing when `fn` returns nothing; otherwise one result per device, indexed by device
 /// id (entries of devices another process runs are value-initialised).
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
 /// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
-template <mesh_type Mesh, class Fn, runner Backend = thread_backend>
+template <mesh_type Mesh, class Fn, runner Backend = default_runner>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;

@@ -63,8 +63,11 @@ class device_workers {
     static device_workers w;
     return w;
   }
-  /// An empty pool; threads start on the first job that needs them.
-  device_workers() = default;
+  /// An empty pool; threads start on the first job that needs them. `may_pin`: whether workers
+  /// pin themselves to a core while a job fits the cores (false for the threads of a process
+  /// that shares its node's cores with other processes of one run: each would pin its worker `i`
+  /// to the same core `i`; MPI launchers bind the processes themselves).
+  explicit device_workers(bool may_pin = true) : may_pin_(may_pin) {}
   device_workers(const device_workers&) = delete;
   device_workers& operator=(const device_workers&) = delete;
   /// Stops and joins every worker (none may be running a job: jobs are synchronous).
@@ -124,7 +127,7 @@ class device_workers {
       return true;
     }
     grow(count - 1);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin_fits(count)};
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
     remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
     for (std::size_t i = 1; i < count; ++i) {
       auto& w = *workers_[i - 1];
@@ -243,6 +246,7 @@ class device_workers {
     }
   }
 
+  const bool may_pin_ = true;
   std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
   job job_{};
   std::atomic<std::uint32_t> remaining_{0};

@@ -6,8 +6,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 #if defined(__linux__)
@@ -17,6 +19,7 @@
 
 #include "meshlib/collectives.hpp"
 #include "meshlib/exec.hpp"
+#include "meshlib/runtime/distributed.hpp"
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
@@ -234,3 +237,54 @@ TEST_CASE("a child of fork() runs spmd on threads of its own (the parent's worke
   CHECK(device_sums(m, 3.0, thread_backend{}) == std::vector<double>(3, expected_sum(3, 3.0)));
 }
 #endif
+
+// The default runner (exec/default_runner.hpp) in one process: the process-wide device threads,
+// the same ones thread_backend{} uses, before distributed::initialize and after one that found
+// one process; a run of several processes that MPI does not join is refused, not run as threads.
+static_assert(runner<default_runner>);
+
+TEST_CASE("without a multi-process launch the default runner is the process-wide thread runner", "[exec][runner]") {
+  namespace dist = meshlib::distributed;
+  const mesh1 m{4};
+  auto check_threads = [&] {
+    CHECK(default_runner{}.local_devices(4) == std::vector<std::size_t>{0, 1, 2, 3});
+    const auto by_default = spmd(m, [] { return std::this_thread::get_id(); });
+    CHECK(by_default == device_threads(m, thread_backend{}));  // the very same threads
+    CHECK(by_default[0] == std::this_thread::get_id());
+    for (double s : spmd(m, [&] {
+           L x(std::array<std::size_t, 1>{1}, m, device_index());
+           x.data()[0] = static_cast<double>(device_index() + 1);
+           return psum<"x">(x).data()[0];
+         }))
+      CHECK(s == expected_sum(4, 1.0));
+  };
+  REQUIRE(!dist::is_initialized());
+  check_threads();
+  const dist::env_source no_env = [](std::string_view) -> std::optional<std::string> { return std::nullopt; };
+  {
+    dist::options o;
+    o.initialize_kokkos = false;
+    o.env = no_env;
+    dist::guard one(o);  // no launcher: one process
+    check_threads();
+  }
+  {
+    dist::options o;
+    o.initialize_kokkos = false;
+    o.env = no_env;
+    o.process_id = 1;
+    o.num_processes = 2;
+    dist::guard two(o);  // two processes, but nothing joins them in this build
+    const std::string expected =
+        "meshlib: spmd / shard_map on the default runner: the run has 2 processes (explicit arguments), but no MPI "
+        "communicator joins them to run a mesh over them: start the run with meshlib::mpi::initialize() (or a "
+        "meshlib::mpi::guard; link meshlib::mpi), or pass a runner explicitly (thread_runner{} runs every device in "
+        "this process)";
+    CHECK(meshlib_test::message_of<distributed_error>([&] { spmd(m, [] {}); }) == expected);
+    CHECK(meshlib_test::message_of<distributed_error>([&] { (void)default_runner{}.local_devices(4); }) == expected);
+    const auto local = spmd(m, [] { return device_index(); }, thread_runner{});  // explicit: still threads
+    CHECK(local == std::vector<std::size_t>{0, 1, 2, 3});
+  }
+  CHECK(!dist::is_initialized());
+  check_threads();
+}

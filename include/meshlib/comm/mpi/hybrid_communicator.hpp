@@ -881,12 +881,30 @@ class hybrid_world {
   std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
 };
 
+namespace detail {
+/// How `run_hybrid` runs its threads by default: `threads - 1` started for the call (thread 0 is
+/// the caller's), joined before it returns. A launcher `launch(threads, body)` must call
+/// `body(t)` for every `t` in `[0, threads)` at once and return when all have returned; `body`
+/// does not throw. The persistent runners pass their device threads instead (exec/mpi_runner.hpp).
+struct start_hybrid_threads {
+  template <class Body>
+  void operator()(int threads, Body& body) const {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+    body(0);
+    for (auto& th : pool) th.join();
+  }
+};
+}  // namespace detail
+
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
-/// failure as `participant_error` (with the device). Collective over `procs`.
-template <class F>
+/// failure as `participant_error` (with the device). Collective over `procs`. `launch` runs the
+/// threads (default: started for this call; see `detail::start_hybrid_threads`).
+template <class F, class Launch = detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
-void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {}) {
+void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {},
+                Launch launch = {}) {
   hybrid_world world(procs, threads, std::move(options));
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
   auto body = [&](int t) {
@@ -901,10 +919,7 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
       world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
     }
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
-  body(0);
-  for (auto& th : pool) th.join();
+  launch(threads, body);
   // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
   // lowest thread that threw; a failure another process reported is blamed on its device.
   int root = world.failed() ? world.root_cause_thread() : -1;

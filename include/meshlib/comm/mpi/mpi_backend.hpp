@@ -1,14 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Backends that run `spmd`, `shard_map` and `reshard` over MPI: runners (the concept of
-/// `meshlib/exec/runner.hpp`, members as `meshlib/collectives/backend.hpp` describes them):
-/// `run(n, body)` and `local_devices(n)`. Unlike `thread_backend`, `hybrid_backend` still starts
-/// its threads on every call (`run_hybrid`).
-///
-/// - `mpi_backend`: one device per MPI rank; a mesh of n devices needs a communicator of n ranks.
-/// - `hybrid_backend`: `threads` devices per rank (P ranks x T threads); a mesh of P*T devices,
-///   device `p*T + t` being thread t of rank p.
+/// @brief `mpi_backend`: runs `spmd`, `shard_map` and `reshard` over MPI with one device per MPI
+/// rank: a runner (the concept of `meshlib/exec/runner.hpp`, members as
+/// `meshlib/collectives/backend.hpp` describes them): `run(n, body)` and `local_devices(n)`; a
+/// mesh of n devices needs a communicator of n ranks. `meshlib/exec/mpi_runner.hpp` names it
+/// `mpi_runner` too, beside `hybrid_backend` / `hybrid_runner` (threads in processes).
 ///
 /// @code
 /// meshlib::mpi::guard run;
@@ -21,9 +18,9 @@
 /// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
 /// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
 /// themselves) with its message. The communicator then refuses every later call on every rank
-/// (an abandoned collective may still be pending on it): continue with a new one. With
-/// `hybrid_backend` the same holds per run (each run is a new hybrid world). When the exception is
-/// not caught the whole run ends through `MPI_Abort` (the terminate handler of `mpi::initialize`).
+/// (an abandoned collective may still be pending on it): continue with a new one. When the
+/// exception is not caught the whole run ends through `MPI_Abort` (the terminate handler of
+/// `mpi::initialize`).
 
 #if MESHLIB_ENABLE_MPI
 
@@ -33,9 +30,7 @@
 #include <vector>
 
 #include "meshlib/comm/errors.hpp"
-#include "meshlib/comm/mpi/hybrid_communicator.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
-#include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
 
 namespace meshlib {
@@ -87,48 +82,6 @@ struct mpi_backend {
                                 std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
                                 " ranks; use a mesh of " + std::to_string(comm.size()) +
                                 " devices, or hybrid_backend for several devices (threads) per rank");
-  }
-};
-
-/// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`.
-struct hybrid_backend {
-  /// Marks a runner (exec/runner.hpp).
-  using is_runner = void;
-  /// The MPI communicator over the processes.
-  mpi_communicator comm;
-  /// Threads (devices) per process; the mesh has ranks times threads devices.
-  int threads = 1;
-  /// Options of each process's thread world.
-  thread_comm_options options{};
-
-  /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
-  template <class Body>
-  void run(std::size_t n, Body&& body) const {
-    check(n);
-    run_hybrid(
-        comm, threads,
-        [&](hybrid_communicator& c) {
-          const auto device = static_cast<std::size_t>(c.rank());
-          body(device, std::move(c));
-        },
-        options);
-  }
-
-  /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
-  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
-    check(n);
-    std::vector<std::size_t> d;
-    for (int t = 0; t < threads; ++t) d.push_back(static_cast<std::size_t>(comm.rank() * threads + t));
-    return d;
-  }
-
- private:
-  void check(std::size_t n) const {
-    const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
-    if (n != have)
-      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
-                                std::to_string(threads) + " threads = " + std::to_string(have) +
-                                " devices, but the mesh has " + std::to_string(n));
   }
 };
 
