@@ -67,7 +67,7 @@ def main():
     for r, load, rows in tables:
         for row in rows[2:]:
             cells = [c.strip() for c in row.strip("|").split("|")]
-            worst.append((float(cells[4].rstrip("%")), int(cells[0]), r))
+            worst.append((float(cells[4].split()[0].rstrip("%")), int(cells[0]), r))
     if worst:
         w = max(worst)
         verdict = "within" if w[0] <= 5.0 else "OVER"
