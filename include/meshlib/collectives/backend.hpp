@@ -3,7 +3,7 @@
 /// @file
 /// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
 /// persistent thread per device on a fresh `thread_world`; the MPI backends (one process per
-/// rank, or threads in processes: comm/mpi/mpi_backend.hpp) plug into `shard_map`, `spmd` and
+/// rank: comm/mpi/mpi_backend.hpp; threads in processes: exec/mpi_runner.hpp) plug into `shard_map`, `spmd` and
 /// `reshard` unchanged by providing the same members. exec/runner.hpp states this as the
 /// `runner` concept.
 ///
