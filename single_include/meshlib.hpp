@@ -11283,20 +11283,21 @@ struct abort_channel {
 ///
 /// Timeouts (`mpi_comm_options::timeout`, default `MESHLIB_COMM_TIMEOUT` or 60 s). No wait is
 /// unbounded: the fingerprint exchange is polled against the deadline, and it tells every rank
-/// that all have arrived; then a payload under `blocking_min_bytes` runs as MPI's non-blocking
-/// collective, polled, and a larger one as MPI's blocking collective, whose tuned algorithms are
-/// faster than the non-blocking ones for large payloads (docs/benchmarks.md), except when the node
-/// runs more ranks than it has cores: there large payloads are polled non-blocking collectives too
-/// (`large_payloads`). A deadline that passes raises `comm_timeout` naming the operation and the
+/// that all have arrived; then the payload runs as MPI's blocking collective, which can no longer
+/// wait unboundedly and whose tuned algorithms are faster than the non-blocking ones at every size
+/// (docs/benchmarks.md), except when the node runs more ranks than it has cores: there payloads
+/// are polled non-blocking collectives, which yield the core (`large_payloads`,
+/// `blocking_min_bytes`). A deadline that passes raises `comm_timeout` naming the operation and the
 /// rank. MPI cannot cancel a collective, so the communicator is then failed: every later call
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
 /// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
 /// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
-/// through the abort channel (`detail::abort_channel`) that their polled waits test. A rank that
-/// throws without calling `fail` does not reach its next collective; its peers then time out
-/// instead of hanging. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
+/// that unwinds a handle does the same without `fail` (the reason then says that an exception left
+/// the communicator's scope on rank R). A rank that catches its exception within the handle's
+/// scope and stops calling collectives leaves its peers to time out (never to hang). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -11314,6 +11315,7 @@ struct abort_channel {
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -11515,8 +11517,11 @@ struct mpi_comm_options {
   /// negative: no deadline (MPI's blocking calls throughout).
   std::chrono::nanoseconds timeout = default_comm_timeout();
   /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
-  /// ones run MPI's non-blocking collective, polled.
-  std::size_t blocking_min_bytes = std::size_t{64} << 10;
+  /// ones run MPI's non-blocking collective, polled. Default 0: every payload, because the
+  /// fingerprint exchange that precedes each collective already shows that every rank arrived (so
+  /// the blocking call cannot hang), and a polled `MPI_Iallreduce` of 8 B costs about 1.5 us more
+  /// than `MPI_Allreduce` (docs/benchmarks.md, "MPI overhead").
+  std::size_t blocking_min_bytes = 0;
   /// How large payloads wait under a deadline.
   enum class large_payload_mode {
     automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
@@ -11556,6 +11561,9 @@ struct mpi_comm_state {
   bool failed = false;
   bool failed_by_mismatch = false;  ///< else a timeout
   std::string failure;
+  /// Whether a handle that an exception unwinds fails the communicator (`~mpi_communicator`): the
+  /// application's communicators and their splits, not a hybrid world's own.
+  bool fail_on_unwind = false;
   /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
   /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
   std::vector<int> missing;
@@ -11653,6 +11661,28 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// An empty handle; only assignable and destructible.
   mpi_communicator() = default;
 
+  mpi_communicator(const mpi_communicator& o) : state_(o.state_) {}
+  mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)) {}
+  mpi_communicator& operator=(const mpi_communicator& o) {
+    state_ = o.state_;
+    return *this;
+  }
+  mpi_communicator& operator=(mpi_communicator&& o) noexcept {
+    state_ = std::move(o.state_);
+    return *this;
+  }
+
+  /// The last handle of a communicator that an exception unwinds (the rank threw, and nothing
+  /// caught it within the handle's scope) fails the communicator as `fail` would: the rank will
+  /// not reach its next collective on it, and its peers would otherwise wait for the whole
+  /// timeout. Only the last: a copy held by a runner or a hybrid world that an error unwinds must
+  /// not fail the application's communicator, which the application may go on using. The
+  /// exception cannot be read from a destructor, so the peers' `comm_aborted` says that an
+  /// exception left the communicator's scope on that rank, whose own handler has the message.
+  ~mpi_communicator() {
+    if (state_ && state_.use_count() == 1 && std::uncaught_exceptions() > exceptions_at_birth_) fail_on_unwind();
+  }
+
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
   /// @throws comm_error when MPI is not initialised or `comm` is `MPI_COMM_NULL`.
@@ -11690,6 +11720,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     auto s = std::make_shared<detail::mpi_comm_state>();
     s->adopted = comm;
     s->options = options;
+    s->fail_on_unwind = own_channel;
     check_rc(MPI_Comm_dup(comm, &s->comm), "MPI_Comm_dup");
     finish(*s);
     if (own_channel) {
@@ -11785,6 +11816,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
     s->channel = state_->channel;
+    s->fail_on_unwind = state_->fail_on_unwind;
     check_rc(MPI_Comm_split(state_->comm, color, key, &s->comm), "MPI_Comm_split");
     finish(*s);
     mpi_communicator out;
@@ -12410,7 +12442,24 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     if (flag && ub) s.tag_ub = *ub;
   }
 
+  /// See the destructor. Only the application's communicators (a hybrid world's own is failed by
+  /// the world, which knows the device and the message); never over a failure already known.
+  void fail_on_unwind() const noexcept {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    const auto& s = *state_;
+    if (finalized || !s.fail_on_unwind || s.failed || !s.channel || s.channel->interrupted.load(std::memory_order_acquire))
+      return;
+    try {
+      fail("an exception left the scope of its communicator there (that rank's handler has its message)");
+    } catch (...) {  // a destructor must not throw; the peers then time out, as before
+    }
+  }
+
   std::shared_ptr<detail::mpi_comm_state> state_;
+  /// `std::uncaught_exceptions()` when this handle was made: a larger count at its destruction
+  /// means that an exception is unwinding it.
+  int exceptions_at_birth_ = std::uncaught_exceptions();
 };
 
 static_assert(communicator<mpi_communicator>);

@@ -15,6 +15,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -637,6 +638,52 @@ TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator sta
   // The others never make the call: rank 0's fingerprint exchange stays pending in its failed
   // communicator (never freed), which MPI tolerates until MPI_Finalize. (Had they made it late,
   // their data collective would wait for rank 0 forever: MPI cannot cancel either side.)
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("an exception that unwinds a rank's communicator releases its peers at once", "[mpi][faults]") {
+  meshlib::mpi_comm_options o;
+  o.timeout = std::chrono::seconds(20);
+  const int thrower = world().size() - 1;
+  if (world().rank() == thrower) {
+    // No fail(): the exception leaves the communicator's scope, which is the rank's signal.
+    try {
+      mpi_communicator c(MPI_COMM_WORLD, o);
+      mpi_communicator copy = c;  // a second handle is unwound too; the last one fails it
+      (void)copy;
+      throw std::runtime_error("bad input on the last rank");
+    } catch (const std::runtime_error& e) {
+      CHECK(std::string(e.what()) == "bad input on the last rank");
+    }
+  } else {
+    mpi_communicator c(MPI_COMM_WORLD, o);
+    std::vector<float> x(8, 1.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      c.all_reduce(std::span(x), reduce_op::sum);
+      FAIL("the peers of a rank whose exception unwound its communicator must be released");
+    } catch (const meshlib::comm_aborted& e) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      CHECK(s < 2.0);  // not the 20 s timeout
+      CHECK(std::string(e.what()) ==
+            "meshlib: communicator aborted: MPI rank " + std::to_string(thrower) + " of " +
+                std::to_string(world().size()) +
+                " failed: an exception left the scope of its communicator there (that rank's handler has its "
+                "message)");
+      CHECK(c.root_cause_rank() == thrower);
+    }
+  }
+  // A handle that is destroyed normally after a caught exception fails nothing.
+  {
+    mpi_communicator c(MPI_COMM_WORLD, o);
+    try {
+      throw std::runtime_error("caught within the scope");
+    } catch (const std::runtime_error&) {
+    }
+    std::vector<int> y(3, 1);
+    c.all_reduce(std::span(y), reduce_op::sum);
+    CHECK(y[0] == c.size());
+  }
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
