@@ -7342,15 +7342,25 @@ class device_error : public error {
 /// reference (`Kokkos::View::use_count() == 1`). A result the caller still holds keeps the count
 /// above one, so a later call never overwrites it: it takes another buffer, or a fresh one.
 ///
-/// Lifetime: the workspace belongs to one `device_context`, which lives for one `shard_map` /
-/// `spmd` call on that device's thread; it holds only its own views (no communicator, no pointer
-/// into the call), and drops them on that thread when the call ends (the Kokkos 3.4.1 rule of
-/// tensor/view.hpp: a device thread copies and drops handles only of its own blocks). A result
-/// that outlives the call keeps its buffer; the workspace merely lets go of it.
+/// Lifetime: one workspace per thread (`thread_workspace`), so it outlives the `shard_map` /
+/// `spmd` call: a training loop that runs one call per step reuses the previous step's buffers
+/// instead of allocating them again and taking a page fault on every page of each (issue 9: on
+/// this VM, first-touch faults cost a typed psum 60% of its bandwidth at 16 MiB). A device always
+/// runs on the same persistent thread (exec/thread_runner.hpp), so its workspace follows it.
+/// Three rules keep that within the Kokkos 3.4.1 rule of tensor/view.hpp (a device thread copies
+/// and drops handles only of its own blocks): when a call ends, its device's thread drops the
+/// buffers someone else still holds (results that leave the call), keeping only those nobody
+/// holds; a thread's workspace is emptied on that thread when it exits; and a Kokkos finalize hook
+/// empties the workspaces of idle threads (a buffer must not outlive Kokkos). It keeps at most
+/// `max_shapes` shapes, dropping the least recently used unheld ones past that.
 
 #include <array>
 #include <cstddef>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <tuple>
 #include <typeindex>
@@ -7366,6 +7376,9 @@ class collective_workspace {
   /// How many buffers of one type and shape are kept; past that, a call whose every kept buffer is
   /// still held gets a fresh one that the workspace does not keep.
   static constexpr std::size_t buffers_per_shape = 4;
+  /// How many types and shapes are kept across calls (a program's collectives use a few; one that
+  /// keeps changing its shapes must not keep a buffer of each for ever).
+  static constexpr std::size_t max_shapes = 32;
 
   collective_workspace() = default;
   collective_workspace(const collective_workspace&) = delete;
@@ -7375,16 +7388,38 @@ class collective_workspace {
   template <class T, std::size_t Rank, class Space>
   block_view_t<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
     using view_t = block_view_t<T, Rank, Space>;
-    auto& kept = slots_[key_of<view_t>(shape)];
+    auto& entry = slots_[key_of<view_t>(shape)];
+    entry.last_use = ++uses_;
+    auto& kept = entry.buffers;
     for (auto& s : kept) {
       auto& v = static_cast<slot<view_t>&>(*s).view;
       if (v.use_count() == 1) return v;
     }
     ++allocations_;
     view_t fresh = allocate<T, Rank, Space>(shape, "meshlib::collective", false);
-    if (kept.size() < buffers_per_shape) kept.push_back(std::make_unique<slot<view_t>>(fresh));
+    if (kept.size() < buffers_per_shape) {
+      kept.push_back(std::make_unique<slot<view_t>>(fresh));
+      on_keep();
+      trim();
+    }
     return fresh;
   }
+
+  /// Drops the buffers that someone else still holds (see the file comment: called on the
+  /// device's thread when its call ends), keeping those nobody holds for the next call.
+  void release_held() {
+    for (auto it = slots_.begin(); it != slots_.end();) {
+      auto& kept = it->second.buffers;
+      kept.erase(std::remove_if(kept.begin(), kept.end(), [](const auto& s) { return s->use_count() > 1; }), kept.end());
+      it = kept.empty() ? slots_.erase(it) : std::next(it);
+    }
+  }
+
+  /// Drops every buffer (a Kokkos finalize hook, or the thread's exit).
+  void clear() noexcept { slots_.clear(); }
+
+  /// Types and shapes kept.
+  [[nodiscard]] std::size_t shapes() const noexcept { return slots_.size(); }
 
   /// A one-dimensional staging buffer of `n` elements, for use within one collective call.
   template <class T, class Space>
@@ -7397,7 +7432,7 @@ class collective_workspace {
   [[nodiscard]] bool holds(const View& v) const {
     const auto it = slots_.find(key_of<View>(extents_of(v)));
     if (it == slots_.end()) return false;
-    for (const auto& s : it->second)
+    for (const auto& s : it->second.buffers)
       if (static_cast<const slot<View>&>(*s).view.data() == v.data()) return true;
     return false;
   }
@@ -7408,11 +7443,17 @@ class collective_workspace {
  private:
   struct slot_base {
     virtual ~slot_base() = default;
+    [[nodiscard]] virtual long use_count() const noexcept = 0;
   };
   template <class View>
   struct slot final : slot_base {
     explicit slot(View v) : view(std::move(v)) {}
+    long use_count() const noexcept override { return static_cast<long>(view.use_count()); }
     View view;
+  };
+  struct entry {
+    std::vector<std::unique_ptr<slot_base>> buffers;
+    std::uint64_t last_use = 0;
   };
   /// The view type and its extents (unused ones 0): a buffer is reused only for the same shape,
   /// because a Kokkos view cannot be re-shaped while sharing ownership.
@@ -7425,9 +7466,83 @@ class collective_workspace {
     return key{std::type_index(typeid(View)), e};
   }
 
-  std::map<key, std::vector<std::unique_ptr<slot_base>>> slots_;
+  /// Past `max_shapes`, drops the least recently used shapes whose buffers nobody holds.
+  void trim() {
+    while (slots_.size() > max_shapes) {
+      auto victim = slots_.end();
+      for (auto it = slots_.begin(); it != slots_.end(); ++it) {
+        const auto& kept = it->second.buffers;
+        const bool unheld = std::all_of(kept.begin(), kept.end(), [](const auto& s) { return s->use_count() == 1; });
+        if (unheld && it->second.last_use != uses_ && (victim == slots_.end() || it->second.last_use < victim->second.last_use))
+          victim = it;
+      }
+      if (victim == slots_.end()) return;  // every other shape is in use: keep them until the call ends
+      slots_.erase(victim);
+    }
+  }
+
+  void on_keep();  // below: the finalize hook, once Kokkos has been used
+
+  std::map<key, entry> slots_;
   std::size_t allocations_ = 0;
+  std::uint64_t uses_ = 0;
 };
+
+/// The workspaces of every thread that has one, so that a Kokkos finalize hook can empty them
+/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits).
+class workspace_registry {
+ public:
+  /// Never destroyed: threads deregister at their exit, which may come after static destruction.
+  static workspace_registry& get() {
+    static auto* r = new workspace_registry;
+    return *r;
+  }
+  void add(collective_workspace* w) {
+    std::lock_guard lock(m_);
+    all_.push_back(w);
+  }
+  void remove(collective_workspace* w) {
+    std::lock_guard lock(m_);
+    all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
+  }
+  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it).
+  void hook() {
+    if (hooked_.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(m_);
+    if (hooked_.load(std::memory_order_relaxed)) return;
+    hooked_.store(true, std::memory_order_release);
+    Kokkos::push_finalize_hook([this] {
+      // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
+      // job hand-off orders their last use before this.
+      std::lock_guard l(m_);
+      for (auto* w : all_) w->clear();
+      hooked_.store(false, std::memory_order_release);
+    });
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<collective_workspace*> all_;
+  std::atomic<bool> hooked_{false};
+};
+
+inline void collective_workspace::on_keep() { workspace_registry::get().hook(); }
+
+/// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
+inline collective_workspace& thread_workspace() {
+  struct owner {
+    collective_workspace ws;
+    owner() { workspace_registry::get().add(&ws); }
+    ~owner() {
+      workspace_registry::get().remove(&ws);
+      ws.clear();
+    }
+    owner(const owner&) = delete;
+    owner& operator=(const owner&) = delete;
+  };
+  thread_local owner o;
+  return o.ws;
+}
 
 }  // namespace meshlib::detail
 // end meshlib/collectives/workspace.hpp
@@ -8581,12 +8696,20 @@ class device_context {
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
   /// The communicator of this device's group along the axes in `mask`, in group-rank order.
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
-  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp); it lives as
-  /// long as this context, one `shard_map` / `spmd` call, and holds nothing of the call's communicators.
-  [[nodiscard]] collective_workspace& workspace() noexcept { return workspace_; }
+  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
+  /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
+  [[nodiscard]] collective_workspace& workspace() noexcept { return thread_workspace(); }
 
- private:
-  collective_workspace workspace_;
+ protected:
+  device_context() = default;
+  /// The end of the device's call, on its own thread: results that leave the call keep their
+  /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
+  void end_call() noexcept {
+    try {
+      thread_workspace().release_held();
+    } catch (...) {  // nothing in it allocates; a failure only keeps a buffer for longer
+    }
+  }
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
@@ -8604,6 +8727,7 @@ class device_context_for final : public device_context {
         observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
+  ~device_context_for() override { end_call(); }
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
@@ -9990,7 +10114,8 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
     using T = typename L::value_type;
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     const T* src = contiguous_data(x, "ppermute");
-    auto& comm = current_device("ppermute").comm(mask);
+    device_context& ctx = current_device("ppermute");
+    auto& comm = ctx.comm(mask);
     // perm names group positions in the order written; the communicator ranks run in mesh order.
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     std::vector<std::size_t> rank_of(order.size());
@@ -9999,8 +10124,8 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
     std::vector<permute_pair> pairs;
     pairs.reserve(perm.size());
     for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(to_rank(s)), static_cast<int>(to_rank(d))});
-    auto out = result_view<L>(x.shape());
-    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    auto out = workspace_view<T, L::rank, typename L::memory_space>(ctx, x.shape());
+    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);  // zeros where nothing arrives
     return L(out, x.mesh(), x.device());
   }
 }
@@ -10036,12 +10161,14 @@ template <fixed_string Axis, local_tensor_type L>
   } else {
     using T = typename L::value_type;
     const T* src = detail::contiguous_data(x, "broadcast");
-    auto& comm = detail::current_device("broadcast").comm(bit);
+    auto& ctx = detail::current_device("broadcast");
+    auto& comm = ctx.comm(bit);
     if (root >= static_cast<std::size_t>(comm.size()))
       throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
                            " is out of range for an axis of size " + std::to_string(comm.size()));
-    auto out = detail::result_view<L>(x.shape());
-    std::copy_n(src, x.size(), out.data());
+    using space_t = typename L::memory_space;
+    auto out = detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    detail::copy_elements<space_t>(src, x.size(), out.data());
     comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
     return result_t(out, x.mesh(), x.device());
   }

@@ -169,12 +169,20 @@ class device_context {
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
   /// The communicator of this device's group along the axes in `mask`, in group-rank order.
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
-  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp); it lives as
-  /// long as this context, one `shard_map` / `spmd` call, and holds nothing of the call's communicators.
-  [[nodiscard]] collective_workspace& workspace() noexcept { return workspace_; }
+  /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
+  /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
+  [[nodiscard]] collective_workspace& workspace() noexcept { return thread_workspace(); }
 
- private:
-  collective_workspace workspace_;
+ protected:
+  device_context() = default;
+  /// The end of the device's call, on its own thread: results that leave the call keep their
+  /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
+  void end_call() noexcept {
+    try {
+      thread_workspace().release_held();
+    } catch (...) {  // nothing in it allocates; a failure only keeps a buffer for longer
+    }
+  }
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
@@ -192,6 +200,7 @@ class device_context_for final : public device_context {
         observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
+  ~device_context_for() override { end_call(); }
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }

@@ -17,8 +17,10 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/collectives/block_ops.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/gathers.hpp"
+#include "meshlib/collectives/reductions.hpp"
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -56,7 +58,8 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
     using T = typename L::value_type;
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     const T* src = contiguous_data(x, "ppermute");
-    auto& comm = current_device("ppermute").comm(mask);
+    device_context& ctx = current_device("ppermute");
+    auto& comm = ctx.comm(mask);
     // perm names group positions in the order written; the communicator ranks run in mesh order.
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     std::vector<std::size_t> rank_of(order.size());
@@ -65,8 +68,8 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
     std::vector<permute_pair> pairs;
     pairs.reserve(perm.size());
     for (const auto& [s, d] : perm) pairs.push_back(permute_pair{static_cast<int>(to_rank(s)), static_cast<int>(to_rank(d))});
-    auto out = result_view<L>(x.shape());
-    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);
+    auto out = workspace_view<T, L::rank, typename L::memory_space>(ctx, x.shape());
+    comm.ppermute(src, out.data(), x.size(), datatype_of<T>, pairs);  // zeros where nothing arrives
     return L(out, x.mesh(), x.device());
   }
 }
@@ -102,12 +105,14 @@ template <fixed_string Axis, local_tensor_type L>
   } else {
     using T = typename L::value_type;
     const T* src = detail::contiguous_data(x, "broadcast");
-    auto& comm = detail::current_device("broadcast").comm(bit);
+    auto& ctx = detail::current_device("broadcast");
+    auto& comm = ctx.comm(bit);
     if (root >= static_cast<std::size_t>(comm.size()))
       throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
                            " is out of range for an axis of size " + std::to_string(comm.size()));
-    auto out = detail::result_view<L>(x.shape());
-    std::copy_n(src, x.size(), out.data());
+    using space_t = typename L::memory_space;
+    auto out = detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    detail::copy_elements<space_t>(src, x.size(), out.data());
     comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
     return result_t(out, x.mesh(), x.device());
   }

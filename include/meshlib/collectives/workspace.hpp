@@ -10,15 +10,25 @@
 /// reference (`Kokkos::View::use_count() == 1`). A result the caller still holds keeps the count
 /// above one, so a later call never overwrites it: it takes another buffer, or a fresh one.
 ///
-/// Lifetime: the workspace belongs to one `device_context`, which lives for one `shard_map` /
-/// `spmd` call on that device's thread; it holds only its own views (no communicator, no pointer
-/// into the call), and drops them on that thread when the call ends (the Kokkos 3.4.1 rule of
-/// tensor/view.hpp: a device thread copies and drops handles only of its own blocks). A result
-/// that outlives the call keeps its buffer; the workspace merely lets go of it.
+/// Lifetime: one workspace per thread (`thread_workspace`), so it outlives the `shard_map` /
+/// `spmd` call: a training loop that runs one call per step reuses the previous step's buffers
+/// instead of allocating them again and taking a page fault on every page of each (issue 9: on
+/// this VM, first-touch faults cost a typed psum 60% of its bandwidth at 16 MiB). A device always
+/// runs on the same persistent thread (exec/thread_runner.hpp), so its workspace follows it.
+/// Three rules keep that within the Kokkos 3.4.1 rule of tensor/view.hpp (a device thread copies
+/// and drops handles only of its own blocks): when a call ends, its device's thread drops the
+/// buffers someone else still holds (results that leave the call), keeping only those nobody
+/// holds; a thread's workspace is emptied on that thread when it exits; and a Kokkos finalize hook
+/// empties the workspaces of idle threads (a buffer must not outlive Kokkos). It keeps at most
+/// `max_shapes` shapes, dropping the least recently used unheld ones past that.
 
 #include <array>
 #include <cstddef>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <tuple>
 #include <typeindex>
@@ -35,6 +45,9 @@ class collective_workspace {
   /// How many buffers of one type and shape are kept; past that, a call whose every kept buffer is
   /// still held gets a fresh one that the workspace does not keep.
   static constexpr std::size_t buffers_per_shape = 4;
+  /// How many types and shapes are kept across calls (a program's collectives use a few; one that
+  /// keeps changing its shapes must not keep a buffer of each for ever).
+  static constexpr std::size_t max_shapes = 32;
 
   collective_workspace() = default;
   collective_workspace(const collective_workspace&) = delete;
@@ -44,16 +57,38 @@ class collective_workspace {
   template <class T, std::size_t Rank, class Space>
   block_view_t<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
     using view_t = block_view_t<T, Rank, Space>;
-    auto& kept = slots_[key_of<view_t>(shape)];
+    auto& entry = slots_[key_of<view_t>(shape)];
+    entry.last_use = ++uses_;
+    auto& kept = entry.buffers;
     for (auto& s : kept) {
       auto& v = static_cast<slot<view_t>&>(*s).view;
       if (v.use_count() == 1) return v;
     }
     ++allocations_;
     view_t fresh = allocate<T, Rank, Space>(shape, "meshlib::collective", false);
-    if (kept.size() < buffers_per_shape) kept.push_back(std::make_unique<slot<view_t>>(fresh));
+    if (kept.size() < buffers_per_shape) {
+      kept.push_back(std::make_unique<slot<view_t>>(fresh));
+      on_keep();
+      trim();
+    }
     return fresh;
   }
+
+  /// Drops the buffers that someone else still holds (see the file comment: called on the
+  /// device's thread when its call ends), keeping those nobody holds for the next call.
+  void release_held() {
+    for (auto it = slots_.begin(); it != slots_.end();) {
+      auto& kept = it->second.buffers;
+      kept.erase(std::remove_if(kept.begin(), kept.end(), [](const auto& s) { return s->use_count() > 1; }), kept.end());
+      it = kept.empty() ? slots_.erase(it) : std::next(it);
+    }
+  }
+
+  /// Drops every buffer (a Kokkos finalize hook, or the thread's exit).
+  void clear() noexcept { slots_.clear(); }
+
+  /// Types and shapes kept.
+  [[nodiscard]] std::size_t shapes() const noexcept { return slots_.size(); }
 
   /// A one-dimensional staging buffer of `n` elements, for use within one collective call.
   template <class T, class Space>
@@ -66,7 +101,7 @@ class collective_workspace {
   [[nodiscard]] bool holds(const View& v) const {
     const auto it = slots_.find(key_of<View>(extents_of(v)));
     if (it == slots_.end()) return false;
-    for (const auto& s : it->second)
+    for (const auto& s : it->second.buffers)
       if (static_cast<const slot<View>&>(*s).view.data() == v.data()) return true;
     return false;
   }
@@ -77,11 +112,17 @@ class collective_workspace {
  private:
   struct slot_base {
     virtual ~slot_base() = default;
+    [[nodiscard]] virtual long use_count() const noexcept = 0;
   };
   template <class View>
   struct slot final : slot_base {
     explicit slot(View v) : view(std::move(v)) {}
+    long use_count() const noexcept override { return static_cast<long>(view.use_count()); }
     View view;
+  };
+  struct entry {
+    std::vector<std::unique_ptr<slot_base>> buffers;
+    std::uint64_t last_use = 0;
   };
   /// The view type and its extents (unused ones 0): a buffer is reused only for the same shape,
   /// because a Kokkos view cannot be re-shaped while sharing ownership.
@@ -94,8 +135,82 @@ class collective_workspace {
     return key{std::type_index(typeid(View)), e};
   }
 
-  std::map<key, std::vector<std::unique_ptr<slot_base>>> slots_;
+  /// Past `max_shapes`, drops the least recently used shapes whose buffers nobody holds.
+  void trim() {
+    while (slots_.size() > max_shapes) {
+      auto victim = slots_.end();
+      for (auto it = slots_.begin(); it != slots_.end(); ++it) {
+        const auto& kept = it->second.buffers;
+        const bool unheld = std::all_of(kept.begin(), kept.end(), [](const auto& s) { return s->use_count() == 1; });
+        if (unheld && it->second.last_use != uses_ && (victim == slots_.end() || it->second.last_use < victim->second.last_use))
+          victim = it;
+      }
+      if (victim == slots_.end()) return;  // every other shape is in use: keep them until the call ends
+      slots_.erase(victim);
+    }
+  }
+
+  void on_keep();  // below: the finalize hook, once Kokkos has been used
+
+  std::map<key, entry> slots_;
   std::size_t allocations_ = 0;
+  std::uint64_t uses_ = 0;
 };
+
+/// The workspaces of every thread that has one, so that a Kokkos finalize hook can empty them
+/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits).
+class workspace_registry {
+ public:
+  /// Never destroyed: threads deregister at their exit, which may come after static destruction.
+  static workspace_registry& get() {
+    static auto* r = new workspace_registry;
+    return *r;
+  }
+  void add(collective_workspace* w) {
+    std::lock_guard lock(m_);
+    all_.push_back(w);
+  }
+  void remove(collective_workspace* w) {
+    std::lock_guard lock(m_);
+    all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
+  }
+  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it).
+  void hook() {
+    if (hooked_.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(m_);
+    if (hooked_.load(std::memory_order_relaxed)) return;
+    hooked_.store(true, std::memory_order_release);
+    Kokkos::push_finalize_hook([this] {
+      // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
+      // job hand-off orders their last use before this.
+      std::lock_guard l(m_);
+      for (auto* w : all_) w->clear();
+      hooked_.store(false, std::memory_order_release);
+    });
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<collective_workspace*> all_;
+  std::atomic<bool> hooked_{false};
+};
+
+inline void collective_workspace::on_keep() { workspace_registry::get().hook(); }
+
+/// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
+inline collective_workspace& thread_workspace() {
+  struct owner {
+    collective_workspace ws;
+    owner() { workspace_registry::get().add(&ws); }
+    ~owner() {
+      workspace_registry::get().remove(&ws);
+      ws.clear();
+    }
+    owner(const owner&) = delete;
+    owner& operator=(const owner&) = delete;
+  };
+  thread_local owner o;
+  return o.ws;
+}
 
 }  // namespace meshlib::detail

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cstdint>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "collectives_support.hpp"
 
@@ -181,5 +183,82 @@ TEMPLATE_TEST_CASE("workspace results equal host sums for every dtype and shape"
           CHECK(static_cast<long long>(out[dev].second.data[i]) == value<long long>(n - 1, i));
       }
     }
+  }
+}
+
+TEST_CASE("the workspace outlives the call: the next call reuses its buffers, never a result that left",
+          "[collectives][workspace]") {
+  thread_runner runner;  // device d runs on the same thread in every call (device 0 on this one)
+  for (std::size_t n : {2u, 4u}) {
+    INFO(n << " devices");
+    mesh1 m{n};
+    using L = local_tensor<float, 2, mesh1, mesh1::mask_of<"x">()>;
+    const std::array<std::size_t, 2> shape{16, 8};
+    using R = decltype(psum<"x">(std::declval<const L&>()));
+    std::vector<R> left(n);                   // results that leave the first call
+    std::vector<const float*> returned(n);    // the buffer of a result dropped within it
+    spmd(
+        m,
+        [&](std::size_t dev) {
+          auto x = coll_test::make_block<L>(m, shape);
+          left[dev] = psum<"x">(x);
+          auto r = psum<"x">(x);
+          returned[dev] = r.data();
+        },
+        runner);
+    std::vector<std::size_t> allocations(n);
+    std::vector<int> reused(n), overwrote(n);
+    std::vector<std::vector<float>> second(n);
+    spmd(
+        m,
+        [&](std::size_t dev) {
+          L y(shape, m, dev);
+          for (std::size_t i = 0; i < y.size(); ++i) y.data()[i] = 2.0f * static_cast<float>(i) - static_cast<float>(dev);
+          auto& ws = detail::current_device("test").workspace();
+          const std::size_t before = ws.allocations();
+          auto r = psum<"x">(y);
+          allocations[dev] = ws.allocations() - before;
+          reused[dev] = r.data() == returned[dev];
+          overwrote[dev] = r.data() == left[dev].data();
+          second[dev].assign(r.data(), r.data() + r.size());
+        },
+        runner);
+    for (std::size_t dev = 0; dev < n; ++dev) {
+      INFO("device " << dev);
+      CHECK(allocations[dev] == 0);
+      CHECK(reused[dev] == 1);
+      CHECK(overwrote[dev] == 0);
+      for (std::size_t i = 0; i < 16 * 8; ++i) {
+        float sx = 0, sy = 0;
+        for (std::size_t d = 0; d < n; ++d) {
+          sx += value<float>(d, i);
+          sy += 2.0f * static_cast<float>(i) - static_cast<float>(d);
+        }
+        CHECK(left[dev].data()[i] == sx);  // the first call's result, untouched by the second
+        CHECK(second[dev][i] == sy);
+      }
+    }
+  }
+}
+
+TEST_CASE("a workspace keeps at most max_shapes shapes", "[collectives][workspace]") {
+  mesh1 m{2};
+  using L = local_tensor<float, 2, mesh1, mesh1::mask_of<"x">()>;
+  std::vector<std::size_t> kept(2);
+  std::vector<int> ok(2, 1);
+  spmd(m, [&](std::size_t dev) {
+    const std::size_t shapes = detail::collective_workspace::max_shapes + 8;
+    for (std::size_t k = 1; k <= shapes; ++k) {
+      auto x = coll_test::make_block<L>(m, {k, 3});
+      auto r = psum<"x">(x);
+      for (std::size_t i = 0; i < r.size(); ++i)
+        if (r.data()[i] != value<float>(0, i) + value<float>(1, i)) ok[dev] = 0;
+    }
+    kept[dev] = detail::current_device("test").workspace().shapes();
+  });
+  for (std::size_t dev = 0; dev < 2; ++dev) {
+    CHECK(ok[dev] == 1);
+    CHECK(kept[dev] <= detail::collective_workspace::max_shapes);
+    CHECK(kept[dev] > 0);
   }
 }
