@@ -2386,6 +2386,9 @@ struct thread_comm_options {
 /// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
 /// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
 /// the world, which ends every wait at once.
+///
+/// What a rank publishes in a step is in call_desc.hpp; how long it spins, yields and blocks, and
+/// which algorithm a step takes, in wait_policy.hpp.
 
 #include <algorithm>
 #include <atomic>
@@ -2469,29 +2472,25 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
 
 }  // namespace meshlib::detail
 // end meshlib/comm/detail/failure.hpp
+// begin meshlib/comm/thread/detail/call_desc.hpp
+/// @file
+/// @brief What one rank of a thread group called in one step: the full descriptor (`call_desc`),
+/// its hot part in the rank's flag line (`flag_line`, one cache line), how two ranks' calls are
+/// compared (`same_call`) and how a call is shown in a mismatch message (`describe`). Apart from
+/// the group state because this is the step protocol's vocabulary (what a rank publishes and what
+/// its peers check), whereas the group state is where it lives.
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
 
 namespace meshlib::detail {
-
-/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
-/// avoids the memory-order mis-speculation penalty when the awaited line changes).
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-using comm_clock = std::chrono::steady_clock;
-
-/// How long a waiter waits, after a peer's handle was destroyed by an exception unwinding its
-/// stack, for that peer's runner to report the exception (well inside the 1 s promise).
-inline constexpr std::chrono::milliseconds unwind_grace{200};
-
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
@@ -2584,6 +2583,92 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
   if (a.kind == op_kind::ppermute && pa != pb) return false;
   return true;
 }
+
+}  // namespace meshlib::detail
+// end meshlib/comm/thread/detail/call_desc.hpp
+// begin meshlib/comm/thread/detail/wait_policy.hpp
+/// @file
+/// @brief How the ranks of a thread group wait for each other and which algorithm a step takes:
+/// `wait_policy` (spin, yield, block; the one-shot and streaming thresholds) with its measured
+/// defaults, and `cpu_relax` for the spinning. Apart from the group state because these are tuning
+/// decisions (docs/benchmarks.md), made once per group from `thread_comm_options` and the core
+/// count, not the shared state itself.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <thread>
+
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace meshlib::detail {
+
+/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
+/// avoids the memory-order mis-speculation penalty when the awaited line changes).
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+/// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
+/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
+/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
+/// 35-40 us here, 600 cache-line handoffs).
+struct wait_policy {
+  std::chrono::nanoseconds spin;
+  std::chrono::nanoseconds yield;
+  std::chrono::nanoseconds timeout;
+  std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
+  int burst;                 ///< spins before the first clock reading
+  std::size_t streaming_min; ///< payload bytes of all ranks from which zero-copy paths use streaming stores
+};
+
+/// Measured (docs/benchmarks.md): streaming stores pay once the payloads of all ranks no longer
+/// fit in the caches: 16 MiB all_reduce 1.3x faster with them on 4 and 8 ranks, 1.35x slower on 2.
+inline constexpr std::size_t default_streaming_min_bytes = std::size_t{64} << 20;
+
+/// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
+/// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
+/// synchronisation costs context switches, so the one-shot algorithm pays for much longer.
+inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
+  return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
+}
+
+/// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
+/// 8 threads on 2 cores must yield, not spin).
+inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
+  // Read once: hardware_concurrency reads /sys on every call (11 us here), and every group (a
+  // world per spmd call, a sub-group per axis used) asks.
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool oversubscribed = static_cast<unsigned>(threads) > cores;
+  wait_policy p{};
+  p.spin = o.spin.count() >= 0 ? o.spin
+                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
+  p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
+  p.timeout = o.timeout;
+  p.burst = oversubscribed ? 2 : 64;
+  p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
+  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(oversubscribed);
+  return p;
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/thread/detail/wait_policy.hpp
+
+namespace meshlib::detail {
+
+using comm_clock = std::chrono::steady_clock;
+
+/// How long a waiter waits, after a peer's handle was destroyed by an exception unwinding its
+/// stack, for that peer's runner to report the exception (well inside the 1 s promise).
+inline constexpr std::chrono::milliseconds unwind_grace{200};
+
 
 /// A buffer aligned to a cache line, grown by its owner only.
 class staging_buffer {
@@ -2698,48 +2783,6 @@ struct p2p_message {
 };
 
 inline constexpr std::uint64_t failed_bit = std::uint64_t{1} << 63;
-
-/// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
-/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
-/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
-/// 35-40 us here, 600 cache-line handoffs).
-struct wait_policy {
-  std::chrono::nanoseconds spin;
-  std::chrono::nanoseconds yield;
-  std::chrono::nanoseconds timeout;
-  std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
-  int burst;                 ///< spins before the first clock reading
-  std::size_t streaming_min; ///< payload bytes of all ranks from which zero-copy paths use streaming stores
-};
-
-/// Measured (docs/benchmarks.md): streaming stores pay once the payloads of all ranks no longer
-/// fit in the caches: 16 MiB all_reduce 1.3x faster with them on 4 and 8 ranks, 1.35x slower on 2.
-inline constexpr std::size_t default_streaming_min_bytes = std::size_t{64} << 20;
-
-/// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
-/// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
-/// synchronisation costs context switches, so the one-shot algorithm pays for much longer.
-inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
-  return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
-}
-
-/// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
-/// 8 threads on 2 cores must yield, not spin).
-inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
-  // Read once: hardware_concurrency reads /sys on every call (11 us here), and every group (a
-  // world per spmd call, a sub-group per axis used) asks.
-  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const bool oversubscribed = static_cast<unsigned>(threads) > cores;
-  wait_policy p{};
-  p.spin = o.spin.count() >= 0 ? o.spin
-                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
-  p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
-  p.timeout = o.timeout;
-  p.burst = oversubscribed ? 2 : 64;
-  p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
-  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(oversubscribed);
-  return p;
-}
 
 struct group_state {
   group_state(std::shared_ptr<world_state> w, std::vector<int> members, std::uint64_t gid)
@@ -3072,114 +3115,47 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
 
 }  // namespace meshlib::detail
 // end meshlib/comm/thread/detail/reduce_kernels.hpp
+// begin meshlib/comm/thread/detail/step_protocol.hpp
+/// @file
+/// @brief One rank's side of the thread communicator's step protocol: publishing its call for a
+/// step, waiting for its peers (spin, yield, block, with the timeout and departures), releasing
+/// zero-copy steps, the second meeting after the copies, and mismatch detection. Apart from
+/// `thread_communicator` because the protocol is the synchronisation, the communicator the
+/// algorithms and the API on top of it; the communicator derives from `step_protocol`, which
+/// holds the handle's place in its group (group, rank, step counters).
 
-namespace meshlib {
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
-class thread_world;
 
-/// @brief One participant's handle on a group of threads. Satisfies `communicator`.
-///
-/// A handle belongs to one thread at a time (it is movable, not copyable) and every operation
-/// blocks that thread until the operation is complete, then returns an already-complete
-/// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
-/// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator : public communicator_frontend<thread_communicator> {
-  friend class communicator_frontend<thread_communicator>;
-  friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
+namespace meshlib::detail {
 
- public:
-
-  /// An empty handle (not part of any group); only assignable and destructible.
-  thread_communicator() = default;
-  thread_communicator(const thread_communicator&) = delete;
-  thread_communicator& operator=(const thread_communicator&) = delete;
-  /// Movable: the moved-from communicator is no longer valid.
-  thread_communicator(thread_communicator&& o) noexcept
+/// @brief A handle's place in its thread group and the protocol of its steps. The base of
+/// `thread_communicator`; moving a handle moves its place (not its `patience_`).
+class step_protocol {
+ protected:
+  step_protocol() = default;
+  step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+  step_protocol(step_protocol&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
-  /// Move assignment: the moved-from communicator is no longer valid.
-  thread_communicator& operator=(thread_communicator&& o) noexcept {
-    if (this != &o) {
-      depart();
-      state_ = std::move(o.state_);
-      rank_ = o.rank_;
-      step_ = o.step_;
-      central_ = o.central_;
-    }
-    return *this;
+  step_protocol& operator=(const step_protocol&) = delete;
+
+  /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
+  std::string step_where(op_kind k) const {
+    return std::string(op_name(k)) + " on " + state_->rank_label(rank_) + " of " + std::to_string(state_->n);
   }
-  ~thread_communicator() { depart(); }
-
-  /// Rank of this participant in its group, in `[0, size())`.
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  /// Number of participants of the group (0 for an empty handle).
-  [[nodiscard]] int size() const noexcept { return state_ ? state_->n : 0; }
-  /// Whether the handle belongs to a group.
-  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
-  /// Rank of this participant in the world the group was split from.
-  [[nodiscard]] int world_rank() const noexcept {
-    return state_ ? state_->world_ranks[static_cast<std::size_t>(rank_)] : -1;
-  }
-
-  /// @brief Fails the whole world with this rank as the root cause; every participant's pending
-  /// and later calls throw `comm_aborted` naming this rank and `reason`.
-  /// @returns whether this call recorded the root cause (false when the world had already failed).
-  bool abort(std::string_view reason) {
-    require_valid(detail::op_kind::barrier);
-    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
-                               "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
-                                   std::string(reason));
-  }
-
-  // The collectives, point to point and barrier: communicator_frontend (argument checks); the
-  // transport is below.
-
-  // ---- groups ----------------------------------------------------------------------------------
-
-  /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
-  /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
-  /// the same world: a failure in any of them fails all.
-  thread_communicator split(int color, int key) {
-    constexpr auto k = detail::op_kind::split;
-    check_split(color);
-    detail::call_desc d;
-    d.kind = k;
-    d.color = color;
-    d.key = key;
-    const std::uint64_t s = arrive(d, false);
-    auto& g = *state_;
-    std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
-    for (int r = 0; r < g.n; ++r) {
-      const auto& lr = line(r, s);
-      if (lr.color == color) keyed.emplace_back(lr.key, r);
-    }
-    std::sort(keyed.begin(), keyed.end());
-    std::vector<int> members;
-    members.reserve(keyed.size());
-    int new_rank = 0;
-    for (std::size_t i = 0; i < keyed.size(); ++i) {
-      if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
-      members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
-    }
-    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
-    sub->slots[new_rank].claimed.store(true);
-    return thread_communicator(std::move(sub), new_rank);
-  }
-
- private:
-  friend class thread_world;
-  using op_kind = detail::op_kind;
-
-  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
-
-  void depart() noexcept {
-    if (!state_) return;
-    if (std::uncaught_exceptions() > 0)
-      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
-                                            std::memory_order_relaxed);
-    state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
-    state_->wake_all_unconditionally();
-    state_.reset();
-  }
+  /// Rank of this participant in the world its group was split from.
+  int own_world_rank() const noexcept { return state_->world_ranks[static_cast<std::size_t>(rank_)]; }
 
   /// Whether rank `r` of this group has left for good: its handle is gone, and if an exception
   /// took it, the grace for that exception's report has passed (see `unwind_grace`).
@@ -3190,79 +3166,6 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
     return at == 0 ||
            detail::comm_clock::now().time_since_epoch().count() - at >=
                std::chrono::duration_cast<detail::comm_clock::duration>(detail::unwind_grace).count();
-  }
-
-  std::size_t mailbox(int src, int dst) const noexcept {
-    return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
-  }
-
-  // ---- the front end's hooks: its argument checks all run before this rank arrives, so before
-  // any data moves -----------------------------------------------------------------------------
-
-  std::string label() const { return state_->rank_label(rank_); }
-
-  void require_valid(op_kind k) const {
-    if (!state_)
-      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
-                       " called on an empty thread_communicator handle (default-constructed or moved from)");
-  }
-
-  /// Refuses every call once the world has failed.
-  void ensure_usable(op_kind k) const {
-    require_valid(k);
-    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
-      state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
-  }
-
-  /// Fails the world before the front end throws comm_argument_error, so that peers waiting for
-  /// this rank are released at once.
-  void on_argument_error(op_kind k, const std::string& what) const {
-    require_valid(k);
-    state_->world->fail(detail::failure_kind::aborted, world_rank(),
-                        "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
-                            std::string(detail::op_name(k)) + ": " + what);
-  }
-
-  /// The transport of operation K (the front end has checked its arguments).
-  template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
-    if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
-    else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
-    else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
-    else if constexpr (K == op_kind::broadcast) return do_broadcast<T>(o.send, o.recv, o.count, o.root);
-    else if constexpr (K == op_kind::all_gather) return do_all_gather<T>(o.send, o.recv, o.count);
-    else if constexpr (K == op_kind::all_to_all) return do_all_to_all<T>(o.send, o.recv, o.count);
-    else if constexpr (K == op_kind::all_to_all_v)
-      return do_all_to_all_v<T>(o.send, o.v[0], o.v[1], o.recv, o.v[2], o.v[3]);
-    else if constexpr (K == op_kind::ppermute) return do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
-    else if constexpr (K == op_kind::send) return post(o.send, o.count, datatype_of<T>, o.peer, o.tag);
-    else if constexpr (K == op_kind::recv) {
-      receive(o.recv, o.count, datatype_of<T>, o.peer, o.tag);
-      return {};
-    } else {
-      static_assert(K == op_kind::barrier);
-      detail::call_desc d;
-      d.kind = K;
-      arrive(d, false);
-      return {};
-    }
-  }
-
-  /// Buffered send: the message is copied into the mailbox of (this rank, dest).
-  request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
-    detail::p2p_message m;
-    m.tag = tag;
-    m.dtype = dt;
-    m.count = count;
-    m.data.resize(count * size_of(dt));
-    detail::copy_bytes(m.data.data(), data, m.data.size());
-    auto& g = *state_;
-    {
-      std::lock_guard lk(g.p2p_mutex);
-      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
-    }
-    g.p2p_cv.notify_all();
-    return {};
   }
 
   // ---- synchronisation -------------------------------------------------------------------------
@@ -3359,7 +3262,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
          << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
     os << extra;
     g.world->fail(detail::failure_kind::mismatch, -1, os.str());
-    g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
+    g.world->rethrow("seen by " + step_where(g.slots[rank_].desc[s & 1].kind));
   }
 
   /// The central arrival of a zero-copy step. The release decides, once for all, whether the step
@@ -3501,7 +3404,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
                         std::to_string(s) + ")");
     } else if (timed_out) {
       detail::missing_report facts;
-      facts.waiter = world_rank();
+      facts.waiter = own_world_rank();
       std::vector<int> missing;
       for (int r = 0; r < g.n; ++r)
         if (!arrived(r)) {
@@ -3516,7 +3419,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
           "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
       // The root cause is the first rank that never arrived, not this waiter (device_error::device()
       // of spmd names it). The facts let an owner (the hybrid communicator) name them its own way.
-      const int culprit = missing.empty() ? world_rank() : facts.missing.front();
+      const int culprit = missing.empty() ? own_world_rank() : facts.missing.front();
       g.world->fail(detail::failure_kind::timeout, culprit, msg, std::move(facts));
     }
     // The failure bit is set now; a step that became ready meanwhile still counts.
@@ -3525,7 +3428,202 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   }
 
   [[noreturn]] void failed_while_waiting(op_kind k, std::uint64_t s) const {
-    state_->world->rethrow("seen by " + where(k) + ", step " + std::to_string(s));
+    state_->world->rethrow("seen by " + step_where(k) + ", step " + std::to_string(s));
+  }
+
+  std::shared_ptr<detail::group_state> state_;
+  int rank_ = 0;
+  std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
+  std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
+  /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
+  /// but while a hybrid member waits for its leader's exchange between processes: the process
+  /// whose device never arrived must time out first, so that its report (naming that device)
+  /// reaches every process before a waiter elsewhere blames the innocent leader.
+  std::chrono::nanoseconds patience_{0};
+};
+
+}  // namespace meshlib::detail
+// end meshlib/comm/thread/detail/step_protocol.hpp
+
+namespace meshlib {
+
+class thread_world;
+
+/// @brief One participant's handle on a group of threads. Satisfies `communicator`.
+///
+/// A handle belongs to one thread at a time (it is movable, not copyable) and every operation
+/// blocks that thread until the operation is complete, then returns an already-complete
+/// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
+/// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
+class thread_communicator : public communicator_frontend<thread_communicator>, private detail::step_protocol {
+  friend class communicator_frontend<thread_communicator>;
+  friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
+
+ public:
+
+  /// An empty handle (not part of any group); only assignable and destructible.
+  thread_communicator() = default;
+  thread_communicator(const thread_communicator&) = delete;
+  thread_communicator& operator=(const thread_communicator&) = delete;
+  /// Movable: the moved-from communicator is no longer valid.
+  thread_communicator(thread_communicator&& o) noexcept
+      : detail::step_protocol(std::move(o)) {}
+  /// Move assignment: the moved-from communicator is no longer valid.
+  thread_communicator& operator=(thread_communicator&& o) noexcept {
+    if (this != &o) {
+      depart();
+      state_ = std::move(o.state_);
+      rank_ = o.rank_;
+      step_ = o.step_;
+      central_ = o.central_;
+    }
+    return *this;
+  }
+  ~thread_communicator() { depart(); }
+
+  /// Rank of this participant in its group, in `[0, size())`.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of participants of the group (0 for an empty handle).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->n : 0; }
+  /// Whether the handle belongs to a group.
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// Rank of this participant in the world the group was split from.
+  [[nodiscard]] int world_rank() const noexcept {
+    return state_ ? state_->world_ranks[static_cast<std::size_t>(rank_)] : -1;
+  }
+
+  /// @brief Fails the whole world with this rank as the root cause; every participant's pending
+  /// and later calls throw `comm_aborted` naming this rank and `reason`.
+  /// @returns whether this call recorded the root cause (false when the world had already failed).
+  bool abort(std::string_view reason) {
+    require_valid(detail::op_kind::barrier);
+    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                               "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
+                                   std::string(reason));
+  }
+
+  // The collectives, point to point and barrier: communicator_frontend (argument checks); the
+  // transport is below.
+
+  // ---- groups ----------------------------------------------------------------------------------
+
+  /// @brief Collective: the ranks that pass the same `color` (>= 0) form a new communicator, in
+  /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
+  /// the same world: a failure in any of them fails all.
+  thread_communicator split(int color, int key) {
+    constexpr auto k = detail::op_kind::split;
+    check_split(color);
+    detail::call_desc d;
+    d.kind = k;
+    d.color = color;
+    d.key = key;
+    const std::uint64_t s = arrive(d, false);
+    auto& g = *state_;
+    std::vector<std::pair<int, int>> keyed;  // (key, rank) of the members
+    for (int r = 0; r < g.n; ++r) {
+      const auto& lr = line(r, s);
+      if (lr.color == color) keyed.emplace_back(lr.key, r);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    std::vector<int> members;
+    members.reserve(keyed.size());
+    int new_rank = 0;
+    for (std::size_t i = 0; i < keyed.size(); ++i) {
+      if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
+      members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
+    }
+    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
+    sub->slots[new_rank].claimed.store(true);
+    return thread_communicator(std::move(sub), new_rank);
+  }
+
+ private:
+  friend class thread_world;
+  using op_kind = detail::op_kind;
+
+  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : detail::step_protocol(std::move(s), rank) {}
+
+  void depart() noexcept {
+    if (!state_) return;
+    if (std::uncaught_exceptions() > 0)
+      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
+                                            std::memory_order_relaxed);
+    state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
+    state_->wake_all_unconditionally();
+    state_.reset();
+  }
+
+  std::size_t mailbox(int src, int dst) const noexcept {
+    return static_cast<std::size_t>(src) * static_cast<std::size_t>(state_->n) + static_cast<std::size_t>(dst);
+  }
+
+  // ---- the front end's hooks: its argument checks all run before this rank arrives, so before
+  // any data moves -----------------------------------------------------------------------------
+
+  std::string label() const { return state_->rank_label(rank_); }
+
+  void require_valid(op_kind k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
+                       " called on an empty thread_communicator handle (default-constructed or moved from)");
+  }
+
+  /// Refuses every call once the world has failed.
+  void ensure_usable(op_kind k) const {
+    require_valid(k);
+    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
+      state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
+  }
+
+  /// Fails the world before the front end throws comm_argument_error, so that peers waiting for
+  /// this rank are released at once.
+  void on_argument_error(op_kind k, const std::string& what) const {
+    require_valid(k);
+    state_->world->fail(detail::failure_kind::aborted, world_rank(),
+                        "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
+                            std::string(detail::op_name(k)) + ": " + what);
+  }
+
+  /// The transport of operation K (the front end has checked its arguments).
+  template <op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type) {
+    if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
+    else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
+    else if constexpr (K == op_kind::broadcast) return do_broadcast<T>(o.send, o.recv, o.count, o.root);
+    else if constexpr (K == op_kind::all_gather) return do_all_gather<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all) return do_all_to_all<T>(o.send, o.recv, o.count);
+    else if constexpr (K == op_kind::all_to_all_v)
+      return do_all_to_all_v<T>(o.send, o.v[0], o.v[1], o.recv, o.v[2], o.v[3]);
+    else if constexpr (K == op_kind::ppermute) return do_ppermute<T>(o.send, o.recv, o.count, o.pairs);
+    else if constexpr (K == op_kind::send) return post(o.send, o.count, datatype_of<T>, o.peer, o.tag);
+    else if constexpr (K == op_kind::recv) {
+      receive(o.recv, o.count, datatype_of<T>, o.peer, o.tag);
+      return {};
+    } else {
+      static_assert(K == op_kind::barrier);
+      detail::call_desc d;
+      d.kind = K;
+      arrive(d, false);
+      return {};
+    }
+  }
+
+  /// Buffered send: the message is copied into the mailbox of (this rank, dest).
+  request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
+    detail::p2p_message m;
+    m.tag = tag;
+    m.dtype = dt;
+    m.count = count;
+    m.data.resize(count * size_of(dt));
+    detail::copy_bytes(m.data.data(), data, m.data.size());
+    auto& g = *state_;
+    {
+      std::lock_guard lk(g.p2p_mutex);
+      g.mailboxes[mailbox(rank_, dest)].push_back(std::move(m));
+    }
+    g.p2p_cv.notify_all();
+    return {};
   }
 
   // ---- algorithms ------------------------------------------------------------------------------
@@ -3797,21 +3895,33 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
     }
   }
 
-  std::shared_ptr<detail::group_state> state_;
-  int rank_ = 0;
-  std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
-  std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
-  /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
-  /// but while a hybrid member waits for its leader's exchange between processes: the process
-  /// whose device never arrived must time out first, so that its report (naming that device)
-  /// reaches every process before a waiter elsewhere blames the innocent leader.
-  std::chrono::nanoseconds patience_{0};
 };
 
 static_assert(communicator<thread_communicator>);
+
+}  // namespace meshlib
+
+// The world that hands out the handles (after the class: it uses it).
+// begin meshlib/comm/thread/thread_world.hpp
+/// @file
+/// @brief `thread_world`: the shared state of a group of threads and the source of their
+/// `thread_communicator` handles (each rank's once), and the way to fail the group from outside
+/// a handle (a runner that saw a participant throw, a hybrid world's watcher). Apart from the
+/// communicator because it is the group's owner, not a participant's handle;
+/// `<meshlib/comm/thread/thread_communicator.hpp>` includes this header, so either gives both.
+
+#include <memory>
+#include <numeric>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
 
 /// @brief The shared state of a group of `size` threads, and the source of their handles.
 ///
@@ -3901,6 +4011,7 @@ class thread_world {
 };
 
 }  // namespace meshlib
+// end meshlib/comm/thread/thread_world.hpp
 // end meshlib/comm/thread/thread_communicator.hpp
 // begin meshlib/comm/thread/run_on_threads.hpp
 /// @file
@@ -11365,6 +11476,51 @@ struct abort_channel {
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/abort_channel.hpp
+// begin meshlib/comm/mpi/detail/call_record.hpp
+/// @file
+/// @brief The call record of the MPI fingerprint exchange as text (`describe_call`) and the
+/// fingerprint of ppermute pairs (`pairs_hash`). Apart from either communicator because the MPI
+/// and the hybrid communicators both use them, so that both fingerprint and name calls the same
+/// way. Internal to the MPI communicators.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+
+namespace meshlib::detail {
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
+/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
+/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
+inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
+  const auto k = static_cast<op_kind>(d[1]);
+  std::string s = who + " called " + std::string(op_name(k)) + "(";
+  if (d[2] != 0) {
+    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
+    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
+    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
+      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
+    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
+  }
+  return s + ") as call #" + std::to_string(d[0]);
+}
+
+/// A fingerprint of ppermute pairs (every participant must pass the same).
+inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& p : pairs)
+    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
+        1099511628211ull;
+  return h ^ pairs.size();
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/call_record.hpp
 // begin meshlib/comm/mpi/mpi_communicator.hpp
 /// @file
 /// @brief The MPI communicator: one participant per MPI process (rank), for CPU clusters and for
@@ -11455,6 +11611,160 @@ struct abort_channel {
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/mpi/detail/mpi_comm_state.hpp
+/// @file
+/// @brief `mpi_comm_state`: the MPI state that the handles of one `mpi_communicator` share, and
+/// its teardown (buffered sends given the timeout, `settle_messages` before the communicators are
+/// freed). Apart from the communicator because its lifetime rules (what may be freed, and when,
+/// after a failure) are a subject of their own. Internal to the MPI communicators.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/mpi/mpi_comm_options.hpp
+/// @file
+/// @brief `mpi_comm_options`: the knobs of an `mpi_communicator`. Its own header because the
+/// hybrid world and the MPI runtime configure MPI communicators too, and the options are public
+/// API that reads better apart from the communicator's internals.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <chrono>
+#include <cstddef>
+
+
+namespace meshlib {
+
+/// @brief Options of an `mpi_communicator`.
+struct mpi_comm_options {
+  /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
+  /// negative: no deadline (MPI's blocking calls throughout).
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
+  /// ones run MPI's non-blocking collective, polled. Default 0: every payload, because the
+  /// fingerprint exchange that precedes each collective already shows that every rank arrived (so
+  /// the blocking call cannot hang), and a polled `MPI_Iallreduce` of 8 B costs about 1.5 us more
+  /// than `MPI_Allreduce` (docs/benchmarks.md, "MPI overhead").
+  std::size_t blocking_min_bytes = 0;
+  /// How large payloads wait under a deadline.
+  enum class large_payload_mode {
+    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
+    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
+    nonblocking,            ///< MPI's non-blocking collective, polled
+  };
+  /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
+  large_payload_mode large_payloads = large_payload_mode::automatic;
+  /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
+  /// once (bitwise equal to the thread backend: sums in rank order, `detail/ordered_reduce.hpp`);
+  /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
+  /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
+  bool bfloat16_on_wire = false;
+  /// Kept for source compatibility and ignored: every collective is checked (see the file comment).
+  bool verify_collectives = true;
+};
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/mpi_comm_options.hpp
+
+namespace meshlib::detail {
+
+/// The MPI state shared by the handles of one communicator.
+struct mpi_comm_state {
+  MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
+  MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
+  /// A duplicate of `comm` for arrival notes: a rank that waits long in a collective tells its
+  /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
+  MPI_Comm side = MPI_COMM_NULL;
+  std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
+  static constexpr int arrival_tag = 1;      ///< the tag of arrival notes on `side`
+  std::vector<std::uint64_t> notes_sent;     ///< per rank: arrival notes sent to it on `side`
+  std::vector<std::uint64_t> notes_received; ///< per rank: arrival notes received from it on `side`
+  int rank = 0;
+  int size = 0;
+  int tag_ub = 32767;
+  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
+  bool oversubscribed = false;
+  mpi_comm_options options;
+  bool failed = false;
+  bool failed_by_mismatch = false;  ///< else a timeout
+  std::string failure;
+  /// Whether a handle that an exception unwinds fails the communicator (`~mpi_communicator`): the
+  /// application's communicators and their splits, not a hybrid world's own.
+  bool fail_on_unwind = false;
+  /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
+  /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
+  std::vector<int> missing;
+  std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
+  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
+  /// failed, here or in another process): called by every wait while it polls, it throws that
+  /// failure. Copied into split results.
+  std::function<void()> check_interrupt;
+  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
+  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
+  std::shared_ptr<abort_channel> channel;
+  struct pending_send {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+  };
+  std::vector<pending_send> sends;
+
+  mpi_comm_state() = default;
+  mpi_comm_state(const mpi_comm_state&) = delete;
+  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
+
+  ~mpi_comm_state() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // nothing can be freed any more
+    // Buffered sends still in flight: give them the timeout to complete, then leave them to MPI.
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::nanoseconds(0));
+    for (auto& s : sends) {
+      int done = 0;
+      while (s.request != MPI_REQUEST_NULL && !done) {
+        MPI_Test(&s.request, &done, MPI_STATUS_IGNORE);
+        if (!done && std::chrono::steady_clock::now() > deadline) break;
+        if (!done) std::this_thread::yield();
+      }
+      if (!done && s.request != MPI_REQUEST_NULL) {
+        MPI_Request_free(&s.request);  // allowed for point-to-point: MPI finishes it on its own
+        // ... reading the buffer until then, so it must outlive this object: leak it on purpose.
+        (void)new std::vector<unsigned char>(std::move(s.data));
+      }
+    }
+    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
+    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
+    // collective that MPI cannot cancel: it may still send to every rank, and a message that
+    // arrives after the free waits for the next communicator given the same context id
+    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
+    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
+    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
+    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
+    bool clean = !interrupted && (!failed || failed_by_mismatch);
+    const bool settled =
+        side == MPI_COMM_NULL ||
+        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
+    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
+    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
+  }
+};
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/detail/mpi_comm_state.hpp
 // begin meshlib/comm/mpi/detail/mpi_types.hpp
 /// @file
 /// @brief How meshlib's element types and reduce ops map to MPI's, and the error check of every
@@ -11638,144 +11948,6 @@ void reduce_blocks_in_order(reduce_op op, const T* blocks, int n, std::size_t st
 
 namespace meshlib {
 
-/// @brief Options of an `mpi_communicator`.
-struct mpi_comm_options {
-  /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
-  /// negative: no deadline (MPI's blocking calls throughout).
-  std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
-  /// ones run MPI's non-blocking collective, polled. Default 0: every payload, because the
-  /// fingerprint exchange that precedes each collective already shows that every rank arrived (so
-  /// the blocking call cannot hang), and a polled `MPI_Iallreduce` of 8 B costs about 1.5 us more
-  /// than `MPI_Allreduce` (docs/benchmarks.md, "MPI overhead").
-  std::size_t blocking_min_bytes = 0;
-  /// How large payloads wait under a deadline.
-  enum class large_payload_mode {
-    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
-    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
-    nonblocking,            ///< MPI's non-blocking collective, polled
-  };
-  /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
-  large_payload_mode large_payloads = large_payload_mode::automatic;
-  /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
-  /// once (bitwise equal to the thread backend: sums in rank order, `detail/ordered_reduce.hpp`);
-  /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
-  /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
-  bool bfloat16_on_wire = false;
-  /// Kept for source compatibility and ignored: every collective is checked (see the file comment).
-  bool verify_collectives = true;
-};
-
-namespace detail {
-
-/// The MPI state shared by the handles of one communicator.
-struct mpi_comm_state {
-  MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
-  MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
-  /// A duplicate of `comm` for arrival notes: a rank that waits long in a collective tells its
-  /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
-  MPI_Comm side = MPI_COMM_NULL;
-  std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
-  static constexpr int arrival_tag = 1;      ///< the tag of arrival notes on `side`
-  std::vector<std::uint64_t> notes_sent;     ///< per rank: arrival notes sent to it on `side`
-  std::vector<std::uint64_t> notes_received; ///< per rank: arrival notes received from it on `side`
-  int rank = 0;
-  int size = 0;
-  int tag_ub = 32767;
-  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
-  bool oversubscribed = false;
-  mpi_comm_options options;
-  bool failed = false;
-  bool failed_by_mismatch = false;  ///< else a timeout
-  std::string failure;
-  /// Whether a handle that an exception unwinds fails the communicator (`~mpi_communicator`): the
-  /// application's communicators and their splits, not a hybrid world's own.
-  bool fail_on_unwind = false;
-  /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
-  /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
-  std::vector<int> missing;
-  std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
-  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
-  /// failed, here or in another process): called by every wait while it polls, it throws that
-  /// failure. Copied into split results.
-  std::function<void()> check_interrupt;
-  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
-  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
-  std::shared_ptr<abort_channel> channel;
-  struct pending_send {
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<unsigned char> data;
-  };
-  std::vector<pending_send> sends;
-
-  mpi_comm_state() = default;
-  mpi_comm_state(const mpi_comm_state&) = delete;
-  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
-
-  ~mpi_comm_state() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;  // nothing can be freed any more
-    // Buffered sends still in flight: give them the timeout to complete, then leave them to MPI.
-    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::nanoseconds(0));
-    for (auto& s : sends) {
-      int done = 0;
-      while (s.request != MPI_REQUEST_NULL && !done) {
-        MPI_Test(&s.request, &done, MPI_STATUS_IGNORE);
-        if (!done && std::chrono::steady_clock::now() > deadline) break;
-        if (!done) std::this_thread::yield();
-      }
-      if (!done && s.request != MPI_REQUEST_NULL) {
-        MPI_Request_free(&s.request);  // allowed for point-to-point: MPI finishes it on its own
-        // ... reading the buffer until then, so it must outlive this object: leak it on purpose.
-        (void)new std::vector<unsigned char>(std::move(s.data));
-      }
-    }
-    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
-    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
-    // collective that MPI cannot cancel: it may still send to every rank, and a message that
-    // arrives after the free waits for the next communicator given the same context id
-    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
-    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
-    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
-    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
-    bool clean = !interrupted && (!failed || failed_by_mismatch);
-    const bool settled =
-        side == MPI_COMM_NULL ||
-        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
-    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
-    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
-  }
-};
-
-
-/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
-/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
-/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
-inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
-  const auto k = static_cast<op_kind>(d[1]);
-  std::string s = who + " called " + std::string(op_name(k)) + "(";
-  if (d[2] != 0) {
-    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-  }
-  return s + ") as call #" + std::to_string(d[0]);
-}
-
-/// A fingerprint of ppermute pairs (every participant must pass the same).
-inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& p : pairs)
-    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-        1099511628211ull;
-  return h ^ pairs.size();
-}
-
-}  // namespace detail
-
 /// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
 class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
@@ -11788,12 +11960,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// An empty handle; only assignable and destructible.
   mpi_communicator() = default;
 
+  /// Another handle on the same communicator. Written out (not defaulted) so that the copy
+  /// counts the exceptions in flight where it is made, not where `o` was (see the destructor).
   mpi_communicator(const mpi_communicator& o) : state_(o.state_) {}
+  /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)) {}
+  /// Makes this a handle on `o`'s communicator (this handle keeps its own exception count).
   mpi_communicator& operator=(const mpi_communicator& o) {
     state_ = o.state_;
     return *this;
   }
+  /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator& operator=(mpi_communicator&& o) noexcept {
     state_ = std::move(o.state_);
     return *this;
@@ -13258,6 +13435,36 @@ inline void hybrid_communicator::ensure_usable(op_kind k) const {
 
 static_assert(communicator<hybrid_communicator>);
 
+}  // namespace meshlib
+
+// The world and run_hybrid, which every user of the communicator needs (after the class: they use it).
+// begin meshlib/comm/mpi/hybrid_world.hpp
+/// @file
+/// @brief `hybrid_world`, one process's part of a hybrid group (its thread world, the leaders'
+/// MPI communicator, the duplicate for point-to-point, and the abort channel with its watcher
+/// thread), and `run_hybrid`, which runs the devices of this process on it. Apart from
+/// `hybrid_communicator` because the world's wiring (what each process owns, how a failure
+/// travels between processes) is a subject of its own; the communicator is the device's handle.
+/// `<meshlib/comm/mpi/hybrid_communicator.hpp>` includes this header, so either gives both.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
 /// @brief One process's part of a hybrid group of `procs.size()` processes x `threads` threads.
 /// Construction is collective over `procs` (it duplicates it for point-to-point traffic).
 class hybrid_world {
@@ -13478,6 +13685,9 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 }
 
 }  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/hybrid_world.hpp
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/hybrid_communicator.hpp

@@ -95,152 +95,17 @@
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/mpi/detail/abort_channel.hpp"
+#include "meshlib/comm/mpi/detail/call_record.hpp"
+#include "meshlib/comm/mpi/detail/mpi_comm_state.hpp"
 #include "meshlib/comm/mpi/detail/mpi_types.hpp"
 #include "meshlib/comm/mpi/detail/ordered_reduce.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
+#include "meshlib/comm/mpi/mpi_comm_options.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
 namespace meshlib {
-
-/// @brief Options of an `mpi_communicator`.
-struct mpi_comm_options {
-  /// How long a rank waits for its peers in one operation before `comm_timeout`. Zero or
-  /// negative: no deadline (MPI's blocking calls throughout).
-  std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Payloads (bytes per rank) at least this large are "large" (see `large_payloads`); smaller
-  /// ones run MPI's non-blocking collective, polled. Default 0: every payload, because the
-  /// fingerprint exchange that precedes each collective already shows that every rank arrived (so
-  /// the blocking call cannot hang), and a polled `MPI_Iallreduce` of 8 B costs about 1.5 us more
-  /// than `MPI_Allreduce` (docs/benchmarks.md, "MPI overhead").
-  std::size_t blocking_min_bytes = 0;
-  /// How large payloads wait under a deadline.
-  enum class large_payload_mode {
-    automatic,              ///< barrier then blocking, unless the node's ranks outnumber its cores
-    barrier_then_blocking,  ///< a polled `MPI_Ibarrier`, then MPI's blocking collective
-    nonblocking,            ///< MPI's non-blocking collective, polled
-  };
-  /// How payloads of `blocking_min_bytes` or more wait under a deadline (see `large_payload_mode`).
-  large_payload_mode large_payloads = large_payload_mode::automatic;
-  /// bfloat16 reductions: false (default) widens to float, reduces with MPI's float ops and rounds
-  /// once (bitwise equal to the thread backend: sums in rank order, `detail/ordered_reduce.hpp`);
-  /// true sends 16-bit values and combines them with a user-defined op in float, rounding after
-  /// every combination (half the traffic; each combination may lose half an ulp of bfloat16).
-  bool bfloat16_on_wire = false;
-  /// Kept for source compatibility and ignored: every collective is checked (see the file comment).
-  bool verify_collectives = true;
-};
-
-namespace detail {
-
-/// The MPI state shared by the handles of one communicator.
-struct mpi_comm_state {
-  MPI_Comm adopted = MPI_COMM_NULL;  ///< the application's communicator; never freed
-  MPI_Comm comm = MPI_COMM_NULL;     ///< meshlib's own (a dup or a split result); freed by meshlib
-  /// A duplicate of `comm` for arrival notes: a rank that waits long in a collective tells its
-  /// peers which call it waits in, so that a timeout can name the ranks that never arrived.
-  MPI_Comm side = MPI_COMM_NULL;
-  std::vector<std::uint64_t> peer_waits_in;  ///< per rank: 1 + the call it last said it waits in (0: none)
-  static constexpr int arrival_tag = 1;      ///< the tag of arrival notes on `side`
-  std::vector<std::uint64_t> notes_sent;     ///< per rank: arrival notes sent to it on `side`
-  std::vector<std::uint64_t> notes_received; ///< per rank: arrival notes received from it on `side`
-  int rank = 0;
-  int size = 0;
-  int tag_ub = 32767;
-  /// Whether this node runs more ranks (of the adopted communicator) than it has cores.
-  bool oversubscribed = false;
-  mpi_comm_options options;
-  bool failed = false;
-  bool failed_by_mismatch = false;  ///< else a timeout
-  std::string failure;
-  /// Whether a handle that an exception unwinds fails the communicator (`~mpi_communicator`): the
-  /// application's communicators and their splits, not a hybrid world's own.
-  bool fail_on_unwind = false;
-  /// A timeout of the fingerprint exchange: the ranks that never said they arrived (empty: unknown,
-  /// or every rank arrived late), so that an owner can name them its own way (hybrid devices).
-  std::vector<int> missing;
-  std::uint64_t calls = 0;  ///< collectives called on this communicator (the fingerprint's sequence number)
-  /// Set by an owner that can fail this communicator from outside (a hybrid world whose device
-  /// failed, here or in another process): called by every wait while it polls, it throws that
-  /// failure. Copied into split results.
-  std::function<void()> check_interrupt;
-  /// The abort channel of the adopted communicator (shared by its splits): `fail` reports through
-  /// it, and every polled wait (through `check_interrupt`) ends when another rank has reported.
-  std::shared_ptr<abort_channel> channel;
-  struct pending_send {
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<unsigned char> data;
-  };
-  std::vector<pending_send> sends;
-
-  mpi_comm_state() = default;
-  mpi_comm_state(const mpi_comm_state&) = delete;
-  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
-
-  ~mpi_comm_state() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;  // nothing can be freed any more
-    // Buffered sends still in flight: give them the timeout to complete, then leave them to MPI.
-    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::nanoseconds(0));
-    for (auto& s : sends) {
-      int done = 0;
-      while (s.request != MPI_REQUEST_NULL && !done) {
-        MPI_Test(&s.request, &done, MPI_STATUS_IGNORE);
-        if (!done && std::chrono::steady_clock::now() > deadline) break;
-        if (!done) std::this_thread::yield();
-      }
-      if (!done && s.request != MPI_REQUEST_NULL) {
-        MPI_Request_free(&s.request);  // allowed for point-to-point: MPI finishes it on its own
-        // ... reading the buffer until then, so it must outlive this object: leak it on purpose.
-        (void)new std::vector<unsigned char>(std::move(s.data));
-      }
-    }
-    // `comm` is freed only when no rank left an operation pending on it. A rank that timed out,
-    // or whose waits were released by a failure (the abort channel), abandoned a non-blocking
-    // collective that MPI cannot cancel: it may still send to every rank, and a message that
-    // arrives after the free waits for the next communicator given the same context id
-    // (detail/settle.hpp). Every rank votes in the settle exchange of `side`, which also
-    // receives the arrival notes still in flight; a rank that cannot settle keeps both.
-    // A mismatch is detected after the exchanges complete on every rank: nothing is pending.
-    const bool interrupted = channel && channel->interrupted.load(std::memory_order_acquire);
-    bool clean = !interrupted && (!failed || failed_by_mismatch);
-    const bool settled =
-        side == MPI_COMM_NULL ||
-        settle_messages(side, arrival_tag, notes_sent, notes_received, std::chrono::milliseconds(1000), &clean);
-    if (comm != MPI_COMM_NULL && settled && clean) MPI_Comm_free(&comm);
-    if (side != MPI_COMM_NULL && settled) MPI_Comm_free(&side);
-  }
-};
-
-
-/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
-/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
-/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
-inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
-  const auto k = static_cast<op_kind>(d[1]);
-  std::string s = who + " called " + std::string(op_name(k)) + "(";
-  if (d[2] != 0) {
-    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-  }
-  return s + ") as call #" + std::to_string(d[0]);
-}
-
-/// A fingerprint of ppermute pairs (every participant must pass the same).
-inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& p : pairs)
-    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-        1099511628211ull;
-  return h ^ pairs.size();
-}
-
-}  // namespace detail
 
 /// @brief One MPI rank's handle on a communicator. Copies share the same MPI communicator.
 class mpi_communicator : public communicator_frontend<mpi_communicator> {
@@ -254,12 +119,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// An empty handle; only assignable and destructible.
   mpi_communicator() = default;
 
+  /// Another handle on the same communicator. Written out (not defaulted) so that the copy
+  /// counts the exceptions in flight where it is made, not where `o` was (see the destructor).
   mpi_communicator(const mpi_communicator& o) : state_(o.state_) {}
+  /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)) {}
+  /// Makes this a handle on `o`'s communicator (this handle keeps its own exception count).
   mpi_communicator& operator=(const mpi_communicator& o) {
     state_ = o.state_;
     return *this;
   }
+  /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator& operator=(mpi_communicator&& o) noexcept {
     state_ = std::move(o.state_);
     return *this;

@@ -59,6 +59,7 @@
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/thread/detail/group_state.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
+#include "meshlib/comm/thread/detail/step_protocol.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
 namespace meshlib {
@@ -71,7 +72,7 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator : public communicator_frontend<thread_communicator> {
+class thread_communicator : public communicator_frontend<thread_communicator>, private detail::step_protocol {
   friend class communicator_frontend<thread_communicator>;
   friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
 
@@ -83,7 +84,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   thread_communicator& operator=(const thread_communicator&) = delete;
   /// Movable: the moved-from communicator is no longer valid.
   thread_communicator(thread_communicator&& o) noexcept
-      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
+      : detail::step_protocol(std::move(o)) {}
   /// Move assignment: the moved-from communicator is no longer valid.
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
@@ -157,7 +158,7 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
   friend class thread_world;
   using op_kind = detail::op_kind;
 
-  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : detail::step_protocol(std::move(s), rank) {}
 
   void depart() noexcept {
     if (!state_) return;
@@ -167,17 +168,6 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
     state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
     state_->wake_all_unconditionally();
     state_.reset();
-  }
-
-  /// Whether rank `r` of this group has left for good: its handle is gone, and if an exception
-  /// took it, the grace for that exception's report has passed (see `unwind_grace`).
-  bool departure_is_final(int r) const noexcept {
-    const auto& slot = state_->slots[static_cast<std::size_t>(r)];
-    if (!slot.departed.load()) return false;
-    const std::int64_t at = slot.unwound_at.load(std::memory_order_relaxed);
-    return at == 0 ||
-           detail::comm_clock::now().time_since_epoch().count() - at >=
-               std::chrono::duration_cast<detail::comm_clock::duration>(detail::unwind_grace).count();
   }
 
   std::size_t mailbox(int src, int dst) const noexcept {
@@ -251,269 +241,6 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
     }
     g.p2p_cv.notify_all();
     return {};
-  }
-
-  // ---- synchronisation -------------------------------------------------------------------------
-  //
-  // Every collective is one step. A rank publishes its call in its flag line for the step (one
-  // cache line: step number, call, up to 24 bytes of payload) and:
-  // - one-shot steps (payload staged in the slot, nothing of the caller's is read by peers): waits
-  //   until every peer's flag line shows the step, checks that the calls agree, and goes on. One
-  //   synchronisation; on two cores, one cache-line transfer each way.
-  // - zero-copy steps (peers read the caller's own buffers): also arrives at the group's counter;
-  //   the rank that arrives last checks the calls and releases the step with a compare-and-swap
-  //   that fails once the world has failed, so that a step a rank gave up on (timeout, abort) is
-  //   never released and no one reads the buffers of a rank that has left. After the copies all
-  //   meet once more (complete()).
-
-  /// The flag line of rank r for step s.
-  detail::flag_line& line(int r, std::uint64_t s) const noexcept { return state_->slots[r].line[s & 1]; }
-
-  /// Copies `bytes` of payload where peers will read it in the next step: into the flag line
-  /// when it fits, else into this rank's staging buffer.
-  const void* stage(const void* data, std::size_t bytes) {
-    auto& slot = state_->slots[rank_];
-    std::byte* buf = bytes <= detail::inline_capacity ? slot.line[step_ & 1].inline_data
-                                                      : slot.staging[step_ & 1].reserve(bytes);
-    detail::copy_bytes(buf, data, bytes);
-    return buf;
-  }
-
-  /// Takes the next step with this rank's call `d` and returns the step number once the step may
-  /// proceed (every rank arrived with an agreeing call).
-  std::uint64_t arrive(const detail::call_desc& d, bool zero_copy) {
-    auto& g = *state_;
-    const std::uint64_t s = step_++;
-    auto& slot = g.slots[rank_];
-    slot.desc[s & 1] = d;
-    if (d.kind == op_kind::ppermute) slot.pairs[s & 1].assign(d.pairs.begin(), d.pairs.end());
-    auto& ln = slot.line[s & 1];
-    ln.kind = d.kind;
-    ln.dtype = d.dtype;
-    ln.op = d.op;
-    ln.root = d.root;
-    ln.count = d.count;
-    ln.color = d.color;
-    ln.key = d.key;
-    ln.src = d.src;
-    // A release store, not seq_cst: a full fence here would wait for the peers' copies of this
-    // line to be invalidated, one cache-line transfer on the critical path. The price is that the
-    // sleeper check below may miss a waiter that is just going to sleep; sleepers re-check every
-    // millisecond (wait_until), so a missed wake-up costs at most that, and only after the waiter
-    // had already waited for milliseconds.
-    ln.seq.store(s + 1, std::memory_order_release);
-    g.wake();
-    if (g.n == 1) return s;
-    if (!zero_copy) {
-      wait_flags(s, d.kind);
-      check_flags(s);
-      return s;
-    }
-    arrive_central(d.kind, s);
-    return s;
-  }
-
-  /// Waits until every peer's flag line shows step s.
-  void wait_flags(std::uint64_t s, op_kind k) {
-    const int n = state_->n;
-    int next = 0;  // ranks below `next` have arrived
-    auto ready = [&] {
-      while (next < n && line(next, s).seq.load(std::memory_order_acquire) > s) ++next;
-      return next == n;
-    };
-    auto arrived = [&](int r) { return line(r, s).seq.load(std::memory_order_acquire) > s; };
-    wait_until(ready, arrived, k, s, /*cancellable=*/true);
-  }
-
-  /// Mismatch detection of a one-shot step; every rank runs it on the same lines, so every rank
-  /// reaches the same verdict.
-  void check_flags(std::uint64_t s) const {
-    auto& g = *state_;
-    const auto& mine = line(rank_, s);
-    const auto& my_pairs = g.slots[rank_].pairs[s & 1];
-    bool ok = true;
-    for (int r = 0; r < g.n && ok; ++r)
-      if (r != rank_) ok = detail::same_call(mine, line(r, s), my_pairs, g.slots[r].pairs[s & 1]);
-    if (!ok) report_mismatch(s, "", /*with_arrays=*/false);
-  }
-
-  [[noreturn]] void report_mismatch(std::uint64_t s, const std::string& extra, bool with_arrays) const {
-    auto& g = *state_;
-    std::ostringstream os;
-    os << "meshlib: collective mismatch in step " << s << " of a communicator of " << g.n
-       << " ranks: the ranks called different collectives";
-    for (int r = 0; r < g.n; ++r)
-      os << (r ? "; " : ": ") << g.rank_label(r) << " called "
-         << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
-    os << extra;
-    g.world->fail(detail::failure_kind::mismatch, -1, os.str());
-    g.world->rethrow("seen by " + where(g.slots[rank_].desc[s & 1].kind));
-  }
-
-  /// The central arrival of a zero-copy step. The release decides, once for all, whether the step
-  /// happens; only then does every rank check the calls (from the flag lines and the slots' copies,
-  /// which stay valid while any rank may still read them), so the releaser does not read its peers'
-  /// lines one after the other on the critical path. all_to_all_v, whose check reads arrays in the
-  /// callers' memory, is checked by the releaser while every other rank is still blocked.
-  void arrive_central(op_kind k, std::uint64_t s) {
-    auto& g = *state_;
-    const std::uint64_t target = ++central_;
-    g.slots[rank_].arrived.store(target, std::memory_order_release);
-    const std::uint64_t c = g.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
-    if (c == target * static_cast<std::uint64_t>(g.n)) {
-      if (k == op_kind::all_to_all_v) check_step(s);
-      std::uint64_t w = g.word.load(std::memory_order_relaxed);
-      do {
-        if (w & detail::failed_bit) failed_while_waiting(k, s);
-      } while (!g.word.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_relaxed));
-      g.wake();
-    } else {
-      auto ready = [&] { return (g.word.load(std::memory_order_acquire) & ~detail::failed_bit) >= target; };
-      auto arrived = [&](int r) { return g.slots[r].arrived.load(std::memory_order_acquire) >= target; };
-      wait_until(ready, arrived, k, s, /*cancellable=*/true);
-    }
-    if (k != op_kind::all_to_all_v) check_flags(s);
-  }
-
-  /// The second meeting of the zero-copy algorithms: every rank has finished reading and writing
-  /// its peers' buffers (each rank raises its `done` flag; one cache-line transfer each way).
-  /// Cannot fail: every rank is past the release of the step, so every rank gets here after a
-  /// bounded amount of copying; giving up here on a failure would let a rank return (and its
-  /// caller free its buffers) while a peer still copies them.
-  void complete() {
-    detail::stream_fence();  // streaming stores are weakly ordered: drain them before telling peers
-    auto& g = *state_;
-    if (g.n == 1) return;
-    const std::uint64_t s = step_ - 1;
-    g.slots[rank_].done.store(s + 1, std::memory_order_release);
-    g.wake();
-    int next = 0;
-    auto ready = [&] {
-      while (next < g.n && g.slots[next].done.load(std::memory_order_acquire) > s) ++next;
-      return next == g.n;
-    };
-    wait_until(ready, [](int) { return true; }, op_kind::barrier, s, /*cancellable=*/false);
-  }
-
-  /// Mismatch detection of a zero-copy step, run by the last rank to arrive while the others are
-  /// blocked (so their descriptors, and the arrays they point to, are safe to read).
-  void check_step(std::uint64_t s) const {
-    auto& g = *state_;
-    const auto& l0 = line(0, s);
-    const auto& p0 = g.slots[0].pairs[s & 1];
-    bool ok = true;
-    for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(l0, line(r, s), p0, g.slots[r].pairs[s & 1]);
-    std::string extra;
-    if (ok && l0.kind == op_kind::all_to_all_v) {
-      for (int i = 0; i < g.n && ok; ++i)
-        for (int j = 0; j < g.n && ok; ++j) {
-          const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
-          const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
-          if (sent != expected) {
-            ok = false;
-            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
-                    std::to_string(j) + ", which expects " + std::to_string(expected);
-          }
-        }
-    }
-    if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
-  }
-
-  /// Waits until `ready()`: spins, then yields, then blocks with a deadline. When `cancellable`,
-  /// throws once the world fails first, when the timeout passes (naming the ranks for which
-  /// `arrived(r)` is false) or when such a rank has left.
-  template <class Ready, class Arrived>
-  void wait_until(Ready&& ready, Arrived&& arrived, op_kind k, std::uint64_t s, bool cancellable) {
-    auto& g = *state_;
-    auto failed = [&] { return cancellable && (g.word.load(std::memory_order_acquire) & detail::failed_bit); };
-    // A first burst of spinning without reading the clock: most waits of a participant with a
-    // core of its own end within it.
-    for (int i = 0; i < g.policy.burst; ++i) {
-      if (ready()) return;
-      detail::cpu_relax();
-    }
-    const auto start = detail::comm_clock::now();
-    for (unsigned i = 1;; ++i) {
-      if (ready()) return;
-      if (failed()) {
-        if (ready()) return;
-        failed_while_waiting(k, s);
-      }
-      detail::cpu_relax();
-      if ((i & 31u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
-    }
-    for (;;) {
-      if (ready()) return;
-      if (failed()) {
-        if (ready()) return;
-        failed_while_waiting(k, s);
-      }
-      if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
-      std::this_thread::yield();
-    }
-    const auto deadline = start + g.policy.timeout + patience_;
-    int departed = -1;
-    bool timed_out = false;
-    bool done = false;
-    {
-      std::unique_lock lk(g.mutex);
-      g.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      for (;;) {
-        if (ready()) {
-          done = true;
-          break;
-        }
-        if (!cancellable) {
-          g.cv.wait_for(lk, std::chrono::milliseconds(1));
-          continue;
-        }
-        if (failed()) break;
-        for (int r = 0; r < g.n && departed < 0; ++r)
-          if (departure_is_final(r) && !arrived(r)) departed = r;
-        if (departed >= 0) break;
-        const auto now = detail::comm_clock::now();
-        if (now >= deadline) {
-          timed_out = true;
-          break;
-        }
-        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(1)));
-      }
-      g.sleepers.fetch_sub(1, std::memory_order_relaxed);
-    }
-    if (done) return;
-    if (departed >= 0) {
-      g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(departed)],
-                    "meshlib: communicator aborted: " + g.rank_label(departed) +
-                        " left the communicator (its handle was destroyed or its thread ended) while " +
-                        g.rank_label(rank_) + " waited for it in " + std::string(detail::op_name(k)) + " (step " +
-                        std::to_string(s) + ")");
-    } else if (timed_out) {
-      detail::missing_report facts;
-      facts.waiter = world_rank();
-      std::vector<int> missing;
-      for (int r = 0; r < g.n; ++r)
-        if (!arrived(r)) {
-          missing.push_back(r);
-          facts.missing.push_back(g.world_ranks[static_cast<std::size_t>(r)]);
-        }
-      const std::string msg = detail::timeout_message(
-          std::string(detail::op_name(k)) + " (step " + std::to_string(s) + ")", g.rank_label(rank_), g.n,
-          g.policy.timeout,
-          detail::list_participants("rank", missing,
-                                    [&](int r) { return g.is_world() ? std::to_string(r) : g.rank_label(r); }),
-          "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
-      // The root cause is the first rank that never arrived, not this waiter (device_error::device()
-      // of spmd names it). The facts let an owner (the hybrid communicator) name them its own way.
-      const int culprit = missing.empty() ? world_rank() : facts.missing.front();
-      g.world->fail(detail::failure_kind::timeout, culprit, msg, std::move(facts));
-    }
-    // The failure bit is set now; a step that became ready meanwhile still counts.
-    if (ready()) return;
-    failed_while_waiting(k, s);
-  }
-
-  [[noreturn]] void failed_while_waiting(op_kind k, std::uint64_t s) const {
-    state_->world->rethrow("seen by " + where(k) + ", step " + std::to_string(s));
   }
 
   // ---- algorithms ------------------------------------------------------------------------------
@@ -785,107 +512,14 @@ class thread_communicator : public communicator_frontend<thread_communicator> {
     }
   }
 
-  std::shared_ptr<detail::group_state> state_;
-  int rank_ = 0;
-  std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
-  std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
   detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
-  /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
-  /// but while a hybrid member waits for its leader's exchange between processes: the process
-  /// whose device never arrived must time out first, so that its report (naming that device)
-  /// reaches every process before a waiter elsewhere blames the innocent leader.
-  std::chrono::nanoseconds patience_{0};
 };
 
 static_assert(communicator<thread_communicator>);
 
-/// @brief The shared state of a group of `size` threads, and the source of their handles.
-///
-/// The world outlives nothing it hands out: handles share ownership of the state, so a handle
-/// may outlive its world. Destroying the world while a handle it gave out is still held aborts
-/// the world ("the thread_world was destroyed"), which releases every blocked participant.
-class thread_world {
- public:
-  /// @throws comm_argument_error unless 1 <= size.
-  explicit thread_world(int size, thread_comm_options options = {}) {
-    if (size < 1)
-      throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
-    world_ = std::make_shared<detail::world_state>(options, size);
-    std::vector<int> ranks(static_cast<std::size_t>(size));
-    std::iota(ranks.begin(), ranks.end(), 0);
-    group_ = detail::make_group(world_, std::move(ranks));
-  }
-  thread_world(const thread_world&) = delete;
-  thread_world& operator=(const thread_world&) = delete;
-  /// Movable: the world's shared state moves with it.
-  thread_world(thread_world&&) noexcept = default;
-  /// Move assignment: the world's shared state moves with it.
-  thread_world& operator=(thread_world&&) noexcept = default;
-  ~thread_world() {
-    if (!group_) return;
-    for (int r = 0; r < group_->n; ++r) {
-      const auto& slot = group_->slots[r];
-      if (slot.claimed.load() && !slot.departed.load()) {
-        world_->fail(detail::failure_kind::aborted, -1,
-                     "meshlib: communicator aborted: the thread_world was destroyed while rank " + std::to_string(r) +
-                         " still held its handle");
-        break;
-      }
-    }
-  }
-
-  /// Number of participants.
-  [[nodiscard]] int size() const noexcept { return group_->n; }
-
-  /// @brief The handle of participant `rank`, for the thread that plays it. Each rank's handle is
-  /// handed out once.
-  /// @throws comm_argument_error when rank is out of range or its handle was already taken.
-  [[nodiscard]] thread_communicator communicator(int rank) {
-    if (rank < 0 || rank >= group_->n)
-      throw comm_argument_error("meshlib: thread_world::communicator: rank " + std::to_string(rank) +
-                                " is out of range [0, " + std::to_string(group_->n) + ")");
-    if (group_->slots[rank].claimed.exchange(true))
-      throw comm_argument_error("meshlib: thread_world::communicator: the handle of rank " + std::to_string(rank) +
-                                " was already handed out; each rank has one handle");
-    return thread_communicator(group_, rank);
-  }
-
-  /// @brief Fails the world with `rank` as the root cause (`comm_aborted` everywhere, naming it).
-  /// @returns whether this call recorded the root cause.
-  bool abort(int rank, std::string_view reason) {
-    return abort(rank, reason, "rank " + std::to_string(rank));
-  }
-  /// @brief As `abort(rank, reason)`, with the failed participant named `who` in the message
-  /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
-  /// device; rank -1 is a participant outside this world (a device of another process).
-  bool abort(int rank, std::string_view reason, std::string_view who) {
-    return world_->fail(detail::failure_kind::aborted, rank,
-                        "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
-  }
-
-  /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
-  /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
-  /// participant being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as_mismatch(std::string_view message) { return fail_as(detail::failure_kind::mismatch, message); }
-
-  /// @brief Fails the world with an error detected elsewhere (by another process of a hybrid
-  /// world, or by its leader's exchange between processes): every participant gets the error of
-  /// `kind` (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with `message`, no participant
-  /// of this world being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as(detail::failure_kind kind, std::string_view message) {
-    return world_->fail(kind, -1, std::string(message));
-  }
-
-  /// Whether the world has failed.
-  [[nodiscard]] bool failed() const noexcept { return world_->failed.load(); }
-  /// World rank of the root cause of the failure, -1 when none or when no one rank caused it (a mismatch).
-  [[nodiscard]] int root_cause_rank() const { return world_->root_cause_rank(); }
-
- private:
-  std::shared_ptr<detail::world_state> world_;
-  std::shared_ptr<detail::group_state> group_;
-};
-
 }  // namespace meshlib
+
+// The world that hands out the handles (after the class: it uses it).
+#include "meshlib/comm/thread/thread_world.hpp"

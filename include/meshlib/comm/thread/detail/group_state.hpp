@@ -13,6 +13,9 @@
 /// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
 /// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
 /// the world, which ends every wait at once.
+///
+/// What a rank publishes in a step is in call_desc.hpp; how long it spins, yields and blocks, and
+/// which algorithm a step takes, in wait_policy.hpp.
 
 #include <algorithm>
 #include <atomic>
@@ -39,23 +42,11 @@
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/thread/detail/call_desc.hpp"
+#include "meshlib/comm/thread/detail/wait_policy.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace meshlib::detail {
-
-/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
-/// avoids the memory-order mis-speculation penalty when the awaited line changes).
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 using comm_clock = std::chrono::steady_clock;
 
@@ -63,98 +54,6 @@ using comm_clock = std::chrono::steady_clock;
 /// stack, for that peer's runner to report the exception (well inside the 1 s promise).
 inline constexpr std::chrono::milliseconds unwind_grace{200};
 
-
-/// What one rank called in one step: compared across ranks (mismatch detection), and the source
-/// of the peers' buffer addresses for the zero-copy algorithms.
-struct call_desc {
-  op_kind kind = op_kind::barrier;
-  datatype dtype = datatype::float32;
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  std::uint64_t count = 0;
-  int color = 0;
-  int key = 0;
-  const void* src = nullptr;  ///< staged copy (one-shot) or the user's send buffer (zero-copy)
-  void* dst = nullptr;        ///< the user's receive buffer (zero-copy algorithms that push)
-  std::span<const permute_pair> pairs{};  ///< ppermute: the caller's pairs (the slot keeps a copy)
-  const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd
-  int nv = 0;                                                       ///< length of each v array
-};
-
-inline bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
-inline bool uses_count(op_kind k) noexcept {
-  return uses_dtype(k) && k != op_kind::all_to_all_v;
-}
-inline bool uses_op(op_kind k) noexcept {
-  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-}
-inline bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
-
-inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
-  os << '[';
-  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << a[i];
-  os << ']';
-}
-
-/// "all_reduce(float32, count 8, op sum)": how error messages show a call. `pairs` is the slot's
-/// copy of a ppermute's pairs; the all_to_all_v counts are printed only when `with_arrays` (they
-/// live in the caller's memory, which is safe to read only while the caller is blocked).
-inline std::string describe(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
-  std::ostringstream os;
-  os << op_name(d.kind) << '(';
-  if (d.kind == op_kind::split) {
-    os << "color " << d.color << ", key " << d.key;
-  } else if (uses_dtype(d.kind)) {
-    os << d.dtype;
-    if (uses_count(d.kind)) os << ", count " << d.count;
-    if (uses_op(d.kind)) os << ", op " << d.op;
-    if (uses_root(d.kind)) os << ", root " << d.root;
-    if (d.kind == op_kind::ppermute) {
-      os << ", pairs [";
-      for (std::size_t i = 0; i < pairs.size(); ++i)
-        os << (i ? ", " : "") << '(' << pairs[i].source << ", " << pairs[i].dest << ')';
-      os << ']';
-    }
-    if (d.kind == op_kind::all_to_all_v && with_arrays) {
-      os << ", send_counts ";
-      print_v(os, d.v[0], d.nv);
-      os << ", recv_counts ";
-      print_v(os, d.v[2], d.nv);
-    }
-  }
-  os << ')';
-  return os.str();
-}
-
-/// The hot part of a rank's call in one step, in one cache line with its step number, so that a
-/// peer learns that the rank arrived, what it called, and (for up to 24 bytes) its payload, from
-/// one cache-line transfer.
-struct alignas(64) flag_line {
-  std::atomic<std::uint64_t> seq{0};  ///< step + 1 once this line holds the rank's call of that step
-  op_kind kind = op_kind::barrier;
-  datatype dtype = datatype::float32;
-  reduce_op op = reduce_op::sum;
-  std::int32_t root = 0;
-  std::uint64_t count = 0;
-  std::int32_t color = 0;
-  std::int32_t key = 0;
-  const void* src = nullptr;
-  alignas(8) std::byte inline_data[24] = {};
-};
-static_assert(sizeof(flag_line) == 64);
-inline constexpr std::size_t inline_capacity = sizeof(flag_line::inline_data);
-
-/// Whether two ranks' calls agree on everything the step depends on (pairs: the slots' copies).
-inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<permute_pair>& pa,
-                      const std::vector<permute_pair>& pb) {
-  if (a.kind != b.kind) return false;
-  if (uses_dtype(a.kind) && a.dtype != b.dtype) return false;
-  if (uses_count(a.kind) && a.count != b.count) return false;
-  if (uses_op(a.kind) && a.op != b.op) return false;
-  if (uses_root(a.kind) && a.root != b.root) return false;
-  if (a.kind == op_kind::ppermute && pa != pb) return false;
-  return true;
-}
 
 /// A buffer aligned to a cache line, grown by its owner only.
 class staging_buffer {
@@ -269,48 +168,6 @@ struct p2p_message {
 };
 
 inline constexpr std::uint64_t failed_bit = std::uint64_t{1} << 63;
-
-/// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
-/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
-/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
-/// 35-40 us here, 600 cache-line handoffs).
-struct wait_policy {
-  std::chrono::nanoseconds spin;
-  std::chrono::nanoseconds yield;
-  std::chrono::nanoseconds timeout;
-  std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
-  int burst;                 ///< spins before the first clock reading
-  std::size_t streaming_min; ///< payload bytes of all ranks from which zero-copy paths use streaming stores
-};
-
-/// Measured (docs/benchmarks.md): streaming stores pay once the payloads of all ranks no longer
-/// fit in the caches: 16 MiB all_reduce 1.3x faster with them on 4 and 8 ranks, 1.35x slower on 2.
-inline constexpr std::size_t default_streaming_min_bytes = std::size_t{64} << 20;
-
-/// Measured on the 2-core reference machine (docs/benchmarks.md): below this many staged bytes per
-/// rank, one synchronisation plus a copy beats two synchronisations and no copy. Oversubscribed, a
-/// synchronisation costs context switches, so the one-shot algorithm pays for much longer.
-inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
-  return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
-}
-
-/// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
-/// 8 threads on 2 cores must yield, not spin).
-inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
-  // Read once: hardware_concurrency reads /sys on every call (11 us here), and every group (a
-  // world per spmd call, a sub-group per axis used) asks.
-  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const bool oversubscribed = static_cast<unsigned>(threads) > cores;
-  wait_policy p{};
-  p.spin = o.spin.count() >= 0 ? o.spin
-                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
-  p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
-  p.timeout = o.timeout;
-  p.burst = oversubscribed ? 2 : 64;
-  p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
-  p.one_shot_max = o.one_shot_max_bytes != 0 ? o.one_shot_max_bytes : default_one_shot_max_bytes(oversubscribed);
-  return p;
-}
 
 struct group_state {
   group_state(std::shared_ptr<world_state> w, std::vector<int> members, std::uint64_t gid)
