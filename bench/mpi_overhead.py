@@ -54,10 +54,11 @@ def main():
                "- *default*: timeout on, `large_payload_mode::automatic`: *barrier + blocking* when the node",
                "  has a core per rank, *polled* when its ranks outnumber its cores (4 ranks on 2 cores here).",
                "- *no timeout*: `mpi_comm_options::timeout = 0`: `MPI_Allreduce` straight away.",
-               "- *barrier + blocking*: a polled `MPI_Ibarrier` (everyone has arrived, else `comm_timeout`),",
-               "  then MPI's blocking `MPI_Allreduce`, whose tuned algorithms beat the non-blocking ones.",
-               "- *polled*: `MPI_Iallreduce` polled against the deadline (what payloads under",
-               "  `blocking_min_bytes`, 64 KiB, always use).", ""]
+               "- *barrier + blocking*: the polled fingerprint exchange (everyone has arrived, else",
+               "  `comm_timeout`), then MPI's blocking `MPI_Allreduce`, whose tuned algorithms beat the",
+               "  non-blocking ones (the default's path at every size since 2026-12-02).",
+               "- *polled*: `MPI_Iallreduce` polled against the deadline (the path of nodes with more",
+               "  ranks than cores; before 2026-12-02 also of payloads under 64 KiB).", ""]
     for r, load, rows in tables:
         section.append(f"{r} ranks (load average {load:.1f} when the run started):")
         section.append("")
