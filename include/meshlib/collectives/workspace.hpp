@@ -68,7 +68,6 @@ class collective_workspace {
     view_t fresh = allocate<T, Rank, Space>(shape, "meshlib::collective", false);
     if (kept.size() < buffers_per_shape) {
       kept.push_back(std::make_unique<slot<view_t>>(fresh));
-      on_keep();
       trim();
     }
     return fresh;
@@ -150,8 +149,6 @@ class collective_workspace {
     }
   }
 
-  void on_keep();  // below: the finalize hook, once Kokkos has been used
-
   std::map<key, entry> slots_;
   std::size_t allocations_ = 0;
   std::uint64_t uses_ = 0;
@@ -174,13 +171,14 @@ class workspace_registry {
     std::lock_guard lock(m_);
     all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
   }
-  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it).
+  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it). Called
+  /// by `run_devices` on the calling thread before any device thread can keep a buffer.
   void hook() {
     if (hooked_.load(std::memory_order_acquire)) return;
     std::lock_guard lock(m_);
     if (hooked_.load(std::memory_order_relaxed)) return;
     hooked_.store(true, std::memory_order_release);
-    Kokkos::push_finalize_hook([this] {
+    push_finalize_hook([this] {
       // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
       // job hand-off orders their last use before this.
       std::lock_guard l(m_);
@@ -194,8 +192,6 @@ class workspace_registry {
   std::vector<collective_workspace*> all_;
   std::atomic<bool> hooked_{false};
 };
-
-inline void collective_workspace::on_keep() { workspace_registry::get().hook(); }
 
 /// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
 inline collective_workspace& thread_workspace() {

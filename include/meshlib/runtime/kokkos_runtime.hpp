@@ -18,8 +18,11 @@
 /// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
 /// the cause nor the fix.
 
+#include <functional>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <Kokkos_Core.hpp>
 
@@ -58,6 +61,16 @@ inline void require_kokkos(std::string_view what) {
       "; hold a Kokkos::ScopeGuard in main() (or meshlib::distributed::guard, or meshlib::mpi::guard with MPI, "
       "which initialise MPI and Kokkos in the right order) before the first meshlib call and before any device "
       "thread starts, and keep it alive until every tensor is destroyed");
+}
+
+/// `Kokkos::push_finalize_hook`, serialised: Kokkos keeps its hooks in a plain stack, so two threads
+/// that push at once (two user threads making their first meshlib call together) corrupt it. Every
+/// hook meshlib pushes goes through here, from the thread that calls into meshlib, never from a
+/// device thread.
+inline void push_finalize_hook(std::function<void()> hook) {
+  static std::mutex m;
+  std::lock_guard lock(m);
+  Kokkos::push_finalize_hook(std::move(hook));
 }
 
 }  // namespace detail

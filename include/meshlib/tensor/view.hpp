@@ -134,7 +134,7 @@ class device_instance_cache {
       if (size == n) return v[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
-      Kokkos::push_finalize_hook([] {
+      detail::push_finalize_hook([] {
         std::lock_guard l(cache.m_);
         cache.sets_.clear();
         cache.hooked_ = false;
