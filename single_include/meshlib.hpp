@@ -15730,6 +15730,13 @@ struct stream_state {
     failed.store(true);
     return true;
   }
+  /// What is wrong with a buffer of `bytes` bytes for this participant (`device_buffer_problem` on
+  /// its GPU), or empty; always empty when `options.check_pointers` is off. Both device
+  /// communicators' transports call this one check before they touch a pointer.
+  [[nodiscard]] std::string buffer_problem(std::string_view name, const void* p, std::size_t bytes) const {
+    if (!options.check_pointers) return {};
+    return device_buffer_problem(name, p, bytes, device);
+  }
   /// Throws the refusal of operation `where` when the participant has failed.
   void refuse_if_failed(const std::string& where) const {
     if (!failed.load()) return;
@@ -16390,20 +16397,15 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_error("meshlib: " + std::string(k) +
                        " called on an empty nccl_communicator handle (default-constructed or moved from)");
   }
-  void ensure_usable(detail::op_kind k) const {
-    require_valid(detail::op_name(k));
-    state_->refuse_if_failed(state_->describe(detail::op_name(k)));
-  }
   void check_usable(std::string_view k) const {
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  /// A buffer of `elems` elements of T must be device memory of this GPU.
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The NCCL transport of operation K, after the front end's checks.
@@ -17038,7 +17040,6 @@ class shared_gpu_communicator
 
  private:
   [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
-  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
   void require_valid(std::string_view k) const {
     if (!state_)
       throw comm_error("meshlib: " + std::string(k) +
@@ -17051,11 +17052,10 @@ class shared_gpu_communicator
   // ---- the front end's hooks
   [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
   void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The shared-GPU transport of operation K, after the front end's checks.

@@ -410,6 +410,21 @@ TEST_CASE("shared GPU: the reduction kernel compiles with NVRTC (no GPU needed) 
             .starts_with("meshlib: compiling the device reduction kernel: nvrtcCompileProgram failed: "));
 }
 
+TEST_CASE("stream_state: buffer_problem checks pointers only when check_pointers is on, and only non-empty buffers",
+          "[nccl]") {
+  // Both device communicators' transports use this one check (no copy of it in either).
+  ml::detail::stream_state s;
+  float host[4] = {};
+  s.options.check_pointers = false;
+  CHECK(s.buffer_problem("send", host, sizeof host).empty());
+  s.options.check_pointers = true;
+  CHECK(s.buffer_problem("send", host, 0).empty());
+  // Without a driver CUDA knows no memory; with one, this is host memory: either way it is named.
+  const std::string p = s.buffer_problem("receive", host, sizeof host);
+  CHECK(p.starts_with("receive buffer is "));
+  CHECK((p.find("not memory CUDA knows") != std::string::npos || p.find("host memory") != std::string::npos));
+}
+
 // The kernel's min/max are compiled for the host from the same text as the kernel's (detail/reduce_kernel.hpp):
 // meshlib's float semantics (docs/comm.md, tests/conformance/conformance.hpp): NaN anywhere gives NaN,
 // and -0 < +0 whichever rank holds which.
