@@ -8,10 +8,11 @@
 # Steps (each prints "== [Ns] step"; the end prints CHECKED / NOT CHECKED lines):
 #   1. the GPUs (nvidia-smi) and the CUDA and NCCL versions;
 #   2. builds meshlib's NCCL targets with the host compiler (nccl_host_tests, nccl_device_tests,
-#      nccl_bench) in $BUILD_DIR (default build-gpu/meshlib; BUILD_DIR=build reuses the test build),
-#      and compiles <meshlib/nccl.hpp> with nvcc next to a kernel;
+#      conformance_device, nccl_bench) in $BUILD_DIR (default build-gpu/meshlib; BUILD_DIR=build
+#      reuses the test build), and compiles <meshlib/nccl.hpp> with nvcc next to a kernel;
 #   3. runs the host tests, then the device tests: every collective against host results on one
-#      NCCL rank per GPU (one rank on one GPU), and on 1, 3 and 4 mesh devices sharing GPU 0;
+#      NCCL rank per GPU (one rank on one GPU), and on 1, 3 and 4 mesh devices sharing GPU 0; then
+#      the comm conformance kit on device buffers (NCCL with one rank; 2 and 4 devices on GPU 0);
 #   4. builds Kokkos 4.6.01 with CUDA (-DKokkos_ENABLE_CUDA=ON -DKokkos_ARCH_HOPPER90=ON) from
 #      ../shared/vendor/kokkos-4.6.01.tar.gz (or $KOKKOS_TARBALL), cached in build-gpu/kokkos-cuda,
 #      and with it tests/device/kokkos_cuda: a Kokkos kernel, an NCCL all_reduce and a second kernel
@@ -85,8 +86,8 @@ if [ $DO_BUILD -eq 1 ]; then
        -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_BENCHMARKS=ON -DMESHLIB_BUILD_EXAMPLES=ON \
        -DMESHLIB_SANITIZE_THREAD=OFF >"$GPU_DIR.configure.log" 2>&1; then
     grep -E 'CUDA \+ NCCL' "$GPU_DIR.configure.log"
-    if cmake --build "$BUILD_DIR" -j "$JOBS" --target nccl_host_tests nccl_device_tests nccl_bench; then
-      built=1; ok "build of nccl_host_tests, nccl_device_tests, nccl_bench"
+    if cmake --build "$BUILD_DIR" -j "$JOBS" --target nccl_host_tests nccl_device_tests conformance_device nccl_bench; then
+      built=1; ok "build of nccl_host_tests, nccl_device_tests, conformance_device, nccl_bench"
     else
       fail "build of the NCCL targets"
     fi
@@ -121,13 +122,19 @@ if [ $built -eq 1 ]; then
     "$BUILD_DIR/tests/device/nccl_device_tests" "[nccl]"
   run_test "nccl_device_tests [shared_gpu]: 1, 3 and 4 mesh devices on GPU 0 (copies + NVRTC reduction kernel), bitwise vs the thread communicator, mismatch, send/recv" \
     "$BUILD_DIR/tests/device/nccl_device_tests" "[shared_gpu]"
+  if [ -x "$BUILD_DIR/tests/conformance/conformance_device" ]; then
+    run_test "conformance_device: the comm conformance kit's value and argument rows on device buffers, NCCL with 1 rank and 2 and 4 mesh devices on GPU 0" \
+      "$BUILD_DIR/tests/conformance/conformance_device"
+  else
+    skip "conformance_device (not built in $BUILD_DIR)"
+  fi
 else
   skip "NCCL tests (not built)"
 fi
 if [ "$gpus" -lt 2 ]; then
   skip "several NCCL ranks (processes or threads on different GPUs): this machine has $gpus GPU(s); NCCL refuses two ranks on one GPU"
 fi
-skip "the comm conformance kit on NCCL and on the shared GPU: the kit uses host std::vector buffers and reads some results without wait(); nccl_device_tests covers the operations on device buffers instead (docs/gpu.md)"
+skip "the conformance kit's mismatch, throw, timing and departure rows on the device communicators: their expected words are the host backends' (tests/conformance/test_conformance_device.cpp says why); nccl_device_tests checks the device messages"
 
 # ---- 4. Kokkos 4.6 with CUDA ---------------------------------------------------------------------------
 step "4. Kokkos 4.6.01 with CUDA, and the NCCL communicator on a Kokkos instance's stream"

@@ -456,18 +456,27 @@ struct chars_of<W, S, std::index_sequence<I...>> {
   using type = W<S[I]...>;
 };
 
+// The names are static members of class templates, not variable templates: nvcc (13.0) rejects a
+// variable template initialised from a template parameter when it is a reference template argument
+// ("declaration is incompatible"), and <meshlib/nccl.hpp> must compile in .cu files too.
+/// `Name` as a `std::string_view` with static storage (a reference template argument of `chars_of`).
 template <fixed_string Name>
-inline constexpr std::string_view name_view_v = Name.view();
+struct name_view {
+  static constexpr std::string_view value = Name.view();
+};
 
 /// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
 template <fixed_string Name>
-using diag_axis_t = typename chars_of<diagnostic::axis, name_view_v<Name>>::type;
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>::value>::type;
 /// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
 template <fixed_string Name>
-using diag_op_t = typename chars_of<diagnostic::op, name_view_v<Name>>::type;
+using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>::value>::type;
 
+/// The name of axis `I` of `Mesh`, with static storage (see `name_view`).
 template <class Mesh, std::size_t I>
-inline constexpr std::string_view mesh_axis_name_v = Mesh::axis_names[I];
+struct mesh_axis_name {
+  static constexpr std::string_view value = Mesh::axis_names[I];
+};
 
 template <class Mesh, unsigned Mask, class Seq = std::make_index_sequence<Mesh::ndim>>
 struct diag_axes_impl;
@@ -479,7 +488,7 @@ struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
 };
 template <class Mesh, unsigned Mask, std::size_t I>
 using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
-                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name_v<Mesh, I>>::type>,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>::value>::type>,
                                       diagnostic::axes<>>;
 template <class Mesh, unsigned Mask>
 struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {
@@ -15721,6 +15730,13 @@ struct stream_state {
     failed.store(true);
     return true;
   }
+  /// What is wrong with a buffer of `bytes` bytes for this participant (`device_buffer_problem` on
+  /// its GPU), or empty; always empty when `options.check_pointers` is off. Both device
+  /// communicators' transports call this one check before they touch a pointer.
+  [[nodiscard]] std::string buffer_problem(std::string_view name, const void* p, std::size_t bytes) const {
+    if (!options.check_pointers) return {};
+    return device_buffer_problem(name, p, bytes, device);
+  }
   /// Throws the refusal of operation `where` when the participant has failed.
   void refuse_if_failed(const std::string& where) const {
     if (!failed.load()) return;
@@ -16381,20 +16397,15 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_error("meshlib: " + std::string(k) +
                        " called on an empty nccl_communicator handle (default-constructed or moved from)");
   }
-  void ensure_usable(detail::op_kind k) const {
-    require_valid(detail::op_name(k));
-    state_->refuse_if_failed(state_->describe(detail::op_name(k)));
-  }
   void check_usable(std::string_view k) const {
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  /// A buffer of `elems` elements of T must be device memory of this GPU.
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The NCCL transport of operation K, after the front end's checks.
@@ -16703,9 +16714,11 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
 /// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
 /// backend does, so results are bitwise those of the thread communicator: integer sums and products
 /// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
-/// combined in float and rounded once (nearest even, NaNs stay NaN), min/max keep the earlier value
-/// unless the later one compares less/greater. It writes the result to every output pointer, so
-/// that one launch per participant both reduces its block and distributes it.
+/// combined in float and rounded once (nearest even, NaNs stay NaN), and float min/max follow
+/// meshlib's semantics on every backend: a NaN anywhere gives NaN, and -0 < +0 (`reduce_min`,
+/// `reduce_max`, which the host compiles too, so that nccl_host_tests checks them without a GPU).
+/// It writes the result to every output pointer, so that one launch per participant both reduces
+/// its block and distributes it.
 
 #if MESHLIB_ENABLE_NCCL
 
@@ -16734,7 +16747,46 @@ struct reduce_pointers {
   void* out[max_local_devices];
 };
 
-/// The kernels' source: one `extern "C"` kernel per element type, named `meshlib_reduce_<type>`.
+// min and max of the kernel, written once for the kernel and the host. `a` is the running result
+// of the lower ranks. NaN: `b < a ? b : a` would keep `a` whenever `b` is NaN, losing it (and
+// the result would depend on which rank held the NaN). Equal zeros: +0 and -0 compare equal, so
+// the sign is chosen by IEEE addition, which needs no signbit() (NVRTC has no <cmath>):
+// +0 + -0 = +0 (max), and -(-a - b) is -0 when either is -0 (min). Integers never take those
+// branches with different values (x != x is false, and equal integers are the same value).
+#define MESHLIB_DETAIL_REDUCE_MINMAX(QUALIFIER)                  \
+  template <class V>                                             \
+  QUALIFIER V reduce_max(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? a + b : a;                    \
+    return a < b ? b : a;                                        \
+  }                                                              \
+  template <class V>                                             \
+  QUALIFIER V reduce_min(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? -(-a - b) : a;                \
+    return b < a ? b : a;                                        \
+  }
+#define MESHLIB_DETAIL_REDUCE_STR(...) #__VA_ARGS__
+#define MESHLIB_DETAIL_REDUCE_XSTR(...) MESHLIB_DETAIL_REDUCE_STR(__VA_ARGS__)
+
+/// @brief The kernel's min and max of two elements, compiled for the host (the kernel gets the same
+/// text, see `reduce_minmax_source`): NaN anywhere gives NaN, -0 < +0, else the usual order.
+MESHLIB_DETAIL_REDUCE_MINMAX(constexpr)
+
+/// The kernel's `reduce_min` and `reduce_max`, as text for NVRTC (`meshlib_device_function` is
+/// defined by the kernel source; a placeholder, not `__device__`, because nvcc defines that as a
+/// macro and would expand it here).
+inline constexpr std::string_view reduce_minmax_source =
+    MESHLIB_DETAIL_REDUCE_XSTR(MESHLIB_DETAIL_REDUCE_MINMAX(meshlib_device_function));
+
+#undef MESHLIB_DETAIL_REDUCE_XSTR
+#undef MESHLIB_DETAIL_REDUCE_STR
+#undef MESHLIB_DETAIL_REDUCE_MINMAX
+
+/// The kernels' source after `reduce_minmax_source`: one `extern "C"` kernel per element type, named
+/// `meshlib_reduce_<type>`.
 inline constexpr std::string_view reduce_kernel_source = R"(
 struct reduce_pointers { const void* in[32]; void* out[32]; };
 __device__ inline float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -16755,8 +16807,8 @@ extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned
       switch (op) {                                                                                     \
         case 0: case 4: a = (ACC)((UACC)a + (UACC)b); break;                                            \
         case 1: a = (ACC)((UACC)a * (UACC)b); break;                                                    \
-        case 2: a = b < a ? b : a; break;                                                               \
-        default: a = b > a ? b : a; break;                                                              \
+        case 2: a = reduce_min(a, b); break;                                                            \
+        default: a = reduce_max(a, b); break;                                                           \
       }                                                                                                 \
     }                                                                                                   \
     if (op == 4) a = DIVIDE(a, n_in);                                                                   \
@@ -16792,7 +16844,8 @@ MESHLIB_REDUCE_KERNEL(meshlib_reduce_bfloat16, unsigned short, float, float, bf1
     throw comm_error("meshlib: compiling the device reduction kernel: " + std::string(call) + " failed: " +
                      nvrtcGetErrorString(rc) + (log.empty() ? "" : "\n" + log));
   };
-  const std::string source(reduce_kernel_source);
+  const std::string source = "#define meshlib_device_function __device__ inline\n" + std::string(reduce_minmax_source) +
+                             "\n" + std::string(reduce_kernel_source);
   check(nvrtcCreateProgram(&prog, source.c_str(), "meshlib_reduce.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
   const std::string arch_opt = "--gpu-architecture=" + arch;
   const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
@@ -16987,7 +17040,6 @@ class shared_gpu_communicator
 
  private:
   [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
-  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
   void require_valid(std::string_view k) const {
     if (!state_)
       throw comm_error("meshlib: " + std::string(k) +
@@ -17000,11 +17052,10 @@ class shared_gpu_communicator
   // ---- the front end's hooks
   [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
   void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The shared-GPU transport of operation K, after the front end's checks.

@@ -16,8 +16,11 @@
 // A new backend instantiates it with a few lines (see tests/conformance/test_thread_conformance.cpp):
 //   conformance::findings f;  run every participant with  conformance::check_values(comm, f);
 //   CHECK(f.failures.empty());  and  for (auto& row : conformance::fault_rows<Comm>()) run it.
+// A backend on device memory gives a buffer policy: conformance::check_values<Policy>(comm, f)
+// (host_buffers below; tests/conformance/cuda_buffers.hpp for CUDA).
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -26,10 +29,12 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../unit/comm/comm_test_support.hpp"
@@ -152,8 +157,33 @@ void expect_range(findings& f, const std::string& what, const std::vector<T>& go
     }
 }
 
-/// Every operation of the concept on `c` for element type T and `count` elements per rank.
-template <class T, class Comm>
+/// @brief Where the value rows keep their buffers: host memory, for host backends (the default).
+/// A buffer policy gives `make(comm, values)` (a buffer holding `values`, usable by `comm`), and
+/// buffers with `span()`, `cspan()` (what the calls get) and `get()` (the contents now, as a
+/// vector, after every call made so far on the buffer's communicator; requests may be dropped
+/// without wait(), so a device policy synchronises the stream there). It also says how send/recv
+/// behave: `buffered_sends` (a send returns before its receive is posted; otherwise the ring is
+/// ordered even ranks send first, odd ranks receive first, and one rank has no one to send to)
+/// and the `tag` to use. tests/conformance/cuda_buffers.hpp is the device policy.
+struct host_buffers {
+  template <class T>
+  struct buffer {
+    std::vector<T> v;
+    std::span<T> span() { return std::span<T>(v); }
+    std::span<const T> cspan() const { return std::span<const T>(v); }
+    std::vector<T> get() const { return v; }
+  };
+  template <class T, class Comm>
+  static buffer<T> make(Comm&, std::vector<T> values) {
+    return buffer<T>{std::move(values)};
+  }
+  static constexpr bool buffered_sends = true;
+  static constexpr int tag = 5;
+};
+
+/// Every operation of the concept on `c` for element type T and `count` elements per rank, with
+/// the buffers of policy `Buffers`.
+template <class T, class Buffers = host_buffers, class Comm>
 void check_type(Comm& c, findings& f, std::size_t count, const std::string& where) {
   const int n = c.size();
   const int me = c.rank();
@@ -161,6 +191,7 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
   const auto ume = static_cast<std::size_t>(me);
   const std::string tag = where + " " + std::string(meshlib::to_string(meshlib::datatype_of<T>)) + " count " +
                           std::to_string(count) + " rank " + std::to_string(me) + ": ";
+  auto buf = [&](std::vector<T> values) { return Buffers::make(c, std::move(values)); };
   auto mine = [&](reduce_op op, std::size_t len, std::size_t offset = 0) {
     std::vector<T> v(len);
     for (std::size_t i = 0; i < len; ++i) v[i] = value<T>(me, n, offset + i, op);
@@ -176,35 +207,37 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
     const std::string o = tag + std::string(meshlib::to_string(op)) + " ";
     const auto want = reference(op, count);
     {
-      auto s = mine(op, count);
-      std::vector<T> r(count + 1, fill);  // a longer receive buffer: the rest is untouched
-      c.all_reduce(std::span<const T>(s), std::span(r), op).wait();
-      expect_range(f, o + "all_reduce", r, 0, want);
-      expect_range(f, o + "all_reduce (tail untouched)", r, count, std::vector<T>{fill});
-      c.all_reduce(std::span(s), op);
-      expect_range(f, o + "all_reduce in place", s, 0, want);
+      auto s = buf(mine(op, count));
+      auto r = buf(std::vector<T>(count + 1, fill));  // a longer receive buffer: the rest is untouched
+      c.all_reduce(s.cspan(), r.span(), op).wait();
+      const auto got = r.get();
+      expect_range(f, o + "all_reduce", got, 0, want);
+      expect_range(f, o + "all_reduce (tail untouched)", got, count, std::vector<T>{fill});
+      c.all_reduce(s.span(), op);
+      expect_range(f, o + "all_reduce in place", s.get(), 0, want);
     }
     {
       const int root = n - 1;
-      auto s = mine(op, count);
-      std::vector<T> r(count, fill);
-      c.reduce(std::span<const T>(s), std::span(r), op, root);
-      expect_range(f, o + "reduce", r, 0, me == root ? want : std::vector<T>(count, fill));
-      c.reduce(std::span(s), op, root);
-      expect_range(f, o + "reduce in place", s, 0, me == root ? want : mine(op, count));
+      auto s = buf(mine(op, count));
+      auto r = buf(std::vector<T>(count, fill));
+      c.reduce(s.cspan(), r.span(), op, root);
+      expect_range(f, o + "reduce", r.get(), 0, me == root ? want : std::vector<T>(count, fill));
+      c.reduce(s.span(), op, root);
+      expect_range(f, o + "reduce in place", s.get(), 0, me == root ? want : mine(op, count));
     }
     {
-      auto s = mine(op, count * un);
+      const auto before = mine(op, count * un);
+      auto s = buf(before);
       const auto w = reference(op, count, ume * count);
-      std::vector<T> r(count, fill);
-      c.reduce_scatter(std::span<const T>(s), std::span(r), op);
-      expect_range(f, o + "reduce_scatter", r, 0, w);
-      auto before = s;
-      c.reduce_scatter(std::span(s), op);
-      expect_range(f, o + "reduce_scatter in place", s, ume * count, w);
+      auto r = buf(std::vector<T>(count, fill));
+      c.reduce_scatter(s.cspan(), r.span(), op);
+      expect_range(f, o + "reduce_scatter", r.get(), 0, w);
+      c.reduce_scatter(s.span(), op);
+      const auto got = s.get();
+      expect_range(f, o + "reduce_scatter in place", got, ume * count, w);
       for (std::size_t b = 0; b < un; ++b)
         if (b != ume)
-          expect_range(f, o + "reduce_scatter in place (other blocks untouched)", s, b * count,
+          expect_range(f, o + "reduce_scatter in place (other blocks untouched)", got, b * count,
                        std::vector<T>(before.begin() + static_cast<std::ptrdiff_t>(b * count),
                                       before.begin() + static_cast<std::ptrdiff_t>((b + 1) * count)));
     }
@@ -217,12 +250,12 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
   };
   {
     const int root = n - 1;
-    auto s = of(me, count);
-    std::vector<T> r(count, fill);
-    c.broadcast(std::span<const T>(s), std::span(r), root);
-    expect_range(f, tag + "broadcast", r, 0, of(root, count));
-    c.broadcast(std::span(s), 0);
-    expect_range(f, tag + "broadcast in place", s, 0, of(0, count));
+    auto s = buf(of(me, count));
+    auto r = buf(std::vector<T>(count, fill));
+    c.broadcast(s.cspan(), r.span(), root);
+    expect_range(f, tag + "broadcast", r.get(), 0, of(root, count));
+    c.broadcast(s.span(), 0);
+    expect_range(f, tag + "broadcast in place", s.get(), 0, of(0, count));
   }
   {
     std::vector<T> all;
@@ -230,14 +263,16 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
       auto v = of(r, count);
       all.insert(all.end(), v.begin(), v.end());
     }
-    auto s = of(me, count);
-    std::vector<T> r(count * un, fill);
-    c.all_gather(std::span<const T>(s), std::span(r));
-    expect_range(f, tag + "all_gather", r, 0, all);
-    std::vector<T> buf(count * un, fill);
-    std::copy(s.begin(), s.end(), buf.begin() + static_cast<std::ptrdiff_t>(ume * count));
-    c.all_gather(std::span(buf));
-    expect_range(f, tag + "all_gather in place", buf, 0, all);
+    const auto m = of(me, count);
+    auto s = buf(m);
+    auto r = buf(std::vector<T>(count * un, fill));
+    c.all_gather(s.cspan(), r.span());
+    expect_range(f, tag + "all_gather", r.get(), 0, all);
+    std::vector<T> in_place(count * un, fill);
+    std::copy(m.begin(), m.end(), in_place.begin() + static_cast<std::ptrdiff_t>(ume * count));
+    auto b = buf(std::move(in_place));
+    c.all_gather(b.span());
+    expect_range(f, tag + "all_gather in place", b.get(), 0, all);
   }
   {
     // Block j of rank r's send is of(r, count, j * count); rank me receives block me of every rank.
@@ -246,12 +281,12 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
       auto v = of(r, count, ume * count);
       want.insert(want.end(), v.begin(), v.end());
     }
-    auto s = of(me, count * un);
-    std::vector<T> r(count * un, fill);
-    c.all_to_all(std::span<const T>(s), std::span(r));
-    expect_range(f, tag + "all_to_all", r, 0, want);
-    c.all_to_all(std::span(s));
-    expect_range(f, tag + "all_to_all in place", s, 0, want);
+    auto s = buf(of(me, count * un));
+    auto r = buf(std::vector<T>(count * un, fill));
+    c.all_to_all(s.cspan(), r.span());
+    expect_range(f, tag + "all_to_all", r.get(), 0, want);
+    c.all_to_all(s.span());
+    expect_range(f, tag + "all_to_all in place", s.get(), 0, want);
   }
   {
     // all_to_all_v: rank me sends (j + 1) * count elements... scaled down: min(count, j + me) elements to rank j.
@@ -266,50 +301,55 @@ void check_type(Comm& c, findings& f, std::size_t count, const std::string& wher
       rd[static_cast<std::size_t>(j)] = ro;
       ro += cnt(j, me);
     }
-    auto s = of(me, static_cast<std::size_t>(so));
-    std::vector<T> r(static_cast<std::size_t>(ro), fill), want;
+    auto s = buf(of(me, static_cast<std::size_t>(so)));
+    auto r = buf(std::vector<T>(static_cast<std::size_t>(ro), fill));
+    std::vector<T> want;
     for (int j = 0; j < n; ++j) {
       std::int64_t off = 0;  // where rank j's block for me starts in its send buffer
       for (int k = 0; k < me; ++k) off += cnt(j, k);
       auto v = of(j, static_cast<std::size_t>(cnt(j, me)), static_cast<std::size_t>(off));
       want.insert(want.end(), v.begin(), v.end());
     }
-    c.all_to_all_v(std::span<const T>(s), sc, sd, std::span(r), rc, rd);
-    expect_range(f, tag + "all_to_all_v", r, 0, want);
+    c.all_to_all_v(s.cspan(), sc, sd, r.span(), rc, rd);
+    expect_range(f, tag + "all_to_all_v", r.get(), 0, want);
   }
   {
     // A ring shift, with the last rank receiving nothing (zeros) when n > 1.
     std::vector<permute_pair> pairs;
     for (int r = 0; r + 1 < n; ++r) pairs.push_back({r, r + 1});
-    auto s = of(me, count);
-    std::vector<T> r(count, fill);
+    auto s = buf(of(me, count));
+    auto r = buf(std::vector<T>(count, fill));
     const auto want = me == 0 ? std::vector<T>(count, T{}) : of(me - 1, count);
-    c.ppermute(std::span<const T>(s), std::span(r), std::span<const permute_pair>(pairs));
-    expect_range(f, tag + "ppermute", r, 0, want);
-    c.ppermute(std::span(s), std::span<const permute_pair>(pairs));
-    expect_range(f, tag + "ppermute in place", s, 0, want);
+    c.ppermute(s.cspan(), r.span(), std::span<const permute_pair>(pairs));
+    expect_range(f, tag + "ppermute", r.get(), 0, want);
+    c.ppermute(s.span(), std::span<const permute_pair>(pairs));
+    expect_range(f, tag + "ppermute in place", s.get(), 0, want);
   }
-  {
-    // send / recv around the ring (send first: sends are buffered).
-    auto s = of(me, count);
-    std::vector<T> r(count, fill);
-    c.send(std::span<const T>(s), (me + 1) % n, 5);
-    c.recv(std::span(r), (me + n - 1) % n, 5);
-    expect_range(f, tag + "send/recv", r, 0, of((me + n - 1) % n, count));
+  if (Buffers::buffered_sends || n > 1) {
+    // send / recv around the ring: buffered sends go first everywhere; unbuffered ones (NCCL's
+    // complete only when the peer receives) on even ranks, while odd ranks receive first.
+    auto s = buf(of(me, count));
+    auto r = buf(std::vector<T>(count, fill));
+    const bool send_first = Buffers::buffered_sends || me % 2 == 0;
+    if (send_first) c.send(s.cspan(), (me + 1) % n, Buffers::tag);
+    c.recv(r.span(), (me + n - 1) % n, Buffers::tag);
+    if (!send_first) c.send(s.cspan(), (me + 1) % n, Buffers::tag);
+    expect_range(f, tag + "send/recv", r.get(), 0, of((me + n - 1) % n, count));
   }
   c.barrier().wait();
 }
 
-/// Every value row on `c` (and on the two halves of a split), for every element type.
-template <class Comm>
+/// Every value row on `c` (and on the two halves of a split), for every element type, with the
+/// buffers of policy `Buffers`.
+template <class Buffers = host_buffers, class Comm>
 void check_values(Comm& c, findings& f, const std::vector<std::size_t>& counts = {0, 19, 3000}) {
   for (std::size_t count : counts) {
-    check_type<float>(c, f, count, "group");
-    check_type<std::int64_t>(c, f, count, "group");
+    check_type<float, Buffers>(c, f, count, "group");
+    check_type<std::int64_t, Buffers>(c, f, count, "group");
     if (count > 64) continue;  // large payloads (other algorithms) for two types keep CI cheap
-    check_type<double>(c, f, count, "group");
-    check_type<bfloat16>(c, f, count, "group");
-    check_type<std::int32_t>(c, f, count, "group");
+    check_type<double, Buffers>(c, f, count, "group");
+    check_type<bfloat16, Buffers>(c, f, count, "group");
+    check_type<std::int32_t, Buffers>(c, f, count, "group");
   }
   // Sub-communicators: odd and even ranks, reversed order by key.
   Comm half = c.split(c.rank() % 2, -c.rank());
@@ -321,8 +361,8 @@ void check_values(Comm& c, findings& f, const std::vector<std::size_t>& counts =
   if (half.rank() != expect_rank)
     f.fail("split: rank " + std::to_string(c.rank()) + " has sub-rank " + std::to_string(half.rank()) + ", expected " +
            std::to_string(expect_rank));
-  check_type<float>(half, f, 19, "split");
-  check_type<std::int64_t>(half, f, 19, "split");
+  check_type<float, Buffers>(half, f, 19, "split");
+  check_type<std::int64_t, Buffers>(half, f, 19, "split");
 }
 
 // ---- fault rows ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // <meshlib/nccl.hpp> compiled by nvcc, next to a kernel and CUDA's half type: programs whose own
-// kernels are in .cu files include meshlib there too. Built (not run) by scripts/gpu-check.sh.
+// kernels are in .cu files include meshlib there too. Compiled (not run) by the CTest nvcc_header_check
+// and by scripts/gpu-check.sh.
 #include <cuda_fp16.h>
 
 #include <meshlib/nccl.hpp>

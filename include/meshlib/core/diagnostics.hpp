@@ -80,18 +80,27 @@ struct chars_of<W, S, std::index_sequence<I...>> {
   using type = W<S[I]...>;
 };
 
+// The names are static members of class templates, not variable templates: nvcc (13.0) rejects a
+// variable template initialised from a template parameter when it is a reference template argument
+// ("declaration is incompatible"), and <meshlib/nccl.hpp> must compile in .cu files too.
+/// `Name` as a `std::string_view` with static storage (a reference template argument of `chars_of`).
 template <fixed_string Name>
-inline constexpr std::string_view name_view_v = Name.view();
+struct name_view {
+  static constexpr std::string_view value = Name.view();
+};
 
 /// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
 template <fixed_string Name>
-using diag_axis_t = typename chars_of<diagnostic::axis, name_view_v<Name>>::type;
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>::value>::type;
 /// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
 template <fixed_string Name>
-using diag_op_t = typename chars_of<diagnostic::op, name_view_v<Name>>::type;
+using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>::value>::type;
 
+/// The name of axis `I` of `Mesh`, with static storage (see `name_view`).
 template <class Mesh, std::size_t I>
-inline constexpr std::string_view mesh_axis_name_v = Mesh::axis_names[I];
+struct mesh_axis_name {
+  static constexpr std::string_view value = Mesh::axis_names[I];
+};
 
 template <class Mesh, unsigned Mask, class Seq = std::make_index_sequence<Mesh::ndim>>
 struct diag_axes_impl;
@@ -103,7 +112,7 @@ struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
 };
 template <class Mesh, unsigned Mask, std::size_t I>
 using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
-                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name_v<Mesh, I>>::type>,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>::value>::type>,
                                       diagnostic::axes<>>;
 template <class Mesh, unsigned Mask>
 struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {

@@ -8,10 +8,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "meshlib_catch.hpp"
@@ -405,6 +408,74 @@ TEST_CASE("shared GPU: the reduction kernel compiles with NVRTC (no GPU needed) 
   }
   CHECK(message_of<ml::comm_error>([] { (void)ml::detail::compile_reduce_kernels("compute_1"); })
             .starts_with("meshlib: compiling the device reduction kernel: nvrtcCompileProgram failed: "));
+}
+
+TEST_CASE("stream_state: buffer_problem checks pointers only when check_pointers is on, and only non-empty buffers",
+          "[nccl]") {
+  // Both device communicators' transports use this one check (no copy of it in either).
+  ml::detail::stream_state s;
+  float host[4] = {};
+  s.options.check_pointers = false;
+  CHECK(s.buffer_problem("send", host, sizeof host).empty());
+  s.options.check_pointers = true;
+  CHECK(s.buffer_problem("send", host, 0).empty());
+  // Without a driver CUDA knows no memory; with one, this is host memory: either way it is named.
+  const std::string p = s.buffer_problem("receive", host, sizeof host);
+  CHECK(p.starts_with("receive buffer is "));
+  CHECK((p.find("not memory CUDA knows") != std::string::npos || p.find("host memory") != std::string::npos));
+}
+
+// The kernel's min/max are compiled for the host from the same text as the kernel's (detail/reduce_kernel.hpp):
+// meshlib's float semantics (docs/comm.md, tests/conformance/conformance.hpp): NaN anywhere gives NaN,
+// and -0 < +0 whichever rank holds which.
+TEMPLATE_TEST_CASE("shared GPU: the kernel's min and max propagate NaN and order -0 < +0", "[nccl][shared_gpu]", float,
+                   double) {
+  using F = TestType;
+  const F nan = std::numeric_limits<F>::quiet_NaN();
+  const F inf = std::numeric_limits<F>::infinity();
+  auto is_nan = [](F x) { return x != x; };
+  for (F other : {F(1), F(-2), F(0), F(-0.0), inf, -inf}) {
+    INFO(other);
+    CHECK(is_nan(ml::detail::reduce_max(nan, other)));
+    CHECK(is_nan(ml::detail::reduce_max(other, nan)));
+    CHECK(is_nan(ml::detail::reduce_min(nan, other)));
+    CHECK(is_nan(ml::detail::reduce_min(other, nan)));
+  }
+  const F pz = F(0);
+  const F nz = F(-0.0);
+  for (auto [a, b] : {std::pair{pz, nz}, std::pair{nz, pz}}) {
+    CHECK(!std::signbit(ml::detail::reduce_max(a, b)));
+    CHECK(std::signbit(ml::detail::reduce_min(a, b)));
+  }
+  CHECK(!std::signbit(ml::detail::reduce_max(pz, pz)));
+  CHECK(!std::signbit(ml::detail::reduce_min(pz, pz)));
+  CHECK(std::signbit(ml::detail::reduce_max(nz, nz)));
+  CHECK(std::signbit(ml::detail::reduce_min(nz, nz)));
+  CHECK(ml::detail::reduce_max(F(-3), inf) == inf);
+  CHECK(ml::detail::reduce_min(F(-3), inf) == F(-3));
+  CHECK(ml::detail::reduce_max(-inf, F(2)) == F(2));
+  CHECK(ml::detail::reduce_min(-inf, F(2)) == -inf);
+  CHECK(ml::detail::reduce_max(F(5), F(5)) == F(5));
+  CHECK(ml::detail::reduce_min(F(-5), F(-5)) == F(-5));
+}
+
+TEST_CASE("shared GPU: the kernel's min and max on integers are the plain order", "[nccl][shared_gpu]") {
+  CHECK(ml::detail::reduce_max(-7, 3) == 3);
+  CHECK(ml::detail::reduce_min(-7, 3) == -7);
+  CHECK(ml::detail::reduce_max(0, 0) == 0);
+  CHECK(ml::detail::reduce_min(std::int64_t{-1}, std::int64_t{0}) == -1);
+  CHECK(ml::detail::reduce_max(std::numeric_limits<std::int64_t>::min(), std::int64_t{0}) == 0);
+}
+
+TEST_CASE("shared GPU: the kernel source reduces min and max with the host-tested functions", "[nccl][shared_gpu]") {
+  // The text NVRTC compiles holds the same definitions (the kernel test above compiles it).
+  const std::string minmax(ml::detail::reduce_minmax_source);
+  CHECK(minmax.find("meshlib_device_function V reduce_max(V a, V b)") != std::string::npos);
+  CHECK(minmax.find("meshlib_device_function V reduce_min(V a, V b)") != std::string::npos);
+  CHECK(minmax.find("if (a == b) return a == V(0) ? -(-a - b) : a;") != std::string::npos);
+  const std::string kernel(ml::detail::reduce_kernel_source);
+  CHECK(kernel.find("case 2: a = reduce_min(a, b); break;") != std::string::npos);
+  CHECK(kernel.find("default: a = reduce_max(a, b); break;") != std::string::npos);
 }
 
 TEST_CASE("shared GPU: argument errors come from the same front end as NCCL's, naming the shared-GPU device",

@@ -562,20 +562,15 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_error("meshlib: " + std::string(k) +
                        " called on an empty nccl_communicator handle (default-constructed or moved from)");
   }
-  void ensure_usable(detail::op_kind k) const {
-    require_valid(detail::op_name(k));
-    state_->refuse_if_failed(state_->describe(detail::op_name(k)));
-  }
   void check_usable(std::string_view k) const {
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  /// A buffer of `elems` elements of T must be device memory of this GPU.
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The NCCL transport of operation K, after the front end's checks.

@@ -185,7 +185,6 @@ class shared_gpu_communicator
 
  private:
   [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
-  [[nodiscard]] bool check_pointers() const noexcept { return state_->options.check_pointers; }
   void require_valid(std::string_view k) const {
     if (!state_)
       throw comm_error("meshlib: " + std::string(k) +
@@ -198,11 +197,10 @@ class shared_gpu_communicator
   // ---- the front end's hooks
   [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
   void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
   template <detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (!state_->options.check_pointers) return;
-    if (auto problem = detail::device_buffer_problem(name, p, elems * sizeof(T), state_->device); !problem.empty())
-      this->bad_argument(K, problem);
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The shared-GPU transport of operation K, after the front end's checks.

@@ -11,9 +11,11 @@
 /// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
 /// backend does, so results are bitwise those of the thread communicator: integer sums and products
 /// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
-/// combined in float and rounded once (nearest even, NaNs stay NaN), min/max keep the earlier value
-/// unless the later one compares less/greater. It writes the result to every output pointer, so
-/// that one launch per participant both reduces its block and distributes it.
+/// combined in float and rounded once (nearest even, NaNs stay NaN), and float min/max follow
+/// meshlib's semantics on every backend: a NaN anywhere gives NaN, and -0 < +0 (`reduce_min`,
+/// `reduce_max`, which the host compiles too, so that nccl_host_tests checks them without a GPU).
+/// It writes the result to every output pointer, so that one launch per participant both reduces
+/// its block and distributes it.
 
 #if MESHLIB_ENABLE_NCCL
 
@@ -46,7 +48,46 @@ struct reduce_pointers {
   void* out[max_local_devices];
 };
 
-/// The kernels' source: one `extern "C"` kernel per element type, named `meshlib_reduce_<type>`.
+// min and max of the kernel, written once for the kernel and the host. `a` is the running result
+// of the lower ranks. NaN: `b < a ? b : a` would keep `a` whenever `b` is NaN, losing it (and
+// the result would depend on which rank held the NaN). Equal zeros: +0 and -0 compare equal, so
+// the sign is chosen by IEEE addition, which needs no signbit() (NVRTC has no <cmath>):
+// +0 + -0 = +0 (max), and -(-a - b) is -0 when either is -0 (min). Integers never take those
+// branches with different values (x != x is false, and equal integers are the same value).
+#define MESHLIB_DETAIL_REDUCE_MINMAX(QUALIFIER)                  \
+  template <class V>                                             \
+  QUALIFIER V reduce_max(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? a + b : a;                    \
+    return a < b ? b : a;                                        \
+  }                                                              \
+  template <class V>                                             \
+  QUALIFIER V reduce_min(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? -(-a - b) : a;                \
+    return b < a ? b : a;                                        \
+  }
+#define MESHLIB_DETAIL_REDUCE_STR(...) #__VA_ARGS__
+#define MESHLIB_DETAIL_REDUCE_XSTR(...) MESHLIB_DETAIL_REDUCE_STR(__VA_ARGS__)
+
+/// @brief The kernel's min and max of two elements, compiled for the host (the kernel gets the same
+/// text, see `reduce_minmax_source`): NaN anywhere gives NaN, -0 < +0, else the usual order.
+MESHLIB_DETAIL_REDUCE_MINMAX(constexpr)
+
+/// The kernel's `reduce_min` and `reduce_max`, as text for NVRTC (`meshlib_device_function` is
+/// defined by the kernel source; a placeholder, not `__device__`, because nvcc defines that as a
+/// macro and would expand it here).
+inline constexpr std::string_view reduce_minmax_source =
+    MESHLIB_DETAIL_REDUCE_XSTR(MESHLIB_DETAIL_REDUCE_MINMAX(meshlib_device_function));
+
+#undef MESHLIB_DETAIL_REDUCE_XSTR
+#undef MESHLIB_DETAIL_REDUCE_STR
+#undef MESHLIB_DETAIL_REDUCE_MINMAX
+
+/// The kernels' source after `reduce_minmax_source`: one `extern "C"` kernel per element type, named
+/// `meshlib_reduce_<type>`.
 inline constexpr std::string_view reduce_kernel_source = R"(
 struct reduce_pointers { const void* in[32]; void* out[32]; };
 __device__ inline float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -67,8 +108,8 @@ extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned
       switch (op) {                                                                                     \
         case 0: case 4: a = (ACC)((UACC)a + (UACC)b); break;                                            \
         case 1: a = (ACC)((UACC)a * (UACC)b); break;                                                    \
-        case 2: a = b < a ? b : a; break;                                                               \
-        default: a = b > a ? b : a; break;                                                              \
+        case 2: a = reduce_min(a, b); break;                                                            \
+        default: a = reduce_max(a, b); break;                                                           \
       }                                                                                                 \
     }                                                                                                   \
     if (op == 4) a = DIVIDE(a, n_in);                                                                   \
@@ -104,7 +145,8 @@ MESHLIB_REDUCE_KERNEL(meshlib_reduce_bfloat16, unsigned short, float, float, bf1
     throw comm_error("meshlib: compiling the device reduction kernel: " + std::string(call) + " failed: " +
                      nvrtcGetErrorString(rc) + (log.empty() ? "" : "\n" + log));
   };
-  const std::string source(reduce_kernel_source);
+  const std::string source = "#define meshlib_device_function __device__ inline\n" + std::string(reduce_minmax_source) +
+                             "\n" + std::string(reduce_kernel_source);
   check(nvrtcCreateProgram(&prog, source.c_str(), "meshlib_reduce.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
   const std::string arch_opt = "--gpu-architecture=" + arch;
   const char* opts[] = {arch_opt.c_str(), "--std=c++17"};

@@ -162,6 +162,13 @@ struct stream_state {
     failed.store(true);
     return true;
   }
+  /// What is wrong with a buffer of `bytes` bytes for this participant (`device_buffer_problem` on
+  /// its GPU), or empty; always empty when `options.check_pointers` is off. Both device
+  /// communicators' transports call this one check before they touch a pointer.
+  [[nodiscard]] std::string buffer_problem(std::string_view name, const void* p, std::size_t bytes) const {
+    if (!options.check_pointers) return {};
+    return device_buffer_problem(name, p, bytes, device);
+  }
   /// Throws the refusal of operation `where` when the participant has failed.
   void refuse_if_failed(const std::string& where) const {
     if (!failed.load()) return;
