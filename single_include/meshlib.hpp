@@ -4348,8 +4348,11 @@ class axis_communicators {
 /// "deallocated after Kokkos::finalize" or "terminate called recursively", which names neither
 /// the cause nor the fix.
 
+#include <functional>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <Kokkos_Core.hpp>
 
@@ -5065,6 +5068,16 @@ inline void require_kokkos(std::string_view what) {
       "thread starts, and keep it alive until every tensor is destroyed");
 }
 
+/// `Kokkos::push_finalize_hook`, serialised: Kokkos keeps its hooks in a plain stack, so two threads
+/// that push at once (two user threads making their first meshlib call together) corrupt it. Every
+/// hook meshlib pushes goes through here, from the thread that calls into meshlib, never from a
+/// device thread.
+inline void push_finalize_hook(std::function<void()> hook) {
+  static std::mutex m;
+  std::lock_guard lock(m);
+  Kokkos::push_finalize_hook(std::move(hook));
+}
+
 }  // namespace detail
 }  // namespace meshlib
 
@@ -5180,7 +5193,7 @@ class device_instance_cache {
       if (size == n) return v[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
-      Kokkos::push_finalize_hook([] {
+      detail::push_finalize_hook([] {
         std::lock_guard l(cache.m_);
         cache.sets_.clear();
         cache.hooked_ = false;
@@ -7519,7 +7532,6 @@ class collective_workspace {
     view_t fresh = allocate<T, Rank, Space>(shape, "meshlib::collective", false);
     if (kept.size() < buffers_per_shape) {
       kept.push_back(std::make_unique<slot<view_t>>(fresh));
-      on_keep();
       trim();
     }
     return fresh;
@@ -7601,8 +7613,6 @@ class collective_workspace {
     }
   }
 
-  void on_keep();  // below: the finalize hook, once Kokkos has been used
-
   std::map<key, entry> slots_;
   std::size_t allocations_ = 0;
   std::uint64_t uses_ = 0;
@@ -7625,13 +7635,14 @@ class workspace_registry {
     std::lock_guard lock(m_);
     all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
   }
-  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it).
+  /// Pushes the finalize hook once per Kokkos initialisation (a finalize runs and pops it). Called
+  /// by `run_devices` on the calling thread before any device thread can keep a buffer.
   void hook() {
     if (hooked_.load(std::memory_order_acquire)) return;
     std::lock_guard lock(m_);
     if (hooked_.load(std::memory_order_relaxed)) return;
     hooked_.store(true, std::memory_order_release);
-    Kokkos::push_finalize_hook([this] {
+    push_finalize_hook([this] {
       // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
       // job hand-off orders their last use before this.
       std::lock_guard l(m_);
@@ -7645,8 +7656,6 @@ class workspace_registry {
   std::vector<collective_workspace*> all_;
   std::atomic<bool> hooked_{false};
 };
-
-inline void collective_workspace::on_keep() { workspace_registry::get().hook(); }
 
 /// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
 inline collective_workspace& thread_workspace() {
@@ -9037,6 +9046,7 @@ template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
   (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
+  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
