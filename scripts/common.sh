@@ -4,7 +4,8 @@
 #
 # BUILD_DIR   the build directory (default: build/ in the repository root)
 # BUILD_TYPE  the CMake build type (default: Release, at -O2: quicker to compile than -O3, and
-#             assertions stay on because tests rely on them)
+#             assertions stay on because tests rely on them). The test targets get -O1 on top
+#             (MESHLIB_TEST_FLAGS, tests/CMakeLists.txt): they check results, not speed.
 # JOBS        parallel jobs (default: nproc)
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +19,7 @@ elapsed() { echo "== $1 after ${SECONDS}s"; }
 configure() {
   cmake -S "$repo_root" -B "$BUILD_DIR" \
     -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
-    -DCMAKE_CXX_FLAGS_RELEASE="-O2" \
+    -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-O1" \
     -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON \
     "$@"
 }

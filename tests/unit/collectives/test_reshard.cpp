@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "collectives_support.hpp"
@@ -98,9 +100,25 @@ struct runner;
 template <class Mesh, class... S>
 struct runner<Mesh, spec_list<S...>> {
   using fn_t = case_result (*)(const Mesh&, shard_rule, std::mt19937&);
+  static constexpr std::size_t n = sizeof...(S);
+#if defined(MESHLIB_UNDER_TSAN)
+  // Under ThreadSanitizer each spec only once as source and once as target (S_i -> S_i+1): the
+  // sanitizer looks for races in reshard's communication, which every pair drives alike, and the
+  // full cross product (137 instantiations of reshard) took this copy three minutes to compile.
+  // The normal build runs every pair.
+  template <std::size_t... I>
+  static constexpr std::array<fn_t, n> make_cycle(std::index_sequence<I...>) {
+    using all = std::tuple<S...>;
+    return {&run_case<Mesh, std::tuple_element_t<I, all>, std::tuple_element_t<(I + 1) % n, all>>...};
+  }
+  static constexpr std::array<fn_t, n> cycle = make_cycle(std::make_index_sequence<n>{});
+  static fn_t pick(std::size_t i, std::size_t) { return cycle[i]; }
+#else
   template <class From>
-  static constexpr std::array<fn_t, sizeof...(S)> row{&run_case<Mesh, From, S>...};
-  static constexpr std::array<std::array<fn_t, sizeof...(S)>, sizeof...(S)> table{row<S>...};
+  static constexpr std::array<fn_t, n> row{&run_case<Mesh, From, S>...};
+  static constexpr std::array<std::array<fn_t, n>, n> table{row<S>...};
+  static fn_t pick(std::size_t i, std::size_t j) { return table[i][j]; }
+#endif
 };
 
 template <class Mesh, class List>
@@ -118,7 +136,7 @@ void property(std::size_t cases, std::uint32_t seed, std::size_t max_devices) {
     const std::size_t i = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
     const std::size_t j = std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
     const shard_rule rule = rng() % 3 == 0 ? shard_rule::uneven : shard_rule::even;
-    const case_result r = runner<Mesh, List>::table[i][j](m, rule, rng);
+    const case_result r = runner<Mesh, List>::pick(i, j)(m, rule, rng);
     INFO(r.what);
     REQUIRE(r.ok);
   }
