@@ -32,6 +32,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
+#include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
@@ -399,6 +400,23 @@ void check_batch(const State& s, std::size_t global_rows, std::size_t groups, co
 inline void sum_over(axis_mask axes, double (&v)[2]) {
   if (axes != 0) meshlib::detail::current_device("train_step").comm(axes).all_reduce(v, 2, datatype::float64, reduce_op::sum);
 }
+/// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
+/// that runs others would read blocks this process does not have, and one that runs fewer would
+/// leave the state's other devices a step behind.
+template <class State, class Runner>
+void check_runner(const State& s, const Runner& runner, const char* what) {
+  const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
+  if (run == s.local_devices()) return;
+  auto list = [](const std::vector<std::size_t>& v) {
+    std::string r = "{";
+    for (std::size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
+    return r + "}";
+  };
+  throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " + list(run) +
+                       " in this process, but the train state holds devices " + list(s.local_devices()) +
+                       "; pass the runner the state was made for, or make the state with the runner's devices "
+                       "(train_state(..., runner.local_devices(mesh.size())))");
+}
 }  // namespace detail
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
@@ -406,13 +424,18 @@ inline void sum_over(axis_mask axes, double (&v)[2]) {
 /// The parameters' gradient blocks start the step holding the last step's gradients: the first
 /// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
 /// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
 /// @throws sharding_error when the batch does not split over the data axis and the accumulation
-/// steps, or when a device's rows are not in this process's share.
-template <class State, class Backend = thread_backend>
+/// steps, when a device's rows are not in this process's share, or when `backend` runs other
+/// devices than the state holds here.
+template <class State, class Backend = default_runner>
 step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
                         std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
   const std::size_t k = s.options.accumulation;
   detail::check_batch(s, global_rows, k, "train_step");
+  detail::check_runner(s, backend, "train_step");
   const std::size_t features = rows == 0 ? 0 : x.size() / rows;
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
@@ -480,7 +503,7 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
 }
 
 /// @brief `train_step` on a batch from `data_loader`.
-template <class State, class Backend = thread_backend>
+template <class State, class Backend = default_runner>
 step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
                     b.global_rows, backend);
@@ -488,8 +511,11 @@ step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
 
 /// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
 /// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
-template <class State, class Backend = thread_backend>
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
 step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  detail::check_runner(s, backend, "evaluate");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   using X = typename State::input_type;
   s.model.begin_step(s.key, false);

@@ -126,6 +126,29 @@ TEST_CASE("a batch the data axis cannot split is refused before any device runs"
   CHECK(state.step == 0);
 }
 
+TEST_CASE("a runner that runs other devices than the state holds is refused, naming both", "[nn][training][errors]") {
+  // A state of this process's two devices of four (as under mpirun with 2 processes), run on the
+  // default runner of a single process, which runs all four.
+  const mesh_t m{4, 1};
+  const std::vector<std::size_t> mine{2, 3};
+  const nn::rng_key key{11};
+  nn::sequential net(nn::column_dense<float, mesh_t>(m, "fc1", features, hidden, key, mine), nn::relu<float>(m),
+                     nn::dense<float, mesh_t>(m, "fc2", hidden, classes, key, mine));
+  nn::train_state state(m, std::move(net), nn::adam(nn::constant(1e-3f)), {}, key, mine);
+  const auto ds = synthetic(batch);
+  const std::string expected =
+      ": the runner runs devices {0, 1, 2, 3} in this process, but the train state holds devices {2, 3}; pass the "
+      "runner the state was made for, or make the state with the runner's devices (train_state(..., "
+      "runner.local_devices(mesh.size())))";
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), batch / 2, batch / 2,
+                         batch);
+        }) == "meshlib::nn: train_step" + expected);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { nn::evaluate(state, ds, batch); }) ==
+        "meshlib::nn: evaluate" + expected);
+  CHECK(state.step == 0);
+}
+
 TEST_CASE("a label outside the classes names the row and the device", "[nn][training][errors]") {
   const mesh_t m{2, 1};
   nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-3f)), {});
