@@ -10781,6 +10781,7 @@ reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, R
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 
@@ -10936,15 +10937,26 @@ template <partition_spec_type ToSpec, sharded_tensor_type X>
 }
 
 /// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
-/// on every device of `backend` (default: one thread per device).
-/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not divide).
+/// on every device of `backend` (default: one thread per device; in a run of several processes,
+/// pass the runner that `x`'s devices run on, e.g. `default_runner{}`).
+/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
+/// divide), or when `backend` runs a device whose block `x` does not hold in this process.
 template <sharded_tensor_type X, sharding_type To, class Backend = thread_backend>
 [[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend = {}) {
   using T = typename X::value_type;
   constexpr std::size_t Rank = X::rank;
   using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
   const reshard_plan plan = plan_reshard(x, to);
-  result_t out(to, x.global_shape(), std::span<const std::size_t>(backend.local_devices(x.mesh().size())));
+  const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
+  for (std::size_t dev : run)
+    if (!x.is_local(dev)) {
+      std::string held;
+      for (std::size_t d : x.local_devices()) held += (held.empty() ? "" : ", ") + std::to_string(d);
+      throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
+                           " in this process, but the tensor holds no block of it here (it holds devices {" + held +
+                           "}); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
+    }
+  result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
     // Same blocks: copy them (the result owns its memory, as after any reshard).
     for (auto dev : out.local_devices())
