@@ -2516,7 +2516,8 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
 /// "ppermute(float32, count 4, pairs [(0, 1), (1, 0)])", "split(color 1, key 0)", "barrier()".
 /// Each backend records calls in its own format (the thread group's descriptors, the MPI call
 /// record, the NCCL fingerprint, the shared-GPU call); it decodes its record into a `call_summary`
-/// and asks `describe_call` for the text. One describer, so that the backends cannot drift apart
+/// and asks `describe_call` for the text (and `describe_counts_disagreement` for an all_to_all_v
+/// whose counts disagree). One describer, so that the backends cannot drift apart
 /// in how they name the same call (they had: "count 4, op sum" on the host, "4 elements, sum" on
 /// the devices), and so that one set of expected words (the conformance kit's) fits them all.
 
@@ -2524,6 +2525,7 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 
 namespace meshlib::detail {
@@ -2583,6 +2585,16 @@ inline std::string describe_call(const call_summary& c) {
     }
   }
   return s + ')';
+}
+
+/// "rank 1 sends 3 elements to rank 0, which expects 2": how every backend's
+/// `collective_mismatch` message names an all_to_all_v whose counts disagree (the sender's
+/// send_counts entry for the receiver against the receiver's recv_counts entry for the sender),
+/// with each backend's labels of the participants.
+inline std::string describe_counts_disagreement(std::string_view sender, std::string_view receiver,
+                                                std::int64_t sent, std::int64_t expected) {
+  return std::string(sender) + " sends " + std::to_string(sent) + " elements to " + std::string(receiver) +
+         ", which expects " + std::to_string(expected);
 }
 
 }  // namespace meshlib::detail
@@ -3401,8 +3413,7 @@ class step_protocol {
           const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
           if (sent != expected) {
             ok = false;
-            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
-                    std::to_string(j) + ", which expects " + std::to_string(expected);
+            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
           }
         }
     }
@@ -12328,9 +12339,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::string mine;
       for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          mine = "rank " + std::to_string(rank()) + " expects recv_counts[" + std::to_string(j) + "] = " +
-                 std::to_string(rc[static_cast<std::size_t>(j)]) + " elements but rank " + std::to_string(j) +
-                 " sends " + std::to_string(their[static_cast<std::size_t>(j)]);
+          mine = detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
+                                                      their[static_cast<std::size_t>(j)], rc[static_cast<std::size_t>(j)]);
       int bad = mine.empty() ? -1 : rank();
       int first_bad = -1;
       timed("all_to_all_v", 0,
@@ -13288,9 +13298,13 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
       const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
       if (c != rcounts[j])
-        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
-                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
-                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+        throw collective_mismatch(
+            "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+            " devices: the counts disagree: " +
+            detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
+                                                 "hybrid device " +
+                                                     std::to_string(group_->member_device[static_cast<std::size_t>(rank_)]),
+                                                 c, rcounts[j]));
       std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
                   o.recv + rd[j]);
     }
@@ -17208,9 +17222,11 @@ class shared_gpu_communicator
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 2 * n + me];
           if (want != o.v[0][j])
-            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
-                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
-                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+            throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                      std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                      "): the counts disagree: " +
+                                      detail::describe_counts_disagreement("device " + std::to_string(me),
+                                                                           "device " + std::to_string(j), o.v[0][j], want));
           const std::int64_t at = theirs[j * 2 * n + n + me];
           copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
         }

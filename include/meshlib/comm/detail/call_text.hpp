@@ -6,7 +6,8 @@
 /// "ppermute(float32, count 4, pairs [(0, 1), (1, 0)])", "split(color 1, key 0)", "barrier()".
 /// Each backend records calls in its own format (the thread group's descriptors, the MPI call
 /// record, the NCCL fingerprint, the shared-GPU call); it decodes its record into a `call_summary`
-/// and asks `describe_call` for the text. One describer, so that the backends cannot drift apart
+/// and asks `describe_call` for the text (and `describe_counts_disagreement` for an all_to_all_v
+/// whose counts disagree). One describer, so that the backends cannot drift apart
 /// in how they name the same call (they had: "count 4, op sum" on the host, "4 elements, sum" on
 /// the devices), and so that one set of expected words (the conformance kit's) fits them all.
 
@@ -14,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
@@ -77,6 +79,16 @@ inline std::string describe_call(const call_summary& c) {
     }
   }
   return s + ')';
+}
+
+/// "rank 1 sends 3 elements to rank 0, which expects 2": how every backend's
+/// `collective_mismatch` message names an all_to_all_v whose counts disagree (the sender's
+/// send_counts entry for the receiver against the receiver's recv_counts entry for the sender),
+/// with each backend's labels of the participants.
+inline std::string describe_counts_disagreement(std::string_view sender, std::string_view receiver,
+                                                std::int64_t sent, std::int64_t expected) {
+  return std::string(sender) + " sends " + std::to_string(sent) + " elements to " + std::string(receiver) +
+         ", which expects " + std::to_string(expected);
 }
 
 }  // namespace meshlib::detail

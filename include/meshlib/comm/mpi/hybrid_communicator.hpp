@@ -509,9 +509,13 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
       const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
       if (c != rcounts[j])
-        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
-                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
-                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+        throw collective_mismatch(
+            "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+            " devices: the counts disagree: " +
+            detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
+                                                 "hybrid device " +
+                                                     std::to_string(group_->member_device[static_cast<std::size_t>(rank_)]),
+                                                 c, rcounts[j]));
       std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
                   o.recv + rd[j]);
     }

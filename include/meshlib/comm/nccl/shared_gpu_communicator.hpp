@@ -276,9 +276,11 @@ class shared_gpu_communicator
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 2 * n + me];
           if (want != o.v[0][j])
-            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
-                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
-                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+            throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                      std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                      "): the counts disagree: " +
+                                      detail::describe_counts_disagreement("device " + std::to_string(me),
+                                                                           "device " + std::to_string(j), o.v[0][j], want));
           const std::int64_t at = theirs[j * 2 * n + n + me];
           copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
         }

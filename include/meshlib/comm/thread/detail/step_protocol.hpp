@@ -216,8 +216,7 @@ class step_protocol {
           const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
           if (sent != expected) {
             ok = false;
-            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
-                    std::to_string(j) + ", which expects " + std::to_string(expected);
+            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
           }
         }
     }
