@@ -1867,6 +1867,19 @@ constexpr std::string_view op_name(op_kind k) noexcept {
   return "unknown";
 }
 
+/// Whether the participants of an operation must agree on its element type (all but barrier and
+/// split). With `uses_count`, `uses_op` and `uses_root`, this is what every backend compares
+/// across participants and what a mismatch message shows (`describe_call`).
+constexpr bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
+/// Whether they must agree on the count (all_to_all_v's counts are per peer, checked apart).
+constexpr bool uses_count(op_kind k) noexcept { return uses_dtype(k) && k != op_kind::all_to_all_v; }
+/// Whether they must agree on the reduce op (the reducing operations).
+constexpr bool uses_op(op_kind k) noexcept {
+  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+}
+/// Whether they must agree on a root (reduce and broadcast).
+constexpr bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
+
 /// One operation, after the front end's checks. Buffer conventions (n = size(), c = count):
 ///
 /// | kind | send | recv | count |
@@ -2485,19 +2498,107 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
 /// @file
 /// @brief What one rank of a thread group called in one step: the full descriptor (`call_desc`),
 /// its hot part in the rank's flag line (`flag_line`, one cache line), how two ranks' calls are
-/// compared (`same_call`) and how a call is shown in a mismatch message (`describe`). Apart from
-/// the group state because this is the step protocol's vocabulary (what a rank publishes and what
-/// its peers check), whereas the group state is where it lives.
+/// compared (`same_call`) and what a mismatch message shows of a call (`summary_of`, for the
+/// describer every backend shares, call_text.hpp). Apart from the group state because this is the
+/// step protocol's vocabulary (what a rank publishes and what its peers check), whereas the group
+/// state is where it lives.
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <ostream>
 #include <span>
-#include <sstream>
-#include <string>
 #include <vector>
 
+// begin meshlib/comm/detail/call_text.hpp
+/// @file
+/// @brief How a `collective_mismatch` message shows one participant's call, for every backend:
+/// "all_reduce(float32, count 8, op sum)", "reduce(int64, count 3, op max, root 1)",
+/// "ppermute(float32, count 4, pairs [(0, 1), (1, 0)])", "split(color 1, key 0)", "barrier()".
+/// Each backend records calls in its own format (the thread group's descriptors, the MPI call
+/// record, the NCCL fingerprint, the shared-GPU call); it decodes its record into a `call_summary`
+/// and asks `describe_call` for the text (and `describe_counts_disagreement` for an all_to_all_v
+/// whose counts disagree). One describer, so that the backends cannot drift apart
+/// in how they name the same call (they had: "count 4, op sum" on the host, "4 elements, sum" on
+/// the devices), and so that one set of expected words (the conformance kit's) fits them all.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// One participant's call, as far as its backend's record of the call knows it. Which fields are
+/// shown follows from `kind` (`uses_dtype`, `uses_count`, `uses_op`, `uses_root`), so a backend
+/// may leave the others at any value; the optional parts are shown only where a backend has them.
+struct call_summary {
+  op_kind kind = op_kind::barrier;
+  /// The element type; empty for an element type without a `datatype` (the device backends'
+  /// CUDA 16-bit types), shown as "-".
+  std::optional<datatype> dtype;
+  std::uint64_t count = 0;       ///< elements per participant, as the concept counts them
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  /// split: the color and key, where the backend records them.
+  std::optional<int> color;
+  int key = 0;
+  /// ppermute: the pairs, where the backend keeps every participant's (the others keep a hash).
+  std::optional<std::span<const permute_pair>> pairs;
+  /// all_to_all_v: the send and receive counts (one per participant), where the backend may read
+  /// them when the message is written.
+  std::optional<std::span<const std::int64_t>> send_counts;
+  std::optional<std::span<const std::int64_t>> recv_counts;
+};
+
+/// "[1, 2, 3]".
+inline std::string bracketed_counts(std::span<const std::int64_t> a) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+
+/// The text every backend's `collective_mismatch` message shows for one call:
+/// "<op>(<type>, count <n>, op <reduce op>, root <r>, pairs [...], send_counts [...],
+/// recv_counts [...])", with only the parts the operation takes ("split(color 1, key 0)",
+/// "barrier()").
+inline std::string describe_call(const call_summary& c) {
+  std::string s(op_name(c.kind));
+  s += '(';
+  if (c.kind == op_kind::split) {
+    if (c.color) s += "color " + std::to_string(*c.color) + ", key " + std::to_string(c.key);
+  } else if (uses_dtype(c.kind)) {
+    s += c.dtype ? std::string(to_string(*c.dtype)) : std::string("-");
+    if (uses_count(c.kind)) s += ", count " + std::to_string(c.count);
+    if (uses_op(c.kind)) s += ", op " + std::string(to_string(c.op));
+    if (uses_root(c.kind)) s += ", root " + std::to_string(c.root);
+    if (c.kind == op_kind::ppermute && c.pairs) {
+      s += ", pairs [";
+      for (std::size_t i = 0; i < c.pairs->size(); ++i)
+        s += (i ? ", (" : "(") + std::to_string((*c.pairs)[i].source) + ", " + std::to_string((*c.pairs)[i].dest) + ')';
+      s += ']';
+    }
+    if (c.kind == op_kind::all_to_all_v) {
+      if (c.send_counts) s += ", send_counts " + bracketed_counts(*c.send_counts);
+      if (c.recv_counts) s += ", recv_counts " + bracketed_counts(*c.recv_counts);
+    }
+  }
+  return s + ')';
+}
+
+/// "rank 1 sends 3 elements to rank 0, which expects 2": how every backend's
+/// `collective_mismatch` message names an all_to_all_v whose counts disagree (the sender's
+/// send_counts entry for the receiver against the receiver's recv_counts entry for the sender),
+/// with each backend's labels of the participants.
+inline std::string describe_counts_disagreement(std::string_view sender, std::string_view receiver,
+                                                std::int64_t sent, std::int64_t expected) {
+  return std::string(sender) + " sends " + std::to_string(sent) + " elements to " + std::string(receiver) +
+         ", which expects " + std::to_string(expected);
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/call_text.hpp
 
 namespace meshlib::detail {
 
@@ -2518,49 +2619,26 @@ struct call_desc {
   int nv = 0;                                                       ///< length of each v array
 };
 
-inline bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
-inline bool uses_count(op_kind k) noexcept {
-  return uses_dtype(k) && k != op_kind::all_to_all_v;
-}
-inline bool uses_op(op_kind k) noexcept {
-  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-}
-inline bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
-
-inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
-  os << '[';
-  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << a[i];
-  os << ']';
-}
-
-/// "all_reduce(float32, count 8, op sum)": how error messages show a call. `pairs` is the slot's
-/// copy of a ppermute's pairs; the all_to_all_v counts are printed only when `with_arrays` (they
-/// live in the caller's memory, which is safe to read only while the caller is blocked).
-inline std::string describe(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
-  std::ostringstream os;
-  os << op_name(d.kind) << '(';
+/// What a mismatch message shows of a rank's call (`describe_call`). `pairs` is the slot's copy
+/// of a ppermute's pairs; the all_to_all_v counts are shown only when `with_arrays` (they live in
+/// the caller's memory, which is safe to read only while the caller is blocked).
+inline call_summary summary_of(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
+  call_summary c;
+  c.kind = d.kind;
+  c.dtype = d.dtype;
+  c.count = d.count;
+  c.op = d.op;
+  c.root = d.root;
   if (d.kind == op_kind::split) {
-    os << "color " << d.color << ", key " << d.key;
-  } else if (uses_dtype(d.kind)) {
-    os << d.dtype;
-    if (uses_count(d.kind)) os << ", count " << d.count;
-    if (uses_op(d.kind)) os << ", op " << d.op;
-    if (uses_root(d.kind)) os << ", root " << d.root;
-    if (d.kind == op_kind::ppermute) {
-      os << ", pairs [";
-      for (std::size_t i = 0; i < pairs.size(); ++i)
-        os << (i ? ", " : "") << '(' << pairs[i].source << ", " << pairs[i].dest << ')';
-      os << ']';
-    }
-    if (d.kind == op_kind::all_to_all_v && with_arrays) {
-      os << ", send_counts ";
-      print_v(os, d.v[0], d.nv);
-      os << ", recv_counts ";
-      print_v(os, d.v[2], d.nv);
-    }
+    c.color = d.color;
+    c.key = d.key;
   }
-  os << ')';
-  return os.str();
+  if (d.kind == op_kind::ppermute) c.pairs = std::span<const permute_pair>(pairs);
+  if (d.kind == op_kind::all_to_all_v && with_arrays) {
+    c.send_counts = std::span<const std::int64_t>(d.v[0], static_cast<std::size_t>(d.nv));
+    c.recv_counts = std::span<const std::int64_t>(d.v[2], static_cast<std::size_t>(d.nv));
+  }
+  return c;
 }
 
 /// The hot part of a rank's call in one step, in one cache line with its step number, so that a
@@ -3268,7 +3346,7 @@ class step_protocol {
        << " ranks: the ranks called different collectives";
     for (int r = 0; r < g.n; ++r)
       os << (r ? "; " : ": ") << g.rank_label(r) << " called "
-         << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
+         << detail::describe_call(detail::summary_of(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays));
     os << extra;
     g.world->fail(detail::failure_kind::mismatch, -1, os.str());
     g.world->rethrow("seen by " + step_where(g.slots[rank_].desc[s & 1].kind));
@@ -3335,8 +3413,7 @@ class step_protocol {
           const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
           if (sent != expected) {
             ok = false;
-            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
-                    std::to_string(j) + ", which expects " + std::to_string(expected);
+            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
           }
         }
     }
@@ -11509,10 +11586,10 @@ struct abort_channel {
 // end meshlib/comm/mpi/detail/abort_channel.hpp
 // begin meshlib/comm/mpi/detail/call_record.hpp
 /// @file
-/// @brief The call record of the MPI fingerprint exchange as text (`describe_call`) and the
-/// fingerprint of ppermute pairs (`pairs_hash`). Apart from either communicator because the MPI
-/// and the hybrid communicators both use them, so that both fingerprint and name calls the same
-/// way. Internal to the MPI communicators.
+/// @brief The call record of the MPI fingerprint exchange as text (`describe_record`, through the
+/// describer every backend shares) and the fingerprint of ppermute pairs (`pairs_hash`). Apart
+/// from either communicator because the MPI and the hybrid communicators both use them, so that
+/// both fingerprint and name calls the same way. Internal to the MPI communicators.
 
 #if MESHLIB_ENABLE_MPI
 
@@ -11523,20 +11600,23 @@ struct abort_channel {
 
 namespace meshlib::detail {
 
-/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
-/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
-/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
-inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
-  const auto k = static_cast<op_kind>(d[1]);
-  std::string s = who + " called " + std::string(op_name(k)) + "(";
-  if (d[2] != 0) {
-    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-  }
-  return s + ") as call #" + std::to_string(d[0]);
+/// What a mismatch message shows of a call record of the mismatch fingerprint (`describe_call`):
+/// {call number, op_kind, datatype + 1 (0: none), count, reduce op, root, extra}. The record
+/// keeps only a hash of ppermute pairs and none of the all_to_all_v counts, which are not shown.
+inline call_summary summary_of_record(const std::uint64_t* d) {
+  call_summary c;
+  c.kind = static_cast<op_kind>(d[1]);
+  if (d[2] != 0) c.dtype = static_cast<datatype>(d[2] - 1);
+  c.count = d[3];
+  c.op = static_cast<reduce_op>(d[4]);
+  c.root = static_cast<int>(d[5]);
+  return c;
+}
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record. Shared by
+/// the MPI and hybrid communicators, so both frame calls the same way.
+inline std::string describe_record(const std::string& who, const std::uint64_t* d) {
+  return who + " called " + describe_call(summary_of_record(d)) + " as call #" + std::to_string(d[0]);
 }
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
@@ -12271,9 +12351,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::string mine;
       for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          mine = "rank " + std::to_string(rank()) + " expects recv_counts[" + std::to_string(j) + "] = " +
-                 std::to_string(rc[static_cast<std::size_t>(j)]) + " elements but rank " + std::to_string(j) +
-                 " sends " + std::to_string(their[static_cast<std::size_t>(j)]);
+          mine = detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
+                                                      their[static_cast<std::size_t>(j)], rc[static_cast<std::size_t>(j)]);
       int bad = mine.empty() ? -1 : rank();
       int first_bad = -1;
       timed("all_to_all_v", 0,
@@ -12491,8 +12570,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
   /// garbage, no hang).
   void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
-    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const bool has_op = detail::uses_op(k);
+    const bool has_root = detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {state_->calls++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
@@ -12528,7 +12607,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           [&] { return MPI_Allgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm); });
     std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
                       " ranks: the ranks called different collectives";
-    for (int r = 0; r < size(); ++r) msg += (r ? "; " : ": ") + describe_call(r, all.data() + call_fields * r);
+    for (int r = 0; r < size(); ++r)
+      msg += (r ? "; " : ": ") + detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
     state_->failed = true;
     state_->failed_by_mismatch = true;
     state_->failure = msg;
@@ -12537,9 +12617,6 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   static constexpr int call_fields = 7;
 
-  static std::string describe_call(int r, const std::uint64_t* d) {
-    return detail::describe_call("rank " + std::to_string(r), d);
-  }
 
   template <class T>
   void maybe_verify(op_kind k, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
@@ -13150,8 +13227,8 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// ids), instead of an internal step failing on one process leader.
   template <class T>
   void agree(op_kind k, const detail::operation<T>& o) {
-    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const bool has_op = detail::uses_op(k);
+    const bool has_root = detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {calls_++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
@@ -13173,7 +13250,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
       msg += (r ? "; " : ": ") +
-             detail::describe_call("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+             detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
                                    all.data() + call_fields * static_cast<std::size_t>(r));
     throw collective_mismatch(msg);
   }
@@ -13233,9 +13310,13 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
       const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
       if (c != rcounts[j])
-        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
-                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
-                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+        throw collective_mismatch(
+            "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+            " devices: the counts disagree: " +
+            detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
+                                                 "hybrid device " +
+                                                     std::to_string(group_->member_device[static_cast<std::size_t>(rank_)]),
+                                                 c, rcounts[j]));
       std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
                   o.recv + rd[j]);
     }
@@ -15859,7 +15940,8 @@ struct stream_state {
 /// @file
 /// @brief A collective call packed into one int64, so that a device communicator can compare every
 /// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
-/// in the `collective_mismatch` message what each participant called.
+/// in the `collective_mismatch` message what each participant called (in the words every backend
+/// uses, call_text.hpp).
 ///
 /// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
 /// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
@@ -15902,17 +15984,17 @@ struct call_fingerprint {
     f.count = bits >> 28;
     return f;
   }
-  /// "all_reduce(float32, 8 elements, sum)", "broadcast(int64, 3 elements, root 1)", "barrier()".
-  [[nodiscard]] std::string text() const {
-    std::string s(op_name(op));
-    s += "(";
-    if (op != op_kind::barrier) {
-      s += type >= 0 && type <= 4 ? std::string(to_string(static_cast<datatype>(type))) : std::string("-");
-      s += ", " + std::to_string(count) + " elements";
-      if (reduce >= 0 && reduce <= 4) s += ", " + std::string(to_string(static_cast<reduce_op>(reduce)));
-      if (root >= 0) s += ", root " + std::to_string(root);
-    }
-    return s + ")";
+  /// What a mismatch message shows of the call (`describe_call`): "all_reduce(float32, count 8,
+  /// op sum)", "broadcast(int64, count 3, root 1)", "barrier()". An element type without a
+  /// `datatype` (14: CUDA's own 16-bit types) shows as "-"; the fingerprint keeps no ppermute pairs.
+  [[nodiscard]] call_summary summary() const noexcept {
+    call_summary c;
+    c.kind = op;
+    if (type >= 0 && type <= static_cast<int>(datatype::bfloat16)) c.dtype = static_cast<datatype>(type);
+    c.count = count;
+    if (reduce >= 0) c.op = static_cast<reduce_op>(reduce);
+    c.root = root;
+    return c;
   }
 };
 
@@ -15924,7 +16006,8 @@ struct call_fingerprint {
   if (agree) return {};
   std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
   for (std::size_t r = 0; r < all.size(); ++r)
-    m += " rank " + std::to_string(r) + " called " + call_fingerprint::unpack(all[r]).text() + (r + 1 < all.size() ? ";" : "");
+    m += " rank " + std::to_string(r) + " called " + describe_call(call_fingerprint::unpack(all[r]).summary()) +
+         (r + 1 < all.size() ? ";" : "");
   return m;
 }
 
@@ -16986,6 +17069,18 @@ struct shared_gpu_call {
 };
 static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
 
+/// What a mismatch message shows of a device's call (`describe_call`). The call keeps only a hash
+/// of ppermute pairs (in `extra`), which is not shown.
+inline call_summary summary_of(const shared_gpu_call& call) {
+  call_summary c;
+  c.kind = static_cast<op_kind>(call.op);
+  if (call.type >= 0) c.dtype = static_cast<datatype>(call.type);
+  c.count = static_cast<std::uint64_t>(call.count);
+  if (uses_op(c.kind)) c.op = static_cast<reduce_op>(call.extra);
+  c.root = static_cast<int>(call.root);
+  return c;
+}
+
 }  // namespace detail
 
 /// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
@@ -17139,9 +17234,11 @@ class shared_gpu_communicator
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 2 * n + me];
           if (want != o.v[0][j])
-            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
-                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
-                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+            throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                      std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                      "): the counts disagree: " +
+                                      detail::describe_counts_disagreement("device " + std::to_string(me),
+                                                                           "device " + std::to_string(j), o.v[0][j], want));
           const std::int64_t at = theirs[j * 2 * n + n + me];
           copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
         }
@@ -17252,18 +17349,9 @@ class shared_gpu_communicator
     if (!agree) {
       std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
                       " (seen by device " + std::to_string(rank()) + "):";
-      for (std::size_t q = 0; q < n; ++q) {
-        const auto& c = all[q];
-        m += " device " + std::to_string(q) + " called " + std::string(detail::op_name(static_cast<detail::op_kind>(c.op))) + "(";
-        m += c.type >= 0 ? std::string(to_string(static_cast<datatype>(c.type))) : std::string("-");
-        m += ", " + std::to_string(c.count) + " elements";
-        if (c.root >= 0) m += ", root " + std::to_string(c.root);
-        if (c.op == static_cast<int>(detail::op_kind::all_reduce) || c.op == static_cast<int>(detail::op_kind::reduce) ||
-            c.op == static_cast<int>(detail::op_kind::reduce_scatter))
-          m += ", " + std::string(to_string(static_cast<reduce_op>(c.extra)));
-        m += ")";
-        m += q + 1 < n ? ";" : "";
-      }
+      for (std::size_t q = 0; q < n; ++q)
+        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
+             (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
     for (std::size_t q = 0; q < n; ++q)

@@ -400,47 +400,49 @@ inline std::string want_argument(const outcome& o, std::vector<std::string> word
 }
 
 /// The mismatch rows: every participant must get collective_mismatch naming both calls, quickly.
-template <class Comm>
+/// The expected words are the one text every backend gives a call (meshlib/comm/detail/
+/// call_text.hpp); the buffers are the policy's (device memory for the device backends).
+template <class Comm, class Buffers = host_buffers>
 std::vector<fault_row<Comm>> mismatch_rows() {
   std::vector<fault_row<Comm>> rows;
   rows.push_back({"count mismatch (4 vs 8 floats)",
                   [](Comm& c) {
-                    std::vector<float> x(c.rank() == 0 ? 4 : 8, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(c.rank() == 0 ? 4 : 8, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"count 4", "count 8"}, 2.0); }});
   rows.push_back({"op mismatch (sum vs max)",
                   [](Comm& c) {
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), c.rank() == 0 ? reduce_op::sum : reduce_op::max);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), c.rank() == 0 ? reduce_op::sum : reduce_op::max);
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"op sum", "op max"}, 2.0); }});
   rows.push_back({"dtype mismatch (float32 vs float64)",
                   [](Comm& c) {
                     if (c.rank() == 0) {
-                      std::vector<float> x(4, 1.0f);
-                      c.all_reduce(std::span(x), reduce_op::sum);
+                      auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                      c.all_reduce(x.span(), reduce_op::sum);
                     } else {
-                      std::vector<double> x(4, 1.0);
-                      c.all_reduce(std::span(x), reduce_op::sum);
+                      auto x = Buffers::make(c, std::vector<double>(4, 1.0));
+                      c.all_reduce(x.span(), reduce_op::sum);
                     }
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"float32", "float64"}, 2.0); }});
   rows.push_back({"root mismatch (broadcast from 0 vs 1)",
                   [](Comm& c) {
-                    std::vector<int> x(4, c.rank());
-                    c.broadcast(std::span(x), c.rank() == 0 ? 0 : 1);
+                    auto x = Buffers::make(c, std::vector<int>(4, c.rank()));
+                    c.broadcast(x.span(), c.rank() == 0 ? 0 : 1);
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"root 0", "root 1"}, 2.0); }});
   rows.push_back({"order mismatch (all_reduce then broadcast vs the reverse)",
                   [](Comm& c) {
-                    std::vector<float> x(4, 1.0f);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
                     if (c.rank() == 0) {
-                      c.all_reduce(std::span(x), reduce_op::sum);
-                      c.broadcast(std::span(x), 0);
+                      c.all_reduce(x.span(), reduce_op::sum);
+                      c.broadcast(x.span(), 0);
                     } else {
-                      c.broadcast(std::span(x), 0);
-                      c.all_reduce(std::span(x), reduce_op::sum);
+                      c.broadcast(x.span(), 0);
+                      c.all_reduce(x.span(), reduce_op::sum);
                     }
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"all_reduce(", "broadcast("}, 2.0); }});

@@ -4,9 +4,9 @@
 // GPU 0 (shared_gpu_communicator); the argument rows on both. Skipped (exit 77, see
 // tests/device/device_main.cpp) where no CUDA device is.
 //
-// Fault rows left out, and why: the mismatch rows' expected words are the host backends' ("count 4",
-// "op sum"); the device backends name calls as "all_reduce(float32, 4 elements, sum)", and
-// nccl_device_tests checks their exact messages. NCCL with one rank cannot mismatch. The throw,
+// The mismatch rows run on the shared-GPU devices, with device buffers: every backend names calls
+// in the same words (meshlib/comm/detail/call_text.hpp). Fault rows left out, and why: NCCL with
+// one rank cannot mismatch (and a mismatch between NCCL ranks needs two GPUs). The throw,
 // timing and departure rows expect the operation the user called in the messages; the shared-GPU
 // devices meet on a thread_communicator, whose all_gather is what times out or aborts.
 #include <cuda_runtime_api.h>
@@ -97,6 +97,16 @@ TEST_CASE("shared GPU: conformance argument rows, 2 and 4 devices of GPU 0", "[c
   using comm = meshlib::shared_gpu_communicator;
   for (int n : {2, 4})
     for (const auto& row : conformance::argument_rows<comm>()) {
+      const auto seen =
+          run_participants<comm>(n, row.body, [n](auto&& fn) { meshlib::run_on_shared_gpu(n, fn, {.device = 0}); });
+      check_row(row, n, seen, n == 2 ? "2 shared-GPU devices" : "4 shared-GPU devices");
+    }
+}
+
+TEST_CASE("shared GPU: conformance mismatch rows on device buffers, 2 and 4 devices of GPU 0", "[conformance][shared_gpu]") {
+  using comm = meshlib::shared_gpu_communicator;
+  for (int n : {2, 4})
+    for (const auto& row : conformance::mismatch_rows<comm, conformance::cuda_buffers>()) {
       const auto seen =
           run_participants<comm>(n, row.body, [n](auto&& fn) { meshlib::run_on_shared_gpu(n, fn, {.device = 0}); });
       check_row(row, n, seen, n == 2 ? "2 shared-GPU devices" : "4 shared-GPU devices");

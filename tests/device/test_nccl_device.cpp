@@ -179,7 +179,7 @@ TEST_CASE("nccl device: verify_collectives passes agreeing calls, and names each
     }, checked);
   });
   CHECK(m.find("collective mismatch (seen by NCCL rank ") != std::string::npos);
-  CHECK(m.find("rank 0 called all_reduce(float32, 8 elements, sum); rank 1 called all_gather(float32, 4 elements)") !=
+  CHECK(m.find("rank 0 called all_reduce(float32, count 8, op sum); rank 1 called all_gather(float32, count 4)") !=
         std::string::npos);
 }
 
@@ -228,7 +228,7 @@ TEST_CASE("shared GPU: devices that call different collectives all get collectiv
     }, {.device = 0});
   });
   // Both devices throw; which one run_on_shared_gpu reports first depends on the threads.
-  const std::string calls = "device 0 called all_reduce(float32, 8 elements, sum); device 1 called all_gather(float32, 4 elements)";
+  const std::string calls = "device 0 called all_reduce(float32, count 8, op sum); device 1 called all_gather(float32, count 4)";
   CHECK((m == "meshlib: participant 0 of 2 failed: meshlib: collective mismatch on the devices of GPU 0 (seen by device 0): " + calls ||
          m == "meshlib: participant 1 of 2 failed: meshlib: collective mismatch on the devices of GPU 0 (seen by device 1): " + calls));
 }

@@ -614,6 +614,33 @@ TEST_CASE("mismatch detection is always on: ranks that disagree all see collecti
   CHECK(y[0] == static_cast<float>(c.size()));
 }
 
+TEST_CASE("all_to_all_v counts that disagree: every rank sees collective_mismatch, the receiver names both counts",
+          "[mpi][errors]") {
+  mpi_communicator c(MPI_COMM_WORLD);
+  const auto n = static_cast<std::size_t>(c.size());
+  // One element to every rank, except that rank 1 expects two from rank 0.
+  std::vector<std::int64_t> sc(n, 1), sd(n), rc(n, 1), rd(n);
+  if (c.rank() == 1) rc[0] = 2;
+  std::int64_t at = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    sd[j] = static_cast<std::int64_t>(j);
+    rd[j] = at;
+    at += rc[j];
+  }
+  std::vector<float> s(n, 1.0f), out(static_cast<std::size_t>(at));
+  try {
+    c.all_to_all_v(std::span<const float>(s), std::span<const std::int64_t>(sc), std::span<const std::int64_t>(sd),
+                   std::span(out), std::span<const std::int64_t>(rc), std::span<const std::int64_t>(rd));
+    FAIL("counts that disagree must be a collective_mismatch");
+  } catch (const meshlib::collective_mismatch& e) {
+    const std::string w = e.what();
+    CHECK(w.find("collective mismatch in all_to_all_v on an MPI communicator of " + std::to_string(n) +
+                 " ranks: the counts disagree") != std::string::npos);
+    if (c.rank() == 1) CHECK(w.find(": rank 0 sends 1 elements to rank 1, which expects 2") != std::string::npos);
+    else CHECK(w.find("(rank 1 saw it)") != std::string::npos);
+  }
+}
+
 TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator stays failed", "[mpi][timeout]") {
   meshlib::mpi_comm_options o;
   o.timeout = std::chrono::milliseconds(300);

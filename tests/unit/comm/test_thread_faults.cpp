@@ -6,7 +6,9 @@
 #include <limits>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <random>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #endif
 
 #include "comm_test_support.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib_catch.hpp"
 
 using namespace comm_test;
@@ -650,4 +653,51 @@ TEST_CASE("a failure in a sub-communicator releases waiters of the whole world",
     CHECK(res.per_rank[r].type == "aborted");
     CHECK(contains(res.per_rank[r].what, "rank 3 failed: rank 3 gives up"));
   }
+}
+
+// The one describer every backend's mismatch message uses (thread, MPI, hybrid, NCCL, shared GPU):
+// only the parts an operation takes, in a fixed order, and the optional parts only when given.
+TEST_CASE("describe_call: the text of a call in every backend's mismatch message", "[comm][mismatch]") {
+  using meshlib::datatype;
+  using meshlib::reduce_op;
+  using meshlib::detail::call_summary;
+  using meshlib::detail::describe_call;
+  using meshlib::detail::op_kind;
+  auto call = [](op_kind k, std::optional<datatype> t, std::uint64_t count, reduce_op op = reduce_op::sum, int root = 0) {
+    call_summary c;
+    c.kind = k;
+    c.dtype = t;
+    c.count = count;
+    c.op = op;
+    c.root = root;
+    return c;
+  };
+  CHECK(describe_call(call(op_kind::all_reduce, datatype::float32, 8)) == "all_reduce(float32, count 8, op sum)");
+  CHECK(describe_call(call(op_kind::reduce, datatype::int64, 3, reduce_op::max, 1)) ==
+        "reduce(int64, count 3, op max, root 1)");
+  // Parts the operation does not take are not shown, whatever the record holds there.
+  CHECK(describe_call(call(op_kind::broadcast, datatype::int32, 3, reduce_op::max, 2)) ==
+        "broadcast(int32, count 3, root 2)");
+  CHECK(describe_call(call(op_kind::all_gather, datatype::bfloat16, 4, reduce_op::min, 7)) ==
+        "all_gather(bfloat16, count 4)");
+  CHECK(describe_call(call(op_kind::barrier, datatype::float64, 5, reduce_op::max, 1)) == "barrier()");
+  // An element type without a datatype (the device backends' CUDA 16-bit types).
+  CHECK(describe_call(call(op_kind::all_to_all, std::nullopt, 2)) == "all_to_all(-, count 2)");
+  call_summary split = call(op_kind::split, datatype::float32, 9);
+  CHECK(describe_call(split) == "split()");
+  split.color = 1;
+  split.key = -3;
+  CHECK(describe_call(split) == "split(color 1, key -3)");
+  const permute_pair pairs[] = {{0, 1}, {1, 0}};
+  call_summary perm = call(op_kind::ppermute, datatype::float32, 4);
+  CHECK(describe_call(perm) == "ppermute(float32, count 4)");
+  perm.pairs = std::span<const permute_pair>(pairs);
+  CHECK(describe_call(perm) == "ppermute(float32, count 4, pairs [(0, 1), (1, 0)])");
+  const std::int64_t sc[] = {1, 2, 3};
+  const std::int64_t rc[] = {4, 0, 6};
+  call_summary v = call(op_kind::all_to_all_v, datatype::float64, 99);
+  CHECK(describe_call(v) == "all_to_all_v(float64)");
+  v.send_counts = std::span<const std::int64_t>(sc);
+  v.recv_counts = std::span<const std::int64_t>(rc);
+  CHECK(describe_call(v) == "all_to_all_v(float64, send_counts [1, 2, 3], recv_counts [4, 0, 6])");
 }

@@ -540,8 +540,8 @@ TEST_CASE("call fingerprint: agreeing calls give no message; disagreeing ones li
   CHECK(ml::detail::mismatch_message("NCCL rank 0 of 3, GPU 0", same).empty());
   const std::int64_t differ[] = {a, b, c, d};
   CHECK(ml::detail::mismatch_message("NCCL rank 2 of 4, GPU 2", differ) ==
-        "meshlib: collective mismatch (seen by NCCL rank 2 of 4, GPU 2): rank 0 called all_reduce(float32, 8 elements, "
-        "sum); rank 1 called all_gather(float32, 4 elements); rank 2 called broadcast(int64, 3 elements, root 1); rank 3 "
+        "meshlib: collective mismatch (seen by NCCL rank 2 of 4, GPU 2): rank 0 called all_reduce(float32, count 8, "
+        "op sum); rank 1 called all_gather(float32, count 4); rank 2 called broadcast(int64, count 3, root 1); rank 3 "
         "called barrier()");
 }
 

@@ -53,6 +53,19 @@ constexpr std::string_view op_name(op_kind k) noexcept {
   return "unknown";
 }
 
+/// Whether the participants of an operation must agree on its element type (all but barrier and
+/// split). With `uses_count`, `uses_op` and `uses_root`, this is what every backend compares
+/// across participants and what a mismatch message shows (`describe_call`).
+constexpr bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
+/// Whether they must agree on the count (all_to_all_v's counts are per peer, checked apart).
+constexpr bool uses_count(op_kind k) noexcept { return uses_dtype(k) && k != op_kind::all_to_all_v; }
+/// Whether they must agree on the reduce op (the reducing operations).
+constexpr bool uses_op(op_kind k) noexcept {
+  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
+}
+/// Whether they must agree on a root (reduce and broadcast).
+constexpr bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
+
 /// One operation, after the front end's checks. Buffer conventions (n = size(), c = count):
 ///
 /// | kind | send | recv | count |

@@ -426,8 +426,8 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// ids), instead of an internal step failing on one process leader.
   template <class T>
   void agree(op_kind k, const detail::operation<T>& o) {
-    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const bool has_op = detail::uses_op(k);
+    const bool has_root = detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {calls_++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
@@ -449,7 +449,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
       msg += (r ? "; " : ": ") +
-             detail::describe_call("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+             detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
                                    all.data() + call_fields * static_cast<std::size_t>(r));
     throw collective_mismatch(msg);
   }
@@ -509,9 +509,13 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
       const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
       if (c != rcounts[j])
-        throw collective_mismatch("meshlib: all_to_all_v on hybrid device " + std::to_string(rank_) + ": recv_counts[" +
-                                  std::to_string(j) + "] = " + std::to_string(rcounts[j]) + " but device " +
-                                  std::to_string(j) + " sends " + std::to_string(c) + " elements");
+        throw collective_mismatch(
+            "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+            " devices: the counts disagree: " +
+            detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
+                                                 "hybrid device " +
+                                                     std::to_string(group_->member_device[static_cast<std::size_t>(rank_)]),
+                                                 c, rcounts[j]));
       std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
                   o.recv + rd[j]);
     }

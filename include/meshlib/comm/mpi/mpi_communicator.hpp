@@ -399,9 +399,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::string mine;
       for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          mine = "rank " + std::to_string(rank()) + " expects recv_counts[" + std::to_string(j) + "] = " +
-                 std::to_string(rc[static_cast<std::size_t>(j)]) + " elements but rank " + std::to_string(j) +
-                 " sends " + std::to_string(their[static_cast<std::size_t>(j)]);
+          mine = detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
+                                                      their[static_cast<std::size_t>(j)], rc[static_cast<std::size_t>(j)]);
       int bad = mine.empty() ? -1 : rank();
       int first_bad = -1;
       timed("all_to_all_v", 0,
@@ -619,8 +618,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
   /// garbage, no hang).
   void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
-    const bool has_op = k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-    const bool has_root = k == op_kind::reduce || k == op_kind::broadcast;
+    const bool has_op = detail::uses_op(k);
+    const bool has_root = detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {state_->calls++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
@@ -656,7 +655,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
           [&] { return MPI_Allgather(rec, call_fields, MPI_UINT64_T, all.data(), call_fields, MPI_UINT64_T, state_->comm); });
     std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
                       " ranks: the ranks called different collectives";
-    for (int r = 0; r < size(); ++r) msg += (r ? "; " : ": ") + describe_call(r, all.data() + call_fields * r);
+    for (int r = 0; r < size(); ++r)
+      msg += (r ? "; " : ": ") + detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
     state_->failed = true;
     state_->failed_by_mismatch = true;
     state_->failure = msg;
@@ -665,9 +665,6 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   static constexpr int call_fields = 7;
 
-  static std::string describe_call(int r, const std::uint64_t* d) {
-    return detail::describe_call("rank " + std::to_string(r), d);
-  }
 
   template <class T>
   void maybe_verify(op_kind k, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {

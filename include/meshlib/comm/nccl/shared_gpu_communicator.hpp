@@ -46,6 +46,8 @@
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
+#include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
@@ -108,6 +110,18 @@ struct shared_gpu_call {
   std::int64_t ready = 0;   ///< cudaEvent_t
 };
 static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
+
+/// What a mismatch message shows of a device's call (`describe_call`). The call keeps only a hash
+/// of ppermute pairs (in `extra`), which is not shown.
+inline call_summary summary_of(const shared_gpu_call& call) {
+  call_summary c;
+  c.kind = static_cast<op_kind>(call.op);
+  if (call.type >= 0) c.dtype = static_cast<datatype>(call.type);
+  c.count = static_cast<std::uint64_t>(call.count);
+  if (uses_op(c.kind)) c.op = static_cast<reduce_op>(call.extra);
+  c.root = static_cast<int>(call.root);
+  return c;
+}
 
 }  // namespace detail
 
@@ -262,9 +276,11 @@ class shared_gpu_communicator
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 2 * n + me];
           if (want != o.v[0][j])
-            throw collective_mismatch("meshlib: all_to_all_v: " + state_->describe(k) + " sends " +
-                                      std::to_string(o.v[0][j]) + " elements to rank " + std::to_string(j) +
-                                      " but that rank's recv_counts[" + std::to_string(me) + "] = " + std::to_string(want));
+            throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                      std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                      "): the counts disagree: " +
+                                      detail::describe_counts_disagreement("device " + std::to_string(me),
+                                                                           "device " + std::to_string(j), o.v[0][j], want));
           const std::int64_t at = theirs[j * 2 * n + n + me];
           copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
         }
@@ -375,18 +391,9 @@ class shared_gpu_communicator
     if (!agree) {
       std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
                       " (seen by device " + std::to_string(rank()) + "):";
-      for (std::size_t q = 0; q < n; ++q) {
-        const auto& c = all[q];
-        m += " device " + std::to_string(q) + " called " + std::string(detail::op_name(static_cast<detail::op_kind>(c.op))) + "(";
-        m += c.type >= 0 ? std::string(to_string(static_cast<datatype>(c.type))) : std::string("-");
-        m += ", " + std::to_string(c.count) + " elements";
-        if (c.root >= 0) m += ", root " + std::to_string(c.root);
-        if (c.op == static_cast<int>(detail::op_kind::all_reduce) || c.op == static_cast<int>(detail::op_kind::reduce) ||
-            c.op == static_cast<int>(detail::op_kind::reduce_scatter))
-          m += ", " + std::string(to_string(static_cast<reduce_op>(c.extra)));
-        m += ")";
-        m += q + 1 < n ? ";" : "";
-      }
+      for (std::size_t q = 0; q < n; ++q)
+        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
+             (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
     for (std::size_t q = 0; q < n; ++q)

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The call record of the MPI fingerprint exchange as text (`describe_call`) and the
-/// fingerprint of ppermute pairs (`pairs_hash`). Apart from either communicator because the MPI
-/// and the hybrid communicators both use them, so that both fingerprint and name calls the same
-/// way. Internal to the MPI communicators.
+/// @brief The call record of the MPI fingerprint exchange as text (`describe_record`, through the
+/// describer every backend shares) and the fingerprint of ppermute pairs (`pairs_hash`). Apart
+/// from either communicator because the MPI and the hybrid communicators both use them, so that
+/// both fingerprint and name calls the same way. Internal to the MPI communicators.
 
 #if MESHLIB_ENABLE_MPI
 
@@ -14,25 +14,29 @@
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
 namespace meshlib::detail {
 
-/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record of the
-/// mismatch fingerprint: {call number, op_kind, datatype + 1 (0: none), count, reduce op, root,
-/// extra}. Shared by the MPI and hybrid communicators, so both name calls the same way.
-inline std::string describe_call(const std::string& who, const std::uint64_t* d) {
-  const auto k = static_cast<op_kind>(d[1]);
-  std::string s = who + " called " + std::string(op_name(k)) + "(";
-  if (d[2] != 0) {
-    s += std::string(to_string(static_cast<datatype>(d[2] - 1)));
-    if (k != op_kind::all_to_all_v) s += ", count " + std::to_string(d[3]);
-    if (k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter)
-      s += ", op " + std::string(to_string(static_cast<reduce_op>(d[4])));
-    if (k == op_kind::reduce || k == op_kind::broadcast) s += ", root " + std::to_string(d[5]);
-  }
-  return s + ") as call #" + std::to_string(d[0]);
+/// What a mismatch message shows of a call record of the mismatch fingerprint (`describe_call`):
+/// {call number, op_kind, datatype + 1 (0: none), count, reduce op, root, extra}. The record
+/// keeps only a hash of ppermute pairs and none of the all_to_all_v counts, which are not shown.
+inline call_summary summary_of_record(const std::uint64_t* d) {
+  call_summary c;
+  c.kind = static_cast<op_kind>(d[1]);
+  if (d[2] != 0) c.dtype = static_cast<datatype>(d[2] - 1);
+  c.count = d[3];
+  c.op = static_cast<reduce_op>(d[4]);
+  c.root = static_cast<int>(d[5]);
+  return c;
+}
+
+/// "<who> called all_reduce(float32, count 8, op sum) as call #3", from a call record. Shared by
+/// the MPI and hybrid communicators, so both frame calls the same way.
+inline std::string describe_record(const std::string& who, const std::uint64_t* d) {
+  return who + " called " + describe_call(summary_of_record(d)) + " as call #" + std::to_string(d[0]);
 }
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).

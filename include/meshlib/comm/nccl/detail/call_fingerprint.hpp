@@ -3,7 +3,8 @@
 /// @file
 /// @brief A collective call packed into one int64, so that a device communicator can compare every
 /// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
-/// in the `collective_mismatch` message what each participant called.
+/// in the `collective_mismatch` message what each participant called (in the words every backend
+/// uses, call_text.hpp).
 ///
 /// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
 /// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
@@ -16,6 +17,7 @@
 #include <string_view>
 
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
@@ -49,17 +51,17 @@ struct call_fingerprint {
     f.count = bits >> 28;
     return f;
   }
-  /// "all_reduce(float32, 8 elements, sum)", "broadcast(int64, 3 elements, root 1)", "barrier()".
-  [[nodiscard]] std::string text() const {
-    std::string s(op_name(op));
-    s += "(";
-    if (op != op_kind::barrier) {
-      s += type >= 0 && type <= 4 ? std::string(to_string(static_cast<datatype>(type))) : std::string("-");
-      s += ", " + std::to_string(count) + " elements";
-      if (reduce >= 0 && reduce <= 4) s += ", " + std::string(to_string(static_cast<reduce_op>(reduce)));
-      if (root >= 0) s += ", root " + std::to_string(root);
-    }
-    return s + ")";
+  /// What a mismatch message shows of the call (`describe_call`): "all_reduce(float32, count 8,
+  /// op sum)", "broadcast(int64, count 3, root 1)", "barrier()". An element type without a
+  /// `datatype` (14: CUDA's own 16-bit types) shows as "-"; the fingerprint keeps no ppermute pairs.
+  [[nodiscard]] call_summary summary() const noexcept {
+    call_summary c;
+    c.kind = op;
+    if (type >= 0 && type <= static_cast<int>(datatype::bfloat16)) c.dtype = static_cast<datatype>(type);
+    c.count = count;
+    if (reduce >= 0) c.op = static_cast<reduce_op>(reduce);
+    c.root = root;
+    return c;
   }
 };
 
@@ -71,7 +73,8 @@ struct call_fingerprint {
   if (agree) return {};
   std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
   for (std::size_t r = 0; r < all.size(); ++r)
-    m += " rank " + std::to_string(r) + " called " + call_fingerprint::unpack(all[r]).text() + (r + 1 < all.size() ? ";" : "");
+    m += " rank " + std::to_string(r) + " called " + describe_call(call_fingerprint::unpack(all[r]).summary()) +
+         (r + 1 < all.size() ? ";" : "");
   return m;
 }
 

@@ -3,21 +3,20 @@
 /// @file
 /// @brief What one rank of a thread group called in one step: the full descriptor (`call_desc`),
 /// its hot part in the rank's flag line (`flag_line`, one cache line), how two ranks' calls are
-/// compared (`same_call`) and how a call is shown in a mismatch message (`describe`). Apart from
-/// the group state because this is the step protocol's vocabulary (what a rank publishes and what
-/// its peers check), whereas the group state is where it lives.
+/// compared (`same_call`) and what a mismatch message shows of a call (`summary_of`, for the
+/// describer every backend shares, call_text.hpp). Apart from the group state because this is the
+/// step protocol's vocabulary (what a rank publishes and what its peers check), whereas the group
+/// state is where it lives.
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <ostream>
 #include <span>
-#include <sstream>
-#include <string>
 #include <vector>
 
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
@@ -40,49 +39,26 @@ struct call_desc {
   int nv = 0;                                                       ///< length of each v array
 };
 
-inline bool uses_dtype(op_kind k) noexcept { return k != op_kind::barrier && k != op_kind::split; }
-inline bool uses_count(op_kind k) noexcept {
-  return uses_dtype(k) && k != op_kind::all_to_all_v;
-}
-inline bool uses_op(op_kind k) noexcept {
-  return k == op_kind::all_reduce || k == op_kind::reduce || k == op_kind::reduce_scatter;
-}
-inline bool uses_root(op_kind k) noexcept { return k == op_kind::reduce || k == op_kind::broadcast; }
-
-inline void print_v(std::ostream& os, const std::int64_t* a, int n) {
-  os << '[';
-  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << a[i];
-  os << ']';
-}
-
-/// "all_reduce(float32, count 8, op sum)": how error messages show a call. `pairs` is the slot's
-/// copy of a ppermute's pairs; the all_to_all_v counts are printed only when `with_arrays` (they
-/// live in the caller's memory, which is safe to read only while the caller is blocked).
-inline std::string describe(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
-  std::ostringstream os;
-  os << op_name(d.kind) << '(';
+/// What a mismatch message shows of a rank's call (`describe_call`). `pairs` is the slot's copy
+/// of a ppermute's pairs; the all_to_all_v counts are shown only when `with_arrays` (they live in
+/// the caller's memory, which is safe to read only while the caller is blocked).
+inline call_summary summary_of(const call_desc& d, const std::vector<permute_pair>& pairs, bool with_arrays) {
+  call_summary c;
+  c.kind = d.kind;
+  c.dtype = d.dtype;
+  c.count = d.count;
+  c.op = d.op;
+  c.root = d.root;
   if (d.kind == op_kind::split) {
-    os << "color " << d.color << ", key " << d.key;
-  } else if (uses_dtype(d.kind)) {
-    os << d.dtype;
-    if (uses_count(d.kind)) os << ", count " << d.count;
-    if (uses_op(d.kind)) os << ", op " << d.op;
-    if (uses_root(d.kind)) os << ", root " << d.root;
-    if (d.kind == op_kind::ppermute) {
-      os << ", pairs [";
-      for (std::size_t i = 0; i < pairs.size(); ++i)
-        os << (i ? ", " : "") << '(' << pairs[i].source << ", " << pairs[i].dest << ')';
-      os << ']';
-    }
-    if (d.kind == op_kind::all_to_all_v && with_arrays) {
-      os << ", send_counts ";
-      print_v(os, d.v[0], d.nv);
-      os << ", recv_counts ";
-      print_v(os, d.v[2], d.nv);
-    }
+    c.color = d.color;
+    c.key = d.key;
   }
-  os << ')';
-  return os.str();
+  if (d.kind == op_kind::ppermute) c.pairs = std::span<const permute_pair>(pairs);
+  if (d.kind == op_kind::all_to_all_v && with_arrays) {
+    c.send_counts = std::span<const std::int64_t>(d.v[0], static_cast<std::size_t>(d.nv));
+    c.recv_counts = std::span<const std::int64_t>(d.v[2], static_cast<std::size_t>(d.nv));
+  }
+  return c;
 }
 
 /// The hot part of a rank's call in one step, in one cache line with its step number, so that a

@@ -149,7 +149,7 @@ class step_protocol {
        << " ranks: the ranks called different collectives";
     for (int r = 0; r < g.n; ++r)
       os << (r ? "; " : ": ") << g.rank_label(r) << " called "
-         << detail::describe(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays);
+         << detail::describe_call(detail::summary_of(g.slots[r].desc[s & 1], g.slots[r].pairs[s & 1], with_arrays));
     os << extra;
     g.world->fail(detail::failure_kind::mismatch, -1, os.str());
     g.world->rethrow("seen by " + step_where(g.slots[rank_].desc[s & 1].kind));
@@ -216,8 +216,7 @@ class step_protocol {
           const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
           if (sent != expected) {
             ok = false;
-            extra = "; rank " + std::to_string(i) + " sends " + std::to_string(sent) + " elements to rank " +
-                    std::to_string(j) + ", which expects " + std::to_string(expected);
+            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
           }
         }
     }
