@@ -132,7 +132,7 @@ TEST_CASE("a runner that runs other devices than the state holds is refused, nam
   const mesh_t m{4, 1};
   const std::vector<std::size_t> mine{2, 3};
   const nn::rng_key key{11};
-  nn::sequential net(nn::column_dense<float, mesh_t>(m, "fc1", features, hidden, key, mine), nn::relu<float>(m),
+  nn::sequential net(nn::dense<float, mesh_t>(m, "fc1", features, hidden, key, mine), nn::relu<float>(m),
                      nn::dense<float, mesh_t>(m, "fc2", hidden, classes, key, mine));
   nn::train_state state(m, std::move(net), nn::adam(nn::constant(1e-3f)), {}, key, mine);
   const auto ds = synthetic(batch);

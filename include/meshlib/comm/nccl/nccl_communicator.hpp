@@ -406,7 +406,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         throw collective_mismatch(m);
       }
       if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
-      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+      if (deadline.passed()) {
         const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
         st.abort(t, true);
         throw comm_timeout(t);
@@ -456,7 +456,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       if (rc != ncclSuccess) fail_with(k, "ncclCommGetAsyncError", rc);
       if (async == ncclSuccess) return;
       if (async != ncclInProgress) fail_with(k, name, async);
-      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+      if (deadline.passed()) {
         const std::string m = "meshlib: " + state_->describe(k) + ": " + std::string(name) +
                               " was not issued within the communicator's timeout (" +
                               std::to_string(state_->timeout_ms()) + " ms); the communicator was aborted";
@@ -467,9 +467,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     }
   }
   static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
-    const auto deadline = s.options.timeout.count() > 0
-                              ? std::optional(std::chrono::steady_clock::now() + s.options.timeout)
-                              : std::nullopt;
+    const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
     for (;;) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
@@ -481,7 +479,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         s.comm = nullptr;
         detail::check_nccl(async, what, name, last.c_str());
       }
-      if (deadline && std::chrono::steady_clock::now() > *deadline) {
+      if (deadline.passed()) {
         (void)ncclCommAbort(s.comm);
         s.comm = nullptr;
         throw comm_timeout("meshlib: " + what + ": " + std::string(name) + " did not complete within the timeout (" +
@@ -490,9 +488,16 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       std::this_thread::yield();
     }
   }
-  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> deadline_from_now() const {
-    if (state_->options.timeout.count() <= 0) return std::nullopt;
-    return std::chrono::steady_clock::now() + state_->options.timeout;
+  /// The communicator's timeout from now; `passed()` is never true without a timeout. A flag and a
+  /// time point, not an optional: GCC at -O1 warns that an optional's value may be read
+  /// uninitialised (-Wmaybe-uninitialized), which -Werror turns into an error.
+  struct deadline_t {
+    bool timed;
+    std::chrono::steady_clock::time_point at;
+    [[nodiscard]] bool passed() const { return timed && std::chrono::steady_clock::now() > at; }
+  };
+  [[nodiscard]] deadline_t deadline_from_now() const {
+    return {state_->options.timeout.count() > 0, std::chrono::steady_clock::now() + state_->options.timeout};
   }
   /// Runs the NCCL calls of `body` as one group (`ncclGroupStart`/`ncclGroupEnd`).
   template <class F>
