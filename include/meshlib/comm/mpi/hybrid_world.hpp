@@ -163,7 +163,7 @@ class hybrid_world {
           local_.abort(-1, what, who);
           return;
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        channel->nap(std::chrono::milliseconds(1));
       }
     });
   }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -57,6 +58,16 @@ struct abort_channel {
   std::vector<std::uint64_t> sent_to;        ///< messages sent to each process (guarded by mutex)
   std::vector<std::uint64_t> received_from;  ///< messages received from each process (by the poller)
   std::atomic<bool> stop{false};
+  std::mutex nap_mutex;              ///< with nap_cv: close() wakes a napping watcher at once
+  std::condition_variable nap_cv;
+
+  /// Waits up to `d` (the watcher's pause between polls), returning at once when the channel is
+  /// closed: a watcher that slept its full pause made every hybrid call's close wait for it (up to
+  /// a millisecond a call).
+  void nap(std::chrono::milliseconds d) {
+    std::unique_lock lk(nap_mutex);
+    nap_cv.wait_for(lk, d, [this] { return stop.load(); });
+  }
   std::thread watcher;                   ///< the hybrid world's poller (the MPI communicator polls from its waits)
   std::mutex poll_mutex;                 ///< one poller at a time (threads may share a split's channel)
   bool closed = false;
@@ -180,7 +191,11 @@ struct abort_channel {
   void close(std::chrono::milliseconds grace) noexcept {
     if (closed) return;
     closed = true;
-    stop.store(true);
+    {
+      std::lock_guard lk(nap_mutex);  // a watcher between its check and its wait sees the flag
+      stop.store(true);
+    }
+    nap_cv.notify_all();
     if (watcher.joinable()) watcher.join();
     int fin = 0;
     MPI_Finalized(&fin);
