@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// The fixed cost of one call on a hybrid mesh (P processes x T device threads): an empty `spmd` on
+// `hybrid_backend` (the process-wide device threads) and on a `hybrid_runner` (its own threads),
+// next to its peer in the same run: `MPI_Barrier` on the same processes, the least any call that
+// spans the processes must pay. Each call builds its hybrid world (exec/mpi_runner.hpp).
+//   mpirun -np 2 build/bench/hybrid_bench [--threads 2] [--calls 400]
+#include <meshlib.hpp>
+#include <meshlib/mpi.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+struct stats {
+  double p10, median, p90;
+};
+template <class F>
+stats time_calls(int calls, F&& f) {
+  std::vector<double> t;
+  for (int i = 0; i < calls; ++i) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto a = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  const auto at = [&](double q) { return t[static_cast<std::size_t>(q * static_cast<double>(t.size() - 1))]; };
+  return {at(0.1), at(0.5), at(0.9)};
+}
+int arg(int argc, char** argv, const std::string& name, int def) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (name == argv[i]) return std::stoi(argv[i + 1]);
+  return def;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  meshlib::mpi::guard run;
+  const int threads = arg(argc, argv, "--threads", 2), calls = arg(argc, argv, "--calls", 400);
+  auto world = meshlib::mpi::world();
+  const meshlib::mesh<meshlib::axis<"x">> m{static_cast<std::size_t>(world.size() * threads)};
+  const meshlib::hybrid_backend shared{world, threads};
+  const meshlib::hybrid_runner own(world, threads);
+  meshlib::spmd(m, [] {}, shared);  // warm-up: threads started, Kokkos instances made
+  meshlib::spmd(m, [] {}, own);
+  const stats barrier = time_calls(calls, [] { MPI_Barrier(MPI_COMM_WORLD); });
+  const stats backend = time_calls(calls, [&] { meshlib::spmd(m, [] {}, shared); });
+  const stats runner = time_calls(calls, [&] { meshlib::spmd(m, [] {}, own); });
+  if (world.rank() == 0) {
+    std::printf("%d processes x %d threads, %d calls each (us; p10 / median / p90)\n\n", world.size(), threads, calls);
+    std::printf("| call | p10 | median | p90 | median / MPI_Barrier |\n| --- | ---: | ---: | ---: | ---: |\n");
+    auto row = [&](const char* name, const stats& s) {
+      std::printf("| %s | %.1f | %.1f | %.1f | %.0fx |\n", name, s.p10, s.median, s.p90, s.median / barrier.median);
+    };
+    row("MPI_Barrier (peer)", barrier);
+    row("empty spmd, hybrid_backend", backend);
+    row("empty spmd, hybrid_runner", runner);
+  }
+}
