@@ -1226,6 +1226,13 @@ std::string describe_shape(const std::array<std::size_t, Rank>& shape) {
   return s + (Rank == 1 ? ",)" : ")");
 }
 
+/// A list of devices as error messages show it: "{2, 3}".
+inline std::string describe_devices(std::span<const std::size_t> devices) {
+  std::string s = "{";
+  for (std::size_t i = 0; i < devices.size(); ++i) s += (i ? ", " : "") + std::to_string(devices[i]);
+  return s + "}";
+}
+
 }  // namespace detail
 
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.
@@ -5917,7 +5924,7 @@ class sharded_tensor {
       if (b.size() == 0) continue;
       if (src == n)
         throw sharding_error("meshlib: to_host: block " + block_string(b) + " is held by devices " +
-                             list_string(reps) + ", none of them local to this process");
+                             detail::describe_devices(reps) + ", none of them local to this process");
       copy_block_out(src, b, out.data());
     }
     return out;
@@ -5944,11 +5951,6 @@ class sharded_tensor {
     std::ostringstream os;
     os << b;
     return os.str();
-  }
-  static std::string list_string(const std::vector<std::size_t>& v) {
-    std::string s = "{";
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s + "}";
   }
   void check_local(std::size_t dev, const char* what) const {
     if (dev >= local_.size() || !local_[dev])
@@ -11026,13 +11028,11 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   const reshard_plan plan = plan_reshard(x, to);
   const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
   for (std::size_t dev : run)
-    if (!x.is_local(dev)) {
-      std::string held;
-      for (std::size_t d : x.local_devices()) held += (held.empty() ? "" : ", ") + std::to_string(d);
+    if (!x.is_local(dev))
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
-                           " in this process, but the tensor holds no block of it here (it holds devices {" + held +
-                           "}); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
-    }
+                           " in this process, but the tensor holds no block of it here (it holds devices " +
+                           detail::describe_devices(x.local_devices()) +
+                           "); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
     // Same blocks: copy them (the result owns its memory, as after any reshard).

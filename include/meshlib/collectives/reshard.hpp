@@ -189,13 +189,11 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   const reshard_plan plan = plan_reshard(x, to);
   const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
   for (std::size_t dev : run)
-    if (!x.is_local(dev)) {
-      std::string held;
-      for (std::size_t d : x.local_devices()) held += (held.empty() ? "" : ", ") + std::to_string(d);
+    if (!x.is_local(dev))
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
-                           " in this process, but the tensor holds no block of it here (it holds devices {" + held +
-                           "}); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
-    }
+                           " in this process, but the tensor holds no block of it here (it holds devices " +
+                           detail::describe_devices(x.local_devices()) +
+                           "); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
     // Same blocks: copy them (the result owns its memory, as after any reshard).

@@ -90,6 +90,13 @@ std::string describe_shape(const std::array<std::size_t, Rank>& shape) {
   return s + (Rank == 1 ? ",)" : ")");
 }
 
+/// A list of devices as error messages show it: "{2, 3}".
+inline std::string describe_devices(std::span<const std::size_t> devices) {
+  std::string s = "{";
+  for (std::size_t i = 0; i < devices.size(); ++i) s += (i ? ", " : "") + std::to_string(devices[i]);
+  return s + "}";
+}
+
 }  // namespace detail
 
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.

@@ -407,13 +407,9 @@ template <class State, class Runner>
 void check_runner(const State& s, const Runner& runner, const char* what) {
   const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
   if (run == s.local_devices()) return;
-  auto list = [](const std::vector<std::size_t>& v) {
-    std::string r = "{";
-    for (std::size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
-    return r + "}";
-  };
-  throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " + list(run) +
-                       " in this process, but the train state holds devices " + list(s.local_devices()) +
+  throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " +
+                       meshlib::detail::describe_devices(run) + " in this process, but the train state holds devices " +
+                       meshlib::detail::describe_devices(s.local_devices()) +
                        "; pass the runner the state was made for, or make the state with the runner's devices "
                        "(train_state(..., runner.local_devices(mesh.size())))");
 }

@@ -196,7 +196,7 @@ class sharded_tensor {
       if (b.size() == 0) continue;
       if (src == n)
         throw sharding_error("meshlib: to_host: block " + block_string(b) + " is held by devices " +
-                             list_string(reps) + ", none of them local to this process");
+                             detail::describe_devices(reps) + ", none of them local to this process");
       copy_block_out(src, b, out.data());
     }
     return out;
@@ -223,11 +223,6 @@ class sharded_tensor {
     std::ostringstream os;
     os << b;
     return os.str();
-  }
-  static std::string list_string(const std::vector<std::size_t>& v) {
-    std::string s = "{";
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s + "}";
   }
   void check_local(std::size_t dev, const char* what) const {
     if (dev >= local_.size() || !local_[dev])
