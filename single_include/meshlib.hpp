@@ -10854,7 +10854,8 @@ reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, R
 /// @code
 /// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", none>>{m}, shape, host);
 /// std::cout << meshlib::plan_reshard<meshlib::P<none, "data">>(x);   // all_to_all over 'data' ...
-/// auto y = meshlib::reshard<meshlib::P<none, "data">>(x);            // to_host(y) == to_host(x)
+/// auto y = meshlib::reshard<meshlib::P<none, "data">>(x, runner);    // to_host(y) == to_host(x)
+/// // reshard<...>(x) without a runner: on the default runner (meshlib/exec/global_reshard.hpp)
 /// @endcode
 
 #include <array>
@@ -11016,12 +11017,13 @@ template <partition_spec_type ToSpec, sharded_tensor_type X>
 }
 
 /// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
-/// on every device of `backend` (default: one thread per device; in a run of several processes,
-/// pass the runner that `x`'s devices run on, e.g. `default_runner{}`).
+/// on every device that `backend` runs in this process. Without a runner, `reshard(x, to)` runs
+/// on `default_runner` (exec/global_reshard.hpp): the runner is chosen in the exec layer, above
+/// this one, as for `spmd` and `shard_map`.
 /// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
 /// divide), or when `backend` runs a device whose block `x` does not hold in this process.
-template <sharded_tensor_type X, sharding_type To, class Backend = thread_backend>
-[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend = {}) {
+template <sharded_tensor_type X, sharding_type To, class Backend>
+[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend) {
   using T = typename X::value_type;
   constexpr std::size_t Rank = X::rank;
   using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
@@ -11032,7 +11034,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
                            " in this process, but the tensor holds no block of it here (it holds devices " +
                            detail::describe_devices(x.local_devices()) +
-                           "); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
+                           "); pass the runner that runs the tensor's devices");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
     // Same blocks: copy them (the result owns its memory, as after any reshard).
@@ -11048,9 +11050,10 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   return out;
 }
 
-/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule.
-template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thread_backend>
-[[nodiscard]] auto reshard(const X& x, const Backend& backend = {}) {
+/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `backend`'s
+/// devices (without a runner: `default_runner`, exec/global_reshard.hpp).
+template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend>
+[[nodiscard]] auto reshard(const X& x, const Backend& backend) {
   return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
 }
 
@@ -11060,7 +11063,7 @@ template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thr
 // begin meshlib/exec.hpp
 /// @file
 /// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
-/// `shard_map(fn, mesh, in_specs, out_specs)`.
+/// `shard_map(fn, mesh, in_specs, out_specs)`, and `reshard` without a runner.
 
 // begin meshlib/exec/runner.hpp
 /// @file
@@ -14733,6 +14736,43 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backen
 
 }  // namespace meshlib
 // end meshlib/exec/shard_map.hpp
+// begin meshlib/exec/global_reshard.hpp
+/// @file
+/// @brief `reshard(x, to)` and `reshard<ToSpec>(x)` without a runner: on `default_runner`, as
+/// `spmd` and `shard_map` without one. In one process that is every device on the process-wide
+/// device threads; after `mpi::initialize` in a run of several processes, each process runs the
+/// devices whose blocks it holds and the steps of the plan go between the processes, so the same
+/// line reshards a tensor on threads and under `mpirun` (a thread default there would run devices
+/// whose blocks the process does not hold).
+///
+/// Why here and not in collectives/reshard.hpp: the default runner chooses between the thread and
+/// the multi-process runners, which live in this layer; the collectives layer below takes the
+/// runner as an argument.
+/// @code
+/// meshlib::mpi::guard run;                                            // mpirun -np 2
+/// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"x">>{m}, shape, host);
+/// auto y = meshlib::reshard<meshlib::P<>>(x);   // every process holds its devices' full copies
+/// @endcode
+
+
+namespace meshlib {
+
+/// @brief `x` laid out by sharding `to` (same mesh; the rule may differ), on `default_runner`.
+/// @throws sharding_error as `reshard(x, to, runner)`; the default runner's errors (a mesh that
+/// does not split over the processes, several processes without MPI).
+template <sharded_tensor_type X, sharding_type To>
+[[nodiscard]] auto reshard(const X& x, const To& to) {
+  return reshard(x, to, default_runner{});
+}
+
+/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `default_runner`.
+template <partition_spec_type ToSpec, sharded_tensor_type X>
+[[nodiscard]] auto reshard(const X& x) {
+  return reshard<ToSpec>(x, default_runner{});
+}
+
+}  // namespace meshlib
+// end meshlib/exec/global_reshard.hpp
 // end meshlib/exec.hpp
 // begin meshlib/runtime.hpp
 /// @file

@@ -2,10 +2,11 @@
 #pragma once
 /// @file
 /// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
-/// `shard_map(fn, mesh, in_specs, out_specs)`.
+/// `shard_map(fn, mesh, in_specs, out_specs)`, and `reshard` without a runner.
 
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/exec/shard_map.hpp"
+#include "meshlib/exec/global_reshard.hpp"

@@ -384,6 +384,21 @@ TEST_CASE("after mpi::initialize the default runner spreads a mesh over the proc
         for (std::size_t e = 0; e < m.size(); ++e) expect += host[2 * e + i];
         CHECK(total.local(d)(i) == expect);
       }
+    // reshard without a runner runs on the default runner too: each process runs the devices whose
+    // blocks it holds, and the blocks it lacks come from the other processes. P<"x"> -> P<> gathers
+    // the whole array into every device; P<> -> P<"x"> keeps each device's own slice.
+    auto full = reshard<P<>>(x);
+    for (std::size_t d = 0; d < m.size(); ++d) CHECK(full.is_local(d) == (d / 2 == rank));
+    for (std::size_t d : mine) {
+      INFO("device " << d);
+      CHECK(std::vector<float>(full.local(d).data(), full.local(d).data() + host.size()) == host);
+    }
+    auto back = reshard(full, named_sharding<mesh1, P<"x">>{m});
+    for (std::size_t d : mine) {
+      INFO("device " << d);
+      CHECK(back.local(d)(0) == host[2 * d]);
+      CHECK(back.local(d)(1) == host[2 * d + 1]);
+    }
     // A nested spmd inside a device runs on this process's threads: the other processes do not make it.
     const auto nested = spmd(m, [] { return spmd(mesh1{3}, [] { return device_index(); }); });
     for (std::size_t d : mine) CHECK(nested[d] == std::vector<std::size_t>{0, 1, 2});

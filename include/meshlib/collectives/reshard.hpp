@@ -8,7 +8,8 @@
 /// @code
 /// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", none>>{m}, shape, host);
 /// std::cout << meshlib::plan_reshard<meshlib::P<none, "data">>(x);   // all_to_all over 'data' ...
-/// auto y = meshlib::reshard<meshlib::P<none, "data">>(x);            // to_host(y) == to_host(x)
+/// auto y = meshlib::reshard<meshlib::P<none, "data">>(x, runner);    // to_host(y) == to_host(x)
+/// // reshard<...>(x) without a runner: on the default runner (meshlib/exec/global_reshard.hpp)
 /// @endcode
 
 #include <array>
@@ -177,12 +178,13 @@ template <partition_spec_type ToSpec, sharded_tensor_type X>
 }
 
 /// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
-/// on every device of `backend` (default: one thread per device; in a run of several processes,
-/// pass the runner that `x`'s devices run on, e.g. `default_runner{}`).
+/// on every device that `backend` runs in this process. Without a runner, `reshard(x, to)` runs
+/// on `default_runner` (exec/global_reshard.hpp): the runner is chosen in the exec layer, above
+/// this one, as for `spmd` and `shard_map`.
 /// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
 /// divide), or when `backend` runs a device whose block `x` does not hold in this process.
-template <sharded_tensor_type X, sharding_type To, class Backend = thread_backend>
-[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend = {}) {
+template <sharded_tensor_type X, sharding_type To, class Backend>
+[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend) {
   using T = typename X::value_type;
   constexpr std::size_t Rank = X::rank;
   using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
@@ -193,7 +195,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
                            " in this process, but the tensor holds no block of it here (it holds devices " +
                            detail::describe_devices(x.local_devices()) +
-                           "); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
+                           "); pass the runner that runs the tensor's devices");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
     // Same blocks: copy them (the result owns its memory, as after any reshard).
@@ -209,9 +211,10 @@ template <sharded_tensor_type X, sharding_type To, class Backend = thread_backen
   return out;
 }
 
-/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule.
-template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend = thread_backend>
-[[nodiscard]] auto reshard(const X& x, const Backend& backend = {}) {
+/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `backend`'s
+/// devices (without a runner: `default_runner`, exec/global_reshard.hpp).
+template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend>
+[[nodiscard]] auto reshard(const X& x, const Backend& backend) {
   return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
 }
 

@@ -223,14 +223,14 @@ TEST_CASE("reshard preserves the array: fixed cases with int64 and double", "[co
 
 TEST_CASE("reshard refuses a runner that runs devices the tensor does not hold here", "[collectives][reshard][errors]") {
   // This process's blocks of devices 2 and 3 of 4 (as under mpirun with 2 processes), resharded on
-  // the default thread backend, which runs all four devices.
+  // the default runner, which in a single process runs all four devices on threads.
   const mesh1 m{4};
   const std::vector<std::size_t> mine{2, 3};
   sharded_tensor<float, 2, named_sharding<mesh1, P<"a">>> x(named_sharding<mesh1, P<"a">>{m},
                                                              std::array<std::size_t, 2>{8, 2}, mine);
   CHECK(meshlib_test::message_of<sharding_error>([&] { (void)reshard<P<>>(x); }) ==
         "meshlib: reshard: the runner runs device 0 in this process, but the tensor holds no block of it here (it "
-        "holds devices {2, 3}); pass the runner the tensor's devices run on (default_runner{} under mpirun)");
+        "holds devices {2, 3}); pass the runner that runs the tensor's devices");
 }
 
 TEST_CASE("reshard property: random meshes, shapes and spec pairs round-trip exactly", "[collectives][reshard][property]") {
