@@ -5,11 +5,20 @@
 # test's FAIL_REGULAR_EXPRESSION): every mistake must give exactly one error.
 # The compiler is called directly, not through the build tree, so that the tests run in parallel
 # with each other and with everything else (no lock on the build tree, no build-system start-up).
-# -D COMPILER=<c++> -D SOURCE=<file.cpp> -D INCLUDES=<a;b> -D DEFINES=<X=1;Y=1>
+# -D COMPILER=<c++> -D SOURCE=<file.cpp> -D FLAGS=<file>: FLAGS holds three lines, the target's
+# include directories, definitions and options (each a CMake list; meshlib_add_compile_fail_test
+# writes it).
 set(args -std=c++20 -fsyntax-only -fno-diagnostics-color)
 if(COMPILER MATCHES "clang")
   set(args -std=c++20 -fsyntax-only -fno-color-diagnostics)
 endif()
+file(READ "${FLAGS}" flags)
+if(NOT flags MATCHES "^([^\n]*)\n([^\n]*)\n([^\n]*)\n$")
+  message(FATAL_ERROR "meshlib-compile-fail: ${FLAGS} is not three lines")
+endif()
+set(INCLUDES "${CMAKE_MATCH_1}")
+set(DEFINES "${CMAKE_MATCH_2}")
+set(OPTIONS "${CMAKE_MATCH_3}")
 list(REMOVE_DUPLICATES INCLUDES)
 foreach(dir IN LISTS INCLUDES)
   # The compiler's own directories stay implicit: naming /usr/include breaks libstdc++'s
@@ -21,6 +30,11 @@ endforeach()
 foreach(def IN LISTS DEFINES)
   if(def)
     list(APPEND args "-D${def}")
+  endif()
+endforeach()
+foreach(opt IN LISTS OPTIONS)
+  if(opt)
+    list(APPEND args "${opt}")
   endif()
 endforeach()
 execute_process(COMMAND ${COMPILER} ${args} ${SOURCE} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)

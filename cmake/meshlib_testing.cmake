@@ -103,12 +103,15 @@ function(meshlib_add_compile_fail_test)
     string(REPLACE ">" "> ?" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >", "> > >"
     set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
   endif()
-  # Never built: it gives the tests the include directories and definitions a user's target gets
-  # (transitive ones included).
+  # Never built: it gives the tests the include directories, definitions and options a user's
+  # target gets (transitive ones included), written to a file at generate time: there, usage
+  # requirements guarded by $<COMPILE_LANGUAGE:CXX> count as in a compile (Kokkos 4 with OpenMP
+  # asks for -fopenmp that way), while a test's command line evaluates them to nothing.
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})
   target_link_libraries(${target} PRIVATE meshlib::meshlib ${ARG_LIBRARIES})
-  set(incs "$<TARGET_PROPERTY:${target},INCLUDE_DIRECTORIES>")
-  set(defs "$<TARGET_PROPERTY:${target},COMPILE_DEFINITIONS>")
+  set(flags "${CMAKE_CURRENT_BINARY_DIR}/${target}-$<CONFIG>.flags")
+  file(GENERATE OUTPUT "${flags}"
+    CONTENT "$<TARGET_PROPERTY:${target},INCLUDE_DIRECTORIES>\n$<TARGET_PROPERTY:${target},COMPILE_DEFINITIONS>\n$<TARGET_PROPERTY:${target},COMPILE_OPTIONS>\n")
   set(compilers ${CMAKE_CXX_COMPILER})
   set(names ${target})
   if(MESHLIB_COMPILE_FAIL_CLANG AND MESHLIB_CLANGXX AND NOT ARG_GCC_ONLY)
@@ -118,8 +121,7 @@ function(meshlib_add_compile_fail_test)
   foreach(compiler name IN ZIP_LISTS compilers names)
     add_test(NAME ${name}
       COMMAND ${CMAKE_COMMAND} -DCOMPILER=${compiler} -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/${ARG_SOURCE}
-        "-DINCLUDES=${incs}" "-DDEFINES=${defs}"
-        -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
+        "-DFLAGS=${flags}" -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
     # The compiler's output must carry the promised message; a program that compiles cannot print it.
     set_tests_properties(${name} PROPERTIES
       PASS_REGULAR_EXPRESSION "${ARG_REGEX}"

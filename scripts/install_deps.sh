@@ -17,6 +17,7 @@ packages=(
   doxygen pkg-config python3-jsonschema    # packaging tests: API reference, pkg-config, vcpkg manifest schema
   python3-fasteners python3-jinja2 python3-requests python3-colorama python3-patch-ng  # Conan 2 from source (packaging test)
   clang-14                                 # compile-fail tests' second compiler (diagnostics read well on Clang too)
+  libomp-14-dev                            # Clang's <omp.h>: its compile-fail tests against a Kokkos 4 built with OpenMP
 )
 
 missing=()
