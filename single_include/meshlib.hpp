@@ -13318,24 +13318,31 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     const std::int64_t* rd = o.v[3];
     std::size_t send_len = 0;  // the send buffer as far as the blocks reach
     for (std::size_t j = 0; j < n; ++j) send_len = std::max(send_len, static_cast<std::size_t>(sc[j] + sd[j]));
-    // Every member's counts and displacements, then every member's send blocks.
-    std::vector<std::int64_t> meta(2 * n);
+    // Every member's send counts, send displacements and receive counts, then every member's send
+    // blocks. With every member's counts, every device checks every (sender, receiver) pair in the
+    // same order and names the same first disagreement: the devices whose own counts agree fail
+    // too, instead of returning as if the call had worked (as on the thread and MPI backends).
+    std::vector<std::int64_t> meta(3 * n);
     std::copy(sc, sc + n, meta.begin());
     std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
+    std::copy(rcounts, rcounts + n, meta.begin() + static_cast<std::ptrdiff_t>(2 * n));
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
+    for (std::size_t k = 0; k < n; ++k)
+      for (std::size_t j = 0; j < n; ++j) {
+        const std::int64_t sent = metas[j * 3 * n + k], expected = metas[k * 3 * n + 2 * n + j];
+        if (sent != expected)
+          throw collective_mismatch(
+              "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+              " devices: the counts disagree: " +
+              detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
+                                                   "hybrid device " + std::to_string(group_->member_device[k]), sent,
+                                                   expected));
+      }
     std::vector<std::size_t> offsets;
     const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
     for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t c = metas[j * 2 * n + static_cast<std::size_t>(rank_)];
-      const std::int64_t d = metas[j * 2 * n + n + static_cast<std::size_t>(rank_)];
-      if (c != rcounts[j])
-        throw collective_mismatch(
-            "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
-            " devices: the counts disagree: " +
-            detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
-                                                 "hybrid device " +
-                                                     std::to_string(group_->member_device[static_cast<std::size_t>(rank_)]),
-                                                 c, rcounts[j]));
+      const std::int64_t c = metas[j * 3 * n + static_cast<std::size_t>(rank_)];
+      const std::int64_t d = metas[j * 3 * n + n + static_cast<std::size_t>(rank_)];
       std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(offsets[j] + static_cast<std::size_t>(d)), c,
                   o.recv + rd[j]);
     }

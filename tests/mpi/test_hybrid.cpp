@@ -213,6 +213,45 @@ TEST_CASE("hybrid: a thread that throws fails its process's group and is reporte
   }
 }
 
+// The counts of an all_to_all_v disagree between one sender and one receiver (device 1 expects two
+// elements from device 0, which sends one). Every device of every process gets the same
+// collective_mismatch naming that pair (and itself as the device that saw it), as on the thread
+// and MPI backends; none returns as if the call had worked.
+TEST_CASE("hybrid: all_to_all_v counts that disagree are a mismatch on every device, naming the pair", "[mpi][hybrid][faults]") {
+  auto procs = meshlib::mpi_communicator(MPI_COMM_WORLD);
+  const int n = procs.size() * threads;
+  std::vector<std::string> seen(threads);
+  meshlib::run_hybrid(procs, threads, [&](meshlib::hybrid_communicator& c) {
+    const auto me = static_cast<std::size_t>(c.rank());
+    const auto nn = static_cast<std::size_t>(n);
+    std::vector<std::int64_t> sc(nn, 1), sd(nn), rc(nn, 1), rd(nn);
+    if (me == 1) rc[0] = 2;
+    std::int64_t at = 0;
+    for (std::size_t j = 0; j < nn; ++j) {
+      sd[j] = static_cast<std::int64_t>(j);
+      rd[j] = at;
+      at += rc[j];
+    }
+    std::vector<float> s(nn, 1.0f), out(static_cast<std::size_t>(at));
+    const auto t = static_cast<std::size_t>(c.local().rank());
+    try {
+      c.all_to_all_v(std::span<const float>(s), std::span<const std::int64_t>(sc), std::span<const std::int64_t>(sd),
+                     std::span(out), std::span<const std::int64_t>(rc), std::span<const std::int64_t>(rd));
+      seen[t] = "returned";
+    } catch (const meshlib::collective_mismatch& e) {
+      seen[t] = e.what();
+    }
+  });
+  for (int t = 0; t < threads; ++t) {
+    INFO("device " << procs.rank() * threads + t);
+    CHECK(seen[static_cast<std::size_t>(t)] ==
+          "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(n) +
+              " devices: the counts disagree: hybrid device 0 sends 1 elements to hybrid device 1, which expects 2 "
+              "[seen by all_to_all_v on hybrid device " + std::to_string(procs.rank() * threads + t) + " of " +
+              std::to_string(n) + "]");
+  }
+}
+
 // Issue 10: a device that never arrives at a collective. The devices of its process detect it
 // (they wait for it locally) and tell every process: every device of every process gets
 // comm_timeout with one root-cause message that names the operation the user called and the
