@@ -446,6 +446,29 @@ std::vector<fault_row<Comm>> mismatch_rows() {
                     }
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"all_reduce(", "broadcast("}, 2.0); }});
+  // One element to every peer, but participant 1 expects two from participant 0: every
+  // participant fails, none returns as if the call had worked; participant 1, which holds the
+  // disagreeing count, names the pair on every backend (the others may name it too, or only say
+  // that participant 1 saw it).
+  rows.push_back({"all_to_all_v counts that disagree (1 expects 2 elements from 0, which sends 1)",
+                  [](Comm& c) {
+                    const auto n = static_cast<std::size_t>(c.size());
+                    std::vector<std::int64_t> sc(n, 1), sd(n), rc(n, 1), rd(n);
+                    if (c.rank() == 1) rc[0] = 2;
+                    std::int64_t at = 0;
+                    for (std::size_t j = 0; j < n; ++j) {
+                      sd[j] = static_cast<std::int64_t>(j);
+                      rd[j] = at;
+                      at += rc[j];
+                    }
+                    auto s = Buffers::make(c, std::vector<float>(n, 1.0f));
+                    auto r = Buffers::make(c, std::vector<float>(static_cast<std::size_t>(at), 0.0f));
+                    c.all_to_all_v(s.cspan(), sc, sd, r.span(), rc, rd);
+                  },
+                  [](int rank, int, const outcome& o) {
+                    if (rank != 1) return want(o, "mismatch", {"all_to_all_v"}, 2.0);
+                    return want(o, "mismatch", {"all_to_all_v", "0 sends 1 elements to ", "1, which expects 2"}, 2.0);
+                  }});
   return rows;
 }
 
