@@ -17292,22 +17292,30 @@ class shared_gpu_communicator
       if (copy_of != nullptr) free_after(k, copy_of, s0);
       return r;
     } else if constexpr (K == op_kind::all_to_all_v) {
-      // Every receiver's counts and displacements, so that each sender pushes to the right place.
-      std::vector<std::int64_t> mine(2 * n);
+      // Every participant's receive counts and displacements (so that each sender pushes to the
+      // right place) and send counts. With every participant's counts, every device checks every
+      // (sender, receiver) pair in the same order before anything moves and names the same first
+      // disagreement: the devices whose own counts agree fail too (as on the host backends).
+      std::vector<std::int64_t> mine(3 * n);
       std::copy(o.v[2], o.v[2] + n, mine.begin());
       std::copy(o.v[3], o.v[3] + n, mine.begin() + static_cast<std::ptrdiff_t>(n));
-      std::vector<std::int64_t> theirs(2 * n * n);
+      std::copy(o.v[0], o.v[0] + n, mine.begin() + static_cast<std::ptrdiff_t>(2 * n));
+      std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
         (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
+        for (std::size_t to = 0; to < n; ++to)
+          for (std::size_t from = 0; from < n; ++from) {
+            const std::int64_t sent = theirs[from * 3 * n + 2 * n + to], want = theirs[to * 3 * n + from];
+            if (sent != want)
+              throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                        std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                        "): the counts disagree: " +
+                                        detail::describe_counts_disagreement("device " + std::to_string(from),
+                                                                             "device " + std::to_string(to), sent, want));
+          }
         for (std::size_t j = 0; j < n; ++j) {
-          const std::int64_t want = theirs[j * 2 * n + me];
-          if (want != o.v[0][j])
-            throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
-                                      std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
-                                      "): the counts disagree: " +
-                                      detail::describe_counts_disagreement("device " + std::to_string(me),
-                                                                           "device " + std::to_string(j), o.v[0][j], want));
-          const std::int64_t at = theirs[j * 2 * n + n + me];
+          const std::int64_t want = theirs[j * 3 * n + me];
+          const std::int64_t at = theirs[j * 3 * n + n + me];
           copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
         }
       });
