@@ -446,6 +446,19 @@ std::vector<fault_row<Comm>> mismatch_rows() {
                     }
                   },
                   [](int, int, const outcome& o) { return want(o, "mismatch", {"all_reduce(", "broadcast("}, 2.0); }});
+  // Participant 0 passes the pairs of a ring shift, every other participant the same shift
+  // without its last pair (the last participant sends to none): the same operation with other
+  // arguments, and every participant must fail.
+  rows.push_back({"ppermute pairs that disagree (a ring shift vs the shift without its last pair)",
+                  [](Comm& c) {
+                    const int n = c.size();
+                    std::vector<permute_pair> pairs;
+                    for (int r = 0; r < (c.rank() == 0 ? n : n - 1); ++r) pairs.push_back({r, (r + 1) % n});
+                    auto s = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    auto r = Buffers::make(c, std::vector<float>(4, 0.0f));
+                    c.ppermute(s.cspan(), r.span(), std::span<const permute_pair>(pairs));
+                  },
+                  [](int, int, const outcome& o) { return want(o, "mismatch", {"ppermute"}, 2.0); }});
   // One element to every peer, but participant 1 expects two from participant 0: every
   // participant fails, none returns as if the call had worked; participant 1, which holds the
   // disagreeing count, names the pair on every backend (the others may name it too, or only say
