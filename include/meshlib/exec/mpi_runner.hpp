@@ -14,7 +14,8 @@
 /// the world too: a world that failed refuses every later call, and a clean one would carry a
 /// call's unreceived point-to-point messages and its collective sequence numbers into the next
 /// call; a fresh world gives every call the error isolation of a new communicator. The price is
-/// about 0.2 ms a call on 2 processes x 2 threads (bench/hybrid_bench, docs/benchmarks.md).
+/// about 0.13 ms a call on 2 processes x 2 threads (bench/hybrid_bench, docs/benchmarks.md); the
+/// watcher runs on a thread that parks between calls (comm/mpi/detail/watcher_threads.hpp).
 ///
 /// Device threads of a hybrid mesh are not pinned to cores: every process of a node would pin
 /// its thread `t` to the same core `t` (MPI launchers bind processes to cores themselves).

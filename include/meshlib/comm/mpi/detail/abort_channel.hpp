@@ -24,6 +24,7 @@
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/mpi/detail/settle.hpp"
+#include "meshlib/comm/mpi/detail/watcher_threads.hpp"
 
 namespace meshlib::detail {
 
@@ -68,7 +69,7 @@ struct abort_channel {
     std::unique_lock lk(nap_mutex);
     nap_cv.wait_for(lk, d, [this] { return stop.load(); });
   }
-  std::thread watcher;                   ///< the hybrid world's poller (the MPI communicator polls from its waits)
+  watcher_threads::job watcher;          ///< the hybrid world's poller (the MPI communicator polls from its waits)
   std::mutex poll_mutex;                 ///< one poller at a time (threads may share a split's channel)
   bool closed = false;
 
