@@ -2528,6 +2528,7 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
 /// in how they name the same call (they had: "count 4, op sum" on the host, "4 elements, sum" on
 /// the devices), and so that one set of expected words (the conformance kit's) fits them all.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -2602,6 +2603,28 @@ inline std::string describe_counts_disagreement(std::string_view sender, std::st
                                                 std::int64_t sent, std::int64_t expected) {
   return std::string(sender) + " sends " + std::to_string(sent) + " elements to " + std::string(receiver) +
          ", which expects " + std::to_string(expected);
+}
+
+/// One (sender, receiver) pair of an all_to_all_v whose counts disagree.
+struct counts_disagreement {
+  std::size_t sender = 0;
+  std::size_t receiver = 0;
+  std::int64_t sent = 0;      ///< the sender's send_counts entry for the receiver
+  std::int64_t expected = 0;  ///< the receiver's recv_counts entry for the sender
+};
+
+/// The first pair of `n` participants whose counts disagree, in the one order every backend that
+/// sees all the counts checks (senders ascending, then receivers), so that every participant
+/// names the same pair; empty when they all agree. `sent(i, j)`: participant i's send_counts
+/// entry for j; `expected(j, i)`: participant j's recv_counts entry for i.
+template <class Sent, class Expected>
+std::optional<counts_disagreement> first_counts_disagreement(std::size_t n, Sent&& sent, Expected&& expected) {
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t s = sent(i, j), e = expected(j, i);
+      if (s != e) return counts_disagreement{i, j, s, e};
+    }
+  return std::nullopt;
 }
 
 }  // namespace meshlib::detail
@@ -3414,15 +3437,15 @@ class step_protocol {
     for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(l0, line(r, s), p0, g.slots[r].pairs[s & 1]);
     std::string extra;
     if (ok && l0.kind == op_kind::all_to_all_v) {
-      for (int i = 0; i < g.n && ok; ++i)
-        for (int j = 0; j < g.n && ok; ++j) {
-          const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
-          const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
-          if (sent != expected) {
-            ok = false;
-            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
-          }
-        }
+      const auto bad = detail::first_counts_disagreement(
+          static_cast<std::size_t>(g.n), [&](std::size_t i, std::size_t j) { return g.slots[i].desc[s & 1].v[0][j]; },
+          [&](std::size_t j, std::size_t i) { return g.slots[j].desc[s & 1].v[2][i]; });
+      if (bad) {
+        ok = false;
+        extra = "; " + detail::describe_counts_disagreement(g.rank_label(static_cast<int>(bad->sender)),
+                                                            g.rank_label(static_cast<int>(bad->receiver)), bad->sent,
+                                                            bad->expected);
+      }
     }
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
@@ -13452,17 +13475,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
     std::copy(rcounts, rcounts + n, meta.begin() + static_cast<std::ptrdiff_t>(2 * n));
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
-    for (std::size_t k = 0; k < n; ++k)
-      for (std::size_t j = 0; j < n; ++j) {
-        const std::int64_t sent = metas[j * 3 * n + k], expected = metas[k * 3 * n + 2 * n + j];
-        if (sent != expected)
-          throw collective_mismatch(
-              "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
-              " devices: the counts disagree: " +
-              detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
-                                                   "hybrid device " + std::to_string(group_->member_device[k]), sent,
-                                                   expected));
-      }
+    if (const auto bad = detail::first_counts_disagreement(
+            n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
+            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; }))
+      throw collective_mismatch(
+          "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+          " devices: the counts disagree: " +
+          detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
+                                               "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
+                                               bad->sent, bad->expected));
     std::vector<std::size_t> offsets;
     const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
     for (std::size_t j = 0; j < n; ++j) {
@@ -17429,16 +17450,15 @@ class shared_gpu_communicator
       std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
         (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
-        for (std::size_t to = 0; to < n; ++to)
-          for (std::size_t from = 0; from < n; ++from) {
-            const std::int64_t sent = theirs[from * 3 * n + 2 * n + to], want = theirs[to * 3 * n + from];
-            if (sent != want)
-              throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
-                                        std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
-                                        "): the counts disagree: " +
-                                        detail::describe_counts_disagreement("device " + std::to_string(from),
-                                                                             "device " + std::to_string(to), sent, want));
-          }
+        if (const auto bad = detail::first_counts_disagreement(
+                n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
+                [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
+          throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                    std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                    "): the counts disagree: " +
+                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
+                                                                         "device " + std::to_string(bad->receiver),
+                                                                         bad->sent, bad->expected));
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 3 * n + me];
           const std::int64_t at = theirs[j * 3 * n + n + me];

@@ -11,6 +11,7 @@
 /// in how they name the same call (they had: "count 4, op sum" on the host, "4 elements, sum" on
 /// the devices), and so that one set of expected words (the conformance kit's) fits them all.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -89,6 +90,28 @@ inline std::string describe_counts_disagreement(std::string_view sender, std::st
                                                 std::int64_t sent, std::int64_t expected) {
   return std::string(sender) + " sends " + std::to_string(sent) + " elements to " + std::string(receiver) +
          ", which expects " + std::to_string(expected);
+}
+
+/// One (sender, receiver) pair of an all_to_all_v whose counts disagree.
+struct counts_disagreement {
+  std::size_t sender = 0;
+  std::size_t receiver = 0;
+  std::int64_t sent = 0;      ///< the sender's send_counts entry for the receiver
+  std::int64_t expected = 0;  ///< the receiver's recv_counts entry for the sender
+};
+
+/// The first pair of `n` participants whose counts disagree, in the one order every backend that
+/// sees all the counts checks (senders ascending, then receivers), so that every participant
+/// names the same pair; empty when they all agree. `sent(i, j)`: participant i's send_counts
+/// entry for j; `expected(j, i)`: participant j's recv_counts entry for i.
+template <class Sent, class Expected>
+std::optional<counts_disagreement> first_counts_disagreement(std::size_t n, Sent&& sent, Expected&& expected) {
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t s = sent(i, j), e = expected(j, i);
+      if (s != e) return counts_disagreement{i, j, s, e};
+    }
+  return std::nullopt;
 }
 
 }  // namespace meshlib::detail

@@ -69,6 +69,7 @@
 #include <vector>
 
 #include "meshlib/comm/detail/buffer_checks.hpp"
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/errors.hpp"
@@ -507,17 +508,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
     std::copy(rcounts, rcounts + n, meta.begin() + static_cast<std::ptrdiff_t>(2 * n));
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
-    for (std::size_t k = 0; k < n; ++k)
-      for (std::size_t j = 0; j < n; ++j) {
-        const std::int64_t sent = metas[j * 3 * n + k], expected = metas[k * 3 * n + 2 * n + j];
-        if (sent != expected)
-          throw collective_mismatch(
-              "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
-              " devices: the counts disagree: " +
-              detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[j]),
-                                                   "hybrid device " + std::to_string(group_->member_device[k]), sent,
-                                                   expected));
-      }
+    if (const auto bad = detail::first_counts_disagreement(
+            n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
+            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; }))
+      throw collective_mismatch(
+          "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
+          " devices: the counts disagree: " +
+          detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
+                                               "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
+                                               bad->sent, bad->expected));
     std::vector<std::size_t> offsets;
     const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
     for (std::size_t j = 0; j < n; ++j) {

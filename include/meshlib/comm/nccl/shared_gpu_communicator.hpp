@@ -277,16 +277,15 @@ class shared_gpu_communicator
       std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
         (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
-        for (std::size_t to = 0; to < n; ++to)
-          for (std::size_t from = 0; from < n; ++from) {
-            const std::int64_t sent = theirs[from * 3 * n + 2 * n + to], want = theirs[to * 3 * n + from];
-            if (sent != want)
-              throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
-                                        std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
-                                        "): the counts disagree: " +
-                                        detail::describe_counts_disagreement("device " + std::to_string(from),
-                                                                             "device " + std::to_string(to), sent, want));
-          }
+        if (const auto bad = detail::first_counts_disagreement(
+                n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
+                [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
+          throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                    std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                    "): the counts disagree: " +
+                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
+                                                                         "device " + std::to_string(bad->receiver),
+                                                                         bad->sent, bad->expected));
         for (std::size_t j = 0; j < n; ++j) {
           const std::int64_t want = theirs[j * 3 * n + me];
           const std::int64_t at = theirs[j * 3 * n + n + me];

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/thread/detail/call_desc.hpp"
@@ -210,15 +211,15 @@ class step_protocol {
     for (int r = 1; r < g.n && ok; ++r) ok = detail::same_call(l0, line(r, s), p0, g.slots[r].pairs[s & 1]);
     std::string extra;
     if (ok && l0.kind == op_kind::all_to_all_v) {
-      for (int i = 0; i < g.n && ok; ++i)
-        for (int j = 0; j < g.n && ok; ++j) {
-          const std::int64_t sent = g.slots[i].desc[s & 1].v[0][j];
-          const std::int64_t expected = g.slots[j].desc[s & 1].v[2][i];
-          if (sent != expected) {
-            ok = false;
-            extra = "; " + detail::describe_counts_disagreement(g.rank_label(i), g.rank_label(j), sent, expected);
-          }
-        }
+      const auto bad = detail::first_counts_disagreement(
+          static_cast<std::size_t>(g.n), [&](std::size_t i, std::size_t j) { return g.slots[i].desc[s & 1].v[0][j]; },
+          [&](std::size_t j, std::size_t i) { return g.slots[j].desc[s & 1].v[2][i]; });
+      if (bad) {
+        ok = false;
+        extra = "; " + detail::describe_counts_disagreement(g.rank_label(static_cast<int>(bad->sender)),
+                                                            g.rank_label(static_cast<int>(bad->receiver)), bad->sent,
+                                                            bad->expected);
+      }
     }
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
