@@ -71,6 +71,56 @@ function(meshlib_add_catch_test)
   endif()
 endfunction()
 
+# The compile-fail tests and compile checks start from one precompiled header per compiler and
+# flags (cmake/meshlib_compile_fail.cmake says how it is kept in step with the headers).
+option(MESHLIB_COMPILE_CHECK_PCH "Compile-fail tests and compile checks share a precompiled meshlib header" ON)
+# (A function, not a variable: bench/ calls these functions from outside tests/'s scope.)
+function(_meshlib_pch_args out_var)
+  set(args "")
+  if(MESHLIB_COMPILE_CHECK_PCH)
+    set(args "-DPCH_DIR=${CMAKE_BINARY_DIR}/compile_check_pch" "-DHEADERS=${PROJECT_SOURCE_DIR}/include")
+  endif()
+  set(${out_var} "${args}" PARENT_SCOPE)
+endfunction()
+
+# Writes the compile flags a user's target linked to `libraries` gets (include directories,
+# definitions, options; transitive ones included) to <out_var>'s file, at generate time: there,
+# usage requirements guarded by $<COMPILE_LANGUAGE:CXX> count as in a compile (Kokkos 4 with OpenMP
+# asks for -fopenmp that way), while a test's command line evaluates them to nothing.
+function(_meshlib_flags_file out_var target)
+  set(flags "${CMAKE_CURRENT_BINARY_DIR}/${target}-$<CONFIG>.flags")
+  file(GENERATE OUTPUT "${flags}"
+    CONTENT "$<TARGET_PROPERTY:${target},INCLUDE_DIRECTORIES>\n$<TARGET_PROPERTY:${target},COMPILE_DEFINITIONS>\n$<TARGET_PROPERTY:${target},COMPILE_OPTIONS>\n")
+  set(${out_var} "${flags}" PARENT_SCOPE)
+endfunction()
+
+#  meshlib_add_compile_check(TARGET <t>)
+#     A test compile_check_<t> per source of target <t> (-fsyntax-only with <t>'s flags, the
+#     compiler called directly): it passes when the source compiles. For targets the test command
+#     does not build (the benchmarks: bench/CMakeLists.txt), so that they still cannot rot. No
+#     precompiled header: each benchmark has flags of its own, so one would serve one source.
+function(meshlib_add_compile_check)
+  cmake_parse_arguments(ARG "" "TARGET" "" ${ARGN})
+  _meshlib_flags_file(flags ${ARG_TARGET})
+  get_target_property(sources ${ARG_TARGET} SOURCES)
+  get_target_property(source_dir ${ARG_TARGET} SOURCE_DIR)
+  list(FILTER sources INCLUDE REGEX "\\.cpp$")
+  list(LENGTH sources n)
+  if(NOT n EQUAL 1)
+    message(FATAL_ERROR "meshlib_add_compile_check: ${ARG_TARGET} has ${n} .cpp sources; one test per target expects one")
+  endif()
+  foreach(source IN LISTS sources)
+    if(NOT IS_ABSOLUTE "${source}")
+      set(source "${source_dir}/${source}")
+    endif()
+    add_test(NAME compile_check_${ARG_TARGET}
+      COMMAND ${CMAKE_COMMAND} -DCOMPILER=${CMAKE_CXX_COMPILER} -DSOURCE=${source} "-DFLAGS=${flags}" -DEXPECT=compile
+        -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
+    set_tests_properties(compile_check_${ARG_TARGET} PROPERTIES
+      PASS_REGULAR_EXPRESSION "meshlib-compile-check: compiled" LABELS "compile_check" TIMEOUT 300)
+  endforeach()
+endfunction()
+
 find_program(MESHLIB_CLANGXX NAMES clang++-14 clang++ DOC "Clang for the compile-fail tests' second leg")
 option(MESHLIB_COMPILE_FAIL_CLANG "Also check every compile-fail test's message under Clang" ON)
 
@@ -103,15 +153,11 @@ function(meshlib_add_compile_fail_test)
     string(REPLACE ">" "> ?" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >", "> > >"
     set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
   endif()
-  # Never built: it gives the tests the include directories, definitions and options a user's
-  # target gets (transitive ones included), written to a file at generate time: there, usage
-  # requirements guarded by $<COMPILE_LANGUAGE:CXX> count as in a compile (Kokkos 4 with OpenMP
-  # asks for -fopenmp that way), while a test's command line evaluates them to nothing.
+  # Never built: it gives the tests the flags a user's target gets (_meshlib_flags_file).
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})
   target_link_libraries(${target} PRIVATE meshlib::meshlib ${ARG_LIBRARIES})
-  set(flags "${CMAKE_CURRENT_BINARY_DIR}/${target}-$<CONFIG>.flags")
-  file(GENERATE OUTPUT "${flags}"
-    CONTENT "$<TARGET_PROPERTY:${target},INCLUDE_DIRECTORIES>\n$<TARGET_PROPERTY:${target},COMPILE_DEFINITIONS>\n$<TARGET_PROPERTY:${target},COMPILE_OPTIONS>\n")
+  _meshlib_flags_file(flags ${target})
+  _meshlib_pch_args(pch)
   set(compilers ${CMAKE_CXX_COMPILER})
   set(names ${target})
   if(MESHLIB_COMPILE_FAIL_CLANG AND MESHLIB_CLANGXX AND NOT ARG_GCC_ONLY)
@@ -121,7 +167,7 @@ function(meshlib_add_compile_fail_test)
   foreach(compiler name IN ZIP_LISTS compilers names)
     add_test(NAME ${name}
       COMMAND ${CMAKE_COMMAND} -DCOMPILER=${compiler} -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/${ARG_SOURCE}
-        "-DFLAGS=${flags}" -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
+        "-DFLAGS=${flags}" ${pch} -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
     # The compiler's output must carry the promised message; a program that compiles cannot print it.
     set_tests_properties(${name} PROPERTIES
       PASS_REGULAR_EXPRESSION "${ARG_REGEX}"

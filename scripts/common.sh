@@ -7,6 +7,9 @@
 #             assertions stay on because tests rely on them). The test targets get -O1 on top
 #             (MESHLIB_TEST_FLAGS, tests/CMakeLists.txt): they check results, not speed.
 # JOBS        parallel jobs (default: nproc)
+#
+# Benchmarks are on demand (MESHLIB_BENCHMARKS_ON_DEMAND): `cmake --build build --target <bench>`
+# builds one; the tests only compile-check them.
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$repo_root/build}"
@@ -20,7 +23,7 @@ configure() {
   cmake -S "$repo_root" -B "$BUILD_DIR" \
     -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-O1" \
-    -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON \
+    -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON -DMESHLIB_BENCHMARKS_ON_DEMAND=ON \
     "$@"
 }
 
