@@ -94,6 +94,7 @@ namespace detail {
 /// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  require_runnable(m, "spmd / shard_map / reshard");
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
   (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)

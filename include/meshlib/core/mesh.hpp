@@ -10,6 +10,7 @@
 #include <array>
 #include <cstddef>
 #include <initializer_list>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -256,6 +257,32 @@ class mesh {
 /// @brief A type that is a `mesh<...>`.
 template <class T>
 concept mesh_type = requires { typename T::is_mesh; };
+
+namespace detail {
+
+/// Throws `mesh_error` unless the devices of `m` can run: every communicator numbers its ranks
+/// with an `int` (MPI's, NCCL's, the thread communicator's), so `what` (`spmd`, `shard_map`,
+/// `reshard`) refuses a mesh of more than `INT_MAX` devices, naming the axis at which the count
+/// passes it, before anything is allocated per device (`spmd` on `mesh{2^32 + 2}` otherwise ends
+/// in `std::bad_alloc`). A mesh as a description (layouts, shardings) may be larger.
+template <mesh_type Mesh>
+void require_runnable(const Mesh& m, std::string_view what) {
+  constexpr std::size_t limit = static_cast<std::size_t>(std::numeric_limits<int>::max());
+  if (m.size() <= limit) return;
+  std::size_t n = 1;
+  std::size_t at = 0;
+  for (; at < Mesh::ndim; ++at) {
+    n *= m.axis_size(at);  // a prefix of the product that the mesh checked fits in 64 bits
+    if (n > limit) break;
+  }
+  throw mesh_error("meshlib: " + std::string(what) + " on " + m.to_string() + ": the mesh has " +
+                   std::to_string(m.size()) + " devices, more than the " + std::to_string(limit) +
+                   " that a communicator's int ranks can number; axis '" + std::string(Mesh::axis_names[at]) +
+                   "' (size " + std::to_string(m.axis_size(at)) + ") takes the device count past it: use a mesh "
+                   "of at most " + std::to_string(limit) + " devices");
+}
+
+}  // namespace detail
 
 /// @brief Builds a mesh and checks it against the number of devices, as `jax.make_mesh`.
 /// @throws mesh_error when the product of `sizes` is not `device_count`.

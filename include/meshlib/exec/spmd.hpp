@@ -40,11 +40,13 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
 /// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
+/// @throws mesh_error when the mesh has more devices than an `int` counts (naming the axis).
 template <mesh_type Mesh, class Fn, runner Backend = default_runner>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
   detail::require_kokkos("spmd");
+  detail::require_runnable(m, "spmd");  // before the per-device results are allocated
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {

@@ -6,12 +6,14 @@
 /// same rule run on a replicated state or on a ZeRO-1 shard of it with identical numbers.
 /// @code
 /// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
+/// meshlib::nn::optimizer simple = meshlib::nn::adam(1e-3f);   // a number is a constant schedule
 /// @endcode
 
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <string_view>
 
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/schedule.hpp"
@@ -20,6 +22,17 @@ namespace meshlib::nn {
 
 /// @brief Which rule `optimizer` applies.
 enum class optimizer_kind { sgd, adam, adamw };
+
+/// @brief The rule's name as its factory is spelled (`"sgd"`, `"adam"`, `"adamw"`): what a
+/// checkpoint stores and what its messages name.
+[[nodiscard]] constexpr std::string_view to_string(optimizer_kind kind) noexcept {
+  switch (kind) {
+    case optimizer_kind::sgd: return "sgd";
+    case optimizer_kind::adam: return "adam";
+    case optimizer_kind::adamw: return "adamw";
+  }
+  return "?";
+}
 
 /// @brief An optimizer's rule and hyperparameters (see the factories below).
 struct optimizer {

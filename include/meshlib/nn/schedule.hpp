@@ -14,8 +14,18 @@
 namespace meshlib::nn {
 
 /// @brief `lr(step)`: `peak` after a linear warm-up of `warmup` steps, then constant (`total == 0`)
-/// or a cosine decay to `peak * final_fraction` at step `total`.
+/// or a cosine decay to `peak * final_fraction` at step `total`. A plain number converts to the
+/// constant schedule, as optax takes a float wherever it takes a schedule: `adam(1e-3f)` is
+/// `adam(constant(1e-3f))`.
 struct schedule {
+  /// The default: a constant 1e-3.
+  constexpr schedule() noexcept = default;
+  /// The constant rate `lr` (implicit: a number is a schedule).
+  constexpr schedule(float lr) noexcept : peak(lr), final_fraction(1.0f) {}  // NOLINT(google-explicit-constructor)
+  /// Every field, in declaration order.
+  constexpr schedule(float peak_, std::size_t warmup_, std::size_t total_, float final_fraction_) noexcept
+      : peak(peak_), warmup(warmup_), total(total_), final_fraction(final_fraction_) {}
+
   /// The learning rate after warm-up.
   float peak = 1e-3f;
   /// Steps of linear warm-up from `peak / warmup` to `peak`.

@@ -288,3 +288,15 @@ TEST_CASE("without a multi-process launch the default runner is the process-wide
   CHECK(!dist::is_initialized());
   check_threads();
 }
+
+TEST_CASE("spmd on a mesh of more devices than an int counts is a mesh_error naming the axis, not bad_alloc",
+          "[exec][runner][sizes]") {
+  const mesh1 m{(std::size_t{1} << 32) + 2};
+  const std::string expected =
+      "meshlib: spmd on mesh{'x': 4294967298}: the mesh has 4294967298 devices, more than the 2147483647 that a "
+      "communicator's int ranks can number; axis 'x' (size 4294967298) takes the device count past it: use a mesh of "
+      "at most 2147483647 devices";
+  CHECK(meshlib_test::message_of<mesh_error>([&] { spmd(m, [] {}); }) == expected);
+  CHECK(meshlib_test::message_of<mesh_error>([&] { (void)spmd(m, [] { return 1; }); }) == expected);
+  CHECK(meshlib_test::message_of<mesh_error>([&] { spmd(m, [] {}, thread_runner{}); }) == expected);
+}

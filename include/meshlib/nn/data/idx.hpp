@@ -14,7 +14,8 @@
 /// Every defect gives a meshlib::data_error that names the file and says what was expected and
 /// what was found: a missing file, a bad magic number (not IDX, not unsigned bytes, or the wrong
 /// number of dimensions), a file shorter or longer than its header promises, label and image
-/// counts that disagree, a label outside [0, classes).
+/// counts that disagree, a label outside [0, classes), a header whose dimensions multiply past
+/// 2^64. Every size is checked against the file before anything is allocated by it.
 
 #include <cstddef>
 #include <cstdint>
@@ -66,14 +67,23 @@ inline std::vector<std::size_t> idx_dims(const std::filesystem::path& path,
                      " bytes, shorter than its " + std::to_string(header) + "-byte header");
   }
   std::vector<std::size_t> dims(rank);
+  for (std::size_t d = 0; d < rank; ++d) dims[d] = big_endian32(bytes.data() + 4 + 4 * d);
+  std::string shape;
+  for (std::size_t d = 0; d < rank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+  // Three 32-bit dimensions can multiply past 2^64 and wrap to a small count that the size check
+  // below would accept (2^22 x 2^21 x 2^21 wraps to 0: a 16-byte file "holding" 4.4e12-pixel
+  // images), so the count is checked before anything is sized by it.
   std::size_t payload = 1;
-  for (std::size_t d = 0; d < rank; ++d) {
-    dims[d] = big_endian32(bytes.data() + 4 + 4 * d);
-    payload *= dims[d];
+  bool overflow = false;
+  for (std::size_t d = 0; d < rank; ++d) overflow = overflow || __builtin_mul_overflow(payload, dims[d], &payload);
+  std::size_t total = 0;
+  overflow = overflow || __builtin_add_overflow(header, payload, &total);
+  if (overflow) {
+    throw data_error(what + " has a corrupted header: it promises " + shape + " bytes (" + layout +
+                     "), a count that does not fit in 64 bits, but the file has " +
+                     std::to_string(bytes.size()) + " bytes; it is not an IDX file or its header is damaged");
   }
-  if (bytes.size() != header + payload) {
-    std::string shape;
-    for (std::size_t d = 0; d < rank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+  if (bytes.size() != total) {
     throw data_error(what + (bytes.size() < header + payload ? " is truncated" : " is too long") +
                      ": its header promises " + shape + " bytes (" + layout + "), so " +
                      std::to_string(header + payload) + " bytes in all, but it has " +

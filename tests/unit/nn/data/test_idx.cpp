@@ -167,6 +167,44 @@ TEST_CASE("read_idx names the file and the defect of every malformed input", "[n
           "meshlib: IDX file " + q(f) +
               " is truncated: its header promises 4 x 2 x 2 bytes (count, rows, columns), so 32 bytes in all, but it has 31");
   }
+  SECTION("dimensions whose product overflows 64 bits (2^22 x 2^21 x 2^21 wraps to 0)") {
+    bytes b;
+    meshlib_test::put32(b, 0x00000803);
+    meshlib_test::put32(b, 1u << 22);
+    meshlib_test::put32(b, 1u << 21);
+    meshlib_test::put32(b, 1u << 21);
+    REQUIRE(b.size() == 16);  // header only: the wrapped count 0 would match the file's size
+    const auto f = written("overflow", b);
+    CHECK(error_of(f, good_labels) ==
+          "meshlib: IDX file " + q(f) +
+              " has a corrupted header: it promises 4194304 x 2097152 x 2097152 bytes (count, rows, columns), a count "
+              "that does not fit in 64 bits, but the file has 16 bytes; it is not an IDX file or its header is damaged");
+    // Every split of the same overflowing product over the three dimensions, and the largest header.
+    for (const auto& dims : {std::array<std::uint32_t, 3>{1u << 21, 1u << 22, 1u << 21},
+                             std::array<std::uint32_t, 3>{1u << 21, 1u << 21, 1u << 22},
+                             std::array<std::uint32_t, 3>{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}}) {
+      bytes h;
+      meshlib_test::put32(h, 0x00000803);
+      for (auto d : dims) meshlib_test::put32(h, d);
+      const auto g = written("overflow2", h);
+      CHECK(error_of(g, good_labels).find("has a corrupted header: it promises " + std::to_string(dims[0]) + " x " +
+                                          std::to_string(dims[1]) + " x " + std::to_string(dims[2]) + " bytes") !=
+            std::string::npos);
+    }
+  }
+  SECTION("a count that fits in 64 bits but exceeds the file, refused before anything is allocated") {
+    bytes b;
+    meshlib_test::put32(b, 0x00000803);
+    meshlib_test::put32(b, 1u << 31);
+    meshlib_test::put32(b, 1u << 16);
+    meshlib_test::put32(b, 1u << 15);  // 2^62 pixels: std::bad_alloc if anything were sized by it
+    b.push_back(7);
+    const auto f = written("huge", b);
+    CHECK(error_of(f, good_labels) ==
+          "meshlib: IDX file " + q(f) +
+              " is truncated: its header promises 2147483648 x 65536 x 32768 bytes (count, rows, columns), so "
+              "4611686018427387920 bytes in all, but it has 17");
+  }
   SECTION("bytes after the data") {
     bytes b = idx_labels(labels);
     b.push_back(0);
