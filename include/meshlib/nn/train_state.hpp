@@ -356,12 +356,11 @@ class train_state {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares(g + lo, hi - lo);
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo);
   }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
-      const float inv = 1.0f / loss_scale_;
-      for (std::size_t i = 0; i < n; ++i) g[i] *= inv;
+      detail::scale_in_place(g, n, 1.0f / loss_scale_);
     }
   }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
@@ -476,10 +475,8 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
           auto dlogits = s.loss().backward(logits);
           if (s.loss_scaling() || State::mixed) {
             // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            const float ls = s.loss_scale();
-            float* d = dlogits.data();
-            for (std::size_t i = 0; i < dlogits.size(); ++i) d[i] *= ls;
-            detail::round_to<typename State::compute_type>(d, dlogits.size());
+            detail::scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            detail::round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
           s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
