@@ -21,6 +21,8 @@
 #include <bit>
 #include <cstddef>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/collectives/axis_group.hpp"
@@ -208,8 +210,28 @@ void gather_into(device_context& ctx, device_comm& comm, const T* src, const std
   unpack_chunks<Space>(recv.data(), chunk, dim, n, out, order);
 }
 
-template <class G, int DimArg, class L>
-auto all_gather_tiled(const L& x) {
+/// The block a collective writes its result of `shape` into: `into`'s own when the caller gave
+/// one (`Into` a local tensor: its shape must be `shape`, contiguous), else one from the workspace.
+template <class T, std::size_t Rank, class Space, class Into>
+block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
+                                          const Into& into) {
+  if constexpr (std::is_same_v<Into, std::nullptr_t>) {
+    return workspace_view<T, Rank, Space>(ctx, shape);
+  } else {
+    static_assert(std::is_same_v<typename Into::value_type, T> && Into::rank == Rank &&
+                      std::is_same_v<typename Into::memory_space, Space>,
+                  "meshlib: the output block of a collective's _into form needs the result's element type, rank "
+                  "and memory space");
+    if (into.shape() != shape || (into.size() != 0 && !into.view().span_is_contiguous()))
+      throw sharding_error("meshlib: " + std::string(op) + "_into: the output block has shape " +
+                           describe_shape(into.shape()) + ", but the result has shape " + describe_shape(shape) +
+                           " (a contiguous block is needed); pass a block of the result's shape");
+    return into.view();
+  }
+}
+
+template <class G, int DimArg, class L, class Into = std::nullptr_t>
+auto all_gather_tiled(const L& x, const Into& into = nullptr) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_all_gather<L, G, DimArg>();
   constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
@@ -224,7 +246,7 @@ auto all_gather_tiled(const L& x) {
     device_context& ctx = current_device("all_gather");
     auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
-    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) * n));
+    auto out = result_block<T, L::rank, space_t>(ctx, "all_gather", with_extent(x.shape(), dim, x.extent(dim) * n), into);
     gather_into<space_t>(ctx, comm, src, x.shape(), dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
@@ -254,8 +276,8 @@ auto all_gather_untiled(const L& x) {
   }
 }
 
-template <class G, int DimArg, bool Tiled, class L>
-auto psum_scatter_impl(const L& x) {
+template <class G, int DimArg, bool Tiled, class L, class Into = std::nullptr_t>
+auto psum_scatter_impl(const L& x, const Into& into = nullptr) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_psum_scatter<L, G, DimArg, Tiled>();
   constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank> : 0;
@@ -275,8 +297,9 @@ auto psum_scatter_impl(const L& x) {
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
     auto out = [&] {
-      if constexpr (Tiled) return workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) / n));
-      else return workspace_view<T, out_rank, space_t>(ctx, without_dim(x.shape(), dim));
+      if constexpr (Tiled)
+        return result_block<T, L::rank, space_t>(ctx, "psum_scatter", with_extent(x.shape(), dim, x.extent(dim) / n), into);
+      else return result_block<T, out_rank, space_t>(ctx, "psum_scatter", without_dim(x.shape(), dim), into);
     }();
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     if (order.empty() && chunks_contiguous(x.shape(), dim)) {
@@ -353,6 +376,26 @@ template <axis_group_type G, int Dim, local_tensor_type L>
   return detail::all_gather_tiled<G, Dim>(x);
 }
 
+/// @brief `all_gather<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
+/// element type and memory space; contiguous) instead of a fresh one: the result is a view of
+/// `out`'s buffer with the all_gather's type (`out`'s own vary / partial sets are not read).
+/// For a caller that keeps its own buffers, as a training step's flat parameter vector.
+/// @code
+/// using F = meshlib::local_tensor<float, 1, mesh_t, mesh_t::mask_of<"data">()>;
+/// auto full = meshlib::all_gather_into<"data", 0>(F(F::view_type(mine, n), mesh, dev),
+///                                                  F(F::view_type(all, n * dp), mesh, dev));
+/// @endcode
+/// @throws sharding_error when `out` does not have the result's shape.
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into(const L& x, const O& out) {
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
+}
+/// @brief `all_gather_into` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into(const L& x, const O& out) {
+  return detail::all_gather_tiled<G, Dim>(x, out);
+}
+
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
 /// at position `Dim` of the result (`Dim = 0`: a leading dimension of the group size; `-1`: a
 /// trailing one). The type rule of the tiled form.
@@ -381,6 +424,21 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
   return detail::psum_scatter_impl<G, Dim, true>(x);
 }
+/// @brief `psum_scatter<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
+/// element type and memory space; contiguous): the result is a view of `out`'s buffer with the
+/// psum_scatter's type. For a caller that keeps its own buffers (ZeRO's gradient slices).
+/// @throws sharding_error when the axis size does not divide dimension `Dim`, or when `out` does
+/// not have the result's shape.
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
+}
+/// @brief `psum_scatter_into` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
+  return detail::psum_scatter_impl<G, Dim, true>(x, out);
+}
+
 /// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
 /// group size, is removed; the device at group position `i` keeps slice `i` of the sum.
 /// @throws sharding_error when dimension `Dim` is not the group size.

@@ -122,8 +122,10 @@ auto all_reduce_over(const L& x) {
   }
 }
 
-/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
-/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder,
+/// or when `x` is a view over a caller's buffer (an unmanaged view: no holder count, the caller
+/// owns the buffer and gave it up by moving it), and contiguous, so the call allocates and copies
+/// nothing; otherwise as `all_reduce_over`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
 auto all_reduce_donated(L&& x) {
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
@@ -132,9 +134,12 @@ auto all_reduce_donated(L&& x) {
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
     // A result of an earlier collective is held by the workspace too, which counts as no holder.
+    // A caller's buffer (use_count 0) is the caller's to give.
     device_context& ctx = current_device(Op.view());
-    const long holders = x.view().use_count() - (ctx.workspace().holds(x.view()) ? 1 : 0);
-    if (holders != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+    const long count = x.view().use_count();
+    const bool borrowed = count == 0 && x.data() != nullptr;
+    const long holders = count - (ctx.workspace().holds(x.view()) ? 1 : 0);
+    if ((!borrowed && holders != 1) || (x.size() != 0 && !x.view().span_is_contiguous()))
       return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -160,9 +165,15 @@ template <fixed_string... Names, local_tensor_type L>
 /// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
 /// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
 /// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
-/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// `shard_map`, a copy) is copied first, as the lvalue overload does. A value over a caller's
+/// buffer (a view made from a pointer, which counts no holders) is summed in that buffer: the
+/// caller owns it and donates it by moving (a temporary that wraps a buffer still to be read must
+/// be passed as an lvalue, which copies).
 /// @code
 /// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// // a bucket of a caller's flat buffer, summed where it lies:
+/// using B = meshlib::local_tensor<float, 1, mesh_t, 0, mesh_t::mask_of<"data">()>;
+/// (void)meshlib::psum<"data">(B(B::view_type(flat + offset, len), mesh, dev));
 /// @endcode
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
@@ -189,6 +200,20 @@ template <fixed_string... Names, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmin(const L& x) {
   return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
+}
+
+/// @brief `pmax` of a donated value: in `x`'s buffer under `psum`'s donation rule.
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto pmax(L&& x) {
+  return detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
+}
+
+/// @brief `pmin` of a donated value: in `x`'s buffer under `psum`'s donation rule.
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto pmin(L&& x) {
+  return detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
 }
 
 }  // namespace meshlib

@@ -16,12 +16,16 @@
 /// The wire type `Wire` is a compile-time parameter: gradients are converted to `Wire` when packed
 /// and reduced in `Wire` (every bucket is then packed); `grad_sync<float, bfloat16>` halves the
 /// traffic, and a reduction cannot run in a narrower type than the one named in the program.
+/// Every collective is a public typed one, as in a user's `shard_map`: a bucket is a rank-1
+/// `local_tensor` over its piece of the flat buffer (a view of nn's own buffer, a pending sum over
+/// the data axes), summed in place by the donated `psum`, or reduce-scattered by
+/// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
 /// Buckets run one after the other today; they are filled in parameter order, which leaves room for
 /// overlapping a bucket's collective with the backward of earlier layers once the communicator is
 /// asynchronous.
 /// @code
 /// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
-/// // inside spmd, after backward: const auto& g = sync.all_reduce(params, dev, data_axes);
+/// // inside spmd, after backward: const auto& g = sync.all_reduce<data_axes>(params, mesh, dev);
 /// // g[i]: parameter i's summed gradient block
 /// @endcode
 
@@ -31,11 +35,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/gathers.hpp"
 #include "meshlib/comm/datatype.hpp"
-#include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/nn/parameter.hpp"
 
 namespace meshlib::nn {
@@ -62,26 +67,29 @@ class grad_sync {
     return n;
   }
 
-  /// All-reduces every gradient over the axes `axes`, bucket by bucket (see the file comment), and
-  /// returns, per parameter, where its summed gradient block lies: its own gradient block (reduced
-  /// in place) or a piece of the packed buffer. The pointers stay valid until the next call on `dev`.
-  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes) {
+  /// A bucket as the collectives see it: a rank-1 block of `Wire` that is a pending sum over the
+  /// axes `Axes` (and may differ over every other axis of the mesh).
+  template <axis_mask Axes, mesh_type Mesh>
+  using bucket_type = local_tensor<Wire, 1, Mesh, Mesh::all_axes & ~Axes, Axes>;
+
+  /// All-reduces every gradient over the axes `Axes` of `mesh`, bucket by bucket (see the file
+  /// comment), and returns, per parameter, where its summed gradient block lies: its own gradient
+  /// block (reduced in place) or a piece of the packed buffer. The pointers stay valid until the
+  /// next call on `dev`. Runs inside `spmd` / `shard_map` on device `dev`.
+  template <axis_mask Axes, mesh_type Mesh>
+  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     constexpr bool same = std::is_same_v<Wire, T>;
     const std::size_t n = flat_size(params, dev);
-    meshlib::detail::device_comm* comm = nullptr;
-    if (axes != 0) {
-      comm = &meshlib::detail::current_device("grad_sync").comm(axes);
-      if (comm->size() == 1) comm = nullptr;  // a group of one: nothing to add
-    }
+    const bool moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
     std::vector<T*>& out = summed_.at(dev);
     out.assign(params.size(), nullptr);
     const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
-    Wire* w = same && comm == nullptr ? nullptr : wire_.get(dev, n);
+    Wire* w = same && !moves ? nullptr : wire_.get(dev, n);
     T* f = same ? nullptr : flat_.get(dev, n);
     std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
     auto flush = [&] {
       if (used == open) return;
-      if (comm != nullptr) reduce(*comm, w + open, used - open, dev);
+      if (moves) reduce<Axes>(mesh, w + open, used - open, dev);
       if constexpr (!same)
         for (std::size_t e = open; e < used; ++e) f[e] = static_cast<T>(w[e]);
       open = used;
@@ -90,9 +98,9 @@ class grad_sync {
       const std::size_t c = params[i].count[dev];
       T* g = params[i].grad[dev];
       if constexpr (same)
-        if (comm == nullptr || c >= big) {  // in place, in the gradient block itself
+        if (!moves || c >= big) {  // in place, in the gradient block itself
           out[i] = g;
-          if (comm != nullptr) reduce(*comm, g, c, dev);
+          if (moves) reduce<Axes>(mesh, g, c, dev);
           continue;
         }
       if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
@@ -107,11 +115,14 @@ class grad_sync {
   }
 
   /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
-  /// over `axes`: returns this device's slice `[begin, begin + size)` of the summed flat gradient,
-  /// `size = ceil(n / group)`. Bucket `b` of each rank's part is one reduce-scatter of equal pieces;
-  /// the gradients are packed straight into that order (one copy).
-  T* reduce_scatter(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes, std::size_t group,
-                    std::size_t rank, std::size_t& begin, std::size_t& size) {
+  /// over the axes `Axes` of `mesh`: returns this device's slice `[begin, begin + size)` of the
+  /// summed flat gradient, `size = ceil(n / group)`. Bucket `b` of each rank's part is one
+  /// `psum_scatter_into` of equal pieces into the slice buffer; the gradients are packed straight
+  /// into that order (one copy).
+  template <axis_mask Axes, mesh_type Mesh>
+  T* reduce_scatter(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t& begin,
+                    std::size_t& size) {
+    const std::size_t group = Axes == 0 ? 1 : mesh.axes_size(Axes), rank = Axes == 0 ? 0 : mesh.group_rank(dev, Axes);
     const std::size_t n = flat_size(params, dev);
     size = (n + group - 1) / group;
     begin = rank * size;
@@ -127,13 +138,16 @@ class grad_sync {
         cur.copy(r * size + o, len, send + o * group + r * len);
       }
     Wire* out = send + rank * size;  // group == 1: the packed vector is the slice
-    if (group > 1) {
-      auto& comm = meshlib::detail::current_device("grad_sync").comm(axes);
-      out = shard_.get(dev, size);
-      for (std::size_t o = 0; o < size; o += step) {
-        const std::size_t len = std::min(step, size - o);
-        comm.reduce_scatter(send + o * group, out + o, len, datatype_of<Wire>, reduce_op::sum);
-        ++collectives_[dev];
+    if constexpr (Axes != 0) {
+      if (group > 1) {
+        using B = bucket_type<Axes, Mesh>;
+        out = shard_.get(dev, size);
+        for (std::size_t o = 0; o < size; o += step) {
+          const std::size_t len = std::min(step, size - o);
+          (void)meshlib::psum_scatter_into<detail::group_of_t<Mesh, Axes>, 0>(
+              detail::wrap1<B>(send + o * group, len * group, mesh, dev), detail::wrap1<B>(out + o, len, mesh, dev));
+          ++collectives_[dev];
+        }
       }
     }
     return unpack_wire(dev, out, size);
@@ -143,12 +157,16 @@ class grad_sync {
   [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
 
  private:
-  /// All-reduces `len` elements of `buf` in place, in pieces of at most the bucket size.
-  void reduce(meshlib::detail::device_comm& comm, Wire* buf, std::size_t len, std::size_t dev) {
-    const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
-    for (std::size_t o = 0; o < len; o += step) {
-      comm.all_reduce(buf + o, std::min(step, len - o), datatype_of<Wire>, reduce_op::sum);
-      ++collectives_[dev];
+  /// All-reduces `len` elements of `buf` in place over `Axes`, in pieces of at most the bucket
+  /// size: each piece a donated `psum` of a bucket over `buf` (summed where it lies).
+  template <axis_mask Axes, mesh_type Mesh>
+  void reduce(const Mesh& mesh, Wire* buf, std::size_t len, std::size_t dev) {
+    if constexpr (Axes != 0) {
+      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
+      for (std::size_t o = 0; o < len; o += step) {
+        (void)detail::psum_over<Axes>(detail::wrap1<bucket_type<Axes, Mesh>>(buf + o, std::min(step, len - o), mesh, dev));
+        ++collectives_[dev];
+      }
     }
   }
   /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),

@@ -25,9 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/collectives/device_context.hpp"
-#include "meshlib/comm/datatype.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
@@ -77,7 +76,7 @@ class softmax_cross_entropy {
       for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
       mx[i] = m;
     }
-    if constexpr (class_axes != 0) reduce(mx, rows, class_axes, reduce_op::max);
+    if constexpr (class_axes != 0) (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
     for (std::size_t i = 0; i < rows; ++i) {
       T s = 0;
       for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
@@ -85,7 +84,8 @@ class softmax_cross_entropy {
       const std::size_t l = static_cast<std::size_t>(labels[i]);
       tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
     }
-    if constexpr (class_axes != 0) reduce(sum, 2 * rows, class_axes, reduce_op::sum);  // normaliser and target
+    if constexpr (class_axes != 0)  // normaliser and target
+      (void)detail::psum_over<class_axes>(detail::wrap1<row_values<Z>>(sum, 2 * rows, logits.mesh(), dev));
     loss_part out;
     const T inv_b = T{1} / static_cast<T>(global_batch);
     for (std::size_t i = 0; i < rows; ++i) {
@@ -109,9 +109,10 @@ class softmax_cross_entropy {
   }
 
  private:
-  static void reduce(T* buf, std::size_t n, axis_mask axes, reduce_op op) {
-    meshlib::detail::current_device("softmax_cross_entropy").comm(axes).all_reduce(buf, n, datatype_of<T>, op);
-  }
+  /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
+  /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
+  template <class Z>
+  using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
   detail::device_buffers<T> grad_;
   std::vector<std::size_t> rows_;
 };

@@ -17,6 +17,7 @@
 
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/schedule.hpp"
+#include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
 
@@ -64,14 +65,16 @@ struct optimizer {
   }
 
   /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
-  /// `m`, `v`: the state slots of these elements (`v` unused by sgd). One pass over the arrays,
-  /// vectorised (nn/detail/simd.hpp: the same numbers, bitwise, as the element-by-element rule).
+  /// `m`, `v`: the state slots of these elements (`v` unused by sgd), in memory `Space`. One Kokkos
+  /// kernel over the arrays on the running device's instance, vectorised (nn/detail/simd.hpp: the
+  /// same numbers, bitwise, as the element-by-element rule).
+  template <class Space = default_memory_space>
   void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
-              bool decay) const noexcept {
-    using detail::load_as, detail::store_at;
+              bool decay) const {
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      detail::for_lanes(n, std::array<float, 3>{momentum, scale, rate}, [&](std::size_t i, const auto& k) {
+      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, [=](std::size_t i, const auto& k) {
+        using detail::load_as, detail::store_at;
         const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
         store_at(m, i, mi);
         store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
@@ -83,7 +86,8 @@ struct optimizer {
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
     const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes(n, ks, [&](std::size_t i, const auto& k) {
+    detail::for_lanes<Space>(n, ks, [=](std::size_t i, const auto& k) {
+      using detail::load_as, detail::store_at;
       const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
       const auto gi = load_as(g, i, scale_) * scale_;
       const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;

@@ -21,6 +21,8 @@
 #include <type_traits>
 
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/tensor/view.hpp"
 
 /// 1 where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64), and with it
 /// `meshlib::float16`; 0 elsewhere (float16 training is then not offered).
@@ -80,11 +82,19 @@ inline constexpr bool needs_loss_scaling =
 
 namespace detail {
 
-/// Puts `n` floats on the grid of `C` (a no-op for float).
-template <class C>
+/// Puts `n` floats of memory `Space` on the grid of `C` (a no-op for float): a Kokkos kernel on the
+/// running device's instance (nn/detail/simd.hpp).
+template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(C(p[i]));
+    transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
+}
+
+/// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
+/// unscaled gradients): a Kokkos kernel on the running device's instance.
+template <class Space = default_memory_space>
+inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
+  transform_in_place<Space>(p, n, [s](float x) { return x * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;

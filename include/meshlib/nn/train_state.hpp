@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "meshlib/collectives/backend.hpp"
-#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/gathers.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
@@ -36,6 +36,8 @@
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/loss.hpp"
@@ -65,6 +67,17 @@ template <fixed_string Data>
 struct rows_spec {
   using type = P<dim_spec(Data.chars)>;
 };
+
+/// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
+/// public donated `psum`, in `v` itself (a host-memory value that differs over every axis); every
+/// device of the group gets the totals. Runs on device `dev` inside `spmd`.
+template <axis_mask Axes, mesh_type Mesh, std::size_t N>
+void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
+  if constexpr (Axes != 0) {
+    using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
+    (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+  }
+}
 }  // namespace detail
 
 /// @brief What one `train_step` (or `evaluate`) reports; equal on every device.
@@ -267,16 +280,15 @@ class train_state {
   double apply_gradients(std::size_t dev, double& sync_seconds) {
     const std::size_t dp = mesh.axes_size(data_axes);
     const auto t0 = std::chrono::steady_clock::now();
-    auto& all = meshlib::detail::current_device("train_step").comm(mesh.all_axes);
     if (!options.zero) {
-      const std::vector<T*>& g = sync_.all_reduce(params, dev, data_axes);
+      const std::vector<T*>& g = sync_.template all_reduce<data_axes>(params, mesh, dev);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
         sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
       }
-      all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+      detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
@@ -293,16 +305,15 @@ class train_state {
       refresh_device(dev);
       return norm;
     }
-    const std::size_t rank = mesh.group_rank(dev, data_axes);
     std::size_t begin = 0, size = 0;
-    T* g = sync_.reduce_scatter(params, dev, data_axes, dp, rank, begin, size);
+    T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     unscale(g, size);
     double sq[1] = {0};
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
       sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
     });
-    all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
@@ -319,8 +330,14 @@ class train_state {
       std::copy_n(master_of(p, dev) + in_param, len, send + s);
     });
     const auto t1 = std::chrono::steady_clock::now();
-    if (dp > 1) meshlib::detail::current_device("train_step").comm(data_axes).all_gather(send, recv, size, datatype_of<T>);
-    else std::copy_n(send, size, recv);
+    if (dp > 1) {
+      // The slices vary over the data axes; gathered, every replica holds the whole vector.
+      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+      (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
+          detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
+    } else {
+      std::copy_n(send, size, recv);
+    }
     sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     std::size_t off = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -339,12 +356,11 @@ class train_state {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares(g + lo, hi - lo);
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo);
   }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
-      const float inv = 1.0f / loss_scale_;
-      for (std::size_t i = 0; i < n; ++i) g[i] *= inv;
+      detail::scale_in_place(g, n, 1.0f / loss_scale_);
     }
   }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
@@ -396,10 +412,6 @@ void check_batch(const State& s, std::size_t global_rows, std::size_t groups, co
                          "; choose a batch size that is a multiple of " + std::to_string(dp * groups));
 }
 
-/// Sums `(loss, correct)` over the data axis; every device gets the totals.
-inline void sum_over(axis_mask axes, double (&v)[2]) {
-  if (axes != 0) meshlib::detail::current_device("train_step").comm(axes).all_reduce(v, 2, datatype::float64, reduce_op::sum);
-}
 /// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
 /// that runs others would read blocks this process does not have, and one that runs fewer would
 /// leave the state's other devices a step behind.
@@ -463,10 +475,8 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
           auto dlogits = s.loss().backward(logits);
           if (s.loss_scaling() || State::mixed) {
             // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            const float ls = s.loss_scale();
-            float* d = dlogits.data();
-            for (std::size_t i = 0; i < dlogits.size(); ++i) d[i] *= ls;
-            detail::round_to<typename State::compute_type>(d, dlogits.size());
+            detail::scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            detail::round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
           s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
@@ -483,7 +493,7 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        detail::sum_over(State::data_axes, sums);
+        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
         m.loss = sums[0];
         m.correct = static_cast<std::size_t>(sums[1] + 0.5);
         m.rows = global_rows;
@@ -532,7 +542,7 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        detail::sum_over(State::data_axes, sums);
+        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
         out[dev].loss = sums[0];
         out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
         out[dev].rows = ds.count;

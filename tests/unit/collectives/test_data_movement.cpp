@@ -274,3 +274,50 @@ TEST_CASE("every collective from 8 device threads, many rounds, exact (also run 
   });
   for (auto b : out) CHECK(b == 0);
 }
+
+// The _into forms write the result into the caller's block: the result is a view of it, with the
+// type of the plain form, and the numbers of the plain form (checked against host sums and blocks).
+// A block of the wrong shape is refused with a message that names both shapes.
+TEST_CASE("psum_scatter_into and all_gather_into write the caller's block", "[collectives][psum_scatter][all_gather]") {
+  mesh2 m{2, 3};
+  using L = local_tensor<double, 1, mesh2, D | M>;
+  using R = decltype(psum_scatter<"model", 0>(std::declval<L>()));
+  using G = decltype(all_gather<"model", 0>(std::declval<R>()));
+  auto out = spmd(m, [&] {
+    const std::size_t dev = device_index();
+    auto x = coll_test::make_block<L>(m, {6});
+    std::array<double, 2> slice{};
+    std::array<double, 6> full{};
+    auto s = psum_scatter_into<"model", 0>(x, L(L::view_type(slice.data(), 2), m, dev));
+    static_assert(std::is_same_v<decltype(s), R>);
+    auto g = all_gather_into<"model", 0>(s, L(L::view_type(full.data(), 6), m, dev));
+    static_assert(std::is_same_v<decltype(g), G>);
+    const bool placed = s.data() == slice.data() && g.data() == full.data();
+    return std::tuple{placed, slice, full};
+  });
+  for (std::size_t dev = 0; dev < m.size(); ++dev) {
+    INFO("device " << dev);
+    CHECK(std::get<0>(out[dev]));
+    const std::size_t idx = index_in(m, dev, M);
+    for (std::size_t j = 0; j < 6; ++j) {
+      double s = 0;
+      for (std::size_t k = 0; k < 3; ++k) s += value<double>(member(m, dev, M, k), j);
+      if (j / 2 == idx) CHECK(std::get<1>(out[dev])[j % 2] == s);
+      CHECK(std::get<2>(out[dev])[j] == s);  // every chunk of the gathered sum
+    }
+  }
+  mesh1 m1{3};
+  using L1 = local_tensor<float, 1, mesh1, X>;
+  // Every device fails alike; spmd reports one of them, naming it, with the collective's message.
+  const std::string msg = coll_test::message_of([&] {
+    spmd(m1, [&] {
+      std::array<float, 3> small{};
+      (void)psum_scatter_into<"x", 0>(coll_test::make_block<L1>(m1, {6}), L1(L1::view_type(small.data(), 3), m1, device_index()));
+    });
+  });
+  const std::string expected =
+      "failed: meshlib: psum_scatter_into: the output block has shape (3,), but the result has shape (2,) (a "
+      "contiguous block is needed); pass a block of the result's shape";
+  CHECK(msg.size() >= expected.size());
+  CHECK(msg.substr(msg.size() - std::min(msg.size(), expected.size())) == expected);
+}

@@ -177,3 +177,48 @@ TEST_CASE("psum of a donated value reuses its buffer; of a shared one, copies", 
     }
   }
 }
+
+// A value over a caller's buffer (a view made from a pointer: no holder count) is the caller's to
+// donate: psum / pmax / pmin of it reduce in that buffer, and the result is a view of it; the
+// lvalue forms leave the buffer alone. Every device checks its numbers against the host sums.
+TEST_CASE("donated values over a caller's buffer reduce in that buffer", "[collectives][psum][donation]") {
+  mesh1 m{3};
+  using L = local_tensor<std::int64_t, 1, mesh1, mesh1::mask_of<"x">()>;
+  constexpr std::size_t n = 7;
+  auto out = spmd(m, [&] {
+    const std::size_t dev = device_index();
+    std::array<std::int64_t, 3 * n> buf{};
+    for (std::size_t k = 0; k < 3; ++k)
+      for (std::size_t i = 0; i < n; ++i) buf[k * n + i] = value<std::int64_t>(dev, i + k);
+    const auto before = buf;
+    auto over = [&](std::size_t k) { return L(L::view_type(buf.data() + k * n, n), m, dev); };
+    // lvalue: out of place, the caller's buffer keeps its values
+    const L kept = over(0);
+    auto copied = psum<"x">(kept);
+    const bool lvalue_untouched = copied.data() != buf.data() && std::equal(buf.begin(), buf.end(), before.begin());
+    auto s = psum<"x">(over(0));
+    auto mx = pmax<"x">(over(1));
+    auto mn = pmin<"x">(over(2));
+    const bool in_place = s.data() == buf.data() && mx.data() == buf.data() + n && mn.data() == buf.data() + 2 * n;
+    static_assert(decltype(s)::vary == 0 && decltype(mx)::vary == 0 && decltype(mn)::vary == 0);
+    return std::tuple{lvalue_untouched, in_place, buf, coll_test::capture(copied)};
+  });
+  for (std::size_t dev = 0; dev < 3; ++dev) {
+    INFO("device " << dev);
+    CHECK(std::get<0>(out[dev]));
+    CHECK(std::get<1>(out[dev]));
+    const auto& buf = std::get<2>(out[dev]);
+    for (std::size_t i = 0; i < n; ++i) {
+      std::int64_t sum = 0, hi = std::numeric_limits<std::int64_t>::min(), lo = std::numeric_limits<std::int64_t>::max();
+      for (std::size_t d = 0; d < 3; ++d) {
+        sum += value<std::int64_t>(d, i);
+        hi = std::max(hi, value<std::int64_t>(d, i + 1));
+        lo = std::min(lo, value<std::int64_t>(d, i + 2));
+      }
+      CHECK(buf[i] == sum);
+      CHECK(std::get<3>(out[dev]).data[i] == sum);
+      CHECK(buf[n + i] == hi);
+      CHECK(buf[2 * n + i] == lo);
+    }
+  }
+}

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Per-device scratch buffers of the training layers and the typed in-place collectives
-/// they use, so a training step allocates nothing after its first iteration.
+/// @brief Per-device scratch buffers of the training layers, so a training step allocates nothing
+/// after its first iteration.
 ///
 /// A layer owns one buffer slot per device; only that device's thread grows or reads its slot (the
 /// reference-count rule of docs/tensors.md: a device copies and drops only its own handles). The
@@ -15,11 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/permutes.hpp"
 #include "meshlib/collectives/reductions.hpp"
-#include "meshlib/comm/datatype.hpp"
-#include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -48,6 +45,13 @@ class device_buffers {
  private:
   std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
 };
+
+/// A rank-1 local tensor of type `L` over `n` elements at `data` (not owned: a caller's buffer,
+/// which the donated collectives reduce in place).
+template <local_tensor_type L>
+L wrap1(typename L::value_type* data, std::size_t n, const typename L::mesh_type& mesh, std::size_t dev) {
+  return L(typename L::view_type(data, n), mesh, dev);
+}
 
 /// A local tensor of type `L` over `data` (not owned), `rows x cols`.
 template <local_tensor_type L>
@@ -83,15 +87,12 @@ struct pvary_if<true, L, Names...> {
   using type = pvary_t<L, Names...>;
 };
 
-/// `psum<Names...>(x)` in place: the same result type and numbers as the typed collective, without
-/// the fresh block it allocates. `x` is consumed (its buffer now holds the sum).
+/// `psum<Names...>(x)` in place. To be removed: a thin forward to the public donated psum, kept
+/// only so nn/layers/dense.hpp compiles until its call sites write `psum<Names...>(std::move(x))`.
+/// `x` is consumed: over a layer's buffer (an unmanaged view) that buffer now holds the sum.
 template <fixed_string... Names, local_tensor_type L>
 psum_t<L, Names...> psum_in_place(const L& x) {
-  using M = typename L::mesh_type;
-  using R = psum_t<L, Names...>;
-  meshlib::detail::current_device("psum").comm(M::template mask_of<Names...>()).all_reduce(
-      x.data(), x.size(), datatype_of<typename L::value_type>, reduce_op::sum);
-  return R(x.view(), x.mesh(), x.device());
+  return meshlib::psum<Names...>(L(x));
 }
 
 /// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).

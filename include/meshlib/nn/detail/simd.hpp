@@ -1,9 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief A few-lane float vector for the elementwise loops of the training step (optimizer
+/// @brief A few-lane float vector for the elementwise kernels of the training step (optimizer
 /// updates), written once as a generic body that runs on `float` (the tail, and compilers without
-/// vector extensions) and on `simd_float` (the bulk).
+/// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
+/// and the sum of squares of global-norm clipping, on the running device's execution-space
+/// instance (`meshlib::detail::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
+///
+/// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
+/// locals once per block (not re-read through the kernel object after every store), and the block
+/// runs the lane loop as a plain loop would, so the kernel is as fast as the loop it replaced.
 ///
 /// Why not leave it to the auto-vectoriser: `std::sqrt` sets `errno`, which keeps GCC and Clang from
 /// vectorising any loop that calls it unless the user builds with `-fno-math-errno`, and GCC 12's
@@ -12,7 +19,7 @@
 /// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
 /// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
 /// @code
-/// detail::for_lanes(n, std::array<float, 1>{2.0f}, [&](std::size_t i, const auto& k) {
+/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, [=](std::size_t i, const auto& k) {
 ///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
 /// });
 /// @endcode
@@ -21,6 +28,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <vector>
+
+#include "meshlib/tensor/view.hpp"
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__))
 #include <immintrin.h>
@@ -70,20 +80,44 @@ inline constexpr std::size_t simd_lanes = 1;
 /// `std::sqrt(v)` (the scalar form of `sqrt_of`).
 inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
 
-/// Calls `f(i, c)` for the elements `[0, n)`: over the bulk, for lanes `[i, i + simd_lanes)` with
+/// Elements per work item of the kernels below (see the file comment): a multiple of every lane
+/// count, small enough that a few million elements give every core many items.
+inline constexpr std::size_t kernel_block = 1024;
+
+/// Calls `f(i, c)` for the elements `[i0, i1)`: over the bulk, for lanes `[i, i + simd_lanes)` with
 /// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
-/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`. The constants are splat once,
-/// outside the loop, into a local the stores cannot alias (a member read through `this` in the loop
-/// would be reloaded and re-splat after every store).
+/// The constants are splat once, outside the loop, into a local the stores cannot alias (a member
+/// read through `this` in the loop would be reloaded and re-splat after every store).
 template <std::size_t K, class F>
-void for_lanes(std::size_t n, const std::array<float, K>& k, F&& f) {
-  std::size_t i = 0;
+KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const std::array<float, K>& k, const F& f) {
+  std::size_t i = i0;
 #if MESHLIB_NN_SIMD
   std::array<simd_float, K> kv;
   for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
-  for (; i + simd_lanes <= n; i += simd_lanes) f(i, kv);
+  for (; i + simd_lanes <= i1; i += simd_lanes) f(i, kv);
 #endif
-  for (; i < n; ++i) f(i, k);
+  const std::array<float, K> ks = k;
+  for (; i < i1; ++i) f(i, ks);
+}
+
+/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
+/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
+/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`, and captures by value (it runs in
+/// the kernel).
+template <class Space, std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
+  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
+  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    lanes_of_block(i0, i1, k, f);
+  });
+}
+
+/// `p[i] = f(p[i])` for `[0, n)`, as a Kokkos kernel on memory `Space` on the running device's
+/// instance (a plain body: the compiler vectorises it as it did the loop).
+template <class Space, class F>
+void transform_in_place(float* p, std::size_t n, const F& f) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = f(p[i]); });
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
@@ -95,16 +129,44 @@ inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { 
 inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
 #endif
 
-/// Sum of `double(x[i])^2` over `[0, n)`, in four interleaved partial sums (one running sum is a
-/// chain of dependent additions, four times slower; the order differs from a plain loop only in
-/// the last bits of a double, which the float clip scale does not see).
-inline double sum_of_squares(const float* x, std::size_t n) noexcept {
+/// Sum of `double(x[i])^2` over `[i0, i1)`, in four interleaved partial sums (one running sum is a
+/// chain of dependent additions, four times slower).
+KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, std::size_t i1) noexcept {
   double s[4] = {0, 0, 0, 0};
-  std::size_t i = 0;
-  for (; i + 4 <= n; i += 4)
+  std::size_t i = i0;
+  for (; i + 4 <= i1; i += 4)
     for (std::size_t k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * x[i + k];
-  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  for (; i < i1; ++i) s[0] += static_cast<double>(x[i]) * x[i];
   return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
+/// instance writes one partial sum per block of `kernel_block` elements, added here in block order.
+/// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
+/// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
+/// every backend and thread count. The order differs from one running sum only in the last bits of
+/// a double, which the float clip scale does not see.
+template <class Space>
+double sum_of_squares(const float* x, std::size_t n) {
+  static_assert(meshlib::detail::host_accessible_v<Space>,
+                "meshlib::nn: the clipping norm's partial sums are added on the host; device memory needs them copied");
+  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
+  if (blocks <= 1) {
+    double s = 0;
+    double* out = &s;
+    meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t) { *out = squares_of_block(x, 0, n); });
+    return s;
+  }
+  thread_local std::vector<double> partials;  // this device thread's; reused from step to step
+  if (partials.size() < blocks) partials.resize(blocks);
+  double* part = partials.data();
+  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    part[b] = squares_of_block(x, i0, i1);
+  });
+  double s = 0;
+  for (std::size_t b = 0; b < blocks; ++b) s += part[b];
+  return s;
 }
 
 }  // namespace meshlib::nn::detail
