@@ -147,35 +147,31 @@ class sequential {
     using type = diagnostic::layer<I - 1, typename detail::layer_diagnostic_name<layer_t<I - 1>>::type>;
   };
 
-  /// The run-time width check of the constructor (see the file comment).
+  /// The run-time width check of the constructor (see the file comment): the last layer with
+  /// widths whose output reaches the next layer, and how messages name it.
+  struct width_source {
+    bool known = false;
+    std::size_t width = 0;
+    std::string text, name;
+  };
   template <std::size_t... I>
   void check_widths(std::index_sequence<I...>) const {
-    std::size_t from = size;  // the last layer with widths whose output reaches here; size: none
+    width_source from;
     (check_width<I>(from), ...);
   }
   template <std::size_t I>
-  void check_width(std::size_t& from) const {
+  void check_width(width_source& from) const {
     const auto& l = std::get<I>(layers);
     if constexpr (detail::has_widths<layer_t<I>>) {
-      if (from != size) check_pair<I>(from, l);
-      from = I;
-    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
-      from = size;  // a layer of unknown width: nothing to compare across it
-    }
-  }
-  template <std::size_t I, std::size_t J = 0, class L>
-  void check_pair(std::size_t from, const L& l) const {
-    if constexpr (J < I) {
-      if (J != from) return check_pair<I, J + 1>(from, l);
-      if constexpr (detail::has_widths<layer_t<J>>) {
-        const auto& p = std::get<J>(layers);
-        if (p.out_features() == l.in_features()) return;
+      if (from.known && from.width != l.in_features())
         throw sharding_error("meshlib::nn: sequential: " + detail::layer_text(I, l) + " takes " +
-                             std::to_string(l.in_features()) + " features, but " + detail::layer_text(J, p) +
-                             " before it outputs " + std::to_string(p.out_features()) + "; declare " +
-                             detail::layer_name(I, l) + " with " + std::to_string(p.out_features()) + " inputs or " +
-                             detail::layer_name(J, p) + " with " + std::to_string(l.in_features()) + " outputs");
-      }
+                             std::to_string(l.in_features()) + " features, but " + from.text + " before it outputs " +
+                             std::to_string(from.width) + "; declare " + detail::layer_name(I, l) + " with " +
+                             std::to_string(from.width) + " inputs or " + from.name + " with " +
+                             std::to_string(l.in_features()) + " outputs");
+      from = {true, l.out_features(), detail::layer_text(I, l), detail::layer_name(I, l)};
+    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
+      from.known = false;  // a layer of unknown width: nothing to compare across it
     }
   }
 

@@ -194,7 +194,9 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
 }  // namespace detail
 
 /// @brief The options of `matmul_into`: the transpose of each operand, and `alpha`, `beta`
-/// (converted to the element type).
+/// (converted to the element type). Designated initialisers name what a positional BLAS call hides
+/// (`{.transpose_a = true, .beta = 1}`); the scalars are `double`, not the element type, so that one
+/// non-template struct serves every type (exact for the values products use: 0, 1, integers).
 struct matmul_into_options {
   bool transpose_a = false;  ///< `op(A) = A^T` (`A` stored `k x m`)
   bool transpose_b = false;  ///< `op(B) = B^T` (`B` stored `n x k`)
