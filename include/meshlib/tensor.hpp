@@ -12,4 +12,5 @@
 #include "meshlib/tensor/elementwise.hpp"
 #include "meshlib/tensor/reduce.hpp"
 #include "meshlib/tensor/transpose.hpp"
+#include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/matmul.hpp"

@@ -9,6 +9,15 @@
 /// `backward<X>(dy)` checks at compile time that every layer hands back a cotangent of exactly the
 /// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
 /// communication does not mirror the forward's does not compile.
+///
+/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
+/// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
+///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
+///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
+///   naming it and the layer before it (index and kind), the layout it receives and what it needs;
+/// - at construction, consecutive layers that expose their widths (`in_features()`,
+///   `out_features()`; activations and dropout pass the width through) must agree, else
+///   `sharding_error` names both layers (index, name, kind), both widths and the fix.
 /// @code
 /// meshlib::nn::sequential net(meshlib::nn::column_dense<float, mesh_t>(m, "fc1", 784, 1024, key),
 ///                             meshlib::nn::relu<float>(m),
@@ -18,11 +27,14 @@
 
 #include <concepts>
 #include <cstddef>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "meshlib/core/errors.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -54,7 +66,16 @@ class sequential {
   void (*round_activations)(float*, std::size_t) noexcept = nullptr;
 
   /// Chains `ls` in order: each layer receives the previous layer's output.
-  explicit sequential(Layers... ls) : layers(std::move(ls)...) {}
+  /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
+  /// layer before it that has widths (with only width-keeping layers between them).
+  explicit sequential(Layers... ls) : layers(std::move(ls)...) { check_widths(std::make_index_sequence<size>{}); }
+
+  /// The global number of input features, when the first layer has widths.
+  [[nodiscard]] std::size_t in_features() const
+    requires(size > 0 && detail::has_widths<std::tuple_element_t<0, std::tuple<Layers...>>>)
+  {
+    return std::get<0>(layers).in_features();
+  }
 
   /// The type layer `I` receives when the network receives `X`.
   template <class X, std::size_t I>
@@ -74,14 +95,16 @@ class sequential {
   /// Forward through every layer, first to last; returns the last layer's output.
   template <local_tensor_type X>
   auto forward(const X& x) {
-    return forward_from<0>(x);
+    if constexpr (!diagnose_chain<X, 0>()) return x;  // the one diagnostic has fired; nothing else may
+    else return forward_from<0>(x);
   }
 
   /// Backward through every layer, last first; returns the cotangent of the input `X` when
   /// `need_dx` (else its contents are unspecified: the first layer skips that product).
   template <local_tensor_type X, local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = false) {
-    return backward_from<X, size - 1>(dy, need_dx);
+    if constexpr (!diagnose_chain<X, 0>()) return;  // the same diagnostic as forward's, fired once
+    else return backward_from<X, size - 1>(dy, need_dx);
   }
 
   /// Tells layers that draw random numbers (dropout) the step's key and whether this is training.
@@ -96,6 +119,62 @@ class sequential {
   }
 
  private:
+  template <std::size_t I>
+  using layer_t = std::tuple_element_t<I, std::tuple<Layers...>>;
+
+  /// Walks the layers with the types they receive from `X`; fires one diagnostic at the first
+  /// layer that cannot take its input (one instantiation per `X`: forward and backward share it).
+  template <class X, std::size_t I>
+  static consteval bool diagnose_chain() {
+    if constexpr (I == size) {
+      return true;
+    } else {
+      using in_t = typename input_of<X, I>::type;
+      using L = layer_t<I>;
+      if constexpr (!detail::layer_accepts<L, in_t>()) {
+        using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
+                                                   prev_layer_diagnostic<I>>::type;
+        return detail::sequential_layers_do_not_chain<
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            from_t, typename detail::layer_input_requirement<L>::type>();
+      } else {
+        return diagnose_chain<X, I + 1>();
+      }
+    }
+  }
+  template <std::size_t I>
+  struct prev_layer_diagnostic {
+    using type = diagnostic::layer<I - 1, typename detail::layer_diagnostic_name<layer_t<I - 1>>::type>;
+  };
+
+  /// The run-time width check of the constructor (see the file comment): the last layer with
+  /// widths whose output reaches the next layer, and how messages name it.
+  struct width_source {
+    bool known = false;
+    std::size_t width = 0;
+    std::string text, name;
+  };
+  template <std::size_t... I>
+  void check_widths(std::index_sequence<I...>) const {
+    width_source from;
+    (check_width<I>(from), ...);
+  }
+  template <std::size_t I>
+  void check_width(width_source& from) const {
+    const auto& l = std::get<I>(layers);
+    if constexpr (detail::has_widths<layer_t<I>>) {
+      if (from.known && from.width != l.in_features())
+        throw sharding_error("meshlib::nn: sequential: " + detail::layer_text(I, l) + " takes " +
+                             std::to_string(l.in_features()) + " features, but " + from.text + " before it outputs " +
+                             std::to_string(from.width) + "; declare " + detail::layer_name(I, l) + " with " +
+                             std::to_string(from.width) + " inputs or " + from.name + " with " +
+                             std::to_string(l.in_features()) + " outputs");
+      from = {true, l.out_features(), detail::layer_text(I, l), detail::layer_name(I, l)};
+    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
+      from.known = false;  // a layer of unknown width: nothing to compare across it
+    }
+  }
+
   template <std::size_t I, class X>
   auto forward_from(const X& x) {
     if constexpr (I == size) {

@@ -15,26 +15,15 @@
 /// Local view only: a pending sum times a value is a pending sum (matmul is linear in each side),
 /// unless the other side varies over (or is partial over) the same axis: that does not compile.
 ///
-/// Kernel: `KokkosBlas::gemm` for `float` / `double` when meshlib is built with Kokkos Kernels
-/// (`MESHLIB_ENABLE_KOKKOS_KERNELS`; with Debian's build it calls the BLAS TPL, OpenBLAS); otherwise,
-/// and for integer types, meshlib's own row-parallel Kokkos kernel (RangePolicy only: safe from
-/// concurrent device threads on Kokkos 3.4.1, which KokkosKernels' team-policy fallback is not).
-///
-/// BLAS threads: with one thread per device, a multi-threaded BLAS inside every device would
-/// oversubscribe the cores. The first `matmul` therefore sets OpenBLAS to one thread per call
-/// (`openblas_set_num_threads`, looked up with `dlsym`, so nothing is required at link time), unless
-/// `set_blas_threads_per_device(n)` was called first or `MESHLIB_BLAS_THREADS=n` is set.
+/// Kernel: `matmul_into` (tensor/matmul_into.hpp) into a fresh block: `KokkosBlas::gemm` for
+/// `float` / `double` when meshlib is built with Kokkos Kernels, otherwise meshlib's own Kokkos
+/// kernel; it also sets the BLAS to one thread per device (`set_blas_threads_per_device`).
 
 #include <array>
-#include <atomic>
 #include <cstddef>
-#include <cstdlib>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <dlfcn.h>
 
 #include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
@@ -44,81 +33,15 @@
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
 #include "meshlib/tensor/device_workers.hpp"
+#include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/view.hpp"
-
-#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-#include <KokkosBlas3_gemm.hpp>
-#endif
 
 namespace meshlib {
 
 namespace detail {
 
-inline std::atomic<bool>& blas_threads_chosen() {
-  static std::atomic<bool> chosen{false};
-  return chosen;
-}
-
-/// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
-inline void (*openblas_setter())(int) {
-  static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  return fn;
-}
-
-}  // namespace detail
-
-/// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
-/// has one setting). Call it before the device threads start.
-/// @returns whether an OpenBLAS was found to apply it to.
-inline bool set_blas_threads_per_device(int threads) {
-  detail::blas_threads_chosen() = true;
-  if (auto fn = detail::openblas_setter()) {
-    fn(threads < 1 ? 1 : threads);
-    return true;
-  }
-  return false;
-}
-
-namespace detail {
-
-/// Applies the default of one BLAS thread per device once, unless the user chose.
-inline void ensure_blas_threads() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (blas_threads_chosen()) return;
-    int n = 1;
-    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS")) n = std::atoi(env);
-    set_blas_threads_per_device(n);
-  });
-}
-
-template <class T, class Space>
-inline constexpr bool use_blas_v =
-#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-    (std::is_same_v<T, float> || std::is_same_v<T, double>) && host_accessible_v<Space>;
-#else
-    false;
-#endif
-
-/// One row of C per iteration, i-k-j order (unit stride on B and C, vectorisable), k in panels.
-template <class T>
-struct gemm_row_functor {
-  const T* a;
-  const T* b;
-  T* c;
-  std::size_t k, n;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
-    T* ci = c + i * n;
-    const T* ai = a + i * k;
-    for (std::size_t p = 0; p < k; ++p) {
-      const T aip = ai[p];
-      const T* bp = b + p * n;
-      for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
-    }
-  }
-};
-
-/// C = A . B for row-major blocks, into a fresh view.
+/// C = A . B for row-major blocks, into a fresh view (`matmul_into` with `beta = 0` writes every
+/// element, so the block is not zero-filled first).
 template <class Space, class VA, class VB>
 auto gemm_view(const VA& a, const VB& b) {
   using T = typename VA::non_const_value_type;
@@ -127,23 +50,9 @@ auto gemm_view(const VA& a, const VB& b) {
     throw sharding_error("meshlib: matmul: local blocks of shapes (" + std::to_string(m) + ", " + std::to_string(k) +
                          ") and (" + std::to_string(b.extent(0)) + ", " + std::to_string(n) +
                          ") do not chain; the contraction dimensions differ in size");
-  if constexpr (use_blas_v<T, Space>) {
-    ensure_blas_threads();
-    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
-#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-#if KOKKOS_VERSION >= 40000
-    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
-    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
-#else
-    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
-#endif
-#endif
-    return c;
-  } else {
-    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", true);
-    launch<Space>(m, gemm_row_functor<T>{a.data(), b.data(), c.data(), k, n});
-    return c;
-  }
+  auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/false);
+  matmul_into(unmanaged(c), unmanaged(a), unmanaged(b));
+  return c;
 }
 
 // ---- diagnostics --------------------------------------------------------------------------------

@@ -227,17 +227,23 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
+/// `launch` on the instance `exec` instead of the running device's: a caller that was handed an
+/// instance (`matmul_into(exec, ...)`).
+template <class Exec, class F>
+void launch_on(const Exec& exec, std::size_t n, const F& f) {
+  if (n == 0) return;
+  Kokkos::parallel_for(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
+}
+
 /// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
 /// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
 /// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
-  if (n == 0) return;
-  const auto exec = current_exec<Space>();
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
-  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
-  // fence is a process-wide call, and meshlib runs only host backends there.)
-  if constexpr (kokkos_has_instances_v) exec.fence();
+  launch_on(current_exec<Space>(), n, f);
 }
 
 }  // namespace detail

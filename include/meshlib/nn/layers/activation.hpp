@@ -11,9 +11,11 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
@@ -28,20 +30,32 @@ class elementwise_activation {
   template <class Mesh>
   explicit elementwise_activation(const Mesh& mesh) : elementwise_activation(mesh.size()) {}
 
+  /// The width out is the width in (sequential compares the layers around it).
+  static constexpr bool keeps_features = true;
+  /// Any complete (not pending-sum) input.
+  template <class X>
+  static constexpr bool accepts_input = X::partial == 0;
+  /// For compile-time messages: the activation's name.
+  using diagnostic_name = meshlib::detail::diag_op_t<Fn::name>;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::complete_values;
+
   template <local_tensor_type X>
   X forward(const X& x) {
     static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
     const std::size_t dev = x.device(), n = x.size();
-    saved_[dev] = x.data();
+    saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
     T* y = out_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) y[i] = Fn::f(x.data()[i]);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     const std::size_t dev = dy.device(), n = dy.size();
-    const T* x = saved_[dev];
+    const auto [x, rows, cols] = saved_[dev];
+    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
     T* dx = dx_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * Fn::df(x[i]);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
@@ -50,11 +64,16 @@ class elementwise_activation {
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:
-  std::vector<const T*> saved_;
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, cols = 0;
+  };
+  std::vector<saved> saved_;
   device_buffers<T> out_, dx_;
 };
 
 struct relu_fn {
+  static constexpr fixed_string name = "relu";
   template <class T>
   static T f(T x) { return x > T{0} ? x : T{0}; }
   template <class T>
@@ -62,6 +81,7 @@ struct relu_fn {
 };
 
 struct gelu_fn {
+  static constexpr fixed_string name = "gelu";
   static constexpr double c = 0.7978845608028654;  // sqrt(2 / pi)
   template <class T>
   static T f(T x) {

@@ -20,6 +20,11 @@
 /// Weight gradients are `x^T dy`: a contraction over the batch, so a pending sum over the data axis
 /// (what the data-parallel synchronisation completes); they accumulate (`+=`) over the micro-batches
 /// of a step, and the first backward of a `train_step` overwrites them (`parameter::grad_beta`).
+/// Every product is one `matmul_into` into the layer's own buffers (transposes read, not made).
+///
+/// Shapes are checked, never taken on trust: an input whose sharding does not fit the weight does
+/// not compile (one error); an input or cotangent whose width is not the weight's throws
+/// `sharding_error` naming the layer, both widths (global, and per device when sharded) and the fix.
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 /// mesh_t m{4, 2};
@@ -40,9 +45,10 @@
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
-#include "meshlib/nn/detail/gemm.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul.hpp"
+#include "meshlib/tensor/matmul_into.hpp"
 
 namespace meshlib::nn {
 
@@ -69,6 +75,43 @@ struct dense_specs<dense_kind::row, Model> {
 /// The local type of `W^T` for a weight block of type `W` (dims swapped; nothing runs).
 template <class W>
 using transposed_t = with_dims_t<W, dim_masks<W::dims_type::at(1), W::dims_type::at(0)>>;
+
+template <dense_kind K>
+struct dense_kind_name {
+  static constexpr fixed_string value = "dense";
+};
+template <>
+struct dense_kind_name<dense_kind::column> {
+  static constexpr fixed_string value = "column_dense";
+};
+template <>
+struct dense_kind_name<dense_kind::row> {
+  static constexpr fixed_string value = "row_dense";
+};
+
+/// See `basic_dense::accepts_input`.
+template <class X, class Mesh, class T, axis_mask WRows, axis_mask WCols>
+consteval bool dense_accepts() {
+  if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> ||
+                !std::is_same_v<typename X::value_type, T>) {
+    return false;
+  } else if constexpr (X::rank != 2) {
+    return false;
+  } else {
+    return X::partial == 0 && X::dims_type::at(1) == WRows && (X::dims_type::at(0) & WCols) == 0;
+  }
+}
+
+template <class Layer, class Receives, class Needs>
+consteval bool dense_input_does_not_fit() {
+  static_assert(meshlib::detail::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: a dense layer cannot take this input: the condition spells out "
+                "dense_input_does_not_fit<the layer's kind, the input's layout, what it needs>. A row_dense needs its "
+                "features sharded over its model axis (the output of a column_dense); a dense or column_dense needs "
+                "complete, unsharded features (the output of a dense or row_dense, or all_gather them); no dense "
+                "layer takes a pending sum (psum it first)");
+  return false;
+}
 }  // namespace detail
 
 /// @brief A dense layer; see `dense`, `column_dense`, `row_dense`.
@@ -99,37 +142,75 @@ class basic_dense {
       : w(name + ".w", w_sharding{mesh}, {in, out}, key,
           init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(in + out)))), true, local_devices),
         b(name + ".b", b_sharding{mesh}, {out}, key, init::zeros(), false, local_devices),
+        name_(name),
         saved_(mesh.size()),
         out_(mesh.size()),
         dx_(mesh.size()) {}
 
+  /// The layer's name: its parameters are `name() + ".w"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The global number of input features (rows of W).
+  [[nodiscard]] std::size_t in_features() const noexcept { return w.value.global_shape()[0]; }
+  /// The global number of output features (columns of W).
+  [[nodiscard]] std::size_t out_features() const noexcept { return w.value.global_shape()[1]; }
+  /// `"fc2 (row_dense 32 -> 4, input sharded over 'model')"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    std::string s = name_ + " (" + std::string(kind_name.view()) + " " + std::to_string(in_features()) + " -> " +
+                    std::to_string(out_features());
+    if constexpr (w_sharding::dim_mask(0) != 0) s += ", input" + detail::sharded_over_text<Mesh>(w_sharding::dim_mask(0));
+    if constexpr (w_sharding::dim_mask(1) != 0) s += ", output" + detail::sharded_over_text<Mesh>(w_sharding::dim_mask(1));
+    return s + ")";
+  }
+
+  /// The kind, as messages spell it: `dense`, `column_dense` or `row_dense`.
+  static constexpr fixed_string kind_name = detail::dense_kind_name<Kind>::value;
+  /// Whether `forward(X)` is legal: the rules of `matmul(x, W)` (the input's features sharded as W's
+  /// rows, no axis on both the rows and W's columns), for a complete (not pending-sum) input of
+  /// this mesh and element type.
+  template <class X>
+  static constexpr bool accepts_input = detail::dense_accepts<X, Mesh, T, w_sharding::dim_mask(0), w_sharding::dim_mask(1)>();
+  /// For compile-time messages: the kind, and what the input's features must be sharded over.
+  using diagnostic_name = meshlib::detail::diag_op_t<kind_name>;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<meshlib::detail::diag_axes_t<Mesh, w_sharding::dim_mask(0)>>;
+
   /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
+  /// @throws sharding_error when `x`'s width is not the weight's input width.
   template <local_tensor_type X>
   auto forward(const X& x) {
-    const std::size_t dev = x.device();
-    const w_local wl = w.local(dev);
-    using Z = decltype(meshlib::matmul(x, wl));  // the GSPMD rules check the shardings here
-    using Y = typename detail::psum_if<Kind == dense_kind::row, Z, Model>::type;
-    const std::size_t rows = x.extent(0), in = x.extent(1), out = wl.extent(1);
-    saved_[dev] = {x.data(), rows, in};
-    T* y = out_.get(dev, rows * out);
-    const T* bias = b.value.local(dev).data();
-    if constexpr (Kind == dense_kind::row) {
-      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{0}, y);
-      auto z = detail::wrap2<Z>(y, rows, out, x.mesh(), dev);
-      static_cast<void>(detail::psum_in_place<Model>(z));
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+    if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
-      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{1}, y);
+      const std::size_t dev = x.device();
+      const w_local wl = w.local(dev);
+      using Z = decltype(meshlib::matmul(x, wl));  // the GSPMD rules check the shardings here
+      using Y = typename detail::psum_if<Kind == dense_kind::row, Z, Model>::type;
+      const std::size_t rows = x.extent(0), in = x.extent(1), out = wl.extent(1);
+      if (in != wl.extent(0)) throw sharding_error(input_width_error(in, wl.extent(0), x.mesh()));
+      saved_[dev] = {x.data(), rows, in};
+      T* y = out_.get(dev, rows * out);
+      const T* bias = b.value.local(dev).data();
+      const cview xv(x.data(), rows, in), wv(wl.data(), in, out);
+      if constexpr (Kind == dense_kind::row) {
+        matmul_into(view(y, rows, out), xv, wv);
+        auto z = detail::wrap2<Z>(y, rows, out, x.mesh(), dev);
+        static_cast<void>(detail::psum_in_place<Model>(z));
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+      } else {
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
+        matmul_into(view(y, rows, out), xv, wv, {.beta = 1});
+      }
+      return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
     }
-    return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
   }
 
   /// Accumulates `dW += x^T dy`, `db += sum_rows dy` (overwrites them when `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise a
   /// tensor of the right type and shape whose contents are unspecified).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output, or no
+  /// forward ran on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
@@ -141,20 +222,19 @@ class basic_dense {
     constexpr axis_mask pending = DXP::partial & w_sharding::dim_mask(1);
     using DX = typename detail::psum_if<pending != 0, DXP, Model>::type;
     const auto [x, rows, in] = saved_[dev];
-    const std::size_t out = dy.extent(1);
-    if (dy.extent(0) != rows)
-      throw sharding_error("meshlib::nn: " + w.name + ".backward: the cotangent has " + std::to_string(dy.extent(0)) +
-                           " rows but the forward input had " + std::to_string(rows));
     const w_local wl = w.local(dev);
+    const std::size_t out = wl.extent(1);
+    check_cotangent(dy, x, rows, out);
     T* gw = w.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
-    nn::detail::gemm<T>(true, false, in, out, rows, T{1}, x, dy.data(), w.grad_beta(dev), gw);
+    const cview dyv(dy.data(), rows, out);
+    matmul_into(view(gw, in, out), cview(x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
     if (b.grad_beta(dev) == T{0}) std::fill_n(gb, out, T{0});
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < out; ++j) gb[j] += dy.data()[i * out + j];
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
-      nn::detail::gemm<T>(false, true, rows, in, out, T{1}, dy.data(), wl.data(), T{0}, dx);
+      matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
       if constexpr (pending != 0) {
         return detail::psum_in_place<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));
       } else {
@@ -175,6 +255,41 @@ class basic_dense {
     const T* x = nullptr;
     std::size_t rows = 0, in = 0;
   };
+  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
+    constexpr axis_mask axes = w_sharding::dim_mask(0);
+    const std::size_t n = mesh.axes_size(axes);
+    std::string fix = "; it takes " + std::to_string(in_features());
+    if (axes != 0 && n != 1) fix += " (" + std::to_string(want) + " per device)";
+    return "meshlib::nn: " + to_string() + " received " + detail::width_text(got, axes, mesh) + fix + ": feed it " +
+           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(got * n) +
+           " inputs";
+  }
+
+  template <class DY>
+  void check_cotangent(const DY& dy, const T* x, std::size_t rows, std::size_t out) const {
+    const std::string head = "meshlib::nn: " + to_string() + ".backward";
+    if (x == nullptr)
+      throw sharding_error(head + " ran on device " + std::to_string(dy.device()) +
+                           " before any forward there; run forward first (backward uses its saved input)");
+    constexpr axis_mask axes = w_sharding::dim_mask(1);
+    if (dy.extent(1) != out) {
+      const std::size_t n = dy.mesh().axes_size(axes);
+      std::string outputs = std::to_string(out_features());
+      if (axes != 0 && n != 1) outputs += " (" + std::to_string(out) + " per device)";
+      throw sharding_error(head + " received a cotangent of " + detail::width_text(dy.extent(1), axes, dy.mesh()) +
+                           ", but the layer outputs " + outputs + "; pass the cotangent of this layer's output");
+    }
+    if (dy.extent(0) != rows)
+      throw sharding_error(head + " received a cotangent of " + std::to_string(dy.extent(0)) + " rows on device " +
+                           std::to_string(dy.device()) + ", but the forward input there had " + std::to_string(rows) +
+                           "; pass the cotangent of the last forward's output");
+  }
+
+  std::string name_;
   std::vector<saved> saved_;
   detail::device_buffers<T> out_, dx_;
 };

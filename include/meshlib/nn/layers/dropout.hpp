@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 
@@ -27,7 +28,20 @@ class dropout {
   /// Drops each value with probability `rate` in training; `name` seeds its own random stream.
   template <mesh_type Mesh>
   dropout(const Mesh& mesh, const std::string& name, float rate)
-      : id_(detail::name_id(name)), rate_(rate), mask_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {}
+      : name_(name), id_(detail::name_id(name)), rate_(rate), shape_(mesh.size()), mask_(mesh.size()), out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The width out is the width in (sequential compares the layers around it).
+  static constexpr bool keeps_features = true;
+  /// The name that seeds its random stream.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// `"drop1 (dropout 0.1)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    std::string r = std::to_string(rate_);
+    while (r.size() > 1 && r.back() == '0') r.pop_back();
+    if (!r.empty() && r.back() == '.') r.pop_back();
+    return name_ + " (dropout " + r + ")";
+  }
 
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
   void begin_step(rng_key key, bool train) {
@@ -40,6 +54,7 @@ class dropout {
   X forward(const X& x) {
     const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
     if (!train_ || rate_ <= 0.0f) return x;
+    shape_[dev] = {rows, cols, true};
     const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
     const std::size_t gcols = x.global_extent(1);
     T* mask = mask_.get(dev, rows * cols);
@@ -55,10 +70,13 @@ class dropout {
   }
 
   /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input (in training).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
+    const auto [rows, cols, ran] = shape_[dev];
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * mask[i];
@@ -69,10 +87,16 @@ class dropout {
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::string name_;
   std::uint64_t id_;
   float rate_;
   rng_key key_{};
   bool train_ = false;
+  std::vector<shape> shape_;  // per device: the last training forward's input shape (backward's mask)
   detail::device_buffers<T> mask_, out_, dx_;
 };
 

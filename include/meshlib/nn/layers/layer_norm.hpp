@@ -17,6 +17,7 @@
 
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
 namespace meshlib::nn {
@@ -37,18 +38,44 @@ class layer_norm {
              std::span<const std::size_t> local_devices = {})
       : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
         b(name + ".b", sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices),
+        name_(name),
         eps_(eps),
+        shape_(mesh.size()),
         xhat_(mesh.size()),
         out_(mesh.size()),
         dx_(mesh.size()) {}
 
+  /// The layer's name: its parameters are `name() + ".g"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The number of features it normalises over: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return g.value.global_shape()[0]; }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// `"ln1 (layer_norm over 16 features)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (layer_norm over " + std::to_string(in_features()) + " features)";
+  }
+  /// Complete, unsharded features (see the file comment).
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::detail::diag_op_t<"layer_norm">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
   /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
+  /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
     const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
+    if (n != in_features())
+      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(n) + " features; feed it " +
+                           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(n) +
+                           " features");
+    shape_[dev] = {rows, n, true};
     T* xh = xhat_.get(dev, rows * n + rows);  // xhat, then 1/std per row
     T* rstd = xh + rows * n;
     T* y = out_.get(dev, rows * n);
@@ -74,6 +101,7 @@ class layer_norm {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
     const T* rstd = xh + rows * n;
     const T* gv = g.value.local(dev).data();
@@ -104,7 +132,13 @@ class layer_norm {
   }
 
  private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::string name_;
   T eps_;
+  std::vector<shape> shape_;  // per device: the last forward's input shape
   detail::device_buffers<T> xhat_, out_, dx_;
 };
 

@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `matmul_into`: `C = alpha * op(A) * op(B) + beta * C` on rank-2 Kokkos views that the
+/// caller owns, the product kernel under `matmul` and the training layer.
+///
+/// Why a product into a caller's buffer: a training step multiplies the same shapes every
+/// iteration, so it keeps its output blocks instead of allocating one per product (as `matmul`
+/// does), accumulates gradients with `beta = 1`, and gets the backward pass's `x^T dy` and `dy W^T`
+/// from the transpose flags without materialising a transpose (BLAS reads the operand transposed).
+///
+/// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
+/// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
+/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
+/// own Kokkos kernel (`matmul_into_functor`), a RangePolicy `parallel_for` over the rows of `C` on the
+/// given execution-space instance. RangePolicy only, over raw pointers: safe from concurrent device
+/// threads on Kokkos 3.4.1 (tensor/view.hpp), where Kokkos Kernels' own team-policy fallback is not.
+///
+/// The edge cases are BLAS's, decided here so both kernels agree: `beta == 0` overwrites `C`
+/// without reading it (garbage or NaN in `C` is ignored); `k == 0` or `alpha == 0` gives
+/// `beta * C` without reading `A` or `B` (Kokkos Kernels 3.4.1 returns early on `k == 0`, leaving
+/// `C` unscaled, so that case never reaches it); an empty `C` does nothing.
+///
+/// BLAS threads: with one thread per device, a multi-threaded BLAS inside every device would
+/// oversubscribe the cores. The first BLAS product therefore sets OpenBLAS to one thread per call
+/// (`openblas_set_num_threads`, looked up with `dlsym`, so nothing is required at link time), unless
+/// `set_blas_threads_per_device(n)` was called first or `MESHLIB_BLAS_THREADS=n` is set.
+/// @code
+/// // the backward of y = x W: dW = x^T dy (accumulated), dx = dy W^T
+/// meshlib::matmul_into(dw, x, dy, {.transpose_a = true, .beta = 1});
+/// meshlib::matmul_into(dx, dy, w, {.transpose_b = true});
+/// @endcode
+
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include <dlfcn.h>
+
+#include <Kokkos_Core.hpp>
+
+#include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/view.hpp"
+
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+#include <KokkosBlas3_gemm.hpp>
+#endif
+
+namespace meshlib {
+
+namespace detail {
+
+inline std::atomic<bool>& blas_threads_chosen() {
+  static std::atomic<bool> chosen{false};
+  return chosen;
+}
+
+/// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
+inline void (*openblas_setter())(int) {
+  static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  return fn;
+}
+
+}  // namespace detail
+
+/// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
+/// has one setting). Call it before the device threads start.
+/// @returns whether an OpenBLAS was found to apply it to.
+inline bool set_blas_threads_per_device(int threads) {
+  detail::blas_threads_chosen() = true;
+  if (auto fn = detail::openblas_setter()) {
+    fn(threads < 1 ? 1 : threads);
+    return true;
+  }
+  return false;
+}
+
+namespace detail {
+
+/// Applies the default of one BLAS thread per device once, unless the user chose.
+inline void ensure_blas_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (blas_threads_chosen()) return;
+    int n = 1;
+    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS")) n = std::atoi(env);
+    set_blas_threads_per_device(n);
+  });
+}
+
+/// Whether products of `T` in memory `Space` go to `KokkosBlas::gemm` (see the file comment).
+template <class T, class Space>
+inline constexpr bool use_blas_v =
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    (std::is_same_v<T, float> || std::is_same_v<T, double>) && host_accessible_v<Space>;
+#else
+    false;
+#endif
+
+/// meshlib's product kernel: one row `i` of `C` per iteration. Every operand is a pointer and two
+/// strides, so a transpose is only a swap of strides: `op(A)(i, p) = a[i * a_i + p * a_p]`,
+/// `op(B)(p, j) = b[p * b_p + j * b_j]`, `C(i, j) = c[i * c_i + j * c_j]`.
+/// Two loop orders: when `op(B)` and `C` rows are unit-stride (no transpose of B, row-major), the
+/// i-p-j order (an axpy per `p`, vectorisable); otherwise (`op(B) = B^T`) a dot product per `(i, j)`,
+/// unit-stride along `p` on both sides for row-major `A` and `B`.
+template <class T>
+struct matmul_into_functor {
+  const T* a;
+  const T* b;
+  T* c;
+  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
+  std::size_t n, k;  // k == 0: only C = beta * C
+  T alpha, beta;
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    T* ci = c + i * c_i;
+    if (beta == T{0}) {
+      for (std::size_t j = 0; j < n; ++j) ci[j * c_j] = T{0};
+    } else if (beta != T{1}) {
+      for (std::size_t j = 0; j < n; ++j) ci[j * c_j] *= beta;
+    }
+    if (k == 0) return;
+    const T* ai = a + i * a_i;
+    if (b_j == 1 && c_j == 1) {
+      for (std::size_t p = 0; p < k; ++p) {
+        const T aip = alpha * ai[p * a_p];
+        const T* bp = b + p * b_p;
+        for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+      }
+    } else {
+      for (std::size_t j = 0; j < n; ++j) {
+        const T* bj = b + j * b_j;
+        T s{0};
+        for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
+        ci[j * c_j] += alpha * s;
+      }
+    }
+  }
+};
+
+/// `(r, c)` for a message.
+inline std::string shape_text(std::size_t r, std::size_t c) {
+  return "(" + std::to_string(r) + ", " + std::to_string(c) + ")";
+}
+
+/// Throws when `op(A) . op(B)` does not chain or does not fit `C` (see `matmul_into`).
+template <class VC, class VA, class VB>
+void check_matmul_into_shapes(const VC& c, const VA& a, const VB& b, bool ta, bool tb) {
+  const std::size_t m = ta ? a.extent(1) : a.extent(0), k = ta ? a.extent(0) : a.extent(1);
+  const std::size_t k2 = tb ? b.extent(1) : b.extent(0), n = tb ? b.extent(0) : b.extent(1);
+  if (k == k2 && c.extent(0) == m && c.extent(1) == n) return;
+  const std::string operands = "op(A) . op(B) with A " + shape_text(a.extent(0), a.extent(1)) +
+                               (ta ? " transposed" : " not transposed") + " and B " +
+                               shape_text(b.extent(0), b.extent(1)) + (tb ? " transposed" : " not transposed") + " is " +
+                               shape_text(m, k) + " . " + shape_text(k2, n);
+  if (k != k2)
+    throw sharding_error("meshlib: matmul_into: " + operands + ": the contraction sizes " + std::to_string(k) + " and " +
+                         std::to_string(k2) + " differ; check the operands' shapes and the transpose flags");
+  throw sharding_error("meshlib: matmul_into: " + operands + " = " + shape_text(m, n) + ", but C is " +
+                       shape_text(c.extent(0), c.extent(1)) + "; pass a C of shape " + shape_text(m, n));
+}
+
+template <class V>
+inline constexpr bool blas_layout_v =
+    std::is_same_v<typename V::array_layout, Kokkos::LayoutRight> || std::is_same_v<typename V::array_layout, Kokkos::LayoutLeft>;
+
+/// meshlib's kernel on `exec` (no BLAS), after the shapes were checked: also what tests call to
+/// exercise it for types that do have a BLAS.
+template <class Exec, class VC, class VA, class VB>
+void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b, bool ta, bool tb,
+                        typename VC::non_const_value_type alpha, typename VC::non_const_value_type beta) {
+  using T = typename VC::non_const_value_type;
+  const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
+  if (m == 0 || n == 0) return;
+  matmul_into_functor<T> f{a.data(),
+                           b.data(),
+                           c.data(),
+                           ta ? a.stride(1) : a.stride(0),
+                           ta ? a.stride(0) : a.stride(1),
+                           tb ? b.stride(1) : b.stride(0),
+                           tb ? b.stride(0) : b.stride(1),
+                           c.stride(0),
+                           c.stride(1),
+                           n,
+                           k,
+                           alpha,
+                           beta};
+  launch_on(exec, m, f);
+}
+
+}  // namespace detail
+
+/// @brief The options of `matmul_into`: the transpose of each operand, and `alpha`, `beta`
+/// (converted to the element type). Designated initialisers name what a positional BLAS call hides
+/// (`{.transpose_a = true, .beta = 1}`); the scalars are `double`, not the element type, so that one
+/// non-template struct serves every type (exact for the values products use: 0, 1, integers).
+struct matmul_into_options {
+  bool transpose_a = false;  ///< `op(A) = A^T` (`A` stored `k x m`)
+  bool transpose_b = false;  ///< `op(B) = B^T` (`B` stored `n x k`)
+  double alpha = 1;          ///< scales the product
+  double beta = 0;           ///< scales `C`'s previous contents; 0: `C` is not read
+};
+
+/// @brief `C = alpha * op(A) * op(B) + beta * C` on `exec` (see the file comment for the kernel and
+/// the edge cases). `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`; any rank-2 views of one
+/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`).
+/// @pre `C` overlaps neither `A` nor `B`.
+/// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
+/// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
+/// differ or `C`'s shape is not `m x n`.
+template <class Exec, class VC, class VA, class VB>
+  requires(Kokkos::is_execution_space<Exec>::value && Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value &&
+           Kokkos::is_view<VB>::value)
+void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
+  using T = typename VC::non_const_value_type;
+  using space = typename VC::memory_space;
+  static_assert(VA::rank == 2 && VB::rank == 2 && VC::rank == 2, "meshlib: matmul_into needs three rank-2 views");
+  static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
+                "meshlib: matmul_into: A, B and C must have the same element type");
+  static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
+  static_assert(Kokkos::SpaceAccessibility<Exec, space>::accessible &&
+                    Kokkos::SpaceAccessibility<Exec, typename VA::memory_space>::accessible &&
+                    Kokkos::SpaceAccessibility<Exec, typename VB::memory_space>::accessible,
+                "meshlib: matmul_into: the execution space cannot access the views' memory; pass an instance of the "
+                "space their memory belongs to");
+  detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+  const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+  const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
+  if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+                std::is_same_v<typename VB::memory_space, space> &&
+                std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+    if (c.extent(0) == 0 || c.extent(1) == 0) return;
+    if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    detail::ensure_blas_threads();
+    // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
+    using layout = typename VC::array_layout;
+    using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+    const Kokkos::View<const T**, layout, space, um> av = a;
+    const Kokkos::View<const T**, layout, space, um> bv = b;
+    const Kokkos::View<T**, layout, space, um> cv = c;
+    const char* ta = o.transpose_a ? "T" : "N";
+    const char* tb = o.transpose_b ? "T" : "N";
+#if KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
+    else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
+#else
+    KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
+#endif
+#endif
+  } else {
+    detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+  }
+}
+
+/// @brief `matmul_into` on the running device's execution-space instance (inside `spmd` /
+/// `shard_map`), else the default instance of `C`'s memory space.
+template <class VC, class VA, class VB>
+  requires(Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value && Kokkos::is_view<VB>::value)
+void matmul_into(const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
+  matmul_into(detail::current_exec<typename VC::memory_space>(), c, a, b, o);
+}
+
+}  // namespace meshlib

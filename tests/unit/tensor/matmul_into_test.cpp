@@ -1,0 +1,209 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// matmul_into against a naive triple loop over explicitly transposed copies: every transpose pair,
+// alpha and beta, the BLAS edge cases (beta = 0 ignores NaN in C, k = 0, empty C), strided views,
+// and the shape errors word for word; on the BLAS path (float, double with Kokkos Kernels) and on
+// meshlib's own Kokkos kernel (int, and float forced through detail::matmul_into_kernel).
+#include <cmath>
+#include <cstddef>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshlib/config.hpp"
+#include "meshlib/tensor.hpp"
+#include "meshlib_catch.hpp"
+#include "message_of.hpp"
+
+namespace {
+
+template <class T>
+using host_view = Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+template <class T>
+host_view<T> make(std::size_t r, std::size_t c, int seed) {
+  auto v = meshlib::detail::allocate<T, 2, Kokkos::HostSpace>({r, c}, "test", false);
+  for (std::size_t i = 0; i < r; ++i)
+    for (std::size_t j = 0; j < c; ++j) v(i, j) = static_cast<T>(static_cast<int>((i * 7 + j * 3 + static_cast<std::size_t>(seed)) % 11) - 5);
+  return v;
+}
+
+/// `alpha * op(A) op(B) + beta * C0`, computed from explicit transposes (independent of the strides
+/// and loop orders under test). Small integers: exact in every type used here.
+template <class T>
+std::vector<double> reference(const host_view<T>& a, const host_view<T>& b, const std::vector<double>& c0, bool ta,
+                              bool tb, double alpha, double beta) {
+  const std::size_t m = ta ? a.extent(1) : a.extent(0), k = ta ? a.extent(0) : a.extent(1);
+  const std::size_t n = tb ? b.extent(0) : b.extent(1);
+  std::vector<double> opa(m * k), opb(k * n), out(m * n);
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t p = 0; p < k; ++p) opa[i * k + p] = static_cast<double>(ta ? a(p, i) : a(i, p));
+  for (std::size_t p = 0; p < k; ++p)
+    for (std::size_t j = 0; j < n; ++j) opb[p * n + j] = static_cast<double>(tb ? b(j, p) : b(p, j));
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (std::size_t p = 0; p < k; ++p) s += opa[i * k + p] * opb[p * n + j];
+      out[i * n + j] = alpha * s + (beta == 0 ? 0.0 : beta * c0[i * n + j]);
+    }
+  return out;
+}
+
+template <class V>
+std::vector<double> contents(const V& c) {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < c.extent(0); ++i)
+    for (std::size_t j = 0; j < c.extent(1); ++j) out.push_back(static_cast<double>(c(i, j)));
+  return out;
+}
+
+/// Runs one product through `matmul_into` (Kernel = false) or meshlib's kernel (Kernel = true).
+template <bool Kernel, class VC, class VA, class VB>
+void run(const VC& c, const VA& a, const VB& b, bool ta, bool tb, double alpha, double beta) {
+  using T = typename VC::non_const_value_type;
+  if constexpr (Kernel) {
+    meshlib::detail::check_matmul_into_shapes(c, a, b, ta, tb);
+    meshlib::detail::matmul_into_kernel(Kokkos::DefaultHostExecutionSpace(), c, a, b, ta, tb, static_cast<T>(alpha),
+                                        static_cast<T>(beta));
+  } else {
+    meshlib::matmul_into(c, a, b, {.transpose_a = ta, .transpose_b = tb, .alpha = alpha, .beta = beta});
+  }
+}
+
+/// Every transpose pair on a non-square product (m, k, n) = (5, 7, 3), with several alpha / beta.
+template <class T, bool Kernel>
+void check_all_transposes() {
+  constexpr std::size_t m = 5, k = 7, n = 3;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (auto [alpha, beta] : std::initializer_list<std::pair<double, double>>{{1.0, 0.0}, {2.0, 1.0}, {-3.0, 2.0}, {1.0, -1.0}}) {
+        INFO("transpose_a " << ta << ", transpose_b " << tb << ", alpha " << alpha << ", beta " << beta);
+        const auto a = ta ? make<T>(k, m, 1) : make<T>(m, k, 1);
+        const auto b = tb ? make<T>(n, k, 2) : make<T>(k, n, 2);
+        auto c = make<T>(m, n, 3);
+        const auto expected = reference(a, b, contents(c), ta, tb, alpha, beta);
+        run<Kernel>(c, a, b, ta, tb, alpha, beta);
+        CHECK(contents(c) == expected);
+      }
+}
+
+/// BLAS's edge cases: beta = 0 never reads C (NaN there is ignored), k = 0 gives beta * C, empty C.
+template <class T, bool Kernel>
+void check_edge_cases() {
+  const auto a = make<T>(4, 6, 1), b = make<T>(6, 5, 2);
+  if constexpr (std::numeric_limits<T>::has_quiet_NaN) {
+    auto c = make<T>(4, 5, 0);
+    for (std::size_t i = 0; i < 4; ++i)
+      for (std::size_t j = 0; j < 5; ++j) c(i, j) = std::numeric_limits<T>::quiet_NaN();
+    run<Kernel>(c, a, b, false, false, 1.0, 0.0);
+    CHECK(contents(c) == reference(a, b, std::vector<double>(20, 0.0), false, false, 1.0, 0.0));
+    // k = 0 with beta = 0: zeros, whatever C held
+    for (std::size_t i = 0; i < 4; ++i)
+      for (std::size_t j = 0; j < 5; ++j) c(i, j) = std::numeric_limits<T>::quiet_NaN();
+    run<Kernel>(c, make<T>(4, 0, 0), make<T>(0, 5, 0), false, false, 1.0, 0.0);
+    CHECK(contents(c) == std::vector<double>(20, 0.0));
+  }
+  {  // k = 0: C = beta * C (not left as it was), transposed operands too
+    auto c = make<T>(4, 5, 3);
+    const auto before = contents(c);
+    run<Kernel>(c, make<T>(0, 4, 0), make<T>(5, 0, 0), true, true, 1.0, 2.0);
+    std::vector<double> doubled;
+    for (double v : before) doubled.push_back(2 * v);
+    CHECK(contents(c) == doubled);
+  }
+  {  // alpha = 0: beta * C, A and B not read (NaN in them is ignored where T has NaN)
+    auto an = make<T>(4, 6, 1);
+    if constexpr (std::numeric_limits<T>::has_quiet_NaN) an(1, 2) = std::numeric_limits<T>::quiet_NaN();
+    auto c = make<T>(4, 5, 3);
+    const auto before = contents(c);
+    run<Kernel>(c, an, b, false, false, 0.0, 1.0);
+    CHECK(contents(c) == before);
+  }
+  {  // m = 0 and n = 0: nothing to write, no error
+    auto c0 = make<T>(0, 5, 0);
+    run<Kernel>(c0, make<T>(0, 6, 0), b, false, false, 1.0, 0.0);
+    auto c1 = make<T>(4, 0, 0);
+    run<Kernel>(c1, a, make<T>(6, 0, 0), false, false, 1.0, 0.0);
+    CHECK((c0.extent(0) == 0 && c1.extent(1) == 0));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("matmul_into: every transpose pair, alpha and beta, against a naive product", "[tensor][matmul_into]") {
+  check_all_transposes<float, false>();   // KokkosBlas::gemm where meshlib has Kokkos Kernels
+  check_all_transposes<double, false>();
+  check_all_transposes<int, false>();     // no BLAS for int: meshlib's Kokkos kernel
+  check_all_transposes<float, true>();    // meshlib's kernel, forced, for a type that has a BLAS
+  check_all_transposes<double, true>();
+  STATIC_REQUIRE(!meshlib::detail::use_blas_v<int, Kokkos::HostSpace>);
+  STATIC_REQUIRE(meshlib::detail::use_blas_v<float, Kokkos::HostSpace> == meshlib::config::kokkos_kernels);
+}
+
+TEST_CASE("matmul_into: beta = 0 ignores NaN in C, k = 0 scales C, empty results", "[tensor][matmul_into]") {
+  check_edge_cases<float, false>();
+  check_edge_cases<double, false>();
+  check_edge_cases<int, false>();
+  check_edge_cases<float, true>();
+  check_edge_cases<double, true>();
+}
+
+TEST_CASE("matmul_into: strided views and an explicit execution-space instance", "[tensor][matmul_into]") {
+  // Every other column of a wider matrix: LayoutStride views, so meshlib's kernel reads the strides.
+  auto wide_a = make<float>(4, 12, 1), wide_c = make<float>(4, 10, 3);
+  const auto b = make<float>(6, 5, 2);
+  auto a = Kokkos::subview(wide_a, Kokkos::ALL, std::pair<std::size_t, std::size_t>(0, 6));
+  auto c = Kokkos::subview(wide_c, Kokkos::ALL, std::pair<std::size_t, std::size_t>(2, 7));
+  host_view<float> a_copy = make<float>(4, 6, 0);
+  for (std::size_t i = 0; i < 4; ++i)
+    for (std::size_t j = 0; j < 6; ++j) a_copy(i, j) = a(i, j);
+  const auto expected = reference(a_copy, b, contents(c), false, false, 2.0, 1.0);
+  const auto wide_before = contents(wide_c);
+  meshlib::matmul_into(Kokkos::DefaultHostExecutionSpace(), c, a, b, {.alpha = 2, .beta = 1});
+  CHECK(contents(c) == expected);
+  auto after = contents(wide_c);
+  for (std::size_t i = 0; i < 4; ++i)
+    for (int j : {0, 1, 7, 8, 9}) CHECK(after[i * 10 + static_cast<std::size_t>(j)] == wide_before[i * 10 + static_cast<std::size_t>(j)]);
+  // A strided A, transposed.
+  auto t = Kokkos::subview(wide_a, Kokkos::ALL, std::pair<std::size_t, std::size_t>(6, 11));  // (4, 5)
+  host_view<float> t_copy = make<float>(4, 5, 0);
+  for (std::size_t i = 0; i < 4; ++i)
+    for (std::size_t j = 0; j < 5; ++j) t_copy(i, j) = t(i, j);
+  auto out = make<float>(5, 6, 0);
+  meshlib::matmul_into(out, t, a_copy, {.transpose_a = true});  // (5, 4) . (4, 6)
+  CHECK(contents(out) == reference(t_copy, a_copy, contents(out), true, false, 1.0, 0.0));
+}
+
+TEST_CASE("matmul_into: shapes that do not chain are refused naming the shapes and the transposes",
+          "[tensor][matmul_into][errors]") {
+  auto c = make<float>(3, 5, 0);
+  const auto a = make<float>(3, 4, 1), b = make<float>(4, 5, 2);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(c, a, b, {.transpose_a = true}); }) ==
+        "meshlib: matmul_into: op(A) . op(B) with A (3, 4) transposed and B (4, 5) not transposed is (4, 3) . (4, 5): "
+        "the contraction sizes 3 and 4 differ; check the operands' shapes and the transpose flags");
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(c, a, b, {.transpose_b = true}); }) ==
+        "meshlib: matmul_into: op(A) . op(B) with A (3, 4) not transposed and B (4, 5) transposed is (3, 4) . (5, 4): "
+        "the contraction sizes 4 and 5 differ; check the operands' shapes and the transpose flags");
+  auto wrong = make<float>(3, 6, 0);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(wrong, a, b); }) ==
+        "meshlib: matmul_into: op(A) . op(B) with A (3, 4) not transposed and B (4, 5) not transposed is (3, 4) . (4, "
+        "5) = (3, 5), but C is (3, 6); pass a C of shape (3, 5)");
+  auto ci = make<int>(3, 5, 0);
+  const auto ai = make<int>(3, 4, 1);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(ci, ai, ai); }) ==
+        "meshlib: matmul_into: op(A) . op(B) with A (3, 4) not transposed and B (3, 4) not transposed is (3, 4) . (3, "
+        "4): the contraction sizes 4 and 3 differ; check the operands' shapes and the transpose flags");
+}
+
+TEST_CASE("docs/tensors.md: matmul_into for a dense layer's backward", "[tensor][matmul_into][docs]") {
+  const std::size_t rows = 6, in = 4, out = 3;
+  const auto x = make<float>(rows, in, 1), w = make<float>(in, out, 2), dy = make<float>(rows, out, 3);
+  auto dw = make<float>(in, out, 4);  // the previous micro-batch's gradient
+  auto dx = make<float>(rows, in, 0);
+  const auto dw_expected = reference(x, dy, contents(dw), true, false, 1.0, 1.0);
+  meshlib::matmul_into(dw, x, dy, {.transpose_a = true, .beta = 1});
+  meshlib::matmul_into(dx, dy, w, {.transpose_b = true});
+  CHECK(contents(dw) == dw_expected);
+  CHECK(contents(dx) == reference(dy, w, contents(dx), false, true, 1.0, 0.0));
+}
