@@ -23,7 +23,8 @@
 #                  EXPECT_OUTPUT matched against the configure output instead. EXPECT_WARNING=<regex>:
 #                  the configure output must hold a CMake warning matching it (instead of none).
 # STEP=pkgconfig   Compile and run CONSUMER_SOURCE with `c++ -std=c++20 $(pkg-config --cflags --libs
-#                  meshlib)` against the install in PREFIX (PKG_CONFIG_PATH=PREFIX/share/pkgconfig).
+#                  meshlib)` against the install in PREFIX (PKG_CONFIG_PATH=PREFIX/share/pkgconfig),
+#                  after checking that the .pc names the Kokkos version the CMake package records.
 # Common: GENERATOR, CXX_COMPILER, BUILD_TYPE (of the enclosing build).
 
 cmake_minimum_required(VERSION 3.20)
@@ -231,6 +232,16 @@ elseif(STEP STREQUAL "pkgconfig")
   string(STRIP "${version}" version)
   if(NOT version STREQUAL EXPECT_VERSION)
     fail("pkg-config says meshlib ${version}, expected ${EXPECT_VERSION}")
+  endif()
+  # The .pc and the CMake package name the same Kokkos (the one the install was configured against).
+  run_checked(pc_kokkos COMMAND "${pkg_config}" --variable=kokkos_version meshlib)
+  string(STRIP "${pc_kokkos}" pc_kokkos)
+  file(READ "${PREFIX}/share/cmake/meshlib/meshlibConfig.cmake" config)
+  if(NOT config MATCHES "set\\(_meshlib_kokkos_version \"([^\"]*)\"\\)")
+    fail("the installed meshlibConfig.cmake does not record the Kokkos version it was configured against")
+  endif()
+  if(NOT pc_kokkos STREQUAL CMAKE_MATCH_1 OR pc_kokkos STREQUAL "")
+    fail("meshlib.pc says Kokkos '${pc_kokkos}', the CMake package '${CMAKE_MATCH_1}': they must agree")
   endif()
   run_checked(flags COMMAND "${pkg_config}" --cflags --libs meshlib)
   string(STRIP "${flags}" flags)
