@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 """Conan 2 recipe of meshlib: a header-only library; the optional parts are options.
 
-    conan create . -pr:a <profile> [-o "meshlib/*:mpi=True"] ...
+    conan create . -pr:a default -pr:a packaging/conan/debian12 [-o "meshlib/*:mpi=True"] ...
 
 Options (all off by default; each brings its dependency and the CMake component of the same name):
     kokkos_kernels  matmul through KokkosBlas::gemm   (requires kokkos-kernels)
@@ -50,7 +50,7 @@ class MeshlibConan(ConanFile):
 
     def requirements(self):
         # Kokkos 3.4 (Debian) to 4.x; a profile's [platform_requires] may take any of them from
-        # the system (tests/package/conan/profile does).
+        # the system (packaging/conan/debian12 does, see docs/install.md).
         self.requires("kokkos/[>=3.4 <5]")
         if self.options.kokkos_kernels:
             self.requires("kokkos-kernels/[>=3.4 <5]")

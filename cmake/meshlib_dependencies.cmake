@@ -7,8 +7,13 @@ include(meshlib_find_kokkos)
 meshlib_find_kokkos()
 
 set(MESHLIB_HAVE_KOKKOS_KERNELS FALSE)
+set(MESHLIB_KOKKOS_KERNELS_MISMATCH "")
 if(MESHLIB_WITH_KOKKOS_KERNELS)
   meshlib_find_kokkos_kernels()
+  if(MESHLIB_KOKKOS_KERNELS_MISMATCH)
+    # Skipped, not fatal: meshlib works without it; the warning says how to get it back.
+    message(WARNING "${MESHLIB_KOKKOS_KERNELS_MISMATCH}")
+  endif()
 endif()
 
 set(MESHLIB_HAVE_TBB FALSE)
@@ -55,8 +60,11 @@ endfunction()
 function(meshlib_print_summary)
   message(STATUS "meshlib ${PROJECT_VERSION} configuration:")
   message(STATUS "  Kokkos: ${MESHLIB_KOKKOS_ORIGIN}")
-  _meshlib_summary_line("Kokkos Kernels" "${MESHLIB_HAVE_KOKKOS_KERNELS}" "${MESHLIB_KOKKOS_KERNELS_ORIGIN}"
-    "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
+  set(_kk_missing "matmul uses meshlib's own Kokkos kernel instead of KokkosBlas::gemm (MESHLIB_WITH_KOKKOS_KERNELS=${MESHLIB_WITH_KOKKOS_KERNELS})")
+  if(MESHLIB_KOKKOS_KERNELS_MISMATCH)
+    set(_kk_missing "one was found, but for another Kokkos version (warning above): ${_kk_missing}")
+  endif()
+  _meshlib_summary_line("Kokkos Kernels" "${MESHLIB_HAVE_KOKKOS_KERNELS}" "${MESHLIB_KOKKOS_KERNELS_ORIGIN}" "${_kk_missing}")
   _meshlib_summary_line("oneTBB" "${MESHLIB_HAVE_TBB}" "${TBB_VERSION}"
     "no meshlib::tbb target: the data loader assembles each batch when asked, sequentially, without prefetching (MESHLIB_WITH_TBB=${MESHLIB_WITH_TBB})")
   _meshlib_summary_line("zlib" "${MESHLIB_HAVE_ZLIB}" "${ZLIB_VERSION_STRING}"

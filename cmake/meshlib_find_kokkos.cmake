@@ -77,6 +77,40 @@ function(_meshlib_target_has_header target header out)
   endforeach()
 endfunction()
 
+# "M.m.p" from a `#define MACRO MMmmpp` line of a header (Kokkos' and Kokkos Kernels' encoding of
+# their version: KOKKOS_VERSION 40601 is 4.6.1), or "" when the header or the line is missing.
+function(_meshlib_encoded_version header macro out)
+  set(${out} "" PARENT_SCOPE)
+  if(EXISTS "${header}")
+    file(STRINGS "${header}" _line REGEX "^#define ${macro} [0-9]+")
+    if(_line MATCHES "${macro} ([0-9]+)")
+      math(EXPR _major "${CMAKE_MATCH_1} / 10000")
+      math(EXPR _minor "${CMAKE_MATCH_1} / 100 % 100")
+      math(EXPR _patch "${CMAKE_MATCH_1} % 100")
+      set(${out} "${_major}.${_minor}.${_patch}" PARENT_SCOPE)
+    endif()
+  endif()
+endfunction()
+
+# TRUE in OUT when versions A and B are both known ("M.m..." ) and differ in major or minor.
+# Kokkos Kernels and a meshlib install both need the Kokkos of their own major.minor: 3.4.01 and
+# 3.4.1 agree, 4.6.01 and 3.4.1 do not. An unknown version ("" or "(version unknown)") agrees.
+function(meshlib_kokkos_versions_differ a b out)
+  set(${out} FALSE PARENT_SCOPE)
+  if(a MATCHES "^([0-9]+)\\.([0-9]+)")
+    math(EXPR _a "${CMAKE_MATCH_1} * 1000 + ${CMAKE_MATCH_2}")
+    if(b MATCHES "^([0-9]+)\\.([0-9]+)")
+      math(EXPR _b "${CMAKE_MATCH_1} * 1000 + ${CMAKE_MATCH_2}")
+      if(NOT _a EQUAL _b)
+        set(${out} TRUE PARENT_SCOPE)
+      endif()
+    endif()
+  endif()
+endfunction()
+
+# MESHLIB_KOKKOS_HINTS: folders find_package(Kokkos) also looks in, after the user's own
+# Kokkos_ROOT / CMAKE_PREFIX_PATH and before the system's. The installed config sets it to the
+# Kokkos meshlib was installed against, so a consumer finds that one unless told otherwise.
 macro(meshlib_find_kokkos)
   if(NOT TARGET meshlib::kokkos)
     set(MESHLIB_KOKKOS_ORIGIN "")
@@ -88,7 +122,7 @@ macro(meshlib_find_kokkos)
       set(MESHLIB_KOKKOS_ORIGIN "the Kokkos::kokkos target of this build (${Kokkos_VERSION})")
       set(_meshlib_kokkos_ok FALSE)
     else()
-      find_package(Kokkos CONFIG QUIET)
+      find_package(Kokkos CONFIG QUIET HINTS ${MESHLIB_KOKKOS_HINTS})
       _meshlib_target_has_header(Kokkos::kokkos Kokkos_Core.hpp _meshlib_kokkos_ok)
     endif()
     if(TARGET meshlib::kokkos)
@@ -97,6 +131,8 @@ macro(meshlib_find_kokkos)
       add_library(meshlib::kokkos INTERFACE IMPORTED GLOBAL)
       set_target_properties(meshlib::kokkos PROPERTIES INTERFACE_LINK_LIBRARIES Kokkos::kokkos)
       set(MESHLIB_KOKKOS_ORIGIN "find_package(Kokkos) ${Kokkos_VERSION} in ${Kokkos_DIR}")
+      set(MESHLIB_KOKKOS_WHERE "${Kokkos_DIR}")
+      set(MESHLIB_KOKKOS_CONFIG_DIR "${Kokkos_DIR}")
     else()
       find_path(MESHLIB_KOKKOS_INCLUDE_DIR Kokkos_Core.hpp PATH_SUFFIXES trilinos kokkos)
       find_library(MESHLIB_KOKKOS_CORE_LIBRARY NAMES kokkoscore trilinos_kokkoscore)
@@ -119,8 +155,19 @@ macro(meshlib_find_kokkos)
       else()
         set(MESHLIB_KOKKOS_ORIGIN "${MESHLIB_KOKKOS_INCLUDE_DIR} (headers and library found directly)")
       endif()
+      set(MESHLIB_KOKKOS_WHERE "${MESHLIB_KOKKOS_INCLUDE_DIR}")
+      if(NOT Kokkos_VERSION)
+        _meshlib_encoded_version("${MESHLIB_KOKKOS_INCLUDE_DIR}/KokkosCore_config.h" KOKKOS_VERSION Kokkos_VERSION)
+      endif()
     endif()
-    # For scripts and summaries (run_tests.sh names each leg by it).
+    if(NOT DEFINED MESHLIB_KOKKOS_WHERE)
+      set(MESHLIB_KOKKOS_WHERE "")
+    endif()
+    if(NOT DEFINED MESHLIB_KOKKOS_CONFIG_DIR)
+      set(MESHLIB_KOKKOS_CONFIG_DIR "") # a hint for consumers only when a KokkosConfig.cmake was used
+    endif()
+    # For scripts and summaries (run_tests.sh names each leg by it), the Kokkos Kernels check
+    # below, and the installed config, which records it.
     if(Kokkos_VERSION)
       set(MESHLIB_KOKKOS_VERSION "${Kokkos_VERSION}" CACHE INTERNAL "the Kokkos version meshlib was configured with")
     else()
@@ -129,8 +176,13 @@ macro(meshlib_find_kokkos)
   endif()
 endmacro()
 
-# Sets MESHLIB_HAVE_KOKKOS_KERNELS and makes meshlib::kokkos_kernels when Kokkos Kernels is found.
+# Sets MESHLIB_HAVE_KOKKOS_KERNELS and makes meshlib::kokkos_kernels when a Kokkos Kernels of the
+# Kokkos found by meshlib_find_kokkos is found. One of another major.minor (Debian's 3.4 beside the
+# user's Kokkos 4: its headers do not compile against Kokkos 4) is not used: MESHLIB_HAVE_KOKKOS_KERNELS
+# stays FALSE and MESHLIB_KOKKOS_KERNELS_MISMATCH holds the message that says what to do (the
+# caller prints it: a warning in meshlib's build, the not-found message in the installed config).
 macro(meshlib_find_kokkos_kernels)
+  set(MESHLIB_KOKKOS_KERNELS_MISMATCH "")
   if(NOT TARGET meshlib::kokkos_kernels)
     set(MESHLIB_HAVE_KOKKOS_KERNELS FALSE)
     if(TARGET Kokkos::kokkoskernels)
@@ -142,22 +194,51 @@ macro(meshlib_find_kokkos_kernels)
       _meshlib_target_has_header(Kokkos::kokkoskernels KokkosBlas3_gemm.hpp _meshlib_kk_ok)
     endif()
     if(KokkosKernels_FOUND AND _meshlib_kk_ok)
-      add_library(meshlib::kokkos_kernels INTERFACE IMPORTED GLOBAL)
-      set_target_properties(meshlib::kokkos_kernels PROPERTIES INTERFACE_LINK_LIBRARIES Kokkos::kokkoskernels)
-      set(MESHLIB_HAVE_KOKKOS_KERNELS TRUE)
-      set(MESHLIB_KOKKOS_KERNELS_ORIGIN "find_package(KokkosKernels) in ${KokkosKernels_DIR}")
+      set(_meshlib_kk_version "${KokkosKernels_VERSION}")
+      set(_meshlib_kk_where "${KokkosKernels_DIR}")
+      if(NOT _meshlib_kk_version AND _meshlib_kk_where STREQUAL "this build" AND DEFINED kokkoskernels_SOURCE_DIR)
+        get_directory_property(_meshlib_kk_version DIRECTORY "${kokkoskernels_SOURCE_DIR}" DEFINITION KokkosKernels_VERSION)
+      endif()
+      meshlib_kokkos_versions_differ("${_meshlib_kk_version}" "${MESHLIB_KOKKOS_VERSION}" _meshlib_kk_differs)
+      if(NOT _meshlib_kk_differs)
+        add_library(meshlib::kokkos_kernels INTERFACE IMPORTED GLOBAL)
+        set_target_properties(meshlib::kokkos_kernels PROPERTIES INTERFACE_LINK_LIBRARIES Kokkos::kokkoskernels)
+        set(MESHLIB_HAVE_KOKKOS_KERNELS TRUE)
+        set(MESHLIB_KOKKOS_KERNELS_ORIGIN "find_package(KokkosKernels) ${_meshlib_kk_version} in ${KokkosKernels_DIR}")
+      endif()
     else()
       find_path(MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR KokkosBlas3_gemm.hpp PATH_SUFFIXES trilinos kokkos-kernels)
       find_library(MESHLIB_KOKKOS_KERNELS_LIBRARY NAMES kokkoskernels trilinos_kokkoskernels)
       if(MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR AND MESHLIB_KOKKOS_KERNELS_LIBRARY)
-        add_library(meshlib::kokkos_kernels INTERFACE IMPORTED GLOBAL)
-        set_target_properties(meshlib::kokkos_kernels PROPERTIES
-          INTERFACE_INCLUDE_DIRECTORIES "${MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR}"
-          INTERFACE_LINK_LIBRARIES "${MESHLIB_KOKKOS_KERNELS_LIBRARY};meshlib::kokkos")
-        set(MESHLIB_HAVE_KOKKOS_KERNELS TRUE)
-        set(MESHLIB_KOKKOS_KERNELS_ORIGIN "${MESHLIB_KOKKOS_KERNELS_LIBRARY}")
+        # Its version: KokkosKernels_config.h says it from 3.5 on; an older one (Debian's 3.4, part
+        # of Trilinos) lies beside the Kokkos it was built with, whose KokkosCore_config.h says it.
+        _meshlib_encoded_version("${MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR}/KokkosKernels_config.h"
+          KOKKOSKERNELS_VERSION _meshlib_kk_version)
+        if(NOT _meshlib_kk_version)
+          _meshlib_encoded_version("${MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR}/KokkosCore_config.h"
+            KOKKOS_VERSION _meshlib_kk_version)
+        endif()
+        set(_meshlib_kk_where "${MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR}")
+        meshlib_kokkos_versions_differ("${_meshlib_kk_version}" "${MESHLIB_KOKKOS_VERSION}" _meshlib_kk_differs)
+        if(NOT _meshlib_kk_differs)
+          add_library(meshlib::kokkos_kernels INTERFACE IMPORTED GLOBAL)
+          set_target_properties(meshlib::kokkos_kernels PROPERTIES
+            INTERFACE_INCLUDE_DIRECTORIES "${MESHLIB_KOKKOS_KERNELS_INCLUDE_DIR}"
+            INTERFACE_LINK_LIBRARIES "${MESHLIB_KOKKOS_KERNELS_LIBRARY};meshlib::kokkos")
+          set(MESHLIB_HAVE_KOKKOS_KERNELS TRUE)
+          set(MESHLIB_KOKKOS_KERNELS_ORIGIN "${MESHLIB_KOKKOS_KERNELS_LIBRARY}")
+        endif()
       endif()
     endif()
+    if(_meshlib_kk_differs)
+      string(REGEX MATCH "^[0-9]+\\.[0-9]+" _meshlib_kokkos_mm "${MESHLIB_KOKKOS_VERSION}")
+      set(MESHLIB_KOKKOS_KERNELS_MISMATCH
+        "meshlib: Kokkos Kernels ${_meshlib_kk_version} (${_meshlib_kk_where}) does not match Kokkos ${MESHLIB_KOKKOS_VERSION} (${MESHLIB_KOKKOS_WHERE}): Kokkos Kernels only compiles against the Kokkos of its own major.minor version, so it is not used and matmul runs meshlib's own kernel. To use KokkosBlas::gemm, install Kokkos Kernels ${_meshlib_kokkos_mm} built against this Kokkos and point KokkosKernels_ROOT at it (scripts/build_kokkos4.sh builds Kokkos and Kokkos Kernels 4.6.01 into one prefix), or use the Kokkos that matches this Kokkos Kernels; -DMESHLIB_WITH_KOKKOS_KERNELS=OFF skips Kokkos Kernels without this message.")
+      set(MESHLIB_KOKKOS_KERNELS_ORIGIN "")
+    endif()
+    unset(_meshlib_kk_differs)
+    unset(_meshlib_kk_version)
+    unset(_meshlib_kk_where)
   else()
     set(MESHLIB_HAVE_KOKKOS_KERNELS TRUE)
   endif()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-"""Generate single_include/meshlib.hpp from include/meshlib.hpp.
+"""Generate single_include/meshlib.hpp from include/meshlib.hpp, and single_include/meshlib_nn.hpp
+(the training layer) from include/meshlib/nn.hpp.
 
 Every `#include "meshlib/..."` (or `<meshlib/...>`) is replaced, recursively and in include
 order, by the text of that header the first time it is met and dropped after that, as
@@ -16,10 +17,15 @@ exists), each under `#if` of its macro, so one file serves every configuration.
 A header first met under a preprocessor condition (`#if ...`) is inlined there; including it
 again unconditionally later would then lose it when the condition is false, so that is an error.
 
+single_include/meshlib_nn.hpp is the training layer for single-header users: it includes
+"meshlib.hpp" (the file above, from the same folder) and inlines only the headers of <meshlib/nn.hpp>
+that meshlib.hpp does not already hold, so both can be included in any order and a header is never
+inlined twice. Its guard is its own.
+
 Usage:
-  python3 scripts/amalgamate.py            write single_include/meshlib.hpp
-  python3 scripts/amalgamate.py --stdout   print it instead
-  python3 scripts/amalgamate.py --check    exit 1 and print a diff when the file is stale
+  python3 scripts/amalgamate.py            write single_include/meshlib.hpp and meshlib_nn.hpp
+  python3 scripts/amalgamate.py --stdout   print meshlib.hpp instead (--stdout-nn: meshlib_nn.hpp)
+  python3 scripts/amalgamate.py --check    exit 1 and print a diff when either file is stale
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ INCLUDE_DIR = REPO / "include"
 ROOT_HEADER = "meshlib.hpp"
 OUTPUT = REPO / "single_include" / "meshlib.hpp"
 GUARD = "MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP"
+NN_ROOT_HEADER = "meshlib/nn.hpp"
+NN_OUTPUT = REPO / "single_include" / "meshlib_nn.hpp"
+NN_GUARD = "MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP"
 FIX_COMMAND = "python3 scripts/amalgamate.py"
 SPDX_LINE = "// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception"
 
@@ -143,6 +152,28 @@ class Amalgamator:
         return "".join(self.out)
 
 
+    def run_addon(self, root: str, base: str, base_seen: dict[str, tuple[str, bool]]) -> str:
+        """The single header of `root` on top of the single header `base` (its file name, which the
+        result includes): the headers `base` already holds (`base_seen`) are not inlined again."""
+        self.seen = dict(base_seen)
+        self.seen[root] = ("the root", False)
+        version = read_version(self.include_dir.parent / "VERSION")
+        self.out = [SPDX_LINE + "\n",
+                    f"// meshlib {version}: the training layer (<{root}>) -- single-header distribution.\n",
+                    "// Generated from include/ by scripts/amalgamate.py; do not edit by hand:\n",
+                    f"// change the headers in include/ and run `{FIX_COMMAND}`.\n",
+                    "//\n",
+                    f"// Needs {base} from the same folder (included below): the same requirements and the\n",
+                    "// same optional-part macros (see its first lines). This file adds only the headers of the\n",
+                    f"// training layer that {base} does not hold.\n",
+                    f"#ifndef {NN_GUARD}\n",
+                    f"#define {NN_GUARD}\n",
+                    f'#include "{base}"\n']
+        self.inline(root, False)
+        self.out.append(f"#endif  // {NN_GUARD}\n")
+        return "".join(self.out)
+
+
 def wrap(text: str, width: int) -> list[str]:
     lines, current = [], ""
     for word in text.split():
@@ -165,41 +196,55 @@ def amalgamate(include_dir: Path = INCLUDE_DIR, root: str = ROOT_HEADER) -> str:
     return Amalgamator(include_dir).run(root)
 
 
+def amalgamate_nn(include_dir: Path = INCLUDE_DIR, root: str = ROOT_HEADER, nn_root: str = NN_ROOT_HEADER) -> str:
+    """single_include/meshlib_nn.hpp: `nn_root` on top of the single header of `root`."""
+    base = Amalgamator(include_dir)
+    base.run(root)
+    return Amalgamator(include_dir).run_addon(nn_root, Path(root).name, base.seen)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--stdout", action="store_true", help="print the single header instead of writing it")
+    mode.add_argument("--stdout", action="store_true", help="print meshlib.hpp instead of writing the files")
+    mode.add_argument("--stdout-nn", action="store_true", help="print meshlib_nn.hpp instead of writing the files")
     mode.add_argument("--check", action="store_true",
-                      help="compare with the committed file; print a diff and exit 1 when it differs")
-    parser.add_argument("--output", type=Path, default=OUTPUT, help=f"file to write or check (default: {OUTPUT})")
+                      help="compare with the committed files; print a diff and exit 1 when one differs")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help=f"meshlib.hpp to write or check (default: {OUTPUT})")
+    parser.add_argument("--nn-output", type=Path, default=NN_OUTPUT,
+                        help=f"meshlib_nn.hpp to write or check (default: {NN_OUTPUT})")
     args = parser.parse_args(argv)
 
     try:
-        text = amalgamate()
+        texts = [(args.output, amalgamate()), (args.nn_output, amalgamate_nn())]
     except AmalgamationError as error:
         print(error, file=sys.stderr)
         return 2
 
-    if args.stdout:
-        sys.stdout.write(text)
+    if args.stdout or args.stdout_nn:
+        sys.stdout.write(texts[0 if args.stdout else 1][1])
         return 0
     if args.check:
-        shown = args.output.relative_to(REPO) if args.output.is_relative_to(REPO) else args.output
-        current = args.output.read_text(encoding="utf-8") if args.output.is_file() else ""
-        if current == text:
-            print(f"{shown} is up to date")
-            return 0
-        sys.stdout.writelines(difflib.unified_diff(
-            current.splitlines(keepends=True), text.splitlines(keepends=True),
-            fromfile=f"{shown} (committed)", tofile=f"{shown} (from include/)"))
-        print(f"\nmeshlib: {shown} is stale: it differs from what include/ generates (diff above).\n"
-              f"Fix: run `{FIX_COMMAND}` in the repository root and commit the result.")
-        return 1
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    # newline="\n": the same bytes on every platform, so the check above compares like with like.
-    with open(args.output, "w", encoding="utf-8", newline="\n") as file:
-        file.write(text)
-    print(f"wrote {args.output}")
+        status = 0
+        for output, text in texts:
+            shown = output.relative_to(REPO) if output.is_relative_to(REPO) else output
+            current = output.read_text(encoding="utf-8") if output.is_file() else ""
+            if current == text:
+                print(f"{shown} is up to date")
+                continue
+            sys.stdout.writelines(difflib.unified_diff(
+                current.splitlines(keepends=True), text.splitlines(keepends=True),
+                fromfile=f"{shown} (committed)", tofile=f"{shown} (from include/)"))
+            print(f"\nmeshlib: {shown} is stale: it differs from what include/ generates (diff above).\n"
+                  f"Fix: run `{FIX_COMMAND}` in the repository root and commit the result.")
+            status = 1
+        return status
+    for output, text in texts:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        # newline="\n": the same bytes on every platform, so the check above compares like with like.
+        with open(output, "w", encoding="utf-8", newline="\n") as file:
+            file.write(text)
+        print(f"wrote {output}")
     return 0
 
 

@@ -82,6 +82,11 @@ def check_versions(cmake_version: str | None, pc: Path | None) -> list[str]:
     found["CHANGELOG.md newest release heading"] = match.group(1) if match else None
     match = re.search(r"meshlib/archive/refs/tags/v(\d+\.\d+\.\d+)\.tar\.gz", read("docs/install.md"))
     found["docs/install.md FetchContent URL"] = match.group(1) if match else None
+    # Every release tag the user-facing pages name (archive URLs, GIT_TAG, conan references).
+    for page in ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]:
+        text = read(page)
+        for n, tag in enumerate(re.findall(r"refs/tags/v(\d+\.\d+\.\d+)|GIT_TAG v(\d+\.\d+\.\d+)|meshlib/(\d+\.\d+\.\d+)", text)):
+            found[f"{page}: release named #{n + 1}"] = next(v for v in tag if v)
 
     errors = [f"{where} says {value!r}, but VERSION says '{version}'"
               for where, value in found.items() if value != version]

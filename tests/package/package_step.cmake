@@ -6,6 +6,10 @@
 #                  that no installed file names STAGE, the source tree or a build tree.
 #                  Installs BUILD_DIR (the tree being tested) or, when CONFIGURE_ARGS is given, a
 #                  fresh configuration of SOURCE_DIR with those arguments ("|"-separated) in WORK.
+#                  EXPECT_PC=<regex>: the installed meshlib.pc (white space made single spaces)
+#                  must match it. KOKKOS_PREFIX=<dir>: the Kokkos the install was configured
+#                  against, which its files may name (it is not moved with them), even where it
+#                  lies inside the source or build tree (the tests' stand-in does).
 # STEP=consumer    Configure the consumer project CONSUMER into WORK with CONSUMER_ARGS
 #                  ("|"-separated). With EXPECT_FAIL=<regex>: configuring must fail and print it.
 #                  Otherwise build it and run RUN ("|"-separated command, in the consumer's
@@ -14,8 +18,13 @@
 #                  also install the consumer and check that no meshlib file came with it.
 #                  TARBALL_FROM=<source dir>: first pack meshlib's sources into WORK/meshlib.tar.gz
 #                  and pass its URL and SHA256 as MESHLIB_TARBALL / MESHLIB_TARBALL_SHA256.
+#                  CONFIGURE_ONLY=ON: stop after configuring (for projects that cannot be built
+#                  here, e.g. against the CMake-only stand-in of Kokkos 4 in fake_kokkos4/), with
+#                  EXPECT_OUTPUT matched against the configure output instead. EXPECT_WARNING=<regex>:
+#                  the configure output must hold a CMake warning matching it (instead of none).
 # STEP=pkgconfig   Compile and run CONSUMER_SOURCE with `c++ -std=c++20 $(pkg-config --cflags --libs
-#                  meshlib)` against the install in PREFIX (PKG_CONFIG_PATH=PREFIX/share/pkgconfig).
+#                  meshlib)` against the install in PREFIX (PKG_CONFIG_PATH=PREFIX/share/pkgconfig),
+#                  after checking that the .pc names the Kokkos version the CMake package records.
 # Common: GENERATOR, CXX_COMPILER, BUILD_TYPE (of the enclosing build).
 
 cmake_minimum_required(VERSION 3.20)
@@ -91,6 +100,9 @@ if(STEP STREQUAL "install")
   file(GLOB_RECURSE installed LIST_DIRECTORIES false "${PREFIX}/*")
   foreach(f IN LISTS installed)
     file(READ "${f}" text)
+    if(KOKKOS_PREFIX)
+      string(REPLACE "${KOKKOS_PREFIX}" "<the Kokkos prefix>" text "${text}")
+    endif()
     foreach(bad "${STAGE}" "${SOURCE_DIR}" "${tree}")
       string(FIND "${text}" "${bad}" at)
       if(NOT at EQUAL -1)
@@ -121,6 +133,13 @@ if(STEP STREQUAL "install")
   endif()
   if(NOT ok_32bit)
     fail("meshlibConfigVersion.cmake checks the pointer size, but a header-only package must be ARCH_INDEPENDENT")
+  endif()
+  if(EXPECT_PC)
+    file(READ "${PREFIX}/share/pkgconfig/meshlib.pc" pc)
+    string(REGEX REPLACE "[ \t\r\n]+" " " flat "${pc}")
+    if(NOT flat MATCHES "${EXPECT_PC}")
+      fail("the installed meshlib.pc does not match '${EXPECT_PC}':\n${pc}")
+    endif()
   endif()
   message(STATUS "package test: installed and moved to ${PREFIX}")
 
@@ -160,8 +179,20 @@ elseif(STEP STREQUAL "consumer")
   endif()
 
   run_checked(out COMMAND "${CMAKE_COMMAND}" -S "${CONSUMER}" -B "${build}" ${gen_args} ${consumer_args})
-  if(out MATCHES "CMake Warning")
+  string(REGEX REPLACE "[ \t\r\n]+" " " flat "${out}")
+  if(EXPECT_WARNING)
+    if(NOT out MATCHES "CMake Warning" OR NOT flat MATCHES "${EXPECT_WARNING}")
+      fail("configuring did not print the expected CMake warning '${EXPECT_WARNING}'")
+    endif()
+  elseif(out MATCHES "CMake Warning")
     fail("configuring the consumer printed a CMake warning (above), but a consumer must see none")
+  endif()
+  if(CONFIGURE_ONLY)
+    if(EXPECT_OUTPUT AND NOT flat MATCHES "${EXPECT_OUTPUT}")
+      fail("configuring succeeded, but its output does not match '${EXPECT_OUTPUT}'")
+    endif()
+    message(STATUS "package test: configured as expected (configure only)")
+    return()
   endif()
   run_checked(out COMMAND "${CMAKE_COMMAND}" --build "${build}")
   if(INSTALL_EMPTY_OF_MESHLIB)
@@ -201,6 +232,16 @@ elseif(STEP STREQUAL "pkgconfig")
   string(STRIP "${version}" version)
   if(NOT version STREQUAL EXPECT_VERSION)
     fail("pkg-config says meshlib ${version}, expected ${EXPECT_VERSION}")
+  endif()
+  # The .pc and the CMake package name the same Kokkos (the one the install was configured against).
+  run_checked(pc_kokkos COMMAND "${pkg_config}" --variable=kokkos_version meshlib)
+  string(STRIP "${pc_kokkos}" pc_kokkos)
+  file(READ "${PREFIX}/share/cmake/meshlib/meshlibConfig.cmake" config)
+  if(NOT config MATCHES "set\\(_meshlib_kokkos_version \"([^\"]*)\"\\)")
+    fail("the installed meshlibConfig.cmake does not record the Kokkos version it was configured against")
+  endif()
+  if(NOT pc_kokkos STREQUAL CMAKE_MATCH_1 OR pc_kokkos STREQUAL "")
+    fail("meshlib.pc says Kokkos '${pc_kokkos}', the CMake package '${CMAKE_MATCH_1}': they must agree")
   endif()
   run_checked(flags COMMAND "${pkg_config}" --cflags --libs meshlib)
   string(STRIP "${flags}" flags)

@@ -100,6 +100,37 @@ root = tree({
 })
 check("unconditional first", amalgamate.amalgamate(root).count("int a;") == 1)
 
+# The training layer's file: includes the base single header, inlines only what the base lacks
+# (in include order, once), has its own guard, and refuses a header the base holds only under a
+# condition (it would be lost when the condition is false).
+root = tree({
+    "meshlib.hpp": '#include "meshlib/a.hpp"\n#ifdef X\n#include "meshlib/x.hpp"\n#endif\n',
+    "meshlib/a.hpp": '#include "meshlib/c.hpp"\nint a;\n',
+    "meshlib/c.hpp": "int c;\n",
+    "meshlib/x.hpp": "int x;\n",
+    "meshlib/nn.hpp": '#include "meshlib/a.hpp"\n#include "meshlib/n1.hpp"\n#include "meshlib/n2.hpp"\n',
+    "meshlib/n1.hpp": '#include "meshlib/c.hpp"\n#include "meshlib/n2.hpp"\nint n1;\n',
+    "meshlib/n2.hpp": "int n2;\n",
+})
+nn = amalgamate.amalgamate_nn(root)
+nn_lines = nn.splitlines()
+check("nn: one SPDX line first", nn_lines[0] == amalgamate.SPDX_LINE and nn.count("SPDX-License-Identifier") == 1, nn)
+at = nn_lines.index(f"#ifndef {amalgamate.NN_GUARD}")
+check("nn: guard, then the base header", nn_lines[at + 1] == f"#define {amalgamate.NN_GUARD}"
+      and nn_lines[at + 2] == '#include "meshlib.hpp"' and nn_lines[-1] == f"#endif  // {amalgamate.NN_GUARD}", nn)
+check("nn: nothing of the base inlined again", "int a;" not in nn and "int c;" not in nn
+      and "begin meshlib/a.hpp" not in nn, nn)
+check("nn: its own headers once, in include order",
+      nn.count("int n1;") == 1 and nn.count("int n2;") == 1 and nn.index("begin meshlib/n2.hpp") < nn.index("int n1;"), nn)
+check("nn: deterministic", nn == amalgamate.amalgamate_nn(root))
+(root / "meshlib" / "n2.hpp").write_text('#include "meshlib/x.hpp"\nint n2;\n')
+try:
+    amalgamate.amalgamate_nn(root)
+    check("nn: a header the base holds under a condition is refused", False, "no error")
+except amalgamate.AmalgamationError as e:
+    check("nn: a header the base holds under a condition is refused",
+          "meshlib/x.hpp is first included under a preprocessor condition" in str(e), str(e))
+
 if failures:
     print("\n".join(failures))
     sys.exit(1)

@@ -1,0 +1,3412 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// meshlib 0.1.0: the training layer (<meshlib/nn.hpp>) -- single-header distribution.
+// Generated from include/ by scripts/amalgamate.py; do not edit by hand:
+// change the headers in include/ and run `python3 scripts/amalgamate.py`.
+//
+// Needs meshlib.hpp from the same folder (included below): the same requirements and the
+// same optional-part macros (see its first lines). This file adds only the headers of the
+// training layer that meshlib.hpp does not hold.
+#ifndef MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP
+#define MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP
+#include "meshlib.hpp"
+// begin meshlib/nn.hpp
+/// @file
+/// @brief meshlib's training layer: layers with forward and backward, losses, optimizers and
+/// schedules, data-parallel gradient synchronisation, ZeRO-1, `train_state` / `train_step`, and the
+/// data pipeline. See docs/training.md.
+
+// begin meshlib/nn/random.hpp
+/// @file
+/// @brief Counter-based random numbers for training: every value is a pure function of
+/// `(seed, stream, index)`, so a parameter initialised from its *global* element index, or a dropout
+/// mask drawn per global activation index, is the same on every mesh and every sharding. JAX's
+/// `jax.random` values for a sharded array change with the shard count; these do not.
+///
+/// The function is SplitMix64's finaliser (Steele, Lea, Flood, "Fast splittable pseudorandom number
+/// generators", OOPSLA 2014) applied to a combination of the three words, a stateless hash as
+/// Philox/Threefry are for JAX: no state, so any device computes any element on its own.
+/// @code
+/// meshlib::nn::rng_key key{42};
+/// float u = meshlib::nn::uniform(key.fold_in(7), 1234);   // parameter 7, element 1234: in [0, 1)
+/// float z = meshlib::nn::normal(key.fold_in(7), 1234);    // standard normal
+/// @endcode
+
+#include <cmath>
+#include <cstdint>
+
+namespace meshlib::nn {
+
+namespace detail {
+/// SplitMix64's output function: a bijective avalanche mix of 64 bits.
+constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace detail
+
+/// @brief A random key (JAX's `PRNGKey`): a 64-bit value; `fold_in` derives independent streams
+/// (per parameter id, per step, per layer) as `jax.random.fold_in` does.
+struct rng_key {
+  /// The key's 64 bits.
+  std::uint64_t value = 0;
+  /// A new key derived from this one and `data` (as `jax.random.fold_in`); the key itself is unchanged.
+  [[nodiscard]] constexpr rng_key fold_in(std::uint64_t data) const noexcept {
+    return rng_key{detail::mix64(value ^ detail::mix64(data + 0x632BE59BD9B4E019ull))};
+  }
+  /// Keys are equal when their values are.
+  friend constexpr bool operator==(rng_key, rng_key) = default;
+};
+
+/// @brief 64 random bits of element `index` of stream `key`.
+[[nodiscard]] constexpr std::uint64_t random_bits(rng_key key, std::uint64_t index) noexcept {
+  return detail::mix64(key.value + detail::mix64(index));
+}
+
+/// @brief A uniform float in [0, 1) for element `index` of `key` (24 random bits).
+[[nodiscard]] constexpr float uniform(rng_key key, std::uint64_t index) noexcept {
+  return static_cast<float>(random_bits(key, index) >> 40) * (1.0f / 16777216.0f);
+}
+
+/// @brief A standard normal for element `index` of `key` (Box-Muller on two independent words).
+[[nodiscard]] inline float normal(rng_key key, std::uint64_t index) noexcept {
+  const std::uint64_t bits = random_bits(key, index);
+  const double u1 = (static_cast<double>(bits >> 11) + 1.0) * (1.0 / 9007199254740993.0);  // (0, 1]
+  const double u2 = static_cast<double>(detail::mix64(bits) >> 11) * (1.0 / 9007199254740992.0);
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/random.hpp
+// begin meshlib/nn/parameter.hpp
+/// @file
+/// @brief `parameter`: a trainable sharded array (its value and its gradient, same sharding), and
+/// `param_ref`, the untyped view of one parameter that optimizers, the gradient synchronisation and
+/// checkpoints walk over (they treat every parameter alike: a block of floats per device).
+///
+/// Initialisation is mesh-invariant: element `g` (global row-major index) of parameter `name` is
+/// `init(key.fold_in(id(name)), g)`, whatever device holds it (see nn/random.hpp).
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+/// mesh_t m{4, 2};
+/// meshlib::nn::parameter<float, 2, meshlib::named_sharding<mesh_t, meshlib::P<meshlib::none, "model">>> w(
+///     "fc1.w", {m}, {784, 1024}, meshlib::nn::rng_key{0}, meshlib::nn::init::normal(0.05f));
+/// w.value.local_value(3);   // device 3's (784, 512) block, the same numbers on any mesh
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Initialisers: `f(key, global_index) -> float`.
+namespace init {
+/// Zeros (biases, layer-norm shifts).
+inline auto zeros() {
+  return [](rng_key, std::uint64_t) { return 0.0f; };
+}
+/// A constant (layer-norm scales).
+inline auto constant(float c) {
+  return [c](rng_key, std::uint64_t) { return c; };
+}
+/// Normal with standard deviation `stddev` (`jax.nn.initializers.normal`).
+inline auto normal(float stddev) {
+  return [stddev](rng_key k, std::uint64_t g) { return stddev * nn::normal(k, g); };
+}
+/// Uniform on [-limit, limit): with limit = sqrt(6 / (fan_in + fan_out)), Glorot / Xavier uniform.
+inline auto uniform(float limit) {
+  return [limit](rng_key k, std::uint64_t g) { return limit * (2.0f * nn::uniform(k, g) - 1.0f); };
+}
+}  // namespace init
+
+namespace detail {
+/// FNV-1a of a parameter name: its stream id, so the values depend on the name, not on the order
+/// in which a model registers its parameters.
+constexpr std::uint64_t name_id(std::string_view name) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return h;
+}
+}  // namespace detail
+
+/// @brief The untyped view of one parameter (see the file comment). Per-device entries are indexed
+/// by device id; `value[d] == nullptr` where device `d` is not local to this process.
+template <class T = float>
+struct param_ref {
+  /// The parameter's name, such as `"layer1.w"`.
+  std::string name;
+  std::vector<std::size_t> shape;      ///< global shape
+  std::string sharding;                ///< printed named_sharding
+  std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
+  axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
+  bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
+  /// per device: the value and gradient blocks, or nullptr where the device is not local.
+  std::vector<T*> value, grad;         ///< per device: the block, or nullptr
+  std::vector<std::size_t> count;      ///< per device: elements in the block
+  /// per device: where the block lies in the global array (offset) and its size (extent).
+  std::vector<std::vector<std::size_t>> offset, extent;  ///< per device: where the block lies
+  /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
+  /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
+  /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
+  /// zeroes those.
+  std::uint8_t* overwrite = nullptr;
+};
+
+/// @brief A trainable array: value and gradient with sharding `S`.
+template <class T, std::size_t Rank, sharding_type S>
+struct parameter {
+  /// The sharded array type of value and gradient.
+  using tensor_type = sharded_tensor<T, Rank, S>;
+  /// A device's block of the value or gradient.
+  using local_type = typename tensor_type::local_type;
+  /// The global shape.
+  using shape_type = std::array<std::size_t, Rank>;
+
+  /// The parameter's name, used in checkpoints and messages.
+  std::string name;
+  /// The current value.
+  tensor_type value;
+  /// The gradient of the loss with respect to `value`.
+  tensor_type grad;
+  /// Whether AdamW's weight decay applies (true for weights, false for biases and norms).
+  bool decay = true;
+
+  /// Initialises element `g` to `init(key.fold_in(name_id(name)), g)`; `local_devices` empty: all.
+  template <class Init>
+  parameter(std::string name_, const S& sharding, const shape_type& shape, rng_key key, Init&& init, bool decay_ = true,
+            std::span<const std::size_t> local_devices = {})
+      : name(std::move(name_)),
+        value(make_array_from_callback<T>(
+            shape, sharding,
+            [&, k = key.fold_in(detail::name_id(name))](const shape_type& g) {
+              std::uint64_t flat = 0;
+              for (std::size_t d = 0; d < Rank; ++d) flat = flat * shape[d] + g[d];
+              return static_cast<T>(init(k, flat));
+            },
+            local_devices)),
+        grad(zeros<T>(sharding, shape, local_devices)),
+        decay(decay_),
+        overwrite_(new std::uint8_t[sharding.mesh().size()]()) {}
+
+  /// This device's value block, typed as it enters shard_map (varying over the spec's axes).
+  [[nodiscard]] local_type local(std::size_t dev) const { return value.local_value(dev); }
+
+  /// How device `dev`'s next backward writes its gradient block: `T{0}` (overwrite, once) when
+  /// `train_step` marked the block as holding a previous step's gradient, else `T{1}` (add: a
+  /// later micro-batch of the same step). A layer that asks this before each write, as a GEMM's
+  /// `beta`, saves `train_step` a pass that zeroes every gradient (a read and a write of the whole
+  /// model per step), and announces it with `ref(true)`.
+  [[nodiscard]] T grad_beta(std::size_t dev) {
+    if (overwrite_[dev] == 0) return T{1};
+    overwrite_[dev] = 0;
+    return T{0};
+  }
+
+  /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
+  [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
+    param_ref<T> r;
+    r.name = name;
+    r.shape.assign(value.global_shape().begin(), value.global_shape().end());
+    r.sharding = value.sharding().to_string();
+    for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
+    r.sharded_axes = S::sharded_axes;
+    r.decay = decay;
+    r.overwrite = overwrites ? overwrite_.get() : nullptr;
+    const std::size_t n = value.num_devices();
+    r.value.assign(n, nullptr);
+    r.grad.assign(n, nullptr);
+    r.count.assign(n, 0);
+    r.offset.resize(n);
+    r.extent.resize(n);
+    for (std::size_t dev : value.local_devices()) {
+      r.value[dev] = value.local(dev).data();
+      r.grad[dev] = grad.local(dev).data();
+      r.count[dev] = value.local(dev).size();
+      const auto b = value.block_of(dev);
+      r.offset[dev].assign(b.offset.begin(), b.offset.end());
+      r.extent[dev].assign(b.extent.begin(), b.extent.end());
+    }
+    return r;
+  }
+
+ private:
+  // Per device; shared by copies (a layer is moved into its model after the state took its refs).
+  std::shared_ptr<std::uint8_t[]> overwrite_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/parameter.hpp
+// begin meshlib/nn/layers/dense.hpp
+/// @file
+/// @brief Dense layers `y = x W + b` with forward and backward: replicated (`dense`), and the two
+/// halves of Megatron's tensor-parallel MLP, `column_dense` (W sharded on its output dimension, no
+/// communication forward) and `row_dense` (W sharded on its input dimension, one `psum` forward).
+///
+/// Every type of the backward pass comes from the tensor algebra: the cotangent of the output has
+/// the output's type; the transpose of the forward's collective gives the next type (the `psum` of
+/// `row_dense` transposes to a `pvary`, the implicit `pvary` of `column_dense`'s replicated input to
+/// a `psum`), and `sequential` checks that each layer hands back a cotangent of exactly its input's
+/// type, so a sharding mistake in a backward pass is a compile error.
+///
+/// | layer | W | b | forward | backward (dx) |
+/// | --- | --- | --- | --- | --- |
+/// | `dense` | `P<none, none>` | `P<none>` | `x W + b` | `dy W^T` |
+/// | `column_dense<Model>` | `P<none, Model>` | `P<Model>` | `x W_b + b_b`: output columns sharded | `psum<Model>(dy W_b^T)` |
+/// | `row_dense<Model>` | `P<Model, none>` | `P<none>` | `psum<Model>(x_b W_b) + b` | `pvary<Model>(dy) W_b^T`: sharded |
+///
+/// Weight gradients are `x^T dy`: a contraction over the batch, so a pending sum over the data axis
+/// (what the data-parallel synchronisation completes); they accumulate (`+=`) over the micro-batches
+/// of a step, and the first backward of a `train_step` overwrites them (`parameter::grad_beta`).
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+/// mesh_t m{4, 2};
+/// meshlib::nn::column_dense<float, mesh_t> fc1(m, "fc1", 784, 1024, meshlib::nn::rng_key{0});
+/// meshlib::nn::row_dense<float, mesh_t> fc2(m, "fc2", 1024, 1024, meshlib::nn::rng_key{0});
+/// // inside spmd: auto h = fc1.forward(x); auto y = fc2.forward(h);   // y replicated over model
+/// @endcode
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/detail/buffers.hpp
+/// @file
+/// @brief Per-device scratch buffers of the training layers and the typed in-place collectives
+/// they use, so a training step allocates nothing after its first iteration.
+///
+/// A layer owns one buffer slot per device; only that device's thread grows or reads its slot (the
+/// reference-count rule of docs/tensors.md: a device copies and drops only its own handles). The
+/// tensors a layer returns wrap these buffers (unmanaged views): they stay valid until the layer's
+/// next forward / backward on that device.
+
+#include <array>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn::detail {
+
+/// One growable buffer per device (see the file comment).
+template <class T>
+class device_buffers {
+ public:
+  device_buffers() = default;
+  explicit device_buffers(std::size_t devices) : bufs_(devices) {}
+  void resize_devices(std::size_t devices) { bufs_.resize(devices); }
+  /// Device `dev`'s buffer of at least `n` elements (contents unspecified when it grew).
+  T* get(std::size_t dev, std::size_t n) {
+    auto& b = bufs_.at(dev);
+    if (b.extent(0) < n) b = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+    return b.data();
+  }
+  /// Device `dev`'s buffer of `n` elements, zero-filled.
+  T* zeros(std::size_t dev, std::size_t n) {
+    T* p = get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) p[i] = T{};
+    return p;
+  }
+
+ private:
+  std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
+};
+
+/// A local tensor of type `L` over `data` (not owned), `rows x cols`.
+template <local_tensor_type L>
+L wrap2(typename L::value_type* data, std::size_t rows, std::size_t cols, const typename L::mesh_type& mesh,
+        std::size_t dev) {
+  return L(typename L::view_type(data, rows, cols), mesh, dev);
+}
+
+/// The type `psum<Names...>` gives `L` (the compiler checks the rule; nothing runs).
+template <class L, fixed_string... Names>
+using psum_t = decltype(meshlib::psum<Names...>(std::declval<const L&>()));
+/// The type `pvary<Names...>` gives `L`.
+template <class L, fixed_string... Names>
+using pvary_t = decltype(meshlib::pvary<Names...>(std::declval<const L&>()));
+
+/// `psum_t<L, Names...>` when `B`, else `L`, without naming the psum otherwise (its axes may not
+/// exist on this mesh).
+template <bool B, class L, fixed_string... Names>
+struct psum_if {
+  using type = L;
+};
+template <class L, fixed_string... Names>
+struct psum_if<true, L, Names...> {
+  using type = psum_t<L, Names...>;
+};
+/// `pvary_t<L, Names...>` when `B`, else `L`.
+template <bool B, class L, fixed_string... Names>
+struct pvary_if {
+  using type = L;
+};
+template <class L, fixed_string... Names>
+struct pvary_if<true, L, Names...> {
+  using type = pvary_t<L, Names...>;
+};
+
+/// `psum<Names...>(x)` in place: the same result type and numbers as the typed collective, without
+/// the fresh block it allocates. `x` is consumed (its buffer now holds the sum).
+template <fixed_string... Names, local_tensor_type L>
+psum_t<L, Names...> psum_in_place(const L& x) {
+  using M = typename L::mesh_type;
+  using R = psum_t<L, Names...>;
+  meshlib::detail::current_device("psum").comm(M::template mask_of<Names...>()).all_reduce(
+      x.data(), x.size(), datatype_of<typename L::value_type>, reduce_op::sum);
+  return R(x.view(), x.mesh(), x.device());
+}
+
+/// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).
+template <fixed_string... Names, local_tensor_type L>
+pvary_t<L, Names...> pvary_view(const L& x) {
+  using R = pvary_t<L, Names...>;
+  return R(x.view(), x.mesh(), x.device());
+}
+
+/// Global offset of this device's block along dimension `d` of `L` (its rank in the group of the
+/// axes that shard `d`, times the block extent).
+template <local_tensor_type L>
+std::size_t global_offset(const L& x, std::size_t d) {
+  return x.mesh().group_rank(x.device(), L::dims_type::at(d)) * x.extent(d);
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/buffers.hpp
+// begin meshlib/nn/detail/gemm.hpp
+/// @file
+/// @brief The one BLAS call of the training layer: `C = alpha op(A) op(B) + beta C` on raw row-major
+/// buffers that the caller owns, so a training step reuses its buffers instead of allocating a fresh
+/// block per product (as `meshlib::matmul` does) and gets the transposed products of the backward
+/// pass (`x^T dy`, `dy W^T`) without materialising a transpose.
+///
+/// `KokkosBlas::gemm` on unmanaged views when meshlib has Kokkos Kernels (the BLAS TPL, OpenBLAS,
+/// with one thread per device: `ensure_blas_threads`); otherwise a plain loop. Unmanaged views touch
+/// no reference count, so any device thread may call it (docs/tensors.md, the reference-count rule).
+
+#include <cstddef>
+#include <type_traits>
+
+
+namespace meshlib::nn::detail {
+
+/// `C (m x n) = alpha * op(A) * op(B) + beta * C`; `op(A)` is `m x k` (`A` stored `k x m` when
+/// `trans_a`), `op(B)` is `k x n` (`B` stored `n x k` when `trans_b`). Row-major, contiguous.
+template <class T>
+void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, T alpha, const T* a, const T* b,
+          T beta, T* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    for (std::size_t i = 0; i < m * n; ++i) c[i] = beta == T{0} ? T{0} : beta * c[i];
+    return;
+  }
+  if constexpr (meshlib::detail::use_blas_v<T, Kokkos::HostSpace>) {
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    meshlib::detail::ensure_blas_threads();
+    using cview = meshlib::detail::unmanaged_view_t<const T, 2, Kokkos::HostSpace>;
+    using view = meshlib::detail::unmanaged_view_t<T, 2, Kokkos::HostSpace>;
+    cview av(a, trans_a ? k : m, trans_a ? m : k);
+    cview bv(b, trans_b ? n : k, trans_b ? k : n);
+    view cv(c, m, n);
+    KokkosBlas::gemm(trans_a ? "T" : "N", trans_b ? "T" : "N", alpha, av, bv, beta, cv);
+#endif
+  } else {
+    for (std::size_t i = 0; i < m; ++i) {
+      T* ci = c + i * n;
+      for (std::size_t j = 0; j < n; ++j) ci[j] = beta == T{0} ? T{0} : beta * ci[j];
+      for (std::size_t p = 0; p < k; ++p) {
+        const T aip = alpha * (trans_a ? a[p * m + i] : a[i * k + p]);
+        if (trans_b) {
+          for (std::size_t j = 0; j < n; ++j) ci[j] += aip * b[j * k + p];
+        } else {
+          const T* bp = b + p * n;
+          for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/gemm.hpp
+
+namespace meshlib::nn {
+
+/// @brief How a dense layer's weight is split (see the file comment).
+enum class dense_kind { replicated, column, row };
+
+namespace detail {
+template <dense_kind K, fixed_string Model>
+struct dense_specs {
+  using w = P<none, none>;
+  using b = P<none>;
+};
+template <fixed_string Model>
+struct dense_specs<dense_kind::column, Model> {
+  using w = P<none, dim_spec(Model.chars)>;
+  using b = P<dim_spec(Model.chars)>;
+};
+template <fixed_string Model>
+struct dense_specs<dense_kind::row, Model> {
+  using w = P<dim_spec(Model.chars), none>;
+  using b = P<none>;
+};
+
+/// The local type of `W^T` for a weight block of type `W` (dims swapped; nothing runs).
+template <class W>
+using transposed_t = with_dims_t<W, dim_masks<W::dims_type::at(1), W::dims_type::at(0)>>;
+}  // namespace detail
+
+/// @brief A dense layer; see `dense`, `column_dense`, `row_dense`.
+template <class T, mesh_type Mesh, dense_kind Kind, fixed_string Model = "model">
+class basic_dense {
+ public:
+  /// The sharding of the weight: replicated (`dense`), split over `Model` by output columns
+  /// (`column_dense`) or by input rows (`row_dense`).
+  using w_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::w>;
+  /// The sharding of the bias: split over `Model` with the output columns (`column_dense`), else replicated.
+  using b_sharding = named_sharding<Mesh, typename detail::dense_specs<Kind, Model>::b>;
+  /// The weight, `in x out`.
+  using weight_type = parameter<T, 2, w_sharding>;
+  /// The bias, `out`.
+  using bias_type = parameter<T, 1, b_sharding>;
+  /// A device's block of the weight.
+  using w_local = typename weight_type::local_type;
+
+  /// The weight `W` (`y = x W + b`); its name is `name + ".w"`.
+  weight_type w;
+  /// The bias `b`; its name is `name + ".b"`.
+  bias_type b;
+
+  /// `in -> out` features; W ~ Glorot uniform from `key` (mesh-invariant), b = 0. Parameters are
+  /// named `name + ".w"` / `".b"`. `local_devices`: this process's devices (empty: all).
+  basic_dense(const Mesh& mesh, const std::string& name, std::size_t in, std::size_t out, rng_key key,
+              std::span<const std::size_t> local_devices = {})
+      : w(name + ".w", w_sharding{mesh}, {in, out}, key,
+          init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(in + out)))), true, local_devices),
+        b(name + ".b", b_sharding{mesh}, {out}, key, init::zeros(), false, local_devices),
+        saved_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    const std::size_t dev = x.device();
+    const w_local wl = w.local(dev);
+    using Z = decltype(meshlib::matmul(x, wl));  // the GSPMD rules check the shardings here
+    using Y = typename detail::psum_if<Kind == dense_kind::row, Z, Model>::type;
+    const std::size_t rows = x.extent(0), in = x.extent(1), out = wl.extent(1);
+    saved_[dev] = {x.data(), rows, in};
+    T* y = out_.get(dev, rows * out);
+    const T* bias = b.value.local(dev).data();
+    if constexpr (Kind == dense_kind::row) {
+      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{0}, y);
+      auto z = detail::wrap2<Z>(y, rows, out, x.mesh(), dev);
+      static_cast<void>(detail::psum_in_place<Model>(z));
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+    } else {
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
+      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{1}, y);
+    }
+    return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
+  }
+
+  /// Accumulates `dW += x^T dy`, `db += sum_rows dy` (overwrites them when `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise a
+  /// tensor of the right type and shape whose contents are unspecified).
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    // The cotangent of psum's input is pvary of the cotangent (no data moves).
+    using DYV = typename detail::pvary_if<Kind == dense_kind::row, DY, Model>::type;
+    using DXP = decltype(meshlib::matmul(std::declval<const DYV&>(), std::declval<const detail::transposed_t<w_local>&>()));
+    // dy W^T is a pending sum over the axes that shard W's output dimension (column_dense): the
+    // transpose of the implicit pvary of the replicated input is the psum that completes it.
+    constexpr axis_mask pending = DXP::partial & w_sharding::dim_mask(1);
+    using DX = typename detail::psum_if<pending != 0, DXP, Model>::type;
+    const auto [x, rows, in] = saved_[dev];
+    const std::size_t out = dy.extent(1);
+    if (dy.extent(0) != rows)
+      throw sharding_error("meshlib::nn: " + w.name + ".backward: the cotangent has " + std::to_string(dy.extent(0)) +
+                           " rows but the forward input had " + std::to_string(rows));
+    const w_local wl = w.local(dev);
+    T* gw = w.grad.local(dev).data();
+    T* gb = b.grad.local(dev).data();
+    nn::detail::gemm<T>(true, false, in, out, rows, T{1}, x, dy.data(), w.grad_beta(dev), gw);
+    if (b.grad_beta(dev) == T{0}) std::fill_n(gb, out, T{0});
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < out; ++j) gb[j] += dy.data()[i * out + j];
+    T* dx = dx_.get(dev, rows * in);
+    if (need_dx) {
+      nn::detail::gemm<T>(false, true, rows, in, out, T{1}, dy.data(), wl.data(), T{0}, dx);
+      if constexpr (pending != 0) {
+        return detail::psum_in_place<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));
+      } else {
+        return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
+      }
+    }
+    return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
+  }
+
+  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    out.push_back(b.ref(true));
+  }
+
+ private:
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, in = 0;
+  };
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_, dx_;
+};
+
+/// @brief A dense layer with replicated parameters.
+template <class T, mesh_type Mesh>
+using dense = basic_dense<T, Mesh, dense_kind::replicated>;
+/// @brief Megatron's column-parallel dense: W `P<none, Model>`, output columns sharded over `Model`.
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+using column_dense = basic_dense<T, Mesh, dense_kind::column, Model>;
+/// @brief Megatron's row-parallel dense: W `P<Model, none>`, input columns sharded, output replicated.
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+using row_dense = basic_dense<T, Mesh, dense_kind::row, Model>;
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/dense.hpp
+// begin meshlib/nn/layers/activation.hpp
+/// @file
+/// @brief Elementwise activations with forward and backward: `relu` and `gelu` (tanh form, as
+/// `jax.nn.gelu(approximate=True)`). Elementwise maps keep the sharding, so the cotangent has the
+/// input's type and no communication happens in either direction.
+/// @code
+/// meshlib::nn::relu<float> act(mesh.size());
+/// // inside spmd: auto h = act.forward(x); ... auto dx = act.backward(dh);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The shared body of elementwise activations: `Fn::f(x)` forward, `Fn::df(x)` its derivative.
+template <class T, class Fn>
+class elementwise_activation {
+ public:
+  explicit elementwise_activation(std::size_t devices) : saved_(devices), out_(devices), dx_(devices) {}
+  template <class Mesh>
+  explicit elementwise_activation(const Mesh& mesh) : elementwise_activation(mesh.size()) {}
+
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
+    const std::size_t dev = x.device(), n = x.size();
+    saved_[dev] = x.data();
+    T* y = out_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) y[i] = Fn::f(x.data()[i]);
+    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+  }
+
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), n = dy.size();
+    const T* x = saved_[dev];
+    T* dx = dx_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * Fn::df(x[i]);
+    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+  }
+
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  std::vector<const T*> saved_;
+  device_buffers<T> out_, dx_;
+};
+
+struct relu_fn {
+  template <class T>
+  static T f(T x) { return x > T{0} ? x : T{0}; }
+  template <class T>
+  static T df(T x) { return x > T{0} ? T{1} : T{0}; }
+};
+
+struct gelu_fn {
+  static constexpr double c = 0.7978845608028654;  // sqrt(2 / pi)
+  template <class T>
+  static T f(T x) {
+    const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
+    return T(0.5) * x * (T{1} + std::tanh(u));
+  }
+  template <class T>
+  static T df(T x) {
+    const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
+    const T t = std::tanh(u);
+    const T du = static_cast<T>(c) * (T{1} + T(3 * 0.044715) * x * x);
+    return T(0.5) * (T{1} + t) + T(0.5) * x * (T{1} - t * t) * du;
+  }
+};
+}  // namespace detail
+
+/// @brief `max(x, 0)`.
+template <class T>
+using relu = detail::elementwise_activation<T, detail::relu_fn>;
+/// @brief `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+template <class T>
+using gelu = detail::elementwise_activation<T, detail::gelu_fn>;
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/activation.hpp
+// begin meshlib/nn/layers/layer_norm.hpp
+/// @file
+/// @brief `layer_norm`: normalises each row over its features, `y = (x - mean) / sqrt(var + eps) * g + b`
+/// (`flax.linen.LayerNorm`), with forward and backward. The features must not be sharded (a
+/// compile error says so): the row statistics are then local, and the cotangent has the input's type.
+/// @code
+/// meshlib::nn::layer_norm<float, mesh_t> ln(m, "ln1", 1024);
+/// // inside spmd: auto y = ln.forward(x);  ...  auto dx = ln.backward(dy);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
+template <class T, mesh_type Mesh>
+class layer_norm {
+ public:
+  /// Scale and shift are replicated on every device.
+  using sharding = named_sharding<Mesh, P<none>>;
+  /// The scale `g` (named `name + ".g"`, initially 1), `features` values.
+  parameter<T, 1, sharding> g, b;
+  /// @var b
+  /// The shift `b` (named `name + ".b"`, initially 0), `features` values.
+
+  /// Normalises `features` values per row; `eps` keeps the division finite. `local_devices`: this process's devices (empty: all).
+  layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
+             std::span<const std::size_t> local_devices = {})
+      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
+        b(name + ".b", sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices),
+        eps_(eps),
+        xhat_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
+                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                  "feature dimension first");
+    const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
+    T* xh = xhat_.get(dev, rows * n + rows);  // xhat, then 1/std per row
+    T* rstd = xh + rows * n;
+    T* y = out_.get(dev, rows * n);
+    const T* gv = g.value.local(dev).data();
+    const T* bv = b.value.local(dev).data();
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* xi = x.data() + i * n;
+      T mean = 0, var = 0;
+      for (std::size_t j = 0; j < n; ++j) mean += xi[j];
+      mean /= static_cast<T>(n);
+      for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
+      var /= static_cast<T>(n);
+      rstd[i] = T{1} / std::sqrt(var + eps_);
+      for (std::size_t j = 0; j < n; ++j) {
+        xh[i * n + j] = (xi[j] - mean) * rstd[i];
+        y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
+      }
+    }
+    return X(typename X::view_type(y, rows, n), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
+    const T* xh = xhat_.get(dev, rows * n + rows);
+    const T* rstd = xh + rows * n;
+    const T* gv = g.value.local(dev).data();
+    T* gg = g.grad.local(dev).data();
+    T* gb = b.grad.local(dev).data();
+    T* dx = dx_.get(dev, rows * n);
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* d = dy.data() + i * n;
+      T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
+      for (std::size_t j = 0; j < n; ++j) {
+        const T dxh = d[j] * gv[j];
+        s1 += dxh;
+        s2 += dxh * xh[i * n + j];
+        gg[j] += d[j] * xh[i * n + j];
+        gb[j] += d[j];
+      }
+      s1 /= static_cast<T>(n);
+      s2 /= static_cast<T>(n);
+      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
+    }
+    return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
+  }
+
+  /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(g.ref());
+    out.push_back(b.ref());
+  }
+
+ private:
+  T eps_;
+  detail::device_buffers<T> xhat_, out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/layer_norm.hpp
+// begin meshlib/nn/layers/dropout.hpp
+/// @file
+/// @brief `dropout` with a mesh-invariant mask: element `(r, c)` of the *global* activation is kept
+/// iff `uniform(key.fold_in(step).fold_in(id), r * cols + c) >= rate`, computed by whichever device
+/// holds it, so a sharded activation drops exactly the elements the single-device run drops
+/// (`flax.linen.Dropout`, but with JAX's values independent of the sharding). Identity in evaluation.
+/// @code
+/// meshlib::nn::dropout<float> drop(m, "drop1", 0.1f);
+/// // train_step calls begin_step(key, true) on the model; then inside spmd: auto y = drop.forward(x);
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Inverted dropout: kept elements are scaled by `1 / (1 - rate)`.
+template <class T>
+class dropout {
+ public:
+  /// Drops each value with probability `rate` in training; `name` seeds its own random stream.
+  template <mesh_type Mesh>
+  dropout(const Mesh& mesh, const std::string& name, float rate)
+      : id_(detail::name_id(name)), rate_(rate), mask_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {}
+
+  /// The step's key and mode (called by `sequential::begin_step` before the devices run).
+  void begin_step(rng_key key, bool train) {
+    key_ = key.fold_in(id_);
+    train_ = train;
+  }
+
+  /// Zeroes each value with probability `rate` and scales the rest by `1 / (1 - rate)`; the identity outside training.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
+    if (!train_ || rate_ <= 0.0f) return x;
+    const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
+    const std::size_t gcols = x.global_extent(1);
+    T* mask = mask_.get(dev, rows * cols);
+    T* y = out_.get(dev, rows * cols);
+    const T keep = T{1} / static_cast<T>(1.0f - rate_);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) {
+        const std::uint64_t g = static_cast<std::uint64_t>((r0 + i) * gcols + c0 + j);
+        mask[i * cols + j] = uniform(key_, g) >= rate_ ? keep : T{0};
+        y[i * cols + j] = x.data()[i * cols + j] * mask[i * cols + j];
+      }
+    return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+  }
+
+  /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    if (!train_ || rate_ <= 0.0f) return dy;
+    const std::size_t dev = dy.device(), n = dy.size();
+    const T* mask = mask_.get(dev, n);
+    T* dx = dx_.get(dev, n);
+    for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * mask[i];
+    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+  }
+
+  /// Adds nothing: dropout has no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  std::uint64_t id_;
+  float rate_;
+  rng_key key_{};
+  bool train_ = false;
+  detail::device_buffers<T> mask_, out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/dropout.hpp
+// begin meshlib/nn/loss.hpp
+/// @file
+/// @brief `softmax_cross_entropy`: the mean over the *global* batch of `-log softmax(logits)[label]`,
+/// with its gradient, for logits whose rows (the batch) are sharded over the data axis and whose
+/// columns (the classes) may be sharded over a model axis. Sharded classes are never gathered: the
+/// row maximum is a `pmax`, the normaliser and the target logit are `psum`s of one number per row
+/// over the axes that shard the classes (read from the logits' type), as Megatron's vocab-parallel
+/// cross-entropy does.
+///
+/// Each device's `loss` is its rows' share of the mean (a pending sum over the data axis); the
+/// gradient `(softmax - onehot) / global_batch` has the logits' type.
+/// @code
+/// meshlib::nn::softmax_cross_entropy<float> ce(mesh.size());
+/// // inside spmd, logits (B/4, 10) varying over data:
+/// auto r = ce.forward(logits, my_labels, 256);   // r.loss: this device's share; r.correct: argmax hits
+/// auto dlogits = ce.backward(logits);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief What one device's rows contribute (see the file comment).
+struct loss_part {
+  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
+  std::size_t correct = 0;    ///< rows whose target logit is the row maximum
+};
+
+/// @brief Softmax cross-entropy on (possibly class-sharded) logits (see the file comment).
+template <class T>
+class softmax_cross_entropy {
+ public:
+  /// Holds per-device scratch for `devices` devices.
+  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), rows_(devices) {}
+  /// Holds per-device scratch for every device of `mesh`.
+  template <mesh_type Mesh>
+  explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
+
+  /// Loss of this device's rows; `labels[i]` is the class of local row `i`; `global_batch` the
+  /// number of rows over all data devices (the mean's denominator). Keeps the gradient for `backward`.
+  /// @throws std::out_of_range when a label is not a class index.
+  template <local_tensor_type Z>
+  loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    static_assert(Z::rank == 2 && Z::partial == 0,
+                  "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
+    constexpr axis_mask class_axes = Z::dims_type::at(1);
+    const std::size_t dev = logits.device(), rows = logits.extent(0), cols = logits.extent(1);
+    if (labels.size() != rows)
+      throw sharding_error("meshlib::nn: softmax_cross_entropy: " + std::to_string(labels.size()) + " labels for " +
+                           std::to_string(rows) + " rows of logits on device " + std::to_string(dev));
+    const std::size_t col0 = detail::global_offset(logits, 1);
+    const std::size_t classes = cols * logits.mesh().axes_size(class_axes);
+    T* g = grad_.get(dev, rows * cols + 3 * rows);
+    T* mx = g + rows * cols;  // per row: max, then normaliser, then target logit
+    T* sum = mx + rows;
+    T* tgt = sum + rows;
+    const T* z = logits.data();
+    for (std::size_t i = 0; i < rows; ++i) {
+      if (labels[i] < 0 || static_cast<std::size_t>(labels[i]) >= classes)
+        throw std::out_of_range("meshlib::nn: softmax_cross_entropy: label " + std::to_string(labels[i]) + " of row " +
+                                std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
+                                std::to_string(classes) + ")");
+      T m = -std::numeric_limits<T>::infinity();
+      for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
+      mx[i] = m;
+    }
+    if constexpr (class_axes != 0) reduce(mx, rows, class_axes, reduce_op::max);
+    for (std::size_t i = 0; i < rows; ++i) {
+      T s = 0;
+      for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
+      sum[i] = s;
+      const std::size_t l = static_cast<std::size_t>(labels[i]);
+      tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
+    }
+    if constexpr (class_axes != 0) reduce(sum, 2 * rows, class_axes, reduce_op::sum);  // normaliser and target
+    loss_part out;
+    const T inv_b = T{1} / static_cast<T>(global_batch);
+    for (std::size_t i = 0; i < rows; ++i) {
+      out.loss += (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / static_cast<double>(global_batch);
+      out.correct += tgt[i] >= mx[i] ? 1 : 0;
+      const std::size_t l = static_cast<std::size_t>(labels[i]);
+      const T inv = T{1} / sum[i];
+      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
+      if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
+    }
+    rows_[dev] = rows;
+    return out;
+  }
+
+  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
+  template <local_tensor_type Z>
+  Z backward(const Z& logits) {
+    const std::size_t dev = logits.device();
+    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
+    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
+  }
+
+ private:
+  static void reduce(T* buf, std::size_t n, axis_mask axes, reduce_op op) {
+    meshlib::detail::current_device("softmax_cross_entropy").comm(axes).all_reduce(buf, n, datatype_of<T>, op);
+  }
+  detail::device_buffers<T> grad_;
+  std::vector<std::size_t> rows_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/loss.hpp
+// begin meshlib/nn/sequential.hpp
+/// @file
+/// @brief `sequential`: layers run forward in order and backward in reverse, as `flax.linen.Sequential`
+/// / `torch.nn.Sequential`, so a user writes no gradient for them. A layer is any type with
+/// `forward(x)`, `backward(dy, need_dx)` and `collect(params)` (and, optionally,
+/// `begin_step(key, train)`, which dropout uses): a user-written struct of layers works the same way.
+///
+/// `backward<X>(dy)` checks at compile time that every layer hands back a cotangent of exactly the
+/// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
+/// communication does not mirror the forward's does not compile.
+/// @code
+/// meshlib::nn::sequential net(meshlib::nn::column_dense<float, mesh_t>(m, "fc1", 784, 1024, key),
+///                             meshlib::nn::relu<float>(m),
+///                             meshlib::nn::row_dense<float, mesh_t>(m, "fc2", 1024, 10, key));
+/// // inside spmd: auto logits = net.forward(x); ... net.backward<decltype(x)>(dlogits);
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+template <bool Ok, std::size_t Layer, class Input, class Cotangent>
+struct backward_cotangent_type_differs_from_input {
+  static_assert(Ok,
+                "meshlib::nn: sequential: the backward of the layer numbered in "
+                "backward_cotangent_type_differs_from_input<ok, layer, input type, cotangent type> returns a "
+                "cotangent whose type (vary, partial, dims) differs from its forward input's: its backward pass "
+                "does not transpose its forward collectives");
+  static constexpr bool value = Ok;
+};
+}  // namespace detail
+
+/// @brief Layers in order (see the file comment).
+template <class... Layers>
+class sequential {
+ public:
+  /// The number of layers.
+  static constexpr std::size_t size = sizeof...(Layers);
+  /// The layers, in the order the input goes through them.
+  std::tuple<Layers...> layers;
+  /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
+  /// layer's output and every cotangent is rounded to the compute type in place.
+  void (*round_activations)(float*, std::size_t) noexcept = nullptr;
+
+  /// Chains `ls` in order: each layer receives the previous layer's output.
+  explicit sequential(Layers... ls) : layers(std::move(ls)...) {}
+
+  /// The type layer `I` receives when the network receives `X`.
+  template <class X, std::size_t I>
+  struct input_of {
+    /// What layer `I - 1` receives.
+    using prev = typename input_of<X, I - 1>::type;
+    /// What layer `I - 1` returns, so what layer `I` receives.
+    using type = std::remove_cvref_t<decltype(std::declval<std::tuple_element_t<I - 1, std::tuple<Layers...>>&>().forward(
+        std::declval<const prev&>()))>;
+  };
+  /// Layer 0 receives the network's own input `X`.
+  template <class X>
+  struct input_of<X, 0> {
+    using type = X;  ///< `X` itself
+  };
+
+  /// Forward through every layer, first to last; returns the last layer's output.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    return forward_from<0>(x);
+  }
+
+  /// Backward through every layer, last first; returns the cotangent of the input `X` when
+  /// `need_dx` (else its contents are unspecified: the first layer skips that product).
+  template <local_tensor_type X, local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = false) {
+    return backward_from<X, size - 1>(dy, need_dx);
+  }
+
+  /// Tells layers that draw random numbers (dropout) the step's key and whether this is training.
+  void begin_step(rng_key key, bool train) {
+    std::apply([&](auto&... l) { (begin_one(l, key, train), ...); }, layers);
+  }
+
+  /// Appends every layer's parameters to `out`, in layer order.
+  template <class T>
+  void collect(std::vector<param_ref<T>>& out) const {
+    std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
+  }
+
+ private:
+  template <std::size_t I, class X>
+  auto forward_from(const X& x) {
+    if constexpr (I == size) {
+      return x;
+    } else {
+      auto y = std::get<I>(layers).forward(x);
+      round(y);
+      return forward_from<I + 1>(y);
+    }
+  }
+
+  template <class X, std::size_t I, class DY>
+  auto backward_from(const DY& dy, bool need_dx) {
+    using in_t = typename input_of<X, I>::type;
+    auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    if (I > 0 || need_dx) round(dx);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
+                                                                            decltype(dx)>) > 0);  // one error, its own
+    if constexpr (I == 0) return dx;
+    else return backward_from<X, I - 1>(dx, need_dx);
+  }
+
+  template <class Y>
+  void round(Y& y) const noexcept {
+    if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
+      if (round_activations != nullptr) round_activations(y.data(), y.size());
+  }
+
+  template <class L>
+  static void begin_one(L& l, rng_key key, bool train) {
+    if constexpr (requires { l.begin_step(key, train); }) l.begin_step(key, train);
+  }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/sequential.hpp
+// begin meshlib/nn/collective_transpose.hpp
+/// @file
+/// @brief The backward (transpose) of every collective, written on the typed local tensors so the
+/// compiler checks the backward pass's shardings as it checks the forward's. A cotangent has its
+/// primal's type (JAX's `check_vma` convention: the cotangent of an invariant value is invariant),
+/// except where noted.
+///
+/// | forward | backward of the cotangent `ct` |
+/// | --- | --- |
+/// | `psum<a>(x)` (varying -> invariant) | `pvary<a>(ct)`: no data moves |
+/// | `pvary<a>(x)` (invariant -> varying) | `psum<a>(ct)` |
+/// | `all_gather<a, d>(x)` | `psum_scatter<a, d>(ct)` when `ct` is a pending sum over `a` (each device's contribution); the device's own chunk of `ct` when `ct` is invariant over `a` |
+/// | `psum_scatter<a, d>(x)` | `all_gather<a, d>(ct)` |
+/// | `all_to_all<a, split, concat>(x)` | `all_to_all<a, concat, split>(ct)` |
+/// | `ppermute<a>(x, perm)` | `ppermute<a>(ct, inverse(perm))` |
+///
+/// The laws `<f(x), y> = <x, f^T(y)>` are tested for each pair in tests/unit/nn/test_collective_transpose.cpp.
+/// @code
+/// auto y = meshlib::psum<"model">(x);                    // forward
+/// auto dx = meshlib::nn::psum_transpose<"model">(dy);    // backward: pvary, the type of x
+/// @endcode
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Backward of `psum<Names...>`: `pvary<Names...>(ct)`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto psum_transpose(const L& ct) {
+  return meshlib::pvary<Names...>(ct);
+}
+
+/// @brief Backward of `pvary<Names...>`: `psum<Names...>(ct)`.
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto pvary_transpose(const L& ct) {
+  return meshlib::psum<Names...>(ct);
+}
+
+/// @brief Backward of `all_gather<Axis, Dim>` (see the file comment for the two cotangent forms).
+template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+[[nodiscard]] auto all_gather_transpose(const L& ct) {
+  constexpr axis_mask bit = L::mesh_type::template mask_of<Axis>();
+  if constexpr ((L::partial & bit) != 0) {
+    return meshlib::psum_scatter<Axis, Dim>(ct);
+  } else {
+    // Invariant cotangent: the gathered value's derivative with respect to this device's chunk is
+    // the chunk of ct at this device's position; the result varies over Axis, sharded on Dim.
+    using R = decltype(meshlib::psum_scatter<Axis, Dim>(meshlib::pvary<Axis>(ct)));
+    const std::size_t n = meshlib::axis_size<Axis>(), i = meshlib::axis_index<Axis>();
+    auto shape = ct.shape();
+    const std::size_t outer = [&] {
+      std::size_t o = 1;
+      for (std::size_t d = 0; d < Dim; ++d) o *= shape[d];
+      return o;
+    }();
+    const std::size_t inner = ct.size() / (outer * shape[Dim]);
+    const std::size_t chunk = shape[Dim] / n;
+    shape[Dim] = chunk;
+    auto out = meshlib::detail::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
+    for (std::size_t o = 0; o < outer; ++o)
+      for (std::size_t k = 0; k < chunk * inner; ++k)
+        out.data()[o * chunk * inner + k] = ct.data()[(o * shape[Dim] * n + i * chunk) * inner + k];
+    return R(out, ct.mesh(), ct.device());
+  }
+}
+
+/// @brief Backward of `psum_scatter<Axis, Dim>`: `all_gather<Axis, Dim>(ct)`.
+template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
+[[nodiscard]] auto psum_scatter_transpose(const L& ct) {
+  return meshlib::all_gather<Axis, Dim>(ct);
+}
+
+/// @brief Backward of `all_to_all<Axis, Split, Concat>`: the reverse all-to-all.
+template <fixed_string Axis, std::size_t Split, std::size_t Concat, local_tensor_type L>
+[[nodiscard]] auto all_to_all_transpose(const L& ct) {
+  return meshlib::all_to_all<Axis, Concat, Split>(ct);
+}
+
+/// @brief The inverse of a permutation given as (source, destination) pairs.
+[[nodiscard]] inline std::vector<std::pair<std::size_t, std::size_t>> inverse_permutation(
+    const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  std::vector<std::pair<std::size_t, std::size_t>> inv;
+  inv.reserve(perm.size());
+  for (const auto& [src, dst] : perm) inv.emplace_back(dst, src);
+  return inv;
+}
+
+/// @brief Backward of `ppermute<Axis>(x, perm)`: `ppermute<Axis>(ct, inverse(perm))`.
+template <fixed_string Axis, local_tensor_type L>
+[[nodiscard]] auto ppermute_transpose(const L& ct, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  return meshlib::ppermute<Axis>(ct, inverse_permutation(perm));
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/collective_transpose.hpp
+// begin meshlib/nn/schedule.hpp
+/// @file
+/// @brief Learning-rate schedules (optax's `constant_schedule`, `linear_schedule` warm-up and
+/// `warmup_cosine_decay_schedule`): a pure function of the step, so every device computes the same.
+/// @code
+/// auto lr = meshlib::nn::warmup_cosine(1e-3f, 100, 1000);   // 0 -> 1e-3 over 100 steps, cosine to 0 at 1000
+/// float now = lr(250);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+
+namespace meshlib::nn {
+
+/// @brief `lr(step)`: `peak` after a linear warm-up of `warmup` steps, then constant (`total == 0`)
+/// or a cosine decay to `peak * final_fraction` at step `total`.
+struct schedule {
+  /// The learning rate after warm-up.
+  float peak = 1e-3f;
+  /// Steps of linear warm-up from `peak / warmup` to `peak`.
+  std::size_t warmup = 0;
+  /// The step where the cosine decay ends (0: no decay).
+  std::size_t total = 0;
+  /// The final rate as a fraction of `peak`.
+  float final_fraction = 0.0f;
+
+  /// The learning rate at `step` (counted from 0).
+  [[nodiscard]] float operator()(std::size_t step) const noexcept {
+    if (step < warmup) return peak * static_cast<float>(step + 1) / static_cast<float>(warmup);
+    if (total == 0) return peak;
+    if (step >= total) return peak * final_fraction;
+    const double t = static_cast<double>(step - warmup) / static_cast<double>(total > warmup ? total - warmup : 1);
+    const double c = 0.5 * (1.0 + std::cos(3.141592653589793 * t));
+    return static_cast<float>(peak * (final_fraction + (1.0 - final_fraction) * c));
+  }
+};
+
+/// @brief A constant rate (`optax.constant_schedule`).
+inline schedule constant(float lr) { return schedule{lr, 0, 0, 1.0f}; }
+/// @brief A linear warm-up to `lr` over `warmup` steps, then constant.
+inline schedule linear_warmup(float lr, std::size_t warmup) { return schedule{lr, warmup, 0, 1.0f}; }
+/// @brief Linear warm-up, then cosine decay to 0 at `total` (`optax.warmup_cosine_decay_schedule`).
+inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, float final_fraction = 0.0f) {
+  return schedule{lr, warmup, total, final_fraction};
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/schedule.hpp
+// begin meshlib/nn/optimizer.hpp
+/// @file
+/// @brief Optimizers as elementwise update rules (optax's `sgd(momentum)`, `adam`, `adamw`): the
+/// update of one element depends only on that element's gradient and state, which is what lets the
+/// same rule run on a replicated state or on a ZeRO-1 shard of it with identical numbers.
+/// @code
+/// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
+/// @endcode
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <string>
+
+// begin meshlib/nn/detail/simd.hpp
+/// @file
+/// @brief A few-lane float vector for the elementwise loops of the training step (optimizer
+/// updates), written once as a generic body that runs on `float` (the tail, and compilers without
+/// vector extensions) and on `simd_float` (the bulk).
+///
+/// Why not leave it to the auto-vectoriser: `std::sqrt` sets `errno`, which keeps GCC and Clang from
+/// vectorising any loop that calls it unless the user builds with `-fno-math-errno`, and GCC 12's
+/// `-O2` vectorises only loops whose trip count is a multiple of the vector width. Every lane
+/// operation here (+ - * / and `sqrtps`) is the correctly rounded IEEE operation the scalar code
+/// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
+/// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
+/// @code
+/// detail::for_lanes(n, std::array<float, 1>{2.0f}, [&](std::size_t i, const auto& k) {
+///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
+/// });
+/// @endcode
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__))
+#include <immintrin.h>
+#define MESHLIB_NN_SIMD 1
+#else
+#define MESHLIB_NN_SIMD 0
+#endif
+
+namespace meshlib::nn::detail {
+
+#if MESHLIB_NN_SIMD
+#if defined(__AVX__)
+/// Lanes of `simd_float`: the widest float vector the target has (AVX 8, SSE2 4).
+inline constexpr std::size_t simd_lanes = 8;
+#else
+inline constexpr std::size_t simd_lanes = 4;
+#endif
+/// `simd_lanes` floats (GCC/Clang vector extension: + - * / work lane by lane).
+using simd_float = float __attribute__((vector_size(simd_lanes * sizeof(float))));
+
+/// Loads `simd_lanes` floats from `p` (no alignment needed).
+inline simd_float load(const float* p) noexcept {
+  simd_float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+/// Stores `v` to `p` (no alignment needed).
+inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
+/// Every lane `s`.
+inline simd_float splat(float s) noexcept {
+  simd_float v;
+  for (std::size_t i = 0; i < simd_lanes; ++i) v[i] = s;
+  return v;
+}
+/// Lane-wise correctly rounded square root (`sqrtps`, as `std::sqrt` per lane).
+inline simd_float sqrt_of(simd_float v) noexcept {
+#if defined(__AVX__)
+  return reinterpret_cast<simd_float>(_mm256_sqrt_ps(reinterpret_cast<__m256>(v)));
+#else
+  return reinterpret_cast<simd_float>(_mm_sqrt_ps(reinterpret_cast<__m128>(v)));
+#endif
+}
+#else
+inline constexpr std::size_t simd_lanes = 1;
+#endif
+
+/// `std::sqrt(v)` (the scalar form of `sqrt_of`).
+inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
+
+/// Calls `f(i, c)` for the elements `[0, n)`: over the bulk, for lanes `[i, i + simd_lanes)` with
+/// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
+/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`. The constants are splat once,
+/// outside the loop, into a local the stores cannot alias (a member read through `this` in the loop
+/// would be reloaded and re-splat after every store).
+template <std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, F&& f) {
+  std::size_t i = 0;
+#if MESHLIB_NN_SIMD
+  std::array<simd_float, K> kv;
+  for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
+  for (; i + simd_lanes <= n; i += simd_lanes) f(i, kv);
+#endif
+  for (; i < n; ++i) f(i, k);
+}
+
+/// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
+inline float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
+/// Stores `v` at element(s) `i` of `p`.
+inline void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
+#if MESHLIB_NN_SIMD
+inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
+inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
+#endif
+
+/// Sum of `double(x[i])^2` over `[0, n)`, in four interleaved partial sums (one running sum is a
+/// chain of dependent additions, four times slower; the order differs from a plain loop only in
+/// the last bits of a double, which the float clip scale does not see).
+inline double sum_of_squares(const float* x, std::size_t n) noexcept {
+  double s[4] = {0, 0, 0, 0};
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (std::size_t k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * x[i + k];
+  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/simd.hpp
+
+namespace meshlib::nn {
+
+/// @brief Which rule `optimizer` applies.
+enum class optimizer_kind { sgd, adam, adamw };
+
+/// @brief An optimizer's rule and hyperparameters (see the factories below).
+struct optimizer {
+  /// The update rule.
+  optimizer_kind kind = optimizer_kind::adam;
+  /// The learning rate per step.
+  schedule lr = constant(1e-3f);
+  float momentum = 0.0f;      ///< sgd
+  /// adam/adamw: decay rate of the first moment (the gradient's running mean).
+  float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+  /// @var b2
+  /// adam/adamw: decay rate of the second moment (the squared gradient's running mean).
+  /// @var eps
+  /// adam/adamw: added to the denominator's square root so the update stays finite.
+  float weight_decay = 0.0f;  ///< adamw (decoupled), on parameters marked `decay`
+  float clip_norm = 0.0f;     ///< > 0: clip the gradient to this global norm (over every shard)
+
+  /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
+  [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
+
+  /// The rule for logs: `sgd(momentum ...)`, `adam` or `adamw(weight decay ...)`.
+  [[nodiscard]] std::string name() const {
+    switch (kind) {
+      case optimizer_kind::sgd: return "sgd(momentum " + std::to_string(momentum) + ")";
+      case optimizer_kind::adam: return "adam";
+      case optimizer_kind::adamw: return "adamw(weight decay " + std::to_string(weight_decay) + ")";
+    }
+    return "?";
+  }
+
+  /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
+  /// `m`, `v`: the state slots of these elements (`v` unused by sgd). One pass over the arrays,
+  /// vectorised (nn/detail/simd.hpp: the same numbers, bitwise, as the element-by-element rule).
+  void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
+              bool decay) const noexcept {
+    using detail::load_as, detail::store_at;
+    const float rate = lr(step);
+    if (kind == optimizer_kind::sgd) {
+      detail::for_lanes(n, std::array<float, 3>{momentum, scale, rate}, [&](std::size_t i, const auto& k) {
+        const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
+        store_at(m, i, mi);
+        store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
+      });
+      return;
+    }
+    const double t = static_cast<double>(step + 1);
+    const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
+    const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
+    const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
+    const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
+    detail::for_lanes(n, ks, [&](std::size_t i, const auto& k) {
+      const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
+      const auto gi = load_as(g, i, scale_) * scale_;
+      const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
+      const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
+      const auto pi = load_as(p, i, scale_);
+      store_at(m, i, mi);
+      store_at(v, i, vi);
+      store_at(p, i, pi - rate_ * ((mi * c1_) / (detail::sqrt_of(vi * c2_) + eps_) + wd_ * pi));
+    });
+  }
+};
+
+/// @brief SGD with (heavy-ball) momentum (`optax.sgd(lr, momentum)`).
+inline optimizer sgd(schedule lr, float momentum = 0.9f) {
+  optimizer o;
+  o.kind = optimizer_kind::sgd;
+  o.lr = lr;
+  o.momentum = momentum;
+  return o;
+}
+/// @brief Adam (`optax.adam`).
+inline optimizer adam(schedule lr, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
+  optimizer o;
+  o.kind = optimizer_kind::adam;
+  o.lr = lr;
+  o.b1 = b1;
+  o.b2 = b2;
+  o.eps = eps;
+  return o;
+}
+/// @brief AdamW, decoupled weight decay (`optax.adamw`).
+inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
+  optimizer o = adam(lr, b1, b2, eps);
+  o.kind = optimizer_kind::adamw;
+  o.weight_decay = weight_decay;
+  return o;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optimizer.hpp
+// begin meshlib/nn/precision.hpp
+/// @file
+/// @brief Compute precisions for mixed-precision training: `float` (default), `meshlib::bfloat16`
+/// and, where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64;
+/// `MESHLIB_HAS_FLOAT16` is then 1), `meshlib::float16`; the rounding that puts a float buffer on a
+/// compute type's grid, and the compile-time rule on gradient-reduction types.
+///
+/// A `train_state<..., Compute>` with `Compute` a 16-bit type keeps float master weights in the
+/// optimizer and rounds parameters, activations, cotangents and gradients to `Compute` (see
+/// docs/training.md, "Mixed precision"). Values live in float buffers holding numbers of the
+/// `Compute` grid: the numerics are those of 16-bit storage with float accumulation inside each
+/// matrix product (what KokkosBlas::gemm on float gives; it has no bfloat16 gemm on the host), but
+/// not its memory saving.
+/// @code
+/// meshlib::nn::train_state<mesh_t, decltype(net), "data", float, meshlib::bfloat16> state(m, std::move(net), opt);
+/// @endcode
+
+#include <cstddef>
+#include <string_view>
+#include <type_traits>
+
+
+/// 1 where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64), and with it
+/// `meshlib::float16`; 0 elsewhere (float16 training is then not offered).
+#if defined(__FLT16_MAX__)
+#define MESHLIB_HAS_FLOAT16 1
+#else
+#define MESHLIB_HAS_FLOAT16 0
+#endif
+
+namespace meshlib {
+
+#if MESHLIB_HAS_FLOAT16
+/// @brief IEEE binary16 (5-bit exponent, 10-bit mantissa, largest finite 65504) over the compiler's
+/// `_Float16`: a storage and rounding type; arithmetic goes through `float`. Only where
+/// `MESHLIB_HAS_FLOAT16` is 1. Not a communicator element (no collective moves it).
+struct float16 {
+  _Float16 value = 0;
+  constexpr float16() noexcept = default;
+  /// Rounds to nearest even; beyond 65504 gives infinity (what dynamic loss scaling detects).
+  constexpr float16(float f) noexcept : value(static_cast<_Float16>(f)) {}  // NOLINT: implicit, as a float type
+  constexpr operator float() const noexcept { return static_cast<float>(value); }  // NOLINT
+};
+static_assert(sizeof(float16) == 2 && std::is_trivially_copyable_v<float16>);
+#endif
+
+namespace nn {
+
+/// @brief The types a model can compute in: float, bfloat16 and (where available) float16.
+template <class T>
+concept compute_precision = std::is_same_v<T, float> || std::is_same_v<T, bfloat16>
+#if MESHLIB_HAS_FLOAT16
+                            || std::is_same_v<T, float16>
+#endif
+    ;
+
+/// @brief "float32", "bfloat16", "float16" or "float64".
+template <class T>
+constexpr std::string_view precision_name() noexcept {
+  if constexpr (std::is_same_v<T, float>) return "float32";
+  else if constexpr (std::is_same_v<T, double>) return "float64";
+  else if constexpr (std::is_same_v<T, bfloat16>) return "bfloat16";
+#if MESHLIB_HAS_FLOAT16
+  else if constexpr (std::is_same_v<T, float16>) return "float16";
+#endif
+  else return "?";
+}
+
+/// @brief Whether computing in `C` uses dynamic loss scaling by default (float16: its range ends
+/// at 65504 and small gradients underflow; bfloat16 has float's range).
+template <class C>
+inline constexpr bool needs_loss_scaling =
+#if MESHLIB_HAS_FLOAT16
+    std::is_same_v<C, float16>;
+#else
+    false;
+#endif
+
+namespace detail {
+
+/// Puts `n` floats on the grid of `C` (a no-op for float).
+template <class C>
+inline void round_to(float* p, std::size_t n) noexcept {
+  if constexpr (!std::is_same_v<C, float>)
+    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(C(p[i]));
+}
+
+/// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;
+/// a 16-bit type only when the compute type is float (an explicitly asked compressed wire, as
+/// `grad_sync<float, bfloat16>`) or `C` itself. bfloat16 on float16 gradients would drop 3 mantissa
+/// bits, float16 on bfloat16 gradients would overflow past 65504: both silently narrower.
+template <class W, class C>
+inline constexpr bool reduction_at_least_compute =
+    std::is_same_v<W, float> || std::is_same_v<W, double> || std::is_same_v<C, float> || std::is_same_v<W, C>;
+
+template <bool Ok, class Reduction, class Compute>
+struct gradient_reduction_type_narrower_than_compute_type {
+  static_assert(Ok,
+                "meshlib::nn: train_state: the gradient reduction type (first argument of "
+                "gradient_reduction_type_narrower_than_compute_type<ok, reduction, compute>) is narrower than the "
+                "compute type (second argument); reduce 16-bit gradients in float or in their own type");
+  static constexpr bool value = Ok;
+};
+
+}  // namespace detail
+}  // namespace nn
+}  // namespace meshlib
+// end meshlib/nn/precision.hpp
+// begin meshlib/nn/grad_sync.hpp
+/// @file
+/// @brief Data-parallel gradient synchronisation: every local gradient block (a pending sum over the
+/// data axis: `x^T dy` contracts the data-sharded batch) is completed with few collectives, grouped
+/// into *buckets* of at most `bucket_elements` elements (PyTorch DDP's gradient buckets: many small
+/// gradients, few collectives). Either an all-reduce (`psum`, every replica gets the whole sum) or,
+/// for ZeRO-1, a reduce-scatter (`psum_scatter`, each data replica gets the sum of its 1/n slice of
+/// the flat gradient vector, the concatenation of the blocks, and only updates that slice).
+///
+/// All-reduce buckets: a gradient of at least half a bucket (the big weights: nearly all the bytes)
+/// is reduced on its own, in place in the parameter's gradient block, in pieces of at most
+/// `bucket_elements`: no byte is staged. The smaller ones are packed, in parameter order, into shared
+/// buckets of at most `bucket_elements` and reduced there. Over a group of one device nothing moves.
+///
+/// The wire type `Wire` is a compile-time parameter: gradients are converted to `Wire` when packed
+/// and reduced in `Wire` (every bucket is then packed); `grad_sync<float, bfloat16>` halves the
+/// traffic, and a reduction cannot run in a narrower type than the one named in the program.
+/// Buckets run one after the other today; they are filled in parameter order, which leaves room for
+/// overlapping a bucket's collective with the backward of earlier layers once the communicator is
+/// asynchronous.
+/// @code
+/// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
+/// // inside spmd, after backward: const auto& g = sync.all_reduce(params, dev, data_axes);
+/// // g[i]: parameter i's summed gradient block
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Bucketed gradient synchronisation (see the file comment).
+/// @tparam T    the gradients' element type.
+/// @tparam Wire the element type on the wire and of the reduction (`float` or `bfloat16` for `float`).
+template <class T = float, comm_element Wire = T>
+class grad_sync {
+  static_assert(comm_element<Wire>, "meshlib::nn: grad_sync: the wire type must be a communicator element type");
+
+ public:
+  /// The element type gradients travel in (narrower than `T` to halve the traffic, e.g. bfloat16).
+  using wire_type = Wire;
+  grad_sync() = default;
+  /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: no limit).
+  grad_sync(std::size_t devices, std::size_t bucket_elements)
+      : bucket_(bucket_elements), wire_(devices), flat_(devices), shard_(devices), collectives_(devices, 0), summed_(devices) {}
+
+  /// Elements of the flat buffer on device `dev` (sum of its local gradient blocks).
+  [[nodiscard]] static std::size_t flat_size(const std::vector<param_ref<T>>& params, std::size_t dev) {
+    std::size_t n = 0;
+    for (const auto& p : params) n += p.count[dev];
+    return n;
+  }
+
+  /// All-reduces every gradient over the axes `axes`, bucket by bucket (see the file comment), and
+  /// returns, per parameter, where its summed gradient block lies: its own gradient block (reduced
+  /// in place) or a piece of the packed buffer. The pointers stay valid until the next call on `dev`.
+  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes) {
+    constexpr bool same = std::is_same_v<Wire, T>;
+    const std::size_t n = flat_size(params, dev);
+    meshlib::detail::device_comm* comm = nullptr;
+    if (axes != 0) {
+      comm = &meshlib::detail::current_device("grad_sync").comm(axes);
+      if (comm->size() == 1) comm = nullptr;  // a group of one: nothing to add
+    }
+    std::vector<T*>& out = summed_.at(dev);
+    out.assign(params.size(), nullptr);
+    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
+    Wire* w = same && comm == nullptr ? nullptr : wire_.get(dev, n);
+    T* f = same ? nullptr : flat_.get(dev, n);
+    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
+    auto flush = [&] {
+      if (used == open) return;
+      if (comm != nullptr) reduce(*comm, w + open, used - open, dev);
+      if constexpr (!same)
+        for (std::size_t e = open; e < used; ++e) f[e] = static_cast<T>(w[e]);
+      open = used;
+    };
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::size_t c = params[i].count[dev];
+      T* g = params[i].grad[dev];
+      if constexpr (same)
+        if (comm == nullptr || c >= big) {  // in place, in the gradient block itself
+          out[i] = g;
+          if (comm != nullptr) reduce(*comm, g, c, dev);
+          continue;
+        }
+      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
+      for (std::size_t e = 0; e < c; ++e) w[used + e] = static_cast<Wire>(g[e]);
+      if constexpr (same) out[i] = w + used;
+      else out[i] = f + used;
+      used += c;
+      if (c >= big) flush();
+    }
+    flush();
+    return out;
+  }
+
+  /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
+  /// over `axes`: returns this device's slice `[begin, begin + size)` of the summed flat gradient,
+  /// `size = ceil(n / group)`. Bucket `b` of each rank's part is one reduce-scatter of equal pieces;
+  /// the gradients are packed straight into that order (one copy).
+  T* reduce_scatter(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes, std::size_t group,
+                    std::size_t rank, std::size_t& begin, std::size_t& size) {
+    const std::size_t n = flat_size(params, dev);
+    size = (n + group - 1) / group;
+    begin = rank * size;
+    const std::size_t step = bucket_ == 0 || group == 1 ? std::max<std::size_t>(size, 1)
+                                                        : std::max<std::size_t>(1, bucket_ / group);
+    Wire* send = wire_.get(dev, size * group);
+    // Flat element j = r * size + o (rank r's part, offset o in it) goes to bucket o / step, where
+    // the pieces of the ranks lie one after the other: segments in increasing flat order.
+    flat_cursor cur{params, dev};
+    for (std::size_t r = 0; r < group; ++r)
+      for (std::size_t o = 0; o < size; o += step) {
+        const std::size_t len = std::min(step, size - o);
+        cur.copy(r * size + o, len, send + o * group + r * len);
+      }
+    Wire* out = send + rank * size;  // group == 1: the packed vector is the slice
+    if (group > 1) {
+      auto& comm = meshlib::detail::current_device("grad_sync").comm(axes);
+      out = shard_.get(dev, size);
+      for (std::size_t o = 0; o < size; o += step) {
+        const std::size_t len = std::min(step, size - o);
+        comm.reduce_scatter(send + o * group, out + o, len, datatype_of<Wire>, reduce_op::sum);
+        ++collectives_[dev];
+      }
+    }
+    return unpack_wire(dev, out, size);
+  }
+
+  /// Collectives this device has issued (a test checks the bucketing).
+  [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
+
+ private:
+  /// All-reduces `len` elements of `buf` in place, in pieces of at most the bucket size.
+  void reduce(meshlib::detail::device_comm& comm, Wire* buf, std::size_t len, std::size_t dev) {
+    const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
+    for (std::size_t o = 0; o < len; o += step) {
+      comm.all_reduce(buf + o, std::min(step, len - o), datatype_of<Wire>, reduce_op::sum);
+      ++collectives_[dev];
+    }
+  }
+  /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),
+  /// converted to `Wire`, for runs asked for in increasing order.
+  struct flat_cursor {
+    const std::vector<param_ref<T>>& params;
+    std::size_t dev, i = 0, start = 0;  // parameter i's block starts at flat offset `start`
+    void copy(std::size_t at, std::size_t len, Wire* to) {
+      while (len > 0) {
+        while (i < params.size() && start + params[i].count[dev] <= at) start += params[i++].count[dev];
+        if (i == params.size()) {
+          std::fill_n(to, len, Wire{});
+          return;
+        }
+        const std::size_t k = std::min(len, start + params[i].count[dev] - at);
+        const T* g = params[i].grad[dev] + (at - start);
+        for (std::size_t e = 0; e < k; ++e) to[e] = static_cast<Wire>(g[e]);
+        at += k;
+        to += k;
+        len -= k;
+      }
+    }
+  };
+  T* unpack_wire(std::size_t dev, Wire* w, std::size_t n) {
+    if constexpr (std::is_same_v<Wire, T>) {
+      return w;
+    } else {
+      T* f = flat_.get(dev, n);
+      for (std::size_t i = 0; i < n; ++i) f[i] = static_cast<T>(w[i]);
+      return f;
+    }
+  }
+
+  std::size_t bucket_ = 0;
+  detail::device_buffers<Wire> wire_;
+  detail::device_buffers<T> flat_;
+  detail::device_buffers<Wire> shard_;
+  std::vector<std::size_t> collectives_;
+  std::vector<std::vector<T*>> summed_;  ///< per device: where each parameter's summed gradient lies
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/grad_sync.hpp
+// begin meshlib/nn/data.hpp
+/// @file
+/// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
+/// seeded epoch permutation and the sharded, prefetching data loader.
+
+// begin meshlib/nn/data/errors.hpp
+/// @file
+/// @brief The exception type of meshlib's data pipeline: a data set file that is missing or
+/// malformed, or loader options that cannot cut the data set into batches.
+
+
+namespace meshlib {
+
+/// @brief A data set that cannot be read or batched as asked: a missing file, a file that is not
+/// IDX (bad magic), wrong dimensions, a truncated or over-long file, label and image counts that
+/// disagree, a label outside the classes, or a global batch that does not split over the
+/// processes. `what()` names the file (or the option) and says what was expected and what was
+/// found.
+class data_error : public error {
+ public:
+  using error::error;
+};
+
+}  // namespace meshlib
+// end meshlib/nn/data/errors.hpp
+// begin meshlib/nn/data/dataset.hpp
+/// @file
+/// @brief An in-memory classification data set: `count` examples of `features` floats each and one
+/// integer label per example.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace meshlib::nn {
+
+/// @brief A classification data set held in memory, row-major: example `i` is
+/// `x[i * features, (i + 1) * features)` and its label is `y[i]`, in `[0, classes)`.
+///
+/// @code
+/// meshlib::nn::dataset ds = meshlib::nn::read_idx("train-images-idx3-ubyte.gz",
+///                                                 "train-labels-idx1-ubyte.gz");
+/// std::span<const float> first = ds.row(0);   // 784 pixels scaled to [0, 1]
+/// int label = ds.y[0];
+/// @endcode
+struct dataset {
+  std::size_t count = 0;     ///< number of examples
+  std::size_t features = 0;  ///< floats per example (28 * 28 = 784 for Fashion-MNIST)
+  std::size_t classes = 0;   ///< labels are in [0, classes)
+  std::vector<float> x{};         ///< count * features values, row-major; IDX pixels scaled to [0, 1]
+  std::vector<std::int32_t> y{};  ///< count labels
+
+  /// @brief The features of example `i`.
+  [[nodiscard]] std::span<const float> row(std::size_t i) const noexcept {
+    return {x.data() + i * features, features};
+  }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/dataset.hpp
+// begin meshlib/nn/data/idx.hpp
+/// @file
+/// @brief Reads a classification data set from a pair of IDX files (the format of MNIST and
+/// Fashion-MNIST: an image file of unsigned bytes with dimensions (count, rows, columns) and a
+/// label file of unsigned bytes with dimension (count)), plain or gzip-compressed.
+///
+/// @code
+/// auto train = meshlib::nn::read_idx("data/train-images-idx3-ubyte.gz",
+///                                    "data/train-labels-idx1-ubyte.gz", 10);
+/// // train.count == 60000, train.features == 784, train.classes == 10
+/// @endcode
+///
+/// Every defect gives a meshlib::data_error that names the file and says what was expected and
+/// what was found: a missing file, a bad magic number (not IDX, not unsigned bytes, or the wrong
+/// number of dimensions), a file shorter or longer than its header promises, label and image
+/// counts that disagree, a label outside [0, classes).
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+// begin meshlib/nn/data/detail/read_bytes.hpp
+/// @file
+/// @brief Reads a whole data file into memory, gunzipping it on the fly when it is gzip-compressed
+/// (Debian's dataset-fashion-mnist ships `.gz` files) and meshlib was built with zlib.
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#if defined(MESHLIB_ENABLE_ZLIB)
+#include <zlib.h>
+#endif
+
+
+namespace meshlib::nn::detail {
+
+/// "meshlib: <what> '<path>'": the start of every message about one file.
+inline std::string file_label(const char* what, const std::filesystem::path& path) {
+  return std::string("meshlib: ") + what + " '" + path.string() + "'";
+}
+
+inline void check_readable(const char* what, const std::filesystem::path& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(status)) {
+    throw data_error(file_label(what, path) + " does not exist");
+  }
+  if (std::filesystem::is_directory(status)) {
+    throw data_error(file_label(what, path) + " is a directory, expected a file");
+  }
+}
+
+inline bool starts_with_gzip_magic(const std::vector<std::uint8_t>& bytes) {
+  return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b;
+}
+
+/// The bytes of `path`, decompressed when it is a gzip file. Throws data_error naming the file when
+/// it is missing, unreadable, or a damaged gzip stream; `what` says what the file is for
+/// ("IDX file").
+inline std::vector<std::uint8_t> read_bytes(const char* what, const std::filesystem::path& path) {
+  check_readable(what, path);
+  std::vector<std::uint8_t> bytes;
+#if defined(MESHLIB_ENABLE_ZLIB)
+  // gzread reads a file that is not gzip-compressed as it is, so one path serves both.
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    throw data_error(file_label(what, path) + " cannot be opened: " + std::strerror(errno));
+  }
+  gzbuffer(file, 1u << 17);
+  constexpr std::size_t chunk = std::size_t{1} << 22;
+  for (;;) {
+    const std::size_t old = bytes.size();
+    bytes.resize(old + chunk);
+    const int got = gzread(file, bytes.data() + old, static_cast<unsigned>(chunk));
+    if (got < 0) {
+      int code = 0;
+      const std::string message = gzerror(file, &code);
+      gzclose(file);
+      throw data_error(file_label(what, path) + " is not a valid gzip file: " + message);
+    }
+    bytes.resize(old + static_cast<std::size_t>(got));
+    if (static_cast<std::size_t>(got) < chunk) break;
+  }
+  int code = Z_OK;
+  const std::string message = gzerror(file, &code);
+  gzclose(file);
+  // Z_BUF_ERROR at the end: the compressed stream stopped before its end marker.
+  if (code == Z_BUF_ERROR) {
+    throw data_error(file_label(what, path) +
+                     " is a truncated gzip file (the compressed stream ends early after " +
+                     std::to_string(bytes.size()) + " bytes)");
+  }
+  if (code != Z_OK) {
+    throw data_error(file_label(what, path) + " is not a valid gzip file: " + message);
+  }
+#else
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw data_error(file_label(what, path) + " cannot be opened: " + std::strerror(errno));
+  }
+  bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (starts_with_gzip_magic(bytes)) {
+    throw data_error(file_label(what, path) +
+                     " is gzip-compressed, but this meshlib was built without zlib; decompress it "
+                     "(gunzip) or rebuild with zlib (Debian: zlib1g-dev)");
+  }
+#endif
+  return bytes;
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/data/detail/read_bytes.hpp
+
+namespace meshlib::nn {
+namespace detail {
+
+inline std::string hex32(std::uint32_t v) {
+  char text[11];
+  std::snprintf(text, sizeof text, "0x%08X", static_cast<unsigned>(v));
+  return text;
+}
+
+inline std::uint32_t big_endian32(const std::uint8_t* p) {
+  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+         std::uint32_t{p[3]};
+}
+
+/// The dimensions of an IDX file of unsigned bytes with `rank` dimensions, after checking its magic
+/// number and that its size is exactly header + product of dimensions. `layout` names the
+/// dimensions for messages ("count, rows, columns").
+inline std::vector<std::size_t> idx_dims(const std::filesystem::path& path,
+                                         const std::vector<std::uint8_t>& bytes, std::uint8_t rank,
+                                         const char* layout) {
+  const std::size_t header = 4 + 4 * std::size_t{rank};
+  const std::uint32_t expected_magic = 0x0800u | rank;  // 0x00 0x00, type 0x08 (ubyte), rank
+  const std::string what = file_label("IDX file", path);
+  if (bytes.size() < 4) {
+    throw data_error(what + " is " + std::to_string(bytes.size()) +
+                     " bytes long, too short for the 4-byte magic number " + hex32(expected_magic));
+  }
+  const std::uint32_t magic = big_endian32(bytes.data());
+  if (magic != expected_magic) {
+    throw data_error(what + " has magic number " + hex32(magic) + ", expected " +
+                     hex32(expected_magic) + " (unsigned bytes, " + std::to_string(rank) +
+                     " dimensions: " + layout + ")");
+  }
+  if (bytes.size() < header) {
+    throw data_error(what + " is truncated: " + std::to_string(bytes.size()) +
+                     " bytes, shorter than its " + std::to_string(header) + "-byte header");
+  }
+  std::vector<std::size_t> dims(rank);
+  std::size_t payload = 1;
+  for (std::size_t d = 0; d < rank; ++d) {
+    dims[d] = big_endian32(bytes.data() + 4 + 4 * d);
+    payload *= dims[d];
+  }
+  if (bytes.size() != header + payload) {
+    std::string shape;
+    for (std::size_t d = 0; d < rank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+    throw data_error(what + (bytes.size() < header + payload ? " is truncated" : " is too long") +
+                     ": its header promises " + shape + " bytes (" + layout + "), so " +
+                     std::to_string(header + payload) + " bytes in all, but it has " +
+                     std::to_string(bytes.size()));
+  }
+  return dims;
+}
+
+}  // namespace detail
+
+/// @brief Reads images and labels from two IDX files into a dataset with pixels scaled to [0, 1].
+/// @param images an IDX file of unsigned bytes with dimensions (count, rows, columns), plain or
+///        gzip-compressed (`.gz` needs meshlib built with zlib).
+/// @param labels an IDX file of unsigned bytes with dimension (count).
+/// @param classes the number of classes; a label outside [0, classes) is an error. When not given,
+///        it is the largest label + 1.
+/// @throws meshlib::data_error naming the file and what was expected and found.
+[[nodiscard]] inline dataset read_idx(const std::filesystem::path& images,
+                                      const std::filesystem::path& labels,
+                                      std::optional<std::size_t> classes = std::nullopt) {
+  if (classes && *classes == 0) {
+    throw data_error("meshlib: read_idx: classes is 0, expected at least 1");
+  }
+  const std::vector<std::uint8_t> image_bytes = detail::read_bytes("IDX file", images);
+  const std::vector<std::size_t> image_dims =
+      detail::idx_dims(images, image_bytes, 3, "count, rows, columns");
+  const std::vector<std::uint8_t> label_bytes = detail::read_bytes("IDX file", labels);
+  const std::vector<std::size_t> label_dims = detail::idx_dims(labels, label_bytes, 1, "count");
+
+  if (image_dims[0] != label_dims[0]) {
+    throw data_error("meshlib: IDX files disagree: '" + images.string() + "' holds " +
+                     std::to_string(image_dims[0]) + " images but '" + labels.string() +
+                     "' holds " + std::to_string(label_dims[0]) + " labels");
+  }
+  if (image_dims[1] == 0 || image_dims[2] == 0) {
+    throw data_error(detail::file_label("IDX file", images) + " has images of " +
+                     std::to_string(image_dims[1]) + " x " + std::to_string(image_dims[2]) +
+                     " pixels, expected at least 1 x 1");
+  }
+
+  dataset ds;
+  ds.count = image_dims[0];
+  ds.features = image_dims[1] * image_dims[2];
+  ds.y.resize(ds.count);
+  const std::uint8_t* label_data = label_bytes.data() + 8;
+  std::size_t largest = 0;
+  for (std::size_t i = 0; i < ds.count; ++i) {
+    const std::size_t label = label_data[i];
+    if (classes && label >= *classes) {
+      throw data_error(detail::file_label("IDX file", labels) + ": label " +
+                       std::to_string(label) + " at index " + std::to_string(i) +
+                       " is out of range, expected 0.." + std::to_string(*classes - 1) + " (" +
+                       std::to_string(*classes) + " classes)");
+    }
+    largest = label > largest ? label : largest;
+    ds.y[i] = static_cast<std::int32_t>(label);
+  }
+  ds.classes = classes ? *classes : (ds.count ? largest + 1 : 0);
+
+  const std::uint8_t* pixels = image_bytes.data() + 16;
+  ds.x.resize(ds.count * ds.features);
+  // Divided, not multiplied by 1/255: p / 255.0f is the correctly rounded value a user expects.
+  for (std::size_t i = 0; i < ds.x.size(); ++i) ds.x[i] = static_cast<float>(pixels[i]) / 255.0f;
+  return ds;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/idx.hpp
+// begin meshlib/nn/data/fashion_mnist.hpp
+/// @file
+/// @brief Fashion-MNIST (Zalando's 28x28 grey images of clothes, 10 classes; 60,000 for training and
+/// 10,000 for test) from the IDX files Debian's `dataset-fashion-mnist` installs under
+/// /usr/share/datasets/fashion-mnist, or from any directory that holds them.
+///
+/// @code
+/// auto data = meshlib::nn::load_fashion_mnist();      // or load_fashion_mnist("/my/dir")
+/// // data.train.count == 60000, data.test.count == 10000, features 784, classes 10
+/// @endcode
+
+#include <array>
+#include <filesystem>
+#include <string>
+
+
+namespace meshlib::nn {
+
+/// @brief The training and test splits of Fashion-MNIST.
+struct fashion_mnist {
+  dataset train;  ///< 60,000 examples
+  dataset test;   ///< 10,000 examples
+};
+
+/// @brief Where Debian's package `dataset-fashion-mnist` installs the files.
+[[nodiscard]] inline std::filesystem::path default_fashion_mnist_dir() {
+  return "/usr/share/datasets/fashion-mnist";
+}
+
+namespace detail {
+
+/// `dir/name`, or `dir/name.gz` when only the compressed file is there (Debian ships `.gz`; a user
+/// may have gunzipped them). Neither: data_error saying which package or path provides them.
+inline std::filesystem::path find_fashion_mnist_file(const std::filesystem::path& dir,
+                                                     const std::string& name) {
+  const std::filesystem::path plain = dir / name;
+  std::filesystem::path gz = plain;
+  gz += ".gz";
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(plain, ec)) return plain;
+  if (std::filesystem::is_regular_file(gz, ec)) return gz;
+  throw data_error("meshlib: Fashion-MNIST: neither '" + plain.string() + "' nor '" + gz.string() +
+                   "' exists; install Debian's package dataset-fashion-mnist (apt-get install "
+                   "dataset-fashion-mnist, files under " + default_fashion_mnist_dir().string() +
+                   ") or give the directory that holds the four IDX files");
+}
+
+}  // namespace detail
+
+/// @brief Reads Fashion-MNIST's four IDX files (`train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
+/// `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, each plain or `.gz`) from `dir`.
+/// @throws meshlib::data_error when a file is missing (naming the package that provides it) or
+///         malformed (see read_idx), or when the data is not 28x28 images in 10 classes.
+[[nodiscard]] inline fashion_mnist load_fashion_mnist(
+    const std::filesystem::path& dir = default_fashion_mnist_dir()) {
+  auto split = [&](const char* prefix) {
+    const auto images = detail::find_fashion_mnist_file(dir, std::string(prefix) + "-images-idx3-ubyte");
+    const auto labels = detail::find_fashion_mnist_file(dir, std::string(prefix) + "-labels-idx1-ubyte");
+    dataset ds = read_idx(images, labels, 10);
+    if (ds.features != 28 * 28) {
+      throw data_error(detail::file_label("IDX file", images) + " holds images of " +
+                       std::to_string(ds.features) + " pixels, expected Fashion-MNIST's 28 x 28 = 784");
+    }
+    return ds;
+  };
+  fashion_mnist data;
+  data.train = split("train");
+  data.test = split("t10k");
+  return data;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/fashion_mnist.hpp
+// begin meshlib/nn/data/permutation.hpp
+/// @file
+/// @brief The seeded shuffle of a data loader: a permutation of [0, count) that depends only on
+/// (seed, epoch), computed the same way on every process and every platform, so processes that
+/// each load their share of a global batch agree on which examples that batch holds.
+///
+/// @code
+/// auto order = meshlib::nn::epoch_permutation(60000, /*seed=*/42, /*epoch=*/3);
+/// // order[i]: the example at position i of epoch 3; a permutation of 0..59999
+/// @endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+namespace detail {
+
+/// SplitMix64 (Steele, Lea, Flood 2014), the mixer of nn/random.hpp: fully specified, so the
+/// permutation does not depend on the standard library (std::shuffle and the std distributions
+/// are implementation-defined and differ between libstdc++ and libc++).
+inline std::uint64_t splitmix64(std::uint64_t x) noexcept { return mix64(x); }
+
+/// A uniform integer in [0, range) from the stream keyed by `key`: draws below 2^64 mod range are
+/// rejected so that every residue is equally likely (arc4random_uniform's method).
+class key_stream {
+ public:
+  explicit key_stream(std::uint64_t key) noexcept : key_(key) {}
+  std::uint64_t below(std::uint64_t range) noexcept {
+    const std::uint64_t threshold = (0 - range) % range;
+    std::uint64_t r = draw();
+    while (r < threshold) r = draw();
+    return r % range;
+  }
+
+ private:
+  std::uint64_t draw() noexcept { return splitmix64(key_ + counter_++ * 0x9E3779B97F4A7C15ull); }
+  std::uint64_t key_;
+  std::uint64_t counter_ = 0;
+};
+
+}  // namespace detail
+
+/// @brief The order of the examples in epoch `epoch`: a uniformly random permutation of
+/// [0, count) (Fisher-Yates) drawn from a stream keyed by (seed, epoch) alone.
+[[nodiscard]] inline std::vector<std::size_t> epoch_permutation(std::size_t count, std::uint64_t seed,
+                                                                std::uint64_t epoch) {
+  std::vector<std::size_t> order(count);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  detail::key_stream stream(detail::splitmix64(detail::splitmix64(seed) ^ epoch));
+  for (std::size_t i = count; i > 1; --i) {
+    const std::size_t j = static_cast<std::size_t>(stream.below(i));
+    std::swap(order[i - 1], order[j]);
+  }
+  return order;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/permutation.hpp
+// begin meshlib/nn/data/loader.hpp
+/// @file
+/// @brief The data loader: shuffles a dataset with a seeded permutation per epoch, cuts it into
+/// global batches, hands each process only its rows of each global batch (as
+/// `ds.shard(num_shards=process_count(), index=process_index())` does), and, where meshlib was
+/// built with oneTBB, assembles the next batches on oneTBB worker threads while the caller trains.
+///
+/// @code
+/// meshlib::nn::data_loader loader(data.train, {.global_batch = 256, .seed = 42,
+///                                              .process_index = meshlib::distributed::process_index(),
+///                                              .process_count = meshlib::distributed::process_count()});
+/// for (std::size_t epoch = 0; epoch < 5; ++epoch) {
+///   loader.start_epoch(epoch);
+///   while (auto b = loader.next()) {
+///     train_step(b->x, b->y, b->rows);  // this process's b->rows rows of global batch b->step
+///   }
+/// }
+/// @endcode
+///
+/// Every process computes the same permutation (it depends only on seed and epoch), so the
+/// processes' shares of a step are disjoint and together make the whole global batch. With
+/// prefetching or without, the batches are the same, value for value.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(MESHLIB_ENABLE_TBB)
+#include <tbb/task_group.h>
+#endif
+
+
+namespace meshlib::nn {
+
+/// @brief How a data_loader cuts and distributes batches.
+struct loader_options {
+  std::size_t global_batch = 0;   ///< rows of one global batch, over all processes
+  std::uint64_t seed = 0;         ///< the shuffle's seed; the same on every process
+  bool shuffle = true;            ///< false: examples in file order
+  bool drop_last = true;          ///< drop the last, incomplete global batch of an epoch
+  std::size_t process_index = 0;  ///< this process's share: rows [i*B/n, (i+1)*B/n) of each batch
+  std::size_t process_count = 1;  ///< must divide global_batch
+  std::size_t prefetch = 2;       ///< batches assembled ahead (oneTBB builds); 0: on demand
+};
+
+/// @brief This process's rows of one global batch. It owns its data: it stays valid after the
+/// loader moves on.
+struct batch {
+  std::vector<float> x{};         ///< rows * features values, row-major
+  std::vector<std::int32_t> y{};  ///< rows labels
+  std::size_t rows = 0;           ///< this process's rows
+  /// values per row: `x` holds `rows * features` values
+  std::size_t features = 0;
+  std::size_t global_offset = 0;  ///< row of the global batch where this process's rows start
+  std::size_t global_rows = 0;    ///< rows of the whole global batch (global_batch but for a last,
+                                  ///< incomplete batch kept by drop_last = false)
+  std::size_t step = 0;           ///< index of the global batch in its epoch
+  /// the epoch this batch belongs to, from 0
+  std::size_t epoch = 0;
+
+  /// @brief The features of row `r` of this share.
+  [[nodiscard]] std::span<const float> row(std::size_t r) const noexcept {
+    return {x.data() + r * features, features};
+  }
+};
+
+/// @brief Shuffles, batches and shards a dataset, one epoch at a time. A dataset passed as an
+/// lvalue is read in place and must outlive the loader; one passed as an rvalue
+/// (`data_loader(load_fashion_mnist().train, ...)`) is moved into the loader. Not thread-safe: one
+/// thread calls start_epoch and next.
+class data_loader {
+ public:
+  /// @brief A loader that reads `ds` in place (no copy); `ds` must outlive it.
+  /// @throws meshlib::data_error when the options cannot batch the dataset: a global batch of 0,
+  /// a process index outside [0, process_count), a global batch not divisible by the process
+  /// count, no batch at all in an epoch, or a dataset whose vectors disagree with its counts.
+  data_loader(const dataset& ds, loader_options options) : ds_(ds), options_(options) { check(); }
+
+  /// @brief A loader that owns `ds` (a temporary would otherwise dangle).
+  data_loader(dataset&& ds, loader_options options)
+      : owned_(std::make_unique<const dataset>(std::move(ds))), ds_(*owned_), options_(options) {
+    check();
+  }
+
+  data_loader(const data_loader&) = delete;
+  data_loader& operator=(const data_loader&) = delete;
+
+  /// Waits for batches still being assembled: they read the dataset and this loader.
+  ~data_loader() { drain(); }
+
+  /// @brief The dataset the loader reads.
+  [[nodiscard]] const dataset& data() const noexcept { return ds_; }
+
+  /// @brief Global batches per epoch: count / global_batch, rounded up when drop_last is false.
+  [[nodiscard]] std::size_t steps_per_epoch() const noexcept { return steps_; }
+
+  /// The options the loader was made with.
+  [[nodiscard]] const loader_options& options() const noexcept { return options_; }
+
+  /// @brief True when batches are assembled ahead on oneTBB threads (a oneTBB build and
+  /// prefetch > 0); false when next() assembles each batch itself.
+  [[nodiscard]] bool prefetching() const noexcept {
+#if defined(MESHLIB_ENABLE_TBB)
+    return slots_ != nullptr;
+#else
+    return false;
+#endif
+  }
+
+  /// @brief Starts epoch `epoch` (any number, in any order: the order depends only on seed and
+  /// epoch), dropping what remains of the current one, and starts prefetching its first batches.
+  void start_epoch(std::size_t epoch) {
+    drain();
+    epoch_ = epoch;
+    if (options_.shuffle) {
+      order_ = epoch_permutation(ds_.count, options_.seed, epoch);
+    } else if (order_.size() != ds_.count) {
+      order_.resize(ds_.count);
+      for (std::size_t i = 0; i < ds_.count; ++i) order_[i] = i;
+    }
+    next_step_ = 0;
+    started_ = true;
+#if defined(MESHLIB_ENABLE_TBB)
+    if (slots_) {
+      for (std::size_t s = 0; s < options_.prefetch && s < steps_; ++s) schedule(s);
+    }
+#endif
+  }
+
+  /// @brief This process's share of the next global batch of the epoch, or nullopt after the last.
+  /// @throws meshlib::data_error before the first start_epoch.
+  [[nodiscard]] std::optional<batch> next() {
+    if (!started_) {
+      throw data_error("meshlib: data_loader: next() called before start_epoch(epoch)");
+    }
+    if (next_step_ >= steps_) return std::nullopt;
+    const std::size_t step = next_step_++;
+#if defined(MESHLIB_ENABLE_TBB)
+    if (slots_) {
+      slot& s = slots_[step % options_.prefetch];
+      s.group.wait();
+      std::optional<batch> ready = std::move(s.ready);
+      s.ready.reset();
+      const std::exception_ptr failure = std::exchange(s.failure, nullptr);
+      // The slot is free: start the batch `prefetch` steps ahead before handing this one out.
+      if (step + options_.prefetch < steps_) schedule(step + options_.prefetch);
+      if (failure) std::rethrow_exception(failure);
+      return ready;
+    }
+#endif
+    return assemble(step);
+  }
+
+ private:
+  /// The options against the dataset, and the steps per epoch; see the constructor.
+  void check() {
+    const dataset& ds = ds_;
+    const loader_options& options = options_;
+    const std::string where = "meshlib: data_loader: ";
+    if (ds.x.size() != ds.count * ds.features || ds.y.size() != ds.count) {
+      throw data_error(where + "the dataset is inconsistent: count " + std::to_string(ds.count) +
+                       " and features " + std::to_string(ds.features) + " need " +
+                       std::to_string(ds.count * ds.features) + " values and " +
+                       std::to_string(ds.count) + " labels, found " + std::to_string(ds.x.size()) +
+                       " and " + std::to_string(ds.y.size()));
+    }
+    if (options.global_batch == 0) {
+      throw data_error(where + "global_batch is 0, expected at least 1");
+    }
+    if (options.process_count == 0) {
+      throw data_error(where + "process_count is 0, expected at least 1");
+    }
+    if (options.process_index >= options.process_count) {
+      throw data_error(where + "process_index " + std::to_string(options.process_index) +
+                       " is out of range for process_count " +
+                       std::to_string(options.process_count));
+    }
+    if (options.global_batch % options.process_count != 0) {
+      throw data_error(where + "global batch " + std::to_string(options.global_batch) +
+                       " does not split evenly over " + std::to_string(options.process_count) +
+                       " processes (remainder " +
+                       std::to_string(options.global_batch % options.process_count) +
+                       "); choose a global batch divisible by the process count");
+    }
+    steps_ = options.drop_last ? ds.count / options.global_batch
+                               : (ds.count + options.global_batch - 1) / options.global_batch;
+    if (steps_ == 0) {
+      throw data_error(where + "an epoch has no batch: the dataset has " +
+                       std::to_string(ds.count) + " examples, fewer than the global batch of " +
+                       std::to_string(options.global_batch) +
+                       (ds.count ? " (with drop_last; set drop_last = false to keep them)" : ""));
+    }
+#if defined(MESHLIB_ENABLE_TBB)
+    if (options.prefetch > 0) slots_ = std::make_unique<slot[]>(options.prefetch);
+#endif
+  }
+
+  /// Rows [p*g/n, (p+1)*g/n) of the global batch `step`, g its size: the share of process p of n.
+  [[nodiscard]] batch assemble(std::size_t step) const {
+    const std::size_t start = step * options_.global_batch;
+    const std::size_t global_rows = std::min(options_.global_batch, ds_.count - start);
+    const std::size_t p = options_.process_index;
+    const std::size_t n = options_.process_count;
+    const std::size_t begin = p * global_rows / n;
+    const std::size_t end = (p + 1) * global_rows / n;
+    batch b;
+    b.rows = end - begin;
+    b.features = ds_.features;
+    b.global_offset = begin;
+    b.global_rows = global_rows;
+    b.step = step;
+    b.epoch = epoch_;
+    b.x.resize(b.rows * b.features);
+    b.y.resize(b.rows);
+    for (std::size_t r = 0; r < b.rows; ++r) {
+      const std::size_t example = order_[start + begin + r];
+      std::memcpy(b.x.data() + r * b.features, ds_.x.data() + example * ds_.features,
+                  ds_.features * sizeof(float));
+      b.y[r] = ds_.y[example];
+    }
+    return b;
+  }
+
+#if defined(MESHLIB_ENABLE_TBB)
+  /// One batch in flight. A task_group per slot lets next() wait for exactly the batch it needs;
+  /// waiting in a task_group also runs queued tasks, so the caller helps instead of idling.
+  struct slot {
+    tbb::task_group group;
+    std::optional<batch> ready;
+    std::exception_ptr failure;
+  };
+
+  void schedule(std::size_t step) {
+    slot& s = slots_[step % options_.prefetch];
+    s.group.run([this, &s, step] {
+      try {
+        s.ready = assemble(step);
+      } catch (...) {
+        s.failure = std::current_exception();
+      }
+    });
+  }
+#endif
+
+  void drain() noexcept {
+#if defined(MESHLIB_ENABLE_TBB)
+    if (slots_) {
+      for (std::size_t i = 0; i < options_.prefetch; ++i) {
+        slots_[i].group.wait();  // never throws: the tasks catch everything
+        slots_[i].ready.reset();
+        slots_[i].failure = nullptr;
+      }
+    }
+#endif
+  }
+
+  std::unique_ptr<const dataset> owned_;  // set when constructed from an rvalue
+  const dataset& ds_;
+  loader_options options_;
+  std::size_t steps_ = 0;
+  std::size_t epoch_ = 0;
+  std::size_t next_step_ = 0;
+  bool started_ = false;
+  std::vector<std::size_t> order_;
+#if defined(MESHLIB_ENABLE_TBB)
+  std::unique_ptr<slot[]> slots_;
+#endif
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/loader.hpp
+// end meshlib/nn/data.hpp
+// begin meshlib/nn/train_state.hpp
+/// @file
+/// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
+/// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
+/// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
+/// clipping over every shard, and the optimizer update (replicated, or ZeRO-1 sharded over the data
+/// axis), all on every device of the mesh at once.
+///
+/// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
+/// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
+/// for (auto b = loader.next(); b; b = loader.next()) {
+///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
+/// }
+/// @endcode
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief How `train_step` runs (see the file comment).
+struct train_options {
+  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
+  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
+  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
+  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
+  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
+  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
+  float loss_scale = 0.0f;
+  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+};
+
+namespace detail {
+/// `P<Data>`: rows sharded over the data axis.
+template <fixed_string Data>
+struct rows_spec {
+  using type = P<dim_spec(Data.chars)>;
+};
+}  // namespace detail
+
+/// @brief What one `train_step` (or `evaluate`) reports; equal on every device.
+struct step_metrics {
+  double loss = 0;             ///< mean loss over the global batch
+  std::size_t correct = 0;     ///< rows whose prediction was right
+  std::size_t rows = 0;        ///< rows of the global batch
+  double grad_norm = 0;        ///< global gradient norm before clipping (train_step)
+  double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
+  bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
+  double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
+};
+
+/// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
+/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
+/// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
+/// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
+/// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
+template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
+          compute_precision Compute = float>
+class train_state {
+  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
+  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
+                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+
+ public:
+  /// The element type of parameters and optimizer state.
+  using T = float;
+  /// The type parameters, activations and gradients are rounded to.
+  using compute_type = Compute;
+  /// True when `Compute` is a 16-bit type and float master weights are kept.
+  static constexpr bool mixed = !std::is_same_v<Compute, float>;
+  /// The mesh the model runs on.
+  using mesh_type = Mesh;
+  /// The mesh axes of `Data`, over which gradients are averaged.
+  static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
+  /// The type of a device's block of the input batch: rows sharded over `Data`.
+  using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
+
+  /// The mesh the model runs on.
+  Mesh mesh;
+  /// The network; its parameters live inside it.
+  Model model;
+  /// The update rule and hyperparameters.
+  optimizer opt;
+  /// Accumulation, ZeRO and bucketing options.
+  train_options options;
+  /// Optimizer steps taken so far.
+  std::size_t step = 0;
+  /// The key each step's randomness (dropout) is folded from.
+  rng_key key;
+  /// Views of every parameter of `model`, in layer order.
+  std::vector<param_ref<T>> params;
+
+  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
+  /// `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `opts.accumulation` is 0.
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
+              std::span<const std::size_t> local_devices = {})
+      : mesh(m),
+        model(std::move(net)),
+        opt(o),
+        options(opts),
+        key(k),
+        sync_(m.size(), opts.bucket_elements),
+        loss_(m.size()),
+        state_(m.size()),
+        gather_(m.size()),
+        input_(m.size()),
+        masters_(m.size()),
+        offsets_(m.size()) {
+    model.collect(params);
+    loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
+    scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
+    if constexpr (mixed)
+      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
+        model.round_activations = &detail::round_to<Compute>;
+    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
+    std::vector<std::size_t> all;
+    if (local_devices.empty())
+      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
+    else
+      all.assign(local_devices.begin(), local_devices.end());
+    local_ = all;
+    const std::size_t dp = m.axes_size(data_axes);
+    for (std::size_t dev : local_) {
+      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+      const std::size_t len = options.zero ? (n + dp - 1) / dp : n;
+      state_[dev].assign(opt.slots() * len, 0.0f);
+      std::size_t off = 0;
+      for (const auto& p : params) {
+        offsets_[dev].push_back(off);
+        if constexpr (mixed) masters_[dev].insert(masters_[dev].end(), p.value[dev], p.value[dev] + p.count[dev]);
+        off += p.count[dev];
+      }
+    }
+    refresh_compute_copies();
+  }
+
+  /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
+  /// `Compute` the parameter's value is its rounding (with float, the value itself).
+  [[nodiscard]] float* master(std::size_t i, std::size_t dev) {
+    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    else return params.at(i).value[dev];
+  }
+  /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
+  /// by restore_checkpoint). A no-op when computing in float.
+  void refresh_compute_copies() {
+    if constexpr (mixed)
+      for (std::size_t dev : local_)
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+          detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
+        }
+  }
+  /// The current loss scale (1 without loss scaling).
+  [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
+  /// Whether dynamic loss scaling is on.
+  [[nodiscard]] bool loss_scaling() const noexcept { return scaling_; }
+  /// Consecutive good steps since the scale last changed.
+  [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
+
+  /// Device `dev`'s input rows as the model sees them: `x` itself in float, else a copy rounded to
+  /// `Compute` (the caller's data is never modified).
+  [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    if constexpr (!mixed) {
+      return const_cast<float*>(x);
+    } else {
+      float* b = input_.get(dev, n);
+      std::copy_n(x, n, b);
+      detail::round_to<Compute>(b, n);
+      return b;
+    }
+  }
+
+  /// Called by train_step after the spmd region with every device's verdict (equal on all of
+  /// them): advances the step, or, on a skipped step, halves the loss scale.
+  void finish_step(bool skipped) {
+    if (!scaling_) {
+      ++step;
+      return;
+    }
+    if (skipped) {
+      loss_scale_ = std::max(loss_scale_ * 0.5f, 1.0f / 65536.0f);
+      good_steps_ = 0;
+      return;
+    }
+    ++step;
+    if (++good_steps_ >= options.scale_growth_interval) {
+      loss_scale_ *= 2.0f;
+      good_steps_ = 0;
+    }
+  }
+
+  /// This process's devices.
+  [[nodiscard]] const std::vector<std::size_t>& local_devices() const noexcept { return local_; }
+  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here).
+  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const { return state_.at(dev).size(); }
+  /// The optimizer state of device `dev` (for checkpoints and tests).
+  [[nodiscard]] std::vector<float>& optimizer_state(std::size_t dev) { return state_.at(dev); }
+  /// The gradient synchronisation (its buckets and traffic).
+  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
+  /// The loss function the training steps use.
+  [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
+
+  /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer
+  /// state device `dev` holds: elements `[offset, offset + len)` of the parameter's local block;
+  /// slot `s` of element `k` of the run is `slot0[s * slot_stride + k]`. Replicated: whole blocks;
+  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  template <class F>
+  void for_each_state_run(std::size_t dev, F&& f) {
+    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+    float* st = state_.at(dev).data();
+    if (!options.zero) {
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        f(i, std::size_t{0}, params[i].count[dev], st + off, n);
+        off += params[i].count[dev];
+      }
+      return;
+    }
+    const std::size_t dp = mesh.axes_size(data_axes), size = (n + dp - 1) / dp, begin = mesh.group_rank(dev, data_axes) * size;
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) f(i, lo - off, hi - lo, st + (lo - begin), size);
+      off += p.count[dev];
+    }
+  }
+  /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
+  /// (one device of each group holding the same state).
+  [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
+    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(options.zero ? data_axes : axis_mask{0});
+    return mesh.group_rank(dev, replicas) == 0;
+  }
+
+  /// One device's share of a step after its backward passes: synchronise, clip, update.
+  /// Returns the global gradient norm.
+  double apply_gradients(std::size_t dev, double& sync_seconds) {
+    const std::size_t dp = mesh.axes_size(data_axes);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto& all = meshlib::detail::current_device("train_step").comm(mesh.all_axes);
+    if (!options.zero) {
+      const std::vector<T*>& g = sync_.all_reduce(params, dev, data_axes);
+      sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      double sq[1] = {0};
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        unscale(g[i], params[i].count[dev]);
+        sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
+      }
+      all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+      const double norm = std::sqrt(sq[0]);
+      // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
+      // of them: the skip verdict is the same on every device.
+      if (scaling_ && !std::isfinite(norm)) return norm;
+      const float scale = clip_scale(norm);
+      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+      float* m = state_[dev].data();
+      float* v = opt.slots() > 1 ? m + n : m;
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        opt.update(master(i, dev), g[i], m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
+        off += params[i].count[dev];
+      }
+      refresh_device(dev);
+      return norm;
+    }
+    const std::size_t rank = mesh.group_rank(dev, data_axes);
+    std::size_t begin = 0, size = 0;
+    T* g = sync_.reduce_scatter(params, dev, data_axes, dp, rank, begin, size);
+    sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    unscale(g, size);
+    double sq[1] = {0};
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
+      sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
+    });
+    all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+    const double norm = std::sqrt(sq[0]);
+    if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
+    const float scale = clip_scale(norm);
+    float* m = state_[dev].data();
+    float* v = opt.slots() > 1 ? m + size : m;
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
+    });
+    // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
+    T* send = gather_.get(dev, size * (dp + 1));
+    T* recv = send + size;
+    std::fill_n(send, size, T{});
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      std::copy_n(master_of(p, dev) + in_param, len, send + s);
+    });
+    const auto t1 = std::chrono::steady_clock::now();
+    if (dp > 1) meshlib::detail::current_device("train_step").comm(data_axes).all_gather(send, recv, size, datatype_of<T>);
+    else std::copy_n(send, size, recv);
+    sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      std::copy_n(recv + off, params[i].count[dev], master(i, dev));
+      off += params[i].count[dev];
+    }
+    refresh_device(dev);
+    return norm;
+  }
+
+ private:
+  /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
+  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
+  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
+  double share_of_squares(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
+    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
+    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
+    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
+    return detail::sum_of_squares(g + lo, hi - lo);
+  }
+  void unscale(T* g, std::size_t n) const noexcept {
+    if (scaling_ && loss_scale_ != 1.0f) {
+      const float inv = 1.0f / loss_scale_;
+      for (std::size_t i = 0; i < n; ++i) g[i] *= inv;
+    }
+  }
+  float* master_of(const param_ref<T>& p, std::size_t dev) {
+    return master(static_cast<std::size_t>(&p - params.data()), dev);
+  }
+  void refresh_device(std::size_t dev) {
+    if constexpr (mixed)
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+        detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
+      }
+  }
+  float clip_scale(double norm) const {
+    return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
+  }
+  /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
+  /// lie in the flat slice `[begin, begin + size)`.
+  template <class F>
+  void for_each_piece(std::size_t dev, std::size_t begin, std::size_t size, F&& f) const {
+    std::size_t off = 0;
+    for (const auto& p : params) {
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) f(p, lo - off, lo - begin, hi - lo);
+      off += p.count[dev];
+    }
+  }
+
+  grad_sync<T, Wire> sync_;
+  softmax_cross_entropy<T> loss_;
+  std::vector<std::vector<float>> state_;
+  detail::device_buffers<T> gather_;
+  std::vector<std::size_t> local_;
+  detail::device_buffers<T> input_;
+  std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
+  std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
+  float loss_scale_ = 1.0f;
+  bool scaling_ = false;
+  std::size_t good_steps_ = 0;
+};
+
+namespace detail {
+template <class State>
+void check_batch(const State& s, std::size_t global_rows, std::size_t groups, const char* what) {
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  if (global_rows == 0 || global_rows % (dp * groups) != 0)
+    throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(global_rows) +
+                         " rows does not split evenly over the " + std::to_string(dp) + " devices of the data axis" +
+                         (groups > 1 ? " x " + std::to_string(groups) + " accumulation steps" : std::string()) +
+                         "; choose a batch size that is a multiple of " + std::to_string(dp * groups));
+}
+
+/// Sums `(loss, correct)` over the data axis; every device gets the totals.
+inline void sum_over(axis_mask axes, double (&v)[2]) {
+  if (axes != 0) meshlib::detail::current_device("train_step").comm(axes).all_reduce(v, 2, datatype::float64, reduce_op::sum);
+}
+/// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
+/// that runs others would read blocks this process does not have, and one that runs fewer would
+/// leave the state's other devices a step behind.
+template <class State, class Runner>
+void check_runner(const State& s, const Runner& runner, const char* what) {
+  const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
+  if (run == s.local_devices()) return;
+  throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " +
+                       meshlib::detail::describe_devices(run) + " in this process, but the train state holds devices " +
+                       meshlib::detail::describe_devices(s.local_devices()) +
+                       "; pass the runner the state was made for, or make the state with the runner's devices "
+                       "(train_state(..., runner.local_devices(mesh.size())))");
+}
+}  // namespace detail
+
+/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
+/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
+/// @throws sharding_error when the batch does not split over the data axis and the accumulation
+/// steps, when a device's rows are not in this process's share, or when `backend` runs other
+/// devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  const std::size_t k = s.options.accumulation;
+  detail::check_batch(s, global_rows, k, "train_step");
+  detail::check_runner(s, backend, "train_step");
+  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
+  using X = typename State::input_type;
+  s.model.begin_step(s.key.fold_in(s.step), true);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        const std::size_t first = di * local_rows;
+        if (first < global_offset || first + local_rows > global_offset + rows)
+          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
+                               ", " + std::to_string(global_offset + rows) + ")");
+        // Last step's gradients: the layers that can overwrite them in the first backward do (no
+        // zeroing pass over the model), the others add to zeros.
+        for (const auto& p : s.params)
+          if (p.overwrite) p.overwrite[dev] = 1;
+          else std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+        double sums[2] = {0, 0};
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::size_t r0 = first + j * micro - global_offset;
+          X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
+               s.mesh, dev);
+          auto logits = s.model.forward(xb);
+          const loss_part part = s.loss().forward(logits, y.subspan(r0, micro), global_rows);
+          auto dlogits = s.loss().backward(logits);
+          if (s.loss_scaling() || State::mixed) {
+            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+            const float ls = s.loss_scale();
+            float* d = dlogits.data();
+            for (std::size_t i = 0; i < dlogits.size(); ++i) d[i] *= ls;
+            detail::round_to<typename State::compute_type>(d, dlogits.size());
+          }
+          s.model.template backward<X>(dlogits);
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        for (const auto& p : s.params)
+          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
+            std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+            p.overwrite[dev] = 0;
+          }
+        if constexpr (State::mixed)
+          for (const auto& p : s.params) detail::round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+        step_metrics& m = out[dev];
+        m.loss_scale = s.loss_scale();
+        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
+        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
+        detail::sum_over(State::data_axes, sums);
+        m.loss = sums[0];
+        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
+        m.rows = global_rows;
+      },
+      backend);
+  const step_metrics& r = out[s.local_devices().front()];
+  for (std::size_t dev : s.local_devices())
+    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                           std::to_string(dev) + ")");
+  s.finish_step(r.skipped);
+  return r;
+}
+
+/// @brief `train_step` on a batch from `data_loader`.
+template <class State, class Backend = default_runner>
+step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
+                    b.global_rows, backend);
+}
+
+/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
+/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  detail::check_runner(s, backend, "evaluate");
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  using X = typename State::input_type;
+  s.model.begin_step(s.key, false);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        double sums[2] = {0, 0};
+        for (std::size_t start = 0; start < ds.count; start += batch_rows) {
+          const std::size_t len = std::min(batch_rows, ds.count - start);
+          const std::size_t lo = start + len * di / dp, hi = start + len * (di + 1) / dp;
+          X xb(typename X::view_type(s.input_block(dev, ds.x.data() + lo * ds.features, (hi - lo) * ds.features), hi - lo,
+                                     ds.features),
+               s.mesh, dev);
+          auto logits = s.model.forward(xb);
+          const loss_part part = s.loss().forward(logits, std::span<const std::int32_t>(ds.y).subspan(lo, hi - lo), ds.count);
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        detail::sum_over(State::data_axes, sums);
+        out[dev].loss = sums[0];
+        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+        out[dev].rows = ds.count;
+      },
+      backend);
+  return out[s.local_devices().front()];
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train_state.hpp
+// begin meshlib/nn/checkpoint.hpp
+/// @file
+/// @brief Checkpoints of a `train_state`: `save_checkpoint(dir, state)` and
+/// `restore_checkpoint(dir, state)`, restorable on a *different* mesh and with or without ZeRO-1
+/// (restore reshards). Layout (as Orbax / torch.distributed.checkpoint keep one file per array):
+///
+///     dir/index            text: format version, step, key, optimizer, then one line per
+///                          parameter: name, dtype, global shape, sharding, FNV-1a checksums
+///     dir/<name>.bin       the parameter's global array, row-major float32, filled from the
+///                          blocks of the devices that own them (a replicated block once)
+///     dir/<name>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
+///
+/// Everything is written under `dir.tmp` and renamed to `dir` at the end, so an interrupted save
+/// leaves the previous checkpoint intact and never a half-written one. A missing, truncated or
+/// corrupted file, or a checkpoint of another model or optimizer, throws `checkpoint_error`
+/// naming the file and the parameter; the state is not modified then.
+///
+/// Several processes (a state that holds only this process's devices, as under `mpirun`): every
+/// process writes the blocks its devices own straight into the global files, at their places (no
+/// gather: the bytes of a block go to disk once, from the process that holds them); process 0
+/// sizes the files first and writes the index and renames last. `dir` must be on a file system
+/// that every process sees. Restore reads the files on every process and takes its own blocks.
+/// Each phase ends with an exchange of outcomes between the processes, so a failure on one of them
+/// (a full disk, a missing file) throws `checkpoint_error` on all of them, naming the process,
+/// instead of leaving the others waiting or with a different state.
+/// @code
+/// meshlib::nn::save_checkpoint("ckpt/step_1000", state);        // on a (4, 2) mesh
+/// meshlib::nn::restore_checkpoint("ckpt/step_1000", other);     // on (2, 4): same numbers
+/// meshlib::nn::save_checkpoint("ckpt/step_1000", part, ex);      // part of a multi-process state
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A checkpoint that cannot be written or read (the message names the file and parameter).
+class checkpoint_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+inline std::uint64_t fnv1a(const char* p, std::size_t n) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
+  return h;
+}
+
+inline std::string shape_text(const std::vector<std::size_t>& s) {
+  std::string t;
+  for (std::size_t i = 0; i < s.size(); ++i) t += (i ? "x" : "") + std::to_string(s[i]);
+  return t.empty() ? "scalar" : t;
+}
+
+inline std::size_t product(const std::vector<std::size_t>& s) {
+  std::size_t n = 1;
+  for (auto e : s) n *= e;
+  return n;
+}
+
+/// Global row-major index of element `i` of device `dev`'s block of `p`.
+template <class T>
+std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
+  std::size_t flat = 0, rem = i;
+  const std::size_t rank = p.shape.size();
+  std::vector<std::size_t> idx(rank);
+  for (std::size_t d = rank; d-- > 0;) {
+    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
+    rem /= p.extent[dev][d];
+  }
+  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
+  return flat;
+}
+
+/// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
+/// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
+/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
+template <class T, class F>
+void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
+  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
+  for (std::size_t k = first, end = first + len; k < end;) {
+    const std::size_t n = std::min(row - k % row, end - k);
+    f(k, global_index(p, dev, k), n);
+    k += n;
+  }
+}
+
+/// Creates `path` holding `count` zero floats (the processes then write their blocks into it).
+inline void create_file(const std::filesystem::path& path, std::size_t count) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    if (!out) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path.string() + "'");
+  }
+  std::error_code ec;
+  std::filesystem::resize_file(path, count * sizeof(float), ec);
+  if (ec) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path.string() + "': " + ec.message());
+}
+
+/// A file of a checkpoint being written, open for writing blocks at their places.
+class block_writer {
+ public:
+  explicit block_writer(std::filesystem::path path)
+      : path_(std::move(path)), out_(path_, std::ios::in | std::ios::out | std::ios::binary) {
+    if (!out_) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot open '" + path_.string() + "' to write");
+  }
+  /// Writes `n` floats at global element `at`.
+  void write(std::size_t at, const float* src, std::size_t n) {
+    out_.seekp(static_cast<std::streamoff>(at * sizeof(float)));
+    out_.write(reinterpret_cast<const char*>(src), static_cast<std::streamsize>(n * sizeof(float)));
+  }
+  /// Flushes; throws when anything failed.
+  void close() {
+    out_.close();
+    if (!out_) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path_.string() + "'");
+  }
+
+ private:
+  std::filesystem::path path_;
+  std::fstream out_;
+};
+
+/// The FNV-1a checksum of a whole file (process 0 reads back what every process wrote).
+inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t count) {
+  std::vector<char> data(count * sizeof(float));
+  std::ifstream in(path, std::ios::binary);
+  in.read(data.data(), static_cast<std::streamsize>(data.size()));
+  if (!in) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot read back '" + path.string() + "'");
+  return fnv1a(data.data(), data.size());
+}
+
+/// Runs `phase` on this process, then agrees with the others on the outcome: when any process
+/// failed, every process throws (the failing one its own error, the others a `checkpoint_error`
+/// naming the first failing process and its message), so no process goes on alone.
+template <class F>
+void agreed_phase(distributed::process_exchange& ex, const char* what, F&& phase) {
+  std::exception_ptr mine;
+  std::string text;
+  try {
+    phase();
+  } catch (const std::exception& e) {
+    mine = std::current_exception();
+    text = e.what();
+  } catch (...) {
+    mine = std::current_exception();
+  }
+  if (mine && text.empty()) text = "unknown exception";
+  if (ex.size() == 1) {
+    if (mine) std::rethrow_exception(mine);
+    return;
+  }
+  const auto all = ex.all_gather(text);
+  if (mine) std::rethrow_exception(mine);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty())
+      throw checkpoint_error(std::string("meshlib::nn: ") + what + ": process " + std::to_string(r) + " of " +
+                             std::to_string(all.size()) + " failed: " + all[r]);
+}
+
+/// The exchange a state's checkpoint runs over: none for a state that holds every device; for a
+/// partial one, `ex`, which must cover every device exactly once with its processes' devices.
+template <class State>
+distributed::process_exchange& exchange_for(const State& state, distributed::process_exchange* ex, const char* what) {
+  static distributed::single_process_exchange single;
+  const std::size_t n = state.mesh.size();
+  if (state.local_devices().size() == n) return single;
+  if (ex == nullptr || ex->size() == 1)
+    throw checkpoint_error(std::string("meshlib::nn: ") + what + ": this train state holds " +
+                           std::to_string(state.local_devices().size()) + " of the mesh's " + std::to_string(n) +
+                           " devices, so the other processes take part: pass their process_exchange "
+                           "(meshlib::mpi::exchange) or call distributed::initialize with one");
+  std::string mine;
+  for (std::size_t dev : state.local_devices()) mine += std::to_string(dev) + " ";
+  std::vector<int> held(n, 0);
+  for (const auto& devices : ex->all_gather(mine)) {
+    std::istringstream in(devices);
+    for (std::size_t d = 0; in >> d;)
+      if (d < n) ++held[d];
+  }
+  for (std::size_t d = 0; d < n; ++d)
+    if (held[d] != 1)
+      throw checkpoint_error(std::string("meshlib::nn: ") + what + ": device " + std::to_string(d) + " is held by " +
+                             std::to_string(held[d]) + " of the " + std::to_string(ex->size()) +
+                             " processes; each device must belong to exactly one");
+  return *ex;
+}
+
+/// Reads `path` (expected `count` floats with checksum `sum`) for parameter `param`.
+inline std::vector<float> read_file(const std::filesystem::path& path, std::size_t count, std::uint64_t sum,
+                                    const std::string& param) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec)
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+                           "') is missing");
+  if (size != count * sizeof(float))
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param + "') has " +
+                           std::to_string(size) + " bytes, expected " + std::to_string(count * sizeof(float)) +
+                           " (" + std::to_string(count) + " float32): truncated or not this checkpoint's file");
+  std::vector<float> data(count);
+  std::ifstream in(path, std::ios::binary);
+  in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
+  if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
+  if (fnv1a(reinterpret_cast<const char*>(data.data()), size) != sum)
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+                           "') does not match its checksum in the index: the file is corrupted");
+  return data;
+}
+
+}  // namespace detail
+
+/// @brief Writes `state` (parameters, optimizer state, step, key) to directory `dir` (see the file
+/// comment). A state that holds only this process's devices needs every process to call this with
+/// the same `dir`; `ex` connects them (ignored for a state that holds every device).
+/// @throws checkpoint_error when a file cannot be written, on this or (for a multi-process state)
+/// any other process; the previous checkpoint in `dir` is then intact.
+template <class State>
+void save_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
+  namespace fs = std::filesystem;
+  auto& ex = detail::exchange_for(state, &ex_, "save_checkpoint");
+  const bool first = ex.rank() == 0;
+  fs::path tmp = dir;
+  tmp += ".tmp";
+  const std::size_t slots = state.opt.slots();
+  const auto value_file = [&](const param_ref<float>& p) { return tmp / (p.name + ".bin"); };
+  const auto opt_file = [&](const param_ref<float>& p, std::size_t s) {
+    return tmp / (p.name + ".opt" + std::to_string(s) + ".bin");
+  };
+  // 1. Process 0: a fresh temporary directory, every file at its final size.
+  detail::agreed_phase(ex, "save_checkpoint", [&] {
+    if (!first) return;
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    if (ec) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot create '" + tmp.string() + "': " + ec.message());
+    for (const auto& p : state.params) {
+      detail::create_file(value_file(p), detail::product(p.shape));
+      for (std::size_t s = 0; s < slots; ++s) detail::create_file(opt_file(p, s), detail::product(p.shape));
+    }
+  });
+  // 2. Every process: the blocks its devices own, at their places. A block replicated over a group
+  // of devices is written by the group's first device only, so every element is written once.
+  detail::agreed_phase(ex, "save_checkpoint", [&] {
+    for (std::size_t i = 0; i < state.params.size(); ++i) {
+      const auto& p = state.params[i];
+      detail::block_writer out(value_file(p));
+      for (std::size_t dev : state.local_devices())
+        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
+          const float* v = state.master(i, dev);
+          detail::for_each_global_run(p, dev, 0, p.count[dev],
+                                      [&](std::size_t k, std::size_t g, std::size_t n) { out.write(g, v + k, n); });
+        }
+      out.close();
+    }
+    std::vector<detail::block_writer> opt;
+    opt.reserve(state.params.size() * slots);
+    for (const auto& p : state.params)
+      for (std::size_t s = 0; s < slots; ++s) opt.emplace_back(opt_file(p, s));
+    for (std::size_t dev : state.local_devices())
+      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, const float* st, std::size_t stride) {
+        const auto& p = state.params[i];
+        if (!state.owns_state(dev, p)) return;
+        detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+          for (std::size_t s = 0; s < slots; ++s) opt[i * slots + s].write(g, st + s * stride + (k - off), n);
+        });
+      });
+    for (auto& o : opt) o.close();
+  });
+  // 3. Process 0: the index (with the checksums of what every process wrote), then the rename.
+  detail::agreed_phase(ex, "save_checkpoint", [&] {
+    if (!first) return;
+    std::ostringstream index;
+    index << "meshlib-checkpoint 1\nstep " << state.step << "\nkey " << state.key.value << "\noptimizer "
+          << static_cast<int>(state.opt.kind) << " slots " << slots << "\nparameters " << state.params.size() << "\n";
+    for (const auto& p : state.params) {
+      const std::size_t count = detail::product(p.shape);
+      index << "param " << p.name << " float32 " << detail::shape_text(p.shape) << " "
+            << detail::checksum_of(value_file(p), count);
+      for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
+      index << " sharding " << p.sharding << "\n";
+    }
+    {
+      std::ofstream out(tmp / "index", std::ios::trunc);
+      out << index.str();
+      if (!out) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + (tmp / "index").string() + "'");
+    }
+    std::error_code ec;
+    fs::path old = dir;
+    old += ".old";
+    fs::remove_all(old, ec);
+    if (fs::exists(dir)) fs::rename(dir, old);
+    fs::rename(tmp, dir);
+    fs::remove_all(old, ec);
+  });
+}
+
+/// @brief `save_checkpoint` over the transport given to `distributed::initialize` (none needed for
+/// a state that holds every device).
+template <class State>
+void save_checkpoint(const std::filesystem::path& dir, State& state) {
+  const auto ex = distributed::exchange();
+  save_checkpoint(dir, state, *ex);
+}
+
+/// @brief Loads a checkpoint into `state`, whatever mesh, ZeRO setting or number of processes it
+/// was saved with. A state that holds only this process's devices needs every process to call
+/// this; `ex` connects them (ignored for a state that holds every device).
+/// @throws checkpoint_error (the state is unchanged, on every process) for a missing, truncated or
+/// corrupted file, or a checkpoint of another model (parameter names or shapes) or optimizer.
+template <class State>
+void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
+  auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
+  const std::size_t count = state.params.size(), slots = state.opt.slots();
+  std::vector<std::vector<float>> values(count), opt(count * slots);
+  std::size_t step = 0;
+  std::uint64_t key = 0;
+  detail::agreed_phase(ex, "restore_checkpoint", [&] {
+    const auto index_path = dir / "index";
+    std::ifstream in(index_path);
+    if (!in)
+      throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "' is missing: not a checkpoint");
+    auto bad = [&](const std::string& what) {
+      return checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "': " + what);
+    };
+    std::string word, version;
+    std::size_t saved_slots = 0, saved_count = 0;
+    int kind = 0;
+    if (!(in >> word >> version) || word != "meshlib-checkpoint" || version != "1")
+      throw bad("not a meshlib checkpoint index (version 1)");
+    if (!(in >> word >> step) || word != "step" || !(in >> word >> key) || word != "key") throw bad("malformed header");
+    if (!(in >> word >> kind >> version >> saved_slots) || word != "optimizer") throw bad("malformed optimizer line");
+    if (kind != static_cast<int>(state.opt.kind) || saved_slots != slots)
+      throw bad("saved with optimizer kind " + std::to_string(kind) + " (" + std::to_string(saved_slots) +
+                " state slots), but the train state's optimizer is " + state.opt.name());
+    if (!(in >> word >> saved_count) || word != "parameters") throw bad("malformed parameter count");
+    if (saved_count != count)
+      throw bad("holds " + std::to_string(saved_count) + " parameters, the model has " + std::to_string(count) +
+                ": a checkpoint of another model");
+    for (std::size_t i = 0; i < count; ++i) {
+      const auto& p = state.params[i];
+      std::string name, dtype, shape, line;
+      std::uint64_t sum = 0;
+      if (!(in >> word >> name >> dtype >> shape >> sum) || word != "param")
+        throw bad("malformed line for parameter " + std::to_string(i));
+      if (name != p.name)
+        throw bad("parameter " + std::to_string(i) + " is '" + name + "', the model's is '" + p.name +
+                  "': a checkpoint of another model");
+      if (dtype != "float32") throw bad("parameter '" + name + "' has dtype " + dtype + ", expected float32");
+      if (shape != detail::shape_text(p.shape))
+        throw bad("parameter '" + name + "' has shape " + shape + " in the checkpoint, the model's is " +
+                  detail::shape_text(p.shape) + ": a checkpoint of another model");
+      values[i] = detail::read_file(dir / (name + ".bin"), detail::product(p.shape), sum, name);
+      for (std::size_t s = 0; s < slots; ++s) {
+        if (!(in >> sum)) throw bad("missing optimizer checksum of parameter '" + name + "'");
+        opt[i * slots + s] =
+            detail::read_file(dir / (name + ".opt" + std::to_string(s) + ".bin"), values[i].size(), sum, name);
+      }
+      std::getline(in, line);  // the sharding it was saved with: informative
+    }
+  });
+  // Everything checked, on every process: scatter into this mesh's blocks (the reshard).
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto& p = state.params[i];
+    for (std::size_t dev : state.local_devices()) {
+      float* v = state.master(i, dev);
+      detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+        std::copy_n(values[i].data() + g, n, v + k);
+      });
+    }
+  }
+  state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
+  for (std::size_t dev : state.local_devices())
+    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, float* st, std::size_t stride) {
+      const auto& p = state.params[i];
+      detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, st + s * stride + (k - off));
+      });
+    });
+  state.step = step;
+  state.key = rng_key{key};
+}
+
+/// @brief `restore_checkpoint` over the transport given to `distributed::initialize` (none needed
+/// for a state that holds every device).
+template <class State>
+void restore_checkpoint(const std::filesystem::path& dir, State& state) {
+  const auto ex = distributed::exchange();
+  restore_checkpoint(dir, state, *ex);
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/checkpoint.hpp
+// end meshlib/nn.hpp
+#endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP
