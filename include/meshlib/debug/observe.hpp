@@ -24,7 +24,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -359,7 +358,8 @@ class run_observer {
         if (missing.empty() && elsewhere.empty()) continue;
         p.warned = true;
         std::ostringstream os;
-        os << std::fixed << std::setprecision(2) << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+        os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
+        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
            << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
            << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
         if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)

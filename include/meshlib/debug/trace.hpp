@@ -26,13 +26,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -51,6 +50,18 @@
 #include "meshlib/runtime/launcher.hpp"
 
 namespace meshlib {
+
+namespace detail {
+/// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
+/// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
+struct column_width {
+  std::streamsize n;
+  friend std::ostream& operator<<(std::ostream& os, column_width w) {
+    os.width(w.n);
+    return os;
+  }
+};
+}  // namespace detail
 
 /// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
 struct trace_summary_row {
@@ -83,14 +94,15 @@ struct trace_summary {
 
   /// Prints the table: one line per row, then the slowest device.
   friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
-    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
+    os.precision(3);
+    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
-    os << std::left << std::setw(14) << "op" << std::setw(14) << "axes" << std::right << std::setw(7) << "device"
-       << std::setw(8) << "count" << std::setw(12) << "bytes" << std::setw(12) << "time ms" << std::setw(12)
+    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
+       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
        << "wait ms" << '\n';
     for (const auto& r : s.rows)
-      os << std::left << std::setw(14) << r.op << std::setw(14) << r.axes << std::right << std::setw(7) << r.device
-         << std::setw(8) << r.count << std::setw(12) << r.bytes << std::setw(12) << r.time_s * 1e3 << std::setw(12)
+      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
+         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
          << r.wait_s * 1e3 << '\n';
     if (s.slowest_device)
       os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
@@ -347,21 +359,28 @@ class trace_recorder {
     os << '"';
   }
 
+  // As std::fixed with precision 3 prints it, whatever the locale (JSON needs the '.').
+  static std::string fixed3(double v) {
+    char buf[400];  // the longest finite double in fixed notation with 3 decimals fits
+    const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 3);
+    return std::string(buf, r.ptr);
+  }
+
+  // The file is written through <cstdio>: <fstream> would cost every translation unit that includes
+  // meshlib its parse time for this one function (docs/benchmarks.md, include cost).
   void write(const std::string& path) const {
-    std::ofstream f(path);
-    if (!f) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    struct file_closer {
+      void operator()(std::FILE* p) const noexcept { std::fclose(p); }
+    };
+    std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "w"));
+    if (!file) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    std::ostringstream f;
     const std::size_t pid = process_index();
     // Microseconds with nanosecond digits: the unit of the Chrome trace format.
     auto us = [this](std::int64_t ns) {
-      std::ostringstream o;
-      o << std::fixed << std::setprecision(3) << static_cast<double>(ns - started_ns_) * 1e-3;
-      return o.str();
+      return fixed3(static_cast<double>(ns - started_ns_) * 1e-3);
     };
-    auto dur = [](std::int64_t ns) {
-      std::ostringstream o;
-      o << std::fixed << std::setprecision(3) << static_cast<double>(ns) * 1e-3;
-      return o.str();
-    };
+    auto dur = [](std::int64_t ns) { return fixed3(static_cast<double>(ns) * 1e-3); };
     auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
     const auto inst = instances();
     f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
@@ -409,7 +428,9 @@ class trace_recorder {
       }
     }
     f << "\n]}\n";
-    if (!f) throw error("meshlib: stop_trace: writing '" + path + "' failed");
+    const std::string text = std::move(f).str();
+    if (std::fwrite(text.data(), 1, text.size(), file.get()) != text.size() || std::fclose(file.release()) != 0)
+      throw error("meshlib: stop_trace: writing '" + path + "' failed");
   }
 
   std::atomic<bool> on_{false};
