@@ -302,6 +302,7 @@ concept mesh_axis = requires {
 #include <array>
 #include <cstddef>
 #include <initializer_list>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -745,6 +746,32 @@ class mesh {
 /// @brief A type that is a `mesh<...>`.
 template <class T>
 concept mesh_type = requires { typename T::is_mesh; };
+
+namespace detail {
+
+/// Throws `mesh_error` unless the devices of `m` can run: every communicator numbers its ranks
+/// with an `int` (MPI's, NCCL's, the thread communicator's), so `what` (`spmd`, `shard_map`,
+/// `reshard`) refuses a mesh of more than `INT_MAX` devices, naming the axis at which the count
+/// passes it, before anything is allocated per device (`spmd` on `mesh{2^32 + 2}` otherwise ends
+/// in `std::bad_alloc`). A mesh as a description (layouts, shardings) may be larger.
+template <mesh_type Mesh>
+void require_runnable(const Mesh& m, std::string_view what) {
+  constexpr std::size_t limit = static_cast<std::size_t>(std::numeric_limits<int>::max());
+  if (m.size() <= limit) return;
+  std::size_t n = 1;
+  std::size_t at = 0;
+  for (; at < Mesh::ndim; ++at) {
+    n *= m.axis_size(at);  // a prefix of the product that the mesh checked fits in 64 bits
+    if (n > limit) break;
+  }
+  throw mesh_error("meshlib: " + std::string(what) + " on " + m.to_string() + ": the mesh has " +
+                   std::to_string(m.size()) + " devices, more than the " + std::to_string(limit) +
+                   " that a communicator's int ranks can number; axis '" + std::string(Mesh::axis_names[at]) +
+                   "' (size " + std::to_string(m.axis_size(at)) + ") takes the device count past it: use a mesh "
+                   "of at most " + std::to_string(limit) + " devices");
+}
+
+}  // namespace detail
 
 /// @brief Builds a mesh and checks it against the number of devices, as `jax.make_mesh`.
 /// @throws mesh_error when the product of `sizes` is not `device_count`.
@@ -2717,17 +2744,15 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
 #include <thread>
 
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace meshlib::detail {
 
 /// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
 /// avoids the memory-order mis-speculation penalty when the awaited line changes).
 inline void cpu_relax() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
+  // The builtin behind _mm_pause (GCC and Clang): <immintrin.h> would cost every TU that includes
+  // meshlib ~0.6 s of parsing for this one instruction (docs/benchmarks.md, include cost).
+  __builtin_ia32_pause();
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
@@ -5393,17 +5418,23 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
+/// `launch` on the instance `exec` instead of the running device's: a caller that was handed an
+/// instance (`matmul_into(exec, ...)`).
+template <class Exec, class F>
+void launch_on(const Exec& exec, std::size_t n, const F& f) {
+  if (n == 0) return;
+  Kokkos::parallel_for(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
+  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
+  // fence is a process-wide call, and meshlib runs only host backends there.)
+  if constexpr (kokkos_has_instances_v) exec.fence();
+}
+
 /// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
 /// instance (`current_exec`), and waits for it: the only launch meshlib makes, because it is the
 /// only one safe from concurrent device threads on Kokkos 3.4.1 Serial.
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
-  if (n == 0) return;
-  const auto exec = current_exec<Space>();
-  Kokkos::parallel_for(Kokkos::RangePolicy<exec_space_for_t<Space>, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
-  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
-  // fence is a process-wide call, and meshlib runs only host backends there.)
-  if constexpr (kokkos_has_instances_v) exec.fence();
+  launch_on(current_exec<Space>(), n, f);
 }
 
 }  // namespace detail
@@ -7189,42 +7220,48 @@ auto transpose(const X& x) {
 
 }  // namespace meshlib
 // end meshlib/tensor/transpose.hpp
-// begin meshlib/tensor/matmul.hpp
+// begin meshlib/tensor/matmul_into.hpp
 /// @file
-/// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global
-/// `sharded_tensor`s.
+/// @brief `matmul_into`: `C = alpha * op(A) * op(B) + beta * C` on rank-2 Kokkos views that the
+/// caller owns, the product kernel under `matmul` and the training layer.
 ///
-/// For `C = A . B` with `A` split as `P<r, k>` and `B` as `P<k2, c>`:
-/// | case | requirement | result |
-/// | --- | --- | --- |
-/// | batch (rows) sharded x replicated | `k == k2 == none` | `P<r, c>`, no communication |
-/// | column-sharded weights | `B = P<none, c>` | columns sharded over `c` |
-/// | contraction sharded on both sides | `k == k2` (same axes, same order) | local view: partial over `k` (complete with `psum`, or `psum_scatter` to get it sharded); global view: summed, replicated over `k` |
-/// | contraction sharded differently | `k != k2` | does not compile: reshard one side |
-/// | one axis on both output dimensions | `r` and `c` share an axis | does not compile |
-/// Local view only: a pending sum times a value is a pending sum (matmul is linear in each side),
-/// unless the other side varies over (or is partial over) the same axis: that does not compile.
+/// Why a product into a caller's buffer: a training step multiplies the same shapes every
+/// iteration, so it keeps its output blocks instead of allocating one per product (as `matmul`
+/// does), accumulates gradients with `beta = 1`, and gets the backward pass's `x^T dy` and `dy W^T`
+/// from the transpose flags without materialising a transpose (BLAS reads the operand transposed).
 ///
-/// Kernel: `KokkosBlas::gemm` for `float` / `double` when meshlib is built with Kokkos Kernels
-/// (`MESHLIB_ENABLE_KOKKOS_KERNELS`; with Debian's build it calls the BLAS TPL, OpenBLAS); otherwise,
-/// and for integer types, meshlib's own row-parallel Kokkos kernel (RangePolicy only: safe from
-/// concurrent device threads on Kokkos 3.4.1, which KokkosKernels' team-policy fallback is not).
+/// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
+/// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
+/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
+/// own Kokkos kernel (`matmul_into_functor`), a RangePolicy `parallel_for` over the rows of `C` on the
+/// given execution-space instance. RangePolicy only, over raw pointers: safe from concurrent device
+/// threads on Kokkos 3.4.1 (tensor/view.hpp), where Kokkos Kernels' own team-policy fallback is not.
+///
+/// The edge cases are BLAS's, decided here so both kernels agree: `beta == 0` overwrites `C`
+/// without reading it (garbage or NaN in `C` is ignored); `k == 0` or `alpha == 0` gives
+/// `beta * C` without reading `A` or `B` (Kokkos Kernels 3.4.1 returns early on `k == 0`, leaving
+/// `C` unscaled, so that case never reaches it); an empty `C` does nothing.
 ///
 /// BLAS threads: with one thread per device, a multi-threaded BLAS inside every device would
-/// oversubscribe the cores. The first `matmul` therefore sets OpenBLAS to one thread per call
+/// oversubscribe the cores. The first BLAS product therefore sets OpenBLAS to one thread per call
 /// (`openblas_set_num_threads`, looked up with `dlsym`, so nothing is required at link time), unless
 /// `set_blas_threads_per_device(n)` was called first or `MESHLIB_BLAS_THREADS=n` is set.
+/// @code
+/// // the backward of y = x W: dW = x^T dy (accumulated), dx = dy W^T
+/// meshlib::matmul_into(dw, x, dy, {.transpose_a = true, .beta = 1});
+/// meshlib::matmul_into(dx, dy, w, {.transpose_b = true});
+/// @endcode
 
-#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include <dlfcn.h>
+
+#include <Kokkos_Core.hpp>
 
 
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
@@ -7273,6 +7310,7 @@ inline void ensure_blas_threads() {
   });
 }
 
+/// Whether products of `T` in memory `Space` go to `KokkosBlas::gemm` (see the file comment).
 template <class T, class Space>
 inline constexpr bool use_blas_v =
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
@@ -7281,25 +7319,206 @@ inline constexpr bool use_blas_v =
     false;
 #endif
 
-/// One row of C per iteration, i-k-j order (unit stride on B and C, vectorisable), k in panels.
+/// meshlib's product kernel: one row `i` of `C` per iteration. Every operand is a pointer and two
+/// strides, so a transpose is only a swap of strides: `op(A)(i, p) = a[i * a_i + p * a_p]`,
+/// `op(B)(p, j) = b[p * b_p + j * b_j]`, `C(i, j) = c[i * c_i + j * c_j]`.
+/// Two loop orders: when `op(B)` and `C` rows are unit-stride (no transpose of B, row-major), the
+/// i-p-j order (an axpy per `p`, vectorisable); otherwise (`op(B) = B^T`) a dot product per `(i, j)`,
+/// unit-stride along `p` on both sides for row-major `A` and `B`.
 template <class T>
-struct gemm_row_functor {
+struct matmul_into_functor {
   const T* a;
   const T* b;
   T* c;
-  std::size_t k, n;
+  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
+  std::size_t n, k;  // k == 0: only C = beta * C
+  T alpha, beta;
+
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
-    T* ci = c + i * n;
-    const T* ai = a + i * k;
-    for (std::size_t p = 0; p < k; ++p) {
-      const T aip = ai[p];
-      const T* bp = b + p * n;
-      for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+    T* ci = c + i * c_i;
+    if (beta == T{0}) {
+      for (std::size_t j = 0; j < n; ++j) ci[j * c_j] = T{0};
+    } else if (beta != T{1}) {
+      for (std::size_t j = 0; j < n; ++j) ci[j * c_j] *= beta;
+    }
+    if (k == 0) return;
+    const T* ai = a + i * a_i;
+    if (b_j == 1 && c_j == 1) {
+      for (std::size_t p = 0; p < k; ++p) {
+        const T aip = alpha * ai[p * a_p];
+        const T* bp = b + p * b_p;
+        for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
+      }
+    } else {
+      for (std::size_t j = 0; j < n; ++j) {
+        const T* bj = b + j * b_j;
+        T s{0};
+        for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
+        ci[j * c_j] += alpha * s;
+      }
     }
   }
 };
 
-/// C = A . B for row-major blocks, into a fresh view.
+/// `(r, c)` for a message.
+inline std::string shape_text(std::size_t r, std::size_t c) {
+  return "(" + std::to_string(r) + ", " + std::to_string(c) + ")";
+}
+
+/// Throws when `op(A) . op(B)` does not chain or does not fit `C` (see `matmul_into`).
+template <class VC, class VA, class VB>
+void check_matmul_into_shapes(const VC& c, const VA& a, const VB& b, bool ta, bool tb) {
+  const std::size_t m = ta ? a.extent(1) : a.extent(0), k = ta ? a.extent(0) : a.extent(1);
+  const std::size_t k2 = tb ? b.extent(1) : b.extent(0), n = tb ? b.extent(0) : b.extent(1);
+  if (k == k2 && c.extent(0) == m && c.extent(1) == n) return;
+  const std::string operands = "op(A) . op(B) with A " + shape_text(a.extent(0), a.extent(1)) +
+                               (ta ? " transposed" : " not transposed") + " and B " +
+                               shape_text(b.extent(0), b.extent(1)) + (tb ? " transposed" : " not transposed") + " is " +
+                               shape_text(m, k) + " . " + shape_text(k2, n);
+  if (k != k2)
+    throw sharding_error("meshlib: matmul_into: " + operands + ": the contraction sizes " + std::to_string(k) + " and " +
+                         std::to_string(k2) + " differ; check the operands' shapes and the transpose flags");
+  throw sharding_error("meshlib: matmul_into: " + operands + " = " + shape_text(m, n) + ", but C is " +
+                       shape_text(c.extent(0), c.extent(1)) + "; pass a C of shape " + shape_text(m, n));
+}
+
+template <class V>
+inline constexpr bool blas_layout_v =
+    std::is_same_v<typename V::array_layout, Kokkos::LayoutRight> || std::is_same_v<typename V::array_layout, Kokkos::LayoutLeft>;
+
+/// meshlib's kernel on `exec` (no BLAS), after the shapes were checked: also what tests call to
+/// exercise it for types that do have a BLAS.
+template <class Exec, class VC, class VA, class VB>
+void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b, bool ta, bool tb,
+                        typename VC::non_const_value_type alpha, typename VC::non_const_value_type beta) {
+  using T = typename VC::non_const_value_type;
+  const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
+  if (m == 0 || n == 0) return;
+  matmul_into_functor<T> f{a.data(),
+                           b.data(),
+                           c.data(),
+                           ta ? a.stride(1) : a.stride(0),
+                           ta ? a.stride(0) : a.stride(1),
+                           tb ? b.stride(1) : b.stride(0),
+                           tb ? b.stride(0) : b.stride(1),
+                           c.stride(0),
+                           c.stride(1),
+                           n,
+                           k,
+                           alpha,
+                           beta};
+  launch_on(exec, m, f);
+}
+
+}  // namespace detail
+
+/// @brief The options of `matmul_into`: the transpose of each operand, and `alpha`, `beta`
+/// (converted to the element type). Designated initialisers name what a positional BLAS call hides
+/// (`{.transpose_a = true, .beta = 1}`); the scalars are `double`, not the element type, so that one
+/// non-template struct serves every type (exact for the values products use: 0, 1, integers).
+struct matmul_into_options {
+  bool transpose_a = false;  ///< `op(A) = A^T` (`A` stored `k x m`)
+  bool transpose_b = false;  ///< `op(B) = B^T` (`B` stored `n x k`)
+  double alpha = 1;          ///< scales the product
+  double beta = 0;           ///< scales `C`'s previous contents; 0: `C` is not read
+};
+
+/// @brief `C = alpha * op(A) * op(B) + beta * C` on `exec` (see the file comment for the kernel and
+/// the edge cases). `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`; any rank-2 views of one
+/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`).
+/// @pre `C` overlaps neither `A` nor `B`.
+/// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
+/// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
+/// differ or `C`'s shape is not `m x n`.
+template <class Exec, class VC, class VA, class VB>
+  requires(Kokkos::is_execution_space<Exec>::value && Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value &&
+           Kokkos::is_view<VB>::value)
+void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
+  using T = typename VC::non_const_value_type;
+  using space = typename VC::memory_space;
+  static_assert(VA::rank == 2 && VB::rank == 2 && VC::rank == 2, "meshlib: matmul_into needs three rank-2 views");
+  static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
+                "meshlib: matmul_into: A, B and C must have the same element type");
+  static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
+  static_assert(Kokkos::SpaceAccessibility<Exec, space>::accessible &&
+                    Kokkos::SpaceAccessibility<Exec, typename VA::memory_space>::accessible &&
+                    Kokkos::SpaceAccessibility<Exec, typename VB::memory_space>::accessible,
+                "meshlib: matmul_into: the execution space cannot access the views' memory; pass an instance of the "
+                "space their memory belongs to");
+  detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+  const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+  const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
+  if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+                std::is_same_v<typename VB::memory_space, space> &&
+                std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+    if (c.extent(0) == 0 || c.extent(1) == 0) return;
+    if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
+    detail::ensure_blas_threads();
+    // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
+    using layout = typename VC::array_layout;
+    using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+    const Kokkos::View<const T**, layout, space, um> av = a;
+    const Kokkos::View<const T**, layout, space, um> bv = b;
+    const Kokkos::View<T**, layout, space, um> cv = c;
+    const char* ta = o.transpose_a ? "T" : "N";
+    const char* tb = o.transpose_b ? "T" : "N";
+#if KOKKOS_VERSION >= 40000
+    if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
+    else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
+#else
+    KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
+#endif
+#endif
+  } else {
+    detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+  }
+}
+
+/// @brief `matmul_into` on the running device's execution-space instance (inside `spmd` /
+/// `shard_map`), else the default instance of `C`'s memory space.
+template <class VC, class VA, class VB>
+  requires(Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value && Kokkos::is_view<VB>::value)
+void matmul_into(const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
+  matmul_into(detail::current_exec<typename VC::memory_space>(), c, a, b, o);
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/matmul_into.hpp
+// begin meshlib/tensor/matmul.hpp
+/// @file
+/// @brief `matmul` of rank-2 tensors with GSPMD's sharding rules, on local values and on global
+/// `sharded_tensor`s.
+///
+/// For `C = A . B` with `A` split as `P<r, k>` and `B` as `P<k2, c>`:
+/// | case | requirement | result |
+/// | --- | --- | --- |
+/// | batch (rows) sharded x replicated | `k == k2 == none` | `P<r, c>`, no communication |
+/// | column-sharded weights | `B = P<none, c>` | columns sharded over `c` |
+/// | contraction sharded on both sides | `k == k2` (same axes, same order) | local view: partial over `k` (complete with `psum`, or `psum_scatter` to get it sharded); global view: summed, replicated over `k` |
+/// | contraction sharded differently | `k != k2` | does not compile: reshard one side |
+/// | one axis on both output dimensions | `r` and `c` share an axis | does not compile |
+/// Local view only: a pending sum times a value is a pending sum (matmul is linear in each side),
+/// unless the other side varies over (or is partial over) the same axis: that does not compile.
+///
+/// Kernel: `matmul_into` (tensor/matmul_into.hpp) into a fresh block: `KokkosBlas::gemm` for
+/// `float` / `double` when meshlib is built with Kokkos Kernels, otherwise meshlib's own Kokkos
+/// kernel; it also sets the BLAS to one thread per device (`set_blas_threads_per_device`).
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+
+/// C = A . B for row-major blocks, into a fresh view (`matmul_into` with `beta = 0` writes every
+/// element, so the block is not zero-filled first).
 template <class Space, class VA, class VB>
 auto gemm_view(const VA& a, const VB& b) {
   using T = typename VA::non_const_value_type;
@@ -7308,23 +7527,9 @@ auto gemm_view(const VA& a, const VB& b) {
     throw sharding_error("meshlib: matmul: local blocks of shapes (" + std::to_string(m) + ", " + std::to_string(k) +
                          ") and (" + std::to_string(b.extent(0)) + ", " + std::to_string(n) +
                          ") do not chain; the contraction dimensions differ in size");
-  if constexpr (use_blas_v<T, Space>) {
-    ensure_blas_threads();
-    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/k == 0);
-#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-#if KOKKOS_VERSION >= 40000
-    // On the running device's instance (Kokkos Kernels 3.x has no instance overload).
-    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm(current_exec<Space>(), "N", "N", T{1}, a, b, T{0}, c);
-#else
-    if (m != 0 && n != 0 && k != 0) KokkosBlas::gemm("N", "N", T{1}, a, b, T{0}, c);
-#endif
-#endif
-    return c;
-  } else {
-    auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", true);
-    launch<Space>(m, gemm_row_functor<T>{a.data(), b.data(), c.data(), k, n});
-    return c;
-  }
+  auto c = allocate<T, 2, Space>({m, n}, "meshlib::matmul", /*zero=*/false);
+  matmul_into(unmanaged(c), unmanaged(a), unmanaged(b));
+  return c;
 }
 
 // ---- diagnostics --------------------------------------------------------------------------------
@@ -7827,7 +8032,6 @@ inline collective_workspace& thread_workspace() {
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -7898,13 +8102,12 @@ class nonfinite_error : public debug_check_error {
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -7920,6 +8123,18 @@ class nonfinite_error : public debug_check_error {
 
 
 namespace meshlib {
+
+namespace detail {
+/// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
+/// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
+struct column_width {
+  std::streamsize n;
+  friend std::ostream& operator<<(std::ostream& os, column_width w) {
+    os.width(w.n);
+    return os;
+  }
+};
+}  // namespace detail
 
 /// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
 struct trace_summary_row {
@@ -7952,14 +8167,15 @@ struct trace_summary {
 
   /// Prints the table: one line per row, then the slowest device.
   friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
-    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed << std::setprecision(3)
+    os.precision(3);
+    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
-    os << std::left << std::setw(14) << "op" << std::setw(14) << "axes" << std::right << std::setw(7) << "device"
-       << std::setw(8) << "count" << std::setw(12) << "bytes" << std::setw(12) << "time ms" << std::setw(12)
+    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
+       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
        << "wait ms" << '\n';
     for (const auto& r : s.rows)
-      os << std::left << std::setw(14) << r.op << std::setw(14) << r.axes << std::right << std::setw(7) << r.device
-         << std::setw(8) << r.count << std::setw(12) << r.bytes << std::setw(12) << r.time_s * 1e3 << std::setw(12)
+      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
+         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
          << r.wait_s * 1e3 << '\n';
     if (s.slowest_device)
       os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
@@ -8216,21 +8432,28 @@ class trace_recorder {
     os << '"';
   }
 
+  // As std::fixed with precision 3 prints it, whatever the locale (JSON needs the '.').
+  static std::string fixed3(double v) {
+    char buf[400];  // the longest finite double in fixed notation with 3 decimals fits
+    const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 3);
+    return std::string(buf, r.ptr);
+  }
+
+  // The file is written through <cstdio>: <fstream> would cost every translation unit that includes
+  // meshlib its parse time for this one function (docs/benchmarks.md, include cost).
   void write(const std::string& path) const {
-    std::ofstream f(path);
-    if (!f) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    struct file_closer {
+      void operator()(std::FILE* p) const noexcept { std::fclose(p); }
+    };
+    std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "w"));
+    if (!file) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    std::ostringstream f;
     const std::size_t pid = process_index();
     // Microseconds with nanosecond digits: the unit of the Chrome trace format.
     auto us = [this](std::int64_t ns) {
-      std::ostringstream o;
-      o << std::fixed << std::setprecision(3) << static_cast<double>(ns - started_ns_) * 1e-3;
-      return o.str();
+      return fixed3(static_cast<double>(ns - started_ns_) * 1e-3);
     };
-    auto dur = [](std::int64_t ns) {
-      std::ostringstream o;
-      o << std::fixed << std::setprecision(3) << static_cast<double>(ns) * 1e-3;
-      return o.str();
-    };
+    auto dur = [](std::int64_t ns) { return fixed3(static_cast<double>(ns) * 1e-3); };
     auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
     const auto inst = instances();
     f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
@@ -8278,7 +8501,9 @@ class trace_recorder {
       }
     }
     f << "\n]}\n";
-    if (!f) throw error("meshlib: stop_trace: writing '" + path + "' failed");
+    const std::string text = std::move(f).str();
+    if (std::fwrite(text.data(), 1, text.size(), file.get()) != text.size() || std::fclose(file.release()) != 0)
+      throw error("meshlib: stop_trace: writing '" + path + "' failed");
   }
 
   std::atomic<bool> on_{false};
@@ -8658,7 +8883,8 @@ class run_observer {
         if (missing.empty() && elsewhere.empty()) continue;
         p.warned = true;
         std::ostringstream os;
-        os << std::fixed << std::setprecision(2) << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+        os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
+        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
            << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
            << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
         if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
@@ -9146,6 +9372,7 @@ namespace detail {
 /// into `device_error`.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  require_runnable(m, "spmd / shard_map / reshard");
   run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
   (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
   workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
@@ -9805,8 +10032,10 @@ auto all_reduce_over(const L& x) {
   }
 }
 
-/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder
-/// and contiguous, so the call allocates and copies nothing; otherwise as `all_reduce_over`.
+/// The all-reduce of a donated `x` (an rvalue): in `x`'s own buffer when `x` is its only holder,
+/// or when `x` is a view over a caller's buffer (an unmanaged view: no holder count, the caller
+/// owns the buffer and gave it up by moving it), and contiguous, so the call allocates and copies
+/// nothing; otherwise as `all_reduce_over`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
 auto all_reduce_donated(L&& x) {
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
@@ -9815,9 +10044,12 @@ auto all_reduce_donated(L&& x) {
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
     // A result of an earlier collective is held by the workspace too, which counts as no holder.
+    // A caller's buffer (use_count 0) is the caller's to give.
     device_context& ctx = current_device(Op.view());
-    const long holders = x.view().use_count() - (ctx.workspace().holds(x.view()) ? 1 : 0);
-    if (holders != 1 || (x.size() != 0 && !x.view().span_is_contiguous()))
+    const long count = x.view().use_count();
+    const bool borrowed = count == 0 && x.data() != nullptr;
+    const long holders = count - (ctx.workspace().holds(x.view()) ? 1 : 0);
+    if ((!borrowed && holders != 1) || (x.size() != 0 && !x.view().span_is_contiguous()))
       return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -9843,9 +10075,15 @@ template <fixed_string... Names, local_tensor_type L>
 /// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
 /// `x`'s buffer when nothing else holds it, with no allocation or copy, and the result takes the
 /// buffer over (`x` must not be read afterwards). A block something else still holds (an input of
-/// `shard_map`, a copy) is copied first, as the lvalue overload does.
+/// `shard_map`, a copy) is copied first, as the lvalue overload does. A value over a caller's
+/// buffer (a view made from a pointer, which counts no holders) is summed in that buffer: the
+/// caller owns it and donates it by moving (a temporary that wraps a buffer still to be read must
+/// be passed as an lvalue, which copies).
 /// @code
 /// auto g = meshlib::psum<"data">(std::move(grad));   // grad's buffer now holds the sum
+/// // a bucket of a caller's flat buffer, summed where it lies:
+/// using B = meshlib::local_tensor<float, 1, mesh_t, 0, mesh_t::mask_of<"data">()>;
+/// (void)meshlib::psum<"data">(B(B::view_type(flat + offset, len), mesh, dev));
 /// @endcode
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
@@ -9874,6 +10112,20 @@ template <fixed_string... Names, local_tensor_type L>
   return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
 }
 
+/// @brief `pmax` of a donated value: in `x`'s buffer under `psum`'s donation rule.
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto pmax(L&& x) {
+  return detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
+}
+
+/// @brief `pmin` of a donated value: in `x`'s buffer under `psum`'s donation rule.
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto pmin(L&& x) {
+  return detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
+}
+
 }  // namespace meshlib
 // end meshlib/collectives/reductions.hpp
 // begin meshlib/collectives/gathers.hpp
@@ -9898,6 +10150,8 @@ template <fixed_string... Names, local_tensor_type L>
 #include <bit>
 #include <cstddef>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 
@@ -10079,8 +10333,28 @@ void gather_into(device_context& ctx, device_comm& comm, const T* src, const std
   unpack_chunks<Space>(recv.data(), chunk, dim, n, out, order);
 }
 
-template <class G, int DimArg, class L>
-auto all_gather_tiled(const L& x) {
+/// The block a collective writes its result of `shape` into: `into`'s own when the caller gave
+/// one (`Into` a local tensor: its shape must be `shape`, contiguous), else one from the workspace.
+template <class T, std::size_t Rank, class Space, class Into>
+block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
+                                          const Into& into) {
+  if constexpr (std::is_same_v<Into, std::nullptr_t>) {
+    return workspace_view<T, Rank, Space>(ctx, shape);
+  } else {
+    static_assert(std::is_same_v<typename Into::value_type, T> && Into::rank == Rank &&
+                      std::is_same_v<typename Into::memory_space, Space>,
+                  "meshlib: the output block of a collective's _into form needs the result's element type, rank "
+                  "and memory space");
+    if (into.shape() != shape || (into.size() != 0 && !into.view().span_is_contiguous()))
+      throw sharding_error("meshlib: " + std::string(op) + "_into: the output block has shape " +
+                           describe_shape(into.shape()) + ", but the result has shape " + describe_shape(shape) +
+                           " (a contiguous block is needed); pass a block of the result's shape");
+    return into.view();
+  }
+}
+
+template <class G, int DimArg, class L, class Into = std::nullptr_t>
+auto all_gather_tiled(const L& x, const Into& into = nullptr) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_all_gather<L, G, DimArg>();
   constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
@@ -10095,7 +10369,7 @@ auto all_gather_tiled(const L& x) {
     device_context& ctx = current_device("all_gather");
     auto& comm = ctx.comm(mask);
     const std::size_t n = static_cast<std::size_t>(comm.size());
-    auto out = workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) * n));
+    auto out = result_block<T, L::rank, space_t>(ctx, "all_gather", with_extent(x.shape(), dim, x.extent(dim) * n), into);
     gather_into<space_t>(ctx, comm, src, x.shape(), dim, n, written_order_of<mesh_t, G>(x.mesh()), out.data());
     return result_t(out, x.mesh(), x.device());
   }
@@ -10125,8 +10399,8 @@ auto all_gather_untiled(const L& x) {
   }
 }
 
-template <class G, int DimArg, bool Tiled, class L>
-auto psum_scatter_impl(const L& x) {
+template <class G, int DimArg, bool Tiled, class L, class Into = std::nullptr_t>
+auto psum_scatter_impl(const L& x, const Into& into = nullptr) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_psum_scatter<L, G, DimArg, Tiled>();
   constexpr std::size_t dim = ok ? norm_dim_v<DimArg, L::rank> : 0;
@@ -10146,8 +10420,9 @@ auto psum_scatter_impl(const L& x) {
     const std::size_t n = static_cast<std::size_t>(comm.size());
     check_split<G>("psum_scatter", dim, x.extent(dim), n, Tiled);
     auto out = [&] {
-      if constexpr (Tiled) return workspace_view<T, L::rank, space_t>(ctx, with_extent(x.shape(), dim, x.extent(dim) / n));
-      else return workspace_view<T, out_rank, space_t>(ctx, without_dim(x.shape(), dim));
+      if constexpr (Tiled)
+        return result_block<T, L::rank, space_t>(ctx, "psum_scatter", with_extent(x.shape(), dim, x.extent(dim) / n), into);
+      else return result_block<T, out_rank, space_t>(ctx, "psum_scatter", without_dim(x.shape(), dim), into);
     }();
     const auto order = written_order_of<mesh_t, G>(x.mesh());
     if (order.empty() && chunks_contiguous(x.shape(), dim)) {
@@ -10224,6 +10499,26 @@ template <axis_group_type G, int Dim, local_tensor_type L>
   return detail::all_gather_tiled<G, Dim>(x);
 }
 
+/// @brief `all_gather<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
+/// element type and memory space; contiguous) instead of a fresh one: the result is a view of
+/// `out`'s buffer with the all_gather's type (`out`'s own vary / partial sets are not read).
+/// For a caller that keeps its own buffers, as a training step's flat parameter vector.
+/// @code
+/// using F = meshlib::local_tensor<float, 1, mesh_t, mesh_t::mask_of<"data">()>;
+/// auto full = meshlib::all_gather_into<"data", 0>(F(F::view_type(mine, n), mesh, dev),
+///                                                  F(F::view_type(all, n * dp), mesh, dev));
+/// @endcode
+/// @throws sharding_error when `out` does not have the result's shape.
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into(const L& x, const O& out) {
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
+}
+/// @brief `all_gather_into` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into(const L& x, const O& out) {
+  return detail::all_gather_tiled<G, Dim>(x, out);
+}
+
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
 /// at position `Dim` of the result (`Dim = 0`: a leading dimension of the group size; `-1`: a
 /// trailing one). The type rule of the tiled form.
@@ -10252,6 +10547,21 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
   return detail::psum_scatter_impl<G, Dim, true>(x);
 }
+/// @brief `psum_scatter<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
+/// element type and memory space; contiguous): the result is a view of `out`'s buffer with the
+/// psum_scatter's type. For a caller that keeps its own buffers (ZeRO's gradient slices).
+/// @throws sharding_error when the axis size does not divide dimension `Dim`, or when `out` does
+/// not have the result's shape.
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
+  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
+}
+/// @brief `psum_scatter_into` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
+  return detail::psum_scatter_impl<G, Dim, true>(x, out);
+}
+
 /// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
 /// group size, is removed; the device at group position `i` keeps slice `i` of the sum.
 /// @throws sharding_error when dimension `Dim` is not the group size.
@@ -14474,11 +14784,13 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 /// @throws device_error when a device throws: the first device that failed, its exception nested;
 /// every other device is released from its collectives (no hang).
 /// @throws kokkos_lifecycle_error when Kokkos is not initialised (before any device thread starts).
+/// @throws mesh_error when the mesh has more devices than an `int` counts (naming the axis).
 template <mesh_type Mesh, class Fn, runner Backend = default_runner>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
   using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
   detail::require_kokkos("spmd");
+  detail::require_runnable(m, "spmd");  // before the per-device results are allocated
   if constexpr (std::is_void_v<result_t>) {
     detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
   } else {

@@ -266,6 +266,11 @@ struct parameter {
 /// Weight gradients are `x^T dy`: a contraction over the batch, so a pending sum over the data axis
 /// (what the data-parallel synchronisation completes); they accumulate (`+=`) over the micro-batches
 /// of a step, and the first backward of a `train_step` overwrites them (`parameter::grad_beta`).
+/// Every product is one `matmul_into` into the layer's own buffers (transposes read, not made).
+///
+/// Shapes are checked, never taken on trust: an input whose sharding does not fit the weight does
+/// not compile (one error); an input or cotangent whose width is not the weight's throws
+/// `sharding_error` naming the layer, both widths (global, and per device when sharded) and the fix.
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 /// mesh_t m{4, 2};
@@ -285,8 +290,8 @@ struct parameter {
 
 // begin meshlib/nn/detail/buffers.hpp
 /// @file
-/// @brief Per-device scratch buffers of the training layers and the typed in-place collectives
-/// they use, so a training step allocates nothing after its first iteration.
+/// @brief Per-device scratch buffers of the training layers, so a training step allocates nothing
+/// after its first iteration.
 ///
 /// A layer owns one buffer slot per device; only that device's thread grows or reads its slot (the
 /// reference-count rule of docs/tensors.md: a device copies and drops only its own handles). The
@@ -326,6 +331,13 @@ class device_buffers {
   std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
 };
 
+/// A rank-1 local tensor of type `L` over `n` elements at `data` (not owned: a caller's buffer,
+/// which the donated collectives reduce in place).
+template <local_tensor_type L>
+L wrap1(typename L::value_type* data, std::size_t n, const typename L::mesh_type& mesh, std::size_t dev) {
+  return L(typename L::view_type(data, n), mesh, dev);
+}
+
 /// A local tensor of type `L` over `data` (not owned), `rows x cols`.
 template <local_tensor_type L>
 L wrap2(typename L::value_type* data, std::size_t rows, std::size_t cols, const typename L::mesh_type& mesh,
@@ -360,17 +372,6 @@ struct pvary_if<true, L, Names...> {
   using type = pvary_t<L, Names...>;
 };
 
-/// `psum<Names...>(x)` in place: the same result type and numbers as the typed collective, without
-/// the fresh block it allocates. `x` is consumed (its buffer now holds the sum).
-template <fixed_string... Names, local_tensor_type L>
-psum_t<L, Names...> psum_in_place(const L& x) {
-  using M = typename L::mesh_type;
-  using R = psum_t<L, Names...>;
-  meshlib::detail::current_device("psum").comm(M::template mask_of<Names...>()).all_reduce(
-      x.data(), x.size(), datatype_of<typename L::value_type>, reduce_op::sum);
-  return R(x.view(), x.mesh(), x.device());
-}
-
 /// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).
 template <fixed_string... Names, local_tensor_type L>
 pvary_t<L, Names...> pvary_view(const L& x) {
@@ -387,62 +388,158 @@ std::size_t global_offset(const L& x, std::size_t d) {
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/buffers.hpp
-// begin meshlib/nn/detail/gemm.hpp
+// begin meshlib/nn/detail/shape_checks.hpp
 /// @file
-/// @brief The one BLAS call of the training layer: `C = alpha op(A) op(B) + beta C` on raw row-major
-/// buffers that the caller owns, so a training step reuses its buffers instead of allocating a fresh
-/// block per product (as `meshlib::matmul` does) and gets the transposed products of the backward
-/// pass (`x^T dy`, `dy W^T`) without materialising a transpose.
+/// @brief What the layers and `sequential` check about the shapes and shardings they receive, and
+/// the words their errors use, written once so every layer's message reads alike.
 ///
-/// `KokkosBlas::gemm` on unmanaged views when meshlib has Kokkos Kernels (the BLAS TPL, OpenBLAS,
-/// with one thread per device: `ensure_blas_threads`); otherwise a plain loop. Unmanaged views touch
-/// no reference count, so any device thread may call it (docs/tensors.md, the reference-count rule).
+/// Why: a layer that takes its input width from the data and never compares it with its weight
+/// reads past the weight (a segfault) or, when the sizes happen to fit, trains on garbage. Every
+/// layer with parameters compares the widths it receives with its parameters' (forward and
+/// backward), and `sequential` compares consecutive layers once, at construction; the shardings of a
+/// composition are checked at compile time, in one `static_assert` naming both layers.
+///
+/// The layer protocol `sequential` reads (each part optional, so a user's layer needs none of it):
+/// - `in_features()`, `out_features()`: the global widths the layer takes and returns;
+/// - `keeps_features` (a `static constexpr bool`): the layer returns the width it receives
+///   (activations, dropout), so the widths before and after it must agree;
+/// - `name()`, `to_string()`: how messages name the layer (`fc1`, `fc1 (column_dense 8 -> 16, ...)`);
+/// - `accepts_input<X>` (a `static constexpr bool` template), `diagnostic_name` and
+///   `input_requirement` (types): whether `forward(X)` is legal, and how a compile-time error names
+///   the layer and what it needs.
 
 #include <cstddef>
+#include <string>
 #include <type_traits>
+#include <utility>
 
+
+namespace meshlib::diagnostic {
+/// Layer `Index` of a `sequential`, of kind `Kind` (`op<'r', 'o', 'w', ...>`, or the layer's type).
+template <std::size_t Index, class Kind>
+struct layer {};
+/// What the first layer of a `sequential` receives: the network's input.
+struct network_input {};
+/// A layer's need: the feature dimension (the last) sharded over exactly `Axes` (none: complete
+/// on every device), and not a pending sum.
+template <class Axes>
+struct features_sharded_over {};
+/// A layer's need: values that are not a pending sum (an elementwise map of a sum is not the sum
+/// of the maps).
+struct complete_values {};
+}  // namespace meshlib::diagnostic
 
 namespace meshlib::nn::detail {
 
-/// `C (m x n) = alpha * op(A) * op(B) + beta * C`; `op(A)` is `m x k` (`A` stored `k x m` when
-/// `trans_a`), `op(B)` is `k x n` (`B` stored `n x k` when `trans_b`). Row-major, contiguous.
-template <class T>
-void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, T alpha, const T* a, const T* b,
-          T beta, T* c) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    for (std::size_t i = 0; i < m * n; ++i) c[i] = beta == T{0} ? T{0} : beta * c[i];
-    return;
-  }
-  if constexpr (meshlib::detail::use_blas_v<T, Kokkos::HostSpace>) {
-#if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-    meshlib::detail::ensure_blas_threads();
-    using cview = meshlib::detail::unmanaged_view_t<const T, 2, Kokkos::HostSpace>;
-    using view = meshlib::detail::unmanaged_view_t<T, 2, Kokkos::HostSpace>;
-    cview av(a, trans_a ? k : m, trans_a ? m : k);
-    cview bv(b, trans_b ? n : k, trans_b ? k : n);
-    view cv(c, m, n);
-    KokkosBlas::gemm(trans_a ? "T" : "N", trans_b ? "T" : "N", alpha, av, bv, beta, cv);
-#endif
-  } else {
-    for (std::size_t i = 0; i < m; ++i) {
-      T* ci = c + i * n;
-      for (std::size_t j = 0; j < n; ++j) ci[j] = beta == T{0} ? T{0} : beta * ci[j];
-      for (std::size_t p = 0; p < k; ++p) {
-        const T aip = alpha * (trans_a ? a[p * m + i] : a[i * k + p]);
-        if (trans_b) {
-          for (std::size_t j = 0; j < n; ++j) ci[j] += aip * b[j * k + p];
-        } else {
-          const T* bp = b + p * n;
-          for (std::size_t j = 0; j < n; ++j) ci[j] += aip * bp[j];
-        }
-      }
-    }
-  }
+/// `"16 features (8 per device over 2 devices of 'model')"`, or `"10 features"` when `axes` is empty
+/// (`unit`: "features", "rows").
+template <mesh_type Mesh>
+std::string width_text(std::size_t local, axis_mask axes, const Mesh& mesh, const char* unit = "features") {
+  const std::size_t n = mesh.axes_size(axes);
+  if (axes == 0 || n == 1) return std::to_string(local) + " " + unit;
+  std::string names;
+  for (std::size_t i = 0; i < Mesh::ndim; ++i)
+    if (axes & (axis_mask{1} << i)) names += (names.empty() ? "'" : " x '") + std::string(Mesh::axis_names[i]) + "'";
+  return std::to_string(local * n) + " " + unit + " (" + std::to_string(local) + " per device over " +
+         std::to_string(n) + " devices of " + names + ")";
+}
+
+/// `" sharded over 'model'"` for an axis set (empty: `""`).
+template <mesh_type Mesh>
+std::string sharded_over_text(axis_mask axes) {
+  std::string names;
+  for (std::size_t i = 0; i < Mesh::ndim; ++i)
+    if (axes & (axis_mask{1} << i)) names += (names.empty() ? "'" : " x '") + std::string(Mesh::axis_names[i]) + "'";
+  return names.empty() ? "" : " sharded over " + names;
+}
+
+/// The check of an elementwise layer's backward: `dy` (`rows x cols` on device `dev`) must be shaped
+/// as the last forward's input there (`ran`: a forward ran there). `who`: `"relu"`, `"ln1 (...)"`.
+inline void check_same_shape_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols,
+                                       bool ran, std::size_t fwd_rows, std::size_t fwd_cols) {
+  const std::string head = "meshlib::nn: " + who + ".backward";
+  if (!ran)
+    throw sharding_error(head + " ran on device " + std::to_string(dev) +
+                         " before any forward there; run forward first (backward uses what it saved)");
+  if (rows != fwd_rows || cols != fwd_cols)
+    throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
+                         ") on device " + std::to_string(dev) + ", but the forward input there was (" +
+                         std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
+                         "); pass the cotangent of the last forward's output");
+}
+
+// ---- the protocol, read with defaults -----------------------------------------------------------
+
+template <class L, class X>
+consteval bool layer_accepts() {
+  if constexpr (requires { L::template accepts_input<X>; }) return L::template accepts_input<X>;
+  else return true;
+}
+
+template <class L>
+struct layer_diagnostic_name {
+  using type = L;
+};
+template <class L>
+  requires requires { typename L::diagnostic_name; }
+struct layer_diagnostic_name<L> {
+  using type = typename L::diagnostic_name;
+};
+
+template <class L>
+struct layer_input_requirement {
+  using type = diagnostic::complete_values;
+};
+template <class L>
+  requires requires { typename L::input_requirement; }
+struct layer_input_requirement<L> {
+  using type = typename L::input_requirement;
+};
+
+template <class L>
+concept has_widths = requires(const L& l) {
+  { l.in_features() } -> std::convertible_to<std::size_t>;
+  { l.out_features() } -> std::convertible_to<std::size_t>;
+};
+
+template <class L>
+consteval bool keeps_features() {
+  if constexpr (requires { L::keeps_features; }) return L::keeps_features;
+  else return false;
+}
+
+/// `"layer 2, fc2 (row_dense 32 -> 4, input sharded over 'model'),"` for a message.
+template <class L>
+std::string layer_text(std::size_t index, const L& l) {
+  std::string s = "layer " + std::to_string(index);
+  if constexpr (requires { l.to_string(); }) s += ", " + l.to_string() + ",";
+  else if constexpr (requires { l.name(); }) s += ", " + std::string(l.name()) + ",";
+  return s;
+}
+
+/// The layer's name for "declare NAME with ...", else "layer I".
+template <class L>
+std::string layer_name(std::size_t index, const L& l) {
+  if constexpr (requires { l.name(); }) return std::string(l.name());
+  else return "layer " + std::to_string(index);
+}
+
+// ---- the one compile-time error of sequential ------------------------------------------------------
+
+template <class Layer, class Receives, class From, class Needs>
+consteval bool sequential_layers_do_not_chain() {
+  static_assert(meshlib::detail::always_false<Layer, Receives, From, Needs>,
+                "meshlib::nn: sequential: a layer cannot take what the layer before it returns: their shardings do "
+                "not chain. The condition spells out sequential_layers_do_not_chain<the layer (index, kind), the "
+                "layout it receives, the layer it receives it from (or the network input), what it needs>. A "
+                "row_dense needs its features sharded over its model axis (put a column_dense before it); a dense, "
+                "column_dense or layer_norm needs complete, unsharded features (put a row_dense before it, or "
+                "all_gather the features); reorder the layers or reshard between them");
+  return false;
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/gemm.hpp
+// end meshlib/nn/detail/shape_checks.hpp
 
 namespace meshlib::nn {
 
@@ -469,6 +566,43 @@ struct dense_specs<dense_kind::row, Model> {
 /// The local type of `W^T` for a weight block of type `W` (dims swapped; nothing runs).
 template <class W>
 using transposed_t = with_dims_t<W, dim_masks<W::dims_type::at(1), W::dims_type::at(0)>>;
+
+template <dense_kind K>
+struct dense_kind_name {
+  static constexpr fixed_string value = "dense";
+};
+template <>
+struct dense_kind_name<dense_kind::column> {
+  static constexpr fixed_string value = "column_dense";
+};
+template <>
+struct dense_kind_name<dense_kind::row> {
+  static constexpr fixed_string value = "row_dense";
+};
+
+/// See `basic_dense::accepts_input`.
+template <class X, class Mesh, class T, axis_mask WRows, axis_mask WCols>
+consteval bool dense_accepts() {
+  if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> ||
+                !std::is_same_v<typename X::value_type, T>) {
+    return false;
+  } else if constexpr (X::rank != 2) {
+    return false;
+  } else {
+    return X::partial == 0 && X::dims_type::at(1) == WRows && (X::dims_type::at(0) & WCols) == 0;
+  }
+}
+
+template <class Layer, class Receives, class Needs>
+consteval bool dense_input_does_not_fit() {
+  static_assert(meshlib::detail::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: a dense layer cannot take this input: the condition spells out "
+                "dense_input_does_not_fit<the layer's kind, the input's layout, what it needs>. A row_dense needs its "
+                "features sharded over its model axis (the output of a column_dense); a dense or column_dense needs "
+                "complete, unsharded features (the output of a dense or row_dense, or all_gather them); no dense "
+                "layer takes a pending sum (psum it first)");
+  return false;
+}
 }  // namespace detail
 
 /// @brief A dense layer; see `dense`, `column_dense`, `row_dense`.
@@ -499,37 +633,75 @@ class basic_dense {
       : w(name + ".w", w_sharding{mesh}, {in, out}, key,
           init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(in + out)))), true, local_devices),
         b(name + ".b", b_sharding{mesh}, {out}, key, init::zeros(), false, local_devices),
+        name_(name),
         saved_(mesh.size()),
         out_(mesh.size()),
         dx_(mesh.size()) {}
 
+  /// The layer's name: its parameters are `name() + ".w"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The global number of input features (rows of W).
+  [[nodiscard]] std::size_t in_features() const noexcept { return w.value.global_shape()[0]; }
+  /// The global number of output features (columns of W).
+  [[nodiscard]] std::size_t out_features() const noexcept { return w.value.global_shape()[1]; }
+  /// `"fc2 (row_dense 32 -> 4, input sharded over 'model')"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    std::string s = name_ + " (" + std::string(kind_name.view()) + " " + std::to_string(in_features()) + " -> " +
+                    std::to_string(out_features());
+    if constexpr (w_sharding::dim_mask(0) != 0) s += ", input" + detail::sharded_over_text<Mesh>(w_sharding::dim_mask(0));
+    if constexpr (w_sharding::dim_mask(1) != 0) s += ", output" + detail::sharded_over_text<Mesh>(w_sharding::dim_mask(1));
+    return s + ")";
+  }
+
+  /// The kind, as messages spell it: `dense`, `column_dense` or `row_dense`.
+  static constexpr fixed_string kind_name = detail::dense_kind_name<Kind>::value;
+  /// Whether `forward(X)` is legal: the rules of `matmul(x, W)` (the input's features sharded as W's
+  /// rows, no axis on both the rows and W's columns), for a complete (not pending-sum) input of
+  /// this mesh and element type.
+  template <class X>
+  static constexpr bool accepts_input = detail::dense_accepts<X, Mesh, T, w_sharding::dim_mask(0), w_sharding::dim_mask(1)>();
+  /// For compile-time messages: the kind, and what the input's features must be sharded over.
+  using diagnostic_name = meshlib::detail::diag_op_t<kind_name>;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<meshlib::detail::diag_axes_t<Mesh, w_sharding::dim_mask(0)>>;
+
   /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
+  /// @throws sharding_error when `x`'s width is not the weight's input width.
   template <local_tensor_type X>
   auto forward(const X& x) {
-    const std::size_t dev = x.device();
-    const w_local wl = w.local(dev);
-    using Z = decltype(meshlib::matmul(x, wl));  // the GSPMD rules check the shardings here
-    using Y = typename detail::psum_if<Kind == dense_kind::row, Z, Model>::type;
-    const std::size_t rows = x.extent(0), in = x.extent(1), out = wl.extent(1);
-    saved_[dev] = {x.data(), rows, in};
-    T* y = out_.get(dev, rows * out);
-    const T* bias = b.value.local(dev).data();
-    if constexpr (Kind == dense_kind::row) {
-      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{0}, y);
-      auto z = detail::wrap2<Z>(y, rows, out, x.mesh(), dev);
-      static_cast<void>(detail::psum_in_place<Model>(z));
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+    if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
-      nn::detail::gemm<T>(false, false, rows, out, in, T{1}, x.data(), wl.data(), T{1}, y);
+      const std::size_t dev = x.device();
+      const w_local wl = w.local(dev);
+      using Z = decltype(meshlib::matmul(x, wl));  // the GSPMD rules check the shardings here
+      using Y = typename detail::psum_if<Kind == dense_kind::row, Z, Model>::type;
+      const std::size_t rows = x.extent(0), in = x.extent(1), out = wl.extent(1);
+      if (in != wl.extent(0)) throw sharding_error(input_width_error(in, wl.extent(0), x.mesh()));
+      saved_[dev] = {x.data(), rows, in};
+      T* y = out_.get(dev, rows * out);
+      const T* bias = b.value.local(dev).data();
+      const cview xv(x.data(), rows, in), wv(wl.data(), in, out);
+      if constexpr (Kind == dense_kind::row) {
+        matmul_into(view(y, rows, out), xv, wv);
+        // Donated: z wraps the layer's own buffer (an unmanaged view), so the sum lands in it.
+        static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, out, x.mesh(), dev)));
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+      } else {
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
+        matmul_into(view(y, rows, out), xv, wv, {.beta = 1});
+      }
+      return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
     }
-    return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
   }
 
   /// Accumulates `dW += x^T dy`, `db += sum_rows dy` (overwrites them when `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise a
   /// tensor of the right type and shape whose contents are unspecified).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output, or no
+  /// forward ran on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
@@ -541,22 +713,21 @@ class basic_dense {
     constexpr axis_mask pending = DXP::partial & w_sharding::dim_mask(1);
     using DX = typename detail::psum_if<pending != 0, DXP, Model>::type;
     const auto [x, rows, in] = saved_[dev];
-    const std::size_t out = dy.extent(1);
-    if (dy.extent(0) != rows)
-      throw sharding_error("meshlib::nn: " + w.name + ".backward: the cotangent has " + std::to_string(dy.extent(0)) +
-                           " rows but the forward input had " + std::to_string(rows));
     const w_local wl = w.local(dev);
+    const std::size_t out = wl.extent(1);
+    check_cotangent(dy, x, rows, out);
     T* gw = w.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
-    nn::detail::gemm<T>(true, false, in, out, rows, T{1}, x, dy.data(), w.grad_beta(dev), gw);
+    const cview dyv(dy.data(), rows, out);
+    matmul_into(view(gw, in, out), cview(x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
     if (b.grad_beta(dev) == T{0}) std::fill_n(gb, out, T{0});
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < out; ++j) gb[j] += dy.data()[i * out + j];
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
-      nn::detail::gemm<T>(false, true, rows, in, out, T{1}, dy.data(), wl.data(), T{0}, dx);
+      matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
       if constexpr (pending != 0) {
-        return detail::psum_in_place<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));  // donated: in place
       } else {
         return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
       }
@@ -575,6 +746,41 @@ class basic_dense {
     const T* x = nullptr;
     std::size_t rows = 0, in = 0;
   };
+  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
+    constexpr axis_mask axes = w_sharding::dim_mask(0);
+    const std::size_t n = mesh.axes_size(axes);
+    std::string fix = "; it takes " + std::to_string(in_features());
+    if (axes != 0 && n != 1) fix += " (" + std::to_string(want) + " per device)";
+    return "meshlib::nn: " + to_string() + " received " + detail::width_text(got, axes, mesh) + fix + ": feed it " +
+           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(got * n) +
+           " inputs";
+  }
+
+  template <class DY>
+  void check_cotangent(const DY& dy, const T* x, std::size_t rows, std::size_t out) const {
+    const std::string head = "meshlib::nn: " + to_string() + ".backward";
+    if (x == nullptr)
+      throw sharding_error(head + " ran on device " + std::to_string(dy.device()) +
+                           " before any forward there; run forward first (backward uses its saved input)");
+    constexpr axis_mask axes = w_sharding::dim_mask(1);
+    if (dy.extent(1) != out) {
+      const std::size_t n = dy.mesh().axes_size(axes);
+      std::string outputs = std::to_string(out_features());
+      if (axes != 0 && n != 1) outputs += " (" + std::to_string(out) + " per device)";
+      throw sharding_error(head + " received a cotangent of " + detail::width_text(dy.extent(1), axes, dy.mesh()) +
+                           ", but the layer outputs " + outputs + "; pass the cotangent of this layer's output");
+    }
+    if (dy.extent(0) != rows)
+      throw sharding_error(head + " received a cotangent of " + std::to_string(dy.extent(0)) + " rows on device " +
+                           std::to_string(dy.device()) + ", but the forward input there had " + std::to_string(rows) +
+                           "; pass the cotangent of the last forward's output");
+  }
+
+  std::string name_;
   std::vector<saved> saved_;
   detail::device_buffers<T> out_, dx_;
 };
@@ -603,6 +809,7 @@ using row_dense = basic_dense<T, Mesh, dense_kind::row, Model>;
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 
@@ -617,20 +824,32 @@ class elementwise_activation {
   template <class Mesh>
   explicit elementwise_activation(const Mesh& mesh) : elementwise_activation(mesh.size()) {}
 
+  /// The width out is the width in (sequential compares the layers around it).
+  static constexpr bool keeps_features = true;
+  /// Any complete (not pending-sum) input.
+  template <class X>
+  static constexpr bool accepts_input = X::partial == 0;
+  /// For compile-time messages: the activation's name.
+  using diagnostic_name = meshlib::detail::diag_op_t<Fn::name>;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::complete_values;
+
   template <local_tensor_type X>
   X forward(const X& x) {
     static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
     const std::size_t dev = x.device(), n = x.size();
-    saved_[dev] = x.data();
+    saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
     T* y = out_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) y[i] = Fn::f(x.data()[i]);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     const std::size_t dev = dy.device(), n = dy.size();
-    const T* x = saved_[dev];
+    const auto [x, rows, cols] = saved_[dev];
+    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
     T* dx = dx_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * Fn::df(x[i]);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
@@ -639,11 +858,16 @@ class elementwise_activation {
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:
-  std::vector<const T*> saved_;
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, cols = 0;
+  };
+  std::vector<saved> saved_;
   device_buffers<T> out_, dx_;
 };
 
 struct relu_fn {
+  static constexpr fixed_string name = "relu";
   template <class T>
   static T f(T x) { return x > T{0} ? x : T{0}; }
   template <class T>
@@ -651,6 +875,7 @@ struct relu_fn {
 };
 
 struct gelu_fn {
+  static constexpr fixed_string name = "gelu";
   static constexpr double c = 0.7978845608028654;  // sqrt(2 / pi)
   template <class T>
   static T f(T x) {
@@ -711,18 +936,44 @@ class layer_norm {
              std::span<const std::size_t> local_devices = {})
       : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
         b(name + ".b", sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices),
+        name_(name),
         eps_(eps),
+        shape_(mesh.size()),
         xhat_(mesh.size()),
         out_(mesh.size()),
         dx_(mesh.size()) {}
 
+  /// The layer's name: its parameters are `name() + ".g"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The number of features it normalises over: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return g.value.global_shape()[0]; }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// `"ln1 (layer_norm over 16 features)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (layer_norm over " + std::to_string(in_features()) + " features)";
+  }
+  /// Complete, unsharded features (see the file comment).
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::detail::diag_op_t<"layer_norm">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
   /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
+  /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
     const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
+    if (n != in_features())
+      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(n) + " features; feed it " +
+                           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(n) +
+                           " features");
+    shape_[dev] = {rows, n, true};
     T* xh = xhat_.get(dev, rows * n + rows);  // xhat, then 1/std per row
     T* rstd = xh + rows * n;
     T* y = out_.get(dev, rows * n);
@@ -748,6 +999,7 @@ class layer_norm {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
     const T* rstd = xh + rows * n;
     const T* gv = g.value.local(dev).data();
@@ -778,7 +1030,13 @@ class layer_norm {
   }
 
  private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::string name_;
   T eps_;
+  std::vector<shape> shape_;  // per device: the last forward's input shape
   detail::device_buffers<T> xhat_, out_, dx_;
 };
 
@@ -809,7 +1067,20 @@ class dropout {
   /// Drops each value with probability `rate` in training; `name` seeds its own random stream.
   template <mesh_type Mesh>
   dropout(const Mesh& mesh, const std::string& name, float rate)
-      : id_(detail::name_id(name)), rate_(rate), mask_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {}
+      : name_(name), id_(detail::name_id(name)), rate_(rate), shape_(mesh.size()), mask_(mesh.size()), out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The width out is the width in (sequential compares the layers around it).
+  static constexpr bool keeps_features = true;
+  /// The name that seeds its random stream.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// `"drop1 (dropout 0.1)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    std::string r = std::to_string(rate_);
+    while (r.size() > 1 && r.back() == '0') r.pop_back();
+    if (!r.empty() && r.back() == '.') r.pop_back();
+    return name_ + " (dropout " + r + ")";
+  }
 
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
   void begin_step(rng_key key, bool train) {
@@ -822,6 +1093,7 @@ class dropout {
   X forward(const X& x) {
     const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
     if (!train_ || rate_ <= 0.0f) return x;
+    shape_[dev] = {rows, cols, true};
     const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
     const std::size_t gcols = x.global_extent(1);
     T* mask = mask_.get(dev, rows * cols);
@@ -837,10 +1109,13 @@ class dropout {
   }
 
   /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input (in training).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
+    const auto [rows, cols, ran] = shape_[dev];
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * mask[i];
@@ -851,10 +1126,16 @@ class dropout {
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::string name_;
   std::uint64_t id_;
   float rate_;
   rng_key key_{};
   bool train_ = false;
+  std::vector<shape> shape_;  // per device: the last training forward's input shape (backward's mask)
   detail::device_buffers<T> mask_, out_, dx_;
 };
 
@@ -886,6 +1167,79 @@ class dropout {
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/axis_mask_group.hpp
+/// @file
+/// @brief The public typed collectives over a compile-time *mask* of mesh axes. The training layer
+/// reads its axes from types as masks (`State::data_axes`, the axes that shard a dimension of the
+/// logits, every axis of the mesh), while `psum<Names...>` and friends take names: `group_of_t`
+/// turns a mask into the `axis_group` of its names in mesh order, and `psum_over<Mask>(x)` /
+/// `pmax_over<Mask>(x)` call the public collective with those names, so nn goes through the same
+/// path as a user's `shard_map` (the donated forms: a value over nn's own buffer is reduced in it).
+
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+
+namespace meshlib::nn::detail {
+
+template <axis_mask Mask, std::size_t I, class Acc, class... Axes>
+struct select_axes {
+  using type = Acc;
+};
+template <axis_mask Mask, std::size_t I, fixed_string... Names, class A, class... Rest>
+struct select_axes<Mask, I, axis_group<Names...>, A, Rest...>
+    : select_axes<Mask, I + 1,
+                  std::conditional_t<((Mask >> I) & 1) != 0, axis_group<Names..., A::name>, axis_group<Names...>>,
+                  Rest...> {};
+
+template <class Mesh, axis_mask Mask>
+struct group_of;
+template <mesh_axis... Axes, axis_mask Mask>
+struct group_of<mesh<Axes...>, Mask> {
+  static_assert(Mask != 0, "meshlib::nn: a collective over no axis (the caller skips it)");
+  // An empty axis_group<> cannot be named, so the first selected axis seeds the list.
+  template <std::size_t I, class... Rest>
+  struct first;
+  template <std::size_t I, class A, class... Rest>
+  struct first<I, A, Rest...> {
+    using type = std::conditional_t<((Mask >> I) & 1) != 0,
+                                    typename select_axes<Mask, I + 1, axis_group<A::name>, Rest...>::type,
+                                    typename first<I + 1, Rest...>::type>;
+  };
+  template <std::size_t I>
+  struct first<I> {
+    using type = void;
+  };
+  using type = typename first<0, Axes...>::type;
+};
+
+/// The `axis_group` of the axes of `Mask` of `Mesh`, in mesh order.
+template <class Mesh, axis_mask Mask>
+using group_of_t = typename group_of<Mesh, Mask>::type;
+
+template <fixed_string... Names, class L>
+auto psum_names(axis_group<Names...>, L&& x) {
+  return meshlib::psum<Names...>(std::forward<L>(x));
+}
+template <fixed_string... Names, class L>
+auto pmax_names(axis_group<Names...>, L&& x) {
+  return meshlib::pmax<Names...>(std::forward<L>(x));
+}
+
+/// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
+template <axis_mask Mask, local_tensor_type L>
+auto psum_over(L&& x) {
+  return psum_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+}
+/// `pmax<names of Mask...>(x)` (an rvalue `x` is donated).
+template <axis_mask Mask, local_tensor_type L>
+auto pmax_over(L&& x) {
+  return pmax_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/axis_mask_group.hpp
 
 namespace meshlib::nn {
 
@@ -933,7 +1287,7 @@ class softmax_cross_entropy {
       for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
       mx[i] = m;
     }
-    if constexpr (class_axes != 0) reduce(mx, rows, class_axes, reduce_op::max);
+    if constexpr (class_axes != 0) (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
     for (std::size_t i = 0; i < rows; ++i) {
       T s = 0;
       for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
@@ -941,7 +1295,8 @@ class softmax_cross_entropy {
       const std::size_t l = static_cast<std::size_t>(labels[i]);
       tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
     }
-    if constexpr (class_axes != 0) reduce(sum, 2 * rows, class_axes, reduce_op::sum);  // normaliser and target
+    if constexpr (class_axes != 0)  // normaliser and target
+      (void)detail::psum_over<class_axes>(detail::wrap1<row_values<Z>>(sum, 2 * rows, logits.mesh(), dev));
     loss_part out;
     const T inv_b = T{1} / static_cast<T>(global_batch);
     for (std::size_t i = 0; i < rows; ++i) {
@@ -965,9 +1320,10 @@ class softmax_cross_entropy {
   }
 
  private:
-  static void reduce(T* buf, std::size_t n, axis_mask axes, reduce_op op) {
-    meshlib::detail::current_device("softmax_cross_entropy").comm(axes).all_reduce(buf, n, datatype_of<T>, op);
-  }
+  /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
+  /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
+  template <class Z>
+  using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
   detail::device_buffers<T> grad_;
   std::vector<std::size_t> rows_;
 };
@@ -984,6 +1340,15 @@ class softmax_cross_entropy {
 /// `backward<X>(dy)` checks at compile time that every layer hands back a cotangent of exactly the
 /// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
 /// communication does not mirror the forward's does not compile.
+///
+/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
+/// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
+///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
+///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
+///   naming it and the layer before it (index and kind), the layout it receives and what it needs;
+/// - at construction, consecutive layers that expose their widths (`in_features()`,
+///   `out_features()`; activations and dropout pass the width through) must agree, else
+///   `sharding_error` names both layers (index, name, kind), both widths and the fix.
 /// @code
 /// meshlib::nn::sequential net(meshlib::nn::column_dense<float, mesh_t>(m, "fc1", 784, 1024, key),
 ///                             meshlib::nn::relu<float>(m),
@@ -993,6 +1358,7 @@ class softmax_cross_entropy {
 
 #include <concepts>
 #include <cstddef>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -1026,7 +1392,16 @@ class sequential {
   void (*round_activations)(float*, std::size_t) noexcept = nullptr;
 
   /// Chains `ls` in order: each layer receives the previous layer's output.
-  explicit sequential(Layers... ls) : layers(std::move(ls)...) {}
+  /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
+  /// layer before it that has widths (with only width-keeping layers between them).
+  explicit sequential(Layers... ls) : layers(std::move(ls)...) { check_widths(std::make_index_sequence<size>{}); }
+
+  /// The global number of input features, when the first layer has widths.
+  [[nodiscard]] std::size_t in_features() const
+    requires(size > 0 && detail::has_widths<std::tuple_element_t<0, std::tuple<Layers...>>>)
+  {
+    return std::get<0>(layers).in_features();
+  }
 
   /// The type layer `I` receives when the network receives `X`.
   template <class X, std::size_t I>
@@ -1046,14 +1421,16 @@ class sequential {
   /// Forward through every layer, first to last; returns the last layer's output.
   template <local_tensor_type X>
   auto forward(const X& x) {
-    return forward_from<0>(x);
+    if constexpr (!diagnose_chain<X, 0>()) return x;  // the one diagnostic has fired; nothing else may
+    else return forward_from<0>(x);
   }
 
   /// Backward through every layer, last first; returns the cotangent of the input `X` when
   /// `need_dx` (else its contents are unspecified: the first layer skips that product).
   template <local_tensor_type X, local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = false) {
-    return backward_from<X, size - 1>(dy, need_dx);
+    if constexpr (!diagnose_chain<X, 0>()) return;  // the same diagnostic as forward's, fired once
+    else return backward_from<X, size - 1>(dy, need_dx);
   }
 
   /// Tells layers that draw random numbers (dropout) the step's key and whether this is training.
@@ -1068,6 +1445,62 @@ class sequential {
   }
 
  private:
+  template <std::size_t I>
+  using layer_t = std::tuple_element_t<I, std::tuple<Layers...>>;
+
+  /// Walks the layers with the types they receive from `X`; fires one diagnostic at the first
+  /// layer that cannot take its input (one instantiation per `X`: forward and backward share it).
+  template <class X, std::size_t I>
+  static consteval bool diagnose_chain() {
+    if constexpr (I == size) {
+      return true;
+    } else {
+      using in_t = typename input_of<X, I>::type;
+      using L = layer_t<I>;
+      if constexpr (!detail::layer_accepts<L, in_t>()) {
+        using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
+                                                   prev_layer_diagnostic<I>>::type;
+        return detail::sequential_layers_do_not_chain<
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            from_t, typename detail::layer_input_requirement<L>::type>();
+      } else {
+        return diagnose_chain<X, I + 1>();
+      }
+    }
+  }
+  template <std::size_t I>
+  struct prev_layer_diagnostic {
+    using type = diagnostic::layer<I - 1, typename detail::layer_diagnostic_name<layer_t<I - 1>>::type>;
+  };
+
+  /// The run-time width check of the constructor (see the file comment): the last layer with
+  /// widths whose output reaches the next layer, and how messages name it.
+  struct width_source {
+    bool known = false;
+    std::size_t width = 0;
+    std::string text, name;
+  };
+  template <std::size_t... I>
+  void check_widths(std::index_sequence<I...>) const {
+    width_source from;
+    (check_width<I>(from), ...);
+  }
+  template <std::size_t I>
+  void check_width(width_source& from) const {
+    const auto& l = std::get<I>(layers);
+    if constexpr (detail::has_widths<layer_t<I>>) {
+      if (from.known && from.width != l.in_features())
+        throw sharding_error("meshlib::nn: sequential: " + detail::layer_text(I, l) + " takes " +
+                             std::to_string(l.in_features()) + " features, but " + from.text + " before it outputs " +
+                             std::to_string(from.width) + "; declare " + detail::layer_name(I, l) + " with " +
+                             std::to_string(from.width) + " inputs or " + from.name + " with " +
+                             std::to_string(l.in_features()) + " outputs");
+      from = {true, l.out_features(), detail::layer_text(I, l), detail::layer_name(I, l)};
+    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
+      from.known = false;  // a layer of unknown width: nothing to compare across it
+    }
+  }
+
   template <std::size_t I, class X>
   auto forward_from(const X& x) {
     if constexpr (I == size) {
@@ -1217,8 +1650,18 @@ template <fixed_string Axis, local_tensor_type L>
 namespace meshlib::nn {
 
 /// @brief `lr(step)`: `peak` after a linear warm-up of `warmup` steps, then constant (`total == 0`)
-/// or a cosine decay to `peak * final_fraction` at step `total`.
+/// or a cosine decay to `peak * final_fraction` at step `total`. A plain number converts to the
+/// constant schedule, as optax takes a float wherever it takes a schedule: `adam(1e-3f)` is
+/// `adam(constant(1e-3f))`.
 struct schedule {
+  /// The default: a constant 1e-3.
+  constexpr schedule() noexcept = default;
+  /// The constant rate `lr` (implicit: a number is a schedule).
+  constexpr schedule(float lr) noexcept : peak(lr), final_fraction(1.0f) {}  // NOLINT(google-explicit-constructor)
+  /// Every field, in declaration order.
+  constexpr schedule(float peak_, std::size_t warmup_, std::size_t total_, float final_fraction_) noexcept
+      : peak(peak_), warmup(warmup_), total(total_), final_fraction(final_fraction_) {}
+
   /// The learning rate after warm-up.
   float peak = 1e-3f;
   /// Steps of linear warm-up from `peak / warmup` to `peak`.
@@ -1257,18 +1700,27 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// same rule run on a replicated state or on a ZeRO-1 shard of it with identical numbers.
 /// @code
 /// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
+/// meshlib::nn::optimizer simple = meshlib::nn::adam(1e-3f);   // a number is a constant schedule
 /// @endcode
 
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <string_view>
 
 // begin meshlib/nn/detail/simd.hpp
 /// @file
-/// @brief A few-lane float vector for the elementwise loops of the training step (optimizer
+/// @brief A few-lane float vector for the elementwise kernels of the training step (optimizer
 /// updates), written once as a generic body that runs on `float` (the tail, and compilers without
-/// vector extensions) and on `simd_float` (the bulk).
+/// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
+/// and the sum of squares of global-norm clipping, on the running device's execution-space
+/// instance (`meshlib::detail::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
+///
+/// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
+/// locals once per block (not re-read through the kernel object after every store), and the block
+/// runs the lane loop as a plain loop would, so the kernel is as fast as the loop it replaced.
 ///
 /// Why not leave it to the auto-vectoriser: `std::sqrt` sets `errno`, which keeps GCC and Clang from
 /// vectorising any loop that calls it unless the user builds with `-fno-math-errno`, and GCC 12's
@@ -1277,7 +1729,7 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
 /// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
 /// @code
-/// detail::for_lanes(n, std::array<float, 1>{2.0f}, [&](std::size_t i, const auto& k) {
+/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, [=](std::size_t i, const auto& k) {
 ///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
 /// });
 /// @endcode
@@ -1286,6 +1738,8 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <vector>
+
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__))
 #include <immintrin.h>
@@ -1335,20 +1789,44 @@ inline constexpr std::size_t simd_lanes = 1;
 /// `std::sqrt(v)` (the scalar form of `sqrt_of`).
 inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
 
-/// Calls `f(i, c)` for the elements `[0, n)`: over the bulk, for lanes `[i, i + simd_lanes)` with
+/// Elements per work item of the kernels below (see the file comment): a multiple of every lane
+/// count, small enough that a few million elements give every core many items.
+inline constexpr std::size_t kernel_block = 1024;
+
+/// Calls `f(i, c)` for the elements `[i0, i1)`: over the bulk, for lanes `[i, i + simd_lanes)` with
 /// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
-/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`. The constants are splat once,
-/// outside the loop, into a local the stores cannot alias (a member read through `this` in the loop
-/// would be reloaded and re-splat after every store).
+/// The constants are splat once, outside the loop, into a local the stores cannot alias (a member
+/// read through `this` in the loop would be reloaded and re-splat after every store).
 template <std::size_t K, class F>
-void for_lanes(std::size_t n, const std::array<float, K>& k, F&& f) {
-  std::size_t i = 0;
+KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const std::array<float, K>& k, const F& f) {
+  std::size_t i = i0;
 #if MESHLIB_NN_SIMD
   std::array<simd_float, K> kv;
   for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
-  for (; i + simd_lanes <= n; i += simd_lanes) f(i, kv);
+  for (; i + simd_lanes <= i1; i += simd_lanes) f(i, kv);
 #endif
-  for (; i < n; ++i) f(i, k);
+  const std::array<float, K> ks = k;
+  for (; i < i1; ++i) f(i, ks);
+}
+
+/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
+/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
+/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`, and captures by value (it runs in
+/// the kernel).
+template <class Space, std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
+  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
+  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    lanes_of_block(i0, i1, k, f);
+  });
+}
+
+/// `p[i] = f(p[i])` for `[0, n)`, as a Kokkos kernel on memory `Space` on the running device's
+/// instance (a plain body: the compiler vectorises it as it did the loop).
+template <class Space, class F>
+void transform_in_place(float* p, std::size_t n, const F& f) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = f(p[i]); });
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
@@ -1360,16 +1838,44 @@ inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { 
 inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
 #endif
 
-/// Sum of `double(x[i])^2` over `[0, n)`, in four interleaved partial sums (one running sum is a
-/// chain of dependent additions, four times slower; the order differs from a plain loop only in
-/// the last bits of a double, which the float clip scale does not see).
-inline double sum_of_squares(const float* x, std::size_t n) noexcept {
+/// Sum of `double(x[i])^2` over `[i0, i1)`, in four interleaved partial sums (one running sum is a
+/// chain of dependent additions, four times slower).
+KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, std::size_t i1) noexcept {
   double s[4] = {0, 0, 0, 0};
-  std::size_t i = 0;
-  for (; i + 4 <= n; i += 4)
+  std::size_t i = i0;
+  for (; i + 4 <= i1; i += 4)
     for (std::size_t k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * x[i + k];
-  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  for (; i < i1; ++i) s[0] += static_cast<double>(x[i]) * x[i];
   return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
+/// instance writes one partial sum per block of `kernel_block` elements, added here in block order.
+/// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
+/// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
+/// every backend and thread count. The order differs from one running sum only in the last bits of
+/// a double, which the float clip scale does not see.
+template <class Space>
+double sum_of_squares(const float* x, std::size_t n) {
+  static_assert(meshlib::detail::host_accessible_v<Space>,
+                "meshlib::nn: the clipping norm's partial sums are added on the host; device memory needs them copied");
+  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
+  if (blocks <= 1) {
+    double s = 0;
+    double* out = &s;
+    meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t) { *out = squares_of_block(x, 0, n); });
+    return s;
+  }
+  thread_local std::vector<double> partials;  // this device thread's; reused from step to step
+  if (partials.size() < blocks) partials.resize(blocks);
+  double* part = partials.data();
+  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    part[b] = squares_of_block(x, i0, i1);
+  });
+  double s = 0;
+  for (std::size_t b = 0; b < blocks; ++b) s += part[b];
+  return s;
 }
 
 }  // namespace meshlib::nn::detail
@@ -1379,6 +1885,17 @@ namespace meshlib::nn {
 
 /// @brief Which rule `optimizer` applies.
 enum class optimizer_kind { sgd, adam, adamw };
+
+/// @brief The rule's name as its factory is spelled (`"sgd"`, `"adam"`, `"adamw"`): what a
+/// checkpoint stores and what its messages name.
+[[nodiscard]] constexpr std::string_view to_string(optimizer_kind kind) noexcept {
+  switch (kind) {
+    case optimizer_kind::sgd: return "sgd";
+    case optimizer_kind::adam: return "adam";
+    case optimizer_kind::adamw: return "adamw";
+  }
+  return "?";
+}
 
 /// @brief An optimizer's rule and hyperparameters (see the factories below).
 struct optimizer {
@@ -1410,14 +1927,16 @@ struct optimizer {
   }
 
   /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
-  /// `m`, `v`: the state slots of these elements (`v` unused by sgd). One pass over the arrays,
-  /// vectorised (nn/detail/simd.hpp: the same numbers, bitwise, as the element-by-element rule).
+  /// `m`, `v`: the state slots of these elements (`v` unused by sgd), in memory `Space`. One Kokkos
+  /// kernel over the arrays on the running device's instance, vectorised (nn/detail/simd.hpp: the
+  /// same numbers, bitwise, as the element-by-element rule).
+  template <class Space = default_memory_space>
   void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
-              bool decay) const noexcept {
-    using detail::load_as, detail::store_at;
+              bool decay) const {
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      detail::for_lanes(n, std::array<float, 3>{momentum, scale, rate}, [&](std::size_t i, const auto& k) {
+      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, [=](std::size_t i, const auto& k) {
+        using detail::load_as, detail::store_at;
         const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
         store_at(m, i, mi);
         store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
@@ -1429,7 +1948,8 @@ struct optimizer {
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
     const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes(n, ks, [&](std::size_t i, const auto& k) {
+    detail::for_lanes<Space>(n, ks, [=](std::size_t i, const auto& k) {
+      using detail::load_as, detail::store_at;
       const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
       const auto gi = load_as(g, i, scale_) * scale_;
       const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
@@ -1550,11 +2070,19 @@ inline constexpr bool needs_loss_scaling =
 
 namespace detail {
 
-/// Puts `n` floats on the grid of `C` (a no-op for float).
-template <class C>
+/// Puts `n` floats of memory `Space` on the grid of `C` (a no-op for float): a Kokkos kernel on the
+/// running device's instance (nn/detail/simd.hpp).
+template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<float>(C(p[i]));
+    transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
+}
+
+/// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
+/// unscaled gradients): a Kokkos kernel on the running device's instance.
+template <class Space = default_memory_space>
+inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
+  transform_in_place<Space>(p, n, [s](float x) { return x * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;
@@ -1595,12 +2123,16 @@ struct gradient_reduction_type_narrower_than_compute_type {
 /// The wire type `Wire` is a compile-time parameter: gradients are converted to `Wire` when packed
 /// and reduced in `Wire` (every bucket is then packed); `grad_sync<float, bfloat16>` halves the
 /// traffic, and a reduction cannot run in a narrower type than the one named in the program.
+/// Every collective is a public typed one, as in a user's `shard_map`: a bucket is a rank-1
+/// `local_tensor` over its piece of the flat buffer (a view of nn's own buffer, a pending sum over
+/// the data axes), summed in place by the donated `psum`, or reduce-scattered by
+/// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
 /// Buckets run one after the other today; they are filled in parameter order, which leaves room for
 /// overlapping a bucket's collective with the backward of earlier layers once the communicator is
 /// asynchronous.
 /// @code
 /// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
-/// // inside spmd, after backward: const auto& g = sync.all_reduce(params, dev, data_axes);
+/// // inside spmd, after backward: const auto& g = sync.all_reduce<data_axes>(params, mesh, dev);
 /// // g[i]: parameter i's summed gradient block
 /// @endcode
 
@@ -1635,26 +2167,29 @@ class grad_sync {
     return n;
   }
 
-  /// All-reduces every gradient over the axes `axes`, bucket by bucket (see the file comment), and
-  /// returns, per parameter, where its summed gradient block lies: its own gradient block (reduced
-  /// in place) or a piece of the packed buffer. The pointers stay valid until the next call on `dev`.
-  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes) {
+  /// A bucket as the collectives see it: a rank-1 block of `Wire` that is a pending sum over the
+  /// axes `Axes` (and may differ over every other axis of the mesh).
+  template <axis_mask Axes, mesh_type Mesh>
+  using bucket_type = local_tensor<Wire, 1, Mesh, Mesh::all_axes & ~Axes, Axes>;
+
+  /// All-reduces every gradient over the axes `Axes` of `mesh`, bucket by bucket (see the file
+  /// comment), and returns, per parameter, where its summed gradient block lies: its own gradient
+  /// block (reduced in place) or a piece of the packed buffer. The pointers stay valid until the
+  /// next call on `dev`. Runs inside `spmd` / `shard_map` on device `dev`.
+  template <axis_mask Axes, mesh_type Mesh>
+  const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     constexpr bool same = std::is_same_v<Wire, T>;
     const std::size_t n = flat_size(params, dev);
-    meshlib::detail::device_comm* comm = nullptr;
-    if (axes != 0) {
-      comm = &meshlib::detail::current_device("grad_sync").comm(axes);
-      if (comm->size() == 1) comm = nullptr;  // a group of one: nothing to add
-    }
+    const bool moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
     std::vector<T*>& out = summed_.at(dev);
     out.assign(params.size(), nullptr);
     const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
-    Wire* w = same && comm == nullptr ? nullptr : wire_.get(dev, n);
+    Wire* w = same && !moves ? nullptr : wire_.get(dev, n);
     T* f = same ? nullptr : flat_.get(dev, n);
     std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
     auto flush = [&] {
       if (used == open) return;
-      if (comm != nullptr) reduce(*comm, w + open, used - open, dev);
+      if (moves) reduce<Axes>(mesh, w + open, used - open, dev);
       if constexpr (!same)
         for (std::size_t e = open; e < used; ++e) f[e] = static_cast<T>(w[e]);
       open = used;
@@ -1663,9 +2198,9 @@ class grad_sync {
       const std::size_t c = params[i].count[dev];
       T* g = params[i].grad[dev];
       if constexpr (same)
-        if (comm == nullptr || c >= big) {  // in place, in the gradient block itself
+        if (!moves || c >= big) {  // in place, in the gradient block itself
           out[i] = g;
-          if (comm != nullptr) reduce(*comm, g, c, dev);
+          if (moves) reduce<Axes>(mesh, g, c, dev);
           continue;
         }
       if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
@@ -1680,11 +2215,14 @@ class grad_sync {
   }
 
   /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
-  /// over `axes`: returns this device's slice `[begin, begin + size)` of the summed flat gradient,
-  /// `size = ceil(n / group)`. Bucket `b` of each rank's part is one reduce-scatter of equal pieces;
-  /// the gradients are packed straight into that order (one copy).
-  T* reduce_scatter(const std::vector<param_ref<T>>& params, std::size_t dev, axis_mask axes, std::size_t group,
-                    std::size_t rank, std::size_t& begin, std::size_t& size) {
+  /// over the axes `Axes` of `mesh`: returns this device's slice `[begin, begin + size)` of the
+  /// summed flat gradient, `size = ceil(n / group)`. Bucket `b` of each rank's part is one
+  /// `psum_scatter_into` of equal pieces into the slice buffer; the gradients are packed straight
+  /// into that order (one copy).
+  template <axis_mask Axes, mesh_type Mesh>
+  T* reduce_scatter(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t& begin,
+                    std::size_t& size) {
+    const std::size_t group = Axes == 0 ? 1 : mesh.axes_size(Axes), rank = Axes == 0 ? 0 : mesh.group_rank(dev, Axes);
     const std::size_t n = flat_size(params, dev);
     size = (n + group - 1) / group;
     begin = rank * size;
@@ -1700,13 +2238,16 @@ class grad_sync {
         cur.copy(r * size + o, len, send + o * group + r * len);
       }
     Wire* out = send + rank * size;  // group == 1: the packed vector is the slice
-    if (group > 1) {
-      auto& comm = meshlib::detail::current_device("grad_sync").comm(axes);
-      out = shard_.get(dev, size);
-      for (std::size_t o = 0; o < size; o += step) {
-        const std::size_t len = std::min(step, size - o);
-        comm.reduce_scatter(send + o * group, out + o, len, datatype_of<Wire>, reduce_op::sum);
-        ++collectives_[dev];
+    if constexpr (Axes != 0) {
+      if (group > 1) {
+        using B = bucket_type<Axes, Mesh>;
+        out = shard_.get(dev, size);
+        for (std::size_t o = 0; o < size; o += step) {
+          const std::size_t len = std::min(step, size - o);
+          (void)meshlib::psum_scatter_into<detail::group_of_t<Mesh, Axes>, 0>(
+              detail::wrap1<B>(send + o * group, len * group, mesh, dev), detail::wrap1<B>(out + o, len, mesh, dev));
+          ++collectives_[dev];
+        }
       }
     }
     return unpack_wire(dev, out, size);
@@ -1716,12 +2257,16 @@ class grad_sync {
   [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
 
  private:
-  /// All-reduces `len` elements of `buf` in place, in pieces of at most the bucket size.
-  void reduce(meshlib::detail::device_comm& comm, Wire* buf, std::size_t len, std::size_t dev) {
-    const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
-    for (std::size_t o = 0; o < len; o += step) {
-      comm.all_reduce(buf + o, std::min(step, len - o), datatype_of<Wire>, reduce_op::sum);
-      ++collectives_[dev];
+  /// All-reduces `len` elements of `buf` in place over `Axes`, in pieces of at most the bucket
+  /// size: each piece a donated `psum` of a bucket over `buf` (summed where it lies).
+  template <axis_mask Axes, mesh_type Mesh>
+  void reduce(const Mesh& mesh, Wire* buf, std::size_t len, std::size_t dev) {
+    if constexpr (Axes != 0) {
+      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
+      for (std::size_t o = 0; o < len; o += step) {
+        (void)detail::psum_over<Axes>(detail::wrap1<bucket_type<Axes, Mesh>>(buf + o, std::min(step, len - o), mesh, dev));
+        ++collectives_[dev];
+      }
     }
   }
   /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),
@@ -1841,7 +2386,8 @@ struct dataset {
 /// Every defect gives a meshlib::data_error that names the file and says what was expected and
 /// what was found: a missing file, a bad magic number (not IDX, not unsigned bytes, or the wrong
 /// number of dimensions), a file shorter or longer than its header promises, label and image
-/// counts that disagree, a label outside [0, classes).
+/// counts that disagree, a label outside [0, classes), a header whose dimensions multiply past
+/// 2^64. Every size is checked against the file before anything is allocated by it.
 
 #include <cstddef>
 #include <cstdint>
@@ -1987,14 +2533,23 @@ inline std::vector<std::size_t> idx_dims(const std::filesystem::path& path,
                      " bytes, shorter than its " + std::to_string(header) + "-byte header");
   }
   std::vector<std::size_t> dims(rank);
+  for (std::size_t d = 0; d < rank; ++d) dims[d] = big_endian32(bytes.data() + 4 + 4 * d);
+  std::string shape;
+  for (std::size_t d = 0; d < rank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+  // Three 32-bit dimensions can multiply past 2^64 and wrap to a small count that the size check
+  // below would accept (2^22 x 2^21 x 2^21 wraps to 0: a 16-byte file "holding" 4.4e12-pixel
+  // images), so the count is checked before anything is sized by it.
   std::size_t payload = 1;
-  for (std::size_t d = 0; d < rank; ++d) {
-    dims[d] = big_endian32(bytes.data() + 4 + 4 * d);
-    payload *= dims[d];
+  bool overflow = false;
+  for (std::size_t d = 0; d < rank; ++d) overflow = overflow || __builtin_mul_overflow(payload, dims[d], &payload);
+  std::size_t total = 0;
+  overflow = overflow || __builtin_add_overflow(header, payload, &total);
+  if (overflow) {
+    throw data_error(what + " has a corrupted header: it promises " + shape + " bytes (" + layout +
+                     "), a count that does not fit in 64 bits, but the file has " +
+                     std::to_string(bytes.size()) + " bytes; it is not an IDX file or its header is damaged");
   }
-  if (bytes.size() != header + payload) {
-    std::string shape;
-    for (std::size_t d = 0; d < rank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+  if (bytes.size() != total) {
     throw data_error(what + (bytes.size() < header + payload ? " is truncated" : " is too long") +
                      ": its header promises " + shape + " bytes (" + layout + "), so " +
                      std::to_string(header + payload) + " bytes in all, but it has " +
@@ -2528,6 +3083,17 @@ template <fixed_string Data>
 struct rows_spec {
   using type = P<dim_spec(Data.chars)>;
 };
+
+/// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
+/// public donated `psum`, in `v` itself (a host-memory value that differs over every axis); every
+/// device of the group gets the totals. Runs on device `dev` inside `spmd`.
+template <axis_mask Axes, mesh_type Mesh, std::size_t N>
+void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
+  if constexpr (Axes != 0) {
+    using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
+    (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+  }
+}
 }  // namespace detail
 
 /// @brief What one `train_step` (or `evaluate`) reports; equal on every device.
@@ -2730,16 +3296,15 @@ class train_state {
   double apply_gradients(std::size_t dev, double& sync_seconds) {
     const std::size_t dp = mesh.axes_size(data_axes);
     const auto t0 = std::chrono::steady_clock::now();
-    auto& all = meshlib::detail::current_device("train_step").comm(mesh.all_axes);
     if (!options.zero) {
-      const std::vector<T*>& g = sync_.all_reduce(params, dev, data_axes);
+      const std::vector<T*>& g = sync_.template all_reduce<data_axes>(params, mesh, dev);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
         sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
       }
-      all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+      detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
@@ -2756,16 +3321,15 @@ class train_state {
       refresh_device(dev);
       return norm;
     }
-    const std::size_t rank = mesh.group_rank(dev, data_axes);
     std::size_t begin = 0, size = 0;
-    T* g = sync_.reduce_scatter(params, dev, data_axes, dp, rank, begin, size);
+    T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     unscale(g, size);
     double sq[1] = {0};
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
       sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
     });
-    all.all_reduce(sq, 1, datatype::float64, reduce_op::sum);
+    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
@@ -2782,8 +3346,14 @@ class train_state {
       std::copy_n(master_of(p, dev) + in_param, len, send + s);
     });
     const auto t1 = std::chrono::steady_clock::now();
-    if (dp > 1) meshlib::detail::current_device("train_step").comm(data_axes).all_gather(send, recv, size, datatype_of<T>);
-    else std::copy_n(send, size, recv);
+    if (dp > 1) {
+      // The slices vary over the data axes; gathered, every replica holds the whole vector.
+      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+      (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
+          detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
+    } else {
+      std::copy_n(send, size, recv);
+    }
     sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     std::size_t off = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -2802,12 +3372,11 @@ class train_state {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares(g + lo, hi - lo);
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo);
   }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
-      const float inv = 1.0f / loss_scale_;
-      for (std::size_t i = 0; i < n; ++i) g[i] *= inv;
+      detail::scale_in_place(g, n, 1.0f / loss_scale_);
     }
   }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
@@ -2859,10 +3428,6 @@ void check_batch(const State& s, std::size_t global_rows, std::size_t groups, co
                          "; choose a batch size that is a multiple of " + std::to_string(dp * groups));
 }
 
-/// Sums `(loss, correct)` over the data axis; every device gets the totals.
-inline void sum_over(axis_mask axes, double (&v)[2]) {
-  if (axes != 0) meshlib::detail::current_device("train_step").comm(axes).all_reduce(v, 2, datatype::float64, reduce_op::sum);
-}
 /// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
 /// that runs others would read blocks this process does not have, and one that runs fewer would
 /// leave the state's other devices a step behind.
@@ -2926,10 +3491,8 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
           auto dlogits = s.loss().backward(logits);
           if (s.loss_scaling() || State::mixed) {
             // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            const float ls = s.loss_scale();
-            float* d = dlogits.data();
-            for (std::size_t i = 0; i < dlogits.size(); ++i) d[i] *= ls;
-            detail::round_to<typename State::compute_type>(d, dlogits.size());
+            detail::scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            detail::round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
           s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
@@ -2946,7 +3509,7 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        detail::sum_over(State::data_axes, sums);
+        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
         m.loss = sums[0];
         m.correct = static_cast<std::size_t>(sums[1] + 0.5);
         m.rows = global_rows;
@@ -2995,7 +3558,7 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        detail::sum_over(State::data_axes, sums);
+        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
         out[dev].loss = sums[0];
         out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
         out[dev].rows = ds.count;
@@ -3012,21 +3575,43 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
 /// `restore_checkpoint(dir, state)`, restorable on a *different* mesh and with or without ZeRO-1
 /// (restore reshards). Layout (as Orbax / torch.distributed.checkpoint keep one file per array):
 ///
-///     dir/index            text: format version, step, key, optimizer, then one line per
-///                          parameter: name, dtype, global shape, sharding, FNV-1a checksums
-///     dir/<name>.bin       the parameter's global array, row-major float32, filled from the
-///                          blocks of the devices that own them (a replicated block once)
-///     dir/<name>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
+///     dir/meshlib-checkpoint    marks the directory as meshlib's (written first; only its name counts)
+///     dir/index                 the current checkpoint, text: format, generation G, step, key,
+///                               optimizer, one line per parameter (name, dtype, global shape, the
+///                               FNV-1a checksums of its files, sharding), then the checksum of
+///                               every byte above it
+///     dir/<name>.g<G>.bin       the parameter's global array, row-major float32, filled from the
+///                               blocks of the devices that own them (a replicated block once)
+///     dir/<name>.g<G>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
+///     dir/pending               while a save runs: the files it creates (its own checksum)
 ///
-/// Everything is written under `dir.tmp` and renamed to `dir` at the end, so an interrupted save
-/// leaves the previous checkpoint intact and never a half-written one. A missing, truncated or
-/// corrupted file, or a checkpoint of another model or optimizer, throws `checkpoint_error`
-/// naming the file and the parameter; the state is not modified then.
+/// Why a save is atomic: the index names its generation, and a save never touches the files of
+/// the generation the current index names. It writes generation G + 1 beside it (journalled in
+/// `pending` first, so what it created is known if it dies), syncs every file, writes `index.tmp`,
+/// syncs it, and commits with ONE `rename(index.tmp, index)`, which POSIX makes atomic: a reader
+/// sees the old index or the new one, never a mix, and each names a complete set of files. Only
+/// then are the old generation's files and the journal removed (a failure there is harmless: the
+/// next save removes them). So a save that fails (a write, a sync or the rename: EIO, ENOSPC) or a
+/// process killed at any point leaves `dir` restoring the previous checkpoint, or the new one once
+/// the rename happened; the next save clears what the dead one left.
+///
+/// What is never deleted: a save refuses (checkpoint_error, nothing written) a non-empty `dir` that
+/// is not meshlib's (no `meshlib-checkpoint` marker and no meshlib `index`), and in its own
+/// directory it removes only files it names itself: those of an index it wrote, and those of the
+/// journal of a save that did not finish. Files you add to a checkpoint directory stay.
+///
+/// Why every byte is verified: restore reads the index whole and checks its last line, the
+/// FNV-1a checksum of everything before it, before believing any field (step, key, optimizer,
+/// shapes); FNV-1a changes under any single-byte substitution, so an edited or damaged index is
+/// refused rather than restored into a different state. Each data file is checked against its
+/// checksum in the index. A missing, truncated or corrupted file, or a checkpoint of another model
+/// or optimizer, throws `checkpoint_error` naming the file (and parameter); the state is not
+/// modified then. Every failure of a save or restore is a `checkpoint_error` naming the path.
 ///
 /// Several processes (a state that holds only this process's devices, as under `mpirun`): every
 /// process writes the blocks its devices own straight into the global files, at their places (no
 /// gather: the bytes of a block go to disk once, from the process that holds them); process 0
-/// sizes the files first and writes the index and renames last. `dir` must be on a file system
+/// creates the files first and writes the index and commits last. `dir` must be on a file system
 /// that every process sees. Restore reads the files on every process and takes its own blocks.
 /// Each phase ends with an exchange of outcomes between the processes, so a failure on one of them
 /// (a full disk, a missing file) throws `checkpoint_error` on all of them, naming the process,
@@ -3037,15 +3622,25 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
 /// meshlib::nn::save_checkpoint("ckpt/step_1000", part, ex);      // part of a multi-process state
 /// @endcode
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 
@@ -3059,10 +3654,315 @@ class checkpoint_error : public error {
 
 namespace detail {
 
+/// The file operations a save makes, the vocabulary of the fault-injection seam below.
+enum class checkpoint_op { make_dir, create, open, write, sync, close, rename, remove };
+
+/// Test seam, off (null) by default: when set, it is called before each file operation of a save
+/// with the operation and its path, and a non-zero result is an errno that the operation then
+/// fails with, as the operating system would report it (EIO, ENOSPC). It costs one test of a
+/// pointer per operation (per file or buffered run, never per element). The tests fail, or kill
+/// the process at, each operation of a save in turn (tests/unit/nn/test_checkpoint.cpp).
+using checkpoint_fault_hook = int (*)(checkpoint_op, const std::filesystem::path&);
+inline checkpoint_fault_hook checkpoint_fault = nullptr;
+
+inline const char* verb_of(checkpoint_op op) noexcept {
+  switch (op) {
+    case checkpoint_op::make_dir: return "create the directory";
+    case checkpoint_op::create: return "create";
+    case checkpoint_op::open: return "open";
+    case checkpoint_op::write: return "write";
+    case checkpoint_op::sync: return "sync (fsync)";
+    case checkpoint_op::close: return "close";
+    case checkpoint_op::rename: return "rename";
+    case checkpoint_op::remove: return "remove";
+  }
+  return "use";
+}
+
+/// The file operations of one save of `dir`: each goes through the seam, and a failure is a
+/// `checkpoint_error` naming the file, the system's reason and what `dir` holds then.
+class save_io {
+ public:
+  explicit save_io(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
+
+  /// Runs `real()` (which returns 0 or an errno) as operation `op` on `path`.
+  template <class F>
+  void run(checkpoint_op op, const std::filesystem::path& path, F&& real, const std::string& about = {}) const {
+    int err = checkpoint_fault != nullptr ? checkpoint_fault(op, path) : 0;
+    if (err == 0) err = real();
+    if (err != 0) throw failure(op, path, err, about);
+  }
+  /// As `run`, returning the errno instead of throwing (the clean-up after the commit, where a
+  /// failure only leaves a file that the next save removes).
+  template <class F>
+  int quietly(checkpoint_op op, const std::filesystem::path& path, F&& real) const noexcept {
+    int err = checkpoint_fault != nullptr ? checkpoint_fault(op, path) : 0;
+    if (err == 0) err = real();
+    return err;
+  }
+  [[nodiscard]] checkpoint_error failure(checkpoint_op op, const std::filesystem::path& path, int err,
+                                         const std::string& about = {}) const {
+    return checkpoint_error("meshlib::nn: save_checkpoint: cannot " + std::string(verb_of(op)) + " '" + path.string() +
+                            "'" + about + ": " + std::generic_category().message(err) +
+                            "; nothing was committed: '" + dir_.string() +
+                            "' restores what it held before this save (free space or fix the file system, then save "
+                            "again)");
+  }
+
+  /// `rename(from, to)`: atomic, replacing `to`.
+  void rename(const std::filesystem::path& from, const std::filesystem::path& to) const {
+    run(checkpoint_op::rename, from, [&] { return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno; },
+        " to '" + to.string() + "'");
+  }
+  /// Syncs directory `d`, so the names created or renamed in it survive a power loss.
+  void sync_dir(const std::filesystem::path& d) const {
+    run(checkpoint_op::sync, d, [&] { return fsync_dir(d); });
+  }
+  /// `fsync` of directory `d`: 0 or an errno.
+  static int fsync_dir(const std::filesystem::path& d) noexcept {
+    const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errno;
+    const int r = ::fsync(fd) == 0 ? 0 : errno;
+    ::close(fd);
+    return r;
+  }
+  /// Removes file `f`; true when it is gone (also when it was already).
+  bool remove_quietly(const std::filesystem::path& f) const noexcept {
+    return quietly(checkpoint_op::remove, f, [&] { return ::unlink(f.c_str()) == 0 || errno == ENOENT ? 0 : errno; }) == 0;
+  }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+/// A file of a save open for writing: contiguous writes are gathered into one `pwrite`, and
+/// `finish` syncs and closes it, so its bytes are on disk before the index that names it is.
+class out_file {
+ public:
+  /// Opens `path`; `create`: a new file of `size` bytes (zeros), else an existing one.
+  out_file(const save_io& io, std::filesystem::path path, bool create, std::size_t size = 0)
+      : io_(&io), path_(std::move(path)) {
+    io.run(create ? checkpoint_op::create : checkpoint_op::open, path_, [&] {
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC | (create ? O_CREAT | O_TRUNC : 0), 0644);
+      if (fd_ < 0) return errno;
+      return create && ::ftruncate(fd_, static_cast<off_t>(size)) != 0 ? errno : 0;
+    });
+  }
+  out_file(const out_file&) = delete;
+  out_file& operator=(const out_file&) = delete;
+  out_file(out_file&& o) noexcept
+      : io_(o.io_), path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), at_(o.at_), buf_(std::move(o.buf_)) {}
+  out_file& operator=(out_file&&) = delete;
+  ~out_file() {
+    if (fd_ >= 0) ::close(fd_);  // only after a failure: the file is not named by any index
+  }
+
+  /// Writes `n` bytes at byte `offset`.
+  void write(std::size_t offset, const char* src, std::size_t n) {
+    if (!buf_.empty() && (offset != at_ + buf_.size() || buf_.size() + n > (std::size_t{1} << 22))) flush();
+    if (buf_.empty()) at_ = offset;
+    buf_.insert(buf_.end(), src, src + n);
+  }
+  /// Writes what is gathered, syncs (unless `sync` is false: a file still to be filled) and closes.
+  void finish(bool sync = true) {
+    flush();
+    if (sync) io_->run(checkpoint_op::sync, path_, [&] { return ::fsync(fd_) == 0 ? 0 : errno; });
+    const int fd = std::exchange(fd_, -1);
+    io_->run(checkpoint_op::close, path_, [&] { return ::close(fd) == 0 ? 0 : errno; });
+  }
+
+ private:
+  void flush() {
+    if (buf_.empty()) return;
+    io_->run(checkpoint_op::write, path_, [&] {
+      for (std::size_t done = 0; done < buf_.size();) {
+        const ::ssize_t w = ::pwrite(fd_, buf_.data() + done, buf_.size() - done, static_cast<off_t>(at_ + done));
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return w < 0 ? errno : EIO;
+        done += static_cast<std::size_t>(w);
+      }
+      return 0;
+    });
+    buf_.clear();
+  }
+
+  const save_io* io_;
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::size_t at_ = 0;
+  std::vector<char> buf_;
+};
+
+/// Writes a whole small file (the marker, the journal, the index), synced.
+inline void write_whole(const save_io& io, const std::filesystem::path& path, std::string_view text) {
+  out_file f(io, path, true);
+  f.write(0, text.data(), text.size());
+  f.finish();
+}
+
 inline std::uint64_t fnv1a(const char* p, std::size_t n) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
   return h;
+}
+
+/// The last line of a checksummed text file: `checksum <FNV-1a of body, 16 hex digits>`.
+inline std::string checksum_line(std::string_view body) {
+  char text[40];
+  std::snprintf(text, sizeof text, "checksum %016llx\n",
+                static_cast<unsigned long long>(fnv1a(body.data(), body.size())));
+  return text;
+}
+
+/// The body of `text` when its last line is the checksum of everything before it, else nothing.
+/// FNV-1a is a bijection of its state for each byte, so any one-byte substitution in the body
+/// changes the sum, and one in the last line no longer matches it: every single edit is caught.
+inline std::optional<std::string_view> verified_body(std::string_view text) {
+  if (text.empty() || text.back() != '\n') return std::nullopt;
+  const std::size_t nl = text.size() < 2 ? std::string_view::npos : text.rfind('\n', text.size() - 2);
+  const std::size_t start = nl == std::string_view::npos ? 0 : nl + 1;
+  const std::string_view body = text.substr(0, start);
+  if (text.substr(start) != checksum_line(body)) return std::nullopt;
+  return body;
+}
+
+/// The whole of a small file, or nothing when it cannot be read.
+inline std::optional<std::string> read_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return std::nullopt;
+  return text;
+}
+
+inline constexpr std::string_view index_magic = "meshlib-checkpoint";
+inline constexpr std::string_view journal_magic = "meshlib-checkpoint-pending 2\n";
+inline constexpr const char* marker_name = "meshlib-checkpoint";
+
+/// The data file of parameter `name` in generation `g`: `name.g<g>.bin`, or `.opt<slot>.bin`.
+inline std::string data_file(const std::string& name, std::size_t g, std::size_t slot = std::size_t(-1)) {
+  return name + ".g" + std::to_string(g) + (slot == std::size_t(-1) ? "" : ".opt" + std::to_string(slot)) + ".bin";
+}
+
+/// A parsed (and verified) index.
+struct index_file {
+  struct param {
+    std::string name, dtype, shape, sharding;
+    std::vector<std::uint64_t> sums;  ///< the value's, then each optimizer slot's
+  };
+  std::size_t generation = 0, step = 0, slots = 0;
+  std::uint64_t key = 0;
+  std::string optimizer;
+  std::vector<param> params;
+
+  /// Every data file it names.
+  [[nodiscard]] std::vector<std::string> files() const {
+    std::vector<std::string> out;
+    for (const auto& p : params) {
+      out.push_back(data_file(p.name, generation));
+      for (std::size_t s = 0; s < slots; ++s) out.push_back(data_file(p.name, generation, s));
+    }
+    return out;
+  }
+};
+
+/// Parses index `text` read from `path`; throws `checkpoint_error` (from `fn`) saying what is wrong.
+inline index_file parse_index(const std::filesystem::path& path, std::string_view text, const char* fn) {
+  auto bad = [&](const std::string& what) {
+    return checkpoint_error(std::string("meshlib::nn: ") + fn + ": '" + path.string() + "': " + what);
+  };
+  const std::string_view first = text.substr(0, text.find('\n'));
+  if (first.substr(0, index_magic.size() + 1) != std::string(index_magic) + " ")
+    throw bad("not a meshlib checkpoint index (its first line is not 'meshlib-checkpoint <format>')");
+  if (first != std::string(index_magic) + " 2")
+    throw bad("format '" + std::string(first.substr(index_magic.size() + 1)) +
+              "', but this meshlib reads format 2 (format 1, before every byte of the index was checksummed, is no "
+              "longer read: restore it with the meshlib that wrote it and save it again)");
+  const auto body = verified_body(text);
+  if (!body)
+    throw bad("the index does not match its checksum (its last line): it was edited, damaged or cut short, so "
+              "none of its fields (step, key, shapes) can be trusted");
+  std::istringstream in{std::string(*body)};
+  index_file idx;
+  std::string word, version, slots_word;
+  std::size_t count = 0;
+  // The checksum held, so these are the bytes save_checkpoint wrote; the checks are for its bugs.
+  if (!(in >> word >> version) || !(in >> word >> idx.generation) || word != "generation" ||
+      !(in >> word >> idx.step) || word != "step" || !(in >> word >> idx.key) || word != "key" ||
+      !(in >> word >> idx.optimizer >> slots_word >> idx.slots) || word != "optimizer" || slots_word != "slots" ||
+      !(in >> word >> count) || word != "parameters")
+    throw bad("malformed header");
+  for (std::size_t i = 0; i < count; ++i) {
+    index_file::param p;
+    if (!(in >> word >> p.name >> p.dtype >> p.shape) || word != "param")
+      throw bad("malformed line for parameter " + std::to_string(i));
+    p.sums.resize(1 + idx.slots);
+    for (auto& s : p.sums)
+      if (!(in >> s)) throw bad("missing checksum of parameter '" + p.name + "'");
+    if (!(in >> word) || word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
+    std::getline(in, p.sharding);
+    idx.params.push_back(std::move(p));
+  }
+  return idx;
+}
+
+/// The index of `dir` when it is a verified one of this format.
+inline std::optional<index_file> try_index(const std::filesystem::path& dir) {
+  const auto text = read_text(dir / "index");
+  if (!text) return std::nullopt;
+  try {
+    return parse_index(dir / "index", *text, "save_checkpoint");
+  } catch (const checkpoint_error&) {
+    return std::nullopt;
+  }
+}
+
+/// The journal of a save: its generation, the files it creates (`fresh`) and the previous
+/// generation's files it removes once committed (`stale`).
+struct save_journal {
+  std::size_t generation = 0;
+  std::vector<std::string> fresh, stale;
+
+  [[nodiscard]] std::string text() const {
+    std::string t(journal_magic);
+    t += "generation " + std::to_string(generation) + "\n";
+    for (const auto& f : fresh) t += "new " + f + "\n";
+    for (const auto& f : stale) t += "old " + f + "\n";
+    return t + checksum_line(t);
+  }
+  static std::optional<save_journal> read(const std::filesystem::path& path) {
+    const auto text = read_text(path);
+    if (!text || text->compare(0, journal_magic.size(), journal_magic) != 0) return std::nullopt;
+    const auto body = verified_body(*text);
+    if (!body) return std::nullopt;  // cut short while written: it had created nothing yet
+    std::istringstream in{std::string(body->substr(journal_magic.size()))};
+    save_journal j;
+    std::string word, name;
+    if (!(in >> word >> j.generation) || word != "generation") return std::nullopt;
+    while (in >> word >> name) (word == "new" ? j.fresh : j.stale).push_back(name);
+    return j;
+  }
+};
+
+/// The generation a damaged index names (its second line), so a save does not reuse its files.
+inline std::size_t generation_named(const std::filesystem::path& index) {
+  const auto text = read_text(index);
+  if (!text) return 0;
+  std::istringstream in(*text);
+  std::string line, word;
+  std::size_t g = 0;
+  std::getline(in, line);
+  return (in >> word >> g) && word == "generation" ? g : 0;
+}
+
+/// Whether `dir` is meshlib's to write into: new or empty, marked, or holding a meshlib index.
+inline bool is_meshlib_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (std::filesystem::is_empty(dir, ec) && !ec) return true;
+  if (std::filesystem::is_regular_file(dir / marker_name, ec)) return true;
+  const auto text = read_text(dir / "index");
+  return text && text->compare(0, index_magic.size() + 1, std::string(index_magic) + " ") == 0;
 }
 
 inline std::string shape_text(const std::vector<std::size_t>& s) {
@@ -3103,40 +4003,6 @@ void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t fir
     k += n;
   }
 }
-
-/// Creates `path` holding `count` zero floats (the processes then write their blocks into it).
-inline void create_file(const std::filesystem::path& path, std::size_t count) {
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path.string() + "'");
-  }
-  std::error_code ec;
-  std::filesystem::resize_file(path, count * sizeof(float), ec);
-  if (ec) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path.string() + "': " + ec.message());
-}
-
-/// A file of a checkpoint being written, open for writing blocks at their places.
-class block_writer {
- public:
-  explicit block_writer(std::filesystem::path path)
-      : path_(std::move(path)), out_(path_, std::ios::in | std::ios::out | std::ios::binary) {
-    if (!out_) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot open '" + path_.string() + "' to write");
-  }
-  /// Writes `n` floats at global element `at`.
-  void write(std::size_t at, const float* src, std::size_t n) {
-    out_.seekp(static_cast<std::streamoff>(at * sizeof(float)));
-    out_.write(reinterpret_cast<const char*>(src), static_cast<std::streamsize>(n * sizeof(float)));
-  }
-  /// Flushes; throws when anything failed.
-  void close() {
-    out_.close();
-    if (!out_) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + path_.string() + "'");
-  }
-
- private:
-  std::filesystem::path path_;
-  std::fstream out_;
-};
 
 /// The FNV-1a checksum of a whole file (process 0 reads back what every process wrote).
 inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t count) {
@@ -3225,71 +4091,138 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   return data;
 }
 
+/// Throws unless `name` can be a file name in the checkpoint (and a word of the index).
+inline void check_param_name(const std::string& name) {
+  const bool ok = !name.empty() && name != "." && name != ".." &&
+                  name.find_first_of("/\\ \t\r\n") == std::string::npos;
+  if (!ok)
+    throw checkpoint_error("meshlib::nn: save_checkpoint: parameter name '" + name +
+                           "' cannot name a checkpoint file: give the layer a name without spaces or slashes");
+}
+
 }  // namespace detail
 
 /// @brief Writes `state` (parameters, optimizer state, step, key) to directory `dir` (see the file
-/// comment). A state that holds only this process's devices needs every process to call this with
-/// the same `dir`; `ex` connects them (ignored for a state that holds every device).
-/// @throws checkpoint_error when a file cannot be written, on this or (for a multi-process state)
-/// any other process; the previous checkpoint in `dir` is then intact.
+/// comment: atomic, and never deleting a file meshlib did not write). A state that holds only this
+/// process's devices needs every process to call this with the same `dir`; `ex` connects them
+/// (ignored for a state that holds every device).
+/// @throws checkpoint_error when `dir` is a non-empty directory that is not a meshlib checkpoint
+/// (nothing is written), or when a file cannot be written, synced or renamed, on this or (for a
+/// multi-process state) any other process; `dir` then restores what it held before the save.
 template <class State>
 void save_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   namespace fs = std::filesystem;
   auto& ex = detail::exchange_for(state, &ex_, "save_checkpoint");
   const bool first = ex.rank() == 0;
-  fs::path tmp = dir;
-  tmp += ".tmp";
+  const detail::save_io io(dir);
   const std::size_t slots = state.opt.slots();
-  const auto value_file = [&](const param_ref<float>& p) { return tmp / (p.name + ".bin"); };
+  std::size_t generation = 0;
+  detail::save_journal journal;
+  const auto value_file = [&](const param_ref<float>& p) { return dir / detail::data_file(p.name, generation); };
   const auto opt_file = [&](const param_ref<float>& p, std::size_t s) {
-    return tmp / (p.name + ".opt" + std::to_string(s) + ".bin");
+    return dir / detail::data_file(p.name, generation, s);
   };
-  // 1. Process 0: a fresh temporary directory, every file at its final size.
+  // 1. Process 0: claim the directory (refusing one that is not meshlib's), clear what a save that
+  // did not finish left, journal this save, create its files at their final sizes.
   detail::agreed_phase(ex, "save_checkpoint", [&] {
     if (!first) return;
+    for (const auto& p : state.params) detail::check_param_name(p.name);
     std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fs::create_directories(tmp, ec);
-    if (ec) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot create '" + tmp.string() + "': " + ec.message());
+    const auto status = fs::status(dir, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      throw checkpoint_error("meshlib::nn: save_checkpoint: cannot inspect '" + dir.string() + "': " + ec.message());
+    if (!fs::exists(status)) {
+      io.run(detail::checkpoint_op::make_dir, dir, [&] {
+        std::error_code e;
+        fs::create_directories(dir, e);
+        return e.value();
+      });
+    } else if (!fs::is_directory(status)) {
+      throw checkpoint_error("meshlib::nn: save_checkpoint: '" + dir.string() +
+                             "' exists and is not a directory; pass the path of a new or empty directory, or of a "
+                             "checkpoint");
+    } else if (!detail::is_meshlib_dir(dir)) {
+      throw checkpoint_error("meshlib::nn: save_checkpoint: '" + dir.string() +
+                             "' is a non-empty directory that is not a meshlib checkpoint (it has neither a '" +
+                             detail::marker_name + "' nor a meshlib 'index' file); nothing was written or deleted: "
+                             "pass a new or empty directory, e.g. '" + (dir / "checkpoint").string() + "'");
+    }
+    if (!fs::exists(dir / detail::marker_name, ec))
+      detail::write_whole(io, dir / detail::marker_name,
+                          "This directory holds a meshlib checkpoint (see 'index'). meshlib removes only the files it "
+                          "wrote here.\n");
+    const auto previous = detail::try_index(dir);
+    const bool has_index = fs::exists(dir / "index", ec);
+    std::vector<std::string> current;
+    if (previous) current = previous->files();
+    const auto is_current = [&](const std::string& f) { return std::find(current.begin(), current.end(), f) != current.end(); };
+    const auto unfinished = detail::save_journal::read(dir / "pending");
+    std::vector<std::string> left;  // files of the unfinished save that could not be removed now
+    if (unfinished && (previous || !has_index)) {
+      // Committed (the index names its generation): its clean-up did not finish; else its files
+      // were never named by an index. A damaged index leaves both alone: they may be its files.
+      const bool committed = previous && unfinished->generation == previous->generation;
+      for (const auto& f : committed ? unfinished->stale : unfinished->fresh)
+        if (!is_current(f) && !io.remove_quietly(dir / f)) left.push_back(f);
+    }
+    generation = std::max({previous ? previous->generation : std::size_t{0},
+                           unfinished ? unfinished->generation : std::size_t{0},
+                           has_index && !previous ? detail::generation_named(dir / "index") : std::size_t{0}}) + 1;
+    journal.generation = generation;
     for (const auto& p : state.params) {
-      detail::create_file(value_file(p), detail::product(p.shape));
-      for (std::size_t s = 0; s < slots; ++s) detail::create_file(opt_file(p, s), detail::product(p.shape));
+      journal.fresh.push_back(detail::data_file(p.name, generation));
+      for (std::size_t s = 0; s < slots; ++s) journal.fresh.push_back(detail::data_file(p.name, generation, s));
+    }
+    journal.stale = current;  // and what could not be removed yet: this journal keeps track of it
+    journal.stale.insert(journal.stale.end(), left.begin(), left.end());
+    detail::write_whole(io, dir / "pending", journal.text());
+    io.sync_dir(dir);  // the journal is on disk before any file it lists exists
+    for (const auto& p : state.params) {
+      const std::size_t bytes = detail::product(p.shape) * sizeof(float);
+      detail::out_file(io, value_file(p), true, bytes).finish(false);
+      for (std::size_t s = 0; s < slots; ++s) detail::out_file(io, opt_file(p, s), true, bytes).finish(false);
     }
   });
-  // 2. Every process: the blocks its devices own, at their places. A block replicated over a group
-  // of devices is written by the group's first device only, so every element is written once.
+  if (ex.size() > 1) generation = std::stoull(ex.all_gather(first ? std::to_string(generation) : "")[0]);
+  // 2. Every process: the blocks its devices own, at their places, synced. A block replicated over
+  // a group of devices is written by the group's first device only, so every element is written once.
   detail::agreed_phase(ex, "save_checkpoint", [&] {
+    const auto put = [](detail::out_file& f, std::size_t at, const float* src, std::size_t n) {
+      f.write(at * sizeof(float), reinterpret_cast<const char*>(src), n * sizeof(float));
+    };
     for (std::size_t i = 0; i < state.params.size(); ++i) {
       const auto& p = state.params[i];
-      detail::block_writer out(value_file(p));
+      detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
           const float* v = state.master(i, dev);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
-                                      [&](std::size_t k, std::size_t g, std::size_t n) { out.write(g, v + k, n); });
+                                      [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
-      out.close();
+      out.finish();
     }
-    std::vector<detail::block_writer> opt;
+    std::vector<detail::out_file> opt;
     opt.reserve(state.params.size() * slots);
     for (const auto& p : state.params)
-      for (std::size_t s = 0; s < slots; ++s) opt.emplace_back(opt_file(p, s));
+      for (std::size_t s = 0; s < slots; ++s) opt.emplace_back(io, opt_file(p, s), false);
     for (std::size_t dev : state.local_devices())
       state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, const float* st, std::size_t stride) {
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-          for (std::size_t s = 0; s < slots; ++s) opt[i * slots + s].write(g, st + s * stride + (k - off), n);
+          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, st + s * stride + (k - off), n);
         });
       });
-    for (auto& o : opt) o.close();
+    for (auto& o : opt) o.finish();
   });
-  // 3. Process 0: the index (with the checksums of what every process wrote), then the rename.
+  // 3. Process 0: the index (with the checksums of what every process wrote) as `index.tmp`, then
+  // the commit, one atomic rename over `index`; then the previous generation's files go.
   detail::agreed_phase(ex, "save_checkpoint", [&] {
     if (!first) return;
     std::ostringstream index;
-    index << "meshlib-checkpoint 1\nstep " << state.step << "\nkey " << state.key.value << "\noptimizer "
-          << static_cast<int>(state.opt.kind) << " slots " << slots << "\nparameters " << state.params.size() << "\n";
+    index << detail::index_magic << " 2\ngeneration " << generation << "\nstep " << state.step << "\nkey "
+          << state.key.value << "\noptimizer " << to_string(state.opt.kind) << " slots " << slots << "\nparameters "
+          << state.params.size() << "\n";
     for (const auto& p : state.params) {
       const std::size_t count = detail::product(p.shape);
       index << "param " << p.name << " float32 " << detail::shape_text(p.shape) << " "
@@ -3297,18 +4230,21 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
       index << " sharding " << p.sharding << "\n";
     }
-    {
-      std::ofstream out(tmp / "index", std::ios::trunc);
-      out << index.str();
-      if (!out) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot write '" + (tmp / "index").string() + "'");
-    }
-    std::error_code ec;
-    fs::path old = dir;
-    old += ".old";
-    fs::remove_all(old, ec);
-    if (fs::exists(dir)) fs::rename(dir, old);
-    fs::rename(tmp, dir);
-    fs::remove_all(old, ec);
+    std::string text = index.str();
+    text += detail::checksum_line(text);
+    detail::write_whole(io, dir / "index.tmp", text);
+    io.rename(dir / "index.tmp", dir / "index");  // the commit
+    if (const int err = io.quietly(detail::checkpoint_op::sync, dir, [&] { return detail::save_io::fsync_dir(dir); }))
+      throw checkpoint_error("meshlib::nn: save_checkpoint: cannot sync (fsync) the directory '" + dir.string() +
+                             "' after committing: " + std::generic_category().message(err) +
+                             "; the new checkpoint is in place and restores, but may not survive a power loss: check "
+                             "the file system");
+    // The journal goes last, and only when every stale file went: else the next save finishes this.
+    bool all_removed = true;
+    for (const auto& f : journal.stale)
+      if (std::find(journal.fresh.begin(), journal.fresh.end(), f) == journal.fresh.end())
+        all_removed = io.remove_quietly(dir / f) && all_removed;
+    if (all_removed) io.remove_quietly(dir / "pending");
   });
 }
 
@@ -3323,8 +4259,9 @@ void save_checkpoint(const std::filesystem::path& dir, State& state) {
 /// @brief Loads a checkpoint into `state`, whatever mesh, ZeRO setting or number of processes it
 /// was saved with. A state that holds only this process's devices needs every process to call
 /// this; `ex` connects them (ignored for a state that holds every device).
-/// @throws checkpoint_error (the state is unchanged, on every process) for a missing, truncated or
-/// corrupted file, or a checkpoint of another model (parameter names or shapes) or optimizer.
+/// @throws checkpoint_error (the state is unchanged, on every process) for a missing, truncated,
+/// edited or corrupted file (every byte of the index and of the data files is checksummed), or a
+/// checkpoint of another model (parameter names or shapes) or optimizer.
 template <class State>
 void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
@@ -3334,47 +4271,45 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   std::uint64_t key = 0;
   detail::agreed_phase(ex, "restore_checkpoint", [&] {
     const auto index_path = dir / "index";
-    std::ifstream in(index_path);
-    if (!in)
+    const auto text = detail::read_text(index_path);
+    if (!text) {
+      std::error_code ec;
+      if (std::filesystem::exists(dir / detail::marker_name, ec))
+        throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + dir.string() +
+                               "' holds no complete checkpoint: '" + index_path.string() +
+                               "' is missing (the first save into it did not finish)");
       throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "' is missing: not a checkpoint");
+    }
+    const auto idx = detail::parse_index(index_path, *text, "restore_checkpoint");
     auto bad = [&](const std::string& what) {
       return checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "': " + what);
     };
-    std::string word, version;
-    std::size_t saved_slots = 0, saved_count = 0;
-    int kind = 0;
-    if (!(in >> word >> version) || word != "meshlib-checkpoint" || version != "1")
-      throw bad("not a meshlib checkpoint index (version 1)");
-    if (!(in >> word >> step) || word != "step" || !(in >> word >> key) || word != "key") throw bad("malformed header");
-    if (!(in >> word >> kind >> version >> saved_slots) || word != "optimizer") throw bad("malformed optimizer line");
-    if (kind != static_cast<int>(state.opt.kind) || saved_slots != slots)
-      throw bad("saved with optimizer kind " + std::to_string(kind) + " (" + std::to_string(saved_slots) +
-                " state slots), but the train state's optimizer is " + state.opt.name());
-    if (!(in >> word >> saved_count) || word != "parameters") throw bad("malformed parameter count");
-    if (saved_count != count)
-      throw bad("holds " + std::to_string(saved_count) + " parameters, the model has " + std::to_string(count) +
+    if (idx.optimizer != to_string(state.opt.kind) || idx.slots != slots)
+      throw bad("saved with optimizer " + idx.optimizer + " (" + std::to_string(idx.slots) +
+                " state slots), but the train state's optimizer is " + state.opt.name() +
+                ": restore into a train state made with the optimizer it was saved with");
+    if (idx.params.size() != count)
+      throw bad("holds " + std::to_string(idx.params.size()) + " parameters, the model has " + std::to_string(count) +
                 ": a checkpoint of another model");
     for (std::size_t i = 0; i < count; ++i) {
       const auto& p = state.params[i];
-      std::string name, dtype, shape, line;
-      std::uint64_t sum = 0;
-      if (!(in >> word >> name >> dtype >> shape >> sum) || word != "param")
-        throw bad("malformed line for parameter " + std::to_string(i));
-      if (name != p.name)
-        throw bad("parameter " + std::to_string(i) + " is '" + name + "', the model's is '" + p.name +
+      const auto& saved = idx.params[i];
+      if (saved.name != p.name)
+        throw bad("parameter " + std::to_string(i) + " is '" + saved.name + "', the model's is '" + p.name +
                   "': a checkpoint of another model");
-      if (dtype != "float32") throw bad("parameter '" + name + "' has dtype " + dtype + ", expected float32");
-      if (shape != detail::shape_text(p.shape))
-        throw bad("parameter '" + name + "' has shape " + shape + " in the checkpoint, the model's is " +
+      if (saved.dtype != "float32")
+        throw bad("parameter '" + saved.name + "' has dtype " + saved.dtype + ", expected float32");
+      if (saved.shape != detail::shape_text(p.shape))
+        throw bad("parameter '" + saved.name + "' has shape " + saved.shape + " in the checkpoint, the model's is " +
                   detail::shape_text(p.shape) + ": a checkpoint of another model");
-      values[i] = detail::read_file(dir / (name + ".bin"), detail::product(p.shape), sum, name);
-      for (std::size_t s = 0; s < slots; ++s) {
-        if (!(in >> sum)) throw bad("missing optimizer checksum of parameter '" + name + "'");
+      const std::size_t n = detail::product(p.shape);
+      values[i] = detail::read_file(dir / detail::data_file(p.name, idx.generation), n, saved.sums[0], p.name);
+      for (std::size_t s = 0; s < slots; ++s)
         opt[i * slots + s] =
-            detail::read_file(dir / (name + ".opt" + std::to_string(s) + ".bin"), values[i].size(), sum, name);
-      }
-      std::getline(in, line);  // the sharding it was saved with: informative
+            detail::read_file(dir / detail::data_file(p.name, idx.generation, s), n, saved.sums[1 + s], p.name);
     }
+    step = idx.step;
+    key = idx.key;
   });
   // Everything checked, on every process: scatter into this mesh's blocks (the reshard).
   for (std::size_t i = 0; i < count; ++i) {

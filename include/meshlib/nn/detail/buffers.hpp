@@ -87,14 +87,6 @@ struct pvary_if<true, L, Names...> {
   using type = pvary_t<L, Names...>;
 };
 
-/// `psum<Names...>(x)` in place. To be removed: a thin forward to the public donated psum, kept
-/// only so nn/layers/dense.hpp compiles until its call sites write `psum<Names...>(std::move(x))`.
-/// `x` is consumed: over a layer's buffer (an unmanaged view) that buffer now holds the sum.
-template <fixed_string... Names, local_tensor_type L>
-psum_t<L, Names...> psum_in_place(const L& x) {
-  return meshlib::psum<Names...>(L(x));
-}
-
 /// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).
 template <fixed_string... Names, local_tensor_type L>
 pvary_t<L, Names...> pvary_view(const L& x) {

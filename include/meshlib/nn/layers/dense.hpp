@@ -194,8 +194,8 @@ class basic_dense {
       const cview xv(x.data(), rows, in), wv(wl.data(), in, out);
       if constexpr (Kind == dense_kind::row) {
         matmul_into(view(y, rows, out), xv, wv);
-        auto z = detail::wrap2<Z>(y, rows, out, x.mesh(), dev);
-        static_cast<void>(detail::psum_in_place<Model>(z));
+        // Donated: z wraps the layer's own buffer (an unmanaged view), so the sum lands in it.
+        static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, out, x.mesh(), dev)));
         for (std::size_t i = 0; i < rows; ++i)
           for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
       } else {
@@ -236,7 +236,7 @@ class basic_dense {
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
       if constexpr (pending != 0) {
-        return detail::psum_in_place<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, in, dy.mesh(), dev));  // donated: in place
       } else {
         return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
       }
