@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
+#include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
