@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "meshlib/exec.hpp"  // installs the device threads global-view operations run on
 #include "meshlib/tensor.hpp"
 #include "meshlib_catch.hpp"
 #include "reference.hpp"
