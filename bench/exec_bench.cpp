@@ -48,7 +48,7 @@ struct start_threads_per_call {
   void run(std::size_t n, Body&& body) const {
     run_on_threads(static_cast<int>(n), [&](thread_communicator& c) { body(static_cast<std::size_t>(c.rank()), std::move(c)); });
   }
-  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return thread_backend{}.local_devices(n); }
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return thread_runner(detail::process_wide_threads).local_devices(n); }
 };
 
 void bench_empty_call() {

@@ -1415,6 +1415,7 @@ std::array<std::size_t, Rank> global_shape_from_locals(const S& sharding,
 /// (`comm_timeout`), peers disagreed about the step (`collective_mismatch`), or the caller's own
 /// arguments were wrong (`comm_argument_error`, thrown before any data moves).
 
+#include <exception>
 #include <string>
 
 
@@ -1455,6 +1456,22 @@ class collective_mismatch : public comm_error {
 class comm_argument_error : public comm_error {
  public:
   using comm_error::comm_error;
+};
+
+/// @brief Thrown by every runner and launcher (`run_on_threads`, `run_hybrid`, the runners of
+/// exec/) when a participant failed: the root cause, with its rank. Here with the other comm errors
+/// because every backend's launcher throws it, not only the thread backend's.
+/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
+/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
+class participant_error : public comm_error, public std::nested_exception {
+ public:
+  /// Must be constructed while the participant's exception is the current one (in a catch block).
+  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
+  /// Rank (in the world of the run) of the participant whose failure is the root cause.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
 };
 
 }  // namespace meshlib
@@ -2310,13 +2327,14 @@ class communicator_frontend {
 
 }  // namespace meshlib
 // end meshlib/comm/frontend.hpp
-// begin meshlib/comm/thread/options.hpp
+// begin meshlib/comm/timeout.hpp
 /// @file
-/// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
-/// measured on a 2-core machine (see docs/benchmarks.md), and the `MESHLIB_COMM_TIMEOUT` default.
+/// @brief The timeout every communicator starts from unless told otherwise: `MESHLIB_COMM_TIMEOUT`
+/// or 60 s. Here, in the comm layer and apart from any backend, because every backend's options
+/// (thread, MPI, NCCL) and the debug layer's slow-collective warning use the same default; before,
+/// they reached into the thread backend's options for it.
 
 #include <chrono>
-#include <cstddef>
 #include <cstdlib>
 #include <string>
 
@@ -2343,6 +2361,20 @@ inline std::chrono::nanoseconds default_comm_timeout() {
   }
   return std::chrono::nanoseconds(static_cast<long long>(seconds * 1e9));
 }
+
+}  // namespace meshlib
+// end meshlib/comm/timeout.hpp
+// begin meshlib/comm/thread/options.hpp
+/// @file
+/// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
+/// measured on a 2-core machine (see docs/benchmarks.md). The timeout default they start from is
+/// the comm layer's (comm/timeout.hpp), shared by every backend.
+
+#include <chrono>
+#include <cstddef>
+
+
+namespace meshlib {
 
 /// @brief Options of a `thread_world`.
 /// @code
@@ -2474,6 +2506,7 @@ struct thread_comm_options {
 /// copying another backend's message.
 
 #include <chrono>
+#include <exception>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -2524,6 +2557,18 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
   os << (missing.empty() ? std::string("every rank arrived late") : missing + " never arrived");
   os << "; raise the timeout (" << knob << ") if they are only slow";
   return os.str();
+}
+
+/// The message of exception `e` (what() of a std::exception), for the root-cause messages of
+/// every launcher and runner.
+inline std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
 }
 
 }  // namespace meshlib::detail
@@ -4157,10 +4202,12 @@ class thread_world {
 // begin meshlib/comm/thread/run_on_threads.hpp
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
-/// of n threads, joins them, and rethrows the root cause of a failure with its rank. `spmd` and
-/// `shard_map` run on persistent device threads instead (tensor/device_workers.hpp) and come here
-/// only for a call those cannot take (a nested call); both report failures through
-/// `detail::participant_failures`.
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank: the thread
+/// backend's own launcher, as `run_hybrid` is the MPI backend's. `spmd` and `shard_map` run on the
+/// persistent device threads of exec's `thread_runner` instead (exec/detail/device_workers.hpp)
+/// and come here only for a call those cannot take (a nested call); both report failures through
+/// `detail::participant_failures`, and pin with `detail::pin_to`, both here because this launcher,
+/// below exec, needs them too.
 
 #include <exception>
 #if defined(__linux__)
@@ -4175,20 +4222,6 @@ class thread_world {
 
 
 namespace meshlib {
-
-/// @brief Thrown by `run_on_threads` when a participant failed: the root cause, with its rank.
-/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
-/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
-class participant_error : public comm_error, public std::nested_exception {
- public:
-  /// Must be constructed while the participant's exception is the current one (in a catch block).
-  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
-  /// Rank (in the world of `run_on_threads`) of the participant whose failure is the root cause.
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-
- private:
-  int rank_;
-};
 
 namespace detail {
 /// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
@@ -4210,18 +4243,8 @@ inline void pin_to(const cpu_set_t& allowed, int index) {
 }
 #endif
 
-inline std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
 /// @brief The participants' failures in one run on a `thread_world`, and who is blamed for them:
-/// shared by `run_on_threads` and the persistent device threads (`thread_backend`), so that both
+/// shared by `run_on_threads` and the persistent device threads (`thread_runner`), so that both
 /// report the same root cause with the same message.
 class participant_failures {
  public:
@@ -6165,258 +6188,32 @@ auto to_host(const X& x) {
 #include <utility>
 #include <vector>
 
-// begin meshlib/tensor/device_workers.hpp
+// begin meshlib/tensor/for_each_device.hpp
 /// @file
-/// @brief The persistent device threads that run every local device at once: `spmd` and
-/// `shard_map` calls on a `thread_backend` / `thread_runner` (exec/thread_runner.hpp), and
-/// global-view operations (elementwise, reductions, matmul, transpose on `sharded_tensor`s).
+/// @brief `detail::for_each_device`: how a global-view operation (elementwise, reductions, matmul,
+/// transpose on `sharded_tensor`s) runs its devices' kernels, each on its execution-space
+/// instance; and `detail::device_dispatcher`, the hook that runs them at once.
 ///
-/// Why persistent: starting and joining a thread per device costs tens of microseconds per device
-/// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
-/// a training step's collectives; these threads start on first use and wait, blocked on a futex so
-/// that an oversubscribed machine loses no core to them, for the next job. Only while every index
-/// of the job has a core of its own do the waiting threads (worker and caller) first poll for
-/// at most 50 us: on an idle virtual machine a futex wake-up of a sleeping core took 27-50 us per
-/// empty 2-device `spmd` (1.5-2.8 us with the bounded poll); oversubscribed, they block at once
-/// (an unbounded spin made a 2-device call 5x slower on a busy machine: the spinner held the core
-/// the caller needed). Index `i` of a job is
-/// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
-/// keeps its thread, its thread-local state and its execution-space instance from call to call.
-/// Workers are pinned to one core each while a job has no more indices than the process has
-/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
-/// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
-///
-/// The pool lives in the tensor layer because global-view operations use it; the exec layer's
-/// runners (exec/runner.hpp) build on it. There is one process-wide pool (`get()`), and a
-/// `thread_runner` owns one of its own for as long as the user keeps it.
-///
-/// No job waits for the pool: a job submitted from inside a job (from a device thread of any pool)
-/// or while another thread's job runs is refused by `try_run`, and `run` then runs its indices one
-/// after another on the calling thread (global-view operations: their devices do not talk to each
-/// other), while `spmd` starts threads of its own (its devices do).
+/// Why a hook: the threads that run devices at once belong to the exec layer (its device thread
+/// pool, exec/detail/device_workers.hpp), above this one; a layer must not include the layers
+/// above it. So this layer declares a dispatcher and the exec header installs its pool there when
+/// a program includes it (`<meshlib.hpp>`, `<meshlib/exec.hpp>` and every runner do). Without it,
+/// or below `parallel_work_threshold`, the calling thread runs the devices one after another:
+/// the same results (a global-view operation's devices do not talk to each other), only slower.
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
-#include <cstdint>
-#include <exception>
-#include <memory>
-#include <mutex>
 #include <span>
-#include <thread>
-#include <vector>
-
-#if defined(__linux__)
-#include <unistd.h>
-#endif
 
 
 namespace meshlib::detail {
 
-/// Whether the calling thread is running an index of a `device_workers` job (any pool's).
-inline bool& in_device_worker() noexcept {
-  thread_local bool inside = false;
-  return inside;
-}
+/// Runs `call(ctx, i)` for every `i` in `[0, count)` at once and returns when all have returned;
+/// rethrows the exception of the lowest `i` that threw.
+using device_dispatch_fn = void (*)(std::size_t count, void* ctx, void (*call)(void*, std::size_t));
 
-/// A pool of persistent device threads (see the file comment).
-class device_workers {
- public:
-  /// The process-wide pool: started on first use, its threads joined at exit.
-  static device_workers& get() {
-    static device_workers w;
-    return w;
-  }
-  /// An empty pool; threads start on the first job that needs them. `may_pin`: whether workers
-  /// pin themselves to a core while a job fits the cores (false for the threads of a process
-  /// that shares its node's cores with other processes of one run: each would pin its worker `i`
-  /// to the same core `i`; MPI launchers bind the processes themselves).
-  explicit device_workers(bool may_pin = true) : may_pin_(may_pin) {}
-  device_workers(const device_workers&) = delete;
-  device_workers& operator=(const device_workers&) = delete;
-  /// Stops and joins every worker (none may be running a job: jobs are synchronous).
-  ~device_workers() {
-#if defined(__linux__)
-    if (forked()) {  // the workers live in the parent only: nothing to stop or join here
-      for (auto& w : workers_) (void)w.release();
-      return;
-    }
-#endif
-    stop_.store(true, std::memory_order_release);
-    for (auto& w : workers_) {
-      w->go.fetch_add(1, std::memory_order_release);
-      w->go.notify_one();
-    }
-    for (auto& w : workers_) w->thread.join();
-  }
-
-  /// Calls `f(i)` for every `i` in `[0, count)` at once, `i = 0` on the calling thread and `i` on
-  /// worker `i`, and returns when all have returned; rethrows the exception of the lowest `i` that
-  /// threw. When the pool cannot take the job (see the file comment), runs the indices one after
-  /// another on the calling thread instead.
-  template <class F>
-  void run(std::size_t count, F& f) {
-    std::vector<std::exception_ptr> errors(count);
-    auto guarded = [&](std::size_t i) {
-      try {
-        f(i);
-      } catch (...) {
-        errors[i] = std::current_exception();
-      }
-    };
-    if (!try_run(count, guarded)) {
-      inside_guard g;
-      for (std::size_t i = 0; i < count; ++i) guarded(i);
-    }
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  }
-
-  /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
-  /// while another thread's job runs, so that a caller whose indices must run at the same time
-  /// (they communicate) can start threads of its own instead.
-  /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
-  template <class F>
-  [[nodiscard]] bool try_run(std::size_t count, F& f) {
-    if (count == 0) return true;
-    if (in_device_worker()) return false;
-#if defined(__linux__)
-    if (forked()) return false;  // a child of fork() has none of the workers
-#endif
-    std::unique_lock submit(submit_, std::try_to_lock);
-    if (!submit.owns_lock()) return false;
-    if (count == 1) {
-      inside_guard g;
-      f(std::size_t{0});
-      return true;
-    }
-    grow(count - 1);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
-    remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
-    for (std::size_t i = 1; i < count; ++i) {
-      auto& w = *workers_[i - 1];
-      w.go.fetch_add(1, std::memory_order_release);  // publishes job_ to worker i
-      w.go.notify_one();
-    }
-    {
-      inside_guard g;
-      f(std::size_t{0});
-    }
-    const bool spin = job_.pin;
-    for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;
-         left = remaining_.load(std::memory_order_acquire))
-      if (!spin || !spin_while_equal(remaining_, left)) remaining_.wait(left, std::memory_order_acquire);
-    return true;
-  }
-
-  /// Worker threads started so far (index `i` of a job runs on the `i`-th, for `i >= 1`).
-  [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
-
- private:
-  /// Polls `a` for up to `spin_budget` while it still holds `old`; true when it changed. Used only
-  /// while every index of the job has a core of its own (never when oversubscribed): waking a
-  /// blocked thread on an idle core of a virtual machine costs tens of microseconds (measured on
-  /// the idle 2-core machine: 27-50 us per empty 2-device call blocked, against 6 us when the cores
-  /// were busy), more than the short calls of a training step take; a bounded spin keeps that
-  /// cost off the common back-to-back calls and gives the core back soon after.
-  static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
-    const auto until = std::chrono::steady_clock::now() + spin_budget;
-    for (unsigned i = 1;; ++i) {
-      if (a.load(std::memory_order_acquire) != old) return true;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
-    }
-  }
-  static constexpr std::chrono::microseconds spin_budget{50};
-
-  struct inside_guard {
-    bool previous = in_device_worker();
-    inside_guard() { in_device_worker() = true; }
-    ~inside_guard() { in_device_worker() = previous; }
-  };
-
-  struct job {
-    void (*call)(void*, std::size_t) = nullptr;
-    void* ctx = nullptr;
-    std::size_t count = 0;
-    bool pin = false;
-  };
-
-  struct worker {
-    std::atomic<std::uint32_t> go{0};  // bumped once per job for this worker, and at stop
-    std::thread thread;
-  };
-
-#if defined(__linux__)
-  /// The CPUs this process may run on when the pool started its first worker.
-  static const cpu_set_t& allowed_cpus() {
-    static const cpu_set_t set = [] {
-      cpu_set_t s;
-      CPU_ZERO(&s);
-      if (pthread_getaffinity_np(pthread_self(), sizeof(s), &s) != 0) CPU_ZERO(&s);
-      return s;
-    }();
-    return set;
-  }
-#endif
-  /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
-  static bool pin_fits([[maybe_unused]] std::size_t count) {
-#if defined(__linux__)
-    return count <= static_cast<std::size_t>(CPU_COUNT(&allowed_cpus()));
-#else
-    return false;
-#endif
-  }
-
-#if defined(__linux__)
-  /// Whether this is a child process of the one that started the workers.
-  [[nodiscard]] bool forked() const noexcept { return ::getpid() != owner_; }
-  const pid_t owner_ = ::getpid();
-#endif
-
-  /// Starts workers until there are `n`.
-  void grow(std::size_t n) {
-    while (workers_.size() < n) {
-      auto w = std::make_unique<worker>();
-      const std::size_t index = workers_.size() + 1;
-      w->thread = std::thread([this, index, &go = w->go] { serve(index, go); });
-      workers_.push_back(std::move(w));
-    }
-  }
-
-  /// Worker `index`'s loop: block until its `go` moves, run its index of the job, count down.
-  void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
-    in_device_worker() = true;
-    bool pinned = false;
-    std::uint32_t seen = 0;
-    for (;;) {
-      if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
-      seen = go.load(std::memory_order_acquire);
-      if (stop_.load(std::memory_order_acquire)) return;
-      const job j = job_;
-#if defined(__linux__)
-      // Pinned while the job fits the cores (the comm layer's `pin_to`, as `run_on_threads` pins);
-      // given all CPUs back for a larger job. A syscall only when the policy changes.
-      if (j.pin != pinned) {
-        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
-        else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
-        pinned = j.pin;
-      }
-#endif
-      j.call(j.ctx, index);
-      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
-    }
-  }
-
-  const bool may_pin_ = true;
-  std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
-  job job_{};
-  std::atomic<std::uint32_t> remaining_{0};
-  std::atomic<bool> stop_{false};
-  std::vector<std::unique_ptr<worker>> workers_;  // workers_[i] serves index i + 1
-};
+/// The installed dispatcher (see the file comment); null: the devices run one after another.
+inline constinit std::atomic<device_dispatch_fn> device_dispatcher{nullptr};
 
 /// Below this many element operations in all, waking workers costs more than it saves (a wake is
 /// a few microseconds; a host kernel does about a thousand element operations per microsecond).
@@ -6435,15 +6232,16 @@ void for_each_device(std::span<const std::size_t> devices, std::size_t num_devic
     scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
     f(d);
   };
-  if (work < parallel_work_threshold) {
+  const device_dispatch_fn dispatch = device_dispatcher.load(std::memory_order_acquire);
+  if (work < parallel_work_threshold || dispatch == nullptr) {
     for (std::size_t i = 0; i < devices.size(); ++i) task(i);
     return;
   }
-  device_workers::get().run(devices.size(), task);
+  dispatch(devices.size(), &task, [](void* t, std::size_t i) { (*static_cast<decltype(task)*>(t))(i); });
 }
 
 }  // namespace meshlib::detail
-// end meshlib/tensor/device_workers.hpp
+// end meshlib/tensor/for_each_device.hpp
 
 namespace meshlib {
 
@@ -7679,7 +7477,7 @@ auto matmul(const A& a, const B& b) {
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
     local[dev] = true;
   }
-  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  // Every device's block product at once, each on its own instance (for_each_device.hpp).
   const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
   detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
     prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
@@ -8007,663 +7805,38 @@ inline collective_workspace& thread_workspace() {
 #include <string_view>
 #include <vector>
 
-// begin meshlib/debug/observe.hpp
+// begin meshlib/collectives/observer.hpp
 /// @file
-/// @brief The debug layer's one decorator point. A runner creates one `run_observer` per run
-/// (`shard_map`, `spmd`, `reshard`); when tracing, debug mode or a Kokkos tool is on, every device's
-/// communicators are wrapped in an `observed_comm`, which forwards every operation to the real one
-/// and around it: records the collective in the trace (`trace.hpp`), reports it to Kokkos tools as a
-/// profiling region, checks its input and output for NaN/Inf, and marks the device's arrival on the
-/// run's board so that a watchdog can warn about a device that keeps the others waiting. When all
-/// three are off the runner does not wrap: the cost is one predictable branch per collective (on
-/// the observer pointer, in `device_context_for::comm`).
+/// @brief The observer interface of a run's collectives, and `observed_comm`, the forwarding
+/// decorator that reports every operation of a device's communicator (`device_comm`) to it.
 ///
-/// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
+/// Why here, beside `device_comm`, and not in the debug layer: the device context
+/// (device_context.hpp) must hand out decorated communicators, and the layer that declares a
+/// decorator point must not include the layer that fills it. So collectives declare the interface
+/// (`comm_observer`) and forward to it; debug implements it (`run_observer`, debug/observe.hpp:
+/// trace, Kokkos regions, NaN/Inf checks, the slow-peer watchdog); exec, which runs the devices,
+/// creates one per run and installs it in every device's context. Without an observer, or with an
+/// inactive one, nothing is wrapped: one predictable branch per collective.
 /// @code
-/// meshlib::enable_debug_mode({.slow_warning_fraction = 0.1, .timeout = std::chrono::seconds(5)});
-/// auto y = f(x);   // NaN/Inf in a collective -> nonfinite_error; a device 0.5 s late -> one warning
+/// struct counting final : meshlib::detail::comm_observer {   // e.g. a test's observer
+///   std::atomic<int> calls{0};
+///   bool active() const noexcept override { return true; }
+///   void open(meshlib::detail::comm_site&) override {}
+///   void enter(const meshlib::detail::comm_site&, meshlib::detail::comm_call&) override { ++calls; }
+///   void leave(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) noexcept override {}
+///   void done(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) override {}
+/// };
 /// @endcode
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <iostream>
-#include <map>
-#include <mutex>
 #include <span>
-#include <sstream>
 #include <string>
-#include <thread>
-#include <tuple>
-#include <utility>
-#include <vector>
-
-// begin meshlib/debug/errors.hpp
-/// @file
-/// @brief The errors of debug mode's checks: `debug_check_error` and its two kinds.
-
-#include <string>
-
-
-namespace meshlib {
-
-/// @brief A debug-mode check failed (see docs/debugging.md).
-class debug_check_error : public error {
- public:
-  using error::error;
-};
-
-/// @brief A value whose type says it is replicated over some axes differs between the devices of
-/// one of those groups (`check_replicated`; debug mode checks `shard_map` outputs).
-/// `what()` names the first differing device, the element index and both values.
-class replica_mismatch : public debug_check_error {
- public:
-  using debug_check_error::debug_check_error;
-};
-
-/// @brief A collective's input or output holds a NaN or an infinity (debug mode). `what()` names
-/// the device, the operation and the element.
-class nonfinite_error : public debug_check_error {
- public:
-  using debug_check_error::debug_check_error;
-};
-
-}  // namespace meshlib
-// end meshlib/debug/errors.hpp
-// begin meshlib/debug/trace.hpp
-/// @file
-/// @brief The trace recorder: a timeline of every collective and every user region, per device,
-/// written as Chrome trace event JSON (Perfetto's UI and chrome://tracing open it), and a summary
-/// per collective type, axis and device. Off by default; on through `start_trace(path)` /
-/// `stop_trace()` (as `jax.profiler.start_trace` / `stop_trace`), the RAII `scoped_trace`, or the
-/// environment: `MESHLIB_TRACE=trace.json` traces the whole program and writes the file (and prints
-/// the summary to stderr) at exit.
-///
-/// The recorder only stores events; the runners feed it through the debug layer's one decorator
-/// point (`observe.hpp`), and `trace_region` adds the user's regions.
-/// @code
-/// meshlib::start_trace("step.json");
-/// auto y = f(x);                                    // a shard_map: its collectives are recorded
-/// std::cerr << meshlib::stop_trace();               // writes step.json; prints the summary
-/// @endcode
-///
-/// File layout (one JSON object): `traceEvents` holds, per device, a `thread_name` metadata record
-/// ("device 3 (data=1, model=1)") and a `thread_sort_index`; one complete event (`ph: "X"`) per
-/// collective with `args` {axes, dtype, bytes, wait_us, group}; one per region (`cat: "region"`);
-/// and flow events (`ph: "s"/"t"/"f"`) that join the devices of each collective at the moment the
-/// last of them arrived. `pid` is the process index (one file per process in multi-process runs:
-/// `trace.json` becomes `trace.p1.json` for process 1), `tid` the device id; regions run outside
-/// any device go to the `host` track.
-
-#include <algorithm>
-#include <atomic>
-#include <charconv>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <iostream>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <string_view>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 
-namespace meshlib {
-
-namespace detail {
-/// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
-/// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
-struct column_width {
-  std::streamsize n;
-  friend std::ostream& operator<<(std::ostream& os, column_width w) {
-    os.width(w.n);
-    return os;
-  }
-};
-}  // namespace detail
-
-/// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
-struct trace_summary_row {
-  std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
-  std::string axes;  ///< "model", "data,model"
-  /// The device this row counts.
-  std::size_t device = 0;
-  /// How many calls of the collective this device made.
-  std::size_t count = 0;
-  std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
-  double time_s = 0;      ///< time inside the collective, waiting included
-  double wait_s = 0;      ///< time spent waiting for the last device of the group to arrive
-};
-
-/// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
-/// wait time; and the slowest device (the one its peers waited for longest). Printable.
-struct trace_summary {
-  /// One row per collective type, axes and device.
-  std::vector<trace_summary_row> rows;
-  /// The number of devices traced.
-  std::size_t devices = 0;
-  /// Seconds from start to stop of the trace.
-  double traced_s = 0;
-  /// The device the others waited for longest, when any waited at all.
-  std::optional<std::size_t> slowest_device;
-  /// How long, summed over collectives, the others waited for `slowest_device` after their first arrival.
-  double slowest_lateness_s = 0;
-  /// The file written (empty when none was).
-  std::string path;
-
-  /// Prints the table: one line per row, then the slowest device.
-  friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
-    os.precision(3);
-    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
-       << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
-    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
-       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
-       << "wait ms" << '\n';
-    for (const auto& r : s.rows)
-      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
-         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
-         << r.wait_s * 1e3 << '\n';
-    if (s.slowest_device)
-      os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
-         << " ms for it in all)\n";
-    else
-      os << "slowest device: none (no collective waited for a late device)\n";
-    os.unsetf(std::ios::floatfield);
-    return os;
-  }
-  /// The table as `operator<<` prints it.
-  [[nodiscard]] std::string to_string() const {
-    std::ostringstream os;
-    os << *this;
-    return os.str();
-  }
-};
-
-namespace detail {
-
-/// One recorded event (a collective or a region) on one track.
-struct trace_event {
-  std::string name;
-  std::string axes;   // collectives: the axes, comma separated
-  std::string dtype;  // collectives: float32, ...
-  std::size_t bytes = 0;
-  std::int64_t start_ns = 0;
-  std::int64_t end_ns = 0;
-  bool collective = false;
-  // Identifies one collective across its devices: the run, the group (axes and color) and the
-  // position of the collective in that group's sequence.
-  std::uint64_t run = 0;
-  std::uint64_t mask = 0;
-  std::size_t color = 0;
-  std::uint64_t seq = 0;
-  std::string group;  // the group's device ids, "0,1"
-};
-
-/// The track of regions that run outside any device (on the host thread).
-inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
-
-/// Process-wide recorder (see the file comment). Appends are per track under the track's own
-/// mutex, so device threads do not contend with each other.
-class trace_recorder {
- public:
-  struct track {
-    std::mutex m;
-    std::string name;
-    std::vector<trace_event> events;
-    std::uint64_t session = 0;  // the last trace session that used it
-  };
-
-  static trace_recorder& get() {
-    static trace_recorder r;
-    return r;
-  }
-
-  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
-
-  [[nodiscard]] std::int64_t now_ns() const noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - origin_).count();
-  }
-
-  void start(std::string path) {
-    std::lock_guard lk(m_);
-    // Tracks live as long as the program (a running device may hold one): restarting empties them.
-    ++session_;
-    for (auto& [id, t] : tracks_) {
-      std::lock_guard tl(t->m);
-      t->events.clear();
-    }
-    path_ = std::move(path);
-    started_ns_ = now_ns();
-    on_.store(true, std::memory_order_release);
-  }
-
-  /// A fresh id for one shard_map / spmd / reshard run.
-  std::uint64_t next_run() noexcept { return runs_.fetch_add(1) + 1; }
-
-  /// The track of `id` (a device id or `host_track`), created on first use.
-  track& track_of(std::size_t id) {
-    std::lock_guard lk(m_);
-    auto& t = tracks_[id];
-    if (!t) {
-      t = std::make_unique<track>();
-      t->name = id == host_track ? "host" : "device " + std::to_string(id);
-    }
-    t->session = session_;
-    return *t;
-  }
-
-  void name_track(std::size_t id, std::string name) {
-    track& t = track_of(id);
-    std::lock_guard lk(t.m);
-    t.name = std::move(name);
-  }
-
-  void record(track& t, trace_event e) {
-    std::lock_guard lk(t.m);
-    t.events.push_back(std::move(e));
-  }
-
-  /// Stops recording, writes the file (when a path was given) and returns the summary.
-  trace_summary stop() {
-    std::lock_guard lk(m_);
-    on_.store(false, std::memory_order_release);
-    // Devices of a run still going may append while this runs: take each track's events under its lock.
-    snapshot_.clear();
-    for (auto& [id, t] : tracks_) {
-      std::lock_guard tl(t->m);
-      if (t->session != session_ && t->events.empty()) continue;
-      snapshot_.push_back({id, t->name, std::move(t->events)});
-      t->events.clear();
-    }
-    trace_summary s = summarize();
-    if (!path_.empty()) {
-      s.path = file_for_process(path_);
-      write(s.path);
-    }
-    snapshot_.clear();
-    path_.clear();
-    return s;
-  }
-
-  /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
-  ~trace_recorder() {
-    if (from_env_ && on()) {
-      try {
-        std::cerr << stop();
-      } catch (const std::exception& e) {
-        std::cerr << e.what() << '\n';
-      }
-    }
-  }
-
-  trace_recorder(const trace_recorder&) = delete;
-  trace_recorder& operator=(const trace_recorder&) = delete;
-
- private:
-  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
-    const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
-    if (env != nullptr && *env != '\0') {
-      from_env_ = true;
-      start(env);
-    }
-  }
-
-  /// `trace.json` for a single-process run; `trace.p<index>.json` for process `index` of several.
-  static std::string file_for_process(const std::string& path) {
-    std::size_t index = 0, count = 1;
-    try {
-      const auto l = distributed::detect_launch(distributed::process_env());
-      index = l.process_index;
-      count = l.process_count;
-    } catch (const std::exception&) {
-      // An inconsistent launcher environment is reported by distributed::initialize; here one file.
-    }
-    if (count <= 1) return path;
-    const std::size_t dot = path.rfind('.');
-    const std::size_t slash = path.rfind('/');
-    const std::string suffix = ".p" + std::to_string(index);
-    if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return path + suffix;
-    return path.substr(0, dot) + suffix + path.substr(dot);
-  }
-
-  static std::size_t process_index() {
-    try {
-      return distributed::detect_launch(distributed::process_env()).process_index;
-    } catch (const std::exception&) {
-      return 0;
-    }
-  }
-
-  using key_t = std::tuple<std::uint64_t, std::uint64_t, std::size_t, std::uint64_t>;
-  struct instance {
-    std::int64_t first = INT64_MAX, last = INT64_MIN;
-    std::vector<std::pair<std::size_t, const trace_event*>> members;  // (track, event)
-  };
-
-  std::map<key_t, instance> instances() const {
-    std::map<key_t, instance> out;
-    for (const auto& t : snapshot_)
-      for (const auto& e : t.events) {
-        if (!e.collective) continue;
-        auto& in = out[key_t{e.run, e.mask, e.color, e.seq}];
-        in.first = std::min(in.first, e.start_ns);
-        in.last = std::max(in.last, e.start_ns);
-        in.members.emplace_back(t.id, &e);
-      }
-    return out;
-  }
-
-  static std::int64_t wait_of(const instance& in, const trace_event& e) {
-    return std::clamp<std::int64_t>(in.last - e.start_ns, 0, e.end_ns - e.start_ns);
-  }
-
-  trace_summary summarize() const {
-    trace_summary s;
-    const auto inst = instances();
-    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
-    std::map<std::size_t, double> lateness;
-    std::int64_t lo = started_ns_, hi = started_ns_;
-    for (const auto& t : snapshot_) {
-      if (t.id != host_track) ++s.devices;
-      for (const auto& e : t.events) hi = std::max(hi, e.end_ns);
-    }
-    for (const auto& [key, in] : inst) {
-      const trace_event* late = nullptr;
-      std::size_t late_dev = 0;
-      for (const auto& [dev, e] : in.members) {
-        auto& r = rows[{e->name, e->axes, dev}];
-        r.op = e->name;
-        r.axes = e->axes;
-        r.device = dev;
-        ++r.count;
-        r.bytes += e->bytes;
-        r.time_s += static_cast<double>(e->end_ns - e->start_ns) * 1e-9;
-        r.wait_s += static_cast<double>(wait_of(in, *e)) * 1e-9;
-        if (!late || e->start_ns > late->start_ns) {
-          late = e;
-          late_dev = dev;
-        }
-      }
-      if (late && in.members.size() > 1 && in.last > in.first)
-        lateness[late_dev] += static_cast<double>(in.last - in.first) * 1e-9;
-    }
-    for (auto& [k, r] : rows) s.rows.push_back(r);
-    for (const auto& [dev, l] : lateness)
-      if (l > s.slowest_lateness_s) {
-        s.slowest_lateness_s = l;
-        s.slowest_device = dev;
-      }
-    s.traced_s = static_cast<double>(hi - lo) * 1e-9;
-    return s;
-  }
-
-  static void json_string(std::ostream& os, std::string_view s) {
-    os << '"';
-    for (char c : s) {
-      switch (c) {
-        case '"': os << "\\\""; break;
-        case '\\': os << "\\\\"; break;
-        case '\n': os << "\\n"; break;
-        case '\t': os << "\\t"; break;
-        default:
-          if (static_cast<unsigned char>(c) < 0x20) {
-            char buf[8];
-            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-            os << buf;
-          } else {
-            os << c;
-          }
-      }
-    }
-    os << '"';
-  }
-
-  // As std::fixed with precision 3 prints it, whatever the locale (JSON needs the '.').
-  static std::string fixed3(double v) {
-    char buf[400];  // the longest finite double in fixed notation with 3 decimals fits
-    const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 3);
-    return std::string(buf, r.ptr);
-  }
-
-  // The file is written through <cstdio>: <fstream> would cost every translation unit that includes
-  // meshlib its parse time for this one function (docs/benchmarks.md, include cost).
-  void write(const std::string& path) const {
-    struct file_closer {
-      void operator()(std::FILE* p) const noexcept { std::fclose(p); }
-    };
-    std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "w"));
-    if (!file) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
-    std::ostringstream f;
-    const std::size_t pid = process_index();
-    // Microseconds with nanosecond digits: the unit of the Chrome trace format.
-    auto us = [this](std::int64_t ns) {
-      return fixed3(static_cast<double>(ns - started_ns_) * 1e-3);
-    };
-    auto dur = [](std::int64_t ns) { return fixed3(static_cast<double>(ns) * 1e-3); };
-    auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
-    const auto inst = instances();
-    f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
-    f << R"({"ph":"M","name":"process_name","pid":)" << pid << R"(,"tid":0,"args":{"name":"meshlib process )" << pid
-      << "\"}}";
-    for (const auto& t : snapshot_) {
-      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(t.id) << ",\"args\":{\"name\":";
-      json_string(f, t.name);
-      f << "}}";
-      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(t.id)
-        << ",\"args\":{\"sort_index\":" << (t.id == host_track ? std::string("-1") : std::to_string(t.id)) << "}}";
-    }
-    for (const auto& t : snapshot_)
-      for (const auto& e : t.events) {
-        const std::size_t id = t.id;
-        f << ",\n{\"ph\":\"X\",\"name\":";
-        json_string(f, e.name);
-        f << ",\"cat\":\"" << (e.collective ? "collective" : "region") << "\",\"pid\":" << pid << ",\"tid\":" << tid(id)
-          << ",\"ts\":" << us(e.start_ns) << ",\"dur\":" << dur(e.end_ns - e.start_ns);
-        if (e.collective) {
-          const auto& in = inst.at(key_t{e.run, e.mask, e.color, e.seq});
-          f << ",\"args\":{\"axes\":";
-          json_string(f, e.axes);
-          f << ",\"dtype\":\"" << e.dtype << "\",\"bytes\":" << e.bytes << ",\"wait_us\":" << dur(wait_of(in, e))
-            << ",\"group\":\"" << e.group << "\",\"seq\":" << e.seq << "}";
-        }
-        f << "}";
-      }
-    // Flow arrows: one chain per collective through its devices in id order, at the moment the
-    // last of them arrived (a moment inside every member's slice).
-    std::uint64_t flow = 0;
-    for (const auto& [key, in] : inst) {
-      if (in.members.size() < 2) continue;
-      auto members = in.members;
-      std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-      ++flow;
-      for (std::size_t i = 0; i < members.size(); ++i) {
-        const auto& [id, e] = members[i];
-        const char* ph = i == 0 ? "s" : (i + 1 == members.size() ? "f" : "t");
-        const std::int64_t at = std::clamp(in.last, e->start_ns, e->end_ns);
-        f << ",\n{\"ph\":\"" << ph << "\",\"name\":";
-        json_string(f, e->name);
-        f << ",\"cat\":\"collective\",\"id\":" << flow << ",\"pid\":" << pid << ",\"tid\":" << tid(id)
-          << ",\"ts\":" << us(at) << (i + 1 == members.size() ? ",\"bp\":\"e\"" : "") << "}";
-      }
-    }
-    f << "\n]}\n";
-    const std::string text = std::move(f).str();
-    if (std::fwrite(text.data(), 1, text.size(), file.get()) != text.size() || std::fclose(file.release()) != 0)
-      throw error("meshlib: stop_trace: writing '" + path + "' failed");
-  }
-
-  std::atomic<bool> on_{false};
-  std::atomic<std::uint64_t> runs_{0};
-  std::mutex m_;
-  std::map<std::size_t, std::unique_ptr<track>> tracks_;
-  // What stop() took from the tracks (in id order, the host track last): summarised and written.
-  struct taken {
-    std::size_t id;
-    std::string name;
-    std::vector<trace_event> events;
-  };
-  std::vector<taken> snapshot_;
-  std::uint64_t session_ = 0;
-  std::string path_;
-  std::chrono::steady_clock::time_point origin_;
-  std::int64_t started_ns_ = 0;
-  bool from_env_ = false;
-};
-
-}  // namespace detail
-
-/// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
-/// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
-/// Restarting discards what was recorded. Runs that are already going keep their state: tracing
-/// is read when a `shard_map`, `spmd` or `reshard` starts.
-inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
-
-/// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
-/// @throws error when the file cannot be written (naming it).
-inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
-
-/// @brief True while a trace is being recorded.
-[[nodiscard]] inline bool tracing() noexcept { return detail::trace_recorder::get().on(); }
-
-/// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
-/// destructor writes the file. Call `stop()` to get the summary earlier.
-class scoped_trace {
- public:
-  /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
-  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
-  ~scoped_trace() {
-    if (!stopped_) {
-      try {
-        (void)stop_trace();
-      } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
-      }
-    }
-  }
-  /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
-  trace_summary stop() {
-    stopped_ = true;
-    return stop_trace();
-  }
-  scoped_trace(const scoped_trace&) = delete;
-  scoped_trace& operator=(const scoped_trace&) = delete;
-
- private:
-  bool stopped_ = false;
-};
-
-}  // namespace meshlib
-// end meshlib/debug/trace.hpp
-
-// Kokkos' profiling interface (Kokkos 3.4 and 4.x both have Kokkos::Profiling::pushRegion /
-// popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
-#if __has_include(<Kokkos_Core.hpp>)
-#include <Kokkos_Core.hpp>
-/// 1 when Kokkos' headers are on the include path (this header then uses Kokkos' profiling hooks).
-#define MESHLIB_DEBUG_HAS_KOKKOS 1
-#else
-/// 0 when Kokkos' headers are not on the include path (the header builds without Kokkos).
-#define MESHLIB_DEBUG_HAS_KOKKOS 0
-#endif
-
-namespace meshlib {
-
-/// @brief What debug mode checks.
-struct debug_options {
-  /// Check every collective's input and output for NaN and infinity (floating-point types).
-  bool check_nonfinite = true;
-  /// Check that `shard_map` outputs are identical over the axes their type says they are replicated over.
-  bool check_replicas = true;
-  /// Warn once about a collective whose devices have waited this fraction of `timeout` for a late
-  /// peer. 0 disables the warning.
-  double slow_warning_fraction = 0.25;
-  /// The communicators' timeout that the fraction is of (the backend's own setting is not visible
-  /// here; default: `MESHLIB_COMM_TIMEOUT` or 60 s, the communicators' default too).
-  std::chrono::nanoseconds timeout = [] {
-    try {
-      return default_comm_timeout();
-    } catch (const std::exception&) {
-      return std::chrono::nanoseconds(default_comm_timeout_fallback);
-    }
-  }();
-  /// Where warnings go (default: one line on std::cerr).
-  std::function<void(const std::string&)> on_warning;
-};
-
-namespace detail {
-
-struct debug_state {
-  std::mutex m;
-  std::atomic<bool> on{false};
-  debug_options options;
-
-  static debug_state& get() {
-    static debug_state s;
-    return s;
-  }
-
- private:
-  debug_state() {
-    const char* env = std::getenv("MESHLIB_DEBUG");  // NOLINT(concurrency-mt-unsafe): read once
-    on.store(env != nullptr && *env != '\0' && std::string_view(env) != "0");
-  }
-};
-
-}  // namespace detail
-
-/// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
-inline void enable_debug_mode(debug_options options = {}) {
-  auto& s = detail::debug_state::get();
-  std::lock_guard lk(s.m);
-  s.options = std::move(options);
-  s.on.store(true);
-}
-
-/// @brief Turns debug mode off.
-inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
-
-/// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
-[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
-
-/// @brief Debug mode for a scope; restores the previous state.
-class scoped_debug_mode {
- public:
-  /// Turns debug mode on with `options` until the scope ends.
-  explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
-    auto& s = detail::debug_state::get();
-    std::lock_guard lk(s.m);
-    previous_ = s.options;
-    s.options = std::move(options);
-    s.on.store(true);
-  }
-  ~scoped_debug_mode() {
-    auto& s = detail::debug_state::get();
-    std::lock_guard lk(s.m);
-    s.options = std::move(previous_);
-    s.on.store(was_);
-  }
-  scoped_debug_mode(const scoped_debug_mode&) = delete;
-  scoped_debug_mode& operator=(const scoped_debug_mode&) = delete;
-
- private:
-  bool was_;
-  debug_options previous_;
-};
-
-namespace detail {
+namespace meshlib::detail {
 
 /// Inside this scope the calling thread's collectives are not observed: the debug layer's own
 /// collectives (ordered printing, replica checks) stay out of the trace and the checks.
@@ -8671,6 +7844,7 @@ inline int& unobserved_depth() noexcept {
   thread_local int depth = 0;
   return depth;
 }
+/// Leaves the calling thread's collectives unobserved while it lives (nests).
 struct unobserved_scope {
   unobserved_scope() noexcept { ++unobserved_depth(); }
   ~unobserved_scope() { --unobserved_depth(); }
@@ -8688,6 +7862,7 @@ std::string device_label(const Mesh& m, std::size_t device) {
   return s + ")";
 }
 
+/// "0,2,4".
 inline std::string join_ids(const std::vector<std::size_t>& ids) {
   std::string s;
   for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
@@ -8703,7 +7878,24 @@ struct comm_site {
   std::size_t color = 0;
   std::vector<std::size_t> group;  // device ids in group-rank order
   std::size_t group_rank = 0;
+  /// The observer's own state for this site, set by `comm_observer::open` (debug: its trace track).
+  void* data = nullptr;
 };
+
+/// The site of device `device`'s communicator over the axes in `mask` of `m`.
+template <mesh_type Mesh>
+comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
+  comm_site s;
+  s.device = device;
+  s.device_label = device_label(m, device);
+  s.mask = mask & Mesh::all_axes;
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+  s.color = m.group_color(device, s.mask);
+  s.group = m.group(device, s.mask);
+  s.group_rank = m.group_rank(device, s.mask);
+  return s;
+}
 
 /// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
 constexpr const char* reduction_name(reduce_op op) noexcept {
@@ -8716,205 +7908,50 @@ constexpr const char* reduction_name(reduce_op op) noexcept {
   }
 }
 
-/// The first non-finite element of `n` elements of `dt` at `p`, or -1.
-inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
-  auto scan = [&](auto tag) -> std::ptrdiff_t {
-    using T = decltype(tag);
-    const T* x = static_cast<const T*>(p);
-    for (std::size_t i = 0; i < n; ++i) {
-      const double v = static_cast<double>(static_cast<float>(x[i]));
-      if (!std::isfinite(v)) {
-        value = v;
-        return static_cast<std::ptrdiff_t>(i);
-      }
-    }
-    return -1;
-  };
-  switch (dt) {
-    case datatype::float32: return scan(float{});
-    case datatype::bfloat16: return scan(bfloat16{});
-    case datatype::float64: {
-      const double* x = static_cast<const double*>(p);
-      for (std::size_t i = 0; i < n; ++i)
-        if (!std::isfinite(x[i])) {
-          value = x[i];
-          return static_cast<std::ptrdiff_t>(i);
-        }
-      return -1;
-    }
-    default: return -1;
-  }
-}
+/// One collective as the decorator reports it: its user-level name, element type, the elements
+/// this device sends, its input and output (for checks), and its sequence number on the group.
+struct comm_call {
+  const char* name = "";
+  datatype dt = datatype::float32;
+  std::size_t send_count = 0;
+  const void* in = nullptr;
+  std::size_t in_count = 0;
+  const void* out = nullptr;
+  std::size_t out_count = 0;
+  std::uint64_t seq = 0;
+  /// When the observer saw it start (its clock; set by `enter`, read by `done`).
+  std::int64_t start_ns = 0;
+};
 
-/// Shared state of one run (see the file comment).
-class run_observer {
+/// @brief What a run's observer is told about every collective of every device it observes; the
+/// debug layer implements it (debug/observe.hpp). Called on the device threads, concurrently.
+class comm_observer {
  public:
-  /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
-  /// and, in debug mode with slow warnings on, starts the watchdog.
-  template <mesh_type Mesh>
-  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
-    auto& rec = trace_recorder::get();
-    tracing_ = rec.on();
-    auto& dbg = debug_state::get();
-    debug_ = dbg.on.load();
-#if MESHLIB_DEBUG_HAS_KOKKOS
-    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
-#endif
-    if (!(tracing_ || debug_ || kokkos_)) return;
-    if (debug_) {
-      std::lock_guard lk(dbg.m);
-      options_ = dbg.options;
-    }
-    run_ = rec.next_run();
-    local_.assign(m.size(), false);
-    for (auto d : local) local_[d] = true;
-    if (tracing_)
-      for (auto d : local) rec.name_track(d, device_label(m, d));
-    if (debug_ && options_.slow_warning_fraction > 0) {
-      threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
-      watchdog_ = std::thread([this] { watch(); });
-    }
-  }
-  ~run_observer() {
-    if (watchdog_.joinable()) {
-      {
-        std::lock_guard lk(m_);
-        stop_ = true;
-      }
-      cv_.notify_all();
-      watchdog_.join();
-    }
-  }
-  run_observer(const run_observer&) = delete;
-  run_observer& operator=(const run_observer&) = delete;
+  /// Whether to wrap at all: an inactive observer costs one branch per collective.
+  [[nodiscard]] virtual bool active() const noexcept = 0;
+  /// Once per device and group, when its decorated communicator is made: may set `site.data`.
+  virtual void open(comm_site& site) = 0;
+  /// Before the operation; may throw to refuse it (then neither `leave` nor `done` follows).
+  virtual void enter(const comm_site& site, comm_call& call) = 0;
+  /// After the operation, whether it returned or threw.
+  virtual void leave(const comm_site& site, const comm_call& call) noexcept = 0;
+  /// After `leave`, when the operation returned; may throw (a check of the output).
+  virtual void done(const comm_site& site, const comm_call& call) = 0;
 
-  [[nodiscard]] bool active() const noexcept { return tracing_ || debug_ || kokkos_; }
-  [[nodiscard]] bool tracing() const noexcept { return tracing_; }
-  [[nodiscard]] bool kokkos() const noexcept { return kokkos_; }
-  [[nodiscard]] bool check_nonfinite() const noexcept { return debug_ && options_.check_nonfinite; }
-  [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
-
-  template <mesh_type Mesh>
-  comm_site site(const Mesh& m, std::size_t device, axis_mask mask) const {
-    comm_site s;
-    s.device = device;
-    s.device_label = device_label(m, device);
-    s.mask = mask & Mesh::all_axes;
-    for (std::size_t a = 0; a < Mesh::ndim; ++a)
-      if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
-    s.color = m.group_color(device, s.mask);
-    s.group = m.group(device, s.mask);
-    s.group_rank = m.group_rank(device, s.mask);
-    return s;
-  }
-
-  /// The device of `site` entered its `seq`-th collective `what` on its group.
-  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
-    if (!watchdog_.joinable()) return;
-    std::lock_guard lk(m_);
-    auto& p = board_[key_t{site.mask, site.color, seq}];
-    if (p.arrived.empty()) {
-      p.what = what;
-      p.group = site.group;
-      p.arrived.assign(site.group.size(), false);
-      p.first_ns = now_ns();
-      for (auto d : site.group) p.local += d < local_.size() && local_[d] ? 1 : 0;
-    }
-    p.arrived[site.group_rank] = true;
-  }
-  /// The device of `site` left it (returned or threw).
-  void depart(const comm_site& site, std::uint64_t seq) {
-    if (!watchdog_.joinable()) return;
-    std::lock_guard lk(m_);
-    auto it = board_.find(key_t{site.mask, site.color, seq});
-    if (it != board_.end() && ++it->second.departed >= it->second.local) board_.erase(it);
-  }
-
-  void warn(const std::string& message) const {
-    if (options_.on_warning) options_.on_warning(message);
-    else std::cerr << message << '\n' << std::flush;
-  }
-
-  /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
-  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
-                    datatype dt) const {
-    double v = 0;
-    const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);
-    if (i < 0) return;
-    std::ostringstream os;
-    os << "meshlib: debug mode: " << op << " over '" << site.axes << "' on " << site.device_label << ": " << which
-       << " element " << i << " is " << v << " (" << to_string(dt) << ")";
-    throw nonfinite_error(os.str());
-  }
-
- private:
-  using key_t = std::tuple<axis_mask, std::size_t, std::uint64_t>;
-  struct pending {
-    std::string what;
-    std::vector<std::size_t> group;
-    std::vector<bool> arrived;
-    std::size_t local = 0;
-    std::size_t departed = 0;
-    std::int64_t first_ns = 0;
-    bool warned = false;
-  };
-
-  static std::int64_t now_ns() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
-  void watch() {
-    const auto poll = std::clamp<std::chrono::nanoseconds>(threshold_ / 8, std::chrono::milliseconds(1),
-                                                           std::chrono::milliseconds(100));
-    std::unique_lock lk(m_);
-    while (!stop_) {
-      cv_.wait_for(lk, poll);
-      const std::int64_t now = now_ns();
-      for (auto& [key, p] : board_) {
-        if (p.warned || now - p.first_ns < threshold_.count()) continue;
-        std::vector<std::size_t> missing, here, elsewhere;
-        for (std::size_t r = 0; r < p.group.size(); ++r) {
-          const std::size_t d = p.group[r];
-          if (p.arrived[r]) here.push_back(d);
-          else if (d < local_.size() && local_[d]) missing.push_back(d);
-          else elsewhere.push_back(d);
-        }
-        if (missing.empty() && elsewhere.empty()) continue;
-        p.warned = true;
-        std::ostringstream os;
-        os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
-        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
-           << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
-           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
-        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
-                                   << " of other processes";
-        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
-           << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
-        warn(os.str());
-      }
-    }
-  }
-
-  bool tracing_ = false, debug_ = false, kokkos_ = false;
-  debug_options options_;
-  std::uint64_t run_ = 0;
-  std::vector<bool> local_;
-  std::chrono::nanoseconds threshold_{0};
-  std::mutex m_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::map<key_t, pending> board_;
-  std::thread watchdog_;
+ protected:
+  comm_observer() = default;
+  ~comm_observer() = default;
+  comm_observer(const comm_observer&) = default;
+  comm_observer& operator=(const comm_observer&) = default;
 };
 
 /// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
-/// every operation goes to `inner` with the observation around it (see the file comment).
+/// every operation goes to `inner`, reported to `obs` around it (see the file comment).
 template <class Iface>
 class observed_comm final : public Iface {
  public:
-  observed_comm(Iface& inner, run_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
-    if (obs_.tracing()) track_ = &trace_recorder::get().track_of(site_.device);
+  observed_comm(Iface& inner, comm_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+    obs_.open(site_);
   }
 
   int rank() const override { return inner_.rank(); }
@@ -8967,58 +8004,28 @@ class observed_comm final : public Iface {
       call();
       return;
     }
-    const std::uint64_t seq = seq_++;
-    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "input", in, in_count, dt);
-    const std::string what = std::string(name) + " over '" + site_.axes + "'";
-#if MESHLIB_DEBUG_HAS_KOKKOS
-    if (obs_.kokkos()) Kokkos::Profiling::pushRegion("meshlib::" + what);
-#endif
-    auto& rec = trace_recorder::get();
-    const std::int64_t start = rec.now_ns();
-    obs_.arrive(site_, seq, what);
+    comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
+    obs_.enter(site_, c);
     struct leave {
       observed_comm& self;
-      std::uint64_t seq;
-      ~leave() {
-        self.obs_.depart(self.site_, seq);
-#if MESHLIB_DEBUG_HAS_KOKKOS
-        if (self.obs_.kokkos()) Kokkos::Profiling::popRegion();
-#endif
-      }
+      const comm_call& c;
+      ~leave() { self.obs_.leave(self.site_, c); }
     };
     {
-      leave guard{*this, seq};
+      leave guard{*this, c};
       call();
     }
-    if (track_ != nullptr) {
-      trace_event e;
-      e.name = name;
-      e.axes = site_.axes;
-      e.dtype = std::string(to_string(dt));
-      e.bytes = send_count * size_of(dt);
-      e.start_ns = start;
-      e.end_ns = rec.now_ns();
-      e.collective = true;
-      e.run = obs_.run();
-      e.mask = site_.mask;
-      e.color = site_.color;
-      e.seq = seq;
-      e.group = join_ids(site_.group);
-      rec.record(*track_, std::move(e));
-    }
-    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "output", out, out_count, dt);
+    obs_.done(site_, c);
   }
 
   Iface& inner_;
-  run_observer& obs_;
+  comm_observer& obs_;
   comm_site site_;
-  trace_recorder::track* track_ = nullptr;
   std::uint64_t seq_ = 0;
 };
 
-}  // namespace detail
-}  // namespace meshlib
-// end meshlib/debug/observe.hpp
+}  // namespace meshlib::detail
+// end meshlib/collectives/observer.hpp
 
 /// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
 /// does, to measure what the hook costs when tracing and debug mode are off).
@@ -9170,12 +8177,13 @@ class device_context {
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
-/// communicator and the device's `axis_communicators`. With an `observer` (tracing, debug mode or a
-/// Kokkos tool on: see debug/observe.hpp), its communicators are handed out decorated.
+/// communicator and the device's `axis_communicators`. With an active `observer` (collectives/
+/// observer.hpp; the runner installs the debug layer's while tracing, debug mode or a Kokkos tool
+/// is on), its communicators are handed out decorated.
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world, run_observer* observer = nullptr)
+  device_context_for(const Mesh& mesh, std::size_t device, C world, comm_observer* observer = nullptr)
       : mesh_(mesh),
         device_(device),
         coords_(mesh.coords(device)),
@@ -9213,15 +8221,15 @@ class device_context_for final : public device_context {
   C world_;
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
-  // The debug layer's decorator point (debug/observe.hpp): only with an observer.
-  run_observer* observer_;
+  // The decorator point (collectives/observer.hpp): only with an active observer.
+  comm_observer* observer_;
   std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
 
   device_comm& observed(axis_mask mask, device_comm& raw) {
     auto it = observed_.find(mask);
     if (it == observed_.end())
       it = observed_.emplace(mask, std::make_unique<observed_comm<device_comm>>(raw, *observer_,
-                                                                                observer_->site(mesh_, device_, mask)))
+                                                                                make_comm_site(mesh_, device_, mask)))
                .first;
     return *it->second;
   }
@@ -9285,125 +8293,6 @@ template <fixed_string Name>
 
 }  // namespace meshlib
 // end meshlib/collectives/device_context.hpp
-// begin meshlib/collectives/backend.hpp
-/// @file
-/// @brief Backends: what runs one program per device. `thread_backend` (the default) runs one
-/// persistent thread per device on a fresh `thread_world`; the MPI backends (one process per
-/// rank: comm/mpi/mpi_backend.hpp; threads in processes: exec/mpi_runner.hpp) plug into `shard_map`, `spmd` and
-/// `reshard` unchanged by providing the same members. exec/runner.hpp states this as the
-/// `runner` concept.
-///
-/// A backend `B` provides (and marks itself with `using is_runner = void;`):
-/// - `b.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh
-///   that this process runs, `world` being that device's communicator over all `n` devices (rank
-///   = device id), and returns when every call has returned. When a call throws, peers blocked in
-///   collectives must be released (the communicator aborts) and `run` throws `participant_error`
-///   naming the rank of the root cause, with the device's exception nested.
-/// - `b.local_devices(n)`: the devices this process runs, ascending.
-
-#include <cstddef>
-#include <exception>
-#include <memory>
-#include <numeric>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib {
-
-/// @brief The default backend (a runner: exec/runner.hpp): one thread per device, all in this
-/// process, each call on a fresh `thread_world`, run by persistent device threads
-/// (`detail::device_workers`): the process-wide ones, or those of a `thread_runner`
-/// (exec/thread_runner.hpp) that owns its own. Device 0 runs on the calling thread and device `d`
-/// always on the pool's worker `d`, so repeated calls reuse the same threads.
-///
-/// A call that the pool cannot take (a `spmd` inside a device of another call, or while another
-/// thread's call holds the pool) runs on threads started for it (`run_on_threads`), with the same
-/// results and errors: nested calls never wait for the threads of their caller.
-/// @code
-/// meshlib::spmd(m, fn, meshlib::thread_backend{{.timeout = std::chrono::seconds(5)}});
-/// @endcode
-struct thread_backend {
-  /// Marks a runner (exec/runner.hpp).
-  using is_runner = void;
-
-  /// Options of each call's `thread_world` (timeout, spin policy). `pin_threads` applies only to
-  /// calls that start their own threads: the persistent ones pin themselves whenever every device
-  /// has a core (device_workers.hpp).
-  thread_comm_options options{};
-  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
-  std::shared_ptr<detail::device_workers> workers{};
-
-  /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
-  /// @throws participant_error naming the root-cause device (see the file comment).
-  template <class Body>
-  void run(std::size_t n, Body&& body) const {
-    auto device = [&](thread_communicator& c) {
-      const auto d = static_cast<std::size_t>(c.rank());
-      body(d, std::move(c));
-    };
-    const int size = static_cast<int>(n);
-    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
-    // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
-    // a microsecond per device next to the wake-up of the threads.
-    thread_world world(size, options);
-    detail::participant_failures failures(size);
-    auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
-    if (!pool.try_run(n, task)) {
-      run_on_threads(size, device, options);
-      return;
-    }
-    failures.rethrow(world);
-  }
-
-  /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).
-  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
-    std::vector<std::size_t> d(n);
-    std::iota(d.begin(), d.end(), std::size_t{0});
-    return d;
-  }
-};
-
-namespace detail {
-
-/// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
-/// and its execution-space instance (`device_instance`) installed, and turns a device's failure
-/// into `device_error`.
-template <mesh_type Mesh, class Backend, class Body>
-void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
-  require_runnable(m, "spmd / shard_map / reshard");
-  run_observer observer(m, backend.local_devices(m.size()));  // the debug layer's hook (debug/observe.hpp)
-  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
-  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
-  try {
-    backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
-      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
-      scoped_device installed(ctx);
-      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
-      body(device);
-    });
-  } catch (const participant_error& e) {
-    const auto device = static_cast<std::size_t>(e.rank());
-    std::exception_ptr cause = e.nested_ptr();
-    std::string what = e.what();
-    if (cause) {
-      try {
-        std::rethrow_exception(cause);
-      } catch (const std::exception& x) {
-        what = x.what();
-      } catch (...) {
-        what = "an exception not derived from std::exception";
-      }
-    }
-    throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
-                                          " failed: " + what);
-  }
-}
-
-}  // namespace detail
-}  // namespace meshlib
-// end meshlib/collectives/backend.hpp
 // begin meshlib/collectives/axis_group.hpp
 /// @file
 /// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
@@ -11188,8 +10077,10 @@ reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, R
 /// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", none>>{m}, shape, host);
 /// std::cout << meshlib::plan_reshard<meshlib::P<none, "data">>(x);   // all_to_all over 'data' ...
 /// auto y = meshlib::reshard<meshlib::P<none, "data">>(x, runner);    // to_host(y) == to_host(x)
-/// // reshard<...>(x) without a runner: on the default runner (meshlib/exec/global_reshard.hpp)
+/// // reshard<...>(x) without a runner: on the default runner
 /// @endcode
+/// This header holds the plan and the per-device steps; `reshard` itself runs devices, so it is in
+/// the exec layer with the runners (meshlib/exec/global_reshard.hpp).
 
 #include <array>
 #include <cstddef>
@@ -11349,63 +10240,24 @@ template <partition_spec_type ToSpec, sharded_tensor_type X>
   return plan_reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()));
 }
 
-/// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
-/// on every device that `backend` runs in this process. Without a runner, `reshard(x, to)` runs
-/// on `default_runner` (exec/global_reshard.hpp): the runner is chosen in the exec layer, above
-/// this one, as for `spmd` and `shard_map`.
-/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
-/// divide), or when `backend` runs a device whose block `x` does not hold in this process.
-template <sharded_tensor_type X, sharding_type To, class Backend>
-[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend) {
-  using T = typename X::value_type;
-  constexpr std::size_t Rank = X::rank;
-  using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
-  const reshard_plan plan = plan_reshard(x, to);
-  const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
-  for (std::size_t dev : run)
-    if (!x.is_local(dev))
-      throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
-                           " in this process, but the tensor holds no block of it here (it holds devices " +
-                           detail::describe_devices(x.local_devices()) +
-                           "); pass the runner that runs the tensor's devices");
-  result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
-  if (plan.empty()) {
-    // Same blocks: copy them (the result owns its memory, as after any reshard).
-    for (auto dev : out.local_devices())
-      std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
-    return out;
-  }
-  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
-  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
-                                x.local(dev).data(), out.local(dev).data());
-  });
-  return out;
-}
-
-/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `backend`'s
-/// devices (without a runner: `default_runner`, exec/global_reshard.hpp).
-template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend>
-[[nodiscard]] auto reshard(const X& x, const Backend& backend) {
-  return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
-}
-
 }  // namespace meshlib
 // end meshlib/collectives/reshard.hpp
 // end meshlib/collectives.hpp
 // begin meshlib/exec.hpp
 /// @file
-/// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
-/// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` without a runner, and JAX's names for it
-/// (`device_put`, `with_sharding_constraint`).
+/// @brief The exec layer: runners (`runner`, `thread_runner`; `mpi_runner` and `hybrid_runner`
+/// through <meshlib/mpi.hpp>), the device thread pool, `spmd(mesh, fn)`,
+/// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` on a runner or the default one, and JAX's
+/// names for it (`device_put`, `with_sharding_constraint`).
 
 // begin meshlib/exec/runner.hpp
 /// @file
 /// @brief The `runner` concept: what runs one program per device for `spmd`, `shard_map` and
-/// `reshard`. Satisfied by `thread_backend` / `thread_runner` (persistent threads in this
-/// process), with MPI by `mpi_runner` (a process per device) and `hybrid_backend` /
-/// `hybrid_runner` (persistent threads in processes; exec/mpi_runner.hpp), and by
-/// `default_runner`, which picks one of them at each call (exec/default_runner.hpp).
+/// `reshard`. Satisfied by `thread_runner` (persistent threads in this process), with MPI by
+/// `mpi_runner` (a process per device) and `hybrid_runner` (persistent threads in processes;
+/// exec/mpi_runner.hpp), and by `default_runner`, which picks one of them at each call
+/// (exec/default_runner.hpp). One name each: `thread_backend`, `mpi_backend` and
+/// `hybrid_backend` are deprecated names kept for one release.
 /// @code
 /// static_assert(meshlib::runner<meshlib::thread_runner>);
 /// meshlib::thread_runner r;                     // owns its device threads while it lives
@@ -11435,9 +10287,9 @@ struct runner_body_archetype {
 ///   naming the root cause's rank, the device's exception nested.
 /// - `r.local_devices(n)`: the devices this process runs, ascending.
 ///
-/// Which runner is the default (`default_runner`): `thread_backend` on the process-wide device
+/// Which runner is the default (`default_runner`): a `thread_runner` on the process-wide device
 /// threads in one process; once `mpi::initialize` has started a run of several processes, those
-/// processes' device threads (`hybrid_backend`, n / P devices per process).
+/// processes' device threads (a `hybrid_runner`, n / P devices per process).
 template <class R>
 concept runner = requires { typename R::is_runner; } &&
                  requires(const R& r, std::size_t n, detail::runner_body_archetype body) {
@@ -11449,9 +10301,11 @@ concept runner = requires { typename R::is_runner; } &&
 // end meshlib/exec/runner.hpp
 // begin meshlib/exec/thread_runner.hpp
 /// @file
-/// @brief `thread_runner`: a thread runner that owns its device threads for as long as the user
-/// keeps it (or any copy of it). Without one, `spmd` and `shard_map` run on the process-wide
-/// device threads, which are just as persistent; an own runner keeps a library's or a test's
+/// @brief `thread_runner`: the runner (exec/runner.hpp) with one device per thread of this
+/// process, each call on a fresh `thread_world`, run by persistent device threads
+/// (`detail::device_workers`). A runner the user makes owns its device threads for as long as it
+/// (or any copy of it) lives; `spmd` and `shard_map` without a runner run on the process-wide
+/// device threads, which are just as persistent. An own runner keeps a library's or a test's
 /// devices off the threads that global-view operations and other callers use, and ends its
 /// threads when it goes.
 /// @code
@@ -11461,24 +10315,361 @@ concept runner = requires { typename R::is_runner; } &&
 ///   meshlib::spmd(m, [] { /* one step */ }, runner);     // the same 3 worker threads every step
 /// @endcode
 
+#include <cstddef>
 #include <memory>
+#include <numeric>
 #include <utility>
+#include <vector>
 
+// begin meshlib/exec/detail/device_workers.hpp
+/// @file
+/// @brief The persistent device threads that run every local device at once: `spmd` and
+/// `shard_map` calls on a `thread_runner` (exec/thread_runner.hpp), and global-view operations
+/// (elementwise, reductions, matmul, transpose on `sharded_tensor`s), which reach them through the
+/// tensor layer's dispatcher hook (tensor/for_each_device.hpp) that this header installs.
+///
+/// Why persistent: starting and joining a thread per device costs tens of microseconds per device
+/// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
+/// a training step's collectives; these threads start on first use and wait, blocked on a futex so
+/// that an oversubscribed machine loses no core to them, for the next job. Only while every index
+/// of the job has a core of its own do the waiting threads (worker and caller) first poll for
+/// at most 50 us: on an idle virtual machine a futex wake-up of a sleeping core took 27-50 us per
+/// empty 2-device `spmd` (1.5-2.8 us with the bounded poll); oversubscribed, they block at once
+/// (an unbounded spin made a 2-device call 5x slower on a busy machine: the spinner held the core
+/// the caller needed). Index `i` of a job is
+/// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
+/// keeps its thread, its thread-local state and its execution-space instance from call to call.
+/// Workers are pinned to one core each while a job has no more indices than the process has
+/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
+/// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
+///
+/// The pool lives in the exec layer with the runners that own it (ARCHITECTURE.md: exec owns the
+/// device threads); the tensor layer below only declares the hook its global-view operations
+/// dispatch through. There is one process-wide pool (`get()`), and a `thread_runner` owns one of
+/// its own for as long as the user keeps it.
+///
+/// No job waits for the pool: a job submitted from inside a job (from a device thread of any pool)
+/// or while another thread's job runs is refused by `try_run`, and `run` then runs its indices one
+/// after another on the calling thread (global-view operations: their devices do not talk to each
+/// other), while `spmd` starts threads of its own (its devices do).
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <unistd.h>
+#endif
+
+
+namespace meshlib::detail {
+
+/// Whether the calling thread is running an index of a `device_workers` job (any pool's).
+inline bool& in_device_worker() noexcept {
+  thread_local bool inside = false;
+  return inside;
+}
+
+/// A pool of persistent device threads (see the file comment).
+class device_workers {
+ public:
+  /// The process-wide pool: started on first use, its threads joined at exit.
+  static device_workers& get() {
+    static device_workers w;
+    return w;
+  }
+  /// An empty pool; threads start on the first job that needs them. `may_pin`: whether workers
+  /// pin themselves to a core while a job fits the cores (false for the threads of a process
+  /// that shares its node's cores with other processes of one run: each would pin its worker `i`
+  /// to the same core `i`; MPI launchers bind the processes themselves).
+  explicit device_workers(bool may_pin = true) : may_pin_(may_pin) {}
+  device_workers(const device_workers&) = delete;
+  device_workers& operator=(const device_workers&) = delete;
+  /// Stops and joins every worker (none may be running a job: jobs are synchronous).
+  ~device_workers() {
+#if defined(__linux__)
+    if (forked()) {  // the workers live in the parent only: nothing to stop or join here
+      for (auto& w : workers_) (void)w.release();
+      return;
+    }
+#endif
+    stop_.store(true, std::memory_order_release);
+    for (auto& w : workers_) {
+      w->go.fetch_add(1, std::memory_order_release);
+      w->go.notify_one();
+    }
+    for (auto& w : workers_) w->thread.join();
+  }
+
+  /// Calls `f(i)` for every `i` in `[0, count)` at once, `i = 0` on the calling thread and `i` on
+  /// worker `i`, and returns when all have returned; rethrows the exception of the lowest `i` that
+  /// threw. When the pool cannot take the job (see the file comment), runs the indices one after
+  /// another on the calling thread instead.
+  template <class F>
+  void run(std::size_t count, F& f) {
+    std::vector<std::exception_ptr> errors(count);
+    auto guarded = [&](std::size_t i) {
+      try {
+        f(i);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    };
+    if (!try_run(count, guarded)) {
+      inside_guard g;
+      for (std::size_t i = 0; i < count; ++i) guarded(i);
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+  /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
+  /// while another thread's job runs, so that a caller whose indices must run at the same time
+  /// (they communicate) can start threads of its own instead.
+  /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
+  template <class F>
+  [[nodiscard]] bool try_run(std::size_t count, F& f) {
+    if (count == 0) return true;
+    if (in_device_worker()) return false;
+#if defined(__linux__)
+    if (forked()) return false;  // a child of fork() has none of the workers
+#endif
+    std::unique_lock submit(submit_, std::try_to_lock);
+    if (!submit.owns_lock()) return false;
+    if (count == 1) {
+      inside_guard g;
+      f(std::size_t{0});
+      return true;
+    }
+    grow(count - 1);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
+    remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
+    for (std::size_t i = 1; i < count; ++i) {
+      auto& w = *workers_[i - 1];
+      w.go.fetch_add(1, std::memory_order_release);  // publishes job_ to worker i
+      w.go.notify_one();
+    }
+    {
+      inside_guard g;
+      f(std::size_t{0});
+    }
+    const bool spin = job_.pin;
+    for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;
+         left = remaining_.load(std::memory_order_acquire))
+      if (!spin || !spin_while_equal(remaining_, left)) remaining_.wait(left, std::memory_order_acquire);
+    return true;
+  }
+
+  /// Worker threads started so far (index `i` of a job runs on the `i`-th, for `i >= 1`).
+  [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
+
+ private:
+  /// Polls `a` for up to `spin_budget` while it still holds `old`; true when it changed. Used only
+  /// while every index of the job has a core of its own (never when oversubscribed): waking a
+  /// blocked thread on an idle core of a virtual machine costs tens of microseconds (measured on
+  /// the idle 2-core machine: 27-50 us per empty 2-device call blocked, against 6 us when the cores
+  /// were busy), more than the short calls of a training step take; a bounded spin keeps that
+  /// cost off the common back-to-back calls and gives the core back soon after.
+  static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
+    const auto until = std::chrono::steady_clock::now() + spin_budget;
+    for (unsigned i = 1;; ++i) {
+      if (a.load(std::memory_order_acquire) != old) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
+    }
+  }
+  static constexpr std::chrono::microseconds spin_budget{50};
+
+  struct inside_guard {
+    bool previous = in_device_worker();
+    inside_guard() { in_device_worker() = true; }
+    ~inside_guard() { in_device_worker() = previous; }
+  };
+
+  struct job {
+    void (*call)(void*, std::size_t) = nullptr;
+    void* ctx = nullptr;
+    std::size_t count = 0;
+    bool pin = false;
+  };
+
+  struct worker {
+    std::atomic<std::uint32_t> go{0};  // bumped once per job for this worker, and at stop
+    std::thread thread;
+  };
+
+#if defined(__linux__)
+  /// The CPUs this process may run on when the pool started its first worker.
+  static const cpu_set_t& allowed_cpus() {
+    static const cpu_set_t set = [] {
+      cpu_set_t s;
+      CPU_ZERO(&s);
+      if (pthread_getaffinity_np(pthread_self(), sizeof(s), &s) != 0) CPU_ZERO(&s);
+      return s;
+    }();
+    return set;
+  }
+#endif
+  /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
+  static bool pin_fits([[maybe_unused]] std::size_t count) {
+#if defined(__linux__)
+    return count <= static_cast<std::size_t>(CPU_COUNT(&allowed_cpus()));
+#else
+    return false;
+#endif
+  }
+
+#if defined(__linux__)
+  /// Whether this is a child process of the one that started the workers.
+  [[nodiscard]] bool forked() const noexcept { return ::getpid() != owner_; }
+  const pid_t owner_ = ::getpid();
+#endif
+
+  /// Starts workers until there are `n`.
+  void grow(std::size_t n) {
+    while (workers_.size() < n) {
+      auto w = std::make_unique<worker>();
+      const std::size_t index = workers_.size() + 1;
+      w->thread = std::thread([this, index, &go = w->go] { serve(index, go); });
+      workers_.push_back(std::move(w));
+    }
+  }
+
+  /// Worker `index`'s loop: block until its `go` moves, run its index of the job, count down.
+  void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
+    in_device_worker() = true;
+    bool pinned = false;
+    std::uint32_t seen = 0;
+    for (;;) {
+      if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
+      seen = go.load(std::memory_order_acquire);
+      if (stop_.load(std::memory_order_acquire)) return;
+      const job j = job_;
+#if defined(__linux__)
+      // Pinned while the job fits the cores (`pin_to`, shared with `run_on_threads`);
+      // given all CPUs back for a larger job. A syscall only when the policy changes.
+      if (j.pin != pinned) {
+        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
+        else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
+        pinned = j.pin;
+      }
+#endif
+      j.call(j.ctx, index);
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
+    }
+  }
+
+  const bool may_pin_ = true;
+  std::mutex submit_;  // one job at a time; held only by try_lock (no job waits for another)
+  job job_{};
+  std::atomic<std::uint32_t> remaining_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::unique_ptr<worker>> workers_;  // workers_[i] serves index i + 1
+};
+
+/// Runs `call(ctx, i)` for every `i` in `[0, count)` on the process-wide device threads: what
+/// the tensor layer's global-view operations dispatch to (tensor/for_each_device.hpp).
+inline void run_on_device_workers(std::size_t count, void* ctx, void (*call)(void*, std::size_t)) {
+  auto f = [ctx, call](std::size_t i) { call(ctx, i); };
+  device_workers::get().run(count, f);
+}
+
+/// Installs the device threads as the tensor layer's dispatcher when a program includes exec:
+/// tensor cannot include this layer, so it exposes the hook and this layer fills it (before
+/// `main`; a global-view operation run before that runs its devices one after another).
+inline const bool device_workers_installed = [] {
+  device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
+  return true;
+}();
+
+}  // namespace meshlib::detail
+// end meshlib/exec/detail/device_workers.hpp
 
 namespace meshlib {
 
-/// @brief A `thread_backend` with device threads of its own: they start on the first call that
-/// needs them (as many as the largest mesh run on it, less the calling thread, which runs device
-/// 0) and are joined when the last copy of the runner is destroyed. Calls on one runner run one
-/// at a time; a call made while another thread's call runs on it, or from inside one of its
-/// devices, starts threads of its own (see `thread_backend`).
-struct thread_runner : thread_backend {
-  /// A runner whose calls' communicators get `options` (timeout, spin policy).
+namespace detail {
+/// Tag of the `thread_runner` that runs on the process-wide device threads (what `spmd` and
+/// `shard_map` use without a runner, through `default_runner`).
+struct process_wide_threads_t {
+  explicit process_wide_threads_t() = default;
+};
+/// The tag's value.
+inline constexpr process_wide_threads_t process_wide_threads{};
+}  // namespace detail
+
+/// @brief One thread per device, all in this process (see the file comment). Device 0 runs on the
+/// calling thread and device `d` always on the pool's worker `d`, so repeated calls reuse the same
+/// threads, which start on the first call that needs them (as many as the largest mesh run on it,
+/// less the calling thread) and are joined when the last copy of the runner is destroyed.
+///
+/// Calls on one runner run one at a time. A call the threads cannot take (a `spmd` inside a device
+/// of another call, or while another thread's call runs on them) runs on threads started for it
+/// (`run_on_threads`), with the same results and errors: nested calls never wait for the threads
+/// of their caller.
+struct thread_runner {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+
+  /// Options of each call's `thread_world` (timeout, spin policy). `pin_threads` applies only to
+  /// calls that start their own threads: the persistent ones pin themselves whenever every device
+  /// has a core (exec/detail/device_workers.hpp).
+  thread_comm_options options{};
+  /// The device threads, shared by every copy of this runner; null: the process-wide ones.
+  std::shared_ptr<detail::device_workers> workers{};
+
+  /// A runner with device threads of its own, whose calls' communicators get `options`.
   explicit thread_runner(thread_comm_options options = {})
-      : thread_backend{std::move(options), std::make_shared<detail::device_workers>()} {}
+      : options(std::move(options)), workers(std::make_shared<detail::device_workers>()) {}
+  /// A runner on the process-wide device threads (`default_runner`'s in one process).
+  explicit thread_runner(detail::process_wide_threads_t, thread_comm_options options = {})
+      : options(std::move(options)) {}
+
+  /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
+  /// @throws participant_error naming the root-cause device (exec/runner.hpp).
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    auto device = [&](thread_communicator& c) {
+      const auto d = static_cast<std::size_t>(c.rank());
+      body(d, std::move(c));
+    };
+    const int size = static_cast<int>(n);
+    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
+    // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
+    // a microsecond per device next to the wake-up of the threads.
+    thread_world world(size, options);
+    detail::participant_failures failures(size);
+    auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
+    if (!pool.try_run(n, task)) {
+      run_on_threads(size, device, options);
+      return;
+    }
+    failures.rethrow(world);
+  }
+
+  /// The devices this process runs: all `n` of them, `0 .. n-1` (one process owns every thread).
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    std::vector<std::size_t> d(n);
+    std::iota(d.begin(), d.end(), std::size_t{0});
+    return d;
+  }
 };
 
-static_assert(runner<thread_backend>);
+/// @brief Deprecated name of a `thread_runner` on the process-wide device threads (what it was
+/// before runners had one name each); removed in the next release.
+struct [[deprecated("use meshlib::thread_runner")]] thread_backend : thread_runner {
+  /// Options of each call's `thread_world`.
+  thread_backend(thread_comm_options options = {})  // NOLINT(google-explicit-constructor): as before
+      : thread_runner(detail::process_wide_threads, std::move(options)) {}
+};
+
 static_assert(runner<thread_runner>);
 
 }  // namespace meshlib
@@ -11486,10 +10677,10 @@ static_assert(runner<thread_runner>);
 // begin meshlib/exec/default_runner.hpp
 /// @file
 /// @brief `default_runner`: what `spmd` and `shard_map` run on when no runner is passed. In one
-/// process, the process-wide persistent device threads (`thread_backend`). Once
+/// process, the process-wide persistent device threads (a `thread_runner` on them). Once
 /// `mpi::initialize` (or `mpi::guard`) has started a run of several processes, the multi-process
 /// runner: a mesh of n devices over the P processes of `mpi::world()` runs as P processes x
-/// n / P device threads (`hybrid_backend`), device `p * (n / P) + t` being thread t of process p,
+/// n / P device threads (a `hybrid_runner` on the process-wide hybrid device threads), device `p * (n / P) + t` being thread t of process p,
 /// as `distributed::local_devices()` numbers them. The hybrid collectives reduce in the thread
 /// backend's order, so a program gives the same bits under `mpirun` as on threads.
 ///
@@ -11515,13 +10706,12 @@ static_assert(runner<thread_runner>);
 #if MESHLIB_ENABLE_MPI
 // begin meshlib/exec/mpi_runner.hpp
 /// @file
-/// @brief The multi-process runners (exec/runner.hpp): `mpi_runner` (one device per MPI rank,
-/// also named `mpi_backend`) and `hybrid_backend` / `hybrid_runner` (P processes x T device
-/// threads: device `p*T + t` is thread t of process p).
+/// @brief The multi-process runners (exec/runner.hpp): `mpi_runner` (one device per MPI rank)
+/// and `hybrid_runner` (P processes x T device threads: device `p*T + t` is thread t of process p).
 ///
-/// The device threads of a hybrid mesh are persistent, as `thread_backend`'s: `hybrid_backend`
-/// runs them on the process-wide hybrid device threads, and a `hybrid_runner` owns threads of its
-/// own for as long as the user keeps it. What each call still builds is its hybrid world (the
+/// The device threads of a hybrid mesh are persistent, as a `thread_runner`'s: a `hybrid_runner`
+/// owns threads of its own for as long as the user keeps it, and the default runner's runs them on
+/// the process-wide hybrid device threads. What each call still builds is its hybrid world (the
 /// communicators: a duplicate of the process communicator for the leaders, one for point-to-point
 /// and the abort channel with its watcher thread), collectively over the processes, and frees it
 /// at the end of the call (its messages settled first, comm/mpi/detail/settle.hpp). Why not keep
@@ -11544,6 +10734,7 @@ static_assert(runner<thread_runner>);
 #if MESHLIB_ENABLE_MPI
 
 #include <cstddef>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12164,7 +11355,7 @@ inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_runner` does) releases
 /// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
@@ -14287,41 +13478,27 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/hybrid_communicator.hpp
-// begin meshlib/comm/mpi/mpi_backend.hpp
-/// @file
-/// @brief `mpi_backend`: runs `spmd`, `shard_map` and `reshard` over MPI with one device per MPI
-/// rank: a runner (the concept of `meshlib/exec/runner.hpp`, members as
-/// `meshlib/collectives/backend.hpp` describes them): `run(n, body)` and `local_devices(n)`; a
-/// mesh of n devices needs a communicator of n ranks. `meshlib/exec/mpi_runner.hpp` names it
-/// `mpi_runner` too, beside `hybrid_backend` / `hybrid_runner` (threads in processes).
-///
-/// @code
-/// meshlib::mpi::guard run;
-/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
-/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_backend{meshlib::mpi::world()});
-/// @endcode
+
+namespace meshlib {
+
+/// @brief One device per MPI rank of `comm`: `run(n, body)` runs `body` once, as this rank's
+/// device; a mesh of n devices needs a communicator of n ranks. It has no threads to keep: the
+/// device is the process.
 ///
 /// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
-/// its device id). `mpi_backend` also fails its communicator with that rank as the root cause
+/// its device id). `mpi_runner` also fails its communicator with that rank as the root cause
 /// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
 /// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
 /// themselves) with its message. The communicator then refuses every later call on every rank
 /// (an abandoned collective may still be pending on it): continue with a new one. When the
 /// exception is not caught the whole run ends through `MPI_Abort` (the terminate handler of
 /// `mpi::initialize`).
-
-#if MESHLIB_ENABLE_MPI
-
-#include <cstddef>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib {
-
-/// @brief One device per MPI rank of `comm`.
-struct mpi_backend {
+/// @code
+/// meshlib::mpi::guard run;
+/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
+/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_runner{meshlib::mpi::world()});
+/// @endcode
+struct mpi_runner {
   /// Marks a runner (exec/runner.hpp).
   using is_runner = void;
   /// The MPI communicator whose ranks are the devices (one device per rank).
@@ -14363,27 +13540,19 @@ struct mpi_backend {
  private:
   void check(std::size_t n) const {
     if (n != static_cast<std::size_t>(comm.size()))
-      throw comm_argument_error("meshlib: mpi_backend runs one device per MPI rank, but the mesh has " +
+      throw comm_argument_error("meshlib: mpi_runner runs one device per MPI rank, but the mesh has " +
                                 std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
                                 " ranks; use a mesh of " + std::to_string(comm.size()) +
-                                " devices, or hybrid_backend for several devices (threads) per rank");
+                                " devices, or hybrid_runner for several devices (threads) per rank");
   }
 };
 
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_MPI
-// end meshlib/comm/mpi/mpi_backend.hpp
-
-namespace meshlib {
-
-/// @brief The runner with one device per MPI rank: `mpi_backend` (comm/mpi/mpi_backend.hpp),
-/// under the name the other runners have. It has no threads to keep: the device is the process.
-using mpi_runner = mpi_backend;
+/// @brief Deprecated name of `mpi_runner`; removed in the next release.
+using mpi_backend [[deprecated("use meshlib::mpi_runner")]] = mpi_runner;
 
 namespace detail {
 /// The process-wide device threads of hybrid meshes (not pinned: see the file comment). Apart
-/// from the process-wide threads of `thread_backend`, so that a hybrid mesh's devices never wait
+/// from the process-wide threads of `thread_runner`, so that a hybrid mesh's devices never wait
 /// for, or pin, the threads that global-view operations use.
 inline device_workers& hybrid_device_workers() {
   static device_workers w(false);
@@ -14403,10 +13572,12 @@ struct pool_launch {
 }  // namespace detail
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`, run by
-/// the process-wide hybrid device threads (persistent), or by `workers` when set (a
-/// `hybrid_runner` sets its own). Each call is collective over `comm` and builds a new hybrid
-/// world (see the file comment): a failure fails that call on every process, not the next one.
-struct hybrid_backend {
+/// device threads of its own (they start on the first call, threads - 1 of them; the calling
+/// thread runs local thread 0, and they are joined when the last copy of the runner is destroyed),
+/// or, made with `detail::process_wide_threads` (the default runner's), by the process-wide hybrid
+/// device threads. Each call is collective over `comm` and builds a new hybrid world (see the file
+/// comment): a failure fails that call on every process, not the next one.
+struct hybrid_runner {
   /// Marks a runner (exec/runner.hpp).
   using is_runner = void;
   /// The MPI communicator over the processes.
@@ -14415,8 +13586,19 @@ struct hybrid_backend {
   int threads = 1;
   /// Options of each process's thread world.
   thread_comm_options options{};
-  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
+  /// The device threads, shared by every copy of this runner; null: the process-wide ones.
   std::shared_ptr<detail::device_workers> workers{};
+
+  /// `threads` devices per rank of `comm`, on device threads of its own; each call's thread world
+  /// gets `options`.
+  hybrid_runner(mpi_communicator comm, int threads, thread_comm_options options = {})
+      : comm(std::move(comm)),
+        threads(threads),
+        options(std::move(options)),
+        workers(std::make_shared<detail::device_workers>(false)) {}
+  /// The same on the process-wide hybrid device threads.
+  hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
+      : comm(std::move(comm)), threads(threads), options(std::move(options)) {}
 
   /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
@@ -14443,23 +13625,21 @@ struct hybrid_backend {
   void check(std::size_t n) const {
     const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
     if (n != have)
-      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
+      throw comm_argument_error("meshlib: hybrid_runner runs " + std::to_string(comm.size()) + " ranks x " +
                                 std::to_string(threads) + " threads = " + std::to_string(have) +
                                 " devices, but the mesh has " + std::to_string(n));
   }
 };
 
-/// @brief A `hybrid_backend` with device threads of its own, as `thread_runner` is a
-/// `thread_backend` with its own: they start on the first call (threads - 1 of them; the calling
-/// thread runs local thread 0) and are joined when the last copy of the runner is destroyed.
-struct hybrid_runner : hybrid_backend {
-  /// `threads` devices per rank of `comm`; each call's thread world gets `options`.
-  hybrid_runner(mpi_communicator comm, int threads, thread_comm_options options = {})
-      : hybrid_backend{std::move(comm), threads, std::move(options), std::make_shared<detail::device_workers>(false)} {}
+/// @brief Deprecated name of a `hybrid_runner` on the process-wide hybrid device threads (what it
+/// was before runners had one name each); removed in the next release.
+struct [[deprecated("use meshlib::hybrid_runner")]] hybrid_backend : hybrid_runner {
+  /// `threads` devices per rank of `comm`.
+  hybrid_backend(mpi_communicator comm, int threads = 1, thread_comm_options options = {})
+      : hybrid_runner(detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
 };
 
 static_assert(runner<mpi_runner>);
-static_assert(runner<hybrid_backend>);
 static_assert(runner<hybrid_runner>);
 
 }  // namespace meshlib
@@ -14679,7 +13859,7 @@ namespace detail {
 /// The multi-process part of the default runner: the processes' communicator and how many of
 /// an `n`-device mesh's devices each runs; empty when the default is the thread runner.
 #if MESHLIB_ENABLE_MPI
-inline std::optional<hybrid_backend> default_process_runner(std::size_t n) {
+inline std::optional<hybrid_runner> default_process_runner(std::size_t n) {
 #else
 inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n) {
 #endif
@@ -14703,7 +13883,7 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
                      " devices; use a multiple of " + std::to_string(procs) +
                      " (distributed::device_count() is " + std::to_string(distributed::device_count()) +
                      "), or pass a runner explicitly (thread_runner{} runs every device in this process)");
-  return hybrid_backend{mpi::world(), static_cast<int>(n / procs)};
+  return hybrid_runner(process_wide_threads, mpi::world(), static_cast<int>(n / procs));
 #endif
 }
 
@@ -14711,7 +13891,7 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
 /// process-wide device threads, or, in a run of several processes started with
-/// `mpi::initialize`, those processes' device threads (`hybrid_backend`). Decided at each call.
+/// `mpi::initialize`, those processes' device threads (a `hybrid_runner`). Decided at each call.
 /// @throws distributed_error when `distributed::initialize` found several processes but MPI does
 /// not join them; mesh_error when the mesh's devices do not split evenly over the processes.
 struct default_runner {
@@ -14729,7 +13909,7 @@ struct default_runner {
 #else
     (void)detail::default_process_runner(n);
 #endif
-    thread_backend{}.run(n, body);
+    thread_runner(detail::process_wide_threads).run(n, body);
   }
 
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
@@ -14740,7 +13920,7 @@ struct default_runner {
 #else
     (void)detail::default_process_runner(n);
 #endif
-    return thread_backend{}.local_devices(n);
+    return thread_runner(detail::process_wide_threads).local_devices(n);
   }
 };
 
@@ -14763,6 +13943,943 @@ static_assert(runner<default_runner>);
 #include <type_traits>
 #include <vector>
 
+// begin meshlib/exec/detail/run_devices.hpp
+/// @file
+/// @brief `detail::run_devices(mesh, runner, body)`: what `spmd`, `shard_map` and `reshard` with a
+/// runner run each device through. It is here, in the exec layer, because it joins the layers
+/// below: the runner (exec/runner.hpp) runs the devices, the collectives' device context
+/// (collectives/device_context.hpp) is installed on each, and the debug layer's observer
+/// (debug/observe.hpp), which implements the collectives' observer interface
+/// (collectives/observer.hpp), is created for the run and handed to every device's context. The
+/// collectives layer declares that interface and never includes the debug layer.
+
+#include <cstddef>
+#include <exception>
+#include <string>
+#include <utility>
+
+// begin meshlib/debug/observe.hpp
+/// @file
+/// @brief The debug layer's observer: `run_observer` implements the collectives layer's
+/// `comm_observer` (collectives/observer.hpp). The exec layer creates one per run (`shard_map`,
+/// `spmd`, `reshard`: exec/detail/run_devices.hpp); when tracing, debug mode or a Kokkos tool is on,
+/// every device's communicators are wrapped in the collectives' forwarding decorator
+/// (`observed_comm`), which forwards every operation to the real one and reports it here around
+/// it: this observer records the collective in the trace (`trace.hpp`), reports it to Kokkos tools
+/// as a profiling region, checks its input and output for NaN/Inf, and marks the device's arrival
+/// on the run's board so that a watchdog can warn about a device that keeps the others waiting.
+/// When all three are off nothing is wrapped: the cost is one predictable branch per collective
+/// (on the observer pointer, in `device_context_for::comm`).
+///
+/// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
+/// @code
+/// meshlib::enable_debug_mode({.slow_warning_fraction = 0.1, .timeout = std::chrono::seconds(5)});
+/// auto y = f(x);   // NaN/Inf in a collective -> nonfinite_error; a device 0.5 s late -> one warning
+/// @endcode
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// begin meshlib/debug/errors.hpp
+/// @file
+/// @brief The errors of debug mode's checks: `debug_check_error` and its two kinds.
+
+#include <string>
+
+
+namespace meshlib {
+
+/// @brief A debug-mode check failed (see docs/debugging.md).
+class debug_check_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A value whose type says it is replicated over some axes differs between the devices of
+/// one of those groups (`check_replicated`; debug mode checks `shard_map` outputs).
+/// `what()` names the first differing device, the element index and both values.
+class replica_mismatch : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+/// @brief A collective's input or output holds a NaN or an infinity (debug mode). `what()` names
+/// the device, the operation and the element.
+class nonfinite_error : public debug_check_error {
+ public:
+  using debug_check_error::debug_check_error;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/errors.hpp
+// begin meshlib/debug/trace.hpp
+/// @file
+/// @brief The trace recorder: a timeline of every collective and every user region, per device,
+/// written as Chrome trace event JSON (Perfetto's UI and chrome://tracing open it), and a summary
+/// per collective type, axis and device. Off by default; on through `start_trace(path)` /
+/// `stop_trace()` (as `jax.profiler.start_trace` / `stop_trace`), the RAII `scoped_trace`, or the
+/// environment: `MESHLIB_TRACE=trace.json` traces the whole program and writes the file (and prints
+/// the summary to stderr) at exit.
+///
+/// The recorder only stores events; the runners feed it through the debug layer's one decorator
+/// point (`observe.hpp`), and `trace_region` adds the user's regions.
+/// @code
+/// meshlib::start_trace("step.json");
+/// auto y = f(x);                                    // a shard_map: its collectives are recorded
+/// std::cerr << meshlib::stop_trace();               // writes step.json; prints the summary
+/// @endcode
+///
+/// File layout (one JSON object): `traceEvents` holds, per device, a `thread_name` metadata record
+/// ("device 3 (data=1, model=1)") and a `thread_sort_index`; one complete event (`ph: "X"`) per
+/// collective with `args` {axes, dtype, bytes, wait_us, group}; one per region (`cat: "region"`);
+/// and flow events (`ph: "s"/"t"/"f"`) that join the devices of each collective at the moment the
+/// last of them arrived. `pid` is the process index (one file per process in multi-process runs:
+/// `trace.json` becomes `trace.p1.json` for process 1), `tid` the device id; regions run outside
+/// any device go to the `host` track.
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib {
+
+namespace detail {
+/// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
+/// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
+struct column_width {
+  std::streamsize n;
+  friend std::ostream& operator<<(std::ostream& os, column_width w) {
+    os.width(w.n);
+    return os;
+  }
+};
+}  // namespace detail
+
+/// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
+struct trace_summary_row {
+  std::string op;    ///< as the user called it: psum, pmean, all_gather, psum_scatter, ...
+  std::string axes;  ///< "model", "data,model"
+  /// The device this row counts.
+  std::size_t device = 0;
+  /// How many calls of the collective this device made.
+  std::size_t count = 0;
+  std::size_t bytes = 0;  ///< bytes this device contributed (its send buffers)
+  double time_s = 0;      ///< time inside the collective, waiting included
+  double wait_s = 0;      ///< time spent waiting for the last device of the group to arrive
+};
+
+/// @brief What `stop_trace()` returns: per collective type, axes and device, count, bytes, time and
+/// wait time; and the slowest device (the one its peers waited for longest). Printable.
+struct trace_summary {
+  /// One row per collective type, axes and device.
+  std::vector<trace_summary_row> rows;
+  /// The number of devices traced.
+  std::size_t devices = 0;
+  /// Seconds from start to stop of the trace.
+  double traced_s = 0;
+  /// The device the others waited for longest, when any waited at all.
+  std::optional<std::size_t> slowest_device;
+  /// How long, summed over collectives, the others waited for `slowest_device` after their first arrival.
+  double slowest_lateness_s = 0;
+  /// The file written (empty when none was).
+  std::string path;
+
+  /// Prints the table: one line per row, then the slowest device.
+  friend std::ostream& operator<<(std::ostream& os, const trace_summary& s) {
+    os.precision(3);
+    os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
+       << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
+    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
+       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
+       << "wait ms" << '\n';
+    for (const auto& r : s.rows)
+      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
+         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
+         << r.wait_s * 1e3 << '\n';
+    if (s.slowest_device)
+      os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
+         << " ms for it in all)\n";
+    else
+      os << "slowest device: none (no collective waited for a late device)\n";
+    os.unsetf(std::ios::floatfield);
+    return os;
+  }
+  /// The table as `operator<<` prints it.
+  [[nodiscard]] std::string to_string() const {
+    std::ostringstream os;
+    os << *this;
+    return os.str();
+  }
+};
+
+namespace detail {
+
+/// One recorded event (a collective or a region) on one track.
+struct trace_event {
+  std::string name;
+  std::string axes;   // collectives: the axes, comma separated
+  std::string dtype;  // collectives: float32, ...
+  std::size_t bytes = 0;
+  std::int64_t start_ns = 0;
+  std::int64_t end_ns = 0;
+  bool collective = false;
+  // Identifies one collective across its devices: the run, the group (axes and color) and the
+  // position of the collective in that group's sequence.
+  std::uint64_t run = 0;
+  std::uint64_t mask = 0;
+  std::size_t color = 0;
+  std::uint64_t seq = 0;
+  std::string group;  // the group's device ids, "0,1"
+};
+
+/// The track of regions that run outside any device (on the host thread).
+inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
+
+/// Process-wide recorder (see the file comment). Appends are per track under the track's own
+/// mutex, so device threads do not contend with each other.
+class trace_recorder {
+ public:
+  struct track {
+    std::mutex m;
+    std::string name;
+    std::vector<trace_event> events;
+    std::uint64_t session = 0;  // the last trace session that used it
+  };
+
+  static trace_recorder& get() {
+    static trace_recorder r;
+    return r;
+  }
+
+  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
+
+  [[nodiscard]] std::int64_t now_ns() const noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - origin_).count();
+  }
+
+  void start(std::string path) {
+    std::lock_guard lk(m_);
+    // Tracks live as long as the program (a running device may hold one): restarting empties them.
+    ++session_;
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      t->events.clear();
+    }
+    path_ = std::move(path);
+    started_ns_ = now_ns();
+    on_.store(true, std::memory_order_release);
+  }
+
+  /// A fresh id for one shard_map / spmd / reshard run.
+  std::uint64_t next_run() noexcept { return runs_.fetch_add(1) + 1; }
+
+  /// The track of `id` (a device id or `host_track`), created on first use.
+  track& track_of(std::size_t id) {
+    std::lock_guard lk(m_);
+    auto& t = tracks_[id];
+    if (!t) {
+      t = std::make_unique<track>();
+      t->name = id == host_track ? "host" : "device " + std::to_string(id);
+    }
+    t->session = session_;
+    return *t;
+  }
+
+  void name_track(std::size_t id, std::string name) {
+    track& t = track_of(id);
+    std::lock_guard lk(t.m);
+    t.name = std::move(name);
+  }
+
+  void record(track& t, trace_event e) {
+    std::lock_guard lk(t.m);
+    t.events.push_back(std::move(e));
+  }
+
+  /// Stops recording, writes the file (when a path was given) and returns the summary.
+  trace_summary stop() {
+    std::lock_guard lk(m_);
+    on_.store(false, std::memory_order_release);
+    // Devices of a run still going may append while this runs: take each track's events under its lock.
+    snapshot_.clear();
+    for (auto& [id, t] : tracks_) {
+      std::lock_guard tl(t->m);
+      if (t->session != session_ && t->events.empty()) continue;
+      snapshot_.push_back({id, t->name, std::move(t->events)});
+      t->events.clear();
+    }
+    trace_summary s = summarize();
+    if (!path_.empty()) {
+      s.path = file_for_process(path_);
+      write(s.path);
+    }
+    snapshot_.clear();
+    path_.clear();
+    return s;
+  }
+
+  /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
+  ~trace_recorder() {
+    if (from_env_ && on()) {
+      try {
+        std::cerr << stop();
+      } catch (const std::exception& e) {
+        std::cerr << e.what() << '\n';
+      }
+    }
+  }
+
+  trace_recorder(const trace_recorder&) = delete;
+  trace_recorder& operator=(const trace_recorder&) = delete;
+
+ private:
+  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
+    const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
+    if (env != nullptr && *env != '\0') {
+      from_env_ = true;
+      start(env);
+    }
+  }
+
+  /// `trace.json` for a single-process run; `trace.p<index>.json` for process `index` of several.
+  static std::string file_for_process(const std::string& path) {
+    std::size_t index = 0, count = 1;
+    try {
+      const auto l = distributed::detect_launch(distributed::process_env());
+      index = l.process_index;
+      count = l.process_count;
+    } catch (const std::exception&) {
+      // An inconsistent launcher environment is reported by distributed::initialize; here one file.
+    }
+    if (count <= 1) return path;
+    const std::size_t dot = path.rfind('.');
+    const std::size_t slash = path.rfind('/');
+    const std::string suffix = ".p" + std::to_string(index);
+    if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return path + suffix;
+    return path.substr(0, dot) + suffix + path.substr(dot);
+  }
+
+  static std::size_t process_index() {
+    try {
+      return distributed::detect_launch(distributed::process_env()).process_index;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+
+  using key_t = std::tuple<std::uint64_t, std::uint64_t, std::size_t, std::uint64_t>;
+  struct instance {
+    std::int64_t first = INT64_MAX, last = INT64_MIN;
+    std::vector<std::pair<std::size_t, const trace_event*>> members;  // (track, event)
+  };
+
+  std::map<key_t, instance> instances() const {
+    std::map<key_t, instance> out;
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
+        if (!e.collective) continue;
+        auto& in = out[key_t{e.run, e.mask, e.color, e.seq}];
+        in.first = std::min(in.first, e.start_ns);
+        in.last = std::max(in.last, e.start_ns);
+        in.members.emplace_back(t.id, &e);
+      }
+    return out;
+  }
+
+  static std::int64_t wait_of(const instance& in, const trace_event& e) {
+    return std::clamp<std::int64_t>(in.last - e.start_ns, 0, e.end_ns - e.start_ns);
+  }
+
+  trace_summary summarize() const {
+    trace_summary s;
+    const auto inst = instances();
+    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
+    std::map<std::size_t, double> lateness;
+    std::int64_t lo = started_ns_, hi = started_ns_;
+    for (const auto& t : snapshot_) {
+      if (t.id != host_track) ++s.devices;
+      for (const auto& e : t.events) hi = std::max(hi, e.end_ns);
+    }
+    for (const auto& [key, in] : inst) {
+      const trace_event* late = nullptr;
+      std::size_t late_dev = 0;
+      for (const auto& [dev, e] : in.members) {
+        auto& r = rows[{e->name, e->axes, dev}];
+        r.op = e->name;
+        r.axes = e->axes;
+        r.device = dev;
+        ++r.count;
+        r.bytes += e->bytes;
+        r.time_s += static_cast<double>(e->end_ns - e->start_ns) * 1e-9;
+        r.wait_s += static_cast<double>(wait_of(in, *e)) * 1e-9;
+        if (!late || e->start_ns > late->start_ns) {
+          late = e;
+          late_dev = dev;
+        }
+      }
+      if (late && in.members.size() > 1 && in.last > in.first)
+        lateness[late_dev] += static_cast<double>(in.last - in.first) * 1e-9;
+    }
+    for (auto& [k, r] : rows) s.rows.push_back(r);
+    for (const auto& [dev, l] : lateness)
+      if (l > s.slowest_lateness_s) {
+        s.slowest_lateness_s = l;
+        s.slowest_device = dev;
+      }
+    s.traced_s = static_cast<double>(hi - lo) * 1e-9;
+    return s;
+  }
+
+  static void json_string(std::ostream& os, std::string_view s) {
+    os << '"';
+    for (char c : s) {
+      switch (c) {
+        case '"': os << "\\\""; break;
+        case '\\': os << "\\\\"; break;
+        case '\n': os << "\\n"; break;
+        case '\t': os << "\\t"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+            os << buf;
+          } else {
+            os << c;
+          }
+      }
+    }
+    os << '"';
+  }
+
+  // As std::fixed with precision 3 prints it, whatever the locale (JSON needs the '.').
+  static std::string fixed3(double v) {
+    char buf[400];  // the longest finite double in fixed notation with 3 decimals fits
+    const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 3);
+    return std::string(buf, r.ptr);
+  }
+
+  // The file is written through <cstdio>: <fstream> would cost every translation unit that includes
+  // meshlib its parse time for this one function (docs/benchmarks.md, include cost).
+  void write(const std::string& path) const {
+    struct file_closer {
+      void operator()(std::FILE* p) const noexcept { std::fclose(p); }
+    };
+    std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "w"));
+    if (!file) throw error("meshlib: stop_trace: cannot open '" + path + "' for writing the trace");
+    std::ostringstream f;
+    const std::size_t pid = process_index();
+    // Microseconds with nanosecond digits: the unit of the Chrome trace format.
+    auto us = [this](std::int64_t ns) {
+      return fixed3(static_cast<double>(ns - started_ns_) * 1e-3);
+    };
+    auto dur = [](std::int64_t ns) { return fixed3(static_cast<double>(ns) * 1e-3); };
+    auto tid = [](std::size_t id) { return id == host_track ? std::string("1000000") : std::to_string(id); };
+    const auto inst = instances();
+    f << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n";
+    f << R"({"ph":"M","name":"process_name","pid":)" << pid << R"(,"tid":0,"args":{"name":"meshlib process )" << pid
+      << "\"}}";
+    for (const auto& t : snapshot_) {
+      f << ",\n" << R"({"ph":"M","name":"thread_name","pid":)" << pid << ",\"tid\":" << tid(t.id) << ",\"args\":{\"name\":";
+      json_string(f, t.name);
+      f << "}}";
+      f << ",\n" << R"({"ph":"M","name":"thread_sort_index","pid":)" << pid << ",\"tid\":" << tid(t.id)
+        << ",\"args\":{\"sort_index\":" << (t.id == host_track ? std::string("-1") : std::to_string(t.id)) << "}}";
+    }
+    for (const auto& t : snapshot_)
+      for (const auto& e : t.events) {
+        const std::size_t id = t.id;
+        f << ",\n{\"ph\":\"X\",\"name\":";
+        json_string(f, e.name);
+        f << ",\"cat\":\"" << (e.collective ? "collective" : "region") << "\",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(e.start_ns) << ",\"dur\":" << dur(e.end_ns - e.start_ns);
+        if (e.collective) {
+          const auto& in = inst.at(key_t{e.run, e.mask, e.color, e.seq});
+          f << ",\"args\":{\"axes\":";
+          json_string(f, e.axes);
+          f << ",\"dtype\":\"" << e.dtype << "\",\"bytes\":" << e.bytes << ",\"wait_us\":" << dur(wait_of(in, e))
+            << ",\"group\":\"" << e.group << "\",\"seq\":" << e.seq << "}";
+        }
+        f << "}";
+      }
+    // Flow arrows: one chain per collective through its devices in id order, at the moment the
+    // last of them arrived (a moment inside every member's slice).
+    std::uint64_t flow = 0;
+    for (const auto& [key, in] : inst) {
+      if (in.members.size() < 2) continue;
+      auto members = in.members;
+      std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      ++flow;
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        const auto& [id, e] = members[i];
+        const char* ph = i == 0 ? "s" : (i + 1 == members.size() ? "f" : "t");
+        const std::int64_t at = std::clamp(in.last, e->start_ns, e->end_ns);
+        f << ",\n{\"ph\":\"" << ph << "\",\"name\":";
+        json_string(f, e->name);
+        f << ",\"cat\":\"collective\",\"id\":" << flow << ",\"pid\":" << pid << ",\"tid\":" << tid(id)
+          << ",\"ts\":" << us(at) << (i + 1 == members.size() ? ",\"bp\":\"e\"" : "") << "}";
+      }
+    }
+    f << "\n]}\n";
+    const std::string text = std::move(f).str();
+    if (std::fwrite(text.data(), 1, text.size(), file.get()) != text.size() || std::fclose(file.release()) != 0)
+      throw error("meshlib: stop_trace: writing '" + path + "' failed");
+  }
+
+  std::atomic<bool> on_{false};
+  std::atomic<std::uint64_t> runs_{0};
+  std::mutex m_;
+  std::map<std::size_t, std::unique_ptr<track>> tracks_;
+  // What stop() took from the tracks (in id order, the host track last): summarised and written.
+  struct taken {
+    std::size_t id;
+    std::string name;
+    std::vector<trace_event> events;
+  };
+  std::vector<taken> snapshot_;
+  std::uint64_t session_ = 0;
+  std::string path_;
+  std::chrono::steady_clock::time_point origin_;
+  std::int64_t started_ns_ = 0;
+  bool from_env_ = false;
+};
+
+}  // namespace detail
+
+/// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
+/// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
+/// Restarting discards what was recorded. Runs that are already going keep their state: tracing
+/// is read when a `shard_map`, `spmd` or `reshard` starts.
+inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
+
+/// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
+/// @throws error when the file cannot be written (naming it).
+inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
+
+/// @brief True while a trace is being recorded.
+[[nodiscard]] inline bool tracing() noexcept { return detail::trace_recorder::get().on(); }
+
+/// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
+/// destructor writes the file. Call `stop()` to get the summary earlier.
+class scoped_trace {
+ public:
+  /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
+  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
+  ~scoped_trace() {
+    if (!stopped_) {
+      try {
+        (void)stop_trace();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+      }
+    }
+  }
+  /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
+  trace_summary stop() {
+    stopped_ = true;
+    return stop_trace();
+  }
+  scoped_trace(const scoped_trace&) = delete;
+  scoped_trace& operator=(const scoped_trace&) = delete;
+
+ private:
+  bool stopped_ = false;
+};
+
+}  // namespace meshlib
+// end meshlib/debug/trace.hpp
+
+// Kokkos' profiling interface (Kokkos 3.4 and 4.x both have Kokkos::Profiling::pushRegion /
+// popRegion / profileLibraryLoaded). The comm layer builds without Kokkos; so does this header.
+#if __has_include(<Kokkos_Core.hpp>)
+#include <Kokkos_Core.hpp>
+/// 1 when Kokkos' headers are on the include path (this header then uses Kokkos' profiling hooks).
+#define MESHLIB_DEBUG_HAS_KOKKOS 1
+#else
+/// 0 when Kokkos' headers are not on the include path (the header builds without Kokkos).
+#define MESHLIB_DEBUG_HAS_KOKKOS 0
+#endif
+
+namespace meshlib {
+
+/// @brief What debug mode checks.
+struct debug_options {
+  /// Check every collective's input and output for NaN and infinity (floating-point types).
+  bool check_nonfinite = true;
+  /// Check that `shard_map` outputs are identical over the axes their type says they are replicated over.
+  bool check_replicas = true;
+  /// Warn once about a collective whose devices have waited this fraction of `timeout` for a late
+  /// peer. 0 disables the warning.
+  double slow_warning_fraction = 0.25;
+  /// The communicators' timeout that the fraction is of (the backend's own setting is not visible
+  /// here; default: `MESHLIB_COMM_TIMEOUT` or 60 s, the communicators' default too).
+  std::chrono::nanoseconds timeout = [] {
+    try {
+      return default_comm_timeout();
+    } catch (const std::exception&) {
+      return std::chrono::nanoseconds(default_comm_timeout_fallback);
+    }
+  }();
+  /// Where warnings go (default: one line on std::cerr).
+  std::function<void(const std::string&)> on_warning;
+};
+
+namespace detail {
+
+struct debug_state {
+  std::mutex m;
+  std::atomic<bool> on{false};
+  debug_options options;
+
+  static debug_state& get() {
+    static debug_state s;
+    return s;
+  }
+
+ private:
+  debug_state() {
+    const char* env = std::getenv("MESHLIB_DEBUG");  // NOLINT(concurrency-mt-unsafe): read once
+    on.store(env != nullptr && *env != '\0' && std::string_view(env) != "0");
+  }
+};
+
+}  // namespace detail
+
+/// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
+inline void enable_debug_mode(debug_options options = {}) {
+  auto& s = detail::debug_state::get();
+  std::lock_guard lk(s.m);
+  s.options = std::move(options);
+  s.on.store(true);
+}
+
+/// @brief Turns debug mode off.
+inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
+
+/// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
+[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
+
+/// @brief Debug mode for a scope; restores the previous state.
+class scoped_debug_mode {
+ public:
+  /// Turns debug mode on with `options` until the scope ends.
+  explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    previous_ = s.options;
+    s.options = std::move(options);
+    s.on.store(true);
+  }
+  ~scoped_debug_mode() {
+    auto& s = detail::debug_state::get();
+    std::lock_guard lk(s.m);
+    s.options = std::move(previous_);
+    s.on.store(was_);
+  }
+  scoped_debug_mode(const scoped_debug_mode&) = delete;
+  scoped_debug_mode& operator=(const scoped_debug_mode&) = delete;
+
+ private:
+  bool was_;
+  debug_options previous_;
+};
+
+namespace detail {
+
+/// The first non-finite element of `n` elements of `dt` at `p`, or -1.
+inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
+  auto scan = [&](auto tag) -> std::ptrdiff_t {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(p);
+    for (std::size_t i = 0; i < n; ++i) {
+      const double v = static_cast<double>(static_cast<float>(x[i]));
+      if (!std::isfinite(v)) {
+        value = v;
+        return static_cast<std::ptrdiff_t>(i);
+      }
+    }
+    return -1;
+  };
+  switch (dt) {
+    case datatype::float32: return scan(float{});
+    case datatype::bfloat16: return scan(bfloat16{});
+    case datatype::float64: {
+      const double* x = static_cast<const double*>(p);
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i])) {
+          value = x[i];
+          return static_cast<std::ptrdiff_t>(i);
+        }
+      return -1;
+    }
+    default: return -1;
+  }
+}
+
+/// Shared state of one run (see the file comment).
+class run_observer final : public comm_observer {
+ public:
+  /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
+  /// and, in debug mode with slow warnings on, starts the watchdog.
+  template <mesh_type Mesh>
+  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
+    auto& rec = trace_recorder::get();
+    tracing_ = rec.on();
+    auto& dbg = debug_state::get();
+    debug_ = dbg.on.load();
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
+#endif
+    if (!(tracing_ || debug_ || kokkos_)) return;
+    if (debug_) {
+      std::lock_guard lk(dbg.m);
+      options_ = dbg.options;
+    }
+    run_ = rec.next_run();
+    local_.assign(m.size(), false);
+    for (auto d : local) local_[d] = true;
+    if (tracing_)
+      for (auto d : local) rec.name_track(d, device_label(m, d));
+    if (debug_ && options_.slow_warning_fraction > 0) {
+      threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
+      watchdog_ = std::thread([this] { watch(); });
+    }
+  }
+  ~run_observer() {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard lk(m_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      watchdog_.join();
+    }
+  }
+  run_observer(const run_observer&) = delete;
+  run_observer& operator=(const run_observer&) = delete;
+
+  [[nodiscard]] bool active() const noexcept override { return tracing_ || debug_ || kokkos_; }
+  [[nodiscard]] bool tracing() const noexcept { return tracing_; }
+  [[nodiscard]] bool kokkos() const noexcept { return kokkos_; }
+  [[nodiscard]] bool check_nonfinite() const noexcept { return debug_ && options_.check_nonfinite; }
+  [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
+
+  /// A device's communicator on a group is decorated: its trace track, looked up once.
+  void open(comm_site& site) override {
+    if (tracing_) site.data = &trace_recorder::get().track_of(site.device);
+  }
+
+  /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
+  void enter(const comm_site& site, comm_call& call) override {
+    if (check_nonfinite()) check_finite(site, call.name, "input", call.in, call.in_count, call.dt);
+    const std::string what = std::string(call.name) + " over '" + site.axes + "'";
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::pushRegion("meshlib::" + what);
+#endif
+    call.start_ns = trace_recorder::get().now_ns();
+    arrive(site, call.seq, what);
+  }
+
+  /// After it, returned or not: the device's departure, the end of its Kokkos region.
+  void leave(const comm_site& site, const comm_call& call) noexcept override {
+    try {
+      depart(site, call.seq);
+    } catch (...) {  // only an allocation of the board's map can fail: the watchdog misses one exit
+    }
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::popRegion();
+#endif
+  }
+
+  /// After it returned: the trace event, the check of its output.
+  void done(const comm_site& site, const comm_call& call) override {
+    if (site.data != nullptr) {
+      auto& rec = trace_recorder::get();
+      trace_event e;
+      e.name = call.name;
+      e.axes = site.axes;
+      e.dtype = std::string(to_string(call.dt));
+      e.bytes = call.send_count * size_of(call.dt);
+      e.start_ns = call.start_ns;
+      e.end_ns = rec.now_ns();
+      e.collective = true;
+      e.run = run_;
+      e.mask = site.mask;
+      e.color = site.color;
+      e.seq = call.seq;
+      e.group = join_ids(site.group);
+      rec.record(*static_cast<trace_recorder::track*>(site.data), std::move(e));
+    }
+    if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
+  }
+
+  /// The device of `site` entered its `seq`-th collective `what` on its group.
+  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto& p = board_[key_t{site.mask, site.color, seq}];
+    if (p.arrived.empty()) {
+      p.what = what;
+      p.group = site.group;
+      p.arrived.assign(site.group.size(), false);
+      p.first_ns = now_ns();
+      for (auto d : site.group) p.local += d < local_.size() && local_[d] ? 1 : 0;
+    }
+    p.arrived[site.group_rank] = true;
+  }
+  /// The device of `site` left it (returned or threw).
+  void depart(const comm_site& site, std::uint64_t seq) {
+    if (!watchdog_.joinable()) return;
+    std::lock_guard lk(m_);
+    auto it = board_.find(key_t{site.mask, site.color, seq});
+    if (it != board_.end() && ++it->second.departed >= it->second.local) board_.erase(it);
+  }
+
+  void warn(const std::string& message) const {
+    if (options_.on_warning) options_.on_warning(message);
+    else std::cerr << message << '\n' << std::flush;
+  }
+
+  /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
+  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+                    datatype dt) const {
+    double v = 0;
+    const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);
+    if (i < 0) return;
+    std::ostringstream os;
+    os << "meshlib: debug mode: " << op << " over '" << site.axes << "' on " << site.device_label << ": " << which
+       << " element " << i << " is " << v << " (" << to_string(dt) << ")";
+    throw nonfinite_error(os.str());
+  }
+
+ private:
+  using key_t = std::tuple<axis_mask, std::size_t, std::uint64_t>;
+  struct pending {
+    std::string what;
+    std::vector<std::size_t> group;
+    std::vector<bool> arrived;
+    std::size_t local = 0;
+    std::size_t departed = 0;
+    std::int64_t first_ns = 0;
+    bool warned = false;
+  };
+
+  static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void watch() {
+    const auto poll = std::clamp<std::chrono::nanoseconds>(threshold_ / 8, std::chrono::milliseconds(1),
+                                                           std::chrono::milliseconds(100));
+    std::unique_lock lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, poll);
+      const std::int64_t now = now_ns();
+      for (auto& [key, p] : board_) {
+        if (p.warned || now - p.first_ns < threshold_.count()) continue;
+        std::vector<std::size_t> missing, here, elsewhere;
+        for (std::size_t r = 0; r < p.group.size(); ++r) {
+          const std::size_t d = p.group[r];
+          if (p.arrived[r]) here.push_back(d);
+          else if (d < local_.size() && local_[d]) missing.push_back(d);
+          else elsewhere.push_back(d);
+        }
+        if (missing.empty() && elsewhere.empty()) continue;
+        p.warned = true;
+        std::ostringstream os;
+        os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
+        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+           << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
+           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
+        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
+                                   << " of other processes";
+        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
+           << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
+        warn(os.str());
+      }
+    }
+  }
+
+  bool tracing_ = false, debug_ = false, kokkos_ = false;
+  debug_options options_;
+  std::uint64_t run_ = 0;
+  std::vector<bool> local_;
+  std::chrono::nanoseconds threshold_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::map<key_t, pending> board_;
+  std::thread watchdog_;
+};
+
+}  // namespace detail
+}  // namespace meshlib
+// end meshlib/debug/observe.hpp
+
+namespace meshlib::detail {
+
+/// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
+/// (observed by the debug layer's `run_observer`) and its execution-space instance
+/// (`device_instance`) installed, and turns a device's failure into `device_error`: the one place
+/// where every runner's root cause (`participant_error`, whatever the runner) becomes the user's
+/// error, with the same message for every runner.
+template <mesh_type Mesh, class Backend, class Body>
+void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
+  run_observer observer(m, backend.local_devices(m.size()));  // installed: the debug layer's observer
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
+  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
+  try {
+    backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
+      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
+      scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
+      body(device);
+    });
+  } catch (const participant_error& e) {
+    const auto device = static_cast<std::size_t>(e.rank());
+    const std::exception_ptr cause = e.nested_ptr();
+    const std::string what = cause ? what_of(cause) : std::string(e.what());
+    throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
+                                          " failed: " + what);
+  }
+}
+
+}  // namespace meshlib::detail
+// end meshlib/exec/detail/run_devices.hpp
 
 namespace meshlib {
 
@@ -15205,24 +15322,72 @@ template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, runner Backen
 // end meshlib/exec/shard_map.hpp
 // begin meshlib/exec/global_reshard.hpp
 /// @file
-/// @brief `reshard(x, to)` and `reshard<ToSpec>(x)` without a runner: on `default_runner`, as
+/// @brief `reshard(x, to, runner)` and `reshard<ToSpec>(x, runner)`: the plan of
+/// collectives/reshard.hpp run on a runner's devices; and without a runner, on `default_runner`, as
 /// `spmd` and `shard_map` without one. In one process that is every device on the process-wide
 /// device threads; after `mpi::initialize` in a run of several processes, each process runs the
 /// devices whose blocks it holds and the steps of the plan go between the processes, so the same
 /// line reshards a tensor on threads and under `mpirun` (a thread default there would run devices
 /// whose blocks the process does not hold).
 ///
-/// Why here and not in collectives/reshard.hpp: the default runner chooses between the thread and
-/// the multi-process runners, which live in this layer; the collectives layer below takes the
-/// runner as an argument.
+/// Why here and not in collectives/reshard.hpp: running a plan runs devices (a runner, with the
+/// device context and the debug layer's observer installed: exec/detail/run_devices.hpp), and the
+/// default runner chooses between the thread and the multi-process runners, which live in this
+/// layer; the collectives layer below holds the plan and each device's steps.
 /// @code
 /// meshlib::mpi::guard run;                                            // mpirun -np 2
 /// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"x">>{m}, shape, host);
 /// auto y = meshlib::reshard<meshlib::P<>>(x);   // every process holds its devices' full copies
 /// @endcode
 
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
 
 namespace meshlib {
+
+/// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
+/// on every device that `backend` runs in this process. Without a runner, `reshard(x, to)` runs
+/// on `default_runner` (below), as `spmd` and `shard_map` do.
+/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
+/// divide), or when `backend` runs a device whose block `x` does not hold in this process.
+template <sharded_tensor_type X, sharding_type To, class Backend>
+[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend) {
+  using T = typename X::value_type;
+  constexpr std::size_t Rank = X::rank;
+  using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
+  const reshard_plan plan = plan_reshard(x, to);
+  const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
+  for (std::size_t dev : run)
+    if (!x.is_local(dev))
+      throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
+                           " in this process, but the tensor holds no block of it here (it holds devices " +
+                           detail::describe_devices(x.local_devices()) +
+                           "); pass the runner that runs the tensor's devices");
+  result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
+  if (plan.empty()) {
+    // Same blocks: copy them (the result owns its memory, as after any reshard).
+    for (auto dev : out.local_devices())
+      std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
+    return out;
+  }
+  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
+  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
+    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+                                x.local(dev).data(), out.local(dev).data());
+  });
+  return out;
+}
+
+/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `backend`'s
+/// devices (without a runner: `default_runner`, below).
+template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend>
+[[nodiscard]] auto reshard(const X& x, const Backend& backend) {
+  return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
+}
 
 /// @brief `x` laid out by sharding `to` (same mesh; the rule may differ), on `default_runner`.
 /// @throws sharding_error as `reshard(x, to, runner)`; the default runner's errors (a mesh that

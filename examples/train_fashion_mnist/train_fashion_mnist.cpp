@@ -258,7 +258,7 @@ int main(int argc, char** argv) {
     };
     const std::size_t devices = o.data * o.model;
     if (processes == 1) {
-      placement<meshlib::thread_backend> where;
+      placement<meshlib::default_runner> where;  // this process's device threads
       for (std::size_t d = 0; d < devices; ++d) where.devices.push_back(d);
       return run(where);
     }
@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
       throw std::invalid_argument("the mesh's " + std::to_string(devices) + " devices do not split over " +
                                   std::to_string(processes) + " processes");
     const std::size_t t = devices / processes;
-    placement<meshlib::hybrid_backend> where{{}, p, processes, meshlib::hybrid_backend{world, static_cast<int>(t)}};
+    placement<meshlib::hybrid_runner> where{{}, p, processes, meshlib::hybrid_runner(world, static_cast<int>(t))};
     for (std::size_t d = 0; d < t; ++d) where.devices.push_back(p * t + d);
     return run(where);
 #endif

@@ -10,6 +10,7 @@
 #include "meshlib/comm/request.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/frontend.hpp"
+#include "meshlib/comm/timeout.hpp"
 #include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The exec layer: runners (`runner`, `thread_runner`), `spmd(mesh, fn)` and
-/// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` without a runner, and JAX's names for it
-/// (`device_put`, `with_sharding_constraint`).
+/// @brief The exec layer: runners (`runner`, `thread_runner`; `mpi_runner` and `hybrid_runner`
+/// through <meshlib/mpi.hpp>), the device thread pool, `spmd(mesh, fn)`,
+/// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` on a runner or the default one, and JAX's
+/// names for it (`device_put`, `with_sharding_constraint`).
 
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/thread_runner.hpp"

@@ -14,7 +14,6 @@
 #include "meshlib/runtime.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/mpi/hybrid_communicator.hpp"
-#include "meshlib/comm/mpi/mpi_backend.hpp"
 #include "meshlib/exec/mpi_runner.hpp"
 #include "meshlib/runtime/mpi_runtime.hpp"
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // spmd and shard_map on the MPI backends: the same SPMD program (typed collectives over each axis
-// of a 2-D mesh) runs on thread_backend (every device a thread of this process), mpi_backend (one
-// device per rank) and hybrid_backend (2 threads per rank); every device this process runs must
+// of a 2-D mesh) runs on thread_runner (every device a thread of this process), mpi_runner (one
+// device per rank) and hybrid_runner (2 threads per rank); every device this process runs must
 // see the same bits as on threads. Values are small integers, so float results are exact too.
 #include <meshlib/collectives.hpp>
 #include <meshlib/exec.hpp>
@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -22,8 +23,8 @@
 using namespace meshlib;
 
 // The MPI backends are runners (exec/runner.hpp), as the thread runners are.
-static_assert(runner<mpi_backend>);
-static_assert(runner<hybrid_backend>);
+static_assert(runner<mpi_runner>);
+static_assert(runner<hybrid_runner>);
 
 namespace {
 
@@ -94,38 +95,38 @@ void check_backend(const mesh2& m, const Backend& backend) {
 
 }  // namespace
 
-TEST_CASE("spmd on mpi_backend and hybrid_backend equals the thread backend", "[mpi][exec]") {
+TEST_CASE("spmd on mpi_runner and hybrid_runner equals the thread runner", "[mpi][exec]") {
   auto world = mpi_communicator(MPI_COMM_WORLD);
   const auto n = static_cast<std::size_t>(world.size());
   // One device per rank: mesh (n/2) x 2.
-  const mpi_backend per_rank{world};
+  const mpi_runner per_rank{world};
   check_backend<std::int32_t>(mesh2{n / 2, 2}, per_rank);
   check_backend<std::int64_t>(mesh2{n / 2, 2}, per_rank);
   check_backend<float>(mesh2{n / 2, 2}, per_rank);
   check_backend<double>(mesh2{n / 2, 2}, per_rank);
   // Two threads per rank: meshes n x 2 (model inside a process) and 2 x n (model across processes).
-  const hybrid_backend hybrid{world, 2};
+  const hybrid_runner hybrid(world, 2);
   check_backend<std::int32_t>(mesh2{n, 2}, hybrid);
   check_backend<float>(mesh2{n, 2}, hybrid);
   check_backend<std::int64_t>(mesh2{2, n}, hybrid);
   check_backend<double>(mesh2{2, n}, hybrid);
 }
 
-TEST_CASE("mpi_backend: a mesh of the wrong size is rejected with the fix", "[mpi][exec]") {
+TEST_CASE("mpi_runner: a mesh of the wrong size is rejected with the fix", "[mpi][exec]") {
   auto world = mpi_communicator(MPI_COMM_WORLD);
-  const mpi_backend per_rank{world};
+  const mpi_runner per_rank{world};
   mesh2 m{static_cast<std::size_t>(world.size()), 3};
   try {
     spmd(m, [] {}, per_rank);
     FAIL("must throw");
   } catch (const comm_argument_error& e) {
-    CHECK(std::string(e.what()).find("hybrid_backend") != std::string::npos);
+    CHECK(std::string(e.what()).find("hybrid_runner for several devices (threads) per rank") != std::string::npos);
   }
 }
 
 TEST_CASE("spmd on MPI: a device that throws is reported with its id on its process", "[mpi][exec]") {
   auto world = mpi_communicator(MPI_COMM_WORLD);
-  const hybrid_backend hybrid{world, 2};
+  const hybrid_runner hybrid(world, 2);
   mesh2 m{static_cast<std::size_t>(world.size()), 2};
   try {
     // Thread 1 of every process throws before any collective; thread 0 waits for it in the local
@@ -148,11 +149,11 @@ TEST_CASE("spmd on MPI: a device that throws is reported with its id on its proc
 // Blame across processes (issue 10): the last device never arrives at a psum over every device.
 // Every device of every process gets comm_timeout (not comm_aborted) naming that device by its
 // global id, and device_error::device() is that device on every process, not a waiter.
-TEST_CASE("spmd on hybrid_backend: a device that never arrives is blamed on every process", "[mpi][exec][faults]") {
+TEST_CASE("spmd on hybrid_runner: a device that never arrives is blamed on every process", "[mpi][exec][faults]") {
   mpi_comm_options o;
   o.timeout = std::chrono::seconds(1);
   auto world = mpi_communicator(MPI_COMM_WORLD, o);
-  const hybrid_backend hybrid{world, 2, {.timeout = std::chrono::seconds(1)}};
+  const hybrid_runner hybrid(world, 2, {.timeout = std::chrono::seconds(1)});
   const std::size_t n = static_cast<std::size_t>(world.size()) * 2;
   mesh2 m{static_cast<std::size_t>(world.size()), 2};
   const auto t0 = std::chrono::steady_clock::now();
@@ -188,13 +189,13 @@ TEST_CASE("spmd on hybrid_backend: a device that never arrives is blamed on ever
 // Fault propagation with one rank per process (issue 10): the last rank throws before a psum
 // that every other rank waits in; the others must be released by the abort channel well before
 // the 20 s timeout, with device_error naming the failed rank and its message, not themselves.
-TEST_CASE("spmd on mpi_backend: a rank that throws releases every other rank at once, naming it", "[mpi][exec][faults]") {
+TEST_CASE("spmd on mpi_runner: a rank that throws releases every other rank at once, naming it", "[mpi][exec][faults]") {
   using mesh1 = mesh<axis<"x">>;
   mpi_comm_options o;
   o.timeout = std::chrono::seconds(20);
   auto c = mpi_communicator(MPI_COMM_WORLD, o);
   const int n = c.size();
-  const mpi_backend backend{c};
+  const mpi_runner backend{c};
   const mesh1 m{static_cast<std::size_t>(n)};
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -267,7 +268,7 @@ TEST_CASE("mpi_communicator::fail: splits share the failure and name the rank in
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-TEST_CASE("shard_map on mpi_backend and hybrid_backend: each process's output blocks equal the thread run", "[mpi][exec]") {
+TEST_CASE("shard_map on mpi_runner and hybrid_runner: each process's output blocks equal the thread run", "[mpi][exec]") {
   using mesh1 = mesh<axis<"x">>;
   auto world = mpi_communicator(MPI_COMM_WORLD);
   const auto n = static_cast<std::size_t>(world.size());
@@ -295,14 +296,15 @@ TEST_CASE("shard_map on mpi_backend and hybrid_backend: each process's output bl
       for (std::size_t i = 0; i < 4 * devices; ++i) CHECK(all.local(dev)(i) == ref_all.local(dev)(i));
     }
   };
-  check(n, mpi_backend{world});
-  check(2 * n, hybrid_backend{world, 2});
+  check(n, mpi_runner{world});
+  check(2 * n, hybrid_runner(world, 2));
 }
 
 // Persistent hybrid threads (exec/mpi_runner.hpp): every call of a hybrid_runner runs local
-// thread t on the same thread (0 on the caller), and the process-wide threads of hybrid_backend
-// persist too; the psum across processes gives the sum over every device of every process.
-TEST_CASE("hybrid_runner and hybrid_backend run every call on the same device threads", "[mpi][exec][runner]") {
+// thread t on the same thread (0 on the caller), and the process-wide hybrid threads (the default
+// runner's, and the deprecated hybrid_backend's) persist too; the psum across processes gives the
+// sum over every device of every process.
+TEST_CASE("hybrid_runner, own or on the process-wide threads, runs every call on the same device threads", "[mpi][exec][runner]") {
   using mesh1 = mesh<axis<"x">>;
   auto world = mpi_communicator(MPI_COMM_WORLD);
   const auto P = static_cast<std::size_t>(world.size());
@@ -325,8 +327,10 @@ TEST_CASE("hybrid_runner and hybrid_backend run every call on the same device th
   };
   const std::size_t first = static_cast<std::size_t>(world.rank()) * T;
   for (int which = 0; which < 2; ++which) {
-    INFO((which == 0 ? "hybrid_runner" : "hybrid_backend"));
-    const hybrid_backend runner = which == 0 ? hybrid_runner(world, T) : hybrid_backend{world, T};
+    INFO((which == 0 ? "own threads" : "process-wide threads"));
+    const hybrid_runner runner =
+        which == 0 ? hybrid_runner(world, T) : hybrid_runner(meshlib::detail::process_wide_threads, world, T);
+    CHECK((runner.workers == nullptr) == (which == 1));
     const auto a = probe(runner), b = probe(runner), c = probe(runner);
     CHECK(a[first] == std::this_thread::get_id());  // local thread 0 is the caller
     for (std::size_t d = first; d < first + T; ++d) {
@@ -353,7 +357,7 @@ TEST_CASE("after mpi::initialize the default runner spreads a mesh over the proc
     return std::pair{device_index(), psum<"x">(x).data()[0]};
   };
   // Before: every device in this process.
-  CHECK(default_runner{}.local_devices(m.size()) == thread_backend{}.local_devices(m.size()));
+  CHECK(default_runner{}.local_devices(m.size()) == thread_runner{}.local_devices(m.size()));
   {
     meshlib::mpi::options o;
     o.runtime.local_device_count = 2;
@@ -424,3 +428,25 @@ TEST_CASE("after mpi::initialize the default runner spreads a mesh over the proc
   const auto after = spmd(m, [] { return device_index(); });
   for (std::size_t d = 0; d < m.size(); ++d) CHECK(after[d] == d);
 }
+
+// The deprecated names (one release): mpi_backend is mpi_runner; hybrid_backend a hybrid_runner on
+// the process-wide hybrid threads, as before the rename.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+static_assert(std::is_same_v<mpi_backend, mpi_runner>);
+static_assert(std::is_base_of_v<hybrid_runner, hybrid_backend>);
+TEST_CASE("the deprecated hybrid_backend runs on the process-wide hybrid threads", "[mpi][exec][runner]") {
+  auto world = mpi_communicator(MPI_COMM_WORLD);
+  const hybrid_backend old{world, 2};
+  CHECK(old.workers == nullptr);
+  CHECK(old.threads == 2);
+  const auto P = static_cast<std::size_t>(world.size());
+  const mesh<axis<"x">> m{P * 2};
+  const auto ids = spmd(m, [] { return device_index(); }, old);
+  for (std::size_t d : old.local_devices(m.size())) CHECK(ids[d] == d);
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Training over MPI: the same model and batches on a (4, 2) mesh of P processes x 8/P threads
-// (hybrid_backend, each process holding only its devices' parameter blocks and its share of every
+// (hybrid_runner, each process holding only its devices' parameter blocks and its share of every
 // batch) gives the per-step losses of the single-process thread run.
 #include <meshlib.hpp>
 #include <meshlib/exec/mpi_runner.hpp>
@@ -46,7 +46,7 @@ struct problem {
   /// Step `s` on a state holding this process's devices, which passes only the rows of their
   /// groups of the data axis (consecutive in every layout here).
   template <class State>
-  double share(State& st, std::size_t s, const meshlib::hybrid_backend& backend) const {
+  double share(State& st, std::size_t s, const meshlib::hybrid_runner& backend) const {
     const auto data = mesh_t::mask_of<"data">();
     const std::size_t n = batch / st.mesh.axes_size(data);
     std::size_t lo = batch, hi = 0;
@@ -85,7 +85,7 @@ TEST_CASE("training on processes x threads gives the losses of the thread run", 
   std::vector<std::size_t> local;
   for (std::size_t d = 0; d < t; ++d) local.push_back(p * t + d);
   nn::train_state hybrid(m, make_net(m, local), opt, {}, nn::rng_key{}, local);
-  const meshlib::hybrid_backend backend{world, static_cast<int>(t)};
+  const meshlib::hybrid_runner backend(world, static_cast<int>(t));
   const std::size_t share = batch / P;
   for (std::size_t s = 0; s < steps; ++s) {
     const auto a = nn::train_step(threads, std::span<const float>(x).subspan(s * batch * features, batch * features),
@@ -117,7 +117,7 @@ TEST_CASE("a checkpoint written by every process restores on another mesh, proce
   const auto dir = fs::path(ex.all_gather((fs::temp_directory_path() /
                                            ("meshlib_mpi_ckpt_" + std::to_string(::getpid()))).string())[0]);
   const auto local = local_devices(p, P);
-  const meshlib::hybrid_backend backend{world, static_cast<int>(8 / P)};
+  const meshlib::hybrid_runner backend(world, static_cast<int>(8 / P));
   for (const bool zero : {false, true}) {
     INFO("ZeRO-1 on save and on the multi-process restore: " << zero << "; process " << p << " of " << P);
     nn::train_state first(a, make_net(a, local), opt, {.zero = zero}, nn::rng_key{}, local);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "meshlib/collectives/errors.hpp"
+#include "meshlib/collectives/observer.hpp"
 #include "meshlib/collectives/workspace.hpp"
 #include "meshlib/comm/axis_communicators.hpp"
 #include "meshlib/comm/communicator.hpp"
@@ -34,7 +35,6 @@
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/named_sharding.hpp"
-#include "meshlib/debug/observe.hpp"
 
 /// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
 /// does, to measure what the hook costs when tracing and debug mode are off).
@@ -186,12 +186,13 @@ class device_context {
 };
 
 /// The `device_context` of a device of mesh `Mesh` on backend communicator `C`: owns the world
-/// communicator and the device's `axis_communicators`. With an `observer` (tracing, debug mode or a
-/// Kokkos tool on: see debug/observe.hpp), its communicators are handed out decorated.
+/// communicator and the device's `axis_communicators`. With an active `observer` (collectives/
+/// observer.hpp; the runner installs the debug layer's while tracing, debug mode or a Kokkos tool
+/// is on), its communicators are handed out decorated.
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world, run_observer* observer = nullptr)
+  device_context_for(const Mesh& mesh, std::size_t device, C world, comm_observer* observer = nullptr)
       : mesh_(mesh),
         device_(device),
         coords_(mesh.coords(device)),
@@ -229,15 +230,15 @@ class device_context_for final : public device_context {
   C world_;
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
-  // The debug layer's decorator point (debug/observe.hpp): only with an observer.
-  run_observer* observer_;
+  // The decorator point (collectives/observer.hpp): only with an active observer.
+  comm_observer* observer_;
   std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
 
   device_comm& observed(axis_mask mask, device_comm& raw) {
     auto it = observed_.find(mask);
     if (it == observed_.end())
       it = observed_.emplace(mask, std::make_unique<observed_comm<device_comm>>(raw, *observer_,
-                                                                                observer_->site(mesh_, device_, mask)))
+                                                                                make_comm_site(mesh_, device_, mask)))
                .first;
     return *it->second;
   }

@@ -9,8 +9,10 @@
 /// auto x = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", none>>{m}, shape, host);
 /// std::cout << meshlib::plan_reshard<meshlib::P<none, "data">>(x);   // all_to_all over 'data' ...
 /// auto y = meshlib::reshard<meshlib::P<none, "data">>(x, runner);    // to_host(y) == to_host(x)
-/// // reshard<...>(x) without a runner: on the default runner (meshlib/exec/global_reshard.hpp)
+/// // reshard<...>(x) without a runner: on the default runner
 /// @endcode
+/// This header holds the plan and the per-device steps; `reshard` itself runs devices, so it is in
+/// the exec layer with the runners (meshlib/exec/global_reshard.hpp).
 
 #include <array>
 #include <cstddef>
@@ -18,7 +20,6 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/block_ops.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/reshard_plan.hpp"
@@ -175,47 +176,6 @@ template <sharded_tensor_type X, sharding_type To>
 template <partition_spec_type ToSpec, sharded_tensor_type X>
 [[nodiscard]] reshard_plan plan_reshard(const X& x) {
   return plan_reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()));
-}
-
-/// @brief `x` laid out by sharding `to` (same mesh; the rule may differ). Runs `plan_reshard(x, to)`
-/// on every device that `backend` runs in this process. Without a runner, `reshard(x, to)` runs
-/// on `default_runner` (exec/global_reshard.hpp): the runner is chosen in the exec layer, above
-/// this one, as for `spmd` and `shard_map`.
-/// @throws sharding_error when the shape does not fit `to` (even rule and a size that does not
-/// divide), or when `backend` runs a device whose block `x` does not hold in this process.
-template <sharded_tensor_type X, sharding_type To, class Backend>
-[[nodiscard]] auto reshard(const X& x, const To& to, const Backend& backend) {
-  using T = typename X::value_type;
-  constexpr std::size_t Rank = X::rank;
-  using result_t = sharded_tensor<T, Rank, To, typename X::memory_space>;
-  const reshard_plan plan = plan_reshard(x, to);
-  const std::vector<std::size_t> run = backend.local_devices(x.mesh().size());
-  for (std::size_t dev : run)
-    if (!x.is_local(dev))
-      throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
-                           " in this process, but the tensor holds no block of it here (it holds devices " +
-                           detail::describe_devices(x.local_devices()) +
-                           "); pass the runner that runs the tensor's devices");
-  result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
-  if (plan.empty()) {
-    // Same blocks: copy them (the result owns its memory, as after any reshard).
-    for (auto dev : out.local_devices())
-      std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
-    return out;
-  }
-  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
-  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
-                                x.local(dev).data(), out.local(dev).data());
-  });
-  return out;
-}
-
-/// @brief `x` laid out by `ToSpec` on the same mesh, with the same shard rule, on `backend`'s
-/// devices (without a runner: `default_runner`, exec/global_reshard.hpp).
-template <partition_spec_type ToSpec, sharded_tensor_type X, class Backend>
-[[nodiscard]] auto reshard(const X& x, const Backend& backend) {
-  return reshard(x, named_sharding<typename X::mesh_type, ToSpec>(x.mesh(), x.sharding().rule()), backend);
 }
 
 }  // namespace meshlib

@@ -6,6 +6,7 @@
 /// (`comm_timeout`), peers disagreed about the step (`collective_mismatch`), or the caller's own
 /// arguments were wrong (`comm_argument_error`, thrown before any data moves).
 
+#include <exception>
 #include <string>
 
 #include "meshlib/core/errors.hpp"
@@ -47,6 +48,22 @@ class collective_mismatch : public comm_error {
 class comm_argument_error : public comm_error {
  public:
   using comm_error::comm_error;
+};
+
+/// @brief Thrown by every runner and launcher (`run_on_threads`, `run_hybrid`, the runners of
+/// exec/) when a participant failed: the root cause, with its rank. Here with the other comm errors
+/// because every backend's launcher throws it, not only the thread backend's.
+/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
+/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
+class participant_error : public comm_error, public std::nested_exception {
+ public:
+  /// Must be constructed while the participant's exception is the current one (in a catch block).
+  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
+  /// Rank (in the world of the run) of the participant whose failure is the root cause.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
 };
 
 }  // namespace meshlib

@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The debug layer's one decorator point. A runner creates one `run_observer` per run
-/// (`shard_map`, `spmd`, `reshard`); when tracing, debug mode or a Kokkos tool is on, every device's
-/// communicators are wrapped in an `observed_comm`, which forwards every operation to the real one
-/// and around it: records the collective in the trace (`trace.hpp`), reports it to Kokkos tools as a
-/// profiling region, checks its input and output for NaN/Inf, and marks the device's arrival on the
-/// run's board so that a watchdog can warn about a device that keeps the others waiting. When all
-/// three are off the runner does not wrap: the cost is one predictable branch per collective (on
-/// the observer pointer, in `device_context_for::comm`).
+/// @brief The debug layer's observer: `run_observer` implements the collectives layer's
+/// `comm_observer` (collectives/observer.hpp). The exec layer creates one per run (`shard_map`,
+/// `spmd`, `reshard`: exec/detail/run_devices.hpp); when tracing, debug mode or a Kokkos tool is on,
+/// every device's communicators are wrapped in the collectives' forwarding decorator
+/// (`observed_comm`), which forwards every operation to the real one and reports it here around
+/// it: this observer records the collective in the trace (`trace.hpp`), reports it to Kokkos tools
+/// as a profiling region, checks its input and output for NaN/Inf, and marks the device's arrival
+/// on the run's board so that a watchdog can warn about a device that keeps the others waiting.
+/// When all three are off nothing is wrapped: the cost is one predictable branch per collective
+/// (on the observer pointer, in `device_context_for::comm`).
 ///
 /// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
 /// @code
@@ -35,10 +37,9 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/comm/communicator.hpp"
+#include "meshlib/collectives/observer.hpp"
 #include "meshlib/comm/datatype.hpp"
-#include "meshlib/comm/reduce_op.hpp"
-#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/timeout.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/debug/errors.hpp"
 #include "meshlib/debug/trace.hpp"
@@ -140,57 +141,6 @@ class scoped_debug_mode {
 
 namespace detail {
 
-/// Inside this scope the calling thread's collectives are not observed: the debug layer's own
-/// collectives (ordered printing, replica checks) stay out of the trace and the checks.
-inline int& unobserved_depth() noexcept {
-  thread_local int depth = 0;
-  return depth;
-}
-struct unobserved_scope {
-  unobserved_scope() noexcept { ++unobserved_depth(); }
-  ~unobserved_scope() { --unobserved_depth(); }
-  unobserved_scope(const unobserved_scope&) = delete;
-  unobserved_scope& operator=(const unobserved_scope&) = delete;
-};
-
-/// "device 3 (data=1, model=1)".
-template <mesh_type Mesh>
-std::string device_label(const Mesh& m, std::size_t device) {
-  std::string s = "device " + std::to_string(device) + " (";
-  const auto c = m.coords(device);
-  for (std::size_t a = 0; a < Mesh::ndim; ++a)
-    s += (a ? ", " : "") + std::string(Mesh::axis_names[a]) + "=" + std::to_string(c[a]);
-  return s + ")";
-}
-
-inline std::string join_ids(const std::vector<std::size_t>& ids) {
-  std::string s;
-  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
-  return s;
-}
-
-/// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
-struct comm_site {
-  std::size_t device = 0;
-  std::string device_label;
-  axis_mask mask = 0;
-  std::string axes;  // "model", "data,model"
-  std::size_t color = 0;
-  std::vector<std::size_t> group;  // device ids in group-rank order
-  std::size_t group_rank = 0;
-};
-
-/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
-constexpr const char* reduction_name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "psum";
-    case reduce_op::mean: return "pmean";
-    case reduce_op::max: return "pmax";
-    case reduce_op::min: return "pmin";
-    default: return "all_reduce";
-  }
-}
-
 /// The first non-finite element of `n` elements of `dt` at `p`, or -1.
 inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
   auto scan = [&](auto tag) -> std::ptrdiff_t {
@@ -222,7 +172,7 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
 }
 
 /// Shared state of one run (see the file comment).
-class run_observer {
+class run_observer final : public comm_observer {
  public:
   /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
   /// and, in debug mode with slow warnings on, starts the watchdog.
@@ -263,24 +213,59 @@ class run_observer {
   run_observer(const run_observer&) = delete;
   run_observer& operator=(const run_observer&) = delete;
 
-  [[nodiscard]] bool active() const noexcept { return tracing_ || debug_ || kokkos_; }
+  [[nodiscard]] bool active() const noexcept override { return tracing_ || debug_ || kokkos_; }
   [[nodiscard]] bool tracing() const noexcept { return tracing_; }
   [[nodiscard]] bool kokkos() const noexcept { return kokkos_; }
   [[nodiscard]] bool check_nonfinite() const noexcept { return debug_ && options_.check_nonfinite; }
   [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
 
-  template <mesh_type Mesh>
-  comm_site site(const Mesh& m, std::size_t device, axis_mask mask) const {
-    comm_site s;
-    s.device = device;
-    s.device_label = device_label(m, device);
-    s.mask = mask & Mesh::all_axes;
-    for (std::size_t a = 0; a < Mesh::ndim; ++a)
-      if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
-    s.color = m.group_color(device, s.mask);
-    s.group = m.group(device, s.mask);
-    s.group_rank = m.group_rank(device, s.mask);
-    return s;
+  /// A device's communicator on a group is decorated: its trace track, looked up once.
+  void open(comm_site& site) override {
+    if (tracing_) site.data = &trace_recorder::get().track_of(site.device);
+  }
+
+  /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
+  void enter(const comm_site& site, comm_call& call) override {
+    if (check_nonfinite()) check_finite(site, call.name, "input", call.in, call.in_count, call.dt);
+    const std::string what = std::string(call.name) + " over '" + site.axes + "'";
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::pushRegion("meshlib::" + what);
+#endif
+    call.start_ns = trace_recorder::get().now_ns();
+    arrive(site, call.seq, what);
+  }
+
+  /// After it, returned or not: the device's departure, the end of its Kokkos region.
+  void leave(const comm_site& site, const comm_call& call) noexcept override {
+    try {
+      depart(site, call.seq);
+    } catch (...) {  // only an allocation of the board's map can fail: the watchdog misses one exit
+    }
+#if MESHLIB_DEBUG_HAS_KOKKOS
+    if (kokkos_) Kokkos::Profiling::popRegion();
+#endif
+  }
+
+  /// After it returned: the trace event, the check of its output.
+  void done(const comm_site& site, const comm_call& call) override {
+    if (site.data != nullptr) {
+      auto& rec = trace_recorder::get();
+      trace_event e;
+      e.name = call.name;
+      e.axes = site.axes;
+      e.dtype = std::string(to_string(call.dt));
+      e.bytes = call.send_count * size_of(call.dt);
+      e.start_ns = call.start_ns;
+      e.end_ns = rec.now_ns();
+      e.collective = true;
+      e.run = run_;
+      e.mask = site.mask;
+      e.color = site.color;
+      e.seq = call.seq;
+      e.group = join_ids(site.group);
+      rec.record(*static_cast<trace_recorder::track*>(site.data), std::move(e));
+    }
+    if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
   }
 
   /// The device of `site` entered its `seq`-th collective `what` on its group.
@@ -381,114 +366,6 @@ class run_observer {
   bool stop_ = false;
   std::map<key_t, pending> board_;
   std::thread watchdog_;
-};
-
-/// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
-/// every operation goes to `inner` with the observation around it (see the file comment).
-template <class Iface>
-class observed_comm final : public Iface {
- public:
-  observed_comm(Iface& inner, run_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
-    if (obs_.tracing()) track_ = &trace_recorder::get().track_of(site_.device);
-  }
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-
-  void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
-    observe(reduction_name(op), dt, count, buf, count, buf, count, [&] { inner_.all_reduce(buf, count, dt, op); });
-  }
-  void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
-    observe(reduction_name(op), dt, count, send, count, recv, count,
-            [&] { inner_.all_reduce(send, recv, count, dt, op); });
-  }
-  void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
-    observe("all_gather", dt, count, send, count, recv, count * n(), [&] { inner_.all_gather(send, recv, count, dt); });
-  }
-  void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
-    const char* name = op == reduce_op::sum ? "psum_scatter" : "reduce_scatter";
-    observe(name, dt, count * n(), send, count * n(), recv, count,
-            [&] { inner_.reduce_scatter(send, recv, count, dt, op); });
-  }
-  void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
-    observe("all_to_all", dt, count * n(), send, count * n(), recv, count * n(),
-            [&] { inner_.all_to_all(send, recv, count, dt); });
-  }
-  void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
-                    void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
-                    std::size_t send_total, std::size_t recv_total, datatype dt) override {
-    observe("all_to_all_v", dt, send_total, send, send_total, recv, recv_total, [&] {
-      inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, send_total, recv_total, dt);
-    });
-  }
-  void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
-                std::span<const permute_pair> pairs) override {
-    observe("ppermute", dt, count, send, count, recv, count, [&] { inner_.ppermute(send, recv, count, dt, pairs); });
-  }
-  void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
-    // Only the root's buffer is an input: the others' may hold anything before the call.
-    const bool is_root = static_cast<int>(site_.group_rank) == root;
-    observe("broadcast", dt, is_root ? count : 0, buf, is_root ? count : 0, buf, count,
-            [&] { inner_.broadcast(buf, count, dt, root); });
-  }
-
- private:
-  std::size_t n() const { return static_cast<std::size_t>(inner_.size()); }
-
-  template <class F>
-  void observe(const char* name, datatype dt, std::size_t send_count, const void* in, std::size_t in_count,
-               const void* out, std::size_t out_count, F&& call) {
-    if (unobserved_depth() > 0) {
-      call();
-      return;
-    }
-    const std::uint64_t seq = seq_++;
-    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "input", in, in_count, dt);
-    const std::string what = std::string(name) + " over '" + site_.axes + "'";
-#if MESHLIB_DEBUG_HAS_KOKKOS
-    if (obs_.kokkos()) Kokkos::Profiling::pushRegion("meshlib::" + what);
-#endif
-    auto& rec = trace_recorder::get();
-    const std::int64_t start = rec.now_ns();
-    obs_.arrive(site_, seq, what);
-    struct leave {
-      observed_comm& self;
-      std::uint64_t seq;
-      ~leave() {
-        self.obs_.depart(self.site_, seq);
-#if MESHLIB_DEBUG_HAS_KOKKOS
-        if (self.obs_.kokkos()) Kokkos::Profiling::popRegion();
-#endif
-      }
-    };
-    {
-      leave guard{*this, seq};
-      call();
-    }
-    if (track_ != nullptr) {
-      trace_event e;
-      e.name = name;
-      e.axes = site_.axes;
-      e.dtype = std::string(to_string(dt));
-      e.bytes = send_count * size_of(dt);
-      e.start_ns = start;
-      e.end_ns = rec.now_ns();
-      e.collective = true;
-      e.run = obs_.run();
-      e.mask = site_.mask;
-      e.color = site_.color;
-      e.seq = seq;
-      e.group = join_ids(site_.group);
-      rec.record(*track_, std::move(e));
-    }
-    if (obs_.check_nonfinite()) obs_.check_finite(site_, name, "output", out, out_count, dt);
-  }
-
-  Iface& inner_;
-  run_observer& obs_;
-  comm_site site_;
-  trace_recorder::track* track_ = nullptr;
-  std::uint64_t seq_ = 0;
 };
 
 }  // namespace detail

@@ -2,10 +2,10 @@
 #pragma once
 /// @file
 /// @brief `default_runner`: what `spmd` and `shard_map` run on when no runner is passed. In one
-/// process, the process-wide persistent device threads (`thread_backend`). Once
+/// process, the process-wide persistent device threads (a `thread_runner` on them). Once
 /// `mpi::initialize` (or `mpi::guard`) has started a run of several processes, the multi-process
 /// runner: a mesh of n devices over the P processes of `mpi::world()` runs as P processes x
-/// n / P device threads (`hybrid_backend`), device `p * (n / P) + t` being thread t of process p,
+/// n / P device threads (a `hybrid_runner` on the process-wide hybrid device threads), device `p * (n / P) + t` being thread t of process p,
 /// as `distributed::local_devices()` numbers them. The hybrid collectives reduce in the thread
 /// backend's order, so a program gives the same bits under `mpirun` as on threads.
 ///
@@ -28,10 +28,10 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/exec/runner.hpp"
+#include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/runtime/distributed.hpp"
 #include "meshlib/runtime/errors.hpp"
 #if MESHLIB_ENABLE_MPI
@@ -46,7 +46,7 @@ namespace detail {
 /// The multi-process part of the default runner: the processes' communicator and how many of
 /// an `n`-device mesh's devices each runs; empty when the default is the thread runner.
 #if MESHLIB_ENABLE_MPI
-inline std::optional<hybrid_backend> default_process_runner(std::size_t n) {
+inline std::optional<hybrid_runner> default_process_runner(std::size_t n) {
 #else
 inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n) {
 #endif
@@ -70,7 +70,7 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
                      " devices; use a multiple of " + std::to_string(procs) +
                      " (distributed::device_count() is " + std::to_string(distributed::device_count()) +
                      "), or pass a runner explicitly (thread_runner{} runs every device in this process)");
-  return hybrid_backend{mpi::world(), static_cast<int>(n / procs)};
+  return hybrid_runner(process_wide_threads, mpi::world(), static_cast<int>(n / procs));
 #endif
 }
 
@@ -78,7 +78,7 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
 /// process-wide device threads, or, in a run of several processes started with
-/// `mpi::initialize`, those processes' device threads (`hybrid_backend`). Decided at each call.
+/// `mpi::initialize`, those processes' device threads (a `hybrid_runner`). Decided at each call.
 /// @throws distributed_error when `distributed::initialize` found several processes but MPI does
 /// not join them; mesh_error when the mesh's devices do not split evenly over the processes.
 struct default_runner {
@@ -96,7 +96,7 @@ struct default_runner {
 #else
     (void)detail::default_process_runner(n);
 #endif
-    thread_backend{}.run(n, body);
+    thread_runner(detail::process_wide_threads).run(n, body);
   }
 
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
@@ -107,7 +107,7 @@ struct default_runner {
 #else
     (void)detail::default_process_runner(n);
 #endif
-    return thread_backend{}.local_devices(n);
+    return thread_runner(detail::process_wide_threads).local_devices(n);
   }
 };
 

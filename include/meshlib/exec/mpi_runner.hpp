@@ -1,13 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The multi-process runners (exec/runner.hpp): `mpi_runner` (one device per MPI rank,
-/// also named `mpi_backend`) and `hybrid_backend` / `hybrid_runner` (P processes x T device
-/// threads: device `p*T + t` is thread t of process p).
+/// @brief The multi-process runners (exec/runner.hpp): `mpi_runner` (one device per MPI rank)
+/// and `hybrid_runner` (P processes x T device threads: device `p*T + t` is thread t of process p).
 ///
-/// The device threads of a hybrid mesh are persistent, as `thread_backend`'s: `hybrid_backend`
-/// runs them on the process-wide hybrid device threads, and a `hybrid_runner` owns threads of its
-/// own for as long as the user keeps it. What each call still builds is its hybrid world (the
+/// The device threads of a hybrid mesh are persistent, as a `thread_runner`'s: a `hybrid_runner`
+/// owns threads of its own for as long as the user keeps it, and the default runner's runs them on
+/// the process-wide hybrid device threads. What each call still builds is its hybrid world (the
 /// communicators: a duplicate of the process communicator for the leaders, one for point-to-point
 /// and the abort channel with its watcher thread), collectively over the processes, and frees it
 /// at the end of the call (its messages settled first, comm/mpi/detail/settle.hpp). Why not keep
@@ -30,28 +29,95 @@
 #if MESHLIB_ENABLE_MPI
 
 #include <cstddef>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/mpi/hybrid_communicator.hpp"
-#include "meshlib/comm/mpi/mpi_backend.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/options.hpp"
+#include "meshlib/exec/detail/device_workers.hpp"
 #include "meshlib/exec/runner.hpp"
-#include "meshlib/tensor/device_workers.hpp"
+#include "meshlib/exec/thread_runner.hpp"
 
 namespace meshlib {
 
-/// @brief The runner with one device per MPI rank: `mpi_backend` (comm/mpi/mpi_backend.hpp),
-/// under the name the other runners have. It has no threads to keep: the device is the process.
-using mpi_runner = mpi_backend;
+/// @brief One device per MPI rank of `comm`: `run(n, body)` runs `body` once, as this rank's
+/// device; a mesh of n devices needs a communicator of n ranks. It has no threads to keep: the
+/// device is the process.
+///
+/// Faults: a device that throws makes `run` throw `participant_error` on its own process (with
+/// its device id). `mpi_runner` also fails its communicator with that rank as the root cause
+/// (`mpi_communicator::fail`): the ranks that wait for it in a collective or a receive are released
+/// within milliseconds, and their `run` throws `participant_error` naming the failed rank (not
+/// themselves) with its message. The communicator then refuses every later call on every rank
+/// (an abandoned collective may still be pending on it): continue with a new one. When the
+/// exception is not caught the whole run ends through `MPI_Abort` (the terminate handler of
+/// `mpi::initialize`).
+/// @code
+/// meshlib::mpi::guard run;
+/// meshlib::mesh<meshlib::axis<"data">> m{meshlib::mpi::world().size()};
+/// auto sums = meshlib::spmd(m, [] { ... meshlib::psum<"data">(x) ... }, meshlib::mpi_runner{meshlib::mpi::world()});
+/// @endcode
+struct mpi_runner {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+  /// The MPI communicator whose ranks are the devices (one device per rank).
+  mpi_communicator comm;
+
+  /// @brief Runs `body(device, communicator)` once, as this rank's device; `n` must equal the number of ranks.
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    check(n);
+    try {
+      body(static_cast<std::size_t>(comm.rank()), comm);
+    } catch (...) {
+      const auto e = std::current_exception();
+      const std::string what = detail::what_of(e);
+      int blamed = comm.rank();
+      try {
+        std::rethrow_exception(e);
+      } catch (const comm_aborted&) {
+        // Released by another rank's failure: blame that rank.
+        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+      } catch (const comm_timeout&) {
+        // Every waiting rank times out on its own; the message names the ranks that never arrived.
+      } catch (const collective_mismatch&) {
+        // Every rank of the collective throws it.
+      } catch (...) {
+        comm.fail(what);  // the rank's own failure: release its peers at once
+      }
+      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
+                                          std::to_string(comm.size()) + " failed: " + what);
+    }
+  }
+
+  /// The device this process runs: its own rank.
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+    check(n);
+    return {static_cast<std::size_t>(comm.rank())};
+  }
+
+ private:
+  void check(std::size_t n) const {
+    if (n != static_cast<std::size_t>(comm.size()))
+      throw comm_argument_error("meshlib: mpi_runner runs one device per MPI rank, but the mesh has " +
+                                std::to_string(n) + " devices and the communicator " + std::to_string(comm.size()) +
+                                " ranks; use a mesh of " + std::to_string(comm.size()) +
+                                " devices, or hybrid_runner for several devices (threads) per rank");
+  }
+};
+
+/// @brief Deprecated name of `mpi_runner`; removed in the next release.
+using mpi_backend [[deprecated("use meshlib::mpi_runner")]] = mpi_runner;
 
 namespace detail {
 /// The process-wide device threads of hybrid meshes (not pinned: see the file comment). Apart
-/// from the process-wide threads of `thread_backend`, so that a hybrid mesh's devices never wait
+/// from the process-wide threads of `thread_runner`, so that a hybrid mesh's devices never wait
 /// for, or pin, the threads that global-view operations use.
 inline device_workers& hybrid_device_workers() {
   static device_workers w(false);
@@ -71,10 +137,12 @@ struct pool_launch {
 }  // namespace detail
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`, run by
-/// the process-wide hybrid device threads (persistent), or by `workers` when set (a
-/// `hybrid_runner` sets its own). Each call is collective over `comm` and builds a new hybrid
-/// world (see the file comment): a failure fails that call on every process, not the next one.
-struct hybrid_backend {
+/// device threads of its own (they start on the first call, threads - 1 of them; the calling
+/// thread runs local thread 0, and they are joined when the last copy of the runner is destroyed),
+/// or, made with `detail::process_wide_threads` (the default runner's), by the process-wide hybrid
+/// device threads. Each call is collective over `comm` and builds a new hybrid world (see the file
+/// comment): a failure fails that call on every process, not the next one.
+struct hybrid_runner {
   /// Marks a runner (exec/runner.hpp).
   using is_runner = void;
   /// The MPI communicator over the processes.
@@ -83,8 +151,19 @@ struct hybrid_backend {
   int threads = 1;
   /// Options of each process's thread world.
   thread_comm_options options{};
-  /// The device threads, shared by every copy of this backend; null: the process-wide ones.
+  /// The device threads, shared by every copy of this runner; null: the process-wide ones.
   std::shared_ptr<detail::device_workers> workers{};
+
+  /// `threads` devices per rank of `comm`, on device threads of its own; each call's thread world
+  /// gets `options`.
+  hybrid_runner(mpi_communicator comm, int threads, thread_comm_options options = {})
+      : comm(std::move(comm)),
+        threads(threads),
+        options(std::move(options)),
+        workers(std::make_shared<detail::device_workers>(false)) {}
+  /// The same on the process-wide hybrid device threads.
+  hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
+      : comm(std::move(comm)), threads(threads), options(std::move(options)) {}
 
   /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
@@ -111,23 +190,21 @@ struct hybrid_backend {
   void check(std::size_t n) const {
     const auto have = static_cast<std::size_t>(comm.size()) * static_cast<std::size_t>(threads);
     if (n != have)
-      throw comm_argument_error("meshlib: hybrid_backend runs " + std::to_string(comm.size()) + " ranks x " +
+      throw comm_argument_error("meshlib: hybrid_runner runs " + std::to_string(comm.size()) + " ranks x " +
                                 std::to_string(threads) + " threads = " + std::to_string(have) +
                                 " devices, but the mesh has " + std::to_string(n));
   }
 };
 
-/// @brief A `hybrid_backend` with device threads of its own, as `thread_runner` is a
-/// `thread_backend` with its own: they start on the first call (threads - 1 of them; the calling
-/// thread runs local thread 0) and are joined when the last copy of the runner is destroyed.
-struct hybrid_runner : hybrid_backend {
-  /// `threads` devices per rank of `comm`; each call's thread world gets `options`.
-  hybrid_runner(mpi_communicator comm, int threads, thread_comm_options options = {})
-      : hybrid_backend{std::move(comm), threads, std::move(options), std::make_shared<detail::device_workers>(false)} {}
+/// @brief Deprecated name of a `hybrid_runner` on the process-wide hybrid device threads (what it
+/// was before runners had one name each); removed in the next release.
+struct [[deprecated("use meshlib::hybrid_runner")]] hybrid_backend : hybrid_runner {
+  /// `threads` devices per rank of `comm`.
+  hybrid_backend(mpi_communicator comm, int threads = 1, thread_comm_options options = {})
+      : hybrid_runner(detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
 };
 
 static_assert(runner<mpi_runner>);
-static_assert(runner<hybrid_backend>);
 static_assert(runner<hybrid_runner>);
 
 }  // namespace meshlib

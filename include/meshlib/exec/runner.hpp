@@ -2,10 +2,11 @@
 #pragma once
 /// @file
 /// @brief The `runner` concept: what runs one program per device for `spmd`, `shard_map` and
-/// `reshard`. Satisfied by `thread_backend` / `thread_runner` (persistent threads in this
-/// process), with MPI by `mpi_runner` (a process per device) and `hybrid_backend` /
-/// `hybrid_runner` (persistent threads in processes; exec/mpi_runner.hpp), and by
-/// `default_runner`, which picks one of them at each call (exec/default_runner.hpp).
+/// `reshard`. Satisfied by `thread_runner` (persistent threads in this process), with MPI by
+/// `mpi_runner` (a process per device) and `hybrid_runner` (persistent threads in processes;
+/// exec/mpi_runner.hpp), and by `default_runner`, which picks one of them at each call
+/// (exec/default_runner.hpp). One name each: `thread_backend`, `mpi_backend` and
+/// `hybrid_backend` are deprecated names kept for one release.
 /// @code
 /// static_assert(meshlib::runner<meshlib::thread_runner>);
 /// meshlib::thread_runner r;                     // owns its device threads while it lives
@@ -35,9 +36,9 @@ struct runner_body_archetype {
 ///   naming the root cause's rank, the device's exception nested.
 /// - `r.local_devices(n)`: the devices this process runs, ascending.
 ///
-/// Which runner is the default (`default_runner`): `thread_backend` on the process-wide device
+/// Which runner is the default (`default_runner`): a `thread_runner` on the process-wide device
 /// threads in one process; once `mpi::initialize` has started a run of several processes, those
-/// processes' device threads (`hybrid_backend`, n / P devices per process).
+/// processes' device threads (a `hybrid_runner`, n / P devices per process).
 template <class R>
 concept runner = requires { typename R::is_runner; } &&
                  requires(const R& r, std::size_t n, detail::runner_body_archetype body) {

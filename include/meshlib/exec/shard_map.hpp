@@ -28,7 +28,6 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/reshard.hpp"
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/core/diagnostics.hpp"
@@ -37,6 +36,7 @@
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/debug/check_replicated.hpp"
 #include "meshlib/exec/default_runner.hpp"
+#include "meshlib/exec/detail/run_devices.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/runtime/kokkos_runtime.hpp"
 #include "meshlib/tensor/local_tensor.hpp"

@@ -14,9 +14,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/exec/default_runner.hpp"
+#include "meshlib/exec/detail/run_devices.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/runtime/kokkos_runtime.hpp"
 

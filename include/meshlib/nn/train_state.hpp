@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/backend.hpp"
 #include "meshlib/collectives/gathers.hpp"
+#include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"

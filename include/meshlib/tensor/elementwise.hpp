@@ -28,7 +28,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
-#include "meshlib/tensor/device_workers.hpp"
+#include "meshlib/tensor/for_each_device.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {

@@ -32,7 +32,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
-#include "meshlib/tensor/device_workers.hpp"
+#include "meshlib/tensor/for_each_device.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -202,7 +202,7 @@ auto matmul(const A& a, const B& b) {
       throw sharding_error("meshlib: matmul: device " + std::to_string(dev) + " holds a block of the lhs but not of the rhs");
     local[dev] = true;
   }
-  // Every device's block product at once, each on its own instance (device_workers.hpp).
+  // Every device's block product at once, each on its own instance (for_each_device.hpp).
   const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
   detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
     prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));

@@ -185,7 +185,7 @@ TEST_CASE("shard_map: an invariant output under a sharding out_spec tiles identi
   CHECK(y == std::vector<float>{9, 12, 9, 12, 9, 12});
 }
 
-TEST_CASE("spmd takes a backend: thread_backend options reach the communicator", "[exec][spmd]") {
+TEST_CASE("spmd takes a runner: thread_runner options reach the communicator", "[exec][spmd]") {
   mesh1 m{2};
   using L = local_tensor<float, 1, mesh1, mesh1::all_axes>;
   const auto start = std::chrono::steady_clock::now();
@@ -202,7 +202,7 @@ TEST_CASE("spmd takes a backend: thread_backend options reach the communicator",
           L x(std::array<std::size_t, 1>{1}, m, device_index());
           (void)psum<"x">(x);
         },
-        thread_backend{{.timeout = std::chrono::milliseconds(300)}});
+        thread_runner{{.timeout = std::chrono::milliseconds(300)}});
   } catch (const device_error& e) {
     caught = true;
     // Blame the device at fault: device 1 never arrived; device 0 only waited for it (issue 10).

@@ -4,6 +4,7 @@
 // proof that they persist); a failed call leaves the next one a fresh world; nested calls, calls
 // from two threads at once and meshes of changing size neither deadlock nor mix up devices.
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__linux__)
 #include <sys/wait.h>
@@ -58,15 +60,21 @@ struct lookalike {
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t) const { return {}; }
 };
 
+/// A thread_runner on the process-wide device threads (the default runner's), default-constructible
+/// for the templated cases.
+struct process_wide_runner : thread_runner {
+  process_wide_runner() : thread_runner(meshlib::detail::process_wide_threads) {}
+};
+
 }  // namespace
 
-static_assert(runner<thread_backend>);
+static_assert(runner<process_wide_runner>);
 static_assert(runner<thread_runner>);
 static_assert(!runner<lookalike>);
 static_assert(!runner<int>);
 
 TEMPLATE_TEST_CASE("repeated calls give the independently computed sums, on the same threads every time",
-                   "[exec][runner]", thread_backend, thread_runner) {
+                   "[exec][runner]", process_wide_runner, thread_runner) {
   const TestType runner{};
   const mesh1 m{4};
   const auto first = device_threads(m, runner);
@@ -138,7 +146,7 @@ TEST_CASE("after a failed call the next call runs on a fresh world, on the same 
 }
 
 TEMPLATE_TEST_CASE("an spmd inside a device of another runs to completion (threads of its own)", "[exec][runner]",
-                   thread_backend, thread_runner) {
+                   process_wide_runner, thread_runner) {
   const TestType runner{};
   const mesh1 outer{2}, inner{3};
   const auto outer_ids = device_threads(outer, runner);
@@ -206,7 +214,7 @@ TEST_CASE("a thread_runner joins its threads when its last copy goes, also after
                           m, [] { if (device_index() == 3) throw std::logic_error("late failure"); }, runner),
                       device_error);
   }  // joins here: a hang would stop the test binary (the process-wide threads are joined at its exit)
-  const auto sums = device_sums(m, 1.0, thread_backend{});
+  const auto sums = device_sums(m, 1.0, process_wide_runner{});
   for (double s : sums) CHECK(s == expected_sum(4, 1.0));
 }
 
@@ -220,12 +228,12 @@ TEST_CASE("a thread_runner joins its threads when its last copy goes, also after
 #if defined(__linux__) && !defined(RUNNER_TEST_TSAN)  // ThreadSanitizer refuses threads after a fork
 TEST_CASE("a child of fork() runs spmd on threads of its own (the parent's workers are not in it)", "[exec][runner]") {
   const mesh1 m{3};
-  (void)device_sums(m, 1.0, thread_backend{});  // the process-wide workers exist now
+  (void)device_sums(m, 1.0, process_wide_runner{});  // the process-wide workers exist now
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
   if (child == 0) {
     // Waiting for the parent's workers would hang here; exit code 0 only for the right sums.
-    const auto sums = device_sums(m, 2.0, thread_backend{});
+    const auto sums = device_sums(m, 2.0, process_wide_runner{});
     bool ok = sums.size() == 3;
     for (double s : sums) ok = ok && s == expected_sum(3, 2.0);
     std::_Exit(ok ? 0 : 1);
@@ -234,12 +242,12 @@ TEST_CASE("a child of fork() runs spmd on threads of its own (the parent's worke
   REQUIRE(::waitpid(child, &status, 0) == child);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
-  CHECK(device_sums(m, 3.0, thread_backend{}) == std::vector<double>(3, expected_sum(3, 3.0)));
+  CHECK(device_sums(m, 3.0, process_wide_runner{}) == std::vector<double>(3, expected_sum(3, 3.0)));
 }
 #endif
 
 // The default runner (exec/default_runner.hpp) in one process: the process-wide device threads,
-// the same ones thread_backend{} uses, before distributed::initialize and after one that found
+// the same ones process_wide_runner{} uses, before distributed::initialize and after one that found
 // one process; a run of several processes that MPI does not join is refused, not run as threads.
 static_assert(runner<default_runner>);
 
@@ -249,7 +257,7 @@ TEST_CASE("without a multi-process launch the default runner is the process-wide
   auto check_threads = [&] {
     CHECK(default_runner{}.local_devices(4) == std::vector<std::size_t>{0, 1, 2, 3});
     const auto by_default = spmd(m, [] { return std::this_thread::get_id(); });
-    CHECK(by_default == device_threads(m, thread_backend{}));  // the very same threads
+    CHECK(by_default == device_threads(m, process_wide_runner{}));  // the very same threads
     CHECK(by_default[0] == std::this_thread::get_id());
     for (double s : spmd(m, [&] {
            L x(std::array<std::size_t, 1>{1}, m, device_index());
@@ -300,3 +308,23 @@ TEST_CASE("spmd on a mesh of more devices than an int counts is a mesh_error nam
   CHECK(meshlib_test::message_of<mesh_error>([&] { (void)spmd(m, [] { return 1; }); }) == expected);
   CHECK(meshlib_test::message_of<mesh_error>([&] { spmd(m, [] {}, thread_runner{}); }) == expected);
 }
+
+// The deprecated names of the runners (one release): `thread_backend` is still a runner on the
+// process-wide device threads, as before the rename, with the same results.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+static_assert(runner<thread_backend>);
+static_assert(std::is_base_of_v<thread_runner, thread_backend>);
+TEST_CASE("the deprecated thread_backend runs on the process-wide threads, as thread_runner does", "[exec][runner]") {
+  const mesh1 m{3};
+  const thread_backend old{{.timeout = std::chrono::seconds(30)}};
+  CHECK(old.workers == nullptr);  // the process-wide threads
+  CHECK(old.options.timeout == std::chrono::seconds(30));
+  CHECK(device_threads(m, old) == device_threads(m, process_wide_runner{}));
+  CHECK(device_sums(m, 2.0, old) == std::vector<double>(3, expected_sum(3, 2.0)));
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif

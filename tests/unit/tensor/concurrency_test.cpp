@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "meshlib/exec.hpp"  // installs the device threads global-view operations run on
 #include "meshlib/tensor.hpp"
 #include "meshlib_catch.hpp"
 #include "reference.hpp"
@@ -149,7 +150,8 @@ TEST_CASE("control: Kokkos parallel_scan from 8 threads races on Kokkos 3.4.1", 
 }
 
 // Global-view operations run every local device's block at once on the persistent device workers
-// (tensor/device_workers.hpp). Each call of the function below waits until all 4 devices have
+// (exec/detail/device_workers.hpp, installed as the tensor layer's dispatcher when exec is
+// included: tensor/for_each_device.hpp). Each call of the function below waits until all 4 devices have
 // entered it: run in parallel, they all pass; run one after another, device 0 waits alone until
 // the deadline and returns -1. Repeated, so that the same workers serve later calls.
 namespace {

@@ -8,6 +8,7 @@
 /// copying another backend's message.
 
 #include <chrono>
+#include <exception>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -59,6 +60,18 @@ inline std::string timeout_message(std::string_view op, std::string_view waiter,
   os << (missing.empty() ? std::string("every rank arrived late") : missing + " never arrived");
   os << "; raise the timeout (" << knob << ") if they are only slow";
   return os.str();
+}
+
+/// The message of exception `e` (what() of a std::exception), for the root-cause messages of
+/// every launcher and runner.
+inline std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
 }
 
 }  // namespace meshlib::detail

@@ -78,7 +78,6 @@
 #include "meshlib/comm/mpi/detail/call_record.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
-#include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 
 namespace meshlib {

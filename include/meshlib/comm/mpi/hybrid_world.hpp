@@ -30,7 +30,6 @@
 #include "meshlib/comm/mpi/mpi_comm_options.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/options.hpp"
-#include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 
 namespace meshlib {

@@ -10,7 +10,7 @@
 #include <chrono>
 #include <cstddef>
 
-#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/timeout.hpp"
 
 namespace meshlib {
 

@@ -53,7 +53,7 @@
 /// throws the root cause's error with the same message; end the run (an uncaught exception does
 /// so through `MPI_Abort`, see `<meshlib/mpi.hpp>`).
 ///
-/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_backend`'s runner does) releases
+/// Faults. A rank that throws and calls `fail(reason)` (as `mpi_runner` does) releases
 /// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
@@ -103,7 +103,7 @@
 #include "meshlib/comm/mpi/mpi_comm_options.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
-#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/timeout.hpp"
 
 namespace meshlib {
 

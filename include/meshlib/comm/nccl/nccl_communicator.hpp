@@ -74,7 +74,7 @@
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
-#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/timeout.hpp"
 
 namespace meshlib {
 

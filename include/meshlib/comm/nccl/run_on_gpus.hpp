@@ -26,8 +26,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
-#include "meshlib/comm/thread/run_on_threads.hpp"
 
 namespace meshlib {
 

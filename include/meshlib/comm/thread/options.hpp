@@ -2,37 +2,15 @@
 #pragma once
 /// @file
 /// @brief `thread_comm_options`: the knobs of the thread communicator, with defaults that were
-/// measured on a 2-core machine (see docs/benchmarks.md), and the `MESHLIB_COMM_TIMEOUT` default.
+/// measured on a 2-core machine (see docs/benchmarks.md). The timeout default they start from is
+/// the comm layer's (comm/timeout.hpp), shared by every backend.
 
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
-#include <string>
 
-#include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/timeout.hpp"
 
 namespace meshlib {
-
-/// @brief Timeout of a communicator whose creator gave none and whose environment has no
-/// `MESHLIB_COMM_TIMEOUT`: 60 seconds. Long enough for any step of a real program on a loaded
-/// machine, short enough that a hung CI job fails with a message instead of being killed.
-inline constexpr std::chrono::seconds default_comm_timeout_fallback{60};
-
-/// @brief The timeout communicators use unless told otherwise: `MESHLIB_COMM_TIMEOUT` (seconds, a
-/// positive decimal number such as `2` or `0.5`), else `default_comm_timeout_fallback` (60 s).
-/// @throws comm_argument_error when the variable is set to something that is not a positive number.
-inline std::chrono::nanoseconds default_comm_timeout() {
-  const char* env = std::getenv("MESHLIB_COMM_TIMEOUT");  // NOLINT(concurrency-mt-unsafe): read only
-  if (env == nullptr || *env == '\0') return default_comm_timeout_fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(env, &end);
-  if (end == env || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
-    throw comm_argument_error(std::string("meshlib: MESHLIB_COMM_TIMEOUT='") + env +
-                              "' is not a positive number of seconds; set it to e.g. 30 or 0.5, or unset it for " +
-                              std::to_string(default_comm_timeout_fallback.count()) + " s");
-  }
-  return std::chrono::nanoseconds(static_cast<long long>(seconds * 1e9));
-}
 
 /// @brief Options of a `thread_world`.
 /// @code

@@ -2,10 +2,12 @@
 #pragma once
 /// @file
 /// @brief `run_on_threads(n, fn)`: runs `fn(comm)` once per participant of a fresh `thread_world`
-/// of n threads, joins them, and rethrows the root cause of a failure with its rank. `spmd` and
-/// `shard_map` run on persistent device threads instead (tensor/device_workers.hpp) and come here
-/// only for a call those cannot take (a nested call); both report failures through
-/// `detail::participant_failures`.
+/// of n threads, joins them, and rethrows the root cause of a failure with its rank: the thread
+/// backend's own launcher, as `run_hybrid` is the MPI backend's. `spmd` and `shard_map` run on the
+/// persistent device threads of exec's `thread_runner` instead (exec/detail/device_workers.hpp)
+/// and come here only for a call those cannot take (a nested call); both report failures through
+/// `detail::participant_failures`, and pin with `detail::pin_to`, both here because this launcher,
+/// below exec, needs them too.
 
 #include <exception>
 #if defined(__linux__)
@@ -18,25 +20,12 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
 
 namespace meshlib {
-
-/// @brief Thrown by `run_on_threads` when a participant failed: the root cause, with its rank.
-/// The participant's own exception is nested (`std::rethrow_if_nested(e)` or `rethrow_nested()`
-/// rethrows it with its original type); `what()` is "meshlib: participant R of N failed: <its what()>".
-class participant_error : public comm_error, public std::nested_exception {
- public:
-  /// Must be constructed while the participant's exception is the current one (in a catch block).
-  participant_error(int rank, const std::string& message) : comm_error(message), rank_(rank) {}
-  /// Rank (in the world of `run_on_threads`) of the participant whose failure is the root cause.
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-
- private:
-  int rank_;
-};
 
 namespace detail {
 /// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
@@ -58,18 +47,8 @@ inline void pin_to(const cpu_set_t& allowed, int index) {
 }
 #endif
 
-inline std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
 /// @brief The participants' failures in one run on a `thread_world`, and who is blamed for them:
-/// shared by `run_on_threads` and the persistent device threads (`thread_backend`), so that both
+/// shared by `run_on_threads` and the persistent device threads (`thread_runner`), so that both
 /// report the same root cause with the same message.
 class participant_failures {
  public:

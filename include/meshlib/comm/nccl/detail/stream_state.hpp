@@ -22,7 +22,7 @@
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
-#include "meshlib/comm/thread/options.hpp"
+#include "meshlib/comm/timeout.hpp"
 
 namespace meshlib {
 

@@ -2,8 +2,9 @@
 #pragma once
 /// @file
 /// @brief The persistent device threads that run every local device at once: `spmd` and
-/// `shard_map` calls on a `thread_backend` / `thread_runner` (exec/thread_runner.hpp), and
-/// global-view operations (elementwise, reductions, matmul, transpose on `sharded_tensor`s).
+/// `shard_map` calls on a `thread_runner` (exec/thread_runner.hpp), and global-view operations
+/// (elementwise, reductions, matmul, transpose on `sharded_tensor`s), which reach them through the
+/// tensor layer's dispatcher hook (tensor/for_each_device.hpp) that this header installs.
 ///
 /// Why persistent: starting and joining a thread per device costs tens of microseconds per device
 /// and call (measured: an empty 8-device `spmd` took 3.5 ms that way), more than a small kernel or
@@ -20,9 +21,10 @@
 /// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
 /// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
 ///
-/// The pool lives in the tensor layer because global-view operations use it; the exec layer's
-/// runners (exec/runner.hpp) build on it. There is one process-wide pool (`get()`), and a
-/// `thread_runner` owns one of its own for as long as the user keeps it.
+/// The pool lives in the exec layer with the runners that own it (ARCHITECTURE.md: exec owns the
+/// device threads); the tensor layer below only declares the hook its global-view operations
+/// dispatch through. There is one process-wide pool (`get()`), and a `thread_runner` owns one of
+/// its own for as long as the user keeps it.
 ///
 /// No job waits for the pool: a job submitted from inside a job (from a device thread of any pool)
 /// or while another thread's job runs is refused by `try_run`, and `run` then runs its indices one
@@ -36,7 +38,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <span>
 #include <thread>
 #include <vector>
 
@@ -45,7 +46,7 @@
 #endif
 
 #include "meshlib/comm/thread/run_on_threads.hpp"
-#include "meshlib/tensor/view.hpp"
+#include "meshlib/tensor/for_each_device.hpp"
 
 namespace meshlib::detail {
 
@@ -233,7 +234,7 @@ class device_workers {
       if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
 #if defined(__linux__)
-      // Pinned while the job fits the cores (the comm layer's `pin_to`, as `run_on_threads` pins);
+      // Pinned while the job fits the cores (`pin_to`, shared with `run_on_threads`);
       // given all CPUs back for a larger job. A syscall only when the policy changes.
       if (j.pin != pinned) {
         if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
@@ -254,28 +255,19 @@ class device_workers {
   std::vector<std::unique_ptr<worker>> workers_;  // workers_[i] serves index i + 1
 };
 
-/// Below this many element operations in all, waking workers costs more than it saves (a wake is
-/// a few microseconds; a host kernel does about a thousand element operations per microsecond).
-inline constexpr std::size_t parallel_work_threshold = std::size_t{1} << 15;
-
-/// Runs `f(d)` for every device `d` in `devices` at once (see the file comment), each on its
-/// execution-space instance for memory space `Space` among `num_devices` devices. `work`: the
-/// element operations of all devices together; below `parallel_work_threshold` the calling thread
-/// runs the devices one after another (still each on its instance).
-template <class Space, class F>
-void for_each_device(std::span<const std::size_t> devices, std::size_t num_devices, std::size_t work, F&& f) {
-  if (devices.empty()) return;
-  (void)device_instance<Space>(0, num_devices);  // made here, not in the workers
-  auto task = [&](std::size_t i) {
-    const std::size_t d = devices[i];
-    scoped_exec_space<Space> on(device_instance<Space>(d, num_devices));
-    f(d);
-  };
-  if (work < parallel_work_threshold) {
-    for (std::size_t i = 0; i < devices.size(); ++i) task(i);
-    return;
-  }
-  device_workers::get().run(devices.size(), task);
+/// Runs `call(ctx, i)` for every `i` in `[0, count)` on the process-wide device threads: what
+/// the tensor layer's global-view operations dispatch to (tensor/for_each_device.hpp).
+inline void run_on_device_workers(std::size_t count, void* ctx, void (*call)(void*, std::size_t)) {
+  auto f = [ctx, call](std::size_t i) { call(ctx, i); };
+  device_workers::get().run(count, f);
 }
+
+/// Installs the device threads as the tensor layer's dispatcher when a program includes exec:
+/// tensor cannot include this layer, so it exposes the hook and this layer fills it (before
+/// `main`; a global-view operation run before that runs its devices one after another).
+inline const bool device_workers_installed = [] {
+  device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
+  return true;
+}();
 
 }  // namespace meshlib::detail

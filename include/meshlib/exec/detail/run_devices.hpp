@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `detail::run_devices(mesh, runner, body)`: what `spmd`, `shard_map` and `reshard` with a
+/// runner run each device through. It is here, in the exec layer, because it joins the layers
+/// below: the runner (exec/runner.hpp) runs the devices, the collectives' device context
+/// (collectives/device_context.hpp) is installed on each, and the debug layer's observer
+/// (debug/observe.hpp), which implements the collectives' observer interface
+/// (collectives/observer.hpp), is created for the run and handed to every device's context. The
+/// collectives layer declares that interface and never includes the debug layer.
+
+#include <cstddef>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/errors.hpp"
+#include "meshlib/collectives/workspace.hpp"
+#include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/errors.hpp"
+#include "meshlib/core/mesh.hpp"
+#include "meshlib/debug/observe.hpp"
+#include "meshlib/tensor/view.hpp"
+
+namespace meshlib::detail {
+
+/// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
+/// (observed by the debug layer's `run_observer`) and its execution-space instance
+/// (`device_instance`) installed, and turns a device's failure into `device_error`: the one place
+/// where every runner's root cause (`participant_error`, whatever the runner) becomes the user's
+/// error, with the same message for every runner.
+template <mesh_type Mesh, class Backend, class Body>
+void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
+  require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
+  run_observer observer(m, backend.local_devices(m.size()));  // installed: the debug layer's observer
+  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
+  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
+  try {
+    backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
+      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
+      scoped_device installed(ctx);
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
+      body(device);
+    });
+  } catch (const participant_error& e) {
+    const auto device = static_cast<std::size_t>(e.rank());
+    const std::exception_ptr cause = e.nested_ptr();
+    const std::string what = cause ? what_of(cause) : std::string(e.what());
+    throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
+                                          " failed: " + what);
+  }
+}
+
+}  // namespace meshlib::detail
