@@ -7,22 +7,31 @@
 // loading only its share of every batch, with the same losses as the single-process run.
 //
 //   train_fashion_mnist [--mesh 4x2] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
+// A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
 #include <meshlib/mpi.hpp>
 #endif
 
+#include <cerrno>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <tuple>
 #include <utility>
 
 namespace {
@@ -37,9 +46,20 @@ struct options {
   std::size_t limit_steps = 0;
 };
 
+/// A mistake in the options (argparse's exit status 2): main prints the usage line and the message
+/// before anything is loaded.
+struct usage_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+constexpr const char* usage_line =
+    "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
+    "                           [--optimizer NAME] [--precision P] [--reduce-in R] [--zero] [--checkpoint-dir DIR]\n"
+    "                           [--resume] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--help]\n";
+
 void usage() {
-  std::cout << "usage: train_fashion_mnist [options]\n"
-               "  --mesh DxM            (data, model) mesh shape, default 4x2 (8 thread devices)\n"
+  std::cout << usage_line
+            << "  --mesh DxM            (data, model) mesh shape, default 4x2 (8 thread devices)\n"
                "  --epochs N            default 6\n"
                "  --batch B             global batch, a multiple of D x accumulation; default 256\n"
                "  --lr R                peak learning rate (linear warm-up, cosine decay); default 1e-3\n"
@@ -56,7 +76,34 @@ void usage() {
                "  --data DIR            Fashion-MNIST IDX files; default " << meshlib::nn::default_fashion_mnist_dir().string() << "\n"
                "  --seed S              initialisation and shuffling seed; default 0\n"
                "  --steps N             stop after N steps (smoke runs)\n"
-               "  --trace FILE          record a trace of every step (Chrome trace JSON, docs/debugging.md); use with --steps\n";
+               "  --trace FILE          record a trace of every step (Chrome trace JSON, docs/debugging.md); use with --steps\n"
+               "Every check of the options (numbers, mesh, batch, hidden width, trace file) runs before the data\n"
+               "is loaded; a mistake exits with status 2.\n";
+}
+
+/// `v` as a whole non-negative integer (no sign, no trailing characters, no overflow), else nothing.
+std::optional<std::size_t> whole_number(const std::string& v) {
+  std::size_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) return std::nullopt;
+  return n;
+}
+
+std::size_t positive_integer(const std::string& option, const std::string& v) {
+  const auto n = whole_number(v);
+  if (!n || *n == 0) throw usage_error(option + " wants a positive integer, not '" + v + "'");
+  return *n;
+}
+
+/// "DxM": two positive integers around one 'x' ("4x", "2x2x2" and "x4" are refused).
+std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v) {
+  const auto x = v.find('x');
+  const auto d = x == std::string::npos ? std::nullopt : whole_number(v.substr(0, x));
+  const auto m = x == std::string::npos ? std::nullopt : whole_number(v.substr(x + 1));
+  if (!d || !m || *d == 0 || *m == 0)
+    throw usage_error("--mesh wants DxM, two positive integers (data x model devices) such as 4x2, not '" + v + "'");
+  if (*d > std::numeric_limits<std::size_t>::max() / *m) throw usage_error("--mesh " + v + " has too many devices");
+  return {*d, *m};
 }
 
 options parse(int argc, char** argv) {
@@ -64,43 +111,86 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      if (i + 1 >= argc) throw usage_error(a + " needs a value");
       return argv[++i];
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
-    else if (a == "--mesh") {
+    else if (a == "--mesh") std::tie(o.data, o.model) = mesh_shape(value());
+    else if (a == "--epochs") o.epochs = positive_integer(a, value());
+    else if (a == "--batch") o.batch = positive_integer(a, value());
+    else if (a == "--lr") {
       const std::string v = value();
-      const auto x = v.find('x');
-      if (x == std::string::npos) throw std::invalid_argument("--mesh wants DxM, e.g. 4x2, not '" + v + "'");
-      o.data = std::stoul(v.substr(0, x));
-      o.model = std::stoul(v.substr(x + 1));
+      float r = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), r);
+      if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !std::isfinite(r) || r <= 0)
+        throw usage_error("--lr wants a positive number, not '" + v + "'");
+      o.lr = r;
     }
-    else if (a == "--epochs") o.epochs = std::stoul(value());
-    else if (a == "--batch") o.batch = std::stoul(value());
-    else if (a == "--lr") o.lr = std::stof(value());
     else if (a == "--optimizer") o.optimizer = value();
-    else if (a == "--hidden") o.hidden = std::stoul(value());
-    else if (a == "--accumulation") o.accumulation = std::stoul(value());
+    else if (a == "--hidden") o.hidden = positive_integer(a, value());
+    else if (a == "--accumulation") o.accumulation = positive_integer(a, value());
     else if (a == "--precision") o.precision = value();
     else if (a == "--reduce-in") o.reduce = value();
     else if (a == "--zero") o.zero = true;
     else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
     else if (a == "--resume") o.resume = true;
     else if (a == "--data") o.data_dir = value();
-    else if (a == "--seed") o.seed = std::stoull(value());
-    else if (a == "--steps") o.limit_steps = std::stoul(value());
+    else if (a == "--seed") {
+      const std::string v = value();
+      std::uint64_t n = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+      if (v.empty() || ec != std::errc() || end != v.data() + v.size())
+        throw usage_error("--seed wants a non-negative integer, not '" + v + "'");
+      o.seed = n;
+    }
+    else if (a == "--steps") o.limit_steps = positive_integer(a, value());
     else if (a == "--trace") o.trace = value();
-    else throw std::invalid_argument("unknown option '" + a + "' (see --help)");
+    else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.precision != "f32" && o.precision != "bf16" && o.precision != "f16")
-    throw std::invalid_argument("--precision is f32, bf16 or f16, not '" + o.precision + "'");
+    throw usage_error("--precision is f32, bf16 or f16, not '" + o.precision + "'");
 #if !MESHLIB_HAS_FLOAT16
-  if (o.precision == "f16") throw std::invalid_argument("--precision f16: this compiler has no _Float16");
+  if (o.precision == "f16") throw usage_error("--precision f16: this compiler has no _Float16");
 #endif
-  if (o.reduce != "f32" && o.reduce != "bf16") throw std::invalid_argument("--reduce-in is f32 or bf16, not '" + o.reduce + "'");
+  if (o.reduce != "f32" && o.reduce != "bf16") throw usage_error("--reduce-in is f32 or bf16, not '" + o.reduce + "'");
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
-    throw std::invalid_argument("--optimizer is adam, adamw or sgd");
+    throw usage_error("--optimizer is adam, adamw or sgd, not '" + o.optimizer + "'");
+  if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
   return o;
+}
+
+/// The checks that need no data, in the options' words, run before the minute of loading: the
+/// library would reject the same mistakes later, in its own terms (sharding errors, a trace file
+/// it cannot write after the whole run).
+void check_options(const options& o, std::size_t processes) {
+  const std::string mesh = "--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
+  if (o.hidden % o.model != 0)
+    throw usage_error("--hidden " + std::to_string(o.hidden) + " is not divisible by the model axis (" + mesh + ": " +
+                      std::to_string(o.model) + ")");
+  // d x k divides the batch when d does and k divides the quotient (no product to overflow).
+  if (o.batch % o.data != 0 || (o.batch / o.data) % o.accumulation != 0)
+    throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis x --accumulation (" + mesh +
+                      ": " + std::to_string(o.data) + " x --accumulation " + std::to_string(o.accumulation) + ")");
+  if (processes > 1 && (o.data * o.model) % processes != 0)
+    throw usage_error(mesh + ": its " + std::to_string(o.data * o.model) + " devices do not split over the " +
+                      std::to_string(processes) + " processes of mpirun");
+  if (processes > 1 && o.batch % processes != 0)
+    throw usage_error("--batch " + std::to_string(o.batch) + " does not split over the " + std::to_string(processes) +
+                      " processes of mpirun");
+  if (!o.trace.empty()) {
+    // The trace is written at the end of the run: a file that cannot be written is refused now.
+    // Opened for appending and removed again when new, so that nothing is lost or left behind
+    // (under mpirun each process writes its own file, trace.p1.json).
+    std::error_code ec;
+    const bool existed = std::filesystem::exists(o.trace, ec);
+    std::FILE* f = std::fopen(o.trace.c_str(), "a");
+    if (f == nullptr) {
+      const int e = errno;
+      throw usage_error("--trace " + o.trace + ": cannot open the file for writing (" + std::strerror(e) + ")");
+    }
+    std::fclose(f);
+    if (!existed) std::filesystem::remove(o.trace, ec);
+  }
 }
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -123,9 +213,6 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   nn::sequential net(nn::column_dense<float, mesh_t>(mesh, "fc1", 784, o.hidden, key, local), nn::relu<float>(mesh),
                      nn::row_dense<float, mesh_t>(mesh, "fc2", o.hidden, o.hidden, key, local), nn::relu<float>(mesh),
                      nn::dense<float, mesh_t>(mesh, "fc3", o.hidden, 10, key, local));
-  if (o.batch % o.data != 0 || o.batch % where.processes != 0)
-    throw std::invalid_argument("--batch " + std::to_string(o.batch) + " does not split over the " + std::to_string(o.data) +
-                                " devices of the data axis (and " + std::to_string(where.processes) + " processes)");
   nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed, .process_index = where.process,
                                     .process_count = where.processes});
   const std::size_t steps = loader.steps_per_epoch();
@@ -163,7 +250,6 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
       << " floats\n";
   if (!o.trace.empty()) meshlib::start_trace(o.trace);  // every device's collectives, per step
   if (o.resume) {
-    if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint-dir");
     nn::restore_checkpoint(o.checkpoint_dir, state);  // under mpirun: every process, its own blocks
     out << "  resumed from " << o.checkpoint_dir << " at step " << state.step << "\n";
   }
@@ -216,16 +302,23 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
 }  // namespace
 
 int main(int argc, char** argv) {
-  options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "train_fashion_mnist: " << e.what() << "\n";
-    return 2;
-  }
   std::size_t processes = 1;
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
     if (const char* e = std::getenv(v)) processes = std::max<std::size_t>(processes, std::strtoul(e, nullptr, 10));
+  options o;
+  try {
+    o = parse(argc, argv);
+    check_options(o, processes);
+  } catch (const usage_error& e) {
+    std::cerr << usage_line << "train_fashion_mnist: error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    (void)meshlib::tracing();  // MESHLIB_TRACE naming a file that cannot be written: say so now, not after the run
+  } catch (const meshlib::error& e) {
+    std::cerr << "train_fashion_mnist: " << e.what() << "\n";
+    return 1;
+  }
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
   std::unique_ptr<meshlib::mpi::guard> mpi;
   if (processes > 1) mpi = std::make_unique<meshlib::mpi::guard>();
@@ -256,7 +349,7 @@ int main(int argc, char** argv) {
 #endif
       return wire16 ? train<bfloat16, float>(o, fm, where) : train<float, float>(o, fm, where);
     };
-    const std::size_t devices = o.data * o.model;
+    const std::size_t devices = o.data * o.model;  // check_options: divisible by processes
     if (processes == 1) {
       placement<meshlib::default_runner> where;  // this process's device threads
       for (std::size_t d = 0; d < devices; ++d) where.devices.push_back(d);
@@ -265,9 +358,6 @@ int main(int argc, char** argv) {
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
     auto world = meshlib::mpi::world();
     const auto p = static_cast<std::size_t>(world.rank());
-    if (devices % processes != 0)
-      throw std::invalid_argument("the mesh's " + std::to_string(devices) + " devices do not split over " +
-                                  std::to_string(processes) + " processes");
     const std::size_t t = devices / processes;
     placement<meshlib::hybrid_runner> where{{}, p, processes, meshlib::hybrid_runner(world, static_cast<int>(t))};
     for (std::size_t d = 0; d < t; ++d) where.devices.push_back(p * t + d);

@@ -165,6 +165,30 @@ TEST_CASE("without tracing or debug mode nothing is recorded", "[debug][trace]")
   CHECK(s.rows.empty());
 }
 
+TEST_CASE("start_trace refuses a file it cannot write, at start and naming it", "[debug][trace]") {
+  const std::string missing = "/nonexistent-meshlib-dir/t.json";
+  REQUIRE_FALSE(std::filesystem::exists("/nonexistent-meshlib-dir"));
+  CHECK(message_of<error>([&] { start_trace(missing); }) ==
+        "meshlib: start_trace: cannot open '/nonexistent-meshlib-dir/t.json' for writing the trace (No such file or "
+        "directory); give a file in an existing, writable directory");
+  CHECK_FALSE(tracing());  // nothing is being recorded for a file that would never be written
+  const std::string dir = temp_path("a_directory");
+  std::filesystem::create_directory(dir);
+  CHECK(message_of<error>([&] { start_trace(dir); }) ==
+        "meshlib: start_trace: cannot open '" + dir +
+            "' for writing the trace (Is a directory); give a file in an existing, writable directory");
+  CHECK_FALSE(tracing());
+  std::filesystem::remove(dir);
+  // A writable path starts as before (the file is created at once, the trace replaces it at stop).
+  const std::string ok = temp_path("writable.json");
+  start_trace(ok);
+  CHECK(tracing());
+  CHECK(std::filesystem::exists(ok));
+  CHECK(stop_trace().path == ok);
+  CHECK(read_json(ok).has("traceEvents"));
+  std::filesystem::remove(ok);
+}
+
 TEST_CASE("debug_print prints one whole line per device, in device order", "[debug][print]") {
   mesh2 m{2, 2};
   std::ostringstream out;
@@ -356,4 +380,16 @@ TEST_CASE("MESHLIB_TRACE traces the whole program", "[.trace_env]") {
     (void)psum<"model">(x);
     (void)all_gather<"data", 0>(x);
   });
+}
+
+// Run by the CTest test debug_trace_env_unwritable with MESHLIB_TRACE naming a file in a missing
+// directory: the first traced call (here tracing(), then spmd) throws at once, naming the variable.
+TEST_CASE("MESHLIB_TRACE naming an unwritable file is an error at the first traced call", "[.trace_env_unwritable]") {
+  REQUIRE(std::string(std::getenv("MESHLIB_TRACE")) == "/nonexistent-meshlib-dir/t.json");
+  const std::string expected =
+      "meshlib: MESHLIB_TRACE=/nonexistent-meshlib-dir/t.json: cannot open '/nonexistent-meshlib-dir/t.json' for "
+      "writing the trace (No such file or directory); give a file in an existing, writable directory";
+  CHECK(message_of<error>([] { (void)tracing(); }) == expected);
+  mesh2 m{2, 2};
+  CHECK(message_of<error>([&] { spmd(m, [] {}); }) == expected);  // and again, at every later traced call
 }

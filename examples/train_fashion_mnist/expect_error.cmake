@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+# Runs the command after `--` and checks how it fails: exit status EXIT, a line of stderr equal to
+# MESSAGE, and with USAGE=ON stderr starting with the usage line and nothing on stdout (nothing
+# was loaded or printed before the mistake was found). Prints what it got when a check fails.
+#   cmake -DEXIT=2 -DMESSAGE=... [-DUSAGE=ON] -P expect_error.cmake -- program args...
+# A `;` in MESSAGE is written `\;` in add_test (else it splits the argument); it is unescaped here.
+string(REPLACE "\\;" ";" MESSAGE "${MESSAGE}")
+set(cmd)
+set(after FALSE)
+math(EXPR last "${CMAKE_ARGC} - 1")
+foreach(i RANGE ${last})
+  if(after)
+    list(APPEND cmd "${CMAKE_ARGV${i}}")
+  elseif("${CMAKE_ARGV${i}}" STREQUAL "--")
+    set(after TRUE)
+  endif()
+endforeach()
+if(NOT cmd)
+  message(FATAL_ERROR "expect_error.cmake: no command after --")
+endif()
+execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 30)
+set(got "exit status: ${rc}\nstdout:\n${out}\nstderr:\n${err}")
+if(NOT "${rc}" STREQUAL "${EXIT}")
+  message(FATAL_ERROR "expected exit status ${EXIT}; got\n${got}")
+endif()
+string(FIND "\n${err}" "\n${MESSAGE}\n" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "expected the stderr line\n${MESSAGE}\ngot\n${got}")
+endif()
+if(USAGE)
+  string(FIND "${err}" "usage: train_fashion_mnist [--mesh DxM]" at)
+  if(NOT at EQUAL 0 OR NOT "${out}" STREQUAL "")
+    message(FATAL_ERROR "expected the usage line first on stderr and nothing on stdout; got\n${got}")
+  endif()
+endif()
+message(STATUS "exit status ${rc} and the expected message")
