@@ -14035,7 +14035,9 @@ class nonfinite_error : public debug_check_error {
 /// per collective type, axis and device. Off by default; on through `start_trace(path)` /
 /// `stop_trace()` (as `jax.profiler.start_trace` / `stop_trace`), the RAII `scoped_trace`, or the
 /// environment: `MESHLIB_TRACE=trace.json` traces the whole program and writes the file (and prints
-/// the summary to stderr) at exit.
+/// the summary to stderr) at exit. The file is opened when tracing starts: a path that cannot be
+/// written throws `error` then (for the variable: from the program's first traced call, or from
+/// `tracing()`), not at the end of the run.
 ///
 /// The recorder only stores events; the runners feed it through the debug layer's one decorator
 /// point (`observe.hpp`), and `trace_region` adds the user's regions.
@@ -14055,12 +14057,14 @@ class nonfinite_error : public debug_check_error {
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -14191,7 +14195,10 @@ class trace_recorder {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - origin_).count();
   }
 
+  /// @throws error when `path` (its per-process name) cannot be opened for writing: a trace the
+  /// program cannot write is reported now, not after the run at `stop()`.
   void start(std::string path) {
+    if (!path.empty()) check_writable(file_for_process(path), "start_trace");
     std::lock_guard lk(m_);
     // Tracks live as long as the program (a running device may hold one): restarting empties them.
     ++session_;
@@ -14267,12 +14274,28 @@ class trace_recorder {
   trace_recorder& operator=(const trace_recorder&) = delete;
 
  private:
+  // Throws (from `get()`, so from the program's first traced call, and again from every later one)
+  // when MESHLIB_TRACE names a file that cannot be written: the user asked for a trace and would
+  // otherwise learn only at exit, after the whole run, that there is none.
   trace_recorder() : origin_(std::chrono::steady_clock::now()) {
     const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
     if (env != nullptr && *env != '\0') {
+      check_writable(file_for_process(env), "MESHLIB_TRACE=" + std::string(env));
       from_env_ = true;
       start(env);
     }
+  }
+
+  /// Opens `file` for writing (creating or emptying it; the trace replaces it at stop) and throws
+  /// `error` naming `what`, the file and the system's reason when it cannot.
+  static void check_writable(const std::string& file, const std::string& what) {
+    std::FILE* f = std::fopen(file.c_str(), "w");
+    if (f == nullptr) {
+      const int e = errno;
+      throw error("meshlib: " + what + ": cannot open '" + file + "' for writing the trace (" + std::strerror(e) +
+                  "); give a file in an existing, writable directory");
+    }
+    std::fclose(f);
   }
 
   /// `trace.json` for a single-process run; `trace.p<index>.json` for process `index` of several.
@@ -14483,6 +14506,7 @@ class trace_recorder {
 /// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
 /// Restarting discards what was recorded. Runs that are already going keep their state: tracing
 /// is read when a `shard_map`, `spmd` or `reshard` starts.
+/// @throws error when `path` cannot be opened for writing (naming it), before anything is recorded.
 inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
 
 /// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
@@ -14490,7 +14514,9 @@ inline void start_trace(std::string path) { detail::trace_recorder::get().start(
 inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
 
 /// @brief True while a trace is being recorded.
-[[nodiscard]] inline bool tracing() noexcept { return detail::trace_recorder::get().on(); }
+/// @throws error when `MESHLIB_TRACE` names a file that cannot be written (as every traced call
+/// does): a program can call it first to report that at start.
+[[nodiscard]] inline bool tracing() { return detail::trace_recorder::get().on(); }
 
 /// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
 /// destructor writes the file. Call `stop()` to get the summary earlier.
