@@ -7,11 +7,12 @@
 # Headers that Kokkos or the standard library include on their own do not count: only the direct
 # includes of meshlib's headers do.
 #
-# cmake -DCXX=<compiler> -DINCLUDES=<dirs> -DDEFINES=<defs> -DWORK=<dir> [-DPROBE=<header>]
-#       -P check_umbrella_includes.cmake
+# cmake -DCXX=<compiler> -DFLAGS=<file> -DWORK=<dir> [-DPROBE=<header>] -P check_umbrella_includes.cmake
+# FLAGS: three lines, meshlib's include directories, definitions and options (each a CMake list,
+# as meshlib_testing.cmake's _meshlib_flags_file writes them).
 # PROBE: a header included after the umbrella (the self-test includes a meshlib-like header that
 # includes a forbidden one, and expects the failure).
-foreach(v CXX WORK)
+foreach(v CXX WORK FLAGS)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "check_umbrella_includes: -D${v}=... is required")
   endif()
@@ -39,12 +40,29 @@ if(PROBE)
   string(APPEND text "#include \"${PROBE}\"\n")
 endif()
 file(WRITE "${tu}" "${text}")
+file(READ "${FLAGS}" flags)
+if(NOT flags MATCHES "^([^\n]*)\n([^\n]*)\n([^\n]*)\n$")
+  message(FATAL_ERROR "check_umbrella_includes: ${FLAGS} is not three lines")
+endif()
+set(INCLUDES "${CMAKE_MATCH_1}")
+set(DEFINES "${CMAKE_MATCH_2}")
+set(OPTIONS "${CMAKE_MATCH_3}")
 set(args -std=c++20 -E -H -o "${WORK}/umbrella_includes.i")
 foreach(d IN LISTS INCLUDES)
-  list(APPEND args "-I${d}")
+  # The compiler's own directories stay implicit (naming /usr/include breaks #include_next).
+  if(d AND NOT d MATCHES "^/usr(/local)?/include/?$")
+    list(APPEND args "-I${d}")
+  endif()
 endforeach()
 foreach(d IN LISTS DEFINES)
-  list(APPEND args "-D${d}")
+  if(d)
+    list(APPEND args "-D${d}")
+  endif()
+endforeach()
+foreach(o IN LISTS OPTIONS)
+  if(o)
+    list(APPEND args "${o}")
+  endif()
 endforeach()
 execute_process(COMMAND "${CXX}" ${args} "${tu}" RESULT_VARIABLE rc ERROR_VARIABLE tree OUTPUT_QUIET)
 if(NOT rc EQUAL 0)
