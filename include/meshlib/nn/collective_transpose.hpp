@@ -67,9 +67,14 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     const std::size_t chunk = shape[Dim] / n;
     shape[Dim] = chunk;
     auto out = meshlib::detail::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
-    for (std::size_t o = 0; o < outer; ++o)
-      for (std::size_t k = 0; k < chunk * inner; ++k)
-        out.data()[o * chunk * inner + k] = ct.data()[(o * shape[Dim] * n + i * chunk) * inner + k];
+    // One work item per outer index: a contiguous run of chunk * inner elements.
+    using V = typename L::value_type;
+    V* to = out.data();
+    const V* from = ct.data();
+    const std::size_t run = chunk * inner, stride = shape[Dim] * n * inner, at = i * chunk * inner;
+    meshlib::detail::launch<typename L::memory_space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+      for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
+    });
     return R(out, ct.mesh(), ct.device());
   }
 }

@@ -40,6 +40,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/nn/parameter.hpp"
 
@@ -91,7 +92,7 @@ class grad_sync {
       if (used == open) return;
       if (moves) reduce<Axes>(mesh, w + open, used - open, dev);
       if constexpr (!same)
-        for (std::size_t e = open; e < used; ++e) f[e] = static_cast<T>(w[e]);
+        detail::convert_copy<space>(f + open, w + open, used - open);
       open = used;
     };
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -104,7 +105,7 @@ class grad_sync {
           continue;
         }
       if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
-      for (std::size_t e = 0; e < c; ++e) w[used + e] = static_cast<Wire>(g[e]);
+      detail::convert_copy<space>(w + used, g, c);
       if constexpr (same) out[i] = w + used;
       else out[i] = f + used;
       used += c;
@@ -178,12 +179,12 @@ class grad_sync {
       while (len > 0) {
         while (i < params.size() && start + params[i].count[dev] <= at) start += params[i++].count[dev];
         if (i == params.size()) {
-          std::fill_n(to, len, Wire{});
+          detail::fill_values<space>(to, len, Wire{});
           return;
         }
         const std::size_t k = std::min(len, start + params[i].count[dev] - at);
         const T* g = params[i].grad[dev] + (at - start);
-        for (std::size_t e = 0; e < k; ++e) to[e] = static_cast<Wire>(g[e]);
+        detail::convert_copy<space>(to, g, k);
         at += k;
         to += k;
         len -= k;
@@ -195,11 +196,14 @@ class grad_sync {
       return w;
     } else {
       T* f = flat_.get(dev, n);
-      for (std::size_t i = 0; i < n; ++i) f[i] = static_cast<T>(w[i]);
+      detail::convert_copy<space>(f, w, n);
       return f;
     }
   }
 
+  /// The memory of the gradients and the packed buffers: the copies and conversions between them
+  /// are Kokkos kernels on the running device's instance (nn/detail/kernels.hpp).
+  using space = default_memory_space;
   std::size_t bucket_ = 0;
   detail::device_buffers<Wire> wire_;
   detail::device_buffers<T> flat_;

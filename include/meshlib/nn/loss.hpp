@@ -9,7 +9,9 @@
 /// cross-entropy does.
 ///
 /// Each device's `loss` is its rows' share of the mean (a pending sum over the data axis); the
-/// gradient `(softmax - onehot) / global_batch` has the logits' type.
+/// gradient `(softmax - onehot) / global_batch` has the logits' type. The row passes are Kokkos
+/// kernels on the running device's instance, one work item per row (each row's sums in column
+/// order, and the loss added over the rows in row order, as a plain loop: the same bits on every mesh).
 /// @code
 /// meshlib::nn::softmax_cross_entropy<float> ce(mesh.size());
 /// // inside spmd, logits (B/4, 10) varying over data:
@@ -17,17 +19,20 @@
 /// auto dlogits = ce.backward(logits);
 /// @endcode
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/tensor/view.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
@@ -43,7 +48,7 @@ template <class T>
 class softmax_cross_entropy {
  public:
   /// Holds per-device scratch for `devices` devices.
-  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), rows_(devices) {}
+  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), terms_(devices), rows_(devices) {}
   /// Holds per-device scratch for every device of `mesh`.
   template <mesh_type Mesh>
   explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
@@ -67,35 +72,48 @@ class softmax_cross_entropy {
     T* sum = mx + rows;
     T* tgt = sum + rows;
     const T* z = logits.data();
-    for (std::size_t i = 0; i < rows; ++i) {
+    // The labels are the caller's host data: checked here, before any kernel reads them.
+    for (std::size_t i = 0; i < rows; ++i)
       if (labels[i] < 0 || static_cast<std::size_t>(labels[i]) >= classes)
         throw std::out_of_range("meshlib::nn: softmax_cross_entropy: label " + std::to_string(labels[i]) + " of row " +
                                 std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
                                 std::to_string(classes) + ")");
+    const std::int32_t* lab = labels.data();
+    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
       T m = -std::numeric_limits<T>::infinity();
       for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
       mx[i] = m;
-    }
+    });
     if constexpr (class_axes != 0) (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
-    for (std::size_t i = 0; i < rows; ++i) {
+    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
       T s = 0;
       for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
       sum[i] = s;
-      const std::size_t l = static_cast<std::size_t>(labels[i]);
+      const std::size_t l = static_cast<std::size_t>(lab[i]);
       tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
-    }
+    });
     if constexpr (class_axes != 0)  // normaliser and target
       (void)detail::psum_over<class_axes>(detail::wrap1<row_values<Z>>(sum, 2 * rows, logits.mesh(), dev));
-    loss_part out;
     const T inv_b = T{1} / static_cast<T>(global_batch);
-    for (std::size_t i = 0; i < rows; ++i) {
-      out.loss += (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / static_cast<double>(global_batch);
-      out.correct += tgt[i] >= mx[i] ? 1 : 0;
-      const std::size_t l = static_cast<std::size_t>(labels[i]);
+    const double gb = static_cast<double>(global_batch);
+    double* term = terms_.get(dev, rows);  // per row: its loss / global batch
+    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
+      const std::size_t l = static_cast<std::size_t>(lab[i]);
       const T inv = T{1} / sum[i];
       for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
       if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
-    }
+    });
+    // The rows' terms added in row order by one work item (a parallel_reduce is unsafe from
+    // several device threads on Kokkos 3.4.1, and its order would depend on the backend).
+    loss_part out;
+    loss_part* res = &out;
+    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
+      for (std::size_t i = 0; i < rows; ++i) {
+        res->loss += term[i];
+        res->correct += tgt[i] >= mx[i] ? 1 : 0;
+      }
+    });
     rows_[dev] = rows;
     return out;
   }
@@ -113,7 +131,13 @@ class softmax_cross_entropy {
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
   using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
+  // The kernels' memory: the loss's scratch buffers, and the result the last kernel writes on the host.
+  using space = default_memory_space;
+  static_assert(meshlib::detail::host_accessible_v<space>,
+                "meshlib::nn: softmax_cross_entropy adds the rows' losses into a host result; device memory needs "
+                "them copied back");
   detail::device_buffers<T> grad_;
+  detail::device_buffers<double> terms_;
   std::vector<std::size_t> rows_;
 };
 

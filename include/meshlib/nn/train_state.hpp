@@ -38,6 +38,7 @@
 #include "meshlib/nn/data/loader.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/loss.hpp"
@@ -189,7 +190,7 @@ class train_state {
     if constexpr (mixed)
       for (std::size_t dev : local_)
         for (std::size_t i = 0; i < params.size(); ++i) {
-          std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+          detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
           detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
         }
   }
@@ -325,9 +326,9 @@ class train_state {
     // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
     T* send = gather_.get(dev, size * (dp + 1));
     T* recv = send + size;
-    std::fill_n(send, size, T{});
+    detail::fill_values<default_memory_space>(send, size, T{});
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      std::copy_n(master_of(p, dev) + in_param, len, send + s);
+      detail::convert_copy<default_memory_space>(send + s, master_of(p, dev) + in_param, len);
     });
     const auto t1 = std::chrono::steady_clock::now();
     if (dp > 1) {
@@ -336,12 +337,12 @@ class train_state {
       (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
           detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
     } else {
-      std::copy_n(send, size, recv);
+      detail::convert_copy<default_memory_space>(recv, send, size);
     }
     sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     std::size_t off = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      std::copy_n(recv + off, params[i].count[dev], master(i, dev));
+      detail::convert_copy<default_memory_space>(master(i, dev), recv + off, params[i].count[dev]);
       off += params[i].count[dev];
     }
     refresh_device(dev);
@@ -369,7 +370,7 @@ class train_state {
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
       for (std::size_t i = 0; i < params.size(); ++i) {
-        std::copy_n(master(i, dev), params[i].count[dev], params[i].value[dev]);
+        detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
         detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
       }
   }
@@ -464,7 +465,7 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         // zeroing pass over the model), the others add to zeros.
         for (const auto& p : s.params)
           if (p.overwrite) p.overwrite[dev] = 1;
-          else std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+          else detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
@@ -484,7 +485,7 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         }
         for (const auto& p : s.params)
           if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            std::fill_n(p.grad[dev], p.count[dev], 0.0f);
+            detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
             p.overwrite[dev] = 0;
           }
         if constexpr (State::mixed)

@@ -35,10 +35,10 @@ class device_buffers {
     if (b.extent(0) < n) b = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
     return b.data();
   }
-  /// Device `dev`'s buffer of `n` elements, zero-filled.
+  /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
     T* p = get(dev, n);
-    for (std::size_t i = 0; i < n; ++i) p[i] = T{};
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
 

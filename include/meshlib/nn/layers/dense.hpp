@@ -45,6 +45,7 @@
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul.hpp"
@@ -196,11 +197,9 @@ class basic_dense {
         matmul_into(view(y, rows, out), xv, wv);
         // Donated: z wraps the layer's own buffer (an unmanaged view), so the sum lands in it.
         static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, out, x.mesh(), dev)));
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = 0; j < out; ++j) y[i * out + j] += bias[j];
+        add_bias(y, bias, rows, out, true);
       } else {
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = 0; j < out; ++j) y[i * out + j] = bias[j];
+        add_bias(y, bias, rows, out, false);  // y = b, then y += x W
         matmul_into(view(y, rows, out), xv, wv, {.beta = 1});
       }
       return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
@@ -229,9 +228,18 @@ class basic_dense {
     T* gb = b.grad.local(dev).data();
     const cview dyv(dy.data(), rows, out);
     matmul_into(view(gw, in, out), cview(x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
-    if (b.grad_beta(dev) == T{0}) std::fill_n(gb, out, T{0});
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = 0; j < out; ++j) gb[j] += dy.data()[i * out + j];
+    // db (+)= the column sums of dy, each column's rows added in row order (bitwise the same on every mesh).
+    const T* d = dy.data();
+    const bool fresh = b.grad_beta(dev) == T{0};
+    const std::size_t nrows = rows;  // a copy: Clang before 16 cannot capture a structured binding
+    detail::for_column_blocks<default_memory_space>(out, [=](std::size_t j0, std::size_t j1) {
+      T* s = gb;  // locals: the stores below cannot be taken to change them
+      const T* dr = d;
+      if (fresh)
+        for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+      for (std::size_t i = 0; i < nrows; ++i, dr += out)
+        for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
+    });
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
@@ -258,6 +266,19 @@ class basic_dense {
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
   using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
   using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  /// `y += b` (`add`) or `y = b` on every row of `y` (`rows x out`): a Kokkos kernel, one work item
+  /// per row (the row's loop vectorises as before).
+  static void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      T* yi = y + i * out;
+      const T* bj = bias;
+      if (add)
+        for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
+      else
+        for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
+    });
+  }
 
   std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
     constexpr axis_mask axes = w_sharding::dim_mask(0);

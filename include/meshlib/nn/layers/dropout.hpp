@@ -5,6 +5,7 @@
 /// iff `uniform(key.fold_in(step).fold_in(id), r * cols + c) >= rate`, computed by whichever device
 /// holds it, so a sharded activation drops exactly the elements the single-device run drops
 /// (`flax.linen.Dropout`, but with JAX's values independent of the sharding). Identity in evaluation.
+/// Mask, forward and backward are Kokkos kernels on the running device's instance.
 /// @code
 /// meshlib::nn::dropout<float> drop(m, "drop1", 0.1f);
 /// // train_step calls begin_step(key, true) on the model; then inside spmd: auto y = drop.forward(x);
@@ -18,6 +19,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
 
@@ -60,12 +62,17 @@ class dropout {
     T* mask = mask_.get(dev, rows * cols);
     T* y = out_.get(dev, rows * cols);
     const T keep = T{1} / static_cast<T>(1.0f - rate_);
-    for (std::size_t i = 0; i < rows; ++i)
+    const T* xp = x.data();
+    const rng_key key = key_;
+    const float rate = rate_;
+    // One work item per row (the row's global index is computed once, as in the loop).
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
       for (std::size_t j = 0; j < cols; ++j) {
-        const std::uint64_t g = static_cast<std::uint64_t>((r0 + i) * gcols + c0 + j);
-        mask[i * cols + j] = uniform(key_, g) >= rate_ ? keep : T{0};
-        y[i * cols + j] = x.data()[i * cols + j] * mask[i * cols + j];
+        mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
+        y[i * cols + j] = xp[i * cols + j] * mask[i * cols + j];
       }
+    });
     return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
   }
 
@@ -79,7 +86,8 @@ class dropout {
     detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
-    for (std::size_t i = 0; i < n; ++i) dx[i] = dy.data()[i] * mask[i];
+    const T* d = dy.data();
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * mask[i]; });
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 

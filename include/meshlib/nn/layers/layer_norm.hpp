@@ -4,6 +4,9 @@
 /// @brief `layer_norm`: normalises each row over its features, `y = (x - mean) / sqrt(var + eps) * g + b`
 /// (`flax.linen.LayerNorm`), with forward and backward. The features must not be sharded (a
 /// compile error says so): the row statistics are then local, and the cotangent has the input's type.
+/// Forward and backward are Kokkos kernels on the running device's instance: one work item per row
+/// for the row statistics, and per block of columns for the parameter gradients (sums over rows,
+/// added in row order: the same bits on every mesh).
 /// @code
 /// meshlib::nn::layer_norm<float, mesh_t> ln(m, "ln1", 1024);
 /// // inside spmd: auto y = ln.forward(x);  ...  auto dx = ln.backward(dy);
@@ -17,6 +20,7 @@
 
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
@@ -81,19 +85,21 @@ class layer_norm {
     T* y = out_.get(dev, rows * n);
     const T* gv = g.value.local(dev).data();
     const T* bv = b.value.local(dev).data();
-    for (std::size_t i = 0; i < rows; ++i) {
-      const T* xi = x.data() + i * n;
+    const T* xp = x.data();
+    const T eps = eps_;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const T* xi = xp + i * n;
       T mean = 0, var = 0;
       for (std::size_t j = 0; j < n; ++j) mean += xi[j];
       mean /= static_cast<T>(n);
       for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
       var /= static_cast<T>(n);
-      rstd[i] = T{1} / std::sqrt(var + eps_);
+      rstd[i] = T{1} / std::sqrt(var + eps);
       for (std::size_t j = 0; j < n; ++j) {
         xh[i * n + j] = (xi[j] - mean) * rstd[i];
         y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
       }
-    }
+    });
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
@@ -108,20 +114,29 @@ class layer_norm {
     T* gg = g.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
     T* dx = dx_.get(dev, rows * n);
-    for (std::size_t i = 0; i < rows; ++i) {
-      const T* d = dy.data() + i * n;
+    const T* dyp = dy.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const T* d = dyp + i * n;
       T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
       for (std::size_t j = 0; j < n; ++j) {
         const T dxh = d[j] * gv[j];
         s1 += dxh;
         s2 += dxh * xh[i * n + j];
-        gg[j] += d[j] * xh[i * n + j];
-        gb[j] += d[j];
       }
       s1 /= static_cast<T>(n);
       s2 /= static_cast<T>(n);
       for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
-    }
+    });
+    // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
+    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
+      T* sg = gg;  // locals: the stores below cannot be taken to change them
+      T* sb = gb;
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = j0; j < j1; ++j) {
+          sg[j] += dyp[i * n + j] * xh[i * n + j];
+          sb[j] += dyp[i * n + j];
+        }
+    });
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 
