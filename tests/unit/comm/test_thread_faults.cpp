@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Faults and bad input: every blocking call of the thread communicator ends, with the documented
 // error, naming the rank, the operation and the calls involved.
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <limits>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <random>
@@ -571,6 +573,34 @@ TEST_CASE("run_on_threads: pinned participants, the caller's affinity restored",
       o);
   CHECK(pinned.load() == 0);
 #endif
+}
+
+TEST_CASE("adaptive_spin: a wait spun in vain cuts the spin budget, waits caught while spinning restore it",
+          "[comm][threads]") {
+  using meshlib::detail::adaptive_spin;
+  using ns = std::chrono::nanoseconds;
+  // On a fresh thread: the budget is thread-local, and this thread has never waited.
+  std::thread([] {
+    const ns max{50'000};
+    CHECK(adaptive_spin::budget(max) == max);  // nothing learnt: the policy's
+    CHECK(adaptive_spin::budget(ns{0}) == ns{0});
+    adaptive_spin::caught(max);  // a catch before any miss changes nothing
+    CHECK(adaptive_spin::budget(max) == max);
+    const std::uint64_t misses = adaptive_spin::misses();
+    adaptive_spin::missed(max);  // spun in vain: the peer may share this core
+    CHECK(adaptive_spin::misses() == misses + 1);
+    CHECK(adaptive_spin::budget(max) == adaptive_spin::floor);
+    ns expect = adaptive_spin::floor;
+    for (int i = 0; i < 10; ++i) {  // doubles back, never past the policy's budget
+      adaptive_spin::caught(max);
+      expect = std::min(max, 2 * expect);
+      CHECK(adaptive_spin::budget(max) == expect);
+    }
+    CHECK(expect == max);
+    CHECK(adaptive_spin::budget(ns{3'000}) == ns{3'000});  // a smaller policy caps what was learnt
+    adaptive_spin::missed(ns{0});  // an oversubscribed group spins not at all, even after a miss
+    CHECK(adaptive_spin::budget(ns{0}) == ns{0});
+  }).join();
 }
 
 TEST_CASE("run_on_threads: a participant's exception type survives, nested", "[comm][threads]") {

@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 #if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #endif
@@ -187,6 +189,51 @@ TEST_CASE("meshes of different sizes in sequence: device d of each runs on worke
     const auto where = spmd(m, [] { return std::array<std::size_t, 2>{device_index(), axis_size<"x">()}; }, runner);
     for (std::size_t d = 0; d < n; ++d) CHECK(where[d] == std::array<std::size_t, 2>{d, n});
   }
+}
+
+TEST_CASE("a pinned device thread never starts a call on the CPU of the calling thread (device 0)", "[exec][runner]") {
+#if defined(__linux__)
+  // Issue 27: the caller is the user's thread and is never pinned; a worker pinned to a fixed CPU
+  // shared it with the caller for whole runs on a busy machine, and two device threads on one core
+  // wait for each other through context switches. So each call pins its workers beside the caller.
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  REQUIRE(pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  if (cpus.size() < 2) {
+    WARN("one CPU: no worker is pinned, nothing to check");
+    return;
+  }
+  const thread_runner runner;
+  const mesh1 m{2};
+  (void)device_sums(m, 1.0, runner);  // the pool's first call, from the unpinned caller
+  struct restore_affinity {
+    cpu_set_t mask;
+    ~restore_affinity() { pthread_setaffinity_np(pthread_self(), sizeof(mask), &mask); }
+  } restore{allowed};
+  // Every CPU in turn, and back to the first: the worker follows the caller from call to call.
+  std::vector<int> order = cpus;
+  order.push_back(cpus.front());
+  for (int caller : order) {
+    INFO("caller on CPU " << caller);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(caller, &one);
+    REQUIRE(pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0);
+    std::array<cpu_set_t, 2> masks{};
+    runner.run(2, [&](std::size_t d, thread_communicator c) {
+      CPU_ZERO(&masks[d]);
+      pthread_getaffinity_np(pthread_self(), sizeof(cpu_set_t), &masks[d]);
+      c.barrier().wait();
+    });
+    CHECK(CPU_EQUAL(&masks[0], &one));  // the caller's own affinity is left alone
+    CHECK(CPU_COUNT(&masks[1]) == 1);   // the worker has a core of its own ...
+    CHECK_FALSE(CPU_ISSET(caller, &masks[1]));  // ... not the caller's
+    CHECK(device_sums(m, 0.5, runner) == std::vector<double>{expected_sum(2, 0.5), expected_sum(2, 0.5)});
+  }
+#endif
 }
 
 TEST_CASE("two threads calling on one runner at once both finish with their own results", "[exec][runner]") {

@@ -17,8 +17,9 @@
 /// the caller needed). Index `i` of a job is
 /// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
 /// keeps its thread, its thread-local state and its execution-space instance from call to call.
-/// Workers are pinned to one core each while a job has no more indices than the process has
-/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
+/// Workers are pinned to one core each, none to the core the caller runs on when it submits the
+/// job, while a job has no more indices than the process has cores, which keeps two device threads
+/// off one core (measured: unpinned, one in a few launches
 /// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
 ///
 /// The pool lives in the exec layer with the runners that own it (ARCHITECTURE.md: exec owns the
@@ -42,6 +43,7 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <sched.h>
 #include <unistd.h>
 #endif
 
@@ -128,7 +130,8 @@ class device_workers {
       return true;
     }
     grow(count - 1);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
+    const bool pin = may_pin_ && pin_fits(count);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin, pin ? caller_cpu() : -1};
     remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
     for (std::size_t i = 1; i < count; ++i) {
       auto& w = *workers_[i - 1];
@@ -179,6 +182,7 @@ class device_workers {
     void* ctx = nullptr;
     std::size_t count = 0;
     bool pin = false;
+    int caller_cpu = -1;  // where the caller (index 0) ran when it submitted the job; -1: unknown
   };
 
   struct worker {
@@ -198,6 +202,32 @@ class device_workers {
     return set;
   }
 #endif
+  /// The CPU the calling thread runs on, or -1.
+  static int caller_cpu() noexcept {
+#if defined(__linux__)
+    return ::sched_getcpu();  // vDSO / rseq: no system call
+#else
+    return -1;
+#endif
+  }
+
+#if defined(__linux__)
+  /// Pins worker `index` to a CPU of its own beside the caller's: the `index`-th allowed CPU but
+  /// for the one the caller runs on. Why not simply the `index`-th: the caller (device 0) is the
+  /// user's thread and is never pinned, so on a busy machine the scheduler had left it on the CPU
+  /// of worker 1 for whole runs (issue 27), and two device threads on one core wait for each other
+  /// through context switches (9 us per 8 B psum, ~107 us with the full spin, against 0.5 us apart).
+  static void pin_beside(std::size_t index, int caller) {
+    cpu_set_t set = allowed_cpus();
+    if (caller >= 0 && caller < CPU_SETSIZE && CPU_ISSET(caller, &set) && CPU_COUNT(&set) > 1) {
+      CPU_CLR(caller, &set);
+      pin_to(set, static_cast<int>(index) - 1);
+    } else {
+      pin_to(set, static_cast<int>(index));
+    }
+  }
+#endif
+
   /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
   static bool pin_fits([[maybe_unused]] std::size_t count) {
 #if defined(__linux__)
@@ -227,6 +257,7 @@ class device_workers {
   void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
     in_device_worker() = true;
     bool pinned = false;
+    int pinned_beside = -1;  // the caller's CPU this worker's pin avoids
     std::uint32_t seen = 0;
     for (;;) {
       if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
@@ -234,12 +265,13 @@ class device_workers {
       if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
 #if defined(__linux__)
-      // Pinned while the job fits the cores (`pin_to`, shared with `run_on_threads`);
-      // given all CPUs back for a larger job. A syscall only when the policy changes.
-      if (j.pin != pinned) {
-        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
+      // Pinned while the job fits the cores, off the caller's CPU (`pin_beside`); given all CPUs
+      // back for a larger job. A syscall only when the policy or the caller's CPU changes.
+      if (j.pin != pinned || (j.pin && j.caller_cpu != pinned_beside)) {
+        if (j.pin) pin_beside(index, j.caller_cpu);
         else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
         pinned = j.pin;
+        pinned_beside = j.caller_cpu;
       }
 #endif
       j.call(j.ctx, index);

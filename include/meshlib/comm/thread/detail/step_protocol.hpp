@@ -224,7 +224,7 @@ class step_protocol {
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until `ready()`: spins, then yields, then blocks with a deadline. When `cancellable`,
+  /// Waits until `ready()`: spins (for this thread's adaptive budget), then yields, then blocks with a deadline. When `cancellable`,
   /// throws once the world fails first, when the timeout passes (naming the ranks for which
   /// `arrived(r)` is false) or when such a rank has left.
   template <class Ready, class Arrived>
@@ -233,27 +233,32 @@ class step_protocol {
     auto failed = [&] { return cancellable && (g.word.load(std::memory_order_acquire) & detail::failed_bit); };
     // A first burst of spinning without reading the clock: most waits of a participant with a
     // core of its own end within it.
-    for (int i = 0; i < g.policy.burst; ++i) {
-      if (ready()) return;
+    if (ready()) return;  // nothing to learn about spinning from a wait that did not wait
+    for (int i = 1; i < g.policy.burst; ++i) {
       detail::cpu_relax();
+      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
     }
+    // The spin budget is this thread's (wait_policy.hpp, adaptive_spin): cut short while its
+    // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
+    const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
     for (unsigned i = 1;; ++i) {
-      if (ready()) return;
+      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
       if (failed()) {
         if (ready()) return;
         failed_while_waiting(k, s);
       }
       detail::cpu_relax();
-      if ((i & 31u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+      if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
     }
+    detail::adaptive_spin::missed(g.policy.spin);
     for (;;) {
       if (ready()) return;
       if (failed()) {
         if (ready()) return;
         failed_while_waiting(k, s);
       }
-      if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
+      if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
       std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout + patience_;

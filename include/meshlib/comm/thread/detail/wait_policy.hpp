@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <thread>
 
 #include "meshlib/comm/thread/options.hpp"
@@ -51,6 +52,52 @@ inline constexpr std::size_t default_streaming_min_bytes = std::size_t{64} << 20
 inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
   return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
 }
+
+/// @brief How long this thread spins, at most `policy.spin`, before it yields: the spin budget
+/// adapts to whether spinning has been paying off for it (issue 27).
+///
+/// Why: spinning only helps while the awaited peer runs on another core. When the peer shares
+/// this thread's core (the scheduler put both there: on a loaded machine it happened for whole
+/// runs of 2000 calls), it cannot arrive until this thread gives the core up, so every wait spun
+/// its full budget first: ~107 us per 8 B all_reduce instead of ~0.5 us, on the raw communicator
+/// and the typed collectives alike (docs/benchmarks.md). So a wait whose spinning ran out (a
+/// miss) cuts this thread's budget to `floor`, and a wait that ended while spinning after having
+/// had to spin at all doubles it back, up to the policy's; a wait that finds its peers already
+/// there says nothing either way. Per thread, not per communicator: where a thread runs is a
+/// property of the thread, and a `thread_runner` makes a fresh world every call.
+class adaptive_spin {
+ public:
+  /// The budget after a miss: what a context switch costs, so a peer on another core that is a
+  /// little late is still caught without a switch.
+  static constexpr std::chrono::nanoseconds floor{1'000};
+
+  /// This thread's current budget under a policy allowing `max`.
+  static std::chrono::nanoseconds budget(std::chrono::nanoseconds max) noexcept {
+    const std::chrono::nanoseconds b = current();
+    return b.count() < 0 || b > max ? max : b;
+  }
+  /// A wait that had to spin ended while spinning: spinning pays here again.
+  static void caught(std::chrono::nanoseconds max) noexcept {
+    std::chrono::nanoseconds& b = current();
+    if (b.count() >= 0) b = std::min(max, std::max(floor, 2 * b));
+  }
+  /// A wait spun its whole budget in vain.
+  static void missed(std::chrono::nanoseconds max) noexcept {
+    current() = std::min(max, floor);
+    ++misses();
+  }
+  /// Misses of this thread so far (tests: how often a wait spun its budget in vain).
+  static std::uint64_t& misses() noexcept {
+    thread_local std::uint64_t n = 0;
+    return n;
+  }
+
+ private:
+  static std::chrono::nanoseconds& current() noexcept {
+    thread_local std::chrono::nanoseconds b{-1};  // negative: the policy's budget, nothing learnt yet
+    return b;
+  }
+};
 
 /// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
 /// 8 threads on 2 cores must yield, not spin).
