@@ -8,9 +8,12 @@
 /// device threads, which are just as persistent. An own runner keeps a library's or a test's
 /// devices off the threads that global-view operations and other callers use, and ends its
 /// threads when it goes.
+/// A device is one core by default; `threads_per_device` makes each a team of cores (Kokkos 4
+/// OpenMP), so that a mesh smaller than the machine still uses all of it.
 /// @code
 /// meshlib::mesh<meshlib::axis<"x">> m{4};
 /// meshlib::thread_runner runner({.timeout = std::chrono::seconds(10)});
+/// runner.threads_per_device = 4;                         // 16 cores: 4 devices of 4 cores
 /// for (int step = 0; step < 1000; ++step)
 ///   meshlib::spmd(m, [] { /* one step */ }, runner);     // the same 3 worker threads every step
 /// @endcode
@@ -58,6 +61,12 @@ struct thread_runner {
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
   std::shared_ptr<detail::device_workers> workers{};
+  /// The cores each device computes on: its execution-space instance is a team of this many
+  /// Kokkos threads (Kokkos 4 with the OpenMP backend; with any other backend only 1 is
+  /// accepted), and its device thread is pinned to as many cores of its own while the machine has
+  /// them all. 1, the default, is one core per device; a (2, 1) mesh on a 16-core machine uses all
+  /// cores with 8.
+  std::size_t threads_per_device = 1;
 
   /// A runner with device threads of its own, whose calls' communicators get `options`.
   explicit thread_runner(thread_comm_options options = {})
@@ -81,7 +90,7 @@ struct thread_runner {
     thread_world world(size, options);
     detail::participant_failures failures(size);
     auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
-    if (!pool.try_run(n, task)) {
+    if (!pool.try_run(n, task, threads_per_device)) {
       run_on_threads(size, device, options);
       return;
     }

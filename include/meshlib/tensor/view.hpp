@@ -99,20 +99,32 @@ inline std::mutex& kokkos_state_mutex() {
 /// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
 inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
 
-/// `n` execution-space instances of `Exec`, one per device.
+/// Whether a device may compute on a team of `threads` Kokkos threads: on the OpenMP backend of
+/// Kokkos 4, an instance has a thread pool of its own size; any other host or device space has one
+/// thread (or one stream) per instance.
 template <class Exec>
-std::vector<Exec> make_device_instances(std::size_t n) {
+inline constexpr bool has_thread_teams_v =
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    std::is_same_v<Exec, Kokkos::OpenMP>;
+#else
+    false;
+#endif
+
+/// `n` execution-space instances of `Exec`, one per device, each with `threads` threads where the
+/// space has thread teams (`has_thread_teams_v`; 1 elsewhere, checked by the runner).
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n, [[maybe_unused]] std::size_t threads = 1) {
   if constexpr (kokkos_has_instances_v) {
 #if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
     if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
-      // partition_space aborts when there are more partitions than pool threads: then one thread each.
-      const int pool = Exec().concurrency();
-      if (static_cast<int>(n) > pool) {
-        std::vector<Exec> v;
-        v.reserve(n);
-        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
-        return v;
-      }
+      // An instance of its own pool size per device, not `partition_space` of the process's pool:
+      // a partition is the pool divided by the number of devices (all of a 16-core pool for a
+      // one-device mesh, 1/n of it for each device of an MPI rank that runs one device of n),
+      // where a device should get what its runner asks for, one thread by default.
+      std::vector<Exec> v;
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.emplace_back(static_cast<int>(threads));
+      return v;
     }
 #endif
 #if KOKKOS_VERSION >= 40000
@@ -122,16 +134,16 @@ std::vector<Exec> make_device_instances(std::size_t n) {
   return std::vector<Exec>(n, Exec());
 }
 
-/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
-/// hook (an instance must not outlive Kokkos).
+/// The instances of every mesh size (and team size) in use, made on first use and released by a
+/// Kokkos finalize hook (an instance must not outlive Kokkos).
 template <class Exec>
 class device_instance_cache {
  public:
-  static Exec get(std::size_t device, std::size_t n) {
+  static Exec get(std::size_t device, std::size_t n, std::size_t threads) {
     static device_instance_cache cache;
     std::lock_guard lock(cache.m_);
-    for (auto& [size, v] : cache.sets_)
-      if (size == n) return v[device];
+    for (auto& s : cache.sets_)
+      if (s.n == n && s.threads == threads) return s.instances[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
       detail::push_finalize_hook([] {
@@ -140,20 +152,26 @@ class device_instance_cache {
         cache.hooked_ = false;
       });
     }
-    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
-    return cache.sets_.back().second[device];
+    cache.sets_.push_back({n, threads, make_device_instances<Exec>(n, threads)});
+    return cache.sets_.back().instances[device];
   }
 
  private:
+  struct set {
+    std::size_t n;
+    std::size_t threads;
+    std::vector<Exec> instances;
+  };
   std::mutex m_;
   bool hooked_ = false;
-  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+  std::vector<set> sets_;
 };
 
-/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+/// The execution-space instance local device `device` of `n` local devices computes on, for
+/// memory `Space`, with `threads` threads (a team of cores where the space has teams).
 template <class Space>
-exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
-  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n, std::size_t threads = 1) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n, threads);
 }
 
 /// This thread's current instance of `Exec` (null: none installed; kernels use the default).

@@ -114,9 +114,12 @@ class device_workers {
   /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
   /// while another thread's job runs, so that a caller whose indices must run at the same time
   /// (they communicate) can start threads of its own instead.
+  /// `width`: the cores each index computes on (its device's team of Kokkos threads, which the
+  /// index's thread starts and which inherit its pinning); workers are pinned to `width` cores each
+  /// while `count * width` cores are there.
   /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
   template <class F>
-  [[nodiscard]] bool try_run(std::size_t count, F& f) {
+  [[nodiscard]] bool try_run(std::size_t count, F& f, std::size_t width = 1) {
     if (count == 0) return true;
     if (in_device_worker()) return false;
 #if defined(__linux__)
@@ -130,8 +133,8 @@ class device_workers {
       return true;
     }
     grow(count - 1);
-    const bool pin = may_pin_ && pin_fits(count);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin, pin ? caller_cpu() : -1};
+    const bool pin = may_pin_ && pin_fits(count * width);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin, pin ? caller_cpu() : -1, width};
     remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
     for (std::size_t i = 1; i < count; ++i) {
       auto& w = *workers_[i - 1];
@@ -183,6 +186,7 @@ class device_workers {
     std::size_t count = 0;
     bool pin = false;
     int caller_cpu = -1;  // where the caller (index 0) ran when it submitted the job; -1: unknown
+    std::size_t width = 1;  // cores per index
   };
 
   struct worker {
@@ -212,19 +216,24 @@ class device_workers {
   }
 
 #if defined(__linux__)
-  /// Pins worker `index` to a CPU of its own beside the caller's: the `index`-th allowed CPU but
-  /// for the one the caller runs on. Why not simply the `index`-th: the caller (device 0) is the
-  /// user's thread and is never pinned, so on a busy machine the scheduler had left it on the CPU
-  /// of worker 1 for whole runs (issue 27), and two device threads on one core wait for each other
-  /// through context switches (9 us per 8 B psum, ~107 us with the full spin, against 0.5 us apart).
-  static void pin_beside(std::size_t index, int caller) {
-    cpu_set_t set = allowed_cpus();
-    if (caller >= 0 && caller < CPU_SETSIZE && CPU_ISSET(caller, &set) && CPU_COUNT(&set) > 1) {
-      CPU_CLR(caller, &set);
-      pin_to(set, static_cast<int>(index) - 1);
-    } else {
-      pin_to(set, static_cast<int>(index));
-    }
+  /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in
+  /// order but the caller's first, block `index` of `width` of them (block 0, with the caller's
+  /// CPU, is left to the caller and its team). Why not simply the `index`-th CPU: the caller
+  /// (device 0) is the user's thread and is never pinned, so on a busy machine the scheduler had
+  /// left it on the CPU of worker 1 for whole runs (issue 27), and two device threads on one core
+  /// wait for each other through context switches (9 us per 8 B psum, ~107 us with the full spin,
+  /// against 0.5 us apart). A worker's team threads (Kokkos OpenMP) inherit its block.
+  static void pin_beside(std::size_t index, int caller, std::size_t width) {
+    const cpu_set_t& allowed = allowed_cpus();
+    std::vector<int> order;
+    if (caller >= 0 && caller < CPU_SETSIZE && CPU_ISSET(caller, &allowed)) order.push_back(caller);
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &allowed) && cpu != caller) order.push_back(cpu);
+    if (order.empty()) return;
+    cpu_set_t block;
+    CPU_ZERO(&block);
+    for (std::size_t k = index * width; k < (index + 1) * width; ++k) CPU_SET(order[k % order.size()], &block);
+    pthread_setaffinity_np(pthread_self(), sizeof(block), &block);
   }
 #endif
 
@@ -258,6 +267,7 @@ class device_workers {
     in_device_worker() = true;
     bool pinned = false;
     int pinned_beside = -1;  // the caller's CPU this worker's pin avoids
+    std::size_t pinned_width = 1;  // the cores of its block
     std::uint32_t seen = 0;
     for (;;) {
       if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
@@ -267,11 +277,12 @@ class device_workers {
 #if defined(__linux__)
       // Pinned while the job fits the cores, off the caller's CPU (`pin_beside`); given all CPUs
       // back for a larger job. A syscall only when the policy or the caller's CPU changes.
-      if (j.pin != pinned || (j.pin && j.caller_cpu != pinned_beside)) {
-        if (j.pin) pin_beside(index, j.caller_cpu);
+      if (j.pin != pinned || (j.pin && (j.caller_cpu != pinned_beside || j.width != pinned_width))) {
+        if (j.pin) pin_beside(index, j.caller_cpu, j.width);
         else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
         pinned = j.pin;
         pinned_beside = j.caller_cpu;
+        pinned_width = j.width;
       }
 #endif
       j.call(j.ctx, index);

@@ -9,21 +9,47 @@
 /// (collectives/observer.hpp), is created for the run and handed to every device's context. The
 /// collectives layer declares that interface and never includes the debug layer.
 
+#include <algorithm>
 #include <cstddef>
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/errors.hpp"
 #include "meshlib/collectives/workspace.hpp"
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/debug/observe.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::detail {
+
+/// The cores each device of `runner` computes on: its `threads_per_device` where it has one, else 1.
+template <class Runner>
+std::size_t threads_per_device_of(const Runner& runner) {
+  if constexpr (requires { runner.threads_per_device; })
+    return static_cast<std::size_t>(runner.threads_per_device);
+  else
+    return 1;
+}
+
+/// Throws unless devices computing on `Exec` can have `threads` threads each.
+template <class Exec>
+void require_thread_teams(std::size_t threads) {
+  if (threads == 1) return;
+  if (threads == 0)
+    throw error("meshlib: threads_per_device is 0; a device computes on at least one thread (1, the default, is one "
+                "core per device)");
+  if constexpr (!has_thread_teams_v<Exec>)
+    throw error("meshlib: threads_per_device = " + std::to_string(threads) + " needs Kokkos 4 with the OpenMP "
+                "backend (a team of threads per device), but devices here compute on Kokkos::" +
+                std::string(Exec::name()) + " (Kokkos " + std::to_string(KOKKOS_VERSION) +
+                "), one thread each; build Kokkos 4 with -DKokkos_ENABLE_OPENMP=ON, or leave threads_per_device at 1");
+}
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
 /// (observed by the debug layer's `run_observer`) and its execution-space instance
@@ -33,14 +59,19 @@ namespace meshlib::detail {
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
-  run_observer observer(m, backend.local_devices(m.size()));  // installed: the debug layer's observer
-  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
-  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
+  const std::vector<std::size_t> local = backend.local_devices(m.size());
+  const std::size_t team = threads_per_device_of(backend);
+  require_thread_teams<exec_space_for_t<default_memory_space>>(team);
+  run_observer observer(m, local);  // installed: the debug layer's observer
+  // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
+  (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
-      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
+      const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(index, local.size(), team));
       body(device);
     });
   } catch (const participant_error& e) {
