@@ -22,4 +22,5 @@
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/params.hpp"
 #include "meshlib/nn/checkpoint.hpp"

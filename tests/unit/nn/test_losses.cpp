@@ -2,7 +2,8 @@
 // Losses other than softmax cross-entropy with train_step, and the trained parameters read back:
 // mean_squared_error's value and gradient against the formula and central differences on every
 // sharding of the output; regression training with the same losses on every mesh; a user-written
-// loss equal to the built-in one; targets of the wrong shape refused naming both shapes.
+// loss equal to the built-in one; targets of the wrong shape refused naming both shapes;
+// nn::params(state) against an independent SGD step and across meshes.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -106,7 +107,8 @@ struct user_mse {
 };
 
 template <class Net, class Loss>
-std::vector<double> train_regression(const mesh_t& m, Net net, Loss loss, std::size_t steps) {
+std::vector<double> train_regression(const mesh_t& m, Net net, Loss loss, std::size_t steps,
+                                     std::vector<nn::param_array>* params_out = nullptr) {
   const auto data = make_regression(batch * steps);
   nn::train_state state(m, std::move(net), nn::adam(nn::constant(1e-2f)), {}, nn::rng_key{5});
   std::vector<double> losses;
@@ -118,6 +120,7 @@ std::vector<double> train_regression(const mesh_t& m, Net net, Loss loss, std::s
     CHECK(r.correct == 0);
     losses.push_back(r.loss);
   }
+  if (params_out != nullptr) *params_out = nn::params(state);
   return losses;
 }
 
@@ -126,6 +129,19 @@ void require_close(const std::vector<double>& a, const std::vector<double>& b, d
   for (std::size_t i = 0; i < a.size(); ++i) {
     INFO("step " << i << ": " << a[i] << " vs " << b[i]);
     REQUIRE(std::abs(a[i] - b[i]) <= rel * std::abs(b[i]));
+  }
+}
+
+void require_close(const std::vector<nn::param_array>& a, const std::vector<nn::param_array>& b, float tol) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t p = 0; p < a.size(); ++p) {
+    REQUIRE(a[p].name == b[p].name);
+    REQUIRE(a[p].shape == b[p].shape);
+    REQUIRE(a[p].values.size() == b[p].values.size());
+    for (std::size_t e = 0; e < a[p].values.size(); ++e) {
+      INFO(a[p].name << " element " << e);
+      REQUIRE(std::abs(a[p].values[e] - b[p].values[e]) <= tol * (1.0f + std::abs(b[p].values[e])));
+    }
   }
 }
 
@@ -219,10 +235,13 @@ TEST_CASE("a user-written loss computing the squared error trains as mean_square
   for (auto [d, mo] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 2}}) {
     INFO("mesh (" << d << ", " << mo << ")");
     const mesh_t m{d, mo};
-    const auto builtin = train_regression(m, mlp_replicated_output(m), nn::mean_squared_error{}, 5);
-    const auto user = train_regression(m, mlp_replicated_output(m), user_mse{}, 5);
+    std::vector<nn::param_array> builtin_params, user_params;
+    const auto builtin =
+        train_regression(m, mlp_replicated_output(m), nn::mean_squared_error{}, 5, &builtin_params);
+    const auto user = train_regression(m, mlp_replicated_output(m), user_mse{}, 5, &user_params);
     CHECK(builtin.back() < builtin.front());
     require_close(user, builtin, 1e-6);
+    require_close(user_params, builtin_params, 1e-6f);
   }
 }
 
@@ -257,4 +276,84 @@ TEST_CASE("targets of the wrong shape are refused, naming the loss, both shapes 
   CHECK(nn::train_step(state, std::span<const float>(data.x), data.t, batch, 0, batch, nn::mean_squared_error{}).loss >
         0);
   CHECK(state.step == 1);
+}
+
+TEST_CASE("nn::params reads back every parameter's global values: one SGD step of linear regression by hand",
+          "[nn][training][params]") {
+  constexpr float lr = 0.25f;
+  const auto data = make_regression(batch);
+  for (auto [d, mo] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 2}, {4, 1}}) {
+    INFO("mesh (" << d << ", " << mo << ")");
+    const mesh_t m{d, mo};
+    nn::train_state state(m, nn::sequential(nn::dense<float, mesh_t>(m, "lin", in, outs, nn::rng_key{9})),
+                          nn::sgd(nn::constant(lr), 0.0f), {});
+    const auto before = nn::params(state);
+    REQUIRE(before.size() == 2);
+    CHECK(before[0].name == "lin.w");
+    CHECK(before[0].shape == std::vector<std::size_t>{in, outs});
+    CHECK(before[1].name == "lin.b");
+    CHECK(before[1].shape == std::vector<std::size_t>{outs});
+    CHECK(before[1].values == std::vector<float>(outs, 0.0f));  // biases start at zero
+    // Independently, in double: z = x W + b, G = 2 (z - t) / (B F), W -= lr x^T G, b -= lr colsum(G).
+    const auto& w = before[0].values;
+    const auto& b = before[1].values;
+    std::vector<double> g(batch * outs);
+    for (std::size_t i = 0; i < batch; ++i)
+      for (std::size_t j = 0; j < outs; ++j) {
+        double z = b[j];
+        for (std::size_t k = 0; k < in; ++k) z += static_cast<double>(data.x[i * in + k]) * w[k * outs + j];
+        g[i * outs + j] = 2 * (z - data.t[i * outs + j]) / (batch * outs);
+      }
+    std::vector<double> want_w(w.begin(), w.end()), want_b(b.begin(), b.end());
+    for (std::size_t i = 0; i < batch; ++i)
+      for (std::size_t j = 0; j < outs; ++j) {
+        for (std::size_t k = 0; k < in; ++k) want_w[k * outs + j] -= lr * data.x[i * in + k] * g[i * outs + j];
+        want_b[j] -= lr * g[i * outs + j];
+      }
+    nn::train_step(state, std::span<const float>(data.x), data.t, batch, 0, batch, nn::mean_squared_error{});
+    const auto after = nn::params(state);
+    REQUIRE(after.size() == 2);
+    for (std::size_t e = 0; e < want_w.size(); ++e) {
+      INFO("lin.w element " << e);
+      CHECK(std::abs(after[0].values[e] - want_w[e]) <= 1e-6 * (1 + std::abs(want_w[e])));
+      CHECK(after[0].values[e] != w[e]);  // every weight moved
+    }
+    for (std::size_t e = 0; e < want_b.size(); ++e) {
+      INFO("lin.b element " << e);
+      CHECK(std::abs(after[1].values[e] - want_b[e]) <= 1e-6 * (1 + std::abs(want_b[e])));
+    }
+  }
+}
+
+TEST_CASE("nn::params gathers sharded parameters: the global values on any mesh are the (1, 1) mesh's",
+          "[nn][training][params]") {
+  std::vector<nn::param_array> ref;
+  train_regression(mesh_t{1, 1}, mlp(mesh_t{1, 1}), nn::mean_squared_error{}, 3, &ref);
+  REQUIRE(ref.size() == 6);
+  CHECK(ref[0].name == "fc1.w");
+  CHECK(ref[0].shape == std::vector<std::size_t>{in, hidden});
+  CHECK(ref[0].sharding == "named_sharding(mesh{'data': 1, 'model': 1}, P<none, \"model\">)");
+  for (auto [d, mo] : {std::pair<std::size_t, std::size_t>{1, 2}, {2, 2}, {2, 4}}) {
+    INFO("mesh (" << d << ", " << mo << ")");
+    const mesh_t m{d, mo};
+    std::vector<nn::param_array> got;
+    train_regression(m, mlp(m), nn::mean_squared_error{}, 3, &got);
+    CHECK(got[2].sharding == "named_sharding(mesh{'data': " + std::to_string(d) + ", 'model': " + std::to_string(mo) +
+                                 "}, P<\"model\", none>)");
+    require_close(got, ref, 1e-5f);
+  }
+}
+
+TEST_CASE("nn::params refuses a parameter whose blocks are on other processes' devices, naming it",
+          "[nn][training][params][errors]") {
+  // This process's two devices of four, as under mpirun with 2 processes: fc1.w is split over
+  // "model", so half of it is elsewhere.
+  const mesh_t m{1, 4};
+  const std::vector<std::size_t> mine{2, 3};
+  nn::train_state state(m, nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", in, 8, nn::rng_key{1}, mine)),
+                        nn::sgd(nn::constant(0.1f)), {}, nn::rng_key{1}, mine);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { nn::params(state); }) ==
+        "meshlib::nn: params: 24 of the 48 elements of parameter 'fc1.w' are held only by devices of other processes "
+        "(this process holds devices {2, 3}); read them where every block is (a train state of every device), or "
+        "save_checkpoint and read its global files");
 }
