@@ -17,6 +17,8 @@
 /// // inside spmd, logits (B/4, 10) varying over data:
 /// auto r = ce.forward(logits, my_labels, 256);   // r.loss: this device's share; r.correct: argmax hits
 /// auto dlogits = ce.backward(logits);
+/// // or as a loss_function (what train_step calls): the gradient into a buffer of the caller's
+/// loss_part r2 = ce(logits, my_labels, 256, dlogits_buffer);
 /// @endcode
 
 #include <algorithm>
@@ -32,21 +34,19 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/loss_function.hpp"
 #include "meshlib/tensor/view.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
 
-/// @brief What one device's rows contribute (see the file comment).
-struct loss_part {
-  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
-  std::size_t correct = 0;    ///< rows whose target logit is the row maximum
-};
-
 /// @brief Softmax cross-entropy on (possibly class-sharded) logits (see the file comment).
 template <class T>
 class softmax_cross_entropy {
  public:
+  /// Targets are class labels, one per row (a `loss_function`).
+  using target_type = std::int32_t;
+
   /// Holds per-device scratch for `devices` devices.
   explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), terms_(devices), rows_(devices) {}
   /// Holds per-device scratch for every device of `mesh`.
@@ -58,6 +58,40 @@ class softmax_cross_entropy {
   /// @throws std::out_of_range when a label is not a class index.
   template <local_tensor_type Z>
   loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    T* buf = grad_.get(logits.device(), logits.size() + 3 * logits.extent(0));
+    const loss_part out = compute(logits, labels, global_batch, buf, buf + logits.size());
+    rows_[logits.device()] = logits.extent(0);
+    return out;
+  }
+
+  /// The `loss_function` call `train_step` makes: `forward`'s loss, with the gradient of the mean
+  /// loss written into `grad` (the logits' shape) instead of this object's buffer.
+  /// @throws std::out_of_range when a label is not a class index; sharding_error when `grad`'s
+  /// shape is not the logits'.
+  template <local_tensor_type Z>
+  loss_part operator()(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, Z& grad) {
+    if (grad.extent(0) != logits.extent(0) || grad.extent(1) != logits.extent(1))
+      throw sharding_error("meshlib::nn: softmax_cross_entropy: the gradient buffer's block is (" +
+                           std::to_string(grad.extent(0)) + ", " + std::to_string(grad.extent(1)) +
+                           ") but the logits' is (" + std::to_string(logits.extent(0)) + ", " +
+                           std::to_string(logits.extent(1)) + "); pass a buffer of the logits' shape");
+    return compute(logits, labels, global_batch, grad.data(), grad_.get(logits.device(), 3 * logits.extent(0)));
+  }
+
+  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
+  template <local_tensor_type Z>
+  Z backward(const Z& logits) {
+    const std::size_t dev = logits.device();
+    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
+    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
+  }
+
+ private:
+  /// The loss of `forward`, the gradient written to `g` (the logits' size), with `3 * rows`
+  /// elements of scratch at `scratch`.
+  template <local_tensor_type Z>
+  loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
+                    T* scratch) {
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -67,8 +101,7 @@ class softmax_cross_entropy {
                            std::to_string(rows) + " rows of logits on device " + std::to_string(dev));
     const std::size_t col0 = detail::global_offset(logits, 1);
     const std::size_t classes = cols * logits.mesh().axes_size(class_axes);
-    T* g = grad_.get(dev, rows * cols + 3 * rows);
-    T* mx = g + rows * cols;  // per row: max, then normaliser, then target logit
+    T* mx = scratch;  // per row: max, then normaliser, then target logit
     T* sum = mx + rows;
     T* tgt = sum + rows;
     const T* z = logits.data();
@@ -114,19 +147,9 @@ class softmax_cross_entropy {
         res->correct += tgt[i] >= mx[i] ? 1 : 0;
       }
     });
-    rows_[dev] = rows;
     return out;
   }
 
-  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
-  template <local_tensor_type Z>
-  Z backward(const Z& logits) {
-    const std::size_t dev = logits.device();
-    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
-    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
-  }
-
- private:
   /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>

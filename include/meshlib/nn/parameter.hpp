@@ -15,6 +15,7 @@
 /// w.value.local_value(3);   // device 3's (784, 512) block, the same numbers on any mesh
 /// @endcode
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -84,6 +85,35 @@ struct param_ref {
   /// zeroes those.
   std::uint8_t* overwrite = nullptr;
 };
+
+namespace detail {
+/// Global row-major index of element `i` of device `dev`'s block of `p`.
+template <class T>
+std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
+  std::size_t flat = 0, rem = i;
+  const std::size_t rank = p.shape.size();
+  std::vector<std::size_t> idx(rank);
+  for (std::size_t d = rank; d-- > 0;) {
+    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
+    rem /= p.extent[dev][d];
+  }
+  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
+  return flat;
+}
+
+/// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
+/// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
+/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
+template <class T, class F>
+void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
+  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
+  for (std::size_t k = first, end = first + len; k < end;) {
+    const std::size_t n = std::min(row - k % row, end - k);
+    f(k, global_index(p, dev, k), n);
+    k += n;
+  }
+}
+}  // namespace detail
 
 /// @brief A trainable array: value and gradient with sharding `S`.
 template <class T, std::size_t Rank, sharding_type S>

@@ -9,11 +9,17 @@
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
+///
+/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
+/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
+/// nn/loss_function.hpp).
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
 /// for (auto b = loader.next(); b; b = loader.next()) {
 ///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
 /// }
+/// // regression: rows x F float targets, mean squared error
+/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
 /// @endcode
 
 #include <algorithm>
@@ -21,6 +27,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -33,6 +40,7 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/exec/default_runner.hpp"
+#include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
@@ -42,6 +50,8 @@
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/loss.hpp"
+#include "meshlib/nn/loss_function.hpp"
+#include "meshlib/nn/mean_squared_error.hpp"
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/precision.hpp"
@@ -113,6 +123,8 @@ class train_state {
   static constexpr bool mixed = !std::is_same_v<Compute, float>;
   /// The mesh the model runs on.
   using mesh_type = Mesh;
+  /// The network's type.
+  using model_type = Model;
   /// The mesh axes of `Data`, over which gradients are averaged.
   static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
   /// The type of a device's block of the input batch: rows sharded over `Data`.
@@ -148,6 +160,7 @@ class train_state {
         state_(m.size()),
         gather_(m.size()),
         input_(m.size()),
+        output_grad_(m.size()),
         masters_(m.size()),
         offsets_(m.size()) {
     model.collect(params);
@@ -184,6 +197,11 @@ class train_state {
     if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
     else return params.at(i).value[dev];
   }
+  /// Parameter `i`'s float master block on device `dev` (read-only).
+  [[nodiscard]] const float* master(std::size_t i, std::size_t dev) const {
+    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    else return params.at(i).value[dev];
+  }
   /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
   /// by restore_checkpoint). A no-op when computing in float.
   void refresh_compute_copies() {
@@ -213,6 +231,9 @@ class train_state {
       return b;
     }
   }
+  /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
+  /// output (the `grad` argument of a `loss_function`); valid until the next step.
+  [[nodiscard]] float* output_grad_block(std::size_t dev, std::size_t n) { return output_grad_.get(dev, n); }
 
   /// Called by train_step after the spmd region with every device's verdict (equal on all of
   /// them): advances the step, or, on a skipped step, halves the loss scale.
@@ -395,6 +416,7 @@ class train_state {
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
+  detail::device_buffers<T> output_grad_;
   std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
   std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
   float loss_scale_ = 1.0f;
@@ -428,24 +450,22 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
 }
 }  // namespace detail
 
-/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
-/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
-/// The parameters' gradient blocks start the step holding the last step's gradients: the first
-/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
-/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
-/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
-/// `mpi::initialize` started several processes, those processes), which must run the devices the
-/// state holds in this process.
-/// @throws sharding_error when the batch does not split over the data axis and the accumulation
-/// steps, when a device's rows are not in this process's share, or when `backend` runs other
-/// devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+namespace detail {
+/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
+/// output, checked by the caller) and `y` holding `rows` rows of targets of equal width.
+template <class State, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const float> x, std::span<const Target> y, std::size_t rows,
+                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
   const std::size_t k = s.options.accumulation;
-  detail::check_batch(s, global_rows, k, "train_step");
-  detail::check_runner(s, backend, "train_step");
+  check_batch(s, global_rows, k, "train_step");
+  check_runner(s, backend, "train_step");
+  if (rows != 0 && y.size() % rows != 0)
+    throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
+                         std::to_string(rows) +
+                         " rows: give every row the same number of targets (one label per row for "
+                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
   const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
   using X = typename State::input_type;
@@ -465,19 +485,22 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         // zeroing pass over the model), the others add to zeros.
         for (const auto& p : s.params)
           if (p.overwrite) p.overwrite[dev] = 1;
-          else detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
                s.mesh, dev);
           auto logits = s.model.forward(xb);
-          const loss_part part = s.loss().forward(logits, y.subspan(r0, micro), global_rows);
-          auto dlogits = s.loss().backward(logits);
+          using Z = decltype(logits);
+          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
+                    s.mesh, dev);
+          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
+                                                   global_rows, dlogits));
           if (s.loss_scaling() || State::mixed) {
             // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            detail::scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            detail::round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
+            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
           s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
@@ -485,16 +508,16 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         }
         for (const auto& p : s.params)
           if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
             p.overwrite[dev] = 0;
           }
         if constexpr (State::mixed)
-          for (const auto& p : s.params) detail::round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+          for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
         m.loss = sums[0];
         m.correct = static_cast<std::size_t>(sums[1] + 0.5);
         m.rows = global_rows;
@@ -509,11 +532,82 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
   return r;
 }
 
+/// The model's output type for a train state's input (what a loss receives).
+template <class State>
+using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
+    std::declval<const typename State::input_type&>()))>;
+}  // namespace detail
+
+/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
+/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
+/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
+/// @throws sharding_error when the batch does not split over the data axis and the accumulation
+/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
+/// or when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
+/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
+/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
+/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
+/// `train_step` above: `m.loss` is the mean loss over the global batch.
+/// @code
+/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
+/// @endcode
+/// A loss that is not a `loss_function`, or targets of another element type than its
+/// `target_type`, is one compile error naming the requirement.
+/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
+/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
+/// targets whose width is not the model output's.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = detail::output_of_t<State>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(detail::loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(detail::targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                           loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return detail::run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)),
+                                    rows, global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
+
 /// @brief `train_step` on a batch from `data_loader`.
 template <class State, class Backend = default_runner>
+  requires runner<Backend>
 step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
                     b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
+/// taking the batch's class labels, `std::int32_t`).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
 }
 
 /// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
