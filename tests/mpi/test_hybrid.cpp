@@ -306,7 +306,7 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
     CHECK(seen[static_cast<std::size_t>(t)].rfind(root, 0) == 0);
     CHECK(seen[static_cast<std::size_t>(t)].find("[seen by all_reduce on hybrid device " + std::to_string(device)) !=
           std::string::npos);
-    CHECK(secs[static_cast<std::size_t>(t)] < 2 * 2.0 + 1.5);  // the timeout, not twice the default
+    CHECK(secs[static_cast<std::size_t>(t)] < 15.0);  // the 2 s timeout, not the default 20 s (generous: load)
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
