@@ -153,7 +153,12 @@ inline hybrid_group::~hybrid_group() {
   // After a failure, point-to-point messages of the abandoned operations may still be in flight
   // to this process: the duplicate stays allocated so that no later communicator inherits them
   // with its context id (detail/settle.hpp).
-  const bool failed = channel && channel->interrupted.load();
+  // A group that an exception unwinds (a device thread leaving fn, with the sub-communicators it
+  // split) is dying before run_hybrid's handler records the failure in the channel, so
+  // `interrupted` may still be false although the run is failing and a peer's send may still be
+  // on its way: treat it as failed. Defensive (no crash was traced to it): it costs one
+  // communicator left allocated on a failing run.
+  const bool failed = (channel && channel->interrupted.load()) || std::uncaught_exceptions() > 0;
   if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
 }
 
