@@ -70,10 +70,16 @@ int main(int argc, char** argv) {
 
     // 2.-4. One step.
     std::vector<double> w(features, 0.0);
-    auto g = gradient(w, mine);
     auto comm = meshlib::mpi::world();
-    comm.all_reduce(std::span(g), meshlib::reduce_op::mean);
-    for (std::size_t j = 0; j < features; ++j) w[j] -= learning_rate * g[j];
+    {
+      // If this process throws within the step (a bad row, a failed read), its peers' all_reduce
+      // ends within milliseconds with comm_aborted naming this rank, instead of waiting for the
+      // whole timeout: the runtime keeps another copy of world(), so nothing else tells them.
+      meshlib::fail_guard on_throw(comm);
+      auto g = gradient(w, mine);
+      comm.all_reduce(std::span(g), meshlib::reduce_op::mean);
+      for (std::size_t j = 0; j < features; ++j) w[j] -= learning_rate * g[j];
+    }
 
     // Check against the serial full-batch step.
     std::vector<std::size_t> all(batch);

@@ -13,6 +13,7 @@
 #include "meshlib/comm.hpp"
 #include "meshlib/runtime.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
+#include "meshlib/comm/mpi/fail_guard.hpp"
 #include "meshlib/comm/mpi/hybrid_communicator.hpp"
 #include "meshlib/exec/mpi_runner.hpp"
 #include "meshlib/runtime/mpi_runtime.hpp"

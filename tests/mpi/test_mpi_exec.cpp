@@ -155,14 +155,34 @@ TEST_CASE("spmd on hybrid_runner: a device that never arrives is blamed on every
   auto world = mpi_communicator(MPI_COMM_WORLD, o);
   const hybrid_runner hybrid(world, 2, {.timeout = std::chrono::seconds(1)});
   const std::size_t n = static_cast<std::size_t>(world.size()) * 2;
+  const int last = world.size() - 1;
   mesh2 m{static_cast<std::size_t>(world.size()), 2};
+  // The absent device stays away until every other process has been released (each sends it a
+  // note), so the test checks the order of events, not the clock: a loaded machine that runs the
+  // processes slowly cannot make it fail, only take longer (a 60 s bound ends a broken run).
+  MPI_Comm released = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &released);
+  bool all_released = false;
   const auto t0 = std::chrono::steady_clock::now();
   try {
     spmd(
         m,
         [&] {
           if (device_index() == n - 1) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+            int notes = 0;
+            const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+            while (notes < last && std::chrono::steady_clock::now() < give_up) {
+              int found = 0;
+              MPI_Iprobe(MPI_ANY_SOURCE, 0, released, &found, MPI_STATUS_IGNORE);
+              if (found) {
+                int note = 0;
+                MPI_Recv(&note, 1, MPI_INT, MPI_ANY_SOURCE, 0, released, MPI_STATUS_IGNORE);
+                ++notes;
+              } else {
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+              }
+            }
+            all_released = notes == last;
             return;
           }
           auto x = fill_block<local_tensor<float, 1, mesh2, D | M>>(m, {2});
@@ -172,6 +192,10 @@ TEST_CASE("spmd on hybrid_runner: a device that never arrives is blamed on every
     FAIL("must throw device_error");
   } catch (const device_error& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (world.rank() != last) {
+      int note = 1;
+      MPI_Send(&note, 1, MPI_INT, last, 0, released);
+    }
     const std::string w = e.what();
     INFO(w);
     CHECK(e.device() == n - 1);
@@ -179,11 +203,13 @@ TEST_CASE("spmd on hybrid_runner: a device that never arrives is blamed on every
     CHECK(w.find("hybrid device(s) " + std::to_string(n - 1) + " never arrived") != std::string::npos);
     CHECK(w.find("all_reduce timed out") != std::string::npos);
     CHECK(w.find("(step") == std::string::npos);  // never an internal step
-    // Released within 2x the timeout plus slack, not the default 20 s (the last process waits
-    // for its sleeping device to return).
-    if (static_cast<std::size_t>(world.rank()) != n / 2 - 1) CHECK(s < 3.5);
+    // Released by the 1 s timeouts (generous bound: not the default 20 s).
+    if (world.rank() != last) CHECK(s < 15.0);
   }
+  // Every other process was released while the absent device was still away.
+  if (world.rank() == last) CHECK(all_released);
   MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_free(&released);
 }
 
 // Fault propagation with one rank per process (issue 10): the last rank throws before a psum
@@ -217,7 +243,7 @@ TEST_CASE("spmd on mpi_runner: a rank that throws releases every other rank at o
     if (c.rank() != n - 1) {
       CHECK(w.find("MPI rank " + std::to_string(n - 1) + " of " + std::to_string(n) + " failed") != std::string::npos);
       CHECK_THROWS_AS(e.rethrow_cause(), comm_aborted);
-      CHECK(s < 2.0);  // released by the channel, not by the 20 s timeout
+      CHECK(s < 10.0);  // released by the channel, not by the 20 s timeout
     }
   }
   CHECK(c.root_cause_rank() == n - 1);
@@ -256,7 +282,7 @@ TEST_CASE("mpi_communicator::fail: splits share the failure and name the rank in
       rev.all_reduce(std::span(&x, 1), reduce_op::sum);  // rank 1 never arrives
       FAIL("must be released");
     } catch (const comm_aborted& e) {
-      CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 2.0);
+      CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
       CHECK(std::string(e.what()).find("MPI rank 1 of " + std::to_string(n) + " failed: rank 1 fails on purpose") !=
             std::string::npos);
     }

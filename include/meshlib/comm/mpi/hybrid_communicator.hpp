@@ -153,7 +153,12 @@ inline hybrid_group::~hybrid_group() {
   // After a failure, point-to-point messages of the abandoned operations may still be in flight
   // to this process: the duplicate stays allocated so that no later communicator inherits them
   // with its context id (detail/settle.hpp).
-  const bool failed = channel && channel->interrupted.load();
+  // A group that an exception unwinds (a device thread leaving fn, with the sub-communicators it
+  // split) is dying before run_hybrid's handler records the failure in the channel, so
+  // `interrupted` may still be false although the run is failing and a peer's send may still be
+  // on its way: treat it as failed. Defensive (no crash was traced to it): it costs one
+  // communicator left allocated on a failing run.
+  const bool failed = (channel && channel->interrupted.load()) || std::uncaught_exceptions() > 0;
   if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
 }
 
@@ -445,6 +450,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     for (std::size_t i = 0; i < all.size(); ++i) same = same && all[i] == rec[i % call_fields];
     if (same) return;
     const auto& g = *group_;
+    // Blame the device whose call differed (see `odd_member`), computed from every member's call
+    // as every member has them: every process blames the same device, whichever saw it first.
+    if (g.channel) g.channel->blame_mismatch(g.member_device[odd_member(all, static_cast<std::size_t>(size()))]);
     std::string msg = "meshlib: collective mismatch on a hybrid communicator of " + std::to_string(size()) +
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
@@ -454,6 +462,30 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     throw collective_mismatch(msg);
   }
   static constexpr std::size_t call_fields = 7;
+
+  /// The member whose call differs from the most common call among `n` members' records (`all`,
+  /// `call_fields` words each; ties between equally common calls go to the one of the lowest
+  /// member), the lowest such member when several differ. With two members that disagree, member
+  /// 1. A pure function of the records, so every member computes the same.
+  static std::size_t odd_member(const std::vector<std::uint64_t>& all, std::size_t n) {
+    auto same = [&](std::size_t a, std::size_t b) {
+      return std::equal(all.begin() + static_cast<std::ptrdiff_t>(a * call_fields),
+                        all.begin() + static_cast<std::ptrdiff_t>((a + 1) * call_fields),
+                        all.begin() + static_cast<std::ptrdiff_t>(b * call_fields));
+    };
+    std::size_t common = 0, most = 0;
+    for (std::size_t a = 0; a < n; ++a) {
+      std::size_t count = 0;
+      for (std::size_t b = 0; b < n; ++b) count += same(a, b) ? 1 : 0;
+      if (count > most) {
+        most = count;
+        common = a;
+      }
+    }
+    for (std::size_t a = 0; a < n; ++a)
+      if (!same(a, common)) return a;
+    return 0;
+  }
 
   template <op_kind K, class T>
   request_type transport_steps(const detail::operation<T>& o, context_type) {
@@ -509,13 +541,17 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
     if (const auto bad = detail::first_counts_disagreement(
             n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
-            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; }))
+            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; })) {
+      // Blamed on the receiver, whose expected count is the one that disagrees with what was sent
+      // (every member names the same pair, so every process blames the same device).
+      if (group_->channel) group_->channel->blame_mismatch(group_->member_device[bad->receiver]);
       throw collective_mismatch(
           "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
           " devices: the counts disagree: " +
           detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
                                                "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
                                                bad->sent, bad->expected));
+    }
     std::vector<std::size_t> offsets;
     const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
     for (std::size_t j = 0; j < n; ++j) {

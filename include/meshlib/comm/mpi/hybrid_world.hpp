@@ -118,10 +118,17 @@ class hybrid_world {
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
     channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    // The report names the device whose call differed (every member of the mismatched collective
+    // computed it), so that processes that were not members blame it too; else this device.
+    const int culprit = channel_->mismatch_culprit.load();
     if (channel_->remote_device.load() < 0)
-      channel_->notify(process_ * threads_ + t, std::string(message), detail::failure_kind::mismatch);
+      channel_->notify(culprit >= 0 ? culprit : process_ * threads_ + t, std::string(message),
+                       detail::failure_kind::mismatch);
     return first;
   }
+  /// Global device whose call differed in a collective mismatch of this world (the same on every
+  /// process), -1 when there was none or it is not known.
+  [[nodiscard]] int mismatch_culprit() const noexcept { return channel_->mismatch_culprit.load(); }
   /// True once a participant of this process failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
   /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
@@ -155,6 +162,7 @@ class hybrid_world {
             // A timeout or mismatch another process saw: the same error and message here, not an
             // abort (the message already names global devices and the user's operation).
             channel->interrupt(what, device, kind);
+            if (kind == detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
             local_.fail_as(kind, what);
             return;
           }
@@ -193,7 +201,8 @@ struct start_hybrid_threads {
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
-/// failure as `participant_error` (with the device). Collective over `procs`. `launch` runs the
+/// failure as `participant_error` (with the device; for a collective mismatch, the device whose
+/// call differed, the same on every process). Collective over `procs`. `launch` runs the
 /// threads (default: started for this call; see `detail::start_hybrid_threads`).
 template <class F, class Launch = detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
@@ -227,14 +236,30 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     // A failure another process reported is blamed on its device, unless a thread here failed
     // on its own at the same time (an exception that is not a communicator's): that one is real.
     int own = -1;
-    for (int u = 0; u < threads && own < 0; ++u) {
+    int mismatched = -1;  // the lowest thread that left with collective_mismatch
+    for (int u = 0; u < threads; ++u) {
       const auto& eu = errors[static_cast<std::size_t>(u)];
       if (!eu) continue;
       try {
         std::rethrow_exception(eu);
+      } catch (const collective_mismatch&) {
+        if (mismatched < 0) mismatched = u;
       } catch (const comm_error&) {
       } catch (...) {
-        own = u;
+        if (own < 0) own = u;
+      }
+    }
+    // A collective mismatch is blamed on the device whose call differed, which every process
+    // computed from every member's call (or learnt from the report): the same device everywhere,
+    // not the device that happened to see it first here.
+    const int culprit = world.mismatch_culprit();
+    if (own < 0 && mismatched >= 0 && culprit >= 0) {
+      const auto& e = errors[static_cast<std::size_t>(mismatched)];
+      try {
+        std::rethrow_exception(e);
+      } catch (...) {
+        throw participant_error(culprit, "meshlib: hybrid device " + std::to_string(culprit) + " of " +
+                                             std::to_string(world.size()) + " failed: " + detail::what_of(e));
       }
     }
     const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;

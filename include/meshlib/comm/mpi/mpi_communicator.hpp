@@ -58,7 +58,9 @@
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
 /// the communicator's scope on rank R). A rank that catches its exception within the handle's
-/// scope and stops calling collectives leaves its peers to time out (never to hang). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// scope and stops calling collectives leaves its peers to time out (never to hang), after which
+/// `root_cause_rank()` names it; a `fail_guard` around the step releases them at once instead
+/// (the one line a program on `mpi::world()`, whose last handle never unwinds, needs). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -112,6 +114,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
   friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
+  friend class fail_guard;           // fails the communicator when an exception unwinds it
   using op_kind = detail::op_kind;
 
  public:
@@ -240,16 +243,30 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
   }
 
-  /// @brief The rank of this communicator that failed it (or the communicator it was split from)
-  /// through `fail`, here or in another process, once this rank knows of it; -1 otherwise: no
-  /// such failure, a failed rank outside this split, or a timeout or mismatch (which every
-  /// waiting rank detects itself).
+  /// @brief The rank to blame for this communicator's failure, once this rank knows of it:
+  /// - the rank that failed it (or the communicator it was split from) through `fail`, a
+  ///   `fail_guard` or an unwound handle, here or in another process (-1 when that rank is not a
+  ///   member of this split);
+  /// - else, after this rank's `comm_timeout` "rank(s) R never arrived", the rank R that never
+  ///   arrived; when several never arrived, the lowest of them (the message lists them all);
+  /// - else -1: no failure, a collective mismatch (every rank's call is in the message), or a
+  ///   timeout in which every rank arrived, but late.
+  ///
+  /// A rank that throws without failing the communicator (it caught the exception within the
+  /// scope of a handle that another copy outlives, as `mpi::world()`'s) is named only after the
+  /// timeout; a `fail_guard` names it within milliseconds.
   ///
   /// @code
-  /// catch (const meshlib::comm_aborted&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
+  /// catch (const meshlib::comm_error&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
   /// @endcode
   [[nodiscard]] int root_cause_rank() const noexcept {
-    if (!state_ || !state_->channel || !state_->channel->interrupted.load(std::memory_order_acquire)) return -1;
+    if (!state_) return -1;
+    const bool interrupted = state_->channel && state_->channel->interrupted.load(std::memory_order_acquire);
+    if (!interrupted) {
+      // The timeout of this rank's fingerprint exchange recorded who never arrived (ascending).
+      if (state_->failed && !state_->failed_by_mismatch && !state_->missing.empty()) return state_->missing.front();
+      return -1;
+    }
     const int r = state_->channel->root_cause.load();
     if (r < 0 || state_->adopted != MPI_COMM_NULL || state_->channel->comm == MPI_COMM_NULL) return r;
     // A split: the channel names ranks of the adopted communicator.
@@ -493,13 +510,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
       if ((spins & 63) != 0) continue;
       if (interruptible && state_->check_interrupt) state_->check_interrupt();
-      if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+      if (std::chrono::steady_clock::now() > deadline) {
+        state_->missing.clear();  // a data transfer after every rank arrived: nobody to name
+        fail_timeout(k);
+      }
     }
   }
   void wait(std::string_view k, MPI_Request& r) {
     poll(k, [&](int* done) { return MPI_Test(&r, done, MPI_STATUS_IGNORE); });
   }
 
+  /// `who`: who is late. Only the arrival check (`wait_arrival`) knows which ranks never arrived
+  /// (`state_->missing`, which `root_cause_rank` reads); every other wait empties it.
   [[noreturn]] void fail_timeout(std::string_view k, const std::string& who = "a peer never called it") {
     const double secs = std::chrono::duration<double>(state_->options.timeout).count();
     state_->failed = true;
@@ -902,17 +924,24 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     if (flag && ub) s.tag_ub = *ub;
   }
 
-  /// See the destructor. Only the application's communicators (a hybrid world's own is failed by
-  /// the world, which knows the device and the message); never over a failure already known.
+  /// See the destructor.
   void fail_on_unwind() const noexcept {
+    fail_unless_failed("an exception left the scope of its communicator there (that rank's handler has its message)");
+  }
+  /// `fail(reason)` for an exception that unwinds a handle or a `fail_guard`: only the
+  /// application's communicators (a hybrid world's own is failed by the world, which knows the
+  /// device and the message), and never over a failure already known here (a timeout, mismatch or
+  /// another rank's failure is not this rank's fault).
+  void fail_unless_failed(const char* reason) const noexcept {
+    if (!state_) return;
     int finalized = 0;
     MPI_Finalized(&finalized);
     const auto& s = *state_;
     if (finalized || !s.fail_on_unwind || s.failed || !s.channel || s.channel->interrupted.load(std::memory_order_acquire))
       return;
     try {
-      fail("an exception left the scope of its communicator there (that rank's handler has its message)");
-    } catch (...) {  // a destructor must not throw; the peers then time out, as before
+      fail(reason);
+    } catch (...) {  // called from destructors, which must not throw; the peers then time out
     }
   }
 

@@ -49,6 +49,10 @@ struct abort_channel {
   std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
   std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
+  /// The participant whose call differed in a collective mismatch (-1: none known). Every member
+  /// of the mismatched collective computes it from every member's call, so it is the same on every
+  /// process; processes that were not members learn it from the report (`notify`'s participant).
+  std::atomic<int> mismatch_culprit{-1};
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
   failure_kind kind = failure_kind::aborted;  ///< the root cause's kind: the error waits throw (guarded by mutex)
@@ -145,6 +149,12 @@ struct abort_channel {
     kind = k;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
+  }
+  /// Records the participant whose call differed in a collective mismatch (the first one wins:
+  /// every member computes the same).
+  void blame_mismatch(int participant) noexcept {
+    int none = -1;
+    mismatch_culprit.compare_exchange_strong(none, participant);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
   void check() {
