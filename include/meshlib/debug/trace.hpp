@@ -49,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/core/deferred.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/runtime/launcher.hpp"
@@ -331,8 +332,8 @@ class basic_trace_recorder {
   trace_summary summarize() const {
     trace_summary s;
     const auto inst = instances();
-    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
-    std::map<std::size_t, double> lateness;
+    deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
+    deferred_t<std::map<std::size_t, double>, Tag> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
     for (const auto& t : snapshot_) {
       if (t.id != host_track) ++s.devices;
