@@ -171,15 +171,20 @@ class device_context {
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
-  [[nodiscard]] collective_workspace& workspace() noexcept { return thread_workspace(); }
+  /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
+  template <class Tag = void>
+  [[nodiscard]] basic_collective_workspace<Tag>& workspace() noexcept {
+    return thread_workspace<Tag>();
+  }
 
  protected:
   device_context() = default;
   /// The end of the device's call, on its own thread: results that leave the call keep their
   /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
+  template <class Tag = void>
   void end_call() noexcept {
     try {
-      thread_workspace().release_held();
+      thread_workspace<Tag>().release_held();
     } catch (...) {  // nothing in it allocates; a failure only keeps a buffer for longer
     }
   }

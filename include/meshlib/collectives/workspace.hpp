@@ -39,8 +39,11 @@
 
 namespace meshlib::detail {
 
-/// The reusable buffers of one device (see the file comment), by view type and extents.
-class collective_workspace {
+/// The reusable buffers of one device (see the file comment), by view type and extents. Used as
+/// `collective_workspace`: a template only so that its map and vectors are compiled where
+/// collectives run, not in every translation unit that includes meshlib (core/deferred.hpp).
+template <class Tag = void>
+class basic_collective_workspace {
  public:
   /// How many buffers of one type and shape are kept; past that, a call whose every kept buffer is
   /// still held gets a fresh one that the workspace does not keep.
@@ -49,9 +52,9 @@ class collective_workspace {
   /// keeps changing its shapes must not keep a buffer of each for ever).
   static constexpr std::size_t max_shapes = 32;
 
-  collective_workspace() = default;
-  collective_workspace(const collective_workspace&) = delete;
-  collective_workspace& operator=(const collective_workspace&) = delete;
+  basic_collective_workspace() = default;
+  basic_collective_workspace(const basic_collective_workspace&) = delete;
+  basic_collective_workspace& operator=(const basic_collective_workspace&) = delete;
 
   /// A block of `shape` (uninitialised) that nobody but the workspace holds.
   template <class T, std::size_t Rank, class Space>
@@ -154,20 +157,27 @@ class collective_workspace {
   std::uint64_t uses_ = 0;
 };
 
+/// The buffers of one device (see `basic_collective_workspace`).
+using collective_workspace = basic_collective_workspace<>;
+
 /// The workspaces of every thread that has one, so that a Kokkos finalize hook can empty them
-/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits).
-class workspace_registry {
+/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits). Used
+/// as `workspace_registry` (a template for the reason `basic_collective_workspace` is).
+template <class Tag = void>
+class basic_workspace_registry {
+  using workspace = basic_collective_workspace<Tag>;
+
  public:
   /// Never destroyed: threads deregister at their exit, which may come after static destruction.
-  static workspace_registry& get() {
-    static auto* r = new workspace_registry;
+  static basic_workspace_registry& get() {
+    static auto* r = new basic_workspace_registry;
     return *r;
   }
-  void add(collective_workspace* w) {
+  void add(workspace* w) {
     std::lock_guard lock(m_);
     all_.push_back(w);
   }
-  void remove(collective_workspace* w) {
+  void remove(workspace* w) {
     std::lock_guard lock(m_);
     all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
   }
@@ -189,17 +199,21 @@ class workspace_registry {
 
  private:
   std::mutex m_;
-  std::vector<collective_workspace*> all_;
+  std::vector<workspace*> all_;
   std::atomic<bool> hooked_{false};
 };
 
+/// The registry of every thread's workspace (see `basic_workspace_registry`).
+using workspace_registry = basic_workspace_registry<>;
+
 /// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
-inline collective_workspace& thread_workspace() {
+template <class Tag = void>
+basic_collective_workspace<Tag>& thread_workspace() {
   struct owner {
-    collective_workspace ws;
-    owner() { workspace_registry::get().add(&ws); }
+    basic_collective_workspace<Tag> ws;
+    owner() { basic_workspace_registry<Tag>::get().add(&ws); }
     ~owner() {
-      workspace_registry::get().remove(&ws);
+      basic_workspace_registry<Tag>::get().remove(&ws);
       ws.clear();
     }
     owner(const owner&) = delete;

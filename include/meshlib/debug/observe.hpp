@@ -171,14 +171,19 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
   }
 }
 
-/// Shared state of one run (see the file comment).
-class run_observer final : public comm_observer {
+/// Shared state of one run (see the file comment). A template used through one alias
+/// (`run_observer`), so that its code is compiled only where a runner is (see
+/// `basic_trace_recorder`).
+template <class Tag = void>
+class basic_run_observer final : public comm_observer {
+  using recorder = basic_trace_recorder<Tag>;
+
  public:
   /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
   /// and, in debug mode with slow warnings on, starts the watchdog.
   template <mesh_type Mesh>
-  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
-    auto& rec = trace_recorder::get();
+  basic_run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
+    auto& rec = recorder::get();
     tracing_ = rec.on();
     auto& dbg = debug_state::get();
     debug_ = dbg.on.load();
@@ -200,7 +205,7 @@ class run_observer final : public comm_observer {
       watchdog_ = std::thread([this] { watch(); });
     }
   }
-  ~run_observer() {
+  ~basic_run_observer() {
     if (watchdog_.joinable()) {
       {
         std::lock_guard lk(m_);
@@ -210,8 +215,8 @@ class run_observer final : public comm_observer {
       watchdog_.join();
     }
   }
-  run_observer(const run_observer&) = delete;
-  run_observer& operator=(const run_observer&) = delete;
+  basic_run_observer(const basic_run_observer&) = delete;
+  basic_run_observer& operator=(const basic_run_observer&) = delete;
 
   [[nodiscard]] bool active() const noexcept override { return tracing_ || debug_ || kokkos_; }
   [[nodiscard]] bool tracing() const noexcept { return tracing_; }
@@ -221,7 +226,7 @@ class run_observer final : public comm_observer {
 
   /// A device's communicator on a group is decorated: its trace track, looked up once.
   void open(comm_site& site) override {
-    if (tracing_) site.data = &trace_recorder::get().track_of(site.device);
+    if (tracing_) site.data = &recorder::get().track_of(site.device);
   }
 
   /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
@@ -231,7 +236,7 @@ class run_observer final : public comm_observer {
 #if MESHLIB_DEBUG_HAS_KOKKOS
     if (kokkos_) Kokkos::Profiling::pushRegion("meshlib::" + what);
 #endif
-    call.start_ns = trace_recorder::get().now_ns();
+    call.start_ns = recorder::get().now_ns();
     arrive(site, call.seq, what);
   }
 
@@ -249,7 +254,7 @@ class run_observer final : public comm_observer {
   /// After it returned: the trace event, the check of its output.
   void done(const comm_site& site, const comm_call& call) override {
     if (site.data != nullptr) {
-      auto& rec = trace_recorder::get();
+      auto& rec = recorder::get();
       trace_event e;
       e.name = call.name;
       e.axes = site.axes;
@@ -263,7 +268,7 @@ class run_observer final : public comm_observer {
       e.color = site.color;
       e.seq = call.seq;
       e.group = join_ids(site.group);
-      rec.record(*static_cast<trace_recorder::track*>(site.data), std::move(e));
+      rec.record(*static_cast<typename recorder::track*>(site.data), std::move(e));
     }
     if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
   }
@@ -367,6 +372,9 @@ class run_observer final : public comm_observer {
   std::map<key_t, pending> board_;
   std::thread watchdog_;
 };
+
+/// The debug layer's observer of one run (see `basic_run_observer`).
+using run_observer = basic_run_observer<>;
 
 }  // namespace detail
 }  // namespace meshlib

@@ -49,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/core/deferred.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/runtime/launcher.hpp"
@@ -149,7 +150,14 @@ inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
 
 /// Process-wide recorder (see the file comment). Appends are per track under the track's own
 /// mutex, so device threads do not contend with each other.
-class trace_recorder {
+///
+/// A class template used through one alias (`trace_recorder`), as `std::string` is: its members
+/// (maps, sorts, the JSON writer) are then compiled only in a translation unit that traces or runs
+/// devices, not in every one that includes meshlib (docs/benchmarks.md, "Include cost"). The same
+/// holds for every entry point to it below: none is an ordinary inline function, whose body the
+/// compiler would check, with everything it calls, in every translation unit.
+template <class Tag = void>
+class basic_trace_recorder {
  public:
   struct track {
     std::mutex m;
@@ -158,8 +166,8 @@ class trace_recorder {
     std::uint64_t session = 0;  // the last trace session that used it
   };
 
-  static trace_recorder& get() {
-    static trace_recorder r;
+  static basic_trace_recorder& get() {
+    static basic_trace_recorder r;
     return r;
   }
 
@@ -234,7 +242,7 @@ class trace_recorder {
   }
 
   /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
-  ~trace_recorder() {
+  ~basic_trace_recorder() {
     if (from_env_ && on()) {
       try {
         std::cerr << stop();
@@ -244,14 +252,14 @@ class trace_recorder {
     }
   }
 
-  trace_recorder(const trace_recorder&) = delete;
-  trace_recorder& operator=(const trace_recorder&) = delete;
+  basic_trace_recorder(const basic_trace_recorder&) = delete;
+  basic_trace_recorder& operator=(const basic_trace_recorder&) = delete;
 
  private:
   // Throws (from `get()`, so from the program's first traced call, and again from every later one)
   // when MESHLIB_TRACE names a file that cannot be written: the user asked for a trace and would
   // otherwise learn only at exit, after the whole run, that there is none.
-  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
+  basic_trace_recorder() : origin_(std::chrono::steady_clock::now()) {
     const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
     if (env != nullptr && *env != '\0') {
       check_writable(file_for_process(env), "MESHLIB_TRACE=" + std::string(env));
@@ -324,8 +332,8 @@ class trace_recorder {
   trace_summary summarize() const {
     trace_summary s;
     const auto inst = instances();
-    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
-    std::map<std::size_t, double> lateness;
+    deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
+    deferred_t<std::map<std::size_t, double>, Tag> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
     for (const auto& t : snapshot_) {
       if (t.id != host_track) ++s.devices;
@@ -474,6 +482,9 @@ class trace_recorder {
   bool from_env_ = false;
 };
 
+/// The recorder (see `basic_trace_recorder`).
+using trace_recorder = basic_trace_recorder<>;
+
 }  // namespace detail
 
 /// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
@@ -481,27 +492,38 @@ class trace_recorder {
 /// Restarting discards what was recorded. Runs that are already going keep their state: tracing
 /// is read when a `shard_map`, `spmd` or `reshard` starts.
 /// @throws error when `path` cannot be opened for writing (naming it), before anything is recorded.
-inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
+template <class Tag = void>
+void start_trace(std::string path) {
+  detail::basic_trace_recorder<Tag>::get().start(std::move(path));
+}
 
 /// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
 /// @throws error when the file cannot be written (naming it).
-inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
+template <class Tag = void>
+trace_summary stop_trace() {
+  return detail::basic_trace_recorder<Tag>::get().stop();
+}
 
 /// @brief True while a trace is being recorded.
 /// @throws error when `MESHLIB_TRACE` names a file that cannot be written (as every traced call
 /// does): a program can call it first to report that at start.
-[[nodiscard]] inline bool tracing() { return detail::trace_recorder::get().on(); }
+template <class Tag = void>
+[[nodiscard]] bool tracing() {
+  return detail::basic_trace_recorder<Tag>::get().on();
+}
 
 /// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
-/// destructor writes the file. Call `stop()` to get the summary earlier.
-class scoped_trace {
+/// destructor writes the file. Call `stop()` to get the summary earlier. Used as `scoped_trace`
+/// (a template only so that its code is compiled where it is used: see `basic_trace_recorder`).
+template <class Tag = void>
+class basic_scoped_trace {
  public:
   /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
-  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
-  ~scoped_trace() {
+  explicit basic_scoped_trace(std::string path) { start_trace<Tag>(std::move(path)); }
+  ~basic_scoped_trace() {
     if (!stopped_) {
       try {
-        (void)stop_trace();
+        (void)stop_trace<Tag>();
       } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
       }
     }
@@ -509,13 +531,16 @@ class scoped_trace {
   /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
   trace_summary stop() {
     stopped_ = true;
-    return stop_trace();
+    return stop_trace<Tag>();
   }
-  scoped_trace(const scoped_trace&) = delete;
-  scoped_trace& operator=(const scoped_trace&) = delete;
+  basic_scoped_trace(const basic_scoped_trace&) = delete;
+  basic_scoped_trace& operator=(const basic_scoped_trace&) = delete;
 
  private:
   bool stopped_ = false;
 };
+
+/// @brief Traces its scope (see `basic_scoped_trace`).
+using scoped_trace = basic_scoped_trace<>;
 
 }  // namespace meshlib

@@ -23,12 +23,16 @@
 namespace meshlib {
 
 /// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
-/// flag when neither tracing nor a Kokkos tool is on.
-class trace_region {
+/// flag when neither tracing nor a Kokkos tool is on. Used as `trace_region` (a template only so
+/// that the recorder's code is compiled where it is used: see `detail::basic_trace_recorder`).
+template <class Tag = void>
+class basic_trace_region {
+  using recorder = detail::basic_trace_recorder<Tag>;
+
  public:
   /// Opens the region `name`; it closes when the object is destroyed.
-  explicit trace_region(std::string name) {
-    auto& rec = detail::trace_recorder::get();
+  explicit basic_trace_region(std::string name) {
+    auto& rec = recorder::get();
 #if MESHLIB_DEBUG_HAS_KOKKOS
     kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
     if (kokkos_) Kokkos::Profiling::pushRegion(name);
@@ -39,12 +43,12 @@ class trace_region {
     name_ = std::move(name);
     start_ = rec.now_ns();
   }
-  ~trace_region() {
+  ~basic_trace_region() {
 #if MESHLIB_DEBUG_HAS_KOKKOS
     if (kokkos_) Kokkos::Profiling::popRegion();
 #endif
     if (track_ == nullptr) return;
-    auto& rec = detail::trace_recorder::get();
+    auto& rec = recorder::get();
     detail::trace_event e;
     e.name = std::move(name_);
     e.start_ns = start_;
@@ -54,15 +58,18 @@ class trace_region {
     } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
     }
   }
-  trace_region(const trace_region&) = delete;
-  trace_region& operator=(const trace_region&) = delete;
+  basic_trace_region(const basic_trace_region&) = delete;
+  basic_trace_region& operator=(const basic_trace_region&) = delete;
 
  private:
-  detail::trace_recorder::track* track_ = nullptr;
+  typename recorder::track* track_ = nullptr;
   std::string name_;
   std::int64_t start_ = 0;
   bool kokkos_ = false;
 };
+
+/// @brief A named span of the program (see `basic_trace_region`).
+using trace_region = basic_trace_region<>;
 
 /// @brief Another name for `trace_region`.
 using scoped_region = trace_region;

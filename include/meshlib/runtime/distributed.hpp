@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "meshlib/core/deferred.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/runtime/errors.hpp"
@@ -93,19 +94,24 @@ inline std::recursive_mutex& state_mutex() {
   return m;
 }
 
-inline std::string describe(const launch_info& l, std::size_t local) {
+template <class Tag = void>
+std::string describe(const launch_info& l, std::size_t local) {
   std::ostringstream os;
   os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
   return os.str();
 }
 
 /// Throws `process_mismatch` on every process unless every element of `all` equals the first.
-inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
+/// (This function, `initialize`, `guard` and `check_same_on_all_processes` are templates only so
+/// that their bodies are compiled where they are called, not in every translation unit that
+/// includes meshlib: docs/benchmarks.md, "Include cost". Call them as plain functions.)
+template <class Tag = void>
+void require_equal(std::string_view what, const std::vector<std::string>& all) {
   bool same = true;
   for (const auto& v : all) same = same && v == all.front();
   if (same) return;
   // Group processes by value so a 1024-process run prints each distinct value once.
-  std::map<std::string, std::vector<std::size_t>> by_value;
+  meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
   for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
   std::ostringstream os;
   os << "meshlib: the processes disagree about " << what << ": ";
@@ -138,20 +144,21 @@ inline void require_equal(std::string_view what, const std::vector<std::string>&
 /// resolves to other values throws `distributed_error` (call `shutdown` first).
 /// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
 /// processes disagree.
-inline void initialize(const options& opt = {}) {
+template <class Tag = void>
+void initialize(const options& opt = {}) {
   std::lock_guard lock(detail::state_mutex());
   auto& st = detail::state();
-  const env_source env = opt.env ? opt.env : process_env();
+  const env_source env = opt.env ? opt.env : process_env<Tag>();
 
   std::optional<std::pair<std::size_t, std::size_t>> comm;
   if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
-  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
+  const launch_info launch = detect_launch<Tag>(env, {opt.process_id, opt.num_processes}, comm);
 
   std::size_t local = 1;
   if (opt.local_device_count) {
     local = *opt.local_device_count;
   } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
-    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
+    local = detail::parse_count<Tag>("MESHLIB_LOCAL_DEVICE_COUNT", *v);
   }
   if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
 
@@ -164,18 +171,18 @@ inline void initialize(const options& opt = {}) {
       // everything, run the start-up checks over it and keep it.
     } else {
       throw distributed_error("meshlib: distributed::initialize was already called as " +
-                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+                              detail::describe<Tag>(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe<Tag>(launch, local) + "; call distributed::shutdown() first");
     }
   }
   if (opt.exchange && launch.process_count > 1) {
     // Every process must see the same world and the same number of devices per process, and the
     // indices must be a permutation: two processes with one index would hang the first collective.
-    detail::require_equal("the process count and local device count",
+    detail::require_equal<Tag>("the process count and local device count",
                           opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
                                                    std::to_string(local) + " local devices"));
     const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    std::map<std::string, std::vector<std::size_t>> seen;
+    meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
     for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
     for (const auto& [idx, ranks] : seen)
       if (ranks.size() > 1)
@@ -223,20 +230,25 @@ inline void shutdown() {
 }
 
 /// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
-/// the one that initialised: a guard inside an already initialised program changes nothing.
-class guard {
+/// the one that initialised: a guard inside an already initialised program changes nothing. Used
+/// as `guard` (a template only so that `initialize` is compiled where it is used).
+template <class Tag = void>
+class basic_guard {
  public:
   /// Calls `initialize(opt)`; the guard shuts down at its end only when this call was the one that initialised.
-  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
-  guard(const guard&) = delete;
-  guard& operator=(const guard&) = delete;
-  ~guard() {
+  explicit basic_guard(const options& opt = {}) : owner_(!is_initialized()) { initialize<Tag>(opt); }
+  basic_guard(const basic_guard&) = delete;
+  basic_guard& operator=(const basic_guard&) = delete;
+  ~basic_guard() {
     if (owner_) shutdown();
   }
 
  private:
   bool owner_;
 };
+
+/// @brief Initialises for its scope (see `basic_guard`).
+using guard = basic_guard<>;
 
 /// @brief How this process was launched (the embedded default before `initialize`).
 [[nodiscard]] inline launch_info launch() {
@@ -295,14 +307,15 @@ class guard {
 /// transport that throws `process_mismatch` on every process, naming each process's value, so a
 /// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
 /// process or without a transport.
-inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
+template <class Tag = void>
+void check_same_on_all_processes(std::string_view what, std::string_view value) {
   std::shared_ptr<process_exchange> ex;
   {
     std::lock_guard lock(detail::state_mutex());
     ex = detail::state().exchange;
   }
   if (!ex || ex->size() <= 1) return;
-  detail::require_equal(what, ex->all_gather(value));
+  detail::require_equal<Tag>(what, ex->all_gather(value));
 }
 
 /// @brief Checks that `m` covers every device of the run and that every process built the same

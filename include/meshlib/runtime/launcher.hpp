@@ -40,6 +40,7 @@
 #include <system_error>
 #include <vector>
 
+#include "meshlib/core/deferred.hpp"
 #include "meshlib/runtime/errors.hpp"
 
 namespace meshlib::distributed {
@@ -99,7 +100,11 @@ struct launch_info {
 using env_source = std::function<std::optional<std::string>(std::string_view)>;
 
 /// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
+/// (The functions of this file are templates only so that their bodies are compiled where they
+/// are called, not in every translation unit that includes meshlib: docs/benchmarks.md, "Include
+/// cost". Call them as plain functions.)
+template <class Tag = void>
+env_source process_env() {
   return [](std::string_view name) -> std::optional<std::string> {
     const char* v = std::getenv(std::string(name).c_str());
     if (!v) return std::nullopt;
@@ -109,7 +114,8 @@ inline env_source process_env() {
 
 /// @brief An environment given as a map, for tests and for programs that read their configuration
 /// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+template <class Tag = void>
+env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
   return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
     auto it = vars.find(name);
     if (it == vars.end()) return std::nullopt;
@@ -141,7 +147,8 @@ inline constexpr launcher_vars launcher_table[] = {
 };
 
 /// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+template <class Tag = void>
+std::size_t parse_count(std::string_view var, const std::string& raw) {
   std::string_view s = raw;
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
@@ -159,7 +166,8 @@ struct claim {
   std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
 };
 
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+template <class Tag = void>
+std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
   const auto idx = env(v.index);
   if (!idx) return std::nullopt;
   const auto cnt = env(v.count);
@@ -169,18 +177,19 @@ inline std::optional<claim> read_launcher(const launcher_vars& v, const env_sour
                             " is not set; set both or neither");
   claim c;
   c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
+  c.info.process_index = parse_count<Tag>(v.index, *idx);
+  c.info.process_count = parse_count<Tag>(v.count, *cnt);
   c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
            "=" + *cnt + ")";
   if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
     throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
                             "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count<Tag>(v.local, *loc);
   return c;
 }
 
-inline std::string describe_claim(const claim& c) {
+template <class Tag = void>
+std::string describe_claim(const claim& c) {
   return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
 }
 
@@ -190,14 +199,16 @@ inline std::string describe_claim(const claim& c) {
 /// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
 /// this file's comment.
 /// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
+template <class Tag = void>
+launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                          std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  using claim = meshlib::detail::deferred_t<detail::claim, Tag>;  // compiled at the first call
+  std::vector<claim> direct;
   if (given.process_id || given.num_processes) {
     if (!given.process_id || !given.num_processes)
       throw distributed_error(
           "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
+    claim c;
     c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
     c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
              ", num_processes=" + std::to_string(*given.num_processes) + ")";
@@ -207,16 +218,16 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
     direct.push_back(std::move(c));
   }
   if (comm) {
-    detail::claim c;
+    claim c;
     c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
     c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
              std::to_string(comm->second) + ")";
     direct.push_back(std::move(c));
   }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
+  std::optional<claim> slurm;
+  std::vector<claim> env_claims;
   for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
+    auto c = detail::read_launcher<Tag>(v, env);
     if (!c) continue;
     if (v.source == launcher::slurm)
       slurm = std::move(c);
@@ -233,8 +244,8 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
     const auto& a = direct[0].info;
     const auto& b = direct[i].info;
     if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim<Tag>(direct[0]) +
+                              ", but " + detail::describe_claim<Tag>(direct[i]) +
                               "; unset the stale variables or fix the arguments");
   }
 
@@ -246,8 +257,8 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
       const bool contradicts = s.process_count > out.process_count ||
                                (s.process_count == out.process_count && s.process_index != out.process_index);
       if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim<Tag>(direct[0]) +
+                                ", but " + detail::describe_claim<Tag>(*slurm) +
                                 "; a Slurm step may start several processes per task but never fewer processes "
                                 "than tasks");
     }
