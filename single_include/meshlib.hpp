@@ -2786,6 +2786,7 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <thread>
 
 
@@ -2826,6 +2827,52 @@ inline constexpr std::size_t default_streaming_min_bytes = std::size_t{64} << 20
 inline std::size_t default_one_shot_max_bytes(bool oversubscribed) noexcept {
   return oversubscribed ? std::size_t{64} << 10 : std::size_t{2} << 10;
 }
+
+/// @brief How long this thread spins, at most `policy.spin`, before it yields: the spin budget
+/// adapts to whether spinning has been paying off for it (issue 27).
+///
+/// Why: spinning only helps while the awaited peer runs on another core. When the peer shares
+/// this thread's core (the scheduler put both there: on a loaded machine it happened for whole
+/// runs of 2000 calls), it cannot arrive until this thread gives the core up, so every wait spun
+/// its full budget first: ~107 us per 8 B all_reduce instead of ~0.5 us, on the raw communicator
+/// and the typed collectives alike (docs/benchmarks.md). So a wait whose spinning ran out (a
+/// miss) cuts this thread's budget to `floor`, and a wait that ended while spinning after having
+/// had to spin at all doubles it back, up to the policy's; a wait that finds its peers already
+/// there says nothing either way. Per thread, not per communicator: where a thread runs is a
+/// property of the thread, and a `thread_runner` makes a fresh world every call.
+class adaptive_spin {
+ public:
+  /// The budget after a miss: what a context switch costs, so a peer on another core that is a
+  /// little late is still caught without a switch.
+  static constexpr std::chrono::nanoseconds floor{1'000};
+
+  /// This thread's current budget under a policy allowing `max`.
+  static std::chrono::nanoseconds budget(std::chrono::nanoseconds max) noexcept {
+    const std::chrono::nanoseconds b = current();
+    return b.count() < 0 || b > max ? max : b;
+  }
+  /// A wait that had to spin ended while spinning: spinning pays here again.
+  static void caught(std::chrono::nanoseconds max) noexcept {
+    std::chrono::nanoseconds& b = current();
+    if (b.count() >= 0) b = std::min(max, std::max(floor, 2 * b));
+  }
+  /// A wait spun its whole budget in vain.
+  static void missed(std::chrono::nanoseconds max) noexcept {
+    current() = std::min(max, floor);
+    ++misses();
+  }
+  /// Misses of this thread so far (tests: how often a wait spun its budget in vain).
+  static std::uint64_t& misses() noexcept {
+    thread_local std::uint64_t n = 0;
+    return n;
+  }
+
+ private:
+  static std::chrono::nanoseconds& current() noexcept {
+    thread_local std::chrono::nanoseconds b{-1};  // negative: the policy's budget, nothing learnt yet
+    return b;
+  }
+};
 
 /// `threads`: the world's participants, all of which may be running (a sub-group of 2 in a world of
 /// 8 threads on 2 cores must yield, not spin).
@@ -3520,7 +3567,7 @@ class step_protocol {
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until `ready()`: spins, then yields, then blocks with a deadline. When `cancellable`,
+  /// Waits until `ready()`: spins (for this thread's adaptive budget), then yields, then blocks with a deadline. When `cancellable`,
   /// throws once the world fails first, when the timeout passes (naming the ranks for which
   /// `arrived(r)` is false) or when such a rank has left.
   template <class Ready, class Arrived>
@@ -3529,27 +3576,32 @@ class step_protocol {
     auto failed = [&] { return cancellable && (g.word.load(std::memory_order_acquire) & detail::failed_bit); };
     // A first burst of spinning without reading the clock: most waits of a participant with a
     // core of its own end within it.
-    for (int i = 0; i < g.policy.burst; ++i) {
-      if (ready()) return;
+    if (ready()) return;  // nothing to learn about spinning from a wait that did not wait
+    for (int i = 1; i < g.policy.burst; ++i) {
       detail::cpu_relax();
+      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
     }
+    // The spin budget is this thread's (wait_policy.hpp, adaptive_spin): cut short while its
+    // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
+    const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
     for (unsigned i = 1;; ++i) {
-      if (ready()) return;
+      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
       if (failed()) {
         if (ready()) return;
         failed_while_waiting(k, s);
       }
       detail::cpu_relax();
-      if ((i & 31u) == 0 && detail::comm_clock::now() - start > g.policy.spin) break;
+      if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
     }
+    detail::adaptive_spin::missed(g.policy.spin);
     for (;;) {
       if (ready()) return;
       if (failed()) {
         if (ready()) return;
         failed_while_waiting(k, s);
       }
-      if (detail::comm_clock::now() - start >= g.policy.spin + g.policy.yield) break;
+      if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
       std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout + patience_;
@@ -4547,6 +4599,40 @@ class axis_communicators {
 #include <string_view>
 #include <vector>
 
+// begin meshlib/core/deferred.hpp
+/// @file
+/// @brief `detail::deferred_t<T, Tag>`: the type `T`, spelled so that it depends on `Tag`.
+///
+/// Why: every translation unit that includes <meshlib.hpp> pays for the code of meshlib's ordinary
+/// inline functions, and for every template those functions use (a `std::map`'s members, a
+/// `std::vector` of a meshlib type), even when it never calls them (docs/benchmarks.md, "Include
+/// cost"). Code that only runs devices, traces or starts processes is therefore written as
+/// templates (`template <class Tag = void>`, called as plain functions, or a class template behind
+/// one alias, as `std::string` is). Inside such a template, a local variable of a type that does
+/// not depend on `Tag` is still instantiated where the template is defined; spelling its type
+/// `deferred_t<T, Tag>` postpones that to the first call too.
+/// @code
+/// template <class Tag = void>
+/// void report(const std::vector<std::string>& all) {
+///   deferred_t<std::map<std::string, std::size_t>, Tag> count;  // compiled only when report is called
+///   for (const auto& v : all) ++count[v];
+/// }
+/// @endcode
+
+namespace meshlib::detail {
+
+/// Holds `T` as `type`; a class template, so that `deferred<T, Tag>::type` depends on `Tag`.
+template <class T, class Tag>
+struct deferred {
+  using type = T;
+};
+
+/// `T`, dependent on `Tag` (see the file comment).
+template <class T, class Tag>
+using deferred_t = typename deferred<T, Tag>::type;
+
+}  // namespace meshlib::detail
+// end meshlib/core/deferred.hpp
 // begin meshlib/runtime/errors.hpp
 /// @file
 /// @brief The exception types of the runtime layer: what a launch can get wrong before any data
@@ -4673,7 +4759,11 @@ struct launch_info {
 using env_source = std::function<std::optional<std::string>(std::string_view)>;
 
 /// @brief The process's own environment (`std::getenv`).
-inline env_source process_env() {
+/// (The functions of this file are templates only so that their bodies are compiled where they
+/// are called, not in every translation unit that includes meshlib: docs/benchmarks.md, "Include
+/// cost". Call them as plain functions.)
+template <class Tag = void>
+env_source process_env() {
   return [](std::string_view name) -> std::optional<std::string> {
     const char* v = std::getenv(std::string(name).c_str());
     if (!v) return std::nullopt;
@@ -4683,7 +4773,8 @@ inline env_source process_env() {
 
 /// @brief An environment given as a map, for tests and for programs that read their configuration
 /// elsewhere.
-inline env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
+template <class Tag = void>
+env_source map_env(std::map<std::string, std::string, std::less<>> vars) {
   return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
     auto it = vars.find(name);
     if (it == vars.end()) return std::nullopt;
@@ -4715,7 +4806,8 @@ inline constexpr launcher_vars launcher_table[] = {
 };
 
 /// A decimal number of the whole (trimmed) string, or `distributed_error` naming the variable.
-inline std::size_t parse_count(std::string_view var, const std::string& raw) {
+template <class Tag = void>
+std::size_t parse_count(std::string_view var, const std::string& raw) {
   std::string_view s = raw;
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
@@ -4733,7 +4825,8 @@ struct claim {
   std::string what;  // "OpenMPI (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4)"
 };
 
-inline std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
+template <class Tag = void>
+std::optional<claim> read_launcher(const launcher_vars& v, const env_source& env) {
   const auto idx = env(v.index);
   if (!idx) return std::nullopt;
   const auto cnt = env(v.count);
@@ -4743,18 +4836,19 @@ inline std::optional<claim> read_launcher(const launcher_vars& v, const env_sour
                             " is not set; set both or neither");
   claim c;
   c.info.source = v.source;
-  c.info.process_index = parse_count(v.index, *idx);
-  c.info.process_count = parse_count(v.count, *cnt);
+  c.info.process_index = parse_count<Tag>(v.index, *idx);
+  c.info.process_count = parse_count<Tag>(v.count, *cnt);
   c.what = std::string(to_string(v.source)) + " (" + std::string(v.index) + "=" + *idx + ", " + std::string(v.count) +
            "=" + *cnt + ")";
   if (c.info.process_count == 0 || c.info.process_index >= c.info.process_count)
     throw distributed_error("meshlib: " + c.what + " names a process outside its world: the index must be less than "
                             "the count, and the count at least 1");
-  if (const auto loc = env(v.local)) c.info.local_rank = parse_count(v.local, *loc);
+  if (const auto loc = env(v.local)) c.info.local_rank = parse_count<Tag>(v.local, *loc);
   return c;
 }
 
-inline std::string describe_claim(const claim& c) {
+template <class Tag = void>
+std::string describe_claim(const claim& c) {
   return c.what + ": process " + std::to_string(c.info.process_index) + " of " + std::to_string(c.info.process_count);
 }
 
@@ -4764,14 +4858,16 @@ inline std::string describe_claim(const claim& c) {
 /// communicator's rank and size (`comm`, index then count), and the environment, by the rules in
 /// this file's comment.
 /// @throws distributed_error on contradictory or malformed sources, naming every one involved.
-inline launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
-                                 std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  std::vector<detail::claim> direct;
+template <class Tag = void>
+launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
+                          std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
+  using claim = meshlib::detail::deferred_t<detail::claim, Tag>;  // compiled at the first call
+  std::vector<claim> direct;
   if (given.process_id || given.num_processes) {
     if (!given.process_id || !given.num_processes)
       throw distributed_error(
           "meshlib: initialize was given only one of process_id and num_processes; give both or neither");
-    detail::claim c;
+    claim c;
     c.info = {*given.process_id, *given.num_processes, std::nullopt, launcher::explicit_arguments};
     c.what = "explicit arguments (process_id=" + std::to_string(*given.process_id) +
              ", num_processes=" + std::to_string(*given.num_processes) + ")";
@@ -4781,16 +4877,16 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
     direct.push_back(std::move(c));
   }
   if (comm) {
-    detail::claim c;
+    claim c;
     c.info = {comm->first, comm->second, std::nullopt, launcher::communicator};
     c.what = "the adopted communicator (rank " + std::to_string(comm->first) + ", size " +
              std::to_string(comm->second) + ")";
     direct.push_back(std::move(c));
   }
-  std::optional<detail::claim> slurm;
-  std::vector<detail::claim> env_claims;
+  std::optional<claim> slurm;
+  std::vector<claim> env_claims;
   for (const auto& v : detail::launcher_table) {
-    auto c = detail::read_launcher(v, env);
+    auto c = detail::read_launcher<Tag>(v, env);
     if (!c) continue;
     if (v.source == launcher::slurm)
       slurm = std::move(c);
@@ -4807,8 +4903,8 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
     const auto& a = direct[0].info;
     const auto& b = direct[i].info;
     if (a.process_index != b.process_index || a.process_count != b.process_count)
-      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                              ", but " + detail::describe_claim(direct[i]) +
+      throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim<Tag>(direct[0]) +
+                              ", but " + detail::describe_claim<Tag>(direct[i]) +
                               "; unset the stale variables or fix the arguments");
   }
 
@@ -4820,8 +4916,8 @@ inline launch_info detect_launch(const env_source& env, const explicit_launch& g
       const bool contradicts = s.process_count > out.process_count ||
                                (s.process_count == out.process_count && s.process_index != out.process_index);
       if (contradicts)
-        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim(direct[0]) +
-                                ", but " + detail::describe_claim(*slurm) +
+        throw distributed_error("meshlib: contradictory launch information: " + detail::describe_claim<Tag>(direct[0]) +
+                                ", but " + detail::describe_claim<Tag>(*slurm) +
                                 "; a Slurm step may start several processes per task but never fewer processes "
                                 "than tasks");
     }
@@ -4941,19 +5037,24 @@ inline std::recursive_mutex& state_mutex() {
   return m;
 }
 
-inline std::string describe(const launch_info& l, std::size_t local) {
+template <class Tag = void>
+std::string describe(const launch_info& l, std::size_t local) {
   std::ostringstream os;
   os << l << " with " << local << " local device" << (local == 1 ? "" : "s");
   return os.str();
 }
 
 /// Throws `process_mismatch` on every process unless every element of `all` equals the first.
-inline void require_equal(std::string_view what, const std::vector<std::string>& all) {
+/// (This function, `initialize`, `guard` and `check_same_on_all_processes` are templates only so
+/// that their bodies are compiled where they are called, not in every translation unit that
+/// includes meshlib: docs/benchmarks.md, "Include cost". Call them as plain functions.)
+template <class Tag = void>
+void require_equal(std::string_view what, const std::vector<std::string>& all) {
   bool same = true;
   for (const auto& v : all) same = same && v == all.front();
   if (same) return;
   // Group processes by value so a 1024-process run prints each distinct value once.
-  std::map<std::string, std::vector<std::size_t>> by_value;
+  meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
   for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
   std::ostringstream os;
   os << "meshlib: the processes disagree about " << what << ": ";
@@ -4986,20 +5087,21 @@ inline void require_equal(std::string_view what, const std::vector<std::string>&
 /// resolves to other values throws `distributed_error` (call `shutdown` first).
 /// @throws distributed_error on a contradictory launch; process_mismatch (on every process) when
 /// processes disagree.
-inline void initialize(const options& opt = {}) {
+template <class Tag = void>
+void initialize(const options& opt = {}) {
   std::lock_guard lock(detail::state_mutex());
   auto& st = detail::state();
-  const env_source env = opt.env ? opt.env : process_env();
+  const env_source env = opt.env ? opt.env : process_env<Tag>();
 
   std::optional<std::pair<std::size_t, std::size_t>> comm;
   if (opt.exchange) comm = std::pair{opt.exchange->rank(), opt.exchange->size()};
-  const launch_info launch = detect_launch(env, {opt.process_id, opt.num_processes}, comm);
+  const launch_info launch = detect_launch<Tag>(env, {opt.process_id, opt.num_processes}, comm);
 
   std::size_t local = 1;
   if (opt.local_device_count) {
     local = *opt.local_device_count;
   } else if (const auto v = env("MESHLIB_LOCAL_DEVICE_COUNT")) {
-    local = detail::parse_count("MESHLIB_LOCAL_DEVICE_COUNT", *v);
+    local = detail::parse_count<Tag>("MESHLIB_LOCAL_DEVICE_COUNT", *v);
   }
   if (local == 0) throw distributed_error("meshlib: a process needs at least one local device; local_device_count is 0");
 
@@ -5012,18 +5114,18 @@ inline void initialize(const options& opt = {}) {
       // everything, run the start-up checks over it and keep it.
     } else {
       throw distributed_error("meshlib: distributed::initialize was already called as " +
-                              detail::describe(st.launch, st.local_devices) + " and is now called as " +
-                              detail::describe(launch, local) + "; call distributed::shutdown() first");
+                              detail::describe<Tag>(st.launch, st.local_devices) + " and is now called as " +
+                              detail::describe<Tag>(launch, local) + "; call distributed::shutdown() first");
     }
   }
   if (opt.exchange && launch.process_count > 1) {
     // Every process must see the same world and the same number of devices per process, and the
     // indices must be a permutation: two processes with one index would hang the first collective.
-    detail::require_equal("the process count and local device count",
+    detail::require_equal<Tag>("the process count and local device count",
                           opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
                                                    std::to_string(local) + " local devices"));
     const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    std::map<std::string, std::vector<std::size_t>> seen;
+    meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
     for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
     for (const auto& [idx, ranks] : seen)
       if (ranks.size() > 1)
@@ -5071,20 +5173,25 @@ inline void shutdown() {
 }
 
 /// @brief Initialises in its constructor and shuts down in its destructor, but only when it was
-/// the one that initialised: a guard inside an already initialised program changes nothing.
-class guard {
+/// the one that initialised: a guard inside an already initialised program changes nothing. Used
+/// as `guard` (a template only so that `initialize` is compiled where it is used).
+template <class Tag = void>
+class basic_guard {
  public:
   /// Calls `initialize(opt)`; the guard shuts down at its end only when this call was the one that initialised.
-  explicit guard(const options& opt = {}) : owner_(!is_initialized()) { initialize(opt); }
-  guard(const guard&) = delete;
-  guard& operator=(const guard&) = delete;
-  ~guard() {
+  explicit basic_guard(const options& opt = {}) : owner_(!is_initialized()) { initialize<Tag>(opt); }
+  basic_guard(const basic_guard&) = delete;
+  basic_guard& operator=(const basic_guard&) = delete;
+  ~basic_guard() {
     if (owner_) shutdown();
   }
 
  private:
   bool owner_;
 };
+
+/// @brief Initialises for its scope (see `basic_guard`).
+using guard = basic_guard<>;
 
 /// @brief How this process was launched (the embedded default before `initialize`).
 [[nodiscard]] inline launch_info launch() {
@@ -5143,14 +5250,15 @@ class guard {
 /// transport that throws `process_mismatch` on every process, naming each process's value, so a
 /// disagreement fails at start-up instead of hanging the first collective. Does nothing for one
 /// process or without a transport.
-inline void check_same_on_all_processes(std::string_view what, std::string_view value) {
+template <class Tag = void>
+void check_same_on_all_processes(std::string_view what, std::string_view value) {
   std::shared_ptr<process_exchange> ex;
   {
     std::lock_guard lock(detail::state_mutex());
     ex = detail::state().exchange;
   }
   if (!ex || ex->size() <= 1) return;
-  detail::require_equal(what, ex->all_gather(value));
+  detail::require_equal<Tag>(what, ex->all_gather(value));
 }
 
 /// @brief Checks that `m` covers every device of the run and that every process built the same
@@ -5313,20 +5421,32 @@ inline std::mutex& kokkos_state_mutex() {
 /// meshlib's RangePolicy-only kernels are safe on it from several threads (the file comment).
 inline constexpr bool kokkos_has_instances_v = KOKKOS_VERSION >= 40000;
 
-/// `n` execution-space instances of `Exec`, one per device.
+/// Whether a device may compute on a team of `threads` Kokkos threads: on the OpenMP backend of
+/// Kokkos 4, an instance has a thread pool of its own size; any other host or device space has one
+/// thread (or one stream) per instance.
 template <class Exec>
-std::vector<Exec> make_device_instances(std::size_t n) {
+inline constexpr bool has_thread_teams_v =
+#if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
+    std::is_same_v<Exec, Kokkos::OpenMP>;
+#else
+    false;
+#endif
+
+/// `n` execution-space instances of `Exec`, one per device, each with `threads` threads where the
+/// space has thread teams (`has_thread_teams_v`; 1 elsewhere, checked by the runner).
+template <class Exec>
+std::vector<Exec> make_device_instances(std::size_t n, [[maybe_unused]] std::size_t threads = 1) {
   if constexpr (kokkos_has_instances_v) {
 #if defined(KOKKOS_ENABLE_OPENMP) && KOKKOS_VERSION >= 40000
     if constexpr (std::is_same_v<Exec, Kokkos::OpenMP>) {
-      // partition_space aborts when there are more partitions than pool threads: then one thread each.
-      const int pool = Exec().concurrency();
-      if (static_cast<int>(n) > pool) {
-        std::vector<Exec> v;
-        v.reserve(n);
-        for (std::size_t i = 0; i < n; ++i) v.emplace_back(1);
-        return v;
-      }
+      // An instance of its own pool size per device, not `partition_space` of the process's pool:
+      // a partition is the pool divided by the number of devices (all of a 16-core pool for a
+      // one-device mesh, 1/n of it for each device of an MPI rank that runs one device of n),
+      // where a device should get what its runner asks for, one thread by default.
+      std::vector<Exec> v;
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.emplace_back(static_cast<int>(threads));
+      return v;
     }
 #endif
 #if KOKKOS_VERSION >= 40000
@@ -5336,16 +5456,16 @@ std::vector<Exec> make_device_instances(std::size_t n) {
   return std::vector<Exec>(n, Exec());
 }
 
-/// The instances of every mesh size in use, made on first use and released by a Kokkos finalize
-/// hook (an instance must not outlive Kokkos).
+/// The instances of every mesh size (and team size) in use, made on first use and released by a
+/// Kokkos finalize hook (an instance must not outlive Kokkos).
 template <class Exec>
 class device_instance_cache {
  public:
-  static Exec get(std::size_t device, std::size_t n) {
+  static Exec get(std::size_t device, std::size_t n, std::size_t threads) {
     static device_instance_cache cache;
     std::lock_guard lock(cache.m_);
-    for (auto& [size, v] : cache.sets_)
-      if (size == n) return v[device];
+    for (auto& s : cache.sets_)
+      if (s.n == n && s.threads == threads) return s.instances[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
       detail::push_finalize_hook([] {
@@ -5354,20 +5474,26 @@ class device_instance_cache {
         cache.hooked_ = false;
       });
     }
-    cache.sets_.emplace_back(n, make_device_instances<Exec>(n));
-    return cache.sets_.back().second[device];
+    cache.sets_.push_back({n, threads, make_device_instances<Exec>(n, threads)});
+    return cache.sets_.back().instances[device];
   }
 
  private:
+  struct set {
+    std::size_t n;
+    std::size_t threads;
+    std::vector<Exec> instances;
+  };
   std::mutex m_;
   bool hooked_ = false;
-  std::vector<std::pair<std::size_t, std::vector<Exec>>> sets_;
+  std::vector<set> sets_;
 };
 
-/// The execution-space instance device `device` of an `n`-device mesh computes on, for memory `Space`.
+/// The execution-space instance local device `device` of `n` local devices computes on, for
+/// memory `Space`, with `threads` threads (a team of cores where the space has teams).
 template <class Space>
-exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n) {
-  return device_instance_cache<exec_space_for_t<Space>>::get(device, n);
+exec_space_for_t<Space> device_instance(std::size_t device, std::size_t n, std::size_t threads = 1) {
+  return device_instance_cache<exec_space_for_t<Space>>::get(device, n, threads);
 }
 
 /// This thread's current instance of `Exec` (null: none installed; kernels use the default).
@@ -7608,8 +7734,11 @@ class device_error : public error {
 
 namespace meshlib::detail {
 
-/// The reusable buffers of one device (see the file comment), by view type and extents.
-class collective_workspace {
+/// The reusable buffers of one device (see the file comment), by view type and extents. Used as
+/// `collective_workspace`: a template only so that its map and vectors are compiled where
+/// collectives run, not in every translation unit that includes meshlib (core/deferred.hpp).
+template <class Tag = void>
+class basic_collective_workspace {
  public:
   /// How many buffers of one type and shape are kept; past that, a call whose every kept buffer is
   /// still held gets a fresh one that the workspace does not keep.
@@ -7618,9 +7747,9 @@ class collective_workspace {
   /// keeps changing its shapes must not keep a buffer of each for ever).
   static constexpr std::size_t max_shapes = 32;
 
-  collective_workspace() = default;
-  collective_workspace(const collective_workspace&) = delete;
-  collective_workspace& operator=(const collective_workspace&) = delete;
+  basic_collective_workspace() = default;
+  basic_collective_workspace(const basic_collective_workspace&) = delete;
+  basic_collective_workspace& operator=(const basic_collective_workspace&) = delete;
 
   /// A block of `shape` (uninitialised) that nobody but the workspace holds.
   template <class T, std::size_t Rank, class Space>
@@ -7723,20 +7852,27 @@ class collective_workspace {
   std::uint64_t uses_ = 0;
 };
 
+/// The buffers of one device (see `basic_collective_workspace`).
+using collective_workspace = basic_collective_workspace<>;
+
 /// The workspaces of every thread that has one, so that a Kokkos finalize hook can empty them
-/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits).
-class workspace_registry {
+/// (their buffers must not outlive Kokkos, and a pool thread lives until the process exits). Used
+/// as `workspace_registry` (a template for the reason `basic_collective_workspace` is).
+template <class Tag = void>
+class basic_workspace_registry {
+  using workspace = basic_collective_workspace<Tag>;
+
  public:
   /// Never destroyed: threads deregister at their exit, which may come after static destruction.
-  static workspace_registry& get() {
-    static auto* r = new workspace_registry;
+  static basic_workspace_registry& get() {
+    static auto* r = new basic_workspace_registry;
     return *r;
   }
-  void add(collective_workspace* w) {
+  void add(workspace* w) {
     std::lock_guard lock(m_);
     all_.push_back(w);
   }
-  void remove(collective_workspace* w) {
+  void remove(workspace* w) {
     std::lock_guard lock(m_);
     all_.erase(std::remove(all_.begin(), all_.end(), w), all_.end());
   }
@@ -7758,17 +7894,21 @@ class workspace_registry {
 
  private:
   std::mutex m_;
-  std::vector<collective_workspace*> all_;
+  std::vector<workspace*> all_;
   std::atomic<bool> hooked_{false};
 };
 
+/// The registry of every thread's workspace (see `basic_workspace_registry`).
+using workspace_registry = basic_workspace_registry<>;
+
 /// The calling thread's workspace (see the file comment), emptied on that thread when it exits.
-inline collective_workspace& thread_workspace() {
+template <class Tag = void>
+basic_collective_workspace<Tag>& thread_workspace() {
   struct owner {
-    collective_workspace ws;
-    owner() { workspace_registry::get().add(&ws); }
+    basic_collective_workspace<Tag> ws;
+    owner() { basic_workspace_registry<Tag>::get().add(&ws); }
     ~owner() {
-      workspace_registry::get().remove(&ws);
+      basic_workspace_registry<Tag>::get().remove(&ws);
       ws.clear();
     }
     owner(const owner&) = delete;
@@ -8162,15 +8302,20 @@ class device_context {
   [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
-  [[nodiscard]] collective_workspace& workspace() noexcept { return thread_workspace(); }
+  /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
+  template <class Tag = void>
+  [[nodiscard]] basic_collective_workspace<Tag>& workspace() noexcept {
+    return thread_workspace<Tag>();
+  }
 
  protected:
   device_context() = default;
   /// The end of the device's call, on its own thread: results that leave the call keep their
   /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
+  template <class Tag = void>
   void end_call() noexcept {
     try {
-      thread_workspace().release_held();
+      thread_workspace<Tag>().release_held();
     } catch (...) {  // nothing in it allocates; a failure only keeps a buffer for longer
     }
   }
@@ -10308,9 +10453,12 @@ concept runner = requires { typename R::is_runner; } &&
 /// device threads, which are just as persistent. An own runner keeps a library's or a test's
 /// devices off the threads that global-view operations and other callers use, and ends its
 /// threads when it goes.
+/// A device is one core by default; `threads_per_device` makes each a team of cores (Kokkos 4
+/// OpenMP), so that a mesh smaller than the machine still uses all of it.
 /// @code
 /// meshlib::mesh<meshlib::axis<"x">> m{4};
 /// meshlib::thread_runner runner({.timeout = std::chrono::seconds(10)});
+/// runner.threads_per_device = 4;                         // 16 cores: 4 devices of 4 cores
 /// for (int step = 0; step < 1000; ++step)
 ///   meshlib::spmd(m, [] { /* one step */ }, runner);     // the same 3 worker threads every step
 /// @endcode
@@ -10339,8 +10487,9 @@ concept runner = requires { typename R::is_runner; } &&
 /// the caller needed). Index `i` of a job is
 /// always run by the same thread (the caller runs index 0, worker `i` the others), so device `i`
 /// keeps its thread, its thread-local state and its execution-space instance from call to call.
-/// Workers are pinned to one core each while a job has no more indices than the process has
-/// cores, which keeps two device threads off one core (measured: unpinned, one in a few launches
+/// Workers are pinned to one core each, none to the core the caller runs on when it submits the
+/// job, while a job has no more indices than the process has cores, which keeps two device threads
+/// off one core (measured: unpinned, one in a few launches
 /// took 150x longer); for a larger job they are unpinned again, free to move to an idle core.
 ///
 /// The pool lives in the exec layer with the runners that own it (ARCHITECTURE.md: exec owns the
@@ -10364,6 +10513,7 @@ concept runner = requires { typename R::is_runner; } &&
 #include <vector>
 
 #if defined(__linux__)
+#include <sched.h>
 #include <unistd.h>
 #endif
 
@@ -10432,9 +10582,12 @@ class device_workers {
   /// As `run`, but refuses (returns false, having run nothing) when called from a device thread or
   /// while another thread's job runs, so that a caller whose indices must run at the same time
   /// (they communicate) can start threads of its own instead.
+  /// `width`: the cores each index computes on (its device's team of Kokkos threads, which the
+  /// index's thread starts and which inherit its pinning); workers are pinned to `width` cores each
+  /// while `count * width` cores are there.
   /// @pre `f` does not throw (a worker has nowhere to send an exception: catch inside `f`).
   template <class F>
-  [[nodiscard]] bool try_run(std::size_t count, F& f) {
+  [[nodiscard]] bool try_run(std::size_t count, F& f, std::size_t width = 1) {
     if (count == 0) return true;
     if (in_device_worker()) return false;
 #if defined(__linux__)
@@ -10448,7 +10601,8 @@ class device_workers {
       return true;
     }
     grow(count - 1);
-    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, may_pin_ && pin_fits(count)};
+    const bool pin = may_pin_ && pin_fits(count * width);
+    job_ = job{[](void* p, std::size_t i) { (*static_cast<F*>(p))(i); }, &f, count, pin, pin ? caller_cpu() : -1, width};
     remaining_.store(static_cast<std::uint32_t>(count - 1), std::memory_order_relaxed);
     for (std::size_t i = 1; i < count; ++i) {
       auto& w = *workers_[i - 1];
@@ -10499,6 +10653,8 @@ class device_workers {
     void* ctx = nullptr;
     std::size_t count = 0;
     bool pin = false;
+    int caller_cpu = -1;  // where the caller (index 0) ran when it submitted the job; -1: unknown
+    std::size_t width = 1;  // cores per index
   };
 
   struct worker {
@@ -10518,6 +10674,37 @@ class device_workers {
     return set;
   }
 #endif
+  /// The CPU the calling thread runs on, or -1.
+  static int caller_cpu() noexcept {
+#if defined(__linux__)
+    return ::sched_getcpu();  // vDSO / rseq: no system call
+#else
+    return -1;
+#endif
+  }
+
+#if defined(__linux__)
+  /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in
+  /// order but the caller's first, block `index` of `width` of them (block 0, with the caller's
+  /// CPU, is left to the caller and its team). Why not simply the `index`-th CPU: the caller
+  /// (device 0) is the user's thread and is never pinned, so on a busy machine the scheduler had
+  /// left it on the CPU of worker 1 for whole runs (issue 27), and two device threads on one core
+  /// wait for each other through context switches (9 us per 8 B psum, ~107 us with the full spin,
+  /// against 0.5 us apart). A worker's team threads (Kokkos OpenMP) inherit its block.
+  static void pin_beside(std::size_t index, int caller, std::size_t width) {
+    const cpu_set_t& allowed = allowed_cpus();
+    std::vector<int> order;
+    if (caller >= 0 && caller < CPU_SETSIZE && CPU_ISSET(caller, &allowed)) order.push_back(caller);
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &allowed) && cpu != caller) order.push_back(cpu);
+    if (order.empty()) return;
+    cpu_set_t block;
+    CPU_ZERO(&block);
+    for (std::size_t k = index * width; k < (index + 1) * width; ++k) CPU_SET(order[k % order.size()], &block);
+    pthread_setaffinity_np(pthread_self(), sizeof(block), &block);
+  }
+#endif
+
   /// Whether every index of a `count`-index job (the caller's included) gets a core of its own.
   static bool pin_fits([[maybe_unused]] std::size_t count) {
 #if defined(__linux__)
@@ -10547,6 +10734,8 @@ class device_workers {
   void serve(std::size_t index, std::atomic<std::uint32_t>& go) {
     in_device_worker() = true;
     bool pinned = false;
+    int pinned_beside = -1;  // the caller's CPU this worker's pin avoids
+    std::size_t pinned_width = 1;  // the cores of its block
     std::uint32_t seen = 0;
     for (;;) {
       if (!pinned || !spin_while_equal(go, seen)) go.wait(seen, std::memory_order_acquire);
@@ -10554,12 +10743,14 @@ class device_workers {
       if (stop_.load(std::memory_order_acquire)) return;
       const job j = job_;
 #if defined(__linux__)
-      // Pinned while the job fits the cores (`pin_to`, shared with `run_on_threads`);
-      // given all CPUs back for a larger job. A syscall only when the policy changes.
-      if (j.pin != pinned) {
-        if (j.pin) pin_to(allowed_cpus(), static_cast<int>(index));
+      // Pinned while the job fits the cores, off the caller's CPU (`pin_beside`); given all CPUs
+      // back for a larger job. A syscall only when the policy or the caller's CPU changes.
+      if (j.pin != pinned || (j.pin && (j.caller_cpu != pinned_beside || j.width != pinned_width))) {
+        if (j.pin) pin_beside(index, j.caller_cpu, j.width);
         else pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &allowed_cpus());
         pinned = j.pin;
+        pinned_beside = j.caller_cpu;
+        pinned_width = j.width;
       }
 #endif
       j.call(j.ctx, index);
@@ -10624,6 +10815,12 @@ struct thread_runner {
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
   std::shared_ptr<detail::device_workers> workers{};
+  /// The cores each device computes on: its execution-space instance is a team of this many
+  /// Kokkos threads (Kokkos 4 with the OpenMP backend; with any other backend only 1 is
+  /// accepted), and its device thread is pinned to as many cores of its own while the machine has
+  /// them all. 1, the default, is one core per device; a (2, 1) mesh on a 16-core machine uses all
+  /// cores with 8.
+  std::size_t threads_per_device = 1;
 
   /// A runner with device threads of its own, whose calls' communicators get `options`.
   explicit thread_runner(thread_comm_options options = {})
@@ -10647,7 +10844,7 @@ struct thread_runner {
     thread_world world(size, options);
     detail::participant_failures failures(size);
     auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
-    if (!pool.try_run(n, task)) {
+    if (!pool.try_run(n, task, threads_per_device)) {
       run_on_threads(size, device, options);
       return;
     }
@@ -11068,6 +11265,10 @@ struct abort_channel {
   std::atomic<bool> interrupted{false};  ///< this process's devices must stop (a local or remote failure)
   std::atomic<int> remote_device{-1};    ///< the global device of a failure reported by another process
   std::atomic<int> root_cause{-1};       ///< the participant of the first recorded failure (-1: unnamed)
+  /// The participant whose call differed in a collective mismatch (-1: none known). Every member
+  /// of the mismatched collective computes it from every member's call, so it is the same on every
+  /// process; processes that were not members learn it from the report (`notify`'s participant).
+  std::atomic<int> mismatch_culprit{-1};
   std::mutex mutex;
   std::string message;                   ///< the root cause's message (guarded by mutex)
   failure_kind kind = failure_kind::aborted;  ///< the root cause's kind: the error waits throw (guarded by mutex)
@@ -11164,6 +11365,12 @@ struct abort_channel {
     kind = k;
     root_cause.store(participant);
     interrupted.store(true, std::memory_order_release);
+  }
+  /// Records the participant whose call differed in a collective mismatch (the first one wins:
+  /// every member computes the same).
+  void blame_mismatch(int participant) noexcept {
+    int none = -1;
+    mismatch_culprit.compare_exchange_strong(none, participant);
   }
   /// The leaders' MPI waits call this (mpi_comm_state::check_interrupt).
   void check() {
@@ -11360,7 +11567,9 @@ inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
 /// the communicator's scope on rank R). A rank that catches its exception within the handle's
-/// scope and stops calling collectives leaves its peers to time out (never to hang). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// scope and stops calling collectives leaves its peers to time out (never to hang), after which
+/// `root_cause_rank()` names it; a `fail_guard` around the step releases them at once instead
+/// (the one line a program on `mpi::world()`, whose last handle never unwinds, needs). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -11733,6 +11942,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class communicator_frontend<mpi_communicator>;
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
   friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
+  friend class fail_guard;           // fails the communicator when an exception unwinds it
   using op_kind = detail::op_kind;
 
  public:
@@ -11861,16 +12071,30 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     if (ch.remote_device.load() < 0) ch.notify(ch.process, std::string(reason));  // a remote failure is not sent back
   }
 
-  /// @brief The rank of this communicator that failed it (or the communicator it was split from)
-  /// through `fail`, here or in another process, once this rank knows of it; -1 otherwise: no
-  /// such failure, a failed rank outside this split, or a timeout or mismatch (which every
-  /// waiting rank detects itself).
+  /// @brief The rank to blame for this communicator's failure, once this rank knows of it:
+  /// - the rank that failed it (or the communicator it was split from) through `fail`, a
+  ///   `fail_guard` or an unwound handle, here or in another process (-1 when that rank is not a
+  ///   member of this split);
+  /// - else, after this rank's `comm_timeout` "rank(s) R never arrived", the rank R that never
+  ///   arrived; when several never arrived, the lowest of them (the message lists them all);
+  /// - else -1: no failure, a collective mismatch (every rank's call is in the message), or a
+  ///   timeout in which every rank arrived, but late.
+  ///
+  /// A rank that throws without failing the communicator (it caught the exception within the
+  /// scope of a handle that another copy outlives, as `mpi::world()`'s) is named only after the
+  /// timeout; a `fail_guard` names it within milliseconds.
   ///
   /// @code
-  /// catch (const meshlib::comm_aborted&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
+  /// catch (const meshlib::comm_error&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
   /// @endcode
   [[nodiscard]] int root_cause_rank() const noexcept {
-    if (!state_ || !state_->channel || !state_->channel->interrupted.load(std::memory_order_acquire)) return -1;
+    if (!state_) return -1;
+    const bool interrupted = state_->channel && state_->channel->interrupted.load(std::memory_order_acquire);
+    if (!interrupted) {
+      // The timeout of this rank's fingerprint exchange recorded who never arrived (ascending).
+      if (state_->failed && !state_->failed_by_mismatch && !state_->missing.empty()) return state_->missing.front();
+      return -1;
+    }
     const int r = state_->channel->root_cause.load();
     if (r < 0 || state_->adopted != MPI_COMM_NULL || state_->channel->comm == MPI_COMM_NULL) return r;
     // A split: the channel names ranks of the adopted communicator.
@@ -12114,13 +12338,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       if (spins > 256) std::this_thread::yield();  // oversubscribed ranks must let their peers run
       if ((spins & 63) != 0) continue;
       if (interruptible && state_->check_interrupt) state_->check_interrupt();
-      if (std::chrono::steady_clock::now() > deadline) fail_timeout(k);
+      if (std::chrono::steady_clock::now() > deadline) {
+        state_->missing.clear();  // a data transfer after every rank arrived: nobody to name
+        fail_timeout(k);
+      }
     }
   }
   void wait(std::string_view k, MPI_Request& r) {
     poll(k, [&](int* done) { return MPI_Test(&r, done, MPI_STATUS_IGNORE); });
   }
 
+  /// `who`: who is late. Only the arrival check (`wait_arrival`) knows which ranks never arrived
+  /// (`state_->missing`, which `root_cause_rank` reads); every other wait empties it.
   [[noreturn]] void fail_timeout(std::string_view k, const std::string& who = "a peer never called it") {
     const double secs = std::chrono::duration<double>(state_->options.timeout).count();
     state_->failed = true;
@@ -12523,17 +12752,24 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     if (flag && ub) s.tag_ub = *ub;
   }
 
-  /// See the destructor. Only the application's communicators (a hybrid world's own is failed by
-  /// the world, which knows the device and the message); never over a failure already known.
+  /// See the destructor.
   void fail_on_unwind() const noexcept {
+    fail_unless_failed("an exception left the scope of its communicator there (that rank's handler has its message)");
+  }
+  /// `fail(reason)` for an exception that unwinds a handle or a `fail_guard`: only the
+  /// application's communicators (a hybrid world's own is failed by the world, which knows the
+  /// device and the message), and never over a failure already known here (a timeout, mismatch or
+  /// another rank's failure is not this rank's fault).
+  void fail_unless_failed(const char* reason) const noexcept {
+    if (!state_) return;
     int finalized = 0;
     MPI_Finalized(&finalized);
     const auto& s = *state_;
     if (finalized || !s.fail_on_unwind || s.failed || !s.channel || s.channel->interrupted.load(std::memory_order_acquire))
       return;
     try {
-      fail("an exception left the scope of its communicator there (that rank's handler has its message)");
-    } catch (...) {  // a destructor must not throw; the peers then time out, as before
+      fail(reason);
+    } catch (...) {  // called from destructors, which must not throw; the peers then time out
     }
   }
 
@@ -12623,7 +12859,12 @@ inline hybrid_group::~hybrid_group() {
   // After a failure, point-to-point messages of the abandoned operations may still be in flight
   // to this process: the duplicate stays allocated so that no later communicator inherits them
   // with its context id (detail/settle.hpp).
-  const bool failed = channel && channel->interrupted.load();
+  // A group that an exception unwinds (a device thread leaving fn, with the sub-communicators it
+  // split) is dying before run_hybrid's handler records the failure in the channel, so
+  // `interrupted` may still be false although the run is failing and a peer's send may still be
+  // on its way: treat it as failed. Defensive (no crash was traced to it): it costs one
+  // communicator left allocated on a failing run.
+  const bool failed = (channel && channel->interrupted.load()) || std::uncaught_exceptions() > 0;
   if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
 }
 
@@ -12915,6 +13156,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     for (std::size_t i = 0; i < all.size(); ++i) same = same && all[i] == rec[i % call_fields];
     if (same) return;
     const auto& g = *group_;
+    // Blame the device whose call differed (see `odd_member`), computed from every member's call
+    // as every member has them: every process blames the same device, whichever saw it first.
+    if (g.channel) g.channel->blame_mismatch(g.member_device[odd_member(all, static_cast<std::size_t>(size()))]);
     std::string msg = "meshlib: collective mismatch on a hybrid communicator of " + std::to_string(size()) +
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
@@ -12924,6 +13168,30 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     throw collective_mismatch(msg);
   }
   static constexpr std::size_t call_fields = 7;
+
+  /// The member whose call differs from the most common call among `n` members' records (`all`,
+  /// `call_fields` words each; ties between equally common calls go to the one of the lowest
+  /// member), the lowest such member when several differ. With two members that disagree, member
+  /// 1. A pure function of the records, so every member computes the same.
+  static std::size_t odd_member(const std::vector<std::uint64_t>& all, std::size_t n) {
+    auto same = [&](std::size_t a, std::size_t b) {
+      return std::equal(all.begin() + static_cast<std::ptrdiff_t>(a * call_fields),
+                        all.begin() + static_cast<std::ptrdiff_t>((a + 1) * call_fields),
+                        all.begin() + static_cast<std::ptrdiff_t>(b * call_fields));
+    };
+    std::size_t common = 0, most = 0;
+    for (std::size_t a = 0; a < n; ++a) {
+      std::size_t count = 0;
+      for (std::size_t b = 0; b < n; ++b) count += same(a, b) ? 1 : 0;
+      if (count > most) {
+        most = count;
+        common = a;
+      }
+    }
+    for (std::size_t a = 0; a < n; ++a)
+      if (!same(a, common)) return a;
+    return 0;
+  }
 
   template <op_kind K, class T>
   request_type transport_steps(const detail::operation<T>& o, context_type) {
@@ -12979,13 +13247,17 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
     if (const auto bad = detail::first_counts_disagreement(
             n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
-            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; }))
+            [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; })) {
+      // Blamed on the receiver, whose expected count is the one that disagrees with what was sent
+      // (every member names the same pair, so every process blames the same device).
+      if (group_->channel) group_->channel->blame_mismatch(group_->member_device[bad->receiver]);
       throw collective_mismatch(
           "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
           " devices: the counts disagree: " +
           detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
                                                "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
                                                bad->sent, bad->expected));
+    }
     std::vector<std::size_t> offsets;
     const auto data = gather_var(std::span<const T>(o.send, send_len), offsets);
     for (std::size_t j = 0; j < n; ++j) {
@@ -13335,10 +13607,17 @@ class hybrid_world {
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
     channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    // The report names the device whose call differed (every member of the mismatched collective
+    // computed it), so that processes that were not members blame it too; else this device.
+    const int culprit = channel_->mismatch_culprit.load();
     if (channel_->remote_device.load() < 0)
-      channel_->notify(process_ * threads_ + t, std::string(message), detail::failure_kind::mismatch);
+      channel_->notify(culprit >= 0 ? culprit : process_ * threads_ + t, std::string(message),
+                       detail::failure_kind::mismatch);
     return first;
   }
+  /// Global device whose call differed in a collective mismatch of this world (the same on every
+  /// process), -1 when there was none or it is not known.
+  [[nodiscard]] int mismatch_culprit() const noexcept { return channel_->mismatch_culprit.load(); }
   /// True once a participant of this process failed; the others then stop waiting.
   [[nodiscard]] bool failed() const noexcept { return local_.failed(); }
   /// Local thread of the root cause of a failure, -1 when none (or when it was another process's).
@@ -13372,6 +13651,7 @@ class hybrid_world {
             // A timeout or mismatch another process saw: the same error and message here, not an
             // abort (the message already names global devices and the user's operation).
             channel->interrupt(what, device, kind);
+            if (kind == detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
             local_.fail_as(kind, what);
             return;
           }
@@ -13410,7 +13690,8 @@ struct start_hybrid_threads {
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
-/// failure as `participant_error` (with the device). Collective over `procs`. `launch` runs the
+/// failure as `participant_error` (with the device; for a collective mismatch, the device whose
+/// call differed, the same on every process). Collective over `procs`. `launch` runs the
 /// threads (default: started for this call; see `detail::start_hybrid_threads`).
 template <class F, class Launch = detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
@@ -13444,14 +13725,30 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     // A failure another process reported is blamed on its device, unless a thread here failed
     // on its own at the same time (an exception that is not a communicator's): that one is real.
     int own = -1;
-    for (int u = 0; u < threads && own < 0; ++u) {
+    int mismatched = -1;  // the lowest thread that left with collective_mismatch
+    for (int u = 0; u < threads; ++u) {
       const auto& eu = errors[static_cast<std::size_t>(u)];
       if (!eu) continue;
       try {
         std::rethrow_exception(eu);
+      } catch (const collective_mismatch&) {
+        if (mismatched < 0) mismatched = u;
       } catch (const comm_error&) {
       } catch (...) {
-        own = u;
+        if (own < 0) own = u;
+      }
+    }
+    // A collective mismatch is blamed on the device whose call differed, which every process
+    // computed from every member's call (or learnt from the report): the same device everywhere,
+    // not the device that happened to see it first here.
+    const int culprit = world.mismatch_culprit();
+    if (own < 0 && mismatched >= 0 && culprit >= 0) {
+      const auto& e = errors[static_cast<std::size_t>(mismatched)];
+      try {
+        std::rethrow_exception(e);
+      } catch (...) {
+        throw participant_error(culprit, "meshlib: hybrid device " + std::to_string(culprit) + " of " +
+                                             std::to_string(world.size()) + " failed: " + detail::what_of(e));
       }
     }
     const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
@@ -13953,10 +14250,12 @@ static_assert(runner<default_runner>);
 /// (collectives/observer.hpp), is created for the run and handed to every device's context. The
 /// collectives layer declares that interface and never includes the debug layer.
 
+#include <algorithm>
 #include <cstddef>
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 // begin meshlib/debug/observe.hpp
 /// @file
@@ -14175,7 +14474,14 @@ inline constexpr std::size_t host_track = static_cast<std::size_t>(-1);
 
 /// Process-wide recorder (see the file comment). Appends are per track under the track's own
 /// mutex, so device threads do not contend with each other.
-class trace_recorder {
+///
+/// A class template used through one alias (`trace_recorder`), as `std::string` is: its members
+/// (maps, sorts, the JSON writer) are then compiled only in a translation unit that traces or runs
+/// devices, not in every one that includes meshlib (docs/benchmarks.md, "Include cost"). The same
+/// holds for every entry point to it below: none is an ordinary inline function, whose body the
+/// compiler would check, with everything it calls, in every translation unit.
+template <class Tag = void>
+class basic_trace_recorder {
  public:
   struct track {
     std::mutex m;
@@ -14184,8 +14490,8 @@ class trace_recorder {
     std::uint64_t session = 0;  // the last trace session that used it
   };
 
-  static trace_recorder& get() {
-    static trace_recorder r;
+  static basic_trace_recorder& get() {
+    static basic_trace_recorder r;
     return r;
   }
 
@@ -14260,7 +14566,7 @@ class trace_recorder {
   }
 
   /// Stops at exit when MESHLIB_TRACE started the trace: writes the file, prints the summary.
-  ~trace_recorder() {
+  ~basic_trace_recorder() {
     if (from_env_ && on()) {
       try {
         std::cerr << stop();
@@ -14270,14 +14576,14 @@ class trace_recorder {
     }
   }
 
-  trace_recorder(const trace_recorder&) = delete;
-  trace_recorder& operator=(const trace_recorder&) = delete;
+  basic_trace_recorder(const basic_trace_recorder&) = delete;
+  basic_trace_recorder& operator=(const basic_trace_recorder&) = delete;
 
  private:
   // Throws (from `get()`, so from the program's first traced call, and again from every later one)
   // when MESHLIB_TRACE names a file that cannot be written: the user asked for a trace and would
   // otherwise learn only at exit, after the whole run, that there is none.
-  trace_recorder() : origin_(std::chrono::steady_clock::now()) {
+  basic_trace_recorder() : origin_(std::chrono::steady_clock::now()) {
     const char* env = std::getenv("MESHLIB_TRACE");  // NOLINT(concurrency-mt-unsafe): read once
     if (env != nullptr && *env != '\0') {
       check_writable(file_for_process(env), "MESHLIB_TRACE=" + std::string(env));
@@ -14350,8 +14656,8 @@ class trace_recorder {
   trace_summary summarize() const {
     trace_summary s;
     const auto inst = instances();
-    std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row> rows;
-    std::map<std::size_t, double> lateness;
+    deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
+    deferred_t<std::map<std::size_t, double>, Tag> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
     for (const auto& t : snapshot_) {
       if (t.id != host_track) ++s.devices;
@@ -14500,6 +14806,9 @@ class trace_recorder {
   bool from_env_ = false;
 };
 
+/// The recorder (see `basic_trace_recorder`).
+using trace_recorder = basic_trace_recorder<>;
+
 }  // namespace detail
 
 /// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
@@ -14507,27 +14816,38 @@ class trace_recorder {
 /// Restarting discards what was recorded. Runs that are already going keep their state: tracing
 /// is read when a `shard_map`, `spmd` or `reshard` starts.
 /// @throws error when `path` cannot be opened for writing (naming it), before anything is recorded.
-inline void start_trace(std::string path) { detail::trace_recorder::get().start(std::move(path)); }
+template <class Tag = void>
+void start_trace(std::string path) {
+  detail::basic_trace_recorder<Tag>::get().start(std::move(path));
+}
 
 /// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
 /// @throws error when the file cannot be written (naming it).
-inline trace_summary stop_trace() { return detail::trace_recorder::get().stop(); }
+template <class Tag = void>
+trace_summary stop_trace() {
+  return detail::basic_trace_recorder<Tag>::get().stop();
+}
 
 /// @brief True while a trace is being recorded.
 /// @throws error when `MESHLIB_TRACE` names a file that cannot be written (as every traced call
 /// does): a program can call it first to report that at start.
-[[nodiscard]] inline bool tracing() { return detail::trace_recorder::get().on(); }
+template <class Tag = void>
+[[nodiscard]] bool tracing() {
+  return detail::basic_trace_recorder<Tag>::get().on();
+}
 
 /// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
-/// destructor writes the file. Call `stop()` to get the summary earlier.
-class scoped_trace {
+/// destructor writes the file. Call `stop()` to get the summary earlier. Used as `scoped_trace`
+/// (a template only so that its code is compiled where it is used: see `basic_trace_recorder`).
+template <class Tag = void>
+class basic_scoped_trace {
  public:
   /// Starts tracing; the trace file goes to `path` when the scope ends or at `stop()`.
-  explicit scoped_trace(std::string path) { start_trace(std::move(path)); }
-  ~scoped_trace() {
+  explicit basic_scoped_trace(std::string path) { start_trace<Tag>(std::move(path)); }
+  ~basic_scoped_trace() {
     if (!stopped_) {
       try {
-        (void)stop_trace();
+        (void)stop_trace<Tag>();
       } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
       }
     }
@@ -14535,14 +14855,17 @@ class scoped_trace {
   /// Stops tracing now, writes the file and returns the summary; the destructor then does nothing.
   trace_summary stop() {
     stopped_ = true;
-    return stop_trace();
+    return stop_trace<Tag>();
   }
-  scoped_trace(const scoped_trace&) = delete;
-  scoped_trace& operator=(const scoped_trace&) = delete;
+  basic_scoped_trace(const basic_scoped_trace&) = delete;
+  basic_scoped_trace& operator=(const basic_scoped_trace&) = delete;
 
  private:
   bool stopped_ = false;
 };
+
+/// @brief Traces its scope (see `basic_scoped_trace`).
+using scoped_trace = basic_scoped_trace<>;
 
 }  // namespace meshlib
 // end meshlib/debug/trace.hpp
@@ -14674,14 +14997,19 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
   }
 }
 
-/// Shared state of one run (see the file comment).
-class run_observer final : public comm_observer {
+/// Shared state of one run (see the file comment). A template used through one alias
+/// (`run_observer`), so that its code is compiled only where a runner is (see
+/// `basic_trace_recorder`).
+template <class Tag = void>
+class basic_run_observer final : public comm_observer {
+  using recorder = basic_trace_recorder<Tag>;
+
  public:
   /// Decides whether the run is observed; when it is, names the trace tracks of `local` devices
   /// and, in debug mode with slow warnings on, starts the watchdog.
   template <mesh_type Mesh>
-  run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
-    auto& rec = trace_recorder::get();
+  basic_run_observer(const Mesh& m, const std::vector<std::size_t>& local) {
+    auto& rec = recorder::get();
     tracing_ = rec.on();
     auto& dbg = debug_state::get();
     debug_ = dbg.on.load();
@@ -14703,7 +15031,7 @@ class run_observer final : public comm_observer {
       watchdog_ = std::thread([this] { watch(); });
     }
   }
-  ~run_observer() {
+  ~basic_run_observer() {
     if (watchdog_.joinable()) {
       {
         std::lock_guard lk(m_);
@@ -14713,8 +15041,8 @@ class run_observer final : public comm_observer {
       watchdog_.join();
     }
   }
-  run_observer(const run_observer&) = delete;
-  run_observer& operator=(const run_observer&) = delete;
+  basic_run_observer(const basic_run_observer&) = delete;
+  basic_run_observer& operator=(const basic_run_observer&) = delete;
 
   [[nodiscard]] bool active() const noexcept override { return tracing_ || debug_ || kokkos_; }
   [[nodiscard]] bool tracing() const noexcept { return tracing_; }
@@ -14724,7 +15052,7 @@ class run_observer final : public comm_observer {
 
   /// A device's communicator on a group is decorated: its trace track, looked up once.
   void open(comm_site& site) override {
-    if (tracing_) site.data = &trace_recorder::get().track_of(site.device);
+    if (tracing_) site.data = &recorder::get().track_of(site.device);
   }
 
   /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
@@ -14734,7 +15062,7 @@ class run_observer final : public comm_observer {
 #if MESHLIB_DEBUG_HAS_KOKKOS
     if (kokkos_) Kokkos::Profiling::pushRegion("meshlib::" + what);
 #endif
-    call.start_ns = trace_recorder::get().now_ns();
+    call.start_ns = recorder::get().now_ns();
     arrive(site, call.seq, what);
   }
 
@@ -14752,7 +15080,7 @@ class run_observer final : public comm_observer {
   /// After it returned: the trace event, the check of its output.
   void done(const comm_site& site, const comm_call& call) override {
     if (site.data != nullptr) {
-      auto& rec = trace_recorder::get();
+      auto& rec = recorder::get();
       trace_event e;
       e.name = call.name;
       e.axes = site.axes;
@@ -14766,7 +15094,7 @@ class run_observer final : public comm_observer {
       e.color = site.color;
       e.seq = call.seq;
       e.group = join_ids(site.group);
-      rec.record(*static_cast<trace_recorder::track*>(site.data), std::move(e));
+      rec.record(*static_cast<typename recorder::track*>(site.data), std::move(e));
     }
     if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
   }
@@ -14871,11 +15199,37 @@ class run_observer final : public comm_observer {
   std::thread watchdog_;
 };
 
+/// The debug layer's observer of one run (see `basic_run_observer`).
+using run_observer = basic_run_observer<>;
+
 }  // namespace detail
 }  // namespace meshlib
 // end meshlib/debug/observe.hpp
 
 namespace meshlib::detail {
+
+/// The cores each device of `runner` computes on: its `threads_per_device` where it has one, else 1.
+template <class Runner>
+std::size_t threads_per_device_of(const Runner& runner) {
+  if constexpr (requires { runner.threads_per_device; })
+    return static_cast<std::size_t>(runner.threads_per_device);
+  else
+    return 1;
+}
+
+/// Throws unless devices computing on `Exec` can have `threads` threads each.
+template <class Exec>
+void require_thread_teams(std::size_t threads) {
+  if (threads == 1) return;
+  if (threads == 0)
+    throw error("meshlib: threads_per_device is 0; a device computes on at least one thread (1, the default, is one "
+                "core per device)");
+  if constexpr (!has_thread_teams_v<Exec>)
+    throw error("meshlib: threads_per_device = " + std::to_string(threads) + " needs Kokkos 4 with the OpenMP "
+                "backend (a team of threads per device), but devices here compute on Kokkos::" +
+                std::string(Exec::name()) + " (Kokkos " + std::to_string(KOKKOS_VERSION) +
+                "), one thread each; build Kokkos 4 with -DKokkos_ENABLE_OPENMP=ON, or leave threads_per_device at 1");
+}
 
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
 /// (observed by the debug layer's `run_observer`) and its execution-space instance
@@ -14885,14 +15239,19 @@ namespace meshlib::detail {
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
-  run_observer observer(m, backend.local_devices(m.size()));  // installed: the debug layer's observer
-  (void)device_instance<default_memory_space>(0, m.size());  // made here, not in the device threads
-  workspace_registry::get().hook();                          // likewise (Kokkos' hook stack has no lock)
+  const std::vector<std::size_t> local = backend.local_devices(m.size());
+  const std::size_t team = threads_per_device_of(backend);
+  require_thread_teams<exec_space_for_t<default_memory_space>>(team);
+  run_observer observer(m, local);  // installed: the debug layer's observer
+  // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
+  (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
-      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(device, m.size()));
+      const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
+      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(index, local.size(), team));
       body(device);
     });
   } catch (const participant_error& e) {
@@ -15680,12 +16039,16 @@ std::vector<std::vector<T>> split_process_local_data(const shard_layout<S, Rank>
 namespace meshlib {
 
 /// @brief Marks its scope as a region named `name` (see the file comment). Costs one check of a
-/// flag when neither tracing nor a Kokkos tool is on.
-class trace_region {
+/// flag when neither tracing nor a Kokkos tool is on. Used as `trace_region` (a template only so
+/// that the recorder's code is compiled where it is used: see `detail::basic_trace_recorder`).
+template <class Tag = void>
+class basic_trace_region {
+  using recorder = detail::basic_trace_recorder<Tag>;
+
  public:
   /// Opens the region `name`; it closes when the object is destroyed.
-  explicit trace_region(std::string name) {
-    auto& rec = detail::trace_recorder::get();
+  explicit basic_trace_region(std::string name) {
+    auto& rec = recorder::get();
 #if MESHLIB_DEBUG_HAS_KOKKOS
     kokkos_ = Kokkos::Profiling::profileLibraryLoaded();
     if (kokkos_) Kokkos::Profiling::pushRegion(name);
@@ -15696,12 +16059,12 @@ class trace_region {
     name_ = std::move(name);
     start_ = rec.now_ns();
   }
-  ~trace_region() {
+  ~basic_trace_region() {
 #if MESHLIB_DEBUG_HAS_KOKKOS
     if (kokkos_) Kokkos::Profiling::popRegion();
 #endif
     if (track_ == nullptr) return;
-    auto& rec = detail::trace_recorder::get();
+    auto& rec = recorder::get();
     detail::trace_event e;
     e.name = std::move(name_);
     e.start_ns = start_;
@@ -15711,15 +16074,18 @@ class trace_region {
     } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory while tracing: lose the event, not the program
     }
   }
-  trace_region(const trace_region&) = delete;
-  trace_region& operator=(const trace_region&) = delete;
+  basic_trace_region(const basic_trace_region&) = delete;
+  basic_trace_region& operator=(const basic_trace_region&) = delete;
 
  private:
-  detail::trace_recorder::track* track_ = nullptr;
+  typename recorder::track* track_ = nullptr;
   std::string name_;
   std::int64_t start_ = 0;
   bool kokkos_ = false;
 };
+
+/// @brief A named span of the program (see `basic_trace_region`).
+using trace_region = basic_trace_region<>;
 
 /// @brief Another name for `trace_region`.
 using scoped_region = trace_region;
@@ -16051,6 +16417,61 @@ template <sharded_tensor_type X>
 #error "meshlib: <meshlib/mpi.hpp> needs MPI; link the meshlib::mpi CMake target (it defines MESHLIB_ENABLE_MPI=1), or configure with MPI found"
 #else
 
+// begin meshlib/comm/mpi/fail_guard.hpp
+/// @file
+/// @brief `fail_guard`: fails an MPI communicator when an exception leaves the guard's scope, so
+/// that a rank that throws releases its peers within milliseconds instead of leaving them to wait
+/// for the whole timeout. Apart from the communicator because it is a policy of the program (which
+/// scope is "the step"), not of the handle.
+///
+/// Why it is needed: the last handle of a communicator that an exception unwinds fails it on its
+/// own (`~mpi_communicator`), but the handle most programs use, `meshlib::mpi::world()`, is a copy
+/// of one the runtime keeps, so nothing unwinds the last handle and meshlib never sees the
+/// exception. One line in the rank's step makes the failure propagate:
+///
+/// @code
+/// auto comm = meshlib::mpi::world();
+/// for (int step = 0; step < steps; ++step) {
+///   meshlib::fail_guard on_throw(comm);  // a throw below fails comm: its peers get comm_aborted at once
+///   train_step(comm);
+/// }
+/// @endcode
+///
+/// The peers' waits on `comm` (and on its splits) then end with `comm_aborted` "meshlib:
+/// communicator aborted: MPI rank R of N failed: an exception left the scope of a fail_guard
+/// there (that rank's handler has its message)", and `root_cause_rank()` is R on every rank.
+
+#if MESHLIB_ENABLE_MPI
+
+#include <exception>
+
+
+namespace meshlib {
+
+/// @brief Fails `comm` (as `comm.fail(reason)`) when an exception unwinds the guard. Does nothing
+/// when the scope ends normally, when the exception was caught within the scope, or when the
+/// communicator has already failed (a timeout, mismatch or another rank's failure seen here is
+/// not blamed on this rank). Not copyable: one guard, one scope.
+class fail_guard {
+ public:
+  /// Guards `comm` (a handle on the same communicator is kept until the guard ends).
+  explicit fail_guard(const mpi_communicator& comm) : comm_(comm) {}
+  fail_guard(const fail_guard&) = delete;
+  fail_guard& operator=(const fail_guard&) = delete;
+  ~fail_guard() {
+    if (std::uncaught_exceptions() > exceptions_at_birth_)
+      comm_.fail_unless_failed("an exception left the scope of a fail_guard there (that rank's handler has its message)");
+  }
+
+ private:
+  mpi_communicator comm_;
+  int exceptions_at_birth_ = std::uncaught_exceptions();
+};
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_MPI
+// end meshlib/comm/mpi/fail_guard.hpp
 
 #endif
 // end meshlib/mpi.hpp

@@ -95,6 +95,7 @@ struct rng_key {
 /// w.value.local_value(3);   // device 3's (784, 512) block, the same numbers on any mesh
 /// @endcode
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -160,6 +161,35 @@ struct param_ref {
   /// zeroes those.
   std::uint8_t* overwrite = nullptr;
 };
+
+namespace detail {
+/// Global row-major index of element `i` of device `dev`'s block of `p`.
+template <class T>
+std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
+  std::size_t flat = 0, rem = i;
+  const std::size_t rank = p.shape.size();
+  std::vector<std::size_t> idx(rank);
+  for (std::size_t d = rank; d-- > 0;) {
+    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
+    rem /= p.extent[dev][d];
+  }
+  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
+  return flat;
+}
+
+/// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
+/// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
+/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
+template <class T, class F>
+void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
+  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
+  for (std::size_t k = first, end = first + len; k < end;) {
+    const std::size_t n = std::min(row - k % row, end - k);
+    f(k, global_index(p, dev, k), n);
+    k += n;
+  }
+}
+}  // namespace detail
 
 /// @brief A trainable array: value and gradient with sharding `S`.
 template <class T, std::size_t Rank, sharding_type S>
@@ -1246,6 +1276,122 @@ class dropout {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/layers/dropout.hpp
+// begin meshlib/nn/loss_function.hpp
+/// @file
+/// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
+/// its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
+/// would give them: an object `loss` with a nested `target_type` (the element type of the targets:
+/// `std::int32_t` for class labels, `float` for regression targets) that `train_step` calls on
+/// every device, once per micro-batch:
+/// @code
+/// loss_part r = loss(output, targets, global_batch, grad);   // or: double value = loss(...)
+/// @endcode
+/// - `output` (`const Z&`): this device's block of the model output, its rows this device's rows
+///   of the micro-batch, its columns possibly a block of the features sharded over a model axis
+///   (`Z::dims_type::at(1)`, `output.global_extent(1)` the global width);
+/// - `targets` (`std::span<const target_type>`): this device's rows' targets, every row complete
+///   (all global columns: targets are replicated over the model axis, as the input batch is);
+/// - `global_batch`: the rows of the whole global batch, the mean's denominator;
+/// - `grad` (`Z&`, the output's type and shape, a buffer `train_step` owns): to be filled with
+///   the gradient of the *global mean* loss with respect to this device's block of `output`.
+/// It returns this device's rows' share of the global mean: `train_step` adds the shares over the
+/// data axis (a `psum`), so the share must already be complete over the axes that shard the
+/// columns (a loss of column-sharded outputs `psum`s its partial sums over them, as the built-in
+/// losses do). Returning a `loss_part` also reports `correct` (rows predicted right, for accuracy).
+///
+/// The built-in losses model it: `softmax_cross_entropy` (labels) and `mean_squared_error`
+/// (regression targets). A user-written loss is any struct with that call operator:
+/// @code
+/// struct my_mse {   // mean over batch and features of (z - t)^2, for a replicated output
+///   using target_type = float;
+///   template <meshlib::local_tensor_type Z>
+///   double operator()(const Z& z, std::span<const float> t, std::size_t global_batch, Z& grad) const {
+///     const std::size_t rows = z.extent(0), cols = z.extent(1);
+///     const double n = static_cast<double>(global_batch * cols);
+///     double sum = 0;
+///     for (std::size_t i = 0; i < rows; ++i)
+///       for (std::size_t j = 0; j < cols; ++j) {
+///         const double d = z(i, j) - t[i * cols + j];
+///         sum += d * d;
+///         grad(i, j) = static_cast<float>(2 * d / n);
+///       }
+///     return sum / n;
+///   }
+/// };
+/// auto m = meshlib::nn::train_step(state, x, targets, rows, 0, rows, my_mse{});
+/// @endcode
+/// A loss of the wrong shape is one compile error from `train_step` naming this concept
+/// (`loss_does_not_satisfy_loss_function<...>`).
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+/// @brief What one device's rows contribute to the loss of a batch (see the file comment).
+struct loss_part {
+  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
+  std::size_t correct = 0;    ///< rows whose prediction is right (classification; 0 for regression)
+};
+
+/// @brief What a loss may return: a `loss_part`, or the value alone (a number).
+template <class R>
+concept loss_result = std::same_as<std::remove_cvref_t<R>, loss_part> || std::convertible_to<R, double>;
+
+/// @brief A loss declares the element type of its targets (`target_type`).
+template <class L>
+concept has_target_type = requires { typename std::remove_cvref_t<L>::target_type; };
+
+/// @brief The targets' element type of loss `L`.
+template <has_target_type L>
+using loss_target_t = typename std::remove_cvref_t<L>::target_type;
+
+/// @brief `L` is a loss for model outputs `Z`: `loss(output, targets, global_batch, grad)` gives
+/// this device's share of the mean loss and writes the output's gradient (see the file comment).
+template <class L, class Z>
+concept loss_function =
+    local_tensor_type<Z> && has_target_type<L> &&
+    requires(L& loss, const Z& output, std::span<const loss_target_t<L>> targets, std::size_t global_batch, Z& grad) {
+      { loss(output, targets, global_batch, grad) } -> loss_result;
+    };
+
+namespace detail {
+/// The one diagnostic of `train_step` for a loss that is not a `loss_function` of the model's
+/// output (instantiated once; the step's body is then not compiled, so nothing else is reported).
+template <bool Ok, class Loss, class Output>
+struct loss_does_not_satisfy_loss_function {
+  static_assert(Ok,
+                "meshlib::nn: train_step: the loss does not satisfy meshlib::nn::loss_function<Loss, Output> (the "
+                "types in loss_does_not_satisfy_loss_function<ok, Loss, Output>): it needs a nested target_type and "
+                "a call loss(const Output& output, std::span<const target_type> targets, std::size_t global_batch, "
+                "Output& grad) returning a loss_part or a double (see meshlib/nn/loss_function.hpp)");
+  static constexpr bool value = Ok;
+};
+
+/// The one diagnostic of `train_step` for targets whose element type is not the loss's.
+template <bool Ok, class Loss, class Given, class Expected>
+struct targets_type_differs_from_loss_target_type {
+  static_assert(Ok,
+                "meshlib::nn: train_step: the targets' element type is not the loss's target_type (the types in "
+                "targets_type_differs_from_loss_target_type<ok, Loss, given, expected>): class labels "
+                "(std::int32_t) go to softmax_cross_entropy, float regression targets (one per output column) to "
+                "mean_squared_error; convert the targets or pass the loss that takes them");
+  static constexpr bool value = Ok;
+};
+
+/// `r` as a `loss_part` (a loss that returns only the value reports no correct rows).
+template <class R>
+loss_part as_loss_part(R&& r) {
+  if constexpr (std::same_as<std::remove_cvref_t<R>, loss_part>) return r;
+  else return loss_part{static_cast<double>(r), 0};
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/loss_function.hpp
 // begin meshlib/nn/loss.hpp
 /// @file
 /// @brief `softmax_cross_entropy`: the mean over the *global* batch of `-log softmax(logits)[label]`,
@@ -1264,6 +1410,8 @@ class dropout {
 /// // inside spmd, logits (B/4, 10) varying over data:
 /// auto r = ce.forward(logits, my_labels, 256);   // r.loss: this device's share; r.correct: argmax hits
 /// auto dlogits = ce.backward(logits);
+/// // or as a loss_function (what train_step calls): the gradient into a buffer of the caller's
+/// loss_part r2 = ce(logits, my_labels, 256, dlogits_buffer);
 /// @endcode
 
 #include <algorithm>
@@ -1352,16 +1500,13 @@ auto pmax_over(L&& x) {
 
 namespace meshlib::nn {
 
-/// @brief What one device's rows contribute (see the file comment).
-struct loss_part {
-  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
-  std::size_t correct = 0;    ///< rows whose target logit is the row maximum
-};
-
 /// @brief Softmax cross-entropy on (possibly class-sharded) logits (see the file comment).
 template <class T>
 class softmax_cross_entropy {
  public:
+  /// Targets are class labels, one per row (a `loss_function`).
+  using target_type = std::int32_t;
+
   /// Holds per-device scratch for `devices` devices.
   explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), terms_(devices), rows_(devices) {}
   /// Holds per-device scratch for every device of `mesh`.
@@ -1373,6 +1518,40 @@ class softmax_cross_entropy {
   /// @throws std::out_of_range when a label is not a class index.
   template <local_tensor_type Z>
   loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    T* buf = grad_.get(logits.device(), logits.size() + 3 * logits.extent(0));
+    const loss_part out = compute(logits, labels, global_batch, buf, buf + logits.size());
+    rows_[logits.device()] = logits.extent(0);
+    return out;
+  }
+
+  /// The `loss_function` call `train_step` makes: `forward`'s loss, with the gradient of the mean
+  /// loss written into `grad` (the logits' shape) instead of this object's buffer.
+  /// @throws std::out_of_range when a label is not a class index; sharding_error when `grad`'s
+  /// shape is not the logits'.
+  template <local_tensor_type Z>
+  loss_part operator()(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, Z& grad) {
+    if (grad.extent(0) != logits.extent(0) || grad.extent(1) != logits.extent(1))
+      throw sharding_error("meshlib::nn: softmax_cross_entropy: the gradient buffer's block is (" +
+                           std::to_string(grad.extent(0)) + ", " + std::to_string(grad.extent(1)) +
+                           ") but the logits' is (" + std::to_string(logits.extent(0)) + ", " +
+                           std::to_string(logits.extent(1)) + "); pass a buffer of the logits' shape");
+    return compute(logits, labels, global_batch, grad.data(), grad_.get(logits.device(), 3 * logits.extent(0)));
+  }
+
+  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
+  template <local_tensor_type Z>
+  Z backward(const Z& logits) {
+    const std::size_t dev = logits.device();
+    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
+    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
+  }
+
+ private:
+  /// The loss of `forward`, the gradient written to `g` (the logits' size), with `3 * rows`
+  /// elements of scratch at `scratch`.
+  template <local_tensor_type Z>
+  loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
+                    T* scratch) {
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -1382,8 +1561,7 @@ class softmax_cross_entropy {
                            std::to_string(rows) + " rows of logits on device " + std::to_string(dev));
     const std::size_t col0 = detail::global_offset(logits, 1);
     const std::size_t classes = cols * logits.mesh().axes_size(class_axes);
-    T* g = grad_.get(dev, rows * cols + 3 * rows);
-    T* mx = g + rows * cols;  // per row: max, then normaliser, then target logit
+    T* mx = scratch;  // per row: max, then normaliser, then target logit
     T* sum = mx + rows;
     T* tgt = sum + rows;
     const T* z = logits.data();
@@ -1429,19 +1607,9 @@ class softmax_cross_entropy {
         res->correct += tgt[i] >= mx[i] ? 1 : 0;
       }
     });
-    rows_[dev] = rows;
     return out;
   }
 
-  /// The gradient of the mean loss with respect to `logits` (the tensor given to `forward`).
-  template <local_tensor_type Z>
-  Z backward(const Z& logits) {
-    const std::size_t dev = logits.device();
-    T* g = grad_.get(dev, logits.size() + 3 * logits.extent(0));
-    return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
-  }
-
- private:
   /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
@@ -1458,6 +1626,117 @@ class softmax_cross_entropy {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/loss.hpp
+// begin meshlib/nn/mean_squared_error.hpp
+/// @file
+/// @brief `mean_squared_error`: the regression loss, a `loss_function` for `train_step`.
+/// For a model output `z` of global shape `(B, F)` (B rows of the global batch, F features) and
+/// targets `t` of the same shape:
+///
+///     loss = 1/(B F) * sum_{i < B, j < F} (z_ij - t_ij)^2        dloss/dz_ij = 2 (z_ij - t_ij) / (B F)
+///
+/// the mean over batch *and* features, without a factor 1/2: `jnp.mean(optax.squared_error(z, t))`
+/// and PyTorch's `F.mse_loss(z, t)` (reduction "mean"); `optax.l2_loss` is half of it.
+///
+/// Sharding: the rows are this device's rows of the batch (sharded over the data axis), and the
+/// columns may be a block of the features sharded over a model axis (read from the output's type);
+/// the targets are every row's complete `F` values (replicated over the model axis, as the input
+/// batch is), and each device reads its block's columns. The gradient needs no communication; the
+/// loss's partial sum over a device's columns is completed with one `psum` of one number over the
+/// axes that shard the columns, so every device returns its rows' share of the global mean, which
+/// `train_step` adds over the data axis.
+///
+/// The gradient pass is a Kokkos kernel on the running device's instance, one work item per row;
+/// the squared differences are added (in double) by one work item in row-major order, as the
+/// cross-entropy adds its rows: the same chain of additions on every backend.
+/// @code
+/// // targets: rows x 4 floats, row-major, for a model whose last layer has 4 outputs
+/// auto m = meshlib::nn::train_step(state, x, std::span<const float>(targets), rows, 0, rows,
+///                                  meshlib::nn::mean_squared_error{});
+/// @endcode
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+/// @brief Mean squared error over batch and features (see the file comment). Stateless.
+template <class T = float>
+struct mean_squared_error {
+  /// Targets are one value per output column, row-major.
+  using target_type = T;
+
+  /// This device's rows' share of the mean (complete over the axes that shard the columns), and
+  /// `grad = dloss/doutput` of this device's block. `targets`: this device's rows, `F` values each.
+  /// @throws sharding_error when the targets are not `F` values per row (naming both shapes), or
+  /// `grad` is not of the output's shape.
+  template <local_tensor_type Z>
+  loss_part operator()(const Z& output, std::span<const T> targets, std::size_t global_batch, Z& grad) const {
+    static_assert(Z::rank == 2 && Z::partial == 0,
+                  "meshlib::nn: mean_squared_error needs a complete rank-2 model output (psum a pending sum first)");
+    static_assert(std::is_same_v<typename Z::value_type, T>,
+                  "meshlib::nn: mean_squared_error<T>: T must be the model output's element type");
+    static_assert(meshlib::detail::host_accessible_v<space>,
+                  "meshlib::nn: mean_squared_error adds the squared differences into a host result; device memory "
+                  "needs them copied back");
+    constexpr axis_mask col_axes = Z::dims_type::at(1);
+    const std::size_t rows = output.extent(0), cols = output.extent(1), width = output.global_extent(1);
+    if (targets.size() != rows * width) throw sharding_error(shape_message(targets.size(), rows, width, global_batch));
+    if (grad.extent(0) != rows || grad.extent(1) != cols)
+      throw sharding_error("meshlib::nn: mean_squared_error: the gradient buffer's block is (" +
+                           std::to_string(grad.extent(0)) + ", " + std::to_string(grad.extent(1)) +
+                           ") but the output's is (" + std::to_string(rows) + ", " + std::to_string(cols) +
+                           "); pass a buffer of the output's shape");
+    const std::size_t col0 = detail::global_offset(output, 1);
+    const double scale = 1.0 / (static_cast<double>(global_batch) * static_cast<double>(width));
+    const T two_scale = static_cast<T>(2.0 * scale);
+    const T* z = output.data();
+    const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
+    T* g = grad.data();
+    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
+    });
+    // One work item, row-major (a parallel_reduce is unsafe from several device threads on
+    // Kokkos 3.4.1, and its order would depend on the backend).
+    double sum[1] = {0};
+    double* res = sum;
+    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
+      double s = 0;
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = 0; j < cols; ++j) {
+          const double d = static_cast<double>(z[i * cols + j]) - static_cast<double>(t[i * width + j]);
+          s += d * d;
+        }
+      *res = s * scale;
+    });
+    if constexpr (col_axes != 0) {  // the other column blocks' sums: one number over the axes that shard them
+      using share_t =
+          local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, Kokkos::HostSpace>;
+      (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(sum, 1, output.mesh(), output.device()));
+    }
+    return loss_part{sum[0], 0};
+  }
+
+ private:
+  using space = default_memory_space;
+
+  static std::string shape_message(std::size_t values, std::size_t rows, std::size_t width, std::size_t batch) {
+    const std::string b = std::to_string(batch), w = std::to_string(width);
+    const std::string given = rows != 0 && values % rows == 0
+                                  ? "the targets have shape (" + b + ", " + std::to_string(values / rows) + ")"
+                                  : "the targets hold " + std::to_string(values) + " values for " +
+                                        std::to_string(rows) + " rows";
+    return "meshlib::nn: mean_squared_error: " + given + " but the model output has shape (" + b + ", " + w +
+           "); give one target per output column (" + b + " x " + w +
+           " values, row-major) or a model with as many outputs as target columns; class labels need "
+           "softmax_cross_entropy";
+  }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/mean_squared_error.hpp
 // begin meshlib/nn/sequential.hpp
 /// @file
 /// @brief `sequential`: layers run forward in order and backward in reverse, as `flax.linen.Sequential`
@@ -3179,11 +3458,17 @@ class data_loader {
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
+///
+/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
+/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
+/// nn/loss_function.hpp).
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
 /// for (auto b = loader.next(); b; b = loader.next()) {
 ///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
 /// }
+/// // regression: rows x F float targets, mean squared error
+/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
 /// @endcode
 
 #include <algorithm>
@@ -3191,6 +3476,7 @@ class data_loader {
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -3264,6 +3550,8 @@ class train_state {
   static constexpr bool mixed = !std::is_same_v<Compute, float>;
   /// The mesh the model runs on.
   using mesh_type = Mesh;
+  /// The network's type.
+  using model_type = Model;
   /// The mesh axes of `Data`, over which gradients are averaged.
   static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
   /// The type of a device's block of the input batch: rows sharded over `Data`.
@@ -3299,6 +3587,7 @@ class train_state {
         state_(m.size()),
         gather_(m.size()),
         input_(m.size()),
+        output_grad_(m.size()),
         masters_(m.size()),
         offsets_(m.size()) {
     model.collect(params);
@@ -3335,6 +3624,11 @@ class train_state {
     if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
     else return params.at(i).value[dev];
   }
+  /// Parameter `i`'s float master block on device `dev` (read-only).
+  [[nodiscard]] const float* master(std::size_t i, std::size_t dev) const {
+    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    else return params.at(i).value[dev];
+  }
   /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
   /// by restore_checkpoint). A no-op when computing in float.
   void refresh_compute_copies() {
@@ -3364,6 +3658,9 @@ class train_state {
       return b;
     }
   }
+  /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
+  /// output (the `grad` argument of a `loss_function`); valid until the next step.
+  [[nodiscard]] float* output_grad_block(std::size_t dev, std::size_t n) { return output_grad_.get(dev, n); }
 
   /// Called by train_step after the spmd region with every device's verdict (equal on all of
   /// them): advances the step, or, on a skipped step, halves the loss scale.
@@ -3546,6 +3843,7 @@ class train_state {
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
+  detail::device_buffers<T> output_grad_;
   std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
   std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
   float loss_scale_ = 1.0f;
@@ -3579,24 +3877,22 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
 }
 }  // namespace detail
 
-/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
-/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows.
-/// The parameters' gradient blocks start the step holding the last step's gradients: the first
-/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
-/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
-/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
-/// `mpi::initialize` started several processes, those processes), which must run the devices the
-/// state holds in this process.
-/// @throws sharding_error when the batch does not split over the data axis and the accumulation
-/// steps, when a device's rows are not in this process's share, or when `backend` runs other
-/// devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+namespace detail {
+/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
+/// output, checked by the caller) and `y` holding `rows` rows of targets of equal width.
+template <class State, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const float> x, std::span<const Target> y, std::size_t rows,
+                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
   const std::size_t k = s.options.accumulation;
-  detail::check_batch(s, global_rows, k, "train_step");
-  detail::check_runner(s, backend, "train_step");
+  check_batch(s, global_rows, k, "train_step");
+  check_runner(s, backend, "train_step");
+  if (rows != 0 && y.size() % rows != 0)
+    throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
+                         std::to_string(rows) +
+                         " rows: give every row the same number of targets (one label per row for "
+                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
   const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
   using X = typename State::input_type;
@@ -3616,19 +3912,22 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         // zeroing pass over the model), the others add to zeros.
         for (const auto& p : s.params)
           if (p.overwrite) p.overwrite[dev] = 1;
-          else detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
                s.mesh, dev);
           auto logits = s.model.forward(xb);
-          const loss_part part = s.loss().forward(logits, y.subspan(r0, micro), global_rows);
-          auto dlogits = s.loss().backward(logits);
+          using Z = decltype(logits);
+          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
+                    s.mesh, dev);
+          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
+                                                   global_rows, dlogits));
           if (s.loss_scaling() || State::mixed) {
             // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            detail::scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            detail::round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
+            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
           s.model.template backward<X>(dlogits);
           sums[0] += part.loss;
@@ -3636,16 +3935,16 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
         }
         for (const auto& p : s.params)
           if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            detail::fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
             p.overwrite[dev] = 0;
           }
         if constexpr (State::mixed)
-          for (const auto& p : s.params) detail::round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+          for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
         m.loss = sums[0];
         m.correct = static_cast<std::size_t>(sums[1] + 0.5);
         m.rows = global_rows;
@@ -3660,11 +3959,82 @@ step_metrics train_step(State& s, std::span<const float> x, std::span<const std:
   return r;
 }
 
+/// The model's output type for a train state's input (what a loss receives).
+template <class State>
+using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
+    std::declval<const typename State::input_type&>()))>;
+}  // namespace detail
+
+/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
+/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
+/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
+/// @throws sharding_error when the batch does not split over the data axis and the accumulation
+/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
+/// or when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
+/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
+/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
+/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
+/// `train_step` above: `m.loss` is the mean loss over the global batch.
+/// @code
+/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
+/// @endcode
+/// A loss that is not a `loss_function`, or targets of another element type than its
+/// `target_type`, is one compile error naming the requirement.
+/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
+/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
+/// targets whose width is not the model output's.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = detail::output_of_t<State>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(detail::loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(detail::targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                           loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return detail::run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)),
+                                    rows, global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
+
 /// @brief `train_step` on a batch from `data_loader`.
 template <class State, class Backend = default_runner>
+  requires runner<Backend>
 step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
                     b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
+/// taking the batch's class labels, `std::int32_t`).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
 }
 
 /// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
@@ -3705,6 +4075,82 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
 
 }  // namespace meshlib::nn
 // end meshlib/nn/train_state.hpp
+// begin meshlib/nn/params.hpp
+/// @file
+/// @brief `params(state)`: the trained parameters read back, as flax's `state.params` and
+/// `jax.device_get` give them: for each parameter of the model, in layer order, its name, global
+/// shape and sharding, and its *global* values gathered from the devices' blocks into one
+/// row-major host array. The values are the float master weights the optimizer updates (with a
+/// 16-bit compute type the parameters' values are their rounding), what a checkpoint saves; so on
+/// any mesh a parameter reads back the same array.
+///
+/// `state.params` (the `param_ref`s) are the per-device blocks themselves, for code that works
+/// block by block; `params(state)` is the whole array, for reading, printing or exporting.
+/// @code
+/// for (const meshlib::nn::param_array& p : meshlib::nn::params(state))
+///   std::printf("%s %s: first %g\n", p.name.c_str(), p.sharding.c_str(), p.values[0]);
+/// const auto w = meshlib::nn::params(state)[0];   // e.g. "fc1.w", shape {784, 1024}
+/// float w_ij = w.values[i * w.shape[1] + j];
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief One parameter read back to the host (see the file comment).
+struct param_array {
+  std::string name;                 ///< as the layer named it, e.g. "fc1.w"
+  std::vector<std::size_t> shape;   ///< global shape
+  std::string sharding;             ///< the printed named_sharding of its blocks
+  std::vector<float> values;        ///< the global array, row-major (`product(shape)` values)
+};
+
+/// @brief Every parameter of `state`'s model, in layer order, gathered to the host (see the file
+/// comment). Reads the blocks of this process's devices; no communication.
+/// @throws sharding_error when an element of a parameter is held only by devices of other
+/// processes (a train state made with `local_devices` under several processes).
+template <class State>
+std::vector<param_array> params(const State& state) {
+  static_assert(meshlib::detail::host_accessible_v<default_memory_space>,
+                "meshlib::nn: params reads the parameters' blocks on the host; device memory needs them copied back");
+  std::vector<param_array> out;
+  out.reserve(state.params.size());
+  for (std::size_t i = 0; i < state.params.size(); ++i) {
+    const auto& p = state.params[i];
+    param_array a{p.name, p.shape, p.sharding, {}};
+    std::size_t total = 1;
+    for (std::size_t e : p.shape) total *= e;
+    a.values.assign(total, 0.0f);
+    std::vector<bool> seen(total, false);
+    std::size_t filled = 0;
+    for (std::size_t dev : state.local_devices()) {
+      const float* v = state.master(i, dev);
+      detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+        std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
+        filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),
+                                                      seen.begin() + static_cast<std::ptrdiff_t>(g + n), false));
+        std::fill_n(seen.begin() + static_cast<std::ptrdiff_t>(g), n, true);
+      });
+    }
+    if (filled != total)
+      throw sharding_error("meshlib::nn: params: " + std::to_string(total - filled) + " of the " +
+                           std::to_string(total) + " elements of parameter '" + p.name +
+                           "' are held only by devices of other processes (this process holds devices " +
+                           meshlib::detail::describe_devices(state.local_devices()) +
+                           "); read them where every block is (a train state of every device), or save_checkpoint "
+                           "and read its global files");
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/params.hpp
 // begin meshlib/nn/checkpoint.hpp
 /// @file
 /// @brief Checkpoints of a `train_state`: `save_checkpoint(dir, state)` and
@@ -4111,33 +4557,6 @@ inline std::size_t product(const std::vector<std::size_t>& s) {
   std::size_t n = 1;
   for (auto e : s) n *= e;
   return n;
-}
-
-/// Global row-major index of element `i` of device `dev`'s block of `p`.
-template <class T>
-std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
-  std::size_t flat = 0, rem = i;
-  const std::size_t rank = p.shape.size();
-  std::vector<std::size_t> idx(rank);
-  for (std::size_t d = rank; d-- > 0;) {
-    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
-    rem /= p.extent[dev][d];
-  }
-  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
-  return flat;
-}
-
-/// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
-/// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
-/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
-template <class T, class F>
-void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
-  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
-  for (std::size_t k = first, end = first + len; k < end;) {
-    const std::size_t n = std::min(row - k % row, end - k);
-    f(k, global_index(p, dev, k), n);
-    k += n;
-  }
 }
 
 /// The FNV-1a checksum of a whole file (process 0 reads back what every process wrote).
