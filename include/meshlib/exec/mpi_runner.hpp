@@ -31,12 +31,14 @@
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
+#include "meshlib/comm/detail/root_cause.hpp"
 #include "meshlib/comm/mpi/hybrid_communicator.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/comm/thread/options.hpp"
@@ -77,22 +79,25 @@ struct mpi_runner {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
       const auto e = std::current_exception();
-      const std::string what = detail::what_of(e);
-      int blamed = comm.rank();
+      int remote = -1;
       try {
         std::rethrow_exception(e);
       } catch (const comm_aborted&) {
-        // Released by another rank's failure: blame that rank.
-        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+        // Released by another rank's failure: that rank is the root cause.
+        remote = comm.root_cause_rank();
       } catch (const comm_timeout&) {
         // Every waiting rank times out on its own; the message names the ranks that never arrived.
       } catch (const collective_mismatch&) {
         // Every rank of the collective throws it.
       } catch (...) {
-        comm.fail(what);  // the rank's own failure: release its peers at once
+        comm.fail(detail::what_of(e));  // the rank's own failure: release its peers at once
       }
-      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
-                                          std::to_string(comm.size()) + " failed: " + what);
+      detail::rethrow_root_cause({.errors = std::span(&e, 1),
+                                  .first = comm.rank(),
+                                  .size = comm.size(),
+                                  .remote_root = remote,
+                                  .noun = "MPI rank"});
+      throw;  // not reached: a non-null exception always has a root cause
     }
   }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/detail/root_cause.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/mpi/detail/abort_channel.hpp"
 #include "meshlib/comm/mpi/hybrid_communicator.hpp"
@@ -223,60 +224,16 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     }
   };
   launch(threads, body);
-  // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
-  // lowest thread that threw; a failure another process reported is blamed on its device.
-  int root = world.failed() ? world.root_cause_thread() : -1;
-  const int remote = world.remote_root_cause_device();
-  if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
-    root = -1;
-    for (int t = 0; t < threads && root < 0; ++t)
-      if (errors[static_cast<std::size_t>(t)]) root = t;
-  }
-  if (root >= 0) {
-    // A failure another process reported is blamed on its device, unless a thread here failed
-    // on its own at the same time (an exception that is not a communicator's): that one is real.
-    int own = -1;
-    int mismatched = -1;  // the lowest thread that left with collective_mismatch
-    for (int u = 0; u < threads; ++u) {
-      const auto& eu = errors[static_cast<std::size_t>(u)];
-      if (!eu) continue;
-      try {
-        std::rethrow_exception(eu);
-      } catch (const collective_mismatch&) {
-        if (mismatched < 0) mismatched = u;
-      } catch (const comm_error&) {
-      } catch (...) {
-        if (own < 0) own = u;
-      }
-    }
-    // A collective mismatch is blamed on the device whose call differed, which every process
-    // computed from every member's call (or learnt from the report): the same device everywhere,
-    // not the device that happened to see it first here.
-    const int culprit = world.mismatch_culprit();
-    if (own < 0 && mismatched >= 0 && culprit >= 0) {
-      const auto& e = errors[static_cast<std::size_t>(mismatched)];
-      try {
-        std::rethrow_exception(e);
-      } catch (...) {
-        throw participant_error(culprit, "meshlib: hybrid device " + std::to_string(culprit) + " of " +
-                                             std::to_string(world.size()) + " failed: " + detail::what_of(e));
-      }
-    }
-    const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
-    const int t = remote >= 0 && own >= 0 ? own : root;
-    const auto& e = errors[static_cast<std::size_t>(t)];
-    // The thread at fault may have thrown nothing (it never arrived at a collective that timed
-    // out): it is still the device to blame, with the message of the thread that saw it.
-    const int cause = world.root_cause_thread();
-    const int at_fault = own < 0 && cause >= 0 && cause < threads ? cause : t;
-    const int device = blame_remote ? remote : procs.rank() * threads + at_fault;
-    try {
-      std::rethrow_exception(e);
-    } catch (...) {
-      throw participant_error(device, "meshlib: hybrid device " + std::to_string(device) + " of " +
-                                          std::to_string(world.size()) + " failed: " + detail::what_of(e));
-    }
-  }
+  // The rule every runner shares (detail::find_root_cause); a mismatch is blamed on the device
+  // whose call differed, which every process computed from every member's call (or learnt from the
+  // report), and a failure another process reported on its device.
+  detail::rethrow_root_cause({.errors = errors,
+                              .first = procs.rank() * threads,
+                              .size = world.size(),
+                              .local_root = world.root_cause_thread(),
+                              .remote_root = world.remote_root_cause_device(),
+                              .mismatch_culprit = world.mismatch_culprit(),
+                              .noun = "hybrid device"});
 }
 
 }  // namespace meshlib

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/detail/root_cause.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
 
@@ -123,16 +124,10 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
   }
   for (auto& t : threads) t.join();
   destroy_communicators(comms);
-  const int root = first.load();
-  if (root < 0) return;
-  const auto& e = errors[static_cast<std::size_t>(root)];
-  try {
-    std::rethrow_exception(e);
-  } catch (...) {
-    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                      " (GPU " + std::to_string(devices[static_cast<std::size_t>(root)]) +
-                                      ") failed: " + detail::what_of(e));
-  }
+  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
+    return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
+           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
+  });
 }
 
 }  // namespace meshlib

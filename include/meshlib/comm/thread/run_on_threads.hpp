@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/detail/root_cause.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/thread/options.hpp"
 #include "meshlib/comm/thread/thread_communicator.hpp"
@@ -70,25 +71,14 @@ class participant_failures {
   }
 
   /// Once every participant has ended: throws `participant_error` for the root cause, if any
-  /// failed. The blamed participant is the world's root cause (the first to throw, or the first
-  /// that never arrived at a collective that timed out), even when it threw nothing itself (it
-  /// was only late); the exception reported is its own, else that of the lowest participant that threw.
+  /// failed, by the rule every runner shares (`detail::find_root_cause`): the world's root cause
+  /// (the first to throw, or the first that never arrived at a collective that timed out), even
+  /// when it threw nothing itself (it was only late); the exception reported is its own, else that
+  /// of the lowest participant that threw.
   void rethrow(const thread_world& world) const {
-    const int n = static_cast<int>(errors_.size());
-    int root = world.failed() ? world.root_cause_rank() : -1;
-    int source = -1;
-    for (int r = 0; r < n && source < 0; ++r)
-      if (errors_[static_cast<std::size_t>(r)]) source = r;
-    if (source < 0) return;
-    if (root < 0 || root >= n) root = source;
-    else if (errors_[static_cast<std::size_t>(root)]) source = root;
-    const auto& e = errors_[static_cast<std::size_t>(source)];
-    try {
-      std::rethrow_exception(e);
-    } catch (...) {
-      throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                        " failed: " + what_of(e));
-    }
+    rethrow_root_cause({.errors = errors_,
+                        .size = static_cast<int>(errors_.size()),
+                        .local_root = world.failed() ? world.root_cause_rank() : -1});
   }
 
  private:
