@@ -12,6 +12,7 @@ packages=(
   libtbb-dev                               # oneTBB (optional; the data loader prefetches with it)
   zlib1g-dev                               # zlib: the IDX reader reads .gz data files
   dataset-fashion-mnist                    # Fashion-MNIST IDX files for the training flagship and its tests
+  fortunes                                 # plain text (/usr/share/games/fortunes) for the language-model data tests
   openmpi-bin libopenmpi-dev               # MPI communicator (optional)
   python3-matplotlib                       # benchmark plots
   doxygen pkg-config python3-jsonschema    # packaging tests: API reference, pkg-config, vcpkg manifest schema
