@@ -24,3 +24,4 @@
 #include "meshlib/nn/train_state.hpp"
 #include "meshlib/nn/params.hpp"
 #include "meshlib/nn/checkpoint.hpp"
+#include "meshlib/nn/pipeline_schedule.hpp"
