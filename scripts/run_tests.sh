@@ -14,6 +14,9 @@
 # MESHLIB_KOKKOS4_LEG=full runs every unit, compile-fail and MPI test there too (the
 # package-consumer tests run only in the first leg). Without the snapshots the leg says it skipped. The
 # exit status is non-zero when either leg failed; the last lines summarise both.
+#
+# Last, the CUDA compile check (MESHLIB_CUDA_CHECK=0 turns it off): meshlib's sources for device
+# memory compiled with nvcc against Kokkos 4.7.01 configured for CUDA (scripts/cuda_compile_check.sh).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SECONDS=0
@@ -105,9 +108,26 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
   fi
 fi
 
+# The CUDA compile check (scripts/cuda_compile_check.sh): Kokkos 4.7.01 configured for CUDA
+# (headers only), meshlib's device-memory sources compiled with nvcc. Skipped when ctest arguments
+# select tests, with MESHLIB_CUDA_CHECK=0, or without nvcc or the snapshot.
+cuda_status=0
+cuda_summary="== CUDA compile check: off"
+if [ "${MESHLIB_CUDA_CHECK:-1}" != 0 ] && [ $# -eq 0 ]; then
+  "$repo_root/scripts/cuda_compile_check.sh" "$BUILD_DIR/_deps/kokkos-4.7.01-cuda" || cuda_status=$?
+  case "$cuda_status" in
+    0) cuda_summary="== CUDA compile check (Kokkos 4.7.01, nvcc, sm_90): passed" ;;
+    3) cuda_summary="== CUDA compile check: SKIPPED (no nvcc or no Kokkos 4.7.01 snapshot)"; cuda_status=0 ;;
+    *) cuda_summary="== CUDA compile check: FAILED" ;;
+  esac
+  elapsed "CUDA compile check"
+fi
+
 elapsed "all done"
 echo "$summary"
 echo "$k4_summary"
+echo "$cuda_summary"
 if [ "$build_status" -ne 0 ]; then exit "$build_status"; fi
 if [ "$test_status" -ne 0 ]; then exit "$test_status"; fi
-exit "$k4_status"
+if [ "$k4_status" -ne 0 ]; then exit "$k4_status"; fi
+exit "$cuda_status"

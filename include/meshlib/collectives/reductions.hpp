@@ -84,6 +84,14 @@ consteval bool check_reduction() {
 template <class T>
 using mean_value_t = std::conditional_t<std::is_integral_v<T>, std::conditional_t<(sizeof(T) <= 4), float, double>, T>;
 
+/// `m[i] = s[i] / n` for `i < count`, on `Space`. A named function rather than a lambda in
+/// `all_reduce_over`: nvcc refuses an extended device lambda inside a function whose return type is
+/// deduced.
+template <class Space, class T, class U>
+void divide_into(U* m, const T* s, U n, std::size_t count) {
+  launch<Space>(count, KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
+}
+
 /// The all-reduce `op` over the axes `Names...` of `x`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
 auto all_reduce_over(const L& x) {
@@ -108,10 +116,7 @@ auto all_reduce_over(const L& x) {
       auto sum = ctx.workspace().template scratch<T, space_t>(x.size());
       comm.all_reduce(src, sum.data(), x.size(), datatype_of<T>, reduce_op::sum);
       auto mean = workspace_view<U, L::rank, space_t>(ctx, x.shape());
-      const U n = static_cast<U>(comm.size());
-      const T* s = sum.data();
-      U* m = mean.data();
-      launch<space_t>(x.size(), KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
+      divide_into<space_t>(mean.data(), static_cast<const T*>(sum.data()), static_cast<U>(comm.size()), x.size());
       return result_t(mean, x.mesh(), x.device());
     } else {
       // Out of place: the backend reads x where it lies and writes the workspace's buffer.

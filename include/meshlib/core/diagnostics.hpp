@@ -73,17 +73,21 @@ namespace meshlib::detail {
 template <class... T>
 inline constexpr bool always_false = false;
 
-template <template <char...> class W, std::string_view const& S, class Seq = std::make_index_sequence<S.size()>>
+/// `W<c...>` for the characters of `Name::value` (a `std::string_view` static member). The name
+/// comes in a class, not as a `std::string_view const&` template argument: nvcc's front end (13.0)
+/// writes a reference template argument into the host code as a pointer (`&X`), so `S.size()`
+/// there does not compile.
+template <template <char...> class W, class Name, class Seq = std::make_index_sequence<Name::value.size()>>
 struct chars_of;
-template <template <char...> class W, std::string_view const& S, std::size_t... I>
-struct chars_of<W, S, std::index_sequence<I...>> {
-  using type = W<S[I]...>;
+template <template <char...> class W, class Name, std::size_t... I>
+struct chars_of<W, Name, std::index_sequence<I...>> {
+  using type = W<Name::value[I]...>;
 };
 
 // The names are static members of class templates, not variable templates: nvcc (13.0) rejects a
 // variable template initialised from a template parameter when it is a reference template argument
 // ("declaration is incompatible"), and <meshlib/nccl.hpp> must compile in .cu files too.
-/// `Name` as a `std::string_view` with static storage (a reference template argument of `chars_of`).
+/// `Name` as a `std::string_view` with static storage (the name class `chars_of` reads).
 template <fixed_string Name>
 struct name_view {
   static constexpr std::string_view value = Name.view();
@@ -91,10 +95,10 @@ struct name_view {
 
 /// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
 template <fixed_string Name>
-using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>::value>::type;
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>>::type;
 /// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
 template <fixed_string Name>
-using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>::value>::type;
+using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>>::type;
 
 /// The name of axis `I` of `Mesh`, with static storage (see `name_view`).
 template <class Mesh, std::size_t I>
@@ -112,7 +116,7 @@ struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
 };
 template <class Mesh, unsigned Mask, std::size_t I>
 using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
-                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>::value>::type>,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>>::type>,
                                       diagnostic::axes<>>;
 template <class Mesh, unsigned Mask>
 struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {

@@ -43,6 +43,12 @@ struct dim_spec {
   std::size_t count = 0;
 
   constexpr dim_spec() = default;
+  /// Member by member. nvcc's front end (13.0) writes a `dim_spec` template argument into the host
+  /// code as `{names, count}`, which needs this constructor (the type is not an aggregate).
+  constexpr dim_spec(const char (&n)[max_axes][max_name], std::size_t c) noexcept : count(c) {
+    for (std::size_t i = 0; i < max_axes; ++i)
+      for (std::size_t j = 0; j < max_name; ++j) names[i][j] = n[i][j];
+  }
   /// A replicated dimension: `P<none>`.
   constexpr dim_spec(none_t) noexcept {}
   /// A dimension split over one axis: `P<"data">`.
@@ -104,9 +110,15 @@ constexpr dim_spec axes(const char (&... names)[N]) {
   return d;
 }
 
-/// @brief A partition spec: entry `i` says how tensor dimension `i` is split.
+/// @brief A partition spec: entry `i` says how tensor dimension `i` is split. JAX's `P`
+/// (`PartitionSpec`); `partition_spec` is the long name.
+///
+/// `P` is the class and `partition_spec` the alias, not the other way round: nvcc's front end (13.0)
+/// loses the values of an alias template's class-type arguments (`P<"data", none>` through an
+/// alias reaches the host compiler as `partition_spec<__T2, __T3>`, undeclared names), and `P` is
+/// what users write, in CUDA translation units too.
 template <dim_spec... Dims>
-struct partition_spec {
+struct P {
   /// Tag that opts the spec into the `partition_spec_type` concept.
   using is_partition_spec = void;
   /// The number of dimensions the spec describes.
@@ -131,7 +143,7 @@ struct partition_spec {
   }
 
   /// Prints `P<"data", none>`.
-  friend std::ostream& operator<<(std::ostream& os, partition_spec) {
+  friend std::ostream& operator<<(std::ostream& os, P) {
     os << "P<";
     for (std::size_t i = 0; i < size; ++i) os << (i ? ", " : "") << dims[i];
     return os << '>';
@@ -139,14 +151,14 @@ struct partition_spec {
   /// The spec as `operator<<` prints it, such as `P<"data", none>`.
   static std::string to_string() {
     std::ostringstream os;
-    os << partition_spec{};
+    os << P{};
     return os.str();
   }
 };
 
-/// @brief The short name of `partition_spec`, as JAX's `P`.
+/// @brief The long name of `P`.
 template <dim_spec... Dims>
-using P = partition_spec<Dims...>;
+using partition_spec = P<Dims...>;
 
 /// @brief A type that is a `partition_spec<...>`.
 template <class T>

@@ -34,6 +34,18 @@
 
 namespace meshlib::nn {
 
+namespace detail {
+/// `to[o * run + k] = from[o * stride + at + k]` for `o < outer`, `k < run`, on `Space`: one work
+/// item per run. A named function: nvcc refuses an extended device lambda inside a function whose
+/// return type is deduced.
+template <class Space, class V>
+void copy_runs(V* to, const V* from, std::size_t outer, std::size_t run, std::size_t stride, std::size_t at) {
+  meshlib::detail::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+    for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
+  });
+}
+}  // namespace detail
+
 /// @brief Backward of `psum<Names...>`: `pvary<Names...>(ct)`.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum_transpose(const L& ct) {
@@ -72,9 +84,7 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     V* to = out.data();
     const V* from = ct.data();
     const std::size_t run = chunk * inner, stride = shape[Dim] * n * inner, at = i * chunk * inner;
-    meshlib::detail::launch<typename L::memory_space>(outer, KOKKOS_LAMBDA(std::size_t o) {
-      for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
-    });
+    detail::copy_runs<typename L::memory_space>(to, from, outer, run, stride, at);
     return R(out, ct.mesh(), ct.device());
   }
 }

@@ -86,12 +86,15 @@ class softmax_cross_entropy {
     return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
   }
 
- private:
   /// The loss of `forward`, the gradient written to `g` (the logits' size), with `3 * rows`
-  /// elements of scratch at `scratch`.
+  /// elements of scratch at `scratch`. Public only because nvcc refuses an extended device lambda
+  /// in a private member function; call `forward` or `forward_backward`.
   template <local_tensor_type Z>
   loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
                     T* scratch) {
+    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
+                  "meshlib::nn: softmax_cross_entropy reads host labels in its kernels and adds the rows' losses into "
+                  "a host result: not yet on device memory (CUDA), where they need copying across");
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -150,15 +153,13 @@ class softmax_cross_entropy {
     return out;
   }
 
+ private:
   /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
   using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
   // The kernels' memory: the loss's scratch buffers, and the result the last kernel writes on the host.
   using space = default_memory_space;
-  static_assert(meshlib::detail::host_accessible_v<space>,
-                "meshlib::nn: softmax_cross_entropy adds the rows' losses into a host result; device memory needs "
-                "them copied back");
   detail::device_buffers<T> grad_;
   detail::device_buffers<double> terms_;
   std::vector<std::size_t> rows_;

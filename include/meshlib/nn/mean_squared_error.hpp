@@ -57,7 +57,7 @@ struct mean_squared_error {
                   "meshlib::nn: mean_squared_error needs a complete rank-2 model output (psum a pending sum first)");
     static_assert(std::is_same_v<typename Z::value_type, T>,
                   "meshlib::nn: mean_squared_error<T>: T must be the model output's element type");
-    static_assert(meshlib::detail::host_accessible_v<space>,
+    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
                   "meshlib::nn: mean_squared_error adds the squared differences into a host result; device memory "
                   "needs them copied back");
     constexpr axis_mask col_axes = Z::dims_type::at(1);

@@ -44,7 +44,7 @@ struct param_array {
 /// processes (a train state made with `local_devices` under several processes).
 template <class State>
 std::vector<param_array> params(const State& state) {
-  static_assert(meshlib::detail::host_accessible_v<default_memory_space>,
+  static_assert(sizeof(State) != 0 && meshlib::detail::host_accessible_v<default_memory_space>,
                 "meshlib::nn: params reads the parameters' blocks on the host; device memory needs them copied back");
   std::vector<param_array> out;
   out.reserve(state.params.size());

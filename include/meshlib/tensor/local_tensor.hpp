@@ -81,9 +81,9 @@ struct remove_dim_impl<Dims, D, std::index_sequence<I...>> {
 };
 
 /// `Dims` permuted: entry `i` of the result is entry `Perm[i]` of `Dims`.
-template <class Dims, std::array Perm, class Seq = std::make_index_sequence<Dims::size>>
+template <class Dims, auto Perm, class Seq = std::make_index_sequence<Dims::size>>
 struct permute_dims_impl;
-template <class Dims, std::array Perm, std::size_t... I>
+template <class Dims, auto Perm, std::size_t... I>
 struct permute_dims_impl<Dims, Perm, std::index_sequence<I...>> {
   using type = dim_masks<Dims::at(Perm[I])...>;
 };
@@ -264,7 +264,7 @@ using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
 template <class Dims, std::size_t D>
 using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
 /// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
-template <class Dims, std::array Perm>
+template <class Dims, auto Perm>
 using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
 
 /// @brief The local type of a block of a rank-`Rank` array laid out by `S`, entering `shard_map`:

@@ -27,7 +27,7 @@ template <auto Dims, class Seq = std::make_index_sequence<trimmed_length(Dims)>>
 struct spec_from_array;
 template <auto Dims, std::size_t... I>
 struct spec_from_array<Dims, std::index_sequence<I...>> {
-  using type = partition_spec<Dims[I]...>;
+  using type = P<Dims[I]...>;
 };
 
 /// The partition spec whose entries are `Dims` (a `std::array<dim_spec, N>`), trailing `none`s dropped.

@@ -76,7 +76,7 @@ struct permute_functor {
   }
 };
 
-template <std::array Perm>
+template <auto Perm>
 consteval bool is_permutation() {
   for (std::size_t i = 0; i < Perm.size(); ++i) {
     if (Perm[i] >= Perm.size()) return false;

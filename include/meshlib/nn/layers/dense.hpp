@@ -258,17 +258,9 @@ class basic_dense {
     out.push_back(b.ref(true));
   }
 
- private:
-  struct saved {
-    const T* x = nullptr;
-    std::size_t rows = 0, in = 0;
-  };
-  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
-
   /// `y += b` (`add`) or `y = b` on every row of `y` (`rows x out`): a Kokkos kernel, one work item
-  /// per row (the row's loop vectorises as before).
+  /// per row (the row's loop vectorises as before). Public only because nvcc refuses an extended
+  /// device lambda in a private member function.
   static void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
     meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
       T* yi = y + i * out;
@@ -279,6 +271,15 @@ class basic_dense {
         for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
     });
   }
+
+ private:
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, in = 0;
+  };
+  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
 
   std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
     constexpr axis_mask axes = w_sharding::dim_mask(0);

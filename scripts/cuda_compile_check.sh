@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+# The CUDA compile check (issue 24): proves on a machine without a GPU that meshlib compiles for
+# CUDA device memory, cheaply enough for every CI run. Kokkos 4.7.01 (the first release that builds
+# with CUDA 13) is only *configured* for CUDA + Hopper (sm_90) through its nvcc_wrapper, which
+# generates its configuration headers; it is not built (that took ~50 minutes here), because a
+# compile check needs headers only. Then every source in tests/cuda/ is compiled (-c, not linked)
+# against it with nvcc: the ones that must compile, and host_collective_on_device.cpp, which must
+# fail with the message that names the backend to use.
+#
+# usage: cuda_compile_check.sh WORK_DIR [VENDOR_DIR]
+#   WORK_DIR    where Kokkos is unpacked and configured (run_tests.sh: $BUILD_DIR/_deps/kokkos-4.7.01-cuda),
+#               cached by a stamp: a second run with the same inputs only compiles.
+#   VENDOR_DIR  folder holding kokkos-4.7.01.tar.gz (default: $MESHLIB_VENDOR_DIR, else ../shared/vendor)
+# Exit status 0: all checks passed; 1: a check failed; 3: skipped (no nvcc or no snapshot).
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+work="${1:?usage: cuda_compile_check.sh WORK_DIR [VENDOR_DIR]}"
+vendor="${2:-${MESHLIB_VENDOR_DIR:-$repo_root/../shared/vendor}}"
+version=4.7.01
+tgz="$vendor/kokkos-$version.tar.gz"
+
+nvcc_bin="$(command -v nvcc || true)"
+[ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
+if [ -z "$nvcc_bin" ]; then echo "cuda_compile_check.sh: SKIPPED: no nvcc (install the CUDA toolkit)"; exit 3; fi
+if [ ! -f "$tgz" ]; then echo "cuda_compile_check.sh: SKIPPED: no kokkos-$version.tar.gz in '$vendor'"; exit 3; fi
+export PATH="$(dirname "$nvcc_bin"):$PATH"
+
+src="$work/kokkos-$version"
+build="$work/build"
+options=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_STANDARD=20 -DKokkos_ENABLE_CUDA=ON -DKokkos_ARCH_HOPPER90=ON
+  -DKokkos_ENABLE_SERIAL=ON -DKokkos_ENABLE_TESTS=OFF -DKokkos_ENABLE_EXAMPLES=OFF)
+stamp_text="kokkos $version $(sha256sum "$tgz" | cut -c1-16) ${options[*]}
+nvcc $("$nvcc_bin" --version | tail -1)"
+SECONDS=0
+if [ ! -f "$work/stamp" ] || [ "$(cat "$work/stamp")" != "$stamp_text" ]; then
+  rm -rf "$work"
+  mkdir -p "$work"
+  tar -xzf "$tgz" -C "$work"
+  if ! cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER="$src/bin/nvcc_wrapper" "${options[@]}" >"$work/configure.log" 2>&1; then
+    echo "cuda_compile_check.sh: FAILED: configuring Kokkos $version for CUDA"; tail -n 30 "$work/configure.log"; exit 1
+  fi
+  echo "$stamp_text" >"$work/stamp"
+  echo "cuda_compile_check.sh: Kokkos $version configured for CUDA (sm_90) in ${SECONDS}s (not built: headers only)"
+fi
+
+flags=(-std=c++20 -arch=sm_90 --expt-extended-lambda --expt-relaxed-constexpr -Wno-deprecated-gpu-targets
+  -I"$build" -I"$src/core/src" -I"$build/core/src" -I"$src/containers/src" -I"$src/algorithms/src"
+  -I"$src/simd/src" -I"$build/simd/src" -I"$src/tpls/desul/include" -I"$src/tpls/mdspan/include"
+  -I"$repo_root/include")
+status=0
+compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $work/NAME.log
+  "$src/bin/nvcc_wrapper" "${flags[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1
+}
+start=$SECONDS
+# The two that must compile run side by side (one per core); then the one that must not.
+compile device_arrays & a=$!
+compile nn_headers & b=$!
+for job in "$a:device_arrays" "$b:nn_headers"; do
+  if wait "${job%%:*}"; then echo "  compiles for CUDA: tests/cuda/${job#*:}.cpp"
+  else echo "  FAILED to compile for CUDA: tests/cuda/${job#*:}.cpp"; grep -m 10 "error" "$work/${job#*:}.log" || tail -n 20 "$work/${job#*:}.log"; status=1; fi
+done
+want="meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory"
+if compile host_collective_on_device; then
+  echo "  FAILED: tests/cuda/host_collective_on_device.cpp compiled, but a host collective on device memory must not"; status=1
+elif grep -qF "$want" "$work/host_collective_on_device.log"; then
+  echo "  refused as it must: tests/cuda/host_collective_on_device.cpp (\"$want\")"
+else
+  echo "  FAILED: tests/cuda/host_collective_on_device.cpp failed without the expected message:"; grep -m 10 "error" "$work/host_collective_on_device.log"; status=1
+fi
+echo "cuda_compile_check.sh: $([ $status -eq 0 ] && echo passed || echo FAILED) (compiles: $((SECONDS - start))s, all: ${SECONDS}s)"
+exit $status
