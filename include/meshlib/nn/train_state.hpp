@@ -225,10 +225,8 @@ class train_state {
   void refresh_compute_copies() {
     if constexpr (mixed)
       for (std::size_t dev : local_)
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-          detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-        }
+        for (std::size_t i = 0; i < params.size(); ++i)
+          detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   /// The current loss scale (1 without loss scaling).
   [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
@@ -426,10 +424,8 @@ class train_state {
   }
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-        detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-      }
+      for (std::size_t i = 0; i < params.size(); ++i)
+        detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   float clip_scale(double norm) const {
     return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
