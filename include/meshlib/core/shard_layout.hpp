@@ -13,6 +13,7 @@
 /// @post Under either rule the blocks of one dimension are disjoint and cover `[0, n)`: every
 /// element of the global array is held by exactly the devices of one replica group.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <ostream>
@@ -46,6 +47,37 @@ struct block {
     for (std::size_t d = 0; d < Rank; ++d)
       if (g[d] < offset[d] || g[d] >= offset[d] + extent[d]) return false;
     return true;
+  }
+  /// The global row-major index, in an array of shape `global_shape`, of element `i` of the block
+  /// (the block's own elements counted row-major, as its storage holds them).
+  /// @pre `i < size()` and the block lies inside `global_shape`.
+  /// @post `contains(g)` for the coordinate `g` of the result, and distinct `i` give distinct results.
+  [[nodiscard]] constexpr std::size_t global_index(const std::array<std::size_t, Rank>& global_shape,
+                                                   std::size_t i) const noexcept {
+    std::array<std::size_t, Rank> g{};
+    for (std::size_t d = Rank; d-- > 0;) {
+      g[d] = offset[d] + i % extent[d];
+      i /= extent[d];
+    }
+    std::size_t flat = 0;
+    for (std::size_t d = 0; d < Rank; ++d) flat = flat * global_shape[d] + g[d];
+    return flat;
+  }
+  /// Calls `f(k, g, n)` for the runs of the block's elements `[first, first + len)` that are
+  /// contiguous in the global row-major array of shape `global_shape`: block elements `k .. k + n`
+  /// are global elements `g .. g + n`. A run never crosses a row of the last dimension, so a copy
+  /// between a block and its global array is one `copy_n` per run (checkpoints, gathers).
+  /// @pre `first + len <= size()`.
+  template <class F>
+  constexpr void for_each_global_run(const std::array<std::size_t, Rank>& global_shape, std::size_t first,
+                                     std::size_t len, F&& f) const {
+    std::size_t row = len;
+    if constexpr (Rank > 0) row = extent[Rank - 1];
+    for (std::size_t k = first, end = first + len; k < end;) {
+      const std::size_t n = std::min(row - k % row, end - k);
+      f(k, global_index(global_shape, k), n);
+      k += n;
+    }
   }
   /// Blocks are equal when offsets and extents are.
   friend constexpr bool operator==(const block&, const block&) = default;

@@ -67,6 +67,7 @@
 #include <iterator>
 #include <optional>
 #include <sstream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -614,11 +615,11 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& p : state.params)
       for (std::size_t s = 0; s < slots; ++s) opt.emplace_back(io, opt_file(p, s), false);
     for (std::size_t dev : state.local_devices())
-      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, const float* st, std::size_t stride) {
+      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, st + s * stride + (k - off), n);
+          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, slot[s] + (k - off), n);
         });
       });
     for (auto& o : opt) o.finish();
@@ -731,10 +732,10 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
-    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, float* st, std::size_t stride) {
+    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, st + s * stride + (k - off));
+        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, slot[s] + (k - off));
       });
     });
   state.step = step;

@@ -24,10 +24,12 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/named_sharding.hpp"
+#include "meshlib/core/shard_layout.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
@@ -63,8 +65,117 @@ constexpr std::uint64_t name_id(std::string_view name) noexcept {
 }
 }  // namespace detail
 
+namespace detail {
+/// One array's blocks, one per device, as unmanaged 1-D `Kokkos::View`s of the device's memory
+/// space (the element order of the block's row-major storage). `blocks[dev]` is the block's first
+/// element (nullptr where device `dev` is not local: the spelling of the raw-pointer `param_ref`,
+/// which layers and tests index as `p.grad[dev][k]`); `blocks.view(dev)` is the view that Kokkos
+/// kernels take. Unmanaged: copies touch no reference count, so device threads may copy them
+/// freely (tensor/view.hpp); the tensor that owns the blocks must outlive them.
+template <class T, class Space = default_memory_space>
+class device_blocks {
+ public:
+  /// A device's block.
+  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  device_blocks() = default;
+  /// `n` devices, none local yet.
+  explicit device_blocks(std::size_t n) : views_(n) {}
+  /// Device `dev`'s block, `n` elements at `data`.
+  void set(std::size_t dev, T* data, std::size_t n) { views_.at(dev) = view_type(data, n); }
+  /// Device `dev`'s block as a view (empty where not local).
+  [[nodiscard]] const view_type& view(std::size_t dev) const { return views_[dev]; }
+  /// Device `dev`'s first element, or nullptr where not local.
+  [[nodiscard]] T* operator[](std::size_t dev) const noexcept { return views_[dev].data(); }
+  /// The number of devices of the mesh.
+  [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
+
+ private:
+  std::vector<view_type> views_;
+};
+
+/// A meshlib tensor whose rank and sharding are erased, held by its device blocks: `owner` keeps
+/// the tensor (a `sharded_tensor` with the sharding it was made with) alive, `blocks` reach its
+/// blocks. This is how the train state holds float master weights and optimizer slots of every
+/// parameter in one vector, each with its parameter's own sharding.
+template <class T, class Space = default_memory_space>
+struct held_tensor {
+  std::shared_ptr<const void> owner;  ///< the typed tensor
+  device_blocks<T, Space> blocks;     ///< its blocks
+};
+
+/// The layout of one parameter with its rank and sharding erased: core's `shard_layout` and the
+/// `block` it gives every device. Everything `param_ref` says about where a device's block lies
+/// comes from here, so the block arithmetic stays in core/shard_layout.hpp.
+class param_layout {
+ public:
+  virtual ~param_layout() = default;
+  /// Where device `dev`'s block starts, per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> offset(std::size_t dev) const = 0;
+  /// Device `dev`'s block's size per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> extent(std::size_t dev) const = 0;
+  /// Elements of device `dev`'s block in this process (0 where the device is not local).
+  [[nodiscard]] virtual std::size_t count(std::size_t dev) const = 0;
+  /// Global row-major index of element `i` of device `dev`'s block (`block::global_index`).
+  [[nodiscard]] virtual std::size_t global_index(std::size_t dev, std::size_t i) const = 0;
+  /// `block::for_each_global_run` of device `dev`'s block.
+  virtual void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                                   const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const = 0;
+  /// A float tensor of zeros with the parameter's shape and sharding, blocks on `devices`.
+  [[nodiscard]] virtual held_tensor<float> zeros_like(std::span<const std::size_t> devices) const = 0;
+};
+
+/// `param_layout` of a parameter of rank `Rank` sharded by `S`.
+template <sharding_type S, std::size_t Rank>
+class typed_param_layout final : public param_layout {
+ public:
+  typed_param_layout(const shard_layout<S, Rank>& layout, std::span<const std::size_t> local)
+      : layout_(layout), local_(layout.num_devices(), false) {
+    for (std::size_t dev = 0; dev < layout.num_devices(); ++dev) blocks_.push_back(layout.block_of(dev));
+    for (std::size_t dev : local) local_.at(dev) = true;
+  }
+  std::span<const std::size_t> offset(std::size_t dev) const override { return blocks_.at(dev).offset; }
+  std::span<const std::size_t> extent(std::size_t dev) const override { return blocks_.at(dev).extent; }
+  std::size_t count(std::size_t dev) const override { return local_.at(dev) ? blocks_[dev].size() : 0; }
+  std::size_t global_index(std::size_t dev, std::size_t i) const override {
+    return blocks_.at(dev).global_index(layout_.global_shape(), i);
+  }
+  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
+    blocks_.at(dev).for_each_global_run(layout_.global_shape(), first, len, f);
+  }
+  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
+    auto t = std::make_shared<sharded_tensor<float, Rank, S>>(layout_.sharding(), layout_.global_shape(), devices);
+    held_tensor<float> h{t, device_blocks<float>(layout_.num_devices())};
+    for (std::size_t dev : devices) h.blocks.set(dev, t->local(dev).data(), t->local(dev).size());
+    return h;
+  }
+
+ private:
+  shard_layout<S, Rank> layout_;
+  std::vector<block<Rank>> blocks_;  // block_of(dev) for every device, as core computes it
+  std::vector<bool> local_;
+};
+
+/// `p.count[dev]`: the elements of device `dev`'s block (0 where not local), from the layout.
+struct block_counts {
+  std::shared_ptr<const param_layout> layout;
+  [[nodiscard]] std::size_t operator[](std::size_t dev) const { return layout ? layout->count(dev) : 0; }
+};
+/// `p.offset[dev][d]` / `p.extent[dev][d]`: device `dev`'s block's corner or size, from the layout.
+struct block_corners {
+  std::shared_ptr<const param_layout> layout;
+  bool extents = false;
+  [[nodiscard]] std::span<const std::size_t> operator[](std::size_t dev) const {
+    return extents ? layout->extent(dev) : layout->offset(dev);
+  }
+};
+}  // namespace detail
+
 /// @brief The untyped view of one parameter (see the file comment). Per-device entries are indexed
-/// by device id; `value[d] == nullptr` where device `d` is not local to this process.
+/// by device id. The blocks are the parameter's own tensors' blocks (`value.view(dev)`, an
+/// unmanaged 1-D view, or `value[dev]`, its first element, nullptr where device `d` is not
+/// local); where they lie in the global array comes from core's `shard_layout` (`layout`), never
+/// from a layout of nn's own.
 template <class T = float>
 struct param_ref {
   /// The parameter's name, such as `"layer1.w"`.
@@ -74,11 +185,13 @@ struct param_ref {
   std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
   axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
   bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
-  /// per device: the value and gradient blocks, or nullptr where the device is not local.
-  std::vector<T*> value, grad;         ///< per device: the block, or nullptr
-  std::vector<std::size_t> count;      ///< per device: elements in the block
+  /// per device: the value and gradient blocks (see the struct comment).
+  detail::device_blocks<T> value, grad;
+  /// The parameter's layout: core's blocks, rank and sharding erased.
+  std::shared_ptr<const detail::param_layout> layout;
+  detail::block_counts count;          ///< per device: elements in the block (0 where not local)
   /// per device: where the block lies in the global array (offset) and its size (extent).
-  std::vector<std::vector<std::size_t>> offset, extent;  ///< per device: where the block lies
+  detail::block_corners offset, extent;
   /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
   /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
@@ -87,31 +200,19 @@ struct param_ref {
 };
 
 namespace detail {
-/// Global row-major index of element `i` of device `dev`'s block of `p`.
+/// Global row-major index of element `i` of device `dev`'s block of `p` (core's `block::global_index`).
 template <class T>
 std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
-  std::size_t flat = 0, rem = i;
-  const std::size_t rank = p.shape.size();
-  std::vector<std::size_t> idx(rank);
-  for (std::size_t d = rank; d-- > 0;) {
-    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
-    rem /= p.extent[dev][d];
-  }
-  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
-  return flat;
+  return p.layout->global_index(dev, i);
 }
 
 /// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
 /// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
-/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
+/// elements `g .. g + n` (core's `block::for_each_global_run`: a run never crosses a row of the
+/// block's last dimension).
 template <class T, class F>
 void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
-  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
-  for (std::size_t k = first, end = first + len; k < end;) {
-    const std::size_t n = std::min(row - k % row, end - k);
-    f(k, global_index(p, dev, k), n);
-    k += n;
-  }
+  p.layout->for_each_global_run(dev, first, len, std::forward<F>(f));
 }
 }  // namespace detail
 
@@ -175,19 +276,17 @@ struct parameter {
     r.sharded_axes = S::sharded_axes;
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
+    const std::vector<std::size_t> local = value.local_devices();
+    r.layout = std::make_shared<detail::typed_param_layout<S, Rank>>(value.layout(), local);
+    r.count = {r.layout};
+    r.offset = {r.layout, false};
+    r.extent = {r.layout, true};
     const std::size_t n = value.num_devices();
-    r.value.assign(n, nullptr);
-    r.grad.assign(n, nullptr);
-    r.count.assign(n, 0);
-    r.offset.resize(n);
-    r.extent.resize(n);
-    for (std::size_t dev : value.local_devices()) {
-      r.value[dev] = value.local(dev).data();
-      r.grad[dev] = grad.local(dev).data();
-      r.count[dev] = value.local(dev).size();
-      const auto b = value.block_of(dev);
-      r.offset[dev].assign(b.offset.begin(), b.offset.end());
-      r.extent[dev].assign(b.extent.begin(), b.extent.end());
+    r.value = detail::device_blocks<T>(n);
+    r.grad = detail::device_blocks<T>(n);
+    for (std::size_t dev : local) {
+      r.value.set(dev, value.local(dev).data(), value.local(dev).size());
+      r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     }
     return r;
   }

@@ -90,6 +90,14 @@ inline void round_to(float* p, std::size_t n) noexcept {
     transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
 }
 
+/// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
+/// rounded into the parameters' values in one pass (a copy, then `round_to` in place, read the
+/// values twice), as a Kokkos kernel on the running device's instance.
+template <class C, class Space = default_memory_space>
+inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
+}
+
 /// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>

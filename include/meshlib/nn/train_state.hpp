@@ -23,6 +23,7 @@
 /// @endcode
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -56,6 +57,7 @@
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
 
@@ -129,6 +131,15 @@ class train_state {
   static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
   /// The type of a device's block of the input batch: rows sharded over `Data`.
   using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
+  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
+  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
+  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
+  /// data axes, and the value varies over every axis (the flat vector itself differs over the
+  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
+  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
+  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
+  using zero_state_type =
+      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, data_axes>, default_memory_space>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -157,12 +168,9 @@ class train_state {
         key(k),
         sync_(m.size(), opts.bucket_elements),
         loss_(m.size()),
-        state_(m.size()),
         gather_(m.size()),
         input_(m.size()),
-        output_grad_(m.size()),
-        masters_(m.size()),
-        offsets_(m.size()) {
+        output_grad_(m.size()) {
     model.collect(params);
     loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
     scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
@@ -176,30 +184,40 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    // Every tensor is made here, on the calling thread: device threads only read and write blocks
+    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
-    for (std::size_t dev : local_) {
-      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-      const std::size_t len = options.zero ? (n + dp - 1) / dp : n;
-      state_[dev].assign(opt.slots() * len, 0.0f);
-      std::size_t off = 0;
-      for (const auto& p : params) {
-        offsets_[dev].push_back(off);
-        if constexpr (mixed) masters_[dev].insert(masters_[dev].end(), p.value[dev], p.value[dev] + p.count[dev]);
-        off += p.count[dev];
-      }
+    if (options.zero) {
+      zero_state_.reserve(m.size());
+      for (std::size_t dev = 0; dev < m.size(); ++dev)
+        if (std::find(local_.begin(), local_.end(), dev) == local_.end()) {
+          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
+        } else {
+          const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+          zero_state_.emplace_back(typename zero_state_type::shape_type{opt.slots(), (n + dp - 1) / dp}, mesh, dev);
+        }
+    } else {
+      for (const auto& p : params)
+        for (std::size_t s = 0; s < opt.slots(); ++s) state_.push_back(p.layout->zeros_like(local_));
     }
+    if constexpr (mixed)
+      for (const auto& p : params) {
+        masters_.push_back(p.layout->zeros_like(local_));
+        for (std::size_t dev : local_)
+          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
+      }
     refresh_compute_copies();
   }
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
   [[nodiscard]] float* master(std::size_t i, std::size_t dev) {
-    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
     else return params.at(i).value[dev];
   }
   /// Parameter `i`'s float master block on device `dev` (read-only).
   [[nodiscard]] const float* master(std::size_t i, std::size_t dev) const {
-    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
     else return params.at(i).value[dev];
   }
   /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
@@ -207,10 +225,8 @@ class train_state {
   void refresh_compute_copies() {
     if constexpr (mixed)
       for (std::size_t dev : local_)
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-          detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-        }
+        for (std::size_t i = 0; i < params.size(); ++i)
+          detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   /// The current loss scale (1 without loss scaling).
   [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
@@ -256,37 +272,56 @@ class train_state {
 
   /// This process's devices.
   [[nodiscard]] const std::vector<std::size_t>& local_devices() const noexcept { return local_; }
-  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here).
-  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const { return state_.at(dev).size(); }
-  /// The optimizer state of device `dev` (for checkpoints and tests).
-  [[nodiscard]] std::vector<float>& optimizer_state(std::size_t dev) { return state_.at(dev); }
+  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here); 0 for a
+  /// device of another process.
+  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
+    if (options.zero) return zero_state_.at(dev).size();
+    return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
+  }
+  /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
+  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
+  /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
+  [[nodiscard]] std::vector<float> optimizer_state(std::size_t dev) {
+    std::vector<float> out;
+    out.reserve(optimizer_state_size(dev));
+    for (std::size_t s = 0; s < opt.slots() && out.capacity() > 0; ++s)
+      for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
+        out.insert(out.end(), slot[s], slot[s] + len);
+      });
+    return out;
+  }
+  /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
 
-  /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer
-  /// state device `dev` holds: elements `[offset, offset + len)` of the parameter's local block;
-  /// slot `s` of element `k` of the run is `slot0[s * slot_stride + k]`. Replicated: whole blocks;
-  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of optimizer state device
+  /// `dev` holds, in parameter order: elements `[offset, offset + len)` of the parameter's local
+  /// block, whose slot `s` starts at `slot[s]` (a `std::span<float* const>` of `opt.slots()`
+  /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-    float* st = state_.at(dev).data();
+    std::array<float*, 2> slot{};
+    const std::span<float* const> slots(slot.data(), opt.slots());
     if (!options.zero) {
-      std::size_t off = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        f(i, std::size_t{0}, params[i].count[dev], st + off, n);
-        off += params[i].count[dev];
+        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = state_slot(i, s, dev);
+        f(i, std::size_t{0}, params[i].count[dev], slots);
       }
       return;
     }
-    const std::size_t dp = mesh.axes_size(data_axes), size = (n + dp - 1) / dp, begin = mesh.group_rank(dev, data_axes) * size;
+    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, data_axes) * size;
     std::size_t off = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
       const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) f(i, lo - off, hi - lo, st + (lo - begin), size);
+      if (lo < hi) {
+        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
+        f(i, lo - off, hi - lo, slots);
+      }
       off += p.count[dev];
     }
   }
@@ -316,13 +351,10 @@ class train_state {
       // of them: the skip verdict is the same on every device.
       if (scaling_ && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
-      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-      float* m = state_[dev].data();
-      float* v = opt.slots() > 1 ? m + n : m;
-      std::size_t off = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        opt.update(master(i, dev), g[i], m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
-        off += params[i].count[dev];
+        float* m = state_slot(i, 0, dev);
+        float* v = opt.slots() > 1 ? state_slot(i, 1, dev) : m;
+        opt.update(master(i, dev), g[i], m, v, params[i].count[dev], step, scale, params[i].decay);
       }
       refresh_device(dev);
       return norm;
@@ -339,7 +371,7 @@ class train_state {
     const double norm = std::sqrt(sq[0]);
     if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
-    float* m = state_[dev].data();
+    float* m = zero_state_[dev].data();
     float* v = opt.slots() > 1 ? m + size : m;
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
       opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
@@ -385,15 +417,15 @@ class train_state {
       detail::scale_in_place(g, n, 1.0f / loss_scale_);
     }
   }
+  /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
+  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_[i * opt.slots() + s].blocks[dev]; }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
     return master(static_cast<std::size_t>(&p - params.data()), dev);
   }
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-        detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-      }
+      for (std::size_t i = 0; i < params.size(); ++i)
+        detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   float clip_scale(double norm) const {
     return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
@@ -412,13 +444,18 @@ class train_state {
 
   grad_sync<T, Wire> sync_;
   softmax_cross_entropy<T> loss_;
-  std::vector<std::vector<float>> state_;
+  // Optimizer state (see docs/design.md). Replicated: slot `s` of parameter `i` is
+  // `state_[i * slots + s]`, a float tensor with the parameter's own shape and sharding (the same
+  // blocks as its value and gradient). ZeRO-1: `zero_state_[dev]` (see `zero_state_type`).
+  std::vector<detail::held_tensor<float>> state_;
+  std::vector<zero_state_type> zero_state_;
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<T> output_grad_;
-  std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
-  std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
+  /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
+  /// parameter's shape and sharding.
+  std::vector<detail::held_tensor<float>> masters_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;

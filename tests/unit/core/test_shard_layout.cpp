@@ -81,3 +81,60 @@ TEST_CASE("global shape from every device's local shape", "[core][layout]") {
         "meshlib: global_shape_from_locals needs one local shape per device: the mesh mesh{'data': 2, 'model': 2} "
         "has 4 devices, 1 shapes were given");
 }
+
+namespace {
+/// Checks `block::global_index` and `block::for_each_global_run` on every element of every
+/// device's block of `layout` against the coordinates walked by hand, and that every global
+/// element is hit by exactly the devices `owners` names.
+template <class Layout>
+void check_global_indices(const Layout& layout) {
+  const auto shape = layout.global_shape();
+  std::size_t total = 1;
+  for (auto e : shape) total *= e;
+  std::vector<std::size_t> hits(total, 0);
+  for (std::size_t dev = 0; dev < layout.num_devices(); ++dev) {
+    const auto b = layout.block_of(dev);
+    auto idx = b.offset;  // the global coordinate of block element i, walked row-major
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      std::size_t flat = 0;
+      for (std::size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + idx[d];
+      CHECK(b.global_index(shape, i) == flat);
+      ++hits[flat];
+      for (std::size_t d = shape.size(); d-- > 0;) {
+        if (++idx[d] < b.offset[d] + b.extent[d]) break;
+        idx[d] = b.offset[d];
+      }
+    }
+    // Runs over every window of the block: contiguous in both arrays, covering the window in order.
+    for (std::size_t first = 0; first <= b.size(); ++first)
+      for (std::size_t len = 0; first + len <= b.size(); len += 3) {
+        std::size_t next = first;
+        b.for_each_global_run(shape, first, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+          CHECK(k == next);
+          CHECK(n > 0);
+          for (std::size_t j = 0; j < n; ++j) CHECK(b.global_index(shape, k + j) == g + j);
+          next += n;
+        });
+        CHECK(next == first + len);
+      }
+  }
+  for (std::size_t g = 0; g < total; ++g) CHECK(hits[g] == layout.replicas(0).size());
+}
+}  // namespace
+
+TEST_CASE("block::global_index and for_each_global_run agree with the block's coordinates", "[core][layout]") {
+  const mesh_2d m{2, 4};
+  check_global_indices(shard_layout{named_sharding<mesh_2d, P<"data", "model">>{m}, shape2{6, 8}});
+  check_global_indices(shard_layout{named_sharding<mesh_2d, P<"model", "data">>{m}, shape2{4, 6}});
+  check_global_indices(shard_layout{named_sharding<mesh_2d, P<none, "model">>{m}, shape2{3, 8}});
+  check_global_indices(shard_layout{named_sharding<mesh_2d, P<"model", none>>{m, shard_rule::uneven}, shape2{7, 5}});
+  check_global_indices(
+      shard_layout{named_sharding<mesh_2d, P<axes("data", "model")>>{m, shard_rule::uneven}, std::array<std::size_t, 1>{10}});
+  check_global_indices(shard_layout{named_sharding<mesh_2d, P<none, "data", "model">>{m, shard_rule::uneven},
+                                    std::array<std::size_t, 3>{2, 3, 9}});
+  // The block's own rule: a run stops at the end of a row of the block, not of the global array.
+  const block<2> b{{1, 2}, {2, 3}};
+  std::vector<std::array<std::size_t, 3>> runs;
+  b.for_each_global_run(shape2{4, 8}, 1, 5, [&](std::size_t k, std::size_t g, std::size_t n) { runs.push_back({k, g, n}); });
+  CHECK(runs == std::vector<std::array<std::size_t, 3>>{{1, 11, 2}, {3, 18, 3}});
+}

@@ -5,6 +5,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -75,6 +76,65 @@ TEST_CASE("ZeRO-1 gives the replicated optimizer's losses with 1/n of its state"
   nn::train_state replicated(m, make_net(m), opt, {});
   nn::train_state sharded(m, make_net(m), opt, {.zero = true});
   CHECK(sharded.optimizer_state_size(0) == (replicated.optimizer_state_size(0) / 2 + 3) / 4 * 2);
+}
+
+TEST_CASE("parameters and optimizer state are tensors laid out by core's blocks", "[nn][training][zero][layout]") {
+  const mesh_t m{4, 2};
+  const auto ds = synthetic(batch);
+  const float b1 = 0.9f, b2 = 0.999f;
+  for (const bool zero : {false, true}) {
+    INFO("zero " << zero);
+    nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-2f), b1, b2), {.zero = zero});
+    using state_t = decltype(state);
+    static_assert(state_t::zero_state_type::vary == mesh_t::all_axes);  // a slice that differs on every device
+    static_assert(state_t::zero_state_type::dims_type::at(1) == state_t::data_axes);  // blocked over data
+    // Blocks: every global element of a parameter is held by exactly the devices of one replica
+    // group, and the blocks are the views the tensors hold.
+    for (const auto& p : state.params) {
+      INFO(p.name);
+      std::size_t total = 1;
+      for (auto e : p.shape) total *= e;
+      const std::size_t copies = m.axes_size(mesh_t::all_axes & ~p.sharded_axes);
+      std::vector<std::size_t> hits(total, 0);
+      for (std::size_t dev = 0; dev < m.size(); ++dev) {
+        std::size_t n = 1;
+        for (std::size_t d = 0; d < p.shape.size(); ++d) {
+          CHECK(p.offset[dev][d] + p.extent[dev][d] <= p.shape[d]);
+          n *= p.extent[dev][d];
+        }
+        REQUIRE(p.count[dev] == n);
+        CHECK(p.value.view(dev).data() == p.value[dev]);
+        CHECK(p.grad.view(dev).extent(0) == n);
+        nn::detail::for_each_global_run(p, dev, 0, n, [&](std::size_t, std::size_t g, std::size_t len) {
+          for (std::size_t j = 0; j < len; ++j) ++hits.at(g + j);
+        });
+      }
+      for (std::size_t g = 0; g < total; ++g) REQUIRE(hits[g] == copies);
+    }
+    // One Adam step from zero state: m = (1 - b1) g and v = (1 - b2) g^2 for every element, so the
+    // slots a device holds pair up element by element: m^2 (1 - b2) = v (1 - b1)^2.
+    (void)nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), batch, 0, batch);
+    const std::size_t dp = m.axes_size(state_t::data_axes);
+    for (std::size_t dev = 0; dev < m.size(); ++dev) {
+      std::size_t flat = 0, held = 0, nonzero = 0;
+      for (const auto& p : state.params) flat += p.count[dev];
+      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
+        REQUIRE(slot.size() == 2);
+        if (!zero) CHECK((off == 0 && len == state.params[i].count[dev]));
+        for (std::size_t k = 0; k < len; ++k) {
+          const double mk = slot[0][k], vk = slot[1][k];
+          REQUIRE(std::abs(mk * mk * (1 - b2) - vk * (1 - b1) * (1 - b1)) <= 1e-6 * std::abs(vk) + 1e-30);
+          nonzero += vk > 0 ? 1 : 0;
+        }
+        held += len;
+      });
+      const std::size_t slice = (flat + dp - 1) / dp, begin = m.group_rank(dev, state_t::data_axes) * slice;
+      CHECK(held == (zero ? std::min(flat, begin + slice) - std::min(flat, begin) : flat));
+      CHECK(nonzero > 0);
+      CHECK(state.optimizer_state_size(dev) == 2 * (zero ? slice : flat));
+      CHECK(state.optimizer_state(dev).size() == state.optimizer_state_size(dev));
+    }
+  }
 }
 
 TEST_CASE("k micro-batches of b rows equal one step of k*b rows", "[nn][training][accumulation]") {
