@@ -19,6 +19,9 @@
 /// Data parallel: the input on each device is its block of rows (images) of the batch, as for
 /// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
 /// gradient synchronisation of `train_step` completes. No communication in forward or backward.
+/// (Output channels sharded over a model axis do not fit rank-2 rows: in a flattened NHWC row a
+/// device's channels are not one contiguous block of the features, so such an output could not be
+/// typed as a feature-sharded block. A ResNet is trained data-parallel, which this layer is.)
 ///
 /// Sizes are checked: a kernel larger than the padded input is refused at construction, an input
 /// whose width is not `height * width * C_in` (say, another channel count) in forward; each
