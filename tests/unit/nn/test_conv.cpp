@@ -478,14 +478,15 @@ std::vector<double> train_conv(const mesh_t& m, std::size_t steps) {
 }
 }  // namespace
 
-TEST_CASE("a tiny ResNet trains to the same per-step losses on (1, 1), (2, 1) and (4, 1), and evaluates alike",
+TEST_CASE("a tiny ResNet trains to the same per-step losses on (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), and evaluates alike",
           "[nn][conv][training]") {
   const auto ref = train_conv(mesh_t{1, 1}, 5);  // 5 training losses, then the evaluation loss
   CHECK(ref[4] < ref[0]);                        // it learns
-  for (auto d : {std::size_t{2}, std::size_t{4}}) {
-    const auto got = train_conv(mesh_t{d, 1}, 5);
+  // Data parallel, and replicated over a model axis (each model device computes the same block).
+  for (auto [d, mo] : {std::pair<std::size_t, std::size_t>{2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
+    const auto got = train_conv(mesh_t{d, mo}, 5);
     for (std::size_t i = 0; i < ref.size(); ++i) {
-      INFO("step " << i << " on (" << d << ", 1): " << got[i] << " vs " << ref[i]);
+      INFO("step " << i << " on (" << d << ", " << mo << "): " << got[i] << " vs " << ref[i]);
       REQUIRE(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
     }
   }
