@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `conv2d`: a 2-D convolution (`flax.linen.Conv` / `torch.nn.Conv2d`, dilation 1, one
+/// group) with stride and zero padding, forward and backward, on channels-last images (NHWC).
+///
+/// Why NHWC and im2col: with the channels of a pixel contiguous, the `kernel x kernel` window of
+/// one output pixel is `kernel` runs of `kernel * C_in` contiguous values, so im2col writes each
+/// patch row with straight copies, and the convolution is one plain GEMM
+/// `Y (N*Ho*Wo x C_out) = patches (N*Ho*Wo x kernel*kernel*C_in) x W (kernel*kernel*C_in x C_out)`
+/// whose output is already NHWC (no transpose on either side), TensorFlow's and JAX's default layout.
+/// The weight is `W[(i * kernel + j) * C_in + c][o]`: HWIO (flax's layout) flattened to rank 2.
+/// - forward: im2col (a Kokkos kernel, one work item per output pixel), then `Y = b; Y += patches W`
+///   (`matmul_into`);
+/// - backward: `dW (+)= patches^T dY` (the patches the forward kept), `db (+)= column sums of dY`,
+///   `dpatches = dY W^T`, then col2im as a gather: one work item per input pixel adds the patch
+///   entries that read it, in a fixed order (no atomics: the same bits on every run and mesh).
+///
+/// Data parallel: the input on each device is its block of rows (images) of the batch, as for
+/// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
+/// gradient synchronisation of `train_step` completes. No communication in forward or backward.
+/// (Output channels sharded over a model axis do not fit rank-2 rows: in a flattened NHWC row a
+/// device's channels are not one contiguous block of the features, so such an output could not be
+/// typed as a feature-sharded block. A ResNet is trained data-parallel, which this layer is.)
+///
+/// Sizes are checked: a kernel larger than the padded input is refused at construction, an input
+/// whose width is not `height * width * C_in` (say, another channel count) in forward; each
+/// `sharding_error` names the layer, the sizes and the fix.
+/// @code
+/// meshlib::nn::conv2d<float, mesh_t> c1(m, "c1", {28, 28, 1}, 16, 3, meshlib::nn::rng_key{0}, {.padding = 1});
+/// // c1.output_shape() == {28, 28, 16}; inside spmd: auto y = c1.forward(x);  ...  c1.backward(dy);
+/// @endcode
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/image_shape.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/matmul_into.hpp"
+
+namespace meshlib::nn {
+
+/// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
+/// dimensions, and whether the layer adds a bias (off before a `batch_norm`, which cancels it).
+struct conv2d_options {
+  std::size_t stride = 1;   ///< step between output pixels, in input pixels
+  std::size_t padding = 0;  ///< zeros added on every side of the image
+  bool use_bias = true;     ///< add a learned bias per output channel
+};
+
+namespace detail {
+/// Whether a layer of images (conv2d, pooling, batch_norm) takes `X`: a complete rank-2 block of
+/// rows with unsharded features, of this mesh and element type.
+template <class X, class Mesh, class T>
+consteval bool image_layer_accepts() {
+  if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> || !std::is_same_v<typename X::value_type, T>) return false;
+  else if constexpr (X::rank != 2) return false;
+  else return X::partial == 0 && X::dims_type::at(1) == 0;
+}
+
+/// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
+/// `rows x cols`, the last forward's output on this device (`ran`: a forward ran there).
+inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols, bool ran,
+                                   std::size_t fwd_rows, std::size_t fwd_cols) {
+  const std::string head = "meshlib::nn: " + who + ".backward";
+  if (!ran)
+    throw sharding_error(head + " ran on device " + std::to_string(dev) +
+                         " before any forward there; run forward first (backward uses what it saved)");
+  if (rows != fwd_rows || cols != fwd_cols)
+    throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
+                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
+                         std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
+                         "); pass the cotangent of the last forward's output");
+}
+}  // namespace detail
+
+/// @brief A 2-D convolution on NHWC images (see the file comment); weight and bias replicated.
+template <class T, mesh_type Mesh>
+class conv2d {
+ public:
+  /// Weight and bias are replicated on every device (data parallel).
+  using w_sharding = named_sharding<Mesh, P<none, none>>;
+  /// @copydoc w_sharding
+  using b_sharding = named_sharding<Mesh, P<none>>;
+
+  /// The weight, `kernel*kernel*C_in x C_out` (HWIO flattened); named `name + ".w"`.
+  parameter<T, 2, w_sharding> w;
+  /// The bias, `C_out` (zero, and not trained, without `use_bias`); named `name + ".b"`.
+  parameter<T, 1, b_sharding> b;
+
+  /// Images of shape `in` to `out_channels` channels with a `kernel x kernel` window. W ~ He
+  /// (Kaiming) uniform, limit `sqrt(6 / (kernel*kernel*C_in))`, from `key` (mesh-invariant); b = 0.
+  /// @throws sharding_error when the kernel is larger than the padded input, or a size is zero.
+  conv2d(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels, std::size_t kernel,
+         rng_key key, conv2d_options o = {}, std::span<const std::size_t> local_devices = {})
+      : w(name + ".w", w_sharding{mesh}, {checked(name, in, out_channels, kernel, o) * in.channels, out_channels}, key,
+          init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(kernel * kernel * in.channels)))), true,
+          local_devices),
+        b(name + ".b", b_sharding{mesh}, {out_channels}, key, init::zeros(), false, local_devices),
+        name_(name),
+        in_(in),
+        out_{(in.height + 2 * o.padding - kernel) / o.stride + 1, (in.width + 2 * o.padding - kernel) / o.stride + 1,
+             out_channels},
+        kernel_(kernel),
+        opt_(o),
+        saved_(mesh.size()),
+        cols_(mesh.size()),
+        out_buf_(mesh.size()),
+        dcols_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The layer's name: its parameters are `name() + ".w"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// The shape of the images it returns: `((H + 2p - k) / s + 1) x ((W + 2p - k) / s + 1) x C_out`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return out_; }
+  /// Features per input row: `H * W * C_in`.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// Features per output row: `Ho * Wo * C_out`.
+  [[nodiscard]] std::size_t out_features() const noexcept { return out_.size(); }
+  /// `"c1 (conv2d 3x3, 28x28x1 -> 28x28x16, stride 1, padding 1)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (conv2d " + std::to_string(kernel_) + "x" + std::to_string(kernel_) + ", " + in_.to_string() +
+           " -> " + out_.to_string() + ", stride " + std::to_string(opt_.stride) + ", padding " +
+           std::to_string(opt_.padding) + ")";
+  }
+
+  /// A complete rank-2 block of rows with unsharded features (shard the batch, not the pixels).
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::detail::diag_op_t<"conv2d">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The convolution of this device's images (rows of `x`, NHWC), plus the bias.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>,
+                  "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
+                  "element type, with unsharded features: shard the batch over the data axis, not the pixels");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size())
+      throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
+    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    const std::size_t m = n * ho * wo, kk = k * k * cin;
+    saved_[dev] = {n, true};
+    T* cols = cols_.get(dev, m * kk);
+    const T* xp = x.data();
+    // im2col: the patch of output pixel r, zeros where the window hangs over the padding.
+    meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
+      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
+      T* dst = cols + r * kk;
+      for (std::size_t i = 0; i < k; ++i) {
+        const std::size_t ih = oh * s + i;  // in padded coordinates
+        for (std::size_t j = 0; j < k; ++j, dst += cin) {
+          const std::size_t iw = ow * s + j;
+          if (ih < p || iw < p || ih - p >= h || iw - p >= wd) {
+            for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
+          } else {
+            const T* src = xp + ((img * h + (ih - p)) * wd + (iw - p)) * cin;
+            for (std::size_t c = 0; c < cin; ++c) dst[c] = src[c];
+          }
+        }
+      }
+    });
+    T* y = out_buf_.get(dev, m * cout);
+    const T* wp = w.value.local(dev).data();
+    if (opt_.use_bias) {
+      const T* bias = b.value.local(dev).data();
+      meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
+        for (std::size_t o = 0; o < cout; ++o) y[r * cout + o] = bias[o];
+      });
+    }
+    matmul_into(view(y, m, cout), cview(cols, m, kk), cview(wp, kk, cout), {.beta = opt_.use_bias ? 1.0 : 0.0});
+    return X(typename X::view_type(y, n, ho * wo * cout), x.mesh(), dev);
+  }
+
+  /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
+  /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
+    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+    const std::size_t m = n * ho * wo, kk = k * k * cin;
+    const T* cols = cols_.get(dev, m * kk);
+    const T* d = dy.data();
+    matmul_into(view(w.grad.local(dev).data(), kk, cout), cview(cols, m, kk), cview(d, m, cout),
+                {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
+    if (opt_.use_bias) {
+      T* gb = b.grad.local(dev).data();
+      const bool fresh = b.grad_beta(dev) == T{0};
+      // Column sums of dy seen as (N*Ho*Wo) x C_out, rows in order (the same bits on every mesh).
+      detail::for_column_blocks<default_memory_space>(cout, [=](std::size_t j0, std::size_t j1) {
+        T* sb = gb;
+        if (fresh)
+          for (std::size_t j = j0; j < j1; ++j) sb[j] = T{0};
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = j0; j < j1; ++j) sb[j] += d[i * cout + j];
+      });
+    }
+    T* dx = dx_.get(dev, n * in_.size());
+    if (need_dx) {
+      T* dc = dcols_.get(dev, m * kk);
+      matmul_into(view(dc, m, kk), cview(d, m, cout), cview(w.value.local(dev).data(), kk, cout), {.transpose_b = true});
+      // col2im as a gather: input pixel (img, ih, iw) adds, for every kernel offset (i, j) whose
+      // output pixel exists, that patch entry.
+      meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+        const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd;
+        T* dst = dx + q * cin;
+        for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
+        for (std::size_t i = 0; i < k; ++i) {
+          const std::size_t th = ih + p;  // = oh * s + i
+          if (th < i || (th - i) % s != 0 || (th - i) / s >= ho) continue;
+          const std::size_t oh = (th - i) / s;
+          for (std::size_t j = 0; j < k; ++j) {
+            const std::size_t tw = iw + p;
+            if (tw < j || (tw - j) % s != 0 || (tw - j) / s >= wo) continue;
+            const std::size_t ow = (tw - j) / s;
+            const T* src = dc + ((img * ho + oh) * wo + ow) * kk + (i * k + j) * cin;
+            for (std::size_t c = 0; c < cin; ++c) dst[c] += src[c];
+          }
+        }
+      });
+    }
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Appends the weight, and the bias when the layer uses one.
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    if (opt_.use_bias) out.push_back(b.ref(true));
+  }
+
+ private:
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  /// The constructor's checks; returns `kernel * kernel` (the weight's rows per input channel).
+  static std::size_t checked(const std::string& name, const image_shape& in, std::size_t out_channels,
+                             std::size_t kernel, const conv2d_options& o) {
+    const std::string head = "meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
+                             std::to_string(kernel) + " on " + in.to_string() + " images)";
+    if (kernel == 0 || o.stride == 0 || out_channels == 0 || in.size() == 0)
+      throw sharding_error(head + ": kernel, stride, output channels and the image's height, width and channels must "
+                                  "be at least 1 (kernel " + std::to_string(kernel) + ", stride " +
+                           std::to_string(o.stride) + ", " + std::to_string(out_channels) + " output channels)");
+    if (in.height + 2 * o.padding < kernel || in.width + 2 * o.padding < kernel)
+      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
+                           " with padding " + std::to_string(o.padding) + " (" +
+                           std::to_string(in.height + 2 * o.padding) + "x" + std::to_string(in.width + 2 * o.padding) +
+                           "), is smaller than the " + std::to_string(kernel) + "x" + std::to_string(kernel) +
+                           " kernel; use a kernel of at most " +
+                           std::to_string(std::min(in.height, in.width) + 2 * o.padding) + ", pad by at least " +
+                           std::to_string((kernel - std::min(in.height, in.width) + 1) / 2) +
+                           ", or remove a pooling layer before it");
+    return kernel * kernel;
+  }
+
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_, out_;
+  std::size_t kernel_;
+  conv2d_options opt_;
+  std::vector<saved> saved_;  // per device: the last forward's number of images
+  detail::device_buffers<T> cols_, out_buf_, dcols_, dx_;
+};
+
+}  // namespace meshlib::nn

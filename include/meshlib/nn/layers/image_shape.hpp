@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `image_shape`: the height, width and channels of one image, as the convolutional layers
+/// (conv2d, pooling, batch_norm, basic_block) read their rank-2 input.
+///
+/// Why rank 2 and channels-last (NHWC, flattened): every layer of `nn` takes a rank-2 block of rows
+/// (the batch, sharded over the data axis) by features, and `train_step` feeds exactly that; an
+/// image row is its pixels in NHWC order, `features = height * width * channels`, so a convolutional
+/// stack composes with `dense` and `sequential` (their width checks included) with no reshape, and
+/// Fashion-MNIST's 784 features are a 28x28x1 image as they come. Channels-last is also what makes
+/// the convolution a plain GEMM (see conv2d.hpp), as in TensorFlow's and JAX's default layout.
+/// @code
+/// meshlib::nn::image_shape in{28, 28, 1};   // in.size() == 784 features per row
+/// @endcode
+
+#include <cstddef>
+#include <string>
+
+namespace meshlib::nn {
+
+/// @brief One image's shape, NHWC without the N: `height x width x channels`.
+struct image_shape {
+  std::size_t height = 0;    ///< rows of pixels
+  std::size_t width = 0;     ///< columns of pixels
+  std::size_t channels = 0;  ///< values per pixel, contiguous (channels-last)
+
+  /// The features of one row: `height * width * channels`.
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return height * width * channels; }
+  /// The pixels of one image: `height * width`.
+  [[nodiscard]] constexpr std::size_t pixels() const noexcept { return height * width; }
+  /// `"28x28x1"`, as messages print it.
+  [[nodiscard]] std::string to_string() const {
+    return std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels);
+  }
+  friend constexpr bool operator==(const image_shape&, const image_shape&) = default;
+};
+
+namespace detail {
+/// The message of a layer that received `got` features per row but takes images of shape `want`
+/// (`who`: `"conv1 (conv2d ...)"`, `name`: `"conv1"`): when `got` is a whole number of `want`'s
+/// pixels it names the channel count it found, the usual mistake (a layer declared with the wrong
+/// `C_in`).
+inline std::string image_width_error(const std::string& who, const std::string& name, std::size_t got,
+                                     const image_shape& want) {
+  std::string s = "meshlib::nn: " + who + " received " + std::to_string(got) + " features per row, but it takes " +
+                  want.to_string() + " images (height x width x channels, NHWC) = " + std::to_string(want.size()) +
+                  " features";
+  if (want.pixels() != 0 && got % want.pixels() == 0 && got != 0) {
+    const std::size_t c = got / want.pixels();
+    return s + ": that is " + std::to_string(c) + " channels where " + name + " takes " +
+           std::to_string(want.channels) + "; declare " + name + " with " + std::to_string(c) +
+           " input channels, or feed it " + std::to_string(want.channels) + "-channel images";
+  }
+  return s + "; declare " + name + " with the image shape of the layer before it (its output_shape())";
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn

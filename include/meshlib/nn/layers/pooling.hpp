@@ -1,0 +1,277 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief Pooling on NHWC images (see image_shape.hpp): `max_pool2d` and `avg_pool2d` over
+/// `window x window` windows with a stride (`flax.linen.max_pool` / `avg_pool` with padding
+/// "VALID", `torch.nn.MaxPool2d` / `AvgPool2d`), and `global_avg_pool`, the mean over all pixels of
+/// each channel (`N x HWC -> N x C`, the head of a ResNet before its dense classifier).
+///
+/// Pooling works on each image alone: a data-parallel block of rows pools locally, no communication.
+/// Forward and backward are Kokkos kernels on the running device's instance. The backward passes
+/// are gathers, one work item per input pixel adding the output cotangents of the windows that
+/// contain it (max pooling: only those whose maximum it was, the first in window order on ties,
+/// as PyTorch), in a fixed order: no atomics, the same bits on every run.
+/// @code
+/// meshlib::nn::max_pool2d<float, mesh_t> pool(m, "pool1", {28, 28, 16}, 2);   // -> 14x14x16
+/// meshlib::nn::global_avg_pool<float, mesh_t> gap(m, "gap", {7, 7, 64});      // -> 64 features
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/conv2d.hpp"
+#include "meshlib/nn/layers/image_shape.hpp"
+#include "meshlib/nn/parameter.hpp"
+
+namespace meshlib::nn {
+
+/// @brief How a `pool2d` reduces its windows.
+enum class pool_kind { max, average };
+
+/// @brief Max or average pooling over `window x window` windows (see the file comment).
+template <class T, mesh_type Mesh, pool_kind Kind>
+class pool2d {
+ public:
+  /// Pools images of shape `in` over `window x window` windows every `stride` pixels (0: `window`,
+  /// non-overlapping windows, PyTorch's default). No padding: the last window must fit.
+  /// @throws sharding_error when the window is larger than the image or a size is zero.
+  pool2d(const Mesh& mesh, const std::string& name, image_shape in, std::size_t window, std::size_t stride = 0)
+      : name_(name), in_(in), window_(window), stride_(stride == 0 ? window : stride),
+        out_{checked(in, window) ? (in.height - window) / stride_ + 1 : 0, (in.width - window) / stride_ + 1, in.channels},
+        saved_(mesh.size()), arg_(mesh.size()), out_buf_(mesh.size()), dx_(mesh.size()) {}
+
+  /// The name messages use.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// `((H - window) / stride + 1) x ((W - window) / stride + 1) x C`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return out_; }
+  /// Features per input row.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// Features per output row.
+  [[nodiscard]] std::size_t out_features() const noexcept { return out_.size(); }
+  /// `"pool1 (max_pool2d 2x2, stride 2, 28x28x16 -> 14x14x16)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (" + kind_text() + " " + std::to_string(window_) + "x" + std::to_string(window_) + ", stride " +
+           std::to_string(stride_) + ", " + in_.to_string() + " -> " + out_.to_string() + ")";
+  }
+  /// A complete rank-2 block of rows with unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"pool2d">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The maximum (or mean) of every window of every channel.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
+                                    "mesh and element type, with unsharded features");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    saved_[dev] = {n, true};
+    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+    const std::size_t k = window_, s = stride_;
+    T* y = out_buf_.get(dev, n * out_.size());
+    std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+    const T* xp = x.data();
+    const T inv = T{1} / static_cast<T>(k * k);
+    meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
+      for (std::size_t ch = 0; ch < c; ++ch) {
+        T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
+        std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
+        for (std::size_t i = 0; i < k; ++i)
+          for (std::size_t j = 0; j < k; ++j) {
+            const std::size_t pix = (oh * s + i) * wd + ow * s + j;
+            const T v = xp[(img * h * wd + pix) * c + ch];
+            if constexpr (Kind == pool_kind::max) {
+              if (v > acc) {
+                acc = v;
+                best = static_cast<std::uint32_t>(pix);
+              }
+            } else {
+              acc += v;
+            }
+          }
+        if constexpr (Kind == pool_kind::max) {
+          y[r * c + ch] = acc;
+          arg[r * c + ch] = best;
+        } else {
+          y[r * c + ch] = acc * inv;
+        }
+      }
+    });
+    return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+    const std::size_t k = window_, s = stride_;
+    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+    const T* d = dy.data();
+    T* dx = dx_.get(dev, n * in_.size());
+    const T inv = T{1} / static_cast<T>(k * k);
+    meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+      const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
+      T* dst = dx + q * c;
+      for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
+      // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
+      const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
+      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
+        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
+          const std::size_t r = (img * ho + oh) * wo + ow;
+          for (std::size_t ch = 0; ch < c; ++ch) {
+            if constexpr (Kind == pool_kind::max) {
+              if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
+            } else {
+              dst[ch] += d[r * c + ch] * inv;
+            }
+          }
+        }
+    });
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Adds nothing: pooling has no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
+  bool checked(const image_shape& in, std::size_t window) const {
+    const std::string head = "meshlib::nn: " + name_ + " (" + kind_text() + " " + std::to_string(window) + "x" +
+                             std::to_string(window) + " on " + in.to_string() + " images)";
+    if (window == 0 || in.size() == 0)
+      throw sharding_error(head + ": the window and the image's height, width and channels must be at least 1");
+    if (in.height < window || in.width < window)
+      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
+                           ", is smaller than the " + std::to_string(window) + "x" + std::to_string(window) +
+                           " window; use a window of at most " + std::to_string(std::min(in.height, in.width)) +
+                           " or remove a pooling layer before it");
+    return true;
+  }
+
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_;
+  std::size_t window_, stride_;
+  image_shape out_;
+  std::vector<saved> saved_;
+  detail::device_buffers<std::uint32_t> arg_;  // max: per output value, the input pixel it came from
+  detail::device_buffers<T> out_buf_, dx_;
+};
+
+/// @brief Max pooling (`torch.nn.MaxPool2d`, padding 0).
+template <class T, mesh_type Mesh>
+using max_pool2d = pool2d<T, Mesh, pool_kind::max>;
+/// @brief Average pooling (`torch.nn.AvgPool2d`, padding 0).
+template <class T, mesh_type Mesh>
+using avg_pool2d = pool2d<T, Mesh, pool_kind::average>;
+
+/// @brief The mean of each channel over all pixels: `N x (H*W*C) -> N x C`.
+template <class T, mesh_type Mesh>
+class global_avg_pool {
+ public:
+  /// Averages images of shape `in` to one value per channel.
+  global_avg_pool(const Mesh& mesh, const std::string& name, image_shape in)
+      : name_(name), in_(in), saved_(mesh.size()), out_buf_(mesh.size()), dx_(mesh.size()) {
+    if (in.size() == 0)
+      throw sharding_error("meshlib::nn: " + name + " (global_avg_pool on " + in.to_string() +
+                           " images): the image's height, width and channels must be at least 1");
+  }
+
+  /// The name messages use.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// `1 x 1 x C`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return {1, 1, in_.channels}; }
+  /// Features per input row.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// The channels.
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_.channels; }
+  /// `"gap (global_avg_pool 7x7x64 -> 64)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (global_avg_pool " + in_.to_string() + " -> " + std::to_string(in_.channels) + ")";
+  }
+  /// A complete rank-2 block of rows with unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"global_avg_pool">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The mean of every channel of every image.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
+                                    "of its mesh and element type, with unsharded features");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    saved_[dev] = {n, true};
+    const std::size_t c = in_.channels, hw = in_.pixels();
+    T* y = out_buf_.get(dev, n * c);
+    const T* xp = x.data();
+    const T inv = T{1} / static_cast<T>(hw);
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t img) {
+      T* yi = y + img * c;
+      const T* xi = xp + img * hw * c;
+      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
+      for (std::size_t q = 0; q < hw; ++q)  // pixels in order, each a contiguous run of channels
+        for (std::size_t ch = 0; ch < c; ++ch) yi[ch] += xi[q * c + ch];
+      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] *= inv;
+    });
+    return X(typename X::view_type(y, n, c), x.mesh(), dev);
+  }
+
+  /// `dx = dy / (H * W)` on every pixel; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    const std::size_t c = in_.channels, hw = in_.pixels();
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+    const T* d = dy.data();
+    T* dx = dx_.get(dev, n * in_.size());
+    const T inv = T{1} / static_cast<T>(hw);
+    meshlib::detail::launch<default_memory_space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+      const T* di = d + q / hw * c;
+      for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
+    });
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Adds nothing: pooling has no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_buf_, dx_;
+};
+
+}  // namespace meshlib::nn
