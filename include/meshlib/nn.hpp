@@ -13,6 +13,7 @@
 #include "meshlib/nn/layers/rms_norm.hpp"
 #include "meshlib/nn/layers/embedding.hpp"
 #include "meshlib/nn/layers/positional_embedding.hpp"
+#include "meshlib/nn/layers/tied_head.hpp"
 #include "meshlib/nn/layers/attention.hpp"
 #include "meshlib/nn/layers/transformer_block.hpp"
 #include "meshlib/nn/layers/dropout.hpp"

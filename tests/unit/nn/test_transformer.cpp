@@ -530,3 +530,52 @@ TEST_CASE("transformer_block: forward equals its layers composed by hand, gradie
     check_gradients(m, net, [&](std::size_t dev) { return xin.local_value(dev); }, labels_of(tokens));
   }
 }
+
+// ---- weight tying -------------------------------------------------------------------------------
+
+TEST_CASE("tied_head: logits equal x E^T on every mesh; the tied table's gradient matches finite differences",
+          "[nn][transformer]") {
+  constexpr std::size_t vocab = 8, width = 4;
+  const nn::rng_key key{13};
+  const auto x = wave<double>(tokens * width, 0.43);
+  std::vector<double> table;
+  for (auto shape : {std::array<std::size_t, 2>{1, 1}, std::array<std::size_t, 2>{1, 2}, std::array<std::size_t, 2>{1, 4},
+                     std::array<std::size_t, 2>{2, 2}}) {
+    const mesh_t m{shape[0], shape[1]};
+    nn::embedding<double, mesh_t> tok(m, "tok", vocab, width, key, 0.5f);
+    nn::tied_head<double, mesh_t> head(tok);
+    CHECK(head.to_string() == "tok.attend (tied_head 4 -> 8, vocabulary sharded over 'model')");
+    std::vector<nn::param_ref<double>> ps;
+    tok.collect(ps);
+    head.collect(ps);
+    REQUIRE(ps.size() == 1);  // the table, once
+    if (table.empty()) table = global_values(ps[0]);
+    const auto in = meshlib::from_host(rows_t{m}, std::array<std::size_t, 2>{tokens, width}, x);
+    std::vector<double> logits(tokens * vocab, -1.0);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto z = head.forward(in.local_value(dev));
+      const std::size_t r0 = m.group_rank(dev, data_mask) * z.extent(0);
+      const std::size_t c0 = m.group_rank(dev, mesh_t::mask_of<"model">()) * z.extent(1);
+      for (std::size_t i = 0; i < z.extent(0); ++i)
+        for (std::size_t j = 0; j < z.extent(1); ++j) logits[(r0 + i) * vocab + c0 + j] = z(i, j);
+    });
+    INFO("mesh " << m);
+    for (std::size_t i = 0; i < tokens; ++i)
+      for (std::size_t v = 0; v < vocab; ++v) {
+        double want = 0;
+        for (std::size_t k = 0; k < width; ++k) want += x[i * width + k] * table[v * width + k];
+        REQUIRE(std::abs(logits[i * vocab + v] - want) < 1e-12);
+      }
+  }
+  for (auto shape : fd_meshes) {
+    const mesh_t m{shape[0], shape[1]};
+    nn::embedding<double, mesh_t> tok(m, "tok", vocab, width, key, 0.5f);
+    nn::tied_head<double, mesh_t> head(tok);
+    // The network holds copies of both: they share the one table, whose gradient sums the lookup's
+    // and the head's contributions.
+    nn::sequential net(tok, nn::positional_embedding<double, mesh_t>(m, "pos", 5, width, seq, key, 0.5f),
+                       nn::rms_norm<double, mesh_t>(m, "norm", width), head);
+    const auto in = id_rows(m, ids_of(tokens, vocab));
+    check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
+  }
+}
