@@ -110,29 +110,33 @@ class embedding {
                   "of a model group looks up the same tokens in its own vocabulary range)");
     static_assert(meshlib::detail::host_accessible_v<typename Ids::memory_space>,
                   "meshlib::nn: embedding checks the ids into a host result; device memory needs them copied back");
-    using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
-    const std::size_t dev = ids.device(), rows = ids.extent(0);
-    const auto tl = table.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    const std::size_t v0 = ids.mesh().group_rank(dev, model_mask) * vl;
-    check_ids(ids.data(), rows, dev);
-    saved_[dev] = {ids.data(), rows};
-    T* y = out_.get(dev, rows * d);
-    const T* w = tl.data();
-    const std::int32_t* id = ids.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const std::size_t v = static_cast<std::size_t>(id[i]);
-      T* yi = y + i * d;
-      if (v >= v0 && v < v0 + vl) {
-        const T* wr = w + (v - v0) * d;
-        for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
-      } else {
-        for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
-      }
-    });
-    if constexpr (model_mask != 0)
-      static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
-    return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
+    if constexpr (!accepts_input<Ids>) {
+      return {};  // the one diagnostic above has fired; nothing else may
+    } else {
+      using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
+      const std::size_t dev = ids.device(), rows = ids.extent(0);
+      const auto tl = table.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      const std::size_t v0 = ids.mesh().group_rank(dev, model_mask) * vl;
+      check_ids(ids.data(), rows, dev);
+      saved_[dev] = {ids.data(), rows};
+      T* y = out_.get(dev, rows * d);
+      const T* w = tl.data();
+      const std::int32_t* id = ids.data();
+      meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+        const std::size_t v = static_cast<std::size_t>(id[i]);
+        T* yi = y + i * d;
+        if (v >= v0 && v < v0 + vl) {
+          const T* wr = w + (v - v0) * d;
+          for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
+        } else {
+          for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
+        }
+      });
+      if constexpr (model_mask != 0)
+        static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
+      return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
+    }
   }
 
   /// Adds the cotangent rows of this device's ids into its rows of the table's gradient. Returns
