@@ -83,6 +83,15 @@ inline void check_same_shape_cotangent(const std::string& who, std::size_t dev, 
                          "); pass the cotangent of the last forward's output");
 }
 
+/// The check every layer that reads the sequence layout makes: a device's rows are whole sequences.
+inline void check_whole_sequences(const std::string& who, std::size_t rows, std::size_t seq, std::size_t dev) {
+  if (seq == 0 || rows % seq != 0)
+    throw sharding_error("meshlib::nn: " + who + " received " + std::to_string(rows) + " tokens on device " +
+                         std::to_string(dev) + ", not a whole number of sequences of " + std::to_string(seq) +
+                         "; feed each device batch * " + std::to_string(seq) +
+                         " tokens (rows are sequence-major) or set the layer's sequence length to the data's");
+}
+
 // ---- the protocol, read with defaults -----------------------------------------------------------
 
 template <class L, class X>

@@ -140,7 +140,7 @@ class basic_dense {
   /// named `name + ".w"` / `".b"`. `local_devices`: this process's devices (empty: all).
   basic_dense(const Mesh& mesh, const std::string& name, std::size_t in, std::size_t out, rng_key key,
               std::span<const std::size_t> local_devices = {})
-      : w(name + ".w", w_sharding{mesh}, {in, out}, key,
+      : w(name + ".w", w_sharding{mesh}, {checked_split(mesh, name, in, out), out}, key,
           init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(in + out)))), true, local_devices),
         b(name + ".b", b_sharding{mesh}, {out}, key, init::zeros(), false, local_devices),
         name_(name),
@@ -280,6 +280,27 @@ class basic_dense {
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
   using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
   using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  /// `in`, after checking that the width the layer splits over `Model` divides evenly (the output of
+  /// a `column_dense`, such as a language model's vocabulary, the input of a `row_dense`): the
+  /// message names the layer, the width and the fix, where the sharding's own would name only a
+  /// dimension of the weight.
+  static std::size_t checked_split(const Mesh& mesh, const std::string& name, std::size_t in, std::size_t out) {
+    if constexpr (Kind != dense_kind::replicated) {
+      constexpr bool column = Kind == dense_kind::column;
+      const std::size_t n = mesh.axes_size(Mesh::template mask_of<Model>()), width = column ? out : in;
+      if (width % n != 0)
+        throw sharding_error("meshlib::nn: " + name + " (" + std::string(kind_name.view()) + " " + std::to_string(in) +
+                             " -> " + std::to_string(out) + "): its " + std::to_string(width) +
+                             (column ? " outputs" : " inputs") + " are not divisible by the " + std::to_string(n) +
+                             " devices of the model axis '" + std::string(Model.view()) +
+                             "' it splits them over; use a width divisible by " + std::to_string(n) +
+                             (column ? " (pad a vocabulary to " + std::to_string((width + n - 1) / n * n) +
+                                           " with ids that never occur)"
+                                     : std::string()) +
+                             " or a model axis whose size divides " + std::to_string(width));
+    }
+    return in;
+  }
 
   std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
     constexpr axis_mask axes = w_sharding::dim_mask(0);

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `causal_self_attention`: multi-head causal self-attention with its heads sharded over a
+/// model axis (Megatron's `ParallelAttention`; `flax.linen.MultiHeadDotProductAttention` with a
+/// causal mask, `torch.nn.MultiheadAttention(..., is_causal=True)` when the axis has one device),
+/// with forward and backward.
+///
+/// Layout: the rows are tokens, `batch * sequence` of them, sequence-major (row `i` of a device's
+/// block is position `i % sequence_length()` of sequence `i / sequence_length()`), the features
+/// complete; the rows may be sharded over the data axis as long as each device holds whole sequences.
+/// The output has the input's type and shape.
+///
+/// Tensor parallelism, as Megatron splits it (one `psum` forward, one backward):
+/// - the fused Q, K, V projection is a `column_dense` (`features -> 3 features`, no communication),
+///   its columns ordered head by head (`[head][q, k, v][head_dim]`), so a device's block of columns
+///   is exactly its `heads / n` heads' queries, keys and values;
+/// - each device attends with its own heads: `softmax(mask(Q K^T / sqrt(head_dim))) V` per sequence
+///   and head, no communication;
+/// - the heads' outputs, concatenated (sharded over the model axis), go through a `row_dense`
+///   (`features -> features`) whose `psum` completes the output. Backward is the transpose: a `pvary`
+///   into the output projection, the `psum` of the input's cotangent in the QKV projection.
+///
+/// The softmax runs in the layer's element type (float for a float model) with each row's maximum
+/// subtracted, over the positions `j <= i` only (the causal mask: those above are exactly 0).
+/// Products are `matmul_into` calls on each (sequence, head) block; the rearrangements between the
+/// fused projection's layout and per-head contiguous blocks, the softmax and its backward are
+/// Kokkos kernels on the running device's instance.
+///
+/// Parameters: `name + ".qkv.w"`, `".qkv.b"` (the fused projection) and `".out.w"`, `".out.b"`.
+/// The number of heads must be divisible by the size of the model axis (a `sharding_error` at
+/// construction names the layer, the heads, the axis size and the fix), and the width by the heads.
+/// @code
+/// meshlib::nn::causal_self_attention<float, mesh_t> attn(m, "attn", 128, 4, 64, key);  // width 128, 4 heads, sequences of 64
+/// // inside spmd: auto y = attn.forward(x);   // x: (batch * 64, 128), rows sharded over data
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/dense.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/matmul_into.hpp"
+
+namespace meshlib::nn {
+
+/// @brief Multi-head causal self-attention, heads sharded over `Model` (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+class causal_self_attention {
+ public:
+  /// The mesh axes of `Model`.
+  static constexpr axis_mask model_mask = Mesh::template mask_of<Model>();
+
+ private:
+  std::string name_;  // first: its initialiser checks the sizes before the projections are made
+
+ public:
+  /// The fused Q, K, V projection, `features -> 3 features`, columns `[head][q, k, v][head_dim]`.
+  column_dense<T, Mesh, Model> qkv;
+  /// The output projection, `features -> features`, rows `[head][head_dim]`.
+  row_dense<T, Mesh, Model> proj;
+
+  /// `features` values per token, split into `heads` heads of `features / heads`; sequences of
+  /// `sequence_length` tokens. `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `heads` is not divisible by the size of `Model`, or `features` by `heads`.
+  causal_self_attention(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads,
+                        std::size_t sequence_length, rng_key key, std::span<const std::size_t> local_devices = {})
+      : name_(checked_name(mesh, name, features, heads)),
+        qkv(mesh, name + ".qkv", features, 3 * features, key, local_devices),
+        proj(mesh, name + ".out", features, features, key, local_devices),
+        heads_(heads),
+        saved_(mesh.size()),
+        qkvh_(mesh.size()),
+        probs_(mesh.size()),
+        oh_(mesh.size()),
+        ocat_(mesh.size()),
+        doh_(mesh.size()),
+        dqkvh_(mesh.size()),
+        dprobs_(mesh.size()),
+        dqkv_(mesh.size()) {
+    set_sequence_length(sequence_length);
+  }
+
+  /// The layer's name: its parameters are `name() + ".qkv.w"`, `".qkv.b"`, `".out.w"`, `".out.b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The width of a token: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return proj.out_features(); }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// The number of heads (over all devices of the model axis).
+  [[nodiscard]] std::size_t heads() const noexcept { return heads_; }
+  /// The tokens per sequence of the inputs.
+  [[nodiscard]] std::size_t sequence_length() const noexcept { return seq_; }
+  /// Sets the tokens per sequence of the next inputs (a shorter context for generation).
+  /// @throws sharding_error when `s` is 0.
+  void set_sequence_length(std::size_t s) {
+    if (s == 0)
+      throw sharding_error("meshlib::nn: " + to_string() + ": a sequence length of 0; give it the tokens per sequence");
+    seq_ = s;
+  }
+  /// `"attn (causal_self_attention 128 features, 4 heads sharded over 'model', sequences of 64)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (causal_self_attention " + std::to_string(in_features()) + " features, " + std::to_string(heads_) +
+           " heads" + detail::sharded_over_text<Mesh>(model_mask) + ", sequences of " + std::to_string(seq_) + ")";
+  }
+
+  /// The input of a `column_dense`: complete, unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"causal_self_attention">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The attention of every token of this device to the tokens before it in its sequence.
+  /// @throws sharding_error when `x` is not whole sequences of the layer's width.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
+    detail::check_whole_sequences(to_string(), rows, seq, dev);
+    auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
+    using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
+    const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+    saved_[dev] = {rows, seq, true};
+    // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
+    T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+    const T* yp = y.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = yp[i * 3 * hl * hd + (h * 3 + t) * hd + e];
+    });
+    T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
+    T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b)
+        matmul_into(view(block_p(p, h, b, nb, seq), seq, seq), cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd),
+                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd), {.transpose_b = true, .alpha = scale});
+    causal_softmax(p, hl * nb * seq, seq);
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b)
+        matmul_into(view(block(oh, 0, h, b, hl, rows, seq, hd), seq, hd), cview(block_p(p, h, b, nb, seq), seq, seq),
+                    cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
+    T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
+    const T* ohp = oh;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) oc[i * hl * hd + h * hd + e] = ohp[(h * rows + i) * hd + e];
+    });
+    return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+  }
+
+  /// The cotangent of the input (when `need_dx`); accumulates the projections' gradients.
+  /// @throws sharding_error when no forward ran on this device or `dy` is not its output's shape.
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    if (!saved_[dev].ran)
+      throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
+                           " before any forward there; run forward first (backward uses what it saved)");
+    const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
+    auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
+    using H = decltype(dout);
+    const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+    const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+    const T* p = probs_.get(dev, hl * nb * seq * seq);
+    T* doh = doh_.get(dev, hl * rows * hd);
+    const T* dop = dout.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) doh[(h * rows + i) * hd + e] = dop[i * hl * hd + h * hd + e];
+    });
+    T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
+    T* dp = dprobs_.get(dev, hl * nb * seq * seq);
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b) {
+        const auto pb = cview(block_p(p, h, b, nb, seq), seq, seq);
+        const auto dob = cview(block(doh, 0, h, b, hl, rows, seq, hd), seq, hd);
+        // dV = P^T dO; dP = dO V^T
+        matmul_into(view(block(dqh, 2, h, b, hl, rows, seq, hd), seq, hd), pb, dob, {.transpose_a = true});
+        matmul_into(view(block_p(dp, h, b, nb, seq), seq, seq), dob, cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd),
+                    {.transpose_b = true});
+      }
+    causal_softmax_backward(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b) {
+        const auto dsb = cview(block_p(dp, h, b, nb, seq), seq, seq);
+        // dQ = dS K; dK = dS^T Q (dS already holds the scale)
+        matmul_into(view(block(dqh, 0, h, b, hl, rows, seq, hd), seq, hd), dsb,
+                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd));
+        matmul_into(view(block(dqh, 1, h, b, hl, rows, seq, hd), seq, hd), dsb,
+                    cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd), {.transpose_a = true});
+      }
+    T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
+    const T* dqhp = dqh;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) dq[i * 3 * hl * hd + (h * 3 + t) * hd + e] = dqhp[((t * hl + h) * rows + i) * hd + e];
+    });
+    return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+  }
+
+  /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.
+  void collect(std::vector<param_ref<T>>& out) const {
+    qkv.collect(out);
+    proj.collect(out);
+  }
+
+ private:
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
+  static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
+                  std::size_t seq, std::size_t hd) {
+    return base + ((t * hl + h) * rows + b * seq) * hd;
+  }
+  static const T* block(const T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
+                        std::size_t seq, std::size_t hd) {
+    return base + ((t * hl + h) * rows + b * seq) * hd;
+  }
+  /// The `seq x seq` block of sequence `b`, head `h` in a `[head][sequence][i][j]` buffer.
+  static T* block_p(T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
+    return base + (h * nb + b) * seq * seq;
+  }
+  static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
+    return base + (h * nb + b) * seq * seq;
+  }
+
+  /// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
+  /// `j <= i` with the maximum subtracted, 0 above.
+  static void causal_softmax(T* s, std::size_t n, std::size_t seq) {
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
+      T* row = s + r * seq;
+      const std::size_t last = r % seq;
+      T m = -std::numeric_limits<T>::infinity();
+      for (std::size_t j = 0; j <= last; ++j) m = row[j] > m ? row[j] : m;
+      T sum = 0;
+      for (std::size_t j = 0; j <= last; ++j) sum += (row[j] = std::exp(row[j] - m));
+      const T inv = T{1} / sum;
+      for (std::size_t j = 0; j <= last; ++j) row[j] *= inv;
+      for (std::size_t j = last + 1; j < seq; ++j) row[j] = T{0};
+    });
+  }
+
+  /// `dS = scale * P (dP - rowsum(P dP))` in place of `dp` (the softmax's backward, with the scale of
+  /// the scores folded in); 0 above the diagonal.
+  static void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
+      const T* pr = p + r * seq;
+      T* d = dp + r * seq;
+      const std::size_t last = r % seq;
+      T dot = 0;
+      for (std::size_t j = 0; j <= last; ++j) dot += pr[j] * d[j];
+      for (std::size_t j = 0; j <= last; ++j) d[j] = scale * pr[j] * (d[j] - dot);
+      for (std::size_t j = last + 1; j < seq; ++j) d[j] = T{0};
+    });
+  }
+
+  static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads) {
+    const std::size_t n = mesh.axes_size(model_mask);
+    const std::string who = "meshlib::nn: " + name + " (causal_self_attention " + std::to_string(features) +
+                            " features, " + std::to_string(heads) + " heads)";
+    if (heads == 0 || heads % n != 0)
+      throw sharding_error(who + ": " + std::to_string(heads) + " heads are not divisible by the " + std::to_string(n) +
+                           " devices of the model axis '" + std::string(Model.view()) +
+                           "' the heads are sharded over; use a number of heads divisible by " + std::to_string(n) +
+                           " or a model axis whose size divides " + std::to_string(heads));
+    if (features % heads != 0)
+      throw sharding_error(who + ": " + std::to_string(features) + " features do not split into " +
+                           std::to_string(heads) + " heads; use a width divisible by the number of heads");
+    return name;
+  }
+
+  struct saved {
+    std::size_t rows = 0, seq = 0;
+    bool ran = false;
+  };
+  std::size_t heads_, seq_ = 0;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> qkvh_, probs_, oh_, ocat_, doh_, dqkvh_, dprobs_, dqkv_;
+};
+
+}  // namespace meshlib::nn

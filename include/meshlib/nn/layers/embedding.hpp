@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `embedding`: a token embedding whose table is sharded over the vocabulary along a model
+/// axis (Megatron's `VocabParallelEmbedding`; `flax.linen.Embed` / `torch.nn.Embedding` when the
+/// model axis has one device), with forward and backward.
+///
+/// Why sharded over the vocabulary: the table is the largest parameter of a small language model
+/// (vocabulary x width), and an output layer tied to it has the same shape; split by rows, each
+/// device of a model group holds `vocab / n` rows and the lookup costs one `psum` of the output.
+///
+/// Forward: each device looks up the ids that fall in its vocabulary range `[v0, v0 + vocab / n)` and
+/// writes zeros for the others: the rows of the result are a pending sum over the model axis, which
+/// one `psum` completes (every id lies in exactly one range, so the sum is the looked-up row).
+/// Backward: the cotangent of that `psum` is its `pvary` (no data moves); each device adds the
+/// cotangent rows of its own ids into its own rows of the table's gradient, and no other.
+///
+/// The ids are an `std::int32_t` tensor of rank 1 (one id per token: for a batch of sequences, the
+/// rows `batch * sequence`, sequence-major as the other Transformer layers take them), sharded like
+/// the rows of the activations (over the data axis) and replicated over the model axis. The output
+/// is `(tokens, features)`, its rows sharded as the ids, its features complete. The ids have no
+/// cotangent: `backward` returns the ids it looked up, so that `sequential`'s type check (every
+/// layer hands back its input's type) holds for a network that starts at the ids.
+/// Kernels: one work item per token for the lookup; for the gradient, one per block of columns
+/// adding the tokens in token order (deterministic, no atomics: the same bits on every mesh).
+/// @code
+/// meshlib::nn::embedding<float, mesh_t> tok(m, "tok", 256, 128, meshlib::nn::rng_key{0});   // vocab 256, width 128
+/// // inside spmd: auto h = tok.forward(ids);   // ids: (tokens) int32, h: (tokens, 128)
+/// @endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "meshlib/collectives/reductions.hpp"
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/dense.hpp"
+#include "meshlib/nn/parameter.hpp"
+
+namespace meshlib::nn {
+
+/// @brief A token embedding sharded over the vocabulary along `Model` (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+class embedding {
+ public:
+  /// The table is split by rows (the vocabulary) over `Model`.
+  /// (The spec of a `row_dense` weight: spelled through `dense_specs`, as GCC 12 fails on
+  /// `P<dim_spec(Model.chars), none>` written in a class template of several parameters.)
+  using sharding = named_sharding<Mesh, typename detail::dense_specs<dense_kind::row, Model>::w>;
+  /// The table's block on a device: `vocab / n` rows.
+  using table_type = parameter<T, 2, sharding>;
+  /// The mesh axes of `Model`.
+  static constexpr axis_mask model_mask = Mesh::template mask_of<Model>();
+
+ private:
+  std::string name_;  // first: its initialiser checks the sizes before the table is made
+
+ public:
+  /// The table, `vocab x features`, named `name + ".embedding"` (flax's name), initialised normal
+  /// with standard deviation `stddev` (0.02: GPT-2's and Megatron's default).
+  table_type table;
+
+  /// `vocab` ids to `features` values each. `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `vocab` is not divisible by the size of `Model`, naming the layer,
+  /// both sizes and the fix.
+  embedding(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features, rng_key key,
+            float stddev = 0.02f, std::span<const std::size_t> local_devices = {})
+      : name_(checked_name(mesh, name, vocab, features)),
+        table(name + ".embedding", sharding{mesh}, {vocab, features}, key, init::normal(stddev), true, local_devices),
+        saved_(mesh.size()),
+        out_(mesh.size()) {}
+
+  /// The layer's name: its parameter is `name() + ".embedding"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The number of ids (the table's rows, over all devices).
+  [[nodiscard]] std::size_t vocab_size() const noexcept { return table.value.global_shape()[0]; }
+  /// The width of an embedding: what it outputs.
+  [[nodiscard]] std::size_t out_features() const noexcept { return table.value.global_shape()[1]; }
+  /// `"tok (embedding 256 x 128, vocabulary sharded over 'model')"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (embedding " + std::to_string(vocab_size()) + " x " + std::to_string(out_features()) +
+           ", vocabulary" + detail::sharded_over_text<Mesh>(model_mask) + ")";
+  }
+  /// Ids: complete `std::int32_t` values of rank 1, replicated over `Model`.
+  template <class Ids>
+  static constexpr bool accepts_input = std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1 &&
+                                        Ids::partial == 0 && (Ids::vary & model_mask) == 0;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"embedding">;
+
+  /// The output type for ids of type `Ids`: a row per id, rows sharded as the ids, features complete.
+  template <class Ids>
+  using output_t = rebind_local_t<Ids, T, 2, Ids::vary, 0, dim_masks<Ids::dims_type::at(0), axis_mask{0}>>;
+
+  /// `table[ids[i]]` for every token `i` of this device (one `psum` over `Model`).
+  /// @throws std::out_of_range naming the layer, the token and the id when an id is not in `[0, vocab)`.
+  template <local_tensor_type Ids>
+  output_t<Ids> forward(const Ids& ids) {
+    static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
+                  "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
+    static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
+                  "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
+                  "of a model group looks up the same tokens in its own vocabulary range)");
+    static_assert(meshlib::detail::host_accessible_v<typename Ids::memory_space>,
+                  "meshlib::nn: embedding checks the ids into a host result; device memory needs them copied back");
+    if constexpr (!accepts_input<Ids>) {
+      return {};  // the one diagnostic above has fired; nothing else may
+    } else {
+      using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
+      const std::size_t dev = ids.device(), rows = ids.extent(0);
+      const auto tl = table.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      const std::size_t v0 = ids.mesh().group_rank(dev, model_mask) * vl;
+      check_ids(ids.data(), rows, dev);
+      saved_[dev] = {ids.data(), rows};
+      T* y = out_.get(dev, rows * d);
+      const T* w = tl.data();
+      const std::int32_t* id = ids.data();
+      meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+        const std::size_t v = static_cast<std::size_t>(id[i]);
+        T* yi = y + i * d;
+        if (v >= v0 && v < v0 + vl) {
+          const T* wr = w + (v - v0) * d;
+          for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
+        } else {
+          for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
+        }
+      });
+      if constexpr (model_mask != 0)
+        static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
+      return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
+    }
+  }
+
+  /// Adds the cotangent rows of this device's ids into its rows of the table's gradient. Returns
+  /// the ids of the last forward (ids have no cotangent; see the file comment).
+  /// @throws sharding_error when `dy` is not shaped as the last forward's output on this device.
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool = true) {
+    using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
+    const std::size_t dev = dy.device();
+    const auto [ids, rows] = saved_[dev];
+    const auto tl = table.local(dev);
+    const std::size_t vl = tl.extent(0), d = tl.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+    const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
+    T* g = table.grad.local(dev).data();
+    const T* dyp = dy.data();
+    const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
+    const std::size_t n = rows;
+    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
+      T* gs = g;  // a local: the stores below cannot be taken to change it
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t v = static_cast<std::size_t>(id[i]);
+        if (v < v0 || v >= v0 + vl) continue;  // another device's row
+        for (std::size_t j = j0; j < j1; ++j) gs[(v - v0) * d + j] += dyp[i * d + j];
+      }
+    });
+    return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+  }
+
+  /// Appends the table to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+
+ private:
+  static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features) {
+    const std::size_t n = mesh.axes_size(model_mask);
+    if (vocab % n != 0) {
+      const std::size_t up = (vocab + n - 1) / n * n;
+      throw sharding_error("meshlib::nn: " + name + " (embedding " + std::to_string(vocab) + " x " +
+                           std::to_string(features) + "): the vocabulary of " + std::to_string(vocab) +
+                           " is not divisible by the " + std::to_string(n) + " devices of the model axis '" +
+                           std::string(Model.view()) + "' it is sharded over; pad the vocabulary to " +
+                           std::to_string(up) + " (ids that never occur) or use a model axis whose size divides " +
+                           std::to_string(vocab));
+    }
+    return name;
+  }
+
+  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
+    // The first bad token, found by one work item on the device's instance (host-accessible ids).
+    std::size_t bad = rows;
+    std::size_t* res = &bad;
+    const std::int32_t vocab = static_cast<std::int32_t>(vocab_size());
+    meshlib::detail::launch<default_memory_space>(1, KOKKOS_LAMBDA(std::size_t) {
+      for (std::size_t i = 0; i < rows; ++i)
+        if (id[i] < 0 || id[i] >= vocab) {
+          *res = i;
+          break;
+        }
+    });
+    if (bad != rows)
+      throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
+                              std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
+                              std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
+  }
+
+  struct saved {
+    const std::int32_t* ids = nullptr;
+    std::size_t rows = 0;
+  };
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_;
+};
+
+}  // namespace meshlib::nn
