@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/core/deferred.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
@@ -298,8 +299,8 @@ using guard = basic_guard<>;
 /// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
 [[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
   const auto l = launch();
-  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
-            << std::endl;
+  meshlib::detail::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
+                            std::to_string(l.process_count) + " aborts the run: " + std::string(reason));
   exchange()->abort(exit_code, reason);
 }
 

@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/mpi/mpi_communicator.hpp"
 #include "meshlib/runtime/distributed.hpp"
 #include "meshlib/runtime/process_exchange.hpp"
@@ -120,7 +121,8 @@ inline mpi_runtime_state& mpi_state() {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
   }
-  std::cerr << "meshlib: MPI rank " << rank << " of " << size << " aborts the run: " << reason << std::endl;
+  meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " aborts the run: " + std::string(reason));
   if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
 }

@@ -91,6 +91,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
@@ -220,7 +221,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
-    std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
+    meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                              " aborts the run: " + std::string(reason));
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
   }
