@@ -12,9 +12,10 @@
 //
 // The batch is split over "data"; every weight is replicated and its gradient synchronised over
 // "data" by train_step; every batch norm's statistics are reduced over "data" (PyTorch's
-// SyncBatchNorm), so the losses do not depend on the mesh: the same seed gives the same losses on
-// (1, 1) or (4, 1). A model axis larger than 1 is accepted: its devices hold the same replicas and
-// compute the same numbers (a convolutional network of this size has nothing worth splitting).
+// SyncBatchNorm), so the training does not depend on the mesh: the same seed gives the same losses
+// on (1, 1) or (4, 1), up to float rounding (the sums run in another order). A model axis larger
+// than 1 is accepted: its devices hold the same replicas and compute the same numbers (a network
+// this small has nothing worth splitting).
 // Evaluation uses the batch norms' running statistics (nn::evaluate switches them to evaluation).
 //
 //   train_resnet_fashion_mnist [--mesh 4x1] [--epochs 6] [--batch 128] [--lr 2e-3] ... (--help)
