@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what is missing, builds the flagship example in build/ and runs it (train_fashion_mnist:
 # an MLP trained on Fashion-MNIST on a (4, 2) mesh of thread devices).
-# EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart or flagship);
+# EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart, flagship or
+# train_resnet_fashion_mnist, the convolutional flagship);
 # arguments go to it.
 set -euo pipefail
 EXAMPLE="${EXAMPLE:-train_fashion_mnist}"

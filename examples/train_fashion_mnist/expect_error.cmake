@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Runs the command after `--` and checks how it fails: exit status EXIT, a line of stderr equal to
-# MESSAGE, and with USAGE=ON stderr starting with the usage line and nothing on stdout (nothing
+# MESSAGE, and with USAGE=ON stderr starting with the usage line of PROGRAM (default
+# train_fashion_mnist; train_resnet_fashion_mnist shares this script) and nothing on stdout (nothing
 # was loaded or printed before the mistake was found). Prints what it got when a check fails.
-#   cmake -DEXIT=2 -DMESSAGE=... [-DUSAGE=ON] -P expect_error.cmake -- program args...
+#   cmake -DEXIT=2 -DMESSAGE=... [-DUSAGE=ON] [-DPROGRAM=name] -P expect_error.cmake -- program args...
 # A `;` in MESSAGE is written `\;` in add_test (else it splits the argument); it is unescaped here.
 string(REPLACE "\\;" ";" MESSAGE "${MESSAGE}")
 set(cmd)
@@ -27,8 +28,11 @@ string(FIND "\n${err}" "\n${MESSAGE}\n" at)
 if(at EQUAL -1)
   message(FATAL_ERROR "expected the stderr line\n${MESSAGE}\ngot\n${got}")
 endif()
+if(NOT DEFINED PROGRAM)
+  set(PROGRAM train_fashion_mnist)
+endif()
 if(USAGE)
-  string(FIND "${err}" "usage: train_fashion_mnist [--mesh DxM]" at)
+  string(FIND "${err}" "usage: ${PROGRAM} [--mesh DxM]" at)
   if(NOT at EQUAL 0 OR NOT "${out}" STREQUAL "")
     message(FATAL_ERROR "expected the usage line first on stderr and nothing on stdout; got\n${got}")
   endif()

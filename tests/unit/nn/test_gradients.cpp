@@ -5,8 +5,12 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -129,6 +133,41 @@ TEST_CASE("dense, relu, gelu and cross-entropy gradients match finite difference
                        nn::dense<double, mesh_t>(m, "d3", hidden, 5, key));
     check_gradients(m, net, make_problem(5));
   }
+}
+
+/// relu's branch-free kernels (a bit mask forward, a select backward) against the plain definitions,
+/// bit for bit, on the values where a mask could go wrong: signed zeros, infinities, NaNs of both
+/// signs, denormals; the cotangents include an infinity and a NaN where x <= 0.
+template <class T>
+void check_relu_special_values() {
+  const mesh_t m{1, 1};
+  const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+  const T tiny = std::numeric_limits<T>::denorm_min();
+  const std::vector<T> x = {T(1.5), T(-2), T(0), -T(0), inf, -inf, nan, -nan, tiny, -tiny, T(3e-30), T(-7)};
+  const std::vector<T> dy = {T(2), T(3), T(4), T(5), T(-6), T(7), T(8), T(9), T(10), -T(11), inf, nan};
+  const std::size_t n = x.size();
+  const meshlib::named_sharding<mesh_t, meshlib::P<"data">> rows{m};
+  const auto xs = meshlib::from_host(rows, std::array<std::size_t, 2>{1, n}, x);
+  const auto dys = meshlib::from_host(rows, std::array<std::size_t, 2>{1, n}, dy);
+  nn::relu<T> act(m);
+  std::vector<T> y(n), dx(n);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto out = act.forward(xs.local_value(dev));
+    std::copy_n(out.data(), n, y.begin());
+    const auto g = act.backward(dys.local_value(dev));
+    std::copy_n(g.data(), n, dx.begin());
+  });
+  for (std::size_t i = 0; i < n; ++i) {
+    INFO("x[" << i << "] = " << x[i] << ", dy = " << dy[i]);
+    const T want_y = x[i] > T{0} ? x[i] : T{0}, want_dx = x[i] > T{0} ? dy[i] : T{0};
+    CHECK(std::memcmp(&y[i], &want_y, sizeof(T)) == 0);
+    CHECK(std::memcmp(&dx[i], &want_dx, sizeof(T)) == 0);
+  }
+}
+
+TEST_CASE("relu: forward and backward equal the plain definitions bit for bit on special values", "[nn][gradients]") {
+  check_relu_special_values<float>();
+  check_relu_special_values<double>();
 }
 
 TEST_CASE("cross-entropy on class-sharded logits: gradients match finite differences, no gather", "[nn][gradients]") {

@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// train_resnet_fashion_mnist: trains a small ResNet on Fashion-MNIST, data-parallel with synchronised
+// batch norm, on a (data, model) mesh, (4, 1) by default. The network (NHWC images, W = --width):
+//
+//   stem   3x3 conv 1 -> W, batch norm, relu            28x28xW
+//   pool   2x2 max pooling                              14x14xW
+//   b1     basic_block W -> W, stride 1                 14x14xW     (identity shortcut)
+//   b2     basic_block W -> 2W, stride 2                7x7x2W      (1x1 projection shortcut)
+//   b3     basic_block 2W -> 4W, stride 2               4x4x4W      (1x1 projection shortcut)
+//   gap    global average pooling                       4W
+//   fc     dense 4W -> 10
+//
+// The batch is split over "data"; every weight is replicated and its gradient synchronised over
+// "data" by train_step; every batch norm's statistics are reduced over "data" (PyTorch's
+// SyncBatchNorm), so the training does not depend on the mesh: the same seed gives the same losses
+// on (1, 1) or (4, 1), up to float rounding (the sums run in another order). A model axis larger
+// than 1 is accepted: its devices hold the same replicas and compute the same numbers (a network
+// this small has nothing worth splitting).
+// Evaluation uses the batch norms' running statistics (nn::evaluate switches them to evaluation).
+//
+//   train_resnet_fashion_mnist [--mesh 4x1] [--epochs 6] [--batch 128] [--lr 2e-3] ... (--help)
+// A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct options {
+  std::size_t data = 4, model = 1, epochs = 6, batch = 128, width = 16;
+  float lr = 2e-3f;
+  std::string optimizer = "adamw", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
+  std::string checkpoint_dir;
+  bool resume = false;
+  std::uint64_t seed = 0;
+  std::size_t limit_steps = 0;
+};
+
+/// A mistake in the options (argparse's exit status 2): main prints the usage line and the message
+/// before anything is loaded.
+struct usage_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+constexpr const char* usage_line =
+    "usage: train_resnet_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--width W] [--optimizer NAME]\n"
+    "                                  [--checkpoint-dir DIR] [--resume] [--data DIR] [--seed S] [--steps N] [--help]\n";
+
+void usage() {
+  std::cout << usage_line
+            << "  --mesh DxM            (data, model) mesh shape, default 4x1 (4 thread devices, data parallel)\n"
+               "  --epochs N            default 6\n"
+               "  --batch B             global batch, a multiple of D; default 128\n"
+               "  --lr R                peak learning rate (linear warm-up, cosine decay); default 2e-3\n"
+               "  --optimizer NAME      adamw | adam | sgd (momentum 0.9); default adamw (weight decay 1e-4)\n"
+               "  --width W             channels of the first stage (the stages have W, 2W, 4W); default 16\n"
+               "  --checkpoint-dir DIR  save a checkpoint there after every epoch (restorable on any mesh)\n"
+               "  --resume              restore the checkpoint in --checkpoint-dir first, continue from its step\n"
+               "                        (batch norm's running statistics are not in checkpoints: the steps after\n"
+               "                        the restore estimate them again)\n"
+               "  --data DIR            Fashion-MNIST IDX files; default " << meshlib::nn::default_fashion_mnist_dir().string() << "\n"
+               "  --seed S              initialisation and shuffling seed; default 0\n"
+               "  --steps N             stop after N steps (smoke runs)\n"
+               "Every check of the options (numbers, mesh, batch) runs before the data is loaded; a mistake\n"
+               "exits with status 2.\n";
+}
+
+/// `v` as a whole non-negative integer (no sign, no trailing characters, no overflow), else nothing.
+std::optional<std::size_t> whole_number(const std::string& v) {
+  std::size_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) return std::nullopt;
+  return n;
+}
+
+std::size_t positive_integer(const std::string& option, const std::string& v) {
+  const auto n = whole_number(v);
+  if (!n || *n == 0) throw usage_error(option + " wants a positive integer, not '" + v + "'");
+  return *n;
+}
+
+/// "DxM": two positive integers around one 'x' ("4x", "2x2x2" and "x4" are refused).
+std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v) {
+  const auto x = v.find('x');
+  const auto d = x == std::string::npos ? std::nullopt : whole_number(v.substr(0, x));
+  const auto m = x == std::string::npos ? std::nullopt : whole_number(v.substr(x + 1));
+  if (!d || !m || *d == 0 || *m == 0)
+    throw usage_error("--mesh wants DxM, two positive integers (data x model devices) such as 4x1, not '" + v + "'");
+  if (*d > std::numeric_limits<std::size_t>::max() / *m) throw usage_error("--mesh " + v + " has too many devices");
+  return {*d, *m};
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw usage_error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") { usage(); std::exit(0); }
+    else if (a == "--mesh") std::tie(o.data, o.model) = mesh_shape(value());
+    else if (a == "--epochs") o.epochs = positive_integer(a, value());
+    else if (a == "--batch") o.batch = positive_integer(a, value());
+    else if (a == "--lr") {
+      const std::string v = value();
+      float r = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), r);
+      if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !std::isfinite(r) || r <= 0)
+        throw usage_error("--lr wants a positive number, not '" + v + "'");
+      o.lr = r;
+    }
+    else if (a == "--optimizer") o.optimizer = value();
+    else if (a == "--width") o.width = positive_integer(a, value());
+    else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
+    else if (a == "--resume") o.resume = true;
+    else if (a == "--data") o.data_dir = value();
+    else if (a == "--seed") {
+      const std::string v = value();
+      std::uint64_t n = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+      if (v.empty() || ec != std::errc() || end != v.data() + v.size())
+        throw usage_error("--seed wants a non-negative integer, not '" + v + "'");
+      o.seed = n;
+    }
+    else if (a == "--steps") o.limit_steps = positive_integer(a, value());
+    else throw usage_error("unknown option '" + a + "' (see --help)");
+  }
+  if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
+    throw usage_error("--optimizer is adamw, adam or sgd, not '" + o.optimizer + "'");
+  if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
+  // The checks that need no data, in the options' words, before the seconds of loading (the
+  // library would reject the batch later, in its own terms).
+  if (o.batch % o.data != 0)
+    throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis (--mesh " +
+                      std::to_string(o.data) + "x" + std::to_string(o.model) + ": " + std::to_string(o.data) + ")");
+  if (o.width > 4096) throw usage_error("--width " + std::to_string(o.width) + " is too large (at most 4096)");
+  return o;
+}
+
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+
+/// The network of the file comment, widths W, 2W, 4W.
+auto resnet(const mesh_t& m, std::size_t w, meshlib::nn::rng_key key) {
+  namespace nn = meshlib::nn;
+  nn::conv2d<float, mesh_t> stem(m, "stem", {28, 28, 1}, w, 3, key, {.padding = 1, .use_bias = false});
+  nn::max_pool2d<float, mesh_t> pool(m, "pool", stem.output_shape(), 2);
+  nn::basic_block<float, mesh_t> b1(m, "b1", pool.output_shape(), w, 1, key);
+  nn::basic_block<float, mesh_t> b2(m, "b2", b1.output_shape(), 2 * w, 2, key);
+  nn::basic_block<float, mesh_t> b3(m, "b3", b2.output_shape(), 4 * w, 2, key);
+  const auto last = b3.output_shape();
+  return nn::sequential(stem, nn::batch_norm<float, mesh_t>(m, "stem_bn", stem.output_shape()), nn::relu<float>(m),
+                        pool, b1, b2, b3, nn::global_avg_pool<float, mesh_t>(m, "gap", last),
+                        nn::dense<float, mesh_t>(m, "fc", last.channels, 10, key));
+}
+
+int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
+  namespace nn = meshlib::nn;
+  const mesh_t mesh{o.data, o.model};
+  const nn::rng_key key{o.seed};
+  nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed});
+  const std::size_t steps = loader.steps_per_epoch();
+  const std::size_t total = o.limit_steps ? std::min(o.limit_steps, steps * o.epochs) : steps * o.epochs;
+  const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(steps / 2, total / 10), total, 0.01f);
+  nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adam" ? nn::adam(lr) : nn::adamw(lr, 1e-4f);
+  nn::train_state state(mesh, resnet(mesh, o.width, key), opt);
+
+  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu thread devices)\n",
+              o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size());
+  std::printf("  data: %zu training / %zu test images from %s\n", fm.train.count, fm.test.count, o.data_dir.c_str());
+  std::printf("  batch %zu (%zu images per data device), %s, lr %g warm-up + cosine, batch norm synchronised over 'data'\n",
+              o.batch, o.batch / o.data, opt.name().c_str(), static_cast<double>(o.lr));
+  std::size_t count = 0;
+  for (const auto& p : state.params) {
+    std::size_t n = 1;
+    for (auto e : p.shape) n *= e;
+    count += n;
+  }
+  std::printf("  %zu parameters in %zu arrays (all replicated)\n", count, state.params.size());
+  if (o.resume) {
+    nn::restore_checkpoint(o.checkpoint_dir, state);
+    std::printf("  resumed from %s at step %zu\n", o.checkpoint_dir.c_str(), static_cast<std::size_t>(state.step));
+  }
+  std::fflush(stdout);
+
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t done = state.step;
+  double acc_test = 0;
+  for (std::size_t epoch = done / steps; epoch < o.epochs && done < total; ++epoch) {
+    const auto t0 = std::chrono::steady_clock::now();
+    loader.start_epoch(epoch);
+    double loss_sum = 0, sync = 0;
+    std::size_t correct = 0, seen = 0, n = 0;
+    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(loader.next());  // resumed mid-epoch
+    while (auto b = loader.next()) {
+      if (done == total) break;
+      const auto m = nn::train_step(state, *b);
+      ++done;
+      loss_sum += m.loss;
+      correct += m.correct;
+      seen += m.rows;
+      sync += m.sync_seconds;
+      ++n;
+      if (n % 47 == 0 || n == steps) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("\r  epoch %zu  [%3zu%%] step %zu/%zu  loss %.4f  %.0f samples/s", epoch + 1, n * 100 / steps, n, steps,
+                    loss_sum / static_cast<double>(n), static_cast<double>(seen) / s);
+        std::fflush(stdout);
+      }
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t = nn::evaluate(state, fm.test, 1000);  // batch norm on its running statistics
+    acc_test = static_cast<double>(t.correct) / static_cast<double>(t.rows);
+    if (!o.checkpoint_dir.empty()) nn::save_checkpoint(o.checkpoint_dir, state);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("\r  epoch %zu: loss %.4f  train acc %.2f%%  test loss %.4f  test acc %.2f%%  %.0f samples/s  %.1f s (sync %.0f%%)  [%.0f s]\n",
+                epoch + 1, loss_sum / static_cast<double>(n), 100.0 * static_cast<double>(correct) / static_cast<double>(seen),
+                t.loss, 100.0 * acc_test, static_cast<double>(seen) / secs, secs, 100.0 * sync / secs, elapsed);
+    std::fflush(stdout);
+  }
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("done: %zu steps in %.1f s, test accuracy %.2f%% on %s\n", done, total_s, 100.0 * acc_test,
+              mesh.to_string().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const usage_error& e) {
+    std::cerr << usage_line << "train_resnet_fashion_mnist: error: " << e.what() << "\n";
+    return 2;
+  }
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  meshlib::nn::fashion_mnist fm;
+  try {
+    fm = meshlib::nn::load_fashion_mnist(o.data_dir);
+  } catch (const meshlib::data_error& e) {
+    std::cerr << "train_resnet_fashion_mnist: " << e.what() << "\n";
+    return 1;
+  }
+  try {
+    return train(o, fm);
+  } catch (const std::exception& e) {
+    std::cerr << "train_resnet_fashion_mnist: " << e.what() << "\n";
+    return 1;
+  }
+}
