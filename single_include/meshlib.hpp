@@ -450,17 +450,21 @@ namespace meshlib::detail {
 template <class... T>
 inline constexpr bool always_false = false;
 
-template <template <char...> class W, std::string_view const& S, class Seq = std::make_index_sequence<S.size()>>
+/// `W<c...>` for the characters of `Name::value` (a `std::string_view` static member). The name
+/// comes in a class, not as a `std::string_view const&` template argument: nvcc's front end (13.0)
+/// writes a reference template argument into the host code as a pointer (`&X`), so `S.size()`
+/// there does not compile.
+template <template <char...> class W, class Name, class Seq = std::make_index_sequence<Name::value.size()>>
 struct chars_of;
-template <template <char...> class W, std::string_view const& S, std::size_t... I>
-struct chars_of<W, S, std::index_sequence<I...>> {
-  using type = W<S[I]...>;
+template <template <char...> class W, class Name, std::size_t... I>
+struct chars_of<W, Name, std::index_sequence<I...>> {
+  using type = W<Name::value[I]...>;
 };
 
 // The names are static members of class templates, not variable templates: nvcc (13.0) rejects a
 // variable template initialised from a template parameter when it is a reference template argument
 // ("declaration is incompatible"), and <meshlib/nccl.hpp> must compile in .cu files too.
-/// `Name` as a `std::string_view` with static storage (a reference template argument of `chars_of`).
+/// `Name` as a `std::string_view` with static storage (the name class `chars_of` reads).
 template <fixed_string Name>
 struct name_view {
   static constexpr std::string_view value = Name.view();
@@ -468,10 +472,10 @@ struct name_view {
 
 /// `diagnostic::axis<'d','a','t','a'>` for the name `"data"`.
 template <fixed_string Name>
-using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>::value>::type;
+using diag_axis_t = typename chars_of<diagnostic::axis, name_view<Name>>::type;
 /// `diagnostic::op<'p','s','u','m'>` for the name `"psum"`.
 template <fixed_string Name>
-using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>::value>::type;
+using diag_op_t = typename chars_of<diagnostic::op, name_view<Name>>::type;
 
 /// The name of axis `I` of `Mesh`, with static storage (see `name_view`).
 template <class Mesh, std::size_t I>
@@ -489,7 +493,7 @@ struct concat_axes<diagnostic::axes<A...>, diagnostic::axes<B...>> {
 };
 template <class Mesh, unsigned Mask, std::size_t I>
 using one_axis_t = std::conditional_t<((Mask >> I) & 1u) != 0,
-                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>::value>::type>,
+                                      diagnostic::axes<typename chars_of<diagnostic::axis, mesh_axis_name<Mesh, I>>::type>,
                                       diagnostic::axes<>>;
 template <class Mesh, unsigned Mask>
 struct diag_axes_impl<Mesh, Mask, std::index_sequence<>> {
@@ -828,6 +832,12 @@ struct dim_spec {
   std::size_t count = 0;
 
   constexpr dim_spec() = default;
+  /// Member by member. nvcc's front end (13.0) writes a `dim_spec` template argument into the host
+  /// code as `{names, count}`, which needs this constructor (the type is not an aggregate).
+  constexpr dim_spec(const char (&n)[max_axes][max_name], std::size_t c) noexcept : count(c) {
+    for (std::size_t i = 0; i < max_axes; ++i)
+      for (std::size_t j = 0; j < max_name; ++j) names[i][j] = n[i][j];
+  }
   /// A replicated dimension: `P<none>`.
   constexpr dim_spec(none_t) noexcept {}
   /// A dimension split over one axis: `P<"data">`.
@@ -889,9 +899,15 @@ constexpr dim_spec axes(const char (&... names)[N]) {
   return d;
 }
 
-/// @brief A partition spec: entry `i` says how tensor dimension `i` is split.
+/// @brief A partition spec: entry `i` says how tensor dimension `i` is split. JAX's `P`
+/// (`PartitionSpec`); `partition_spec` is the long name.
+///
+/// `P` is the class and `partition_spec` the alias, not the other way round: nvcc's front end (13.0)
+/// loses the values of an alias template's class-type arguments (`P<"data", none>` through an
+/// alias reaches the host compiler as `partition_spec<__T2, __T3>`, undeclared names), and `P` is
+/// what users write, in CUDA translation units too.
 template <dim_spec... Dims>
-struct partition_spec {
+struct P {
   /// Tag that opts the spec into the `partition_spec_type` concept.
   using is_partition_spec = void;
   /// The number of dimensions the spec describes.
@@ -916,7 +932,7 @@ struct partition_spec {
   }
 
   /// Prints `P<"data", none>`.
-  friend std::ostream& operator<<(std::ostream& os, partition_spec) {
+  friend std::ostream& operator<<(std::ostream& os, P) {
     os << "P<";
     for (std::size_t i = 0; i < size; ++i) os << (i ? ", " : "") << dims[i];
     return os << '>';
@@ -924,14 +940,14 @@ struct partition_spec {
   /// The spec as `operator<<` prints it, such as `P<"data", none>`.
   static std::string to_string() {
     std::ostringstream os;
-    os << partition_spec{};
+    os << P{};
     return os.str();
   }
 };
 
-/// @brief The short name of `partition_spec`, as JAX's `P`.
+/// @brief The long name of `P`.
 template <dim_spec... Dims>
-using P = partition_spec<Dims...>;
+using partition_spec = P<Dims...>;
 
 /// @brief A type that is a `partition_spec<...>`.
 template <class T>
@@ -988,14 +1004,17 @@ consteval bool has_repeated_axis() {
   return false;
 }
 
+/// The name of the `K`-th axis of dimension `D` of `Spec`, as a name class of `chars_of`.
 template <class Spec, std::size_t D, std::size_t K>
-inline constexpr std::string_view spec_axis_name_v = Spec::dims[D].axis(K);
+struct spec_axis_name {
+  static constexpr std::string_view value = Spec::dims[D].axis(K);
+};
 
 template <class Spec, std::size_t D, class Seq = std::make_index_sequence<Spec::dim(D).size()>>
 struct diag_spec_entry;
 template <class Spec, std::size_t D, std::size_t... K>
 struct diag_spec_entry<Spec, D, std::index_sequence<K...>> {
-  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, D, K>>::type...>;
+  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name<Spec, D, K>>::type...>;
 };
 template <class Spec, class Seq = std::make_index_sequence<Spec::size>>
 struct diag_spec_impl;
@@ -1042,7 +1061,7 @@ template <class Mesh, class Spec>
 consteval bool diagnose_sharding() {
   constexpr auto bad = first_unknown_axis<Mesh, Spec>();
   if constexpr (bad.first < Spec::size) {
-    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name_v<Spec, bad.first, bad.second>>::type,
+    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name<Spec, bad.first, bad.second>>::type,
                                        diag_spec_t<Spec>, diag_axes_t<Mesh, Mesh::all_axes>>();
   } else if constexpr (has_repeated_axis<Spec>()) {
     return spec_uses_an_axis_twice<diag_spec_t<Spec>>();
@@ -1179,6 +1198,7 @@ std::string describe_axes(axis_mask mask) {
 /// @post Under either rule the blocks of one dimension are disjoint and cover `[0, n)`: every
 /// element of the global array is held by exactly the devices of one replica group.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <ostream>
@@ -1209,6 +1229,37 @@ struct block {
     for (std::size_t d = 0; d < Rank; ++d)
       if (g[d] < offset[d] || g[d] >= offset[d] + extent[d]) return false;
     return true;
+  }
+  /// The global row-major index, in an array of shape `global_shape`, of element `i` of the block
+  /// (the block's own elements counted row-major, as its storage holds them).
+  /// @pre `i < size()` and the block lies inside `global_shape`.
+  /// @post `contains(g)` for the coordinate `g` of the result, and distinct `i` give distinct results.
+  [[nodiscard]] constexpr std::size_t global_index(const std::array<std::size_t, Rank>& global_shape,
+                                                   std::size_t i) const noexcept {
+    std::array<std::size_t, Rank> g{};
+    for (std::size_t d = Rank; d-- > 0;) {
+      g[d] = offset[d] + i % extent[d];
+      i /= extent[d];
+    }
+    std::size_t flat = 0;
+    for (std::size_t d = 0; d < Rank; ++d) flat = flat * global_shape[d] + g[d];
+    return flat;
+  }
+  /// Calls `f(k, g, n)` for the runs of the block's elements `[first, first + len)` that are
+  /// contiguous in the global row-major array of shape `global_shape`: block elements `k .. k + n`
+  /// are global elements `g .. g + n`. A run never crosses a row of the last dimension, so a copy
+  /// between a block and its global array is one `copy_n` per run (checkpoints, gathers).
+  /// @pre `first + len <= size()`.
+  template <class F>
+  constexpr void for_each_global_run(const std::array<std::size_t, Rank>& global_shape, std::size_t first,
+                                     std::size_t len, F&& f) const {
+    std::size_t row = len;
+    if constexpr (Rank > 0) row = extent[Rank - 1];
+    for (std::size_t k = first, end = first + len; k < end;) {
+      const std::size_t n = std::min(row - k % row, end - k);
+      f(k, global_index(global_shape, k), n);
+      k += n;
+    }
   }
   /// Blocks are equal when offsets and extents are.
   friend constexpr bool operator==(const block&, const block&) = default;
@@ -2506,6 +2557,7 @@ struct thread_comm_options {
 /// copying another backend's message.
 
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <cstdint>
 #include <sstream>
@@ -2569,6 +2621,16 @@ inline std::string what_of(const std::exception_ptr& e) {
   } catch (...) {
     return "an exception not derived from std::exception";
   }
+}
+
+/// Writes `line` and a newline to stderr in one write. `std::cerr << a << b` writes each piece
+/// separately (stderr is unbuffered), and a launcher that forwards stderr in chunks (mpirun) may put
+/// another process's output, or its own abort notice, between the pieces: a test that reads the
+/// message then fails now and then (seen once in 150 `mpi_abort_on_throw` runs).
+inline void write_stderr_line(std::string line) {
+  line += '\n';
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
 }
 
 }  // namespace meshlib::detail
@@ -4272,6 +4334,112 @@ class thread_world {
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/detail/root_cause.hpp
+/// @file
+/// @brief Who is blamed when a run fails: the one rule every launcher and runner applies
+/// (`run_on_threads` and `thread_runner`, `mpi_runner`, `run_hybrid` and `hybrid_runner`,
+/// `run_on_gpus`), so that a failure reads the same whatever runs the devices.
+///
+/// Each runner gathers the facts its backend knows (which local participant threw what, the
+/// world's recorded root cause, what another process reported, the device whose call differed in
+/// a mismatch) and `rethrow_root_cause` turns them into one `participant_error`. It lives in comm,
+/// not exec, because `run_on_threads`, `run_hybrid` and `run_on_gpus` are comm's own launchers
+/// and arrows point down; the exec runners call the same function.
+
+#include <exception>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+/// @brief What a run's participants on this process left behind (see the file comment). Ids
+/// named "global" count every participant of the run, on every process.
+struct run_failures {
+  /// Per local participant: the exception it left with, or null.
+  std::span<const std::exception_ptr> errors;
+  /// The global id of local participant 0 (a process's first device; 0 in a one-process run).
+  int first = 0;
+  /// Participants in all.
+  int size = 0;
+  /// The local participant the world recorded as the root cause (the first to throw, or one that
+  /// never arrived at a collective that timed out), even if it threw nothing itself; -1: none.
+  int local_root = -1;
+  /// The global id another process reported as the root cause; -1: none.
+  int remote_root = -1;
+  /// The global id of the participant whose call differed in a collective mismatch, as every
+  /// member computed it; -1: none or unknown.
+  int mismatch_culprit = -1;
+  /// How messages name a participant: "participant", "MPI rank", "hybrid device".
+  std::string_view noun = "participant";
+};
+
+/// The blamed participant (global id) and the local participant whose exception is reported.
+struct blame {
+  int participant = -1;
+  int source = -1;
+};
+
+/// @brief The rule, in order (`source < 0`: nobody failed):
+/// 1. A collective mismatch with no failure of a participant's own (an exception that is not a
+///    communicator error) is blamed on the participant whose call differed: the same on every
+///    process, not whichever saw it first.
+/// 2. A failure another process reported, with no root cause here and no failure of our own, is
+///    blamed on that process's participant.
+/// 3. Otherwise the world's local root cause when it has one and nothing of our own outranks it
+///    (a participant that threw an exception of its own is real, one that was late is not
+///    necessarily), else the participant whose exception is reported.
+/// The reported exception is the root cause's own when it threw, a participant's own failure when
+/// another process is blamed meanwhile, else the lowest participant's that threw.
+inline blame find_root_cause(const run_failures& f) {
+  const int n = static_cast<int>(f.errors.size());
+  auto threw = [&](int r) { return r >= 0 && r < n && f.errors[static_cast<std::size_t>(r)] != nullptr; };
+  const bool local_root = f.local_root >= 0 && f.local_root < n;
+  int root = threw(f.local_root) ? f.local_root : -1;
+  for (int r = 0; r < n && root < 0; ++r)
+    if (threw(r)) root = r;
+  if (root < 0) return {};
+  int own = -1, mismatched = -1;  // the lowest participant that failed on its own / with a mismatch
+  for (int r = 0; r < n; ++r) {
+    if (!threw(r)) continue;
+    try {
+      std::rethrow_exception(f.errors[static_cast<std::size_t>(r)]);
+    } catch (const collective_mismatch&) {
+      if (mismatched < 0) mismatched = r;
+    } catch (const comm_error&) {
+    } catch (...) {
+      if (own < 0) own = r;
+    }
+  }
+  if (own < 0 && mismatched >= 0 && f.mismatch_culprit >= 0) return {f.mismatch_culprit, mismatched};
+  const int source = f.remote_root >= 0 && own >= 0 ? own : root;
+  if (f.remote_root >= 0 && !local_root && own < 0) return {f.remote_root, source};
+  return {f.first + (own < 0 && local_root ? f.local_root : source), source};
+}
+
+/// Throws `participant_error` for the root cause of `f` (see `find_root_cause`), naming it as
+/// `name(global id)` ("participant 3 of 4", "hybrid device 5 of 8", "participant 1 of 2 (GPU 1)") with the
+/// reported exception's message; returns when no participant failed.
+template <class Name>
+void rethrow_root_cause(const run_failures& f, Name&& name) {
+  const blame b = find_root_cause(f);
+  if (b.source < 0) return;
+  const std::exception_ptr& e = f.errors[static_cast<std::size_t>(b.source)];
+  try {
+    std::rethrow_exception(e);
+  } catch (...) {  // inside the handler, so participant_error nests the exception reported
+    throw participant_error(b.participant, "meshlib: " + name(b.participant) + " failed: " + what_of(e));
+  }
+}
+
+/// `rethrow_root_cause` naming participants as "<noun> <id> of <size>".
+inline void rethrow_root_cause(const run_failures& f) {
+  rethrow_root_cause(f, [&](int id) { return std::string(f.noun) + " " + std::to_string(id) + " of " + std::to_string(f.size); });
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/root_cause.hpp
 
 namespace meshlib {
 
@@ -4318,25 +4486,14 @@ class participant_failures {
   }
 
   /// Once every participant has ended: throws `participant_error` for the root cause, if any
-  /// failed. The blamed participant is the world's root cause (the first to throw, or the first
-  /// that never arrived at a collective that timed out), even when it threw nothing itself (it
-  /// was only late); the exception reported is its own, else that of the lowest participant that threw.
+  /// failed, by the rule every runner shares (`detail::find_root_cause`): the world's root cause
+  /// (the first to throw, or the first that never arrived at a collective that timed out), even
+  /// when it threw nothing itself (it was only late); the exception reported is its own, else that
+  /// of the lowest participant that threw.
   void rethrow(const thread_world& world) const {
-    const int n = static_cast<int>(errors_.size());
-    int root = world.failed() ? world.root_cause_rank() : -1;
-    int source = -1;
-    for (int r = 0; r < n && source < 0; ++r)
-      if (errors_[static_cast<std::size_t>(r)]) source = r;
-    if (source < 0) return;
-    if (root < 0 || root >= n) root = source;
-    else if (errors_[static_cast<std::size_t>(root)]) source = root;
-    const auto& e = errors_[static_cast<std::size_t>(source)];
-    try {
-      std::rethrow_exception(e);
-    } catch (...) {
-      throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                        " failed: " + what_of(e));
-    }
+    rethrow_root_cause({.errors = errors_,
+                        .size = static_cast<int>(errors_.size()),
+                        .local_root = world.failed() ? world.root_cause_rank() : -1});
   }
 
  private:
@@ -5241,8 +5398,8 @@ using guard = basic_guard<>;
 /// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
 [[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
   const auto l = launch();
-  std::cerr << "meshlib: process " << l.process_index << " of " << l.process_count << " aborts the run: " << reason
-            << std::endl;
+  meshlib::detail::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
+                            std::to_string(l.process_count) + " aborts the run: " + std::string(reason));
   exchange()->abort(exit_code, reason);
 }
 
@@ -5614,7 +5771,7 @@ template <auto Dims, class Seq = std::make_index_sequence<trimmed_length(Dims)>>
 struct spec_from_array;
 template <auto Dims, std::size_t... I>
 struct spec_from_array<Dims, std::index_sequence<I...>> {
-  using type = partition_spec<Dims[I]...>;
+  using type = P<Dims[I]...>;
 };
 
 /// The partition spec whose entries are `Dims` (a `std::array<dim_spec, N>`), trailing `none`s dropped.
@@ -5742,9 +5899,9 @@ struct remove_dim_impl<Dims, D, std::index_sequence<I...>> {
 };
 
 /// `Dims` permuted: entry `i` of the result is entry `Perm[i]` of `Dims`.
-template <class Dims, std::array Perm, class Seq = std::make_index_sequence<Dims::size>>
+template <class Dims, auto Perm, class Seq = std::make_index_sequence<Dims::size>>
 struct permute_dims_impl;
-template <class Dims, std::array Perm, std::size_t... I>
+template <class Dims, auto Perm, std::size_t... I>
 struct permute_dims_impl<Dims, Perm, std::index_sequence<I...>> {
   using type = dim_masks<Dims::at(Perm[I])...>;
 };
@@ -5925,7 +6082,7 @@ using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
 template <class Dims, std::size_t D>
 using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
 /// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
-template <class Dims, std::array Perm>
+template <class Dims, auto Perm>
 using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
 
 /// @brief The local type of a block of a rank-`Rank` array laid out by `S`, entering `shard_map`:
@@ -7062,7 +7219,7 @@ struct permute_functor {
   }
 };
 
-template <std::array Perm>
+template <auto Perm>
 consteval bool is_permutation() {
   for (std::size_t i = 0; i < Perm.size(); ++i) {
     if (Perm[i] >= Perm.size()) return false;
@@ -9028,6 +9185,14 @@ consteval bool check_reduction() {
 template <class T>
 using mean_value_t = std::conditional_t<std::is_integral_v<T>, std::conditional_t<(sizeof(T) <= 4), float, double>, T>;
 
+/// `m[i] = s[i] / n` for `i < count`, on `Space`. A named function rather than a lambda in
+/// `all_reduce_over`: nvcc refuses an extended device lambda inside a function whose return type is
+/// deduced.
+template <class Space, class T, class U>
+void divide_into(U* m, const T* s, U n, std::size_t count) {
+  launch<Space>(count, KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
+}
+
 /// The all-reduce `op` over the axes `Names...` of `x`.
 template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
 auto all_reduce_over(const L& x) {
@@ -9052,10 +9217,7 @@ auto all_reduce_over(const L& x) {
       auto sum = ctx.workspace().template scratch<T, space_t>(x.size());
       comm.all_reduce(src, sum.data(), x.size(), datatype_of<T>, reduce_op::sum);
       auto mean = workspace_view<U, L::rank, space_t>(ctx, x.shape());
-      const U n = static_cast<U>(comm.size());
-      const T* s = sum.data();
-      U* m = mean.data();
-      launch<space_t>(x.size(), KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
+      divide_into<space_t>(mean.data(), static_cast<const T*>(sum.data()), static_cast<U>(comm.size()), x.size());
       return result_t(mean, x.mesh(), x.device());
     } else {
       // Out of place: the backend reads x where it lies and writes the workspace's buffer.
@@ -10933,6 +11095,7 @@ static_assert(runner<thread_runner>);
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12048,7 +12211,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
-    std::cerr << "meshlib: MPI rank " << rank() << " of " << size() << " aborts the run: " << reason << std::endl;
+    meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                              " aborts the run: " + std::string(reason));
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
   }
@@ -13712,60 +13876,16 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
     }
   };
   launch(threads, body);
-  // The root cause: the thread that failed first (its peers then saw comm_aborted), else the
-  // lowest thread that threw; a failure another process reported is blamed on its device.
-  int root = world.failed() ? world.root_cause_thread() : -1;
-  const int remote = world.remote_root_cause_device();
-  if (root < 0 || root >= threads || !errors[static_cast<std::size_t>(root)]) {
-    root = -1;
-    for (int t = 0; t < threads && root < 0; ++t)
-      if (errors[static_cast<std::size_t>(t)]) root = t;
-  }
-  if (root >= 0) {
-    // A failure another process reported is blamed on its device, unless a thread here failed
-    // on its own at the same time (an exception that is not a communicator's): that one is real.
-    int own = -1;
-    int mismatched = -1;  // the lowest thread that left with collective_mismatch
-    for (int u = 0; u < threads; ++u) {
-      const auto& eu = errors[static_cast<std::size_t>(u)];
-      if (!eu) continue;
-      try {
-        std::rethrow_exception(eu);
-      } catch (const collective_mismatch&) {
-        if (mismatched < 0) mismatched = u;
-      } catch (const comm_error&) {
-      } catch (...) {
-        if (own < 0) own = u;
-      }
-    }
-    // A collective mismatch is blamed on the device whose call differed, which every process
-    // computed from every member's call (or learnt from the report): the same device everywhere,
-    // not the device that happened to see it first here.
-    const int culprit = world.mismatch_culprit();
-    if (own < 0 && mismatched >= 0 && culprit >= 0) {
-      const auto& e = errors[static_cast<std::size_t>(mismatched)];
-      try {
-        std::rethrow_exception(e);
-      } catch (...) {
-        throw participant_error(culprit, "meshlib: hybrid device " + std::to_string(culprit) + " of " +
-                                             std::to_string(world.size()) + " failed: " + detail::what_of(e));
-      }
-    }
-    const bool blame_remote = remote >= 0 && world.root_cause_thread() < 0 && own < 0;
-    const int t = remote >= 0 && own >= 0 ? own : root;
-    const auto& e = errors[static_cast<std::size_t>(t)];
-    // The thread at fault may have thrown nothing (it never arrived at a collective that timed
-    // out): it is still the device to blame, with the message of the thread that saw it.
-    const int cause = world.root_cause_thread();
-    const int at_fault = own < 0 && cause >= 0 && cause < threads ? cause : t;
-    const int device = blame_remote ? remote : procs.rank() * threads + at_fault;
-    try {
-      std::rethrow_exception(e);
-    } catch (...) {
-      throw participant_error(device, "meshlib: hybrid device " + std::to_string(device) + " of " +
-                                          std::to_string(world.size()) + " failed: " + detail::what_of(e));
-    }
-  }
+  // The rule every runner shares (detail::find_root_cause); a mismatch is blamed on the device
+  // whose call differed, which every process computed from every member's call (or learnt from the
+  // report), and a failure another process reported on its device.
+  detail::rethrow_root_cause({.errors = errors,
+                              .first = procs.rank() * threads,
+                              .size = world.size(),
+                              .local_root = world.root_cause_thread(),
+                              .remote_root = world.remote_root_cause_device(),
+                              .mismatch_culprit = world.mismatch_culprit(),
+                              .noun = "hybrid device"});
 }
 
 }  // namespace meshlib
@@ -13809,22 +13929,25 @@ struct mpi_runner {
       body(static_cast<std::size_t>(comm.rank()), comm);
     } catch (...) {
       const auto e = std::current_exception();
-      const std::string what = detail::what_of(e);
-      int blamed = comm.rank();
+      int remote = -1;
       try {
         std::rethrow_exception(e);
       } catch (const comm_aborted&) {
-        // Released by another rank's failure: blame that rank.
-        if (comm.root_cause_rank() >= 0) blamed = comm.root_cause_rank();
+        // Released by another rank's failure: that rank is the root cause.
+        remote = comm.root_cause_rank();
       } catch (const comm_timeout&) {
         // Every waiting rank times out on its own; the message names the ranks that never arrived.
       } catch (const collective_mismatch&) {
         // Every rank of the collective throws it.
       } catch (...) {
-        comm.fail(what);  // the rank's own failure: release its peers at once
+        comm.fail(detail::what_of(e));  // the rank's own failure: release its peers at once
       }
-      throw participant_error(blamed, "meshlib: MPI rank " + std::to_string(blamed) + " of " +
-                                          std::to_string(comm.size()) + " failed: " + what);
+      detail::rethrow_root_cause({.errors = std::span(&e, 1),
+                                  .first = comm.rank(),
+                                  .size = comm.size(),
+                                  .remote_root = remote,
+                                  .noun = "MPI rank"});
+      throw;  // not reached: a non-null exception always has a root cause
     }
   }
 
@@ -14061,7 +14184,8 @@ inline mpi_runtime_state& mpi_state() {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
   }
-  std::cerr << "meshlib: MPI rank " << rank << " of " << size << " aborts the run: " << reason << std::endl;
+  meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " aborts the run: " + std::string(reason));
   if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
 }
@@ -17957,16 +18081,10 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
   }
   for (auto& t : threads) t.join();
   destroy_communicators(comms);
-  const int root = first.load();
-  if (root < 0) return;
-  const auto& e = errors[static_cast<std::size_t>(root)];
-  try {
-    std::rethrow_exception(e);
-  } catch (...) {
-    throw participant_error(root, "meshlib: participant " + std::to_string(root) + " of " + std::to_string(n) +
-                                      " (GPU " + std::to_string(devices[static_cast<std::size_t>(root)]) +
-                                      ") failed: " + detail::what_of(e));
-  }
+  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
+    return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
+           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
+  });
 }
 
 }  // namespace meshlib

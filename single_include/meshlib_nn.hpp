@@ -104,6 +104,7 @@ struct rng_key {
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 
@@ -139,8 +140,117 @@ constexpr std::uint64_t name_id(std::string_view name) noexcept {
 }
 }  // namespace detail
 
+namespace detail {
+/// One array's blocks, one per device, as unmanaged 1-D `Kokkos::View`s of the device's memory
+/// space (the element order of the block's row-major storage). `blocks[dev]` is the block's first
+/// element (nullptr where device `dev` is not local: the spelling of the raw-pointer `param_ref`,
+/// which layers and tests index as `p.grad[dev][k]`); `blocks.view(dev)` is the view that Kokkos
+/// kernels take. Unmanaged: copies touch no reference count, so device threads may copy them
+/// freely (tensor/view.hpp); the tensor that owns the blocks must outlive them.
+template <class T, class Space = default_memory_space>
+class device_blocks {
+ public:
+  /// A device's block.
+  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  device_blocks() = default;
+  /// `n` devices, none local yet.
+  explicit device_blocks(std::size_t n) : views_(n) {}
+  /// Device `dev`'s block, `n` elements at `data`.
+  void set(std::size_t dev, T* data, std::size_t n) { views_.at(dev) = view_type(data, n); }
+  /// Device `dev`'s block as a view (empty where not local).
+  [[nodiscard]] const view_type& view(std::size_t dev) const { return views_[dev]; }
+  /// Device `dev`'s first element, or nullptr where not local.
+  [[nodiscard]] T* operator[](std::size_t dev) const noexcept { return views_[dev].data(); }
+  /// The number of devices of the mesh.
+  [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
+
+ private:
+  std::vector<view_type> views_;
+};
+
+/// A meshlib tensor whose rank and sharding are erased, held by its device blocks: `owner` keeps
+/// the tensor (a `sharded_tensor` with the sharding it was made with) alive, `blocks` reach its
+/// blocks. This is how the train state holds float master weights and optimizer slots of every
+/// parameter in one vector, each with its parameter's own sharding.
+template <class T, class Space = default_memory_space>
+struct held_tensor {
+  std::shared_ptr<const void> owner;  ///< the typed tensor
+  device_blocks<T, Space> blocks;     ///< its blocks
+};
+
+/// The layout of one parameter with its rank and sharding erased: core's `shard_layout` and the
+/// `block` it gives every device. Everything `param_ref` says about where a device's block lies
+/// comes from here, so the block arithmetic stays in core/shard_layout.hpp.
+class param_layout {
+ public:
+  virtual ~param_layout() = default;
+  /// Where device `dev`'s block starts, per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> offset(std::size_t dev) const = 0;
+  /// Device `dev`'s block's size per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> extent(std::size_t dev) const = 0;
+  /// Elements of device `dev`'s block in this process (0 where the device is not local).
+  [[nodiscard]] virtual std::size_t count(std::size_t dev) const = 0;
+  /// Global row-major index of element `i` of device `dev`'s block (`block::global_index`).
+  [[nodiscard]] virtual std::size_t global_index(std::size_t dev, std::size_t i) const = 0;
+  /// `block::for_each_global_run` of device `dev`'s block.
+  virtual void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                                   const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const = 0;
+  /// A float tensor of zeros with the parameter's shape and sharding, blocks on `devices`.
+  [[nodiscard]] virtual held_tensor<float> zeros_like(std::span<const std::size_t> devices) const = 0;
+};
+
+/// `param_layout` of a parameter of rank `Rank` sharded by `S`.
+template <sharding_type S, std::size_t Rank>
+class typed_param_layout final : public param_layout {
+ public:
+  typed_param_layout(const shard_layout<S, Rank>& layout, std::span<const std::size_t> local)
+      : layout_(layout), local_(layout.num_devices(), false) {
+    for (std::size_t dev = 0; dev < layout.num_devices(); ++dev) blocks_.push_back(layout.block_of(dev));
+    for (std::size_t dev : local) local_.at(dev) = true;
+  }
+  std::span<const std::size_t> offset(std::size_t dev) const override { return blocks_.at(dev).offset; }
+  std::span<const std::size_t> extent(std::size_t dev) const override { return blocks_.at(dev).extent; }
+  std::size_t count(std::size_t dev) const override { return local_.at(dev) ? blocks_[dev].size() : 0; }
+  std::size_t global_index(std::size_t dev, std::size_t i) const override {
+    return blocks_.at(dev).global_index(layout_.global_shape(), i);
+  }
+  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
+    blocks_.at(dev).for_each_global_run(layout_.global_shape(), first, len, f);
+  }
+  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
+    auto t = std::make_shared<sharded_tensor<float, Rank, S>>(layout_.sharding(), layout_.global_shape(), devices);
+    held_tensor<float> h{t, device_blocks<float>(layout_.num_devices())};
+    for (std::size_t dev : devices) h.blocks.set(dev, t->local(dev).data(), t->local(dev).size());
+    return h;
+  }
+
+ private:
+  shard_layout<S, Rank> layout_;
+  std::vector<block<Rank>> blocks_;  // block_of(dev) for every device, as core computes it
+  std::vector<bool> local_;
+};
+
+/// `p.count[dev]`: the elements of device `dev`'s block (0 where not local), from the layout.
+struct block_counts {
+  std::shared_ptr<const param_layout> layout;
+  [[nodiscard]] std::size_t operator[](std::size_t dev) const { return layout ? layout->count(dev) : 0; }
+};
+/// `p.offset[dev][d]` / `p.extent[dev][d]`: device `dev`'s block's corner or size, from the layout.
+struct block_corners {
+  std::shared_ptr<const param_layout> layout;
+  bool extents = false;
+  [[nodiscard]] std::span<const std::size_t> operator[](std::size_t dev) const {
+    return extents ? layout->extent(dev) : layout->offset(dev);
+  }
+};
+}  // namespace detail
+
 /// @brief The untyped view of one parameter (see the file comment). Per-device entries are indexed
-/// by device id; `value[d] == nullptr` where device `d` is not local to this process.
+/// by device id. The blocks are the parameter's own tensors' blocks (`value.view(dev)`, an
+/// unmanaged 1-D view, or `value[dev]`, its first element, nullptr where device `d` is not
+/// local); where they lie in the global array comes from core's `shard_layout` (`layout`), never
+/// from a layout of nn's own.
 template <class T = float>
 struct param_ref {
   /// The parameter's name, such as `"layer1.w"`.
@@ -150,11 +260,13 @@ struct param_ref {
   std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
   axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
   bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
-  /// per device: the value and gradient blocks, or nullptr where the device is not local.
-  std::vector<T*> value, grad;         ///< per device: the block, or nullptr
-  std::vector<std::size_t> count;      ///< per device: elements in the block
+  /// per device: the value and gradient blocks (see the struct comment).
+  detail::device_blocks<T> value, grad;
+  /// The parameter's layout: core's blocks, rank and sharding erased.
+  std::shared_ptr<const detail::param_layout> layout;
+  detail::block_counts count;          ///< per device: elements in the block (0 where not local)
   /// per device: where the block lies in the global array (offset) and its size (extent).
-  std::vector<std::vector<std::size_t>> offset, extent;  ///< per device: where the block lies
+  detail::block_corners offset, extent;
   /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
   /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
@@ -163,31 +275,19 @@ struct param_ref {
 };
 
 namespace detail {
-/// Global row-major index of element `i` of device `dev`'s block of `p`.
+/// Global row-major index of element `i` of device `dev`'s block of `p` (core's `block::global_index`).
 template <class T>
 std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) {
-  std::size_t flat = 0, rem = i;
-  const std::size_t rank = p.shape.size();
-  std::vector<std::size_t> idx(rank);
-  for (std::size_t d = rank; d-- > 0;) {
-    idx[d] = rem % p.extent[dev][d] + p.offset[dev][d];
-    rem /= p.extent[dev][d];
-  }
-  for (std::size_t d = 0; d < rank; ++d) flat = flat * p.shape[d] + idx[d];
-  return flat;
+  return p.layout->global_index(dev, i);
 }
 
 /// Calls `f(k, g, n)` for the runs of elements `[first, first + len)` of device `dev`'s block of
 /// `p` that are contiguous in the global row-major array: block elements `k .. k + n` are global
-/// elements `g .. g + n` (a run never crosses a row of the block's last dimension).
+/// elements `g .. g + n` (core's `block::for_each_global_run`: a run never crosses a row of the
+/// block's last dimension).
 template <class T, class F>
 void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
-  const std::size_t row = p.shape.empty() ? len : p.extent[dev].back();
-  for (std::size_t k = first, end = first + len; k < end;) {
-    const std::size_t n = std::min(row - k % row, end - k);
-    f(k, global_index(p, dev, k), n);
-    k += n;
-  }
+  p.layout->for_each_global_run(dev, first, len, std::forward<F>(f));
 }
 }  // namespace detail
 
@@ -251,19 +351,17 @@ struct parameter {
     r.sharded_axes = S::sharded_axes;
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
+    const std::vector<std::size_t> local = value.local_devices();
+    r.layout = std::make_shared<detail::typed_param_layout<S, Rank>>(value.layout(), local);
+    r.count = {r.layout};
+    r.offset = {r.layout, false};
+    r.extent = {r.layout, true};
     const std::size_t n = value.num_devices();
-    r.value.assign(n, nullptr);
-    r.grad.assign(n, nullptr);
-    r.count.assign(n, 0);
-    r.offset.resize(n);
-    r.extent.resize(n);
-    for (std::size_t dev : value.local_devices()) {
-      r.value[dev] = value.local(dev).data();
-      r.grad[dev] = grad.local(dev).data();
-      r.count[dev] = value.local(dev).size();
-      const auto b = value.block_of(dev);
-      r.offset[dev].assign(b.offset.begin(), b.offset.end());
-      r.extent[dev].assign(b.extent.begin(), b.extent.end());
+    r.value = detail::device_blocks<T>(n);
+    r.grad = detail::device_blocks<T>(n);
+    for (std::size_t dev : local) {
+      r.value.set(dev, value.local(dev).data(), value.local(dev).size());
+      r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     }
     return r;
   }
@@ -558,6 +656,15 @@ inline void check_same_shape_cotangent(const std::string& who, std::size_t dev, 
                          "); pass the cotangent of the last forward's output");
 }
 
+/// The check every layer that reads the sequence layout makes: a device's rows are whole sequences.
+inline void check_whole_sequences(const std::string& who, std::size_t rows, std::size_t seq, std::size_t dev) {
+  if (seq == 0 || rows % seq != 0)
+    throw sharding_error("meshlib::nn: " + who + " received " + std::to_string(rows) + " tokens on device " +
+                         std::to_string(dev) + ", not a whole number of sequences of " + std::to_string(seq) +
+                         "; feed each device batch * " + std::to_string(seq) +
+                         " tokens (rows are sequence-major) or set the layer's sequence length to the data's");
+}
+
 // ---- the protocol, read with defaults -----------------------------------------------------------
 
 template <class L, class X>
@@ -720,7 +827,7 @@ class basic_dense {
   /// named `name + ".w"` / `".b"`. `local_devices`: this process's devices (empty: all).
   basic_dense(const Mesh& mesh, const std::string& name, std::size_t in, std::size_t out, rng_key key,
               std::span<const std::size_t> local_devices = {})
-      : w(name + ".w", w_sharding{mesh}, {in, out}, key,
+      : w(name + ".w", w_sharding{mesh}, {checked_split(mesh, name, in, out), out}, key,
           init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(in + out)))), true, local_devices),
         b(name + ".b", b_sharding{mesh}, {out}, key, init::zeros(), false, local_devices),
         name_(name),
@@ -838,17 +945,9 @@ class basic_dense {
     out.push_back(b.ref(true));
   }
 
- private:
-  struct saved {
-    const T* x = nullptr;
-    std::size_t rows = 0, in = 0;
-  };
-  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
-
   /// `y += b` (`add`) or `y = b` on every row of `y` (`rows x out`): a Kokkos kernel, one work item
-  /// per row (the row's loop vectorises as before).
+  /// per row (the row's loop vectorises as before). Public only because nvcc refuses an extended
+  /// device lambda in a private member function.
   static void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
     meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
       T* yi = y + i * out;
@@ -858,6 +957,36 @@ class basic_dense {
       else
         for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
     });
+  }
+
+ private:
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, in = 0;
+  };
+  // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  /// `in`, after checking that the width the layer splits over `Model` divides evenly (the output of
+  /// a `column_dense`, such as a language model's vocabulary, the input of a `row_dense`): the
+  /// message names the layer, the width and the fix, where the sharding's own would name only a
+  /// dimension of the weight.
+  static std::size_t checked_split(const Mesh& mesh, const std::string& name, std::size_t in, std::size_t out) {
+    if constexpr (Kind != dense_kind::replicated) {
+      constexpr bool column = Kind == dense_kind::column;
+      const std::size_t n = mesh.axes_size(Mesh::template mask_of<Model>()), width = column ? out : in;
+      if (width % n != 0)
+        throw sharding_error("meshlib::nn: " + name + " (" + std::string(kind_name.view()) + " " + std::to_string(in) +
+                             " -> " + std::to_string(out) + "): its " + std::to_string(width) +
+                             (column ? " outputs" : " inputs") + " are not divisible by the " + std::to_string(n) +
+                             " devices of the model axis '" + std::string(Model.view()) +
+                             "' it splits them over; use a width divisible by " + std::to_string(n) +
+                             (column ? " (pad a vocabulary to " + std::to_string((width + n - 1) / n * n) +
+                                           " with ids that never occur)"
+                                     : std::string()) +
+                             " or a model axis whose size divides " + std::to_string(width));
+    }
+    return in;
   }
 
   std::string input_width_error(std::size_t got, std::size_t want, const Mesh& mesh) const {
@@ -912,15 +1041,20 @@ using row_dense = basic_dense<T, Mesh, dense_kind::row, Model>;
 /// @brief Elementwise activations with forward and backward: `relu` and `gelu` (tanh form, as
 /// `jax.nn.gelu(approximate=True)`). Elementwise maps keep the sharding, so the cotangent has the
 /// input's type and no communication happens in either direction. Both directions are Kokkos
-/// kernels on the running device's instance (a plain element body, vectorised as the loop was).
+/// kernels on the running device's instance (a plain element body). relu's body is branch-free
+/// (see `relu_fn`): its input's signs are a coin flip after batch norm, and a branch mispredicts on
+/// half of them.
 /// @code
 /// meshlib::nn::relu<float> act(mesh.size());
 /// // inside spmd: auto h = act.forward(x); ... auto dx = act.backward(dh);
 /// @endcode
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
@@ -965,7 +1099,10 @@ class elementwise_activation {
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
     const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(xs[i]); });
+    if constexpr (requires { Fn::vjp(T{}, T{}); })  // the activation's own (branch-free) cotangent
+      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], xs[i]); });
+    else
+      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(xs[i]); });
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
@@ -980,12 +1117,29 @@ class elementwise_activation {
   device_buffers<T> out_, dx_;
 };
 
+/// relu, written so that GCC and Clang at -O2 emit no branch: after batch norm half the inputs are
+/// negative in no pattern, and `x > 0 ? x : 0` compiled (GCC 12, -O2) to a compare and a jump that
+/// mispredicts on half of them, 15 times slower than the mask below on normal random data (and
+/// 15% of a small ResNet's training step). The values are the same: `x` when `x > 0`, else +0
+/// (NaN and -0 included).
 struct relu_fn {
   static constexpr fixed_string name = "relu";
   template <class T>
-  static T f(T x) { return x > T{0} ? x : T{0}; }
+  static T f(T x) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+      const bits keep = bits{0} - static_cast<bits>(x > T{0});  // all ones or all zeros
+      return std::bit_cast<T>(static_cast<bits>(std::bit_cast<bits>(x) & keep));
+    } else {
+      return x > T{0} ? x : T{0};
+    }
+  }
   template <class T>
   static T df(T x) { return x > T{0} ? T{1} : T{0}; }
+  /// The cotangent `dy` where `x > 0`, else 0 (PyTorch's `threshold_backward`): a select, which
+  /// compiles to a compare and a mask, where `dy * df(x)` kept a branch.
+  template <class T>
+  static T vjp(T dy, T x) { return x > T{0} ? dy : T{0}; }
 };
 
 struct gelu_fn {
@@ -1170,6 +1324,1039 @@ class layer_norm {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/layers/layer_norm.hpp
+// begin meshlib/nn/layers/rms_norm.hpp
+/// @file
+/// @brief `rms_norm`: scales each row by the reciprocal of its root mean square,
+/// `y = x / sqrt(mean(x^2) + eps) * g` (`flax.linen.RMSNorm`, `torch.nn.RMSNorm`; no mean is
+/// subtracted and there is no shift, which is what Transformers of the Llama family use in place of
+/// `layer_norm`), with forward and backward. As for `layer_norm`, the features must not be sharded
+/// (a compile error says so): the row statistic is then local, and the cotangent has the input's type.
+/// Forward and backward are Kokkos kernels on the running device's instance: one work item per row
+/// for the row statistic, and per block of columns for the scale's gradient (a sum over rows, added
+/// in row order: the same bits on every mesh).
+/// @code
+/// meshlib::nn::rms_norm<float, mesh_t> norm(m, "norm1", 128);   // eps = 1e-6, flax's default
+/// // inside spmd: auto y = norm.forward(x);  ...  auto dx = norm.backward(dy);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief RMS normalisation over the last dimension with a scale `g` (init 1), replicated.
+template <class T, mesh_type Mesh>
+class rms_norm {
+ public:
+  /// The scale is replicated on every device.
+  using sharding = named_sharding<Mesh, P<none>>;
+  /// The scale `g` (named `name + ".g"`, initially 1), `features` values.
+  parameter<T, 1, sharding> g;
+
+  /// Normalises `features` values per row; `eps` keeps the division finite (flax's default, 1e-6).
+  /// `local_devices`: this process's devices (empty: all).
+  rms_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-6),
+           std::span<const std::size_t> local_devices = {})
+      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
+        name_(name),
+        eps_(eps),
+        shape_(mesh.size()),
+        xhat_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The layer's name: its parameter is `name() + ".g"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The number of features it normalises over: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return g.value.global_shape()[0]; }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// `"norm1 (rms_norm over 16 features)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (rms_norm over " + std::to_string(in_features()) + " features)";
+  }
+  /// Complete, unsharded features (see the file comment).
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::detail::diag_op_t<"rms_norm">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// `x / sqrt(mean(x^2) + eps) * g` per row of this device's block.
+  /// @throws sharding_error when `x` does not have the layer's number of features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
+                  "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                  "feature dimension first");
+    const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
+    if (n != in_features())
+      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(n) + " features; feed it " +
+                           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(n) +
+                           " features");
+    shape_[dev] = {rows, n, true};
+    T* xh = xhat_.get(dev, rows * n + rows);  // xhat = x / rms, then 1/rms per row
+    T* rinv = xh + rows * n;
+    T* y = out_.get(dev, rows * n);
+    const T* gv = g.value.local(dev).data();
+    const T* xp = x.data();
+    const T eps = eps_;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const T* xi = xp + i * n;
+      T ms = 0;
+      for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
+      ms /= static_cast<T>(n);
+      const T r = T{1} / std::sqrt(ms + eps);
+      rinv[i] = r;
+      for (std::size_t j = 0; j < n; ++j) {
+        xh[i * n + j] = xi[j] * r;
+        y[i * n + j] = xh[i * n + j] * gv[j];
+      }
+    });
+    return X(typename X::view_type(y, rows, n), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input, `r (dy g - xhat mean(dy g xhat))` per row (`r = 1/rms`); adds
+  /// `sum_rows dy xhat` to the scale's gradient. The second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    const T* xh = xhat_.get(dev, rows * n + rows);
+    const T* rinv = xh + rows * n;
+    const T* gv = g.value.local(dev).data();
+    T* gg = g.grad.local(dev).data();
+    T* dx = dx_.get(dev, rows * n);
+    const T* dyp = dy.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const T* d = dyp + i * n;
+      T s = 0;  // mean of dxhat * xhat
+      for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
+      s /= static_cast<T>(n);
+      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
+    });
+    // dg += sum_rows dy * xhat: each column's rows in row order.
+    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
+      T* sg = gg;  // a local: the stores below cannot be taken to change it
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
+    });
+    return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
+  }
+
+  /// Appends `g` to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const { out.push_back(g.ref()); }
+
+ private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  T eps_;
+  std::vector<shape> shape_;  // per device: the last forward's input shape
+  detail::device_buffers<T> xhat_, out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/rms_norm.hpp
+// begin meshlib/nn/layers/embedding.hpp
+/// @file
+/// @brief `embedding`: a token embedding whose table is sharded over the vocabulary along a model
+/// axis (Megatron's `VocabParallelEmbedding`; `flax.linen.Embed` / `torch.nn.Embedding` when the
+/// model axis has one device), with forward and backward.
+///
+/// Why sharded over the vocabulary: the table is the largest parameter of a small language model
+/// (vocabulary x width), and an output layer tied to it has the same shape; split by rows, each
+/// device of a model group holds `vocab / n` rows and the lookup costs one `psum` of the output.
+///
+/// Forward: each device looks up the ids that fall in its vocabulary range `[v0, v0 + vocab / n)` and
+/// writes zeros for the others: the rows of the result are a pending sum over the model axis, which
+/// one `psum` completes (every id lies in exactly one range, so the sum is the looked-up row).
+/// Backward: the cotangent of that `psum` is its `pvary` (no data moves); each device adds the
+/// cotangent rows of its own ids into its own rows of the table's gradient, and no other.
+///
+/// The ids are an `std::int32_t` tensor of rank 1 (one id per token: for a batch of sequences, the
+/// rows `batch * sequence`, sequence-major as the other Transformer layers take them), sharded like
+/// the rows of the activations (over the data axis) and replicated over the model axis. The output
+/// is `(tokens, features)`, its rows sharded as the ids, its features complete. The ids have no
+/// cotangent: `backward` returns the ids it looked up, so that `sequential`'s type check (every
+/// layer hands back its input's type) holds for a network that starts at the ids.
+/// Kernels: one work item per token for the lookup; for the gradient, one per block of columns
+/// adding the tokens in token order (deterministic, no atomics: the same bits on every mesh).
+/// @code
+/// meshlib::nn::embedding<float, mesh_t> tok(m, "tok", 256, 128, meshlib::nn::rng_key{0});   // vocab 256, width 128
+/// // inside spmd: auto h = tok.forward(ids);   // ids: (tokens) int32, h: (tokens, 128)
+/// @endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A token embedding sharded over the vocabulary along `Model` (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+class embedding {
+ public:
+  /// The table is split by rows (the vocabulary) over `Model`.
+  /// (The spec of a `row_dense` weight: spelled through `dense_specs`, as GCC 12 fails on
+  /// `P<dim_spec(Model.chars), none>` written in a class template of several parameters.)
+  using sharding = named_sharding<Mesh, typename detail::dense_specs<dense_kind::row, Model>::w>;
+  /// The table's block on a device: `vocab / n` rows.
+  using table_type = parameter<T, 2, sharding>;
+  /// The mesh axes of `Model`.
+  static constexpr axis_mask model_mask = Mesh::template mask_of<Model>();
+
+ private:
+  std::string name_;  // first: its initialiser checks the sizes before the table is made
+
+ public:
+  /// The table, `vocab x features`, named `name + ".embedding"` (flax's name), initialised normal
+  /// with standard deviation `stddev` (0.02: GPT-2's and Megatron's default).
+  table_type table;
+
+  /// `vocab` ids to `features` values each. `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `vocab` is not divisible by the size of `Model`, naming the layer,
+  /// both sizes and the fix.
+  embedding(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features, rng_key key,
+            float stddev = 0.02f, std::span<const std::size_t> local_devices = {})
+      : name_(checked_name(mesh, name, vocab, features)),
+        table(name + ".embedding", sharding{mesh}, {vocab, features}, key, init::normal(stddev), true, local_devices),
+        saved_(mesh.size()),
+        out_(mesh.size()) {}
+
+  /// The layer's name: its parameter is `name() + ".embedding"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The number of ids (the table's rows, over all devices).
+  [[nodiscard]] std::size_t vocab_size() const noexcept { return table.value.global_shape()[0]; }
+  /// The width of an embedding: what it outputs.
+  [[nodiscard]] std::size_t out_features() const noexcept { return table.value.global_shape()[1]; }
+  /// `"tok (embedding 256 x 128, vocabulary sharded over 'model')"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (embedding " + std::to_string(vocab_size()) + " x " + std::to_string(out_features()) +
+           ", vocabulary" + detail::sharded_over_text<Mesh>(model_mask) + ")";
+  }
+  /// Ids: complete `std::int32_t` values of rank 1, replicated over `Model`.
+  template <class Ids>
+  static constexpr bool accepts_input = std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1 &&
+                                        Ids::partial == 0 && (Ids::vary & model_mask) == 0;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"embedding">;
+
+  /// The output type for ids of type `Ids`: a row per id, rows sharded as the ids, features complete.
+  template <class Ids>
+  using output_t = rebind_local_t<Ids, T, 2, Ids::vary, 0, dim_masks<Ids::dims_type::at(0), axis_mask{0}>>;
+
+  /// `table[ids[i]]` for every token `i` of this device (one `psum` over `Model`).
+  /// @throws std::out_of_range naming the layer, the token and the id when an id is not in `[0, vocab)`.
+  template <local_tensor_type Ids>
+  output_t<Ids> forward(const Ids& ids) {
+    static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
+                  "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
+    static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
+                  "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
+                  "of a model group looks up the same tokens in its own vocabulary range)");
+    static_assert(meshlib::detail::host_accessible_v<typename Ids::memory_space>,
+                  "meshlib::nn: embedding checks the ids into a host result; device memory needs them copied back");
+    if constexpr (!accepts_input<Ids>) {
+      return {};  // the one diagnostic above has fired; nothing else may
+    } else {
+      using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
+      const std::size_t dev = ids.device(), rows = ids.extent(0);
+      const auto tl = table.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      const std::size_t v0 = ids.mesh().group_rank(dev, model_mask) * vl;
+      check_ids(ids.data(), rows, dev);
+      saved_[dev] = {ids.data(), rows};
+      T* y = out_.get(dev, rows * d);
+      const T* w = tl.data();
+      const std::int32_t* id = ids.data();
+      meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+        const std::size_t v = static_cast<std::size_t>(id[i]);
+        T* yi = y + i * d;
+        if (v >= v0 && v < v0 + vl) {
+          const T* wr = w + (v - v0) * d;
+          for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
+        } else {
+          for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
+        }
+      });
+      if constexpr (model_mask != 0)
+        static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
+      return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
+    }
+  }
+
+  /// Adds the cotangent rows of this device's ids into its rows of the table's gradient. Returns
+  /// the ids of the last forward (ids have no cotangent; see the file comment).
+  /// @throws sharding_error when `dy` is not shaped as the last forward's output on this device.
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool = true) {
+    using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
+    const std::size_t dev = dy.device();
+    const auto [ids, rows] = saved_[dev];
+    const auto tl = table.local(dev);
+    const std::size_t vl = tl.extent(0), d = tl.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+    const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
+    T* g = table.grad.local(dev).data();
+    const T* dyp = dy.data();
+    const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
+    const std::size_t n = rows;
+    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
+      T* gs = g;  // a local: the stores below cannot be taken to change it
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t v = static_cast<std::size_t>(id[i]);
+        if (v < v0 || v >= v0 + vl) continue;  // another device's row
+        for (std::size_t j = j0; j < j1; ++j) gs[(v - v0) * d + j] += dyp[i * d + j];
+      }
+    });
+    return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+  }
+
+  /// Appends the table to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+
+ private:
+  static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features) {
+    const std::size_t n = mesh.axes_size(model_mask);
+    if (vocab % n != 0) {
+      const std::size_t up = (vocab + n - 1) / n * n;
+      throw sharding_error("meshlib::nn: " + name + " (embedding " + std::to_string(vocab) + " x " +
+                           std::to_string(features) + "): the vocabulary of " + std::to_string(vocab) +
+                           " is not divisible by the " + std::to_string(n) + " devices of the model axis '" +
+                           std::string(Model.view()) + "' it is sharded over; pad the vocabulary to " +
+                           std::to_string(up) + " (ids that never occur) or use a model axis whose size divides " +
+                           std::to_string(vocab));
+    }
+    return name;
+  }
+
+  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
+    // The first bad token, found by one work item on the device's instance (host-accessible ids).
+    std::size_t bad = rows;
+    std::size_t* res = &bad;
+    const std::int32_t vocab = static_cast<std::int32_t>(vocab_size());
+    meshlib::detail::launch<default_memory_space>(1, KOKKOS_LAMBDA(std::size_t) {
+      for (std::size_t i = 0; i < rows; ++i)
+        if (id[i] < 0 || id[i] >= vocab) {
+          *res = i;
+          break;
+        }
+    });
+    if (bad != rows)
+      throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
+                              std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
+                              std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
+  }
+
+  struct saved {
+    const std::int32_t* ids = nullptr;
+    std::size_t rows = 0;
+  };
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/embedding.hpp
+// begin meshlib/nn/layers/positional_embedding.hpp
+/// @file
+/// @brief `positional_embedding`: a learned position table added to the token embeddings, as GPT-2's
+/// `wpe` (`flax`: a `nn.Embed` over `jnp.arange(seq)` added to the tokens), with forward and backward.
+///
+/// Layout: the rows are tokens, `batch * sequence` of them, sequence-major (row `i` of a device's
+/// block is position `i % sequence_length()` of sequence `i / sequence_length()`), the layout every
+/// Transformer layer here takes; a device's rows must be whole sequences (a sharding of the rows over
+/// the data axis that splits a sequence is an error naming the sizes). The table is replicated, so
+/// the layer needs no communication; its gradient is, as a weight's, a pending sum over the data axis.
+/// The sequence length is set at construction or later (`set_sequence_length`, for generation with a
+/// shorter context); a sequence longer than the table is refused naming both sizes.
+/// Kernels: one work item per token forward; per block of columns for the table's gradient, the
+/// tokens added in token order (deterministic: the same bits on every mesh).
+/// @code
+/// meshlib::nn::positional_embedding<float, mesh_t> pos(m, "pos", 64, 128, 64, key);   // table 64 x 128, sequences of 64
+/// // inside spmd: auto h = pos.forward(tok.forward(ids));
+/// @endcode
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A learned positional embedding added to its input (see the file comment).
+template <class T, mesh_type Mesh>
+class positional_embedding {
+ public:
+  /// The table is replicated on every device.
+  using sharding = named_sharding<Mesh, P<none, none>>;
+  /// The table, `max_length x features`, named `name + ".embedding"`, normal with standard deviation `stddev`.
+  parameter<T, 2, sharding> table;
+
+  /// Positions `0 .. max_length - 1` of `features` values; sequences of `sequence_length` tokens
+  /// (0: `max_length`). `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `sequence_length > max_length` (see `set_sequence_length`).
+  positional_embedding(const Mesh& mesh, const std::string& name, std::size_t max_length, std::size_t features,
+                       std::size_t sequence_length, rng_key key, float stddev = 0.02f,
+                       std::span<const std::size_t> local_devices = {})
+      : table(name + ".embedding", sharding{mesh}, {max_length, features}, key, init::normal(stddev), true, local_devices),
+        name_(name),
+        shape_(mesh.size()),
+        out_(mesh.size()) {
+    set_sequence_length(sequence_length == 0 ? max_length : sequence_length);
+  }
+
+  /// The layer's name: its parameter is `name() + ".embedding"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The width it adds to: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return table.value.global_shape()[1]; }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// The longest sequence the table covers.
+  [[nodiscard]] std::size_t max_length() const noexcept { return table.value.global_shape()[0]; }
+  /// The tokens per sequence of the inputs.
+  [[nodiscard]] std::size_t sequence_length() const noexcept { return seq_; }
+  /// `"pos (positional_embedding of 64 positions x 128, sequences of 64)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (positional_embedding of " + std::to_string(max_length()) + " positions x " +
+           std::to_string(in_features()) + ", sequences of " + std::to_string(seq_) + ")";
+  }
+
+  /// Sets the tokens per sequence of the next inputs.
+  /// @throws sharding_error naming the layer, both sizes and the fix when `s` exceeds the table (or is 0).
+  void set_sequence_length(std::size_t s) {
+    if (s == 0 || s > max_length())
+      throw sharding_error("meshlib::nn: " + name_ + " (positional_embedding of " + std::to_string(max_length()) +
+                           " positions): a sequence of " + std::to_string(s) + " tokens does not fit its table of " +
+                           std::to_string(max_length()) + " positions; use sequences of at most " +
+                           std::to_string(max_length()) + " tokens or declare " + name_ + " with max_length " +
+                           std::to_string(s));
+    seq_ = s;
+  }
+
+  /// Complete, unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"positional_embedding">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// `x[i] + table[i % sequence_length()]` for every token `i` of this device.
+  /// @throws sharding_error when `x` is not whole sequences of this width.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
+                  "meshlib::nn: positional_embedding adds to complete, unsharded features");
+    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
+    if (d != in_features())
+      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                           std::to_string(in_features()) + " features or declare " + name_ + " with " +
+                           std::to_string(d) + " features");
+    detail::check_whole_sequences(to_string(), rows, seq, dev);
+    shape_[dev] = {rows, d, seq, true};
+    T* y = out_.get(dev, rows * d);
+    const T* xp = x.data();
+    const T* w = table.local(dev).data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      const T* wr = w + (i % seq) * d;
+      for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
+    });
+    return X(typename X::view_type(y, rows, d), x.mesh(), dev);
+  }
+
+  /// Adds the cotangent of every token to its position's row of the table's gradient; returns `dy`
+  /// (the cotangent of an addition passes through unchanged). The second argument is ignored.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
+    detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    T* g = table.grad.local(dev).data();
+    const T* dyp = dy.data();
+    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
+      T* gs = g;  // a local: the stores below cannot be taken to change it
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = j0; j < j1; ++j) gs[(i % seq) * d + j] += dyp[i * d + j];
+    });
+    return dy;
+  }
+
+  /// Appends the table to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+
+ private:
+  struct shape {
+    std::size_t rows = 0, cols = 0, seq = 0;  // the last forward's (the sequence length may change since)
+    bool ran = false;
+  };
+  std::string name_;
+  std::size_t seq_ = 0;
+  std::vector<shape> shape_;
+  detail::device_buffers<T> out_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/positional_embedding.hpp
+// begin meshlib/nn/layers/tied_head.hpp
+/// @file
+/// @brief `tied_head`: a language model's output layer that shares its weight with the token
+/// `embedding` (weight tying, as GPT-2; flax's `Embed.attend`, PyTorch's `lm_head.weight =
+/// wte.weight`): `logits = x E^T`, with forward and backward.
+///
+/// The table `E` (`vocab x features`) is sharded over the vocabulary along the model axis, so each
+/// device's block of logits is `x E_b^T`: the logits come out sharded over the vocabulary, as a
+/// `column_dense` head's do, with no communication, and go to `softmax_cross_entropy` without being
+/// gathered. Backward is the transpose: `dE_b += dy^T x` (into the embedding's own gradient, which
+/// therefore sums the lookup's and the head's contributions, the gradient of a tied weight), and
+/// `dx = dy E_b`, a pending sum over the model axis that one `psum` completes (the transpose of the
+/// replicated input's implicit `pvary`, as in `column_dense`).
+///
+/// The head holds a copy of the embedding's `parameter`: copies share the value and gradient blocks
+/// (tensors are handles), so the two layers read and update one array, and `collect` lists it once
+/// (from the embedding). Both add into the gradient: `train_step` zeroes it before a step.
+/// @code
+/// meshlib::nn::embedding<float, mesh_t> tok(m, "tok", 256, 128, key);
+/// meshlib::nn::tied_head<float, mesh_t> head(tok);   // logits over the same 256 ids
+/// meshlib::nn::sequential gpt(tok, /* ... blocks, final norm ... */ head);
+/// @endcode
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The output layer tied to an `embedding` (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+class tied_head {
+ public:
+  /// The embedding it is tied to.
+  using embedding_type = embedding<T, Mesh, Model>;
+  /// The mesh axes of `Model`.
+  static constexpr axis_mask model_mask = embedding_type::model_mask;
+
+  /// Ties the head to `tok`'s table (shared, not copied: see the file comment).
+  explicit tied_head(const embedding_type& tok)
+      : table_(tok.table), name_(tok.name() + ".attend"), saved_(tok.table.value.num_devices()),
+        out_(tok.table.value.num_devices()), dx_(tok.table.value.num_devices()) {}
+
+  /// `"tok.attend"`: the embedding's name and flax's method name.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The width it takes.
+  [[nodiscard]] std::size_t in_features() const noexcept { return table_.value.global_shape()[1]; }
+  /// The vocabulary: the logits' width (over all devices).
+  [[nodiscard]] std::size_t out_features() const noexcept { return table_.value.global_shape()[0]; }
+  /// `"tok.attend (tied_head 128 -> 256, vocabulary sharded over 'model')"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (tied_head " + std::to_string(in_features()) + " -> " + std::to_string(out_features()) +
+           ", vocabulary" + detail::sharded_over_text<Mesh>(model_mask) + ")";
+  }
+
+  /// The input of a `column_dense`: complete, unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"tied_head">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// `x E_b^T`: this device's block of the logits, sharded over the vocabulary.
+  /// @throws sharding_error when `x`'s width is not the embedding's.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    static_assert(accepts_input<X>,
+                  "meshlib::nn: tied_head takes complete, unsharded features (the output of a norm or a row_dense)");
+    // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
+    using W = typename parameter<T, 2, named_sharding<Mesh, typename detail::dense_specs<dense_kind::column, Model>::w>>::local_type;
+    using Y = decltype(meshlib::matmul(x, std::declval<const W&>()));
+    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1);
+    const auto tl = table_.local(dev);
+    const std::size_t vl = tl.extent(0);
+    if (d != tl.extent(1))
+      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                           std::to_string(tl.extent(1)) + " features (the width of the embedding it is tied to)");
+    saved_[dev] = {x.data(), rows};
+    T* y = out_.get(dev, rows * vl);
+    matmul_into(view(y, rows, vl), cview(x.data(), rows, d), cview(tl.data(), vl, d), {.transpose_b = true});
+    return detail::wrap2<Y>(y, rows, vl, x.mesh(), dev);
+  }
+
+  /// Adds `dy^T x` to the embedding's gradient and returns `dx = psum<Model>(dy E_b)` (when `need_dx`).
+  /// @throws sharding_error when no forward ran on this device or `dy` is not the logits' shape.
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
+    using DXP = with_partial_t<DX, model_mask>;
+    const std::size_t dev = dy.device();
+    const auto [x, rows] = saved_[dev];
+    const auto tl = table_.local(dev);
+    const std::size_t vl = tl.extent(0), d = tl.extent(1);
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+    const cview dyv(dy.data(), rows, vl);
+    matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
+    T* dx = dx_.get(dev, rows * d);
+    if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
+    if constexpr (model_mask != 0)
+      return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
+    else
+      return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+  }
+
+  /// Nothing: the table is the embedding's, which lists it.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0;
+  };
+  typename embedding_type::table_type table_;  // shares the embedding's blocks
+  std::string name_;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/tied_head.hpp
+// begin meshlib/nn/layers/attention.hpp
+/// @file
+/// @brief `causal_self_attention`: multi-head causal self-attention with its heads sharded over a
+/// model axis (Megatron's `ParallelAttention`; `flax.linen.MultiHeadDotProductAttention` with a
+/// causal mask, `torch.nn.MultiheadAttention(..., is_causal=True)` when the axis has one device),
+/// with forward and backward.
+///
+/// Layout: the rows are tokens, `batch * sequence` of them, sequence-major (row `i` of a device's
+/// block is position `i % sequence_length()` of sequence `i / sequence_length()`), the features
+/// complete; the rows may be sharded over the data axis as long as each device holds whole sequences.
+/// The output has the input's type and shape.
+///
+/// Tensor parallelism, as Megatron splits it (one `psum` forward, one backward):
+/// - the fused Q, K, V projection is a `column_dense` (`features -> 3 features`, no communication),
+///   its columns ordered head by head (`[head][q, k, v][head_dim]`), so a device's block of columns
+///   is exactly its `heads / n` heads' queries, keys and values;
+/// - each device attends with its own heads: `softmax(mask(Q K^T / sqrt(head_dim))) V` per sequence
+///   and head, no communication;
+/// - the heads' outputs, concatenated (sharded over the model axis), go through a `row_dense`
+///   (`features -> features`) whose `psum` completes the output. Backward is the transpose: a `pvary`
+///   into the output projection, the `psum` of the input's cotangent in the QKV projection.
+///
+/// The softmax runs in the layer's element type (float for a float model) with each row's maximum
+/// subtracted, over the positions `j <= i` only (the causal mask: those above are exactly 0).
+/// Products are `matmul_into` calls on each (sequence, head) block; the rearrangements between the
+/// fused projection's layout and per-head contiguous blocks, the softmax and its backward are
+/// Kokkos kernels on the running device's instance.
+///
+/// Parameters: `name + ".qkv.w"`, `".qkv.b"` (the fused projection) and `".out.w"`, `".out.b"`.
+/// The number of heads must be divisible by the size of the model axis (a `sharding_error` at
+/// construction names the layer, the heads, the axis size and the fix), and the width by the heads.
+/// @code
+/// meshlib::nn::causal_self_attention<float, mesh_t> attn(m, "attn", 128, 4, 64, key);  // width 128, 4 heads, sequences of 64
+/// // inside spmd: auto y = attn.forward(x);   // x: (batch * 64, 128), rows sharded over data
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Multi-head causal self-attention, heads sharded over `Model` (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model">
+class causal_self_attention {
+ public:
+  /// The mesh axes of `Model`.
+  static constexpr axis_mask model_mask = Mesh::template mask_of<Model>();
+
+ private:
+  std::string name_;  // first: its initialiser checks the sizes before the projections are made
+
+ public:
+  /// The fused Q, K, V projection, `features -> 3 features`, columns `[head][q, k, v][head_dim]`.
+  column_dense<T, Mesh, Model> qkv;
+  /// The output projection, `features -> features`, rows `[head][head_dim]`.
+  row_dense<T, Mesh, Model> proj;
+
+  /// `features` values per token, split into `heads` heads of `features / heads`; sequences of
+  /// `sequence_length` tokens. `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `heads` is not divisible by the size of `Model`, or `features` by `heads`.
+  causal_self_attention(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads,
+                        std::size_t sequence_length, rng_key key, std::span<const std::size_t> local_devices = {})
+      : name_(checked_name(mesh, name, features, heads)),
+        qkv(mesh, name + ".qkv", features, 3 * features, key, local_devices),
+        proj(mesh, name + ".out", features, features, key, local_devices),
+        heads_(heads),
+        saved_(mesh.size()),
+        qkvh_(mesh.size()),
+        probs_(mesh.size()),
+        oh_(mesh.size()),
+        ocat_(mesh.size()),
+        doh_(mesh.size()),
+        dqkvh_(mesh.size()),
+        dprobs_(mesh.size()),
+        dqkv_(mesh.size()) {
+    set_sequence_length(sequence_length);
+  }
+
+  /// The layer's name: its parameters are `name() + ".qkv.w"`, `".qkv.b"`, `".out.w"`, `".out.b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The width of a token: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return proj.out_features(); }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// The number of heads (over all devices of the model axis).
+  [[nodiscard]] std::size_t heads() const noexcept { return heads_; }
+  /// The tokens per sequence of the inputs.
+  [[nodiscard]] std::size_t sequence_length() const noexcept { return seq_; }
+  /// Sets the tokens per sequence of the next inputs (a shorter context for generation).
+  /// @throws sharding_error when `s` is 0.
+  void set_sequence_length(std::size_t s) {
+    if (s == 0)
+      throw sharding_error("meshlib::nn: " + to_string() + ": a sequence length of 0; give it the tokens per sequence");
+    seq_ = s;
+  }
+  /// `"attn (causal_self_attention 128 features, 4 heads sharded over 'model', sequences of 64)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (causal_self_attention " + std::to_string(in_features()) + " features, " + std::to_string(heads_) +
+           " heads" + detail::sharded_over_text<Mesh>(model_mask) + ", sequences of " + std::to_string(seq_) + ")";
+  }
+
+  /// The input of a `column_dense`: complete, unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"causal_self_attention">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The attention of every token of this device to the tokens before it in its sequence.
+  /// @throws sharding_error when `x` is not whole sequences of the layer's width.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
+    detail::check_whole_sequences(to_string(), rows, seq, dev);
+    auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
+    using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
+    const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+    saved_[dev] = {rows, seq, true};
+    // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
+    T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+    const T* yp = y.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = yp[i * 3 * hl * hd + (h * 3 + t) * hd + e];
+    });
+    T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
+    T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b)
+        matmul_into(view(block_p(p, h, b, nb, seq), seq, seq), cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd),
+                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd), {.transpose_b = true, .alpha = scale});
+    causal_softmax(p, hl * nb * seq, seq);
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b)
+        matmul_into(view(block(oh, 0, h, b, hl, rows, seq, hd), seq, hd), cview(block_p(p, h, b, nb, seq), seq, seq),
+                    cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
+    T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
+    const T* ohp = oh;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) oc[i * hl * hd + h * hd + e] = ohp[(h * rows + i) * hd + e];
+    });
+    return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+  }
+
+  /// The cotangent of the input (when `need_dx`); accumulates the projections' gradients.
+  /// @throws sharding_error when no forward ran on this device or `dy` is not its output's shape.
+  template <local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    if (!saved_[dev].ran)
+      throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
+                           " before any forward there; run forward first (backward uses what it saved)");
+    const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
+    auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
+    using H = decltype(dout);
+    const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+    const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+    const T* p = probs_.get(dev, hl * nb * seq * seq);
+    T* doh = doh_.get(dev, hl * rows * hd);
+    const T* dop = dout.data();
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) doh[(h * rows + i) * hd + e] = dop[i * hl * hd + h * hd + e];
+    });
+    T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
+    T* dp = dprobs_.get(dev, hl * nb * seq * seq);
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b) {
+        const auto pb = cview(block_p(p, h, b, nb, seq), seq, seq);
+        const auto dob = cview(block(doh, 0, h, b, hl, rows, seq, hd), seq, hd);
+        // dV = P^T dO; dP = dO V^T
+        matmul_into(view(block(dqh, 2, h, b, hl, rows, seq, hd), seq, hd), pb, dob, {.transpose_a = true});
+        matmul_into(view(block_p(dp, h, b, nb, seq), seq, seq), dob, cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd),
+                    {.transpose_b = true});
+      }
+    causal_softmax_backward(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t b = 0; b < nb; ++b) {
+        const auto dsb = cview(block_p(dp, h, b, nb, seq), seq, seq);
+        // dQ = dS K; dK = dS^T Q (dS already holds the scale)
+        matmul_into(view(block(dqh, 0, h, b, hl, rows, seq, hd), seq, hd), dsb,
+                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd));
+        matmul_into(view(block(dqh, 1, h, b, hl, rows, seq, hd), seq, hd), dsb,
+                    cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd), {.transpose_a = true});
+      }
+    T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
+    const T* dqhp = dqh;
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) dq[i * 3 * hl * hd + (h * 3 + t) * hd + e] = dqhp[((t * hl + h) * rows + i) * hd + e];
+    });
+    return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+  }
+
+  /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.
+  void collect(std::vector<param_ref<T>>& out) const {
+    qkv.collect(out);
+    proj.collect(out);
+  }
+
+ private:
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
+  static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
+                  std::size_t seq, std::size_t hd) {
+    return base + ((t * hl + h) * rows + b * seq) * hd;
+  }
+  static const T* block(const T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
+                        std::size_t seq, std::size_t hd) {
+    return base + ((t * hl + h) * rows + b * seq) * hd;
+  }
+  /// The `seq x seq` block of sequence `b`, head `h` in a `[head][sequence][i][j]` buffer.
+  static T* block_p(T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
+    return base + (h * nb + b) * seq * seq;
+  }
+  static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
+    return base + (h * nb + b) * seq * seq;
+  }
+
+  /// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
+  /// `j <= i` with the maximum subtracted, 0 above.
+  static void causal_softmax(T* s, std::size_t n, std::size_t seq) {
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
+      T* row = s + r * seq;
+      const std::size_t last = r % seq;
+      T m = -std::numeric_limits<T>::infinity();
+      for (std::size_t j = 0; j <= last; ++j) m = row[j] > m ? row[j] : m;
+      T sum = 0;
+      for (std::size_t j = 0; j <= last; ++j) sum += (row[j] = std::exp(row[j] - m));
+      const T inv = T{1} / sum;
+      for (std::size_t j = 0; j <= last; ++j) row[j] *= inv;
+      for (std::size_t j = last + 1; j < seq; ++j) row[j] = T{0};
+    });
+  }
+
+  /// `dS = scale * P (dP - rowsum(P dP))` in place of `dp` (the softmax's backward, with the scale of
+  /// the scores folded in); 0 above the diagonal.
+  static void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
+      const T* pr = p + r * seq;
+      T* d = dp + r * seq;
+      const std::size_t last = r % seq;
+      T dot = 0;
+      for (std::size_t j = 0; j <= last; ++j) dot += pr[j] * d[j];
+      for (std::size_t j = 0; j <= last; ++j) d[j] = scale * pr[j] * (d[j] - dot);
+      for (std::size_t j = last + 1; j < seq; ++j) d[j] = T{0};
+    });
+  }
+
+  static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads) {
+    const std::size_t n = mesh.axes_size(model_mask);
+    const std::string who = "meshlib::nn: " + name + " (causal_self_attention " + std::to_string(features) +
+                            " features, " + std::to_string(heads) + " heads)";
+    if (heads == 0 || heads % n != 0)
+      throw sharding_error(who + ": " + std::to_string(heads) + " heads are not divisible by the " + std::to_string(n) +
+                           " devices of the model axis '" + std::string(Model.view()) +
+                           "' the heads are sharded over; use a number of heads divisible by " + std::to_string(n) +
+                           " or a model axis whose size divides " + std::to_string(heads));
+    if (features % heads != 0)
+      throw sharding_error(who + ": " + std::to_string(features) + " features do not split into " +
+                           std::to_string(heads) + " heads; use a width divisible by the number of heads");
+    return name;
+  }
+
+  struct saved {
+    std::size_t rows = 0, seq = 0;
+    bool ran = false;
+  };
+  std::size_t heads_, seq_ = 0;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> qkvh_, probs_, oh_, ocat_, doh_, dqkvh_, dprobs_, dqkv_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/attention.hpp
+// begin meshlib/nn/layers/transformer_block.hpp
+/// @file
+/// @brief `transformer_block`: the pre-norm decoder block of GPT-2 and its successors,
+/// `h = x + attn(norm1(x))`, `y = h + mlp(norm2(h))` with `mlp = row_dense(gelu(column_dense(.)))`,
+/// with forward and backward, a layer of `sequential` like any other.
+///
+/// Tensor parallelism is Megatron's: the attention's heads and the MLP's hidden units are sharded
+/// over the model axis, each half a column-parallel then a row-parallel product, so a block costs two
+/// `psum`s forward (one per half) and two backward; the norms and the residual additions are
+/// replicated over the model axis and need none. The residual branches' cotangents are added (the
+/// cotangent of `x + f(x)` is `dy + f'(x)^T dy`) by a Kokkos kernel on the running device's instance.
+///
+/// `Norm` is `layer_norm` (GPT-2, the default) or `rms_norm` (Llama); GELU is the tanh form
+/// (`jax.nn.gelu`'s default). Layout: as `causal_self_attention` (rows `batch * sequence` tokens,
+/// sequence-major, whole sequences per device). Parameters: `name + ".ln1"`, `".attn"`, `".ln2"`,
+/// `".mlp.fc1"`, `".mlp.fc2"` and their own suffixes.
+/// @code
+/// meshlib::nn::transformer_block<float, mesh_t> blk(m, "h0", 128, 4, 512, 64, key);  // width 128, 4 heads, MLP 512, sequences of 64
+/// // inside spmd: auto y = blk.forward(x);
+/// @endcode
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A pre-norm Transformer decoder block (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Model = "model", class Norm = layer_norm<T, Mesh>>
+class transformer_block {
+ public:
+  Norm ln1;                                   ///< before the attention
+  causal_self_attention<T, Mesh, Model> attn;  ///< heads sharded over `Model`
+  Norm ln2;                                   ///< before the MLP
+  column_dense<T, Mesh, Model> fc1;           ///< `features -> mlp_features`, hidden units sharded
+  gelu<T> act;                                ///< tanh GELU
+  row_dense<T, Mesh, Model> fc2;              ///< `mlp_features -> features`, one psum
+
+  /// `features` values per token, `heads` heads, an MLP of `mlp_features` hidden units (4 x
+  /// features in GPT-2), sequences of `sequence_length` tokens.
+  /// @throws sharding_error when the heads or the MLP's hidden units do not divide over `Model`.
+  transformer_block(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads,
+                    std::size_t mlp_features, std::size_t sequence_length, rng_key key,
+                    std::span<const std::size_t> local_devices = {})
+      : ln1(mesh, name + ".ln1", features, T(1e-5), local_devices),
+        attn(mesh, name + ".attn", features, heads, sequence_length, key, local_devices),
+        ln2(mesh, name + ".ln2", features, T(1e-5), local_devices),
+        fc1(mesh, name + ".mlp.fc1", features, mlp_features, key, local_devices),
+        act(mesh),
+        fc2(mesh, name + ".mlp.fc2", mlp_features, features, key, local_devices),
+        name_(name),
+        h_(mesh.size()),
+        y_(mesh.size()),
+        dh_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The block's name: the prefix of its parameters.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The width of a token: what it takes and returns.
+  [[nodiscard]] std::size_t in_features() const noexcept { return attn.in_features(); }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
+  /// `"h0 (transformer_block 128 features, 4 heads, MLP 512)"`: how messages name the block.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (transformer_block " + std::to_string(in_features()) + " features, " +
+           std::to_string(attn.heads()) + " heads, MLP " + std::to_string(fc1.out_features()) + ")";
+  }
+  /// Sets the tokens per sequence of the next inputs (the attention's).
+  void set_sequence_length(std::size_t s) { attn.set_sequence_length(s); }
+
+  /// Complete, unsharded features (the attention's input).
+  template <class X>
+  static constexpr bool accepts_input = causal_self_attention<T, Mesh, Model>::template accepts_input<X>;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"transformer_block">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// `h = x + attn(ln1(x))`, then `h + fc2(gelu(fc1(ln2(h))))`.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    const std::size_t dev = x.device(), n = x.size();
+    auto a = attn.forward(ln1.forward(x));
+    static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
+    T* h = h_.get(dev, n);
+    add(h, x.data(), a.data(), n);
+    const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
+    auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
+    T* y = y_.get(dev, n);
+    add(y, h, m.data(), n);
+    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input (`need_dx` is passed to the first product, whose input is `ln1`'s
+  /// output, so the cotangent is always computed: the residual needs it).
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device(), n = dy.size();
+    auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
+    T* dh = dh_.get(dev, n);
+    add(dh, dy.data(), dm.data(), n);
+    const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    auto da = ln1.backward(attn.backward(dhx, true));
+    T* dx = dx_.get(dev, n);
+    add(dx, dh, da.data(), n);
+    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+  }
+
+  /// Appends the parameters in order: `ln1`, `attn`, `ln2`, `fc1`, `fc2`.
+  void collect(std::vector<param_ref<T>>& out) const {
+    ln1.collect(out);
+    attn.collect(out);
+    ln2.collect(out);
+    fc1.collect(out);
+    fc2.collect(out);
+  }
+
+ private:
+  /// `out = a + b` over `n` elements (the residual connection and its cotangent).
+  static void add(T* out, const T* a, const T* b, std::size_t n) {
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  }
+
+  std::string name_;
+  detail::device_buffers<T> h_, y_, dh_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/transformer_block.hpp
 // begin meshlib/nn/layers/dropout.hpp
 /// @file
 /// @brief `dropout` with a mesh-invariant mask: element `(r, c)` of the *global* activation is kept
@@ -1276,6 +2463,1434 @@ class dropout {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/layers/dropout.hpp
+// begin meshlib/nn/layers/image_shape.hpp
+/// @file
+/// @brief `image_shape`: the height, width and channels of one image, as the convolutional layers
+/// (conv2d, pooling, batch_norm, basic_block) read their rank-2 input.
+///
+/// Why rank 2 and channels-last (NHWC, flattened): every layer of `nn` takes a rank-2 block of rows
+/// (the batch, sharded over the data axis) by features, and `train_step` feeds exactly that; an
+/// image row is its pixels in NHWC order, `features = height * width * channels`, so a convolutional
+/// stack composes with `dense` and `sequential` (their width checks included) with no reshape, and
+/// Fashion-MNIST's 784 features are a 28x28x1 image as they come. Channels-last is also what makes
+/// the convolution a plain GEMM (see conv2d.hpp), as in TensorFlow's and JAX's default layout.
+/// @code
+/// meshlib::nn::image_shape in{28, 28, 1};   // in.size() == 784 features per row
+/// @endcode
+
+#include <cstddef>
+#include <string>
+
+namespace meshlib::nn {
+
+/// @brief One image's shape, NHWC without the N: `height x width x channels`.
+struct image_shape {
+  std::size_t height = 0;    ///< rows of pixels
+  std::size_t width = 0;     ///< columns of pixels
+  std::size_t channels = 0;  ///< values per pixel, contiguous (channels-last)
+
+  /// The features of one row: `height * width * channels`.
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return height * width * channels; }
+  /// The pixels of one image: `height * width`.
+  [[nodiscard]] constexpr std::size_t pixels() const noexcept { return height * width; }
+  /// `"28x28x1"`, as messages print it.
+  [[nodiscard]] std::string to_string() const {
+    return std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels);
+  }
+  friend constexpr bool operator==(const image_shape&, const image_shape&) = default;
+};
+
+namespace detail {
+/// The message of a layer that received `got` features per row but takes images of shape `want`
+/// (`who`: `"conv1 (conv2d ...)"`, `name`: `"conv1"`): when `got` is a whole number of `want`'s
+/// pixels it names the channel count it found, the usual mistake (a layer declared with the wrong
+/// `C_in`).
+inline std::string image_width_error(const std::string& who, const std::string& name, std::size_t got,
+                                     const image_shape& want) {
+  std::string s = "meshlib::nn: " + who + " received " + std::to_string(got) + " features per row, but it takes " +
+                  want.to_string() + " images (height x width x channels, NHWC) = " + std::to_string(want.size()) +
+                  " features";
+  if (want.pixels() != 0 && got % want.pixels() == 0 && got != 0) {
+    const std::size_t c = got / want.pixels();
+    return s + ": that is " + std::to_string(c) + " channels where " + name + " takes " +
+           std::to_string(want.channels) + "; declare " + name + " with " + std::to_string(c) +
+           " input channels, or feed it " + std::to_string(want.channels) + "-channel images";
+  }
+  return s + "; declare " + name + " with the image shape of the layer before it (its output_shape())";
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/image_shape.hpp
+// begin meshlib/nn/layers/conv2d.hpp
+/// @file
+/// @brief `conv2d`: a 2-D convolution (`flax.linen.Conv` / `torch.nn.Conv2d`, dilation 1, one
+/// group) with stride and zero padding, forward and backward, on channels-last images (NHWC).
+///
+/// Why NHWC and im2col: with the channels of a pixel contiguous, the `kernel x kernel` window of
+/// one output pixel is `kernel` runs of `kernel * C_in` contiguous values, so im2col writes each
+/// patch row with straight copies, and the convolution is one plain GEMM
+/// `Y (N*Ho*Wo x C_out) = patches (N*Ho*Wo x kernel*kernel*C_in) x W (kernel*kernel*C_in x C_out)`
+/// whose output is already NHWC (no transpose on either side), TensorFlow's and JAX's default layout.
+/// The weight is `W[(i * kernel + j) * C_in + c][o]`: HWIO (flax's layout) flattened to rank 2.
+/// - forward: im2col (a Kokkos kernel, one work item per output pixel), then `Y = b; Y += patches W`
+///   (`matmul_into`);
+/// - backward: `dW (+)= patches^T dY` (the patches the forward kept), `db (+)= column sums of dY`,
+///   `dpatches = dY W^T`, then col2im as a gather: one work item per input pixel adds the patch
+///   entries that read it, in a fixed order (no atomics: the same bits on every run and mesh).
+///
+/// Data parallel: the input on each device is its block of rows (images) of the batch, as for
+/// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
+/// gradient synchronisation of `train_step` completes. No communication in forward or backward.
+/// (Output channels sharded over a model axis do not fit rank-2 rows: in a flattened NHWC row a
+/// device's channels are not one contiguous block of the features, so such an output could not be
+/// typed as a feature-sharded block. A ResNet is trained data-parallel, which this layer is.)
+///
+/// Sizes are checked: a kernel larger than the padded input is refused at construction, an input
+/// whose width is not `height * width * C_in` (say, another channel count) in forward; each
+/// `sharding_error` names the layer, the sizes and the fix.
+/// @code
+/// meshlib::nn::conv2d<float, mesh_t> c1(m, "c1", {28, 28, 1}, 16, 3, meshlib::nn::rng_key{0}, {.padding = 1});
+/// // c1.output_shape() == {28, 28, 16}; inside spmd: auto y = c1.forward(x);  ...  c1.backward(dy);
+/// @endcode
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
+/// dimensions, and whether the layer adds a bias (off before a `batch_norm`, which cancels it).
+struct conv2d_options {
+  std::size_t stride = 1;   ///< step between output pixels, in input pixels
+  std::size_t padding = 0;  ///< zeros added on every side of the image
+  bool use_bias = true;     ///< add a learned bias per output channel
+};
+
+namespace detail {
+/// Whether a layer of images (conv2d, pooling, batch_norm) takes `X`: a complete rank-2 block of
+/// rows with unsharded features, of this mesh and element type.
+template <class X, class Mesh, class T>
+consteval bool image_layer_accepts() {
+  if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> || !std::is_same_v<typename X::value_type, T>) return false;
+  else if constexpr (X::rank != 2) return false;
+  else return X::partial == 0 && X::dims_type::at(1) == 0;
+}
+
+/// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
+/// `rows x cols`, the last forward's output on this device (`ran`: a forward ran there).
+inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols, bool ran,
+                                   std::size_t fwd_rows, std::size_t fwd_cols) {
+  const std::string head = "meshlib::nn: " + who + ".backward";
+  if (!ran)
+    throw sharding_error(head + " ran on device " + std::to_string(dev) +
+                         " before any forward there; run forward first (backward uses what it saved)");
+  if (rows != fwd_rows || cols != fwd_cols)
+    throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
+                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
+                         std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
+                         "); pass the cotangent of the last forward's output");
+}
+}  // namespace detail
+
+/// @brief A 2-D convolution on NHWC images (see the file comment); weight and bias replicated.
+template <class T, mesh_type Mesh>
+class conv2d {
+ public:
+  /// Weight and bias are replicated on every device (data parallel).
+  using w_sharding = named_sharding<Mesh, P<none, none>>;
+  /// @copydoc w_sharding
+  using b_sharding = named_sharding<Mesh, P<none>>;
+
+  /// The weight, `kernel*kernel*C_in x C_out` (HWIO flattened); named `name + ".w"`.
+  parameter<T, 2, w_sharding> w;
+  /// The bias, `C_out` (zero, and not trained, without `use_bias`); named `name + ".b"`.
+  parameter<T, 1, b_sharding> b;
+
+  /// Images of shape `in` to `out_channels` channels with a `kernel x kernel` window. W ~ He
+  /// (Kaiming) uniform, limit `sqrt(6 / (kernel*kernel*C_in))`, from `key` (mesh-invariant); b = 0.
+  /// @throws sharding_error when the kernel is larger than the padded input, or a size is zero.
+  conv2d(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels, std::size_t kernel,
+         rng_key key, conv2d_options o = {}, std::span<const std::size_t> local_devices = {})
+      : w(name + ".w", w_sharding{mesh}, {checked(name, in, out_channels, kernel, o) * in.channels, out_channels}, key,
+          init::uniform(static_cast<float>(std::sqrt(6.0 / static_cast<double>(kernel * kernel * in.channels)))), true,
+          local_devices),
+        b(name + ".b", b_sharding{mesh}, {out_channels}, key, init::zeros(), false, local_devices),
+        name_(name),
+        in_(in),
+        out_{(in.height + 2 * o.padding - kernel) / o.stride + 1, (in.width + 2 * o.padding - kernel) / o.stride + 1,
+             out_channels},
+        kernel_(kernel),
+        opt_(o),
+        saved_(mesh.size()),
+        cols_(mesh.size()),
+        out_buf_(mesh.size()),
+        dcols_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// The layer's name: its parameters are `name() + ".w"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// The shape of the images it returns: `((H + 2p - k) / s + 1) x ((W + 2p - k) / s + 1) x C_out`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return out_; }
+  /// Features per input row: `H * W * C_in`.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// Features per output row: `Ho * Wo * C_out`.
+  [[nodiscard]] std::size_t out_features() const noexcept { return out_.size(); }
+  /// `"c1 (conv2d 3x3, 28x28x1 -> 28x28x16, stride 1, padding 1)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (conv2d " + std::to_string(kernel_) + "x" + std::to_string(kernel_) + ", " + in_.to_string() +
+           " -> " + out_.to_string() + ", stride " + std::to_string(opt_.stride) + ", padding " +
+           std::to_string(opt_.padding) + ")";
+  }
+
+  /// A complete rank-2 block of rows with unsharded features (shard the batch, not the pixels).
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::detail::diag_op_t<"conv2d">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The convolution of this device's images (rows of `x`, NHWC), plus the bias.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>,
+                  "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
+                  "element type, with unsharded features: shard the batch over the data axis, not the pixels");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size())
+      throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
+    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    const std::size_t m = n * ho * wo, kk = k * k * cin;
+    saved_[dev] = {n, true};
+    T* cols = cols_.get(dev, m * kk);
+    const T* xp = x.data();
+    // im2col: the patch of output pixel r, zeros where the window hangs over the padding.
+    meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
+      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
+      T* dst = cols + r * kk;
+      for (std::size_t i = 0; i < k; ++i) {
+        const std::size_t ih = oh * s + i;  // in padded coordinates
+        for (std::size_t j = 0; j < k; ++j, dst += cin) {
+          const std::size_t iw = ow * s + j;
+          if (ih < p || iw < p || ih - p >= h || iw - p >= wd) {
+            for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
+          } else {
+            const T* src = xp + ((img * h + (ih - p)) * wd + (iw - p)) * cin;
+            for (std::size_t c = 0; c < cin; ++c) dst[c] = src[c];
+          }
+        }
+      }
+    });
+    T* y = out_buf_.get(dev, m * cout);
+    const T* wp = w.value.local(dev).data();
+    if (opt_.use_bias) {
+      const T* bias = b.value.local(dev).data();
+      meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
+        for (std::size_t o = 0; o < cout; ++o) y[r * cout + o] = bias[o];
+      });
+    }
+    matmul_into(view(y, m, cout), cview(cols, m, kk), cview(wp, kk, cout), {.beta = opt_.use_bias ? 1.0 : 0.0});
+    return X(typename X::view_type(y, n, ho * wo * cout), x.mesh(), dev);
+  }
+
+  /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
+  /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
+    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+    const std::size_t m = n * ho * wo, kk = k * k * cin;
+    const T* cols = cols_.get(dev, m * kk);
+    const T* d = dy.data();
+    matmul_into(view(w.grad.local(dev).data(), kk, cout), cview(cols, m, kk), cview(d, m, cout),
+                {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
+    if (opt_.use_bias) {
+      T* gb = b.grad.local(dev).data();
+      const bool fresh = b.grad_beta(dev) == T{0};
+      // Column sums of dy seen as (N*Ho*Wo) x C_out, rows in order (the same bits on every mesh).
+      detail::for_column_blocks<default_memory_space>(cout, [=](std::size_t j0, std::size_t j1) {
+        T* sb = gb;
+        if (fresh)
+          for (std::size_t j = j0; j < j1; ++j) sb[j] = T{0};
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = j0; j < j1; ++j) sb[j] += d[i * cout + j];
+      });
+    }
+    T* dx = dx_.get(dev, n * in_.size());
+    if (need_dx) {
+      T* dc = dcols_.get(dev, m * kk);
+      matmul_into(view(dc, m, kk), cview(d, m, cout), cview(w.value.local(dev).data(), kk, cout), {.transpose_b = true});
+      // col2im as a gather: input pixel (img, ih, iw) adds, for every kernel offset (i, j) whose
+      // output pixel exists, that patch entry.
+      meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+        const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd;
+        T* dst = dx + q * cin;
+        for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
+        for (std::size_t i = 0; i < k; ++i) {
+          const std::size_t th = ih + p;  // = oh * s + i
+          if (th < i || (th - i) % s != 0 || (th - i) / s >= ho) continue;
+          const std::size_t oh = (th - i) / s;
+          for (std::size_t j = 0; j < k; ++j) {
+            const std::size_t tw = iw + p;
+            if (tw < j || (tw - j) % s != 0 || (tw - j) / s >= wo) continue;
+            const std::size_t ow = (tw - j) / s;
+            const T* src = dc + ((img * ho + oh) * wo + ow) * kk + (i * k + j) * cin;
+            for (std::size_t c = 0; c < cin; ++c) dst[c] += src[c];
+          }
+        }
+      });
+    }
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Appends the weight, and the bias when the layer uses one.
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    if (opt_.use_bias) out.push_back(b.ref(true));
+  }
+
+ private:
+  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
+  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+
+  /// The constructor's checks; returns `kernel * kernel` (the weight's rows per input channel).
+  static std::size_t checked(const std::string& name, const image_shape& in, std::size_t out_channels,
+                             std::size_t kernel, const conv2d_options& o) {
+    const std::string head = "meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
+                             std::to_string(kernel) + " on " + in.to_string() + " images)";
+    if (kernel == 0 || o.stride == 0 || out_channels == 0 || in.size() == 0)
+      throw sharding_error(head + ": kernel, stride, output channels and the image's height, width and channels must "
+                                  "be at least 1 (kernel " + std::to_string(kernel) + ", stride " +
+                           std::to_string(o.stride) + ", " + std::to_string(out_channels) + " output channels)");
+    if (in.height + 2 * o.padding < kernel || in.width + 2 * o.padding < kernel)
+      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
+                           " with padding " + std::to_string(o.padding) + " (" +
+                           std::to_string(in.height + 2 * o.padding) + "x" + std::to_string(in.width + 2 * o.padding) +
+                           "), is smaller than the " + std::to_string(kernel) + "x" + std::to_string(kernel) +
+                           " kernel; use a kernel of at most " +
+                           std::to_string(std::min(in.height, in.width) + 2 * o.padding) + ", pad by at least " +
+                           std::to_string((kernel - std::min(in.height, in.width) + 1) / 2) +
+                           ", or remove a pooling layer before it");
+    return kernel * kernel;
+  }
+
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_, out_;
+  std::size_t kernel_;
+  conv2d_options opt_;
+  std::vector<saved> saved_;  // per device: the last forward's number of images
+  detail::device_buffers<T> cols_, out_buf_, dcols_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/conv2d.hpp
+// begin meshlib/nn/layers/pooling.hpp
+/// @file
+/// @brief Pooling on NHWC images (see image_shape.hpp): `max_pool2d` and `avg_pool2d` over
+/// `window x window` windows with a stride (`flax.linen.max_pool` / `avg_pool` with padding
+/// "VALID", `torch.nn.MaxPool2d` / `AvgPool2d`), and `global_avg_pool`, the mean over all pixels of
+/// each channel (`N x HWC -> N x C`, the head of a ResNet before its dense classifier).
+///
+/// Pooling works on each image alone: a data-parallel block of rows pools locally, no communication.
+/// Forward and backward are Kokkos kernels on the running device's instance. The backward passes
+/// are gathers, one work item per input pixel adding the output cotangents of the windows that
+/// contain it (max pooling: only those whose maximum it was, the first in window order on ties,
+/// as PyTorch), in a fixed order: no atomics, the same bits on every run.
+/// @code
+/// meshlib::nn::max_pool2d<float, mesh_t> pool(m, "pool1", {28, 28, 16}, 2);   // -> 14x14x16
+/// meshlib::nn::global_avg_pool<float, mesh_t> gap(m, "gap", {7, 7, 64});      // -> 64 features
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief How a `pool2d` reduces its windows.
+enum class pool_kind { max, average };
+
+/// @brief Max or average pooling over `window x window` windows (see the file comment).
+template <class T, mesh_type Mesh, pool_kind Kind>
+class pool2d {
+ public:
+  /// Pools images of shape `in` over `window x window` windows every `stride` pixels (0: `window`,
+  /// non-overlapping windows, PyTorch's default). No padding: the last window must fit.
+  /// @throws sharding_error when the window is larger than the image or a size is zero.
+  pool2d(const Mesh& mesh, const std::string& name, image_shape in, std::size_t window, std::size_t stride = 0)
+      : name_(name), in_(in), window_(window), stride_(stride == 0 ? window : stride),
+        out_{checked(in, window) ? (in.height - window) / stride_ + 1 : 0, (in.width - window) / stride_ + 1, in.channels},
+        saved_(mesh.size()), arg_(mesh.size()), out_buf_(mesh.size()), dx_(mesh.size()) {}
+
+  /// The name messages use.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// `((H - window) / stride + 1) x ((W - window) / stride + 1) x C`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return out_; }
+  /// Features per input row.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// Features per output row.
+  [[nodiscard]] std::size_t out_features() const noexcept { return out_.size(); }
+  /// `"pool1 (max_pool2d 2x2, stride 2, 28x28x16 -> 14x14x16)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (" + kind_text() + " " + std::to_string(window_) + "x" + std::to_string(window_) + ", stride " +
+           std::to_string(stride_) + ", " + in_.to_string() + " -> " + out_.to_string() + ")";
+  }
+  /// A complete rank-2 block of rows with unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"pool2d">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The maximum (or mean) of every window of every channel.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
+                                    "mesh and element type, with unsharded features");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    saved_[dev] = {n, true};
+    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+    const std::size_t k = window_, s = stride_;
+    T* y = out_buf_.get(dev, n * out_.size());
+    std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+    const T* xp = x.data();
+    const T inv = T{1} / static_cast<T>(k * k);
+    meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
+      for (std::size_t ch = 0; ch < c; ++ch) {
+        T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
+        std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
+        for (std::size_t i = 0; i < k; ++i)
+          for (std::size_t j = 0; j < k; ++j) {
+            const std::size_t pix = (oh * s + i) * wd + ow * s + j;
+            const T v = xp[(img * h * wd + pix) * c + ch];
+            if constexpr (Kind == pool_kind::max) {
+              if (v > acc) {
+                acc = v;
+                best = static_cast<std::uint32_t>(pix);
+              }
+            } else {
+              acc += v;
+            }
+          }
+        if constexpr (Kind == pool_kind::max) {
+          y[r * c + ch] = acc;
+          arg[r * c + ch] = best;
+        } else {
+          y[r * c + ch] = acc * inv;
+        }
+      }
+    });
+    return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+    const std::size_t k = window_, s = stride_;
+    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+    const T* d = dy.data();
+    T* dx = dx_.get(dev, n * in_.size());
+    const T inv = T{1} / static_cast<T>(k * k);
+    meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+      const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
+      T* dst = dx + q * c;
+      for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
+      // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
+      const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
+      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
+        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
+          const std::size_t r = (img * ho + oh) * wo + ow;
+          for (std::size_t ch = 0; ch < c; ++ch) {
+            if constexpr (Kind == pool_kind::max) {
+              if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
+            } else {
+              dst[ch] += d[r * c + ch] * inv;
+            }
+          }
+        }
+    });
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Adds nothing: pooling has no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
+  bool checked(const image_shape& in, std::size_t window) const {
+    const std::string head = "meshlib::nn: " + name_ + " (" + kind_text() + " " + std::to_string(window) + "x" +
+                             std::to_string(window) + " on " + in.to_string() + " images)";
+    if (window == 0 || in.size() == 0)
+      throw sharding_error(head + ": the window and the image's height, width and channels must be at least 1");
+    if (in.height < window || in.width < window)
+      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
+                           ", is smaller than the " + std::to_string(window) + "x" + std::to_string(window) +
+                           " window; use a window of at most " + std::to_string(std::min(in.height, in.width)) +
+                           " or remove a pooling layer before it");
+    return true;
+  }
+
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_;
+  std::size_t window_, stride_;
+  image_shape out_;
+  std::vector<saved> saved_;
+  detail::device_buffers<std::uint32_t> arg_;  // max: per output value, the input pixel it came from
+  detail::device_buffers<T> out_buf_, dx_;
+};
+
+/// @brief Max pooling (`torch.nn.MaxPool2d`, padding 0).
+template <class T, mesh_type Mesh>
+using max_pool2d = pool2d<T, Mesh, pool_kind::max>;
+/// @brief Average pooling (`torch.nn.AvgPool2d`, padding 0).
+template <class T, mesh_type Mesh>
+using avg_pool2d = pool2d<T, Mesh, pool_kind::average>;
+
+/// @brief The mean of each channel over all pixels: `N x (H*W*C) -> N x C`.
+template <class T, mesh_type Mesh>
+class global_avg_pool {
+ public:
+  /// Averages images of shape `in` to one value per channel.
+  global_avg_pool(const Mesh& mesh, const std::string& name, image_shape in)
+      : name_(name), in_(in), saved_(mesh.size()), out_buf_(mesh.size()), dx_(mesh.size()) {
+    if (in.size() == 0)
+      throw sharding_error("meshlib::nn: " + name + " (global_avg_pool on " + in.to_string() +
+                           " images): the image's height, width and channels must be at least 1");
+  }
+
+  /// The name messages use.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// `1 x 1 x C`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return {1, 1, in_.channels}; }
+  /// Features per input row.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// The channels.
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_.channels; }
+  /// `"gap (global_avg_pool 7x7x64 -> 64)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (global_avg_pool " + in_.to_string() + " -> " + std::to_string(in_.channels) + ")";
+  }
+  /// A complete rank-2 block of rows with unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"global_avg_pool">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// The mean of every channel of every image.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
+                                    "of its mesh and element type, with unsharded features");
+    const std::size_t dev = x.device(), n = x.extent(0);
+    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+    saved_[dev] = {n, true};
+    const std::size_t c = in_.channels, hw = in_.pixels();
+    T* y = out_buf_.get(dev, n * c);
+    const T* xp = x.data();
+    const T inv = T{1} / static_cast<T>(hw);
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t img) {
+      T* yi = y + img * c;
+      const T* xi = xp + img * hw * c;
+      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
+      for (std::size_t q = 0; q < hw; ++q)  // pixels in order, each a contiguous run of channels
+        for (std::size_t ch = 0; ch < c; ++ch) yi[ch] += xi[q * c + ch];
+      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] *= inv;
+    });
+    return X(typename X::view_type(y, n, c), x.mesh(), dev);
+  }
+
+  /// `dx = dy / (H * W)` on every pixel; the second argument (need_dx) is ignored.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    const std::size_t dev = dy.device();
+    const auto [n, ran] = saved_[dev];
+    const std::size_t c = in_.channels, hw = in_.pixels();
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+    const T* d = dy.data();
+    T* dx = dx_.get(dev, n * in_.size());
+    const T inv = T{1} / static_cast<T>(hw);
+    meshlib::detail::launch<default_memory_space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+      const T* di = d + q / hw * c;
+      for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
+    });
+    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Adds nothing: pooling has no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+
+ private:
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false;
+  };
+  std::string name_;
+  image_shape in_;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> out_buf_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/pooling.hpp
+// begin meshlib/nn/layers/batch_norm.hpp
+/// @file
+/// @brief `batch_norm` with batch statistics synchronised over the data axis (PyTorch's
+/// `SyncBatchNorm`, `flax.linen.BatchNorm(axis_name="data")`): per channel,
+/// `y = (x - mean) / sqrt(var + eps) * g + b`, the mean and (biased) variance taken over every
+/// pixel of every image of the *global* batch, so a data-parallel run normalises exactly as one
+/// device does over the whole batch, and the per-step losses do not depend on the mesh.
+///
+/// How: each device sums its block's rows per channel, one `psum` over the data axis gives the
+/// global sums (the mean), a second pass and `psum` the global sum of squared deviations (two
+/// passes, not `E[x^2] - mean^2`, whose cancellation in float would differ between meshes beyond
+/// rounding). The backward pass needs two global sums per channel, `sum dy` and `sum dy * xhat`:
+/// one `psum` of both. The gradients of `g` and `b` are the local sums, a pending sum over the data
+/// axis that the gradient synchronisation completes, as for every replicated weight.
+///
+/// Input: a rank-2 block of rows whose rows are the batch sharded over `Data` (what `train_step`
+/// feeds), each row an NHWC image of shape `in` (channels-last, see image_shape.hpp); a plain
+/// `N x C` activation is the image shape `1 x 1 x C`. The element count the statistics divide by
+/// is the global batch times the pixels.
+///
+/// Evaluation (`begin_step(key, false)`, as `evaluate` calls it): the running mean and variance,
+/// updated in training as PyTorch does (`running = (1 - momentum) running + momentum batch`, the
+/// unbiased variance), replace the batch statistics; every device updates its copy with the same
+/// global statistics, so the copies stay equal. They are not trained parameters (optimizers and the
+/// gradient synchronisation do not see them); `running_stats()` reads them.
+/// @code
+/// meshlib::nn::batch_norm<float, mesh_t> bn(m, "bn1", {28, 28, 16});   // over the 16 channels
+/// // inside spmd: auto y = bn.forward(x);  ...  auto dx = bn.backward(dy);
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Batch normalisation over the channels of NHWC images, statistics synchronised over the
+/// data axis `Data` (see the file comment). Scale `g` (init 1) and shift `b` (init 0) are replicated.
+template <class T, mesh_type Mesh, fixed_string Data = "data">
+class batch_norm {
+ public:
+  /// Scale, shift and running statistics are replicated on every device.
+  using sharding = named_sharding<Mesh, P<none>>;
+  /// The scale `g` (named `name + ".g"`, initially 1), one per channel.
+  parameter<T, 1, sharding> g;
+  /// The shift `b` (named `name + ".b"`, initially 0), one per channel.
+  parameter<T, 1, sharding> b;
+
+  /// Normalises images of shape `in` per channel. `momentum`: PyTorch's (the weight of the new
+  /// batch in the running statistics); `eps` keeps the division finite. `local_devices`: this
+  /// process's devices (empty: all).
+  batch_norm(const Mesh& mesh, const std::string& name, image_shape in, T momentum = T(0.1), T eps = T(1e-5),
+             std::span<const std::size_t> local_devices = {})
+      : g(name + ".g", sharding{mesh}, {checked(name, in)}, rng_key{}, init::constant(1.0f), false, local_devices),
+        b(name + ".b", sharding{mesh}, {in.channels}, rng_key{}, init::zeros(), false, local_devices),
+        name_(name),
+        in_(in),
+        momentum_(momentum),
+        eps_(eps),
+        running_(make_array_from_callback<T>(
+            std::array<std::size_t, 1>{2 * in.channels}, sharding{mesh},
+            [c = in.channels](const std::array<std::size_t, 1>& i) { return i[0] < c ? T{0} : T{1}; }, local_devices)),
+        saved_(mesh.size()),
+        stats_(mesh.size()),
+        st_back_(mesh.size()),
+        xhat_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+  /// Normalises `features` values per row (images of shape `1 x 1 x features`), as `BatchNorm1d`.
+  batch_norm(const Mesh& mesh, const std::string& name, std::size_t features, T momentum = T(0.1), T eps = T(1e-5),
+             std::span<const std::size_t> local_devices = {})
+      : batch_norm(mesh, name, image_shape{1, 1, features}, momentum, eps, local_devices) {}
+
+  /// The layer's name: its parameters are `name() + ".g"` and `name() + ".b"`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes and returns.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// @copydoc input_shape
+  [[nodiscard]] image_shape output_shape() const noexcept { return in_; }
+  /// Features per row, in and out.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// @copydoc in_features
+  [[nodiscard]] std::size_t out_features() const noexcept { return in_.size(); }
+  /// The channels it normalises.
+  [[nodiscard]] std::size_t channels() const noexcept { return in_.channels; }
+  /// `"bn1 (batch_norm over 16 channels of 28x28x16, synchronised over 'data')"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (batch_norm over " + std::to_string(in_.channels) + " channels of " + in_.to_string() +
+           ", synchronised over '" + std::string(Data.view()) + "')";
+  }
+  /// Whether the layer normalises with the batch's statistics (training, the default) or the running ones.
+  [[nodiscard]] bool training() const noexcept { return train_; }
+  /// The running statistics, replicated: `2 * channels` values, the means then the variances.
+  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_stats() const noexcept { return running_; }
+
+  /// The data axis's mask: the rows must be sharded over exactly it.
+  static constexpr axis_mask data_mask = Mesh::template mask_of<Data>();
+  /// A complete rank-2 block of rows sharded over `Data`, with unsharded features.
+  template <class X>
+  static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>() && X::dims_type::at(0) == data_mask;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"batch_norm">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// Training or evaluation (called by `sequential::begin_step`: `train_step` passes true, `evaluate` false).
+  void begin_step(rng_key, bool train) noexcept { train_ = train; }
+
+  /// Normalises every channel with the global batch's statistics (training) or the running ones.
+  /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_assert(accepts_input<X>,
+                  "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
+                  "rows (the batch) are sharded over exactly its data axis and whose features are not sharded");
+    const std::size_t dev = x.device(), rows = x.extent(0);
+    if (x.extent(1) != in_.size()) throw sharding_error(width_error(x.extent(1)));
+    const std::size_t c = in_.channels, np = rows * in_.pixels();
+    const T count = static_cast<T>(x.global_extent(0) * in_.pixels());
+    saved_[dev] = {rows, true, train_, count};
+    T* st = stats_.get(dev, 4 * c);  // sums, squared deviations, mean, 1 / std
+    T* mean = st + 2 * c;
+    T* rstd = st + 3 * c;
+    const T* xp = x.data();
+    const T eps = eps_;
+    T* run = running_.local(dev).data();
+    if (train_) {
+      T* s = st;
+      T* q = st + c;
+      column_sums(s, xp, nullptr, np, c);
+      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
+      column_sums(q, xp, s, np, c, count);
+      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
+      const T mom = momentum_;
+      const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
+      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
+        mean[j] = s[j] / count;
+        const T var = q[j] / count;
+        rstd[j] = T{1} / std::sqrt(var + eps);
+        run[j] = (T{1} - mom) * run[j] + mom * mean[j];
+        run[c + j] = (T{1} - mom) * run[c + j] + mom * var * unbias;
+      });
+    } else {
+      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
+        mean[j] = run[j];
+        rstd[j] = T{1} / std::sqrt(run[c + j] + eps);
+      });
+    }
+    T* xh = xhat_.get(dev, np * c);
+    T* y = out_.get(dev, np * c);
+    const T* gv = g.value.local(dev).data();
+    const T* bv = b.value.local(dev).data();
+    meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t j = 0; j < c; ++j) {
+        xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
+        y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
+      }
+    });
+    return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
+  }
+
+  /// The cotangent of the input (when `need_dx`; otherwise its contents are unspecified); accumulates
+  /// (or, as `grad_beta` says, writes) the gradients of `g` and `b`.
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    const saved sv = saved_[dev];
+    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
+    const std::size_t c = in_.channels, np = sv.rows * in_.pixels();
+    const T* st = stats_.get(dev, 4 * c);
+    const T* rstd = st + 3 * c;
+    const T* xh = xhat_.get(dev, np * c);
+    T* sums = st_back_.get(dev, 2 * c);  // sum dy, sum dy * xhat
+    const T* d = dy.data();
+    // Per channel, rows in order (the same bits on every run).
+    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
+      T* sa = sums;
+      T* sb = sums + c;
+      for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
+      for (std::size_t i = 0; i < np; ++i)
+        for (std::size_t j = j0; j < j1; ++j) {
+          sa[j] += d[i * c + j];
+          sb[j] += d[i * c + j] * xh[i * c + j];
+        }
+    });
+    T* gg = g.grad.local(dev).data();
+    T* gb = b.grad.local(dev).data();
+    const T beta_g = g.grad_beta(dev), beta_b = b.grad_beta(dev);
+    meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
+      gg[j] = beta_g * gg[j] + sums[c + j];
+      gb[j] = beta_b * gb[j] + sums[j];
+    });
+    T* dx = dx_.get(dev, np * c);
+    if (!need_dx) return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
+    const T* gv = g.value.local(dev).data();
+    if (sv.train) {
+      // dx = g / std * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch.
+      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(sums, 2 * c, dy.mesh(), dev));
+      const T inv = T{1} / sv.count;
+      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
+        for (std::size_t j = 0; j < c; ++j)
+          dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
+      });
+    } else {  // the statistics are constants: an affine map per channel
+      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
+        for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
+      });
+    }
+    return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
+  }
+
+  /// Appends `g` and `b` (the running statistics are not trained).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(g.ref(true));  // backward writes them with grad_beta
+    out.push_back(b.ref(true));
+  }
+
+ private:
+  /// A device's per-channel sums, varying over the data axis until the `psum`.
+  using sums_t = local_tensor<T, 1, Mesh, data_mask, 0, replicated_dims<1>, default_memory_space>;
+
+  /// `s[j] = sum_i x[i, j]` (`centre` null) or `sum_i (x[i, j] - centre[j] / count)^2`, rows in order.
+  static void column_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count = T{1}) {
+    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
+      T* sj = s;
+      for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
+      if (centre == nullptr) {
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
+      } else {
+        for (std::size_t i = 0; i < rows; ++i)
+          for (std::size_t j = j0; j < j1; ++j) {
+            const T dv = x[i * c + j] - centre[j] / count;
+            sj[j] += dv * dv;
+          }
+      }
+    });
+  }
+
+  static std::size_t checked(const std::string& name, const image_shape& in) {
+    if (in.size() == 0)
+      throw sharding_error("meshlib::nn: " + name + " (batch_norm on " + in.to_string() +
+                           " images): the image's height, width and channels must be at least 1");
+    return in.channels;
+  }
+
+  std::string width_error(std::size_t got) const {
+    if (in_.pixels() == 1)
+      return "meshlib::nn: " + to_string() + " received " + std::to_string(got) + " features per row, but it normalises " +
+             std::to_string(in_.channels) + "; declare " + name_ + " with " + std::to_string(got) +
+             " features (or the image shape of the layer before it), or feed it " + std::to_string(in_.channels);
+    return detail::image_width_error(to_string(), name_, got, in_);
+  }
+
+  struct saved {
+    std::size_t rows = 0;
+    bool ran = false, train = true;
+    T count = T{1};  // elements per channel in the global batch
+  };
+  std::string name_;
+  image_shape in_;
+  T momentum_, eps_;
+  bool train_ = true;
+  sharded_tensor<T, 1, sharding> running_;
+  std::vector<saved> saved_;
+  detail::device_buffers<T> stats_, st_back_, xhat_, out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/batch_norm.hpp
+// begin meshlib/nn/layers/residual.hpp
+/// @file
+/// @brief `residual`: a skip connection, `y = main(x) + shortcut(x)` (ResNet's identity or
+/// projection shortcut, a Transformer's residual stream), and `identity`, the default shortcut.
+///
+/// The branches are any layers of the `sequential` protocol (a `sequential` included); both must
+/// return the input's type and width, so the sum is elementwise and the cotangent of the input is
+/// the sum of the two branches' cotangents of `dy` (the backward of a fan-out is a sum). Both sums
+/// are Kokkos kernels on the running device's instance, into the residual's own buffers; no
+/// communication beyond the branches' own.
+/// @code
+/// auto block = meshlib::nn::make_residual<float>(m, meshlib::nn::sequential(conv_a, bn_a, relu_a, conv_b, bn_b));
+/// // inside spmd: auto y = block.forward(x);   // conv_b(...(x)) + x
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The identity layer: returns its input, and the cotangent unchanged.
+template <class T>
+struct identity {
+  /// The width out is the width in.
+  static constexpr bool keeps_features = true;
+  /// `x` itself (no copy).
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    return x;
+  }
+  /// `dy` itself; the second argument (need_dx) is ignored.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    return dy;
+  }
+  /// Adds nothing: no parameters.
+  void collect(std::vector<param_ref<T>>&) const {}
+};
+
+namespace detail {
+/// `l.backward(dy, need_dx)`, telling a `sequential` (whose backward names its input type) that its
+/// input had `dy`'s type: a residual's branches take and return the same type.
+template <class L, class DY>
+auto branch_backward(L& l, const DY& dy, bool need_dx) {
+  if constexpr (requires { l.template backward<DY>(dy, need_dx); }) return l.template backward<DY>(dy, need_dx);
+  else return l.backward(dy, need_dx);
+}
+template <class L>
+void branch_begin_step(L& l, rng_key key, bool train) {
+  if constexpr (requires { l.begin_step(key, train); }) l.begin_step(key, train);
+}
+}  // namespace detail
+
+/// @brief `y = main(x) + shortcut(x)` (see the file comment).
+template <class T, class Main, class Shortcut = identity<T>>
+class residual {
+ public:
+  /// The residual branch (for ResNet: conv-BN-ReLU-conv-BN).
+  Main main;
+  /// The shortcut branch (the identity, or a projection where the shape changes).
+  Shortcut shortcut;
+
+  /// Sums `main` and `shortcut` applied to the same input.
+  /// @throws sharding_error when both branches expose widths (`in_features()`, `out_features()`;
+  /// the identity keeps its input's) and they disagree.
+  template <mesh_type Mesh>
+  residual(const Mesh& mesh, Main main_, Shortcut shortcut_ = Shortcut{})
+      : main(std::move(main_)), shortcut(std::move(shortcut_)), rows_(mesh.size()), out_(mesh.size()), dx_(mesh.size()) {
+    if constexpr (detail::has_widths<Main> && (detail::has_widths<Shortcut> || detail::keeps_features<Shortcut>())) {
+      const std::size_t in = main.in_features(), out = main.out_features();
+      std::size_t s_in = in, s_out = in;
+      std::string with = "the identity shortcut, which returns its " + std::to_string(in) + " input features";
+      if constexpr (detail::has_widths<Shortcut>) {
+        s_in = shortcut.in_features();
+        s_out = shortcut.out_features();
+        with = "its shortcut, which maps " + std::to_string(s_in) + " to " + std::to_string(s_out) + " features";
+      }
+      if (s_in != in || s_out != out)
+        throw sharding_error("meshlib::nn: residual: its main branch maps " + std::to_string(in) + " to " +
+                             std::to_string(out) + " features, which cannot be added to " + with +
+                             "; give the main branch the input's width (same image shape, stride 1) or use a "
+                             "projection shortcut that maps the input to the main branch's output");
+    }
+  }
+
+  /// The main branch's input width.
+  [[nodiscard]] std::size_t in_features() const
+    requires detail::has_widths<Main>
+  {
+    return main.in_features();
+  }
+  /// The main branch's output width.
+  [[nodiscard]] std::size_t out_features() const
+    requires detail::has_widths<Main>
+  {
+    return main.out_features();
+  }
+  /// `"residual"`, as messages name it.
+  [[nodiscard]] std::string name() const { return "residual"; }
+  /// What the main branch accepts.
+  template <class X>
+  static constexpr bool accepts_input = detail::layer_accepts<Main, X>() && detail::layer_accepts<Shortcut, X>();
+
+  /// Passes the step's key and mode to both branches (batch norm and dropout read them).
+  void begin_step(rng_key key, bool train) {
+    detail::branch_begin_step(main, key, train);
+    detail::branch_begin_step(shortcut, key, train);
+  }
+
+  /// `main(x) + shortcut(x)`.
+  /// @throws sharding_error when the branches return blocks of different shapes.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    const auto h = main.forward(x);
+    const auto s = shortcut.forward(x);
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(h)>, X> && std::is_same_v<std::remove_cvref_t<decltype(s)>, X>,
+                  "meshlib::nn: residual: both branches must return their input's type (same sharding, vary and "
+                  "partial) so their sum is elementwise; reshard or psum inside the branch");
+    const std::size_t dev = x.device();
+    if (h.extent(0) != s.extent(0) || h.extent(1) != s.extent(1))
+      throw sharding_error("meshlib::nn: residual: on device " + std::to_string(dev) + " the main branch returned (" +
+                           std::to_string(h.extent(0)) + ", " + std::to_string(h.extent(1)) + ") and the shortcut (" +
+                           std::to_string(s.extent(0)) + ", " + std::to_string(s.extent(1)) +
+                           "); the branches must return the same shape");
+    const std::size_t n = h.size();
+    rows_[dev] = {h.extent(0), h.extent(1), true};
+    T* y = out_.get(dev, n);
+    const T* hp = h.data();
+    const T* sp = s.data();
+    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = hp[i] + sp[i]; });
+    return X(typename X::view_type(y, h.extent(0), h.extent(1)), x.mesh(), dev);
+  }
+
+  /// The sum of both branches' input cotangents (when `need_dx`; otherwise unspecified contents).
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    const std::size_t dev = dy.device();
+    detail::check_same_shape_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
+                               rows_[dev].rows, rows_[dev].cols);
+    const auto dm = detail::branch_backward(main, dy, need_dx);
+    const auto ds = detail::branch_backward(shortcut, dy, need_dx);
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(dm)>, DY> && std::is_same_v<std::remove_cvref_t<decltype(ds)>, DY>,
+                  "meshlib::nn: residual: both branches' backward must return the input's type");
+    const std::size_t n = dm.size();
+    T* dx = dx_.get(dev, n);
+    if (need_dx) {
+      const T* a = dm.data();
+      const T* b = ds.data();
+      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = a[i] + b[i]; });
+    }
+    return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
+  }
+
+  /// Appends the main branch's parameters, then the shortcut's.
+  void collect(std::vector<param_ref<T>>& out) const {
+    main.collect(out);
+    shortcut.collect(out);
+  }
+
+ private:
+  struct shape {
+    std::size_t rows = 0, cols = 0;
+    bool ran = false;
+  };
+  std::vector<shape> rows_;  // per device: the last forward's output shape
+  detail::device_buffers<T> out_, dx_;
+};
+
+/// @brief `residual<T, Main, Shortcut>` with the branch types deduced: `make_residual<float>(mesh, main)`.
+template <class T, mesh_type Mesh, class Main, class Shortcut = identity<T>>
+residual<T, Main, Shortcut> make_residual(const Mesh& mesh, Main main, Shortcut shortcut = Shortcut{}) {
+  return residual<T, Main, Shortcut>(mesh, std::move(main), std::move(shortcut));
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/residual.hpp
+// begin meshlib/nn/layers/basic_block.hpp
+/// @file
+/// @brief `basic_block`: ResNet's basic block (He et al. 2016; torchvision's `BasicBlock`):
+/// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`, 3x3 convolutions without bias (batch norm
+/// follows each), the first with the block's stride. The shortcut is the identity when the block
+/// keeps the image shape, else a projection (a 1x1 convolution with the stride, then batch norm),
+/// option B of the paper. Batch norms are synchronised over the data axis (batch_norm.hpp), so a
+/// data-parallel ResNet trains as on one device.
+///
+/// It is a layer of the `sequential` protocol (widths, `begin_step`, `collect`), built from
+/// `conv2d`, `batch_norm`, `relu` and `residual`, so it composes with `sequential`, pooling and `dense`.
+/// @code
+/// meshlib::nn::sequential net(
+///     meshlib::nn::conv2d<float, mesh_t>(m, "stem", {28, 28, 1}, 16, 3, key, {.padding = 1, .use_bias = false}),
+///     meshlib::nn::batch_norm<float, mesh_t>(m, "stem_bn", {28, 28, 16}), meshlib::nn::relu<float>(m),
+///     meshlib::nn::basic_block<float, mesh_t>(m, "b1", {28, 28, 16}, 32, 2, key),   // -> 14x14x32
+///     meshlib::nn::global_avg_pool<float, mesh_t>(m, "gap", {14, 14, 32}),
+///     meshlib::nn::dense<float, mesh_t>(m, "fc", 32, 10, key));
+/// @endcode
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/sequential.hpp
+/// @file
+/// @brief `sequential`: layers run forward in order and backward in reverse, as `flax.linen.Sequential`
+/// / `torch.nn.Sequential`, so a user writes no gradient for them. A layer is any type with
+/// `forward(x)`, `backward(dy, need_dx)` and `collect(params)` (and, optionally,
+/// `begin_step(key, train)`, which dropout uses): a user-written struct of layers works the same way.
+///
+/// `backward<X>(dy)` checks at compile time that every layer hands back a cotangent of exactly the
+/// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
+/// communication does not mirror the forward's does not compile.
+///
+/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
+/// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
+///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
+///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
+///   naming it and the layer before it (index and kind), the layout it receives and what it needs;
+/// - at construction, consecutive layers that expose their widths (`in_features()`,
+///   `out_features()`; activations and dropout pass the width through) must agree, else
+///   `sharding_error` names both layers (index, name, kind), both widths and the fix.
+/// @code
+/// meshlib::nn::sequential net(meshlib::nn::column_dense<float, mesh_t>(m, "fc1", 784, 1024, key),
+///                             meshlib::nn::relu<float>(m),
+///                             meshlib::nn::row_dense<float, mesh_t>(m, "fc2", 1024, 10, key));
+/// // inside spmd: auto logits = net.forward(x); ... net.backward<decltype(x)>(dlogits);
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+template <bool Ok, std::size_t Layer, class Input, class Cotangent>
+struct backward_cotangent_type_differs_from_input {
+  static_assert(Ok,
+                "meshlib::nn: sequential: the backward of the layer numbered in "
+                "backward_cotangent_type_differs_from_input<ok, layer, input type, cotangent type> returns a "
+                "cotangent whose type (vary, partial, dims) differs from its forward input's: its backward pass "
+                "does not transpose its forward collectives");
+  static constexpr bool value = Ok;
+};
+}  // namespace detail
+
+/// @brief Layers in order (see the file comment).
+template <class... Layers>
+class sequential {
+ public:
+  /// The number of layers.
+  static constexpr std::size_t size = sizeof...(Layers);
+  /// The layers, in the order the input goes through them.
+  std::tuple<Layers...> layers;
+  /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
+  /// layer's output and every cotangent is rounded to the compute type in place.
+  void (*round_activations)(float*, std::size_t) noexcept = nullptr;
+
+  /// Chains `ls` in order: each layer receives the previous layer's output.
+  /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
+  /// layer before it that has widths (with only width-keeping layers between them).
+  explicit sequential(Layers... ls) : layers(std::move(ls)...) { check_widths(std::make_index_sequence<size>{}); }
+
+  /// The global number of input features, when the first layer has widths.
+  [[nodiscard]] std::size_t in_features() const
+    requires(size > 0 && detail::has_widths<std::tuple_element_t<0, std::tuple<Layers...>>>)
+  {
+    return std::get<0>(layers).in_features();
+  }
+
+  /// The type layer `I` receives when the network receives `X`.
+  template <class X, std::size_t I>
+  struct input_of {
+    /// What layer `I - 1` receives.
+    using prev = typename input_of<X, I - 1>::type;
+    /// What layer `I - 1` returns, so what layer `I` receives.
+    using type = std::remove_cvref_t<decltype(std::declval<std::tuple_element_t<I - 1, std::tuple<Layers...>>&>().forward(
+        std::declval<const prev&>()))>;
+  };
+  /// Layer 0 receives the network's own input `X`.
+  template <class X>
+  struct input_of<X, 0> {
+    using type = X;  ///< `X` itself
+  };
+
+  /// Forward through every layer, first to last; returns the last layer's output.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    if constexpr (!diagnose_chain<X, 0>()) return x;  // the one diagnostic has fired; nothing else may
+    else return forward_from<0>(x);
+  }
+
+  /// Backward through every layer, last first; returns the cotangent of the input `X` when
+  /// `need_dx` (else its contents are unspecified: the first layer skips that product).
+  template <local_tensor_type X, local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = false) {
+    if constexpr (!diagnose_chain<X, 0>()) return;  // the same diagnostic as forward's, fired once
+    else return backward_from<X, size - 1>(dy, need_dx);
+  }
+
+  /// Tells layers that draw random numbers (dropout) the step's key and whether this is training.
+  void begin_step(rng_key key, bool train) {
+    std::apply([&](auto&... l) { (begin_one(l, key, train), ...); }, layers);
+  }
+
+  /// Appends every layer's parameters to `out`, in layer order.
+  template <class T>
+  void collect(std::vector<param_ref<T>>& out) const {
+    std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
+  }
+
+ private:
+  template <std::size_t I>
+  using layer_t = std::tuple_element_t<I, std::tuple<Layers...>>;
+
+  /// Walks the layers with the types they receive from `X`; fires one diagnostic at the first
+  /// layer that cannot take its input (one instantiation per `X`: forward and backward share it).
+  template <class X, std::size_t I>
+  static consteval bool diagnose_chain() {
+    if constexpr (I == size) {
+      return true;
+    } else {
+      using in_t = typename input_of<X, I>::type;
+      using L = layer_t<I>;
+      if constexpr (!detail::layer_accepts<L, in_t>()) {
+        using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
+                                                   prev_layer_diagnostic<I>>::type;
+        return detail::sequential_layers_do_not_chain<
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            from_t, typename detail::layer_input_requirement<L>::type>();
+      } else {
+        return diagnose_chain<X, I + 1>();
+      }
+    }
+  }
+  template <std::size_t I>
+  struct prev_layer_diagnostic {
+    using type = diagnostic::layer<I - 1, typename detail::layer_diagnostic_name<layer_t<I - 1>>::type>;
+  };
+
+  /// The run-time width check of the constructor (see the file comment): the last layer with
+  /// widths whose output reaches the next layer, and how messages name it.
+  struct width_source {
+    bool known = false;
+    std::size_t width = 0;
+    std::string text, name;
+  };
+  template <std::size_t... I>
+  void check_widths(std::index_sequence<I...>) const {
+    width_source from;
+    (check_width<I>(from), ...);
+  }
+  template <std::size_t I>
+  void check_width(width_source& from) const {
+    const auto& l = std::get<I>(layers);
+    if constexpr (detail::has_widths<layer_t<I>>) {
+      if (from.known && from.width != l.in_features())
+        throw sharding_error("meshlib::nn: sequential: " + detail::layer_text(I, l) + " takes " +
+                             std::to_string(l.in_features()) + " features, but " + from.text + " before it outputs " +
+                             std::to_string(from.width) + "; declare " + detail::layer_name(I, l) + " with " +
+                             std::to_string(from.width) + " inputs or " + from.name + " with " +
+                             std::to_string(l.in_features()) + " outputs");
+      from = {true, l.out_features(), detail::layer_text(I, l), detail::layer_name(I, l)};
+    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
+      from.known = false;  // a layer of unknown width: nothing to compare across it
+    }
+  }
+
+  template <std::size_t I, class X>
+  auto forward_from(const X& x) {
+    if constexpr (I == size) {
+      return x;
+    } else {
+      auto y = std::get<I>(layers).forward(x);
+      round(y);
+      return forward_from<I + 1>(y);
+    }
+  }
+
+  template <class X, std::size_t I, class DY>
+  auto backward_from(const DY& dy, bool need_dx) {
+    using in_t = typename input_of<X, I>::type;
+    auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    if (I > 0 || need_dx) round(dx);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
+                                                                            decltype(dx)>) > 0);  // one error, its own
+    if constexpr (I == 0) return dx;
+    else return backward_from<X, I - 1>(dx, need_dx);
+  }
+
+  template <class Y>
+  void round(Y& y) const noexcept {
+    if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
+      if (round_activations != nullptr) round_activations(y.data(), y.size());
+  }
+
+  template <class L>
+  static void begin_one(L& l, rng_key key, bool train) {
+    if constexpr (requires { l.begin_step(key, train); }) l.begin_step(key, train);
+  }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/sequential.hpp
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The shortcut of a basic block: the identity, or a 1x1 convolution with the block's stride and a
+/// batch norm (chosen at construction: whether the shape changes is known only then).
+template <class T, mesh_type Mesh, fixed_string Data>
+class block_shortcut {
+ public:
+  using projection_type = sequential<conv2d<T, Mesh>, batch_norm<T, Mesh, Data>>;
+  block_shortcut(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels, std::size_t stride,
+                 rng_key key, std::span<const std::size_t> local_devices)
+      : in_(in) {
+    if (stride != 1 || out_channels != in.channels) {
+      conv2d<T, Mesh> c(mesh, name + ".proj", in, out_channels, 1, key, {.stride = stride, .use_bias = false}, local_devices);
+      const image_shape out = c.output_shape();
+      proj_.emplace(std::move(c), batch_norm<T, Mesh, Data>(mesh, name + ".proj_bn", out, T(0.1), T(1e-5), local_devices));
+    }
+  }
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  [[nodiscard]] std::size_t out_features() const noexcept {
+    return proj_ ? std::get<0>(proj_->layers).out_features() : in_.size();
+  }
+  [[nodiscard]] bool projects() const noexcept { return proj_.has_value(); }
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    return proj_ ? proj_->forward(x) : x;
+  }
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    return proj_ ? proj_->template backward<DY>(dy, need_dx) : dy;
+  }
+  void begin_step(rng_key key, bool train) {
+    if (proj_) proj_->begin_step(key, train);
+  }
+  void collect(std::vector<param_ref<T>>& out) const {
+    if (proj_) proj_->collect(out);
+  }
+
+ private:
+  image_shape in_;
+  std::optional<projection_type> proj_;
+};
+}  // namespace detail
+
+/// @brief ResNet's basic block (see the file comment).
+template <class T, mesh_type Mesh, fixed_string Data = "data">
+class basic_block {
+ public:
+  /// conv1 (3x3, stride), bn1, relu, conv2 (3x3), bn2.
+  using main_type = sequential<conv2d<T, Mesh>, batch_norm<T, Mesh, Data>, relu<T>, conv2d<T, Mesh>, batch_norm<T, Mesh, Data>>;
+  /// The main branch plus the shortcut.
+  residual<T, main_type, detail::block_shortcut<T, Mesh, Data>> body;
+
+  /// A block from images of shape `in` to `out_channels` channels, the first convolution (and the
+  /// projection, when the shape changes) with `stride`. Parameters are named `name + ".conv1.w"`,
+  /// `".bn1.g"`, ..., `".proj.w"`, `".proj_bn.g"`; weights He-uniform from `key`.
+  /// @throws sharding_error as `conv2d` does (a kernel larger than the padded input, zero sizes).
+  basic_block(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels, std::size_t stride,
+              rng_key key, std::span<const std::size_t> local_devices = {})
+      : body(mesh, make_main(mesh, name, in, out_channels, stride, key, local_devices),
+             detail::block_shortcut<T, Mesh, Data>(mesh, name, in, out_channels, stride, key, local_devices)),
+        act_(mesh),
+        name_(name),
+        in_(in),
+        out_(std::get<0>(body.main.layers).output_shape()) {}
+
+  /// The block's name, the prefix of its parameters' names.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The shape of the images it takes.
+  [[nodiscard]] image_shape input_shape() const noexcept { return in_; }
+  /// `ceil(H / stride) x ceil(W / stride) x out_channels`.
+  [[nodiscard]] image_shape output_shape() const noexcept { return out_; }
+  /// Features per input row.
+  [[nodiscard]] std::size_t in_features() const noexcept { return in_.size(); }
+  /// Features per output row.
+  [[nodiscard]] std::size_t out_features() const noexcept { return out_.size(); }
+  /// `"b1 (basic_block 28x28x16 -> 14x14x32, projection shortcut)"`.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (basic_block " + in_.to_string() + " -> " + out_.to_string() + ", " +
+           (body.shortcut.projects() ? "projection" : "identity") + " shortcut)";
+  }
+  /// What its first convolution accepts.
+  template <class X>
+  static constexpr bool accepts_input = conv2d<T, Mesh>::template accepts_input<X>;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::detail::diag_op_t<"basic_block">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+
+  /// Training or evaluation, for its batch norms.
+  void begin_step(rng_key key, bool train) { body.begin_step(key, train); }
+
+  /// `relu(main(x) + shortcut(x))`.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    return act_.forward(body.forward(x));
+  }
+  /// The cotangent of the input (when `need_dx`); accumulates every parameter's gradient.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    return body.backward(act_.backward(dy), need_dx);
+  }
+  /// Appends the main branch's parameters (conv1, bn1, conv2, bn2), then the projection's.
+  void collect(std::vector<param_ref<T>>& out) const { body.collect(out); }
+
+ private:
+  static main_type make_main(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels,
+                             std::size_t stride, rng_key key, std::span<const std::size_t> local_devices) {
+    conv2d<T, Mesh> c1(mesh, name + ".conv1", in, out_channels, 3, key, {.stride = stride, .padding = 1, .use_bias = false},
+                       local_devices);
+    const image_shape mid = c1.output_shape();
+    conv2d<T, Mesh> c2(mesh, name + ".conv2", mid, out_channels, 3, key, {.stride = 1, .padding = 1, .use_bias = false},
+                       local_devices);
+    return main_type(std::move(c1), batch_norm<T, Mesh, Data>(mesh, name + ".bn1", mid, T(0.1), T(1e-5), local_devices),
+                     relu<T>(mesh), std::move(c2),
+                     batch_norm<T, Mesh, Data>(mesh, name + ".bn2", mid, T(0.1), T(1e-5), local_devices));
+  }
+
+  relu<T> act_;
+  std::string name_;
+  image_shape in_, out_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/basic_block.hpp
 // begin meshlib/nn/loss_function.hpp
 /// @file
 /// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
@@ -1546,12 +4161,15 @@ class softmax_cross_entropy {
     return Z(typename Z::view_type(g, logits.extent(0), logits.extent(1)), logits.mesh(), dev);
   }
 
- private:
   /// The loss of `forward`, the gradient written to `g` (the logits' size), with `3 * rows`
-  /// elements of scratch at `scratch`.
+  /// elements of scratch at `scratch`. Public only because nvcc refuses an extended device lambda
+  /// in a private member function; call `forward` or `forward_backward`.
   template <local_tensor_type Z>
   loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
                     T* scratch) {
+    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
+                  "meshlib::nn: softmax_cross_entropy reads host labels in its kernels and adds the rows' losses into "
+                  "a host result: not yet on device memory (CUDA), where they need copying across");
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -1610,15 +4228,13 @@ class softmax_cross_entropy {
     return out;
   }
 
+ private:
   /// One number per row (or two rows' worth) as the collectives see it: it differs over the axes
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
   using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
   // The kernels' memory: the loss's scratch buffers, and the result the last kernel writes on the host.
   using space = default_memory_space;
-  static_assert(meshlib::detail::host_accessible_v<space>,
-                "meshlib::nn: softmax_cross_entropy adds the rows' losses into a host result; device memory needs "
-                "them copied back");
   detail::device_buffers<T> grad_;
   detail::device_buffers<double> terms_;
   std::vector<std::size_t> rows_;
@@ -1678,7 +4294,7 @@ struct mean_squared_error {
                   "meshlib::nn: mean_squared_error needs a complete rank-2 model output (psum a pending sum first)");
     static_assert(std::is_same_v<typename Z::value_type, T>,
                   "meshlib::nn: mean_squared_error<T>: T must be the model output's element type");
-    static_assert(meshlib::detail::host_accessible_v<space>,
+    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
                   "meshlib::nn: mean_squared_error adds the squared differences into a host result; device memory "
                   "needs them copied back");
     constexpr axis_mask col_axes = Z::dims_type::at(1);
@@ -1737,213 +4353,6 @@ struct mean_squared_error {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/mean_squared_error.hpp
-// begin meshlib/nn/sequential.hpp
-/// @file
-/// @brief `sequential`: layers run forward in order and backward in reverse, as `flax.linen.Sequential`
-/// / `torch.nn.Sequential`, so a user writes no gradient for them. A layer is any type with
-/// `forward(x)`, `backward(dy, need_dx)` and `collect(params)` (and, optionally,
-/// `begin_step(key, train)`, which dropout uses): a user-written struct of layers works the same way.
-///
-/// `backward<X>(dy)` checks at compile time that every layer hands back a cotangent of exactly the
-/// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
-/// communication does not mirror the forward's does not compile.
-///
-/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
-/// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
-///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
-///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
-///   naming it and the layer before it (index and kind), the layout it receives and what it needs;
-/// - at construction, consecutive layers that expose their widths (`in_features()`,
-///   `out_features()`; activations and dropout pass the width through) must agree, else
-///   `sharding_error` names both layers (index, name, kind), both widths and the fix.
-/// @code
-/// meshlib::nn::sequential net(meshlib::nn::column_dense<float, mesh_t>(m, "fc1", 784, 1024, key),
-///                             meshlib::nn::relu<float>(m),
-///                             meshlib::nn::row_dense<float, mesh_t>(m, "fc2", 1024, 10, key));
-/// // inside spmd: auto logits = net.forward(x); ... net.backward<decltype(x)>(dlogits);
-/// @endcode
-
-#include <concepts>
-#include <cstddef>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib::nn {
-
-namespace detail {
-template <bool Ok, std::size_t Layer, class Input, class Cotangent>
-struct backward_cotangent_type_differs_from_input {
-  static_assert(Ok,
-                "meshlib::nn: sequential: the backward of the layer numbered in "
-                "backward_cotangent_type_differs_from_input<ok, layer, input type, cotangent type> returns a "
-                "cotangent whose type (vary, partial, dims) differs from its forward input's: its backward pass "
-                "does not transpose its forward collectives");
-  static constexpr bool value = Ok;
-};
-}  // namespace detail
-
-/// @brief Layers in order (see the file comment).
-template <class... Layers>
-class sequential {
- public:
-  /// The number of layers.
-  static constexpr std::size_t size = sizeof...(Layers);
-  /// The layers, in the order the input goes through them.
-  std::tuple<Layers...> layers;
-  /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
-  /// layer's output and every cotangent is rounded to the compute type in place.
-  void (*round_activations)(float*, std::size_t) noexcept = nullptr;
-
-  /// Chains `ls` in order: each layer receives the previous layer's output.
-  /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
-  /// layer before it that has widths (with only width-keeping layers between them).
-  explicit sequential(Layers... ls) : layers(std::move(ls)...) { check_widths(std::make_index_sequence<size>{}); }
-
-  /// The global number of input features, when the first layer has widths.
-  [[nodiscard]] std::size_t in_features() const
-    requires(size > 0 && detail::has_widths<std::tuple_element_t<0, std::tuple<Layers...>>>)
-  {
-    return std::get<0>(layers).in_features();
-  }
-
-  /// The type layer `I` receives when the network receives `X`.
-  template <class X, std::size_t I>
-  struct input_of {
-    /// What layer `I - 1` receives.
-    using prev = typename input_of<X, I - 1>::type;
-    /// What layer `I - 1` returns, so what layer `I` receives.
-    using type = std::remove_cvref_t<decltype(std::declval<std::tuple_element_t<I - 1, std::tuple<Layers...>>&>().forward(
-        std::declval<const prev&>()))>;
-  };
-  /// Layer 0 receives the network's own input `X`.
-  template <class X>
-  struct input_of<X, 0> {
-    using type = X;  ///< `X` itself
-  };
-
-  /// Forward through every layer, first to last; returns the last layer's output.
-  template <local_tensor_type X>
-  auto forward(const X& x) {
-    if constexpr (!diagnose_chain<X, 0>()) return x;  // the one diagnostic has fired; nothing else may
-    else return forward_from<0>(x);
-  }
-
-  /// Backward through every layer, last first; returns the cotangent of the input `X` when
-  /// `need_dx` (else its contents are unspecified: the first layer skips that product).
-  template <local_tensor_type X, local_tensor_type DY>
-  auto backward(const DY& dy, bool need_dx = false) {
-    if constexpr (!diagnose_chain<X, 0>()) return;  // the same diagnostic as forward's, fired once
-    else return backward_from<X, size - 1>(dy, need_dx);
-  }
-
-  /// Tells layers that draw random numbers (dropout) the step's key and whether this is training.
-  void begin_step(rng_key key, bool train) {
-    std::apply([&](auto&... l) { (begin_one(l, key, train), ...); }, layers);
-  }
-
-  /// Appends every layer's parameters to `out`, in layer order.
-  template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
-    std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
-  }
-
- private:
-  template <std::size_t I>
-  using layer_t = std::tuple_element_t<I, std::tuple<Layers...>>;
-
-  /// Walks the layers with the types they receive from `X`; fires one diagnostic at the first
-  /// layer that cannot take its input (one instantiation per `X`: forward and backward share it).
-  template <class X, std::size_t I>
-  static consteval bool diagnose_chain() {
-    if constexpr (I == size) {
-      return true;
-    } else {
-      using in_t = typename input_of<X, I>::type;
-      using L = layer_t<I>;
-      if constexpr (!detail::layer_accepts<L, in_t>()) {
-        using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
-                                                   prev_layer_diagnostic<I>>::type;
-        return detail::sequential_layers_do_not_chain<
-            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
-            from_t, typename detail::layer_input_requirement<L>::type>();
-      } else {
-        return diagnose_chain<X, I + 1>();
-      }
-    }
-  }
-  template <std::size_t I>
-  struct prev_layer_diagnostic {
-    using type = diagnostic::layer<I - 1, typename detail::layer_diagnostic_name<layer_t<I - 1>>::type>;
-  };
-
-  /// The run-time width check of the constructor (see the file comment): the last layer with
-  /// widths whose output reaches the next layer, and how messages name it.
-  struct width_source {
-    bool known = false;
-    std::size_t width = 0;
-    std::string text, name;
-  };
-  template <std::size_t... I>
-  void check_widths(std::index_sequence<I...>) const {
-    width_source from;
-    (check_width<I>(from), ...);
-  }
-  template <std::size_t I>
-  void check_width(width_source& from) const {
-    const auto& l = std::get<I>(layers);
-    if constexpr (detail::has_widths<layer_t<I>>) {
-      if (from.known && from.width != l.in_features())
-        throw sharding_error("meshlib::nn: sequential: " + detail::layer_text(I, l) + " takes " +
-                             std::to_string(l.in_features()) + " features, but " + from.text + " before it outputs " +
-                             std::to_string(from.width) + "; declare " + detail::layer_name(I, l) + " with " +
-                             std::to_string(from.width) + " inputs or " + from.name + " with " +
-                             std::to_string(l.in_features()) + " outputs");
-      from = {true, l.out_features(), detail::layer_text(I, l), detail::layer_name(I, l)};
-    } else if constexpr (!detail::keeps_features<layer_t<I>>()) {
-      from.known = false;  // a layer of unknown width: nothing to compare across it
-    }
-  }
-
-  template <std::size_t I, class X>
-  auto forward_from(const X& x) {
-    if constexpr (I == size) {
-      return x;
-    } else {
-      auto y = std::get<I>(layers).forward(x);
-      round(y);
-      return forward_from<I + 1>(y);
-    }
-  }
-
-  template <class X, std::size_t I, class DY>
-  auto backward_from(const DY& dy, bool need_dx) {
-    using in_t = typename input_of<X, I>::type;
-    auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
-    if (I > 0 || need_dx) round(dx);
-    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
-                                                                            decltype(dx)>) > 0);  // one error, its own
-    if constexpr (I == 0) return dx;
-    else return backward_from<X, I - 1>(dx, need_dx);
-  }
-
-  template <class Y>
-  void round(Y& y) const noexcept {
-    if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
-      if (round_activations != nullptr) round_activations(y.data(), y.size());
-  }
-
-  template <class L>
-  static void begin_one(L& l, rng_key key, bool train) {
-    if constexpr (requires { l.begin_step(key, train); }) l.begin_step(key, train);
-  }
-};
-
-}  // namespace meshlib::nn
-// end meshlib/nn/sequential.hpp
 // begin meshlib/nn/collective_transpose.hpp
 /// @file
 /// @brief The backward (transpose) of every collective, written on the typed local tensors so the
@@ -1972,6 +4381,18 @@ class sequential {
 
 
 namespace meshlib::nn {
+
+namespace detail {
+/// `to[o * run + k] = from[o * stride + at + k]` for `o < outer`, `k < run`, on `Space`: one work
+/// item per run. A named function: nvcc refuses an extended device lambda inside a function whose
+/// return type is deduced.
+template <class Space, class V>
+void copy_runs(V* to, const V* from, std::size_t outer, std::size_t run, std::size_t stride, std::size_t at) {
+  meshlib::detail::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+    for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
+  });
+}
+}  // namespace detail
 
 /// @brief Backward of `psum<Names...>`: `pvary<Names...>(ct)`.
 template <fixed_string... Names, local_tensor_type L>
@@ -2011,9 +4432,7 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     V* to = out.data();
     const V* from = ct.data();
     const std::size_t run = chunk * inner, stride = shape[Dim] * n * inner, at = i * chunk * inner;
-    meshlib::detail::launch<typename L::memory_space>(outer, KOKKOS_LAMBDA(std::size_t o) {
-      for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
-    });
+    detail::copy_runs<typename L::memory_space>(to, from, outer, run, stride, at);
     return R(out, ct.mesh(), ct.device());
   }
 }
@@ -2490,6 +4909,14 @@ inline void round_to(float* p, std::size_t n) noexcept {
     transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
 }
 
+/// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
+/// rounded into the parameters' values in one pass (a copy, then `round_to` in place, read the
+/// values twice), as a Kokkos kernel on the running device's instance.
+template <class C, class Space = default_memory_space>
+inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
+}
+
 /// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
@@ -2728,7 +5155,8 @@ class grad_sync {
 // begin meshlib/nn/data.hpp
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
-/// seeded epoch permutation and the sharded, prefetching data loader.
+/// seeded epoch permutation and the sharded, prefetching data loader; plain text for byte-level
+/// language models (corpus, next-token windows, n-gram baselines).
 
 // begin meshlib/nn/data/errors.hpp
 /// @file
@@ -3447,6 +5875,256 @@ class data_loader {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/data/loader.hpp
+// begin meshlib/nn/data/text.hpp
+/// @file
+/// @brief Plain text for byte-level language models: a file, or a directory's text files in name
+/// order, read into one byte string (`load_text`), and the held-out tail that validation reads
+/// (`split_text`), as nanoGPT's character models cut their corpus.
+///
+/// A byte-level vocabulary (256 values) needs no tokenizer and no vocabulary file, and reads any
+/// text (UTF-8 included) without an unknown token; it is what a character model over a corpus with
+/// non-ASCII bytes amounts to.
+/// @code
+/// auto corpus = meshlib::nn::load_text("/usr/share/games/fortunes");   // Debian's fortunes
+/// auto [train, validation] = meshlib::nn::split_text(corpus, 0.1);     // the last 10% held out
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A text corpus in memory: the bytes of every file read, concatenated in `files` order.
+struct text_corpus {
+  std::vector<std::uint8_t> bytes{};            ///< the text, one byte per token
+  std::vector<std::filesystem::path> files{};  ///< the files read, in order
+};
+
+/// @brief The training part and the held-out tail of a corpus (views into it).
+struct text_split {
+  std::span<const std::uint8_t> train;       ///< the first part
+  std::span<const std::uint8_t> validation;  ///< the held-out tail
+};
+
+namespace detail {
+/// Whether a directory entry is read as text: a regular file (or a link to one) whose name has no
+/// extension. In Debian's fortunes directory that keeps the text files and skips their `.dat`
+/// indexes and the `.u8` links to the same text (read once, not twice).
+inline bool is_text_entry(const std::filesystem::directory_entry& e) {
+  std::error_code ec;
+  const auto name = e.path().filename().string();
+  return e.is_regular_file(ec) && !name.empty() && name[0] != '.' && name.find('.') == std::string::npos;
+}
+
+inline void append_file(const std::filesystem::path& p, std::vector<std::uint8_t>& out) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw data_error("meshlib::nn::load_text: cannot open " + p.string() + " for reading");
+  out.insert(out.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (in.bad()) throw data_error("meshlib::nn::load_text: reading " + p.string() + " failed");
+}
+}  // namespace detail
+
+/// @brief Reads `path`: a file, or every file without an extension directly in a directory, in
+/// name order (see `detail::is_text_entry`), concatenated.
+/// @throws data_error naming the path when it does not exist, cannot be read, holds no such file,
+/// or the text is empty; for a missing path the message says how to get Debian's `fortunes`.
+inline text_corpus load_text(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  text_corpus c;
+  if (!fs::exists(path, ec))
+    throw data_error("meshlib::nn::load_text: " + path.string() +
+                     " does not exist; give a text file or a directory of text files (Debian's fortunes: "
+                     "apt-get install fortunes, text under /usr/share/games/fortunes; scripts/install_deps.sh installs it)");
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec))
+      if (detail::is_text_entry(e)) c.files.push_back(e.path());
+    if (ec) throw data_error("meshlib::nn::load_text: cannot list " + path.string() + ": " + ec.message());
+    std::sort(c.files.begin(), c.files.end());
+    if (c.files.empty())
+      throw data_error("meshlib::nn::load_text: " + path.string() +
+                       " holds no text file (a regular file whose name has no extension); give a file or such a directory");
+  } else {
+    c.files.push_back(path);
+  }
+  for (const auto& f : c.files) detail::append_file(f, c.bytes);
+  if (c.bytes.empty()) throw data_error("meshlib::nn::load_text: " + path.string() + " holds no text (0 bytes)");
+  return c;
+}
+
+/// @brief Splits `c` into its first part and its last `holdout` fraction (rounded down to a byte).
+/// @throws data_error when `holdout` is outside (0, 1) or either part is shorter than `min_bytes`
+/// (what one window of a model's context needs: context + 1).
+inline text_split split_text(const text_corpus& c, double holdout = 0.1, std::size_t min_bytes = 2) {
+  if (!(holdout > 0.0 && holdout < 1.0))
+    throw data_error("meshlib::nn::split_text: holdout " + std::to_string(holdout) +
+                     " is not a fraction in (0, 1); 0.1 holds out the last 10%");
+  const std::size_t n = c.bytes.size();
+  const auto held = static_cast<std::size_t>(static_cast<double>(n) * holdout);
+  if (held < min_bytes || n - held < min_bytes)
+    throw data_error("meshlib::nn::split_text: " + std::to_string(n) + " bytes split " + std::to_string(n - held) +
+                     " / " + std::to_string(held) + " leaves a part shorter than " + std::to_string(min_bytes) +
+                     " bytes (one window: context + 1); give more text or a shorter context");
+  const std::span<const std::uint8_t> all(c.bytes);
+  return {all.first(n - held), all.last(held)};
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/text.hpp
+// begin meshlib/nn/data/text_windows.hpp
+/// @file
+/// @brief Batches for next-token training on a byte string: `rows` windows of `context + 1` bytes,
+/// inputs the first `context`, targets the same shifted by one (token `t + 1` is the label of
+/// position `t`). Training windows start at random offsets drawn from a key (nanoGPT's `get_batch`,
+/// made reproducible and independent of the mesh: window `r` of step `s` depends only on the key,
+/// `s` and `r`); evaluation windows tile the text in order.
+/// @code
+/// auto b = meshlib::nn::sample_windows(split.train, 32, 64, key.fold_in(step));   // 32 x 64 tokens
+/// b.inputs[r * 64 + t];   // byte t of window r; b.targets[r * 64 + t] is the byte after it
+/// @endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief `rows` windows of `context` token ids and their next-token targets, row-major.
+struct token_batch {
+  std::size_t rows = 0;                 ///< windows
+  std::size_t context = 0;              ///< tokens per window
+  std::vector<std::int32_t> inputs{};   ///< rows * context ids (bytes: 0..255)
+  std::vector<std::int32_t> targets{};  ///< rows * context ids: each input's next byte
+};
+
+namespace detail {
+inline void require_windows(std::span<const std::uint8_t> text, std::size_t rows, std::size_t context,
+                            const char* who) {
+  if (rows == 0 || context == 0)
+    throw data_error(std::string("meshlib::nn::") + who + ": rows and context must be positive (rows " +
+                     std::to_string(rows) + ", context " + std::to_string(context) + ")");
+  if (text.size() < context + 1)
+    throw data_error(std::string("meshlib::nn::") + who + ": a window needs context + 1 = " +
+                     std::to_string(context + 1) + " bytes, the text has " + std::to_string(text.size()) +
+                     "; give more text or a shorter context");
+}
+
+inline void copy_window(std::span<const std::uint8_t> text, std::size_t start, std::size_t r, token_batch& b) {
+  for (std::size_t t = 0; t < b.context; ++t) {
+    b.inputs[r * b.context + t] = text[start + t];
+    b.targets[r * b.context + t] = text[start + t + 1];
+  }
+}
+}  // namespace detail
+
+/// @brief `rows` windows at random starts in `[0, size - context - 1]`, window `r`'s start drawn from
+/// `key` and `r` alone (pass `key.fold_in(step)` for a new batch each step).
+/// @throws data_error when `rows` or `context` is 0, or the text is shorter than `context + 1`.
+inline token_batch sample_windows(std::span<const std::uint8_t> text, std::size_t rows, std::size_t context,
+                                  rng_key key) {
+  detail::require_windows(text, rows, context, "sample_windows");
+  token_batch b{rows, context, std::vector<std::int32_t>(rows * context), std::vector<std::int32_t>(rows * context)};
+  const std::uint64_t starts = text.size() - context;  // start s reads s .. s + context
+  for (std::size_t r = 0; r < rows; ++r) {
+    // Two 24-bit draws give 48 bits, so every start of a text up to 2^48 bytes can come up; the
+    // modulo bias is below 2^-24 for texts under 2^24 bytes and small beyond.
+    const auto hi = static_cast<std::uint64_t>(uniform(key, 2 * r) * 16777216.0f);
+    const auto lo = static_cast<std::uint64_t>(uniform(key, 2 * r + 1) * 16777216.0f);
+    detail::copy_window(text, static_cast<std::size_t>(((hi << 24) | lo) % starts), r, b);
+  }
+  return b;
+}
+
+/// @brief Windows `first .. first + rows - 1` of the text cut into consecutive windows of
+/// `context` targets (window `w` reads bytes `w * context .. (w + 1) * context`): evaluation over
+/// the whole text in order. `count_windows` says how many there are.
+/// @throws data_error when the text is shorter than `context + 1` or the windows run past its end.
+inline token_batch tile_windows(std::span<const std::uint8_t> text, std::size_t context, std::size_t first,
+                                std::size_t rows) {
+  detail::require_windows(text, rows, context, "tile_windows");
+  const std::size_t total = (text.size() - 1) / context;
+  if (first + rows > total)
+    throw data_error("meshlib::nn::tile_windows: windows " + std::to_string(first) + " .. " +
+                     std::to_string(first + rows - 1) + " asked, the text has " + std::to_string(total) +
+                     " windows of " + std::to_string(context) + " tokens");
+  token_batch b{rows, context, std::vector<std::int32_t>(rows * context), std::vector<std::int32_t>(rows * context)};
+  for (std::size_t r = 0; r < rows; ++r) detail::copy_window(text, (first + r) * context, r, b);
+  return b;
+}
+
+/// The number of whole evaluation windows of `context` tokens in `text` (see `tile_windows`).
+inline std::size_t count_windows(std::span<const std::uint8_t> text, std::size_t context) noexcept {
+  return context == 0 || text.size() < 2 ? 0 : (text.size() - 1) / context;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/text_windows.hpp
+// begin meshlib/nn/data/byte_ngram.hpp
+/// @file
+/// @brief The count-based baselines a byte-level language model is judged against: unigram and
+/// bigram models with add-one (Laplace) smoothing over the 256 byte values, fitted on the
+/// training text and scored on held-out text as mean cross-entropy in nats per byte. A model that
+/// does not beat the bigram has learnt little beyond which byte follows which.
+/// @code
+/// double uni = meshlib::nn::unigram_nats(split.train, split.validation);   // ~3.37 on fortunes
+/// double bi  = meshlib::nn::bigram_nats(split.train, split.validation);    // ~2.62
+/// @endcode
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Mean -log p(byte) over `held_out`, p from the byte counts of `train` plus one each.
+/// @throws data_error when `held_out` is empty.
+inline double unigram_nats(std::span<const std::uint8_t> train, std::span<const std::uint8_t> held_out) {
+  if (held_out.empty()) throw data_error("meshlib::nn::unigram_nats: the held-out text is empty");
+  std::array<double, 256> count{};
+  for (std::uint8_t b : train) count[b] += 1.0;
+  const double total = static_cast<double>(train.size()) + 256.0;
+  double nats = 0.0;
+  for (std::uint8_t b : held_out) nats -= std::log((count[b] + 1.0) / total);
+  return nats / static_cast<double>(held_out.size());
+}
+
+/// @brief Mean -log p(next | previous) over the `held_out.size() - 1` transitions of `held_out`, p from
+/// the pair counts of `train` plus one for each of the 256 next bytes.
+/// @throws data_error when `held_out` has fewer than 2 bytes.
+inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const std::uint8_t> held_out) {
+  if (held_out.size() < 2) throw data_error("meshlib::nn::bigram_nats: the held-out text has fewer than 2 bytes");
+  std::vector<double> pair(256 * 256, 0.0);
+  std::array<double, 256> from{};
+  for (std::size_t i = 0; i + 1 < train.size(); ++i) {
+    pair[train[i] * 256u + train[i + 1]] += 1.0;
+    from[train[i]] += 1.0;
+  }
+  double nats = 0.0;
+  for (std::size_t i = 0; i + 1 < held_out.size(); ++i) {
+    const std::uint8_t a = held_out[i], b = held_out[i + 1];
+    nats -= std::log((pair[a * 256u + b] + 1.0) / (from[a] + 256.0));
+  }
+  return nats / static_cast<double>(held_out.size() - 1);
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/data/byte_ngram.hpp
 // end meshlib/nn/data.hpp
 // begin meshlib/nn/train_state.hpp
 /// @file
@@ -3472,6 +6150,7 @@ class data_loader {
 /// @endcode
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -3556,6 +6235,15 @@ class train_state {
   static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
   /// The type of a device's block of the input batch: rows sharded over `Data`.
   using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
+  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
+  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
+  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
+  /// data axes, and the value varies over every axis (the flat vector itself differs over the
+  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
+  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
+  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
+  using zero_state_type =
+      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, data_axes>, default_memory_space>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -3584,12 +6272,9 @@ class train_state {
         key(k),
         sync_(m.size(), opts.bucket_elements),
         loss_(m.size()),
-        state_(m.size()),
         gather_(m.size()),
         input_(m.size()),
-        output_grad_(m.size()),
-        masters_(m.size()),
-        offsets_(m.size()) {
+        output_grad_(m.size()) {
     model.collect(params);
     loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
     scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
@@ -3603,30 +6288,40 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    // Every tensor is made here, on the calling thread: device threads only read and write blocks
+    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
-    for (std::size_t dev : local_) {
-      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-      const std::size_t len = options.zero ? (n + dp - 1) / dp : n;
-      state_[dev].assign(opt.slots() * len, 0.0f);
-      std::size_t off = 0;
-      for (const auto& p : params) {
-        offsets_[dev].push_back(off);
-        if constexpr (mixed) masters_[dev].insert(masters_[dev].end(), p.value[dev], p.value[dev] + p.count[dev]);
-        off += p.count[dev];
-      }
+    if (options.zero) {
+      zero_state_.reserve(m.size());
+      for (std::size_t dev = 0; dev < m.size(); ++dev)
+        if (std::find(local_.begin(), local_.end(), dev) == local_.end()) {
+          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
+        } else {
+          const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+          zero_state_.emplace_back(typename zero_state_type::shape_type{opt.slots(), (n + dp - 1) / dp}, mesh, dev);
+        }
+    } else {
+      for (const auto& p : params)
+        for (std::size_t s = 0; s < opt.slots(); ++s) state_.push_back(p.layout->zeros_like(local_));
     }
+    if constexpr (mixed)
+      for (const auto& p : params) {
+        masters_.push_back(p.layout->zeros_like(local_));
+        for (std::size_t dev : local_)
+          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
+      }
     refresh_compute_copies();
   }
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
   [[nodiscard]] float* master(std::size_t i, std::size_t dev) {
-    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
     else return params.at(i).value[dev];
   }
   /// Parameter `i`'s float master block on device `dev` (read-only).
   [[nodiscard]] const float* master(std::size_t i, std::size_t dev) const {
-    if constexpr (mixed) return masters_.at(dev).data() + offsets_.at(dev).at(i);
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
     else return params.at(i).value[dev];
   }
   /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
@@ -3634,10 +6329,8 @@ class train_state {
   void refresh_compute_copies() {
     if constexpr (mixed)
       for (std::size_t dev : local_)
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-          detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-        }
+        for (std::size_t i = 0; i < params.size(); ++i)
+          detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   /// The current loss scale (1 without loss scaling).
   [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
@@ -3683,37 +6376,56 @@ class train_state {
 
   /// This process's devices.
   [[nodiscard]] const std::vector<std::size_t>& local_devices() const noexcept { return local_; }
-  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here).
-  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const { return state_.at(dev).size(); }
-  /// The optimizer state of device `dev` (for checkpoints and tests).
-  [[nodiscard]] std::vector<float>& optimizer_state(std::size_t dev) { return state_.at(dev); }
+  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here); 0 for a
+  /// device of another process.
+  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
+    if (options.zero) return zero_state_.at(dev).size();
+    return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
+  }
+  /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
+  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
+  /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
+  [[nodiscard]] std::vector<float> optimizer_state(std::size_t dev) {
+    std::vector<float> out;
+    out.reserve(optimizer_state_size(dev));
+    for (std::size_t s = 0; s < opt.slots() && out.capacity() > 0; ++s)
+      for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
+        out.insert(out.end(), slot[s], slot[s] + len);
+      });
+    return out;
+  }
+  /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
 
-  /// Calls `f(param_index, offset_in_block, len, slot0, slot_stride)` for each run of optimizer
-  /// state device `dev` holds: elements `[offset, offset + len)` of the parameter's local block;
-  /// slot `s` of element `k` of the run is `slot0[s * slot_stride + k]`. Replicated: whole blocks;
-  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of optimizer state device
+  /// `dev` holds, in parameter order: elements `[offset, offset + len)` of the parameter's local
+  /// block, whose slot `s` starts at `slot[s]` (a `std::span<float* const>` of `opt.slots()`
+  /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-    float* st = state_.at(dev).data();
+    std::array<float*, 2> slot{};
+    const std::span<float* const> slots(slot.data(), opt.slots());
     if (!options.zero) {
-      std::size_t off = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        f(i, std::size_t{0}, params[i].count[dev], st + off, n);
-        off += params[i].count[dev];
+        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = state_slot(i, s, dev);
+        f(i, std::size_t{0}, params[i].count[dev], slots);
       }
       return;
     }
-    const std::size_t dp = mesh.axes_size(data_axes), size = (n + dp - 1) / dp, begin = mesh.group_rank(dev, data_axes) * size;
+    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, data_axes) * size;
     std::size_t off = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
       const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) f(i, lo - off, hi - lo, st + (lo - begin), size);
+      if (lo < hi) {
+        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
+        f(i, lo - off, hi - lo, slots);
+      }
       off += p.count[dev];
     }
   }
@@ -3743,13 +6455,10 @@ class train_state {
       // of them: the skip verdict is the same on every device.
       if (scaling_ && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
-      const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-      float* m = state_[dev].data();
-      float* v = opt.slots() > 1 ? m + n : m;
-      std::size_t off = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        opt.update(master(i, dev), g[i], m + off, v + off, params[i].count[dev], step, scale, params[i].decay);
-        off += params[i].count[dev];
+        float* m = state_slot(i, 0, dev);
+        float* v = opt.slots() > 1 ? state_slot(i, 1, dev) : m;
+        opt.update(master(i, dev), g[i], m, v, params[i].count[dev], step, scale, params[i].decay);
       }
       refresh_device(dev);
       return norm;
@@ -3766,7 +6475,7 @@ class train_state {
     const double norm = std::sqrt(sq[0]);
     if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
-    float* m = state_[dev].data();
+    float* m = zero_state_[dev].data();
     float* v = opt.slots() > 1 ? m + size : m;
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
       opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
@@ -3812,15 +6521,15 @@ class train_state {
       detail::scale_in_place(g, n, 1.0f / loss_scale_);
     }
   }
+  /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
+  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_[i * opt.slots() + s].blocks[dev]; }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
     return master(static_cast<std::size_t>(&p - params.data()), dev);
   }
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        detail::convert_copy<default_memory_space>(params[i].value[dev], master(i, dev), params[i].count[dev]);
-        detail::round_to<Compute>(params[i].value[dev], params[i].count[dev]);
-      }
+      for (std::size_t i = 0; i < params.size(); ++i)
+        detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   float clip_scale(double norm) const {
     return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
@@ -3839,13 +6548,18 @@ class train_state {
 
   grad_sync<T, Wire> sync_;
   softmax_cross_entropy<T> loss_;
-  std::vector<std::vector<float>> state_;
+  // Optimizer state (see docs/design.md). Replicated: slot `s` of parameter `i` is
+  // `state_[i * slots + s]`, a float tensor with the parameter's own shape and sharding (the same
+  // blocks as its value and gradient). ZeRO-1: `zero_state_[dev]` (see `zero_state_type`).
+  std::vector<detail::held_tensor<float>> state_;
+  std::vector<zero_state_type> zero_state_;
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<T> output_grad_;
-  std::vector<std::vector<float>> masters_;        ///< per device: flat float master weights (16-bit Compute)
-  std::vector<std::vector<std::size_t>> offsets_;  ///< per device: where each parameter starts in the flat vector
+  /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
+  /// parameter's shape and sharding.
+  std::vector<detail::held_tensor<float>> masters_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -4116,7 +6830,7 @@ struct param_array {
 /// processes (a train state made with `local_devices` under several processes).
 template <class State>
 std::vector<param_array> params(const State& state) {
-  static_assert(meshlib::detail::host_accessible_v<default_memory_space>,
+  static_assert(sizeof(State) != 0 && meshlib::detail::host_accessible_v<default_memory_space>,
                 "meshlib::nn: params reads the parameters' blocks on the host; device memory needs them copied back");
   std::vector<param_array> out;
   out.reserve(state.params.size());
@@ -4219,6 +6933,7 @@ std::vector<param_array> params(const State& state) {
 #include <iterator>
 #include <optional>
 #include <sstream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -4761,11 +7476,11 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& p : state.params)
       for (std::size_t s = 0; s < slots; ++s) opt.emplace_back(io, opt_file(p, s), false);
     for (std::size_t dev : state.local_devices())
-      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, const float* st, std::size_t stride) {
+      state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, st + s * stride + (k - off), n);
+          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, slot[s] + (k - off), n);
         });
       });
     for (auto& o : opt) o.finish();
@@ -4878,10 +7593,10 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
-    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, float* st, std::size_t stride) {
+    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, st + s * stride + (k - off));
+        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, slot[s] + (k - off));
       });
     });
   state.step = step;
@@ -4898,5 +7613,217 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state) {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/checkpoint.hpp
+// begin meshlib/nn/pipeline_schedule.hpp
+/// @file
+/// @brief Pipeline schedules (issue 26): which stage runs which micro-batch's forward or backward
+/// when, as an object that can be printed as a timeline and measured (bubble fraction, activations
+/// in flight), before any model runs on it. GPipe runs every forward and then every backward;
+/// 1F1B (PipeDream-Flush, torch.distributed.pipelining's `Schedule1F1B`) runs `stages - stage - 1`
+/// warm-up forwards and then alternates one forward and one backward, so a stage holds at most
+/// `stages - stage` micro-batches' activations instead of all of them, for the same bubble.
+///
+/// Times are whole units (a forward of one micro-batch on one stage takes `costs.forward` units, a
+/// backward `costs.backward`, sending to the next stage `costs.send`). Each stage runs its steps in
+/// order; a forward starts when the previous stage's forward of the same micro-batch has arrived,
+/// a backward when the next stage's backward of it has; `steps(stage)` gives the start and end
+/// each step got. With uniform costs and no send time, both schedules idle for the fraction
+/// (p - 1) / (m + p - 1) of the run (p stages, m micro-batches): the bubble.
+/// @code
+/// auto s = meshlib::nn::pipeline_schedule::one_f_one_b(4, 8);
+/// std::cout << s.timeline();          // one row per stage: F0 F1 ... B0 F4 B1 ...
+/// s.bubble_fraction();                // 3 / 11 = 0.273
+/// s.peak_in_flight(0);                // 4 (GPipe: 8)
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief What one pipeline step does.
+enum class pipeline_pass : std::uint8_t { forward, backward };
+
+/// @brief One step of one stage: a pass over one micro-batch, and when it runs.
+struct pipeline_step {
+  pipeline_pass pass = pipeline_pass::forward;  ///< forward or backward
+  std::size_t microbatch = 0;                   ///< which micro-batch
+  std::size_t start = 0;                        ///< first time unit it runs in
+  std::size_t end = 0;                          ///< first time unit after it
+};
+
+/// @brief Time units of one micro-batch's work on one stage (see the file comment). A backward
+/// costs about twice a forward (two products per layer instead of one), the common assumption.
+struct pipeline_costs {
+  std::size_t forward = 1;   ///< one forward
+  std::size_t backward = 2;  ///< one backward
+  std::size_t send = 0;      ///< an activation or gradient from one stage to the next
+};
+
+/// @brief A schedule of `stages` x `microbatches` (see the file comment).
+class pipeline_schedule {
+ public:
+  /// GPipe: every forward, then every backward, micro-batches in order.
+  /// @throws sharding_error when `stages` or `microbatches` is 0, or a cost is 0.
+  static pipeline_schedule gpipe(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
+    check(stages, microbatches, costs, "gpipe");
+    std::vector<std::vector<pipeline_step>> order(stages);
+    for (auto& o : order) {
+      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::forward, i});
+      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::backward, i});
+    }
+    return {"GPipe", std::move(order), costs};
+  }
+
+  /// 1F1B: `min(stages - stage - 1, microbatches)` warm-up forwards, then one forward and one
+  /// backward in turn, then the remaining backwards.
+  /// @throws sharding_error as `gpipe`.
+  static pipeline_schedule one_f_one_b(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
+    check(stages, microbatches, costs, "one_f_one_b");
+    std::vector<std::vector<pipeline_step>> order(stages);
+    for (std::size_t s = 0; s < stages; ++s) {
+      const std::size_t warmup = std::min(stages - s - 1, microbatches);
+      std::size_t f = 0, b = 0;
+      for (; f < warmup; ++f) order[s].push_back({pipeline_pass::forward, f});
+      for (; f < microbatches; ++f, ++b) {
+        order[s].push_back({pipeline_pass::forward, f});
+        order[s].push_back({pipeline_pass::backward, b});
+      }
+      for (; b < microbatches; ++b) order[s].push_back({pipeline_pass::backward, b});
+    }
+    return {"1F1B", std::move(order), costs};
+  }
+
+  /// The bubble of a balanced pipeline with uniform costs and free sends: (p - 1) / (m + p - 1).
+  [[nodiscard]] static constexpr double ideal_bubble(std::size_t stages, std::size_t microbatches) noexcept {
+    return static_cast<double>(stages - 1) / static_cast<double>(microbatches + stages - 1);
+  }
+
+  /// "GPipe" or "1F1B".
+  [[nodiscard]] std::string_view name() const noexcept { return name_; }
+  /// Pipeline stages.
+  [[nodiscard]] std::size_t stages() const noexcept { return steps_.size(); }
+  /// Micro-batches per step.
+  [[nodiscard]] std::size_t microbatches() const noexcept { return microbatches_; }
+  /// The steps stage `stage` runs, in order, with their times.
+  [[nodiscard]] const std::vector<pipeline_step>& steps(std::size_t stage) const { return steps_.at(stage); }
+  /// Time units from the first step's start to the last step's end.
+  [[nodiscard]] std::size_t makespan() const noexcept { return makespan_; }
+
+  /// The fraction of stage-time units in which a stage is idle.
+  [[nodiscard]] double bubble_fraction() const noexcept {
+    std::size_t busy = 0;
+    for (const auto& st : steps_)
+      for (const auto& x : st) busy += x.end - x.start;
+    return 1.0 - static_cast<double>(busy) / static_cast<double>(stages() * makespan_);
+  }
+
+  /// The most micro-batches whose activations stage `stage` holds at once (forwarded, not yet
+  /// backwarded): what its activation memory scales with.
+  [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
+    std::size_t held = 0, peak = 0;
+    for (const auto& x : steps_.at(stage)) {
+      if (x.pass == pipeline_pass::forward) peak = std::max(peak, ++held);
+      else --held;
+    }
+    return peak;
+  }
+
+  /// One row per stage, one column per time unit: `F3` while micro-batch 3's forward runs, `B3`
+  /// while its backward runs, `..` when idle.
+  /// @code
+  /// GPipe, 2 stages x 2 micro-batches (forward 1, backward 1, send 0), bubble 33.3%
+  /// stage 0 | F0 F1 .. .. B0 B1
+  /// stage 1 | .. F0 F1 B0 B1 ..
+  /// @endcode
+  [[nodiscard]] std::string timeline() const {
+    std::string out = std::string(name_) + ", " + std::to_string(stages()) + " stages x " + std::to_string(microbatches_) +
+                      " micro-batches (forward " + std::to_string(costs_.forward) + ", backward " +
+                      std::to_string(costs_.backward) + ", send " + std::to_string(costs_.send) + "), bubble " +
+                      percent(bubble_fraction()) + "\n";
+    const std::size_t width = std::to_string(microbatches_ - 1).size() + 1;
+    for (std::size_t s = 0; s < stages(); ++s) {
+      std::vector<std::string> cell(makespan_, std::string(width, '.'));
+      for (const auto& x : steps_[s]) {
+        std::string label = (x.pass == pipeline_pass::forward ? "F" : "B") + std::to_string(x.microbatch);
+        label.resize(width, ' ');
+        for (std::size_t t = x.start; t < x.end; ++t) cell[t] = label;
+      }
+      out += "stage " + std::to_string(s) + " |";
+      for (const auto& c : cell) out += " " + c;
+      out += "\n";
+    }
+    return out;
+  }
+
+ private:
+  pipeline_schedule(std::string_view name, std::vector<std::vector<pipeline_step>> order, pipeline_costs costs)
+      : name_(name), microbatches_(order.front().size() / 2), costs_(costs), steps_(std::move(order)) {
+    simulate();
+  }
+
+  static void check(std::size_t stages, std::size_t microbatches, const pipeline_costs& c, const char* who) {
+    if (stages == 0 || microbatches == 0)
+      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who + ": " + std::to_string(stages) +
+                           " stages x " + std::to_string(microbatches) +
+                           " micro-batches; a pipeline needs at least one of each");
+    if (c.forward == 0 || c.backward == 0)
+      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who +
+                           ": forward and backward costs must be at least 1 time unit (forward " +
+                           std::to_string(c.forward) + ", backward " + std::to_string(c.backward) + ")");
+  }
+
+  static std::string percent(double f) {
+    const auto tenths = static_cast<long long>(f * 1000.0 + 0.5);
+    return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + "%";
+  }
+
+  // List scheduling: each stage runs its steps in order, each as soon as the stage is free and its
+  // input has arrived. The orders above never wait on a step scheduled later on the same stage, so
+  // every pass over the stages schedules at least one step.
+  void simulate() {
+    const std::size_t p = stages(), m = microbatches_;
+    constexpr std::size_t none = static_cast<std::size_t>(-1);
+    std::vector<std::vector<std::size_t>> fwd_end(p, std::vector<std::size_t>(m, none)), bwd_end = fwd_end;
+    std::vector<std::size_t> next(p, 0), free_at(p, 0);
+    for (std::size_t left = p * 2 * m; left > 0;) {
+      std::size_t progress = 0;
+      for (std::size_t s = 0; s < p; ++s) {
+        while (next[s] < steps_[s].size()) {
+          pipeline_step& x = steps_[s][next[s]];
+          const bool fwd = x.pass == pipeline_pass::forward;
+          std::size_t ready = 0;
+          if (fwd && s > 0) ready = fwd_end[s - 1][x.microbatch];
+          if (!fwd && s + 1 < p) ready = bwd_end[s + 1][x.microbatch];
+          if (!fwd && s + 1 == p) ready = fwd_end[s][x.microbatch];
+          if (ready == none) break;
+          const bool from_peer = (fwd && s > 0) || (!fwd && s + 1 < p);
+          x.start = std::max(free_at[s], ready + (from_peer ? costs_.send : 0));
+          x.end = x.start + (fwd ? costs_.forward : costs_.backward);
+          free_at[s] = x.end;
+          (fwd ? fwd_end : bwd_end)[s][x.microbatch] = x.end;
+          ++next[s];
+          ++progress;
+          --left;
+        }
+      }
+      if (progress == 0) throw sharding_error("meshlib::nn::pipeline_schedule: the step orders deadlock");  // a bug
+    }
+    makespan_ = *std::max_element(free_at.begin(), free_at.end());
+  }
+
+  std::string_view name_;
+  std::size_t microbatches_ = 0;
+  pipeline_costs costs_;
+  std::vector<std::vector<pipeline_step>> steps_;
+  std::size_t makespan_ = 0;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/pipeline_schedule.hpp
 // end meshlib/nn.hpp
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP
