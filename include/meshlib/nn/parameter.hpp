@@ -185,13 +185,17 @@ struct param_ref {
   std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
   axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
   bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
-  /// per device: the value and gradient blocks (see the struct comment).
-  detail::device_blocks<T> value, grad;
+  /// per device: the value blocks (see the struct comment).
+  detail::device_blocks<T> value;
+  /// per device: the gradient blocks.
+  detail::device_blocks<T> grad;
   /// The parameter's layout: core's blocks, rank and sharding erased.
   std::shared_ptr<const detail::param_layout> layout;
   detail::block_counts count;          ///< per device: elements in the block (0 where not local)
-  /// per device: where the block lies in the global array (offset) and its size (extent).
-  detail::block_corners offset, extent;
+  /// per device: where the block lies in the global array.
+  detail::block_corners offset;
+  /// per device: the block's size per dimension.
+  detail::block_corners extent;
   /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
   /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`

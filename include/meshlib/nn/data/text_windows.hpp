@@ -68,8 +68,8 @@ inline token_batch sample_windows(std::span<const std::uint8_t> text, std::size_
   return b;
 }
 
-/// @brief Windows `first .. first + rows - 1` of the text cut into consecutive windows of
-/// `context` targets (window `w` reads bytes `w * context .. (w + 1) * context`): evaluation over
+/// @brief Windows `first` to `first + rows - 1` of the text cut into consecutive windows of
+/// `context` targets (window `w` reads bytes `w * context` to `(w + 1) * context`): evaluation over
 /// the whole text in order. `count_windows` says how many there are.
 /// @throws data_error when the text is shorter than `context + 1` or the windows run past its end.
 inline token_batch tile_windows(std::span<const std::uint8_t> text, std::size_t context, std::size_t first,

@@ -33,6 +33,7 @@ struct image_shape {
   [[nodiscard]] std::string to_string() const {
     return std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels);
   }
+  /// Equal when height, width and channels are.
   friend constexpr bool operator==(const image_shape&, const image_shape&) = default;
 };
 

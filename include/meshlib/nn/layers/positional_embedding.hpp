@@ -40,7 +40,7 @@ class positional_embedding {
   /// The table, `max_length x features`, named `name + ".embedding"`, normal with standard deviation `stddev`.
   parameter<T, 2, sharding> table;
 
-  /// Positions `0 .. max_length - 1` of `features` values; sequences of `sequence_length` tokens
+  /// Positions 0 to `max_length - 1` of `features` values; sequences of `sequence_length` tokens
   /// (0: `max_length`). `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `sequence_length > max_length` (see `set_sequence_length`).
   positional_embedding(const Mesh& mesh, const std::string& name, std::size_t max_length, std::size_t features,
