@@ -1246,8 +1246,8 @@ struct block {
     return flat;
   }
   /// Calls `f(k, g, n)` for the runs of the block's elements `[first, first + len)` that are
-  /// contiguous in the global row-major array of shape `global_shape`: block elements `k .. k + n`
-  /// are global elements `g .. g + n`. A run never crosses a row of the last dimension, so a copy
+  /// contiguous in the global row-major array of shape `global_shape`: block elements `k` to `k + n`
+  /// (exclusive) are global elements `g` to `g + n`. A run never crosses a row of the last dimension, so a copy
   /// between a block and its global array is one `copy_n` per run (checkpoints, gathers).
   /// @pre `first + len <= size()`.
   template <class F>

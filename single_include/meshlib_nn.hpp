@@ -260,13 +260,17 @@ struct param_ref {
   std::vector<axis_mask> dims;         ///< per dimension, the axes it is sharded over
   axis_mask sharded_axes = 0;          ///< axes the parameter is split over (replicated over the rest)
   bool decay = true;                   ///< whether AdamW's weight decay applies (weights, not biases/norms)
-  /// per device: the value and gradient blocks (see the struct comment).
-  detail::device_blocks<T> value, grad;
+  /// per device: the value blocks (see the struct comment).
+  detail::device_blocks<T> value;
+  /// per device: the gradient blocks.
+  detail::device_blocks<T> grad;
   /// The parameter's layout: core's blocks, rank and sharding erased.
   std::shared_ptr<const detail::param_layout> layout;
   detail::block_counts count;          ///< per device: elements in the block (0 where not local)
-  /// per device: where the block lies in the global array (offset) and its size (extent).
-  detail::block_corners offset, extent;
+  /// per device: where the block lies in the global array.
+  detail::block_corners offset;
+  /// per device: the block's size per dimension.
+  detail::block_corners extent;
   /// Per device, indexed by device id: set to 1 by `train_step` instead of zeroing the gradient
   /// block; the layer's next backward then writes the block (`beta = 0`) instead of adding to it
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
@@ -1708,7 +1712,7 @@ class positional_embedding {
   /// The table, `max_length x features`, named `name + ".embedding"`, normal with standard deviation `stddev`.
   parameter<T, 2, sharding> table;
 
-  /// Positions `0 .. max_length - 1` of `features` values; sequences of `sequence_length` tokens
+  /// Positions 0 to `max_length - 1` of `features` values; sequences of `sequence_length` tokens
   /// (0: `max_length`). `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `sequence_length > max_length` (see `set_sequence_length`).
   positional_embedding(const Mesh& mesh, const std::string& name, std::size_t max_length, std::size_t features,
@@ -2497,6 +2501,7 @@ struct image_shape {
   [[nodiscard]] std::string to_string() const {
     return std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels);
   }
+  /// Equal when height, width and channels are.
   friend constexpr bool operator==(const image_shape&, const image_shape&) = default;
 };
 
@@ -6047,8 +6052,8 @@ inline token_batch sample_windows(std::span<const std::uint8_t> text, std::size_
   return b;
 }
 
-/// @brief Windows `first .. first + rows - 1` of the text cut into consecutive windows of
-/// `context` targets (window `w` reads bytes `w * context .. (w + 1) * context`): evaluation over
+/// @brief Windows `first` to `first + rows - 1` of the text cut into consecutive windows of
+/// `context` targets (window `w` reads bytes `w * context` to `(w + 1) * context`): evaluation over
 /// the whole text in order. `count_windows` says how many there are.
 /// @throws data_error when the text is shorter than `context + 1` or the windows run past its end.
 inline token_batch tile_windows(std::span<const std::uint8_t> text, std::size_t context, std::size_t first,
