@@ -10,6 +10,8 @@
 // A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
+
+#include "../common/flagship_options.hpp"
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
 #include <meshlib/mpi.hpp>
 #endif
@@ -46,11 +48,7 @@ struct options {
   std::size_t limit_steps = 0;
 };
 
-/// A mistake in the options (argparse's exit status 2): main prints the usage line and the message
-/// before anything is loaded.
-struct usage_error : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
+using flagship::usage_error;
 
 constexpr const char* usage_line =
     "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
@@ -81,30 +79,8 @@ void usage() {
                "is loaded; a mistake exits with status 2.\n";
 }
 
-/// `v` as a whole non-negative integer (no sign, no trailing characters, no overflow), else nothing.
-std::optional<std::size_t> whole_number(const std::string& v) {
-  std::size_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) return std::nullopt;
-  return n;
-}
-
-std::size_t positive_integer(const std::string& option, const std::string& v) {
-  const auto n = whole_number(v);
-  if (!n || *n == 0) throw usage_error(option + " wants a positive integer, not '" + v + "'");
-  return *n;
-}
-
-/// "DxM": two positive integers around one 'x' ("4x", "2x2x2" and "x4" are refused).
-std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v) {
-  const auto x = v.find('x');
-  const auto d = x == std::string::npos ? std::nullopt : whole_number(v.substr(0, x));
-  const auto m = x == std::string::npos ? std::nullopt : whole_number(v.substr(x + 1));
-  if (!d || !m || *d == 0 || *m == 0)
-    throw usage_error("--mesh wants DxM, two positive integers (data x model devices) such as 4x2, not '" + v + "'");
-  if (*d > std::numeric_limits<std::size_t>::max() / *m) throw usage_error("--mesh " + v + " has too many devices");
-  return {*d, *m};
-}
+using flagship::positive_integer;
+std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v) { return flagship::mesh_shape(v, "4x2"); }
 
 options parse(int argc, char** argv) {
   options o;
@@ -118,14 +94,7 @@ options parse(int argc, char** argv) {
     else if (a == "--mesh") std::tie(o.data, o.model) = mesh_shape(value());
     else if (a == "--epochs") o.epochs = positive_integer(a, value());
     else if (a == "--batch") o.batch = positive_integer(a, value());
-    else if (a == "--lr") {
-      const std::string v = value();
-      float r = 0;
-      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), r);
-      if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !std::isfinite(r) || r <= 0)
-        throw usage_error("--lr wants a positive number, not '" + v + "'");
-      o.lr = r;
-    }
+    else if (a == "--lr") o.lr = flagship::positive_number(a, value());
     else if (a == "--optimizer") o.optimizer = value();
     else if (a == "--hidden") o.hidden = positive_integer(a, value());
     else if (a == "--accumulation") o.accumulation = positive_integer(a, value());
@@ -135,14 +104,7 @@ options parse(int argc, char** argv) {
     else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
     else if (a == "--resume") o.resume = true;
     else if (a == "--data") o.data_dir = value();
-    else if (a == "--seed") {
-      const std::string v = value();
-      std::uint64_t n = 0;
-      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-      if (v.empty() || ec != std::errc() || end != v.data() + v.size())
-        throw usage_error("--seed wants a non-negative integer, not '" + v + "'");
-      o.seed = n;
-    }
+    else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--steps") o.limit_steps = positive_integer(a, value());
     else if (a == "--trace") o.trace = value();
     else throw usage_error("unknown option '" + a + "' (see --help)");
