@@ -1648,6 +1648,8 @@ class embedding {
     return name;
   }
 
+  // Public only because nvcc refuses an extended device lambda in a private member function.
+ public:
   void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
     // The first bad token, found by one work item on the device's instance (host-accessible ids).
     std::size_t bad = rows;
@@ -1665,6 +1667,7 @@ class embedding {
                               std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
                               std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
   }
+ private:
 
   struct saved {
     const std::int32_t* ids = nullptr;
@@ -2069,11 +2072,7 @@ class causal_self_attention {
     // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
     T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
     const T* yp = y.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = yp[i * 3 * hl * hd + (h * 3 + t) * hd + e];
-    });
+    split_heads(qh, yp, rows, hl, hd);
     T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
     T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -2088,10 +2087,7 @@ class causal_self_attention {
                     cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
     T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
     const T* ohp = oh;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) oc[i * hl * hd + h * hd + e] = ohp[(h * rows + i) * hd + e];
-    });
+    merge_heads(oc, ohp, rows, hl, hd);
     return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
   }
 
@@ -2111,10 +2107,7 @@ class causal_self_attention {
     const T* p = probs_.get(dev, hl * nb * seq * seq);
     T* doh = doh_.get(dev, hl * rows * hd);
     const T* dop = dout.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) doh[(h * rows + i) * hd + e] = dop[i * hl * hd + h * hd + e];
-    });
+    unmerge_heads(doh, dop, rows, hl, hd);
     T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
     T* dp = dprobs_.get(dev, hl * nb * seq * seq);
     for (std::size_t h = 0; h < hl; ++h)
@@ -2138,11 +2131,7 @@ class causal_self_attention {
       }
     T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
     const T* dqhp = dqh;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) dq[i * 3 * hl * hd + (h * 3 + t) * hd + e] = dqhp[((t * hl + h) * rows + i) * hd + e];
-    });
+    unsplit_heads(dq, dqhp, rows, hl, hd);
     return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
   }
 
@@ -2171,6 +2160,42 @@ class causal_self_attention {
   }
   static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
     return base + (h * nb + b) * seq * seq;
+  }
+
+  // Public only because nvcc refuses an extended device lambda in a private member function.
+ public:
+  /// The fused projection's output `(token, [head][q|k|v][head_dim])` as `[q|k|v][head][token][head_dim]`
+  /// (each sequence and head contiguous for the products), and back (`unsplit_heads`). Named
+  /// functions: nvcc refuses extended device lambdas in `forward`/`backward`, whose return type is deduced.
+  static void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
+    });
+  }
+  /// The inverse of `split_heads`.
+  static void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t t = 0; t < 3; ++t)
+          for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
+    });
+  }
+  /// The heads' outputs `[head][token][head_dim]` as the output projection's rows `(token, [head][head_dim])`,
+  /// and back (`unmerge_heads`).
+  static void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
+    });
+  }
+  /// The inverse of `merge_heads`.
+  static void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
+    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+      for (std::size_t h = 0; h < hl; ++h)
+        for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
+    });
   }
 
   /// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
@@ -2203,6 +2228,7 @@ class causal_self_attention {
     });
   }
 
+ private:
   static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads) {
     const std::size_t n = mesh.axes_size(model_mask);
     const std::string who = "meshlib::nn: " + name + " (causal_self_attention " + std::to_string(features) +
@@ -2349,11 +2375,13 @@ class transformer_block {
     fc2.collect(out);
   }
 
- private:
-  /// `out = a + b` over `n` elements (the residual connection and its cotangent).
+  /// `out = a + b` over `n` elements (the residual connection and its cotangent). Public only
+  /// because nvcc refuses an extended device lambda in a private member function.
   static void add(T* out, const T* a, const T* b, std::size_t n) {
     meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
   }
+
+ private:
 
   std::string name_;
   detail::device_buffers<T> h_, y_, dh_, dx_;
@@ -2888,6 +2916,8 @@ class pool2d {
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(k * k);
     meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+      // Plain `if` on Kind below, not `if constexpr`: nvcc refuses a device lambda whose first use
+      // of a captured variable is inside an `if constexpr`. Kind is a constant: the same code results.
       const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
       for (std::size_t ch = 0; ch < c; ++ch) {
         T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
@@ -2896,7 +2926,7 @@ class pool2d {
           for (std::size_t j = 0; j < k; ++j) {
             const std::size_t pix = (oh * s + i) * wd + ow * s + j;
             const T v = xp[(img * h * wd + pix) * c + ch];
-            if constexpr (Kind == pool_kind::max) {
+            if (Kind == pool_kind::max) {
               if (v > acc) {
                 acc = v;
                 best = static_cast<std::uint32_t>(pix);
@@ -2905,7 +2935,7 @@ class pool2d {
               acc += v;
             }
           }
-        if constexpr (Kind == pool_kind::max) {
+        if (Kind == pool_kind::max) {
           y[r * c + ch] = acc;
           arg[r * c + ch] = best;
         } else {
@@ -2939,7 +2969,7 @@ class pool2d {
         for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
           const std::size_t r = (img * ho + oh) * wo + ow;
           for (std::size_t ch = 0; ch < c; ++ch) {
-            if constexpr (Kind == pool_kind::max) {
+            if (Kind == pool_kind::max) {
               if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
             } else {
               dst[ch] += d[r * c + ch] * inv;

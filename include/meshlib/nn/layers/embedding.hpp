@@ -184,6 +184,8 @@ class embedding {
     return name;
   }
 
+  // Public only because nvcc refuses an extended device lambda in a private member function.
+ public:
   void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
     // The first bad token, found by one work item on the device's instance (host-accessible ids).
     std::size_t bad = rows;
@@ -201,6 +203,7 @@ class embedding {
                               std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
                               std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
   }
+ private:
 
   struct saved {
     const std::int32_t* ids = nullptr;

@@ -84,6 +84,8 @@ class pool2d {
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(k * k);
     meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+      // Plain `if` on Kind below, not `if constexpr`: nvcc refuses a device lambda whose first use
+      // of a captured variable is inside an `if constexpr`. Kind is a constant: the same code results.
       const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
       for (std::size_t ch = 0; ch < c; ++ch) {
         T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
@@ -92,7 +94,7 @@ class pool2d {
           for (std::size_t j = 0; j < k; ++j) {
             const std::size_t pix = (oh * s + i) * wd + ow * s + j;
             const T v = xp[(img * h * wd + pix) * c + ch];
-            if constexpr (Kind == pool_kind::max) {
+            if (Kind == pool_kind::max) {
               if (v > acc) {
                 acc = v;
                 best = static_cast<std::uint32_t>(pix);
@@ -101,7 +103,7 @@ class pool2d {
               acc += v;
             }
           }
-        if constexpr (Kind == pool_kind::max) {
+        if (Kind == pool_kind::max) {
           y[r * c + ch] = acc;
           arg[r * c + ch] = best;
         } else {
@@ -135,7 +137,7 @@ class pool2d {
         for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
           const std::size_t r = (img * ho + oh) * wo + ow;
           for (std::size_t ch = 0; ch < c; ++ch) {
-            if constexpr (Kind == pool_kind::max) {
+            if (Kind == pool_kind::max) {
               if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
             } else {
               dst[ch] += d[r * c + ch] * inv;

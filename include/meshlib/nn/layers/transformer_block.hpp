@@ -125,11 +125,13 @@ class transformer_block {
     fc2.collect(out);
   }
 
- private:
-  /// `out = a + b` over `n` elements (the residual connection and its cotangent).
+  /// `out = a + b` over `n` elements (the residual connection and its cotangent). Public only
+  /// because nvcc refuses an extended device lambda in a private member function.
   static void add(T* out, const T* a, const T* b, std::size_t n) {
     meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
   }
+
+ private:
 
   std::string name_;
   detail::device_buffers<T> h_, y_, dh_, dx_;
