@@ -186,7 +186,7 @@ class embedding {
 
   // Public only because nvcc refuses an extended device lambda in a private member function.
  public:
-  /// Throws `sharding_error` naming the first of the `rows` ids (this device's) that is outside the
+  /// Throws `std::out_of_range` naming the first of the `rows` ids (this device's) that is outside the
   /// vocabulary; called by `forward`.
   void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
     // The first bad token, found by one work item on the device's instance (host-accessible ids).
