@@ -42,10 +42,46 @@ function(_meshlib_catch_main suffix flags)
   target_link_options(meshlib_catch_main${suffix} PUBLIC ${flags})
 endfunction()
 
+# Unity builds of the test binaries (issue 28: the cold test command within 30 minutes on 2 cores).
+# Every test source parses Kokkos, meshlib and Catch2 and instantiates and compiles the same tensor,
+# collective and training templates as its neighbours; compiled MESHLIB_UNITY_TESTS_BATCH at a time,
+# that happens once per batch (measured: 4 nn test sources 129 CPU s apart, 39 s as one batch). Each
+# source wraps its code in `namespace MESHLIB_TEST_UNIT { ... }`, which CMake defines to a name of
+# its own per source in a batch (UNITY_BUILD_UNIQUE_ID), so file-local names cannot collide; outside
+# a batch it is `meshlib_test_unit`. A source with compile options of its own (the -O0 one in
+# tests/unit/core) is compiled alone, as CMake does for such sources.
+option(MESHLIB_UNITY_TESTS "Compile each test binary's sources as unity batches" ON)
+set(MESHLIB_UNITY_TESTS_BATCH 5 CACHE STRING "Sources per unity batch of a test binary")
+function(meshlib_test_sources target)
+  # A source that forgot the wrapper would compile today and collide with a neighbour's helper the
+  # day one is named alike: refuse it at configure time, naming the file and the fix.
+  get_target_property(sources ${target} SOURCES)
+  get_target_property(source_dir ${target} SOURCE_DIR)
+  list(LENGTH sources n)
+  if(n GREATER 1)
+    foreach(source IN LISTS sources)
+      if(NOT IS_ABSOLUTE "${source}")
+        set(source "${source_dir}/${source}")
+      endif()
+      file(READ "${source}" text)
+      if(NOT text MATCHES "\nnamespace MESHLIB_TEST_UNIT {")
+        message(FATAL_ERROR "meshlib: ${source} shares unity batches with the other sources of ${target}: put its "
+          "code after the #include lines inside `namespace MESHLIB_TEST_UNIT { ... }` (cmake/meshlib_testing.cmake says why)")
+      endif()
+    endforeach()
+  endif()
+  target_compile_definitions(${target} PRIVATE MESHLIB_TEST_UNIT=meshlib_test_unit)
+  set_target_properties(${target} PROPERTIES UNITY_BUILD_UNIQUE_ID MESHLIB_TEST_UNIT)
+  if(MESHLIB_UNITY_TESTS)
+    set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${MESHLIB_UNITY_TESTS_BATCH})
+  endif()
+endfunction()
+
 function(meshlib_add_catch_test)
   cmake_parse_arguments(ARG "TSAN" "NAME" "SOURCES;LIBRARIES;LABELS" ${ARGN})
   _meshlib_catch_main("" "")
   add_executable(${ARG_NAME} ${ARG_SOURCES})
+  meshlib_test_sources(${ARG_NAME})
   target_link_libraries(${ARG_NAME} PRIVATE meshlib_catch_main meshlib::meshlib ${ARG_LIBRARIES})
   target_compile_options(${ARG_NAME} PRIVATE ${MESHLIB_TEST_WARNINGS})
   add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME})
@@ -60,6 +96,7 @@ function(meshlib_add_catch_test)
     # races that are not there (tried: every TSan copy failed).
     _meshlib_catch_main("_tsan" "${tsan_flags}")
     add_executable(${ARG_NAME}_tsan ${ARG_SOURCES})
+    meshlib_test_sources(${ARG_NAME}_tsan)
     target_link_libraries(${ARG_NAME}_tsan PRIVATE meshlib_catch_main_tsan meshlib::meshlib ${ARG_LIBRARIES})
     target_compile_options(${ARG_NAME}_tsan PRIVATE ${MESHLIB_TEST_WARNINGS} ${tsan_flags})
     target_link_options(${ARG_NAME}_tsan PRIVATE ${tsan_flags})

@@ -19,8 +19,16 @@ JOBS="${JOBS:-$(nproc)}"
 # Prints a label and the seconds since the script started.
 elapsed() { echo "== $1 after ${SECONDS}s"; }
 
+# A new build directory uses Ninja when it is installed (install_deps.sh installs it): one graph of
+# every target, so both cores stay busy across targets, and a fast no-op rebuild (a test rebuilds
+# meshlib_headers_alone). An existing build directory keeps its generator (CMake refuses a change),
+# and a -G among the arguments wins.
 configure() {
-  cmake -S "$repo_root" -B "$BUILD_DIR" \
+  local generator=()
+  if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] && command -v ninja >/dev/null && ! printf '%s\n' "$@" | grep -q '^-G'; then
+    generator=(-G Ninja)
+  fi
+  cmake -S "$repo_root" -B "$BUILD_DIR" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-O1" \
     -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON -DMESHLIB_BENCHMARKS_ON_DEMAND=ON \

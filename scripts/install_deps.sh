@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake python3            # compiler, build system, scripts/amalgamate.py
+  ninja-build                              # the test command's generator (schedules the whole build as one graph)
   libtrilinos-kokkos-dev                   # Kokkos (required)
   libtrilinos-kokkos-kernels-dev libopenblas-dev  # Kokkos Kernels: KokkosBlas::gemm for matmul
   catch2                                   # tests

@@ -18,6 +18,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib::bfloat16;
 using meshlib::permute_pair;
 using meshlib::reduce_op;
@@ -375,3 +377,5 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -23,6 +23,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib::bfloat16;
 using meshlib::mpi_communicator;
 using meshlib::permute_pair;
@@ -856,3 +858,5 @@ TEST_CASE("large payloads: barrier then blocking, or polled non-blocking, give t
     CHECK(ok);
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

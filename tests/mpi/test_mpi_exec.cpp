@@ -20,6 +20,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 // The MPI backends are runners (exec/runner.hpp), as the thread runners are.
@@ -476,3 +478,5 @@ TEST_CASE("the deprecated hybrid_backend runs on the process-wide hybrid threads
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -8,6 +8,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace dist = meshlib::distributed;
 
 TEST_CASE("mpi::initialize: process index and count from the communicator", "[mpi][runtime]") {
@@ -74,3 +76,5 @@ TEST_CASE("mpi::initialize: processes started with different device counts are r
   meshlib::mpi::finalize();
   CHECK(!dist::is_initialized());
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -17,6 +17,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 namespace nn = meshlib::nn;
@@ -194,3 +196,5 @@ TEST_CASE("a multi-process checkpoint that fails on one process fails on every p
   static_cast<void>(ex.all_gather(""));
   if (p == 0) fs::remove_all(dir);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -7,6 +7,8 @@
 
 #include "collectives_support.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 using coll_test::value;
 
@@ -321,3 +323,5 @@ TEST_CASE("psum_scatter_into and all_gather_into write the caller's block", "[co
   CHECK(msg.size() >= expected.size());
   CHECK(msg.substr(msg.size() - std::min(msg.size(), expected.size())) == expected);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -10,6 +10,8 @@
 
 #include "collectives_support.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -75,3 +77,5 @@ TEST_CASE("collective laws over every 2-D mesh up to 3 x 3", "[collectives][laws
       CHECK(law_violations<"data", double>(m) == 0);
     }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -7,6 +7,8 @@
 
 #include "collectives_support.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 using coll_test::value;
 
@@ -222,3 +224,5 @@ TEST_CASE("donated values over a caller's buffer reduce in that buffer", "[colle
     }
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

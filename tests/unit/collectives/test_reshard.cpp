@@ -12,6 +12,8 @@
 
 #include "collectives_support.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -243,3 +245,5 @@ TEST_CASE("reshard property: random meshes, shapes and spec pairs round-trip exa
   SECTION("2 axes") { property<mesh2, specs2>(40 * scale, 22, 9); }
   SECTION("3 axes") { property<mesh3, specs3>(40 * scale, 33, 12); }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

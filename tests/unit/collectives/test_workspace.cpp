@@ -11,6 +11,8 @@
 
 #include "collectives_support.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 using coll_test::value;
 
@@ -262,3 +264,5 @@ TEST_CASE("a workspace keeps at most max_shapes shapes", "[collectives][workspac
     CHECK(kept[dev] > 0);
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

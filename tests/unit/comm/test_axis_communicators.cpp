@@ -7,6 +7,8 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace comm_test;
 using meshlib::thread_communicator;
 
@@ -67,3 +69,5 @@ TEST_CASE("axis_communicators: psum over one axis of a 2x2 mesh", "[comm][axes]"
   });
   CHECK(refused == std::vector<int>{1, 1});
 }
+
+}  // namespace MESHLIB_TEST_UNIT

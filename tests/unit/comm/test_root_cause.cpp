@@ -10,6 +10,8 @@
 
 #include "meshlib/comm/detail/root_cause.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 using meshlib::detail::find_root_cause;
 using meshlib::detail::run_failures;
@@ -121,3 +123,5 @@ TEST_CASE("root cause: a custom name, as run_on_gpus gives it", "[root_cause]") 
     CHECK(std::string(e.what()) == "meshlib: participant 1 of 2 (GPU 5) failed: cuda");
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -10,6 +10,8 @@
 #include "comm_test_support.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace comm_test;
 using meshlib::permute_pair;
 using meshlib::thread_communicator;
@@ -397,3 +399,5 @@ TEST_CASE("reduce ops and datatypes print their names", "[comm][datatype]") {
   STATIC_REQUIRE(!meshlib::comm_element<char>);
   STATIC_REQUIRE(meshlib::communicator<meshlib::thread_communicator>);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -23,6 +23,8 @@
 #include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace comm_test;
 using meshlib::permute_pair;
 using meshlib::thread_communicator;
@@ -731,3 +733,5 @@ TEST_CASE("describe_call: the text of a call in every backend's mismatch message
   v.recv_counts = std::span<const std::int64_t>(rc);
   CHECK(describe_call(v) == "all_to_all_v(float64, send_counts [1, 2, 3], recv_counts [4, 0, 6])");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

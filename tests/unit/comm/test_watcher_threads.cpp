@@ -11,6 +11,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib::detail::watcher_threads;
 
 TEST_CASE("watcher_threads: jobs one after another run on the same parked thread", "[comm][watcher]") {
@@ -47,3 +49,5 @@ TEST_CASE("watcher_threads: a job never waits for a busy thread; join waits for 
   CHECK(a_done.load());
   CHECK(a_id != b_id);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -12,6 +12,8 @@
 #include "meshlib/core.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -236,3 +238,5 @@ TEST_CASE("layout law over all legal specs, ranks 1-4, meshes of 1-3 axes", "[co
   CHECK(count.layouts == 4 * (2 + 3 + 4 + 5 + 5 + 11 + 19 + 29 + 16 + 49 + 106 + 193));
   CHECK(count.elements > 10000);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

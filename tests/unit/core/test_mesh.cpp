@@ -8,6 +8,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -96,3 +98,5 @@ TEST_CASE("device groups along every subset of axes", "[core][mesh]") {
   CHECK(m.group<"b">(3) == std::vector<std::size_t>{1, 3, 5});
   CHECK(m.group<"a", "c">(3) == std::vector<std::size_t>{2, 3, 8, 9});
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -6,6 +6,8 @@
 #include "meshlib/core.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -55,3 +57,5 @@ TEST_CASE("named_sharding derives the axes a value varies over", "[core][shardin
   CHECK(sh.shard_index(mesh_2d{2, 3}.device_at({1, 2}), 0) == 5);
   CHECK(str(sh) == "named_sharding(mesh{'data': 2, 'model': 3}, P<axes(\"model\", \"data\")>)");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -7,6 +7,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -138,3 +140,5 @@ TEST_CASE("block::global_index and for_each_global_run agree with the block's co
   b.for_each_global_run(shape2{4, 8}, 1, 5, [&](std::size_t k, std::size_t g, std::size_t n) { runs.push_back({k, g, n}); });
   CHECK(runs == std::vector<std::array<std::size_t, 3>>{{1, 11, 2}, {3, 18, 3}});
 }
+
+}  // namespace MESHLIB_TEST_UNIT

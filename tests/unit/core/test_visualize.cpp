@@ -6,6 +6,8 @@
 #include "meshlib/debug.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -32,3 +34,5 @@ TEST_CASE("visualize_sharding shows replicas and empty uneven blocks", "[core][d
         "| [0:2]   | [2:4]   | (empty) |\n"
         "+---------+---------+---------+\n");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -16,6 +16,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -118,3 +120,5 @@ TEST_CASE("with_sharding_constraint lays out a global-view result as asked", "[e
   using four_ways = P<axes("data", "model"), none>;
   REQUIRE_THROWS_AS((void)with_sharding_constraint<four_ways>(x), sharding_error);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -15,6 +15,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -235,3 +237,5 @@ TEST_CASE("every device runs kernels on its own execution-space instance, the sa
   SUCCEED("Kokkos " << KOKKOS_VERSION << ": one Serial instance for every device");
 #endif
 }
+
+}  // namespace MESHLIB_TEST_UNIT

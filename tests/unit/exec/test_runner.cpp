@@ -27,6 +27,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -375,3 +377,5 @@ TEST_CASE("the deprecated thread_backend runs on the process-wide threads, as th
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
+
+}  // namespace MESHLIB_TEST_UNIT

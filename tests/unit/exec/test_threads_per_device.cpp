@@ -18,6 +18,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib;
 
 namespace {
@@ -115,3 +117,5 @@ TEST_CASE("threads_per_device 0 is refused on every backend", "[exec][threads]")
         "meshlib: threads_per_device is 0; a device computes on at least one thread (1, the default, is one core per "
         "device)");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -29,6 +29,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -496,3 +498,5 @@ TEST_CASE("a save that fails or is killed at any file operation leaves the previ
   }
   fs::remove_all(base);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -11,6 +11,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
@@ -123,3 +125,5 @@ TEST_CASE("the backward of each collective is its transpose", "[nn][transpose]")
     check(false, false);
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -18,6 +18,8 @@
 #include "message_of.hpp"
 #include "synthetic_problem.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -568,3 +570,5 @@ TEST_CASE("a channel count other than the layer's C_in, or a batch-norm width mi
         "shortcut, which returns its 48 input features; give the main branch the input's width (same image shape, "
         "stride 1) or use a projection shortcut that maps the input to the main branch's output");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

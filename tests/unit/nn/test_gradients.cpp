@@ -16,6 +16,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -213,3 +215,5 @@ TEST_CASE("layer norm and dropout: gradients match finite differences, the dropo
     CHECK(std::abs(loss_and_grad(m, net, make_problem(3), false) - l) > 1e-6);
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -17,6 +17,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -357,3 +359,5 @@ TEST_CASE("nn::params refuses a parameter whose blocks are on other processes' d
         "(this process holds devices {2, 3}); read them where every block is (a train state of every device), or "
         "save_checkpoint and read its global files");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -19,6 +19,8 @@
 #include "meshlib_catch.hpp"
 #include "synthetic_problem.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -199,3 +201,5 @@ TEST_CASE("loss scaling: a scale too large for float16 halves until the gradient
   CHECK(s.loss_scale() == 1e12f / static_cast<float>(1ull << skipped));
 }
 #endif
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -9,6 +9,8 @@
 
 #include "meshlib/nn/pipeline_schedule.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib::nn::pipeline_costs;
 using meshlib::nn::pipeline_pass;
 using meshlib::nn::pipeline_schedule;
@@ -99,3 +101,5 @@ TEST_CASE("pipeline schedules refuse empty pipelines and free steps", "[pipeline
                        Catch::Matchers::Message("meshlib::nn::pipeline_schedule::one_f_one_b: forward and backward costs "
                                                 "must be at least 1 time unit (forward 1, backward 0)"));
 }
+
+}  // namespace MESHLIB_TEST_UNIT

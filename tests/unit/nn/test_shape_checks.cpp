@@ -15,6 +15,8 @@
 #include "message_of.hpp"
 #include "synthetic_problem.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -180,3 +182,5 @@ TEST_CASE("layer norm, activations and dropout check their input and cotangent s
         }) == "meshlib::nn: drop1 (dropout 0.25).backward received a cotangent of (4, 8) on device 0, but the forward "
               "input there was (4, 16); pass the cotangent of the last forward's output");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

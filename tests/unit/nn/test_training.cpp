@@ -15,6 +15,8 @@
 #include "synthetic_problem.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -285,3 +287,5 @@ TEST_CASE("every train_step applies its own batch's gradient: SGD gives theta - 
     }
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

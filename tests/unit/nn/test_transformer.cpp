@@ -20,6 +20,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
@@ -579,3 +581,5 @@ TEST_CASE("tied_head: logits equal x E^T on every mesh; the tied table's gradien
     check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

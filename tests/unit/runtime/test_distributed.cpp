@@ -10,6 +10,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace dist = meshlib::distributed;
 
 namespace {
@@ -300,3 +302,5 @@ TEST_CASE("a transport given after an environment initialisation is adopted and 
   CHECK(dist::launch().source == dist::launcher::openmpi);  // the first initialisation stands
   CHECK(dist::exchange() == good.exchange);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -8,6 +8,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using namespace meshlib::distributed;
 
 namespace {
@@ -180,3 +182,5 @@ TEST_CASE("launch_info prints its source", "[runtime][launcher]") {
   os << launch_info{1, 4, 1, launcher::openmpi};
   CHECK(os.str() == "process 1 of 4 (OpenMPI, local rank 1)");
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -11,6 +11,8 @@
 
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace dist = meshlib::distributed;
 using meshlib::axis;
 using meshlib::mesh;
@@ -137,3 +139,5 @@ TEST_CASE("defaults use this process's index and device count", "[runtime][data]
   const auto shards = dist::split_process_local_data<float>(layout, mine);
   CHECK(shards == std::vector<std::vector<float>>{{4, 5}, {6, 7}});
 }
+
+}  // namespace MESHLIB_TEST_UNIT

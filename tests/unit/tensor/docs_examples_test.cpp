@@ -8,6 +8,8 @@
 #include "meshlib/tensor.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 TEST_CASE("docs/tensors.md example 1: the global view", "[tensor][docs]") {
   using namespace meshlib;
   using mesh_t = mesh<axis<"data">, axis<"model">>;
@@ -68,3 +70,5 @@ TEST_CASE("docs/tensors.md example 3: the local view, one thread per device", "[
   // the psum, by hand: devices 0 and 1 form the 'model' group of data row 0
   for (std::size_t i = 0; i < partial_products[0].size(); ++i) CHECK(partial_products[0][i] + partial_products[1][i] == 12.0f);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

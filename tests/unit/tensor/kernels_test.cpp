@@ -12,6 +12,8 @@
 #include "meshlib_catch.hpp"
 #include "reference.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 using namespace meshlib;
 using mesh1 = mesh<axis<"x">>;
@@ -347,3 +349,5 @@ TEST_CASE("linear operators on partial local values: the parts still sum to the 
     CHECK(total == std::vector<double>{3 * rs[r0], 3 * rs[r0 + 1]});
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

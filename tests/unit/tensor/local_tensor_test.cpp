@@ -8,6 +8,8 @@
 #include "meshlib/tensor.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 using namespace meshlib;
 using mesh2 = mesh<axis<"data">, axis<"model">>;
@@ -62,3 +64,5 @@ TEST_CASE("unmanaged views share data without touching the reference count", "[t
   auto copy = v;
   CHECK(v.use_count() == before + 1);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -16,6 +16,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 template <class T>
@@ -207,3 +209,5 @@ TEST_CASE("docs/tensors.md: matmul_into for a dense layer's backward", "[tensor]
   CHECK(contents(dw) == dw_expected);
   CHECK(contents(dx) == reference(dy, w, contents(dx), false, true, 1.0, 0.0));
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -10,6 +10,8 @@
 #include "meshlib/tensor.hpp"
 #include "meshlib_catch.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace {
 
 using namespace meshlib;
@@ -204,3 +206,5 @@ TEST_CASE("wrapping blocks checks their shapes against the layout", "[tensor][sh
   t ok(s, std::array<std::size_t, 1>{6}, blocks, std::vector<bool>{true, true});
   CHECK(ok.local(1).data() == blocks[1].data());  // wrapped, not copied
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -13,6 +13,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib_test::bytes;
 using meshlib_test::idx_images;
 using meshlib_test::idx_labels;
@@ -320,3 +322,5 @@ TEST_CASE("the installed Fashion-MNIST: 60000 + 10000 images of 784 pixels, 10 b
   CHECK(total == 3431114169u);
   CHECK(first == 76247u);
 }
+
+}  // namespace MESHLIB_TEST_UNIT

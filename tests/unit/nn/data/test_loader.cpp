@@ -13,6 +13,8 @@
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 using meshlib::nn::batch;
 using meshlib::nn::data_loader;
 using meshlib::nn::dataset;
@@ -265,3 +267,5 @@ TEST_CASE("a loader built from a temporary dataset owns it", "[nn][data][loader]
     }
   }
 }
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -12,6 +12,8 @@
 
 #include "meshlib/nn/data.hpp"
 
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
 namespace fs = std::filesystem;
 using meshlib::data_error;
 using Catch::Matchers::Contains;
@@ -145,3 +147,5 @@ TEST_CASE("fortunes: the corpus and the baselines the language-model flagship pr
   CHECK(meshlib::nn::unigram_nats(s.train, s.validation) == Approx(3.37).margin(0.01));
   CHECK(meshlib::nn::bigram_nats(s.train, s.validation) == Approx(2.62).margin(0.01));
 }
+
+}  // namespace MESHLIB_TEST_UNIT
