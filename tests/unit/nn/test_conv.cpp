@@ -347,10 +347,11 @@ TEST_CASE("sync batch norm on 2 and 4 devices equals batch norm over the global 
     // Running statistics: one step of momentum 0.1 from (0, 1), the variance unbiased, the same on every device.
     const double count = static_cast<double>(batch * in.pixels());
     for (std::size_t dev = 0; dev < m.size(); ++dev) {
-      const double* run = bn.running_stats().local(dev).data();
+      const double* run_mean = bn.running_mean().local(dev).data();
+      const double* run_var = bn.running_var().local(dev).data();
       for (std::size_t j = 0; j < in.channels; ++j) {
-        CHECK(std::abs(run[j] - 0.1 * mean[j]) < 1e-12);
-        CHECK(std::abs(run[in.channels + j] - (0.9 + 0.1 * var[j] * count / (count - 1))) < 1e-12);
+        CHECK(std::abs(run_mean[j] - 0.1 * mean[j]) < 1e-12);
+        CHECK(std::abs(run_var[j] - (0.9 + 0.1 * var[j] * count / (count - 1))) < 1e-12);
       }
     }
     // Evaluation: the running statistics replace the batch's.
