@@ -521,6 +521,12 @@ TEST_CASE("a convolution or pooling window larger than its input is refused, nam
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
           nn::conv2d<float, mesh_t>(m, "c", {2, 3, 1}, 4, 5, nn::rng_key{}, {.padding = 2});
         }) == "(no exception)");
+  // Compile-time sizes: the same arithmetic, checked by the compiler (tests/compile_fail/nn for the refusal).
+  constexpr auto padded = nn::conv2d_output_shape<nn::image_shape{2, 3, 1}, 4, 5, nn::conv2d_options{.padding = 2}>();
+  static_assert(padded == nn::image_shape{2, 3, 4});
+  constexpr auto strided = nn::conv2d_output_shape<nn::image_shape{7, 7, 2}, 8, 3, nn::conv2d_options{.stride = 2, .padding = 1}>();
+  CHECK(strided == nn::conv2d<float, mesh_t>(m, "c", {7, 7, 2}, 8, 3, nn::rng_key{}, {.stride = 2, .padding = 1}).output_shape());
+  CHECK(strided == nn::image_shape{4, 4, 8});
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { nn::max_pool2d<float, mesh_t>(m, "p", {2, 3, 1}, 3); }) ==
         "meshlib::nn: p (max_pool2d 3x3 on 2x3x1 images): the input, 2x3, is smaller than the 3x3 window; use a "
         "window of at most 2 or remove a pooling layer before it");
