@@ -62,7 +62,7 @@ struct conv2d_options {
 /// size, is then one compile error (the instantiation names the sizes) instead of the
 /// `sharding_error` the constructor throws at run time. The same arithmetic as `output_shape()`.
 /// @code
-/// constexpr auto s1 = meshlib::nn::conv2d_output_shape<meshlib::nn::image_shape{28, 28, 1}, 16, 3, {.padding = 1}>();
+/// constexpr auto s1 = meshlib::nn::conv2d_output_shape<meshlib::nn::image_shape{28, 28, 1}, 16, 3, meshlib::nn::conv2d_options{.padding = 1}>();
 /// static_assert(s1 == meshlib::nn::image_shape{28, 28, 16});
 /// @endcode
 template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
