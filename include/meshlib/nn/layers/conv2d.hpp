@@ -62,8 +62,9 @@ struct conv2d_options {
 /// size, is then one compile error (the instantiation names the sizes) instead of the
 /// `sharding_error` the constructor throws at run time. The same arithmetic as `output_shape()`.
 /// @code
-/// constexpr auto s1 = meshlib::nn::conv2d_output_shape<meshlib::nn::image_shape{28, 28, 1}, 16, 3, meshlib::nn::conv2d_options{.padding = 1}>();
-/// static_assert(s1 == meshlib::nn::image_shape{28, 28, 16});
+/// namespace nn = meshlib::nn;
+/// constexpr auto s1 = nn::conv2d_output_shape<nn::image_shape{28, 28, 1}, 16, 3, nn::conv2d_options{.padding = 1}>();
+/// static_assert(s1 == nn::image_shape{28, 28, 16});
 /// @endcode
 template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
 consteval image_shape conv2d_output_shape() {
