@@ -8,10 +8,12 @@
 ///     dir/meshlib-checkpoint    marks the directory as meshlib's (written first; only its name counts)
 ///     dir/index                 the current checkpoint, text: format, generation G, step, key,
 ///                               optimizer, one line per parameter (name, dtype, global shape, the
-///                               FNV-1a checksums of its files, sharding), then the checksum of
+///                               FNV-1a checksums of its files, sharding), then (only for a
+///                               model that has any) one line per buffer, then the checksum of
 ///                               every byte above it
-///     dir/<name>.g<G>.bin       the parameter's global array, row-major float32, filled from the
-///                               blocks of the devices that own them (a replicated block once)
+///     dir/<name>.g<G>.bin       the parameter's (or buffer's) global array, row-major float32,
+///                               filled from the blocks of the devices that own them (a
+///                               replicated block once)
 ///     dir/<name>.g<G>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
 ///     dir/pending               while a save runs: the files it creates (its own checksum)
 ///
@@ -29,6 +31,14 @@
 /// is not meshlib's (no `meshlib-checkpoint` marker and no meshlib `index`), and in its own
 /// directory it removes only files it names itself: those of an index it wrote, and those of the
 /// journal of a save that did not finish. Files you add to a checkpoint directory stay.
+///
+/// Buffers: the arrays a layer keeps but does not train, `batch_norm`'s running mean and variance
+/// (PyTorch's buffers, flax's `batch_stats` collection), which evaluation uses. The model shows them
+/// through `collect_buffers` (`detail::collect_buffers_of`); they are saved and restored as the
+/// parameters are (resharded, checksummed), without optimizer state. An index written before buffers
+/// were saved, or by a model without any, has no buffer lines: restoring it leaves the model's
+/// buffers as they are (the parameters, step and key are restored). A checkpoint whose buffers differ
+/// from the model's (names, count, shapes) is refused, naming the buffer and its layer.
 ///
 /// Why every byte is verified: restore reads the index whole and checks its last line, the
 /// FNV-1a checksum of everything before it, before believing any field (step, key, optimizer,
@@ -71,6 +81,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -291,6 +302,7 @@ struct index_file {
   std::uint64_t key = 0;
   std::string optimizer;
   std::vector<param> params;
+  std::vector<param> buffers;  ///< no optimizer slots: `sums` holds the value's only
 
   /// Every data file it names.
   [[nodiscard]] std::vector<std::string> files() const {
@@ -299,6 +311,7 @@ struct index_file {
       out.push_back(data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) out.push_back(data_file(p.name, generation, s));
     }
+    for (const auto& b : buffers) out.push_back(data_file(b.name, generation));
     return out;
   }
 };
@@ -339,6 +352,19 @@ inline index_file parse_index(const std::filesystem::path& path, std::string_vie
     if (!(in >> word) || word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
     std::getline(in, p.sharding);
     idx.params.push_back(std::move(p));
+  }
+  // Buffers (running statistics): a section only a model that has some writes.
+  if (in >> word) {
+    if (word != "buffers" || !(in >> count)) throw bad("malformed line after the parameters");
+    for (std::size_t i = 0; i < count; ++i) {
+      index_file::param b;
+      b.sums.resize(1);
+      if (!(in >> word >> b.name >> b.dtype >> b.shape >> b.sums[0]) || word != "buffer")
+        throw bad("malformed line for buffer " + std::to_string(i));
+      if (!(in >> word) || word != "sharding") throw bad("malformed line for buffer '" + b.name + "'");
+      std::getline(in, b.sharding);
+      idx.buffers.push_back(std::move(b));
+    }
   }
   return idx;
 }
@@ -480,14 +506,14 @@ distributed::process_exchange& exchange_for(const State& state, distributed::pro
 
 /// Reads `path` (expected `count` floats with checksum `sum`) for parameter `param`.
 inline std::vector<float> read_file(const std::filesystem::path& path, std::size_t count, std::uint64_t sum,
-                                    const std::string& param) {
+                                    const std::string& param, const char* kind = "parameter") {
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
   if (ec)
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') is missing");
   if (size != count * sizeof(float))
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param + "') has " +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param + "') has " +
                            std::to_string(size) + " bytes, expected " + std::to_string(count * sizeof(float)) +
                            " (" + std::to_string(count) + " float32): truncated or not this checkpoint's file");
   std::vector<float> data(count);
@@ -495,9 +521,47 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
   if (fnv1a(reinterpret_cast<const char*>(data.data()), size) != sum)
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;
+}
+
+/// The buffers of `state`'s model (running statistics; none for most models), in layer order.
+template <class State>
+auto model_buffers(State& state) {
+  std::remove_cvref_t<decltype(state.params)> out;
+  collect_buffers_of(state.model, out);
+  return out;
+}
+
+/// The layer a parameter or buffer belongs to: its name up to the last dot (`"b1.bn2"` for
+/// `"b1.bn2.running_mean"`).
+inline std::string layer_of(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(0, dot);
+}
+
+/// Throws unless the model's buffers (names, count, shapes) are the ones checkpoint `idx` holds;
+/// `bad` makes the error (it prefixes the index's path).
+template <class Ref, class Bad>
+void check_buffers(const index_file& idx, const std::vector<Ref>& buffers, Bad&& bad) {
+  const auto of = [](const std::string& n) { return "'" + n + "' (running statistics of layer '" + layer_of(n) + "')"; };
+  const std::string other = ": a checkpoint of another model; restore into the model it was saved from";
+  for (std::size_t i = 0; i < std::max(idx.buffers.size(), buffers.size()); ++i) {
+    if (i >= buffers.size())
+      throw bad("holds the buffer " + of(idx.buffers[i].name) + ", which the model does not have" + other);
+    if (i >= idx.buffers.size())
+      throw bad("holds " + std::to_string(idx.buffers.size()) + " buffers and not the model's buffer " +
+                of(buffers[i].name) + other);
+    const auto& saved = idx.buffers[i];
+    const auto& b = buffers[i];
+    if (saved.name != b.name)
+      throw bad("buffer " + std::to_string(i) + " is " + of(saved.name) + ", the model's is " + of(b.name) + other);
+    if (saved.dtype != "float32") throw bad("buffer '" + saved.name + "' has dtype " + saved.dtype + ", expected float32");
+    if (saved.shape != shape_text(b.shape))
+      throw bad("buffer " + of(saved.name) + " has shape " + saved.shape + " in the checkpoint, the model's is " +
+                shape_text(b.shape) + ": declare layer '" + layer_of(b.name) + "' with the size it was saved with");
+  }
 }
 
 /// Throws unless `name` can be a file name in the checkpoint (and a word of the index).
@@ -525,6 +589,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   const bool first = ex.rank() == 0;
   const detail::save_io io(dir);
   const std::size_t slots = state.opt.slots();
+  const auto buffers = detail::model_buffers(state);
   std::size_t generation = 0;
   detail::save_journal journal;
   const auto value_file = [&](const param_ref<float>& p) { return dir / detail::data_file(p.name, generation); };
@@ -536,6 +601,14 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   detail::agreed_phase(ex, "save_checkpoint", [&] {
     if (!first) return;
     for (const auto& p : state.params) detail::check_param_name(p.name);
+    for (const auto& b : buffers) {
+      detail::check_param_name(b.name);
+      for (const auto& p : state.params)
+        if (p.name == b.name)
+          throw checkpoint_error("meshlib::nn: save_checkpoint: the buffer '" + b.name + "' of layer '" +
+                                 detail::layer_of(b.name) + "' has the name of a parameter, so both would be one file; "
+                                 "give the layers distinct names");
+    }
     std::error_code ec;
     const auto status = fs::status(dir, ec);
     if (ec && ec != std::errc::no_such_file_or_directory)
@@ -582,6 +655,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       journal.fresh.push_back(detail::data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) journal.fresh.push_back(detail::data_file(p.name, generation, s));
     }
+    for (const auto& b : buffers) journal.fresh.push_back(detail::data_file(b.name, generation));
     journal.stale = current;  // and what could not be removed yet: this journal keeps track of it
     journal.stale.insert(journal.stale.end(), left.begin(), left.end());
     detail::write_whole(io, dir / "pending", journal.text());
@@ -591,6 +665,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file(io, value_file(p), true, bytes).finish(false);
       for (std::size_t s = 0; s < slots; ++s) detail::out_file(io, opt_file(p, s), true, bytes).finish(false);
     }
+    for (const auto& b : buffers)
+      detail::out_file(io, value_file(b), true, detail::product(b.shape) * sizeof(float)).finish(false);
   });
   if (ex.size() > 1) generation = std::stoull(ex.all_gather(first ? std::to_string(generation) : "")[0]);
   // 2. Every process: the blocks its devices own, at their places, synced. A block replicated over
@@ -608,6 +684,15 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
+      out.finish();
+    }
+    for (const auto& b : buffers) {  // as the parameters' values
+      detail::out_file out(io, value_file(b), false);
+      for (std::size_t dev : state.local_devices())
+        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0)
+          detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+            put(out, g, b.value[dev] + k, n);
+          });
       out.finish();
     }
     std::vector<detail::out_file> opt;
@@ -639,6 +724,10 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
       index << " sharding " << p.sharding << "\n";
     }
+    if (!buffers.empty()) index << "buffers " << buffers.size() << "\n";
+    for (const auto& b : buffers)
+      index << "buffer " << b.name << " float32 " << detail::shape_text(b.shape) << " "
+            << detail::checksum_of(value_file(b), detail::product(b.shape)) << " sharding " << b.sharding << "\n";
     std::string text = index.str();
     text += detail::checksum_line(text);
     detail::write_whole(io, dir / "index.tmp", text);
@@ -670,12 +759,15 @@ void save_checkpoint(const std::filesystem::path& dir, State& state) {
 /// this; `ex` connects them (ignored for a state that holds every device).
 /// @throws checkpoint_error (the state is unchanged, on every process) for a missing, truncated,
 /// edited or corrupted file (every byte of the index and of the data files is checksummed), or a
-/// checkpoint of another model (parameter names or shapes) or optimizer.
+/// checkpoint of another model (parameter or buffer names or shapes) or optimizer. A checkpoint
+/// without buffers (see the file comment) leaves the model's running statistics as they are.
 template <class State>
 void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
   const std::size_t count = state.params.size(), slots = state.opt.slots();
   std::vector<std::vector<float>> values(count), opt(count * slots);
+  const auto buffers = detail::model_buffers(state);
+  std::vector<std::vector<float>> buffer_values;  // empty: the checkpoint has none (left as they are)
   std::size_t step = 0;
   std::uint64_t key = 0;
   detail::agreed_phase(ex, "restore_checkpoint", [&] {
@@ -717,6 +809,13 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
         opt[i * slots + s] =
             detail::read_file(dir / detail::data_file(p.name, idx.generation, s), n, saved.sums[1 + s], p.name);
     }
+    if (!idx.buffers.empty()) {
+      detail::check_buffers(idx, buffers, bad);
+      for (std::size_t i = 0; i < buffers.size(); ++i)
+        buffer_values.push_back(detail::read_file(dir / detail::data_file(buffers[i].name, idx.generation),
+                                                  detail::product(buffers[i].shape), idx.buffers[i].sums[0],
+                                                  buffers[i].name, "buffer"));
+    }
     step = idx.step;
     key = idx.key;
   });
@@ -729,6 +828,13 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
         std::copy_n(values[i].data() + g, n, v + k);
       });
     }
+  }
+  for (std::size_t i = 0; i < buffer_values.size(); ++i) {
+    const auto& b = buffers[i];
+    for (std::size_t dev : state.local_devices())
+      detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+        std::copy_n(buffer_values[i].data() + g, n, b.value[dev] + k);
+      });
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())

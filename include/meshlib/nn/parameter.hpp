@@ -220,6 +220,37 @@ void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t fir
 }
 }  // namespace detail
 
+namespace detail {
+/// The untyped view of tensor `t` under `name`, without a gradient: what `parameter::ref` starts
+/// from, and how a layer shows the arrays it keeps but does not train (batch norm's running
+/// statistics, PyTorch's buffers, flax's `batch_stats`) to checkpoints.
+template <class T, std::size_t Rank, sharding_type S>
+param_ref<T> tensor_ref(const std::string& name, const sharded_tensor<T, Rank, S>& t) {
+  param_ref<T> r;
+  r.name = name;
+  r.shape.assign(t.global_shape().begin(), t.global_shape().end());
+  r.sharding = t.sharding().to_string();
+  for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
+  r.sharded_axes = S::sharded_axes;
+  r.decay = false;
+  const std::vector<std::size_t> local = t.local_devices();
+  r.layout = std::make_shared<typed_param_layout<S, Rank>>(t.layout(), local);
+  r.count = {r.layout};
+  r.offset = {r.layout, false};
+  r.extent = {r.layout, true};
+  r.value = device_blocks<T>(t.num_devices());
+  for (std::size_t dev : local) r.value.set(dev, t.local(dev).data(), t.local(dev).size());
+  return r;
+}
+
+/// Appends layer `l`'s buffers (arrays it keeps but does not train, see `tensor_ref`) when it has
+/// any (`l.collect_buffers(out)`, PyTorch's `named_buffers`); most layers have none and need not say so.
+template <class L, class T>
+void collect_buffers_of(const L& l, std::vector<param_ref<T>>& out) {
+  if constexpr (requires { l.collect_buffers(out); }) l.collect_buffers(out);
+}
+}  // namespace detail
+
 /// @brief A trainable array: value and gradient with sharding `S`.
 template <class T, std::size_t Rank, sharding_type S>
 struct parameter {
@@ -272,26 +303,11 @@ struct parameter {
 
   /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
   [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
-    param_ref<T> r;
-    r.name = name;
-    r.shape.assign(value.global_shape().begin(), value.global_shape().end());
-    r.sharding = value.sharding().to_string();
-    for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
-    r.sharded_axes = S::sharded_axes;
+    param_ref<T> r = detail::tensor_ref(name, value);
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
-    const std::vector<std::size_t> local = value.local_devices();
-    r.layout = std::make_shared<detail::typed_param_layout<S, Rank>>(value.layout(), local);
-    r.count = {r.layout};
-    r.offset = {r.layout, false};
-    r.extent = {r.layout, true};
-    const std::size_t n = value.num_devices();
-    r.value = detail::device_blocks<T>(n);
-    r.grad = detail::device_blocks<T>(n);
-    for (std::size_t dev : local) {
-      r.value.set(dev, value.local(dev).data(), value.local(dev).size());
-      r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
-    }
+    r.grad = detail::device_blocks<T>(value.num_devices());
+    for (std::size_t dev : value.local_devices()) r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     return r;
   }
 

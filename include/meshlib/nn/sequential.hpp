@@ -117,6 +117,12 @@ class sequential {
   void collect(std::vector<param_ref<T>>& out) const {
     std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
   }
+  /// Appends every layer's buffers (running statistics: what checkpoints keep beside the
+  /// parameters, see `detail::tensor_ref`) to `out`, in layer order.
+  template <class T>
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    std::apply([&](const auto&... l) { (detail::collect_buffers_of(l, out), ...); }, layers);
+  }
 
  private:
   template <std::size_t I>

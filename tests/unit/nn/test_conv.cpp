@@ -349,10 +349,11 @@ TEST_CASE("sync batch norm on 2 and 4 devices equals batch norm over the global 
     // Running statistics: one step of momentum 0.1 from (0, 1), the variance unbiased, the same on every device.
     const double count = static_cast<double>(batch * in.pixels());
     for (std::size_t dev = 0; dev < m.size(); ++dev) {
-      const double* run = bn.running_stats().local(dev).data();
+      const double* run_mean = bn.running_mean().local(dev).data();
+      const double* run_var = bn.running_var().local(dev).data();
       for (std::size_t j = 0; j < in.channels; ++j) {
-        CHECK(std::abs(run[j] - 0.1 * mean[j]) < 1e-12);
-        CHECK(std::abs(run[in.channels + j] - (0.9 + 0.1 * var[j] * count / (count - 1))) < 1e-12);
+        CHECK(std::abs(run_mean[j] - 0.1 * mean[j]) < 1e-12);
+        CHECK(std::abs(run_var[j] - (0.9 + 0.1 * var[j] * count / (count - 1))) < 1e-12);
       }
     }
     // Evaluation: the running statistics replace the batch's.
@@ -522,6 +523,12 @@ TEST_CASE("a convolution or pooling window larger than its input is refused, nam
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
           nn::conv2d<float, mesh_t>(m, "c", {2, 3, 1}, 4, 5, nn::rng_key{}, {.padding = 2});
         }) == "(no exception)");
+  // Compile-time sizes: the same arithmetic, checked by the compiler (tests/compile_fail/nn for the refusal).
+  constexpr auto padded = nn::conv2d_output_shape<nn::image_shape{2, 3, 1}, 4, 5, nn::conv2d_options{.padding = 2}>();
+  static_assert(padded == nn::image_shape{2, 3, 4});
+  constexpr auto strided = nn::conv2d_output_shape<nn::image_shape{7, 7, 2}, 8, 3, nn::conv2d_options{.stride = 2, .padding = 1}>();
+  CHECK(strided == nn::conv2d<float, mesh_t>(m, "c", {7, 7, 2}, 8, 3, nn::rng_key{}, {.stride = 2, .padding = 1}).output_shape());
+  CHECK(strided == nn::image_shape{4, 4, 8});
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { nn::max_pool2d<float, mesh_t>(m, "p", {2, 3, 1}, 3); }) ==
         "meshlib::nn: p (max_pool2d 3x3 on 2x3x1 images): the input, 2x3, is smaller than the 3x3 window; use a "
         "window of at most 2 or remove a pooling layer before it");

@@ -457,7 +457,13 @@ TEST_CASE("Transformer layers: bad sizes are errors naming the layer, the sizes 
         "meshlib::nn: pos (positional_embedding of 6 positions): a sequence of 8 tokens does not fit its table of 6 "
         "positions; use sequences of at most 6 tokens or declare pos with max_length 8");
   nn::positional_embedding<float, mesh_t> pos(m4, "pos", 6, 8, 6, key);
-  CHECK_THROWS_AS(pos.set_sequence_length(7), meshlib::sharding_error);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { pos.set_sequence_length(7); }) ==
+        "meshlib::nn: pos (positional_embedding of 6 positions): a sequence of 7 tokens does not fit its table of 6 "
+        "positions; use sequences of at most 6 tokens or declare pos with max_length 7");
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { pos.set_sequence_length(0); }) ==
+        "meshlib::nn: pos (positional_embedding of 6 positions): a sequence length of 0; use sequences of 1 to 6 "
+        "tokens");
+  CHECK(pos.sequence_length() == 6);  // unchanged by the refusals
   pos.set_sequence_length(4);
   CHECK(pos.sequence_length() == 4);
 

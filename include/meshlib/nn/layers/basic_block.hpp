@@ -70,6 +70,9 @@ class block_shortcut {
   void collect(std::vector<param_ref<T>>& out) const {
     if (proj_) proj_->collect(out);
   }
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    if (proj_) proj_->collect_buffers(out);
+  }
 
  private:
   image_shape in_;
@@ -137,6 +140,8 @@ class basic_block {
   }
   /// Appends the main branch's parameters (conv1, bn1, conv2, bn2), then the projection's.
   void collect(std::vector<param_ref<T>>& out) const { body.collect(out); }
+  /// Appends its batch norms' running statistics (bn1, bn2, then the projection's), for checkpoints.
+  void collect_buffers(std::vector<param_ref<T>>& out) const { body.collect_buffers(out); }
 
  private:
   static main_type make_main(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels,

@@ -23,7 +23,10 @@
 /// updated in training as PyTorch does (`running = (1 - momentum) running + momentum batch`, the
 /// unbiased variance), replace the batch statistics; every device updates its copy with the same
 /// global statistics, so the copies stay equal. They are not trained parameters (optimizers and the
-/// gradient synchronisation do not see them); `running_stats()` reads them.
+/// gradient synchronisation do not see them) but buffers, as PyTorch calls them (flax: the
+/// `batch_stats` collection): `running_mean()` and `running_var()` read them, and `collect_buffers`
+/// shows them, as `name + ".running_mean"` and `name + ".running_var"`, to `save_checkpoint`, which
+/// saves and restores them with the parameters (on any mesh: they are replicated).
 /// @code
 /// meshlib::nn::batch_norm<float, mesh_t> bn(m, "bn1", {28, 28, 16});   // over the 16 channels
 /// // inside spmd: auto y = bn.forward(x);  ...  auto dx = bn.backward(dy);
@@ -71,9 +74,8 @@ class batch_norm {
         in_(in),
         momentum_(momentum),
         eps_(eps),
-        running_(make_array_from_callback<T>(
-            std::array<std::size_t, 1>{2 * in.channels}, sharding{mesh},
-            [c = in.channels](const std::array<std::size_t, 1>& i) { return i[0] < c ? T{0} : T{1}; }, local_devices)),
+        running_mean_(full<T>(sharding{mesh}, std::array<std::size_t, 1>{in.channels}, T{0}, local_devices)),
+        running_var_(full<T>(sharding{mesh}, std::array<std::size_t, 1>{in.channels}, T{1}, local_devices)),
         saved_(mesh.size()),
         stats_(mesh.size()),
         st_back_(mesh.size()),
@@ -104,8 +106,10 @@ class batch_norm {
   }
   /// Whether the layer normalises with the batch's statistics (training, the default) or the running ones.
   [[nodiscard]] bool training() const noexcept { return train_; }
-  /// The running statistics, replicated: `2 * channels` values, the means then the variances.
-  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_stats() const noexcept { return running_; }
+  /// The running mean per channel (PyTorch's `running_mean`), replicated; initially 0.
+  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_mean() const noexcept { return running_mean_; }
+  /// The running (unbiased) variance per channel (PyTorch's `running_var`), replicated; initially 1.
+  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_var() const noexcept { return running_var_; }
 
   /// The data axis's mask: the rows must be sharded over exactly it.
   static constexpr axis_mask data_mask = Mesh::template mask_of<Data>();
@@ -137,7 +141,8 @@ class batch_norm {
     T* rstd = st + 3 * c;
     const T* xp = x.data();
     const T eps = eps_;
-    T* run = running_.local(dev).data();
+    T* run_mean = running_mean_.local(dev).data();
+    T* run_var = running_var_.local(dev).data();
     if (train_) {
       T* s = st;
       T* q = st + c;
@@ -151,13 +156,13 @@ class batch_norm {
         mean[j] = s[j] / count;
         const T var = q[j] / count;
         rstd[j] = T{1} / std::sqrt(var + eps);
-        run[j] = (T{1} - mom) * run[j] + mom * mean[j];
-        run[c + j] = (T{1} - mom) * run[c + j] + mom * var * unbias;
+        run_mean[j] = (T{1} - mom) * run_mean[j] + mom * mean[j];
+        run_var[j] = (T{1} - mom) * run_var[j] + mom * var * unbias;
       });
     } else {
       meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = run[j];
-        rstd[j] = T{1} / std::sqrt(run[c + j] + eps);
+        mean[j] = run_mean[j];
+        rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
       });
     }
     T* xh = xhat_.get(dev, np * c);
@@ -229,6 +234,12 @@ class batch_norm {
     out.push_back(g.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }
+  /// Appends the running statistics, `name() + ".running_mean"` and `name() + ".running_var"`
+  /// (`channels()` values each): what checkpoints save beside the parameters.
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    out.push_back(detail::tensor_ref(name_ + ".running_mean", running_mean_));
+    out.push_back(detail::tensor_ref(name_ + ".running_var", running_var_));
+  }
 
  private:
   /// A device's per-channel sums, varying over the data axis until the `psum`.
@@ -276,7 +287,7 @@ class batch_norm {
   image_shape in_;
   T momentum_, eps_;
   bool train_ = true;
-  sharded_tensor<T, 1, sharding> running_;
+  sharded_tensor<T, 1, sharding> running_mean_, running_var_;
   std::vector<saved> saved_;
   detail::device_buffers<T> stats_, st_back_, xhat_, out_, dx_;
 };

@@ -57,6 +57,30 @@ struct conv2d_options {
   bool use_bias = true;     ///< add a learned bias per output channel
 };
 
+/// @brief The shape of the images `conv2d` makes from images of shape `In`, computed at compile
+/// time for sizes that are compile-time constants: a kernel larger than the padded input, or a zero
+/// size, is then one compile error (the instantiation names the sizes) instead of the
+/// `sharding_error` the constructor throws at run time. The same arithmetic as `output_shape()`.
+/// @code
+/// namespace nn = meshlib::nn;
+/// constexpr auto s1 = nn::conv2d_output_shape<nn::image_shape{28, 28, 1}, 16, 3, nn::conv2d_options{.padding = 1}>();
+/// static_assert(s1 == nn::image_shape{28, 28, 16});
+/// @endcode
+template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
+consteval image_shape conv2d_output_shape() {
+  static_assert(Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1,
+                "meshlib::nn: conv2d: kernel, stride, output channels and the image's height, width and channels "
+                "must be at least 1");
+  static_assert(In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel,
+                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
+                "Kernel kernel; use a smaller kernel, pad by more, or remove a pooling layer before it");
+  if constexpr (Kernel >= 1 && O.stride >= 1 && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel)
+    return {(In.height + 2 * O.padding - Kernel) / O.stride + 1, (In.width + 2 * O.padding - Kernel) / O.stride + 1,
+            OutChannels};
+  else
+    return {};
+}
+
 namespace detail {
 /// Whether a layer of images (conv2d, pooling, batch_norm) takes `X`: a complete rank-2 block of
 /// rows with unsharded features, of this mesh and element type.

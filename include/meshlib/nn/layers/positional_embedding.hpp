@@ -72,7 +72,11 @@ class positional_embedding {
   /// Sets the tokens per sequence of the next inputs.
   /// @throws sharding_error naming the layer, both sizes and the fix when `s` exceeds the table (or is 0).
   void set_sequence_length(std::size_t s) {
-    if (s == 0 || s > max_length())
+    if (s == 0)
+      throw sharding_error("meshlib::nn: " + name_ + " (positional_embedding of " + std::to_string(max_length()) +
+                           " positions): a sequence length of 0; use sequences of 1 to " +
+                           std::to_string(max_length()) + " tokens");
+    if (s > max_length())
       throw sharding_error("meshlib::nn: " + name_ + " (positional_embedding of " + std::to_string(max_length()) +
                            " positions): a sequence of " + std::to_string(s) + " tokens does not fit its table of " +
                            std::to_string(max_length()) + " positions; use sequences of at most " +

@@ -169,6 +169,11 @@ class residual {
     main.collect(out);
     shortcut.collect(out);
   }
+  /// Appends the main branch's buffers (batch norms' running statistics), then the shortcut's.
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    detail::collect_buffers_of(main, out);
+    detail::collect_buffers_of(shortcut, out);
+  }
 
  private:
   struct shape {
