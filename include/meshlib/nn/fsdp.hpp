@@ -40,6 +40,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -213,7 +214,7 @@ class fsdp_engine final : public layer_hooks {
       s.extent = {s.layout, true};
       if (!s.dims.empty()) s.dims[0] |= Axes;
       s.sharded_axes |= Axes;
-      s.sharding = p.sharding + ", stored with dimension 0 sharded over '" + std::string(axis_name) + "'";
+      s.sharding = stored_sharding(s.dims);
       s.overwrite = nullptr;
       s.rebind = {};
       held_tensor<float> v = s.layout->zeros_like(local), g = s.layout->zeros_like(local);
@@ -283,6 +284,24 @@ class fsdp_engine final : public layer_hooks {
   }
 
  private:
+  /// How a shard is laid out, as `named_sharding` prints it: `dims` per dimension, the parameter's
+  /// own axes (in mesh order) then, on dimension 0, the fsdp axis (minor: a chunk of the block).
+  std::string stored_sharding(const std::vector<axis_mask>& dims) const {
+    std::string t = "named_sharding(" + mesh_.to_string() + ", P<";
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      std::vector<std::string_view> names;
+      for (std::size_t i = 0; i < Mesh::ndim; ++i)
+        if ((dims[d] & ~(d == 0 ? Axes : axis_mask{0})) & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      if (d == 0)
+        for (std::size_t i = 0; i < Mesh::ndim; ++i)
+          if (Axes & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      std::string e = names.empty() ? "none" : names.size() == 1 ? "" : "axes(";
+      for (std::size_t i = 0; i < names.size(); ++i) e += (i ? ", \"" : "\"") + std::string(names[i]) + "\"";
+      if (names.size() > 1) e += ")";
+      t += (d ? ", " : "") + e;
+    }
+    return t + ">)";
+  }
   /// Parameter `k`'s whole block on `dev` from the shards: the typed all-gather over `Axes`.
   void gather(std::size_t k, std::size_t dev) {
     const std::size_t s = shards_[k].count[dev];

@@ -4,8 +4,9 @@
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
 /// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
 /// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
-/// clipping over every shard, and the optimizer update (replicated, or ZeRO-1 sharded over the data
-/// axis), all on every device of the mesh at once.
+/// clipping over every shard, and the optimizer update (replicated, ZeRO-1 sharded over the data
+/// axis, or FSDP: parameters, gradients and state sharded over an fsdp axis, nn/fsdp.hpp), all on
+/// every device of the mesh at once.
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.

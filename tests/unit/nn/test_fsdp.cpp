@@ -108,6 +108,10 @@ TEST_CASE("FSDP stores parameters and optimizer state as shards of core's blocks
   REQUIRE(state.params.size() == 6);
   const auto& w = state.params[0];
   CHECK(w.name == "fc1.w");
+  CHECK(w.sharding == "named_sharding(mesh{'data': 1, 'fsdp': 2, 'model': 2}, P<\"fsdp\", \"model\">)");
+  CHECK(state.params[2].sharding ==
+        "named_sharding(mesh{'data': 1, 'fsdp': 2, 'model': 2}, P<axes(\"model\", \"fsdp\"), none>)");
+  CHECK(state.params[5].sharding == "named_sharding(mesh{'data': 1, 'fsdp': 2, 'model': 2}, P<\"fsdp\">)");
   for (std::size_t dev = 0; dev < m.size(); ++dev) {
     const auto c = m.coords(dev);
     CHECK(w.count[dev] == 48);
