@@ -3,6 +3,8 @@
 // (4, 2) by default: the batch is split over "data", the hidden layers Megatron-style over "model"
 // (fc1 column-parallel, fc2 row-parallel with one psum), the gradients synchronised over "data".
 // The numbers do not depend on the mesh: the same seed gives the same losses on (1, 1) or (2, 4).
+// `--fsdp N` adds an fsdp axis of N devices (mesh (data, fsdp, model)): parameters, gradients and
+// optimizer state are stored sharded over it (FSDP / ZeRO-3), and the run prints the bytes per device.
 // Under `mpirun -np P` (built with MPI) the mesh spans P processes x (D*M/P) threads, each process
 // loading only its share of every batch, with the same losses as the single-process run.
 //
@@ -39,7 +41,7 @@
 namespace {
 
 struct options {
-  std::size_t data = 4, model = 2, epochs = 6, batch = 256, hidden = 1024, accumulation = 1;
+  std::size_t data = 4, model = 2, fsdp = 1, epochs = 6, batch = 256, hidden = 1024, accumulation = 1;
   float lr = 1e-3f;
   std::string optimizer = "adam", precision = "f32", reduce = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir, trace;
@@ -53,7 +55,7 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
     "                           [--optimizer NAME] [--precision P] [--reduce-in R] [--zero] [--checkpoint-dir DIR]\n"
-    "                           [--resume] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--help]\n";
+    "                           [--resume] [--fsdp N] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -69,6 +71,9 @@ void usage() {
                "                        default f32\n"
                "  --reduce-in R         f32 | bf16: the gradient reduction's type on the wire; default f32\n"
                "  --zero                ZeRO-1: optimizer state sharded over the data axis\n"
+               "  --fsdp N              FSDP over an fsdp axis of N devices (mesh D x N x M, the batch split over\n"
+               "                        D x N): parameters, gradients and optimizer state sharded over it, each\n"
+               "                        layer's parameters gathered just before it runs; default 1 (off)\n"
                "  --checkpoint-dir DIR  save a checkpoint there after every epoch (restorable on any mesh)\n"
                "  --resume              restore the checkpoint in --checkpoint-dir first, continue from its step\n"
                "  --data DIR            Fashion-MNIST IDX files; default " << meshlib::nn::default_fashion_mnist_dir().string() << "\n"
@@ -101,6 +106,7 @@ options parse(int argc, char** argv) {
     else if (a == "--precision") o.precision = value();
     else if (a == "--reduce-in") o.reduce = value();
     else if (a == "--zero") o.zero = true;
+    else if (a == "--fsdp") o.fsdp = positive_integer(a, value());
     else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
     else if (a == "--resume") o.resume = true;
     else if (a == "--data") o.data_dir = value();
@@ -130,11 +136,24 @@ void check_options(const options& o, std::size_t processes) {
     throw usage_error("--hidden " + std::to_string(o.hidden) + " is not divisible by the model axis (" + mesh + ": " +
                       std::to_string(o.model) + ")");
   // d x k divides the batch when d does and k divides the quotient (no product to overflow).
-  if (o.batch % o.data != 0 || (o.batch / o.data) % o.accumulation != 0)
+  if (o.fsdp > 1) {
+    // FSDP shards dimension 0 of every parameter block: fc1's 784 input rows and its hidden / M
+    // outputs, fc2's hidden / M input rows and hidden outputs, fc3's 10 outputs (its bias).
+    const std::size_t split[] = {784, o.hidden / o.model, o.hidden, 10};
+    for (std::size_t n : split)
+      if (n % o.fsdp != 0)
+        throw usage_error("--fsdp " + std::to_string(o.fsdp) + " does not divide " + std::to_string(n) +
+                          ", the first dimension of a parameter block (fc1 784 x hidden/M, fc2 hidden/M x hidden, "
+                          "fc3 bias 10); use --fsdp 2");
+    if (o.zero) throw usage_error("--fsdp already shards the optimizer state: leave out --zero");
+  }
+  const std::size_t dp = o.data * o.fsdp;  // the batch splits over data x fsdp
+  if (o.batch % dp != 0 || (o.batch / dp) % o.accumulation != 0)
     throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis x --accumulation (" + mesh +
-                      ": " + std::to_string(o.data) + " x --accumulation " + std::to_string(o.accumulation) + ")");
-  if (processes > 1 && (o.data * o.model) % processes != 0)
-    throw usage_error(mesh + ": its " + std::to_string(o.data * o.model) + " devices do not split over the " +
+                      (o.fsdp > 1 ? " --fsdp " + std::to_string(o.fsdp) : std::string()) + ": " + std::to_string(dp) +
+                      " x --accumulation " + std::to_string(o.accumulation) + ")");
+  if (processes > 1 && (dp * o.model) % processes != 0)
+    throw usage_error(mesh + ": its " + std::to_string(dp * o.model) + " devices do not split over the " +
                       std::to_string(processes) + " processes of mpirun");
   if (processes > 1 && o.batch % processes != 0)
     throw usage_error("--batch " + std::to_string(o.batch) + " does not split over the " + std::to_string(processes) +
@@ -155,7 +174,8 @@ void check_options(const options& o, std::size_t processes) {
   }
 }
 
-using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+// An fsdp axis of size 1 (the default) changes nothing: the batch splits over data x 1.
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
 
 /// Where this process runs: its devices, its index, the process count, and the backend.
 template <class Backend>
@@ -168,7 +188,7 @@ struct placement {
 template <meshlib::comm_element Wire, class Compute, class Backend>
 int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placement<Backend>& where) {
   namespace nn = meshlib::nn;
-  const mesh_t mesh{o.data, o.model};
+  const mesh_t mesh{o.data, o.fsdp, o.model};
   const nn::rng_key key{o.seed};
   const std::span<const std::size_t> local(where.devices);
   const bool lead = where.process == 0;
@@ -182,7 +202,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(100, total / 10), total, 0.02f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adamw" ? nn::adamw(lr, 1e-4f) : nn::adam(lr);
   nn::train_state<mesh_t, decltype(net), "data", Wire, Compute> state(
-      mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero}, key, local);
+      mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero, .fsdp = o.fsdp > 1}, key, local);
   static std::ostream silent(nullptr);
   std::ostream& out = lead ? std::cout : silent;  // one process prints
 
@@ -190,13 +210,14 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
             << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " thread devices)\n"
                                     : std::to_string(mesh.size()) + " thread devices)\n")
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
-            << "  batch " << o.batch << " (" << o.batch / o.data << " rows per data device"
+            << "  batch " << o.batch << " (" << o.batch / (o.data * o.fsdp) << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
             << opt.name() << ", lr " << o.lr << " warm-up + cosine, gradients reduced in "
             << nn::precision_name<Wire>() << ", computed in " << nn::precision_name<Compute>()
             << (state.mixed ? " with float master weights" : "")
             << (state.loss_scaling() ? ", dynamic loss scaling from " + std::to_string(static_cast<long long>(state.loss_scale())) : std::string())
-            << (o.zero ? ", ZeRO-1 optimizer state" : "") << "\n"
+            << (o.zero ? ", ZeRO-1 optimizer state" : "")
+            << (o.fsdp > 1 ? ", FSDP over 'fsdp' (" + std::to_string(o.fsdp) + " devices)" : std::string()) << "\n"
             << "  parameters:\n";
   std::size_t count = 0;
   for (const auto& p : state.params) {
@@ -210,6 +231,15 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   }
   out << "  " << count << " parameters; optimizer state per device: " << state.optimizer_state_size(where.devices.front())
       << " floats\n";
+  const nn::training_memory mem = state.memory(where.devices.front());
+  const auto mib = [](std::size_t b) {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.2f MiB", static_cast<double>(b) / (1 << 20));
+    return std::string(t);
+  };
+  out << "  memory per device: " << mib(mem.total()) << " (parameters " << mib(mem.parameters) << ", gradients "
+      << mib(mem.gradients) << ", optimizer state " << mib(mem.optimizer_state)
+      << (o.fsdp > 1 ? ", gathered layer " + mib(mem.unsharded) : std::string()) << ")\n";
   if (!o.trace.empty()) meshlib::start_trace(o.trace);  // every device's collectives, per step
   if (o.resume) {
     nn::restore_checkpoint(o.checkpoint_dir, state);  // under mpirun: every process, its own blocks
@@ -311,7 +341,7 @@ int main(int argc, char** argv) {
 #endif
       return wire16 ? train<bfloat16, float>(o, fm, where) : train<float, float>(o, fm, where);
     };
-    const std::size_t devices = o.data * o.model;  // check_options: divisible by processes
+    const std::size_t devices = o.data * o.fsdp * o.model;  // check_options: divisible by processes
     if (processes == 1) {
       placement<meshlib::default_runner> where;  // this process's device threads
       for (std::size_t d = 0; d < devices; ++d) where.devices.push_back(d);

@@ -32,6 +32,7 @@
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/grad_sync.hpp"
+#include "meshlib/nn/fsdp.hpp"
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/train_state.hpp"
 #include "meshlib/nn/params.hpp"

@@ -6,3 +6,7 @@
 #include <meshlib/nn.hpp>
 
 int main() { return 0; }
+
+// FSDP's one kernel of its own (nn/fsdp.hpp), instantiated for the device's memory space: its
+// device lambda must compile with nvcc.
+template void meshlib::nn::detail::add_values<meshlib::default_memory_space, float>(float*, const float*, std::size_t);

@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -201,6 +202,12 @@ struct param_ref {
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
   /// zeroes those.
   std::uint8_t* overwrite = nullptr;
+  /// Moves the parameter's value and gradient blocks to caller-owned memory: device `d`'s blocks
+  /// become unmanaged views of `values[d]` and `grads[d]` (each `count[d]` elements; ignored where
+  /// not local) and the parameter's own storage is released. FSDP (nn/fsdp.hpp) points every
+  /// layer's blocks into one shared buffer this way. Empty for a view that cannot rebind (a shard).
+  /// Valid while the parameter that gave this view stays where it was.
+  std::function<void(std::span<T* const> values, std::span<T* const> grads)> rebind;
 };
 
 namespace detail {
@@ -301,11 +308,31 @@ struct parameter {
     return T{0};
   }
 
+  /// See `param_ref::rebind`.
+  void rebind(std::span<T* const> values, std::span<T* const> grads) {
+    const std::size_t n = value.num_devices();
+    std::vector<typename tensor_type::view_type> vs(n), gs(n);
+    std::vector<bool> local(n, false);
+    for (std::size_t dev = 0; dev < n; ++dev) {
+      if (!value.is_local(dev)) continue;
+      const auto shape = value.layout().local_shape(dev);
+      vs[dev] = std::apply([&](auto... e) { return typename tensor_type::view_type(values[dev], e...); }, shape);
+      gs[dev] = std::apply([&](auto... e) { return typename tensor_type::view_type(grads[dev], e...); }, shape);
+      local[dev] = true;
+    }
+    value = tensor_type(value.sharding(), value.global_shape(), std::move(vs), local);
+    grad = tensor_type(grad.sharding(), grad.global_shape(), std::move(gs), std::move(local));
+  }
+
   /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
   [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
     param_ref<T> r = detail::tensor_ref(name, value);
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
+    // The layer's parameters are reached through a const collect; the state that rebinds owns the model.
+    r.rebind = [self = const_cast<parameter*>(this)](std::span<T* const> values, std::span<T* const> grads) {
+      self->rebind(values, grads);
+    };
     r.grad = detail::device_blocks<T>(value.num_devices());
     for (std::size_t dev : value.local_devices()) r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     return r;

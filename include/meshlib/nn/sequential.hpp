@@ -42,6 +42,16 @@
 namespace meshlib::nn {
 
 namespace detail {
+/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/fsdp.hpp) gathers a
+/// layer's parameters just before it runs and reduce-scatters its gradients just after its backward.
+/// `layer` is the layer's index, `dev` the running device.
+struct layer_hooks {
+  virtual ~layer_hooks() = default;
+  virtual void before_forward(std::size_t layer, std::size_t dev) = 0;
+  virtual void before_backward(std::size_t layer, std::size_t dev) = 0;
+  virtual void after_backward(std::size_t layer, std::size_t dev) = 0;
+};
+
 template <bool Ok, std::size_t Layer, class Input, class Cotangent>
 struct backward_cotangent_type_differs_from_input {
   static_assert(Ok,
@@ -64,6 +74,9 @@ class sequential {
   /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
   /// layer's output and every cotangent is rounded to the compute type in place.
   void (*round_activations)(float*, std::size_t) noexcept = nullptr;
+  /// When set (a `train_state` with FSDP sets it), called around every layer's forward and
+  /// backward; not owned.
+  detail::layer_hooks* hooks = nullptr;
 
   /// Chains `ls` in order: each layer receives the previous layer's output.
   /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
@@ -122,6 +135,14 @@ class sequential {
   template <class T>
   void collect_buffers(std::vector<param_ref<T>>& out) const {
     std::apply([&](const auto&... l) { (detail::collect_buffers_of(l, out), ...); }, layers);
+  }
+
+  /// How many parameters each layer appends in `collect`, in layer order (FSDP's units).
+  template <class T>
+  [[nodiscard]] std::vector<std::size_t> params_per_layer() const {
+    std::vector<std::size_t> counts;
+    std::apply([&](const auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
+    return counts;
   }
 
  private:
@@ -186,6 +207,7 @@ class sequential {
     if constexpr (I == size) {
       return x;
     } else {
+      if (hooks != nullptr) hooks->before_forward(I, x.device());
       auto y = std::get<I>(layers).forward(x);
       round(y);
       return forward_from<I + 1>(y);
@@ -195,7 +217,9 @@ class sequential {
   template <class X, std::size_t I, class DY>
   auto backward_from(const DY& dy, bool need_dx) {
     using in_t = typename input_of<X, I>::type;
+    if (hooks != nullptr) hooks->before_backward(I, dy.device());
     auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
     static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
                                                                             decltype(dx)>) > 0);  // one error, its own
@@ -207,6 +231,13 @@ class sequential {
   void round(Y& y) const noexcept {
     if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
       if (round_activations != nullptr) round_activations(y.data(), y.size());
+  }
+
+  template <class T, class L>
+  static std::size_t count_params(const L& l) {
+    std::vector<param_ref<T>> v;
+    l.collect(v);
+    return v.size();
   }
 
   template <class L>

@@ -4,8 +4,9 @@
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
 /// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
 /// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
-/// clipping over every shard, and the optimizer update (replicated, or ZeRO-1 sharded over the data
-/// axis), all on every device of the mesh at once.
+/// clipping over every shard, and the optimizer update (replicated, ZeRO-1 sharded over the data
+/// axis, or FSDP: parameters, gradients and state sharded over an fsdp axis, nn/fsdp.hpp), all on
+/// every device of the mesh at once.
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
@@ -49,6 +50,7 @@
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/nn/fsdp.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/loss.hpp"
 #include "meshlib/nn/loss_function.hpp"
@@ -65,6 +67,12 @@ namespace meshlib::nn {
 struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
   bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
+  /// axis, each layer's parameters all-gathered just before it runs (nn/fsdp.hpp).
+  bool fsdp = false;
+  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
+  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
   std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
   /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
   /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
@@ -75,12 +83,6 @@ struct train_options {
 };
 
 namespace detail {
-/// `P<Data>`: rows sharded over the data axis.
-template <fixed_string Data>
-struct rows_spec {
-  using type = P<dim_spec(Data.chars)>;
-};
-
 /// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
 /// public donated `psum`, in `v` itself (a host-memory value that differs over every axis); every
 /// device of the group gets the totals. Runs on device `dev` inside `spmd`.
@@ -110,7 +112,7 @@ struct step_metrics {
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
-          compute_precision Compute = float>
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp">
 class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
@@ -127,10 +129,22 @@ class train_state {
   using mesh_type = Mesh;
   /// The network's type.
   using model_type = Model;
-  /// The mesh axes of `Data`, over which gradients are averaged.
-  static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
-  /// The type of a device's block of the input batch: rows sharded over `Data`.
-  using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
+  /// The mesh's fsdp axis `Fsdp` (0 when it has none): FSDP shards parameters over it, and it
+  /// splits the batch as a data axis does.
+  static constexpr axis_mask fsdp_axes = [] {
+    if constexpr (Mesh::template has_axis<Fsdp>) return Mesh::template mask_of<Fsdp>();
+    else return axis_mask{0};
+  }();
+  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and the fsdp
+  /// axis (a mesh with an fsdp axis need not have `Data`).
+  static constexpr axis_mask data_axes = [] {
+    if constexpr (fsdp_axes != 0 && !Mesh::template has_axis<Data>) return fsdp_axes;
+    else return Mesh::template mask_of<Data>() | fsdp_axes;
+  }();
+  /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
+  static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
+  /// The type of a device's block of the input batch: rows sharded over the data axes.
+  using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
   /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
   /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
   /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
@@ -184,6 +198,7 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    if (options.fsdp) shard_parameters();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -279,6 +294,18 @@ class train_state {
     if (options.zero) return zero_state_.at(dev).size();
     return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
   }
+  /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
+  /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
+  [[nodiscard]] training_memory memory(std::size_t dev) const {
+    training_memory m;
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return m;
+    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+    m.parameters = n * sizeof(T) * (mixed ? 2 : 1);
+    m.gradients = n * sizeof(T);
+    m.optimizer_state = optimizer_state_size(dev) * sizeof(float);
+    if (fsdp_) m.unsharded = fsdp_->unsharded_elements(dev) * sizeof(T);
+    return m;
+  }
   /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
   /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
   /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
@@ -338,8 +365,11 @@ class train_state {
     const std::size_t dp = mesh.axes_size(data_axes);
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
-      const std::vector<T*>& g = sync_.template all_reduce<data_axes>(params, mesh, dev);
+      // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
+      const std::vector<T*>& g = fsdp_ ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
+                                       : sync_.template all_reduce<data_axes>(params, mesh, dev);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
@@ -403,6 +433,29 @@ class train_state {
   }
 
  private:
+  /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
+  void shard_parameters() {
+    if constexpr (fsdp_axes == 0) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                           std::string(Fsdp.view()) + "' to shard the parameters over; the mesh is " +
+                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
+                           std::string(Fsdp.view()) + "\">, axis<\"model\">>)");
+    } else if constexpr (!requires(Model& net) {
+                           net.hooks;
+                           net.template params_per_layer<T>();
+                         }) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+    } else {
+      if (options.zero)
+        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                             "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
+      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
+                                                                      local_, options.reshard_after_forward, Fsdp.view());
+      params = fsdp_->shards();
+      model.hooks = fsdp_.get();
+    }
+  }
   /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
@@ -456,6 +509,8 @@ class train_state {
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;
+  /// FSDP's shards, buffers and layer hooks (null without FSDP); shared by copies of the state.
+  std::shared_ptr<detail::fsdp_engine<Mesh, fsdp_axes>> fsdp_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
