@@ -3,7 +3,7 @@
 # Installs what is missing, builds the flagship example in build/ and runs it (train_fashion_mnist:
 # an MLP trained on Fashion-MNIST on a (4, 2) mesh of thread devices).
 # EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart, flagship or
-# train_resnet_fashion_mnist, the convolutional flagship);
+# train_resnet_fashion_mnist, the convolutional flagship, or train_gpt_chars, the character-level GPT);
 # arguments go to it.
 set -euo pipefail
 EXAMPLE="${EXAMPLE:-train_fashion_mnist}"

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <concepts>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -46,6 +47,7 @@
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
+#include "meshlib/nn/data/text_windows.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
@@ -145,6 +147,9 @@ class train_state {
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
   /// The type of a device's block of the input batch: rows sharded over the data axes.
   using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
+  /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
+  /// row, the rows `batch * sequence` tokens, sequence-major), rows sharded over the data axes.
+  using ids_type = local_tensor<std::int32_t, 1, Mesh, data_axes, 0, dim_masks<data_axes>, default_memory_space>;
   /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
   /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
   /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
@@ -543,14 +548,49 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
 }  // namespace detail
 
 namespace detail {
+/// The element types a model's input may have: float feature rows, or `std::int32_t` token ids
+/// (one per row; a language model whose first layer is an `embedding`).
+template <class In>
+concept input_element = std::same_as<In, float> || std::same_as<In, std::int32_t>;
+
+/// A device's block of the model input for elements `In`: `State::input_type` (float rows of
+/// `features`) or `State::ids_type` (one token id per row).
+template <class State, input_element In>
+using input_block_t = std::conditional_t<std::is_same_v<In, std::int32_t>, typename State::ids_type,
+                                         typename State::input_type>;
+
+/// Device `dev`'s block of `rows` input rows at `x` (`features` each) as the model takes it: float
+/// rows through `State::input_block` (rounded to the compute type), ids as they are (ids are not
+/// rounded, and the embedding checks their range).
+template <input_element In, class State>
+input_block_t<State, In> make_input_block(State& s, std::size_t dev, const In* x, std::size_t rows, std::size_t features) {
+  using X = input_block_t<State, In>;
+  if constexpr (std::is_same_v<In, std::int32_t>)
+    return X(typename X::view_type(const_cast<std::int32_t*>(x), rows), s.mesh, dev);
+  else
+    return X(typename X::view_type(s.input_block(dev, x, rows * features), rows, features), s.mesh, dev);
+}
+
+/// Throws unless `n` token ids are one per row of `rows`.
+template <class In>
+void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
+  if constexpr (std::is_same_v<In, std::int32_t>)
+    if (n != rows)
+      throw sharding_error("meshlib::nn: " + std::string(what) + ": " + std::to_string(n) + " token ids for " +
+                           std::to_string(rows) + " rows: a model that starts at an embedding takes one id per row "
+                           "(rows = sequences x sequence length, sequence-major)");
+}
+
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
-/// output, checked by the caller) and `y` holding `rows` rows of targets of equal width.
-template <class State, class Target, class Loss, class Backend>
-step_metrics run_train_step(State& s, std::span<const float> x, std::span<const Target> y, std::size_t rows,
+/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
+/// token id per row) and `y` holding `rows` rows of targets of equal width.
+template <class State, input_element In, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
   const std::size_t k = s.options.accumulation;
   check_batch(s, global_rows, k, "train_step");
   check_runner(s, backend, "train_step");
+  check_input_rows<In>(x.size(), rows, "train_step");
   if (rows != 0 && y.size() % rows != 0)
     throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
                          std::to_string(rows) +
@@ -560,7 +600,7 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
   const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = typename State::input_type;
+  using X = input_block_t<State, In>;
   s.model.begin_step(s.key.fold_in(s.step), true);
   std::vector<step_metrics> out(s.mesh.size());
   meshlib::spmd(
@@ -581,8 +621,7 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
-          X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
-               s.mesh, dev);
+          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
           auto logits = s.model.forward(xb);
           using Z = decltype(logits);
           Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
@@ -624,10 +663,33 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
   return r;
 }
 
-/// The model's output type for a train state's input (what a loss receives).
-template <class State>
+/// The model's output type for a train state's input of elements `In` (what a loss receives).
+template <class State, class In = float>
 using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
-    std::declval<const typename State::input_type&>()))>;
+    std::declval<const input_block_t<State, In>&>()))>;
+
+/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
+template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
+step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
+                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = output_of_t<State, In>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                    loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
+                            global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
 }  // namespace detail
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
@@ -666,23 +728,48 @@ template <class State, std::ranges::contiguous_range Targets, class Loss, class 
   requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
 step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
                         std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  using L = std::remove_reference_t<Loss>;
-  using Z = detail::output_of_t<State>;
-  constexpr bool is_loss = loss_function<L, Z>;
-  static_assert(sizeof(detail::loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
-  if constexpr (is_loss) {
-    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
-    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
-    static_assert(sizeof(detail::targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
-                                                                           loss_target_t<L>>) > 0);
-    if constexpr (same)
-      return detail::run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)),
-                                    rows, global_offset, global_rows, loss, backend);
-    else
-      return {};
-  } else {
-    return {};
-  }
+  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief One training step of a model that starts at token ids (a language model whose first
+/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
+/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
+/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
+/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
+/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
+/// gathering them. `m.loss` is the mean loss per token over the global batch.
+/// @code
+/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
+/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
+/// @endcode
+/// @throws sharding_error as the float `train_step`, and when `ids` is not one id per row; (as the
+/// cause of a `device_error`) `std::out_of_range` from the embedding for an id outside its
+/// vocabulary, naming the layer and the vocabulary size, and `sharding_error` from the attention
+/// when a device's rows are not whole sequences.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
+/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
+/// batch global (`b.rows * b.context` tokens, every process holding all of them).
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
+  const std::size_t tokens = b.rows * b.context;
+  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
+                    tokens, backend);
 }
 
 /// @brief `train_step` on a batch from `data_loader`.
@@ -702,15 +789,17 @@ step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& ba
                     std::forward<Loss>(loss), backend);
 }
 
-/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
-/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
-/// Runs on `backend` as `train_step` does.
-/// @throws sharding_error when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
-  detail::check_runner(s, backend, "evaluate");
+namespace detail {
+/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
+/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
+/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
+/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
+/// same collective calls).
+template <class State, input_element In, class Backend>
+step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  check_runner(s, backend, "evaluate");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  using X = typename State::input_type;
   s.model.begin_step(s.key, false);
   std::vector<step_metrics> out(s.mesh.size());
   meshlib::spmd(
@@ -718,24 +807,54 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
       [&](std::size_t dev) {
         const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
         double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < ds.count; start += batch_rows) {
-          const std::size_t len = std::min(batch_rows, ds.count - start);
-          const std::size_t lo = start + len * di / dp, hi = start + len * (di + 1) / dp;
-          X xb(typename X::view_type(s.input_block(dev, ds.x.data() + lo * ds.features, (hi - lo) * ds.features), hi - lo,
-                                     ds.features),
-               s.mesh, dev);
-          auto logits = s.model.forward(xb);
-          const loss_part part = s.loss().forward(logits, std::span<const std::int32_t>(ds.y).subspan(lo, hi - lo), ds.count);
+        for (std::size_t start = 0; start < count; start += batch_rows) {
+          const std::size_t units = std::min(batch_rows, count - start) / group;
+          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+          auto logits = s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
         out[dev].loss = sums[0];
         out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = ds.count;
+        out[dev].rows = count;
       },
       backend);
   return out[s.local_devices().front()];
+}
+}  // namespace detail
+
+/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
+/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
+                              1, batch_rows, backend);
+}
+
+/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
+/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
+/// only, `batch_windows` windows at a time split over the data axis in whole windows.
+/// @code
+/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
+/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
+/// @endcode
+/// @throws sharding_error when `backend` runs other devices than the state holds here, or
+/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
+/// vocabulary).
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
+  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
+  const std::size_t tokens = w.rows * w.context;
+  if (w.inputs.size() != tokens || w.targets.size() != tokens)
+    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
+                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
+                         std::to_string(w.context) + " tokens");
+  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
+                              tokens, w.context, batch_windows * w.context, backend);
 }
 
 }  // namespace meshlib::nn

@@ -1,0 +1,323 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// train_gpt_chars: trains a decoder-only character-level Transformer (a small GPT) on the text of
+// Debian's fortunes (or any text file or directory given by --data) on a (data, model) mesh, (2, 2)
+// by default, then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
+// values (no tokenizer). The network (W = --width, T = --context, L = --layers, H = --heads):
+//
+//   tok    embedding 256 -> W, vocabulary sharded over 'model'     (one psum)
+//   pos    learned positional embedding T x W
+//   h0..   L pre-norm blocks: x + attn(ln1(x)), then + mlp(ln2(.)), H heads and the MLP's 4W
+//          hidden units sharded over 'model' (Megatron: two psums forward, two backward)
+//   ln_f   layer norm
+//   head   tied to tok: logits x E^T, sharded over the vocabulary, never gathered: the
+//          cross-entropy reduces its max and sum-exp over 'model'
+//
+// The batch (--batch windows of T bytes at random places of the training text) is split over
+// 'data'; gradients are averaged over 'data' by train_step. The last 10% of the text (files in name
+// order, concatenated) is held out: the validation loss is in nats per character, next to the
+// count-based unigram and bigram models on the same split.
+//
+//   train_gpt_chars [--mesh 2x2] [--steps 2000] [--batch 16] [--lr 3e-3] ... (--help)
+// A mistake in the options is found before the text is loaded: usage line, message, exit status 2.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include "../common/flagship_options.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct options {
+  std::size_t data = 2, model = 2, steps = 2000, batch = 16, context = 64, layers = 4, heads = 4, width = 128;
+  float lr = 3e-3f, temperature = 0.8f;
+  std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
+  std::uint64_t seed = 0;
+  std::size_t eval_every = 250, eval_windows = 256, generate = 300;
+};
+
+using flagship::usage_error;
+
+constexpr const char* usage_line =
+    "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
+    "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
+    "                       [--prompt TEXT] [--temperature X] [--generate N] [--help]\n";
+
+void usage() {
+  std::cout << usage_line
+            << "  --mesh DxM          (data, model) mesh shape, default 2x2 (4 thread devices: batch split over\n"
+               "                      'data', heads, MLP and vocabulary split over 'model')\n"
+               "  --steps N           training steps, default 2000\n"
+               "  --batch B           windows per step (global), a multiple of D; default 16\n"
+               "  --lr R              peak learning rate (linear warm-up, cosine decay to 10%); default 3e-3\n"
+               "  --context T         characters per window (the model's context); default 64\n"
+               "  --layers L          Transformer blocks; default 4\n"
+               "  --heads H           attention heads, a multiple of M; default 4\n"
+               "  --width W           model width, a multiple of H; default 128 (MLP 4W)\n"
+               "  --eval-every N      validation loss on --eval-windows windows every N steps; default 250\n"
+               "  --eval-windows N    windows of that progress estimate, spread over the held-out text; default 256\n"
+               "                      (the final validation loss reads every held-out window)\n"
+               "  --data PATH         a text file, or a directory whose files without an extension are read in\n"
+               "                      name order; default /usr/share/games/fortunes (Debian's fortunes)\n"
+               "  --seed S            initialisation, batches and sampling; default 0\n"
+               "  --prompt TEXT       the start of the generated text; default \"Q: What is the meaning of life?\\nA: \"\n"
+               "  --temperature X     sampling temperature (lower: more likely characters); default 0.8\n"
+               "  --generate N        characters to generate after training (0: none); default 300\n"
+               "Every check of the options runs before the text is loaded; a mistake exits with status 2.\n";
+}
+
+using flagship::positive_integer;
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw usage_error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") { usage(); std::exit(0); }
+    else if (a == "--mesh") std::tie(o.data, o.model) = flagship::mesh_shape(value(), "2x2");
+    else if (a == "--steps") o.steps = positive_integer(a, value());
+    else if (a == "--batch") o.batch = positive_integer(a, value());
+    else if (a == "--lr") o.lr = flagship::positive_number(a, value());
+    else if (a == "--context") o.context = positive_integer(a, value());
+    else if (a == "--layers") o.layers = positive_integer(a, value());
+    else if (a == "--heads") o.heads = positive_integer(a, value());
+    else if (a == "--width") o.width = positive_integer(a, value());
+    else if (a == "--eval-every") o.eval_every = positive_integer(a, value());
+    else if (a == "--eval-windows") o.eval_windows = positive_integer(a, value());
+    else if (a == "--data") o.data_path = value();
+    else if (a == "--seed") o.seed = flagship::seed_number(a, value());
+    else if (a == "--prompt") o.prompt = value();
+    else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
+    else if (a == "--generate") {
+      const std::string v = value();
+      const auto n = flagship::whole_number(v);
+      if (!n) throw usage_error("--generate wants a non-negative integer, not '" + v + "'");
+      o.generate = *n;
+    } else throw usage_error("unknown option '" + a + "' (see --help)");
+  }
+  // The checks that need no data, in the options' words, before the text is read (the library
+  // would refuse these sizes later, in its own terms).
+  const std::string mesh = "(--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
+  if (o.batch % o.data != 0)
+    throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis " + mesh + ": " +
+                      std::to_string(o.data) + ")");
+  if (o.heads % o.model != 0)
+    throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the model axis " + mesh + ": " +
+                      std::to_string(o.model) + ")");
+  if (256 % o.model != 0)
+    throw usage_error("the vocabulary of 256 bytes is not divisible by the model axis " + mesh + ": " +
+                      std::to_string(o.model) + "); use a model axis of 1, 2, 4, ... 256");
+  if (o.width % o.heads != 0)
+    throw usage_error("--width " + std::to_string(o.width) + " is not divisible by --heads " + std::to_string(o.heads));
+  if (o.width > 4096) throw usage_error("--width " + std::to_string(o.width) + " is too large (at most 4096)");
+  if (o.context > 4096) throw usage_error("--context " + std::to_string(o.context) + " is too large (at most 4096)");
+  if (o.layers > 64) throw usage_error("--layers " + std::to_string(o.layers) + " is too many (at most 64)");
+  if (o.prompt.empty() && o.generate > 0) throw usage_error("--prompt is empty; give at least one character to start from");
+  return o;
+}
+
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+using block_t = meshlib::nn::transformer_block<float, mesh_t>;
+
+/// `L` Transformer blocks chained, a layer of `sequential` like any other (forward, backward,
+/// collect): the number of blocks is a run-time option, while a `sequential`'s layers are types.
+struct block_stack {
+  std::vector<block_t> blocks;
+  [[nodiscard]] std::size_t in_features() const { return blocks.front().in_features(); }
+  [[nodiscard]] std::size_t out_features() const { return blocks.back().out_features(); }
+  template <meshlib::local_tensor_type X>
+  X forward(const X& x) {
+    X h = x;
+    for (auto& b : blocks) h = b.forward(h);
+    return h;
+  }
+  template <meshlib::local_tensor_type DY>
+  DY backward(const DY& dy, bool need_dx = true) {
+    DY g = dy;
+    for (std::size_t i = blocks.size(); i-- > 0;) g = blocks[i].backward(g, i > 0 || need_dx);
+    return g;
+  }
+  void collect(std::vector<meshlib::nn::param_ref<float>>& out) const {
+    for (const auto& b : blocks) b.collect(out);
+  }
+};
+
+/// The network of the file comment.
+auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
+  namespace nn = meshlib::nn;
+  nn::embedding<float, mesh_t> tok(m, "tok", 256, o.width, key);
+  block_stack h;
+  for (std::size_t i = 0; i < o.layers; ++i)
+    h.blocks.emplace_back(m, "h" + std::to_string(i), o.width, o.heads, 4 * o.width, o.context, key);
+  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", o.context, o.width, o.context, key),
+                        std::move(h), nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), nn::tied_head<float, mesh_t>(tok));
+}
+
+/// `count` evaluation windows spread evenly over `text` (the progress estimate: the whole held-out
+/// text would cost as much as dozens of training steps each time).
+meshlib::nn::token_batch spread_windows(std::span<const std::uint8_t> text, std::size_t context, std::size_t count) {
+  const std::size_t total = meshlib::nn::count_windows(text, context);
+  count = std::min(count, total);
+  meshlib::nn::token_batch b{count, context, {}, {}};
+  for (std::size_t k = 0; k < count; ++k) {
+    const auto w = meshlib::nn::tile_windows(text, context, k * total / count, 1);
+    b.inputs.insert(b.inputs.end(), w.inputs.begin(), w.inputs.end());
+    b.targets.insert(b.targets.end(), w.targets.begin(), w.targets.end());
+  }
+  return b;
+}
+
+/// Generates `n` bytes after `prompt`: each from the model's next-byte distribution at temperature
+/// `temperature`, given the last `context` bytes (padded at the end: the causal mask makes the
+/// padding invisible to the position read). Every data replica reads the same window; the device of
+/// data rank 0 of each model group copies its block of the vocabulary's logits out.
+template <class State>
+std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
+  namespace nn = meshlib::nn;
+  using ids_t = typename State::ids_type;
+  constexpr auto model_mask = mesh_t::mask_of<"model">();
+  constexpr auto data_mask = mesh_t::mask_of<"data">();
+  std::string text = o.prompt;
+  std::vector<std::int32_t> window(o.context);
+  std::vector<float> logits(256), p(256);
+  state.model.begin_step(key, false);
+  for (std::size_t k = 0; k < o.generate; ++k) {
+    const std::size_t len = std::min(text.size(), o.context);
+    std::fill(window.begin(), window.end(), std::int32_t{' '});
+    for (std::size_t t = 0; t < len; ++t)
+      window[t] = static_cast<unsigned char>(text[text.size() - len + t]);
+    meshlib::spmd(state.mesh, [&](std::size_t dev) {
+      const ids_t ids(typename ids_t::view_type(window.data(), o.context), state.mesh, dev);
+      const auto z = state.model.forward(ids);
+      if (state.mesh.group_rank(dev, data_mask) != 0) return;
+      const std::size_t c0 = state.mesh.group_rank(dev, model_mask) * z.extent(1);
+      for (std::size_t j = 0; j < z.extent(1); ++j) logits[c0 + j] = z(len - 1, j);
+    });
+    const float mx = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (std::size_t v = 0; v < 256; ++v) sum += (p[v] = std::exp((logits[v] - mx) / o.temperature));
+    double u = nn::uniform(key, k) * sum;
+    std::size_t pick = 255;
+    for (std::size_t v = 0; v < 256; ++v)
+      if ((u -= p[v]) < 0) {
+        pick = v;
+        break;
+      }
+    text.push_back(static_cast<char>(pick));
+  }
+  return text;
+}
+
+int train(const options& o, const meshlib::nn::text_corpus& corpus) {
+  namespace nn = meshlib::nn;
+  const mesh_t mesh{o.data, o.model};
+  const nn::rng_key key{o.seed};
+  const auto split = nn::split_text(corpus, 0.1, o.context + 1);
+  const auto lr = nn::warmup_cosine(o.lr, std::max<std::size_t>(1, o.steps / 20), o.steps, 0.1f);
+  nn::optimizer opt = nn::adamw(lr, 0.01f, 0.9f, 0.99f);
+  opt.clip_norm = 1.0f;
+  nn::train_state state(mesh, gpt(mesh, o, key), opt);
+
+  std::size_t count = 0;
+  for (const auto& p : state.params) {
+    std::size_t n = 1;
+    for (auto e : p.shape) n *= e;
+    count += n;
+  }
+  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu thread devices)\n",
+              o.layers, o.heads, o.width, o.context, mesh.to_string().c_str(), mesh.size());
+  std::printf("  data: %zu bytes from %zu files of %s: %zu training, %zu validation (the last 10%%)\n", corpus.bytes.size(),
+              corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
+  std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
+              "  lr %g warm-up + cosine, gradient clipping at norm 1\n",
+              count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / o.data, opt.name().c_str(),
+              static_cast<double>(o.lr));
+  const double uni = nn::unigram_nats(split.train, split.validation), bi = nn::bigram_nats(split.train, split.validation);
+  std::printf("  baselines on the validation text: unigram %.3f, bigram %.3f nats/char (add-one smoothing); uniform %.3f\n",
+              uni, bi, std::log(256.0));
+  std::fflush(stdout);
+
+  const auto progress = spread_windows(split.validation, o.context, o.eval_windows);
+  const auto start = std::chrono::steady_clock::now();
+  auto since = start;
+  double loss_sum = 0, sync = 0;
+  std::size_t n = 0;
+  for (std::size_t s = 0; s < o.steps; ++s) {
+    const auto m = nn::train_step(state, nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000 + s)));
+    loss_sum += m.loss;
+    sync += m.sync_seconds;
+    ++n;
+    const bool eval = (s + 1) % o.eval_every == 0 && s + 1 < o.steps;
+    if ((s + 1) % 25 == 0 || eval || s + 1 == o.steps) {
+      const auto now = std::chrono::steady_clock::now();
+      const double secs = std::chrono::duration<double>(now - since).count();
+      const double elapsed = std::chrono::duration<double>(now - start).count();
+      std::printf("\r  step %zu/%zu  loss %.4f  lr %.2e  %.0f tokens/s (sync %.0f%%)  [%.0f s]", s + 1, o.steps,
+                  loss_sum / static_cast<double>(n), static_cast<double>(lr(s)),
+                  static_cast<double>(n * o.batch * o.context) / secs, 100.0 * sync / secs, elapsed);
+      if (eval) {
+        const auto v = nn::evaluate(state, progress);
+        std::printf("  validation ~%.4f (%zu windows)\n", v.loss, progress.rows);
+        since = std::chrono::steady_clock::now();
+        loss_sum = sync = 0;
+        n = 0;
+      }
+      std::fflush(stdout);
+    }
+  }
+  const double train_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto all = nn::tile_windows(split.validation, o.context, 0, nn::count_windows(split.validation, o.context));
+  const auto v = nn::evaluate(state, all);
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("\n  validation: %.4f nats/char (%.3f bits), next-character accuracy %.1f%% over %zu characters (%.1f s)\n",
+              v.loss, v.loss / std::log(2.0), 100.0 * static_cast<double>(v.correct) / static_cast<double>(v.rows),
+              v.rows, total_s - train_s);
+  if (o.generate > 0) {
+    const std::string text = generate(state, o, key.fold_in(2'000'000));
+    std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
+                static_cast<unsigned long long>(o.seed), text.c_str());
+  }
+  std::printf("done: %zu steps in %.1f s, validation loss %.4f nats/char (unigram %.3f, bigram %.3f) on %s\n", o.steps,
+              total_s, v.loss, uni, bi, mesh.to_string().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const usage_error& e) {
+    std::cerr << usage_line << "train_gpt_chars: error: " << e.what() << "\n";
+    return 2;
+  }
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  meshlib::nn::text_corpus corpus;
+  try {
+    corpus = meshlib::nn::load_text(o.data_path);
+  } catch (const meshlib::data_error& e) {
+    std::cerr << "train_gpt_chars: " << e.what() << "\n";
+    return 1;
+  }
+  try {
+    return train(o, corpus);
+  } catch (const std::exception& e) {
+    std::cerr << "train_gpt_chars: " << e.what() << "\n";
+    return 1;
+  }
+}
