@@ -104,6 +104,7 @@ struct rng_key {
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -276,6 +277,12 @@ struct param_ref {
   /// (see `parameter::grad_beta`). nullptr for a parameter whose layer always adds: `train_step`
   /// zeroes those.
   std::uint8_t* overwrite = nullptr;
+  /// Moves the parameter's value and gradient blocks to caller-owned memory: device `d`'s blocks
+  /// become unmanaged views of `values[d]` and `grads[d]` (each `count[d]` elements; ignored where
+  /// not local) and the parameter's own storage is released. FSDP (nn/fsdp.hpp) points every
+  /// layer's blocks into one shared buffer this way. Empty for a view that cannot rebind (a shard).
+  /// Valid while the parameter that gave this view stays where it was.
+  std::function<void(std::span<T* const> values, std::span<T* const> grads)> rebind;
 };
 
 namespace detail {
@@ -292,6 +299,37 @@ std::size_t global_index(const param_ref<T>& p, std::size_t dev, std::size_t i) 
 template <class T, class F>
 void for_each_global_run(const param_ref<T>& p, std::size_t dev, std::size_t first, std::size_t len, F&& f) {
   p.layout->for_each_global_run(dev, first, len, std::forward<F>(f));
+}
+}  // namespace detail
+
+namespace detail {
+/// The untyped view of tensor `t` under `name`, without a gradient: what `parameter::ref` starts
+/// from, and how a layer shows the arrays it keeps but does not train (batch norm's running
+/// statistics, PyTorch's buffers, flax's `batch_stats`) to checkpoints.
+template <class T, std::size_t Rank, sharding_type S>
+param_ref<T> tensor_ref(const std::string& name, const sharded_tensor<T, Rank, S>& t) {
+  param_ref<T> r;
+  r.name = name;
+  r.shape.assign(t.global_shape().begin(), t.global_shape().end());
+  r.sharding = t.sharding().to_string();
+  for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
+  r.sharded_axes = S::sharded_axes;
+  r.decay = false;
+  const std::vector<std::size_t> local = t.local_devices();
+  r.layout = std::make_shared<typed_param_layout<S, Rank>>(t.layout(), local);
+  r.count = {r.layout};
+  r.offset = {r.layout, false};
+  r.extent = {r.layout, true};
+  r.value = device_blocks<T>(t.num_devices());
+  for (std::size_t dev : local) r.value.set(dev, t.local(dev).data(), t.local(dev).size());
+  return r;
+}
+
+/// Appends layer `l`'s buffers (arrays it keeps but does not train, see `tensor_ref`) when it has
+/// any (`l.collect_buffers(out)`, PyTorch's `named_buffers`); most layers have none and need not say so.
+template <class L, class T>
+void collect_buffers_of(const L& l, std::vector<param_ref<T>>& out) {
+  if constexpr (requires { l.collect_buffers(out); }) l.collect_buffers(out);
 }
 }  // namespace detail
 
@@ -345,28 +383,33 @@ struct parameter {
     return T{0};
   }
 
+  /// See `param_ref::rebind`.
+  void rebind(std::span<T* const> values, std::span<T* const> grads) {
+    const std::size_t n = value.num_devices();
+    std::vector<typename tensor_type::view_type> vs(n), gs(n);
+    std::vector<bool> local(n, false);
+    for (std::size_t dev = 0; dev < n; ++dev) {
+      if (!value.is_local(dev)) continue;
+      const auto shape = value.layout().local_shape(dev);
+      vs[dev] = std::apply([&](auto... e) { return typename tensor_type::view_type(values[dev], e...); }, shape);
+      gs[dev] = std::apply([&](auto... e) { return typename tensor_type::view_type(grads[dev], e...); }, shape);
+      local[dev] = true;
+    }
+    value = tensor_type(value.sharding(), value.global_shape(), std::move(vs), local);
+    grad = tensor_type(grad.sharding(), grad.global_shape(), std::move(gs), std::move(local));
+  }
+
   /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
   [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
-    param_ref<T> r;
-    r.name = name;
-    r.shape.assign(value.global_shape().begin(), value.global_shape().end());
-    r.sharding = value.sharding().to_string();
-    for (std::size_t d = 0; d < Rank; ++d) r.dims.push_back(S::dim_mask(d));
-    r.sharded_axes = S::sharded_axes;
+    param_ref<T> r = detail::tensor_ref(name, value);
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
-    const std::vector<std::size_t> local = value.local_devices();
-    r.layout = std::make_shared<detail::typed_param_layout<S, Rank>>(value.layout(), local);
-    r.count = {r.layout};
-    r.offset = {r.layout, false};
-    r.extent = {r.layout, true};
-    const std::size_t n = value.num_devices();
-    r.value = detail::device_blocks<T>(n);
-    r.grad = detail::device_blocks<T>(n);
-    for (std::size_t dev : local) {
-      r.value.set(dev, value.local(dev).data(), value.local(dev).size());
-      r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
-    }
+    // The layer's parameters are reached through a const collect; the state that rebinds owns the model.
+    r.rebind = [self = const_cast<parameter*>(this)](std::span<T* const> values, std::span<T* const> grads) {
+      self->rebind(values, grads);
+    };
+    r.grad = detail::device_blocks<T>(value.num_devices());
+    for (std::size_t dev : value.local_devices()) r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     return r;
   }
 
@@ -1149,17 +1192,21 @@ struct relu_fn {
 struct gelu_fn {
   static constexpr fixed_string name = "gelu";
   static constexpr double c = 0.7978845608028654;  // sqrt(2 / pi)
+  // 0.5 (1 + tanh(u)) is the logistic function of 2u: one exp instead of tanh, which glibc
+  // computes through expm1 at several times exp's cost (a third of a GPT step's time was tanhf
+  // and expm1f). Stable at both ends: exp(-2u) overflows to inf (s = 0) or underflows to 0 (s = 1).
   template <class T>
   static T f(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    return T(0.5) * x * (T{1} + std::tanh(u));
+    return x / (T{1} + std::exp(T(-2) * u));
   }
   template <class T>
   static T df(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    const T t = std::tanh(u);
+    const T s = T{1} / (T{1} + std::exp(T(-2) * u));  // 0.5 (1 + tanh(u))
     const T du = static_cast<T>(c) * (T{1} + T(3 * 0.044715) * x * x);
-    return T(0.5) * (T{1} + t) + T(0.5) * x * (T{1} - t * t) * du;
+    // d/dx [x s(2u)] = s + x * 2 s (1 - s) du, since 1 - tanh^2 = 4 s (1 - s).
+    return s + T(2) * x * s * (T{1} - s) * du;
   }
 };
 }  // namespace detail
@@ -1749,7 +1796,11 @@ class positional_embedding {
   /// Sets the tokens per sequence of the next inputs.
   /// @throws sharding_error naming the layer, both sizes and the fix when `s` exceeds the table (or is 0).
   void set_sequence_length(std::size_t s) {
-    if (s == 0 || s > max_length())
+    if (s == 0)
+      throw sharding_error("meshlib::nn: " + name_ + " (positional_embedding of " + std::to_string(max_length()) +
+                           " positions): a sequence length of 0; use sequences of 1 to " +
+                           std::to_string(max_length()) + " tokens");
+    if (s > max_length())
       throw sharding_error("meshlib::nn: " + name_ + " (positional_embedding of " + std::to_string(max_length()) +
                            " positions): a sequence of " + std::to_string(s) + " tokens does not fit its table of " +
                            std::to_string(max_length()) + " positions; use sequences of at most " +
@@ -2608,6 +2659,30 @@ struct conv2d_options {
   bool use_bias = true;     ///< add a learned bias per output channel
 };
 
+/// @brief The shape of the images `conv2d` makes from images of shape `In`, computed at compile
+/// time for sizes that are compile-time constants: a kernel larger than the padded input, or a zero
+/// size, is then one compile error (the instantiation names the sizes) instead of the
+/// `sharding_error` the constructor throws at run time. The same arithmetic as `output_shape()`.
+/// @code
+/// namespace nn = meshlib::nn;
+/// constexpr auto s1 = nn::conv2d_output_shape<nn::image_shape{28, 28, 1}, 16, 3, nn::conv2d_options{.padding = 1}>();
+/// static_assert(s1 == nn::image_shape{28, 28, 16});
+/// @endcode
+template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
+consteval image_shape conv2d_output_shape() {
+  static_assert(Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1,
+                "meshlib::nn: conv2d: kernel, stride, output channels and the image's height, width and channels "
+                "must be at least 1");
+  static_assert(In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel,
+                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
+                "Kernel kernel; use a smaller kernel, pad by more, or remove a pooling layer before it");
+  if constexpr (Kernel >= 1 && O.stride >= 1 && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel)
+    return {(In.height + 2 * O.padding - Kernel) / O.stride + 1, (In.width + 2 * O.padding - Kernel) / O.stride + 1,
+            OutChannels};
+  else
+    return {};
+}
+
 namespace detail {
 /// Whether a layer of images (conv2d, pooling, batch_norm) takes `X`: a complete rank-2 block of
 /// rows with unsharded features, of this mesh and element type.
@@ -3136,7 +3211,10 @@ class global_avg_pool {
 /// updated in training as PyTorch does (`running = (1 - momentum) running + momentum batch`, the
 /// unbiased variance), replace the batch statistics; every device updates its copy with the same
 /// global statistics, so the copies stay equal. They are not trained parameters (optimizers and the
-/// gradient synchronisation do not see them); `running_stats()` reads them.
+/// gradient synchronisation do not see them) but buffers, as PyTorch calls them (flax: the
+/// `batch_stats` collection): `running_mean()` and `running_var()` read them, and `collect_buffers`
+/// shows them, as `name + ".running_mean"` and `name + ".running_var"`, to `save_checkpoint`, which
+/// saves and restores them with the parameters (on any mesh: they are replicated).
 /// @code
 /// meshlib::nn::batch_norm<float, mesh_t> bn(m, "bn1", {28, 28, 16});   // over the 16 channels
 /// // inside spmd: auto y = bn.forward(x);  ...  auto dx = bn.backward(dy);
@@ -3175,9 +3253,8 @@ class batch_norm {
         in_(in),
         momentum_(momentum),
         eps_(eps),
-        running_(make_array_from_callback<T>(
-            std::array<std::size_t, 1>{2 * in.channels}, sharding{mesh},
-            [c = in.channels](const std::array<std::size_t, 1>& i) { return i[0] < c ? T{0} : T{1}; }, local_devices)),
+        running_mean_(full<T>(sharding{mesh}, std::array<std::size_t, 1>{in.channels}, T{0}, local_devices)),
+        running_var_(full<T>(sharding{mesh}, std::array<std::size_t, 1>{in.channels}, T{1}, local_devices)),
         saved_(mesh.size()),
         stats_(mesh.size()),
         st_back_(mesh.size()),
@@ -3208,8 +3285,10 @@ class batch_norm {
   }
   /// Whether the layer normalises with the batch's statistics (training, the default) or the running ones.
   [[nodiscard]] bool training() const noexcept { return train_; }
-  /// The running statistics, replicated: `2 * channels` values, the means then the variances.
-  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_stats() const noexcept { return running_; }
+  /// The running mean per channel (PyTorch's `running_mean`), replicated; initially 0.
+  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_mean() const noexcept { return running_mean_; }
+  /// The running (unbiased) variance per channel (PyTorch's `running_var`), replicated; initially 1.
+  [[nodiscard]] const sharded_tensor<T, 1, sharding>& running_var() const noexcept { return running_var_; }
 
   /// The data axis's mask: the rows must be sharded over exactly it.
   static constexpr axis_mask data_mask = Mesh::template mask_of<Data>();
@@ -3241,7 +3320,8 @@ class batch_norm {
     T* rstd = st + 3 * c;
     const T* xp = x.data();
     const T eps = eps_;
-    T* run = running_.local(dev).data();
+    T* run_mean = running_mean_.local(dev).data();
+    T* run_var = running_var_.local(dev).data();
     if (train_) {
       T* s = st;
       T* q = st + c;
@@ -3255,13 +3335,13 @@ class batch_norm {
         mean[j] = s[j] / count;
         const T var = q[j] / count;
         rstd[j] = T{1} / std::sqrt(var + eps);
-        run[j] = (T{1} - mom) * run[j] + mom * mean[j];
-        run[c + j] = (T{1} - mom) * run[c + j] + mom * var * unbias;
+        run_mean[j] = (T{1} - mom) * run_mean[j] + mom * mean[j];
+        run_var[j] = (T{1} - mom) * run_var[j] + mom * var * unbias;
       });
     } else {
       meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = run[j];
-        rstd[j] = T{1} / std::sqrt(run[c + j] + eps);
+        mean[j] = run_mean[j];
+        rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
       });
     }
     T* xh = xhat_.get(dev, np * c);
@@ -3333,6 +3413,12 @@ class batch_norm {
     out.push_back(g.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }
+  /// Appends the running statistics, `name() + ".running_mean"` and `name() + ".running_var"`
+  /// (`channels()` values each): what checkpoints save beside the parameters.
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    out.push_back(detail::tensor_ref(name_ + ".running_mean", running_mean_));
+    out.push_back(detail::tensor_ref(name_ + ".running_var", running_var_));
+  }
 
  private:
   /// A device's per-channel sums, varying over the data axis until the `psum`.
@@ -3380,7 +3466,7 @@ class batch_norm {
   image_shape in_;
   T momentum_, eps_;
   bool train_ = true;
-  sharded_tensor<T, 1, sharding> running_;
+  sharded_tensor<T, 1, sharding> running_mean_, running_var_;
   std::vector<saved> saved_;
   detail::device_buffers<T> stats_, st_back_, xhat_, out_, dx_;
 };
@@ -3550,6 +3636,11 @@ class residual {
     main.collect(out);
     shortcut.collect(out);
   }
+  /// Appends the main branch's buffers (batch norms' running statistics), then the shortcut's.
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    detail::collect_buffers_of(main, out);
+    detail::collect_buffers_of(shortcut, out);
+  }
 
  private:
   struct shape {
@@ -3633,6 +3724,16 @@ residual<T, Main, Shortcut> make_residual(const Mesh& mesh, Main main, Shortcut 
 namespace meshlib::nn {
 
 namespace detail {
+/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/fsdp.hpp) gathers a
+/// layer's parameters just before it runs and reduce-scatters its gradients just after its backward.
+/// `layer` is the layer's index, `dev` the running device.
+struct layer_hooks {
+  virtual ~layer_hooks() = default;
+  virtual void before_forward(std::size_t layer, std::size_t dev) = 0;
+  virtual void before_backward(std::size_t layer, std::size_t dev) = 0;
+  virtual void after_backward(std::size_t layer, std::size_t dev) = 0;
+};
+
 template <bool Ok, std::size_t Layer, class Input, class Cotangent>
 struct backward_cotangent_type_differs_from_input {
   static_assert(Ok,
@@ -3655,6 +3756,9 @@ class sequential {
   /// Mixed precision: when set (a `train_state` computing in bfloat16 or float16 sets it), every
   /// layer's output and every cotangent is rounded to the compute type in place.
   void (*round_activations)(float*, std::size_t) noexcept = nullptr;
+  /// When set (a `train_state` with FSDP sets it), called around every layer's forward and
+  /// backward; not owned.
+  detail::layer_hooks* hooks = nullptr;
 
   /// Chains `ls` in order: each layer receives the previous layer's output.
   /// @throws sharding_error when a layer's `in_features()` is not the `out_features()` of the last
@@ -3707,6 +3811,20 @@ class sequential {
   template <class T>
   void collect(std::vector<param_ref<T>>& out) const {
     std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
+  }
+  /// Appends every layer's buffers (running statistics: what checkpoints keep beside the
+  /// parameters, see `detail::tensor_ref`) to `out`, in layer order.
+  template <class T>
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    std::apply([&](const auto&... l) { (detail::collect_buffers_of(l, out), ...); }, layers);
+  }
+
+  /// How many parameters each layer appends in `collect`, in layer order (FSDP's units).
+  template <class T>
+  [[nodiscard]] std::vector<std::size_t> params_per_layer() const {
+    std::vector<std::size_t> counts;
+    std::apply([&](const auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
+    return counts;
   }
 
  private:
@@ -3771,6 +3889,7 @@ class sequential {
     if constexpr (I == size) {
       return x;
     } else {
+      if (hooks != nullptr) hooks->before_forward(I, x.device());
       auto y = std::get<I>(layers).forward(x);
       round(y);
       return forward_from<I + 1>(y);
@@ -3780,7 +3899,9 @@ class sequential {
   template <class X, std::size_t I, class DY>
   auto backward_from(const DY& dy, bool need_dx) {
     using in_t = typename input_of<X, I>::type;
+    if (hooks != nullptr) hooks->before_backward(I, dy.device());
     auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
     static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
                                                                             decltype(dx)>) > 0);  // one error, its own
@@ -3792,6 +3913,13 @@ class sequential {
   void round(Y& y) const noexcept {
     if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
       if (round_activations != nullptr) round_activations(y.data(), y.size());
+  }
+
+  template <class T, class L>
+  static std::size_t count_params(const L& l) {
+    std::vector<param_ref<T>> v;
+    l.collect(v);
+    return v.size();
   }
 
   template <class L>
@@ -3839,6 +3967,9 @@ class block_shortcut {
   }
   void collect(std::vector<param_ref<T>>& out) const {
     if (proj_) proj_->collect(out);
+  }
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    if (proj_) proj_->collect_buffers(out);
   }
 
  private:
@@ -3907,6 +4038,8 @@ class basic_block {
   }
   /// Appends the main branch's parameters (conv1, bn1, conv2, bn2), then the projection's.
   void collect(std::vector<param_ref<T>>& out) const { body.collect(out); }
+  /// Appends its batch norms' running statistics (bn1, bn2, then the projection's), for checkpoints.
+  void collect_buffers(std::vector<param_ref<T>>& out) const { body.collect_buffers(out); }
 
  private:
   static main_type make_main(const Mesh& mesh, const std::string& name, image_shape in, std::size_t out_channels,
@@ -5189,6 +5322,349 @@ class grad_sync {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/grad_sync.hpp
+// begin meshlib/nn/fsdp.hpp
+/// @file
+/// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
+/// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
+/// `train_state` whose mesh has the axis (named `fsdp` by default).
+///
+/// Each parameter is *stored* sharded over the fsdp axis on its first dimension, on top of its own
+/// sharding (a `column_dense` weight `P<none, 'model'>` is stored as `P<'fsdp', 'model'>`, a
+/// `row_dense` weight `P<'model', none>` as `P<('model', 'fsdp'), none>`): device `r` of the axis
+/// keeps chunk `r` of its block's rows. The optimizer's state, the float master weights and the
+/// gradients follow the stored shard: the train state's `params` *are* the shards, so the
+/// replicated optimizer, clipping over every shard, and mesh-independent checkpoints work on them
+/// unchanged (a shard's layout is core's block of its parameter, cut along dimension 0).
+///
+/// The layers keep computing on whole blocks: just before a layer runs forward, and again before
+/// its backward, `sequential` calls the hooks here, which all-gather each of its parameters' shards
+/// over the fsdp axis (the public typed `all_gather_into`) into one buffer that every layer shares
+/// (the largest layer's size); just after its backward, its gradients are reduce-scattered
+/// (`psum_scatter_into`) back to the shards, the running shard folded into this device's chunk
+/// first so micro-batches accumulate with no extra buffer. `reshard_after_forward = false` (FSDP2's
+/// option of the same name) gives every layer a buffer of its own, gathered in forward and kept
+/// for backward: one all-gather fewer per layer and step, for the memory of unsharded parameters.
+///
+/// The fsdp axis also splits the batch (it is a data-parallel axis whose replicas hold different
+/// parameter shards): the gradients are pending sums over it, which the reduce-scatter completes;
+/// over the remaining data axes the shards' gradients are all-reduced as in plain data parallelism.
+///
+/// Shards are even: an fsdp axis that does not divide a parameter's first dimension (per device)
+/// is refused at construction with `sharding_error` naming the parameter, its shape, the axis and
+/// its size, and the fix. A model whose layers share a parameter (a tied head) is not supported.
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+/// mesh_t m{2, 2, 2};
+/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), {.fsdp = true});
+/// std::printf("%zu bytes per device\n", state.memory(0).total());
+/// @endcode
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
+struct training_memory {
+  /// Parameter values this device stores (under FSDP its shards); with a 16-bit compute type, plus
+  /// their float master weights.
+  std::size_t parameters = 0;
+  std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
+  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
+  /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
+  /// largest layer's, or every layer's values with `reshard_after_forward = false`).
+  std::size_t unsharded = 0;
+  /// The sum of the four.
+  [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer_state + unsharded; }
+};
+
+namespace detail {
+
+/// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
+template <class Space, class T>
+void add_values(T* to, const T* from, std::size_t n) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
+}
+
+/// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
+/// parent's block along dimension 0 (so elements `[rank * c / shards, (rank + 1) * c / shards)` of
+/// the row-major block of `c` elements). Every position comes from the parent's (core's) block.
+class fsdp_shard_layout final : public param_layout {
+ public:
+  fsdp_shard_layout(std::shared_ptr<const param_layout> parent, const std::vector<std::size_t>& rank,
+                    std::size_t shards)
+      : parent_(std::move(parent)), shards_(shards), first_(rank.size()), offset_(rank.size()), extent_(rank.size()) {
+    for (std::size_t dev = 0; dev < rank.size(); ++dev) {
+      const auto off = parent_->offset(dev), ext = parent_->extent(dev);
+      offset_[dev].assign(off.begin(), off.end());
+      extent_[dev].assign(ext.begin(), ext.end());
+      std::size_t total = 1;
+      for (std::size_t e : ext) total *= e;
+      if (!ext.empty()) {
+        extent_[dev][0] = ext[0] / shards;
+        offset_[dev][0] = off[0] + rank[dev] * extent_[dev][0];
+      }
+      first_[dev] = rank[dev] * (total / shards);
+    }
+  }
+  std::span<const std::size_t> offset(std::size_t dev) const override { return offset_.at(dev); }
+  std::span<const std::size_t> extent(std::size_t dev) const override { return extent_.at(dev); }
+  std::size_t count(std::size_t dev) const override { return parent_->count(dev) / shards_; }
+  std::size_t global_index(std::size_t dev, std::size_t i) const override {
+    return parent_->global_index(dev, first_.at(dev) + i);
+  }
+  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
+    const std::size_t base = first_.at(dev);
+    parent_->for_each_global_run(dev, base + first, len,
+                                 [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
+  }
+  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
+    using view_t = meshlib::detail::block_view_t<float, 1, default_memory_space>;
+    auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
+    held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
+    for (std::size_t dev : devices) {
+      (*owned)[dev] = meshlib::detail::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
+      h.blocks.set(dev, (*owned)[dev].data(), count(dev));
+    }
+    return h;
+  }
+
+ private:
+  std::shared_ptr<const param_layout> parent_;
+  std::size_t shards_;
+  std::vector<std::size_t> first_;
+  std::vector<std::vector<std::size_t>> offset_, extent_;
+};
+
+/// "12x16" for a shape, "scalar" for none.
+inline std::string fsdp_shape_text(std::span<const std::size_t> s) {
+  std::string t;
+  for (std::size_t i = 0; i < s.size(); ++i) t += (i ? "x" : "") + std::to_string(s[i]);
+  return t.empty() ? "scalar" : t;
+}
+
+/// The FSDP machinery of one `train_state` (see the file comment): the shards, the shared buffers,
+/// and the hooks `sequential` calls around each layer. `Axes`: the fsdp axis (a mask of `Mesh`).
+template <mesh_type Mesh, axis_mask Axes>
+class fsdp_engine final : public layer_hooks {
+  using T = float;
+  using Space = default_memory_space;
+
+ public:
+  /// Shards the parameters `full` (every layer's, in layer order; layer `l` holds `per_layer[l]`
+  /// of them) over `Axes`: copies each device's chunk of each block into its shard, then points the
+  /// parameters' blocks into the shared buffers (their own storage is released).
+  /// @throws sharding_error when the axis does not divide a parameter's first dimension.
+  fsdp_engine(const Mesh& mesh, std::vector<param_ref<T>> full, const std::vector<std::size_t>& per_layer,
+              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name)
+      : mesh_(mesh),
+        shards_n_(mesh.axes_size(Axes)),
+        full_(std::move(full)),
+        reshard_(reshard_after_forward),
+        voff_(mesh.size()),
+        goff_(mesh.size()),
+        values_(mesh.size()),
+        grads_(mesh.size()),
+        seconds_(mesh.size(), 0.0),
+        unsharded_(mesh.size(), 0) {
+    unit_begin_.push_back(0);
+    for (std::size_t c : per_layer) unit_begin_.push_back(unit_begin_.back() + c);
+    if (unit_begin_.back() != full_.size())
+      throw sharding_error("meshlib::nn: train_state: FSDP: the model's layers report " +
+                           std::to_string(unit_begin_.back()) + " parameters, but it collects " +
+                           std::to_string(full_.size()));
+    const std::size_t f = shards_n_;
+    for (const auto& p : full_)
+      for (std::size_t dev : local) {
+        const auto ext = p.extent[dev];
+        if (ext.empty() || ext[0] % f != 0)
+          throw sharding_error(
+              "meshlib::nn: train_state: FSDP cannot shard parameter '" + p.name + "' (shape " +
+              fsdp_shape_text(p.shape) + ", " + p.sharding + ") over the " + std::to_string(f) +
+              " devices of the fsdp axis '" + std::string(axis_name) + "': " +
+              (ext.empty() ? std::string("it has no dimension to split")
+                           : "its dimension 0 (" + std::to_string(ext[0]) + " per device) is not divisible by " +
+                                 std::to_string(f)) +
+              "; use an fsdp axis whose size divides " + (ext.empty() ? std::string("1") : std::to_string(ext[0])) +
+              ", or make that dimension a multiple of " + std::to_string(f) + " (e.g. " +
+              std::to_string(ext.empty() ? f : (ext[0] + f - 1) / f * f) + ")");
+      }
+    std::vector<std::size_t> rank(mesh.size());
+    for (std::size_t dev = 0; dev < mesh.size(); ++dev) rank[dev] = mesh.group_rank(dev, Axes);
+    // Buffers: per device, each parameter's place in the value and gradient buffers.
+    for (std::size_t dev : local) {
+      voff_[dev].resize(full_.size());
+      goff_[dev].resize(full_.size());
+      std::size_t vmax = 0, gmax = 0, vall = 0;
+      for (std::size_t u = 0; u + 1 < unit_begin_.size(); ++u) {
+        std::size_t used = 0;
+        for (std::size_t k = unit_begin_[u]; k < unit_begin_[u + 1]; ++k) {
+          voff_[dev][k] = reshard_ ? used : vall + used;
+          goff_[dev][k] = used;
+          used += full_[k].count[dev];
+        }
+        vall += used;
+        vmax = std::max(vmax, used);
+        gmax = std::max(gmax, used);
+      }
+      const std::size_t vn = reshard_ ? vmax : vall;
+      values_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
+      grads_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
+      unsharded_[dev] = vn + gmax;
+    }
+    // The shards, with their layouts; each starts as its chunk of the parameter's current block.
+    for (const auto& p : full_) {
+      param_ref<T> s = p;
+      s.layout = std::make_shared<fsdp_shard_layout>(p.layout, rank, f);
+      s.count = {s.layout};
+      s.offset = {s.layout, false};
+      s.extent = {s.layout, true};
+      if (!s.dims.empty()) s.dims[0] |= Axes;
+      s.sharded_axes |= Axes;
+      s.sharding = stored_sharding(s.dims);
+      s.overwrite = nullptr;
+      s.rebind = {};
+      held_tensor<float> v = s.layout->zeros_like(local), g = s.layout->zeros_like(local);
+      s.value = v.blocks;
+      s.grad = g.blocks;
+      for (std::size_t dev : local)
+        convert_copy<Space>(s.value[dev], p.value[dev] + rank[dev] * s.count[dev], s.count[dev]);
+      owners_.push_back(std::move(v.owner));
+      owners_.push_back(std::move(g.owner));
+      shards_.push_back(std::move(s));
+    }
+    Kokkos::fence();
+    // The layers' blocks move into the shared buffers; their own storage goes.
+    std::vector<T*> vs(mesh.size(), nullptr), gs(mesh.size(), nullptr);
+    for (std::size_t k = 0; k < full_.size(); ++k) {
+      for (std::size_t dev : local) {
+        vs[dev] = values_[dev].data() + voff_[dev][k];
+        gs[dev] = grads_[dev].data() + goff_[dev][k];
+      }
+      if (!full_[k].rebind)
+        throw sharding_error("meshlib::nn: train_state: FSDP: parameter '" + full_[k].name +
+                             "' cannot be moved into the gather buffers (its layer's collect gives a view without "
+                             "rebind); FSDP needs parameters made as meshlib::nn::parameter");
+      full_[k].rebind(vs, gs);
+      for (std::size_t dev : local) {
+        full_[k].value.set(dev, vs[dev], full_[k].count[dev]);
+        full_[k].grad.set(dev, gs[dev], full_[k].count[dev]);
+      }
+    }
+  }
+
+  /// The stored shards, in the order of the parameters: what the train state optimizes and saves.
+  [[nodiscard]] const std::vector<param_ref<T>>& shards() const noexcept { return shards_; }
+  /// Elements of device `dev`'s gather buffers (values and gradients).
+  [[nodiscard]] std::size_t unsharded_elements(std::size_t dev) const { return unsharded_.at(dev); }
+  /// Seconds device `dev` spent in FSDP's collectives since the last call (then reset).
+  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
+
+  void before_forward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void before_backward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
+      if (reshard_) gather(k, dev);
+      // The shared gradient buffer holds another layer's gradients: this backward overwrites it
+      // (a layer that announces grad_beta), or adds to zeros.
+      const param_ref<T>& p = full_[k];
+      if (p.overwrite) p.overwrite[dev] = 1;
+      else fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
+    }
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void after_backward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
+      const param_ref<T>& p = full_[k];
+      if (p.overwrite && p.overwrite[dev]) {  // the backward did not write it: no gradient
+        fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
+        p.overwrite[dev] = 0;
+      }
+      scatter(k, dev);
+    }
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  /// How a shard is laid out, as `named_sharding` prints it: `dims` per dimension, the parameter's
+  /// own axes (in mesh order) then, on dimension 0, the fsdp axis (minor: a chunk of the block).
+  std::string stored_sharding(const std::vector<axis_mask>& dims) const {
+    std::string t = "named_sharding(" + mesh_.to_string() + ", P<";
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      std::vector<std::string_view> names;
+      for (std::size_t i = 0; i < Mesh::ndim; ++i)
+        if ((dims[d] & ~(d == 0 ? Axes : axis_mask{0})) & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      if (d == 0)
+        for (std::size_t i = 0; i < Mesh::ndim; ++i)
+          if (Axes & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      std::string e = names.empty() ? "none" : names.size() == 1 ? "" : "axes(";
+      for (std::size_t i = 0; i < names.size(); ++i) e += (i ? ", \"" : "\"") + std::string(names[i]) + "\"";
+      if (names.size() > 1) e += ")";
+      t += (d ? ", " : "") + e;
+    }
+    return t + ">)";
+  }
+  /// Parameter `k`'s whole block on `dev` from the shards: the typed all-gather over `Axes`.
+  void gather(std::size_t k, std::size_t dev) {
+    const std::size_t s = shards_[k].count[dev];
+    T* out = full_[k].value[dev];
+    T* in = shards_[k].value[dev];
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        // The shard varies over every axis; gathered over the fsdp axis, the block no longer varies over it.
+        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+        (void)meshlib::all_gather_into<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
+                                                                 wrap1<slice_t>(out, s * shards_n_, mesh_, dev));
+        return;
+      }
+    }
+    convert_copy<Space>(out, in, s);
+  }
+  /// Parameter `k`'s gradient block on `dev` (a pending sum over `Axes`: its rows were this device's
+  /// batch) reduce-scattered into its shard's gradient, which it adds to.
+  void scatter(std::size_t k, std::size_t dev) {
+    const std::size_t s = shards_[k].count[dev], r = mesh_.group_rank(dev, Axes);
+    T* g = full_[k].grad[dev];
+    T* shard = shards_[k].grad[dev];
+    add_values<Space>(g + r * s, shard, s);  // the running sum rides in this device's chunk
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        using B = local_tensor<T, 1, Mesh, Mesh::all_axes & ~Axes, Axes>;
+        (void)meshlib::psum_scatter_into<group_of_t<Mesh, Axes>, 0>(wrap1<B>(g, s * shards_n_, mesh_, dev),
+                                                                   wrap1<B>(shard, s, mesh_, dev));
+        return;
+      }
+    }
+    convert_copy<Space>(shard, g, s);
+  }
+
+  Mesh mesh_;
+  std::size_t shards_n_;
+  std::vector<param_ref<T>> full_, shards_;
+  std::vector<std::shared_ptr<const void>> owners_;
+  std::vector<std::size_t> unit_begin_;
+  bool reshard_;
+  std::vector<std::vector<std::size_t>> voff_, goff_;
+  std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
+  std::vector<double> seconds_;
+  std::vector<std::size_t> unsharded_;
+};
+
+}  // namespace detail
+}  // namespace meshlib::nn
+// end meshlib/nn/fsdp.hpp
 // begin meshlib/nn/data.hpp
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
@@ -6168,8 +6644,9 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
 /// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
 /// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
-/// clipping over every shard, and the optimizer update (replicated, or ZeRO-1 sharded over the data
-/// axis), all on every device of the mesh at once.
+/// clipping over every shard, and the optimizer update (replicated, ZeRO-1 sharded over the data
+/// axis, or FSDP: parameters, gradients and state sharded over an fsdp axis, nn/fsdp.hpp), all on
+/// every device of the mesh at once.
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
@@ -6189,6 +6666,7 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <concepts>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -6206,6 +6684,12 @@ namespace meshlib::nn {
 struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
   bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
+  /// axis, each layer's parameters all-gathered just before it runs (nn/fsdp.hpp).
+  bool fsdp = false;
+  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
+  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
   std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
   /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
   /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
@@ -6216,12 +6700,6 @@ struct train_options {
 };
 
 namespace detail {
-/// `P<Data>`: rows sharded over the data axis.
-template <fixed_string Data>
-struct rows_spec {
-  using type = P<dim_spec(Data.chars)>;
-};
-
 /// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
 /// public donated `psum`, in `v` itself (a host-memory value that differs over every axis); every
 /// device of the group gets the totals. Runs on device `dev` inside `spmd`.
@@ -6251,7 +6729,7 @@ struct step_metrics {
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
-          compute_precision Compute = float>
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp">
 class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
@@ -6268,10 +6746,25 @@ class train_state {
   using mesh_type = Mesh;
   /// The network's type.
   using model_type = Model;
-  /// The mesh axes of `Data`, over which gradients are averaged.
-  static constexpr axis_mask data_axes = Mesh::template mask_of<Data>();
-  /// The type of a device's block of the input batch: rows sharded over `Data`.
-  using input_type = entry_local_t<T, 2, named_sharding<Mesh, typename detail::rows_spec<Data>::type>>;
+  /// The mesh's fsdp axis `Fsdp` (0 when it has none): FSDP shards parameters over it, and it
+  /// splits the batch as a data axis does.
+  static constexpr axis_mask fsdp_axes = [] {
+    if constexpr (Mesh::template has_axis<Fsdp>) return Mesh::template mask_of<Fsdp>();
+    else return axis_mask{0};
+  }();
+  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and the fsdp
+  /// axis (a mesh with an fsdp axis need not have `Data`).
+  static constexpr axis_mask data_axes = [] {
+    if constexpr (fsdp_axes != 0 && !Mesh::template has_axis<Data>) return fsdp_axes;
+    else return Mesh::template mask_of<Data>() | fsdp_axes;
+  }();
+  /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
+  static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
+  /// The type of a device's block of the input batch: rows sharded over the data axes.
+  using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
+  /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
+  /// row, the rows `batch * sequence` tokens, sequence-major), rows sharded over the data axes.
+  using ids_type = local_tensor<std::int32_t, 1, Mesh, data_axes, 0, dim_masks<data_axes>, default_memory_space>;
   /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
   /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
   /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
@@ -6325,6 +6818,7 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    if (options.fsdp) shard_parameters();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -6420,6 +6914,18 @@ class train_state {
     if (options.zero) return zero_state_.at(dev).size();
     return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
   }
+  /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
+  /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
+  [[nodiscard]] training_memory memory(std::size_t dev) const {
+    training_memory m;
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return m;
+    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+    m.parameters = n * sizeof(T) * (mixed ? 2 : 1);
+    m.gradients = n * sizeof(T);
+    m.optimizer_state = optimizer_state_size(dev) * sizeof(float);
+    if (fsdp_) m.unsharded = fsdp_->unsharded_elements(dev) * sizeof(T);
+    return m;
+  }
   /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
   /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
   /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
@@ -6479,8 +6985,11 @@ class train_state {
     const std::size_t dp = mesh.axes_size(data_axes);
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
-      const std::vector<T*>& g = sync_.template all_reduce<data_axes>(params, mesh, dev);
+      // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
+      const std::vector<T*>& g = fsdp_ ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
+                                       : sync_.template all_reduce<data_axes>(params, mesh, dev);
       sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
@@ -6544,6 +7053,29 @@ class train_state {
   }
 
  private:
+  /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
+  void shard_parameters() {
+    if constexpr (fsdp_axes == 0) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                           std::string(Fsdp.view()) + "' to shard the parameters over; the mesh is " +
+                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
+                           std::string(Fsdp.view()) + "\">, axis<\"model\">>)");
+    } else if constexpr (!requires(Model& net) {
+                           net.hooks;
+                           net.template params_per_layer<T>();
+                         }) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+    } else {
+      if (options.zero)
+        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                             "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
+      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
+                                                                      local_, options.reshard_after_forward, Fsdp.view());
+      params = fsdp_->shards();
+      model.hooks = fsdp_.get();
+    }
+  }
   /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
@@ -6597,6 +7129,8 @@ class train_state {
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;
+  /// FSDP's shards, buffers and layer hooks (null without FSDP); shared by copies of the state.
+  std::shared_ptr<detail::fsdp_engine<Mesh, fsdp_axes>> fsdp_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -6629,14 +7163,49 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
 }  // namespace detail
 
 namespace detail {
+/// The element types a model's input may have: float feature rows, or `std::int32_t` token ids
+/// (one per row; a language model whose first layer is an `embedding`).
+template <class In>
+concept input_element = std::same_as<In, float> || std::same_as<In, std::int32_t>;
+
+/// A device's block of the model input for elements `In`: `State::input_type` (float rows of
+/// `features`) or `State::ids_type` (one token id per row).
+template <class State, input_element In>
+using input_block_t = std::conditional_t<std::is_same_v<In, std::int32_t>, typename State::ids_type,
+                                         typename State::input_type>;
+
+/// Device `dev`'s block of `rows` input rows at `x` (`features` each) as the model takes it: float
+/// rows through `State::input_block` (rounded to the compute type), ids as they are (ids are not
+/// rounded, and the embedding checks their range).
+template <input_element In, class State>
+input_block_t<State, In> make_input_block(State& s, std::size_t dev, const In* x, std::size_t rows, std::size_t features) {
+  using X = input_block_t<State, In>;
+  if constexpr (std::is_same_v<In, std::int32_t>)
+    return X(typename X::view_type(const_cast<std::int32_t*>(x), rows), s.mesh, dev);
+  else
+    return X(typename X::view_type(s.input_block(dev, x, rows * features), rows, features), s.mesh, dev);
+}
+
+/// Throws unless `n` token ids are one per row of `rows`.
+template <class In>
+void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
+  if constexpr (std::is_same_v<In, std::int32_t>)
+    if (n != rows)
+      throw sharding_error("meshlib::nn: " + std::string(what) + ": " + std::to_string(n) + " token ids for " +
+                           std::to_string(rows) + " rows: a model that starts at an embedding takes one id per row "
+                           "(rows = sequences x sequence length, sequence-major)");
+}
+
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
-/// output, checked by the caller) and `y` holding `rows` rows of targets of equal width.
-template <class State, class Target, class Loss, class Backend>
-step_metrics run_train_step(State& s, std::span<const float> x, std::span<const Target> y, std::size_t rows,
+/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
+/// token id per row) and `y` holding `rows` rows of targets of equal width.
+template <class State, input_element In, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
   const std::size_t k = s.options.accumulation;
   check_batch(s, global_rows, k, "train_step");
   check_runner(s, backend, "train_step");
+  check_input_rows<In>(x.size(), rows, "train_step");
   if (rows != 0 && y.size() % rows != 0)
     throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
                          std::to_string(rows) +
@@ -6646,7 +7215,7 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
   const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = typename State::input_type;
+  using X = input_block_t<State, In>;
   s.model.begin_step(s.key.fold_in(s.step), true);
   std::vector<step_metrics> out(s.mesh.size());
   meshlib::spmd(
@@ -6667,8 +7236,7 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
         double sums[2] = {0, 0};
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
-          X xb(typename X::view_type(s.input_block(dev, x.data() + r0 * features, micro * features), micro, features),
-               s.mesh, dev);
+          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
           auto logits = s.model.forward(xb);
           using Z = decltype(logits);
           Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
@@ -6710,10 +7278,33 @@ step_metrics run_train_step(State& s, std::span<const float> x, std::span<const 
   return r;
 }
 
-/// The model's output type for a train state's input (what a loss receives).
-template <class State>
+/// The model's output type for a train state's input of elements `In` (what a loss receives).
+template <class State, class In = float>
 using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
-    std::declval<const typename State::input_type&>()))>;
+    std::declval<const input_block_t<State, In>&>()))>;
+
+/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
+template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
+step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
+                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = output_of_t<State, In>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                    loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
+                            global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
 }  // namespace detail
 
 /// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
@@ -6752,23 +7343,48 @@ template <class State, std::ranges::contiguous_range Targets, class Loss, class 
   requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
 step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
                         std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  using L = std::remove_reference_t<Loss>;
-  using Z = detail::output_of_t<State>;
-  constexpr bool is_loss = loss_function<L, Z>;
-  static_assert(sizeof(detail::loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
-  if constexpr (is_loss) {
-    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
-    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
-    static_assert(sizeof(detail::targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
-                                                                           loss_target_t<L>>) > 0);
-    if constexpr (same)
-      return detail::run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)),
-                                    rows, global_offset, global_rows, loss, backend);
-    else
-      return {};
-  } else {
-    return {};
-  }
+  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief One training step of a model that starts at token ids (a language model whose first
+/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
+/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
+/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
+/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
+/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
+/// gathering them. `m.loss` is the mean loss per token over the global batch.
+/// @code
+/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
+/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
+/// @endcode
+/// @throws sharding_error as the float `train_step`, and when `ids` is not one id per row; (as the
+/// cause of a `device_error`) `std::out_of_range` from the embedding for an id outside its
+/// vocabulary, naming the layer and the vocabulary size, and `sharding_error` from the attention
+/// when a device's rows are not whole sequences.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
+/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
+/// batch global (`b.rows * b.context` tokens, every process holding all of them).
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
+  const std::size_t tokens = b.rows * b.context;
+  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
+                    tokens, backend);
 }
 
 /// @brief `train_step` on a batch from `data_loader`.
@@ -6788,15 +7404,17 @@ step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& ba
                     std::forward<Loss>(loss), backend);
 }
 
-/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
-/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
-/// Runs on `backend` as `train_step` does.
-/// @throws sharding_error when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
-  detail::check_runner(s, backend, "evaluate");
+namespace detail {
+/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
+/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
+/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
+/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
+/// same collective calls).
+template <class State, input_element In, class Backend>
+step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  check_runner(s, backend, "evaluate");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  using X = typename State::input_type;
   s.model.begin_step(s.key, false);
   std::vector<step_metrics> out(s.mesh.size());
   meshlib::spmd(
@@ -6804,24 +7422,54 @@ step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000
       [&](std::size_t dev) {
         const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
         double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < ds.count; start += batch_rows) {
-          const std::size_t len = std::min(batch_rows, ds.count - start);
-          const std::size_t lo = start + len * di / dp, hi = start + len * (di + 1) / dp;
-          X xb(typename X::view_type(s.input_block(dev, ds.x.data() + lo * ds.features, (hi - lo) * ds.features), hi - lo,
-                                     ds.features),
-               s.mesh, dev);
-          auto logits = s.model.forward(xb);
-          const loss_part part = s.loss().forward(logits, std::span<const std::int32_t>(ds.y).subspan(lo, hi - lo), ds.count);
+        for (std::size_t start = 0; start < count; start += batch_rows) {
+          const std::size_t units = std::min(batch_rows, count - start) / group;
+          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+          auto logits = s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        detail::sum_over<State::data_axes>(s.mesh, dev, sums);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
         out[dev].loss = sums[0];
         out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = ds.count;
+        out[dev].rows = count;
       },
       backend);
   return out[s.local_devices().front()];
+}
+}  // namespace detail
+
+/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
+/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
+                              1, batch_rows, backend);
+}
+
+/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
+/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
+/// only, `batch_windows` windows at a time split over the data axis in whole windows.
+/// @code
+/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
+/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
+/// @endcode
+/// @throws sharding_error when `backend` runs other devices than the state holds here, or
+/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
+/// vocabulary).
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
+  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
+  const std::size_t tokens = w.rows * w.context;
+  if (w.inputs.size() != tokens || w.targets.size() != tokens)
+    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
+                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
+                         std::to_string(w.context) + " tokens");
+  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
+                              tokens, w.context, batch_windows * w.context, backend);
 }
 
 }  // namespace meshlib::nn
@@ -6911,10 +7559,12 @@ std::vector<param_array> params(const State& state) {
 ///     dir/meshlib-checkpoint    marks the directory as meshlib's (written first; only its name counts)
 ///     dir/index                 the current checkpoint, text: format, generation G, step, key,
 ///                               optimizer, one line per parameter (name, dtype, global shape, the
-///                               FNV-1a checksums of its files, sharding), then the checksum of
+///                               FNV-1a checksums of its files, sharding), then (only for a
+///                               model that has any) one line per buffer, then the checksum of
 ///                               every byte above it
-///     dir/<name>.g<G>.bin       the parameter's global array, row-major float32, filled from the
-///                               blocks of the devices that own them (a replicated block once)
+///     dir/<name>.g<G>.bin       the parameter's (or buffer's) global array, row-major float32,
+///                               filled from the blocks of the devices that own them (a
+///                               replicated block once)
 ///     dir/<name>.g<G>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
 ///     dir/pending               while a save runs: the files it creates (its own checksum)
 ///
@@ -6932,6 +7582,14 @@ std::vector<param_array> params(const State& state) {
 /// is not meshlib's (no `meshlib-checkpoint` marker and no meshlib `index`), and in its own
 /// directory it removes only files it names itself: those of an index it wrote, and those of the
 /// journal of a save that did not finish. Files you add to a checkpoint directory stay.
+///
+/// Buffers: the arrays a layer keeps but does not train, `batch_norm`'s running mean and variance
+/// (PyTorch's buffers, flax's `batch_stats` collection), which evaluation uses. The model shows them
+/// through `collect_buffers` (`detail::collect_buffers_of`); they are saved and restored as the
+/// parameters are (resharded, checksummed), without optimizer state. An index written before buffers
+/// were saved, or by a model without any, has no buffer lines: restoring it leaves the model's
+/// buffers as they are (the parameters, step and key are restored). A checkpoint whose buffers differ
+/// from the model's (names, count, shapes) is refused, naming the buffer and its layer.
 ///
 /// Why every byte is verified: restore reads the index whole and checks its last line, the
 /// FNV-1a checksum of everything before it, before believing any field (step, key, optimizer,
@@ -6974,6 +7632,7 @@ std::vector<param_array> params(const State& state) {
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -7189,6 +7848,7 @@ struct index_file {
   std::uint64_t key = 0;
   std::string optimizer;
   std::vector<param> params;
+  std::vector<param> buffers;  ///< no optimizer slots: `sums` holds the value's only
 
   /// Every data file it names.
   [[nodiscard]] std::vector<std::string> files() const {
@@ -7197,6 +7857,7 @@ struct index_file {
       out.push_back(data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) out.push_back(data_file(p.name, generation, s));
     }
+    for (const auto& b : buffers) out.push_back(data_file(b.name, generation));
     return out;
   }
 };
@@ -7237,6 +7898,19 @@ inline index_file parse_index(const std::filesystem::path& path, std::string_vie
     if (!(in >> word) || word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
     std::getline(in, p.sharding);
     idx.params.push_back(std::move(p));
+  }
+  // Buffers (running statistics): a section only a model that has some writes.
+  if (in >> word) {
+    if (word != "buffers" || !(in >> count)) throw bad("malformed line after the parameters");
+    for (std::size_t i = 0; i < count; ++i) {
+      index_file::param b;
+      b.sums.resize(1);
+      if (!(in >> word >> b.name >> b.dtype >> b.shape >> b.sums[0]) || word != "buffer")
+        throw bad("malformed line for buffer " + std::to_string(i));
+      if (!(in >> word) || word != "sharding") throw bad("malformed line for buffer '" + b.name + "'");
+      std::getline(in, b.sharding);
+      idx.buffers.push_back(std::move(b));
+    }
   }
   return idx;
 }
@@ -7378,14 +8052,14 @@ distributed::process_exchange& exchange_for(const State& state, distributed::pro
 
 /// Reads `path` (expected `count` floats with checksum `sum`) for parameter `param`.
 inline std::vector<float> read_file(const std::filesystem::path& path, std::size_t count, std::uint64_t sum,
-                                    const std::string& param) {
+                                    const std::string& param, const char* kind = "parameter") {
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
   if (ec)
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') is missing");
   if (size != count * sizeof(float))
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param + "') has " +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param + "') has " +
                            std::to_string(size) + " bytes, expected " + std::to_string(count * sizeof(float)) +
                            " (" + std::to_string(count) + " float32): truncated or not this checkpoint's file");
   std::vector<float> data(count);
@@ -7393,9 +8067,47 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
   if (fnv1a(reinterpret_cast<const char*>(data.data()), size) != sum)
-    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (parameter '" + param +
+    throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;
+}
+
+/// The buffers of `state`'s model (running statistics; none for most models), in layer order.
+template <class State>
+auto model_buffers(State& state) {
+  std::remove_cvref_t<decltype(state.params)> out;
+  collect_buffers_of(state.model, out);
+  return out;
+}
+
+/// The layer a parameter or buffer belongs to: its name up to the last dot (`"b1.bn2"` for
+/// `"b1.bn2.running_mean"`).
+inline std::string layer_of(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(0, dot);
+}
+
+/// Throws unless the model's buffers (names, count, shapes) are the ones checkpoint `idx` holds;
+/// `bad` makes the error (it prefixes the index's path).
+template <class Ref, class Bad>
+void check_buffers(const index_file& idx, const std::vector<Ref>& buffers, Bad&& bad) {
+  const auto of = [](const std::string& n) { return "'" + n + "' (running statistics of layer '" + layer_of(n) + "')"; };
+  const std::string other = ": a checkpoint of another model; restore into the model it was saved from";
+  for (std::size_t i = 0; i < std::max(idx.buffers.size(), buffers.size()); ++i) {
+    if (i >= buffers.size())
+      throw bad("holds the buffer " + of(idx.buffers[i].name) + ", which the model does not have" + other);
+    if (i >= idx.buffers.size())
+      throw bad("holds " + std::to_string(idx.buffers.size()) + " buffers and not the model's buffer " +
+                of(buffers[i].name) + other);
+    const auto& saved = idx.buffers[i];
+    const auto& b = buffers[i];
+    if (saved.name != b.name)
+      throw bad("buffer " + std::to_string(i) + " is " + of(saved.name) + ", the model's is " + of(b.name) + other);
+    if (saved.dtype != "float32") throw bad("buffer '" + saved.name + "' has dtype " + saved.dtype + ", expected float32");
+    if (saved.shape != shape_text(b.shape))
+      throw bad("buffer " + of(saved.name) + " has shape " + saved.shape + " in the checkpoint, the model's is " +
+                shape_text(b.shape) + ": declare layer '" + layer_of(b.name) + "' with the size it was saved with");
+  }
 }
 
 /// Throws unless `name` can be a file name in the checkpoint (and a word of the index).
@@ -7423,6 +8135,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   const bool first = ex.rank() == 0;
   const detail::save_io io(dir);
   const std::size_t slots = state.opt.slots();
+  const auto buffers = detail::model_buffers(state);
   std::size_t generation = 0;
   detail::save_journal journal;
   const auto value_file = [&](const param_ref<float>& p) { return dir / detail::data_file(p.name, generation); };
@@ -7434,6 +8147,14 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   detail::agreed_phase(ex, "save_checkpoint", [&] {
     if (!first) return;
     for (const auto& p : state.params) detail::check_param_name(p.name);
+    for (const auto& b : buffers) {
+      detail::check_param_name(b.name);
+      for (const auto& p : state.params)
+        if (p.name == b.name)
+          throw checkpoint_error("meshlib::nn: save_checkpoint: the buffer '" + b.name + "' of layer '" +
+                                 detail::layer_of(b.name) + "' has the name of a parameter, so both would be one file; "
+                                 "give the layers distinct names");
+    }
     std::error_code ec;
     const auto status = fs::status(dir, ec);
     if (ec && ec != std::errc::no_such_file_or_directory)
@@ -7480,6 +8201,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       journal.fresh.push_back(detail::data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) journal.fresh.push_back(detail::data_file(p.name, generation, s));
     }
+    for (const auto& b : buffers) journal.fresh.push_back(detail::data_file(b.name, generation));
     journal.stale = current;  // and what could not be removed yet: this journal keeps track of it
     journal.stale.insert(journal.stale.end(), left.begin(), left.end());
     detail::write_whole(io, dir / "pending", journal.text());
@@ -7489,6 +8211,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file(io, value_file(p), true, bytes).finish(false);
       for (std::size_t s = 0; s < slots; ++s) detail::out_file(io, opt_file(p, s), true, bytes).finish(false);
     }
+    for (const auto& b : buffers)
+      detail::out_file(io, value_file(b), true, detail::product(b.shape) * sizeof(float)).finish(false);
   });
   if (ex.size() > 1) generation = std::stoull(ex.all_gather(first ? std::to_string(generation) : "")[0]);
   // 2. Every process: the blocks its devices own, at their places, synced. A block replicated over
@@ -7506,6 +8230,15 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
+      out.finish();
+    }
+    for (const auto& b : buffers) {  // as the parameters' values
+      detail::out_file out(io, value_file(b), false);
+      for (std::size_t dev : state.local_devices())
+        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0)
+          detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+            put(out, g, b.value[dev] + k, n);
+          });
       out.finish();
     }
     std::vector<detail::out_file> opt;
@@ -7537,6 +8270,10 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
       index << " sharding " << p.sharding << "\n";
     }
+    if (!buffers.empty()) index << "buffers " << buffers.size() << "\n";
+    for (const auto& b : buffers)
+      index << "buffer " << b.name << " float32 " << detail::shape_text(b.shape) << " "
+            << detail::checksum_of(value_file(b), detail::product(b.shape)) << " sharding " << b.sharding << "\n";
     std::string text = index.str();
     text += detail::checksum_line(text);
     detail::write_whole(io, dir / "index.tmp", text);
@@ -7568,12 +8305,15 @@ void save_checkpoint(const std::filesystem::path& dir, State& state) {
 /// this; `ex` connects them (ignored for a state that holds every device).
 /// @throws checkpoint_error (the state is unchanged, on every process) for a missing, truncated,
 /// edited or corrupted file (every byte of the index and of the data files is checksummed), or a
-/// checkpoint of another model (parameter names or shapes) or optimizer.
+/// checkpoint of another model (parameter or buffer names or shapes) or optimizer. A checkpoint
+/// without buffers (see the file comment) leaves the model's running statistics as they are.
 template <class State>
 void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
   const std::size_t count = state.params.size(), slots = state.opt.slots();
   std::vector<std::vector<float>> values(count), opt(count * slots);
+  const auto buffers = detail::model_buffers(state);
+  std::vector<std::vector<float>> buffer_values;  // empty: the checkpoint has none (left as they are)
   std::size_t step = 0;
   std::uint64_t key = 0;
   detail::agreed_phase(ex, "restore_checkpoint", [&] {
@@ -7615,6 +8355,13 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
         opt[i * slots + s] =
             detail::read_file(dir / detail::data_file(p.name, idx.generation, s), n, saved.sums[1 + s], p.name);
     }
+    if (!idx.buffers.empty()) {
+      detail::check_buffers(idx, buffers, bad);
+      for (std::size_t i = 0; i < buffers.size(); ++i)
+        buffer_values.push_back(detail::read_file(dir / detail::data_file(buffers[i].name, idx.generation),
+                                                  detail::product(buffers[i].shape), idx.buffers[i].sums[0],
+                                                  buffers[i].name, "buffer"));
+    }
     step = idx.step;
     key = idx.key;
   });
@@ -7627,6 +8374,13 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
         std::copy_n(values[i].data() + g, n, v + k);
       });
     }
+  }
+  for (std::size_t i = 0; i < buffer_values.size(); ++i) {
+    const auto& b = buffers[i];
+    for (std::size_t dev : state.local_devices())
+      detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+        std::copy_n(buffer_values[i].data() + g, n, b.value[dev] + k);
+      });
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
