@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared by comm_bench (thread communicator) and mpi_bench (OpenMPI): the operations, the sizes,
-// the iteration counts and the row format, so that both programs measure the same thing.
+// the iteration counts and the row format, so that both programs measure the same thing; and what
+// every benchmark reports beside its table (the load average).
 #pragma once
 
 #include <algorithm>
@@ -106,6 +107,17 @@ inline std::size_t parse_size(const std::string& s) {
 
 inline bool selected(const std::string& list, std::string_view op) {
   return list == "all" || ("," + list + ",").find("," + std::string(op) + ",") != std::string::npos;
+}
+
+/// The 1-minute load average (-1 where /proc/loadavg cannot be read): printed with every table, since
+/// a loaded machine makes any figure meaningless.
+inline double load_average() {
+  double load = -1;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &load) != 1) load = -1;
+    std::fclose(f);
+  }
+  return load;
 }
 
 }  // namespace bench

@@ -121,15 +121,6 @@ double time_sgemm(std::size_t m, std::size_t k, std::size_t n, int reps, int bat
   return best;
 }
 
-double load_average() {
-  double load = -1;
-  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
-    if (std::fscanf(f, "%lf", &load) != 1) load = -1;
-    std::fclose(f);
-  }
-  return load;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,7 +139,7 @@ int main(int argc, char** argv) {
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("resnet_bench: the flagship's ResNet (W = %zu), Adam, batch %zu, %zu timed steps, best of %zu "
               "interleaved rounds; OPENBLAS_CORETYPE=%s; load average %.1f\n\n",
-              w, batch, steps, rounds, core ? core : "(unset)", load_average());
+              w, batch, steps, rounds, core ? core : "(unset)", bench::load_average());
   std::printf("| mesh (data, model) | samples/s | vs 1 device | sync share |\n| --- | --- | --- | --- |\n");
   std::vector<std::pair<std::size_t, std::size_t>> meshes{{1, 1}, {2, 1}, {1, 2}, {2, 2}};
   std::vector<step_result> best(meshes.size());
@@ -192,6 +183,6 @@ int main(int argc, char** argv) {
                 flop / gemm_t / 1e9, ratio, ratio >= 0.8 ? "met" : "not met");
     std::fflush(stdout);
   }
-  std::printf("\nload average at the end: %.1f\n", load_average());
+  std::printf("\nload average at the end: %.1f\n", bench::load_average());
   return 0;
 }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "handwritten_mlp.hpp"
 
 extern "C" void openblas_set_num_threads(int);
@@ -72,16 +73,6 @@ double run_peer(std::size_t hidden, std::size_t steps, const std::vector<float>&
   return static_cast<double>(steps * batch) / (now() - t0);
 }
 
-/// The 1-minute load average (-1 where /proc/loadavg cannot be read).
-double load_average() {
-  double load = -1;
-  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
-    if (std::fscanf(f, "%lf", &load) != 1) load = -1;
-    std::fclose(f);
-  }
-  return load;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -101,7 +92,7 @@ int main(int argc, char** argv) {
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
               "OPENBLAS_CORETYPE=%s on both sides; load average %.1f\n\n",
-              batch, steps, rounds, core ? core : "(unset)", load_average());
+              batch, steps, rounds, core ? core : "(unset)", bench::load_average());
   std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share |\n");
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   for (std::size_t h : hiddens) {
@@ -132,6 +123,6 @@ int main(int argc, char** argv) {
                   100.0 * r.best.sync_share);
     std::fflush(stdout);
   }
-  std::printf("\nload average at the end: %.1f\n", load_average());
+  std::printf("\nload average at the end: %.1f\n", bench::load_average());
   return 0;
 }

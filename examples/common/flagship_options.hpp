@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
-// What the flagships' command lines share (train_fashion_mnist, train_resnet_fashion_mnist): the
-// usage error (argparse's exit status 2) and the parsers of numbers and mesh shapes, written once
-// so that both programs accept and refuse the same spellings with the same messages.
+// What the flagships' command lines share (train_fashion_mnist, train_resnet_fashion_mnist,
+// train_gpt_chars): the usage error (argparse's exit status 2) and the parsers of numbers and mesh
+// shapes, written once so that all of them accept and refuse the same spellings with the same messages.
 
 #include <cmath>
 #include <charconv>

@@ -22,6 +22,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include "../common/flagship_main.hpp"
 #include "../common/flagship_options.hpp"
 
 #include <algorithm>
@@ -299,25 +300,6 @@ int train(const options& o, const meshlib::nn::text_corpus& corpus) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const usage_error& e) {
-    std::cerr << usage_line << "train_gpt_chars: error: " << e.what() << "\n";
-    return 2;
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  meshlib::nn::text_corpus corpus;
-  try {
-    corpus = meshlib::nn::load_text(o.data_path);
-  } catch (const meshlib::data_error& e) {
-    std::cerr << "train_gpt_chars: " << e.what() << "\n";
-    return 1;
-  }
-  try {
-    return train(o, corpus);
-  } catch (const std::exception& e) {
-    std::cerr << "train_gpt_chars: " << e.what() << "\n";
-    return 1;
-  }
+  const auto load = [](const options& o) { return meshlib::nn::load_text(o.data_path); };
+  return flagship::run_main("train_gpt_chars", usage_line, argc, argv, parse, load, train);
 }

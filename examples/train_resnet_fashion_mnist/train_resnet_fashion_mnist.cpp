@@ -23,6 +23,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include "../common/flagship_main.hpp"
 #include "../common/flagship_options.hpp"
 
 #include <charconv>
@@ -203,25 +204,6 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const usage_error& e) {
-    std::cerr << usage_line << "train_resnet_fashion_mnist: error: " << e.what() << "\n";
-    return 2;
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  meshlib::nn::fashion_mnist fm;
-  try {
-    fm = meshlib::nn::load_fashion_mnist(o.data_dir);
-  } catch (const meshlib::data_error& e) {
-    std::cerr << "train_resnet_fashion_mnist: " << e.what() << "\n";
-    return 1;
-  }
-  try {
-    return train(o, fm);
-  } catch (const std::exception& e) {
-    std::cerr << "train_resnet_fashion_mnist: " << e.what() << "\n";
-    return 1;
-  }
+  const auto load = [](const options& o) { return meshlib::nn::load_fashion_mnist(o.data_dir); };
+  return flagship::run_main("train_resnet_fashion_mnist", usage_line, argc, argv, parse, load, train);
 }
