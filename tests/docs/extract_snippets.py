@@ -14,8 +14,7 @@ BLOCK_RE = re.compile(r"^```(?:cpp|c\+\+)[ \t]*\n(.*?)^```", re.MULTILINE | re.D
 def main(argv):
     out_dir = Path(argv[0])
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.cpp"):
-        old.unlink()
+    written = set()
     for md in map(Path, argv[1:]):
         stem = re.sub(r"[^A-Za-z0-9]+", "_", md.stem).lower()
         n = 0
@@ -25,9 +24,16 @@ def main(argv):
                 continue
             n += 1
             path = out_dir / f"{stem}_{n}.cpp"
-            path.write_text(f"// Extracted from {md.name}, code block {n}; edit the Markdown, not this.\n{code}",
-                            encoding="utf-8")
+            text = f"// Extracted from {md.name}, code block {n}; edit the Markdown, not this.\n{code}"
+            # Rewritten only when changed: a new modification time would rebuild every snippet on
+            # every configure (a warm test command rebuilt all 28 of them).
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                path.write_text(text, encoding="utf-8")
+            written.add(path)
             print(path)
+    for old in out_dir.glob("*.cpp"):
+        if old not in written:
+            old.unlink()
 
 
 if __name__ == "__main__":
