@@ -37,14 +37,19 @@ prep_logs="$BUILD_DIR/_deps/logs"
 mkdir -p "$prep_logs"
 k4_prep_pid=""
 if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
-  "$repo_root/scripts/build_kokkos4.sh" "$k4_prefix" >"$prep_logs/build_kokkos4.log" 2>&1 &
+  setsid "$repo_root/scripts/build_kokkos4.sh" "$k4_prefix" >"$prep_logs/build_kokkos4.log" 2>&1 &
   k4_prep_pid=$!
 fi
 cuda_pid=""
 if [ "${MESHLIB_CUDA_CHECK:-1}" != 0 ] && [ $# -eq 0 ]; then
-  "$repo_root/scripts/cuda_compile_check.sh" "$BUILD_DIR/_deps/kokkos-4.7.01-cuda" >"$prep_logs/cuda_compile_check.log" 2>&1 &
+  setsid "$repo_root/scripts/cuda_compile_check.sh" "$BUILD_DIR/_deps/kokkos-4.7.01-cuda" >"$prep_logs/cuda_compile_check.log" 2>&1 &
   cuda_pid=$!
 fi
+
+# A run that stops early (a failed configure under `set -e`, Ctrl-C) takes its background jobs with
+# it, compilers included, rather than leaving them writing into the build directory: each was
+# started by setsid as the leader of its own process group, which the trap ends.
+trap 'for pid in $k4_prep_pid $cuda_pid; do kill -- "-$pid" 2>/dev/null || true; done' EXIT
 
 configure
 elapsed "configured"
