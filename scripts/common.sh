@@ -24,10 +24,11 @@ elapsed() { echo "== $1 after ${SECONDS}s"; }
 # meshlib_headers_alone). An existing build directory keeps its generator (CMake refuses a change),
 # and a -G among the arguments wins.
 configure() {
-  local generator=()
-  if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] && command -v ninja >/dev/null && ! printf '%s\n' "$@" | grep -q '^-G'; then
-    generator=(-G Ninja)
-  fi
+  local generator=(-G Ninja) arg
+  if [ -f "$BUILD_DIR/CMakeCache.txt" ] || ! command -v ninja >/dev/null; then generator=(); fi
+  for arg in "$@"; do
+    if [[ "$arg" == -G* ]]; then generator=(); fi
+  done
   cmake -S "$repo_root" -B "$BUILD_DIR" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-O1" \
