@@ -501,6 +501,17 @@ class device_buffers {
     meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
+  /// `n` values of the caller's host memory at `src`, readable by kernels in the buffers' memory
+  /// space: `src` itself where the host's memory is that space's, else a copy in device `dev`'s buffer.
+  const T* readable(std::size_t dev, const T* src, std::size_t n) {
+    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+      return src;
+    } else {
+      T* p = get(dev, n);
+      meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
+      return p;
+    }
+  }
 
  private:
   std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
@@ -1554,6 +1565,238 @@ class rms_norm {
 #include <type_traits>
 #include <vector>
 
+// begin meshlib/nn/detail/loss_kernels.hpp
+/// @file
+/// @brief The kernels of the losses and of embedding's id check, each one RangePolicy `parallel_for`
+/// on the running device's instance over memory `Space` (`meshlib::detail::launch`), and the read-back
+/// of the one or two numbers the host needs from them (a copy only for device memory).
+///
+/// Why free functions over pointers, templated on the element type and the memory space only: nvcc
+/// names an extended device lambda's kernel after its enclosing function, and its generated host stub
+/// spells a class-type template argument (the mesh's `axis<"data">`, a `fixed_string`) in a form g++
+/// cannot parse (`fixed_string<5>{char [5]{...}}`), so a kernel written inside code templated on a mesh
+/// does not compile for CUDA. These functions are instantiated for CUDA in tests/cuda/nn_headers.cpp.
+///
+/// Sums over rows are added in row order by one work item: the same chain of additions on every
+/// backend (a `parallel_reduce` is unsafe from several device threads on Kokkos 3.4.1, and its order
+/// would depend on the backend).
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+// begin meshlib/nn/loss_function.hpp
+/// @file
+/// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
+/// its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
+/// would give them: an object `loss` with a nested `target_type` (the element type of the targets:
+/// `std::int32_t` for class labels, `float` for regression targets) that `train_step` calls on
+/// every device, once per micro-batch:
+/// @code
+/// loss_part r = loss(output, targets, global_batch, grad);   // or: double value = loss(...)
+/// @endcode
+/// - `output` (`const Z&`): this device's block of the model output, its rows this device's rows
+///   of the micro-batch, its columns possibly a block of the features sharded over a model axis
+///   (`Z::dims_type::at(1)`, `output.global_extent(1)` the global width);
+/// - `targets` (`std::span<const target_type>`): this device's rows' targets, every row complete
+///   (all global columns: targets are replicated over the model axis, as the input batch is);
+/// - `global_batch`: the rows of the whole global batch, the mean's denominator;
+/// - `grad` (`Z&`, the output's type and shape, a buffer `train_step` owns): to be filled with
+///   the gradient of the *global mean* loss with respect to this device's block of `output`.
+/// It returns this device's rows' share of the global mean: `train_step` adds the shares over the
+/// data axis (a `psum`), so the share must already be complete over the axes that shard the
+/// columns (a loss of column-sharded outputs `psum`s its partial sums over them, as the built-in
+/// losses do). Returning a `loss_part` also reports `correct` (rows predicted right, for accuracy).
+///
+/// The built-in losses model it: `softmax_cross_entropy` (labels) and `mean_squared_error`
+/// (regression targets). A user-written loss is any struct with that call operator:
+/// @code
+/// struct my_mse {   // mean over batch and features of (z - t)^2, for a replicated output
+///   using target_type = float;
+///   template <meshlib::local_tensor_type Z>
+///   double operator()(const Z& z, std::span<const float> t, std::size_t global_batch, Z& grad) const {
+///     const std::size_t rows = z.extent(0), cols = z.extent(1);
+///     const double n = static_cast<double>(global_batch * cols);
+///     double sum = 0;
+///     for (std::size_t i = 0; i < rows; ++i)
+///       for (std::size_t j = 0; j < cols; ++j) {
+///         const double d = z(i, j) - t[i * cols + j];
+///         sum += d * d;
+///         grad(i, j) = static_cast<float>(2 * d / n);
+///       }
+///     return sum / n;
+///   }
+/// };
+/// auto m = meshlib::nn::train_step(state, x, targets, rows, 0, rows, my_mse{});
+/// @endcode
+/// A loss of the wrong shape is one compile error from `train_step` naming this concept
+/// (`loss_does_not_satisfy_loss_function<...>`).
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+/// @brief What one device's rows contribute to the loss of a batch (see the file comment).
+struct loss_part {
+  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
+  std::size_t correct = 0;    ///< rows whose prediction is right (classification; 0 for regression)
+};
+
+/// @brief What a loss may return: a `loss_part`, or the value alone (a number).
+template <class R>
+concept loss_result = std::same_as<std::remove_cvref_t<R>, loss_part> || std::convertible_to<R, double>;
+
+/// @brief A loss declares the element type of its targets (`target_type`).
+template <class L>
+concept has_target_type = requires { typename std::remove_cvref_t<L>::target_type; };
+
+/// @brief The targets' element type of loss `L`.
+template <has_target_type L>
+using loss_target_t = typename std::remove_cvref_t<L>::target_type;
+
+/// @brief `L` is a loss for model outputs `Z`: `loss(output, targets, global_batch, grad)` gives
+/// this device's share of the mean loss and writes the output's gradient (see the file comment).
+template <class L, class Z>
+concept loss_function =
+    local_tensor_type<Z> && has_target_type<L> &&
+    requires(L& loss, const Z& output, std::span<const loss_target_t<L>> targets, std::size_t global_batch, Z& grad) {
+      { loss(output, targets, global_batch, grad) } -> loss_result;
+    };
+
+namespace detail {
+/// The one diagnostic of `train_step` for a loss that is not a `loss_function` of the model's
+/// output (instantiated once; the step's body is then not compiled, so nothing else is reported).
+template <bool Ok, class Loss, class Output>
+struct loss_does_not_satisfy_loss_function {
+  static_assert(Ok,
+                "meshlib::nn: train_step: the loss does not satisfy meshlib::nn::loss_function<Loss, Output> (the "
+                "types in loss_does_not_satisfy_loss_function<ok, Loss, Output>): it needs a nested target_type and "
+                "a call loss(const Output& output, std::span<const target_type> targets, std::size_t global_batch, "
+                "Output& grad) returning a loss_part or a double (see meshlib/nn/loss_function.hpp)");
+  static constexpr bool value = Ok;
+};
+
+/// The one diagnostic of `train_step` for targets whose element type is not the loss's.
+template <bool Ok, class Loss, class Given, class Expected>
+struct targets_type_differs_from_loss_target_type {
+  static_assert(Ok,
+                "meshlib::nn: train_step: the targets' element type is not the loss's target_type (the types in "
+                "targets_type_differs_from_loss_target_type<ok, Loss, given, expected>): class labels "
+                "(std::int32_t) go to softmax_cross_entropy, float regression targets (one per output column) to "
+                "mean_squared_error; convert the targets or pass the loss that takes them");
+  static constexpr bool value = Ok;
+};
+
+/// `r` as a `loss_part` (a loss that returns only the value reports no correct rows).
+template <class R>
+loss_part as_loss_part(R&& r) {
+  if constexpr (std::same_as<std::remove_cvref_t<R>, loss_part>) return r;
+  else return loss_part{static_cast<double>(r), 0};
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/loss_function.hpp
+
+namespace meshlib::nn::detail {
+
+/// `mx[i]` = the largest of row `i`'s `cols` logits at `z` (row-major).
+template <class Space, class T>
+void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    T m = -std::numeric_limits<T>::infinity();
+    for (std::size_t j = 0; j < cols; ++j) m = m < z[i * cols + j] ? z[i * cols + j] : m;
+    mx[i] = m;
+  });
+}
+
+/// Softmax cross-entropy, second pass: `g = exp(z - mx)`, `sum[i]` its row sums, `tgt[i]` the label's
+/// logit where this block of columns (`[col0, col0 + cols)` of the classes) holds it, else 0.
+template <class Space, class T>
+void exp_and_target(const T* z, std::size_t rows, std::size_t cols, std::size_t col0, const std::int32_t* lab,
+                    const T* mx, T* g, T* sum, T* tgt) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    T s = 0;
+    for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
+    sum[i] = s;
+    const std::size_t l = static_cast<std::size_t>(lab[i]);
+    tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
+  });
+}
+
+/// Softmax cross-entropy, last pass, with complete row maxima, normalisers and target logits:
+/// `term[i]` = row `i`'s loss / `global_batch`, `g` = the gradient of the mean loss; then one work item
+/// adds the terms and counts the rows whose target logit is the maximum, in row order, into
+/// `term[rows]` and `term[rows + 1]`. Returns {loss, correct} of these rows.
+template <class Space, class T>
+loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t col0, const std::int32_t* lab,
+                              const T* mx, const T* sum, const T* tgt, std::size_t global_batch, T* g, double* term) {
+  const T inv_b = T{1} / static_cast<T>(global_batch);
+  const double gb = static_cast<double>(global_batch);
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
+    const std::size_t l = static_cast<std::size_t>(lab[i]);
+    const T inv = T{1} / sum[i];
+    for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
+    if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
+  });
+  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double loss = 0, correct = 0;
+    for (std::size_t i = 0; i < rows; ++i) {
+      loss += term[i];
+      correct += tgt[i] >= mx[i] ? 1 : 0;
+    }
+    term[rows] = loss;
+    term[rows + 1] = correct;
+  });
+  double totals[2];
+  meshlib::detail::copy_to_host<Space>(totals, term + rows, 2);
+  return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
+}
+
+/// Mean squared error: `g = two_scale (z - t)` over a `rows x cols` block whose targets are rows of
+/// `width` values at `t` (the block's columns first), and `*sum` = `scale` times the sum of the
+/// squared differences (in double, row-major; not read back: it may still be completed by a psum).
+template <class Space, class T>
+void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, std::size_t width, T two_scale,
+                   double scale, T* g, double* sum) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
+  });
+  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double s = 0;
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) {
+        const double d = static_cast<double>(z[i * cols + j]) - static_cast<double>(t[i * width + j]);
+        s += d * d;
+      }
+    *sum = s * scale;
+  });
+}
+
+/// The index of the first of `rows` ids at `id` outside `[0, vocab)`, or `rows` when all are inside:
+/// one work item writes it to `*res` (memory `Space`), read back here.
+template <class Space>
+std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int32_t vocab, std::size_t* res) {
+  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    std::size_t first = rows;
+    for (std::size_t i = 0; i < rows; ++i)
+      if (id[i] < 0 || id[i] >= vocab) {
+        first = i;
+        break;
+      }
+    *res = first;
+  });
+  return meshlib::detail::read_back<Space>(res);
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/loss_kernels.hpp
 
 namespace meshlib::nn {
 
@@ -1586,7 +1829,8 @@ class embedding {
       : name_(checked_name(mesh, name, vocab, features)),
         table(name + ".embedding", sharding{mesh}, {vocab, features}, key, init::normal(stddev), true, local_devices),
         saved_(mesh.size()),
-        out_(mesh.size()) {}
+        out_(mesh.size()),
+        bad_(mesh.size()) {}
 
   /// The layer's name: its parameter is `name() + ".embedding"`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -1619,8 +1863,6 @@ class embedding {
     static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
                   "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
                   "of a model group looks up the same tokens in its own vocabulary range)");
-    static_assert(meshlib::detail::host_accessible_v<typename Ids::memory_space>,
-                  "meshlib::nn: embedding checks the ids into a host result; device memory needs them copied back");
     if constexpr (!accepts_input<Ids>) {
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
@@ -1695,28 +1937,20 @@ class embedding {
     return name;
   }
 
-  // Public only because nvcc refuses an extended device lambda in a private member function.
- public:
   /// Throws `std::out_of_range` naming the first of the `rows` ids (this device's) that is outside the
   /// vocabulary; called by `forward`.
-  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
-    // The first bad token, found by one work item on the device's instance (host-accessible ids).
-    std::size_t bad = rows;
-    std::size_t* res = &bad;
-    const std::int32_t vocab = static_cast<std::int32_t>(vocab_size());
-    meshlib::detail::launch<default_memory_space>(1, KOKKOS_LAMBDA(std::size_t) {
-      for (std::size_t i = 0; i < rows; ++i)
-        if (id[i] < 0 || id[i] >= vocab) {
-          *res = i;
-          break;
-        }
-    });
+  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) {
+    // The first bad token, found by one work item on the device's instance (nn/detail/loss_kernels.hpp);
+    // the host reads back its index, and its id to name it.
+    const std::size_t bad = detail::first_id_outside<default_memory_space>(
+        id, rows, static_cast<std::int32_t>(vocab_size()), bad_.get(dev, 1));
     if (bad != rows)
       throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
-                              std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
-                              std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
+                              std::to_string(dev) + " has id " +
+                              std::to_string(meshlib::detail::read_back<default_memory_space>(id + bad)) +
+                              ", not in [0, " + std::to_string(vocab_size()) +
+                              "); map the text to ids below the vocabulary size");
   }
- private:
 
   struct saved {
     const std::int32_t* ids = nullptr;
@@ -1724,6 +1958,7 @@ class embedding {
   };
   std::vector<saved> saved_;
   detail::device_buffers<T> out_;
+  detail::device_buffers<std::size_t> bad_;  // check_ids' result, one per device
 };
 
 }  // namespace meshlib::nn
@@ -4061,122 +4296,6 @@ class basic_block {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/layers/basic_block.hpp
-// begin meshlib/nn/loss_function.hpp
-/// @file
-/// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
-/// its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
-/// would give them: an object `loss` with a nested `target_type` (the element type of the targets:
-/// `std::int32_t` for class labels, `float` for regression targets) that `train_step` calls on
-/// every device, once per micro-batch:
-/// @code
-/// loss_part r = loss(output, targets, global_batch, grad);   // or: double value = loss(...)
-/// @endcode
-/// - `output` (`const Z&`): this device's block of the model output, its rows this device's rows
-///   of the micro-batch, its columns possibly a block of the features sharded over a model axis
-///   (`Z::dims_type::at(1)`, `output.global_extent(1)` the global width);
-/// - `targets` (`std::span<const target_type>`): this device's rows' targets, every row complete
-///   (all global columns: targets are replicated over the model axis, as the input batch is);
-/// - `global_batch`: the rows of the whole global batch, the mean's denominator;
-/// - `grad` (`Z&`, the output's type and shape, a buffer `train_step` owns): to be filled with
-///   the gradient of the *global mean* loss with respect to this device's block of `output`.
-/// It returns this device's rows' share of the global mean: `train_step` adds the shares over the
-/// data axis (a `psum`), so the share must already be complete over the axes that shard the
-/// columns (a loss of column-sharded outputs `psum`s its partial sums over them, as the built-in
-/// losses do). Returning a `loss_part` also reports `correct` (rows predicted right, for accuracy).
-///
-/// The built-in losses model it: `softmax_cross_entropy` (labels) and `mean_squared_error`
-/// (regression targets). A user-written loss is any struct with that call operator:
-/// @code
-/// struct my_mse {   // mean over batch and features of (z - t)^2, for a replicated output
-///   using target_type = float;
-///   template <meshlib::local_tensor_type Z>
-///   double operator()(const Z& z, std::span<const float> t, std::size_t global_batch, Z& grad) const {
-///     const std::size_t rows = z.extent(0), cols = z.extent(1);
-///     const double n = static_cast<double>(global_batch * cols);
-///     double sum = 0;
-///     for (std::size_t i = 0; i < rows; ++i)
-///       for (std::size_t j = 0; j < cols; ++j) {
-///         const double d = z(i, j) - t[i * cols + j];
-///         sum += d * d;
-///         grad(i, j) = static_cast<float>(2 * d / n);
-///       }
-///     return sum / n;
-///   }
-/// };
-/// auto m = meshlib::nn::train_step(state, x, targets, rows, 0, rows, my_mse{});
-/// @endcode
-/// A loss of the wrong shape is one compile error from `train_step` naming this concept
-/// (`loss_does_not_satisfy_loss_function<...>`).
-
-#include <concepts>
-#include <cstddef>
-#include <span>
-#include <type_traits>
-
-
-namespace meshlib::nn {
-
-/// @brief What one device's rows contribute to the loss of a batch (see the file comment).
-struct loss_part {
-  double loss = 0;            ///< sum over this device's rows of the per-row loss, / global batch
-  std::size_t correct = 0;    ///< rows whose prediction is right (classification; 0 for regression)
-};
-
-/// @brief What a loss may return: a `loss_part`, or the value alone (a number).
-template <class R>
-concept loss_result = std::same_as<std::remove_cvref_t<R>, loss_part> || std::convertible_to<R, double>;
-
-/// @brief A loss declares the element type of its targets (`target_type`).
-template <class L>
-concept has_target_type = requires { typename std::remove_cvref_t<L>::target_type; };
-
-/// @brief The targets' element type of loss `L`.
-template <has_target_type L>
-using loss_target_t = typename std::remove_cvref_t<L>::target_type;
-
-/// @brief `L` is a loss for model outputs `Z`: `loss(output, targets, global_batch, grad)` gives
-/// this device's share of the mean loss and writes the output's gradient (see the file comment).
-template <class L, class Z>
-concept loss_function =
-    local_tensor_type<Z> && has_target_type<L> &&
-    requires(L& loss, const Z& output, std::span<const loss_target_t<L>> targets, std::size_t global_batch, Z& grad) {
-      { loss(output, targets, global_batch, grad) } -> loss_result;
-    };
-
-namespace detail {
-/// The one diagnostic of `train_step` for a loss that is not a `loss_function` of the model's
-/// output (instantiated once; the step's body is then not compiled, so nothing else is reported).
-template <bool Ok, class Loss, class Output>
-struct loss_does_not_satisfy_loss_function {
-  static_assert(Ok,
-                "meshlib::nn: train_step: the loss does not satisfy meshlib::nn::loss_function<Loss, Output> (the "
-                "types in loss_does_not_satisfy_loss_function<ok, Loss, Output>): it needs a nested target_type and "
-                "a call loss(const Output& output, std::span<const target_type> targets, std::size_t global_batch, "
-                "Output& grad) returning a loss_part or a double (see meshlib/nn/loss_function.hpp)");
-  static constexpr bool value = Ok;
-};
-
-/// The one diagnostic of `train_step` for targets whose element type is not the loss's.
-template <bool Ok, class Loss, class Given, class Expected>
-struct targets_type_differs_from_loss_target_type {
-  static_assert(Ok,
-                "meshlib::nn: train_step: the targets' element type is not the loss's target_type (the types in "
-                "targets_type_differs_from_loss_target_type<ok, Loss, given, expected>): class labels "
-                "(std::int32_t) go to softmax_cross_entropy, float regression targets (one per output column) to "
-                "mean_squared_error; convert the targets or pass the loss that takes them");
-  static constexpr bool value = Ok;
-};
-
-/// `r` as a `loss_part` (a loss that returns only the value reports no correct rows).
-template <class R>
-loss_part as_loss_part(R&& r) {
-  if constexpr (std::same_as<std::remove_cvref_t<R>, loss_part>) return r;
-  else return loss_part{static_cast<double>(r), 0};
-}
-}  // namespace detail
-
-}  // namespace meshlib::nn
-// end meshlib/nn/loss_function.hpp
 // begin meshlib/nn/loss.hpp
 /// @file
 /// @brief `softmax_cross_entropy`: the mean over the *global* batch of `-log softmax(logits)[label]`,
@@ -4293,7 +4412,8 @@ class softmax_cross_entropy {
   using target_type = std::int32_t;
 
   /// Holds per-device scratch for `devices` devices.
-  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), terms_(devices), rows_(devices) {}
+  explicit softmax_cross_entropy(std::size_t devices)
+      : grad_(devices), terms_(devices), labels_(devices), rows_(devices) {}
   /// Holds per-device scratch for every device of `mesh`.
   template <mesh_type Mesh>
   explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
@@ -4337,9 +4457,6 @@ class softmax_cross_entropy {
   template <local_tensor_type Z>
   loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
                     T* scratch) {
-    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
-                  "meshlib::nn: softmax_cross_entropy reads host labels in its kernels and adds the rows' losses into "
-                  "a host result: not yet on device memory (CUDA), where they need copying across");
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -4359,43 +4476,16 @@ class softmax_cross_entropy {
         throw std::out_of_range("meshlib::nn: softmax_cross_entropy: label " + std::to_string(labels[i]) + " of row " +
                                 std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
                                 std::to_string(classes) + ")");
-    const std::int32_t* lab = labels.data();
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T m = -std::numeric_limits<T>::infinity();
-      for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
-      mx[i] = m;
-    });
-    if constexpr (class_axes != 0) (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T s = 0;
-      for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
-      sum[i] = s;
-      const std::size_t l = static_cast<std::size_t>(lab[i]);
-      tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
-    });
+    const std::int32_t* lab = labels_.readable(dev, labels.data(), rows);  // copied across for device memory
+    detail::row_max<space>(z, rows, cols, mx);
+    if constexpr (class_axes != 0)
+      (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
+    detail::exp_and_target<space>(z, rows, cols, col0, lab, mx, g, sum, tgt);
     if constexpr (class_axes != 0)  // normaliser and target
       (void)detail::psum_over<class_axes>(detail::wrap1<row_values<Z>>(sum, 2 * rows, logits.mesh(), dev));
-    const T inv_b = T{1} / static_cast<T>(global_batch);
-    const double gb = static_cast<double>(global_batch);
-    double* term = terms_.get(dev, rows);  // per row: its loss / global batch
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
-      const std::size_t l = static_cast<std::size_t>(lab[i]);
-      const T inv = T{1} / sum[i];
-      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
-      if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
-    });
-    // The rows' terms added in row order by one work item (a parallel_reduce is unsafe from
-    // several device threads on Kokkos 3.4.1, and its order would depend on the backend).
-    loss_part out;
-    loss_part* res = &out;
-    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
-      for (std::size_t i = 0; i < rows; ++i) {
-        res->loss += term[i];
-        res->correct += tgt[i] >= mx[i] ? 1 : 0;
-      }
-    });
-    return out;
+    // per row: its loss / global batch; then the two totals the host reads back
+    return detail::cross_entropy_terms<space>(rows, cols, col0, lab, mx, sum, tgt, global_batch, g,
+                                              terms_.get(dev, rows + 2));
   }
 
  private:
@@ -4403,10 +4493,11 @@ class softmax_cross_entropy {
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
   using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
-  // The kernels' memory: the loss's scratch buffers, and the result the last kernel writes on the host.
+  // The kernels' memory: the loss's scratch buffers (the labels copied across, the totals read back).
   using space = default_memory_space;
   detail::device_buffers<T> grad_;
   detail::device_buffers<double> terms_;
+  detail::device_buffers<std::int32_t> labels_;  // the labels in device memory (unused on the host)
   std::vector<std::size_t> rows_;
 };
 
@@ -4464,9 +4555,6 @@ struct mean_squared_error {
                   "meshlib::nn: mean_squared_error needs a complete rank-2 model output (psum a pending sum first)");
     static_assert(std::is_same_v<typename Z::value_type, T>,
                   "meshlib::nn: mean_squared_error<T>: T must be the model output's element type");
-    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
-                  "meshlib::nn: mean_squared_error adds the squared differences into a host result; device memory "
-                  "needs them copied back");
     constexpr axis_mask col_axes = Z::dims_type::at(1);
     const std::size_t rows = output.extent(0), cols = output.extent(1), width = output.global_extent(1);
     if (targets.size() != rows * width) throw sharding_error(shape_message(targets.size(), rows, width, global_batch));
@@ -4479,30 +4567,27 @@ struct mean_squared_error {
     const double scale = 1.0 / (static_cast<double>(global_batch) * static_cast<double>(width));
     const T two_scale = static_cast<T>(2.0 * scale);
     const T* z = output.data();
+    // Kernels read the targets and write the sum in the kernels' memory: the caller's host targets
+    // and a local on the host; on a device, a copy of the targets and one element after them (an
+    // allocation per call: this stateless loss keeps no per-device buffers).
+    double local_sum = 0;
     const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
-    T* g = grad.data();
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
-    });
-    // One work item, row-major (a parallel_reduce is unsafe from several device threads on
-    // Kokkos 3.4.1, and its order would depend on the backend).
-    double sum[1] = {0};
-    double* res = sum;
-    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
-      double s = 0;
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < cols; ++j) {
-          const double d = static_cast<double>(z[i * cols + j]) - static_cast<double>(t[i * width + j]);
-          s += d * d;
-        }
-      *res = s * scale;
-    });
-    if constexpr (col_axes != 0) {  // the other column blocks' sums: one number over the axes that shard them
-      using share_t =
-          local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, Kokkos::HostSpace>;
-      (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(sum, 1, output.mesh(), output.device()));
+    double* res = &local_sum;
+    [[maybe_unused]] meshlib::detail::block_view_t<T, 1, space> staged;
+    [[maybe_unused]] meshlib::detail::block_view_t<double, 1, space> staged_sum;
+    if constexpr (!meshlib::detail::host_accessible_v<space>) {
+      staged = meshlib::detail::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
+      staged_sum = meshlib::detail::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
+      meshlib::detail::copy_from_host<space>(staged.data(), targets.data(), targets.size());
+      t = staged.data() + col0;
+      res = staged_sum.data();
     }
-    return loss_part{sum[0], 0};
+    detail::squared_error<space>(z, t, rows, cols, width, two_scale, scale, grad.data(), res);
+    if constexpr (col_axes != 0) {  // the other column blocks' sums: one number over the axes that shard them
+      using share_t = local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, space>;
+      (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(res, 1, output.mesh(), output.device()));
+    }
+    return loss_part{meshlib::detail::read_back<space>(res), 0};
   }
 
  private:
@@ -4850,33 +4935,34 @@ KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, s
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/// The scratch `sum_of_squares` needs for `n` elements: one partial sum per block, and the total.
+constexpr std::size_t squares_scratch(std::size_t n) noexcept { return (n + kernel_block - 1) / kernel_block + 1; }
+
 /// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
-/// instance writes one partial sum per block of `kernel_block` elements, added here in block order.
+/// instance writes one partial sum per block of `kernel_block` elements into `scratch` (memory
+/// `Space`, `squares_scratch(n)` elements), one work item adds them in block order into its last
+/// element, and the host reads that one number back (a copy only for device memory).
 /// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
 /// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
 /// every backend and thread count. The order differs from one running sum only in the last bits of
 /// a double, which the float clip scale does not see.
 template <class Space>
-double sum_of_squares(const float* x, std::size_t n) {
-  static_assert(meshlib::detail::host_accessible_v<Space>,
-                "meshlib::nn: the clipping norm's partial sums are added on the host; device memory needs them copied");
-  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
-  if (blocks <= 1) {
-    double s = 0;
-    double* out = &s;
-    meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t) { *out = squares_of_block(x, 0, n); });
-    return s;
-  }
-  thread_local std::vector<double> partials;  // this device thread's; reused from step to step
-  if (partials.size() < blocks) partials.resize(blocks);
-  double* part = partials.data();
+double sum_of_squares(const float* x, std::size_t n, double* scratch) {
+  const std::size_t blocks = squares_scratch(n) - 1;
+  double* part = scratch;
   meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
-  double s = 0;
-  for (std::size_t b = 0; b < blocks; ++b) s += part[b];
-  return s;
+  if (blocks > 1) {
+    meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+      double s = 0;
+      for (std::size_t b = 0; b < blocks; ++b) s += part[b];
+      part[blocks] = s;
+    });
+    return meshlib::detail::read_back<Space>(part + blocks);
+  }
+  return blocks == 1 ? meshlib::detail::read_back<Space>(part) : 0.0;
 }
 
 }  // namespace meshlib::nn::detail
@@ -6804,7 +6890,8 @@ class train_state {
         loss_(m.size()),
         gather_(m.size()),
         input_(m.size()),
-        output_grad_(m.size()) {
+        output_grad_(m.size()),
+        squares_(m.size()) {
     model.collect(params);
     loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
     scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
@@ -7083,7 +7170,8 @@ class train_state {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo);
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
+                                                        squares_.get(dev, detail::squares_scratch(hi - lo)));
   }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
@@ -7126,6 +7214,8 @@ class train_state {
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<T> output_grad_;
+  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
+  mutable detail::device_buffers<double> squares_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;
@@ -7510,14 +7600,14 @@ struct param_array {
 };
 
 /// @brief Every parameter of `state`'s model, in layer order, gathered to the host (see the file
-/// comment). Reads the blocks of this process's devices; no communication.
+/// comment). Reads the blocks of this process's devices (copied to the host from device memory);
+/// no communication.
 /// @throws sharding_error when an element of a parameter is held only by devices of other
 /// processes (a train state made with `local_devices` under several processes).
 template <class State>
 std::vector<param_array> params(const State& state) {
-  static_assert(sizeof(State) != 0 && meshlib::detail::host_accessible_v<default_memory_space>,
-                "meshlib::nn: params reads the parameters' blocks on the host; device memory needs them copied back");
   std::vector<param_array> out;
+  std::vector<float> stage;  // a block copied to the host (device memory only)
   out.reserve(state.params.size());
   for (std::size_t i = 0; i < state.params.size(); ++i) {
     const auto& p = state.params[i];
@@ -7528,7 +7618,7 @@ std::vector<param_array> params(const State& state) {
     std::vector<bool> seen(total, false);
     std::size_t filled = 0;
     for (std::size_t dev : state.local_devices()) {
-      const float* v = state.master(i, dev);
+      const float* v = meshlib::detail::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
       detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
         std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
         filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),
@@ -8221,12 +8311,14 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     const auto put = [](detail::out_file& f, std::size_t at, const float* src, std::size_t n) {
       f.write(at * sizeof(float), reinterpret_cast<const char*>(src), n * sizeof(float));
     };
+    std::vector<float> stage;  // a block copied to the host (device memory only)
+    using space = default_memory_space;
     for (std::size_t i = 0; i < state.params.size(); ++i) {
       const auto& p = state.params[i];
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = state.master(i, dev);
+          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -8235,10 +8327,11 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& b : buffers) {  // as the parameters' values
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
-        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0)
-          detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-            put(out, g, b.value[dev] + k, n);
-          });
+        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
+          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          detail::for_each_global_run(b, dev, 0, b.count[dev],
+                                      [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
+        }
       out.finish();
     }
     std::vector<detail::out_file> opt;
@@ -8249,9 +8342,12 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
-        detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, slot[s] + (k - off), n);
-        });
+        for (std::size_t s = 0; s < slots; ++s) {
+          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+            put(opt[i * slots + s], g, v + (k - off), n);
+          });
+        }
       });
     for (auto& o : opt) o.finish();
   });
@@ -8366,29 +8462,37 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     key = idx.key;
   });
   // Everything checked, on every process: scatter into this mesh's blocks (the reshard).
+  // Blocks in device memory are edited in a host copy (`edit_on_host`), in host memory in place.
+  using space = default_memory_space;
+  std::vector<float> stage;
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
-    for (std::size_t dev : state.local_devices()) {
-      float* v = state.master(i, dev);
-      detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-        std::copy_n(values[i].data() + g, n, v + k);
+    for (std::size_t dev : state.local_devices())
+      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+        detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+          std::copy_n(values[i].data() + g, n, v + k);
+        });
       });
-    }
   }
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-        std::copy_n(buffer_values[i].data() + g, n, b.value[dev] + k);
+      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+        detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+          std::copy_n(buffer_values[i].data() + g, n, v + k);
+        });
       });
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
-      detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, slot[s] + (k - off));
-      });
+      for (std::size_t s = 0; s < slots; ++s)
+        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+          detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+            std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
+          });
+        });
     });
   state.step = step;
   state.key = rng_key{key};

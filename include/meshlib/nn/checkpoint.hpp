@@ -675,12 +675,14 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     const auto put = [](detail::out_file& f, std::size_t at, const float* src, std::size_t n) {
       f.write(at * sizeof(float), reinterpret_cast<const char*>(src), n * sizeof(float));
     };
+    std::vector<float> stage;  // a block copied to the host (device memory only)
+    using space = default_memory_space;
     for (std::size_t i = 0; i < state.params.size(); ++i) {
       const auto& p = state.params[i];
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = state.master(i, dev);
+          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -689,10 +691,11 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& b : buffers) {  // as the parameters' values
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
-        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0)
-          detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-            put(out, g, b.value[dev] + k, n);
-          });
+        if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
+          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          detail::for_each_global_run(b, dev, 0, b.count[dev],
+                                      [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
+        }
       out.finish();
     }
     std::vector<detail::out_file> opt;
@@ -703,9 +706,12 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
-        detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-          for (std::size_t s = 0; s < slots; ++s) put(opt[i * slots + s], g, slot[s] + (k - off), n);
-        });
+        for (std::size_t s = 0; s < slots; ++s) {
+          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+            put(opt[i * slots + s], g, v + (k - off), n);
+          });
+        }
       });
     for (auto& o : opt) o.finish();
   });
@@ -820,29 +826,37 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     key = idx.key;
   });
   // Everything checked, on every process: scatter into this mesh's blocks (the reshard).
+  // Blocks in device memory are edited in a host copy (`edit_on_host`), in host memory in place.
+  using space = default_memory_space;
+  std::vector<float> stage;
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
-    for (std::size_t dev : state.local_devices()) {
-      float* v = state.master(i, dev);
-      detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-        std::copy_n(values[i].data() + g, n, v + k);
+    for (std::size_t dev : state.local_devices())
+      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+        detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+          std::copy_n(values[i].data() + g, n, v + k);
+        });
       });
-    }
   }
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
-        std::copy_n(buffer_values[i].data() + g, n, b.value[dev] + k);
+      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+        detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
+          std::copy_n(buffer_values[i].data() + g, n, v + k);
+        });
       });
   }
   state.refresh_compute_copies();  // a mixed-precision state rounds its restored float masters
   for (std::size_t dev : state.local_devices())
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
-      detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
-        for (std::size_t s = 0; s < slots; ++s) std::copy_n(opt[i * slots + s].data() + g, n, slot[s] + (k - off));
-      });
+      for (std::size_t s = 0; s < slots; ++s)
+        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+          detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
+            std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
+          });
+        });
     });
   state.step = step;
   state.key = rng_key{key};

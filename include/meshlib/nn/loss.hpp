@@ -34,6 +34,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/loss_function.hpp"
 #include "meshlib/tensor/view.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -48,7 +49,8 @@ class softmax_cross_entropy {
   using target_type = std::int32_t;
 
   /// Holds per-device scratch for `devices` devices.
-  explicit softmax_cross_entropy(std::size_t devices) : grad_(devices), terms_(devices), rows_(devices) {}
+  explicit softmax_cross_entropy(std::size_t devices)
+      : grad_(devices), terms_(devices), labels_(devices), rows_(devices) {}
   /// Holds per-device scratch for every device of `mesh`.
   template <mesh_type Mesh>
   explicit softmax_cross_entropy(const Mesh& mesh) : softmax_cross_entropy(mesh.size()) {}
@@ -92,9 +94,6 @@ class softmax_cross_entropy {
   template <local_tensor_type Z>
   loss_part compute(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, T* g,
                     T* scratch) {
-    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
-                  "meshlib::nn: softmax_cross_entropy reads host labels in its kernels and adds the rows' losses into "
-                  "a host result: not yet on device memory (CUDA), where they need copying across");
     static_assert(Z::rank == 2 && Z::partial == 0,
                   "meshlib::nn: softmax_cross_entropy needs complete rank-2 logits (psum a pending sum first)");
     constexpr axis_mask class_axes = Z::dims_type::at(1);
@@ -114,43 +113,16 @@ class softmax_cross_entropy {
         throw std::out_of_range("meshlib::nn: softmax_cross_entropy: label " + std::to_string(labels[i]) + " of row " +
                                 std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
                                 std::to_string(classes) + ")");
-    const std::int32_t* lab = labels.data();
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T m = -std::numeric_limits<T>::infinity();
-      for (std::size_t j = 0; j < cols; ++j) m = std::max(m, z[i * cols + j]);
-      mx[i] = m;
-    });
-    if constexpr (class_axes != 0) (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T s = 0;
-      for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
-      sum[i] = s;
-      const std::size_t l = static_cast<std::size_t>(lab[i]);
-      tgt[i] = l >= col0 && l < col0 + cols ? z[i * cols + (l - col0)] : T{0};
-    });
+    const std::int32_t* lab = labels_.readable(dev, labels.data(), rows);  // copied across for device memory
+    detail::row_max<space>(z, rows, cols, mx);
+    if constexpr (class_axes != 0)
+      (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));
+    detail::exp_and_target<space>(z, rows, cols, col0, lab, mx, g, sum, tgt);
     if constexpr (class_axes != 0)  // normaliser and target
       (void)detail::psum_over<class_axes>(detail::wrap1<row_values<Z>>(sum, 2 * rows, logits.mesh(), dev));
-    const T inv_b = T{1} / static_cast<T>(global_batch);
-    const double gb = static_cast<double>(global_batch);
-    double* term = terms_.get(dev, rows);  // per row: its loss / global batch
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
-      const std::size_t l = static_cast<std::size_t>(lab[i]);
-      const T inv = T{1} / sum[i];
-      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
-      if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
-    });
-    // The rows' terms added in row order by one work item (a parallel_reduce is unsafe from
-    // several device threads on Kokkos 3.4.1, and its order would depend on the backend).
-    loss_part out;
-    loss_part* res = &out;
-    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
-      for (std::size_t i = 0; i < rows; ++i) {
-        res->loss += term[i];
-        res->correct += tgt[i] >= mx[i] ? 1 : 0;
-      }
-    });
-    return out;
+    // per row: its loss / global batch; then the two totals the host reads back
+    return detail::cross_entropy_terms<space>(rows, cols, col0, lab, mx, sum, tgt, global_batch, g,
+                                              terms_.get(dev, rows + 2));
   }
 
  private:
@@ -158,10 +130,11 @@ class softmax_cross_entropy {
   /// the logits vary over; the donated `pmax` / `psum` reduce it in the loss's own buffer.
   template <class Z>
   using row_values = local_tensor<T, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, typename Z::memory_space>;
-  // The kernels' memory: the loss's scratch buffers, and the result the last kernel writes on the host.
+  // The kernels' memory: the loss's scratch buffers (the labels copied across, the totals read back).
   using space = default_memory_space;
   detail::device_buffers<T> grad_;
   detail::device_buffers<double> terms_;
+  detail::device_buffers<std::int32_t> labels_;  // the labels in device memory (unused on the host)
   std::vector<std::size_t> rows_;
 };
 

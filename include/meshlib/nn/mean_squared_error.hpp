@@ -35,6 +35,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/loss_function.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -57,9 +58,6 @@ struct mean_squared_error {
                   "meshlib::nn: mean_squared_error needs a complete rank-2 model output (psum a pending sum first)");
     static_assert(std::is_same_v<typename Z::value_type, T>,
                   "meshlib::nn: mean_squared_error<T>: T must be the model output's element type");
-    static_assert(meshlib::detail::host_accessible_v<typename Z::memory_space>,
-                  "meshlib::nn: mean_squared_error adds the squared differences into a host result; device memory "
-                  "needs them copied back");
     constexpr axis_mask col_axes = Z::dims_type::at(1);
     const std::size_t rows = output.extent(0), cols = output.extent(1), width = output.global_extent(1);
     if (targets.size() != rows * width) throw sharding_error(shape_message(targets.size(), rows, width, global_batch));
@@ -72,30 +70,27 @@ struct mean_squared_error {
     const double scale = 1.0 / (static_cast<double>(global_batch) * static_cast<double>(width));
     const T two_scale = static_cast<T>(2.0 * scale);
     const T* z = output.data();
+    // Kernels read the targets and write the sum in the kernels' memory: the caller's host targets
+    // and a local on the host; on a device, a copy of the targets and one element after them (an
+    // allocation per call: this stateless loss keeps no per-device buffers).
+    double local_sum = 0;
     const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
-    T* g = grad.data();
-    meshlib::detail::launch<space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
-    });
-    // One work item, row-major (a parallel_reduce is unsafe from several device threads on
-    // Kokkos 3.4.1, and its order would depend on the backend).
-    double sum[1] = {0};
-    double* res = sum;
-    meshlib::detail::launch<space>(1, KOKKOS_LAMBDA(std::size_t) {
-      double s = 0;
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = 0; j < cols; ++j) {
-          const double d = static_cast<double>(z[i * cols + j]) - static_cast<double>(t[i * width + j]);
-          s += d * d;
-        }
-      *res = s * scale;
-    });
-    if constexpr (col_axes != 0) {  // the other column blocks' sums: one number over the axes that shard them
-      using share_t =
-          local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, Kokkos::HostSpace>;
-      (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(sum, 1, output.mesh(), output.device()));
+    double* res = &local_sum;
+    [[maybe_unused]] meshlib::detail::block_view_t<T, 1, space> staged;
+    [[maybe_unused]] meshlib::detail::block_view_t<double, 1, space> staged_sum;
+    if constexpr (!meshlib::detail::host_accessible_v<space>) {
+      staged = meshlib::detail::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
+      staged_sum = meshlib::detail::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
+      meshlib::detail::copy_from_host<space>(staged.data(), targets.data(), targets.size());
+      t = staged.data() + col0;
+      res = staged_sum.data();
     }
-    return loss_part{sum[0], 0};
+    detail::squared_error<space>(z, t, rows, cols, width, two_scale, scale, grad.data(), res);
+    if constexpr (col_axes != 0) {  // the other column blocks' sums: one number over the axes that shard them
+      using share_t = local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, space>;
+      (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(res, 1, output.mesh(), output.device()));
+    }
+    return loss_part{meshlib::detail::read_back<space>(res), 0};
   }
 
  private:

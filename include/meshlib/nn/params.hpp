@@ -39,14 +39,14 @@ struct param_array {
 };
 
 /// @brief Every parameter of `state`'s model, in layer order, gathered to the host (see the file
-/// comment). Reads the blocks of this process's devices; no communication.
+/// comment). Reads the blocks of this process's devices (copied to the host from device memory);
+/// no communication.
 /// @throws sharding_error when an element of a parameter is held only by devices of other
 /// processes (a train state made with `local_devices` under several processes).
 template <class State>
 std::vector<param_array> params(const State& state) {
-  static_assert(sizeof(State) != 0 && meshlib::detail::host_accessible_v<default_memory_space>,
-                "meshlib::nn: params reads the parameters' blocks on the host; device memory needs them copied back");
   std::vector<param_array> out;
+  std::vector<float> stage;  // a block copied to the host (device memory only)
   out.reserve(state.params.size());
   for (std::size_t i = 0; i < state.params.size(); ++i) {
     const auto& p = state.params[i];
@@ -57,7 +57,7 @@ std::vector<param_array> params(const State& state) {
     std::vector<bool> seen(total, false);
     std::size_t filled = 0;
     for (std::size_t dev : state.local_devices()) {
-      const float* v = state.master(i, dev);
+      const float* v = meshlib::detail::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
       detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
         std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
         filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),

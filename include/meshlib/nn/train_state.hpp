@@ -189,7 +189,8 @@ class train_state {
         loss_(m.size()),
         gather_(m.size()),
         input_(m.size()),
-        output_grad_(m.size()) {
+        output_grad_(m.size()),
+        squares_(m.size()) {
     model.collect(params);
     loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
     scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
@@ -468,7 +469,8 @@ class train_state {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo);
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
+                                                        squares_.get(dev, detail::squares_scratch(hi - lo)));
   }
   void unscale(T* g, std::size_t n) const noexcept {
     if (scaling_ && loss_scale_ != 1.0f) {
@@ -511,6 +513,8 @@ class train_state {
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<T> output_grad_;
+  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
+  mutable detail::device_buffers<double> squares_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -32,6 +32,7 @@
 /// `Kokkos::View` handles only of your own device's blocks; to read another device's block, use its
 /// `data()` or `detail::unmanaged(view)` (an unmanaged view touches no reference count).
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <mutex>
@@ -262,6 +263,74 @@ void launch_on(const Exec& exec, std::size_t n, const F& f) {
 template <class Space, class F>
 void launch(std::size_t n, const F& f) {
   launch_on(current_exec<Space>(), n, f);
+}
+
+/// Copies `n` values at `src`, in memory `Space`, to the host's `dst`, on the running device's
+/// instance, and waits: what a host decision (an error to throw, a loss to print) needs from a
+/// kernel's result. Where the host can read `Space` it is a plain copy.
+template <class Space, class T>
+void copy_to_host(T* dst, const T* src, std::size_t n) {
+  if (n == 0) return;
+  if constexpr (host_accessible_v<Space>) {
+    std::copy_n(src, n, dst);
+  } else {
+    using unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+    const auto exec = current_exec<Space>();
+    Kokkos::deep_copy(exec, Kokkos::View<T*, Kokkos::HostSpace, unmanaged>(dst, n),
+                      Kokkos::View<const T*, Space, unmanaged>(src, n));
+    exec.fence();
+  }
+}
+
+/// Copies `n` host values at `src` into `dst`, in memory `Space` (the other direction of
+/// `copy_to_host`): caller data (labels, targets) that kernels in `Space` read.
+template <class Space, class T>
+void copy_from_host(T* dst, const T* src, std::size_t n) {
+  if (n == 0) return;
+  if constexpr (host_accessible_v<Space>) {
+    std::copy_n(src, n, dst);
+  } else {
+    using unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+    const auto exec = current_exec<Space>();
+    Kokkos::deep_copy(exec, Kokkos::View<T*, Space, unmanaged>(dst, n),
+                      Kokkos::View<const T*, Kokkos::HostSpace, unmanaged>(src, n));
+    exec.fence();
+  }
+}
+
+/// `n` values at `p`, in memory `Space`, readable on the host: `p` itself where the host can read
+/// `Space`, else a copy in `stage` (file I/O and read-back of whole blocks).
+template <class Space, class T>
+const T* host_readable(const T* p, std::size_t n, std::vector<T>& stage) {
+  if constexpr (host_accessible_v<Space>) {
+    return p;
+  } else {
+    stage.resize(n);
+    copy_to_host<Space>(stage.data(), p, n);
+    return stage.data();
+  }
+}
+
+/// Lets host code `edit(T* q)` the `n` values at `p`, in memory `Space`: in place where the host can
+/// write `Space`, else on a host copy in `stage` that is copied back after `edit` returns.
+template <class Space, class T, class Edit>
+void edit_on_host(T* p, std::size_t n, std::vector<T>& stage, Edit&& edit) {
+  if constexpr (host_accessible_v<Space>) {
+    edit(p);
+  } else {
+    stage.resize(n);
+    copy_to_host<Space>(stage.data(), p, n);
+    edit(stage.data());
+    copy_from_host<Space>(p, stage.data(), n);
+  }
+}
+
+/// The value at `p`, in memory `Space`, on the host (one `copy_to_host`).
+template <class Space, class T>
+T read_back(const T* p) {
+  T v{};
+  copy_to_host<Space>(&v, p, 1);
+  return v;
 }
 
 }  // namespace detail

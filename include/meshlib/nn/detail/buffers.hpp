@@ -41,6 +41,17 @@ class device_buffers {
     meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
+  /// `n` values of the caller's host memory at `src`, readable by kernels in the buffers' memory
+  /// space: `src` itself where the host's memory is that space's, else a copy in device `dev`'s buffer.
+  const T* readable(std::size_t dev, const T* src, std::size_t n) {
+    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+      return src;
+    } else {
+      T* p = get(dev, n);
+      meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
+      return p;
+    }
+  }
 
  private:
   std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;

@@ -140,33 +140,34 @@ KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, s
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/// The scratch `sum_of_squares` needs for `n` elements: one partial sum per block, and the total.
+constexpr std::size_t squares_scratch(std::size_t n) noexcept { return (n + kernel_block - 1) / kernel_block + 1; }
+
 /// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
-/// instance writes one partial sum per block of `kernel_block` elements, added here in block order.
+/// instance writes one partial sum per block of `kernel_block` elements into `scratch` (memory
+/// `Space`, `squares_scratch(n)` elements), one work item adds them in block order into its last
+/// element, and the host reads that one number back (a copy only for device memory).
 /// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
 /// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
 /// every backend and thread count. The order differs from one running sum only in the last bits of
 /// a double, which the float clip scale does not see.
 template <class Space>
-double sum_of_squares(const float* x, std::size_t n) {
-  static_assert(meshlib::detail::host_accessible_v<Space>,
-                "meshlib::nn: the clipping norm's partial sums are added on the host; device memory needs them copied");
-  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
-  if (blocks <= 1) {
-    double s = 0;
-    double* out = &s;
-    meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t) { *out = squares_of_block(x, 0, n); });
-    return s;
-  }
-  thread_local std::vector<double> partials;  // this device thread's; reused from step to step
-  if (partials.size() < blocks) partials.resize(blocks);
-  double* part = partials.data();
+double sum_of_squares(const float* x, std::size_t n, double* scratch) {
+  const std::size_t blocks = squares_scratch(n) - 1;
+  double* part = scratch;
   meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
-  double s = 0;
-  for (std::size_t b = 0; b < blocks; ++b) s += part[b];
-  return s;
+  if (blocks > 1) {
+    meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+      double s = 0;
+      for (std::size_t b = 0; b < blocks; ++b) s += part[b];
+      part[blocks] = s;
+    });
+    return meshlib::detail::read_back<Space>(part + blocks);
+  }
+  return blocks == 1 ? meshlib::detail::read_back<Space>(part) : 0.0;
 }
 
 }  // namespace meshlib::nn::detail

@@ -40,6 +40,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -75,7 +76,8 @@ class embedding {
       : name_(checked_name(mesh, name, vocab, features)),
         table(name + ".embedding", sharding{mesh}, {vocab, features}, key, init::normal(stddev), true, local_devices),
         saved_(mesh.size()),
-        out_(mesh.size()) {}
+        out_(mesh.size()),
+        bad_(mesh.size()) {}
 
   /// The layer's name: its parameter is `name() + ".embedding"`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -108,8 +110,6 @@ class embedding {
     static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
                   "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
                   "of a model group looks up the same tokens in its own vocabulary range)");
-    static_assert(meshlib::detail::host_accessible_v<typename Ids::memory_space>,
-                  "meshlib::nn: embedding checks the ids into a host result; device memory needs them copied back");
     if constexpr (!accepts_input<Ids>) {
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
@@ -184,28 +184,20 @@ class embedding {
     return name;
   }
 
-  // Public only because nvcc refuses an extended device lambda in a private member function.
- public:
   /// Throws `std::out_of_range` naming the first of the `rows` ids (this device's) that is outside the
   /// vocabulary; called by `forward`.
-  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) const {
-    // The first bad token, found by one work item on the device's instance (host-accessible ids).
-    std::size_t bad = rows;
-    std::size_t* res = &bad;
-    const std::int32_t vocab = static_cast<std::int32_t>(vocab_size());
-    meshlib::detail::launch<default_memory_space>(1, KOKKOS_LAMBDA(std::size_t) {
-      for (std::size_t i = 0; i < rows; ++i)
-        if (id[i] < 0 || id[i] >= vocab) {
-          *res = i;
-          break;
-        }
-    });
+  void check_ids(const std::int32_t* id, std::size_t rows, std::size_t dev) {
+    // The first bad token, found by one work item on the device's instance (nn/detail/loss_kernels.hpp);
+    // the host reads back its index, and its id to name it.
+    const std::size_t bad = detail::first_id_outside<default_memory_space>(
+        id, rows, static_cast<std::int32_t>(vocab_size()), bad_.get(dev, 1));
     if (bad != rows)
       throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
-                              std::to_string(dev) + " has id " + std::to_string(id[bad]) + ", not in [0, " +
-                              std::to_string(vocab_size()) + "); map the text to ids below the vocabulary size");
+                              std::to_string(dev) + " has id " +
+                              std::to_string(meshlib::detail::read_back<default_memory_space>(id + bad)) +
+                              ", not in [0, " + std::to_string(vocab_size()) +
+                              "); map the text to ids below the vocabulary size");
   }
- private:
 
   struct saved {
     const std::int32_t* ids = nullptr;
@@ -213,6 +205,7 @@ class embedding {
   };
   std::vector<saved> saved_;
   detail::device_buffers<T> out_;
+  detail::device_buffers<std::size_t> bad_;  // check_ids' result, one per device
 };
 
 }  // namespace meshlib::nn
