@@ -53,12 +53,14 @@ compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $wor
   "$src/bin/nvcc_wrapper" "${flags[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1
 }
 start=$SECONDS
-# The two that must compile run side by side (one per core); then the one that must not.
-compile device_arrays & a=$!
-compile nn_headers & b=$!
-for job in "$a:device_arrays" "$b:nn_headers"; do
-  if wait "${job%%:*}"; then echo "  compiles for CUDA: tests/cuda/${job#*:}.cpp"
-  else echo "  FAILED to compile for CUDA: tests/cuda/${job#*:}.cpp"; grep -m 10 "error" "$work/${job#*:}.log" || tail -n 20 "$work/${job#*:}.log"; status=1; fi
+# The ones that must compile run two at a time (one per core); then the one that must not.
+for pair in "device_arrays nn_headers" "nn_layers"; do
+  jobs_=()
+  for name in $pair; do compile "$name" & jobs_+=("$!:$name"); done
+  for job in "${jobs_[@]}"; do
+    if wait "${job%%:*}"; then echo "  compiles for CUDA: tests/cuda/${job#*:}.cpp"
+    else echo "  FAILED to compile for CUDA: tests/cuda/${job#*:}.cpp"; grep -m 10 "error" "$work/${job#*:}.log" || tail -n 20 "$work/${job#*:}.log"; status=1; fi
+  done
 done
 want="meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory"
 if compile host_collective_on_device; then

@@ -589,7 +589,7 @@ std::size_t global_offset(const L& x, std::size_t d) {
 /// columns: the vectorised loop of the row-by-row sum it replaced.
 /// @code
 /// detail::fill_values<Space>(g, n, 0.0f);
-/// detail::for_column_blocks<Space>(cols, [=](std::size_t j0, std::size_t j1) {
+/// detail::for_column_blocks<Space>(cols, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
 ///   for (std::size_t i = 0; i < rows; ++i)
 ///     for (std::size_t j = j0; j < j1; ++j) s[j] += x[i * cols + j];   // s = column sums of x
 /// });
@@ -620,20 +620,173 @@ void convert_copy(To* to, const From* from, std::size_t n) {
 /// and a wider layer still splits over a device's cores.
 inline constexpr std::size_t column_block = 1024;
 
-/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
-/// kernel on memory `Space` on the running device's instance, one work item per block (see the
-/// file comment). `f` captures by value (it runs in the kernel).
-template <class Space, class F>
-void for_column_blocks(std::size_t cols, const F& f) {
-  const std::size_t blocks = (cols + column_block - 1) / column_block;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+/// The work item of `for_column_blocks`: block `b` of `column_block` columns calls `f(j0, j1)`. A
+/// class rather than a lambda: nvcc refuses an extended device lambda in a function templated on a
+/// type local to another function (the caller's lambda `F`).
+template <class F>
+struct column_blocks_kernel {
+  std::size_t cols;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
     const std::size_t j0 = b * column_block, j1 = j0 + column_block < cols ? j0 + column_block : cols;
     f(j0, j1);
-  });
+  }
+};
+
+/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
+/// kernel on memory `Space` on the running device's instance, one work item per block (see the
+/// file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code templated
+/// on a mesh (nn/detail/layer_kernels.hpp says why).
+template <class Space, class F>
+void for_column_blocks(std::size_t cols, const F& f) {
+  meshlib::detail::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
 }
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/kernels.hpp
+// begin meshlib/nn/detail/layer_kernels.hpp
+/// @file
+/// @brief The element-wise and row-wise kernels of the dense, activation, dropout, residual,
+/// positional-embedding and embedding layers. Each is one RangePolicy `parallel_for` on the running
+/// device's instance over memory `Space` (`meshlib::detail::launch`), or a launch over blocks of
+/// columns for sums over rows (`for_column_blocks`, rows added in row order: the same bits on every
+/// mesh and backend); the bodies are the loops the layers ran before.
+///
+/// Why free functions over pointers, templated on the element type and the memory space only, and
+/// not lambdas in the layers: nvcc names an extended device lambda's kernel after its enclosing
+/// function, and its generated host stub spells a class-type template argument (the mesh's
+/// `axis<"data">`, a `fixed_string`) in a form GCC cannot parse, so a kernel written inside code
+/// templated on a mesh does not compile for CUDA (docs/design.md). tests/cuda/nn_layers.cpp
+/// instantiates the layers for `CudaSpace`.
+
+#include <cstddef>
+#include <cstdint>
+
+
+namespace meshlib::nn::detail {
+
+/// `y += bias` (`add`) or `y = bias` on every row of `y` (`rows x out`), one work item per row.
+template <class Space, class T>
+void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    T* yi = y + i * out;
+    const T* bj = bias;
+    if (add)
+      for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
+    else
+      for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
+  });
+}
+
+/// `gb (+)= the column sums of d` (`rows x out`; `fresh`: write instead of add), each column's rows
+/// added in row order.
+template <class Space, class T>
+void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh) {
+  for_column_blocks<Space>(out, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* s = gb;  // locals: the stores below cannot be taken to change them
+    const T* dr = d;
+    if (fresh)
+      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    for (std::size_t i = 0; i < rows; ++i, dr += out)
+      for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
+  });
+}
+
+/// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
+template <class Space, class Fn, class T>
+void activation_forward(T* y, const T* x, std::size_t n) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+}
+
+/// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
+/// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
+template <class Space, class Fn, class T>
+void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
+  if constexpr (requires { Fn::vjp(T{}, T{}); })
+    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
+  else
+    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+}
+
+/// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide
+/// global array: `mask = keep` where the element's counter-based uniform draw is at least `rate`,
+/// else 0, and `y = x * mask`. One work item per row (its global index computed once).
+template <class Space, class T>
+void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t c0,
+                     std::size_t gcols, rng_key key, float rate, T keep) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
+    for (std::size_t j = 0; j < cols; ++j) {
+      mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
+      y[i * cols + j] = xp[i * cols + j] * mask[i * cols + j];
+    }
+  });
+}
+
+/// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
+template <class Space, class T>
+void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+}
+
+/// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
+template <class Space, class T>
+void sum_values(T* out, const T* a, const T* b, std::size_t n) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+}
+
+/// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.
+template <class Space, class T>
+void add_positions(T* y, const T* xp, const T* w, std::size_t rows, std::size_t d, std::size_t seq) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* wr = w + (i % seq) * d;
+    for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
+  });
+}
+
+/// `g[position] += dy` for every token (the positional table's gradient), tokens in order.
+template <class Space, class T>
+void position_grad(T* g, const T* dyp, std::size_t rows, std::size_t d, std::size_t seq) {
+  for_column_blocks<Space>(d, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* gs = g;  // a local: the stores below cannot be taken to change it
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = j0; j < j1; ++j) gs[(i % seq) * d + j] += dyp[i * d + j];
+  });
+}
+
+/// Row `i` of `y` = row `id[i] - v0` of this device's table rows `w` (`vl x d`, vocabulary range
+/// `[v0, v0 + vl)`), zeros where the id is another device's.
+template <class Space, class T>
+void lookup_rows(T* y, const T* w, const std::int32_t* id, std::size_t rows, std::size_t d, std::size_t v0,
+                 std::size_t vl) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const std::size_t v = static_cast<std::size_t>(id[i]);
+    T* yi = y + i * d;
+    if (v >= v0 && v < v0 + vl) {
+      const T* wr = w + (v - v0) * d;
+      for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
+    } else {
+      for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
+    }
+  });
+}
+
+/// `g[id[i] - v0] += dy[i]` for the tokens whose id is in this device's range, tokens in order.
+template <class Space, class T>
+void scatter_add_rows(T* g, const T* dyp, const std::int32_t* id, std::size_t n, std::size_t d, std::size_t v0,
+                      std::size_t vl) {
+  for_column_blocks<Space>(d, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* gs = g;  // a local: the stores below cannot be taken to change it
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t v = static_cast<std::size_t>(id[i]);
+      if (v < v0 || v >= v0 + vl) continue;  // another device's row
+      for (std::size_t j = j0; j < j1; ++j) gs[(v - v0) * d + j] += dyp[i * d + j];
+    }
+  });
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/layer_kernels.hpp
 // begin meshlib/nn/detail/shape_checks.hpp
 /// @file
 /// @brief What the layers and `sequential` check about the shapes and shardings they receive, and
@@ -942,9 +1095,9 @@ class basic_dense {
         matmul_into(view(y, rows, out), xv, wv);
         // Donated: z wraps the layer's own buffer (an unmanaged view), so the sum lands in it.
         static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, out, x.mesh(), dev)));
-        add_bias(y, bias, rows, out, true);
+        detail::add_bias<default_memory_space>(y, bias, rows, out, true);
       } else {
-        add_bias(y, bias, rows, out, false);  // y = b, then y += x W
+        detail::add_bias<default_memory_space>(y, bias, rows, out, false);  // y = b, then y += x W
         matmul_into(view(y, rows, out), xv, wv, {.beta = 1});
       }
       return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
@@ -977,14 +1130,7 @@ class basic_dense {
     const T* d = dy.data();
     const bool fresh = b.grad_beta(dev) == T{0};
     const std::size_t nrows = rows;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::for_column_blocks<default_memory_space>(out, [=](std::size_t j0, std::size_t j1) {
-      T* s = gb;  // locals: the stores below cannot be taken to change them
-      const T* dr = d;
-      if (fresh)
-        for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
-      for (std::size_t i = 0; i < nrows; ++i, dr += out)
-        for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
-    });
+    detail::bias_grad<default_memory_space>(gb, d, nrows, out, fresh);
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
@@ -1001,20 +1147,6 @@ class basic_dense {
   void collect(std::vector<param_ref<T>>& out) const {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
-  }
-
-  /// `y += b` (`add`) or `y = b` on every row of `y` (`rows x out`): a Kokkos kernel, one work item
-  /// per row (the row's loop vectorises as before). Public only because nvcc refuses an extended
-  /// device lambda in a private member function.
-  static void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T* yi = y + i * out;
-      const T* bj = bias;
-      if (add)
-        for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
-      else
-        for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
-    });
   }
 
  private:
@@ -1144,7 +1276,7 @@ class elementwise_activation {
     saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
     T* y = out_.get(dev, n);
     const T* xp = x.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(xp[i]); });
+    detail::activation_forward<default_memory_space, Fn>(y, xp, n);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
@@ -1157,10 +1289,7 @@ class elementwise_activation {
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
     const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    if constexpr (requires { Fn::vjp(T{}, T{}); })  // the activation's own (branch-free) cotangent
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], xs[i]); });
-    else
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(xs[i]); });
+    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
@@ -1250,6 +1379,203 @@ using gelu = detail::elementwise_activation<T, detail::gelu_fn>;
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/norm_kernels.hpp
+/// @file
+/// @brief The kernels of layer norm, RMSNorm and batch norm: per-row statistics and normalisation
+/// (one work item per row), per-channel statistics (one work item per channel), and the parameters'
+/// gradients as sums over rows (`for_column_blocks`, rows added in row order: the same bits on every
+/// mesh and backend). Free functions over pointers, templated on the element type and the memory
+/// space only, for the reason nn/detail/layer_kernels.hpp gives (nvcc and kernels in mesh-templated code).
+
+#include <cmath>
+#include <cstddef>
+
+
+namespace meshlib::nn::detail {
+
+/// Layer norm's forward over `rows x n`: `rstd[i]` = 1 / std of row `i`, `xh` the normalised rows,
+/// `y = xh * g + b`.
+template <class Space, class T>
+void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T* bv, std::size_t rows, std::size_t n,
+                        T eps) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* xi = xp + i * n;
+    T mean = 0, var = 0;
+    for (std::size_t j = 0; j < n; ++j) mean += xi[j];
+    mean /= static_cast<T>(n);
+    for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
+    var /= static_cast<T>(n);
+    rstd[i] = T{1} / std::sqrt(var + eps);
+    for (std::size_t j = 0; j < n; ++j) {
+      xh[i * n + j] = (xi[j] - mean) * rstd[i];
+      y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
+    }
+  });
+}
+
+/// Layer norm's backward: `dx` from `dy`, and `gg += sum_rows dy * xhat`, `gb += sum_rows dy`.
+template <class Space, class T>
+void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T* rstd, const T* gv, std::size_t rows,
+                         std::size_t n) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* d = dyp + i * n;
+    T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
+    for (std::size_t j = 0; j < n; ++j) {
+      const T dxh = d[j] * gv[j];
+      s1 += dxh;
+      s2 += dxh * xh[i * n + j];
+    }
+    s1 /= static_cast<T>(n);
+    s2 /= static_cast<T>(n);
+    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
+  });
+  // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* sg = gg;  // locals: the stores below cannot be taken to change them
+    T* sb = gb;
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = j0; j < j1; ++j) {
+        sg[j] += dyp[i * n + j] * xh[i * n + j];
+        sb[j] += dyp[i * n + j];
+      }
+  });
+}
+
+/// RMSNorm's forward over `rows x n`: `rinv[i]` = 1 / rms of row `i`, `xh = x / rms`, `y = xh * g`.
+template <class Space, class T>
+void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_t rows, std::size_t n, T eps) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* xi = xp + i * n;
+    T ms = 0;
+    for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
+    ms /= static_cast<T>(n);
+    const T r = T{1} / std::sqrt(ms + eps);
+    rinv[i] = r;
+    for (std::size_t j = 0; j < n; ++j) {
+      xh[i * n + j] = xi[j] * r;
+      y[i * n + j] = xh[i * n + j] * gv[j];
+    }
+  });
+}
+
+/// RMSNorm's backward: `dx` from `dy`, and `gg += sum_rows dy * xhat`.
+template <class Space, class T>
+void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, const T* gv, std::size_t rows,
+                       std::size_t n) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* d = dyp + i * n;
+    T s = 0;  // mean of dxhat * xhat
+    for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
+    s /= static_cast<T>(n);
+    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
+  });
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* sg = gg;  // a local: the stores below cannot be taken to change it
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
+  });
+}
+
+/// `s[j] = sum_i x[i, j]` (`centre` null) or `sum_i (x[i, j] - centre[j] / count)^2` over `rows x c`,
+/// rows in order (batch norm's statistics, before their psum over the data axis).
+template <class Space, class T>
+void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count) {
+  for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* sj = s;
+    for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
+    if (centre == nullptr) {
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
+    } else {
+      for (std::size_t i = 0; i < rows; ++i)
+        for (std::size_t j = j0; j < j1; ++j) {
+          const T dv = x[i * c + j] - centre[j] / count;
+          sj[j] += dv * dv;
+        }
+    }
+  });
+}
+
+/// Batch norm in training: from the global sums `s` and squared deviations `q` of `count` rows, the
+/// channels' `mean` and `rstd`, and the running statistics moved by `mom` (the variance unbiased).
+template <class Space, class T>
+void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, const T* q, std::size_t c, T count,
+                      T eps, T mom, T unbias) {
+  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+    mean[j] = s[j] / count;
+    const T var = q[j] / count;
+    rstd[j] = T{1} / std::sqrt(var + eps);
+    run_mean[j] = (T{1} - mom) * run_mean[j] + mom * mean[j];
+    run_var[j] = (T{1} - mom) * run_var[j] + mom * var * unbias;
+  });
+}
+
+/// Batch norm in evaluation: the channels' `mean` and `rstd` from the running statistics.
+template <class Space, class T>
+void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, std::size_t c, T eps) {
+  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+    mean[j] = run_mean[j];
+    rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
+  });
+}
+
+/// Batch norm's normalisation of `np x c`: `xh = (x - mean) * rstd`, `y = xh * g + b`.
+template <class Space, class T>
+void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
+                     std::size_t c) {
+  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t j = 0; j < c; ++j) {
+      xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
+      y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
+    }
+  });
+}
+
+/// Per channel, rows in order: `sums[j] = sum dy`, `sums[c + j] = sum dy * xhat`.
+template <class Space, class T>
+void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size_t c) {
+  for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* sa = sums;
+    T* sb = sums + c;
+    for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
+    for (std::size_t i = 0; i < np; ++i)
+      for (std::size_t j = j0; j < j1; ++j) {
+        sa[j] += d[i * c + j];
+        sb[j] += d[i * c + j] * xh[i * c + j];
+      }
+  });
+}
+
+/// `gg = beta_g gg + sum dy * xhat`, `gb = beta_b gb + sum dy` (batch norm's parameter gradients).
+template <class Space, class T>
+void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T beta_b) {
+  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+    gg[j] = beta_g * gg[j] + sums[c + j];
+    gb[j] = beta_b * gb[j] + sums[j];
+  });
+}
+
+/// Batch norm's input cotangent in training, from the global sums (`inv` = 1 / rows of the batch):
+/// `dx = g / std * (dy - mean(dy) - xhat * mean(dy * xhat))`.
+template <class Space, class T>
+void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
+                   std::size_t c, T inv) {
+  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t j = 0; j < c; ++j)
+      dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
+  });
+}
+
+/// Batch norm's input cotangent in evaluation (constant statistics): `dx = g * rstd * dy`.
+template <class Space, class T>
+void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
+  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
+  });
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/norm_kernels.hpp
 
 namespace meshlib::nn {
 
@@ -1314,19 +1640,7 @@ class layer_norm {
     const T* bv = b.value.local(dev).data();
     const T* xp = x.data();
     const T eps = eps_;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* xi = xp + i * n;
-      T mean = 0, var = 0;
-      for (std::size_t j = 0; j < n; ++j) mean += xi[j];
-      mean /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
-      var /= static_cast<T>(n);
-      rstd[i] = T{1} / std::sqrt(var + eps);
-      for (std::size_t j = 0; j < n; ++j) {
-        xh[i * n + j] = (xi[j] - mean) * rstd[i];
-        y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
-      }
-    });
+    detail::layer_norm_forward<default_memory_space>(y, xh, rstd, xp, gv, bv, rows, n, eps);
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
@@ -1342,28 +1656,7 @@ class layer_norm {
     T* gb = b.grad.local(dev).data();
     T* dx = dx_.get(dev, rows * n);
     const T* dyp = dy.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* d = dyp + i * n;
-      T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
-      for (std::size_t j = 0; j < n; ++j) {
-        const T dxh = d[j] * gv[j];
-        s1 += dxh;
-        s2 += dxh * xh[i * n + j];
-      }
-      s1 /= static_cast<T>(n);
-      s2 /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
-    });
-    // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
-    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
-      T* sg = gg;  // locals: the stores below cannot be taken to change them
-      T* sb = gb;
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          sg[j] += dyp[i * n + j] * xh[i * n + j];
-          sb[j] += dyp[i * n + j];
-        }
-    });
+    detail::layer_norm_backward<default_memory_space>(dx, gg, gb, dyp, xh, rstd, gv, rows, n);
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 
@@ -1468,18 +1761,7 @@ class rms_norm {
     const T* gv = g.value.local(dev).data();
     const T* xp = x.data();
     const T eps = eps_;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* xi = xp + i * n;
-      T ms = 0;
-      for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
-      ms /= static_cast<T>(n);
-      const T r = T{1} / std::sqrt(ms + eps);
-      rinv[i] = r;
-      for (std::size_t j = 0; j < n; ++j) {
-        xh[i * n + j] = xi[j] * r;
-        y[i * n + j] = xh[i * n + j] * gv[j];
-      }
-    });
+    detail::rms_norm_forward<default_memory_space>(y, xh, rinv, xp, gv, rows, n, eps);
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
@@ -1496,19 +1778,8 @@ class rms_norm {
     T* gg = g.grad.local(dev).data();
     T* dx = dx_.get(dev, rows * n);
     const T* dyp = dy.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* d = dyp + i * n;
-      T s = 0;  // mean of dxhat * xhat
-      for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
-      s /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
-    });
+    detail::rms_norm_backward<default_memory_space>(dx, gg, dyp, xh, rinv, gv, rows, n);
     // dg += sum_rows dy * xhat: each column's rows in row order.
-    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
-      T* sg = gg;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
-    });
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 
@@ -1876,16 +2147,7 @@ class embedding {
       T* y = out_.get(dev, rows * d);
       const T* w = tl.data();
       const std::int32_t* id = ids.data();
-      meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-        const std::size_t v = static_cast<std::size_t>(id[i]);
-        T* yi = y + i * d;
-        if (v >= v0 && v < v0 + vl) {
-          const T* wr = w + (v - v0) * d;
-          for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
-        } else {
-          for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
-        }
-      });
+      detail::lookup_rows<default_memory_space>(y, w, id, rows, d, v0, vl);
       if constexpr (model_mask != 0)
         static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
       return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
@@ -1908,14 +2170,7 @@ class embedding {
     const T* dyp = dy.data();
     const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
     const std::size_t n = rows;
-    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
-      T* gs = g;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::size_t v = static_cast<std::size_t>(id[i]);
-        if (v < v0 || v >= v0 + vl) continue;  // another device's row
-        for (std::size_t j = j0; j < j1; ++j) gs[(v - v0) * d + j] += dyp[i * d + j];
-      }
-    });
+    detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
     return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
   }
 
@@ -2068,10 +2323,7 @@ class positional_embedding {
     T* y = out_.get(dev, rows * d);
     const T* xp = x.data();
     const T* w = table.local(dev).data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* wr = w + (i % seq) * d;
-      for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
-    });
+    detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
     return X(typename X::view_type(y, rows, d), x.mesh(), dev);
   }
 
@@ -2083,11 +2335,7 @@ class positional_embedding {
     detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();
-    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
-      T* gs = g;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) gs[(i % seq) * d + j] += dyp[i * d + j];
-    });
+    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
     return dy;
   }
 
@@ -2276,6 +2524,94 @@ class tied_head {
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/attention_kernels.hpp
+/// @file
+/// @brief The kernels of causal self-attention besides its products: the heads' layouts (split and
+/// merge, and their inverses) and the causal softmax with its backward, one work item per token or
+/// per row of scores. Free functions over pointers, templated on the element type and the memory
+/// space only, for the reason nn/detail/layer_kernels.hpp gives (nvcc and kernels in mesh-templated code).
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+
+namespace meshlib::nn::detail {
+
+/// The fused projection's output `(token, [head][q|k|v][head_dim])` as `[q|k|v][head][token][head_dim]`
+/// (each sequence and head contiguous for the products), and back (`unsplit_heads`).
+template <class Space, class T>
+void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t t = 0; t < 3; ++t)
+        for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
+  });
+}
+
+/// The inverse of `split_heads`.
+template <class Space, class T>
+void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t t = 0; t < 3; ++t)
+        for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
+  });
+}
+
+/// The heads' outputs `[head][token][head_dim]` as the output projection's rows `(token, [head][head_dim])`,
+/// and back (`unmerge_heads`).
+template <class Space, class T>
+void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
+  });
+}
+
+/// The inverse of `merge_heads`.
+template <class Space, class T>
+void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
+  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    for (std::size_t h = 0; h < hl; ++h)
+      for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
+  });
+}
+
+/// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
+/// `j <= i` with the maximum subtracted, 0 above.
+template <class Space, class T>
+void causal_softmax(T* s, std::size_t n, std::size_t seq) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+    T* row = s + r * seq;
+    const std::size_t last = r % seq;
+    T m = -std::numeric_limits<T>::infinity();
+    for (std::size_t j = 0; j <= last; ++j) m = row[j] > m ? row[j] : m;
+    T sum = 0;
+    for (std::size_t j = 0; j <= last; ++j) sum += (row[j] = std::exp(row[j] - m));
+    const T inv = T{1} / sum;
+    for (std::size_t j = 0; j <= last; ++j) row[j] *= inv;
+    for (std::size_t j = last + 1; j < seq; ++j) row[j] = T{0};
+  });
+}
+
+/// `dS = scale * P (dP - rowsum(P dP))` in place of `dp` (the softmax's backward, with the scale of
+/// the scores folded in); 0 above the diagonal.
+template <class Space, class T>
+void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+    const T* pr = p + r * seq;
+    T* d = dp + r * seq;
+    const std::size_t last = r % seq;
+    T dot = 0;
+    for (std::size_t j = 0; j <= last; ++j) dot += pr[j] * d[j];
+    for (std::size_t j = 0; j <= last; ++j) d[j] = scale * pr[j] * (d[j] - dot);
+    for (std::size_t j = last + 1; j < seq; ++j) d[j] = T{0};
+  });
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/attention_kernels.hpp
 
 namespace meshlib::nn {
 
@@ -2360,7 +2696,7 @@ class causal_self_attention {
     // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
     T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
     const T* yp = y.data();
-    split_heads(qh, yp, rows, hl, hd);
+    detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
     T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
     T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -2368,14 +2704,14 @@ class causal_self_attention {
       for (std::size_t b = 0; b < nb; ++b)
         matmul_into(view(block_p(p, h, b, nb, seq), seq, seq), cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd),
                     cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd), {.transpose_b = true, .alpha = scale});
-    causal_softmax(p, hl * nb * seq, seq);
+    detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t b = 0; b < nb; ++b)
         matmul_into(view(block(oh, 0, h, b, hl, rows, seq, hd), seq, hd), cview(block_p(p, h, b, nb, seq), seq, seq),
                     cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
     T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
     const T* ohp = oh;
-    merge_heads(oc, ohp, rows, hl, hd);
+    detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
     return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
   }
 
@@ -2395,7 +2731,7 @@ class causal_self_attention {
     const T* p = probs_.get(dev, hl * nb * seq * seq);
     T* doh = doh_.get(dev, hl * rows * hd);
     const T* dop = dout.data();
-    unmerge_heads(doh, dop, rows, hl, hd);
+    detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
     T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
     T* dp = dprobs_.get(dev, hl * nb * seq * seq);
     for (std::size_t h = 0; h < hl; ++h)
@@ -2407,7 +2743,7 @@ class causal_self_attention {
         matmul_into(view(block_p(dp, h, b, nb, seq), seq, seq), dob, cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd),
                     {.transpose_b = true});
       }
-    causal_softmax_backward(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+    detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t b = 0; b < nb; ++b) {
         const auto dsb = cview(block_p(dp, h, b, nb, seq), seq, seq);
@@ -2419,7 +2755,7 @@ class causal_self_attention {
       }
     T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
     const T* dqhp = dqh;
-    unsplit_heads(dq, dqhp, rows, hl, hd);
+    detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
     return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
   }
 
@@ -2448,72 +2784,6 @@ class causal_self_attention {
   }
   static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
     return base + (h * nb + b) * seq * seq;
-  }
-
-  // Public only because nvcc refuses an extended device lambda in a private member function.
- public:
-  /// The fused projection's output `(token, [head][q|k|v][head_dim])` as `[q|k|v][head][token][head_dim]`
-  /// (each sequence and head contiguous for the products), and back (`unsplit_heads`). Named
-  /// functions: nvcc refuses extended device lambdas in `forward`/`backward`, whose return type is deduced.
-  static void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
-    });
-  }
-  /// The inverse of `split_heads`.
-  static void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
-    });
-  }
-  /// The heads' outputs `[head][token][head_dim]` as the output projection's rows `(token, [head][head_dim])`,
-  /// and back (`unmerge_heads`).
-  static void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
-    });
-  }
-  /// The inverse of `merge_heads`.
-  static void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
-    });
-  }
-
-  /// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
-  /// `j <= i` with the maximum subtracted, 0 above.
-  static void causal_softmax(T* s, std::size_t n, std::size_t seq) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
-      T* row = s + r * seq;
-      const std::size_t last = r % seq;
-      T m = -std::numeric_limits<T>::infinity();
-      for (std::size_t j = 0; j <= last; ++j) m = row[j] > m ? row[j] : m;
-      T sum = 0;
-      for (std::size_t j = 0; j <= last; ++j) sum += (row[j] = std::exp(row[j] - m));
-      const T inv = T{1} / sum;
-      for (std::size_t j = 0; j <= last; ++j) row[j] *= inv;
-      for (std::size_t j = last + 1; j < seq; ++j) row[j] = T{0};
-    });
-  }
-
-  /// `dS = scale * P (dP - rowsum(P dP))` in place of `dp` (the softmax's backward, with the scale of
-  /// the scores folded in); 0 above the diagonal.
-  static void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
-      const T* pr = p + r * seq;
-      T* d = dp + r * seq;
-      const std::size_t last = r % seq;
-      T dot = 0;
-      for (std::size_t j = 0; j <= last; ++j) dot += pr[j] * d[j];
-      for (std::size_t j = 0; j <= last; ++j) d[j] = scale * pr[j] * (d[j] - dot);
-      for (std::size_t j = last + 1; j < seq; ++j) d[j] = T{0};
-    });
   }
 
  private:
@@ -2631,11 +2901,11 @@ class transformer_block {
     auto a = attn.forward(ln1.forward(x));
     static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
     T* h = h_.get(dev, n);
-    add(h, x.data(), a.data(), n);
+    detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
     const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
     auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
     T* y = y_.get(dev, n);
-    add(y, h, m.data(), n);
+    detail::sum_values<default_memory_space>(y, h, m.data(), n);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
@@ -2646,11 +2916,11 @@ class transformer_block {
     const std::size_t dev = dy.device(), n = dy.size();
     auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
     T* dh = dh_.get(dev, n);
-    add(dh, dy.data(), dm.data(), n);
+    detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
     const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
     auto da = ln1.backward(attn.backward(dhx, true));
     T* dx = dx_.get(dev, n);
-    add(dx, dh, da.data(), n);
+    detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
@@ -2661,12 +2931,6 @@ class transformer_block {
     ln2.collect(out);
     fc1.collect(out);
     fc2.collect(out);
-  }
-
-  /// `out = a + b` over `n` elements (the residual connection and its cotangent). Public only
-  /// because nvcc refuses an extended device lambda in a private member function.
-  static void add(T* out, const T* a, const T* b, std::size_t n) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
   }
 
  private:
@@ -2739,13 +3003,7 @@ class dropout {
     const rng_key key = key_;
     const float rate = rate_;
     // One work item per row (the row's global index is computed once, as in the loop).
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
-      for (std::size_t j = 0; j < cols; ++j) {
-        mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
-        y[i * cols + j] = xp[i * cols + j] * mask[i * cols + j];
-      }
-    });
+    detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
     return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
   }
 
@@ -2760,7 +3018,7 @@ class dropout {
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * mask[i]; });
+    detail::multiply_values<default_memory_space>(dx, d, mask, n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
@@ -3171,6 +3429,103 @@ class conv2d {
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/pool_kernels.hpp
+/// @file
+/// @brief The kernels of max, average and global average pooling over NHWC images (rows of
+/// `height * width * channels` values): one work item per output pixel forward, one per input pixel
+/// backward (each gathers from the windows that contain it: no atomics, the same bits on every
+/// backend). Free functions over pointers, templated on the element type and the memory space only,
+/// for the reason nn/detail/layer_kernels.hpp gives (nvcc and kernels in mesh-templated code).
+
+#include <cstddef>
+#include <cstdint>
+
+
+namespace meshlib::nn::detail {
+
+/// Max (`Max`, with the winning pixel in `arg`) or average pooling of `n` images `h x wd x c` with
+/// `k x k` windows at stride `s` into `ho x wo` outputs (`inv` = 1 / (k * k)).
+template <class Space, bool Max, class T>
+void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::size_t h, std::size_t wd, std::size_t c,
+                  std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
+  meshlib::detail::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+    // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
+    // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
+    const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
+    for (std::size_t ch = 0; ch < c; ++ch) {
+      T acc = Max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
+      std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
+      for (std::size_t i = 0; i < k; ++i)
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::size_t pix = (oh * s + i) * wd + ow * s + j;
+          const T v = xp[(img * h * wd + pix) * c + ch];
+          if (Max) {
+            if (v > acc) {
+              acc = v;
+              best = static_cast<std::uint32_t>(pix);
+            }
+          } else {
+            acc += v;
+          }
+        }
+      if (Max) {
+        y[r * c + ch] = acc;
+        arg[r * c + ch] = best;
+      } else {
+        y[r * c + ch] = acc * inv;
+      }
+    }
+  });
+}
+
+/// The input cotangent of `pool_forward` from the output cotangent `d`.
+template <class Space, bool Max, class T>
+void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, std::size_t h, std::size_t wd,
+                   std::size_t c, std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
+  meshlib::detail::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+    const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
+    T* dst = dx + q * c;
+    for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
+    // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
+    const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
+    for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
+      for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
+        const std::size_t r = (img * ho + oh) * wo + ow;
+        for (std::size_t ch = 0; ch < c; ++ch) {
+          if (Max) {
+            if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
+          } else {
+            dst[ch] += d[r * c + ch] * inv;
+          }
+        }
+      }
+  });
+}
+
+/// Global average pooling of `n` images of `hw` pixels and `c` channels (`inv` = 1 / hw).
+template <class Space, class T>
+void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::size_t c, T inv) {
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
+    T* yi = y + img * c;
+    const T* xi = xp + img * hw * c;
+    for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
+    for (std::size_t q = 0; q < hw; ++q)  // pixels in order, each a contiguous run of channels
+      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] += xi[q * c + ch];
+    for (std::size_t ch = 0; ch < c; ++ch) yi[ch] *= inv;
+  });
+}
+
+/// `dx = dy / (H * W)` on every pixel.
+template <class Space, class T>
+void global_pool_backward(T* dx, const T* d, std::size_t n, std::size_t hw, std::size_t c, T inv) {
+  meshlib::detail::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+    const T* di = d + q / hw * c;
+    for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
+  });
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/pool_kernels.hpp
 
 namespace meshlib::nn {
 
@@ -3227,34 +3582,7 @@ class pool2d {
     std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(k * k);
-    meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
-      // Plain `if` on Kind below, not `if constexpr`: nvcc refuses a device lambda whose first use
-      // of a captured variable is inside an `if constexpr`. Kind is a constant: the same code results.
-      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-      for (std::size_t ch = 0; ch < c; ++ch) {
-        T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
-        std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
-        for (std::size_t i = 0; i < k; ++i)
-          for (std::size_t j = 0; j < k; ++j) {
-            const std::size_t pix = (oh * s + i) * wd + ow * s + j;
-            const T v = xp[(img * h * wd + pix) * c + ch];
-            if (Kind == pool_kind::max) {
-              if (v > acc) {
-                acc = v;
-                best = static_cast<std::uint32_t>(pix);
-              }
-            } else {
-              acc += v;
-            }
-          }
-        if (Kind == pool_kind::max) {
-          y[r * c + ch] = acc;
-          arg[r * c + ch] = best;
-        } else {
-          y[r * c + ch] = acc * inv;
-        }
-      }
-    });
+    detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
     return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
   }
 
@@ -3271,24 +3599,7 @@ class pool2d {
     const T* d = dy.data();
     T* dx = dx_.get(dev, n * in_.size());
     const T inv = T{1} / static_cast<T>(k * k);
-    meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
-      const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
-      T* dst = dx + q * c;
-      for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
-      // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
-      const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
-      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
-        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
-          const std::size_t r = (img * ho + oh) * wo + ow;
-          for (std::size_t ch = 0; ch < c; ++ch) {
-            if (Kind == pool_kind::max) {
-              if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
-            } else {
-              dst[ch] += d[r * c + ch] * inv;
-            }
-          }
-        }
-    });
+    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
 
@@ -3377,14 +3688,7 @@ class global_avg_pool {
     T* y = out_buf_.get(dev, n * c);
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(hw);
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t img) {
-      T* yi = y + img * c;
-      const T* xi = xp + img * hw * c;
-      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
-      for (std::size_t q = 0; q < hw; ++q)  // pixels in order, each a contiguous run of channels
-        for (std::size_t ch = 0; ch < c; ++ch) yi[ch] += xi[q * c + ch];
-      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] *= inv;
-    });
+    detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
     return X(typename X::view_type(y, n, c), x.mesh(), dev);
   }
 
@@ -3399,10 +3703,7 @@ class global_avg_pool {
     const T* d = dy.data();
     T* dx = dx_.get(dev, n * in_.size());
     const T inv = T{1} / static_cast<T>(hw);
-    meshlib::detail::launch<default_memory_space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
-      const T* di = d + q / hw * c;
-      for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
-    });
+    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
 
@@ -3560,35 +3861,21 @@ class batch_norm {
     if (train_) {
       T* s = st;
       T* q = st + c;
-      column_sums(s, xp, nullptr, np, c);
+      detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
-      column_sums(q, xp, s, np, c, count);
+      detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
       const T mom = momentum_;
       const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
-      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = s[j] / count;
-        const T var = q[j] / count;
-        rstd[j] = T{1} / std::sqrt(var + eps);
-        run_mean[j] = (T{1} - mom) * run_mean[j] + mom * mean[j];
-        run_var[j] = (T{1} - mom) * run_var[j] + mom * var * unbias;
-      });
+      detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
     } else {
-      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = run_mean[j];
-        rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
-      });
+      detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
     }
     T* xh = xhat_.get(dev, np * c);
     T* y = out_.get(dev, np * c);
     const T* gv = g.value.local(dev).data();
     const T* bv = b.value.local(dev).data();
-    meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t j = 0; j < c; ++j) {
-        xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
-        y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
-      }
-    });
+    detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
     return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
   }
 
@@ -3607,23 +3894,11 @@ class batch_norm {
     T* sums = st_back_.get(dev, 2 * c);  // sum dy, sum dy * xhat
     const T* d = dy.data();
     // Per channel, rows in order (the same bits on every run).
-    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
-      T* sa = sums;
-      T* sb = sums + c;
-      for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
-      for (std::size_t i = 0; i < np; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          sa[j] += d[i * c + j];
-          sb[j] += d[i * c + j] * xh[i * c + j];
-        }
-    });
+    detail::batch_grad_sums<default_memory_space>(sums, d, xh, np, c);
     T* gg = g.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
     const T beta_g = g.grad_beta(dev), beta_b = b.grad_beta(dev);
-    meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-      gg[j] = beta_g * gg[j] + sums[c + j];
-      gb[j] = beta_b * gb[j] + sums[j];
-    });
+    detail::batch_param_grads<default_memory_space>(gg, gb, sums, c, beta_g, beta_b);
     T* dx = dx_.get(dev, np * c);
     if (!need_dx) return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
     const T* gv = g.value.local(dev).data();
@@ -3631,14 +3906,9 @@ class batch_norm {
       // dx = g / std * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch.
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(sums, 2 * c, dy.mesh(), dev));
       const T inv = T{1} / sv.count;
-      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-        for (std::size_t j = 0; j < c; ++j)
-          dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
-      });
+      detail::batch_norm_dx<default_memory_space>(dx, d, xh, sums, gv, rstd, np, c, inv);
     } else {  // the statistics are constants: an affine map per channel
-      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-        for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
-      });
+      detail::batch_norm_dx_affine<default_memory_space>(dx, d, gv, rstd, np, c);
     }
     return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
   }
@@ -3658,24 +3928,6 @@ class batch_norm {
  private:
   /// A device's per-channel sums, varying over the data axis until the `psum`.
   using sums_t = local_tensor<T, 1, Mesh, data_mask, 0, replicated_dims<1>, default_memory_space>;
-
-  /// `s[j] = sum_i x[i, j]` (`centre` null) or `sum_i (x[i, j] - centre[j] / count)^2`, rows in order.
-  static void column_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count = T{1}) {
-    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
-      T* sj = s;
-      for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
-      if (centre == nullptr) {
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
-      } else {
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = j0; j < j1; ++j) {
-            const T dv = x[i * c + j] - centre[j] / count;
-            sj[j] += dv * dv;
-          }
-      }
-    });
-  }
 
   static std::size_t checked(const std::string& name, const image_shape& in) {
     if (in.size() == 0)
@@ -3842,7 +4094,7 @@ class residual {
     T* y = out_.get(dev, n);
     const T* hp = h.data();
     const T* sp = s.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = hp[i] + sp[i]; });
+    detail::sum_values<default_memory_space>(y, hp, sp, n);
     return X(typename X::view_type(y, h.extent(0), h.extent(1)), x.mesh(), dev);
   }
 
@@ -3861,7 +4113,7 @@ class residual {
     if (need_dx) {
       const T* a = dm.data();
       const T* b = ds.data();
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = a[i] + b[i]; });
+      detail::sum_values<default_memory_space>(dx, a, b, n);
     }
     return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
   }

@@ -14,7 +14,7 @@
 /// columns: the vectorised loop of the row-by-row sum it replaced.
 /// @code
 /// detail::fill_values<Space>(g, n, 0.0f);
-/// detail::for_column_blocks<Space>(cols, [=](std::size_t j0, std::size_t j1) {
+/// detail::for_column_blocks<Space>(cols, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
 ///   for (std::size_t i = 0; i < rows; ++i)
 ///     for (std::size_t j = j0; j < j1; ++j) s[j] += x[i * cols + j];   // s = column sums of x
 /// });
@@ -46,16 +46,26 @@ void convert_copy(To* to, const From* from, std::size_t n) {
 /// and a wider layer still splits over a device's cores.
 inline constexpr std::size_t column_block = 1024;
 
-/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
-/// kernel on memory `Space` on the running device's instance, one work item per block (see the
-/// file comment). `f` captures by value (it runs in the kernel).
-template <class Space, class F>
-void for_column_blocks(std::size_t cols, const F& f) {
-  const std::size_t blocks = (cols + column_block - 1) / column_block;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+/// The work item of `for_column_blocks`: block `b` of `column_block` columns calls `f(j0, j1)`. A
+/// class rather than a lambda: nvcc refuses an extended device lambda in a function templated on a
+/// type local to another function (the caller's lambda `F`).
+template <class F>
+struct column_blocks_kernel {
+  std::size_t cols;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
     const std::size_t j0 = b * column_block, j1 = j0 + column_block < cols ? j0 + column_block : cols;
     f(j0, j1);
-  });
+  }
+};
+
+/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
+/// kernel on memory `Space` on the running device's instance, one work item per block (see the
+/// file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code templated
+/// on a mesh (nn/detail/layer_kernels.hpp says why).
+template <class Space, class F>
+void for_column_blocks(std::size_t cols, const F& f) {
+  meshlib::detail::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
 }
 
 }  // namespace meshlib::nn::detail

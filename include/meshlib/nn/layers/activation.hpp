@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/tensor/view.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -54,7 +55,7 @@ class elementwise_activation {
     saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
     T* y = out_.get(dev, n);
     const T* xp = x.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(xp[i]); });
+    detail::activation_forward<default_memory_space, Fn>(y, xp, n);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
@@ -67,10 +68,7 @@ class elementwise_activation {
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
     const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    if constexpr (requires { Fn::vjp(T{}, T{}); })  // the activation's own (branch-free) cotangent
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], xs[i]); });
-    else
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(xs[i]); });
+    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 

@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "meshlib/nn/detail/attention_kernels.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
@@ -131,7 +132,7 @@ class causal_self_attention {
     // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
     T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
     const T* yp = y.data();
-    split_heads(qh, yp, rows, hl, hd);
+    detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
     T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
     T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -139,14 +140,14 @@ class causal_self_attention {
       for (std::size_t b = 0; b < nb; ++b)
         matmul_into(view(block_p(p, h, b, nb, seq), seq, seq), cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd),
                     cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd), {.transpose_b = true, .alpha = scale});
-    causal_softmax(p, hl * nb * seq, seq);
+    detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t b = 0; b < nb; ++b)
         matmul_into(view(block(oh, 0, h, b, hl, rows, seq, hd), seq, hd), cview(block_p(p, h, b, nb, seq), seq, seq),
                     cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
     T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
     const T* ohp = oh;
-    merge_heads(oc, ohp, rows, hl, hd);
+    detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
     return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
   }
 
@@ -166,7 +167,7 @@ class causal_self_attention {
     const T* p = probs_.get(dev, hl * nb * seq * seq);
     T* doh = doh_.get(dev, hl * rows * hd);
     const T* dop = dout.data();
-    unmerge_heads(doh, dop, rows, hl, hd);
+    detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
     T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
     T* dp = dprobs_.get(dev, hl * nb * seq * seq);
     for (std::size_t h = 0; h < hl; ++h)
@@ -178,7 +179,7 @@ class causal_self_attention {
         matmul_into(view(block_p(dp, h, b, nb, seq), seq, seq), dob, cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd),
                     {.transpose_b = true});
       }
-    causal_softmax_backward(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+    detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t b = 0; b < nb; ++b) {
         const auto dsb = cview(block_p(dp, h, b, nb, seq), seq, seq);
@@ -190,7 +191,7 @@ class causal_self_attention {
       }
     T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
     const T* dqhp = dqh;
-    unsplit_heads(dq, dqhp, rows, hl, hd);
+    detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
     return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
   }
 
@@ -219,72 +220,6 @@ class causal_self_attention {
   }
   static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
     return base + (h * nb + b) * seq * seq;
-  }
-
-  // Public only because nvcc refuses an extended device lambda in a private member function.
- public:
-  /// The fused projection's output `(token, [head][q|k|v][head_dim])` as `[q|k|v][head][token][head_dim]`
-  /// (each sequence and head contiguous for the products), and back (`unsplit_heads`). Named
-  /// functions: nvcc refuses extended device lambdas in `forward`/`backward`, whose return type is deduced.
-  static void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
-    });
-  }
-  /// The inverse of `split_heads`.
-  static void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t t = 0; t < 3; ++t)
-          for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
-    });
-  }
-  /// The heads' outputs `[head][token][head_dim]` as the output projection's rows `(token, [head][head_dim])`,
-  /// and back (`unmerge_heads`).
-  static void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
-    });
-  }
-  /// The inverse of `merge_heads`.
-  static void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t h = 0; h < hl; ++h)
-        for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
-    });
-  }
-
-  /// In place over `n` rows of `seq` scores: row `r` is query position `i = r % seq`; `softmax` over
-  /// `j <= i` with the maximum subtracted, 0 above.
-  static void causal_softmax(T* s, std::size_t n, std::size_t seq) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
-      T* row = s + r * seq;
-      const std::size_t last = r % seq;
-      T m = -std::numeric_limits<T>::infinity();
-      for (std::size_t j = 0; j <= last; ++j) m = row[j] > m ? row[j] : m;
-      T sum = 0;
-      for (std::size_t j = 0; j <= last; ++j) sum += (row[j] = std::exp(row[j] - m));
-      const T inv = T{1} / sum;
-      for (std::size_t j = 0; j <= last; ++j) row[j] *= inv;
-      for (std::size_t j = last + 1; j < seq; ++j) row[j] = T{0};
-    });
-  }
-
-  /// `dS = scale * P (dP - rowsum(P dP))` in place of `dp` (the softmax's backward, with the scale of
-  /// the scores folded in); 0 above the diagonal.
-  static void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t r) {
-      const T* pr = p + r * seq;
-      T* d = dp + r * seq;
-      const std::size_t last = r % seq;
-      T dot = 0;
-      for (std::size_t j = 0; j <= last; ++j) dot += pr[j] * d[j];
-      for (std::size_t j = 0; j <= last; ++j) d[j] = scale * pr[j] * (d[j] - dot);
-      for (std::size_t j = last + 1; j < seq; ++j) d[j] = T{0};
-    });
   }
 
  private:

@@ -43,6 +43,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/norm_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/conv2d.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
@@ -146,35 +147,21 @@ class batch_norm {
     if (train_) {
       T* s = st;
       T* q = st + c;
-      column_sums(s, xp, nullptr, np, c);
+      detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
-      column_sums(q, xp, s, np, c, count);
+      detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
       const T mom = momentum_;
       const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
-      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = s[j] / count;
-        const T var = q[j] / count;
-        rstd[j] = T{1} / std::sqrt(var + eps);
-        run_mean[j] = (T{1} - mom) * run_mean[j] + mom * mean[j];
-        run_var[j] = (T{1} - mom) * run_var[j] + mom * var * unbias;
-      });
+      detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
     } else {
-      meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-        mean[j] = run_mean[j];
-        rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
-      });
+      detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
     }
     T* xh = xhat_.get(dev, np * c);
     T* y = out_.get(dev, np * c);
     const T* gv = g.value.local(dev).data();
     const T* bv = b.value.local(dev).data();
-    meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-      for (std::size_t j = 0; j < c; ++j) {
-        xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
-        y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
-      }
-    });
+    detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
     return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
   }
 
@@ -193,23 +180,11 @@ class batch_norm {
     T* sums = st_back_.get(dev, 2 * c);  // sum dy, sum dy * xhat
     const T* d = dy.data();
     // Per channel, rows in order (the same bits on every run).
-    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
-      T* sa = sums;
-      T* sb = sums + c;
-      for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
-      for (std::size_t i = 0; i < np; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          sa[j] += d[i * c + j];
-          sb[j] += d[i * c + j] * xh[i * c + j];
-        }
-    });
+    detail::batch_grad_sums<default_memory_space>(sums, d, xh, np, c);
     T* gg = g.grad.local(dev).data();
     T* gb = b.grad.local(dev).data();
     const T beta_g = g.grad_beta(dev), beta_b = b.grad_beta(dev);
-    meshlib::detail::launch<default_memory_space>(c, KOKKOS_LAMBDA(std::size_t j) {
-      gg[j] = beta_g * gg[j] + sums[c + j];
-      gb[j] = beta_b * gb[j] + sums[j];
-    });
+    detail::batch_param_grads<default_memory_space>(gg, gb, sums, c, beta_g, beta_b);
     T* dx = dx_.get(dev, np * c);
     if (!need_dx) return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
     const T* gv = g.value.local(dev).data();
@@ -217,14 +192,9 @@ class batch_norm {
       // dx = g / std * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch.
       (void)meshlib::psum<Data>(detail::wrap1<sums_t>(sums, 2 * c, dy.mesh(), dev));
       const T inv = T{1} / sv.count;
-      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-        for (std::size_t j = 0; j < c; ++j)
-          dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
-      });
+      detail::batch_norm_dx<default_memory_space>(dx, d, xh, sums, gv, rstd, np, c, inv);
     } else {  // the statistics are constants: an affine map per channel
-      meshlib::detail::launch<default_memory_space>(np, KOKKOS_LAMBDA(std::size_t i) {
-        for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
-      });
+      detail::batch_norm_dx_affine<default_memory_space>(dx, d, gv, rstd, np, c);
     }
     return DY(typename DY::view_type(dx, sv.rows, in_.size()), dy.mesh(), dev);
   }
@@ -244,24 +214,6 @@ class batch_norm {
  private:
   /// A device's per-channel sums, varying over the data axis until the `psum`.
   using sums_t = local_tensor<T, 1, Mesh, data_mask, 0, replicated_dims<1>, default_memory_space>;
-
-  /// `s[j] = sum_i x[i, j]` (`centre` null) or `sum_i (x[i, j] - centre[j] / count)^2`, rows in order.
-  static void column_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count = T{1}) {
-    detail::for_column_blocks<default_memory_space>(c, [=](std::size_t j0, std::size_t j1) {
-      T* sj = s;
-      for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
-      if (centre == nullptr) {
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
-      } else {
-        for (std::size_t i = 0; i < rows; ++i)
-          for (std::size_t j = j0; j < j1; ++j) {
-            const T dv = x[i * c + j] - centre[j] / count;
-            sj[j] += dv * dv;
-          }
-      }
-    });
-  }
 
   static std::size_t checked(const std::string& name, const image_shape& in) {
     if (in.size() == 0)

@@ -46,6 +46,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul.hpp"
@@ -197,9 +198,9 @@ class basic_dense {
         matmul_into(view(y, rows, out), xv, wv);
         // Donated: z wraps the layer's own buffer (an unmanaged view), so the sum lands in it.
         static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, out, x.mesh(), dev)));
-        add_bias(y, bias, rows, out, true);
+        detail::add_bias<default_memory_space>(y, bias, rows, out, true);
       } else {
-        add_bias(y, bias, rows, out, false);  // y = b, then y += x W
+        detail::add_bias<default_memory_space>(y, bias, rows, out, false);  // y = b, then y += x W
         matmul_into(view(y, rows, out), xv, wv, {.beta = 1});
       }
       return detail::wrap2<Y>(y, rows, out, x.mesh(), dev);
@@ -232,14 +233,7 @@ class basic_dense {
     const T* d = dy.data();
     const bool fresh = b.grad_beta(dev) == T{0};
     const std::size_t nrows = rows;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::for_column_blocks<default_memory_space>(out, [=](std::size_t j0, std::size_t j1) {
-      T* s = gb;  // locals: the stores below cannot be taken to change them
-      const T* dr = d;
-      if (fresh)
-        for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
-      for (std::size_t i = 0; i < nrows; ++i, dr += out)
-        for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
-    });
+    detail::bias_grad<default_memory_space>(gb, d, nrows, out, fresh);
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
@@ -256,20 +250,6 @@ class basic_dense {
   void collect(std::vector<param_ref<T>>& out) const {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
-  }
-
-  /// `y += b` (`add`) or `y = b` on every row of `y` (`rows x out`): a Kokkos kernel, one work item
-  /// per row (the row's loop vectorises as before). Public only because nvcc refuses an extended
-  /// device lambda in a private member function.
-  static void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      T* yi = y + i * out;
-      const T* bj = bias;
-      if (add)
-        for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
-      else
-        for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
-    });
   }
 
  private:

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
@@ -66,13 +67,7 @@ class dropout {
     const rng_key key = key_;
     const float rate = rate_;
     // One work item per row (the row's global index is computed once, as in the loop).
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
-      for (std::size_t j = 0; j < cols; ++j) {
-        mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
-        y[i * cols + j] = xp[i * cols + j] * mask[i * cols + j];
-      }
-    });
+    detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
     return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
   }
 
@@ -87,7 +82,7 @@ class dropout {
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * mask[i]; });
+    detail::multiply_values<default_memory_space>(dx, d, mask, n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 

@@ -40,6 +40,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
@@ -123,16 +124,7 @@ class embedding {
       T* y = out_.get(dev, rows * d);
       const T* w = tl.data();
       const std::int32_t* id = ids.data();
-      meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-        const std::size_t v = static_cast<std::size_t>(id[i]);
-        T* yi = y + i * d;
-        if (v >= v0 && v < v0 + vl) {
-          const T* wr = w + (v - v0) * d;
-          for (std::size_t j = 0; j < d; ++j) yi[j] = wr[j];
-        } else {
-          for (std::size_t j = 0; j < d; ++j) yi[j] = T{0};
-        }
-      });
+      detail::lookup_rows<default_memory_space>(y, w, id, rows, d, v0, vl);
       if constexpr (model_mask != 0)
         static_cast<void>(meshlib::psum<Model>(detail::wrap2<Z>(y, rows, d, ids.mesh(), dev)));  // donated: in place
       return detail::wrap2<output_t<Ids>>(y, rows, d, ids.mesh(), dev);
@@ -155,14 +147,7 @@ class embedding {
     const T* dyp = dy.data();
     const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
     const std::size_t n = rows;
-    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
-      T* gs = g;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::size_t v = static_cast<std::size_t>(id[i]);
-        if (v < v0 || v >= v0 + vl) continue;  // another device's row
-        for (std::size_t j = j0; j < j1; ++j) gs[(v - v0) * d + j] += dyp[i * d + j];
-      }
-    });
+    detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
     return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
   }
 

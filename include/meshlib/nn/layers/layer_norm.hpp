@@ -21,6 +21,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/norm_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
@@ -87,19 +88,7 @@ class layer_norm {
     const T* bv = b.value.local(dev).data();
     const T* xp = x.data();
     const T eps = eps_;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* xi = xp + i * n;
-      T mean = 0, var = 0;
-      for (std::size_t j = 0; j < n; ++j) mean += xi[j];
-      mean /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
-      var /= static_cast<T>(n);
-      rstd[i] = T{1} / std::sqrt(var + eps);
-      for (std::size_t j = 0; j < n; ++j) {
-        xh[i * n + j] = (xi[j] - mean) * rstd[i];
-        y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
-      }
-    });
+    detail::layer_norm_forward<default_memory_space>(y, xh, rstd, xp, gv, bv, rows, n, eps);
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
@@ -115,28 +104,7 @@ class layer_norm {
     T* gb = b.grad.local(dev).data();
     T* dx = dx_.get(dev, rows * n);
     const T* dyp = dy.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* d = dyp + i * n;
-      T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
-      for (std::size_t j = 0; j < n; ++j) {
-        const T dxh = d[j] * gv[j];
-        s1 += dxh;
-        s2 += dxh * xh[i * n + j];
-      }
-      s1 /= static_cast<T>(n);
-      s2 /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
-    });
-    // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
-    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
-      T* sg = gg;  // locals: the stores below cannot be taken to change them
-      T* sb = gb;
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          sg[j] += dyp[i * n + j] * xh[i * n + j];
-          sb[j] += dyp[i * n + j];
-        }
-    });
+    detail::layer_norm_backward<default_memory_space>(dx, gg, gb, dyp, xh, rstd, gv, rows, n);
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 

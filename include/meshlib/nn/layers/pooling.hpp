@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/pool_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/conv2d.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
@@ -83,34 +84,7 @@ class pool2d {
     std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(k * k);
-    meshlib::detail::launch<default_memory_space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
-      // Plain `if` on Kind below, not `if constexpr`: nvcc refuses a device lambda whose first use
-      // of a captured variable is inside an `if constexpr`. Kind is a constant: the same code results.
-      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-      for (std::size_t ch = 0; ch < c; ++ch) {
-        T acc = Kind == pool_kind::max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
-        std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
-        for (std::size_t i = 0; i < k; ++i)
-          for (std::size_t j = 0; j < k; ++j) {
-            const std::size_t pix = (oh * s + i) * wd + ow * s + j;
-            const T v = xp[(img * h * wd + pix) * c + ch];
-            if (Kind == pool_kind::max) {
-              if (v > acc) {
-                acc = v;
-                best = static_cast<std::uint32_t>(pix);
-              }
-            } else {
-              acc += v;
-            }
-          }
-        if (Kind == pool_kind::max) {
-          y[r * c + ch] = acc;
-          arg[r * c + ch] = best;
-        } else {
-          y[r * c + ch] = acc * inv;
-        }
-      }
-    });
+    detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
     return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
   }
 
@@ -127,24 +101,7 @@ class pool2d {
     const T* d = dy.data();
     T* dx = dx_.get(dev, n * in_.size());
     const T inv = T{1} / static_cast<T>(k * k);
-    meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
-      const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
-      T* dst = dx + q * c;
-      for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
-      // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
-      const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
-      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
-        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
-          const std::size_t r = (img * ho + oh) * wo + ow;
-          for (std::size_t ch = 0; ch < c; ++ch) {
-            if (Kind == pool_kind::max) {
-              if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
-            } else {
-              dst[ch] += d[r * c + ch] * inv;
-            }
-          }
-        }
-    });
+    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
 
@@ -233,14 +190,7 @@ class global_avg_pool {
     T* y = out_buf_.get(dev, n * c);
     const T* xp = x.data();
     const T inv = T{1} / static_cast<T>(hw);
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t img) {
-      T* yi = y + img * c;
-      const T* xi = xp + img * hw * c;
-      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
-      for (std::size_t q = 0; q < hw; ++q)  // pixels in order, each a contiguous run of channels
-        for (std::size_t ch = 0; ch < c; ++ch) yi[ch] += xi[q * c + ch];
-      for (std::size_t ch = 0; ch < c; ++ch) yi[ch] *= inv;
-    });
+    detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
     return X(typename X::view_type(y, n, c), x.mesh(), dev);
   }
 
@@ -255,10 +205,7 @@ class global_avg_pool {
     const T* d = dy.data();
     T* dx = dx_.get(dev, n * in_.size());
     const T inv = T{1} / static_cast<T>(hw);
-    meshlib::detail::launch<default_memory_space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
-      const T* di = d + q / hw * c;
-      for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
-    });
+    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
 

@@ -26,6 +26,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
@@ -109,10 +110,7 @@ class positional_embedding {
     T* y = out_.get(dev, rows * d);
     const T* xp = x.data();
     const T* w = table.local(dev).data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* wr = w + (i % seq) * d;
-      for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
-    });
+    detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
     return X(typename X::view_type(y, rows, d), x.mesh(), dev);
   }
 
@@ -124,11 +122,7 @@ class positional_embedding {
     detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();
-    detail::for_column_blocks<default_memory_space>(d, [=](std::size_t j0, std::size_t j1) {
-      T* gs = g;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) gs[(i % seq) * d + j] += dyp[i * d + j];
-    });
+    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
     return dy;
   }
 

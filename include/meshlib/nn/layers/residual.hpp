@@ -23,6 +23,7 @@
 
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
@@ -140,7 +141,7 @@ class residual {
     T* y = out_.get(dev, n);
     const T* hp = h.data();
     const T* sp = s.data();
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = hp[i] + sp[i]; });
+    detail::sum_values<default_memory_space>(y, hp, sp, n);
     return X(typename X::view_type(y, h.extent(0), h.extent(1)), x.mesh(), dev);
   }
 
@@ -159,7 +160,7 @@ class residual {
     if (need_dx) {
       const T* a = dm.data();
       const T* b = ds.data();
-      meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = a[i] + b[i]; });
+      detail::sum_values<default_memory_space>(dx, a, b, n);
     }
     return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
   }

@@ -23,6 +23,7 @@
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/norm_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
@@ -86,18 +87,7 @@ class rms_norm {
     const T* gv = g.value.local(dev).data();
     const T* xp = x.data();
     const T eps = eps_;
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* xi = xp + i * n;
-      T ms = 0;
-      for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
-      ms /= static_cast<T>(n);
-      const T r = T{1} / std::sqrt(ms + eps);
-      rinv[i] = r;
-      for (std::size_t j = 0; j < n; ++j) {
-        xh[i * n + j] = xi[j] * r;
-        y[i * n + j] = xh[i * n + j] * gv[j];
-      }
-    });
+    detail::rms_norm_forward<default_memory_space>(y, xh, rinv, xp, gv, rows, n, eps);
     return X(typename X::view_type(y, rows, n), x.mesh(), dev);
   }
 
@@ -114,19 +104,8 @@ class rms_norm {
     T* gg = g.grad.local(dev).data();
     T* dx = dx_.get(dev, rows * n);
     const T* dyp = dy.data();
-    meshlib::detail::launch<default_memory_space>(rows, KOKKOS_LAMBDA(std::size_t i) {
-      const T* d = dyp + i * n;
-      T s = 0;  // mean of dxhat * xhat
-      for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
-      s /= static_cast<T>(n);
-      for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
-    });
+    detail::rms_norm_backward<default_memory_space>(dx, gg, dyp, xh, rinv, gv, rows, n);
     // dg += sum_rows dy * xhat: each column's rows in row order.
-    detail::for_column_blocks<default_memory_space>(n, [=](std::size_t j0, std::size_t j1) {
-      T* sg = gg;  // a local: the stores below cannot be taken to change it
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
-    });
     return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
   }
 

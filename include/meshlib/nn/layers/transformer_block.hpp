@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/layers/activation.hpp"
 #include "meshlib/nn/layers/attention.hpp"
 #include "meshlib/nn/layers/dense.hpp"
@@ -93,11 +94,11 @@ class transformer_block {
     auto a = attn.forward(ln1.forward(x));
     static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
     T* h = h_.get(dev, n);
-    add(h, x.data(), a.data(), n);
+    detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
     const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
     auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
     T* y = y_.get(dev, n);
-    add(y, h, m.data(), n);
+    detail::sum_values<default_memory_space>(y, h, m.data(), n);
     return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
   }
 
@@ -108,11 +109,11 @@ class transformer_block {
     const std::size_t dev = dy.device(), n = dy.size();
     auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
     T* dh = dh_.get(dev, n);
-    add(dh, dy.data(), dm.data(), n);
+    detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
     const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
     auto da = ln1.backward(attn.backward(dhx, true));
     T* dx = dx_.get(dev, n);
-    add(dx, dh, da.data(), n);
+    detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
@@ -123,12 +124,6 @@ class transformer_block {
     ln2.collect(out);
     fc1.collect(out);
     fc2.collect(out);
-  }
-
-  /// `out = a + b` over `n` elements (the residual connection and its cotangent). Public only
-  /// because nvcc refuses an extended device lambda in a private member function.
-  static void add(T* out, const T* a, const T* b, std::size_t n) {
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
   }
 
  private:

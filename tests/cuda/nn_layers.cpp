@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// CUDA compile check (scripts/cuda_compile_check.sh): every layer of `nn` instantiated for device
+// memory, forward and backward, so every kernel the layers launch compiles for the GPU with nvcc.
+// The mesh has one axis that is neither a data nor a model axis, so no layer calls a collective
+// here (a host collective on device memory is refused: host_collective_on_device.cpp). The layers
+// that need one of those axes (batch_norm, embedding, attention, tied_head and the blocks made of
+// them) come with the typed collectives on device memory (issue 24). Compiled for sm_90, not linked
+// or run (no GPU in CI).
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+              "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
+
+namespace nn = meshlib::nn;
+using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
+using rows_t = meshlib::local_tensor<float, 2, mesh_t>;  // in CudaSpace: the default memory space here
+
+// forward, then backward of the forward's result: every kernel of the layer.
+template <class Layer, class X>
+void forward_backward(Layer& layer, const X& x) {
+  auto y = layer.forward(x);
+  (void)layer.backward(y);
+}
+
+void every_layer(const mesh_t& m, const rows_t& x) {
+  const nn::rng_key key{1};
+  nn::dense<float, mesh_t> fc(m, "fc", 8, 8, key);
+  forward_backward(fc, x);
+  nn::relu<float> relu(m);
+  forward_backward(relu, x);
+  nn::gelu<float> gelu(m);
+  forward_backward(gelu, x);
+  nn::dropout<float> drop(m, "drop", 0.1f);
+  forward_backward(drop, x);
+  nn::layer_norm<float, mesh_t> ln(m, "ln", 8);
+  forward_backward(ln, x);
+  nn::rms_norm<float, mesh_t> rms(m, "rms", 8);
+  forward_backward(rms, x);
+  const nn::image_shape img{4, 4, 2};
+  nn::max_pool2d<float, mesh_t> mp(m, "mp", img, 2, 2);
+  forward_backward(mp, x);
+  nn::avg_pool2d<float, mesh_t> ap(m, "ap", img, 2, 2);
+  forward_backward(ap, x);
+  nn::global_avg_pool<float, mesh_t> gap(m, "gap", img);
+  forward_backward(gap, x);
+  nn::positional_embedding<float, mesh_t> pos(m, "pos", 4, 8, 4, key);
+  forward_backward(pos, x);
+  auto res = nn::make_residual<float>(m, fc);
+  forward_backward(res, x);
+}
+
+int main() { return 0; }
+
+// The kernels of the layers that need a data or model axis (their collectives come with issue 24),
+// instantiated on their own for device memory.
+using space = meshlib::default_memory_space;
+template void nn::detail::channel_sums<space, float>(float*, const float*, const float*, std::size_t, std::size_t, float);
+template void nn::detail::batch_statistics<space, float>(float*, float*, float*, float*, const float*, const float*,
+                                                         std::size_t, float, float, float, float);
+template void nn::detail::running_statistics<space, float>(float*, float*, const float*, const float*, std::size_t, float);
+template void nn::detail::batch_normalize<space, float>(float*, float*, const float*, const float*, const float*,
+                                                        const float*, const float*, std::size_t, std::size_t);
+template void nn::detail::batch_grad_sums<space, float>(float*, const float*, const float*, std::size_t, std::size_t);
+template void nn::detail::batch_param_grads<space, float>(float*, float*, const float*, std::size_t, float, float);
+template void nn::detail::batch_norm_dx<space, float>(float*, const float*, const float*, const float*, const float*,
+                                                      const float*, std::size_t, std::size_t, float);
+template void nn::detail::batch_norm_dx_affine<space, float>(float*, const float*, const float*, const float*,
+                                                             std::size_t, std::size_t);
+template void nn::detail::split_heads<space, float>(float*, const float*, std::size_t, std::size_t, std::size_t);
+template void nn::detail::unsplit_heads<space, float>(float*, const float*, std::size_t, std::size_t, std::size_t);
+template void nn::detail::merge_heads<space, float>(float*, const float*, std::size_t, std::size_t, std::size_t);
+template void nn::detail::unmerge_heads<space, float>(float*, const float*, std::size_t, std::size_t, std::size_t);
+template void nn::detail::causal_softmax<space, float>(float*, std::size_t, std::size_t);
+template void nn::detail::causal_softmax_backward<space, float>(const float*, float*, std::size_t, std::size_t, float);
+template void nn::detail::lookup_rows<space, float>(float*, const float*, const std::int32_t*, std::size_t, std::size_t,
+                                                    std::size_t, std::size_t);
+template void nn::detail::scatter_add_rows<space, float>(float*, const float*, const std::int32_t*, std::size_t,
+                                                         std::size_t, std::size_t, std::size_t);
