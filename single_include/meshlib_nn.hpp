@@ -5067,9 +5067,13 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
 /// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
 /// @code
-/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, [=](std::size_t i, const auto& k) {
-///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
-/// });
+/// struct twice_sqrt {   // y = 2 sqrt(x)
+///   float* y; const float* x;
+///   template <class K> KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+///     detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);
+///   }
+/// };
+/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, twice_sqrt{y, x});
 /// @endcode
 
 #include <array>
@@ -5079,7 +5083,8 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <vector>
 
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__))
+// Not in nvcc's device pass (`__CUDA_ARCH__`): a GPU thread runs the scalar form of the bodies.
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__)) && !defined(__CUDA_ARCH__)
 #include <immintrin.h>
 #define MESHLIB_NN_SIMD 1
 #else
@@ -5125,7 +5130,7 @@ inline constexpr std::size_t simd_lanes = 1;
 #endif
 
 /// `std::sqrt(v)` (the scalar form of `sqrt_of`).
-inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
+KOKKOS_INLINE_FUNCTION float sqrt_of(float v) noexcept { return std::sqrt(v); }
 
 /// Elements per work item of the kernels below (see the file comment): a multiple of every lane
 /// count, small enough that a few million elements give every core many items.
@@ -5147,30 +5152,33 @@ KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const
   for (; i < i1; ++i) f(i, ks);
 }
 
-/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
-/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
-/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`, and captures by value (it runs in
-/// the kernel).
-template <class Space, std::size_t K, class F>
-void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+/// The work item of `for_lanes`: block `b` of `kernel_block` elements. A class rather than a lambda:
+/// nvcc refuses an extended device lambda in a function templated on another function's local type.
+template <std::size_t K, class F>
+struct lanes_kernel {
+  std::size_t n;
+  std::array<float, K> k;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     lanes_of_block(i0, i1, k, f);
-  });
-}
+  }
+};
 
-/// `p[i] = f(p[i])` for `[0, n)`, as a Kokkos kernel on memory `Space` on the running device's
-/// instance (a plain body: the compiler vectorises it as it did the loop).
-template <class Space, class F>
-void transform_in_place(float* p, std::size_t n, const F& f) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = f(p[i]); });
+/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
+/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
+/// `f` reads with `load_as(p, i, c[0])` and writes with `store_at`; it is a class with a
+/// `KOKKOS_INLINE_FUNCTION` call operator templated on the lane type (`float` or `simd_float`): nvcc
+/// refuses a generic extended lambda.
+template <class Space, std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
+  meshlib::detail::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
-inline float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
+KOKKOS_INLINE_FUNCTION float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
 /// Stores `v` at element(s) `i` of `p`.
-inline void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
+KOKKOS_INLINE_FUNCTION void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
 #if MESHLIB_NN_SIMD
 inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
 inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
@@ -5221,6 +5229,45 @@ double sum_of_squares(const float* x, std::size_t n, double* scratch) {
 // end meshlib/nn/detail/simd.hpp
 
 namespace meshlib::nn {
+
+namespace detail {
+
+/// SGD with momentum on the elements a `for_lanes` work item gives (`K` = `float` or `simd_float`):
+/// constants `{momentum, scale, rate}`. Classes with a templated call operator, not generic lambdas,
+/// which nvcc refuses in device code.
+struct sgd_update {
+  float* p;
+  const float* g;
+  float* m;
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+    const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
+    store_at(m, i, mi);
+    store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
+  }
+};
+
+/// Adam / AdamW on the elements a `for_lanes` work item gives: constants `{scale, b1, 1 - b1, b2,
+/// 1 - b2, rate, c1, c2, eps, weight decay}` (c1, c2: the bias corrections).
+struct adam_update {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+    const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
+    const auto gi = load_as(g, i, scale_) * scale_;
+    const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
+    const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
+    const auto pi = load_as(p, i, scale_);
+    store_at(m, i, mi);
+    store_at(v, i, vi);
+    store_at(p, i, pi - rate_ * ((mi * c1_) / (sqrt_of(vi * c2_) + eps_) + wd_ * pi));
+  }
+};
+
+}  // namespace detail
 
 /// @brief Which rule `optimizer` applies.
 enum class optimizer_kind { sgd, adam, adamw };
@@ -5274,12 +5321,7 @@ struct optimizer {
               bool decay) const {
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, [=](std::size_t i, const auto& k) {
-        using detail::load_as, detail::store_at;
-        const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
-        store_at(m, i, mi);
-        store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
-      });
+      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, detail::sgd_update{p, g, m});
       return;
     }
     const double t = static_cast<double>(step + 1);
@@ -5287,17 +5329,7 @@ struct optimizer {
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
     const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes<Space>(n, ks, [=](std::size_t i, const auto& k) {
-      using detail::load_as, detail::store_at;
-      const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
-      const auto gi = load_as(g, i, scale_) * scale_;
-      const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
-      const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
-      const auto pi = load_as(p, i, scale_);
-      store_at(m, i, mi);
-      store_at(v, i, vi);
-      store_at(p, i, pi - rate_ * ((mi * c1_) / (detail::sqrt_of(vi * c2_) + eps_) + wd_ * pi));
-    });
+    detail::for_lanes<Space>(n, ks, detail::adam_update{p, g, m, v});
   }
 };
 
@@ -5414,7 +5446,7 @@ namespace detail {
 template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
+    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
 }
 
 /// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
@@ -5429,7 +5461,7 @@ inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
 inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
-  transform_in_place<Space>(p, n, [s](float x) { return x * s; });
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;

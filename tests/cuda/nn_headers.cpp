@@ -34,3 +34,12 @@ void staged_block_io(float* block, std::size_t n) {
   meshlib::detail::edit_on_host<meshlib::default_memory_space>(block, n, stage, [](float* host) { host[0] = 1.0f; });
   (void)meshlib::detail::host_readable<meshlib::default_memory_space>(block, n, stage);
 }
+
+// The optimizers' updates, loss scaling and the rounding into 16-bit compute types: the element-wise
+// kernels of the training step (scalar lanes on the GPU; AVX lanes on the host).
+template void meshlib::nn::optimizer::update<meshlib::default_memory_space>(float*, const float*, float*, float*,
+                                                                           std::size_t, std::size_t, float, bool) const;
+template void meshlib::nn::detail::scale_in_place<meshlib::default_memory_space>(float*, std::size_t, float) noexcept;
+template void meshlib::nn::detail::round_to<meshlib::bfloat16, meshlib::default_memory_space>(float*, std::size_t) noexcept;
+template void meshlib::nn::detail::round_copy<meshlib::bfloat16, meshlib::default_memory_space>(float*, const float*,
+                                                                                             std::size_t) noexcept;

@@ -21,6 +21,45 @@
 
 namespace meshlib::nn {
 
+namespace detail {
+
+/// SGD with momentum on the elements a `for_lanes` work item gives (`K` = `float` or `simd_float`):
+/// constants `{momentum, scale, rate}`. Classes with a templated call operator, not generic lambdas,
+/// which nvcc refuses in device code.
+struct sgd_update {
+  float* p;
+  const float* g;
+  float* m;
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+    const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
+    store_at(m, i, mi);
+    store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
+  }
+};
+
+/// Adam / AdamW on the elements a `for_lanes` work item gives: constants `{scale, b1, 1 - b1, b2,
+/// 1 - b2, rate, c1, c2, eps, weight decay}` (c1, c2: the bias corrections).
+struct adam_update {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+    const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
+    const auto gi = load_as(g, i, scale_) * scale_;
+    const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
+    const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
+    const auto pi = load_as(p, i, scale_);
+    store_at(m, i, mi);
+    store_at(v, i, vi);
+    store_at(p, i, pi - rate_ * ((mi * c1_) / (sqrt_of(vi * c2_) + eps_) + wd_ * pi));
+  }
+};
+
+}  // namespace detail
+
 /// @brief Which rule `optimizer` applies.
 enum class optimizer_kind { sgd, adam, adamw };
 
@@ -73,12 +112,7 @@ struct optimizer {
               bool decay) const {
     const float rate = lr(step);
     if (kind == optimizer_kind::sgd) {
-      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, [=](std::size_t i, const auto& k) {
-        using detail::load_as, detail::store_at;
-        const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
-        store_at(m, i, mi);
-        store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
-      });
+      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, detail::sgd_update{p, g, m});
       return;
     }
     const double t = static_cast<double>(step + 1);
@@ -86,17 +120,7 @@ struct optimizer {
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
     const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes<Space>(n, ks, [=](std::size_t i, const auto& k) {
-      using detail::load_as, detail::store_at;
-      const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
-      const auto gi = load_as(g, i, scale_) * scale_;
-      const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
-      const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
-      const auto pi = load_as(p, i, scale_);
-      store_at(m, i, mi);
-      store_at(v, i, vi);
-      store_at(p, i, pi - rate_ * ((mi * c1_) / (detail::sqrt_of(vi * c2_) + eps_) + wd_ * pi));
-    });
+    detail::for_lanes<Space>(n, ks, detail::adam_update{p, g, m, v});
   }
 };
 

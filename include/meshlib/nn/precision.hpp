@@ -87,7 +87,7 @@ namespace detail {
 template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    transform_in_place<Space>(p, n, [](float x) { return static_cast<float>(C(x)); });
+    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
 }
 
 /// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
@@ -102,7 +102,7 @@ inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
 inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
-  transform_in_place<Space>(p, n, [s](float x) { return x * s; });
+  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;

@@ -19,9 +19,13 @@
 /// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
 /// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
 /// @code
-/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, [=](std::size_t i, const auto& k) {
-///   detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);   // y = 2 sqrt(x)
-/// });
+/// struct twice_sqrt {   // y = 2 sqrt(x)
+///   float* y; const float* x;
+///   template <class K> KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+///     detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);
+///   }
+/// };
+/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, twice_sqrt{y, x});
 /// @endcode
 
 #include <array>
@@ -32,7 +36,8 @@
 
 #include "meshlib/tensor/view.hpp"
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__))
+// Not in nvcc's device pass (`__CUDA_ARCH__`): a GPU thread runs the scalar form of the bodies.
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__)) && !defined(__CUDA_ARCH__)
 #include <immintrin.h>
 #define MESHLIB_NN_SIMD 1
 #else
@@ -78,7 +83,7 @@ inline constexpr std::size_t simd_lanes = 1;
 #endif
 
 /// `std::sqrt(v)` (the scalar form of `sqrt_of`).
-inline float sqrt_of(float v) noexcept { return std::sqrt(v); }
+KOKKOS_INLINE_FUNCTION float sqrt_of(float v) noexcept { return std::sqrt(v); }
 
 /// Elements per work item of the kernels below (see the file comment): a multiple of every lane
 /// count, small enough that a few million elements give every core many items.
@@ -100,30 +105,33 @@ KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const
   for (; i < i1; ++i) f(i, ks);
 }
 
-/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
-/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
-/// `f` reads with `load_as(p, i, c[0])`, writes with `store_at`, and captures by value (it runs in
-/// the kernel).
-template <class Space, std::size_t K, class F>
-void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  const std::size_t blocks = (n + kernel_block - 1) / kernel_block;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+/// The work item of `for_lanes`: block `b` of `kernel_block` elements. A class rather than a lambda:
+/// nvcc refuses an extended device lambda in a function templated on another function's local type.
+template <std::size_t K, class F>
+struct lanes_kernel {
+  std::size_t n;
+  std::array<float, K> k;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     lanes_of_block(i0, i1, k, f);
-  });
-}
+  }
+};
 
-/// `p[i] = f(p[i])` for `[0, n)`, as a Kokkos kernel on memory `Space` on the running device's
-/// instance (a plain body: the compiler vectorises it as it did the loop).
-template <class Space, class F>
-void transform_in_place(float* p, std::size_t n, const F& f) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = f(p[i]); });
+/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
+/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
+/// `f` reads with `load_as(p, i, c[0])` and writes with `store_at`; it is a class with a
+/// `KOKKOS_INLINE_FUNCTION` call operator templated on the lane type (`float` or `simd_float`): nvcc
+/// refuses a generic extended lambda.
+template <class Space, std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
+  meshlib::detail::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
-inline float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
+KOKKOS_INLINE_FUNCTION float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
 /// Stores `v` at element(s) `i` of `p`.
-inline void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
+KOKKOS_INLINE_FUNCTION void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
 #if MESHLIB_NN_SIMD
 inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
 inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
