@@ -5744,37 +5744,34 @@ void launch(std::size_t n, const F& f) {
   launch_on(current_exec<Space>(), n, f);
 }
 
-/// Copies `n` values at `src`, in memory `Space`, to the host's `dst`, on the running device's
-/// instance, and waits: what a host decision (an error to throw, a loss to print) needs from a
-/// kernel's result. Where the host can read `Space` it is a plain copy.
-template <class Space, class T>
-void copy_to_host(T* dst, const T* src, std::size_t n) {
+/// Copies `n` values at `src` (memory `From`) to `dst` (memory `To`), one side the host's, on the
+/// running device's instance of `Space` (the other side), and waits. A plain copy where the host can
+/// read `Space`.
+template <class Space, class To, class From, class T>
+void copy_across(T* dst, const T* src, std::size_t n) {
   if (n == 0) return;
   if constexpr (host_accessible_v<Space>) {
     std::copy_n(src, n, dst);
   } else {
     using unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
     const auto exec = current_exec<Space>();
-    Kokkos::deep_copy(exec, Kokkos::View<T*, Kokkos::HostSpace, unmanaged>(dst, n),
-                      Kokkos::View<const T*, Space, unmanaged>(src, n));
+    Kokkos::deep_copy(exec, Kokkos::View<T*, To, unmanaged>(dst, n), Kokkos::View<const T*, From, unmanaged>(src, n));
     exec.fence();
   }
 }
 
-/// Copies `n` host values at `src` into `dst`, in memory `Space` (the other direction of
-/// `copy_to_host`): caller data (labels, targets) that kernels in `Space` read.
+/// Copies `n` values at `src`, in memory `Space`, to the host's `dst`: what a host decision (an
+/// error to throw, a loss to print) needs from a kernel's result.
+template <class Space, class T>
+void copy_to_host(T* dst, const T* src, std::size_t n) {
+  copy_across<Space, Kokkos::HostSpace, Space>(dst, src, n);
+}
+
+/// Copies `n` host values at `src` into `dst`, in memory `Space`: caller data (labels, targets)
+/// that kernels in `Space` read.
 template <class Space, class T>
 void copy_from_host(T* dst, const T* src, std::size_t n) {
-  if (n == 0) return;
-  if constexpr (host_accessible_v<Space>) {
-    std::copy_n(src, n, dst);
-  } else {
-    using unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
-    const auto exec = current_exec<Space>();
-    Kokkos::deep_copy(exec, Kokkos::View<T*, Space, unmanaged>(dst, n),
-                      Kokkos::View<const T*, Kokkos::HostSpace, unmanaged>(src, n));
-    exec.fence();
-  }
+  copy_across<Space, Space, Kokkos::HostSpace>(dst, src, n);
 }
 
 /// `n` values at `p`, in memory `Space`, readable on the host: `p` itself where the host can read
