@@ -36,6 +36,7 @@
 #include "meshlib/nn/fsdp.hpp"
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/advise_mesh.hpp"
 #include "meshlib/nn/params.hpp"
 #include "meshlib/nn/checkpoint.hpp"
 #include "meshlib/nn/pipeline_schedule.hpp"
