@@ -18,6 +18,8 @@
 // count-based unigram and bigram models on the same split.
 //
 //   train_gpt_chars [--mesh 2x2] [--steps 2000] [--batch 16] [--lr 3e-3] ... (--help)
+//   train_gpt_chars --advise [--mesh 2x2] ...: measures every (data, model) shape of the mesh's device
+//   count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
 // A mistake in the options is found before the text is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -46,6 +48,7 @@ struct options {
   std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
   std::uint64_t seed = 0;
   std::size_t eval_every = 250, eval_windows = 256, generate = 300;
+  bool advise = false;
 };
 
 using flagship::usage_error;
@@ -53,7 +56,7 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
-    "                       [--prompt TEXT] [--temperature X] [--generate N] [--help]\n";
+    "                       [--prompt TEXT] [--temperature X] [--generate N] [--advise] [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -75,6 +78,8 @@ void usage() {
                "  --prompt TEXT       the start of the generated text; default \"Q: What is the meaning of life?\\nA: \"\n"
                "  --temperature X     sampling temperature (lower: more likely characters); default 0.8\n"
                "  --generate N        characters to generate after training (0: none); default 300\n"
+               "  --advise            time a few steps of every (data, model) shape of the mesh's D x M devices on\n"
+               "                      this model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options runs before the text is loaded; a mistake exits with status 2.\n";
 }
 
@@ -102,6 +107,7 @@ options parse(int argc, char** argv) {
     else if (a == "--data") o.data_path = value();
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--prompt") o.prompt = value();
+    else if (a == "--advise") o.advise = true;
     else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
     else if (a == "--generate") {
       const std::string v = value();
@@ -113,13 +119,14 @@ options parse(int argc, char** argv) {
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
   const std::string mesh = "(--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
-  if (o.batch % o.data != 0)
+  // --advise tries every shape of D x M devices and lists the ones these sizes do not fit.
+  if (!o.advise && o.batch % o.data != 0)
     throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis " + mesh + ": " +
                       std::to_string(o.data) + ")");
-  if (o.heads % o.model != 0)
+  if (!o.advise && o.heads % o.model != 0)
     throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the model axis " + mesh + ": " +
                       std::to_string(o.model) + ")");
-  if (256 % o.model != 0)
+  if (!o.advise && 256 % o.model != 0)
     throw usage_error("the vocabulary of 256 bytes is not divisible by the model axis " + mesh + ": " +
                       std::to_string(o.model) + "); use a model axis of 1, 2, 4, ... 256");
   if (o.width % o.heads != 0)
@@ -223,8 +230,28 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
   return text;
 }
 
+/// `--advise`: every (data, model) shape of the mesh's device count, measured on this model and a
+/// batch of the training text (nn::advise_mesh), ranked; nothing is trained.
+int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
+  namespace nn = meshlib::nn;
+  const nn::rng_key key{o.seed};
+  const auto split = nn::split_text(corpus, 0.1, o.context + 1);
+  const auto batch = nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000));
+  nn::advise_options ao;
+  ao.opt = nn::adamw(nn::constant(o.lr), 0.01f, 0.9f, 0.99f);
+  const std::size_t devices = o.data * o.model;
+  std::printf("train_gpt_chars --advise: GPT (%zu layers, %zu heads, width %zu, context %zu), batch %zu windows, %zu "
+              "thread devices: %zu warm-up + %zu timed steps per shape\n",
+              o.layers, o.heads, o.width, o.context, o.batch, devices, ao.warmup_steps, ao.timed_steps);
+  std::fflush(stdout);
+  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt(m, o, key); }, batch, ao);
+  std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
+  return 0;
+}
+
 int train(const options& o, const meshlib::nn::text_corpus& corpus) {
   namespace nn = meshlib::nn;
+  if (o.advise) return advise(o, corpus);
   const mesh_t mesh{o.data, o.model};
   const nn::rng_key key{o.seed};
   const auto split = nn::split_text(corpus, 0.1, o.context + 1);
