@@ -32,6 +32,13 @@ auto maybe_remat(const mesh_t& m, Block block) {
   else return block;
 }
 
+/// `maybe_remat` on any mesh type.
+template <bool Remat, class Mesh, class Block>
+auto maybe_remat_any(const Mesh& m, Block block) {
+  if constexpr (Remat) return nn::remat(m, std::move(block));
+  else return block;
+}
+
 /// Every parameter's local blocks, device after device, as host floats (bitwise comparisons).
 template <class State>
 std::vector<float> all_values(const State& s) {
@@ -132,6 +139,42 @@ void require_identical(const trace& with, const trace& without) {
   CHECK(with.params == without.params);
 }
 
+// ---- composition: remat under FSDP (parameters gathered for the rerun) and in bfloat16 ----------
+
+using mesh3_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+
+template <bool Remat, class Mesh>
+auto fsdp_mlp(const Mesh& m) {
+  const nn::rng_key key{13};
+  return nn::sequential(
+      nn::dense<float, Mesh>(m, "in", features, width, key),
+      maybe_remat_any<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b0.fc1", width, hidden, key),
+                                               nn::relu<float>(m), nn::dropout<float>(m, "b0.drop", 0.25f),
+                                               nn::row_dense<float, Mesh>(m, "b0.fc2", hidden, width, key))),
+      maybe_remat_any<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b1.fc1", width, hidden, key),
+                                               nn::gelu<float>(m),
+                                               nn::row_dense<float, Mesh>(m, "b1.fc2", hidden, width, key))),
+      nn::dense<float, Mesh>(m, "head", width, classes, key));
+}
+
+/// 8 steps of `fsdp_mlp` with train state options `o` and compute type `Compute`.
+template <bool Remat, class Compute = float, class Mesh>
+trace composed_run(const Mesh& m, nn::train_options o) {
+  const auto ds = meshlib_test::synthetic_problem(batch * 8, features, classes);
+  using model_t = decltype(fsdp_mlp<Remat>(m));
+  nn::train_state<Mesh, model_t, "data", float, Compute> state(m, fsdp_mlp<Remat>(m), nn::adam(nn::constant(1e-2f)), o,
+                                                               nn::rng_key{3});
+  trace t;
+  for (std::size_t s = 0; s < 8; ++s) {
+    t.last = nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                            std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch);
+    t.losses.push_back(t.last.loss);
+    t.norms.push_back(t.last.grad_norm);
+  }
+  t.params = all_values(state);
+  return t;
+}
+
 // ---- the small ResNet of test_resnet.cpp: batch norms inside the wrapped blocks -------------------
 
 constexpr nn::image_shape image{8, 8, 1};
@@ -219,6 +262,19 @@ TEST_CASE("remat: an MLP with dropout replays the same masks: bitwise the same o
     CHECK(without.losses.back() < without.losses.front());
     require_identical(with, without);
   }
+}
+
+TEST_CASE("remat: composes with FSDP (both resharding modes) and bfloat16 compute, bitwise", "[nn][remat][fsdp]") {
+  for (bool reshard : {true, false}) {
+    INFO("reshard_after_forward " << reshard);
+    const mesh3_t m{1, 2, 2};
+    const nn::train_options o{.fsdp = true, .reshard_after_forward = reshard};
+    require_identical(composed_run<true>(m, o), composed_run<false>(m, o));
+  }
+  const mesh_t m{2, 2};
+  const trace without = composed_run<false, meshlib::bfloat16>(m, {}), with = composed_run<true, meshlib::bfloat16>(m, {});
+  CHECK(without.losses.back() < without.losses.front());
+  require_identical(with, without);
 }
 
 TEST_CASE("remat: batch norms inside remat blocks move their running statistics once per step", "[nn][remat][resnet]") {
