@@ -175,6 +175,34 @@ trace composed_run(const Mesh& m, nn::train_options o) {
   return t;
 }
 
+/// Nesting: a remat of a sequential of two remats, and a remat as the main branch of a residual.
+template <bool Remat>
+auto nested_mlp(const mesh_t& m) {
+  const nn::rng_key key{17};
+  auto inner = [&](const std::string& name) {
+    return maybe_remat<Remat>(m, nn::sequential(nn::dense<float, mesh_t>(m, name, width, width, key), nn::gelu<float>(m),
+                                                nn::dropout<float>(m, name + ".drop", 0.2f)));
+  };
+  return nn::sequential(nn::dense<float, mesh_t>(m, "in", features, width, key),
+                        maybe_remat<Remat>(m, nn::sequential(inner("a"), inner("b"))),
+                        nn::make_residual<float>(m, inner("c")), nn::dense<float, mesh_t>(m, "head", width, classes, key));
+}
+
+template <bool Remat>
+trace nested_run(const mesh_t& m) {
+  const auto ds = meshlib_test::synthetic_problem(batch * 8, features, classes);
+  nn::train_state state(m, nested_mlp<Remat>(m), nn::adam(nn::constant(1e-2f)), {}, nn::rng_key{9});
+  trace t;
+  for (std::size_t s = 0; s < 8; ++s) {
+    t.last = nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                            std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch);
+    t.losses.push_back(t.last.loss);
+    t.norms.push_back(t.last.grad_norm);
+  }
+  t.params = all_values(state);
+  return t;
+}
+
 // ---- the small ResNet of test_resnet.cpp: batch norms inside the wrapped blocks -------------------
 
 constexpr nn::image_shape image{8, 8, 1};
@@ -275,6 +303,16 @@ TEST_CASE("remat: composes with FSDP (both resharding modes) and bfloat16 comput
   const trace without = composed_run<false, meshlib::bfloat16>(m, {}), with = composed_run<true, meshlib::bfloat16>(m, {});
   CHECK(without.losses.back() < without.losses.front());
   require_identical(with, without);
+}
+
+TEST_CASE("remat: nested remats and a remat inside a residual are bitwise the same", "[nn][remat]") {
+  for (auto shape : {std::array<std::size_t, 2>{1, 1}, std::array<std::size_t, 2>{2, 2}}) {
+    const mesh_t m{shape[0], shape[1]};
+    INFO("mesh " << m);
+    const trace without = nested_run<false>(m), with = nested_run<true>(m);
+    require_identical(with, without);
+    CHECK(with.last.activation_bytes < without.last.activation_bytes);
+  }
 }
 
 TEST_CASE("remat: batch norms inside remat blocks move their running statistics once per step", "[nn][remat][resnet]") {
