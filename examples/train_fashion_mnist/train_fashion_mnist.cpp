@@ -9,6 +9,9 @@
 // loading only its share of every batch, with the same losses as the single-process run.
 //
 //   train_fashion_mnist [--mesh 4x2] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
+//   train_fashion_mnist --advise [--mesh 4x2] ...: measures every (data, fsdp, model) shape of the
+//   mesh's device count (x --fsdp) on this model and batch (nn::advise_mesh), prints the ranked
+//   table and exits.
 // A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -45,7 +48,7 @@ struct options {
   float lr = 1e-3f;
   std::string optimizer = "adam", precision = "f32", reduce = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir, trace;
-  bool zero = false, resume = false;
+  bool zero = false, resume = false, advise = false;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
 };
@@ -55,7 +58,8 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
     "                           [--optimizer NAME] [--precision P] [--reduce-in R] [--zero] [--checkpoint-dir DIR]\n"
-    "                           [--resume] [--fsdp N] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--help]\n";
+    "                           [--resume] [--fsdp N] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--advise]\n"
+    "                           [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -80,6 +84,8 @@ void usage() {
                "  --seed S              initialisation and shuffling seed; default 0\n"
                "  --steps N             stop after N steps (smoke runs)\n"
                "  --trace FILE          record a trace of every step (Chrome trace JSON, docs/debugging.md); use with --steps\n"
+               "  --advise              time a few steps of every (data, fsdp, model) shape of the D x --fsdp x M\n"
+               "                        devices on this model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options (numbers, mesh, batch, hidden width, trace file) runs before the data\n"
                "is loaded; a mistake exits with status 2.\n";
 }
@@ -113,6 +119,7 @@ options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--steps") o.limit_steps = positive_integer(a, value());
     else if (a == "--trace") o.trace = value();
+    else if (a == "--advise") o.advise = true;
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.precision != "f32" && o.precision != "bf16" && o.precision != "f16")
@@ -132,6 +139,8 @@ options parse(int argc, char** argv) {
 /// it cannot write after the whole run).
 void check_options(const options& o, std::size_t processes) {
   const std::string mesh = "--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
+  if (o.advise && processes > 1) throw usage_error("--advise measures this process's thread devices: run it without mpirun");
+  if (o.advise) return;  // every shape is tried: the advisor lists the ones these sizes do not fit
   if (o.hidden % o.model != 0)
     throw usage_error("--hidden " + std::to_string(o.hidden) + " is not divisible by the model axis (" + mesh + ": " +
                       std::to_string(o.model) + ")");
@@ -184,6 +193,34 @@ struct placement {
   std::size_t process = 0, processes = 1;
   Backend backend;
 };
+
+/// `--advise`: every (data, fsdp, model) shape of the D x F x M devices, measured on this model and
+/// the first --batch training images (nn::advise_mesh), ranked; nothing is trained.
+int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
+  namespace nn = meshlib::nn;
+  const nn::rng_key key{o.seed};
+  const std::size_t rows = std::min(o.batch, fm.train.count), devices = o.data * o.fsdp * o.model;
+  nn::batch b;
+  b.x.assign(fm.train.x.begin(), fm.train.x.begin() + static_cast<std::ptrdiff_t>(rows * fm.train.features));
+  b.y.assign(fm.train.y.begin(), fm.train.y.begin() + static_cast<std::ptrdiff_t>(rows));
+  b.rows = b.global_rows = rows;
+  b.features = fm.train.features;
+  nn::advise_options ao;
+  ao.opt = nn::adam(nn::constant(o.lr));
+  ao.train.accumulation = o.accumulation;
+  std::cout << "train_fashion_mnist --advise: MLP 784-" << o.hidden << "-" << o.hidden << "-10, batch " << rows << ", "
+            << devices << " thread devices: " << ao.warmup_steps << " warm-up + " << ao.timed_steps
+            << " timed steps per shape\n" << std::flush;
+  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) {
+    return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", 784, o.hidden, key), nn::relu<float>(m),
+                          nn::row_dense<float, mesh_t>(m, "fc2", o.hidden, o.hidden, key), nn::relu<float>(m),
+                          nn::dense<float, mesh_t>(m, "fc3", o.hidden, 10, key));
+  }, b, ao);
+  const std::size_t f = a.best.size("fsdp");
+  std::cout << "\n" << a.markdown() << "\nbest: --mesh " << a.best.size("data") << "x" << a.best.size("model")
+            << (f > 1 ? " --fsdp " + std::to_string(f) : std::string()) << "\n";
+  return 0;
+}
 
 template <meshlib::comm_element Wire, class Compute, class Backend>
 int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placement<Backend>& where) {
@@ -332,6 +369,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
+    if (o.advise) return advise(o, fm);
     auto run = [&](const auto& where) {
       using meshlib::bfloat16;
       const bool wire16 = o.reduce == "bf16";

@@ -18,6 +18,10 @@
 // count-based unigram and bigram models on the same split.
 //
 //   train_gpt_chars [--mesh 2x2] [--steps 2000] [--batch 16] [--lr 3e-3] ... (--help)
+//   --remat wraps every block in nn::remat (its activations recomputed in backward: less memory,
+//   one more forward per block); the run prints the activation memory per device either way.
+//   train_gpt_chars --advise [--mesh 2x2] ...: measures every (data, model) shape of the mesh's device
+//   count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
 // A mistake in the options is found before the text is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -35,6 +39,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,6 +51,7 @@ struct options {
   std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
   std::uint64_t seed = 0;
   std::size_t eval_every = 250, eval_windows = 256, generate = 300;
+  bool advise = false, remat = false;
 };
 
 using flagship::usage_error;
@@ -53,7 +59,8 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
-    "                       [--prompt TEXT] [--temperature X] [--generate N] [--help]\n";
+    "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--advise]\n"
+    "                       [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -75,6 +82,9 @@ void usage() {
                "  --prompt TEXT       the start of the generated text; default \"Q: What is the meaning of life?\\nA: \"\n"
                "  --temperature X     sampling temperature (lower: more likely characters); default 0.8\n"
                "  --generate N        characters to generate after training (0: none); default 300\n"
+               "  --remat             recompute each block's activations in backward (nn::remat): less memory\n"
+               "  --advise            time a few steps of every (data, model) shape of the mesh's D x M devices on\n"
+               "                      this model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options runs before the text is loaded; a mistake exits with status 2.\n";
 }
 
@@ -102,6 +112,8 @@ options parse(int argc, char** argv) {
     else if (a == "--data") o.data_path = value();
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--prompt") o.prompt = value();
+    else if (a == "--advise") o.advise = true;
+    else if (a == "--remat") o.remat = true;
     else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
     else if (a == "--generate") {
       const std::string v = value();
@@ -113,13 +125,14 @@ options parse(int argc, char** argv) {
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
   const std::string mesh = "(--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
-  if (o.batch % o.data != 0)
+  // --advise tries every shape of D x M devices and lists the ones these sizes do not fit.
+  if (!o.advise && o.batch % o.data != 0)
     throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis " + mesh + ": " +
                       std::to_string(o.data) + ")");
-  if (o.heads % o.model != 0)
+  if (!o.advise && o.heads % o.model != 0)
     throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the model axis " + mesh + ": " +
                       std::to_string(o.model) + ")");
-  if (256 % o.model != 0)
+  if (!o.advise && 256 % o.model != 0)
     throw usage_error("the vocabulary of 256 bytes is not divisible by the model axis " + mesh + ": " +
                       std::to_string(o.model) + "); use a model axis of 1, 2, 4, ... 256");
   if (o.width % o.heads != 0)
@@ -136,8 +149,10 @@ using block_t = meshlib::nn::transformer_block<float, mesh_t>;
 
 /// `L` Transformer blocks chained, a layer of `sequential` like any other (forward, backward,
 /// collect): the number of blocks is a run-time option, while a `sequential`'s layers are types.
+/// `Block` is `block_t`, or `nn::remat<block_t>` (--remat).
+template <class Block>
 struct block_stack {
-  std::vector<block_t> blocks;
+  std::vector<Block> blocks;
   [[nodiscard]] std::size_t in_features() const { return blocks.front().in_features(); }
   [[nodiscard]] std::size_t out_features() const { return blocks.back().out_features(); }
   template <meshlib::local_tensor_type X>
@@ -157,13 +172,17 @@ struct block_stack {
   }
 };
 
-/// The network of the file comment.
+/// The network of the file comment (every block in `nn::remat` when `Remat`).
+template <bool Remat>
 auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
   namespace nn = meshlib::nn;
   nn::embedding<float, mesh_t> tok(m, "tok", 256, o.width, key);
-  block_stack h;
-  for (std::size_t i = 0; i < o.layers; ++i)
-    h.blocks.emplace_back(m, "h" + std::to_string(i), o.width, o.heads, 4 * o.width, o.context, key);
+  block_stack<std::conditional_t<Remat, nn::remat<block_t>, block_t>> h;
+  for (std::size_t i = 0; i < o.layers; ++i) {
+    block_t b(m, "h" + std::to_string(i), o.width, o.heads, 4 * o.width, o.context, key);
+    if constexpr (Remat) h.blocks.emplace_back(m, std::move(b));
+    else h.blocks.push_back(std::move(b));
+  }
   return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", o.context, o.width, o.context, key),
                         std::move(h), nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), nn::tied_head<float, mesh_t>(tok));
 }
@@ -223,15 +242,37 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
   return text;
 }
 
-int train(const options& o, const meshlib::nn::text_corpus& corpus) {
+/// `--advise`: every (data, model) shape of the mesh's device count, measured on this model and a
+/// batch of the training text (nn::advise_mesh), ranked; nothing is trained.
+template <bool Remat>
+int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   namespace nn = meshlib::nn;
+  const nn::rng_key key{o.seed};
+  const auto split = nn::split_text(corpus, 0.1, o.context + 1);
+  const auto batch = nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000));
+  nn::advise_options ao;
+  ao.opt = nn::adamw(nn::constant(o.lr), 0.01f, 0.9f, 0.99f);
+  const std::size_t devices = o.data * o.model;
+  std::printf("train_gpt_chars --advise: GPT (%zu layers, %zu heads, width %zu, context %zu), batch %zu windows, %zu "
+              "thread devices: %zu warm-up + %zu timed steps per shape\n",
+              o.layers, o.heads, o.width, o.context, o.batch, devices, ao.warmup_steps, ao.timed_steps);
+  std::fflush(stdout);
+  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat>(m, o, key); }, batch, ao);
+  std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
+  return 0;
+}
+
+template <bool Remat>
+int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
+  namespace nn = meshlib::nn;
+  if (o.advise) return advise<Remat>(o, corpus);
   const mesh_t mesh{o.data, o.model};
   const nn::rng_key key{o.seed};
   const auto split = nn::split_text(corpus, 0.1, o.context + 1);
   const auto lr = nn::warmup_cosine(o.lr, std::max<std::size_t>(1, o.steps / 20), o.steps, 0.1f);
   nn::optimizer opt = nn::adamw(lr, 0.01f, 0.9f, 0.99f);
   opt.clip_norm = 1.0f;
-  nn::train_state state(mesh, gpt(mesh, o, key), opt);
+  nn::train_state state(mesh, gpt<Remat>(mesh, o, key), opt);
 
   std::size_t count = 0;
   for (const auto& p : state.params) {
@@ -256,9 +297,11 @@ int train(const options& o, const meshlib::nn::text_corpus& corpus) {
   const auto start = std::chrono::steady_clock::now();
   auto since = start;
   double loss_sum = 0, sync = 0;
-  std::size_t n = 0;
+  std::size_t n = 0, held = 0, peak = 0;
   for (std::size_t s = 0; s < o.steps; ++s) {
     const auto m = nn::train_step(state, nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000 + s)));
+    held = std::max(held, m.activation_bytes);
+    peak = std::max(peak, m.peak_activation_bytes);
     loss_sum += m.loss;
     sync += m.sync_seconds;
     ++n;
@@ -287,6 +330,9 @@ int train(const options& o, const meshlib::nn::text_corpus& corpus) {
   std::printf("\n  validation: %.4f nats/char (%.3f bits), next-character accuracy %.1f%% over %zu characters (%.1f s)\n",
               v.loss, v.loss / std::log(2.0), 100.0 * static_cast<double>(v.correct) / static_cast<double>(v.rows),
               v.rows, total_s - train_s);
+  std::printf("  activations per device%s: %.2f MiB held between forward and backward, %.2f MiB at the step's peak\n",
+              Remat ? " (every block in remat)" : "", static_cast<double>(held) / 1048576.0,
+              static_cast<double>(peak) / 1048576.0);
   if (o.generate > 0) {
     const std::string text = generate(state, o, key.fold_in(2'000'000));
     std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
@@ -295,6 +341,10 @@ int train(const options& o, const meshlib::nn::text_corpus& corpus) {
   std::printf("done: %zu steps in %.1f s, validation loss %.4f nats/char (unigram %.3f, bigram %.3f) on %s\n", o.steps,
               total_s, v.loss, uni, bi, mesh.to_string().c_str());
   return 0;
+}
+
+int train(const options& o, const meshlib::nn::text_corpus& corpus) {
+  return o.remat ? train_model<true>(o, corpus) : train_model<false>(o, corpus);
 }
 
 }  // namespace

@@ -19,6 +19,8 @@
 // Evaluation uses the batch norms' running statistics (nn::evaluate switches them to evaluation).
 //
 //   train_resnet_fashion_mnist [--mesh 4x1] [--epochs 6] [--batch 128] [--lr 2e-3] ... (--help)
+//   train_resnet_fashion_mnist --advise [--mesh 4x1] ...: measures every (data, model) shape of the
+//   mesh's device count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
 // A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -49,7 +51,7 @@ struct options {
   float lr = 2e-3f;
   std::string optimizer = "adamw", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir;
-  bool resume = false;
+  bool resume = false, advise = false;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
 };
@@ -58,7 +60,8 @@ using flagship::usage_error;
 
 constexpr const char* usage_line =
     "usage: train_resnet_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--width W] [--optimizer NAME]\n"
-    "                                  [--checkpoint-dir DIR] [--resume] [--data DIR] [--seed S] [--steps N] [--help]\n";
+    "                                  [--checkpoint-dir DIR] [--resume] [--data DIR] [--seed S] [--steps N] [--advise]\n"
+    "                                  [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -74,6 +77,8 @@ void usage() {
                "  --data DIR            Fashion-MNIST IDX files; default " << meshlib::nn::default_fashion_mnist_dir().string() << "\n"
                "  --seed S              initialisation and shuffling seed; default 0\n"
                "  --steps N             stop after N steps (smoke runs)\n"
+               "  --advise              time a few steps of every (data, model) shape of the D x M devices on this\n"
+               "                        model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options (numbers, mesh, batch) runs before the data is loaded; a mistake\n"
                "exits with status 2.\n";
 }
@@ -101,6 +106,7 @@ options parse(int argc, char** argv) {
     else if (a == "--data") o.data_dir = value();
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--steps") o.limit_steps = positive_integer(a, value());
+    else if (a == "--advise") o.advise = true;
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
@@ -108,7 +114,7 @@ options parse(int argc, char** argv) {
   if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
   // The checks that need no data, in the options' words, before the seconds of loading (the
   // library would reject the batch later, in its own terms).
-  if (o.batch % o.data != 0)
+  if (!o.advise && o.batch % o.data != 0)  // --advise lists the shapes the batch does not split over
     throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis (--mesh " +
                       std::to_string(o.data) + "x" + std::to_string(o.model) + ": " + std::to_string(o.data) + ")");
   if (o.width > 4096) throw usage_error("--width " + std::to_string(o.width) + " is too large (at most 4096)");
@@ -131,8 +137,31 @@ auto resnet(const mesh_t& m, std::size_t w, meshlib::nn::rng_key key) {
                         nn::dense<float, mesh_t>(m, "fc", last.channels, 10, key));
 }
 
+/// `--advise`: every (data, model) shape of the D x M devices, measured on this model and the first
+/// --batch training images (nn::advise_mesh), ranked; nothing is trained.
+int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
+  namespace nn = meshlib::nn;
+  const nn::rng_key key{o.seed};
+  const std::size_t rows = std::min(o.batch, fm.train.count), devices = o.data * o.model;
+  nn::batch b;
+  b.x.assign(fm.train.x.begin(), fm.train.x.begin() + static_cast<std::ptrdiff_t>(rows * fm.train.features));
+  b.y.assign(fm.train.y.begin(), fm.train.y.begin() + static_cast<std::ptrdiff_t>(rows));
+  b.rows = b.global_rows = rows;
+  b.features = fm.train.features;
+  nn::advise_options ao;
+  ao.opt = nn::adamw(nn::constant(o.lr), 1e-4f);
+  std::printf("train_resnet_fashion_mnist --advise: ResNet (stem %zu), batch %zu, %zu thread devices: %zu warm-up + %zu "
+              "timed steps per shape\n",
+              o.width, rows, devices, ao.warmup_steps, ao.timed_steps);
+  std::fflush(stdout);
+  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return resnet(m, o.width, key); }, b, ao);
+  std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
+  return 0;
+}
+
 int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
   namespace nn = meshlib::nn;
+  if (o.advise) return advise(o, fm);
   const mesh_t mesh{o.data, o.model};
   const nn::rng_key key{o.seed};
   nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed});

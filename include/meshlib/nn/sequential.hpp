@@ -112,6 +112,9 @@ class sequential {
     else return forward_from<0>(x);
   }
 
+  /// Its backward names its input type (`backward<X>(dy)`), so a sequential nests in a sequential.
+  static constexpr bool backward_names_input = true;
+
   /// Backward through every layer, last first; returns the cotangent of the input `X` when
   /// `need_dx` (else its contents are unspecified: the first layer skips that product).
   template <local_tensor_type X, local_tensor_type DY>
@@ -218,7 +221,7 @@ class sequential {
   auto backward_from(const DY& dy, bool need_dx) {
     using in_t = typename input_of<X, I>::type;
     if (hooks != nullptr) hooks->before_backward(I, dy.device());
-    auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
     if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
     static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <ranges>
 #include <span>
 #include <string>
@@ -106,6 +107,13 @@ struct step_metrics {
   double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
   bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
   double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
+  // ---- activation memory (nn/remat.hpp), of the first local device ----
+  /// Bytes of the model's layer buffers (activations, outputs, cotangents, workspaces) live when the
+  /// last micro-batch's forward returned: what is held between forward and backward.
+  std::size_t activation_bytes = 0;
+  /// The most bytes of the model's layer buffers live at any time during the step's forward and
+  /// backward passes (what `remat` lowers).
+  std::size_t peak_activation_bytes = 0;
 };
 
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
@@ -326,6 +334,9 @@ class train_state {
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
   [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
+  /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
+  [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
@@ -520,6 +531,10 @@ class train_state {
   std::vector<detail::held_tensor<float>> masters_;
   /// FSDP's shards, buffers and layer hooks (null without FSDP); shared by copies of the state.
   std::shared_ptr<detail::fsdp_engine<Mesh, fsdp_axes>> fsdp_;
+  /// Per device: the bytes of the model's layer buffers (shared by copies of the state, as the
+  /// model's buffers are; the buffers point at it).
+  std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
+      std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -623,10 +638,16 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
           if (p.overwrite) p.overwrite[dev] = 1;
           else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
+        buffer_meter* meter = s.activation_meter(dev);
+        meter->reset_peak();
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = s.model.forward(xb);
+          auto logits = [&] {
+            const meter_scope metered(meter);  // counts the model's buffers only
+            return s.model.forward(xb);
+          }();
+          out[dev].activation_bytes = meter->live;
           using Z = decltype(logits);
           Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
                     s.mesh, dev);
@@ -637,7 +658,10 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
             scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
             round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
-          s.model.template backward<X>(dlogits);
+          {
+            const meter_scope metered(meter);
+            s.model.template backward<X>(dlogits);
+          }
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
@@ -649,6 +673,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
         if constexpr (State::mixed)
           for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
+        m.peak_activation_bytes = meter->peak;
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
@@ -814,7 +839,10 @@ step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features,
         for (std::size_t start = 0; start < count; start += batch_rows) {
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          auto logits = [&] {
+            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
+            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          }();
           const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);

@@ -8,7 +8,15 @@
 /// reference-count rule of docs/tensors.md: a device copies and drops only its own handles). The
 /// tensors a layer returns wrap these buffers (unmanaged views): they stay valid until the layer's
 /// next forward / backward on that device.
+///
+/// Two hooks let `remat` (nn/remat.hpp) and the activation measure of `train_step` see these
+/// buffers without every layer reporting its own: a thread-local `buffer_meter` counts the bytes of
+/// the slots allocated while it is active (each slot remembers the meter that counted it, so a
+/// slot released or regrown later is taken off that meter and no count goes negative), and a
+/// thread-local `release_scope` records every slot used while it is active, so `remat` can free
+/// the buffers of the block it wraps after forward and let backward reallocate them.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <type_traits>
@@ -22,6 +30,97 @@
 
 namespace meshlib::nn::detail {
 
+/// The bytes of layer buffers one device holds (see the file comment): `live` now, `peak` the
+/// most since `reset_peak`. Only that device's thread touches it.
+struct buffer_meter {
+  std::size_t live = 0;  ///< bytes allocated now in the slots this meter counted
+  std::size_t peak = 0;  ///< the most `live` reached since the last `reset_peak`
+  void add(std::size_t n) noexcept {
+    live += n;
+    peak = std::max(peak, live);
+  }
+  void remove(std::size_t n) noexcept { live -= std::min(n, live); }
+  void reset_peak() noexcept { peak = live; }
+};
+/// The meter that counts the slots the calling thread allocates (null: none).
+inline buffer_meter*& active_meter() noexcept {
+  thread_local buffer_meter* m = nullptr;
+  return m;
+}
+/// Makes `m` the calling thread's meter until the end of the scope (then the previous one again).
+class meter_scope {
+ public:
+  explicit meter_scope(buffer_meter* m) noexcept : prev_(active_meter()) { active_meter() = m; }
+  ~meter_scope() { active_meter() = prev_; }
+  meter_scope(const meter_scope&) = delete;
+  meter_scope& operator=(const meter_scope&) = delete;
+
+ private:
+  buffer_meter* prev_;
+};
+
+/// A slot of some `device_buffers<T>`, with the function that frees it (type-erased so one scope
+/// records buffers of every element type).
+struct buffer_slot_ref {
+  void* slot = nullptr;
+  void (*release)(void*) noexcept = nullptr;
+  bool (*holds)(const void*, const void*) noexcept = nullptr;  ///< whether the slot's block holds an address
+  friend bool operator==(const buffer_slot_ref&, const buffer_slot_ref&) = default;
+};
+/// The slots used on the calling thread while it is active (see the file comment). Scopes nest:
+/// only the innermost records. A copy starts empty (its slots would be another object's).
+class release_scope {
+ public:
+  release_scope() = default;
+  release_scope(const release_scope&) noexcept {}
+  release_scope& operator=(const release_scope&) noexcept {
+    slots_.clear();
+    return *this;
+  }
+  release_scope(release_scope&&) noexcept = default;  // the slots' vectors move with their owners
+  release_scope& operator=(release_scope&&) noexcept = default;
+  ~release_scope() = default;
+
+  /// Frees every recorded slot but the one whose block holds `keep` (the memory goes back to
+  /// Kokkos; the next `get` allocates again). The kept slot stays recorded: the next call frees it
+  /// unless it holds that call's `keep`.
+  void release_except(const void* keep) noexcept {
+    dedupe();
+    std::size_t kept = 0;
+    for (const auto& s : slots_) {
+      if (keep != nullptr && s.holds(s.slot, keep)) slots_[kept++] = s;
+      else s.release(s.slot);
+    }
+    slots_.resize(kept);
+  }
+  void record(buffer_slot_ref s) {
+    if (slots_.empty() || !(slots_.back() == s)) slots_.push_back(s);
+    if (slots_.size() > 2 * unique_) dedupe();
+  }
+  /// Makes this scope the calling thread's recorder until `leave` (restoring the previous one).
+  void enter() noexcept {
+    prev_ = current();
+    current() = this;
+  }
+  void leave() noexcept { current() = prev_; }
+  static release_scope*& current() noexcept {
+    thread_local release_scope* s = nullptr;
+    return s;
+  }
+
+ private:
+  void dedupe() {
+    if (slots_.empty()) return;
+    std::sort(slots_.begin(), slots_.end(),
+              [](const buffer_slot_ref& a, const buffer_slot_ref& b) { return a.slot < b.slot; });
+    slots_.erase(std::unique(slots_.begin(), slots_.end()), slots_.end());
+    unique_ = std::max<std::size_t>(slots_.size(), 16);
+  }
+  std::vector<buffer_slot_ref> slots_;
+  std::size_t unique_ = 16;
+  release_scope* prev_ = nullptr;
+};
+
 /// One growable buffer per device (see the file comment).
 template <class T>
 class device_buffers {
@@ -31,9 +130,17 @@ class device_buffers {
   void resize_devices(std::size_t devices) { bufs_.resize(devices); }
   /// Device `dev`'s buffer of at least `n` elements (contents unspecified when it grew).
   T* get(std::size_t dev, std::size_t n) {
-    auto& b = bufs_.at(dev);
-    if (b.extent(0) < n) b = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
-    return b.data();
+    auto& s = bufs_.at(dev);
+    if (s.view.extent(0) < n) {
+      if (s.meter != nullptr) s.meter->remove(s.bytes);
+      s.view = view_t();  // the old block goes before the new one comes: the meter's peak is real
+      s.view = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+      s.bytes = n * sizeof(T);
+      s.meter = active_meter();
+      if (s.meter != nullptr) s.meter->add(s.bytes);
+    }
+    if (release_scope* r = release_scope::current()) r->record(slot_ref(dev));
+    return s.view.data();
   }
   /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
@@ -52,9 +159,32 @@ class device_buffers {
       return p;
     }
   }
+  /// Frees device `dev`'s buffer (the next `get` allocates again).
+  void release(std::size_t dev) noexcept { release_slot(&bufs_.at(dev)); }
+  /// Device `dev`'s buffer as a slot a `release_scope` can free.
+  buffer_slot_ref slot_ref(std::size_t dev) { return {&bufs_.at(dev), &release_slot, &slot_holds}; }
 
  private:
-  std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
+  using view_t = meshlib::detail::block_view_t<T, 1, default_memory_space>;
+  struct slot {
+    view_t view;
+    buffer_meter* meter = nullptr;  // the meter that counted `bytes` (not owned)
+    std::size_t bytes = 0;
+  };
+  static void release_slot(void* p) noexcept {
+    auto& s = *static_cast<slot*>(p);
+    if (s.meter != nullptr) s.meter->remove(s.bytes);
+    s.view = view_t();
+    s.meter = nullptr;
+    s.bytes = 0;
+  }
+  static bool slot_holds(const void* p, const void* address) noexcept {
+    const auto& s = *static_cast<const slot*>(p);
+    const auto* a = static_cast<const unsigned char*>(address);
+    const auto* b = reinterpret_cast<const unsigned char*>(s.view.data());
+    return b != nullptr && a >= b && a < b + s.bytes;
+  }
+  std::vector<slot> bufs_;
 };
 
 /// A rank-1 local tensor of type `L` over `n` elements at `data` (not owned: a caller's buffer,

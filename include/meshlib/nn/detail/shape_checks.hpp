@@ -17,7 +17,9 @@
 /// - `name()`, `to_string()`: how messages name the layer (`fc1`, `fc1 (column_dense 8 -> 16, ...)`);
 /// - `accepts_input<X>` (a `static constexpr bool` template), `diagnostic_name` and
 ///   `input_requirement` (types): whether `forward(X)` is legal, and how a compile-time error names
-///   the layer and what it needs.
+///   the layer and what it needs;
+/// - `backward_names_input` (a `static constexpr bool`): its backward is `backward<X>(dy, need_dx)`
+///   with `X` the forward's input type (`sequential`, `remat`), which `sequential` supplies.
 
 #include <cstddef>
 #include <string>
@@ -130,6 +132,15 @@ template <class L>
 consteval bool keeps_features() {
   if constexpr (requires { L::keeps_features; }) return L::keeps_features;
   else return false;
+}
+
+/// `l.backward(dy, need_dx)`, or `l.backward<X>(dy, need_dx)` for a layer that says its backward
+/// names its forward's input type `X` (`backward_names_input`: `sequential`, `remat`), so
+/// compositions nest.
+template <class X, class L, class DY>
+auto layer_backward(L& l, const DY& dy, bool need_dx) {
+  if constexpr (requires { L::backward_names_input; }) return l.template backward<X>(dy, need_dx);
+  else return l.backward(dy, need_dx);
 }
 
 /// `"layer 2, fc2 (row_dense 32 -> 4, input sharded over 'model'),"` for a message.

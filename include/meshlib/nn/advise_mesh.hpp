@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `advise_mesh`: which mesh shape trains a model fastest on this many devices, measured.
+///
+/// Choosing the mesh shape matters more than most knobs ((4, 2) against (8, 1) can be 1.8x), and
+/// the right one depends on the model, the batch and the machine, so the advisor measures instead
+/// of modelling: it enumerates every factorisation of the device count over the mesh type's axes
+/// (`mesh_shapes`), builds the model on each (a shape the model refuses, heads or vocabulary or
+/// width not divisible by an axis, is kept as a row "not possible: <the library's message>"),
+/// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each row also has
+/// samples per second, the share of the step spent in the gradient synchronisation
+/// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
+/// the bytes per device: parameters, gradients and optimizer state (`train_state::memory`, the
+/// largest over the devices) plus the step's peak of activation buffers
+/// (`step_metrics::peak_activation_bytes`).
+///
+/// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
+/// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
+/// parallelism runs over the axis they name ("model" by default). A "pipeline" axis is the
+/// extension point for pipeline parallelism (issue 26 item 1): `detail::configure_shape` is where a
+/// shape's pipeline size becomes the train options' stages; until then such shapes are listed as
+/// not possible.
+/// @code
+/// auto a = nn::advise_mesh<mesh_t>(8, [&](const mesh_t& m) { return make_gpt(m); }, batch);
+/// std::cout << a.markdown();          // the ranked table
+/// const mesh_t best = nn::make_mesh<mesh_t>(a.best);
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "meshlib/core/errors.hpp"
+#include "meshlib/core/mesh.hpp"
+#include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/schedule.hpp"
+#include "meshlib/nn/train_state.hpp"
+
+namespace meshlib::nn {
+
+/// @brief The size of every axis of a mesh type, in mesh order (one candidate of the advisor).
+struct mesh_shape {
+  std::vector<std::string> axes;   ///< the mesh's axis names, in order
+  std::vector<std::size_t> sizes;  ///< their sizes
+  /// The size of axis `name` (1 when the mesh has no such axis).
+  [[nodiscard]] std::size_t size(std::string_view name) const {
+    for (std::size_t i = 0; i < axes.size(); ++i)
+      if (axes[i] == name) return sizes[i];
+    return 1;
+  }
+  /// The number of devices.
+  [[nodiscard]] std::size_t devices() const {
+    std::size_t n = 1;
+    for (auto s : sizes) n *= s;
+    return n;
+  }
+  /// `"(2, 4)"`: the sizes in mesh order.
+  [[nodiscard]] std::string to_string() const {
+    std::string s = "(";
+    for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+    return s + ")";
+  }
+  /// `"2x4"`: the flagships' `--mesh` spelling.
+  [[nodiscard]] std::string flag() const {
+    std::string s;
+    for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "x" : "") + std::to_string(sizes[i]);
+    return s;
+  }
+  friend bool operator==(const mesh_shape&, const mesh_shape&) = default;
+};
+
+/// @brief One shape's measurement (or why it cannot run).
+struct advice_row {
+  mesh_shape shape;
+  /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
+  std::string refused;
+  double step_seconds = 0;        ///< median wall time of a timed step
+  double samples_per_second = 0;  ///< rows (or windows) of the global batch per second
+  double sync_share = 0;          ///< share of the timed steps in the gradient synchronisation
+  std::size_t state_bytes = 0;    ///< parameters + gradients + optimizer state (+ FSDP buffers), the largest device
+  std::size_t activation_bytes = 0;  ///< the step's peak of activation buffers (first device)
+  /// Whether the shape ran.
+  [[nodiscard]] bool possible() const noexcept { return refused.empty(); }
+  /// The estimate of a device's memory: state plus activations.
+  [[nodiscard]] std::size_t memory_bytes() const noexcept { return state_bytes + activation_bytes; }
+};
+
+/// @brief The advisor's answer: every shape, ranked (fastest first; shapes not possible last, in
+/// enumeration order), and the best one.
+struct advice {
+  std::vector<advice_row> rows;
+  mesh_shape best;
+  std::size_t devices = 0;
+  std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
+
+  /// The ranked table in Markdown.
+  [[nodiscard]] std::string markdown() const {
+    std::string axes;
+    if (!rows.empty())
+      for (std::size_t i = 0; i < rows.front().shape.axes.size(); ++i) axes += (i ? ", " : "") + rows.front().shape.axes[i];
+    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | memory per device |\n"
+                    "| ---: | --- | ---: | ---: | ---: | ---: |\n";
+    char buf[256];
+    std::size_t rank = 0;
+    for (const auto& r : rows) {
+      if (r.possible()) {
+        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
+                      ++rank, r.shape.to_string().c_str(), 1e3 * r.step_seconds, r.samples_per_second,
+                      100.0 * r.sync_share, static_cast<double>(r.memory_bytes()) / 1048576.0,
+                      static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
+        s += buf;
+      } else {
+        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | |\n";
+      }
+    }
+    return s;
+  }
+};
+
+/// @brief How `advise_mesh` measures.
+struct advise_options {
+  std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
+  std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
+  optimizer opt = adam(constant(1e-3f));
+  train_options train = {};      ///< the base options (`fsdp` is set per shape)
+  std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
+};
+
+/// @brief Every factorisation of `devices` over the axes of `Mesh`, in lexicographic order of the
+/// sizes from the last axis to the first ((8, 1), (4, 2), (2, 4), (1, 8) for (data, model)).
+/// A mesh type with static axis sizes keeps them.
+template <mesh_type Mesh>
+std::vector<mesh_shape> mesh_shapes(std::size_t devices) {
+  constexpr std::size_t n = Mesh::ndim;
+  std::vector<mesh_shape> out;
+  std::array<std::size_t, n> sizes{};
+  std::function<void(std::size_t, std::size_t)> place = [&](std::size_t axis, std::size_t left) {
+    if (axis == 0) {
+      sizes[0] = left;
+      if (Mesh::static_sizes[0] != dynamic_extent && Mesh::static_sizes[0] != left) return;
+      mesh_shape s;
+      for (std::size_t i = 0; i < n; ++i) {
+        s.axes.emplace_back(Mesh::axis_names[i]);
+        s.sizes.push_back(sizes[i]);
+      }
+      out.push_back(std::move(s));
+      return;
+    }
+    for (std::size_t k = 1; k <= left; ++k)
+      if (left % k == 0 && (Mesh::static_sizes[axis] == dynamic_extent || Mesh::static_sizes[axis] == k)) {
+        sizes[axis] = k;
+        place(axis - 1, left / k);
+      }
+  };
+  if (devices > 0) place(n - 1, devices);
+  return out;
+}
+
+/// @brief The mesh of type `Mesh` with the sizes of `s`.
+/// @throws mesh_error when `s` is not a shape of this mesh type (other axes, a static size differs).
+template <mesh_type Mesh>
+Mesh make_mesh(const mesh_shape& s) {
+  typename Mesh::coord_type sizes{};
+  if (s.sizes.size() != Mesh::ndim)
+    throw mesh_error("meshlib::nn: make_mesh: the shape " + s.to_string() + " has " + std::to_string(s.sizes.size()) +
+                     " axes, the mesh type " + std::to_string(Mesh::ndim));
+  for (std::size_t i = 0; i < Mesh::ndim; ++i) sizes[i] = s.sizes[i];
+  return Mesh(sizes);
+}
+
+namespace detail {
+/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. The extension point of
+/// pipeline parallelism: a pipeline axis larger than 1 will set the stages here; until then it is
+/// refused (the returned text, empty when the shape is fine).
+inline std::string configure_shape(const mesh_shape& s, train_options& o) {
+  o.fsdp = s.size("fsdp") > 1;
+  if (s.size("pipeline") > 1)
+    return "pipeline parallelism is not in train_step yet (issue 26 item 1): use a pipeline axis of 1";
+  return {};
+}
+
+/// Samples of a global batch: rows of a `batch`, windows of a `token_batch`.
+inline std::size_t samples_of(const batch& b) { return b.global_rows; }
+inline std::size_t samples_of(const token_batch& b) { return b.rows; }
+
+/// A library message without its `meshlib::nn: ` / `meshlib: ` prefix (the table says who refused).
+inline std::string without_prefix(std::string_view m) {
+  for (std::string_view p : {std::string_view("meshlib::nn: "), std::string_view("meshlib: ")})
+    if (m.substr(0, p.size()) == p) return std::string(m.substr(p.size()));
+  return std::string(m);
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+}  // namespace detail
+
+/// @brief Measures `train_step` of `make_model(mesh)` on `batch` (a global `batch` or a
+/// `token_batch`) for every shape of `devices` devices over `Mesh`'s axes (or `o.only`) and
+/// ranks them (see the file comment). Runs on this process's thread devices.
+/// @throws sharding_error when `devices` is 0 or no shape is possible (the message lists every
+/// shape's reason); what the model or a step throws otherwise (a library `meshlib::error` is a
+/// refusal of that shape, anything else a bug that propagates).
+template <mesh_type Mesh, class Factory, class Batch>
+advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch, const advise_options& o = {}) {
+  if (devices == 0) throw sharding_error("meshlib::nn: advise_mesh: 0 devices; give the number of devices to split over");
+  advice a;
+  a.devices = devices;
+  a.batch = detail::samples_of(batch);
+  const std::vector<mesh_shape> shapes = o.only.empty() ? mesh_shapes<Mesh>(devices) : o.only;
+  for (const auto& shape : shapes) {
+    advice_row row;
+    row.shape = shape;
+    train_options opts = o.train;
+    if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
+      row.refused = "not possible: " + why;
+      a.rows.push_back(std::move(row));
+      continue;
+    }
+    try {
+      const Mesh mesh = make_mesh<Mesh>(shape);
+      train_state state(mesh, make_model(mesh), o.opt, opts);
+      for (std::size_t i = 0; i < o.warmup_steps; ++i) (void)train_step(state, batch);
+      std::vector<double> times;
+      double total = 0, sync = 0;
+      step_metrics last;
+      for (std::size_t i = 0; i < std::max<std::size_t>(o.timed_steps, 1); ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        last = train_step(state, batch);
+        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        total += times.back();
+        sync += last.sync_seconds;
+      }
+      row.step_seconds = detail::median(times);
+      row.samples_per_second = static_cast<double>(a.batch) / row.step_seconds;
+      row.sync_share = total > 0 ? sync / total : 0;
+      for (std::size_t dev : state.local_devices()) row.state_bytes = std::max(row.state_bytes, state.memory(dev).total());
+      row.activation_bytes = last.peak_activation_bytes;
+    } catch (const meshlib::error& e) {
+      row.refused = "not possible: " + detail::without_prefix(e.what());
+    }
+    a.rows.push_back(std::move(row));
+  }
+  std::stable_sort(a.rows.begin(), a.rows.end(), [](const advice_row& x, const advice_row& y) {
+    if (x.possible() != y.possible()) return x.possible();
+    return x.possible() && x.step_seconds < y.step_seconds;
+  });
+  if (a.rows.empty() || !a.rows.front().possible()) {
+    std::string why;
+    for (const auto& r : a.rows) why += "; " + r.shape.to_string() + ": " + r.refused;
+    throw sharding_error("meshlib::nn: advise_mesh: no mesh shape of " + std::to_string(devices) +
+                         " devices can train this model on this batch" + why);
+  }
+  a.best = a.rows.front().shape;
+  return a;
+}
+
+}  // namespace meshlib::nn
