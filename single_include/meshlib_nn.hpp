@@ -472,7 +472,15 @@ struct parameter {
 /// reference-count rule of docs/tensors.md: a device copies and drops only its own handles). The
 /// tensors a layer returns wrap these buffers (unmanaged views): they stay valid until the layer's
 /// next forward / backward on that device.
+///
+/// Two hooks let `remat` (nn/remat.hpp) and the activation measure of `train_step` see these
+/// buffers without every layer reporting its own: a thread-local `buffer_meter` counts the bytes of
+/// the slots allocated while it is active (each slot remembers the meter that counted it, so a
+/// slot released or regrown later is taken off that meter and no count goes negative), and a
+/// thread-local `release_scope` records every slot used while it is active, so `remat` can free
+/// the buffers of the block it wraps after forward and let backward reallocate them.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <type_traits>
@@ -481,6 +489,97 @@ struct parameter {
 
 
 namespace meshlib::nn::detail {
+
+/// The bytes of layer buffers one device holds (see the file comment): `live` now, `peak` the
+/// most since `reset_peak`. Only that device's thread touches it.
+struct buffer_meter {
+  std::size_t live = 0;  ///< bytes allocated now in the slots this meter counted
+  std::size_t peak = 0;  ///< the most `live` reached since the last `reset_peak`
+  void add(std::size_t n) noexcept {
+    live += n;
+    peak = std::max(peak, live);
+  }
+  void remove(std::size_t n) noexcept { live -= std::min(n, live); }
+  void reset_peak() noexcept { peak = live; }
+};
+/// The meter that counts the slots the calling thread allocates (null: none).
+inline buffer_meter*& active_meter() noexcept {
+  thread_local buffer_meter* m = nullptr;
+  return m;
+}
+/// Makes `m` the calling thread's meter until the end of the scope (then the previous one again).
+class meter_scope {
+ public:
+  explicit meter_scope(buffer_meter* m) noexcept : prev_(active_meter()) { active_meter() = m; }
+  ~meter_scope() { active_meter() = prev_; }
+  meter_scope(const meter_scope&) = delete;
+  meter_scope& operator=(const meter_scope&) = delete;
+
+ private:
+  buffer_meter* prev_;
+};
+
+/// A slot of some `device_buffers<T>`, with the function that frees it (type-erased so one scope
+/// records buffers of every element type).
+struct buffer_slot_ref {
+  void* slot = nullptr;
+  void (*release)(void*) noexcept = nullptr;
+  bool (*holds)(const void*, const void*) noexcept = nullptr;  ///< whether the slot's block holds an address
+  friend bool operator==(const buffer_slot_ref&, const buffer_slot_ref&) = default;
+};
+/// The slots used on the calling thread while it is active (see the file comment). Scopes nest:
+/// only the innermost records. A copy starts empty (its slots would be another object's).
+class release_scope {
+ public:
+  release_scope() = default;
+  release_scope(const release_scope&) noexcept {}
+  release_scope& operator=(const release_scope&) noexcept {
+    slots_.clear();
+    return *this;
+  }
+  release_scope(release_scope&&) noexcept = default;  // the slots' vectors move with their owners
+  release_scope& operator=(release_scope&&) noexcept = default;
+  ~release_scope() = default;
+
+  /// Frees every recorded slot but the one whose block holds `keep` (the memory goes back to
+  /// Kokkos; the next `get` allocates again). The kept slot stays recorded: the next call frees it
+  /// unless it holds that call's `keep`.
+  void release_except(const void* keep) noexcept {
+    dedupe();
+    std::size_t kept = 0;
+    for (const auto& s : slots_) {
+      if (keep != nullptr && s.holds(s.slot, keep)) slots_[kept++] = s;
+      else s.release(s.slot);
+    }
+    slots_.resize(kept);
+  }
+  void record(buffer_slot_ref s) {
+    if (slots_.empty() || !(slots_.back() == s)) slots_.push_back(s);
+    if (slots_.size() > 2 * unique_) dedupe();
+  }
+  /// Makes this scope the calling thread's recorder until `leave` (restoring the previous one).
+  void enter() noexcept {
+    prev_ = current();
+    current() = this;
+  }
+  void leave() noexcept { current() = prev_; }
+  static release_scope*& current() noexcept {
+    thread_local release_scope* s = nullptr;
+    return s;
+  }
+
+ private:
+  void dedupe() {
+    if (slots_.empty()) return;
+    std::sort(slots_.begin(), slots_.end(),
+              [](const buffer_slot_ref& a, const buffer_slot_ref& b) { return a.slot < b.slot; });
+    slots_.erase(std::unique(slots_.begin(), slots_.end()), slots_.end());
+    unique_ = std::max<std::size_t>(slots_.size(), 16);
+  }
+  std::vector<buffer_slot_ref> slots_;
+  std::size_t unique_ = 16;
+  release_scope* prev_ = nullptr;
+};
 
 /// One growable buffer per device (see the file comment).
 template <class T>
@@ -491,9 +590,17 @@ class device_buffers {
   void resize_devices(std::size_t devices) { bufs_.resize(devices); }
   /// Device `dev`'s buffer of at least `n` elements (contents unspecified when it grew).
   T* get(std::size_t dev, std::size_t n) {
-    auto& b = bufs_.at(dev);
-    if (b.extent(0) < n) b = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
-    return b.data();
+    auto& s = bufs_.at(dev);
+    if (s.view.extent(0) < n) {
+      if (s.meter != nullptr) s.meter->remove(s.bytes);
+      s.view = view_t();  // the old block goes before the new one comes: the meter's peak is real
+      s.view = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+      s.bytes = n * sizeof(T);
+      s.meter = active_meter();
+      if (s.meter != nullptr) s.meter->add(s.bytes);
+    }
+    if (release_scope* r = release_scope::current()) r->record(slot_ref(dev));
+    return s.view.data();
   }
   /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
@@ -512,9 +619,32 @@ class device_buffers {
       return p;
     }
   }
+  /// Frees device `dev`'s buffer (the next `get` allocates again).
+  void release(std::size_t dev) noexcept { release_slot(&bufs_.at(dev)); }
+  /// Device `dev`'s buffer as a slot a `release_scope` can free.
+  buffer_slot_ref slot_ref(std::size_t dev) { return {&bufs_.at(dev), &release_slot, &slot_holds}; }
 
  private:
-  std::vector<meshlib::detail::block_view_t<T, 1, default_memory_space>> bufs_;
+  using view_t = meshlib::detail::block_view_t<T, 1, default_memory_space>;
+  struct slot {
+    view_t view;
+    buffer_meter* meter = nullptr;  // the meter that counted `bytes` (not owned)
+    std::size_t bytes = 0;
+  };
+  static void release_slot(void* p) noexcept {
+    auto& s = *static_cast<slot*>(p);
+    if (s.meter != nullptr) s.meter->remove(s.bytes);
+    s.view = view_t();
+    s.meter = nullptr;
+    s.bytes = 0;
+  }
+  static bool slot_holds(const void* p, const void* address) noexcept {
+    const auto& s = *static_cast<const slot*>(p);
+    const auto* a = static_cast<const unsigned char*>(address);
+    const auto* b = reinterpret_cast<const unsigned char*>(s.view.data());
+    return b != nullptr && a >= b && a < b + s.bytes;
+  }
+  std::vector<slot> bufs_;
 };
 
 /// A rank-1 local tensor of type `L` over `n` elements at `data` (not owned: a caller's buffer,
@@ -805,7 +935,9 @@ void scatter_add_rows(T* g, const T* dyp, const std::int32_t* id, std::size_t n,
 /// - `name()`, `to_string()`: how messages name the layer (`fc1`, `fc1 (column_dense 8 -> 16, ...)`);
 /// - `accepts_input<X>` (a `static constexpr bool` template), `diagnostic_name` and
 ///   `input_requirement` (types): whether `forward(X)` is legal, and how a compile-time error names
-///   the layer and what it needs.
+///   the layer and what it needs;
+/// - `backward_names_input` (a `static constexpr bool`): its backward is `backward<X>(dy, need_dx)`
+///   with `X` the forward's input type (`sequential`, `remat`), which `sequential` supplies.
 
 #include <cstddef>
 #include <string>
@@ -914,6 +1046,15 @@ template <class L>
 consteval bool keeps_features() {
   if constexpr (requires { L::keeps_features; }) return L::keeps_features;
   else return false;
+}
+
+/// `l.backward(dy, need_dx)`, or `l.backward<X>(dy, need_dx)` for a layer that says its backward
+/// names its forward's input type `X` (`backward_names_input`: `sequential`, `remat`), so
+/// compositions nest.
+template <class X, class L, class DY>
+auto layer_backward(L& l, const DY& dy, bool need_dx) {
+  if constexpr (requires { L::backward_names_input; }) return l.template backward<X>(dy, need_dx);
+  else return l.backward(dy, need_dx);
 }
 
 /// `"layer 2, fc2 (row_dense 32 -> 4, input sharded over 'model'),"` for a message.
@@ -4281,6 +4422,9 @@ class sequential {
     else return forward_from<0>(x);
   }
 
+  /// Its backward names its input type (`backward<X>(dy)`), so a sequential nests in a sequential.
+  static constexpr bool backward_names_input = true;
+
   /// Backward through every layer, last first; returns the cotangent of the input `X` when
   /// `need_dx` (else its contents are unspecified: the first layer skips that product).
   template <local_tensor_type X, local_tensor_type DY>
@@ -4387,7 +4531,7 @@ class sequential {
   auto backward_from(const DY& dy, bool need_dx) {
     using in_t = typename input_of<X, I>::type;
     if (hooks != nullptr) hooks->before_backward(I, dy.device());
-    auto dx = std::get<I>(layers).backward(dy, I > 0 || need_dx);
+    auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
     if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
     static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
@@ -4860,6 +5004,229 @@ struct mean_squared_error {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/mean_squared_error.hpp
+// begin meshlib/nn/remat.hpp
+/// @file
+/// @brief `remat`: activation recomputation (`jax.checkpoint` / `jax.remat`,
+/// `torch.utils.checkpoint`). `remat(mesh, block)` is a layer that runs `block` forward and then
+/// frees every buffer the block used except the one holding its output, so between forward and
+/// backward it holds only its output (its input is the previous layer's output, which that layer
+/// keeps anyway); its backward reruns the block's forward from the saved input to rebuild the
+/// activations, runs the block's backward, and frees them again, keeping only the buffer that holds
+/// the input's cotangent (until its next forward).
+///
+/// The result is the same bits as without remat: the rerun forward is the same kernels on the same
+/// input, dropout draws the same mask (its key is set once per step by `begin_step`, and the mask
+/// is a function of the key and the element's global index), and the running statistics of the
+/// block's batch norms, which a training forward updates, are saved before the rerun and put back
+/// after it, so they move once per step as without remat (torch.utils.checkpoint updates them twice).
+///
+/// What it costs: one more forward of the block per step, including the block's own collectives
+/// (a tensor-parallel block's psums run again in backward, on every device alike). What it saves:
+/// the block's internal buffers between forward and backward; `step_metrics::peak_activation_bytes`
+/// measures it (the bytes of layer buffers live on a device during a step, nn/detail/buffers.hpp).
+///
+/// A block is anything `sequential` takes (a layer, a `transformer_block`, a `basic_block`, a
+/// `residual`, a nested `sequential`, another `remat`); something without `forward(x)` and
+/// `backward(dy, need_dx)` is one compile error naming its type. The mesh is taken, as every layer
+/// takes it, to size the per-device state at construction (device threads never resize it).
+/// Elementwise rounding of mixed precision is applied by the enclosing `sequential` to the block's
+/// output only, as for any layer.
+/// @code
+/// auto net = nn::sequential(tok, pos, nn::remat(m, nn::transformer_block<float, mesh_t>(m, "h0", 128, 4, 512, 64, key)),
+///                           nn::remat(m, nn::transformer_block<float, mesh_t>(m, "h1", 128, 4, 512, 64, key)),
+///                           nn::layer_norm<float, mesh_t>(m, "ln_f", 128), nn::tied_head<float, mesh_t>(tok));
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The one compile error of `remat`: the wrapped type is named in the condition.
+template <bool Ok, class Wrapped, class Input>
+struct remat_wraps_a_type_without_forward_and_backward {
+  static_assert(Ok,
+                "meshlib::nn: remat: the wrapped type has no forward(x) taking this input and backward(dy, need_dx) "
+                "returning its cotangent; the condition spells out remat_wraps_a_type_without_forward_and_backward<"
+                "ok, the wrapped type, the input>. Wrap a layer, a block (transformer_block, basic_block, residual) "
+                "or a sequential: anything sequential accepts");
+  static constexpr bool value = Ok;
+};
+
+/// Whether `L` runs forward on `X` and backward on its output's cotangent.
+template <class L, class X>
+consteval bool remat_can_wrap() {
+  if constexpr (!std::is_class_v<L>) {
+    return false;
+  } else if constexpr (!requires(L& l, const X& x) { l.forward(x); }) {
+    return false;
+  } else {
+    using Y = std::remove_cvref_t<decltype(std::declval<L&>().forward(std::declval<const X&>()))>;
+    return requires(L& l, const Y& dy) { l.template backward<X>(dy, true); } ||
+           requires(L& l, const Y& dy) { l.backward(dy, true); };
+  }
+}
+
+/// A tensor of type `L` over `data` with the extents `e` (an unmanaged view of a layer's buffer).
+template <local_tensor_type L, std::size_t... I>
+L rewrap(const void* data, const std::array<std::size_t, 8>& e, const typename L::mesh_type& mesh,
+         std::size_t dev, std::index_sequence<I...>) {
+  using V = typename L::value_type;
+  return L(typename L::view_type(const_cast<V*>(static_cast<const V*>(data)), e[I]...), mesh, dev);
+}
+}  // namespace detail
+
+/// @brief Recomputes `Layer`'s activations in backward instead of keeping them (see the file comment).
+template <class Layer>
+class remat {
+ public:
+  /// The wrapped layer or block.
+  Layer layer;
+
+  /// Wraps `l`; `mesh` sizes the per-device state.
+  template <mesh_type Mesh>
+  remat(const Mesh& mesh, Layer l)
+      : layer(std::move(l)), saved_(mesh.size()), scopes_(mesh.size()), stash_(mesh.size()) {}
+
+  /// `"remat(h0 (transformer_block ...))"`: how messages name it.
+  [[nodiscard]] std::string to_string() const {
+    if constexpr (requires { layer.to_string(); }) return "remat(" + std::string(layer.to_string()) + ")";
+    else if constexpr (requires { layer.name(); }) return "remat(" + std::string(layer.name()) + ")";
+    else return "remat";
+  }
+  /// The wrapped layer's name, when it has one.
+  [[nodiscard]] std::string name() const
+    requires requires(const Layer& l) { l.name(); }
+  {
+    return std::string(layer.name());
+  }
+  /// The wrapped layer's input width.
+  [[nodiscard]] std::size_t in_features() const
+    requires detail::has_widths<Layer>
+  {
+    return layer.in_features();
+  }
+  /// The wrapped layer's output width.
+  [[nodiscard]] std::size_t out_features() const
+    requires detail::has_widths<Layer>
+  {
+    return layer.out_features();
+  }
+  /// As the wrapped layer.
+  static constexpr bool keeps_features = detail::keeps_features<Layer>();
+  /// What the wrapped layer accepts.
+  template <class X>
+  static constexpr bool accepts_input = detail::layer_accepts<Layer, X>();
+  /// For compile-time messages: the wrapped layer's.
+  using diagnostic_name = typename detail::layer_diagnostic_name<Layer>::type;
+  /// @copydoc diagnostic_name
+  using input_requirement = typename detail::layer_input_requirement<Layer>::type;
+
+  /// Passes the step's key and mode on (dropout keeps the key, so the rerun draws the same mask).
+  void begin_step(rng_key key, bool train) {
+    if constexpr (requires { layer.begin_step(key, train); }) layer.begin_step(key, train);
+  }
+
+  /// The wrapped layer's forward; afterwards only the buffer holding the output is kept.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    constexpr bool ok = detail::remat_can_wrap<Layer, X>();
+    static_assert(sizeof(detail::remat_wraps_a_type_without_forward_and_backward<ok, Layer, X>) > 0);  // one error, its own
+    if constexpr (!ok) {
+      return x;  // the one diagnostic above has fired
+    } else {
+      const std::size_t dev = x.device();
+      auto& s = saved_[dev];
+      s.input = x.data();
+      for (std::size_t d = 0; d < X::rank; ++d) s.extents[d] = x.extent(d);
+      s.ran = true;
+      detail::release_scope& scope = scopes_[dev];
+      scope.enter();
+      auto y = layer.forward(x);
+      scope.leave();
+      scope.release_except(y.data());
+      return y;
+    }
+  }
+
+  /// Tells `sequential` to name the forward's input type: `backward<X>(dy, need_dx)`.
+  static constexpr bool backward_names_input = true;
+
+  /// Reruns the forward from the saved input, then the wrapped layer's backward; afterwards only the
+  /// buffer holding the input's cotangent is kept. `X` is the forward's input type (a `sequential`
+  /// names it; left out, it is `DY`'s, right for a block that returns its input's type).
+  /// @throws sharding_error when no forward ran on this device.
+  template <class X = void, local_tensor_type DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    using In = std::conditional_t<std::is_void_v<X>, DY, X>;
+    if constexpr (!detail::remat_can_wrap<Layer, In>()) {
+      return dy;  // forward's diagnostic has fired (or fires now)
+    } else {
+      return backward_impl<In>(dy, need_dx);
+    }
+  }
+
+  /// The wrapped layer's parameters.
+  template <class T>
+  void collect(std::vector<param_ref<T>>& out) const {
+    if constexpr (requires { layer.collect(out); }) layer.collect(out);
+  }
+  /// The wrapped layer's buffers (running statistics).
+  template <class T>
+  void collect_buffers(std::vector<param_ref<T>>& out) const {
+    detail::collect_buffers_of(layer, out);
+  }
+
+ private:
+  template <class In, class DY>
+  auto backward_impl(const DY& dy, bool need_dx) {
+    const std::size_t dev = dy.device();
+    const auto& s = saved_[dev];
+    if (!s.ran)
+      throw sharding_error("meshlib::nn: " + to_string() + ": backward on device " + std::to_string(dev) +
+                           " before any forward there; run forward first (backward reruns it from its saved input)");
+    const In x = detail::rewrap<In>(s.input, s.extents, dy.mesh(), dev, std::make_index_sequence<In::rank>{});
+    // The rerun must not move running statistics (batch norm) a second time: keep them and put them back.
+    std::vector<param_ref<float>> buffers;
+    detail::collect_buffers_of(layer, buffers);
+    std::size_t total = 0;
+    for (const auto& b : buffers) total += b.count[dev];
+    float* stash = total > 0 ? stash_.get(dev, total) : nullptr;
+    for (std::size_t i = 0, off = 0; i < buffers.size(); off += buffers[i].count[dev], ++i)
+      detail::convert_copy<default_memory_space>(stash + off, buffers[i].value[dev], buffers[i].count[dev]);
+    detail::release_scope& scope = scopes_[dev];
+    scope.enter();
+    (void)layer.forward(x);
+    for (std::size_t i = 0, off = 0; i < buffers.size(); off += buffers[i].count[dev], ++i)
+      detail::convert_copy<default_memory_space>(buffers[i].value[dev], stash + off, buffers[i].count[dev]);
+    auto dx = detail::layer_backward<In>(layer, dy, need_dx);
+    scope.leave();
+    scope.release_except(dx.data());
+    return dx;
+  }
+
+  struct saved {
+    const void* input = nullptr;
+    std::array<std::size_t, 8> extents{};
+    bool ran = false;
+  };
+  std::vector<saved> saved_;                  // per device: the last forward's input
+  std::vector<detail::release_scope> scopes_;  // per device: the buffers the wrapped layer used
+  detail::device_buffers<float> stash_;        // per device: running statistics across the rerun
+};
+
+/// `remat(mesh, block)` deduces the block's type.
+template <mesh_type Mesh, class Layer>
+remat(const Mesh&, Layer) -> remat<Layer>;
+
+}  // namespace meshlib::nn
+// end meshlib/nn/remat.hpp
 // begin meshlib/nn/collective_transpose.hpp
 /// @file
 /// @brief The backward (transpose) of every collective, written on the typed local tensors so the
@@ -7040,6 +7407,7 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <ranges>
 #include <span>
 #include <string>
@@ -7091,6 +7459,13 @@ struct step_metrics {
   double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
   bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
   double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
+  // ---- activation memory (nn/remat.hpp), of the first local device ----
+  /// Bytes of the model's layer buffers (activations, outputs, cotangents, workspaces) live when the
+  /// last micro-batch's forward returned: what is held between forward and backward.
+  std::size_t activation_bytes = 0;
+  /// The most bytes of the model's layer buffers live at any time during the step's forward and
+  /// backward passes (what `remat` lowers).
+  std::size_t peak_activation_bytes = 0;
 };
 
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
@@ -7311,6 +7686,9 @@ class train_state {
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
   [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
+  /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
+  [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
@@ -7505,6 +7883,10 @@ class train_state {
   std::vector<detail::held_tensor<float>> masters_;
   /// FSDP's shards, buffers and layer hooks (null without FSDP); shared by copies of the state.
   std::shared_ptr<detail::fsdp_engine<Mesh, fsdp_axes>> fsdp_;
+  /// Per device: the bytes of the model's layer buffers (shared by copies of the state, as the
+  /// model's buffers are; the buffers point at it).
+  std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
+      std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -7608,10 +7990,16 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
           if (p.overwrite) p.overwrite[dev] = 1;
           else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
         double sums[2] = {0, 0};
+        buffer_meter* meter = s.activation_meter(dev);
+        meter->reset_peak();
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = s.model.forward(xb);
+          auto logits = [&] {
+            const meter_scope metered(meter);  // counts the model's buffers only
+            return s.model.forward(xb);
+          }();
+          out[dev].activation_bytes = meter->live;
           using Z = decltype(logits);
           Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
                     s.mesh, dev);
@@ -7622,7 +8010,10 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
             scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
             round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
-          s.model.template backward<X>(dlogits);
+          {
+            const meter_scope metered(meter);
+            s.model.template backward<X>(dlogits);
+          }
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
@@ -7634,6 +8025,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
         if constexpr (State::mixed)
           for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
+        m.peak_activation_bytes = meter->peak;
         m.loss_scale = s.loss_scale();
         m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
         m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
@@ -7799,7 +8191,10 @@ step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features,
         for (std::size_t start = 0; start < count; start += batch_rows) {
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          auto logits = [&] {
+            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
+            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          }();
           const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
@@ -7848,6 +8243,269 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 
 }  // namespace meshlib::nn
 // end meshlib/nn/train_state.hpp
+// begin meshlib/nn/advise_mesh.hpp
+/// @file
+/// @brief `advise_mesh`: which mesh shape trains a model fastest on this many devices, measured.
+///
+/// Choosing the mesh shape matters more than most knobs ((4, 2) against (8, 1) can be 1.8x), and
+/// the right one depends on the model, the batch and the machine, so the advisor measures instead
+/// of modelling: it enumerates every factorisation of the device count over the mesh type's axes
+/// (`mesh_shapes`), builds the model on each (a shape the model refuses, heads or vocabulary or
+/// width not divisible by an axis, is kept as a row "not possible: <the library's message>"),
+/// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each row also has
+/// samples per second, the share of the step spent in the gradient synchronisation
+/// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
+/// the bytes per device: parameters, gradients and optimizer state (`train_state::memory`, the
+/// largest over the devices) plus the step's peak of activation buffers
+/// (`step_metrics::peak_activation_bytes`).
+///
+/// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
+/// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
+/// parallelism runs over the axis they name ("model" by default). A "pipeline" axis is the
+/// extension point for pipeline parallelism (issue 26 item 1): `detail::configure_shape` is where a
+/// shape's pipeline size becomes the train options' stages; until then such shapes are listed as
+/// not possible.
+/// @code
+/// auto a = nn::advise_mesh<mesh_t>(8, [&](const mesh_t& m) { return make_gpt(m); }, batch);
+/// std::cout << a.markdown();          // the ranked table
+/// const mesh_t best = nn::make_mesh<mesh_t>(a.best);
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The size of every axis of a mesh type, in mesh order (one candidate of the advisor).
+struct mesh_shape {
+  std::vector<std::string> axes;   ///< the mesh's axis names, in order
+  std::vector<std::size_t> sizes;  ///< their sizes
+  /// The size of axis `name` (1 when the mesh has no such axis).
+  [[nodiscard]] std::size_t size(std::string_view name) const {
+    for (std::size_t i = 0; i < axes.size(); ++i)
+      if (axes[i] == name) return sizes[i];
+    return 1;
+  }
+  /// The number of devices.
+  [[nodiscard]] std::size_t devices() const {
+    std::size_t n = 1;
+    for (auto s : sizes) n *= s;
+    return n;
+  }
+  /// `"(2, 4)"`: the sizes in mesh order.
+  [[nodiscard]] std::string to_string() const {
+    std::string s = "(";
+    for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+    return s + ")";
+  }
+  /// `"2x4"`: the flagships' `--mesh` spelling.
+  [[nodiscard]] std::string flag() const {
+    std::string s;
+    for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "x" : "") + std::to_string(sizes[i]);
+    return s;
+  }
+  friend bool operator==(const mesh_shape&, const mesh_shape&) = default;
+};
+
+/// @brief One shape's measurement (or why it cannot run).
+struct advice_row {
+  mesh_shape shape;
+  /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
+  std::string refused;
+  double step_seconds = 0;        ///< median wall time of a timed step
+  double samples_per_second = 0;  ///< rows (or windows) of the global batch per second
+  double sync_share = 0;          ///< share of the timed steps in the gradient synchronisation
+  std::size_t state_bytes = 0;    ///< parameters + gradients + optimizer state (+ FSDP buffers), the largest device
+  std::size_t activation_bytes = 0;  ///< the step's peak of activation buffers (first device)
+  /// Whether the shape ran.
+  [[nodiscard]] bool possible() const noexcept { return refused.empty(); }
+  /// The estimate of a device's memory: state plus activations.
+  [[nodiscard]] std::size_t memory_bytes() const noexcept { return state_bytes + activation_bytes; }
+};
+
+/// @brief The advisor's answer: every shape, ranked (fastest first; shapes not possible last, in
+/// enumeration order), and the best one.
+struct advice {
+  std::vector<advice_row> rows;
+  mesh_shape best;
+  std::size_t devices = 0;
+  std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
+
+  /// The ranked table in Markdown.
+  [[nodiscard]] std::string markdown() const {
+    std::string axes;
+    if (!rows.empty())
+      for (std::size_t i = 0; i < rows.front().shape.axes.size(); ++i) axes += (i ? ", " : "") + rows.front().shape.axes[i];
+    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | memory per device |\n"
+                    "| ---: | --- | ---: | ---: | ---: | ---: |\n";
+    char buf[256];
+    std::size_t rank = 0;
+    for (const auto& r : rows) {
+      if (r.possible()) {
+        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
+                      ++rank, r.shape.to_string().c_str(), 1e3 * r.step_seconds, r.samples_per_second,
+                      100.0 * r.sync_share, static_cast<double>(r.memory_bytes()) / 1048576.0,
+                      static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
+        s += buf;
+      } else {
+        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | |\n";
+      }
+    }
+    return s;
+  }
+};
+
+/// @brief How `advise_mesh` measures.
+struct advise_options {
+  std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
+  std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
+  optimizer opt = adam(constant(1e-3f));
+  train_options train = {};      ///< the base options (`fsdp` is set per shape)
+  std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
+};
+
+/// @brief Every factorisation of `devices` over the axes of `Mesh`, in lexicographic order of the
+/// sizes from the last axis to the first ((8, 1), (4, 2), (2, 4), (1, 8) for (data, model)).
+/// A mesh type with static axis sizes keeps them.
+template <mesh_type Mesh>
+std::vector<mesh_shape> mesh_shapes(std::size_t devices) {
+  constexpr std::size_t n = Mesh::ndim;
+  std::vector<mesh_shape> out;
+  std::array<std::size_t, n> sizes{};
+  std::function<void(std::size_t, std::size_t)> place = [&](std::size_t axis, std::size_t left) {
+    if (axis == 0) {
+      sizes[0] = left;
+      if (Mesh::static_sizes[0] != dynamic_extent && Mesh::static_sizes[0] != left) return;
+      mesh_shape s;
+      for (std::size_t i = 0; i < n; ++i) {
+        s.axes.emplace_back(Mesh::axis_names[i]);
+        s.sizes.push_back(sizes[i]);
+      }
+      out.push_back(std::move(s));
+      return;
+    }
+    for (std::size_t k = 1; k <= left; ++k)
+      if (left % k == 0 && (Mesh::static_sizes[axis] == dynamic_extent || Mesh::static_sizes[axis] == k)) {
+        sizes[axis] = k;
+        place(axis - 1, left / k);
+      }
+  };
+  if (devices > 0) place(n - 1, devices);
+  return out;
+}
+
+/// @brief The mesh of type `Mesh` with the sizes of `s`.
+/// @throws mesh_error when `s` is not a shape of this mesh type (other axes, a static size differs).
+template <mesh_type Mesh>
+Mesh make_mesh(const mesh_shape& s) {
+  typename Mesh::coord_type sizes{};
+  if (s.sizes.size() != Mesh::ndim)
+    throw mesh_error("meshlib::nn: make_mesh: the shape " + s.to_string() + " has " + std::to_string(s.sizes.size()) +
+                     " axes, the mesh type " + std::to_string(Mesh::ndim));
+  for (std::size_t i = 0; i < Mesh::ndim; ++i) sizes[i] = s.sizes[i];
+  return Mesh(sizes);
+}
+
+namespace detail {
+/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. The extension point of
+/// pipeline parallelism: a pipeline axis larger than 1 will set the stages here; until then it is
+/// refused (the returned text, empty when the shape is fine).
+inline std::string configure_shape(const mesh_shape& s, train_options& o) {
+  o.fsdp = s.size("fsdp") > 1;
+  if (s.size("pipeline") > 1)
+    return "pipeline parallelism is not in train_step yet (issue 26 item 1): use a pipeline axis of 1";
+  return {};
+}
+
+/// Samples of a global batch: rows of a `batch`, windows of a `token_batch`.
+inline std::size_t samples_of(const batch& b) { return b.global_rows; }
+inline std::size_t samples_of(const token_batch& b) { return b.rows; }
+
+/// A library message without its `meshlib::nn: ` / `meshlib: ` prefix (the table says who refused).
+inline std::string without_prefix(std::string_view m) {
+  for (std::string_view p : {std::string_view("meshlib::nn: "), std::string_view("meshlib: ")})
+    if (m.substr(0, p.size()) == p) return std::string(m.substr(p.size()));
+  return std::string(m);
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+}  // namespace detail
+
+/// @brief Measures `train_step` of `make_model(mesh)` on `batch` (a global `batch` or a
+/// `token_batch`) for every shape of `devices` devices over `Mesh`'s axes (or `o.only`) and
+/// ranks them (see the file comment). Runs on this process's thread devices.
+/// @throws sharding_error when `devices` is 0 or no shape is possible (the message lists every
+/// shape's reason); what the model or a step throws otherwise (a library `meshlib::error` is a
+/// refusal of that shape, anything else a bug that propagates).
+template <mesh_type Mesh, class Factory, class Batch>
+advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch, const advise_options& o = {}) {
+  if (devices == 0) throw sharding_error("meshlib::nn: advise_mesh: 0 devices; give the number of devices to split over");
+  advice a;
+  a.devices = devices;
+  a.batch = detail::samples_of(batch);
+  const std::vector<mesh_shape> shapes = o.only.empty() ? mesh_shapes<Mesh>(devices) : o.only;
+  for (const auto& shape : shapes) {
+    advice_row row;
+    row.shape = shape;
+    train_options opts = o.train;
+    if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
+      row.refused = "not possible: " + why;
+      a.rows.push_back(std::move(row));
+      continue;
+    }
+    try {
+      const Mesh mesh = make_mesh<Mesh>(shape);
+      train_state state(mesh, make_model(mesh), o.opt, opts);
+      for (std::size_t i = 0; i < o.warmup_steps; ++i) (void)train_step(state, batch);
+      std::vector<double> times;
+      double total = 0, sync = 0;
+      step_metrics last;
+      for (std::size_t i = 0; i < std::max<std::size_t>(o.timed_steps, 1); ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        last = train_step(state, batch);
+        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        total += times.back();
+        sync += last.sync_seconds;
+      }
+      row.step_seconds = detail::median(times);
+      row.samples_per_second = static_cast<double>(a.batch) / row.step_seconds;
+      row.sync_share = total > 0 ? sync / total : 0;
+      for (std::size_t dev : state.local_devices()) row.state_bytes = std::max(row.state_bytes, state.memory(dev).total());
+      row.activation_bytes = last.peak_activation_bytes;
+    } catch (const meshlib::error& e) {
+      row.refused = "not possible: " + detail::without_prefix(e.what());
+    }
+    a.rows.push_back(std::move(row));
+  }
+  std::stable_sort(a.rows.begin(), a.rows.end(), [](const advice_row& x, const advice_row& y) {
+    if (x.possible() != y.possible()) return x.possible();
+    return x.possible() && x.step_seconds < y.step_seconds;
+  });
+  if (a.rows.empty() || !a.rows.front().possible()) {
+    std::string why;
+    for (const auto& r : a.rows) why += "; " + r.shape.to_string() + ": " + r.refused;
+    throw sharding_error("meshlib::nn: advise_mesh: no mesh shape of " + std::to_string(devices) +
+                         " devices can train this model on this batch" + why);
+  }
+  a.best = a.rows.front().shape;
+  return a;
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/advise_mesh.hpp
 // begin meshlib/nn/params.hpp
 /// @file
 /// @brief `params(state)`: the trained parameters read back, as flax's `state.params` and
