@@ -136,9 +136,9 @@ class pipeline_plan {
   /// One row per stage, one column per round half: `F3` / `B3` when micro-batch 3's forward /
   /// backward runs, `..` when idle.
   /// @code
-  /// GPipe, 2 stages x 2 micro-batches, 3 rounds
-  /// stage 0 | F0 .. F1 .. .. B0 .. B1
-  /// stage 1 | .. .. F0 B0 F1 B1 .. ..
+  /// 1F1B, 2 stages x 3 micro-batches, 5 rounds
+  /// stage 0 | F0 .. F1 .. F2 B0 .. B1 .. B2
+  /// stage 1 | .. .. F0 B0 F1 B1 F2 B2 .. ..
   /// @endcode
   [[nodiscard]] std::string timeline() const {
     std::string out = name() + ", " + std::to_string(p_) + " stages x " + std::to_string(m_) + " micro-batches, " +

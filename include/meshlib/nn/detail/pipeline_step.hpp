@@ -52,6 +52,22 @@ void make_group_communicators(const Mesh& mesh, std::size_t dev) {
   make_group_communicators(mesh, dev, std::make_index_sequence<static_cast<std::size_t>(Mesh::all_axes) - 1>{});
 }
 
+/// Sends each mirrored parameter's value from its owner stage to its mirror (restored or updated
+/// since the mirror last got it); with `for_backward`, the mirror's gradient block starts at zero.
+template <class State>
+void refresh_mirrors(State& s, pipeline_engine& e, std::size_t dev, std::size_t stage, bool for_backward) {
+  for (const auto& t : e.mirrors) {
+    const auto& q = s.params[t.param];
+    const std::size_t n = e.block_elements(t.param, dev);
+    const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
+    if (stage != t.mirror) continue;
+    convert_copy<default_memory_space>(q.value[dev], r, n);
+    if (!for_backward) continue;
+    fill_values<default_memory_space>(q.grad[dev], n, 0.0f);
+    if (q.overwrite) q.overwrite[dev] = 0;
+  }
+}
+
 /// One device's stage of a pipelined model: forward and backward over its layers `[lo, hi)` with
 /// run-time bounds (each layer index a compile-time branch, since activation types differ per layer).
 template <class State, class X0>
@@ -206,17 +222,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           if (q.count[dev] == 0) continue;
           else if (q.overwrite) q.overwrite[dev] = 1;
           else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
-        // Mirrors get the owner's value (restored or updated since the last step).
-        for (const auto& t : e.mirrors) {
-          const auto& q = s.params[t.param];
-          const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
-          if (stage == t.mirror) {
-            convert_copy<default_memory_space>(q.value[dev], r, n);
-            fill_values<default_memory_space>(q.grad[dev], n, 0.0f);
-            if (q.overwrite) q.overwrite[dev] = 0;
-          }
-        }
+        refresh_mirrors(s, e, dev, stage, true);
         const auto input_rows = [&](std::size_t j) { return x.data() + (first + j * micro - global_offset) * features; };
         const auto x0_of = [&](std::size_t j) {
           return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, input_rows(j), micro, features));
@@ -332,6 +338,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
         stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
         const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
         make_group_communicators(s.mesh, dev);
+        refresh_mirrors(s, e, dev, stage, false);
         double sums[2] = {0, 0};
         for (std::size_t start = 0; start < count; start += batch_rows) {
           const std::size_t units = std::min(batch_rows, count - start) / group;
