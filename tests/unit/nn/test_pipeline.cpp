@@ -53,9 +53,10 @@ double mlp_step(State& state, std::size_t s) {
       .loss;
 }
 
-std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 12) {
+std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 12,
+                               nn::optimizer opt = nn::adam(nn::constant(1e-2f))) {
   const mesh_t m{shape[0], shape[1], shape[2]};
-  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), o);
+  nn::train_state state(m, make_mlp(m), opt, o);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(mlp_step(state, s));
   return out;
@@ -130,6 +131,18 @@ TEST_CASE("pipeline: an MLP's losses on pipeline axes of 2 and 4 equal the 1-dev
                       << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
         require_close(mlp_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
       }
+}
+
+TEST_CASE("pipeline: clipping over every stage's gradients, and ZeRO-1 over the data axis within each stage",
+          "[nn][pipeline][zero]") {
+  auto opt = nn::adamw(nn::constant(1e-2f), 1e-2f);
+  opt.clip_norm = 0.5f;  // the global norm sums every stage's blocks once
+  const auto ref = mlp_losses({1, 1, 1}, {}, 12, opt);
+  for (bool zero : {false, true})
+    for (auto shape : {shape_t{2, 1, 2}, shape_t{1, 1, 4}, shape_t{2, 2, 2}}) {
+      INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ") zero " << zero);
+      require_close(mlp_losses(shape, {.zero = zero, .pipeline = {.microbatches = 2}}, 12, opt), ref, 1e-5);
+    }
 }
 
 TEST_CASE("pipeline: a small GPT (head tied across stages) trains as on one device, GPipe and 1F1B",
