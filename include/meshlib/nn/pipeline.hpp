@@ -41,8 +41,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -123,6 +125,30 @@ class pipeline_plan {
     return 1.0 - static_cast<double>(m_) * (forward + backward) / total;
   }
 
+  /// Whether stage `stage`'s backward in round `round` first runs its forward again: its layers
+  /// last ran another micro-batch's forward (see the file comment). The last stage under 1F1B never does.
+  [[nodiscard]] bool recomputes(std::size_t round, std::size_t stage) const { return recompute_.at(round).at(stage) != 0; }
+
+  /// `bubble_fraction` with the recomputed forwards counted as work: a backward that recomputes
+  /// costs `forward + backward`. The stages then do unequal work (the last does less), and this is
+  /// what a balanced model's measured bubble approaches.
+  [[nodiscard]] double bubble_with_recompute(double forward = 1.0, double backward = 2.0) const {
+    double total = 0, busy = 0;
+    for (std::size_t r = 0; r < rounds_.size(); ++r) {
+      double f = 0, b = 0;
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (rounds_[r][s].forward != pipeline_slot::none) f = forward;
+        if (rounds_[r][s].backward == pipeline_slot::none) continue;
+        const double c = backward + (recompute_[r][s] ? forward : 0.0);
+        b = std::max(b, c);
+        busy += c;
+      }
+      total += f + b;
+    }
+    busy += static_cast<double>(p_ * m_) * forward;
+    return 1.0 - busy / (static_cast<double>(p_) * total);
+  }
+
   /// The most micro-batches stage `stage` holds the input of at once (forwarded, not yet backwarded).
   [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
     std::size_t held = 0, peak = 0;
@@ -181,7 +207,7 @@ class pipeline_plan {
     // has_in[s][j]: stage s can run forward j; has_dy[s][j]: it can run backward j.
     std::vector<std::vector<char>> has_in(p_, std::vector<char>(m_, 0)), has_dy = has_in;
     std::fill(has_in[0].begin(), has_in[0].end(), 1);
-    std::vector<std::size_t> next(p_, 0);
+    std::vector<std::size_t> next(p_, 0), last_forward(p_, pipeline_slot::none);
     std::size_t left = p_ * 2 * m_;
     while (left > 0) {
       std::vector<pipeline_slot> r(p_);
@@ -205,6 +231,14 @@ class pipeline_plan {
         --left;
         if (s > 0) arrive_dy.push_back({s - 1, x.microbatch});
       }
+      std::vector<char> again(p_, 0);
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (r[s].forward != pipeline_slot::none) last_forward[s] = r[s].forward;
+        if (r[s].backward == pipeline_slot::none) continue;
+        again[s] = last_forward[s] != r[s].backward;
+        last_forward[s] = pipeline_slot::none;  // a backward leaves the layers' saved state spent
+      }
+      recompute_.push_back(std::move(again));
       for (auto [s, j] : arrive_in) has_in[s][j] = 1;
       for (auto [s, j] : arrive_dy) has_dy[s][j] = 1;
       rounds_.push_back(std::move(r));
@@ -216,6 +250,7 @@ class pipeline_plan {
   pipeline_kind kind_;
   std::size_t p_, m_;
   std::vector<std::vector<pipeline_slot>> rounds_;
+  std::vector<std::vector<char>> recompute_;  // [round][stage]
 };
 
 /// @brief The stages of a model of `layer_params.size()` layers (`layer_params[l]`: layer `l`'s
@@ -331,12 +366,12 @@ struct pipeline_engine {
   std::size_t devices = 0;
   // Per device: the boundary activations' extents of the last probe (per layer index, as a flat
   // list of `rank` extents per boundary: [I * 8, I * 8 + rank)), the rows they were probed with,
-  // which micro-batch the layers last ran forward, and the buffers.
+  // and the buffers.
   std::vector<std::vector<std::size_t>> extents;
   std::vector<std::size_t> probed_rows;
-  std::vector<std::size_t> cached;
   device_buffers<float> inputs, dys, dlogits, send, scratch;
-  std::vector<double> busy;  ///< per device: seconds of the last step spent computing
+  std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
+  std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
 
   /// `full_count` of parameter `i` on `dev`.
   [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
@@ -401,8 +436,8 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   }
   e->extents.resize(e->devices);
   e->probed_rows.assign(e->devices, 0);
-  e->cached.assign(e->devices, pipeline_slot::none);
   e->busy.assign(e->devices, 0.0);
+  e->span.assign(e->devices, 0.0);
   e->inputs = device_buffers<float>(e->devices);
   e->dys = device_buffers<float>(e->devices);
   e->dlogits = device_buffers<float>(e->devices);
@@ -412,6 +447,28 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
 }
 
 }  // namespace detail
+}  // namespace meshlib::nn
+
+namespace meshlib::nn {
+
+/// @brief The bubble of `state`'s last pipelined `train_step`, measured: the fraction of the
+/// devices' time in the step's rounds (from the first round's start to the last round's end,
+/// the longest device's) that they spent not computing (waiting for a neighbour, exchanging,
+/// idle in a round). 0 without a pipeline. Compare with `pipeline_plan::bubble_fraction` and
+/// (p - 1) / (m + p - 1) (docs/benchmarks.md has a table; devices must have a core each for the
+/// times to mean anything).
+template <class State>
+double measured_bubble(const State& state) {
+  const auto* e = state.pipeline();
+  if (e == nullptr) return 0.0;
+  double busy = 0, span = 0;
+  for (std::size_t dev : state.local_devices()) {
+    busy += e->busy[dev];
+    span = std::max(span, e->span[dev]);
+  }
+  return span <= 0 ? 0.0 : 1.0 - busy / (span * static_cast<double>(state.local_devices().size()));
+}
+
 }  // namespace meshlib::nn
 
 namespace meshlib::nn::detail {

@@ -193,6 +193,16 @@ TEST_CASE("pipeline_plan: each stage runs every micro-batch once each way, after
         // Rounds cost a forward (1) when any stage runs one plus a backward (2) when any runs one.
         CHECK(std::abs(plan.bubble_fraction(1.0, 2.0) - nn::pipeline_schedule::ideal_bubble(p, m)) < 1e-12);
         CHECK(std::abs(plan.bubble_fraction(1.0, 1.0) - nn::pipeline_schedule::ideal_bubble(p, m)) < 1e-12);
+        // A backward recomputes unless its stage's last forward was its micro-batch's: under GPipe
+        // every one when there are several micro-batches (B0 follows the last forward); under 1F1B
+        // never on the last stage.
+        for (std::size_t st = 0; st < p; ++st) {
+          std::size_t again = 0;
+          for (std::size_t r = 0; r < rounds.size(); ++r) again += plan.recomputes(r, st) ? 1 : 0;
+          if (kind == nn::pipeline_kind::gpipe) CHECK(again == (m > 1 ? m : 0));
+          else if (st + 1 == p) CHECK(again == 0);
+        }
+        CHECK(plan.bubble_with_recompute(1.0, 2.0) >= plan.bubble_fraction(1.0, 2.0) - 1e-12);
         for (std::size_t st = 0; st < p; ++st)
           CHECK(plan.peak_in_flight(st) == (kind == nn::pipeline_kind::gpipe ? m : std::min(2 * (p - st) - 1, m)));
       }

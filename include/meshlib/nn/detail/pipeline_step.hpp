@@ -230,7 +230,6 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         if (e.probed_rows[dev] == 0) {
           e.extents[dev].assign((State::model_type::size + 1) * 8, 0);
           run.template probe<0>(x0_of(0), micro);
-          e.cached[dev] = pipeline_slot::none;
         }
         const std::size_t msg = micro * run.message_per_row();
         const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
@@ -258,13 +257,14 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         };
         auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
         const auto& rounds = plan.rounds();
-        for (const auto& r : rounds) {
+        const auto start = clock::now();
+        for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
+          const auto& r = rounds[ri];
           if (r[stage].forward != pipeline_slot::none) {
             const auto t0 = clock::now();
             j = r[stage].forward;
             with_loss = true;
             run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
-            e.cached[dev] = j;
             busy += std::chrono::duration<double>(clock::now() - t0).count();
           }
           if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
@@ -275,12 +275,11 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           if (r[stage].backward != pipeline_slot::none) {
             const auto t0 = clock::now();
             j = r[stage].backward;
-            if (e.cached[dev] != j) {  // the layers hold another micro-batch's forward: run this one's again
+            if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
               with_loss = false;
               run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
             }
             run.backward(stage + 1 == p ? dlogits + j * zn : dys + j * msg, micro, backward_sink);
-            e.cached[dev] = pipeline_slot::none;
             busy += std::chrono::duration<double>(clock::now() - t0).count();
           }
           if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
@@ -290,6 +289,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           }
         }
         e.busy[dev] = busy;
+        e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
         for (const auto& q : s.params)
           if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
             fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
@@ -368,7 +368,6 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
             }
           }
         }
-        e.cached[dev] = pipeline_slot::none;
         sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);
         out[dev].loss = sums[0];
         out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
