@@ -86,6 +86,19 @@ auto small_gpt(const mesh_t& m) {
                         nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
 }
 
+/// The small GPT on the seed's 4-axis mesh: its tensor-parallel layers over 'tensor'.
+using mesh4_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"tensor">,
+                              meshlib::axis<"pipeline">>;
+using shape4_t = std::array<std::size_t, 4>;
+auto small_gpt4(const mesh4_t& m) {
+  const nn::rng_key key{21};
+  nn::embedding<float, mesh4_t, "tensor"> tok(m, "tok", 32, 16, key, 0.5f);
+  return nn::sequential(tok, nn::positional_embedding<float, mesh4_t>(m, "pos", 8, 16, 8, key, 0.1f),
+                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h0", 16, 4, 32, 8, key),
+                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h1", 16, 4, 32, 8, key),
+                        nn::layer_norm<float, mesh4_t>(m, "ln_f", 16), nn::tied_head<float, mesh4_t, "tensor">(tok));
+}
+
 /// Step `s`'s windows: 8 sequences of 8 ids.
 nn::token_batch windows(std::size_t s) {
   auto b = nn::sample_windows(text(), 8, 8, nn::rng_key{5}.fold_in(s));
@@ -105,6 +118,16 @@ nn::token_batch validation() {
 std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 10) {
   const mesh_t m{shape[0], shape[1], shape[2]};
   nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
+  std::vector<double> out;
+  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
+  out.push_back(nn::evaluate(state, validation(), 4).loss);
+  return out;
+}
+
+/// Per-step losses of the GPT on a 4-axis mesh, then the validation loss.
+std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, std::size_t steps = 8) {
+  const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
+  nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
   out.push_back(nn::evaluate(state, validation(), 4).loss);
@@ -157,6 +180,45 @@ TEST_CASE("pipeline: a small GPT (head tied across stages) trains as on one devi
                     << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
       require_close(gpt_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
     }
+}
+
+TEST_CASE("pipeline: the GPT on ('data', 'fsdp', 'tensor', 'pipeline') meshes of 8 devices trains as on one",
+          "[nn][pipeline][gpt][mesh4]") {
+  const auto ref = gpt4_losses({1, 1, 1, 1});
+  CHECK(ref[7] < ref[0] - 0.2);
+  for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
+    for (auto shape : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}, shape4_t{2, 2, 1, 2}, shape4_t{1, 1, 2, 4}}) {
+      // 8 sequences over data x fsdp; micro-batches of whole sequences.
+      const std::size_t mb = 8 / (shape[0] * shape[1]) >= 4 ? 4 : 2;
+      INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ") micro-batches " << mb
+                    << " " << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
+      require_close(gpt4_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
+    }
+}
+
+TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn][pipeline][gpt][mesh4][checkpoint]") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("meshlib_nn_pipeline_ckpt4_" + std::to_string(::getpid()));
+  const auto ref = gpt4_losses({1, 1, 1, 1}, {}, 6);
+  for (auto from : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}}) {
+    fs::remove_all(dir);
+    const mesh4_t a{from[0], from[1], from[2], from[3]};
+    nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), {.pipeline = {.microbatches = 2}});
+    for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+    nn::save_checkpoint(dir, first);
+    for (auto to : {shape4_t{2, 1, 2, 2}, shape4_t{1, 2, 2, 2}, shape4_t{1, 1, 2, 4}, shape4_t{1, 1, 1, 1}}) {
+      const mesh4_t b{to[0], to[1], to[2], to[3]};
+      INFO("saved on " << a << ", restored on " << b);
+      nn::train_state second(b, small_gpt4(b), nn::adam(nn::constant(1e-2f)),
+                             {.pipeline = {.microbatches = 2, .schedule = nn::pipeline_kind::gpipe}});
+      nn::restore_checkpoint(dir, second);
+      for (std::size_t s = 3; s < 6; ++s) {
+        INFO("step " << s);
+        CHECK(std::abs(nn::train_step(second, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+      }
+    }
+  }
+  fs::remove_all(dir);
 }
 
 TEST_CASE("pipeline_plan: each stage runs every micro-batch once each way, after its input arrived, with the "
