@@ -487,9 +487,6 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
     throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
                                  "into stages; wrap the layers in nn::sequential");
   } else {
-    if (s.options.fsdp)
-      throw sharding_error(where + "and train_options::fsdp is set: FSDP within pipeline stages is not supported "
-                                   "yet; use the 'fsdp' axis as a data axis (fsdp = false) or a pipeline axis of size 1");
     if (State::mixed)
       throw sharding_error(where + "and the state computes in a 16-bit type: a pipeline trains in float only; "
                                    "use train_state<..., Compute = float> or a pipeline axis of size 1");
@@ -502,7 +499,13 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
       throw sharding_error(where + "but layer buffer '" + buffers.front().name +
                            "' (running statistics) would be updated twice when a stage recomputes its forward; "
                            "a pipeline does not support batch norm yet: use layer_norm or a pipeline axis of size 1");
-    return make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
+    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
+    if (s.options.fsdp && !e->mirrors.empty())
+      throw sharding_error(where + "train_options::fsdp is set, and parameter '" + s.params[e->mirrors.front().param].name +
+                           "' is read by a layer of stage " + std::to_string(e->mirrors.front().mirror) +
+                           " too (a tied head): FSDP does not shard a tied parameter; untie the head (a column_dense "
+                           "head) or use the 'fsdp' axis as a data axis (fsdp = false)");
+    return e;
   }
 }
 

@@ -212,11 +212,11 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
-    // Pipeline (nn/pipeline.hpp): each parameter restricted to its stage's devices, before the
-    // optimizer state is sized from the parameters' blocks.
+    if (options.fsdp) shard_parameters();
+    // Pipeline (nn/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
-    if (options.fsdp) shard_parameters();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);

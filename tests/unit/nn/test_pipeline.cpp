@@ -124,6 +124,23 @@ std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o = {}, s
   return out;
 }
 
+/// The MLP and an untied GPT (a column_dense head: FSDP shards no tied parameter) on the 4-axis mesh.
+auto make_mlp4(const mesh4_t& m) {
+  const nn::rng_key key{11};
+  return nn::sequential(nn::column_dense<float, mesh4_t, "tensor">(m, "fc1", features, hidden, key), nn::relu<float>(m),
+                        nn::row_dense<float, mesh4_t, "tensor">(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
+                        nn::dense<float, mesh4_t>(m, "fc3", hidden, classes, key));
+}
+auto untied_gpt4(const mesh4_t& m) {
+  const nn::rng_key key{21};
+  return nn::sequential(nn::embedding<float, mesh4_t, "tensor">(m, "tok", 32, 16, key, 0.5f),
+                        nn::positional_embedding<float, mesh4_t>(m, "pos", 8, 16, 8, key, 0.1f),
+                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h0", 16, 4, 32, 8, key),
+                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h1", 16, 4, 32, 8, key),
+                        nn::layer_norm<float, mesh4_t>(m, "ln_f", 16),
+                        nn::column_dense<float, mesh4_t, "tensor">(m, "head", 16, 32, key));
+}
+
 /// Per-step losses of the GPT on a 4-axis mesh, then the validation loss.
 std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, std::size_t steps = 8) {
   const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
@@ -194,6 +211,45 @@ TEST_CASE("pipeline: the GPT on ('data', 'fsdp', 'tensor', 'pipeline') meshes of
                     << " " << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
       require_close(gpt4_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
     }
+}
+
+TEST_CASE("pipeline with FSDP: parameters sharded over 'fsdp' within each stage, the 1-device losses",
+          "[nn][pipeline][fsdp][mesh4]") {
+  std::vector<double> mlp_ref, gpt_ref;
+  {
+    const mesh4_t one{1, 1, 1, 1};
+    nn::train_state a(one, make_mlp4(one), nn::adam(nn::constant(1e-2f)));
+    nn::train_state b(one, untied_gpt4(one), nn::adam(nn::constant(1e-2f)));
+    for (std::size_t s = 0; s < 8; ++s) {
+      mlp_ref.push_back(mlp_step(a, s));
+      gpt_ref.push_back(nn::train_step(b, windows(s)).loss);
+    }
+  }
+  for (bool keep : {false, true})
+    for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
+      for (auto shape : {shape4_t{1, 2, 2, 2}, shape4_t{2, 2, 1, 2}, shape4_t{1, 2, 1, 4}}) {
+        const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
+        INFO("mesh " << m << (kind == nn::pipeline_kind::gpipe ? " GPipe" : " 1F1B") << " reshard_after_forward "
+                     << !keep);
+        const nn::train_options o{.fsdp = true, .reshard_after_forward = !keep,
+                                  .pipeline = {.microbatches = 2, .schedule = kind}};
+        nn::train_state a(m, make_mlp4(m), nn::adam(nn::constant(1e-2f)), o);
+        nn::train_state b(m, untied_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
+        for (std::size_t s = 0; s < 8; ++s) {
+          INFO("step " << s);
+          CHECK(std::abs(mlp_step(a, s) - mlp_ref[s]) <= 1e-5 * mlp_ref[s]);
+          CHECK(std::abs(nn::train_step(b, windows(s)).loss - gpt_ref[s]) <= 1e-5 * gpt_ref[s]);
+        }
+        // A device stores a 1/fsdp shard of its own stage's parameters only.
+        std::size_t total = 0;
+        for (const auto& p : a.params) total += p.count[0];
+        CHECK(a.memory(0).parameters == total * sizeof(float));
+      }
+  // A tied head is refused under FSDP.
+  const mesh4_t m{1, 2, 1, 2};
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), {.fsdp = true});
+        }).find("FSDP does not shard a tied parameter") != std::string::npos);
 }
 
 TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn][pipeline][gpt][mesh4][checkpoint]") {

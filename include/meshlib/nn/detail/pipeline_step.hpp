@@ -102,8 +102,12 @@ struct stage_runner {
   void probe(const Y& y, std::size_t rows) {
     static_assert(Y::rank <= 8, "meshlib::nn: pipeline: an activation of rank above 8");
     for (std::size_t d = 0; d < Y::rank; ++d) e.extents[dev][I * 8 + d] = y.extent(d);
-    if constexpr (I < layers) probe<I + 1>(std::get<I>(s.model.layers).forward(y), rows);
-    else e.probed_rows[dev] = rows;
+    if constexpr (I < layers) {
+      if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);
+      probe<I + 1>(std::get<I>(s.model.layers).forward(y), rows);
+    } else {
+      e.probed_rows[dev] = rows;
+    }
   }
 
   /// Layers `I .. hi - 1` forward on `y`; then `sink(integral_constant<I>, output)`.
@@ -113,6 +117,7 @@ struct stage_runner {
       sink(std::integral_constant<std::size_t, I>{}, y);
     } else {
       if (I == hi) return sink(std::integral_constant<std::size_t, I>{}, y);
+      if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);  // FSDP: gather the layer
       forward_from<I + 1>(std::get<I>(s.model.layers).forward(y), sink);
     }
   }
@@ -131,7 +136,9 @@ struct stage_runner {
   template <std::size_t I, class DY, class Sink>
   void backward_from(const DY& dy, Sink& sink) {
     const bool first = I == lo;
+    if (s.model.hooks != nullptr) s.model.hooks->before_backward(I, dev);
     auto dx = std::get<I>(s.model.layers).backward(dy, !first || stage > 0);
+    if (s.model.hooks != nullptr) s.model.hooks->after_backward(I, dev);  // FSDP: reduce-scatter its gradients
     if (first) {
       if (stage > 0) sink(dx);
       return;
