@@ -37,6 +37,10 @@
 /// data axes, clipping and checkpoints skip them); a parameter that a later stage's layer also reads
 /// (a `tied_head`'s embedding table) is owned by the first stage and mirrored on the other: the
 /// owner sends its value before each step, the mirror sends its gradient back after the backward.
+///
+/// Composition: the data axes split the batch and all-reduce (or, under ZeRO-1, reduce-scatter)
+/// each stage's gradients as without a pipeline; a tensor axis runs inside the layers; under FSDP
+/// the stages restrict the shards and the stage runner calls the FSDP hooks around each layer.
 
 #include <algorithm>
 #include <cstddef>
