@@ -307,10 +307,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           const auto& q = s.params[t.param];
           const std::size_t n = e.block_elements(t.param, dev);
           const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
-          if (stage == t.owner) {
-            float* g = q.grad[dev];
-            meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { g[i] += r[i]; });
-          }
+          if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
         }
         step_metrics& mt = out[dev];
         mt.loss_scale = s.loss_scale();
