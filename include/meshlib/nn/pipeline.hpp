@@ -55,6 +55,7 @@
 
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/pipeline_schedule.hpp"
 
@@ -374,6 +375,9 @@ struct pipeline_engine {
   std::vector<std::vector<std::size_t>> extents;
   std::vector<std::size_t> probed_rows;
   device_buffers<float> inputs, dys, dlogits, send, scratch;
+  /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
+  /// which goes), and one zero block that the other stages' parameters point to on that device.
+  std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
 
@@ -477,6 +481,46 @@ double measured_bubble(const State& state) {
 
 namespace meshlib::nn::detail {
 
+/// Releases the layers' storage of the parameters a device's stage does not hold: on every local
+/// device, each parameter's value and gradient move to blocks of `e.owned` where its stage holds
+/// it, and point to one shared zero block elsewhere (only the probe's forward, which looks at
+/// shapes, reads them there; nothing writes them). `params[i].value[dev]` becomes nullptr where the
+/// stage does not hold it. Mirrored parameters keep their storage: the mirror reads it, through the
+/// tied layer's own handle. Not under FSDP, whose buffers already hold every layer's gathered blocks.
+template <class T>
+void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params, std::span<const std::size_t> local) {
+  std::vector<char> keep(params.size(), 0);
+  for (const auto& t : e.mirrors) keep[t.param] = 1;
+  std::size_t most = 1;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    for (std::size_t dev : local) most = std::max(most, e.block_elements(i, dev));
+  e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
+  float* zero = e.owned.back().data();
+  std::vector<float*> vs(e.devices, nullptr), gs(e.devices, nullptr);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    if (keep[i] || !p.rebind) continue;
+    for (std::size_t dev : local) {
+      const std::size_t n = p.count[dev];
+      if (n == 0) {
+        vs[dev] = gs[dev] = zero;
+        continue;
+      }
+      e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
+      vs[dev] = e.owned.back().data();
+      gs[dev] = vs[dev] + n;
+      convert_copy<default_memory_space>(vs[dev], p.value[dev], n);
+    }
+    Kokkos::fence();  // the copies are done before the layer's own storage goes
+    p.rebind(vs, gs);
+    for (std::size_t dev : local) {
+      const std::size_t n = p.count[dev];
+      p.value.set(dev, n == 0 ? nullptr : vs[dev], n);
+      p.grad.set(dev, n == 0 ? nullptr : gs[dev], n);
+    }
+  }
+}
+
 /// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
 /// refuses what a pipeline cannot run yet, then cuts the model (`make_pipeline_engine`).
 /// @throws sharding_error naming the option and the fix.
@@ -504,6 +548,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
                            "' (running statistics) would be updated twice when a stage recomputes its forward; "
                            "a pipeline does not support batch norm yet: use layer_norm or a pipeline axis of size 1");
     auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
+    if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
     if (s.options.fsdp && !e->mirrors.empty())
       throw sharding_error(where + "train_options::fsdp is set, and parameter '" + s.params[e->mirrors.front().param].name +
                            "' is read by a layer of stage " + std::to_string(e->mirrors.front().mirror) +

@@ -401,6 +401,8 @@ TEST_CASE("pipeline: each device holds, and keeps optimizer state for, only its 
       INFO(state.params[i].name << " device " << dev);
       const bool mine = (i < 2) == (dev % 2 == 0);
       CHECK(state.params[i].count[dev] == (mine ? ref.params[i].count[0] : 0));
+      CHECK((state.params[i].value[dev] != nullptr) == mine);  // the layers' storage elsewhere is gone
+      CHECK((state.params[i].grad[dev] != nullptr) == mine);
     }
   std::size_t first = 0, second = 0;
   for (std::size_t i = 0; i < ref.params.size(); ++i) (i < 2 ? first : second) += ref.params[i].count[0];
