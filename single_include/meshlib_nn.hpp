@@ -2606,6 +2606,9 @@ class tied_head {
 
   /// Nothing: the table is the embedding's, which lists it.
   void collect(std::vector<param_ref<T>>&) const {}
+  /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
+  /// stage that holds this head but not the embedding mirrors the table (nn/pipeline.hpp).
+  void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
   using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
@@ -7415,6 +7418,774 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 #include <utility>
 #include <vector>
 
+// begin meshlib/nn/pipeline.hpp
+/// @file
+/// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
+/// model cut into stages (contiguous runs of layers), one stage per device of the axis, the batch
+/// cut into micro-batches that flow through the stages under a GPipe or 1F1B order, activations
+/// forward and gradients backward by the public typed `ppermute` between neighbouring stages
+/// (torch.distributed.pipelining's `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, or the JAX
+/// `shard_map` + `ppermute` pipeline loop).
+///
+/// A `train_state` whose mesh has a `pipeline` axis of size `p > 1` trains this way; the options are
+/// `train_options::pipeline`:
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipeline">>;
+/// meshlib::nn::train_state state(mesh_t{2, 2}, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)),
+///     {.pipeline = {.microbatches = 4, .schedule = meshlib::nn::pipeline_kind::gpipe}});
+/// auto m = meshlib::nn::train_step(state, batch);  // m.loss: computed on the last stage, reported to all
+/// @endcode
+///
+/// Why lockstep rounds: `ppermute` is a collective of the whole axis (every stage calls it, as in
+/// JAX), so the stages meet at each exchange. A step is a sequence of rounds; in a round every
+/// stage runs at most one forward, then the activations move one stage on, then every stage runs
+/// at most one backward, then the gradients move one stage back (`pipeline_plan`). A message
+/// therefore takes one round per hop each way, and 1F1B warms up with `2 (p - 1 - s)` forwards on
+/// stage `s` instead of the `p - 1 - s` of an asynchronous runtime (torch's send/recv): the same
+/// bubble, (p - 1) / (m + p - 1), with up to `2 (p - s) - 1` micro-batches in flight instead of
+/// GPipe's `m`.
+///
+/// Why recomputation: a layer keeps what its backward needs from its *last* forward, so a stage
+/// keeps each in-flight micro-batch's *input* (the received activation) and, when the backward of a
+/// micro-batch is not the one its layers last ran forward, runs the stage's forward on it again
+/// first (stage-level activation checkpointing; the same numbers, dropout included: its mask is a
+/// function of the step's key and the rows).
+///
+/// Parameters: a device holds, synchronises and updates only its stage's parameters (its
+/// `params[i].count[dev]` is 0 for the others, so optimizer state, gradient synchronisation over the
+/// data axes, clipping and checkpoints skip them); a parameter that a later stage's layer also reads
+/// (a `tied_head`'s embedding table) is owned by the first stage and mirrored on the other: the
+/// owner sends its value before each step, the mirror sends its gradient back after the backward.
+///
+/// Composition: the data axes split the batch and all-reduce (or, under ZeRO-1, reduce-scatter)
+/// each stage's gradients as without a pipeline; a tensor axis runs inside the layers; under FSDP
+/// the stages restrict the shards and the stage runner calls the FSDP hooks around each layer.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/pipeline_schedule.hpp
+/// @file
+/// @brief Pipeline schedules (issue 26): which stage runs which micro-batch's forward or backward
+/// when, as an object that can be printed as a timeline and measured (bubble fraction, activations
+/// in flight), before any model runs on it. GPipe runs every forward and then every backward;
+/// 1F1B (PipeDream-Flush, torch.distributed.pipelining's `Schedule1F1B`) runs `stages - stage - 1`
+/// warm-up forwards and then alternates one forward and one backward, so a stage holds at most
+/// `stages - stage` micro-batches' activations instead of all of them, for the same bubble.
+///
+/// Times are whole units (a forward of one micro-batch on one stage takes `costs.forward` units, a
+/// backward `costs.backward`, sending to the next stage `costs.send`). Each stage runs its steps in
+/// order; a forward starts when the previous stage's forward of the same micro-batch has arrived,
+/// a backward when the next stage's backward of it has; `steps(stage)` gives the start and end
+/// each step got. With uniform costs and no send time, both schedules idle for the fraction
+/// (p - 1) / (m + p - 1) of the run (p stages, m micro-batches): the bubble.
+/// @code
+/// auto s = meshlib::nn::pipeline_schedule::one_f_one_b(4, 8);
+/// std::cout << s.timeline();          // one row per stage: F0 F1 ... B0 F4 B1 ...
+/// s.bubble_fraction();                // 3 / 11 = 0.273
+/// s.peak_in_flight(0);                // 4 (GPipe: 8)
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief What one pipeline step does.
+enum class pipeline_pass : std::uint8_t { forward, backward };
+
+/// @brief One step of one stage: a pass over one micro-batch, and when it runs.
+struct pipeline_step {
+  pipeline_pass pass = pipeline_pass::forward;  ///< forward or backward
+  std::size_t microbatch = 0;                   ///< which micro-batch
+  std::size_t start = 0;                        ///< first time unit it runs in
+  std::size_t end = 0;                          ///< first time unit after it
+};
+
+/// @brief Time units of one micro-batch's work on one stage (see the file comment). A backward
+/// costs about twice a forward (two products per layer instead of one), the common assumption.
+struct pipeline_costs {
+  std::size_t forward = 1;   ///< one forward
+  std::size_t backward = 2;  ///< one backward
+  std::size_t send = 0;      ///< an activation or gradient from one stage to the next
+};
+
+/// @brief A schedule of `stages` x `microbatches` (see the file comment).
+class pipeline_schedule {
+ public:
+  /// GPipe: every forward, then every backward, micro-batches in order.
+  /// @throws sharding_error when `stages` or `microbatches` is 0, or a cost is 0.
+  static pipeline_schedule gpipe(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
+    check(stages, microbatches, costs, "gpipe");
+    std::vector<std::vector<pipeline_step>> order(stages);
+    for (auto& o : order) {
+      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::forward, i});
+      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::backward, i});
+    }
+    return {"GPipe", std::move(order), costs};
+  }
+
+  /// 1F1B: `min(stages - stage - 1, microbatches)` warm-up forwards, then one forward and one
+  /// backward in turn, then the remaining backwards.
+  /// @throws sharding_error as `gpipe`.
+  static pipeline_schedule one_f_one_b(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
+    check(stages, microbatches, costs, "one_f_one_b");
+    std::vector<std::vector<pipeline_step>> order(stages);
+    for (std::size_t s = 0; s < stages; ++s) {
+      const std::size_t warmup = std::min(stages - s - 1, microbatches);
+      std::size_t f = 0, b = 0;
+      for (; f < warmup; ++f) order[s].push_back({pipeline_pass::forward, f});
+      for (; f < microbatches; ++f, ++b) {
+        order[s].push_back({pipeline_pass::forward, f});
+        order[s].push_back({pipeline_pass::backward, b});
+      }
+      for (; b < microbatches; ++b) order[s].push_back({pipeline_pass::backward, b});
+    }
+    return {"1F1B", std::move(order), costs};
+  }
+
+  /// The bubble of a balanced pipeline with uniform costs and free sends: (p - 1) / (m + p - 1).
+  [[nodiscard]] static constexpr double ideal_bubble(std::size_t stages, std::size_t microbatches) noexcept {
+    return static_cast<double>(stages - 1) / static_cast<double>(microbatches + stages - 1);
+  }
+
+  /// "GPipe" or "1F1B".
+  [[nodiscard]] std::string_view name() const noexcept { return name_; }
+  /// Pipeline stages.
+  [[nodiscard]] std::size_t stages() const noexcept { return steps_.size(); }
+  /// Micro-batches per step.
+  [[nodiscard]] std::size_t microbatches() const noexcept { return microbatches_; }
+  /// The steps stage `stage` runs, in order, with their times.
+  [[nodiscard]] const std::vector<pipeline_step>& steps(std::size_t stage) const { return steps_.at(stage); }
+  /// Time units from the first step's start to the last step's end.
+  [[nodiscard]] std::size_t makespan() const noexcept { return makespan_; }
+
+  /// The fraction of stage-time units in which a stage is idle.
+  [[nodiscard]] double bubble_fraction() const noexcept {
+    std::size_t busy = 0;
+    for (const auto& st : steps_)
+      for (const auto& x : st) busy += x.end - x.start;
+    return 1.0 - static_cast<double>(busy) / static_cast<double>(stages() * makespan_);
+  }
+
+  /// The most micro-batches whose activations stage `stage` holds at once (forwarded, not yet
+  /// backwarded): what its activation memory scales with.
+  [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
+    std::size_t held = 0, peak = 0;
+    for (const auto& x : steps_.at(stage)) {
+      if (x.pass == pipeline_pass::forward) peak = std::max(peak, ++held);
+      else --held;
+    }
+    return peak;
+  }
+
+  /// One row per stage, one column per time unit: `F3` while micro-batch 3's forward runs, `B3`
+  /// while its backward runs, `..` when idle.
+  /// @code
+  /// GPipe, 2 stages x 2 micro-batches (forward 1, backward 1, send 0), bubble 33.3%
+  /// stage 0 | F0 F1 .. .. B0 B1
+  /// stage 1 | .. F0 F1 B0 B1 ..
+  /// @endcode
+  [[nodiscard]] std::string timeline() const {
+    std::string out = std::string(name_) + ", " + std::to_string(stages()) + " stages x " + std::to_string(microbatches_) +
+                      " micro-batches (forward " + std::to_string(costs_.forward) + ", backward " +
+                      std::to_string(costs_.backward) + ", send " + std::to_string(costs_.send) + "), bubble " +
+                      percent(bubble_fraction()) + "\n";
+    const std::size_t width = std::to_string(microbatches_ - 1).size() + 1;
+    for (std::size_t s = 0; s < stages(); ++s) {
+      std::vector<std::string> cell(makespan_, std::string(width, '.'));
+      for (const auto& x : steps_[s]) {
+        std::string label = (x.pass == pipeline_pass::forward ? "F" : "B") + std::to_string(x.microbatch);
+        label.resize(width, ' ');
+        for (std::size_t t = x.start; t < x.end; ++t) cell[t] = label;
+      }
+      out += "stage " + std::to_string(s) + " |";
+      for (const auto& c : cell) out += " " + c;
+      out += "\n";
+    }
+    return out;
+  }
+
+ private:
+  pipeline_schedule(std::string_view name, std::vector<std::vector<pipeline_step>> order, pipeline_costs costs)
+      : name_(name), microbatches_(order.front().size() / 2), costs_(costs), steps_(std::move(order)) {
+    simulate();
+  }
+
+  static void check(std::size_t stages, std::size_t microbatches, const pipeline_costs& c, const char* who) {
+    if (stages == 0 || microbatches == 0)
+      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who + ": " + std::to_string(stages) +
+                           " stages x " + std::to_string(microbatches) +
+                           " micro-batches; a pipeline needs at least one of each");
+    if (c.forward == 0 || c.backward == 0)
+      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who +
+                           ": forward and backward costs must be at least 1 time unit (forward " +
+                           std::to_string(c.forward) + ", backward " + std::to_string(c.backward) + ")");
+  }
+
+  static std::string percent(double f) {
+    const auto tenths = static_cast<long long>(f * 1000.0 + 0.5);
+    return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + "%";
+  }
+
+  // List scheduling: each stage runs its steps in order, each as soon as the stage is free and its
+  // input has arrived. The orders above never wait on a step scheduled later on the same stage, so
+  // every pass over the stages schedules at least one step.
+  void simulate() {
+    const std::size_t p = stages(), m = microbatches_;
+    constexpr std::size_t none = static_cast<std::size_t>(-1);
+    std::vector<std::vector<std::size_t>> fwd_end(p, std::vector<std::size_t>(m, none)), bwd_end = fwd_end;
+    std::vector<std::size_t> next(p, 0), free_at(p, 0);
+    for (std::size_t left = p * 2 * m; left > 0;) {
+      std::size_t progress = 0;
+      for (std::size_t s = 0; s < p; ++s) {
+        while (next[s] < steps_[s].size()) {
+          pipeline_step& x = steps_[s][next[s]];
+          const bool fwd = x.pass == pipeline_pass::forward;
+          std::size_t ready = 0;
+          if (fwd && s > 0) ready = fwd_end[s - 1][x.microbatch];
+          if (!fwd && s + 1 < p) ready = bwd_end[s + 1][x.microbatch];
+          if (!fwd && s + 1 == p) ready = fwd_end[s][x.microbatch];
+          if (ready == none) break;
+          const bool from_peer = (fwd && s > 0) || (!fwd && s + 1 < p);
+          x.start = std::max(free_at[s], ready + (from_peer ? costs_.send : 0));
+          x.end = x.start + (fwd ? costs_.forward : costs_.backward);
+          free_at[s] = x.end;
+          (fwd ? fwd_end : bwd_end)[s][x.microbatch] = x.end;
+          ++next[s];
+          ++progress;
+          --left;
+        }
+      }
+      if (progress == 0) throw sharding_error("meshlib::nn::pipeline_schedule: the step orders deadlock");  // a bug
+    }
+    makespan_ = *std::max_element(free_at.begin(), free_at.end());
+  }
+
+  std::string_view name_;
+  std::size_t microbatches_ = 0;
+  pipeline_costs costs_;
+  std::vector<std::vector<pipeline_step>> steps_;
+  std::size_t makespan_ = 0;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/pipeline_schedule.hpp
+
+namespace meshlib::nn {
+
+/// @brief Which order the micro-batches run in (torch's `ScheduleGPipe` / `Schedule1F1B`).
+enum class pipeline_kind : std::uint8_t {
+  gpipe,        ///< every forward, then every backward: m micro-batches' activations in flight
+  one_f_one_b,  ///< after a warm-up, one forward and one backward in turn: fewer in flight
+};
+
+/// @brief `train_options::pipeline`: how a mesh's `pipeline` axis runs the model (see the file comment).
+struct pipeline_options {
+  /// Micro-batches per step, each `rows / (data devices x microbatches)` rows (0: as many as stages).
+  std::size_t microbatches = 0;
+  /// The order of forwards and backwards.
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;
+  /// The index of the first layer of every stage after the first (torch's `split_spec`, as layer
+  /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
+  /// parameter count.
+  std::vector<std::size_t> split_points = {};
+};
+
+/// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and
+/// the one it runs backward (`none` for neither).
+struct pipeline_slot {
+  static constexpr std::size_t none = static_cast<std::size_t>(-1);  ///< no micro-batch
+  std::size_t forward = none;   ///< runs in the round's first half
+  std::size_t backward = none;  ///< runs in the round's second half
+};
+
+/// @brief The lockstep rounds a pipelined step runs (see the file comment): per round, per stage,
+/// what it runs. Built from the per-stage orders of `pipeline_schedule` (GPipe) or 1F1B with a
+/// warm-up of `2 (p - 1 - s)` forwards, each stage running its next step as soon as its input has
+/// arrived.
+class pipeline_plan {
+ public:
+  /// The plan of `kind` for `stages` x `microbatches`.
+  /// @throws sharding_error when either is 0.
+  pipeline_plan(pipeline_kind kind, std::size_t stages, std::size_t microbatches)
+      : kind_(kind), p_(stages), m_(microbatches) {
+    if (stages == 0 || microbatches == 0)
+      throw sharding_error("meshlib::nn::pipeline_plan: " + std::to_string(stages) + " stages x " +
+                           std::to_string(microbatches) + " micro-batches; a pipeline needs at least one of each");
+    build();
+  }
+
+  /// GPipe or 1F1B.
+  [[nodiscard]] pipeline_kind kind() const noexcept { return kind_; }
+  /// "GPipe" or "1F1B".
+  [[nodiscard]] std::string name() const { return kind_ == pipeline_kind::gpipe ? "GPipe" : "1F1B"; }
+  /// Stages.
+  [[nodiscard]] std::size_t stages() const noexcept { return p_; }
+  /// Micro-batches per step.
+  [[nodiscard]] std::size_t microbatches() const noexcept { return m_; }
+  /// The rounds: `rounds()[r][s]` is stage `s`'s work in round `r`.
+  [[nodiscard]] const std::vector<std::vector<pipeline_slot>>& rounds() const noexcept { return rounds_; }
+
+  /// The fraction of stage time idle when a forward takes `forward` and a backward `backward` (any
+  /// units) on every stage and messages are free: a round lasts the forward if any stage runs one,
+  /// plus the backward if any stage runs one. (p - 1) / (m + p - 1) for both kinds.
+  [[nodiscard]] double bubble_fraction(double forward = 1.0, double backward = 2.0) const {
+    double total = 0;
+    for (const auto& r : rounds_) {
+      bool f = false, b = false;
+      for (const auto& x : r) {
+        f = f || x.forward != pipeline_slot::none;
+        b = b || x.backward != pipeline_slot::none;
+      }
+      total += (f ? forward : 0.0) + (b ? backward : 0.0);
+    }
+    return 1.0 - static_cast<double>(m_) * (forward + backward) / total;
+  }
+
+  /// Whether stage `stage`'s backward in round `round` first runs its forward again: its layers
+  /// last ran another micro-batch's forward (see the file comment). The last stage under 1F1B never does.
+  [[nodiscard]] bool recomputes(std::size_t round, std::size_t stage) const { return recompute_.at(round).at(stage) != 0; }
+
+  /// `bubble_fraction` with the recomputed forwards counted as work: a backward that recomputes
+  /// costs `forward + backward`. The stages then do unequal work (the last does less), and this is
+  /// what a balanced model's measured bubble approaches.
+  [[nodiscard]] double bubble_with_recompute(double forward = 1.0, double backward = 2.0) const {
+    double total = 0, busy = 0;
+    for (std::size_t r = 0; r < rounds_.size(); ++r) {
+      double f = 0, b = 0;
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (rounds_[r][s].forward != pipeline_slot::none) f = forward;
+        if (rounds_[r][s].backward == pipeline_slot::none) continue;
+        const double c = backward + (recompute_[r][s] ? forward : 0.0);
+        b = std::max(b, c);
+        busy += c;
+      }
+      total += f + b;
+    }
+    busy += static_cast<double>(p_ * m_) * forward;
+    return 1.0 - busy / (static_cast<double>(p_) * total);
+  }
+
+  /// The most micro-batches stage `stage` holds the input of at once (forwarded, not yet backwarded).
+  [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
+    std::size_t held = 0, peak = 0;
+    for (const auto& r : rounds_) {
+      if (r.at(stage).forward != pipeline_slot::none) peak = std::max(peak, ++held);
+      if (r[stage].backward != pipeline_slot::none) --held;
+    }
+    return peak;
+  }
+
+  /// One row per stage, one column per round half: `F3` / `B3` when micro-batch 3's forward /
+  /// backward runs, `..` when idle.
+  /// @code
+  /// 1F1B, 2 stages x 3 micro-batches, 5 rounds
+  /// stage 0 | F0 .. F1 .. F2 B0 .. B1 .. B2
+  /// stage 1 | .. .. F0 B0 F1 B1 F2 B2 .. ..
+  /// @endcode
+  [[nodiscard]] std::string timeline() const {
+    std::string out = name() + ", " + std::to_string(p_) + " stages x " + std::to_string(m_) + " micro-batches, " +
+                      std::to_string(rounds_.size()) + " rounds\n";
+    const std::size_t width = std::to_string(m_ - 1).size() + 1;
+    const auto cell = [&](char c, std::size_t j) {
+      std::string s = j == pipeline_slot::none ? std::string(width, '.') : c + std::to_string(j);
+      s.resize(width, ' ');
+      return s;
+    };
+    for (std::size_t s = 0; s < p_; ++s) {
+      out += "stage " + std::to_string(s) + " |";
+      for (const auto& r : rounds_) out += " " + cell('F', r[s].forward) + " " + cell('B', r[s].backward);
+      out += "\n";
+    }
+    return out;
+  }
+
+ private:
+  // Each stage's order, then a lockstep replay: a forward's output reaches the next stage for the
+  // next round, a backward's for the next round too; the last stage may run a micro-batch's
+  // backward in the round of its forward (the loss is computed in between).
+  void build() {
+    std::vector<std::vector<pipeline_step>> order(p_);
+    if (kind_ == pipeline_kind::gpipe) {
+      const auto g = pipeline_schedule::gpipe(p_, m_);
+      for (std::size_t s = 0; s < p_; ++s) order[s] = g.steps(s);
+    } else {
+      for (std::size_t s = 0; s < p_; ++s) {
+        const std::size_t warmup = std::min(2 * (p_ - 1 - s), m_);
+        std::size_t f = 0, b = 0;
+        for (; f < warmup; ++f) order[s].push_back({pipeline_pass::forward, f});
+        for (; f < m_; ++f, ++b) {
+          order[s].push_back({pipeline_pass::forward, f});
+          order[s].push_back({pipeline_pass::backward, b});
+        }
+        for (; b < m_; ++b) order[s].push_back({pipeline_pass::backward, b});
+      }
+    }
+    // has_in[s][j]: stage s can run forward j; has_dy[s][j]: it can run backward j.
+    std::vector<std::vector<char>> has_in(p_, std::vector<char>(m_, 0)), has_dy = has_in;
+    std::fill(has_in[0].begin(), has_in[0].end(), 1);
+    std::vector<std::size_t> next(p_, 0), last_forward(p_, pipeline_slot::none);
+    std::size_t left = p_ * 2 * m_;
+    while (left > 0) {
+      std::vector<pipeline_slot> r(p_);
+      std::vector<std::pair<std::size_t, std::size_t>> arrive_in, arrive_dy;  // (stage, micro-batch)
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (next[s] == order[s].size()) continue;
+        const auto& x = order[s][next[s]];
+        if (x.pass != pipeline_pass::forward || !has_in[s][x.microbatch]) continue;
+        r[s].forward = x.microbatch;
+        ++next[s];
+        --left;
+        if (s + 1 < p_) arrive_in.push_back({s + 1, x.microbatch});
+        else has_dy[s][x.microbatch] = 1;  // the loss's gradient, at once
+      }
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (next[s] == order[s].size()) continue;
+        const auto& x = order[s][next[s]];
+        if (x.pass != pipeline_pass::backward || !has_dy[s][x.microbatch]) continue;
+        r[s].backward = x.microbatch;
+        ++next[s];
+        --left;
+        if (s > 0) arrive_dy.push_back({s - 1, x.microbatch});
+      }
+      std::vector<char> again(p_, 0);
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (r[s].forward != pipeline_slot::none) last_forward[s] = r[s].forward;
+        if (r[s].backward == pipeline_slot::none) continue;
+        again[s] = last_forward[s] != r[s].backward;
+        last_forward[s] = pipeline_slot::none;  // a backward leaves the layers' saved state spent
+      }
+      recompute_.push_back(std::move(again));
+      for (auto [s, j] : arrive_in) has_in[s][j] = 1;
+      for (auto [s, j] : arrive_dy) has_dy[s][j] = 1;
+      rounds_.push_back(std::move(r));
+      if (rounds_.size() > 4 * (p_ + m_) + 4)  // a bug, not an input: the orders above never deadlock
+        throw sharding_error("meshlib::nn::pipeline_plan: the stage orders deadlock");
+    }
+  }
+
+  pipeline_kind kind_;
+  std::size_t p_, m_;
+  std::vector<std::vector<pipeline_slot>> rounds_;
+  std::vector<std::vector<char>> recompute_;  // [round][stage]
+};
+
+/// @brief The stages of a model of `layer_params.size()` layers (`layer_params[l]`: layer `l`'s
+/// parameter elements) on `stages` devices: `[begin, end)` layer ranges. With `split_points` empty,
+/// balanced: the contiguous split with at least one layer per stage whose largest stage has the
+/// fewest parameters (ties: the earliest cuts).
+/// @throws sharding_error when there are more stages than layers, or `split_points` is not
+/// `stages - 1` strictly increasing indices in `[1, layers - 1]`.
+inline std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages(const std::vector<std::size_t>& layer_params,
+                                                                        std::size_t stages,
+                                                                        const std::vector<std::size_t>& split_points = {}) {
+  const std::size_t n = layer_params.size();
+  const auto list = [](const std::vector<std::size_t>& v) {
+    std::string s = "{";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "}";
+  };
+  if (stages > n)
+    throw sharding_error("meshlib::nn: pipeline: the mesh's 'pipeline' axis has " + std::to_string(stages) +
+                         " devices (one stage each) but the model has " + std::to_string(n) +
+                         " layers; a stage needs at least one layer: use a pipeline axis of at most " + std::to_string(n) +
+                         " devices or a model with more layers");
+  std::vector<std::size_t> cuts;
+  if (!split_points.empty()) {
+    if (split_points.size() + 1 != stages)
+      throw sharding_error("meshlib::nn: pipeline: split_points " + list(split_points) + " make " +
+                           std::to_string(split_points.size() + 1) + " stages but the mesh's 'pipeline' axis has " +
+                           std::to_string(stages) + " devices (one stage each); give " + std::to_string(stages - 1) +
+                           " split points, or none to balance the stages by parameter count");
+    for (std::size_t i = 0; i < split_points.size(); ++i)
+      if (split_points[i] == 0 || split_points[i] >= n || (i > 0 && split_points[i] <= split_points[i - 1]))
+        throw sharding_error("meshlib::nn: pipeline: split_points " + list(split_points) +
+                             " must be strictly increasing layer indices in [1, " + std::to_string(n - 1) +
+                             "] (the first layer of each stage after the first, for a model of " + std::to_string(n) +
+                             " layers); split point " + std::to_string(i) + " is " + std::to_string(split_points[i]));
+    cuts = split_points;
+  } else {
+    // best[k][i]: the smallest largest-stage total of layers [0, i) in k stages; from[k][i] its last cut.
+    constexpr std::size_t inf = std::numeric_limits<std::size_t>::max();
+    std::vector<std::size_t> prefix(n + 1, 0);
+    for (std::size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + layer_params[i];
+    std::vector<std::vector<std::size_t>> best(stages + 1, std::vector<std::size_t>(n + 1, inf)), from = best;
+    best[0][0] = 0;
+    for (std::size_t k = 1; k <= stages; ++k)
+      for (std::size_t i = k; i <= n; ++i)
+        for (std::size_t j = k - 1; j < i; ++j) {
+          if (best[k - 1][j] == inf) continue;
+          const std::size_t v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+          if (v < best[k][i]) {
+            best[k][i] = v;
+            from[k][i] = j;
+          }
+        }
+    cuts.resize(stages - 1);
+    for (std::size_t k = stages, i = n; k > 1; --k) i = cuts[k - 2] = from[k][i];
+  }
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (std::size_t s = 0; s < stages; ++s) out.push_back({s == 0 ? 0 : cuts[s - 1], s + 1 == stages ? n : cuts[s]});
+  return out;
+}
+
+namespace detail {
+
+/// The layout of a parameter that only the devices of its stage hold: `inner`'s blocks there,
+/// none elsewhere (`count` 0, and `zeros_like` makes blocks only there: optimizer state and master
+/// weights follow).
+class stage_param_layout final : public param_layout {
+ public:
+  stage_param_layout(std::shared_ptr<const param_layout> inner, std::vector<bool> holds)
+      : inner_(std::move(inner)), holds_(std::move(holds)) {}
+  std::span<const std::size_t> offset(std::size_t dev) const override { return inner_->offset(dev); }
+  std::span<const std::size_t> extent(std::size_t dev) const override { return inner_->extent(dev); }
+  std::size_t count(std::size_t dev) const override { return holds_.at(dev) ? inner_->count(dev) : 0; }
+  std::size_t global_index(std::size_t dev, std::size_t i) const override { return inner_->global_index(dev, i); }
+  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
+    inner_->for_each_global_run(dev, first, len, f);
+  }
+  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
+    std::vector<std::size_t> mine;
+    for (std::size_t dev : devices)
+      if (holds_.at(dev)) mine.push_back(dev);
+    return inner_->zeros_like(mine);
+  }
+  /// Elements of device `dev`'s block whether or not it holds it (a mirror's block).
+  [[nodiscard]] std::size_t full_count(std::size_t dev) const { return inner_->count(dev); }
+
+ private:
+  std::shared_ptr<const param_layout> inner_;
+  std::vector<bool> holds_;
+};
+
+/// A layer's parameters that it reads but another layer lists (`tied_head`'s table): what a layer
+/// appends in `collect_tied`, if it has one.
+template <class L, class T>
+void collect_tied_of(const L& l, std::vector<param_ref<T>>& out) {
+  if constexpr (requires { l.collect_tied(out); }) l.collect_tied(out);
+}
+
+/// What a `train_state` keeps for a pipeline axis: the stages, which parameters each device holds,
+/// the mirrors, and each device's buffers (see the file comment). Made on the calling thread; each
+/// device thread touches only its own entries.
+struct pipeline_engine {
+  /// A parameter a later stage reads: owned by stage `owner`, mirrored on stage `mirror`.
+  struct mirror_t {
+    std::size_t param, owner, mirror;
+  };
+  std::size_t stages = 1;
+  std::vector<std::pair<std::size_t, std::size_t>> bounds;  ///< per stage, its layers [begin, end)
+  std::vector<std::size_t> stage_of_param;                  ///< per parameter, its stage
+  std::vector<std::size_t> full_count;                      ///< per parameter and device (param * devices + dev)
+  std::vector<mirror_t> mirrors;
+  std::size_t devices = 0;
+  // Per device: the boundary activations' extents of the last probe (per layer index, as a flat
+  // list of `rank` extents per boundary: [I * 8, I * 8 + rank)), the rows they were probed with,
+  // and the buffers.
+  std::vector<std::vector<std::size_t>> extents;
+  std::vector<std::size_t> probed_rows;
+  device_buffers<float> inputs, dys, dlogits, send, scratch;
+  /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
+  /// which goes), and one zero block that the other stages' parameters point to on that device.
+  std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
+  std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
+  std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
+
+  /// `full_count` of parameter `i` on `dev`.
+  [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
+};
+
+/// Cuts `model` into the stages of `opts` on `mesh`'s pipeline axis (`PipeMask`) and restricts
+/// every parameter in `params` to its stage's devices. `layer_params[l]`: how many of `params`
+/// layer `l` lists.
+template <axis_mask PipeMask, class Mesh, class Model, class T>
+std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
+                                                      const pipeline_options& opts) {
+  auto e = std::make_shared<pipeline_engine>();
+  e->stages = mesh.axes_size(PipeMask);
+  e->devices = mesh.size();
+  const std::vector<std::size_t> counts = model.template params_per_layer<T>();
+  std::vector<std::size_t> elements(counts.size(), 0);
+  std::vector<std::size_t> layer_of;  // per parameter
+  for (std::size_t l = 0, i = 0; l < counts.size(); ++l)
+    for (std::size_t k = 0; k < counts[l]; ++k, ++i) {
+      std::size_t n = 1;
+      for (auto d : params.at(i).shape) n *= d;
+      elements[l] += n;
+      layer_of.push_back(l);
+    }
+  e->bounds = pipeline_stages(elements, e->stages, opts.split_points);
+  const auto stage_of_layer = [&](std::size_t l) {
+    std::size_t s = 0;
+    while (l >= e->bounds[s].second) ++s;
+    return s;
+  };
+  for (std::size_t i = 0; i < params.size(); ++i) e->stage_of_param.push_back(stage_of_layer(layer_of[i]));
+  // Tied parameters: a layer that reads another stage's parameter mirrors it.
+  std::size_t l = 0;
+  std::apply(
+      [&](const auto&... layer) {
+        (
+            [&] {
+              std::vector<param_ref<T>> tied;
+              collect_tied_of(layer, tied);
+              for (const auto& t : tied)
+                for (std::size_t i = 0; i < params.size(); ++i)
+                  if (params[i].name == t.name && e->stage_of_param[i] != stage_of_layer(l))
+                    e->mirrors.push_back({i, e->stage_of_param[i], stage_of_layer(l)});
+              ++l;
+            }(),
+            ...);
+      },
+      model.layers);
+  e->full_count.resize(params.size() * e->devices);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    std::vector<bool> holds(e->devices);
+    for (std::size_t dev = 0; dev < e->devices; ++dev) {
+      holds[dev] = mesh.group_rank(dev, PipeMask) == e->stage_of_param[i];
+      e->full_count[i * e->devices + dev] = p.count[dev];
+    }
+    p.layout = std::make_shared<stage_param_layout>(p.layout, std::move(holds));
+    p.count = {p.layout};
+    p.offset = {p.layout, false};
+    p.extent = {p.layout, true};
+    p.sharded_axes |= PipeMask;  // a block lives on one stage: clipping and checkpoints count it once
+  }
+  e->extents.resize(e->devices);
+  e->probed_rows.assign(e->devices, 0);
+  e->busy.assign(e->devices, 0.0);
+  e->span.assign(e->devices, 0.0);
+  e->inputs = device_buffers<float>(e->devices);
+  e->dys = device_buffers<float>(e->devices);
+  e->dlogits = device_buffers<float>(e->devices);
+  e->send = device_buffers<float>(e->devices);
+  e->scratch = device_buffers<float>(e->devices);
+  return e;
+}
+
+}  // namespace detail
+}  // namespace meshlib::nn
+
+namespace meshlib::nn {
+
+/// @brief The bubble of `state`'s last pipelined `train_step`, measured: the fraction of the
+/// devices' time in the step's rounds (from the first round's start to the last round's end,
+/// the longest device's) that they spent not computing (waiting for a neighbour, exchanging,
+/// idle in a round). 0 without a pipeline. Compare with `pipeline_plan::bubble_fraction` and
+/// (p - 1) / (m + p - 1) (docs/benchmarks.md has a table; devices must have a core each for the
+/// times to mean anything).
+template <class State>
+double measured_bubble(const State& state) {
+  const auto* e = state.pipeline();
+  if (e == nullptr) return 0.0;
+  double busy = 0, span = 0;
+  for (std::size_t dev : state.local_devices()) {
+    busy += e->busy[dev];
+    span = std::max(span, e->span[dev]);
+  }
+  return span <= 0 ? 0.0 : 1.0 - busy / (span * static_cast<double>(state.local_devices().size()));
+}
+
+}  // namespace meshlib::nn
+
+namespace meshlib::nn::detail {
+
+/// Releases the layers' storage of the parameters a device's stage does not hold: on every local
+/// device, each parameter's value and gradient move to blocks of `e.owned` where its stage holds
+/// it, and point to one shared zero block elsewhere (only the probe's forward, which looks at
+/// shapes, reads them there; nothing writes them). `params[i].value[dev]` becomes nullptr where the
+/// stage does not hold it. Mirrored parameters keep their storage: the mirror reads it, through the
+/// tied layer's own handle. Not under FSDP, whose buffers already hold every layer's gathered blocks.
+template <class T>
+void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params, std::span<const std::size_t> local) {
+  std::vector<char> keep(params.size(), 0);
+  for (const auto& t : e.mirrors) keep[t.param] = 1;
+  std::size_t most = 1;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    for (std::size_t dev : local) most = std::max(most, e.block_elements(i, dev));
+  e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
+  float* zero = e.owned.back().data();
+  std::vector<float*> vs(e.devices, nullptr), gs(e.devices, nullptr);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    if (keep[i] || !p.rebind) continue;
+    for (std::size_t dev : local) {
+      const std::size_t n = p.count[dev];
+      if (n == 0) {
+        vs[dev] = gs[dev] = zero;
+        continue;
+      }
+      e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
+      vs[dev] = e.owned.back().data();
+      gs[dev] = vs[dev] + n;
+      convert_copy<default_memory_space>(vs[dev], p.value[dev], n);
+    }
+    Kokkos::fence();  // the copies are done before the layer's own storage goes
+    p.rebind(vs, gs);
+    for (std::size_t dev : local) {
+      const std::size_t n = p.count[dev];
+      p.value.set(dev, n == 0 ? nullptr : vs[dev], n);
+      p.grad.set(dev, n == 0 ? nullptr : gs[dev], n);
+    }
+  }
+}
+
+/// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
+/// refuses what a pipeline cannot run yet, then cuts the model (`make_pipeline_engine`).
+/// @throws sharding_error naming the option and the fix.
+template <axis_mask PipeMask, class State>
+std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
+  const std::string where = "meshlib::nn: train_state: the mesh's 'pipeline' axis has " +
+                            std::to_string(s.mesh.axes_size(PipeMask)) + " devices, ";
+  if constexpr (!requires(typename State::model_type& net) {
+                  net.layers;
+                  net.template params_per_layer<float>();
+                }) {
+    throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
+                                 "into stages; wrap the layers in nn::sequential");
+  } else {
+    if (State::mixed)
+      throw sharding_error(where + "and the state computes in a 16-bit type: a pipeline trains in float only; "
+                                   "use train_state<..., Compute = float> or a pipeline axis of size 1");
+    if (s.options.accumulation != 1)
+      throw sharding_error(where + "and train_options::accumulation is " + std::to_string(s.options.accumulation) +
+                           ": a pipeline accumulates over its micro-batches; set pipeline.microbatches instead");
+    std::vector<param_ref<float>> buffers;
+    s.model.collect_buffers(buffers);
+    if (!buffers.empty())
+      throw sharding_error(where + "but layer buffer '" + buffers.front().name +
+                           "' (running statistics) would be updated twice when a stage recomputes its forward; "
+                           "a pipeline does not support batch norm yet: use layer_norm or a pipeline axis of size 1");
+    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
+    if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
+    if (s.options.fsdp && !e->mirrors.empty())
+      throw sharding_error(where + "train_options::fsdp is set, and parameter '" + s.params[e->mirrors.front().param].name +
+                           "' is read by a layer of stage " + std::to_string(e->mirrors.front().mirror) +
+                           " too (a tied head): FSDP does not shard a tied parameter; untie the head (a column_dense "
+                           "head) or use the 'fsdp' axis as a data axis (fsdp = false)");
+    return e;
+  }
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/pipeline.hpp
 
 namespace meshlib::nn {
 
@@ -7435,6 +8206,9 @@ struct train_options {
   /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
   float loss_scale = 0.0f;
   std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
+  /// micro-batches, schedule and stage split (nn/pipeline.hpp).
+  pipeline_options pipeline = {};
 };
 
 namespace detail {
@@ -7505,6 +8279,11 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
+  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/pipeline.hpp).
+  static constexpr axis_mask pipeline_axes = [] {
+    if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
+    else return axis_mask{0};
+  }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
   using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
   /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
@@ -7565,6 +8344,10 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (options.fsdp) shard_parameters();
+    // Pipeline (nn/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks.
+    if constexpr (pipeline_axes != 0)
+      if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -7693,6 +8476,12 @@ class train_state {
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  [[nodiscard]] detail::pipeline_engine* pipeline() const noexcept { return pipeline_.get(); }
+  /// The layers `[begin, end)` of each pipeline stage (empty without a pipeline).
+  [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages() const {
+    return pipeline_ ? pipeline_->bounds : std::vector<std::pair<std::size_t, std::size_t>>{};
+  }
 
   /// Calls `f(param_index, offset_in_block, len, slot)` for each run of optimizer state device
   /// `dev` holds, in parameter order: elements `[offset, offset + len)` of the parameter's local
@@ -7887,6 +8676,8 @@ class train_state {
   /// model's buffers are; the buffers point at it).
   std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  std::shared_ptr<detail::pipeline_engine> pipeline_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -7952,12 +8743,22 @@ void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
                            "(rows = sequences x sequence length, sequence-major)");
 }
 
+// The pipelined step and evaluation (nn/detail/pipeline_step.hpp, included at the end of this file).
+template <class State, class In, class Target, class Loss, class Backend>
+step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
+                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend);
+template <class State, class In, class Backend>
+step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend);
+
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
 /// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
 /// token id per row) and `y` holding `rows` rows of targets of equal width.
 template <class State, input_element In, class Target, class Loss, class Backend>
 step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
   const std::size_t k = s.options.accumulation;
   check_batch(s, global_rows, k, "train_step");
   check_runner(s, backend, "train_step");
@@ -8179,6 +8980,8 @@ namespace detail {
 template <class State, input_element In, class Backend>
 step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
                           std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
   check_runner(s, backend, "evaluate");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   s.model.begin_step(s.key, false);
@@ -8242,6 +9045,389 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 }
 
 }  // namespace meshlib::nn
+
+// The pipelined step: after train_state, whose helpers it uses.
+// begin meshlib/nn/detail/pipeline_step.hpp
+/// @file
+/// @brief The pipelined `train_step` and `evaluate` (nn/pipeline.hpp has the design): each device
+/// runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
+/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
+///
+/// Included at the end of nn/train_state.hpp: it uses the train state's helpers (input blocks,
+/// the loss protocol, `sum_over`), and `run_train_step` / `run_evaluate` forward to it.
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn::detail {
+
+/// The type of a device's model input on a pipeline mesh: as `input_block_t`, and varying over the
+/// pipeline axis (every activation differs from stage to stage, which `ppermute` requires).
+template <class State, class In>
+using pipeline_input_t = with_vary_t<input_block_t<State, In>, State::data_axes | State::pipeline_axes>;
+
+/// Sends `n` elements at `send` to the stages `pairs` names over the pipeline axis (the public
+/// typed `ppermute`, every stage calling it); returns where this device's received elements lie
+/// (the collective's workspace: valid until the next collective on this device).
+template <class Mesh>
+const float* pipeline_exchange(const Mesh& mesh, std::size_t dev, float* send, std::size_t n,
+                               const std::vector<std::pair<std::size_t, std::size_t>>& pairs) {
+  using message_t = local_tensor<float, 1, Mesh, Mesh::all_axes>;
+  return meshlib::ppermute<"pipeline">(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
+}
+
+/// Makes this device's communicator of every group of mesh axes, in one order on every device.
+/// Why: a group's communicator is split from the whole mesh's on its first use, a collective of
+/// every device; the stages run different layers at different times, so their first uses (a
+/// layer's psum over 'model', the pipeline's ppermute) would otherwise come in different orders.
+template <class Mesh, std::size_t... M>
+void make_group_communicators(const Mesh& mesh, std::size_t dev, std::index_sequence<M...>) {
+  double v[1] = {0};
+  (sum_over<static_cast<axis_mask>(M + 1)>(mesh, dev, v), ...);  // every mask but the whole mesh's
+}
+template <class Mesh>
+void make_group_communicators(const Mesh& mesh, std::size_t dev) {
+  make_group_communicators(mesh, dev, std::make_index_sequence<static_cast<std::size_t>(Mesh::all_axes) - 1>{});
+}
+
+/// Sends each mirrored parameter's value from its owner stage to its mirror (restored or updated
+/// since the mirror last got it); with `for_backward`, the mirror's gradient block starts at zero.
+template <class State>
+void refresh_mirrors(State& s, pipeline_engine& e, std::size_t dev, std::size_t stage, bool for_backward) {
+  for (const auto& t : e.mirrors) {
+    const auto& q = s.params[t.param];
+    const std::size_t n = e.block_elements(t.param, dev);
+    const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
+    if (stage != t.mirror) continue;
+    convert_copy<default_memory_space>(q.value[dev], r, n);
+    if (!for_backward) continue;
+    fill_values<default_memory_space>(q.grad[dev], n, 0.0f);
+    if (q.overwrite) q.overwrite[dev] = 0;
+  }
+}
+
+/// One device's stage of a pipelined model: forward and backward over its layers `[lo, hi)` with
+/// run-time bounds (each layer index a compile-time branch, since activation types differ per layer).
+template <class State, class X0>
+struct stage_runner {
+  using model_t = typename State::model_type;
+  static constexpr std::size_t layers = model_t::size;
+  template <std::size_t I>
+  using input_t = typename model_t::template input_of<X0, I>::type;
+
+  State& s;
+  pipeline_engine& e;
+  std::size_t dev, stage, lo, hi;
+
+  /// The activation entering layer `I` for `rows` rows, over `data` (its extents from the probe).
+  template <std::size_t I>
+  input_t<I> typed(float* data, std::size_t rows) const {
+    using A = input_t<I>;
+    if constexpr (!std::is_same_v<typename A::value_type, float>) {
+      throw sharding_error("meshlib::nn: pipeline: layer " + std::to_string(I) +
+                           " takes a non-float input, so no stage may start at it; move the split point");
+    } else {
+      std::array<std::size_t, A::rank> x{};
+      const std::size_t* ext = e.extents[dev].data() + I * 8;
+      for (std::size_t d = 0; d < A::rank; ++d) x[d] = ext[d];
+      x[0] = e.probed_rows[dev] == 0 ? rows : ext[0] * rows / e.probed_rows[dev];
+      return std::apply([&](auto... n) { return A(typename A::view_type(data, n...), s.mesh, dev); }, x);
+    }
+  }
+
+  /// Runs every layer forward on `y` (the input of layer `I`), recording each boundary's extents.
+  template <std::size_t I, class Y>
+  void probe(const Y& y, std::size_t rows) {
+    static_assert(Y::rank <= 8, "meshlib::nn: pipeline: an activation of rank above 8");
+    for (std::size_t d = 0; d < Y::rank; ++d) e.extents[dev][I * 8 + d] = y.extent(d);
+    if constexpr (I < layers) {
+      if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);
+      probe<I + 1>(std::get<I>(s.model.layers).forward(y), rows);
+    } else {
+      e.probed_rows[dev] = rows;
+    }
+  }
+
+  /// Layers `I .. hi - 1` forward on `y`; then `sink(integral_constant<I>, output)`.
+  template <std::size_t I, class Y, class Sink>
+  void forward_from(const Y& y, Sink& sink) {
+    if constexpr (I == layers) {
+      sink(std::integral_constant<std::size_t, I>{}, y);
+    } else {
+      if (I == hi) return sink(std::integral_constant<std::size_t, I>{}, y);
+      if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);  // FSDP: gather the layer
+      forward_from<I + 1>(std::get<I>(s.model.layers).forward(y), sink);
+    }
+  }
+  /// The stage's forward on `x0` (stage 0) or the received activation at `in`.
+  template <std::size_t I = 0, class Sink>
+  void forward(const X0& x0, float* in, std::size_t rows, Sink& sink) {
+    if constexpr (I < layers) {
+      if (I != lo) return forward<I + 1>(x0, in, rows, sink);
+      if constexpr (I == 0) forward_from<0>(x0, sink);
+      else forward_from<I>(typed<I>(in, rows), sink);
+    }
+  }
+
+  /// Layers `I` down to `lo` backward from `dy` (the cotangent of layer `I`'s output); then
+  /// `sink(dx)` with the cotangent of the stage input (not on stage 0, which needs none).
+  template <std::size_t I, class DY, class Sink>
+  void backward_from(const DY& dy, Sink& sink) {
+    const bool first = I == lo;
+    if (s.model.hooks != nullptr) s.model.hooks->before_backward(I, dev);
+    auto dx = std::get<I>(s.model.layers).backward(dy, !first || stage > 0);
+    if (s.model.hooks != nullptr) s.model.hooks->after_backward(I, dev);  // FSDP: reduce-scatter its gradients
+    if (first) {
+      if (stage > 0) sink(dx);
+      return;
+    }
+    if constexpr (I > 0) backward_from<I - 1>(dx, sink);
+  }
+  /// The stage's backward from the cotangent of its output at `dy`.
+  template <std::size_t I = 1, class Sink>
+  void backward(float* dy, std::size_t rows, Sink& sink) {
+    if constexpr (I <= layers) {
+      if (I != hi) return backward<I + 1>(dy, rows, sink);
+      backward_from<I - 1>(typed<I>(dy, rows), sink);
+    }
+  }
+
+  /// Elements per row of the activation entering layer `I` (from the probe).
+  [[nodiscard]] std::size_t per_row(std::size_t i) const {
+    if (e.probed_rows[dev] == 0) return 0;
+    std::size_t n = 1;
+    for (std::size_t d = 0; d < 8 && e.extents[dev][i * 8 + d] != 0; ++d) n *= e.extents[dev][i * 8 + d];
+    return n / e.probed_rows[dev];
+  }
+  /// The message size per row: the widest activation crossing a stage boundary.
+  [[nodiscard]] std::size_t message_per_row() const {
+    std::size_t w = 0;
+    for (std::size_t t = 1; t < e.stages; ++t) w = std::max(w, per_row(e.bounds[t].first));
+    return w;
+  }
+};
+
+/// The pairs of one round's exchange: forward (stage -> stage + 1, for each stage that ran a
+/// forward) or backward (stage -> stage - 1, for each that ran a backward and is not first).
+inline std::vector<std::pair<std::size_t, std::size_t>> round_pairs(const std::vector<pipeline_slot>& r, bool forward) {
+  std::vector<std::pair<std::size_t, std::size_t>> pairs;
+  for (std::size_t t = 0; t < r.size(); ++t) {
+    if (forward && t + 1 < r.size() && r[t].forward != pipeline_slot::none) pairs.push_back({t, t + 1});
+    if (!forward && t > 0 && r[t].backward != pipeline_slot::none) pairs.push_back({t, t - 1});
+  }
+  return pairs;
+}
+
+/// `run_train_step` on a mesh whose pipeline axis has more than one device (see the file comment).
+template <class State, class In, class Target, class Loss, class Backend>
+step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
+                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  pipeline_engine& e = *s.pipeline();
+  const std::size_t p = e.stages;
+  const std::size_t m = s.options.pipeline.microbatches == 0 ? p : s.options.pipeline.microbatches;
+  check_batch(s, global_rows, 1, "train_step");
+  check_runner(s, backend, "train_step");
+  check_input_rows<In>(x.size(), rows, "train_step");
+  if (rows != 0 && y.size() % rows != 0)
+    throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
+                         std::to_string(rows) +
+                         " rows: give every row the same number of targets (one label per row for "
+                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  const std::size_t local_rows = global_rows / dp;
+  if (local_rows % m != 0)
+    throw sharding_error("meshlib::nn: train_step: the pipeline's " + std::to_string(m) +
+                         " micro-batches do not divide the " + std::to_string(local_rows) +
+                         " rows each device of the data axes gets (a global batch of " + std::to_string(global_rows) +
+                         " rows over " + std::to_string(dp) + " devices); choose pipeline.microbatches dividing " +
+                         std::to_string(local_rows) + ", or a batch of a multiple of " + std::to_string(dp * m) + " rows");
+  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t width = rows == 0 ? 0 : y.size() / rows;
+  const std::size_t micro = local_rows / m;
+  const pipeline_plan plan(s.options.pipeline.schedule, p, m);
+  using X0 = pipeline_input_t<State, In>;
+  s.model.begin_step(s.key.fold_in(s.step), true);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        using clock = std::chrono::steady_clock;
+        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
+        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        const std::size_t first = di * local_rows;
+        if (first < global_offset || first + local_rows > global_offset + rows)
+          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
+                               ", " + std::to_string(global_offset + rows) + ")");
+        make_group_communicators(s.mesh, dev);
+        // Gradients: this stage's parameters as in run_train_step; a mirror's block from zero.
+        for (const auto& q : s.params)
+          if (q.count[dev] == 0) continue;
+          else if (q.overwrite) q.overwrite[dev] = 1;
+          else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+        refresh_mirrors(s, e, dev, stage, true);
+        const auto input_rows = [&](std::size_t j) { return x.data() + (first + j * micro - global_offset) * features; };
+        const auto x0_of = [&](std::size_t j) {
+          return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, input_rows(j), micro, features));
+        };
+        if (e.probed_rows[dev] == 0) {
+          e.extents[dev].assign((State::model_type::size + 1) * 8, 0);
+          run.template probe<0>(x0_of(0), micro);
+        }
+        const std::size_t msg = micro * run.message_per_row();
+        const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
+        float* inputs = e.inputs.get(dev, m * msg);
+        float* dys = e.dys.get(dev, m * msg);
+        float* dlogits = e.dlogits.get(dev, stage + 1 == p ? m * zn : 0);
+        float* send = e.send.get(dev, msg);
+        double sums[2] = {0, 0};
+        double busy = 0;
+        bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
+        std::size_t j = 0;      // the micro-batch running
+        auto forward_sink = [&](auto at, const auto& out) {
+          if constexpr (decltype(at)::value == State::model_type::size) {
+            if (!with_loss) return;
+            using Z = std::remove_cvref_t<decltype(out)>;
+            Z dz(typename Z::view_type(dlogits + j * zn, out.extent(0), out.extent(1)), s.mesh, dev);
+            const loss_part part =
+                as_loss_part(loss(out, y.subspan((first + j * micro - global_offset) * width, micro * width), global_rows, dz));
+            if (s.loss_scaling()) scale_in_place(dz.data(), dz.size(), s.loss_scale());
+            sums[0] += part.loss;
+            sums[1] += static_cast<double>(part.correct);
+          } else {
+            if (with_loss) convert_copy<default_memory_space>(send, out.data(), out.size());
+          }
+        };
+        auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
+        const auto& rounds = plan.rounds();
+        const auto start = clock::now();
+        for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
+          const auto& r = rounds[ri];
+          if (r[stage].forward != pipeline_slot::none) {
+            const auto t0 = clock::now();
+            j = r[stage].forward;
+            with_loss = true;
+            run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
+            busy += std::chrono::duration<double>(clock::now() - t0).count();
+          }
+          if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
+            const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+            if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
+              convert_copy<default_memory_space>(inputs + r[stage - 1].forward * msg, got, msg);
+          }
+          if (r[stage].backward != pipeline_slot::none) {
+            const auto t0 = clock::now();
+            j = r[stage].backward;
+            if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
+              with_loss = false;
+              run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
+            }
+            run.backward(stage + 1 == p ? dlogits + j * zn : dys + j * msg, micro, backward_sink);
+            busy += std::chrono::duration<double>(clock::now() - t0).count();
+          }
+          if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
+            const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+            if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
+              convert_copy<default_memory_space>(dys + r[stage + 1].backward * msg, got, msg);
+          }
+        }
+        e.busy[dev] = busy;
+        e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
+        for (const auto& q : s.params)
+          if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
+            fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+            q.overwrite[dev] = 0;
+          }
+        // A mirror's gradient goes to the owner, which adds it to its own (the tied weight's sum).
+        for (const auto& t : e.mirrors) {
+          const auto& q = s.params[t.param];
+          const std::size_t n = e.block_elements(t.param, dev);
+          const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+          if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
+        }
+        step_metrics& mt = out[dev];
+        mt.loss_scale = s.loss_scale();
+        mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
+        mt.skipped = s.loss_scaling() && !std::isfinite(mt.grad_norm);
+        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);  // the last stage's sums, to all
+        mt.loss = sums[0];
+        mt.correct = static_cast<std::size_t>(sums[1] + 0.5);
+        mt.rows = global_rows;
+      },
+      backend);
+  const step_metrics& r = out[s.local_devices().front()];
+  s.finish_step(r.skipped);
+  return r;
+}
+
+/// `run_evaluate` on a mesh whose pipeline axis has more than one device: each batch goes through
+/// the stages in turn (forward only, no overlap between batches), the loss on the last stage.
+template <class State, class In, class Backend>
+step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  check_runner(s, backend, "evaluate");
+  pipeline_engine& e = *s.pipeline();
+  const std::size_t p = e.stages, dp = s.mesh.axes_size(State::data_axes);
+  using X0 = pipeline_input_t<State, In>;
+  s.model.begin_step(s.key, false);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
+        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        make_group_communicators(s.mesh, dev);
+        refresh_mirrors(s, e, dev, stage, false);
+        double sums[2] = {0, 0};
+        for (std::size_t start = 0; start < count; start += batch_rows) {
+          const std::size_t units = std::min(batch_rows, count - start) / group;
+          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+          const X0 x0 = meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          if (e.probed_rows[dev] == 0 && hi > lo) {
+            e.extents[dev].assign((State::model_type::size + 1) * 8, 0);
+            run.template probe<0>(x0, hi - lo);
+          }
+          const std::size_t msg = (hi - lo) * run.message_per_row();
+          float* in = e.inputs.get(dev, msg);
+          float* send = e.send.get(dev, msg);
+          auto sink = [&](auto at, const auto& z) {
+            if constexpr (decltype(at)::value == State::model_type::size) {
+              const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
+              sums[0] += part.loss;
+              sums[1] += static_cast<double>(part.correct);
+            } else {
+              convert_copy<default_memory_space>(send, z.data(), z.size());
+            }
+          };
+          for (std::size_t t = 0; t < p; ++t) {
+            if (stage == t) run.forward(x0, in, hi - lo, sink);
+            if (t + 1 < p) {
+              const float* got = pipeline_exchange(s.mesh, dev, send, msg, {{t, t + 1}});
+              if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
+            }
+          }
+        }
+        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);
+        out[dev].loss = sums[0];
+        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+        out[dev].rows = count;
+      },
+      backend);
+  return out[s.local_devices().front()];
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/pipeline_step.hpp
 // end meshlib/nn/train_state.hpp
 // begin meshlib/nn/advise_mesh.hpp
 /// @file
@@ -8261,10 +9447,11 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 ///
 /// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
 /// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
-/// parallelism runs over the axis they name ("model" by default). A "pipeline" axis is the
-/// extension point for pipeline parallelism (issue 26 item 1): `detail::configure_shape` is where a
-/// shape's pipeline size becomes the train options' stages; until then such shapes are listed as
-/// not possible.
+/// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
+/// cuts the model into that many stages (nn/pipeline.hpp; micro-batches as the caller's train options
+/// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
+/// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
+/// not possible with its reason.
 /// @code
 /// auto a = nn::advise_mesh<mesh_t>(8, [&](const mesh_t& m) { return make_gpt(m); }, batch);
 /// std::cout << a.markdown();          // the ranked table
@@ -8325,6 +9512,7 @@ struct advice_row {
   double step_seconds = 0;        ///< median wall time of a timed step
   double samples_per_second = 0;  ///< rows (or windows) of the global batch per second
   double sync_share = 0;          ///< share of the timed steps in the gradient synchronisation
+  double bubble = 0;              ///< the pipeline's measured idle share of the last step (0 without one)
   std::size_t state_bytes = 0;    ///< parameters + gradients + optimizer state (+ FSDP buffers), the largest device
   std::size_t activation_bytes = 0;  ///< the step's peak of activation buffers (first device)
   /// Whether the shape ran.
@@ -8346,19 +9534,19 @@ struct advice {
     std::string axes;
     if (!rows.empty())
       for (std::size_t i = 0; i < rows.front().shape.axes.size(); ++i) axes += (i ? ", " : "") + rows.front().shape.axes[i];
-    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | memory per device |\n"
-                    "| ---: | --- | ---: | ---: | ---: | ---: |\n";
+    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | bubble | memory per device |\n"
+                    "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
-        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
+        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
                       ++rank, r.shape.to_string().c_str(), 1e3 * r.step_seconds, r.samples_per_second,
-                      100.0 * r.sync_share, static_cast<double>(r.memory_bytes()) / 1048576.0,
+                      100.0 * r.sync_share, 100.0 * r.bubble, static_cast<double>(r.memory_bytes()) / 1048576.0,
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
       } else {
-        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | |\n";
+        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | | |\n";
       }
     }
     return s;
@@ -8422,8 +9610,8 @@ namespace detail {
 /// refused (the returned text, empty when the shape is fine).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
-  if (s.size("pipeline") > 1)
-    return "pipeline parallelism is not in train_step yet (issue 26 item 1): use a pipeline axis of 1";
+  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
+  // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
   return {};
 }
 
@@ -8485,6 +9673,7 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
       row.sync_share = total > 0 ? sync / total : 0;
       for (std::size_t dev : state.local_devices()) row.state_bytes = std::max(row.state_bytes, state.memory(dev).total());
       row.activation_bytes = last.peak_activation_bytes;
+      row.bubble = measured_bubble(state);
     } catch (const meshlib::error& e) {
       row.refused = "not possible: " + detail::without_prefix(e.what());
     }
@@ -9450,217 +10639,5 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state) {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/checkpoint.hpp
-// begin meshlib/nn/pipeline_schedule.hpp
-/// @file
-/// @brief Pipeline schedules (issue 26): which stage runs which micro-batch's forward or backward
-/// when, as an object that can be printed as a timeline and measured (bubble fraction, activations
-/// in flight), before any model runs on it. GPipe runs every forward and then every backward;
-/// 1F1B (PipeDream-Flush, torch.distributed.pipelining's `Schedule1F1B`) runs `stages - stage - 1`
-/// warm-up forwards and then alternates one forward and one backward, so a stage holds at most
-/// `stages - stage` micro-batches' activations instead of all of them, for the same bubble.
-///
-/// Times are whole units (a forward of one micro-batch on one stage takes `costs.forward` units, a
-/// backward `costs.backward`, sending to the next stage `costs.send`). Each stage runs its steps in
-/// order; a forward starts when the previous stage's forward of the same micro-batch has arrived,
-/// a backward when the next stage's backward of it has; `steps(stage)` gives the start and end
-/// each step got. With uniform costs and no send time, both schedules idle for the fraction
-/// (p - 1) / (m + p - 1) of the run (p stages, m micro-batches): the bubble.
-/// @code
-/// auto s = meshlib::nn::pipeline_schedule::one_f_one_b(4, 8);
-/// std::cout << s.timeline();          // one row per stage: F0 F1 ... B0 F4 B1 ...
-/// s.bubble_fraction();                // 3 / 11 = 0.273
-/// s.peak_in_flight(0);                // 4 (GPipe: 8)
-/// @endcode
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace meshlib::nn {
-
-/// @brief What one pipeline step does.
-enum class pipeline_pass : std::uint8_t { forward, backward };
-
-/// @brief One step of one stage: a pass over one micro-batch, and when it runs.
-struct pipeline_step {
-  pipeline_pass pass = pipeline_pass::forward;  ///< forward or backward
-  std::size_t microbatch = 0;                   ///< which micro-batch
-  std::size_t start = 0;                        ///< first time unit it runs in
-  std::size_t end = 0;                          ///< first time unit after it
-};
-
-/// @brief Time units of one micro-batch's work on one stage (see the file comment). A backward
-/// costs about twice a forward (two products per layer instead of one), the common assumption.
-struct pipeline_costs {
-  std::size_t forward = 1;   ///< one forward
-  std::size_t backward = 2;  ///< one backward
-  std::size_t send = 0;      ///< an activation or gradient from one stage to the next
-};
-
-/// @brief A schedule of `stages` x `microbatches` (see the file comment).
-class pipeline_schedule {
- public:
-  /// GPipe: every forward, then every backward, micro-batches in order.
-  /// @throws sharding_error when `stages` or `microbatches` is 0, or a cost is 0.
-  static pipeline_schedule gpipe(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
-    check(stages, microbatches, costs, "gpipe");
-    std::vector<std::vector<pipeline_step>> order(stages);
-    for (auto& o : order) {
-      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::forward, i});
-      for (std::size_t i = 0; i < microbatches; ++i) o.push_back({pipeline_pass::backward, i});
-    }
-    return {"GPipe", std::move(order), costs};
-  }
-
-  /// 1F1B: `min(stages - stage - 1, microbatches)` warm-up forwards, then one forward and one
-  /// backward in turn, then the remaining backwards.
-  /// @throws sharding_error as `gpipe`.
-  static pipeline_schedule one_f_one_b(std::size_t stages, std::size_t microbatches, pipeline_costs costs = {}) {
-    check(stages, microbatches, costs, "one_f_one_b");
-    std::vector<std::vector<pipeline_step>> order(stages);
-    for (std::size_t s = 0; s < stages; ++s) {
-      const std::size_t warmup = std::min(stages - s - 1, microbatches);
-      std::size_t f = 0, b = 0;
-      for (; f < warmup; ++f) order[s].push_back({pipeline_pass::forward, f});
-      for (; f < microbatches; ++f, ++b) {
-        order[s].push_back({pipeline_pass::forward, f});
-        order[s].push_back({pipeline_pass::backward, b});
-      }
-      for (; b < microbatches; ++b) order[s].push_back({pipeline_pass::backward, b});
-    }
-    return {"1F1B", std::move(order), costs};
-  }
-
-  /// The bubble of a balanced pipeline with uniform costs and free sends: (p - 1) / (m + p - 1).
-  [[nodiscard]] static constexpr double ideal_bubble(std::size_t stages, std::size_t microbatches) noexcept {
-    return static_cast<double>(stages - 1) / static_cast<double>(microbatches + stages - 1);
-  }
-
-  /// "GPipe" or "1F1B".
-  [[nodiscard]] std::string_view name() const noexcept { return name_; }
-  /// Pipeline stages.
-  [[nodiscard]] std::size_t stages() const noexcept { return steps_.size(); }
-  /// Micro-batches per step.
-  [[nodiscard]] std::size_t microbatches() const noexcept { return microbatches_; }
-  /// The steps stage `stage` runs, in order, with their times.
-  [[nodiscard]] const std::vector<pipeline_step>& steps(std::size_t stage) const { return steps_.at(stage); }
-  /// Time units from the first step's start to the last step's end.
-  [[nodiscard]] std::size_t makespan() const noexcept { return makespan_; }
-
-  /// The fraction of stage-time units in which a stage is idle.
-  [[nodiscard]] double bubble_fraction() const noexcept {
-    std::size_t busy = 0;
-    for (const auto& st : steps_)
-      for (const auto& x : st) busy += x.end - x.start;
-    return 1.0 - static_cast<double>(busy) / static_cast<double>(stages() * makespan_);
-  }
-
-  /// The most micro-batches whose activations stage `stage` holds at once (forwarded, not yet
-  /// backwarded): what its activation memory scales with.
-  [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
-    std::size_t held = 0, peak = 0;
-    for (const auto& x : steps_.at(stage)) {
-      if (x.pass == pipeline_pass::forward) peak = std::max(peak, ++held);
-      else --held;
-    }
-    return peak;
-  }
-
-  /// One row per stage, one column per time unit: `F3` while micro-batch 3's forward runs, `B3`
-  /// while its backward runs, `..` when idle.
-  /// @code
-  /// GPipe, 2 stages x 2 micro-batches (forward 1, backward 1, send 0), bubble 33.3%
-  /// stage 0 | F0 F1 .. .. B0 B1
-  /// stage 1 | .. F0 F1 B0 B1 ..
-  /// @endcode
-  [[nodiscard]] std::string timeline() const {
-    std::string out = std::string(name_) + ", " + std::to_string(stages()) + " stages x " + std::to_string(microbatches_) +
-                      " micro-batches (forward " + std::to_string(costs_.forward) + ", backward " +
-                      std::to_string(costs_.backward) + ", send " + std::to_string(costs_.send) + "), bubble " +
-                      percent(bubble_fraction()) + "\n";
-    const std::size_t width = std::to_string(microbatches_ - 1).size() + 1;
-    for (std::size_t s = 0; s < stages(); ++s) {
-      std::vector<std::string> cell(makespan_, std::string(width, '.'));
-      for (const auto& x : steps_[s]) {
-        std::string label = (x.pass == pipeline_pass::forward ? "F" : "B") + std::to_string(x.microbatch);
-        label.resize(width, ' ');
-        for (std::size_t t = x.start; t < x.end; ++t) cell[t] = label;
-      }
-      out += "stage " + std::to_string(s) + " |";
-      for (const auto& c : cell) out += " " + c;
-      out += "\n";
-    }
-    return out;
-  }
-
- private:
-  pipeline_schedule(std::string_view name, std::vector<std::vector<pipeline_step>> order, pipeline_costs costs)
-      : name_(name), microbatches_(order.front().size() / 2), costs_(costs), steps_(std::move(order)) {
-    simulate();
-  }
-
-  static void check(std::size_t stages, std::size_t microbatches, const pipeline_costs& c, const char* who) {
-    if (stages == 0 || microbatches == 0)
-      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who + ": " + std::to_string(stages) +
-                           " stages x " + std::to_string(microbatches) +
-                           " micro-batches; a pipeline needs at least one of each");
-    if (c.forward == 0 || c.backward == 0)
-      throw sharding_error(std::string("meshlib::nn::pipeline_schedule::") + who +
-                           ": forward and backward costs must be at least 1 time unit (forward " +
-                           std::to_string(c.forward) + ", backward " + std::to_string(c.backward) + ")");
-  }
-
-  static std::string percent(double f) {
-    const auto tenths = static_cast<long long>(f * 1000.0 + 0.5);
-    return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + "%";
-  }
-
-  // List scheduling: each stage runs its steps in order, each as soon as the stage is free and its
-  // input has arrived. The orders above never wait on a step scheduled later on the same stage, so
-  // every pass over the stages schedules at least one step.
-  void simulate() {
-    const std::size_t p = stages(), m = microbatches_;
-    constexpr std::size_t none = static_cast<std::size_t>(-1);
-    std::vector<std::vector<std::size_t>> fwd_end(p, std::vector<std::size_t>(m, none)), bwd_end = fwd_end;
-    std::vector<std::size_t> next(p, 0), free_at(p, 0);
-    for (std::size_t left = p * 2 * m; left > 0;) {
-      std::size_t progress = 0;
-      for (std::size_t s = 0; s < p; ++s) {
-        while (next[s] < steps_[s].size()) {
-          pipeline_step& x = steps_[s][next[s]];
-          const bool fwd = x.pass == pipeline_pass::forward;
-          std::size_t ready = 0;
-          if (fwd && s > 0) ready = fwd_end[s - 1][x.microbatch];
-          if (!fwd && s + 1 < p) ready = bwd_end[s + 1][x.microbatch];
-          if (!fwd && s + 1 == p) ready = fwd_end[s][x.microbatch];
-          if (ready == none) break;
-          const bool from_peer = (fwd && s > 0) || (!fwd && s + 1 < p);
-          x.start = std::max(free_at[s], ready + (from_peer ? costs_.send : 0));
-          x.end = x.start + (fwd ? costs_.forward : costs_.backward);
-          free_at[s] = x.end;
-          (fwd ? fwd_end : bwd_end)[s][x.microbatch] = x.end;
-          ++next[s];
-          ++progress;
-          --left;
-        }
-      }
-      if (progress == 0) throw sharding_error("meshlib::nn::pipeline_schedule: the step orders deadlock");  // a bug
-    }
-    makespan_ = *std::max_element(free_at.begin(), free_at.end());
-  }
-
-  std::string_view name_;
-  std::size_t microbatches_ = 0;
-  pipeline_costs costs_;
-  std::vector<std::vector<pipeline_step>> steps_;
-  std::size_t makespan_ = 0;
-};
-
-}  // namespace meshlib::nn
-// end meshlib/nn/pipeline_schedule.hpp
 // end meshlib/nn.hpp
 #endif  // MESHLIB_SINGLE_INCLUDE_MESHLIB_NN_HPP

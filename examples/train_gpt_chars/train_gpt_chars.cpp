@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_gpt_chars: trains a decoder-only character-level Transformer (a small GPT) on the text of
 // Debian's fortunes (or any text file or directory given by --data) on a (data, model) mesh, (2, 2)
-// by default, then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
+// by default, or on the 4-axis mesh ('data', 'fsdp', 'tensor', 'pipeline') of --mesh DxFxTxP (the
+// tensor axis is the model axis; fsdp splits the batch as data does; pipeline cuts the layers into
+// stages, nn/pipeline.hpp), then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
 // values (no tokenizer). The network (W = --width, T = --context, L = --layers, H = --heads):
 //
 //   tok    embedding 256 -> W, vocabulary sharded over 'model'     (one psum)
@@ -29,11 +31,14 @@
 #include "../common/flagship_main.hpp"
 #include "../common/flagship_options.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <span>
 #include <stdexcept>
@@ -46,7 +51,9 @@
 namespace {
 
 struct options {
-  std::size_t data = 2, model = 2, steps = 2000, batch = 16, context = 64, layers = 4, heads = 4, width = 128;
+  std::size_t data = 2, fsdp = 1, model = 2, pipeline = 1, microbatches = 0;
+  bool gpipe = false;
+  std::size_t steps = 2000, batch = 16, context = 64, layers = 4, heads = 4, width = 128;
   float lr = 3e-3f, temperature = 0.8f;
   std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
   std::uint64_t seed = 0;
@@ -60,12 +67,17 @@ constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
     "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--advise]\n"
-    "                       [--help]\n";
+    "                       [--help]\n"
+    "       train_gpt_chars --mesh DxFxTxP [--microbatches N] [--schedule gpipe|1f1b] ...   (the 4-axis mesh)\n";
 
 void usage() {
   std::cout << usage_line
             << "  --mesh DxM          (data, model) mesh shape, default 2x2 (4 thread devices: batch split over\n"
                "                      'data', heads, MLP and vocabulary split over 'model')\n"
+               "  --mesh DxFxTxP      the 4-axis mesh ('data', 'fsdp', 'tensor', 'pipeline'): batch over data x fsdp,\n"
+               "                      heads, MLP and vocabulary over tensor, the layers cut into P pipeline stages\n"
+               "  --microbatches N    pipeline micro-batches per step (P > 1), dividing B / (D F); default P\n"
+               "  --schedule S        pipeline schedule, gpipe or 1f1b; default 1f1b\n"
                "  --steps N           training steps, default 2000\n"
                "  --batch B           windows per step (global), a multiple of D; default 16\n"
                "  --lr R              peak learning rate (linear warm-up, cosine decay to 10%); default 3e-3\n"
@@ -99,7 +111,30 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
-    else if (a == "--mesh") std::tie(o.data, o.model) = flagship::mesh_shape(value(), "2x2");
+    else if (a == "--mesh") {
+      const std::string v = value();
+      if (std::count(v.begin(), v.end(), 'x') == 3) {  // DxFxTxP
+        std::size_t* axes[] = {&o.data, &o.fsdp, &o.model, &o.pipeline};
+        std::size_t at = 0;
+        for (auto* axis : axes) {
+          const std::size_t x = v.find('x', at);
+          const auto n = flagship::whole_number(v.substr(at, x == std::string::npos ? std::string::npos : x - at));
+          if (!n || *n == 0 || *n > 64)
+            throw usage_error("--mesh wants DxFxTxP, four positive integers (data x fsdp x tensor x pipeline "
+                              "devices, at most 64 each) such as 1x2x2x2, not '" + v + "'");
+          *axis = *n;
+          at = x + 1;
+        }
+      } else {
+        std::tie(o.data, o.model) = flagship::mesh_shape(v, "2x2");
+        o.fsdp = o.pipeline = 1;
+      }
+    } else if (a == "--microbatches") o.microbatches = positive_integer(a, value());
+    else if (a == "--schedule") {
+      const std::string v = value();
+      if (v != "gpipe" && v != "1f1b") throw usage_error("--schedule wants gpipe or 1f1b, not '" + v + "'");
+      o.gpipe = v == "gpipe";
+    }
     else if (a == "--steps") o.steps = positive_integer(a, value());
     else if (a == "--batch") o.batch = positive_integer(a, value());
     else if (a == "--lr") o.lr = flagship::positive_number(a, value());
@@ -124,11 +159,19 @@ options parse(int argc, char** argv) {
   }
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
-  const std::string mesh = "(--mesh " + std::to_string(o.data) + "x" + std::to_string(o.model);
-  // --advise tries every shape of D x M devices and lists the ones these sizes do not fit.
-  if (!o.advise && o.batch % o.data != 0)
+  const bool four = o.fsdp != 1 || o.pipeline != 1;
+  const std::string mesh = "(--mesh " + std::to_string(o.data) + "x" +
+                           (four ? std::to_string(o.fsdp) + "x" + std::to_string(o.model) + "x" + std::to_string(o.pipeline)
+                                 : std::to_string(o.model));
+  // --advise tries every shape of the devices and lists the ones these sizes do not fit.
+  if (!o.advise && o.batch % (o.data * o.fsdp) != 0)
     throw usage_error("--batch " + std::to_string(o.batch) + " is not divisible by the data axis " + mesh + ": " +
-                      std::to_string(o.data) + ")");
+                      std::to_string(o.data * o.fsdp) + ")");
+  if (o.microbatches == 0) o.microbatches = o.pipeline;
+  if (!o.advise && o.pipeline > 1 && (o.batch / (o.data * o.fsdp)) % o.microbatches != 0)
+    throw usage_error("--microbatches " + std::to_string(o.microbatches) + " does not divide the " +
+                      std::to_string(o.batch / (o.data * o.fsdp)) + " windows of each data device " + mesh + ")");
+
   if (!o.advise && o.heads % o.model != 0)
     throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the model axis " + mesh + ": " +
                       std::to_string(o.model) + ")");
@@ -144,17 +187,18 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
-using block_t = meshlib::nn::transformer_block<float, mesh_t>;
+/// The seed's mesh: a (D, M) mesh is (D, 1, M, 1). 'tensor' is the model axis of the file comment.
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"tensor">,
+                             meshlib::axis<"pipeline">>;
+using block_t = meshlib::nn::transformer_block<float, mesh_t, "tensor">;
 
-/// `L` Transformer blocks chained, a layer of `sequential` like any other (forward, backward,
+/// Transformer blocks chained, a layer of `sequential` like any other (forward, backward,
 /// collect): the number of blocks is a run-time option, while a `sequential`'s layers are types.
+/// The model holds four of these groups (some may be empty), so a pipeline has layers to cut.
 /// `Block` is `block_t`, or `nn::remat<block_t>` (--remat).
 template <class Block>
 struct block_stack {
   std::vector<Block> blocks;
-  [[nodiscard]] std::size_t in_features() const { return blocks.front().in_features(); }
-  [[nodiscard]] std::size_t out_features() const { return blocks.back().out_features(); }
   template <meshlib::local_tensor_type X>
   X forward(const X& x) {
     X h = x;
@@ -172,19 +216,21 @@ struct block_stack {
   }
 };
 
-/// The network of the file comment (every block in `nn::remat` when `Remat`).
+/// The network of the file comment (every block in `nn::remat` when `Remat`); block `i` of L in
+/// group `4 i / L`.
 template <bool Remat>
 auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
   namespace nn = meshlib::nn;
-  nn::embedding<float, mesh_t> tok(m, "tok", 256, o.width, key);
-  block_stack<std::conditional_t<Remat, nn::remat<block_t>, block_t>> h;
+  nn::embedding<float, mesh_t, "tensor"> tok(m, "tok", 256, o.width, key);
+  block_stack<std::conditional_t<Remat, nn::remat<block_t>, block_t>> h[4];
   for (std::size_t i = 0; i < o.layers; ++i) {
     block_t b(m, "h" + std::to_string(i), o.width, o.heads, 4 * o.width, o.context, key);
-    if constexpr (Remat) h.blocks.emplace_back(m, std::move(b));
-    else h.blocks.push_back(std::move(b));
+    if constexpr (Remat) h[4 * i / o.layers].blocks.emplace_back(m, std::move(b));
+    else h[4 * i / o.layers].blocks.push_back(std::move(b));
   }
   return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", o.context, o.width, o.context, key),
-                        std::move(h), nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), nn::tied_head<float, mesh_t>(tok));
+                        std::move(h[0]), std::move(h[1]), std::move(h[2]), std::move(h[3]),
+                        nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), nn::tied_head<float, mesh_t, "tensor">(tok));
 }
 
 /// `count` evaluation windows spread evenly over `text` (the progress estimate: the whole held-out
@@ -205,12 +251,23 @@ meshlib::nn::token_batch spread_windows(std::span<const std::uint8_t> text, std:
 /// `temperature`, given the last `context` bytes (padded at the end: the causal mask makes the
 /// padding invisible to the position read). Every data replica reads the same window; the device of
 /// data rank 0 of each model group copies its block of the vocabulary's logits out.
-template <class State>
+template <bool Remat, class State>
 std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
   namespace nn = meshlib::nn;
+  if (state.pipeline() != nullptr) {
+    // A device holds only its pipeline stage's parameters: generate on one device, from a
+    // checkpoint of the state (a checkpoint restores on any mesh).
+    const auto dir = std::filesystem::temp_directory_path() / ("train_gpt_chars_" + std::to_string(::getpid()));
+    nn::save_checkpoint(dir, state);
+    const mesh_t one{1, 1, 1, 1};
+    State single(one, gpt<Remat>(one, o, key), state.opt);
+    nn::restore_checkpoint(dir, single);
+    std::filesystem::remove_all(dir);
+    return generate<Remat>(single, o, key);
+  }
   using ids_t = typename State::ids_type;
-  constexpr auto model_mask = mesh_t::mask_of<"model">();
-  constexpr auto data_mask = mesh_t::mask_of<"data">();
+  constexpr auto model_mask = mesh_t::mask_of<"tensor">();
+  constexpr auto data_mask = mesh_t::mask_of<"data", "fsdp">();
   std::string text = o.prompt;
   std::vector<std::int32_t> window(o.context);
   std::vector<float> logits(256), p(256);
@@ -252,7 +309,7 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   const auto batch = nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000));
   nn::advise_options ao;
   ao.opt = nn::adamw(nn::constant(o.lr), 0.01f, 0.9f, 0.99f);
-  const std::size_t devices = o.data * o.model;
+  const std::size_t devices = o.data * o.fsdp * o.model * o.pipeline;
   std::printf("train_gpt_chars --advise: GPT (%zu layers, %zu heads, width %zu, context %zu), batch %zu windows, %zu "
               "thread devices: %zu warm-up + %zu timed steps per shape\n",
               o.layers, o.heads, o.width, o.context, o.batch, devices, ao.warmup_steps, ao.timed_steps);
@@ -266,13 +323,15 @@ template <bool Remat>
 int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
   namespace nn = meshlib::nn;
   if (o.advise) return advise<Remat>(o, corpus);
-  const mesh_t mesh{o.data, o.model};
+  const mesh_t mesh{o.data, o.fsdp, o.model, o.pipeline};
   const nn::rng_key key{o.seed};
   const auto split = nn::split_text(corpus, 0.1, o.context + 1);
   const auto lr = nn::warmup_cosine(o.lr, std::max<std::size_t>(1, o.steps / 20), o.steps, 0.1f);
   nn::optimizer opt = nn::adamw(lr, 0.01f, 0.9f, 0.99f);
   opt.clip_norm = 1.0f;
-  nn::train_state state(mesh, gpt<Remat>(mesh, o, key), opt);
+  nn::train_state state(mesh, gpt<Remat>(mesh, o, key), opt,
+                        {.pipeline = {.microbatches = o.microbatches,
+                                      .schedule = o.gpipe ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b}});
 
   std::size_t count = 0;
   for (const auto& p : state.params) {
@@ -286,8 +345,13 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
               corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
   std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
               "  lr %g warm-up + cosine, gradient clipping at norm 1\n",
-              count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / o.data, opt.name().c_str(),
-              static_cast<double>(o.lr));
+              count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / (o.data * o.fsdp),
+              opt.name().c_str(), static_cast<double>(o.lr));
+  if (o.pipeline > 1) {
+    std::printf("  pipeline: %zu stages (%s, %zu micro-batches):", o.pipeline, o.gpipe ? "GPipe" : "1F1B", o.microbatches);
+    for (auto [b, e] : state.pipeline_stages()) std::printf(" layers [%zu, %zu)", b, e);
+    std::printf("\n");
+  }
   const double uni = nn::unigram_nats(split.train, split.validation), bi = nn::bigram_nats(split.train, split.validation);
   std::printf("  baselines on the validation text: unigram %.3f, bigram %.3f nats/char (add-one smoothing); uniform %.3f\n",
               uni, bi, std::log(256.0));
@@ -334,7 +398,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
               Remat ? " (every block in remat)" : "", static_cast<double>(held) / 1048576.0,
               static_cast<double>(peak) / 1048576.0);
   if (o.generate > 0) {
-    const std::string text = generate(state, o, key.fold_in(2'000'000));
+    const std::string text = generate<Remat>(state, o, key.fold_in(2'000'000));
     std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
                 static_cast<unsigned long long>(o.seed), text.c_str());
   }

@@ -40,3 +40,4 @@
 #include "meshlib/nn/params.hpp"
 #include "meshlib/nn/checkpoint.hpp"
 #include "meshlib/nn/pipeline_schedule.hpp"
+#include "meshlib/nn/pipeline.hpp"

@@ -17,10 +17,11 @@
 ///
 /// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
 /// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
-/// parallelism runs over the axis they name ("model" by default). A "pipeline" axis is the
-/// extension point for pipeline parallelism (issue 26 item 1): `detail::configure_shape` is where a
-/// shape's pipeline size becomes the train options' stages; until then such shapes are listed as
-/// not possible.
+/// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
+/// cuts the model into that many stages (nn/pipeline.hpp; micro-batches as the caller's train options
+/// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
+/// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
+/// not possible with its reason.
 /// @code
 /// auto a = nn::advise_mesh<mesh_t>(8, [&](const mesh_t& m) { return make_gpt(m); }, batch);
 /// std::cout << a.markdown();          // the ranked table
@@ -42,6 +43,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/pipeline.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/nn/train_state.hpp"
 
@@ -86,6 +88,7 @@ struct advice_row {
   double step_seconds = 0;        ///< median wall time of a timed step
   double samples_per_second = 0;  ///< rows (or windows) of the global batch per second
   double sync_share = 0;          ///< share of the timed steps in the gradient synchronisation
+  double bubble = 0;              ///< the pipeline's measured idle share of the last step (0 without one)
   std::size_t state_bytes = 0;    ///< parameters + gradients + optimizer state (+ FSDP buffers), the largest device
   std::size_t activation_bytes = 0;  ///< the step's peak of activation buffers (first device)
   /// Whether the shape ran.
@@ -107,19 +110,19 @@ struct advice {
     std::string axes;
     if (!rows.empty())
       for (std::size_t i = 0; i < rows.front().shape.axes.size(); ++i) axes += (i ? ", " : "") + rows.front().shape.axes[i];
-    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | memory per device |\n"
-                    "| ---: | --- | ---: | ---: | ---: | ---: |\n";
+    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | bubble | memory per device |\n"
+                    "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
-        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
+        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
                       ++rank, r.shape.to_string().c_str(), 1e3 * r.step_seconds, r.samples_per_second,
-                      100.0 * r.sync_share, static_cast<double>(r.memory_bytes()) / 1048576.0,
+                      100.0 * r.sync_share, 100.0 * r.bubble, static_cast<double>(r.memory_bytes()) / 1048576.0,
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
       } else {
-        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | |\n";
+        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | | |\n";
       }
     }
     return s;
@@ -183,8 +186,8 @@ namespace detail {
 /// refused (the returned text, empty when the shape is fine).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
-  if (s.size("pipeline") > 1)
-    return "pipeline parallelism is not in train_step yet (issue 26 item 1): use a pipeline axis of 1";
+  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
+  // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
   return {};
 }
 
@@ -246,6 +249,7 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
       row.sync_share = total > 0 ? sync / total : 0;
       for (std::size_t dev : state.local_devices()) row.state_bytes = std::max(row.state_bytes, state.memory(dev).total());
       row.activation_bytes = last.peak_activation_bytes;
+      row.bubble = measured_bubble(state);
     } catch (const meshlib::error& e) {
       row.refused = "not possible: " + detail::without_prefix(e.what());
     }

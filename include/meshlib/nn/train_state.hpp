@@ -60,6 +60,7 @@
 #include "meshlib/nn/mean_squared_error.hpp"
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/pipeline.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -83,6 +84,9 @@ struct train_options {
   /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
   float loss_scale = 0.0f;
   std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
+  /// micro-batches, schedule and stage split (nn/pipeline.hpp).
+  pipeline_options pipeline = {};
 };
 
 namespace detail {
@@ -153,6 +157,11 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
+  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/pipeline.hpp).
+  static constexpr axis_mask pipeline_axes = [] {
+    if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
+    else return axis_mask{0};
+  }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
   using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
   /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
@@ -213,6 +222,10 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (options.fsdp) shard_parameters();
+    // Pipeline (nn/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks.
+    if constexpr (pipeline_axes != 0)
+      if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -341,6 +354,12 @@ class train_state {
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  [[nodiscard]] detail::pipeline_engine* pipeline() const noexcept { return pipeline_.get(); }
+  /// The layers `[begin, end)` of each pipeline stage (empty without a pipeline).
+  [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages() const {
+    return pipeline_ ? pipeline_->bounds : std::vector<std::pair<std::size_t, std::size_t>>{};
+  }
 
   /// Calls `f(param_index, offset_in_block, len, slot)` for each run of optimizer state device
   /// `dev` holds, in parameter order: elements `[offset, offset + len)` of the parameter's local
@@ -535,6 +554,8 @@ class train_state {
   /// model's buffers are; the buffers point at it).
   std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  std::shared_ptr<detail::pipeline_engine> pipeline_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -600,12 +621,22 @@ void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
                            "(rows = sequences x sequence length, sequence-major)");
 }
 
+// The pipelined step and evaluation (nn/detail/pipeline_step.hpp, included at the end of this file).
+template <class State, class In, class Target, class Loss, class Backend>
+step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
+                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend);
+template <class State, class In, class Backend>
+step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend);
+
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
 /// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
 /// token id per row) and `y` holding `rows` rows of targets of equal width.
 template <class State, input_element In, class Target, class Loss, class Backend>
 step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
   const std::size_t k = s.options.accumulation;
   check_batch(s, global_rows, k, "train_step");
   check_runner(s, backend, "train_step");
@@ -827,6 +858,8 @@ namespace detail {
 template <class State, input_element In, class Backend>
 step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
                           std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
   check_runner(s, backend, "evaluate");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   s.model.begin_step(s.key, false);
@@ -890,3 +923,6 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 }
 
 }  // namespace meshlib::nn
+
+// The pipelined step: after train_state, whose helpers it uses.
+#include "meshlib/nn/detail/pipeline_step.hpp"

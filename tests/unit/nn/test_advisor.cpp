@@ -131,7 +131,8 @@ TEST_CASE("advise_mesh: the memory estimate is the state's bytes plus the step's
   CHECK(a.best == a.rows.front().shape);
   CHECK(a.rows.front().step_seconds <= a.rows.back().step_seconds);
   const std::string table = a.markdown();
-  CHECK(table.find("| rank | mesh (data, model) | step time | samples/s | sync share | memory per device |") == 0);
+  CHECK(table.find("| rank | mesh (data, model) | step time | samples/s | sync share | bubble | memory per device |") == 0);
+  CHECK(table.find(" | 0% | ") != std::string::npos);  // no pipeline axis: no bubble
   CHECK(table.find("| 1 | " + a.best.to_string() + " | ") != std::string::npos);
 }
 
@@ -168,14 +169,27 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
         "axis; choose a batch size that is a multiple of 4");
   CHECK(d.rows[0].possible());
   CHECK(d.rows[1].possible());
-  // A pipeline axis larger than 1: the extension point says it is not there yet.
+  // A pipeline axis larger than 1: the model is cut into stages. One layer cannot fill two stages
+  // (the pipeline's own message); two layers can, and the pipelined shape has a bubble.
   using piped = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipeline">>;
   const auto c = nn::advise_mesh<piped>(2, [](const piped& m) {
     return nn::sequential(nn::dense<float, piped>(m, "fc", 4, 2, nn::rng_key{1}));
   }, batch_of(4, 4, 2), o);
   REQUIRE(c.rows.size() == 2);
   CHECK(c.best.to_string() == "(2, 1)");
-  CHECK(c.rows.back().refused.find("not possible: pipeline parallelism is not in train_step yet") == 0);
+  CHECK(c.rows.back().refused.find("not possible: pipeline: the mesh's 'pipeline' axis has 2 devices (one stage each) "
+                                   "but the model has 1 layers") == 0);
+  const auto p2 = nn::advise_mesh<piped>(2, [](const piped& m) {
+    return nn::sequential(nn::dense<float, piped>(m, "fc1", 4, 8, nn::rng_key{1}), nn::relu<float>(m),
+                          nn::dense<float, piped>(m, "fc2", 8, 2, nn::rng_key{2}));
+  }, batch_of(4, 4, 2), o);
+  REQUIRE(p2.rows.size() == 2);
+  for (const auto& r : p2.rows) {
+    INFO(r.shape.to_string() << " " << r.refused);
+    CHECK(r.possible());
+    CHECK((r.bubble > 0) == (r.shape.size("pipeline") > 1));  // (2, 1) has no pipeline: no bubble
+  }
+  CHECK(p2.markdown().find("| bubble |") != std::string::npos);
   // Nothing possible: one error listing every shape's reason.
   const std::string msg = meshlib_test::message_of<meshlib::sharding_error>(
       [&] { (void)nn::advise_mesh<mesh_t>(8, small_gpt, gpt_batch(3), o); });
