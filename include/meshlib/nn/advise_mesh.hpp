@@ -181,9 +181,8 @@ Mesh make_mesh(const mesh_shape& s) {
 }
 
 namespace detail {
-/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. The extension point of
-/// pipeline parallelism: a pipeline axis larger than 1 will set the stages here; until then it is
-/// refused (the returned text, empty when the shape is fine).
+/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. Returns why the shape
+/// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
   // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
