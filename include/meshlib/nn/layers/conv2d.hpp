@@ -41,6 +41,7 @@
 
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/conv2d_kernels.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
@@ -49,12 +50,23 @@
 
 namespace meshlib::nn {
 
+/// @brief How `conv2d` computes its forward (and the patches its weight gradient needs); every
+/// algorithm gives the same convolution up to float rounding, and the same bits on every run.
+enum class conv2d_algorithm {
+  automatic,  ///< the rule of `conv2d::algorithm()`: pointwise, else direct for small patches, else im2col
+  im2col,     ///< im2col in cache-sized blocks of output pixels, each multiplied at once (`matmul_into`)
+  direct,     ///< each output pixel straight from the input, 16 output channels at a time (no patches)
+  pointwise,  ///< a 1x1 kernel without padding: the input pixels (every `stride`-th) are the patches
+};
+
 /// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
-/// dimensions, and whether the layer adds a bias (off before a `batch_norm`, which cancels it).
+/// dimensions, whether the layer adds a bias (off before a `batch_norm`, which cancels it), and
+/// the algorithm (leave it `automatic` unless you measured otherwise; tests force each one).
 struct conv2d_options {
   std::size_t stride = 1;   ///< step between output pixels, in input pixels
   std::size_t padding = 0;  ///< zeros added on every side of the image
   bool use_bias = true;     ///< add a learned bias per output channel
+  conv2d_algorithm algorithm = conv2d_algorithm::automatic;  ///< how the forward is computed
 };
 
 /// @brief The shape of the images `conv2d` makes from images of shape `In`, computed at compile
@@ -136,6 +148,7 @@ class conv2d {
              out_channels},
         kernel_(kernel),
         opt_(o),
+        algo_(choose(name, in, kernel, o)),
         saved_(mesh.size()),
         cols_(mesh.size()),
         out_buf_(mesh.size()),
@@ -167,6 +180,25 @@ class conv2d {
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
+  /// The algorithm the forward runs (the options' choice, or the rule for `automatic`, fixed at
+  /// construction so every step and every device computes alike):
+  /// - `pointwise` for a 1x1 kernel without padding: at stride 1 the input rows are the patches (no
+  ///   copy at all), at a larger stride a row gather (im2col of a 1x1 window) in cache-sized blocks;
+  /// - `direct` when a patch has at most `direct_max_patch` values (`kernel*kernel*C_in`; the 3x3 stem
+  ///   of a grey or colour image): the product is then so thin that even a cached im2col costs more
+  ///   than it (measured in bench/resnet_bench.cpp: 9 values 0.15x the sgemm rate with im2col, see
+  ///   docs/benchmarks.md);
+  /// - `im2col` otherwise: im2col in blocks of output pixels whose patches fill `im2col_block_bytes`,
+  ///   each block multiplied by the weight right away (`matmul_into`), so the patches stay in the cache.
+  [[nodiscard]] conv2d_algorithm algorithm() const noexcept { return algo_; }
+  /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct`.
+  static constexpr std::size_t direct_max_patch = 27;
+  /// The patch bytes of one im2col block (about half of a 1 MiB L2 cache, so the block and the
+  /// product's working set stay there); at least `im2col_min_rows` rows, so each product is not tiny.
+  static constexpr std::size_t im2col_block_bytes = std::size_t{256} * 1024;
+  /// @copydoc im2col_block_bytes
+  static constexpr std::size_t im2col_min_rows = 64;
+
   /// The convolution of this device's images (rows of `x`, NHWC), plus the bias.
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
@@ -177,56 +209,48 @@ class conv2d {
     const std::size_t dev = x.device(), n = x.extent(0);
     if (x.extent(1) != in_.size())
       throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    saved_[dev] = {n, true};
-    T* cols = cols_.get(dev, m * kk);
-    const T* xp = x.data();
-    // im2col: the patch of output pixel r, zeros where the window hangs over the padding.
-    meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-      T* dst = cols + r * kk;
-      for (std::size_t i = 0; i < k; ++i) {
-        const std::size_t ih = oh * s + i;  // in padded coordinates
-        for (std::size_t j = 0; j < k; ++j, dst += cin) {
-          const std::size_t iw = ow * s + j;
-          if (ih < p || iw < p || ih - p >= h || iw - p >= wd) {
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-          } else {
-            const T* src = xp + ((img * h + (ih - p)) * wd + (iw - p)) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = src[c];
-          }
-        }
-      }
-    });
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
+    saved_[dev] = {n, true, x.data()};
     T* y = out_buf_.get(dev, m * cout);
+    const T* xp = x.data();
     const T* wp = w.value.local(dev).data();
-    if (opt_.use_bias) {
-      const T* bias = b.value.local(dev).data();
-      meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-        for (std::size_t o = 0; o < cout; ++o) y[r * cout + o] = bias[o];
+    const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
+    if (algo_ == conv2d_algorithm::direct) {
+      detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+    } else {
+      // Blocks of output pixels: their patches (im2col, or the input rows themselves), then at once
+      // `Y[r0:r1] = bias; Y[r0:r1] += patches W` while both are in the cache.
+      for_patch_blocks(dev, m, block_rows(m), xp, y, bias, [&](std::size_t r0, std::size_t r1, const T* patches) {
+        matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
+                    {.beta = bias != nullptr ? 1.0 : 0.0});
       });
     }
-    matmul_into(view(y, m, cout), cview(cols, m, kk), cview(wp, kk, cout), {.beta = opt_.use_bias ? 1.0 : 0.0});
-    return X(typename X::view_type(y, n, ho * wo * cout), x.mesh(), dev);
+    return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
   /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
+  /// The patches are made again from the forward's input, block by block as the forward made them
+  /// (`dW` is summed block after block, the same order on every run).
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    const auto [n, ran, xp] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    const T* cols = cols_.get(dev, m * kk);
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
     const T* d = dy.data();
-    matmul_into(view(w.grad.local(dev).data(), kk, cout), cview(cols, m, kk), cview(d, m, cout),
-                {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
+    const T* wp = w.value.local(dev).data();
+    T* gw = w.grad.local(dev).data();
+    const double beta = static_cast<double>(w.grad_beta(dev));
+    // Without a copy (pointwise, stride 1) the input is one block: dW = x^T dy in one product.
+    for_patch_blocks(dev, m, unpacked() ? m : block_rows(m), xp, nullptr, nullptr,
+                     [&](std::size_t r0, std::size_t r1, const T* patches) {
+                       matmul_into(view(gw, kk, cout), cview(patches, r1 - r0, kk), cview(d + r0 * cout, r1 - r0, cout),
+                                   {.transpose_a = true, .beta = r0 == 0 ? beta : 1.0});
+                     });
     if (opt_.use_bias) {
       T* gb = b.grad.local(dev).data();
       const bool fresh = b.grad_beta(dev) == T{0};
@@ -241,27 +265,13 @@ class conv2d {
     }
     T* dx = dx_.get(dev, n * in_.size());
     if (need_dx) {
-      T* dc = dcols_.get(dev, m * kk);
-      matmul_into(view(dc, m, kk), cview(d, m, cout), cview(w.value.local(dev).data(), kk, cout), {.transpose_b = true});
-      // col2im as a gather: input pixel (img, ih, iw) adds, for every kernel offset (i, j) whose
-      // output pixel exists, that patch entry.
-      meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
-        const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd;
-        T* dst = dx + q * cin;
-        for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-        for (std::size_t i = 0; i < k; ++i) {
-          const std::size_t th = ih + p;  // = oh * s + i
-          if (th < i || (th - i) % s != 0 || (th - i) / s >= ho) continue;
-          const std::size_t oh = (th - i) / s;
-          for (std::size_t j = 0; j < k; ++j) {
-            const std::size_t tw = iw + p;
-            if (tw < j || (tw - j) % s != 0 || (tw - j) / s >= wo) continue;
-            const std::size_t ow = (tw - j) / s;
-            const T* src = dc + ((img * ho + oh) * wo + ow) * kk + (i * k + j) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] += src[c];
-          }
-        }
-      });
+      if (unpacked()) {  // the patches are the input rows: dx = dy W^T directly
+        matmul_into(view(dx, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+      } else {
+        T* dc = dcols_.get(dev, m * kk);
+        matmul_into(view(dc, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+        detail::col2im<default_memory_space>(dx, dc, g, n);
+      }
     }
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
@@ -297,15 +307,76 @@ class conv2d {
     return kernel * kernel;
   }
 
+  /// The sizes the kernels take.
+  [[nodiscard]] detail::conv_geometry geometry() const noexcept {
+    return {in_.height, in_.width, in_.channels, out_.height, out_.width, out_.channels, kernel_, opt_.stride,
+            opt_.padding};
+  }
+  /// Whether the patches are the input rows themselves (pointwise at stride 1: no im2col).
+  [[nodiscard]] bool unpacked() const noexcept { return algo_ == conv2d_algorithm::pointwise && opt_.stride == 1; }
+  /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
+  /// host cannot read (a GPU wants one large product, not a cache-sized one).
+  [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
+    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
+    return std::max<std::size_t>(rows, im2col_min_rows);
+  }
+  /// Calls `f(r0, r1, patches)` for the blocks `[r0, r1)` of `rows` output pixels of `[0, m)`, in
+  /// order, `patches` pointing at their `(r1 - r0) x K` patch matrix: the input rows themselves when
+  /// `unpacked()`, else an im2col into this device's block buffer. Sets rows `[r0, r1)` of `y` to
+  /// `bias` first when `bias` is not null.
+  template <class F>
+  void for_patch_blocks(std::size_t dev, std::size_t m, std::size_t rows, const T* xp, T* y, const T* bias, const F& f) {
+    const detail::conv_geometry g = geometry();
+    const std::size_t kk = g.patch(), cout = g.cout;
+    for (std::size_t r0 = 0; r0 < m; r0 += rows) {
+      const std::size_t r1 = std::min(m, r0 + rows);
+      if (unpacked()) {
+        if (bias != nullptr)
+          meshlib::detail::launch<default_memory_space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) {
+            for (std::size_t o = 0; o < cout; ++o) y[(r0 + q) * cout + o] = bias[o];
+          });
+        f(r0, r1, xp + r0 * kk);
+      } else {
+        T* c = cols_.get(dev, std::min(m, rows) * kk);
+        detail::im2col<default_memory_space>(c, xp, g, r0, r1, y, bias);
+        f(r0, r1, static_cast<const T*>(c));
+      }
+    }
+  }
+
+  /// The algorithm of `algorithm()` for these sizes and options.
+  /// @throws sharding_error when `pointwise` is asked for a kernel other than 1x1 or with padding.
+  static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t kernel,
+                                 const conv2d_options& o) {
+    const bool one_by_one = kernel == 1 && o.padding == 0;
+    switch (o.algorithm) {
+      case conv2d_algorithm::automatic:
+        if (one_by_one) return conv2d_algorithm::pointwise;
+        return kernel * kernel * in.channels <= direct_max_patch ? conv2d_algorithm::direct : conv2d_algorithm::im2col;
+      case conv2d_algorithm::pointwise:
+        if (!one_by_one)
+          throw sharding_error("meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
+                               std::to_string(kernel) + ", padding " + std::to_string(o.padding) +
+                               "): the pointwise algorithm needs a 1x1 kernel without padding; use "
+                               "conv2d_algorithm::im2col, direct or automatic");
+        return o.algorithm;
+      default:
+        return o.algorithm;
+    }
+  }
+
   struct saved {
     std::size_t rows = 0;
     bool ran = false;
+    const T* x = nullptr;  // the forward's input: backward makes the patches again from it
   };
   std::string name_;
   image_shape in_, out_;
   std::size_t kernel_;
   conv2d_options opt_;
-  std::vector<saved> saved_;  // per device: the last forward's number of images
+  conv2d_algorithm algo_;
+  std::vector<saved> saved_;  // per device: the last forward's number of images and input
   detail::device_buffers<T> cols_, out_buf_, dcols_, dx_;
 };
 
