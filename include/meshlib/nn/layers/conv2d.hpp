@@ -10,11 +10,16 @@
 /// `Y (N*Ho*Wo x C_out) = patches (N*Ho*Wo x kernel*kernel*C_in) x W (kernel*kernel*C_in x C_out)`
 /// whose output is already NHWC (no transpose on either side), TensorFlow's and JAX's default layout.
 /// The weight is `W[(i * kernel + j) * C_in + c][o]`: HWIO (flax's layout) flattened to rank 2.
-/// - forward: im2col (a Kokkos kernel, one work item per output pixel), then `Y = b; Y += patches W`
-///   (`matmul_into`);
-/// - backward: `dW (+)= patches^T dY` (the patches the forward kept), `db (+)= column sums of dY`,
-///   `dpatches = dY W^T`, then col2im as a gather: one work item per input pixel adds the patch
-///   entries that read it, in a fixed order (no atomics: the same bits on every run and mesh).
+/// - forward: one of three algorithms (`conv2d_algorithm`, chosen by a fixed rule, see
+///   `algorithm()`): im2col (a Kokkos kernel) in cache-sized blocks of output pixels, each block
+///   multiplied at once, `Y = b; Y += patches W` (`matmul_into`); a 1x1 kernel's patches are the
+///   input rows (stride 1) or a row gather; a small patch (the stem, `C_in` 1 or 3) is computed
+///   directly from the input, without patches (nn/detail/conv2d_kernels.hpp);
+/// - backward: `dW (+)= patches^T dY` (the patches the forward kept; the direct kernel's sum per
+///   output image row, then the rows in order), `db (+)= column sums of dY`, `dpatches = dY W^T`,
+///   then col2im as a gather: one work item per input pixel adds the patch entries that read it, in
+///   a fixed order (no atomics: the same bits on every run and mesh); a 1x1 kernel at stride 1 needs
+///   no col2im (`dX = dY W^T`).
 ///
 /// Data parallel: the input on each device is its block of rows (images) of the batch, as for
 /// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
@@ -189,7 +194,8 @@ class conv2d {
   ///   than it (measured in bench/resnet_bench.cpp: 9 values 0.15x the sgemm rate with im2col, see
   ///   docs/benchmarks.md);
   /// - `im2col` otherwise: im2col in blocks of output pixels whose patches fill `im2col_block_bytes`,
-  ///   each block multiplied by the weight right away (`matmul_into`), so the patches stay in the cache.
+  ///   each block multiplied by the weight right away (`matmul_into`), so the product reads the
+  ///   patches from the cache, not from memory (they are also kept: the backward's `dW` reads them).
   [[nodiscard]] conv2d_algorithm algorithm() const noexcept { return algo_; }
   /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct`.
   static constexpr std::size_t direct_max_patch = 27;
@@ -219,20 +225,30 @@ class conv2d {
     if (algo_ == conv2d_algorithm::direct) {
       detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
     } else {
-      // Blocks of output pixels: their patches (im2col, or the input rows themselves), then at once
-      // `Y[r0:r1] = bias; Y[r0:r1] += patches W` while both are in the cache.
-      for_patch_blocks(dev, m, block_rows(m), xp, y, bias, [&](std::size_t r0, std::size_t r1, const T* patches) {
+      // Blocks of output pixels: their patches (im2col into the kept patch matrix, or the input rows
+      // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
+      T* cols = unpacked() ? nullptr : cols_.get(dev, m * kk);
+      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+        const std::size_t r1 = std::min(m, r0 + rows);
+        const T* patches = xp + r0 * kk;
+        if (unpacked()) {
+          if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
+        } else {
+          detail::im2col<default_memory_space>(cols + r0 * kk, xp, g, r0, r1, y, bias);
+          patches = cols + r0 * kk;
+        }
         matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
                     {.beta = bias != nullptr ? 1.0 : 0.0});
-      });
+      }
     }
     return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
   /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
-  /// The patches are made again from the forward's input, block by block as the forward made them
-  /// (`dW` is summed block after block, the same order on every run).
+  /// `dW` reads the patches the forward kept (the input rows themselves for `pointwise` at stride 1);
+  /// `direct` keeps none: it sums `patch^T dy` per output image row from the input, then the rows in
+  /// order (the same bits on every run).
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
@@ -245,12 +261,14 @@ class conv2d {
     const T* wp = w.value.local(dev).data();
     T* gw = w.grad.local(dev).data();
     const double beta = static_cast<double>(w.grad_beta(dev));
-    // Without a copy (pointwise, stride 1) the input is one block: dW = x^T dy in one product.
-    for_patch_blocks(dev, m, unpacked() ? m : block_rows(m), xp, nullptr, nullptr,
-                     [&](std::size_t r0, std::size_t r1, const T* patches) {
-                       matmul_into(view(gw, kk, cout), cview(patches, r1 - r0, kk), cview(d + r0 * cout, r1 - r0, cout),
-                                   {.transpose_a = true, .beta = r0 == 0 ? beta : 1.0});
-                     });
+    if (algo_ == conv2d_algorithm::direct) {  // no patches: per output image row, then the rows in order
+      T* part = dcols_.get(dev, n * g.ho * kk * cout);
+      detail::direct_grad_w_rows<default_memory_space>(part, xp, d, g, n);
+      detail::direct_grad_w_sum<default_memory_space>(gw, part, kk * cout, n * g.ho, beta == 0.0);
+    } else {  // the patches the forward kept (or the input rows themselves)
+      const T* patches = unpacked() ? xp : cols_.get(dev, m * kk);
+      matmul_into(view(gw, kk, cout), cview(patches, m, kk), cview(d, m, cout), {.transpose_a = true, .beta = beta});
+    }
     if (opt_.use_bias) {
       T* gb = b.grad.local(dev).data();
       const bool fresh = b.grad_beta(dev) == T{0};
@@ -321,30 +339,6 @@ class conv2d {
     const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
     return std::max<std::size_t>(rows, im2col_min_rows);
   }
-  /// Calls `f(r0, r1, patches)` for the blocks `[r0, r1)` of `rows` output pixels of `[0, m)`, in
-  /// order, `patches` pointing at their `(r1 - r0) x K` patch matrix: the input rows themselves when
-  /// `unpacked()`, else an im2col into this device's block buffer. Sets rows `[r0, r1)` of `y` to
-  /// `bias` first when `bias` is not null.
-  template <class F>
-  void for_patch_blocks(std::size_t dev, std::size_t m, std::size_t rows, const T* xp, T* y, const T* bias, const F& f) {
-    const detail::conv_geometry g = geometry();
-    const std::size_t kk = g.patch(), cout = g.cout;
-    for (std::size_t r0 = 0; r0 < m; r0 += rows) {
-      const std::size_t r1 = std::min(m, r0 + rows);
-      if (unpacked()) {
-        if (bias != nullptr)
-          meshlib::detail::launch<default_memory_space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) {
-            for (std::size_t o = 0; o < cout; ++o) y[(r0 + q) * cout + o] = bias[o];
-          });
-        f(r0, r1, xp + r0 * kk);
-      } else {
-        T* c = cols_.get(dev, std::min(m, rows) * kk);
-        detail::im2col<default_memory_space>(c, xp, g, r0, r1, y, bias);
-        f(r0, r1, static_cast<const T*>(c));
-      }
-    }
-  }
-
   /// The algorithm of `algorithm()` for these sizes and options.
   /// @throws sharding_error when `pointwise` is asked for a kernel other than 1x1 or with padding.
   static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t kernel,
