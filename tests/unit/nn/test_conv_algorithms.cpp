@@ -4,7 +4,8 @@
 // output channels than one direct pass (16) and several im2col blocks: forward, the weight, bias and
 // input gradients against plain reference loops written here (not against another algorithm), in
 // double and in float, on one and two data-parallel devices; the gradient written over garbage
-// when the step says so; the rule; the error for a pointwise request on a 3x3 kernel.
+// when the step says so (several im2col blocks; direct's weight gradient both ways); the rule; the
+// error for a pointwise request on a 3x3 kernel.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -163,6 +164,8 @@ const std::vector<conv_case> general_cases{
     {{4, 5, 2}, 3, 3, 1, 2, true, 2},      // padding 2: windows at the corners lie half outside
     {{20, 20, 3}, 5, 3, 1, 1, true, 4},    // 1600 output pixels: several im2col blocks
     {{3, 3, 2}, 17, 1, 1, 1, true, 2},     // 1x1 with padding: border pixels are the bias only
+    {{6, 5, 4}, 5, 3, 2, 1, true, 4},      // 36 values: direct's weight gradient through im2col
+    {{5, 5, 8}, 16, 3, 1, 1, false, 2},    // 72 values, 16 outputs (direct by the rule)
 };
 /// 1x1 kernels without padding (every algorithm, pointwise included).
 const std::vector<conv_case> pointwise_cases{
@@ -198,6 +201,7 @@ TEST_CASE("conv2d: every algorithm in float (the vector lanes of the direct kern
       {{28, 28, 1}, 16, 3, 1, 1, false, 2},  // the flagship's stem
       {{11, 9, 3}, 20, 3, 2, 1, true, 2},
       {{14, 14, 4}, 8, 1, 2, 0, false, 2},
+      {{14, 14, 16}, 16, 3, 1, 1, false, 2},  // the flagship's b1.conv (direct by the rule)
   };
   for (algo a : {algo::automatic, algo::direct, algo::im2col})
     for (const auto& c : cases) {
@@ -209,7 +213,10 @@ TEST_CASE("conv2d: every algorithm in float (the vector lanes of the direct kern
 
 TEST_CASE("conv2d: a gradient the step marks for overwriting is written, not added to (NaN before)",
           "[nn][conv][conv_algorithms]") {
-  for (algo a : {algo::direct, algo::im2col}) check_case<double>(general_cases[6], a, 1, true, 1e-12);  // several blocks
+  for (algo a : {algo::direct, algo::im2col}) {
+    check_case<double>(general_cases[6], a, 1, true, 1e-12);  // several blocks
+    check_case<double>(general_cases[8], a, 2, true, 1e-12);  // 36 values per patch
+  }
   for (algo a : {algo::pointwise, algo::im2col}) {
     check_case<double>(pointwise_cases[0], a, 2, true, 1e-12);
     check_case<double>(pointwise_cases[1], a, 2, true, 1e-12);
@@ -219,20 +226,23 @@ TEST_CASE("conv2d: a gradient the step marks for overwriting is written, not add
 TEST_CASE("conv2d: the automatic rule picks pointwise for 1x1 without padding, direct for small patches, else im2col",
           "[nn][conv][conv_algorithms]") {
   const mesh_t m{1, 1};
-  const auto pick = [&](nn::image_shape in, std::size_t k, nn::conv2d_options o) {
-    return nn::conv2d<float, mesh_t>(m, "c", in, 8, k, nn::rng_key{0}, o).algorithm();
+  const auto pick = [&](nn::image_shape in, std::size_t cout, std::size_t k, nn::conv2d_options o) {
+    return nn::conv2d<float, mesh_t>(m, "c", in, cout, k, nn::rng_key{0}, o).algorithm();
   };
-  CHECK(pick({28, 28, 1}, 3, {.padding = 1}) == algo::direct);    // 9 values per patch
-  CHECK(pick({32, 32, 3}, 3, {.padding = 1}) == algo::direct);    // 27
-  CHECK(pick({14, 14, 4}, 3, {.padding = 1}) == algo::im2col);    // 36
-  CHECK(pick({14, 14, 16}, 1, {.stride = 2}) == algo::pointwise);
-  CHECK(pick({14, 14, 16}, 1, {.padding = 1}) == algo::direct);   // 1x1 with padding: 16 values
-  CHECK(pick({14, 14, 64}, 1, {.padding = 1}) == algo::im2col);
-  CHECK(pick({14, 14, 64}, 3, {.padding = 1, .algorithm = algo::direct}) == algo::direct);  // as asked
-  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)pick({14, 14, 16}, 3, {.padding = 1, .algorithm = algo::pointwise}); }) ==
+  CHECK(pick({28, 28, 1}, 16, 3, {.padding = 1}) == algo::direct);    // 9 values per patch
+  CHECK(pick({32, 32, 3}, 64, 3, {.padding = 1}) == algo::direct);    // 27
+  CHECK(pick({14, 14, 16}, 16, 3, {.padding = 1}) == algo::direct);   // 144, but 16 output channels
+  CHECK(pick({14, 14, 16}, 32, 3, {.padding = 1}) == algo::im2col);
+  CHECK(pick({14, 14, 4}, 17, 3, {.padding = 1}) == algo::im2col);    // 36 values, 17 outputs
+  CHECK(pick({14, 14, 16}, 32, 1, {.stride = 2}) == algo::pointwise);
+  CHECK(pick({14, 14, 16}, 8, 1, {}) == algo::pointwise);
+  CHECK(pick({14, 14, 16}, 32, 1, {.padding = 1}) == algo::direct);   // 1x1 with padding: 16 values
+  CHECK(pick({14, 14, 64}, 32, 1, {.padding = 1}) == algo::im2col);
+  CHECK(pick({14, 14, 64}, 64, 3, {.padding = 1, .algorithm = algo::direct}) == algo::direct);  // as asked
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)pick({14, 14, 16}, 8, 3, {.padding = 1, .algorithm = algo::pointwise}); }) ==
         "meshlib::nn: c (conv2d 3x3, padding 1): the pointwise algorithm needs a 1x1 kernel without padding; use "
         "conv2d_algorithm::im2col, direct or automatic");
-  CHECK_THROWS_AS(pick({14, 14, 16}, 1, {.padding = 1, .algorithm = algo::pointwise}), meshlib::sharding_error);
+  CHECK_THROWS_AS(pick({14, 14, 16}, 8, 1, {.padding = 1, .algorithm = algo::pointwise}), meshlib::sharding_error);
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -153,7 +153,7 @@ class conv2d {
              out_channels},
         kernel_(kernel),
         opt_(o),
-        algo_(choose(name, in, kernel, o)),
+        algo_(choose(name, in, out_channels, kernel, o)),
         saved_(mesh.size()),
         cols_(mesh.size()),
         out_buf_(mesh.size()),
@@ -189,16 +189,23 @@ class conv2d {
   /// construction so every step and every device computes alike):
   /// - `pointwise` for a 1x1 kernel without padding: at stride 1 the input rows are the patches (no
   ///   copy at all), at a larger stride a row gather (im2col of a 1x1 window) in cache-sized blocks;
-  /// - `direct` when a patch has at most `direct_max_patch` values (`kernel*kernel*C_in`; the 3x3 stem
-  ///   of a grey or colour image): the product is then so thin that even a cached im2col costs more
-  ///   than it (measured in bench/resnet_bench.cpp: 9 values 0.15x the sgemm rate with im2col, see
-  ///   docs/benchmarks.md);
+  /// - `direct` when a patch has at most `direct_max_patch` values (`kernel*kernel*C_in`: the 3x3 stem
+  ///   of a grey or colour image), or when `C_out` is at most `direct_lanes` (16: one pass of the
+  ///   kernel's vector lanes per pixel): measured (GCC 12, OpenBLAS 0.3.21, one thread; at -O3 with
+  ///   AVX-512, with AVX2, and at -O2 with SSE2 alone) faster than blocked im2col + sgemm in every
+  ///   build for those shapes (the stem 1.9-6x, C_in = 3 1.1-3.4x, 14x14x16 -> 16 1.1-1.7x), and
+  ///   1.7-2x slower from C_out = 32 up (AVX-512; docs/benchmarks.md, "ResNet"). Its weight gradient is summed
+  ///   straight from the input for patches of at most `direct_max_patch` values, and through blocked
+  ///   im2col and `matmul_into` above (where that was measured faster);
   /// - `im2col` otherwise: im2col in blocks of output pixels whose patches fill `im2col_block_bytes`,
   ///   each block multiplied by the weight right away (`matmul_into`), so the patches stay in the
   ///   cache (measured faster, forward and backward, than keeping a whole patch matrix for `dW`).
   [[nodiscard]] conv2d_algorithm algorithm() const noexcept { return algo_; }
-  /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct`.
+  /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct` whatever
+  /// `C_out`, and for which `direct`'s weight gradient skips im2col.
   static constexpr std::size_t direct_max_patch = 27;
+  /// The most output channels for which `automatic` picks `direct` whatever the patch size.
+  static constexpr std::size_t direct_max_out_channels = detail::direct_lanes;
   /// The patch bytes of one im2col block (about half of a 1 MiB L2 cache, so the block and the
   /// product's working set stay there); at least `im2col_min_rows` rows, so each product is not tiny.
   static constexpr std::size_t im2col_block_bytes = std::size_t{256} * 1024;
@@ -248,8 +255,9 @@ class conv2d {
   /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
   /// The forward keeps no patch matrix: `dW` makes the patches again from the forward's input, block
   /// by block as the forward did (the input rows themselves for `pointwise` at stride 1), adding the
-  /// blocks' products in order; `direct` sums `patch^T dy` per output image row from the input, then
-  /// the rows in order (the same bits on every run either way).
+  /// blocks' products in order; `direct` with patches of at most `direct_max_patch` values sums
+  /// `patch^T dy` per output image row from the input, then the rows in order (the same bits on every
+  /// run either way).
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
@@ -262,7 +270,7 @@ class conv2d {
     const T* wp = w.value.local(dev).data();
     T* gw = w.grad.local(dev).data();
     const double beta = static_cast<double>(w.grad_beta(dev));
-    if (algo_ == conv2d_algorithm::direct) {  // no patches: per output image row, then the rows in order
+    if (algo_ == conv2d_algorithm::direct && kk <= direct_max_patch) {  // per output image row, then the rows in order
       T* part = dcols_.get(dev, n * g.ho * kk * cout);
       detail::direct_grad_w_rows<default_memory_space>(part, xp, d, g, n);
       detail::direct_grad_w_sum<default_memory_space>(gw, part, kk * cout, n * g.ho, beta == 0.0);
@@ -349,13 +357,15 @@ class conv2d {
   }
   /// The algorithm of `algorithm()` for these sizes and options.
   /// @throws sharding_error when `pointwise` is asked for a kernel other than 1x1 or with padding.
-  static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t kernel,
-                                 const conv2d_options& o) {
+  static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t out_channels,
+                                 std::size_t kernel, const conv2d_options& o) {
     const bool one_by_one = kernel == 1 && o.padding == 0;
     switch (o.algorithm) {
       case conv2d_algorithm::automatic:
         if (one_by_one) return conv2d_algorithm::pointwise;
-        return kernel * kernel * in.channels <= direct_max_patch ? conv2d_algorithm::direct : conv2d_algorithm::im2col;
+        return kernel * kernel * in.channels <= direct_max_patch || out_channels <= direct_max_out_channels
+                   ? conv2d_algorithm::direct
+                   : conv2d_algorithm::im2col;
       case conv2d_algorithm::pointwise:
         if (!one_by_one)
           throw sharding_error("meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
