@@ -21,3 +21,7 @@ template void meshlib::nn::detail::col2im<meshlib::default_memory_space, float>(
     float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t);
 template void meshlib::nn::detail::bias_rows<meshlib::default_memory_space, float>(float*, const float*, std::size_t,
                                                                                     std::size_t, std::size_t);
+template void meshlib::nn::detail::direct_grad_w_rows<meshlib::default_memory_space, float>(
+    float*, const float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t);
+template void meshlib::nn::detail::direct_grad_w_sum<meshlib::default_memory_space, float>(float*, const float*,
+                                                                                            std::size_t, std::size_t, bool);
