@@ -2,21 +2,23 @@
 #pragma once
 /// @file
 /// @brief The Kokkos kernels of `conv2d` (NHWC images, HWIO weight flattened to
-/// `kernel*kernel*C_in x C_out`): im2col over a range of output pixels, the direct convolution for
-/// small patches, and col2im as a gather.
+/// `kernel*kernel*C_in x C_out`): im2col over a range of output pixels (and the 1x1 row gather), the
+/// direct convolution and its weight gradient, and col2im as a gather.
 ///
-/// Why these three: the convolution is the product `patches (M x K) x W (K x C_out)` with
-/// `M = N*Ho*Wo`, `K = kernel*kernel*C_in`. im2col into one `M x K` buffer writes (and the product
-/// reads back) K values per output pixel through memory; for `K = 144` that buffer is larger than
-/// the product's output and costs a third of the forward. `conv2d` therefore runs im2col on blocks of
-/// output pixels whose patches fit in the cache (`im2col_rows`) and multiplies each block at once,
-/// so the patches never reach memory; and where `K` is so small that even a cached im2col costs more
-/// than the product (the first layer of an image network: C_in = 1 or 3), `direct_conv` computes each
-/// output pixel from the input, `C_out` lanes at a time, with no patch at all.
+/// Why: the convolution is the product `patches (M x K) x W (K x C_out)` with `M = N*Ho*Wo`,
+/// `K = kernel*kernel*C_in`. im2col into one `M x K` buffer writes (and the product reads back) K
+/// values per output pixel through memory; for `K = 144` that buffer is larger than the product's
+/// output. `conv2d` therefore runs im2col on blocks of output pixels whose patches fit in the cache
+/// and multiplies each block at once; and where the product is thin (`K` of 9 or 27: the first layer
+/// of an image network) or narrow (at most 16 output channels), `direct_conv` computes each output
+/// pixel from the input, 16 output channels at a time in vector registers, with no patch at all.
+/// (`conv2d::algorithm()` has the rule and what was measured.)
 ///
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
 /// (`meshlib::detail::launch`, see tensor/view.hpp), over raw pointers, one work item per output
-/// (or input) pixel that writes only its own row: no atomics, the same bits on every run.
+/// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
+/// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
+/// device code, which runs the plain loops.
 /// @code
 /// detail::conv_geometry g{h, w, cin, ho, wo, cout, k, s, p};
 /// detail::im2col<Space>(cols, x, g, r0, r1);   // rows r0..r1 of the patch matrix, cols holds (r1 - r0) x K
