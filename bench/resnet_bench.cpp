@@ -6,13 +6,14 @@
 //     1-device step, with the share of the step spent in the gradient synchronisation
 //     (`step_metrics::sync_seconds`, as train_bench measures it; batch norm's two small psums per
 //     layer happen inside forward and backward and are not in that share).
-//  2. conv2d forward (im2col + matmul_into) against cblas_sgemm on the same product sizes
+//  2. conv2d forward (the algorithm each layer picks: direct, pointwise or blocked im2col) against cblas_sgemm on the same product sizes
 //     (`M = batch * Ho * Wo`, `K = kernel * kernel * C_in`, `N = C_out`) for every convolution of
 //     that ResNet, at batch 64, one device and one BLAS thread on both sides (the rate each device
 //     of a mesh gets). Target: conv forward at least 0.8x the sgemm rate.
 // Not a test: it prints tables (docs/benchmarks.md keeps the numbers).
 //
 //   resnet_bench [--steps N] [--rounds R] [--width W] [--batch B] [--conv-batch B]
+// (--steps 0: only the convolution table)
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -82,10 +83,22 @@ struct conv_case {
   nn::conv2d_options opt;
 };
 
-/// Seconds per forward of `c` on a (1, 1) mesh, the best of `batches` timed loops of `reps`.
-double time_conv(const conv_case& c, std::size_t n, int reps, int batches) {
+/// The name of a convolution algorithm, for the table.
+const char* algorithm_name(nn::conv2d_algorithm a) {
+  switch (a) {
+    case nn::conv2d_algorithm::direct: return "direct";
+    case nn::conv2d_algorithm::pointwise: return "pointwise";
+    case nn::conv2d_algorithm::im2col: return "im2col (blocked)";
+    default: return "automatic";
+  }
+}
+
+/// Seconds per forward of `c` on a (1, 1) mesh, the best of `batches` timed loops of `reps`; the
+/// algorithm the layer chose in `algo`.
+double time_conv(const conv_case& c, std::size_t n, int reps, int batches, nn::conv2d_algorithm& algo) {
   const mesh_t m{1, 1};
   nn::conv2d<float, mesh_t> conv(m, c.name, c.in, c.out_channels, c.kernel, nn::rng_key{1}, c.opt);
+  algo = conv.algorithm();
   const auto host = bench::random_matrix(n * c.in.size(), 7);
   const auto xs = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data">>{m},
                                      std::array<std::size_t, 2>{n, c.in.size()}, host);
@@ -140,8 +153,9 @@ int main(int argc, char** argv) {
   std::printf("resnet_bench: the flagship's ResNet (W = %zu), Adam, batch %zu, %zu timed steps, best of %zu "
               "interleaved rounds; OPENBLAS_CORETYPE=%s; load average %.1f\n\n",
               w, batch, steps, rounds, core ? core : "(unset)", bench::load_average());
-  std::printf("| mesh (data, model) | samples/s | vs 1 device | sync share |\n| --- | --- | --- | --- |\n");
   std::vector<std::pair<std::size_t, std::size_t>> meshes{{1, 1}, {2, 1}, {1, 2}, {2, 2}};
+  if (steps == 0) meshes.clear();  // --steps 0: only the convolution table
+  else std::printf("| mesh (data, model) | samples/s | vs 1 device | sync share |\n| --- | --- | --- | --- |\n");
   std::vector<step_result> best(meshes.size());
   for (std::size_t r = 0; r < rounds; ++r)
     for (std::size_t i = 0; i < meshes.size(); ++i) {
@@ -163,10 +177,9 @@ int main(int argc, char** argv) {
       {"b3.conv1", {7, 7, 2 * w}, 4 * w, 3, {.stride = 2, .padding = 1, .use_bias = false}},
       {"b3.conv2", {4, 4, 4 * w}, 4 * w, 3, {.padding = 1, .use_bias = false}},
   };
-  std::printf("\nconv2d forward (im2col + matmul_into) vs cblas_sgemm on the same product, batch %zu, 1 thread each\n\n",
-              conv_batch);
-  std::printf("| layer | M x K x N | conv forward GFLOP/s | cblas_sgemm GFLOP/s | conv / sgemm | target |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- |\n");
+  std::printf("\nconv2d forward vs cblas_sgemm on the same product, batch %zu, 1 thread each\n\n", conv_batch);
+  std::printf("| layer | M x K x N | algorithm | conv forward GFLOP/s | cblas_sgemm GFLOP/s | conv / sgemm | target |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
   for (const auto& c : cases) {
     const std::size_t ho = (c.in.height + 2 * c.opt.padding - c.kernel) / c.opt.stride + 1;
     const std::size_t wo = (c.in.width + 2 * c.opt.padding - c.kernel) / c.opt.stride + 1;
@@ -174,13 +187,14 @@ int main(int argc, char** argv) {
     const double flop = 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n);
     const int reps = static_cast<int>(std::clamp(2e8 / flop, 3.0, 200.0));  // ~0.1 s per loop at 2 GFLOP/s
     double conv_t = 1e30, gemm_t = 1e30;
+    nn::conv2d_algorithm algo{};
     for (std::size_t r = 0; r < rounds; ++r) {  // interleaved: a busy spell slows both sides alike
-      conv_t = std::min(conv_t, time_conv(c, conv_batch, reps, 3));
+      conv_t = std::min(conv_t, time_conv(c, conv_batch, reps, 3, algo));
       gemm_t = std::min(gemm_t, time_sgemm(m, k, n, reps, 3));
     }
     const double ratio = gemm_t / conv_t;
-    std::printf("| %s | %zu x %zu x %zu | %.1f | %.1f | %.2fx | >= 0.80x %s |\n", c.name, m, k, n, flop / conv_t / 1e9,
-                flop / gemm_t / 1e9, ratio, ratio >= 0.8 ? "met" : "not met");
+    std::printf("| %s | %zu x %zu x %zu | %s | %.1f | %.1f | %.2fx | >= 0.80x %s |\n", c.name, m, k, n,
+                algorithm_name(algo), flop / conv_t / 1e9, flop / gemm_t / 1e9, ratio, ratio >= 0.8 ? "met" : "not met");
     std::fflush(stdout);
   }
   std::printf("\nload average at the end: %.1f\n", bench::load_average());

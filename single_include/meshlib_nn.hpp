@@ -3256,11 +3256,16 @@ inline std::string image_width_error(const std::string& who, const std::string& 
 /// `Y (N*Ho*Wo x C_out) = patches (N*Ho*Wo x kernel*kernel*C_in) x W (kernel*kernel*C_in x C_out)`
 /// whose output is already NHWC (no transpose on either side), TensorFlow's and JAX's default layout.
 /// The weight is `W[(i * kernel + j) * C_in + c][o]`: HWIO (flax's layout) flattened to rank 2.
-/// - forward: im2col (a Kokkos kernel, one work item per output pixel), then `Y = b; Y += patches W`
-///   (`matmul_into`);
-/// - backward: `dW (+)= patches^T dY` (the patches the forward kept), `db (+)= column sums of dY`,
-///   `dpatches = dY W^T`, then col2im as a gather: one work item per input pixel adds the patch
-///   entries that read it, in a fixed order (no atomics: the same bits on every run and mesh).
+/// - forward: one of three algorithms (`conv2d_algorithm`, chosen by a fixed rule, see
+///   `algorithm()`): im2col (a Kokkos kernel) in cache-sized blocks of output pixels, each block
+///   multiplied at once, `Y = b; Y += patches W` (`matmul_into`); a 1x1 kernel's patches are the
+///   input rows (stride 1) or a row gather; a small patch (the stem, `C_in` 1 or 3) is computed
+///   directly from the input, without patches (nn/detail/conv2d_kernels.hpp);
+/// - backward: `dW (+)= patches^T dY` (the patches made again block by block; the direct kernel's
+///   sum per output image row, then the rows in order), `db (+)= column sums of dY`, `dpatches = dY W^T`,
+///   then col2im as a gather: one work item per input pixel adds the patch entries that read it, in
+///   a fixed order (no atomics: the same bits on every run and mesh); a 1x1 kernel at stride 1 needs
+///   no col2im (`dX = dY W^T`).
 ///
 /// Data parallel: the input on each device is its block of rows (images) of the batch, as for
 /// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
@@ -3285,15 +3290,405 @@ inline std::string image_width_error(const std::string& who, const std::string& 
 #include <type_traits>
 #include <vector>
 
+// begin meshlib/nn/detail/conv2d_kernels.hpp
+/// @file
+/// @brief The Kokkos kernels of `conv2d` (NHWC images, HWIO weight flattened to
+/// `kernel*kernel*C_in x C_out`): im2col over a range of output pixels (and the 1x1 row gather), the
+/// direct convolution and its weight gradient, and col2im as a gather.
+///
+/// Why: the convolution is the product `patches (M x K) x W (K x C_out)` with `M = N*Ho*Wo`,
+/// `K = kernel*kernel*C_in`. im2col into one `M x K` buffer writes (and the product reads back) K
+/// values per output pixel through memory; for `K = 144` that buffer is larger than the product's
+/// output. `conv2d` therefore runs im2col on blocks of output pixels whose patches fit in the cache
+/// and multiplies each block at once; and where the product is thin (`K` of 9 or 27: the first layer
+/// of an image network) or narrow (at most 16 output channels), `direct_conv` computes each output
+/// pixel from the input, 16 output channels at a time in vector registers, with no patch at all.
+/// (`conv2d::algorithm()` has the rule and what was measured.)
+///
+/// Every kernel is one RangePolicy `parallel_for` on the running device's instance
+/// (`meshlib::detail::launch`, see tensor/view.hpp), over raw pointers, one work item per output
+/// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
+/// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
+/// device code, which runs the plain loops.
+/// @code
+/// detail::conv_geometry g{h, w, cin, ho, wo, cout, k, s, p};
+/// detail::im2col<Space>(cols, x, g, r0, r1);   // rows r0..r1 of the patch matrix, cols holds (r1 - r0) x K
+/// @endcode
+
+#include <cstddef>
+#include <cstring>
+
+
+namespace meshlib::nn::detail {
+
+/// The sizes of one convolution: input `h x w x cin`, output `ho x wo x cout`, a `k x k` kernel,
+/// stride `s`, zero padding `p` (a plain aggregate: it is copied into the kernels).
+struct conv_geometry {
+  std::size_t h, w, cin, ho, wo, cout, k, s, p;
+
+  /// `K`: values in one patch (a row of the patch matrix, a row of the weight).
+  KOKKOS_INLINE_FUNCTION std::size_t patch() const { return k * k * cin; }
+  /// The kernel offsets `[lo, hi)` along one axis whose input coordinate `o * s + i - p` lies in
+  /// `[0, extent)` for output coordinate `o` (empty when the window lies in the padding).
+  KOKKOS_INLINE_FUNCTION void window(std::size_t o, std::size_t extent, std::size_t& lo, std::size_t& hi) const {
+    const std::size_t start = o * s;  // the window's first row, in padded coordinates
+    lo = start < p ? p - start : 0;
+    hi = extent + p > start ? (extent + p - start < k ? extent + p - start : k) : 0;
+    if (lo > hi) lo = hi;
+  }
+};
+
+/// `dst[e] = src[e]` (or `T{0}` when `src` is null) for `e < n`, in chunks of 8 with a constant trip
+/// count: GCC turns a plain copy loop of unknown length into a `memcpy` / `memset` call, which costs
+/// more than the copy for the short runs of a patch (16 values in a 1x1 convolution: measured a third
+/// of that layer's forward), while a constant chunk becomes one or two vector moves.
+template <class T>
+KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
+  constexpr std::size_t chunk = 8;
+  std::size_t e = 0;
+  if (src != nullptr) {
+    for (; e + chunk <= n; e += chunk)
+      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = src[e + u];
+    for (; e < n; ++e) dst[e] = src[e];
+  } else {
+    for (; e + chunk <= n; e += chunk)
+      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = T{0};
+    for (; e < n; ++e) dst[e] = T{0};
+  }
+}
+
+/// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
+template <class Space, class T>
+void bias_rows(T* y, const T* bias, std::size_t cout, std::size_t r0, std::size_t r1) {
+  meshlib::detail::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
+}
+
+/// Rows `[r0, r1)` of the patch matrix into `cols` (`(r1 - r0) x K`, row-major): the `k x k` window
+/// of each output pixel, zeros where it hangs over the padding. The window's `k` rows are runs of
+/// `k * cin` contiguous input values (NHWC), copied straight. Also sets rows `[r0, r1)` of `y`
+/// (`M x cout`) to `bias` when `bias` is not null, so the product can add to them while they are
+/// still in the cache. One work item per output image row (the part of it in `[r0, r1)`): the
+/// pixel's coordinates come from one division per row, not three per pixel (64-bit divisions
+/// cost more than a small patch's copy).
+template <class Space, class T>
+void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::size_t r1, T* y = nullptr,
+            const T* bias = nullptr) {
+  if (r1 <= r0) return;
+  const std::size_t t0 = r0 / g.wo, t1 = (r1 - 1) / g.wo + 1;  // output image rows (img * ho + oh)
+  meshlib::detail::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
+    const std::size_t t = t0 + q, img = t / g.ho, oh = t % g.ho, run = g.k * g.cin, kk = g.patch();
+    const std::size_t ow0 = t * g.wo < r0 ? r0 - t * g.wo : 0, ow1 = (t + 1) * g.wo > r1 ? r1 - t * g.wo : g.wo;
+    if (g.k == 1 && g.p == 0) {  // a 1x1 window: a gather of every s-th pixel's channels
+      const T* src = x + ((img * g.h + oh * g.s) * g.w + ow0 * g.s) * g.cin;
+      for (std::size_t ow = ow0; ow < ow1; ++ow, src += g.s * g.cin) {
+        const std::size_t r = t * g.wo + ow;
+        copy_run(cols + (r - r0) * g.cin, src, g.cin);
+        if (bias != nullptr) copy_run(y + r * g.cout, bias, g.cout);
+      }
+      return;
+    }
+    std::size_t i0, i1;
+    g.window(oh, g.h, i0, i1);
+    for (std::size_t ow = ow0; ow < ow1; ++ow) {
+      std::size_t j0, j1;
+      g.window(ow, g.w, j0, j1);
+      const std::size_t r = t * g.wo + ow;
+      T* dst = cols + (r - r0) * kk;
+      for (std::size_t i = 0; i < g.k; ++i, dst += run) {
+        if (i < i0 || i >= i1 || j0 == j1) {
+          copy_run(dst, static_cast<const T*>(nullptr), run);
+          continue;
+        }
+        const T* src = x + ((img * g.h + (oh * g.s + i - g.p)) * g.w + (ow * g.s + j0 - g.p)) * g.cin;
+        const std::size_t a = j0 * g.cin, b = j1 * g.cin;
+        copy_run(dst, static_cast<const T*>(nullptr), a);
+        copy_run(dst + a, src, b - a);
+        copy_run(dst + b, static_cast<const T*>(nullptr), run - b);
+      }
+      if (bias != nullptr) copy_run(y + r * g.cout, bias, g.cout);
+    }
+  });
+}
+
+/// Output channels one pass of `direct_conv` keeps in registers per pixel.
+inline constexpr std::size_t direct_lanes = 16;
+
+// The direct kernel's lanes as the host's native vectors (GCC/Clang vector extensions): left to the
+// auto-vectoriser, GCC vectorises a tile of pixels across the pixels (4-wide, with shuffles) instead
+// of across the output channels, and at -O2 keeps the accumulators in memory; measured 4-8x slower
+// than these explicit vectors (docs/benchmarks.md). Device compilers take the plain loop.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
+    (defined(__SSE2__) || defined(__ARM_NEON))
+#define MESHLIB_CONV_VECTORS 1
+#if defined(__AVX512F__)
+inline constexpr std::size_t direct_vector_bytes = 64;
+#elif defined(__AVX__)
+inline constexpr std::size_t direct_vector_bytes = 32;
+#else
+inline constexpr std::size_t direct_vector_bytes = 16;
+#endif
+#if defined(__clang__)
+#define MESHLIB_CONV_UNROLL _Pragma("unroll")
+#else
+#define MESHLIB_CONV_UNROLL _Pragma("GCC unroll 16")
+#endif
+/// One native vector of `T`.
+template <class T>
+struct direct_vector {
+  typedef T type __attribute__((vector_size(direct_vector_bytes)));
+};
+/// Native vectors per `direct_lanes` values of `T`.
+template <class T>
+inline constexpr std::size_t direct_vectors = direct_lanes * sizeof(T) / direct_vector_bytes;
+/// Pixels per tile: accumulators in about 12 vector registers (16 on SSE and AVX, 32 on AVX-512),
+/// the rest for the weight row; at most 8.
+template <class T>
+inline constexpr std::size_t direct_pixels =
+    direct_vectors<T> >= 12 ? 1 : (12 / direct_vectors<T> > 8 ? 8 : 12 / direct_vectors<T>);
+#else
+#define MESHLIB_CONV_VECTORS 0
+template <class T>
+inline constexpr std::size_t direct_pixels = 1;
+#endif
+
+/// `out[o] = (bias ? bias[o0 + o] : 0) + sum over the window of x * W` for the `n` (at most
+/// `direct_lanes`) output channels from `o0` of one output pixel whose window is `[i0, i1) x
+/// [j0, j1)` from input value `src` (its first in-image window row), in the window's order (kernel
+/// row, column, input channel): the accumulation order of the patch product. The portable form.
+template <class T>
+KOKKOS_INLINE_FUNCTION void direct_scalar(T* out, const T* src, const T* wt, const T* bias, const conv_geometry& g,
+                                          std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1,
+                                          std::size_t o0, std::size_t n) {
+  T acc[direct_lanes];
+  for (std::size_t o = 0; o < n; ++o) acc[o] = bias != nullptr ? bias[o0 + o] : T{0};
+  for (std::size_t i = i0; i < i1; ++i, src += g.w * g.cin) {
+    const T* wrow = wt + ((i * g.k + j0) * g.cin) * g.cout + o0;
+    for (std::size_t e = 0, end = (j1 - j0) * g.cin; e < end; ++e, wrow += g.cout) {
+      const T v = src[e];
+      for (std::size_t o = 0; o < n; ++o) acc[o] += v * wrow[o];
+    }
+  }
+  for (std::size_t o = 0; o < n; ++o) out[o] = acc[o];
+}
+
+#if MESHLIB_CONV_VECTORS
+/// `direct_scalar` for `direct_lanes` channels of `Pixels` consecutive output pixels with the same
+/// window (pixel `q` reads from `src + q * s * cin`, writes `out + q * cout`), in native vectors:
+/// independent accumulators, so the FMAs of the pixels overlap instead of waiting on one pixel's
+/// chain of dependent additions, and each weight row is loaded once for all of them. The same
+/// operations in the same order per value as `direct_scalar` (the compiler contracts `a * b + c`
+/// into an FMA in both forms alike).
+template <std::size_t Pixels, class T>
+inline void direct_vector_tile(T* out, const T* src, const T* wt, const T* bias, const conv_geometry& g,
+                               std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1, std::size_t o0) {
+  using vec = typename direct_vector<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+  const std::size_t step = g.s * g.cin;
+  vec acc[Pixels][nv];
+  vec init[nv];
+  MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) {
+    init[v] = vec{};
+    if (bias != nullptr) std::memcpy(&init[v], bias + o0 + v * per, sizeof(vec));
+  }
+  MESHLIB_CONV_UNROLL for (std::size_t q = 0; q < Pixels; ++q) MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v)
+    acc[q][v] = init[v];
+  for (std::size_t i = i0; i < i1; ++i, src += g.w * g.cin) {
+    const T* wrow = wt + ((i * g.k + j0) * g.cin) * g.cout + o0;
+    for (std::size_t e = 0, end = (j1 - j0) * g.cin; e < end; ++e, wrow += g.cout) {
+      vec wv[nv];
+      MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) std::memcpy(&wv[v], wrow + v * per, sizeof(vec));
+      MESHLIB_CONV_UNROLL for (std::size_t q = 0; q < Pixels; ++q) {
+        const T a = src[q * step + e];
+        MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) acc[q][v] += a * wv[v];
+      }
+    }
+  }
+  MESHLIB_CONV_UNROLL for (std::size_t q = 0; q < Pixels; ++q) MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v)
+    std::memcpy(out + q * g.cout + v * per, &acc[q][v], sizeof(vec));
+}
+#endif
+
+/// `Pixels` consecutive output pixels from `ow` of output image row `t` (with the same window),
+/// every output channel: `direct_lanes` at a time, the rest of them (fewer) in the portable form.
+template <std::size_t Pixels, class T>
+KOKKOS_INLINE_FUNCTION void direct_pixels_of(T* y, const T* x, const T* wt, const T* bias, const conv_geometry& g,
+                                             std::size_t t, std::size_t ow, std::size_t i0, std::size_t i1,
+                                             std::size_t j0, std::size_t j1) {
+  const std::size_t img = t / g.ho, oh = t % g.ho;
+  const bool empty = j0 == j1 || i0 == i1;  // a window in the padding: the bias only
+  if (empty) i1 = i0;
+  const T* src = empty ? x : x + ((img * g.h + (oh * g.s + i0 - g.p)) * g.w + (ow * g.s + j0 - g.p)) * g.cin;
+  T* out = y + (t * g.wo + ow) * g.cout;
+  std::size_t o0 = 0;
+#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+  for (; o0 + direct_lanes <= g.cout; o0 += direct_lanes)
+    direct_vector_tile<Pixels>(out + o0, src, wt, bias, g, i0, i1, j0, j1, o0);
+#endif
+  for (std::size_t q = 0; q < Pixels; ++q)
+    for (std::size_t c = o0; c < g.cout; c += direct_lanes)
+      direct_scalar(out + q * g.cout + c, src + q * g.s * g.cin, wt, bias, g, i0, i1, j0, j1, c,
+                    g.cout - c < direct_lanes ? g.cout - c : direct_lanes);
+}
+
+/// The direct convolution: `y (M x cout) = patches x wt (+ bias)` without forming the patches, one
+/// work item per output image row (one division per row, as `im2col`): the pixels whose window
+/// lies inside the image `direct_pixels<T>` at a time, the others (at the padding) one by one.
+template <class Space, class T>
+void direct_conv(T* y, const T* x, const T* wt, const T* bias, const conv_geometry g, std::size_t images) {
+  // Output columns whose window lies inside the image: ow * s >= p and ow * s + k <= w + p.
+  const std::size_t lo = (g.p + g.s - 1) / g.s, hi_end = g.w + g.p >= g.k ? (g.w + g.p - g.k) / g.s + 1 : 0;
+  const std::size_t hi = hi_end < g.wo ? hi_end : g.wo;
+  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+    constexpr std::size_t tile = direct_pixels<T>;
+    std::size_t i0, i1, j0, j1;
+    g.window(t % g.ho, g.h, i0, i1);
+    std::size_t ow = 0;
+    for (; ow < lo && ow < g.wo; ++ow) {  // the left edge (and all of a row narrower than a tile)
+      g.window(ow, g.w, j0, j1);
+      direct_pixels_of<1>(y, x, wt, bias, g, t, ow, i0, i1, j0, j1);
+    }
+    for (; ow + tile <= hi; ow += tile) direct_pixels_of<tile>(y, x, wt, bias, g, t, ow, i0, i1, 0, g.k);
+    for (; ow < g.wo; ++ow) {
+      g.window(ow, g.w, j0, j1);
+      direct_pixels_of<1>(y, x, wt, bias, g, t, ow, i0, i1, j0, j1);
+    }
+  });
+}
+
+/// `out[o] = sum over q < count of a[q * stride] * d[q * n + o]` for `o < n`: one tap's row of the
+/// weight gradient over a run of output pixels. On the host, `direct_lanes` columns at a time in
+/// native vectors with two accumulators (even and odd pixels, added at the end: a fixed order), so
+/// the sum stays in registers instead of a load and store per pixel.
+template <class T>
+KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride, const T* d, std::size_t n,
+                                         std::size_t count) {
+  std::size_t o = 0;
+#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+  using vec = typename direct_vector<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+  for (; o + direct_lanes <= n; o += direct_lanes) {
+    vec even[nv], odd[nv];
+    MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) even[v] = odd[v] = vec{};
+    std::size_t q = 0;
+    for (; q + 2 <= count; q += 2) {
+      const T a0 = a[q * stride], a1 = a[(q + 1) * stride];
+      MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) {
+        vec d0, d1;
+        std::memcpy(&d0, d + q * n + o + v * per, sizeof(vec));
+        std::memcpy(&d1, d + (q + 1) * n + o + v * per, sizeof(vec));
+        even[v] += a0 * d0;
+        odd[v] += a1 * d1;
+      }
+    }
+    if (q < count) {
+      const T a0 = a[q * stride];
+      MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) {
+        vec d0;
+        std::memcpy(&d0, d + q * n + o + v * per, sizeof(vec));
+        even[v] += a0 * d0;
+      }
+    }
+    MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) {
+      const vec sum = even[v] + odd[v];
+      std::memcpy(out + o + v * per, &sum, sizeof(vec));
+    }
+  }
+#endif
+  for (; o < n; ++o) {
+    T sum{0};
+    for (std::size_t q = 0; q < count; ++q) sum += a[q * stride] * d[q * n + o];
+    out[o] = sum;
+  }
+}
+
+/// The weight gradient of the direct convolution without patches, first half: `part[t]` (`K x
+/// cout`, row-major) `= sum over the output pixels of image row t of patch^T dy`, one work item per
+/// output image row (it owns its block of `part`, so no atomics): for each tap `(i, j, c)` of the
+/// window, the output pixels whose window reads the image there. `direct_grad_w_sum` adds the blocks.
+template <class Space, class T>
+void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g, std::size_t images) {
+  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+    const std::size_t img = t / g.ho, oh = t % g.ho, kc = g.patch() * g.cout;
+    T* acc = part + t * kc;
+    copy_run(acc, static_cast<const T*>(nullptr), kc);
+    std::size_t i0, i1;
+    g.window(oh, g.h, i0, i1);
+    for (std::size_t i = i0; i < i1; ++i) {
+      const T* xrow = x + (img * g.h + (oh * g.s + i - g.p)) * g.w * g.cin;  // the input row tap i reads
+      for (std::size_t j = 0; j < g.k; ++j) {
+        // Output columns whose tap j lies in the image: 0 <= ow * s + j - p < w.
+        const std::size_t lo = j < g.p ? (g.p - j + g.s - 1) / g.s : 0;
+        std::size_t hi = g.w + g.p > j ? (g.w + g.p - j - 1) / g.s + 1 : 0;
+        if (hi > g.wo) hi = g.wo;
+        if (lo >= hi) continue;
+        const T* a = xrow + (lo * g.s + j - g.p) * g.cin;
+        for (std::size_t c = 0; c < g.cin; ++c)
+          tap_gradient(acc + ((i * g.k + j) * g.cin + c) * g.cout, a + c, g.s * g.cin, dy + (t * g.wo + lo) * g.cout,
+                       g.cout, hi - lo);
+      }
+    }
+  });
+}
+
+/// Second half: `gw = (overwrite ? 0 : gw) + sum over rows t of part[t]`, the rows in order (the same
+/// bits on every run), one work item per block of `gw`'s values.
+template <class Space, class T>
+void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t rows, bool overwrite) {
+  constexpr std::size_t block = 64;
+  meshlib::detail::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
+    if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
+    for (std::size_t t = 0; t < rows; ++t)
+      for (std::size_t c = c0; c < c1; ++c) gw[c] += part[t * values + c];
+  });
+}
+
+/// col2im as a gather: `dx` (`images x h x w x cin`) from the patch cotangents `dcols` (`M x K`).
+/// Input pixel `(img, ih, iw)` adds, for every kernel offset `(i, j)` whose output pixel exists, that
+/// patch entry, in kernel order (no atomics: the same bits on every run and mesh).
+template <class Space, class T>
+void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
+  meshlib::detail::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
+    const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
+    T* dst = dx + q * g.cin;
+    for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};
+    for (std::size_t i = 0; i < g.k; ++i) {
+      const std::size_t th = ih + g.p;  // = oh * s + i
+      if (th < i || (th - i) % g.s != 0 || (th - i) / g.s >= g.ho) continue;
+      const std::size_t oh = (th - i) / g.s;
+      for (std::size_t j = 0; j < g.k; ++j) {
+        const std::size_t tw = iw + g.p;
+        if (tw < j || (tw - j) % g.s != 0 || (tw - j) / g.s >= g.wo) continue;
+        const std::size_t ow = (tw - j) / g.s;
+        const T* src = dcols + ((img * g.ho + oh) * g.wo + ow) * kk + (i * g.k + j) * g.cin;
+        for (std::size_t c = 0; c < g.cin; ++c) dst[c] += src[c];
+      }
+    }
+  });
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/conv2d_kernels.hpp
 
 namespace meshlib::nn {
 
+/// @brief How `conv2d` computes its forward (and the patches its weight gradient needs); every
+/// algorithm gives the same convolution up to float rounding, and the same bits on every run.
+enum class conv2d_algorithm {
+  automatic,  ///< the rule of `conv2d::algorithm()`: pointwise, else direct for small patches, else im2col
+  im2col,     ///< im2col in cache-sized blocks of output pixels, each multiplied at once (`matmul_into`)
+  direct,     ///< each output pixel straight from the input, 16 output channels at a time (no patches)
+  pointwise,  ///< a 1x1 kernel without padding: the input pixels (every `stride`-th) are the patches
+};
+
 /// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
-/// dimensions, and whether the layer adds a bias (off before a `batch_norm`, which cancels it).
+/// dimensions, whether the layer adds a bias (off before a `batch_norm`, which cancels it), and
+/// the algorithm (leave it `automatic` unless you measured otherwise; tests force each one).
 struct conv2d_options {
   std::size_t stride = 1;   ///< step between output pixels, in input pixels
   std::size_t padding = 0;  ///< zeros added on every side of the image
   bool use_bias = true;     ///< add a learned bias per output channel
+  conv2d_algorithm algorithm = conv2d_algorithm::automatic;  ///< how the forward is computed
 };
 
 /// @brief The shape of the images `conv2d` makes from images of shape `In`, computed at compile
@@ -3375,6 +3770,7 @@ class conv2d {
              out_channels},
         kernel_(kernel),
         opt_(o),
+        algo_(choose(name, in, out_channels, kernel, o)),
         saved_(mesh.size()),
         cols_(mesh.size()),
         out_buf_(mesh.size()),
@@ -3406,6 +3802,33 @@ class conv2d {
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
+  /// The algorithm the forward runs (the options' choice, or the rule for `automatic`, fixed at
+  /// construction so every step and every device computes alike):
+  /// - `pointwise` for a 1x1 kernel without padding: at stride 1 the input rows are the patches (no
+  ///   copy at all), at a larger stride a row gather (im2col of a 1x1 window) in cache-sized blocks;
+  /// - `direct` when a patch has at most `direct_max_patch` values (`kernel*kernel*C_in`: the 3x3 stem
+  ///   of a grey or colour image), or when `C_out` is at most `direct_lanes` (16: one pass of the
+  ///   kernel's vector lanes per pixel): measured (GCC 12, OpenBLAS 0.3.21, one thread; at -O3 with
+  ///   AVX-512, with AVX2, and at -O2 with SSE2 alone) faster than blocked im2col + sgemm in every
+  ///   build for those shapes (the stem 1.9-6x, C_in = 3 1.1-3.4x, 14x14x16 -> 16 1.1-1.7x), and
+  ///   1.7-2x slower from C_out = 32 up (AVX-512; docs/benchmarks.md, "ResNet"). Its weight gradient is summed
+  ///   straight from the input for patches of at most `direct_max_patch` values, and through blocked
+  ///   im2col and `matmul_into` above (where that was measured faster);
+  /// - `im2col` otherwise: im2col in blocks of output pixels whose patches fill `im2col_block_bytes`,
+  ///   each block multiplied by the weight right away (`matmul_into`), so the patches stay in the
+  ///   cache (measured faster, forward and backward, than keeping a whole patch matrix for `dW`).
+  [[nodiscard]] conv2d_algorithm algorithm() const noexcept { return algo_; }
+  /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct` whatever
+  /// `C_out`, and for which `direct`'s weight gradient skips im2col.
+  static constexpr std::size_t direct_max_patch = 27;
+  /// The most output channels for which `automatic` picks `direct` whatever the patch size.
+  static constexpr std::size_t direct_max_out_channels = detail::direct_lanes;
+  /// The patch bytes of one im2col block (about half of a 1 MiB L2 cache, so the block and the
+  /// product's working set stay there); at least `im2col_min_rows` rows, so each product is not tiny.
+  static constexpr std::size_t im2col_block_bytes = std::size_t{256} * 1024;
+  /// @copydoc im2col_block_bytes
+  static constexpr std::size_t im2col_min_rows = 64;
+
   /// The convolution of this device's images (rows of `x`, NHWC), plus the bias.
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
@@ -3416,91 +3839,84 @@ class conv2d {
     const std::size_t dev = x.device(), n = x.extent(0);
     if (x.extent(1) != in_.size())
       throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    saved_[dev] = {n, true};
-    T* cols = cols_.get(dev, m * kk);
-    const T* xp = x.data();
-    // im2col: the patch of output pixel r, zeros where the window hangs over the padding.
-    meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-      T* dst = cols + r * kk;
-      for (std::size_t i = 0; i < k; ++i) {
-        const std::size_t ih = oh * s + i;  // in padded coordinates
-        for (std::size_t j = 0; j < k; ++j, dst += cin) {
-          const std::size_t iw = ow * s + j;
-          if (ih < p || iw < p || ih - p >= h || iw - p >= wd) {
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-          } else {
-            const T* src = xp + ((img * h + (ih - p)) * wd + (iw - p)) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = src[c];
-          }
-        }
-      }
-    });
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
+    saved_[dev] = {n, true, x.data()};
     T* y = out_buf_.get(dev, m * cout);
+    const T* xp = x.data();
     const T* wp = w.value.local(dev).data();
-    if (opt_.use_bias) {
-      const T* bias = b.value.local(dev).data();
-      meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-        for (std::size_t o = 0; o < cout; ++o) y[r * cout + o] = bias[o];
-      });
+    const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
+    if (algo_ == conv2d_algorithm::direct) {
+      detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+    } else {
+      // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
+      // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
+      T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
+      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+        const std::size_t r1 = std::min(m, r0 + rows);
+        const T* patches = xp + r0 * kk;
+        if (unpacked()) {
+          if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
+        } else {
+          detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
+          patches = cols;
+        }
+        matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
+                    {.beta = bias != nullptr ? 1.0 : 0.0});
+      }
     }
-    matmul_into(view(y, m, cout), cview(cols, m, kk), cview(wp, kk, cout), {.beta = opt_.use_bias ? 1.0 : 0.0});
-    return X(typename X::view_type(y, n, ho * wo * cout), x.mesh(), dev);
+    return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
   /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
+  /// The forward keeps no patch matrix: `dW` makes the patches again from the forward's input, block
+  /// by block as the forward did (the input rows themselves for `pointwise` at stride 1), adding the
+  /// blocks' products in order; `direct` with patches of at most `direct_max_patch` values sums
+  /// `patch^T dy` per output image row from the input, then the rows in order (the same bits on every
+  /// run either way).
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    const auto [n, ran, xp] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    const T* cols = cols_.get(dev, m * kk);
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
     const T* d = dy.data();
-    matmul_into(view(w.grad.local(dev).data(), kk, cout), cview(cols, m, kk), cview(d, m, cout),
-                {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
+    const T* wp = w.value.local(dev).data();
+    T* gw = w.grad.local(dev).data();
+    const double beta = static_cast<double>(w.grad_beta(dev));
+    if (algo_ == conv2d_algorithm::direct && kk <= direct_max_patch) {  // per output image row, then the rows in order
+      T* part = dcols_.get(dev, n * g.ho * kk * cout);
+      detail::direct_grad_w_rows<default_memory_space>(part, xp, d, g, n);
+      detail::direct_grad_w_sum<default_memory_space>(gw, part, kk * cout, n * g.ho, beta == 0.0);
+    } else if (unpacked()) {  // the patches are the input rows: one product
+      matmul_into(view(gw, kk, cout), cview(xp, m, kk), cview(d, m, cout), {.transpose_a = true, .beta = beta});
+    } else {  // the patches again, block by block as the forward made them, each block's product added
+      T* cols = cols_.get(dev, std::min(m, block_rows(m)) * kk);
+      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+        const std::size_t r1 = std::min(m, r0 + rows);
+        detail::im2col<default_memory_space>(cols, xp, g, r0, r1);
+        matmul_into(view(gw, kk, cout), cview(cols, r1 - r0, kk), cview(d + r0 * cout, r1 - r0, cout),
+                    {.transpose_a = true, .beta = r0 == 0 ? beta : 1.0});
+      }
+    }
     if (opt_.use_bias) {
       T* gb = b.grad.local(dev).data();
       const bool fresh = b.grad_beta(dev) == T{0};
       // Column sums of dy seen as (N*Ho*Wo) x C_out, rows in order (the same bits on every mesh).
-      detail::for_column_blocks<default_memory_space>(cout, [=](std::size_t j0, std::size_t j1) {
-        T* sb = gb;
-        if (fresh)
-          for (std::size_t j = j0; j < j1; ++j) sb[j] = T{0};
-        for (std::size_t i = 0; i < m; ++i)
-          for (std::size_t j = j0; j < j1; ++j) sb[j] += d[i * cout + j];
-      });
+      detail::bias_grad<default_memory_space>(gb, d, m, cout, fresh);  // as dense: column sums, rows in order
     }
     T* dx = dx_.get(dev, n * in_.size());
     if (need_dx) {
-      T* dc = dcols_.get(dev, m * kk);
-      matmul_into(view(dc, m, kk), cview(d, m, cout), cview(w.value.local(dev).data(), kk, cout), {.transpose_b = true});
-      // col2im as a gather: input pixel (img, ih, iw) adds, for every kernel offset (i, j) whose
-      // output pixel exists, that patch entry.
-      meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
-        const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd;
-        T* dst = dx + q * cin;
-        for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-        for (std::size_t i = 0; i < k; ++i) {
-          const std::size_t th = ih + p;  // = oh * s + i
-          if (th < i || (th - i) % s != 0 || (th - i) / s >= ho) continue;
-          const std::size_t oh = (th - i) / s;
-          for (std::size_t j = 0; j < k; ++j) {
-            const std::size_t tw = iw + p;
-            if (tw < j || (tw - j) % s != 0 || (tw - j) / s >= wo) continue;
-            const std::size_t ow = (tw - j) / s;
-            const T* src = dc + ((img * ho + oh) * wo + ow) * kk + (i * k + j) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] += src[c];
-          }
-        }
-      });
+      if (unpacked()) {  // the patches are the input rows: dx = dy W^T directly
+        matmul_into(view(dx, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+      } else {
+        T* dc = dcols_.get(dev, m * kk);
+        matmul_into(view(dc, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+        detail::col2im<default_memory_space>(dx, dc, g, n);
+      }
     }
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
@@ -3536,15 +3952,54 @@ class conv2d {
     return kernel * kernel;
   }
 
+  /// The sizes the kernels take.
+  [[nodiscard]] detail::conv_geometry geometry() const noexcept {
+    return {in_.height, in_.width, in_.channels, out_.height, out_.width, out_.channels, kernel_, opt_.stride,
+            opt_.padding};
+  }
+  /// Whether the patches are the input rows themselves (pointwise at stride 1: no im2col).
+  [[nodiscard]] bool unpacked() const noexcept { return algo_ == conv2d_algorithm::pointwise && opt_.stride == 1; }
+  /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
+  /// host cannot read (a GPU wants one large product, not a cache-sized one).
+  [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
+    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
+    return std::max<std::size_t>(rows, im2col_min_rows);
+  }
+  /// The algorithm of `algorithm()` for these sizes and options.
+  /// @throws sharding_error when `pointwise` is asked for a kernel other than 1x1 or with padding.
+  static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t out_channels,
+                                 std::size_t kernel, const conv2d_options& o) {
+    const bool one_by_one = kernel == 1 && o.padding == 0;
+    switch (o.algorithm) {
+      case conv2d_algorithm::automatic:
+        if (one_by_one) return conv2d_algorithm::pointwise;
+        return kernel * kernel * in.channels <= direct_max_patch || out_channels <= direct_max_out_channels
+                   ? conv2d_algorithm::direct
+                   : conv2d_algorithm::im2col;
+      case conv2d_algorithm::pointwise:
+        if (!one_by_one)
+          throw sharding_error("meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
+                               std::to_string(kernel) + ", padding " + std::to_string(o.padding) +
+                               "): the pointwise algorithm needs a 1x1 kernel without padding; use "
+                               "conv2d_algorithm::im2col, direct or automatic");
+        return o.algorithm;
+      default:
+        return o.algorithm;
+    }
+  }
+
   struct saved {
     std::size_t rows = 0;
     bool ran = false;
+    const T* x = nullptr;  // the forward's input: backward makes the patches again from it
   };
   std::string name_;
   image_shape in_, out_;
   std::size_t kernel_;
   conv2d_options opt_;
-  std::vector<saved> saved_;  // per device: the last forward's number of images
+  conv2d_algorithm algo_;
+  std::vector<saved> saved_;  // per device: the last forward's number of images and input
   detail::device_buffers<T> cols_, out_buf_, dcols_, dx_;
 };
 

@@ -43,3 +43,17 @@ template void meshlib::nn::detail::scale_in_place<meshlib::default_memory_space>
 template void meshlib::nn::detail::round_to<meshlib::bfloat16, meshlib::default_memory_space>(float*, std::size_t) noexcept;
 template void meshlib::nn::detail::round_copy<meshlib::bfloat16, meshlib::default_memory_space>(float*, const float*,
                                                                                              std::size_t) noexcept;
+// conv2d's kernels (nn/detail/conv2d_kernels.hpp), instantiated for the device's memory space: the
+// direct kernel's device form (its host vector lanes are compiled out under nvcc), im2col, col2im.
+template void meshlib::nn::detail::direct_conv<meshlib::default_memory_space, float>(
+    float*, const float*, const float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t);
+template void meshlib::nn::detail::im2col<meshlib::default_memory_space, float>(
+    float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t, std::size_t, float*, const float*);
+template void meshlib::nn::detail::col2im<meshlib::default_memory_space, float>(
+    float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t);
+template void meshlib::nn::detail::bias_rows<meshlib::default_memory_space, float>(float*, const float*, std::size_t,
+                                                                                    std::size_t, std::size_t);
+template void meshlib::nn::detail::direct_grad_w_rows<meshlib::default_memory_space, float>(
+    float*, const float*, const float*, meshlib::nn::detail::conv_geometry, std::size_t);
+template void meshlib::nn::detail::direct_grad_w_sum<meshlib::default_memory_space, float>(float*, const float*,
+                                                                                            std::size_t, std::size_t, bool);

@@ -47,6 +47,12 @@ void every_layer(const mesh_t& m, const rows_t& x) {
   forward_backward(ap, x);
   nn::global_avg_pool<float, mesh_t> gap(m, "gap", img);
   forward_backward(gap, x);
+  for (auto algo : {nn::conv2d_algorithm::direct, nn::conv2d_algorithm::im2col}) {
+    nn::conv2d<float, mesh_t> conv(m, "conv", img, 4, 3, key, {.padding = 1, .algorithm = algo});
+    forward_backward(conv, x);
+  }
+  nn::conv2d<float, mesh_t> pointwise(m, "pw", img, 4, 1, key, {.stride = 2, .algorithm = nn::conv2d_algorithm::pointwise});
+  forward_backward(pointwise, x);
   nn::positional_embedding<float, mesh_t> pos(m, "pos", 4, 8, 4, key);
   forward_backward(pos, x);
   auto res = nn::make_residual<float>(m, fc);

@@ -10,11 +10,16 @@
 /// `Y (N*Ho*Wo x C_out) = patches (N*Ho*Wo x kernel*kernel*C_in) x W (kernel*kernel*C_in x C_out)`
 /// whose output is already NHWC (no transpose on either side), TensorFlow's and JAX's default layout.
 /// The weight is `W[(i * kernel + j) * C_in + c][o]`: HWIO (flax's layout) flattened to rank 2.
-/// - forward: im2col (a Kokkos kernel, one work item per output pixel), then `Y = b; Y += patches W`
-///   (`matmul_into`);
-/// - backward: `dW (+)= patches^T dY` (the patches the forward kept), `db (+)= column sums of dY`,
-///   `dpatches = dY W^T`, then col2im as a gather: one work item per input pixel adds the patch
-///   entries that read it, in a fixed order (no atomics: the same bits on every run and mesh).
+/// - forward: one of three algorithms (`conv2d_algorithm`, chosen by a fixed rule, see
+///   `algorithm()`): im2col (a Kokkos kernel) in cache-sized blocks of output pixels, each block
+///   multiplied at once, `Y = b; Y += patches W` (`matmul_into`); a 1x1 kernel's patches are the
+///   input rows (stride 1) or a row gather; a small patch (the stem, `C_in` 1 or 3) is computed
+///   directly from the input, without patches (nn/detail/conv2d_kernels.hpp);
+/// - backward: `dW (+)= patches^T dY` (the patches made again block by block; the direct kernel's
+///   sum per output image row, then the rows in order), `db (+)= column sums of dY`, `dpatches = dY W^T`,
+///   then col2im as a gather: one work item per input pixel adds the patch entries that read it, in
+///   a fixed order (no atomics: the same bits on every run and mesh); a 1x1 kernel at stride 1 needs
+///   no col2im (`dX = dY W^T`).
 ///
 /// Data parallel: the input on each device is its block of rows (images) of the batch, as for
 /// `dense`; the weight is replicated, so its gradient is a pending sum over the data axis that the
@@ -41,7 +46,9 @@
 
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/conv2d_kernels.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -49,12 +56,23 @@
 
 namespace meshlib::nn {
 
+/// @brief How `conv2d` computes its forward (and the patches its weight gradient needs); every
+/// algorithm gives the same convolution up to float rounding, and the same bits on every run.
+enum class conv2d_algorithm {
+  automatic,  ///< the rule of `conv2d::algorithm()`: pointwise, else direct for small patches, else im2col
+  im2col,     ///< im2col in cache-sized blocks of output pixels, each multiplied at once (`matmul_into`)
+  direct,     ///< each output pixel straight from the input, 16 output channels at a time (no patches)
+  pointwise,  ///< a 1x1 kernel without padding: the input pixels (every `stride`-th) are the patches
+};
+
 /// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
-/// dimensions, and whether the layer adds a bias (off before a `batch_norm`, which cancels it).
+/// dimensions, whether the layer adds a bias (off before a `batch_norm`, which cancels it), and
+/// the algorithm (leave it `automatic` unless you measured otherwise; tests force each one).
 struct conv2d_options {
   std::size_t stride = 1;   ///< step between output pixels, in input pixels
   std::size_t padding = 0;  ///< zeros added on every side of the image
   bool use_bias = true;     ///< add a learned bias per output channel
+  conv2d_algorithm algorithm = conv2d_algorithm::automatic;  ///< how the forward is computed
 };
 
 /// @brief The shape of the images `conv2d` makes from images of shape `In`, computed at compile
@@ -136,6 +154,7 @@ class conv2d {
              out_channels},
         kernel_(kernel),
         opt_(o),
+        algo_(choose(name, in, out_channels, kernel, o)),
         saved_(mesh.size()),
         cols_(mesh.size()),
         out_buf_(mesh.size()),
@@ -167,6 +186,33 @@ class conv2d {
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
+  /// The algorithm the forward runs (the options' choice, or the rule for `automatic`, fixed at
+  /// construction so every step and every device computes alike):
+  /// - `pointwise` for a 1x1 kernel without padding: at stride 1 the input rows are the patches (no
+  ///   copy at all), at a larger stride a row gather (im2col of a 1x1 window) in cache-sized blocks;
+  /// - `direct` when a patch has at most `direct_max_patch` values (`kernel*kernel*C_in`: the 3x3 stem
+  ///   of a grey or colour image), or when `C_out` is at most `direct_lanes` (16: one pass of the
+  ///   kernel's vector lanes per pixel): measured (GCC 12, OpenBLAS 0.3.21, one thread; at -O3 with
+  ///   AVX-512, with AVX2, and at -O2 with SSE2 alone) faster than blocked im2col + sgemm in every
+  ///   build for those shapes (the stem 1.9-6x, C_in = 3 1.1-3.4x, 14x14x16 -> 16 1.1-1.7x), and
+  ///   1.7-2x slower from C_out = 32 up (AVX-512; docs/benchmarks.md, "ResNet"). Its weight gradient is summed
+  ///   straight from the input for patches of at most `direct_max_patch` values, and through blocked
+  ///   im2col and `matmul_into` above (where that was measured faster);
+  /// - `im2col` otherwise: im2col in blocks of output pixels whose patches fill `im2col_block_bytes`,
+  ///   each block multiplied by the weight right away (`matmul_into`), so the patches stay in the
+  ///   cache (measured faster, forward and backward, than keeping a whole patch matrix for `dW`).
+  [[nodiscard]] conv2d_algorithm algorithm() const noexcept { return algo_; }
+  /// The largest patch (`kernel*kernel*C_in` values) for which `automatic` picks `direct` whatever
+  /// `C_out`, and for which `direct`'s weight gradient skips im2col.
+  static constexpr std::size_t direct_max_patch = 27;
+  /// The most output channels for which `automatic` picks `direct` whatever the patch size.
+  static constexpr std::size_t direct_max_out_channels = detail::direct_lanes;
+  /// The patch bytes of one im2col block (about half of a 1 MiB L2 cache, so the block and the
+  /// product's working set stay there); at least `im2col_min_rows` rows, so each product is not tiny.
+  static constexpr std::size_t im2col_block_bytes = std::size_t{256} * 1024;
+  /// @copydoc im2col_block_bytes
+  static constexpr std::size_t im2col_min_rows = 64;
+
   /// The convolution of this device's images (rows of `x`, NHWC), plus the bias.
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
@@ -177,91 +223,84 @@ class conv2d {
     const std::size_t dev = x.device(), n = x.extent(0);
     if (x.extent(1) != in_.size())
       throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    saved_[dev] = {n, true};
-    T* cols = cols_.get(dev, m * kk);
-    const T* xp = x.data();
-    // im2col: the patch of output pixel r, zeros where the window hangs over the padding.
-    meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-      const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-      T* dst = cols + r * kk;
-      for (std::size_t i = 0; i < k; ++i) {
-        const std::size_t ih = oh * s + i;  // in padded coordinates
-        for (std::size_t j = 0; j < k; ++j, dst += cin) {
-          const std::size_t iw = ow * s + j;
-          if (ih < p || iw < p || ih - p >= h || iw - p >= wd) {
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-          } else {
-            const T* src = xp + ((img * h + (ih - p)) * wd + (iw - p)) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] = src[c];
-          }
-        }
-      }
-    });
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
+    saved_[dev] = {n, true, x.data()};
     T* y = out_buf_.get(dev, m * cout);
+    const T* xp = x.data();
     const T* wp = w.value.local(dev).data();
-    if (opt_.use_bias) {
-      const T* bias = b.value.local(dev).data();
-      meshlib::detail::launch<default_memory_space>(m, KOKKOS_LAMBDA(std::size_t r) {
-        for (std::size_t o = 0; o < cout; ++o) y[r * cout + o] = bias[o];
-      });
+    const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
+    if (algo_ == conv2d_algorithm::direct) {
+      detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+    } else {
+      // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
+      // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
+      T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
+      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+        const std::size_t r1 = std::min(m, r0 + rows);
+        const T* patches = xp + r0 * kk;
+        if (unpacked()) {
+          if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
+        } else {
+          detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
+          patches = cols;
+        }
+        matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
+                    {.beta = bias != nullptr ? 1.0 : 0.0});
+      }
     }
-    matmul_into(view(y, m, cout), cview(cols, m, kk), cview(wp, kk, cout), {.beta = opt_.use_bias ? 1.0 : 0.0});
-    return X(typename X::view_type(y, n, ho * wo * cout), x.mesh(), dev);
+    return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
   /// `grad_beta` says so) and returns `dx` (when `need_dx`; otherwise its contents are unspecified).
+  /// The forward keeps no patch matrix: `dW` makes the patches again from the forward's input, block
+  /// by block as the forward did (the input rows themselves for `pointwise` at stride 1), adding the
+  /// blocks' products in order; `direct` with patches of at most `direct_max_patch` values sums
+  /// `patch^T dy` per output image row from the input, then the rows in order (the same bits on every
+  /// run either way).
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t ho = out_.height, wo = out_.width, cout = out_.channels, cin = in_.channels;
-    const std::size_t h = in_.height, wd = in_.width, k = kernel_, s = opt_.stride, p = opt_.padding;
+    const auto [n, ran, xp] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t m = n * ho * wo, kk = k * k * cin;
-    const T* cols = cols_.get(dev, m * kk);
+    const detail::conv_geometry g = geometry();
+    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
     const T* d = dy.data();
-    matmul_into(view(w.grad.local(dev).data(), kk, cout), cview(cols, m, kk), cview(d, m, cout),
-                {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
+    const T* wp = w.value.local(dev).data();
+    T* gw = w.grad.local(dev).data();
+    const double beta = static_cast<double>(w.grad_beta(dev));
+    if (algo_ == conv2d_algorithm::direct && kk <= direct_max_patch) {  // per output image row, then the rows in order
+      T* part = dcols_.get(dev, n * g.ho * kk * cout);
+      detail::direct_grad_w_rows<default_memory_space>(part, xp, d, g, n);
+      detail::direct_grad_w_sum<default_memory_space>(gw, part, kk * cout, n * g.ho, beta == 0.0);
+    } else if (unpacked()) {  // the patches are the input rows: one product
+      matmul_into(view(gw, kk, cout), cview(xp, m, kk), cview(d, m, cout), {.transpose_a = true, .beta = beta});
+    } else {  // the patches again, block by block as the forward made them, each block's product added
+      T* cols = cols_.get(dev, std::min(m, block_rows(m)) * kk);
+      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+        const std::size_t r1 = std::min(m, r0 + rows);
+        detail::im2col<default_memory_space>(cols, xp, g, r0, r1);
+        matmul_into(view(gw, kk, cout), cview(cols, r1 - r0, kk), cview(d + r0 * cout, r1 - r0, cout),
+                    {.transpose_a = true, .beta = r0 == 0 ? beta : 1.0});
+      }
+    }
     if (opt_.use_bias) {
       T* gb = b.grad.local(dev).data();
       const bool fresh = b.grad_beta(dev) == T{0};
       // Column sums of dy seen as (N*Ho*Wo) x C_out, rows in order (the same bits on every mesh).
-      detail::for_column_blocks<default_memory_space>(cout, [=](std::size_t j0, std::size_t j1) {
-        T* sb = gb;
-        if (fresh)
-          for (std::size_t j = j0; j < j1; ++j) sb[j] = T{0};
-        for (std::size_t i = 0; i < m; ++i)
-          for (std::size_t j = j0; j < j1; ++j) sb[j] += d[i * cout + j];
-      });
+      detail::bias_grad<default_memory_space>(gb, d, m, cout, fresh);  // as dense: column sums, rows in order
     }
     T* dx = dx_.get(dev, n * in_.size());
     if (need_dx) {
-      T* dc = dcols_.get(dev, m * kk);
-      matmul_into(view(dc, m, kk), cview(d, m, cout), cview(w.value.local(dev).data(), kk, cout), {.transpose_b = true});
-      // col2im as a gather: input pixel (img, ih, iw) adds, for every kernel offset (i, j) whose
-      // output pixel exists, that patch entry.
-      meshlib::detail::launch<default_memory_space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
-        const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd;
-        T* dst = dx + q * cin;
-        for (std::size_t c = 0; c < cin; ++c) dst[c] = T{0};
-        for (std::size_t i = 0; i < k; ++i) {
-          const std::size_t th = ih + p;  // = oh * s + i
-          if (th < i || (th - i) % s != 0 || (th - i) / s >= ho) continue;
-          const std::size_t oh = (th - i) / s;
-          for (std::size_t j = 0; j < k; ++j) {
-            const std::size_t tw = iw + p;
-            if (tw < j || (tw - j) % s != 0 || (tw - j) / s >= wo) continue;
-            const std::size_t ow = (tw - j) / s;
-            const T* src = dc + ((img * ho + oh) * wo + ow) * kk + (i * k + j) * cin;
-            for (std::size_t c = 0; c < cin; ++c) dst[c] += src[c];
-          }
-        }
-      });
+      if (unpacked()) {  // the patches are the input rows: dx = dy W^T directly
+        matmul_into(view(dx, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+      } else {
+        T* dc = dcols_.get(dev, m * kk);
+        matmul_into(view(dc, m, kk), cview(d, m, cout), cview(wp, kk, cout), {.transpose_b = true});
+        detail::col2im<default_memory_space>(dx, dc, g, n);
+      }
     }
     return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
   }
@@ -297,15 +336,54 @@ class conv2d {
     return kernel * kernel;
   }
 
+  /// The sizes the kernels take.
+  [[nodiscard]] detail::conv_geometry geometry() const noexcept {
+    return {in_.height, in_.width, in_.channels, out_.height, out_.width, out_.channels, kernel_, opt_.stride,
+            opt_.padding};
+  }
+  /// Whether the patches are the input rows themselves (pointwise at stride 1: no im2col).
+  [[nodiscard]] bool unpacked() const noexcept { return algo_ == conv2d_algorithm::pointwise && opt_.stride == 1; }
+  /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
+  /// host cannot read (a GPU wants one large product, not a cache-sized one).
+  [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
+    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
+    return std::max<std::size_t>(rows, im2col_min_rows);
+  }
+  /// The algorithm of `algorithm()` for these sizes and options.
+  /// @throws sharding_error when `pointwise` is asked for a kernel other than 1x1 or with padding.
+  static conv2d_algorithm choose(const std::string& name, const image_shape& in, std::size_t out_channels,
+                                 std::size_t kernel, const conv2d_options& o) {
+    const bool one_by_one = kernel == 1 && o.padding == 0;
+    switch (o.algorithm) {
+      case conv2d_algorithm::automatic:
+        if (one_by_one) return conv2d_algorithm::pointwise;
+        return kernel * kernel * in.channels <= direct_max_patch || out_channels <= direct_max_out_channels
+                   ? conv2d_algorithm::direct
+                   : conv2d_algorithm::im2col;
+      case conv2d_algorithm::pointwise:
+        if (!one_by_one)
+          throw sharding_error("meshlib::nn: " + name + " (conv2d " + std::to_string(kernel) + "x" +
+                               std::to_string(kernel) + ", padding " + std::to_string(o.padding) +
+                               "): the pointwise algorithm needs a 1x1 kernel without padding; use "
+                               "conv2d_algorithm::im2col, direct or automatic");
+        return o.algorithm;
+      default:
+        return o.algorithm;
+    }
+  }
+
   struct saved {
     std::size_t rows = 0;
     bool ran = false;
+    const T* x = nullptr;  // the forward's input: backward makes the patches again from it
   };
   std::string name_;
   image_shape in_, out_;
   std::size_t kernel_;
   conv2d_options opt_;
-  std::vector<saved> saved_;  // per device: the last forward's number of images
+  conv2d_algorithm algo_;
+  std::vector<saved> saved_;  // per device: the last forward's number of images and input
   detail::device_buffers<T> cols_, out_buf_, dcols_, dx_;
 };
 
