@@ -1,0 +1,137 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `detail::comm_stream`: one device's communication worker, what makes the typed
+/// collectives' `*_start` forms (collectives/collective_request.hpp) asynchronous on host backends.
+///
+/// Why a worker thread and one queue per device: a host backend (thread, MPI) moves the bytes on
+/// the thread that calls it, so a collective can only run beside the device's computation on
+/// another thread. One queue per device, run in issue order, is an NCCL stream: every device of a
+/// group issues the same collectives in the same order (SPMD does), so the workers of a group meet
+/// in the same order too, and nothing can deadlock that would not deadlock synchronously.
+///
+/// Why reuse is safe: a communicator handle belongs to one thread at a time. The device thread
+/// hands the device's handles to the worker while anything is queued, and takes them back only
+/// after `drain()`: every synchronous collective (`device_context::comm`) drains first, so the
+/// device's collectives keep one order, whichever thread runs them, and the mutex orders the
+/// memory between the two threads.
+///
+/// Errors: a queued operation that throws (a peer failed, a timeout, a mismatch: the backend's own
+/// abort and timeout machinery, so no wait is unbounded) keeps its exception in its `stream_op`,
+/// rethrown by the request's `wait()`; later operations run (and fail as the backend decides:
+/// a failed world refuses every later call with the root cause's error).
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace meshlib::detail {
+
+/// One queued operation's completion, shared by the worker and the request that waits for it.
+struct stream_op {
+  bool done = false;         ///< guarded by the stream's mutex
+  std::exception_ptr error;  ///< what the operation threw, if it did
+};
+
+/// A device's communication worker (see the file comment). The worker thread starts on the first
+/// `enqueue`; the destructor drains the queue and joins it.
+class comm_stream {
+ public:
+  comm_stream() = default;
+  comm_stream(const comm_stream&) = delete;
+  comm_stream& operator=(const comm_stream&) = delete;
+  ~comm_stream() { stop(); }
+
+  /// Queues `job` behind every operation queued before it; returns its completion.
+  std::shared_ptr<stream_op> enqueue(std::function<void()> job) {
+    auto op = std::make_shared<stream_op>();
+    {
+      std::lock_guard lock(m_);
+      if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+      queue_.emplace_back(std::move(job), op);
+      ++pending_;
+      outstanding_.store(pending_, std::memory_order_release);
+    }
+    work_.notify_one();
+    return op;
+  }
+
+  /// Blocks until `op` is complete; rethrows what it threw.
+  void wait(const stream_op& op) {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [&] { return op.done; });
+    if (op.error) std::rethrow_exception(op.error);
+  }
+
+  /// Whether `op` is complete (does not throw: `wait` reports its error).
+  [[nodiscard]] bool test(const stream_op& op) {
+    std::lock_guard lock(m_);
+    return op.done;
+  }
+
+  /// Blocks until every queued operation is complete (their errors stay with their requests).
+  void drain() {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+  /// Whether nothing is queued or running: the synchronous collectives' fast path, one load (the
+  /// device thread is the only one that queues, so `false` cannot turn stale into `true` unseen).
+  [[nodiscard]] bool idle() const noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
+
+  /// Drains and joins the worker (the device context calls it before its communicators go).
+  void stop() noexcept {
+    {
+      std::unique_lock lock(m_);
+      if (!worker_.joinable()) return;
+      done_.wait(lock, [&] { return pending_ == 0; });
+      stopping_ = true;
+    }
+    work_.notify_one();
+    worker_.join();
+    stopping_ = false;
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(m_);
+    for (;;) {
+      work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      auto [job, op] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        job();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      job = nullptr;  // what the job holds goes before the device thread is told it may go on
+      lock.lock();
+      op->error = std::move(error);
+      op->done = true;
+      --pending_;
+      outstanding_.store(pending_, std::memory_order_release);
+      done_.notify_all();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable work_;  ///< the worker waits for a job
+  std::condition_variable done_;  ///< the device thread waits for completions
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<stream_op>>> queue_;
+  std::size_t pending_ = 0;  ///< queued or running
+  std::atomic<std::size_t> outstanding_{0};  ///< `pending_`, readable without the lock
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace meshlib::detail
