@@ -68,7 +68,7 @@ class [[nodiscard]] collective_request {
   }
 
   /// Whether the collective is complete (`wait()` will not block). Does not throw its error.
-  [[nodiscard]] bool test() const { return !op_ || stream_->test(*op_); }
+  [[nodiscard]] bool test() const noexcept { return !op_ || detail::comm_stream::test(*op_); }
 
  private:
   void complete_quietly() noexcept {

@@ -36,7 +36,10 @@ namespace meshlib::detail {
 
 /// One queued operation's completion, shared by the worker and the request that waits for it.
 struct stream_op {
-  bool done = false;         ///< guarded by the stream's mutex
+  /// Set (release) after `error`, under the stream's mutex. Atomic so that a request can see it
+  /// without the stream: every operation is done once its stream has stopped, so a request that
+  /// outlives its device's call (dropped in an unwinding, say) never touches the stream again.
+  std::atomic<bool> done{false};
   std::exception_ptr error;  ///< what the operation threw, if it did
 };
 
@@ -65,16 +68,15 @@ class comm_stream {
 
   /// Blocks until `op` is complete; rethrows what it threw.
   void wait(const stream_op& op) {
-    std::unique_lock lock(m_);
-    done_.wait(lock, [&] { return op.done; });
+    if (!op.done.load(std::memory_order_acquire)) {
+      std::unique_lock lock(m_);
+      done_.wait(lock, [&] { return op.done.load(std::memory_order_acquire); });
+    }
     if (op.error) std::rethrow_exception(op.error);
   }
 
   /// Whether `op` is complete (does not throw: `wait` reports its error).
-  [[nodiscard]] bool test(const stream_op& op) {
-    std::lock_guard lock(m_);
-    return op.done;
-  }
+  [[nodiscard]] static bool test(const stream_op& op) noexcept { return op.done.load(std::memory_order_acquire); }
 
   /// Blocks until every queued operation is complete (their errors stay with their requests).
   void drain() {
@@ -117,7 +119,7 @@ class comm_stream {
       job = nullptr;  // what the job holds goes before the device thread is told it may go on
       lock.lock();
       op->error = std::move(error);
-      op->done = true;
+      op->done.store(true, std::memory_order_release);
       --pending_;
       outstanding_.store(pending_, std::memory_order_release);
       done_.notify_all();

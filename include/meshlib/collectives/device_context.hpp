@@ -190,7 +190,7 @@ class device_context {
       } catch (...) {
         op->error = std::current_exception();
       }
-      op->done = true;
+      op->done.store(true, std::memory_order_release);
       return op;
     }
     return stream_.enqueue([&c, job = std::move(job)] { job(c); });
