@@ -11,10 +11,15 @@
 /// in the same order too, and nothing can deadlock that would not deadlock synchronously.
 ///
 /// Why reuse is safe: a communicator handle belongs to one thread at a time. The device thread
-/// hands the device's handles to the worker while anything is queued, and takes them back only
-/// after `drain()`: every synchronous collective (`device_context::comm`) drains first, so the
-/// device's collectives keep one order, whichever thread runs them, and the mutex orders the
-/// memory between the two threads.
+/// hands a group's handle to the worker while anything is queued on it, and takes it back only
+/// after `drain(group)`: every synchronous collective (`device_context::comm`) drains its group
+/// first, so each communicator sees the device's collectives in one order, whichever thread runs
+/// them, and the mutex orders the memory between the two threads. A synchronous collective on
+/// another group runs beside the worker (a tensor-parallel `psum` during backward while a gradient
+/// bucket is summed over the data axis): on a host backend groups are independent, and each
+/// group's order is the program's on every device, so no device waits for one that waits for it.
+/// A stream backend (NCCL) drains everything: its kernels of different groups must be launched in
+/// one order on every device.
 ///
 /// Errors: a queued operation that throws (a peer failed, a timeout, a mismatch: the backend's own
 /// abort and timeout machinery, so no wait is unbounded) keeps its exception in its `stream_op`,
@@ -24,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -31,6 +37,7 @@
 #include <mutex>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace meshlib::detail {
 
@@ -52,13 +59,15 @@ class comm_stream {
   comm_stream& operator=(const comm_stream&) = delete;
   ~comm_stream() { stop(); }
 
-  /// Queues `job` behind every operation queued before it; returns its completion.
-  std::shared_ptr<stream_op> enqueue(std::function<void()> job) {
+  /// Queues `job`, an operation on the communicator named `group` (an axis mask), behind every
+  /// operation queued before it; returns its completion.
+  std::shared_ptr<stream_op> enqueue(std::function<void()> job, std::uint64_t group) {
     auto op = std::make_shared<stream_op>();
     {
       std::lock_guard lock(m_);
       if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
-      queue_.emplace_back(std::move(job), op);
+      queue_.push_back({std::move(job), op, group});
+      ++count_of(group);
       ++pending_;
       outstanding_.store(pending_, std::memory_order_release);
     }
@@ -82,6 +91,12 @@ class comm_stream {
   void drain() {
     std::unique_lock lock(m_);
     done_.wait(lock, [&] { return pending_ == 0; });
+  }
+  /// Blocks until every queued operation on `group` is complete (and so every one queued before
+  /// them: the queue runs in order).
+  void drain(std::uint64_t group) {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [&] { return count_of(group) == 0; });
   }
 
   /// Whether nothing is queued or running: the synchronous collectives' fast path, one load (the
@@ -107,7 +122,7 @@ class comm_stream {
     for (;;) {
       work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, nothing left
-      auto [job, op] = std::move(queue_.front());
+      auto [job, op, group] = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
       std::exception_ptr error;
@@ -120,16 +135,30 @@ class comm_stream {
       lock.lock();
       op->error = std::move(error);
       op->done.store(true, std::memory_order_release);
+      --count_of(group);
       --pending_;
       outstanding_.store(pending_, std::memory_order_release);
       done_.notify_all();
     }
   }
 
+  struct entry {
+    std::function<void()> job;
+    std::shared_ptr<stream_op> op;
+    std::uint64_t group;
+  };
+  /// Queued or running operations on `group` (a device uses a handful of groups: a short list).
+  std::size_t& count_of(std::uint64_t group) {
+    for (auto& [g, n] : per_group_)
+      if (g == group) return n;
+    return per_group_.emplace_back(group, 0).second;
+  }
+
   std::mutex m_;
   std::condition_variable work_;  ///< the worker waits for a job
   std::condition_variable done_;  ///< the device thread waits for completions
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<stream_op>>> queue_;
+  std::deque<entry> queue_;
+  std::vector<std::pair<std::uint64_t, std::size_t>> per_group_;
   std::size_t pending_ = 0;  ///< queued or running
   std::atomic<std::size_t> outstanding_{0};  ///< `pending_`, readable without the lock
   bool stopping_ = false;

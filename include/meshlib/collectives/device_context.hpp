@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/collectives/comm_stream.hpp"
@@ -34,6 +35,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/request.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
@@ -174,7 +176,10 @@ class device_context {
   /// synchronous collective on this thread: the device's queued asynchronous collectives complete
   /// first (collectives/comm_stream.hpp), so its collectives keep one order.
   [[nodiscard]] device_comm& comm(axis_mask mask) {
-    if (!stream_.idle()) stream_.drain();
+    if (!stream_.idle()) {
+      if (independent_groups()) stream_.drain(mask);  // (collectives/comm_stream.hpp: why)
+      else stream_.drain();
+    }
     return handle(mask, false);
   }
   /// Starts `job` on the communicator of `mask` on the device's communication worker, behind its
@@ -193,7 +198,7 @@ class device_context {
       op->done.store(true, std::memory_order_release);
       return op;
     }
-    return stream_.enqueue([&c, job = std::move(job)] { job(c); });
+    return stream_.enqueue([&c, job = std::move(job)] { job(c); }, mask);
   }
   /// The device's communication worker (requests wait on it).
   [[nodiscard]] comm_stream& stream() noexcept { return stream_; }
@@ -212,6 +217,8 @@ class device_context {
   [[nodiscard]] virtual device_comm& handle(axis_mask mask, bool for_stream) = 0;
   /// Whether starts run at once on the device thread (an active observer).
   [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
+  /// Whether collectives of different groups may run at once on two threads (a host backend).
+  [[nodiscard]] virtual bool independent_groups() const noexcept = 0;
   /// The worker: stopped by the derived context's destructor, before its communicators go.
   comm_stream stream_;
   /// The end of the device's call, on its own thread: results that leave the call keep their
@@ -254,6 +261,7 @@ class device_context_for final : public device_context {
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
   const Mesh& mesh() const noexcept { return mesh_; }
+  bool independent_groups() const noexcept override { return std::is_same_v<typename C::context_type, host_context>; }
   bool synchronous_starts() const noexcept override {
 #if MESHLIB_DEBUG_HOOKS
     return observer_ != nullptr;

@@ -71,8 +71,16 @@ TEST_CASE("psum_start equals psum, out of place and donated, on 1-D and 2-D mesh
   mesh2 m{2, 3};
   auto out = spmd(m, [&] {
     auto x = coll_test::make_block<l2>(m, {5, 4});
-    auto a = psum_start<"model">(x);
     auto b = psum_start<"data">(x);
+    // A synchronous collective on another group runs beside the started one (host backends), one
+    // on the same group after it; both orders are every device's.
+    auto a_sync = psum<"model">(x);
+    auto a = psum_start<"model">(x);
+    auto b_sync = psum<"data">(x);
+    if (a_sync.data()[7] != a.wait().data()[7] || b_sync.data()[7] != b.wait().data()[7])
+      throw std::runtime_error("sync and async sums differ");
+    a = psum_start<"model">(x);
+    b = psum_start<"data">(x);
     auto c = psum_start<"data", "model">(coll_test::make_block<l2>(m, {5, 4}));
     return std::array{coll_test::capture(c.wait()), coll_test::capture(a.wait()), coll_test::capture(b.wait()),
                       coll_test::capture(psum<"data", "model">(x)), coll_test::capture(psum<"model">(x)),
