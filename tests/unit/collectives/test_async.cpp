@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives_support.hpp"
@@ -130,6 +132,27 @@ TEST_CASE("several outstanding psum_start requests, waited for out of order and 
       }
     }
     for (std::size_t i = 0; i < 3; ++i) REQUIRE(out[d][k].data[i] == expected_sum<float>(all, i));
+  }
+}
+
+TEST_CASE("psum_start makes progress without the device thread: test() turns true before wait()",
+          "[collectives][async]") {
+  constexpr std::size_t n = 3;
+  mesh1 m{n};
+  auto out = spmd(m, [&] {
+    auto r = psum_start<"x">(coll_test::make_block<l1>(m, {100000}));
+    // The device thread only sleeps (a stand-in for computing): the sum completes on the worker.
+    bool ready = false;
+    for (int i = 0; i < 10000 && !ready; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ready = r.test();
+    }
+    const float v = r.wait().data()[5];
+    return std::pair{ready, v};
+  });
+  for (std::size_t d = 0; d < n; ++d) {
+    REQUIRE(out[d].first);
+    REQUIRE(out[d].second == expected_sum<float>({0, 1, 2}, 5));
   }
 }
 
