@@ -50,6 +50,13 @@ struct stream_op {
   std::exception_ptr error;  ///< what the operation threw, if it did
 };
 
+/// A completion that is already complete (an operation a `*_start` form ran at once).
+inline std::shared_ptr<stream_op> completed_op() {
+  auto op = std::make_shared<stream_op>();
+  op->done.store(true, std::memory_order_release);
+  return op;
+}
+
 /// A device's communication worker (see the file comment). The worker thread starts on the first
 /// `enqueue`; the destructor drains the queue and joins it.
 class comm_stream {

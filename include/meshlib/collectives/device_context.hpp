@@ -189,13 +189,14 @@ class device_context {
   [[nodiscard]] std::shared_ptr<stream_op> start(axis_mask mask, std::function<void(device_comm&)> job) {
     device_comm& c = handle(mask, true);
     if (synchronous_starts()) {
-      auto op = std::make_shared<stream_op>();
+      std::exception_ptr error;
       try {
         job(c);
       } catch (...) {
-        op->error = std::current_exception();
+        error = std::current_exception();
       }
-      op->done.store(true, std::memory_order_release);
+      auto op = completed_op();
+      op->error = std::move(error);
       return op;
     }
     return stream_.enqueue([&c, job = std::move(job)] { job(c); }, mask);

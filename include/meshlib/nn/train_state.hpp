@@ -88,6 +88,11 @@ struct train_options {
   /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
   /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward).
   bool overlap_grad_sync = true;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
 };
 
 namespace detail {
@@ -496,7 +501,8 @@ class train_state {
         throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
                              "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
       fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, Fsdp.view());
+                                                                      local_, options.reshard_after_forward, Fsdp.view(),
+                                                                      options.fsdp_prefetch);
       params = fsdp_->shards();
       model.hooks = fsdp_.get();
     }

@@ -101,6 +101,38 @@ TEST_CASE("psum_start equals psum, out of place and donated, on 1-D and 2-D mesh
   }
 }
 
+TEST_CASE("all_gather_into_start equals all_gather_into, direct and reordered", "[collectives][async]") {
+  mesh2 m{2, 3};
+  using v2 = local_tensor<double, 2, mesh2, mesh2::mask_of<"data", "model">(), 0,
+                         dim_masks<mesh2::mask_of<"model">(), 0>>;
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<v2>(m, {2, 4});
+    using full_t = decltype(all_gather<"model", 0>(x));
+    full_t a(std::array<std::size_t, 2>{6, 4}, m, device_index());
+    full_t b(std::array<std::size_t, 2>{6, 4}, m, device_index());
+    auto r = all_gather_into_start<"model", 0>(x, a);
+    static_assert(std::is_same_v<decltype(r.wait()), decltype(all_gather_into<"model", 0>(x, b))>);
+    const auto sync = coll_test::capture(all_gather_into<"model", 0>(x, b));
+    const auto got = r.wait();
+    const bool in_place = got.data() == a.data();
+    // Over ("model", "data"), out of mesh order: reordered on this thread, complete at once.
+    auto whole = all_gather<axis_group<"model", "data">, 0>(x);
+    decltype(whole) c(whole.shape(), m, device_index());
+    auto r2 = all_gather_into_start<axis_group<"model", "data">, 0>(x, c);
+    const bool ready = r2.test();
+    return std::tuple{sync, coll_test::capture(got), in_place, coll_test::capture(whole),
+                      coll_test::capture(r2.wait()), ready};
+  });
+  for (std::size_t d = 0; d < m.size(); ++d) {
+    const auto& [sync, got, in_place, whole, got2, ready] = out[d];
+    CHECK(in_place);
+    REQUIRE(got.shape == sync.shape);
+    REQUIRE(got.data == sync.data);
+    REQUIRE(got2.data == whole.data);
+    REQUIRE(ready);
+  }
+}
+
 TEST_CASE("several outstanding psum_start requests, waited for out of order and mixed with synchronous collectives",
           "[collectives][async]") {
   constexpr std::size_t n = 4, k = 6;

@@ -173,6 +173,20 @@ TEST_CASE("overlap_grad_sync: FSDP and a data axis, and ZeRO (not overlapped), a
     require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), off)),
                       train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), on)));
   }
+  // FSDP keeping the gathered parameters from forward: the next layer's all-gathers prefetched
+  // (fsdp_prefetch) or not, with and without overlapped gradient buckets.
+  for (const mesh3_t mesh : {mesh3_t{2, 2, 1}, mesh3_t{1, 2, 2}}) {
+    INFO("mesh " << mesh << ", FSDP prefetch");
+    const nn::train_options plain{.fsdp = true, .reshard_after_forward = false, .overlap_grad_sync = false,
+                                  .fsdp_prefetch = false};
+    nn::train_options both = plain;
+    both.overlap_grad_sync = both.fsdp_prefetch = true;
+    nn::train_options prefetch_only = plain;
+    prefetch_only.fsdp_prefetch = true;
+    const outcome ref = train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), plain));
+    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), both)));
+    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), prefetch_only)));
+  }
   const nn::train_options zoff{.zero = true, .overlap_grad_sync = false}, zon{.zero = true};
   require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zoff)),
                     train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zon)));

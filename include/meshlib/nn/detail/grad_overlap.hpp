@@ -53,6 +53,7 @@ class grad_overlap final : public layer_hooks {
 
   /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
   void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
+    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
     const auto t0 = std::chrono::steady_clock::now();
     sync_[dev] = &sync;
     params_[dev] = &params;
@@ -81,6 +82,9 @@ class grad_overlap final : public layer_hooks {
   double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
 
   void before_forward(std::size_t layer, std::size_t dev) override {
+    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
+    // a step that failed before its update) must not start buckets.
+    if (layer == 0) armed_[dev] = 0;
     if (inner_ != nullptr) inner_->before_forward(layer, dev);
   }
   void before_backward(std::size_t layer, std::size_t dev) override {
