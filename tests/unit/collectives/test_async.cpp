@@ -6,6 +6,7 @@
 // with the backend's error, and a device that fails while its peers wait ends their waits.
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <string>
 #include <thread>
 #include <utility>
@@ -185,6 +186,36 @@ TEST_CASE("psum_start makes progress without the device thread: test() turns tru
   for (std::size_t d = 0; d < n; ++d) {
     REQUIRE(out[d].first);
     REQUIRE(out[d].second == expected_sum<float>({0, 1, 2}, 5));
+  }
+}
+
+TEST_CASE("psum_start under debug mode: started at once, checked, its error raised by wait()", "[collectives][async]") {
+  constexpr std::size_t n = 3;
+  mesh1 m{n};
+  scoped_debug_mode on;  // an observer is installed: its checks run on the device thread
+  auto out = spmd(m, [&] {
+    auto x = coll_test::make_block<l1>(m, {4});
+    auto r = psum_start<"x">(x);
+    const bool ready = r.test();
+    const float v = r.wait().data()[1];
+    std::string what = "no error";
+    auto bad = coll_test::make_block<l1>(m, {4});
+    if (device_index() == 1) bad.data()[2] = std::numeric_limits<float>::quiet_NaN();
+    auto r2 = psum_start<"x">(bad);  // does not throw here
+    try {
+      (void)r2.wait();
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    return std::tuple{ready, v, what};
+  });
+  for (std::size_t d = 0; d < n; ++d) {
+    const auto& [ready, v, what] = out[d];
+    REQUIRE(ready);
+    REQUIRE(v == expected_sum<float>({0, 1, 2}, 1));
+    INFO(what);
+    if (d == 1) REQUIRE(what.find("debug mode: psum over 'x' on device 1 (x=1): input element 2 is nan") != std::string::npos);
+    else REQUIRE(what != "no error");  // its peers' operation fails with the root cause
   }
 }
 
