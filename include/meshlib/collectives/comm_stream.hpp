@@ -39,6 +39,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 namespace meshlib::detail {
 
 /// One queued operation's completion, shared by the worker and the request that waits for it.
@@ -125,6 +130,13 @@ class comm_stream {
 
  private:
   void run() {
+#if defined(__linux__)
+    // No wake-up preemption of the device thread: a started collective's worker, woken by the
+    // device thread, would otherwise take its core at once on a machine without a spare one, and
+    // the backward it should overlap would wait for the reduction (measured: docs/benchmarks.md).
+    sched_param param{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
     std::unique_lock lock(m_);
     for (;;) {
       work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
