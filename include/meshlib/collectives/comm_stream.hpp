@@ -131,9 +131,10 @@ class comm_stream {
  private:
   void run() {
 #if defined(__linux__)
-    // No wake-up preemption of the device thread: a started collective's worker, woken by the
-    // device thread, would otherwise take its core at once on a machine without a spare one, and
-    // the backward it should overlap would wait for the reduction (measured: docs/benchmarks.md).
+    // No wake-up preemption of the device thread: on a machine without a spare core, a started
+    // collective's worker, woken by the device thread, would otherwise take that core at once and
+    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
+    // gradient synchronisation", has the measurements, which this did not change much).
     sched_param param{};
     (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
 #endif

@@ -180,14 +180,14 @@ class device_context {
       if (independent_groups()) stream_.drain(mask);  // (collectives/comm_stream.hpp: why)
       else stream_.drain();
     }
-    return handle(mask, false);
+    return handle(mask);
   }
   /// Starts `job` on the communicator of `mask` on the device's communication worker, behind its
   /// earlier asynchronous collectives; the typed `*_start` collectives' one way in. With an active
   /// observer (tracing, debug mode) the job runs here and now, where the observer expects it (its
   /// checks may issue collectives of their own); its error is still reported at `wait()`.
   [[nodiscard]] std::shared_ptr<stream_op> start(axis_mask mask, std::function<void(device_comm&)> job) {
-    device_comm& c = handle(mask, true);
+    device_comm& c = handle(mask);
     if (synchronous_starts()) {
       std::exception_ptr error;
       try {
@@ -214,8 +214,8 @@ class device_context {
  protected:
   device_context() = default;
   /// The communicator of `mask`. Its first use splits it from the world communicator, a collective
-  /// on the device thread: `for_stream` (a start) drains the worker first, as `comm` always does.
-  [[nodiscard]] virtual device_comm& handle(axis_mask mask, bool for_stream) = 0;
+  /// on the device thread, after the worker has drained.
+  [[nodiscard]] virtual device_comm& handle(axis_mask mask) = 0;
   /// Whether starts run at once on the device thread (an active observer).
   [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
   /// Whether collectives of different groups may run at once on two threads (a host backend).
@@ -271,10 +271,12 @@ class device_context_for final : public device_context {
 #endif
   }
 
-  device_comm& handle(axis_mask mask, bool for_stream) override {
+  device_comm& handle(axis_mask mask) override {
     auto it = handles_.find(mask);
     if (it == handles_.end()) {
-      if (for_stream) stream_.drain();  // the split is a collective on this thread (see `handle`)
+      // The split is a collective on the world communicator, on this thread: the worker must not
+      // be using any of the device's communicators meanwhile (the world may be one of them).
+      stream_.drain();
       it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
     }
 #if MESHLIB_DEBUG_HOOKS
