@@ -8,6 +8,13 @@
 // prints a table (docs/benchmarks.md keeps the numbers).
 //
 //   train_bench [--steps N] [--hidden H] [--rounds R]   (R interleaved rounds, best kept; default 1)
+//
+// With --overlap (issue 26 item 4): the flagship's step (hidden 1024 unless --hidden) at (2, 1) and
+// (4, 2), train_options::overlap_grad_sync off and on, in interleaved rounds (off, on, off, on, ...);
+// per row the median over rounds of the exposed synchronisation per step (step_metrics::sync_seconds:
+// the device thread's time in the gradient synchronisation) and of the step time, and the on/off ratios.
+//
+//   train_bench --overlap [--steps N] [--rounds R] [--hidden H]
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -37,7 +44,8 @@ struct result {
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, std::size_t steps,
-                   const std::vector<float>& x, const std::vector<std::int32_t>& y) {
+                   const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = true,
+                   double* sync_per_step = nullptr, double* step_seconds = nullptr) {
   meshlib::set_blas_threads_per_device(1);
   const mesh_t mesh{d, m};
   const nn::rng_key key{0};
@@ -46,6 +54,7 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
                      nn::dense<float, mesh_t>(mesh, "fc3", hidden, classes, key));
   nn::train_options options;
   options.zero = zero;
+  options.overlap_grad_sync = overlap;
   nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)), options);
   auto one = [&](std::size_t s) {
     const std::size_t b = s % 4;
@@ -58,7 +67,50 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   const double t0 = now();
   for (std::size_t s = 0; s < steps; ++s) sync += one(s).sync_seconds;
   const double t = now() - t0;
+  if (sync_per_step) *sync_per_step = sync / static_cast<double>(steps);
+  if (step_seconds) *step_seconds = t / static_cast<double>(steps);
   return {static_cast<double>(steps * batch) / t, sync / t};
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// --overlap: exposed synchronisation and step time with overlap_grad_sync off and on (file comment).
+int run_overlap(std::size_t hidden, std::size_t steps, std::size_t rounds, const std::vector<float>& x,
+                const std::vector<std::int32_t>& y) {
+  std::printf("train_bench --overlap: MLP 784-%zu-%zu-10, Adam, batch %zu, %zu timed steps per run, %zu interleaved "
+              "rounds (median kept); load average %.1f\n\n",
+              hidden, hidden, batch, steps, rounds, bench::load_average());
+  struct cell {
+    std::vector<double> sync, step;
+  };
+  const std::pair<std::size_t, std::size_t> meshes[] = {{2, 1}, {4, 2}};
+  cell cells[2][2];  // [mesh][overlap]
+  for (std::size_t round = 0; round < rounds; ++round)
+    for (std::size_t k = 0; k < 2; ++k)
+      for (int on = 0; on < 2; ++on) {
+        // Alternate which goes first, so neither always follows the other.
+        const bool overlap = (round % 2 == 0) == (on == 1);
+        double sync = 0, step = 0;
+        run_meshlib(meshes[k].first, meshes[k].second, false, hidden, steps, x, y, overlap, &sync, &step);
+        cells[k][overlap ? 1 : 0].sync.push_back(sync);
+        cells[k][overlap ? 1 : 0].step.push_back(step);
+      }
+  std::printf("| mesh (data, model) | overlap | exposed sync / step (ms) | step (ms) | exposed share | sync on/off | step on/off |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (std::size_t k = 0; k < 2; ++k) {
+    const double s0 = median(cells[k][0].sync), s1 = median(cells[k][1].sync);
+    const double t0 = median(cells[k][0].step), t1 = median(cells[k][1].step);
+    std::printf("| (%zu, %zu) | off | %.2f | %.2f | %.0f%% | | |\n", meshes[k].first, meshes[k].second, 1e3 * s0, 1e3 * t0,
+                100.0 * s0 / t0);
+    std::printf("| (%zu, %zu) | on | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n", meshes[k].first, meshes[k].second, 1e3 * s1,
+                1e3 * t1, 100.0 * s1 / t1, s1 / s0, t1 / t0);
+  }
+  std::printf("\nload average at the end: %.1f\n", bench::load_average());
+  return 0;
 }
 
 double run_peer(std::size_t hidden, std::size_t steps, const std::vector<float>& x, const std::vector<std::int32_t>& y) {
@@ -79,8 +131,15 @@ int main(int argc, char** argv) {
   Kokkos::ScopeGuard kokkos(argc, argv);
   std::size_t steps = 10, rounds = 1;
   std::vector<std::size_t> hiddens{1024, 2048};
+  bool overlap = false;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--overlap") overlap = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
+    if (a == "--overlap") {
+      --i;  // a flag without a value
+      continue;
+    }
     if (a == "--steps") steps = std::stoul(argv[i + 1]);
     else if (a == "--hidden") hiddens = {std::stoul(argv[i + 1])};
     else if (a == "--rounds") rounds = std::max<std::size_t>(1, std::stoul(argv[i + 1]));
@@ -89,6 +148,7 @@ int main(int argc, char** argv) {
   std::vector<std::int32_t> y(4 * batch);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(0.5 + 0.5 * std::sin(0.37 * static_cast<double>(i)));
   for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<std::int32_t>(i % classes);
+  if (overlap) return run_overlap(hiddens.size() == 1 ? hiddens.front() : 1024, steps, std::max<std::size_t>(rounds, 1), x, y);
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
               "OPENBLAS_CORETYPE=%s on both sides; load average %.1f\n\n",

@@ -8143,6 +8143,194 @@ basic_collective_workspace<Tag>& thread_workspace() {
 
 }  // namespace meshlib::detail
 // end meshlib/collectives/workspace.hpp
+// begin meshlib/collectives/comm_stream.hpp
+/// @file
+/// @brief `detail::comm_stream`: one device's communication worker, what makes the typed
+/// collectives' `*_start` forms (collectives/collective_request.hpp) asynchronous on host backends.
+///
+/// Why a worker thread and one queue per device: a host backend (thread, MPI) moves the bytes on
+/// the thread that calls it, so a collective can only run beside the device's computation on
+/// another thread. One queue per device, run in issue order, is an NCCL stream: every device of a
+/// group issues the same collectives in the same order (SPMD does), so the workers of a group meet
+/// in the same order too, and nothing can deadlock that would not deadlock synchronously.
+///
+/// Why reuse is safe: a communicator handle belongs to one thread at a time. The device thread
+/// hands a group's handle to the worker while anything is queued on it, and takes it back only
+/// after `drain(group)`: every synchronous collective (`device_context::comm`) drains its group
+/// first, so each communicator sees the device's collectives in one order, whichever thread runs
+/// them, and the mutex orders the memory between the two threads. A synchronous collective on
+/// another group runs beside the worker (a tensor-parallel `psum` during backward while a gradient
+/// bucket is summed over the data axis): on a host backend groups are independent, and each
+/// group's order is the program's on every device, so no device waits for one that waits for it.
+/// A stream backend (NCCL) drains everything: its kernels of different groups must be launched in
+/// one order on every device.
+///
+/// Errors: a queued operation that throws (a peer failed, a timeout, a mismatch: the backend's own
+/// abort and timeout machinery, so no wait is unbounded) keeps its exception in its `stream_op`,
+/// rethrown by the request's `wait()`; later operations run (and fail as the backend decides:
+/// a failed world refuses every later call with the root cause's error).
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+namespace meshlib::detail {
+
+/// One queued operation's completion, shared by the worker and the request that waits for it.
+struct stream_op {
+  /// Set (release) after `error`, under the stream's mutex. Atomic so that a request can see it
+  /// without the stream: every operation is done once its stream has stopped, so a request that
+  /// outlives its device's call (dropped in an unwinding, say) never touches the stream again.
+  std::atomic<bool> done{false};
+  std::exception_ptr error;  ///< what the operation threw, if it did
+};
+
+/// A completion that is already complete (an operation a `*_start` form ran at once).
+inline std::shared_ptr<stream_op> completed_op() {
+  auto op = std::make_shared<stream_op>();
+  op->done.store(true, std::memory_order_release);
+  return op;
+}
+
+/// A device's communication worker (see the file comment). The worker thread starts on the first
+/// `enqueue`; the destructor drains the queue and joins it.
+class comm_stream {
+ public:
+  comm_stream() = default;
+  comm_stream(const comm_stream&) = delete;
+  comm_stream& operator=(const comm_stream&) = delete;
+  ~comm_stream() { stop(); }
+
+  /// Queues `job`, an operation on the communicator named `group` (an axis mask), behind every
+  /// operation queued before it; returns its completion.
+  std::shared_ptr<stream_op> enqueue(std::function<void()> job, std::uint64_t group) {
+    auto op = std::make_shared<stream_op>();
+    {
+      std::lock_guard lock(m_);
+      if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+      queue_.push_back({std::move(job), op, group});
+      ++count_of(group);
+      ++pending_;
+      outstanding_.store(pending_, std::memory_order_release);
+    }
+    work_.notify_one();
+    return op;
+  }
+
+  /// Blocks until `op` is complete; rethrows what it threw.
+  void wait(const stream_op& op) {
+    if (!op.done.load(std::memory_order_acquire)) {
+      std::unique_lock lock(m_);
+      done_.wait(lock, [&] { return op.done.load(std::memory_order_acquire); });
+    }
+    if (op.error) std::rethrow_exception(op.error);
+  }
+
+  /// Whether `op` is complete (does not throw: `wait` reports its error).
+  [[nodiscard]] static bool test(const stream_op& op) noexcept { return op.done.load(std::memory_order_acquire); }
+
+  /// Blocks until every queued operation is complete (their errors stay with their requests).
+  void drain() {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
+  /// Blocks until every queued operation on `group` is complete (and so every one queued before
+  /// them: the queue runs in order).
+  void drain(std::uint64_t group) {
+    std::unique_lock lock(m_);
+    done_.wait(lock, [&] { return count_of(group) == 0; });
+  }
+
+  /// Whether nothing is queued or running: the synchronous collectives' fast path, one load (the
+  /// device thread is the only one that queues, so `false` cannot turn stale into `true` unseen).
+  [[nodiscard]] bool idle() const noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
+
+  /// Drains and joins the worker (the device context calls it before its communicators go).
+  void stop() noexcept {
+    {
+      std::unique_lock lock(m_);
+      if (!worker_.joinable()) return;
+      done_.wait(lock, [&] { return pending_ == 0; });
+      stopping_ = true;
+    }
+    work_.notify_one();
+    worker_.join();
+    stopping_ = false;
+  }
+
+ private:
+  void run() {
+#if defined(__linux__)
+    // No wake-up preemption of the device thread: on a machine without a spare core, a started
+    // collective's worker, woken by the device thread, would otherwise take that core at once and
+    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
+    // gradient synchronisation", has the measurements, which this did not change much).
+    sched_param param{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
+    std::unique_lock lock(m_);
+    for (;;) {
+      work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      auto [job, op, group] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        job();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      job = nullptr;  // what the job holds goes before the device thread is told it may go on
+      lock.lock();
+      op->error = std::move(error);
+      op->done.store(true, std::memory_order_release);
+      --count_of(group);
+      --pending_;
+      outstanding_.store(pending_, std::memory_order_release);
+      done_.notify_all();
+    }
+  }
+
+  struct entry {
+    std::function<void()> job;
+    std::shared_ptr<stream_op> op;
+    std::uint64_t group;
+  };
+  /// Queued or running operations on `group` (a device uses a handful of groups: a short list).
+  std::size_t& count_of(std::uint64_t group) {
+    for (auto& [g, n] : per_group_)
+      if (g == group) return n;
+    return per_group_.emplace_back(group, 0).second;
+  }
+
+  std::mutex m_;
+  std::condition_variable work_;  ///< the worker waits for a job
+  std::condition_variable done_;  ///< the device thread waits for completions
+  std::deque<entry> queue_;
+  std::vector<std::pair<std::uint64_t, std::size_t>> per_group_;
+  std::size_t pending_ = 0;  ///< queued or running
+  std::atomic<std::size_t> outstanding_{0};  ///< `pending_`, readable without the lock
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace meshlib::detail
+// end meshlib/collectives/comm_stream.hpp
 // begin meshlib/collectives/device_context.hpp
 /// @file
 /// @brief The device a piece of SPMD code runs as: its id, its mesh coordinates, and the
@@ -8161,11 +8349,14 @@ basic_collective_workspace<Tag>& thread_workspace() {
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 // begin meshlib/collectives/observer.hpp
@@ -8521,8 +8712,37 @@ class device_context {
   [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
-  /// The communicator of this device's group along the axes in `mask`, in group-rank order.
-  [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+  /// The communicator of this device's group along the axes in `mask`, in group-rank order, for a
+  /// synchronous collective on this thread: the device's queued asynchronous collectives complete
+  /// first (collectives/comm_stream.hpp), so its collectives keep one order.
+  [[nodiscard]] device_comm& comm(axis_mask mask) {
+    if (!stream_.idle()) {
+      if (independent_groups()) stream_.drain(mask);  // (collectives/comm_stream.hpp: why)
+      else stream_.drain();
+    }
+    return handle(mask);
+  }
+  /// Starts `job` on the communicator of `mask` on the device's communication worker, behind its
+  /// earlier asynchronous collectives; the typed `*_start` collectives' one way in. With an active
+  /// observer (tracing, debug mode) the job runs here and now, where the observer expects it (its
+  /// checks may issue collectives of their own); its error is still reported at `wait()`.
+  [[nodiscard]] std::shared_ptr<stream_op> start(axis_mask mask, std::function<void(device_comm&)> job) {
+    device_comm& c = handle(mask);
+    if (synchronous_starts()) {
+      std::exception_ptr error;
+      try {
+        job(c);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      auto op = completed_op();
+      op->error = std::move(error);
+      return op;
+    }
+    return stream_.enqueue([&c, job = std::move(job)] { job(c); }, mask);
+  }
+  /// The device's communication worker (requests wait on it).
+  [[nodiscard]] comm_stream& stream() noexcept { return stream_; }
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
   /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
@@ -8533,6 +8753,15 @@ class device_context {
 
  protected:
   device_context() = default;
+  /// The communicator of `mask`. Its first use splits it from the world communicator, a collective
+  /// on the device thread, after the worker has drained.
+  [[nodiscard]] virtual device_comm& handle(axis_mask mask) = 0;
+  /// Whether starts run at once on the device thread (an active observer).
+  [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
+  /// Whether collectives of different groups may run at once on two threads (a host backend).
+  [[nodiscard]] virtual bool independent_groups() const noexcept = 0;
+  /// The worker: stopped by the derived context's destructor, before its communicators go.
+  comm_stream stream_;
   /// The end of the device's call, on its own thread: results that leave the call keep their
   /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
   template <class Tag = void>
@@ -8560,7 +8789,10 @@ class device_context_for final : public device_context {
         observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
-  ~device_context_for() override { end_call(); }
+  ~device_context_for() override {
+    stream_.stop();  // the worker may be using the communicators below
+    end_call();
+  }
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
@@ -8570,10 +8802,23 @@ class device_context_for final : public device_context {
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
   const Mesh& mesh() const noexcept { return mesh_; }
+  bool independent_groups() const noexcept override { return std::is_same_v<typename C::context_type, host_context>; }
+  bool synchronous_starts() const noexcept override {
+#if MESHLIB_DEBUG_HOOKS
+    return observer_ != nullptr;
+#else
+    return false;
+#endif
+  }
 
-  device_comm& comm(axis_mask mask) override {
+  device_comm& handle(axis_mask mask) override {
     auto it = handles_.find(mask);
-    if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    if (it == handles_.end()) {
+      // The split is a collective on the world communicator, on this thread: the worker must not
+      // be using any of the device's communicators meanwhile (the world may be one of them).
+      stream_.drain();
+      it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    }
 #if MESHLIB_DEBUG_HOOKS
     if (observer_ == nullptr) [[likely]] return *it->second;
     return observed(mask, *it->second);
@@ -8661,6 +8906,93 @@ template <fixed_string Name>
 
 }  // namespace meshlib
 // end meshlib/collectives/device_context.hpp
+// begin meshlib/collectives/collective_request.hpp
+/// @file
+/// @brief `collective_request<Result>`: what a typed collective's asynchronous form (`psum_start`)
+/// returns, as c10d's `Work` or an MPI request with the typed result attached: `wait()` gives the
+/// very value the synchronous form would have returned (its type computed and checked at compile
+/// time as the synchronous form's), `test()` says whether it is ready.
+/// @code
+/// // inside shard_map / spmd, g a gradient bucket that is a pending sum over "data":
+/// auto r = meshlib::psum_start<"data">(std::move(g));  // returns at once; the sum runs beside
+/// compute_more();                                        // ... the device's own work
+/// auto sum = r.wait();                                   // psum<"data">(g)'s value, same bits
+/// @endcode
+/// A request must be waited for on the device that started it, inside the same `shard_map` /
+/// `spmd` call. One that is destroyed unwaited still completes first (its buffers may be in use);
+/// its error, if any, is then dropped: the device's later collectives report the failure.
+
+#include <any>
+#include <memory>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief The pending result of an asynchronous typed collective (see the file comment).
+/// @tparam Result the type the synchronous collective returns.
+template <class Result>
+class [[nodiscard]] collective_request {
+ public:
+  /// An empty request (nothing to wait for; `wait()` throws).
+  collective_request() = default;
+  /// Used by the `*_start` collectives: `op` completes on `stream`; `keep` holds the inputs the
+  /// operation reads (released after completion, on the waiting thread).
+  collective_request(detail::comm_stream& stream, std::shared_ptr<detail::stream_op> op, Result result,
+                     std::any keep = {})
+      : stream_(&stream), op_(std::move(op)), result_(std::move(result)), keep_(std::move(keep)) {}
+  collective_request(collective_request&& o) noexcept
+      : stream_(o.stream_), op_(std::move(o.op_)), result_(std::move(o.result_)), keep_(std::move(o.keep_)) {}
+  collective_request& operator=(collective_request&& o) noexcept {
+    if (this != &o) {
+      complete_quietly();
+      stream_ = o.stream_;
+      op_ = std::move(o.op_);
+      result_ = std::move(o.result_);
+      keep_ = std::move(o.keep_);
+    }
+    return *this;
+  }
+  collective_request(const collective_request&) = delete;
+  collective_request& operator=(const collective_request&) = delete;
+  ~collective_request() { complete_quietly(); }
+
+  /// Whether the request has an operation not yet waited for.
+  [[nodiscard]] bool valid() const noexcept { return op_ != nullptr; }
+
+  /// @brief Blocks until the collective is complete and returns its result (once).
+  /// @throws the backend's error (`comm_aborted`, `comm_timeout`, `collective_mismatch`, ...) when
+  /// the collective failed; `meshlib::error` on an empty or already-waited request.
+  Result wait() {
+    if (!op_) throw error("meshlib: collective_request::wait() on an empty request (default-constructed, moved from or "
+                          "already waited for); wait for each started collective once");
+    auto op = std::move(op_);
+    stream_->wait(*op);  // rethrows the collective's error
+    keep_.reset();
+    return std::move(result_);
+  }
+
+  /// Whether the collective is complete (`wait()` will not block). Does not throw its error.
+  [[nodiscard]] bool test() const noexcept { return !op_ || detail::comm_stream::test(*op_); }
+
+ private:
+  void complete_quietly() noexcept {
+    if (!op_) return;
+    try {
+      stream_->wait(*op_);
+    } catch (...) {  // dropped on purpose (file comment): the device's next collective reports it
+    }
+    op_.reset();
+  }
+
+  detail::comm_stream* stream_ = nullptr;
+  std::shared_ptr<detail::stream_op> op_;
+  Result result_{};
+  std::any keep_;
+};
+
+}  // namespace meshlib
+// end meshlib/collectives/collective_request.hpp
 // begin meshlib/collectives/axis_group.hpp
 /// @file
 /// @brief `axis_group<"i", "j">`: several mesh axes named together in one collective, as JAX's
@@ -9187,6 +9519,7 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 /// @endcode
 
 #include <algorithm>
+#include <any>
 #include <array>
 #include <cstddef>
 #include <string>
@@ -9259,9 +9592,24 @@ void divide_into(U* m, const T* s, U n, std::size_t count) {
   launch<Space>(count, KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
 }
 
-/// The all-reduce `op` over the axes `Names...` of `x`.
-template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
-auto all_reduce_over(const L& x) {
+/// Runs `op` on the communicator of `mask` and returns `result`: now (`Async` false), or started on
+/// the device's communication worker, returning the `collective_request` of `result`; `keep` holds
+/// what the operation reads until it is complete. One function, so the synchronous form is the
+/// asynchronous one minus the worker, with the same types, checks and buffers.
+template <bool Async, class Result, class F>
+auto issue(device_context& ctx, axis_mask mask, Result result, F op, std::any keep = {}) {
+  if constexpr (Async) {
+    auto started = ctx.start(mask, std::move(op));
+    return collective_request<Result>(ctx.stream(), std::move(started), std::move(result), std::move(keep));
+  } else {
+    op(ctx.comm(mask));
+    return result;
+  }
+}
+
+/// The all-reduce `op` over the axes `Names...` of `x` (`Async`: started, see `issue`).
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L, bool Async = false>
+auto all_reduce_over(const L& x, std::bool_constant<Async> = {}) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -9272,7 +9620,19 @@ auto all_reduce_over(const L& x) {
   using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
                                   dims_without_t<typename L::dims_type, mask>>;
   if constexpr (!ok) {
-    return result_t{};
+    if constexpr (Async) return collective_request<result_t>{};
+    else return result_t{};
+  } else if constexpr (Async) {
+    static_assert(!int_mean, "meshlib: the asynchronous form of an integer pmean is not provided; psum_start and divide");
+    using space_t = typename L::memory_space;
+    const T* src = contiguous_data(x, Op.view());
+    device_context& ctx = current_device(Op.view());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    T* dst = out.data();
+    const std::size_t count = x.size();
+    return issue<true>(ctx, mask, result_t(out, x.mesh(), x.device()),
+                       [src, dst, count](device_comm& c) { c.all_reduce(src, dst, count, datatype_of<T>, ROp); },
+                       std::any(x));
   } else {
     using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, Op.view());
@@ -9298,11 +9658,11 @@ auto all_reduce_over(const L& x) {
 /// or when `x` is a view over a caller's buffer (an unmanaged view: no holder count, the caller
 /// owns the buffer and gave it up by moving it), and contiguous, so the call allocates and copies
 /// nothing; otherwise as `all_reduce_over`.
-template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
-auto all_reduce_donated(L&& x) {
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L, bool Async = false>
+auto all_reduce_donated(L&& x, std::bool_constant<Async> async = {}) {
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   if constexpr (!ok) {
-    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x, async);  // fires the same diagnostic
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
     // A result of an earlier collective is held by the workspace too, which counts as no holder.
@@ -9312,15 +9672,17 @@ auto all_reduce_donated(L&& x) {
     const bool borrowed = count == 0 && x.data() != nullptr;
     const long holders = count - (ctx.workspace().holds(x.view()) ? 1 : 0);
     if ((!borrowed && holders != 1) || (x.size() != 0 && !x.view().span_is_contiguous()))
-      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x, async);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
     using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
                                          L::partial & ~mask>;
     using T = typename L::value_type;
     auto buffer = x.view();
-    ctx.comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
-    return result_t(std::move(buffer), x.mesh(), x.device());
+    T* data = buffer.data();
+    const std::size_t elements = x.size();
+    return issue<Async>(ctx, mask, result_t(std::move(buffer), x.mesh(), x.device()),
+                        [data, elements](device_comm& c) { c.all_reduce(data, elements, datatype_of<T>, ROp); });
   }
 }
 
@@ -9351,6 +9713,34 @@ template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum(L&& x) {
   return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+}
+
+/// @brief `psum` started asynchronously: returns at once a `collective_request` whose `wait()`
+/// returns what `psum<Names...>(x)` returns (same type, same bits: the same reduction in the same
+/// order), while the sum runs on the device's communication worker (collectives/comm_stream.hpp).
+/// The same compile-time checks as `psum`. `x` is kept alive by the request; every device of the
+/// group must start the same collectives in the same order (as for every collective).
+/// @code
+/// auto r = meshlib::psum_start<"data">(x);
+/// auto other = local_work();        // overlaps the sum
+/// auto s = r.wait();                // == psum<"data">(x); errors (comm_aborted, ...) surface here
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto psum_start(const L& x) {
+  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
+}
+
+/// @brief `psum_start` of a donated value: summed in `x`'s buffer under `psum`'s donation rule, which
+/// the request's result takes over; nothing is allocated or copied. The training layer's gradient
+/// buckets are started this way, as soon as backward has completed them.
+/// @code
+/// auto r = meshlib::psum_start<"data">(std::move(grad));  // grad must not be read afterwards
+/// auto g = r.wait();                                      // grad's buffer, now the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum_start(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
@@ -9408,6 +9798,7 @@ template <fixed_string... Names, local_tensor_type L>
 /// auto both   = meshlib::all_gather<meshlib::axis_group<"model", "data">, -1>(z);  // ('model', 'data')
 /// @endcode
 
+#include <any>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -9615,15 +10006,34 @@ block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view 
   }
 }
 
-template <class G, int DimArg, class L, class Into = std::nullptr_t>
-auto all_gather_tiled(const L& x, const Into& into = nullptr) {
+template <class G, int DimArg, class L, class Into = std::nullptr_t, bool Async = false>
+auto all_gather_tiled(const L& x, const Into& into = nullptr, std::bool_constant<Async> = {}) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_all_gather<L, G, DimArg>();
   constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
   constexpr axis_mask mask = group_mask_v<mesh_t, G>;
   using result_t = with_vary_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask>;
   if constexpr (!ok) {
-    return result_t{};
+    if constexpr (Async) return collective_request<result_t>{};
+    else return result_t{};
+  } else if constexpr (Async) {
+    using T = typename L::value_type;
+    using space_t = typename L::memory_space;
+    const T* src = contiguous_data(x, "all_gather");
+    device_context& ctx = current_device("all_gather");
+    const std::size_t n = x.mesh().axes_size(mask);  // (comm(mask) would wait for the started ones)
+    auto out = result_block<T, L::rank, space_t>(ctx, "all_gather", with_extent(x.shape(), dim, x.extent(dim) * n), into);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    if (order.empty() && chunks_contiguous(x.shape(), dim)) {  // the blocks land where they belong: started
+      T* dst = out.data();
+      const std::size_t count = x.size();
+      return issue<true>(ctx, mask, result_t(out, x.mesh(), x.device()),
+                         [src, dst, count](device_comm& c) { c.all_gather(src, dst, count, datatype_of<T>); },
+                         std::any(x));
+    }
+    // Reordered or strided chunks are unpacked by a kernel on this thread: gathered now, complete.
+    gather_into<space_t>(ctx, ctx.comm(mask), src, x.shape(), dim, n, order, out.data());
+    return collective_request<result_t>(ctx.stream(), completed_op(), result_t(out, x.mesh(), x.device()));
   } else {
     using T = typename L::value_type;
     using space_t = typename L::memory_space;
@@ -9779,6 +10189,26 @@ template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
   return detail::all_gather_tiled<G, Dim>(x, out);
+}
+
+/// @brief `all_gather_into` started asynchronously (see `psum_start`): returns a
+/// `collective_request` whose `wait()` returns what `all_gather_into<Axis, Dim>(x, out)` returns;
+/// the gather runs on the device's communication worker. FSDP prefetches the next layer's
+/// parameters with it. Chunks that need reordering (axes written out of mesh order, a dimension
+/// other than the leading non-trivial one) are gathered at once and the request is complete.
+/// @code
+/// auto r = meshlib::all_gather_into_start<"fsdp", 0>(shard, whole);  // whole: the caller's buffer
+/// compute_this_layer();
+/// auto full = r.wait();                                             // a view of whole
+/// @endcode
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
+}
+/// @brief `all_gather_into_start` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
+  return detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted

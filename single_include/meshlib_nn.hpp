@@ -5238,6 +5238,10 @@ auto psum_names(axis_group<Names...>, L&& x) {
   return meshlib::psum<Names...>(std::forward<L>(x));
 }
 template <fixed_string... Names, class L>
+auto psum_start_names(axis_group<Names...>, L&& x) {
+  return meshlib::psum_start<Names...>(std::forward<L>(x));
+}
+template <fixed_string... Names, class L>
 auto pmax_names(axis_group<Names...>, L&& x) {
   return meshlib::pmax<Names...>(std::forward<L>(x));
 }
@@ -5246,6 +5250,11 @@ auto pmax_names(axis_group<Names...>, L&& x) {
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
   return psum_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+}
+/// `psum_start<names of Mask...>(x)` (an rvalue `x` is donated): the asynchronous `psum_over`.
+template <axis_mask Mask, local_tensor_type L>
+auto psum_start_over(L&& x) {
+  return psum_start_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
 }
 /// `pmax<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
@@ -6331,9 +6340,12 @@ struct gradient_reduction_type_narrower_than_compute_type {
 /// `local_tensor` over its piece of the flat buffer (a view of nn's own buffer, a pending sum over
 /// the data axes), summed in place by the donated `psum`, or reduce-scattered by
 /// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
-/// Buckets run one after the other today; they are filled in parameter order, which leaves room for
-/// overlapping a bucket's collective with the backward of earlier layers once the communicator is
-/// asynchronous.
+/// Buckets are filled in parameter order. Synchronously (`all_reduce`) they run one after the other
+/// after the backward; overlapped (`begin_all_reduce` / `start_ready` / `finish_all_reduce`,
+/// `train_options::overlap_grad_sync`), each is started with `psum_start` as soon as the backward
+/// has completed its gradients (the last layers' first), so its reduction runs on the device's
+/// communication worker while the backward of the earlier layers computes. Same buckets, same
+/// per-element rank-order sums: the same bits either way.
 /// @code
 /// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
 /// // inside spmd, after backward: const auto& g = sync.all_reduce<data_axes>(params, mesh, dev);
@@ -6342,6 +6354,9 @@ struct gradient_reduction_type_narrower_than_compute_type {
 
 #include <algorithm>
 #include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -6362,7 +6377,14 @@ class grad_sync {
   grad_sync() = default;
   /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: no limit).
   grad_sync(std::size_t devices, std::size_t bucket_elements)
-      : bucket_(bucket_elements), wire_(devices), flat_(devices), shard_(devices), collectives_(devices, 0), summed_(devices) {}
+      : bucket_(bucket_elements),
+        wire_(devices),
+        flat_(devices),
+        shard_(devices),
+        collectives_(devices, 0),
+        early_(devices, 0),
+        summed_(devices),
+        plans_(devices) {}
 
   /// Elements of the flat buffer on device `dev` (sum of its local gradient blocks).
   [[nodiscard]] static std::size_t flat_size(const std::vector<param_ref<T>>& params, std::size_t dev) {
@@ -6382,41 +6404,52 @@ class grad_sync {
   /// next call on `dev`. Runs inside `spmd` / `shard_map` on device `dev`.
   template <axis_mask Axes, mesh_type Mesh>
   const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
-    constexpr bool same = std::is_same_v<Wire, T>;
-    const std::size_t n = flat_size(params, dev);
-    const bool moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
-    std::vector<T*>& out = summed_.at(dev);
-    out.assign(params.size(), nullptr);
-    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
-    Wire* w = same && !moves ? nullptr : wire_.get(dev, n);
-    T* f = same ? nullptr : flat_.get(dev, n);
-    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
-    auto flush = [&] {
-      if (used == open) return;
-      if (moves) reduce<Axes>(mesh, w + open, used - open, dev);
-      if constexpr (!same)
-        detail::convert_copy<space>(f + open, w + open, used - open);
-      open = used;
-    };
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const std::size_t c = params[i].count[dev];
-      T* g = params[i].grad[dev];
-      if constexpr (same)
-        if (!moves || c >= big) {  // in place, in the gradient block itself
-          out[i] = g;
-          if (moves) reduce<Axes>(mesh, g, c, dev);
-          continue;
-        }
-      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
-      detail::convert_copy<space>(w + used, g, c);
-      if constexpr (same) out[i] = w + used;
-      else out[i] = f + used;
-      used += c;
-      if (c >= big) flush();
-    }
-    flush();
-    return out;
+    plan<Axes>(params, mesh, dev);
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = 0; b < st.buckets.size(); ++b) run_bucket<Axes, false>(params, mesh, dev, b);
+    return complete(dev);
   }
+
+  /// @name Overlapped all-reduce (`train_options::overlap_grad_sync`)
+  /// The same buckets and the same sums as `all_reduce`, started as backward completes them:
+  /// `begin_all_reduce` before the backward, `start_ready(first)` each time the gradients of
+  /// parameters `first, first + 1, ...` are complete (backward runs last layer first), and
+  /// `finish_all_reduce`, which starts the rest, waits for all and returns what `all_reduce` returns.
+  /// Every device makes the same calls with the same arguments, so all start the same buckets in the
+  /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
+  /// @{
+  template <axis_mask Axes, mesh_type Mesh>
+  void begin_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    plan<Axes>(params, mesh, dev);
+  }
+  /// Starts every bucket not yet started whose parameters all have index `first` or more.
+  template <axis_mask Axes, mesh_type Mesh>
+  void start_ready(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t first) {
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = st.buckets.size(); b-- > 0;)
+      if (!st.started[b] && st.buckets[b].first >= first) {
+        run_bucket<Axes, true>(params, mesh, dev, b);
+        ++early_[dev];
+      }
+  }
+  template <axis_mask Axes, mesh_type Mesh>
+  const std::vector<T*>& finish_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = st.buckets.size(); b-- > 0;)
+      if (!st.started[b]) run_bucket<Axes, true>(params, mesh, dev, b);
+    std::exception_ptr first_error;  // every request is waited for (its buffers are in use) before one throws
+    for (auto& w : st.waits) {
+      try {
+        w();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+    st.waits.clear();
+    if (first_error) std::rethrow_exception(first_error);
+    return complete(dev);
+  }
+  /// @}
 
   /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
   /// over the axes `Axes` of `mesh`: returns this device's slice `[begin, begin + size)` of the
@@ -6459,20 +6492,115 @@ class grad_sync {
 
   /// Collectives this device has issued (a test checks the bucketing).
   [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
+  /// Buckets this device has started during backward (`start_ready`; a test checks the overlap).
+  [[nodiscard]] std::size_t started_early(std::size_t dev) const { return early_.at(dev); }
 
  private:
-  /// All-reduces `len` elements of `buf` in place over `Axes`, in pieces of at most the bucket
-  /// size: each piece a donated `psum` of a bucket over `buf` (summed where it lies).
+  /// One collective's worth of the all-reduce: the gradient block of parameter `first` reduced in
+  /// place (`packed` false), or the parameters `[first, last)` that the plan packed at `offset` of
+  /// the wire buffer.
+  struct bucket {
+    std::size_t first = 0, last = 0;
+    bool packed = false;
+    std::size_t offset = 0, len = 0;
+  };
+  /// A device's plan of the all-reduce (the same on every device: it depends on the sizes only).
+  struct plan_state {
+    std::vector<bucket> buckets;          ///< in the order `all_reduce` issues them
+    std::vector<bool> started;            ///< per bucket
+    std::vector<std::size_t> wire_at;     ///< per parameter: its offset in the packed buffer, or npos
+    std::vector<std::function<void()>> waits;  ///< the started requests' waits
+    Wire* w = nullptr;                    ///< the packed buffer
+    T* f = nullptr;                       ///< the packed sums converted back to T (Wire != T)
+    bool moves = false;                   ///< whether the group has more than one device
+  };
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  /// Plans the buckets of `params` on `dev` (see the file comment) and where each sum will lie.
   template <axis_mask Axes, mesh_type Mesh>
-  void reduce(const Mesh& mesh, Wire* buf, std::size_t len, std::size_t dev) {
+  void plan(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    constexpr bool same = std::is_same_v<Wire, T>;
+    const std::size_t n = flat_size(params, dev);
+    plan_state& st = plans_.at(dev);
+    st.moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
+    std::vector<T*>& out = summed_.at(dev);
+    out.assign(params.size(), nullptr);
+    st.buckets.clear();
+    st.waits.clear();
+    st.wire_at.assign(params.size(), npos);
+    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
+    st.w = same && !st.moves ? nullptr : wire_.get(dev, n);
+    st.f = same ? nullptr : flat_.get(dev, n);
+    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
+    std::size_t first = npos, last = 0;  // its parameters
+    auto flush = [&] {
+      if (used == open) return;
+      st.buckets.push_back({first, last, true, open, used - open});
+      open = used;
+      first = npos;
+    };
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::size_t c = params[i].count[dev];
+      if constexpr (same)
+        if (!st.moves || c >= big) {  // in place, in the gradient block itself
+          out[i] = params[i].grad[dev];
+          if (st.moves) st.buckets.push_back({i, i + 1, false, 0, c});
+          continue;
+        }
+      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
+      if (first == npos) first = i;
+      last = i + 1;
+      st.wire_at[i] = used;
+      if constexpr (same) out[i] = st.w + used;
+      else out[i] = st.f + used;
+      used += c;
+      if (c >= big) flush();
+    }
+    flush();
+    st.started.assign(st.buckets.size(), false);
+  }
+
+  /// Packs bucket `b` and all-reduces it in pieces of at most the bucket size: each piece a donated
+  /// `psum` (`Async`: `psum_start`) of a bucket over the buffer (summed where it lies).
+  template <axis_mask Axes, bool Async, mesh_type Mesh>
+  void run_bucket(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t b) {
+    plan_state& st = plans_.at(dev);
+    st.started[b] = true;
+    const bucket& k = st.buckets[b];
+    Wire* buf = nullptr;
+    if (k.packed) {
+      for (std::size_t i = k.first; i < k.last; ++i)
+        if (st.wire_at[i] != npos) detail::convert_copy<space>(st.w + st.wire_at[i], params[i].grad[dev], params[i].count[dev]);
+      buf = st.w + k.offset;
+    } else {
+      if constexpr (std::is_same_v<Wire, T>) buf = params[k.first].grad[dev];
+    }
     if constexpr (Axes != 0) {
-      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
-      for (std::size_t o = 0; o < len; o += step) {
-        (void)detail::psum_over<Axes>(detail::wrap1<bucket_type<Axes, Mesh>>(buf + o, std::min(step, len - o), mesh, dev));
+      if (!st.moves) return;
+      using B = bucket_type<Axes, Mesh>;
+      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(k.len, 1) : bucket_;
+      for (std::size_t o = 0; o < k.len; o += step) {
+        auto piece = detail::wrap1<B>(buf + o, std::min(step, k.len - o), mesh, dev);
+        if constexpr (Async) {
+          auto r = std::make_shared<decltype(detail::psum_start_over<Axes>(std::move(piece)))>(
+              detail::psum_start_over<Axes>(std::move(piece)));
+          st.waits.emplace_back([r] { (void)r->wait(); });
+        } else {
+          (void)detail::psum_over<Axes>(std::move(piece));
+        }
         ++collectives_[dev];
       }
     }
   }
+
+  /// The packed sums converted back to `T` (Wire != T); where each parameter's sum lies.
+  const std::vector<T*>& complete(std::size_t dev) {
+    plan_state& st = plans_.at(dev);
+    if constexpr (!std::is_same_v<Wire, T>)
+      for (const bucket& k : st.buckets) detail::convert_copy<space>(st.f + k.offset, st.w + k.offset, k.len);
+    return summed_.at(dev);
+  }
+
   /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),
   /// converted to `Wire`, for runs asked for in increasing order.
   struct flat_cursor {
@@ -6512,7 +6640,9 @@ class grad_sync {
   detail::device_buffers<T> flat_;
   detail::device_buffers<Wire> shard_;
   std::vector<std::size_t> collectives_;
+  std::vector<std::size_t> early_;
   std::vector<std::vector<T*>> summed_;  ///< per device: where each parameter's summed gradient lies
+  std::vector<plan_state> plans_;         ///< per device: the all-reduce's buckets
 };
 
 }  // namespace meshlib::nn
@@ -6556,6 +6686,7 @@ class grad_sync {
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -6657,12 +6788,18 @@ class fsdp_engine final : public layer_hooks {
   /// of them) over `Axes`: copies each device's chunk of each block into its shard, then points the
   /// parameters' blocks into the shared buffers (their own storage is released).
   /// @throws sharding_error when the axis does not divide a parameter's first dimension.
+  /// `prefetch` (with `reshard_after_forward` false, where every layer has its own buffer):
+  /// start the next layer's all-gathers before a layer runs forward (see `before_forward`).
   fsdp_engine(const Mesh& mesh, std::vector<param_ref<T>> full, const std::vector<std::size_t>& per_layer,
-              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name)
+              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name,
+              bool prefetch = false)
       : mesh_(mesh),
         shards_n_(mesh.axes_size(Axes)),
         full_(std::move(full)),
         reshard_(reshard_after_forward),
+        prefetch_(prefetch && !reshard_after_forward),
+        prefetched_(mesh.size()),
+        prefetched_for_(mesh.size(), 0),
         voff_(mesh.size()),
         goff_(mesh.size()),
         values_(mesh.size()),
@@ -6762,9 +6899,29 @@ class fsdp_engine final : public layer_hooks {
   /// Seconds device `dev` spent in FSDP's collectives since the last call (then reset).
   double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
 
+  /// Gathers the layer's parameters, or (prefetch) waits for the gathers started before an earlier
+  /// layer, then starts those of the next layer that has parameters with `all_gather_into_start`,
+  /// which run on the device's communication worker while this layer (and any parameterless one
+  /// after it) computes: FSDP2's forward prefetch, one layer ahead. The gathered bits are the same.
   void before_forward(std::size_t layer, std::size_t dev) override {
     const auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    auto& pending = prefetched_[dev];
+    // A new forward, or gathers started for a layer already passed (an aborted forward's): dropped.
+    if (layer == 0 || prefetched_for_[dev] < layer) pending.clear();
+    if (!pending.empty() && prefetched_for_[dev] == layer) {
+      for (auto& w : pending) w();
+      pending.clear();
+    } else {
+      for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    }
+    if (prefetch_ && pending.empty()) {
+      std::size_t next = layer + 1;
+      while (next + 1 < unit_begin_.size() && unit_begin_[next] == unit_begin_[next + 1]) ++next;
+      if (next + 1 < unit_begin_.size()) {
+        prefetched_for_[dev] = next;
+        for (std::size_t k = unit_begin_[next]; k < unit_begin_[next + 1]; ++k) start_gather(k, dev, pending);
+      }
+    }
     seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   void before_backward(std::size_t layer, std::size_t dev) override {
@@ -6827,6 +6984,25 @@ class fsdp_engine final : public layer_hooks {
     }
     convert_copy<Space>(out, in, s);
   }
+  /// `gather(k, dev)` started: the request's wait goes into `pending` (a layer without parameters,
+  /// or a group of one, leaves a wait that only copies).
+  void start_gather(std::size_t k, std::size_t dev, std::vector<std::function<void()>>& pending) {
+    const std::size_t s = shards_[k].count[dev];
+    T* out = full_[k].value[dev];
+    T* in = shards_[k].value[dev];
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+        auto r = std::make_shared<decltype(meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(
+            wrap1<slice_t>(in, s, mesh_, dev), wrap1<slice_t>(out, s * shards_n_, mesh_, dev)))>(
+            meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
+                                                                        wrap1<slice_t>(out, s * shards_n_, mesh_, dev)));
+        pending.emplace_back([r] { (void)r->wait(); });
+        return;
+      }
+    }
+    pending.emplace_back([this, k, dev] { gather(k, dev); });
+  }
   /// Parameter `k`'s gradient block on `dev` (a pending sum over `Axes`: its rows were this device's
   /// batch) reduce-scattered into its shard's gradient, which it adds to.
   void scatter(std::size_t k, std::size_t dev) {
@@ -6851,6 +7027,10 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::shared_ptr<const void>> owners_;
   std::vector<std::size_t> unit_begin_;
   bool reshard_;
+  bool prefetch_;
+  /// Per device: the waits of the next layer's started gathers (prefetch).
+  std::vector<std::vector<std::function<void()>>> prefetched_;
+  std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
   std::vector<std::vector<std::size_t>> voff_, goff_;
   std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
   std::vector<double> seconds_;
@@ -7873,6 +8053,140 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 #include <utility>
 #include <vector>
 
+// begin meshlib/nn/detail/grad_overlap.hpp
+/// @file
+/// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
+/// uses) that start the data-parallel gradient buckets during backward
+/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
+/// parameter of that layer and of the layers after it has its final gradient (backward runs last
+/// layer first), so every bucket (nn/grad_sync.hpp) made only of such parameters is started with
+/// `psum_start`; the optimizer step waits for all of them.
+///
+/// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
+/// writes the shard gradients this then starts), so one hook pointer serves both.
+/// Only the last micro-batch's backward starts buckets (`arm`): with accumulation, the gradients
+/// are complete only then.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn::detail {
+
+/// The overlap hooks of a `train_state` (see the file comment): buckets of `grad_sync<T, Wire>`
+/// all-reduced over the axes `DataAxes` of `Mesh`, or `ReplicaAxes` with FSDP (whose reduce-scatter
+/// already summed over the fsdp axis).
+template <class T, class Wire, mesh_type Mesh, axis_mask DataAxes, axis_mask ReplicaAxes>
+class grad_overlap final : public layer_hooks {
+ public:
+  /// `per_layer`: parameters per layer, in the order the model collects them; `round`: rounds a
+  /// gradient to the compute type (mixed precision; null otherwise); `inner`: FSDP's hooks or null
+  /// (then the sums run over `ReplicaAxes`).
+  grad_overlap(const Mesh& mesh, const std::vector<std::size_t>& per_layer, void (*round)(float*, std::size_t) noexcept,
+               layer_hooks* inner)
+      : mesh_(mesh),
+        round_(round),
+        inner_(inner),
+        sync_(mesh.size(), nullptr),
+        params_(mesh.size(), nullptr),
+        armed_(mesh.size(), 0),
+        next_(mesh.size(), 0),
+        seconds_(mesh.size(), 0.0) {
+    begin_.push_back(0);
+    for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
+  }
+
+  /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
+  void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
+    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
+    const auto t0 = std::chrono::steady_clock::now();
+    sync_[dev] = &sync;
+    params_[dev] = &params;
+    on_axes([&]<axis_mask Axes>() { sync.template begin_all_reduce<Axes>(params, mesh_, dev); });
+    next_[dev] = params.size();
+    armed_[dev] = 1;
+    seconds_[dev] += since(t0);
+  }
+  /// Whether `dev`'s buckets are being started by the hooks (between `arm` and `finish`).
+  [[nodiscard]] bool armed(std::size_t dev) const { return armed_.at(dev) != 0; }
+  /// The parameters `[0, unstarted(dev))` whose gradients no hook has finalised yet (all of them
+  /// when not armed): `train_step` zeroes and rounds those itself.
+  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t all) const { return armed(dev) ? next_[dev] : all; }
+  /// Starts the buckets not started yet, waits for all, returns where each summed gradient lies
+  /// (`grad_sync::all_reduce`'s result).
+  const std::vector<T*>& finish(std::size_t dev) {
+    const auto t0 = std::chrono::steady_clock::now();
+    armed_[dev] = 0;
+    const std::vector<T*>* g = nullptr;
+    on_axes([&]<axis_mask Axes>() { g = &sync_[dev]->template finish_all_reduce<Axes>(*params_[dev], mesh_, dev); });
+    seconds_[dev] += since(t0);
+    return *g;
+  }
+  /// The time `dev`'s thread spent in the overlapped synchronisation since the last call (packing
+  /// and starting buckets during backward, then waiting): its exposed synchronisation time.
+  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
+
+  void before_forward(std::size_t layer, std::size_t dev) override {
+    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
+    // a step that failed before its update) must not start buckets.
+    if (layer == 0) armed_[dev] = 0;
+    if (inner_ != nullptr) inner_->before_forward(layer, dev);
+  }
+  void before_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->before_backward(layer, dev);
+  }
+  void after_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->after_backward(layer, dev);
+    if (!armed_[dev]) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<param_ref<T>>& params = *params_[dev];
+    const std::size_t first = begin_.at(layer), last = begin_.at(layer + 1);
+    // What train_step does after the backward for every gradient, here for this layer's, before
+    // its bucket can start: a gradient no backward wrote is zero; mixed precision rounds it.
+    for (std::size_t i = first; i < last; ++i) {
+      const param_ref<T>& p = params[i];
+      if (p.overwrite && p.overwrite[dev]) {
+        fill_values<default_memory_space>(p.grad[dev], p.count[dev], T{});
+        p.overwrite[dev] = 0;
+      }
+      if (round_ != nullptr) round_(p.grad[dev], p.count[dev]);
+    }
+    next_[dev] = std::min(next_[dev], first);
+    // The buckets' staging buffers are the synchronisation's, not activations: not on the step's
+    // activation meter (nn/remat.hpp), as they are not when the sync runs after the backward.
+    const meter_scope unmetered(nullptr);
+    on_axes([&]<axis_mask Axes>() { sync_[dev]->template start_ready<Axes>(params, mesh_, dev, first); });
+    seconds_[dev] += since(t0);
+  }
+
+ private:
+  template <class F>
+  void on_axes(F&& f) {
+    if (inner_ != nullptr) f.template operator()<ReplicaAxes>();
+    else f.template operator()<DataAxes>();
+  }
+  static double since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  Mesh mesh_;
+  void (*round_)(float*, std::size_t) noexcept;
+  layer_hooks* inner_;
+  std::vector<std::size_t> begin_;  ///< layer l's parameters: [begin_[l], begin_[l + 1])
+  // Per device, each written only by its own device's thread.
+  std::vector<grad_sync<T, Wire>*> sync_;
+  std::vector<const std::vector<param_ref<T>>*> params_;
+  std::vector<std::uint8_t> armed_;
+  std::vector<std::size_t> next_;
+  std::vector<double> seconds_;
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/grad_overlap.hpp
 // begin meshlib/nn/pipeline.hpp
 /// @file
 /// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
@@ -8664,6 +8978,16 @@ struct train_options {
   /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
   /// micro-batches, schedule and stage split (nn/pipeline.hpp).
   pipeline_options pipeline = {};
+  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
+  /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
+  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward).
+  bool overlap_grad_sync = true;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
 };
 
 namespace detail {
@@ -8685,7 +9009,10 @@ struct step_metrics {
   std::size_t correct = 0;     ///< rows whose prediction was right
   std::size_t rows = 0;        ///< rows of the global batch
   double grad_norm = 0;        ///< global gradient norm before clipping (train_step)
-  double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
+  /// Time the first local device's thread spent in the gradient synchronisation: blocked in its
+  /// collectives, or (overlapped) starting them during backward and waiting for them after it: the
+  /// synchronisation the step exposes.
+  double sync_seconds = 0;
   bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
   double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
   // ---- activation memory (nn/remat.hpp), of the first local device ----
@@ -8803,6 +9130,9 @@ class train_state {
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
+    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
+    // after its rounds (nn/detail/pipeline_step.hpp), not from the layer hooks.
+    if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -8979,9 +9309,13 @@ class train_state {
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
       // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      const std::vector<T*>& g = fsdp_ ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
-                                       : sync_.template all_reduce<data_axes>(params, mesh, dev);
-      sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // Overlapped: the buckets were started during backward (nn/detail/grad_overlap.hpp).
+      const bool overlapped = overlap_ && overlap_->armed(dev);
+      const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
+                                 : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
+                                            : sync_.template all_reduce<data_axes>(params, mesh, dev);
+      sync_seconds = overlapped ? overlap_->take_seconds(dev)
+                                : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
@@ -9045,7 +9379,32 @@ class train_state {
     return norm;
   }
 
+  /// Overlapped gradient sync: before the last micro-batch's backward on `dev`, arms the hooks that
+  /// start the buckets (no-op without overlap).
+  void begin_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->arm(sync_, params, dev);
+  }
+  /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
+  /// (the hooks did the others' before starting their buckets).
+  [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
+    return overlap_ ? overlap_->unstarted(dev, params.size()) : params.size();
+  }
+
  private:
+  /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
+  void start_overlap() {
+    if constexpr (requires(Model& net) {
+                    net.hooks;
+                    net.template params_per_layer<T>();
+                  }) {
+      if (!options.overlap_grad_sync || options.zero) return;
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
+      model.hooks = overlap_.get();
+    }
+  }
+
   /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
     if constexpr (fsdp_axes == 0) {
@@ -9064,7 +9423,8 @@ class train_state {
         throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
                              "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
       fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, Fsdp.view());
+                                                                      local_, options.reshard_after_forward, Fsdp.view(),
+                                                                      options.fsdp_prefetch);
       params = fsdp_->shards();
       model.hooks = fsdp_.get();
     }
@@ -9133,6 +9493,9 @@ class train_state {
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
+  /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
+  using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
+  std::shared_ptr<overlap_type> overlap_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -9266,6 +9629,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
             scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
             round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
+          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
           {
             const meter_scope metered(meter);
             s.model.template backward<X>(dlogits);
@@ -9273,13 +9637,15 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        for (const auto& p : s.params)
+        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
+        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
+        for (const auto& p : unstarted)
           if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
             fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
             p.overwrite[dev] = 0;
           }
         if constexpr (State::mixed)
-          for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
         m.peak_activation_bytes = meter->peak;
         m.loss_scale = s.loss_scale();

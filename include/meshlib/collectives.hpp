@@ -8,7 +8,9 @@
 
 #include "meshlib/collectives/errors.hpp"
 #include "meshlib/collectives/workspace.hpp"
+#include "meshlib/collectives/comm_stream.hpp"
 #include "meshlib/collectives/device_context.hpp"
+#include "meshlib/collectives/collective_request.hpp"
 #include "meshlib/collectives/axis_group.hpp"
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/collectives/block_ops.hpp"

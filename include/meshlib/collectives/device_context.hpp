@@ -17,13 +17,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "meshlib/collectives/comm_stream.hpp"
 #include "meshlib/collectives/errors.hpp"
 #include "meshlib/collectives/observer.hpp"
 #include "meshlib/collectives/workspace.hpp"
@@ -31,6 +35,7 @@
 #include "meshlib/comm/communicator.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/comm/request.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
@@ -167,8 +172,37 @@ class device_context {
   [[nodiscard]] virtual std::size_t axis_size(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::size_t coord(std::size_t axis) const noexcept = 0;
   [[nodiscard]] virtual std::string describe_mesh() const = 0;
-  /// The communicator of this device's group along the axes in `mask`, in group-rank order.
-  [[nodiscard]] virtual device_comm& comm(axis_mask mask) = 0;
+  /// The communicator of this device's group along the axes in `mask`, in group-rank order, for a
+  /// synchronous collective on this thread: the device's queued asynchronous collectives complete
+  /// first (collectives/comm_stream.hpp), so its collectives keep one order.
+  [[nodiscard]] device_comm& comm(axis_mask mask) {
+    if (!stream_.idle()) {
+      if (independent_groups()) stream_.drain(mask);  // (collectives/comm_stream.hpp: why)
+      else stream_.drain();
+    }
+    return handle(mask);
+  }
+  /// Starts `job` on the communicator of `mask` on the device's communication worker, behind its
+  /// earlier asynchronous collectives; the typed `*_start` collectives' one way in. With an active
+  /// observer (tracing, debug mode) the job runs here and now, where the observer expects it (its
+  /// checks may issue collectives of their own); its error is still reported at `wait()`.
+  [[nodiscard]] std::shared_ptr<stream_op> start(axis_mask mask, std::function<void(device_comm&)> job) {
+    device_comm& c = handle(mask);
+    if (synchronous_starts()) {
+      std::exception_ptr error;
+      try {
+        job(c);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      auto op = completed_op();
+      op->error = std::move(error);
+      return op;
+    }
+    return stream_.enqueue([&c, job = std::move(job)] { job(c); }, mask);
+  }
+  /// The device's communication worker (requests wait on it).
+  [[nodiscard]] comm_stream& stream() noexcept { return stream_; }
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
   /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
@@ -179,6 +213,15 @@ class device_context {
 
  protected:
   device_context() = default;
+  /// The communicator of `mask`. Its first use splits it from the world communicator, a collective
+  /// on the device thread, after the worker has drained.
+  [[nodiscard]] virtual device_comm& handle(axis_mask mask) = 0;
+  /// Whether starts run at once on the device thread (an active observer).
+  [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
+  /// Whether collectives of different groups may run at once on two threads (a host backend).
+  [[nodiscard]] virtual bool independent_groups() const noexcept = 0;
+  /// The worker: stopped by the derived context's destructor, before its communicators go.
+  comm_stream stream_;
   /// The end of the device's call, on its own thread: results that leave the call keep their
   /// buffers, and the workspace lets go of them (collectives/workspace.hpp).
   template <class Tag = void>
@@ -206,7 +249,10 @@ class device_context_for final : public device_context {
         observer_(observer != nullptr && observer->active() ? observer : nullptr) {}
   device_context_for(const device_context_for&) = delete;
   device_context_for& operator=(const device_context_for&) = delete;
-  ~device_context_for() override { end_call(); }
+  ~device_context_for() override {
+    stream_.stop();  // the worker may be using the communicators below
+    end_call();
+  }
 
   std::size_t device() const noexcept override { return device_; }
   std::size_t find_axis(std::string_view name) const noexcept override { return Mesh::find_axis(name); }
@@ -216,10 +262,23 @@ class device_context_for final : public device_context {
   std::size_t coord(std::size_t axis) const noexcept override { return coords_[axis]; }
   std::string describe_mesh() const override { return mesh_.to_string(); }
   const Mesh& mesh() const noexcept { return mesh_; }
+  bool independent_groups() const noexcept override { return std::is_same_v<typename C::context_type, host_context>; }
+  bool synchronous_starts() const noexcept override {
+#if MESHLIB_DEBUG_HOOKS
+    return observer_ != nullptr;
+#else
+    return false;
+#endif
+  }
 
-  device_comm& comm(axis_mask mask) override {
+  device_comm& handle(axis_mask mask) override {
     auto it = handles_.find(mask);
-    if (it == handles_.end()) it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    if (it == handles_.end()) {
+      // The split is a collective on the world communicator, on this thread: the worker must not
+      // be using any of the device's communicators meanwhile (the world may be one of them).
+      stream_.drain();
+      it = handles_.emplace(mask, std::make_unique<device_comm_for<C>>(axes_.over(mask))).first;
+    }
 #if MESHLIB_DEBUG_HOOKS
     if (observer_ == nullptr) [[likely]] return *it->second;
     return observed(mask, *it->second);

@@ -17,6 +17,7 @@
 /// auto both   = meshlib::all_gather<meshlib::axis_group<"model", "data">, -1>(z);  // ('model', 'data')
 /// @endcode
 
+#include <any>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -27,6 +28,7 @@
 
 #include "meshlib/collectives/axis_group.hpp"
 #include "meshlib/collectives/block_ops.hpp"
+#include "meshlib/collectives/collective_request.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/collectives/type_rules.hpp"
@@ -230,15 +232,34 @@ block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view 
   }
 }
 
-template <class G, int DimArg, class L, class Into = std::nullptr_t>
-auto all_gather_tiled(const L& x, const Into& into = nullptr) {
+template <class G, int DimArg, class L, class Into = std::nullptr_t, bool Async = false>
+auto all_gather_tiled(const L& x, const Into& into = nullptr, std::bool_constant<Async> = {}) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_all_gather<L, G, DimArg>();
   constexpr std::size_t dim = norm_dim_v<DimArg, L::rank>;
   constexpr axis_mask mask = group_mask_v<mesh_t, G>;
   using result_t = with_vary_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask>;
   if constexpr (!ok) {
-    return result_t{};
+    if constexpr (Async) return collective_request<result_t>{};
+    else return result_t{};
+  } else if constexpr (Async) {
+    using T = typename L::value_type;
+    using space_t = typename L::memory_space;
+    const T* src = contiguous_data(x, "all_gather");
+    device_context& ctx = current_device("all_gather");
+    const std::size_t n = x.mesh().axes_size(mask);  // (comm(mask) would wait for the started ones)
+    auto out = result_block<T, L::rank, space_t>(ctx, "all_gather", with_extent(x.shape(), dim, x.extent(dim) * n), into);
+    const auto order = written_order_of<mesh_t, G>(x.mesh());
+    if (order.empty() && chunks_contiguous(x.shape(), dim)) {  // the blocks land where they belong: started
+      T* dst = out.data();
+      const std::size_t count = x.size();
+      return issue<true>(ctx, mask, result_t(out, x.mesh(), x.device()),
+                         [src, dst, count](device_comm& c) { c.all_gather(src, dst, count, datatype_of<T>); },
+                         std::any(x));
+    }
+    // Reordered or strided chunks are unpacked by a kernel on this thread: gathered now, complete.
+    gather_into<space_t>(ctx, ctx.comm(mask), src, x.shape(), dim, n, order, out.data());
+    return collective_request<result_t>(ctx.stream(), completed_op(), result_t(out, x.mesh(), x.device()));
   } else {
     using T = typename L::value_type;
     using space_t = typename L::memory_space;
@@ -394,6 +415,26 @@ template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
   return detail::all_gather_tiled<G, Dim>(x, out);
+}
+
+/// @brief `all_gather_into` started asynchronously (see `psum_start`): returns a
+/// `collective_request` whose `wait()` returns what `all_gather_into<Axis, Dim>(x, out)` returns;
+/// the gather runs on the device's communication worker. FSDP prefetches the next layer's
+/// parameters with it. Chunks that need reordering (axes written out of mesh order, a dimension
+/// other than the leading non-trivial one) are gathered at once and the request is complete.
+/// @code
+/// auto r = meshlib::all_gather_into_start<"fsdp", 0>(shard, whole);  // whole: the caller's buffer
+/// compute_this_layer();
+/// auto full = r.wait();                                             // a view of whole
+/// @endcode
+template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
+  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
+}
+/// @brief `all_gather_into_start` over several axes, in the order written.
+template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
+[[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
+  return detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted

@@ -13,12 +13,14 @@
 /// @endcode
 
 #include <algorithm>
+#include <any>
 #include <array>
 #include <cstddef>
 #include <string>
 #include <type_traits>
 #include <utility>
 
+#include "meshlib/collectives/collective_request.hpp"
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/comm/datatype.hpp"
@@ -92,9 +94,24 @@ void divide_into(U* m, const T* s, U n, std::size_t count) {
   launch<Space>(count, KOKKOS_LAMBDA(std::size_t i) { m[i] = static_cast<U>(s[i]) / n; });
 }
 
-/// The all-reduce `op` over the axes `Names...` of `x`.
-template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
-auto all_reduce_over(const L& x) {
+/// Runs `op` on the communicator of `mask` and returns `result`: now (`Async` false), or started on
+/// the device's communication worker, returning the `collective_request` of `result`; `keep` holds
+/// what the operation reads until it is complete. One function, so the synchronous form is the
+/// asynchronous one minus the worker, with the same types, checks and buffers.
+template <bool Async, class Result, class F>
+auto issue(device_context& ctx, axis_mask mask, Result result, F op, std::any keep = {}) {
+  if constexpr (Async) {
+    auto started = ctx.start(mask, std::move(op));
+    return collective_request<Result>(ctx.stream(), std::move(started), std::move(result), std::move(keep));
+  } else {
+    op(ctx.comm(mask));
+    return result;
+  }
+}
+
+/// The all-reduce `op` over the axes `Names...` of `x` (`Async`: started, see `issue`).
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L, bool Async = false>
+auto all_reduce_over(const L& x, std::bool_constant<Async> = {}) {
   using mesh_t = typename L::mesh_type;
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
@@ -105,7 +122,19 @@ auto all_reduce_over(const L& x) {
   using result_t = rebind_local_t<L, U, L::rank, L::vary & ~mask, L::partial & ~mask,
                                   dims_without_t<typename L::dims_type, mask>>;
   if constexpr (!ok) {
-    return result_t{};
+    if constexpr (Async) return collective_request<result_t>{};
+    else return result_t{};
+  } else if constexpr (Async) {
+    static_assert(!int_mean, "meshlib: the asynchronous form of an integer pmean is not provided; psum_start and divide");
+    using space_t = typename L::memory_space;
+    const T* src = contiguous_data(x, Op.view());
+    device_context& ctx = current_device(Op.view());
+    auto out = workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    T* dst = out.data();
+    const std::size_t count = x.size();
+    return issue<true>(ctx, mask, result_t(out, x.mesh(), x.device()),
+                       [src, dst, count](device_comm& c) { c.all_reduce(src, dst, count, datatype_of<T>, ROp); },
+                       std::any(x));
   } else {
     using space_t = typename L::memory_space;
     const T* src = contiguous_data(x, Op.view());
@@ -131,11 +160,11 @@ auto all_reduce_over(const L& x) {
 /// or when `x` is a view over a caller's buffer (an unmanaged view: no holder count, the caller
 /// owns the buffer and gave it up by moving it), and contiguous, so the call allocates and copies
 /// nothing; otherwise as `all_reduce_over`.
-template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L>
-auto all_reduce_donated(L&& x) {
+template <fixed_string Op, reduce_op ROp, bool AllowPartial, fixed_string... Names, class L, bool Async = false>
+auto all_reduce_donated(L&& x, std::bool_constant<Async> async = {}) {
   constexpr bool ok = check_reduction<Op, L, AllowPartial, Names...>();
   if constexpr (!ok) {
-    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);  // fires the same diagnostic
+    return all_reduce_over<Op, ROp, AllowPartial, Names...>(x, async);  // fires the same diagnostic
   } else {
     // One holder: the handle is this device's own block (view.hpp's rule), so the count is exact.
     // A result of an earlier collective is held by the workspace too, which counts as no holder.
@@ -145,15 +174,17 @@ auto all_reduce_donated(L&& x) {
     const bool borrowed = count == 0 && x.data() != nullptr;
     const long holders = count - (ctx.workspace().holds(x.view()) ? 1 : 0);
     if ((!borrowed && holders != 1) || (x.size() != 0 && !x.view().span_is_contiguous()))
-      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x);
+      return all_reduce_over<Op, ROp, AllowPartial, Names...>(x, async);
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = safe_mask_v<mesh_t, Names...>;
     using result_t = with_vary_partial_t<with_dims_t<L, dims_without_t<typename L::dims_type, mask>>, L::vary & ~mask,
                                          L::partial & ~mask>;
     using T = typename L::value_type;
     auto buffer = x.view();
-    ctx.comm(mask).all_reduce(buffer.data(), x.size(), datatype_of<T>, ROp);
-    return result_t(std::move(buffer), x.mesh(), x.device());
+    T* data = buffer.data();
+    const std::size_t elements = x.size();
+    return issue<Async>(ctx, mask, result_t(std::move(buffer), x.mesh(), x.device()),
+                        [data, elements](device_comm& c) { c.all_reduce(data, elements, datatype_of<T>, ROp); });
   }
 }
 
@@ -184,6 +215,34 @@ template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum(L&& x) {
   return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+}
+
+/// @brief `psum` started asynchronously: returns at once a `collective_request` whose `wait()`
+/// returns what `psum<Names...>(x)` returns (same type, same bits: the same reduction in the same
+/// order), while the sum runs on the device's communication worker (collectives/comm_stream.hpp).
+/// The same compile-time checks as `psum`. `x` is kept alive by the request; every device of the
+/// group must start the same collectives in the same order (as for every collective).
+/// @code
+/// auto r = meshlib::psum_start<"data">(x);
+/// auto other = local_work();        // overlaps the sum
+/// auto s = r.wait();                // == psum<"data">(x); errors (comm_aborted, ...) surface here
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+[[nodiscard]] auto psum_start(const L& x) {
+  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
+}
+
+/// @brief `psum_start` of a donated value: summed in `x`'s buffer under `psum`'s donation rule, which
+/// the request's result takes over; nothing is allocated or copied. The training layer's gradient
+/// buckets are started this way, as soon as backward has completed them.
+/// @code
+/// auto r = meshlib::psum_start<"data">(std::move(grad));  // grad must not be read afterwards
+/// auto g = r.wait();                                      // grad's buffer, now the sum
+/// @endcode
+template <fixed_string... Names, local_tensor_type L>
+  requires(!std::is_reference_v<L>)
+[[nodiscard]] auto psum_start(L&& x) {
+  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.

@@ -38,6 +38,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -148,12 +149,18 @@ class fsdp_engine final : public layer_hooks {
   /// of them) over `Axes`: copies each device's chunk of each block into its shard, then points the
   /// parameters' blocks into the shared buffers (their own storage is released).
   /// @throws sharding_error when the axis does not divide a parameter's first dimension.
+  /// `prefetch` (with `reshard_after_forward` false, where every layer has its own buffer):
+  /// start the next layer's all-gathers before a layer runs forward (see `before_forward`).
   fsdp_engine(const Mesh& mesh, std::vector<param_ref<T>> full, const std::vector<std::size_t>& per_layer,
-              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name)
+              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name,
+              bool prefetch = false)
       : mesh_(mesh),
         shards_n_(mesh.axes_size(Axes)),
         full_(std::move(full)),
         reshard_(reshard_after_forward),
+        prefetch_(prefetch && !reshard_after_forward),
+        prefetched_(mesh.size()),
+        prefetched_for_(mesh.size(), 0),
         voff_(mesh.size()),
         goff_(mesh.size()),
         values_(mesh.size()),
@@ -253,9 +260,29 @@ class fsdp_engine final : public layer_hooks {
   /// Seconds device `dev` spent in FSDP's collectives since the last call (then reset).
   double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
 
+  /// Gathers the layer's parameters, or (prefetch) waits for the gathers started before an earlier
+  /// layer, then starts those of the next layer that has parameters with `all_gather_into_start`,
+  /// which run on the device's communication worker while this layer (and any parameterless one
+  /// after it) computes: FSDP2's forward prefetch, one layer ahead. The gathered bits are the same.
   void before_forward(std::size_t layer, std::size_t dev) override {
     const auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    auto& pending = prefetched_[dev];
+    // A new forward, or gathers started for a layer already passed (an aborted forward's): dropped.
+    if (layer == 0 || prefetched_for_[dev] < layer) pending.clear();
+    if (!pending.empty() && prefetched_for_[dev] == layer) {
+      for (auto& w : pending) w();
+      pending.clear();
+    } else {
+      for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    }
+    if (prefetch_ && pending.empty()) {
+      std::size_t next = layer + 1;
+      while (next + 1 < unit_begin_.size() && unit_begin_[next] == unit_begin_[next + 1]) ++next;
+      if (next + 1 < unit_begin_.size()) {
+        prefetched_for_[dev] = next;
+        for (std::size_t k = unit_begin_[next]; k < unit_begin_[next + 1]; ++k) start_gather(k, dev, pending);
+      }
+    }
     seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   void before_backward(std::size_t layer, std::size_t dev) override {
@@ -318,6 +345,25 @@ class fsdp_engine final : public layer_hooks {
     }
     convert_copy<Space>(out, in, s);
   }
+  /// `gather(k, dev)` started: the request's wait goes into `pending` (a layer without parameters,
+  /// or a group of one, leaves a wait that only copies).
+  void start_gather(std::size_t k, std::size_t dev, std::vector<std::function<void()>>& pending) {
+    const std::size_t s = shards_[k].count[dev];
+    T* out = full_[k].value[dev];
+    T* in = shards_[k].value[dev];
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+        auto r = std::make_shared<decltype(meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(
+            wrap1<slice_t>(in, s, mesh_, dev), wrap1<slice_t>(out, s * shards_n_, mesh_, dev)))>(
+            meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
+                                                                        wrap1<slice_t>(out, s * shards_n_, mesh_, dev)));
+        pending.emplace_back([r] { (void)r->wait(); });
+        return;
+      }
+    }
+    pending.emplace_back([this, k, dev] { gather(k, dev); });
+  }
   /// Parameter `k`'s gradient block on `dev` (a pending sum over `Axes`: its rows were this device's
   /// batch) reduce-scattered into its shard's gradient, which it adds to.
   void scatter(std::size_t k, std::size_t dev) {
@@ -342,6 +388,10 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::shared_ptr<const void>> owners_;
   std::vector<std::size_t> unit_begin_;
   bool reshard_;
+  bool prefetch_;
+  /// Per device: the waits of the next layer's started gathers (prefetch).
+  std::vector<std::vector<std::function<void()>>> prefetched_;
+  std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
   std::vector<std::vector<std::size_t>> voff_, goff_;
   std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
   std::vector<double> seconds_;

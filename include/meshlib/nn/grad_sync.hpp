@@ -20,9 +20,12 @@
 /// `local_tensor` over its piece of the flat buffer (a view of nn's own buffer, a pending sum over
 /// the data axes), summed in place by the donated `psum`, or reduce-scattered by
 /// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
-/// Buckets run one after the other today; they are filled in parameter order, which leaves room for
-/// overlapping a bucket's collective with the backward of earlier layers once the communicator is
-/// asynchronous.
+/// Buckets are filled in parameter order. Synchronously (`all_reduce`) they run one after the other
+/// after the backward; overlapped (`begin_all_reduce` / `start_ready` / `finish_all_reduce`,
+/// `train_options::overlap_grad_sync`), each is started with `psum_start` as soon as the backward
+/// has completed its gradients (the last layers' first), so its reduction runs on the device's
+/// communication worker while the backward of the earlier layers computes. Same buckets, same
+/// per-element rank-order sums: the same bits either way.
 /// @code
 /// meshlib::nn::grad_sync<float> sync(mesh.size(), 1 << 20);   // 4 MiB buckets of floats
 /// // inside spmd, after backward: const auto& g = sync.all_reduce<data_axes>(params, mesh, dev);
@@ -31,6 +34,9 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -59,7 +65,14 @@ class grad_sync {
   grad_sync() = default;
   /// `devices`: the mesh size; `bucket_elements`: most elements per collective (0: no limit).
   grad_sync(std::size_t devices, std::size_t bucket_elements)
-      : bucket_(bucket_elements), wire_(devices), flat_(devices), shard_(devices), collectives_(devices, 0), summed_(devices) {}
+      : bucket_(bucket_elements),
+        wire_(devices),
+        flat_(devices),
+        shard_(devices),
+        collectives_(devices, 0),
+        early_(devices, 0),
+        summed_(devices),
+        plans_(devices) {}
 
   /// Elements of the flat buffer on device `dev` (sum of its local gradient blocks).
   [[nodiscard]] static std::size_t flat_size(const std::vector<param_ref<T>>& params, std::size_t dev) {
@@ -79,41 +92,52 @@ class grad_sync {
   /// next call on `dev`. Runs inside `spmd` / `shard_map` on device `dev`.
   template <axis_mask Axes, mesh_type Mesh>
   const std::vector<T*>& all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
-    constexpr bool same = std::is_same_v<Wire, T>;
-    const std::size_t n = flat_size(params, dev);
-    const bool moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
-    std::vector<T*>& out = summed_.at(dev);
-    out.assign(params.size(), nullptr);
-    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
-    Wire* w = same && !moves ? nullptr : wire_.get(dev, n);
-    T* f = same ? nullptr : flat_.get(dev, n);
-    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
-    auto flush = [&] {
-      if (used == open) return;
-      if (moves) reduce<Axes>(mesh, w + open, used - open, dev);
-      if constexpr (!same)
-        detail::convert_copy<space>(f + open, w + open, used - open);
-      open = used;
-    };
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const std::size_t c = params[i].count[dev];
-      T* g = params[i].grad[dev];
-      if constexpr (same)
-        if (!moves || c >= big) {  // in place, in the gradient block itself
-          out[i] = g;
-          if (moves) reduce<Axes>(mesh, g, c, dev);
-          continue;
-        }
-      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
-      detail::convert_copy<space>(w + used, g, c);
-      if constexpr (same) out[i] = w + used;
-      else out[i] = f + used;
-      used += c;
-      if (c >= big) flush();
-    }
-    flush();
-    return out;
+    plan<Axes>(params, mesh, dev);
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = 0; b < st.buckets.size(); ++b) run_bucket<Axes, false>(params, mesh, dev, b);
+    return complete(dev);
   }
+
+  /// @name Overlapped all-reduce (`train_options::overlap_grad_sync`)
+  /// The same buckets and the same sums as `all_reduce`, started as backward completes them:
+  /// `begin_all_reduce` before the backward, `start_ready(first)` each time the gradients of
+  /// parameters `first, first + 1, ...` are complete (backward runs last layer first), and
+  /// `finish_all_reduce`, which starts the rest, waits for all and returns what `all_reduce` returns.
+  /// Every device makes the same calls with the same arguments, so all start the same buckets in the
+  /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
+  /// @{
+  template <axis_mask Axes, mesh_type Mesh>
+  void begin_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    plan<Axes>(params, mesh, dev);
+  }
+  /// Starts every bucket not yet started whose parameters all have index `first` or more.
+  template <axis_mask Axes, mesh_type Mesh>
+  void start_ready(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t first) {
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = st.buckets.size(); b-- > 0;)
+      if (!st.started[b] && st.buckets[b].first >= first) {
+        run_bucket<Axes, true>(params, mesh, dev, b);
+        ++early_[dev];
+      }
+  }
+  template <axis_mask Axes, mesh_type Mesh>
+  const std::vector<T*>& finish_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    plan_state& st = plans_.at(dev);
+    for (std::size_t b = st.buckets.size(); b-- > 0;)
+      if (!st.started[b]) run_bucket<Axes, true>(params, mesh, dev, b);
+    std::exception_ptr first_error;  // every request is waited for (its buffers are in use) before one throws
+    for (auto& w : st.waits) {
+      try {
+        w();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+    st.waits.clear();
+    if (first_error) std::rethrow_exception(first_error);
+    return complete(dev);
+  }
+  /// @}
 
   /// ZeRO-1: pads the flat gradient vector to a multiple of the group size and reduce-scatters it
   /// over the axes `Axes` of `mesh`: returns this device's slice `[begin, begin + size)` of the
@@ -156,20 +180,115 @@ class grad_sync {
 
   /// Collectives this device has issued (a test checks the bucketing).
   [[nodiscard]] std::size_t collectives(std::size_t dev) const { return collectives_.at(dev); }
+  /// Buckets this device has started during backward (`start_ready`; a test checks the overlap).
+  [[nodiscard]] std::size_t started_early(std::size_t dev) const { return early_.at(dev); }
 
  private:
-  /// All-reduces `len` elements of `buf` in place over `Axes`, in pieces of at most the bucket
-  /// size: each piece a donated `psum` of a bucket over `buf` (summed where it lies).
+  /// One collective's worth of the all-reduce: the gradient block of parameter `first` reduced in
+  /// place (`packed` false), or the parameters `[first, last)` that the plan packed at `offset` of
+  /// the wire buffer.
+  struct bucket {
+    std::size_t first = 0, last = 0;
+    bool packed = false;
+    std::size_t offset = 0, len = 0;
+  };
+  /// A device's plan of the all-reduce (the same on every device: it depends on the sizes only).
+  struct plan_state {
+    std::vector<bucket> buckets;          ///< in the order `all_reduce` issues them
+    std::vector<bool> started;            ///< per bucket
+    std::vector<std::size_t> wire_at;     ///< per parameter: its offset in the packed buffer, or npos
+    std::vector<std::function<void()>> waits;  ///< the started requests' waits
+    Wire* w = nullptr;                    ///< the packed buffer
+    T* f = nullptr;                       ///< the packed sums converted back to T (Wire != T)
+    bool moves = false;                   ///< whether the group has more than one device
+  };
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  /// Plans the buckets of `params` on `dev` (see the file comment) and where each sum will lie.
   template <axis_mask Axes, mesh_type Mesh>
-  void reduce(const Mesh& mesh, Wire* buf, std::size_t len, std::size_t dev) {
+  void plan(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
+    constexpr bool same = std::is_same_v<Wire, T>;
+    const std::size_t n = flat_size(params, dev);
+    plan_state& st = plans_.at(dev);
+    st.moves = Axes != 0 && mesh.axes_size(Axes) > 1;  // a group of one: nothing to add
+    std::vector<T*>& out = summed_.at(dev);
+    out.assign(params.size(), nullptr);
+    st.buckets.clear();
+    st.waits.clear();
+    st.wire_at.assign(params.size(), npos);
+    const std::size_t cap = bucket_ == 0 ? std::max<std::size_t>(n, 1) : bucket_, big = (cap + 1) / 2;
+    st.w = same && !st.moves ? nullptr : wire_.get(dev, n);
+    st.f = same ? nullptr : flat_.get(dev, n);
+    std::size_t open = 0, used = 0;  // the open bucket: [open, used) of the packed buffer
+    std::size_t first = npos, last = 0;  // its parameters
+    auto flush = [&] {
+      if (used == open) return;
+      st.buckets.push_back({first, last, true, open, used - open});
+      open = used;
+      first = npos;
+    };
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::size_t c = params[i].count[dev];
+      if constexpr (same)
+        if (!st.moves || c >= big) {  // in place, in the gradient block itself
+          out[i] = params[i].grad[dev];
+          if (st.moves) st.buckets.push_back({i, i + 1, false, 0, c});
+          continue;
+        }
+      if (used - open + c > cap || c >= big) flush();  // (a big one is a bucket of its own)
+      if (first == npos) first = i;
+      last = i + 1;
+      st.wire_at[i] = used;
+      if constexpr (same) out[i] = st.w + used;
+      else out[i] = st.f + used;
+      used += c;
+      if (c >= big) flush();
+    }
+    flush();
+    st.started.assign(st.buckets.size(), false);
+  }
+
+  /// Packs bucket `b` and all-reduces it in pieces of at most the bucket size: each piece a donated
+  /// `psum` (`Async`: `psum_start`) of a bucket over the buffer (summed where it lies).
+  template <axis_mask Axes, bool Async, mesh_type Mesh>
+  void run_bucket(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev, std::size_t b) {
+    plan_state& st = plans_.at(dev);
+    st.started[b] = true;
+    const bucket& k = st.buckets[b];
+    Wire* buf = nullptr;
+    if (k.packed) {
+      for (std::size_t i = k.first; i < k.last; ++i)
+        if (st.wire_at[i] != npos) detail::convert_copy<space>(st.w + st.wire_at[i], params[i].grad[dev], params[i].count[dev]);
+      buf = st.w + k.offset;
+    } else {
+      if constexpr (std::is_same_v<Wire, T>) buf = params[k.first].grad[dev];
+    }
     if constexpr (Axes != 0) {
-      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(len, 1) : bucket_;
-      for (std::size_t o = 0; o < len; o += step) {
-        (void)detail::psum_over<Axes>(detail::wrap1<bucket_type<Axes, Mesh>>(buf + o, std::min(step, len - o), mesh, dev));
+      if (!st.moves) return;
+      using B = bucket_type<Axes, Mesh>;
+      const std::size_t step = bucket_ == 0 ? std::max<std::size_t>(k.len, 1) : bucket_;
+      for (std::size_t o = 0; o < k.len; o += step) {
+        auto piece = detail::wrap1<B>(buf + o, std::min(step, k.len - o), mesh, dev);
+        if constexpr (Async) {
+          auto r = std::make_shared<decltype(detail::psum_start_over<Axes>(std::move(piece)))>(
+              detail::psum_start_over<Axes>(std::move(piece)));
+          st.waits.emplace_back([r] { (void)r->wait(); });
+        } else {
+          (void)detail::psum_over<Axes>(std::move(piece));
+        }
         ++collectives_[dev];
       }
     }
   }
+
+  /// The packed sums converted back to `T` (Wire != T); where each parameter's sum lies.
+  const std::vector<T*>& complete(std::size_t dev) {
+    plan_state& st = plans_.at(dev);
+    if constexpr (!std::is_same_v<Wire, T>)
+      for (const bucket& k : st.buckets) detail::convert_copy<space>(st.f + k.offset, st.w + k.offset, k.len);
+    return summed_.at(dev);
+  }
+
   /// Copies runs of the flat gradient vector (the blocks one after the other, zeros past the end),
   /// converted to `Wire`, for runs asked for in increasing order.
   struct flat_cursor {
@@ -209,7 +328,9 @@ class grad_sync {
   detail::device_buffers<T> flat_;
   detail::device_buffers<Wire> shard_;
   std::vector<std::size_t> collectives_;
+  std::vector<std::size_t> early_;
   std::vector<std::vector<T*>> summed_;  ///< per device: where each parameter's summed gradient lies
+  std::vector<plan_state> plans_;         ///< per device: the all-reduce's buckets
 };
 
 }  // namespace meshlib::nn

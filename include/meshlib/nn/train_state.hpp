@@ -51,6 +51,7 @@
 #include "meshlib/nn/data/text_windows.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/grad_overlap.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/fsdp.hpp"
@@ -87,6 +88,16 @@ struct train_options {
   /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
   /// micro-batches, schedule and stage split (nn/pipeline.hpp).
   pipeline_options pipeline = {};
+  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
+  /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
+  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward).
+  bool overlap_grad_sync = true;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
 };
 
 namespace detail {
@@ -108,7 +119,10 @@ struct step_metrics {
   std::size_t correct = 0;     ///< rows whose prediction was right
   std::size_t rows = 0;        ///< rows of the global batch
   double grad_norm = 0;        ///< global gradient norm before clipping (train_step)
-  double sync_seconds = 0;     ///< time the first local device spent in the gradient synchronisation
+  /// Time the first local device's thread spent in the gradient synchronisation: blocked in its
+  /// collectives, or (overlapped) starting them during backward and waiting for them after it: the
+  /// synchronisation the step exposes.
+  double sync_seconds = 0;
   bool skipped = false;        ///< dynamic loss scaling: the gradients were not finite, no update
   double loss_scale = 1;       ///< the loss scale this step used (1 without loss scaling)
   // ---- activation memory (nn/remat.hpp), of the first local device ----
@@ -226,6 +240,9 @@ class train_state {
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
+    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
+    // after its rounds (nn/detail/pipeline_step.hpp), not from the layer hooks.
+    if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
     const std::size_t dp = m.axes_size(data_axes);
@@ -402,9 +419,13 @@ class train_state {
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
       // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      const std::vector<T*>& g = fsdp_ ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
-                                       : sync_.template all_reduce<data_axes>(params, mesh, dev);
-      sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // Overlapped: the buckets were started during backward (nn/detail/grad_overlap.hpp).
+      const bool overlapped = overlap_ && overlap_->armed(dev);
+      const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
+                                 : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
+                                            : sync_.template all_reduce<data_axes>(params, mesh, dev);
+      sync_seconds = overlapped ? overlap_->take_seconds(dev)
+                                : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
       double sq[1] = {0};
       for (std::size_t i = 0; i < params.size(); ++i) {
@@ -468,7 +489,32 @@ class train_state {
     return norm;
   }
 
+  /// Overlapped gradient sync: before the last micro-batch's backward on `dev`, arms the hooks that
+  /// start the buckets (no-op without overlap).
+  void begin_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->arm(sync_, params, dev);
+  }
+  /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
+  /// (the hooks did the others' before starting their buckets).
+  [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
+    return overlap_ ? overlap_->unstarted(dev, params.size()) : params.size();
+  }
+
  private:
+  /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
+  void start_overlap() {
+    if constexpr (requires(Model& net) {
+                    net.hooks;
+                    net.template params_per_layer<T>();
+                  }) {
+      if (!options.overlap_grad_sync || options.zero) return;
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
+      model.hooks = overlap_.get();
+    }
+  }
+
   /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
     if constexpr (fsdp_axes == 0) {
@@ -487,7 +533,8 @@ class train_state {
         throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
                              "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
       fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, Fsdp.view());
+                                                                      local_, options.reshard_after_forward, Fsdp.view(),
+                                                                      options.fsdp_prefetch);
       params = fsdp_->shards();
       model.hooks = fsdp_.get();
     }
@@ -556,6 +603,9 @@ class train_state {
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
+  /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
+  using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
+  std::shared_ptr<overlap_type> overlap_;
   float loss_scale_ = 1.0f;
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
@@ -689,6 +739,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
             scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
             round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
           }
+          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
           {
             const meter_scope metered(meter);
             s.model.template backward<X>(dlogits);
@@ -696,13 +747,15 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
           sums[0] += part.loss;
           sums[1] += static_cast<double>(part.correct);
         }
-        for (const auto& p : s.params)
+        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
+        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
+        for (const auto& p : unstarted)
           if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
             fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
             p.overwrite[dev] = 0;
           }
         if constexpr (State::mixed)
-          for (const auto& p : s.params) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
         step_metrics& m = out[dev];
         m.peak_activation_bytes = meter->peak;
         m.loss_scale = s.loss_scale();

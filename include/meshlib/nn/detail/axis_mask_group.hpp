@@ -60,6 +60,10 @@ auto psum_names(axis_group<Names...>, L&& x) {
   return meshlib::psum<Names...>(std::forward<L>(x));
 }
 template <fixed_string... Names, class L>
+auto psum_start_names(axis_group<Names...>, L&& x) {
+  return meshlib::psum_start<Names...>(std::forward<L>(x));
+}
+template <fixed_string... Names, class L>
 auto pmax_names(axis_group<Names...>, L&& x) {
   return meshlib::pmax<Names...>(std::forward<L>(x));
 }
@@ -68,6 +72,11 @@ auto pmax_names(axis_group<Names...>, L&& x) {
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
   return psum_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+}
+/// `psum_start<names of Mask...>(x)` (an rvalue `x` is donated): the asynchronous `psum_over`.
+template <axis_mask Mask, local_tensor_type L>
+auto psum_start_over(L&& x) {
+  return psum_start_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
 }
 /// `pmax<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
