@@ -145,9 +145,28 @@ auto untied_gpt4(const mesh4_t& m) {
                         nn::column_dense<float, mesh4_t, "tensor">(m, "head", 16, 32, key));
 }
 
-/// Per-step losses of the GPT on a 4-axis mesh, then the validation loss.
-std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, std::size_t steps = 8) {
+/// `small_gpt4` with each Transformer block in `nn::remat` (its activations recomputed in backward).
+auto small_gpt4_remat(const mesh4_t& m) {
+  const nn::rng_key key{21};
+  nn::embedding<float, mesh4_t, "tensor"> tok(m, "tok", 32, 16, key, 0.5f);
+  return nn::sequential(tok, nn::positional_embedding<float, mesh4_t>(m, "pos", 8, 16, 8, key, 0.1f),
+                        nn::remat(m, nn::transformer_block<float, mesh4_t, "tensor">(m, "h0", 16, 4, 32, 8, key)),
+                        nn::remat(m, nn::transformer_block<float, mesh4_t, "tensor">(m, "h1", 16, 4, 32, 8, key)),
+                        nn::layer_norm<float, mesh4_t>(m, "ln_f", 16), nn::tied_head<float, mesh4_t, "tensor">(tok));
+}
+
+/// Per-step losses of the GPT on a 4-axis mesh, then the validation loss (`remat`: every block in
+/// `nn::remat`).
+std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, std::size_t steps = 8,
+                                bool remat = false) {
   const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
+  if (remat) {
+    nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o);
+    std::vector<double> out;
+    for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
+    out.push_back(nn::evaluate(state, validation(), 4).loss);
+    return out;
+  }
   nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
@@ -214,6 +233,18 @@ TEST_CASE("pipeline: the GPT on ('data', 'fsdp', 'tensor', 'pipeline') meshes of
       INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ") micro-batches " << mb
                     << " " << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
       require_close(gpt4_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
+    }
+}
+
+TEST_CASE("pipeline: the GPT with every block in remat on 4-axis meshes trains as on one device without remat",
+          "[nn][pipeline][gpt][mesh4][remat]") {
+  const auto ref = gpt4_losses({1, 1, 1, 1});
+  require_close(gpt4_losses({1, 1, 1, 1}, {}, 8, true), ref, 1e-5);
+  for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
+    for (auto shape : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}}) {
+      INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ") remat "
+                    << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
+      require_close(gpt4_losses(shape, {.pipeline = {.microbatches = 2, .schedule = kind}}, 8, true), ref, 1e-5);
     }
 }
 
