@@ -8941,8 +8941,11 @@ class [[nodiscard]] collective_request {
   collective_request(detail::comm_stream& stream, std::shared_ptr<detail::stream_op> op, Result result,
                      std::any keep = {})
       : stream_(&stream), op_(std::move(op)), result_(std::move(result)), keep_(std::move(keep)) {}
+  /// Takes over `o`'s operation (a moved-from request has none: its `wait()` is not called).
   collective_request(collective_request&& o) noexcept
       : stream_(o.stream_), op_(std::move(o.op_)), result_(std::move(o.result_)), keep_(std::move(o.keep_)) {}
+  /// Completes this request's own operation first (a dropped request still completes), then takes
+  /// over `o`'s.
   collective_request& operator=(collective_request&& o) noexcept {
     if (this != &o) {
       complete_quietly();

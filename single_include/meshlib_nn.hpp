@@ -6418,6 +6418,7 @@ class grad_sync {
   /// Every device makes the same calls with the same arguments, so all start the same buckets in the
   /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
   /// @{
+  /// Plans this step's buckets (nothing starts yet).
   template <axis_mask Axes, mesh_type Mesh>
   void begin_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     plan<Axes>(params, mesh, dev);
@@ -6432,6 +6433,8 @@ class grad_sync {
         ++early_[dev];
       }
   }
+  /// Starts the buckets not yet started, waits for every bucket, and returns each parameter's summed
+  /// gradient block (what `all_reduce` returns).
   template <axis_mask Axes, mesh_type Mesh>
   const std::vector<T*>& finish_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     plan_state& st = plans_.at(dev);
@@ -10322,12 +10325,13 @@ struct mesh_shape {
     for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "x" : "") + std::to_string(sizes[i]);
     return s;
   }
+  /// Equal when the axes and their sizes are.
   friend bool operator==(const mesh_shape&, const mesh_shape&) = default;
 };
 
 /// @brief One shape's measurement (or why it cannot run).
 struct advice_row {
-  mesh_shape shape;
+  mesh_shape shape;  ///< the mesh shape measured
   /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
   std::string refused;
   double step_seconds = 0;        ///< median wall time of a timed step
@@ -10345,9 +10349,9 @@ struct advice_row {
 /// @brief The advisor's answer: every shape, ranked (fastest first; shapes not possible last, in
 /// enumeration order), and the best one.
 struct advice {
-  std::vector<advice_row> rows;
-  mesh_shape best;
-  std::size_t devices = 0;
+  std::vector<advice_row> rows;  ///< every shape, ranked
+  mesh_shape best;               ///< the fastest shape that ran
+  std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
   /// The ranked table in Markdown.
@@ -10378,7 +10382,7 @@ struct advice {
 struct advise_options {
   std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
   std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
-  optimizer opt = adam(constant(1e-3f));
+  optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
   train_options train = {};      ///< the base options (`fsdp` is set per shape)
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
 };

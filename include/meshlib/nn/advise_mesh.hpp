@@ -77,12 +77,13 @@ struct mesh_shape {
     for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "x" : "") + std::to_string(sizes[i]);
     return s;
   }
+  /// Equal when the axes and their sizes are.
   friend bool operator==(const mesh_shape&, const mesh_shape&) = default;
 };
 
 /// @brief One shape's measurement (or why it cannot run).
 struct advice_row {
-  mesh_shape shape;
+  mesh_shape shape;  ///< the mesh shape measured
   /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
   std::string refused;
   double step_seconds = 0;        ///< median wall time of a timed step
@@ -100,9 +101,9 @@ struct advice_row {
 /// @brief The advisor's answer: every shape, ranked (fastest first; shapes not possible last, in
 /// enumeration order), and the best one.
 struct advice {
-  std::vector<advice_row> rows;
-  mesh_shape best;
-  std::size_t devices = 0;
+  std::vector<advice_row> rows;  ///< every shape, ranked
+  mesh_shape best;               ///< the fastest shape that ran
+  std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
   /// The ranked table in Markdown.
@@ -133,7 +134,7 @@ struct advice {
 struct advise_options {
   std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
   std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
-  optimizer opt = adam(constant(1e-3f));
+  optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
   train_options train = {};      ///< the base options (`fsdp` is set per shape)
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
 };

@@ -106,6 +106,7 @@ class grad_sync {
   /// Every device makes the same calls with the same arguments, so all start the same buckets in the
   /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
   /// @{
+  /// Plans this step's buckets (nothing starts yet).
   template <axis_mask Axes, mesh_type Mesh>
   void begin_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     plan<Axes>(params, mesh, dev);
@@ -120,6 +121,8 @@ class grad_sync {
         ++early_[dev];
       }
   }
+  /// Starts the buckets not yet started, waits for every bucket, and returns each parameter's summed
+  /// gradient block (what `all_reduce` returns).
   template <axis_mask Axes, mesh_type Mesh>
   const std::vector<T*>& finish_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     plan_state& st = plans_.at(dev);
