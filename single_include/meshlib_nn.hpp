@@ -6418,6 +6418,7 @@ class grad_sync {
   /// Every device makes the same calls with the same arguments, so all start the same buckets in the
   /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
   /// @{
+
   /// Plans this step's buckets (nothing starts yet).
   template <axis_mask Axes, mesh_type Mesh>
   void begin_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
