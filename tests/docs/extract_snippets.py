@@ -8,7 +8,7 @@ compiles or runs fails the build or its test.
 
 One program per Markdown file rather than per block (issue 28: the cold test command within 30
 minutes on 2 cores): the blocks of a file share the same meshlib templates, which a batch
-instantiates and compiles once (the nine programs of training.md took about 200 CPU s apart).
+instantiates and compiles once (the nine programs of training.md took 172 CPU s apart, 47 as one).
 Each block keeps its text and its own test: its code goes into a namespace of its own
 (`doc_<name>`), its `main` is renamed `doc_main` (with a `return 0;` added at its end, which
 `main` has implicitly), and the program's own `main` runs the block named by its first argument
