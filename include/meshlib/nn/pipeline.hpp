@@ -164,6 +164,55 @@ class pipeline_plan {
     return peak;
   }
 
+  /// @brief What stage `stage` holds between rounds (`slots`): for each micro-batch, the slot of the
+  /// stage's buffers its received activation, its received cotangent and (last stage) its loss's
+  /// gradient live in, and how many slots of each the stage needs. A received activation is held
+  /// from the exchange that brings it until the stage's backward of that micro-batch (it is the
+  /// layers' saved input, and what a recomputing backward starts from); a received cotangent until
+  /// that backward; the loss's gradient from the last stage's forward (where the loss is taken)
+  /// until its backward. A slot freed by a backward is reused by the next arrival (lowest first).
+  struct holding {
+    std::vector<std::size_t> input_slot;      ///< per micro-batch (`pipeline_slot::none` on stage 0)
+    std::vector<std::size_t> cotangent_slot;  ///< per micro-batch (`none` on the last stage)
+    std::vector<std::size_t> loss_grad_slot;  ///< per micro-batch (`none` but on the last stage)
+    std::size_t inputs = 0;                   ///< slots of received activations
+    std::size_t cotangents = 0;               ///< slots of received cotangents
+    std::size_t loss_grads = 0;               ///< slots of the loss's gradients
+  };
+  /// The buffers stage `stage` holds over the rounds (see `holding`). Under GPipe the last stage
+  /// holds all `m` activations and loss gradients; under 1F1B at most `2 (p - s)` activations.
+  [[nodiscard]] holding held(std::size_t stage) const {
+    constexpr std::size_t none = pipeline_slot::none;
+    holding h;
+    h.input_slot.assign(m_, none);
+    h.cotangent_slot.assign(m_, none);
+    h.loss_grad_slot.assign(m_, none);
+    std::vector<char> in_use[3];
+    const auto take = [&](int kind, std::vector<std::size_t>& slot, std::size_t& count, std::size_t j) {
+      auto& u = in_use[kind];
+      std::size_t i = 0;
+      while (i < u.size() && u[i]) ++i;
+      if (i == u.size()) u.push_back(0);
+      u[i] = 1;
+      slot[j] = i;
+      count = std::max(count, u.size());
+    };
+    const auto give = [&](int kind, const std::vector<std::size_t>& slot, std::size_t j) {
+      if (slot[j] != none) in_use[kind][slot[j]] = 0;
+    };
+    for (const auto& r : rounds_) {
+      if (stage + 1 == p_ && r.at(stage).forward != none) take(2, h.loss_grad_slot, h.loss_grads, r[stage].forward);
+      if (stage > 0 && r[stage - 1].forward != none) take(0, h.input_slot, h.inputs, r[stage - 1].forward);
+      if (const std::size_t j = r[stage].backward; j != none) {
+        give(0, h.input_slot, j);
+        give(1, h.cotangent_slot, j);
+        give(2, h.loss_grad_slot, j);
+      }
+      if (stage + 1 < p_ && r[stage + 1].backward != none) take(1, h.cotangent_slot, h.cotangents, r[stage + 1].backward);
+    }
+    return h;
+  }
+
   /// One row per stage, one column per round half: `F3` / `B3` when micro-batch 3's forward /
   /// backward runs, `..` when idle.
   /// @code
@@ -374,7 +423,7 @@ struct pipeline_engine {
   // and the buffers.
   std::vector<std::vector<std::size_t>> extents;
   std::vector<std::size_t> probed_rows;
-  device_buffers<float> inputs, dys, dlogits, send, scratch;
+  device_buffers<float> inputs, dys, dlogits, send, scratch, stash;
   /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
   /// which goes), and one zero block that the other stages' parameters point to on that device.
   std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
@@ -451,6 +500,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   e->dlogits = device_buffers<float>(e->devices);
   e->send = device_buffers<float>(e->devices);
   e->scratch = device_buffers<float>(e->devices);
+  e->stash = device_buffers<float>(e->devices);
   return e;
 }
 
@@ -535,18 +585,6 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
     throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
                                  "into stages; wrap the layers in nn::sequential");
   } else {
-    if (State::mixed)
-      throw sharding_error(where + "and the state computes in a 16-bit type: a pipeline trains in float only; "
-                                   "use train_state<..., Compute = float> or a pipeline axis of size 1");
-    if (s.options.accumulation != 1)
-      throw sharding_error(where + "and train_options::accumulation is " + std::to_string(s.options.accumulation) +
-                           ": a pipeline accumulates over its micro-batches; set pipeline.microbatches instead");
-    std::vector<param_ref<float>> buffers;
-    s.model.collect_buffers(buffers);
-    if (!buffers.empty())
-      throw sharding_error(where + "but layer buffer '" + buffers.front().name +
-                           "' (running statistics) would be updated twice when a stage recomputes its forward; "
-                           "a pipeline does not support batch norm yet: use layer_norm or a pipeline axis of size 1");
     auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
     if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
     if (s.options.fsdp && !e->mirrors.empty())
