@@ -32,6 +32,16 @@
 /// first (stage-level activation checkpointing; the same numbers, dropout included: its mask is a
 /// function of the step's key and the rows).
 ///
+/// What it computes: what `train_options::accumulation = m` computes without a pipeline on the same
+/// data mesh (the same rows per forward, the gradients summed over the micro-batches); so 16-bit
+/// compute rounds as there (each layer's output and cotangent, the loss's scaled gradient, the
+/// summed gradients), batch norm takes statistics per micro-batch and moves its running statistics
+/// once per micro-batch in order (a recompute saves and restores them; after the step every stage
+/// gets the others' by a sum over the axis), and `accumulation = k` runs `k` whole schedules before
+/// the one synchronisation (`k m` micro-batches). Activation memory: a stage holds its layers'
+/// buffers for one micro-batch plus the boundary buffers of `pipeline_plan::held`, metered as
+/// `step_metrics::peak_activation_bytes`.
+///
 /// Parameters: a device holds, synchronises and updates only its stage's parameters (its
 /// `params[i].count[dev]` is 0 for the others, so optimizer state, gradient synchronisation over the
 /// data axes, clipping and checkpoints skip them); a parameter that a later stage's layer also reads
@@ -85,6 +95,19 @@ struct pipeline_slot {
   static constexpr std::size_t none = static_cast<std::size_t>(-1);  ///< no micro-batch
   std::size_t forward = none;   ///< runs in the round's first half
   std::size_t backward = none;  ///< runs in the round's second half
+};
+
+/// @brief Where one device's compute time in its last pipelined step went (`nn::stage_times`):
+/// thread CPU seconds where the platform has a per-thread clock (Linux, macOS: not inflated when
+/// other work shares the cores), else wall seconds; with the number of each. What
+/// `pipeline_plan::bubble_with_costs` takes, per stage, as the cost of one of each.
+struct pipeline_stage_times {
+  double forward = 0;         ///< in its forwards (the first run of each micro-batch, loss included)
+  double backward = 0;        ///< in its backwards, less the forwards they first run again
+  double recompute = 0;       ///< in the forwards run again before a backward
+  std::size_t forwards = 0;   ///< forwards run
+  std::size_t backwards = 0;  ///< backwards run
+  std::size_t recomputes = 0; ///< forwards run again
 };
 
 /// @brief The lockstep rounds a pipelined step runs (see the file comment): per round, per stage,
@@ -152,6 +175,39 @@ class pipeline_plan {
     }
     busy += static_cast<double>(p_ * m_) * forward;
     return 1.0 - busy / (static_cast<double>(p_) * total);
+  }
+
+  /// `bubble_with_recompute` with each stage's own costs: `forward[s]`, `backward[s]` and
+  /// `recompute[s]` the seconds (any unit) of one forward, one backward and one recomputed forward
+  /// on stage `s`. A round lasts its slowest forward plus its slowest backward (a recomputing one
+  /// with its recompute); the bubble is the stages' idle share of that. With measured costs
+  /// (`nn::stage_times`) it is what the schedule costs on that model when messages are free:
+  /// stages whose work differs (a first stage skips its input's cotangent; recomputation falls on
+  /// some stages only) idle even at the plan's best.
+  /// @throws sharding_error when a vector does not have one cost per stage.
+  [[nodiscard]] double bubble_with_costs(const std::vector<double>& forward, const std::vector<double>& backward,
+                                         const std::vector<double>& recompute) const {
+    if (forward.size() != p_ || backward.size() != p_ || recompute.size() != p_)
+      throw sharding_error("meshlib::nn::pipeline_plan::bubble_with_costs: " + std::to_string(forward.size()) + ", " +
+                           std::to_string(backward.size()) + " and " + std::to_string(recompute.size()) +
+                           " costs for " + std::to_string(p_) + " stages; give one forward, backward and recompute "
+                           "cost per stage");
+    double total = 0, busy = 0;
+    for (std::size_t r = 0; r < rounds_.size(); ++r) {
+      double f = 0, b = 0;
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (rounds_[r][s].forward != pipeline_slot::none) {
+          f = std::max(f, forward[s]);
+          busy += forward[s];
+        }
+        if (rounds_[r][s].backward == pipeline_slot::none) continue;
+        const double c = backward[s] + (recompute_[r][s] ? recompute[s] : 0.0);
+        b = std::max(b, c);
+        busy += c;
+      }
+      total += f + b;
+    }
+    return total <= 0 ? 0.0 : 1.0 - busy / (static_cast<double>(p_) * total);
   }
 
   /// The most micro-batches stage `stage` holds the input of at once (forwarded, not yet backwarded).
@@ -429,6 +485,7 @@ struct pipeline_engine {
   std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
+  std::vector<pipeline_stage_times> times;  ///< per device: the last step's compute, by kind
 
   /// `full_count` of parameter `i` on `dev`.
   [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
@@ -495,6 +552,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   e->probed_rows.assign(e->devices, 0);
   e->busy.assign(e->devices, 0.0);
   e->span.assign(e->devices, 0.0);
+  e->times.assign(e->devices, {});
   e->inputs = device_buffers<float>(e->devices);
   e->dys = device_buffers<float>(e->devices);
   e->dlogits = device_buffers<float>(e->devices);
@@ -525,6 +583,16 @@ double measured_bubble(const State& state) {
     span = std::max(span, e->span[dev]);
   }
   return span <= 0 ? 0.0 : 1.0 - busy / (span * static_cast<double>(state.local_devices().size()));
+}
+
+/// @brief Device `dev`'s compute in `state`'s last pipelined `train_step`, by kind (see
+/// `pipeline_stage_times`); all zero without a pipeline. `pipeline_plan::bubble_with_costs` of the
+/// per-stage means is the bubble the schedule costs on that model; `measured_bubble` minus it is
+/// what the exchanges and the machine add.
+template <class State>
+pipeline_stage_times stage_times(const State& state, std::size_t dev) {
+  const auto* e = state.pipeline();
+  return e == nullptr ? pipeline_stage_times{} : e->times.at(dev);
 }
 
 }  // namespace meshlib::nn
@@ -572,7 +640,8 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
 }
 
 /// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
-/// refuses what a pipeline cannot run yet, then cuts the model (`make_pipeline_engine`).
+/// cuts the model (`make_pipeline_engine`), refusing a model that is not a `sequential` and a tied
+/// parameter under FSDP.
 /// @throws sharding_error naming the option and the fix.
 template <axis_mask PipeMask, class State>
 std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {

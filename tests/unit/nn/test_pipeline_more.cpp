@@ -349,4 +349,56 @@ TEST_CASE("pipeline activation memory: each stage's peak is its layers' buffers 
   }
 }
 
+TEST_CASE("pipeline_plan::bubble_with_costs: the plan's bubble with each stage's own costs, and nn::stage_times "
+          "counts each stage's forwards, backwards and recomputes",
+          "[nn][pipeline]") {
+  for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
+    for (std::size_t p = 1; p <= 5; ++p)
+      for (std::size_t m = 1; m <= 9; ++m) {
+        const nn::pipeline_plan plan(kind, p, m);
+        INFO(plan.timeline());
+        // Equal costs everywhere: the plan's own bubble with recompute.
+        const std::vector<double> one(p, 1.0), two(p, 2.0);
+        CHECK(std::abs(plan.bubble_with_costs(one, two, one) - plan.bubble_with_recompute(1.0, 2.0)) < 1e-12);
+        // A free recompute: the closed form.
+        CHECK(std::abs(plan.bubble_with_costs(one, two, std::vector<double>(p, 0.0)) -
+                       nn::pipeline_schedule::ideal_bubble(p, m)) < 1e-12);
+      }
+  // Two stages, stage 0's backward one product cheaper (no input cotangent), a recompute one
+  // forward: GPipe's rounds are m forwards, the last stage's first forward + backward, m - 1
+  // backward rounds at the last stage's 3, stage 0's last backward (2): 4 m + 3; the stages
+  // work 3 m and 4 m.
+  for (std::size_t m = 1; m <= 16; ++m) {
+    const nn::pipeline_plan plan(nn::pipeline_kind::gpipe, 2, m);
+    const double want = 1.0 - 7.0 * static_cast<double>(m) / (2.0 * (4.0 * static_cast<double>(m) + 3.0));
+    CHECK(std::abs(plan.bubble_with_costs({1, 1}, {1, 2}, {1, 1}) - want) < 1e-12);
+  }
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([] {
+          (void)nn::pipeline_plan(nn::pipeline_kind::gpipe, 2, 2).bubble_with_costs({1}, {1, 1}, {1, 1});
+        }) == "meshlib::nn::pipeline_plan::bubble_with_costs: 1, 2 and 2 costs for 2 stages; give one forward, backward "
+              "and recompute cost per stage");
+  // The counts of a real step (accumulation 2: two schedules).
+  for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
+    const mesh_t m{1, 1, 2};
+    nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)),
+                          {.accumulation = 2, .pipeline = {.microbatches = 4, .schedule = kind}});
+    (void)step(state, 0);
+    const nn::pipeline_plan plan(kind, 2, 4);
+    for (std::size_t st = 0; st < 2; ++st) {
+      std::size_t again = 0;
+      for (std::size_t r = 0; r < plan.rounds().size(); ++r) again += plan.recomputes(r, st) ? 1 : 0;
+      const auto t = nn::stage_times(state, st);
+      CHECK(t.forwards == 8);
+      CHECK(t.backwards == 8);
+      CHECK(t.recomputes == 2 * again);
+      CHECK(t.forward > 0);
+      CHECK(t.backward > 0);
+      CHECK((t.recompute > 0) == (again > 0));
+    }
+  }
+  const mesh_t one{1, 1, 1};
+  nn::train_state flat(one, make_mlp(one), nn::adam(nn::constant(1e-2f)));
+  CHECK(nn::stage_times(flat, 0).forwards == 0);
+}
+
 }  // namespace MESHLIB_TEST_UNIT

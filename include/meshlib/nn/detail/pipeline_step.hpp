@@ -10,6 +10,7 @@
 
 #include <array>
 #include <chrono>
+#include <ctime>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -22,6 +23,16 @@
 #include "meshlib/nn/train_state.hpp"
 
 namespace meshlib::nn::detail {
+
+/// The calling thread's CPU seconds where the platform has a per-thread clock (not inflated by other
+/// work sharing the cores), else wall seconds (`pipeline_stage_times`).
+inline double thread_seconds() noexcept {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec t{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) == 0) return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+#endif
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 /// The type of a device's model input on a pipeline mesh: as `input_block_t`, and varying over the
 /// pipeline axis (every activation differs from stage to stage, which `ppermute` requires).
@@ -396,6 +407,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
         double sums[2] = {0, 0};
         double busy = 0;
+        pipeline_stage_times times;
         bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
         std::size_t j = 0;      // the micro-batch running
         auto forward_sink = [&](auto at, const auto& out) {
@@ -424,12 +436,15 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
             const auto& r = rounds[ri];
             if (r[stage].forward != pipeline_slot::none) {
               const auto t0 = clock::now();
+              const double c0 = thread_seconds();
               j = r[stage].forward;
               with_loss = true;
               {
                 const meter_scope metered(meter);
                 run.forward(x0_of(j), input_of(j), micro, forward_sink);
               }
+              times.forward += thread_seconds() - c0;
+              ++times.forwards;
               if (g + 1 == k && j + 1 == m) out[dev].activation_bytes = meter->live;
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
@@ -442,14 +457,21 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               const auto t0 = clock::now();
               j = r[stage].backward;
               const meter_scope metered(meter);
+              double c0 = thread_seconds();
               if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
                 with_loss = false;
                 run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
                 run.forward(x0_of(j), input_of(j), micro, forward_sink);
                 run.stash_buffers(buffers, stash, false);
+                const double c1 = thread_seconds();
+                times.recompute += c1 - c0;
+                ++times.recomputes;
+                c0 = c1;
               }
               run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
                            micro, backward_sink);
+              times.backward += thread_seconds() - c0;
+              ++times.backwards;
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
@@ -460,6 +482,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           }
         e.busy[dev] = busy;
         e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
+        e.times[dev] = times;
         out[dev].peak_activation_bytes = meter->peak;
         for (const auto& q : s.params)
           if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
