@@ -56,6 +56,7 @@ auto make_net4(const mesh_t& m, std::size_t w) {
 
 struct result {
   double measured = 0, with_costs = 0;
+  std::vector<double> forward, backward, recompute;  // per stage: mean CPU seconds of one
   std::vector<std::size_t> peak;  // per stage: peak activation bytes
 };
 
@@ -98,6 +99,11 @@ std::array<result, 2> measure(std::array<State*, 2> states, std::size_t p, std::
   for (std::size_t k = 0; k < 2; ++k) {
     const auto& plan = nn::pipeline_plan(k == 0 ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b, p, mb);
     out[k].with_costs = plan.bubble_with_costs(f[k], b[k], r[k]);
+    for (std::size_t st = 0; st < p; ++st) {
+      out[k].forward.push_back(f[k][st] / static_cast<double>(steps));
+      out[k].backward.push_back(b[k][st] / static_cast<double>(steps));
+      out[k].recompute.push_back(r[k][st] / static_cast<double>(steps));
+    }
     for (std::size_t st = 0; st < p; ++st) out[k].peak.push_back(states[k]->activation_meter(st)->peak);
   }
   return out;
@@ -115,6 +121,7 @@ void table(std::size_t w, std::size_t rows, std::size_t steps) {
   std::printf("| m | (p-1)/(m+p-1) | GPipe measured | GPipe plan, measured costs | GPipe plan + recompute | 1F1B measured | "
               "1F1B plan, measured costs | 1F1B plan + recompute | peak act. KiB per stage GPipe | 1F1B |\n"
               "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n");
+  std::string costs;
   for (std::size_t mb : {1, 2, 4, 8, 16}) {
     auto g = make_state<Lead, P>(m, mb, nn::pipeline_kind::gpipe, w);
     auto f = make_state<Lead, P>(m, mb, nn::pipeline_kind::one_f_one_b, w);
@@ -130,7 +137,18 @@ void table(std::size_t w, std::size_t rows, std::size_t steps) {
     std::printf("| %zu | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %s | %s |\n", mb,
                 nn::pipeline_schedule::ideal_bubble(p, mb), res[0].measured, res[0].with_costs, gp, res[1].measured,
                 res[1].with_costs, fp, kib(res[0].peak).c_str(), kib(res[1].peak).c_str());
+    for (std::size_t k = 0; k < 2; ++k) {
+      costs += "m = " + std::to_string(mb) + (k == 0 ? " GPipe:" : " 1F1B:");
+      for (std::size_t st = 0; st < p; ++st) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, " stage %zu %.2f / %.2f / %.2f", st, 1e3 * res[k].forward[st],
+                      1e3 * res[k].backward[st], 1e3 * res[k].recompute[st]);
+        costs += buf;
+      }
+      costs += "\n";
+    }
   }
+  std::printf("\nper-stage CPU ms of one forward / backward (less recompute) / recomputed forward:\n%s", costs.c_str());
 }
 
 }  // namespace
