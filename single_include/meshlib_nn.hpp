@@ -9993,10 +9993,12 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 
 #include <array>
 #include <chrono>
-#include <ctime>
+#include <concepts>
 #include <cstddef>
+#include <ctime>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>

@@ -10,10 +10,12 @@
 
 #include <array>
 #include <chrono>
-#include <ctime>
+#include <concepts>
 #include <cstddef>
+#include <ctime>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
