@@ -7,7 +7,10 @@
 // same OpenBLAS kernels (OPENBLAS_CORETYPE as set in the environment, printed). Not a test: it
 // prints a table (docs/benchmarks.md keeps the numbers).
 //
-//   train_bench [--steps N] [--hidden H] [--rounds R]   (R interleaved rounds, best kept; default 1)
+//   train_bench [--steps N] [--hidden H] [--rounds R] [--mesh DxM]... [--overlap-grad-sync on|off]
+//   (R interleaved rounds, best kept; default 1. --mesh: only these meshes' rows (repeatable).
+//   --overlap-grad-sync: train_options::overlap_grad_sync for the table; default: the library's
+//   default, printed in the header, so the table measures what a user's train_step does.)
 //
 // With --overlap (issue 26 item 4): the flagship's step (hidden 1024 unless --hidden) at (2, 1) and
 // (4, 2), train_options::overlap_grad_sync off and on, in interleaved rounds (off, on, off, on, ...);
@@ -26,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+
 #include "bench_common.hpp"
 #include "handwritten_mlp.hpp"
 
@@ -39,12 +44,22 @@ constexpr std::size_t inputs = 784, classes = 10, batch = 256;
 
 struct result {
   double samples_per_s = 0, sync_share = 0;
+  double cpu_per_step = 0;  ///< the process's CPU time (user + system, every thread) per step, seconds
 };
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
+/// The process's CPU time so far (every thread, user + system): what a step costs the machine,
+/// which other load on a shared machine changes much less than the wall time.
+double cpu_now() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  return sec(u.ru_utime) + sec(u.ru_stime);
+}
+
 result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, std::size_t steps,
-                   const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = true,
+                   const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = nn::train_options{}.overlap_grad_sync,
                    double* sync_per_step = nullptr, double* step_seconds = nullptr) {
   meshlib::set_blas_threads_per_device(1);
   const mesh_t mesh{d, m};
@@ -64,12 +79,14 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   one(0);
   one(1);
   double sync = 0;
+  const double c0 = cpu_now();
   const double t0 = now();
   for (std::size_t s = 0; s < steps; ++s) sync += one(s).sync_seconds;
   const double t = now() - t0;
+  const double cpu = cpu_now() - c0;
   if (sync_per_step) *sync_per_step = sync / static_cast<double>(steps);
   if (step_seconds) *step_seconds = t / static_cast<double>(steps);
-  return {static_cast<double>(steps * batch) / t, sync / t};
+  return {static_cast<double>(steps * batch) / t, sync / t, cpu / static_cast<double>(steps)};
 }
 
 double median(std::vector<double> v) {
@@ -132,8 +149,15 @@ int main(int argc, char** argv) {
   std::size_t steps = 10, rounds = 1;
   std::vector<std::size_t> hiddens{1024, 2048};
   bool overlap = false;
+  bool table_overlap = nn::train_options{}.overlap_grad_sync;
+  std::vector<std::pair<std::size_t, std::size_t>> only;  // --mesh DxM
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "--overlap") overlap = true;
+    else if (std::string(argv[i]) == "--help") {
+      std::printf("usage: train_bench [--steps N] [--hidden H] [--rounds R] [--mesh DxM]... [--overlap-grad-sync on|off]\n"
+                  "       train_bench --overlap [--steps N] [--rounds R] [--hidden H]\n");
+      return 0;
+    }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--overlap") {
@@ -143,6 +167,19 @@ int main(int argc, char** argv) {
     if (a == "--steps") steps = std::stoul(argv[i + 1]);
     else if (a == "--hidden") hiddens = {std::stoul(argv[i + 1])};
     else if (a == "--rounds") rounds = std::max<std::size_t>(1, std::stoul(argv[i + 1]));
+    else if (a == "--overlap-grad-sync") table_overlap = std::string(argv[i + 1]) == "on";
+    else if (a == "--mesh") {
+      const std::string v = argv[i + 1];
+      const std::size_t xpos = v.find('x');
+      if (xpos == std::string::npos) {
+        std::fprintf(stderr, "train_bench: --mesh %s: give the mesh as DxM (data x model), e.g. --mesh 4x2\n", v.c_str());
+        return 2;
+      }
+      only.emplace_back(std::stoul(v.substr(0, xpos)), std::stoul(v.substr(xpos + 1)));
+    } else {
+      std::fprintf(stderr, "train_bench: unknown option %s (see --help)\n", a.c_str());
+      return 2;
+    }
   }
   std::vector<float> x(4 * batch * inputs);
   std::vector<std::int32_t> y(4 * batch);
@@ -151,10 +188,10 @@ int main(int argc, char** argv) {
   if (overlap) return run_overlap(hiddens.size() == 1 ? hiddens.front() : 1024, steps, std::max<std::size_t>(rounds, 1), x, y);
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
-              "OPENBLAS_CORETYPE=%s on both sides; load average %.1f\n\n",
-              batch, steps, rounds, core ? core : "(unset)", bench::load_average());
-  std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- |\n");
+              "OPENBLAS_CORETYPE=%s on both sides; overlap_grad_sync %s; load average %.1f\n\n",
+              batch, steps, rounds, core ? core : "(unset)", table_overlap ? "on" : "off", bench::load_average());
+  std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share | CPU ms / step |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
   for (std::size_t h : hiddens) {
     // Every round runs the peer and every mesh once, interleaved; a row keeps its best round (a
     // busy machine only ever slows a run down, and interleaving gives each row the same chances).
@@ -162,25 +199,28 @@ int main(int argc, char** argv) {
       std::size_t d, m;
       bool zero;
       result best;
+      double cpu = 0;  ///< the least CPU time per step over the rounds
     };
     std::vector<row> rows;
     for (auto [d, m] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}})
       for (bool zero : {false, true})
-        if (!zero || d > 1) rows.push_back({d, m, zero, {}});  // ZeRO-1 shards over the data axis
+        if ((!zero || d > 1) && (only.empty() || std::find(only.begin(), only.end(), std::pair{d, m}) != only.end()))
+          rows.push_back({d, m, zero, {}});  // ZeRO-1 shards over the data axis
     double peer = 0;
     for (std::size_t round = 0; round < rounds; ++round) {
       peer = std::max(peer, run_peer(h, steps, x, y));
       for (auto& r : rows) {
-        const auto got = run_meshlib(r.d, r.m, r.zero, h, steps, x, y);
+        const auto got = run_meshlib(r.d, r.m, r.zero, h, steps, x, y, table_overlap);
         if (got.samples_per_s > r.best.samples_per_s) r.best = got;
+        if (r.cpu == 0 || got.cpu_per_step < r.cpu) r.cpu = got.cpu_per_step;
       }
     }
-    std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | |\n", h, peer);
-    const double one = rows.front().best.samples_per_s;
+    std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | | |\n", h, peer);
+    const double one = rows.front().d == 1 && rows.front().m == 1 ? rows.front().best.samples_per_s : 0;
     for (const auto& r : rows)
-      std::printf("| %zu | (%zu, %zu)%s | %.0f | %.2fx | %.2fx | %.0f%% |\n", h, r.d, r.m, r.zero ? " ZeRO-1" : "",
+      std::printf("| %zu | (%zu, %zu)%s | %.0f | %.2fx | %.2fx | %.0f%% | %.1f |\n", h, r.d, r.m, r.zero ? " ZeRO-1" : "",
                   r.best.samples_per_s, r.best.samples_per_s / one, r.best.samples_per_s / peer,
-                  100.0 * r.best.sync_share);
+                  100.0 * r.best.sync_share, 1e3 * r.cpu);
     std::fflush(stdout);
   }
   std::printf("\nload average at the end: %.1f\n", bench::load_average());
