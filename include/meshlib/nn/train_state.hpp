@@ -497,6 +497,11 @@ class train_state {
   void begin_grad_overlap(std::size_t dev) {
     if (overlap_) overlap_->arm(sync_, params, dev);
   }
+  /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
+  /// (nn/detail/grad_overlap.hpp, `prepare`; no-op without overlap).
+  void prepare_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->prepare(dev);
+  }
   /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
   /// (the hooks did the others' before starting their buckets).
   [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
@@ -724,6 +729,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
         double sums[2] = {0, 0};
         buffer_meter* meter = s.activation_meter(dev);
         meter->reset_peak();
+        s.prepare_grad_overlap(dev);
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
