@@ -15,7 +15,10 @@
 // With --overlap (issue 26 item 4): the flagship's step (hidden 1024 unless --hidden) at (2, 1) and
 // (4, 2), train_options::overlap_grad_sync off and on, in interleaved rounds (off, on, off, on, ...);
 // per row the median over rounds of the exposed synchronisation per step (step_metrics::sync_seconds:
-// the device thread's time in the gradient synchronisation) and of the step time, and the on/off ratios.
+// the device thread's time in the gradient synchronisation), of the step time and of the process's
+// CPU time per step, and the on/off ratios. "sync CPU": the CPU time per step beyond the same
+// computation without the data-parallel synchronisation (d runs of (1, m) on batch / d rows, the
+// "compute only" row): what the synchronisation costs a machine whose cores are all computing.
 //
 //   train_bench --overlap [--steps N] [--rounds R] [--hidden H]
 #include <meshlib.hpp>
@@ -60,7 +63,7 @@ double cpu_now() {
 
 result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, std::size_t steps,
                    const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = nn::train_options{}.overlap_grad_sync,
-                   double* sync_per_step = nullptr, double* step_seconds = nullptr) {
+                   double* sync_per_step = nullptr, double* step_seconds = nullptr, std::size_t rows = batch) {
   meshlib::set_blas_threads_per_device(1);
   const mesh_t mesh{d, m};
   const nn::rng_key key{0};
@@ -73,8 +76,8 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)), options);
   auto one = [&](std::size_t s) {
     const std::size_t b = s % 4;
-    return nn::train_step(state, std::span<const float>(x).subspan(b * batch * inputs, batch * inputs),
-                          std::span<const std::int32_t>(y).subspan(b * batch, batch), batch, 0, batch);
+    return nn::train_step(state, std::span<const float>(x).subspan(b * batch * inputs, rows * inputs),
+                          std::span<const std::int32_t>(y).subspan(b * batch, rows), rows, 0, rows);
   };
   one(0);
   one(1);
@@ -86,7 +89,7 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   const double cpu = cpu_now() - c0;
   if (sync_per_step) *sync_per_step = sync / static_cast<double>(steps);
   if (step_seconds) *step_seconds = t / static_cast<double>(steps);
-  return {static_cast<double>(steps * batch) / t, sync / t, cpu / static_cast<double>(steps)};
+  return {static_cast<double>(steps * rows) / t, sync / t, cpu / static_cast<double>(steps)};
 }
 
 double median(std::vector<double> v) {
@@ -102,29 +105,42 @@ int run_overlap(std::size_t hidden, std::size_t steps, std::size_t rounds, const
               "rounds (median kept); load average %.1f\n\n",
               hidden, hidden, batch, steps, rounds, bench::load_average());
   struct cell {
-    std::vector<double> sync, step;
+    std::vector<double> sync, step, cpu;
   };
   const std::pair<std::size_t, std::size_t> meshes[] = {{2, 1}, {4, 2}};
-  cell cells[2][2];  // [mesh][overlap]
+  cell cells[2][3];  // [mesh][overlap off, on, the compute-only reference]
   for (std::size_t round = 0; round < rounds; ++round)
-    for (std::size_t k = 0; k < 2; ++k)
+    for (std::size_t k = 0; k < 2; ++k) {
+      const auto [d, m] = meshes[k];
       for (int on = 0; on < 2; ++on) {
         // Alternate which goes first, so neither always follows the other.
         const bool overlap = (round % 2 == 0) == (on == 1);
         double sync = 0, step = 0;
-        run_meshlib(meshes[k].first, meshes[k].second, false, hidden, steps, x, y, overlap, &sync, &step);
+        const result r = run_meshlib(d, m, false, hidden, steps, x, y, overlap, &sync, &step);
         cells[k][overlap ? 1 : 0].sync.push_back(sync);
         cells[k][overlap ? 1 : 0].step.push_back(step);
+        cells[k][overlap ? 1 : 0].cpu.push_back(r.cpu_per_step);
       }
-  std::printf("| mesh (data, model) | overlap | exposed sync / step (ms) | step (ms) | exposed share | sync on/off | step on/off |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+      // The same step's computation without the data-parallel synchronisation: one data replica,
+      // (1, m) on batch / d rows, whose CPU time d times over is what the (d, m) step computes.
+      double sync = 0, step = 0;
+      const result r = run_meshlib(1, m, false, hidden, steps, x, y, false, &sync, &step, batch / d);
+      cells[k][2].cpu.push_back(r.cpu_per_step * static_cast<double>(d));
+    }
+  std::printf("| mesh (data, model) | overlap | exposed sync / step (ms) | step (ms) | exposed share | CPU / step (ms) | "
+              "sync CPU / step (ms) | sync on/off | step on/off | sync CPU on/off |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (std::size_t k = 0; k < 2; ++k) {
+    const auto [d, m] = meshes[k];
     const double s0 = median(cells[k][0].sync), s1 = median(cells[k][1].sync);
     const double t0 = median(cells[k][0].step), t1 = median(cells[k][1].step);
-    std::printf("| (%zu, %zu) | off | %.2f | %.2f | %.0f%% | | |\n", meshes[k].first, meshes[k].second, 1e3 * s0, 1e3 * t0,
-                100.0 * s0 / t0);
-    std::printf("| (%zu, %zu) | on | %.2f | %.2f | %.0f%% | %.2f | %.2f |\n", meshes[k].first, meshes[k].second, 1e3 * s1,
-                1e3 * t1, 100.0 * s1 / t1, s1 / s0, t1 / t0);
+    const double c0 = median(cells[k][0].cpu), c1 = median(cells[k][1].cpu), cr = median(cells[k][2].cpu);
+    std::printf("| (%zu, %zu) | off | %.2f | %.2f | %.0f%% | %.1f | %.1f | | | |\n", d, m, 1e3 * s0, 1e3 * t0,
+                100.0 * s0 / t0, 1e3 * c0, 1e3 * (c0 - cr));
+    std::printf("| (%zu, %zu) | on | %.2f | %.2f | %.0f%% | %.1f | %.1f | %.2f | %.2f | %.2f |\n", d, m, 1e3 * s1, 1e3 * t1,
+                100.0 * s1 / t1, 1e3 * c1, 1e3 * (c1 - cr), s1 / s0, t1 / t0, (c1 - cr) / (c0 - cr));
+    std::printf("| (%zu, %zu) | compute only: %zu x (1, %zu) on %zu rows | | | | %.1f | | | | |\n", d, m, d, m, batch / d,
+                1e3 * cr);
   }
   std::printf("\nload average at the end: %.1f\n", bench::load_average());
   return 0;
