@@ -91,11 +91,11 @@ struct train_options {
   /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
   /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
   /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the thread backend the reduction is CPU work that competes with the backward for
-  /// the same cores, and the quiet 2-core machine measured the step 1.04x (2, 1) and 1.14x (4, 2)
-  /// slower with it (docs/benchmarks.md); turn it on where the communicator moves data off the cores.
-  bool overlap_grad_sync = false;
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). On by
+  /// default: a started bucket lets the device go on with its backward instead of waiting for the
+  /// slowest device of its group; on the loaded 2-core machine the step was 15-42% shorter with it
+  /// and its CPU time no larger (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap_grad_sync = true;
   /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
   /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
   /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
