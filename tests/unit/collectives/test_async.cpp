@@ -317,4 +317,27 @@ TEST_CASE("psum_start: a device thread's communication worker is reused by its n
   }
 }
 
+TEST_CASE("prepare_group: the group's communicator made ahead of its first collective; bad uses say what is wrong",
+          "[collectives][async]") {
+  mesh2 m{2, 2};
+  auto out = spmd(m, [&] {
+    prepare_group<"data">();
+    prepare_group<"model", "data">();  // the whole mesh: its communicator exists already
+    prepare_group<"data">();           // again: nothing to make
+    auto x = coll_test::make_block<l2>(m, {2, 3});
+    auto r = psum_start<"data">(std::move(x));
+    return coll_test::capture(r.wait());
+  });
+  for (std::size_t d = 0; d < 4; ++d) {
+    const std::size_t col = d % 2;  // the data group of device d: {col, col + 2}
+    for (std::size_t i = 0; i < 6; ++i) REQUIRE(out[d].data[i] == expected_sum<double>({col, col + 2}, i));
+  }
+  REQUIRE(coll_test::message_of([] { prepare_group<"data">(); }) ==
+          "meshlib: prepare_group called outside shard_map / spmd: collectives and axis queries need a running device");
+  const std::string bad = coll_test::message_of([&] { (void)spmd(m, [] { prepare_group<"pipeline">(); }); });
+  INFO(bad);
+  REQUIRE(bad.find("prepare_group<\"pipeline\">: the running mesh") != std::string::npos);
+  REQUIRE(bad.find("has no axis 'pipeline'") != std::string::npos);
+}
+
 }  // namespace MESHLIB_TEST_UNIT

@@ -20,8 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/device_context.hpp"
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -61,7 +61,7 @@ class grad_overlap final : public layer_hooks {
     (void)dev;
     on_axes([&]<axis_mask Axes>() {
       if constexpr (Axes != 0)
-        if (mesh_.axes_size(Axes) > 1) (void)meshlib::detail::current_device("train_step").comm(Axes);
+        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
     });
   }
 
