@@ -5246,6 +5246,16 @@ auto pmax_names(axis_group<Names...>, L&& x) {
   return meshlib::pmax<Names...>(std::forward<L>(x));
 }
 
+template <fixed_string... Names>
+void prepare_group_names(axis_group<Names...>) {
+  meshlib::prepare_group<Names...>();
+}
+
+/// `prepare_group<names of Mask...>()`: makes the group's communicator now.
+template <mesh_type Mesh, axis_mask Mask>
+void prepare_group_over() {
+  prepare_group_names(group_of_t<Mesh, Mask>{});
+}
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
@@ -8113,7 +8123,7 @@ class grad_overlap final : public layer_hooks {
     (void)dev;
     on_axes([&]<axis_mask Axes>() {
       if constexpr (Axes != 0)
-        if (mesh_.axes_size(Axes) > 1) (void)meshlib::detail::current_device("train_step").comm(Axes);
+        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
     });
   }
 

@@ -102,7 +102,7 @@ class grad_sync {
   /// The same buckets and the same sums as `all_reduce`, started as backward completes them:
   /// `begin_all_reduce` before the backward, `start_ready(first)` each time the gradients of
   /// parameters `first, first + 1, ...` are complete (backward runs last layer first), and
-  /// `finish_all_reduce`, which runs the rest, waits for all and returns what `all_reduce` returns.
+  /// `finish_all_reduce`, which starts the rest, waits for all and returns what `all_reduce` returns.
   /// Every device makes the same calls with the same arguments, so all start the same buckets in the
   /// same order; each element is summed in rank order whichever bucket carries it: the same bits.
   /// @{
@@ -122,16 +122,13 @@ class grad_sync {
         ++early_[dev];
       }
   }
-  /// Runs the buckets not yet started, waits for every bucket, and returns each parameter's summed
-  /// gradient block (what `all_reduce` returns). The buckets left at this point have nothing left
-  /// to overlap, so they run here on the device thread (a synchronous `psum` waits for the group's
-  /// started ones first: the same order on every device): handing them to the worker would only
-  /// add its wake-up and the device thread's own to the exposed time.
+  /// Starts the buckets not yet started, waits for every bucket, and returns each parameter's summed
+  /// gradient block (what `all_reduce` returns).
   template <axis_mask Axes, mesh_type Mesh>
   const std::vector<T*>& finish_all_reduce(const std::vector<param_ref<T>>& params, const Mesh& mesh, std::size_t dev) {
     plan_state& st = plans_.at(dev);
     for (std::size_t b = st.buckets.size(); b-- > 0;)
-      if (!st.started[b]) run_bucket<Axes, false>(params, mesh, dev, b);
+      if (!st.started[b]) run_bucket<Axes, true>(params, mesh, dev, b);
     std::exception_ptr first_error;  // every request is waited for (its buffers are in use) before one throws
     for (auto& w : st.waits) {
       try {
