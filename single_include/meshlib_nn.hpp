@@ -9010,8 +9010,9 @@ struct train_options {
   /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
   /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). On by
   /// default: a started bucket lets the device go on with its backward instead of waiting for the
-  /// slowest device of its group; on the loaded 2-core machine the step was 15-42% shorter with it
-  /// and its CPU time no larger (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  /// slowest device of its group; on the loaded 2-core machine the step took 0.54-0.58x the time
+  /// at (4, 2) and 0.85-0.98x at (2, 1) with it (docs/benchmarks.md, "Overlapped gradient
+  /// synchronisation", which also says where it does not pay).
   bool overlap_grad_sync = true;
   /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
   /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
