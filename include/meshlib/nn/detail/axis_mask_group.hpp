@@ -68,6 +68,16 @@ auto pmax_names(axis_group<Names...>, L&& x) {
   return meshlib::pmax<Names...>(std::forward<L>(x));
 }
 
+template <fixed_string... Names>
+void prepare_group_names(axis_group<Names...>) {
+  meshlib::prepare_group<Names...>();
+}
+
+/// `prepare_group<names of Mask...>()`: makes the group's communicator now.
+template <mesh_type Mesh, axis_mask Mask>
+void prepare_group_over() {
+  prepare_group_names(group_of_t<Mesh, Mask>{});
+}
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
