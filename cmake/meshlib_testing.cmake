@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Test helpers shared by every test folder.
 #
-#  meshlib_add_catch_test(NAME <n> SOURCES <src...> [LIBRARIES <lib...>] [LABELS <label...>] [TSAN])
+#  meshlib_add_catch_test(NAME <n> SOURCES <src...> [LIBRARIES <lib...>] [LABELS <label...>] [TSAN]
+#                         [PARTS <test>:<stem>[,<stem>...] ...])
 #     One Catch2 binary from SOURCES, linked to the one precompiled Catch2 main (the main TU of
 #     Catch2 v2 takes ~30 s to compile, so it is built once for every binary), registered as one
 #     CTest test. TSAN also builds <n>_tsan under -fsanitize=thread (when MESHLIB_SANITIZE_THREAD)
 #     and registers it with the label "tsan".
+#     PARTS: one binary, several CTest tests. Each <test> runs the test cases of the sources named
+#     by their stems (test_remat for test_remat.cpp; Catch2's file-name tags, `-# [#test_remat]`),
+#     and <n> runs the rest: the sources share the binary's unity batches (one compile of the
+#     templates they share), while ctest still runs the parts side by side and names them apart.
 #  meshlib_add_compile_fail_test(NAME <n> SOURCE <src> REGEX <regex> [NAMES <regex>] [GCC_ONLY]
 #                                [LIBRARIES <lib...>])
 #     A program that must not compile: the test compiles it (-fsyntax-only, the compiler called
@@ -78,14 +83,43 @@ function(meshlib_test_sources target)
 endfunction()
 
 function(meshlib_add_catch_test)
-  cmake_parse_arguments(ARG "TSAN" "NAME" "SOURCES;LIBRARIES;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "TSAN" "NAME" "SOURCES;LIBRARIES;LABELS;PARTS" ${ARGN})
   _meshlib_catch_main("" "")
   add_executable(${ARG_NAME} ${ARG_SOURCES})
   meshlib_test_sources(${ARG_NAME})
   target_link_libraries(${ARG_NAME} PRIVATE meshlib_catch_main meshlib::meshlib ${ARG_LIBRARIES})
   target_compile_options(${ARG_NAME} PRIVATE ${MESHLIB_TEST_WARNINGS})
-  add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME})
+  set(part_tests "")
+  set(part_specs "")
+  set(rest "")  # the Catch2 test spec of what no part runs: ~[#a]~[#b]... (all of them "and")
+  foreach(part IN LISTS ARG_PARTS)
+    if(NOT part MATCHES "^([A-Za-z0-9_]+):([A-Za-z0-9_,]+)$")
+      message(FATAL_ERROR "meshlib_add_catch_test(${ARG_NAME}): PARTS entry '${part}' is not <test>:<stem>[,<stem>...]")
+    endif()
+    set(part_test ${CMAKE_MATCH_1})
+    string(REPLACE "," ";" stems "${CMAKE_MATCH_2}")
+    set(spec "")
+    foreach(stem IN LISTS stems)
+      if(NOT "${ARG_SOURCES}" MATCHES "(^|;|/)${stem}\\.cpp(;|$)")
+        message(FATAL_ERROR "meshlib_add_catch_test(${ARG_NAME}): PARTS names ${stem}, which is not one of its SOURCES")
+      endif()
+      list(APPEND spec "[#${stem}]")
+      string(APPEND rest "~[#${stem}]")
+    endforeach()
+    list(JOIN spec "," spec)
+    list(APPEND part_tests ${part_test})
+    list(APPEND part_specs "${spec}")
+  endforeach()
+  if(rest)
+    add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME} "-#" "${rest}")
+  else()
+    add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME})
+  endif()
   set_tests_properties(${ARG_NAME} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT 600)
+  foreach(part_test spec IN ZIP_LISTS part_tests part_specs)
+    add_test(NAME ${part_test} COMMAND ${ARG_NAME} "-#" "${spec}")
+    set_tests_properties(${part_test} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT 600)
+  endforeach()
   if(ARG_TSAN AND MESHLIB_SANITIZE_THREAD)
     # -g1 (line tables): a report names file and line, and -g's full debug information would cost
     # the sanitizer copies a fifth of their compile time.

@@ -109,9 +109,15 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
     # say that), and -O1 compiles the Kokkos 4 headers' templates about a quarter faster.
     # MESHLIB_TEST_FEWER_PAIRS: the reshard property test instantiates each spec once as source
     # and once as target instead of all pairs (test_reshard.cpp; the first leg runs them all).
+    # MESHLIB_TEST_NN_PARTS=OFF: nn_unit without the sources of nn_remat_unit, nn_pipeline_unit,
+    # nn_pipeline_more_unit and nn_overlap_tests (one binary with nn_unit in the first leg; this leg
+    # runs nn_unit alone, and would compile them for nothing: two unity batches, over 120 CPU s).
+    # MESHLIB_KOKKOS4_LEG=full builds and runs them.
+    k4_nn_parts=OFF
+    if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then k4_nn_parts=ON; fi
     BUILD_DIR="$k4_build" configure -DCMAKE_PREFIX_PATH="$k4_prefix" -DMESHLIB_SANITIZE_THREAD=OFF \
       -DMESHLIB_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
-      -DMESHLIB_TEST_FLAGS="-O1 -DMESHLIB_TEST_FEWER_PAIRS=1" >/dev/null
+      -DMESHLIB_TEST_FLAGS="-O1 -DMESHLIB_TEST_FEWER_PAIRS=1" -DMESHLIB_TEST_NN_PARTS="$k4_nn_parts" >/dev/null
     k4_build_status=0
     if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then
       k4_targets=()

@@ -680,6 +680,23 @@ void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
                            "(rows = sequences x sequence length, sequence-major)");
 }
 
+/// The argument checks of every `train_step` (the plain step and the pipelined one): the global
+/// batch splits over the data axes and `groups` (accumulation steps, or 1), `backend` runs the
+/// state's devices, `n_in` inputs are one id per row when `In` is a token id, and the `n_targets`
+/// targets give every one of the `rows` rows the same number.
+template <class In, class State, class Backend>
+void check_step_inputs(const State& s, const Backend& backend, std::size_t n_in, std::size_t n_targets,
+                       std::size_t rows, std::size_t global_rows, std::size_t groups) {
+  check_batch(s, global_rows, groups, "train_step");
+  check_runner(s, backend, "train_step");
+  check_input_rows<In>(n_in, rows, "train_step");
+  if (rows != 0 && n_targets % rows != 0)
+    throw sharding_error("meshlib::nn: train_step: " + std::to_string(n_targets) + " target values for " +
+                         std::to_string(rows) +
+                         " rows: give every row the same number of targets (one label per row for "
+                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
+}
+
 // The pipelined step and evaluation (nn/detail/pipeline_step.hpp, included at the end of this file).
 template <class State, class In, class Target, class Loss, class Backend>
 step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
@@ -697,14 +714,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
   if constexpr (State::pipeline_axes != 0)
     if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
   const std::size_t k = s.options.accumulation;
-  check_batch(s, global_rows, k, "train_step");
-  check_runner(s, backend, "train_step");
-  check_input_rows<In>(x.size(), rows, "train_step");
-  if (rows != 0 && y.size() % rows != 0)
-    throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
-                         std::to_string(rows) +
-                         " rows: give every row the same number of targets (one label per row for "
-                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
+  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
   const std::size_t features = rows == 0 ? 0 : x.size() / rows;
   const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
   const std::size_t dp = s.mesh.axes_size(State::data_axes);

@@ -17,6 +17,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
@@ -55,14 +56,8 @@ nn::mesh_shape shape_of(std::vector<std::string> axes, std::vector<std::size_t> 
   return nn::mesh_shape{std::move(axes), std::move(sizes)};
 }
 
-/// The small GPT of test_gpt.cpp (4 heads, vocabulary 32, width 16).
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
+/// The small GPT of small_gpt.hpp with one block (4 heads, vocabulary 32, width 16).
+auto one_block_gpt(const mesh_t& m) { return meshlib_test::small_gpt<"model", false, 1>(m); }
 
 nn::token_batch gpt_batch(std::size_t windows) {
   std::vector<std::uint8_t> text(2000);
@@ -141,7 +136,7 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   o.warmup_steps = 0;
   o.timed_steps = 1;
   // 4 heads over a model axis of 8: the attention's own message.
-  const auto a = nn::advise_mesh<mesh_t>(8, small_gpt, gpt_batch(8), o);
+  const auto a = nn::advise_mesh<mesh_t>(8, one_block_gpt, gpt_batch(8), o);
   REQUIRE(a.rows.size() == 4);
   const auto& last = a.rows.back();
   INFO(last.refused);
@@ -153,7 +148,7 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   CHECK(a.markdown().find("| - | (1, 8) | not possible: h0.attn") != std::string::npos);
   // 6 windows over 4 data devices: the layers' own message (a device's tokens are not whole
   // sequences); the other shapes still run.
-  const auto b = nn::advise_mesh<mesh_t>(4, small_gpt, gpt_batch(6), o);
+  const auto b = nn::advise_mesh<mesh_t>(4, one_block_gpt, gpt_batch(6), o);
   REQUIRE(b.rows.size() == 3);
   CHECK(b.rows.back().shape.to_string() == "(4, 1)");
   INFO(b.rows.back().refused);
@@ -192,12 +187,12 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   CHECK(p2.markdown().find("| bubble |") != std::string::npos);
   // Nothing possible: one error listing every shape's reason.
   const std::string msg = meshlib_test::message_of<meshlib::sharding_error>(
-      [&] { (void)nn::advise_mesh<mesh_t>(8, small_gpt, gpt_batch(3), o); });
+      [&] { (void)nn::advise_mesh<mesh_t>(8, one_block_gpt, gpt_batch(3), o); });
   CHECK(msg.find("meshlib::nn: advise_mesh: no mesh shape of 8 devices can train this model on this batch; (8, 1): "
                  "not possible: ") == 0);
   CHECK(msg.find("(1, 8): not possible: h0.attn") != std::string::npos);
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          (void)nn::advise_mesh<mesh_t>(0, small_gpt, gpt_batch(3), o);
+          (void)nn::advise_mesh<mesh_t>(0, one_block_gpt, gpt_batch(3), o);
         }) == "meshlib::nn: advise_mesh: 0 devices; give the number of devices to split over");
 }
 

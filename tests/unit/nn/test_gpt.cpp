@@ -21,6 +21,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "small_gpt.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
 
@@ -37,16 +38,6 @@ std::vector<double> global_values(const nn::param_ref<float>& p) {
   for (std::size_t dev = 0; dev < p.value.size(); ++dev)
     for (std::size_t i = 0; i < p.count[dev]; ++i) g[nn::detail::global_index(p, dev, i)] = p.value[dev][i];
   return g;
-}
-
-/// A text with structure to learn (words repeating with variations), as bytes.
-std::vector<std::uint8_t> text_of(std::size_t n) {
-  const std::string words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "};
-  std::vector<std::uint8_t> t;
-  for (std::size_t i = 0; t.size() < n; ++i)
-    for (char c : words[(i * 7 + i / 3) % 8]) t.push_back(static_cast<std::uint8_t>(c));
-  t.resize(n);
-  return t;
 }
 
 // ---- the reference: embedding + positional embedding + rms_norm + tied head, by the definition ----
@@ -78,35 +69,18 @@ double reference_loss(const std::vector<double>& e, const std::vector<double>& p
   return total / static_cast<double>(ids.size());
 }
 
-/// The small GPT of the tests: two pre-norm blocks of width 16, 4 heads, MLP 32, sequences of
-/// 8, vocabulary 32, a final layer norm and the head tied to the embedding.
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key),
-                        nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
-
-/// The training windows of step `s`: 8 sequences of 8 bytes (as ids below 32: byte % 32).
-nn::token_batch windows(std::size_t s) {
-  static const auto text = text_of(4000);
-  auto b = nn::sample_windows(text, 8, 8, nn::rng_key{5}.fold_in(s));
-  for (auto& v : b.inputs) v %= 32;
-  for (auto& v : b.targets) v %= 32;
-  return b;
-}
+// The small GPT and its text: small_gpt.hpp.
+using meshlib_test::gpt_text;
+using meshlib_test::gpt_windows;
+using meshlib_test::small_gpt;
 
 /// Per-step losses of 20 steps of the small GPT on `m` (adam), and the validation loss after them.
 std::vector<double> gpt_losses(const mesh_t& m, std::size_t steps = 20) {
   nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)));
   std::vector<double> out;
-  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
-  auto val = nn::tile_windows(text_of(4000), 8, 100, 16);
-  for (auto& v : val.inputs) v %= 32;
-  for (auto& v : val.targets) v %= 32;
-  out.push_back(nn::evaluate(state, val, 4).loss);  // 4 windows per batch: several batches, split over data
+  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
+  // 4 windows per batch: several batches, split over data.
+  out.push_back(nn::evaluate(state, meshlib_test::gpt_validation(), 4).loss);
   return out;
 }
 
@@ -184,7 +158,7 @@ TEST_CASE("a small GPT's checkpoint saved on (2, 2) continues on (1, 4) and (4, 
   fs::remove_all(dir);
   const mesh_t a{2, 2};
   nn::train_state first(a, small_gpt(a), nn::adam(nn::constant(1e-2f)));
-  for (std::size_t s = 0; s < 3; ++s) CHECK(std::abs(nn::train_step(first, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+  for (std::size_t s = 0; s < 3; ++s) CHECK(std::abs(nn::train_step(first, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
   nn::save_checkpoint(dir, first);
   for (auto shape : {std::array<std::size_t, 2>{1, 4}, std::array<std::size_t, 2>{4, 1}}) {
     const mesh_t b{shape[0], shape[1]};
@@ -193,7 +167,7 @@ TEST_CASE("a small GPT's checkpoint saved on (2, 2) continues on (1, 4) and (4, 
     CHECK(second.step == 3);
     for (std::size_t s = 3; s < 6; ++s) {
       INFO("mesh " << b << " step " << s);
-      CHECK(std::abs(nn::train_step(second, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+      CHECK(std::abs(nn::train_step(second, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
     }
   }
   fs::remove_all(dir);
@@ -202,7 +176,7 @@ TEST_CASE("a small GPT's checkpoint saved on (2, 2) continues on (1, 4) and (4, 
 TEST_CASE("train_step on token ids: bad ids, targets and batches are clear errors", "[nn][gpt][errors]") {
   const mesh_t one{1, 1};
   nn::train_state state(one, small_gpt(one), nn::adam(nn::constant(1e-2f)));
-  auto b = windows(0);
+  auto b = gpt_windows(0);
   const std::size_t n = b.inputs.size();
   const auto cause = [&](auto&& f) {
     try {
@@ -237,7 +211,7 @@ TEST_CASE("train_step on token ids: bad ids, targets and batches are clear error
   SECTION("rows that are not whole sequences on every data device") {
     const mesh_t two{2, 1};
     nn::train_state s2(two, small_gpt(two), nn::adam(nn::constant(1e-2f)));
-    auto three = nn::sample_windows(text_of(100), 3, 8, nn::rng_key{1});  // 24 tokens: 12 per device
+    auto three = nn::sample_windows(gpt_text(100), 3, 8, nn::rng_key{1});  // 24 tokens: 12 per device
     for (auto& v : three.inputs) v %= 32;
     for (auto& v : three.targets) v %= 32;
     std::string what;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "meshlib_catch.hpp"
+#include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
@@ -91,33 +92,13 @@ nn::optimizer clipped_adam() {
   return opt;
 }
 
-// ---- the GPT of tests/unit/nn/test_gpt.cpp, smaller -------------------------------------------
-
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key),
-                        nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
-
-nn::token_batch windows(std::size_t s) {
-  std::vector<std::uint8_t> text;
-  const std::string words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "};
-  for (std::size_t i = 0; text.size() < 2000; ++i)
-    for (char c : words[(i * 7 + i / 3) % 8]) text.push_back(static_cast<std::uint8_t>(c));
-  auto b = nn::sample_windows(text, 8, 8, nn::rng_key{5}.fold_in(s));
-  for (auto& v : b.inputs) v %= 32;
-  for (auto& v : b.targets) v %= 32;
-  return b;
-}
+// ---- the small GPT (small_gpt.hpp) --------------------------------------------------------------
 
 outcome train_gpt(const mesh_t& m, nn::train_options o) {
-  nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
+  nn::train_state state(m, meshlib_test::small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
   outcome r;
   for (std::size_t s = 0; s < steps; ++s) {
-    const auto st = nn::train_step(state, windows(s));
+    const auto st = nn::train_step(state, meshlib_test::gpt_windows(s));
     r.losses.push_back(st.loss);
     r.norms.push_back(st.grad_norm);
     r.sync_seconds += st.sync_seconds;

@@ -20,6 +20,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
@@ -66,65 +67,25 @@ std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o = {}, s
   return out;
 }
 
-/// A text with structure to learn (as test_gpt.cpp), ids below 32.
-const std::vector<std::uint8_t>& text() {
-  static const std::vector<std::uint8_t> t = [] {
-    const std::string words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "};
-    std::vector<std::uint8_t> v;
-    for (std::size_t i = 0; v.size() < 4000; ++i)
-      for (char c : words[(i * 7 + i / 3) % 8]) v.push_back(static_cast<std::uint8_t>(c));
-    v.resize(4000);
-    return v;
-  }();
-  return t;
-}
-
-/// The small GPT of test_gpt.cpp: six layers, the head tied to the embedding (on another stage
+/// The small GPT (small_gpt.hpp): six layers, the head tied to the embedding (on another stage
 /// once the model is cut: the table is mirrored there).
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key),
-                        nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
+using meshlib_test::gpt_validation;
+using meshlib_test::gpt_windows;
+using meshlib_test::small_gpt;
 
 /// The small GPT on the seed's 4-axis mesh: its tensor-parallel layers over 'tensor'.
 using mesh4_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"tensor">,
                               meshlib::axis<"pipeline">>;
 using shape4_t = std::array<std::size_t, 4>;
-auto small_gpt4(const mesh4_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh4_t, "tensor"> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh4_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h0", 16, 4, 32, 8, key),
-                        nn::transformer_block<float, mesh4_t, "tensor">(m, "h1", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh4_t>(m, "ln_f", 16), nn::tied_head<float, mesh4_t, "tensor">(tok));
-}
-
-/// Step `s`'s windows: 8 sequences of 8 ids.
-nn::token_batch windows(std::size_t s) {
-  auto b = nn::sample_windows(text(), 8, 8, nn::rng_key{5}.fold_in(s));
-  for (auto& v : b.inputs) v %= 32;
-  for (auto& v : b.targets) v %= 32;
-  return b;
-}
-
-nn::token_batch validation() {
-  auto v = nn::tile_windows(text(), 8, 100, 16);
-  for (auto& x : v.inputs) x %= 32;
-  for (auto& x : v.targets) x %= 32;
-  return v;
-}
+auto small_gpt4(const mesh4_t& m) { return small_gpt<"tensor">(m); }
 
 /// Per-step losses of `steps` steps of the small GPT, then the validation loss.
 std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 10) {
   const mesh_t m{shape[0], shape[1], shape[2]};
   nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
   std::vector<double> out;
-  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
-  out.push_back(nn::evaluate(state, validation(), 4).loss);
+  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
+  out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
   return out;
 }
 
@@ -146,14 +107,7 @@ auto untied_gpt4(const mesh4_t& m) {
 }
 
 /// `small_gpt4` with each Transformer block in `nn::remat` (its activations recomputed in backward).
-auto small_gpt4_remat(const mesh4_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh4_t, "tensor"> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh4_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::remat(m, nn::transformer_block<float, mesh4_t, "tensor">(m, "h0", 16, 4, 32, 8, key)),
-                        nn::remat(m, nn::transformer_block<float, mesh4_t, "tensor">(m, "h1", 16, 4, 32, 8, key)),
-                        nn::layer_norm<float, mesh4_t>(m, "ln_f", 16), nn::tied_head<float, mesh4_t, "tensor">(tok));
-}
+auto small_gpt4_remat(const mesh4_t& m) { return small_gpt<"tensor", true>(m); }
 
 /// Per-step losses of the GPT on a 4-axis mesh, then the validation loss (`remat`: every block in
 /// `nn::remat`).
@@ -163,14 +117,14 @@ std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {},
   if (remat) {
     nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o);
     std::vector<double> out;
-    for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
-    out.push_back(nn::evaluate(state, validation(), 4).loss);
+    for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
+    out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
     return out;
   }
   nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
   std::vector<double> out;
-  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
-  out.push_back(nn::evaluate(state, validation(), 4).loss);
+  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
+  out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
   return out;
 }
 
@@ -257,7 +211,7 @@ TEST_CASE("pipeline with FSDP: parameters sharded over 'fsdp' within each stage,
     nn::train_state b(one, untied_gpt4(one), nn::adam(nn::constant(1e-2f)));
     for (std::size_t s = 0; s < 8; ++s) {
       mlp_ref.push_back(mlp_step(a, s));
-      gpt_ref.push_back(nn::train_step(b, windows(s)).loss);
+      gpt_ref.push_back(nn::train_step(b, gpt_windows(s)).loss);
     }
   }
   for (bool keep : {false, true})
@@ -273,7 +227,7 @@ TEST_CASE("pipeline with FSDP: parameters sharded over 'fsdp' within each stage,
         for (std::size_t s = 0; s < 8; ++s) {
           INFO("step " << s);
           CHECK(std::abs(mlp_step(a, s) - mlp_ref[s]) <= 1e-5 * mlp_ref[s]);
-          CHECK(std::abs(nn::train_step(b, windows(s)).loss - gpt_ref[s]) <= 1e-5 * gpt_ref[s]);
+          CHECK(std::abs(nn::train_step(b, gpt_windows(s)).loss - gpt_ref[s]) <= 1e-5 * gpt_ref[s]);
         }
         // A device stores a 1/fsdp shard of its own stage's parameters only.
         std::size_t total = 0;
@@ -295,7 +249,7 @@ TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn]
     fs::remove_all(dir);
     const mesh4_t a{from[0], from[1], from[2], from[3]};
     nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), {.pipeline = {.microbatches = 2}});
-    for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+    for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
     nn::save_checkpoint(dir, first);
     for (auto to : {shape4_t{2, 1, 2, 2}, shape4_t{1, 2, 2, 2}, shape4_t{1, 1, 2, 4}, shape4_t{1, 1, 1, 1}}) {
       const mesh4_t b{to[0], to[1], to[2], to[3]};
@@ -305,7 +259,7 @@ TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn]
       nn::restore_checkpoint(dir, second);
       for (std::size_t s = 3; s < 6; ++s) {
         INFO("step " << s);
-        CHECK(std::abs(nn::train_step(second, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+        CHECK(std::abs(nn::train_step(second, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
       }
     }
   }
@@ -452,13 +406,13 @@ TEST_CASE("pipeline: a GPT checkpoint saved on one pipeline shape continues on o
   {
     const mesh_t one{1, 1, 1};
     nn::train_state r(one, small_gpt(one), nn::adam(nn::constant(1e-2f)));
-    for (std::size_t s = 0; s < 6; ++s) ref.push_back(nn::train_step(r, windows(s)).loss);
+    for (std::size_t s = 0; s < 6; ++s) ref.push_back(nn::train_step(r, gpt_windows(s)).loss);
   }
   for (auto from : {shape_t{1, 1, 2}, shape_t{1, 1, 1}, shape_t{2, 1, 2}}) {
     fs::remove_all(dir);
     const mesh_t a{from[0], from[1], from[2]};
     nn::train_state first(a, small_gpt(a), nn::adam(nn::constant(1e-2f)), opts(2, nn::pipeline_kind::gpipe));
-    for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+    for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
     nn::save_checkpoint(dir, first);
     for (auto to : {shape_t{1, 1, 4}, shape_t{2, 1, 2}, shape_t{1, 2, 2}, shape_t{1, 1, 1}}) {
       const mesh_t b{to[0], to[1], to[2]};
@@ -468,7 +422,7 @@ TEST_CASE("pipeline: a GPT checkpoint saved on one pipeline shape continues on o
       CHECK(second.step == 3);
       for (std::size_t s = 3; s < 6; ++s) {
         INFO("step " << s);
-        CHECK(std::abs(nn::train_step(second, windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
+        CHECK(std::abs(nn::train_step(second, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
       }
     }
   }

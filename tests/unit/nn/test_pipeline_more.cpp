@@ -24,6 +24,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
@@ -96,48 +97,18 @@ void require_close(const std::vector<double>& a, const std::vector<double>& b, d
 
 const char* name(nn::pipeline_kind k) { return k == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"; }
 
-/// The GPT of test_pipeline.cpp (the head tied to the embedding, mirrored on the last stage).
-const std::vector<std::uint8_t>& text() {
-  static const std::vector<std::uint8_t> t = [] {
-    const std::string words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "};
-    std::vector<std::uint8_t> v;
-    for (std::size_t i = 0; v.size() < 4000; ++i)
-      for (char c : words[(i * 7 + i / 3) % 8]) v.push_back(static_cast<std::uint8_t>(c));
-    v.resize(4000);
-    return v;
-  }();
-  return t;
-}
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key),
-                        nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
+/// The small GPT (small_gpt.hpp; the head tied to the embedding, mirrored on the last stage).
+using meshlib_test::gpt_windows;
+using meshlib_test::small_gpt;
 using gpt_t = decltype(small_gpt(std::declval<const mesh_t&>()));
 /// `small_gpt` with its two blocks in `nn::remat`.
-auto small_gpt_remat(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        nn::remat(m, nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key)),
-                        nn::remat(m, nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key)),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
-nn::token_batch windows(std::size_t s) {
-  auto b = nn::sample_windows(text(), 8, 8, nn::rng_key{5}.fold_in(s));
-  for (auto& v : b.inputs) v %= 32;
-  for (auto& v : b.targets) v %= 32;
-  return b;
-}
+auto small_gpt_remat(const mesh_t& m) { return small_gpt<"model", true>(m); }
 template <class Compute = float>
 std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o, std::size_t steps = 8) {
   const mesh_t m{shape[0], shape[1], shape[2]};
   nn::train_state<mesh_t, gpt_t, "data", float, Compute> state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
   std::vector<double> out;
-  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, windows(s)).loss);
+  for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
   return out;
 }
 
@@ -371,10 +342,10 @@ TEST_CASE("pipeline activation memory: remat inside a stage lowers its activatio
     nn::train_state plain(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
     nn::train_state remat(m, small_gpt_remat(m), nn::adam(nn::constant(1e-2f)), o);
     for (std::size_t s = 0; s < 3; ++s) {
-      const auto a = nn::train_step(plain, windows(s)), b = nn::train_step(remat, windows(s));
+      const auto a = nn::train_step(plain, gpt_windows(s)), b = nn::train_step(remat, gpt_windows(s));
       REQUIRE(std::abs(a.loss - b.loss) <= 1e-6 * a.loss);
     }
-    const auto a = nn::train_step(plain, windows(3)), b = nn::train_step(remat, windows(3));
+    const auto a = nn::train_step(plain, gpt_windows(3)), b = nn::train_step(remat, gpt_windows(3));
     CHECK(b.activation_bytes < a.activation_bytes);  // device 0: stage 0, both blocks
     CHECK(b.peak_activation_bytes < a.peak_activation_bytes);
     // Stage 1 (ln_f and the head) has nothing in remat: the same bytes.

@@ -16,6 +16,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
@@ -25,19 +26,7 @@ namespace {
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 namespace nn = meshlib::nn;
 
-/// `block` itself, or `remat(block)`.
-template <bool Remat, class Block>
-auto maybe_remat(const mesh_t& m, Block block) {
-  if constexpr (Remat) return nn::remat(m, std::move(block));
-  else return block;
-}
-
-/// `maybe_remat` on any mesh type.
-template <bool Remat, class Mesh, class Block>
-auto maybe_remat_any(const Mesh& m, Block block) {
-  if constexpr (Remat) return nn::remat(m, std::move(block));
-  else return block;
-}
+using meshlib_test::maybe_remat;
 
 /// Every parameter's local blocks, device after device, as host floats (bitwise comparisons).
 template <class State>
@@ -55,37 +44,14 @@ struct trace {
   nn::step_metrics last;
 };
 
-// ---- the GPT of test_gpt.cpp, with its two blocks optionally wrapped -------------------------------
-
-template <bool Remat>
-auto small_gpt(const mesh_t& m) {
-  const nn::rng_key key{21};
-  nn::embedding<float, mesh_t> tok(m, "tok", 32, 16, key, 0.5f);
-  return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", 8, 16, 8, key, 0.1f),
-                        maybe_remat<Remat>(m, nn::transformer_block<float, mesh_t>(m, "h0", 16, 4, 32, 8, key)),
-                        maybe_remat<Remat>(m, nn::transformer_block<float, mesh_t>(m, "h1", 16, 4, 32, 8, key)),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", 16), nn::tied_head<float, mesh_t>(tok));
-}
-
-std::vector<std::uint8_t> text_of(std::size_t n) {
-  const std::string words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dog ", "ran "};
-  std::vector<std::uint8_t> t;
-  for (std::size_t i = 0; t.size() < n; ++i)
-    for (char c : words[(i * 7 + i / 3) % 8]) t.push_back(static_cast<std::uint8_t>(c));
-  t.resize(n);
-  return t;
-}
+// ---- the small GPT (small_gpt.hpp), with its two blocks optionally wrapped ------------------------
 
 template <bool Remat>
 trace gpt_run(const mesh_t& m, std::size_t steps) {
-  static const auto text = text_of(4000);
-  nn::train_state state(m, small_gpt<Remat>(m), nn::adam(nn::constant(1e-2f)));
+  nn::train_state state(m, meshlib_test::small_gpt<"model", Remat>(m), nn::adam(nn::constant(1e-2f)));
   trace t;
   for (std::size_t s = 0; s < steps; ++s) {
-    auto b = nn::sample_windows(text, 8, 8, nn::rng_key{5}.fold_in(s));
-    for (auto& v : b.inputs) v %= 32;
-    for (auto& v : b.targets) v %= 32;
-    t.last = nn::train_step(state, b);
+    t.last = nn::train_step(state, meshlib_test::gpt_windows(s));
     t.losses.push_back(t.last.loss);
     t.norms.push_back(t.last.grad_norm);
   }
@@ -148,12 +114,12 @@ auto fsdp_mlp(const Mesh& m) {
   const nn::rng_key key{13};
   return nn::sequential(
       nn::dense<float, Mesh>(m, "in", features, width, key),
-      maybe_remat_any<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b0.fc1", width, hidden, key),
-                                               nn::relu<float>(m), nn::dropout<float>(m, "b0.drop", 0.25f),
-                                               nn::row_dense<float, Mesh>(m, "b0.fc2", hidden, width, key))),
-      maybe_remat_any<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b1.fc1", width, hidden, key),
-                                               nn::gelu<float>(m),
-                                               nn::row_dense<float, Mesh>(m, "b1.fc2", hidden, width, key))),
+      maybe_remat<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b0.fc1", width, hidden, key),
+                                           nn::relu<float>(m), nn::dropout<float>(m, "b0.drop", 0.25f),
+                                           nn::row_dense<float, Mesh>(m, "b0.fc2", hidden, width, key))),
+      maybe_remat<Remat>(m, nn::sequential(nn::column_dense<float, Mesh>(m, "b1.fc1", width, hidden, key),
+                                           nn::gelu<float>(m),
+                                           nn::row_dense<float, Mesh>(m, "b1.fc2", hidden, width, key))),
       nn::dense<float, Mesh>(m, "head", width, classes, key));
 }
 

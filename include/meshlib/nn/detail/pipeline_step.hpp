@@ -324,14 +324,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
   pipeline_engine& e = *s.pipeline();
   const std::size_t p = e.stages;
   const std::size_t m = s.options.pipeline.microbatches == 0 ? p : s.options.pipeline.microbatches;
-  check_batch(s, global_rows, 1, "train_step");
-  check_runner(s, backend, "train_step");
-  check_input_rows<In>(x.size(), rows, "train_step");
-  if (rows != 0 && y.size() % rows != 0)
-    throw sharding_error("meshlib::nn: train_step: " + std::to_string(y.size()) + " target values for " +
-                         std::to_string(rows) +
-                         " rows: give every row the same number of targets (one label per row for "
-                         "softmax_cross_entropy, one value per output column for mean_squared_error)");
+  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, 1);
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp;
   // train_options::accumulation: k groups of m micro-batches, each group a whole schedule, the
