@@ -58,7 +58,14 @@ nccl=0
 compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $work/NAME.log
   local extra=()
   case "$1" in gpu_collectives | flagship_gpu) extra=(-DMESHLIB_ENABLE_NCCL=1 -I"$cuda_include") ;; esac
-  "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1
+  "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1 || return 1
+  # A kernel calling a host-only function compiles with a warning only (#20011/#20014/#20015:
+  # "calling a __host__ function from a __host__ __device__ function"), but cannot run on a GPU.
+  if grep -E -m 5 'warning #200(11|14|15)-D' "$work/$1.log"; then
+    echo "  ^ a kernel calls a host-only function (mark it KOKKOS_INLINE_FUNCTION): tests/cuda/$1.cpp" >>"$work/$1.log"
+    echo "error: a kernel calls a host-only function" >>"$work/$1.log"
+    return 1
+  fi
 }
 start=$SECONDS
 # The ones that must compile run two at a time (one per core), the longest (the flagship) first;
