@@ -3433,6 +3433,29 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
 #include <utility>
 #include <vector>
 
+// begin meshlib/comm/detail/blocking_waits.hpp
+/// @file
+/// @brief `detail::prefer_blocking_waits()`: whether this thread's waits in a host backend block
+/// at once instead of spinning and yielding first.
+///
+/// Why a per-thread hint: a backend spins and yields because the waiting thread wants its answer
+/// soon and a context switch costs more than a short spin. A communication worker
+/// (collectives/comm_stream.hpp) is the opposite case: nothing waits on it but the device thread,
+/// which is busy computing what the collective overlaps, so every spin or `sched_yield` of the
+/// worker takes a core from that computation (8 device threads and 8 workers on 2 cores: measured
+/// in docs/benchmarks.md, "Overlapped gradient synchronisation"). The worker sets it for its
+/// lifetime; the thread backend's waits read it (comm/thread/detail/step_protocol.hpp).
+
+namespace meshlib::detail {
+
+/// This thread's hint (see the file comment); false unless the thread sets it.
+inline bool& prefer_blocking_waits() noexcept {
+  thread_local bool block = false;
+  return block;
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/blocking_waits.hpp
 
 namespace meshlib::detail {
 
@@ -3647,24 +3670,28 @@ class step_protocol {
     // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
     const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
-    for (unsigned i = 1;; ++i) {
-      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
-      if (failed()) {
-        if (ready()) return;
-        failed_while_waiting(k, s);
+    // A thread that prefers blocking (a communication worker: comm/detail/blocking_waits.hpp)
+    // neither spins nor yields: its core is better spent on the computation it overlaps.
+    if (!detail::prefer_blocking_waits()) {
+      for (unsigned i = 1;; ++i) {
+        if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
+        if (failed()) {
+          if (ready()) return;
+          failed_while_waiting(k, s);
+        }
+        detail::cpu_relax();
+        if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
       }
-      detail::cpu_relax();
-      if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
-    }
-    detail::adaptive_spin::missed(g.policy.spin);
-    for (;;) {
-      if (ready()) return;
-      if (failed()) {
+      detail::adaptive_spin::missed(g.policy.spin);
+      for (;;) {
         if (ready()) return;
-        failed_while_waiting(k, s);
+        if (failed()) {
+          if (ready()) return;
+          failed_while_waiting(k, s);
+        }
+        if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
+        std::this_thread::yield();
       }
-      if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
-      std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout + patience_;
     int departed = -1;
@@ -8201,6 +8228,7 @@ basic_collective_workspace<Tag>& thread_workspace() {
 #include <utility>
 #include <vector>
 
+
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
@@ -8224,8 +8252,89 @@ inline std::shared_ptr<stream_op> completed_op() {
   return op;
 }
 
-/// A device's communication worker (see the file comment). The worker thread starts on the first
-/// `enqueue`; the destructor drains the queue and joins it.
+/// A communication worker thread, parked between the calls that use it (see `comm_stream`): a
+/// device thread's `spmd` / `shard_map` calls take one from that thread's pool (`take`) and give it
+/// back when their stream stops (`give_back`), so a training loop of one call per step starts its
+/// workers once, not once per step per device.
+class comm_worker {
+ public:
+  comm_worker() = default;
+  comm_worker(const comm_worker&) = delete;
+  comm_worker& operator=(const comm_worker&) = delete;
+  ~comm_worker() {
+    {
+      std::lock_guard lock(m_);
+      quit_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Runs `loop` on the worker thread (started on the first call); the caller makes sure that the
+  /// previous loop has returned.
+  void post(std::function<void()> loop) {
+    {
+      std::lock_guard lock(m_);
+      loop_ = std::move(loop);
+      if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+    }
+    cv_.notify_one();
+  }
+
+  /// A parked worker of this thread's pool, or a new one.
+  static std::unique_ptr<comm_worker> take() {
+    auto& pool = parked();
+    if (pool.empty()) return std::make_unique<comm_worker>();
+    auto w = std::move(pool.back());
+    pool.pop_back();
+    return w;
+  }
+  /// Parks `w` (whose loop has returned) in this thread's pool, joined when this thread ends.
+  static void give_back(std::unique_ptr<comm_worker> w) noexcept {
+    try {
+      parked().push_back(std::move(w));
+    } catch (...) {  // no room to park it: `w` is joined here instead
+    }
+  }
+
+ private:
+  static std::vector<std::unique_ptr<comm_worker>>& parked() {
+    thread_local std::vector<std::unique_ptr<comm_worker>> pool;
+    return pool;
+  }
+  void main() {
+#if defined(__linux__)
+    // No wake-up preemption of the device thread: on a machine without a spare core, a started
+    // collective's worker, woken by the device thread, would otherwise take that core at once and
+    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
+    // gradient synchronisation", has the measurements, which this did not change much).
+    sched_param param{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
+    prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
+    std::unique_lock lock(m_);
+    for (;;) {
+      cv_.wait(lock, [&] { return quit_ || loop_ != nullptr; });
+      if (loop_ == nullptr) return;  // quitting, nothing posted
+      auto loop = std::move(loop_);
+      loop_ = nullptr;
+      lock.unlock();
+      loop();
+      loop = nullptr;
+      lock.lock();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::function<void()> loop_;
+  bool quit_ = false;
+  std::thread thread_;
+};
+
+/// A device's communication worker (see the file comment). The worker starts on the first
+/// `enqueue` (a parked `comm_worker` of the device thread when it has one); the destructor drains
+/// the queue and parks it again.
 class comm_stream {
  public:
   comm_stream() = default;
@@ -8239,7 +8348,11 @@ class comm_stream {
     auto op = std::make_shared<stream_op>();
     {
       std::lock_guard lock(m_);
-      if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+      if (!worker_) {
+        worker_ = comm_worker::take();
+        running_ = true;
+        worker_->post([this] { run(); });
+      }
       queue_.push_back({std::move(job), op, group});
       ++count_of(group);
       ++pending_;
@@ -8277,33 +8390,34 @@ class comm_stream {
   /// device thread is the only one that queues, so `false` cannot turn stale into `true` unseen).
   [[nodiscard]] bool idle() const noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
 
-  /// Drains and joins the worker (the device context calls it before its communicators go).
+  /// Drains the queue and parks the worker (the device context calls it before its communicators
+  /// go): once it returns, the worker no longer touches this stream.
   void stop() noexcept {
+    std::unique_ptr<comm_worker> w;
     {
       std::unique_lock lock(m_);
-      if (!worker_.joinable()) return;
+      if (!worker_) return;
       done_.wait(lock, [&] { return pending_ == 0; });
       stopping_ = true;
+      work_.notify_one();
+      done_.wait(lock, [&] { return !running_; });
+      stopping_ = false;
+      w = std::move(worker_);
     }
-    work_.notify_one();
-    worker_.join();
-    stopping_ = false;
+    comm_worker::give_back(std::move(w));
   }
 
  private:
+  /// The worker's loop for this stream: returns once `stop` asks and the queue is empty.
   void run() {
-#if defined(__linux__)
-    // No wake-up preemption of the device thread: on a machine without a spare core, a started
-    // collective's worker, woken by the device thread, would otherwise take that core at once and
-    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
-    // gradient synchronisation", has the measurements, which this did not change much).
-    sched_param param{};
-    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
-#endif
     std::unique_lock lock(m_);
     for (;;) {
       work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
+      if (queue_.empty()) {  // stopping, nothing left: the last touch of this stream
+        running_ = false;
+        done_.notify_all();
+        return;
+      }
       auto [job, op, group] = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
@@ -8344,7 +8458,8 @@ class comm_stream {
   std::size_t pending_ = 0;  ///< queued or running
   std::atomic<std::size_t> outstanding_{0};  ///< `pending_`, readable without the lock
   bool stopping_ = false;
-  std::thread worker_;
+  bool running_ = false;  ///< the worker is in `run` (from the first `enqueue` until `stop`)
+  std::unique_ptr<comm_worker> worker_;
 };
 
 }  // namespace meshlib::detail
@@ -8964,6 +9079,28 @@ template <fixed_string Name>
 [[nodiscard]] std::size_t axis_size() {
   const std::size_t a = detail::current_axis("axis_size", Name.view());
   return detail::current_device("axis_size").axis_size(a);
+}
+
+/// @brief Makes this device's communicator of its group along the axes `Names...` now, inside
+/// `shard_map` / `spmd`. A group's first collective in a call makes it (a split of the call's
+/// communicator of the whole mesh: a rendezvous of *every* device, not only the group's); calling
+/// this where the devices are together anyway (at the start of the call) keeps that rendezvous out
+/// of a later place where devices are apart, such as the first bucket started during a backward.
+/// Every device must call it for the same axes in the same order, as it does collectives.
+/// @code
+/// meshlib::spmd(mesh, [&] {
+///   meshlib::prepare_group<"data">();   // the split here, while the devices start together
+///   auto g = backward();                 // ... psum_start<"data">(bucket) inside: no split there
+/// });
+/// @endcode
+/// @throws spmd_context_error outside them, or when the running mesh lacks one of the axes.
+template <fixed_string... Names>
+void prepare_group() {
+  static_assert(sizeof...(Names) > 0, "meshlib: prepare_group<>() names no axis; name the group's axes, e.g. "
+                                      "prepare_group<\"data\">()");
+  axis_mask mask = 0;
+  ((mask |= axis_mask{1} << detail::current_axis("prepare_group", Names.view())), ...);
+  (void)detail::current_device("prepare_group").comm(mask);
 }
 
 /// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.

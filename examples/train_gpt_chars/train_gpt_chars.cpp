@@ -12,7 +12,9 @@
 //          hidden units sharded over 'model' (Megatron: two psums forward, two backward)
 //   ln_f   layer norm
 //   head   tied to tok: logits x E^T, sharded over the vocabulary, never gathered: the
-//          cross-entropy reduces its max and sum-exp over 'model'
+//          cross-entropy reduces its max and sum-exp over 'model'; with --untie a column_dense
+//          W -> 256 of its own (sharded over the vocabulary the same way), so that on a mesh with an
+//          fsdp axis every parameter is stored sharded over it (FSDP; a tied table is not)
 //
 // The batch (--batch windows of T bytes at random places of the training text) is split over
 // 'data'; gradients are averaged over 'data' by train_step. The last 10% of the text (files in name
@@ -58,7 +60,7 @@ struct options {
   std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
   std::uint64_t seed = 0;
   std::size_t eval_every = 250, eval_windows = 256, generate = 300;
-  bool advise = false, remat = false;
+  bool advise = false, remat = false, untie = false;
 };
 
 using flagship::usage_error;
@@ -66,7 +68,7 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
-    "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--advise]\n"
+    "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--untie] [--advise]\n"
     "                       [--help]\n"
     "       train_gpt_chars --mesh DxFxTxP [--microbatches N] [--schedule gpipe|1f1b] ...   (the 4-axis mesh)\n";
 
@@ -95,6 +97,8 @@ void usage() {
                "  --temperature X     sampling temperature (lower: more likely characters); default 0.8\n"
                "  --generate N        characters to generate after training (0: none); default 300\n"
                "  --remat             recompute each block's activations in backward (nn::remat): less memory\n"
+               "  --untie             a head of its own instead of the embedding's transpose; with F > 1 the\n"
+               "                      parameters are then sharded over 'fsdp' (FSDP), not only the batch\n"
                "  --advise            time a few steps of every (data, model) shape of the mesh's D x M devices on\n"
                "                      this model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options runs before the text is loaded; a mistake exits with status 2.\n";
@@ -149,6 +153,7 @@ options parse(int argc, char** argv) {
     else if (a == "--prompt") o.prompt = value();
     else if (a == "--advise") o.advise = true;
     else if (a == "--remat") o.remat = true;
+    else if (a == "--untie") o.untie = true;
     else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
     else if (a == "--generate") {
       const std::string v = value();
@@ -216,9 +221,9 @@ struct block_stack {
   }
 };
 
-/// The network of the file comment (every block in `nn::remat` when `Remat`); block `i` of L in
-/// group `4 i / L`.
-template <bool Remat>
+/// The network of the file comment (every block in `nn::remat` when `Remat`; a head of its own when
+/// `Untie`); block `i` of L in group `4 i / L`.
+template <bool Remat, bool Untie>
 auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
   namespace nn = meshlib::nn;
   nn::embedding<float, mesh_t, "tensor"> tok(m, "tok", 256, o.width, key);
@@ -228,9 +233,13 @@ auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
     if constexpr (Remat) h[4 * i / o.layers].blocks.emplace_back(m, std::move(b));
     else h[4 * i / o.layers].blocks.push_back(std::move(b));
   }
+  auto head = [&] {
+    if constexpr (Untie) return nn::column_dense<float, mesh_t, "tensor">(m, "head", o.width, 256, key);
+    else return nn::tied_head<float, mesh_t, "tensor">(tok);
+  }();
   return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", o.context, o.width, o.context, key),
                         std::move(h[0]), std::move(h[1]), std::move(h[2]), std::move(h[3]),
-                        nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), nn::tied_head<float, mesh_t, "tensor">(tok));
+                        nn::layer_norm<float, mesh_t>(m, "ln_f", o.width), std::move(head));
 }
 
 /// `count` evaluation windows spread evenly over `text` (the progress estimate: the whole held-out
@@ -251,19 +260,19 @@ meshlib::nn::token_batch spread_windows(std::span<const std::uint8_t> text, std:
 /// `temperature`, given the last `context` bytes (padded at the end: the causal mask makes the
 /// padding invisible to the position read). Every data replica reads the same window; the device of
 /// data rank 0 of each model group copies its block of the vocabulary's logits out.
-template <bool Remat, class State>
+template <bool Remat, bool Untie, class State>
 std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
   namespace nn = meshlib::nn;
-  if (state.pipeline() != nullptr) {
-    // A device holds only its pipeline stage's parameters: generate on one device, from a
-    // checkpoint of the state (a checkpoint restores on any mesh).
+  if (state.pipeline() != nullptr || state.options.fsdp) {
+    // A device holds only its pipeline stage's parameters (under FSDP, its shards of them):
+    // generate on one device, from a checkpoint of the state (a checkpoint restores on any mesh).
     const auto dir = std::filesystem::temp_directory_path() / ("train_gpt_chars_" + std::to_string(::getpid()));
     nn::save_checkpoint(dir, state);
     const mesh_t one{1, 1, 1, 1};
-    State single(one, gpt<Remat>(one, o, key), state.opt);
+    State single(one, gpt<Remat, Untie>(one, o, key), state.opt);
     nn::restore_checkpoint(dir, single);
     std::filesystem::remove_all(dir);
-    return generate<Remat>(single, o, key);
+    return generate<Remat, Untie>(single, o, key);
   }
   using ids_t = typename State::ids_type;
   constexpr auto model_mask = mesh_t::mask_of<"tensor">();
@@ -301,7 +310,7 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
 
 /// `--advise`: every (data, model) shape of the mesh's device count, measured on this model and a
 /// batch of the training text (nn::advise_mesh), ranked; nothing is trained.
-template <bool Remat>
+template <bool Remat, bool Untie>
 int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   namespace nn = meshlib::nn;
   const nn::rng_key key{o.seed};
@@ -314,23 +323,26 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
               "thread devices: %zu warm-up + %zu timed steps per shape\n",
               o.layers, o.heads, o.width, o.context, o.batch, devices, ao.warmup_steps, ao.timed_steps);
   std::fflush(stdout);
-  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat>(m, o, key); }, batch, ao);
+  const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat, Untie>(m, o, key); }, batch, ao);
   std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
   return 0;
 }
 
-template <bool Remat>
+template <bool Remat, bool Untie>
 int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
   namespace nn = meshlib::nn;
-  if (o.advise) return advise<Remat>(o, corpus);
+  if (o.advise) return advise<Remat, Untie>(o, corpus);
   const mesh_t mesh{o.data, o.fsdp, o.model, o.pipeline};
   const nn::rng_key key{o.seed};
   const auto split = nn::split_text(corpus, 0.1, o.context + 1);
   const auto lr = nn::warmup_cosine(o.lr, std::max<std::size_t>(1, o.steps / 20), o.steps, 0.1f);
   nn::optimizer opt = nn::adamw(lr, 0.01f, 0.9f, 0.99f);
   opt.clip_norm = 1.0f;
-  nn::train_state state(mesh, gpt<Remat>(mesh, o, key), opt,
-                        {.pipeline = {.microbatches = o.microbatches,
+  // Untied, an fsdp axis shards the parameters (FSDP); tied, it splits the batch only.
+  const bool fsdp = Untie && o.fsdp > 1;
+  nn::train_state state(mesh, gpt<Remat, Untie>(mesh, o, key), opt,
+                        {.fsdp = fsdp,
+                         .pipeline = {.microbatches = o.microbatches,
                                       .schedule = o.gpipe ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b}});
 
   std::size_t count = 0;
@@ -347,6 +359,12 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
               "  lr %g warm-up + cosine, gradient clipping at norm 1\n",
               count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / (o.data * o.fsdp),
               opt.name().c_str(), static_cast<double>(o.lr));
+  if (fsdp) {
+    const auto mem = state.memory(0);
+    std::printf("  fsdp: parameters, gradients and optimizer state sharded over %zu devices: device 0 stores %zu "
+                "parameter bytes of the model's %zu\n",
+                o.fsdp, mem.parameters, count * sizeof(float));
+  }
   if (o.pipeline > 1) {
     std::printf("  pipeline: %zu stages (%s, %zu micro-batches):", o.pipeline, o.gpipe ? "GPipe" : "1F1B", o.microbatches);
     for (auto [b, e] : state.pipeline_stages()) std::printf(" layers [%zu, %zu)", b, e);
@@ -398,7 +416,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
               Remat ? " (every block in remat)" : "", static_cast<double>(held) / 1048576.0,
               static_cast<double>(peak) / 1048576.0);
   if (o.generate > 0) {
-    const std::string text = generate<Remat>(state, o, key.fold_in(2'000'000));
+    const std::string text = generate<Remat, Untie>(state, o, key.fold_in(2'000'000));
     std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
                 static_cast<unsigned long long>(o.seed), text.c_str());
   }
@@ -408,7 +426,8 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
 }
 
 int train(const options& o, const meshlib::nn::text_corpus& corpus) {
-  return o.remat ? train_model<true>(o, corpus) : train_model<false>(o, corpus);
+  if (o.untie) return o.remat ? train_model<true, true>(o, corpus) : train_model<false, true>(o, corpus);
+  return o.remat ? train_model<true, false>(o, corpus) : train_model<false, false>(o, corpus);
 }
 
 }  // namespace

@@ -39,6 +39,8 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/blocking_waits.hpp"
+
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
@@ -62,8 +64,89 @@ inline std::shared_ptr<stream_op> completed_op() {
   return op;
 }
 
-/// A device's communication worker (see the file comment). The worker thread starts on the first
-/// `enqueue`; the destructor drains the queue and joins it.
+/// A communication worker thread, parked between the calls that use it (see `comm_stream`): a
+/// device thread's `spmd` / `shard_map` calls take one from that thread's pool (`take`) and give it
+/// back when their stream stops (`give_back`), so a training loop of one call per step starts its
+/// workers once, not once per step per device.
+class comm_worker {
+ public:
+  comm_worker() = default;
+  comm_worker(const comm_worker&) = delete;
+  comm_worker& operator=(const comm_worker&) = delete;
+  ~comm_worker() {
+    {
+      std::lock_guard lock(m_);
+      quit_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Runs `loop` on the worker thread (started on the first call); the caller makes sure that the
+  /// previous loop has returned.
+  void post(std::function<void()> loop) {
+    {
+      std::lock_guard lock(m_);
+      loop_ = std::move(loop);
+      if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+    }
+    cv_.notify_one();
+  }
+
+  /// A parked worker of this thread's pool, or a new one.
+  static std::unique_ptr<comm_worker> take() {
+    auto& pool = parked();
+    if (pool.empty()) return std::make_unique<comm_worker>();
+    auto w = std::move(pool.back());
+    pool.pop_back();
+    return w;
+  }
+  /// Parks `w` (whose loop has returned) in this thread's pool, joined when this thread ends.
+  static void give_back(std::unique_ptr<comm_worker> w) noexcept {
+    try {
+      parked().push_back(std::move(w));
+    } catch (...) {  // no room to park it: `w` is joined here instead
+    }
+  }
+
+ private:
+  static std::vector<std::unique_ptr<comm_worker>>& parked() {
+    thread_local std::vector<std::unique_ptr<comm_worker>> pool;
+    return pool;
+  }
+  void main() {
+#if defined(__linux__)
+    // No wake-up preemption of the device thread: on a machine without a spare core, a started
+    // collective's worker, woken by the device thread, would otherwise take that core at once and
+    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
+    // gradient synchronisation", has the measurements, which this did not change much).
+    sched_param param{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
+    prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
+    std::unique_lock lock(m_);
+    for (;;) {
+      cv_.wait(lock, [&] { return quit_ || loop_ != nullptr; });
+      if (loop_ == nullptr) return;  // quitting, nothing posted
+      auto loop = std::move(loop_);
+      loop_ = nullptr;
+      lock.unlock();
+      loop();
+      loop = nullptr;
+      lock.lock();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::function<void()> loop_;
+  bool quit_ = false;
+  std::thread thread_;
+};
+
+/// A device's communication worker (see the file comment). The worker starts on the first
+/// `enqueue` (a parked `comm_worker` of the device thread when it has one); the destructor drains
+/// the queue and parks it again.
 class comm_stream {
  public:
   comm_stream() = default;
@@ -77,7 +160,11 @@ class comm_stream {
     auto op = std::make_shared<stream_op>();
     {
       std::lock_guard lock(m_);
-      if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+      if (!worker_) {
+        worker_ = comm_worker::take();
+        running_ = true;
+        worker_->post([this] { run(); });
+      }
       queue_.push_back({std::move(job), op, group});
       ++count_of(group);
       ++pending_;
@@ -115,33 +202,34 @@ class comm_stream {
   /// device thread is the only one that queues, so `false` cannot turn stale into `true` unseen).
   [[nodiscard]] bool idle() const noexcept { return outstanding_.load(std::memory_order_acquire) == 0; }
 
-  /// Drains and joins the worker (the device context calls it before its communicators go).
+  /// Drains the queue and parks the worker (the device context calls it before its communicators
+  /// go): once it returns, the worker no longer touches this stream.
   void stop() noexcept {
+    std::unique_ptr<comm_worker> w;
     {
       std::unique_lock lock(m_);
-      if (!worker_.joinable()) return;
+      if (!worker_) return;
       done_.wait(lock, [&] { return pending_ == 0; });
       stopping_ = true;
+      work_.notify_one();
+      done_.wait(lock, [&] { return !running_; });
+      stopping_ = false;
+      w = std::move(worker_);
     }
-    work_.notify_one();
-    worker_.join();
-    stopping_ = false;
+    comm_worker::give_back(std::move(w));
   }
 
  private:
+  /// The worker's loop for this stream: returns once `stop` asks and the queue is empty.
   void run() {
-#if defined(__linux__)
-    // No wake-up preemption of the device thread: on a machine without a spare core, a started
-    // collective's worker, woken by the device thread, would otherwise take that core at once and
-    // the computation it should overlap would wait for it (docs/benchmarks.md, "Overlapped
-    // gradient synchronisation", has the measurements, which this did not change much).
-    sched_param param{};
-    (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
-#endif
     std::unique_lock lock(m_);
     for (;;) {
       work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
+      if (queue_.empty()) {  // stopping, nothing left: the last touch of this stream
+        running_ = false;
+        done_.notify_all();
+        return;
+      }
       auto [job, op, group] = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
@@ -182,7 +270,8 @@ class comm_stream {
   std::size_t pending_ = 0;  ///< queued or running
   std::atomic<std::size_t> outstanding_{0};  ///< `pending_`, readable without the lock
   bool stopping_ = false;
-  std::thread worker_;
+  bool running_ = false;  ///< the worker is in `run` (from the first `enqueue` until `stop`)
+  std::unique_ptr<comm_worker> worker_;
 };
 
 }  // namespace meshlib::detail

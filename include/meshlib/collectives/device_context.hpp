@@ -407,6 +407,28 @@ template <fixed_string Name>
   return detail::current_device("axis_size").axis_size(a);
 }
 
+/// @brief Makes this device's communicator of its group along the axes `Names...` now, inside
+/// `shard_map` / `spmd`. A group's first collective in a call makes it (a split of the call's
+/// communicator of the whole mesh: a rendezvous of *every* device, not only the group's); calling
+/// this where the devices are together anyway (at the start of the call) keeps that rendezvous out
+/// of a later place where devices are apart, such as the first bucket started during a backward.
+/// Every device must call it for the same axes in the same order, as it does collectives.
+/// @code
+/// meshlib::spmd(mesh, [&] {
+///   meshlib::prepare_group<"data">();   // the split here, while the devices start together
+///   auto g = backward();                 // ... psum_start<"data">(bucket) inside: no split there
+/// });
+/// @endcode
+/// @throws spmd_context_error outside them, or when the running mesh lacks one of the axes.
+template <fixed_string... Names>
+void prepare_group() {
+  static_assert(sizeof...(Names) > 0, "meshlib: prepare_group<>() names no axis; name the group's axes, e.g. "
+                                      "prepare_group<\"data\">()");
+  axis_mask mask = 0;
+  ((mask |= axis_mask{1} << detail::current_axis("prepare_group", Names.view())), ...);
+  (void)detail::current_device("prepare_group").comm(mask);
+}
+
 /// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.
 [[nodiscard]] inline std::size_t device_index() { return detail::current_device("device_index").device(); }
 

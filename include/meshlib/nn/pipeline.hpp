@@ -32,6 +32,16 @@
 /// first (stage-level activation checkpointing; the same numbers, dropout included: its mask is a
 /// function of the step's key and the rows).
 ///
+/// What it computes: what `train_options::accumulation = m` computes without a pipeline on the same
+/// data mesh (the same rows per forward, the gradients summed over the micro-batches); so 16-bit
+/// compute rounds as there (each layer's output and cotangent, the loss's scaled gradient, the
+/// summed gradients), batch norm takes statistics per micro-batch and moves its running statistics
+/// once per micro-batch in order (a recompute saves and restores them; after the step every stage
+/// gets the others' by a sum over the axis), and `accumulation = k` runs `k` whole schedules before
+/// the one synchronisation (`k m` micro-batches). Activation memory: a stage holds its layers'
+/// buffers for one micro-batch plus the boundary buffers of `pipeline_plan::held`, metered as
+/// `step_metrics::peak_activation_bytes`.
+///
 /// Parameters: a device holds, synchronises and updates only its stage's parameters (its
 /// `params[i].count[dev]` is 0 for the others, so optimizer state, gradient synchronisation over the
 /// data axes, clipping and checkpoints skip them); a parameter that a later stage's layer also reads
@@ -85,6 +95,19 @@ struct pipeline_slot {
   static constexpr std::size_t none = static_cast<std::size_t>(-1);  ///< no micro-batch
   std::size_t forward = none;   ///< runs in the round's first half
   std::size_t backward = none;  ///< runs in the round's second half
+};
+
+/// @brief Where one device's compute time in its last pipelined step went (`nn::stage_times`):
+/// thread CPU seconds where the platform has a per-thread clock (Linux, macOS: not inflated when
+/// other work shares the cores), else wall seconds; with the number of each. What
+/// `pipeline_plan::bubble_with_costs` takes, per stage, as the cost of one of each.
+struct pipeline_stage_times {
+  double forward = 0;         ///< in its forwards (the first run of each micro-batch, loss included)
+  double backward = 0;        ///< in its backwards, less the forwards they first run again
+  double recompute = 0;       ///< in the forwards run again before a backward
+  std::size_t forwards = 0;   ///< forwards run
+  std::size_t backwards = 0;  ///< backwards run
+  std::size_t recomputes = 0; ///< forwards run again
 };
 
 /// @brief The lockstep rounds a pipelined step runs (see the file comment): per round, per stage,
@@ -154,6 +177,39 @@ class pipeline_plan {
     return 1.0 - busy / (static_cast<double>(p_) * total);
   }
 
+  /// `bubble_with_recompute` with each stage's own costs: `forward[s]`, `backward[s]` and
+  /// `recompute[s]` the seconds (any unit) of one forward, one backward and one recomputed forward
+  /// on stage `s`. A round lasts its slowest forward plus its slowest backward (a recomputing one
+  /// with its recompute); the bubble is the stages' idle share of that. With measured costs
+  /// (`nn::stage_times`) it is what the schedule costs on that model when messages are free:
+  /// stages whose work differs (a first stage skips its input's cotangent; recomputation falls on
+  /// some stages only) idle even at the plan's best.
+  /// @throws sharding_error when a vector does not have one cost per stage.
+  [[nodiscard]] double bubble_with_costs(const std::vector<double>& forward, const std::vector<double>& backward,
+                                         const std::vector<double>& recompute) const {
+    if (forward.size() != p_ || backward.size() != p_ || recompute.size() != p_)
+      throw sharding_error("meshlib::nn::pipeline_plan::bubble_with_costs: " + std::to_string(forward.size()) + ", " +
+                           std::to_string(backward.size()) + " and " + std::to_string(recompute.size()) +
+                           " costs for " + std::to_string(p_) + " stages; give one forward, backward and recompute "
+                           "cost per stage");
+    double total = 0, busy = 0;
+    for (std::size_t r = 0; r < rounds_.size(); ++r) {
+      double f = 0, b = 0;
+      for (std::size_t s = 0; s < p_; ++s) {
+        if (rounds_[r][s].forward != pipeline_slot::none) {
+          f = std::max(f, forward[s]);
+          busy += forward[s];
+        }
+        if (rounds_[r][s].backward == pipeline_slot::none) continue;
+        const double c = backward[s] + (recompute_[r][s] ? recompute[s] : 0.0);
+        b = std::max(b, c);
+        busy += c;
+      }
+      total += f + b;
+    }
+    return total <= 0 ? 0.0 : 1.0 - busy / (static_cast<double>(p_) * total);
+  }
+
   /// The most micro-batches stage `stage` holds the input of at once (forwarded, not yet backwarded).
   [[nodiscard]] std::size_t peak_in_flight(std::size_t stage) const {
     std::size_t held = 0, peak = 0;
@@ -162,6 +218,55 @@ class pipeline_plan {
       if (r[stage].backward != pipeline_slot::none) --held;
     }
     return peak;
+  }
+
+  /// @brief What stage `stage` holds between rounds (`slots`): for each micro-batch, the slot of the
+  /// stage's buffers its received activation, its received cotangent and (last stage) its loss's
+  /// gradient live in, and how many slots of each the stage needs. A received activation is held
+  /// from the exchange that brings it until the stage's backward of that micro-batch (it is the
+  /// layers' saved input, and what a recomputing backward starts from); a received cotangent until
+  /// that backward; the loss's gradient from the last stage's forward (where the loss is taken)
+  /// until its backward. A slot freed by a backward is reused by the next arrival (lowest first).
+  struct holding {
+    std::vector<std::size_t> input_slot;      ///< per micro-batch (`pipeline_slot::none` on stage 0)
+    std::vector<std::size_t> cotangent_slot;  ///< per micro-batch (`none` on the last stage)
+    std::vector<std::size_t> loss_grad_slot;  ///< per micro-batch (`none` but on the last stage)
+    std::size_t inputs = 0;                   ///< slots of received activations
+    std::size_t cotangents = 0;               ///< slots of received cotangents
+    std::size_t loss_grads = 0;               ///< slots of the loss's gradients
+  };
+  /// The buffers stage `stage` holds over the rounds (see `holding`). Under GPipe the last stage
+  /// holds all `m` activations and loss gradients; under 1F1B at most `2 (p - s)` activations.
+  [[nodiscard]] holding held(std::size_t stage) const {
+    constexpr std::size_t none = pipeline_slot::none;
+    holding h;
+    h.input_slot.assign(m_, none);
+    h.cotangent_slot.assign(m_, none);
+    h.loss_grad_slot.assign(m_, none);
+    std::vector<char> in_use[3];
+    const auto take = [&](int kind, std::vector<std::size_t>& slot, std::size_t& count, std::size_t j) {
+      auto& u = in_use[kind];
+      std::size_t i = 0;
+      while (i < u.size() && u[i]) ++i;
+      if (i == u.size()) u.push_back(0);
+      u[i] = 1;
+      slot[j] = i;
+      count = std::max(count, u.size());
+    };
+    const auto give = [&](int kind, const std::vector<std::size_t>& slot, std::size_t j) {
+      if (slot[j] != none) in_use[kind][slot[j]] = 0;
+    };
+    for (const auto& r : rounds_) {
+      if (stage + 1 == p_ && r.at(stage).forward != none) take(2, h.loss_grad_slot, h.loss_grads, r[stage].forward);
+      if (stage > 0 && r[stage - 1].forward != none) take(0, h.input_slot, h.inputs, r[stage - 1].forward);
+      if (const std::size_t j = r[stage].backward; j != none) {
+        give(0, h.input_slot, j);
+        give(1, h.cotangent_slot, j);
+        give(2, h.loss_grad_slot, j);
+      }
+      if (stage + 1 < p_ && r[stage + 1].backward != none) take(1, h.cotangent_slot, h.cotangents, r[stage + 1].backward);
+    }
+    return h;
   }
 
   /// One row per stage, one column per round half: `F3` / `B3` when micro-batch 3's forward /
@@ -374,12 +479,13 @@ struct pipeline_engine {
   // and the buffers.
   std::vector<std::vector<std::size_t>> extents;
   std::vector<std::size_t> probed_rows;
-  device_buffers<float> inputs, dys, dlogits, send, scratch;
+  device_buffers<float> inputs, dys, dlogits, send, scratch, stash;
   /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
   /// which goes), and one zero block that the other stages' parameters point to on that device.
   std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
+  std::vector<pipeline_stage_times> times;  ///< per device: the last step's compute, by kind
 
   /// `full_count` of parameter `i` on `dev`.
   [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
@@ -446,11 +552,13 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   e->probed_rows.assign(e->devices, 0);
   e->busy.assign(e->devices, 0.0);
   e->span.assign(e->devices, 0.0);
+  e->times.assign(e->devices, {});
   e->inputs = device_buffers<float>(e->devices);
   e->dys = device_buffers<float>(e->devices);
   e->dlogits = device_buffers<float>(e->devices);
   e->send = device_buffers<float>(e->devices);
   e->scratch = device_buffers<float>(e->devices);
+  e->stash = device_buffers<float>(e->devices);
   return e;
 }
 
@@ -475,6 +583,16 @@ double measured_bubble(const State& state) {
     span = std::max(span, e->span[dev]);
   }
   return span <= 0 ? 0.0 : 1.0 - busy / (span * static_cast<double>(state.local_devices().size()));
+}
+
+/// @brief Device `dev`'s compute in `state`'s last pipelined `train_step`, by kind (see
+/// `pipeline_stage_times`); all zero without a pipeline. `pipeline_plan::bubble_with_costs` of the
+/// per-stage means is the bubble the schedule costs on that model; `measured_bubble` minus it is
+/// what the exchanges and the machine add.
+template <class State>
+pipeline_stage_times stage_times(const State& state, std::size_t dev) {
+  const auto* e = state.pipeline();
+  return e == nullptr ? pipeline_stage_times{} : e->times.at(dev);
 }
 
 }  // namespace meshlib::nn
@@ -522,7 +640,8 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
 }
 
 /// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
-/// refuses what a pipeline cannot run yet, then cuts the model (`make_pipeline_engine`).
+/// cuts the model (`make_pipeline_engine`), refusing a model that is not a `sequential` and a tied
+/// parameter under FSDP.
 /// @throws sharding_error naming the option and the fix.
 template <axis_mask PipeMask, class State>
 std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
@@ -535,18 +654,6 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
     throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
                                  "into stages; wrap the layers in nn::sequential");
   } else {
-    if (State::mixed)
-      throw sharding_error(where + "and the state computes in a 16-bit type: a pipeline trains in float only; "
-                                   "use train_state<..., Compute = float> or a pipeline axis of size 1");
-    if (s.options.accumulation != 1)
-      throw sharding_error(where + "and train_options::accumulation is " + std::to_string(s.options.accumulation) +
-                           ": a pipeline accumulates over its micro-batches; set pipeline.microbatches instead");
-    std::vector<param_ref<float>> buffers;
-    s.model.collect_buffers(buffers);
-    if (!buffers.empty())
-      throw sharding_error(where + "but layer buffer '" + buffers.front().name +
-                           "' (running statistics) would be updated twice when a stage recomputes its forward; "
-                           "a pipeline does not support batch norm yet: use layer_norm or a pipeline axis of size 1");
     auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
     if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
     if (s.options.fsdp && !e->mirrors.empty())

@@ -91,11 +91,12 @@ struct train_options {
   /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
   /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
   /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the thread backend the reduction is CPU work that competes with the backward for
-  /// the same cores, and the quiet 2-core machine measured the step 1.04x (2, 1) and 1.14x (4, 2)
-  /// slower with it (docs/benchmarks.md); turn it on where the communicator moves data off the cores.
-  bool overlap_grad_sync = false;
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). On by
+  /// default: a started bucket lets the device go on with its backward instead of waiting for the
+  /// slowest device of its group; on the loaded 2-core machine the step took 0.54-0.58x the time
+  /// at (4, 2) and 0.85-0.98x at (2, 1) with it (docs/benchmarks.md, "Overlapped gradient
+  /// synchronisation", which also says where it does not pay).
+  bool overlap_grad_sync = true;
   /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
   /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
   /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
@@ -507,6 +508,11 @@ class train_state {
   void begin_grad_overlap(std::size_t dev) {
     if (overlap_) overlap_->arm(sync_, params, dev);
   }
+  /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
+  /// (nn/detail/grad_overlap.hpp, `prepare`; no-op without overlap).
+  void prepare_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->prepare(dev);
+  }
   /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
   /// (the hooks did the others' before starting their buckets).
   [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
@@ -737,6 +743,7 @@ step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Tar
         double sums[2] = {0, 0};
         buffer_meter* meter = s.activation_meter(dev);
         meter->reset_peak();
+        s.prepare_grad_overlap(dev);
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t r0 = first + j * micro - global_offset;
           const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);

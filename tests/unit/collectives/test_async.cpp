@@ -3,7 +3,8 @@
 // collectives/comm_stream.hpp). Its result equals the synchronous form's bit for bit, several
 // outstanding requests may be waited for in any order, synchronous collectives issued while some
 // are outstanding keep the device's order, a failing operation surfaces at wait() on every device
-// with the backend's error, and a device that fails while its peers wait ends their waits.
+// with the backend's error, a device that fails while its peers wait ends their waits, and a device
+// thread's worker is parked between calls and reused (blocking, not spinning, in its waits).
 #include <algorithm>
 #include <chrono>
 #include <limits>
@@ -271,6 +272,72 @@ TEST_CASE("psum_start: a device that fails while its peers wait does not hang th
   collective_request<l1> empty;
   REQUIRE_FALSE(empty.valid());
   REQUIRE(coll_test::message_of([&] { (void)empty.wait(); }).find("on an empty request") != std::string::npos);
+}
+
+TEST_CASE("psum_start: a device thread's communication worker is reused by its next calls and blocks in its waits",
+          "[collectives][async]") {
+  constexpr std::size_t n = 3;
+  mesh1 m{n};
+  thread_runner runner;  // persistent device threads: device d runs on the same thread every call
+  struct seen {
+    std::thread::id device, worker;
+    bool worker_blocks = false, device_blocks = true;
+    float sum = 0;
+  };
+  auto call = [&] {
+    return spmd(
+        m,
+        [&] {
+          seen s;
+          s.device = std::this_thread::get_id();
+          s.device_blocks = detail::prefer_blocking_waits();
+          // A job on the worker, in the order of the device's asynchronous collectives.
+          auto op = detail::current_device("test").start(mesh1::mask_of<"x">(), [&](detail::device_comm&) {
+            s.worker = std::this_thread::get_id();
+            s.worker_blocks = detail::prefer_blocking_waits();
+          });
+          auto r = psum_start<"x">(coll_test::make_block<l1>(m, {1000}));
+          s.sum = r.wait().data()[7];
+          detail::current_device("test").stream().wait(*op);
+          return s;
+        },
+        runner);
+  };
+  const auto first = call();
+  const auto second = call();
+  for (std::size_t d = 0; d < n; ++d) {
+    INFO("device " << d);
+    REQUIRE(first[d].device == second[d].device);
+    REQUIRE(first[d].worker != first[d].device);
+    REQUIRE(second[d].worker == first[d].worker);  // parked between the calls, not a new thread
+    REQUIRE(first[d].worker_blocks);               // the worker neither spins nor yields
+    REQUIRE_FALSE(first[d].device_blocks);         // the device thread keeps the backend's policy
+    REQUIRE(first[d].sum == expected_sum<float>({0, 1, 2}, 7));
+    REQUIRE(second[d].sum == first[d].sum);
+  }
+}
+
+TEST_CASE("prepare_group: the group's communicator made ahead of its first collective; bad uses say what is wrong",
+          "[collectives][async]") {
+  mesh2 m{2, 2};
+  auto out = spmd(m, [&] {
+    prepare_group<"data">();
+    prepare_group<"model", "data">();  // the whole mesh: its communicator exists already
+    prepare_group<"data">();           // again: nothing to make
+    auto x = coll_test::make_block<l2>(m, {2, 3});
+    auto r = psum_start<"data">(std::move(x));
+    return coll_test::capture(r.wait());
+  });
+  for (std::size_t d = 0; d < 4; ++d) {
+    const std::size_t col = d % 2;  // the data group of device d: {col, col + 2}
+    for (std::size_t i = 0; i < 6; ++i) REQUIRE(out[d].data[i] == expected_sum<double>({col, col + 2}, i));
+  }
+  REQUIRE(coll_test::message_of([] { prepare_group<"data">(); }) ==
+          "meshlib: prepare_group called outside shard_map / spmd: collectives and axis queries need a running device");
+  const std::string bad = coll_test::message_of([&] { (void)spmd(m, [] { prepare_group<"pipeline">(); }); });
+  INFO(bad);
+  REQUIRE(bad.find("prepare_group<\"pipeline\">: the running mesh") != std::string::npos);
+  REQUIRE(bad.find("has no axis 'pipeline'") != std::string::npos);
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -504,10 +504,6 @@ TEST_CASE("pipeline: bad stages, micro-batches and options are refused with the 
   CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.pipeline = {.split_points = {0}}}); }) ==
         "meshlib::nn: pipeline: split_points {0} must be strictly increasing layer indices in [1, 4] (the first "
         "layer of each stage after the first, for a model of 5 layers); split point 0 is 0");
-  // Options a pipeline cannot combine with yet.
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.accumulation = 2}); }) ==
-        "meshlib::nn: train_state: the mesh's 'pipeline' axis has 2 devices, and train_options::accumulation is 2: a "
-        "pipeline accumulates over its micro-batches; set pipeline.microbatches instead");
   // Micro-batches that do not divide a device's rows: 16 rows over data 2 is 8 per device.
   const mesh_t m{2, 1, 2};
   nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), {.pipeline = {.microbatches = 3}});

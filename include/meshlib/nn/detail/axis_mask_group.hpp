@@ -78,6 +78,16 @@ template <axis_mask Mask, class L>
 using reductions_over_t =
     typename group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>::template apply<reductions_over_names>;
 
+template <fixed_string... Names>
+void prepare_group_names(axis_group<Names...>) {
+  meshlib::prepare_group<Names...>();
+}
+
+/// `prepare_group<names of Mask...>()`: makes the group's communicator now.
+template <mesh_type Mesh, axis_mask Mask>
+void prepare_group_over() {
+  prepare_group_names(group_of_t<Mesh, Mask>{});
+}
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "meshlib/core/mesh.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -49,6 +50,19 @@ class grad_overlap final : public layer_hooks {
         seconds_(mesh.size(), 0.0) {
     begin_.push_back(0);
     for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
+  }
+
+  /// At the start of `dev`'s step, before its forward: makes the communicator the buckets will use.
+  /// Its first use in a call splits it from the world, a rendezvous of every device; here the
+  /// devices have just been started together, where inside the backward the rendezvous would
+  /// stall each device's backward until the slowest reached its first started bucket (the split
+  /// was most of the hooks' time: docs/benchmarks.md, "Overlapped gradient synchronisation").
+  void prepare(std::size_t dev) {
+    (void)dev;
+    on_axes([&]<axis_mask Axes>() {
+      if constexpr (Axes != 0)
+        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
+    });
   }
 
   /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.

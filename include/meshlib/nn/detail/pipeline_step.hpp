@@ -10,9 +10,12 @@
 
 #include <array>
 #include <chrono>
+#include <concepts>
 #include <cstddef>
+#include <ctime>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -22,6 +25,16 @@
 #include "meshlib/nn/train_state.hpp"
 
 namespace meshlib::nn::detail {
+
+/// The calling thread's CPU seconds where the platform has a per-thread clock (not inflated by other
+/// work sharing the cores), else wall seconds (`pipeline_stage_times`).
+inline double thread_seconds() noexcept {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec t{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) == 0) return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+#endif
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 /// The type of a device's model input on a pipeline mesh: as `input_block_t`, and varying over the
 /// pipeline axis (every activation differs from stage to stage, which `ppermute` requires).
@@ -97,17 +110,106 @@ struct stage_runner {
     }
   }
 
-  /// Runs every layer forward on `y` (the input of layer `I`), recording each boundary's extents.
+  /// Rounds a layer's output or cotangent to the compute type, as `sequential` does (mixed precision).
+  template <class Y>
+  void round(Y& y) const noexcept {
+    if constexpr (requires { { y.data() } -> std::same_as<float*>; y.size(); })
+      if (s.model.round_activations != nullptr) s.model.round_activations(y.data(), y.size());
+  }
+
+  /// Calls `f(layer index, buffer)` for every buffer (running statistics) of the model's layers.
+  template <class F>
+  void for_each_buffer(F&& f) const {
+    std::size_t i = 0;
+    std::apply(
+        [&](const auto&... l) {
+          (
+              [&] {
+                std::vector<param_ref<float>> out;
+                collect_buffers_of(l, out);
+                for (const auto& b : out) f(i, b);
+                ++i;
+              }(),
+              ...);
+        },
+        s.model.layers);
+  }
+  /// The buffers of this stage's layers.
+  [[nodiscard]] std::vector<param_ref<float>> stage_buffers() const {
+    std::vector<param_ref<float>> out;
+    for_each_buffer([&](std::size_t i, const param_ref<float>& b) {
+      if (i >= lo && i < hi) out.push_back(b);
+    });
+    return out;
+  }
+  /// Copies the stage's buffers to `stash` (`to_stash`) or back: a forward run again (recompute,
+  /// probe) must not move running statistics a second time (as `remat`).
+  void stash_buffers(const std::vector<param_ref<float>>& buffers, float* stash, bool to_stash) const {
+    for (std::size_t i = 0, off = 0; i < buffers.size(); off += buffers[i].count[dev], ++i) {
+      float* v = buffers[i].value[dev];
+      if (to_stash) convert_copy<default_memory_space>(stash + off, v, buffers[i].count[dev]);
+      else convert_copy<default_memory_space>(v, stash + off, buffers[i].count[dev]);
+    }
+  }
+
+  /// Records the extents of `y` (the input of layer `I`) and runs the stage's layers from `I` on,
+  /// recording each; at the stage's end, the output's extents go to `out`.
   template <std::size_t I, class Y>
-  void probe(const Y& y, std::size_t rows) {
+  void probe_from(const Y& y, double* out) {
     static_assert(Y::rank <= 8, "meshlib::nn: pipeline: an activation of rank above 8");
     for (std::size_t d = 0; d < Y::rank; ++d) e.extents[dev][I * 8 + d] = y.extent(d);
     if constexpr (I < layers) {
-      if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);
-      probe<I + 1>(std::get<I>(s.model.layers).forward(y), rows);
-    } else {
-      e.probed_rows[dev] = rows;
+      if (I != hi) {
+        if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);
+        auto z = std::get<I>(s.model.layers).forward(y);
+        round(z);
+        return probe_from<I + 1>(z, out);
+      }
     }
+    for (std::size_t d = 0; d < Y::rank; ++d) out[d] = static_cast<double>(y.extent(d));
+  }
+  template <std::size_t I = 0, class MakeX0>
+  void probe_stage(const MakeX0& x0, float* in, std::size_t rows, double* out) {
+    if constexpr (I < layers) {
+      if (I != lo) return probe_stage<I + 1>(x0, in, rows, out);
+      if constexpr (I == 0) probe_from<0>(x0(), out);
+      else probe_from<I>(typed<I>(in, rows), out);
+    }
+  }
+  /// Learns the extents of every activation of this stage and of every stage boundary for `rows`
+  /// rows: the stages run their layers in turn, each on zeros of the extents the one before found
+  /// (sent to all by a sum over the pipeline axis), so a device runs (and allocates the buffers of)
+  /// its own layers only. Running statistics are put back afterwards. A collective of the axis.
+  template <class MakeX0>
+  void probe(const MakeX0& x0, std::size_t rows) {
+    e.extents[dev].assign((layers + 1) * 8, 0);
+    e.probed_rows[dev] = 0;
+    const auto buffers = stage_buffers();
+    std::size_t total = 0;
+    for (const auto& b : buffers) total += b.count[dev];
+    for (std::size_t t = 0; t < e.stages; ++t) {
+      double out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (t == stage) {
+        float* in = nullptr;
+        float* stash = nullptr;
+        {
+          const meter_scope unmetered(nullptr);  // the probe's own scratch is not the model's
+          if (stage > 0) {
+            std::size_t n = 1;
+            for (std::size_t d = 0; d < 8 && e.extents[dev][lo * 8 + d] != 0; ++d) n *= e.extents[dev][lo * 8 + d];
+            in = e.scratch.zeros(dev, n);
+          }
+          if (total > 0) stash = e.stash.get(dev, total);
+        }
+        stash_buffers(buffers, stash, true);
+        probe_stage(x0, in, rows, out);
+        stash_buffers(buffers, stash, false);
+      }
+      sum_over<State::pipeline_axes>(s.mesh, dev, out);
+      const std::size_t at = e.bounds[t].second;
+      for (std::size_t d = 0; d < 8; ++d) e.extents[dev][at * 8 + d] = static_cast<std::size_t>(out[d] + 0.5);
+    }
+    e.probed_rows[dev] = rows;
   }
 
   /// Layers `I .. hi - 1` forward on `y`; then `sink(integral_constant<I>, output)`.
@@ -118,15 +220,18 @@ struct stage_runner {
     } else {
       if (I == hi) return sink(std::integral_constant<std::size_t, I>{}, y);
       if (s.model.hooks != nullptr) s.model.hooks->before_forward(I, dev);  // FSDP: gather the layer
-      forward_from<I + 1>(std::get<I>(s.model.layers).forward(y), sink);
+      auto z = std::get<I>(s.model.layers).forward(y);
+      round(z);  // mixed precision: on the compute type's grid, as sequential's forward
+      forward_from<I + 1>(z, sink);
     }
   }
-  /// The stage's forward on `x0` (stage 0) or the received activation at `in`.
-  template <std::size_t I = 0, class Sink>
-  void forward(const X0& x0, float* in, std::size_t rows, Sink& sink) {
+  /// The stage's forward on `x0()` (stage 0: the micro-batch's input block, made only there) or
+  /// the received activation at `in`.
+  template <std::size_t I = 0, class MakeX0, class Sink>
+  void forward(const MakeX0& x0, float* in, std::size_t rows, Sink& sink) {
     if constexpr (I < layers) {
       if (I != lo) return forward<I + 1>(x0, in, rows, sink);
-      if constexpr (I == 0) forward_from<0>(x0, sink);
+      if constexpr (I == 0) forward_from<0>(x0(), sink);
       else forward_from<I>(typed<I>(in, rows), sink);
     }
   }
@@ -136,9 +241,11 @@ struct stage_runner {
   template <std::size_t I, class DY, class Sink>
   void backward_from(const DY& dy, Sink& sink) {
     const bool first = I == lo;
+    const bool need_dx = !first || stage > 0;
     if (s.model.hooks != nullptr) s.model.hooks->before_backward(I, dev);
-    auto dx = std::get<I>(s.model.layers).backward(dy, !first || stage > 0);
+    auto dx = layer_backward<input_t<I>>(std::get<I>(s.model.layers), dy, need_dx);
     if (s.model.hooks != nullptr) s.model.hooks->after_backward(I, dev);  // FSDP: reduce-scatter its gradients
+    if (need_dx) round(dx);  // mixed precision, as sequential's backward
     if (first) {
       if (stage > 0) sink(dx);
       return;
@@ -180,6 +287,36 @@ inline std::vector<std::pair<std::size_t, std::size_t>> round_pairs(const std::v
   return pairs;
 }
 
+/// Gives every stage the running statistics (layer buffers) its stage's devices updated in the
+/// step: one sum over the pipeline axis of all the model's buffers, each stage contributing its own
+/// layers' and zeros for the others' (x + 0 is x: the values arrive unchanged). Afterwards every
+/// device holds the model's current buffers, so a checkpoint (written by the first device of each
+/// group) and `running_mean()` read on any device see them. No-op for a model without buffers.
+template <class Runner>
+void sync_buffers(Runner& run) {
+  std::size_t total = 0;
+  run.for_each_buffer([&](std::size_t, const param_ref<float>& b) { total += b.count[run.dev]; });
+  if (total == 0) return;
+  using State = std::remove_cvref_t<decltype(run.s)>;
+  using buffers_t = local_tensor<float, 1, typename State::mesh_type, State::mesh_type::all_axes, 0, replicated_dims<1>,
+                                 default_memory_space>;
+  float* v = run.e.scratch.get(run.dev, total);
+  std::size_t off = 0;
+  run.for_each_buffer([&](std::size_t i, const param_ref<float>& b) {
+    const std::size_t n = b.count[run.dev];
+    if (i >= run.lo && i < run.hi) convert_copy<default_memory_space>(v + off, b.value[run.dev], n);
+    else fill_values<default_memory_space>(v + off, n, 0.0f);
+    off += n;
+  });
+  (void)psum_over<State::pipeline_axes>(wrap1<buffers_t>(v, total, run.s.mesh, run.dev));
+  off = 0;
+  run.for_each_buffer([&](std::size_t i, const param_ref<float>& b) {
+    const std::size_t n = b.count[run.dev];
+    if (i < run.lo || i >= run.hi) convert_copy<default_memory_space>(b.value[run.dev], v + off, n);
+    off += n;
+  });
+}
+
 /// `run_train_step` on a mesh whose pipeline axis has more than one device (see the file comment).
 template <class State, class In, class Target, class Loss, class Backend>
 step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
@@ -197,15 +334,23 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
                          "softmax_cross_entropy, one value per output column for mean_squared_error)");
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
   const std::size_t local_rows = global_rows / dp;
-  if (local_rows % m != 0)
-    throw sharding_error("meshlib::nn: train_step: the pipeline's " + std::to_string(m) +
-                         " micro-batches do not divide the " + std::to_string(local_rows) +
+  // train_options::accumulation: k groups of m micro-batches, each group a whole schedule, the
+  // gradients summed over all k m micro-batches before the one synchronisation (as without a pipeline).
+  const std::size_t k = s.options.accumulation;
+  if (local_rows % (k * m) != 0) {
+    const std::string what = k == 1 ? "the pipeline's " + std::to_string(m) + " micro-batches"
+                                    : "the pipeline's " + std::to_string(m) + " micro-batches x " + std::to_string(k) +
+                                          " accumulation steps";
+    const std::string fix = k == 1 ? "pipeline.microbatches" : "pipeline.microbatches x accumulation";
+    throw sharding_error("meshlib::nn: train_step: " + what + " do not divide the " + std::to_string(local_rows) +
                          " rows each device of the data axes gets (a global batch of " + std::to_string(global_rows) +
-                         " rows over " + std::to_string(dp) + " devices); choose pipeline.microbatches dividing " +
-                         std::to_string(local_rows) + ", or a batch of a multiple of " + std::to_string(dp * m) + " rows");
+                         " rows over " + std::to_string(dp) + " devices); choose " + fix + " dividing " +
+                         std::to_string(local_rows) + ", or a batch of a multiple of " + std::to_string(dp * k * m) +
+                         " rows");
+  }
   const std::size_t features = rows == 0 ? 0 : x.size() / rows;
   const std::size_t width = rows == 0 ? 0 : y.size() / rows;
-  const std::size_t micro = local_rows / m;
+  const std::size_t micro = local_rows / (k * m);
   const pipeline_plan plan(s.options.pipeline.schedule, p, m);
   using X0 = pipeline_input_t<State, In>;
   s.model.begin_step(s.key.fold_in(s.step), true);
@@ -230,32 +375,55 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           else if (q.overwrite) q.overwrite[dev] = 1;
           else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
         refresh_mirrors(s, e, dev, stage, true);
-        const auto input_rows = [&](std::size_t j) { return x.data() + (first + j * micro - global_offset) * features; };
+        std::size_t g = 0;  // the accumulation group running: micro-batch j is rows [(g m + j) micro, ...)
+        const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
         const auto x0_of = [&](std::size_t j) {
-          return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, input_rows(j), micro, features));
+          return [&, j] {
+            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
+          };
         };
+        // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
+        // holds across the rounds, counted by the device's meter (nn/remat.hpp).
+        buffer_meter* meter = s.activation_meter(dev);
+        meter->reset_peak();
         if (e.probed_rows[dev] == 0) {
-          e.extents[dev].assign((State::model_type::size + 1) * 8, 0);
-          run.template probe<0>(x0_of(0), micro);
+          const meter_scope metered(meter);
+          run.probe(x0_of(0), micro);
         }
         const std::size_t msg = micro * run.message_per_row();
         const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
-        float* inputs = e.inputs.get(dev, m * msg);
-        float* dys = e.dys.get(dev, m * msg);
-        float* dlogits = e.dlogits.get(dev, stage + 1 == p ? m * zn : 0);
-        float* send = e.send.get(dev, msg);
+        const pipeline_plan::holding held = plan.held(stage);
+        float *inputs = nullptr, *dys = nullptr, *dlogits = nullptr, *send = nullptr;
+        {
+          const meter_scope metered(meter);
+          inputs = e.inputs.get(dev, held.inputs * msg);
+          dys = e.dys.get(dev, held.cotangents * msg);
+          dlogits = e.dlogits.get(dev, held.loss_grads * zn);
+          send = e.send.get(dev, msg);
+        }
+        const auto input_of = [&](std::size_t j) { return stage == 0 ? nullptr : inputs + held.input_slot[j] * msg; };
+        const auto buffers = run.stage_buffers();
+        std::size_t buffer_elements = 0;
+        for (const auto& b : buffers) buffer_elements += b.count[dev];
+        float* stash = nullptr;
+        if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
         double sums[2] = {0, 0};
         double busy = 0;
+        pipeline_stage_times times;
         bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
         std::size_t j = 0;      // the micro-batch running
         auto forward_sink = [&](auto at, const auto& out) {
           if constexpr (decltype(at)::value == State::model_type::size) {
             if (!with_loss) return;
+            const meter_scope unmetered(nullptr);  // the loss's scratch is not the model's (as run_train_step)
             using Z = std::remove_cvref_t<decltype(out)>;
-            Z dz(typename Z::view_type(dlogits + j * zn, out.extent(0), out.extent(1)), s.mesh, dev);
-            const loss_part part =
-                as_loss_part(loss(out, y.subspan((first + j * micro - global_offset) * width, micro * width), global_rows, dz));
-            if (s.loss_scaling()) scale_in_place(dz.data(), dz.size(), s.loss_scale());
+            Z dz(typename Z::view_type(dlogits + held.loss_grad_slot[j] * zn, out.extent(0), out.extent(1)), s.mesh, dev);
+            const loss_part part = as_loss_part(loss(out, y.subspan(row0(j) * width, micro * width), global_rows, dz));
+            if (s.loss_scaling() || State::mixed) {
+              // The scaled loss's cotangent, on the compute type's grid (as run_train_step).
+              scale_in_place(dz.data(), dz.size(), s.loss_scale());
+              round_to<typename State::compute_type>(dz.data(), dz.size());
+            }
             sums[0] += part.loss;
             sums[1] += static_cast<double>(part.correct);
           } else {
@@ -265,38 +433,59 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
         const auto& rounds = plan.rounds();
         const auto start = clock::now();
-        for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
-          const auto& r = rounds[ri];
-          if (r[stage].forward != pipeline_slot::none) {
-            const auto t0 = clock::now();
-            j = r[stage].forward;
-            with_loss = true;
-            run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
-            busy += std::chrono::duration<double>(clock::now() - t0).count();
-          }
-          if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-            const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
-            if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
-              convert_copy<default_memory_space>(inputs + r[stage - 1].forward * msg, got, msg);
-          }
-          if (r[stage].backward != pipeline_slot::none) {
-            const auto t0 = clock::now();
-            j = r[stage].backward;
-            if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
-              with_loss = false;
-              run.forward(x0_of(j), inputs + j * msg, micro, forward_sink);
+        for (g = 0; g < k; ++g)
+          for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
+            const auto& r = rounds[ri];
+            if (r[stage].forward != pipeline_slot::none) {
+              const auto t0 = clock::now();
+              const double c0 = thread_seconds();
+              j = r[stage].forward;
+              with_loss = true;
+              {
+                const meter_scope metered(meter);
+                run.forward(x0_of(j), input_of(j), micro, forward_sink);
+              }
+              times.forward += thread_seconds() - c0;
+              ++times.forwards;
+              if (g + 1 == k && j + 1 == m) out[dev].activation_bytes = meter->live;
+              busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
-            run.backward(stage + 1 == p ? dlogits + j * zn : dys + j * msg, micro, backward_sink);
-            busy += std::chrono::duration<double>(clock::now() - t0).count();
+            if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
+              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
+                convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
+            }
+            if (r[stage].backward != pipeline_slot::none) {
+              const auto t0 = clock::now();
+              j = r[stage].backward;
+              const meter_scope metered(meter);
+              double c0 = thread_seconds();
+              if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
+                with_loss = false;
+                run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
+                run.forward(x0_of(j), input_of(j), micro, forward_sink);
+                run.stash_buffers(buffers, stash, false);
+                const double c1 = thread_seconds();
+                times.recompute += c1 - c0;
+                ++times.recomputes;
+                c0 = c1;
+              }
+              run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
+                           micro, backward_sink);
+              times.backward += thread_seconds() - c0;
+              ++times.backwards;
+              busy += std::chrono::duration<double>(clock::now() - t0).count();
+            }
+            if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
+              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
+                convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
+            }
           }
-          if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-            const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
-            if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
-              convert_copy<default_memory_space>(dys + r[stage + 1].backward * msg, got, msg);
-          }
-        }
         e.busy[dev] = busy;
         e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
+        e.times[dev] = times;
+        out[dev].peak_activation_bytes = meter->peak;
         for (const auto& q : s.params)
           if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
             fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
@@ -309,6 +498,10 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
           const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
           if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
         }
+        if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
+          for (const auto& q : s.params)
+            if (q.count[dev] != 0) round_to<typename State::compute_type>(q.grad[dev], q.count[dev]);
+        sync_buffers(run);
         step_metrics& mt = out[dev];
         mt.loss_scale = s.loss_scale();
         mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
@@ -347,16 +540,17 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
         for (std::size_t start = 0; start < count; start += batch_rows) {
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          const X0 x0 = meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          if (e.probed_rows[dev] == 0 && hi > lo) {
-            e.extents[dev].assign((State::model_type::size + 1) * 8, 0);
-            run.template probe<0>(x0, hi - lo);
-          }
+          const auto x0 = [&] {
+            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          };
+          const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
+          if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
           const std::size_t msg = (hi - lo) * run.message_per_row();
           float* in = e.inputs.get(dev, msg);
           float* send = e.send.get(dev, msg);
           auto sink = [&](auto at, const auto& z) {
             if constexpr (decltype(at)::value == State::model_type::size) {
+              const meter_scope unmetered(nullptr);
               const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
               sums[0] += part.loss;
               sums[1] += static_cast<double>(part.correct);

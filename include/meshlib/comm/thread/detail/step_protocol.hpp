@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/comm/detail/blocking_waits.hpp"
 #include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/operation.hpp"
@@ -242,24 +243,28 @@ class step_protocol {
     // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
     const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
-    for (unsigned i = 1;; ++i) {
-      if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
-      if (failed()) {
-        if (ready()) return;
-        failed_while_waiting(k, s);
+    // A thread that prefers blocking (a communication worker: comm/detail/blocking_waits.hpp)
+    // neither spins nor yields: its core is better spent on the computation it overlaps.
+    if (!detail::prefer_blocking_waits()) {
+      for (unsigned i = 1;; ++i) {
+        if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
+        if (failed()) {
+          if (ready()) return;
+          failed_while_waiting(k, s);
+        }
+        detail::cpu_relax();
+        if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
       }
-      detail::cpu_relax();
-      if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
-    }
-    detail::adaptive_spin::missed(g.policy.spin);
-    for (;;) {
-      if (ready()) return;
-      if (failed()) {
+      detail::adaptive_spin::missed(g.policy.spin);
+      for (;;) {
         if (ready()) return;
-        failed_while_waiting(k, s);
+        if (failed()) {
+          if (ready()) return;
+          failed_while_waiting(k, s);
+        }
+        if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
+        std::this_thread::yield();
       }
-      if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
-      std::this_thread::yield();
     }
     const auto deadline = start + g.policy.timeout + patience_;
     int departed = -1;
