@@ -5240,7 +5240,7 @@ struct group_of<mesh<Axes...>, Mask> {
 template <class Mesh, axis_mask Mask>
 using group_of_t = typename group_of<Mesh, Mask>::type;
 
-/// The reductions over the axes `Names...`, reached through `axis_group::apply` (nvcc deduces no
+/// The reductions over the axes `Names...` (and the group's communicator made ahead), reached through `axis_group::apply` (nvcc deduces no
 /// `axis_group<Names...>` function argument: collectives/axis_group.hpp).
 template <fixed_string... Names>
 struct reductions_over_names {
@@ -5256,6 +5256,7 @@ struct reductions_over_names {
   static auto max(L&& x) {
     return meshlib::pmax<Names...>(std::forward<L>(x));
   }
+  static void prepare() { meshlib::prepare_group<Names...>(); }
 };
 
 /// The reductions over the axes of `Mask` of the mesh of `L`.
@@ -5263,15 +5264,10 @@ template <axis_mask Mask, class L>
 using reductions_over_t =
     typename group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>::template apply<reductions_over_names>;
 
-template <fixed_string... Names>
-void prepare_group_names(axis_group<Names...>) {
-  meshlib::prepare_group<Names...>();
-}
-
 /// `prepare_group<names of Mask...>()`: makes the group's communicator now.
 template <mesh_type Mesh, axis_mask Mask>
 void prepare_group_over() {
-  prepare_group_names(group_of_t<Mesh, Mask>{});
+  group_of_t<Mesh, Mask>::template apply<reductions_over_names>::prepare();
 }
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
