@@ -6,7 +6,10 @@
 # generates its configuration headers; it is not built (that took ~50 minutes here), because a
 # compile check needs headers only. Then every source in tests/cuda/ is compiled (-c, not linked)
 # against it with nvcc: the ones that must compile, and host_collective_on_device.cpp, which must
-# fail with the message that names the backend to use.
+# fail with the message that names the backend to use. The NCCL ones (gpu_collectives.cpp: the
+# typed collectives on CudaSpace blocks through gpu_runner over NCCL and the shared-GPU
+# communicator; flagship_gpu.cpp: examples/train_fashion_mnist with its --gpu path) compile with
+# -DMESHLIB_ENABLE_NCCL=1 when nccl.h is found next to nvcc (else they are reported as skipped).
 #
 # usage: cuda_compile_check.sh WORK_DIR [VENDOR_DIR]
 #   WORK_DIR    where Kokkos is unpacked and configured (run_tests.sh: $BUILD_DIR/_deps/kokkos-4.7.01-cuda),
@@ -49,12 +52,28 @@ flags=(-std=c++20 -arch=sm_90 --expt-extended-lambda --expt-relaxed-constexpr -W
   -I"$src/simd/src" -I"$build/simd/src" -I"$src/tpls/desul/include" -I"$src/tpls/mdspan/include"
   -I"$repo_root/include")
 status=0
+cuda_include="$(dirname "$(dirname "$nvcc_bin")")/include"
+nccl=0
+[ -f "$cuda_include/nccl.h" ] || [ -f /usr/include/nccl.h ] && nccl=1
 compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $work/NAME.log
-  "$src/bin/nvcc_wrapper" "${flags[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1
+  local extra=()
+  case "$1" in gpu_collectives | flagship_gpu) extra=(-DMESHLIB_ENABLE_NCCL=1 -I"$cuda_include") ;; esac
+  "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1 || return 1
+  # A kernel calling a host-only function compiles with a warning only (#20011/#20014/#20015:
+  # "calling a __host__ function from a __host__ __device__ function"), but cannot run on a GPU.
+  if grep -E -m 5 'warning #200(11|14|15)-D' "$work/$1.log"; then
+    echo "  ^ a kernel calls a host-only function (mark it KOKKOS_INLINE_FUNCTION): tests/cuda/$1.cpp" >>"$work/$1.log"
+    echo "error: a kernel calls a host-only function" >>"$work/$1.log"
+    return 1
+  fi
 }
 start=$SECONDS
-# The ones that must compile run two at a time (one per core); then the one that must not.
-for pair in "device_arrays nn_headers" "nn_layers"; do
+# The ones that must compile run two at a time (one per core), the longest (the flagship) first;
+# then the one that must not.
+pairs=("device_arrays nn_headers" "nn_layers")
+if [ $nccl -eq 1 ]; then pairs=("flagship_gpu device_arrays" "gpu_collectives nn_headers" "nn_layers")
+else echo "  SKIPPED (no nccl.h in $cuda_include or /usr/include): tests/cuda/gpu_collectives.cpp, tests/cuda/flagship_gpu.cpp"; fi
+for pair in "${pairs[@]}"; do
   jobs_=()
   for name in $pair; do compile "$name" & jobs_+=("$!:$name"); done
   for job in "${jobs_[@]}"; do

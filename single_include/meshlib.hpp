@@ -5706,6 +5706,14 @@ class scoped_exec_space {
   const exec_type* previous_;
 };
 
+/// Set by a runner that installed the device's instance itself (`gpu_runner`: a Kokkos CUDA
+/// instance on its communicator's stream) just before it calls the device body; the exec layer
+/// (exec/detail/run_devices.hpp) reads and clears it, and then installs no instance of its own.
+inline bool& runner_installed_exec() noexcept {
+  thread_local bool installed = false;
+  return installed;
+}
+
 /// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
 template <class Space>
 exec_space_for_t<Space> current_exec() {
@@ -5727,6 +5735,16 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
     if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
+#if defined(KOKKOS_ENABLE_CUDA)
+      if constexpr (std::is_same_v<Space, Kokkos::CudaSpace>) {
+        // On the running device's GPU (gpu_runner: one process may drive several), which the
+        // allocation record keeps for the deallocation; the default CudaSpace is Kokkos' device.
+        const auto exec = current_exec<Space>();
+        return view_t(Kokkos::view_alloc(Kokkos::CudaSpace::impl_create(exec.cuda_device(), exec.cuda_stream()),
+                                         Kokkos::WithoutInitializing, std::string(label)),
+                      extent[I]...);
+      }
+#endif
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
   }
@@ -8468,6 +8486,7 @@ class comm_stream {
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -8656,6 +8675,7 @@ class observed_comm final : public Iface {
                 std::span<const permute_pair> pairs) override {
     observe("ppermute", dt, count, send, count, recv, count, [&] { inner_.ppermute(send, recv, count, dt, pairs); });
   }
+  void synchronize() override { inner_.synchronize(); }
   void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
     // Only the root's buffer is an input: the others' may hold anything before the call.
     const bool is_root = static_cast<int>(site_.group_rank) == root;
@@ -8746,7 +8766,16 @@ class device_comm {
                         std::span<const permute_pair> pairs) = 0;
   /// In place: every rank's `buf` = root's.
   virtual void broadcast(void* buf, std::size_t count, datatype dt, int root) = 0;
+  /// Waits for the operations this handle has enqueued on its stream (a stream backend: NCCL,
+  /// shared-GPU) and throws their error; nothing to do on a host backend, whose calls complete.
+  virtual void synchronize() {}
 };
+
+/// Whether backend communicator `C` orders its operations on a stream (NCCL, shared-GPU: its
+/// `context_type` is a CUDA stream) rather than completing them on the host: its buffers are device
+/// memory, and the typed collectives enqueue on it without waiting (collectives/reductions.hpp).
+template <class C>
+inline constexpr bool stream_ordered_v = !std::is_same_v<typename C::context_type, host_context>;
 
 /// `device_comm` over a backend communicator `C` (a reference: the communicator lives in
 /// `axis_communicators`).
@@ -8760,58 +8789,77 @@ class device_comm_for final : public device_comm {
   int size() const override { return comm_.size(); }
 
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
-    with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+    with_element_type(dt, [&]<class T>() { settle(comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op)); });
   }
   void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op)
-          .wait();
+      settle(comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op));
     });
   }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
-                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size())))
-          .wait();
+      settle(comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
+                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size()))));
     });
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
-                           std::span<T>(static_cast<T*>(recv), count), op)
-          .wait();
+      settle(comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
+                           std::span<T>(static_cast<T*>(recv), count), op));
     });
   }
   void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
     const std::size_t total = count * static_cast<std::size_t>(comm_.size());
     with_element_type(dt, [&]<class T>() {
-      comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total))
-          .wait();
+      settle(comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total)));
     });
   }
   void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
                     void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                     std::size_t send_total, std::size_t recv_total, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
-                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs)
-          .wait();
+      settle(comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
+                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs));
     });
   }
   void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
                 std::span<const permute_pair> pairs) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
-                     pairs)
-          .wait();
+      settle(comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
+                     pairs));
     });
   }
   void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
-    with_element_type(dt, [&]<class T>() { comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root).wait(); });
+    with_element_type(dt, [&]<class T>() { settle(comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root)); });
+  }
+  void synchronize() override {
+    if constexpr (stream_ordered_v<C>) {
+      if (last_) {
+        auto r = std::move(*last_);
+        last_.reset();
+        r.wait();
+      }
+    }
   }
 
  private:
   C& comm_;
+  /// A stream backend's last enqueued operation (its stream completes them in order).
+  std::optional<typename C::request_type> last_;
+
+  /// A host backend's operation completes here; a stream backend's stays enqueued on the
+  /// communicator's stream (the device's execution-space instance's: exec/gpu_runner.hpp), so the
+  /// host does not wait: kernels after it on that stream see its result. The previous operation's
+  /// error, if it has one by now, is thrown (a poll, never a wait).
+  template <class Request>
+  void settle(Request&& r) {
+    if constexpr (stream_ordered_v<C>) {
+      if (last_) (void)last_->test();
+      last_.emplace(std::forward<Request>(r));
+    } else {
+      r.wait();
+    }
+  }
 };
 
 /// The device this thread runs as (see the file comment).
@@ -8858,6 +8906,16 @@ class device_context {
   }
   /// The device's communication worker (requests wait on it).
   [[nodiscard]] comm_stream& stream() noexcept { return stream_; }
+  /// Whether this device's communicators take device memory: a stream backend (NCCL, shared-GPU),
+  /// whose collectives the typed layer enqueues on the device's stream (`stream_ordered_v`).
+  [[nodiscard]] virtual bool takes_device_memory() const noexcept { return false; }
+  /// Waits for the collectives this device enqueued on its stream (a stream backend) and throws
+  /// their error, bounded by the communicator's timeout; the end of every device call
+  /// (exec/detail/run_devices.hpp). Nothing to do on a host backend.
+  void synchronize() {
+    stream_.drain();
+    synchronize_handles();
+  }
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
   /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
@@ -8875,6 +8933,8 @@ class device_context {
   [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
   /// Whether collectives of different groups may run at once on two threads (a host backend).
   [[nodiscard]] virtual bool independent_groups() const noexcept = 0;
+  /// `device_comm::synchronize` on every communicator handed out.
+  virtual void synchronize_handles() {}
   /// The worker: stopped by the derived context's destructor, before its communicators go.
   comm_stream stream_;
   /// The end of the device's call, on its own thread: results that leave the call keep their
@@ -8918,6 +8978,11 @@ class device_context_for final : public device_context {
   std::string describe_mesh() const override { return mesh_.to_string(); }
   const Mesh& mesh() const noexcept { return mesh_; }
   bool independent_groups() const noexcept override { return std::is_same_v<typename C::context_type, host_context>; }
+  bool takes_device_memory() const noexcept override { return stream_ordered_v<C>; }
+  void synchronize_handles() override {
+    if constexpr (stream_ordered_v<C>)
+      for (auto& [mask, h] : handles_) h->synchronize();
+  }
   bool synchronous_starts() const noexcept override {
 #if MESHLIB_DEBUG_HOOKS
     return observer_ != nullptr;
@@ -9163,6 +9228,14 @@ struct axis_group {
   using is_axis_group = void;
   /// How many axes the group names.
   static constexpr std::size_t size = sizeof...(Names);
+  /// `F<Names...>`: how the library reaches the names. nvcc's front end (EDG, CUDA 13) does not
+  /// match a partial specialization on `axis_group<Names...>` (a pack of class-type template
+  /// parameters), so the traits below are written over this alias, never specialised on the group.
+  template <template <fixed_string...> class F>
+  using apply = F<Names...>;
+  /// The group with `Name` appended.
+  template <fixed_string Name>
+  using append = axis_group<Names..., Name>;
 };
 
 /// @brief A type that is an `axis_group<...>`.
@@ -9171,16 +9244,18 @@ concept axis_group_type = requires { typename G::is_axis_group; };
 
 namespace detail {
 
-template <class G>
-struct group_traits;
 template <fixed_string... Names>
-struct group_traits<axis_group<Names...>> {
+struct group_traits_of {
   /// Mesh positions of the axes, in the order written (`Mesh::ndim` for a name the mesh lacks).
   template <class Mesh>
   static constexpr std::array<std::size_t, sizeof...(Names)> positions{Mesh::find_axis(Names.view())...};
   /// The names, in the order written.
   static constexpr std::array<std::string_view, sizeof...(Names)> names{Names.view()...};
 };
+
+/// The traits of group `G` (`axis_group::apply`: see there why not a specialisation).
+template <class G>
+using group_traits = typename G::template apply<group_traits_of>;
 
 /// Mesh positions of the axes of `G`, in the order written.
 template <class Mesh, class G>
@@ -9685,10 +9760,22 @@ block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<s
 }
 
 /// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
+/// A block in device memory needs a stream backend (NCCL, shared-GPU: `gpu_runner`): without NCCL
+/// compiled in (`MESHLIB_ENABLE_NCCL`) that is a compile-time error, with it the running device's
+/// communicator is checked (a host one, thread or MPI, cannot read device memory).
 template <class L>
 const typename L::value_type* contiguous_data(const L& x, std::string_view op) {
-  static_assert(host_accessible_v<typename L::memory_space>,
+  using space_t = typename L::memory_space;
+  static_assert(host_accessible_v<space_t> || config::nccl,
                 "meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory");
+  if constexpr (!host_accessible_v<space_t>) {
+    if (!current_device(op).takes_device_memory())
+      throw sharding_error("meshlib: " + std::string(op) + " on a block in device memory (" +
+                           std::string(space_t::name()) +
+                           "), but this device's communicator is a host one (thread or MPI), which reads host memory; "
+                           "run on meshlib::gpu_runner (NCCL or shared-GPU communicators; default_runner picks it "
+                           "when a GPU is present), or copy the block to host memory first");
+  }
   if (x.size() != 0 && !x.view().span_is_contiguous())
     throw sharding_error("meshlib: " + std::string(op) + " needs a contiguous block; copy the strided view first");
   return x.data();
@@ -9984,10 +10071,8 @@ consteval bool check_group_axis() {
   }
 }
 
-template <class G>
-struct group_checks;
 template <fixed_string... Names>
-struct group_checks<axis_group<Names...>> {
+struct group_checks_of {
   /// Element type, each axis in the mesh and as `Rule` wants it, no axis twice.
   template <fixed_string Op, class L, axis_rule Rule>
   static consteval bool run() {
@@ -10001,6 +10086,10 @@ struct group_checks<axis_group<Names...>> {
   template <class Mesh>
   static constexpr axis_mask mask = safe_mask_v<Mesh, Names...>;
 };
+
+/// The checks of group `G` (`axis_group::apply`: nvcc matches no specialisation on the group).
+template <class G>
+using group_checks = typename G::template apply<group_checks_of>;
 
 /// Mask of the axes of group `G` (those the mesh has).
 template <class Mesh, class G>
@@ -11669,6 +11758,2598 @@ static_assert(runner<thread_runner>);
 
 }  // namespace meshlib
 // end meshlib/exec/thread_runner.hpp
+// begin meshlib/exec/gpu_runner.hpp
+/// @file
+/// @brief `gpu_runner`: the runner (exec/runner.hpp) whose mesh devices are GPUs. Each device
+/// computes on a Kokkos CUDA execution-space instance made on the stream of its communicator, so
+/// its kernels and its collectives (NCCL, or the shared-GPU communicator) are ordered on one
+/// stream: a typed `psum` on a block in `CudaSpace` is enqueued there and returns without waiting
+/// for the GPU (collectives/device_context.hpp), and the next kernel sees its result.
+///
+/// Three layouts, chosen from the mesh size, the GPUs visible and the launch (`gpu_plan`):
+/// | layout | when | communicator |
+/// | --- | --- | --- |
+/// | `process_per_gpu` | a run of P > 1 processes (`distributed::launch()`: mpirun, srun, torchrun); the mesh has P devices | one NCCL rank per process on GPU `local_rank % gpus` (ids exchanged through MPI when it is initialised, else NCCL's bootstrap from `NCCL_COMM_ID` / `MASTER_ADDR`) |
+/// | `gpu_per_device` | one process, a mesh of at most as many devices as GPUs | one NCCL rank per GPU, one thread each (`run_on_gpus`) |
+/// | `devices_share_gpu` | one process, more devices than GPUs, one GPU used | the shared-GPU communicator, one stream per device on that GPU |
+///
+/// `default_runner` picks a `gpu_runner` when meshlib is built with Kokkos CUDA and NCCL
+/// (`MESHLIB_HAS_GPU_RUNNER`) and a GPU is visible. The layout logic (`detail::plan_gpu_mesh`) is
+/// host code, compiled and tested in every build; the runner itself only with CUDA and NCCL.
+/// @code
+/// meshlib::mesh<meshlib::axis<"data">> m{4};
+/// meshlib::gpu_runner gpus;                              // 4 GPUs: one NCCL rank each; 1 GPU: 4 streams on it
+/// auto f = meshlib::shard_map(step, m, meshlib::P<"data">{}, meshlib::P<>{}, gpus);
+/// @endcode
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+#if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+#define MESHLIB_HAS_GPU_RUNNER 1
+#include <Kokkos_Core.hpp>
+#include <cuda_runtime.h>
+
+#include <exception>
+#include <optional>
+#include <type_traits>
+
+// begin meshlib/comm/nccl/nccl_communicator.hpp
+/// @file
+/// @brief The NCCL communicator: one participant per GPU, collectives on device buffers, ordered on
+/// a CUDA stream. Satisfies `communicator`.
+///
+/// @code
+/// // one process per GPU (ids exchanged by MPI: <meshlib/comm/nccl/mpi_bootstrap.hpp>, or by the
+/// // launcher's environment: meshlib::nccl::connect_from_environment in <meshlib/nccl.hpp>)
+/// meshlib::nccl_communicator comm(id, nranks, rank, {.device = local_rank});
+/// float* x = nullptr;
+/// cudaMalloc(&x, n * sizeof(float));
+/// auto r = comm.all_reduce(std::span(x, n), meshlib::reduce_op::sum);   // enqueued on comm.stream()
+/// r.wait();                                                             // or keep computing on the stream
+/// @endcode
+///
+/// Streams. Every communicator is bound to one CUDA stream (`nccl_comm_options::stream`: the
+/// stream of the Kokkos execution-space instance the device computes on, e.g.
+/// `{.stream = Kokkos::Cuda(...)}`, or any `cudaStream_t`; by default a new non-blocking stream
+/// the communicator owns). Every operation enqueues its NCCL calls on that stream, or on the
+/// stream given as its last argument, and returns at once with a request that completes when an
+/// event recorded after the calls does. Kernels before the call on the same stream are ordered
+/// before it, kernels after it see its result: no host synchronisation in between. Buffers are
+/// device memory (checked with `cudaPointerGetAttributes` unless `check_pointers` is off).
+///
+/// Faults. The communicator is created non-blocking (`ncclCommInitRankConfig` with
+/// `blocking = 0`), so no NCCL call blocks the host. `wait()` polls the event and
+/// `ncclCommGetAsyncError` against the timeout (`MESHLIB_COMM_TIMEOUT`, default 60 s); an
+/// asynchronous error or a passed deadline calls `ncclCommAbort` and throws `comm_aborted` or
+/// `comm_timeout` naming the operation and NCCL's error text. After that every operation is
+/// refused with the same root cause. Every CUDA and NCCL return code is checked
+/// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
+/// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
+/// collective, or another count): they end in the timeout.
+///
+/// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
+/// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
+/// finalizes the communicator (`ncclCommFinalize`, which waits for the peers to finalize too, then
+/// `ncclCommDestroy`; `ncclCommAbort` if that does not finish within the timeout): communicators of
+/// several GPUs in one process are destroyed concurrently (`run_on_gpus` does, and
+/// `destroy_communicators` for the result of `nccl_communicators`).
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/nccl/detail/call_fingerprint.hpp
+/// @file
+/// @brief A collective call packed into one int64, so that a device communicator can compare every
+/// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
+/// in the `collective_mismatch` message what each participant called (in the words every backend
+/// uses, call_text.hpp).
+///
+/// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
+/// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib::detail {
+
+struct call_fingerprint {
+  op_kind op = op_kind::barrier;
+  int type = -1;     ///< datatype, or -1
+  int reduce = -1;   ///< reduce_op, or -1
+  int root = -1;     ///< or -1
+  std::uint64_t count = 0;
+
+  [[nodiscard]] std::int64_t pack() const noexcept {
+    const std::uint64_t t = type < 0 ? 15u : static_cast<std::uint64_t>(type);
+    const std::uint64_t r = reduce < 0 ? 7u : static_cast<std::uint64_t>(reduce);
+    const std::uint64_t o = root < 0 ? 65535u : static_cast<std::uint64_t>(root) & 0xffffu;
+    const std::uint64_t bits = static_cast<std::uint64_t>(op) | (t << 5) | (r << 9) | (o << 12) |
+                               ((count & ((std::uint64_t{1} << 36) - 1)) << 28);
+    return static_cast<std::int64_t>(bits);
+  }
+  [[nodiscard]] static call_fingerprint unpack(std::int64_t packed) noexcept {
+    const auto bits = static_cast<std::uint64_t>(packed);
+    call_fingerprint f;
+    f.op = static_cast<op_kind>(bits & 31u);
+    const auto t = static_cast<int>((bits >> 5) & 15u);
+    const auto r = static_cast<int>((bits >> 9) & 7u);
+    const auto o = static_cast<int>((bits >> 12) & 0xffffu);
+    f.type = t == 15 ? -1 : t;
+    f.reduce = r == 7 ? -1 : r;
+    f.root = o == 65535 ? -1 : o;
+    f.count = bits >> 28;
+    return f;
+  }
+  /// What a mismatch message shows of the call (`describe_call`): "all_reduce(float32, count 8,
+  /// op sum)", "broadcast(int64, count 3, root 1)", "barrier()". An element type without a
+  /// `datatype` (14: CUDA's own 16-bit types) shows as "-"; the fingerprint keeps no ppermute pairs.
+  [[nodiscard]] call_summary summary() const noexcept {
+    call_summary c;
+    c.kind = op;
+    if (type >= 0 && type <= static_cast<int>(datatype::bfloat16)) c.dtype = static_cast<datatype>(type);
+    c.count = count;
+    if (reduce >= 0) c.op = static_cast<reduce_op>(reduce);
+    c.root = root;
+    return c;
+  }
+};
+
+/// The `collective_mismatch` message for the gathered fingerprints (one per rank), or empty when
+/// they agree.
+[[nodiscard]] inline std::string mismatch_message(std::string_view seen_by, std::span<const std::int64_t> all) {
+  bool agree = true;
+  for (std::int64_t f : all) agree = agree && f == all[0];
+  if (agree) return {};
+  std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    m += " rank " + std::to_string(r) + " called " + describe_call(call_fingerprint::unpack(all[r]).summary()) +
+         (r + 1 < all.size() ? ";" : "");
+  return m;
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/call_fingerprint.hpp
+// begin meshlib/comm/nccl/detail/nccl_types.hpp
+/// @file
+/// @brief How meshlib's element types, reduce ops and errors map to NCCL's and CUDA's: the pure
+/// part of the NCCL backend, which needs the headers and libraries but no GPU (so CI tests it).
+///
+/// | meshlib | NCCL |
+/// | --- | --- |
+/// | `float`, `double`, `int32`, `int64` | `ncclFloat32`, `ncclFloat64`, `ncclInt32`, `ncclInt64` |
+/// | `bfloat16` (meshlib's, or CUDA's `__nv_bfloat16`) | `ncclBfloat16` |
+/// | `__half` (CUDA's, NCCL backend only) | `ncclFloat16` |
+/// | `sum`, `prod`, `min`, `max`, `mean` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
+///
+/// Errors: every CUDA and NCCL return code goes through `check_nccl` / `check_cuda`, which throw
+///
+/// | code | meshlib exception |
+/// | --- | --- |
+/// | `ncclInvalidArgument`, `ncclInvalidUsage`; `cudaErrorInvalidValue`, `cudaErrorInvalidDevice`, `cudaErrorInvalidDevicePointer` | `comm_argument_error` |
+/// | `ncclRemoteError` (a peer failed or left) | `comm_aborted` |
+/// | every other failure (`ncclSystemError`, `ncclInternalError`, `ncclUnhandledCudaError`, CUDA errors) | `comm_error` |
+///
+/// with the message "meshlib: <operation> <where>: <call> failed: <NCCL's or CUDA's error
+/// string>[ (<ncclGetLastError>)]".
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+
+// CUDA's 16-bit float types, when the program already includes their headers (nvcc always does for
+// __half through cuda_runtime.h); forward declarations would clash with them, so they are only
+// recognised when present.
+#if defined(__CUDA_FP16_TYPES_EXIST__) || defined(__CUDA_FP16_HPP__) || defined(__CUDA_FP16_H__)
+#define MESHLIB_NCCL_HAS_CUDA_HALF 1
+#endif
+#if defined(__CUDA_BF16_TYPES_EXIST__) || defined(__CUDA_BF16_HPP__) || defined(__CUDA_BF16_H__)
+#define MESHLIB_NCCL_HAS_CUDA_BF16 1
+#endif
+
+namespace meshlib {
+
+namespace detail {
+template <class T>
+consteval int nccl_type_index() {
+  using U = std::remove_cv_t<T>;
+#if defined(MESHLIB_NCCL_HAS_CUDA_HALF)
+  if constexpr (std::is_same_v<U, __half>) return ncclFloat16;
+  else
+#endif
+#if defined(MESHLIB_NCCL_HAS_CUDA_BF16)
+  if constexpr (std::is_same_v<U, __nv_bfloat16>) return ncclBfloat16;
+  else
+#endif
+  if constexpr (comm_element<U>) {
+    switch (datatype_of<U>) {
+      case datatype::float32: return ncclFloat32;
+      case datatype::float64: return ncclFloat64;
+      case datatype::int32: return ncclInt32;
+      case datatype::int64: return ncclInt64;
+      case datatype::bfloat16: return ncclBfloat16;
+    }
+    return -1;
+  } else {
+    return -1;
+  }
+}
+}  // namespace detail
+
+/// @brief An element type the NCCL communicator moves and reduces: every `comm_element`, plus CUDA's
+/// `__half` and `__nv_bfloat16` when their headers are included (`<cuda_fp16.h>`, `<cuda_bf16.h>`).
+template <class T>
+concept nccl_element = (detail::nccl_type_index<T>() >= 0);
+
+/// @brief NCCL's data type of element type `T` (`ncclBfloat16` for meshlib's `bfloat16`,
+/// `ncclFloat16` for `__half`).
+template <nccl_element T>
+inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(detail::nccl_type_index<T>());
+
+/// @brief NCCL's data type of a run-time `datatype` tag.
+[[nodiscard]] constexpr ncclDataType_t to_nccl(datatype t) noexcept {
+  switch (t) {
+    case datatype::float32: return ncclFloat32;
+    case datatype::float64: return ncclFloat64;
+    case datatype::int32: return ncclInt32;
+    case datatype::int64: return ncclInt64;
+    case datatype::bfloat16: return ncclBfloat16;
+  }
+  return ncclNumTypes;
+}
+
+/// @brief NCCL's reduction of a `reduce_op`; `mean` is NCCL's own `ncclAvg` (one pass, no division
+/// kernel afterwards). Integer `mean` in NCCL rounds as its sum divided by the count, as meshlib's.
+[[nodiscard]] constexpr ncclRedOp_t to_nccl(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::prod: return ncclProd;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::mean: return ncclAvg;
+  }
+  return ncclNumOps;
+}
+
+namespace detail {
+
+/// Which meshlib exception an NCCL result becomes (see the file comment).
+enum class comm_failure_kind { argument, aborted, timeout, error };
+
+[[nodiscard]] constexpr comm_failure_kind failure_kind_of(ncclResult_t rc) noexcept {
+  switch (rc) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage: return comm_failure_kind::argument;
+    case ncclRemoteError: return comm_failure_kind::aborted;
+    default: return comm_failure_kind::error;
+  }
+}
+
+[[nodiscard]] constexpr comm_failure_kind failure_kind_of(cudaError_t rc) noexcept {
+  switch (rc) {
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle: return comm_failure_kind::argument;
+    default: return comm_failure_kind::error;
+  }
+}
+
+/// Throws the exception of `kind` with `message`.
+[[noreturn]] inline void throw_comm_failure(comm_failure_kind kind, const std::string& message) {
+  switch (kind) {
+    case comm_failure_kind::argument: throw comm_argument_error(message);
+    case comm_failure_kind::aborted: throw comm_aborted(message);
+    case comm_failure_kind::timeout: throw comm_timeout(message);
+    case comm_failure_kind::error: break;
+  }
+  throw comm_error(message);
+}
+
+/// "ncclInvalidArgument: invalid argument" style text for an NCCL result: the enumerator's name
+/// (what users search for) and NCCL's description.
+[[nodiscard]] inline std::string nccl_result_text(ncclResult_t rc) {
+  const char* name = "ncclResult";
+  switch (rc) {
+    case ncclSuccess: name = "ncclSuccess"; break;
+    case ncclUnhandledCudaError: name = "ncclUnhandledCudaError"; break;
+    case ncclSystemError: name = "ncclSystemError"; break;
+    case ncclInternalError: name = "ncclInternalError"; break;
+    case ncclInvalidArgument: name = "ncclInvalidArgument"; break;
+    case ncclInvalidUsage: name = "ncclInvalidUsage"; break;
+    case ncclRemoteError: name = "ncclRemoteError"; break;
+    case ncclInProgress: name = "ncclInProgress"; break;
+    default: return "NCCL error " + std::to_string(static_cast<int>(rc));
+  }
+  return std::string(name) + " (" + ncclGetErrorString(rc) + ")";
+}
+
+/// "cudaErrorNoDevice (no CUDA-capable device is detected)" for a CUDA error.
+[[nodiscard]] inline std::string cuda_error_text(cudaError_t rc) {
+  return std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")";
+}
+
+/// The message of a failed call: "meshlib: <what>: <call> failed: <text>[: <detail>]".
+[[nodiscard]] inline std::string failed_call_message(std::string_view what, std::string_view call,
+                                                     const std::string& text, std::string_view detail = {}) {
+  std::string m = "meshlib: " + std::string(what) + ": " + std::string(call) + " failed: " + text;
+  if (!detail.empty()) m += std::string(": ") + std::string(detail);
+  return m;
+}
+
+/// Throws the meshlib exception of a failed NCCL call (`rc` other than ncclSuccess and
+/// ncclInProgress); `last_error` is `ncclGetLastError(comm)` where a communicator exists.
+inline void check_nccl(ncclResult_t rc, std::string_view what, std::string_view call, const char* last_error = nullptr) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  throw_comm_failure(failure_kind_of(rc),
+                     failed_call_message(what, call, nccl_result_text(rc),
+                                         last_error != nullptr ? std::string_view(last_error) : std::string_view{}));
+}
+
+/// Throws the meshlib exception of a failed CUDA runtime call, and clears CUDA's sticky last error
+/// for non-sticky failures so that the next call does not report it again.
+inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view call) {
+  if (rc == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw_comm_failure(failure_kind_of(rc), failed_call_message(what, call, cuda_error_text(rc)));
+}
+
+}  // namespace detail
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/nccl_types.hpp
+// begin meshlib/comm/nccl/detail/stream_state.hpp
+/// @file
+/// @brief What the two device communicators' participants have in common: a GPU, a stream (owned
+/// or borrowed), a pool of completion events, options, and the failure that refuses later calls.
+/// The base of `nccl_comm_state` and `shared_gpu_state` (the `Channel`s of their requests).
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <concepts>
+#include <type_traits>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// begin meshlib/comm/nccl/stream_request.hpp
+/// @file
+/// @brief `basic_stream_request<Channel>`: the request of a stream-ordered backend. An operation
+/// is enqueued on a CUDA stream and an event recorded after it; the request completes when that
+/// event does. Waiting polls the event and the channel's asynchronous error against the
+/// communicator's timeout, so no wait is unbounded: an error of the channel (NCCL's
+/// `ncclCommGetAsyncError`) or a passed deadline aborts the channel (`ncclCommAbort`) and throws
+/// `comm_aborted` or `comm_timeout` naming the operation.
+///
+/// The state machine is independent of CUDA (CI tests it with a fake stream):
+///
+/// | state | `test()` | `wait()` |
+/// | --- | --- | --- |
+/// | empty (default-constructed) | true | returns |
+/// | pending | polls once: complete -> true; failed -> aborts, throws; deadline passed -> aborts, throws `comm_timeout`; else false | polls until one of those |
+/// | complete | true | returns |
+/// | failed | throws the same error again | throws the same error again |
+///
+/// A channel that checks the participants' calls (the NCCL communicator's `verify_collectives`)
+/// reports a disagreement as a failed poll marked `mismatch`: the request throws
+/// `collective_mismatch` with the channel's message and aborts the channel (the mismatched
+/// collective itself may never finish).
+///
+/// A `Channel` provides `event_type`, `poll(event_type) -> stream_poll` (never blocks),
+/// `abort(reason, timed_out)` (stops the channel's outstanding work; later operations on the channel are
+/// refused), `release(event_type)` (takes back an event for reuse) and `describe(op)` (the
+/// operation and the participant, for messages).
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+
+
+namespace meshlib {
+
+/// @brief What one poll of a stream event found.
+struct stream_poll {
+  /// Where the operation stands.
+  enum class state { pending, complete, failed };
+  /// What this poll found.
+  state status = state::pending;
+  /// For `failed`: why (NCCL's or CUDA's error text), and whether a peer failed (`comm_aborted`) or
+  /// this participant's own call did (`comm_error`).
+  std::string error;
+  /// For `failed`: true when a peer failed (`comm_aborted`), false when this call did (`comm_error`).
+  bool peer_failed = true;
+  /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
+  /// is then the whole message, listing each participant's call.
+  bool mismatch = false;
+
+  /// Not done yet: poll again.
+  [[nodiscard]] static stream_poll pending() { return {}; }
+  /// Done without error.
+  [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
+  /// Failed because of `why`; `peer` says whether a peer (true) or this call (false) failed.
+  [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
+    return {state::failed, std::move(why), peer};
+  }
+  /// Failed because participants called different collectives; `message` lists each call.
+  [[nodiscard]] static stream_poll mismatched(std::string message) {
+    return {state::failed, std::move(message), false, true};
+  }
+};
+
+/// @brief A request that completes when its stream event does. Movable, not copyable; destroying a
+/// pending request does not wait (the work stays ordered on its stream) and returns its event.
+template <class Channel>
+class basic_stream_request {
+ public:
+  /// The event type the channel records on the stream.
+  using event_type = typename Channel::event_type;
+
+  /// An empty request: already complete.
+  basic_stream_request() = default;
+
+  /// @brief A pending request for `op`, whose completion `event` marks; waits end with
+  /// `comm_timeout` after `timeout` (zero or negative: never).
+  basic_stream_request(std::shared_ptr<Channel> channel, event_type event, std::string op,
+                       std::chrono::nanoseconds timeout)
+      : channel_(std::move(channel)), event_(event), op_(std::move(op)), state_(state::pending) {
+    if (timeout.count() > 0) deadline_ = std::chrono::steady_clock::now() + timeout;
+  }
+
+  /// Movable: the moved-from request no longer waits on anything.
+  basic_stream_request(basic_stream_request&& o) noexcept { *this = std::move(o); }
+  /// Move assignment: the moved-from request no longer waits on anything.
+  basic_stream_request& operator=(basic_stream_request&& o) noexcept {
+    if (this != &o) {
+      give_back();
+      channel_ = std::move(o.channel_);
+      event_ = o.event_;
+      has_event_ = std::exchange(o.has_event_, false);
+      op_ = std::move(o.op_);
+      state_ = std::exchange(o.state_, state::empty);
+      deadline_ = o.deadline_;
+      failure_ = std::move(o.failure_);
+      failure_is_timeout_ = o.failure_is_timeout_;
+      failure_is_abort_ = o.failure_is_abort_;
+      failure_is_mismatch_ = o.failure_is_mismatch_;
+    }
+    return *this;
+  }
+  basic_stream_request(const basic_stream_request&) = delete;
+  basic_stream_request& operator=(const basic_stream_request&) = delete;
+  ~basic_stream_request() { give_back(); }
+
+  /// @brief Whether the operation is complete, without blocking.
+  /// @throws comm_aborted, comm_timeout or comm_error as `wait()`.
+  [[nodiscard]] bool test() {
+    switch (state_) {
+      case state::empty:
+      case state::complete: return true;
+      case state::failed: rethrow();
+      case state::pending: break;
+    }
+    return step();
+  }
+
+  /// @brief Blocks until the operation is complete (its receive buffers hold the result).
+  /// @throws comm_aborted when the channel reports an error (a peer failed, the communicator was
+  /// aborted), comm_timeout when the deadline passes first (the channel is aborted then too).
+  void wait() {
+    while (!test()) std::this_thread::yield();
+  }
+
+  /// Whether the request is still pending (neither complete nor failed).
+  [[nodiscard]] bool pending() const noexcept { return state_ == state::pending; }
+  /// The operation's name, as in error messages.
+  [[nodiscard]] const std::string& operation() const noexcept { return op_; }
+
+ private:
+  enum class state { empty, pending, complete, failed };
+
+  bool step() {
+    stream_poll p = channel_->poll(event_);
+    if (p.status == stream_poll::state::complete) {
+      state_ = state::complete;
+      give_back();
+      return true;
+    }
+    if (p.status == stream_poll::state::failed && p.mismatch) {
+      failure_is_mismatch_ = true;
+      fail(p.error.starts_with("meshlib: ") ? p.error.substr(9) : p.error, false, false);
+    } else if (p.status == stream_poll::state::failed) {
+      fail(channel_->describe(op_) + " failed: " + p.error, false, p.peer_failed);
+    } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
+      fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
+               std::to_string(timeout_ms()) + " ms); a peer never joined, or the collectives were called in "
+               "different orders (NCCL cannot tell); the communicator was aborted",
+           true, false);
+    }
+    return false;
+  }
+  [[nodiscard]] long long timeout_ms() const noexcept {
+    // Recomputed for the message only: the deadline minus the creation time is not kept.
+    return channel_ ? channel_->timeout_ms() : 0;
+  }
+  [[noreturn]] void fail(std::string message, bool timeout, bool aborted) {
+    failure_ = "meshlib: " + std::move(message);
+    failure_is_timeout_ = timeout;
+    failure_is_abort_ = aborted;
+    state_ = state::failed;
+    channel_->abort(failure_, timeout);
+    give_back();
+    rethrow();
+  }
+  [[noreturn]] void rethrow() const {
+    if (failure_is_mismatch_) throw collective_mismatch(failure_);
+    if (failure_is_timeout_) throw comm_timeout(failure_);
+    if (failure_is_abort_) throw comm_aborted(failure_);
+    throw comm_error(failure_);
+  }
+  void give_back() noexcept {
+    if (channel_ && has_event_) channel_->release(event_);
+    has_event_ = false;
+  }
+
+  std::shared_ptr<Channel> channel_;
+  event_type event_{};
+  bool has_event_ = true;
+  std::string op_;
+  state state_ = state::empty;
+  std::optional<std::chrono::steady_clock::time_point> deadline_;
+  std::string failure_;
+  bool failure_is_timeout_ = false;
+  bool failure_is_abort_ = false;
+  bool failure_is_mismatch_ = false;
+};
+
+}  // namespace meshlib
+// end meshlib/comm/nccl/stream_request.hpp
+
+namespace meshlib {
+
+/// @brief The execution context of the device communicators: the CUDA stream an operation is
+/// enqueued on. Default-constructed it means "the communicator's own stream"; it converts from a
+/// `cudaStream_t` and from any execution-space instance with `cuda_stream()` (`Kokkos::Cuda`),
+/// without meshlib including Kokkos' CUDA headers.
+class cuda_stream_ref {
+ public:
+  /// The communicator's bound stream.
+  constexpr cuda_stream_ref() noexcept = default;
+  /// `s` (`nullptr` is CUDA's legacy default stream, not "unset").
+  constexpr cuda_stream_ref(cudaStream_t s) noexcept : stream_(s), given_(true) {}  // NOLINT: implicit, as a stream
+  /// The stream of a Kokkos CUDA execution-space instance (anything with `cuda_stream()`).
+  template <class Exec>
+    requires(!std::same_as<std::remove_cvref_t<Exec>, cuda_stream_ref>) && requires(const Exec& e) {
+      { e.cuda_stream() } -> std::convertible_to<cudaStream_t>;
+    }
+  cuda_stream_ref(const Exec& exec) : cuda_stream_ref(static_cast<cudaStream_t>(exec.cuda_stream())) {}  // NOLINT
+
+  /// Whether a stream was given.
+  [[nodiscard]] constexpr bool given() const noexcept { return given_; }
+  /// The given stream, or `fallback` when none was.
+  [[nodiscard]] constexpr cudaStream_t or_else(cudaStream_t fallback) const noexcept { return given_ ? stream_ : fallback; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  bool given_ = false;
+};
+
+/// @brief Options of the device communicators (`nccl_communicator`, `shared_gpu_communicator`).
+struct nccl_comm_options {
+  /// The GPU of this participant; negative: the calling thread's current device.
+  int device = -1;
+  /// The stream the communicator is bound to; unset: a new non-blocking stream it owns.
+  cuda_stream_ref stream{};
+  /// How long `wait()` lets an operation run before the communicator is aborted with
+  /// `comm_timeout`. Zero or negative: no deadline.
+  std::chrono::nanoseconds timeout = default_comm_timeout();
+  /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
+  /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
+  bool check_pointers = true;
+  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
+  /// type, count, reduce op, root) on the stream, so that participants that disagree get
+  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
+  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
+  /// channel), hence off by default; the shared-GPU communicator always checks (its host
+  /// rendezvous carries the check for free).
+  bool verify_collectives = false;
+};
+
+namespace detail {
+
+/// Makes `device` the calling thread's current CUDA device for a scope.
+class cuda_device_scope {
+ public:
+  cuda_device_scope(int device, std::string_view what) {
+    check_cuda(cudaGetDevice(&previous_), what, "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), what, "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~cuda_device_scope() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
+  }
+  cuda_device_scope(const cuda_device_scope&) = delete;
+  cuda_device_scope& operator=(const cuda_device_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+/// The same, for destructors: never throws, does nothing without a device.
+struct cuda_device_scope_noexcept {
+  int previous = -1;
+  explicit cuda_device_scope_noexcept(int d) noexcept {
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    else if (previous != d) (void)cudaSetDevice(d);
+  }
+  ~cuda_device_scope_noexcept() {
+    if (previous >= 0) (void)cudaSetDevice(previous);
+  }
+  cuda_device_scope_noexcept(const cuda_device_scope_noexcept&) = delete;
+  cuda_device_scope_noexcept& operator=(const cuda_device_scope_noexcept&) = delete;
+};
+
+/// What is wrong with a buffer that must be device (or managed) memory of GPU `device`, or empty:
+/// a host pointer would crash a kernel instead of failing.
+[[nodiscard]] inline std::string device_buffer_problem(std::string_view name, const void* p, std::size_t bytes, int device) {
+  if (bytes == 0) return {};
+  cudaPointerAttributes a{};
+  const cudaError_t rc = cudaPointerGetAttributes(&a, p);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string(name) + " buffer is not memory CUDA knows (" + cuda_error_text(rc) +
+           "); device communicators move device memory";
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    return std::string(name) + " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)";
+  if (a.type == cudaMemoryTypeDevice && a.device != device)
+    return std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
+           std::to_string(device);
+  return {};
+}
+
+/// A participant's GPU, stream, events, options and failure.
+struct stream_state {
+  using event_type = cudaEvent_t;
+
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<void> stream_owner;  ///< holds a stream this participant (or its parent) created
+  nccl_comm_options options;
+  std::vector<cudaEvent_t> free_events;
+
+  mutable std::mutex mutex;  ///< guards the failure (and the NCCL communicator) against abort() from another thread
+  std::atomic<bool> failed{false};
+  bool failed_by_timeout = false;
+  std::string failure;
+
+  stream_state() = default;
+  stream_state(const stream_state&) = delete;
+  stream_state& operator=(const stream_state&) = delete;
+  ~stream_state() {
+    cuda_device_scope_noexcept g(device);
+    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
+  }
+
+  [[nodiscard]] long long timeout_ms() const noexcept {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
+  }
+  /// Records the root cause (without its "meshlib: " prefix); false when one was recorded already.
+  bool record_failure(const std::string& reason, bool by_timeout) {
+    if (failed.load()) return false;
+    constexpr std::string_view prefix = "meshlib: ";
+    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
+    failed_by_timeout = by_timeout;
+    failed.store(true);
+    return true;
+  }
+  /// What is wrong with a buffer of `bytes` bytes for this participant (`device_buffer_problem` on
+  /// its GPU), or empty; always empty when `options.check_pointers` is off. Both device
+  /// communicators' transports call this one check before they touch a pointer.
+  [[nodiscard]] std::string buffer_problem(std::string_view name, const void* p, std::size_t bytes) const {
+    if (!options.check_pointers) return {};
+    return device_buffer_problem(name, p, bytes, device);
+  }
+  /// Throws the refusal of operation `where` when the participant has failed.
+  void refuse_if_failed(const std::string& where) const {
+    if (!failed.load()) return;
+    std::lock_guard lock(mutex);
+    const std::string m = "meshlib: refused " + where + ": the communicator has failed: " + failure;
+    if (failed_by_timeout) throw comm_timeout(m);
+    throw comm_aborted(m);
+  }
+  cudaEvent_t acquire_event(std::string_view what) {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
+    return e;
+  }
+  void release(cudaEvent_t e) noexcept {
+    try {
+      free_events.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/stream_state.hpp
+
+namespace meshlib {
+
+namespace detail {
+
+/// The NCCL communicator, stream and event pool shared by the handles and requests of one
+/// participant: the `Channel` of `basic_stream_request`.
+struct nccl_comm_state : stream_state {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int* scratch = nullptr;  ///< one device int: the payload of barrier()
+
+  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
+  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
+  static constexpr int check_slots = 64;
+  std::int64_t* check_dev = nullptr;
+  std::int64_t* check_host = nullptr;
+  struct pending_check {
+    cudaEvent_t event;
+    int slot;
+  };
+  std::deque<pending_check> checks;
+  int next_slot = 0;
+
+  nccl_comm_state() = default;
+
+  ~nccl_comm_state() {
+    cuda_device_scope_noexcept g(device);
+    if (comm != nullptr && !failed.load()) {
+      // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
+      // within the timeout (a peer is gone) is an abort.
+      const ncclResult_t fin = ncclCommFinalize(comm);  // non-blocking: usually ncclInProgress
+      bool clean = fin == ncclSuccess || fin == ncclInProgress;
+      if (clean) clean = settle_for_destroy();
+      if (clean) (void)ncclCommDestroy(comm);
+      else (void)ncclCommAbort(comm);
+    }
+    if (scratch != nullptr) (void)cudaFree(scratch);
+    for (const auto& c : checks) (void)cudaEventDestroy(c.event);
+    if (check_dev != nullptr) (void)cudaFree(check_dev);
+    if (check_host != nullptr) (void)cudaFreeHost(check_host);
+  }
+
+  /// Compares the fingerprints of every check whose copies have arrived: the message of the first
+  /// disagreement, else empty. Never blocks.
+  std::string compare_checks(std::string* cuda_failure) {
+    for (auto it = checks.begin(); it != checks.end();) {
+      const cudaError_t q = cudaEventQuery(it->event);
+      if (q == cudaErrorNotReady) {
+        ++it;
+        continue;
+      }
+      if (q != cudaSuccess) {
+        (void)cudaGetLastError();
+        *cuda_failure = "cudaEventQuery failed: " + cuda_error_text(q);
+        return {};
+      }
+      const auto slot = static_cast<std::size_t>(it->slot);
+      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
+      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
+                                           std::to_string(device),
+                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
+      release(it->event);
+      it = checks.erase(it);
+      if (!m.empty()) return m;
+    }
+    return {};
+  }
+
+  /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
+  [[nodiscard]] std::string describe(std::string_view op) const {
+    return std::string(op) + " on NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " (GPU " +
+           std::to_string(device) + ")";
+  }
+  /// One look at `event` and at the communicator's asynchronous error; never blocks.
+  stream_poll poll(cudaEvent_t event) {
+    std::lock_guard lock(mutex);
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    // The event first: when it has completed, so has this operation's check (enqueued before it on
+    // the same stream), which compare_checks then sees.
+    const cudaError_t q = cudaEventQuery(event);
+    std::string cuda_failure;
+    if (std::string m = compare_checks(&cuda_failure); !m.empty()) return stream_poll::mismatched(std::move(m));
+    if (!cuda_failure.empty()) return stream_poll::failed(cuda_failure, false);
+    if (q == cudaSuccess) return stream_poll::complete();
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
+    }
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
+    if (rc != ncclSuccess) return stream_poll::failed("ncclCommGetAsyncError failed: " + nccl_result_text(rc), false);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const char* last = ncclGetLastError(comm);
+      return stream_poll::failed(nccl_result_text(async) + (last != nullptr && *last ? std::string(": ") + last : ""));
+    }
+    return stream_poll::pending();
+  }
+
+  /// Aborts the NCCL communicator (its kernels stop, peers see ncclRemoteError) and records why;
+  /// later operations are refused with `reason`. Idempotent, callable from any thread.
+  void abort(const std::string& reason, bool by_timeout = false) {
+    std::lock_guard lock(mutex);
+    if (!record_failure(reason, by_timeout)) return;
+    if (comm != nullptr) {
+      cuda_device_scope_noexcept g(device);
+      (void)ncclCommAbort(comm);
+    }
+  }
+
+ private:
+  bool settle_for_destroy() noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::hours(1));
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess) return false;
+      if (async == ncclSuccess) return true;
+      if (async != ncclInProgress || std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::yield();
+    }
+  }
+};
+
+}  // namespace detail
+
+/// @brief The request of the NCCL communicator: completes when the event recorded after the
+/// operation's NCCL calls does (see `basic_stream_request`).
+using nccl_request = basic_stream_request<detail::nccl_comm_state>;
+
+/// @brief One GPU's handle on an NCCL communicator. Copies share it.
+class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
+  friend class communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref>;
+
+ public:
+
+  /// An empty handle; only assignable and destructible.
+  nccl_communicator() = default;
+
+  /// @brief Joins the group of `nranks` participants that share `id` as participant `rank`
+  /// (collective over the group: every participant makes this call, each with its own GPU).
+  /// @throws comm_argument_error for a rank outside [0, nranks) or a device that does not exist;
+  /// comm_timeout when the group is not complete within the timeout; comm_error when NCCL fails.
+  nccl_communicator(const ncclUniqueId& id, int nranks, int rank, nccl_comm_options options = {}) {
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+      throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
+                                " is outside a group of " + std::to_string(nranks) +
+                                " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    auto s = make_state(options, rank, nranks, "nccl_communicator");
+    {
+      detail::cuda_device_scope g(s->device, "nccl_communicator");
+      ncclConfig_t config = nonblocking_config();
+      ncclUniqueId copy = id;
+      init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
+    }
+    state_ = std::move(s);
+  }
+
+  /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
+  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
+
+  /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
+  [[nodiscard]] static ncclUniqueId new_unique_id() {
+    ncclUniqueId id{};
+    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
+    return id;
+  }
+
+  /// This GPU's rank in the NCCL communicator (0 when moved from).
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
+  /// The number of ranks (0 when moved from).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
+  /// False after a move (the communicator owns nothing).
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// The GPU of this participant.
+  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The stream the communicator is bound to.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// NCCL's communicator, for calls meshlib does not wrap.
+  [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
+  /// The options the communicator was made with.
+  [[nodiscard]] const nccl_comm_options& options() const {
+    require_valid("options");
+    return state_->options;
+  }
+  /// Whether the communicator has failed (aborted, or an operation timed out).
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
+
+  /// @brief Aborts the communicator (`ncclCommAbort`): outstanding operations of every participant
+  /// end in `comm_aborted` naming `reason`. Any thread may call it.
+  void abort(std::string_view reason) {
+    require_valid("abort");
+    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
+  }
+
+  // The operations (all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all,
+  // all_to_all_v, ppermute, send, recv, barrier, in every overload) and their argument checks come
+  // from communicator_frontend; `transport` below is the NCCL part.
+
+  /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
+  /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
+  nccl_communicator split(int color, int key) {
+    constexpr std::string_view k = "split";
+    check_split(color);
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = state_->options;
+    s->device = state_->device;
+    s->stream = state_->stream;
+    s->stream_owner = state_->stream_owner;
+    {
+      detail::cuda_device_scope g(s->device, state_->describe(k));
+      ncclConfig_t config = nonblocking_config();
+      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
+      if (rc != ncclSuccess && rc != ncclInProgress) {
+        fail_with(k, "ncclCommSplit", rc);
+      }
+      settle_new(*s, state_->describe(k), "ncclCommSplit");
+      call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
+      call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
+      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
+    }
+    return nccl_communicator(std::move(s));
+  }
+
+  // ---- for creation functions ------------------------------------------------------------------
+
+  /// The non-blocking configuration every meshlib NCCL communicator is made with.
+  [[nodiscard]] static ncclConfig_t nonblocking_config() noexcept {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    return config;
+  }
+  /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
+  /// communicator yet.
+  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
+                                                                           int nranks, std::string_view what) {
+    auto s = std::make_shared<detail::nccl_comm_state>();
+    s->options = options;
+    s->rank = rank;
+    s->size = nranks;
+    int count = 0;
+    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+    int device = options.device;
+    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    if (device >= count)
+      throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
+                                " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
+    s->device = device;
+    detail::cuda_device_scope g(device, what);
+    if (options.stream.given()) {
+      s->stream = options.stream.or_else(nullptr);
+    } else {
+      cudaStream_t st = nullptr;
+      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
+      s->stream = st;
+      s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
+        int prev = 0;
+        const bool ok = cudaGetDevice(&prev) == cudaSuccess;
+        (void)cudaSetDevice(device);
+        (void)cudaStreamDestroy(static_cast<cudaStream_t>(p));
+        if (ok) (void)cudaSetDevice(prev);
+      });
+    }
+    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
+    return s;
+  }
+  /// Checks the result of a communicator-creating call and polls the new communicator until it is
+  /// ready (non-blocking creation returns ncclInProgress), against the timeout.
+  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
+    const std::string what = s.describe("nccl_communicator creation");
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
+    settle_new(s, what, call_name);
+  }
+
+ private:
+  // ---- enqueueing ------------------------------------------------------------------------------
+
+  template <class F>
+  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
+                       F&& calls) {
+    detail::cuda_device_scope g(state_->device, state_->describe(k));
+    const cudaStream_t s = ctx.or_else(state_->stream);
+    if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
+    calls(s);
+    cudaEvent_t ev = state_->acquire_event(state_->describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+  template <class T>
+  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+                                     int root = -1) {
+    detail::call_fingerprint f;
+    f.op = op;
+    if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
+    else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
+    f.reduce = r ? static_cast<int>(*r) : -1;
+    f.root = root;
+    f.count = count;
+    return f;
+  }
+  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
+  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
+  void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
+    auto& st = *state_;
+    const auto n1 = static_cast<std::size_t>(st.size + 1);
+    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
+    if (st.check_dev == nullptr) {
+      cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
+      cuda_call(k, "cudaHostAlloc",
+                cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
+    }
+    const int slot = st.next_slot;
+    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
+    // The slot's previous check must have been compared before its memory is reused.
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      bool busy = false;
+      for (const auto& c : st.checks) busy = busy || c.slot == slot;
+      if (!busy) break;
+      std::string cuda_failure;
+      std::string m;
+      {
+        std::lock_guard lock(st.mutex);
+        m = st.compare_checks(&cuda_failure);
+      }
+      if (!m.empty()) {
+        st.abort(m);
+        throw collective_mismatch(m);
+      }
+      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
+      if (deadline.passed()) {
+        const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
+        st.abort(t, true);
+        throw comm_timeout(t);
+      }
+      std::this_thread::yield();
+    }
+    std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
+    std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
+    host[0] = fp;
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
+    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
+    cuda_call(k, "cudaMemcpyAsync",
+              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost, s));
+    cudaEvent_t ev = st.acquire_event(st.describe(k));
+    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    st.checks.push_back({ev, slot});
+  }
+  /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
+  void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    if (rc == ncclSuccess) return;
+    if (rc == ncclInProgress) {
+      settle(k, name);
+      return;
+    }
+    fail_with(k, name, rc);
+  }
+  [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
+    const char* last = ncclGetLastError(state_->comm);
+    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
+                                                            last != nullptr ? std::string_view(last) : std::string_view{});
+    // Argument errors leave the communicator usable; anything else may have left it half-way
+    // through a collective, so it is aborted and later calls are refused.
+    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
+    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
+  }
+  void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
+    if (rc == cudaSuccess) return;
+    detail::check_cuda(rc, state_->describe(k), name);
+  }
+  /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
+  void settle(std::string_view k, std::string_view name) const {
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
+      if (rc != ncclSuccess) fail_with(k, "ncclCommGetAsyncError", rc);
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) fail_with(k, name, async);
+      if (deadline.passed()) {
+        const std::string m = "meshlib: " + state_->describe(k) + ": " + std::string(name) +
+                              " was not issued within the communicator's timeout (" +
+                              std::to_string(state_->timeout_ms()) + " ms); the communicator was aborted";
+        state_->abort(m, true);
+        throw comm_timeout(m);
+      }
+      std::this_thread::yield();
+    }
+  }
+  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+    const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
+      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
+      if (async == ncclSuccess) return;
+      if (async != ncclInProgress) {
+        const std::string last = ncclGetLastError(s.comm);
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        detail::check_nccl(async, what, name, last.c_str());
+      }
+      if (deadline.passed()) {
+        (void)ncclCommAbort(s.comm);
+        s.comm = nullptr;
+        throw comm_timeout("meshlib: " + what + ": " + std::string(name) + " did not complete within the timeout (" +
+                           std::to_string(s.timeout_ms()) + " ms); not every participant joined the group");
+      }
+      std::this_thread::yield();
+    }
+  }
+  /// The communicator's timeout from now; `passed()` is never true without a timeout. A flag and a
+  /// time point, not an optional: GCC at -O1 warns that an optional's value may be read
+  /// uninitialised (-Wmaybe-uninitialized), which -Werror turns into an error.
+  struct deadline_t {
+    bool timed;
+    std::chrono::steady_clock::time_point at;
+    [[nodiscard]] bool passed() const { return timed && std::chrono::steady_clock::now() > at; }
+  };
+  [[nodiscard]] deadline_t deadline_from_now() const {
+    return {state_->options.timeout.count() > 0, std::chrono::steady_clock::now() + state_->options.timeout};
+  }
+  /// Runs the NCCL calls of `body` as one group (`ncclGroupStart`/`ncclGroupEnd`).
+  template <class F>
+  void group(std::string_view k, F&& body) const {
+    call(k, "ncclGroupStart", ncclGroupStart());
+    try {
+      body();
+    } catch (...) {
+      (void)ncclGroupEnd();
+      throw;
+    }
+    call(k, "ncclGroupEnd", ncclGroupEnd());
+  }
+  template <class T>
+  void exchange_blocks(std::string_view k, const T* send, T* recv, std::size_t c, cudaStream_t s) const {
+    group(k, [&] {
+      for (int p = 0; p < size(); ++p) {
+        const std::size_t off = static_cast<std::size_t>(p) * c;
+        call(k, "ncclSend", ncclSend(send + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+        call(k, "ncclRecv", ncclRecv(recv + off, c, nccl_datatype_of<T>, p, state_->comm, s));
+      }
+    });
+  }
+  template <class T>
+  void permute(std::string_view k, const T* send, T* recv, std::size_t n, std::span<const permute_pair> pairs,
+               cudaStream_t s) const {
+    const int me = rank();
+    const permute_pair* incoming = nullptr;
+    for (const auto& p : pairs)
+      if (p.dest == me) incoming = &p;
+    if (incoming == nullptr) {
+      cuda_call(k, "cudaMemsetAsync", cudaMemsetAsync(recv, 0, n * sizeof(T), s));  // all-zero bits are 0 in every type
+    } else if (incoming->source == me) {
+      cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(recv, send, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    }
+    group(k, [&] {
+      for (const auto& p : pairs) {
+        if (p.source == p.dest) continue;
+        if (p.source == me) call(k, "ncclSend", ncclSend(send, n, nccl_datatype_of<T>, p.dest, state_->comm, s));
+        if (p.dest == me) call(k, "ncclRecv", ncclRecv(recv, n, nccl_datatype_of<T>, p.source, state_->comm, s));
+      }
+    });
+  }
+  /// Runs `body(copy)` with a stream-ordered device copy of buf (`cudaMallocAsync`, freed after).
+  template <class T, class F>
+  void with_copy(std::string_view k, std::span<T> buf, cudaStream_t s, F&& body) const {
+    if (buf.empty()) {
+      body(static_cast<const T*>(nullptr));
+      return;
+    }
+    void* copy = nullptr;
+    cuda_call(k, "cudaMallocAsync", cudaMallocAsync(&copy, buf.size_bytes(), s));
+    struct release {
+      void* p;
+      cudaStream_t s;
+      ~release() { (void)cudaFreeAsync(p, s); }
+    } r{copy, s};
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(copy, buf.data(), buf.size_bytes(), cudaMemcpyDeviceToDevice, s));
+    body(static_cast<const T*>(copy));
+  }
+
+  // ---- the front end's hooks ---------------------------------------------------------------------
+
+  [[nodiscard]] std::string label() const { return "NCCL rank " + std::to_string(rank()); }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty nccl_communicator handle (default-constructed or moved from)");
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    state_->refuse_if_failed(state_->describe(k));
+  }
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
+  }
+
+  /// The NCCL transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const ncclDataType_t t = nccl_datatype_of<T>;
+    const ncclRedOp_t r = to_nccl(o.op);
+    auto fingerprint = [&](int root = -1, bool reducing = false) {
+      return fp<T>(K, K == op_kind::all_to_all_v ? 0 : c, reducing ? std::optional(o.op) : std::nullopt, root);
+    };
+    if constexpr (K == op_kind::all_reduce) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root, true), [&](cudaStream_t s) {
+        call(k, "ncclReduce", ncclReduce(o.send, o.recv, c, t, r, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
+        call(k, "ncclReduceScatter", ncclReduceScatter(o.send, o.recv, c, t, r, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(o.root), [&](cudaStream_t s) {
+        call(k, "ncclBroadcast", ncclBroadcast(o.send, o.recv, c, t, o.root, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        call(k, "ncclAllGather", ncclAllGather(o.send, o.recv, c, t, state_->comm, s));
+      });
+    } else if constexpr (K == op_kind::all_to_all) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c * n);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c * n), s, [&](const T* copy) { exchange_blocks<T>(k, copy, o.recv, c, s); });
+        else
+          exchange_blocks<T>(k, o.send, o.recv, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      std::size_t send_end = 0;
+      std::size_t recv_end = 0;
+      for (std::size_t j = 0; j < n; ++j) {
+        send_end = std::max(send_end, static_cast<std::size_t>(o.v[0][j] + o.v[1][j]));
+        recv_end = std::max(recv_end, static_cast<std::size_t>(o.v[2][j] + o.v[3][j]));
+      }
+      device_buffer<K>("send", o.send, send_end);
+      device_buffer<K>("receive", o.recv, recv_end);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        group(k, [&] {
+          for (std::size_t j = 0; j < n; ++j) {
+            const int p = static_cast<int>(j);
+            if (o.v[0][j] > 0)
+              call(k, "ncclSend", ncclSend(o.send + o.v[1][j], static_cast<std::size_t>(o.v[0][j]), t, p, state_->comm, s));
+            if (o.v[2][j] > 0)
+              call(k, "ncclRecv", ncclRecv(o.recv + o.v[3][j], static_cast<std::size_t>(o.v[2][j]), t, p, state_->comm, s));
+          }
+        });
+      });
+    } else if constexpr (K == op_kind::ppermute) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
+        if (o.in_place)
+          with_copy<T>(k, std::span<T>(o.recv, c), s, [&](const T* copy) { permute<T>(k, copy, o.recv, c, o.pairs, s); });
+        else
+          permute<T>(k, o.send, o.recv, c, o.pairs, s);
+      });
+    } else if constexpr (K == op_kind::send || K == op_kind::recv) {
+      if (o.tag != 0)
+        this->bad_argument(K, "tag " + std::to_string(o.tag) +
+                                  " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
+      if constexpr (K == op_kind::send) {
+        device_buffer<K>("send", o.send, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclSend", ncclSend(o.send, c, t, o.peer, state_->comm, s));
+        });
+      } else {
+        device_buffer<K>("receive", o.recv, c);
+        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
+          call(k, "ncclRecv", ncclRecv(o.recv, c, t, o.peer, state_->comm, s));
+        });
+      }
+    } else {
+      static_assert(K == op_kind::barrier);
+      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
+        call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
+      });
+    }
+  }
+
+  std::shared_ptr<detail::nccl_comm_state> state_;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/nccl_communicator.hpp
+// begin meshlib/comm/nccl/run_on_gpus.hpp
+/// @file
+/// @brief One process driving several GPUs: `nccl_communicators(devices)` makes one communicator
+/// per GPU in one call, and `run_on_gpus(devices, fn)` runs `fn(comm)` on one runner thread per
+/// GPU, as `run_on_threads` does for the thread communicator.
+///
+/// @code
+/// const int gpus[] = {0, 1, 2, 3};
+/// meshlib::run_on_gpus(gpus, [&](meshlib::nccl_communicator& c) {   // thread r drives GPU gpus[r]
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::mean).wait();
+/// });
+/// @endcode
+///
+/// Creation follows `ncclCommInitAll` (one unique id, `ncclCommInitRank` for every GPU inside one
+/// `ncclGroupStart`/`ncclGroupEnd`), but with the non-blocking configuration every meshlib
+/// communicator has (`ncclCommInitAll` takes no configuration), so that a fault ends in an error
+/// instead of a hang. NCCL refuses two ranks on one GPU: `devices` must be distinct.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <exception>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib {
+
+/// @brief One NCCL communicator per GPU of `devices` (rank r on `devices[r]`), each bound to a new
+/// stream of its own unless `options.stream` is given (then it must be usable on every device).
+/// @throws comm_argument_error for an empty list, a repeated device or one that does not exist;
+/// comm_error, comm_timeout when NCCL fails.
+[[nodiscard]] inline std::vector<nccl_communicator> nccl_communicators(std::span<const int> devices,
+                                                                      nccl_comm_options options = {}) {
+  constexpr std::string_view what = "nccl_communicators";
+  if (devices.empty()) throw comm_argument_error("meshlib: nccl_communicators needs at least one GPU");
+  for (std::size_t i = 0; i < devices.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (devices[i] == devices[j])
+        throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
+                                  " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
+                                  "GPU, and the thread communicator between devices that share one)");
+  const int n = static_cast<int>(devices.size());
+  const ncclUniqueId id = nccl_communicator::new_unique_id();
+  std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
+  for (int r = 0; r < n; ++r) {
+    nccl_comm_options o = options;
+    o.device = devices[static_cast<std::size_t>(r)];
+    states.push_back(nccl_communicator::make_state(o, r, n, what));
+  }
+  {
+    ncclConfig_t config = nccl_communicator::nonblocking_config();
+    detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    for (int r = 0; r < n; ++r) {
+      auto& s = *states[static_cast<std::size_t>(r)];
+      detail::cuda_device_scope g(s.device, what);
+      ncclUniqueId copy = id;
+      const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, n, copy, r, &config);
+      if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    detail::check_nccl(first, what, "ncclCommInitRankConfig");
+    detail::check_nccl(end, what, "ncclGroupEnd");
+  }
+  std::vector<nccl_communicator> out;
+  for (auto& s : states) {
+    nccl_communicator::init_checked(*s, ncclInProgress, "ncclCommInitRankConfig");
+    out.emplace_back(std::move(s));
+  }
+  return out;
+}
+
+/// @brief Destroys communicators of several GPUs of this process concurrently, one thread each:
+/// finalizing one waits for its peers to finalize, so destroying them one after another from one
+/// thread would wait for the timeout. Leaves `comms` empty.
+inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms) threads.emplace_back([&c] { c = nccl_communicator{}; });
+  for (auto& t : threads) t.join();
+  comms.clear();
+}
+
+/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
+/// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
+/// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
+/// threads have ended `participant_error` is thrown for the first failure, its exception nested.
+template <class F>
+  requires std::is_invocable_v<F&, nccl_communicator&>
+void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
+  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+  const int n = static_cast<int>(comms.size());
+  std::vector<std::exception_ptr> errors(comms.size());
+  std::atomic<int> first{-1};
+  auto body = [&](int r) {
+    auto& c = comms[static_cast<std::size_t>(r)];
+    try {
+      detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
+      fn(c);
+    } catch (...) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      int none = -1;
+      first.compare_exchange_strong(none, r);
+      const std::string why = "participant " + std::to_string(r) + " failed: " +
+                              detail::what_of(errors[static_cast<std::size_t>(r)]);
+      for (auto& other : comms) other.abort(why);
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(comms.size());
+  try {
+    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  } catch (...) {
+    for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+    for (auto& t : threads) t.join();
+    throw;  // aborted communicators are released without finalizing
+  }
+  for (auto& t : threads) t.join();
+  destroy_communicators(comms);
+  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
+    return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
+           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
+  });
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/run_on_gpus.hpp
+// begin meshlib/comm/nccl/shared_gpu_communicator.hpp
+/// @file
+/// @brief Several mesh devices on one GPU: `shared_gpu_communicator`, one participant per device,
+/// each with its own CUDA stream on the same GPU, as JAX users test sharded programs with several
+/// CPU devices on one machine. NCCL refuses two ranks on one GPU, so the collectives run here:
+/// device-to-device copies (`cudaMemcpyAsync`) and one reduction kernel (detail/reduce_kernel.hpp,
+/// compiled at run time by NVRTC so that the library stays header-only for every host compiler).
+/// Satisfies `communicator`; same options (`nccl_comm_options`), requests and errors as the NCCL
+/// communicator.
+///
+/// @code
+/// meshlib::run_on_shared_gpu(4, [&](meshlib::shared_gpu_communicator& c) {   // 4 devices on GPU 0
+///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::sum).wait();
+/// });
+/// @endcode
+///
+/// How an operation runs. The participants meet on the host (a `thread_communicator`, which also
+/// gives them its fault handling: a participant that throws aborts the others' waits). Each
+/// records a "ready" event on its stream and publishes it with its buffer pointers and a
+/// descriptor of the call; the descriptors must agree (operation, type, count, root, pairs), else
+/// every participant throws `collective_mismatch` listing each rank's call. Each stream then waits
+/// for every peer's "ready" event and enqueues its share of the work: for the reductions,
+/// participant r reduces block r of every input and writes it to every output (one kernel, so the
+/// whole payload is read once and written once, and in-place works because blocks are disjoint);
+/// for data movement, each participant pushes or pulls its blocks with copies. Finally each stream
+/// records "done", the participants exchange those events, and each stream waits for all of them,
+/// so no participant reuses a buffer a peer still reads. Nothing blocks the host on the GPU: the
+/// request completes when the participant's stream passes that point.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/comm/nccl/detail/reduce_kernel.hpp
+/// @file
+/// @brief The reduction kernel of several mesh devices on one GPU, compiled at run time with NVRTC
+/// (CUDA's run-time compiler, part of every CUDA toolkit) and launched through the CUDA runtime's
+/// library API. Why at run time: meshlib is header-only and its users compile with g++ or clang,
+/// not nvcc; a kernel in a `__CUDACC__` header would exist only in nvcc-compiled programs, and one
+/// through Kokkos only where Kokkos has CUDA. NVRTC keeps the kernel in this header, for every
+/// compiler, at the cost of one compilation per process (about 0.1-0.3 s, on first use).
+///
+/// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
+/// backend does, so results are bitwise those of the thread communicator: integer sums and products
+/// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
+/// combined in float and rounded once (nearest even, NaNs stay NaN), and float min/max follow
+/// meshlib's semantics on every backend: a NaN anywhere gives NaN, and -0 < +0 (`reduce_min`,
+/// `reduce_max`, which the host compiles too, so that nccl_host_tests checks them without a GPU).
+/// It writes the result to every output pointer, so that one launch per participant both reduces
+/// its block and distributes it.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cuda_runtime_api.h>
+#include <nvrtc.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::detail {
+
+/// Most participants one launch reduces (the pointer tables go by value in the kernel arguments).
+inline constexpr int max_local_devices = 32;
+
+/// Pointer tables passed by value: inputs and outputs of one launch.
+struct reduce_pointers {
+  const void* in[max_local_devices];
+  void* out[max_local_devices];
+};
+
+// min and max of the kernel, written once for the kernel and the host. `a` is the running result
+// of the lower ranks. NaN: `b < a ? b : a` would keep `a` whenever `b` is NaN, losing it (and
+// the result would depend on which rank held the NaN). Equal zeros: +0 and -0 compare equal, so
+// the sign is chosen by IEEE addition, which needs no signbit() (NVRTC has no <cmath>):
+// +0 + -0 = +0 (max), and -(-a - b) is -0 when either is -0 (min). Integers never take those
+// branches with different values (x != x is false, and equal integers are the same value).
+#define MESHLIB_DETAIL_REDUCE_MINMAX(QUALIFIER)                  \
+  template <class V>                                             \
+  QUALIFIER V reduce_max(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? a + b : a;                    \
+    return a < b ? b : a;                                        \
+  }                                                              \
+  template <class V>                                             \
+  QUALIFIER V reduce_min(V a, V b) {                             \
+    if (a != a) return a;                                        \
+    if (b != b) return b;                                        \
+    if (a == b) return a == V(0) ? -(-a - b) : a;                \
+    return b < a ? b : a;                                        \
+  }
+#define MESHLIB_DETAIL_REDUCE_STR(...) #__VA_ARGS__
+#define MESHLIB_DETAIL_REDUCE_XSTR(...) MESHLIB_DETAIL_REDUCE_STR(__VA_ARGS__)
+
+/// @brief The kernel's min and max of two elements, compiled for the host (the kernel gets the same
+/// text, see `reduce_minmax_source`): NaN anywhere gives NaN, -0 < +0, else the usual order.
+MESHLIB_DETAIL_REDUCE_MINMAX(constexpr)
+
+/// The kernel's `reduce_min` and `reduce_max`, as text for NVRTC (`meshlib_device_function` is
+/// defined by the kernel source; a placeholder, not `__device__`, because nvcc defines that as a
+/// macro and would expand it here).
+inline constexpr std::string_view reduce_minmax_source =
+    MESHLIB_DETAIL_REDUCE_XSTR(MESHLIB_DETAIL_REDUCE_MINMAX(meshlib_device_function));
+
+#undef MESHLIB_DETAIL_REDUCE_XSTR
+#undef MESHLIB_DETAIL_REDUCE_STR
+#undef MESHLIB_DETAIL_REDUCE_MINMAX
+
+/// The kernels' source after `reduce_minmax_source`: one `extern "C"` kernel per element type, named
+/// `meshlib_reduce_<type>`.
+inline constexpr std::string_view reduce_kernel_source = R"(
+struct reduce_pointers { const void* in[32]; void* out[32]; };
+__device__ inline float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ inline unsigned short float_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
+  unsigned rounding = 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)((u + rounding) >> 16);
+}
+// op: 0 sum, 1 prod, 2 min, 3 max, 4 mean (meshlib::reduce_op's order)
+#define MESHLIB_REDUCE_KERNEL(NAME, T, ACC, UACC, LOAD, STORE, DIVIDE)                                   \
+extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned long long count, int op) { \
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;                        \
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) { \
+    ACC a = LOAD(((const T*)p.in[0])[i]);                                                               \
+    for (int k = 1; k < n_in; ++k) {                                                                    \
+      const ACC b = LOAD(((const T*)p.in[k])[i]);                                                       \
+      switch (op) {                                                                                     \
+        case 0: case 4: a = (ACC)((UACC)a + (UACC)b); break;                                            \
+        case 1: a = (ACC)((UACC)a * (UACC)b); break;                                                    \
+        case 2: a = reduce_min(a, b); break;                                                            \
+        default: a = reduce_max(a, b); break;                                                           \
+      }                                                                                                 \
+    }                                                                                                   \
+    if (op == 4) a = DIVIDE(a, n_in);                                                                   \
+    const T r = STORE(a);                                                                               \
+    for (int k = 0; k < n_out; ++k) ((T*)p.out[k])[i] = r;                                              \
+  }                                                                                                     \
+}
+#define MESHLIB_SAME(x) (x)
+#define MESHLIB_DIV(a, n) ((a) / (n))
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_float32, float, float, float, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_float64, double, double, double, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_int32, int, int, unsigned int, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_int64, long long, long long, unsigned long long, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
+MESHLIB_REDUCE_KERNEL(meshlib_reduce_bfloat16, unsigned short, float, float, bf16_to_float, float_to_bf16, MESHLIB_DIV)
+)";
+
+/// The kernel name for element type `t`.
+[[nodiscard]] inline std::string reduce_kernel_name(datatype t) { return "meshlib_reduce_" + std::string(to_string(t)); }
+
+/// Compiles the kernels for `arch` (e.g. "compute_90") to PTX.
+/// @throws comm_error with NVRTC's log when compilation fails.
+[[nodiscard]] inline std::string compile_reduce_kernels(const std::string& arch) {
+  nvrtcProgram prog = nullptr;
+  auto check = [&](nvrtcResult rc, const char* call) {
+    if (rc == NVRTC_SUCCESS) return;
+    std::string log;
+    std::size_t size = 0;
+    if (prog != nullptr && nvrtcGetProgramLogSize(prog, &size) == NVRTC_SUCCESS && size > 1) {
+      log.resize(size);
+      (void)nvrtcGetProgramLog(prog, log.data());
+    }
+    if (prog != nullptr) (void)nvrtcDestroyProgram(&prog);
+    throw comm_error("meshlib: compiling the device reduction kernel: " + std::string(call) + " failed: " +
+                     nvrtcGetErrorString(rc) + (log.empty() ? "" : "\n" + log));
+  };
+  const std::string source = "#define meshlib_device_function __device__ inline\n" + std::string(reduce_minmax_source) +
+                             "\n" + std::string(reduce_kernel_source);
+  check(nvrtcCreateProgram(&prog, source.c_str(), "meshlib_reduce.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
+  const std::string arch_opt = "--gpu-architecture=" + arch;
+  const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
+  check(nvrtcCompileProgram(prog, 2, opts), "nvrtcCompileProgram");
+  std::size_t size = 0;
+  check(nvrtcGetPTXSize(prog, &size), "nvrtcGetPTXSize");
+  std::string ptx(size, '\0');
+  check(nvrtcGetPTX(prog, ptx.data()), "nvrtcGetPTX");
+  (void)nvrtcDestroyProgram(&prog);
+  return ptx;
+}
+
+/// The loaded kernels of the current device's architecture, compiled once per process and
+/// architecture.
+class reduce_kernels {
+ public:
+  /// The kernel for `t` on the current device.
+  static cudaKernel_t get(datatype t, std::string_view what) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    int major = 0;
+    int minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), what, "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), what, "cudaDeviceGetAttribute");
+    const std::string arch = "compute_" + std::to_string(major * 10 + minor);
+    static std::mutex mutex;
+    static std::map<std::string, cudaLibrary_t> libraries;  // never unloaded: lives as long as the process
+    std::lock_guard lock(mutex);
+    auto it = libraries.find(arch);
+    if (it == libraries.end()) {
+      const std::string ptx = compile_reduce_kernels(arch);
+      cudaLibrary_t lib = nullptr;
+      check_cuda(cudaLibraryLoadData(&lib, ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0), what,
+                 "cudaLibraryLoadData");
+      it = libraries.emplace(arch, lib).first;
+    }
+    cudaKernel_t k = nullptr;
+    check_cuda(cudaLibraryGetKernel(&k, it->second, reduce_kernel_name(t).c_str()), what, "cudaLibraryGetKernel");
+    return k;
+  }
+};
+
+/// Enqueues on `stream`: out[j][i] = op over in[0..n_in)[i], for i < count and every output j.
+inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void*>& in, const std::vector<void*>& out,
+                          std::size_t count, cudaStream_t stream, std::string_view what) {
+  if (count == 0) return;
+  reduce_pointers p{};
+  for (std::size_t i = 0; i < in.size(); ++i) p.in[i] = in[i];
+  for (std::size_t i = 0; i < out.size(); ++i) p.out[i] = out[i];
+  int n_in = static_cast<int>(in.size());
+  int n_out = static_cast<int>(out.size());
+  unsigned long long n = count;
+  int o = static_cast<int>(op);
+  void* args[] = {&p, &n_in, &n_out, &n, &o};
+  const unsigned threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4096));
+  const cudaKernel_t k = reduce_kernels::get(t, what);
+  check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(k), dim3(blocks), dim3(threads), args, 0, stream), what,
+             "cudaLaunchKernel");
+}
+
+}  // namespace meshlib::detail
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/detail/reduce_kernel.hpp
+
+namespace meshlib {
+
+namespace detail {
+
+/// One participant's stream, events and host handle: the `Channel` of its requests.
+struct shared_gpu_state : stream_state {
+  thread_communicator host;
+  cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
+  cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
+
+  shared_gpu_state() = default;
+  ~shared_gpu_state() {
+    cuda_device_scope_noexcept g(device);
+    if (ready != nullptr) (void)cudaEventDestroy(ready);
+    if (done != nullptr) (void)cudaEventDestroy(done);
+  }
+
+  [[nodiscard]] std::string describe(std::string_view op) const {
+    return std::string(op) + " on shared-GPU device " + std::to_string(host.rank()) + " of " +
+           std::to_string(host.size()) + " (GPU " + std::to_string(device) + ")";
+  }
+  stream_poll poll(cudaEvent_t event) {
+    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return stream_poll::complete();
+    if (q == cudaErrorNotReady) return stream_poll::pending();
+    (void)cudaGetLastError();
+    return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
+  }
+  void abort(const std::string& reason, bool by_timeout = false) {
+    {
+      std::lock_guard lock(mutex);
+      if (!record_failure(reason, by_timeout)) return;
+    }
+    if (host.valid()) (void)host.abort(failure);  // peers waiting on the host rendezvous stop too
+  }
+};
+
+/// The descriptor every participant publishes for a collective (int64 words, so that the host
+/// communicator's all_gather moves it).
+struct shared_gpu_call {
+  std::int64_t op = 0;      ///< detail::op_kind
+  std::int64_t type = -1;   ///< datatype, or -1
+  std::int64_t count = 0;   ///< elements (per rank, as the concept counts them)
+  std::int64_t root = -1;   ///< root, or -1
+  std::int64_t extra = 0;   ///< reduce op, or a hash of the ppermute pairs
+  std::int64_t send = 0;    ///< device pointers
+  std::int64_t recv = 0;
+  std::int64_t ready = 0;   ///< cudaEvent_t
+};
+static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
+
+/// What a mismatch message shows of a device's call (`describe_call`). The call keeps only a hash
+/// of ppermute pairs (in `extra`), which is not shown.
+inline call_summary summary_of(const shared_gpu_call& call) {
+  call_summary c;
+  c.kind = static_cast<op_kind>(call.op);
+  if (call.type >= 0) c.dtype = static_cast<datatype>(call.type);
+  c.count = static_cast<std::uint64_t>(call.count);
+  if (uses_op(c.kind)) c.op = static_cast<reduce_op>(call.extra);
+  c.root = static_cast<int>(call.root);
+  return c;
+}
+
+}  // namespace detail
+
+/// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
+using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
+
+/// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
+/// handle belongs to one thread).
+class shared_gpu_communicator
+    : public communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref> {
+  friend class communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref>;
+
+ public:
+
+  shared_gpu_communicator() = default;
+
+  /// @brief Device `host.rank()` of `host.size()` on GPU `options.device` (default: current),
+  /// bound to `options.stream` (default: a new non-blocking stream). Not collective.
+  explicit shared_gpu_communicator(thread_communicator host, nccl_comm_options options = {}) {
+    if (!host.valid()) throw comm_argument_error("meshlib: shared_gpu_communicator needs a valid thread_communicator");
+    if (host.size() > detail::max_local_devices)
+      throw comm_argument_error("meshlib: shared_gpu_communicator: " + std::to_string(host.size()) +
+                                " devices on one GPU; at most " + std::to_string(detail::max_local_devices) + " are supported");
+    // The stream and device come from the same code as the NCCL communicator's.
+    auto base = nccl_communicator::make_state(options, host.rank(), host.size(), "shared_gpu_communicator");
+    auto s = std::make_shared<detail::shared_gpu_state>();
+    s->host = std::move(host);
+    s->device = base->device;
+    s->stream = base->stream;
+    s->stream_owner = base->stream_owner;
+    s->options = options;
+    {
+      detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
+      s->ready = s->acquire_event("shared_gpu_communicator");
+      s->done = s->acquire_event("shared_gpu_communicator");
+    }
+    state_ = std::move(s);
+  }
+
+  /// @brief Adopts a participant's state (for creation functions and tests).
+  explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
+
+  /// This participant's rank (0 when moved from).
+  [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
+  /// The number of participants (0 when moved from).
+  [[nodiscard]] int size() const noexcept { return state_ ? state_->host.size() : 0; }
+  /// The CUDA device this participant uses (-1 when moved from).
+  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
+  /// The CUDA stream the collectives run on (null when moved from).
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
+  /// False after a move (the communicator owns nothing).
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+  /// True once a participant failed; the others then stop waiting.
+  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
+  /// Aborts the group: every participant's pending and later calls fail naming `reason`.
+  void abort(std::string_view reason) {
+    require_valid("abort");
+    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
+  }
+
+  // The operations and their argument checks come from communicator_frontend; `transport` (below)
+  // is the shared-GPU part.
+
+  /// @brief Devices with the same `color` form a new group (`thread_communicator::split`), on the
+  /// same GPU and stream.
+  shared_gpu_communicator split(int color, int key) {
+    check_split(color);
+    nccl_comm_options o = state_->options;
+    o.device = state_->device;
+    o.stream = state_->stream;
+    shared_gpu_communicator out(state_->host.split(color, key), o);
+    out.state_->stream_owner = state_->stream_owner;  // keeps the parent's stream alive
+    return out;
+  }
+
+ private:
+  [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
+  void require_valid(std::string_view k) const {
+    if (!state_)
+      throw comm_error("meshlib: " + std::string(k) +
+                       " called on an empty shared_gpu_communicator handle (default-constructed or moved from)");
+  }
+  void check_usable(std::string_view k) const {
+    require_valid(k);
+    state_->refuse_if_failed(describe(k));
+  }
+  // ---- the front end's hooks
+  [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
+  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
+  template <detail::op_kind K, class T>
+  void device_buffer(const char* name, const T* p, std::size_t elems) const {
+    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
+  }
+
+  /// The shared-GPU transport of operation K, after the front end's checks.
+  template <detail::op_kind K, class T>
+  request_type transport(const detail::operation<T>& o, context_type ctx) {
+    using detail::op_kind;
+    constexpr std::string_view k = detail::op_name(K);
+    constexpr int code = static_cast<int>(K);
+    const std::size_t n = static_cast<std::size_t>(size());
+    const std::size_t c = o.count;
+    const std::size_t me = static_cast<std::size_t>(rank());
+    if constexpr (K == op_kind::all_reduce || K == op_kind::reduce) {
+      device_buffer<K>("send", o.send, c);
+      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
+      return reduction<T>(k, K == op_kind::all_reduce ? 0 : 1, code, o.send, o.recv, c, o.op,
+                          K == op_kind::reduce ? o.root : -1, ctx);
+    } else if constexpr (K == op_kind::reduce_scatter) {
+      device_buffer<K>("send", o.send, c * n);
+      device_buffer<K>("receive", o.recv, c);
+      // In place, the front end passes send = the buffer and recv = its block rank(): every
+      // device reads block r of each send, so the sends' bases are what the peers need.
+      return reduction<T>(k, 4, code, o.send, o.recv, c, o.op, -1, ctx);
+    } else if constexpr (K == op_kind::broadcast) {
+      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c);
+      return movement<T>(k, code, o.send, o.recv, c, o.root, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        copy(k, o.recv, reinterpret_cast<const T*>(all[static_cast<std::size_t>(o.root)].send), c, s);
+      });
+    } else if constexpr (K == op_kind::all_gather) {
+      device_buffer<K>("send", o.send, c);
+      device_buffer<K>("receive", o.recv, c * n);
+      return movement<T>(k, code, o.send, o.recv, c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        for (const auto& peer : all)  // push my block into every recv (in place: my own is there already)
+          copy(k, reinterpret_cast<T*>(peer.recv) + me * c, o.send, c, s);
+      });
+    } else if constexpr (K == op_kind::all_to_all || K == op_kind::ppermute) {
+      const std::size_t len = K == op_kind::all_to_all ? c * n : c;
+      device_buffer<K>("send", o.send, len);
+      device_buffer<K>("receive", o.recv, len);
+      const cudaStream_t s0 = ctx.or_else(state_->stream);
+      // In place, peers overwrite this buffer while this device sends from it: send from a copy.
+      T* copy_of = o.in_place ? scratch_copy(k, std::span<T>(o.recv, len), s0) : nullptr;
+      const T* from = o.in_place ? copy_of : o.send;
+      const std::int64_t extra = K == op_kind::ppermute ? hash_pairs(o.pairs) : 0;
+      auto r = movement<T>(k, code, from, o.recv, c, -1, extra, ctx, [&](const auto& all, cudaStream_t s) {
+        if constexpr (K == op_kind::all_to_all) push_blocks(k, from, all, c, s);
+        else pull_permuted(k, o.recv, c, all, o.pairs, s);
+      });
+      if (copy_of != nullptr) free_after(k, copy_of, s0);
+      return r;
+    } else if constexpr (K == op_kind::all_to_all_v) {
+      // Every participant's receive counts and displacements (so that each sender pushes to the
+      // right place) and send counts. With every participant's counts, every device checks every
+      // (sender, receiver) pair in the same order before anything moves and names the same first
+      // disagreement: the devices whose own counts agree fail too (as on the host backends).
+      std::vector<std::int64_t> mine(3 * n);
+      std::copy(o.v[2], o.v[2] + n, mine.begin());
+      std::copy(o.v[3], o.v[3] + n, mine.begin() + static_cast<std::ptrdiff_t>(n));
+      std::copy(o.v[0], o.v[0] + n, mine.begin() + static_cast<std::ptrdiff_t>(2 * n));
+      std::vector<std::int64_t> theirs(3 * n * n);
+      return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
+        (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
+        if (const auto bad = detail::first_counts_disagreement(
+                n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
+                [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
+          throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
+                                    std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
+                                    "): the counts disagree: " +
+                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
+                                                                         "device " + std::to_string(bad->receiver),
+                                                                         bad->sent, bad->expected));
+        for (std::size_t j = 0; j < n; ++j) {
+          const std::int64_t want = theirs[j * 3 * n + me];
+          const std::int64_t at = theirs[j * 3 * n + n + me];
+          copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
+        }
+      });
+    } else if constexpr (K == op_kind::send) {
+      device_buffer<K>("send", o.send, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      cudaEvent_t ready = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
+      const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(o.send), static_cast<std::int64_t>(c),
+                                   static_cast<std::int64_t>(datatype_of<T>), reinterpret_cast<std::int64_t>(ready)};
+      (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag);
+      std::int64_t done = 0;
+      (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag);
+      auto* done_event = reinterpret_cast<cudaEvent_t>(done);
+      cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
+      (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
+      (void)cudaEventDestroy(ready);
+      return complete_on(k, s);
+    } else if constexpr (K == op_kind::recv) {
+      device_buffer<K>("receive", o.recv, c);
+      detail::cuda_device_scope g(state_->device, describe(k));
+      const cudaStream_t s = ctx.or_else(state_->stream);
+      std::int64_t msg[4] = {};
+      (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag);
+      auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
+      cudaEvent_t done = nullptr;
+      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      const bool same = msg[1] == static_cast<std::int64_t>(c) && msg[2] == static_cast<std::int64_t>(datatype_of<T>);
+      if (same) {
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready, 0));
+        copy(k, o.recv, reinterpret_cast<const T*>(msg[0]), c, s);
+      }
+      cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
+      const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
+      (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);  // the sender destroys both events
+      if (!same)
+        throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(c) + " elements of " +
+                                  std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(o.peer) +
+                                  " (tag " + std::to_string(o.tag) + ") but the message holds " + std::to_string(msg[1]) +
+                                  " elements of " + std::string(to_string(static_cast<datatype>(msg[2]))));
+      return complete_on(k, s);
+    } else {
+      static_assert(K == op_kind::barrier);
+      return movement<float>(k, code, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
+    }
+  }
+  void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
+    if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
+  }
+  template <class T>
+  void copy(std::string_view k, T* to, const T* from, std::size_t n, cudaStream_t s) const {
+    if (n == 0 || to == from) return;
+    cuda(k, "cudaMemcpyAsync", cudaMemcpyAsync(to, from, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+  }
+  template <class T>
+  T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
+    if (buf.empty()) return buf.data();
+    detail::cuda_device_scope g(state_->device, describe(k));
+    void* p = nullptr;
+    cuda(k, "cudaMallocAsync", cudaMallocAsync(&p, buf.size_bytes(), s));
+    copy(k, static_cast<T*>(p), buf.data(), buf.size(), s);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  void free_after(std::string_view k, T* p, cudaStream_t s) const {
+    // Freed on the stream after the peers' "done" events it waited on: no peer reads it any more.
+    if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
+  }
+  static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
+    for (const auto& p : pairs)
+      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
+    return static_cast<std::int64_t>(h);
+  }
+  template <class T, class All>
+  void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {
+    for (int j = 0; j < size(); ++j)
+      copy(k, reinterpret_cast<T*>(all[static_cast<std::size_t>(j)].recv) + static_cast<std::size_t>(rank()) * c,
+           from + static_cast<std::size_t>(j) * c, c, s);
+  }
+  template <class T, class All>
+  void pull_permuted(std::string_view k, T* to, std::size_t n, const All& all, std::span<const permute_pair> pairs,
+                     cudaStream_t s) const {
+    for (const auto& p : pairs)
+      if (p.dest == rank()) {
+        copy(k, to, reinterpret_cast<const T*>(all[static_cast<std::size_t>(p.source)].send), n, s);
+        return;
+      }
+    if (n != 0) cuda(k, "cudaMemsetAsync", cudaMemsetAsync(to, 0, n * sizeof(T), s));  // no source: zeros
+  }
+
+  /// Publishes this participant's call, checks that every participant made the same one, and
+  /// orders this stream after every peer's "ready" event.
+  std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready, s));
+    mine.ready = reinterpret_cast<std::int64_t>(state_->ready);
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<detail::shared_gpu_call> all(n);
+    (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
+                                  std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    bool agree = true;
+    for (const auto& c : all)
+      agree = agree && c.op == all[0].op && c.type == all[0].type && c.count == all[0].count && c.root == all[0].root &&
+              c.extra == all[0].extra;
+    if (!agree) {
+      std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
+                      " (seen by device " + std::to_string(rank()) + "):";
+      for (std::size_t q = 0; q < n; ++q)
+        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
+             (q + 1 < n ? ";" : "");
+      throw collective_mismatch(m);
+    }
+    for (std::size_t q = 0; q < n; ++q)
+      if (static_cast<int>(q) != rank())
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q].ready), 0));
+    return all;
+  }
+  /// Records "done", waits for every peer's, and returns the request of this participant.
+  request_type depart(std::string_view k, cudaStream_t s) {
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done, s));
+    const auto n = static_cast<std::size_t>(size());
+    const auto mine = reinterpret_cast<std::int64_t>(state_->done);
+    std::vector<std::int64_t> all(n);
+    (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
+    for (std::size_t q = 0; q < n; ++q)
+      if (static_cast<int>(q) != rank())
+        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q]), 0));
+    return complete_on(k, s);
+  }
+  request_type complete_on(std::string_view k, cudaStream_t s) {
+    cudaEvent_t ev = state_->acquire_event(describe(k));
+    cuda(k, "cudaEventRecord", cudaEventRecord(ev, s));
+    return request_type(state_, ev, std::string(k), state_->options.timeout);
+  }
+
+  template <class T, class Body>
+  request_type movement(std::string_view k, int op, const T* send, T* recv, std::size_t count, int root,
+                        std::int64_t extra, context_type ctx, Body&& body) {
+    detail::cuda_device_scope g(state_->device, describe(k));
+    const cudaStream_t s = ctx.or_else(state_->stream);
+    detail::shared_gpu_call mine;
+    mine.op = op;
+    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
+    mine.count = static_cast<std::int64_t>(count);
+    mine.root = root;
+    mine.extra = extra;
+    mine.send = reinterpret_cast<std::int64_t>(send);
+    mine.recv = reinterpret_cast<std::int64_t>(recv);
+    const auto all = arrive(k, mine, s);
+    body(all, s);
+    return depart(k, s);
+  }
+
+  /// all_reduce (shape 0), reduce (1) and reduce_scatter (4): participant r reduces block r.
+  template <class T>
+  request_type reduction(std::string_view k, int shape, int code, const T* send, T* recv, std::size_t count, reduce_op op,
+                         int root, context_type ctx) {
+    return movement<T>(k, code, send, recv, count, root, static_cast<std::int64_t>(op), ctx,
+                       [&](const auto& all, cudaStream_t s) {
+      const auto n = static_cast<std::size_t>(size());
+      const auto r = static_cast<std::size_t>(rank());
+      std::vector<const void*> in;
+      std::vector<void*> out;
+      std::size_t begin = 0;
+      std::size_t len = 0;
+      if (shape == 4) {  // reduce_scatter: my whole result block, from block r of every send
+        len = count;
+        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + r * count);
+        out.push_back(recv);
+      } else {  // my slice of the payload, from every send, to every (all_reduce) or root's (reduce) recv
+        begin = count * r / n;
+        len = count * (r + 1) / n - begin;
+        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + begin);
+        if (shape == 0)
+          for (const auto& c : all) out.push_back(reinterpret_cast<T*>(c.recv) + begin);
+        else
+          out.push_back(reinterpret_cast<T*>(all[static_cast<std::size_t>(root)].recv) + begin);
+      }
+      detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
+    });
+  }
+
+  std::shared_ptr<detail::shared_gpu_state> state_;
+};
+
+static_assert(communicator<shared_gpu_communicator>);
+
+/// @brief Runs `fn(shared_gpu_communicator&)` for `n` mesh devices sharing one GPU
+/// (`options.device`, default the current one), one thread and one new stream each, as
+/// `run_on_threads` (whose fault handling it has: `participant_error` names the first failure).
+template <class F>
+  requires std::is_invocable_v<F&, shared_gpu_communicator&>
+void run_on_shared_gpu(int n, F&& fn, nccl_comm_options options = {}, thread_comm_options host_options = {}) {
+  if (n > detail::max_local_devices)
+    throw comm_argument_error("meshlib: run_on_shared_gpu: " + std::to_string(n) + " devices on one GPU; at most " +
+                              std::to_string(detail::max_local_devices) + " are supported");
+  if (options.device < 0) detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
+  run_on_threads(
+      n,
+      [&](thread_communicator& host) {
+        shared_gpu_communicator c(std::move(host), options);
+        fn(c);
+      },
+      std::move(host_options));
+}
+
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/shared_gpu_communicator.hpp
+// begin meshlib/runtime/nccl_runtime.hpp
+/// @file
+/// @brief One process per GPU without MPI: `nccl::connect_from_environment()` reads the process
+/// index and count from the launcher's environment (`detect_launch`: meshlib's variables, OpenMPI,
+/// MPICH/PMI, torchrun's `RANK`/`WORLD_SIZE`, Slurm), picks the GPU of the local rank, and lets
+/// NCCL's own bootstrap connect the processes: every process derives the same unique id from
+/// `NCCL_COMM_ID=host:port` (process 0 listens there). Where `NCCL_COMM_ID` is unset, it is taken
+/// from torchrun-style `MASTER_ADDR` and `MASTER_PORT` as `MASTER_ADDR:(MASTER_PORT + 1)` (the
+/// launcher's own store holds `MASTER_PORT`). No meshlib network layer is involved.
+///
+/// @code
+/// // torchrun --nproc-per-node 8 ./train   (or srun, or mpirun without linking MPI)
+/// meshlib::nccl_communicator world = meshlib::nccl::connect_from_environment();
+/// @endcode
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <cstdlib>
+#include <string>
+
+
+namespace meshlib::nccl {
+
+using distributed::env_source;
+using distributed::launch_info;
+
+/// @brief The `host:port` NCCL's bootstrap uses, from `NCCL_COMM_ID`, else from `MASTER_ADDR` and
+/// `MASTER_PORT`; empty for a single process with neither.
+/// @throws distributed_error when several processes have neither, or `MASTER_PORT` is not a port.
+[[nodiscard]] inline std::string bootstrap_address(const env_source& env, const launch_info& info) {
+  if (auto id = env("NCCL_COMM_ID"); id && !id->empty()) return *id;
+  const auto addr = env("MASTER_ADDR");
+  const auto port = env("MASTER_PORT");
+  if (addr && port && !addr->empty()) {
+    const std::size_t p = distributed::detail::parse_count("MASTER_PORT", *port);
+    if (p == 0 || p >= 65535)
+      throw distributed_error("meshlib: MASTER_PORT='" + *port + "' is not a port in [1, 65534]");
+    return *addr + ":" + std::to_string(p + 1);
+  }
+  if (info.process_count > 1)
+    throw distributed_error("meshlib: nccl::connect_from_environment: " + std::to_string(info.process_count) +
+                            " processes need a rendezvous address for NCCL; set NCCL_COMM_ID=host:port (process 0's "
+                            "host, a free port) or MASTER_ADDR and MASTER_PORT, or create the communicator through MPI "
+                            "(nccl_communicator_from_mpi)");
+  return {};
+}
+
+/// @brief This process's NCCL communicator over every process of the run (see the file comment).
+/// The GPU is `options.device` if set, else the local rank modulo the GPUs visible.
+/// @throws distributed_error for a malformed or contradictory environment; as `nccl_communicator`.
+[[nodiscard]] inline nccl_communicator connect_from_environment(nccl_comm_options options = {},
+                                                                const env_source& env = distributed::process_env()) {
+  const launch_info info = distributed::detect_launch(env);
+  const std::string address = bootstrap_address(env, info);
+  if (options.device < 0) {
+    int count = 0;
+    meshlib::detail::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
+    options.device = static_cast<int>(info.local_rank.value_or(info.process_index % static_cast<std::size_t>(count)) %
+                                      static_cast<std::size_t>(count));
+  }
+  // NCCL reads NCCL_COMM_ID in ncclGetUniqueId and, on rank 0, in ncclCommInitRank.
+  if (!address.empty()) ::setenv("NCCL_COMM_ID", address.c_str(), 1);  // NOLINT(concurrency-mt-unsafe): start-up
+  const ncclUniqueId id = nccl_communicator::new_unique_id();
+  return nccl_communicator(id, static_cast<int>(info.process_count), static_cast<int>(info.process_index), options);
+}
+
+}  // namespace meshlib::nccl
+
+#endif
+// end meshlib/runtime/nccl_runtime.hpp
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+// begin meshlib/comm/nccl/mpi_bootstrap.hpp
+/// @file
+/// @brief One process per GPU, launched by MPI: `nccl_communicator_from_mpi(comm)` makes the NCCL
+/// communicator of the processes of an `MPI_Comm` (rank 0 makes the unique id, `MPI_Bcast` gives
+/// it to all; NCCL rank = MPI rank). Each process takes the GPU of its node-local rank unless
+/// `options.device` says otherwise. Needs both `meshlib::mpi` and `meshlib::nccl`.
+///
+/// @code
+/// MPI_Init(&argc, &argv);
+/// { auto comm = meshlib::nccl_communicator_from_mpi(MPI_COMM_WORLD); ... }
+/// MPI_Finalize();
+/// @endcode
+
+#if MESHLIB_ENABLE_NCCL && MESHLIB_ENABLE_MPI
+
+#include <mpi.h>
+
+
+namespace meshlib {
+
+/// @brief The NCCL communicator over the processes of `comm` (collective over `comm`).
+/// @throws comm_error when MPI is not initialised or an MPI call fails; as `nccl_communicator`.
+[[nodiscard]] inline nccl_communicator nccl_communicator_from_mpi(MPI_Comm comm, nccl_comm_options options = {}) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) throw comm_error("meshlib: nccl_communicator_from_mpi needs MPI to be initialised first (MPI_Init)");
+  int rank = 0;
+  int size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  if (options.device < 0) {
+    MPI_Comm node = MPI_COMM_NULL;
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+      throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Comm_split_type failed");
+    int local = 0;
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    int count = 0;
+    detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
+    options.device = local % count;  // count >= 1 here: cudaGetDeviceCount fails without a device
+  }
+  ncclUniqueId id{};
+  if (rank == 0) id = nccl_communicator::new_unique_id();
+  if (MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm) != MPI_SUCCESS)
+    throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Bcast of the NCCL unique id failed");
+  return nccl_communicator(id, size, rank, options);
+}
+
+}  // namespace meshlib
+
+#endif
+// end meshlib/comm/nccl/mpi_bootstrap.hpp
+#endif
+#else
+/// 1 when `gpu_runner` is available: meshlib built with NCCL (`MESHLIB_ENABLE_NCCL`) and Kokkos CUDA.
+#define MESHLIB_HAS_GPU_RUNNER 0
+#endif
+
+namespace meshlib {
+
+/// @brief How a `gpu_runner` lays a mesh's devices on GPUs (see the file comment's table).
+enum class gpu_layout {
+  process_per_gpu,    ///< one device per process of the run, one GPU each, NCCL between processes
+  gpu_per_device,     ///< one process, one GPU per device, NCCL between the process's threads
+  devices_share_gpu,  ///< one process, several devices on one GPU, the shared-GPU communicator
+};
+
+/// @brief The layout's name, as messages print it.
+[[nodiscard]] constexpr std::string_view to_string(gpu_layout l) noexcept {
+  switch (l) {
+    case gpu_layout::process_per_gpu: return "one process per GPU";
+    case gpu_layout::gpu_per_device: return "one GPU per device";
+    case gpu_layout::devices_share_gpu: return "devices sharing one GPU";
+  }
+  return "?";
+}
+
+/// @brief Options of a `gpu_runner`.
+struct gpu_runner_options {
+  /// The GPUs to use, by CUDA ordinal (empty: every visible GPU, 0 .. count-1). Repeats are refused.
+  std::vector<int> gpus{};
+};
+
+/// @brief Where a `gpu_runner` runs each of this process's devices of an `n`-device mesh.
+struct gpu_plan {
+  /// The layout (see `gpu_layout`).
+  gpu_layout layout = gpu_layout::gpu_per_device;
+  /// The mesh devices this process runs, ascending.
+  std::vector<std::size_t> local_devices;
+  /// The GPU of each local device (same order as `local_devices`).
+  std::vector<int> gpus;
+};
+
+namespace detail {
+
+/// The layout of an `n`-device mesh on `visible` GPUs for the launch `launch`, using the GPUs
+/// `wanted` (empty: all visible). Host code only: the runner's whole decision, tested without a GPU.
+/// @throws error when no GPU is visible, `wanted` names a GPU that does not exist or one twice,
+/// mesh_error when the mesh does not fit the layout (each message names the fix).
+inline gpu_plan plan_gpu_mesh(std::size_t n, int visible, const distributed::launch_info& launch,
+                              std::span<const int> wanted = {}) {
+  const std::string who = "meshlib: gpu_runner: ";
+  if (visible <= 0)
+    throw error(who + "no CUDA device is visible (cudaGetDeviceCount found none; check the driver and "
+                      "CUDA_VISIBLE_DEVICES); run on the CPU (thread_runner) instead");
+  if (n == 0) throw mesh_error(who + "the mesh has no devices");
+  std::vector<int> gpus(wanted.begin(), wanted.end());
+  if (gpus.empty())
+    for (int g = 0; g < visible; ++g) gpus.push_back(g);
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    if (gpus[i] < 0 || gpus[i] >= visible)
+      throw error(who + "GPU " + std::to_string(gpus[i]) + " does not exist: " + std::to_string(visible) +
+                  " are visible (0 .. " + std::to_string(visible - 1) + ")");
+    for (std::size_t j = 0; j < i; ++j)
+      if (gpus[i] == gpus[j])
+        throw error(who + "GPU " + std::to_string(gpus[i]) +
+                    " is listed twice in gpu_runner_options::gpus; list each GPU once (several mesh devices share a "
+                    "GPU when the mesh has more devices than the GPUs listed)");
+  }
+  gpu_plan plan;
+  const std::size_t procs = launch.process_count;
+  if (procs > 1) {
+    if (n != procs)
+      throw mesh_error(who + "the run has " + std::to_string(procs) + " processes (" +
+                       std::string(distributed::to_string(launch.source)) + "), one GPU each, but the mesh has " +
+                       std::to_string(n) + " devices; use a mesh of " + std::to_string(procs) +
+                       " devices (one per process), or start one process per mesh device");
+    const std::size_t local = launch.local_rank.value_or(launch.process_index);
+    plan.layout = gpu_layout::process_per_gpu;
+    plan.local_devices = {launch.process_index};
+    plan.gpus = {gpus[local % gpus.size()]};
+    return plan;
+  }
+  for (std::size_t d = 0; d < n; ++d) plan.local_devices.push_back(d);
+  if (n <= gpus.size()) {
+    plan.layout = gpu_layout::gpu_per_device;
+    plan.gpus.assign(gpus.begin(), gpus.begin() + static_cast<std::ptrdiff_t>(n));
+    return plan;
+  }
+  if (gpus.size() > 1)
+    throw mesh_error(who + "the mesh has " + std::to_string(n) + " devices but " + std::to_string(gpus.size()) +
+                     " GPUs are used; devices share a GPU only when one GPU is used (no communicator spans NCCL "
+                     "ranks and shared GPUs): use a mesh of at most " + std::to_string(gpus.size()) +
+                     " devices, or gpu_runner_options{.gpus = {0}} to run all " + std::to_string(n) + " on GPU 0");
+  constexpr std::size_t most = 32;  // the shared-GPU communicator's limit (comm/nccl/detail/reduce_kernel.hpp)
+  if (n > most)
+    throw mesh_error(who + "the mesh has " + std::to_string(n) + " devices on one GPU; at most " +
+                     std::to_string(most) + " mesh devices share a GPU");
+  plan.layout = gpu_layout::devices_share_gpu;
+  plan.gpus.assign(n, gpus.front());
+  return plan;
+}
+
+/// Which runner `default_runner` uses (exec/default_runner.hpp).
+enum class default_runner_kind {
+  threads,    ///< the process-wide device threads
+  processes,  ///< the processes of an MPI run, n / P device threads each (`hybrid_runner`)
+  gpus,       ///< `gpu_runner`
+};
+
+/// `default_runner`'s choice: a GPU build (`MESHLIB_HAS_GPU_RUNNER`) with a visible GPU, outside a
+/// running device (a nested `spmd` runs on threads of its process), runs on the GPUs; otherwise
+/// several processes run as processes, and one as threads. Host code, tested without a GPU.
+constexpr default_runner_kind choose_default_runner(bool gpu_build, int visible_gpus, bool nested,
+                                                    std::size_t process_count) noexcept {
+  if (nested) return default_runner_kind::threads;
+  if (gpu_build && visible_gpus > 0) return default_runner_kind::gpus;
+  return process_count > 1 ? default_runner_kind::processes : default_runner_kind::threads;
+}
+
+}  // namespace detail
+
+#if MESHLIB_HAS_GPU_RUNNER
+
+/// @brief The number of CUDA devices visible to this process (0 when none, or no driver).
+[[nodiscard]] inline int visible_gpu_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// @brief Mesh devices on GPUs (see the file comment): each device computes on its own Kokkos CUDA
+/// instance, made on the stream of its communicator (NCCL or shared-GPU), installed for the
+/// device's kernels. Calls on one runner run one at a time; the communicators are made for each
+/// call (NCCL's initialisation costs milliseconds: a training loop runs its steps inside one call,
+/// as `train` does).
+struct gpu_runner {
+  /// Marks a runner (exec/runner.hpp).
+  using is_runner = void;
+  /// The runner installs each device's execution-space instance (exec/detail/run_devices.hpp).
+  using installs_exec_instances = void;
+
+  /// The GPUs to use.
+  gpu_runner_options options{};
+  /// Options of the communicators (timeout, pointer checks); `device` and `stream` are the runner's.
+  nccl_comm_options comm_options{};
+
+  /// A runner on `options.gpus` (default: every visible GPU).
+  explicit gpu_runner(gpu_runner_options options = {}, nccl_comm_options comm = {})
+      : options(std::move(options)), comm_options(std::move(comm)) {}
+
+  /// The layout of an `n`-device mesh on this process's GPUs.
+  /// @throws as `detail::plan_gpu_mesh`.
+  [[nodiscard]] gpu_plan plan(std::size_t n) const {
+    return detail::plan_gpu_mesh(n, visible_gpu_count(), distributed::launch(), options.gpus);
+  }
+
+  /// The devices this process runs of an `n`-device mesh.
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return plan(n).local_devices; }
+
+  /// @brief Runs `body(device, communicator)` for this process's devices of an `n`-device mesh,
+  /// each on the thread that drives its GPU, with its Kokkos CUDA instance installed.
+  /// @throws participant_error naming the root-cause device (exec/runner.hpp).
+  template <class Body>
+  void run(std::size_t n, Body&& body) const {
+    const gpu_plan p = plan(n);
+    switch (p.layout) {
+      case gpu_layout::process_per_gpu: {
+        nccl_comm_options o = comm_options;
+        o.device = p.gpus.front();
+        o.stream = {};
+        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        nccl_communicator world = connect(o);
+        const auto rank = static_cast<std::size_t>(world.rank());
+        try {
+          on_instance(world, [&] { body(rank, world); });
+        } catch (...) {
+          const std::exception_ptr e = std::current_exception();
+          const std::string why = "meshlib: process " + std::to_string(rank) + " of " + std::to_string(n) + " (GPU " +
+                                  std::to_string(o.device) + ") failed: " + meshlib::detail::what_of(e);
+          world.abort(why);
+          throw participant_error(static_cast<int>(rank), why);  // nests the exception (in a handler)
+        }
+        return;
+      }
+      case gpu_layout::gpu_per_device: {
+        nccl_comm_options o = comm_options;
+        o.stream = {};
+        run_on_gpus(
+            p.gpus,
+            [&](nccl_communicator& c) {
+              const auto rank = static_cast<std::size_t>(c.rank());
+              on_instance(c, [&] { body(rank, c); });
+            },
+            o);
+        return;
+      }
+      case gpu_layout::devices_share_gpu: {
+        nccl_comm_options o = comm_options;
+        o.device = p.gpus.front();
+        o.stream = {};
+        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        run_on_shared_gpu(
+            static_cast<int>(n),
+            [&](shared_gpu_communicator& c) {
+              meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+              const auto rank = static_cast<std::size_t>(c.rank());
+              on_instance(c, [&] { body(rank, c); });
+            },
+            o);
+        return;
+      }
+    }
+  }
+
+ private:
+  /// Runs `f` with a Kokkos CUDA instance on `c`'s stream installed as this thread's instance for
+  /// `CudaSpace` kernels; the instance goes (after a fence) before the communicator's stream does.
+  template <class C, class F>
+  static void on_instance(C& c, F&& f) {
+    Kokkos::Cuda exec(c.stream(), Kokkos::Impl::ManageStream::no);
+    struct fence_at_end {
+      Kokkos::Cuda& e;
+      ~fence_at_end() {
+        try {
+          e.fence("meshlib::gpu_runner: end of the device's call");
+        } catch (...) {  // a failed stream is reported by the communicator's request
+        }
+      }
+    } fence{exec};
+    static_assert(std::is_same_v<meshlib::detail::exec_space_for_t<default_memory_space>, Kokkos::Cuda>,
+                  "meshlib: gpu_runner needs Kokkos::Cuda as the default execution space (Kokkos_ENABLE_CUDA)");
+    meshlib::detail::scoped_exec_space<default_memory_space> on(exec);
+    meshlib::detail::runner_installed_exec() = true;  // read and cleared by run_devices
+    f();
+  }
+
+  /// This process's NCCL communicator over the run's processes: through MPI when it is initialised,
+  /// else NCCL's bootstrap from the launcher's environment (`nccl::connect_from_environment`).
+  static nccl_communicator connect(const nccl_comm_options& o) {
+#if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
+    int mpi_up = 0;
+    MPI_Initialized(&mpi_up);
+    if (mpi_up) return nccl_communicator_from_mpi(MPI_COMM_WORLD, o);
+#endif
+    return nccl::connect_from_environment(o);
+  }
+};
+
+static_assert(runner<gpu_runner>);
+
+#endif  // MESHLIB_HAS_GPU_RUNNER
+
+}  // namespace meshlib
+// end meshlib/exec/gpu_runner.hpp
 // begin meshlib/exec/default_runner.hpp
 /// @file
 /// @brief `default_runner`: what `spmd` and `shard_map` run on when no runner is passed. In one
@@ -11683,7 +14364,9 @@ static_assert(runner<thread_runner>);
 /// as before, because the other processes do not make it; a launcher that `distributed::initialize`
 /// detected without MPI (torchrun, or mpirun with `distributed::initialize` alone) gives no
 /// transport to run a mesh over the processes, and the default runner says so instead of running
-/// every device in each process. Pass a runner explicitly to choose otherwise (`thread_runner{}`:
+/// every device in each process. Built with Kokkos CUDA and NCCL (`MESHLIB_HAS_GPU_RUNNER`), when a
+/// GPU is visible, the default is `gpu_runner` (exec/gpu_runner.hpp), which also runs a launch of
+/// several processes, one GPU each. Pass a runner explicitly to choose otherwise (`thread_runner{}`:
 /// every device in this process; `mpi_runner{comm}`: one device per rank).
 /// @code
 /// meshlib::mpi::guard run;                                     // mpirun -np 2
@@ -14944,6 +17627,16 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 #endif
 }
 
+#if MESHLIB_HAS_GPU_RUNNER
+/// Whether the default runner runs on the GPUs now: a GPU build with a visible GPU, outside a
+/// running device (`choose_default_runner`). The GPU count is read once per process.
+inline bool default_runs_on_gpus() {
+  static const int gpus = visible_gpu_count();
+  return choose_default_runner(true, gpus, current_device_slot() != nullptr, distributed::launch().process_count) ==
+         default_runner_kind::gpus;
+}
+#endif
+
 }  // namespace detail
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
@@ -14958,6 +17651,12 @@ struct default_runner {
   /// @brief Runs `body(device, communicator)` for this process's devices of an `n`-device mesh.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
+#if MESHLIB_HAS_GPU_RUNNER
+    if (detail::default_runs_on_gpus()) {
+      gpu_runner().run(n, body);
+      return;
+    }
+#endif
 #if MESHLIB_ENABLE_MPI
     if (const auto procs = detail::default_process_runner(n)) {
       procs->run(n, body);
@@ -14972,6 +17671,9 @@ struct default_runner {
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
   /// `n / P` consecutive ones.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+#if MESHLIB_HAS_GPU_RUNNER
+    if (detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
+#endif
 #if MESHLIB_ENABLE_MPI
     if (const auto procs = detail::default_process_runner(n)) return procs->local_devices(n);
 #else
@@ -15013,6 +17715,7 @@ static_assert(runner<default_runner>);
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15991,6 +18694,13 @@ void require_thread_teams(std::size_t threads) {
                 "), one thread each; build Kokkos 4 with -DKokkos_ENABLE_OPENMP=ON, or leave threads_per_device at 1");
 }
 
+/// Whether `Runner` always installs each device's execution-space instance itself (`gpu_runner`: a
+/// Kokkos CUDA instance on the stream of the device's communicator, so that kernels and collectives
+/// are ordered on one stream; it also sets `runner_installed_exec()` for each call); otherwise
+/// `run_devices` installs `device_instance`'s, unless the runner set that flag for the call.
+template <class Runner>
+inline constexpr bool runner_installs_instances_v = requires { typename Runner::installs_exec_instances; };
+
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
 /// (observed by the debug layer's `run_observer`) and its execution-space instance
 /// (`device_instance`) installed, and turns a device's failure into `device_error`: the one place
@@ -16004,15 +18714,25 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   require_thread_teams<exec_space_for_t<default_memory_space>>(team);
   run_observer observer(m, local);  // installed: the debug layer's observer
   // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
-  (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  constexpr bool own_instances = !runner_installs_instances_v<Backend>;
+  if constexpr (own_instances)
+    (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
   workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
-      const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
-      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(index, local.size(), team));
+      std::optional<scoped_exec_space<default_memory_space>> on;
+      // A runner chosen at run time (default_runner picking gpu_runner) says so per call.
+      const bool runner_instance = std::exchange(runner_installed_exec(), false);
+      if (own_instances && !runner_instance) {
+        const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
+        on.emplace(device_instance<default_memory_space>(index, local.size(), team));
+      }
       body(device);
+      // A stream backend's collectives may still be enqueued: the call ends when they are
+      // complete (or with their error, bounded by the communicator's timeout).
+      if constexpr (stream_ordered_v<C>) ctx.synchronize();
     });
   } catch (const participant_error& e) {
     const auto device = static_cast<std::size_t>(e.rank());
@@ -17251,2301 +19971,6 @@ class fail_guard {
 #error "meshlib: <meshlib/nccl.hpp> needs CUDA and NCCL; link the meshlib::nccl CMake target (it defines MESHLIB_ENABLE_NCCL=1), or configure with CUDA and NCCL found"
 #else
 
-// begin meshlib/comm/nccl/detail/nccl_types.hpp
-/// @file
-/// @brief How meshlib's element types, reduce ops and errors map to NCCL's and CUDA's: the pure
-/// part of the NCCL backend, which needs the headers and libraries but no GPU (so CI tests it).
-///
-/// | meshlib | NCCL |
-/// | --- | --- |
-/// | `float`, `double`, `int32`, `int64` | `ncclFloat32`, `ncclFloat64`, `ncclInt32`, `ncclInt64` |
-/// | `bfloat16` (meshlib's, or CUDA's `__nv_bfloat16`) | `ncclBfloat16` |
-/// | `__half` (CUDA's, NCCL backend only) | `ncclFloat16` |
-/// | `sum`, `prod`, `min`, `max`, `mean` | `ncclSum`, `ncclProd`, `ncclMin`, `ncclMax`, `ncclAvg` |
-///
-/// Errors: every CUDA and NCCL return code goes through `check_nccl` / `check_cuda`, which throw
-///
-/// | code | meshlib exception |
-/// | --- | --- |
-/// | `ncclInvalidArgument`, `ncclInvalidUsage`; `cudaErrorInvalidValue`, `cudaErrorInvalidDevice`, `cudaErrorInvalidDevicePointer` | `comm_argument_error` |
-/// | `ncclRemoteError` (a peer failed or left) | `comm_aborted` |
-/// | every other failure (`ncclSystemError`, `ncclInternalError`, `ncclUnhandledCudaError`, CUDA errors) | `comm_error` |
-///
-/// with the message "meshlib: <operation> <where>: <call> failed: <NCCL's or CUDA's error
-/// string>[ (<ncclGetLastError>)]".
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-
-// CUDA's 16-bit float types, when the program already includes their headers (nvcc always does for
-// __half through cuda_runtime.h); forward declarations would clash with them, so they are only
-// recognised when present.
-#if defined(__CUDA_FP16_TYPES_EXIST__) || defined(__CUDA_FP16_HPP__) || defined(__CUDA_FP16_H__)
-#define MESHLIB_NCCL_HAS_CUDA_HALF 1
-#endif
-#if defined(__CUDA_BF16_TYPES_EXIST__) || defined(__CUDA_BF16_HPP__) || defined(__CUDA_BF16_H__)
-#define MESHLIB_NCCL_HAS_CUDA_BF16 1
-#endif
-
-namespace meshlib {
-
-namespace detail {
-template <class T>
-consteval int nccl_type_index() {
-  using U = std::remove_cv_t<T>;
-#if defined(MESHLIB_NCCL_HAS_CUDA_HALF)
-  if constexpr (std::is_same_v<U, __half>) return ncclFloat16;
-  else
-#endif
-#if defined(MESHLIB_NCCL_HAS_CUDA_BF16)
-  if constexpr (std::is_same_v<U, __nv_bfloat16>) return ncclBfloat16;
-  else
-#endif
-  if constexpr (comm_element<U>) {
-    switch (datatype_of<U>) {
-      case datatype::float32: return ncclFloat32;
-      case datatype::float64: return ncclFloat64;
-      case datatype::int32: return ncclInt32;
-      case datatype::int64: return ncclInt64;
-      case datatype::bfloat16: return ncclBfloat16;
-    }
-    return -1;
-  } else {
-    return -1;
-  }
-}
-}  // namespace detail
-
-/// @brief An element type the NCCL communicator moves and reduces: every `comm_element`, plus CUDA's
-/// `__half` and `__nv_bfloat16` when their headers are included (`<cuda_fp16.h>`, `<cuda_bf16.h>`).
-template <class T>
-concept nccl_element = (detail::nccl_type_index<T>() >= 0);
-
-/// @brief NCCL's data type of element type `T` (`ncclBfloat16` for meshlib's `bfloat16`,
-/// `ncclFloat16` for `__half`).
-template <nccl_element T>
-inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(detail::nccl_type_index<T>());
-
-/// @brief NCCL's data type of a run-time `datatype` tag.
-[[nodiscard]] constexpr ncclDataType_t to_nccl(datatype t) noexcept {
-  switch (t) {
-    case datatype::float32: return ncclFloat32;
-    case datatype::float64: return ncclFloat64;
-    case datatype::int32: return ncclInt32;
-    case datatype::int64: return ncclInt64;
-    case datatype::bfloat16: return ncclBfloat16;
-  }
-  return ncclNumTypes;
-}
-
-/// @brief NCCL's reduction of a `reduce_op`; `mean` is NCCL's own `ncclAvg` (one pass, no division
-/// kernel afterwards). Integer `mean` in NCCL rounds as its sum divided by the count, as meshlib's.
-[[nodiscard]] constexpr ncclRedOp_t to_nccl(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return ncclSum;
-    case reduce_op::prod: return ncclProd;
-    case reduce_op::min: return ncclMin;
-    case reduce_op::max: return ncclMax;
-    case reduce_op::mean: return ncclAvg;
-  }
-  return ncclNumOps;
-}
-
-namespace detail {
-
-/// Which meshlib exception an NCCL result becomes (see the file comment).
-enum class comm_failure_kind { argument, aborted, timeout, error };
-
-[[nodiscard]] constexpr comm_failure_kind failure_kind_of(ncclResult_t rc) noexcept {
-  switch (rc) {
-    case ncclInvalidArgument:
-    case ncclInvalidUsage: return comm_failure_kind::argument;
-    case ncclRemoteError: return comm_failure_kind::aborted;
-    default: return comm_failure_kind::error;
-  }
-}
-
-[[nodiscard]] constexpr comm_failure_kind failure_kind_of(cudaError_t rc) noexcept {
-  switch (rc) {
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidDevicePointer:
-    case cudaErrorInvalidResourceHandle: return comm_failure_kind::argument;
-    default: return comm_failure_kind::error;
-  }
-}
-
-/// Throws the exception of `kind` with `message`.
-[[noreturn]] inline void throw_comm_failure(comm_failure_kind kind, const std::string& message) {
-  switch (kind) {
-    case comm_failure_kind::argument: throw comm_argument_error(message);
-    case comm_failure_kind::aborted: throw comm_aborted(message);
-    case comm_failure_kind::timeout: throw comm_timeout(message);
-    case comm_failure_kind::error: break;
-  }
-  throw comm_error(message);
-}
-
-/// "ncclInvalidArgument: invalid argument" style text for an NCCL result: the enumerator's name
-/// (what users search for) and NCCL's description.
-[[nodiscard]] inline std::string nccl_result_text(ncclResult_t rc) {
-  const char* name = "ncclResult";
-  switch (rc) {
-    case ncclSuccess: name = "ncclSuccess"; break;
-    case ncclUnhandledCudaError: name = "ncclUnhandledCudaError"; break;
-    case ncclSystemError: name = "ncclSystemError"; break;
-    case ncclInternalError: name = "ncclInternalError"; break;
-    case ncclInvalidArgument: name = "ncclInvalidArgument"; break;
-    case ncclInvalidUsage: name = "ncclInvalidUsage"; break;
-    case ncclRemoteError: name = "ncclRemoteError"; break;
-    case ncclInProgress: name = "ncclInProgress"; break;
-    default: return "NCCL error " + std::to_string(static_cast<int>(rc));
-  }
-  return std::string(name) + " (" + ncclGetErrorString(rc) + ")";
-}
-
-/// "cudaErrorNoDevice (no CUDA-capable device is detected)" for a CUDA error.
-[[nodiscard]] inline std::string cuda_error_text(cudaError_t rc) {
-  return std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")";
-}
-
-/// The message of a failed call: "meshlib: <what>: <call> failed: <text>[: <detail>]".
-[[nodiscard]] inline std::string failed_call_message(std::string_view what, std::string_view call,
-                                                     const std::string& text, std::string_view detail = {}) {
-  std::string m = "meshlib: " + std::string(what) + ": " + std::string(call) + " failed: " + text;
-  if (!detail.empty()) m += std::string(": ") + std::string(detail);
-  return m;
-}
-
-/// Throws the meshlib exception of a failed NCCL call (`rc` other than ncclSuccess and
-/// ncclInProgress); `last_error` is `ncclGetLastError(comm)` where a communicator exists.
-inline void check_nccl(ncclResult_t rc, std::string_view what, std::string_view call, const char* last_error = nullptr) {
-  if (rc == ncclSuccess || rc == ncclInProgress) return;
-  throw_comm_failure(failure_kind_of(rc),
-                     failed_call_message(what, call, nccl_result_text(rc),
-                                         last_error != nullptr ? std::string_view(last_error) : std::string_view{}));
-}
-
-/// Throws the meshlib exception of a failed CUDA runtime call, and clears CUDA's sticky last error
-/// for non-sticky failures so that the next call does not report it again.
-inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view call) {
-  if (rc == cudaSuccess) return;
-  (void)cudaGetLastError();
-  throw_comm_failure(failure_kind_of(rc), failed_call_message(what, call, cuda_error_text(rc)));
-}
-
-}  // namespace detail
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/detail/nccl_types.hpp
-// begin meshlib/comm/nccl/stream_request.hpp
-/// @file
-/// @brief `basic_stream_request<Channel>`: the request of a stream-ordered backend. An operation
-/// is enqueued on a CUDA stream and an event recorded after it; the request completes when that
-/// event does. Waiting polls the event and the channel's asynchronous error against the
-/// communicator's timeout, so no wait is unbounded: an error of the channel (NCCL's
-/// `ncclCommGetAsyncError`) or a passed deadline aborts the channel (`ncclCommAbort`) and throws
-/// `comm_aborted` or `comm_timeout` naming the operation.
-///
-/// The state machine is independent of CUDA (CI tests it with a fake stream):
-///
-/// | state | `test()` | `wait()` |
-/// | --- | --- | --- |
-/// | empty (default-constructed) | true | returns |
-/// | pending | polls once: complete -> true; failed -> aborts, throws; deadline passed -> aborts, throws `comm_timeout`; else false | polls until one of those |
-/// | complete | true | returns |
-/// | failed | throws the same error again | throws the same error again |
-///
-/// A channel that checks the participants' calls (the NCCL communicator's `verify_collectives`)
-/// reports a disagreement as a failed poll marked `mismatch`: the request throws
-/// `collective_mismatch` with the channel's message and aborts the channel (the mismatched
-/// collective itself may never finish).
-///
-/// A `Channel` provides `event_type`, `poll(event_type) -> stream_poll` (never blocks),
-/// `abort(reason, timed_out)` (stops the channel's outstanding work; later operations on the channel are
-/// refused), `release(event_type)` (takes back an event for reuse) and `describe(op)` (the
-/// operation and the participant, for messages).
-
-#include <chrono>
-#include <memory>
-#include <optional>
-#include <string>
-#include <thread>
-#include <utility>
-
-
-namespace meshlib {
-
-/// @brief What one poll of a stream event found.
-struct stream_poll {
-  /// Where the operation stands.
-  enum class state { pending, complete, failed };
-  /// What this poll found.
-  state status = state::pending;
-  /// For `failed`: why (NCCL's or CUDA's error text), and whether a peer failed (`comm_aborted`) or
-  /// this participant's own call did (`comm_error`).
-  std::string error;
-  /// For `failed`: true when a peer failed (`comm_aborted`), false when this call did (`comm_error`).
-  bool peer_failed = true;
-  /// For `failed`: the participants called different collectives (`collective_mismatch`); `error`
-  /// is then the whole message, listing each participant's call.
-  bool mismatch = false;
-
-  /// Not done yet: poll again.
-  [[nodiscard]] static stream_poll pending() { return {}; }
-  /// Done without error.
-  [[nodiscard]] static stream_poll complete() { return {state::complete, {}, false}; }
-  /// Failed because of `why`; `peer` says whether a peer (true) or this call (false) failed.
-  [[nodiscard]] static stream_poll failed(std::string why, bool peer = true) {
-    return {state::failed, std::move(why), peer};
-  }
-  /// Failed because participants called different collectives; `message` lists each call.
-  [[nodiscard]] static stream_poll mismatched(std::string message) {
-    return {state::failed, std::move(message), false, true};
-  }
-};
-
-/// @brief A request that completes when its stream event does. Movable, not copyable; destroying a
-/// pending request does not wait (the work stays ordered on its stream) and returns its event.
-template <class Channel>
-class basic_stream_request {
- public:
-  /// The event type the channel records on the stream.
-  using event_type = typename Channel::event_type;
-
-  /// An empty request: already complete.
-  basic_stream_request() = default;
-
-  /// @brief A pending request for `op`, whose completion `event` marks; waits end with
-  /// `comm_timeout` after `timeout` (zero or negative: never).
-  basic_stream_request(std::shared_ptr<Channel> channel, event_type event, std::string op,
-                       std::chrono::nanoseconds timeout)
-      : channel_(std::move(channel)), event_(event), op_(std::move(op)), state_(state::pending) {
-    if (timeout.count() > 0) deadline_ = std::chrono::steady_clock::now() + timeout;
-  }
-
-  /// Movable: the moved-from request no longer waits on anything.
-  basic_stream_request(basic_stream_request&& o) noexcept { *this = std::move(o); }
-  /// Move assignment: the moved-from request no longer waits on anything.
-  basic_stream_request& operator=(basic_stream_request&& o) noexcept {
-    if (this != &o) {
-      give_back();
-      channel_ = std::move(o.channel_);
-      event_ = o.event_;
-      has_event_ = std::exchange(o.has_event_, false);
-      op_ = std::move(o.op_);
-      state_ = std::exchange(o.state_, state::empty);
-      deadline_ = o.deadline_;
-      failure_ = std::move(o.failure_);
-      failure_is_timeout_ = o.failure_is_timeout_;
-      failure_is_abort_ = o.failure_is_abort_;
-      failure_is_mismatch_ = o.failure_is_mismatch_;
-    }
-    return *this;
-  }
-  basic_stream_request(const basic_stream_request&) = delete;
-  basic_stream_request& operator=(const basic_stream_request&) = delete;
-  ~basic_stream_request() { give_back(); }
-
-  /// @brief Whether the operation is complete, without blocking.
-  /// @throws comm_aborted, comm_timeout or comm_error as `wait()`.
-  [[nodiscard]] bool test() {
-    switch (state_) {
-      case state::empty:
-      case state::complete: return true;
-      case state::failed: rethrow();
-      case state::pending: break;
-    }
-    return step();
-  }
-
-  /// @brief Blocks until the operation is complete (its receive buffers hold the result).
-  /// @throws comm_aborted when the channel reports an error (a peer failed, the communicator was
-  /// aborted), comm_timeout when the deadline passes first (the channel is aborted then too).
-  void wait() {
-    while (!test()) std::this_thread::yield();
-  }
-
-  /// Whether the request is still pending (neither complete nor failed).
-  [[nodiscard]] bool pending() const noexcept { return state_ == state::pending; }
-  /// The operation's name, as in error messages.
-  [[nodiscard]] const std::string& operation() const noexcept { return op_; }
-
- private:
-  enum class state { empty, pending, complete, failed };
-
-  bool step() {
-    stream_poll p = channel_->poll(event_);
-    if (p.status == stream_poll::state::complete) {
-      state_ = state::complete;
-      give_back();
-      return true;
-    }
-    if (p.status == stream_poll::state::failed && p.mismatch) {
-      failure_is_mismatch_ = true;
-      fail(p.error.starts_with("meshlib: ") ? p.error.substr(9) : p.error, false, false);
-    } else if (p.status == stream_poll::state::failed) {
-      fail(channel_->describe(op_) + " failed: " + p.error, false, p.peer_failed);
-    } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
-      fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
-               std::to_string(timeout_ms()) + " ms); a peer never joined, or the collectives were called in "
-               "different orders (NCCL cannot tell); the communicator was aborted",
-           true, false);
-    }
-    return false;
-  }
-  [[nodiscard]] long long timeout_ms() const noexcept {
-    // Recomputed for the message only: the deadline minus the creation time is not kept.
-    return channel_ ? channel_->timeout_ms() : 0;
-  }
-  [[noreturn]] void fail(std::string message, bool timeout, bool aborted) {
-    failure_ = "meshlib: " + std::move(message);
-    failure_is_timeout_ = timeout;
-    failure_is_abort_ = aborted;
-    state_ = state::failed;
-    channel_->abort(failure_, timeout);
-    give_back();
-    rethrow();
-  }
-  [[noreturn]] void rethrow() const {
-    if (failure_is_mismatch_) throw collective_mismatch(failure_);
-    if (failure_is_timeout_) throw comm_timeout(failure_);
-    if (failure_is_abort_) throw comm_aborted(failure_);
-    throw comm_error(failure_);
-  }
-  void give_back() noexcept {
-    if (channel_ && has_event_) channel_->release(event_);
-    has_event_ = false;
-  }
-
-  std::shared_ptr<Channel> channel_;
-  event_type event_{};
-  bool has_event_ = true;
-  std::string op_;
-  state state_ = state::empty;
-  std::optional<std::chrono::steady_clock::time_point> deadline_;
-  std::string failure_;
-  bool failure_is_timeout_ = false;
-  bool failure_is_abort_ = false;
-  bool failure_is_mismatch_ = false;
-};
-
-}  // namespace meshlib
-// end meshlib/comm/nccl/stream_request.hpp
-// begin meshlib/comm/nccl/detail/stream_state.hpp
-/// @file
-/// @brief What the two device communicators' participants have in common: a GPU, a stream (owned
-/// or borrowed), a pool of completion events, options, and the failure that refuses later calls.
-/// The base of `nccl_comm_state` and `shared_gpu_state` (the `Channel`s of their requests).
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cuda_runtime_api.h>
-
-#include <atomic>
-#include <concepts>
-#include <type_traits>
-#include <chrono>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace meshlib {
-
-/// @brief The execution context of the device communicators: the CUDA stream an operation is
-/// enqueued on. Default-constructed it means "the communicator's own stream"; it converts from a
-/// `cudaStream_t` and from any execution-space instance with `cuda_stream()` (`Kokkos::Cuda`),
-/// without meshlib including Kokkos' CUDA headers.
-class cuda_stream_ref {
- public:
-  /// The communicator's bound stream.
-  constexpr cuda_stream_ref() noexcept = default;
-  /// `s` (`nullptr` is CUDA's legacy default stream, not "unset").
-  constexpr cuda_stream_ref(cudaStream_t s) noexcept : stream_(s), given_(true) {}  // NOLINT: implicit, as a stream
-  /// The stream of a Kokkos CUDA execution-space instance (anything with `cuda_stream()`).
-  template <class Exec>
-    requires(!std::same_as<std::remove_cvref_t<Exec>, cuda_stream_ref>) && requires(const Exec& e) {
-      { e.cuda_stream() } -> std::convertible_to<cudaStream_t>;
-    }
-  cuda_stream_ref(const Exec& exec) : cuda_stream_ref(static_cast<cudaStream_t>(exec.cuda_stream())) {}  // NOLINT
-
-  /// Whether a stream was given.
-  [[nodiscard]] constexpr bool given() const noexcept { return given_; }
-  /// The given stream, or `fallback` when none was.
-  [[nodiscard]] constexpr cudaStream_t or_else(cudaStream_t fallback) const noexcept { return given_ ? stream_ : fallback; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-  bool given_ = false;
-};
-
-/// @brief Options of the device communicators (`nccl_communicator`, `shared_gpu_communicator`).
-struct nccl_comm_options {
-  /// The GPU of this participant; negative: the calling thread's current device.
-  int device = -1;
-  /// The stream the communicator is bound to; unset: a new non-blocking stream it owns.
-  cuda_stream_ref stream{};
-  /// How long `wait()` lets an operation run before the communicator is aborted with
-  /// `comm_timeout`. Zero or negative: no deadline.
-  std::chrono::nanoseconds timeout = default_comm_timeout();
-  /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
-  /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
-  bool check_pointers = true;
-  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
-  /// type, count, reduce op, root) on the stream, so that participants that disagree get
-  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
-  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
-  /// channel), hence off by default; the shared-GPU communicator always checks (its host
-  /// rendezvous carries the check for free).
-  bool verify_collectives = false;
-};
-
-namespace detail {
-
-/// Makes `device` the calling thread's current CUDA device for a scope.
-class cuda_device_scope {
- public:
-  cuda_device_scope(int device, std::string_view what) {
-    check_cuda(cudaGetDevice(&previous_), what, "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), what, "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~cuda_device_scope() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
-  }
-  cuda_device_scope(const cuda_device_scope&) = delete;
-  cuda_device_scope& operator=(const cuda_device_scope&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
-/// The same, for destructors: never throws, does nothing without a device.
-struct cuda_device_scope_noexcept {
-  int previous = -1;
-  explicit cuda_device_scope_noexcept(int d) noexcept {
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
-    else if (previous != d) (void)cudaSetDevice(d);
-  }
-  ~cuda_device_scope_noexcept() {
-    if (previous >= 0) (void)cudaSetDevice(previous);
-  }
-  cuda_device_scope_noexcept(const cuda_device_scope_noexcept&) = delete;
-  cuda_device_scope_noexcept& operator=(const cuda_device_scope_noexcept&) = delete;
-};
-
-/// What is wrong with a buffer that must be device (or managed) memory of GPU `device`, or empty:
-/// a host pointer would crash a kernel instead of failing.
-[[nodiscard]] inline std::string device_buffer_problem(std::string_view name, const void* p, std::size_t bytes, int device) {
-  if (bytes == 0) return {};
-  cudaPointerAttributes a{};
-  const cudaError_t rc = cudaPointerGetAttributes(&a, p);
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();
-    return std::string(name) + " buffer is not memory CUDA knows (" + cuda_error_text(rc) +
-           "); device communicators move device memory";
-  }
-  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-    return std::string(name) + " buffer is host memory; NCCL moves device memory (cudaMalloc, or a Kokkos::CudaSpace view)";
-  if (a.type == cudaMemoryTypeDevice && a.device != device)
-    return std::string(name) + " buffer is on GPU " + std::to_string(a.device) + ", not on this rank's GPU " +
-           std::to_string(device);
-  return {};
-}
-
-/// A participant's GPU, stream, events, options and failure.
-struct stream_state {
-  using event_type = cudaEvent_t;
-
-  int device = 0;
-  cudaStream_t stream = nullptr;
-  std::shared_ptr<void> stream_owner;  ///< holds a stream this participant (or its parent) created
-  nccl_comm_options options;
-  std::vector<cudaEvent_t> free_events;
-
-  mutable std::mutex mutex;  ///< guards the failure (and the NCCL communicator) against abort() from another thread
-  std::atomic<bool> failed{false};
-  bool failed_by_timeout = false;
-  std::string failure;
-
-  stream_state() = default;
-  stream_state(const stream_state&) = delete;
-  stream_state& operator=(const stream_state&) = delete;
-  ~stream_state() {
-    cuda_device_scope_noexcept g(device);
-    for (cudaEvent_t e : free_events) (void)cudaEventDestroy(e);
-  }
-
-  [[nodiscard]] long long timeout_ms() const noexcept {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout).count();
-  }
-  /// Records the root cause (without its "meshlib: " prefix); false when one was recorded already.
-  bool record_failure(const std::string& reason, bool by_timeout) {
-    if (failed.load()) return false;
-    constexpr std::string_view prefix = "meshlib: ";
-    failure = std::string_view(reason).starts_with(prefix) ? reason.substr(prefix.size()) : reason;
-    failed_by_timeout = by_timeout;
-    failed.store(true);
-    return true;
-  }
-  /// What is wrong with a buffer of `bytes` bytes for this participant (`device_buffer_problem` on
-  /// its GPU), or empty; always empty when `options.check_pointers` is off. Both device
-  /// communicators' transports call this one check before they touch a pointer.
-  [[nodiscard]] std::string buffer_problem(std::string_view name, const void* p, std::size_t bytes) const {
-    if (!options.check_pointers) return {};
-    return device_buffer_problem(name, p, bytes, device);
-  }
-  /// Throws the refusal of operation `where` when the participant has failed.
-  void refuse_if_failed(const std::string& where) const {
-    if (!failed.load()) return;
-    std::lock_guard lock(mutex);
-    const std::string m = "meshlib: refused " + where + ": the communicator has failed: " + failure;
-    if (failed_by_timeout) throw comm_timeout(m);
-    throw comm_aborted(m);
-  }
-  cudaEvent_t acquire_event(std::string_view what) {
-    if (!free_events.empty()) {
-      cudaEvent_t e = free_events.back();
-      free_events.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
-    return e;
-  }
-  void release(cudaEvent_t e) noexcept {
-    try {
-      free_events.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
-  }
-};
-
-}  // namespace detail
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/detail/stream_state.hpp
-// begin meshlib/comm/nccl/nccl_communicator.hpp
-/// @file
-/// @brief The NCCL communicator: one participant per GPU, collectives on device buffers, ordered on
-/// a CUDA stream. Satisfies `communicator`.
-///
-/// @code
-/// // one process per GPU (ids exchanged by MPI: <meshlib/comm/nccl/mpi_bootstrap.hpp>, or by the
-/// // launcher's environment: meshlib::nccl::connect_from_environment in <meshlib/nccl.hpp>)
-/// meshlib::nccl_communicator comm(id, nranks, rank, {.device = local_rank});
-/// float* x = nullptr;
-/// cudaMalloc(&x, n * sizeof(float));
-/// auto r = comm.all_reduce(std::span(x, n), meshlib::reduce_op::sum);   // enqueued on comm.stream()
-/// r.wait();                                                             // or keep computing on the stream
-/// @endcode
-///
-/// Streams. Every communicator is bound to one CUDA stream (`nccl_comm_options::stream`: the
-/// stream of the Kokkos execution-space instance the device computes on, e.g.
-/// `{.stream = Kokkos::Cuda(...)}`, or any `cudaStream_t`; by default a new non-blocking stream
-/// the communicator owns). Every operation enqueues its NCCL calls on that stream, or on the
-/// stream given as its last argument, and returns at once with a request that completes when an
-/// event recorded after the calls does. Kernels before the call on the same stream are ordered
-/// before it, kernels after it see its result: no host synchronisation in between. Buffers are
-/// device memory (checked with `cudaPointerGetAttributes` unless `check_pointers` is off).
-///
-/// Faults. The communicator is created non-blocking (`ncclCommInitRankConfig` with
-/// `blocking = 0`), so no NCCL call blocks the host. `wait()` polls the event and
-/// `ncclCommGetAsyncError` against the timeout (`MESHLIB_COMM_TIMEOUT`, default 60 s); an
-/// asynchronous error or a passed deadline calls `ncclCommAbort` and throws `comm_aborted` or
-/// `comm_timeout` naming the operation and NCCL's error text. After that every operation is
-/// refused with the same root cause. Every CUDA and NCCL return code is checked
-/// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
-/// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
-/// collective, or another count): they end in the timeout.
-///
-/// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
-/// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
-/// finalizes the communicator (`ncclCommFinalize`, which waits for the peers to finalize too, then
-/// `ncclCommDestroy`; `ncclCommAbort` if that does not finish within the timeout): communicators of
-/// several GPUs in one process are destroyed concurrently (`run_on_gpus` does, and
-/// `destroy_communicators` for the result of `nccl_communicators`).
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
-#include <atomic>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <deque>
-#include <limits>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-// begin meshlib/comm/nccl/detail/call_fingerprint.hpp
-/// @file
-/// @brief A collective call packed into one int64, so that a device communicator can compare every
-/// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
-/// in the `collective_mismatch` message what each participant called (in the words every backend
-/// uses, call_text.hpp).
-///
-/// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
-/// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-
-
-namespace meshlib::detail {
-
-struct call_fingerprint {
-  op_kind op = op_kind::barrier;
-  int type = -1;     ///< datatype, or -1
-  int reduce = -1;   ///< reduce_op, or -1
-  int root = -1;     ///< or -1
-  std::uint64_t count = 0;
-
-  [[nodiscard]] std::int64_t pack() const noexcept {
-    const std::uint64_t t = type < 0 ? 15u : static_cast<std::uint64_t>(type);
-    const std::uint64_t r = reduce < 0 ? 7u : static_cast<std::uint64_t>(reduce);
-    const std::uint64_t o = root < 0 ? 65535u : static_cast<std::uint64_t>(root) & 0xffffu;
-    const std::uint64_t bits = static_cast<std::uint64_t>(op) | (t << 5) | (r << 9) | (o << 12) |
-                               ((count & ((std::uint64_t{1} << 36) - 1)) << 28);
-    return static_cast<std::int64_t>(bits);
-  }
-  [[nodiscard]] static call_fingerprint unpack(std::int64_t packed) noexcept {
-    const auto bits = static_cast<std::uint64_t>(packed);
-    call_fingerprint f;
-    f.op = static_cast<op_kind>(bits & 31u);
-    const auto t = static_cast<int>((bits >> 5) & 15u);
-    const auto r = static_cast<int>((bits >> 9) & 7u);
-    const auto o = static_cast<int>((bits >> 12) & 0xffffu);
-    f.type = t == 15 ? -1 : t;
-    f.reduce = r == 7 ? -1 : r;
-    f.root = o == 65535 ? -1 : o;
-    f.count = bits >> 28;
-    return f;
-  }
-  /// What a mismatch message shows of the call (`describe_call`): "all_reduce(float32, count 8,
-  /// op sum)", "broadcast(int64, count 3, root 1)", "barrier()". An element type without a
-  /// `datatype` (14: CUDA's own 16-bit types) shows as "-"; the fingerprint keeps no ppermute pairs.
-  [[nodiscard]] call_summary summary() const noexcept {
-    call_summary c;
-    c.kind = op;
-    if (type >= 0 && type <= static_cast<int>(datatype::bfloat16)) c.dtype = static_cast<datatype>(type);
-    c.count = count;
-    if (reduce >= 0) c.op = static_cast<reduce_op>(reduce);
-    c.root = root;
-    return c;
-  }
-};
-
-/// The `collective_mismatch` message for the gathered fingerprints (one per rank), or empty when
-/// they agree.
-[[nodiscard]] inline std::string mismatch_message(std::string_view seen_by, std::span<const std::int64_t> all) {
-  bool agree = true;
-  for (std::int64_t f : all) agree = agree && f == all[0];
-  if (agree) return {};
-  std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
-  for (std::size_t r = 0; r < all.size(); ++r)
-    m += " rank " + std::to_string(r) + " called " + describe_call(call_fingerprint::unpack(all[r]).summary()) +
-         (r + 1 < all.size() ? ";" : "");
-  return m;
-}
-
-}  // namespace meshlib::detail
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/detail/call_fingerprint.hpp
-
-namespace meshlib {
-
-namespace detail {
-
-/// The NCCL communicator, stream and event pool shared by the handles and requests of one
-/// participant: the `Channel` of `basic_stream_request`.
-struct nccl_comm_state : stream_state {
-  ncclComm_t comm = nullptr;
-  int rank = 0;
-  int size = 0;
-  int* scratch = nullptr;  ///< one device int: the payload of barrier()
-
-  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
-  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
-  static constexpr int check_slots = 64;
-  std::int64_t* check_dev = nullptr;
-  std::int64_t* check_host = nullptr;
-  struct pending_check {
-    cudaEvent_t event;
-    int slot;
-  };
-  std::deque<pending_check> checks;
-  int next_slot = 0;
-
-  nccl_comm_state() = default;
-
-  ~nccl_comm_state() {
-    cuda_device_scope_noexcept g(device);
-    if (comm != nullptr && !failed.load()) {
-      // Finish outstanding work, then free NCCL's resources; a finalize that does not finish
-      // within the timeout (a peer is gone) is an abort.
-      const ncclResult_t fin = ncclCommFinalize(comm);  // non-blocking: usually ncclInProgress
-      bool clean = fin == ncclSuccess || fin == ncclInProgress;
-      if (clean) clean = settle_for_destroy();
-      if (clean) (void)ncclCommDestroy(comm);
-      else (void)ncclCommAbort(comm);
-    }
-    if (scratch != nullptr) (void)cudaFree(scratch);
-    for (const auto& c : checks) (void)cudaEventDestroy(c.event);
-    if (check_dev != nullptr) (void)cudaFree(check_dev);
-    if (check_host != nullptr) (void)cudaFreeHost(check_host);
-  }
-
-  /// Compares the fingerprints of every check whose copies have arrived: the message of the first
-  /// disagreement, else empty. Never blocks.
-  std::string compare_checks(std::string* cuda_failure) {
-    for (auto it = checks.begin(); it != checks.end();) {
-      const cudaError_t q = cudaEventQuery(it->event);
-      if (q == cudaErrorNotReady) {
-        ++it;
-        continue;
-      }
-      if (q != cudaSuccess) {
-        (void)cudaGetLastError();
-        *cuda_failure = "cudaEventQuery failed: " + cuda_error_text(q);
-        return {};
-      }
-      const auto slot = static_cast<std::size_t>(it->slot);
-      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
-      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
-                                           std::to_string(device),
-                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
-      release(it->event);
-      it = checks.erase(it);
-      if (!m.empty()) return m;
-    }
-    return {};
-  }
-
-  /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
-  [[nodiscard]] std::string describe(std::string_view op) const {
-    return std::string(op) + " on NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " (GPU " +
-           std::to_string(device) + ")";
-  }
-  /// One look at `event` and at the communicator's asynchronous error; never blocks.
-  stream_poll poll(cudaEvent_t event) {
-    std::lock_guard lock(mutex);
-    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
-    // The event first: when it has completed, so has this operation's check (enqueued before it on
-    // the same stream), which compare_checks then sees.
-    const cudaError_t q = cudaEventQuery(event);
-    std::string cuda_failure;
-    if (std::string m = compare_checks(&cuda_failure); !m.empty()) return stream_poll::mismatched(std::move(m));
-    if (!cuda_failure.empty()) return stream_poll::failed(cuda_failure, false);
-    if (q == cudaSuccess) return stream_poll::complete();
-    if (q != cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
-    }
-    ncclResult_t async = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
-    if (rc != ncclSuccess) return stream_poll::failed("ncclCommGetAsyncError failed: " + nccl_result_text(rc), false);
-    if (async != ncclSuccess && async != ncclInProgress) {
-      const char* last = ncclGetLastError(comm);
-      return stream_poll::failed(nccl_result_text(async) + (last != nullptr && *last ? std::string(": ") + last : ""));
-    }
-    return stream_poll::pending();
-  }
-
-  /// Aborts the NCCL communicator (its kernels stop, peers see ncclRemoteError) and records why;
-  /// later operations are refused with `reason`. Idempotent, callable from any thread.
-  void abort(const std::string& reason, bool by_timeout = false) {
-    std::lock_guard lock(mutex);
-    if (!record_failure(reason, by_timeout)) return;
-    if (comm != nullptr) {
-      cuda_device_scope_noexcept g(device);
-      (void)ncclCommAbort(comm);
-    }
-  }
-
- private:
-  bool settle_for_destroy() noexcept {
-    const auto deadline = std::chrono::steady_clock::now() + (options.timeout.count() > 0 ? options.timeout : std::chrono::hours(1));
-    for (;;) {
-      ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess) return false;
-      if (async == ncclSuccess) return true;
-      if (async != ncclInProgress || std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::yield();
-    }
-  }
-};
-
-}  // namespace detail
-
-/// @brief The request of the NCCL communicator: completes when the event recorded after the
-/// operation's NCCL calls does (see `basic_stream_request`).
-using nccl_request = basic_stream_request<detail::nccl_comm_state>;
-
-/// @brief One GPU's handle on an NCCL communicator. Copies share it.
-class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
-  friend class communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref>;
-
- public:
-
-  /// An empty handle; only assignable and destructible.
-  nccl_communicator() = default;
-
-  /// @brief Joins the group of `nranks` participants that share `id` as participant `rank`
-  /// (collective over the group: every participant makes this call, each with its own GPU).
-  /// @throws comm_argument_error for a rank outside [0, nranks) or a device that does not exist;
-  /// comm_timeout when the group is not complete within the timeout; comm_error when NCCL fails.
-  nccl_communicator(const ncclUniqueId& id, int nranks, int rank, nccl_comm_options options = {}) {
-    if (nranks < 1 || rank < 0 || rank >= nranks)
-      throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
-                                " is outside a group of " + std::to_string(nranks) +
-                                " participants; ranks are 0 <= rank < nranks and nranks >= 1");
-    auto s = make_state(options, rank, nranks, "nccl_communicator");
-    {
-      detail::cuda_device_scope g(s->device, "nccl_communicator");
-      ncclConfig_t config = nonblocking_config();
-      ncclUniqueId copy = id;
-      init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
-    }
-    state_ = std::move(s);
-  }
-
-  /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
-  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
-
-  /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
-  [[nodiscard]] static ncclUniqueId new_unique_id() {
-    ncclUniqueId id{};
-    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
-    return id;
-  }
-
-  /// This GPU's rank in the NCCL communicator (0 when moved from).
-  [[nodiscard]] int rank() const noexcept { return state_ ? state_->rank : 0; }
-  /// The number of ranks (0 when moved from).
-  [[nodiscard]] int size() const noexcept { return state_ ? state_->size : 0; }
-  /// False after a move (the communicator owns nothing).
-  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
-  /// The GPU of this participant.
-  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
-  /// The stream the communicator is bound to.
-  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
-  /// NCCL's communicator, for calls meshlib does not wrap.
-  [[nodiscard]] ncclComm_t native() const noexcept { return state_ ? state_->comm : nullptr; }
-  /// The options the communicator was made with.
-  [[nodiscard]] const nccl_comm_options& options() const {
-    require_valid("options");
-    return state_->options;
-  }
-  /// Whether the communicator has failed (aborted, or an operation timed out).
-  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
-
-  /// @brief Aborts the communicator (`ncclCommAbort`): outstanding operations of every participant
-  /// end in `comm_aborted` naming `reason`. Any thread may call it.
-  void abort(std::string_view reason) {
-    require_valid("abort");
-    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
-  }
-
-  // The operations (all_reduce, reduce, broadcast, all_gather, reduce_scatter, all_to_all,
-  // all_to_all_v, ppermute, send, recv, barrier, in every overload) and their argument checks come
-  // from communicator_frontend; `transport` below is the NCCL part.
-
-  /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
-  /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
-  nccl_communicator split(int color, int key) {
-    constexpr std::string_view k = "split";
-    check_split(color);
-    auto s = std::make_shared<detail::nccl_comm_state>();
-    s->options = state_->options;
-    s->device = state_->device;
-    s->stream = state_->stream;
-    s->stream_owner = state_->stream_owner;
-    {
-      detail::cuda_device_scope g(s->device, state_->describe(k));
-      ncclConfig_t config = nonblocking_config();
-      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
-      if (rc != ncclSuccess && rc != ncclInProgress) {
-        fail_with(k, "ncclCommSplit", rc);
-      }
-      settle_new(*s, state_->describe(k), "ncclCommSplit");
-      call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
-      call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
-      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
-    }
-    return nccl_communicator(std::move(s));
-  }
-
-  // ---- for creation functions ------------------------------------------------------------------
-
-  /// The non-blocking configuration every meshlib NCCL communicator is made with.
-  [[nodiscard]] static ncclConfig_t nonblocking_config() noexcept {
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    return config;
-  }
-  /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
-  /// communicator yet.
-  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
-                                                                           int nranks, std::string_view what) {
-    auto s = std::make_shared<detail::nccl_comm_state>();
-    s->options = options;
-    s->rank = rank;
-    s->size = nranks;
-    int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
-    int device = options.device;
-    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
-    if (device >= count)
-      throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
-                                " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
-    s->device = device;
-    detail::cuda_device_scope g(device, what);
-    if (options.stream.given()) {
-      s->stream = options.stream.or_else(nullptr);
-    } else {
-      cudaStream_t st = nullptr;
-      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
-      s->stream = st;
-      s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
-        int prev = 0;
-        const bool ok = cudaGetDevice(&prev) == cudaSuccess;
-        (void)cudaSetDevice(device);
-        (void)cudaStreamDestroy(static_cast<cudaStream_t>(p));
-        if (ok) (void)cudaSetDevice(prev);
-      });
-    }
-    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
-    return s;
-  }
-  /// Checks the result of a communicator-creating call and polls the new communicator until it is
-  /// ready (non-blocking creation returns ncclInProgress), against the timeout.
-  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
-    const std::string what = s.describe("nccl_communicator creation");
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
-    settle_new(s, what, call_name);
-  }
-
- private:
-  // ---- enqueueing ------------------------------------------------------------------------------
-
-  template <class F>
-  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
-                       F&& calls) {
-    detail::cuda_device_scope g(state_->device, state_->describe(k));
-    const cudaStream_t s = ctx.or_else(state_->stream);
-    if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
-    calls(s);
-    cudaEvent_t ev = state_->acquire_event(state_->describe(k));
-    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
-    return request_type(state_, ev, std::string(k), state_->options.timeout);
-  }
-  template <class T>
-  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
-                                     int root = -1) {
-    detail::call_fingerprint f;
-    f.op = op;
-    if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
-    else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
-    f.reduce = r ? static_cast<int>(*r) : -1;
-    f.root = root;
-    f.count = count;
-    return f;
-  }
-  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
-  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
-  void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
-    auto& st = *state_;
-    const auto n1 = static_cast<std::size_t>(st.size + 1);
-    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
-    if (st.check_dev == nullptr) {
-      cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
-      cuda_call(k, "cudaHostAlloc",
-                cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
-    }
-    const int slot = st.next_slot;
-    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
-    // The slot's previous check must have been compared before its memory is reused.
-    const auto deadline = deadline_from_now();
-    for (;;) {
-      bool busy = false;
-      for (const auto& c : st.checks) busy = busy || c.slot == slot;
-      if (!busy) break;
-      std::string cuda_failure;
-      std::string m;
-      {
-        std::lock_guard lock(st.mutex);
-        m = st.compare_checks(&cuda_failure);
-      }
-      if (!m.empty()) {
-        st.abort(m);
-        throw collective_mismatch(m);
-      }
-      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
-      if (deadline.passed()) {
-        const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
-        st.abort(t, true);
-        throw comm_timeout(t);
-      }
-      std::this_thread::yield();
-    }
-    std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
-    std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
-    host[0] = fp;
-    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
-    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
-    cuda_call(k, "cudaMemcpyAsync",
-              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
-                              cudaMemcpyDeviceToHost, s));
-    cudaEvent_t ev = st.acquire_event(st.describe(k));
-    cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
-    st.checks.push_back({ev, slot});
-  }
-  /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
-  void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
-    if (rc == ncclSuccess) return;
-    if (rc == ncclInProgress) {
-      settle(k, name);
-      return;
-    }
-    fail_with(k, name, rc);
-  }
-  [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
-    const char* last = ncclGetLastError(state_->comm);
-    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
-                                                            last != nullptr ? std::string_view(last) : std::string_view{});
-    // Argument errors leave the communicator usable; anything else may have left it half-way
-    // through a collective, so it is aborted and later calls are refused.
-    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
-    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
-  }
-  void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
-    if (rc == cudaSuccess) return;
-    detail::check_cuda(rc, state_->describe(k), name);
-  }
-  /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
-  void settle(std::string_view k, std::string_view name) const {
-    const auto deadline = deadline_from_now();
-    for (;;) {
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
-      if (rc != ncclSuccess) fail_with(k, "ncclCommGetAsyncError", rc);
-      if (async == ncclSuccess) return;
-      if (async != ncclInProgress) fail_with(k, name, async);
-      if (deadline.passed()) {
-        const std::string m = "meshlib: " + state_->describe(k) + ": " + std::string(name) +
-                              " was not issued within the communicator's timeout (" +
-                              std::to_string(state_->timeout_ms()) + " ms); the communicator was aborted";
-        state_->abort(m, true);
-        throw comm_timeout(m);
-      }
-      std::this_thread::yield();
-    }
-  }
-  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
-    const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
-    for (;;) {
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
-      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
-      if (async == ncclSuccess) return;
-      if (async != ncclInProgress) {
-        const std::string last = ncclGetLastError(s.comm);
-        (void)ncclCommAbort(s.comm);
-        s.comm = nullptr;
-        detail::check_nccl(async, what, name, last.c_str());
-      }
-      if (deadline.passed()) {
-        (void)ncclCommAbort(s.comm);
-        s.comm = nullptr;
-        throw comm_timeout("meshlib: " + what + ": " + std::string(name) + " did not complete within the timeout (" +
-                           std::to_string(s.timeout_ms()) + " ms); not every participant joined the group");
-      }
-      std::this_thread::yield();
-    }
-  }
-  /// The communicator's timeout from now; `passed()` is never true without a timeout. A flag and a
-  /// time point, not an optional: GCC at -O1 warns that an optional's value may be read
-  /// uninitialised (-Wmaybe-uninitialized), which -Werror turns into an error.
-  struct deadline_t {
-    bool timed;
-    std::chrono::steady_clock::time_point at;
-    [[nodiscard]] bool passed() const { return timed && std::chrono::steady_clock::now() > at; }
-  };
-  [[nodiscard]] deadline_t deadline_from_now() const {
-    return {state_->options.timeout.count() > 0, std::chrono::steady_clock::now() + state_->options.timeout};
-  }
-  /// Runs the NCCL calls of `body` as one group (`ncclGroupStart`/`ncclGroupEnd`).
-  template <class F>
-  void group(std::string_view k, F&& body) const {
-    call(k, "ncclGroupStart", ncclGroupStart());
-    try {
-      body();
-    } catch (...) {
-      (void)ncclGroupEnd();
-      throw;
-    }
-    call(k, "ncclGroupEnd", ncclGroupEnd());
-  }
-  template <class T>
-  void exchange_blocks(std::string_view k, const T* send, T* recv, std::size_t c, cudaStream_t s) const {
-    group(k, [&] {
-      for (int p = 0; p < size(); ++p) {
-        const std::size_t off = static_cast<std::size_t>(p) * c;
-        call(k, "ncclSend", ncclSend(send + off, c, nccl_datatype_of<T>, p, state_->comm, s));
-        call(k, "ncclRecv", ncclRecv(recv + off, c, nccl_datatype_of<T>, p, state_->comm, s));
-      }
-    });
-  }
-  template <class T>
-  void permute(std::string_view k, const T* send, T* recv, std::size_t n, std::span<const permute_pair> pairs,
-               cudaStream_t s) const {
-    const int me = rank();
-    const permute_pair* incoming = nullptr;
-    for (const auto& p : pairs)
-      if (p.dest == me) incoming = &p;
-    if (incoming == nullptr) {
-      cuda_call(k, "cudaMemsetAsync", cudaMemsetAsync(recv, 0, n * sizeof(T), s));  // all-zero bits are 0 in every type
-    } else if (incoming->source == me) {
-      cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(recv, send, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
-    }
-    group(k, [&] {
-      for (const auto& p : pairs) {
-        if (p.source == p.dest) continue;
-        if (p.source == me) call(k, "ncclSend", ncclSend(send, n, nccl_datatype_of<T>, p.dest, state_->comm, s));
-        if (p.dest == me) call(k, "ncclRecv", ncclRecv(recv, n, nccl_datatype_of<T>, p.source, state_->comm, s));
-      }
-    });
-  }
-  /// Runs `body(copy)` with a stream-ordered device copy of buf (`cudaMallocAsync`, freed after).
-  template <class T, class F>
-  void with_copy(std::string_view k, std::span<T> buf, cudaStream_t s, F&& body) const {
-    if (buf.empty()) {
-      body(static_cast<const T*>(nullptr));
-      return;
-    }
-    void* copy = nullptr;
-    cuda_call(k, "cudaMallocAsync", cudaMallocAsync(&copy, buf.size_bytes(), s));
-    struct release {
-      void* p;
-      cudaStream_t s;
-      ~release() { (void)cudaFreeAsync(p, s); }
-    } r{copy, s};
-    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(copy, buf.data(), buf.size_bytes(), cudaMemcpyDeviceToDevice, s));
-    body(static_cast<const T*>(copy));
-  }
-
-  // ---- the front end's hooks ---------------------------------------------------------------------
-
-  [[nodiscard]] std::string label() const { return "NCCL rank " + std::to_string(rank()); }
-  void require_valid(std::string_view k) const {
-    if (!state_)
-      throw comm_error("meshlib: " + std::string(k) +
-                       " called on an empty nccl_communicator handle (default-constructed or moved from)");
-  }
-  void check_usable(std::string_view k) const {
-    require_valid(k);
-    state_->refuse_if_failed(state_->describe(k));
-  }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
-  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
-  void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
-  }
-
-  /// The NCCL transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
-    const std::size_t n = static_cast<std::size_t>(size());
-    const std::size_t c = o.count;
-    const ncclDataType_t t = nccl_datatype_of<T>;
-    const ncclRedOp_t r = to_nccl(o.op);
-    auto fingerprint = [&](int root = -1, bool reducing = false) {
-      return fp<T>(K, K == op_kind::all_to_all_v ? 0 : c, reducing ? std::optional(o.op) : std::nullopt, root);
-    };
-    if constexpr (K == op_kind::all_reduce) {
-      device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c);
-      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
-        call(k, "ncclAllReduce", ncclAllReduce(o.send, o.recv, c, t, r, state_->comm, s));
-      });
-    } else if constexpr (K == op_kind::reduce) {
-      device_buffer<K>("send", o.send, c);
-      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
-      return enqueue(k, ctx, fingerprint(o.root, true), [&](cudaStream_t s) {
-        call(k, "ncclReduce", ncclReduce(o.send, o.recv, c, t, r, o.root, state_->comm, s));
-      });
-    } else if constexpr (K == op_kind::reduce_scatter) {
-      device_buffer<K>("send", o.send, c * n);
-      device_buffer<K>("receive", o.recv, c);
-      return enqueue(k, ctx, fingerprint(-1, true), [&](cudaStream_t s) {
-        call(k, "ncclReduceScatter", ncclReduceScatter(o.send, o.recv, c, t, r, state_->comm, s));
-      });
-    } else if constexpr (K == op_kind::broadcast) {
-      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c);
-      return enqueue(k, ctx, fingerprint(o.root), [&](cudaStream_t s) {
-        call(k, "ncclBroadcast", ncclBroadcast(o.send, o.recv, c, t, o.root, state_->comm, s));
-      });
-    } else if constexpr (K == op_kind::all_gather) {
-      device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c * n);
-      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
-        call(k, "ncclAllGather", ncclAllGather(o.send, o.recv, c, t, state_->comm, s));
-      });
-    } else if constexpr (K == op_kind::all_to_all) {
-      device_buffer<K>("send", o.send, c * n);
-      device_buffer<K>("receive", o.recv, c * n);
-      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
-        if (o.in_place)
-          with_copy<T>(k, std::span<T>(o.recv, c * n), s, [&](const T* copy) { exchange_blocks<T>(k, copy, o.recv, c, s); });
-        else
-          exchange_blocks<T>(k, o.send, o.recv, c, s);
-      });
-    } else if constexpr (K == op_kind::all_to_all_v) {
-      std::size_t send_end = 0;
-      std::size_t recv_end = 0;
-      for (std::size_t j = 0; j < n; ++j) {
-        send_end = std::max(send_end, static_cast<std::size_t>(o.v[0][j] + o.v[1][j]));
-        recv_end = std::max(recv_end, static_cast<std::size_t>(o.v[2][j] + o.v[3][j]));
-      }
-      device_buffer<K>("send", o.send, send_end);
-      device_buffer<K>("receive", o.recv, recv_end);
-      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
-        group(k, [&] {
-          for (std::size_t j = 0; j < n; ++j) {
-            const int p = static_cast<int>(j);
-            if (o.v[0][j] > 0)
-              call(k, "ncclSend", ncclSend(o.send + o.v[1][j], static_cast<std::size_t>(o.v[0][j]), t, p, state_->comm, s));
-            if (o.v[2][j] > 0)
-              call(k, "ncclRecv", ncclRecv(o.recv + o.v[3][j], static_cast<std::size_t>(o.v[2][j]), t, p, state_->comm, s));
-          }
-        });
-      });
-    } else if constexpr (K == op_kind::ppermute) {
-      device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c);
-      return enqueue(k, ctx, fingerprint(), [&](cudaStream_t s) {
-        if (o.in_place)
-          with_copy<T>(k, std::span<T>(o.recv, c), s, [&](const T* copy) { permute<T>(k, copy, o.recv, c, o.pairs, s); });
-        else
-          permute<T>(k, o.send, o.recv, c, o.pairs, s);
-      });
-    } else if constexpr (K == op_kind::send || K == op_kind::recv) {
-      if (o.tag != 0)
-        this->bad_argument(K, "tag " + std::to_string(o.tag) +
-                                  " given, but NCCL has no message tags; pass 0 (messages between two ranks match in order)");
-      if constexpr (K == op_kind::send) {
-        device_buffer<K>("send", o.send, c);
-        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
-          call(k, "ncclSend", ncclSend(o.send, c, t, o.peer, state_->comm, s));
-        });
-      } else {
-        device_buffer<K>("receive", o.recv, c);
-        return enqueue(k, ctx, std::nullopt, [&](cudaStream_t s) {
-          call(k, "ncclRecv", ncclRecv(o.recv, c, t, o.peer, state_->comm, s));
-        });
-      }
-    } else {
-      static_assert(K == op_kind::barrier);
-      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
-        call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
-      });
-    }
-  }
-
-  std::shared_ptr<detail::nccl_comm_state> state_;
-};
-
-static_assert(communicator<nccl_communicator>);
-
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/nccl_communicator.hpp
-// begin meshlib/comm/nccl/run_on_gpus.hpp
-/// @file
-/// @brief One process driving several GPUs: `nccl_communicators(devices)` makes one communicator
-/// per GPU in one call, and `run_on_gpus(devices, fn)` runs `fn(comm)` on one runner thread per
-/// GPU, as `run_on_threads` does for the thread communicator.
-///
-/// @code
-/// const int gpus[] = {0, 1, 2, 3};
-/// meshlib::run_on_gpus(gpus, [&](meshlib::nccl_communicator& c) {   // thread r drives GPU gpus[r]
-///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::mean).wait();
-/// });
-/// @endcode
-///
-/// Creation follows `ncclCommInitAll` (one unique id, `ncclCommInitRank` for every GPU inside one
-/// `ncclGroupStart`/`ncclGroupEnd`), but with the non-blocking configuration every meshlib
-/// communicator has (`ncclCommInitAll` takes no configuration), so that a fault ends in an error
-/// instead of a hang. NCCL refuses two ranks on one GPU: `devices` must be distinct.
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <exception>
-#include <span>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <vector>
-
-
-namespace meshlib {
-
-/// @brief One NCCL communicator per GPU of `devices` (rank r on `devices[r]`), each bound to a new
-/// stream of its own unless `options.stream` is given (then it must be usable on every device).
-/// @throws comm_argument_error for an empty list, a repeated device or one that does not exist;
-/// comm_error, comm_timeout when NCCL fails.
-[[nodiscard]] inline std::vector<nccl_communicator> nccl_communicators(std::span<const int> devices,
-                                                                      nccl_comm_options options = {}) {
-  constexpr std::string_view what = "nccl_communicators";
-  if (devices.empty()) throw comm_argument_error("meshlib: nccl_communicators needs at least one GPU");
-  for (std::size_t i = 0; i < devices.size(); ++i)
-    for (std::size_t j = 0; j < i; ++j)
-      if (devices[i] == devices[j])
-        throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
-                                  " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
-                                  "GPU, and the thread communicator between devices that share one)");
-  const int n = static_cast<int>(devices.size());
-  const ncclUniqueId id = nccl_communicator::new_unique_id();
-  std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
-  for (int r = 0; r < n; ++r) {
-    nccl_comm_options o = options;
-    o.device = devices[static_cast<std::size_t>(r)];
-    states.push_back(nccl_communicator::make_state(o, r, n, what));
-  }
-  {
-    ncclConfig_t config = nccl_communicator::nonblocking_config();
-    detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
-    ncclResult_t first = ncclSuccess;
-    for (int r = 0; r < n; ++r) {
-      auto& s = *states[static_cast<std::size_t>(r)];
-      detail::cuda_device_scope g(s.device, what);
-      ncclUniqueId copy = id;
-      const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, n, copy, r, &config);
-      if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
-    }
-    const ncclResult_t end = ncclGroupEnd();
-    detail::check_nccl(first, what, "ncclCommInitRankConfig");
-    detail::check_nccl(end, what, "ncclGroupEnd");
-  }
-  std::vector<nccl_communicator> out;
-  for (auto& s : states) {
-    nccl_communicator::init_checked(*s, ncclInProgress, "ncclCommInitRankConfig");
-    out.emplace_back(std::move(s));
-  }
-  return out;
-}
-
-/// @brief Destroys communicators of several GPUs of this process concurrently, one thread each:
-/// finalizing one waits for its peers to finalize, so destroying them one after another from one
-/// thread would wait for the timeout. Leaves `comms` empty.
-inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
-  std::vector<std::thread> threads;
-  for (auto& c : comms) threads.emplace_back([&c] { c = nccl_communicator{}; });
-  for (auto& t : threads) t.join();
-  comms.clear();
-}
-
-/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
-/// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
-/// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
-/// threads have ended `participant_error` is thrown for the first failure, its exception nested.
-template <class F>
-  requires std::is_invocable_v<F&, nccl_communicator&>
-void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
-  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
-  const int n = static_cast<int>(comms.size());
-  std::vector<std::exception_ptr> errors(comms.size());
-  std::atomic<int> first{-1};
-  auto body = [&](int r) {
-    auto& c = comms[static_cast<std::size_t>(r)];
-    try {
-      detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
-      fn(c);
-    } catch (...) {
-      errors[static_cast<std::size_t>(r)] = std::current_exception();
-      int none = -1;
-      first.compare_exchange_strong(none, r);
-      const std::string why = "participant " + std::to_string(r) + " failed: " +
-                              detail::what_of(errors[static_cast<std::size_t>(r)]);
-      for (auto& other : comms) other.abort(why);
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(comms.size());
-  try {
-    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
-  } catch (...) {
-    for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
-    for (auto& t : threads) t.join();
-    throw;  // aborted communicators are released without finalizing
-  }
-  for (auto& t : threads) t.join();
-  destroy_communicators(comms);
-  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
-    return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
-           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
-  });
-}
-
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/run_on_gpus.hpp
-// begin meshlib/comm/nccl/shared_gpu_communicator.hpp
-/// @file
-/// @brief Several mesh devices on one GPU: `shared_gpu_communicator`, one participant per device,
-/// each with its own CUDA stream on the same GPU, as JAX users test sharded programs with several
-/// CPU devices on one machine. NCCL refuses two ranks on one GPU, so the collectives run here:
-/// device-to-device copies (`cudaMemcpyAsync`) and one reduction kernel (detail/reduce_kernel.hpp,
-/// compiled at run time by NVRTC so that the library stays header-only for every host compiler).
-/// Satisfies `communicator`; same options (`nccl_comm_options`), requests and errors as the NCCL
-/// communicator.
-///
-/// @code
-/// meshlib::run_on_shared_gpu(4, [&](meshlib::shared_gpu_communicator& c) {   // 4 devices on GPU 0
-///   c.all_reduce(std::span(grad[c.rank()], n), meshlib::reduce_op::sum).wait();
-/// });
-/// @endcode
-///
-/// How an operation runs. The participants meet on the host (a `thread_communicator`, which also
-/// gives them its fault handling: a participant that throws aborts the others' waits). Each
-/// records a "ready" event on its stream and publishes it with its buffer pointers and a
-/// descriptor of the call; the descriptors must agree (operation, type, count, root, pairs), else
-/// every participant throws `collective_mismatch` listing each rank's call. Each stream then waits
-/// for every peer's "ready" event and enqueues its share of the work: for the reductions,
-/// participant r reduces block r of every input and writes it to every output (one kernel, so the
-/// whole payload is read once and written once, and in-place works because blocks are disjoint);
-/// for data movement, each participant pushes or pulls its blocks with copies. Finally each stream
-/// records "done", the participants exchange those events, and each stream waits for all of them,
-/// so no participant reuses a buffer a peer still reads. Nothing blocks the host on the GPU: the
-/// request completes when the participant's stream passes that point.
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cuda_runtime_api.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-// begin meshlib/comm/nccl/detail/reduce_kernel.hpp
-/// @file
-/// @brief The reduction kernel of several mesh devices on one GPU, compiled at run time with NVRTC
-/// (CUDA's run-time compiler, part of every CUDA toolkit) and launched through the CUDA runtime's
-/// library API. Why at run time: meshlib is header-only and its users compile with g++ or clang,
-/// not nvcc; a kernel in a `__CUDACC__` header would exist only in nvcc-compiled programs, and one
-/// through Kokkos only where Kokkos has CUDA. NVRTC keeps the kernel in this header, for every
-/// compiler, at the cost of one compilation per process (about 0.1-0.3 s, on first use).
-///
-/// The kernel reduces element i of n inputs in rank order (((x0 op x1) op x2) ...), as the thread
-/// backend does, so results are bitwise those of the thread communicator: integer sums and products
-/// wrap (computed unsigned), integer mean is the wrapped sum divided by n toward zero, bfloat16 is
-/// combined in float and rounded once (nearest even, NaNs stay NaN), and float min/max follow
-/// meshlib's semantics on every backend: a NaN anywhere gives NaN, and -0 < +0 (`reduce_min`,
-/// `reduce_max`, which the host compiles too, so that nccl_host_tests checks them without a GPU).
-/// It writes the result to every output pointer, so that one launch per participant both reduces
-/// its block and distributes it.
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cuda_runtime_api.h>
-#include <nvrtc.h>
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib::detail {
-
-/// Most participants one launch reduces (the pointer tables go by value in the kernel arguments).
-inline constexpr int max_local_devices = 32;
-
-/// Pointer tables passed by value: inputs and outputs of one launch.
-struct reduce_pointers {
-  const void* in[max_local_devices];
-  void* out[max_local_devices];
-};
-
-// min and max of the kernel, written once for the kernel and the host. `a` is the running result
-// of the lower ranks. NaN: `b < a ? b : a` would keep `a` whenever `b` is NaN, losing it (and
-// the result would depend on which rank held the NaN). Equal zeros: +0 and -0 compare equal, so
-// the sign is chosen by IEEE addition, which needs no signbit() (NVRTC has no <cmath>):
-// +0 + -0 = +0 (max), and -(-a - b) is -0 when either is -0 (min). Integers never take those
-// branches with different values (x != x is false, and equal integers are the same value).
-#define MESHLIB_DETAIL_REDUCE_MINMAX(QUALIFIER)                  \
-  template <class V>                                             \
-  QUALIFIER V reduce_max(V a, V b) {                             \
-    if (a != a) return a;                                        \
-    if (b != b) return b;                                        \
-    if (a == b) return a == V(0) ? a + b : a;                    \
-    return a < b ? b : a;                                        \
-  }                                                              \
-  template <class V>                                             \
-  QUALIFIER V reduce_min(V a, V b) {                             \
-    if (a != a) return a;                                        \
-    if (b != b) return b;                                        \
-    if (a == b) return a == V(0) ? -(-a - b) : a;                \
-    return b < a ? b : a;                                        \
-  }
-#define MESHLIB_DETAIL_REDUCE_STR(...) #__VA_ARGS__
-#define MESHLIB_DETAIL_REDUCE_XSTR(...) MESHLIB_DETAIL_REDUCE_STR(__VA_ARGS__)
-
-/// @brief The kernel's min and max of two elements, compiled for the host (the kernel gets the same
-/// text, see `reduce_minmax_source`): NaN anywhere gives NaN, -0 < +0, else the usual order.
-MESHLIB_DETAIL_REDUCE_MINMAX(constexpr)
-
-/// The kernel's `reduce_min` and `reduce_max`, as text for NVRTC (`meshlib_device_function` is
-/// defined by the kernel source; a placeholder, not `__device__`, because nvcc defines that as a
-/// macro and would expand it here).
-inline constexpr std::string_view reduce_minmax_source =
-    MESHLIB_DETAIL_REDUCE_XSTR(MESHLIB_DETAIL_REDUCE_MINMAX(meshlib_device_function));
-
-#undef MESHLIB_DETAIL_REDUCE_XSTR
-#undef MESHLIB_DETAIL_REDUCE_STR
-#undef MESHLIB_DETAIL_REDUCE_MINMAX
-
-/// The kernels' source after `reduce_minmax_source`: one `extern "C"` kernel per element type, named
-/// `meshlib_reduce_<type>`.
-inline constexpr std::string_view reduce_kernel_source = R"(
-struct reduce_pointers { const void* in[32]; void* out[32]; };
-__device__ inline float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ inline unsigned short float_to_bf16(float f) {
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
-  unsigned rounding = 0x7fffu + ((u >> 16) & 1u);
-  return (unsigned short)((u + rounding) >> 16);
-}
-// op: 0 sum, 1 prod, 2 min, 3 max, 4 mean (meshlib::reduce_op's order)
-#define MESHLIB_REDUCE_KERNEL(NAME, T, ACC, UACC, LOAD, STORE, DIVIDE)                                   \
-extern "C" __global__ void NAME(reduce_pointers p, int n_in, int n_out, unsigned long long count, int op) { \
-  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;                        \
-  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) { \
-    ACC a = LOAD(((const T*)p.in[0])[i]);                                                               \
-    for (int k = 1; k < n_in; ++k) {                                                                    \
-      const ACC b = LOAD(((const T*)p.in[k])[i]);                                                       \
-      switch (op) {                                                                                     \
-        case 0: case 4: a = (ACC)((UACC)a + (UACC)b); break;                                            \
-        case 1: a = (ACC)((UACC)a * (UACC)b); break;                                                    \
-        case 2: a = reduce_min(a, b); break;                                                            \
-        default: a = reduce_max(a, b); break;                                                           \
-      }                                                                                                 \
-    }                                                                                                   \
-    if (op == 4) a = DIVIDE(a, n_in);                                                                   \
-    const T r = STORE(a);                                                                               \
-    for (int k = 0; k < n_out; ++k) ((T*)p.out[k])[i] = r;                                              \
-  }                                                                                                     \
-}
-#define MESHLIB_SAME(x) (x)
-#define MESHLIB_DIV(a, n) ((a) / (n))
-MESHLIB_REDUCE_KERNEL(meshlib_reduce_float32, float, float, float, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
-MESHLIB_REDUCE_KERNEL(meshlib_reduce_float64, double, double, double, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
-MESHLIB_REDUCE_KERNEL(meshlib_reduce_int32, int, int, unsigned int, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
-MESHLIB_REDUCE_KERNEL(meshlib_reduce_int64, long long, long long, unsigned long long, MESHLIB_SAME, MESHLIB_SAME, MESHLIB_DIV)
-MESHLIB_REDUCE_KERNEL(meshlib_reduce_bfloat16, unsigned short, float, float, bf16_to_float, float_to_bf16, MESHLIB_DIV)
-)";
-
-/// The kernel name for element type `t`.
-[[nodiscard]] inline std::string reduce_kernel_name(datatype t) { return "meshlib_reduce_" + std::string(to_string(t)); }
-
-/// Compiles the kernels for `arch` (e.g. "compute_90") to PTX.
-/// @throws comm_error with NVRTC's log when compilation fails.
-[[nodiscard]] inline std::string compile_reduce_kernels(const std::string& arch) {
-  nvrtcProgram prog = nullptr;
-  auto check = [&](nvrtcResult rc, const char* call) {
-    if (rc == NVRTC_SUCCESS) return;
-    std::string log;
-    std::size_t size = 0;
-    if (prog != nullptr && nvrtcGetProgramLogSize(prog, &size) == NVRTC_SUCCESS && size > 1) {
-      log.resize(size);
-      (void)nvrtcGetProgramLog(prog, log.data());
-    }
-    if (prog != nullptr) (void)nvrtcDestroyProgram(&prog);
-    throw comm_error("meshlib: compiling the device reduction kernel: " + std::string(call) + " failed: " +
-                     nvrtcGetErrorString(rc) + (log.empty() ? "" : "\n" + log));
-  };
-  const std::string source = "#define meshlib_device_function __device__ inline\n" + std::string(reduce_minmax_source) +
-                             "\n" + std::string(reduce_kernel_source);
-  check(nvrtcCreateProgram(&prog, source.c_str(), "meshlib_reduce.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
-  const std::string arch_opt = "--gpu-architecture=" + arch;
-  const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
-  check(nvrtcCompileProgram(prog, 2, opts), "nvrtcCompileProgram");
-  std::size_t size = 0;
-  check(nvrtcGetPTXSize(prog, &size), "nvrtcGetPTXSize");
-  std::string ptx(size, '\0');
-  check(nvrtcGetPTX(prog, ptx.data()), "nvrtcGetPTX");
-  (void)nvrtcDestroyProgram(&prog);
-  return ptx;
-}
-
-/// The loaded kernels of the current device's architecture, compiled once per process and
-/// architecture.
-class reduce_kernels {
- public:
-  /// The kernel for `t` on the current device.
-  static cudaKernel_t get(datatype t, std::string_view what) {
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
-    int major = 0;
-    int minor = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), what, "cudaDeviceGetAttribute");
-    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), what, "cudaDeviceGetAttribute");
-    const std::string arch = "compute_" + std::to_string(major * 10 + minor);
-    static std::mutex mutex;
-    static std::map<std::string, cudaLibrary_t> libraries;  // never unloaded: lives as long as the process
-    std::lock_guard lock(mutex);
-    auto it = libraries.find(arch);
-    if (it == libraries.end()) {
-      const std::string ptx = compile_reduce_kernels(arch);
-      cudaLibrary_t lib = nullptr;
-      check_cuda(cudaLibraryLoadData(&lib, ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0), what,
-                 "cudaLibraryLoadData");
-      it = libraries.emplace(arch, lib).first;
-    }
-    cudaKernel_t k = nullptr;
-    check_cuda(cudaLibraryGetKernel(&k, it->second, reduce_kernel_name(t).c_str()), what, "cudaLibraryGetKernel");
-    return k;
-  }
-};
-
-/// Enqueues on `stream`: out[j][i] = op over in[0..n_in)[i], for i < count and every output j.
-inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void*>& in, const std::vector<void*>& out,
-                          std::size_t count, cudaStream_t stream, std::string_view what) {
-  if (count == 0) return;
-  reduce_pointers p{};
-  for (std::size_t i = 0; i < in.size(); ++i) p.in[i] = in[i];
-  for (std::size_t i = 0; i < out.size(); ++i) p.out[i] = out[i];
-  int n_in = static_cast<int>(in.size());
-  int n_out = static_cast<int>(out.size());
-  unsigned long long n = count;
-  int o = static_cast<int>(op);
-  void* args[] = {&p, &n_in, &n_out, &n, &o};
-  const unsigned threads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4096));
-  const cudaKernel_t k = reduce_kernels::get(t, what);
-  check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(k), dim3(blocks), dim3(threads), args, 0, stream), what,
-             "cudaLaunchKernel");
-}
-
-}  // namespace meshlib::detail
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/detail/reduce_kernel.hpp
-
-namespace meshlib {
-
-namespace detail {
-
-/// One participant's stream, events and host handle: the `Channel` of its requests.
-struct shared_gpu_state : stream_state {
-  thread_communicator host;
-  cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
-  cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
-
-  shared_gpu_state() = default;
-  ~shared_gpu_state() {
-    cuda_device_scope_noexcept g(device);
-    if (ready != nullptr) (void)cudaEventDestroy(ready);
-    if (done != nullptr) (void)cudaEventDestroy(done);
-  }
-
-  [[nodiscard]] std::string describe(std::string_view op) const {
-    return std::string(op) + " on shared-GPU device " + std::to_string(host.rank()) + " of " +
-           std::to_string(host.size()) + " (GPU " + std::to_string(device) + ")";
-  }
-  stream_poll poll(cudaEvent_t event) {
-    if (failed.load()) return stream_poll::failed("the communicator has failed: " + failure);
-    const cudaError_t q = cudaEventQuery(event);
-    if (q == cudaSuccess) return stream_poll::complete();
-    if (q == cudaErrorNotReady) return stream_poll::pending();
-    (void)cudaGetLastError();
-    return stream_poll::failed("cudaEventQuery failed: " + cuda_error_text(q), false);
-  }
-  void abort(const std::string& reason, bool by_timeout = false) {
-    {
-      std::lock_guard lock(mutex);
-      if (!record_failure(reason, by_timeout)) return;
-    }
-    if (host.valid()) (void)host.abort(failure);  // peers waiting on the host rendezvous stop too
-  }
-};
-
-/// The descriptor every participant publishes for a collective (int64 words, so that the host
-/// communicator's all_gather moves it).
-struct shared_gpu_call {
-  std::int64_t op = 0;      ///< detail::op_kind
-  std::int64_t type = -1;   ///< datatype, or -1
-  std::int64_t count = 0;   ///< elements (per rank, as the concept counts them)
-  std::int64_t root = -1;   ///< root, or -1
-  std::int64_t extra = 0;   ///< reduce op, or a hash of the ppermute pairs
-  std::int64_t send = 0;    ///< device pointers
-  std::int64_t recv = 0;
-  std::int64_t ready = 0;   ///< cudaEvent_t
-};
-static_assert(sizeof(shared_gpu_call) == 8 * sizeof(std::int64_t));
-
-/// What a mismatch message shows of a device's call (`describe_call`). The call keeps only a hash
-/// of ppermute pairs (in `extra`), which is not shown.
-inline call_summary summary_of(const shared_gpu_call& call) {
-  call_summary c;
-  c.kind = static_cast<op_kind>(call.op);
-  if (call.type >= 0) c.dtype = static_cast<datatype>(call.type);
-  c.count = static_cast<std::uint64_t>(call.count);
-  if (uses_op(c.kind)) c.op = static_cast<reduce_op>(call.extra);
-  c.root = static_cast<int>(call.root);
-  return c;
-}
-
-}  // namespace detail
-
-/// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
-using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
-
-/// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
-/// handle belongs to one thread).
-class shared_gpu_communicator
-    : public communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref> {
-  friend class communicator_frontend<shared_gpu_communicator, shared_gpu_request, cuda_stream_ref>;
-
- public:
-
-  shared_gpu_communicator() = default;
-
-  /// @brief Device `host.rank()` of `host.size()` on GPU `options.device` (default: current),
-  /// bound to `options.stream` (default: a new non-blocking stream). Not collective.
-  explicit shared_gpu_communicator(thread_communicator host, nccl_comm_options options = {}) {
-    if (!host.valid()) throw comm_argument_error("meshlib: shared_gpu_communicator needs a valid thread_communicator");
-    if (host.size() > detail::max_local_devices)
-      throw comm_argument_error("meshlib: shared_gpu_communicator: " + std::to_string(host.size()) +
-                                " devices on one GPU; at most " + std::to_string(detail::max_local_devices) + " are supported");
-    // The stream and device come from the same code as the NCCL communicator's.
-    auto base = nccl_communicator::make_state(options, host.rank(), host.size(), "shared_gpu_communicator");
-    auto s = std::make_shared<detail::shared_gpu_state>();
-    s->host = std::move(host);
-    s->device = base->device;
-    s->stream = base->stream;
-    s->stream_owner = base->stream_owner;
-    s->options = options;
-    {
-      detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
-      s->ready = s->acquire_event("shared_gpu_communicator");
-      s->done = s->acquire_event("shared_gpu_communicator");
-    }
-    state_ = std::move(s);
-  }
-
-  /// @brief Adopts a participant's state (for creation functions and tests).
-  explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
-
-  /// This participant's rank (0 when moved from).
-  [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
-  /// The number of participants (0 when moved from).
-  [[nodiscard]] int size() const noexcept { return state_ ? state_->host.size() : 0; }
-  /// The CUDA device this participant uses (-1 when moved from).
-  [[nodiscard]] int device() const noexcept { return state_ ? state_->device : -1; }
-  /// The CUDA stream the collectives run on (null when moved from).
-  [[nodiscard]] cudaStream_t stream() const noexcept { return state_ ? state_->stream : nullptr; }
-  /// False after a move (the communicator owns nothing).
-  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
-  /// True once a participant failed; the others then stop waiting.
-  [[nodiscard]] bool failed() const noexcept { return state_ && state_->failed.load(); }
-  /// Aborts the group: every participant's pending and later calls fail naming `reason`.
-  void abort(std::string_view reason) {
-    require_valid("abort");
-    state_->abort("meshlib: " + state_->describe("abort") + ": " + std::string(reason));
-  }
-
-  // The operations and their argument checks come from communicator_frontend; `transport` (below)
-  // is the shared-GPU part.
-
-  /// @brief Devices with the same `color` form a new group (`thread_communicator::split`), on the
-  /// same GPU and stream.
-  shared_gpu_communicator split(int color, int key) {
-    check_split(color);
-    nccl_comm_options o = state_->options;
-    o.device = state_->device;
-    o.stream = state_->stream;
-    shared_gpu_communicator out(state_->host.split(color, key), o);
-    out.state_->stream_owner = state_->stream_owner;  // keeps the parent's stream alive
-    return out;
-  }
-
- private:
-  [[nodiscard]] std::string describe(std::string_view k) const { return state_->describe(k); }
-  void require_valid(std::string_view k) const {
-    if (!state_)
-      throw comm_error("meshlib: " + std::string(k) +
-                       " called on an empty shared_gpu_communicator handle (default-constructed or moved from)");
-  }
-  void check_usable(std::string_view k) const {
-    require_valid(k);
-    state_->refuse_if_failed(describe(k));
-  }
-  // ---- the front end's hooks
-  [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
-  /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
-  void device_buffer(const char* name, const T* p, std::size_t elems) const {
-    if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
-  }
-
-  /// The shared-GPU transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
-    constexpr int code = static_cast<int>(K);
-    const std::size_t n = static_cast<std::size_t>(size());
-    const std::size_t c = o.count;
-    const std::size_t me = static_cast<std::size_t>(rank());
-    if constexpr (K == op_kind::all_reduce || K == op_kind::reduce) {
-      device_buffer<K>("send", o.send, c);
-      if (o.recv != nullptr) device_buffer<K>("receive", o.recv, c);
-      return reduction<T>(k, K == op_kind::all_reduce ? 0 : 1, code, o.send, o.recv, c, o.op,
-                          K == op_kind::reduce ? o.root : -1, ctx);
-    } else if constexpr (K == op_kind::reduce_scatter) {
-      device_buffer<K>("send", o.send, c * n);
-      device_buffer<K>("receive", o.recv, c);
-      // In place, the front end passes send = the buffer and recv = its block rank(): every
-      // device reads block r of each send, so the sends' bases are what the peers need.
-      return reduction<T>(k, 4, code, o.send, o.recv, c, o.op, -1, ctx);
-    } else if constexpr (K == op_kind::broadcast) {
-      if (o.send != nullptr) device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c);
-      return movement<T>(k, code, o.send, o.recv, c, o.root, 0, ctx, [&](const auto& all, cudaStream_t s) {
-        copy(k, o.recv, reinterpret_cast<const T*>(all[static_cast<std::size_t>(o.root)].send), c, s);
-      });
-    } else if constexpr (K == op_kind::all_gather) {
-      device_buffer<K>("send", o.send, c);
-      device_buffer<K>("receive", o.recv, c * n);
-      return movement<T>(k, code, o.send, o.recv, c, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-        for (const auto& peer : all)  // push my block into every recv (in place: my own is there already)
-          copy(k, reinterpret_cast<T*>(peer.recv) + me * c, o.send, c, s);
-      });
-    } else if constexpr (K == op_kind::all_to_all || K == op_kind::ppermute) {
-      const std::size_t len = K == op_kind::all_to_all ? c * n : c;
-      device_buffer<K>("send", o.send, len);
-      device_buffer<K>("receive", o.recv, len);
-      const cudaStream_t s0 = ctx.or_else(state_->stream);
-      // In place, peers overwrite this buffer while this device sends from it: send from a copy.
-      T* copy_of = o.in_place ? scratch_copy(k, std::span<T>(o.recv, len), s0) : nullptr;
-      const T* from = o.in_place ? copy_of : o.send;
-      const std::int64_t extra = K == op_kind::ppermute ? hash_pairs(o.pairs) : 0;
-      auto r = movement<T>(k, code, from, o.recv, c, -1, extra, ctx, [&](const auto& all, cudaStream_t s) {
-        if constexpr (K == op_kind::all_to_all) push_blocks(k, from, all, c, s);
-        else pull_permuted(k, o.recv, c, all, o.pairs, s);
-      });
-      if (copy_of != nullptr) free_after(k, copy_of, s0);
-      return r;
-    } else if constexpr (K == op_kind::all_to_all_v) {
-      // Every participant's receive counts and displacements (so that each sender pushes to the
-      // right place) and send counts. With every participant's counts, every device checks every
-      // (sender, receiver) pair in the same order before anything moves and names the same first
-      // disagreement: the devices whose own counts agree fail too (as on the host backends).
-      std::vector<std::int64_t> mine(3 * n);
-      std::copy(o.v[2], o.v[2] + n, mine.begin());
-      std::copy(o.v[3], o.v[3] + n, mine.begin() + static_cast<std::ptrdiff_t>(n));
-      std::copy(o.v[0], o.v[0] + n, mine.begin() + static_cast<std::ptrdiff_t>(2 * n));
-      std::vector<std::int64_t> theirs(3 * n * n);
-      return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-        (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
-        if (const auto bad = detail::first_counts_disagreement(
-                n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
-                [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
-          throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
-                                    std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
-                                    "): the counts disagree: " +
-                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
-                                                                         "device " + std::to_string(bad->receiver),
-                                                                         bad->sent, bad->expected));
-        for (std::size_t j = 0; j < n; ++j) {
-          const std::int64_t want = theirs[j * 3 * n + me];
-          const std::int64_t at = theirs[j * 3 * n + n + me];
-          copy(k, reinterpret_cast<T*>(all[j].recv) + at, o.send + o.v[1][j], static_cast<std::size_t>(want), s);
-        }
-      });
-    } else if constexpr (K == op_kind::send) {
-      device_buffer<K>("send", o.send, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
-      const cudaStream_t s = ctx.or_else(state_->stream);
-      cudaEvent_t ready = nullptr;
-      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-      cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
-      const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(o.send), static_cast<std::int64_t>(c),
-                                   static_cast<std::int64_t>(datatype_of<T>), reinterpret_cast<std::int64_t>(ready)};
-      (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag);
-      std::int64_t done = 0;
-      (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag);
-      auto* done_event = reinterpret_cast<cudaEvent_t>(done);
-      cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
-      (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
-      (void)cudaEventDestroy(ready);
-      return complete_on(k, s);
-    } else if constexpr (K == op_kind::recv) {
-      device_buffer<K>("receive", o.recv, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
-      const cudaStream_t s = ctx.or_else(state_->stream);
-      std::int64_t msg[4] = {};
-      (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag);
-      auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
-      cudaEvent_t done = nullptr;
-      cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-      const bool same = msg[1] == static_cast<std::int64_t>(c) && msg[2] == static_cast<std::int64_t>(datatype_of<T>);
-      if (same) {
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready, 0));
-        copy(k, o.recv, reinterpret_cast<const T*>(msg[0]), c, s);
-      }
-      cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
-      const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
-      (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);  // the sender destroys both events
-      if (!same)
-        throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(c) + " elements of " +
-                                  std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(o.peer) +
-                                  " (tag " + std::to_string(o.tag) + ") but the message holds " + std::to_string(msg[1]) +
-                                  " elements of " + std::string(to_string(static_cast<datatype>(msg[2]))));
-      return complete_on(k, s);
-    } else {
-      static_assert(K == op_kind::barrier);
-      return movement<float>(k, code, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
-    }
-  }
-  void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
-    if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
-  }
-  template <class T>
-  void copy(std::string_view k, T* to, const T* from, std::size_t n, cudaStream_t s) const {
-    if (n == 0 || to == from) return;
-    cuda(k, "cudaMemcpyAsync", cudaMemcpyAsync(to, from, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
-  }
-  template <class T>
-  T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
-    if (buf.empty()) return buf.data();
-    detail::cuda_device_scope g(state_->device, describe(k));
-    void* p = nullptr;
-    cuda(k, "cudaMallocAsync", cudaMallocAsync(&p, buf.size_bytes(), s));
-    copy(k, static_cast<T*>(p), buf.data(), buf.size(), s);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  void free_after(std::string_view k, T* p, cudaStream_t s) const {
-    // Freed on the stream after the peers' "done" events it waited on: no peer reads it any more.
-    if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
-  }
-  static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
-    for (const auto& p : pairs)
-      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
-    return static_cast<std::int64_t>(h);
-  }
-  template <class T, class All>
-  void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {
-    for (int j = 0; j < size(); ++j)
-      copy(k, reinterpret_cast<T*>(all[static_cast<std::size_t>(j)].recv) + static_cast<std::size_t>(rank()) * c,
-           from + static_cast<std::size_t>(j) * c, c, s);
-  }
-  template <class T, class All>
-  void pull_permuted(std::string_view k, T* to, std::size_t n, const All& all, std::span<const permute_pair> pairs,
-                     cudaStream_t s) const {
-    for (const auto& p : pairs)
-      if (p.dest == rank()) {
-        copy(k, to, reinterpret_cast<const T*>(all[static_cast<std::size_t>(p.source)].send), n, s);
-        return;
-      }
-    if (n != 0) cuda(k, "cudaMemsetAsync", cudaMemsetAsync(to, 0, n * sizeof(T), s));  // no source: zeros
-  }
-
-  /// Publishes this participant's call, checks that every participant made the same one, and
-  /// orders this stream after every peer's "ready" event.
-  std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready, s));
-    mine.ready = reinterpret_cast<std::int64_t>(state_->ready);
-    const auto n = static_cast<std::size_t>(size());
-    std::vector<detail::shared_gpu_call> all(n);
-    (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
-                                  std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
-    bool agree = true;
-    for (const auto& c : all)
-      agree = agree && c.op == all[0].op && c.type == all[0].type && c.count == all[0].count && c.root == all[0].root &&
-              c.extra == all[0].extra;
-    if (!agree) {
-      std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
-                      " (seen by device " + std::to_string(rank()) + "):";
-      for (std::size_t q = 0; q < n; ++q)
-        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
-             (q + 1 < n ? ";" : "");
-      throw collective_mismatch(m);
-    }
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q].ready), 0));
-    return all;
-  }
-  /// Records "done", waits for every peer's, and returns the request of this participant.
-  request_type depart(std::string_view k, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done, s));
-    const auto n = static_cast<std::size_t>(size());
-    const auto mine = reinterpret_cast<std::int64_t>(state_->done);
-    std::vector<std::int64_t> all(n);
-    (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q]), 0));
-    return complete_on(k, s);
-  }
-  request_type complete_on(std::string_view k, cudaStream_t s) {
-    cudaEvent_t ev = state_->acquire_event(describe(k));
-    cuda(k, "cudaEventRecord", cudaEventRecord(ev, s));
-    return request_type(state_, ev, std::string(k), state_->options.timeout);
-  }
-
-  template <class T, class Body>
-  request_type movement(std::string_view k, int op, const T* send, T* recv, std::size_t count, int root,
-                        std::int64_t extra, context_type ctx, Body&& body) {
-    detail::cuda_device_scope g(state_->device, describe(k));
-    const cudaStream_t s = ctx.or_else(state_->stream);
-    detail::shared_gpu_call mine;
-    mine.op = op;
-    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
-    mine.count = static_cast<std::int64_t>(count);
-    mine.root = root;
-    mine.extra = extra;
-    mine.send = reinterpret_cast<std::int64_t>(send);
-    mine.recv = reinterpret_cast<std::int64_t>(recv);
-    const auto all = arrive(k, mine, s);
-    body(all, s);
-    return depart(k, s);
-  }
-
-  /// all_reduce (shape 0), reduce (1) and reduce_scatter (4): participant r reduces block r.
-  template <class T>
-  request_type reduction(std::string_view k, int shape, int code, const T* send, T* recv, std::size_t count, reduce_op op,
-                         int root, context_type ctx) {
-    return movement<T>(k, code, send, recv, count, root, static_cast<std::int64_t>(op), ctx,
-                       [&](const auto& all, cudaStream_t s) {
-      const auto n = static_cast<std::size_t>(size());
-      const auto r = static_cast<std::size_t>(rank());
-      std::vector<const void*> in;
-      std::vector<void*> out;
-      std::size_t begin = 0;
-      std::size_t len = 0;
-      if (shape == 4) {  // reduce_scatter: my whole result block, from block r of every send
-        len = count;
-        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + r * count);
-        out.push_back(recv);
-      } else {  // my slice of the payload, from every send, to every (all_reduce) or root's (reduce) recv
-        begin = count * r / n;
-        len = count * (r + 1) / n - begin;
-        for (const auto& c : all) in.push_back(reinterpret_cast<const T*>(c.send) + begin);
-        if (shape == 0)
-          for (const auto& c : all) out.push_back(reinterpret_cast<T*>(c.recv) + begin);
-        else
-          out.push_back(reinterpret_cast<T*>(all[static_cast<std::size_t>(root)].recv) + begin);
-      }
-      detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
-    });
-  }
-
-  std::shared_ptr<detail::shared_gpu_state> state_;
-};
-
-static_assert(communicator<shared_gpu_communicator>);
-
-/// @brief Runs `fn(shared_gpu_communicator&)` for `n` mesh devices sharing one GPU
-/// (`options.device`, default the current one), one thread and one new stream each, as
-/// `run_on_threads` (whose fault handling it has: `participant_error` names the first failure).
-template <class F>
-  requires std::is_invocable_v<F&, shared_gpu_communicator&>
-void run_on_shared_gpu(int n, F&& fn, nccl_comm_options options = {}, thread_comm_options host_options = {}) {
-  if (n > detail::max_local_devices)
-    throw comm_argument_error("meshlib: run_on_shared_gpu: " + std::to_string(n) + " devices on one GPU; at most " +
-                              std::to_string(detail::max_local_devices) + " are supported");
-  if (options.device < 0) detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
-  run_on_threads(
-      n,
-      [&](thread_communicator& host) {
-        shared_gpu_communicator c(std::move(host), options);
-        fn(c);
-      },
-      std::move(host_options));
-}
-
-}  // namespace meshlib
-
-#endif  // MESHLIB_ENABLE_NCCL
-// end meshlib/comm/nccl/shared_gpu_communicator.hpp
-// begin meshlib/comm/nccl/mpi_bootstrap.hpp
-/// @file
-/// @brief One process per GPU, launched by MPI: `nccl_communicator_from_mpi(comm)` makes the NCCL
-/// communicator of the processes of an `MPI_Comm` (rank 0 makes the unique id, `MPI_Bcast` gives
-/// it to all; NCCL rank = MPI rank). Each process takes the GPU of its node-local rank unless
-/// `options.device` says otherwise. Needs both `meshlib::mpi` and `meshlib::nccl`.
-///
-/// @code
-/// MPI_Init(&argc, &argv);
-/// { auto comm = meshlib::nccl_communicator_from_mpi(MPI_COMM_WORLD); ... }
-/// MPI_Finalize();
-/// @endcode
-
-#if MESHLIB_ENABLE_NCCL && MESHLIB_ENABLE_MPI
-
-#include <mpi.h>
-
-
-namespace meshlib {
-
-/// @brief The NCCL communicator over the processes of `comm` (collective over `comm`).
-/// @throws comm_error when MPI is not initialised or an MPI call fails; as `nccl_communicator`.
-[[nodiscard]] inline nccl_communicator nccl_communicator_from_mpi(MPI_Comm comm, nccl_comm_options options = {}) {
-  int init = 0;
-  MPI_Initialized(&init);
-  if (!init) throw comm_error("meshlib: nccl_communicator_from_mpi needs MPI to be initialised first (MPI_Init)");
-  int rank = 0;
-  int size = 0;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  if (options.device < 0) {
-    MPI_Comm node = MPI_COMM_NULL;
-    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
-      throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Comm_split_type failed");
-    int local = 0;
-    MPI_Comm_rank(node, &local);
-    MPI_Comm_free(&node);
-    int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
-    options.device = local % count;  // count >= 1 here: cudaGetDeviceCount fails without a device
-  }
-  ncclUniqueId id{};
-  if (rank == 0) id = nccl_communicator::new_unique_id();
-  if (MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm) != MPI_SUCCESS)
-    throw comm_error("meshlib: nccl_communicator_from_mpi: MPI_Bcast of the NCCL unique id failed");
-  return nccl_communicator(id, size, rank, options);
-}
-
-}  // namespace meshlib
-
-#endif
-// end meshlib/comm/nccl/mpi_bootstrap.hpp
-// begin meshlib/runtime/nccl_runtime.hpp
-/// @file
-/// @brief One process per GPU without MPI: `nccl::connect_from_environment()` reads the process
-/// index and count from the launcher's environment (`detect_launch`: meshlib's variables, OpenMPI,
-/// MPICH/PMI, torchrun's `RANK`/`WORLD_SIZE`, Slurm), picks the GPU of the local rank, and lets
-/// NCCL's own bootstrap connect the processes: every process derives the same unique id from
-/// `NCCL_COMM_ID=host:port` (process 0 listens there). Where `NCCL_COMM_ID` is unset, it is taken
-/// from torchrun-style `MASTER_ADDR` and `MASTER_PORT` as `MASTER_ADDR:(MASTER_PORT + 1)` (the
-/// launcher's own store holds `MASTER_PORT`). No meshlib network layer is involved.
-///
-/// @code
-/// // torchrun --nproc-per-node 8 ./train   (or srun, or mpirun without linking MPI)
-/// meshlib::nccl_communicator world = meshlib::nccl::connect_from_environment();
-/// @endcode
-
-#if MESHLIB_ENABLE_NCCL
-
-#include <cstdlib>
-#include <string>
-
-
-namespace meshlib::nccl {
-
-using distributed::env_source;
-using distributed::launch_info;
-
-/// @brief The `host:port` NCCL's bootstrap uses, from `NCCL_COMM_ID`, else from `MASTER_ADDR` and
-/// `MASTER_PORT`; empty for a single process with neither.
-/// @throws distributed_error when several processes have neither, or `MASTER_PORT` is not a port.
-[[nodiscard]] inline std::string bootstrap_address(const env_source& env, const launch_info& info) {
-  if (auto id = env("NCCL_COMM_ID"); id && !id->empty()) return *id;
-  const auto addr = env("MASTER_ADDR");
-  const auto port = env("MASTER_PORT");
-  if (addr && port && !addr->empty()) {
-    const std::size_t p = distributed::detail::parse_count("MASTER_PORT", *port);
-    if (p == 0 || p >= 65535)
-      throw distributed_error("meshlib: MASTER_PORT='" + *port + "' is not a port in [1, 65534]");
-    return *addr + ":" + std::to_string(p + 1);
-  }
-  if (info.process_count > 1)
-    throw distributed_error("meshlib: nccl::connect_from_environment: " + std::to_string(info.process_count) +
-                            " processes need a rendezvous address for NCCL; set NCCL_COMM_ID=host:port (process 0's "
-                            "host, a free port) or MASTER_ADDR and MASTER_PORT, or create the communicator through MPI "
-                            "(nccl_communicator_from_mpi)");
-  return {};
-}
-
-/// @brief This process's NCCL communicator over every process of the run (see the file comment).
-/// The GPU is `options.device` if set, else the local rank modulo the GPUs visible.
-/// @throws distributed_error for a malformed or contradictory environment; as `nccl_communicator`.
-[[nodiscard]] inline nccl_communicator connect_from_environment(nccl_comm_options options = {},
-                                                                const env_source& env = distributed::process_env()) {
-  const launch_info info = distributed::detect_launch(env);
-  const std::string address = bootstrap_address(env, info);
-  if (options.device < 0) {
-    int count = 0;
-    meshlib::detail::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
-    options.device = static_cast<int>(info.local_rank.value_or(info.process_index % static_cast<std::size_t>(count)) %
-                                      static_cast<std::size_t>(count));
-  }
-  // NCCL reads NCCL_COMM_ID in ncclGetUniqueId and, on rank 0, in ncclCommInitRank.
-  if (!address.empty()) ::setenv("NCCL_COMM_ID", address.c_str(), 1);  // NOLINT(concurrency-mt-unsafe): start-up
-  const ncclUniqueId id = nccl_communicator::new_unique_id();
-  return nccl_communicator(id, static_cast<int>(info.process_count), static_cast<int>(info.process_index), options);
-}
-
-}  // namespace meshlib::nccl
-
-#endif
-// end meshlib/runtime/nccl_runtime.hpp
 
 #endif
 // end meshlib/nccl.hpp

@@ -668,24 +668,26 @@ using psum_t = decltype(meshlib::psum<Names...>(std::declval<const L&>()));
 template <class L, fixed_string... Names>
 using pvary_t = decltype(meshlib::pvary<Names...>(std::declval<const L&>()));
 
-/// `psum_t<L, Names...>` when `B`, else `L`, without naming the psum otherwise (its axes may not
-/// exist on this mesh).
-template <bool B, class L, fixed_string... Names>
-struct psum_if {
-  using type = L;
+template <class L, fixed_string... Names>
+struct psum_of {
+  using type = psum_t<L, Names...>;
 };
 template <class L, fixed_string... Names>
-struct psum_if<true, L, Names...> {
-  using type = psum_t<L, Names...>;
+struct pvary_of {
+  using type = pvary_t<L, Names...>;
+};
+
+/// `psum_t<L, Names...>` when `B`, else `L`, without naming the psum otherwise (its axes may not
+/// exist on this mesh). A conditional, not a specialisation on `<true, L, Names...>`: nvcc's front
+/// end matches no partial specialisation over a pack of `fixed_string`s (collectives/axis_group.hpp).
+template <bool B, class L, fixed_string... Names>
+struct psum_if {
+  using type = typename std::conditional_t<B, psum_of<L, Names...>, std::type_identity<L>>::type;
 };
 /// `pvary_t<L, Names...>` when `B`, else `L`.
 template <bool B, class L, fixed_string... Names>
 struct pvary_if {
-  using type = L;
-};
-template <class L, fixed_string... Names>
-struct pvary_if<true, L, Names...> {
-  using type = pvary_t<L, Names...>;
+  using type = typename std::conditional_t<B, pvary_of<L, Names...>, std::type_identity<L>>::type;
 };
 
 /// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).
@@ -1096,20 +1098,14 @@ namespace meshlib::nn {
 enum class dense_kind { replicated, column, row };
 
 namespace detail {
+// Conditionals, not specialisations on <dense_kind::column, Model>: nvcc's front end matches no
+// partial specialisation that deduces a fixed_string (collectives/axis_group.hpp), and would give
+// every kind the unsharded specs.
 template <dense_kind K, fixed_string Model>
 struct dense_specs {
-  using w = P<none, none>;
-  using b = P<none>;
-};
-template <fixed_string Model>
-struct dense_specs<dense_kind::column, Model> {
-  using w = P<none, dim_spec(Model.chars)>;
-  using b = P<dim_spec(Model.chars)>;
-};
-template <fixed_string Model>
-struct dense_specs<dense_kind::row, Model> {
-  using w = P<dim_spec(Model.chars), none>;
-  using b = P<none>;
+  using w = std::conditional_t<K == dense_kind::column, P<none, dim_spec(Model.chars)>,
+                               std::conditional_t<K == dense_kind::row, P<dim_spec(Model.chars), none>, P<none, none>>>;
+  using b = std::conditional_t<K == dense_kind::column, P<dim_spec(Model.chars)>, P<none>>;
 };
 
 /// The local type of `W^T` for a weight block of type `W` (dims swapped; nothing runs).
@@ -1450,10 +1446,21 @@ class elementwise_activation {
 /// mispredicts on half of them, 15 times slower than the mask below on normal random data (and
 /// 15% of a small ResNet's training step). The values are the same: `x` when `x > 0`, else +0
 /// (NaN and -0 included).
-struct relu_fn {
+/// `exp(x)` on the host and in device kernels: `Kokkos::exp` (Kokkos 4), `std::exp` on Kokkos 3,
+/// whose builds meshlib runs on the host only.
+template <class T>
+KOKKOS_INLINE_FUNCTION T exp_of(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+struct relu_fn {  // (KOKKOS_INLINE_FUNCTION: device kernels call these, nn/detail/layer_kernels.hpp)
   static constexpr fixed_string name = "relu";
   template <class T>
-  static T f(T x) {
+  KOKKOS_INLINE_FUNCTION static T f(T x) {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
       using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
       const bits keep = bits{0} - static_cast<bits>(x > T{0});  // all ones or all zeros
@@ -1463,11 +1470,11 @@ struct relu_fn {
     }
   }
   template <class T>
-  static T df(T x) { return x > T{0} ? T{1} : T{0}; }
+  KOKKOS_INLINE_FUNCTION static T df(T x) { return x > T{0} ? T{1} : T{0}; }
   /// The cotangent `dy` where `x > 0`, else 0 (PyTorch's `threshold_backward`): a select, which
   /// compiles to a compare and a mask, where `dy * df(x)` kept a branch.
   template <class T>
-  static T vjp(T dy, T x) { return x > T{0} ? dy : T{0}; }
+  KOKKOS_INLINE_FUNCTION static T vjp(T dy, T x) { return x > T{0} ? dy : T{0}; }
 };
 
 struct gelu_fn {
@@ -1477,14 +1484,14 @@ struct gelu_fn {
   // computes through expm1 at several times exp's cost (a third of a GPT step's time was tanhf
   // and expm1f). Stable at both ends: exp(-2u) overflows to inf (s = 0) or underflows to 0 (s = 1).
   template <class T>
-  static T f(T x) {
+  KOKKOS_INLINE_FUNCTION static T f(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    return x / (T{1} + std::exp(T(-2) * u));
+    return x / (T{1} + exp_of(T(-2) * u));
   }
   template <class T>
-  static T df(T x) {
+  KOKKOS_INLINE_FUNCTION static T df(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    const T s = T{1} / (T{1} + std::exp(T(-2) * u));  // 0.5 (1 + tanh(u))
+    const T s = T{1} / (T{1} + exp_of(T(-2) * u));  // 0.5 (1 + tanh(u))
     const T du = static_cast<T>(c) * (T{1} + T(3 * 0.044715) * x * x);
     // d/dx [x s(2u)] = s + x * 2 s (1 - s) du, since 1 - tanh^2 = 4 s (1 - s).
     return s + T(2) * x * s * (T{1} - s) * du;
@@ -5202,10 +5209,10 @@ template <axis_mask Mask, std::size_t I, class Acc, class... Axes>
 struct select_axes {
   using type = Acc;
 };
-template <axis_mask Mask, std::size_t I, fixed_string... Names, class A, class... Rest>
-struct select_axes<Mask, I, axis_group<Names...>, A, Rest...>
-    : select_axes<Mask, I + 1,
-                  std::conditional_t<((Mask >> I) & 1) != 0, axis_group<Names..., A::name>, axis_group<Names...>>,
+// Over the group's `append`, not a specialisation on axis_group<Names...>, which nvcc does not match.
+template <axis_mask Mask, std::size_t I, class Acc, class A, class... Rest>
+struct select_axes<Mask, I, Acc, A, Rest...>
+    : select_axes<Mask, I + 1, std::conditional_t<((Mask >> I) & 1) != 0, typename Acc::template append<A::name>, Acc>,
                   Rest...> {};
 
 template <class Mesh, axis_mask Mask>
@@ -5233,43 +5240,49 @@ struct group_of<mesh<Axes...>, Mask> {
 template <class Mesh, axis_mask Mask>
 using group_of_t = typename group_of<Mesh, Mask>::type;
 
-template <fixed_string... Names, class L>
-auto psum_names(axis_group<Names...>, L&& x) {
-  return meshlib::psum<Names...>(std::forward<L>(x));
-}
-template <fixed_string... Names, class L>
-auto psum_start_names(axis_group<Names...>, L&& x) {
-  return meshlib::psum_start<Names...>(std::forward<L>(x));
-}
-template <fixed_string... Names, class L>
-auto pmax_names(axis_group<Names...>, L&& x) {
-  return meshlib::pmax<Names...>(std::forward<L>(x));
-}
-
+/// The reductions over the axes `Names...` (and the group's communicator made ahead), reached through `axis_group::apply` (nvcc deduces no
+/// `axis_group<Names...>` function argument: collectives/axis_group.hpp).
 template <fixed_string... Names>
-void prepare_group_names(axis_group<Names...>) {
-  meshlib::prepare_group<Names...>();
-}
+struct reductions_over_names {
+  template <class L>
+  static auto sum(L&& x) {
+    return meshlib::psum<Names...>(std::forward<L>(x));
+  }
+  template <class L>
+  static auto sum_start(L&& x) {
+    return meshlib::psum_start<Names...>(std::forward<L>(x));
+  }
+  template <class L>
+  static auto max(L&& x) {
+    return meshlib::pmax<Names...>(std::forward<L>(x));
+  }
+  static void prepare() { meshlib::prepare_group<Names...>(); }
+};
+
+/// The reductions over the axes of `Mask` of the mesh of `L`.
+template <axis_mask Mask, class L>
+using reductions_over_t =
+    typename group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>::template apply<reductions_over_names>;
 
 /// `prepare_group<names of Mask...>()`: makes the group's communicator now.
 template <mesh_type Mesh, axis_mask Mask>
 void prepare_group_over() {
-  prepare_group_names(group_of_t<Mesh, Mask>{});
+  group_of_t<Mesh, Mask>::template apply<reductions_over_names>::prepare();
 }
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
-  return psum_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::sum(std::forward<L>(x));
 }
 /// `psum_start<names of Mask...>(x)` (an rvalue `x` is donated): the asynchronous `psum_over`.
 template <axis_mask Mask, local_tensor_type L>
 auto psum_start_over(L&& x) {
-  return psum_start_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::sum_start(std::forward<L>(x));
 }
 /// `pmax<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto pmax_over(L&& x) {
-  return pmax_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::max(std::forward<L>(x));
 }
 
 }  // namespace meshlib::nn::detail
@@ -6228,8 +6241,11 @@ inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f,
 
 
 /// 1 where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64), and with it
-/// `meshlib::float16`; 0 elsewhere (float16 training is then not offered).
-#if defined(__FLT16_MAX__)
+/// `meshlib::float16`; 0 elsewhere (float16 training is then not offered). 0 under nvcc: it passes
+/// the host compiler's `__FLT16_MAX__` on, but its device code generator stops on `_Float16`
+/// ("Internal Compiler Error (codegen): unsupported float variant!", CUDA 13.0, found compiling the
+/// flagship for sm_90).
+#if defined(__FLT16_MAX__) && !defined(__CUDACC__)
 #define MESHLIB_HAS_FLOAT16 1
 #else
 #define MESHLIB_HAS_FLOAT16 0
@@ -9162,6 +9178,16 @@ struct step_metrics {
   std::size_t peak_activation_bytes = 0;
 };
 
+namespace detail {
+/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
+template <std::size_t N>
+constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
+  return s.view();
+}
+/// The text of a template argument nvcc's front end has turned into a `const char*`.
+constexpr std::string_view text_of(const char* s) noexcept { return s; }
+}  // namespace detail
+
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
 /// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
@@ -9550,11 +9576,14 @@ class train_state {
 
   /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
+    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): read it through an overload for either.
+    const std::string_view fsdp_name = detail::text_of(Fsdp);
     if constexpr (fsdp_axes == 0) {
       throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                           std::string(Fsdp.view()) + "' to shard the parameters over; the mesh is " +
+                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
                            mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
-                           std::string(Fsdp.view()) + "\">, axis<\"model\">>)");
+                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
     } else if constexpr (!requires(Model& net) {
                            net.hooks;
                            net.template params_per_layer<T>();
@@ -9564,9 +9593,9 @@ class train_state {
     } else {
       if (options.zero)
         throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                             "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
+                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
       fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, Fsdp.view(),
+                                                                      local_, options.reshard_after_forward, fsdp_name,
                                                                       options.fsdp_prefetch);
       params = fsdp_->shards();
       model.hooks = fsdp_.get();

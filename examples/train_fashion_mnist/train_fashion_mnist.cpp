@@ -7,6 +7,10 @@
 // optimizer state are stored sharded over it (FSDP / ZeRO-3), and the run prints the bytes per device.
 // Under `mpirun -np P` (built with MPI) the mesh spans P processes x (D*M/P) threads, each process
 // loading only its share of every batch, with the same losses as the single-process run.
+// `--gpu` trains on the GPU mesh (meshlib::gpu_runner: built with Kokkos CUDA and NCCL): every
+// block in GPU memory, one NCCL rank per GPU, or several mesh devices sharing one GPU, or one
+// process per GPU under a launcher; without such a build or a visible GPU it refuses, saying why.
+// `--loss-log FILE` writes every step's loss ("step loss" lines), to compare runs (gpu-check.sh).
 //
 //   train_fashion_mnist [--mesh 4x2] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
 //   train_fashion_mnist --advise [--mesh 4x2] ...: measures every (data, fsdp, model) shape of the
@@ -48,7 +52,8 @@ struct options {
   float lr = 1e-3f;
   std::string optimizer = "adam", precision = "f32", reduce = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir, trace;
-  bool zero = false, resume = false, advise = false;
+  bool zero = false, resume = false, advise = false, gpu = false;
+  std::string loss_log;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
 };
@@ -59,7 +64,7 @@ constexpr const char* usage_line =
     "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
     "                           [--optimizer NAME] [--precision P] [--reduce-in R] [--zero] [--checkpoint-dir DIR]\n"
     "                           [--resume] [--fsdp N] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--advise]\n"
-    "                           [--help]\n";
+    "                           [--gpu] [--loss-log FILE] [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -84,6 +89,9 @@ void usage() {
                "  --seed S              initialisation and shuffling seed; default 0\n"
                "  --steps N             stop after N steps (smoke runs)\n"
                "  --trace FILE          record a trace of every step (Chrome trace JSON, docs/debugging.md); use with --steps\n"
+               "  --gpu                 train on the GPU mesh (gpu_runner: NCCL, or devices sharing a GPU); needs a\n"
+               "                        build with Kokkos CUDA and NCCL, and a visible GPU\n"
+               "  --loss-log FILE       write each step's loss to FILE, one 'step loss' line per step\n"
                "  --advise              time a few steps of every (data, fsdp, model) shape of the D x --fsdp x M\n"
                "                        devices on this model and batch, print the ranked table and exit (no training)\n"
                "Every check of the options (numbers, mesh, batch, hidden width, trace file) runs before the data\n"
@@ -120,6 +128,8 @@ options parse(int argc, char** argv) {
     else if (a == "--steps") o.limit_steps = positive_integer(a, value());
     else if (a == "--trace") o.trace = value();
     else if (a == "--advise") o.advise = true;
+    else if (a == "--gpu") o.gpu = true;
+    else if (a == "--loss-log") o.loss_log = value();
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.precision != "f32" && o.precision != "bf16" && o.precision != "f16")
@@ -131,6 +141,14 @@ options parse(int argc, char** argv) {
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
     throw usage_error("--optimizer is adam, adamw or sgd, not '" + o.optimizer + "'");
   if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
+  if (o.gpu) {
+#if !MESHLIB_HAS_GPU_RUNNER
+    throw usage_error("--gpu: this build has no GPU runner; build meshlib's examples with Kokkos CUDA and NCCL "
+                      "(Kokkos_ENABLE_CUDA, MESHLIB_ENABLE_NCCL), or leave out --gpu to train on CPU thread devices");
+#endif
+    if (o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
+    if (!o.trace.empty()) throw usage_error("--trace with --gpu: the trace layer is not checked on device memory yet; leave out one");
+  }
   return o;
 }
 
@@ -192,6 +210,7 @@ struct placement {
   std::vector<std::size_t> devices;
   std::size_t process = 0, processes = 1;
   Backend backend;
+  std::string kind = "thread devices";  // what a device is, as the header line says
 };
 
 /// `--advise`: every (data, fsdp, model) shape of the D x F x M devices, measured on this model and
@@ -244,8 +263,8 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   std::ostream& out = lead ? std::cout : silent;  // one process prints
 
   out << "train_fashion_mnist: MLP 784-" << o.hidden << "-" << o.hidden << "-10 on " << mesh << " ("
-            << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " thread devices)\n"
-                                    : std::to_string(mesh.size()) + " thread devices)\n")
+            << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " " + where.kind + ")\n"
+                                    : std::to_string(mesh.size()) + " " + where.kind + ")\n")
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
             << "  batch " << o.batch << " (" << o.batch / (o.data * o.fsdp) << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
@@ -283,6 +302,11 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
     out << "  resumed from " << o.checkpoint_dir << " at step " << state.step << "\n";
   }
 
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> loss_log(nullptr, &std::fclose);
+  if (lead && !o.loss_log.empty()) {
+    loss_log.reset(std::fopen(o.loss_log.c_str(), "w"));
+    if (!loss_log) throw std::runtime_error("--loss-log " + o.loss_log + ": cannot open the file for writing");
+  }
   const auto start = std::chrono::steady_clock::now();
   std::size_t done = state.step;
   double acc_test = 0;
@@ -298,6 +322,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
       const auto m = nn::train_step(state, *b, where.backend);
       ++done;
       if (m.skipped) continue;  // f16 loss scaling: gradients overflowed, the scale was halved, no update
+      if (loss_log) std::fprintf(loss_log.get(), "%zu %.9g\n", done, static_cast<double>(m.loss));
       loss_sum += m.loss;
       correct += m.correct;
       seen += m.rows;
@@ -380,6 +405,18 @@ int main(int argc, char** argv) {
       return wire16 ? train<bfloat16, float>(o, fm, where) : train<float, float>(o, fm, where);
     };
     const std::size_t devices = o.data * o.fsdp * o.model;  // check_options: divisible by processes
+#if MESHLIB_HAS_GPU_RUNNER
+    if (o.gpu) {
+      // The GPU mesh: the runner's plan says which devices this process runs (one GPU each, or
+      // all of them sharing one GPU), and refuses a mesh that does not fit, saying why.
+      meshlib::gpu_runner runner;
+      const meshlib::gpu_plan plan = runner.plan(devices);
+      const auto launch = meshlib::distributed::launch();
+      placement<meshlib::gpu_runner> where{plan.local_devices, launch.process_index, launch.process_count, runner,
+                                           std::string("GPU mesh devices, ") + std::string(meshlib::to_string(plan.layout))};
+      return run(where);
+    }
+#endif
     if (processes == 1) {
       placement<meshlib::default_runner> where;  // this process's device threads
       for (std::size_t d = 0; d < devices; ++d) where.devices.push_back(d);

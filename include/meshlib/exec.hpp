@@ -8,6 +8,7 @@
 
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/thread_runner.hpp"
+#include "meshlib/exec/gpu_runner.hpp"
 #include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/exec/shard_map.hpp"

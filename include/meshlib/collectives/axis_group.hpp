@@ -32,6 +32,14 @@ struct axis_group {
   using is_axis_group = void;
   /// How many axes the group names.
   static constexpr std::size_t size = sizeof...(Names);
+  /// `F<Names...>`: how the library reaches the names. nvcc's front end (EDG, CUDA 13) does not
+  /// match a partial specialization on `axis_group<Names...>` (a pack of class-type template
+  /// parameters), so the traits below are written over this alias, never specialised on the group.
+  template <template <fixed_string...> class F>
+  using apply = F<Names...>;
+  /// The group with `Name` appended.
+  template <fixed_string Name>
+  using append = axis_group<Names..., Name>;
 };
 
 /// @brief A type that is an `axis_group<...>`.
@@ -40,16 +48,18 @@ concept axis_group_type = requires { typename G::is_axis_group; };
 
 namespace detail {
 
-template <class G>
-struct group_traits;
 template <fixed_string... Names>
-struct group_traits<axis_group<Names...>> {
+struct group_traits_of {
   /// Mesh positions of the axes, in the order written (`Mesh::ndim` for a name the mesh lacks).
   template <class Mesh>
   static constexpr std::array<std::size_t, sizeof...(Names)> positions{Mesh::find_axis(Names.view())...};
   /// The names, in the order written.
   static constexpr std::array<std::string_view, sizeof...(Names)> names{Names.view()...};
 };
+
+/// The traits of group `G` (`axis_group::apply`: see there why not a specialisation).
+template <class G>
+using group_traits = typename G::template apply<group_traits_of>;
 
 /// Mesh positions of the axes of `G`, in the order written.
 template <class Mesh, class G>

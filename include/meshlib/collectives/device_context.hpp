@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -91,7 +92,16 @@ class device_comm {
                         std::span<const permute_pair> pairs) = 0;
   /// In place: every rank's `buf` = root's.
   virtual void broadcast(void* buf, std::size_t count, datatype dt, int root) = 0;
+  /// Waits for the operations this handle has enqueued on its stream (a stream backend: NCCL,
+  /// shared-GPU) and throws their error; nothing to do on a host backend, whose calls complete.
+  virtual void synchronize() {}
 };
+
+/// Whether backend communicator `C` orders its operations on a stream (NCCL, shared-GPU: its
+/// `context_type` is a CUDA stream) rather than completing them on the host: its buffers are device
+/// memory, and the typed collectives enqueue on it without waiting (collectives/reductions.hpp).
+template <class C>
+inline constexpr bool stream_ordered_v = !std::is_same_v<typename C::context_type, host_context>;
 
 /// `device_comm` over a backend communicator `C` (a reference: the communicator lives in
 /// `axis_communicators`).
@@ -105,58 +115,77 @@ class device_comm_for final : public device_comm {
   int size() const override { return comm_.size(); }
 
   void all_reduce(void* buf, std::size_t count, datatype dt, reduce_op op) override {
-    with_element_type(dt, [&]<class T>() { comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op).wait(); });
+    with_element_type(dt, [&]<class T>() { settle(comm_.all_reduce(std::span<T>(static_cast<T*>(buf), count), op)); });
   }
   void all_reduce(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op)
-          .wait();
+      settle(comm_.all_reduce(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count), op));
     });
   }
   void all_gather(const void* send, void* recv, std::size_t count, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
-                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size())))
-          .wait();
+      settle(comm_.all_gather(std::span<const T>(static_cast<const T*>(send), count),
+                       std::span<T>(static_cast<T*>(recv), count * static_cast<std::size_t>(comm_.size()))));
     });
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, datatype dt, reduce_op op) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
-                           std::span<T>(static_cast<T*>(recv), count), op)
-          .wait();
+      settle(comm_.reduce_scatter(std::span<const T>(static_cast<const T*>(send), count * static_cast<std::size_t>(comm_.size())),
+                           std::span<T>(static_cast<T*>(recv), count), op));
     });
   }
   void all_to_all(const void* send, void* recv, std::size_t count, datatype dt) override {
     const std::size_t total = count * static_cast<std::size_t>(comm_.size());
     with_element_type(dt, [&]<class T>() {
-      comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total))
-          .wait();
+      settle(comm_.all_to_all(std::span<const T>(static_cast<const T*>(send), total), std::span<T>(static_cast<T*>(recv), total)));
     });
   }
   void all_to_all_v(const void* send, std::span<const std::int64_t> send_counts, std::span<const std::int64_t> send_displs,
                     void* recv, std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                     std::size_t send_total, std::size_t recv_total, datatype dt) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
-                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs)
-          .wait();
+      settle(comm_.all_to_all_v(std::span<const T>(static_cast<const T*>(send), send_total), send_counts, send_displs,
+                         std::span<T>(static_cast<T*>(recv), recv_total), recv_counts, recv_displs));
     });
   }
   void ppermute(const void* send, void* recv, std::size_t count, datatype dt,
                 std::span<const permute_pair> pairs) override {
     with_element_type(dt, [&]<class T>() {
-      comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
-                     pairs)
-          .wait();
+      settle(comm_.ppermute(std::span<const T>(static_cast<const T*>(send), count), std::span<T>(static_cast<T*>(recv), count),
+                     pairs));
     });
   }
   void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
-    with_element_type(dt, [&]<class T>() { comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root).wait(); });
+    with_element_type(dt, [&]<class T>() { settle(comm_.broadcast(std::span<T>(static_cast<T*>(buf), count), root)); });
+  }
+  void synchronize() override {
+    if constexpr (stream_ordered_v<C>) {
+      if (last_) {
+        auto r = std::move(*last_);
+        last_.reset();
+        r.wait();
+      }
+    }
   }
 
  private:
   C& comm_;
+  /// A stream backend's last enqueued operation (its stream completes them in order).
+  std::optional<typename C::request_type> last_;
+
+  /// A host backend's operation completes here; a stream backend's stays enqueued on the
+  /// communicator's stream (the device's execution-space instance's: exec/gpu_runner.hpp), so the
+  /// host does not wait: kernels after it on that stream see its result. The previous operation's
+  /// error, if it has one by now, is thrown (a poll, never a wait).
+  template <class Request>
+  void settle(Request&& r) {
+    if constexpr (stream_ordered_v<C>) {
+      if (last_) (void)last_->test();
+      last_.emplace(std::forward<Request>(r));
+    } else {
+      r.wait();
+    }
+  }
 };
 
 /// The device this thread runs as (see the file comment).
@@ -203,6 +232,16 @@ class device_context {
   }
   /// The device's communication worker (requests wait on it).
   [[nodiscard]] comm_stream& stream() noexcept { return stream_; }
+  /// Whether this device's communicators take device memory: a stream backend (NCCL, shared-GPU),
+  /// whose collectives the typed layer enqueues on the device's stream (`stream_ordered_v`).
+  [[nodiscard]] virtual bool takes_device_memory() const noexcept { return false; }
+  /// Waits for the collectives this device enqueued on its stream (a stream backend) and throws
+  /// their error, bounded by the communicator's timeout; the end of every device call
+  /// (exec/detail/run_devices.hpp). Nothing to do on a host backend.
+  void synchronize() {
+    stream_.drain();
+    synchronize_handles();
+  }
   /// The buffers this device's typed collectives reuse (collectives/workspace.hpp): its thread's,
   /// which outlive the call; the buffers the call's results still hold are dropped when it ends.
   /// (Templates, as the workspace is: compiled where collectives run; call them as plain functions.)
@@ -220,6 +259,8 @@ class device_context {
   [[nodiscard]] virtual bool synchronous_starts() const noexcept = 0;
   /// Whether collectives of different groups may run at once on two threads (a host backend).
   [[nodiscard]] virtual bool independent_groups() const noexcept = 0;
+  /// `device_comm::synchronize` on every communicator handed out.
+  virtual void synchronize_handles() {}
   /// The worker: stopped by the derived context's destructor, before its communicators go.
   comm_stream stream_;
   /// The end of the device's call, on its own thread: results that leave the call keep their
@@ -263,6 +304,11 @@ class device_context_for final : public device_context {
   std::string describe_mesh() const override { return mesh_.to_string(); }
   const Mesh& mesh() const noexcept { return mesh_; }
   bool independent_groups() const noexcept override { return std::is_same_v<typename C::context_type, host_context>; }
+  bool takes_device_memory() const noexcept override { return stream_ordered_v<C>; }
+  void synchronize_handles() override {
+    if constexpr (stream_ordered_v<C>)
+      for (auto& [mask, h] : handles_) h->synchronize();
+  }
   bool synchronous_starts() const noexcept override {
 #if MESHLIB_DEBUG_HOOKS
     return observer_ != nullptr;

@@ -70,10 +70,8 @@ consteval bool check_group_axis() {
   }
 }
 
-template <class G>
-struct group_checks;
 template <fixed_string... Names>
-struct group_checks<axis_group<Names...>> {
+struct group_checks_of {
   /// Element type, each axis in the mesh and as `Rule` wants it, no axis twice.
   template <fixed_string Op, class L, axis_rule Rule>
   static consteval bool run() {
@@ -87,6 +85,10 @@ struct group_checks<axis_group<Names...>> {
   template <class Mesh>
   static constexpr axis_mask mask = safe_mask_v<Mesh, Names...>;
 };
+
+/// The checks of group `G` (`axis_group::apply`: nvcc matches no specialisation on the group).
+template <class G>
+using group_checks = typename G::template apply<group_checks_of>;
 
 /// Mask of the axes of group `G` (those the mesh has).
 template <class Mesh, class G>

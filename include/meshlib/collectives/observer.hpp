@@ -185,6 +185,7 @@ class observed_comm final : public Iface {
                 std::span<const permute_pair> pairs) override {
     observe("ppermute", dt, count, send, count, recv, count, [&] { inner_.ppermute(send, recv, count, dt, pairs); });
   }
+  void synchronize() override { inner_.synchronize(); }
   void broadcast(void* buf, std::size_t count, datatype dt, int root) override {
     // Only the root's buffer is an input: the others' may hold anything before the call.
     const bool is_root = static_cast<int>(site_.group_rank) == root;

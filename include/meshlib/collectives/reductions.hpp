@@ -25,6 +25,7 @@
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/reduce_op.hpp"
+#include "meshlib/config.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -47,10 +48,22 @@ block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<s
 }
 
 /// The contiguous data of `x` (collectives move whole blocks; a strided view must be copied first).
+/// A block in device memory needs a stream backend (NCCL, shared-GPU: `gpu_runner`): without NCCL
+/// compiled in (`MESHLIB_ENABLE_NCCL`) that is a compile-time error, with it the running device's
+/// communicator is checked (a host one, thread or MPI, cannot read device memory).
 template <class L>
 const typename L::value_type* contiguous_data(const L& x, std::string_view op) {
-  static_assert(host_accessible_v<typename L::memory_space>,
+  using space_t = typename L::memory_space;
+  static_assert(host_accessible_v<space_t> || config::nccl,
                 "meshlib: the host collectives need host-accessible blocks; use the NCCL backend for device memory");
+  if constexpr (!host_accessible_v<space_t>) {
+    if (!current_device(op).takes_device_memory())
+      throw sharding_error("meshlib: " + std::string(op) + " on a block in device memory (" +
+                           std::string(space_t::name()) +
+                           "), but this device's communicator is a host one (thread or MPI), which reads host memory; "
+                           "run on meshlib::gpu_runner (NCCL or shared-GPU communicators; default_runner picks it "
+                           "when a GPU is present), or copy the block to host memory first");
+  }
   if (x.size() != 0 && !x.view().span_is_contiguous())
     throw sharding_error("meshlib: " + std::string(op) + " needs a contiguous block; copy the strided view first");
   return x.data();

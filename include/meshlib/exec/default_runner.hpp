@@ -13,7 +13,9 @@
 /// as before, because the other processes do not make it; a launcher that `distributed::initialize`
 /// detected without MPI (torchrun, or mpirun with `distributed::initialize` alone) gives no
 /// transport to run a mesh over the processes, and the default runner says so instead of running
-/// every device in each process. Pass a runner explicitly to choose otherwise (`thread_runner{}`:
+/// every device in each process. Built with Kokkos CUDA and NCCL (`MESHLIB_HAS_GPU_RUNNER`), when a
+/// GPU is visible, the default is `gpu_runner` (exec/gpu_runner.hpp), which also runs a launch of
+/// several processes, one GPU each. Pass a runner explicitly to choose otherwise (`thread_runner{}`:
 /// every device in this process; `mpi_runner{comm}`: one device per rank).
 /// @code
 /// meshlib::mpi::guard run;                                     // mpirun -np 2
@@ -30,6 +32,7 @@
 
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/exec/gpu_runner.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/runtime/distributed.hpp"
@@ -74,6 +77,16 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 #endif
 }
 
+#if MESHLIB_HAS_GPU_RUNNER
+/// Whether the default runner runs on the GPUs now: a GPU build with a visible GPU, outside a
+/// running device (`choose_default_runner`). The GPU count is read once per process.
+inline bool default_runs_on_gpus() {
+  static const int gpus = visible_gpu_count();
+  return choose_default_runner(true, gpus, current_device_slot() != nullptr, distributed::launch().process_count) ==
+         default_runner_kind::gpus;
+}
+#endif
+
 }  // namespace detail
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
@@ -88,6 +101,12 @@ struct default_runner {
   /// @brief Runs `body(device, communicator)` for this process's devices of an `n`-device mesh.
   template <class Body>
   void run(std::size_t n, Body&& body) const {
+#if MESHLIB_HAS_GPU_RUNNER
+    if (detail::default_runs_on_gpus()) {
+      gpu_runner().run(n, body);
+      return;
+    }
+#endif
 #if MESHLIB_ENABLE_MPI
     if (const auto procs = detail::default_process_runner(n)) {
       procs->run(n, body);
@@ -102,6 +121,9 @@ struct default_runner {
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
   /// `n / P` consecutive ones.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
+#if MESHLIB_HAS_GPU_RUNNER
+    if (detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
+#endif
 #if MESHLIB_ENABLE_MPI
     if (const auto procs = detail::default_process_runner(n)) return procs->local_devices(n);
 #else

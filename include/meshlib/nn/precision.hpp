@@ -25,8 +25,11 @@
 #include "meshlib/tensor/view.hpp"
 
 /// 1 where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64), and with it
-/// `meshlib::float16`; 0 elsewhere (float16 training is then not offered).
-#if defined(__FLT16_MAX__)
+/// `meshlib::float16`; 0 elsewhere (float16 training is then not offered). 0 under nvcc: it passes
+/// the host compiler's `__FLT16_MAX__` on, but its device code generator stops on `_Float16`
+/// ("Internal Compiler Error (codegen): unsupported float variant!", CUDA 13.0, found compiling the
+/// flagship for sm_90).
+#if defined(__FLT16_MAX__) && !defined(__CUDACC__)
 #define MESHLIB_HAS_FLOAT16 1
 #else
 #define MESHLIB_HAS_FLOAT16 0

@@ -138,6 +138,16 @@ struct step_metrics {
   std::size_t peak_activation_bytes = 0;
 };
 
+namespace detail {
+/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
+template <std::size_t N>
+constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
+  return s.view();
+}
+/// The text of a template argument nvcc's front end has turned into a `const char*`.
+constexpr std::string_view text_of(const char* s) noexcept { return s; }
+}  // namespace detail
+
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
 /// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
@@ -526,11 +536,14 @@ class train_state {
 
   /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
+    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): read it through an overload for either.
+    const std::string_view fsdp_name = detail::text_of(Fsdp);
     if constexpr (fsdp_axes == 0) {
       throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                           std::string(Fsdp.view()) + "' to shard the parameters over; the mesh is " +
+                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
                            mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
-                           std::string(Fsdp.view()) + "\">, axis<\"model\">>)");
+                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
     } else if constexpr (!requires(Model& net) {
                            net.hooks;
                            net.template params_per_layer<T>();
@@ -540,9 +553,9 @@ class train_state {
     } else {
       if (options.zero)
         throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                             "shards the optimizer state (over '" + std::string(Fsdp.view()) + "'): turn zero off");
+                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
       fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, Fsdp.view(),
+                                                                      local_, options.reshard_after_forward, fsdp_name,
                                                                       options.fsdp_prefetch);
       params = fsdp_->shards();
       model.hooks = fsdp_.get();

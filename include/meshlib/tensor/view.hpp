@@ -200,6 +200,14 @@ class scoped_exec_space {
   const exec_type* previous_;
 };
 
+/// Set by a runner that installed the device's instance itself (`gpu_runner`: a Kokkos CUDA
+/// instance on its communicator's stream) just before it calls the device body; the exec layer
+/// (exec/detail/run_devices.hpp) reads and clears it, and then installs no instance of its own.
+inline bool& runner_installed_exec() noexcept {
+  thread_local bool installed = false;
+  return installed;
+}
+
 /// The instance kernels on memory `Space` run on in this thread: the running device's, else the default.
 template <class Space>
 exec_space_for_t<Space> current_exec() {
@@ -221,6 +229,16 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
     std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
     if constexpr (!kokkos_has_instances_v) lock.lock();
     v = [&]<std::size_t... I>(std::index_sequence<I...>) {
+#if defined(KOKKOS_ENABLE_CUDA)
+      if constexpr (std::is_same_v<Space, Kokkos::CudaSpace>) {
+        // On the running device's GPU (gpu_runner: one process may drive several), which the
+        // allocation record keeps for the deallocation; the default CudaSpace is Kokkos' device.
+        const auto exec = current_exec<Space>();
+        return view_t(Kokkos::view_alloc(Kokkos::CudaSpace::impl_create(exec.cuda_device(), exec.cuda_stream()),
+                                         Kokkos::WithoutInitializing, std::string(label)),
+                      extent[I]...);
+      }
+#endif
       return view_t(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), extent[I]...);
     }(std::make_index_sequence<Rank>{});
   }

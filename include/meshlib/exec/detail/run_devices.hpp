@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,6 +52,13 @@ void require_thread_teams(std::size_t threads) {
                 "), one thread each; build Kokkos 4 with -DKokkos_ENABLE_OPENMP=ON, or leave threads_per_device at 1");
 }
 
+/// Whether `Runner` always installs each device's execution-space instance itself (`gpu_runner`: a
+/// Kokkos CUDA instance on the stream of the device's communicator, so that kernels and collectives
+/// are ordered on one stream; it also sets `runner_installed_exec()` for each call); otherwise
+/// `run_devices` installs `device_instance`'s, unless the runner set that flag for the call.
+template <class Runner>
+inline constexpr bool runner_installs_instances_v = requires { typename Runner::installs_exec_instances; };
+
 /// Runs `body(device)` on every device of `m` that `backend` runs, each with its `device_context`
 /// (observed by the debug layer's `run_observer`) and its execution-space instance
 /// (`device_instance`) installed, and turns a device's failure into `device_error`: the one place
@@ -64,15 +72,25 @@ void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
   require_thread_teams<exec_space_for_t<default_memory_space>>(team);
   run_observer observer(m, local);  // installed: the debug layer's observer
   // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
-  (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  constexpr bool own_instances = !runner_installs_instances_v<Backend>;
+  if constexpr (own_instances)
+    (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
   workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
       device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
       scoped_device installed(ctx);
-      const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
-      scoped_exec_space<default_memory_space> on(device_instance<default_memory_space>(index, local.size(), team));
+      std::optional<scoped_exec_space<default_memory_space>> on;
+      // A runner chosen at run time (default_runner picking gpu_runner) says so per call.
+      const bool runner_instance = std::exchange(runner_installed_exec(), false);
+      if (own_instances && !runner_instance) {
+        const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
+        on.emplace(device_instance<default_memory_space>(index, local.size(), team));
+      }
       body(device);
+      // A stream backend's collectives may still be enqueued: the call ends when they are
+      // complete (or with their error, bounded by the communicator's timeout).
+      if constexpr (stream_ordered_v<C>) ctx.synchronize();
     });
   } catch (const participant_error& e) {
     const auto device = static_cast<std::size_t>(e.rank());

@@ -24,10 +24,10 @@ template <axis_mask Mask, std::size_t I, class Acc, class... Axes>
 struct select_axes {
   using type = Acc;
 };
-template <axis_mask Mask, std::size_t I, fixed_string... Names, class A, class... Rest>
-struct select_axes<Mask, I, axis_group<Names...>, A, Rest...>
-    : select_axes<Mask, I + 1,
-                  std::conditional_t<((Mask >> I) & 1) != 0, axis_group<Names..., A::name>, axis_group<Names...>>,
+// Over the group's `append`, not a specialisation on axis_group<Names...>, which nvcc does not match.
+template <axis_mask Mask, std::size_t I, class Acc, class A, class... Rest>
+struct select_axes<Mask, I, Acc, A, Rest...>
+    : select_axes<Mask, I + 1, std::conditional_t<((Mask >> I) & 1) != 0, typename Acc::template append<A::name>, Acc>,
                   Rest...> {};
 
 template <class Mesh, axis_mask Mask>
@@ -55,43 +55,49 @@ struct group_of<mesh<Axes...>, Mask> {
 template <class Mesh, axis_mask Mask>
 using group_of_t = typename group_of<Mesh, Mask>::type;
 
-template <fixed_string... Names, class L>
-auto psum_names(axis_group<Names...>, L&& x) {
-  return meshlib::psum<Names...>(std::forward<L>(x));
-}
-template <fixed_string... Names, class L>
-auto psum_start_names(axis_group<Names...>, L&& x) {
-  return meshlib::psum_start<Names...>(std::forward<L>(x));
-}
-template <fixed_string... Names, class L>
-auto pmax_names(axis_group<Names...>, L&& x) {
-  return meshlib::pmax<Names...>(std::forward<L>(x));
-}
-
+/// The reductions over the axes `Names...` (and the group's communicator made ahead), reached through `axis_group::apply` (nvcc deduces no
+/// `axis_group<Names...>` function argument: collectives/axis_group.hpp).
 template <fixed_string... Names>
-void prepare_group_names(axis_group<Names...>) {
-  meshlib::prepare_group<Names...>();
-}
+struct reductions_over_names {
+  template <class L>
+  static auto sum(L&& x) {
+    return meshlib::psum<Names...>(std::forward<L>(x));
+  }
+  template <class L>
+  static auto sum_start(L&& x) {
+    return meshlib::psum_start<Names...>(std::forward<L>(x));
+  }
+  template <class L>
+  static auto max(L&& x) {
+    return meshlib::pmax<Names...>(std::forward<L>(x));
+  }
+  static void prepare() { meshlib::prepare_group<Names...>(); }
+};
+
+/// The reductions over the axes of `Mask` of the mesh of `L`.
+template <axis_mask Mask, class L>
+using reductions_over_t =
+    typename group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>::template apply<reductions_over_names>;
 
 /// `prepare_group<names of Mask...>()`: makes the group's communicator now.
 template <mesh_type Mesh, axis_mask Mask>
 void prepare_group_over() {
-  prepare_group_names(group_of_t<Mesh, Mask>{});
+  group_of_t<Mesh, Mask>::template apply<reductions_over_names>::prepare();
 }
 /// `psum<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto psum_over(L&& x) {
-  return psum_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::sum(std::forward<L>(x));
 }
 /// `psum_start<names of Mask...>(x)` (an rvalue `x` is donated): the asynchronous `psum_over`.
 template <axis_mask Mask, local_tensor_type L>
 auto psum_start_over(L&& x) {
-  return psum_start_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::sum_start(std::forward<L>(x));
 }
 /// `pmax<names of Mask...>(x)` (an rvalue `x` is donated).
 template <axis_mask Mask, local_tensor_type L>
 auto pmax_over(L&& x) {
-  return pmax_names(group_of_t<typename std::remove_cvref_t<L>::mesh_type, Mask>{}, std::forward<L>(x));
+  return reductions_over_t<Mask, L>::max(std::forward<L>(x));
 }
 
 }  // namespace meshlib::nn::detail

@@ -208,24 +208,26 @@ using psum_t = decltype(meshlib::psum<Names...>(std::declval<const L&>()));
 template <class L, fixed_string... Names>
 using pvary_t = decltype(meshlib::pvary<Names...>(std::declval<const L&>()));
 
-/// `psum_t<L, Names...>` when `B`, else `L`, without naming the psum otherwise (its axes may not
-/// exist on this mesh).
-template <bool B, class L, fixed_string... Names>
-struct psum_if {
-  using type = L;
+template <class L, fixed_string... Names>
+struct psum_of {
+  using type = psum_t<L, Names...>;
 };
 template <class L, fixed_string... Names>
-struct psum_if<true, L, Names...> {
-  using type = psum_t<L, Names...>;
+struct pvary_of {
+  using type = pvary_t<L, Names...>;
+};
+
+/// `psum_t<L, Names...>` when `B`, else `L`, without naming the psum otherwise (its axes may not
+/// exist on this mesh). A conditional, not a specialisation on `<true, L, Names...>`: nvcc's front
+/// end matches no partial specialisation over a pack of `fixed_string`s (collectives/axis_group.hpp).
+template <bool B, class L, fixed_string... Names>
+struct psum_if {
+  using type = typename std::conditional_t<B, psum_of<L, Names...>, std::type_identity<L>>::type;
 };
 /// `pvary_t<L, Names...>` when `B`, else `L`.
 template <bool B, class L, fixed_string... Names>
 struct pvary_if {
-  using type = L;
-};
-template <class L, fixed_string... Names>
-struct pvary_if<true, L, Names...> {
-  using type = pvary_t<L, Names...>;
+  using type = typename std::conditional_t<B, pvary_of<L, Names...>, std::type_identity<L>>::type;
 };
 
 /// `pvary<Names...>(x)` without a copy (pvary moves no data; only the type changes).

@@ -88,10 +88,21 @@ class elementwise_activation {
 /// mispredicts on half of them, 15 times slower than the mask below on normal random data (and
 /// 15% of a small ResNet's training step). The values are the same: `x` when `x > 0`, else +0
 /// (NaN and -0 included).
-struct relu_fn {
+/// `exp(x)` on the host and in device kernels: `Kokkos::exp` (Kokkos 4), `std::exp` on Kokkos 3,
+/// whose builds meshlib runs on the host only.
+template <class T>
+KOKKOS_INLINE_FUNCTION T exp_of(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+struct relu_fn {  // (KOKKOS_INLINE_FUNCTION: device kernels call these, nn/detail/layer_kernels.hpp)
   static constexpr fixed_string name = "relu";
   template <class T>
-  static T f(T x) {
+  KOKKOS_INLINE_FUNCTION static T f(T x) {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
       using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
       const bits keep = bits{0} - static_cast<bits>(x > T{0});  // all ones or all zeros
@@ -101,11 +112,11 @@ struct relu_fn {
     }
   }
   template <class T>
-  static T df(T x) { return x > T{0} ? T{1} : T{0}; }
+  KOKKOS_INLINE_FUNCTION static T df(T x) { return x > T{0} ? T{1} : T{0}; }
   /// The cotangent `dy` where `x > 0`, else 0 (PyTorch's `threshold_backward`): a select, which
   /// compiles to a compare and a mask, where `dy * df(x)` kept a branch.
   template <class T>
-  static T vjp(T dy, T x) { return x > T{0} ? dy : T{0}; }
+  KOKKOS_INLINE_FUNCTION static T vjp(T dy, T x) { return x > T{0} ? dy : T{0}; }
 };
 
 struct gelu_fn {
@@ -115,14 +126,14 @@ struct gelu_fn {
   // computes through expm1 at several times exp's cost (a third of a GPT step's time was tanhf
   // and expm1f). Stable at both ends: exp(-2u) overflows to inf (s = 0) or underflows to 0 (s = 1).
   template <class T>
-  static T f(T x) {
+  KOKKOS_INLINE_FUNCTION static T f(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    return x / (T{1} + std::exp(T(-2) * u));
+    return x / (T{1} + exp_of(T(-2) * u));
   }
   template <class T>
-  static T df(T x) {
+  KOKKOS_INLINE_FUNCTION static T df(T x) {
     const T u = static_cast<T>(c) * (x + T(0.044715) * x * x * x);
-    const T s = T{1} / (T{1} + std::exp(T(-2) * u));  // 0.5 (1 + tanh(u))
+    const T s = T{1} / (T{1} + exp_of(T(-2) * u));  // 0.5 (1 + tanh(u))
     const T du = static_cast<T>(c) * (T{1} + T(3 * 0.044715) * x * x);
     // d/dx [x s(2u)] = s + x * 2 s (1 - s) du, since 1 - tanh^2 = 4 s (1 - s).
     return s + T(2) * x * s * (T{1} - s) * du;

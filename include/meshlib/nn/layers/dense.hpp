@@ -58,20 +58,14 @@ namespace meshlib::nn {
 enum class dense_kind { replicated, column, row };
 
 namespace detail {
+// Conditionals, not specialisations on <dense_kind::column, Model>: nvcc's front end matches no
+// partial specialisation that deduces a fixed_string (collectives/axis_group.hpp), and would give
+// every kind the unsharded specs.
 template <dense_kind K, fixed_string Model>
 struct dense_specs {
-  using w = P<none, none>;
-  using b = P<none>;
-};
-template <fixed_string Model>
-struct dense_specs<dense_kind::column, Model> {
-  using w = P<none, dim_spec(Model.chars)>;
-  using b = P<dim_spec(Model.chars)>;
-};
-template <fixed_string Model>
-struct dense_specs<dense_kind::row, Model> {
-  using w = P<dim_spec(Model.chars), none>;
-  using b = P<none>;
+  using w = std::conditional_t<K == dense_kind::column, P<none, dim_spec(Model.chars)>,
+                               std::conditional_t<K == dense_kind::row, P<dim_spec(Model.chars), none>, P<none, none>>>;
+  using b = std::conditional_t<K == dense_kind::column, P<dim_spec(Model.chars)>, P<none>>;
 };
 
 /// The local type of `W^T` for a weight block of type `W` (dims swapped; nothing runs).
