@@ -9131,12 +9131,11 @@ struct train_options {
   /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
   /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
   /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). On by
-  /// default: a started bucket lets the device go on with its backward instead of waiting for the
-  /// slowest device of its group; on the loaded 2-core machine the step took 0.54-0.58x the time
-  /// at (4, 2) and 0.85-0.98x at (2, 1) with it (docs/benchmarks.md, "Overlapped gradient
-  /// synchronisation", which also says where it does not pay).
-  bool overlap_grad_sync = true;
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
+  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
+  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
+  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap_grad_sync = false;
   /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
   /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
   /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
