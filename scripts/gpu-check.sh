@@ -27,6 +27,9 @@
 #      reduce_scatter from 8 B to --max-bytes (1 GiB), with raw NCCL and cudaMemcpy device-to-device
 #      bandwidth in the same run, the wrapper overhead over ncclAllReduce at 8 B, and all_reduce
 #      between 2 and 4 mesh devices sharing GPU 0 against the device-to-device copy bandwidth.
+# Everything printed also goes to $GPU_REPORT (default $OUT/gpu-check.txt when $OUT is set, as on
+# the device tool's machines, whose $OUT comes back; else build-gpu/gpu-check.txt), so a run on a
+# lent machine brings its table and CHECKED / NOT CHECKED lines back.
 # Exit status: 0 when everything that ran passed (skips included), 1 when something failed.
 set -uo pipefail
 
@@ -37,6 +40,9 @@ JOBS="${JOBS:-$(nproc)}"
 MAX_BYTES=1G
 DO_BUILD=1
 DO_KOKKOS=1
+if [ -n "${OUT:-}" ]; then GPU_REPORT="${GPU_REPORT:-$OUT/gpu-check.txt}"; else GPU_REPORT="${GPU_REPORT:-$GPU_DIR/gpu-check.txt}"; fi
+mkdir -p "$(dirname "$GPU_REPORT")"
+exec > >(tee "$GPU_REPORT") 2>&1
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) DO_BUILD=0 ;;
@@ -61,7 +67,7 @@ run_test() {
   local what="$1"; shift
   local out rc
   out="$("$@" 2>&1)"; rc=$?
-  echo "$out" | tail -n 40
+  echo "$out" | tail -n "${RUN_TAIL:-40}"
   case $rc in
     0) ok "$what" ;;
     77) skip "$what: $(echo "$out" | grep -m1 '^SKIP' || echo skipped)" ;;
@@ -265,7 +271,7 @@ fi
 # ---- 6. benchmark -----------------------------------------------------------------------------------------
 step "6. nccl_bench: nccl-tests rows for all_reduce, all_gather, reduce_scatter (8 B .. $MAX_BYTES)"
 if [ $built -eq 1 ] && [ -x "$BUILD_DIR/bench/nccl_bench" ]; then
-  run_test "nccl_bench" "$BUILD_DIR/bench/nccl_bench" --max-bytes "$MAX_BYTES"
+  RUN_TAIL=1000 run_test "nccl_bench" "$BUILD_DIR/bench/nccl_bench" --max-bytes "$MAX_BYTES"  # the whole table
 else
   # With --no-build a test build may hold the device tests but no benchmarks: not a failure.
   skip "nccl_bench (not built in $BUILD_DIR)"
