@@ -70,8 +70,8 @@ compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $wor
 start=$SECONDS
 # The ones that must compile run two at a time (one per core), the longest (the flagship) first;
 # then the one that must not.
-pairs=("device_arrays nn_headers" "nn_layers")
-if [ $nccl -eq 1 ]; then pairs=("flagship_gpu device_arrays" "gpu_collectives nn_headers" "nn_layers")
+pairs=("device_arrays nn_layers")
+if [ $nccl -eq 1 ]; then pairs=("flagship_gpu device_arrays" "gpu_collectives nn_layers")
 else echo "  SKIPPED (no nccl.h in $cuda_include or /usr/include): tests/cuda/gpu_collectives.cpp, tests/cuda/flagship_gpu.cpp"; fi
 for pair in "${pairs[@]}"; do
   jobs_=()

@@ -113,11 +113,15 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
     # nn_pipeline_more_unit and nn_overlap_tests (one binary with nn_unit in the first leg; this leg
     # runs nn_unit alone, and would compile them for nothing: two unity batches, over 120 CPU s).
     # MESHLIB_KOKKOS4_LEG=full builds and runs them.
+    # MESHLIB_TEST_NN_KERNELS_ONLY=ON: of nn_unit, only the sources that check the kernels against
+    # reference loops (tests/unit/nn/CMakeLists.txt says which; ~half its CPU time).
     k4_nn_parts=OFF
-    if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then k4_nn_parts=ON; fi
+    k4_nn_kernels=ON
+    if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then k4_nn_parts=ON; k4_nn_kernels=OFF; fi
     BUILD_DIR="$k4_build" configure -DCMAKE_PREFIX_PATH="$k4_prefix" -DMESHLIB_SANITIZE_THREAD=OFF \
       -DMESHLIB_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
-      -DMESHLIB_TEST_FLAGS="-O1 -DMESHLIB_TEST_FEWER_PAIRS=1" -DMESHLIB_TEST_NN_PARTS="$k4_nn_parts" >/dev/null
+      -DMESHLIB_TEST_FLAGS="-O1 -DMESHLIB_TEST_FEWER_PAIRS=1" -DMESHLIB_TEST_NN_PARTS="$k4_nn_parts" \
+      -DMESHLIB_TEST_NN_KERNELS_ONLY="$k4_nn_kernels" >/dev/null
     k4_build_status=0
     if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then
       k4_targets=()

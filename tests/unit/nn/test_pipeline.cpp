@@ -20,6 +20,7 @@
 
 #include "meshlib_catch.hpp"
 #include "message_of.hpp"
+#include "pipeline_mlp.hpp"
 #include "small_gpt.hpp"
 #include "synthetic_problem.hpp"
 
@@ -27,24 +28,16 @@ namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/
 
 namespace {
 
-using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">, meshlib::axis<"pipeline">>;
 namespace nn = meshlib::nn;
-using shape_t = std::array<std::size_t, 3>;
-
-constexpr std::size_t features = 12, hidden = 16, classes = 4, batch = 16;
-
-/// Five layers (three with parameters): enough for four stages.
-auto make_mlp(const mesh_t& m) {
-  const nn::rng_key key{11};
-  return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", features, hidden, key), nn::relu<float>(m),
-                        nn::row_dense<float, mesh_t>(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
-                        nn::dense<float, mesh_t>(m, "fc3", hidden, classes, key));
-}
-
-const nn::dataset& mlp_data() {
-  static const nn::dataset ds = meshlib_test::synthetic_problem(batch * 20, features, classes);
-  return ds;
-}
+// The five-layer MLP and its data (pipeline_mlp.hpp).
+using meshlib_test::pipeline_mlp::batch;
+using meshlib_test::pipeline_mlp::classes;
+using meshlib_test::pipeline_mlp::features;
+using meshlib_test::pipeline_mlp::hidden;
+using meshlib_test::pipeline_mlp::make_mlp;
+using meshlib_test::pipeline_mlp::mesh_t;
+using meshlib_test::pipeline_mlp::shape_t;
+inline const nn::dataset& mlp_data() { return meshlib_test::pipeline_mlp::data(); }
 
 template <class State>
 double mlp_step(State& state, std::size_t s) {
