@@ -30,13 +30,7 @@ namespace {
 
 namespace nn = meshlib::nn;
 // The five-layer MLP and its data (pipeline_mlp.hpp).
-using meshlib_test::pipeline_mlp::batch;
-using meshlib_test::pipeline_mlp::classes;
-using meshlib_test::pipeline_mlp::features;
-using meshlib_test::pipeline_mlp::hidden;
-using meshlib_test::pipeline_mlp::make_mlp;
-using meshlib_test::pipeline_mlp::mesh_t;
-using meshlib_test::pipeline_mlp::shape_t;
+using namespace meshlib_test::pipeline_mlp;  // mesh_t, shape_t, the sizes, make_mlp, data()
 inline const nn::dataset& mlp_data() { return meshlib_test::pipeline_mlp::data(); }
 
 template <class State>

@@ -34,14 +34,7 @@ namespace {
 
 namespace nn = meshlib::nn;
 // test_pipeline.cpp's five-layer MLP and its data (pipeline_mlp.hpp).
-using meshlib_test::pipeline_mlp::batch;
-using meshlib_test::pipeline_mlp::classes;
-using meshlib_test::pipeline_mlp::features;
-using meshlib_test::pipeline_mlp::hidden;
-using meshlib_test::pipeline_mlp::make_mlp;
-using meshlib_test::pipeline_mlp::mesh_t;
-using meshlib_test::pipeline_mlp::mlp_t;
-using meshlib_test::pipeline_mlp::shape_t;
+using namespace meshlib_test::pipeline_mlp;  // mesh_t, shape_t, the sizes, make_mlp, data()
 
 /// An MLP with a batch norm on each side of the split at layer 3 (statistics over 'data').
 auto make_bn_mlp(const mesh_t& m) {
@@ -52,8 +45,6 @@ auto make_bn_mlp(const mesh_t& m) {
                         nn::batch_norm<float, mesh_t>(m, "bn2", {1, 1, hidden}, 0.2f), nn::gelu<float>(m),
                         nn::dense<float, mesh_t>(m, "fc3", hidden, classes, key));
 }
-
-const nn::dataset& data() { return meshlib_test::pipeline_mlp::data(); }
 
 template <class State>
 nn::step_metrics step(State& state, std::size_t s, std::size_t rows = batch) {
