@@ -160,6 +160,13 @@ macro(meshlib_find_kokkos)
         _meshlib_encoded_version("${MESHLIB_KOKKOS_INCLUDE_DIR}/KokkosCore_config.h" KOKKOS_VERSION Kokkos_VERSION)
       endif()
     endif()
+    # A Kokkos with CUDA: meshlib's kernels call constexpr functions from device code (std::array's
+    # operator[] in the optimizers, std::bit_cast, bfloat16's conversions), which nvcc compiles only
+    # as a warning (#20013/#20015) and a kernel that cannot run, unless --expt-relaxed-constexpr.
+    if(Kokkos_ENABLE_CUDA)
+      set_property(TARGET meshlib::kokkos APPEND PROPERTY
+        INTERFACE_COMPILE_OPTIONS "$<$<COMPILE_LANGUAGE:CXX>:--expt-relaxed-constexpr>")
+    endif()
     if(NOT DEFINED MESHLIB_KOKKOS_WHERE)
       set(MESHLIB_KOKKOS_WHERE "")
     endif()

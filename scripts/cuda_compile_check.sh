@@ -6,7 +6,8 @@
 # generates its configuration headers; it is not built (that took ~50 minutes here), because a
 # compile check needs headers only. Then every source in tests/cuda/ is compiled (-c, not linked)
 # against it with nvcc: the ones that must compile, and host_collective_on_device.cpp, which must
-# fail with the message that names the backend to use. The NCCL ones (gpu_collectives.cpp: the
+# fail with the message that names the backend to use, and host_view_on_device.cpp, which must fail
+# naming the argument whose memory the kernel cannot read. The NCCL ones (gpu_collectives.cpp: the
 # typed collectives on CudaSpace blocks through gpu_runner over NCCL and the shared-GPU
 # communicator; flagship_gpu.cpp: examples/train_fashion_mnist with its --gpu path) compile with
 # -DMESHLIB_ENABLE_NCCL=1 when nccl.h is found next to nvcc (else they are reported as skipped).
@@ -88,6 +89,17 @@ elif grep -qF "$want" "$work/host_collective_on_device.log"; then
   echo "  refused as it must: tests/cuda/host_collective_on_device.cpp (\"$want\")"
 else
   echo "  FAILED: tests/cuda/host_collective_on_device.cpp failed without the expected message:"; grep -m 10 "error" "$work/host_collective_on_device.log"; status=1
+fi
+# The compile-time half of "a host pointer never reaches a device kernel" (tensor/pointer_check.hpp):
+# one error that names the call, the argument and device_put.
+want="meshlib: an argument's memory space cannot be read by the execution space its kernel runs on"
+if compile host_view_on_device; then
+  echo "  FAILED: tests/cuda/host_view_on_device.cpp compiled, but a host view in a CUDA kernel must not"; status=1
+elif grep -qF "$want" "$work/host_view_on_device.log" && grep -qF "op<'A'>" "$work/host_view_on_device.log" &&
+     grep -qF "device_put" "$work/host_view_on_device.log"; then
+  echo "  refused as it must: tests/cuda/host_view_on_device.cpp (\"$want\", argument 'A')"
+else
+  echo "  FAILED: tests/cuda/host_view_on_device.cpp failed without the expected message naming argument 'A':"; grep -m 10 "error" "$work/host_view_on_device.log"; status=1
 fi
 echo "cuda_compile_check.sh: $([ $status -eq 0 ] && echo passed || echo FAILED) (compiles: $((SECONDS - start))s, all: ${SECONDS}s)"
 exit $status

@@ -7,14 +7,66 @@
 // status 1), and the training runs (any exception: its message, status 1).
 
 #include <Kokkos_Core.hpp>
+#include <meshlib/exec/default_runner.hpp>
+#include <meshlib/exec/gpu_runner.hpp>
 #include <meshlib/nn/data/errors.hpp>
 
+#include <cstdio>
 #include <exception>
 #include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "flagship_options.hpp"
 
 namespace flagship {
+
+/// `--gpu` in a build without the GPU runner: the usage error that says how to get one.
+inline void check_gpu_flag(bool gpu) {
+#if !MESHLIB_HAS_GPU_RUNNER
+  if (gpu)
+    throw usage_error("--gpu: this build has no GPU runner; build the example with Kokkos CUDA and NCCL "
+                      "(Kokkos_ENABLE_CUDA, MESHLIB_ENABLE_NCCL), or leave out --gpu to train on CPU thread devices");
+#else
+  (void)gpu;
+#endif
+}
+
+/// `f(runner)` with the runner the flagship trains on: one `gpu_runner` for the whole run with
+/// `--gpu` (it keeps its NCCL communicators between steps), else `default_runner`.
+template <class F>
+int with_runner(bool gpu, F&& f) {
+#if MESHLIB_HAS_GPU_RUNNER
+  if (gpu) {
+    if (meshlib::visible_gpu_count() == 0) throw std::runtime_error("--gpu: no CUDA device is visible");
+    const meshlib::gpu_runner runner;
+    return f(runner);
+  }
+#else
+  (void)gpu;
+#endif
+  return f(meshlib::default_runner{});
+}
+
+/// `--loss-log FILE`: one "step loss" line per step, to compare runs (scripts/gpu-check.sh).
+class loss_log {
+ public:
+  explicit loss_log(const std::string& path) {
+    if (path.empty()) return;
+    file_.reset(std::fopen(path.c_str(), "w"));
+    if (!file_) throw std::runtime_error("--loss-log " + path + ": cannot open the file for writing");
+  }
+  void write(std::size_t step, double loss) {
+    if (file_) std::fprintf(file_.get(), "%zu %.9g\n", step, loss);
+  }
+
+ private:
+  struct closer {
+    void operator()(std::FILE* f) const noexcept { std::fclose(f); }
+  };
+  std::unique_ptr<std::FILE, closer> file_;
+};
 
 /// `parse(argc, argv)` -> options, `load(options)` -> data, `train(options, data)` -> exit status.
 template <class Parse, class Load, class Train>

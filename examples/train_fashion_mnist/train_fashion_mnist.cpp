@@ -253,6 +253,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
                      nn::dense<float, mesh_t>(mesh, "fc3", o.hidden, 10, key, local));
   nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed, .process_index = where.process,
                                     .process_count = where.processes});
+  nn::device_prefetcher batches(loader);  // batches into the devices' memory (a no-op copy on CPU devices)
   const std::size_t steps = loader.steps_per_epoch();
   const std::size_t total = o.limit_steps ? o.limit_steps : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(100, total / 10), total, 0.02f);
@@ -312,11 +313,11 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   double acc_test = 0;
   for (std::size_t epoch = done / steps; epoch < o.epochs && done < total; ++epoch) {
     const auto t0 = std::chrono::steady_clock::now();
-    loader.start_epoch(epoch);
+    batches.start_epoch(epoch);  // on a GPU: the next batch is copied while this step computes
     double loss_sum = 0, sync = 0;
     std::size_t correct = 0, seen = 0, n = 0;
-    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(loader.next());  // resumed mid-epoch
-    while (auto b = loader.next()) {
+    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(batches.next());  // resumed mid-epoch
+    while (auto b = batches.next()) {
       if (done == total) break;
       meshlib::trace_region step_region("step " + std::to_string(done + 1));
       const auto m = nn::train_step(state, *b, where.backend);

@@ -59,8 +59,9 @@ struct options {
   float lr = 3e-3f, temperature = 0.8f;
   std::string data_path = "/usr/share/games/fortunes", prompt = "Q: What is the meaning of life?\nA: ";
   std::uint64_t seed = 0;
-  std::size_t eval_every = 250, eval_windows = 256, generate = 300;
-  bool advise = false, remat = false, untie = false;
+  std::size_t eval_every = 250, eval_windows = 256, generate = 300, final_windows = 0;
+  bool advise = false, remat = false, untie = false, gpu = false;
+  std::string loss_log;
 };
 
 using flagship::usage_error;
@@ -69,7 +70,7 @@ constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
     "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--untie] [--advise]\n"
-    "                       [--help]\n"
+    "                       [--final-windows N] [--gpu] [--loss-log FILE] [--help]\n"
     "       train_gpt_chars --mesh DxFxTxP [--microbatches N] [--schedule gpipe|1f1b] ...   (the 4-axis mesh)\n";
 
 void usage() {
@@ -90,6 +91,7 @@ void usage() {
                "  --eval-every N      validation loss on --eval-windows windows every N steps; default 250\n"
                "  --eval-windows N    windows of that progress estimate, spread over the held-out text; default 256\n"
                "                      (the final validation loss reads every held-out window)\n"
+               "  --final-windows N   the final validation on N windows spread over the held-out text; default all\n"
                "  --data PATH         a text file, or a directory whose files without an extension are read in\n"
                "                      name order; default /usr/share/games/fortunes (Debian's fortunes)\n"
                "  --seed S            initialisation, batches and sampling; default 0\n"
@@ -101,6 +103,9 @@ void usage() {
                "                      parameters are then sharded over 'fsdp' (FSDP), not only the batch\n"
                "  --advise            time a few steps of every (data, model) shape of the mesh's D x M devices on\n"
                "                      this model and batch, print the ranked table and exit (no training)\n"
+               "  --gpu               train on the GPU mesh (gpu_runner: NCCL, or devices sharing a GPU); needs a\n"
+               "                      build with Kokkos CUDA and NCCL, and a visible GPU\n"
+               "  --loss-log FILE     write each step's loss to FILE, one 'step loss' line per step\n"
                "Every check of the options runs before the text is loaded; a mistake exits with status 2.\n";
 }
 
@@ -152,6 +157,9 @@ options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--prompt") o.prompt = value();
     else if (a == "--advise") o.advise = true;
+    else if (a == "--gpu") o.gpu = true;
+    else if (a == "--loss-log") o.loss_log = value();
+    else if (a == "--final-windows") o.final_windows = positive_integer(a, value());
     else if (a == "--remat") o.remat = true;
     else if (a == "--untie") o.untie = true;
     else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
@@ -162,6 +170,8 @@ options parse(int argc, char** argv) {
       o.generate = *n;
     } else throw usage_error("unknown option '" + a + "' (see --help)");
   }
+  flagship::check_gpu_flag(o.gpu);
+  if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
   const bool four = o.fsdp != 1 || o.pipeline != 1;
@@ -196,6 +206,10 @@ options parse(int argc, char** argv) {
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"tensor">,
                              meshlib::axis<"pipeline">>;
 using block_t = meshlib::nn::transformer_block<float, mesh_t, "tensor">;
+// The heads, named here: nvcc (13.0) cannot spell a string template argument written inside a
+// lambda of a function template ("'__T28' was not declared").
+using untied_head_t = meshlib::nn::column_dense<float, mesh_t, "tensor">;
+using tied_head_t = meshlib::nn::tied_head<float, mesh_t, "tensor">;
 
 /// Transformer blocks chained, a layer of `sequential` like any other (forward, backward,
 /// collect): the number of blocks is a run-time option, while a `sequential`'s layers are types.
@@ -234,8 +248,8 @@ auto gpt(const mesh_t& m, const options& o, meshlib::nn::rng_key key) {
     else h[4 * i / o.layers].blocks.push_back(std::move(b));
   }
   auto head = [&] {
-    if constexpr (Untie) return nn::column_dense<float, mesh_t, "tensor">(m, "head", o.width, 256, key);
-    else return nn::tied_head<float, mesh_t, "tensor">(tok);
+    if constexpr (Untie) return untied_head_t(m, "head", o.width, 256, key);
+    else return tied_head_t(tok);
   }();
   return nn::sequential(tok, nn::positional_embedding<float, mesh_t>(m, "pos", o.context, o.width, o.context, key),
                         std::move(h[0]), std::move(h[1]), std::move(h[2]), std::move(h[3]),
@@ -260,8 +274,8 @@ meshlib::nn::token_batch spread_windows(std::span<const std::uint8_t> text, std:
 /// `temperature`, given the last `context` bytes (padded at the end: the causal mask makes the
 /// padding invisible to the position read). Every data replica reads the same window; the device of
 /// data rank 0 of each model group copies its block of the vocabulary's logits out.
-template <bool Remat, bool Untie, class State>
-std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
+template <bool Remat, bool Untie, class State, class Runner>
+std::string generate(State& state, const options& o, meshlib::nn::rng_key key, const Runner& runner) {
   namespace nn = meshlib::nn;
   if (state.pipeline() != nullptr || state.options.fsdp) {
     // A device holds only its pipeline stage's parameters (under FSDP, its shards of them):
@@ -272,7 +286,7 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
     State single(one, gpt<Remat, Untie>(one, o, key), state.opt);
     nn::restore_checkpoint(dir, single);
     std::filesystem::remove_all(dir);
-    return generate<Remat, Untie>(single, o, key);
+    return generate<Remat, Untie>(single, o, key, runner);
   }
   using ids_t = typename State::ids_type;
   constexpr auto model_mask = mesh_t::mask_of<"tensor">();
@@ -280,19 +294,24 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key) {
   std::string text = o.prompt;
   std::vector<std::int32_t> window(o.context);
   std::vector<float> logits(256), p(256);
+  // The window where the model's kernels read it (device memory on a GPU; nn::device_put's rule).
+  const Kokkos::View<std::int32_t*, meshlib::default_memory_space> ids_window("window", o.context);
   state.model.begin_step(key, false);
   for (std::size_t k = 0; k < o.generate; ++k) {
     const std::size_t len = std::min(text.size(), o.context);
     std::fill(window.begin(), window.end(), std::int32_t{' '});
     for (std::size_t t = 0; t < len; ++t)
       window[t] = static_cast<unsigned char>(text[text.size() - len + t]);
+    Kokkos::deep_copy(ids_window, Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                                      window.data(), window.size()));
     meshlib::spmd(state.mesh, [&](std::size_t dev) {
-      const ids_t ids(typename ids_t::view_type(window.data(), o.context), state.mesh, dev);
+      const ids_t ids(typename ids_t::view_type(ids_window.data(), o.context), state.mesh, dev);
       const auto z = state.model.forward(ids);
       if (state.mesh.group_rank(dev, data_mask) != 0) return;
       const std::size_t c0 = state.mesh.group_rank(dev, model_mask) * z.extent(1);
-      for (std::size_t j = 0; j < z.extent(1); ++j) logits[c0 + j] = z(len - 1, j);
-    });
+      const std::vector<float> block = meshlib::to_host(z);
+      for (std::size_t j = 0; j < z.extent(1); ++j) logits[c0 + j] = block[(len - 1) * z.extent(1) + j];
+    }, runner);
     const float mx = *std::max_element(logits.begin(), logits.end());
     double sum = 0;
     for (std::size_t v = 0; v < 256; ++v) sum += (p[v] = std::exp((logits[v] - mx) / o.temperature));
@@ -328,8 +347,8 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   return 0;
 }
 
-template <bool Remat, bool Untie>
-int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
+template <bool Remat, bool Untie, class Runner>
+int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const Runner& runner) {
   namespace nn = meshlib::nn;
   if (o.advise) return advise<Remat, Untie>(o, corpus);
   const mesh_t mesh{o.data, o.fsdp, o.model, o.pipeline};
@@ -351,8 +370,9 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
     for (auto e : p.shape) n *= e;
     count += n;
   }
-  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu thread devices)\n",
-              o.layers, o.heads, o.width, o.context, mesh.to_string().c_str(), mesh.size());
+  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu %s)\n",
+              o.layers, o.heads, o.width, o.context, mesh.to_string().c_str(), mesh.size(),
+              o.gpu ? "GPU mesh devices" : "thread devices");
   std::printf("  data: %zu bytes from %zu files of %s: %zu training, %zu validation (the last 10%%)\n", corpus.bytes.size(),
               corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
   std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
@@ -376,12 +396,15 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
   std::fflush(stdout);
 
   const auto progress = spread_windows(split.validation, o.context, o.eval_windows);
+  flagship::loss_log losses(o.loss_log);
   const auto start = std::chrono::steady_clock::now();
   auto since = start;
   double loss_sum = 0, sync = 0;
   std::size_t n = 0, held = 0, peak = 0;
   for (std::size_t s = 0; s < o.steps; ++s) {
-    const auto m = nn::train_step(state, nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000 + s)));
+    const auto m =
+        nn::train_step(state, nn::sample_windows(split.train, o.batch, o.context, key.fold_in(1'000'000 + s)), runner);
+    losses.write(s + 1, m.loss);
     held = std::max(held, m.activation_bytes);
     peak = std::max(peak, m.peak_activation_bytes);
     loss_sum += m.loss;
@@ -396,7 +419,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
                   loss_sum / static_cast<double>(n), static_cast<double>(lr(s)),
                   static_cast<double>(n * o.batch * o.context) / secs, 100.0 * sync / secs, elapsed);
       if (eval) {
-        const auto v = nn::evaluate(state, progress);
+        const auto v = nn::evaluate(state, progress, 64, runner);
         std::printf("  validation ~%.4f (%zu windows)\n", v.loss, progress.rows);
         since = std::chrono::steady_clock::now();
         loss_sum = sync = 0;
@@ -406,8 +429,9 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
     }
   }
   const double train_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto all = nn::tile_windows(split.validation, o.context, 0, nn::count_windows(split.validation, o.context));
-  const auto v = nn::evaluate(state, all);
+  const auto all = o.final_windows ? spread_windows(split.validation, o.context, o.final_windows)
+                                   : nn::tile_windows(split.validation, o.context, 0, nn::count_windows(split.validation, o.context));
+  const auto v = nn::evaluate(state, all, 64, runner);
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("\n  validation: %.4f nats/char (%.3f bits), next-character accuracy %.1f%% over %zu characters (%.1f s)\n",
               v.loss, v.loss / std::log(2.0), 100.0 * static_cast<double>(v.correct) / static_cast<double>(v.rows),
@@ -416,7 +440,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
               Remat ? " (every block in remat)" : "", static_cast<double>(held) / 1048576.0,
               static_cast<double>(peak) / 1048576.0);
   if (o.generate > 0) {
-    const std::string text = generate<Remat, Untie>(state, o, key.fold_in(2'000'000));
+    const std::string text = generate<Remat, Untie>(state, o, key.fold_in(2'000'000), runner);
     std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
                 static_cast<unsigned long long>(o.seed), text.c_str());
   }
@@ -426,8 +450,10 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus) {
 }
 
 int train(const options& o, const meshlib::nn::text_corpus& corpus) {
-  if (o.untie) return o.remat ? train_model<true, true>(o, corpus) : train_model<false, true>(o, corpus);
-  return o.remat ? train_model<true, false>(o, corpus) : train_model<false, false>(o, corpus);
+  return flagship::with_runner(o.gpu, [&](const auto& runner) {
+    if (o.untie) return o.remat ? train_model<true, true>(o, corpus, runner) : train_model<false, true>(o, corpus, runner);
+    return o.remat ? train_model<true, false>(o, corpus, runner) : train_model<false, false>(o, corpus, runner);
+  });
 }
 
 }  // namespace

@@ -51,7 +51,8 @@ struct options {
   float lr = 2e-3f;
   std::string optimizer = "adamw", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir;
-  bool resume = false, advise = false;
+  std::string loss_log;
+  bool resume = false, advise = false, gpu = false;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
 };
@@ -61,7 +62,7 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_resnet_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--width W] [--optimizer NAME]\n"
     "                                  [--checkpoint-dir DIR] [--resume] [--data DIR] [--seed S] [--steps N] [--advise]\n"
-    "                                  [--help]\n";
+    "                                  [--gpu] [--loss-log FILE] [--help]\n";
 
 void usage() {
   std::cout << usage_line
@@ -79,6 +80,9 @@ void usage() {
                "  --steps N             stop after N steps (smoke runs)\n"
                "  --advise              time a few steps of every (data, model) shape of the D x M devices on this\n"
                "                        model and batch, print the ranked table and exit (no training)\n"
+               "  --gpu                 train on the GPU mesh (gpu_runner: NCCL, or devices sharing a GPU); needs a\n"
+               "                        build with Kokkos CUDA and NCCL, and a visible GPU\n"
+               "  --loss-log FILE       write each step's loss to FILE, one 'step loss' line per step\n"
                "Every check of the options (numbers, mesh, batch) runs before the data is loaded; a mistake\n"
                "exits with status 2.\n";
 }
@@ -107,11 +111,15 @@ options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = flagship::seed_number(a, value());
     else if (a == "--steps") o.limit_steps = positive_integer(a, value());
     else if (a == "--advise") o.advise = true;
+    else if (a == "--gpu") o.gpu = true;
+    else if (a == "--loss-log") o.loss_log = value();
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
     throw usage_error("--optimizer is adamw, adam or sgd, not '" + o.optimizer + "'");
   if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
+  flagship::check_gpu_flag(o.gpu);
+  if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
   // The checks that need no data, in the options' words, before the seconds of loading (the
   // library would reject the batch later, in its own terms).
   if (!o.advise && o.batch % o.data != 0)  // --advise lists the shapes the batch does not split over
@@ -159,20 +167,22 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   return 0;
 }
 
-int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
+template <class Runner>
+int train_on(const options& o, const meshlib::nn::fashion_mnist& fm, const Runner& runner) {
   namespace nn = meshlib::nn;
-  if (o.advise) return advise(o, fm);
   const mesh_t mesh{o.data, o.model};
   const nn::rng_key key{o.seed};
   nn::data_loader loader(fm.train, {.global_batch = o.batch, .seed = o.seed});
+  nn::device_prefetcher batches(loader);  // batches into the devices' memory (a no-op copy on CPU devices)
   const std::size_t steps = loader.steps_per_epoch();
   const std::size_t total = o.limit_steps ? std::min(o.limit_steps, steps * o.epochs) : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(steps / 2, total / 10), total, 0.01f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adam" ? nn::adam(lr) : nn::adamw(lr, 1e-4f);
   nn::train_state state(mesh, resnet(mesh, o.width, key), opt);
 
-  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu thread devices)\n",
-              o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size());
+  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s)\n",
+              o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size(),
+              o.gpu ? "GPU mesh devices" : "thread devices");
   std::printf("  data: %zu training / %zu test images from %s\n", fm.train.count, fm.test.count, o.data_dir.c_str());
   std::printf("  batch %zu (%zu images per data device), %s, lr %g warm-up + cosine, batch norm synchronised over 'data'\n",
               o.batch, o.batch / o.data, opt.name().c_str(), static_cast<double>(o.lr));
@@ -189,19 +199,21 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
   }
   std::fflush(stdout);
 
+  flagship::loss_log losses(o.loss_log);
   const auto start = std::chrono::steady_clock::now();
   std::size_t done = state.step;
   double acc_test = 0;
   for (std::size_t epoch = done / steps; epoch < o.epochs && done < total; ++epoch) {
     const auto t0 = std::chrono::steady_clock::now();
-    loader.start_epoch(epoch);
+    batches.start_epoch(epoch);  // on a GPU: the next batch is copied while this step computes
     double loss_sum = 0, sync = 0;
     std::size_t correct = 0, seen = 0, n = 0;
-    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(loader.next());  // resumed mid-epoch
-    while (auto b = loader.next()) {
+    for (std::size_t skip = done % steps; skip > 0; --skip) static_cast<void>(batches.next());  // resumed mid-epoch
+    while (auto b = batches.next()) {
       if (done == total) break;
-      const auto m = nn::train_step(state, *b);
+      const auto m = nn::train_step(state, *b, runner);
       ++done;
+      losses.write(done, m.loss);
       loss_sum += m.loss;
       correct += m.correct;
       seen += m.rows;
@@ -215,7 +227,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
       }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const auto t = nn::evaluate(state, fm.test, 1000);  // batch norm on its running statistics
+    const auto t = nn::evaluate(state, fm.test, 1000, runner);  // batch norm on its running statistics
     acc_test = static_cast<double>(t.correct) / static_cast<double>(t.rows);
     if (!o.checkpoint_dir.empty()) nn::save_checkpoint(o.checkpoint_dir, state);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -228,6 +240,11 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
   std::printf("done: %zu steps in %.1f s, test accuracy %.2f%% on %s\n", done, total_s, 100.0 * acc_test,
               mesh.to_string().c_str());
   return 0;
+}
+
+int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
+  if (o.advise) return advise(o, fm);
+  return flagship::with_runner(o.gpu, [&](const auto& runner) { return train_on(o, fm, runner); });
 }
 
 }  // namespace

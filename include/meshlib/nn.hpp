@@ -35,6 +35,7 @@
 #include "meshlib/nn/grad_sync.hpp"
 #include "meshlib/nn/fsdp.hpp"
 #include "meshlib/nn/data.hpp"
+#include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/train_state.hpp"
 #include "meshlib/nn/advise_mesh.hpp"
 #include "meshlib/nn/params.hpp"

@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <exception>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -225,7 +226,12 @@ struct gpu_runner {
         o.device = p.gpus.front();
         o.stream = {};
         meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
-        nccl_communicator world = connect(o);
+        std::vector<nccl_communicator>& kept = keep(p, [&] {
+          std::vector<nccl_communicator> v;
+          v.push_back(connect(o));
+          return v;
+        });
+        nccl_communicator& world = kept.front();
         const auto rank = static_cast<std::size_t>(world.rank());
         try {
           on_instance(world, [&] { body(rank, world); });
@@ -234,6 +240,7 @@ struct gpu_runner {
           const std::string why = "meshlib: process " + std::to_string(rank) + " of " + std::to_string(n) + " (GPU " +
                                   std::to_string(o.device) + ") failed: " + meshlib::detail::what_of(e);
           world.abort(why);
+          kept_->drop();
           throw participant_error(static_cast<int>(rank), why);  // nests the exception (in a handler)
         }
         return;
@@ -241,13 +248,16 @@ struct gpu_runner {
       case gpu_layout::gpu_per_device: {
         nccl_comm_options o = comm_options;
         o.stream = {};
-        run_on_gpus(
-            p.gpus,
-            [&](nccl_communicator& c) {
-              const auto rank = static_cast<std::size_t>(c.rank());
-              on_instance(c, [&] { body(rank, c); });
-            },
-            o);
+        std::vector<nccl_communicator>& kept = keep(p, [&] { return nccl_communicators(p.gpus, o); });
+        try {
+          run_on_communicators(std::span<nccl_communicator>(kept), [&](nccl_communicator& c) {
+            const auto rank = static_cast<std::size_t>(c.rank());
+            on_instance(c, [&] { body(rank, c); });
+          });
+        } catch (...) {
+          kept_->drop();  // aborted: the next call makes new ones
+          throw;
+        }
         return;
       }
       case gpu_layout::devices_share_gpu: {
@@ -269,6 +279,46 @@ struct gpu_runner {
   }
 
  private:
+  /// The NCCL communicators of the last call, kept for the next one with the same plan: NCCL's
+  /// initialisation costs far more than a training step, and a training loop calls the runner every
+  /// step. Shared by the runner's copies; destroyed with the last one, all GPUs at once
+  /// (`destroy_communicators`: finalizing one GPU's communicator waits for its peers). A failed
+  /// call drops them (they were aborted). The shared-GPU communicator is made per call: it holds
+  /// no NCCL communicator, and its host group is the call's threads.
+  struct kept_communicators {
+    std::vector<int> gpus;
+    gpu_layout layout = gpu_layout::gpu_per_device;
+    std::vector<nccl_communicator> comms;
+    void drop() noexcept {
+      try {
+        destroy_communicators(comms);
+      } catch (...) {
+        comms.clear();
+      }
+      gpus.clear();
+    }
+    kept_communicators() = default;
+    kept_communicators(const kept_communicators&) = delete;
+    kept_communicators& operator=(const kept_communicators&) = delete;
+    ~kept_communicators() { drop(); }
+  };
+  std::shared_ptr<kept_communicators> kept_ = std::make_shared<kept_communicators>();
+
+  /// The kept communicators for plan `p`, made by `make()` unless the last call's fit and are usable.
+  template <class Make>
+  std::vector<nccl_communicator>& keep(const gpu_plan& p, Make&& make) const {
+    kept_communicators& k = *kept_;
+    bool usable = !k.comms.empty() && k.gpus == p.gpus && k.layout == p.layout;
+    for (const auto& c : k.comms) usable = usable && c.valid() && !c.failed();
+    if (!usable) {
+      k.drop();
+      k.comms = make();
+      k.gpus = p.gpus;
+      k.layout = p.layout;
+    }
+    return k.comms;
+  }
+
   /// Runs `f` with a Kokkos CUDA instance on `c`'s stream installed as this thread's instance for
   /// `CudaSpace` kernels; the instance goes (after a fence) before the communicator's stream does.
   template <class C, class F>

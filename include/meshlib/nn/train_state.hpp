@@ -49,6 +49,7 @@
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
 #include "meshlib/nn/data/text_windows.hpp"
+#include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/grad_overlap.hpp"
@@ -110,8 +111,18 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
-    (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
+      (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    } else {
+      // A device communicator (NCCL, shared GPU) moves device memory only: the sums go through a
+      // device block of the running device (reduced in place, then read back).
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
+      const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
+      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
+      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+    }
   }
 }
 }  // namespace detail
@@ -233,6 +244,7 @@ class train_state {
         loss_(m.size()),
         gather_(m.size()),
         input_(m.size()),
+        ids_(m.size()),
         output_grad_(m.size()),
         squares_(m.size()) {
     model.collect(params);
@@ -307,17 +319,24 @@ class train_state {
   /// Consecutive good steps since the scale last changed.
   [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
 
-  /// Device `dev`'s input rows as the model sees them: `x` itself in float, else a copy rounded to
-  /// `Compute` (the caller's data is never modified).
+  /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
+  /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
+  /// else staged into the device's buffer (host rows on a GPU); with a 16-bit `Compute`, a copy
+  /// rounded to it (the caller's data is never modified).
   [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    const float* src = input_.staged(dev, x, n);
     if constexpr (!mixed) {
-      return const_cast<float*>(x);
+      return const_cast<float*>(src);
     } else {
       float* b = input_.get(dev, n);
-      std::copy_n(x, n, b);
+      if (src != b) detail::convert_copy<default_memory_space>(b, src, n);
       detail::round_to<Compute>(b, n);
       return b;
     }
+  }
+  /// Device `dev`'s `n` token ids at `x` as the model's kernels read them (see `input_block`).
+  [[nodiscard]] std::int32_t* ids_block(std::size_t dev, const std::int32_t* x, std::size_t n) {
+    return const_cast<std::int32_t*>(ids_.staged(dev, x, n));
   }
   /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
   /// output (the `grad` argument of a `loss_function`); valid until the next step.
@@ -610,6 +629,7 @@ class train_state {
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
+  detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
   // The clipping norm's partial sums (a const query writes them: each device only its own slot).
   mutable detail::device_buffers<double> squares_;
@@ -677,7 +697,7 @@ template <input_element In, class State>
 input_block_t<State, In> make_input_block(State& s, std::size_t dev, const In* x, std::size_t rows, std::size_t features) {
   using X = input_block_t<State, In>;
   if constexpr (std::is_same_v<In, std::int32_t>)
-    return X(typename X::view_type(const_cast<std::int32_t*>(x), rows), s.mesh, dev);
+    return X(typename X::view_type(s.ids_block(dev, x, rows), rows), s.mesh, dev);
   else
     return X(typename X::view_type(s.input_block(dev, x, rows * features), rows, features), s.mesh, dev);
 }
@@ -931,6 +951,23 @@ template <class State, class Loss, class Backend = default_runner>
   requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
 step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+
+/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
+/// the model reads its rows in place; the labels are the batch's host copy.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
+                    b.global_offset, b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
                     std::forward<Loss>(loss), backend);
 }
 

@@ -28,6 +28,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "meshlib/core/checked_size.hpp"
 #include "meshlib/core/diagnostics.hpp"
@@ -210,6 +211,16 @@ concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local
 /// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
+
+/// @brief A device's block read back into host memory, row-major (a copy on the running device's
+/// instance where the block is device memory; a plain copy on a host space): for host code that
+/// needs a kernel's result, such as sampling the next token from a model's logits.
+template <local_tensor_type L>
+[[nodiscard]] std::vector<std::remove_const_t<typename L::value_type>> to_host(const L& x) {
+  std::vector<std::remove_const_t<typename L::value_type>> out(x.size());
+  detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
+  return out;
+}
 
 namespace detail {
 /// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).

@@ -42,7 +42,9 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
@@ -221,39 +223,45 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
-  static_assert(Kokkos::SpaceAccessibility<Exec, space>::accessible &&
-                    Kokkos::SpaceAccessibility<Exec, typename VA::memory_space>::accessible &&
-                    Kokkos::SpaceAccessibility<Exec, typename VB::memory_space>::accessible,
-                "meshlib: matmul_into: the execution space cannot access the views' memory; pass an instance of the "
-                "space their memory belongs to");
-  detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
-  const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
-  const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
-  if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
-                std::is_same_v<typename VB::memory_space, space> &&
-                std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
-                std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
-    if (c.extent(0) == 0 || c.extent(1) == 0) return;
-    if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+  using entry = detail::diag_op_t<"matmul_into">;
+  constexpr bool accessible = require_accessible<entry, detail::diag_op_t<"C">, Exec, space>() &&
+                              require_accessible<entry, detail::diag_op_t<"A">, Exec, typename VA::memory_space>() &&
+                              require_accessible<entry, detail::diag_op_t<"B">, Exec, typename VB::memory_space>();
+  if constexpr (accessible) {
+    detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+    // The views' types say device memory; their pointers may still be host memory (a view wrapped
+    // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
+    check_device_readable<space>(c.data(), "matmul_into", "C");
+    check_device_readable<typename VA::memory_space>(a.data(), "matmul_into", "A");
+    check_device_readable<typename VB::memory_space>(b.data(), "matmul_into", "B");
+    const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+    const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
+    if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+                  std::is_same_v<typename VB::memory_space, space> &&
+                  std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+      if (c.extent(0) == 0 || c.extent(1) == 0) return;
+      if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-    detail::ensure_blas_threads();
-    // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
-    using layout = typename VC::array_layout;
-    using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
-    const Kokkos::View<const T**, layout, space, um> av = a;
-    const Kokkos::View<const T**, layout, space, um> bv = b;
-    const Kokkos::View<T**, layout, space, um> cv = c;
-    const char* ta = o.transpose_a ? "T" : "N";
-    const char* tb = o.transpose_b ? "T" : "N";
+      detail::ensure_blas_threads();
+      // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
+      using layout = typename VC::array_layout;
+      using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+      const Kokkos::View<const T**, layout, space, um> av = a;
+      const Kokkos::View<const T**, layout, space, um> bv = b;
+      const Kokkos::View<T**, layout, space, um> cv = c;
+      const char* ta = o.transpose_a ? "T" : "N";
+      const char* tb = o.transpose_b ? "T" : "N";
 #if KOKKOS_VERSION >= 40000
-    if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
-    else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
+      if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
+      else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
 #else
-    KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
+      KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
 #endif
 #endif
-  } else {
-    detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+    } else {
+      detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+    }
   }
 }
 

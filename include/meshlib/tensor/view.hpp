@@ -216,6 +216,16 @@ exec_space_for_t<Space> current_exec() {
   return exec_type();
 }
 
+/// The GPU the running device's kernels on memory `Space` run on (`current_exec`), or -1 where
+/// `Space` is not a CUDA space (host memory has no device number).
+template <class Space>
+int current_device_id() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<exec_space_for_t<Space>, Kokkos::Cuda>) return current_exec<Space>().cuda_device();
+#endif
+  return -1;
+}
+
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
 /// the allocation itself under `kokkos_state_mutex()`.
 template <class T, std::size_t Rank, class Space = default_memory_space>

@@ -289,3 +289,51 @@ TEST_CASE("every train_step applies its own batch's gradient: SGD gives theta - 
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("device_put and device_prefetcher hand the loader's batches to train_step unchanged", "[nn][training][device_put]") {
+  // On a host space nothing is copied (the rows move in), and the step's losses are the host
+  // batch's, bit for bit; on a GPU the same calls copy through pinned memory (scripts/gpu-check.sh).
+  const auto ds = synthetic(batch * 4);
+  nn::data_loader plain(ds, {.global_batch = batch, .seed = 5});
+  nn::data_loader ahead(ds, {.global_batch = batch, .seed = 5});
+  nn::device_prefetcher batches(ahead);
+  STATIC_REQUIRE_FALSE(nn::device_prefetcher::copies());
+  REQUIRE(meshlib_test::message_of<meshlib::data_error>([&] { (void)batches.next(); }) ==
+          "meshlib: device_prefetcher: next() called before start_epoch(epoch)");
+  const mesh_t m{2, 2};
+  nn::train_state a(m, make_net(m), nn::adam(nn::constant(1e-2f)), {}, nn::rng_key{11});
+  nn::train_state b(m, make_net(m), nn::adam(nn::constant(1e-2f)), {}, nn::rng_key{11});
+  for (std::size_t epoch = 0; epoch < 2; ++epoch) {
+    plain.start_epoch(epoch);
+    batches.start_epoch(epoch);
+    std::size_t steps = 0;
+    while (auto host = plain.next()) {
+      auto dev = batches.next();
+      REQUIRE(dev.has_value());
+      REQUIRE(dev->rows == host->rows);
+      REQUIRE(dev->step == host->step);
+      REQUIRE(dev->epoch == epoch);
+      REQUIRE(dev->y == host->y);
+      REQUIRE(std::equal(host->x.begin(), host->x.end(), dev->x.data()));
+      const auto put = nn::device_put(*host);  // a copy: the host batch stays as it was
+      REQUIRE(put.x.data() != host->x.data());
+      REQUIRE(std::equal(host->x.begin(), host->x.end(), put.x.data()));
+      const double la = nn::train_step(a, *host).loss;
+      const double lb = nn::train_step(b, *dev).loss;
+      REQUIRE(la == lb);
+      ++steps;
+    }
+    REQUIRE_FALSE(batches.next().has_value());
+    REQUIRE(steps == 4);
+  }
+  // Moved in: the rows are the batch's own, not a copy.
+  plain.start_epoch(0);
+  auto host = *plain.next();
+  const float* rows = host.x.data();
+  const auto moved = nn::device_put(std::move(host));
+  REQUIRE(moved.x.data() == rows);
+}
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -211,3 +211,71 @@ TEST_CASE("docs/tensors.md: matmul_into for a dense layer's backward", "[tensor]
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+// ---- where a pointer's memory is (tensor/pointer_check.hpp), with a fake device space -----------------
+
+namespace meshlib_test_pointer {
+/// A device memory space as far as meshlib's run-time check is concerned: its "device memory" is
+/// the addresses of `device_block`, everything else is host memory.
+struct fake_device_space {
+  using execution_space = Kokkos::DefaultHostExecutionSpace;
+  static constexpr const char* name() noexcept { return "FakeDeviceSpace"; }
+};
+inline float device_block[16];
+}  // namespace meshlib_test_pointer
+
+template <>
+struct meshlib::pointer_query<meshlib_test_pointer::fake_device_space> {
+  static constexpr bool asks = true;
+  static pointer_info of(const void* p) noexcept {
+    const auto* b = reinterpret_cast<const char*>(meshlib_test_pointer::device_block);
+    const auto* q = static_cast<const char*>(p);
+    if (q >= b && q < b + sizeof meshlib_test_pointer::device_block) return {pointer_location::device, 1};
+    return {pointer_location::host, -1};
+  }
+};
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("a host pointer handed to a device kernel is refused before the launch, naming the argument", "[tensor][pointer_check]") {
+  using fake = meshlib_test_pointer::fake_device_space;
+  std::vector<float> host(16);
+  // Host spaces are not asked: every pointer is readable there.
+  STATIC_REQUIRE_FALSE(meshlib::pointer_query<Kokkos::HostSpace>::asks);
+  CHECK(meshlib::is_device_readable<Kokkos::HostSpace>(host.data()));
+  CHECK_NOTHROW(meshlib::check_device_readable<Kokkos::HostSpace>(host.data(), "matmul_into", "A"));
+  // The fake device: its own block is readable on its GPU (1) or any, not on GPU 0; host memory never.
+  CHECK(meshlib::is_device_readable<fake>(meshlib_test_pointer::device_block));
+  CHECK(meshlib::is_device_readable<fake>(meshlib_test_pointer::device_block + 3, 1));
+  CHECK_FALSE(meshlib::is_device_readable<fake>(meshlib_test_pointer::device_block, 0));
+  CHECK_FALSE(meshlib::is_device_readable<fake>(host.data()));
+  CHECK(meshlib::is_device_readable<fake>(nullptr));  // an empty block
+  CHECK(meshlib_test::message_of<meshlib::memory_space_error>([&] {
+          meshlib::check_device_readable<fake>(host.data(), "my_layer::forward", "x");
+        }) == "meshlib: my_layer::forward: argument 'x' is host memory, but its kernel runs on " +
+                  std::string(Kokkos::DefaultHostExecutionSpace::name()) +
+                  " (FakeDeviceSpace); copy it to the device first (meshlib::nn::device_put for a batch, "
+                  "meshlib::device_put for an array, Kokkos::deep_copy for a view)");
+  CHECK(meshlib_test::message_of<meshlib::memory_space_error>([&] {
+          meshlib::check_device_readable<fake>(meshlib_test_pointer::device_block, "matmul_into", "B", 0);
+        }) == "meshlib: matmul_into: argument 'B' is memory of GPU 1, but its kernel runs on GPU 0; copy it to that "
+              "GPU first (Kokkos::deep_copy)");
+  CHECK_NOTHROW(meshlib::check_device_readable<fake>(meshlib_test_pointer::device_block, "matmul_into", "C"));
+  // A memory_space_error is a meshlib::error.
+  STATIC_REQUIRE(std::is_base_of_v<meshlib::error, meshlib::memory_space_error>);
+  // The compile-time half is true where the execution space reads the memory (the refusal is a
+  // compile error: tests/cuda/host_view_on_device.cpp in scripts/cuda_compile_check.sh).
+  STATIC_REQUIRE(meshlib::require_accessible<meshlib::detail::diag_op_t<"matmul_into">, meshlib::detail::diag_op_t<"A">,
+                                             Kokkos::DefaultHostExecutionSpace, Kokkos::HostSpace>());
+}
+
+TEST_CASE("to_host reads a device's block back row-major", "[tensor][pointer_check]") {
+  using mesh_t = meshlib::mesh<meshlib::axis<"data">>;
+  const mesh_t m{1};
+  meshlib::local_tensor<float, 2, mesh_t> x({2, 3}, m, 0);
+  for (std::size_t i = 0; i < 2; ++i)
+    for (std::size_t j = 0; j < 3; ++j) x(i, j) = static_cast<float>(10 * i + j);
+  CHECK(meshlib::to_host(x) == std::vector<float>{0, 1, 2, 10, 11, 12});
+}
+
+}  // namespace MESHLIB_TEST_UNIT

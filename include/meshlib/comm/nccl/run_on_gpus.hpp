@@ -19,6 +19,7 @@
 
 #if MESHLIB_ENABLE_NCCL
 
+#include <atomic>
 #include <exception>
 #include <span>
 #include <string>
@@ -88,14 +89,15 @@ inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
   comms.clear();
 }
 
-/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
-/// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
-/// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
-/// threads have ended `participant_error` is thrown for the first failure, its exception nested.
+/// @brief Runs `fn(nccl_communicator&)` on one thread per communicator of `comms` (thread r has
+/// `comms[r]`'s GPU current), and returns when all have returned: `run_on_gpus` on communicators
+/// made before, which a caller keeps across calls (NCCL's initialisation costs far more than a
+/// training step: `gpu_runner` keeps them). When one throws, every communicator is aborted (peers
+/// waiting in a collective get `comm_aborted`; the communicators are unusable afterwards), and once
+/// all threads have ended `participant_error` is thrown for the first failure, its exception nested.
 template <class F>
   requires std::is_invocable_v<F&, nccl_communicator&>
-void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
-  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
   const int n = static_cast<int>(comms.size());
   std::vector<std::exception_ptr> errors(comms.size());
   std::atomic<int> first{-1};
@@ -113,21 +115,40 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
       for (auto& other : comms) other.abort(why);
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(comms.size());
-  try {
-    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
-  } catch (...) {
-    for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+  if (n == 1) {
+    body(0);  // one GPU: on the caller's thread (no thread to start per call)
+  } else {
+    std::vector<std::thread> threads;
+    threads.reserve(comms.size());
+    try {
+      for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+    } catch (...) {
+      for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+      for (auto& t : threads) t.join();
+      throw;  // aborted communicators are released without finalizing
+    }
     for (auto& t : threads) t.join();
-    throw;  // aborted communicators are released without finalizing
   }
-  for (auto& t : threads) t.join();
-  destroy_communicators(comms);
   detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
     return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
-           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
+           std::to_string(comms[static_cast<std::size_t>(r)].device()) + ")";
   });
+}
+
+/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
+/// `devices[r]` current and rank r), and returns when all have returned: new communicators
+/// (`nccl_communicators`), `run_on_communicators`, and the communicators destroyed again. When one
+/// throws, every communicator is aborted (peers waiting in a collective get `comm_aborted`), and
+/// once all threads have ended `participant_error` is thrown for the first failure, its exception nested.
+template <class F>
+  requires std::is_invocable_v<F&, nccl_communicator&>
+void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
+  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+  struct destroy_at_end {
+    std::vector<nccl_communicator>& c;
+    ~destroy_at_end() { destroy_communicators(c); }
+  } at_end{comms};
+  run_on_communicators(std::span<nccl_communicator>(comms), fn);
 }
 
 }  // namespace meshlib

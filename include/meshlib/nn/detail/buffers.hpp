@@ -26,6 +26,7 @@
 #include "meshlib/collectives/permutes.hpp"
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -158,6 +159,15 @@ class device_buffers {
       meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
       return p;
     }
+  }
+  /// `n` values at `src`, which may be host or device memory (a caller's span), readable by the
+  /// running device's kernels: `src` itself where they can read it (any pointer on a host space;
+  /// device memory of the running GPU, asked with `is_device_readable`), else a copy in device
+  /// `dev`'s buffer (`readable`).
+  const T* staged(std::size_t dev, const T* src, std::size_t n) {
+    if (meshlib::is_device_readable<default_memory_space>(src, meshlib::detail::current_device_id<default_memory_space>()))
+      return src;
+    return readable(dev, src, n);
   }
   /// Frees device `dev`'s buffer (the next `get` allocates again).
   void release(std::size_t dev) noexcept { release_slot(&bufs_.at(dev)); }

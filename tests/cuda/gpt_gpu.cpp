@@ -1,0 +1,9 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// examples/train_gpt_chars built for CUDA (its --gpu path: gpu_runner, every block in CudaSpace):
+// scripts/gpu-check.sh --bundle builds it and --run compares its losses with the CPU run.
+#include <meshlib.hpp>
+#include <meshlib/nccl.hpp>
+
+static_assert(MESHLIB_HAS_GPU_RUNNER == 1, "the flagship's GPU path needs NCCL and Kokkos CUDA");
+
+#include "../../examples/train_gpt_chars/train_gpt_chars.cpp"
