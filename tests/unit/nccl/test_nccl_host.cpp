@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,6 +120,73 @@ TEST_CASE("nccl: CUDA errors become meshlib exceptions with CUDA's name and text
         "meshlib: nccl_communicator: cudaGetDeviceCount failed: cudaErrorNoDevice (no CUDA-capable device is detected)");
   CHECK(message_of<ml::comm_error>([] { check_cuda(cudaErrorMemoryAllocation, "all_to_all", "cudaMallocAsync"); }) ==
         "meshlib: all_to_all: cudaMallocAsync failed: cudaErrorMemoryAllocation (out of memory)");
+}
+
+// ---- the NCCL version: parsed, compared, and an old library refused -------------------------------
+
+static_assert(ml::nccl_version_number::from_code(22809) == ml::nccl_version_number{2, 28, 9});
+static_assert(ml::nccl_header_version().code() == NCCL_VERSION_CODE);
+
+TEST_CASE("nccl version: codes of both of NCCL's schemes parse, and code() writes them back", "[nccl][version]") {
+  using v = ml::nccl_version_number;
+  // Since 2.9: major * 10000 + minor * 100 + patch; before: major * 1000 + minor * 100 + patch.
+  CHECK(v::from_code(22809) == v{2, 28, 9});
+  CHECK(v::from_code(22803) == v{2, 28, 3});
+  CHECK(v::from_code(21800) == v{2, 18, 0});
+  CHECK(v::from_code(20900) == v{2, 9, 0});
+  CHECK(v::from_code(2708) == v{2, 7, 8});
+  CHECK(v::from_code(2406) == v{2, 4, 6});
+  CHECK(v::from_code(30102) == v{3, 1, 2});
+  // Every version NCCL can write comes back from its code, as NCCL_VERSION(X, Y, Z) computes it.
+  for (int major = 1; major <= 3; ++major)
+    for (int minor = 0; minor <= 99; ++minor)
+      for (int patch : {0, 1, 9, 42, 99}) {
+        const v x{major, minor, patch};
+        INFO(x);
+        CHECK(x.code() == NCCL_VERSION(major, minor, patch));
+        CHECK(v::from_code(x.code()) == x);
+      }
+  CHECK(v{2, 28, 9}.to_string() == "2.28.9");
+  std::ostringstream os;
+  os << v{2, 18, 0};
+  CHECK(os.str() == "2.18.0");
+  CHECK(v{2, 9, 0} > v{2, 8, 4});
+  CHECK(v{2, 28, 3} < v{2, 28, 9});
+  CHECK(v{2, 17, 99} < ml::nccl_min_version);
+  CHECK(ml::nccl_min_version == v{2, 18, 0});
+  CHECK(ml::nccl_header_version() >= ml::nccl_min_version);
+}
+
+TEST_CASE("nccl version: the library this process loads is read, and is one meshlib accepts here", "[nccl][version]") {
+  const auto library = ml::nccl_version();
+  int code = 0;
+  REQUIRE(ncclGetVersion(&code) == ncclSuccess);
+  CHECK(library.code() == code);
+  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator"));
+  CHECK(ml::detail::nccl_versions_text({2, 28, 3}, {2, 28, 9}) == "NCCL library 2.28.3, headers 2.28.9");
+}
+
+TEST_CASE("nccl version: a library older than 2.18 is refused naming it, the minimum and the fix; newer headers are fine",
+          "[nccl][version]") {
+  using v = ml::nccl_version_number;
+  // Headers newer than the library (a wheel's older libnccl.so.2 first on the path): accepted.
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}).empty());
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 18, 0}, v{2, 28, 9}).empty());
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 30, 1}, v{2, 28, 9}).empty());
+  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}));
+  const std::string expected =
+      "meshlib: nccl_communicators: the NCCL library this process loaded is 2.17.1, older than 2.18.0, the oldest "
+      "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
+      "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
+      "libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)";
+  CHECK(ml::detail::nccl_version_problem("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}) == expected);
+  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}); }) ==
+        expected);
+  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicator", v{2, 7, 8}, v{2, 28, 9}); }) ==
+        "meshlib: nccl_communicator: the NCCL library this process loaded is 2.7.8, older than 2.18.0, the oldest "
+        "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
+        "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
+        "libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)");
 }
 
 // ---- the request state machine over a fake stream -----------------------------------------------

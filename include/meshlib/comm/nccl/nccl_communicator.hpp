@@ -71,6 +71,7 @@
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
+#include "meshlib/comm/nccl/nccl_version.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -223,6 +224,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
                                 " is outside a group of " + std::to_string(nranks) +
                                 " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    detail::require_nccl_version("nccl_communicator");
     auto s = make_state(options, rank, nranks, "nccl_communicator");
     {
       detail::cuda_device_scope g(s->device, "nccl_communicator");
