@@ -12,9 +12,13 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -571,6 +575,109 @@ TEST_CASE("shared GPU: argument errors come from the same front end as NCCL's, n
   CHECK(arg([&] { (void)c.ppermute(std::span(a), dup); }) == theirs);
   CHECK(message_of<ml::comm_argument_error>([] { ml::run_on_shared_gpu(33, [](ml::shared_gpu_communicator&) {}, {.device = 0}); })
             == "meshlib: run_on_shared_gpu: 33 devices on one GPU; at most 32 are supported");
+}
+
+// ---- the shared-GPU devices' events: alive until every peer has waited on them ----------------------
+
+namespace {
+// A fake event: a heap int the registry knows while it exists. A wait on an event the registry does
+// not know is a wait on a destroyed event (on a GPU: cudaStreamWaitEvent on a freed handle, the
+// SIGSEGV of issue 36's 4-device conformance run).
+struct fake_events {
+  std::mutex mutex;
+  std::set<const int*> live;
+  int created = 0;
+  int dead_waits = 0;
+  int wrong_device = 0;  // destroyed with another device than it was made for
+  int* make() {
+    auto* e = new int(1);
+    std::lock_guard g(mutex);
+    live.insert(e);
+    ++created;
+    return e;
+  }
+  void wait(const int* e) {
+    std::this_thread::yield();  // as a real cudaStreamWaitEvent, it takes a while: the owner may leave meanwhile
+    std::lock_guard g(mutex);
+    if (live.count(e) == 0) ++dead_waits;
+  }
+};
+fake_events* the_fake_events = nullptr;
+struct fake_event_traits {
+  using event_type = int*;
+  static void destroy(int* e, int device) noexcept {  // on any thread: no Catch2 assertion here
+    {
+      std::lock_guard g(the_fake_events->mutex);
+      the_fake_events->live.erase(e);
+      if (device != 7) ++the_fake_events->wrong_device;
+    }
+    delete e;
+  }
+};
+using fake_shared_event = ml::detail::basic_shared_event<fake_event_traits>;
+}  // namespace
+
+TEST_CASE("shared GPU: a device's events outlive it until every peer has waited on them (stress, 4 devices)",
+          "[nccl][shared_gpu][repeat]") {
+  // The protocol of shared_gpu_communicator's arrive and depart, on the host communicator it uses:
+  // publish the event's handle in an all_gather, then each peer waits on it, and the owner returns
+  // (and is destroyed) as soon as its own all_gather is over. Destroying the event with its owner
+  // made a slower peer wait on a destroyed event; shared, it lives until the last peer is done.
+  fake_events events;
+  the_fake_events = &events;
+  constexpr int devices = 4;
+  constexpr int rounds = 300;
+  for (int round = 0; round < rounds; ++round) {
+    const int ops = 1 + round % 3;
+    const bool fails = round % 10 == 9;  // the last device throws after the rendezvous (a mismatch, a CUDA error)
+    try {
+      ml::run_on_threads(devices, [&](ml::thread_communicator& host) {
+        fake_shared_event* mine = fake_shared_event::adopt(events.make(), 7);
+        struct owner {
+          fake_shared_event* e;
+          ~owner() { e->release(); }  // the device's state goes with its thread
+        } keep{mine};
+        for (int op = 0; op < ops; ++op) {
+          std::vector<std::int64_t> all(devices);
+          mine->share(devices - 1);
+          const std::int64_t handle = mine->handle();
+          host.all_gather(std::span<const std::int64_t>(&handle, 1), std::span<std::int64_t>(all));
+          ml::detail::peer_event_refs<fake_event_traits> peers(devices, host.rank(),
+                                                               [&](int q) { return all[static_cast<std::size_t>(q)]; });
+          if (fails && op + 1 == ops && host.rank() == devices - 1) throw std::runtime_error("device failed");
+          for (int q = 0; q < devices; ++q)
+            if (q != host.rank()) events.wait(peers[q]);
+        }
+      });
+      CHECK_FALSE(fails);
+    } catch (const ml::participant_error&) {
+      CHECK(fails);
+    }
+  }
+  CHECK(events.dead_waits == 0);
+  CHECK(events.live.empty());  // every event destroyed once its last holder gave it back, failures included
+  CHECK(events.created == devices * rounds);
+  CHECK(events.wrong_device == 0);
+  the_fake_events = nullptr;
+}
+
+TEST_CASE("shared GPU: a shared event is destroyed by its last reference, on whichever side that is", "[nccl][shared_gpu]") {
+  fake_events events;
+  the_fake_events = &events;
+  auto* e = fake_shared_event::adopt(events.make(), 7);
+  CHECK(fake_shared_event::from_handle(e->handle()) == e);
+  e->share(2);
+  e->release();  // the owner leaves first
+  CHECK(events.live.size() == 1);
+  {
+    const std::int64_t handles[] = {e->handle(), 0, e->handle()};  // rank 1 is "self": its own slot is not taken
+    ml::detail::peer_event_refs<fake_event_traits> peers(3, 1, [&](int q) { return handles[q]; });
+    CHECK(peers[0] == peers[2]);
+    events.wait(peers[0]);
+  }  // both references given back by the holder's destruction: the event goes
+  CHECK(events.live.empty());
+  CHECK(events.dead_waits == 0);
+  the_fake_events = nullptr;
 }
 
 // ---- the call fingerprint of verify_collectives -------------------------------------------------------
