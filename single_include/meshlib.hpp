@@ -12528,6 +12528,116 @@ struct stream_state {
 
 #endif  // MESHLIB_ENABLE_NCCL
 // end meshlib/comm/nccl/detail/stream_state.hpp
+// begin meshlib/comm/nccl/nccl_version.hpp
+/// @file
+/// @brief Which NCCL a program runs with: `nccl_version()` (the library loaded at run time, from
+/// `ncclGetVersion`), `nccl_header_version()` (the `nccl.h` meshlib was compiled against) and
+/// `nccl_min_version`, the oldest library meshlib accepts. Every NCCL communicator creation checks
+/// the library first and refuses an older one with `comm_error`.
+///
+/// @code
+/// std::cout << "NCCL " << meshlib::nccl_version() << " (headers " << meshlib::nccl_header_version() << ")\n";
+/// @endcode
+///
+/// Why a run-time check: NCCL is a shared library, and the one a program loads is often not the one
+/// it was compiled against (a Python wheel such as nvidia-nccl-cu13 puts its own `libnccl.so.2`
+/// first on the library path). A library newer or older than the headers is fine as long as it has
+/// every call meshlib makes: `ncclCommSplit` (NCCL 2.18) is the newest of them
+/// (`ncclCommInitRankConfig` and `ncclCommFinalize` with non-blocking communicators: 2.14;
+/// `ncclGetLastError`: 2.13; `ncclAvg` and `ncclBfloat16`: 2.10). An older library fails on the
+/// first such call, far from the cause; meshlib names it instead.
+
+#if MESHLIB_ENABLE_NCCL
+
+#include <nccl.h>
+
+#include <compare>
+#include <ostream>
+#include <string>
+#include <string_view>
+
+
+namespace meshlib {
+
+/// @brief A version of NCCL, as major.minor.patch.
+struct nccl_version_number {
+  int major = 0;
+  int minor = 0;
+  int patch = 0;
+
+  /// @brief From NCCL's integer code (`NCCL_VERSION_CODE`, `ncclGetVersion`): since 2.9 it is
+  /// major * 10000 + minor * 100 + patch (22809 is 2.28.9), before that major * 1000 + minor * 100 +
+  /// patch (2708 is 2.7.8), as NCCL's `NCCL_VERSION` macro writes them.
+  /// @pre code >= 0
+  [[nodiscard]] static constexpr nccl_version_number from_code(int code) noexcept {
+    if (code >= 10000) return {code / 10000, code % 10000 / 100, code % 100};
+    return {code / 1000, code % 1000 / 100, code % 100};
+  }
+  /// The integer code NCCL uses for this version (the inverse of `from_code`).
+  [[nodiscard]] constexpr int code() const noexcept {
+    return major <= 2 && minor <= 8 ? major * 1000 + minor * 100 + patch : major * 10000 + minor * 100 + patch;
+  }
+  /// "2.28.9".
+  [[nodiscard]] std::string to_string() const {
+    return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+  }
+  friend constexpr auto operator<=>(const nccl_version_number&, const nccl_version_number&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const nccl_version_number& v) { return os << v.to_string(); }
+};
+
+/// @brief The oldest NCCL library meshlib accepts: 2.18.0, the first with `ncclCommSplit` (see the
+/// file comment for the other calls and their versions).
+inline constexpr nccl_version_number nccl_min_version{2, 18, 0};
+
+/// @brief The version of the `nccl.h` meshlib was compiled against (`NCCL_VERSION_CODE`).
+[[nodiscard]] constexpr nccl_version_number nccl_header_version() noexcept {
+  return nccl_version_number::from_code(NCCL_VERSION_CODE);
+}
+
+/// @brief The version of the NCCL library this process loaded (`ncclGetVersion`).
+/// @throws comm_error when `ncclGetVersion` fails.
+[[nodiscard]] inline nccl_version_number nccl_version() {
+  int code = 0;
+  detail::check_nccl(ncclGetVersion(&code), "nccl_version", "ncclGetVersion");
+  return nccl_version_number::from_code(code);
+}
+
+namespace detail {
+
+/// "NCCL library 2.28.3, headers 2.28.9": what a message about NCCL's version shows.
+[[nodiscard]] inline std::string nccl_versions_text(nccl_version_number library,
+                                                    nccl_version_number headers = nccl_header_version()) {
+  return "NCCL library " + library.to_string() + ", headers " + headers.to_string();
+}
+
+/// Why `library` cannot run meshlib's NCCL backend, or empty when it can. Headers newer than the
+/// library are fine (NCCL keeps its ABI within a major version) as long as the library has every
+/// call meshlib makes.
+[[nodiscard]] inline std::string nccl_version_problem(std::string_view what, nccl_version_number library,
+                                                      nccl_version_number headers = nccl_header_version()) {
+  if (library >= nccl_min_version) return {};
+  return "meshlib: " + std::string(what) + ": the NCCL library this process loaded is " + library.to_string() +
+         ", older than " + nccl_min_version.to_string() +
+         ", the oldest meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL " +
+         headers.to_string() +
+         " headers); install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make "
+         "sure its libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)";
+}
+
+/// Refuses an NCCL library older than `nccl_min_version` (the check every communicator creation
+/// makes first). @throws comm_error naming the version found, the minimum and the fix.
+inline void require_nccl_version(std::string_view what, nccl_version_number library,
+                                 nccl_version_number headers = nccl_header_version()) {
+  if (std::string m = nccl_version_problem(what, library, headers); !m.empty()) throw comm_error(m);
+}
+/// The same for the library this process loaded.
+inline void require_nccl_version(std::string_view what) { require_nccl_version(what, nccl_version()); }
+
+}  // namespace detail
+}  // namespace meshlib
+
+#endif  // MESHLIB_ENABLE_NCCL
+// end meshlib/comm/nccl/nccl_version.hpp
 
 namespace meshlib {
 
@@ -12676,6 +12786,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
                                 " is outside a group of " + std::to_string(nranks) +
                                 " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    detail::require_nccl_version("nccl_communicator");
     auto s = make_state(options, rank, nranks, "nccl_communicator");
     {
       detail::cuda_device_scope g(s->device, "nccl_communicator");
@@ -12729,6 +12840,11 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
 
   /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
   /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
+  ///
+  /// The parent is non-blocking, and NCCL (since 2.23, NVIDIA/nccl#1472) fills the new
+  /// communicator's handle only when the split is done, which it reports on the *parent*: so the
+  /// parent is polled until it leaves `ncclInProgress`, and only then the new communicator, until
+  /// it is ready. Polling the new handle at once polls NULL (`ncclInvalidArgument`).
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
     check_split(color);
@@ -12740,10 +12856,12 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     {
       detail::cuda_device_scope g(s->device, state_->describe(k));
       ncclConfig_t config = nonblocking_config();
-      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
-      if (rc != ncclSuccess && rc != ncclInProgress) {
-        fail_with(k, "ncclCommSplit", rc);
-      }
+      // NCCL writes the handle from its own thread when the split completes: into a cell that
+      // outlives that write (leaked, 8 bytes, if the split is abandoned before it completes).
+      auto cell = std::make_unique<ncclComm_t>(nullptr);
+      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, cell.get(), &config);
+      if (rc != ncclSuccess && rc != ncclInProgress) fail_with(k, "ncclCommSplit", rc);
+      s->comm = settle_split(k, color, cell);
       settle_new(*s, state_->describe(k), "ncclCommSplit");
       call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
       call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
@@ -12919,7 +13037,47 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       std::this_thread::yield();
     }
   }
+  /// The first half of a split on a non-blocking parent: polls the parent until the split has
+  /// left ncclInProgress there (then NCCL has written the new handle into `cell`), against the
+  /// timeout, and returns the new handle. A failure reported on the parent aborts the parent (as
+  /// any failed NCCL call does) and the half-made new communicator; a timeout leaks `cell`, which
+  /// NCCL may still write.
+  ncclComm_t settle_split(std::string_view k, int color, std::unique_ptr<ncclComm_t>& cell) const {
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
+      if (rc != ncclSuccess) {
+        (void)cell.release();  // NCCL's state is unknown: the cell may still be written
+        fail_with(k, "ncclCommGetAsyncError", rc);
+      }
+      if (async == ncclSuccess) break;
+      if (async != ncclInProgress) {
+        if (*cell != nullptr) (void)ncclCommAbort(*cell);
+        fail_with(k, "ncclCommSplit", async);
+      }
+      if (deadline.passed()) {
+        (void)cell.release();
+        const std::string m = "meshlib: " + state_->describe(k) +
+                              ": ncclCommSplit did not complete within the communicator's timeout (" +
+                              std::to_string(state_->timeout_ms()) +
+                              " ms); not every participant called split; the communicator was aborted";
+        state_->abort(m, true);
+        throw comm_timeout(m);
+      }
+      std::this_thread::yield();
+    }
+    if (*cell == nullptr)
+      throw comm_error("meshlib: " + state_->describe(k) + ": ncclCommSplit completed (color " + std::to_string(color) +
+                       ") but gave no new communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
+                       detail::nccl_versions_text(nccl_version()) + ")");
+    return *cell;
+  }
   static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+    if (s.comm == nullptr)  // NCCL would answer ncclInvalidArgument ("comm argument is NULL"); say what happened
+      throw comm_error("meshlib: " + what + ": " + std::string(name) +
+                       " returned without a communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
+                       detail::nccl_versions_text(nccl_version()) + ")");
     const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
     for (;;) {
       ncclResult_t async = ncclSuccess;
@@ -13187,6 +13345,7 @@ namespace meshlib {
         throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
                                   " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
                                   "GPU, and the thread communicator between devices that share one)");
+  detail::require_nccl_version(what);
   const int n = static_cast<int>(devices.size());
   const ncclUniqueId id = nccl_communicator::new_unique_id();
   std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
@@ -13301,7 +13460,10 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
 /// for data movement, each participant pushes or pulls its blocks with copies. Finally each stream
 /// records "done", the participants exchange those events, and each stream waits for all of them,
 /// so no participant reuses a buffer a peer still reads. Nothing blocks the host on the GPU: the
-/// request completes when the participant's stream passes that point.
+/// request completes when the participant's stream passes that point. A peer's "ready" and "done"
+/// events are waited on after the rendezvous that hands them over, when their owner may already
+/// have returned and been destroyed: each event holds a reference for every peer until that
+/// peer's wait is enqueued (detail/shared_event.hpp).
 
 #if MESHLIB_ENABLE_NCCL
 
@@ -13528,22 +13690,152 @@ inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void
 
 #endif  // MESHLIB_ENABLE_NCCL
 // end meshlib/comm/nccl/detail/reduce_kernel.hpp
+// begin meshlib/comm/nccl/detail/shared_event.hpp
+/// @file
+/// @brief `basic_shared_event`: an event one participant records and its peers wait on, handed to
+/// them through a host rendezvous (the shared-GPU communicator's "ready" and "done" events), and
+/// `peer_event_refs`, what a participant holds of its peers' events after the rendezvous.
+///
+/// Why jointly owned. A peer waits on the event (`cudaStreamWaitEvent`) after the rendezvous
+/// that handed it over, and the rendezvous is the last meeting of the operation: the owner may
+/// already have returned from it, ended its thread and destroyed its communicator. Destroying
+/// the event there made the peer's wait use a destroyed event (the SIGSEGV of
+/// shared-GPU conformance runs with 4 devices, issue 36). So the event is reference counted:
+/// its owner holds one reference, adds one per peer *before* it publishes the handle
+/// (`share`), and each peer gives its reference back once it has enqueued its wait (or has
+/// failed before); the last reference destroys the event. No peer can see the handle without
+/// holding a reference, however early its owner leaves.
+///
+/// If the rendezvous itself fails for the owner (an abort, a timeout), it cannot know which
+/// peers received the handle: the references of those that did not are never given back and the
+/// event is leaked (one event per failed rendezvous), never destroyed while a peer may use it.
+///
+/// Independent of CUDA (`Traits` supplies the event type and its destruction), so the protocol is
+/// tested on the host with a fake event (tests/unit/nccl/test_nccl_host.cpp).
+
+#include <atomic>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace meshlib::detail {
+
+/// @brief An event with a reference count. `Traits` provides `event_type` and
+/// `static void destroy(event_type, int device) noexcept`.
+template <class Traits>
+class basic_shared_event {
+ public:
+  using event_type = typename Traits::event_type;
+
+  /// Takes ownership of `e` (of GPU `device`) with one reference, its owner's.
+  [[nodiscard]] static basic_shared_event* adopt(event_type e, int device) { return new basic_shared_event(e, device); }
+
+  basic_shared_event(const basic_shared_event&) = delete;
+  basic_shared_event& operator=(const basic_shared_event&) = delete;
+
+  /// The event.
+  [[nodiscard]] event_type get() const noexcept { return event_; }
+  /// What a rendezvous carries: the address of this object.
+  [[nodiscard]] std::int64_t handle() const noexcept { return reinterpret_cast<std::int64_t>(this); }
+  /// The object a handle names (a handle received from a peer, which holds a reference for us).
+  [[nodiscard]] static basic_shared_event* from_handle(std::int64_t h) noexcept {
+    return reinterpret_cast<basic_shared_event*>(h);
+  }
+
+  /// @brief One reference for each of `peers` participants; call before publishing `handle()`.
+  void share(int peers) noexcept { refs_.fetch_add(peers, std::memory_order_relaxed); }
+  /// @brief Gives back one reference; the last one destroys the event and this object.
+  void release() noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      Traits::destroy(event_, device_);
+      delete this;
+    }
+  }
+
+ private:
+  basic_shared_event(event_type e, int device) noexcept : event_(e), device_(device) {}
+  ~basic_shared_event() = default;
+
+  event_type event_;
+  int device_;
+  std::atomic<int> refs_{1};
+};
+
+/// @brief The references to its peers' events that a participant received in one rendezvous
+/// (every rank's but its own), each given back exactly once: by `release_all` or on destruction,
+/// whichever way the operation ends (a mismatch, a failed CUDA call).
+template <class Traits>
+class peer_event_refs {
+ public:
+  using event_type = typename Traits::event_type;
+
+  /// Takes the reference of every rank q != `self` of `n`, whose handle is `handle_of(q)`. Call it
+  /// right after the rendezvous, before anything can throw.
+  template <class HandleOf>
+  peer_event_refs(int n, int self, HandleOf&& handle_of) {
+    events_.reserve(static_cast<std::size_t>(n));
+    for (int q = 0; q < n; ++q)
+      events_.push_back(q == self ? nullptr : basic_shared_event<Traits>::from_handle(handle_of(q)));
+  }
+  peer_event_refs(const peer_event_refs&) = delete;
+  peer_event_refs& operator=(const peer_event_refs&) = delete;
+  ~peer_event_refs() { release_all(); }
+
+  /// The event of rank q (q != self).
+  [[nodiscard]] event_type operator[](int q) const noexcept { return events_[static_cast<std::size_t>(q)]->get(); }
+  /// Gives every reference back (their waits are enqueued).
+  void release_all() noexcept {
+    for (auto*& e : events_)
+      if (e != nullptr) std::exchange(e, nullptr)->release();
+  }
+
+ private:
+  std::vector<basic_shared_event<Traits>*> events_;
+};
+
+}  // namespace meshlib::detail
+// end meshlib/comm/nccl/detail/shared_event.hpp
 
 namespace meshlib {
 
 namespace detail {
 
+/// CUDA events for `basic_shared_event`.
+struct cuda_event_traits {
+  using event_type = cudaEvent_t;
+  static void destroy(cudaEvent_t e, int device) noexcept {
+    cuda_device_scope_noexcept g(device);
+    (void)cudaEventDestroy(e);
+  }
+};
+/// An event peers wait on after the rendezvous that handed it to them (detail/shared_event.hpp).
+using shared_cuda_event = basic_shared_event<cuda_event_traits>;
+
+/// A new event of GPU `device` (current), with its owner's reference.
+inline shared_cuda_event* make_shared_cuda_event(int device, std::string_view what) {
+  cudaEvent_t e = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
+  try {
+    return shared_cuda_event::adopt(e, device);
+  } catch (...) {
+    (void)cudaEventDestroy(e);
+    throw;
+  }
+}
+
 /// One participant's stream, events and host handle: the `Channel` of its requests.
 struct shared_gpu_state : stream_state {
   thread_communicator host;
-  cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
-  cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
+  /// Recorded when this participant's inputs are ready, and when its share of the work is
+  /// enqueued; peers wait on them after the rendezvous that hands them over, possibly after this
+  /// participant is gone, so they are jointly owned (detail/shared_event.hpp).
+  shared_cuda_event* ready = nullptr;
+  shared_cuda_event* done = nullptr;
 
   shared_gpu_state() = default;
   ~shared_gpu_state() {
-    cuda_device_scope_noexcept g(device);
-    if (ready != nullptr) (void)cudaEventDestroy(ready);
-    if (done != nullptr) (void)cudaEventDestroy(done);
+    if (ready != nullptr) ready->release();
+    if (done != nullptr) done->release();
   }
 
   [[nodiscard]] std::string describe(std::string_view op) const {
@@ -13625,8 +13917,8 @@ class shared_gpu_communicator
     s->options = options;
     {
       detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
-      s->ready = s->acquire_event("shared_gpu_communicator");
-      s->done = s->acquire_event("shared_gpu_communicator");
+      s->ready = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      s->done = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
     }
     state_ = std::move(s);
   }
@@ -13854,13 +14146,23 @@ class shared_gpu_communicator
 
   /// Publishes this participant's call, checks that every participant made the same one, and
   /// orders this stream after every peer's "ready" event.
+  ///
+  /// Lifetimes: a peer's events are used after the rendezvous that handed them over, when that
+  /// peer may have left (after `depart`'s rendezvous, the operation's last, it returns, and may
+  /// destroy its communicator at once). Each event carries a reference for every peer, given back
+  /// once its wait is enqueued (detail/shared_event.hpp); nothing else of a peer's is touched
+  /// after a rendezvous but the buffers it passed, whose reuse the "done" events order.
   std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready, s));
-    mine.ready = reinterpret_cast<std::int64_t>(state_->ready);
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready->get(), s));
+    mine.ready = state_->ready->handle();
     const auto n = static_cast<std::size_t>(size());
     std::vector<detail::shared_gpu_call> all(n);
+    state_->ready->share(size() - 1);  // before the handle is published
     (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
                                   std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    detail::peer_event_refs<detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
+      return all[static_cast<std::size_t>(q)].ready;
+    });
     bool agree = true;
     for (const auto& c : all)
       agree = agree && c.op == all[0].op && c.type == all[0].type && c.count == all[0].count && c.root == all[0].root &&
@@ -13873,21 +14175,25 @@ class shared_gpu_communicator
              (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q].ready), 0));
-    return all;
+    for (int q = 0; q < size(); ++q)
+      if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready[q], 0));
+    return all;  // (its `ready` handles are not used again: the references go with `ready`)
   }
   /// Records "done", waits for every peer's, and returns the request of this participant.
   request_type depart(std::string_view k, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done, s));
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done->get(), s));
     const auto n = static_cast<std::size_t>(size());
-    const auto mine = reinterpret_cast<std::int64_t>(state_->done);
+    const std::int64_t mine = state_->done->handle();
     std::vector<std::int64_t> all(n);
+    state_->done->share(size() - 1);  // before the handle is published
     (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q]), 0));
+    // The last rendezvous of the operation: a peer may return, and destroy its communicator,
+    // before this participant has enqueued its waits; its reference keeps the event alive.
+    detail::peer_event_refs<detail::cuda_event_traits> done(size(), rank(),
+                                                            [&](int q) { return all[static_cast<std::size_t>(q)]; });
+    for (int q = 0; q < size(); ++q)
+      if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done[q], 0));
+    done.release_all();
     return complete_on(k, s);
   }
   request_type complete_on(std::string_view k, cudaStream_t s) {

@@ -18,6 +18,7 @@
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
+#include "meshlib/comm/nccl/nccl_version.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
 #include "meshlib/comm/nccl/run_on_gpus.hpp"
 #include "meshlib/comm/nccl/shared_gpu_communicator.hpp"

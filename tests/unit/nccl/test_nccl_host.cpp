@@ -12,8 +12,13 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <span>
+#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -119,6 +124,73 @@ TEST_CASE("nccl: CUDA errors become meshlib exceptions with CUDA's name and text
         "meshlib: nccl_communicator: cudaGetDeviceCount failed: cudaErrorNoDevice (no CUDA-capable device is detected)");
   CHECK(message_of<ml::comm_error>([] { check_cuda(cudaErrorMemoryAllocation, "all_to_all", "cudaMallocAsync"); }) ==
         "meshlib: all_to_all: cudaMallocAsync failed: cudaErrorMemoryAllocation (out of memory)");
+}
+
+// ---- the NCCL version: parsed, compared, and an old library refused -------------------------------
+
+static_assert(ml::nccl_version_number::from_code(22809) == ml::nccl_version_number{2, 28, 9});
+static_assert(ml::nccl_header_version().code() == NCCL_VERSION_CODE);
+
+TEST_CASE("nccl version: codes of both of NCCL's schemes parse, and code() writes them back", "[nccl][version]") {
+  using v = ml::nccl_version_number;
+  // Since 2.9: major * 10000 + minor * 100 + patch; before: major * 1000 + minor * 100 + patch.
+  CHECK(v::from_code(22809) == v{2, 28, 9});
+  CHECK(v::from_code(22803) == v{2, 28, 3});
+  CHECK(v::from_code(21800) == v{2, 18, 0});
+  CHECK(v::from_code(20900) == v{2, 9, 0});
+  CHECK(v::from_code(2708) == v{2, 7, 8});
+  CHECK(v::from_code(2406) == v{2, 4, 6});
+  CHECK(v::from_code(30102) == v{3, 1, 2});
+  // Every version NCCL can write comes back from its code, as NCCL_VERSION(X, Y, Z) computes it.
+  for (int major = 1; major <= 3; ++major)
+    for (int minor = 0; minor <= 99; ++minor)
+      for (int patch : {0, 1, 9, 42, 99}) {
+        const v x{major, minor, patch};
+        INFO(x);
+        CHECK(x.code() == NCCL_VERSION(major, minor, patch));
+        CHECK(v::from_code(x.code()) == x);
+      }
+  CHECK(v{2, 28, 9}.to_string() == "2.28.9");
+  std::ostringstream os;
+  os << v{2, 18, 0};
+  CHECK(os.str() == "2.18.0");
+  CHECK(v{2, 9, 0} > v{2, 8, 4});
+  CHECK(v{2, 28, 3} < v{2, 28, 9});
+  CHECK(v{2, 17, 99} < ml::nccl_min_version);
+  CHECK(ml::nccl_min_version == v{2, 18, 0});
+  CHECK(ml::nccl_header_version() >= ml::nccl_min_version);
+}
+
+TEST_CASE("nccl version: the library this process loads is read, and is one meshlib accepts here", "[nccl][version]") {
+  const auto library = ml::nccl_version();
+  int code = 0;
+  REQUIRE(ncclGetVersion(&code) == ncclSuccess);
+  CHECK(library.code() == code);
+  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator"));
+  CHECK(ml::detail::nccl_versions_text({2, 28, 3}, {2, 28, 9}) == "NCCL library 2.28.3, headers 2.28.9");
+}
+
+TEST_CASE("nccl version: a library older than 2.18 is refused naming it, the minimum and the fix; newer headers are fine",
+          "[nccl][version]") {
+  using v = ml::nccl_version_number;
+  // Headers newer than the library (a wheel's older libnccl.so.2 first on the path): accepted.
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}).empty());
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 18, 0}, v{2, 28, 9}).empty());
+  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 30, 1}, v{2, 28, 9}).empty());
+  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}));
+  const std::string expected =
+      "meshlib: nccl_communicators: the NCCL library this process loaded is 2.17.1, older than 2.18.0, the oldest "
+      "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
+      "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
+      "libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)";
+  CHECK(ml::detail::nccl_version_problem("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}) == expected);
+  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}); }) ==
+        expected);
+  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicator", v{2, 7, 8}, v{2, 28, 9}); }) ==
+        "meshlib: nccl_communicator: the NCCL library this process loaded is 2.7.8, older than 2.18.0, the oldest "
+        "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
+        "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
+        "libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)");
 }
 
 // ---- the request state machine over a fake stream -----------------------------------------------
@@ -503,6 +575,109 @@ TEST_CASE("shared GPU: argument errors come from the same front end as NCCL's, n
   CHECK(arg([&] { (void)c.ppermute(std::span(a), dup); }) == theirs);
   CHECK(message_of<ml::comm_argument_error>([] { ml::run_on_shared_gpu(33, [](ml::shared_gpu_communicator&) {}, {.device = 0}); })
             == "meshlib: run_on_shared_gpu: 33 devices on one GPU; at most 32 are supported");
+}
+
+// ---- the shared-GPU devices' events: alive until every peer has waited on them ----------------------
+
+namespace {
+// A fake event: a heap int the registry knows while it exists. A wait on an event the registry does
+// not know is a wait on a destroyed event (on a GPU: cudaStreamWaitEvent on a freed handle, the
+// SIGSEGV of issue 36's 4-device conformance run).
+struct fake_events {
+  std::mutex mutex;
+  std::set<const int*> live;
+  int created = 0;
+  int dead_waits = 0;
+  int wrong_device = 0;  // destroyed with another device than it was made for
+  int* make() {
+    auto* e = new int(1);
+    std::lock_guard g(mutex);
+    live.insert(e);
+    ++created;
+    return e;
+  }
+  void wait(const int* e) {
+    std::this_thread::yield();  // as a real cudaStreamWaitEvent, it takes a while: the owner may leave meanwhile
+    std::lock_guard g(mutex);
+    if (live.count(e) == 0) ++dead_waits;
+  }
+};
+fake_events* the_fake_events = nullptr;
+struct fake_event_traits {
+  using event_type = int*;
+  static void destroy(int* e, int device) noexcept {  // on any thread: no Catch2 assertion here
+    {
+      std::lock_guard g(the_fake_events->mutex);
+      the_fake_events->live.erase(e);
+      if (device != 7) ++the_fake_events->wrong_device;
+    }
+    delete e;
+  }
+};
+using fake_shared_event = ml::detail::basic_shared_event<fake_event_traits>;
+}  // namespace
+
+TEST_CASE("shared GPU: a device's events outlive it until every peer has waited on them (stress, 4 devices)",
+          "[nccl][shared_gpu][repeat]") {
+  // The protocol of shared_gpu_communicator's arrive and depart, on the host communicator it uses:
+  // publish the event's handle in an all_gather, then each peer waits on it, and the owner returns
+  // (and is destroyed) as soon as its own all_gather is over. Destroying the event with its owner
+  // made a slower peer wait on a destroyed event; shared, it lives until the last peer is done.
+  fake_events events;
+  the_fake_events = &events;
+  constexpr int devices = 4;
+  constexpr int rounds = 300;
+  for (int round = 0; round < rounds; ++round) {
+    const int ops = 1 + round % 3;
+    const bool fails = round % 10 == 9;  // the last device throws after the rendezvous (a mismatch, a CUDA error)
+    try {
+      ml::run_on_threads(devices, [&](ml::thread_communicator& host) {
+        fake_shared_event* mine = fake_shared_event::adopt(events.make(), 7);
+        struct owner {
+          fake_shared_event* e;
+          ~owner() { e->release(); }  // the device's state goes with its thread
+        } keep{mine};
+        for (int op = 0; op < ops; ++op) {
+          std::vector<std::int64_t> all(devices);
+          mine->share(devices - 1);
+          const std::int64_t handle = mine->handle();
+          host.all_gather(std::span<const std::int64_t>(&handle, 1), std::span<std::int64_t>(all));
+          ml::detail::peer_event_refs<fake_event_traits> peers(devices, host.rank(),
+                                                               [&](int q) { return all[static_cast<std::size_t>(q)]; });
+          if (fails && op + 1 == ops && host.rank() == devices - 1) throw std::runtime_error("device failed");
+          for (int q = 0; q < devices; ++q)
+            if (q != host.rank()) events.wait(peers[q]);
+        }
+      });
+      CHECK_FALSE(fails);
+    } catch (const ml::participant_error&) {
+      CHECK(fails);
+    }
+  }
+  CHECK(events.dead_waits == 0);
+  CHECK(events.live.empty());  // every event destroyed once its last holder gave it back, failures included
+  CHECK(events.created == devices * rounds);
+  CHECK(events.wrong_device == 0);
+  the_fake_events = nullptr;
+}
+
+TEST_CASE("shared GPU: a shared event is destroyed by its last reference, on whichever side that is", "[nccl][shared_gpu]") {
+  fake_events events;
+  the_fake_events = &events;
+  auto* e = fake_shared_event::adopt(events.make(), 7);
+  CHECK(fake_shared_event::from_handle(e->handle()) == e);
+  e->share(2);
+  e->release();  // the owner leaves first
+  CHECK(events.live.size() == 1);
+  {
+    const std::int64_t handles[] = {e->handle(), 0, e->handle()};  // rank 1 is "self": its own slot is not taken
+    ml::detail::peer_event_refs<fake_event_traits> peers(3, 1, [&](int q) { return handles[q]; });
+    CHECK(peers[0] == peers[2]);
+    events.wait(peers[0]);
+  }  // both references given back by the holder's destruction: the event goes
+  CHECK(events.live.empty());
+  CHECK(events.dead_waits == 0);
+  the_fake_events = nullptr;
 }
 
 // ---- the call fingerprint of verify_collectives -------------------------------------------------------

@@ -71,6 +71,7 @@
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
+#include "meshlib/comm/nccl/nccl_version.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/request.hpp"
@@ -223,6 +224,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
                                 " is outside a group of " + std::to_string(nranks) +
                                 " participants; ranks are 0 <= rank < nranks and nranks >= 1");
+    detail::require_nccl_version("nccl_communicator");
     auto s = make_state(options, rank, nranks, "nccl_communicator");
     {
       detail::cuda_device_scope g(s->device, "nccl_communicator");
@@ -276,6 +278,11 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
 
   /// @brief `ncclCommSplit`: ranks with the same `color` (>= 0) form a new communicator, ordered by
   /// (key, rank), on the same GPU and stream, with the same options. Collective over this one.
+  ///
+  /// The parent is non-blocking, and NCCL (since 2.23, NVIDIA/nccl#1472) fills the new
+  /// communicator's handle only when the split is done, which it reports on the *parent*: so the
+  /// parent is polled until it leaves `ncclInProgress`, and only then the new communicator, until
+  /// it is ready. Polling the new handle at once polls NULL (`ncclInvalidArgument`).
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
     check_split(color);
@@ -287,10 +294,12 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     {
       detail::cuda_device_scope g(s->device, state_->describe(k));
       ncclConfig_t config = nonblocking_config();
-      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &s->comm, &config);
-      if (rc != ncclSuccess && rc != ncclInProgress) {
-        fail_with(k, "ncclCommSplit", rc);
-      }
+      // NCCL writes the handle from its own thread when the split completes: into a cell that
+      // outlives that write (leaked, 8 bytes, if the split is abandoned before it completes).
+      auto cell = std::make_unique<ncclComm_t>(nullptr);
+      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, cell.get(), &config);
+      if (rc != ncclSuccess && rc != ncclInProgress) fail_with(k, "ncclCommSplit", rc);
+      s->comm = settle_split(k, color, cell);
       settle_new(*s, state_->describe(k), "ncclCommSplit");
       call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
       call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
@@ -466,7 +475,47 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       std::this_thread::yield();
     }
   }
+  /// The first half of a split on a non-blocking parent: polls the parent until the split has
+  /// left ncclInProgress there (then NCCL has written the new handle into `cell`), against the
+  /// timeout, and returns the new handle. A failure reported on the parent aborts the parent (as
+  /// any failed NCCL call does) and the half-made new communicator; a timeout leaks `cell`, which
+  /// NCCL may still write.
+  ncclComm_t settle_split(std::string_view k, int color, std::unique_ptr<ncclComm_t>& cell) const {
+    const auto deadline = deadline_from_now();
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t rc = ncclCommGetAsyncError(state_->comm, &async);
+      if (rc != ncclSuccess) {
+        (void)cell.release();  // NCCL's state is unknown: the cell may still be written
+        fail_with(k, "ncclCommGetAsyncError", rc);
+      }
+      if (async == ncclSuccess) break;
+      if (async != ncclInProgress) {
+        if (*cell != nullptr) (void)ncclCommAbort(*cell);
+        fail_with(k, "ncclCommSplit", async);
+      }
+      if (deadline.passed()) {
+        (void)cell.release();
+        const std::string m = "meshlib: " + state_->describe(k) +
+                              ": ncclCommSplit did not complete within the communicator's timeout (" +
+                              std::to_string(state_->timeout_ms()) +
+                              " ms); not every participant called split; the communicator was aborted";
+        state_->abort(m, true);
+        throw comm_timeout(m);
+      }
+      std::this_thread::yield();
+    }
+    if (*cell == nullptr)
+      throw comm_error("meshlib: " + state_->describe(k) + ": ncclCommSplit completed (color " + std::to_string(color) +
+                       ") but gave no new communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
+                       detail::nccl_versions_text(nccl_version()) + ")");
+    return *cell;
+  }
   static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+    if (s.comm == nullptr)  // NCCL would answer ncclInvalidArgument ("comm argument is NULL"); say what happened
+      throw comm_error("meshlib: " + what + ": " + std::string(name) +
+                       " returned without a communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
+                       detail::nccl_versions_text(nccl_version()) + ")");
     const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
     for (;;) {
       ncclResult_t async = ncclSuccess;

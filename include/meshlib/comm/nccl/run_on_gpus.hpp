@@ -31,6 +31,7 @@
 #include "meshlib/comm/detail/root_cause.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
+#include "meshlib/comm/nccl/nccl_version.hpp"
 
 namespace meshlib {
 
@@ -48,6 +49,7 @@ namespace meshlib {
         throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
                                   " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
                                   "GPU, and the thread communicator between devices that share one)");
+  detail::require_nccl_version(what);
   const int n = static_cast<int>(devices.size());
   const ncclUniqueId id = nccl_communicator::new_unique_id();
   std::vector<std::shared_ptr<detail::nccl_comm_state>> states;

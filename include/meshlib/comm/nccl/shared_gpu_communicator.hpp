@@ -26,7 +26,10 @@
 /// for data movement, each participant pushes or pulls its blocks with copies. Finally each stream
 /// records "done", the participants exchange those events, and each stream waits for all of them,
 /// so no participant reuses a buffer a peer still reads. Nothing blocks the host on the GPU: the
-/// request completes when the participant's stream passes that point.
+/// request completes when the participant's stream passes that point. A peer's "ready" and "done"
+/// events are waited on after the rendezvous that hands them over, when their owner may already
+/// have returned and been destroyed: each event holds a reference for every peer until that
+/// peer's wait is enqueued (detail/shared_event.hpp).
 
 #if MESHLIB_ENABLE_NCCL
 
@@ -52,6 +55,7 @@
 #include "meshlib/comm/frontend.hpp"
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/nccl/detail/reduce_kernel.hpp"
+#include "meshlib/comm/nccl/detail/shared_event.hpp"
 #include "meshlib/comm/nccl/detail/stream_state.hpp"
 #include "meshlib/comm/nccl/nccl_communicator.hpp"
 #include "meshlib/comm/nccl/stream_request.hpp"
@@ -63,17 +67,42 @@ namespace meshlib {
 
 namespace detail {
 
+/// CUDA events for `basic_shared_event`.
+struct cuda_event_traits {
+  using event_type = cudaEvent_t;
+  static void destroy(cudaEvent_t e, int device) noexcept {
+    cuda_device_scope_noexcept g(device);
+    (void)cudaEventDestroy(e);
+  }
+};
+/// An event peers wait on after the rendezvous that handed it to them (detail/shared_event.hpp).
+using shared_cuda_event = basic_shared_event<cuda_event_traits>;
+
+/// A new event of GPU `device` (current), with its owner's reference.
+inline shared_cuda_event* make_shared_cuda_event(int device, std::string_view what) {
+  cudaEvent_t e = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what, "cudaEventCreateWithFlags");
+  try {
+    return shared_cuda_event::adopt(e, device);
+  } catch (...) {
+    (void)cudaEventDestroy(e);
+    throw;
+  }
+}
+
 /// One participant's stream, events and host handle: the `Channel` of its requests.
 struct shared_gpu_state : stream_state {
   thread_communicator host;
-  cudaEvent_t ready = nullptr;  ///< recorded when this participant's inputs are ready
-  cudaEvent_t done = nullptr;   ///< recorded when its share of the work is enqueued
+  /// Recorded when this participant's inputs are ready, and when its share of the work is
+  /// enqueued; peers wait on them after the rendezvous that hands them over, possibly after this
+  /// participant is gone, so they are jointly owned (detail/shared_event.hpp).
+  shared_cuda_event* ready = nullptr;
+  shared_cuda_event* done = nullptr;
 
   shared_gpu_state() = default;
   ~shared_gpu_state() {
-    cuda_device_scope_noexcept g(device);
-    if (ready != nullptr) (void)cudaEventDestroy(ready);
-    if (done != nullptr) (void)cudaEventDestroy(done);
+    if (ready != nullptr) ready->release();
+    if (done != nullptr) done->release();
   }
 
   [[nodiscard]] std::string describe(std::string_view op) const {
@@ -155,8 +184,8 @@ class shared_gpu_communicator
     s->options = options;
     {
       detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
-      s->ready = s->acquire_event("shared_gpu_communicator");
-      s->done = s->acquire_event("shared_gpu_communicator");
+      s->ready = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      s->done = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
     }
     state_ = std::move(s);
   }
@@ -384,13 +413,23 @@ class shared_gpu_communicator
 
   /// Publishes this participant's call, checks that every participant made the same one, and
   /// orders this stream after every peer's "ready" event.
+  ///
+  /// Lifetimes: a peer's events are used after the rendezvous that handed them over, when that
+  /// peer may have left (after `depart`'s rendezvous, the operation's last, it returns, and may
+  /// destroy its communicator at once). Each event carries a reference for every peer, given back
+  /// once its wait is enqueued (detail/shared_event.hpp); nothing else of a peer's is touched
+  /// after a rendezvous but the buffers it passed, whose reuse the "done" events order.
   std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready, s));
-    mine.ready = reinterpret_cast<std::int64_t>(state_->ready);
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready->get(), s));
+    mine.ready = state_->ready->handle();
     const auto n = static_cast<std::size_t>(size());
     std::vector<detail::shared_gpu_call> all(n);
+    state_->ready->share(size() - 1);  // before the handle is published
     (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
                                   std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    detail::peer_event_refs<detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
+      return all[static_cast<std::size_t>(q)].ready;
+    });
     bool agree = true;
     for (const auto& c : all)
       agree = agree && c.op == all[0].op && c.type == all[0].type && c.count == all[0].count && c.root == all[0].root &&
@@ -403,21 +442,25 @@ class shared_gpu_communicator
              (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q].ready), 0));
-    return all;
+    for (int q = 0; q < size(); ++q)
+      if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, ready[q], 0));
+    return all;  // (its `ready` handles are not used again: the references go with `ready`)
   }
   /// Records "done", waits for every peer's, and returns the request of this participant.
   request_type depart(std::string_view k, cudaStream_t s) {
-    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done, s));
+    cuda(k, "cudaEventRecord", cudaEventRecord(state_->done->get(), s));
     const auto n = static_cast<std::size_t>(size());
-    const auto mine = reinterpret_cast<std::int64_t>(state_->done);
+    const std::int64_t mine = state_->done->handle();
     std::vector<std::int64_t> all(n);
+    state_->done->share(size() - 1);  // before the handle is published
     (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
-    for (std::size_t q = 0; q < n; ++q)
-      if (static_cast<int>(q) != rank())
-        cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(all[q]), 0));
+    // The last rendezvous of the operation: a peer may return, and destroy its communicator,
+    // before this participant has enqueued its waits; its reference keeps the event alive.
+    detail::peer_event_refs<detail::cuda_event_traits> done(size(), rank(),
+                                                            [&](int q) { return all[static_cast<std::size_t>(q)]; });
+    for (int q = 0; q < size(); ++q)
+      if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done[q], 0));
+    done.release_all();
     return complete_on(k, s);
   }
   request_type complete_on(std::string_view k, cudaStream_t s) {
