@@ -58,7 +58,10 @@ class loss_log {
     if (!file_) throw std::runtime_error("--loss-log " + path + ": cannot open the file for writing");
   }
   void write(std::size_t step, double loss) {
-    if (file_) std::fprintf(file_.get(), "%zu %.9g\n", step, loss);
+    if (file_) {
+      std::fprintf(file_.get(), "%zu %.9g\n", step, loss);
+      std::fflush(file_.get());  // a run stopped by a timeout still leaves its steps
+    }
   }
 
  private:

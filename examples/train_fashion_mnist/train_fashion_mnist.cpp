@@ -20,6 +20,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include "../common/flagship_main.hpp"
 #include "../common/flagship_options.hpp"
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
 #include <meshlib/mpi.hpp>
@@ -303,11 +304,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
     out << "  resumed from " << o.checkpoint_dir << " at step " << state.step << "\n";
   }
 
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> loss_log(nullptr, &std::fclose);
-  if (lead && !o.loss_log.empty()) {
-    loss_log.reset(std::fopen(o.loss_log.c_str(), "w"));
-    if (!loss_log) throw std::runtime_error("--loss-log " + o.loss_log + ": cannot open the file for writing");
-  }
+  flagship::loss_log losses(lead ? o.loss_log : std::string());  // one process writes it
   const auto start = std::chrono::steady_clock::now();
   std::size_t done = state.step;
   double acc_test = 0;
@@ -323,7 +320,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
       const auto m = nn::train_step(state, *b, where.backend);
       ++done;
       if (m.skipped) continue;  // f16 loss scaling: gradients overflowed, the scale was halved, no update
-      if (loss_log) std::fprintf(loss_log.get(), "%zu %.9g\n", done, static_cast<double>(m.loss));
+      losses.write(done, m.loss);
       loss_sum += m.loss;
       correct += m.correct;
       seen += m.rows;

@@ -12,8 +12,9 @@
 /// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
 /// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
 /// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
-/// own Kokkos kernel (`matmul_into_functor`), a RangePolicy `parallel_for` over the rows of `C` on the
-/// given execution-space instance. RangePolicy only, over raw pointers: safe from concurrent device
+/// own Kokkos kernel, a RangePolicy `parallel_for` on the given execution-space instance: over the
+/// rows of `C` on a host (`matmul_into_functor`), over its elements on a GPU
+/// (`matmul_into_element_functor`: coalesced, every thread busy). RangePolicy only, over raw pointers: safe from concurrent device
 /// threads on Kokkos 3.4.1 (tensor/view.hpp), where Kokkos Kernels' own team-policy fallback is not.
 ///
 /// The edge cases are BLAS's, decided here so both kernels agree: `beta == 0` overwrites `C`
@@ -143,6 +144,31 @@ struct matmul_into_functor {
   }
 };
 
+/// meshlib's product kernel on a GPU: one output element `(i, j)` per work item, `j` fastest, so
+/// that the threads of a warp read one row of `op(B)` and write one row of `C` in consecutive
+/// addresses and share their `op(A)` element (the row kernel above gives each thread a row of `C`
+/// of its own: a warp's accesses are `n` elements apart, and one thread per row leaves all but a
+/// few hundred of a GPU's threads idle). The sum over `p` runs in the row kernel's order.
+template <class T>
+struct matmul_into_element_functor {
+  const T* a;
+  const T* b;
+  T* c;
+  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
+  std::size_t n, k;
+  T alpha, beta;
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t e) const {
+    const std::size_t i = e / n, j = e % n;
+    T s{0};
+    const T* ai = a + i * a_i;
+    const T* bj = b + j * b_j;
+    for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
+    T& cij = c[i * c_i + j * c_j];
+    cij = beta == T{0} ? alpha * s : beta * cij + alpha * s;
+  }
+};
+
 /// `(r, c)` for a message.
 inline std::string shape_text(std::size_t r, std::size_t c) {
   return "(" + std::to_string(r) + ", " + std::to_string(c) + ")";
@@ -177,6 +203,23 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   using T = typename VC::non_const_value_type;
   const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
   if (m == 0 || n == 0) return;
+  if constexpr (!host_accessible_v<typename Exec::memory_space>) {
+    matmul_into_element_functor<T> f{a.data(),
+                                     b.data(),
+                                     c.data(),
+                                     ta ? a.stride(1) : a.stride(0),
+                                     ta ? a.stride(0) : a.stride(1),
+                                     tb ? b.stride(1) : b.stride(0),
+                                     tb ? b.stride(0) : b.stride(1),
+                                     c.stride(0),
+                                     c.stride(1),
+                                     n,
+                                     k,
+                                     alpha,
+                                     beta};
+    launch_on(exec, m * n, f);
+    return;
+  }
   matmul_into_functor<T> f{a.data(),
                            b.data(),
                            c.data(),

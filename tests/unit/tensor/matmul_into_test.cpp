@@ -279,3 +279,34 @@ TEST_CASE("to_host reads a device's block back row-major", "[tensor][pointer_che
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("the GPU's product kernel (one element per work item) against the plain loops", "[tensor][matmul_into][device_kernel]") {
+  // The element kernel runs on CUDA only; its arithmetic is checked here on the host, work item by
+  // work item, for every transpose pair and alpha / beta, k = 0 and NaN in C with beta = 0.
+  constexpr std::size_t m = 5, k = 7, n = 3;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (auto [alpha, beta] : std::initializer_list<std::pair<double, double>>{{1.0, 0.0}, {2.0, 1.0}, {-3.0, 2.0}}) {
+        INFO("transpose_a " << ta << ", transpose_b " << tb << ", alpha " << alpha << ", beta " << beta);
+        const auto a = ta ? make<float>(k, m, 1) : make<float>(m, k, 1);
+        const auto b = tb ? make<float>(n, k, 2) : make<float>(k, n, 2);
+        auto c = make<float>(m, n, 3);
+        const auto expected = reference(a, b, contents(c), ta, tb, alpha, beta);
+        if (beta == 0) c(1, 1) = std::numeric_limits<float>::quiet_NaN();  // not read
+        const meshlib::detail::matmul_into_element_functor<float> f{
+            a.data(), b.data(), c.data(), ta ? a.stride(1) : a.stride(0), ta ? a.stride(0) : a.stride(1),
+            tb ? b.stride(1) : b.stride(0), tb ? b.stride(0) : b.stride(1), c.stride(0), c.stride(1), n, k,
+            static_cast<float>(alpha), static_cast<float>(beta)};
+        for (std::size_t e = 0; e < m * n; ++e) f(e);
+        CHECK(contents(c) == expected);
+      }
+  auto c = make<float>(2, 2, 3);
+  const auto before = contents(c);
+  const meshlib::detail::matmul_into_element_functor<float> f{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f};
+  for (std::size_t e = 0; e < 4; ++e) f(e);  // k = 0: beta * C, A and B not read
+  for (std::size_t e = 0; e < 4; ++e) CHECK(contents(c)[e] == 2 * before[e]);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
