@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Shared by comm_bench (thread communicator) and mpi_bench (OpenMPI): the operations, the sizes,
 // the iteration counts and the row format, so that both programs measure the same thing; and what
-// every benchmark reports beside its table (the load average).
+// every benchmark reports beside its table (the load average). Standard library only (see
+// bench_options.hpp: a benchmark's options are checked without building the benchmark).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "bench_options.hpp"
 
 namespace bench {
 
@@ -89,24 +92,33 @@ inline std::vector<float> random_matrix(std::size_t n, unsigned seed) {
   return v;
 }
 
-/// "--name value" from argv, or `fallback`.
-inline std::string arg(int argc, char** argv, const char* name, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
-  return fallback;
-}
-
-inline std::size_t parse_size(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  if (*end == 'K' || *end == 'k') v *= 1024;
-  else if (*end == 'M' || *end == 'm') v *= 1024 * 1024;
-  else if (*end == 'G' || *end == 'g') v *= 1024.0 * 1024 * 1024;
-  return static_cast<std::size_t>(v);
-}
-
 inline bool selected(const std::string& list, std::string_view op) {
   return list == "all" || ("," + list + ",").find("," + std::string(op) + ",") != std::string::npos;
+}
+
+/// The options comm_bench and mpi_bench share: --ops all|<op>,<op>..., --min and --max (bytes, the
+/// range of `sizes` to run: it must hold one), --repeat R.
+struct sweep_options {
+  std::string ops = "all";
+  std::size_t lo = 8, hi = 64u << 20;
+  std::size_t repeat = 1;
+};
+
+inline sweep_options read_sweep_options(command_line& cl) {
+  sweep_options o;
+  o.ops = cl.text("--ops", "all");
+  if (o.ops != "all")
+    for (const std::string& op : cl.list_of("--ops", o.ops))
+      if (std::find_if(std::begin(ops), std::end(ops), [&](const char* k) { return op == k; }) == std::end(ops))
+        cl.fail("--ops " + o.ops + ": unknown operation '" + op +
+                "' (all, or a list of all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)");
+  o.lo = cl.bytes("--min", "8");
+  o.hi = cl.bytes("--max", "64M");
+  if (sizes(o.lo, o.hi).empty())
+    cl.fail("--min " + std::to_string(o.lo) + " and --max " + std::to_string(o.hi) +
+            ": no size to run between them (the sizes are 8 B, 64 B, ... 64 MiB)");
+  o.repeat = cl.count("--repeat", 1);
+  return o;
 }
 
 /// The 1-minute load average (-1 where /proc/loadavg cannot be read): printed with every table, since

@@ -5,14 +5,49 @@
 //
 //   comm_bench [--participants 2,4,8] [--ops all] [--min 8] [--max 64M] [--one-shot-max BYTES]
 //              [--spin-ns NS] [--repeat R]
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
+
+namespace {
+
+struct options {
+  bench::sweep_options sweep;
+  std::vector<int> participants;
+  std::size_t one_shot_max = 0, stream_min = 0;
+  long long spin_ns = -1;
+  bool pin = true;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("comm_bench",
+                         "usage: comm_bench [--participants 2,4,8] [--ops all|OP,...] [--min 8] [--max 64M] [--repeat R]\n"
+                         "                  [--one-shot-max BYTES] [--spin-ns NS] [--stream-min BYTES] [--pin 0|1]\n",
+                         argc, argv);
+  options o;
+  o.sweep = bench::read_sweep_options(cl);
+  const std::string parts = cl.text("--participants", "2,4,8");
+  for (const std::string& p : cl.list_of("--participants", parts))
+    o.participants.push_back(static_cast<int>(cl.integer_of("--participants " + parts + ":", p, 1, 1024)));
+  o.one_shot_max = cl.bytes("--one-shot-max", "0", 0);
+  o.spin_ns = cl.integer("--spin-ns", -1, -1, 1000000000);  // -1: the communicator's adaptive spin
+  o.stream_min = cl.bytes("--stream-min", "0", 0);
+  // Bind participants to cores as OpenMPI binds its ranks (its default), unless --pin 0.
+  o.pin = cl.choice("--pin", {"0", "1"}, "1") == "1";
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
+#include <chrono>
+
 #include "meshlib/comm.hpp"
 
 namespace {
@@ -39,25 +74,19 @@ void run_op(thread_communicator& c, std::string_view op, std::vector<float>& a, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string parts = bench::arg(argc, argv, "--participants", "2,4,8");
-  const std::string ops = bench::arg(argc, argv, "--ops", "all");
-  const std::size_t lo = bench::parse_size(bench::arg(argc, argv, "--min", "8"));
-  const std::size_t hi = bench::parse_size(bench::arg(argc, argv, "--max", "64M"));
-  const int repeat = std::stoi(bench::arg(argc, argv, "--repeat", "1"));
+  const options o = parse_options(argc, argv);
+  const std::size_t lo = o.sweep.lo, hi = o.sweep.hi;
+  const std::string& ops = o.sweep.ops;
+  const int repeat = static_cast<int>(o.sweep.repeat);
   meshlib::thread_comm_options opts;
-  opts.one_shot_max_bytes = bench::parse_size(bench::arg(argc, argv, "--one-shot-max", "0"));
-  const long long spin = std::stoll(bench::arg(argc, argv, "--spin-ns", "-1"));
-  opts.spin = std::chrono::nanoseconds(spin);
-  opts.streaming_min_bytes = bench::parse_size(bench::arg(argc, argv, "--stream-min", "0"));
-  // Bind participants to cores as OpenMPI binds its ranks (its default), unless --pin 0.
-  opts.pin_threads = bench::arg(argc, argv, "--pin", "1") == "1";
+  opts.one_shot_max_bytes = o.one_shot_max;
+  opts.spin = std::chrono::nanoseconds(o.spin_ns);
+  opts.streaming_min_bytes = o.stream_min;
+  opts.pin_threads = o.pin;
   const auto sizes = bench::sizes(lo, hi);
   bench::print_header("thread");
 
-  std::stringstream ps(parts);
-  std::string tok;
-  while (std::getline(ps, tok, ',')) {
-    const int n = std::stoi(tok);
+  for (const int n : o.participants) {
     meshlib::run_on_threads(
         n,
         [&](thread_communicator& c) {
@@ -89,3 +118,9 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

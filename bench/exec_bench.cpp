@@ -16,6 +16,46 @@
 //     against run_on_threads' all_reduce, interleaved rounds, median and p90 of every call, with
 //     N CPU-bound processes spinning beside it for the duration (target: typed <= 2x raw).
 // Prints markdown tables; the Kokkos version and OPENBLAS_CORETYPE are printed with them.
+//
+//   exec_bench [call | psum [quick] | matmul | latency | psum8 [--load N]]   (none: 1 to 4)
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <string>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  std::string only;  ///< one benchmark, or empty: 1 to 4
+  bool quick = false;
+  int load = 0;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("exec_bench",
+                         "usage: exec_bench [call | psum [quick] | matmul | latency | psum8 [--load N]]\n", argc, argv);
+  options o;
+  const bool load = cl.given("--load");
+  o.load = static_cast<int>(cl.integer("--load", 0, 0, 256));
+  const auto pos = cl.positional(2);
+  cl.done();
+  if (!pos.empty()) {
+    o.only = pos[0];
+    if (o.only != "call" && o.only != "psum" && o.only != "matmul" && o.only != "latency" && o.only != "psum8")
+      cl.fail("unknown benchmark " + o.only + " (call, psum, matmul, latency or psum8)");
+  }
+  if (pos.size() == 2) {
+    if (o.only != "psum" || pos[1] != "quick") cl.fail("unexpected argument " + pos[1] + " (only `psum quick`)");
+    o.quick = true;
+  }
+  if (load && o.only != "psum8") cl.fail("--load goes with psum8");
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -321,17 +361,24 @@ void bench_psum8(int load) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options o = parse_options(argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   std::printf("## Execution layer (bench/exec_bench.cpp)\n\nKokkos %d.%d.%d (%s), OPENBLAS_CORETYPE=%s, %u hardware threads.\n",
               KOKKOS_VERSION / 10000, KOKKOS_VERSION / 100 % 100, KOKKOS_VERSION % 100,
               Kokkos::DefaultExecutionSpace::name(), coretype ? coretype : "(unset)",
               std::thread::hardware_concurrency());
-  const std::string only = argc > 1 ? argv[1] : "";
+  const std::string& only = o.only;
   if (only.empty() || only == "call") bench_empty_call();
-  if (only.empty() || only == "psum") bench_psum(argc > 2 && std::string(argv[2]) == "quick");
+  if (only.empty() || only == "psum") bench_psum(o.quick);
   if (only.empty() || only == "matmul") bench_matmul(2048);
   if (only.empty() || only == "latency") bench_latency_launches();
-  if (only == "psum8") bench_psum8(argc > 3 && std::string(argv[2]) == "--load" ? std::atoi(argv[3]) : 0);
+  if (only == "psum8") bench_psum8(o.load);
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -11,12 +11,57 @@
 //
 // Usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] [--lr X]
 //                        [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "bench_options.hpp"
+
+namespace {
+
+/// The command line; what is not given keeps handwritten::mlp_config's default.
+struct options {
+  std::size_t epochs = 5;
+  std::optional<std::size_t> hidden, batch;
+  std::optional<float> lr, momentum;
+  std::optional<std::string> method;
+  std::optional<std::uint64_t> seed;
+  int threads = 2;
+  int elementwise_threads = 1;  // see handwritten_mlp.hpp
+  std::optional<std::string> dir;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("handwritten_mlp",
+                         "usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] [--lr X]\n"
+                         "                       [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]\n",
+                         argc, argv);
+  options o;
+  o.epochs = cl.count("--epochs", o.epochs);
+  if (cl.given("--hidden")) o.hidden = cl.count("--hidden", 1);
+  if (cl.given("--batch")) o.batch = cl.count("--batch", 1);
+  if (cl.given("--optimizer")) o.method = cl.choice("--optimizer", {"adam", "sgd"}, "adam");
+  if (cl.given("--lr")) o.lr = static_cast<float>(cl.real("--lr", 0, 0, 1e6));
+  if (cl.given("--momentum")) o.momentum = static_cast<float>(cl.real("--momentum", 0, 0, 1));
+  o.threads = static_cast<int>(cl.integer("--threads", o.threads, 1, 1024));
+  o.elementwise_threads = static_cast<int>(cl.integer("--elementwise-threads", o.elementwise_threads, 1, 1024));
+  if (cl.given("--seed"))
+    o.seed = static_cast<std::uint64_t>(cl.integer("--seed", 0, 0, std::numeric_limits<long long>::max()));
+  if (cl.given("--data")) o.dir = cl.text("--data", "");
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include <sys/resource.h>
@@ -43,44 +88,18 @@ double cpu_seconds() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options opt = parse_options(argc, argv);
   handwritten::mlp_config config;
-  std::size_t epochs = 5;
-  int threads = 2;
-  int elementwise_threads = 1;  // see handwritten_mlp.hpp
-  std::string dir = meshlib::nn::default_fashion_mnist_dir().string();
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "handwritten_mlp: %s needs a value\n", arg.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (arg == "--epochs") epochs = std::strtoul(value(), nullptr, 10);
-    else if (arg == "--hidden") config.hidden = std::strtoul(value(), nullptr, 10);
-    else if (arg == "--batch") config.batch = std::strtoul(value(), nullptr, 10);
-    else if (arg == "--lr") config.learning_rate = std::strtof(value(), nullptr);
-    else if (arg == "--optimizer") {
-      const std::string name = value();
-      if (name != "adam" && name != "sgd") {
-        std::fprintf(stderr, "handwritten_mlp: --optimizer is adam or sgd, not '%s'\n", name.c_str());
-        return 2;
-      }
-      config.method = name == "sgd" ? handwritten::optimizer::sgd : handwritten::optimizer::adam;
-    }
-    else if (arg == "--momentum") config.momentum = std::strtof(value(), nullptr);
-    else if (arg == "--threads") threads = std::atoi(value());
-    else if (arg == "--elementwise-threads") elementwise_threads = std::atoi(value());
-    else if (arg == "--seed") config.seed = std::strtoull(value(), nullptr, 10);
-    else if (arg == "--data") dir = value();
-    else {
-      std::fprintf(stderr,
-                   "usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] "
-                   "[--lr X] [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]\n");
-      return arg == "--help" ? 0 : 2;
-    }
-  }
+  const std::size_t epochs = opt.epochs;
+  const int threads = opt.threads;
+  const int elementwise_threads = opt.elementwise_threads;
+  if (opt.hidden) config.hidden = *opt.hidden;
+  if (opt.batch) config.batch = *opt.batch;
+  if (opt.lr) config.learning_rate = *opt.lr;
+  if (opt.method) config.method = *opt.method == "sgd" ? handwritten::optimizer::sgd : handwritten::optimizer::adam;
+  if (opt.momentum) config.momentum = *opt.momentum;
+  if (opt.seed) config.seed = *opt.seed;
+  const std::string dir = opt.dir ? *opt.dir : meshlib::nn::default_fashion_mnist_dir().string();
   openblas_set_num_threads(threads);
   config.threads = elementwise_threads;
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
@@ -205,3 +224,9 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -4,6 +4,26 @@
 // next to its peer in the same run: `MPI_Barrier` on the same processes, the least any call that
 // spans the processes must pay. Each call builds its hybrid world (exec/mpi_runner.hpp).
 //   mpirun -np 2 build/bench/hybrid_bench [--threads 2] [--calls 400]
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2 (on every process).
+#include "bench_options.hpp"
+
+namespace {
+struct options {
+  int threads = 2, calls = 400;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("hybrid_bench", "usage: mpirun -np P hybrid_bench [--threads T] [--calls N]\n", argc, argv);
+  options o;
+  o.threads = static_cast<int>(cl.integer("--threads", o.threads, 1, 256));
+  o.calls = static_cast<int>(cl.integer("--calls", o.calls, 1, 100000000));
+  cl.done();
+  return o;
+}
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib.hpp>
 #include <meshlib/mpi.hpp>
 
@@ -30,16 +50,12 @@ stats time_calls(int calls, F&& f) {
   const auto at = [&](double q) { return t[static_cast<std::size_t>(q * static_cast<double>(t.size() - 1))]; };
   return {at(0.1), at(0.5), at(0.9)};
 }
-int arg(int argc, char** argv, const std::string& name, int def) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (name == argv[i]) return std::stoi(argv[i + 1]);
-  return def;
-}
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options o = parse_options(argc, argv);  // before MPI starts: a bad option needs no MPI
   meshlib::mpi::guard run;
-  const int threads = arg(argc, argv, "--threads", 2), calls = arg(argc, argv, "--calls", 400);
+  const int threads = o.threads, calls = o.calls;
   auto world = meshlib::mpi::world();
   const meshlib::mesh<meshlib::axis<"x">> m{static_cast<std::size_t>(world.size() * threads)};
   const meshlib::hybrid_runner shared(meshlib::detail::process_wide_threads, world, threads);
@@ -60,3 +76,9 @@ int main(int argc, char** argv) {
     row("empty spmd, hybrid_runner with its own threads", runner);
   }
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

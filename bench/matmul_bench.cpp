@@ -8,6 +8,27 @@
 // Each time is the best of several repetitions (the machine is shared; the best run is the one
 // least disturbed). Prints a markdown table; `--docs FILE` also writes it as the "## matmul" section
 // of FILE (docs/benchmarks.md), replacing that section and leaving the others as they are.
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <optional>
+#include <string>
+
+#include "bench_options.hpp"
+
+namespace {
+/// --docs FILE, or none.
+std::optional<std::string> parse_options(int argc, char** argv) {
+  bench::command_line cl("matmul_bench", "usage: matmul_bench [--docs FILE]\n", argc, argv);
+  std::optional<std::string> docs;
+  if (cl.given("--docs")) {
+    docs = cl.text("--docs", "");
+    if (docs->empty()) cl.fail("--docs needs a file name");
+  }
+  cl.done();
+  return docs;
+}
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -66,7 +87,8 @@ std::string load_average() {
 
 int main(int argc, char** argv) {
   const std::string started = utc_now(), load_at_start = load_average();
-  const char* docs_path = argc > 2 && std::strcmp(argv[1], "--docs") == 0 ? argv[2] : nullptr;
+  const std::optional<std::string> docs = parse_options(argc, argv);
+  const char* docs_path = docs ? docs->c_str() : nullptr;
   Kokkos::ScopeGuard kokkos(argc, argv);
   set_blas_threads_per_device(1);  // the baseline and meshlib both get one BLAS thread
   const int reps = 7;
@@ -236,3 +258,9 @@ int main(int argc, char** argv) {
   if (!ok) std::printf("\nRESULTS WRONG: meshlib's product differs from the baseline\n");
   return ok ? 0 : 1;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -3,14 +3,29 @@
 // MPI_Allreduce, MPI_Allgather, MPI_Reduce_scatter_block, MPI_Alltoall and MPI_Bcast.
 //
 //   mpirun -np N mpi_bench [--ops all] [--min 8] [--max 64M] [--repeat R]
-#include <mpi.h>
-
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2 (on every rank).
 #include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
+
+namespace {
+
+bench::sweep_options parse_options(int argc, char** argv) {
+  bench::command_line cl("mpi_bench", "usage: mpirun -np N mpi_bench [--ops all|OP,...] [--min 8] [--max 64M] [--repeat R]\n",
+                         argc, argv);
+  const auto o = bench::read_sweep_options(cl);
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
+#include <mpi.h>
 
 namespace {
 
@@ -26,14 +41,14 @@ void run_op(std::string_view op, std::vector<float>& a, std::vector<float>& b, s
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bench::sweep_options o = parse_options(argc, argv);  // before MPI_Init: a bad option needs no MPI
   MPI_Init(&argc, &argv);
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  const std::string ops = bench::arg(argc, argv, "--ops", "all");
-  const std::size_t lo = bench::parse_size(bench::arg(argc, argv, "--min", "8"));
-  const std::size_t hi = bench::parse_size(bench::arg(argc, argv, "--max", "64M"));
-  const int repeat = std::stoi(bench::arg(argc, argv, "--repeat", "1"));
+  const std::string& ops = o.ops;
+  const std::size_t lo = o.lo, hi = o.hi;
+  const int repeat = static_cast<int>(o.repeat);
   if (rank == 0) bench::print_header("mpi");
   std::vector<float> a(hi / sizeof(float) + 64, 1.0f), b(hi / sizeof(float) + 64, 0.0f);
   for (const char* op : bench::ops) {
@@ -61,3 +76,9 @@ int main(int argc, char** argv) {
   MPI_Finalize();
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

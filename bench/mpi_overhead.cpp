@@ -14,6 +14,37 @@
 //   barrier      large_payload_mode::barrier_then_blocking: the polled fingerprint exchange (which
 //                shows every rank arrived), then MPI_Allreduce
 //   polled       large_payload_mode::nonblocking: MPI_Iallreduce polled against the deadline
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2 (on every rank).
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  std::vector<std::size_t> sizes;
+  int rounds = 15;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("mpi_overhead", "usage: mpirun -np N mpi_overhead [--sizes 1M,4M,16M] [--rounds R]\n", argc, argv);
+  options o;
+  const std::string list = cl.text("--sizes", "1M,4M,16M");
+  for (const std::string& s : cl.list_of("--sizes", list)) {
+    o.sizes.push_back(cl.bytes_of("--sizes " + list + ":", s, sizeof(float)));
+    if (o.sizes.back() / sizeof(float) > 0x7fffffff) cl.fail("--sizes " + list + ": " + s + " is more floats than MPI counts");
+  }
+  o.rounds = static_cast<int>(cl.integer("--rounds", o.rounds, 1, 1000000));
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib/comm/mpi/mpi_communicator.hpp>
 
 #include <mpi.h>
@@ -21,25 +52,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
-#include <vector>
 
 namespace {
-
-std::string arg(int argc, char** argv, const std::string& name, const std::string& def) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (name == argv[i]) return argv[i + 1];
-  return def;
-}
-
-std::size_t parse_size(const std::string& s) {
-  std::size_t v = std::stoull(s);
-  const char u = s.empty() ? 0 : s.back();
-  if (u == 'K' || u == 'k') v <<= 10;
-  if (u == 'M' || u == 'm') v <<= 20;
-  if (u == 'G' || u == 'g') v <<= 30;
-  return v;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -60,20 +74,13 @@ double time_it(int iters, F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options opt = parse_options(argc, argv);  // before MPI_Init: a bad option needs no MPI
   MPI_Init(&argc, &argv);
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  std::vector<std::size_t> sizes;
-  {
-    std::string list = arg(argc, argv, "--sizes", "1M,4M,16M");
-    for (std::size_t pos = 0; pos <= list.size();) {
-      const std::size_t comma = std::min(list.find(',', pos), list.size());
-      sizes.push_back(parse_size(list.substr(pos, comma - pos)));
-      pos = comma + 1;
-    }
-  }
-  const int rounds = std::stoi(arg(argc, argv, "--rounds", "15"));
+  const std::vector<std::size_t>& sizes = opt.sizes;
+  const int rounds = opt.rounds;
   {
     meshlib::mpi_communicator with_timeout(MPI_COMM_WORLD);
     meshlib::mpi_comm_options o;
@@ -123,3 +130,9 @@ int main(int argc, char** argv) {
   MPI_Finalize();
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -12,7 +12,34 @@
 // meshlib / raw bandwidth. The ceiling is cudaMemcpy device-to-device bandwidth at each size.
 // Then the wrapper overhead at 8 B: microseconds per call, enqueued back to back (throughput) and
 // with a wait after each (latency), meshlib (default options: pointer checks on) against ncclAllReduce.
-// Without a CUDA device it prints "SKIP: no CUDA device (...)" and exits with 77.
+// Without a CUDA device it prints "SKIP: no CUDA device (...)" and exits with 77. Bad options
+// (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <cstddef>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  std::size_t min_bytes = 8, max_bytes = std::size_t{1} << 30;
+  int gpus = -1;  ///< -1: every visible GPU
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("nccl_bench", "usage: nccl_bench [--min-bytes B] [--max-bytes B] [--gpus N]\n", argc, argv);
+  options o;
+  o.min_bytes = cl.bytes("--min-bytes", "8");
+  o.max_bytes = cl.bytes("--max-bytes", "1G");
+  if (o.min_bytes > o.max_bytes)
+    cl.fail("--min-bytes " + std::to_string(o.min_bytes) + " is more than --max-bytes " + std::to_string(o.max_bytes));
+  o.gpus = static_cast<int>(cl.integer("--gpus", -1, 1, 1024));
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <cuda_runtime_api.h>
 
 #include <meshlib/nccl.hpp>
@@ -78,27 +105,12 @@ double time_on_host(cudaStream_t s, int iters, const std::function<void()>& f) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
 }
 
-std::size_t parse_bytes(const char* s) {
-  char* end = nullptr;
-  double v = std::strtod(s, &end);
-  std::string unit(end);
-  if (unit == "K" || unit == "KiB") v *= 1024;
-  else if (unit == "M" || unit == "MiB") v *= 1024.0 * 1024;
-  else if (unit == "G" || unit == "GiB") v *= 1024.0 * 1024 * 1024;
-  return static_cast<std::size_t>(v);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::size_t min_bytes = 8;
-  std::size_t max_bytes = std::size_t{1} << 30;
-  int want = -1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--min-bytes")) min_bytes = parse_bytes(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--max-bytes")) max_bytes = parse_bytes(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--gpus")) want = std::atoi(argv[i + 1]);
-  }
+  const options opt = parse_options(argc, argv);
+  const std::size_t min_bytes = opt.min_bytes, max_bytes = opt.max_bytes;
+  const int want = opt.gpus;
   int count = 0;
   const cudaError_t rc = cudaGetDeviceCount(&count);
   if (rc != cudaSuccess || count == 0) {
@@ -234,3 +246,9 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -12,6 +12,38 @@
 // when every device has a core of its own (p <= idle cores).
 //
 //   pipeline_bench [--stages P] [--width W] [--rows R] [--steps N] [--lead-relu 1]   (R: rows per micro-batch)
+//
+//   pipeline_bench [--stages 2|4] [--width W] [--rows R] [--steps N] [--lead-relu 0|1]
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <cstddef>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  std::size_t p = 2, w = 512, rows = 128, steps = 10;
+  bool lead = false;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("pipeline_bench",
+                         "usage: pipeline_bench [--stages 2|4] [--width W] [--rows R] [--steps N] [--lead-relu 0|1]\n", argc,
+                         argv);
+  options o;
+  o.p = cl.choice("--stages", {"2", "4"}, "2") == "4" ? 4 : 2;
+  o.w = cl.count("--width", o.w);
+  o.rows = cl.count("--rows", o.rows);
+  o.steps = cl.count("--steps", o.steps);
+  o.lead = cl.choice("--lead-relu", {"0", "1"}, "0") == "1";
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -154,23 +186,18 @@ void table(std::size_t w, std::size_t rows, std::size_t steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options o = parse_options(argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
-  std::size_t p = 2, w = 512, rows = 128, steps = 10, lead = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const std::size_t v = std::strtoull(argv[i + 1], nullptr, 10);
-    if (a == "--stages") p = v;
-    else if (a == "--width") w = v;
-    else if (a == "--rows") rows = v;
-    else if (a == "--steps") steps = v;
-    else if (a == "--lead-relu") lead = v;
-  }
-  if (p != 2 && p != 4) {
-    std::fprintf(stderr, "pipeline_bench: --stages 2 or 4\n");
-    return 2;
-  }
+  const std::size_t p = o.p, w = o.w, rows = o.rows, steps = o.steps;
+  const bool lead = o.lead;
   meshlib::set_blas_threads_per_device(1);
-  if (p == 2) lead != 0 ? table<true, 2>(w, rows, steps) : table<false, 2>(w, rows, steps);
-  else lead != 0 ? table<true, 4>(w, rows, steps) : table<false, 4>(w, rows, steps);
+  if (p == 2) lead ? table<true, 2>(w, rows, steps) : table<false, 2>(w, rows, steps);
+  else lead ? table<true, 4>(w, rows, steps) : table<false, 4>(w, rows, steps);
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

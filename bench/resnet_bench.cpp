@@ -14,6 +14,38 @@
 //
 //   resnet_bench [--steps N] [--rounds R] [--width W] [--batch B] [--conv-batch B]
 // (--steps 0: only the convolution table)
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <cstddef>
+#include <string>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  std::size_t steps = 10, rounds = 1, w = 16, batch = 128, conv_batch = 64;
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("resnet_bench",
+                         "usage: resnet_bench [--steps N] [--rounds R] [--width W] [--batch B] [--conv-batch B]\n"
+                         "       (--steps 0: only the convolution table)\n",
+                         argc, argv);
+  options o;
+  o.steps = static_cast<std::size_t>(cl.integer("--steps", 10, 0, 1000000000));
+  o.rounds = cl.count("--rounds", o.rounds);
+  o.w = cl.count("--width", o.w);
+  o.batch = cl.count("--batch", o.batch);
+  o.conv_batch = cl.count("--conv-batch", o.conv_batch);
+  if (o.steps > 0 && o.batch % 2 != 0)
+    cl.fail("--batch " + std::to_string(o.batch) + ": the meshes (2, 1) and (2, 2) split it over 2 data devices; give an even batch");
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -24,6 +56,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -136,13 +169,10 @@ double time_sgemm(std::size_t m, std::size_t k, std::size_t n, int reps, int bat
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
+  const options o = parse_options(argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
-  const std::size_t steps = std::stoul(bench::arg(argc, argv, "--steps", "10"));
-  const std::size_t rounds = std::max<std::size_t>(1, std::stoul(bench::arg(argc, argv, "--rounds", "1")));
-  const std::size_t w = std::stoul(bench::arg(argc, argv, "--width", "16"));
-  const std::size_t batch = std::stoul(bench::arg(argc, argv, "--batch", "128"));
-  const std::size_t conv_batch = std::stoul(bench::arg(argc, argv, "--conv-batch", "64"));
+  const std::size_t steps = o.steps, rounds = o.rounds, w = o.w, batch = o.batch, conv_batch = o.conv_batch;
   meshlib::set_blas_threads_per_device(1);  // one BLAS thread per device (and for the sgemm peer)
 
   std::vector<float> x(4 * batch * image.size());
@@ -199,4 +229,14 @@ int main(int argc, char** argv) {
   }
   std::printf("\nload average at the end: %.1f\n", bench::load_average());
   return 0;
+} catch (const std::exception& e) {
+  // What the library refused at run time (not an option the parser could judge): said, not a crash.
+  std::fprintf(stderr, "resnet_bench: %s\n", e.what());
+  return 1;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -10,7 +10,42 @@
 // A second table isolates the hook: the cost of fetching a device's communicator (what every typed
 // collective does first, and where the hook's branch sits), with and without the hook; CPU-bound,
 // so the minimum over rounds is reported (the least disturbed by other jobs on the machine).
-// `trace_bench --child` (used on trace_bench_nohook) prints only its own two numbers.
+// `trace_bench --child` (used on trace_bench_nohook) prints only its own two numbers. Bad options
+// (bench/bench_options.hpp) end it with a message and exit status 2.
+#include <filesystem>
+#include <string>
+
+#include "bench_options.hpp"
+
+namespace {
+
+struct options {
+  bool child = false;  ///< --child: print this build's two times for the parent (the peer's side)
+  std::string peer;    ///< the peer built without the hook; empty: none
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("trace_bench",
+                         "usage: trace_bench [PEER]   (PEER: the same benchmark built with MESHLIB_DEBUG_HOOKS=0)\n"
+                         "       trace_bench --child  (what the parent runs in the peer)\n",
+                         argc, argv);
+  options o;
+  o.child = cl.flag("--child");
+  const auto pos = cl.positional(1);
+  cl.done();
+  if (o.child && !pos.empty()) cl.fail("--child takes no peer");
+#ifndef MESHLIB_TRACE_BENCH_PEER
+#define MESHLIB_TRACE_BENCH_PEER ""
+#endif
+  o.peer = pos.empty() ? MESHLIB_TRACE_BENCH_PEER : pos.front();
+  if (!o.child && !pos.empty() && !std::filesystem::is_regular_file(o.peer))
+    cl.fail("the peer " + o.peer + " is not a file (give the path of trace_bench_nohook)");
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib.hpp>
 
 #include <algorithm>
@@ -89,15 +124,13 @@ std::array<double, 2> time_child(const char* path) {
 }  // namespace
 
 int main(int argc, char* argv[]) {
+  const options o = parse_options(argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
-  if (argc > 1 && std::string_view(argv[1]) == "--child") {
+  if (o.child) {
     std::printf("%.9f %.12f\n", time_psum(), time_lookup());
     return 0;
   }
-#ifndef MESHLIB_TRACE_BENCH_PEER
-#define MESHLIB_TRACE_BENCH_PEER ""
-#endif
-  const char* peer = argc > 1 ? argv[1] : MESHLIB_TRACE_BENCH_PEER;
+  const char* peer = o.peer.c_str();
   const int rounds = 9;
   std::vector<double> raw, nohook, off, tracing, debug, lookup_nohook, lookup;
   for (int r = 0; r < rounds; ++r) {
@@ -142,3 +175,9 @@ int main(int argc, char* argv[]) {
   }
   return 0;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

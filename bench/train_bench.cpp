@@ -21,16 +21,99 @@
 // "compute only" row): what the synchronisation costs a machine whose cores are all computing.
 //
 //   train_bench --overlap [--steps N] [--rounds R] [--hidden H]
+//
+// With --advisor (moved here from nn_remat_unit, issue 40 item 5: a comparison of measured times is
+// a benchmark, not a test): nn::advise_mesh's ranking of (4, 1), (2, 2), (1, 4) for a wide
+// tensor-parallel MLP against longer runs that visit the shapes in turn (R rounds, default 5, of N
+// steps, default 5; a shape keeps its fastest round), and whether the two orders agree. The
+// advisor's ranking logic itself is tested on injected step times (tests/unit/nn/test_advisor.cpp).
+//
+//   train_bench --advisor [--steps N] [--rounds R]
+//
+// Bad options (bench/bench_options.hpp) end it with a message and exit status 2; a --mesh is any
+// D x M whose D divides the batch (256) and whose M divides every hidden size.
+#include "bench_options.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t inputs = 784, classes = 10, batch = 256;
+
+struct options {
+  std::size_t steps = 10, rounds = 1;
+  std::vector<std::size_t> hiddens{1024, 2048};
+  bool overlap = false, advisor = false;
+  std::optional<bool> table_overlap;  ///< --overlap-grad-sync; none: the library's default
+  std::vector<std::pair<std::size_t, std::size_t>> only;  ///< --mesh DxM
+};
+
+options parse_options(int argc, char** argv) {
+  bench::command_line cl("train_bench",
+                         "usage: train_bench [--steps N] [--hidden H] [--rounds R] [--mesh DxM]... [--overlap-grad-sync on|off]\n"
+                         "       train_bench --overlap [--steps N] [--rounds R] [--hidden H]\n"
+                         "       train_bench --advisor [--steps N] [--rounds R]\n",
+                         argc, argv);
+  options o;
+  o.overlap = cl.flag("--overlap");
+  o.advisor = cl.flag("--advisor");
+  if (o.overlap && o.advisor) cl.fail("--overlap and --advisor are two different runs; give one");
+  o.steps = cl.count("--steps", o.advisor ? 5 : 10);
+  o.rounds = cl.count("--rounds", o.advisor ? 5 : 1);
+  if (cl.given("--hidden")) {
+    if (o.advisor) cl.fail("--hidden: --advisor measures its own model (512 wide, hidden 1024)");
+    o.hiddens = {cl.count("--hidden", 1024)};
+  } else if (o.overlap) {
+    o.hiddens = {1024};
+  }
+  if (cl.given("--overlap-grad-sync")) {
+    if (o.overlap || o.advisor) cl.fail("--overlap-grad-sync sets the table's runs; --overlap measures both settings");
+    o.table_overlap = cl.choice("--overlap-grad-sync", {"on", "off"}, "on") == "on";
+  }
+  for (const std::string& v : cl.every("--mesh")) {
+    if (o.overlap || o.advisor) cl.fail("--mesh chooses the table's rows; --overlap and --advisor run fixed meshes");
+    const std::size_t x = v.find('x');
+    if (x == std::string::npos) cl.fail("--mesh " + v + ": give the mesh as DxM (data x model), e.g. --mesh 4x2");
+    const auto d = static_cast<std::size_t>(cl.integer_of("--mesh " + v + ": data size", v.substr(0, x), 1, 4096));
+    const auto m = static_cast<std::size_t>(cl.integer_of("--mesh " + v + ": model size", v.substr(x + 1), 1, 4096));
+    if (batch % d != 0)
+      cl.fail("--mesh " + v + ": the batch of " + std::to_string(batch) + " rows does not split over " + std::to_string(d) +
+              " data devices; choose a data size that divides " + std::to_string(batch));
+    for (std::size_t h : o.hiddens)
+      if (h % m != 0)
+        cl.fail("--mesh " + v + ": the hidden size " + std::to_string(h) + " does not split over " + std::to_string(m) +
+                " model devices; choose a model size that divides it (or another --hidden)");
+    if (std::find(o.only.begin(), o.only.end(), std::pair{d, m}) == o.only.end()) o.only.emplace_back(d, m);
+  }
+  if (o.only.empty() && !o.advisor) {  // the fixed meshes split the hidden layers over up to 4 (--overlap: 2) devices
+    const std::size_t most = o.overlap ? 2 : 4;
+    for (std::size_t h : o.hiddens)
+      if (h % most != 0)
+        cl.fail("--hidden " + std::to_string(h) + ": the fixed meshes split it over " + std::to_string(most) +
+                " model devices; give a multiple of " + std::to_string(most) + (o.overlap ? "" : " (or choose meshes with --mesh)"));
+  }
+  cl.done();
+  return o;
+}
+
+}  // namespace
+
+#if !MESHLIB_BENCH_OPTIONS_ONLY
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
-#include <vector>
+#include <exception>
+#include <limits>
+#include <memory>
 
 #include <sys/resource.h>
 
@@ -43,7 +126,6 @@ namespace {
 
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 namespace nn = meshlib::nn;
-constexpr std::size_t inputs = 784, classes = 10, batch = 256;
 
 struct result {
   double samples_per_s = 0, sync_share = 0;
@@ -158,50 +240,81 @@ double run_peer(std::size_t hidden, std::size_t steps, const std::vector<float>&
   return static_cast<double>(steps * batch) / (now() - t0);
 }
 
+/// --advisor: a wide tensor-parallel MLP on a tiny batch (two column/row pairs of width 512, hidden
+/// 1024), so that a step is mostly the optimizer's update and the gradient synchronisation of the
+/// parameters a device holds, which the model axis divides: on 4 devices (1, 4) holds a quarter of
+/// them, (2, 2) half, (4, 1) all (measured on 2 shared cores: 12-19, 27-40 and 45-70 ms a step).
+auto tp_mlp(const mesh_t& m) {
+  const nn::rng_key key{3};
+  auto blk = [&](int i) {
+    return nn::sequential(nn::column_dense<float, mesh_t>(m, "c" + std::to_string(i), 512, 1024, key), nn::relu<float>(m),
+                          nn::row_dense<float, mesh_t>(m, "r" + std::to_string(i), 1024, 512, key));
+  };
+  return nn::sequential(nn::dense<float, mesh_t>(m, "in", 16, 512, key), blk(0), blk(1),
+                        nn::dense<float, mesh_t>(m, "head", 512, 4, key));
+}
+
+/// --advisor: advise_mesh's ranking (measured, a median of 9 steps) against longer interleaved runs.
+int run_advisor(std::size_t steps, std::size_t rounds, const std::vector<float>& x, const std::vector<std::int32_t>& y) {
+  meshlib::set_blas_threads_per_device(1);
+  nn::batch b;
+  b.x = std::vector<float>(x.begin(), x.begin() + 4 * 16);
+  b.y = std::vector<std::int32_t>(4);
+  for (std::size_t i = 0; i < 4; ++i) b.y[i] = y[i] % 4;
+  b.rows = b.global_rows = 4;
+  b.features = 16;
+  nn::advise_options o;
+  o.only = {{{"data", "model"}, {4, 1}}, {{"data", "model"}, {2, 2}}, {{"data", "model"}, {1, 4}}};
+  o.timed_steps = 9;
+  std::printf("train_bench --advisor: advise_mesh on (4, 1), (2, 2), (1, 4) against %zu interleaved rounds of %zu steps "
+              "(fastest round kept); load average %.1f\n\n",
+              rounds, steps, bench::load_average());
+  const auto a = nn::advise_mesh<mesh_t>(4, tp_mlp, b, o);
+  std::printf("%s\n", a.markdown().c_str());
+  using state_t = decltype(nn::train_state(std::declval<const mesh_t&>(), tp_mlp(std::declval<const mesh_t&>()), o.opt));
+  std::vector<std::unique_ptr<mesh_t>> meshes;
+  std::vector<std::unique_ptr<state_t>> states;
+  for (const auto& s : o.only) {
+    meshes.push_back(std::make_unique<mesh_t>(nn::make_mesh<mesh_t>(s)));
+    states.push_back(std::make_unique<state_t>(*meshes.back(), tp_mlp(*meshes.back()), o.opt));
+    for (int i = 0; i < 2; ++i) (void)nn::train_step(*states.back(), b);
+  }
+  std::vector<double> fastest(o.only.size(), std::numeric_limits<double>::infinity());
+  for (std::size_t round = 0; round < rounds; ++round)
+    for (std::size_t k = 0; k < states.size(); ++k) {
+      const double t0 = now();
+      for (std::size_t i = 0; i < steps; ++i) (void)nn::train_step(*states[k], b);
+      fastest[k] = std::min(fastest[k], (now() - t0) / static_cast<double>(steps));
+    }
+  std::vector<std::pair<double, std::string>> measured;
+  for (std::size_t k = 0; k < o.only.size(); ++k) measured.emplace_back(fastest[k], o.only[k].to_string());
+  std::sort(measured.begin(), measured.end());
+  bool agree = true;
+  std::printf("| rank | advise_mesh | longer runs | step (ms), longer runs |\n| ---: | --- | --- | ---: |\n");
+  for (std::size_t i = 0; i < measured.size(); ++i) {
+    agree = agree && a.rows[i].shape.to_string() == measured[i].second;
+    std::printf("| %zu | %s | %s | %.2f |\n", i + 1, a.rows[i].shape.to_string().c_str(), measured[i].second.c_str(),
+                1e3 * measured[i].first);
+  }
+  std::printf("\nthe orders %s; load average at the end: %.1f\n", agree ? "agree" : "DIFFER", bench::load_average());
+  return 0;
+}
+
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
+  const options opt = parse_options(argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
-  std::size_t steps = 10, rounds = 1;
-  std::vector<std::size_t> hiddens{1024, 2048};
-  bool overlap = false;
-  bool table_overlap = nn::train_options{}.overlap_grad_sync;
-  std::vector<std::pair<std::size_t, std::size_t>> only;  // --mesh DxM
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "--overlap") overlap = true;
-    else if (std::string(argv[i]) == "--help") {
-      std::printf("usage: train_bench [--steps N] [--hidden H] [--rounds R] [--mesh DxM]... [--overlap-grad-sync on|off]\n"
-                  "       train_bench --overlap [--steps N] [--rounds R] [--hidden H]\n");
-      return 0;
-    }
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--overlap") {
-      --i;  // a flag without a value
-      continue;
-    }
-    if (a == "--steps") steps = std::stoul(argv[i + 1]);
-    else if (a == "--hidden") hiddens = {std::stoul(argv[i + 1])};
-    else if (a == "--rounds") rounds = std::max<std::size_t>(1, std::stoul(argv[i + 1]));
-    else if (a == "--overlap-grad-sync") table_overlap = std::string(argv[i + 1]) == "on";
-    else if (a == "--mesh") {
-      const std::string v = argv[i + 1];
-      const std::size_t xpos = v.find('x');
-      if (xpos == std::string::npos) {
-        std::fprintf(stderr, "train_bench: --mesh %s: give the mesh as DxM (data x model), e.g. --mesh 4x2\n", v.c_str());
-        return 2;
-      }
-      only.emplace_back(std::stoul(v.substr(0, xpos)), std::stoul(v.substr(xpos + 1)));
-    } else {
-      std::fprintf(stderr, "train_bench: unknown option %s (see --help)\n", a.c_str());
-      return 2;
-    }
-  }
+  const std::size_t steps = opt.steps, rounds = opt.rounds;
+  const std::vector<std::size_t>& hiddens = opt.hiddens;
+  const bool table_overlap = opt.table_overlap.value_or(nn::train_options{}.overlap_grad_sync);
+  const auto& only = opt.only;
   std::vector<float> x(4 * batch * inputs);
   std::vector<std::int32_t> y(4 * batch);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(0.5 + 0.5 * std::sin(0.37 * static_cast<double>(i)));
   for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<std::int32_t>(i % classes);
-  if (overlap) return run_overlap(hiddens.size() == 1 ? hiddens.front() : 1024, steps, std::max<std::size_t>(rounds, 1), x, y);
+  if (opt.overlap) return run_overlap(hiddens.front(), steps, rounds, x, y);
+  if (opt.advisor) return run_advisor(steps, rounds, x, y);
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
               "OPENBLAS_CORETYPE=%s on both sides; overlap_grad_sync %s; load average %.1f\n\n",
@@ -218,10 +331,10 @@ int main(int argc, char** argv) {
       double cpu = 0;  ///< the least CPU time per step over the rounds
     };
     std::vector<row> rows;
-    for (auto [d, m] : {std::pair<std::size_t, std::size_t>{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}})
+    const std::vector<std::pair<std::size_t, std::size_t>> fixed{{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}};
+    for (auto [d, m] : only.empty() ? fixed : only)
       for (bool zero : {false, true})
-        if ((!zero || d > 1) && (only.empty() || std::find(only.begin(), only.end(), std::pair{d, m}) != only.end()))
-          rows.push_back({d, m, zero, {}});  // ZeRO-1 shards over the data axis
+        if (!zero || d > 1) rows.push_back({d, m, zero, {}});  // ZeRO-1 shards over the data axis
     double peer = 0;
     for (std::size_t round = 0; round < rounds; ++round) {
       peer = std::max(peer, run_peer(h, steps, x, y));
@@ -232,13 +345,28 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | | |\n", h, peer);
-    const double one = rows.front().d == 1 && rows.front().m == 1 ? rows.front().best.samples_per_s : 0;
+    // "vs 1 device" when the (1, 1) row was measured (a --mesh list may leave it out).
+    double one = 0;
     for (const auto& r : rows)
-      std::printf("| %zu | (%zu, %zu)%s | %.0f | %.2fx | %.2fx | %.0f%% | %.1f |\n", h, r.d, r.m, r.zero ? " ZeRO-1" : "",
-                  r.best.samples_per_s, r.best.samples_per_s / one, r.best.samples_per_s / peer,
-                  100.0 * r.best.sync_share, 1e3 * r.cpu);
+      if (r.d == 1 && r.m == 1) one = r.best.samples_per_s;
+    for (const auto& r : rows) {
+      char vs_one[32] = "";
+      if (one > 0) std::snprintf(vs_one, sizeof vs_one, "%.2fx", r.best.samples_per_s / one);
+      std::printf("| %zu | (%zu, %zu)%s | %.0f | %s | %.2fx | %.0f%% | %.1f |\n", h, r.d, r.m, r.zero ? " ZeRO-1" : "",
+                  r.best.samples_per_s, vs_one, r.best.samples_per_s / peer, 100.0 * r.best.sync_share, 1e3 * r.cpu);
+    }
     std::fflush(stdout);
   }
   std::printf("\nload average at the end: %.1f\n", bench::load_average());
   return 0;
+} catch (const std::exception& e) {
+  // What the library refused at run time (not an option the parser could judge): said, not a crash.
+  std::fprintf(stderr, "train_bench: %s\n", e.what());
+  return 1;
 }
+#else
+int main(int argc, char** argv) {  // MESHLIB_BENCH_OPTIONS_ONLY: the options, checked (bench/CMakeLists.txt)
+  (void)parse_options(argc, argv);
+  return 0;
+}
+#endif

@@ -6,6 +6,7 @@
 // reductions use the thread backend's kernels in rank order).
 #include <meshlib/mpi.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -331,8 +332,21 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
   to.timeout = mo.timeout;
   const int n = procs.size() * threads;
   std::vector<std::string> seen(threads), type(threads);
-  std::vector<double> secs(threads, 0);
-  const auto t0 = std::chrono::steady_clock::now();
+  // The absent device keeps its handle until every other device has been released (each sends the
+  // last process a note, or counts itself on that process): an order of events, not a sleep that
+  // a loaded machine could outlast (its leaving early would abort the others instead; 60 s at most).
+  const int last = procs.size() - 1;
+  MPI_Comm released = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &released);
+  std::atomic<int> released_here{0};
+  auto note_released = [&] {
+    if (procs.rank() != last) {
+      int note = 1;
+      MPI_Send(&note, 1, MPI_INT, last, 0, released);
+    } else {
+      ++released_here;
+    }
+  };
   int blamed = -1;
   try {
     meshlib::run_hybrid(
@@ -340,7 +354,20 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
         [&](meshlib::hybrid_communicator& c) {
           const auto t = static_cast<std::size_t>(c.local().rank());
           if (c.rank() == n - 1) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(4500));
+            int notes = 0;
+            const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+            while ((notes < last * threads || released_here.load() < threads - 1) &&
+                   std::chrono::steady_clock::now() < give_up) {
+              int found = 0;
+              MPI_Iprobe(MPI_ANY_SOURCE, 0, released, &found, MPI_STATUS_IGNORE);
+              if (found) {
+                int note = 0;
+                MPI_Recv(&note, 1, MPI_INT, MPI_ANY_SOURCE, 0, released, MPI_STATUS_IGNORE);
+                ++notes;
+              } else {
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+              }
+            }
             return;
           }
           std::vector<float> x(4, 1.0f);
@@ -349,11 +376,12 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
           } catch (const meshlib::comm_timeout& e) {
             type[t] = "timeout";
             seen[t] = e.what();
-            secs[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            note_released();
             throw;
           } catch (const std::exception& e) {
             type[t] = "other";
             seen[t] = e.what();
+            note_released();
             throw;
           }
         },
@@ -373,9 +401,10 @@ TEST_CASE("hybrid: a device that never arrives times out everywhere, named by it
     CHECK(seen[static_cast<std::size_t>(t)].rfind(root, 0) == 0);
     CHECK(seen[static_cast<std::size_t>(t)].find("[seen by all_reduce on hybrid device " + std::to_string(device)) !=
           std::string::npos);
-    CHECK(secs[static_cast<std::size_t>(t)] < 15.0);  // the 2 s timeout, not the default 20 s (generous: load)
+    // (No bound on the time: `root` says "after 2 s", the timeout that released it.)
   }
   MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_free(&released);
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -98,8 +98,8 @@ struct advice_row {
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return state_bytes + activation_bytes; }
 };
 
-/// @brief The advisor's answer: every shape, ranked (fastest first; shapes not possible last, in
-/// enumeration order), and the best one.
+/// @brief The advisor's answer: every shape, ranked (fastest first, equal step times in enumeration
+/// order; shapes not possible last, in enumeration order), and the best one.
 struct advice {
   std::vector<advice_row> rows;  ///< every shape, ranked
   mesh_shape best;               ///< the fastest shape that ran
@@ -130,13 +130,26 @@ struct advice {
   }
 };
 
-/// @brief How `advise_mesh` measures.
+/// @brief How `advise_mesh` measures (and, through `step_time`, what times it ranks by).
 struct advise_options {
   std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
   std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
   optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
   train_options train = {};      ///< the base options (`fsdp` is set per shape)
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
+  /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
+  /// wall time.
+  ///
+  /// Called after each timed step with the shape, the step's index among the timed steps (0 to
+  /// `timed_steps - 1`) and its measured wall time in seconds; returns the seconds to record. The
+  /// ranking, `advice_row::step_seconds` and `samples_per_second` use what it returns; `sync_share`
+  /// stays the measured synchronisation over the measured step times. A seam for callers who time
+  /// otherwise (a device's own clock, a cost model) and for tests: the ranking is then a function
+  /// of the times given, not of the machine's load.
+  /// @code
+  /// o.step_time = [](const nn::mesh_shape& s, std::size_t, double) { return s.size("model") == 4 ? 0.01 : 0.02; };
+  /// @endcode
+  std::function<double(const mesh_shape& shape, std::size_t step, double measured_seconds)> step_time;
 };
 
 /// @brief Every factorisation of `devices` over the axes of `Mesh`, in lexicographic order of the
@@ -235,13 +248,14 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
       train_state state(mesh, make_model(mesh), o.opt, opts);
       for (std::size_t i = 0; i < o.warmup_steps; ++i) (void)train_step(state, batch);
       std::vector<double> times;
-      double total = 0, sync = 0;
+      double total = 0, sync = 0;  // measured: the synchronisation's share of the measured steps
       step_metrics last;
       for (std::size_t i = 0; i < std::max<std::size_t>(o.timed_steps, 1); ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         last = train_step(state, batch);
-        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        total += times.back();
+        const double measured = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        times.push_back(o.step_time ? o.step_time(shape, i, measured) : measured);
+        total += measured;
         sync += last.sync_seconds;
       }
       row.step_seconds = detail::median(times);
