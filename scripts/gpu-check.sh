@@ -130,6 +130,11 @@ if [ "$mode" = --bundle ]; then
   step "4. the CPU reference runs (thread devices, the same seeds as the GPU runs)"
   data_dir=/usr/share/datasets/fashion-mnist
   cp "$data_dir"/*.gz "$dir/data/fashion-mnist/" || build_fail "no Fashion-MNIST in $data_dir (apt install dataset-fashion-mnist)"
+  # meshlib's own product kernel on the CPU (MESHLIB_NO_BLAS=1) and the GPU programs built with
+  # --fmad=false compute every product in the same order with the same roundings: the GPU's losses
+  # are compared with these to 1e-4 relative (a BLAS reference sums in another order, and 100 steps
+  # of Adam amplify that difference chaotically: 1e-8 at step 10, 4e-3 by step 90 on the H200).
+  export MESHLIB_NO_BLAS=1
   fm="$build/examples/train_fashion_mnist/train_fashion_mnist"
   for mesh in 1x1 2x1 4x2; do
     if "$fm" --mesh "$mesh" --batch 256 --seed 0 --steps 100 --loss-log "$dir/ref/fashion_$mesh.txt" >"$GPU_DIR/ref_fashion_$mesh.log" 2>&1; then
@@ -152,6 +157,7 @@ if [ "$mode" = --bundle ]; then
       ok "CPU reference: train_gpt_chars --mesh $mesh --steps 30" || fail "CPU reference run of train_gpt_chars --mesh $mesh"
   done
 
+  unset MESHLIB_NO_BLAS
   step "5. shared libraries the GPU machine lacks"
   # Everything the g++ programs load but the C library, the CUDA driver and runtime, NVRTC and NCCL
   # (the GPU machine has CUDA 13 and its own NCCL): Debian's Kokkos, oneTBB, zlib, MPI, ...
@@ -298,7 +304,8 @@ for i in $(seq 1 "$want"); do
   runs=$i
 done
 if [ "$runs" -eq "$want" ]; then ok "conformance_device: $runs runs in a row (NCCL one rank; 2 and 4 devices sharing GPU 0)"
-else fail "conformance_device: run $((runs + 1)) of $want failed (log conformance_$((runs + 1)).log)"; fi
+elif [ -f "$logs/conformance_$((runs + 1)).log" ]; then fail "conformance_device: run $((runs + 1)) of $want failed (log conformance_$((runs + 1)).log)"
+else skip "conformance_device: $runs of $want runs passed, then out of time (budget ${budget}s)"; fi
 
 step "8. nccl_bench (8 B .. 64 MiB)"
 RUN_TAIL=60 run_test nccl_bench "nccl_bench" 40 "$bin/nccl_bench" --max-bytes 64M

@@ -58,7 +58,10 @@ class axis_communicators {
   /// @brief The communicator of this device's group along the axes in `mask`.
   Comm& over(axis_mask mask) {
     mask &= Mesh::all_axes;
-    if (mask == Mesh::all_axes) return *world_;
+    // A group that holds every device (the whole mesh, or axes whose complement has size 1) is
+    // `world` itself, in the same rank order: no split (an NCCL split costs as much as a new
+    // communicator, and a 1-device mesh asks for its data group every step).
+    if (mask == Mesh::all_axes || mesh_.axes_size(mask) == mesh_.size()) return *world_;
     auto it = groups_.find(mask);
     if (it == groups_.end()) {
       const std::size_t dev = device();

@@ -94,6 +94,17 @@ inline void ensure_blas_threads() {
   });
 }
 
+/// Whether the BLAS may be used at all: not when `MESHLIB_NO_BLAS=1` is set, which makes every
+/// product on a host run meshlib's own kernel (the same bits on every machine, and a GPU built with
+/// `--fmad=false`'s: the reference runs of scripts/gpu-check.sh). Read once.
+inline bool blas_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MESHLIB_NO_BLAS");
+    return v == nullptr || std::string(v) != "1";
+  }();
+  return allowed;
+}
+
 /// Whether products of `T` in memory `Space` go to `KokkosBlas::gemm` (see the file comment).
 template <class T, class Space>
 inline constexpr bool use_blas_v =
@@ -148,7 +159,10 @@ struct matmul_into_functor {
 /// that the threads of a warp read one row of `op(B)` and write one row of `C` in consecutive
 /// addresses and share their `op(A)` element (the row kernel above gives each thread a row of `C`
 /// of its own: a warp's accesses are `n` elements apart, and one thread per row leaves all but a
-/// few hundred of a GPU's threads idle). The sum over `p` runs in the row kernel's order.
+/// few hundred of a GPU's threads idle). Each element is computed with the row kernel's operations
+/// in the row kernel's order (`beta` first, then one `+= (alpha a) b` per `p`; or a dot product added
+/// once), so a GPU built without contracted multiply-adds (nvcc `--fmad=false`) gives the host
+/// kernel's bits: what scripts/gpu-check.sh compares (`MESHLIB_NO_BLAS=1` on the CPU side).
 template <class T>
 struct matmul_into_element_functor {
   const T* a;
@@ -160,12 +174,20 @@ struct matmul_into_element_functor {
 
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t e) const {
     const std::size_t i = e / n, j = e % n;
-    T s{0};
-    const T* ai = a + i * a_i;
-    const T* bj = b + j * b_j;
-    for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
     T& cij = c[i * c_i + j * c_j];
-    cij = beta == T{0} ? alpha * s : beta * cij + alpha * s;
+    T v = beta == T{0} ? T{0} : (beta == T{1} ? cij : cij * beta);
+    if (k != 0) {
+      const T* ai = a + i * a_i;
+      if (b_j == 1 && c_j == 1) {  // the row kernel's i-p-j order
+        for (std::size_t p = 0; p < k; ++p) v += (alpha * ai[p * a_p]) * b[p * b_p + j];
+      } else {  // its dot product
+        const T* bj = b + j * b_j;
+        T s{0};
+        for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
+        v += alpha * s;
+      }
+    }
+    cij = v;
   }
 };
 
@@ -284,7 +306,8 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
                   std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
                   std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
       if (c.extent(0) == 0 || c.extent(1) == 0) return;
-      if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+      if (k == 0 || alpha == T{0} || !detail::blas_allowed())
+        return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
       detail::ensure_blas_threads();
       // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
