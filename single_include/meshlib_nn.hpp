@@ -619,6 +619,15 @@ class device_buffers {
       return p;
     }
   }
+  /// `n` values at `src`, which may be host or device memory (a caller's span), readable by the
+  /// running device's kernels: `src` itself where they can read it (any pointer on a host space;
+  /// device memory of the running GPU, asked with `is_device_readable`), else a copy in device
+  /// `dev`'s buffer (`readable`).
+  const T* staged(std::size_t dev, const T* src, std::size_t n) {
+    if (meshlib::is_device_readable<default_memory_space>(src, meshlib::detail::current_device_id<default_memory_space>()))
+      return src;
+    return readable(dev, src, n);
+  }
   /// Frees device `dev`'s buffer (the next `get` allocates again).
   void release(std::size_t dev) noexcept { release_slot(&bufs_.at(dev)); }
   /// Device `dev`'s buffer as a slot a `release_scope` can free.
@@ -8044,6 +8053,205 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 }  // namespace meshlib::nn
 // end meshlib/nn/data/byte_ngram.hpp
 // end meshlib/nn/data.hpp
+// begin meshlib/nn/device_put.hpp
+/// @file
+/// @brief Putting a batch where the model's kernels run: `device_put` of a `batch` (JAX's
+/// `jax.device_put(batch)`, PyTorch's `batch.to(device, non_blocking=True)`) and
+/// `device_prefetcher`, which copies the next batch while the current step computes (flax's
+/// `prefetch_to_device`, a DataLoader with `pin_memory=True`).
+///
+/// Why: the data loader assembles batches in host memory. On a host backend the model reads them
+/// in place; on a GPU a kernel handed a host address fails at some later fence with an illegal
+/// address, or reads garbage. `train_step` and `evaluate` therefore never hand a kernel a pointer it
+/// cannot read: they ask where the input is (tensor/pointer_check.hpp) and stage host rows into each
+/// device's buffer themselves, synchronously. A `device_batch` from `device_put` or a
+/// `device_prefetcher` is already in device memory: the step reads it in place, and with the
+/// prefetcher the copy of step k+1 ran on a copy stream of its own while step k computed.
+///
+/// How the copy is made: the rows are written into pinned (page-locked) host memory, then copied to
+/// the device asynchronously on the prefetcher's own execution-space instance (its own CUDA stream),
+/// which is fenced only when the batch is handed out. On a host backend there is nothing to copy:
+/// `device_put` of an rvalue batch moves its rows in, and the prefetcher hands the loader's batches
+/// through.
+///
+/// The labels stay in host memory as well (`device_batch::y`): the loss checks every label against
+/// the class count on the host before a kernel reads it, and copies the 4 bytes a row itself.
+/// @code
+/// nn::data_loader loader(data.train, {.global_batch = 256, .seed = 0});
+/// nn::device_prefetcher batches(loader);              // flax: prefetch_to_device(iterator, 2)
+/// batches.start_epoch(epoch);
+/// while (auto b = batches.next()) nn::train_step(state, *b, runner);
+/// auto one = nn::device_put(*loader.next());           // jax.device_put(batch)
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <Kokkos_Core.hpp>
+
+
+namespace meshlib::nn {
+
+/// @brief This process's rows of one global batch with its features in the memory the model's
+/// kernels read (`default_memory_space`): a `batch` after `device_put`. The labels stay on the host.
+/// Copies share the features (a Kokkos view's reference semantics).
+struct device_batch {
+  /// `rows * features` values, row-major, in `default_memory_space`
+  Kokkos::View<float*, default_memory_space> x{};
+  std::vector<std::int32_t> y{};  ///< `rows` labels, in host memory
+  std::size_t rows = 0;           ///< this process's rows
+  std::size_t features = 0;       ///< values per row
+  std::size_t global_offset = 0;  ///< row of the global batch where this process's rows start
+  std::size_t global_rows = 0;    ///< rows of the whole global batch
+  std::size_t step = 0;           ///< index of the global batch in its epoch
+  std::size_t epoch = 0;          ///< the epoch this batch belongs to
+  /// On a host space, the rows `x` views (moved in from the batch, not copied); empty otherwise.
+  std::shared_ptr<const std::vector<float>> host_rows{};
+};
+
+namespace detail {
+
+/// The batch's fields but the features.
+inline device_batch device_batch_header(const batch& b) {
+  device_batch d;
+  d.y = b.y;
+  d.rows = b.rows;
+  d.features = b.features;
+  d.global_offset = b.global_offset;
+  d.global_rows = b.global_rows;
+  d.step = b.step;
+  d.epoch = b.epoch;
+  return d;
+}
+
+}  // namespace detail
+
+/// @brief `jax.device_put(batch)`: the batch's features copied into `default_memory_space`, and
+/// waited for (`device_prefetcher` overlaps the copy with the step instead). On a host space
+/// nothing is copied: the rows move into the result (pass the batch as an rvalue; an lvalue is
+/// copied first).
+[[nodiscard]] inline device_batch device_put(batch b) {
+  device_batch d = detail::device_batch_header(b);
+  if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    d.host_rows = std::make_shared<const std::vector<float>>(std::move(b.x));
+    d.x = Kokkos::View<float*, default_memory_space>(const_cast<float*>(d.host_rows->data()), d.host_rows->size());
+  } else {
+    d.x = Kokkos::View<float*, default_memory_space>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::device_batch"), b.x.size());
+    Kokkos::deep_copy(d.x, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                               b.x.data(), b.x.size()));
+  }
+  return d;
+}
+
+/// @brief Copies the next batches of a `data_loader` into device memory while the current step
+/// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). One batch is in
+/// flight ahead of the one handed out. Not thread-safe; the loader must outlive it, and only the
+/// prefetcher calls the loader's `start_epoch` / `next` while it is in use.
+class device_prefetcher {
+ public:
+  /// @brief A prefetcher over `loader` (read in place; it must outlive the prefetcher).
+  explicit device_prefetcher(data_loader& loader) : loader_(loader) {}
+  device_prefetcher(const device_prefetcher&) = delete;
+  device_prefetcher& operator=(const device_prefetcher&) = delete;
+  ~device_prefetcher() { wait(); }
+
+  /// @brief Starts epoch `epoch` of the loader and the copy of its first batch.
+  void start_epoch(std::size_t epoch) {
+    wait();
+    loader_.start_epoch(epoch);
+    ahead_ = issue(loader_.next());
+  }
+
+  /// @brief The next batch of the epoch in device memory (nullopt after the last), and starts the
+  /// copy of the one after it. @throws meshlib::data_error before the first `start_epoch`.
+  [[nodiscard]] std::optional<device_batch> next() {
+    if (!started_) throw data_error("meshlib: device_prefetcher: next() called before start_epoch(epoch)");
+    wait();
+    std::optional<device_batch> out = std::move(ahead_);
+    ahead_.reset();
+    if (out) ahead_ = issue(loader_.next());
+    return out;
+  }
+
+  /// @brief Whether batches are copied (a device memory space) or handed through (host).
+  [[nodiscard]] static constexpr bool copies() noexcept {
+    return !meshlib::detail::host_accessible_v<default_memory_space>;
+  }
+
+  /// The loader it reads.
+  [[nodiscard]] data_loader& loader() noexcept { return loader_; }
+
+ private:
+  using device_view = Kokkos::View<float*, default_memory_space>;
+
+  /// The features of `b` into a device view: moved in on a host space; on a device space written
+  /// into the pinned stage and copied asynchronously on the copy instance.
+  std::optional<device_batch> issue(std::optional<batch> b) {
+    started_ = true;
+    if (!b) return std::nullopt;
+    if constexpr (!copies()) {
+      return device_put(std::move(*b));
+    } else {
+      device_batch d = detail::device_batch_header(*b);
+      stage(*b, d);
+      return d;
+    }
+  }
+
+  /// The device path: one pinned stage (the last copy was waited for before this one is written),
+  /// and a ring of device buffers reused when nobody else holds them.
+  void stage(const batch& b, device_batch& d) {
+#if KOKKOS_VERSION >= 40000
+    const std::size_t n = b.x.size();
+    if (pinned_.extent(0) < n)
+      pinned_ = pinned_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::pinned_batch"), n);
+    std::memcpy(pinned_.data(), b.x.data(), n * sizeof(float));
+    device_view& slot = ring_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % ring_.size();
+    if (slot.extent(0) != n || slot.use_count() > 1)  // a batch the caller still holds is not overwritten
+      slot = device_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::device_batch"), n);
+    if (!copy_) copy_.emplace(Kokkos::Experimental::partition_space(Kokkos::DefaultExecutionSpace(), 1)[0]);
+    Kokkos::deep_copy(*copy_, slot, Kokkos::subview(pinned_, std::make_pair(std::size_t{0}, n)));
+    in_flight_ = true;
+    d.x = slot;
+#else
+    (void)b;
+    (void)d;
+    static_assert(!copies(), "meshlib: device_prefetcher: a device memory space needs Kokkos 4");
+#endif
+  }
+
+  /// Waits for the copy in flight, if any.
+  void wait() {
+#if KOKKOS_VERSION >= 40000
+    if (in_flight_ && copy_) copy_->fence("meshlib::nn::device_prefetcher");
+#endif
+    in_flight_ = false;
+  }
+
+#if KOKKOS_VERSION >= 40000
+  using pinned_view = Kokkos::View<float*, Kokkos::SharedHostPinnedSpace>;
+  pinned_view pinned_{};
+  std::optional<Kokkos::DefaultExecutionSpace> copy_{};
+#endif
+  data_loader& loader_;
+  std::optional<device_batch> ahead_{};
+  std::array<device_view, 3> ring_{};
+  std::size_t next_slot_ = 0;
+  bool in_flight_ = false;
+  bool started_ = false;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/device_put.hpp
 // begin meshlib/nn/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
@@ -9150,8 +9358,18 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
-    (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
+      (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    } else {
+      // A device communicator (NCCL, shared GPU) moves device memory only: the sums go through a
+      // device block of the running device (reduced in place, then read back).
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
+      const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
+      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
+      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+    }
   }
 }
 }  // namespace detail
@@ -9273,6 +9491,7 @@ class train_state {
         loss_(m.size()),
         gather_(m.size()),
         input_(m.size()),
+        ids_(m.size()),
         output_grad_(m.size()),
         squares_(m.size()) {
     model.collect(params);
@@ -9347,17 +9566,24 @@ class train_state {
   /// Consecutive good steps since the scale last changed.
   [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
 
-  /// Device `dev`'s input rows as the model sees them: `x` itself in float, else a copy rounded to
-  /// `Compute` (the caller's data is never modified).
+  /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
+  /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
+  /// else staged into the device's buffer (host rows on a GPU); with a 16-bit `Compute`, a copy
+  /// rounded to it (the caller's data is never modified).
   [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    const float* src = input_.staged(dev, x, n);
     if constexpr (!mixed) {
-      return const_cast<float*>(x);
+      return const_cast<float*>(src);
     } else {
       float* b = input_.get(dev, n);
-      std::copy_n(x, n, b);
+      if (src != b) detail::convert_copy<default_memory_space>(b, src, n);
       detail::round_to<Compute>(b, n);
       return b;
     }
+  }
+  /// Device `dev`'s `n` token ids at `x` as the model's kernels read them (see `input_block`).
+  [[nodiscard]] std::int32_t* ids_block(std::size_t dev, const std::int32_t* x, std::size_t n) {
+    return const_cast<std::int32_t*>(ids_.staged(dev, x, n));
   }
   /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
   /// output (the `grad` argument of a `loss_function`); valid until the next step.
@@ -9650,6 +9876,7 @@ class train_state {
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
+  detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
   // The clipping norm's partial sums (a const query writes them: each device only its own slot).
   mutable detail::device_buffers<double> squares_;
@@ -9717,7 +9944,7 @@ template <input_element In, class State>
 input_block_t<State, In> make_input_block(State& s, std::size_t dev, const In* x, std::size_t rows, std::size_t features) {
   using X = input_block_t<State, In>;
   if constexpr (std::is_same_v<In, std::int32_t>)
-    return X(typename X::view_type(const_cast<std::int32_t*>(x), rows), s.mesh, dev);
+    return X(typename X::view_type(s.ids_block(dev, x, rows), rows), s.mesh, dev);
   else
     return X(typename X::view_type(s.input_block(dev, x, rows * features), rows, features), s.mesh, dev);
 }
@@ -9971,6 +10198,23 @@ template <class State, class Loss, class Backend = default_runner>
   requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
 step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+
+/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
+/// the model reads its rows in place; the labels are the batch's host copy.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
+                    b.global_offset, b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
                     std::forward<Loss>(loss), backend);
 }
 

@@ -70,4 +70,22 @@ TEST_CASE("axis_communicators: psum over one axis of a 2x2 mesh", "[comm][axes]"
   CHECK(refused == std::vector<int>{1, 1});
 }
 
+TEST_CASE("axis_communicators: a group of every device is the world communicator, no split", "[comm][axes]") {
+  // (4, 1, 1): the data group holds every device; the model group is each device alone. An NCCL
+  // split costs a communicator's creation, so the whole-mesh group must not be split.
+  using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">, meshlib::axis<"pipe">>;
+  const mesh_t m{4, 1, 1};
+  std::vector<int> is_world(4), data_ranks(4), model_sizes(4);
+  meshlib::run_on_threads(4, [&](thread_communicator& world) {
+    meshlib::axis_communicators axes(world, m);
+    const auto r = static_cast<std::size_t>(world.rank());
+    is_world[r] = &axes.over<"data">() == &world && &axes.over<"data", "pipe">() == &world;
+    data_ranks[r] = axes.over<"data">().rank();
+    model_sizes[r] = axes.over<"model">().size();
+  });
+  CHECK(is_world == std::vector<int>{1, 1, 1, 1});
+  CHECK(data_ranks == std::vector<int>{0, 1, 2, 3});
+  CHECK(model_sizes == std::vector<int>{1, 1, 1, 1});
+}
+
 }  // namespace MESHLIB_TEST_UNIT
