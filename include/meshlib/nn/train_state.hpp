@@ -944,10 +944,13 @@ step_metrics train_step(State& s, std::span<const float> x, const Targets& targe
 /// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
 /// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
 /// @endcode
-/// @throws sharding_error as the float `train_step`, and when `ids` is not one id per row; (as the
-/// cause of a `device_error`) `std::out_of_range` from the embedding for an id outside its
-/// vocabulary, naming the layer and the vocabulary size, and `sharding_error` from the attention
-/// when a device's rows are not whole sequences.
+/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
+/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
+/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
+/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
+/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
+/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
+/// length does not fit a device's rows.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
@@ -966,6 +969,10 @@ step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targe
 
 /// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
 /// batch global (`b.rows * b.context` tokens, every process holding all of them).
+/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
+/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
+/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
+/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
