@@ -5722,6 +5722,16 @@ exec_space_for_t<Space> current_exec() {
   return exec_type();
 }
 
+/// The GPU the running device's kernels on memory `Space` run on (`current_exec`), or -1 where
+/// `Space` is not a CUDA space (host memory has no device number).
+template <class Space>
+int current_device_id() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<exec_space_for_t<Space>, Kokkos::Cuda>) return current_exec<Space>().cuda_device();
+#endif
+  return -1;
+}
+
 /// A rank-`Rank` view of `extent`, zero-filled by meshlib (not by Kokkos' initialising kernel), with
 /// the allocation itself under `kokkos_state_mutex()`.
 template <class T, std::size_t Rank, class Space = default_memory_space>
@@ -5963,6 +5973,7 @@ inline constexpr auto axes_names_v = [] {
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 
 namespace meshlib {
@@ -6139,6 +6150,16 @@ concept local_tensor_type = requires { typename std::remove_cvref_t<T>::is_local
 /// @brief True for `local_tensor` types (the `local_tensor_type` concept as a value).
 template <class T>
 inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
+
+/// @brief A device's block read back into host memory, row-major (a copy on the running device's
+/// instance where the block is device memory; a plain copy on a host space): for host code that
+/// needs a kernel's result, such as sampling the next token from a model's logits.
+template <local_tensor_type L>
+[[nodiscard]] std::vector<std::remove_const_t<typename L::value_type>> to_host(const L& x) {
+  std::vector<std::remove_const_t<typename L::value_type>> out(x.size());
+  detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
+  return out;
+}
 
 namespace detail {
 /// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).
@@ -7425,8 +7446,9 @@ auto transpose(const X& x) {
 /// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
 /// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
 /// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
-/// own Kokkos kernel (`matmul_into_functor`), a RangePolicy `parallel_for` over the rows of `C` on the
-/// given execution-space instance. RangePolicy only, over raw pointers: safe from concurrent device
+/// own Kokkos kernel, a RangePolicy `parallel_for` on the given execution-space instance: over the
+/// rows of `C` on a host (`matmul_into_functor`), over its elements on a GPU
+/// (`matmul_into_element_functor`: coalesced, every thread busy). RangePolicy only, over raw pointers: safe from concurrent device
 /// threads on Kokkos 3.4.1 (tensor/view.hpp), where Kokkos Kernels' own team-policy fallback is not.
 ///
 /// The edge cases are BLAS's, decided here so both kernels agree: `beta == 0` overwrites `C`
@@ -7455,6 +7477,150 @@ auto transpose(const X& x) {
 
 #include <Kokkos_Core.hpp>
 
+// begin meshlib/tensor/pointer_check.hpp
+/// @file
+/// @brief Where a raw pointer's memory is, asked at run time, so that a host pointer never reaches a
+/// device kernel silently (a `cudaErrorIllegalAddress` at some later fence, or worse, nothing).
+///
+/// A view's memory space is part of its type, and the public entries that launch kernels check at
+/// compile time that the kernel's execution space can read every view they are given
+/// (`meshlib::require_accessible`). What the type cannot tell is whether the pointer *inside* a
+/// view of `Kokkos::CudaSpace` really is device memory: an unmanaged view wrapped around
+/// `std::vector::data()`, or a batch handed over as a `std::span`, says CudaSpace and holds a host
+/// address. For those, `pointer_query<Space>` asks the device runtime (`cudaPointerGetAttributes`
+/// for CUDA); `check_device_readable` throws `memory_space_error` naming the entry, the argument and
+/// the fix, and `is_device_readable` lets the training step stage a host batch instead.
+///
+/// `pointer_query` is a customisation point: a memory space without a specialisation is not asked
+/// (its pointers are trusted, as the host's are). The tests specialise it for a fake device space
+/// to check the run-time half on a machine without a GPU.
+/// @code
+/// meshlib::check_device_readable<Kokkos::CudaSpace>(x.data(), "my_layer::forward", "x");
+/// // throws: "meshlib: my_layer::forward: argument 'x' is host memory, but its kernel runs on Cuda
+/// //          (CudaSpace); copy it to the device first (meshlib::nn::device_put for a batch, ...)"
+/// @endcode
+
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <Kokkos_Core.hpp>
+
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace meshlib {
+
+/// @brief A pointer handed to a kernel that cannot read it: host memory where the kernel runs on a
+/// device, or another device's memory. Thrown before the kernel is launched.
+class memory_space_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief What the device runtime says of an address.
+enum class pointer_location {
+  host,     ///< host memory (pageable or pinned): a device kernel must not read it
+  device,   ///< device memory of GPU `pointer_info::device`
+  managed,  ///< managed (unified) memory: readable everywhere
+};
+
+/// @brief The answer of a `pointer_query`.
+struct pointer_info {
+  pointer_location location = pointer_location::host;
+  int device = -1;  ///< the GPU of device memory (-1 otherwise)
+};
+
+/// @brief How meshlib asks where a pointer's memory is, for memory space `Space`. The primary
+/// template asks nothing (`asks == false`): host spaces, and device spaces meshlib has no query
+/// for. Specialise it for a space of your own with `static constexpr bool asks = true;` and
+/// `static pointer_info of(const void*)`.
+template <class Space>
+struct pointer_query {
+  static constexpr bool asks = false;
+  static pointer_info of(const void*) noexcept { return {pointer_location::managed, -1}; }
+};
+
+#if defined(KOKKOS_ENABLE_CUDA)
+/// `cudaPointerGetAttributes`: unregistered host memory is `cudaMemoryTypeUnregistered` (CUDA 11+),
+/// pinned host memory `cudaMemoryTypeHost`; both are host memory to a kernel here.
+template <>
+struct pointer_query<Kokkos::CudaSpace> {
+  static constexpr bool asks = true;
+  static pointer_info of(const void* p) noexcept {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // an unknown address: host memory CUDA never saw
+      return {pointer_location::host, -1};
+    }
+    if (a.type == cudaMemoryTypeDevice) return {pointer_location::device, a.device};
+    if (a.type == cudaMemoryTypeManaged) return {pointer_location::managed, a.device};
+    return {pointer_location::host, -1};
+  }
+};
+#endif
+
+/// @brief Whether a kernel in memory space `Space`'s execution space on GPU `device` (-1: any) can
+/// read `p`: always where `Space` is not asked (`pointer_query<Space>::asks`), else device memory
+/// of that GPU or managed memory. A null pointer is readable (an empty block).
+template <class Space>
+[[nodiscard]] bool is_device_readable(const void* p, int device = -1) noexcept {
+  if constexpr (!pointer_query<Space>::asks) {
+    return true;
+  } else {
+    if (p == nullptr) return true;
+    const pointer_info i = pointer_query<Space>::of(p);
+    if (i.location == pointer_location::managed) return true;
+    return i.location == pointer_location::device && (device < 0 || i.device == device);
+  }
+}
+
+/// @brief Throws `memory_space_error` unless a kernel on memory `Space` can read `p`
+/// (`is_device_readable`): the message names `entry` (the public call), `argument` and the fix.
+template <class Space>
+void check_device_readable(const void* p, std::string_view entry, std::string_view argument, int device = -1) {
+  if constexpr (pointer_query<Space>::asks) {
+    if (is_device_readable<Space>(p, device)) return;
+    const pointer_info i = pointer_query<Space>::of(p);
+    const std::string where = std::string(Space::execution_space::name()) + " (" + Space::name() + ")";
+    if (i.location == pointer_location::device)
+      throw memory_space_error("meshlib: " + std::string(entry) + ": argument '" + std::string(argument) +
+                               "' is memory of GPU " + std::to_string(i.device) + ", but its kernel runs on GPU " +
+                               std::to_string(device) + "; copy it to that GPU first (Kokkos::deep_copy)");
+    throw memory_space_error("meshlib: " + std::string(entry) + ": argument '" + std::string(argument) +
+                             "' is host memory, but its kernel runs on " + where +
+                             "; copy it to the device first (meshlib::nn::device_put for a batch, "
+                             "meshlib::device_put for an array, Kokkos::deep_copy for a view)");
+  } else {
+    (void)p, (void)entry, (void)argument, (void)device;
+  }
+}
+
+namespace detail {
+/// The diagnostic of `require_accessible` (core/diagnostics.hpp: a function, so one error).
+template <class Entry, class Argument, class Exec, class Space>
+consteval bool argument_memory_is_not_accessible_from_kernel_space() {
+  static_assert(always_false<Entry, Argument, Exec, Space>,
+                "meshlib: an argument's memory space cannot be read by the execution space its kernel runs on "
+                "(the note names the call, the argument, the execution space and the memory space); copy it there "
+                "first with meshlib::nn::device_put (a batch), meshlib::device_put (an array) or Kokkos::deep_copy");
+  return false;
+}
+}  // namespace detail
+
+/// @brief Compile-time half of the check: `true` when execution space `Exec` can access memory
+/// space `Space`; otherwise one compile error that spells the call `Entry` and the `Argument`
+/// (`diag_op_t<"matmul_into">`, `diag_op_t<"A">`).
+template <class Entry, class Argument, class Exec, class Space>
+consteval bool require_accessible() {
+  if constexpr (Kokkos::SpaceAccessibility<Exec, Space>::accessible) return true;
+  else return detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/pointer_check.hpp
 
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
 #include <KokkosBlas3_gemm.hpp>
@@ -7552,6 +7718,31 @@ struct matmul_into_functor {
   }
 };
 
+/// meshlib's product kernel on a GPU: one output element `(i, j)` per work item, `j` fastest, so
+/// that the threads of a warp read one row of `op(B)` and write one row of `C` in consecutive
+/// addresses and share their `op(A)` element (the row kernel above gives each thread a row of `C`
+/// of its own: a warp's accesses are `n` elements apart, and one thread per row leaves all but a
+/// few hundred of a GPU's threads idle). The sum over `p` runs in the row kernel's order.
+template <class T>
+struct matmul_into_element_functor {
+  const T* a;
+  const T* b;
+  T* c;
+  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
+  std::size_t n, k;
+  T alpha, beta;
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t e) const {
+    const std::size_t i = e / n, j = e % n;
+    T s{0};
+    const T* ai = a + i * a_i;
+    const T* bj = b + j * b_j;
+    for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
+    T& cij = c[i * c_i + j * c_j];
+    cij = beta == T{0} ? alpha * s : beta * cij + alpha * s;
+  }
+};
+
 /// `(r, c)` for a message.
 inline std::string shape_text(std::size_t r, std::size_t c) {
   return "(" + std::to_string(r) + ", " + std::to_string(c) + ")";
@@ -7586,6 +7777,23 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   using T = typename VC::non_const_value_type;
   const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
   if (m == 0 || n == 0) return;
+  if constexpr (!host_accessible_v<typename Exec::memory_space>) {
+    matmul_into_element_functor<T> f{a.data(),
+                                     b.data(),
+                                     c.data(),
+                                     ta ? a.stride(1) : a.stride(0),
+                                     ta ? a.stride(0) : a.stride(1),
+                                     tb ? b.stride(1) : b.stride(0),
+                                     tb ? b.stride(0) : b.stride(1),
+                                     c.stride(0),
+                                     c.stride(1),
+                                     n,
+                                     k,
+                                     alpha,
+                                     beta};
+    launch_on(exec, m * n, f);
+    return;
+  }
   matmul_into_functor<T> f{a.data(),
                            b.data(),
                            c.data(),
@@ -7632,39 +7840,45 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
-  static_assert(Kokkos::SpaceAccessibility<Exec, space>::accessible &&
-                    Kokkos::SpaceAccessibility<Exec, typename VA::memory_space>::accessible &&
-                    Kokkos::SpaceAccessibility<Exec, typename VB::memory_space>::accessible,
-                "meshlib: matmul_into: the execution space cannot access the views' memory; pass an instance of the "
-                "space their memory belongs to");
-  detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
-  const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
-  const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
-  if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
-                std::is_same_v<typename VB::memory_space, space> &&
-                std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
-                std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
-    if (c.extent(0) == 0 || c.extent(1) == 0) return;
-    if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+  using entry = detail::diag_op_t<"matmul_into">;
+  constexpr bool accessible = require_accessible<entry, detail::diag_op_t<"C">, Exec, space>() &&
+                              require_accessible<entry, detail::diag_op_t<"A">, Exec, typename VA::memory_space>() &&
+                              require_accessible<entry, detail::diag_op_t<"B">, Exec, typename VB::memory_space>();
+  if constexpr (accessible) {
+    detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+    // The views' types say device memory; their pointers may still be host memory (a view wrapped
+    // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
+    check_device_readable<space>(c.data(), "matmul_into", "C");
+    check_device_readable<typename VA::memory_space>(a.data(), "matmul_into", "A");
+    check_device_readable<typename VB::memory_space>(b.data(), "matmul_into", "B");
+    const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+    const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
+    if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+                  std::is_same_v<typename VB::memory_space, space> &&
+                  std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+      if (c.extent(0) == 0 || c.extent(1) == 0) return;
+      if (k == 0 || alpha == T{0}) return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-    detail::ensure_blas_threads();
-    // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
-    using layout = typename VC::array_layout;
-    using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
-    const Kokkos::View<const T**, layout, space, um> av = a;
-    const Kokkos::View<const T**, layout, space, um> bv = b;
-    const Kokkos::View<T**, layout, space, um> cv = c;
-    const char* ta = o.transpose_a ? "T" : "N";
-    const char* tb = o.transpose_b ? "T" : "N";
+      detail::ensure_blas_threads();
+      // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
+      using layout = typename VC::array_layout;
+      using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+      const Kokkos::View<const T**, layout, space, um> av = a;
+      const Kokkos::View<const T**, layout, space, um> bv = b;
+      const Kokkos::View<T**, layout, space, um> cv = c;
+      const char* ta = o.transpose_a ? "T" : "N";
+      const char* tb = o.transpose_b ? "T" : "N";
 #if KOKKOS_VERSION >= 40000
-    if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
-    else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
+      if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
+      else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
 #else
-    KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
+      KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
 #endif
 #endif
-  } else {
-    detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+    } else {
+      detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+    }
   }
 }
 
@@ -11795,6 +12009,7 @@ static_assert(runner<thread_runner>);
 #include <cuda_runtime.h>
 
 #include <exception>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -13321,6 +13536,7 @@ static_assert(communicator<nccl_communicator>);
 
 #if MESHLIB_ENABLE_NCCL
 
+#include <atomic>
 #include <exception>
 #include <span>
 #include <string>
@@ -13387,14 +13603,15 @@ inline void destroy_communicators(std::vector<nccl_communicator>& comms) {
   comms.clear();
 }
 
-/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
-/// `devices[r]` current and rank r), and returns when all have returned. When one throws, every
-/// communicator is aborted (peers waiting in a collective get `comm_aborted`), and once all
-/// threads have ended `participant_error` is thrown for the first failure, its exception nested.
+/// @brief Runs `fn(nccl_communicator&)` on one thread per communicator of `comms` (thread r has
+/// `comms[r]`'s GPU current), and returns when all have returned: `run_on_gpus` on communicators
+/// made before, which a caller keeps across calls (NCCL's initialisation costs far more than a
+/// training step: `gpu_runner` keeps them). When one throws, every communicator is aborted (peers
+/// waiting in a collective get `comm_aborted`; the communicators are unusable afterwards), and once
+/// all threads have ended `participant_error` is thrown for the first failure, its exception nested.
 template <class F>
   requires std::is_invocable_v<F&, nccl_communicator&>
-void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
-  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
   const int n = static_cast<int>(comms.size());
   std::vector<std::exception_ptr> errors(comms.size());
   std::atomic<int> first{-1};
@@ -13412,21 +13629,40 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
       for (auto& other : comms) other.abort(why);
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(comms.size());
-  try {
-    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
-  } catch (...) {
-    for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+  if (n == 1) {
+    body(0);  // one GPU: on the caller's thread (no thread to start per call)
+  } else {
+    std::vector<std::thread> threads;
+    threads.reserve(comms.size());
+    try {
+      for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+    } catch (...) {
+      for (auto& c : comms) c.abort("run_on_gpus could not start a thread");
+      for (auto& t : threads) t.join();
+      throw;  // aborted communicators are released without finalizing
+    }
     for (auto& t : threads) t.join();
-    throw;  // aborted communicators are released without finalizing
   }
-  for (auto& t : threads) t.join();
-  destroy_communicators(comms);
   detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
     return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
-           std::to_string(devices[static_cast<std::size_t>(r)]) + ")";
+           std::to_string(comms[static_cast<std::size_t>(r)].device()) + ")";
   });
+}
+
+/// @brief Runs `fn(nccl_communicator&)` on one thread per GPU of `devices` (thread r has
+/// `devices[r]` current and rank r), and returns when all have returned: new communicators
+/// (`nccl_communicators`), `run_on_communicators`, and the communicators destroyed again. When one
+/// throws, every communicator is aborted (peers waiting in a collective get `comm_aborted`), and
+/// once all threads have ended `participant_error` is thrown for the first failure, its exception nested.
+template <class F>
+  requires std::is_invocable_v<F&, nccl_communicator&>
+void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options = {}) {
+  std::vector<nccl_communicator> comms = nccl_communicators(devices, std::move(options));
+  struct destroy_at_end {
+    std::vector<nccl_communicator>& c;
+    ~destroy_at_end() { destroy_communicators(c); }
+  } at_end{comms};
+  run_on_communicators(std::span<nccl_communicator>(comms), fn);
 }
 
 }  // namespace meshlib
@@ -14573,7 +14809,12 @@ struct gpu_runner {
         o.device = p.gpus.front();
         o.stream = {};
         meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
-        nccl_communicator world = connect(o);
+        std::vector<nccl_communicator>& kept = keep(p, [&] {
+          std::vector<nccl_communicator> v;
+          v.push_back(connect(o));
+          return v;
+        });
+        nccl_communicator& world = kept.front();
         const auto rank = static_cast<std::size_t>(world.rank());
         try {
           on_instance(world, [&] { body(rank, world); });
@@ -14582,6 +14823,7 @@ struct gpu_runner {
           const std::string why = "meshlib: process " + std::to_string(rank) + " of " + std::to_string(n) + " (GPU " +
                                   std::to_string(o.device) + ") failed: " + meshlib::detail::what_of(e);
           world.abort(why);
+          kept_->drop();
           throw participant_error(static_cast<int>(rank), why);  // nests the exception (in a handler)
         }
         return;
@@ -14589,13 +14831,16 @@ struct gpu_runner {
       case gpu_layout::gpu_per_device: {
         nccl_comm_options o = comm_options;
         o.stream = {};
-        run_on_gpus(
-            p.gpus,
-            [&](nccl_communicator& c) {
-              const auto rank = static_cast<std::size_t>(c.rank());
-              on_instance(c, [&] { body(rank, c); });
-            },
-            o);
+        std::vector<nccl_communicator>& kept = keep(p, [&] { return nccl_communicators(p.gpus, o); });
+        try {
+          run_on_communicators(std::span<nccl_communicator>(kept), [&](nccl_communicator& c) {
+            const auto rank = static_cast<std::size_t>(c.rank());
+            on_instance(c, [&] { body(rank, c); });
+          });
+        } catch (...) {
+          kept_->drop();  // aborted: the next call makes new ones
+          throw;
+        }
         return;
       }
       case gpu_layout::devices_share_gpu: {
@@ -14617,6 +14862,46 @@ struct gpu_runner {
   }
 
  private:
+  /// The NCCL communicators of the last call, kept for the next one with the same plan: NCCL's
+  /// initialisation costs far more than a training step, and a training loop calls the runner every
+  /// step. Shared by the runner's copies; destroyed with the last one, all GPUs at once
+  /// (`destroy_communicators`: finalizing one GPU's communicator waits for its peers). A failed
+  /// call drops them (they were aborted). The shared-GPU communicator is made per call: it holds
+  /// no NCCL communicator, and its host group is the call's threads.
+  struct kept_communicators {
+    std::vector<int> gpus;
+    gpu_layout layout = gpu_layout::gpu_per_device;
+    std::vector<nccl_communicator> comms;
+    void drop() noexcept {
+      try {
+        destroy_communicators(comms);
+      } catch (...) {
+        comms.clear();
+      }
+      gpus.clear();
+    }
+    kept_communicators() = default;
+    kept_communicators(const kept_communicators&) = delete;
+    kept_communicators& operator=(const kept_communicators&) = delete;
+    ~kept_communicators() { drop(); }
+  };
+  std::shared_ptr<kept_communicators> kept_ = std::make_shared<kept_communicators>();
+
+  /// The kept communicators for plan `p`, made by `make()` unless the last call's fit and are usable.
+  template <class Make>
+  std::vector<nccl_communicator>& keep(const gpu_plan& p, Make&& make) const {
+    kept_communicators& k = *kept_;
+    bool usable = !k.comms.empty() && k.gpus == p.gpus && k.layout == p.layout;
+    for (const auto& c : k.comms) usable = usable && c.valid() && !c.failed();
+    if (!usable) {
+      k.drop();
+      k.comms = make();
+      k.gpus = p.gpus;
+      k.layout = p.layout;
+    }
+    return k.comms;
+  }
+
   /// Runs `f` with a Kokkos CUDA instance on `c`'s stream installed as this thread's instance for
   /// `CudaSpace` kernels; the instance goes (after a fence) before the communicator's stream does.
   template <class C, class F>

@@ -619,6 +619,15 @@ class device_buffers {
       return p;
     }
   }
+  /// `n` values at `src`, which may be host or device memory (a caller's span), readable by the
+  /// running device's kernels: `src` itself where they can read it (any pointer on a host space;
+  /// device memory of the running GPU, asked with `is_device_readable`), else a copy in device
+  /// `dev`'s buffer (`readable`).
+  const T* staged(std::size_t dev, const T* src, std::size_t n) {
+    if (meshlib::is_device_readable<default_memory_space>(src, meshlib::detail::current_device_id<default_memory_space>()))
+      return src;
+    return readable(dev, src, n);
+  }
   /// Frees device `dev`'s buffer (the next `get` allocates again).
   void release(std::size_t dev) noexcept { release_slot(&bufs_.at(dev)); }
   /// Device `dev`'s buffer as a slot a `release_scope` can free.
@@ -3108,6 +3117,37 @@ class transformer_block {
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/number_text.hpp
+/// @file
+/// @brief `number_text`: a number in a message as a user would write it (`1e-4`, `0.9`, `0.01`),
+/// not as `std::to_string` prints it (`0.000100`, `0.900000`): the shortest text that reads back as
+/// the same value (`std::to_chars`), with the exponent's leading zeros and `+` dropped. Locale
+/// independent, as every message is.
+
+#include <charconv>
+#include <string>
+
+namespace meshlib::nn::detail {
+
+/// `v` as the shortest decimal text that reads back as `v` (fixed or scientific, whichever is
+/// shorter): `number_text(1e-4f) == "1e-4"`, `number_text(0.01f) == "0.01"`, `number_text(3.0f) == "3"`,
+/// `number_text(2.5e10) == "2.5e10"`.
+template <class T>
+std::string number_text(T v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, r.ptr);
+  const auto e = s.find('e');
+  if (e == std::string::npos) return s;
+  std::string exp = s.substr(e + 1);
+  const bool negative = !exp.empty() && exp.front() == '-';
+  if (!exp.empty() && (exp.front() == '-' || exp.front() == '+')) exp.erase(0, 1);
+  while (exp.size() > 1 && exp.front() == '0') exp.erase(0, 1);
+  return s.substr(0, e + 1) + (negative ? "-" : "") + exp;
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/number_text.hpp
 
 namespace meshlib::nn {
 
@@ -3127,10 +3167,7 @@ class dropout {
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// `"drop1 (dropout 0.1)"`: how messages name the layer.
   [[nodiscard]] std::string to_string() const {
-    std::string r = std::to_string(rate_);
-    while (r.size() > 1 && r.back() == '0') r.pop_back();
-    if (!r.empty() && r.back() == '.') r.pop_back();
-    return name_ + " (dropout " + r + ")";
+    return name_ + " (dropout " + detail::number_text(rate_) + ")";
   }
 
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
@@ -6159,12 +6196,13 @@ struct optimizer {
   /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
   [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
 
-  /// The rule for logs: `sgd(momentum ...)`, `adam` or `adamw(weight decay ...)`.
+  /// The rule for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam` or
+  /// `adamw(weight decay 1e-4)`.
   [[nodiscard]] std::string name() const {
     switch (kind) {
-      case optimizer_kind::sgd: return "sgd(momentum " + std::to_string(momentum) + ")";
+      case optimizer_kind::sgd: return "sgd(momentum " + detail::number_text(momentum) + ")";
       case optimizer_kind::adam: return "adam";
-      case optimizer_kind::adamw: return "adamw(weight decay " + std::to_string(weight_decay) + ")";
+      case optimizer_kind::adamw: return "adamw(weight decay " + detail::number_text(weight_decay) + ")";
     }
     return "?";
   }
@@ -8044,6 +8082,205 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 }  // namespace meshlib::nn
 // end meshlib/nn/data/byte_ngram.hpp
 // end meshlib/nn/data.hpp
+// begin meshlib/nn/device_put.hpp
+/// @file
+/// @brief Putting a batch where the model's kernels run: `device_put` of a `batch` (JAX's
+/// `jax.device_put(batch)`, PyTorch's `batch.to(device, non_blocking=True)`) and
+/// `device_prefetcher`, which copies the next batch while the current step computes (flax's
+/// `prefetch_to_device`, a DataLoader with `pin_memory=True`).
+///
+/// Why: the data loader assembles batches in host memory. On a host backend the model reads them
+/// in place; on a GPU a kernel handed a host address fails at some later fence with an illegal
+/// address, or reads garbage. `train_step` and `evaluate` therefore never hand a kernel a pointer it
+/// cannot read: they ask where the input is (tensor/pointer_check.hpp) and stage host rows into each
+/// device's buffer themselves, synchronously. A `device_batch` from `device_put` or a
+/// `device_prefetcher` is already in device memory: the step reads it in place, and with the
+/// prefetcher the copy of step k+1 ran on a copy stream of its own while step k computed.
+///
+/// How the copy is made: the rows are written into pinned (page-locked) host memory, then copied to
+/// the device asynchronously on the prefetcher's own execution-space instance (its own CUDA stream),
+/// which is fenced only when the batch is handed out. On a host backend there is nothing to copy:
+/// `device_put` of an rvalue batch moves its rows in, and the prefetcher hands the loader's batches
+/// through.
+///
+/// The labels stay in host memory as well (`device_batch::y`): the loss checks every label against
+/// the class count on the host before a kernel reads it, and copies the 4 bytes a row itself.
+/// @code
+/// nn::data_loader loader(data.train, {.global_batch = 256, .seed = 0});
+/// nn::device_prefetcher batches(loader);              // flax: prefetch_to_device(iterator, 2)
+/// batches.start_epoch(epoch);
+/// while (auto b = batches.next()) nn::train_step(state, *b, runner);
+/// auto one = nn::device_put(*loader.next());           // jax.device_put(batch)
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <Kokkos_Core.hpp>
+
+
+namespace meshlib::nn {
+
+/// @brief This process's rows of one global batch with its features in the memory the model's
+/// kernels read (`default_memory_space`): a `batch` after `device_put`. The labels stay on the host.
+/// Copies share the features (a Kokkos view's reference semantics).
+struct device_batch {
+  /// `rows * features` values, row-major, in `default_memory_space`
+  Kokkos::View<float*, default_memory_space> x{};
+  std::vector<std::int32_t> y{};  ///< `rows` labels, in host memory
+  std::size_t rows = 0;           ///< this process's rows
+  std::size_t features = 0;       ///< values per row
+  std::size_t global_offset = 0;  ///< row of the global batch where this process's rows start
+  std::size_t global_rows = 0;    ///< rows of the whole global batch
+  std::size_t step = 0;           ///< index of the global batch in its epoch
+  std::size_t epoch = 0;          ///< the epoch this batch belongs to
+  /// On a host space, the rows `x` views (moved in from the batch, not copied); empty otherwise.
+  std::shared_ptr<const std::vector<float>> host_rows{};
+};
+
+namespace detail {
+
+/// The batch's fields but the features.
+inline device_batch device_batch_header(const batch& b) {
+  device_batch d;
+  d.y = b.y;
+  d.rows = b.rows;
+  d.features = b.features;
+  d.global_offset = b.global_offset;
+  d.global_rows = b.global_rows;
+  d.step = b.step;
+  d.epoch = b.epoch;
+  return d;
+}
+
+}  // namespace detail
+
+/// @brief `jax.device_put(batch)`: the batch's features copied into `default_memory_space`, and
+/// waited for (`device_prefetcher` overlaps the copy with the step instead). On a host space
+/// nothing is copied: the rows move into the result (pass the batch as an rvalue; an lvalue is
+/// copied first).
+[[nodiscard]] inline device_batch device_put(batch b) {
+  device_batch d = detail::device_batch_header(b);
+  if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    d.host_rows = std::make_shared<const std::vector<float>>(std::move(b.x));
+    d.x = Kokkos::View<float*, default_memory_space>(const_cast<float*>(d.host_rows->data()), d.host_rows->size());
+  } else {
+    d.x = Kokkos::View<float*, default_memory_space>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::device_batch"), b.x.size());
+    Kokkos::deep_copy(d.x, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                               b.x.data(), b.x.size()));
+  }
+  return d;
+}
+
+/// @brief Copies the next batches of a `data_loader` into device memory while the current step
+/// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). One batch is in
+/// flight ahead of the one handed out. Not thread-safe; the loader must outlive it, and only the
+/// prefetcher calls the loader's `start_epoch` / `next` while it is in use.
+class device_prefetcher {
+ public:
+  /// @brief A prefetcher over `loader` (read in place; it must outlive the prefetcher).
+  explicit device_prefetcher(data_loader& loader) : loader_(loader) {}
+  device_prefetcher(const device_prefetcher&) = delete;
+  device_prefetcher& operator=(const device_prefetcher&) = delete;
+  ~device_prefetcher() { wait(); }
+
+  /// @brief Starts epoch `epoch` of the loader and the copy of its first batch.
+  void start_epoch(std::size_t epoch) {
+    wait();
+    loader_.start_epoch(epoch);
+    ahead_ = issue(loader_.next());
+  }
+
+  /// @brief The next batch of the epoch in device memory (nullopt after the last), and starts the
+  /// copy of the one after it. @throws meshlib::data_error before the first `start_epoch`.
+  [[nodiscard]] std::optional<device_batch> next() {
+    if (!started_) throw data_error("meshlib: device_prefetcher: next() called before start_epoch(epoch)");
+    wait();
+    std::optional<device_batch> out = std::move(ahead_);
+    ahead_.reset();
+    if (out) ahead_ = issue(loader_.next());
+    return out;
+  }
+
+  /// @brief Whether batches are copied (a device memory space) or handed through (host).
+  [[nodiscard]] static constexpr bool copies() noexcept {
+    return !meshlib::detail::host_accessible_v<default_memory_space>;
+  }
+
+  /// The loader it reads.
+  [[nodiscard]] data_loader& loader() noexcept { return loader_; }
+
+ private:
+  using device_view = Kokkos::View<float*, default_memory_space>;
+
+  /// The features of `b` into a device view: moved in on a host space; on a device space written
+  /// into the pinned stage and copied asynchronously on the copy instance.
+  std::optional<device_batch> issue(std::optional<batch> b) {
+    started_ = true;
+    if (!b) return std::nullopt;
+    if constexpr (!copies()) {
+      return device_put(std::move(*b));
+    } else {
+      device_batch d = detail::device_batch_header(*b);
+      stage(*b, d);
+      return d;
+    }
+  }
+
+  /// The device path: one pinned stage (the last copy was waited for before this one is written),
+  /// and a ring of device buffers reused when nobody else holds them.
+  void stage(const batch& b, device_batch& d) {
+#if KOKKOS_VERSION >= 40000
+    const std::size_t n = b.x.size();
+    if (pinned_.extent(0) < n)
+      pinned_ = pinned_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::pinned_batch"), n);
+    std::memcpy(pinned_.data(), b.x.data(), n * sizeof(float));
+    device_view& slot = ring_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % ring_.size();
+    if (slot.extent(0) != n || slot.use_count() > 1)  // a batch the caller still holds is not overwritten
+      slot = device_view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshlib::nn::device_batch"), n);
+    if (!copy_) copy_.emplace(Kokkos::Experimental::partition_space(Kokkos::DefaultExecutionSpace(), 1)[0]);
+    Kokkos::deep_copy(*copy_, slot, Kokkos::subview(pinned_, std::make_pair(std::size_t{0}, n)));
+    in_flight_ = true;
+    d.x = slot;
+#else
+    (void)b;
+    (void)d;
+    static_assert(!copies(), "meshlib: device_prefetcher: a device memory space needs Kokkos 4");
+#endif
+  }
+
+  /// Waits for the copy in flight, if any.
+  void wait() {
+#if KOKKOS_VERSION >= 40000
+    if (in_flight_ && copy_) copy_->fence("meshlib::nn::device_prefetcher");
+#endif
+    in_flight_ = false;
+  }
+
+#if KOKKOS_VERSION >= 40000
+  using pinned_view = Kokkos::View<float*, Kokkos::SharedHostPinnedSpace>;
+  pinned_view pinned_{};
+  std::optional<Kokkos::DefaultExecutionSpace> copy_{};
+#endif
+  data_loader& loader_;
+  std::optional<device_batch> ahead_{};
+  std::array<device_view, 3> ring_{};
+  std::size_t next_slot_ = 0;
+  bool in_flight_ = false;
+  bool started_ = false;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/device_put.hpp
 // begin meshlib/nn/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
@@ -8079,6 +8316,7 @@ inline double bigram_nats(std::span<const std::uint8_t> train, std::span<const s
 #include <ranges>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -9150,8 +9388,18 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
-    (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
+      (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
+    } else {
+      // A device communicator (NCCL, shared GPU) moves device memory only: the sums go through a
+      // device block of the running device (reduced in place, then read back).
+      using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
+      const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
+      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
+      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+    }
   }
 }
 }  // namespace detail
@@ -9273,6 +9521,7 @@ class train_state {
         loss_(m.size()),
         gather_(m.size()),
         input_(m.size()),
+        ids_(m.size()),
         output_grad_(m.size()),
         squares_(m.size()) {
     model.collect(params);
@@ -9347,17 +9596,24 @@ class train_state {
   /// Consecutive good steps since the scale last changed.
   [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
 
-  /// Device `dev`'s input rows as the model sees them: `x` itself in float, else a copy rounded to
-  /// `Compute` (the caller's data is never modified).
+  /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
+  /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
+  /// else staged into the device's buffer (host rows on a GPU); with a 16-bit `Compute`, a copy
+  /// rounded to it (the caller's data is never modified).
   [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    const float* src = input_.staged(dev, x, n);
     if constexpr (!mixed) {
-      return const_cast<float*>(x);
+      return const_cast<float*>(src);
     } else {
       float* b = input_.get(dev, n);
-      std::copy_n(x, n, b);
+      if (src != b) detail::convert_copy<default_memory_space>(b, src, n);
       detail::round_to<Compute>(b, n);
       return b;
     }
+  }
+  /// Device `dev`'s `n` token ids at `x` as the model's kernels read them (see `input_block`).
+  [[nodiscard]] std::int32_t* ids_block(std::size_t dev, const std::int32_t* x, std::size_t n) {
+    return const_cast<std::int32_t*>(ids_.staged(dev, x, n));
   }
   /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
   /// output (the `grad` argument of a `loss_function`); valid until the next step.
@@ -9650,6 +9906,7 @@ class train_state {
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
+  detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
   // The clipping norm's partial sums (a const query writes them: each device only its own slot).
   mutable detail::device_buffers<double> squares_;
@@ -9673,14 +9930,49 @@ class train_state {
 };
 
 namespace detail {
+/// Throws unless a global batch of `count` units (rows; or sequences of `seq` tokens, `seq > 0`)
+/// splits evenly over the data axis and `groups` (accumulation steps, or 1).
 template <class State>
-void check_batch(const State& s, std::size_t global_rows, std::size_t groups, const char* what) {
+void check_batch(const State& s, std::size_t count, std::size_t groups, const char* what, std::size_t seq = 0) {
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  if (global_rows == 0 || global_rows % (dp * groups) != 0)
-    throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(global_rows) +
-                         " rows does not split evenly over the " + std::to_string(dp) + " devices of the data axis" +
-                         (groups > 1 ? " x " + std::to_string(groups) + " accumulation steps" : std::string()) +
-                         "; choose a batch size that is a multiple of " + std::to_string(dp * groups));
+  if (count != 0 && count % (dp * groups) == 0) return;
+  const std::string unit = seq == 0 ? " rows" : " sequences";
+  throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(count) + unit +
+                       (seq == 0 ? std::string() : " (of " + std::to_string(seq) + " tokens)") +
+                       " does not split evenly over the " + std::to_string(dp) + " devices of the data axis" +
+                       (groups > 1 ? " x " + std::to_string(groups) + " accumulation steps" : std::string()) +
+                       "; choose a batch size that is a multiple of " + std::to_string(dp * groups) +
+                       (seq == 0 ? std::string() : unit));
+}
+
+/// The tokens per sequence of a model that starts at token ids: the `sequence_length()` of the
+/// first of its top-level layers that has one (a `positional_embedding`), else 0 (unknown).
+template <class Model>
+std::size_t sequence_length_of(const Model& model) {
+  if constexpr (requires { model.sequence_length(); }) {
+    return model.sequence_length();
+  } else if constexpr (requires { std::tuple_size<std::remove_cvref_t<decltype(model.layers)>>::value; }) {
+    std::size_t seq = 0;
+    std::apply([&](const auto&... l) { ((seq = seq != 0 ? seq : sequence_length_of(l)), ...); }, model.layers);
+    return seq;
+  } else {
+    return 0;
+  }
+}
+
+/// The batch check of a model that starts at token ids, in sequences: `tokens` global tokens are
+/// whole sequences of `seq` (0: the model's, when it has one) and the sequences split evenly over
+/// the data axis and `groups`, so that every device gets whole sequences (checked before any
+/// kernel, which would otherwise refuse a device's share in tokens).
+template <class State>
+void check_token_batch(const State& s, std::size_t tokens, std::size_t groups, const char* what, std::size_t seq = 0) {
+  if (seq == 0) seq = sequence_length_of(s.model);
+  if (seq == 0) return;  // no layer reads sequences: the batch is checked in rows
+  if (tokens % seq != 0)
+    throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(tokens) +
+                         " tokens is not a whole number of sequences of " + std::to_string(seq) +
+                         " tokens; give sequences x " + std::to_string(seq) + " tokens (rows are sequence-major)");
+  check_batch(s, tokens / seq, groups, what, seq);
 }
 
 /// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
@@ -9717,7 +10009,7 @@ template <input_element In, class State>
 input_block_t<State, In> make_input_block(State& s, std::size_t dev, const In* x, std::size_t rows, std::size_t features) {
   using X = input_block_t<State, In>;
   if constexpr (std::is_same_v<In, std::int32_t>)
-    return X(typename X::view_type(const_cast<std::int32_t*>(x), rows), s.mesh, dev);
+    return X(typename X::view_type(s.ids_block(dev, x, rows), rows), s.mesh, dev);
   else
     return X(typename X::view_type(s.input_block(dev, x, rows * features), rows, features), s.mesh, dev);
 }
@@ -9739,6 +10031,7 @@ void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
 template <class In, class State, class Backend>
 void check_step_inputs(const State& s, const Backend& backend, std::size_t n_in, std::size_t n_targets,
                        std::size_t rows, std::size_t global_rows, std::size_t groups) {
+  if constexpr (std::is_same_v<In, std::int32_t>) check_token_batch(s, global_rows, groups, "train_step");
   check_batch(s, global_rows, groups, "train_step");
   check_runner(s, backend, "train_step");
   check_input_rows<In>(n_in, rows, "train_step");
@@ -9927,10 +10220,13 @@ step_metrics train_step(State& s, std::span<const float> x, const Targets& targe
 /// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
 /// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
 /// @endcode
-/// @throws sharding_error as the float `train_step`, and when `ids` is not one id per row; (as the
-/// cause of a `device_error`) `std::out_of_range` from the embedding for an id outside its
-/// vocabulary, naming the layer and the vocabulary size, and `sharding_error` from the attention
-/// when a device's rows are not whole sequences.
+/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
+/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
+/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
+/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
+/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
+/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
+/// length does not fit a device's rows.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
@@ -9949,10 +10245,16 @@ step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targe
 
 /// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
 /// batch global (`b.rows * b.context` tokens, every process holding all of them).
+/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
+/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
+/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
+/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
   const std::size_t tokens = b.rows * b.context;
+  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
+  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
   return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
                     tokens, backend);
 }
@@ -9971,6 +10273,23 @@ template <class State, class Loss, class Backend = default_runner>
   requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
 step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
   return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+
+/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
+/// the model reads its rows in place; the labels are the batch's host copy.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
+                    b.global_offset, b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
                     std::forward<Loss>(loss), backend);
 }
 
@@ -10720,7 +11039,9 @@ struct advice {
   std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
-  /// The ranked table in Markdown.
+  /// The ranked table in Markdown; a shape that is not possible has a short cell ("not possible,
+  /// see below (1)") and its reason in a numbered list under the table (a reason is a sentence or
+  /// two, too long for a cell).
   [[nodiscard]] std::string markdown() const {
     std::string axes;
     if (!rows.empty())
@@ -10729,6 +11050,8 @@ struct advice {
                     "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
+    std::string notes;
+    std::size_t note = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
         std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
@@ -10737,9 +11060,16 @@ struct advice {
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
       } else {
-        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | | |\n";
+        const std::string n = std::to_string(++note);
+        constexpr std::string_view prefix = "not possible: ";
+        const std::string_view why = std::string_view(r.refused).starts_with(prefix)
+                                         ? std::string_view(r.refused).substr(prefix.size())
+                                         : std::string_view(r.refused);
+        s += "| - | " + r.shape.to_string() + " | not possible, see below (" + n + ") | | | | |\n";
+        notes += n + ". " + r.shape.to_string() + " is not possible: " + std::string(why) + "\n";
       }
     }
+    if (!notes.empty()) s += "\nNot possible:\n\n" + notes;
     return s;
   }
 };
