@@ -3117,6 +3117,37 @@ class transformer_block {
 #include <string>
 #include <vector>
 
+// begin meshlib/nn/detail/number_text.hpp
+/// @file
+/// @brief `number_text`: a number in a message as a user would write it (`1e-4`, `0.9`, `0.01`),
+/// not as `std::to_string` prints it (`0.000100`, `0.900000`): the shortest text that reads back as
+/// the same value (`std::to_chars`), with the exponent's leading zeros and `+` dropped. Locale
+/// independent, as every message is.
+
+#include <charconv>
+#include <string>
+
+namespace meshlib::nn::detail {
+
+/// `v` as the shortest decimal text that reads back as `v` (fixed or scientific, whichever is
+/// shorter): `number_text(1e-4f) == "1e-4"`, `number_text(0.01f) == "0.01"`, `number_text(3.0f) == "3"`,
+/// `number_text(2.5e10) == "2.5e10"`.
+template <class T>
+std::string number_text(T v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, r.ptr);
+  const auto e = s.find('e');
+  if (e == std::string::npos) return s;
+  std::string exp = s.substr(e + 1);
+  const bool negative = !exp.empty() && exp.front() == '-';
+  if (!exp.empty() && (exp.front() == '-' || exp.front() == '+')) exp.erase(0, 1);
+  while (exp.size() > 1 && exp.front() == '0') exp.erase(0, 1);
+  return s.substr(0, e + 1) + (negative ? "-" : "") + exp;
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/number_text.hpp
 
 namespace meshlib::nn {
 
@@ -3136,10 +3167,7 @@ class dropout {
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// `"drop1 (dropout 0.1)"`: how messages name the layer.
   [[nodiscard]] std::string to_string() const {
-    std::string r = std::to_string(rate_);
-    while (r.size() > 1 && r.back() == '0') r.pop_back();
-    if (!r.empty() && r.back() == '.') r.pop_back();
-    return name_ + " (dropout " + r + ")";
+    return name_ + " (dropout " + detail::number_text(rate_) + ")";
   }
 
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
@@ -6168,12 +6196,13 @@ struct optimizer {
   /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
   [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
 
-  /// The rule for logs: `sgd(momentum ...)`, `adam` or `adamw(weight decay ...)`.
+  /// The rule for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam` or
+  /// `adamw(weight decay 1e-4)`.
   [[nodiscard]] std::string name() const {
     switch (kind) {
-      case optimizer_kind::sgd: return "sgd(momentum " + std::to_string(momentum) + ")";
+      case optimizer_kind::sgd: return "sgd(momentum " + detail::number_text(momentum) + ")";
       case optimizer_kind::adam: return "adam";
-      case optimizer_kind::adamw: return "adamw(weight decay " + std::to_string(weight_decay) + ")";
+      case optimizer_kind::adamw: return "adamw(weight decay " + detail::number_text(weight_decay) + ")";
     }
     return "?";
   }
@@ -8287,6 +8316,7 @@ class device_prefetcher {
 #include <ranges>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -9900,14 +9930,49 @@ class train_state {
 };
 
 namespace detail {
+/// Throws unless a global batch of `count` units (rows; or sequences of `seq` tokens, `seq > 0`)
+/// splits evenly over the data axis and `groups` (accumulation steps, or 1).
 template <class State>
-void check_batch(const State& s, std::size_t global_rows, std::size_t groups, const char* what) {
+void check_batch(const State& s, std::size_t count, std::size_t groups, const char* what, std::size_t seq = 0) {
   const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  if (global_rows == 0 || global_rows % (dp * groups) != 0)
-    throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(global_rows) +
-                         " rows does not split evenly over the " + std::to_string(dp) + " devices of the data axis" +
-                         (groups > 1 ? " x " + std::to_string(groups) + " accumulation steps" : std::string()) +
-                         "; choose a batch size that is a multiple of " + std::to_string(dp * groups));
+  if (count != 0 && count % (dp * groups) == 0) return;
+  const std::string unit = seq == 0 ? " rows" : " sequences";
+  throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(count) + unit +
+                       (seq == 0 ? std::string() : " (of " + std::to_string(seq) + " tokens)") +
+                       " does not split evenly over the " + std::to_string(dp) + " devices of the data axis" +
+                       (groups > 1 ? " x " + std::to_string(groups) + " accumulation steps" : std::string()) +
+                       "; choose a batch size that is a multiple of " + std::to_string(dp * groups) +
+                       (seq == 0 ? std::string() : unit));
+}
+
+/// The tokens per sequence of a model that starts at token ids: the `sequence_length()` of the
+/// first of its top-level layers that has one (a `positional_embedding`), else 0 (unknown).
+template <class Model>
+std::size_t sequence_length_of(const Model& model) {
+  if constexpr (requires { model.sequence_length(); }) {
+    return model.sequence_length();
+  } else if constexpr (requires { std::tuple_size<std::remove_cvref_t<decltype(model.layers)>>::value; }) {
+    std::size_t seq = 0;
+    std::apply([&](const auto&... l) { ((seq = seq != 0 ? seq : sequence_length_of(l)), ...); }, model.layers);
+    return seq;
+  } else {
+    return 0;
+  }
+}
+
+/// The batch check of a model that starts at token ids, in sequences: `tokens` global tokens are
+/// whole sequences of `seq` (0: the model's, when it has one) and the sequences split evenly over
+/// the data axis and `groups`, so that every device gets whole sequences (checked before any
+/// kernel, which would otherwise refuse a device's share in tokens).
+template <class State>
+void check_token_batch(const State& s, std::size_t tokens, std::size_t groups, const char* what, std::size_t seq = 0) {
+  if (seq == 0) seq = sequence_length_of(s.model);
+  if (seq == 0) return;  // no layer reads sequences: the batch is checked in rows
+  if (tokens % seq != 0)
+    throw sharding_error(std::string("meshlib::nn: ") + what + ": the global batch of " + std::to_string(tokens) +
+                         " tokens is not a whole number of sequences of " + std::to_string(seq) +
+                         " tokens; give sequences x " + std::to_string(seq) + " tokens (rows are sequence-major)");
+  check_batch(s, tokens / seq, groups, what, seq);
 }
 
 /// Throws unless `runner` runs exactly the devices whose state `s` holds in this process: a runner
@@ -9966,6 +10031,7 @@ void check_input_rows(std::size_t n, std::size_t rows, const char* what) {
 template <class In, class State, class Backend>
 void check_step_inputs(const State& s, const Backend& backend, std::size_t n_in, std::size_t n_targets,
                        std::size_t rows, std::size_t global_rows, std::size_t groups) {
+  if constexpr (std::is_same_v<In, std::int32_t>) check_token_batch(s, global_rows, groups, "train_step");
   check_batch(s, global_rows, groups, "train_step");
   check_runner(s, backend, "train_step");
   check_input_rows<In>(n_in, rows, "train_step");
@@ -10154,10 +10220,13 @@ step_metrics train_step(State& s, std::span<const float> x, const Targets& targe
 /// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
 /// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
 /// @endcode
-/// @throws sharding_error as the float `train_step`, and when `ids` is not one id per row; (as the
-/// cause of a `device_error`) `std::out_of_range` from the embedding for an id outside its
-/// vocabulary, naming the layer and the vocabulary size, and `sharding_error` from the attention
-/// when a device's rows are not whole sequences.
+/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
+/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
+/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
+/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
+/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
+/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
+/// length does not fit a device's rows.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
@@ -10176,10 +10245,16 @@ step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targe
 
 /// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
 /// batch global (`b.rows * b.context` tokens, every process holding all of them).
+/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
+/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
+/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
+/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
 template <class State, class Backend = default_runner>
   requires runner<Backend>
 step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
   const std::size_t tokens = b.rows * b.context;
+  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
+  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
   return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
                     tokens, backend);
 }
@@ -10964,7 +11039,9 @@ struct advice {
   std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
-  /// The ranked table in Markdown.
+  /// The ranked table in Markdown; a shape that is not possible has a short cell ("not possible,
+  /// see below (1)") and its reason in a numbered list under the table (a reason is a sentence or
+  /// two, too long for a cell).
   [[nodiscard]] std::string markdown() const {
     std::string axes;
     if (!rows.empty())
@@ -10973,6 +11050,8 @@ struct advice {
                     "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
+    std::string notes;
+    std::size_t note = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
         std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
@@ -10981,9 +11060,16 @@ struct advice {
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
       } else {
-        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | | |\n";
+        const std::string n = std::to_string(++note);
+        constexpr std::string_view prefix = "not possible: ";
+        const std::string_view why = std::string_view(r.refused).starts_with(prefix)
+                                         ? std::string_view(r.refused).substr(prefix.size())
+                                         : std::string_view(r.refused);
+        s += "| - | " + r.shape.to_string() + " | not possible, see below (" + n + ") | | | | |\n";
+        notes += n + ". " + r.shape.to_string() + " is not possible: " + std::string(why) + "\n";
       }
     }
+    if (!notes.empty()) s += "\nNot possible:\n\n" + notes;
     return s;
   }
 };

@@ -57,16 +57,44 @@ inline std::uint64_t seed_number(const std::string& option, const std::string& v
 }
 
 /// "DxM": two positive integers around one 'x' ("4x", "2x2x2" and "x4" are refused); `example`
-/// is the shape the message suggests (the program's default).
-inline std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v, const char* example) {
+/// is the shape the message suggests (the program's default), `second` the name of the second
+/// axis as the program's mesh names it ("model", or "tensor" in train_gpt_chars).
+inline std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v, const char* example,
+                                                      const char* second = "model") {
   const auto x = v.find('x');
   const auto d = x == std::string::npos ? std::nullopt : whole_number(v.substr(0, x));
   const auto m = x == std::string::npos ? std::nullopt : whole_number(v.substr(x + 1));
   if (!d || !m || *d == 0 || *m == 0)
-    throw usage_error("--mesh wants DxM, two positive integers (data x model devices) such as " + std::string(example) +
-                      ", not '" + v + "'");
+    throw usage_error("--mesh wants DxM, two positive integers (data x " + std::string(second) + " devices) such as " +
+                      std::string(example) + ", not '" + v + "'");
   if (*d > std::numeric_limits<std::size_t>::max() / *m) throw usage_error("--mesh " + v + " has too many devices");
   return {*d, *m};
+}
+
+/// A (data, model) mesh the flagship chose itself, and the header line's note saying so.
+struct mesh_choice {
+  std::size_t data = 1, model = 1;
+  std::string why;  ///< "--mesh 2x1: chosen for 2 cores; pass --mesh to choose"
+};
+
+/// The (data, model) mesh of train_fashion_mnist when --mesh is not given, on a machine of `cores`
+/// cores (0: unknown, taken as 1): (4, 2) with 8 cores or more, as before; with fewer, the data axis
+/// is the largest power of two up to min(4, cores) and the model axis 1, so that each thread device
+/// has a core and the data axis still divides the default batch (256, and any batch of a multiple
+/// of 4): 1 core 1x1, 2 or 3 cores 2x1, 4 to 7 cores 4x1. Host logic only: a given --mesh is never
+/// replaced.
+inline mesh_choice default_mesh(std::size_t cores) {
+  if (cores == 0) cores = 1;
+  mesh_choice c;
+  if (cores >= 8) {
+    c.data = 4;
+    c.model = 2;
+  } else {
+    c.data = cores >= 4 ? 4 : cores >= 2 ? 2 : 1;
+  }
+  c.why = "--mesh " + std::to_string(c.data) + "x" + std::to_string(c.model) + ": chosen for " + std::to_string(cores) +
+          (cores == 1 ? " core" : " cores") + "; pass --mesh to choose";
+  return c;
 }
 
 }  // namespace flagship

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_fashion_mnist: trains an MLP (784-1024-1024-10) on Fashion-MNIST on a (data, model) mesh,
-// (4, 2) by default: the batch is split over "data", the hidden layers Megatron-style over "model"
+// by default one that fits the machine's cores ((4, 2) with 8 or more, (2, 1) on 2: see
+// flagship::default_mesh; the header line says which it chose): the batch is split over "data",
+// the hidden layers Megatron-style over "model"
 // (fc1 column-parallel, fc2 row-parallel with one psum), the gradients synchronised over "data".
 // The numbers do not depend on the mesh: the same seed gives the same losses on (1, 1) or (2, 4).
 // `--fsdp N` adds an fsdp axis of N devices (mesh (data, fsdp, model)): parameters, gradients and
@@ -12,8 +14,8 @@
 // process per GPU under a launcher; without such a build or a visible GPU it refuses, saying why.
 // `--loss-log FILE` writes every step's loss ("step loss" lines), to compare runs (gpu-check.sh).
 //
-//   train_fashion_mnist [--mesh 4x2] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
-//   train_fashion_mnist --advise [--mesh 4x2] ...: measures every (data, fsdp, model) shape of the
+//   train_fashion_mnist [--mesh DxM] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
+//   train_fashion_mnist --advise [--mesh DxM] ...: measures every (data, fsdp, model) shape of the
 //   mesh's device count (x --fsdp) on this model and batch (nn::advise_mesh), prints the ranked
 //   table and exits.
 // A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
@@ -43,6 +45,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -54,6 +57,8 @@ struct options {
   std::string optimizer = "adam", precision = "f32", reduce = "f32", data_dir = meshlib::nn::default_fashion_mnist_dir().string();
   std::string checkpoint_dir, trace;
   bool zero = false, resume = false, advise = false, gpu = false;
+  bool mesh_given = false;  // --mesh given; else main picks the mesh for the machine's cores
+  std::string mesh_why;     // the header line's note on a mesh main picked
   std::string loss_log;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
@@ -69,7 +74,9 @@ constexpr const char* usage_line =
 
 void usage() {
   std::cout << usage_line
-            << "  --mesh DxM            (data, model) mesh shape, default 4x2 (8 thread devices)\n"
+            << "  --mesh DxM            (data, model) mesh shape (D x M thread devices); default: one that fits\n"
+               "                        this machine's cores: 4x2 with 8 cores or more, else Dx1 with D the largest\n"
+               "                        of 1, 2, 4 up to the cores (2x1 on 2 cores); the first line says which\n"
                "  --epochs N            default 6\n"
                "  --batch B             global batch, a multiple of D x accumulation; default 256\n"
                "  --lr R                peak learning rate (linear warm-up, cosine decay); default 1e-3\n"
@@ -111,7 +118,10 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
-    else if (a == "--mesh") std::tie(o.data, o.model) = mesh_shape(value());
+    else if (a == "--mesh") {
+      std::tie(o.data, o.model) = mesh_shape(value());
+      o.mesh_given = true;
+    }
     else if (a == "--epochs") o.epochs = positive_integer(a, value());
     else if (a == "--batch") o.batch = positive_integer(a, value());
     else if (a == "--lr") o.lr = flagship::positive_number(a, value());
@@ -229,8 +239,8 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   ao.opt = nn::adam(nn::constant(o.lr));
   ao.train.accumulation = o.accumulation;
   std::cout << "train_fashion_mnist --advise: MLP 784-" << o.hidden << "-" << o.hidden << "-10, batch " << rows << ", "
-            << devices << " thread devices: " << ao.warmup_steps << " warm-up + " << ao.timed_steps
-            << " timed steps per shape\n" << std::flush;
+            << devices << " thread devices" << (o.mesh_why.empty() ? std::string() : " (" + o.mesh_why + ")") << ": "
+            << ao.warmup_steps << " warm-up + " << ao.timed_steps << " timed steps per shape\n" << std::flush;
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) {
     return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", 784, o.hidden, key), nn::relu<float>(m),
                           nn::row_dense<float, mesh_t>(m, "fc2", o.hidden, o.hidden, key), nn::relu<float>(m),
@@ -265,8 +275,9 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   std::ostream& out = lead ? std::cout : silent;  // one process prints
 
   out << "train_fashion_mnist: MLP 784-" << o.hidden << "-" << o.hidden << "-10 on " << mesh << " ("
-            << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " " + where.kind + ")\n"
-                                    : std::to_string(mesh.size()) + " " + where.kind + ")\n")
+            << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " " + where.kind + ")"
+                                    : std::to_string(mesh.size()) + " " + where.kind + ")")
+            << (o.mesh_why.empty() ? std::string() : ", " + o.mesh_why) << "\n"
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
             << "  batch " << o.batch << " (" << o.batch / (o.data * o.fsdp) << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
@@ -360,6 +371,12 @@ int main(int argc, char** argv) {
   options o;
   try {
     o = parse(argc, argv);
+    if (!o.mesh_given && processes == 1) {  // under mpirun the mesh spans the processes: 4x2, as always
+      const auto c = flagship::default_mesh(std::thread::hardware_concurrency());
+      o.data = c.data;
+      o.model = c.model;
+      o.mesh_why = c.why;
+    }
     check_options(o, processes);
   } catch (const usage_error& e) {
     std::cerr << usage_line << "train_fashion_mnist: error: " << e.what() << "\n";

@@ -1,18 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_gpt_chars: trains a decoder-only character-level Transformer (a small GPT) on the text of
-// Debian's fortunes (or any text file or directory given by --data) on a (data, model) mesh, (2, 2)
-// by default, or on the 4-axis mesh ('data', 'fsdp', 'tensor', 'pipeline') of --mesh DxFxTxP (the
-// tensor axis is the model axis; fsdp splits the batch as data does; pipeline cuts the layers into
-// stages, nn/pipeline.hpp), then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
+// Debian's fortunes (or any text file or directory given by --data) on a (data, tensor) mesh, (2, 2)
+// by default (--mesh DxM: D devices on 'data', M on 'tensor'), or on the 4-axis mesh ('data', 'fsdp',
+// 'tensor', 'pipeline') of --mesh DxFxTxP (fsdp splits the batch as data does; pipeline cuts the
+// layers into stages, nn/pipeline.hpp); a (D, M) mesh is the 4-axis mesh (D, 1, M, 1), so the run
+// prints 'tensor' as this help does, then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
 // values (no tokenizer). The network (W = --width, T = --context, L = --layers, H = --heads):
 //
-//   tok    embedding 256 -> W, vocabulary sharded over 'model'     (one psum)
+//   tok    embedding 256 -> W, vocabulary sharded over 'tensor'    (one psum)
 //   pos    learned positional embedding T x W
 //   h0..   L pre-norm blocks: x + attn(ln1(x)), then + mlp(ln2(.)), H heads and the MLP's 4W
-//          hidden units sharded over 'model' (Megatron: two psums forward, two backward)
+//          hidden units sharded over 'tensor' (Megatron: two psums forward, two backward)
 //   ln_f   layer norm
 //   head   tied to tok: logits x E^T, sharded over the vocabulary, never gathered: the
-//          cross-entropy reduces its max and sum-exp over 'model'; with --untie a column_dense
+//          cross-entropy reduces its max and sum-exp over 'tensor'; with --untie a column_dense
 //          W -> 256 of its own (sharded over the vocabulary the same way), so that on a mesh with an
 //          fsdp axis every parameter is stored sharded over it (FSDP; a tied table is not)
 //
@@ -24,8 +25,8 @@
 //   train_gpt_chars [--mesh 2x2] [--steps 2000] [--batch 16] [--lr 3e-3] ... (--help)
 //   --remat wraps every block in nn::remat (its activations recomputed in backward: less memory,
 //   one more forward per block); the run prints the activation memory per device either way.
-//   train_gpt_chars --advise [--mesh 2x2] ...: measures every (data, model) shape of the mesh's device
-//   count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
+//   train_gpt_chars --advise [--mesh 2x2] ...: measures every (data, fsdp, tensor, pipeline) shape of the
+//   mesh's device count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
 // A mistake in the options is found before the text is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -75,8 +76,9 @@ constexpr const char* usage_line =
 
 void usage() {
   std::cout << usage_line
-            << "  --mesh DxM          (data, model) mesh shape, default 2x2 (4 thread devices: batch split over\n"
-               "                      'data', heads, MLP and vocabulary split over 'model')\n"
+            << "  --mesh DxM          (data, tensor) mesh shape: D devices on 'data', M on 'tensor'; default 2x2\n"
+               "                      (4 thread devices: batch split over 'data', heads, MLP and vocabulary over\n"
+               "                      'tensor'); the same as --mesh Dx1xMx1\n"
                "  --mesh DxFxTxP      the 4-axis mesh ('data', 'fsdp', 'tensor', 'pipeline'): batch over data x fsdp,\n"
                "                      heads, MLP and vocabulary over tensor, the layers cut into P pipeline stages\n"
                "  --microbatches N    pipeline micro-batches per step (P > 1), dividing B / (D F); default P\n"
@@ -86,7 +88,7 @@ void usage() {
                "  --lr R              peak learning rate (linear warm-up, cosine decay to 10%); default 3e-3\n"
                "  --context T         characters per window (the model's context); default 64\n"
                "  --layers L          Transformer blocks; default 4\n"
-               "  --heads H           attention heads, a multiple of M; default 4\n"
+               "  --heads H           attention heads, a multiple of M (the tensor axis); default 4\n"
                "  --width W           model width, a multiple of H; default 128 (MLP 4W)\n"
                "  --eval-every N      validation loss on --eval-windows windows every N steps; default 250\n"
                "  --eval-windows N    windows of that progress estimate, spread over the held-out text; default 256\n"
@@ -101,8 +103,8 @@ void usage() {
                "  --remat             recompute each block's activations in backward (nn::remat): less memory\n"
                "  --untie             a head of its own instead of the embedding's transpose; with F > 1 the\n"
                "                      parameters are then sharded over 'fsdp' (FSDP), not only the batch\n"
-               "  --advise            time a few steps of every (data, model) shape of the mesh's D x M devices on\n"
-               "                      this model and batch, print the ranked table and exit (no training)\n"
+               "  --advise            time a few steps of every (data, fsdp, tensor, pipeline) shape of the mesh's\n"
+               "                      devices on this model and batch, print the ranked table and exit (no training)\n"
                "  --gpu               train on the GPU mesh (gpu_runner: NCCL, or devices sharing a GPU); needs a\n"
                "                      build with Kokkos CUDA and NCCL, and a visible GPU\n"
                "  --loss-log FILE     write each step's loss to FILE, one 'step loss' line per step\n"
@@ -135,7 +137,7 @@ options parse(int argc, char** argv) {
           at = x + 1;
         }
       } else {
-        std::tie(o.data, o.model) = flagship::mesh_shape(v, "2x2");
+        std::tie(o.data, o.model) = flagship::mesh_shape(v, "2x2", "tensor");
         o.fsdp = o.pipeline = 1;
       }
     } else if (a == "--microbatches") o.microbatches = positive_integer(a, value());
@@ -188,11 +190,11 @@ options parse(int argc, char** argv) {
                       std::to_string(o.batch / (o.data * o.fsdp)) + " windows of each data device " + mesh + ")");
 
   if (!o.advise && o.heads % o.model != 0)
-    throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the model axis " + mesh + ": " +
+    throw usage_error("--heads " + std::to_string(o.heads) + " is not divisible by the tensor axis " + mesh + ": " +
                       std::to_string(o.model) + ")");
   if (!o.advise && 256 % o.model != 0)
-    throw usage_error("the vocabulary of 256 bytes is not divisible by the model axis " + mesh + ": " +
-                      std::to_string(o.model) + "); use a model axis of 1, 2, 4, ... 256");
+    throw usage_error("the vocabulary of 256 bytes is not divisible by the tensor axis " + mesh + ": " +
+                      std::to_string(o.model) + "); use a tensor axis of 1, 2, 4, ... 256");
   if (o.width % o.heads != 0)
     throw usage_error("--width " + std::to_string(o.width) + " is not divisible by --heads " + std::to_string(o.heads));
   if (o.width > 4096) throw usage_error("--width " + std::to_string(o.width) + " is too large (at most 4096)");
@@ -202,7 +204,7 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-/// The seed's mesh: a (D, M) mesh is (D, 1, M, 1). 'tensor' is the model axis of the file comment.
+/// The seed's mesh: a (D, M) mesh is (D, 1, M, 1).
 using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"tensor">,
                              meshlib::axis<"pipeline">>;
 using block_t = meshlib::nn::transformer_block<float, mesh_t, "tensor">;
@@ -327,7 +329,7 @@ std::string generate(State& state, const options& o, meshlib::nn::rng_key key, c
   return text;
 }
 
-/// `--advise`: every (data, model) shape of the mesh's device count, measured on this model and a
+/// `--advise`: every (data, fsdp, tensor, pipeline) shape of the mesh's device count, measured on this model and a
 /// batch of the training text (nn::advise_mesh), ranked; nothing is trained.
 template <bool Remat, bool Untie>
 int advise(const options& o, const meshlib::nn::text_corpus& corpus) {

@@ -106,7 +106,9 @@ struct advice {
   std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
-  /// The ranked table in Markdown.
+  /// The ranked table in Markdown; a shape that is not possible has a short cell ("not possible,
+  /// see below (1)") and its reason in a numbered list under the table (a reason is a sentence or
+  /// two, too long for a cell).
   [[nodiscard]] std::string markdown() const {
     std::string axes;
     if (!rows.empty())
@@ -115,6 +117,8 @@ struct advice {
                     "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
+    std::string notes;
+    std::size_t note = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
         std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
@@ -123,9 +127,16 @@ struct advice {
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
       } else {
-        s += "| - | " + r.shape.to_string() + " | " + r.refused + " | | | | |\n";
+        const std::string n = std::to_string(++note);
+        constexpr std::string_view prefix = "not possible: ";
+        const std::string_view why = std::string_view(r.refused).starts_with(prefix)
+                                         ? std::string_view(r.refused).substr(prefix.size())
+                                         : std::string_view(r.refused);
+        s += "| - | " + r.shape.to_string() + " | not possible, see below (" + n + ") | | | | |\n";
+        notes += n + ". " + r.shape.to_string() + " is not possible: " + std::string(why) + "\n";
       }
     }
+    if (!notes.empty()) s += "\nNot possible:\n\n" + notes;
     return s;
   }
 };

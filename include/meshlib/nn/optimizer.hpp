@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "meshlib/nn/detail/number_text.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -93,12 +94,13 @@ struct optimizer {
   /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
   [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
 
-  /// The rule for logs: `sgd(momentum ...)`, `adam` or `adamw(weight decay ...)`.
+  /// The rule for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam` or
+  /// `adamw(weight decay 1e-4)`.
   [[nodiscard]] std::string name() const {
     switch (kind) {
-      case optimizer_kind::sgd: return "sgd(momentum " + std::to_string(momentum) + ")";
+      case optimizer_kind::sgd: return "sgd(momentum " + detail::number_text(momentum) + ")";
       case optimizer_kind::adam: return "adam";
-      case optimizer_kind::adamw: return "adamw(weight decay " + std::to_string(weight_decay) + ")";
+      case optimizer_kind::adamw: return "adamw(weight decay " + detail::number_text(weight_decay) + ")";
     }
     return "?";
   }

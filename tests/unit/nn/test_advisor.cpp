@@ -128,15 +128,29 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   CHECK(last.refused.find("not possible: h0.attn (causal_self_attention 16 features, 4 heads): ") == 0);
   CHECK(last.refused.find("4 heads are not divisible by the 8 devices of the model axis 'model'") != std::string::npos);
   for (std::size_t i = 0; i + 1 < a.rows.size(); ++i) CHECK(a.rows[i].possible());
-  CHECK(a.markdown().find("| - | (1, 8) | not possible: h0.attn") != std::string::npos);
-  // 6 windows over 4 data devices: the layers' own message (a device's tokens are not whole
-  // sequences); the other shapes still run.
+  // The table cell is short; the reason is under the table, numbered.
+  const std::string why = last.refused.substr(std::string("not possible: ").size());
+  const std::string md = a.markdown();
+  INFO(md);
+  CHECK(md.find("| - | (1, 8) | not possible, see below (1) | | | | |\n\nNot possible:\n\n1. (1, 8) is not possible: " +
+                why + "\n") != std::string::npos);
+  CHECK(md.substr(md.size() - why.size() - 1) == why + "\n");  // the list ends the text
+  CHECK(md.find("| not possible: ") == std::string::npos);
+  // Each refused shape has its own number, in the table's order.
+  nn::advice twice = a;
+  twice.rows.push_back(last);
+  const std::string md2 = twice.markdown();
+  CHECK(md2.find("| - | (1, 8) | not possible, see below (1) | | | | |\n| - | (1, 8) | not possible, see below (2) | | | | |\n") !=
+        std::string::npos);
+  CHECK(md2.find("\n1. (1, 8) is not possible: " + why + "\n2. (1, 8) is not possible: " + why + "\n") != std::string::npos);
+  // 6 windows over 4 data devices: train_step's message in sequences (before any layer runs); the
+  // other shapes still run.
   const auto b = nn::advise_mesh<mesh_t>(4, one_block_gpt, gpt_batch(6), o);
   REQUIRE(b.rows.size() == 3);
   CHECK(b.rows.back().shape.to_string() == "(4, 1)");
-  INFO(b.rows.back().refused);
-  CHECK(b.rows.back().refused.find("not a whole number of sequences of 8") !=
-        std::string::npos);
+  CHECK(b.rows.back().refused ==
+        "not possible: train_step: the global batch of 6 sequences (of 8 tokens) does not split evenly over the 4 "
+        "devices of the data axis; choose a batch size that is a multiple of 4 sequences");
   // 6 rows over 4 data devices: train_step's own message.
   const auto d = nn::advise_mesh<mesh_t>(4, [](const mesh_t& m) {
     return nn::sequential(nn::dense<float, mesh_t>(m, "fc", 4, 2, nn::rng_key{1}));

@@ -155,7 +155,7 @@ TEST_CASE("bad checkpoints are refused naming the file and the parameter", "[nn]
     CHECK(meshlib_test::message_of<nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, other); }) ==
           "meshlib::nn: restore_checkpoint: '" + idx +
               "': saved with optimizer adam (2 state slots), but the train state's optimizer is sgd(momentum "
-              "0.900000): restore into a train state made with the optimizer it was saved with");
+              "0.9): restore into a train state made with the optimizer it was saved with");
     nn::train_state adamw(m, make_net(m), nn::adamw(1e-2f), {});  // same slots, another rule
     CHECK(meshlib_test::message_of<nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, adamw); })
               .find("saved with optimizer adam (2 state slots), but the train state's optimizer is adamw(") !=

@@ -208,23 +208,43 @@ TEST_CASE("train_step on token ids: bad ids, targets and batches are clear error
           }) == "meshlib::nn: train_step: 64 token ids for 32 rows: a model that starts at an embedding takes one id per "
                 "row (rows = sequences x sequence length, sequence-major)");
   }
-  SECTION("rows that are not whole sequences on every data device") {
+  SECTION("a batch whose sequences do not split over the data axis: refused in sequences before any kernel") {
     const mesh_t two{2, 1};
     nn::train_state s2(two, small_gpt(two), nn::adam(nn::constant(1e-2f)));
     auto three = nn::sample_windows(gpt_text(100), 3, 8, nn::rng_key{1});  // 24 tokens: 12 per device
     for (auto& v : three.inputs) v %= 32;
     for (auto& v : three.targets) v %= 32;
-    std::string what;
-    try {
-      (void)nn::train_step(s2, three);
-    } catch (const meshlib::device_error& e) {
-      what = meshlib_test::message_of<meshlib::sharding_error>([&] { e.rethrow_cause(); });
-    }
-    INFO(what);
-    // The first layer that needs whole sequences says so (the positional embedding, before the attention).
-    CHECK(what.find("meshlib::nn: pos (positional_embedding of 8 positions x 16, sequences of 8) received 12 tokens on "
-                    "device ") == 0);
-    CHECK(what.find("not a whole number of sequences of 8") != std::string::npos);
+    const std::string want =
+        "meshlib::nn: train_step: the global batch of 3 sequences (of 8 tokens) does not split evenly over the 2 "
+        "devices of the data axis; choose a batch size that is a multiple of 2 sequences";
+    // A sharding_error of train_step itself (no device_error: no device ran), in the float path's words.
+    CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)nn::train_step(s2, three); }) == want);
+    // The same batch as token ids: the sequence length is the model's positional embedding's.
+    CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+            (void)nn::train_step(s2, std::span<const std::int32_t>(three.inputs),
+                                 std::span<const std::int32_t>(three.targets), 24, 0, 24);
+          }) == want);
+    // Tokens that are not whole sequences at all.
+    CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+            (void)nn::train_step(s2, std::span<const std::int32_t>(three.inputs).first(20),
+                                 std::span<const std::int32_t>(three.targets).first(20), 20, 0, 20);
+          }) == "meshlib::nn: train_step: the global batch of 20 tokens is not a whole number of sequences of 8 "
+                "tokens; give sequences x 8 tokens (rows are sequence-major)");
+    CHECK(s2.step == 0);
+    // With accumulation, the sequences split over the data axis x the accumulation steps: 6 over 2 x 2.
+    nn::train_state s3(two, small_gpt(two), nn::adam(nn::constant(1e-2f)), {.accumulation = 2});
+    auto six = nn::sample_windows(gpt_text(200), 6, 8, nn::rng_key{1});
+    for (auto& v : six.inputs) v %= 32;
+    for (auto& v : six.targets) v %= 32;
+    CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)nn::train_step(s3, six); }) ==
+          "meshlib::nn: train_step: the global batch of 6 sequences (of 8 tokens) does not split evenly over the 2 "
+          "devices of the data axis x 2 accumulation steps; choose a batch size that is a multiple of 4 sequences");
+    // 4 sequences over (2, 1): each device gets 2 whole sequences and the step runs.
+    auto four = nn::sample_windows(gpt_text(200), 4, 8, nn::rng_key{1});
+    for (auto& v : four.inputs) v %= 32;
+    for (auto& v : four.targets) v %= 32;
+    CHECK(std::isfinite(nn::train_step(s2, four).loss));
+    CHECK(s2.step == 1);
   }
 }
 

@@ -336,4 +336,25 @@ TEST_CASE("device_put and device_prefetcher hand the loader's batches to train_s
   REQUIRE(moved.x.data() == rows);
 }
 
+TEST_CASE("numbers in names and messages read as a user writes them: shortest text, no padding zeros", "[nn]") {
+  CHECK(nn::adamw(nn::constant(1e-3f)).name() == "adamw(weight decay 1e-4)");
+  CHECK(nn::adamw(nn::constant(1e-3f), 0.01f).name() == "adamw(weight decay 0.01)");
+  CHECK(nn::adamw(nn::constant(1e-3f), 0.0f).name() == "adamw(weight decay 0)");
+  CHECK(nn::sgd(nn::constant(1e-2f)).name() == "sgd(momentum 0.9)");
+  CHECK(nn::adam(nn::constant(1e-2f)).name() == "adam");
+  // Every float reads back as itself; the exponent has neither '+' nor leading zeros.
+  using nn::detail::number_text;
+  CHECK(number_text(1e-4f) == "1e-4");
+  CHECK(number_text(2.5e-7f) == "2.5e-7");
+  CHECK(number_text(3e10f) == "3e10");
+  CHECK(number_text(0.1f) == "0.1");
+  CHECK(number_text(100.0f) == "100");
+  CHECK(number_text(-0.25f) == "-0.25");
+  CHECK(number_text(1e-4) == "1e-4");
+  for (float v : {1e-4f, 0.1f, 0.3f, 1.0f / 3.0f, 6.02e23f, 123456.78f})
+    CHECK(std::stof(number_text(v)) == v);
+  const mesh_t m{1, 1};
+  CHECK(nn::dropout<float>(m, "drop1", 0.1f).to_string() == "drop1 (dropout 0.1)");
+}
+
 }  // namespace MESHLIB_TEST_UNIT

@@ -17,6 +17,7 @@
 
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
+#include "meshlib/nn/detail/number_text.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
@@ -40,10 +41,7 @@ class dropout {
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// `"drop1 (dropout 0.1)"`: how messages name the layer.
   [[nodiscard]] std::string to_string() const {
-    std::string r = std::to_string(rate_);
-    while (r.size() > 1 && r.back() == '0') r.pop_back();
-    if (!r.empty() && r.back() == '.') r.pop_back();
-    return name_ + " (dropout " + r + ")";
+    return name_ + " (dropout " + detail::number_text(rate_) + ")";
   }
 
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
