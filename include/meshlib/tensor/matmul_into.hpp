@@ -165,26 +165,21 @@ struct matmul_into_functor {
 /// kernel's bits: what scripts/gpu-check.sh compares (`MESHLIB_NO_BLAS=1` on the CPU side).
 template <class T>
 struct matmul_into_element_functor {
-  const T* a;
-  const T* b;
-  T* c;
-  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
-  std::size_t n, k;
-  T alpha, beta;
+  matmul_into_functor<T> op;  ///< the operands, strides and scalars, as the row kernel has them
 
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t e) const {
-    const std::size_t i = e / n, j = e % n;
-    T& cij = c[i * c_i + j * c_j];
-    T v = beta == T{0} ? T{0} : (beta == T{1} ? cij : cij * beta);
-    if (k != 0) {
-      const T* ai = a + i * a_i;
-      if (b_j == 1 && c_j == 1) {  // the row kernel's i-p-j order
-        for (std::size_t p = 0; p < k; ++p) v += (alpha * ai[p * a_p]) * b[p * b_p + j];
+    const std::size_t i = e / op.n, j = e % op.n;
+    T& cij = op.c[i * op.c_i + j * op.c_j];
+    T v = op.beta == T{0} ? T{0} : (op.beta == T{1} ? cij : cij * op.beta);
+    if (op.k != 0) {
+      const T* ai = op.a + i * op.a_i;
+      if (op.b_j == 1 && op.c_j == 1) {  // the row kernel's i-p-j order
+        for (std::size_t p = 0; p < op.k; ++p) v += (op.alpha * ai[p * op.a_p]) * op.b[p * op.b_p + j];
       } else {  // its dot product
-        const T* bj = b + j * b_j;
+        const T* bj = op.b + j * op.b_j;
         T s{0};
-        for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
-        v += alpha * s;
+        for (std::size_t p = 0; p < op.k; ++p) s += ai[p * op.a_p] * bj[p * op.b_p];
+        v += op.alpha * s;
       }
     }
     cij = v;
@@ -225,23 +220,6 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   using T = typename VC::non_const_value_type;
   const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
   if (m == 0 || n == 0) return;
-  if constexpr (!host_accessible_v<typename Exec::memory_space>) {
-    matmul_into_element_functor<T> f{a.data(),
-                                     b.data(),
-                                     c.data(),
-                                     ta ? a.stride(1) : a.stride(0),
-                                     ta ? a.stride(0) : a.stride(1),
-                                     tb ? b.stride(1) : b.stride(0),
-                                     tb ? b.stride(0) : b.stride(1),
-                                     c.stride(0),
-                                     c.stride(1),
-                                     n,
-                                     k,
-                                     alpha,
-                                     beta};
-    launch_on(exec, m * n, f);
-    return;
-  }
   matmul_into_functor<T> f{a.data(),
                            b.data(),
                            c.data(),
@@ -255,7 +233,8 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
                            k,
                            alpha,
                            beta};
-  launch_on(exec, m, f);
+  if constexpr (host_accessible_v<typename Exec::memory_space>) launch_on(exec, m, f);
+  else launch_on(exec, m * n, matmul_into_element_functor<T>{f});
 }
 
 }  // namespace detail

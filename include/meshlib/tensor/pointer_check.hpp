@@ -30,6 +30,7 @@
 
 #include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/view.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime.h>
@@ -53,7 +54,7 @@ enum class pointer_location {
 
 /// @brief The answer of a `pointer_query`.
 struct pointer_info {
-  pointer_location location = pointer_location::host;
+  pointer_location location = pointer_location::host;  ///< host, device or managed memory
   int device = -1;  ///< the GPU of device memory (-1 otherwise)
 };
 
@@ -63,7 +64,9 @@ struct pointer_info {
 /// `static pointer_info of(const void*)`.
 template <class Space>
 struct pointer_query {
+  /// Whether meshlib asks at all: false, every pointer is trusted (as the host's are).
   static constexpr bool asks = false;
+  /// Not asked: "readable everywhere".
   static pointer_info of(const void*) noexcept { return {pointer_location::managed, -1}; }
 };
 
@@ -98,6 +101,18 @@ template <class Space>
     const pointer_info i = pointer_query<Space>::of(p);
     if (i.location == pointer_location::managed) return true;
     return i.location == pointer_location::device && (device < 0 || i.device == device);
+  }
+}
+
+/// @brief Whether the running device's kernels on memory `Space` (inside `spmd` / `shard_map`: its
+/// execution-space instance, on its GPU) can read `p`: `is_device_readable` for that device's GPU.
+template <class Space>
+[[nodiscard]] bool is_readable_by_running_device(const void* p) {
+  if constexpr (!pointer_query<Space>::asks) {
+    (void)p;
+    return true;
+  } else {
+    return is_device_readable<Space>(p, detail::current_device_id<Space>());
   }
 }
 

@@ -295,16 +295,19 @@ TEST_CASE("the GPU's product kernel (one element per work item) against the plai
         auto c = make<float>(m, n, 3);
         const auto expected = reference(a, b, contents(c), ta, tb, alpha, beta);
         if (beta == 0) c(1, 1) = std::numeric_limits<float>::quiet_NaN();  // not read
-        const meshlib::detail::matmul_into_element_functor<float> f{
-            a.data(), b.data(), c.data(), ta ? a.stride(1) : a.stride(0), ta ? a.stride(0) : a.stride(1),
-            tb ? b.stride(1) : b.stride(0), tb ? b.stride(0) : b.stride(1), c.stride(0), c.stride(1), n, k,
-            static_cast<float>(alpha), static_cast<float>(beta)};
+        const meshlib::detail::matmul_into_element_functor<float> f{{a.data(), b.data(), c.data(),
+                                                                    ta ? a.stride(1) : a.stride(0),
+                                                                    ta ? a.stride(0) : a.stride(1),
+                                                                    tb ? b.stride(1) : b.stride(0),
+                                                                    tb ? b.stride(0) : b.stride(1), c.stride(0),
+                                                                    c.stride(1), n, k, static_cast<float>(alpha),
+                                                                    static_cast<float>(beta)}};
         for (std::size_t e = 0; e < m * n; ++e) f(e);
         CHECK(contents(c) == expected);
       }
   auto c = make<float>(2, 2, 3);
   const auto before = contents(c);
-  const meshlib::detail::matmul_into_element_functor<float> f{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f};
+  const meshlib::detail::matmul_into_element_functor<float> f{{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f}};
   for (std::size_t e = 0; e < 4; ++e) f(e);  // k = 0: beta * C, A and B not read
   for (std::size_t e = 0; e < 4; ++e) CHECK(contents(c)[e] == 2 * before[e]);
 }

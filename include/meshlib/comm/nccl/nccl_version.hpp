@@ -34,9 +34,9 @@ namespace meshlib {
 
 /// @brief A version of NCCL, as major.minor.patch.
 struct nccl_version_number {
-  int major = 0;
-  int minor = 0;
-  int patch = 0;
+  int major = 0;  ///< 2 for every NCCL meshlib supports
+  int minor = 0;  ///< the release (28 in 2.28.9)
+  int patch = 0;  ///< the fix release (9 in 2.28.9)
 
   /// @brief From NCCL's integer code (`NCCL_VERSION_CODE`, `ncclGetVersion`): since 2.9 it is
   /// major * 10000 + minor * 100 + patch (22809 is 2.28.9), before that major * 1000 + minor * 100 +
@@ -54,7 +54,9 @@ struct nccl_version_number {
   [[nodiscard]] std::string to_string() const {
     return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
   }
+  /// Versions compare as (major, minor, patch).
   friend constexpr auto operator<=>(const nccl_version_number&, const nccl_version_number&) = default;
+  /// Writes "2.28.9".
   friend std::ostream& operator<<(std::ostream& os, const nccl_version_number& v) { return os << v.to_string(); }
 };
 
