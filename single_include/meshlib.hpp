@@ -14121,6 +14121,22 @@ struct shared_gpu_state : stream_state {
   }
 };
 
+/// @brief The scratch copy that an in-place all_to_all or ppermute sends from (its peers overwrite
+/// the buffer meanwhile): for a buffer of `bytes` > 0, `allocate(bytes)` then `copy(p)`, and the
+/// copy is returned for the caller to free once its stream is past the peers' "done" events; for
+/// an empty buffer (count 0: nothing moves) null, so nothing is freed. It never returns the
+/// caller's own buffer: it once did for an empty one, and the communicator then freed the
+/// user's cudaMalloc'ed buffer with cudaFreeAsync, whose owner's cudaFree freed it a second time
+/// (the conformance kit's in-place rows with count 0). Independent of CUDA, so the host tests
+/// check it (tests/unit/nccl/test_nccl_host.cpp).
+template <class Allocate, class Copy>
+[[nodiscard]] void* in_place_scratch(std::size_t bytes, Allocate&& allocate, Copy&& copy) {
+  if (bytes == 0) return nullptr;
+  void* p = allocate(bytes);
+  copy(p);
+  return p;
+}
+
 /// The descriptor every participant publishes for a collective (int64 words, so that the host
 /// communicator's all_gather moves it).
 struct shared_gpu_call {
@@ -14279,9 +14295,11 @@ class shared_gpu_communicator
       device_buffer<K>("send", o.send, len);
       device_buffer<K>("receive", o.recv, len);
       const cudaStream_t s0 = ctx.or_else(state_->stream);
-      // In place, peers overwrite this buffer while this device sends from it: send from a copy.
+      // In place, peers overwrite this buffer while this device sends from it: send from a copy,
+      // which only a non-empty buffer has (detail::in_place_scratch): with nothing to move there
+      // is no copy, and nothing to free.
       T* copy_of = o.in_place ? scratch_copy(k, std::span<T>(o.recv, len), s0) : nullptr;
-      const T* from = o.in_place ? copy_of : o.send;
+      const T* from = copy_of != nullptr ? copy_of : o.send;
       const std::int64_t extra = K == op_kind::ppermute ? hash_pairs(o.pairs) : 0;
       auto r = movement<T>(k, code, from, o.recv, c, -1, extra, ctx, [&](const auto& all, cudaStream_t s) {
         if constexpr (K == op_kind::all_to_all) push_blocks(k, from, all, c, s);
@@ -14369,14 +14387,19 @@ class shared_gpu_communicator
     if (n == 0 || to == from) return;
     cuda(k, "cudaMemcpyAsync", cudaMemcpyAsync(to, from, n * sizeof(T), cudaMemcpyDeviceToDevice, s));
   }
+  /// A stream-ordered copy of a non-empty `buf` (`cudaMallocAsync`; `free_after` frees it), or
+  /// null for an empty one: never the caller's own memory (detail::in_place_scratch).
   template <class T>
   T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
-    if (buf.empty()) return buf.data();
     detail::cuda_device_scope g(state_->device, describe(k));
-    void* p = nullptr;
-    cuda(k, "cudaMallocAsync", cudaMallocAsync(&p, buf.size_bytes(), s));
-    copy(k, static_cast<T*>(p), buf.data(), buf.size(), s);
-    return static_cast<T*>(p);
+    return static_cast<T*>(detail::in_place_scratch(
+        buf.size_bytes(),
+        [&](std::size_t bytes) {
+          void* p = nullptr;
+          cuda(k, "cudaMallocAsync", cudaMallocAsync(&p, bytes, s));
+          return p;
+        },
+        [&](void* p) { copy(k, static_cast<T*>(p), buf.data(), buf.size(), s); }));
   }
   template <class T>
   void free_after(std::string_view k, T* p, cudaStream_t s) const {

@@ -243,6 +243,27 @@ TEST_CASE("shared GPU: send and recv between devices of one GPU", "[device][shar
   }, {.device = 0});
 }
 
+TEST_CASE("shared GPU: in-place all_to_all and ppermute of nothing leave the caller's buffer to the caller",
+          "[device][shared_gpu]") {
+  // With count 0 the in-place "scratch copy" was the caller's own buffer, which the communicator
+  // then freed with cudaFreeAsync: the caller's cudaFree freed it a second time (the conformance
+  // kit's in-place rows with count 0). The caller's cudaFree must be the only one, and succeed.
+  for (int n : {2, 4}) {
+    std::vector<cudaError_t> freed(static_cast<std::size_t>(n), cudaErrorUnknown);
+    ml::run_on_shared_gpu(n, [&](ml::shared_gpu_communicator& c) {
+      float* p = nullptr;
+      cuda_ok(cudaMalloc(&p, 1));  // a distinct, non-null pointer for an empty buffer
+      std::vector<ml::permute_pair> shift;
+      for (int r = 0; r + 1 < c.size(); ++r) shift.push_back({r, r + 1});
+      c.all_to_all(std::span<float>(p, 0)).wait();
+      c.ppermute(std::span<float>(p, 0), std::span<const ml::permute_pair>(shift)).wait();
+      cuda_ok(cudaStreamSynchronize(c.stream()));
+      freed[static_cast<std::size_t>(c.rank())] = cudaFree(p);
+    }, {.device = 0});
+    for (cudaError_t rc : freed) CHECK(rc == cudaSuccess);
+  }
+}
+
 TEST_CASE("nccl device: bfloat16 and int64 sums", "[device][nccl]") {
   const auto gpus = all_gpus();
   const int n = static_cast<int>(gpus.size());

@@ -680,6 +680,33 @@ TEST_CASE("shared GPU: a shared event is destroyed by its last reference, on whi
   the_fake_events = nullptr;
 }
 
+TEST_CASE("shared GPU: an in-place all_to_all or ppermute of nothing makes no scratch copy, so frees nothing of the caller's",
+          "[nccl][shared_gpu]") {
+  // The communicator frees whatever in_place_scratch returns. For an empty buffer it returned the
+  // caller's own pointer, which cudaFreeAsync then freed, and the caller's cudaFree freed a
+  // second time (the conformance rows' in-place all_to_all and ppermute with count 0).
+  std::vector<char> scratch(64);
+  int allocations = 0;
+  int copies = 0;
+  std::size_t asked = 0;
+  auto allocate = [&](std::size_t bytes) {
+    ++allocations;
+    asked = bytes;
+    return static_cast<void*>(scratch.data());
+  };
+  auto copy = [&](void* p) {
+    ++copies;
+    CHECK(p == scratch.data());
+  };
+  CHECK(ml::detail::in_place_scratch(0, allocate, copy) == nullptr);  // nothing moves: nothing to free
+  CHECK(allocations == 0);
+  CHECK(copies == 0);
+  CHECK(ml::detail::in_place_scratch(48, allocate, copy) == scratch.data());  // the copy, which the caller frees
+  CHECK(allocations == 1);
+  CHECK(copies == 1);
+  CHECK(asked == 48);
+}
+
 // ---- the call fingerprint of verify_collectives -------------------------------------------------------
 
 TEST_CASE("call fingerprint: packing is lossless for every operation, type, op and root", "[nccl][fingerprint]") {
