@@ -7532,7 +7532,7 @@ enum class pointer_location {
 
 /// @brief The answer of a `pointer_query`.
 struct pointer_info {
-  pointer_location location = pointer_location::host;
+  pointer_location location = pointer_location::host;  ///< host, device or managed memory
   int device = -1;  ///< the GPU of device memory (-1 otherwise)
 };
 
@@ -7542,7 +7542,9 @@ struct pointer_info {
 /// `static pointer_info of(const void*)`.
 template <class Space>
 struct pointer_query {
+  /// Whether meshlib asks at all: false, every pointer is trusted (as the host's are).
   static constexpr bool asks = false;
+  /// Not asked: "readable everywhere".
   static pointer_info of(const void*) noexcept { return {pointer_location::managed, -1}; }
 };
 
@@ -7577,6 +7579,18 @@ template <class Space>
     const pointer_info i = pointer_query<Space>::of(p);
     if (i.location == pointer_location::managed) return true;
     return i.location == pointer_location::device && (device < 0 || i.device == device);
+  }
+}
+
+/// @brief Whether the running device's kernels on memory `Space` (inside `spmd` / `shard_map`: its
+/// execution-space instance, on its GPU) can read `p`: `is_device_readable` for that device's GPU.
+template <class Space>
+[[nodiscard]] bool is_readable_by_running_device(const void* p) {
+  if constexpr (!pointer_query<Space>::asks) {
+    (void)p;
+    return true;
+  } else {
+    return is_device_readable<Space>(p, detail::current_device_id<Space>());
   }
 }
 
@@ -7742,26 +7756,21 @@ struct matmul_into_functor {
 /// kernel's bits: what scripts/gpu-check.sh compares (`MESHLIB_NO_BLAS=1` on the CPU side).
 template <class T>
 struct matmul_into_element_functor {
-  const T* a;
-  const T* b;
-  T* c;
-  std::size_t a_i, a_p, b_p, b_j, c_i, c_j;
-  std::size_t n, k;
-  T alpha, beta;
+  matmul_into_functor<T> op;  ///< the operands, strides and scalars, as the row kernel has them
 
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t e) const {
-    const std::size_t i = e / n, j = e % n;
-    T& cij = c[i * c_i + j * c_j];
-    T v = beta == T{0} ? T{0} : (beta == T{1} ? cij : cij * beta);
-    if (k != 0) {
-      const T* ai = a + i * a_i;
-      if (b_j == 1 && c_j == 1) {  // the row kernel's i-p-j order
-        for (std::size_t p = 0; p < k; ++p) v += (alpha * ai[p * a_p]) * b[p * b_p + j];
+    const std::size_t i = e / op.n, j = e % op.n;
+    T& cij = op.c[i * op.c_i + j * op.c_j];
+    T v = op.beta == T{0} ? T{0} : (op.beta == T{1} ? cij : cij * op.beta);
+    if (op.k != 0) {
+      const T* ai = op.a + i * op.a_i;
+      if (op.b_j == 1 && op.c_j == 1) {  // the row kernel's i-p-j order
+        for (std::size_t p = 0; p < op.k; ++p) v += (op.alpha * ai[p * op.a_p]) * op.b[p * op.b_p + j];
       } else {  // its dot product
-        const T* bj = b + j * b_j;
+        const T* bj = op.b + j * op.b_j;
         T s{0};
-        for (std::size_t p = 0; p < k; ++p) s += ai[p * a_p] * bj[p * b_p];
-        v += alpha * s;
+        for (std::size_t p = 0; p < op.k; ++p) s += ai[p * op.a_p] * bj[p * op.b_p];
+        v += op.alpha * s;
       }
     }
     cij = v;
@@ -7802,23 +7811,6 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   using T = typename VC::non_const_value_type;
   const std::size_t m = c.extent(0), n = c.extent(1), k = alpha == T{0} ? 0 : (ta ? a.extent(0) : a.extent(1));
   if (m == 0 || n == 0) return;
-  if constexpr (!host_accessible_v<typename Exec::memory_space>) {
-    matmul_into_element_functor<T> f{a.data(),
-                                     b.data(),
-                                     c.data(),
-                                     ta ? a.stride(1) : a.stride(0),
-                                     ta ? a.stride(0) : a.stride(1),
-                                     tb ? b.stride(1) : b.stride(0),
-                                     tb ? b.stride(0) : b.stride(1),
-                                     c.stride(0),
-                                     c.stride(1),
-                                     n,
-                                     k,
-                                     alpha,
-                                     beta};
-    launch_on(exec, m * n, f);
-    return;
-  }
   matmul_into_functor<T> f{a.data(),
                            b.data(),
                            c.data(),
@@ -7832,7 +7824,8 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
                            k,
                            alpha,
                            beta};
-  launch_on(exec, m, f);
+  if constexpr (host_accessible_v<typename Exec::memory_space>) launch_on(exec, m, f);
+  else launch_on(exec, m * n, matmul_into_element_functor<T>{f});
 }
 
 }  // namespace detail
@@ -12802,9 +12795,9 @@ namespace meshlib {
 
 /// @brief A version of NCCL, as major.minor.patch.
 struct nccl_version_number {
-  int major = 0;
-  int minor = 0;
-  int patch = 0;
+  int major = 0;  ///< 2 for every NCCL meshlib supports
+  int minor = 0;  ///< the release (28 in 2.28.9)
+  int patch = 0;  ///< the fix release (9 in 2.28.9)
 
   /// @brief From NCCL's integer code (`NCCL_VERSION_CODE`, `ncclGetVersion`): since 2.9 it is
   /// major * 10000 + minor * 100 + patch (22809 is 2.28.9), before that major * 1000 + minor * 100 +
@@ -12822,7 +12815,9 @@ struct nccl_version_number {
   [[nodiscard]] std::string to_string() const {
     return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
   }
+  /// Versions compare as (major, minor, patch).
   friend constexpr auto operator<=>(const nccl_version_number&, const nccl_version_number&) = default;
+  /// Writes "2.28.9".
   friend std::ostream& operator<<(std::ostream& os, const nccl_version_number& v) { return os << v.to_string(); }
 };
 

@@ -621,11 +621,10 @@ class device_buffers {
   }
   /// `n` values at `src`, which may be host or device memory (a caller's span), readable by the
   /// running device's kernels: `src` itself where they can read it (any pointer on a host space;
-  /// device memory of the running GPU, asked with `is_device_readable`), else a copy in device
+  /// device memory of the running GPU, asked with `is_readable_by_running_device`), else a copy in device
   /// `dev`'s buffer (`readable`).
   const T* staged(std::size_t dev, const T* src, std::size_t n) {
-    if (meshlib::is_device_readable<default_memory_space>(src, meshlib::detail::current_device_id<default_memory_space>()))
-      return src;
+    if (meshlib::is_readable_by_running_device<default_memory_space>(src)) return src;
     return readable(dev, src, n);
   }
   /// Frees device `dev`'s buffer (the next `get` allocates again).
