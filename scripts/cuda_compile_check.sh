@@ -6,8 +6,8 @@
 # generates its configuration headers; it is not built (that took ~50 minutes here), because a
 # compile check needs headers only. Then every source in tests/cuda/ is compiled (-c, not linked)
 # against it with nvcc: the ones that must compile, and host_collective_on_device.cpp, which must
-# fail with the message that names the backend to use, and host_view_on_device.cpp, which must fail
-# naming the argument whose memory the kernel cannot read. The NCCL ones (gpu_collectives.cpp: the
+# fail with the message that names the backend to use, and host_view_on_device.cpp and
+# host_tensor_into_layer.cpp, which must fail naming the argument whose memory the kernel cannot read. The NCCL ones (gpu_collectives.cpp: the
 # typed collectives on CudaSpace blocks through gpu_runner over NCCL and the shared-GPU
 # communicator; flagship_gpu.cpp: examples/train_fashion_mnist with its --gpu path) compile with
 # -DMESHLIB_ENABLE_NCCL=1 when nccl.h is found next to nvcc (else they are reported as skipped).
@@ -56,15 +56,16 @@ status=0
 cuda_include="$(dirname "$(dirname "$nvcc_bin")")/include"
 nccl=0
 [ -f "$cuda_include/nccl.h" ] || [ -f /usr/include/nccl.h ] && nccl=1
-compile() {  # compile NAME: tests/cuda/NAME.cpp -> $work/NAME.o, output in $work/NAME.log
-  local extra=()
+compile() {  # compile NAME [CASE]: tests/cuda/NAME.cpp (-DMESHLIB_CASE=CASE) -> $work/NAME[CASE].o, output in .log
+  local extra=() out="$work/$1${2:-}"
   case "$1" in gpu_collectives | flagship_gpu) extra=(-DMESHLIB_ENABLE_NCCL=1 -I"$cuda_include") ;; esac
-  "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$work/$1.o" >"$work/$1.log" 2>&1 || return 1
+  [ -n "${2:-}" ] && extra+=(-DMESHLIB_CASE="$2")
+  "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$out.o" >"$out.log" 2>&1 || return 1
   # A kernel calling a host-only function compiles with a warning only (#20011/#20014/#20015:
   # "calling a __host__ function from a __host__ __device__ function"), but cannot run on a GPU.
-  if grep -E -m 5 'warning #200(11|14|15)-D' "$work/$1.log"; then
-    echo "  ^ a kernel calls a host-only function (mark it KOKKOS_INLINE_FUNCTION): tests/cuda/$1.cpp" >>"$work/$1.log"
-    echo "error: a kernel calls a host-only function" >>"$work/$1.log"
+  if grep -E -m 5 'warning #200(11|14|15)-D' "$out.log"; then
+    echo "  ^ a kernel calls a host-only function (mark it KOKKOS_INLINE_FUNCTION): tests/cuda/$1.cpp" >>"$out.log"
+    echo "error: a kernel calls a host-only function" >>"$out.log"
     return 1
   fi
 }
@@ -101,5 +102,18 @@ elif grep -qF "$want" "$work/host_view_on_device.log" && grep -qF "op<'A'>" "$wo
 else
   echo "  FAILED: tests/cuda/host_view_on_device.cpp failed without the expected message naming argument 'A':"; grep -m 10 "error" "$work/host_view_on_device.log"; status=1
 fi
+# The same for the entries above matmul_into: a layer, an elementwise op and the loss, each handed a
+# host block (one case per compile: nvcc's front end reports only the first instantiation errors).
+for case_ in "1 op<'x'>" "2 op<'b'>" "3 op<'l', 'o', 'g', 'i', 't', 's'>"; do
+  n=${case_%% *} arg=${case_#* }
+  log="$work/host_tensor_into_layer$n.log"
+  if compile host_tensor_into_layer "$n"; then
+    echo "  FAILED: tests/cuda/host_tensor_into_layer.cpp case $n compiled, but a host block into a GPU kernel must not"; status=1
+  elif [ "$(grep -c "error" "$log")" -le 2 ] && grep -qF "$want" "$log" && grep -qF "$arg" "$log" && grep -qF "device_put" "$log"; then
+    echo "  refused as it must: tests/cuda/host_tensor_into_layer.cpp case $n (one error, argument $arg)"
+  else
+    echo "  FAILED: tests/cuda/host_tensor_into_layer.cpp case $n failed without one error naming $arg:"; grep -m 10 "error" "$log"; status=1
+  fi
+done
 echo "cuda_compile_check.sh: $([ $status -eq 0 ] && echo passed || echo FAILED) (compiles: $((SECONDS - start))s, all: ${SECONDS}s)"
 exit $status

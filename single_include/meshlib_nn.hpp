@@ -1222,6 +1222,7 @@ class basic_dense {
   /// @throws sharding_error when `x`'s width is not the weight's input width.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
     if constexpr (!accepts_input<X>) {
       static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
@@ -1255,6 +1256,7 @@ class basic_dense {
   /// forward ran on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     // The cotangent of psum's input is pvary of the cotangent (no data moves).
     using DYV = typename detail::pvary_if<Kind == dense_kind::row, DY, Model>::type;
@@ -1416,6 +1418,7 @@ class elementwise_activation {
 
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"activation.forward", "x", X>());
     static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
     const std::size_t dev = x.device(), n = x.size();
     saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
@@ -1428,6 +1431,7 @@ class elementwise_activation {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [x, rows, cols] = saved_[dev];
     check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
@@ -1780,6 +1784,7 @@ class layer_norm {
   /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
@@ -1803,6 +1808,7 @@ class layer_norm {
   /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
     detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
@@ -1902,6 +1908,7 @@ class rms_norm {
   /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"rms_norm.forward", "x", X>());
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
@@ -1926,6 +1933,7 @@ class rms_norm {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"rms_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
     detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
@@ -2285,6 +2293,7 @@ class embedding {
   /// @throws std::out_of_range naming the layer, the token and the id when an id is not in `[0, vocab)`.
   template <local_tensor_type Ids>
   output_t<Ids> forward(const Ids& ids) {
+    static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
     static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
                   "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
     static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
@@ -2315,6 +2324,7 @@ class embedding {
   /// @throws sharding_error when `dy` is not shaped as the last forward's output on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"embedding.backward", "dy", DY>());
     using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
     const std::size_t dev = dy.device();
     const auto [ids, rows] = saved_[dev];
@@ -2467,6 +2477,7 @@ class positional_embedding {
   /// @throws sharding_error when `x` is not whole sequences of this width.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"positional_embedding.forward", "x", X>());
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: positional_embedding adds to complete, unsharded features");
     const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
@@ -2487,6 +2498,7 @@ class positional_embedding {
   /// (the cotangent of an addition passes through unchanged). The second argument is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
     detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();
@@ -2580,6 +2592,7 @@ class tied_head {
   /// @throws sharding_error when `x`'s width is not the embedding's.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"tied_head.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: tied_head takes complete, unsharded features (the output of a norm or a row_dense)");
     // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
@@ -2601,6 +2614,7 @@ class tied_head {
   /// @throws sharding_error when no forward ran on this device or `dy` is not the logits' shape.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
     using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
     using DXP = with_partial_t<DX, model_mask>;
     const std::size_t dev = dy.device();
@@ -2846,6 +2860,7 @@ class causal_self_attention {
   /// @throws sharding_error when `x` is not whole sequences of the layer's width.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"causal_self_attention.forward", "x", X>());
     const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
     detail::check_whole_sequences(to_string(), rows, seq, dev);
     auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
@@ -2878,6 +2893,7 @@ class causal_self_attention {
   /// @throws sharding_error when no forward ran on this device or `dy` is not its output's shape.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"causal_self_attention.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     if (!saved_[dev].ran)
       throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
@@ -3178,6 +3194,7 @@ class dropout {
   /// Zeroes each value with probability `rate` and scales the rest by `1 / (1 - rate)`; the identity outside training.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"dropout.forward", "x", X>());
     const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
     if (!train_ || rate_ <= 0.0f) return x;
     shape_[dev] = {rows, cols, true};
@@ -3198,6 +3215,7 @@ class dropout {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input (in training).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"dropout.backward", "dy", DY>());
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [rows, cols, ran] = shape_[dev];
@@ -3876,6 +3894,7 @@ class conv2d {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"conv2d.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
                   "element type, with unsharded features: shard the batch over the data axis, not the pixels");
@@ -3921,6 +3940,7 @@ class conv2d {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"conv2d.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran, xp] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
@@ -4213,6 +4233,7 @@ class pool2d {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"pool2d.forward", "x", X>());
     static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
                                     "mesh and element type, with unsharded features");
     const std::size_t dev = x.device(), n = x.extent(0);
@@ -4232,6 +4253,7 @@ class pool2d {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
@@ -4321,6 +4343,7 @@ class global_avg_pool {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"global_avg_pool.forward", "x", X>());
     static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
                                     "of its mesh and element type, with unsharded features");
     const std::size_t dev = x.device(), n = x.extent(0);
@@ -4338,6 +4361,7 @@ class global_avg_pool {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran] = saved_[dev];
     const std::size_t c = in_.channels, hw = in_.pixels();
@@ -4485,6 +4509,7 @@ class batch_norm {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
                   "rows (the batch) are sharded over exactly its data axis and whose features are not sharded");
@@ -4526,6 +4551,7 @@ class batch_norm {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"batch_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved sv = saved_[dev];
     detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
@@ -5345,6 +5371,7 @@ class softmax_cross_entropy {
   /// @throws std::out_of_range when a label is not a class index.
   template <local_tensor_type Z>
   loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    static_cast<void>(require_kernel_can_read<"softmax_cross_entropy.forward", "logits", Z>());
     T* buf = grad_.get(logits.device(), logits.size() + 3 * logits.extent(0));
     const loss_part out = compute(logits, labels, global_batch, buf, buf + logits.size());
     rows_[logits.device()] = logits.extent(0);
@@ -5357,6 +5384,7 @@ class softmax_cross_entropy {
   /// shape is not the logits'.
   template <local_tensor_type Z>
   loss_part operator()(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, Z& grad) {
+    static_cast<void>(require_kernel_can_read<"softmax_cross_entropy", "logits", Z>());
     if (grad.extent(0) != logits.extent(0) || grad.extent(1) != logits.extent(1))
       throw sharding_error("meshlib::nn: softmax_cross_entropy: the gradient buffer's block is (" +
                            std::to_string(grad.extent(0)) + ", " + std::to_string(grad.extent(1)) +

@@ -38,6 +38,7 @@
 #include "meshlib/nn/loss_function.hpp"
 #include "meshlib/tensor/view.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -60,6 +61,7 @@ class softmax_cross_entropy {
   /// @throws std::out_of_range when a label is not a class index.
   template <local_tensor_type Z>
   loss_part forward(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch) {
+    static_cast<void>(require_kernel_can_read<"softmax_cross_entropy.forward", "logits", Z>());
     T* buf = grad_.get(logits.device(), logits.size() + 3 * logits.extent(0));
     const loss_part out = compute(logits, labels, global_batch, buf, buf + logits.size());
     rows_[logits.device()] = logits.extent(0);
@@ -72,6 +74,7 @@ class softmax_cross_entropy {
   /// shape is not the logits'.
   template <local_tensor_type Z>
   loss_part operator()(const Z& logits, std::span<const std::int32_t> labels, std::size_t global_batch, Z& grad) {
+    static_cast<void>(require_kernel_can_read<"softmax_cross_entropy", "logits", Z>());
     if (grad.extent(0) != logits.extent(0) || grad.extent(1) != logits.extent(1))
       throw sharding_error("meshlib::nn: softmax_cross_entropy: the gradient buffer's block is (" +
                            std::to_string(grad.extent(0)) + ", " + std::to_string(grad.extent(1)) +

@@ -29,6 +29,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 #include "meshlib/tensor/for_each_device.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
@@ -141,6 +142,9 @@ auto map_view(const View& in, const F& f) {
 
 template <class U, class Space, class VA, class VB, class F>
 auto zip_view(const VA& a, const VB& b, const F& f) {
+  // The kernel runs where the first operand lives; the second must be readable there (a host block
+  // zipped with a device block would hand a host address to a GPU kernel).
+  static_cast<void>(require_kernel_can_read<"zip", "b", VB, Space>());
   constexpr std::size_t rank = VA::rank;
   if (extents_of(a) != extents_of(b))
     throw sharding_error("meshlib: zip: the local blocks have shapes " + describe_shape(extents_of(a)) + " and " +

@@ -158,4 +158,21 @@ consteval bool require_accessible() {
   else return detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
 }
 
+/// @brief The compile-time check of a public entry whose kernels run on the running device's
+/// instance of memory space `KernelSpace` (`nn`'s layers and losses: `default_memory_space`, where
+/// their buffers live; an elementwise op: its first operand's space): `true` when those kernels can
+/// read the memory of `L` (a `local_tensor` or `Kokkos::View` type), else the one diagnostic of
+/// `require_accessible`, naming `Entry` and `Argument`. A layer of your own calls it first thing:
+/// @code
+/// template <meshlib::local_tensor_type X>
+/// X forward(const X& x) {
+///   static_cast<void>(meshlib::require_kernel_can_read<"my_layer.forward", "x", X>());
+///   ...
+/// @endcode
+template <fixed_string Entry, fixed_string Argument, class L, class KernelSpace = default_memory_space>
+consteval bool require_kernel_can_read() {
+  return require_accessible<detail::diag_op_t<Entry>, detail::diag_op_t<Argument>,
+                            typename KernelSpace::execution_space, typename L::memory_space>();
+}
+
 }  // namespace meshlib

@@ -22,6 +22,7 @@
 
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -50,6 +51,7 @@ class elementwise_activation {
 
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"activation.forward", "x", X>());
     static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
     const std::size_t dev = x.device(), n = x.size();
     saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
@@ -62,6 +64,7 @@ class elementwise_activation {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [x, rows, cols] = saved_[dev];
     check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);

@@ -48,6 +48,7 @@
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -123,6 +124,7 @@ class causal_self_attention {
   /// @throws sharding_error when `x` is not whole sequences of the layer's width.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"causal_self_attention.forward", "x", X>());
     const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
     detail::check_whole_sequences(to_string(), rows, seq, dev);
     auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
@@ -155,6 +157,7 @@ class causal_self_attention {
   /// @throws sharding_error when no forward ran on this device or `dy` is not its output's shape.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"causal_self_attention.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     if (!saved_[dev].ran)
       throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +

@@ -49,6 +49,7 @@
 #include "meshlib/nn/layers/image_shape.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -129,6 +130,7 @@ class batch_norm {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
                   "rows (the batch) are sharded over exactly its data axis and whose features are not sharded");
@@ -170,6 +172,7 @@ class batch_norm {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"batch_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved sv = saved_[dev];
     detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());

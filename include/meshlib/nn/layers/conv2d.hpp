@@ -53,6 +53,7 @@
 #include "meshlib/nn/layers/image_shape.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -217,6 +218,7 @@ class conv2d {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"conv2d.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
                   "element type, with unsharded features: shard the batch over the data axis, not the pixels");
@@ -262,6 +264,7 @@ class conv2d {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"conv2d.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran, xp] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());

@@ -51,6 +51,7 @@
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -174,6 +175,7 @@ class basic_dense {
   /// @throws sharding_error when `x`'s width is not the weight's input width.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
     if constexpr (!accepts_input<X>) {
       static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
@@ -207,6 +209,7 @@ class basic_dense {
   /// forward ran on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     // The cotangent of psum's input is pvary of the cotangent (no data moves).
     using DYV = typename detail::pvary_if<Kind == dense_kind::row, DY, Model>::type;

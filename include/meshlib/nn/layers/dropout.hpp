@@ -21,6 +21,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
@@ -53,6 +54,7 @@ class dropout {
   /// Zeroes each value with probability `rate` and scales the rest by `1 / (1 - rate)`; the identity outside training.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"dropout.forward", "x", X>());
     const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
     if (!train_ || rate_ <= 0.0f) return x;
     shape_[dev] = {rows, cols, true};
@@ -73,6 +75,7 @@ class dropout {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input (in training).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"dropout.backward", "dy", DY>());
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [rows, cols, ran] = shape_[dev];

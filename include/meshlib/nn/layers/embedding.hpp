@@ -45,6 +45,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -106,6 +107,7 @@ class embedding {
   /// @throws std::out_of_range naming the layer, the token and the id when an id is not in `[0, vocab)`.
   template <local_tensor_type Ids>
   output_t<Ids> forward(const Ids& ids) {
+    static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
     static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
                   "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
     static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
@@ -136,6 +138,7 @@ class embedding {
   /// @throws sharding_error when `dy` is not shaped as the last forward's output on this device.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"embedding.backward", "dy", DY>());
     using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
     const std::size_t dev = dy.device();
     const auto [ids, rows] = saved_[dev];

@@ -24,6 +24,7 @@
 #include "meshlib/nn/detail/norm_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -72,6 +73,7 @@ class layer_norm {
   /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
@@ -95,6 +97,7 @@ class layer_norm {
   /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
     detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);

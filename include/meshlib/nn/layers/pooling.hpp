@@ -28,6 +28,7 @@
 #include "meshlib/nn/layers/conv2d.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -73,6 +74,7 @@ class pool2d {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"pool2d.forward", "x", X>());
     static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
                                     "mesh and element type, with unsharded features");
     const std::size_t dev = x.device(), n = x.extent(0);
@@ -92,6 +94,7 @@ class pool2d {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran] = saved_[dev];
     detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
@@ -181,6 +184,7 @@ class global_avg_pool {
   /// @throws sharding_error when a row of `x` is not `input_shape().size()` features.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"global_avg_pool.forward", "x", X>());
     static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
                                     "of its mesh and element type, with unsharded features");
     const std::size_t dev = x.device(), n = x.extent(0);
@@ -198,6 +202,7 @@ class global_avg_pool {
   /// @throws sharding_error when `dy` is not shaped as this device's last forward output.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const auto [n, ran] = saved_[dev];
     const std::size_t c = in_.channels, hw = in_.pixels();

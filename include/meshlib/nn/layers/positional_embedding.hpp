@@ -29,6 +29,7 @@
 #include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -98,6 +99,7 @@ class positional_embedding {
   /// @throws sharding_error when `x` is not whole sequences of this width.
   template <local_tensor_type X>
   X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"positional_embedding.forward", "x", X>());
     static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
                   "meshlib::nn: positional_embedding adds to complete, unsharded features");
     const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
@@ -118,6 +120,7 @@ class positional_embedding {
   /// (the cotangent of an addition passes through unchanged). The second argument is ignored.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
     detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();

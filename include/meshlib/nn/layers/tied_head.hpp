@@ -33,6 +33,7 @@
 #include "meshlib/nn/layers/embedding.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
 
@@ -74,6 +75,7 @@ class tied_head {
   /// @throws sharding_error when `x`'s width is not the embedding's.
   template <local_tensor_type X>
   auto forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"tied_head.forward", "x", X>());
     static_assert(accepts_input<X>,
                   "meshlib::nn: tied_head takes complete, unsharded features (the output of a norm or a row_dense)");
     // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
@@ -95,6 +97,7 @@ class tied_head {
   /// @throws sharding_error when no forward ran on this device or `dy` is not the logits' shape.
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
     using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
     using DXP = with_partial_t<DX, model_mask>;
     const std::size_t dev = dy.device();
