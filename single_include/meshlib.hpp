@@ -12064,7 +12064,9 @@ static_assert(runner<thread_runner>);
 /// refused with the same root cause. Every CUDA and NCCL return code is checked
 /// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
 /// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
-/// collective, or another count): they end in the timeout.
+/// collective, or another count), so meshlib checks them by default (`verify_collectives`,
+/// batched: `detail::call_batch` says when, and what is left to the timeout; docs/gpu.md the cost):
+/// ranks that disagree get `collective_mismatch` naming the call and each rank's call.
 ///
 /// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
 /// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction

@@ -1,15 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// The conformance kit's mismatch rows on the shared-GPU communicator over a fake CUDA runtime, so
-// that the always-on mismatch check of the device communicators is tested on every machine, not
-// only where a GPU is (tests/conformance/test_conformance_device.cpp runs the same rows on one).
+// The mismatch checks of the device communicators on a fake CUDA runtime and a fake NCCL, so that
+// they are tested on every machine, not only where a GPU is: the conformance kit's mismatch rows on
+// the shared-GPU communicator (tests/conformance/test_conformance_device.cpp runs the same rows on
+// a GPU), and the NCCL communicator's default-on, batched check (issue 40 §3) on 2 fake ranks.
 //
-// The fake: this executable defines the CUDA runtime functions that the shared-GPU communicator
-// and the kit's device buffers call (cuda_buffers.hpp), so the linker binds them here rather than
-// to libcudart (which stays linked for the rest). "Device memory" is host memory that the fake
-// knows (so cudaPointerGetAttributes can tell it from a host pointer), copies and sets run at once
-// (every participant's work lies between two host rendezvous, so doing it eagerly is one legal
-// schedule of the stream), events are complete when recorded. The reduction kernel (NVRTC) is not
-// faked: the rows that matter here fail before any data moves, which is the point of the check.
+// The fake: this executable defines the CUDA runtime and NCCL functions that the device
+// communicators and the kit's device buffers call (cuda_buffers.hpp), so the linker binds them
+// here rather than to libcudart and libnccl (which stay linked for the rest). "Device memory" is
+// host memory that the fake knows (so cudaPointerGetAttributes can tell it from a host pointer).
+// A stream runs its work in order, each piece as soon as the work before it is done: copies and
+// sets at once on an idle stream (the shared-GPU communicator's streams always are: every
+// participant's work lies between two host rendezvous), a fake NCCL collective once every rank's
+// stream has reached it with a share of the same size, never when the sizes differ (NCCL hangs);
+// an event completes when its stream reaches its latest record. The reduction kernel (NVRTC) is not faked: the rows that matter here
+// fail before any data moves, which is the point of the check.
 #include <cuda_runtime_api.h>
 
 #include <meshlib/nccl.hpp>
