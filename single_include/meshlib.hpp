@@ -12102,9 +12102,9 @@ static_assert(runner<thread_runner>);
 // begin meshlib/comm/nccl/detail/call_fingerprint.hpp
 /// @file
 /// @brief A collective call packed into one int64, so that a device communicator can compare every
-/// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
-/// in the `collective_mismatch` message what each participant called (in the words every backend
-/// uses, call_text.hpp).
+/// participant's calls with one small all-gather on its stream (NCCL has no other channel), a batch
+/// of calls at a time (`call_batch`), and say in the `collective_mismatch` message which call
+/// differed and what each participant called (in the words every backend uses, call_text.hpp).
 ///
 /// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
 /// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
