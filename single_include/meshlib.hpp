@@ -12084,7 +12084,9 @@ static_assert(runner<thread_runner>);
 /// refused with the same root cause. Every CUDA and NCCL return code is checked
 /// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
 /// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
-/// collective, or another count): they end in the timeout.
+/// collective, or another count), so meshlib checks them by default (`verify_collectives`,
+/// batched: `detail::call_batch` says when, and what is left to the timeout; docs/gpu.md the cost):
+/// ranks that disagree get `collective_mismatch` naming the call and each rank's call.
 ///
 /// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
 /// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
@@ -12095,6 +12097,7 @@ static_assert(runner<thread_runner>);
 
 #if MESHLIB_ENABLE_NCCL
 
+#include <algorithm>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -12119,19 +12122,21 @@ static_assert(runner<thread_runner>);
 // begin meshlib/comm/nccl/detail/call_fingerprint.hpp
 /// @file
 /// @brief A collective call packed into one int64, so that a device communicator can compare every
-/// participant's call with one tiny all-gather on its stream (NCCL has no other channel), and say
-/// in the `collective_mismatch` message what each participant called (in the words every backend
-/// uses, call_text.hpp).
+/// participant's calls with one small all-gather on its stream (NCCL has no other channel), a batch
+/// of calls at a time (`call_batch`), and say in the `collective_mismatch` message which call
+/// differed and what each participant called (in the words every backend uses, call_text.hpp).
 ///
 /// Layout (low to high bits): operation 5, element type 4 (15: none), reduce op 3 (7: none),
 /// root 16 (65535: none), count 36. Counts of 2^36 elements or more are compared modulo 2^36.
 
 #if MESHLIB_ENABLE_NCCL
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 
 namespace meshlib::detail {
@@ -12179,17 +12184,90 @@ struct call_fingerprint {
 };
 
 /// The `collective_mismatch` message for the gathered fingerprints (one per rank), or empty when
-/// they agree.
-[[nodiscard]] inline std::string mismatch_message(std::string_view seen_by, std::span<const std::int64_t> all) {
+/// they agree. `call` > 0: the number of the collective on its communicator (1 for the first),
+/// which the message names, so that a batched check points at the exact call.
+[[nodiscard]] inline std::string mismatch_message(std::string_view seen_by, std::span<const std::int64_t> all,
+                                                  std::uint64_t call = 0) {
   bool agree = true;
   for (std::int64_t f : all) agree = agree && f == all[0];
   if (agree) return {};
-  std::string m = "meshlib: collective mismatch (seen by " + std::string(seen_by) + "):";
+  std::string m = "meshlib: collective mismatch" +
+                  (call > 0 ? " in collective " + std::to_string(call) + " on this communicator" : std::string()) +
+                  " (seen by " + std::string(seen_by) + "):";
   for (std::size_t r = 0; r < all.size(); ++r)
     m += " rank " + std::to_string(r) + " called " + describe_call(call_fingerprint::unpack(all[r]).summary()) +
          (r + 1 < all.size() ? ";" : "");
   return m;
 }
+
+/// The message of the first call of a gathered batch on which the ranks disagree, or empty.
+/// `all` holds every rank's `per` fingerprints, rank after rank (what an all-gather of each rank's
+/// batch gives); `first_call` is the number of the batch's first collective.
+[[nodiscard]] inline std::string batch_mismatch_message(std::string_view seen_by, std::uint64_t first_call,
+                                                        std::size_t per, std::span<const std::int64_t> all) {
+  if (per == 0) return {};
+  const std::size_t ranks = all.size() / per;
+  std::vector<std::int64_t> column(ranks);
+  for (std::size_t j = 0; j < per; ++j) {
+    for (std::size_t r = 0; r < ranks; ++r) column[r] = all[r * per + j];
+    if (std::string m = mismatch_message(seen_by, column, first_call + j); !m.empty()) return m;
+  }
+  return {};
+}
+
+/// @brief When a device communicator checks its calls: the fingerprints of the collectives made
+/// since the last check, and the schedule. Each of the first `each_first` collectives is checked
+/// on its own, before its data moves (a program's first step, where most shape bugs show, and
+/// where a disagreement on a count would otherwise hang NCCL); after that the calls are exchanged
+/// `every` at a time, the last one's before its data moves, so the check's cost (a small
+/// all-gather and two copies on the stream, several microseconds) is paid once per `every` calls.
+/// The schedule depends only on the number of calls, so every rank exchanges at the same calls
+/// (as NCCL needs: an all-gather on one rank against a data collective on another would hang).
+/// A disagreement among the batched calls is named exactly (the call's number and every rank's
+/// call); one that hangs NCCL before its batch is exchanged ends in the timeout, whose message
+/// lists the calls this rank made since its last check (`describe_pending`).
+class call_batch {
+ public:
+  /// Checks each of the first `each_first` calls, then every `every` calls (at least 1).
+  explicit call_batch(std::size_t every = 1, std::size_t each_first = 0)
+      : every_(every < 1 ? 1 : every), each_first_(each_first) {
+    pending_.reserve(every_);  // no allocation on the per-call path
+  }
+  /// Records the fingerprint of the next collective; true when the calls since the last exchange
+  /// (`pending()`) must be exchanged now, before this call's data moves (then `clear()`).
+  bool add(std::int64_t fingerprint) {
+    pending_.push_back(fingerprint);
+    ++calls_;
+    return calls_ <= each_first_ || pending_.size() >= every_;
+  }
+  /// The fingerprints recorded since the last exchange, oldest first.
+  [[nodiscard]] std::span<const std::int64_t> pending() const noexcept { return pending_; }
+  /// The number of the oldest pending call (1 for a communicator's first collective).
+  [[nodiscard]] std::uint64_t first_pending() const noexcept { return calls_ - pending_.size() + 1; }
+  /// Collectives recorded so far.
+  [[nodiscard]] std::uint64_t calls() const noexcept { return calls_; }
+  /// The largest batch: what a check slot must hold per rank.
+  [[nodiscard]] std::size_t every() const noexcept { return every_; }
+  /// After an exchange.
+  void clear() noexcept { pending_.clear(); }
+  /// "; the collectives this rank made since its last mismatch check: 37 all_reduce(float32,
+  /// count 8, op sum), 38 barrier()" (empty when none): what a timeout adds, so that each rank's
+  /// message shows what it called where the ranks may have disagreed.
+  [[nodiscard]] std::string describe_pending() const {
+    if (pending_.empty()) return {};
+    std::string m = "; the collectives this rank made since its last mismatch check:";
+    for (std::size_t i = 0; i < pending_.size(); ++i)
+      m += (i ? ", " : " ") + std::to_string(first_pending() + i) + " " +
+           describe_call(call_fingerprint::unpack(pending_[i]).summary());
+    return m;
+  }
+
+ private:
+  std::size_t every_;
+  std::size_t each_first_;
+  std::uint64_t calls_ = 0;
+  std::vector<std::int64_t> pending_;
+};
 
 }  // namespace meshlib::detail
 
@@ -12439,6 +12517,7 @@ inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view c
 /// operation and the participant, for messages).
 
 #include <chrono>
+#include <concepts>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12561,10 +12640,18 @@ class basic_stream_request {
     } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
       fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
                std::to_string(timeout_ms()) + " ms); a peer never joined, or the collectives were called in "
-               "different orders (NCCL cannot tell); the communicator was aborted",
+               "different orders (NCCL cannot tell); the communicator was aborted" + unchecked_calls(),
            true, false);
     }
     return false;
+  }
+  /// The channel's calls not yet checked against the peers' (`unchecked_calls()`, where it has
+  /// one: the NCCL communicator's batched mismatch check), for the timeout's message.
+  [[nodiscard]] std::string unchecked_calls() const {
+    if constexpr (requires(const Channel& c) { { c.unchecked_calls() } -> std::convertible_to<std::string>; })
+      return channel_->unchecked_calls();
+    else
+      return {};
   }
   [[nodiscard]] long long timeout_ms() const noexcept {
     // Recomputed for the message only: the deadline minus the creation time is not kept.
@@ -12646,13 +12733,21 @@ struct nccl_comm_options {
   /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
   /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
   bool check_pointers = true;
-  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
-  /// type, count, reduce op, root) on the stream, so that participants that disagree get
-  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
-  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
-  /// channel), hence off by default; the shared-GPU communicator always checks (its host
-  /// rendezvous carries the check for free).
-  bool verify_collectives = false;
+  /// NCCL communicator: check that every rank made the same collectives (operation, type, count,
+  /// reduce op, root), so that ranks that disagree get `collective_mismatch` naming the call's
+  /// number and each rank's call instead of a hang and a timeout. On by default (issue 40): the
+  /// fingerprints of the calls are all-gathered on the stream, each of the first
+  /// `verify_each_first` calls before its data moves, then `verify_every` calls at a time
+  /// (`detail::call_batch` says why and what a batch leaves to the timeout), so the check costs
+  /// one small all-gather and two tiny copies per batch (several microseconds), under 1 us per
+  /// call at the default batch (docs/gpu.md). Every rank must use the same three settings. The
+  /// shared-GPU communicator always checks every call, on its host rendezvous, whatever these say.
+  bool verify_collectives = true;
+  /// NCCL communicator: how many collectives one check covers after the first
+  /// `verify_each_first` (1: every call checked before it runs, as before issue 40).
+  std::size_t verify_every = 16;
+  /// NCCL communicator: how many of a communicator's first collectives are each checked on their own.
+  std::size_t verify_each_first = 64;
 };
 
 namespace detail {
@@ -12907,14 +13002,18 @@ struct nccl_comm_state : stream_state {
   int size = 0;
   int* scratch = nullptr;  ///< one device int: the payload of barrier()
 
-  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
-  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
+  // verify_collectives: the calls not yet exchanged and when to exchange them (call_batch); a
+  // ring of check slots, each (1 + size) * every int64 (own batch, then every rank's), on the
+  // device and in pinned host memory; checks whose copies have not been compared.
   static constexpr int check_slots = 64;
+  call_batch batch;
   std::int64_t* check_dev = nullptr;
   std::int64_t* check_host = nullptr;
   struct pending_check {
     cudaEvent_t event;
     int slot;
+    std::uint64_t first_call;  ///< the number of the batch's first collective
+    std::size_t per;           ///< the calls in the batch
   };
   std::deque<pending_check> checks;
   int next_slot = 0;
@@ -12953,16 +13052,21 @@ struct nccl_comm_state : stream_state {
         return {};
       }
       const auto slot = static_cast<std::size_t>(it->slot);
-      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
-      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
-                                           std::to_string(device),
-                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
+      const std::size_t slot_size = static_cast<std::size_t>(size + 1) * batch.every();
+      const std::int64_t* all = check_host + slot * slot_size + batch.every();
+      std::string m = batch_mismatch_message(
+          "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " + std::to_string(device),
+          it->first_call, it->per, std::span<const std::int64_t>(all, static_cast<std::size_t>(size) * it->per));
       release(it->event);
       it = checks.erase(it);
       if (!m.empty()) return m;
     }
     return {};
   }
+
+  /// What a timeout adds to its message: the collectives this rank made since its last check
+  /// (`call_batch::describe_pending`), where the ranks may have disagreed.
+  [[nodiscard]] std::string unchecked_calls() const { return batch.describe_pending(); }
 
   /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
   [[nodiscard]] std::string describe(std::string_view op) const {
@@ -13106,6 +13210,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     check_split(color);
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = state_->options;
+    s->batch = batch_of(s->options);
     s->device = state_->device;
     s->stream = state_->stream;
     s->stream_owner = state_->stream_owner;
@@ -13140,6 +13245,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
                                                                            int nranks, std::string_view what) {
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = options;
+    s->batch = batch_of(options);
     s->rank = rank;
     s->size = nranks;
     int count = 0;
@@ -13203,11 +13309,16 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     f.count = count;
     return f;
   }
-  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
-  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
+  /// Records a collective's fingerprint (verify_collectives) and, when the schedule says so
+  /// (`detail::call_batch`), enqueues the check of the calls since the last one: this rank's batch
+  /// to the device, all-gathered, every rank's back to pinned host memory, an event after; polls
+  /// compare. The calls that are not exchanged cost a host-side append only.
   void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
     auto& st = *state_;
-    const auto n1 = static_cast<std::size_t>(st.size + 1);
+    if (!st.batch.add(fp)) return;
+    const std::size_t per = st.batch.pending().size();
+    const std::size_t every = st.batch.every();
+    const auto n1 = static_cast<std::size_t>(st.size + 1) * every;
     const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
     if (st.check_dev == nullptr) {
       cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
@@ -13242,15 +13353,22 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     }
     std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
     std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
-    host[0] = fp;
-    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
-    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
+    const std::uint64_t first = st.batch.first_pending();
+    std::copy(st.batch.pending().begin(), st.batch.pending().end(), host);
+    st.batch.clear();
+    const std::size_t bytes = per * sizeof(std::int64_t);
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
+    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + every, per, ncclInt64, st.comm, s));
     cuda_call(k, "cudaMemcpyAsync",
-              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
+              cudaMemcpyAsync(host + every, dev + every, static_cast<std::size_t>(st.size) * bytes,
                               cudaMemcpyDeviceToHost, s));
     cudaEvent_t ev = st.acquire_event(st.describe(k));
     cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
-    st.checks.push_back({ev, slot});
+    st.checks.push_back({ev, slot, first, per});
+  }
+  /// A state's call schedule, from its options (`verify_every`, `verify_each_first`).
+  static detail::call_batch batch_of(const nccl_comm_options& o) {
+    return detail::call_batch(o.verify_every, o.verify_each_first);
   }
   /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
   void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
@@ -15703,10 +15821,13 @@ inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
 /// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
-/// the communicator's scope on rank R). A rank that catches its exception within the handle's
-/// scope and stops calling collectives leaves its peers to time out (never to hang), after which
-/// `root_cause_rank()` names it; a `fail_guard` around the step releases them at once instead
-/// (the one line a program on `mpi::world()`, whose last handle never unwinds, needs). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// the communicator's scope on rank R): any handle, a copy of `mpi::world()` included, so a
+/// plain MPI program releases its peers within milliseconds when a rank's exception leaves the
+/// scope of its handle. What still needs the timeout: a rank that catches its exception within
+/// the handle's scope and stops calling collectives (meshlib never sees it), a rank that dies
+/// without unwinding (a signal, `_exit`), and waits with no deadline; its peers then time out
+/// (never hang), after which `root_cause_rank()` names it; a `fail_guard` around the step
+/// releases them at once instead. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -16089,30 +16210,47 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// Another handle on the same communicator. Written out (not defaulted) so that the copy
   /// counts the exceptions in flight where it is made, not where `o` was (see the destructor).
-  mpi_communicator(const mpi_communicator& o) : state_(o.state_) {}
+  mpi_communicator(const mpi_communicator& o) : state_(o.state_), fail_on_unwind_(o.fail_on_unwind_) {}
   /// Takes `o`'s communicator over; `o` becomes an empty handle.
-  mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)) {}
+  mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)), fail_on_unwind_(o.fail_on_unwind_) {}
   /// Makes this a handle on `o`'s communicator (this handle keeps its own exception count).
   mpi_communicator& operator=(const mpi_communicator& o) {
     state_ = o.state_;
+    fail_on_unwind_ = o.fail_on_unwind_;
     return *this;
   }
   /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator& operator=(mpi_communicator&& o) noexcept {
     state_ = std::move(o.state_);
+    fail_on_unwind_ = o.fail_on_unwind_;
     return *this;
   }
 
-  /// The last handle of a communicator that an exception unwinds (the rank threw, and nothing
-  /// caught it within the handle's scope) fails the communicator as `fail` would: the rank will
-  /// not reach its next collective on it, and its peers would otherwise wait for the whole
-  /// timeout. Only the last: a copy held by a runner or a hybrid world that an error unwinds must
-  /// not fail the application's communicator, which the application may go on using. The
-  /// exception cannot be read from a destructor, so the peers' `comm_aborted` says that an
-  /// exception left the communicator's scope on that rank, whose own handler has the message.
+  /// Any handle of an application's communicator (or of a split of it) that an exception unwinds
+  /// (the rank threw, and nothing caught it within the handle's scope) fails the communicator as
+  /// `fail` would: the rank will not reach its next collective on it, and its peers would
+  /// otherwise wait for the whole timeout. Any handle, not only the last (issue 40 §4): the
+  /// handle most programs use is a copy of `mpi::world()`, whose last handle the runtime keeps, so
+  /// a rule on the last handle never fired in a plain MPI program. Handles whose owner reports
+  /// failures itself opt out (`set_fail_on_unwind(false)`: the runners, whose message is the
+  /// exception's own). The exception cannot be read from a destructor, so the peers'
+  /// `comm_aborted` says that an exception left the communicator's scope on that rank, whose own
+  /// handler has the message.
   ~mpi_communicator() {
-    if (state_ && state_.use_count() == 1 && std::uncaught_exceptions() > exceptions_at_birth_) fail_on_unwind();
+    if (state_ && fail_on_unwind_ && std::uncaught_exceptions() > exceptions_at_birth_) fail_for_unwind();
   }
+
+  /// @brief Whether this handle fails its communicator when an exception unwinds it (see the
+  /// destructor; default on). Owners that report a rank's failure with its message themselves
+  /// (`mpi_runner`, `hybrid_runner`) turn it off on the handles they hold; copies and splits of a
+  /// handle inherit its setting.
+  /// @code
+  /// auto comm = meshlib::mpi::world();
+  /// comm.set_fail_on_unwind(false);  // this program catches and recovers: its peers time out instead
+  /// @endcode
+  void set_fail_on_unwind(bool on) noexcept { fail_on_unwind_ = on; }
+  /// Whether this handle fails its communicator when an exception unwinds it.
+  [[nodiscard]] bool fails_on_unwind() const noexcept { return fail_on_unwind_; }
 
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
@@ -16219,8 +16357,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   ///   timeout in which every rank arrived, but late.
   ///
   /// A rank that throws without failing the communicator (it caught the exception within the
-  /// scope of a handle that another copy outlives, as `mpi::world()`'s) is named only after the
-  /// timeout; a `fail_guard` names it within milliseconds.
+  /// scope of its handle, so nothing unwound one) is named only after the timeout; a `fail_guard`
+  /// names it within milliseconds.
   ///
   /// @code
   /// catch (const meshlib::comm_error&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
@@ -16267,6 +16405,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     finish(*s);
     mpi_communicator out;
     out.state_ = std::move(s);
+    out.fail_on_unwind_ = fail_on_unwind_;  // a runner's splits leave the report to the runner too
     return out;
   }
 
@@ -16891,7 +17030,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
 
   /// See the destructor.
-  void fail_on_unwind() const noexcept {
+  void fail_for_unwind() const noexcept {
     fail_unless_failed("an exception left the scope of its communicator there (that rank's handler has its message)");
   }
   /// `fail(reason)` for an exception that unwinds a handle or a `fail_guard`: only the
@@ -16915,6 +17054,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// `std::uncaught_exceptions()` when this handle was made: a larger count at its destruction
   /// means that an exception is unwinding it.
   int exceptions_at_birth_ = std::uncaught_exceptions();
+  /// Whether an exception that unwinds this handle fails the communicator (`set_fail_on_unwind`).
+  bool fail_on_unwind_ = true;
 };
 
 static_assert(communicator<mpi_communicator>);
@@ -17899,8 +18040,12 @@ struct mpi_runner {
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
+    // The body's handles leave the report of its exception to the catch below, which sends the
+    // exception's own message (an unwound handle could only say that an exception left its scope).
+    mpi_communicator device = comm;
+    device.set_fail_on_unwind(false);
     try {
-      body(static_cast<std::size_t>(comm.rank()), comm);
+      body(static_cast<std::size_t>(comm.rank()), std::as_const(device));
     } catch (...) {
       const auto e = std::current_exception();
       int remote = -1;
@@ -17989,10 +18134,14 @@ struct hybrid_runner {
       : comm(std::move(comm)),
         threads(threads),
         options(std::move(options)),
-        workers(std::make_shared<detail::device_workers>(false)) {}
+        workers(std::make_shared<detail::device_workers>(false)) {
+    this->comm.set_fail_on_unwind(false);  // a failure of a call fails that call's hybrid world, not comm
+  }
   /// The same on the process-wide hybrid device threads.
   hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
-      : comm(std::move(comm)), threads(threads), options(std::move(options)) {}
+      : comm(std::move(comm)), threads(threads), options(std::move(options)) {
+    this->comm.set_fail_on_unwind(false);
+  }
 
   /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>
@@ -20559,16 +20708,18 @@ template <sharded_tensor_type X>
 /// for the whole timeout. Apart from the communicator because it is a policy of the program (which
 /// scope is "the step"), not of the handle.
 ///
-/// Why it is needed: the last handle of a communicator that an exception unwinds fails it on its
-/// own (`~mpi_communicator`), but the handle most programs use, `meshlib::mpi::world()`, is a copy
-/// of one the runtime keeps, so nothing unwinds the last handle and meshlib never sees the
-/// exception. One line in the rank's step makes the failure propagate:
+/// When it is needed: any handle of a communicator that an exception unwinds fails it on its own
+/// (`~mpi_communicator`), a copy of `meshlib::mpi::world()` included; but a handle whose scope is
+/// wider than the step (made before the loop, the exception caught inside it) is not unwound, and
+/// meshlib never sees the exception. One line in the rank's step makes the failure propagate:
 ///
 /// @code
 /// auto comm = meshlib::mpi::world();
 /// for (int step = 0; step < steps; ++step) {
-///   meshlib::fail_guard on_throw(comm);  // a throw below fails comm: its peers get comm_aborted at once
-///   train_step(comm);
+///   try {
+///     meshlib::fail_guard on_throw(comm);  // a throw below fails comm: its peers get comm_aborted at once
+///     train_step(comm);
+///   } catch (const bad_batch&) { log_and_stop(); break; }
 /// }
 /// @endcode
 ///

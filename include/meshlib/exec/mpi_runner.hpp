@@ -75,8 +75,12 @@ struct mpi_runner {
   template <class Body>
   void run(std::size_t n, Body&& body) const {
     check(n);
+    // The body's handles leave the report of its exception to the catch below, which sends the
+    // exception's own message (an unwound handle could only say that an exception left its scope).
+    mpi_communicator device = comm;
+    device.set_fail_on_unwind(false);
     try {
-      body(static_cast<std::size_t>(comm.rank()), comm);
+      body(static_cast<std::size_t>(comm.rank()), std::as_const(device));
     } catch (...) {
       const auto e = std::current_exception();
       int remote = -1;
@@ -165,10 +169,14 @@ struct hybrid_runner {
       : comm(std::move(comm)),
         threads(threads),
         options(std::move(options)),
-        workers(std::make_shared<detail::device_workers>(false)) {}
+        workers(std::make_shared<detail::device_workers>(false)) {
+    this->comm.set_fail_on_unwind(false);  // a failure of a call fails that call's hybrid world, not comm
+  }
   /// The same on the process-wide hybrid device threads.
   hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
-      : comm(std::move(comm)), threads(threads), options(std::move(options)) {}
+      : comm(std::move(comm)), threads(threads), options(std::move(options)) {
+    this->comm.set_fail_on_unwind(false);
+  }
 
   /// @brief Runs `body(device, communicator)` on this process's threads, one per local device.
   template <class Body>

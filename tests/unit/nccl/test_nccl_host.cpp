@@ -759,3 +759,76 @@ TEST_CASE("stream request: a mismatch reported by the channel is a collective_mi
   CHECK(message_of<ml::collective_mismatch>([&] { r.wait(); }) ==
         "meshlib: collective mismatch (seen by x): rank 0 called barrier()");
 }
+
+// ---- the batched schedule of the default-on check (issue 40 §3) -----------------------------------
+
+TEST_CASE("call batch: each of the first calls is exchanged alone, then every N; the schedule depends only on the count",
+          "[nccl][fingerprint]") {
+  using ml::detail::call_batch;
+  for (std::size_t every : {1u, 2u, 5u, 16u})
+    for (std::size_t first : {0u, 3u, 64u}) {
+      INFO("every " << every << ", each_first " << first);
+      call_batch b(every, first);
+      std::uint64_t exchanged = 0;  // calls covered by exchanges so far
+      for (std::uint64_t call = 1; call <= 200; ++call) {
+        const bool now = b.add(static_cast<std::int64_t>(call));
+        const bool expect = call <= first || (call - exchanged) == every;
+        REQUIRE(now == expect);
+        if (now) {
+          // The batch is every call since the last exchange, oldest first, this one last.
+          REQUIRE(b.first_pending() == exchanged + 1);
+          REQUIRE(b.pending().size() == call - exchanged);
+          REQUIRE(b.pending().back() == static_cast<std::int64_t>(call));
+          REQUIRE(b.pending().size() <= b.every());
+          exchanged = call;
+          b.clear();
+        }
+      }
+    }
+  CHECK(call_batch(0, 0).every() == 1);  // 0 means every call, not never
+}
+
+TEST_CASE("call batch: the first disagreement of a gathered batch is named by its number and every rank's call",
+          "[nccl][fingerprint]") {
+  using ml::detail::call_fingerprint;
+  using ml::detail::op_kind;
+  const auto ar8 = call_fingerprint{op_kind::all_reduce, 0, 0, -1, 8}.pack();
+  const auto ar4 = call_fingerprint{op_kind::all_reduce, 0, 0, -1, 4}.pack();
+  const auto bar = call_fingerprint{}.pack();
+  // Two ranks, a batch of 3 calls (numbers 17, 18, 19), rank after rank: they differ at 18 and 19.
+  const std::int64_t all[] = {bar, ar8, bar, /* rank 1 */ bar, ar4, ar8};
+  CHECK(ml::detail::batch_mismatch_message("NCCL rank 0 of 2, GPU 0", 17, 3, all) ==
+        "meshlib: collective mismatch in collective 18 on this communicator (seen by NCCL rank 0 of 2, GPU 0): rank 0 "
+        "called all_reduce(float32, count 8, op sum); rank 1 called all_reduce(float32, count 4, op sum)");
+  const std::int64_t same[] = {bar, ar8, bar, ar8};
+  CHECK(ml::detail::batch_mismatch_message("x", 1, 2, same).empty());
+}
+
+TEST_CASE("call batch: a timeout's message lists the calls this rank made since its last check", "[nccl][request]") {
+  using ml::detail::call_fingerprint;
+  using ml::detail::op_kind;
+  struct batched_stream : fake_stream {
+    ml::detail::call_batch batch{16, 0};
+    std::string unchecked_calls() const { return batch.describe_pending(); }
+  };
+  auto s = std::make_shared<batched_stream>();
+  s->polls_until_done = -1;  // hangs, as NCCL does when the ranks disagree on a count
+  const auto barrier = call_fingerprint{op_kind::barrier, -1, -1, -1, 0}.pack();
+  for (int i = 0; i < 16; ++i) (void)s->batch.add(barrier);
+  s->batch.clear();  // calls 1..16 were exchanged
+  (void)s->batch.add(barrier);
+  (void)s->batch.add(call_fingerprint{op_kind::all_reduce, 0, 0, -1, 8}.pack());
+  ml::basic_stream_request<batched_stream> r(s, 5, "all_reduce", std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const std::string m = message_of<ml::comm_timeout>([&] { r.wait(); });
+  CHECK(m.ends_with("the communicator was aborted; the collectives this rank made since its last mismatch check: 17 "
+                    "barrier(), 18 all_reduce(float32, count 8, op sum)"));
+}
+
+TEST_CASE("nccl options: the mismatch check is on by default, batched, and the same options drive the shared GPU",
+          "[nccl][fingerprint]") {
+  const ml::nccl_comm_options o;
+  CHECK(o.verify_collectives);
+  CHECK(o.verify_every == 16);
+  CHECK(o.verify_each_first == 64);
+}

@@ -6,16 +6,18 @@
 /// for the whole timeout. Apart from the communicator because it is a policy of the program (which
 /// scope is "the step"), not of the handle.
 ///
-/// Why it is needed: the last handle of a communicator that an exception unwinds fails it on its
-/// own (`~mpi_communicator`), but the handle most programs use, `meshlib::mpi::world()`, is a copy
-/// of one the runtime keeps, so nothing unwinds the last handle and meshlib never sees the
-/// exception. One line in the rank's step makes the failure propagate:
+/// When it is needed: any handle of a communicator that an exception unwinds fails it on its own
+/// (`~mpi_communicator`), a copy of `meshlib::mpi::world()` included; but a handle whose scope is
+/// wider than the step (made before the loop, the exception caught inside it) is not unwound, and
+/// meshlib never sees the exception. One line in the rank's step makes the failure propagate:
 ///
 /// @code
 /// auto comm = meshlib::mpi::world();
 /// for (int step = 0; step < steps; ++step) {
-///   meshlib::fail_guard on_throw(comm);  // a throw below fails comm: its peers get comm_aborted at once
-///   train_step(comm);
+///   try {
+///     meshlib::fail_guard on_throw(comm);  // a throw below fails comm: its peers get comm_aborted at once
+///     train_step(comm);
+///   } catch (const bad_batch&) { log_and_stop(); break; }
 /// }
 /// @endcode
 ///

@@ -57,10 +57,13 @@
 /// its peers within milliseconds: they get `comm_aborted` naming "MPI rank R of N" and the reason,
 /// through the abort channel (`detail::abort_channel`) that their polled waits test. An exception
 /// that unwinds a handle does the same without `fail` (the reason then says that an exception left
-/// the communicator's scope on rank R). A rank that catches its exception within the handle's
-/// scope and stops calling collectives leaves its peers to time out (never to hang), after which
-/// `root_cause_rank()` names it; a `fail_guard` around the step releases them at once instead
-/// (the one line a program on `mpi::world()`, whose last handle never unwinds, needs). `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
+/// the communicator's scope on rank R): any handle, a copy of `mpi::world()` included, so a
+/// plain MPI program releases its peers within milliseconds when a rank's exception leaves the
+/// scope of its handle. What still needs the timeout: a rank that catches its exception within
+/// the handle's scope and stops calling collectives (meshlib never sees it), a rank that dies
+/// without unwinding (a signal, `_exit`), and waits with no deadline; its peers then time out
+/// (never hang), after which `root_cause_rank()` names it; a `fail_guard` around the step
+/// releases them at once instead. `abort(reason)` (and the terminate handler `<meshlib/mpi.hpp>` installs) prints
 /// "meshlib: MPI rank R of N aborts the run: <reason>" and calls `MPI_Abort`, which ends every
 /// process. Argument errors (`comm_argument_error`, checked by `communicator_frontend`) are thrown
 /// on the rank that made them, before any data moves; peers see a timeout. Errors on the adopted
@@ -125,30 +128,47 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// Another handle on the same communicator. Written out (not defaulted) so that the copy
   /// counts the exceptions in flight where it is made, not where `o` was (see the destructor).
-  mpi_communicator(const mpi_communicator& o) : state_(o.state_) {}
+  mpi_communicator(const mpi_communicator& o) : state_(o.state_), fail_on_unwind_(o.fail_on_unwind_) {}
   /// Takes `o`'s communicator over; `o` becomes an empty handle.
-  mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)) {}
+  mpi_communicator(mpi_communicator&& o) noexcept : state_(std::move(o.state_)), fail_on_unwind_(o.fail_on_unwind_) {}
   /// Makes this a handle on `o`'s communicator (this handle keeps its own exception count).
   mpi_communicator& operator=(const mpi_communicator& o) {
     state_ = o.state_;
+    fail_on_unwind_ = o.fail_on_unwind_;
     return *this;
   }
   /// Takes `o`'s communicator over; `o` becomes an empty handle.
   mpi_communicator& operator=(mpi_communicator&& o) noexcept {
     state_ = std::move(o.state_);
+    fail_on_unwind_ = o.fail_on_unwind_;
     return *this;
   }
 
-  /// The last handle of a communicator that an exception unwinds (the rank threw, and nothing
-  /// caught it within the handle's scope) fails the communicator as `fail` would: the rank will
-  /// not reach its next collective on it, and its peers would otherwise wait for the whole
-  /// timeout. Only the last: a copy held by a runner or a hybrid world that an error unwinds must
-  /// not fail the application's communicator, which the application may go on using. The
-  /// exception cannot be read from a destructor, so the peers' `comm_aborted` says that an
-  /// exception left the communicator's scope on that rank, whose own handler has the message.
+  /// Any handle of an application's communicator (or of a split of it) that an exception unwinds
+  /// (the rank threw, and nothing caught it within the handle's scope) fails the communicator as
+  /// `fail` would: the rank will not reach its next collective on it, and its peers would
+  /// otherwise wait for the whole timeout. Any handle, not only the last (issue 40 §4): the
+  /// handle most programs use is a copy of `mpi::world()`, whose last handle the runtime keeps, so
+  /// a rule on the last handle never fired in a plain MPI program. Handles whose owner reports
+  /// failures itself opt out (`set_fail_on_unwind(false)`: the runners, whose message is the
+  /// exception's own). The exception cannot be read from a destructor, so the peers'
+  /// `comm_aborted` says that an exception left the communicator's scope on that rank, whose own
+  /// handler has the message.
   ~mpi_communicator() {
-    if (state_ && state_.use_count() == 1 && std::uncaught_exceptions() > exceptions_at_birth_) fail_on_unwind();
+    if (state_ && fail_on_unwind_ && std::uncaught_exceptions() > exceptions_at_birth_) fail_for_unwind();
   }
+
+  /// @brief Whether this handle fails its communicator when an exception unwinds it (see the
+  /// destructor; default on). Owners that report a rank's failure with its message themselves
+  /// (`mpi_runner`, `hybrid_runner`) turn it off on the handles they hold; copies and splits of a
+  /// handle inherit its setting.
+  /// @code
+  /// auto comm = meshlib::mpi::world();
+  /// comm.set_fail_on_unwind(false);  // this program catches and recovers: its peers time out instead
+  /// @endcode
+  void set_fail_on_unwind(bool on) noexcept { fail_on_unwind_ = on; }
+  /// Whether this handle fails its communicator when an exception unwinds it.
+  [[nodiscard]] bool fails_on_unwind() const noexcept { return fail_on_unwind_; }
 
   /// @brief Adopts `comm` (collective over it: duplicates it once). `comm` stays the
   /// application's: meshlib never frees or modifies it.
@@ -255,8 +275,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   ///   timeout in which every rank arrived, but late.
   ///
   /// A rank that throws without failing the communicator (it caught the exception within the
-  /// scope of a handle that another copy outlives, as `mpi::world()`'s) is named only after the
-  /// timeout; a `fail_guard` names it within milliseconds.
+  /// scope of its handle, so nothing unwound one) is named only after the timeout; a `fail_guard`
+  /// names it within milliseconds.
   ///
   /// @code
   /// catch (const meshlib::comm_error&) { std::cerr << "rank " << comm.root_cause_rank() << " failed\n"; }
@@ -303,6 +323,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     finish(*s);
     mpi_communicator out;
     out.state_ = std::move(s);
+    out.fail_on_unwind_ = fail_on_unwind_;  // a runner's splits leave the report to the runner too
     return out;
   }
 
@@ -927,7 +948,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
 
   /// See the destructor.
-  void fail_on_unwind() const noexcept {
+  void fail_for_unwind() const noexcept {
     fail_unless_failed("an exception left the scope of its communicator there (that rank's handler has its message)");
   }
   /// `fail(reason)` for an exception that unwinds a handle or a `fail_guard`: only the
@@ -951,6 +972,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// `std::uncaught_exceptions()` when this handle was made: a larger count at its destruction
   /// means that an exception is unwinding it.
   int exceptions_at_birth_ = std::uncaught_exceptions();
+  /// Whether an exception that unwinds this handle fails the communicator (`set_fail_on_unwind`).
+  bool fail_on_unwind_ = true;
 };
 
 static_assert(communicator<mpi_communicator>);

@@ -31,7 +31,9 @@
 /// refused with the same root cause. Every CUDA and NCCL return code is checked
 /// (`detail/nccl_types.hpp` maps them to meshlib's exceptions). Argument errors are thrown before
 /// anything is enqueued. NCCL cannot detect mismatched collectives (a rank that calls another
-/// collective, or another count): they end in the timeout.
+/// collective, or another count), so meshlib checks them by default (`verify_collectives`,
+/// batched: `detail::call_batch` says when, and what is left to the timeout; docs/gpu.md the cost):
+/// ranks that disagree get `collective_mismatch` naming the call and each rank's call.
 ///
 /// Threads. A handle and its copies share one NCCL communicator and must be used by one thread at
 /// a time, as NCCL's; `abort()` may be called from any thread. The last handle's destruction
@@ -42,6 +44,7 @@
 
 #if MESHLIB_ENABLE_NCCL
 
+#include <algorithm>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -89,14 +92,18 @@ struct nccl_comm_state : stream_state {
   int size = 0;
   int* scratch = nullptr;  ///< one device int: the payload of barrier()
 
-  // verify_collectives: a ring of check slots, each 1 + size int64 (own fingerprint, then every
-  // rank's), on the device and in pinned host memory; checks whose copies have not been compared.
+  // verify_collectives: the calls not yet exchanged and when to exchange them (call_batch); a
+  // ring of check slots, each (1 + size) * every int64 (own batch, then every rank's), on the
+  // device and in pinned host memory; checks whose copies have not been compared.
   static constexpr int check_slots = 64;
+  call_batch batch;
   std::int64_t* check_dev = nullptr;
   std::int64_t* check_host = nullptr;
   struct pending_check {
     cudaEvent_t event;
     int slot;
+    std::uint64_t first_call;  ///< the number of the batch's first collective
+    std::size_t per;           ///< the calls in the batch
   };
   std::deque<pending_check> checks;
   int next_slot = 0;
@@ -135,16 +142,21 @@ struct nccl_comm_state : stream_state {
         return {};
       }
       const auto slot = static_cast<std::size_t>(it->slot);
-      const std::int64_t* all = check_host + slot * static_cast<std::size_t>(size + 1) + 1;
-      std::string m = mismatch_message("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " +
-                                           std::to_string(device),
-                                       std::span<const std::int64_t>(all, static_cast<std::size_t>(size)));
+      const std::size_t slot_size = static_cast<std::size_t>(size + 1) * batch.every();
+      const std::int64_t* all = check_host + slot * slot_size + batch.every();
+      std::string m = batch_mismatch_message(
+          "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + ", GPU " + std::to_string(device),
+          it->first_call, it->per, std::span<const std::int64_t>(all, static_cast<std::size_t>(size) * it->per));
       release(it->event);
       it = checks.erase(it);
       if (!m.empty()) return m;
     }
     return {};
   }
+
+  /// What a timeout adds to its message: the collectives this rank made since its last check
+  /// (`call_batch::describe_pending`), where the ranks may have disagreed.
+  [[nodiscard]] std::string unchecked_calls() const { return batch.describe_pending(); }
 
   /// "all_reduce on NCCL rank 1 of 4 (GPU 1)".
   [[nodiscard]] std::string describe(std::string_view op) const {
@@ -288,6 +300,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     check_split(color);
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = state_->options;
+    s->batch = batch_of(s->options);
     s->device = state_->device;
     s->stream = state_->stream;
     s->stream_owner = state_->stream_owner;
@@ -322,6 +335,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
                                                                            int nranks, std::string_view what) {
     auto s = std::make_shared<detail::nccl_comm_state>();
     s->options = options;
+    s->batch = batch_of(options);
     s->rank = rank;
     s->size = nranks;
     int count = 0;
@@ -385,11 +399,16 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     f.count = count;
     return f;
   }
-  /// Enqueues the check of a collective's fingerprint (verify_collectives): own fingerprint to the
-  /// device, all-gathered, every rank's back to pinned host memory, an event after; polls compare.
+  /// Records a collective's fingerprint (verify_collectives) and, when the schedule says so
+  /// (`detail::call_batch`), enqueues the check of the calls since the last one: this rank's batch
+  /// to the device, all-gathered, every rank's back to pinned host memory, an event after; polls
+  /// compare. The calls that are not exchanged cost a host-side append only.
   void verify(std::string_view k, std::int64_t fp, cudaStream_t s) {
     auto& st = *state_;
-    const auto n1 = static_cast<std::size_t>(st.size + 1);
+    if (!st.batch.add(fp)) return;
+    const std::size_t per = st.batch.pending().size();
+    const std::size_t every = st.batch.every();
+    const auto n1 = static_cast<std::size_t>(st.size + 1) * every;
     const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
     if (st.check_dev == nullptr) {
       cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
@@ -424,15 +443,22 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     }
     std::int64_t* host = st.check_host + static_cast<std::size_t>(slot) * n1;
     std::int64_t* dev = st.check_dev + static_cast<std::size_t>(slot) * n1;
-    host[0] = fp;
-    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, sizeof(std::int64_t), cudaMemcpyHostToDevice, s));
-    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + 1, 1, ncclInt64, st.comm, s));
+    const std::uint64_t first = st.batch.first_pending();
+    std::copy(st.batch.pending().begin(), st.batch.pending().end(), host);
+    st.batch.clear();
+    const std::size_t bytes = per * sizeof(std::int64_t);
+    cuda_call(k, "cudaMemcpyAsync", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
+    call(k, "ncclAllGather (call check)", ncclAllGather(dev, dev + every, per, ncclInt64, st.comm, s));
     cuda_call(k, "cudaMemcpyAsync",
-              cudaMemcpyAsync(host + 1, dev + 1, static_cast<std::size_t>(st.size) * sizeof(std::int64_t),
+              cudaMemcpyAsync(host + every, dev + every, static_cast<std::size_t>(st.size) * bytes,
                               cudaMemcpyDeviceToHost, s));
     cudaEvent_t ev = st.acquire_event(st.describe(k));
     cuda_call(k, "cudaEventRecord", cudaEventRecord(ev, s));
-    st.checks.push_back({ev, slot});
+    st.checks.push_back({ev, slot, first, per});
+  }
+  /// A state's call schedule, from its options (`verify_every`, `verify_each_first`).
+  static detail::call_batch batch_of(const nccl_comm_options& o) {
+    return detail::call_batch(o.verify_every, o.verify_each_first);
   }
   /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
   void call(std::string_view k, std::string_view name, ncclResult_t rc) const {

@@ -28,6 +28,7 @@
 /// operation and the participant, for messages).
 
 #include <chrono>
+#include <concepts>
 #include <memory>
 #include <optional>
 #include <string>
@@ -151,10 +152,18 @@ class basic_stream_request {
     } else if (deadline_ && std::chrono::steady_clock::now() > *deadline_) {
       fail(channel_->describe(op_) + " did not complete within the communicator's timeout (" +
                std::to_string(timeout_ms()) + " ms); a peer never joined, or the collectives were called in "
-               "different orders (NCCL cannot tell); the communicator was aborted",
+               "different orders (NCCL cannot tell); the communicator was aborted" + unchecked_calls(),
            true, false);
     }
     return false;
+  }
+  /// The channel's calls not yet checked against the peers' (`unchecked_calls()`, where it has
+  /// one: the NCCL communicator's batched mismatch check), for the timeout's message.
+  [[nodiscard]] std::string unchecked_calls() const {
+    if constexpr (requires(const Channel& c) { { c.unchecked_calls() } -> std::convertible_to<std::string>; })
+      return channel_->unchecked_calls();
+    else
+      return {};
   }
   [[nodiscard]] long long timeout_ms() const noexcept {
     // Recomputed for the message only: the deadline minus the creation time is not kept.

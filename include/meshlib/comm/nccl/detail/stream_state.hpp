@@ -65,13 +65,21 @@ struct nccl_comm_options {
   /// Check with `cudaPointerGetAttributes` that every buffer is device memory of this GPU (a host
   /// pointer would otherwise crash a kernel). About 0.2 us a buffer; off for measured code.
   bool check_pointers = true;
-  /// NCCL communicator: before every collective, all-gather a fingerprint of the call (operation,
-  /// type, count, reduce op, root) on the stream, so that participants that disagree get
-  /// `collective_mismatch` listing each one's call instead of a hang and a timeout. Costs an 8-byte
-  /// all-gather and two tiny copies per collective (several microseconds: NCCL has no cheaper side
-  /// channel), hence off by default; the shared-GPU communicator always checks (its host
-  /// rendezvous carries the check for free).
-  bool verify_collectives = false;
+  /// NCCL communicator: check that every rank made the same collectives (operation, type, count,
+  /// reduce op, root), so that ranks that disagree get `collective_mismatch` naming the call's
+  /// number and each rank's call instead of a hang and a timeout. On by default (issue 40): the
+  /// fingerprints of the calls are all-gathered on the stream, each of the first
+  /// `verify_each_first` calls before its data moves, then `verify_every` calls at a time
+  /// (`detail::call_batch` says why and what a batch leaves to the timeout), so the check costs
+  /// one small all-gather and two tiny copies per batch (several microseconds), under 1 us per
+  /// call at the default batch (docs/gpu.md). Every rank must use the same three settings. The
+  /// shared-GPU communicator always checks every call, on its host rendezvous, whatever these say.
+  bool verify_collectives = true;
+  /// NCCL communicator: how many collectives one check covers after the first
+  /// `verify_each_first` (1: every call checked before it runs, as before issue 40).
+  std::size_t verify_every = 16;
+  /// NCCL communicator: how many of a communicator's first collectives are each checked on their own.
+  std::size_t verify_each_first = 64;
 };
 
 namespace detail {
