@@ -279,7 +279,7 @@ struct param_ref {
   std::uint8_t* overwrite = nullptr;
   /// Moves the parameter's value and gradient blocks to caller-owned memory: device `d`'s blocks
   /// become unmanaged views of `values[d]` and `grads[d]` (each `count[d]` elements; ignored where
-  /// not local) and the parameter's own storage is released. FSDP (nn/fsdp.hpp) points every
+  /// not local) and the parameter's own storage is released. FSDP (nn/parallel/fsdp.hpp) points every
   /// layer's blocks into one shared buffer this way. Empty for a view that cannot rebind (a shard).
   /// Valid while the parameter that gave this view stays where it was.
   std::function<void(std::span<T* const> values, std::span<T* const> grads)> rebind;
@@ -2622,7 +2622,7 @@ class tied_head {
   /// Nothing: the table is the embedding's, which lists it.
   void collect(std::vector<param_ref<T>>&) const {}
   /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
-  /// stage that holds this head but not the embedding mirrors the table (nn/pipeline.hpp).
+  /// stage that holds this head but not the embedding mirrors the table (nn/parallel/pipeline.hpp).
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
@@ -4853,7 +4853,7 @@ residual<T, Main, Shortcut> make_residual(const Mesh& mesh, Main main, Shortcut 
 namespace meshlib::nn {
 
 namespace detail {
-/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/fsdp.hpp) gathers a
+/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/parallel/fsdp.hpp) gathers a
 /// layer's parameters just before it runs and reduce-scatters its gradients just after its backward.
 /// `layer` is the layer's index, `dev` the running device.
 struct layer_hooks {
@@ -6382,7 +6382,7 @@ struct gradient_reduction_type_narrower_than_compute_type {
 }  // namespace nn
 }  // namespace meshlib
 // end meshlib/nn/precision.hpp
-// begin meshlib/nn/grad_sync.hpp
+// begin meshlib/nn/parallel/grad_sync.hpp
 /// @file
 /// @brief Data-parallel gradient synchronisation: every local gradient block (a pending sum over the
 /// data axis: `x^T dy` contracts the data-sharded batch) is completed with few collectives, grouped
@@ -6713,8 +6713,8 @@ class grad_sync {
 };
 
 }  // namespace meshlib::nn
-// end meshlib/nn/grad_sync.hpp
-// begin meshlib/nn/fsdp.hpp
+// end meshlib/nn/parallel/grad_sync.hpp
+// begin meshlib/nn/parallel/fsdp.hpp
 /// @file
 /// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
 /// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
@@ -7106,7 +7106,7 @@ class fsdp_engine final : public layer_hooks {
 
 }  // namespace detail
 }  // namespace meshlib::nn
-// end meshlib/nn/fsdp.hpp
+// end meshlib/nn/parallel/fsdp.hpp
 // begin meshlib/nn/data.hpp
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
@@ -8280,28 +8280,15 @@ class device_prefetcher {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/device_put.hpp
-// begin meshlib/nn/train_state.hpp
+// begin meshlib/nn/train/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
-/// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
-/// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
-/// clipping over every shard, and the optimizer update (replicated, ZeRO-1 sharded over the data
-/// axis, or FSDP: parameters, gradients and state sharded over an fsdp axis, nn/fsdp.hpp), all on
-/// every device of the mesh at once.
-///
-/// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
-/// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
-///
-/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
-/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
-/// nn/loss_function.hpp).
+/// and `train_options`, how the steps run: accumulation micro-batches, replicated, ZeRO-1 (sharded
+/// over the data axis) or FSDP (nn/parallel/fsdp.hpp) optimizer state, loss scaling and the
+/// pipeline (nn/parallel/pipeline.hpp). The steps themselves are in nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
-/// for (auto b = loader.next(); b; b = loader.next()) {
-///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
-/// }
-/// // regression: rows x F float targets, mean squared error
-/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
 /// @endcode
 
 #include <algorithm>
@@ -8320,13 +8307,13 @@ class device_prefetcher {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/detail/grad_overlap.hpp
+// begin meshlib/nn/parallel/grad_overlap.hpp
 /// @file
 /// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
 /// uses) that start the data-parallel gradient buckets during backward
 /// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
 /// parameter of that layer and of the layers after it has its final gradient (backward runs last
-/// layer first), so every bucket (nn/grad_sync.hpp) made only of such parameters is started with
+/// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
 /// `psum_start`; the optimizer step waits for all of them.
 ///
 /// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
@@ -8466,8 +8453,8 @@ class grad_overlap final : public layer_hooks {
 };
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/grad_overlap.hpp
-// begin meshlib/nn/pipeline.hpp
+// end meshlib/nn/parallel/grad_overlap.hpp
+// begin meshlib/nn/parallel/pipeline.hpp
 /// @file
 /// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
 /// model cut into stages (contiguous runs of layers), one stage per device of the axis, the batch
@@ -8531,7 +8518,7 @@ class grad_overlap final : public layer_hooks {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/pipeline_schedule.hpp
+// begin meshlib/nn/parallel/pipeline_schedule.hpp
 /// @file
 /// @brief Pipeline schedules (issue 26): which stage runs which micro-batch's forward or backward
 /// when, as an object that can be printed as a timeline and measured (bubble fraction, activations
@@ -8742,7 +8729,7 @@ class pipeline_schedule {
 };
 
 }  // namespace meshlib::nn
-// end meshlib/nn/pipeline_schedule.hpp
+// end meshlib/nn/parallel/pipeline_schedule.hpp
 
 namespace meshlib::nn {
 
@@ -9341,44 +9328,17 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/pipeline.hpp
+// end meshlib/nn/parallel/pipeline.hpp
+// begin meshlib/nn/train/step_metrics.hpp
+/// @file
+/// @brief `step_metrics`, what one `train_step` or `evaluate` reports (equal on every device), and
+/// `detail::sum_over`, the host-value sums over mesh axes that make it equal: the step, the
+/// evaluation, the pipelined schedule and the gradient clipping all sum through it.
+
+#include <cstddef>
+
 
 namespace meshlib::nn {
-
-/// @brief How `train_step` runs (see the file comment).
-struct train_options {
-  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
-  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
-  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
-  /// axis, each layer's parameters all-gathered just before it runs (nn/fsdp.hpp).
-  bool fsdp = false;
-  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
-  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
-  bool reshard_after_forward = true;
-  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
-  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
-  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
-  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
-  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
-  float loss_scale = 0.0f;
-  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
-  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
-  /// micro-batches, schedule and stage split (nn/pipeline.hpp).
-  pipeline_options pipeline = {};
-  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
-  /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
-  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
-  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
-  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
-  bool overlap_grad_sync = false;
-  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
-  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
-  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
-  /// overwrite: not prefetched.
-  bool fsdp_prefetch = true;
-};
 
 namespace detail {
 /// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
@@ -9422,6 +9382,46 @@ struct step_metrics {
   /// The most bytes of the model's layer buffers live at any time during the step's forward and
   /// backward passes (what `remat` lowers).
   std::size_t peak_activation_bytes = 0;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/step_metrics.hpp
+
+namespace meshlib::nn {
+
+/// @brief How `train_step` runs (see the file comment).
+struct train_options {
+  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
+  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
+  /// axis, each layer's parameters all-gathered just before it runs (nn/parallel/fsdp.hpp).
+  bool fsdp = false;
+  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
+  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
+  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
+  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
+  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
+  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
+  float loss_scale = 0.0f;
+  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
+  /// micro-batches, schedule and stage split (nn/parallel/pipeline.hpp).
+  pipeline_options pipeline = {};
+  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
+  /// has completed its gradients (PyTorch DDP's overlap; nn/parallel/grad_overlap.hpp), instead of
+  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
+  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
+  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
+  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap_grad_sync = false;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
 };
 
 namespace detail {
@@ -9471,7 +9471,7 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
-  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/pipeline.hpp).
+  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
     if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
     else return axis_mask{0};
@@ -9537,12 +9537,12 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (options.fsdp) shard_parameters();
-    // Pipeline (nn/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/detail/pipeline_step.hpp), not from the layer hooks.
+    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
@@ -9727,7 +9727,7 @@ class train_state {
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
       // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      // Overlapped: the buckets were started during backward (nn/detail/grad_overlap.hpp).
+      // Overlapped: the buckets were started during backward (nn/parallel/grad_overlap.hpp).
       const bool overlapped = overlap_ && overlap_->armed(dev);
       const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
                                  : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
@@ -9803,7 +9803,7 @@ class train_state {
     if (overlap_) overlap_->arm(sync_, params, dev);
   }
   /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
-  /// (nn/detail/grad_overlap.hpp, `prepare`; no-op without overlap).
+  /// (nn/parallel/grad_overlap.hpp, `prepare`; no-op without overlap).
   void prepare_grad_overlap(std::size_t dev) {
     if (overlap_) overlap_->prepare(dev);
   }
@@ -9828,7 +9828,7 @@ class train_state {
     }
   }
 
-  /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
+  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
     // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
     // ("expression must have class type"): read it through an overload for either.
@@ -9927,6 +9927,81 @@ class train_state {
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
 };
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/train_state.hpp
+// begin meshlib/nn/train/train_step.hpp
+/// @file
+/// @brief `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
+/// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
+/// clipping over every shard, and the optimizer update (`train_state::apply_gradients`), all on
+/// every device of the mesh at once. A state with a pipeline runs the pipeline's schedule instead
+/// (nn/parallel/pipeline_step.hpp).
+///
+/// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
+/// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
+///
+/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
+/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
+/// nn/loss_function.hpp).
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
+/// for (auto b = loader.next(); b; b = loader.next()) {
+///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
+/// }
+/// // regression: rows x F float targets, mean squared error
+/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/parallel/pipeline_step.hpp
+/// @file
+/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
+/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
+/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
+///
+/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
+/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
+
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <ctime>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/train/step_inputs.hpp
+/// @file
+/// @brief The argument checks and input blocks every step and evaluation share (the plain
+/// `train_step`, `evaluate` and the pipelined schedule's step, nn/parallel/pipeline_step.hpp): the
+/// batch splits over the data axes, the runner runs the state's devices, a device's rows as the
+/// model's input block.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
 
 namespace detail {
 /// Throws unless a global batch of `count` units (rows; or sequences of `seq` tokens, `seq > 0`)
@@ -10040,355 +10115,10 @@ void check_step_inputs(const State& s, const Backend& backend, std::size_t n_in,
                          " rows: give every row the same number of targets (one label per row for "
                          "softmax_cross_entropy, one value per output column for mean_squared_error)");
 }
-
-// The pipelined step and evaluation (nn/detail/pipeline_step.hpp, included at the end of this file).
-template <class State, class In, class Target, class Loss, class Backend>
-step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend);
-template <class State, class In, class Backend>
-step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend);
-
-/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
-/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
-/// token id per row) and `y` holding `rows` rows of targets of equal width.
-template <class State, input_element In, class Target, class Loss, class Backend>
-step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
-  const std::size_t k = s.options.accumulation;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = input_block_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        // Last step's gradients: the layers that can overwrite them in the first backward do (no
-        // zeroing pass over the model), the others add to zeros.
-        for (const auto& p : s.params)
-          if (p.overwrite) p.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-        double sums[2] = {0, 0};
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        s.prepare_grad_overlap(dev);
-        for (std::size_t j = 0; j < k; ++j) {
-          const std::size_t r0 = first + j * micro - global_offset;
-          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = [&] {
-            const meter_scope metered(meter);  // counts the model's buffers only
-            return s.model.forward(xb);
-          }();
-          out[dev].activation_bytes = meter->live;
-          using Z = decltype(logits);
-          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
-                    s.mesh, dev);
-          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
-                                                   global_rows, dlogits));
-          if (s.loss_scaling() || State::mixed) {
-            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
-          }
-          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
-          {
-            const meter_scope metered(meter);
-            s.model.template backward<X>(dlogits);
-          }
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
-        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
-        for (const auto& p : unstarted)
-          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-            p.overwrite[dev] = 0;
-          }
-        if constexpr (State::mixed)
-          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
-        step_metrics& m = out[dev];
-        m.peak_activation_bytes = meter->peak;
-        m.loss_scale = s.loss_scale();
-        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
-        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        m.loss = sums[0];
-        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        m.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  for (std::size_t dev : s.local_devices())
-    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
-      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
-                           std::to_string(dev) + ")");
-  s.finish_step(r.skipped);
-  return r;
-}
-
-/// The model's output type for a train state's input of elements `In` (what a loss receives).
-template <class State, class In = float>
-using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
-    std::declval<const input_block_t<State, In>&>()))>;
-
-/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
-template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
-step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
-                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  using L = std::remove_reference_t<Loss>;
-  using Z = output_of_t<State, In>;
-  constexpr bool is_loss = loss_function<L, Z>;
-  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
-  if constexpr (is_loss) {
-    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
-    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
-    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
-                                                                    loss_target_t<L>>) > 0);
-    if constexpr (same)
-      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
-                            global_offset, global_rows, loss, backend);
-    else
-      return {};
-  } else {
-    return {};
-  }
-}
 }  // namespace detail
-
-/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
-/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
-/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
-/// The parameters' gradient blocks start the step holding the last step's gradients: the first
-/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
-/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
-/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
-/// `mpi::initialize` started several processes, those processes), which must run the devices the
-/// state holds in this process.
-/// @throws sharding_error when the batch does not split over the data axis and the accumulation
-/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
-/// or when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
-  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
-}
-
-/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
-/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
-/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
-/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
-/// `train_step` above: `m.loss` is the mean loss over the global batch.
-/// @code
-/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
-/// @endcode
-/// A loss that is not a `loss_function`, or targets of another element type than its
-/// `target_type`, is one compile error naming the requirement.
-/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
-/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
-/// targets whose width is not the model output's.
-template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
-}
-
-/// @brief One training step of a model that starts at token ids (a language model whose first
-/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
-/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
-/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
-/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
-/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
-/// gathering them. `m.loss` is the mean loss per token over the global batch.
-/// @code
-/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
-/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
-/// @endcode
-/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
-/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
-/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
-/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
-/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
-/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
-/// length does not fit a device's rows.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
-  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
-}
-
-/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
-/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
-template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
-}
-
-/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
-/// batch global (`b.rows * b.context` tokens, every process holding all of them).
-/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
-/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
-/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
-/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
-  const std::size_t tokens = b.rows * b.context;
-  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
-  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
-  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
-                    tokens, backend);
-}
-
-/// @brief `train_step` on a batch from `data_loader`.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
-                    b.global_rows, backend);
-}
-
-/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
-/// taking the batch's class labels, `std::int32_t`).
-template <class State, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
-                    std::forward<Loss>(loss), backend);
-}
-
-/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
-/// the model reads its rows in place; the labels are the batch's host copy.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
-                    b.global_offset, b.global_rows, backend);
-}
-
-/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
-template <class State, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
-                    std::forward<Loss>(loss), backend);
-}
-
-namespace detail {
-/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
-/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
-/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
-/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
-/// same collective calls).
-template <class State, input_element In, class Backend>
-step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
-  check_runner(s, backend, "evaluate");
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = [&] {
-            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
-            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          }();
-          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
-}
-}  // namespace detail
-
-/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
-/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
-/// Runs on `backend` as `train_step` does.
-/// @throws sharding_error when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
-  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
-                              1, batch_rows, backend);
-}
-
-/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
-/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
-/// only, `batch_windows` windows at a time split over the data axis in whole windows.
-/// @code
-/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
-/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
-/// @endcode
-/// @throws sharding_error when `backend` runs other devices than the state holds here, or
-/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
-/// vocabulary).
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
-  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
-  const std::size_t tokens = w.rows * w.context;
-  if (w.inputs.size() != tokens || w.targets.size() != tokens)
-    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
-                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
-                         std::to_string(w.context) + " tokens");
-  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
-                              tokens, w.context, batch_windows * w.context, backend);
-}
 
 }  // namespace meshlib::nn
-
-// The pipelined step: after train_state, whose helpers it uses.
-// begin meshlib/nn/detail/pipeline_step.hpp
-/// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/pipeline.hpp has the design): each device
-/// runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
-/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
-///
-/// Included at the end of nn/train_state.hpp: it uses the train state's helpers (input blocks,
-/// the loss protocol, `sum_over`), and `run_train_step` / `run_evaluate` forward to it.
-
-#include <array>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <ctime>
-#include <span>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
+// end meshlib/nn/train/step_inputs.hpp
 
 namespace meshlib::nn::detail {
 
@@ -10935,8 +10665,347 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/pipeline_step.hpp
-// end meshlib/nn/train_state.hpp
+// end meshlib/nn/parallel/pipeline_step.hpp
+
+namespace meshlib::nn {
+
+namespace detail {
+
+/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
+/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
+/// token id per row) and `y` holding `rows` rows of targets of equal width.
+template <class State, input_element In, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
+                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
+  const std::size_t k = s.options.accumulation;
+  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
+  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
+  using X = input_block_t<State, In>;
+  s.model.begin_step(s.key.fold_in(s.step), true);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        const std::size_t first = di * local_rows;
+        if (first < global_offset || first + local_rows > global_offset + rows)
+          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
+                               ", " + std::to_string(global_offset + rows) + ")");
+        // Last step's gradients: the layers that can overwrite them in the first backward do (no
+        // zeroing pass over the model), the others add to zeros.
+        for (const auto& p : s.params)
+          if (p.overwrite) p.overwrite[dev] = 1;
+          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+        double sums[2] = {0, 0};
+        buffer_meter* meter = s.activation_meter(dev);
+        meter->reset_peak();
+        s.prepare_grad_overlap(dev);
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::size_t r0 = first + j * micro - global_offset;
+          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
+          auto logits = [&] {
+            const meter_scope metered(meter);  // counts the model's buffers only
+            return s.model.forward(xb);
+          }();
+          out[dev].activation_bytes = meter->live;
+          using Z = decltype(logits);
+          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
+                    s.mesh, dev);
+          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
+                                                   global_rows, dlogits));
+          if (s.loss_scaling() || State::mixed) {
+            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
+          }
+          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
+          {
+            const meter_scope metered(meter);
+            s.model.template backward<X>(dlogits);
+          }
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
+        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
+        for (const auto& p : unstarted)
+          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
+            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+            p.overwrite[dev] = 0;
+          }
+        if constexpr (State::mixed)
+          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+        step_metrics& m = out[dev];
+        m.peak_activation_bytes = meter->peak;
+        m.loss_scale = s.loss_scale();
+        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
+        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
+        m.loss = sums[0];
+        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
+        m.rows = global_rows;
+      },
+      backend);
+  const step_metrics& r = out[s.local_devices().front()];
+  for (std::size_t dev : s.local_devices())
+    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                           std::to_string(dev) + ")");
+  s.finish_step(r.skipped);
+  return r;
+}
+
+/// The model's output type for a train state's input of elements `In` (what a loss receives).
+template <class State, class In = float>
+using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
+    std::declval<const input_block_t<State, In>&>()))>;
+
+/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
+template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
+step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
+                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = output_of_t<State, In>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                    loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
+                            global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
+}  // namespace detail
+
+/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
+/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
+/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
+/// @throws sharding_error when the batch does not split over the data axis and the accumulation
+/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
+/// or when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
+/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
+/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
+/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
+/// `train_step` above: `m.loss` is the mean loss over the global batch.
+/// @code
+/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
+/// @endcode
+/// A loss that is not a `loss_function`, or targets of another element type than its
+/// `target_type`, is one compile error naming the requirement.
+/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
+/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
+/// targets whose width is not the model output's.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief One training step of a model that starts at token ids (a language model whose first
+/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
+/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
+/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
+/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
+/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
+/// gathering them. `m.loss` is the mean loss per token over the global batch.
+/// @code
+/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
+/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
+/// @endcode
+/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
+/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
+/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
+/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
+/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
+/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
+/// length does not fit a device's rows.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
+/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
+/// batch global (`b.rows * b.context` tokens, every process holding all of them).
+/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
+/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
+/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
+/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
+  const std::size_t tokens = b.rows * b.context;
+  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
+  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
+  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
+                    tokens, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader`.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
+                    b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
+/// taking the batch's class labels, `std::int32_t`).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+
+/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
+/// the model reads its rows in place; the labels are the batch's host copy.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
+                    b.global_offset, b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+}  // namespace meshlib::nn
+// end meshlib/nn/train/train_step.hpp
+// begin meshlib/nn/train/evaluate.hpp
+/// @file
+/// @brief `evaluate(state, data)`: loss and accuracy of the model, forward only, in batches split
+/// over the data axes. A state with a pipeline runs the pipeline's schedule instead
+/// (nn/parallel/pipeline_step.hpp).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
+/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
+/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
+/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
+/// same collective calls).
+template <class State, input_element In, class Backend>
+step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
+  check_runner(s, backend, "evaluate");
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  s.model.begin_step(s.key, false);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        double sums[2] = {0, 0};
+        for (std::size_t start = 0; start < count; start += batch_rows) {
+          const std::size_t units = std::min(batch_rows, count - start) / group;
+          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+          auto logits = [&] {
+            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
+            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          }();
+          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        sum_over<State::data_axes>(s.mesh, dev, sums);
+        out[dev].loss = sums[0];
+        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+        out[dev].rows = count;
+      },
+      backend);
+  return out[s.local_devices().front()];
+}
+}  // namespace detail
+
+/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
+/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
+                              1, batch_rows, backend);
+}
+
+/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
+/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
+/// only, `batch_windows` windows at a time split over the data axis in whole windows.
+/// @code
+/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
+/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
+/// @endcode
+/// @throws sharding_error when `backend` runs other devices than the state holds here, or
+/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
+/// vocabulary).
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
+  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
+  const std::size_t tokens = w.rows * w.context;
+  if (w.inputs.size() != tokens || w.targets.size() != tokens)
+    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
+                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
+                         std::to_string(w.context) + " tokens");
+  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
+                              tokens, w.context, batch_windows * w.context, backend);
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/evaluate.hpp
 // begin meshlib/nn/advise_mesh.hpp
 /// @file
 /// @brief `advise_mesh`: which mesh shape trains a model fastest on this many devices, measured.
@@ -10956,7 +11025,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
 /// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
 /// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
 /// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
-/// cuts the model into that many stages (nn/pipeline.hpp; micro-batches as the caller's train options
+/// cuts the model into that many stages (nn/parallel/pipeline.hpp; micro-batches as the caller's train options
 /// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
 /// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
 /// not possible with its reason.
@@ -11142,7 +11211,7 @@ namespace detail {
 /// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
-  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
+  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/parallel/pipeline.hpp), with the
   // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
   return {};
 }

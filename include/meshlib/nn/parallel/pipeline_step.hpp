@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/pipeline.hpp has the design): each device
-/// runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
+/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
+/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
 /// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
 ///
-/// Included at the end of nn/train_state.hpp: it uses the train state's helpers (input blocks,
-/// the loss protocol, `sum_over`), and `run_train_step` / `run_evaluate` forward to it.
+/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
+/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
 
 #include <array>
 #include <chrono>
@@ -21,8 +22,10 @@
 #include <vector>
 
 #include "meshlib/collectives/permutes.hpp"
-#include "meshlib/nn/pipeline.hpp"
-#include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/nn/train/step_inputs.hpp"
+#include "meshlib/nn/train/step_metrics.hpp"
+#include "meshlib/nn/train/train_state.hpp"
 
 namespace meshlib::nn::detail {
 

@@ -67,7 +67,7 @@
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/parameter.hpp"
-#include "meshlib/nn/pipeline_schedule.hpp"
+#include "meshlib/nn/parallel/pipeline_schedule.hpp"
 
 namespace meshlib::nn {
 
