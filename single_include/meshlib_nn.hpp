@@ -6382,6 +6382,116 @@ struct gradient_reduction_type_narrower_than_compute_type {
 }  // namespace nn
 }  // namespace meshlib
 // end meshlib/nn/precision.hpp
+// begin meshlib/nn/parallel/policy.hpp
+/// @file
+/// @brief `parallel_policy`: what `data_parallel`, `fully_shard` and `pipeline` have in common. Each
+/// names the mesh axis it applies to and says which parallelism it is (torchtitan's `apply_*`
+/// functions, one per parallelism over a sub-mesh); a `train_state` takes any of them, each at most
+/// once and each over an axis of its own, and checks that at compile time
+/// (`detail::check_policies`, nn/train/train_state.hpp). Tensor parallelism is not a policy: it is
+/// in the layer types (`column_dense`, `row_dense`, ...), checked when the model is composed.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+/// @brief Which parallelism a `parallel_policy` applies.
+enum class parallelism : std::uint8_t {
+  data,           ///< `data_parallel`: the batch split, gradients averaged (ZeRO-1 and overlap as options)
+  fully_sharded,  ///< `fully_shard`: parameters, gradients and optimizer state sharded (FSDP, ZeRO-3)
+  pipelined,      ///< `pipeline`: the model's layers cut into stages, micro-batches in a schedule
+};
+
+/// @brief A parallelism applied over one named mesh axis: a type with `static constexpr
+/// parallelism kind` and `static constexpr fixed_string axis` (`data_parallel`, `fully_shard`,
+/// `pipeline`).
+template <class P>
+concept parallel_policy = requires {
+  { P::kind } -> std::convertible_to<parallelism>;
+  P::axis.view();
+};
+
+namespace detail {
+/// `value`: the axis of the policy of kind `K` among `Ps` (the first), else `Default`.
+template <parallelism K, fixed_string Default, class... Ps>
+struct policy_axis {
+  static constexpr auto value = Default;
+};
+template <class P>
+struct policy_axis_found {
+  static constexpr auto value = P::axis;
+};
+template <parallelism K, fixed_string Default, class P, class... Ps>
+struct policy_axis<K, Default, P, Ps...>
+    : std::conditional_t<P::kind == K, policy_axis_found<P>, policy_axis<K, Default, Ps...>> {};
+
+/// How many of the policies `Ps` are of kind `K`.
+template <parallelism K, class... Ps>
+inline constexpr std::size_t policy_count_v = (std::size_t{0} + ... + std::size_t{Ps::kind == K});
+
+/// Whether two of the policies `Ps` name the same mesh axis.
+template <class... Ps>
+constexpr bool policies_share_an_axis() {
+  constexpr std::size_t n = sizeof...(Ps);
+  if constexpr (n < 2) {
+    return false;
+  } else {
+    const std::string_view names[n] = {Ps::axis.view()...};
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = i + 1; j < n; ++j)
+        if (names[i] == names[j]) return true;
+    return false;
+  }
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/parallel/policy.hpp
+// begin meshlib/nn/parallel/data_parallel.hpp
+/// @file
+/// @brief `data_parallel<"axis">`: data parallelism over one mesh axis (PyTorch's DDP, torchtitan's
+/// `apply_ddp`): the batch split over the axis, the gradients averaged over it in buckets
+/// (`grad_sync`, nn/parallel/grad_sync.hpp), with ZeRO-1 (the optimizer state and update sharded over
+/// the axis) and overlap (each bucket started during backward, nn/parallel/grad_overlap.hpp) as its
+/// options. With `fully_shard` on another axis the two compose (HSDP: shards over the fsdp axis,
+/// replicas over this one).
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1});
+/// meshlib::nn::train_state overlapped(mesh, std::move(net2), opt, meshlib::nn::data_parallel<"dp">{.overlap = true});
+/// @endcode
+
+#include <cstddef>
+
+// begin meshlib/nn/parallel/grad_overlap.hpp
+/// @file
+/// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
+/// uses) that start the data-parallel gradient buckets during backward
+/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
+/// parameter of that layer and of the layers after it has its final gradient (backward runs last
+/// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
+/// `psum_start`; the optimizer step waits for all of them.
+///
+/// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
+/// writes the shard gradients this then starts), so one hook pointer serves both.
+/// Only the last micro-batch's backward starts buckets (`arm`): with accumulation, the gradients
+/// are complete only then.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
 // begin meshlib/nn/parallel/grad_sync.hpp
 /// @file
 /// @brief Data-parallel gradient synchronisation: every local gradient block (a pending sum over the
@@ -6714,6 +6824,156 @@ class grad_sync {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/parallel/grad_sync.hpp
+
+namespace meshlib::nn::detail {
+
+/// The overlap hooks of a `train_state` (see the file comment): buckets of `grad_sync<T, Wire>`
+/// all-reduced over the axes `DataAxes` of `Mesh`, or `ReplicaAxes` with FSDP (whose reduce-scatter
+/// already summed over the fsdp axis).
+template <class T, class Wire, mesh_type Mesh, axis_mask DataAxes, axis_mask ReplicaAxes>
+class grad_overlap final : public layer_hooks {
+ public:
+  /// `per_layer`: parameters per layer, in the order the model collects them; `round`: rounds a
+  /// gradient to the compute type (mixed precision; null otherwise); `inner`: FSDP's hooks or null
+  /// (then the sums run over `ReplicaAxes`).
+  grad_overlap(const Mesh& mesh, const std::vector<std::size_t>& per_layer, void (*round)(float*, std::size_t) noexcept,
+               layer_hooks* inner)
+      : mesh_(mesh),
+        round_(round),
+        inner_(inner),
+        sync_(mesh.size(), nullptr),
+        params_(mesh.size(), nullptr),
+        armed_(mesh.size(), 0),
+        next_(mesh.size(), 0),
+        seconds_(mesh.size(), 0.0) {
+    begin_.push_back(0);
+    for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
+  }
+
+  /// At the start of `dev`'s step, before its forward: makes the communicator the buckets will use.
+  /// Its first use in a call splits it from the world, a rendezvous of every device; here the
+  /// devices have just been started together, where inside the backward the rendezvous would
+  /// stall each device's backward until the slowest reached its first started bucket (the split
+  /// was most of the hooks' time: docs/benchmarks.md, "Overlapped gradient synchronisation").
+  void prepare(std::size_t dev) {
+    (void)dev;
+    on_axes([&]<axis_mask Axes>() {
+      if constexpr (Axes != 0)
+        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
+    });
+  }
+
+  /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
+  void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
+    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
+    const auto t0 = std::chrono::steady_clock::now();
+    sync_[dev] = &sync;
+    params_[dev] = &params;
+    on_axes([&]<axis_mask Axes>() { sync.template begin_all_reduce<Axes>(params, mesh_, dev); });
+    next_[dev] = params.size();
+    armed_[dev] = 1;
+    seconds_[dev] += since(t0);
+  }
+  /// Whether `dev`'s buckets are being started by the hooks (between `arm` and `finish`).
+  [[nodiscard]] bool armed(std::size_t dev) const { return armed_.at(dev) != 0; }
+  /// The parameters `[0, unstarted(dev))` whose gradients no hook has finalised yet (all of them
+  /// when not armed): `train_step` zeroes and rounds those itself.
+  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t all) const { return armed(dev) ? next_[dev] : all; }
+  /// Starts the buckets not started yet, waits for all, returns where each summed gradient lies
+  /// (`grad_sync::all_reduce`'s result).
+  const std::vector<T*>& finish(std::size_t dev) {
+    const auto t0 = std::chrono::steady_clock::now();
+    armed_[dev] = 0;
+    const std::vector<T*>* g = nullptr;
+    on_axes([&]<axis_mask Axes>() { g = &sync_[dev]->template finish_all_reduce<Axes>(*params_[dev], mesh_, dev); });
+    seconds_[dev] += since(t0);
+    return *g;
+  }
+  /// The time `dev`'s thread spent in the overlapped synchronisation since the last call (packing
+  /// and starting buckets during backward, then waiting): its exposed synchronisation time.
+  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
+
+  void before_forward(std::size_t layer, std::size_t dev) override {
+    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
+    // a step that failed before its update) must not start buckets.
+    if (layer == 0) armed_[dev] = 0;
+    if (inner_ != nullptr) inner_->before_forward(layer, dev);
+  }
+  void before_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->before_backward(layer, dev);
+  }
+  void after_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->after_backward(layer, dev);
+    if (!armed_[dev]) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<param_ref<T>>& params = *params_[dev];
+    const std::size_t first = begin_.at(layer), last = begin_.at(layer + 1);
+    // What train_step does after the backward for every gradient, here for this layer's, before
+    // its bucket can start: a gradient no backward wrote is zero; mixed precision rounds it.
+    for (std::size_t i = first; i < last; ++i) {
+      const param_ref<T>& p = params[i];
+      if (p.overwrite && p.overwrite[dev]) {
+        fill_values<default_memory_space>(p.grad[dev], p.count[dev], T{});
+        p.overwrite[dev] = 0;
+      }
+      if (round_ != nullptr) round_(p.grad[dev], p.count[dev]);
+    }
+    next_[dev] = std::min(next_[dev], first);
+    // The buckets' staging buffers are the synchronisation's, not activations: not on the step's
+    // activation meter (nn/remat.hpp), as they are not when the sync runs after the backward.
+    const meter_scope unmetered(nullptr);
+    on_axes([&]<axis_mask Axes>() { sync_[dev]->template start_ready<Axes>(params, mesh_, dev, first); });
+    seconds_[dev] += since(t0);
+  }
+
+ private:
+  template <class F>
+  void on_axes(F&& f) {
+    if (inner_ != nullptr) f.template operator()<ReplicaAxes>();
+    else f.template operator()<DataAxes>();
+  }
+  static double since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  Mesh mesh_;
+  void (*round_)(float*, std::size_t) noexcept;
+  layer_hooks* inner_;
+  std::vector<std::size_t> begin_;  ///< layer l's parameters: [begin_[l], begin_[l + 1])
+  // Per device, each written only by its own device's thread.
+  std::vector<grad_sync<T, Wire>*> sync_;
+  std::vector<const std::vector<param_ref<T>>*> params_;
+  std::vector<std::uint8_t> armed_;
+  std::vector<std::size_t> next_;
+  std::vector<double> seconds_;
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/parallel/grad_overlap.hpp
+
+namespace meshlib::nn {
+
+/// @brief Data parallelism over the mesh axis `Axis` (see the file comment); a `parallel_policy`.
+/// @tparam Axis the mesh axis the batch is split over and the gradients averaged over.
+template <fixed_string Axis = "data">
+struct data_parallel {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::data;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// The ZeRO stage: 0 (optimizer state replicated) or 1 (the optimizer state and update sharded
+  /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
+  int zero = 0;
+  /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are complete
+  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. A `sequential`
+  /// model without ZeRO; off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap = false;
+  /// The most gradient elements per collective (0: no limit).
+  std::size_t bucket_elements = std::size_t{1} << 20;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/parallel/data_parallel.hpp
 // begin meshlib/nn/parallel/fsdp.hpp
 /// @file
 /// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
@@ -6762,6 +7022,28 @@ class grad_sync {
 
 
 namespace meshlib::nn {
+
+/// @brief Fully sharded data parallelism over the mesh axis `Axis` (see the file comment; FSDP2's
+/// `fully_shard`); a `parallel_policy`. Composes with `data_parallel` on another axis (HSDP) and
+/// with `pipeline`.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::fully_shard<"fsdp">{.reshard_after_forward = false});
+/// @endcode
+/// @tparam Axis the mesh axis parameters, gradients and optimizer state are sharded over (it splits
+/// the batch as a data axis does).
+template <fixed_string Axis = "fsdp">
+struct fully_shard {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::fully_sharded;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// Gather a layer's parameters again for its backward (true: least memory), or keep them from its
+  /// forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  /// With `reshard_after_forward = false`: start the next layer's parameter all-gathers before a
+  /// layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  bool prefetch = true;
+};
 
 /// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
 struct training_memory {
@@ -8307,153 +8589,6 @@ class device_prefetcher {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/parallel/grad_overlap.hpp
-/// @file
-/// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
-/// uses) that start the data-parallel gradient buckets during backward
-/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
-/// parameter of that layer and of the layers after it has its final gradient (backward runs last
-/// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
-/// `psum_start`; the optimizer step waits for all of them.
-///
-/// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
-/// writes the shard gradients this then starts), so one hook pointer serves both.
-/// Only the last micro-batch's backward starts buckets (`arm`): with accumulation, the gradients
-/// are complete only then.
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib::nn::detail {
-
-/// The overlap hooks of a `train_state` (see the file comment): buckets of `grad_sync<T, Wire>`
-/// all-reduced over the axes `DataAxes` of `Mesh`, or `ReplicaAxes` with FSDP (whose reduce-scatter
-/// already summed over the fsdp axis).
-template <class T, class Wire, mesh_type Mesh, axis_mask DataAxes, axis_mask ReplicaAxes>
-class grad_overlap final : public layer_hooks {
- public:
-  /// `per_layer`: parameters per layer, in the order the model collects them; `round`: rounds a
-  /// gradient to the compute type (mixed precision; null otherwise); `inner`: FSDP's hooks or null
-  /// (then the sums run over `ReplicaAxes`).
-  grad_overlap(const Mesh& mesh, const std::vector<std::size_t>& per_layer, void (*round)(float*, std::size_t) noexcept,
-               layer_hooks* inner)
-      : mesh_(mesh),
-        round_(round),
-        inner_(inner),
-        sync_(mesh.size(), nullptr),
-        params_(mesh.size(), nullptr),
-        armed_(mesh.size(), 0),
-        next_(mesh.size(), 0),
-        seconds_(mesh.size(), 0.0) {
-    begin_.push_back(0);
-    for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
-  }
-
-  /// At the start of `dev`'s step, before its forward: makes the communicator the buckets will use.
-  /// Its first use in a call splits it from the world, a rendezvous of every device; here the
-  /// devices have just been started together, where inside the backward the rendezvous would
-  /// stall each device's backward until the slowest reached its first started bucket (the split
-  /// was most of the hooks' time: docs/benchmarks.md, "Overlapped gradient synchronisation").
-  void prepare(std::size_t dev) {
-    (void)dev;
-    on_axes([&]<axis_mask Axes>() {
-      if constexpr (Axes != 0)
-        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
-    });
-  }
-
-  /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
-  void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
-    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
-    const auto t0 = std::chrono::steady_clock::now();
-    sync_[dev] = &sync;
-    params_[dev] = &params;
-    on_axes([&]<axis_mask Axes>() { sync.template begin_all_reduce<Axes>(params, mesh_, dev); });
-    next_[dev] = params.size();
-    armed_[dev] = 1;
-    seconds_[dev] += since(t0);
-  }
-  /// Whether `dev`'s buckets are being started by the hooks (between `arm` and `finish`).
-  [[nodiscard]] bool armed(std::size_t dev) const { return armed_.at(dev) != 0; }
-  /// The parameters `[0, unstarted(dev))` whose gradients no hook has finalised yet (all of them
-  /// when not armed): `train_step` zeroes and rounds those itself.
-  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t all) const { return armed(dev) ? next_[dev] : all; }
-  /// Starts the buckets not started yet, waits for all, returns where each summed gradient lies
-  /// (`grad_sync::all_reduce`'s result).
-  const std::vector<T*>& finish(std::size_t dev) {
-    const auto t0 = std::chrono::steady_clock::now();
-    armed_[dev] = 0;
-    const std::vector<T*>* g = nullptr;
-    on_axes([&]<axis_mask Axes>() { g = &sync_[dev]->template finish_all_reduce<Axes>(*params_[dev], mesh_, dev); });
-    seconds_[dev] += since(t0);
-    return *g;
-  }
-  /// The time `dev`'s thread spent in the overlapped synchronisation since the last call (packing
-  /// and starting buckets during backward, then waiting): its exposed synchronisation time.
-  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
-
-  void before_forward(std::size_t layer, std::size_t dev) override {
-    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
-    // a step that failed before its update) must not start buckets.
-    if (layer == 0) armed_[dev] = 0;
-    if (inner_ != nullptr) inner_->before_forward(layer, dev);
-  }
-  void before_backward(std::size_t layer, std::size_t dev) override {
-    if (inner_ != nullptr) inner_->before_backward(layer, dev);
-  }
-  void after_backward(std::size_t layer, std::size_t dev) override {
-    if (inner_ != nullptr) inner_->after_backward(layer, dev);
-    if (!armed_[dev]) return;
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<param_ref<T>>& params = *params_[dev];
-    const std::size_t first = begin_.at(layer), last = begin_.at(layer + 1);
-    // What train_step does after the backward for every gradient, here for this layer's, before
-    // its bucket can start: a gradient no backward wrote is zero; mixed precision rounds it.
-    for (std::size_t i = first; i < last; ++i) {
-      const param_ref<T>& p = params[i];
-      if (p.overwrite && p.overwrite[dev]) {
-        fill_values<default_memory_space>(p.grad[dev], p.count[dev], T{});
-        p.overwrite[dev] = 0;
-      }
-      if (round_ != nullptr) round_(p.grad[dev], p.count[dev]);
-    }
-    next_[dev] = std::min(next_[dev], first);
-    // The buckets' staging buffers are the synchronisation's, not activations: not on the step's
-    // activation meter (nn/remat.hpp), as they are not when the sync runs after the backward.
-    const meter_scope unmetered(nullptr);
-    on_axes([&]<axis_mask Axes>() { sync_[dev]->template start_ready<Axes>(params, mesh_, dev, first); });
-    seconds_[dev] += since(t0);
-  }
-
- private:
-  template <class F>
-  void on_axes(F&& f) {
-    if (inner_ != nullptr) f.template operator()<ReplicaAxes>();
-    else f.template operator()<DataAxes>();
-  }
-  static double since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
-  Mesh mesh_;
-  void (*round_)(float*, std::size_t) noexcept;
-  layer_hooks* inner_;
-  std::vector<std::size_t> begin_;  ///< layer l's parameters: [begin_[l], begin_[l + 1])
-  // Per device, each written only by its own device's thread.
-  std::vector<grad_sync<T, Wire>*> sync_;
-  std::vector<const std::vector<param_ref<T>>*> params_;
-  std::vector<std::uint8_t> armed_;
-  std::vector<std::size_t> next_;
-  std::vector<double> seconds_;
-};
-
-}  // namespace meshlib::nn::detail
-// end meshlib/nn/parallel/grad_overlap.hpp
 // begin meshlib/nn/parallel/pipeline.hpp
 /// @file
 /// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
@@ -8749,6 +8884,30 @@ struct pipeline_options {
   /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
   /// parameter count.
   std::vector<std::size_t> split_points = {};
+};
+
+/// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
+/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt,
+///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});
+/// @endcode
+/// @tparam Axis the mesh axis whose devices hold the stages.
+template <fixed_string Axis = "pipeline">
+struct pipeline {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::pipelined;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// The order of forwards and backwards.
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;
+  /// Micro-batches per step (0: as many as stages).
+  std::size_t microbatches = 0;
+  /// The index of the first layer of every stage after the first (empty: balanced by parameters).
+  std::vector<std::size_t> split_points = {};
+  /// These options as `train_options::pipeline` holds them.
+  [[nodiscard]] pipeline_options options() const { return {microbatches, schedule, split_points}; }
 };
 
 /// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and
@@ -9434,13 +9593,64 @@ constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
 constexpr std::string_view text_of(const char* s) noexcept { return s; }
 }  // namespace detail
 
+namespace detail {
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
+  }
+}
+}  // namespace detail
+
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
-/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
+/// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
+/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
-          compute_precision Compute = float, fixed_string Fsdp = "fsdp">
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
 class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
@@ -9471,9 +9681,11 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
-  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
+  /// The name of the pipeline axis (`Pipe`).
+  static constexpr auto pipeline_axis = Pipe;
+  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
-    if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
+    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
     else return axis_mask{0};
   }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
@@ -9568,6 +9780,20 @@ class train_state {
       }
     refresh_compute_copies();
   }
+
+  /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
+  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
+  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
+  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
+  /// that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+  /// @brief As the constructor above, from the default `train_options`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
@@ -9814,6 +10040,33 @@ class train_state {
   }
 
  private:
+  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  template <class... Ps>
+  static train_options with_policies(train_options opts, const Ps&... ps) {
+    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
+    (apply_policy(opts, ps), ...);
+    return opts;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const data_parallel<A>& p) {
+    if (p.zero != 0 && p.zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    o.zero = p.zero == 1;
+    o.overlap_grad_sync = p.overlap;
+    o.bucket_elements = p.bucket_elements;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const fully_shard<A>& p) {
+    o.fsdp = true;
+    o.reshard_after_forward = p.reshard_after_forward;
+    o.fsdp_prefetch = p.prefetch;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
+    o.pipeline = p.options();
+  }
   /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
   void start_overlap() {
     if constexpr (requires(Model& net) {
@@ -9927,6 +10180,20 @@ class train_state {
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
 };
+
+/// Made with parallel policies, a train state's axes are the policies' (the defaults for the
+/// parallelisms not given), its parameters and compute float.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options` before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 
 }  // namespace meshlib::nn
 // end meshlib/nn/train/train_state.hpp
@@ -10140,11 +10407,11 @@ using pipeline_input_t = with_vary_t<input_block_t<State, In>, State::data_axes 
 /// Sends `n` elements at `send` to the stages `pairs` names over the pipeline axis (the public
 /// typed `ppermute`, every stage calling it); returns where this device's received elements lie
 /// (the collective's workspace: valid until the next collective on this device).
-template <class Mesh>
+template <fixed_string Axis, class Mesh>
 const float* pipeline_exchange(const Mesh& mesh, std::size_t dev, float* send, std::size_t n,
                                const std::vector<std::pair<std::size_t, std::size_t>>& pairs) {
   using message_t = local_tensor<float, 1, Mesh, Mesh::all_axes>;
-  return meshlib::ppermute<"pipeline">(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
+  return meshlib::ppermute<Axis>(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
 }
 
 /// Makes this device's communicator of every group of mesh axes, in one order on every device.
@@ -10168,7 +10435,7 @@ void refresh_mirrors(State& s, pipeline_engine& e, std::size_t dev, std::size_t 
   for (const auto& t : e.mirrors) {
     const auto& q = s.params[t.param];
     const std::size_t n = e.block_elements(t.param, dev);
-    const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
+    const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
     if (stage != t.mirror) continue;
     convert_copy<default_memory_space>(q.value[dev], r, n);
     if (!for_backward) continue;
@@ -10468,7 +10735,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
         const auto x0_of = [&](std::size_t j) {
           return [&, j] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
           };
         };
         // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
@@ -10540,7 +10807,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
                 convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
             }
@@ -10566,7 +10833,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
                 convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
             }
@@ -10584,7 +10851,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         for (const auto& t : e.mirrors) {
           const auto& q = s.params[t.param];
           const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+          const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
           if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
         }
         if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
@@ -10630,7 +10897,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
           const auto x0 = [&] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
           };
           const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
           if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
@@ -10650,7 +10917,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           for (std::size_t t = 0; t < p; ++t) {
             if (stage == t) run.forward(x0, in, hi - lo, sink);
             if (t + 1 < p) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, {{t, t + 1}});
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
               if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
             }
           }

@@ -40,9 +40,9 @@
 #include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
-#include "meshlib/nn/parallel/grad_overlap.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/nn/parallel/data_parallel.hpp"
 #include "meshlib/nn/parallel/fsdp.hpp"
 #include "meshlib/nn/parallel/grad_overlap.hpp"
 #include "meshlib/nn/parallel/grad_sync.hpp"
@@ -52,6 +52,7 @@
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
@@ -104,13 +105,64 @@ constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
 constexpr std::string_view text_of(const char* s) noexcept { return s; }
 }  // namespace detail
 
+namespace detail {
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
+  }
+}
+}  // namespace detail
+
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
-/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
+/// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
+/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
-          compute_precision Compute = float, fixed_string Fsdp = "fsdp">
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
 class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
@@ -141,9 +193,11 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
-  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
+  /// The name of the pipeline axis (`Pipe`).
+  static constexpr auto pipeline_axis = Pipe;
+  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
-    if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
+    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
     else return axis_mask{0};
   }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
@@ -238,6 +292,20 @@ class train_state {
       }
     refresh_compute_copies();
   }
+
+  /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
+  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
+  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
+  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
+  /// that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+  /// @brief As the constructor above, from the default `train_options`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
@@ -484,6 +552,33 @@ class train_state {
   }
 
  private:
+  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  template <class... Ps>
+  static train_options with_policies(train_options opts, const Ps&... ps) {
+    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
+    (apply_policy(opts, ps), ...);
+    return opts;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const data_parallel<A>& p) {
+    if (p.zero != 0 && p.zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    o.zero = p.zero == 1;
+    o.overlap_grad_sync = p.overlap;
+    o.bucket_elements = p.bucket_elements;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const fully_shard<A>& p) {
+    o.fsdp = true;
+    o.reshard_after_forward = p.reshard_after_forward;
+    o.fsdp_prefetch = p.prefetch;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
+    o.pipeline = p.options();
+  }
   /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
   void start_overlap() {
     if constexpr (requires(Model& net) {
@@ -597,5 +692,19 @@ class train_state {
   bool scaling_ = false;
   std::size_t good_steps_ = 0;
 };
+
+/// Made with parallel policies, a train state's axes are the policies' (the defaults for the
+/// parallelisms not given), its parameters and compute float.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options` before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 
 }  // namespace meshlib::nn
