@@ -55,6 +55,7 @@
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/nn/train/loss_scaler.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
@@ -248,8 +249,7 @@ class train_state {
         output_grad_(m.size()),
         squares_(m.size()) {
     model.collect(params);
-    loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
-    scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
+    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
       if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
         model.round_activations = &detail::round_to<Compute>;
@@ -327,11 +327,11 @@ class train_state {
           detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   /// The current loss scale (1 without loss scaling).
-  [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
+  [[nodiscard]] float loss_scale() const noexcept { return scaler_.scale(); }
   /// Whether dynamic loss scaling is on.
-  [[nodiscard]] bool loss_scaling() const noexcept { return scaling_; }
+  [[nodiscard]] bool loss_scaling() const noexcept { return scaler_.enabled(); }
   /// Consecutive good steps since the scale last changed.
-  [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
+  [[nodiscard]] std::size_t good_steps() const noexcept { return scaler_.good_steps(); }
 
   /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
   /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
@@ -359,20 +359,7 @@ class train_state {
   /// Called by train_step after the spmd region with every device's verdict (equal on all of
   /// them): advances the step, or, on a skipped step, halves the loss scale.
   void finish_step(bool skipped) {
-    if (!scaling_) {
-      ++step;
-      return;
-    }
-    if (skipped) {
-      loss_scale_ = std::max(loss_scale_ * 0.5f, 1.0f / 65536.0f);
-      good_steps_ = 0;
-      return;
-    }
-    ++step;
-    if (++good_steps_ >= options.scale_growth_interval) {
-      loss_scale_ *= 2.0f;
-      good_steps_ = 0;
-    }
+    if (scaler_.update(skipped, options.scale_growth_interval)) ++step;
   }
 
   /// This process's devices.
@@ -482,7 +469,7 @@ class train_state {
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
-      if (scaling_ && !std::isfinite(norm)) return norm;
+      if (scaler_.enabled() && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
       for (std::size_t i = 0; i < params.size(); ++i) {
         float* m = state_slot(i, 0, dev);
@@ -502,7 +489,7 @@ class train_state {
     });
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
-    if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
+    if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
     float* m = zero_state_[dev].data();
     float* v = opt.slots() > 1 ? m + size : m;
@@ -630,11 +617,7 @@ class train_state {
     return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
                                                         squares_.get(dev, detail::squares_scratch(hi - lo)));
   }
-  void unscale(T* g, std::size_t n) const noexcept {
-    if (scaling_ && loss_scale_ != 1.0f) {
-      detail::scale_in_place(g, n, 1.0f / loss_scale_);
-    }
-  }
+  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
   float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_[i * opt.slots() + s].blocks[dev]; }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
@@ -688,9 +671,8 @@ class train_state {
   /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
   using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
   std::shared_ptr<overlap_type> overlap_;
-  float loss_scale_ = 1.0f;
-  bool scaling_ = false;
-  std::size_t good_steps_ = 0;
+  /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
+  loss_scaler scaler_;
 };
 
 /// Made with parallel policies, a train state's axes are the policies' (the defaults for the
