@@ -39,7 +39,8 @@ concept parallel_policy = requires {
 };
 
 namespace detail {
-/// `value`: the axis of the policy of kind `K` among `Ps` (the first), else `Default`.
+/// `value`: the axis of the policy of kind `K` among `Ps` (the first), else `Default`. Well-formed
+/// for any types, policies or not (Clang forms a deduction guide's result before its constraints).
 template <parallelism K, fixed_string Default, class... Ps>
 struct policy_axis {
   static constexpr auto value = Default;
@@ -49,6 +50,7 @@ struct policy_axis_found {
   static constexpr auto value = P::axis;
 };
 template <parallelism K, fixed_string Default, class P, class... Ps>
+  requires parallel_policy<P>
 struct policy_axis<K, Default, P, Ps...>
     : std::conditional_t<P::kind == K, policy_axis_found<P>, policy_axis<K, Default, Ps...>> {};
 
