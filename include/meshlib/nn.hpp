@@ -38,6 +38,7 @@
 #include "meshlib/nn/data.hpp"
 #include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/train/loss_scaler.hpp"
+#include "meshlib/nn/train/optimizer_state.hpp"
 #include "meshlib/nn/train/train_state.hpp"
 #include "meshlib/nn/train/train_step.hpp"
 #include "meshlib/nn/train/evaluate.hpp"

@@ -56,6 +56,7 @@
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/nn/train/loss_scaler.hpp"
+#include "meshlib/nn/train/optimizer_state.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
@@ -206,15 +207,10 @@ class train_state {
   /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
   /// row, the rows `batch * sequence` tokens, sequence-major), rows sharded over the data axes.
   using ids_type = local_tensor<std::int32_t, 1, Mesh, data_axes, 0, dim_masks<data_axes>, default_memory_space>;
-  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
-  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
-  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
-  /// data axes, and the value varies over every axis (the flat vector itself differs over the
-  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
-  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
-  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
-  using zero_state_type =
-      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, data_axes>, default_memory_space>;
+  /// The optimizer state's layout (nn/train/optimizer_state.hpp).
+  using optimizer_state_type = nn::optimizer_state<Mesh, data_axes>;
+  /// A device's ZeRO-1 optimizer state (see `optimizer_state::zero_state_type`).
+  using zero_state_type = typename optimizer_state_type::zero_state_type;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -270,20 +266,7 @@ class train_state {
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    const std::size_t dp = m.axes_size(data_axes);
-    if (options.zero) {
-      zero_state_.reserve(m.size());
-      for (std::size_t dev = 0; dev < m.size(); ++dev)
-        if (std::find(local_.begin(), local_.end(), dev) == local_.end()) {
-          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
-        } else {
-          const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-          zero_state_.emplace_back(typename zero_state_type::shape_type{opt.slots(), (n + dp - 1) / dp}, mesh, dev);
-        }
-    } else {
-      for (const auto& p : params)
-        for (std::size_t s = 0; s < opt.slots(); ++s) state_.push_back(p.layout->zeros_like(local_));
-    }
+    state_ = optimizer_state_type(mesh, params, opt.slots(), options.zero, local_);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -368,8 +351,7 @@ class train_state {
   /// device of another process.
   [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
     if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
-    if (options.zero) return zero_state_.at(dev).size();
-    return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
+    return state_.size(params, dev);
   }
   /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
   /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
@@ -396,7 +378,7 @@ class train_state {
     return out;
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
-  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return state_.zero_state(dev); }
   /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
   /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
   [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
@@ -417,32 +399,12 @@ class train_state {
   /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    std::array<float*, 2> slot{};
-    const std::span<float* const> slots(slot.data(), opt.slots());
-    if (!options.zero) {
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = state_slot(i, s, dev);
-        f(i, std::size_t{0}, params[i].count[dev], slots);
-      }
-      return;
-    }
-    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, data_axes) * size;
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) {
-        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
-        f(i, lo - off, hi - lo, slots);
-      }
-      off += p.count[dev];
-    }
+    state_.for_each_run(mesh, params, dev, std::forward<F>(f));
   }
   /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
   /// (one device of each group holding the same state).
   [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
-    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(options.zero ? data_axes : axis_mask{0});
-    return mesh.group_rank(dev, replicas) == 0;
+    return state_.owns(mesh, dev, p);
   }
 
   /// One device's share of a step after its backward passes: synchronise, clip, update.
@@ -491,7 +453,7 @@ class train_state {
     const double norm = std::sqrt(sq[0]);
     if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
-    float* m = zero_state_[dev].data();
+    float* m = state_.zero_state(dev).data();
     float* v = opt.slots() > 1 ? m + size : m;
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
       opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
@@ -619,7 +581,7 @@ class train_state {
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
-  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_[i * opt.slots() + s].blocks[dev]; }
+  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_.slot(i, s, dev); }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
     return master(static_cast<std::size_t>(&p - params.data()), dev);
   }
@@ -645,11 +607,8 @@ class train_state {
 
   grad_sync<T, Wire> sync_;
   softmax_cross_entropy<T> loss_;
-  // Optimizer state (see docs/design.md). Replicated: slot `s` of parameter `i` is
-  // `state_[i * slots + s]`, a float tensor with the parameter's own shape and sharding (the same
-  // blocks as its value and gradient). ZeRO-1: `zero_state_[dev]` (see `zero_state_type`).
-  std::vector<detail::held_tensor<float>> state_;
-  std::vector<zero_state_type> zero_state_;
+  /// Optimizer state (nn/train/optimizer_state.hpp; docs/design.md): replicated or ZeRO-1.
+  optimizer_state_type state_;
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
