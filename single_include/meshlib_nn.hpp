@@ -279,7 +279,7 @@ struct param_ref {
   std::uint8_t* overwrite = nullptr;
   /// Moves the parameter's value and gradient blocks to caller-owned memory: device `d`'s blocks
   /// become unmanaged views of `values[d]` and `grads[d]` (each `count[d]` elements; ignored where
-  /// not local) and the parameter's own storage is released. FSDP (nn/fsdp.hpp) points every
+  /// not local) and the parameter's own storage is released. FSDP (nn/parallel/fsdp.hpp) points every
   /// layer's blocks into one shared buffer this way. Empty for a view that cannot rebind (a shard).
   /// Valid while the parameter that gave this view stays where it was.
   std::function<void(std::span<T* const> values, std::span<T* const> grads)> rebind;
@@ -2636,7 +2636,7 @@ class tied_head {
   /// Nothing: the table is the embedding's, which lists it.
   void collect(std::vector<param_ref<T>>&) const {}
   /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
-  /// stage that holds this head but not the embedding mirrors the table (nn/pipeline.hpp).
+  /// stage that holds this head but not the embedding mirrors the table (nn/parallel/pipeline.hpp).
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
@@ -4879,7 +4879,7 @@ residual<T, Main, Shortcut> make_residual(const Mesh& mesh, Main main, Shortcut 
 namespace meshlib::nn {
 
 namespace detail {
-/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/fsdp.hpp) gathers a
+/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/parallel/fsdp.hpp) gathers a
 /// layer's parameters just before it runs and reduce-scatters its gradients just after its backward.
 /// `layer` is the layer's index, `dev` the running device.
 struct layer_hooks {
@@ -6410,7 +6410,119 @@ struct gradient_reduction_type_narrower_than_compute_type {
 }  // namespace nn
 }  // namespace meshlib
 // end meshlib/nn/precision.hpp
-// begin meshlib/nn/grad_sync.hpp
+// begin meshlib/nn/parallel/policy.hpp
+/// @file
+/// @brief `parallel_policy`: what `data_parallel`, `fully_shard` and `pipeline` have in common. Each
+/// names the mesh axis it applies to and says which parallelism it is (torchtitan's `apply_*`
+/// functions, one per parallelism over a sub-mesh); a `train_state` takes any of them, each at most
+/// once and each over an axis of its own, and checks that at compile time
+/// (`detail::check_policies`, nn/train/train_state.hpp). Tensor parallelism is not a policy: it is
+/// in the layer types (`column_dense`, `row_dense`, ...), checked when the model is composed.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+/// @brief Which parallelism a `parallel_policy` applies.
+enum class parallelism : std::uint8_t {
+  data,           ///< `data_parallel`: the batch split, gradients averaged (ZeRO-1 and overlap as options)
+  fully_sharded,  ///< `fully_shard`: parameters, gradients and optimizer state sharded (FSDP, ZeRO-3)
+  pipelined,      ///< `pipeline`: the model's layers cut into stages, micro-batches in a schedule
+};
+
+/// @brief A parallelism applied over one named mesh axis: a type with `static constexpr
+/// parallelism kind` and `static constexpr fixed_string axis` (`data_parallel`, `fully_shard`,
+/// `pipeline`).
+template <class P>
+concept parallel_policy = requires {
+  { P::kind } -> std::convertible_to<parallelism>;
+  P::axis.view();
+};
+
+namespace detail {
+/// `value`: the axis of the policy of kind `K` among `Ps` (the first), else `Default`. Well-formed
+/// for any types, policies or not (Clang forms a deduction guide's result before its constraints).
+template <parallelism K, fixed_string Default, class... Ps>
+struct policy_axis {
+  static constexpr auto value = Default;
+};
+template <class P>
+struct policy_axis_found {
+  static constexpr auto value = P::axis;
+};
+template <parallelism K, fixed_string Default, class P, class... Ps>
+  requires parallel_policy<P>
+struct policy_axis<K, Default, P, Ps...>
+    : std::conditional_t<P::kind == K, policy_axis_found<P>, policy_axis<K, Default, Ps...>> {};
+
+/// How many of the policies `Ps` are of kind `K`.
+template <parallelism K, class... Ps>
+inline constexpr std::size_t policy_count_v = (std::size_t{0} + ... + std::size_t{Ps::kind == K});
+
+/// Whether two of the policies `Ps` name the same mesh axis.
+template <class... Ps>
+constexpr bool policies_share_an_axis() {
+  constexpr std::size_t n = sizeof...(Ps);
+  if constexpr (n < 2) {
+    return false;
+  } else {
+    const std::string_view names[n] = {Ps::axis.view()...};
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = i + 1; j < n; ++j)
+        if (names[i] == names[j]) return true;
+    return false;
+  }
+}
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/parallel/policy.hpp
+// begin meshlib/nn/parallel/data_parallel.hpp
+/// @file
+/// @brief `data_parallel<"axis">`: data parallelism over one mesh axis (PyTorch's DDP, torchtitan's
+/// `apply_ddp`): the batch split over the axis, the gradients averaged over it in buckets
+/// (`grad_sync`, nn/parallel/grad_sync.hpp), with ZeRO-1 (the optimizer state and update sharded over
+/// the axis) and overlap (each bucket started during backward, nn/parallel/grad_overlap.hpp) as its
+/// options. With `fully_shard` on another axis the two compose (HSDP: shards over the fsdp axis,
+/// replicas over this one).
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1});
+/// meshlib::nn::train_state overlapped(mesh, std::move(net2), opt, meshlib::nn::data_parallel<"dp">{.overlap = true});
+/// @endcode
+
+#include <cstddef>
+
+// begin meshlib/nn/parallel/grad_overlap.hpp
+/// @file
+/// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
+/// uses) that start the data-parallel gradient buckets during backward
+/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
+/// parameter of that layer and of the layers after it has its final gradient (backward runs last
+/// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
+/// `psum_start`; the optimizer step waits for all of them.
+///
+/// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
+/// writes the shard gradients this then starts), so one hook pointer serves both.
+/// Only the last micro-batch's backward starts buckets (`arm`): with accumulation, the gradients
+/// are complete only then.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/parallel/grad_sync.hpp
 /// @file
 /// @brief Data-parallel gradient synchronisation: every local gradient block (a pending sum over the
 /// data axis: `x^T dy` contracts the data-sharded batch) is completed with few collectives, grouped
@@ -6741,8 +6853,158 @@ class grad_sync {
 };
 
 }  // namespace meshlib::nn
-// end meshlib/nn/grad_sync.hpp
-// begin meshlib/nn/fsdp.hpp
+// end meshlib/nn/parallel/grad_sync.hpp
+
+namespace meshlib::nn::detail {
+
+/// The overlap hooks of a `train_state` (see the file comment): buckets of `grad_sync<T, Wire>`
+/// all-reduced over the axes `DataAxes` of `Mesh`, or `ReplicaAxes` with FSDP (whose reduce-scatter
+/// already summed over the fsdp axis).
+template <class T, class Wire, mesh_type Mesh, axis_mask DataAxes, axis_mask ReplicaAxes>
+class grad_overlap final : public layer_hooks {
+ public:
+  /// `per_layer`: parameters per layer, in the order the model collects them; `round`: rounds a
+  /// gradient to the compute type (mixed precision; null otherwise); `inner`: FSDP's hooks or null
+  /// (then the sums run over `ReplicaAxes`).
+  grad_overlap(const Mesh& mesh, const std::vector<std::size_t>& per_layer, void (*round)(float*, std::size_t) noexcept,
+               layer_hooks* inner)
+      : mesh_(mesh),
+        round_(round),
+        inner_(inner),
+        sync_(mesh.size(), nullptr),
+        params_(mesh.size(), nullptr),
+        armed_(mesh.size(), 0),
+        next_(mesh.size(), 0),
+        seconds_(mesh.size(), 0.0) {
+    begin_.push_back(0);
+    for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
+  }
+
+  /// At the start of `dev`'s step, before its forward: makes the communicator the buckets will use.
+  /// Its first use in a call splits it from the world, a rendezvous of every device; here the
+  /// devices have just been started together, where inside the backward the rendezvous would
+  /// stall each device's backward until the slowest reached its first started bucket (the split
+  /// was most of the hooks' time: docs/benchmarks.md, "Overlapped gradient synchronisation").
+  void prepare(std::size_t dev) {
+    (void)dev;
+    on_axes([&]<axis_mask Axes>() {
+      if constexpr (Axes != 0)
+        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
+    });
+  }
+
+  /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
+  void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
+    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
+    const auto t0 = std::chrono::steady_clock::now();
+    sync_[dev] = &sync;
+    params_[dev] = &params;
+    on_axes([&]<axis_mask Axes>() { sync.template begin_all_reduce<Axes>(params, mesh_, dev); });
+    next_[dev] = params.size();
+    armed_[dev] = 1;
+    seconds_[dev] += since(t0);
+  }
+  /// Whether `dev`'s buckets are being started by the hooks (between `arm` and `finish`).
+  [[nodiscard]] bool armed(std::size_t dev) const { return armed_.at(dev) != 0; }
+  /// The parameters `[0, unstarted(dev))` whose gradients no hook has finalised yet (all of them
+  /// when not armed): `train_step` zeroes and rounds those itself.
+  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t all) const { return armed(dev) ? next_[dev] : all; }
+  /// Starts the buckets not started yet, waits for all, returns where each summed gradient lies
+  /// (`grad_sync::all_reduce`'s result).
+  const std::vector<T*>& finish(std::size_t dev) {
+    const auto t0 = std::chrono::steady_clock::now();
+    armed_[dev] = 0;
+    const std::vector<T*>* g = nullptr;
+    on_axes([&]<axis_mask Axes>() { g = &sync_[dev]->template finish_all_reduce<Axes>(*params_[dev], mesh_, dev); });
+    seconds_[dev] += since(t0);
+    return *g;
+  }
+  /// The time `dev`'s thread spent in the overlapped synchronisation since the last call (packing
+  /// and starting buckets during backward, then waiting): its exposed synchronisation time.
+  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
+
+  void before_forward(std::size_t layer, std::size_t dev) override {
+    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
+    // a step that failed before its update) must not start buckets.
+    if (layer == 0) armed_[dev] = 0;
+    if (inner_ != nullptr) inner_->before_forward(layer, dev);
+  }
+  void before_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->before_backward(layer, dev);
+  }
+  void after_backward(std::size_t layer, std::size_t dev) override {
+    if (inner_ != nullptr) inner_->after_backward(layer, dev);
+    if (!armed_[dev]) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<param_ref<T>>& params = *params_[dev];
+    const std::size_t first = begin_.at(layer), last = begin_.at(layer + 1);
+    // What train_step does after the backward for every gradient, here for this layer's, before
+    // its bucket can start: a gradient no backward wrote is zero; mixed precision rounds it.
+    for (std::size_t i = first; i < last; ++i) {
+      const param_ref<T>& p = params[i];
+      if (p.overwrite && p.overwrite[dev]) {
+        fill_values<default_memory_space>(p.grad[dev], p.count[dev], T{});
+        p.overwrite[dev] = 0;
+      }
+      if (round_ != nullptr) round_(p.grad[dev], p.count[dev]);
+    }
+    next_[dev] = std::min(next_[dev], first);
+    // The buckets' staging buffers are the synchronisation's, not activations: not on the step's
+    // activation meter (nn/remat.hpp), as they are not when the sync runs after the backward.
+    const meter_scope unmetered(nullptr);
+    on_axes([&]<axis_mask Axes>() { sync_[dev]->template start_ready<Axes>(params, mesh_, dev, first); });
+    seconds_[dev] += since(t0);
+  }
+
+ private:
+  template <class F>
+  void on_axes(F&& f) {
+    if (inner_ != nullptr) f.template operator()<ReplicaAxes>();
+    else f.template operator()<DataAxes>();
+  }
+  static double since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  Mesh mesh_;
+  void (*round_)(float*, std::size_t) noexcept;
+  layer_hooks* inner_;
+  std::vector<std::size_t> begin_;  ///< layer l's parameters: [begin_[l], begin_[l + 1])
+  // Per device, each written only by its own device's thread.
+  std::vector<grad_sync<T, Wire>*> sync_;
+  std::vector<const std::vector<param_ref<T>>*> params_;
+  std::vector<std::uint8_t> armed_;
+  std::vector<std::size_t> next_;
+  std::vector<double> seconds_;
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/parallel/grad_overlap.hpp
+
+namespace meshlib::nn {
+
+/// @brief Data parallelism over the mesh axis `Axis` (see the file comment); a `parallel_policy`.
+/// @tparam Axis the mesh axis the batch is split over and the gradients averaged over.
+template <fixed_string Axis = "data">
+struct data_parallel {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::data;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// The ZeRO stage: 0 (optimizer state replicated) or 1 (the optimizer state and update sharded
+  /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
+  int zero = 0;
+  /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are complete
+  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. A `sequential`
+  /// model without ZeRO; off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap = false;
+  /// The most gradient elements per collective (0: no limit).
+  std::size_t bucket_elements = std::size_t{1} << 20;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/parallel/data_parallel.hpp
+// begin meshlib/nn/parallel/fsdp.hpp
 /// @file
 /// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
 /// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
@@ -6790,6 +7052,28 @@ class grad_sync {
 
 
 namespace meshlib::nn {
+
+/// @brief Fully sharded data parallelism over the mesh axis `Axis` (see the file comment; FSDP2's
+/// `fully_shard`); a `parallel_policy`. Composes with `data_parallel` on another axis (HSDP) and
+/// with `pipeline`.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::fully_shard<"fsdp">{.reshard_after_forward = false});
+/// @endcode
+/// @tparam Axis the mesh axis parameters, gradients and optimizer state are sharded over (it splits
+/// the batch as a data axis does).
+template <fixed_string Axis = "fsdp">
+struct fully_shard {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::fully_sharded;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// Gather a layer's parameters again for its backward (true: least memory), or keep them from its
+  /// forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  /// With `reshard_after_forward = false`: start the next layer's parameter all-gathers before a
+  /// layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  bool prefetch = true;
+};
 
 /// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
 struct training_memory {
@@ -7134,7 +7418,7 @@ class fsdp_engine final : public layer_hooks {
 
 }  // namespace detail
 }  // namespace meshlib::nn
-// end meshlib/nn/fsdp.hpp
+// end meshlib/nn/parallel/fsdp.hpp
 // begin meshlib/nn/data.hpp
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
@@ -8308,28 +8592,203 @@ class device_prefetcher {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/device_put.hpp
-// begin meshlib/nn/train_state.hpp
+// begin meshlib/nn/train/loss_scaler.hpp
+/// @file
+/// @brief `loss_scaler`: dynamic loss scaling (PyTorch's `GradScaler`): the loss is multiplied by
+/// the scale before backward and the summed gradients divided by it; a step whose gradients hold an
+/// inf or NaN on any device is skipped on every device and halves the scale, and `growth_interval`
+/// good steps in a row double it. A `train_state` holds one (`train_options::loss_scale`).
+/// @code
+/// meshlib::nn::loss_scaler s(0.0f, true);   // float16 compute: on, from 32768
+/// const bool counts = s.update(skipped, 2000);  // after each step, with every device's verdict
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+
+
+namespace meshlib::nn {
+
+/// @brief Dynamic loss scaling's state and rules (see the file comment).
+class loss_scaler {
+ public:
+  /// Off: a scale of 1.
+  loss_scaler() = default;
+  /// `initial > 0`: on, from that scale; 0: on from 32768 when `needed` (a float16 compute type),
+  /// off otherwise.
+  loss_scaler(float initial, bool needed) noexcept
+      : scale_(initial > 0 ? initial : (needed ? 32768.0f : 1.0f)), on_(initial > 0 || needed) {}
+
+  /// The current scale (1 when off).
+  [[nodiscard]] float scale() const noexcept { return scale_; }
+  /// Whether loss scaling is on.
+  [[nodiscard]] bool enabled() const noexcept { return on_; }
+  /// Consecutive good steps since the scale last changed.
+  [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
+
+  /// After a step, with every device's verdict (equal on all of them): on a skipped step halves the
+  /// scale (not below 2^-16) and returns false; otherwise counts the good step, doubles the scale
+  /// after `growth_interval` of them, and returns true (the step counts). Off: always true.
+  bool update(bool skipped, std::size_t growth_interval) noexcept {
+    if (!on_) return true;
+    if (skipped) {
+      scale_ = std::max(scale_ * 0.5f, 1.0f / 65536.0f);
+      good_steps_ = 0;
+      return false;
+    }
+    if (++good_steps_ >= growth_interval) {
+      scale_ *= 2.0f;
+      good_steps_ = 0;
+    }
+    return true;
+  }
+  /// Divides the `n` gradients at `g` by the scale (nothing when off or at 1).
+  void unscale(float* g, std::size_t n) const noexcept {
+    if (on_ && scale_ != 1.0f) detail::scale_in_place(g, n, 1.0f / scale_);
+  }
+
+ private:
+  float scale_ = 1.0f;
+  bool on_ = false;
+  std::size_t good_steps_ = 0;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/loss_scaler.hpp
+// begin meshlib/nn/train/optimizer_state.hpp
+/// @file
+/// @brief `optimizer_state`: where a `train_state`'s optimizer slots live, in one of two layouts.
+/// Replicated (and under FSDP, whose parameters are already the shards): slot `s` of parameter `i`
+/// is a float tensor with the parameter's own shape and sharding, the same blocks as its value and
+/// gradient. ZeRO-1 (`data_parallel{.zero = 1}`): each device holds `(slots, ceil(n / dp))`, its
+/// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
+/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
+/// @code
+/// // inside train_state: state_ = optimizer_state<Mesh, data_axes>(mesh, params, opt.slots(), options.zero, local_);
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A train state's optimizer slots (see the file comment) over the mesh `Mesh`, ZeRO-1
+/// sharded over `DataAxes` when asked.
+template <mesh_type Mesh, axis_mask DataAxes>
+class optimizer_state {
+ public:
+  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
+  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
+  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
+  /// data axes, and the value varies over every axis (the flat vector itself differs over the
+  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
+  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
+  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
+  using zero_state_type =
+      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, DataAxes>, default_memory_space>;
+
+  /// No state.
+  optimizer_state() = default;
+  /// @brief Zeroed slots for `params` on this process's devices `local`: `slots` per element,
+  /// ZeRO-1 sharded over `DataAxes` when `zero`. Every tensor is made here, on the calling thread:
+  /// device threads only read and write blocks through unmanaged views (tensor/view.hpp).
+  optimizer_state(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t slots, bool zero,
+                  std::span<const std::size_t> local)
+      : slots_(slots), zero_(zero) {
+    if (zero) {
+      const std::size_t dp = mesh.axes_size(DataAxes);
+      zero_state_.reserve(mesh.size());
+      for (std::size_t dev = 0; dev < mesh.size(); ++dev)
+        if (std::find(local.begin(), local.end(), dev) == local.end()) {
+          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
+        } else {
+          const std::size_t n = flat_size(params, dev);
+          zero_state_.emplace_back(typename zero_state_type::shape_type{slots, (n + dp - 1) / dp}, mesh, dev);
+        }
+    } else {
+      for (const auto& p : params)
+        for (std::size_t s = 0; s < slots; ++s) state_.push_back(p.layout->zeros_like(local));
+    }
+  }
+
+  /// Whether the slots are ZeRO-1 sharded over the data axes.
+  [[nodiscard]] bool sharded() const noexcept { return zero_; }
+  /// Elements of state device `dev` holds (a device of this process) for `params`.
+  [[nodiscard]] std::size_t size(std::span<const param_ref<float>> params, std::size_t dev) const {
+    return zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev);
+  }
+  /// Slot `s` of parameter `i`'s block on device `dev` (replicated layout).
+  [[nodiscard]] float* slot(std::size_t i, std::size_t s, std::size_t dev) const {
+    return state_[i * slots_ + s].blocks[dev];
+  }
+  /// Device `dev`'s ZeRO-1 state (sharded layout).
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  /// Device `dev`'s ZeRO-1 state, to update (sharded layout).
+  [[nodiscard]] zero_state_type& zero_state(std::size_t dev) { return zero_state_.at(dev); }
+
+  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of state device `dev` holds, in
+  /// parameter order: elements `[offset, offset + len)` of the parameter's local block, whose slot
+  /// `s` starts at `slot[s]` (a `std::span<float* const>` of the slots). Replicated: whole blocks;
+  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  template <class F>
+  void for_each_run(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t dev, F&& f) {
+    std::array<float*, 2> slot{};
+    const std::span<float* const> slots(slot.data(), slots_);
+    if (!zero_) {
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        for (std::size_t s = 0; s < slots_; ++s) slot[s] = this->slot(i, s, dev);
+        f(i, std::size_t{0}, params[i].count[dev], slots);
+      }
+      return;
+    }
+    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, DataAxes) * size;
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) {
+        for (std::size_t s = 0; s < slots_; ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
+        f(i, lo - off, hi - lo, slots);
+      }
+      off += p.count[dev];
+    }
+  }
+  /// Whether device `dev` is the one that writes parameter `p`'s state to a checkpoint (one device
+  /// of each group holding the same state).
+  [[nodiscard]] bool owns(const Mesh& mesh, std::size_t dev, const param_ref<float>& p) const {
+    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(zero_ ? DataAxes : axis_mask{0});
+    return mesh.group_rank(dev, replicas) == 0;
+  }
+
+ private:
+  static std::size_t flat_size(std::span<const param_ref<float>> params, std::size_t dev) {
+    std::size_t n = 0;
+    for (const auto& p : params) n += p.count[dev];
+    return n;
+  }
+
+  std::size_t slots_ = 0;
+  bool zero_ = false;
+  // Replicated: slot `s` of parameter `i` is `state_[i * slots + s]`. ZeRO-1: `zero_state_[dev]`.
+  std::vector<detail::held_tensor<float>> state_;
+  std::vector<zero_state_type> zero_state_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/optimizer_state.hpp
+// begin meshlib/nn/train/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
-/// and `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
-/// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
-/// clipping over every shard, and the optimizer update (replicated, ZeRO-1 sharded over the data
-/// axis, or FSDP: parameters, gradients and state sharded over an fsdp axis, nn/fsdp.hpp), all on
-/// every device of the mesh at once.
-///
-/// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
-/// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
-///
-/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
-/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
-/// nn/loss_function.hpp).
+/// and `train_options`, how the steps run: accumulation micro-batches, replicated, ZeRO-1 (sharded
+/// over the data axis) or FSDP (nn/parallel/fsdp.hpp) optimizer state, loss scaling and the
+/// pipeline (nn/parallel/pipeline.hpp). The steps themselves are in nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
-/// for (auto b = loader.next(); b; b = loader.next()) {
-///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
-/// }
-/// // regression: rows x F float targets, mean squared error
-/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
 /// @endcode
 
 #include <algorithm>
@@ -8348,154 +8807,7 @@ class device_prefetcher {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/detail/grad_overlap.hpp
-/// @file
-/// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
-/// uses) that start the data-parallel gradient buckets during backward
-/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
-/// parameter of that layer and of the layers after it has its final gradient (backward runs last
-/// layer first), so every bucket (nn/grad_sync.hpp) made only of such parameters is started with
-/// `psum_start`; the optimizer step waits for all of them.
-///
-/// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
-/// writes the shard gradients this then starts), so one hook pointer serves both.
-/// Only the last micro-batch's backward starts buckets (`arm`): with accumulation, the gradients
-/// are complete only then.
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib::nn::detail {
-
-/// The overlap hooks of a `train_state` (see the file comment): buckets of `grad_sync<T, Wire>`
-/// all-reduced over the axes `DataAxes` of `Mesh`, or `ReplicaAxes` with FSDP (whose reduce-scatter
-/// already summed over the fsdp axis).
-template <class T, class Wire, mesh_type Mesh, axis_mask DataAxes, axis_mask ReplicaAxes>
-class grad_overlap final : public layer_hooks {
- public:
-  /// `per_layer`: parameters per layer, in the order the model collects them; `round`: rounds a
-  /// gradient to the compute type (mixed precision; null otherwise); `inner`: FSDP's hooks or null
-  /// (then the sums run over `ReplicaAxes`).
-  grad_overlap(const Mesh& mesh, const std::vector<std::size_t>& per_layer, void (*round)(float*, std::size_t) noexcept,
-               layer_hooks* inner)
-      : mesh_(mesh),
-        round_(round),
-        inner_(inner),
-        sync_(mesh.size(), nullptr),
-        params_(mesh.size(), nullptr),
-        armed_(mesh.size(), 0),
-        next_(mesh.size(), 0),
-        seconds_(mesh.size(), 0.0) {
-    begin_.push_back(0);
-    for (std::size_t c : per_layer) begin_.push_back(begin_.back() + c);
-  }
-
-  /// At the start of `dev`'s step, before its forward: makes the communicator the buckets will use.
-  /// Its first use in a call splits it from the world, a rendezvous of every device; here the
-  /// devices have just been started together, where inside the backward the rendezvous would
-  /// stall each device's backward until the slowest reached its first started bucket (the split
-  /// was most of the hooks' time: docs/benchmarks.md, "Overlapped gradient synchronisation").
-  void prepare(std::size_t dev) {
-    (void)dev;
-    on_axes([&]<axis_mask Axes>() {
-      if constexpr (Axes != 0)
-        if (mesh_.axes_size(Axes) > 1) prepare_group_over<Mesh, Axes>();
-    });
-  }
-
-  /// Before the last micro-batch's backward on `dev`: plans the buckets; the hooks then start them.
-  void arm(grad_sync<T, Wire>& sync, const std::vector<param_ref<T>>& params, std::size_t dev) {
-    if (begin_.back() != params.size()) return;  // layers that do not account for every parameter: after backward
-    const auto t0 = std::chrono::steady_clock::now();
-    sync_[dev] = &sync;
-    params_[dev] = &params;
-    on_axes([&]<axis_mask Axes>() { sync.template begin_all_reduce<Axes>(params, mesh_, dev); });
-    next_[dev] = params.size();
-    armed_[dev] = 1;
-    seconds_[dev] += since(t0);
-  }
-  /// Whether `dev`'s buckets are being started by the hooks (between `arm` and `finish`).
-  [[nodiscard]] bool armed(std::size_t dev) const { return armed_.at(dev) != 0; }
-  /// The parameters `[0, unstarted(dev))` whose gradients no hook has finalised yet (all of them
-  /// when not armed): `train_step` zeroes and rounds those itself.
-  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t all) const { return armed(dev) ? next_[dev] : all; }
-  /// Starts the buckets not started yet, waits for all, returns where each summed gradient lies
-  /// (`grad_sync::all_reduce`'s result).
-  const std::vector<T*>& finish(std::size_t dev) {
-    const auto t0 = std::chrono::steady_clock::now();
-    armed_[dev] = 0;
-    const std::vector<T*>* g = nullptr;
-    on_axes([&]<axis_mask Axes>() { g = &sync_[dev]->template finish_all_reduce<Axes>(*params_[dev], mesh_, dev); });
-    seconds_[dev] += since(t0);
-    return *g;
-  }
-  /// The time `dev`'s thread spent in the overlapped synchronisation since the last call (packing
-  /// and starting buckets during backward, then waiting): its exposed synchronisation time.
-  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
-
-  void before_forward(std::size_t layer, std::size_t dev) override {
-    // A forward is never part of the armed backward: an earlier micro-batch's backward (or that of
-    // a step that failed before its update) must not start buckets.
-    if (layer == 0) armed_[dev] = 0;
-    if (inner_ != nullptr) inner_->before_forward(layer, dev);
-  }
-  void before_backward(std::size_t layer, std::size_t dev) override {
-    if (inner_ != nullptr) inner_->before_backward(layer, dev);
-  }
-  void after_backward(std::size_t layer, std::size_t dev) override {
-    if (inner_ != nullptr) inner_->after_backward(layer, dev);
-    if (!armed_[dev]) return;
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<param_ref<T>>& params = *params_[dev];
-    const std::size_t first = begin_.at(layer), last = begin_.at(layer + 1);
-    // What train_step does after the backward for every gradient, here for this layer's, before
-    // its bucket can start: a gradient no backward wrote is zero; mixed precision rounds it.
-    for (std::size_t i = first; i < last; ++i) {
-      const param_ref<T>& p = params[i];
-      if (p.overwrite && p.overwrite[dev]) {
-        fill_values<default_memory_space>(p.grad[dev], p.count[dev], T{});
-        p.overwrite[dev] = 0;
-      }
-      if (round_ != nullptr) round_(p.grad[dev], p.count[dev]);
-    }
-    next_[dev] = std::min(next_[dev], first);
-    // The buckets' staging buffers are the synchronisation's, not activations: not on the step's
-    // activation meter (nn/remat.hpp), as they are not when the sync runs after the backward.
-    const meter_scope unmetered(nullptr);
-    on_axes([&]<axis_mask Axes>() { sync_[dev]->template start_ready<Axes>(params, mesh_, dev, first); });
-    seconds_[dev] += since(t0);
-  }
-
- private:
-  template <class F>
-  void on_axes(F&& f) {
-    if (inner_ != nullptr) f.template operator()<ReplicaAxes>();
-    else f.template operator()<DataAxes>();
-  }
-  static double since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
-  Mesh mesh_;
-  void (*round_)(float*, std::size_t) noexcept;
-  layer_hooks* inner_;
-  std::vector<std::size_t> begin_;  ///< layer l's parameters: [begin_[l], begin_[l + 1])
-  // Per device, each written only by its own device's thread.
-  std::vector<grad_sync<T, Wire>*> sync_;
-  std::vector<const std::vector<param_ref<T>>*> params_;
-  std::vector<std::uint8_t> armed_;
-  std::vector<std::size_t> next_;
-  std::vector<double> seconds_;
-};
-
-}  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/grad_overlap.hpp
-// begin meshlib/nn/pipeline.hpp
+// begin meshlib/nn/parallel/pipeline.hpp
 /// @file
 /// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
 /// model cut into stages (contiguous runs of layers), one stage per device of the axis, the batch
@@ -8559,7 +8871,7 @@ class grad_overlap final : public layer_hooks {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/pipeline_schedule.hpp
+// begin meshlib/nn/parallel/pipeline_schedule.hpp
 /// @file
 /// @brief Pipeline schedules (issue 26): which stage runs which micro-batch's forward or backward
 /// when, as an object that can be printed as a timeline and measured (bubble fraction, activations
@@ -8770,7 +9082,7 @@ class pipeline_schedule {
 };
 
 }  // namespace meshlib::nn
-// end meshlib/nn/pipeline_schedule.hpp
+// end meshlib/nn/parallel/pipeline_schedule.hpp
 
 namespace meshlib::nn {
 
@@ -8790,6 +9102,30 @@ struct pipeline_options {
   /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
   /// parameter count.
   std::vector<std::size_t> split_points = {};
+};
+
+/// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
+/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt,
+///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});
+/// @endcode
+/// @tparam Axis the mesh axis whose devices hold the stages.
+template <fixed_string Axis = "pipeline">
+struct pipeline {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::pipelined;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// The order of forwards and backwards.
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;
+  /// Micro-batches per step (0: as many as stages).
+  std::size_t microbatches = 0;
+  /// The index of the first layer of every stage after the first (empty: balanced by parameters).
+  std::vector<std::size_t> split_points = {};
+  /// These options as `train_options::pipeline` holds them.
+  [[nodiscard]] pipeline_options options() const { return {microbatches, schedule, split_points}; }
 };
 
 /// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and
@@ -9369,44 +9705,17 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/pipeline.hpp
+// end meshlib/nn/parallel/pipeline.hpp
+// begin meshlib/nn/train/step_metrics.hpp
+/// @file
+/// @brief `step_metrics`, what one `train_step` or `evaluate` reports (equal on every device), and
+/// `detail::sum_over`, the host-value sums over mesh axes that make it equal: the step, the
+/// evaluation, the pipelined schedule and the gradient clipping all sum through it.
+
+#include <cstddef>
+
 
 namespace meshlib::nn {
-
-/// @brief How `train_step` runs (see the file comment).
-struct train_options {
-  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
-  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
-  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
-  /// axis, each layer's parameters all-gathered just before it runs (nn/fsdp.hpp).
-  bool fsdp = false;
-  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
-  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
-  bool reshard_after_forward = true;
-  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
-  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
-  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
-  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
-  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
-  float loss_scale = 0.0f;
-  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
-  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
-  /// micro-batches, schedule and stage split (nn/pipeline.hpp).
-  pipeline_options pipeline = {};
-  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
-  /// has completed its gradients (PyTorch DDP's overlap; nn/detail/grad_overlap.hpp), instead of
-  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
-  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
-  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
-  bool overlap_grad_sync = false;
-  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
-  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
-  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
-  /// overwrite: not prefetched.
-  bool fsdp_prefetch = true;
-};
 
 namespace detail {
 /// Sums the `N` numbers `v` (the squared norm; `(loss, correct)`) over the axes `Axes` with the
@@ -9452,6 +9761,46 @@ struct step_metrics {
   std::size_t peak_activation_bytes = 0;
 };
 
+}  // namespace meshlib::nn
+// end meshlib/nn/train/step_metrics.hpp
+
+namespace meshlib::nn {
+
+/// @brief How `train_step` runs (see the file comment).
+struct train_options {
+  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
+  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
+  /// axis, each layer's parameters all-gathered just before it runs (nn/parallel/fsdp.hpp).
+  bool fsdp = false;
+  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
+  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
+  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
+  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
+  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
+  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
+  float loss_scale = 0.0f;
+  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
+  /// micro-batches, schedule and stage split (nn/parallel/pipeline.hpp).
+  pipeline_options pipeline = {};
+  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
+  /// has completed its gradients (PyTorch DDP's overlap; nn/parallel/grad_overlap.hpp), instead of
+  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
+  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
+  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
+  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap_grad_sync = false;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
+};
+
 namespace detail {
 /// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
 template <std::size_t N>
@@ -9462,13 +9811,64 @@ constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
 constexpr std::string_view text_of(const char* s) noexcept { return s; }
 }  // namespace detail
 
+namespace detail {
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
+  }
+}
+}  // namespace detail
+
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
-/// @tparam Data the data-parallel axis; @tparam Wire the gradient reduction's element type;
+/// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
+/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
-          compute_precision Compute = float, fixed_string Fsdp = "fsdp">
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
 class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
@@ -9499,9 +9899,11 @@ class train_state {
   }();
   /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
-  /// The mesh's `pipeline` axis (0 when it has none): stages of the model (nn/pipeline.hpp).
+  /// The name of the pipeline axis (`Pipe`).
+  static constexpr auto pipeline_axis = Pipe;
+  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
-    if constexpr (Mesh::template has_axis<"pipeline">) return Mesh::template mask_of<"pipeline">();
+    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
     else return axis_mask{0};
   }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
@@ -9509,15 +9911,10 @@ class train_state {
   /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
   /// row, the rows `batch * sequence` tokens, sequence-major), rows sharded over the data axes.
   using ids_type = local_tensor<std::int32_t, 1, Mesh, data_axes, 0, dim_masks<data_axes>, default_memory_space>;
-  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
-  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
-  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
-  /// data axes, and the value varies over every axis (the flat vector itself differs over the
-  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
-  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
-  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
-  using zero_state_type =
-      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, data_axes>, default_memory_space>;
+  /// The optimizer state's layout (nn/train/optimizer_state.hpp).
+  using optimizer_state_type = nn::optimizer_state<Mesh, data_axes>;
+  /// A device's ZeRO-1 optimizer state (see `optimizer_state::zero_state_type`).
+  using zero_state_type = typename optimizer_state_type::zero_state_type;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -9552,8 +9949,7 @@ class train_state {
         output_grad_(m.size()),
         squares_(m.size()) {
     model.collect(params);
-    loss_scale_ = options.loss_scale > 0 ? options.loss_scale : (needs_loss_scaling<Compute> ? 32768.0f : 1.0f);
-    scaling_ = options.loss_scale > 0 || needs_loss_scaling<Compute>;
+    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
       if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
         model.round_activations = &detail::round_to<Compute>;
@@ -9565,29 +9961,16 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (options.fsdp) shard_parameters();
-    // Pipeline (nn/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/detail/pipeline_step.hpp), not from the layer hooks.
+    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    const std::size_t dp = m.axes_size(data_axes);
-    if (options.zero) {
-      zero_state_.reserve(m.size());
-      for (std::size_t dev = 0; dev < m.size(); ++dev)
-        if (std::find(local_.begin(), local_.end(), dev) == local_.end()) {
-          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
-        } else {
-          const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
-          zero_state_.emplace_back(typename zero_state_type::shape_type{opt.slots(), (n + dp - 1) / dp}, mesh, dev);
-        }
-    } else {
-      for (const auto& p : params)
-        for (std::size_t s = 0; s < opt.slots(); ++s) state_.push_back(p.layout->zeros_like(local_));
-    }
+    state_ = optimizer_state_type(mesh, params, opt.slots(), options.zero, local_);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -9596,6 +9979,20 @@ class train_state {
       }
     refresh_compute_copies();
   }
+
+  /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
+  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
+  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
+  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
+  /// that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+  /// @brief As the constructor above, from the default `train_options`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
@@ -9617,11 +10014,11 @@ class train_state {
           detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
   /// The current loss scale (1 without loss scaling).
-  [[nodiscard]] float loss_scale() const noexcept { return loss_scale_; }
+  [[nodiscard]] float loss_scale() const noexcept { return scaler_.scale(); }
   /// Whether dynamic loss scaling is on.
-  [[nodiscard]] bool loss_scaling() const noexcept { return scaling_; }
+  [[nodiscard]] bool loss_scaling() const noexcept { return scaler_.enabled(); }
   /// Consecutive good steps since the scale last changed.
-  [[nodiscard]] std::size_t good_steps() const noexcept { return good_steps_; }
+  [[nodiscard]] std::size_t good_steps() const noexcept { return scaler_.good_steps(); }
 
   /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
   /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
@@ -9649,20 +10046,7 @@ class train_state {
   /// Called by train_step after the spmd region with every device's verdict (equal on all of
   /// them): advances the step, or, on a skipped step, halves the loss scale.
   void finish_step(bool skipped) {
-    if (!scaling_) {
-      ++step;
-      return;
-    }
-    if (skipped) {
-      loss_scale_ = std::max(loss_scale_ * 0.5f, 1.0f / 65536.0f);
-      good_steps_ = 0;
-      return;
-    }
-    ++step;
-    if (++good_steps_ >= options.scale_growth_interval) {
-      loss_scale_ *= 2.0f;
-      good_steps_ = 0;
-    }
+    if (scaler_.update(skipped, options.scale_growth_interval)) ++step;
   }
 
   /// This process's devices.
@@ -9671,8 +10055,7 @@ class train_state {
   /// device of another process.
   [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
     if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
-    if (options.zero) return zero_state_.at(dev).size();
-    return opt.slots() * grad_sync<T, Wire>::flat_size(params, dev);
+    return state_.size(params, dev);
   }
   /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
   /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
@@ -9699,7 +10082,7 @@ class train_state {
     return out;
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
-  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return state_.zero_state(dev); }
   /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
   /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
   [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
@@ -9720,32 +10103,12 @@ class train_state {
   /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    std::array<float*, 2> slot{};
-    const std::span<float* const> slots(slot.data(), opt.slots());
-    if (!options.zero) {
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = state_slot(i, s, dev);
-        f(i, std::size_t{0}, params[i].count[dev], slots);
-      }
-      return;
-    }
-    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, data_axes) * size;
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) {
-        for (std::size_t s = 0; s < opt.slots(); ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
-        f(i, lo - off, hi - lo, slots);
-      }
-      off += p.count[dev];
-    }
+    state_.for_each_run(mesh, params, dev, std::forward<F>(f));
   }
   /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
   /// (one device of each group holding the same state).
   [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
-    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(options.zero ? data_axes : axis_mask{0});
-    return mesh.group_rank(dev, replicas) == 0;
+    return state_.owns(mesh, dev, p);
   }
 
   /// One device's share of a step after its backward passes: synchronise, clip, update.
@@ -9755,7 +10118,7 @@ class train_state {
     const auto t0 = std::chrono::steady_clock::now();
     if (!options.zero) {
       // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      // Overlapped: the buckets were started during backward (nn/detail/grad_overlap.hpp).
+      // Overlapped: the buckets were started during backward (nn/parallel/grad_overlap.hpp).
       const bool overlapped = overlap_ && overlap_->armed(dev);
       const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
                                  : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
@@ -9772,7 +10135,7 @@ class train_state {
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
-      if (scaling_ && !std::isfinite(norm)) return norm;
+      if (scaler_.enabled() && !std::isfinite(norm)) return norm;
       const float scale = clip_scale(norm);
       for (std::size_t i = 0; i < params.size(); ++i) {
         float* m = state_slot(i, 0, dev);
@@ -9792,9 +10155,9 @@ class train_state {
     });
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
-    if (scaling_ && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
+    if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     const float scale = clip_scale(norm);
-    float* m = zero_state_[dev].data();
+    float* m = state_.zero_state(dev).data();
     float* v = opt.slots() > 1 ? m + size : m;
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
       opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
@@ -9831,7 +10194,7 @@ class train_state {
     if (overlap_) overlap_->arm(sync_, params, dev);
   }
   /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
-  /// (nn/detail/grad_overlap.hpp, `prepare`; no-op without overlap).
+  /// (nn/parallel/grad_overlap.hpp, `prepare`; no-op without overlap).
   void prepare_grad_overlap(std::size_t dev) {
     if (overlap_) overlap_->prepare(dev);
   }
@@ -9842,6 +10205,33 @@ class train_state {
   }
 
  private:
+  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  template <class... Ps>
+  static train_options with_policies(train_options opts, const Ps&... ps) {
+    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
+    (apply_policy(opts, ps), ...);
+    return opts;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const data_parallel<A>& p) {
+    if (p.zero != 0 && p.zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    o.zero = p.zero == 1;
+    o.overlap_grad_sync = p.overlap;
+    o.bucket_elements = p.bucket_elements;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const fully_shard<A>& p) {
+    o.fsdp = true;
+    o.reshard_after_forward = p.reshard_after_forward;
+    o.fsdp_prefetch = p.prefetch;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
+    o.pipeline = p.options();
+  }
   /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
   void start_overlap() {
     if constexpr (requires(Model& net) {
@@ -9856,7 +10246,7 @@ class train_state {
     }
   }
 
-  /// FSDP: moves the parameters into their shards (nn/fsdp.hpp); `params` become the shards.
+  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
   void shard_parameters() {
     // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
     // ("expression must have class type"): read it through an overload for either.
@@ -9893,13 +10283,9 @@ class train_state {
     return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
                                                         squares_.get(dev, detail::squares_scratch(hi - lo)));
   }
-  void unscale(T* g, std::size_t n) const noexcept {
-    if (scaling_ && loss_scale_ != 1.0f) {
-      detail::scale_in_place(g, n, 1.0f / loss_scale_);
-    }
-  }
+  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
-  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_[i * opt.slots() + s].blocks[dev]; }
+  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_.slot(i, s, dev); }
   float* master_of(const param_ref<T>& p, std::size_t dev) {
     return master(static_cast<std::size_t>(&p - params.data()), dev);
   }
@@ -9925,11 +10311,8 @@ class train_state {
 
   grad_sync<T, Wire> sync_;
   softmax_cross_entropy<T> loss_;
-  // Optimizer state (see docs/design.md). Replicated: slot `s` of parameter `i` is
-  // `state_[i * slots + s]`, a float tensor with the parameter's own shape and sharding (the same
-  // blocks as its value and gradient). ZeRO-1: `zero_state_[dev]` (see `zero_state_type`).
-  std::vector<detail::held_tensor<float>> state_;
-  std::vector<zero_state_type> zero_state_;
+  /// Optimizer state (nn/train/optimizer_state.hpp; docs/design.md): replicated or ZeRO-1.
+  optimizer_state_type state_;
   detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
@@ -9951,10 +10334,98 @@ class train_state {
   /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
   using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
   std::shared_ptr<overlap_type> overlap_;
-  float loss_scale_ = 1.0f;
-  bool scaling_ = false;
-  std::size_t good_steps_ = 0;
+  /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
+  loss_scaler scaler_;
 };
+
+/// Made with parallel policies, a train state's axes are the policies' (the defaults for the
+/// parallelisms not given), its parameters and compute float.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options` before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/train_state.hpp
+// begin meshlib/nn/train/train_step.hpp
+/// @file
+/// @brief `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
+/// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
+/// clipping over every shard, and the optimizer update (`train_state::apply_gradients`), all on
+/// every device of the mesh at once. A state with a pipeline runs the pipeline's schedule instead
+/// (nn/parallel/pipeline_step.hpp).
+///
+/// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
+/// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
+///
+/// The loss is the state's `softmax_cross_entropy` for class labels, or any `loss_function` given
+/// to `train_step` with its targets (`mean_squared_error` for regression, or a user-written loss:
+/// nn/loss_function.hpp).
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
+/// for (auto b = loader.next(); b; b = loader.next()) {
+///   auto m = meshlib::nn::train_step(state, *b);   // m.loss: the mean loss over the global batch
+/// }
+/// // regression: rows x F float targets, mean squared error
+/// auto r = meshlib::nn::train_step(state, x, targets, rows, 0, rows, meshlib::nn::mean_squared_error{});
+/// @endcode
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/parallel/pipeline_step.hpp
+/// @file
+/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
+/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
+/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
+///
+/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
+/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
+
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <ctime>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// begin meshlib/nn/train/step_inputs.hpp
+/// @file
+/// @brief The argument checks and input blocks every step and evaluation share (the plain
+/// `train_step`, `evaluate` and the pipelined schedule's step, nn/parallel/pipeline_step.hpp): the
+/// batch splits over the data axes, the runner runs the state's devices, a device's rows as the
+/// model's input block.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+
+namespace meshlib::nn {
 
 namespace detail {
 /// Throws unless a global batch of `count` units (rows; or sequences of `seq` tokens, `seq > 0`)
@@ -10068,355 +10539,10 @@ void check_step_inputs(const State& s, const Backend& backend, std::size_t n_in,
                          " rows: give every row the same number of targets (one label per row for "
                          "softmax_cross_entropy, one value per output column for mean_squared_error)");
 }
-
-// The pipelined step and evaluation (nn/detail/pipeline_step.hpp, included at the end of this file).
-template <class State, class In, class Target, class Loss, class Backend>
-step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend);
-template <class State, class In, class Backend>
-step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend);
-
-/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
-/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
-/// token id per row) and `y` holding `rows` rows of targets of equal width.
-template <class State, input_element In, class Target, class Loss, class Backend>
-step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
-  const std::size_t k = s.options.accumulation;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = input_block_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        // Last step's gradients: the layers that can overwrite them in the first backward do (no
-        // zeroing pass over the model), the others add to zeros.
-        for (const auto& p : s.params)
-          if (p.overwrite) p.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-        double sums[2] = {0, 0};
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        s.prepare_grad_overlap(dev);
-        for (std::size_t j = 0; j < k; ++j) {
-          const std::size_t r0 = first + j * micro - global_offset;
-          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = [&] {
-            const meter_scope metered(meter);  // counts the model's buffers only
-            return s.model.forward(xb);
-          }();
-          out[dev].activation_bytes = meter->live;
-          using Z = decltype(logits);
-          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
-                    s.mesh, dev);
-          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
-                                                   global_rows, dlogits));
-          if (s.loss_scaling() || State::mixed) {
-            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
-          }
-          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
-          {
-            const meter_scope metered(meter);
-            s.model.template backward<X>(dlogits);
-          }
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
-        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
-        for (const auto& p : unstarted)
-          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-            p.overwrite[dev] = 0;
-          }
-        if constexpr (State::mixed)
-          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
-        step_metrics& m = out[dev];
-        m.peak_activation_bytes = meter->peak;
-        m.loss_scale = s.loss_scale();
-        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
-        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        m.loss = sums[0];
-        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        m.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  for (std::size_t dev : s.local_devices())
-    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
-      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
-                           std::to_string(dev) + ")");
-  s.finish_step(r.skipped);
-  return r;
-}
-
-/// The model's output type for a train state's input of elements `In` (what a loss receives).
-template <class State, class In = float>
-using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
-    std::declval<const input_block_t<State, In>&>()))>;
-
-/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
-template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
-step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
-                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  using L = std::remove_reference_t<Loss>;
-  using Z = output_of_t<State, In>;
-  constexpr bool is_loss = loss_function<L, Z>;
-  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
-  if constexpr (is_loss) {
-    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
-    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
-    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
-                                                                    loss_target_t<L>>) > 0);
-    if constexpr (same)
-      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
-                            global_offset, global_rows, loss, backend);
-    else
-      return {};
-  } else {
-    return {};
-  }
-}
 }  // namespace detail
-
-/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
-/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
-/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
-/// The parameters' gradient blocks start the step holding the last step's gradients: the first
-/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
-/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
-/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
-/// `mpi::initialize` started several processes, those processes), which must run the devices the
-/// state holds in this process.
-/// @throws sharding_error when the batch does not split over the data axis and the accumulation
-/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
-/// or when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
-  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
-}
-
-/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
-/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
-/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
-/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
-/// `train_step` above: `m.loss` is the mean loss over the global batch.
-/// @code
-/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
-/// @endcode
-/// A loss that is not a `loss_function`, or targets of another element type than its
-/// `target_type`, is one compile error naming the requirement.
-/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
-/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
-/// targets whose width is not the model output's.
-template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
-}
-
-/// @brief One training step of a model that starts at token ids (a language model whose first
-/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
-/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
-/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
-/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
-/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
-/// gathering them. `m.loss` is the mean loss per token over the global batch.
-/// @code
-/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
-/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
-/// @endcode
-/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
-/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
-/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
-/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
-/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
-/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
-/// length does not fit a device's rows.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
-  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
-}
-
-/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
-/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
-template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
-                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
-  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
-}
-
-/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
-/// batch global (`b.rows * b.context` tokens, every process holding all of them).
-/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
-/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
-/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
-/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
-  const std::size_t tokens = b.rows * b.context;
-  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
-  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
-  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
-                    tokens, backend);
-}
-
-/// @brief `train_step` on a batch from `data_loader`.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
-                    b.global_rows, backend);
-}
-
-/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
-/// taking the batch's class labels, `std::int32_t`).
-template <class State, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
-                    std::forward<Loss>(loss), backend);
-}
-
-/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
-/// the model reads its rows in place; the labels are the batch's host copy.
-template <class State, class Backend = default_runner>
-  requires runner<Backend>
-step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
-                    b.global_offset, b.global_rows, backend);
-}
-
-/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
-template <class State, class Loss, class Backend = default_runner>
-  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
-step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
-  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
-                    std::forward<Loss>(loss), backend);
-}
-
-namespace detail {
-/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
-/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
-/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
-/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
-/// same collective calls).
-template <class State, input_element In, class Backend>
-step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
-  check_runner(s, backend, "evaluate");
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = [&] {
-            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
-            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          }();
-          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
-}
-}  // namespace detail
-
-/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
-/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
-/// Runs on `backend` as `train_step` does.
-/// @throws sharding_error when `backend` runs other devices than the state holds here.
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
-  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
-                              1, batch_rows, backend);
-}
-
-/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
-/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
-/// only, `batch_windows` windows at a time split over the data axis in whole windows.
-/// @code
-/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
-/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
-/// @endcode
-/// @throws sharding_error when `backend` runs other devices than the state holds here, or
-/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
-/// vocabulary).
-template <class State, class Backend = default_runner>
-step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
-  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
-  const std::size_t tokens = w.rows * w.context;
-  if (w.inputs.size() != tokens || w.targets.size() != tokens)
-    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
-                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
-                         std::to_string(w.context) + " tokens");
-  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
-                              tokens, w.context, batch_windows * w.context, backend);
-}
 
 }  // namespace meshlib::nn
-
-// The pipelined step: after train_state, whose helpers it uses.
-// begin meshlib/nn/detail/pipeline_step.hpp
-/// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/pipeline.hpp has the design): each device
-/// runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
-/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
-///
-/// Included at the end of nn/train_state.hpp: it uses the train state's helpers (input blocks,
-/// the loss protocol, `sum_over`), and `run_train_step` / `run_evaluate` forward to it.
-
-#include <array>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <ctime>
-#include <span>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
+// end meshlib/nn/train/step_inputs.hpp
 
 namespace meshlib::nn::detail {
 
@@ -10438,11 +10564,11 @@ using pipeline_input_t = with_vary_t<input_block_t<State, In>, State::data_axes 
 /// Sends `n` elements at `send` to the stages `pairs` names over the pipeline axis (the public
 /// typed `ppermute`, every stage calling it); returns where this device's received elements lie
 /// (the collective's workspace: valid until the next collective on this device).
-template <class Mesh>
+template <fixed_string Axis, class Mesh>
 const float* pipeline_exchange(const Mesh& mesh, std::size_t dev, float* send, std::size_t n,
                                const std::vector<std::pair<std::size_t, std::size_t>>& pairs) {
   using message_t = local_tensor<float, 1, Mesh, Mesh::all_axes>;
-  return meshlib::ppermute<"pipeline">(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
+  return meshlib::ppermute<Axis>(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
 }
 
 /// Makes this device's communicator of every group of mesh axes, in one order on every device.
@@ -10466,7 +10592,7 @@ void refresh_mirrors(State& s, pipeline_engine& e, std::size_t dev, std::size_t 
   for (const auto& t : e.mirrors) {
     const auto& q = s.params[t.param];
     const std::size_t n = e.block_elements(t.param, dev);
-    const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
+    const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
     if (stage != t.mirror) continue;
     convert_copy<default_memory_space>(q.value[dev], r, n);
     if (!for_backward) continue;
@@ -10766,7 +10892,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
         const auto x0_of = [&](std::size_t j) {
           return [&, j] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
           };
         };
         // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
@@ -10838,7 +10964,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
                 convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
             }
@@ -10864,7 +10990,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
                 convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
             }
@@ -10882,7 +11008,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         for (const auto& t : e.mirrors) {
           const auto& q = s.params[t.param];
           const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+          const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
           if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
         }
         if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
@@ -10928,7 +11054,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
           const auto x0 = [&] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
           };
           const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
           if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
@@ -10948,7 +11074,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           for (std::size_t t = 0; t < p; ++t) {
             if (stage == t) run.forward(x0, in, hi - lo, sink);
             if (t + 1 < p) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, {{t, t + 1}});
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
               if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
             }
           }
@@ -10963,8 +11089,347 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/pipeline_step.hpp
-// end meshlib/nn/train_state.hpp
+// end meshlib/nn/parallel/pipeline_step.hpp
+
+namespace meshlib::nn {
+
+namespace detail {
+
+/// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
+/// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
+/// token id per row) and `y` holding `rows` rows of targets of equal width.
+template <class State, input_element In, class Target, class Loss, class Backend>
+step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
+                            std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
+  const std::size_t k = s.options.accumulation;
+  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
+  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
+  using X = input_block_t<State, In>;
+  s.model.begin_step(s.key.fold_in(s.step), true);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        const std::size_t first = di * local_rows;
+        if (first < global_offset || first + local_rows > global_offset + rows)
+          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
+                               ", " + std::to_string(global_offset + rows) + ")");
+        // Last step's gradients: the layers that can overwrite them in the first backward do (no
+        // zeroing pass over the model), the others add to zeros.
+        for (const auto& p : s.params)
+          if (p.overwrite) p.overwrite[dev] = 1;
+          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+        double sums[2] = {0, 0};
+        buffer_meter* meter = s.activation_meter(dev);
+        meter->reset_peak();
+        s.prepare_grad_overlap(dev);
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::size_t r0 = first + j * micro - global_offset;
+          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
+          auto logits = [&] {
+            const meter_scope metered(meter);  // counts the model's buffers only
+            return s.model.forward(xb);
+          }();
+          out[dev].activation_bytes = meter->live;
+          using Z = decltype(logits);
+          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
+                    s.mesh, dev);
+          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
+                                                   global_rows, dlogits));
+          if (s.loss_scaling() || State::mixed) {
+            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
+            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
+          }
+          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
+          {
+            const meter_scope metered(meter);
+            s.model.template backward<X>(dlogits);
+          }
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
+        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
+        for (const auto& p : unstarted)
+          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
+            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+            p.overwrite[dev] = 0;
+          }
+        if constexpr (State::mixed)
+          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+        step_metrics& m = out[dev];
+        m.peak_activation_bytes = meter->peak;
+        m.loss_scale = s.loss_scale();
+        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
+        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
+        sum_over<State::data_axes>(s.mesh, dev, sums);
+        m.loss = sums[0];
+        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
+        m.rows = global_rows;
+      },
+      backend);
+  const step_metrics& r = out[s.local_devices().front()];
+  for (std::size_t dev : s.local_devices())
+    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                           std::to_string(dev) + ")");
+  s.finish_step(r.skipped);
+  return r;
+}
+
+/// The model's output type for a train state's input of elements `In` (what a loss receives).
+template <class State, class In = float>
+using output_of_t = std::remove_cvref_t<decltype(std::declval<typename State::model_type&>().forward(
+    std::declval<const input_block_t<State, In>&>()))>;
+
+/// The `train_step` with a user's loss, for inputs of elements `In` (see the public overloads).
+template <input_element In, class State, std::ranges::contiguous_range Targets, class Loss, class Backend>
+step_metrics train_step_with_loss(State& s, std::span<const In> x, const Targets& targets, std::size_t rows,
+                                  std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
+  using L = std::remove_reference_t<Loss>;
+  using Z = output_of_t<State, In>;
+  constexpr bool is_loss = loss_function<L, Z>;
+  static_assert(sizeof(loss_does_not_satisfy_loss_function<is_loss, std::remove_cvref_t<Loss>, Z>) > 0);
+  if constexpr (is_loss) {
+    using given = std::remove_cv_t<std::ranges::range_value_t<Targets>>;
+    constexpr bool same = std::is_same_v<given, loss_target_t<L>>;
+    static_assert(sizeof(targets_type_differs_from_loss_target_type<same, std::remove_cvref_t<Loss>, given,
+                                                                    loss_target_t<L>>) > 0);
+    if constexpr (same)
+      return run_train_step(s, x, std::span<const given>(std::ranges::data(targets), std::ranges::size(targets)), rows,
+                            global_offset, global_rows, loss, backend);
+    else
+      return {};
+  } else {
+    return {};
+  }
+}
+}  // namespace detail
+
+/// @brief One training step on a global batch: `x` holds this process's `rows` rows (row-major,
+/// `features` each) starting at row `global_offset` of a global batch of `global_rows` rows, and
+/// `y` their class labels; the loss is the state's `softmax_cross_entropy` (`state.loss()`).
+/// The parameters' gradient blocks start the step holding the last step's gradients: the first
+/// backward overwrites them (or, for a layer that only adds, they are zeroed first); they serve as
+/// the synchronisation's buffers (the big ones are all-reduced in place): after the step they are scratch.
+/// Runs on `backend` (default: `default_runner`, as `spmd`: this process's device threads, or, after
+/// `mpi::initialize` started several processes, those processes), which must run the devices the
+/// state holds in this process.
+/// @throws sharding_error when the batch does not split over the data axis and the accumulation
+/// steps, when a device's rows are not in this process's share, when `y` is not one label per row,
+/// or when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const float> x, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, x, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step with the loss `loss` (a `loss_function` of the model's output:
+/// `mean_squared_error`, `softmax_cross_entropy`, or a user-written loss) on targets `targets`:
+/// a contiguous range of the loss's `target_type`, this process's `rows` rows of targets of equal
+/// width, row-major (for `mean_squared_error`, one value per output column). Otherwise as the
+/// `train_step` above: `m.loss` is the mean loss over the global batch.
+/// @code
+/// auto m = nn::train_step(state, x, std::span<const float>(t), rows, 0, rows, nn::mean_squared_error{});
+/// @endcode
+/// A loss that is not a `loss_function`, or targets of another element type than its
+/// `target_type`, is one compile error naming the requirement.
+/// @throws sharding_error as the `train_step` above, when the targets are not the same number per
+/// row, and (as the cause of a `device_error`) what the loss throws: `mean_squared_error` on
+/// targets whose width is not the model output's.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const float> x, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<float>(s, x, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief One training step of a model that starts at token ids (a language model whose first
+/// layer is an `embedding`): `ids` holds this process's `rows` tokens (one id per row; the rows
+/// are sequences of the model's sequence length, sequence-major, whole sequences on every device
+/// of the data axis), starting at row `global_offset` of a global batch of `global_rows` tokens,
+/// and `y` each token's target (the next token); the loss is the state's `softmax_cross_entropy`,
+/// which takes logits sharded over the vocabulary (a `tied_head` or `column_dense` head) without
+/// gathering them. `m.loss` is the mean loss per token over the global batch.
+/// @code
+/// auto b = nn::sample_windows(train_text, 32, 64, key.fold_in(state.step));   // 32 windows of 64 bytes
+/// auto m = nn::train_step(state, b);   // or: train_step(state, ids, next_ids, rows, 0, rows)
+/// @endcode
+/// @throws sharding_error as the float `train_step`, when `ids` is not one id per row, and, before
+/// any kernel runs, when the global batch is not whole sequences of the model's sequence length (its
+/// `positional_embedding`'s) or its sequences do not split evenly over the data axis (and the
+/// accumulation steps): the message counts sequences as the float path counts rows; (as the cause
+/// of a `device_error`) `std::out_of_range` from the embedding for an id outside its vocabulary,
+/// naming the layer and the vocabulary size, and `sharding_error` from a layer whose own sequence
+/// length does not fit a device's rows.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, std::span<const std::int32_t> y, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, const Backend& backend = {}) {
+  return detail::run_train_step(s, ids, y, rows, global_offset, global_rows, s.loss(), backend);
+}
+
+/// @brief One training step of a model that starts at token ids, with the loss `loss` (a
+/// `loss_function`) on `targets`; otherwise as the `train_step` on ids above.
+template <class State, std::ranges::contiguous_range Targets, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, std::span<const std::int32_t> ids, const Targets& targets, std::size_t rows,
+                        std::size_t global_offset, std::size_t global_rows, Loss&& loss, const Backend& backend = {}) {
+  return detail::train_step_with_loss<std::int32_t>(s, ids, targets, rows, global_offset, global_rows, loss, backend);
+}
+
+/// @brief `train_step` on windows of text (`sample_windows`): every window a sequence, the whole
+/// batch global (`b.rows * b.context` tokens, every process holding all of them).
+/// @throws sharding_error, before any kernel runs, when the `b.rows` windows do not split evenly
+/// over the data axis (and the accumulation steps), in sequences: "the global batch of 3 sequences
+/// (of 8 tokens) does not split evenly over the 2 devices of the data axis; choose a batch size that
+/// is a multiple of 2 sequences"; otherwise as the `train_step` on ids.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const token_batch& b, const Backend& backend = {}) {
+  const std::size_t tokens = b.rows * b.context;
+  // In windows, before anything runs (the model's own sequence length may differ: the layers name it).
+  detail::check_batch(s, b.rows, s.options.accumulation, "train_step", b.context);
+  return train_step(s, std::span<const std::int32_t>(b.inputs), std::span<const std::int32_t>(b.targets), tokens, 0,
+                    tokens, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader`.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), std::span<const std::int32_t>(b.y), b.rows, b.global_offset,
+                    b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch from `data_loader` with the loss `loss` (a `loss_function`
+/// taking the batch's class labels, `std::int32_t`).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+
+/// @brief `train_step` on a batch already in device memory (`device_put`, `device_prefetcher`):
+/// the model reads its rows in place; the labels are the batch's host copy.
+template <class State, class Backend = default_runner>
+  requires runner<Backend>
+step_metrics train_step(State& s, const device_batch& b, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), std::span<const std::int32_t>(b.y), b.rows,
+                    b.global_offset, b.global_rows, backend);
+}
+
+/// @brief `train_step` on a batch in device memory with the loss `loss` (see the `batch` overload).
+template <class State, class Loss, class Backend = default_runner>
+  requires(!runner<std::remove_cvref_t<Loss>> && runner<Backend>)
+step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Backend& backend = {}) {
+  return train_step(s, std::span<const float>(b.x.data(), b.x.size()), b.y, b.rows, b.global_offset, b.global_rows,
+                    std::forward<Loss>(loss), backend);
+}
+}  // namespace meshlib::nn
+// end meshlib/nn/train/train_step.hpp
+// begin meshlib/nn/train/evaluate.hpp
+/// @file
+/// @brief `evaluate(state, data)`: loss and accuracy of the model, forward only, in batches split
+/// over the data axes. A state with a pipeline runs the pipeline's schedule instead
+/// (nn/parallel/pipeline_step.hpp).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// `evaluate` on `count` rows at `x` (`features` floats, or one id, each) with labels `y`, in batches
+/// of `batch_rows` rows; each batch is split over the data axis in whole groups of `group` rows (a
+/// sequence for a language model; 1 for feature rows), so a last, smaller batch is split unevenly
+/// and a device may get none (it still runs the forward, on no rows, so that every device makes the
+/// same collective calls).
+template <class State, input_element In, class Backend>
+step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
+                          std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
+  check_runner(s, backend, "evaluate");
+  const std::size_t dp = s.mesh.axes_size(State::data_axes);
+  s.model.begin_step(s.key, false);
+  std::vector<step_metrics> out(s.mesh.size());
+  meshlib::spmd(
+      s.mesh,
+      [&](std::size_t dev) {
+        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+        double sums[2] = {0, 0};
+        for (std::size_t start = 0; start < count; start += batch_rows) {
+          const std::size_t units = std::min(batch_rows, count - start) / group;
+          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+          auto logits = [&] {
+            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
+            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+          }();
+          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
+          sums[0] += part.loss;
+          sums[1] += static_cast<double>(part.correct);
+        }
+        sum_over<State::data_axes>(s.mesh, dev, sums);
+        out[dev].loss = sums[0];
+        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+        out[dev].rows = count;
+      },
+      backend);
+  return out[s.local_devices().front()];
+}
+}  // namespace detail
+
+/// @brief Loss and accuracy of the model on a whole data set (every process holds it), forward only,
+/// in batches of `batch_rows` split over the data axis (a last, smaller batch is split unevenly).
+/// Runs on `backend` as `train_step` does.
+/// @throws sharding_error when `backend` runs other devices than the state holds here.
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const dataset& ds, std::size_t batch_rows = 1000, const Backend& backend = {}) {
+  return detail::run_evaluate(s, std::span<const float>(ds.x), ds.features, std::span<const std::int32_t>(ds.y), ds.count,
+                              1, batch_rows, backend);
+}
+
+/// @brief The mean loss per token (and the tokens predicted right) of a model that starts at token
+/// ids on the windows `w` (`tile_windows`: every window a sequence of the model's length), forward
+/// only, `batch_windows` windows at a time split over the data axis in whole windows.
+/// @code
+/// auto v = nn::evaluate(state, nn::tile_windows(split.validation, 64, 0, nn::count_windows(split.validation, 64)));
+/// // v.loss: nats per token; v.correct / v.rows: next-token accuracy
+/// @endcode
+/// @throws sharding_error when `backend` runs other devices than the state holds here, or
+/// `batch_windows` is 0; (as the cause of a `device_error`) what the layers throw (an id outside the
+/// vocabulary).
+template <class State, class Backend = default_runner>
+step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows = 64, const Backend& backend = {}) {
+  if (batch_windows == 0) throw sharding_error("meshlib::nn: evaluate: batch_windows is 0; evaluate at least one window at a time");
+  const std::size_t tokens = w.rows * w.context;
+  if (w.inputs.size() != tokens || w.targets.size() != tokens)
+    throw sharding_error("meshlib::nn: evaluate: the token batch holds " + std::to_string(w.inputs.size()) + " ids and " +
+                         std::to_string(w.targets.size()) + " targets for " + std::to_string(w.rows) + " windows of " +
+                         std::to_string(w.context) + " tokens");
+  return detail::run_evaluate(s, std::span<const std::int32_t>(w.inputs), 1, std::span<const std::int32_t>(w.targets),
+                              tokens, w.context, batch_windows * w.context, backend);
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/evaluate.hpp
 // begin meshlib/nn/advise_mesh.hpp
 /// @file
 /// @brief `advise_mesh`: which mesh shape trains a model fastest on this many devices, measured.
@@ -10984,7 +11449,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
 /// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
 /// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
 /// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
-/// cuts the model into that many stages (nn/pipeline.hpp; micro-batches as the caller's train options
+/// cuts the model into that many stages (nn/parallel/pipeline.hpp; micro-batches as the caller's train options
 /// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
 /// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
 /// not possible with its reason.
@@ -11170,7 +11635,7 @@ namespace detail {
 /// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
-  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
+  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/parallel/pipeline.hpp), with the
   // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
   return {};
 }

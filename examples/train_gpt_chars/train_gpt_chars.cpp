@@ -3,7 +3,7 @@
 // Debian's fortunes (or any text file or directory given by --data) on a (data, tensor) mesh, (2, 2)
 // by default (--mesh DxM: D devices on 'data', M on 'tensor'), or on the 4-axis mesh ('data', 'fsdp',
 // 'tensor', 'pipeline') of --mesh DxFxTxP (fsdp splits the batch as data does; pipeline cuts the
-// layers into stages, nn/pipeline.hpp); a (D, M) mesh is the 4-axis mesh (D, 1, M, 1), so the run
+// layers into stages, nn/parallel/pipeline.hpp); a (D, M) mesh is the 4-axis mesh (D, 1, M, 1), so the run
 // prints 'tensor' as this help does, then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
 // values (no tokenizer). The network (W = --width, T = --context, L = --layers, H = --heads):
 //

@@ -91,7 +91,7 @@ template void nn::detail::scatter_add_rows<space, float>(float*, const float*, c
 
 // ---- What tests/cuda/nn_headers.cpp held (one nvcc translation unit fewer: the umbrella headers
 // are parsed once for both).
-// FSDP's one kernel of its own (nn/fsdp.hpp), instantiated for the device's memory space: its
+// FSDP's one kernel of its own (nn/parallel/fsdp.hpp), instantiated for the device's memory space: its
 // device lambda must compile with nvcc.
 template void meshlib::nn::detail::add_values<meshlib::default_memory_space, float>(float*, const float*, std::size_t);
 

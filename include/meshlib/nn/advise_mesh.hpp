@@ -18,7 +18,7 @@
 /// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
 /// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
 /// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
-/// cuts the model into that many stages (nn/pipeline.hpp; micro-batches as the caller's train options
+/// cuts the model into that many stages (nn/parallel/pipeline.hpp; micro-batches as the caller's train options
 /// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
 /// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
 /// not possible with its reason.
@@ -43,9 +43,9 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/optimizer.hpp"
-#include "meshlib/nn/pipeline.hpp"
+#include "meshlib/nn/parallel/pipeline.hpp"
 #include "meshlib/nn/schedule.hpp"
-#include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/train/train_state.hpp"
 
 namespace meshlib::nn {
 
@@ -210,7 +210,7 @@ namespace detail {
 /// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
 inline std::string configure_shape(const mesh_shape& s, train_options& o) {
   o.fsdp = s.size("fsdp") > 1;
-  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/pipeline.hpp), with the
+  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/parallel/pipeline.hpp), with the
   // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
   return {};
 }

@@ -204,7 +204,7 @@ struct param_ref {
   std::uint8_t* overwrite = nullptr;
   /// Moves the parameter's value and gradient blocks to caller-owned memory: device `d`'s blocks
   /// become unmanaged views of `values[d]` and `grads[d]` (each `count[d]` elements; ignored where
-  /// not local) and the parameter's own storage is released. FSDP (nn/fsdp.hpp) points every
+  /// not local) and the parameter's own storage is released. FSDP (nn/parallel/fsdp.hpp) points every
   /// layer's blocks into one shared buffer this way. Empty for a view that cannot rebind (a shard).
   /// Valid while the parameter that gave this view stays where it was.
   std::function<void(std::span<T* const> values, std::span<T* const> grads)> rebind;

@@ -42,7 +42,7 @@
 namespace meshlib::nn {
 
 namespace detail {
-/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/fsdp.hpp) gathers a
+/// What a `sequential` calls around each layer when `hooks` is set: FSDP (nn/parallel/fsdp.hpp) gathers a
 /// layer's parameters just before it runs and reduce-scatters its gradients just after its backward.
 /// `layer` is the layer's index, `dev` the running device.
 struct layer_hooks {

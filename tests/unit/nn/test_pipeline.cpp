@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// Pipeline-parallel training over a 'pipeline' mesh axis (nn/pipeline.hpp, issue 26): per-step
+// Pipeline-parallel training over a 'pipeline' mesh axis (nn/parallel/pipeline.hpp, issue 26): per-step
 // losses of an MLP and of a small GPT (its head tied to the embedding across stages) on pipeline
 // axes of 2 and 4, with data and tensor axes beside, GPipe and 1F1B, equal to the 1-device run; the
 // lockstep plans against the closed-form bubble; stages balanced by parameter count; each device

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// Pipeline parallelism (nn/pipeline.hpp, issue 26) with what it used to refuse: 16-bit compute
+// Pipeline parallelism (nn/parallel/pipeline.hpp, issue 26) with what it used to refuse: 16-bit compute
 // (bfloat16, float16 with loss scaling), batch norm (statistics per micro-batch, running statistics
 // moved once per micro-batch, in order) and gradient accumulation over whole schedules; each against
 // the run without a pipeline on the same micro-batches (train_options::accumulation = micro-batches

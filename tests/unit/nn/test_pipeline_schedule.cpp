@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// Pipeline schedules (nn/pipeline_schedule.hpp): the timelines, the bubble against the closed form
+// Pipeline schedules (nn/parallel/pipeline_schedule.hpp): the timelines, the bubble against the closed form
 // (p - 1) / (m + p - 1), activations in flight, and every dependency checked step by step.
 #include <catch2/catch.hpp>
 
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/nn/pipeline_schedule.hpp"
+#include "meshlib/nn/parallel/pipeline_schedule.hpp"
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
 

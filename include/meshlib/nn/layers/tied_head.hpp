@@ -119,7 +119,7 @@ class tied_head {
   /// Nothing: the table is the embedding's, which lists it.
   void collect(std::vector<param_ref<T>>&) const {}
   /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
-  /// stage that holds this head but not the embedding mirrors the table (nn/pipeline.hpp).
+  /// stage that holds this head but not the embedding mirrors the table (nn/parallel/pipeline.hpp).
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:

@@ -66,8 +66,9 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
-#include "meshlib/nn/pipeline_schedule.hpp"
+#include "meshlib/nn/parallel/pipeline_schedule.hpp"
 
 namespace meshlib::nn {
 
@@ -87,6 +88,30 @@ struct pipeline_options {
   /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
   /// parameter count.
   std::vector<std::size_t> split_points = {};
+};
+
+/// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
+/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt,
+///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});
+/// @endcode
+/// @tparam Axis the mesh axis whose devices hold the stages.
+template <fixed_string Axis = "pipeline">
+struct pipeline {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::pipelined;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// The order of forwards and backwards.
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;
+  /// Micro-batches per step (0: as many as stages).
+  std::size_t microbatches = 0;
+  /// The index of the first layer of every stage after the first (empty: balanced by parameters).
+  std::vector<std::size_t> split_points = {};
+  /// These options as `train_options::pipeline` holds them.
+  [[nodiscard]] pipeline_options options() const { return {microbatches, schedule, split_points}; }
 };
 
 /// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and

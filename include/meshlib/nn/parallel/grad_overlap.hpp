@@ -5,7 +5,7 @@
 /// uses) that start the data-parallel gradient buckets during backward
 /// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
 /// parameter of that layer and of the layers after it has its final gradient (backward runs last
-/// layer first), so every bucket (nn/grad_sync.hpp) made only of such parameters is started with
+/// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
 /// `psum_start`; the optimizer step waits for all of them.
 ///
 /// Why a decorator: FSDP's hooks, when on, are the inner ones and run first (their reduce-scatter
@@ -23,7 +23,7 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
-#include "meshlib/nn/grad_sync.hpp"
+#include "meshlib/nn/parallel/grad_sync.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/sequential.hpp"
 

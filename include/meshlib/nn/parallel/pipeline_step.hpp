@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/pipeline.hpp has the design): each device
-/// runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
+/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
+/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
 /// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
 ///
-/// Included at the end of nn/train_state.hpp: it uses the train state's helpers (input blocks,
-/// the loss protocol, `sum_over`), and `run_train_step` / `run_evaluate` forward to it.
+/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
+/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
 
 #include <array>
 #include <chrono>
@@ -21,8 +22,10 @@
 #include <vector>
 
 #include "meshlib/collectives/permutes.hpp"
-#include "meshlib/nn/pipeline.hpp"
-#include "meshlib/nn/train_state.hpp"
+#include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/nn/train/step_inputs.hpp"
+#include "meshlib/nn/train/step_metrics.hpp"
+#include "meshlib/nn/train/train_state.hpp"
 
 namespace meshlib::nn::detail {
 
@@ -44,11 +47,11 @@ using pipeline_input_t = with_vary_t<input_block_t<State, In>, State::data_axes 
 /// Sends `n` elements at `send` to the stages `pairs` names over the pipeline axis (the public
 /// typed `ppermute`, every stage calling it); returns where this device's received elements lie
 /// (the collective's workspace: valid until the next collective on this device).
-template <class Mesh>
+template <fixed_string Axis, class Mesh>
 const float* pipeline_exchange(const Mesh& mesh, std::size_t dev, float* send, std::size_t n,
                                const std::vector<std::pair<std::size_t, std::size_t>>& pairs) {
   using message_t = local_tensor<float, 1, Mesh, Mesh::all_axes>;
-  return meshlib::ppermute<"pipeline">(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
+  return meshlib::ppermute<Axis>(message_t(typename message_t::view_type(send, n), mesh, dev), pairs).data();
 }
 
 /// Makes this device's communicator of every group of mesh axes, in one order on every device.
@@ -72,7 +75,7 @@ void refresh_mirrors(State& s, pipeline_engine& e, std::size_t dev, std::size_t 
   for (const auto& t : e.mirrors) {
     const auto& q = s.params[t.param];
     const std::size_t n = e.block_elements(t.param, dev);
-    const float* r = pipeline_exchange(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
+    const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.value[dev], n, {{t.owner, t.mirror}});
     if (stage != t.mirror) continue;
     convert_copy<default_memory_space>(q.value[dev], r, n);
     if (!for_backward) continue;
@@ -372,7 +375,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
         const auto x0_of = [&](std::size_t j) {
           return [&, j] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
           };
         };
         // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
@@ -444,7 +447,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
                 convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
             }
@@ -470,7 +473,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
               busy += std::chrono::duration<double>(clock::now() - t0).count();
             }
             if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, pairs);
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
               if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
                 convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
             }
@@ -488,7 +491,7 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
         for (const auto& t : e.mirrors) {
           const auto& q = s.params[t.param];
           const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+          const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
           if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
         }
         if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
@@ -534,7 +537,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           const std::size_t units = std::min(batch_rows, count - start) / group;
           const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
           const auto x0 = [&] {
-            return meshlib::pvary<"pipeline">(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
+            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
           };
           const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
           if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
@@ -554,7 +557,7 @@ step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t 
           for (std::size_t t = 0; t < p; ++t) {
             if (stage == t) run.forward(x0, in, hi - lo, sink);
             if (t + 1 < p) {
-              const float* got = pipeline_exchange(s.mesh, dev, send, msg, {{t, t + 1}});
+              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
               if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
             }
           }

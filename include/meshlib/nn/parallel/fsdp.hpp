@@ -50,12 +50,35 @@
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/sequential.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
+
+/// @brief Fully sharded data parallelism over the mesh axis `Axis` (see the file comment; FSDP2's
+/// `fully_shard`); a `parallel_policy`. Composes with `data_parallel` on another axis (HSDP) and
+/// with `pipeline`.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::fully_shard<"fsdp">{.reshard_after_forward = false});
+/// @endcode
+/// @tparam Axis the mesh axis parameters, gradients and optimizer state are sharded over (it splits
+/// the batch as a data axis does).
+template <fixed_string Axis = "fsdp">
+struct fully_shard {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::fully_sharded;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// Gather a layer's parameters again for its backward (true: least memory), or keep them from its
+  /// forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  /// With `reshard_after_forward = false`: start the next layer's parameter all-gathers before a
+  /// layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  bool prefetch = true;
+};
 
 /// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
 struct training_memory {

@@ -1,0 +1,651 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
+/// and `train_options`, how the steps run: accumulation micro-batches, replicated, ZeRO-1 (sharded
+/// over the data axis) or FSDP (nn/parallel/fsdp.hpp) optimizer state, loss scaling and the
+/// pipeline (nn/parallel/pipeline.hpp). The steps themselves are in nn/train/train_step.hpp and
+/// nn/train/evaluate.hpp.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <ranges>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "meshlib/collectives/gathers.hpp"
+#include "meshlib/exec/thread_runner.hpp"
+#include "meshlib/core/errors.hpp"
+#include "meshlib/core/named_sharding.hpp"
+#include "meshlib/core/partition_spec.hpp"
+#include "meshlib/exec/default_runner.hpp"
+#include "meshlib/exec/runner.hpp"
+#include "meshlib/exec/spmd.hpp"
+#include "meshlib/nn/data/dataset.hpp"
+#include "meshlib/nn/data/loader.hpp"
+#include "meshlib/nn/data/text_windows.hpp"
+#include "meshlib/nn/device_put.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
+#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/nn/parallel/data_parallel.hpp"
+#include "meshlib/nn/parallel/fsdp.hpp"
+#include "meshlib/nn/parallel/grad_overlap.hpp"
+#include "meshlib/nn/parallel/grad_sync.hpp"
+#include "meshlib/nn/loss.hpp"
+#include "meshlib/nn/loss_function.hpp"
+#include "meshlib/nn/mean_squared_error.hpp"
+#include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/nn/parallel/policy.hpp"
+#include "meshlib/nn/precision.hpp"
+#include "meshlib/nn/random.hpp"
+#include "meshlib/nn/train/loss_scaler.hpp"
+#include "meshlib/nn/train/optimizer_state.hpp"
+#include "meshlib/nn/train/step_metrics.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
+
+namespace meshlib::nn {
+
+/// @brief How `train_step` runs (see the file comment).
+struct train_options {
+  std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
+  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
+  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
+  /// axis, each layer's parameters all-gathered just before it runs (nn/parallel/fsdp.hpp).
+  bool fsdp = false;
+  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
+  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
+  /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
+  /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
+  /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
+  /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
+  float loss_scale = 0.0f;
+  std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
+  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
+  /// micro-batches, schedule and stage split (nn/parallel/pipeline.hpp).
+  pipeline_options pipeline = {};
+  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
+  /// has completed its gradients (PyTorch DDP's overlap; nn/parallel/grad_overlap.hpp), instead of
+  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
+  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
+  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
+  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
+  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  bool overlap_grad_sync = false;
+  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
+  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
+  /// overwrite: not prefetched.
+  bool fsdp_prefetch = true;
+};
+
+namespace detail {
+/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
+template <std::size_t N>
+constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
+  return s.view();
+}
+/// The text of a template argument nvcc's front end has turned into a `const char*`.
+constexpr std::string_view text_of(const char* s) noexcept { return s; }
+}  // namespace detail
+
+namespace detail {
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
+  }
+}
+}  // namespace detail
+
+/// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
+/// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
+///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
+/// @endcode
+/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
+/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
+/// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
+/// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
+/// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
+template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
+          compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
+class train_state {
+  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
+  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
+                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+
+ public:
+  /// The element type of parameters and optimizer state.
+  using T = float;
+  /// The type parameters, activations and gradients are rounded to.
+  using compute_type = Compute;
+  /// True when `Compute` is a 16-bit type and float master weights are kept.
+  static constexpr bool mixed = !std::is_same_v<Compute, float>;
+  /// The mesh the model runs on.
+  using mesh_type = Mesh;
+  /// The network's type.
+  using model_type = Model;
+  /// The mesh's fsdp axis `Fsdp` (0 when it has none): FSDP shards parameters over it, and it
+  /// splits the batch as a data axis does.
+  static constexpr axis_mask fsdp_axes = [] {
+    if constexpr (Mesh::template has_axis<Fsdp>) return Mesh::template mask_of<Fsdp>();
+    else return axis_mask{0};
+  }();
+  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and the fsdp
+  /// axis (a mesh with an fsdp axis need not have `Data`).
+  static constexpr axis_mask data_axes = [] {
+    if constexpr (fsdp_axes != 0 && !Mesh::template has_axis<Data>) return fsdp_axes;
+    else return Mesh::template mask_of<Data>() | fsdp_axes;
+  }();
+  /// The data axes other than the fsdp axis: under FSDP, the shards' gradients are all-reduced over these.
+  static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
+  /// The name of the pipeline axis (`Pipe`).
+  static constexpr auto pipeline_axis = Pipe;
+  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
+  static constexpr axis_mask pipeline_axes = [] {
+    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
+    else return axis_mask{0};
+  }();
+  /// The type of a device's block of the input batch: rows sharded over the data axes.
+  using input_type = local_tensor<T, 2, Mesh, data_axes, 0, dim_masks<data_axes, axis_mask{0}>, default_memory_space>;
+  /// The type of a device's block of token ids (a language model's input: one `std::int32_t` per
+  /// row, the rows `batch * sequence` tokens, sequence-major), rows sharded over the data axes.
+  using ids_type = local_tensor<std::int32_t, 1, Mesh, data_axes, 0, dim_masks<data_axes>, default_memory_space>;
+  /// The optimizer state's layout (nn/train/optimizer_state.hpp).
+  using optimizer_state_type = nn::optimizer_state<Mesh, data_axes>;
+  /// A device's ZeRO-1 optimizer state (see `optimizer_state::zero_state_type`).
+  using zero_state_type = typename optimizer_state_type::zero_state_type;
+
+  /// The mesh the model runs on.
+  Mesh mesh;
+  /// The network; its parameters live inside it.
+  Model model;
+  /// The update rule and hyperparameters.
+  optimizer opt;
+  /// Accumulation, ZeRO and bucketing options.
+  train_options options;
+  /// Optimizer steps taken so far.
+  std::size_t step = 0;
+  /// The key each step's randomness (dropout) is folded from.
+  rng_key key;
+  /// Views of every parameter of `model`, in layer order.
+  std::vector<param_ref<T>> params;
+
+  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
+  /// `local_devices`: this process's devices (empty: all).
+  /// @throws sharding_error when `opts.accumulation` is 0.
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
+              std::span<const std::size_t> local_devices = {})
+      : mesh(m),
+        model(std::move(net)),
+        opt(o),
+        options(opts),
+        key(k),
+        sync_(m.size(), opts.bucket_elements),
+        loss_(m.size()),
+        gather_(m.size()),
+        input_(m.size()),
+        ids_(m.size()),
+        output_grad_(m.size()),
+        squares_(m.size()) {
+    model.collect(params);
+    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
+    if constexpr (mixed)
+      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
+        model.round_activations = &detail::round_to<Compute>;
+    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
+    std::vector<std::size_t> all;
+    if (local_devices.empty())
+      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
+    else
+      all.assign(local_devices.begin(), local_devices.end());
+    local_ = all;
+    if (options.fsdp) shard_parameters();
+    // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks.
+    if constexpr (pipeline_axes != 0)
+      if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
+    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
+    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
+    if (pipeline_ == nullptr) start_overlap();
+    // Every tensor is made here, on the calling thread: device threads only read and write blocks
+    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
+    state_ = optimizer_state_type(mesh, params, opt.slots(), options.zero, local_);
+    if constexpr (mixed)
+      for (const auto& p : params) {
+        masters_.push_back(p.layout->zeros_like(local_));
+        for (std::size_t dev : local_)
+          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
+      }
+    refresh_compute_copies();
+  }
+
+  /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
+  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
+  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
+  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
+  /// that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+  /// @brief As the constructor above, from the default `train_options`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
+
+  /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
+  /// `Compute` the parameter's value is its rounding (with float, the value itself).
+  [[nodiscard]] float* master(std::size_t i, std::size_t dev) {
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
+    else return params.at(i).value[dev];
+  }
+  /// Parameter `i`'s float master block on device `dev` (read-only).
+  [[nodiscard]] const float* master(std::size_t i, std::size_t dev) const {
+    if constexpr (mixed) return masters_.at(i).blocks[dev];
+    else return params.at(i).value[dev];
+  }
+  /// Rounds the master weights into the parameters' values (after the masters were written, e.g.
+  /// by restore_checkpoint). A no-op when computing in float.
+  void refresh_compute_copies() {
+    if constexpr (mixed)
+      for (std::size_t dev : local_)
+        for (std::size_t i = 0; i < params.size(); ++i)
+          detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
+  }
+  /// The current loss scale (1 without loss scaling).
+  [[nodiscard]] float loss_scale() const noexcept { return scaler_.scale(); }
+  /// Whether dynamic loss scaling is on.
+  [[nodiscard]] bool loss_scaling() const noexcept { return scaler_.enabled(); }
+  /// Consecutive good steps since the scale last changed.
+  [[nodiscard]] std::size_t good_steps() const noexcept { return scaler_.good_steps(); }
+
+  /// Device `dev`'s `n` input values at `x` as the model's kernels read them: `x` itself where they
+  /// can (host memory on a host backend; device memory of the device's GPU, as from `device_put`),
+  /// else staged into the device's buffer (host rows on a GPU); with a 16-bit `Compute`, a copy
+  /// rounded to it (the caller's data is never modified).
+  [[nodiscard]] float* input_block(std::size_t dev, const float* x, std::size_t n) {
+    const float* src = input_.staged(dev, x, n);
+    if constexpr (!mixed) {
+      return const_cast<float*>(src);
+    } else {
+      float* b = input_.get(dev, n);
+      if (src != b) detail::convert_copy<default_memory_space>(b, src, n);
+      detail::round_to<Compute>(b, n);
+      return b;
+    }
+  }
+  /// Device `dev`'s `n` token ids at `x` as the model's kernels read them (see `input_block`).
+  [[nodiscard]] std::int32_t* ids_block(std::size_t dev, const std::int32_t* x, std::size_t n) {
+    return const_cast<std::int32_t*>(ids_.staged(dev, x, n));
+  }
+  /// Device `dev`'s buffer of `n` elements for the loss's gradient with respect to the model
+  /// output (the `grad` argument of a `loss_function`); valid until the next step.
+  [[nodiscard]] float* output_grad_block(std::size_t dev, std::size_t n) { return output_grad_.get(dev, n); }
+
+  /// Called by train_step after the spmd region with every device's verdict (equal on all of
+  /// them): advances the step, or, on a skipped step, halves the loss scale.
+  void finish_step(bool skipped) {
+    if (scaler_.update(skipped, options.scale_growth_interval)) ++step;
+  }
+
+  /// This process's devices.
+  [[nodiscard]] const std::vector<std::size_t>& local_devices() const noexcept { return local_; }
+  /// Elements of optimizer state held by device `dev` (the ZeRO saving shows here); 0 for a
+  /// device of another process.
+  [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
+    return state_.size(params, dev);
+  }
+  /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
+  /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
+  [[nodiscard]] training_memory memory(std::size_t dev) const {
+    training_memory m;
+    if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return m;
+    const std::size_t n = grad_sync<T, Wire>::flat_size(params, dev);
+    m.parameters = n * sizeof(T) * (mixed ? 2 : 1);
+    m.gradients = n * sizeof(T);
+    m.optimizer_state = optimizer_state_size(dev) * sizeof(float);
+    if (fsdp_) m.unsharded = fsdp_->unsharded_elements(dev) * sizeof(T);
+    return m;
+  }
+  /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
+  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
+  /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
+  [[nodiscard]] std::vector<float> optimizer_state(std::size_t dev) {
+    std::vector<float> out;
+    out.reserve(optimizer_state_size(dev));
+    for (std::size_t s = 0; s < opt.slots() && out.capacity() > 0; ++s)
+      for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
+        out.insert(out.end(), slot[s], slot[s] + len);
+      });
+    return out;
+  }
+  /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return state_.zero_state(dev); }
+  /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
+  /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
+  [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
+  /// The gradient synchronisation (its buckets and traffic).
+  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
+  /// The loss function the training steps use.
+  [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  [[nodiscard]] detail::pipeline_engine* pipeline() const noexcept { return pipeline_.get(); }
+  /// The layers `[begin, end)` of each pipeline stage (empty without a pipeline).
+  [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages() const {
+    return pipeline_ ? pipeline_->bounds : std::vector<std::pair<std::size_t, std::size_t>>{};
+  }
+
+  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of optimizer state device
+  /// `dev` holds, in parameter order: elements `[offset, offset + len)` of the parameter's local
+  /// block, whose slot `s` starts at `slot[s]` (a `std::span<float* const>` of `opt.slots()`
+  /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
+  template <class F>
+  void for_each_state_run(std::size_t dev, F&& f) {
+    state_.for_each_run(mesh, params, dev, std::forward<F>(f));
+  }
+  /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
+  /// (one device of each group holding the same state).
+  [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
+    return state_.owns(mesh, dev, p);
+  }
+
+  /// One device's share of a step after its backward passes: synchronise, clip, update.
+  /// Returns the global gradient norm.
+  double apply_gradients(std::size_t dev, double& sync_seconds) {
+    const std::size_t dp = mesh.axes_size(data_axes);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!options.zero) {
+      // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
+      // Overlapped: the buckets were started during backward (nn/parallel/grad_overlap.hpp).
+      const bool overlapped = overlap_ && overlap_->armed(dev);
+      const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
+                                 : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
+                                            : sync_.template all_reduce<data_axes>(params, mesh, dev);
+      sync_seconds = overlapped ? overlap_->take_seconds(dev)
+                                : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
+      double sq[1] = {0};
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        unscale(g[i], params[i].count[dev]);
+        sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
+      }
+      detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+      const double norm = std::sqrt(sq[0]);
+      // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
+      // of them: the skip verdict is the same on every device.
+      if (scaler_.enabled() && !std::isfinite(norm)) return norm;
+      const float scale = clip_scale(norm);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        float* m = state_slot(i, 0, dev);
+        float* v = opt.slots() > 1 ? state_slot(i, 1, dev) : m;
+        opt.update(master(i, dev), g[i], m, v, params[i].count[dev], step, scale, params[i].decay);
+      }
+      refresh_device(dev);
+      return norm;
+    }
+    std::size_t begin = 0, size = 0;
+    T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
+    sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    unscale(g, size);
+    double sq[1] = {0};
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
+      sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
+    });
+    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+    const double norm = std::sqrt(sq[0]);
+    if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
+    const float scale = clip_scale(norm);
+    float* m = state_.zero_state(dev).data();
+    float* v = opt.slots() > 1 ? m + size : m;
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
+    });
+    // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
+    T* send = gather_.get(dev, size * (dp + 1));
+    T* recv = send + size;
+    detail::fill_values<default_memory_space>(send, size, T{});
+    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      detail::convert_copy<default_memory_space>(send + s, master_of(p, dev) + in_param, len);
+    });
+    const auto t1 = std::chrono::steady_clock::now();
+    if (dp > 1) {
+      // The slices vary over the data axes; gathered, every replica holds the whole vector.
+      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+      (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
+          detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
+    } else {
+      detail::convert_copy<default_memory_space>(recv, send, size);
+    }
+    sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      detail::convert_copy<default_memory_space>(master(i, dev), recv + off, params[i].count[dev]);
+      off += params[i].count[dev];
+    }
+    refresh_device(dev);
+    return norm;
+  }
+
+  /// Overlapped gradient sync: before the last micro-batch's backward on `dev`, arms the hooks that
+  /// start the buckets (no-op without overlap).
+  void begin_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->arm(sync_, params, dev);
+  }
+  /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
+  /// (nn/parallel/grad_overlap.hpp, `prepare`; no-op without overlap).
+  void prepare_grad_overlap(std::size_t dev) {
+    if (overlap_) overlap_->prepare(dev);
+  }
+  /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
+  /// (the hooks did the others' before starting their buckets).
+  [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
+    return overlap_ ? overlap_->unstarted(dev, params.size()) : params.size();
+  }
+
+ private:
+  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  template <class... Ps>
+  static train_options with_policies(train_options opts, const Ps&... ps) {
+    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
+    (apply_policy(opts, ps), ...);
+    return opts;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const data_parallel<A>& p) {
+    if (p.zero != 0 && p.zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    o.zero = p.zero == 1;
+    o.overlap_grad_sync = p.overlap;
+    o.bucket_elements = p.bucket_elements;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const fully_shard<A>& p) {
+    o.fsdp = true;
+    o.reshard_after_forward = p.reshard_after_forward;
+    o.fsdp_prefetch = p.prefetch;
+  }
+  template <fixed_string A>
+  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
+    o.pipeline = p.options();
+  }
+  /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
+  void start_overlap() {
+    if constexpr (requires(Model& net) {
+                    net.hooks;
+                    net.template params_per_layer<T>();
+                  }) {
+      if (!options.overlap_grad_sync || options.zero) return;
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
+      model.hooks = overlap_.get();
+    }
+  }
+
+  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
+  void shard_parameters() {
+    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): read it through an overload for either.
+    const std::string_view fsdp_name = detail::text_of(Fsdp);
+    if constexpr (fsdp_axes == 0) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
+                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
+                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
+    } else if constexpr (!requires(Model& net) {
+                           net.hooks;
+                           net.template params_per_layer<T>();
+                         }) {
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+    } else {
+      if (options.zero)
+        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
+      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
+                                                                      local_, options.reshard_after_forward, fsdp_name,
+                                                                      options.fsdp_prefetch);
+      params = fsdp_->shards();
+      model.hooks = fsdp_.get();
+    }
+  }
+  /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
+  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
+  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
+  double share_of_squares(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
+    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
+    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
+    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
+    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
+                                                        squares_.get(dev, detail::squares_scratch(hi - lo)));
+  }
+  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
+  /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
+  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_.slot(i, s, dev); }
+  float* master_of(const param_ref<T>& p, std::size_t dev) {
+    return master(static_cast<std::size_t>(&p - params.data()), dev);
+  }
+  void refresh_device(std::size_t dev) {
+    if constexpr (mixed)
+      for (std::size_t i = 0; i < params.size(); ++i)
+        detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
+  }
+  float clip_scale(double norm) const {
+    return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
+  }
+  /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
+  /// lie in the flat slice `[begin, begin + size)`.
+  template <class F>
+  void for_each_piece(std::size_t dev, std::size_t begin, std::size_t size, F&& f) const {
+    std::size_t off = 0;
+    for (const auto& p : params) {
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) f(p, lo - off, lo - begin, hi - lo);
+      off += p.count[dev];
+    }
+  }
+
+  grad_sync<T, Wire> sync_;
+  softmax_cross_entropy<T> loss_;
+  /// Optimizer state (nn/train/optimizer_state.hpp; docs/design.md): replicated or ZeRO-1.
+  optimizer_state_type state_;
+  detail::device_buffers<T> gather_;
+  std::vector<std::size_t> local_;
+  detail::device_buffers<T> input_;
+  detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
+  detail::device_buffers<T> output_grad_;
+  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
+  mutable detail::device_buffers<double> squares_;
+  /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
+  /// parameter's shape and sharding.
+  std::vector<detail::held_tensor<float>> masters_;
+  /// FSDP's shards, buffers and layer hooks (null without FSDP); shared by copies of the state.
+  std::shared_ptr<detail::fsdp_engine<Mesh, fsdp_axes>> fsdp_;
+  /// Per device: the bytes of the model's layer buffers (shared by copies of the state, as the
+  /// model's buffers are; the buffers point at it).
+  std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
+      std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
+  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  std::shared_ptr<detail::pipeline_engine> pipeline_;
+  /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
+  using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
+  std::shared_ptr<overlap_type> overlap_;
+  /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
+  loss_scaler scaler_;
+};
+
+/// Made with parallel policies, a train state's axes are the policies' (the defaults for the
+/// parallelisms not given), its parameters and compute float.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options` before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+
+}  // namespace meshlib::nn

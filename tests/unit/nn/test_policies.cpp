@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// Parallelism as policies (nn/parallel/, issue 37): data_parallel, fully_shard and pipeline over any
+// axis names give bitwise the losses of the train_options they set on the default names, alone and
+// composed; the state's type is deduced from them; what a value cannot say at compile time is refused.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+#include "message_of.hpp"
+#include "synthetic_problem.hpp"
+
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
+namespace {
+
+namespace nn = meshlib::nn;
+using meshlib::axis;
+
+constexpr std::size_t features = 12, hidden = 16, classes = 4, batch = 32, steps = 4;
+
+const nn::dataset& problem() {
+  static const nn::dataset ds = meshlib_test::synthetic_problem(batch * steps, features, classes);
+  return ds;
+}
+
+template <class Mesh>
+auto make_net(const Mesh& m) {
+  const nn::rng_key key{17};
+  return nn::sequential(nn::column_dense<float, Mesh>(m, "fc1", features, hidden, key), nn::relu<float>(m),
+                        nn::row_dense<float, Mesh>(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
+                        nn::dense<float, Mesh>(m, "fc3", hidden, classes, key));
+}
+
+template <class State>
+std::vector<double> losses(State& s) {
+  const auto& ds = problem();
+  std::vector<double> out;
+  for (std::size_t i = 0; i < steps; ++i)
+    out.push_back(nn::train_step(s, std::span<const float>(ds.x).subspan(i * batch * features, batch * features),
+                                 std::span<const std::int32_t>(ds.y).subspan(i * batch, batch), batch, 0, batch)
+                      .loss);
+  out.push_back(nn::evaluate(s, ds, 40).loss);
+  return out;
+}
+
+nn::optimizer opt() {
+  auto o = nn::adamw(nn::constant(1e-2f), 1e-2f);
+  o.clip_norm = 0.5f;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("data_parallel over any axis name: bitwise the losses of train_options on 'data'", "[nn][policies]") {
+  using ref_mesh = meshlib::mesh<axis<"data">, axis<"model">>;
+  using dp_mesh = meshlib::mesh<axis<"dp">, axis<"model">>;
+  const ref_mesh rm{4, 2};
+  const dp_mesh dm{4, 2};
+  for (const bool zero : {false, true}) {
+    for (const bool overlap : {false, true}) {
+      if (zero && overlap) continue;  // overlap applies without ZeRO
+      INFO("zero " << zero << ", overlap " << overlap);
+      nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.zero = zero, .overlap_grad_sync = overlap});
+      nn::train_state dp(dm, make_net(dm), opt(), nn::data_parallel<"dp">{.zero = zero ? 1 : 0, .overlap = overlap});
+      static_assert(std::is_same_v<decltype(dp)::mesh_type, dp_mesh>);
+      STATIC_REQUIRE(decltype(dp)::data_axes == dp_mesh::mask_of<"dp">());
+      CHECK(dp.options.zero == zero);
+      CHECK(dp.options.overlap_grad_sync == overlap);
+      CHECK(losses(dp) == losses(ref));
+    }
+  }
+}
+
+TEST_CASE("fully_shard and data_parallel compose over any axis names (HSDP)", "[nn][policies][fsdp]") {
+  using ref_mesh = meshlib::mesh<axis<"data">, axis<"fsdp">, axis<"model">>;
+  using my_mesh = meshlib::mesh<axis<"replica">, axis<"shard">, axis<"model">>;
+  const ref_mesh rm{2, 2, 2};
+  const my_mesh mm{2, 2, 2};
+  for (const bool reshard : {true, false}) {
+    INFO("reshard_after_forward " << reshard);
+    nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.fsdp = true, .reshard_after_forward = reshard});
+    nn::train_state mine(mm, make_net(mm), opt(), nn::data_parallel<"replica">{},
+                         nn::fully_shard<"shard">{.reshard_after_forward = reshard});
+    STATIC_REQUIRE(decltype(mine)::fsdp_axes == my_mesh::mask_of<"shard">());
+    STATIC_REQUIRE(decltype(mine)::replica_axes == my_mesh::mask_of<"replica">());
+    CHECK(mine.memory(0).optimizer_state == ref.memory(0).optimizer_state);
+    CHECK(losses(mine) == losses(ref));
+  }
+}
+
+TEST_CASE("pipeline over any axis name: bitwise the losses of the 'pipeline' axis", "[nn][policies][pipeline]") {
+  using ref_mesh = meshlib::mesh<axis<"data">, axis<"model">, axis<"pipeline">>;
+  using my_mesh = meshlib::mesh<axis<"dp">, axis<"model">, axis<"pipe">>;
+  const ref_mesh rm{2, 1, 2};
+  const my_mesh mm{2, 1, 2};
+  for (const auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
+    nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.pipeline = {.microbatches = 4, .schedule = kind}});
+    nn::train_state mine(mm, make_net(mm), opt(), nn::data_parallel<"dp">{},
+                         nn::pipeline<"pipe">{.schedule = kind, .microbatches = 4});
+    STATIC_REQUIRE(decltype(mine)::pipeline_axes == my_mesh::mask_of<"pipe">());
+    REQUIRE(mine.pipeline() != nullptr);
+    CHECK(mine.pipeline_stages() == ref.pipeline_stages());
+    CHECK(losses(mine) == losses(ref));
+  }
+}
+
+TEST_CASE("a ZeRO stage data_parallel does not shard is refused, naming fully_shard", "[nn][policies][errors]") {
+  using mesh_t = meshlib::mesh<axis<"data">, axis<"model">>;
+  const mesh_t m{2, 1};
+  const std::string what = meshlib_test::message_of([&] {
+    nn::train_state s(m, make_net(m), opt(), nn::data_parallel<"data">{.zero = 3});
+  });
+  CHECK(what.find("data_parallel: zero = 3") != std::string::npos);
+  CHECK(what.find("fully_shard") != std::string::npos);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
