@@ -70,6 +70,7 @@ options parse_options(int argc, char** argv) {
 
 #include "handwritten_mlp.hpp"
 #include "meshlib/nn/data.hpp"
+#include "meshlib/nn/detail/number_text.hpp"
 
 namespace {
 using clock_type = std::chrono::steady_clock;
@@ -127,12 +128,12 @@ int main(int argc, char** argv) {
   config.warmup = std::min<std::size_t>(100, config.total / 10);
   config.final_fraction = 0.02f;
   handwritten::mlp model(config);
-  std::printf("hand-written MLP %zu-%zu-%zu-%zu, %s peak lr %g (warm-up %zu steps, cosine to 2%% at step %zu)%s, "
+  std::printf("hand-written MLP %zu-%zu-%zu-%zu, %s peak lr %s (warm-up %zu steps, cosine to 2%% at step %zu)%s, "
               "batch %zu, seed %llu\n",
               config.inputs, config.hidden, config.hidden, config.classes,
               config.method == handwritten::optimizer::sgd ? "SGD" : "Adam",
-              static_cast<double>(config.learning_rate), config.warmup, config.total,
-              config.method == handwritten::optimizer::sgd ? (" momentum " + std::to_string(config.momentum)).c_str() : "",
+              meshlib::nn::detail::number_text(config.learning_rate).c_str(), config.warmup, config.total,
+              config.method == handwritten::optimizer::sgd ? (" momentum " + meshlib::nn::detail::number_text(config.momentum)).c_str() : "",
               config.batch, static_cast<unsigned long long>(config.seed));
   std::vector<float> x(config.batch * train.features);
   std::vector<std::int32_t> y(config.batch);

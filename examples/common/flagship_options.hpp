@@ -15,7 +15,14 @@
 #include <system_error>
 #include <utility>
 
+#include "meshlib/nn/detail/number_text.hpp"
+
 namespace flagship {
+
+/// A number as the user wrote it (`--lr 1e-5` prints `lr 1e-5`, not `1e-05` or `0.000010`): the
+/// library's formatter, so the flagships' lines and the library's names (`adamw(weight decay 0.01)`)
+/// read alike.
+using meshlib::nn::detail::number_text;
 
 /// A mistake in the options: main prints the usage line and the message before anything is
 /// loaded, and exits with status 2.
@@ -77,20 +84,20 @@ struct mesh_choice {
   std::string why;  ///< "--mesh 2x1: chosen for 2 cores; pass --mesh to choose"
 };
 
-/// The (data, model) mesh of train_fashion_mnist when --mesh is not given, on a machine of `cores`
-/// cores (0: unknown, taken as 1): (4, 2) with 8 cores or more, as before; with fewer, the data axis
-/// is the largest power of two up to min(4, cores) and the model axis 1, so that each thread device
-/// has a core and the data axis still divides the default batch (256, and any batch of a multiple
-/// of 4): 1 core 1x1, 2 or 3 cores 2x1, 4 to 7 cores 4x1. Host logic only: a given --mesh is never
-/// replaced.
-inline mesh_choice default_mesh(std::size_t cores) {
+/// The (data, model) mesh a flagship runs on when --mesh is not given, on a machine of `cores` cores
+/// (0: unknown, taken as 1): its full shape (`data` x `model`, powers of two) where every thread
+/// device has a core; else the model axis halved first, then the data axis, until they fit, so the
+/// data axis still divides the default batch. train_fashion_mnist's (4, 2): 8 cores or more 4x2,
+/// 4 to 7 4x1, 2 or 3 2x1, 1 1x1; train_resnet_fashion_mnist's (4, 1) and train_gpt_chars' (2, 2)
+/// the same way. Host logic only: a given --mesh is never replaced.
+inline mesh_choice default_mesh(std::size_t cores, std::size_t data = 4, std::size_t model = 2) {
   if (cores == 0) cores = 1;
-  mesh_choice c;
-  if (cores >= 8) {
-    c.data = 4;
-    c.model = 2;
-  } else {
-    c.data = cores >= 4 ? 4 : cores >= 2 ? 2 : 1;
+  mesh_choice c{data, model, {}};
+  while (c.data * c.model > cores) {
+    if (c.model > 1)
+      c.model /= 2;
+    else
+      c.data /= 2;
   }
   c.why = "--mesh " + std::to_string(c.data) + "x" + std::to_string(c.model) + ": chosen for " + std::to_string(cores) +
           (cores == 1 ? " core" : " cores") + "; pass --mesh to choose";

@@ -281,7 +281,7 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
             << "  batch " << o.batch << " (" << o.batch / (o.data * o.fsdp) << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
-            << opt.name() << ", lr " << o.lr << " warm-up + cosine, gradients reduced in "
+            << opt.name() << ", lr " << flagship::number_text(o.lr) << " warm-up + cosine, gradients reduced in "
             << nn::precision_name<Wire>() << ", computed in " << nn::precision_name<Compute>()
             << (state.mixed ? " with float master weights" : "")
             << (state.loss_scaling() ? ", dynamic loss scaling from " + std::to_string(static_cast<long long>(state.loss_scale())) : std::string())

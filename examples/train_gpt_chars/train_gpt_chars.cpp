@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_gpt_chars: trains a decoder-only character-level Transformer (a small GPT) on the text of
 // Debian's fortunes (or any text file or directory given by --data) on a (data, tensor) mesh, (2, 2)
-// by default (--mesh DxM: D devices on 'data', M on 'tensor'), or on the 4-axis mesh ('data', 'fsdp',
+// by default where the machine has 4 cores (fewer devices on fewer cores, flagship::default_mesh; the
+// header line says so) (--mesh DxM: D devices on 'data', M on 'tensor'), or on the 4-axis mesh ('data', 'fsdp',
 // 'tensor', 'pipeline') of --mesh DxFxTxP (fsdp splits the batch as data does; pipeline cuts the
 // layers into stages, nn/parallel/pipeline.hpp); a (D, M) mesh is the 4-axis mesh (D, 1, M, 1), so the run
 // prints 'tensor' as this help does, then writes a few hundred characters from a prompt. The vocabulary is the 256 byte
@@ -46,6 +47,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -63,6 +65,7 @@ struct options {
   std::size_t eval_every = 250, eval_windows = 256, generate = 300, final_windows = 0;
   bool advise = false, remat = false, untie = false, gpu = false;
   std::string loss_log;
+  std::string mesh_why;  // the header line's note on a mesh the flagship chose (no --mesh)
 };
 
 using flagship::usage_error;
@@ -76,9 +79,10 @@ constexpr const char* usage_line =
 
 void usage() {
   std::cout << usage_line
-            << "  --mesh DxM          (data, tensor) mesh shape: D devices on 'data', M on 'tensor'; default 2x2\n"
-               "                      (4 thread devices: batch split over 'data', heads, MLP and vocabulary over\n"
-               "                      'tensor'); the same as --mesh Dx1xMx1\n"
+            << "  --mesh DxM          (data, tensor) mesh shape: D devices on 'data', M on 'tensor'; the same as\n"
+               "                      --mesh Dx1xMx1 (batch split over 'data', heads, MLP and vocabulary over 'tensor');\n"
+               "                      default 2x2 (4 thread devices) with 4 cores or more, else one device per core\n"
+               "                      (2x1 on 2 or 3 cores, 1x1 on 1; the first line says which); 2x2 with --gpu\n"
                "  --mesh DxFxTxP      the 4-axis mesh ('data', 'fsdp', 'tensor', 'pipeline'): batch over data x fsdp,\n"
                "                      heads, MLP and vocabulary over tensor, the layers cut into P pipeline stages\n"
                "  --microbatches N    pipeline micro-batches per step (P > 1), dividing B / (D F); default P\n"
@@ -115,6 +119,7 @@ using flagship::positive_integer;
 
 options parse(int argc, char** argv) {
   options o;
+  bool mesh_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -123,6 +128,7 @@ options parse(int argc, char** argv) {
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
     else if (a == "--mesh") {
+      mesh_given = true;
       const std::string v = value();
       if (std::count(v.begin(), v.end(), 'x') == 3) {  // DxFxTxP
         std::size_t* axes[] = {&o.data, &o.fsdp, &o.model, &o.pipeline};
@@ -174,6 +180,12 @@ options parse(int argc, char** argv) {
   }
   flagship::check_gpu_flag(o.gpu);
   if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
+  if (!mesh_given && !o.gpu) {  // thread devices: one per core at most
+    const auto c = flagship::default_mesh(std::thread::hardware_concurrency(), 2, 2);
+    o.data = c.data;
+    o.model = c.model;
+    o.mesh_why = c.why;
+  }
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
   const bool four = o.fsdp != 1 || o.pipeline != 1;
@@ -372,15 +384,15 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
     for (auto e : p.shape) n *= e;
     count += n;
   }
-  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu %s)\n",
+  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu %s%s)\n",
               o.layers, o.heads, o.width, o.context, mesh.to_string().c_str(), mesh.size(),
-              o.gpu ? "GPU mesh devices" : "thread devices");
+              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str());
   std::printf("  data: %zu bytes from %zu files of %s: %zu training, %zu validation (the last 10%%)\n", corpus.bytes.size(),
               corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
   std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
-              "  lr %g warm-up + cosine, gradient clipping at norm 1\n",
+              "  lr %s warm-up + cosine, gradient clipping at norm 1\n",
               count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / (o.data * o.fsdp),
-              opt.name().c_str(), static_cast<double>(o.lr));
+              opt.name().c_str(), flagship::number_text(o.lr).c_str());
   if (fsdp) {
     const auto mem = state.memory(0);
     std::printf("  fsdp: parameters, gradients and optimizer state sharded over %zu devices: device 0 stores %zu "
@@ -443,7 +455,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
               static_cast<double>(peak) / 1048576.0);
   if (o.generate > 0) {
     const std::string text = generate<Remat, Untie>(state, o, key.fold_in(2'000'000), runner);
-    std::printf("  sample (temperature %g, seed %llu):\n----\n%s\n----\n", static_cast<double>(o.temperature),
+    std::printf("  sample (temperature %s, seed %llu):\n----\n%s\n----\n", flagship::number_text(o.temperature).c_str(),
                 static_cast<unsigned long long>(o.seed), text.c_str());
   }
   std::printf("done: %zu steps in %.1f s, validation loss %.4f nats/char (unigram %.3f, bigram %.3f) on %s\n", o.steps,

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // train_resnet_fashion_mnist: trains a small ResNet on Fashion-MNIST, data-parallel with synchronised
-// batch norm, on a (data, model) mesh, (4, 1) by default. The network (NHWC images, W = --width):
+// batch norm, on a (data, model) mesh, (4, 1) by default where the machine has 4 cores (fewer devices
+// on fewer cores, flagship::default_mesh; the header line says so). The network (NHWC images, W = --width):
 //
 //   stem   3x3 conv 1 -> W, batch norm, relu            28x28xW
 //   pool   2x2 max pooling                              14x14xW
@@ -40,6 +41,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -55,6 +57,7 @@ struct options {
   bool resume = false, advise = false, gpu = false;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
+  std::string mesh_why;  // the header line's note on a mesh the flagship chose (no --mesh)
 };
 
 using flagship::usage_error;
@@ -66,7 +69,9 @@ constexpr const char* usage_line =
 
 void usage() {
   std::cout << usage_line
-            << "  --mesh DxM            (data, model) mesh shape, default 4x1 (4 thread devices, data parallel)\n"
+            << "  --mesh DxM            (data, model) mesh shape; default 4x1 (4 thread devices, data parallel) with 4\n"
+               "                        cores or more, else one device per core (2x1 on 2 or 3 cores, 1x1 on 1; the\n"
+               "                        first line says which); 4x1 with --gpu\n"
                "  --epochs N            default 6\n"
                "  --batch B             global batch, a multiple of D; default 128\n"
                "  --lr R                peak learning rate (linear warm-up, cosine decay); default 2e-3\n"
@@ -92,6 +97,7 @@ std::pair<std::size_t, std::size_t> mesh_shape(const std::string& v) { return fl
 
 options parse(int argc, char** argv) {
   options o;
+  bool mesh_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -99,7 +105,10 @@ options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--help" || a == "-h") { usage(); std::exit(0); }
-    else if (a == "--mesh") std::tie(o.data, o.model) = mesh_shape(value());
+    else if (a == "--mesh") {
+      mesh_given = true;
+      std::tie(o.data, o.model) = mesh_shape(value());
+    }
     else if (a == "--epochs") o.epochs = positive_integer(a, value());
     else if (a == "--batch") o.batch = positive_integer(a, value());
     else if (a == "--lr") o.lr = flagship::positive_number(a, value());
@@ -120,6 +129,12 @@ options parse(int argc, char** argv) {
   if (o.resume && o.checkpoint_dir.empty()) throw usage_error("--resume needs --checkpoint-dir");
   flagship::check_gpu_flag(o.gpu);
   if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
+  if (!mesh_given && !o.gpu) {  // thread devices: one per core at most
+    const auto c = flagship::default_mesh(std::thread::hardware_concurrency(), 4, 1);
+    o.data = c.data;
+    o.model = c.model;
+    o.mesh_why = c.why;
+  }
   // The checks that need no data, in the options' words, before the seconds of loading (the
   // library would reject the batch later, in its own terms).
   if (!o.advise && o.batch % o.data != 0)  // --advise lists the shapes the batch does not split over
@@ -180,12 +195,12 @@ int train_on(const options& o, const meshlib::nn::fashion_mnist& fm, const Runne
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adam" ? nn::adam(lr) : nn::adamw(lr, 1e-4f);
   nn::train_state state(mesh, resnet(mesh, o.width, key), opt);
 
-  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s)\n",
+  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s%s)\n",
               o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size(),
-              o.gpu ? "GPU mesh devices" : "thread devices");
+              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str());
   std::printf("  data: %zu training / %zu test images from %s\n", fm.train.count, fm.test.count, o.data_dir.c_str());
-  std::printf("  batch %zu (%zu images per data device), %s, lr %g warm-up + cosine, batch norm synchronised over 'data'\n",
-              o.batch, o.batch / o.data, opt.name().c_str(), static_cast<double>(o.lr));
+  std::printf("  batch %zu (%zu images per data device), %s, lr %s warm-up + cosine, batch norm synchronised over 'data'\n",
+              o.batch, o.batch / o.data, opt.name().c_str(), flagship::number_text(o.lr).c_str());
   std::size_t count = 0;
   for (const auto& p : state.params) {
     std::size_t n = 1;
