@@ -11,6 +11,7 @@
 #   <prefix>/share/pkgconfig/meshlib.pc                              pkg-config --cflags --libs meshlib
 #   <prefix>/share/doc/meshlib/LICENSE
 #   <prefix>/share/cmake/meshlib/meshlib_find_kokkos.cmake, meshlib_find_nccl.cmake
+#   <prefix>/share/cmake/meshlib/meshlib_fast_build.cmake           meshlib_enable_fast_build()
 #
 # The package is header-only, so it goes under share/ (architecture independent), where
 # find_package searches as well as lib/cmake. Each optional backend has its own export set so
@@ -98,4 +99,5 @@ install(FILES
   "${PROJECT_BINARY_DIR}/meshlibConfigVersion.cmake"
   "${PROJECT_SOURCE_DIR}/cmake/meshlib_find_kokkos.cmake"
   "${PROJECT_SOURCE_DIR}/cmake/meshlib_find_nccl.cmake"
+  "${PROJECT_SOURCE_DIR}/cmake/meshlib_fast_build.cmake"
   DESTINATION "${MESHLIB_INSTALL_CMAKEDIR}")

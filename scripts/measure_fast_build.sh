@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+# Times the edit-compile loop of two user programs (tests/package/fast_build: a 33-line shard_map
+# Megatron pair, a one-block Transformer trained with train_step) with and without
+# meshlib_enable_fast_build, one job (ninja -j1), and prints docs/fast-builds.md's table.
+#   scripts/measure_fast_build.sh [WORK_DIR]      (default: a fresh temporary folder)
+# BUILD_DIR: a configured meshlib build tree to install from (default: build/).
+# CONFIGS: space-separated compiler:flags:fast triples (default below); fast is ON or OFF.
+# A rebuild is what an edit costs: the program's source touched, then its target built (compile
+# and link). Each is timed as CPU seconds (user + sys of the compiler and linker: what the wall
+# time is on an idle core) and wall seconds (which a loaded machine stretches). The first build
+# of a configuration (both programs, and with fast=ON their precompiled headers) is timed too.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+work="${1:-$(mktemp -d /tmp/meshlib-fast-build.XXXXXX)}"
+build_dir="${BUILD_DIR:-$repo_root/build}"
+configs="${CONFIGS:-g++:-O2:OFF g++:-O2:ON g++:-O1:ON clang++:-O2:OFF clang++:-O2:ON}"
+src="$repo_root/tests/package/fast_build"
+
+if [ ! -f "$build_dir/CMakeCache.txt" ]; then
+  echo "measure_fast_build: $build_dir is not a configured build tree; configure meshlib there first" >&2
+  exit 2
+fi
+mkdir -p "$work"
+cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
+
+# "cpu wall" of a command's run: user + sys of it and the children it waited for.
+timed() {
+  local f
+  f=$(mktemp)
+  /usr/bin/time -f "%U %S %e" -o "$f" "$@" >/dev/null
+  awk '{ printf "%.1f %.1f", $1 + $2, $3 }' "$f"
+  rm -f "$f"
+}
+
+echo "| compiler | flags | meshlib_enable_fast_build | megatron rebuild: CPU s (wall s) | transformer rebuild: CPU s (wall s) | first build: CPU s (wall s) |"
+echo "| --- | --- | --- | --- | --- | --- |"
+for config in $configs; do
+  IFS=: read -r cxx opt fast <<<"$config"
+  dir="$work/build-$cxx${opt}-$fast"
+  cmake -S "$src" -B "$dir" -G Ninja "-DCMAKE_CXX_COMPILER=$cxx" -DCMAKE_BUILD_TYPE=Release \
+    "-DCMAKE_CXX_FLAGS_RELEASE=$opt" -DCMAKE_PREFIX_PATH="$work/prefix" "-DFAST_BUILD=$fast" >/dev/null
+  read -r first_cpu first_wall <<<"$(timed ninja -C "$dir" -j1)"
+  cells=()
+  for prog in megatron transformer; do
+    touch "$src/$prog.cpp"
+    read -r cpu wall <<<"$(timed ninja -C "$dir" -j1 "$prog")"
+    "$dir/$prog" >/dev/null  # the program still runs and checks its result
+    cells+=("$cpu ($wall)")
+  done
+  echo "| $($cxx --version | head -1 | sed 's/ (.*)//') | $opt | $fast | ${cells[0]} | ${cells[1]} | $first_cpu ($first_wall) |"
+done
+echo
+echo "(load average at the end: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores)"
