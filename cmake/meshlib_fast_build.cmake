@@ -12,9 +12,10 @@
 #     warning instead of a silent full parse.
 #   - ITERATE: -O1 for the target, after the build type's flags so that it wins (GCC and Clang take
 #     the last -O): most of a rebuild is generating optimised code for meshlib's runtime, and -O1
-#     cuts it by about a third (docs/fast-builds.md). For the edit loop; leave it out for runs you time.
+#     cuts a quarter to a third of it (docs/fast-builds.md). For the edit loop; leave it out for runs you time.
 # Without ITERATE the optimisation level and debug information stay yours.
-# Available after find_package(meshlib), add_subdirectory or FetchContent of meshlib.
+# For targets that link meshlib::meshlib (the precompiled header includes Kokkos). Available after
+# find_package(meshlib), add_subdirectory or FetchContent of meshlib.
 
 include_guard(GLOBAL)
 

@@ -5,7 +5,8 @@
 # meshlib_enable_fast_build, one job (ninja -j1), and prints docs/fast-builds.md's table.
 #   scripts/measure_fast_build.sh [WORK_DIR]      (default: a fresh temporary folder)
 # BUILD_DIR: a configured meshlib build tree to install from (default: build/).
-# CONFIGS: space-separated compiler:flags:fast triples (default below); fast is ON or OFF.
+# CONFIGS: space-separated compiler:flags:fast triples (default below); fast is ON or OFF (-O1 with
+# ON is what meshlib_enable_fast_build's ITERATE sets).
 # A rebuild is what an edit costs: the program's source touched, then its target built (compile
 # and link). Each is timed as CPU seconds (user + sys of the compiler and linker: what the wall
 # time is on an idle core) and wall seconds (which a loaded machine stretches). The first build
@@ -24,31 +25,38 @@ fi
 mkdir -p "$work"
 cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
 
-# "cpu wall" of a command's run: user + sys of it and the children it waited for.
+# Runs a command and sets cpu (user + sys of it and the children it waited for) and wall, in
+# seconds; a command that fails stops the script, naming it.
 timed() {
-  local f
+  local f u s e
   f=$(mktemp)
-  /usr/bin/time -f "%U %S %e" -o "$f" "$@" >/dev/null
-  awk '{ printf "%.1f %.1f", $1 + $2, $3 }' "$f"
+  if ! /usr/bin/time -f "%U %S %e" -o "$f" "$@" >/dev/null; then
+    echo "measure_fast_build: failed: $*" >&2
+    exit 1
+  fi
+  read -r u s e <"$f"
   rm -f "$f"
+  cpu=$(awk -v u="$u" -v s="$s" 'BEGIN { printf "%.1f", u + s }')
+  wall=$(awk -v e="$e" 'BEGIN { printf "%.1f", e }')
 }
 
-echo "| compiler | flags | meshlib_enable_fast_build | megatron rebuild: CPU s (wall s) | transformer rebuild: CPU s (wall s) | first build: CPU s (wall s) |"
-echo "| --- | --- | --- | --- | --- | --- |"
+echo "| compiler | flags | meshlib_enable_fast_build | load average (1 min, at the end) | megatron rebuild: CPU s (wall s) | transformer rebuild: CPU s (wall s) | first build: CPU s (wall s) |"
+echo "| --- | --- | --- | --- | --- | --- | --- |"
 for config in $configs; do
   IFS=: read -r cxx opt fast <<<"$config"
   dir="$work/build-$cxx${opt}-$fast"
   cmake -S "$src" -B "$dir" -G Ninja "-DCMAKE_CXX_COMPILER=$cxx" -DCMAKE_BUILD_TYPE=Release \
     "-DCMAKE_CXX_FLAGS_RELEASE=$opt" -DCMAKE_PREFIX_PATH="$work/prefix" "-DFAST_BUILD=$fast" >/dev/null
-  read -r first_cpu first_wall <<<"$(timed ninja -C "$dir" -j1)"
+  timed ninja -C "$dir" -j1
+  first_cpu=$cpu first_wall=$wall
   cells=()
   for prog in megatron transformer; do
     touch "$src/$prog.cpp"
-    read -r cpu wall <<<"$(timed ninja -C "$dir" -j1 "$prog")"
+    timed ninja -C "$dir" -j1 "$prog"
     "$dir/$prog" >/dev/null  # the program still runs and checks its result
     cells+=("$cpu ($wall)")
   done
-  echo "| $($cxx --version | head -1 | sed 's/ (.*)//') | $opt | $fast | ${cells[0]} | ${cells[1]} | $first_cpu ($first_wall) |"
+  echo "| $($cxx --version | head -1 | sed 's/ (.*)//') | $opt | $fast | $(cut -d' ' -f1 /proc/loadavg) | ${cells[0]} | ${cells[1]} | $first_cpu ($first_wall) |"
 done
 echo
 echo "(load average at the end: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores)"
