@@ -246,6 +246,43 @@ class sharding_error : public error {
 
 }  // namespace meshlib
 // end meshlib/core/errors.hpp
+// begin meshlib/core/hash.hpp
+/// @file
+/// @brief FNV-1a (64-bit), the one hash meshlib uses: parameter names' random streams, checkpoint
+/// checksums and the fingerprints by which communicators compare their participants' calls.
+/// FNV-1a is a bijection of its state for each input unit, so any single substitution changes
+/// the result (what the checkpoint's damage check relies on); it is not cryptographic.
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace meshlib::detail {
+
+/// @brief A running FNV-1a hash: feed it bytes or whole words, read `value`.
+struct fnv1a {
+  /// The FNV-1a 64-bit offset basis and prime (Fowler, Noll, Vo).
+  static constexpr std::uint64_t offset_basis = 0xcbf29ce484222325ull, prime = 0x100000001b3ull;
+  /// The hash so far.
+  std::uint64_t value = offset_basis;
+
+  /// Mixes in one unit (a byte, or a whole word where the caller hashes words).
+  constexpr fnv1a& add(std::uint64_t unit) noexcept {
+    value = (value ^ unit) * prime;
+    return *this;
+  }
+  /// Mixes in each byte of `bytes`, in order.
+  constexpr fnv1a& add_bytes(std::string_view bytes) noexcept {
+    for (char c : bytes) add(static_cast<unsigned char>(c));
+    return *this;
+  }
+};
+
+/// FNV-1a of a byte string (the standard 64-bit FNV-1a of those bytes).
+constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
+
+}  // namespace meshlib::detail
+// end meshlib/core/hash.hpp
 // begin meshlib/core/axis.hpp
 /// @file
 /// @brief `axis<"name">`: a named mesh axis. The name is part of the type, so collectives and
@@ -14540,10 +14577,9 @@ class shared_gpu_communicator
     if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
   }
   static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
-    for (const auto& p : pairs)
-      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
-    return static_cast<std::int64_t>(h);
+    meshlib::detail::fnv1a h;  // over the pairs, in order
+    for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+    return static_cast<std::int64_t>(h.value);
   }
   template <class T, class All>
   void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {
@@ -15752,11 +15788,9 @@ inline std::string describe_record(const std::string& who, const std::uint64_t* 
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
 inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& p : pairs)
-    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-        1099511628211ull;
-  return h ^ pairs.size();
+  fnv1a h;
+  for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+  return h.value ^ pairs.size();
 }
 
 }  // namespace meshlib::detail
@@ -16754,8 +16788,9 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             has_op ? static_cast<std::uint64_t>(op) : 0,
                                             has_root ? static_cast<std::uint64_t>(root) : 0,
                                             extra};
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
-    for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
+    meshlib::detail::fnv1a fingerprint;  // over the record's words
+    for (std::uint64_t w : rec) fingerprint.add(w);
+    const std::uint64_t h = fingerprint.value;
     // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
     // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
     auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
