@@ -8796,13 +8796,13 @@ class comm_stream {
 /// creates one per run and installs it in every device's context. Without an observer, or with an
 /// inactive one, nothing is wrapped: one predictable branch per collective.
 /// @code
-/// struct counting final : meshlib::detail::comm_observer {   // e.g. a test's observer
+/// struct counting final : meshlib::experimental::comm_observer {   // e.g. a test's observer
 ///   std::atomic<int> calls{0};
 ///   bool active() const noexcept override { return true; }
-///   void open(meshlib::detail::comm_site&) override {}
-///   void enter(const meshlib::detail::comm_site&, meshlib::detail::comm_call&) override { ++calls; }
-///   void leave(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) noexcept override {}
-///   void done(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) override {}
+///   void open(meshlib::experimental::comm_site&) override {}
+///   void enter(const meshlib::experimental::comm_site&, meshlib::experimental::comm_call&) override { ++calls; }
+///   void leave(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) noexcept override {}
+///   void done(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) override {}
 /// };
 /// @endcode
 
@@ -8847,6 +8847,12 @@ inline std::string join_ids(const std::vector<std::size_t>& ids) {
   return s;
 }
 
+}  // namespace meshlib::detail
+
+/// Interfaces that cross layers and may still change: the debug layer implements `comm_observer`,
+/// and a user may too (see the file comment).
+namespace meshlib::experimental {
+
 /// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
 struct comm_site {
   std::size_t device = 0;
@@ -8859,32 +8865,6 @@ struct comm_site {
   /// The observer's own state for this site, set by `comm_observer::open` (debug: its trace track).
   void* data = nullptr;
 };
-
-/// The site of device `device`'s communicator over the axes in `mask` of `m`.
-template <mesh_type Mesh>
-comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
-  comm_site s;
-  s.device = device;
-  s.device_label = device_label(m, device);
-  s.mask = mask & Mesh::all_axes;
-  for (std::size_t a = 0; a < Mesh::ndim; ++a)
-    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
-  s.color = m.group_color(device, s.mask);
-  s.group = m.group(device, s.mask);
-  s.group_rank = m.group_rank(device, s.mask);
-  return s;
-}
-
-/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
-constexpr const char* reduction_name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "psum";
-    case reduce_op::mean: return "pmean";
-    case reduce_op::max: return "pmax";
-    case reduce_op::min: return "pmin";
-    default: return "all_reduce";
-  }
-}
 
 /// One collective as the decorator reports it: its user-level name, element type, the elements
 /// this device sends, its input and output (for checks), and its sequence number on the group.
@@ -8923,12 +8903,42 @@ class comm_observer {
   comm_observer& operator=(const comm_observer&) = default;
 };
 
+}  // namespace meshlib::experimental
+
+namespace meshlib::detail {
+
+/// The site of device `device`'s communicator over the axes in `mask` of `m`.
+template <mesh_type Mesh>
+experimental::comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
+  experimental::comm_site s;
+  s.device = device;
+  s.device_label = device_label(m, device);
+  s.mask = mask & Mesh::all_axes;
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+  s.color = m.group_color(device, s.mask);
+  s.group = m.group(device, s.mask);
+  s.group_rank = m.group_rank(device, s.mask);
+  return s;
+}
+
+/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
+constexpr const char* reduction_name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "psum";
+    case reduce_op::mean: return "pmean";
+    case reduce_op::max: return "pmax";
+    case reduce_op::min: return "pmin";
+    default: return "all_reduce";
+  }
+}
+
 /// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
 /// every operation goes to `inner`, reported to `obs` around it (see the file comment).
 template <class Iface>
 class observed_comm final : public Iface {
  public:
-  observed_comm(Iface& inner, comm_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+  observed_comm(Iface& inner, experimental::comm_observer& obs, experimental::comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
     obs_.open(site_);
   }
 
@@ -8983,11 +8993,11 @@ class observed_comm final : public Iface {
       call();
       return;
     }
-    comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
+    experimental::comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
     obs_.enter(site_, c);
     struct leave {
       observed_comm& self;
-      const comm_call& c;
+      const experimental::comm_call& c;
       ~leave() { self.obs_.leave(self.site_, c); }
     };
     {
@@ -8998,8 +9008,8 @@ class observed_comm final : public Iface {
   }
 
   Iface& inner_;
-  comm_observer& obs_;
-  comm_site site_;
+  experimental::comm_observer& obs_;
+  experimental::comm_site site_;
   std::uint64_t seq_ = 0;
 };
 
@@ -9245,7 +9255,7 @@ class device_context {
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world, comm_observer* observer = nullptr)
+  device_context_for(const Mesh& mesh, std::size_t device, C world, experimental::comm_observer* observer = nullptr)
       : mesh_(mesh),
         device_(device),
         coords_(mesh.coords(device)),
@@ -9305,7 +9315,7 @@ class device_context_for final : public device_context {
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
   // The decorator point (collectives/observer.hpp): only with an active observer.
-  comm_observer* observer_;
+  experimental::comm_observer* observer_;
   std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
 
   device_comm& observed(axis_mask mask, device_comm& raw) {
@@ -19303,7 +19313,7 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
 /// (`run_observer`), so that its code is compiled only where a runner is (see
 /// `basic_trace_recorder`).
 template <class Tag = void>
-class basic_run_observer final : public comm_observer {
+class basic_run_observer final : public experimental::comm_observer {
   using recorder = basic_trace_recorder<Tag>;
 
  public:
@@ -19353,12 +19363,12 @@ class basic_run_observer final : public comm_observer {
   [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
 
   /// A device's communicator on a group is decorated: its trace track, looked up once.
-  void open(comm_site& site) override {
+  void open(experimental::comm_site& site) override {
     if (tracing_) site.data = &recorder::get().track_of(site.device);
   }
 
   /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
-  void enter(const comm_site& site, comm_call& call) override {
+  void enter(const experimental::comm_site& site, experimental::comm_call& call) override {
     if (check_nonfinite()) check_finite(site, call.name, "input", call.in, call.in_count, call.dt);
     const std::string what = std::string(call.name) + " over '" + site.axes + "'";
 #if MESHLIB_DEBUG_HAS_KOKKOS
@@ -19369,7 +19379,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it, returned or not: the device's departure, the end of its Kokkos region.
-  void leave(const comm_site& site, const comm_call& call) noexcept override {
+  void leave(const experimental::comm_site& site, const experimental::comm_call& call) noexcept override {
     try {
       depart(site, call.seq);
     } catch (...) {  // only an allocation of the board's map can fail: the watchdog misses one exit
@@ -19380,7 +19390,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it returned: the trace event, the check of its output.
-  void done(const comm_site& site, const comm_call& call) override {
+  void done(const experimental::comm_site& site, const experimental::comm_call& call) override {
     if (site.data != nullptr) {
       auto& rec = recorder::get();
       trace_event e;
@@ -19402,7 +19412,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// The device of `site` entered its `seq`-th collective `what` on its group.
-  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+  void arrive(const experimental::comm_site& site, std::uint64_t seq, const std::string& what) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto& p = board_[key_t{site.mask, site.color, seq}];
@@ -19416,7 +19426,7 @@ class basic_run_observer final : public comm_observer {
     p.arrived[site.group_rank] = true;
   }
   /// The device of `site` left it (returned or threw).
-  void depart(const comm_site& site, std::uint64_t seq) {
+  void depart(const experimental::comm_site& site, std::uint64_t seq) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto it = board_.find(key_t{site.mask, site.color, seq});
@@ -19429,7 +19439,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
-  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+  void check_finite(const experimental::comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
                     datatype dt) const {
     double v = 0;
     const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);
