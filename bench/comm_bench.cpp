@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The thread communicator's benchmark: nccl-tests style rows (op, bytes per rank, participants,
 // time, algbw, busbw) for all_reduce, all_gather, reduce_scatter, all_to_all and broadcast.
-// Run by bench/run_comm_bench.py next to mpi_bench; see docs/benchmarks.md.
+// Run by bench/run_comm_bench.py next to mpi_bench; see docs/benchmarks.md. With --pin 0 the
+// participants are left where the scheduler puts them, as a user's own threads are, and the rows
+// say `thread_unpinned`.
 //
 //   comm_bench [--participants 2,4,8] [--ops all] [--min 8] [--max 64M] [--one-shot-max BYTES]
-//              [--spin-ns NS] [--repeat R]
+//              [--spin-ns NS] [--yield-ns NS] [--repeat R] [--pin 0|1]
 //
 // Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
 #include <algorithm>
@@ -20,14 +22,15 @@ struct options {
   bench::sweep_options sweep;
   std::vector<int> participants;
   std::size_t one_shot_max = 0, stream_min = 0;
-  long long spin_ns = -1;
+  long long spin_ns = -1, yield_ns = -1;
   bool pin = true;
 };
 
 options parse_options(int argc, char** argv) {
   bench::command_line cl("comm_bench",
                          "usage: comm_bench [--participants 2,4,8] [--ops all|OP,...] [--min 8] [--max 64M] [--repeat R]\n"
-                         "                  [--one-shot-max BYTES] [--spin-ns NS] [--stream-min BYTES] [--pin 0|1]\n",
+                         "                  [--one-shot-max BYTES] [--spin-ns NS] [--yield-ns NS] [--stream-min BYTES]\n"
+                         "                  [--pin 0|1]\n",
                          argc, argv);
   options o;
   o.sweep = bench::read_sweep_options(cl);
@@ -36,6 +39,7 @@ options parse_options(int argc, char** argv) {
     o.participants.push_back(static_cast<int>(cl.integer_of("--participants " + parts + ":", p, 1, 1024)));
   o.one_shot_max = cl.bytes("--one-shot-max", "0", 0);
   o.spin_ns = cl.integer("--spin-ns", -1, -1, 1000000000);  // -1: the communicator's adaptive spin
+  o.yield_ns = cl.integer("--yield-ns", -1, -1, 1000000000);  // -1: the communicator's default
   o.stream_min = cl.bytes("--stream-min", "0", 0);
   // Bind participants to cores as OpenMPI binds its ranks (its default), unless --pin 0.
   o.pin = cl.choice("--pin", {"0", "1"}, "1") == "1";
@@ -81,10 +85,14 @@ int main(int argc, char** argv) {
   meshlib::thread_comm_options opts;
   opts.one_shot_max_bytes = o.one_shot_max;
   opts.spin = std::chrono::nanoseconds(o.spin_ns);
+  opts.yield = std::chrono::nanoseconds(o.yield_ns);
   opts.streaming_min_bytes = o.stream_min;
   opts.pin_threads = o.pin;
   const auto sizes = bench::sizes(lo, hi);
-  bench::print_header("thread");
+  // Unpinned rows are another implementation's: a user's own threads, which no one binds (the
+  // comm table's "not pinned" row, bench/run_comm_bench.py).
+  const char* impl = o.pin ? "thread" : "thread_unpinned";
+  bench::print_header(impl);
 
   for (const int n : o.participants) {
     meshlib::run_on_threads(
@@ -109,7 +117,7 @@ int main(int argc, char** argv) {
                 }
                 c.all_reduce(std::span<double>(sec), reduce_op::max);  // the slowest rank's time, per batch
                 if (c.rank() == 0)
-                  bench::print_row("thread", op, size, bytes, n, per_batch * bench::batches, bench::median_of(sec, bench::batches));
+                  bench::print_row(impl, op, size, bytes, n, per_batch * bench::batches, bench::median_of(sec, bench::batches));
               }
             }
           }
