@@ -7,6 +7,11 @@
 //
 //   comm_bench [--participants 2,4,8] [--ops all] [--min 8] [--max 64M] [--one-shot-max BYTES]
 //              [--spin-ns NS] [--yield-ns NS] [--repeat R] [--pin 0|1]
+//   comm_bench --wake-latency [--pin 0|1]
+//
+// --wake-latency: what the spin window (comm/detail/spin_then_block.hpp) is weighed against: the time
+// from a thread's futex wake-up call to the woken thread running, the woken thread blocked for
+// 300 us first (its CPU gone idle, or taken by another job), 400 rounds, median, p10 and p90.
 //
 // Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
 #include <algorithm>
@@ -24,15 +29,18 @@ struct options {
   std::size_t one_shot_max = 0, stream_min = 0;
   long long spin_ns = -1, yield_ns = -1;
   bool pin = true;
+  bool wake_latency = false;
 };
 
 options parse_options(int argc, char** argv) {
   bench::command_line cl("comm_bench",
                          "usage: comm_bench [--participants 2,4,8] [--ops all|OP,...] [--min 8] [--max 64M] [--repeat R]\n"
                          "                  [--one-shot-max BYTES] [--spin-ns NS] [--yield-ns NS] [--stream-min BYTES]\n"
-                         "                  [--pin 0|1]\n",
+                         "                  [--pin 0|1]\n"
+                         "       comm_bench --wake-latency [--pin 0|1]\n",
                          argc, argv);
   options o;
+  o.wake_latency = cl.flag("--wake-latency");
   o.sweep = bench::read_sweep_options(cl);
   const std::string parts = cl.text("--participants", "2,4,8");
   for (const std::string& p : cl.list_of("--participants", parts))
@@ -50,7 +58,9 @@ options parse_options(int argc, char** argv) {
 }  // namespace
 
 #if !MESHLIB_BENCH_OPTIONS_ONLY
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include "meshlib/comm.hpp"
 
@@ -77,8 +87,55 @@ void run_op(thread_communicator& c, std::string_view op, std::vector<float>& a, 
 
 }  // namespace
 
+/// --wake-latency (see the file comment): with `pin`, the waker on the first allowed CPU and the
+/// sleeper on the second, so that every wake-up crosses CPUs, as it does between pinned ranks.
+void wake_latency(bool pin) {
+  using clock = std::chrono::steady_clock;
+  constexpr int rounds = 400;
+  std::atomic<std::uint32_t> word{0};
+  std::atomic<int> asleep{0};
+  std::atomic<clock::rep> sent{0};
+  std::vector<double> us;
+  us.reserve(rounds);
+  const auto pin_to = [pin](int index) {
+#if defined(__linux__)
+    cpu_set_t allowed;
+    if (pin && pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 1)
+      meshlib::detail::pin_to(allowed, index);
+#else
+    (void)pin;
+    (void)index;
+#endif
+  };
+  std::thread sleeper([&] {
+    pin_to(1);
+    for (int i = 0; i < rounds; ++i) {
+      asleep.store(i + 1);
+      word.wait(static_cast<std::uint32_t>(i), std::memory_order_acquire);
+      us.push_back(static_cast<double>(clock::now().time_since_epoch().count() - sent.load()) *
+                   clock::period::num / clock::period::den * 1e6);
+    }
+  });
+  pin_to(0);
+  for (int i = 0; i < rounds; ++i) {
+    while (asleep.load() != i + 1) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::microseconds(300));  // the sleeper is blocked by now
+    sent.store(clock::now().time_since_epoch().count());
+    word.store(static_cast<std::uint32_t>(i + 1), std::memory_order_release);
+    word.notify_one();
+  }
+  sleeper.join();
+  std::sort(us.begin(), us.end());
+  std::printf("# wake-up latency of a blocked thread (%s): median %.1f us, p10 %.1f us, p90 %.1f us (%d rounds)\n",
+              pin ? "pinned to another CPU" : "not pinned", us[rounds / 2], us[rounds / 10], us[rounds * 9 / 10], rounds);
+}
+
 int main(int argc, char** argv) {
   const options o = parse_options(argc, argv);
+  if (o.wake_latency) {
+    wake_latency(o.pin);
+    return 0;
+  }
   const std::size_t lo = o.sweep.lo, hi = o.sweep.hi;
   const std::string& ops = o.sweep.ops;
   const int repeat = static_cast<int>(o.sweep.repeat);

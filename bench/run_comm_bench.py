@@ -260,7 +260,7 @@ def write_docs(args, table, parts, ops):
         lines.append("The 8 B all_reduce with `--pin 0`: threads that no one binds, where the scheduler puts them "
                      "(two of them may share a core for a while), against OpenMPI's bound ranks. Waiters spin for "
                      "at most 50 us, then block; one whose peer last ran on its own CPU yields to it instead of "
-                     "spinning (docs/benchmarks.md, \"Waiting: spin, then block\").")
+                     "spinning (docs/benchmarks.md, \"Waiting and the large all_reduce\").")
         lines.append("")
         lines.append("| ranks | time (us) | OpenMPI time (us) | time / OpenMPI's |")
         lines.append("| ---: | ---: | ---: | ---: |")

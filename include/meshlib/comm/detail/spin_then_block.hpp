@@ -7,13 +7,14 @@
 /// (exec/detail/device_workers.hpp).
 ///
 /// Why spin first, and for how long: a futex wake-up of a sleeping thread costs far more than a
-/// cache line moving between cores (~0.1 us). Measured on the 2-core reference VM: an idle vCPU
-/// woke in 27-50 us (2026-12-01), and a 2-rank 8 B all_reduce whose every wait blocks took
-/// 9-30 us under load against 0.2-0.5 us spinning (2026-12-05, docs/benchmarks.md, "Waiting:
-/// spin, then block"). Spinning for as long as a block and wake-up cost is never more than twice
-/// as slow as the better of the two (the classic competitive bound), and spinning longer only
-/// burns a core that a peer, or the computation an overlapped collective hides, could use. Hence
-/// `spin_window` = 50 us, the upper end of the wake-up cost measured here.
+/// cache line moving between cores (~0.1 us). Measured on the 2-core reference VM
+/// (`comm_bench --wake-latency`, 2026-12-05, docs/benchmarks.md, "Waiting and the large
+/// all_reduce"): a blocked thread woken from another CPU runs 25-28 us after the wake-up call
+/// (median; p90 35-40 us), 4-6 us when woken on the waker's CPU; an idle vCPU took 27-50 us
+/// (2026-12-01). Spinning for as long as a block and wake-up cost is never more than twice as slow
+/// as the better of the two (the classic competitive bound), and spinning longer only burns a core
+/// that a peer, or the computation an overlapped collective hides, could use. Hence `spin_window`
+/// = 50 us, above the p90 of a wake-up across CPUs.
 ///
 /// Why the sleeper pays for the fence: a waiter that goes to sleep announces it (a counter) and
 /// then re-checks its condition; the thread that makes the condition true stores, then reads the

@@ -256,8 +256,8 @@ class step_protocol {
     if (!detail::prefer_blocking_waits()) {
       // A late peer that last ran on this very CPU cannot arrive while this thread spins: give it
       // the core at once (a yield is a context switch; blocking would add a wake-up). Two unpinned
-      // threads that the scheduler put on one core of a busy machine: 8 B all_reduce 7-10 us
-      // yielding, 14-28 us blocking (docs/benchmarks.md, "Waiting: spin, then block").
+      // threads that the scheduler put on one core of a busy machine: 8 B all_reduce 10.3 us, 16.8
+      // spinning first (docs/benchmarks.md, "Waiting and the large all_reduce"), 14-28 blocking.
       const int here = detail::current_cpu();
       bool beside = false;
       for (int r = 0; r < g.n && !beside && here >= 0; ++r)
