@@ -2725,8 +2725,9 @@ inline void waker_fence() noexcept { std::atomic_signal_fence(std::memory_order_
 /// The sleeper's half: between announcing that it sleeps and re-checking its condition. Returns
 /// whether it was a process-wide barrier; when not (no `membarrier`), a waker may miss the
 /// sleeper, which must then re-check its condition on a short period.
+/// No `std::atomic_thread_fence` here: the announcement is a seq_cst read-modify-write and the
+/// system call is a full barrier itself (and ThreadSanitizer builds refuse thread fences).
 inline bool sleeper_fence() noexcept {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
 #if MESHLIB_DETAIL_HAS_MEMBARRIER
   static const bool registered =
       ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
