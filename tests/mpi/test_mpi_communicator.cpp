@@ -738,7 +738,10 @@ TEST_CASE("plain MPI: an exception that unwinds a copy of the program's handle r
     FAIL("rank " + std::to_string(thrower) + " never arrives: the others must be released");
   } catch (const meshlib::comm_aborted& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CHECK(s < 1.0);
+    // Timing margin (issue 40 §5): the verdict is the type and the message, which only the abort
+    // notice carries (the 20 s timeout would be comm_timeout); the release takes milliseconds
+    // (issue 40 §4 promises at most 1 s), and 10 s leaves a loaded machine room for polling ranks.
+    CHECK(s < 10.0);
     CHECK(std::string(e.what()) ==
           "meshlib: communicator aborted: MPI rank " + std::to_string(thrower) + " of " + std::to_string(n) +
               " failed: an exception left the scope of its communicator there (that rank's handler has its message)");
