@@ -534,14 +534,19 @@ TEST_CASE("shared GPU on a fake CUDA runtime: a peer's throw releases the others
   });
   CHECK(seen[1].type == "other");
   CHECK(seen[0].type == "aborted");
-  CHECK(seen[0].what ==
-        "meshlib: all_reduce on shared-GPU device 0 of 2 (GPU 0): communicator aborted: rank 1 failed: boom in the middle "
-        "[seen by all_gather on rank 0 of 2, step 2] (the devices' host communicator: its rank r is device r)");
+  // Where device 0 learnt of it depends on the threads, not on a clock: blocked in the host's
+  // all_gather when device 1 threw ("seen by"), or arriving after ("refused"); both are exact.
+  const std::string root = "communicator aborted: rank 1 failed: boom in the middle ";
+  const std::vector<std::string> where{"[seen by all_gather on rank 0 of 2, step 2]",
+                                       "[refused all_gather on rank 0 of 2: the communicator has failed]"};
+  const bool seen_there = seen[0].what.find(where[0]) != std::string::npos;
+  INFO(seen[0].what);
+  CHECK(seen[0].what == "meshlib: all_reduce on shared-GPU device 0 of 2 (GPU 0): " + root + where[seen_there ? 0 : 1] +
+                            " (the devices' host communicator: its rank r is device r)");
   CHECK(seen[0].seconds < conformance::prompt_s);  // a backstop: the type says the throw released it, not the timeout
   CHECK(failed[0] == 1);
-  CHECK(refused[0] ==
-        "meshlib: refused barrier on shared-GPU device 0 of 2 (GPU 0): the communicator has failed: communicator "
-        "aborted: rank 1 failed: boom in the middle [seen by all_gather on rank 0 of 2, step 2]");
+  CHECK(refused[0] == "meshlib: refused barrier on shared-GPU device 0 of 2 (GPU 0): the communicator has failed: " + root +
+                          where[seen_there ? 0 : 1]);
 }
 
 // The value rows on the fake (its "kernel" reduces on the host as the GPU's does): every operation,
