@@ -308,7 +308,9 @@ for i in $(seq 1 "$want"); do
   timeout -k 5 30 "$bin/conformance_device" >"$logs/conformance_$i.log" 2>&1 || { tail -n 20 "$logs/conformance_$i.log"; break; }
   runs=$i
 done
-if [ "$runs" -eq "$want" ]; then ok "conformance_device: $runs runs in a row (NCCL one rank; 2 and 4 devices sharing GPU 0)"
+# The same rows (and the slow and missing-device rows) run on every machine over a fake CUDA runtime
+# (conformance_fake_cuda, conformance_fake_cuda_stress: 200 runs of the fault rows); here the GPU's own.
+if [ "$runs" -eq "$want" ]; then ok "conformance_device: $runs runs in a row (NCCL one rank: value and argument rows; 2 and 4 devices sharing GPU 0: value, argument, mismatch, throw, sticky and departure rows)"
 elif [ -f "$logs/conformance_$((runs + 1)).log" ]; then fail "conformance_device: run $((runs + 1)) of $want failed (log conformance_$((runs + 1)).log)"
 else skip "conformance_device: $runs of $want runs passed, then out of time (budget ${budget}s)"; fi
 

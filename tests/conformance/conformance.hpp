@@ -17,7 +17,9 @@
 //   conformance::findings f;  run every participant with  conformance::check_values(comm, f);
 //   CHECK(f.failures.empty());  and  for (auto& row : conformance::fault_rows<Comm>()) run it.
 // A backend on device memory gives a buffer policy: conformance::check_values<Policy>(comm, f)
-// (host_buffers below; tests/conformance/cuda_buffers.hpp for CUDA).
+// (host_buffers below; tests/conformance/cuda_buffers.hpp for CUDA), and the fault rows take it
+// too (mismatch_rows<Comm, Policy>(), throw_rows<Comm, Policy>(bound, "backend")). Where backends'
+// messages differ, the rows take the backend's words from one table (words_table).
 #pragma once
 
 #include <algorithm>
@@ -31,7 +33,9 @@
 #include <mutex>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -392,6 +396,29 @@ inline bool has(const std::string& s, const std::string& part) { return s.find(p
 inline constexpr double prompt_s = 10.0;
 inline constexpr double fault_timeout_s = 20.0;
 
+/// @brief The words a backend's messages use where backends differ, one row per backend: how they
+/// name a participant that threw, left or never came. The fault rows are written once and take a
+/// backend's words from here (issue 40), never from a copy of the rows.
+struct backend_words {
+  std::string_view backend;      ///< as the tests name it
+  std::string_view participant;  ///< "<participant> <r>" names participant r
+};
+inline constexpr backend_words words_table[] = {
+    {"thread", "rank"},
+    {"MPI", "MPI rank"},
+    {"hybrid", "hybrid device"},
+    // The devices meet on a thread_communicator, whose rank r is device r; the message begins
+    // "<the call> on shared-GPU device <r> of <n> (GPU <g>)" and says so.
+    {"shared-GPU", "rank"},
+};
+
+/// How `backend`'s messages name participant r ("rank 1", "hybrid device 1").
+inline std::function<std::string(int)> participant_label(std::string_view backend) {
+  for (const auto& w : words_table)
+    if (w.backend == backend) return [noun = std::string(w.participant)](int r) { return noun + " " + std::to_string(r); };
+  throw std::logic_error("conformance: no words for backend '" + std::string(backend) + "'; add its row to words_table");
+}
+
 /// "" when `o` is of `type`, contains every word of `words` and came within `max_s` seconds.
 inline std::string want(const outcome& o, const std::string& type, std::vector<std::string> words, double max_s) {
   if (o.type != type) return "got '" + o.type + "' (" + o.what + "), expected '" + type + "'";
@@ -532,15 +559,15 @@ std::vector<fault_row<Comm>> argument_rows() {
 
 /// A slow participant (0.1 s late: enough to be last) succeeds. Run with `fault_timeout_s`, so that
 /// a loaded machine that delays a participant by seconds cannot turn the success into a timeout.
-template <class Comm>
+template <class Comm, class Buffers = host_buffers>
 std::vector<fault_row<Comm>> slow_rows() {
   std::vector<fault_row<Comm>> rows;
   rows.push_back({"slow participant (well within the timeout) succeeds",
                   [](Comm& c) {
                     if (c.rank() == c.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
-                    if (x[0] != static_cast<float>(c.size())) throw std::runtime_error("wrong sum after a slow rank");
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
+                    if (x.get()[0] != static_cast<float>(c.size())) throw std::runtime_error("wrong sum after a slow rank");
                   },
                   [](int, int, const outcome& o) { return o.type.empty() ? std::string() : "got " + o.type + ": " + o.what; }});
   return rows;
@@ -551,7 +578,7 @@ std::vector<fault_row<Comm>> slow_rows() {
 /// The missing participant keeps its handle for 4 timeouts, then leaves (which would release the
 /// others as "aborted", not "timeout"): the others' verdict is the type and the message, and a
 /// loaded machine has 3 timeouts of room to start their wait.
-template <class Comm>
+template <class Comm, class Buffers = host_buffers>
 std::vector<fault_row<Comm>> timing_rows(double timeout_s) {
   std::vector<fault_row<Comm>> rows;
   rows.push_back({"missing participant: the others time out naming it",
@@ -561,8 +588,8 @@ std::vector<fault_row<Comm>> timing_rows(double timeout_s) {
                       std::this_thread::sleep_for(std::chrono::duration<double>(timeout_s * 4));
                       return;
                     }
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                   },
                   [timeout_s](int r, int n, const outcome& o) {
                     if (r == n - 1) return o.type.empty() || o.type == "timeout" || o.type == "aborted"
@@ -576,10 +603,10 @@ std::vector<fault_row<Comm>> timing_rows(double timeout_s) {
 /// The throw rows: a participant throws (before its first call, or between two collectives, or two
 /// at once); every other participant must be released well before the timeout (`bound_s`) with
 /// `comm_aborted` naming the participant (its rank in the group) and its message; a failed group
-/// stays failed (sticky). `label(r)` is how the backend's messages name participant r ("rank 1",
-/// "device 1").
-template <class Comm>
-std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::string(int)> label) {
+/// stays failed (sticky). `backend` picks the words of its messages (`words_table`).
+template <class Comm, class Buffers = host_buffers>
+std::vector<fault_row<Comm>> throw_rows(double bound_s, std::string_view backend) {
+  const auto label = participant_label(backend);
   std::vector<fault_row<Comm>> rows;
   auto thrower_ok = [](const outcome& o, const std::string& msg) {
     return o.type == "other" && has(o.what, msg) ? std::string() : "the thrower saw " + o.type + ": " + o.what;
@@ -587,8 +614,8 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
   rows.push_back({"throw before the first call",
                   [](Comm& c) {
                     if (c.rank() == 1) throw std::runtime_error("device gives up early");
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                   },
                   [=](int r, int, const outcome& o) {
                     if (r == 1) return thrower_ok(o, "device gives up early");
@@ -596,10 +623,10 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
                   }});
   rows.push_back({"throw mid-collective sequence (after one all_reduce, before the next)",
                   [](Comm& c) {
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                     if (c.rank() == c.size() - 1) throw std::runtime_error("boom in the middle");
-                    c.all_reduce(std::span(x), reduce_op::max);
+                    c.all_reduce(x.span(), reduce_op::max);
                   },
                   [=](int r, int n, const outcome& o) {
                     if (r == n - 1) return thrower_ok(o, "boom in the middle");
@@ -608,9 +635,9 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
   rows.push_back({"sticky: a failed group refuses every later call with the root cause",
                   [](Comm& c) {
                     if (c.rank() == 0) throw std::runtime_error("first failure");
-                    std::vector<float> x(4, 1.0f);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
                     try {
-                      c.all_reduce(std::span(x), reduce_op::sum);
+                      c.all_reduce(x.span(), reduce_op::sum);
                     } catch (const meshlib::comm_aborted&) {
                     }
                     c.barrier();  // must be refused
@@ -622,8 +649,8 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
   rows.push_back({"two participants throw at once: everyone sees one root cause",
                   [](Comm& c) {
                     if (c.rank() == 0 || c.rank() == 1) throw std::runtime_error("simultaneous " + std::to_string(c.rank()));
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                   },
                   [=](int r, int, const outcome& o) {
                     if (r <= 1) return thrower_ok(o, "simultaneous " + std::to_string(r));
@@ -637,8 +664,9 @@ std::vector<fault_row<Comm>> throw_rows(double bound_s, std::function<std::strin
 /// Destruction while blocked: a participant's handle is destroyed (moved out and dropped) while its
 /// peers wait for it in a collective; they must be released with comm_aborted naming it, not at
 /// the timeout. For backends whose handles are per participant (thread, hybrid within a process).
-template <class Comm>
-std::vector<fault_row<Comm>> departure_rows(double bound_s, std::function<std::string(int)> label) {
+template <class Comm, class Buffers = host_buffers>
+std::vector<fault_row<Comm>> departure_rows(double bound_s, std::string_view backend) {
+  const auto label = participant_label(backend);
   std::vector<fault_row<Comm>> rows;
   rows.push_back({"destruction while blocked: a handle dropped while its peers wait for it",
                   [](Comm& c) {
@@ -647,8 +675,8 @@ std::vector<fault_row<Comm>> departure_rows(double bound_s, std::function<std::s
                       Comm gone = std::move(c);
                       return;
                     }
-                    std::vector<float> x(4, 1.0f);
-                    c.all_reduce(std::span(x), reduce_op::sum);
+                    auto x = Buffers::make(c, std::vector<float>(4, 1.0f));
+                    c.all_reduce(x.span(), reduce_op::sum);
                   },
                   [=](int r, int, const outcome& o) {
                     if (r == 1) return o.type.empty() ? std::string() : "the departing rank got " + o.type;

@@ -4,11 +4,13 @@
 // GPU 0 (shared_gpu_communicator); the argument rows on both. Skipped (exit 77, see
 // tests/device/device_main.cpp) where no CUDA device is.
 //
-// The mismatch rows run on the shared-GPU devices, with device buffers: every backend names calls
-// in the same words (meshlib/comm/detail/call_text.hpp). Fault rows left out, and why: NCCL with
-// one rank cannot mismatch (and a mismatch between NCCL ranks needs two GPUs). The throw,
-// timing and departure rows expect the operation the user called in the messages; the shared-GPU
-// devices meet on a thread_communicator, whose all_gather is what times out or aborts.
+// The mismatch, throw (sticky included) and departure rows run on the shared-GPU devices, with
+// device buffers and the shared-GPU words (conformance::words_table); the same rows, with the
+// slow and missing-device rows, run on every machine over a fake CUDA runtime
+// (test_conformance_fake_cuda.cpp), which leaves out only the GPU itself. Left out here: the
+// missing-device row (seconds of waiting per run, and the same host logic as on the fake), and
+// every fault row on NCCL: one rank cannot mismatch or wait for a peer (a mismatch between NCCL
+// ranks needs two GPUs; the NCCL check runs on a fake NCCL in test_conformance_fake_cuda.cpp).
 #include <cuda_runtime_api.h>
 
 #include <meshlib/nccl.hpp>
@@ -111,4 +113,25 @@ TEST_CASE("shared GPU: conformance mismatch rows on device buffers, 2 and 4 devi
           run_participants<comm>(n, row.body, [n](auto&& fn) { meshlib::run_on_shared_gpu(n, fn, {.device = 0}); });
       check_row(row, n, seen, n == 2 ? "2 shared-GPU devices" : "4 shared-GPU devices");
     }
+}
+
+// Issue 40 §1: a device that throws or leaves releases the others with comm_aborted naming it,
+// and the group refuses every later call (the kit's bounds: prompt_s against a 20 s timeout).
+TEST_CASE("shared GPU: conformance throw and departure rows on device buffers, 2 and 4 devices of GPU 0",
+          "[conformance][shared_gpu]") {
+  using comm = meshlib::shared_gpu_communicator;
+  using buffers = conformance::cuda_buffers;
+  for (int n : {2, 4}) {
+    auto rows = conformance::throw_rows<comm, buffers>(conformance::prompt_s, "shared-GPU");
+    for (auto&& r : conformance::departure_rows<comm, buffers>(conformance::prompt_s, "shared-GPU")) rows.push_back(std::move(r));
+    for (const auto& row : rows) {
+      const auto seen = run_participants<comm>(n, row.body, [n](auto&& fn) {
+        meshlib::nccl_comm_options o;
+        o.device = 0;
+        o.timeout = std::chrono::seconds(20);
+        meshlib::run_on_shared_gpu(n, fn, o, {.timeout = std::chrono::seconds(20)});
+      });
+      check_row(row, n, seen, n == 2 ? "2 shared-GPU devices" : "4 shared-GPU devices");
+    }
+  }
 }

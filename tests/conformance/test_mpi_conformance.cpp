@@ -102,7 +102,7 @@ TEST_CASE("MPI communicator: conformance throw rows (peers released through the 
   // Bound prompt_s (10 s) against a 20 s timeout: the peers are released by the abort channel, not the timeout.
   // A released rank abandons the fingerprint all-reduce it waited in: its buffers and its
   // communicator stay allocated (mpi_comm_state), else MPI later writes into freed memory.
-  for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, [](int r) { return "MPI rank " + std::to_string(r); }))
+  for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, "MPI"))
     run_row(row, conformance::fault_timeout_s);
 }
 
@@ -118,7 +118,7 @@ TEST_CASE("hybrid communicator: conformance throw rows (released across processe
   using comm = meshlib::hybrid_communicator;
   // Bound prompt_s (10 s) against a 20 s timeout: every device of every process is released by the abort
   // channel, not by the timeout.
-  for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, [](int d) { return "hybrid device " + std::to_string(d); }))
+  for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, "hybrid"))
     run_hybrid_row(row, conformance::fault_timeout_s);
 }
 

@@ -58,11 +58,11 @@ TEST_CASE("thread communicator: conformance fault rows", "[conformance][thread]"
   for (int n : {2, 4}) {
     for (const auto& row : conformance::mismatch_rows<comm>()) run_row(row, n, conformance::fault_timeout_s);
     for (const auto& row : conformance::argument_rows<comm>()) run_row(row, n, conformance::fault_timeout_s);
-    for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, [](int r) { return "rank " + std::to_string(r); }))
+    for (const auto& row : conformance::throw_rows<comm>(conformance::prompt_s, "thread"))
       run_row(row, n, conformance::fault_timeout_s);
     for (const auto& row : conformance::slow_rows<comm>()) run_row(row, n, conformance::fault_timeout_s);
     for (const auto& row : conformance::timing_rows<comm>(1.0)) run_row(row, n, 1.0);
-    for (const auto& row : conformance::departure_rows<comm>(conformance::prompt_s, [](int r) { return "rank " + std::to_string(r); }))
+    for (const auto& row : conformance::departure_rows<comm>(conformance::prompt_s, "thread"))
       run_row(row, n, conformance::fault_timeout_s);
   }
 }

@@ -655,6 +655,8 @@ TEST_CASE("a rank that never arrives is a comm_timeout, and the communicator sta
       FAIL("must time out");
     } catch (const meshlib::comm_timeout& e) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // Timing margins (issue 40 §5): a timeout never fires early, and a loaded machine only makes it
+      // later; 10 s is a backstop against a wait that ignores its 300 ms timeout.
       CHECK(s >= 0.29);
       CHECK(s < 10.0);
       CHECK(std::string(e.what()).find("all_reduce on MPI rank 0") != std::string::npos);
@@ -738,7 +740,10 @@ TEST_CASE("plain MPI: an exception that unwinds a copy of the program's handle r
     FAIL("rank " + std::to_string(thrower) + " never arrives: the others must be released");
   } catch (const meshlib::comm_aborted& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CHECK(s < 1.0);
+    // Timing margin (issue 40 §5): the verdict is the type and the message, which only the abort
+    // notice carries (the 20 s timeout would be comm_timeout); the release takes milliseconds
+    // (issue 40 §4 promises at most 1 s), and 10 s leaves a loaded machine room for polling ranks.
+    CHECK(s < 10.0);
     CHECK(std::string(e.what()) ==
           "meshlib: communicator aborted: MPI rank " + std::to_string(thrower) + " of " + std::to_string(n) +
               " failed: an exception left the scope of its communicator there (that rank's handler has its message)");

@@ -261,7 +261,9 @@ TEST_CASE("psum_start: a device that fails while its peers wait does not hang th
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(msg);
   REQUIRE(msg.find("device 2 gave up") != std::string::npos);
-  REQUIRE(seconds < 10.0);  // released by the failure, not by the communicator's timeout
+  // Released by the failure, not by the communicator's timeout (60 s, the default). Timing margin
+  // (issue 40 §5): the release takes milliseconds; 10 s leaves a loaded machine room.
+  REQUIRE(seconds < 10.0);
   // A request dropped unwaited completes before its buffers go: the next call runs normally.
   auto sums = spmd(m, [&] {
     { auto dropped = psum_start<"x">(coll_test::make_block<l1>(m, {1000})); }

@@ -238,7 +238,7 @@ class shared_gpu_communicator
     nccl_comm_options o = state_->options;
     o.device = state_->device;
     o.stream = state_->stream;
-    shared_gpu_communicator out(state_->host.split(color, key), o);
+    shared_gpu_communicator out(rendezvous("split", [&] { return state_->host.split(color, key); }), o);
     out.state_->stream_owner = state_->stream_owner;  // keeps the parent's stream alive
     return out;
   }
@@ -324,7 +324,7 @@ class shared_gpu_communicator
       std::copy(o.v[0], o.v[0] + n, mine.begin() + static_cast<std::ptrdiff_t>(2 * n));
       std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
-        (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs));
+        rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs)); });
         if (const auto bad = detail::first_counts_disagreement(
                 n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
                 [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
@@ -349,9 +349,9 @@ class shared_gpu_communicator
       cuda(k, "cudaEventRecord", cudaEventRecord(ready, s));
       const std::int64_t msg[4] = {reinterpret_cast<std::int64_t>(o.send), static_cast<std::int64_t>(c),
                                    static_cast<std::int64_t>(datatype_of<T>), reinterpret_cast<std::int64_t>(ready)};
-      (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag);
+      rendezvous(k, [&] { (void)state_->host.send(std::span<const std::int64_t>(msg), o.peer, o.tag); });
       std::int64_t done = 0;
-      (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag);
+      rendezvous(k, [&] { (void)state_->host.recv(std::span<std::int64_t>(&done, 1), o.peer, o.tag); });
       auto* done_event = reinterpret_cast<cudaEvent_t>(done);
       cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done_event, 0));
       (void)cudaEventDestroy(done_event);  // the receiver has waited on `ready` and made `done` for us
@@ -362,7 +362,7 @@ class shared_gpu_communicator
       detail::cuda_device_scope g(state_->device, describe(k));
       const cudaStream_t s = ctx.or_else(state_->stream);
       std::int64_t msg[4] = {};
-      (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag);
+      rendezvous(k, [&] { (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag); });
       auto* ready = reinterpret_cast<cudaEvent_t>(msg[3]);
       cudaEvent_t done = nullptr;
       cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
@@ -373,7 +373,9 @@ class shared_gpu_communicator
       }
       cuda(k, "cudaEventRecord", cudaEventRecord(done, s));
       const std::int64_t reply = reinterpret_cast<std::int64_t>(done);
-      (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);  // the sender destroys both events
+      rendezvous(k, [&] {  // the sender destroys both events
+        (void)state_->host.send(std::span<const std::int64_t>(&reply, 1), o.peer, o.tag);
+      });
       if (!same)
         throw collective_mismatch("meshlib: " + describe(k) + " expected " + std::to_string(c) + " elements of " +
                                   std::string(to_string(datatype_of<T>)) + " from rank " + std::to_string(o.peer) +
@@ -384,6 +386,28 @@ class shared_gpu_communicator
       static_assert(K == op_kind::barrier);
       return movement<float>(k, code, nullptr, nullptr, 0, -1, 0, ctx, [](const auto&, cudaStream_t) {});
     }
+  }
+  /// @brief Runs `f`, a rendezvous of the devices on their host communicator for operation `k`. A
+  /// failure there (a peer threw, left, or never came; issue 40) is this communicator's failure
+  /// too: recorded, so that `failed()` says so, pending requests fail and every later call is
+  /// refused with it; and rethrown with the same type, naming the operation the user called and
+  /// the device that saw it (the host's own words name its all_gather and its ranks, which are
+  /// the devices' ranks here).
+  template <class F>
+  std::invoke_result_t<F&> rendezvous(std::string_view k, F&& f) {
+    try {
+      return f();
+    } catch (const comm_timeout& e) {
+      throw comm_timeout(host_failure(k, e.what(), true));
+    } catch (const comm_aborted& e) {
+      throw comm_aborted(host_failure(k, e.what(), false));
+    }
+  }
+  std::string host_failure(std::string_view k, std::string_view host_what, bool by_timeout) {
+    constexpr std::string_view prefix = "meshlib: ";
+    if (host_what.starts_with(prefix)) host_what.remove_prefix(prefix.size());
+    state_->abort(std::string(host_what), by_timeout);  // the host has failed already: records it here
+    return "meshlib: " + describe(k) + ": " + std::string(host_what) + " (the devices' host communicator: its rank r is device r)";
   }
   void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
     if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
@@ -448,8 +472,10 @@ class shared_gpu_communicator
     const auto n = static_cast<std::size_t>(size());
     std::vector<detail::shared_gpu_call> all(n);
     state_->ready->share(size() - 1);  // before the handle is published
-    (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
-                                  std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    rendezvous(k, [&] {
+      (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
+                                    std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
+    });
     detail::peer_event_refs<detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
       return all[static_cast<std::size_t>(q)].ready;
     });
@@ -476,7 +502,7 @@ class shared_gpu_communicator
     const std::int64_t mine = state_->done->handle();
     std::vector<std::int64_t> all(n);
     state_->done->share(size() - 1);  // before the handle is published
-    (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all));
+    rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all)); });
     // The last rendezvous of the operation: a peer may return, and destroy its communicator,
     // before this participant has enqueued its waits; its reference keeps the event alive.
     detail::peer_event_refs<detail::cuda_event_traits> done(size(), rank(),
