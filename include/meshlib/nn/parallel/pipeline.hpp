@@ -91,8 +91,8 @@ struct pipeline_options {
 };
 
 /// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
-/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
-/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs the step's micro-batches
+/// (nn/parallel/pipeline_run.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt,
 ///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});

@@ -2,7 +2,7 @@
 #pragma once
 /// @file
 /// @brief The argument checks and input blocks every step and evaluation share (the plain
-/// `train_step`, `evaluate` and the pipelined schedule's step, nn/parallel/pipeline_step.hpp): the
+/// `train_step`, `evaluate` and the pipeline's schedule, nn/parallel/pipeline_run.hpp): the
 /// batch splits over the data axes, the runner runs the state's devices, a device's rows as the
 /// model's input block.
 

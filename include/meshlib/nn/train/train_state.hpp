@@ -262,7 +262,7 @@ class train_state {
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
+    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
