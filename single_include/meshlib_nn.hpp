@@ -152,7 +152,7 @@ template <class T, class Space = default_memory_space>
 class device_blocks {
  public:
   /// A device's block.
-  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  using view_type = meshlib::unmanaged_block_view<T, 1, Space>;
   device_blocks() = default;
   /// `n` devices, none local yet.
   explicit device_blocks(std::size_t n) : views_(n) {}
@@ -594,7 +594,7 @@ class device_buffers {
     if (s.view.extent(0) < n) {
       if (s.meter != nullptr) s.meter->remove(s.bytes);
       s.view = view_t();  // the old block goes before the new one comes: the meter's peak is real
-      s.view = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+      s.view = meshlib::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
       s.bytes = n * sizeof(T);
       s.meter = active_meter();
       if (s.meter != nullptr) s.meter->add(s.bytes);
@@ -605,17 +605,17 @@ class device_buffers {
   /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
     T* p = get(dev, n);
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+    meshlib::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
   /// `n` values of the caller's host memory at `src`, readable by kernels in the buffers' memory
   /// space: `src` itself where the host's memory is that space's, else a copy in device `dev`'s buffer.
   const T* readable(std::size_t dev, const T* src, std::size_t n) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       return src;
     } else {
       T* p = get(dev, n);
-      meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
+      meshlib::copy_from_host<default_memory_space>(p, src, n);
       return p;
     }
   }
@@ -633,7 +633,7 @@ class device_buffers {
   buffer_slot_ref slot_ref(std::size_t dev) { return {&bufs_.at(dev), &release_slot, &slot_holds}; }
 
  private:
-  using view_t = meshlib::detail::block_view_t<T, 1, default_memory_space>;
+  using view_t = meshlib::block_view<T, 1, default_memory_space>;
   struct slot {
     view_t view;
     buffer_meter* meter = nullptr;  // the meter that counted `bytes` (not owned)
@@ -718,7 +718,7 @@ std::size_t global_offset(const L& x, std::size_t d) {
 /// @file
 /// @brief The small Kokkos kernels the training layers share: fill, converting copy, and a launch
 /// over blocks of columns for column sums (bias gradients, norm parameters). Each is one RangePolicy
-/// `parallel_for` on the running device's execution-space instance (`meshlib::detail::launch`, the one
+/// `parallel_for` on the running device's execution-space instance (`meshlib::launch`, the one
 /// launch safe from concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp), over memory
 /// `Space`; the bodies are the plain loops they replaced, so the compiler vectorises them as before.
 ///
@@ -744,14 +744,14 @@ namespace meshlib::nn::detail {
 /// `p[i] = v` for `[0, n)` of memory `Space`, as a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void fill_values(T* p, std::size_t n, std::type_identity_t<T> v) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
 }
 
 /// `to[i] = To(from[i])` for `[0, n)` of memory `Space` (a copy, or a conversion such as float to
 /// bfloat16), as a Kokkos kernel on the running device's instance.
 template <class Space, class To, class From>
 void convert_copy(To* to, const From* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
 }
 
 /// Columns per work item of `for_column_blocks`: a layer of up to 1024 outputs is one work item,
@@ -779,7 +779,7 @@ struct column_blocks_kernel {
 /// on a mesh (nn/detail/layer_kernels.hpp says why).
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
-  meshlib::detail::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
+  meshlib::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
 }
 
 }  // namespace meshlib::nn::detail
@@ -788,7 +788,7 @@ void for_column_blocks(std::size_t cols, const F& f) {
 /// @file
 /// @brief The element-wise and row-wise kernels of the dense, activation, dropout, residual,
 /// positional-embedding and embedding layers. Each is one RangePolicy `parallel_for` on the running
-/// device's instance over memory `Space` (`meshlib::detail::launch`), or a launch over blocks of
+/// device's instance over memory `Space` (`meshlib::launch`), or a launch over blocks of
 /// columns for sums over rows (`for_column_blocks`, rows added in row order: the same bits on every
 /// mesh and backend); the bodies are the loops the layers ran before.
 ///
@@ -808,7 +808,7 @@ namespace meshlib::nn::detail {
 /// `y += bias` (`add`) or `y = bias` on every row of `y` (`rows x out`), one work item per row.
 template <class Space, class T>
 void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T* yi = y + i * out;
     const T* bj = bias;
     if (add)
@@ -835,7 +835,7 @@ void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh)
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
 }
 
 /// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
@@ -843,9 +843,9 @@ void activation_forward(T* y, const T* x, std::size_t n) {
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
   if constexpr (requires { Fn::vjp(T{}, T{}); })
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
   else
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
 }
 
 /// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide
@@ -854,7 +854,7 @@ void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
 template <class Space, class T>
 void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t c0,
                      std::size_t gcols, rng_key key, float rate, T keep) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
     for (std::size_t j = 0; j < cols; ++j) {
       mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
@@ -866,19 +866,19 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
 }
 
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
 }
 
 /// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.
 template <class Space, class T>
 void add_positions(T* y, const T* xp, const T* w, std::size_t rows, std::size_t d, std::size_t seq) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* wr = w + (i % seq) * d;
     for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
   });
@@ -899,7 +899,7 @@ void position_grad(T* g, const T* dyp, std::size_t rows, std::size_t d, std::siz
 template <class Space, class T>
 void lookup_rows(T* y, const T* w, const std::int32_t* id, std::size_t rows, std::size_t d, std::size_t v0,
                  std::size_t vl) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::size_t v = static_cast<std::size_t>(id[i]);
     T* yi = y + i * d;
     if (v >= v0 && v < v0 + vl) {
@@ -1087,7 +1087,7 @@ std::string layer_name(std::size_t index, const L& l) {
 
 template <class Layer, class Receives, class From, class Needs>
 consteval bool sequential_layers_do_not_chain() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, From, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, From, Needs>,
                 "meshlib::nn: sequential: a layer cannot take what the layer before it returns: their shardings do "
                 "not chain. The condition spells out sequential_layers_do_not_chain<the layer (index, kind), the "
                 "layout it receives, the layer it receives it from (or the network input), what it needs>. A "
@@ -1148,7 +1148,7 @@ consteval bool dense_accepts() {
 
 template <class Layer, class Receives, class Needs>
 consteval bool dense_input_does_not_fit() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
                 "meshlib::nn: a dense layer cannot take this input: the condition spells out "
                 "dense_input_does_not_fit<the layer's kind, the input's layout, what it needs>. A row_dense needs its "
                 "features sharded over its model axis (the output of a column_dense); a dense or column_dense needs "
@@ -1214,9 +1214,9 @@ class basic_dense {
   template <class X>
   static constexpr bool accepts_input = detail::dense_accepts<X, Mesh, T, w_sharding::dim_mask(0), w_sharding::dim_mask(1)>();
   /// For compile-time messages: the kind, and what the input's features must be sharded over.
-  using diagnostic_name = meshlib::detail::diag_op_t<kind_name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<kind_name>;
   /// @copydoc diagnostic_name
-  using input_requirement = diagnostic::features_sharded_over<meshlib::detail::diag_axes_t<Mesh, w_sharding::dim_mask(0)>>;
+  using input_requirement = diagnostic::features_sharded_over<meshlib::diagnostic::axes_t<Mesh, w_sharding::dim_mask(0)>>;
 
   /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
   /// @throws sharding_error when `x`'s width is not the weight's input width.
@@ -1224,7 +1224,7 @@ class basic_dense {
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
     if constexpr (!accepts_input<X>) {
-      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
+      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {
       const std::size_t dev = x.device();
@@ -1302,8 +1302,8 @@ class basic_dense {
     std::size_t rows = 0, in = 0;
   };
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   /// `in`, after checking that the width the layer splits over `Model` divides evenly (the output of
   /// a `column_dense`, such as a language model's vocabulary, the input of a `row_dense`): the
   /// message names the layer, the width and the fix, where the sharding's own would name only a
@@ -1412,7 +1412,7 @@ class elementwise_activation {
   template <class X>
   static constexpr bool accepts_input = X::partial == 0;
   /// For compile-time messages: the activation's name.
-  using diagnostic_name = meshlib::detail::diag_op_t<Fn::name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<Fn::name>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::complete_values;
 
@@ -1558,7 +1558,7 @@ namespace meshlib::nn::detail {
 template <class Space, class T>
 void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T* bv, std::size_t rows, std::size_t n,
                         T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T mean = 0, var = 0;
     for (std::size_t j = 0; j < n; ++j) mean += xi[j];
@@ -1577,7 +1577,7 @@ void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T*
 template <class Space, class T>
 void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T* rstd, const T* gv, std::size_t rows,
                          std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) {
@@ -1604,7 +1604,7 @@ void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T
 /// RMSNorm's forward over `rows x n`: `rinv[i]` = 1 / rms of row `i`, `xh = x / rms`, `y = xh * g`.
 template <class Space, class T>
 void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_t rows, std::size_t n, T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T ms = 0;
     for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
@@ -1622,7 +1622,7 @@ void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_
 template <class Space, class T>
 void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, const T* gv, std::size_t rows,
                        std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s = 0;  // mean of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
@@ -1661,7 +1661,7 @@ void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size
 template <class Space, class T>
 void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, const T* q, std::size_t c, T count,
                       T eps, T mom, T unbias) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = s[j] / count;
     const T var = q[j] / count;
     rstd[j] = T{1} / std::sqrt(var + eps);
@@ -1673,7 +1673,7 @@ void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, con
 /// Batch norm in evaluation: the channels' `mean` and `rstd` from the running statistics.
 template <class Space, class T>
 void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, std::size_t c, T eps) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = run_mean[j];
     rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
   });
@@ -1683,7 +1683,7 @@ void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, s
 template <class Space, class T>
 void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
                      std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) {
       xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
       y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
@@ -1709,7 +1709,7 @@ void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size
 /// `gg = beta_g gg + sum dy * xhat`, `gb = beta_b gb + sum dy` (batch norm's parameter gradients).
 template <class Space, class T>
 void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T beta_b) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     gg[j] = beta_g * gg[j] + sums[c + j];
     gb[j] = beta_b * gb[j] + sums[j];
   });
@@ -1720,7 +1720,7 @@ void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T b
 template <class Space, class T>
 void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
                    std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j)
       dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
   });
@@ -1729,7 +1729,7 @@ void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, c
 /// Batch norm's input cotangent in evaluation (constant statistics): `dx = g * rstd * dy`.
 template <class Space, class T>
 void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
   });
 }
@@ -1776,7 +1776,7 @@ class layer_norm {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<"layer_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"layer_norm">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -1900,7 +1900,7 @@ class rms_norm {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<"rms_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"rms_norm">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2003,7 +2003,7 @@ class rms_norm {
 // begin meshlib/nn/detail/loss_kernels.hpp
 /// @file
 /// @brief The kernels of the losses and of embedding's id check, each one RangePolicy `parallel_for`
-/// on the running device's instance over memory `Space` (`meshlib::detail::launch`), and the read-back
+/// on the running device's instance over memory `Space` (`meshlib::launch`), and the read-back
 /// of the one or two numbers the host needs from them (a copy only for device memory).
 ///
 /// Why free functions over pointers, templated on the element type and the memory space only: nvcc
@@ -2143,7 +2143,7 @@ namespace meshlib::nn::detail {
 /// `mx[i]` = the largest of row `i`'s `cols` logits at `z` (row-major).
 template <class Space, class T>
 void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T m = -std::numeric_limits<T>::infinity();
     for (std::size_t j = 0; j < cols; ++j) m = m < z[i * cols + j] ? z[i * cols + j] : m;
     mx[i] = m;
@@ -2155,7 +2155,7 @@ void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
 template <class Space, class T>
 void exp_and_target(const T* z, std::size_t rows, std::size_t cols, std::size_t col0, const std::int32_t* lab,
                     const T* mx, T* g, T* sum, T* tgt) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T s = 0;
     for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
     sum[i] = s;
@@ -2173,14 +2173,14 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
                               const T* mx, const T* sum, const T* tgt, std::size_t global_batch, T* g, double* term) {
   const T inv_b = T{1} / static_cast<T>(global_batch);
   const double gb = static_cast<double>(global_batch);
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
     const std::size_t l = static_cast<std::size_t>(lab[i]);
     const T inv = T{1} / sum[i];
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
     if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double loss = 0, correct = 0;
     for (std::size_t i = 0; i < rows; ++i) {
       loss += term[i];
@@ -2190,7 +2190,7 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
     term[rows + 1] = correct;
   });
   double totals[2];
-  meshlib::detail::copy_to_host<Space>(totals, term + rows, 2);
+  meshlib::copy_to_host<Space>(totals, term + rows, 2);
   return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
 }
 
@@ -2200,10 +2200,10 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
 template <class Space, class T>
 void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, std::size_t width, T two_scale,
                    double scale, T* g, double* sum) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double s = 0;
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < cols; ++j) {
@@ -2218,7 +2218,7 @@ void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, s
 /// one work item writes it to `*res` (memory `Space`), read back here.
 template <class Space>
 std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int32_t vocab, std::size_t* res) {
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     std::size_t first = rows;
     for (std::size_t i = 0; i < rows; ++i)
       if (id[i] < 0 || id[i] >= vocab) {
@@ -2227,7 +2227,7 @@ std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int3
       }
     *res = first;
   });
-  return meshlib::detail::read_back<Space>(res);
+  return meshlib::read_back<Space>(res);
 }
 
 }  // namespace meshlib::nn::detail
@@ -2283,7 +2283,7 @@ class embedding {
   static constexpr bool accepts_input = std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1 &&
                                         Ids::partial == 0 && (Ids::vary & model_mask) == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"embedding">;
 
   /// The output type for ids of type `Ids`: a row per id, rows sharded as the ids, features complete.
   template <class Ids>
@@ -2368,7 +2368,7 @@ class embedding {
     if (bad != rows)
       throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
                               std::to_string(dev) + " has id " +
-                              std::to_string(meshlib::detail::read_back<default_memory_space>(id + bad)) +
+                              std::to_string(meshlib::read_back<default_memory_space>(id + bad)) +
                               ", not in [0, " + std::to_string(vocab_size()) +
                               "); map the text to ids below the vocabulary size");
   }
@@ -2469,7 +2469,7 @@ class positional_embedding {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"positional_embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"positional_embedding">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2584,7 +2584,7 @@ class tied_head {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"tied_head">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"tied_head">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2640,8 +2640,8 @@ class tied_head {
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   struct saved {
     const T* x = nullptr;
     std::size_t rows = 0;
@@ -2715,7 +2715,7 @@ namespace meshlib::nn::detail {
 /// (each sequence and head contiguous for the products), and back (`unsplit_heads`).
 template <class Space, class T>
 void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
@@ -2725,7 +2725,7 @@ void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `split_heads`.
 template <class Space, class T>
 void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
@@ -2736,7 +2736,7 @@ void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::siz
 /// and back (`unmerge_heads`).
 template <class Space, class T>
 void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
   });
@@ -2745,7 +2745,7 @@ void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `merge_heads`.
 template <class Space, class T>
 void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
   });
@@ -2755,7 +2755,7 @@ void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::siz
 /// `j <= i` with the maximum subtracted, 0 above.
 template <class Space, class T>
 void causal_softmax(T* s, std::size_t n, std::size_t seq) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     T* row = s + r * seq;
     const std::size_t last = r % seq;
     T m = -std::numeric_limits<T>::infinity();
@@ -2772,7 +2772,7 @@ void causal_softmax(T* s, std::size_t n, std::size_t seq) {
 /// the scores folded in); 0 above the diagonal.
 template <class Space, class T>
 void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     const T* pr = p + r * seq;
     T* d = dp + r * seq;
     const std::size_t last = r % seq;
@@ -2852,7 +2852,7 @@ class causal_self_attention {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"causal_self_attention">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"causal_self_attention">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2941,8 +2941,8 @@ class causal_self_attention {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
   static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
@@ -3065,7 +3065,7 @@ class transformer_block {
   template <class X>
   static constexpr bool accepts_input = causal_self_attention<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"transformer_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"transformer_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -3367,7 +3367,7 @@ inline std::string image_width_error(const std::string& who, const std::string& 
 /// (`conv2d::algorithm()` has the rule and what was measured.)
 ///
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
-/// (`meshlib::detail::launch`, see tensor/view.hpp), over raw pointers, one work item per output
+/// (`meshlib::launch`, see tensor/view.hpp), over raw pointers, one work item per output
 /// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
 /// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
 /// device code, which runs the plain loops.
@@ -3421,7 +3421,7 @@ KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
 /// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
 template <class Space, class T>
 void bias_rows(T* y, const T* bias, std::size_t cout, std::size_t r0, std::size_t r1) {
-  meshlib::detail::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
+  meshlib::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
 }
 
 /// Rows `[r0, r1)` of the patch matrix into `cols` (`(r1 - r0) x K`, row-major): the `k x k` window
@@ -3436,7 +3436,7 @@ void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::siz
             const T* bias = nullptr) {
   if (r1 <= r0) return;
   const std::size_t t0 = r0 / g.wo, t1 = (r1 - 1) / g.wo + 1;  // output image rows (img * ho + oh)
-  meshlib::detail::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t t = t0 + q, img = t / g.ho, oh = t % g.ho, run = g.k * g.cin, kk = g.patch();
     const std::size_t ow0 = t * g.wo < r0 ? r0 - t * g.wo : 0, ow1 = (t + 1) * g.wo > r1 ? r1 - t * g.wo : g.wo;
     if (g.k == 1 && g.p == 0) {  // a 1x1 window: a gather of every s-th pixel's channels
@@ -3599,7 +3599,7 @@ void direct_conv(T* y, const T* x, const T* wt, const T* bias, const conv_geomet
   // Output columns whose window lies inside the image: ow * s >= p and ow * s + k <= w + p.
   const std::size_t lo = (g.p + g.s - 1) / g.s, hi_end = g.w + g.p >= g.k ? (g.w + g.p - g.k) / g.s + 1 : 0;
   const std::size_t hi = hi_end < g.wo ? hi_end : g.wo;
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     constexpr std::size_t tile = direct_pixels<T>;
     std::size_t i0, i1, j0, j1;
     g.window(t % g.ho, g.h, i0, i1);
@@ -3668,7 +3668,7 @@ KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride,
 /// window, the output pixels whose window reads the image there. `direct_grad_w_sum` adds the blocks.
 template <class Space, class T>
 void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     const std::size_t img = t / g.ho, oh = t % g.ho, kc = g.patch() * g.cout;
     T* acc = part + t * kc;
     copy_run(acc, static_cast<const T*>(nullptr), kc);
@@ -3696,7 +3696,7 @@ void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g,
 template <class Space, class T>
 void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t rows, bool overwrite) {
   constexpr std::size_t block = 64;
-  meshlib::detail::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
     if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
     for (std::size_t t = 0; t < rows; ++t)
@@ -3709,7 +3709,7 @@ void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t row
 /// patch entry, in kernel order (no atomics: the same bits on every run and mesh).
 template <class Space, class T>
 void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
     T* dst = dx + q * g.cin;
     for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};
@@ -3859,7 +3859,7 @@ class conv2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<"conv2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"conv2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -3991,8 +3991,8 @@ class conv2d {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// The constructor's checks; returns `kernel * kernel` (the weight's rows per input channel).
   static std::size_t checked(const std::string& name, const image_shape& in, std::size_t out_channels,
@@ -4025,7 +4025,7 @@ class conv2d {
   /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
   /// host cannot read (a GPU wants one large product, not a cache-sized one).
   [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
-    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    if constexpr (!meshlib::host_accessible_v<default_memory_space>) return m;
     const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
     return std::max<std::size_t>(rows, im2col_min_rows);
   }
@@ -4110,7 +4110,7 @@ namespace meshlib::nn::detail {
 template <class Space, bool Max, class T>
 void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::size_t h, std::size_t wd, std::size_t c,
                   std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
     // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
     // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
     const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
@@ -4144,7 +4144,7 @@ void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::siz
 template <class Space, bool Max, class T>
 void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, std::size_t h, std::size_t wd,
                    std::size_t c, std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
     T* dst = dx + q * c;
     for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
@@ -4167,7 +4167,7 @@ void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, s
 /// Global average pooling of `n` images of `hw` pixels and `c` channels (`inv` = 1 / hw).
 template <class Space, class T>
 void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
     T* yi = y + img * c;
     const T* xi = xp + img * hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
@@ -4180,7 +4180,7 @@ void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::
 /// `dx = dy / (H * W)` on every pixel.
 template <class Space, class T>
 void global_pool_backward(T* dx, const T* d, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
     const T* di = d + q / hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
   });
@@ -4225,7 +4225,7 @@ class pool2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"pool2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"pool2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4335,7 +4335,7 @@ class global_avg_pool {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"global_avg_pool">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"global_avg_pool">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4498,7 +4498,7 @@ class batch_norm {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>() && X::dims_type::at(0) == data_mask;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"batch_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"batch_norm">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -5002,7 +5002,7 @@ class sequential {
         using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
                                                    prev_layer_diagnostic<I>>::type;
         return detail::sequential_layers_do_not_chain<
-            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::diagnostic::value_t<in_t>,
             from_t, typename detail::layer_input_requirement<L>::type>();
       } else {
         return diagnose_chain<X, I + 1>();
@@ -5177,7 +5177,7 @@ class basic_block {
   template <class X>
   static constexpr bool accepts_input = conv2d<T, Mesh>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"basic_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"basic_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -5523,12 +5523,12 @@ struct mean_squared_error {
     double local_sum = 0;
     const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
     double* res = &local_sum;
-    [[maybe_unused]] meshlib::detail::block_view_t<T, 1, space> staged;
-    [[maybe_unused]] meshlib::detail::block_view_t<double, 1, space> staged_sum;
-    if constexpr (!meshlib::detail::host_accessible_v<space>) {
-      staged = meshlib::detail::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
-      staged_sum = meshlib::detail::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
-      meshlib::detail::copy_from_host<space>(staged.data(), targets.data(), targets.size());
+    [[maybe_unused]] meshlib::block_view<T, 1, space> staged;
+    [[maybe_unused]] meshlib::block_view<double, 1, space> staged_sum;
+    if constexpr (!meshlib::host_accessible_v<space>) {
+      staged = meshlib::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
+      staged_sum = meshlib::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
+      meshlib::copy_from_host<space>(staged.data(), targets.data(), targets.size());
       t = staged.data() + col0;
       res = staged_sum.data();
     }
@@ -5537,7 +5537,7 @@ struct mean_squared_error {
       using share_t = local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, space>;
       (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(res, 1, output.mesh(), output.device()));
     }
-    return loss_part{meshlib::detail::read_back<space>(res), 0};
+    return loss_part{meshlib::read_back<space>(res), 0};
   }
 
  private:
@@ -5816,7 +5816,7 @@ namespace detail {
 /// return type is deduced.
 template <class Space, class V>
 void copy_runs(V* to, const V* from, std::size_t outer, std::size_t run, std::size_t stride, std::size_t at) {
-  meshlib::detail::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+  meshlib::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
     for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
   });
 }
@@ -5854,7 +5854,7 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     const std::size_t inner = ct.size() / (outer * shape[Dim]);
     const std::size_t chunk = shape[Dim] / n;
     shape[Dim] = chunk;
-    auto out = meshlib::detail::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
+    auto out = meshlib::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
     // One work item per outer index: a contiguous run of chunk * inner elements.
     using V = typename L::value_type;
     V* to = out.data();
@@ -5974,7 +5974,7 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// updates), written once as a generic body that runs on `float` (the tail, and compilers without
 /// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
 /// and the sum of squares of global-norm clipping, on the running device's execution-space
-/// instance (`meshlib::detail::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// instance (`meshlib::launch`: a RangePolicy `parallel_for`, the one launch safe from
 /// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
 ///
 /// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
@@ -6093,7 +6093,7 @@ struct lanes_kernel {
 /// refuses a generic extended lambda.
 template <class Space, std::size_t K, class F>
 void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  meshlib::detail::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
+  meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
@@ -6131,19 +6131,19 @@ template <class Space>
 double sum_of_squares(const float* x, std::size_t n, double* scratch) {
   const std::size_t blocks = squares_scratch(n) - 1;
   double* part = scratch;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
   if (blocks > 1) {
-    meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
       double s = 0;
       for (std::size_t b = 0; b < blocks; ++b) s += part[b];
       part[blocks] = s;
     });
-    return meshlib::detail::read_back<Space>(part + blocks);
+    return meshlib::read_back<Space>(part + blocks);
   }
-  return blocks == 1 ? meshlib::detail::read_back<Space>(part) : 0.0;
+  return blocks == 1 ? meshlib::read_back<Space>(part) : 0.0;
 }
 
 }  // namespace meshlib::nn::detail
@@ -6371,7 +6371,7 @@ namespace detail {
 template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
 }
 
 /// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
@@ -6379,14 +6379,14 @@ inline void round_to(float* p, std::size_t n) noexcept {
 /// values twice), as a Kokkos kernel on the running device's instance.
 template <class C, class Space = default_memory_space>
 inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
 }
 
 /// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
 inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;
@@ -7094,7 +7094,7 @@ namespace detail {
 /// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void add_values(T* to, const T* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
 }
 
 /// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
@@ -7131,11 +7131,11 @@ class fsdp_shard_layout final : public param_layout {
                                  [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
   }
   held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
-    using view_t = meshlib::detail::block_view_t<float, 1, default_memory_space>;
+    using view_t = meshlib::block_view<float, 1, default_memory_space>;
     auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
     held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
     for (std::size_t dev : devices) {
-      (*owned)[dev] = meshlib::detail::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
+      (*owned)[dev] = meshlib::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
       h.blocks.set(dev, (*owned)[dev].data(), count(dev));
     }
     return h;
@@ -7226,8 +7226,8 @@ class fsdp_engine final : public layer_hooks {
         gmax = std::max(gmax, used);
       }
       const std::size_t vn = reshard_ ? vmax : vall;
-      values_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
-      grads_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
+      values_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
+      grads_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
       unsharded_[dev] = vn + gmax;
     }
     // The shards, with their layouts; each starts as its chunk of the parameter's current block.
@@ -7411,7 +7411,7 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::vector<std::function<void()>>> prefetched_;
   std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
   std::vector<std::vector<std::size_t>> voff_, goff_;
-  std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
+  std::vector<meshlib::block_view<T, 1, Space>> values_, grads_;
   std::vector<double> seconds_;
   std::vector<std::size_t> unsharded_;
 };
@@ -8479,7 +8479,7 @@ inline device_batch device_batch_header(const batch& b) {
 /// copied first).
 [[nodiscard]] inline device_batch device_put(batch b) {
   device_batch d = detail::device_batch_header(b);
-  if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+  if constexpr (meshlib::host_accessible_v<default_memory_space>) {
     d.host_rows = std::make_shared<const std::vector<float>>(std::move(b.x));
     d.x = Kokkos::View<float*, default_memory_space>(const_cast<float*>(d.host_rows->data()), d.host_rows->size());
   } else {
@@ -8523,7 +8523,7 @@ class device_prefetcher {
 
   /// @brief Whether batches are copied (a device memory space) or handed through (host).
   [[nodiscard]] static constexpr bool copies() noexcept {
-    return !meshlib::detail::host_accessible_v<default_memory_space>;
+    return !meshlib::host_accessible_v<default_memory_space>;
   }
 
   /// The loader it reads.
@@ -9521,7 +9521,7 @@ struct pipeline_engine {
   device_buffers<float> inputs, dys, dlogits, send, scratch, stash;
   /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
   /// which goes), and one zero block that the other stages' parameters point to on that device.
-  std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
+  std::vector<meshlib::block_view<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
   std::vector<pipeline_stage_times> times;  ///< per device: the last step's compute, by kind
@@ -9651,7 +9651,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
   std::size_t most = 1;
   for (std::size_t i = 0; i < params.size(); ++i)
     for (std::size_t dev : local) most = std::max(most, e.block_elements(i, dev));
-  e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
+  e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
   float* zero = e.owned.back().data();
   std::vector<float*> vs(e.devices, nullptr), gs(e.devices, nullptr);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -9663,7 +9663,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
         vs[dev] = gs[dev] = zero;
         continue;
       }
-      e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
+      e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
       vs[dev] = e.owned.back().data();
       gs[dev] = vs[dev] + n;
       convert_copy<default_memory_space>(vs[dev], p.value[dev], n);
@@ -9724,7 +9724,7 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
       (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
     } else {
@@ -9732,9 +9732,9 @@ void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
       // device block of the running device (reduced in place, then read back).
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
       const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
-      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      meshlib::copy_from_host<default_memory_space>(d.data(), v, N);
       (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
-      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+      meshlib::copy_to_host<default_memory_space>(v, d.data(), N);
     }
   }
 }
@@ -10512,8 +10512,8 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
   const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
   if (run == s.local_devices()) return;
   throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " +
-                       meshlib::detail::describe_devices(run) + " in this process, but the train state holds devices " +
-                       meshlib::detail::describe_devices(s.local_devices()) +
+                       meshlib::describe_devices(run) + " in this process, but the train state holds devices " +
+                       meshlib::describe_devices(s.local_devices()) +
                        "; pass the runner the state was made for, or make the state with the runner's devices "
                        "(train_state(..., runner.local_devices(mesh.size())))");
 }
@@ -11852,7 +11852,7 @@ std::vector<param_array> params(const State& state) {
     std::vector<bool> seen(total, false);
     std::size_t filled = 0;
     for (std::size_t dev : state.local_devices()) {
-      const float* v = meshlib::detail::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
+      const float* v = meshlib::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
       detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
         std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
         filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),
@@ -11864,7 +11864,7 @@ std::vector<param_array> params(const State& state) {
       throw sharding_error("meshlib::nn: params: " + std::to_string(total - filled) + " of the " +
                            std::to_string(total) + " elements of parameter '" + p.name +
                            "' are held only by devices of other processes (this process holds devices " +
-                           meshlib::detail::describe_devices(state.local_devices()) +
+                           meshlib::describe_devices(state.local_devices()) +
                            "); read them where every block is (a train state of every device), or save_checkpoint "
                            "and read its global files");
     out.push_back(std::move(a));
@@ -12552,7 +12552,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -12562,7 +12562,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(b.value[dev], b.count[dev], stage);
           detail::for_each_global_run(b, dev, 0, b.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -12577,7 +12577,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         for (std::size_t s = 0; s < slots; ++s) {
-          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          const float* v = meshlib::host_readable<space>(slot[s], len, stage);
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             put(opt[i * slots + s], g, v + (k - off), n);
           });
@@ -12702,7 +12702,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(values[i].data() + g, n, v + k);
         });
@@ -12711,7 +12711,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(buffer_values[i].data() + g, n, v + k);
         });
@@ -12722,7 +12722,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       for (std::size_t s = 0; s < slots; ++s)
-        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+        meshlib::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
           });

@@ -90,6 +90,7 @@
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/runtime/distributed.hpp"
 #include "meshlib/runtime/process_exchange.hpp"
+#include "meshlib/tensor/kernel.hpp"
 
 namespace meshlib::nn {
 
@@ -682,7 +683,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -692,7 +693,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(b.value[dev], b.count[dev], stage);
           detail::for_each_global_run(b, dev, 0, b.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -707,7 +708,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         for (std::size_t s = 0; s < slots; ++s) {
-          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          const float* v = meshlib::host_readable<space>(slot[s], len, stage);
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             put(opt[i * slots + s], g, v + (k - off), n);
           });
@@ -832,7 +833,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(values[i].data() + g, n, v + k);
         });
@@ -841,7 +842,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(buffer_values[i].data() + g, n, v + k);
         });
@@ -852,7 +853,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       for (std::size_t s = 0; s < slots; ++s)
-        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+        meshlib::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
           });

@@ -32,6 +32,7 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
 namespace meshlib::nn {
@@ -77,7 +78,7 @@ template <class T, class Space = default_memory_space>
 class device_blocks {
  public:
   /// A device's block.
-  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  using view_type = meshlib::unmanaged_block_view<T, 1, Space>;
   device_blocks() = default;
   /// `n` devices, none local yet.
   explicit device_blocks(std::size_t n) : views_(n) {}
