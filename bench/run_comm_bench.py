@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--min", default="8")
     ap.add_argument("--max", default="64M")
     ap.add_argument("--no-mpi", action="store_true")
+    ap.add_argument("--no-unpinned", action="store_true", help="skip the 8 B all_reduce on unpinned threads")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="where benchmarks.md and benchmarks_comm.png go")
     ap.add_argument("--no-docs", action="store_true", help="print only")
     ap.add_argument("--raw", default=None, help="save the raw samples to this JSON file (default: <build>/comm_bench_raw.json)")
@@ -76,10 +77,15 @@ def main():
             samples[tuple(k)] = v
         for k, v in raw["bytes"]:
             nbytes[tuple(k)] = v
+    unpinned = args.ops in ("all", "all_reduce") or "all_reduce" in args.ops.split(",")
+    unpinned = unpinned and args.min.isdigit() and int(args.min) <= 8 and not args.no_unpinned
     for launch in range(0 if args.from_raw else args.launches):
         print(f"launch {launch + 1}/{args.launches}", file=sys.stderr, flush=True)
         for n in parts:
             rows = run([comm_bench, "--participants", str(n)] + common)
+            if unpinned:  # the 8 B all_reduce between threads no one pinned (a user's own threads)
+                rows += run([comm_bench, "--participants", str(n), "--ops", "all_reduce", "--min", "8", "--max", "8",
+                             "--pin", "0"])
             if not args.no_mpi and os.path.exists(mpi_bench):
                 rows += run(mpirun_prefix(n) + [mpi_bench] + common)
             for impl, op, nominal, b, nn, iters, t_us, algbw, busbw in rows:
@@ -108,6 +114,12 @@ def main():
                 alg_m = b / tm / 1e3 if tm else None
                 table.append((op, nominal, b, n, tt, alg_t, bus_t, tm, alg_m, (alg_t / alg_m) if tm else None))
 
+    global table_unpinned
+    for n in parts:
+        tu = samples.get(("thread_unpinned", "all_reduce", 8, n))
+        tm = samples.get(("mpi", "all_reduce", 8, n))
+        if tu:
+            table_unpinned.append((n, statistics.median(tu), statistics.median(tm) if tm else None))
     hdr = f"{'op':<15}{'bytes/rank':>12}{'ranks':>6}{'time us':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}" \
           f"{'MPI us':>11}{'MPI algbw':>11}{'speedup':>9}"
     print(hdr)
@@ -115,9 +127,14 @@ def main():
         print(f"{op:<15}{b:>12}{n:>6}{tt:>11.2f}{at:>12.3f}{bt:>12.3f}"
               + (f"{tm:>11.2f}{am:>11.3f}{r:>8.2f}x" if tm else ""))
 
+    for n, tu, tm in table_unpinned:
+        print(f"{'all_reduce':<15}{8:>12}{n:>6}{tu:>11.2f}  (threads not pinned)" + (f"{tm:>11.2f}  {tu / tm:.2f}x OpenMPI's time" if tm else ""))
     if args.no_docs:
         return
     write_docs(args, table, parts, ops)
+
+
+table_unpinned = []  # (ranks, median time of the 8 B all_reduce on unpinned threads, OpenMPI's or None)
 
 
 def targets(table):
@@ -138,6 +155,10 @@ def targets(table):
                         f"{v[2]:.2f}x", v[2] >= at_least))
 
     lat(2, 0.6)
+    for n, tu, tm in table_unpinned:
+        if n == 2 and tm:
+            out.append((f"{n} ranks, unpinned threads (a user's own): 8 B all_reduce latency <= 0.6x OpenMPI's",
+                        f"{tu:.2f} us vs {tm:.2f} us = {tu / tm:.2f}x", tu / tm <= 0.6))
     bw(2, 64 << 10, 10)
     bw(2, 16 << 20, 2.5)
     bw(2, 64 << 20, 4.5)
@@ -233,20 +254,44 @@ def write_docs(args, table, parts, ops):
     if png:
         lines.append(f"![algbw per operation]({os.path.basename(png)})")
         lines.append("")
-    for op in ops:
-        lines.append(f"### {op}")
+    if table_unpinned:
+        lines.append("### all_reduce between a user's own threads (not pinned)")
         lines.append("")
-        lines.append("| bytes/rank | ranks | time (us) | algbw (GB/s) | busbw (GB/s) | OpenMPI time (us) | OpenMPI algbw | speedup |")
-        lines.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        lines.append("The 8 B all_reduce with `--pin 0`: threads that no one binds, where the scheduler puts them "
+                     "(two of them may share a core for a while), against OpenMPI's bound ranks. Waiters spin for "
+                     "at most 50 us, then block; one whose peer last ran on its own CPU yields to it instead of "
+                     "spinning (docs/benchmarks.md, \"Waiting and the large all_reduce\").")
+        lines.append("")
+        lines.append("| ranks | time (us) | OpenMPI time (us) | time / OpenMPI's |")
+        lines.append("| ---: | ---: | ---: | ---: |")
+        for n, tu, tm in table_unpinned:
+            lines.append(f"| {n} | {tu:.2f} | " + (f"{tm:.2f} | {tu / tm:.2f}x |" if tm else "- | - |"))
+        lines.append("")
+    # Every operation's full table goes to its own page, benchmarks_comm.md (written whole), so that
+    # benchmarks.md stays a page a user reads; the section there links to it.
+    full = ["# meshlib benchmarks: every collective's table", "",
+            "Generated by `bench/run_comm_bench.py` with the section \"" + HEADING[3:] + "\" of "
+            "[benchmarks.md](benchmarks.md), which says how the rows are measured.", ""]
+    for op in ops:
+        full.append(f"## {op}")
+        full.append("")
+        full.append("| bytes/rank | ranks | time (us) | algbw (GB/s) | busbw (GB/s) | OpenMPI time (us) | OpenMPI algbw | speedup |")
+        full.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for o, nominal, b, n, tt, at, bt, tm, am, r in table:
             if o != op:
                 continue
             mpi = f"{tm:.2f} | {am:.3f} | {r:.2f}x" if tm else "- | - | -"
-            lines.append(f"| {human(b)} | {n} | {tt:.2f} | {at:.3f} | {bt:.3f} | {mpi} |")
-        lines.append("")
+            full.append(f"| {human(b)} | {n} | {tt:.2f} | {at:.3f} | {bt:.3f} | {mpi} |")
+        full.append("")
+    lines.append("Every operation's table (" + ", ".join(ops) + ", each size and rank count): "
+                 "[benchmarks_comm.md](benchmarks_comm.md).")
+    lines.append("")
     path = os.path.join(args.out, "benchmarks.md")
     write_section(path, lines)
-    print(f"wrote the comm section of {path}" + (f" and {png}" if png else ""), file=sys.stderr)
+    full_path = os.path.join(args.out, "benchmarks_comm.md")
+    with open(full_path, "w") as f:
+        f.write("\n".join(full).rstrip("\n") + "\n")
+    print(f"wrote the comm section of {path}, {full_path}" + (f" and {png}" if png else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,50 @@ class sharding_error : public error {
 
 }  // namespace meshlib
 // end meshlib/core/errors.hpp
+// begin meshlib/core/hash.hpp
+/// @file
+/// @brief FNV-1a (64-bit), the one hash meshlib uses: parameter names' random streams, checkpoint
+/// checksums and the fingerprints by which communicators compare their participants' calls.
+/// FNV-1a is a bijection of its state for each input unit, so any single substitution changes
+/// the result (what the checkpoint's damage check relies on); it is not cryptographic.
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace meshlib::detail {
+
+/// @brief A running FNV-1a hash: feed it bytes or whole words, read `value`.
+struct fnv1a {
+  /// The FNV-1a 64-bit offset basis and prime (Fowler, Noll, Vo).
+  static constexpr std::uint64_t offset_basis = 0xcbf29ce484222325ull, prime = 0x100000001b3ull;
+  /// The hash so far.
+  std::uint64_t value = offset_basis;
+
+  /// Mixes in one unit (a byte, or a whole word where the caller hashes words).
+  constexpr fnv1a& add(std::uint64_t unit) noexcept {
+    value = (value ^ unit) * prime;
+    return *this;
+  }
+  /// Mixes in each byte of `bytes`, in order.
+  constexpr fnv1a& add_bytes(std::string_view bytes) noexcept {
+    for (char c : bytes) add(static_cast<unsigned char>(c));
+    return *this;
+  }
+};
+
+/// FNV-1a of a byte string (the standard 64-bit FNV-1a of those bytes).
+constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
+
+}  // namespace meshlib::detail
+
+namespace meshlib {
+/// @brief FNV-1a, for the layers above core (parameter streams, checkpoint checksums) and a user's
+/// own checksums: the same entities as `detail::fnv1a` and `detail::fnv1a_of`.
+using detail::fnv1a;
+using detail::fnv1a_of;
+}  // namespace meshlib
+// end meshlib/core/hash.hpp
 // begin meshlib/core/axis.hpp
 /// @file
 /// @brief `axis<"name">`: a named mesh axis. The name is part of the type, so collectives and
@@ -2463,10 +2507,13 @@ struct thread_comm_options {
   /// lines that will not be read again soon and leave the caches to the inputs. 0: the measured
   /// default (64 MiB); SIZE_MAX: never.
   std::size_t streaming_min_bytes = 0;
-  /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
-  /// measured default, shorter when there are more participants than cores.
+  /// How long a waiting participant spins, at most, before it blocks. Negative: the measured
+  /// default (`detail::spin_window`, 50 us: about what a block and wake-up cost), none when there
+  /// are more participants than cores. A participant that spun in vain spins less next time.
   std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
-  /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
+  /// How long a waiting participant yields its core before it blocks, where the peer it waits for
+  /// needs that core (it last ran on the same CPU, or there are more participants than cores);
+  /// instead of spinning in the first case, after it in the second. Negative: default (2 ms).
   std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
   /// `run_on_threads` only: pin participant r to the r-th CPU the process may run on (modulo their
   /// number), as OpenMPI binds its ranks to cores; the calling thread's affinity is restored when
@@ -2539,8 +2586,8 @@ struct thread_comm_options {
 /// one step. Each rank publishes its call in its flag line for the step (one cache line). One-shot
 /// steps wait for every peer's flag line and compare the calls; zero-copy steps also count arrivals
 /// on `arrivals`, and the rank that completes the count releases the step by incrementing `word`
-/// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
-/// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
+/// with a compare-and-swap that fails once the world has failed. Waits spin, then block on a
+/// condition variable with a deadline (oversubscribed groups yield in between). A failure sets the high bit of `word` in every group of
 /// the world, which ends every wait at once.
 ///
 /// What a rank publishes in a step is in call_desc.hpp; how long it spins, yields and blocks, and
@@ -2652,6 +2699,107 @@ inline void write_stderr_line(std::string line) {
 
 }  // namespace meshlib::detail
 // end meshlib/comm/detail/failure.hpp
+// begin meshlib/comm/detail/spin_then_block.hpp
+/// @file
+/// @brief How a host thread waits for another: poll for a bounded window (`poll_for`,
+/// `spin_window`), then block. One path for every waiter that spins before it sleeps: the thread
+/// communicator's steps (comm/thread/detail/step_protocol.hpp) and the persistent device threads
+/// (exec/detail/device_workers.hpp).
+///
+/// Why spin first, and for how long: a futex wake-up of a sleeping thread costs far more than a
+/// cache line moving between cores (~0.1 us). Measured on the 2-core reference VM
+/// (`comm_bench --wake-latency`, 2026-12-05, docs/benchmarks.md, "Waiting and the large
+/// all_reduce"): a blocked thread woken from another CPU runs 25-28 us after the wake-up call
+/// (median; p90 35-40 us), 4-6 us when woken on the waker's CPU; an idle vCPU took 27-50 us
+/// (2026-12-01). Spinning for as long as a block and wake-up cost is never more than twice as slow
+/// as the better of the two (the classic competitive bound), and spinning longer only burns a core
+/// that a peer, or the computation an overlapped collective hides, could use. Hence `spin_window`
+/// = 50 us, above the p90 of a wake-up across CPUs.
+///
+/// Why the sleeper pays for the fence: a waiter that goes to sleep announces it (a counter) and
+/// then re-checks its condition; the thread that makes the condition true stores, then reads the
+/// counter and wakes only if someone sleeps. Without a full fence on both sides each can miss the
+/// other's store (store buffering) and the sleeper oversleeps until its next re-check. A fence on
+/// the waker's side costs every collective a cache-line round trip on the critical path (0.2 us
+/// calls), so the sleeper issues a process-wide barrier instead (`sleeper_fence`: Linux
+/// `membarrier`, a few microseconds, paid only by a thread about to block), and the waker only
+/// keeps the compiler from reordering (`waker_fence`), the asymmetric Dekker handshake.
+
+#include <atomic>
+#include <chrono>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+#if defined(__linux__) && __has_include(<linux/membarrier.h>)
+#include <linux/membarrier.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MESHLIB_DETAIL_HAS_MEMBARRIER 1
+#else
+#define MESHLIB_DETAIL_HAS_MEMBARRIER 0
+#endif
+
+namespace meshlib::detail {
+
+/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
+/// avoids the memory-order mis-speculation penalty when the awaited line changes).
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  // The builtin behind _mm_pause (GCC and Clang): <immintrin.h> would cost every TU that includes
+  // meshlib ~0.6 s of parsing for this one instruction (docs/benchmarks.md, include cost).
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+/// How long a waiter whose peers each have a core polls before it blocks (see the file comment).
+inline constexpr std::chrono::nanoseconds spin_window{50'000};
+
+/// Polls `done()` for at most `budget` (the clock is read every 32 polls); true as soon as it
+/// holds, false when the budget ran out first.
+template <class Done>
+bool poll_for(Done&& done, std::chrono::nanoseconds budget) {
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned i = 1;; ++i) {
+    if (done()) return true;
+    cpu_relax();
+    if ((i & 31u) == 0 && std::chrono::steady_clock::now() - start > budget) return done();
+  }
+}
+
+/// The CPU the calling thread runs on, or -1 where that is unknown: a hint for a waiter whose peer
+/// shares its core, which spinning cannot help (glibc reads it from rseq: no system call).
+inline int current_cpu() noexcept {
+#if defined(__linux__)
+  return ::sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
+/// The waker's half of the handshake (see the file comment): between its store that makes a
+/// waiter's condition true and its read of whether anyone sleeps. Free at run time.
+inline void waker_fence() noexcept { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
+/// The sleeper's half: between announcing that it sleeps and re-checking its condition. Returns
+/// whether it was a process-wide barrier; when not (no `membarrier`), a waker may miss the
+/// sleeper, which must then re-check its condition on a short period.
+/// No `std::atomic_thread_fence` here: the announcement is a seq_cst read-modify-write and the
+/// system call is a full barrier itself (and ThreadSanitizer builds refuse thread fences).
+inline bool sleeper_fence() noexcept {
+#if MESHLIB_DETAIL_HAS_MEMBARRIER
+  static const bool registered =
+      ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+  return registered && ::syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace meshlib::detail
+// end meshlib/comm/detail/spin_then_block.hpp
 // begin meshlib/comm/thread/detail/call_desc.hpp
 /// @file
 /// @brief What one rank of a thread group called in one step: the full descriptor (`call_desc`),
@@ -2858,7 +3006,7 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
 /// @file
 /// @brief How the ranks of a thread group wait for each other and which algorithm a step takes:
 /// `wait_policy` (spin, yield, block; the one-shot and streaming thresholds) with its measured
-/// defaults, and `cpu_relax` for the spinning. Apart from the group state because these are tuning
+/// defaults. Apart from the group state because these are tuning
 /// decisions (docs/benchmarks.md), made once per group from `thread_comm_options` and the core
 /// count, not the shared state itself.
 
@@ -2871,25 +3019,18 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
 
 namespace meshlib::detail {
 
-/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
-/// avoids the memory-order mis-speculation penalty when the awaited line changes).
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  // The builtin behind _mm_pause (GCC and Clang): <immintrin.h> would cost every TU that includes
-  // meshlib ~0.6 s of parsing for this one instruction (docs/benchmarks.md, include cost).
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 /// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
-/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
-/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
-/// 35-40 us here, 600 cache-line handoffs).
+/// line moves between cores in ~60 ns), for at most `spin_window` (comm/detail/spin_then_block.hpp:
+/// about what a block and wake-up cost), then block. Yield instead of spinning, for at most
+/// `yield`, where the peer needs this core to arrive at all: it last ran on the waiter's CPU, or
+/// there are more participants than cores (a context switch to a runnable peer is cheaper than a
+/// wake-up). Where each participant has a core, yielding to no one made a late peer's waiter spin
+/// through system calls for 2 ms (a core burnt for nothing) and see the peer's arrival only
+/// between them.
 struct wait_policy {
   std::chrono::nanoseconds spin;
-  std::chrono::nanoseconds yield;
+  std::chrono::nanoseconds yield;  ///< yielding, when a peer shares this CPU or oversubscribed, before blocking
+  bool oversubscribed;             ///< more participants than cores
   std::chrono::nanoseconds timeout;
   std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
   int burst;                 ///< spins before the first clock reading
@@ -2962,8 +3103,9 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
   const bool oversubscribed = static_cast<unsigned>(threads) > cores;
   wait_policy p{};
   p.spin = o.spin.count() >= 0 ? o.spin
-                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
+                               : (oversubscribed ? std::chrono::nanoseconds(0) : spin_window);
   p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
+  p.oversubscribed = oversubscribed;
   p.timeout = o.timeout;
   p.burst = oversubscribed ? 2 : 64;
   p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
@@ -3020,6 +3162,9 @@ struct alignas(64) rank_slot {
   std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
+  /// The CPU its thread ran on when it last arrived (-1: unknown), written only when it changes: a
+  /// waiter whose late peer shares its CPU yields instead of spinning (step_protocol::wait_until).
+  std::atomic<int> cpu{-1};
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   /// When the handle was destroyed by stack unwinding (steady-clock ticks; 0: it was not). Its
   /// thread is about to report the exception itself, and that exception is the better root cause
@@ -3139,10 +3284,12 @@ struct group_state {
     return s;
   }
 
-  /// Wakes every blocked waiter of this group (after a rank arrived or departed). Blocked
-  /// waiters also re-check every millisecond, so a wake-up missed by this unfenced check (the
-  /// arrival store may still be in the store buffer) only delays a waiter that was asleep anyway.
+  /// Wakes every blocked waiter of this group (after a rank arrived or departed). The check of
+  /// `sleepers` is unfenced on purpose: a waiter about to sleep issues the process-wide barrier
+  /// instead (`sleeper_fence`, comm/detail/spin_then_block.hpp), so that no wake-up is missed
+  /// while every collective's arrival stays one plain store.
   void wake() {
+    waker_fence();
     if (sleepers.load(std::memory_order_relaxed) != 0) {
       { std::lock_guard lk(mutex); }
       cv.notify_all();
@@ -3476,6 +3623,13 @@ inline bool& prefer_blocking_waits() noexcept {
 
 namespace meshlib::detail {
 
+/// Waits of every thread communicator of the process that went on to block, so far (tests: a
+/// waiter whose peer is late ends up blocked, not spinning or yielding for ever).
+inline std::atomic<std::uint64_t>& blocked_waits() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
 /// @brief A handle's place in its thread group and the protocol of its steps. The base of
 /// `thread_communicator`; moving a handle moves its place (not its `patience_`).
 class step_protocol {
@@ -3483,7 +3637,7 @@ class step_protocol {
   step_protocol() = default;
   step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
   step_protocol(step_protocol&& o) noexcept
-      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_), cpu_(o.cpu_) {}
   step_protocol& operator=(const step_protocol&) = delete;
 
   /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
@@ -3548,12 +3702,13 @@ class step_protocol {
     ln.key = d.key;
     ln.src = d.src;
     // A release store, not seq_cst: a full fence here would wait for the peers' copies of this
-    // line to be invalidated, one cache-line transfer on the critical path. The price is that the
-    // sleeper check below may miss a waiter that is just going to sleep; sleepers re-check every
-    // millisecond (wait_until), so a missed wake-up costs at most that, and only after the waiter
-    // had already waited for milliseconds.
+    // line to be invalidated, one cache-line transfer on the critical path. A waiter that is just
+    // going to sleep pays for the fence instead (group_state::wake, sleeper_fence).
     ln.seq.store(s + 1, std::memory_order_release);
     g.wake();
+    // Where this rank runs, for peers that wait for it later (wait_until); stored only when it
+    // changed, so that the line stays in the peers' caches.
+    if (const int cpu = detail::current_cpu(); cpu != cpu_) slot.cpu.store(cpu_ = cpu, std::memory_order_relaxed);
     if (g.n == 1) return s;
     if (!zero_copy) {
       wait_flags(s, d.kind);
@@ -3669,9 +3824,11 @@ class step_protocol {
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until `ready()`: spins (for this thread's adaptive budget), then yields, then blocks with a deadline. When `cancellable`,
-  /// throws once the world fails first, when the timeout passes (naming the ranks for which
-  /// `arrived(r)` is false) or when such a rank has left.
+  /// Waits until `ready()`: spins (for this thread's adaptive budget, at most the policy's window),
+  /// yields (oversubscribed groups only), then blocks with a deadline: the spin-then-block path of
+  /// comm/detail/spin_then_block.hpp, which the device threads share. When `cancellable`, throws
+  /// once the world fails first, when the timeout passes (naming the ranks for which `arrived(r)`
+  /// is false) or when such a rank has left.
   template <class Ready, class Arrived>
   void wait_until(Ready&& ready, Arrived&& arrived, op_kind k, std::uint64_t s, bool cancellable) {
     auto& g = *state_;
@@ -3683,31 +3840,41 @@ class step_protocol {
       detail::cpu_relax();
       if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
     }
-    // The spin budget is this thread's (wait_policy.hpp, adaptive_spin): cut short while its
-    // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
-    const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
     // A thread that prefers blocking (a communication worker: comm/detail/blocking_waits.hpp)
     // neither spins nor yields: its core is better spent on the computation it overlaps.
     if (!detail::prefer_blocking_waits()) {
-      for (unsigned i = 1;; ++i) {
-        if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
-        if (failed()) {
-          if (ready()) return;
+      // A late peer that last ran on this very CPU cannot arrive while this thread spins: give it
+      // the core at once (a yield is a context switch; blocking would add a wake-up). Two unpinned
+      // threads that the scheduler put on one core of a busy machine: 8 B all_reduce 10.3 us, 16.8
+      // spinning first (docs/benchmarks.md, "Waiting and the large all_reduce"), 14-28 blocking.
+      const int here = detail::current_cpu();
+      bool beside = false;
+      for (int r = 0; r < g.n && !beside && here >= 0; ++r)
+        beside = r != rank_ && !arrived(r) && g.slots[r].cpu.load(std::memory_order_relaxed) == here;
+      // Otherwise spin, for the thread's budget (wait_policy.hpp, adaptive_spin: cut short while
+      // its spinning has been in vain), at most the policy's window.
+      if (!beside) {
+        if (detail::poll_for([&] { return ready() || failed(); }, detail::adaptive_spin::budget(g.policy.spin))) {
+          if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
           failed_while_waiting(k, s);
         }
-        detail::cpu_relax();
-        if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
+        detail::adaptive_spin::missed(g.policy.spin);
       }
-      detail::adaptive_spin::missed(g.policy.spin);
-      for (;;) {
-        if (ready()) return;
-        if (failed()) {
+      // Yield (a bounded time) only where a peer needs this core to arrive at all: it shares this
+      // CPU, or there are more participants than cores. A peer on another core that is late will
+      // not come sooner for this thread's system calls, and they would take a core from others.
+      if (beside || g.policy.oversubscribed) {
+        const auto until = detail::comm_clock::now() + g.policy.yield;
+        for (;;) {
           if (ready()) return;
-          failed_while_waiting(k, s);
+          if (failed()) {
+            if (ready()) return;
+            failed_while_waiting(k, s);
+          }
+          if (detail::comm_clock::now() >= until) break;
+          std::this_thread::yield();
         }
-        if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
-        std::this_thread::yield();
       }
     }
     const auto deadline = start + g.policy.timeout + patience_;
@@ -3715,15 +3882,24 @@ class step_protocol {
     bool timed_out = false;
     bool done = false;
     {
-      std::unique_lock lk(g.mutex);
+      detail::blocked_waits().fetch_add(1, std::memory_order_relaxed);
       g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      // With the process-wide barrier no waker can miss this sleeper, and the re-check below is
+      // only for departures and the deadline; without it a missed wake-up costs at most the time
+      // waited so far (the re-check period grows from the spin window to 1 ms).
+      const bool fenced = detail::sleeper_fence();
+      auto recheck = [&](detail::comm_clock::time_point now) {
+        if (fenced) return std::chrono::duration_cast<detail::comm_clock::duration>(std::chrono::milliseconds(1));
+        return std::clamp<detail::comm_clock::duration>(now - start, detail::spin_window, std::chrono::milliseconds(1));
+      };
+      std::unique_lock lk(g.mutex);
       for (;;) {
         if (ready()) {
           done = true;
           break;
         }
         if (!cancellable) {
-          g.cv.wait_for(lk, std::chrono::milliseconds(1));
+          g.cv.wait_for(lk, recheck(detail::comm_clock::now()));
           continue;
         }
         if (failed()) break;
@@ -3735,7 +3911,7 @@ class step_protocol {
           timed_out = true;
           break;
         }
-        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(1)));
+        g.cv.wait_until(lk, std::min(deadline, now + recheck(now)));
       }
       g.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
@@ -3779,6 +3955,7 @@ class step_protocol {
   int rank_ = 0;
   std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
   std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
+  int cpu_ = -1;               ///< the CPU last published in this rank's slot
   /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
   /// but while a hybrid member waits for its leader's exchange between processes: the process
   /// whose device never arrived must time out first, so that its report (naming that device)
@@ -3820,6 +3997,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       rank_ = o.rank_;
       step_ = o.step_;
       central_ = o.central_;
+      cpu_ = o.cpu_;
     }
     return *this;
   }
@@ -8833,13 +9011,13 @@ class comm_stream {
 /// creates one per run and installs it in every device's context. Without an observer, or with an
 /// inactive one, nothing is wrapped: one predictable branch per collective.
 /// @code
-/// struct counting final : meshlib::detail::comm_observer {   // e.g. a test's observer
+/// struct counting final : meshlib::experimental::comm_observer {   // e.g. a test's observer
 ///   std::atomic<int> calls{0};
 ///   bool active() const noexcept override { return true; }
-///   void open(meshlib::detail::comm_site&) override {}
-///   void enter(const meshlib::detail::comm_site&, meshlib::detail::comm_call&) override { ++calls; }
-///   void leave(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) noexcept override {}
-///   void done(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) override {}
+///   void open(meshlib::experimental::comm_site&) override {}
+///   void enter(const meshlib::experimental::comm_site&, meshlib::experimental::comm_call&) override { ++calls; }
+///   void leave(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) noexcept override {}
+///   void done(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) override {}
 /// };
 /// @endcode
 
@@ -8884,6 +9062,12 @@ inline std::string join_ids(const std::vector<std::size_t>& ids) {
   return s;
 }
 
+}  // namespace meshlib::detail
+
+/// Interfaces that cross layers and may still change: the debug layer implements `comm_observer`,
+/// and a user may too (see the file comment).
+namespace meshlib::experimental {
+
 /// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
 struct comm_site {
   std::size_t device = 0;
@@ -8896,32 +9080,6 @@ struct comm_site {
   /// The observer's own state for this site, set by `comm_observer::open` (debug: its trace track).
   void* data = nullptr;
 };
-
-/// The site of device `device`'s communicator over the axes in `mask` of `m`.
-template <mesh_type Mesh>
-comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
-  comm_site s;
-  s.device = device;
-  s.device_label = device_label(m, device);
-  s.mask = mask & Mesh::all_axes;
-  for (std::size_t a = 0; a < Mesh::ndim; ++a)
-    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
-  s.color = m.group_color(device, s.mask);
-  s.group = m.group(device, s.mask);
-  s.group_rank = m.group_rank(device, s.mask);
-  return s;
-}
-
-/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
-constexpr const char* reduction_name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "psum";
-    case reduce_op::mean: return "pmean";
-    case reduce_op::max: return "pmax";
-    case reduce_op::min: return "pmin";
-    default: return "all_reduce";
-  }
-}
 
 /// One collective as the decorator reports it: its user-level name, element type, the elements
 /// this device sends, its input and output (for checks), and its sequence number on the group.
@@ -8960,12 +9118,42 @@ class comm_observer {
   comm_observer& operator=(const comm_observer&) = default;
 };
 
+}  // namespace meshlib::experimental
+
+namespace meshlib::detail {
+
+/// The site of device `device`'s communicator over the axes in `mask` of `m`.
+template <mesh_type Mesh>
+experimental::comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
+  experimental::comm_site s;
+  s.device = device;
+  s.device_label = device_label(m, device);
+  s.mask = mask & Mesh::all_axes;
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+  s.color = m.group_color(device, s.mask);
+  s.group = m.group(device, s.mask);
+  s.group_rank = m.group_rank(device, s.mask);
+  return s;
+}
+
+/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
+constexpr const char* reduction_name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "psum";
+    case reduce_op::mean: return "pmean";
+    case reduce_op::max: return "pmax";
+    case reduce_op::min: return "pmin";
+    default: return "all_reduce";
+  }
+}
+
 /// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
 /// every operation goes to `inner`, reported to `obs` around it (see the file comment).
 template <class Iface>
 class observed_comm final : public Iface {
  public:
-  observed_comm(Iface& inner, comm_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+  observed_comm(Iface& inner, experimental::comm_observer& obs, experimental::comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
     obs_.open(site_);
   }
 
@@ -9020,11 +9208,11 @@ class observed_comm final : public Iface {
       call();
       return;
     }
-    comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
+    experimental::comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
     obs_.enter(site_, c);
     struct leave {
       observed_comm& self;
-      const comm_call& c;
+      const experimental::comm_call& c;
       ~leave() { self.obs_.leave(self.site_, c); }
     };
     {
@@ -9035,8 +9223,8 @@ class observed_comm final : public Iface {
   }
 
   Iface& inner_;
-  comm_observer& obs_;
-  comm_site site_;
+  experimental::comm_observer& obs_;
+  experimental::comm_site site_;
   std::uint64_t seq_ = 0;
 };
 
@@ -9282,7 +9470,7 @@ class device_context {
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world, comm_observer* observer = nullptr)
+  device_context_for(const Mesh& mesh, std::size_t device, C world, experimental::comm_observer* observer = nullptr)
       : mesh_(mesh),
         device_(device),
         coords_(mesh.coords(device)),
@@ -9342,7 +9530,7 @@ class device_context_for final : public device_context {
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
   // The decorator point (collectives/observer.hpp): only with an active observer.
-  comm_observer* observer_;
+  experimental::comm_observer* observer_;
   std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
 
   device_comm& observed(axis_mask mask, device_comm& raw) {
@@ -11838,23 +12026,16 @@ class device_workers {
   [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
 
  private:
-  /// Polls `a` for up to `spin_budget` while it still holds `old`; true when it changed. Used only
-  /// while every index of the job has a core of its own (never when oversubscribed): waking a
-  /// blocked thread on an idle core of a virtual machine costs tens of microseconds (measured on
-  /// the idle 2-core machine: 27-50 us per empty 2-device call blocked, against 6 us when the cores
-  /// were busy), more than the short calls of a training step take; a bounded spin keeps that
-  /// cost off the common back-to-back calls and gives the core back soon after.
+  /// Polls `a` for up to `spin_window` while it still holds `old`; true when it changed: the
+  /// thread communicator's spin-then-block path (comm/detail/spin_then_block.hpp, where the window
+  /// is measured), used only while every index of the job has a core of its own (never when
+  /// oversubscribed). Waking a blocked thread on an idle core of a virtual machine costs tens of
+  /// microseconds (measured on the idle 2-core machine: 27-50 us per empty 2-device call blocked,
+  /// against 6 us when the cores were busy), more than the short calls of a training step take; a
+  /// bounded spin keeps that cost off the common back-to-back calls and gives the core back soon after.
   static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
-    const auto until = std::chrono::steady_clock::now() + spin_budget;
-    for (unsigned i = 1;; ++i) {
-      if (a.load(std::memory_order_acquire) != old) return true;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
-    }
+    return poll_for([&] { return a.load(std::memory_order_acquire) != old; }, spin_window);
   }
-  static constexpr std::chrono::microseconds spin_budget{50};
 
   struct inside_guard {
     bool previous = in_device_worker();
@@ -11889,13 +12070,7 @@ class device_workers {
   }
 #endif
   /// The CPU the calling thread runs on, or -1.
-  static int caller_cpu() noexcept {
-#if defined(__linux__)
-    return ::sched_getcpu();  // vDSO / rseq: no system call
-#else
-    return -1;
-#endif
-  }
+  static int caller_cpu() noexcept { return current_cpu(); }
 
 #if defined(__linux__)
   /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in
@@ -14614,10 +14789,9 @@ class shared_gpu_communicator
     if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
   }
   static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
-    for (const auto& p : pairs)
-      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
-    return static_cast<std::int64_t>(h);
+    meshlib::detail::fnv1a h;  // over the pairs, in order
+    for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+    return static_cast<std::int64_t>(h.value);
   }
   template <class T, class All>
   void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {
@@ -15826,11 +16000,9 @@ inline std::string describe_record(const std::string& who, const std::uint64_t* 
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
 inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& p : pairs)
-    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-        1099511628211ull;
-  return h ^ pairs.size();
+  fnv1a h;
+  for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+  return h.value ^ pairs.size();
 }
 
 }  // namespace meshlib::detail
@@ -16828,8 +17000,9 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             has_op ? static_cast<std::uint64_t>(op) : 0,
                                             has_root ? static_cast<std::uint64_t>(root) : 0,
                                             extra};
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
-    for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
+    meshlib::detail::fnv1a fingerprint;  // over the record's words
+    for (std::uint64_t w : rec) fingerprint.add(w);
+    const std::uint64_t h = fingerprint.value;
     // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
     // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
     auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
@@ -19342,7 +19515,7 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
 /// (`run_observer`), so that its code is compiled only where a runner is (see
 /// `basic_trace_recorder`).
 template <class Tag = void>
-class basic_run_observer final : public comm_observer {
+class basic_run_observer final : public experimental::comm_observer {
   using recorder = basic_trace_recorder<Tag>;
 
  public:
@@ -19392,12 +19565,12 @@ class basic_run_observer final : public comm_observer {
   [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
 
   /// A device's communicator on a group is decorated: its trace track, looked up once.
-  void open(comm_site& site) override {
+  void open(experimental::comm_site& site) override {
     if (tracing_) site.data = &recorder::get().track_of(site.device);
   }
 
   /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
-  void enter(const comm_site& site, comm_call& call) override {
+  void enter(const experimental::comm_site& site, experimental::comm_call& call) override {
     if (check_nonfinite()) check_finite(site, call.name, "input", call.in, call.in_count, call.dt);
     const std::string what = std::string(call.name) + " over '" + site.axes + "'";
 #if MESHLIB_DEBUG_HAS_KOKKOS
@@ -19408,7 +19581,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it, returned or not: the device's departure, the end of its Kokkos region.
-  void leave(const comm_site& site, const comm_call& call) noexcept override {
+  void leave(const experimental::comm_site& site, const experimental::comm_call& call) noexcept override {
     try {
       depart(site, call.seq);
     } catch (...) {  // only an allocation of the board's map can fail: the watchdog misses one exit
@@ -19419,7 +19592,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it returned: the trace event, the check of its output.
-  void done(const comm_site& site, const comm_call& call) override {
+  void done(const experimental::comm_site& site, const experimental::comm_call& call) override {
     if (site.data != nullptr) {
       auto& rec = recorder::get();
       trace_event e;
@@ -19441,7 +19614,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// The device of `site` entered its `seq`-th collective `what` on its group.
-  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+  void arrive(const experimental::comm_site& site, std::uint64_t seq, const std::string& what) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto& p = board_[key_t{site.mask, site.color, seq}];
@@ -19455,7 +19628,7 @@ class basic_run_observer final : public comm_observer {
     p.arrived[site.group_rank] = true;
   }
   /// The device of `site` left it (returned or threw).
-  void depart(const comm_site& site, std::uint64_t seq) {
+  void depart(const experimental::comm_site& site, std::uint64_t seq) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto it = board_.find(key_t{site.mask, site.color, seq});
@@ -19468,7 +19641,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
-  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+  void check_finite(const experimental::comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
                     datatype dt) const {
     double v = 0;
     const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);

@@ -134,11 +134,7 @@ inline auto uniform(float limit) {
 namespace detail {
 /// FNV-1a of a parameter name: its stream id, so the values depend on the name, not on the order
 /// in which a model registers its parameters.
-constexpr std::uint64_t name_id(std::string_view name) noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return h;
-}
+constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::fnv1a_of(name); }
 }  // namespace detail
 
 namespace detail {
@@ -1736,33 +1732,34 @@ void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::si
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/norm_kernels.hpp
+// begin meshlib/nn/layers/row_norm.hpp
+/// @file
+/// @brief `row_norm`: what `layer_norm` and `rms_norm` share, written once. Both normalise each row
+/// of a device's block over its complete features with a replicated scale `g`; they differ only in
+/// the row statistic (mean and variance, or the mean square), the shift `b` that `layer_norm` adds,
+/// and their kernels (nn/detail/norm_kernels.hpp). This base holds the scale, the per-device
+/// buffers, the shape checks and the names messages use; each layer's `forward` / `backward` takes
+/// its buffers from `begin_forward` / `begin_backward` and launches its own kernel.
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
 
 namespace meshlib::nn {
 
-/// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
-template <class T, mesh_type Mesh>
-class layer_norm {
+/// @brief The common part of the row normalisations `layer_norm` and `rms_norm` (named `Kind` in
+/// messages): a replicated scale `g` (init 1) over `features` complete, unsharded features.
+template <class T, mesh_type Mesh, fixed_string Kind>
+class row_norm {
  public:
-  /// Scale and shift are replicated on every device.
+  /// The parameters are replicated on every device.
   using sharding = named_sharding<Mesh, P<none>>;
   /// The scale `g` (named `name + ".g"`, initially 1), `features` values.
-  parameter<T, 1, sharding> g, b;
-  /// @var b
-  /// The shift `b` (named `name + ".b"`, initially 0), `features` values.
+  parameter<T, 1, sharding> g;
 
-  /// Normalises `features` values per row; `eps` keeps the division finite. `local_devices`: this process's devices (empty: all).
-  layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
-             std::span<const std::size_t> local_devices = {})
-      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
-        b(name + ".b", sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices),
-        name_(name),
-        eps_(eps),
-        shape_(mesh.size()),
-        xhat_(mesh.size()),
-        out_(mesh.size()),
-        dx_(mesh.size()) {}
-
-  /// The layer's name: its parameters are `name() + ".g"` and `name() + ".b"`.
+  /// The layer's name: its parameters are `name() + ".g"` (and `layer_norm`'s `name() + ".b"`).
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// The number of features it normalises over: what it takes and returns.
   [[nodiscard]] std::size_t in_features() const noexcept { return g.value.global_shape()[0]; }
@@ -1770,63 +1767,82 @@ class layer_norm {
   [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
   /// `"ln1 (layer_norm over 16 features)"`: how messages name the layer.
   [[nodiscard]] std::string to_string() const {
-    return name_ + " (layer_norm over " + std::to_string(in_features()) + " features)";
+    return name_ + " (" + std::string(Kind.view()) + " over " + std::to_string(in_features()) + " features)";
   }
-  /// Complete, unsharded features (see the file comment).
+  /// Complete, unsharded features: the row statistics are then local and the cotangent has the
+  /// input's type.
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::diagnostic::op_t<"layer_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<Kind>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
-  /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
+ protected:
+  /// `features` values per row, `eps` in the statistic's square root; `local_devices`: this
+  /// process's devices (empty: all).
+  row_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps,
+           std::span<const std::size_t> local_devices)
+      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
+        eps_(eps),
+        name_(name),
+        shape_(mesh.size()),
+        xhat_(mesh.size()),
+        out_(mesh.size()),
+        dx_(mesh.size()) {}
+
+  /// One device's pointers for a forward kernel: `y` the output, `xhat` the normalised input and
+  /// then one statistic per row (`stat`), both kept for the backward pass.
+  struct forward_block {
+    std::size_t dev;   ///< the device
+    std::size_t rows;  ///< rows of its block
+    std::size_t n;     ///< features per row
+    const T* x;        ///< the input block
+    const T* g;        ///< the scale
+    T* y;              ///< the output block
+    T* xhat;           ///< the normalised input (kept for backward)
+    T* stat;           ///< one statistic per row (kept for backward)
+  };
+  /// One device's pointers for a backward kernel: `dx` the cotangent of the input, `dg` the scale's
+  /// gradient, and what the forward pass kept.
+  struct backward_block {
+    std::size_t dev;   ///< the device
+    std::size_t rows;  ///< rows of its block
+    std::size_t n;     ///< features per row
+    const T* dy;       ///< the cotangent of the output
+    const T* g;        ///< the scale
+    const T* xhat;     ///< the forward pass's normalised input
+    const T* stat;     ///< the forward pass's per-row statistic
+    T* dx;             ///< the cotangent of the input
+    T* dg;             ///< the scale's gradient
+  };
+
+  /// Checks `x`'s width, records its shape for the backward pass and hands out the buffers.
   /// @throws sharding_error when `x` does not have the layer's number of features.
-  template <local_tensor_type X>
-  X forward(const X& x) {
-    static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
-    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
-                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
-                  "feature dimension first");
+  template <class X>
+  forward_block begin_forward(const X& x) {
     const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
     if (n != in_features())
       throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(n) + " features; feed it " +
                            std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(n) +
                            " features");
     shape_[dev] = {rows, n, true};
-    T* xh = xhat_.get(dev, rows * n + rows);  // xhat, then 1/std per row
-    T* rstd = xh + rows * n;
-    T* y = out_.get(dev, rows * n);
-    const T* gv = g.value.local(dev).data();
-    const T* bv = b.value.local(dev).data();
-    const T* xp = x.data();
-    const T eps = eps_;
-    detail::layer_norm_forward<default_memory_space>(y, xh, rstd, xp, gv, bv, rows, n, eps);
-    return X(typename X::view_type(y, rows, n), x.mesh(), dev);
+    T* xh = xhat_.get(dev, rows * n + rows);
+    return {dev, rows, n, x.data(), g.value.local(dev).data(), out_.get(dev, rows * n), xh, xh + rows * n};
   }
 
-  /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
-  template <local_tensor_type DY>
-  DY backward(const DY& dy, bool = true) {
-    static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
+  /// Checks that `dy` is shaped as this device's last forward input and hands out the buffers.
+  /// @throws sharding_error naming the layer otherwise.
+  template <class DY>
+  backward_block begin_backward(const DY& dy) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
     detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
-    const T* rstd = xh + rows * n;
-    const T* gv = g.value.local(dev).data();
-    T* gg = g.grad.local(dev).data();
-    T* gb = b.grad.local(dev).data();
-    T* dx = dx_.get(dev, rows * n);
-    const T* dyp = dy.data();
-    detail::layer_norm_backward<default_memory_space>(dx, gg, gb, dyp, xh, rstd, gv, rows, n);
-    return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
+    return {dev, rows, n, dy.data(), g.value.local(dev).data(), xh, xh + rows * n, dx_.get(dev, rows * n),
+            g.grad.local(dev).data()};
   }
 
-  /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const {
-    out.push_back(g.ref());
-    out.push_back(b.ref());
-  }
+  T eps_;  ///< keeps the division finite
 
  private:
   struct shape {
@@ -1834,9 +1850,59 @@ class layer_norm {
     bool ran = false;
   };
   std::string name_;
-  T eps_;
   std::vector<shape> shape_;  // per device: the last forward's input shape
   detail::device_buffers<T> xhat_, out_, dx_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/layers/row_norm.hpp
+
+namespace meshlib::nn {
+
+/// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
+template <class T, mesh_type Mesh>
+class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
+  using base = row_norm<T, Mesh, "layer_norm">;
+
+ public:
+  /// The shift `b` (named `name + ".b"`, initially 0), `features` values.
+  parameter<T, 1, typename base::sharding> b;
+
+  /// Normalises `features` values per row; `eps` keeps the division finite. `local_devices`: this process's devices (empty: all).
+  layer_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-5),
+             std::span<const std::size_t> local_devices = {})
+      : base(mesh, name, features, eps, local_devices),
+        b(name + ".b", typename base::sharding{mesh}, {features}, rng_key{}, init::zeros(), false, local_devices) {}
+
+  /// `(x - mean) / sqrt(var + eps) * g + b` per row of this device's block.
+  /// @throws sharding_error when `x` does not have the layer's number of features.
+  template <local_tensor_type X>
+  X forward(const X& x) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
+    static_assert(base::template accepts_input<X>,
+                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                  "feature dimension first");
+    const auto f = this->begin_forward(x);  // stat: 1/std per row
+    detail::layer_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, b.value.local(f.dev).data(),
+                                                     f.rows, f.n, this->eps_);
+    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+  }
+
+  /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
+  template <local_tensor_type DY>
+  DY backward(const DY& dy, bool = true) {
+    static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
+    const auto k = this->begin_backward(dy);
+    detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
+                                                      k.g, k.rows, k.n);
+    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+  }
+
+  /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(this->g.ref());
+    out.push_back(b.ref());
+  }
 };
 
 }  // namespace meshlib::nn
@@ -1867,98 +1933,43 @@ namespace meshlib::nn {
 
 /// @brief RMS normalisation over the last dimension with a scale `g` (init 1), replicated.
 template <class T, mesh_type Mesh>
-class rms_norm {
- public:
-  /// The scale is replicated on every device.
-  using sharding = named_sharding<Mesh, P<none>>;
-  /// The scale `g` (named `name + ".g"`, initially 1), `features` values.
-  parameter<T, 1, sharding> g;
+class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
+  using base = row_norm<T, Mesh, "rms_norm">;
 
+ public:
   /// Normalises `features` values per row; `eps` keeps the division finite (flax's default, 1e-6).
   /// `local_devices`: this process's devices (empty: all).
   rms_norm(const Mesh& mesh, const std::string& name, std::size_t features, T eps = T(1e-6),
            std::span<const std::size_t> local_devices = {})
-      : g(name + ".g", sharding{mesh}, {features}, rng_key{}, init::constant(1.0f), false, local_devices),
-        name_(name),
-        eps_(eps),
-        shape_(mesh.size()),
-        xhat_(mesh.size()),
-        out_(mesh.size()),
-        dx_(mesh.size()) {}
-
-  /// The layer's name: its parameter is `name() + ".g"`.
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
-  /// The number of features it normalises over: what it takes and returns.
-  [[nodiscard]] std::size_t in_features() const noexcept { return g.value.global_shape()[0]; }
-  /// @copydoc in_features
-  [[nodiscard]] std::size_t out_features() const noexcept { return in_features(); }
-  /// `"norm1 (rms_norm over 16 features)"`: how messages name the layer.
-  [[nodiscard]] std::string to_string() const {
-    return name_ + " (rms_norm over " + std::to_string(in_features()) + " features)";
-  }
-  /// Complete, unsharded features (see the file comment).
-  template <class X>
-  static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
-  /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::diagnostic::op_t<"rms_norm">;
-  /// @copydoc diagnostic_name
-  using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
+      : base(mesh, name, features, eps, local_devices) {}
 
   /// `x / sqrt(mean(x^2) + eps) * g` per row of this device's block.
   /// @throws sharding_error when `x` does not have the layer's number of features.
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"rms_norm.forward", "x", X>());
-    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
+    static_assert(base::template accepts_input<X>,
                   "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
                   "feature dimension first");
-    const std::size_t dev = x.device(), rows = x.extent(0), n = x.extent(1);
-    if (n != in_features())
-      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(n) + " features; feed it " +
-                           std::to_string(in_features()) + " features or declare " + name_ + " with " + std::to_string(n) +
-                           " features");
-    shape_[dev] = {rows, n, true};
-    T* xh = xhat_.get(dev, rows * n + rows);  // xhat = x / rms, then 1/rms per row
-    T* rinv = xh + rows * n;
-    T* y = out_.get(dev, rows * n);
-    const T* gv = g.value.local(dev).data();
-    const T* xp = x.data();
-    const T eps = eps_;
-    detail::rms_norm_forward<default_memory_space>(y, xh, rinv, xp, gv, rows, n, eps);
-    return X(typename X::view_type(y, rows, n), x.mesh(), dev);
+    const auto f = this->begin_forward(x);  // xhat = x / rms, stat: 1/rms per row
+    detail::rms_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, f.rows, f.n, this->eps_);
+    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
   }
 
   /// The cotangent of the input, `r (dy g - xhat mean(dy g xhat))` per row (`r = 1/rms`); adds
-  /// `sum_rows dy xhat` to the scale's gradient. The second argument (need_dx) is ignored.
+  /// `sum_rows dy xhat` to the scale's gradient (each column's rows in row order). The second
+  /// argument (need_dx) is ignored.
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"rms_norm.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
-    const T* xh = xhat_.get(dev, rows * n + rows);
-    const T* rinv = xh + rows * n;
-    const T* gv = g.value.local(dev).data();
-    T* gg = g.grad.local(dev).data();
-    T* dx = dx_.get(dev, rows * n);
-    const T* dyp = dy.data();
-    detail::rms_norm_backward<default_memory_space>(dx, gg, dyp, xh, rinv, gv, rows, n);
-    // dg += sum_rows dy * xhat: each column's rows in row order.
-    return DY(typename DY::view_type(dx, rows, n), dy.mesh(), dev);
+    const auto k = this->begin_backward(dy);
+    detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
+    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(g.ref()); }
-
- private:
-  struct shape {
-    std::size_t rows = 0, cols = 0;
-    bool ran = false;
-  };
-  std::string name_;
-  T eps_;
-  std::vector<shape> shape_;  // per device: the last forward's input shape
-  detail::device_buffers<T> xhat_, out_, dx_;
+  void collect(std::vector<param_ref<T>>& out) const { out.push_back(this->g.ref()); }
 };
 
 }  // namespace meshlib::nn
@@ -3261,8 +3272,10 @@ class dropout {
 /// meshlib::nn::image_shape in{28, 28, 1};   // in.size() == 784 features per row
 /// @endcode
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
+
 
 namespace meshlib::nn {
 
@@ -3301,6 +3314,26 @@ inline std::string image_width_error(const std::string& who, const std::string& 
            " input channels, or feed it " + std::to_string(want.channels) + "-channel images";
   }
   return s + "; declare " + name + " with the image shape of the layer before it (its output_shape())";
+}
+
+/// Refuses a `window` x `window` kernel or pooling window (`what`: `"kernel"`, `"window"`) larger
+/// than the image `in` padded by `padding` on every side (`pads`: whether the layer can pad, so
+/// that the message offers padding as a fix). `head` names the layer: `"meshlib::nn: c (conv2d
+/// 5x5 on 2x3x1 images)"`. The one check conv2d and the pooling layers share.
+/// @throws sharding_error naming the sizes and the fixes.
+inline void check_window_fits(const std::string& head, const image_shape& in, std::size_t window, std::size_t padding,
+                              bool pads, const std::string& what) {
+  const std::size_t h = in.height + 2 * padding, w = in.width + 2 * padding;
+  if (h >= window && w >= window) return;
+  const std::string square = std::to_string(window) + "x" + std::to_string(window);
+  std::string input = std::to_string(in.height) + "x" + std::to_string(in.width);
+  std::string fixes = "use a " + what + " of at most " + std::to_string(std::min(h, w));
+  if (pads) {
+    input += " with padding " + std::to_string(padding) + " (" + std::to_string(h) + "x" + std::to_string(w) + ")";
+    fixes += ", pad by at least " + std::to_string((window - std::min(in.height, in.width) + 1) / 2) + ",";
+  }
+  throw sharding_error(head + ": the input, " + input + ", is smaller than the " + square + " " + what + "; " + fixes +
+                       " or remove a pooling layer before it");
 }
 }  // namespace detail
 
@@ -4003,15 +4036,7 @@ class conv2d {
       throw sharding_error(head + ": kernel, stride, output channels and the image's height, width and channels must "
                                   "be at least 1 (kernel " + std::to_string(kernel) + ", stride " +
                            std::to_string(o.stride) + ", " + std::to_string(out_channels) + " output channels)");
-    if (in.height + 2 * o.padding < kernel || in.width + 2 * o.padding < kernel)
-      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
-                           " with padding " + std::to_string(o.padding) + " (" +
-                           std::to_string(in.height + 2 * o.padding) + "x" + std::to_string(in.width + 2 * o.padding) +
-                           "), is smaller than the " + std::to_string(kernel) + "x" + std::to_string(kernel) +
-                           " kernel; use a kernel of at most " +
-                           std::to_string(std::min(in.height, in.width) + 2 * o.padding) + ", pad by at least " +
-                           std::to_string((kernel - std::min(in.height, in.width) + 1) / 2) +
-                           ", or remove a pooling layer before it");
+    detail::check_window_fits(head, in, kernel, o.padding, true, "kernel");
     return kernel * kernel;
   }
 
@@ -4277,11 +4302,7 @@ class pool2d {
                              std::to_string(window) + " on " + in.to_string() + " images)";
     if (window == 0 || in.size() == 0)
       throw sharding_error(head + ": the window and the image's height, width and channels must be at least 1");
-    if (in.height < window || in.width < window)
-      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
-                           ", is smaller than the " + std::to_string(window) + "x" + std::to_string(window) +
-                           " window; use a window of at most " + std::to_string(std::min(in.height, in.width)) +
-                           " or remove a pooling layer before it");
+    detail::check_window_fits(head, in, window, 0, false, "window");
     return true;
   }
 
@@ -12118,17 +12139,12 @@ inline void write_whole(const save_io& io, const std::filesystem::path& path, st
   f.finish();
 }
 
-inline std::uint64_t fnv1a(const char* p, std::size_t n) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
-  return h;
-}
 
 /// The last line of a checksummed text file: `checksum <FNV-1a of body, 16 hex digits>`.
 inline std::string checksum_line(std::string_view body) {
   char text[40];
   std::snprintf(text, sizeof text, "checksum %016llx\n",
-                static_cast<unsigned long long>(fnv1a(body.data(), body.size())));
+                static_cast<unsigned long long>(meshlib::fnv1a_of(body)));
   return text;
 }
 
@@ -12315,7 +12331,7 @@ inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t 
   std::ifstream in(path, std::ios::binary);
   in.read(data.data(), static_cast<std::streamsize>(data.size()));
   if (!in) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot read back '" + path.string() + "'");
-  return fnv1a(data.data(), data.size());
+  return meshlib::fnv1a_of({data.data(), data.size()});
 }
 
 /// Runs `phase` on this process, then agrees with the others on the outcome: when any process
@@ -12390,7 +12406,7 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   std::ifstream in(path, std::ios::binary);
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
-  if (fnv1a(reinterpret_cast<const char*>(data.data()), size) != sum)
+  if (meshlib::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
     throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;

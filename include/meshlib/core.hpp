@@ -6,6 +6,7 @@
 
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/core/hash.hpp"
 #include "meshlib/core/axis.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/partition_spec.hpp"

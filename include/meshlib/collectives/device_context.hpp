@@ -281,7 +281,7 @@ class device_context {
 template <communicator C, mesh_type Mesh>
 class device_context_for final : public device_context {
  public:
-  device_context_for(const Mesh& mesh, std::size_t device, C world, comm_observer* observer = nullptr)
+  device_context_for(const Mesh& mesh, std::size_t device, C world, experimental::comm_observer* observer = nullptr)
       : mesh_(mesh),
         device_(device),
         coords_(mesh.coords(device)),
@@ -341,7 +341,7 @@ class device_context_for final : public device_context {
   axis_communicators<C, Mesh> axes_;
   std::map<axis_mask, std::unique_ptr<device_comm_for<C>>> handles_;
   // The decorator point (collectives/observer.hpp): only with an active observer.
-  comm_observer* observer_;
+  experimental::comm_observer* observer_;
   std::map<axis_mask, std::unique_ptr<observed_comm<device_comm>>> observed_;
 
   device_comm& observed(axis_mask mask, device_comm& raw) {

@@ -12,13 +12,13 @@
 /// creates one per run and installs it in every device's context. Without an observer, or with an
 /// inactive one, nothing is wrapped: one predictable branch per collective.
 /// @code
-/// struct counting final : meshlib::detail::comm_observer {   // e.g. a test's observer
+/// struct counting final : meshlib::experimental::comm_observer {   // e.g. a test's observer
 ///   std::atomic<int> calls{0};
 ///   bool active() const noexcept override { return true; }
-///   void open(meshlib::detail::comm_site&) override {}
-///   void enter(const meshlib::detail::comm_site&, meshlib::detail::comm_call&) override { ++calls; }
-///   void leave(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) noexcept override {}
-///   void done(const meshlib::detail::comm_site&, const meshlib::detail::comm_call&) override {}
+///   void open(meshlib::experimental::comm_site&) override {}
+///   void enter(const meshlib::experimental::comm_site&, meshlib::experimental::comm_call&) override { ++calls; }
+///   void leave(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) noexcept override {}
+///   void done(const meshlib::experimental::comm_site&, const meshlib::experimental::comm_call&) override {}
 /// };
 /// @endcode
 
@@ -67,6 +67,12 @@ inline std::string join_ids(const std::vector<std::size_t>& ids) {
   return s;
 }
 
+}  // namespace meshlib::detail
+
+/// Interfaces that cross layers and may still change: the debug layer implements `comm_observer`,
+/// and a user may too (see the file comment).
+namespace meshlib::experimental {
+
 /// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
 struct comm_site {
   std::size_t device = 0;
@@ -79,32 +85,6 @@ struct comm_site {
   /// The observer's own state for this site, set by `comm_observer::open` (debug: its trace track).
   void* data = nullptr;
 };
-
-/// The site of device `device`'s communicator over the axes in `mask` of `m`.
-template <mesh_type Mesh>
-comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
-  comm_site s;
-  s.device = device;
-  s.device_label = device_label(m, device);
-  s.mask = mask & Mesh::all_axes;
-  for (std::size_t a = 0; a < Mesh::ndim; ++a)
-    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
-  s.color = m.group_color(device, s.mask);
-  s.group = m.group(device, s.mask);
-  s.group_rank = m.group_rank(device, s.mask);
-  return s;
-}
-
-/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
-constexpr const char* reduction_name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "psum";
-    case reduce_op::mean: return "pmean";
-    case reduce_op::max: return "pmax";
-    case reduce_op::min: return "pmin";
-    default: return "all_reduce";
-  }
-}
 
 /// One collective as the decorator reports it: its user-level name, element type, the elements
 /// this device sends, its input and output (for checks), and its sequence number on the group.
@@ -143,12 +123,42 @@ class comm_observer {
   comm_observer& operator=(const comm_observer&) = default;
 };
 
+}  // namespace meshlib::experimental
+
+namespace meshlib::detail {
+
+/// The site of device `device`'s communicator over the axes in `mask` of `m`.
+template <mesh_type Mesh>
+experimental::comm_site make_comm_site(const Mesh& m, std::size_t device, axis_mask mask) {
+  experimental::comm_site s;
+  s.device = device;
+  s.device_label = device_label(m, device);
+  s.mask = mask & Mesh::all_axes;
+  for (std::size_t a = 0; a < Mesh::ndim; ++a)
+    if (s.mask & (axis_mask{1} << a)) s.axes += (s.axes.empty() ? "" : ",") + std::string(Mesh::axis_names[a]);
+  s.color = m.group_color(device, s.mask);
+  s.group = m.group(device, s.mask);
+  s.group_rank = m.group_rank(device, s.mask);
+  return s;
+}
+
+/// The user-level name of a reduction: psum, pmean, pmax, pmin (the typed collectives' names).
+constexpr const char* reduction_name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "psum";
+    case reduce_op::mean: return "pmean";
+    case reduce_op::max: return "pmax";
+    case reduce_op::min: return "pmin";
+    default: return "all_reduce";
+  }
+}
+
 /// `Iface` (the typed collectives' per-device communicator interface, `device_comm`) decorated:
 /// every operation goes to `inner`, reported to `obs` around it (see the file comment).
 template <class Iface>
 class observed_comm final : public Iface {
  public:
-  observed_comm(Iface& inner, comm_observer& obs, comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
+  observed_comm(Iface& inner, experimental::comm_observer& obs, experimental::comm_site site) : inner_(inner), obs_(obs), site_(std::move(site)) {
     obs_.open(site_);
   }
 
@@ -203,11 +213,11 @@ class observed_comm final : public Iface {
       call();
       return;
     }
-    comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
+    experimental::comm_call c{name, dt, send_count, in, in_count, out, out_count, seq_++, 0};
     obs_.enter(site_, c);
     struct leave {
       observed_comm& self;
-      const comm_call& c;
+      const experimental::comm_call& c;
       ~leave() { self.obs_.leave(self.site_, c); }
     };
     {
@@ -218,8 +228,8 @@ class observed_comm final : public Iface {
   }
 
   Iface& inner_;
-  comm_observer& obs_;
-  comm_site site_;
+  experimental::comm_observer& obs_;
+  experimental::comm_site site_;
   std::uint64_t seq_ = 0;
 };
 

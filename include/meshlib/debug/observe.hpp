@@ -175,7 +175,7 @@ inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt,
 /// (`run_observer`), so that its code is compiled only where a runner is (see
 /// `basic_trace_recorder`).
 template <class Tag = void>
-class basic_run_observer final : public comm_observer {
+class basic_run_observer final : public experimental::comm_observer {
   using recorder = basic_trace_recorder<Tag>;
 
  public:
@@ -225,12 +225,12 @@ class basic_run_observer final : public comm_observer {
   [[nodiscard]] std::uint64_t run() const noexcept { return run_; }
 
   /// A device's communicator on a group is decorated: its trace track, looked up once.
-  void open(comm_site& site) override {
+  void open(experimental::comm_site& site) override {
     if (tracing_) site.data = &recorder::get().track_of(site.device);
   }
 
   /// Before a collective: checks its input, opens its Kokkos region, marks the device's arrival.
-  void enter(const comm_site& site, comm_call& call) override {
+  void enter(const experimental::comm_site& site, experimental::comm_call& call) override {
     if (check_nonfinite()) check_finite(site, call.name, "input", call.in, call.in_count, call.dt);
     const std::string what = std::string(call.name) + " over '" + site.axes + "'";
 #if MESHLIB_DEBUG_HAS_KOKKOS
@@ -241,7 +241,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it, returned or not: the device's departure, the end of its Kokkos region.
-  void leave(const comm_site& site, const comm_call& call) noexcept override {
+  void leave(const experimental::comm_site& site, const experimental::comm_call& call) noexcept override {
     try {
       depart(site, call.seq);
     } catch (...) {  // only an allocation of the board's map can fail: the watchdog misses one exit
@@ -252,7 +252,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// After it returned: the trace event, the check of its output.
-  void done(const comm_site& site, const comm_call& call) override {
+  void done(const experimental::comm_site& site, const experimental::comm_call& call) override {
     if (site.data != nullptr) {
       auto& rec = recorder::get();
       trace_event e;
@@ -274,7 +274,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// The device of `site` entered its `seq`-th collective `what` on its group.
-  void arrive(const comm_site& site, std::uint64_t seq, const std::string& what) {
+  void arrive(const experimental::comm_site& site, std::uint64_t seq, const std::string& what) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto& p = board_[key_t{site.mask, site.color, seq}];
@@ -288,7 +288,7 @@ class basic_run_observer final : public comm_observer {
     p.arrived[site.group_rank] = true;
   }
   /// The device of `site` left it (returned or threw).
-  void depart(const comm_site& site, std::uint64_t seq) {
+  void depart(const experimental::comm_site& site, std::uint64_t seq) {
     if (!watchdog_.joinable()) return;
     std::lock_guard lk(m_);
     auto it = board_.find(key_t{site.mask, site.color, seq});
@@ -301,7 +301,7 @@ class basic_run_observer final : public comm_observer {
   }
 
   /// Throws nonfinite_error when `n` elements of `dt` at `p` hold a NaN or an infinity.
-  void check_finite(const comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
+  void check_finite(const experimental::comm_site& site, const char* op, const char* which, const void* p, std::size_t n,
                     datatype dt) const {
     double v = 0;
     const std::ptrdiff_t i = first_nonfinite(p, n, dt, v);

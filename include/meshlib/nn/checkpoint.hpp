@@ -86,6 +86,7 @@
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
+#include "meshlib/core/hash.hpp"
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/runtime/distributed.hpp"
@@ -249,17 +250,12 @@ inline void write_whole(const save_io& io, const std::filesystem::path& path, st
   f.finish();
 }
 
-inline std::uint64_t fnv1a(const char* p, std::size_t n) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
-  return h;
-}
 
 /// The last line of a checksummed text file: `checksum <FNV-1a of body, 16 hex digits>`.
 inline std::string checksum_line(std::string_view body) {
   char text[40];
   std::snprintf(text, sizeof text, "checksum %016llx\n",
-                static_cast<unsigned long long>(fnv1a(body.data(), body.size())));
+                static_cast<unsigned long long>(meshlib::fnv1a_of(body)));
   return text;
 }
 
@@ -446,7 +442,7 @@ inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t 
   std::ifstream in(path, std::ios::binary);
   in.read(data.data(), static_cast<std::streamsize>(data.size()));
   if (!in) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot read back '" + path.string() + "'");
-  return fnv1a(data.data(), data.size());
+  return meshlib::fnv1a_of({data.data(), data.size()});
 }
 
 /// Runs `phase` on this process, then agrees with the others on the outcome: when any process
@@ -521,7 +517,7 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   std::ifstream in(path, std::ios::binary);
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
-  if (fnv1a(reinterpret_cast<const char*>(data.data()), size) != sum)
+  if (meshlib::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
     throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/core/hash.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/shard_layout.hpp"
@@ -60,11 +61,7 @@ inline auto uniform(float limit) {
 namespace detail {
 /// FNV-1a of a parameter name: its stream id, so the values depend on the name, not on the order
 /// in which a model registers its parameters.
-constexpr std::uint64_t name_id(std::string_view name) noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return h;
-}
+constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::fnv1a_of(name); }
 }  // namespace detail
 
 namespace detail {

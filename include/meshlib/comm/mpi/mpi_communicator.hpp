@@ -97,6 +97,7 @@
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/buffer_checks.hpp"
 #include "meshlib/comm/communicator.hpp"
+#include "meshlib/core/hash.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/frontend.hpp"
@@ -672,8 +673,9 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             has_op ? static_cast<std::uint64_t>(op) : 0,
                                             has_root ? static_cast<std::uint64_t>(root) : 0,
                                             extra};
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the record's words
-    for (std::uint64_t w : rec) h = (h ^ w) * 1099511628211ull;
+    meshlib::detail::fnv1a fingerprint;  // over the record's words
+    for (std::uint64_t w : rec) fingerprint.add(w);
+    const std::uint64_t h = fingerprint.value;
     // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
     // leaves the all-reduce pending, and MPI may still read and write them; they are then leaked.
     auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});

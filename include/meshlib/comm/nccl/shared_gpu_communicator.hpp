@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "meshlib/comm/communicator.hpp"
+#include "meshlib/core/hash.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/operation.hpp"
@@ -412,10 +413,9 @@ class shared_gpu_communicator
     if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
   }
   static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the pairs, in order
-    for (const auto& p : pairs)
-      for (int v : {p.source, p.dest}) h = (h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(v))) * 1099511628211ull;
-    return static_cast<std::int64_t>(h);
+    meshlib::detail::fnv1a h;  // over the pairs, in order
+    for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+    return static_cast<std::int64_t>(h.value);
   }
   template <class T, class All>
   void push_blocks(std::string_view k, const T* from, const All& all, std::size_t c, cudaStream_t s) const {

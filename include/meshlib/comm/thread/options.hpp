@@ -31,10 +31,13 @@ struct thread_comm_options {
   /// lines that will not be read again soon and leave the caches to the inputs. 0: the measured
   /// default (64 MiB); SIZE_MAX: never.
   std::size_t streaming_min_bytes = 0;
-  /// How long a waiting participant spins before it yields its core, then blocks. Negative: the
-  /// measured default, shorter when there are more participants than cores.
+  /// How long a waiting participant spins, at most, before it blocks. Negative: the measured
+  /// default (`detail::spin_window`, 50 us: about what a block and wake-up cost), none when there
+  /// are more participants than cores. A participant that spun in vain spins less next time.
   std::chrono::nanoseconds spin = std::chrono::nanoseconds(-1);
-  /// How long it yields its core (when spinning is over) before it blocks on a futex. Negative: default.
+  /// How long a waiting participant yields its core before it blocks, where the peer it waits for
+  /// needs that core (it last ran on the same CPU, or there are more participants than cores);
+  /// instead of spinning in the first case, after it in the second. Negative: default (2 ms).
   std::chrono::nanoseconds yield = std::chrono::nanoseconds(-1);
   /// `run_on_threads` only: pin participant r to the r-th CPU the process may run on (modulo their
   /// number), as OpenMPI binds its ranks to cores; the calling thread's affinity is restored when

@@ -93,6 +93,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       rank_ = o.rank_;
       step_ = o.step_;
       central_ = o.central_;
+      cpu_ = o.cpu_;
     }
     return *this;
   }

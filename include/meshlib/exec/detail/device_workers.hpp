@@ -47,6 +47,7 @@
 #include <unistd.h>
 #endif
 
+#include "meshlib/comm/detail/spin_then_block.hpp"
 #include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/tensor/for_each_device.hpp"
 
@@ -156,23 +157,16 @@ class device_workers {
   [[nodiscard]] std::size_t size() const noexcept { return workers_.size(); }
 
  private:
-  /// Polls `a` for up to `spin_budget` while it still holds `old`; true when it changed. Used only
-  /// while every index of the job has a core of its own (never when oversubscribed): waking a
-  /// blocked thread on an idle core of a virtual machine costs tens of microseconds (measured on
-  /// the idle 2-core machine: 27-50 us per empty 2-device call blocked, against 6 us when the cores
-  /// were busy), more than the short calls of a training step take; a bounded spin keeps that
-  /// cost off the common back-to-back calls and gives the core back soon after.
+  /// Polls `a` for up to `spin_window` while it still holds `old`; true when it changed: the
+  /// thread communicator's spin-then-block path (comm/detail/spin_then_block.hpp, where the window
+  /// is measured), used only while every index of the job has a core of its own (never when
+  /// oversubscribed). Waking a blocked thread on an idle core of a virtual machine costs tens of
+  /// microseconds (measured on the idle 2-core machine: 27-50 us per empty 2-device call blocked,
+  /// against 6 us when the cores were busy), more than the short calls of a training step take; a
+  /// bounded spin keeps that cost off the common back-to-back calls and gives the core back soon after.
   static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
-    const auto until = std::chrono::steady_clock::now() + spin_budget;
-    for (unsigned i = 1;; ++i) {
-      if (a.load(std::memory_order_acquire) != old) return true;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
-    }
+    return poll_for([&] { return a.load(std::memory_order_acquire) != old; }, spin_window);
   }
-  static constexpr std::chrono::microseconds spin_budget{50};
 
   struct inside_guard {
     bool previous = in_device_worker();
@@ -207,13 +201,7 @@ class device_workers {
   }
 #endif
   /// The CPU the calling thread runs on, or -1.
-  static int caller_cpu() noexcept {
-#if defined(__linux__)
-    return ::sched_getcpu();  // vDSO / rseq: no system call
-#else
-    return -1;
-#endif
-  }
+  static int caller_cpu() noexcept { return current_cpu(); }
 
 #if defined(__linux__)
   /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in

@@ -328,15 +328,7 @@ class conv2d {
       throw sharding_error(head + ": kernel, stride, output channels and the image's height, width and channels must "
                                   "be at least 1 (kernel " + std::to_string(kernel) + ", stride " +
                            std::to_string(o.stride) + ", " + std::to_string(out_channels) + " output channels)");
-    if (in.height + 2 * o.padding < kernel || in.width + 2 * o.padding < kernel)
-      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
-                           " with padding " + std::to_string(o.padding) + " (" +
-                           std::to_string(in.height + 2 * o.padding) + "x" + std::to_string(in.width + 2 * o.padding) +
-                           "), is smaller than the " + std::to_string(kernel) + "x" + std::to_string(kernel) +
-                           " kernel; use a kernel of at most " +
-                           std::to_string(std::min(in.height, in.width) + 2 * o.padding) + ", pad by at least " +
-                           std::to_string((kernel - std::min(in.height, in.width) + 1) / 2) +
-                           ", or remove a pooling layer before it");
+    detail::check_window_fits(head, in, kernel, o.padding, true, "kernel");
     return kernel * kernel;
   }
 

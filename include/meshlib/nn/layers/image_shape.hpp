@@ -14,8 +14,11 @@
 /// meshlib::nn::image_shape in{28, 28, 1};   // in.size() == 784 features per row
 /// @endcode
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
+
+#include "meshlib/core/errors.hpp"
 
 namespace meshlib::nn {
 
@@ -54,6 +57,26 @@ inline std::string image_width_error(const std::string& who, const std::string& 
            " input channels, or feed it " + std::to_string(want.channels) + "-channel images";
   }
   return s + "; declare " + name + " with the image shape of the layer before it (its output_shape())";
+}
+
+/// Refuses a `window` x `window` kernel or pooling window (`what`: `"kernel"`, `"window"`) larger
+/// than the image `in` padded by `padding` on every side (`pads`: whether the layer can pad, so
+/// that the message offers padding as a fix). `head` names the layer: `"meshlib::nn: c (conv2d
+/// 5x5 on 2x3x1 images)"`. The one check conv2d and the pooling layers share.
+/// @throws sharding_error naming the sizes and the fixes.
+inline void check_window_fits(const std::string& head, const image_shape& in, std::size_t window, std::size_t padding,
+                              bool pads, const std::string& what) {
+  const std::size_t h = in.height + 2 * padding, w = in.width + 2 * padding;
+  if (h >= window && w >= window) return;
+  const std::string square = std::to_string(window) + "x" + std::to_string(window);
+  std::string input = std::to_string(in.height) + "x" + std::to_string(in.width);
+  std::string fixes = "use a " + what + " of at most " + std::to_string(std::min(h, w));
+  if (pads) {
+    input += " with padding " + std::to_string(padding) + " (" + std::to_string(h) + "x" + std::to_string(w) + ")";
+    fixes += ", pad by at least " + std::to_string((window - std::min(in.height, in.width) + 1) / 2) + ",";
+  }
+  throw sharding_error(head + ": the input, " + input + ", is smaller than the " + square + " " + what + "; " + fixes +
+                       " or remove a pooling layer before it");
 }
 }  // namespace detail
 

@@ -118,11 +118,7 @@ class pool2d {
                              std::to_string(window) + " on " + in.to_string() + " images)";
     if (window == 0 || in.size() == 0)
       throw sharding_error(head + ": the window and the image's height, width and channels must be at least 1");
-    if (in.height < window || in.width < window)
-      throw sharding_error(head + ": the input, " + std::to_string(in.height) + "x" + std::to_string(in.width) +
-                           ", is smaller than the " + std::to_string(window) + "x" + std::to_string(window) +
-                           " window; use a window of at most " + std::to_string(std::min(in.height, in.width)) +
-                           " or remove a pooling layer before it");
+    detail::check_window_fits(head, in, window, 0, false, "window");
     return true;
   }
 

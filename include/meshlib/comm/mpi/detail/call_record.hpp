@@ -13,6 +13,7 @@
 #include <string>
 
 #include "meshlib/comm/communicator.hpp"
+#include "meshlib/core/hash.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/operation.hpp"
@@ -41,11 +42,9 @@ inline std::string describe_record(const std::string& who, const std::uint64_t* 
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
 inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& p : pairs)
-    h = (((h ^ static_cast<std::uint32_t>(p.source)) * 1099511628211ull) ^ static_cast<std::uint32_t>(p.dest)) *
-        1099511628211ull;
-  return h ^ pairs.size();
+  fnv1a h;
+  for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
+  return h.value ^ pairs.size();
 }
 
 }  // namespace meshlib::detail

@@ -10,8 +10,8 @@
 /// one step. Each rank publishes its call in its flag line for the step (one cache line). One-shot
 /// steps wait for every peer's flag line and compare the calls; zero-copy steps also count arrivals
 /// on `arrivals`, and the rank that completes the count releases the step by incrementing `word`
-/// with a compare-and-swap that fails once the world has failed. Waits spin, then yield, then block
-/// on a condition variable with a deadline. A failure sets the high bit of `word` in every group of
+/// with a compare-and-swap that fails once the world has failed. Waits spin, then block on a
+/// condition variable with a deadline (oversubscribed groups yield in between). A failure sets the high bit of `word` in every group of
 /// the world, which ends every wait at once.
 ///
 /// What a rank publishes in a step is in call_desc.hpp; how long it spins, yields and blocks, and
@@ -40,6 +40,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/detail/operation.hpp"
+#include "meshlib/comm/detail/spin_then_block.hpp"
 #include "meshlib/comm/errors.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/thread/detail/call_desc.hpp"
@@ -92,6 +93,9 @@ struct alignas(64) rank_slot {
   std::vector<permute_pair> pairs[2];     ///< copy of a ppermute's pairs (peers may read it after the caller returned)
   alignas(64) std::atomic<std::uint64_t> arrived{0};  ///< central arrivals of this rank (zero-copy steps)
   alignas(64) std::atomic<std::uint64_t> done{0};     ///< step + 1 of the last zero-copy step it finished copying
+  /// The CPU its thread ran on when it last arrived (-1: unknown), written only when it changes: a
+  /// waiter whose late peer shares its CPU yields instead of spinning (step_protocol::wait_until).
+  std::atomic<int> cpu{-1};
   std::atomic<bool> departed{false};      ///< its handle was destroyed
   /// When the handle was destroyed by stack unwinding (steady-clock ticks; 0: it was not). Its
   /// thread is about to report the exception itself, and that exception is the better root cause
@@ -211,10 +215,12 @@ struct group_state {
     return s;
   }
 
-  /// Wakes every blocked waiter of this group (after a rank arrived or departed). Blocked
-  /// waiters also re-check every millisecond, so a wake-up missed by this unfenced check (the
-  /// arrival store may still be in the store buffer) only delays a waiter that was asleep anyway.
+  /// Wakes every blocked waiter of this group (after a rank arrived or departed). The check of
+  /// `sleepers` is unfenced on purpose: a waiter about to sleep issues the process-wide barrier
+  /// instead (`sleeper_fence`, comm/detail/spin_then_block.hpp), so that no wake-up is missed
+  /// while every collective's arrival stays one plain store.
   void wake() {
+    waker_fence();
     if (sleepers.load(std::memory_order_relaxed) != 0) {
       { std::lock_guard lk(mutex); }
       cv.notify_all();

@@ -24,6 +24,7 @@
 #include "meshlib/comm/detail/blocking_waits.hpp"
 #include "meshlib/comm/detail/call_text.hpp"
 #include "meshlib/comm/detail/failure.hpp"
+#include "meshlib/comm/detail/spin_then_block.hpp"
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/thread/detail/call_desc.hpp"
 #include "meshlib/comm/thread/detail/group_state.hpp"
@@ -32,6 +33,13 @@
 
 namespace meshlib::detail {
 
+/// Waits of every thread communicator of the process that went on to block, so far (tests: a
+/// waiter whose peer is late ends up blocked, not spinning or yielding for ever).
+inline std::atomic<std::uint64_t>& blocked_waits() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
 /// @brief A handle's place in its thread group and the protocol of its steps. The base of
 /// `thread_communicator`; moving a handle moves its place (not its `patience_`).
 class step_protocol {
@@ -39,7 +47,7 @@ class step_protocol {
   step_protocol() = default;
   step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
   step_protocol(step_protocol&& o) noexcept
-      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_) {}
+      : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_), cpu_(o.cpu_) {}
   step_protocol& operator=(const step_protocol&) = delete;
 
   /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
@@ -104,12 +112,13 @@ class step_protocol {
     ln.key = d.key;
     ln.src = d.src;
     // A release store, not seq_cst: a full fence here would wait for the peers' copies of this
-    // line to be invalidated, one cache-line transfer on the critical path. The price is that the
-    // sleeper check below may miss a waiter that is just going to sleep; sleepers re-check every
-    // millisecond (wait_until), so a missed wake-up costs at most that, and only after the waiter
-    // had already waited for milliseconds.
+    // line to be invalidated, one cache-line transfer on the critical path. A waiter that is just
+    // going to sleep pays for the fence instead (group_state::wake, sleeper_fence).
     ln.seq.store(s + 1, std::memory_order_release);
     g.wake();
+    // Where this rank runs, for peers that wait for it later (wait_until); stored only when it
+    // changed, so that the line stays in the peers' caches.
+    if (const int cpu = detail::current_cpu(); cpu != cpu_) slot.cpu.store(cpu_ = cpu, std::memory_order_relaxed);
     if (g.n == 1) return s;
     if (!zero_copy) {
       wait_flags(s, d.kind);
@@ -225,9 +234,11 @@ class step_protocol {
     if (!ok) report_mismatch(s, extra, /*with_arrays=*/true);
   }
 
-  /// Waits until `ready()`: spins (for this thread's adaptive budget), then yields, then blocks with a deadline. When `cancellable`,
-  /// throws once the world fails first, when the timeout passes (naming the ranks for which
-  /// `arrived(r)` is false) or when such a rank has left.
+  /// Waits until `ready()`: spins (for this thread's adaptive budget, at most the policy's window),
+  /// yields (oversubscribed groups only), then blocks with a deadline: the spin-then-block path of
+  /// comm/detail/spin_then_block.hpp, which the device threads share. When `cancellable`, throws
+  /// once the world fails first, when the timeout passes (naming the ranks for which `arrived(r)`
+  /// is false) or when such a rank has left.
   template <class Ready, class Arrived>
   void wait_until(Ready&& ready, Arrived&& arrived, op_kind k, std::uint64_t s, bool cancellable) {
     auto& g = *state_;
@@ -239,31 +250,41 @@ class step_protocol {
       detail::cpu_relax();
       if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
     }
-    // The spin budget is this thread's (wait_policy.hpp, adaptive_spin): cut short while its
-    // spinning has been in vain, because a peer that shares its core cannot arrive meanwhile.
-    const auto spin = detail::adaptive_spin::budget(g.policy.spin);
     const auto start = detail::comm_clock::now();
     // A thread that prefers blocking (a communication worker: comm/detail/blocking_waits.hpp)
     // neither spins nor yields: its core is better spent on the computation it overlaps.
     if (!detail::prefer_blocking_waits()) {
-      for (unsigned i = 1;; ++i) {
-        if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
-        if (failed()) {
-          if (ready()) return;
+      // A late peer that last ran on this very CPU cannot arrive while this thread spins: give it
+      // the core at once (a yield is a context switch; blocking would add a wake-up). Two unpinned
+      // threads that the scheduler put on one core of a busy machine: 8 B all_reduce 10.3 us, 16.8
+      // spinning first (docs/benchmarks.md, "Waiting and the large all_reduce"), 14-28 blocking.
+      const int here = detail::current_cpu();
+      bool beside = false;
+      for (int r = 0; r < g.n && !beside && here >= 0; ++r)
+        beside = r != rank_ && !arrived(r) && g.slots[r].cpu.load(std::memory_order_relaxed) == here;
+      // Otherwise spin, for the thread's budget (wait_policy.hpp, adaptive_spin: cut short while
+      // its spinning has been in vain), at most the policy's window.
+      if (!beside) {
+        if (detail::poll_for([&] { return ready() || failed(); }, detail::adaptive_spin::budget(g.policy.spin))) {
+          if (ready()) return detail::adaptive_spin::caught(g.policy.spin);
           failed_while_waiting(k, s);
         }
-        detail::cpu_relax();
-        if ((i & 31u) == 0 && detail::comm_clock::now() - start > spin) break;
+        detail::adaptive_spin::missed(g.policy.spin);
       }
-      detail::adaptive_spin::missed(g.policy.spin);
-      for (;;) {
-        if (ready()) return;
-        if (failed()) {
+      // Yield (a bounded time) only where a peer needs this core to arrive at all: it shares this
+      // CPU, or there are more participants than cores. A peer on another core that is late will
+      // not come sooner for this thread's system calls, and they would take a core from others.
+      if (beside || g.policy.oversubscribed) {
+        const auto until = detail::comm_clock::now() + g.policy.yield;
+        for (;;) {
           if (ready()) return;
-          failed_while_waiting(k, s);
+          if (failed()) {
+            if (ready()) return;
+            failed_while_waiting(k, s);
+          }
+          if (detail::comm_clock::now() >= until) break;
+          std::this_thread::yield();
         }
-        if (detail::comm_clock::now() - start >= spin + g.policy.yield) break;
-        std::this_thread::yield();
       }
     }
     const auto deadline = start + g.policy.timeout + patience_;
@@ -271,15 +292,24 @@ class step_protocol {
     bool timed_out = false;
     bool done = false;
     {
-      std::unique_lock lk(g.mutex);
+      detail::blocked_waits().fetch_add(1, std::memory_order_relaxed);
       g.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      // With the process-wide barrier no waker can miss this sleeper, and the re-check below is
+      // only for departures and the deadline; without it a missed wake-up costs at most the time
+      // waited so far (the re-check period grows from the spin window to 1 ms).
+      const bool fenced = detail::sleeper_fence();
+      auto recheck = [&](detail::comm_clock::time_point now) {
+        if (fenced) return std::chrono::duration_cast<detail::comm_clock::duration>(std::chrono::milliseconds(1));
+        return std::clamp<detail::comm_clock::duration>(now - start, detail::spin_window, std::chrono::milliseconds(1));
+      };
+      std::unique_lock lk(g.mutex);
       for (;;) {
         if (ready()) {
           done = true;
           break;
         }
         if (!cancellable) {
-          g.cv.wait_for(lk, std::chrono::milliseconds(1));
+          g.cv.wait_for(lk, recheck(detail::comm_clock::now()));
           continue;
         }
         if (failed()) break;
@@ -291,7 +321,7 @@ class step_protocol {
           timed_out = true;
           break;
         }
-        g.cv.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(1)));
+        g.cv.wait_until(lk, std::min(deadline, now + recheck(now)));
       }
       g.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
@@ -335,6 +365,7 @@ class step_protocol {
   int rank_ = 0;
   std::uint64_t step_ = 0;     ///< collectives this handle has taken part in
   std::uint64_t central_ = 0;  ///< central arrivals (two per zero-copy collective)
+  int cpu_ = -1;               ///< the CPU last published in this rank's slot
   /// Time this handle waits in a collective beyond the group's timeout before it gives up. Zero
   /// but while a hybrid member waits for its leader's exchange between processes: the process
   /// whose device never arrived must time out first, so that its report (naming that device)

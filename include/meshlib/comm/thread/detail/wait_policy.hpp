@@ -3,7 +3,7 @@
 /// @file
 /// @brief How the ranks of a thread group wait for each other and which algorithm a step takes:
 /// `wait_policy` (spin, yield, block; the one-shot and streaming thresholds) with its measured
-/// defaults, and `cpu_relax` for the spinning. Apart from the group state because these are tuning
+/// defaults. Apart from the group state because these are tuning
 /// decisions (docs/benchmarks.md), made once per group from `thread_comm_options` and the core
 /// count, not the shared state itself.
 
@@ -13,29 +13,23 @@
 #include <cstdint>
 #include <thread>
 
+#include "meshlib/comm/detail/spin_then_block.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
 namespace meshlib::detail {
 
-/// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
-/// avoids the memory-order mis-speculation penalty when the awaited line changes).
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  // The builtin behind _mm_pause (GCC and Clang): <immintrin.h> would cost every TU that includes
-  // meshlib ~0.6 s of parsing for this one instruction (docs/benchmarks.md, include cost).
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 /// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
-/// line moves between cores in ~60 ns), yield when there are more participants than cores (the
-/// peer needs this core to arrive at all), block on a futex only after that (a futex wake costs
-/// 35-40 us here, 600 cache-line handoffs).
+/// line moves between cores in ~60 ns), for at most `spin_window` (comm/detail/spin_then_block.hpp:
+/// about what a block and wake-up cost), then block. Yield instead of spinning, for at most
+/// `yield`, where the peer needs this core to arrive at all: it last ran on the waiter's CPU, or
+/// there are more participants than cores (a context switch to a runnable peer is cheaper than a
+/// wake-up). Where each participant has a core, yielding to no one made a late peer's waiter spin
+/// through system calls for 2 ms (a core burnt for nothing) and see the peer's arrival only
+/// between them.
 struct wait_policy {
   std::chrono::nanoseconds spin;
-  std::chrono::nanoseconds yield;
+  std::chrono::nanoseconds yield;  ///< yielding, when a peer shares this CPU or oversubscribed, before blocking
+  bool oversubscribed;             ///< more participants than cores
   std::chrono::nanoseconds timeout;
   std::size_t one_shot_max;  ///< bytes staged per rank at or below which the one-shot algorithm runs
   int burst;                 ///< spins before the first clock reading
@@ -108,8 +102,9 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
   const bool oversubscribed = static_cast<unsigned>(threads) > cores;
   wait_policy p{};
   p.spin = o.spin.count() >= 0 ? o.spin
-                               : (oversubscribed ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(50'000));
+                               : (oversubscribed ? std::chrono::nanoseconds(0) : spin_window);
   p.yield = o.yield.count() >= 0 ? o.yield : std::chrono::nanoseconds(2'000'000);
+  p.oversubscribed = oversubscribed;
   p.timeout = o.timeout;
   p.burst = oversubscribed ? 2 : 64;
   p.streaming_min = o.streaming_min_bytes != 0 ? o.streaming_min_bytes : default_streaming_min_bytes;
