@@ -282,6 +282,13 @@ struct fnv1a {
 constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
 
 }  // namespace meshlib::detail
+
+namespace meshlib {
+/// @brief FNV-1a, for the layers above core (parameter streams, checkpoint checksums) and a user's
+/// own checksums: the same entities as `detail::fnv1a` and `detail::fnv1a_of`.
+using detail::fnv1a;
+using detail::fnv1a_of;
+}  // namespace meshlib
 // end meshlib/core/hash.hpp
 // begin meshlib/core/axis.hpp
 /// @file
@@ -443,7 +450,7 @@ std::size_t checked_bytes(std::size_t count, std::string_view what) {
 #include <utility>
 
 
-/// @brief The types that only appear in compile-time error messages. Users never name them.
+/// @brief The types that only appear in compile-time error messages (a layer names itself with `op_t`).
 namespace meshlib::diagnostic {
 
 /// The collective or function at fault: `op<'p', 's', 'u', 'm'>`.
@@ -551,6 +558,19 @@ template <std::size_t N>
 using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
 
 }  // namespace meshlib::detail
+
+/// What a layer written outside core (nn's, or a user's) spells its own compile-time errors with.
+namespace meshlib::diagnostic {
+/// False for every argument list, once the arguments are known: a diagnostic's condition.
+using detail::always_false;
+/// `op<'c','o','n','v','2','d'>` for the name `"conv2d"`: how a layer names itself in errors (its
+/// `diagnostic_name`).
+template <fixed_string Name>
+using op_t = detail::diag_op_t<Name>;
+/// The axes of `Mesh` in `Mask`, spelled out: `axes<axis<'d','a','t','a'>>`.
+template <class Mesh, unsigned Mask>
+using axes_t = detail::diag_axes_t<Mesh, Mask>;
+}  // namespace meshlib::diagnostic
 // end meshlib/core/diagnostics.hpp
 
 namespace meshlib {
@@ -1349,6 +1369,10 @@ inline std::string describe_devices(std::span<const std::size_t> devices) {
 }
 
 }  // namespace detail
+
+/// @brief A list of devices as meshlib's error messages show it: "{2, 3}" (for the messages of
+/// layers above core, and a user's).
+using detail::describe_devices;
 
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.
 /// @code
@@ -6041,6 +6065,57 @@ T read_back(const T* p) {
 }  // namespace detail
 }  // namespace meshlib
 // end meshlib/tensor/view.hpp
+// begin meshlib/tensor/kernel.hpp
+/// @file
+/// @brief The public kernel face: what a user writing a layer (and meshlib's own nn layer) needs to
+/// run a kernel on a device's block and to hold device memory, without reaching into the tensor
+/// layer's `detail` namespace:
+/// - `launch<Space>(n, f)` runs `f(i)` for `i` in `[0, n)` on the running device's execution-space
+///   instance for memory `Space`, and waits: a RangePolicy `parallel_for`, the one kind of launch
+///   that is safe from many device threads (tensor/view.hpp says why); `f` captures raw pointers
+///   (`block.data()`), never views;
+/// - `allocate<T, Rank, Space>(extent, label)` makes a zero-filled block, safe from any device thread;
+/// - `block_view<T, Rank, Space>` is the (owning) view of a block, `unmanaged_block_view` one that
+///   does not count references (safe to copy between device threads);
+/// - `copy_to_host<Space>`, `copy_from_host<Space>`, `read_back<Space>`, `host_readable<Space>` and
+///   `edit_on_host<Space>` move a kernel's result to host code and caller data to a kernel;
+///   `host_accessible_v<Space>` says whether host code may touch `Space` directly.
+/// They are the tensor layer's own functions (the same entities, so a call that finds both by
+/// argument-dependent lookup is not ambiguous).
+/// @code
+/// // y = 2 x on the running device (inside spmd / shard_map)
+/// float* y = out.data();
+/// const float* x = in.data();
+/// meshlib::launch<meshlib::default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = 2 * x[i]; });
+/// auto scratch = meshlib::allocate<float, 1>({n}, "my_layer::scratch");   // zero-filled
+/// @endcode
+
+#include <cstddef>
+
+
+namespace meshlib {
+
+/// @brief The view of a rank-`Rank` block of `T` in memory `Space`: row-major, as NumPy and JAX lay
+/// arrays out; owns its memory (reference-counted: copy or drop it only on its device's thread).
+template <class T, std::size_t Rank, class Space = default_memory_space>
+using block_view = detail::block_view_t<T, Rank, Space>;
+
+/// @brief A `block_view` that does not own its memory (no reference count: safe to copy between
+/// device threads; the owner must outlive it).
+template <class T, std::size_t Rank, class Space = default_memory_space>
+using unmanaged_block_view = detail::unmanaged_view_t<T, Rank, Space>;
+
+using detail::allocate;
+using detail::copy_from_host;
+using detail::copy_to_host;
+using detail::edit_on_host;
+using detail::host_accessible_v;
+using detail::host_readable;
+using detail::launch;
+using detail::read_back;
+
+}  // namespace meshlib
+// end meshlib/tensor/kernel.hpp
 // begin meshlib/tensor/spec_algebra.hpp
 /// @file
 /// @brief Building the partition spec of a kernel's result from its operands' specs (the global
@@ -6350,6 +6425,12 @@ struct diag_value_impl<L, std::index_sequence<I...>> {
 template <class L>
 using diag_value_t = typename diag_value_impl<L>::type;
 }  // namespace detail
+
+namespace diagnostic {
+/// The layout of local value `L` spelled out for a compile-time error: `value<vary<...>, partial<...>, dims<...>>`.
+template <class L>
+using value_t = detail::diag_value_t<L>;
+}  // namespace diagnostic
 
 namespace detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>

@@ -134,7 +134,7 @@ inline auto uniform(float limit) {
 namespace detail {
 /// FNV-1a of a parameter name: its stream id, so the values depend on the name, not on the order
 /// in which a model registers its parameters.
-constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::detail::fnv1a_of(name); }
+constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::fnv1a_of(name); }
 }  // namespace detail
 
 namespace detail {
@@ -148,7 +148,7 @@ template <class T, class Space = default_memory_space>
 class device_blocks {
  public:
   /// A device's block.
-  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  using view_type = meshlib::unmanaged_block_view<T, 1, Space>;
   device_blocks() = default;
   /// `n` devices, none local yet.
   explicit device_blocks(std::size_t n) : views_(n) {}
@@ -590,7 +590,7 @@ class device_buffers {
     if (s.view.extent(0) < n) {
       if (s.meter != nullptr) s.meter->remove(s.bytes);
       s.view = view_t();  // the old block goes before the new one comes: the meter's peak is real
-      s.view = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+      s.view = meshlib::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
       s.bytes = n * sizeof(T);
       s.meter = active_meter();
       if (s.meter != nullptr) s.meter->add(s.bytes);
@@ -601,17 +601,17 @@ class device_buffers {
   /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
     T* p = get(dev, n);
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+    meshlib::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
   /// `n` values of the caller's host memory at `src`, readable by kernels in the buffers' memory
   /// space: `src` itself where the host's memory is that space's, else a copy in device `dev`'s buffer.
   const T* readable(std::size_t dev, const T* src, std::size_t n) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       return src;
     } else {
       T* p = get(dev, n);
-      meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
+      meshlib::copy_from_host<default_memory_space>(p, src, n);
       return p;
     }
   }
@@ -629,7 +629,7 @@ class device_buffers {
   buffer_slot_ref slot_ref(std::size_t dev) { return {&bufs_.at(dev), &release_slot, &slot_holds}; }
 
  private:
-  using view_t = meshlib::detail::block_view_t<T, 1, default_memory_space>;
+  using view_t = meshlib::block_view<T, 1, default_memory_space>;
   struct slot {
     view_t view;
     buffer_meter* meter = nullptr;  // the meter that counted `bytes` (not owned)
@@ -714,7 +714,7 @@ std::size_t global_offset(const L& x, std::size_t d) {
 /// @file
 /// @brief The small Kokkos kernels the training layers share: fill, converting copy, and a launch
 /// over blocks of columns for column sums (bias gradients, norm parameters). Each is one RangePolicy
-/// `parallel_for` on the running device's execution-space instance (`meshlib::detail::launch`, the one
+/// `parallel_for` on the running device's execution-space instance (`meshlib::launch`, the one
 /// launch safe from concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp), over memory
 /// `Space`; the bodies are the plain loops they replaced, so the compiler vectorises them as before.
 ///
@@ -740,14 +740,14 @@ namespace meshlib::nn::detail {
 /// `p[i] = v` for `[0, n)` of memory `Space`, as a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void fill_values(T* p, std::size_t n, std::type_identity_t<T> v) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
 }
 
 /// `to[i] = To(from[i])` for `[0, n)` of memory `Space` (a copy, or a conversion such as float to
 /// bfloat16), as a Kokkos kernel on the running device's instance.
 template <class Space, class To, class From>
 void convert_copy(To* to, const From* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
 }
 
 /// Columns per work item of `for_column_blocks`: a layer of up to 1024 outputs is one work item,
@@ -775,7 +775,7 @@ struct column_blocks_kernel {
 /// on a mesh (nn/detail/layer_kernels.hpp says why).
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
-  meshlib::detail::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
+  meshlib::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
 }
 
 }  // namespace meshlib::nn::detail
@@ -784,7 +784,7 @@ void for_column_blocks(std::size_t cols, const F& f) {
 /// @file
 /// @brief The element-wise and row-wise kernels of the dense, activation, dropout, residual,
 /// positional-embedding and embedding layers. Each is one RangePolicy `parallel_for` on the running
-/// device's instance over memory `Space` (`meshlib::detail::launch`), or a launch over blocks of
+/// device's instance over memory `Space` (`meshlib::launch`), or a launch over blocks of
 /// columns for sums over rows (`for_column_blocks`, rows added in row order: the same bits on every
 /// mesh and backend); the bodies are the loops the layers ran before.
 ///
@@ -804,7 +804,7 @@ namespace meshlib::nn::detail {
 /// `y += bias` (`add`) or `y = bias` on every row of `y` (`rows x out`), one work item per row.
 template <class Space, class T>
 void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T* yi = y + i * out;
     const T* bj = bias;
     if (add)
@@ -831,7 +831,7 @@ void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh)
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
 }
 
 /// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
@@ -839,9 +839,9 @@ void activation_forward(T* y, const T* x, std::size_t n) {
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
   if constexpr (requires { Fn::vjp(T{}, T{}); })
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
   else
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
 }
 
 /// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide
@@ -850,7 +850,7 @@ void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
 template <class Space, class T>
 void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t c0,
                      std::size_t gcols, rng_key key, float rate, T keep) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
     for (std::size_t j = 0; j < cols; ++j) {
       mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
@@ -862,19 +862,19 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
 }
 
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
 }
 
 /// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.
 template <class Space, class T>
 void add_positions(T* y, const T* xp, const T* w, std::size_t rows, std::size_t d, std::size_t seq) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* wr = w + (i % seq) * d;
     for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
   });
@@ -895,7 +895,7 @@ void position_grad(T* g, const T* dyp, std::size_t rows, std::size_t d, std::siz
 template <class Space, class T>
 void lookup_rows(T* y, const T* w, const std::int32_t* id, std::size_t rows, std::size_t d, std::size_t v0,
                  std::size_t vl) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::size_t v = static_cast<std::size_t>(id[i]);
     T* yi = y + i * d;
     if (v >= v0 && v < v0 + vl) {
@@ -1083,7 +1083,7 @@ std::string layer_name(std::size_t index, const L& l) {
 
 template <class Layer, class Receives, class From, class Needs>
 consteval bool sequential_layers_do_not_chain() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, From, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, From, Needs>,
                 "meshlib::nn: sequential: a layer cannot take what the layer before it returns: their shardings do "
                 "not chain. The condition spells out sequential_layers_do_not_chain<the layer (index, kind), the "
                 "layout it receives, the layer it receives it from (or the network input), what it needs>. A "
@@ -1144,7 +1144,7 @@ consteval bool dense_accepts() {
 
 template <class Layer, class Receives, class Needs>
 consteval bool dense_input_does_not_fit() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
                 "meshlib::nn: a dense layer cannot take this input: the condition spells out "
                 "dense_input_does_not_fit<the layer's kind, the input's layout, what it needs>. A row_dense needs its "
                 "features sharded over its model axis (the output of a column_dense); a dense or column_dense needs "
@@ -1210,9 +1210,9 @@ class basic_dense {
   template <class X>
   static constexpr bool accepts_input = detail::dense_accepts<X, Mesh, T, w_sharding::dim_mask(0), w_sharding::dim_mask(1)>();
   /// For compile-time messages: the kind, and what the input's features must be sharded over.
-  using diagnostic_name = meshlib::detail::diag_op_t<kind_name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<kind_name>;
   /// @copydoc diagnostic_name
-  using input_requirement = diagnostic::features_sharded_over<meshlib::detail::diag_axes_t<Mesh, w_sharding::dim_mask(0)>>;
+  using input_requirement = diagnostic::features_sharded_over<meshlib::diagnostic::axes_t<Mesh, w_sharding::dim_mask(0)>>;
 
   /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
   /// @throws sharding_error when `x`'s width is not the weight's input width.
@@ -1220,7 +1220,7 @@ class basic_dense {
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
     if constexpr (!accepts_input<X>) {
-      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
+      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {
       const std::size_t dev = x.device();
@@ -1298,8 +1298,8 @@ class basic_dense {
     std::size_t rows = 0, in = 0;
   };
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   /// `in`, after checking that the width the layer splits over `Model` divides evenly (the output of
   /// a `column_dense`, such as a language model's vocabulary, the input of a `row_dense`): the
   /// message names the layer, the width and the fix, where the sharding's own would name only a
@@ -1408,7 +1408,7 @@ class elementwise_activation {
   template <class X>
   static constexpr bool accepts_input = X::partial == 0;
   /// For compile-time messages: the activation's name.
-  using diagnostic_name = meshlib::detail::diag_op_t<Fn::name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<Fn::name>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::complete_values;
 
@@ -1554,7 +1554,7 @@ namespace meshlib::nn::detail {
 template <class Space, class T>
 void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T* bv, std::size_t rows, std::size_t n,
                         T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T mean = 0, var = 0;
     for (std::size_t j = 0; j < n; ++j) mean += xi[j];
@@ -1573,7 +1573,7 @@ void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T*
 template <class Space, class T>
 void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T* rstd, const T* gv, std::size_t rows,
                          std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) {
@@ -1600,7 +1600,7 @@ void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T
 /// RMSNorm's forward over `rows x n`: `rinv[i]` = 1 / rms of row `i`, `xh = x / rms`, `y = xh * g`.
 template <class Space, class T>
 void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_t rows, std::size_t n, T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T ms = 0;
     for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
@@ -1618,7 +1618,7 @@ void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_
 template <class Space, class T>
 void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, const T* gv, std::size_t rows,
                        std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s = 0;  // mean of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
@@ -1657,7 +1657,7 @@ void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size
 template <class Space, class T>
 void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, const T* q, std::size_t c, T count,
                       T eps, T mom, T unbias) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = s[j] / count;
     const T var = q[j] / count;
     rstd[j] = T{1} / std::sqrt(var + eps);
@@ -1669,7 +1669,7 @@ void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, con
 /// Batch norm in evaluation: the channels' `mean` and `rstd` from the running statistics.
 template <class Space, class T>
 void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, std::size_t c, T eps) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = run_mean[j];
     rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
   });
@@ -1679,7 +1679,7 @@ void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, s
 template <class Space, class T>
 void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
                      std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) {
       xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
       y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
@@ -1705,7 +1705,7 @@ void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size
 /// `gg = beta_g gg + sum dy * xhat`, `gb = beta_b gb + sum dy` (batch norm's parameter gradients).
 template <class Space, class T>
 void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T beta_b) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     gg[j] = beta_g * gg[j] + sums[c + j];
     gb[j] = beta_b * gb[j] + sums[j];
   });
@@ -1716,7 +1716,7 @@ void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T b
 template <class Space, class T>
 void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
                    std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j)
       dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
   });
@@ -1725,7 +1725,7 @@ void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, c
 /// Batch norm's input cotangent in evaluation (constant statistics): `dx = g * rstd * dy`.
 template <class Space, class T>
 void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
   });
 }
@@ -1774,7 +1774,7 @@ class row_norm {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<Kind>;
+  using diagnostic_name = meshlib::diagnostic::op_t<Kind>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2014,7 +2014,7 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
 // begin meshlib/nn/detail/loss_kernels.hpp
 /// @file
 /// @brief The kernels of the losses and of embedding's id check, each one RangePolicy `parallel_for`
-/// on the running device's instance over memory `Space` (`meshlib::detail::launch`), and the read-back
+/// on the running device's instance over memory `Space` (`meshlib::launch`), and the read-back
 /// of the one or two numbers the host needs from them (a copy only for device memory).
 ///
 /// Why free functions over pointers, templated on the element type and the memory space only: nvcc
@@ -2154,7 +2154,7 @@ namespace meshlib::nn::detail {
 /// `mx[i]` = the largest of row `i`'s `cols` logits at `z` (row-major).
 template <class Space, class T>
 void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T m = -std::numeric_limits<T>::infinity();
     for (std::size_t j = 0; j < cols; ++j) m = m < z[i * cols + j] ? z[i * cols + j] : m;
     mx[i] = m;
@@ -2166,7 +2166,7 @@ void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
 template <class Space, class T>
 void exp_and_target(const T* z, std::size_t rows, std::size_t cols, std::size_t col0, const std::int32_t* lab,
                     const T* mx, T* g, T* sum, T* tgt) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T s = 0;
     for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
     sum[i] = s;
@@ -2184,14 +2184,14 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
                               const T* mx, const T* sum, const T* tgt, std::size_t global_batch, T* g, double* term) {
   const T inv_b = T{1} / static_cast<T>(global_batch);
   const double gb = static_cast<double>(global_batch);
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
     const std::size_t l = static_cast<std::size_t>(lab[i]);
     const T inv = T{1} / sum[i];
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
     if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double loss = 0, correct = 0;
     for (std::size_t i = 0; i < rows; ++i) {
       loss += term[i];
@@ -2201,7 +2201,7 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
     term[rows + 1] = correct;
   });
   double totals[2];
-  meshlib::detail::copy_to_host<Space>(totals, term + rows, 2);
+  meshlib::copy_to_host<Space>(totals, term + rows, 2);
   return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
 }
 
@@ -2211,10 +2211,10 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
 template <class Space, class T>
 void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, std::size_t width, T two_scale,
                    double scale, T* g, double* sum) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double s = 0;
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < cols; ++j) {
@@ -2229,7 +2229,7 @@ void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, s
 /// one work item writes it to `*res` (memory `Space`), read back here.
 template <class Space>
 std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int32_t vocab, std::size_t* res) {
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     std::size_t first = rows;
     for (std::size_t i = 0; i < rows; ++i)
       if (id[i] < 0 || id[i] >= vocab) {
@@ -2238,7 +2238,7 @@ std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int3
       }
     *res = first;
   });
-  return meshlib::detail::read_back<Space>(res);
+  return meshlib::read_back<Space>(res);
 }
 
 }  // namespace meshlib::nn::detail
@@ -2294,7 +2294,7 @@ class embedding {
   static constexpr bool accepts_input = std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1 &&
                                         Ids::partial == 0 && (Ids::vary & model_mask) == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"embedding">;
 
   /// The output type for ids of type `Ids`: a row per id, rows sharded as the ids, features complete.
   template <class Ids>
@@ -2379,7 +2379,7 @@ class embedding {
     if (bad != rows)
       throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
                               std::to_string(dev) + " has id " +
-                              std::to_string(meshlib::detail::read_back<default_memory_space>(id + bad)) +
+                              std::to_string(meshlib::read_back<default_memory_space>(id + bad)) +
                               ", not in [0, " + std::to_string(vocab_size()) +
                               "); map the text to ids below the vocabulary size");
   }
@@ -2480,7 +2480,7 @@ class positional_embedding {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"positional_embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"positional_embedding">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2595,7 +2595,7 @@ class tied_head {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"tied_head">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"tied_head">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2651,8 +2651,8 @@ class tied_head {
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   struct saved {
     const T* x = nullptr;
     std::size_t rows = 0;
@@ -2726,7 +2726,7 @@ namespace meshlib::nn::detail {
 /// (each sequence and head contiguous for the products), and back (`unsplit_heads`).
 template <class Space, class T>
 void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
@@ -2736,7 +2736,7 @@ void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `split_heads`.
 template <class Space, class T>
 void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
@@ -2747,7 +2747,7 @@ void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::siz
 /// and back (`unmerge_heads`).
 template <class Space, class T>
 void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
   });
@@ -2756,7 +2756,7 @@ void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `merge_heads`.
 template <class Space, class T>
 void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
   });
@@ -2766,7 +2766,7 @@ void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::siz
 /// `j <= i` with the maximum subtracted, 0 above.
 template <class Space, class T>
 void causal_softmax(T* s, std::size_t n, std::size_t seq) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     T* row = s + r * seq;
     const std::size_t last = r % seq;
     T m = -std::numeric_limits<T>::infinity();
@@ -2783,7 +2783,7 @@ void causal_softmax(T* s, std::size_t n, std::size_t seq) {
 /// the scores folded in); 0 above the diagonal.
 template <class Space, class T>
 void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     const T* pr = p + r * seq;
     T* d = dp + r * seq;
     const std::size_t last = r % seq;
@@ -2863,7 +2863,7 @@ class causal_self_attention {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"causal_self_attention">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"causal_self_attention">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -2952,8 +2952,8 @@ class causal_self_attention {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
   static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
@@ -3076,7 +3076,7 @@ class transformer_block {
   template <class X>
   static constexpr bool accepts_input = causal_self_attention<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"transformer_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"transformer_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -3400,7 +3400,7 @@ inline void check_window_fits(const std::string& head, const image_shape& in, st
 /// (`conv2d::algorithm()` has the rule and what was measured.)
 ///
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
-/// (`meshlib::detail::launch`, see tensor/view.hpp), over raw pointers, one work item per output
+/// (`meshlib::launch`, see tensor/view.hpp), over raw pointers, one work item per output
 /// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
 /// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
 /// device code, which runs the plain loops.
@@ -3454,7 +3454,7 @@ KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
 /// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
 template <class Space, class T>
 void bias_rows(T* y, const T* bias, std::size_t cout, std::size_t r0, std::size_t r1) {
-  meshlib::detail::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
+  meshlib::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
 }
 
 /// Rows `[r0, r1)` of the patch matrix into `cols` (`(r1 - r0) x K`, row-major): the `k x k` window
@@ -3469,7 +3469,7 @@ void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::siz
             const T* bias = nullptr) {
   if (r1 <= r0) return;
   const std::size_t t0 = r0 / g.wo, t1 = (r1 - 1) / g.wo + 1;  // output image rows (img * ho + oh)
-  meshlib::detail::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t t = t0 + q, img = t / g.ho, oh = t % g.ho, run = g.k * g.cin, kk = g.patch();
     const std::size_t ow0 = t * g.wo < r0 ? r0 - t * g.wo : 0, ow1 = (t + 1) * g.wo > r1 ? r1 - t * g.wo : g.wo;
     if (g.k == 1 && g.p == 0) {  // a 1x1 window: a gather of every s-th pixel's channels
@@ -3632,7 +3632,7 @@ void direct_conv(T* y, const T* x, const T* wt, const T* bias, const conv_geomet
   // Output columns whose window lies inside the image: ow * s >= p and ow * s + k <= w + p.
   const std::size_t lo = (g.p + g.s - 1) / g.s, hi_end = g.w + g.p >= g.k ? (g.w + g.p - g.k) / g.s + 1 : 0;
   const std::size_t hi = hi_end < g.wo ? hi_end : g.wo;
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     constexpr std::size_t tile = direct_pixels<T>;
     std::size_t i0, i1, j0, j1;
     g.window(t % g.ho, g.h, i0, i1);
@@ -3701,7 +3701,7 @@ KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride,
 /// window, the output pixels whose window reads the image there. `direct_grad_w_sum` adds the blocks.
 template <class Space, class T>
 void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     const std::size_t img = t / g.ho, oh = t % g.ho, kc = g.patch() * g.cout;
     T* acc = part + t * kc;
     copy_run(acc, static_cast<const T*>(nullptr), kc);
@@ -3729,7 +3729,7 @@ void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g,
 template <class Space, class T>
 void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t rows, bool overwrite) {
   constexpr std::size_t block = 64;
-  meshlib::detail::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
     if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
     for (std::size_t t = 0; t < rows; ++t)
@@ -3742,7 +3742,7 @@ void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t row
 /// patch entry, in kernel order (no atomics: the same bits on every run and mesh).
 template <class Space, class T>
 void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
     T* dst = dx + q * g.cin;
     for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};
@@ -3892,7 +3892,7 @@ class conv2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<"conv2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"conv2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4024,8 +4024,8 @@ class conv2d {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// The constructor's checks; returns `kernel * kernel` (the weight's rows per input channel).
   static std::size_t checked(const std::string& name, const image_shape& in, std::size_t out_channels,
@@ -4050,7 +4050,7 @@ class conv2d {
   /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
   /// host cannot read (a GPU wants one large product, not a cache-sized one).
   [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
-    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    if constexpr (!meshlib::host_accessible_v<default_memory_space>) return m;
     const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
     return std::max<std::size_t>(rows, im2col_min_rows);
   }
@@ -4135,7 +4135,7 @@ namespace meshlib::nn::detail {
 template <class Space, bool Max, class T>
 void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::size_t h, std::size_t wd, std::size_t c,
                   std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
     // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
     // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
     const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
@@ -4169,7 +4169,7 @@ void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::siz
 template <class Space, bool Max, class T>
 void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, std::size_t h, std::size_t wd,
                    std::size_t c, std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
     T* dst = dx + q * c;
     for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
@@ -4192,7 +4192,7 @@ void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, s
 /// Global average pooling of `n` images of `hw` pixels and `c` channels (`inv` = 1 / hw).
 template <class Space, class T>
 void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
     T* yi = y + img * c;
     const T* xi = xp + img * hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
@@ -4205,7 +4205,7 @@ void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::
 /// `dx = dy / (H * W)` on every pixel.
 template <class Space, class T>
 void global_pool_backward(T* dx, const T* d, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
     const T* di = d + q / hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
   });
@@ -4250,7 +4250,7 @@ class pool2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"pool2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"pool2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4356,7 +4356,7 @@ class global_avg_pool {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"global_avg_pool">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"global_avg_pool">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4519,7 +4519,7 @@ class batch_norm {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>() && X::dims_type::at(0) == data_mask;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"batch_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"batch_norm">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -5023,7 +5023,7 @@ class sequential {
         using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
                                                    prev_layer_diagnostic<I>>::type;
         return detail::sequential_layers_do_not_chain<
-            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::diagnostic::value_t<in_t>,
             from_t, typename detail::layer_input_requirement<L>::type>();
       } else {
         return diagnose_chain<X, I + 1>();
@@ -5198,7 +5198,7 @@ class basic_block {
   template <class X>
   static constexpr bool accepts_input = conv2d<T, Mesh>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"basic_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"basic_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -5544,12 +5544,12 @@ struct mean_squared_error {
     double local_sum = 0;
     const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
     double* res = &local_sum;
-    [[maybe_unused]] meshlib::detail::block_view_t<T, 1, space> staged;
-    [[maybe_unused]] meshlib::detail::block_view_t<double, 1, space> staged_sum;
-    if constexpr (!meshlib::detail::host_accessible_v<space>) {
-      staged = meshlib::detail::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
-      staged_sum = meshlib::detail::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
-      meshlib::detail::copy_from_host<space>(staged.data(), targets.data(), targets.size());
+    [[maybe_unused]] meshlib::block_view<T, 1, space> staged;
+    [[maybe_unused]] meshlib::block_view<double, 1, space> staged_sum;
+    if constexpr (!meshlib::host_accessible_v<space>) {
+      staged = meshlib::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
+      staged_sum = meshlib::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
+      meshlib::copy_from_host<space>(staged.data(), targets.data(), targets.size());
       t = staged.data() + col0;
       res = staged_sum.data();
     }
@@ -5558,7 +5558,7 @@ struct mean_squared_error {
       using share_t = local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, space>;
       (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(res, 1, output.mesh(), output.device()));
     }
-    return loss_part{meshlib::detail::read_back<space>(res), 0};
+    return loss_part{meshlib::read_back<space>(res), 0};
   }
 
  private:
@@ -5837,7 +5837,7 @@ namespace detail {
 /// return type is deduced.
 template <class Space, class V>
 void copy_runs(V* to, const V* from, std::size_t outer, std::size_t run, std::size_t stride, std::size_t at) {
-  meshlib::detail::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+  meshlib::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
     for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
   });
 }
@@ -5875,7 +5875,7 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     const std::size_t inner = ct.size() / (outer * shape[Dim]);
     const std::size_t chunk = shape[Dim] / n;
     shape[Dim] = chunk;
-    auto out = meshlib::detail::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
+    auto out = meshlib::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
     // One work item per outer index: a contiguous run of chunk * inner elements.
     using V = typename L::value_type;
     V* to = out.data();
@@ -5995,7 +5995,7 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// updates), written once as a generic body that runs on `float` (the tail, and compilers without
 /// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
 /// and the sum of squares of global-norm clipping, on the running device's execution-space
-/// instance (`meshlib::detail::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// instance (`meshlib::launch`: a RangePolicy `parallel_for`, the one launch safe from
 /// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
 ///
 /// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
@@ -6114,7 +6114,7 @@ struct lanes_kernel {
 /// refuses a generic extended lambda.
 template <class Space, std::size_t K, class F>
 void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  meshlib::detail::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
+  meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
@@ -6152,19 +6152,19 @@ template <class Space>
 double sum_of_squares(const float* x, std::size_t n, double* scratch) {
   const std::size_t blocks = squares_scratch(n) - 1;
   double* part = scratch;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
   if (blocks > 1) {
-    meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
       double s = 0;
       for (std::size_t b = 0; b < blocks; ++b) s += part[b];
       part[blocks] = s;
     });
-    return meshlib::detail::read_back<Space>(part + blocks);
+    return meshlib::read_back<Space>(part + blocks);
   }
-  return blocks == 1 ? meshlib::detail::read_back<Space>(part) : 0.0;
+  return blocks == 1 ? meshlib::read_back<Space>(part) : 0.0;
 }
 
 }  // namespace meshlib::nn::detail
@@ -6392,7 +6392,7 @@ namespace detail {
 template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
 }
 
 /// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
@@ -6400,14 +6400,14 @@ inline void round_to(float* p, std::size_t n) noexcept {
 /// values twice), as a Kokkos kernel on the running device's instance.
 template <class C, class Space = default_memory_space>
 inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
 }
 
 /// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
 inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;
@@ -7115,7 +7115,7 @@ namespace detail {
 /// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void add_values(T* to, const T* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
 }
 
 /// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
@@ -7152,11 +7152,11 @@ class fsdp_shard_layout final : public param_layout {
                                  [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
   }
   held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
-    using view_t = meshlib::detail::block_view_t<float, 1, default_memory_space>;
+    using view_t = meshlib::block_view<float, 1, default_memory_space>;
     auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
     held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
     for (std::size_t dev : devices) {
-      (*owned)[dev] = meshlib::detail::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
+      (*owned)[dev] = meshlib::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
       h.blocks.set(dev, (*owned)[dev].data(), count(dev));
     }
     return h;
@@ -7247,8 +7247,8 @@ class fsdp_engine final : public layer_hooks {
         gmax = std::max(gmax, used);
       }
       const std::size_t vn = reshard_ ? vmax : vall;
-      values_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
-      grads_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
+      values_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
+      grads_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
       unsharded_[dev] = vn + gmax;
     }
     // The shards, with their layouts; each starts as its chunk of the parameter's current block.
@@ -7432,7 +7432,7 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::vector<std::function<void()>>> prefetched_;
   std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
   std::vector<std::vector<std::size_t>> voff_, goff_;
-  std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
+  std::vector<meshlib::block_view<T, 1, Space>> values_, grads_;
   std::vector<double> seconds_;
   std::vector<std::size_t> unsharded_;
 };
@@ -8500,7 +8500,7 @@ inline device_batch device_batch_header(const batch& b) {
 /// copied first).
 [[nodiscard]] inline device_batch device_put(batch b) {
   device_batch d = detail::device_batch_header(b);
-  if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+  if constexpr (meshlib::host_accessible_v<default_memory_space>) {
     d.host_rows = std::make_shared<const std::vector<float>>(std::move(b.x));
     d.x = Kokkos::View<float*, default_memory_space>(const_cast<float*>(d.host_rows->data()), d.host_rows->size());
   } else {
@@ -8544,7 +8544,7 @@ class device_prefetcher {
 
   /// @brief Whether batches are copied (a device memory space) or handed through (host).
   [[nodiscard]] static constexpr bool copies() noexcept {
-    return !meshlib::detail::host_accessible_v<default_memory_space>;
+    return !meshlib::host_accessible_v<default_memory_space>;
   }
 
   /// The loader it reads.
@@ -9126,8 +9126,8 @@ struct pipeline_options {
 };
 
 /// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
-/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
-/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs the step's micro-batches
+/// (nn/parallel/pipeline_run.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt,
 ///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});
@@ -9542,7 +9542,7 @@ struct pipeline_engine {
   device_buffers<float> inputs, dys, dlogits, send, scratch, stash;
   /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
   /// which goes), and one zero block that the other stages' parameters point to on that device.
-  std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
+  std::vector<meshlib::block_view<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
   std::vector<pipeline_stage_times> times;  ///< per device: the last step's compute, by kind
@@ -9672,7 +9672,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
   std::size_t most = 1;
   for (std::size_t i = 0; i < params.size(); ++i)
     for (std::size_t dev : local) most = std::max(most, e.block_elements(i, dev));
-  e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
+  e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
   float* zero = e.owned.back().data();
   std::vector<float*> vs(e.devices, nullptr), gs(e.devices, nullptr);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -9684,7 +9684,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
         vs[dev] = gs[dev] = zero;
         continue;
       }
-      e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
+      e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
       vs[dev] = e.owned.back().data();
       gs[dev] = vs[dev] + n;
       convert_copy<default_memory_space>(vs[dev], p.value[dev], n);
@@ -9745,7 +9745,7 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
       (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
     } else {
@@ -9753,9 +9753,9 @@ void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
       // device block of the running device (reduced in place, then read back).
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
       const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
-      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      meshlib::copy_from_host<default_memory_space>(d.data(), v, N);
       (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
-      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+      meshlib::copy_to_host<default_memory_space>(v, d.data(), N);
     }
   }
 }
@@ -9987,7 +9987,7 @@ class train_state {
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
+    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
@@ -10231,7 +10231,26 @@ class train_state {
   static train_options with_policies(train_options opts, const Ps&... ps) {
     detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
     (apply_policy(opts, ps), ...);
+    (refuse_clashes<Ps...>(ps), ...);
     return opts;
+  }
+  /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
+  /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
+  /// reduce-scatter runs after the backward). Values, not types: checked at construction.
+  template <class... Ps, class P>
+  static void refuse_clashes(const P& p) {
+    if constexpr (P::kind == parallelism::data) {
+      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
+      if constexpr (detail::policy_count_v<parallelism::fully_sharded, Ps...> != 0)
+        if (p.zero == 1)
+          throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
+                               std::string(detail::text_of(Fsdp)) + "\"> both shard the optimizer state; fully_shard "
+                               "already shards it (over '" + std::string(detail::text_of(Fsdp)) + "', the " + dp +
+                               " axis holding replicas of the shards: HSDP): drop .zero");
+      if (p.zero == 1 && p.overlap)
+        throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
+                             "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
+    }
   }
   template <fixed_string A>
   static void apply_policy(train_options& o, const data_parallel<A>& p) {
@@ -10380,8 +10399,9 @@ train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...
 /// @brief `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
 /// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
 /// clipping over every shard, and the optimizer update (`train_state::apply_gradients`), all on
-/// every device of the mesh at once. A state with a pipeline runs the pipeline's schedule instead
-/// (nn/parallel/pipeline_step.hpp).
+/// every device of the mesh at once. The forwards and backwards run in the state's schedule of
+/// micro-batches: one after another, or, with a `pipeline` policy, its schedule over the stages
+/// (nn/train/microbatches.hpp).
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
@@ -10408,15 +10428,26 @@ train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/parallel/pipeline_step.hpp
+// begin meshlib/nn/train/microbatches.hpp
 /// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
-/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
-/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
-///
-/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
-/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
-/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
+/// @brief How the one `train_step` and the one `evaluate` run a step's micro-batches on a device:
+/// one after another (`accumulated_microbatches`: `train_options::accumulation` forwards and
+/// backwards, the gradients summed), or, on a mesh whose pipeline axis has more than one device,
+/// the pipeline policy's schedule over its stages (`pipelined_microbatches`,
+/// nn/parallel/pipeline_run.hpp). `with_microbatches` picks one; the step and the evaluation around
+/// them (inputs, loss, synchronisation, update, metrics) are the same code for both.
+
+#include <cstddef>
+#include <utility>
+
+// begin meshlib/nn/parallel/pipeline_run.hpp
+/// @file
+/// @brief How the pipeline policy runs a step's micro-batches and an evaluation's batches
+/// (nn/parallel/pipeline.hpp has the design): each device runs its stage's layers of a `sequential`
+/// over the rounds of a `pipeline_plan`, exchanging activations and gradients with its neighbours by
+/// `ppermute` over the pipeline axis. `pipelined_microbatches` is what the one `train_step` and the
+/// one `evaluate` run in place of running the micro-batches one after another
+/// (nn/train/microbatches.hpp); the inputs, the loss, the synchronisation and the update are theirs.
 
 #include <array>
 #include <chrono>
@@ -10433,7 +10464,7 @@ train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...
 // begin meshlib/nn/train/step_inputs.hpp
 /// @file
 /// @brief The argument checks and input blocks every step and evaluation share (the plain
-/// `train_step`, `evaluate` and the pipelined schedule's step, nn/parallel/pipeline_step.hpp): the
+/// `train_step`, `evaluate` and the pipeline's schedule, nn/parallel/pipeline_run.hpp): the
 /// batch splits over the data axes, the runner runs the state's devices, a device's rows as the
 /// model's input block.
 
@@ -10502,8 +10533,8 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
   const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
   if (run == s.local_devices()) return;
   throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " +
-                       meshlib::detail::describe_devices(run) + " in this process, but the train state holds devices " +
-                       meshlib::detail::describe_devices(s.local_devices()) +
+                       meshlib::describe_devices(run) + " in this process, but the train state holds devices " +
+                       meshlib::describe_devices(s.local_devices()) +
                        "; pass the runner the state was made for, or make the state with the runner's devices "
                        "(train_state(..., runner.local_devices(mesh.size())))");
 }
@@ -10858,20 +10889,32 @@ void sync_buffers(Runner& run) {
   });
 }
 
-/// `run_train_step` on a mesh whose pipeline axis has more than one device (see the file comment).
-template <class State, class In, class Target, class Loss, class Backend>
-step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  pipeline_engine& e = *s.pipeline();
-  const std::size_t p = e.stages;
-  const std::size_t m = s.options.pipeline.microbatches == 0 ? p : s.options.pipeline.microbatches;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, 1);
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp;
-  // train_options::accumulation: k groups of m micro-batches, each group a whole schedule, the
-  // gradients summed over all k m micro-batches before the one synchronisation (as without a pipeline).
-  const std::size_t k = s.options.accumulation;
-  if (local_rows % (k * m) != 0) {
+/// The pipeline policy's schedule of a step's micro-batches (see the file comment): what the one
+/// step (nn/train/train_step.hpp) and the one evaluation (nn/train/evaluate.hpp) run on a mesh
+/// whose pipeline axis has more than one device, in place of `accumulated_microbatches`
+/// (nn/train/microbatches.hpp), with the same members. Each device runs its stage's layers over
+/// the rounds of a `pipeline_plan`; the step's `accumulation = k` runs `k` whole schedules of `m`
+/// micro-batches before the one synchronisation.
+template <class State, class In>
+struct pipelined_microbatches {
+  /// The axes the step's loss sums run over: the last stage computes the loss, every stage reports it.
+  static constexpr axis_mask metric_axes = State::data_axes | State::pipeline_axes;
+  using X0 = pipeline_input_t<State, In>;
+
+  State& s;
+  pipeline_engine& e;
+
+  /// Micro-batches per accumulation step: `pipeline.microbatches` (0: one per stage).
+  [[nodiscard]] std::size_t per_group() const {
+    return s.options.pipeline.microbatches == 0 ? e.stages : s.options.pipeline.microbatches;
+  }
+  /// The accumulation steps the common batch check divides by (the pipeline checks its own split).
+  [[nodiscard]] static std::size_t checked_groups(std::size_t) { return 1; }
+  /// Throws unless the `k` accumulation steps of `per_group()` micro-batches divide each data
+  /// device's `local_rows` rows of a global batch of `global_rows` over `dp` devices.
+  void check_split(std::size_t local_rows, std::size_t global_rows, std::size_t dp, std::size_t k) const {
+    const std::size_t m = per_group();
+    if (local_rows % (k * m) == 0) return;
     const std::string what = k == 1 ? "the pipeline's " + std::to_string(m) + " micro-batches"
                                     : "the pipeline's " + std::to_string(m) + " micro-batches x " + std::to_string(k) +
                                           " accumulation steps";
@@ -10882,235 +10925,286 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
                          std::to_string(local_rows) + ", or a batch of a multiple of " + std::to_string(dp * k * m) +
                          " rows");
   }
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;
-  const std::size_t micro = local_rows / (k * m);
-  const pipeline_plan plan(s.options.pipeline.schedule, p, m);
-  using X0 = pipeline_input_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        using clock = std::chrono::steady_clock;
-        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
-        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        make_group_communicators(s.mesh, dev);
-        // Gradients: this stage's parameters as in run_train_step; a mirror's block from zero.
-        for (const auto& q : s.params)
-          if (q.count[dev] == 0) continue;
-          else if (q.overwrite) q.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
-        refresh_mirrors(s, e, dev, stage, true);
-        std::size_t g = 0;  // the accumulation group running: micro-batch j is rows [(g m + j) micro, ...)
-        const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
-        const auto x0_of = [&](std::size_t j) {
-          return [&, j] {
-            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
-          };
-        };
-        // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
-        // holds across the rounds, counted by the device's meter (nn/remat.hpp).
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        if (e.probed_rows[dev] == 0) {
-          const meter_scope metered(meter);
-          run.probe(x0_of(0), micro);
-        }
-        const std::size_t msg = micro * run.message_per_row();
-        const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
-        const pipeline_plan::holding held = plan.held(stage);
-        float *inputs = nullptr, *dys = nullptr, *dlogits = nullptr, *send = nullptr;
-        {
-          const meter_scope metered(meter);
-          inputs = e.inputs.get(dev, held.inputs * msg);
-          dys = e.dys.get(dev, held.cotangents * msg);
-          dlogits = e.dlogits.get(dev, held.loss_grads * zn);
-          send = e.send.get(dev, msg);
-        }
-        const auto input_of = [&](std::size_t j) { return stage == 0 ? nullptr : inputs + held.input_slot[j] * msg; };
-        const auto buffers = run.stage_buffers();
-        std::size_t buffer_elements = 0;
-        for (const auto& b : buffers) buffer_elements += b.count[dev];
-        float* stash = nullptr;
-        if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
-        double sums[2] = {0, 0};
-        double busy = 0;
-        pipeline_stage_times times;
-        bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
-        std::size_t j = 0;      // the micro-batch running
-        auto forward_sink = [&](auto at, const auto& out) {
-          if constexpr (decltype(at)::value == State::model_type::size) {
-            if (!with_loss) return;
-            const meter_scope unmetered(nullptr);  // the loss's scratch is not the model's (as run_train_step)
-            using Z = std::remove_cvref_t<decltype(out)>;
-            Z dz(typename Z::view_type(dlogits + held.loss_grad_slot[j] * zn, out.extent(0), out.extent(1)), s.mesh, dev);
-            const loss_part part = as_loss_part(loss(out, y.subspan(row0(j) * width, micro * width), global_rows, dz));
-            if (s.loss_scaling() || State::mixed) {
-              // The scaled loss's cotangent, on the compute type's grid (as run_train_step).
-              scale_in_place(dz.data(), dz.size(), s.loss_scale());
-              round_to<typename State::compute_type>(dz.data(), dz.size());
-            }
-            sums[0] += part.loss;
-            sums[1] += static_cast<double>(part.correct);
-          } else {
-            if (with_loss) convert_copy<default_memory_space>(send, out.data(), out.size());
-          }
-        };
-        auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
-        const auto& rounds = plan.rounds();
-        const auto start = clock::now();
-        for (g = 0; g < k; ++g)
-          for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
-            const auto& r = rounds[ri];
-            if (r[stage].forward != pipeline_slot::none) {
-              const auto t0 = clock::now();
-              const double c0 = thread_seconds();
-              j = r[stage].forward;
-              with_loss = true;
-              {
-                const meter_scope metered(meter);
-                run.forward(x0_of(j), input_of(j), micro, forward_sink);
-              }
-              times.forward += thread_seconds() - c0;
-              ++times.forwards;
-              if (g + 1 == k && j + 1 == m) out[dev].activation_bytes = meter->live;
-              busy += std::chrono::duration<double>(clock::now() - t0).count();
-            }
-            if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
-              if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
-                convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
-            }
-            if (r[stage].backward != pipeline_slot::none) {
-              const auto t0 = clock::now();
-              j = r[stage].backward;
-              const meter_scope metered(meter);
-              double c0 = thread_seconds();
-              if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
-                with_loss = false;
-                run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
-                run.forward(x0_of(j), input_of(j), micro, forward_sink);
-                run.stash_buffers(buffers, stash, false);
-                const double c1 = thread_seconds();
-                times.recompute += c1 - c0;
-                ++times.recomputes;
-                c0 = c1;
-              }
-              run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
-                           micro, backward_sink);
-              times.backward += thread_seconds() - c0;
-              ++times.backwards;
-              busy += std::chrono::duration<double>(clock::now() - t0).count();
-            }
-            if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
-              if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
-                convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
-            }
-          }
-        e.busy[dev] = busy;
-        e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
-        e.times[dev] = times;
-        out[dev].peak_activation_bytes = meter->peak;
-        for (const auto& q : s.params)
-          if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
-            fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
-            q.overwrite[dev] = 0;
-          }
-        // A mirror's gradient goes to the owner, which adds it to its own (the tied weight's sum).
-        for (const auto& t : e.mirrors) {
-          const auto& q = s.params[t.param];
-          const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
-          if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
-        }
-        if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
-          for (const auto& q : s.params)
-            if (q.count[dev] != 0) round_to<typename State::compute_type>(q.grad[dev], q.count[dev]);
-        sync_buffers(run);
-        step_metrics& mt = out[dev];
-        mt.loss_scale = s.loss_scale();
-        mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
-        mt.skipped = s.loss_scaling() && !std::isfinite(mt.grad_norm);
-        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);  // the last stage's sums, to all
-        mt.loss = sums[0];
-        mt.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        mt.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  s.finish_step(r.skipped);
-  return r;
-}
 
-/// `run_evaluate` on a mesh whose pipeline axis has more than one device: each batch goes through
-/// the stages in turn (forward only, no overlap between batches), the loss on the last stage.
-template <class State, class In, class Backend>
-step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  check_runner(s, backend, "evaluate");
-  pipeline_engine& e = *s.pipeline();
-  const std::size_t p = e.stages, dp = s.mesh.axes_size(State::data_axes);
-  using X0 = pipeline_input_t<State, In>;
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
-        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        make_group_communicators(s.mesh, dev);
-        refresh_mirrors(s, e, dev, stage, false);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          const auto x0 = [&] {
-            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          };
-          const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
-          if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
-          const std::size_t msg = (hi - lo) * run.message_per_row();
-          float* in = e.inputs.get(dev, msg);
-          float* send = e.send.get(dev, msg);
-          auto sink = [&](auto at, const auto& z) {
-            if constexpr (decltype(at)::value == State::model_type::size) {
-              const meter_scope unmetered(nullptr);
-              const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
-              sums[0] += part.loss;
-              sums[1] += static_cast<double>(part.correct);
-            } else {
-              convert_copy<default_memory_space>(send, z.data(), z.size());
-            }
-          };
-          for (std::size_t t = 0; t < p; ++t) {
-            if (stage == t) run.forward(x0, in, hi - lo, sink);
-            if (t + 1 < p) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
-              if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
-            }
+  [[nodiscard]] std::size_t stage_of(std::size_t dev) const { return s.mesh.group_rank(dev, State::pipeline_axes); }
+  [[nodiscard]] stage_runner<State, X0> runner(std::size_t dev) const {
+    const std::size_t stage = stage_of(dev);
+    return {s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
+  }
+
+  /// Before device `dev`'s step: the group communicators in one order, this stage's gradients as
+  /// the step's (overwritten by the first backward, or zeroed), a mirror's from zero.
+  void begin_step(std::size_t dev) const {
+    make_group_communicators(s.mesh, dev);
+    for (const auto& q : s.params)
+      if (q.count[dev] == 0) continue;
+      else if (q.overwrite) q.overwrite[dev] = 1;
+      else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+    refresh_mirrors(s, e, dev, stage_of(dev), true);
+  }
+
+  /// Device `dev`'s forwards and backwards of the step's `k * per_group()` micro-batches of `micro`
+  /// rows each in the plan's rounds: `input(j)` makes micro-batch `j`'s input block (on the first
+  /// stage), `loss_on(j, z, dz)` computes its loss on the last stage, its gradient into `dz`.
+  template <class Input, class LossOn>
+  void run(std::size_t dev, std::size_t k, std::size_t micro, const Input& input, LossOn& loss_on,
+           step_metrics& metrics) const {
+    using clock = std::chrono::steady_clock;
+    const std::size_t p = e.stages, m = per_group(), stage = stage_of(dev);
+    const pipeline_plan plan(s.options.pipeline.schedule, p, m);
+    stage_runner<State, X0> run = runner(dev);
+    std::size_t g = 0;  // the accumulation group running: micro-batch j is the step's g m + j
+    const auto x0_of = [&](std::size_t j) {
+      return [&, j] { return meshlib::pvary<State::pipeline_axis>(input(g * m + j)); };
+    };
+    // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
+    // holds across the rounds, counted by the device's meter (nn/remat.hpp).
+    buffer_meter* meter = s.activation_meter(dev);
+    if (e.probed_rows[dev] == 0) {
+      const meter_scope metered(meter);
+      run.probe(x0_of(0), micro);
+    }
+    const std::size_t msg = micro * run.message_per_row();
+    const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
+    const pipeline_plan::holding held = plan.held(stage);
+    float *inputs = nullptr, *dys = nullptr, *dlogits = nullptr, *send = nullptr;
+    {
+      const meter_scope metered(meter);
+      inputs = e.inputs.get(dev, held.inputs * msg);
+      dys = e.dys.get(dev, held.cotangents * msg);
+      dlogits = e.dlogits.get(dev, held.loss_grads * zn);
+      send = e.send.get(dev, msg);
+    }
+    const auto input_of = [&](std::size_t j) { return stage == 0 ? nullptr : inputs + held.input_slot[j] * msg; };
+    const auto buffers = run.stage_buffers();
+    std::size_t buffer_elements = 0;
+    for (const auto& b : buffers) buffer_elements += b.count[dev];
+    float* stash = nullptr;
+    if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
+    double busy = 0;
+    pipeline_stage_times times;
+    bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
+    std::size_t j = 0;      // the micro-batch running
+    auto forward_sink = [&](auto at, const auto& out) {
+      if constexpr (decltype(at)::value == State::model_type::size) {
+        if (!with_loss) return;
+        using Z = std::remove_cvref_t<decltype(out)>;
+        Z dz(typename Z::view_type(dlogits + held.loss_grad_slot[j] * zn, out.extent(0), out.extent(1)), s.mesh, dev);
+        loss_on(g * m + j, out, dz);
+      } else {
+        if (with_loss) convert_copy<default_memory_space>(send, out.data(), out.size());
+      }
+    };
+    auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
+    const auto& rounds = plan.rounds();
+    const auto start = clock::now();
+    for (g = 0; g < k; ++g)
+      for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
+        const auto& r = rounds[ri];
+        if (r[stage].forward != pipeline_slot::none) {
+          const auto t0 = clock::now();
+          const double c0 = thread_seconds();
+          j = r[stage].forward;
+          with_loss = true;
+          {
+            const meter_scope metered(meter);
+            run.forward(x0_of(j), input_of(j), micro, forward_sink);
           }
+          times.forward += thread_seconds() - c0;
+          ++times.forwards;
+          if (g + 1 == k && j + 1 == m) metrics.activation_bytes = meter->live;
+          busy += std::chrono::duration<double>(clock::now() - t0).count();
         }
-        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
+        if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
+          const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
+          if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
+            convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
+        }
+        if (r[stage].backward != pipeline_slot::none) {
+          const auto t0 = clock::now();
+          j = r[stage].backward;
+          const meter_scope metered(meter);
+          double c0 = thread_seconds();
+          if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
+            with_loss = false;
+            run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
+            run.forward(x0_of(j), input_of(j), micro, forward_sink);
+            run.stash_buffers(buffers, stash, false);
+            const double c1 = thread_seconds();
+            times.recompute += c1 - c0;
+            ++times.recomputes;
+            c0 = c1;
+          }
+          run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
+                       micro, backward_sink);
+          times.backward += thread_seconds() - c0;
+          ++times.backwards;
+          busy += std::chrono::duration<double>(clock::now() - t0).count();
+        }
+        if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
+          const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
+          if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
+            convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
+        }
+      }
+    e.busy[dev] = busy;
+    e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
+    e.times[dev] = times;
+  }
+
+  /// After device `dev`'s backwards: an unwritten gradient zeroed, a mirror's gradient added to its
+  /// owner's (the tied weight's sum), the sums on the compute type's grid, every stage's running
+  /// statistics on every stage.
+  void end_step(std::size_t dev) const {
+    const std::size_t stage = stage_of(dev);
+    for (const auto& q : s.params)
+      if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
+        fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+        q.overwrite[dev] = 0;
+      }
+    for (const auto& t : e.mirrors) {
+      const auto& q = s.params[t.param];
+      const std::size_t n = e.block_elements(t.param, dev);
+      const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+      if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
+    }
+    if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as without a pipeline)
+      for (const auto& q : s.params)
+        if (q.count[dev] != 0) round_to<typename State::compute_type>(q.grad[dev], q.count[dev]);
+    stage_runner<State, X0> run = runner(dev);
+    sync_buffers(run);
+  }
+
+  /// Before device `dev`'s evaluation: the group communicators, the mirrors' values.
+  void begin_evaluate(std::size_t dev) const {
+    make_group_communicators(s.mesh, dev);
+    refresh_mirrors(s, e, dev, stage_of(dev), false);
+  }
+  /// Device `dev`'s forward of one evaluation batch of `rows` rows (`input()` its block on the
+  /// first stage) through the stages in turn (no overlap between batches); `on_output(z)` with the
+  /// model's output on the last stage.
+  template <class Input, class OnOutput>
+  void evaluate(std::size_t dev, const Input& input, std::size_t rows, OnOutput& on_output) const {
+    const std::size_t p = e.stages, stage = stage_of(dev);
+    stage_runner<State, X0> run = runner(dev);
+    const auto x0 = [&] { return meshlib::pvary<State::pipeline_axis>(input()); };
+    const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's
+    if (e.probed_rows[dev] == 0 && rows > 0) run.probe(x0, rows);
+    const std::size_t msg = rows * run.message_per_row();
+    float* in = e.inputs.get(dev, msg);
+    float* send = e.send.get(dev, msg);
+    auto sink = [&](auto at, const auto& z) {
+      if constexpr (decltype(at)::value == State::model_type::size) {
+        const meter_scope unmetered(nullptr);
+        on_output(z);
+      } else {
+        convert_copy<default_memory_space>(send, z.data(), z.size());
+      }
+    };
+    for (std::size_t t = 0; t < p; ++t) {
+      if (stage == t) run.forward(x0, in, rows, sink);
+      if (t + 1 < p) {
+        const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
+        if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
+      }
+    }
+  }
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/parallel/pipeline_run.hpp
+
+namespace meshlib::nn::detail {
+
+/// A step's micro-batches one after another on every device (no pipeline): `k` forwards and
+/// backwards of the whole model, each on its own rows, the gradients summed in the parameters'
+/// gradient blocks; with `data_parallel{.overlap = true}`, the last backward starts the gradient
+/// buckets (nn/parallel/grad_overlap.hpp). The members are `pipelined_microbatches`'s.
+template <class State, class In>
+struct accumulated_microbatches {
+  /// The axes the step's loss sums run over.
+  static constexpr axis_mask metric_axes = State::data_axes;
+
+  State& s;
+
+  /// Micro-batches per accumulation step.
+  [[nodiscard]] static std::size_t per_group() { return 1; }
+  /// The accumulation steps the common batch check divides by.
+  [[nodiscard]] static std::size_t checked_groups(std::size_t k) { return k; }
+  /// Nothing beyond the common batch check.
+  static void check_split(std::size_t, std::size_t, std::size_t, std::size_t) {}
+
+  /// Before device `dev`'s step: last step's gradients stay where a layer's first backward can
+  /// overwrite them (no zeroing pass over the model), the others are zeroed; the overlap's communicator.
+  void begin_step(std::size_t dev) const {
+    for (const auto& p : s.params)
+      if (p.overwrite) p.overwrite[dev] = 1;
+      else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+    s.prepare_grad_overlap(dev);
+  }
+
+  /// Device `dev`'s `k` forwards and backwards of `micro` rows: `input(j)` makes micro-batch `j`'s
+  /// input block, `loss_on(j, z, dz)` its loss and the loss's gradient into `dz`.
+  template <class Input, class LossOn>
+  void run(std::size_t dev, std::size_t k, std::size_t, const Input& input, LossOn& loss_on,
+           step_metrics& metrics) const {
+    buffer_meter* meter = s.activation_meter(dev);
+    for (std::size_t j = 0; j < k; ++j) {
+      const auto xb = input(j);
+      auto logits = [&] {
+        const meter_scope metered(meter);  // counts the model's buffers only
+        return s.model.forward(xb);
+      }();
+      metrics.activation_bytes = meter->live;
+      using Z = decltype(logits);
+      Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
+                s.mesh, dev);
+      loss_on(j, std::as_const(logits), dlogits);
+      if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
+      const meter_scope metered(meter);
+      s.model.template backward<std::remove_cvref_t<decltype(xb)>>(dlogits);
+    }
+  }
+
+  /// After device `dev`'s backwards: a gradient no backward wrote (its layer did not run) zeroed,
+  /// the sums on the compute type's grid (overlapped: the hooks did both for the gradients whose
+  /// buckets they started).
+  void end_step(std::size_t dev) const {
+    const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
+    for (const auto& p : unstarted)
+      if (p.overwrite && p.overwrite[dev]) {
+        fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
+        p.overwrite[dev] = 0;
+      }
+    if constexpr (State::mixed)
+      for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
+  }
+
+  /// Before device `dev`'s evaluation: nothing.
+  static void begin_evaluate(std::size_t) {}
+  /// Device `dev`'s forward of one evaluation batch (`input()` its block); `on_output(z)` with the
+  /// model's output.
+  template <class Input, class OnOutput>
+  void evaluate(std::size_t dev, const Input& input, std::size_t, OnOutput& on_output) const {
+    auto logits = [&] {
+      const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
+      return s.model.forward(input());
+    }();
+    on_output(logits);
+  }
+};
+
+/// `f(schedule)` with the state's schedule of micro-batches for inputs of elements `In`: the
+/// pipeline policy's on a mesh whose pipeline axis has more than one device, else one after another.
+template <class In, class State, class F>
+decltype(auto) with_microbatches(State& s, F&& f) {
+  if constexpr (State::pipeline_axes != 0)
+    if (s.pipeline() != nullptr) return f(pipelined_microbatches<State, In>{s, *s.pipeline()});
+  return f(accumulated_microbatches<State, In>{s});
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/parallel/pipeline_step.hpp
+// end meshlib/nn/train/microbatches.hpp
 
 namespace meshlib::nn {
 
@@ -11118,93 +11212,74 @@ namespace detail {
 
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
 /// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
-/// token id per row) and `y` holding `rows` rows of targets of equal width.
+/// token id per row) and `y` holding `rows` rows of targets of equal width. The state's schedule of
+/// micro-batches (nn/train/microbatches.hpp: one after another, or the pipeline policy's) runs the
+/// forwards and backwards; the rest is the same for every parallelism.
 template <class State, input_element In, class Target, class Loss, class Backend>
 step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
-  const std::size_t k = s.options.accumulation;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = input_block_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        // Last step's gradients: the layers that can overwrite them in the first backward do (no
-        // zeroing pass over the model), the others add to zeros.
-        for (const auto& p : s.params)
-          if (p.overwrite) p.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-        double sums[2] = {0, 0};
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        s.prepare_grad_overlap(dev);
-        for (std::size_t j = 0; j < k; ++j) {
-          const std::size_t r0 = first + j * micro - global_offset;
-          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = [&] {
-            const meter_scope metered(meter);  // counts the model's buffers only
-            return s.model.forward(xb);
-          }();
-          out[dev].activation_bytes = meter->live;
-          using Z = decltype(logits);
-          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
-                    s.mesh, dev);
-          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
-                                                   global_rows, dlogits));
-          if (s.loss_scaling() || State::mixed) {
-            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
-          }
-          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
-          {
-            const meter_scope metered(meter);
-            s.model.template backward<X>(dlogits);
-          }
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
-        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
-        for (const auto& p : unstarted)
-          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-            p.overwrite[dev] = 0;
-          }
-        if constexpr (State::mixed)
-          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
-        step_metrics& m = out[dev];
-        m.peak_activation_bytes = meter->peak;
-        m.loss_scale = s.loss_scale();
-        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
-        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        m.loss = sums[0];
-        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        m.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  for (std::size_t dev : s.local_devices())
-    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
-      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
-                           std::to_string(dev) + ")");
-  s.finish_step(r.skipped);
-  return r;
+  return with_microbatches<In>(s, [&](const auto& schedule) {
+    using Schedule = std::remove_cvref_t<decltype(schedule)>;
+    const std::size_t k = s.options.accumulation, m = schedule.per_group();
+    check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, schedule.checked_groups(k));
+    const std::size_t dp = s.mesh.axes_size(State::data_axes);
+    const std::size_t local_rows = global_rows / dp;
+    schedule.check_split(local_rows, global_rows, dp, k);
+    const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+    const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
+    const std::size_t micro = local_rows / (k * m);             // rows per micro-batch
+    s.model.begin_step(s.key.fold_in(s.step), true);
+    std::vector<step_metrics> out(s.mesh.size());
+    meshlib::spmd(
+        s.mesh,
+        [&](std::size_t dev) {
+          const std::size_t first = s.mesh.group_rank(dev, State::data_axes) * local_rows;
+          if (first < global_offset || first + local_rows > global_offset + rows)
+            throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                                 std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                                 ") of the global batch, but this process holds rows [" +
+                                 std::to_string(global_offset) + ", " + std::to_string(global_offset + rows) + ")");
+          schedule.begin_step(dev);
+          step_metrics& mt = out[dev];
+          buffer_meter* meter = s.activation_meter(dev);
+          meter->reset_peak();
+          double sums[2] = {0, 0};  // loss, correct
+          // Micro-batch j: rows [first + j micro, first + (j + 1) micro) of the global batch.
+          const auto row0 = [&](std::size_t j) { return first + j * micro - global_offset; };
+          const auto input = [&](std::size_t j) {
+            return make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features);
+          };
+          const auto loss_on = [&](std::size_t j, const auto& z, auto& dz) {
+            const meter_scope unmetered(nullptr);  // the loss's scratch is not the model's
+            const loss_part part = as_loss_part(loss(z, y.subspan(row0(j) * width, micro * width), global_rows, dz));
+            if (s.loss_scaling() || State::mixed) {
+              // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+              scale_in_place(dz.data(), dz.size(), s.loss_scale());
+              round_to<typename State::compute_type>(dz.data(), dz.size());
+            }
+            sums[0] += part.loss;
+            sums[1] += static_cast<double>(part.correct);
+          };
+          schedule.run(dev, k, micro, input, loss_on, mt);
+          schedule.end_step(dev);
+          mt.peak_activation_bytes = meter->peak;
+          mt.loss_scale = s.loss_scale();
+          mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
+          mt.skipped = s.loss_scaling() && !std::isfinite(mt.grad_norm);
+          sum_over<Schedule::metric_axes>(s.mesh, dev, sums);
+          mt.loss = sums[0];
+          mt.correct = static_cast<std::size_t>(sums[1] + 0.5);
+          mt.rows = global_rows;
+        },
+        backend);
+    const step_metrics& r = out[s.local_devices().front()];
+    for (std::size_t dev : s.local_devices())
+      if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+        throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                             std::to_string(dev) + ")");
+    s.finish_step(r.skipped);
+    return r;
+  });
 }
 
 /// The model's output type for a train state's input of elements `In` (what a loss receives).
@@ -11363,8 +11438,8 @@ step_metrics train_step(State& s, const device_batch& b, Loss&& loss, const Back
 // begin meshlib/nn/train/evaluate.hpp
 /// @file
 /// @brief `evaluate(state, data)`: loss and accuracy of the model, forward only, in batches split
-/// over the data axes. A state with a pipeline runs the pipeline's schedule instead
-/// (nn/parallel/pipeline_step.hpp).
+/// over the data axes; with a `pipeline` policy, each batch through the stages in turn
+/// (nn/train/microbatches.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -11385,35 +11460,37 @@ namespace detail {
 template <class State, input_element In, class Backend>
 step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
                           std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
-  check_runner(s, backend, "evaluate");
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = [&] {
-            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
-            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          }();
-          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
+  return with_microbatches<In>(s, [&](const auto& schedule) {
+    using Schedule = std::remove_cvref_t<decltype(schedule)>;
+    check_runner(s, backend, "evaluate");
+    const std::size_t dp = s.mesh.axes_size(State::data_axes);
+    s.model.begin_step(s.key, false);
+    std::vector<step_metrics> out(s.mesh.size());
+    meshlib::spmd(
+        s.mesh,
+        [&](std::size_t dev) {
+          const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+          schedule.begin_evaluate(dev);
+          double sums[2] = {0, 0};
+          for (std::size_t start = 0; start < count; start += batch_rows) {
+            const std::size_t units = std::min(batch_rows, count - start) / group;
+            const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+            const auto input = [&] { return make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features); };
+            auto on_output = [&](const auto& z) {
+              const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
+              sums[0] += part.loss;
+              sums[1] += static_cast<double>(part.correct);
+            };
+            schedule.evaluate(dev, input, hi - lo, on_output);
+          }
+          sum_over<Schedule::metric_axes>(s.mesh, dev, sums);
+          out[dev].loss = sums[0];
+          out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+          out[dev].rows = count;
+        },
+        backend);
+    return out[s.local_devices().front()];
+  });
 }
 }  // namespace detail
 
@@ -11796,7 +11873,7 @@ std::vector<param_array> params(const State& state) {
     std::vector<bool> seen(total, false);
     std::size_t filled = 0;
     for (std::size_t dev : state.local_devices()) {
-      const float* v = meshlib::detail::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
+      const float* v = meshlib::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
       detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
         std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
         filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),
@@ -11808,7 +11885,7 @@ std::vector<param_array> params(const State& state) {
       throw sharding_error("meshlib::nn: params: " + std::to_string(total - filled) + " of the " +
                            std::to_string(total) + " elements of parameter '" + p.name +
                            "' are held only by devices of other processes (this process holds devices " +
-                           meshlib::detail::describe_devices(state.local_devices()) +
+                           meshlib::describe_devices(state.local_devices()) +
                            "); read them where every block is (a train state of every device), or save_checkpoint "
                            "and read its global files");
     out.push_back(std::move(a));
@@ -12067,7 +12144,7 @@ inline void write_whole(const save_io& io, const std::filesystem::path& path, st
 inline std::string checksum_line(std::string_view body) {
   char text[40];
   std::snprintf(text, sizeof text, "checksum %016llx\n",
-                static_cast<unsigned long long>(meshlib::detail::fnv1a_of(body)));
+                static_cast<unsigned long long>(meshlib::fnv1a_of(body)));
   return text;
 }
 
@@ -12254,7 +12331,7 @@ inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t 
   std::ifstream in(path, std::ios::binary);
   in.read(data.data(), static_cast<std::streamsize>(data.size()));
   if (!in) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot read back '" + path.string() + "'");
-  return meshlib::detail::fnv1a_of({data.data(), data.size()});
+  return meshlib::fnv1a_of({data.data(), data.size()});
 }
 
 /// Runs `phase` on this process, then agrees with the others on the outcome: when any process
@@ -12329,7 +12406,7 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   std::ifstream in(path, std::ios::binary);
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
-  if (meshlib::detail::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
+  if (meshlib::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
     throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;
@@ -12491,7 +12568,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -12501,7 +12578,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(b.value[dev], b.count[dev], stage);
           detail::for_each_global_run(b, dev, 0, b.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -12516,7 +12593,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         for (std::size_t s = 0; s < slots; ++s) {
-          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          const float* v = meshlib::host_readable<space>(slot[s], len, stage);
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             put(opt[i * slots + s], g, v + (k - off), n);
           });
@@ -12641,7 +12718,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(values[i].data() + g, n, v + k);
         });
@@ -12650,7 +12727,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(buffer_values[i].data() + g, n, v + k);
         });
@@ -12661,7 +12738,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       for (std::size_t s = 0; s < slots; ++s)
-        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+        meshlib::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
           });

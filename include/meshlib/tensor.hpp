@@ -6,6 +6,7 @@
 /// reductions, transpose, matmul). Needs Kokkos; Kokkos Kernels is used for matmul where found.
 
 #include "meshlib/tensor/view.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/spec_algebra.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"

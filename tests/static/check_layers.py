@@ -4,8 +4,11 @@
 "Layers"): the layers depend only downward, core < comm < runtime < tensor < collectives <
 debug < exec < nn, and the thread backend (comm/thread/) is the runners' transport, not a
 utility of the layers between: tensor, collectives and debug do not include it (the timeout
-default is comm/timeout.hpp; the device threads and pinning belong to exec). Each violation is
-printed as `file:line: message`.
+default is comm/timeout.hpp; the device threads and pinning belong to exec). The layers in
+NO_FOREIGN_DETAIL (nn) name nothing of another layer's internal namespace: no `meshlib::detail::`
+name, whichever it is, in their code (their own `meshlib::nn::detail` is theirs); they use the
+public faces below them (tensor/kernel.hpp: `meshlib::launch`, `meshlib::allocate`, block views;
+`meshlib::diagnostic`). Each violation is printed as `file:line: message`.
 
 Usage: check_layers.py INCLUDE_DIR   (the directory that holds meshlib/)
        check_layers.py --self-test   (the checker against small trees with and without violations)
@@ -25,6 +28,9 @@ EXTRA = [
      "the thread backend is the runners' transport: the timeout default is meshlib/comm/timeout.hpp, "
      "the device threads and pinning are exec's"),
 ]
+# Layers whose code names no `meshlib::detail::` entity (another layer's internals).
+NO_FOREIGN_DETAIL = ("nn",)
+FOREIGN_DETAIL = re.compile(r"(?<![\w:])(?:::)?meshlib::detail::(\w+)|using\s+namespace\s+(?:::)?meshlib::detail\b")
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](meshlib/[^">]+)[">]')
 
 
@@ -42,6 +48,14 @@ def violations(include_dir):
                 rel = os.path.relpath(path, include_dir)
                 with open(path, encoding="utf-8") as f:
                     for number, text in enumerate(f, 1):
+                        if layer in NO_FOREIGN_DETAIL:
+                            code = text.split("//", 1)[0]  # a comment may name what it explains
+                            for d in FOREIGN_DETAIL.finditer(code):
+                                name = d.group(1) or "(using namespace)"
+                                found.append((rel, number, f"layer '{layer}' names meshlib::detail::{name}, another "
+                                              "layer's internal name; use the public face (meshlib::launch, "
+                                              "meshlib::allocate, meshlib::block_view: meshlib/tensor/kernel.hpp; "
+                                              "meshlib::diagnostic) or make the name public in its layer"))
                         m = INCLUDE.match(text)
                         if not m or m.group(1) in ANYWHERE:
                             continue
@@ -67,10 +81,10 @@ def check(include_dir):
     for rel, number, message in found:
         print(f"{rel}:{number}: meshlib: {message}")
     if found:
-        print(f"meshlib: {len(found)} include(s) against the layer order; move the code to the layer that owns "
-              "it (docs/design.md, 'Layers')")
+        print(f"meshlib: {len(found)} include(s) or name(s) against the layer order; move the code to the layer "
+              "that owns it, or use the public face of the layer below (docs/design.md, 'Layers')")
         return 1
-    print("meshlib: every header includes only its own layer and those below it")
+    print("meshlib: every header includes only its own layer and those below it; nn names no other layer's detail")
     return 0
 
 
@@ -90,6 +104,8 @@ def self_test():
         "meshlib/comm/timeout.hpp": "#include \"meshlib/core/mesh.hpp\"\n",
         "meshlib/tensor/view.hpp": "#include \"meshlib/comm/timeout.hpp\"\n",
         "meshlib/exec/pool.hpp": "#include \"meshlib/comm/thread/run_on_threads.hpp\"\n#include \"meshlib/debug/observe.hpp\"\n",
+        "meshlib/nn/k.hpp": "// uses meshlib::detail::launch no more\nmeshlib::launch<S>(n, f);\nnn::detail::fill(p);\n"
+                            "detail::fill(p);  // meshlib::detail::x in a comment\n",
     }
     bad = dict(clean)
     bad["meshlib/core/mesh.hpp"] = "#pragma once\n#include <vector>\n#include \"meshlib/tensor/view.hpp\"\n"
@@ -97,13 +113,15 @@ def self_test():
     bad["meshlib/tensor/pool.hpp"] = "#include \"meshlib/core/mesh.hpp\"\n  #  include <meshlib/comm/thread/options.hpp>\n"
     bad["meshlib/debug/observe.hpp"] = "#include \"meshlib/comm/thread/options.hpp\"\n"
     bad["meshlib/comm/x.hpp"] = "#include \"meshlib/debug/trace.hpp\"\n"
+    bad["meshlib/nn/k.hpp"] = "// x\n  meshlib::detail::launch<S>(n, f);\nusing namespace meshlib::detail;\nx = ::meshlib::detail::y;\n"
     failures = []
     got = violations(tree(clean))
     if got:
         failures.append(f"a clean tree reported {got}")
     got = {(rel, line) for rel, line, _ in violations(tree(bad))}
     want = {("meshlib/core/mesh.hpp", 3), ("meshlib/collectives/device_context.hpp", 2),
-            ("meshlib/tensor/pool.hpp", 2), ("meshlib/debug/observe.hpp", 1), ("meshlib/comm/x.hpp", 1)}
+            ("meshlib/tensor/pool.hpp", 2), ("meshlib/debug/observe.hpp", 1), ("meshlib/comm/x.hpp", 1),
+            ("meshlib/nn/k.hpp", 2), ("meshlib/nn/k.hpp", 3), ("meshlib/nn/k.hpp", 4)}
     if got != want:
         failures.append(f"the bad tree reported {sorted(got)}, expected {sorted(want)}")
     if check(tree(bad)) != 1:

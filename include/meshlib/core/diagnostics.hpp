@@ -29,7 +29,7 @@
 
 #include "meshlib/core/fixed_string.hpp"
 
-/// @brief The types that only appear in compile-time error messages. Users never name them.
+/// @brief The types that only appear in compile-time error messages (a layer names itself with `op_t`).
 namespace meshlib::diagnostic {
 
 /// The collective or function at fault: `op<'p', 's', 'u', 'm'>`.
@@ -137,3 +137,16 @@ template <std::size_t N>
 using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
 
 }  // namespace meshlib::detail
+
+/// What a layer written outside core (nn's, or a user's) spells its own compile-time errors with.
+namespace meshlib::diagnostic {
+/// False for every argument list, once the arguments are known: a diagnostic's condition.
+using detail::always_false;
+/// `op<'c','o','n','v','2','d'>` for the name `"conv2d"`: how a layer names itself in errors (its
+/// `diagnostic_name`).
+template <fixed_string Name>
+using op_t = detail::diag_op_t<Name>;
+/// The axes of `Mesh` in `Mask`, spelled out: `axes<axis<'d','a','t','a'>>`.
+template <class Mesh, unsigned Mask>
+using axes_t = detail::diag_axes_t<Mesh, Mask>;
+}  // namespace meshlib::diagnostic

@@ -35,3 +35,10 @@ struct fnv1a {
 constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
 
 }  // namespace meshlib::detail
+
+namespace meshlib {
+/// @brief FNV-1a, for the layers above core (parameter streams, checkpoint checksums) and a user's
+/// own checksums: the same entities as `detail::fnv1a` and `detail::fnv1a_of`.
+using detail::fnv1a;
+using detail::fnv1a_of;
+}  // namespace meshlib

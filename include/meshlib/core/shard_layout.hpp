@@ -131,6 +131,10 @@ inline std::string describe_devices(std::span<const std::size_t> devices) {
 
 }  // namespace detail
 
+/// @brief A list of devices as meshlib's error messages show it: "{2, 3}" (for the messages of
+/// layers above core, and a user's).
+using detail::describe_devices;
+
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.
 /// @code
 /// meshlib::shard_layout layout{sharding, std::array<std::size_t, 2>{8, 6}};

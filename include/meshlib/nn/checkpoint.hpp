@@ -91,6 +91,7 @@
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/runtime/distributed.hpp"
 #include "meshlib/runtime/process_exchange.hpp"
+#include "meshlib/tensor/kernel.hpp"
 
 namespace meshlib::nn {
 
@@ -254,7 +255,7 @@ inline void write_whole(const save_io& io, const std::filesystem::path& path, st
 inline std::string checksum_line(std::string_view body) {
   char text[40];
   std::snprintf(text, sizeof text, "checksum %016llx\n",
-                static_cast<unsigned long long>(meshlib::detail::fnv1a_of(body)));
+                static_cast<unsigned long long>(meshlib::fnv1a_of(body)));
   return text;
 }
 
@@ -441,7 +442,7 @@ inline std::uint64_t checksum_of(const std::filesystem::path& path, std::size_t 
   std::ifstream in(path, std::ios::binary);
   in.read(data.data(), static_cast<std::streamsize>(data.size()));
   if (!in) throw checkpoint_error("meshlib::nn: save_checkpoint: cannot read back '" + path.string() + "'");
-  return meshlib::detail::fnv1a_of({data.data(), data.size()});
+  return meshlib::fnv1a_of({data.data(), data.size()});
 }
 
 /// Runs `phase` on this process, then agrees with the others on the outcome: when any process
@@ -516,7 +517,7 @@ inline std::vector<float> read_file(const std::filesystem::path& path, std::size
   std::ifstream in(path, std::ios::binary);
   in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(size));
   if (!in) throw checkpoint_error("meshlib::nn: restore_checkpoint: cannot read '" + path.string() + "'");
-  if (meshlib::detail::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
+  if (meshlib::fnv1a_of({reinterpret_cast<const char*>(data.data()), size}) != sum)
     throw checkpoint_error("meshlib::nn: restore_checkpoint: '" + path.string() + "' (" + std::string(kind) + " '" + param +
                            "') does not match its checksum in the index: the file is corrupted");
   return data;
@@ -678,7 +679,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(p), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~p.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(state.master(i, dev), p.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(state.master(i, dev), p.count[dev], stage);
           detail::for_each_global_run(p, dev, 0, p.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -688,7 +689,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       detail::out_file out(io, value_file(b), false);
       for (std::size_t dev : state.local_devices())
         if (state.mesh.group_rank(dev, state.mesh.all_axes & ~b.sharded_axes) == 0) {
-          const float* v = meshlib::detail::host_readable<space>(b.value[dev], b.count[dev], stage);
+          const float* v = meshlib::host_readable<space>(b.value[dev], b.count[dev], stage);
           detail::for_each_global_run(b, dev, 0, b.count[dev],
                                       [&](std::size_t k, std::size_t g, std::size_t n) { put(out, g, v + k, n); });
         }
@@ -703,7 +704,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         const auto& p = state.params[i];
         if (!state.owns_state(dev, p)) return;
         for (std::size_t s = 0; s < slots; ++s) {
-          const float* v = meshlib::detail::host_readable<space>(slot[s], len, stage);
+          const float* v = meshlib::host_readable<space>(slot[s], len, stage);
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             put(opt[i * slots + s], g, v + (k - off), n);
           });
@@ -828,7 +829,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < count; ++i) {
     const auto& p = state.params[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(state.master(i, dev), p.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(values[i].data() + g, n, v + k);
         });
@@ -837,7 +838,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
   for (std::size_t i = 0; i < buffer_values.size(); ++i) {
     const auto& b = buffers[i];
     for (std::size_t dev : state.local_devices())
-      meshlib::detail::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
+      meshlib::edit_on_host<space>(b.value[dev], b.count[dev], stage, [&](float* v) {
         detail::for_each_global_run(b, dev, 0, b.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
           std::copy_n(buffer_values[i].data() + g, n, v + k);
         });
@@ -848,7 +849,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const> slot) {
       const auto& p = state.params[i];
       for (std::size_t s = 0; s < slots; ++s)
-        meshlib::detail::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
+        meshlib::edit_on_host<space>(slot[s], len, stage, [&](float* v) {
           detail::for_each_global_run(p, dev, off, len, [&](std::size_t k, std::size_t g, std::size_t n) {
             std::copy_n(opt[i * slots + s].data() + g, n, v + (k - off));
           });

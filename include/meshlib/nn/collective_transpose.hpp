@@ -29,6 +29,7 @@
 #include "meshlib/collectives/gathers.hpp"
 #include "meshlib/collectives/permutes.hpp"
 #include "meshlib/collectives/reductions.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -40,7 +41,7 @@ namespace detail {
 /// return type is deduced.
 template <class Space, class V>
 void copy_runs(V* to, const V* from, std::size_t outer, std::size_t run, std::size_t stride, std::size_t at) {
-  meshlib::detail::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
+  meshlib::launch<Space>(outer, KOKKOS_LAMBDA(std::size_t o) {
     for (std::size_t k = 0; k < run; ++k) to[o * run + k] = from[o * stride + at + k];
   });
 }
@@ -78,7 +79,7 @@ template <fixed_string Axis, std::size_t Dim, local_tensor_type L>
     const std::size_t inner = ct.size() / (outer * shape[Dim]);
     const std::size_t chunk = shape[Dim] / n;
     shape[Dim] = chunk;
-    auto out = meshlib::detail::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
+    auto out = meshlib::allocate<typename L::value_type, L::rank, typename L::memory_space>(shape, "meshlib::nn", false);
     // One work item per outer index: a contiguous run of chunk * inner elements.
     using V = typename L::value_type;
     V* to = out.data();

@@ -44,6 +44,7 @@
 
 #include "meshlib/nn/data/errors.hpp"
 #include "meshlib/nn/data/loader.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
@@ -88,7 +89,7 @@ inline device_batch device_batch_header(const batch& b) {
 /// copied first).
 [[nodiscard]] inline device_batch device_put(batch b) {
   device_batch d = detail::device_batch_header(b);
-  if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+  if constexpr (meshlib::host_accessible_v<default_memory_space>) {
     d.host_rows = std::make_shared<const std::vector<float>>(std::move(b.x));
     d.x = Kokkos::View<float*, default_memory_space>(const_cast<float*>(d.host_rows->data()), d.host_rows->size());
   } else {
@@ -132,7 +133,7 @@ class device_prefetcher {
 
   /// @brief Whether batches are copied (a device memory space) or handed through (host).
   [[nodiscard]] static constexpr bool copies() noexcept {
-    return !meshlib::detail::host_accessible_v<default_memory_space>;
+    return !meshlib::host_accessible_v<default_memory_space>;
   }
 
   /// The loader it reads.

@@ -37,6 +37,7 @@
 #include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/loss_function.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -76,12 +77,12 @@ struct mean_squared_error {
     double local_sum = 0;
     const T* t = targets.data() + col0;  // row i's block of columns starts at t[i * width]
     double* res = &local_sum;
-    [[maybe_unused]] meshlib::detail::block_view_t<T, 1, space> staged;
-    [[maybe_unused]] meshlib::detail::block_view_t<double, 1, space> staged_sum;
-    if constexpr (!meshlib::detail::host_accessible_v<space>) {
-      staged = meshlib::detail::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
-      staged_sum = meshlib::detail::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
-      meshlib::detail::copy_from_host<space>(staged.data(), targets.data(), targets.size());
+    [[maybe_unused]] meshlib::block_view<T, 1, space> staged;
+    [[maybe_unused]] meshlib::block_view<double, 1, space> staged_sum;
+    if constexpr (!meshlib::host_accessible_v<space>) {
+      staged = meshlib::allocate<T, 1, space>({targets.size()}, "meshlib::nn::mean_squared_error", false);
+      staged_sum = meshlib::allocate<double, 1, space>({1}, "meshlib::nn::mean_squared_error", false);
+      meshlib::copy_from_host<space>(staged.data(), targets.data(), targets.size());
       t = staged.data() + col0;
       res = staged_sum.data();
     }
@@ -90,7 +91,7 @@ struct mean_squared_error {
       using share_t = local_tensor<double, 1, typename Z::mesh_type, Z::vary, 0, replicated_dims<1>, space>;
       (void)detail::psum_over<col_axes>(detail::wrap1<share_t>(res, 1, output.mesh(), output.device()));
     }
-    return loss_part{meshlib::detail::read_back<space>(res), 0};
+    return loss_part{meshlib::read_back<space>(res), 0};
   }
 
  private:

@@ -33,6 +33,7 @@
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
 namespace meshlib::nn {
@@ -60,7 +61,7 @@ inline auto uniform(float limit) {
 namespace detail {
 /// FNV-1a of a parameter name: its stream id, so the values depend on the name, not on the order
 /// in which a model registers its parameters.
-constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::detail::fnv1a_of(name); }
+constexpr std::uint64_t name_id(std::string_view name) noexcept { return meshlib::fnv1a_of(name); }
 }  // namespace detail
 
 namespace detail {
@@ -74,7 +75,7 @@ template <class T, class Space = default_memory_space>
 class device_blocks {
  public:
   /// A device's block.
-  using view_type = meshlib::detail::unmanaged_view_t<T, 1, Space>;
+  using view_type = meshlib::unmanaged_block_view<T, 1, Space>;
   device_blocks() = default;
   /// `n` devices, none local yet.
   explicit device_blocks(std::size_t n) : views_(n) {}

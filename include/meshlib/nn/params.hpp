@@ -26,6 +26,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/shard_layout.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
@@ -57,7 +58,7 @@ std::vector<param_array> params(const State& state) {
     std::vector<bool> seen(total, false);
     std::size_t filled = 0;
     for (std::size_t dev : state.local_devices()) {
-      const float* v = meshlib::detail::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
+      const float* v = meshlib::host_readable<default_memory_space>(state.master(i, dev), p.count[dev], stage);
       detail::for_each_global_run(p, dev, 0, p.count[dev], [&](std::size_t k, std::size_t g, std::size_t n) {
         std::copy_n(v + k, n, a.values.begin() + static_cast<std::ptrdiff_t>(g));
         filled += static_cast<std::size_t>(std::count(seen.begin() + static_cast<std::ptrdiff_t>(g),
@@ -69,7 +70,7 @@ std::vector<param_array> params(const State& state) {
       throw sharding_error("meshlib::nn: params: " + std::to_string(total - filled) + " of the " +
                            std::to_string(total) + " elements of parameter '" + p.name +
                            "' are held only by devices of other processes (this process holds devices " +
-                           meshlib::detail::describe_devices(state.local_devices()) +
+                           meshlib::describe_devices(state.local_devices()) +
                            "); read them where every block is (a train state of every device), or save_checkpoint "
                            "and read its global files");
     out.push_back(std::move(a));

@@ -22,6 +22,7 @@
 
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 /// 1 where the compiler has `_Float16` (GCC 12+ and Clang 15+ on x86-64 and AArch64), and with it
@@ -90,7 +91,7 @@ namespace detail {
 template <class C, class Space = default_memory_space>
 inline void round_to(float* p, std::size_t n) noexcept {
   if constexpr (!std::is_same_v<C, float>)
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = static_cast<float>(C(p[i])); });
 }
 
 /// `to[i] = from[i]` put on the grid of `C` for `[0, n)` of memory `Space`: the float masters
@@ -98,14 +99,14 @@ inline void round_to(float* p, std::size_t n) noexcept {
 /// values twice), as a Kokkos kernel on the running device's instance.
 template <class C, class Space = default_memory_space>
 inline void round_copy(float* to, const float* from, std::size_t n) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<float>(C(from[i])); });
 }
 
 /// Multiplies `n` floats of memory `Space` by `s` (loss scaling: the scaled cotangent, the
 /// unscaled gradients): a Kokkos kernel on the running device's instance.
 template <class Space = default_memory_space>
 inline void scale_in_place(float* p, std::size_t n, float s) noexcept {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = p[i] * s; });
 }
 
 /// Whether the reduction type `W` may reduce gradients computed in `C`: float or double always;

@@ -165,7 +165,7 @@ class sequential {
         using from_t = typename std::conditional_t<I == 0, std::type_identity<diagnostic::network_input>,
                                                    prev_layer_diagnostic<I>>::type;
         return detail::sequential_layers_do_not_chain<
-            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::detail::diag_value_t<in_t>,
+            diagnostic::layer<I, typename detail::layer_diagnostic_name<L>::type>, meshlib::diagnostic::value_t<in_t>,
             from_t, typename detail::layer_input_requirement<L>::type>();
       } else {
         return diagnose_chain<X, I + 1>();

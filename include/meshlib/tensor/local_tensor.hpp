@@ -238,6 +238,12 @@ template <class L>
 using diag_value_t = typename diag_value_impl<L>::type;
 }  // namespace detail
 
+namespace diagnostic {
+/// The layout of local value `L` spelled out for a compile-time error: `value<vary<...>, partial<...>, dims<...>>`.
+template <class L>
+using value_t = detail::diag_value_t<L>;
+}  // namespace diagnostic
+
 namespace detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
 struct rebind_local;

@@ -120,4 +120,29 @@ TEST_CASE("a ZeRO stage data_parallel does not shard is refused, naming fully_sh
   CHECK(what.find("fully_shard") != std::string::npos);
 }
 
+TEST_CASE("data_parallel's ZeRO-1 beside fully_shard, and ZeRO-1 with overlap, are refused naming the policies",
+          "[nn][policies][errors]") {
+  using mesh_t = meshlib::mesh<axis<"replica">, axis<"shard">, axis<"model">>;
+  const mesh_t m{2, 2, 1};
+  CHECK(meshlib_test::message_of([&] {
+          nn::train_state s(m, make_net(m), opt(), nn::data_parallel<"replica">{.zero = 1}, nn::fully_shard<"shard">{});
+        }) == "meshlib::nn: train_state: data_parallel<\"replica\">{.zero = 1} and fully_shard<\"shard\"> both shard the "
+              "optimizer state; fully_shard already shards it (over 'shard', the data_parallel<\"replica\"> axis "
+              "holding replicas of the shards: HSDP): drop .zero");
+  // The order of the policies does not matter.
+  CHECK(meshlib_test::message_of([&] {
+          nn::train_state s(m, make_net(m), opt(), nn::fully_shard<"shard">{}, nn::data_parallel<"replica">{.zero = 1});
+        }).find("both shard the optimizer state") != std::string::npos);
+  CHECK(meshlib_test::message_of([&] {
+          nn::train_state s(m, make_net(m), opt(), nn::data_parallel<"replica">{.zero = 1, .overlap = true});
+        }) == "meshlib::nn: train_state: data_parallel<\"replica\">{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
+              "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
+  // ZeRO-1 alone, and fully_shard beside a plain data_parallel, are fine.
+  nn::train_state zero(m, make_net(m), opt(), nn::data_parallel<"replica">{.zero = 1});
+  CHECK(zero.options.zero);
+  nn::train_state hsdp(m, make_net(m), opt(), nn::data_parallel<"replica">{}, nn::fully_shard<"shard">{});
+  CHECK(hsdp.options.fsdp);
+  CHECK_FALSE(hsdp.options.zero);
+}
+
 }  // namespace MESHLIB_TEST_UNIT

@@ -71,4 +71,38 @@ TEST_CASE("docs/tensors.md example 3: the local view, one thread per device", "[
   for (std::size_t i = 0; i < partial_products[0].size(); ++i) CHECK(partial_products[0][i] + partial_products[1][i] == 12.0f);
 }
 
+TEST_CASE("docs/tensors.md, writing a kernel: the public kernel face on device threads", "[tensor][docs]") {
+  constexpr std::size_t n = 1000, devices = 4;
+  std::vector<std::vector<float>> got(devices);
+  std::vector<float> last(devices), first(devices);
+  std::vector<std::thread> threads;
+  for (std::size_t dev = 0; dev < devices; ++dev)
+    threads.emplace_back([&, dev] {
+      // Each device thread allocates and drops only its own blocks (the reference-count rule).
+      meshlib::block_view<float, 1> in = meshlib::allocate<float, 1>({n}, "docs::in");
+      const meshlib::block_view<float, 1> out = meshlib::allocate<float, 1>({n}, "docs::out");
+      const meshlib::unmanaged_block_view<float, 1> view(out.data(), n);
+      std::vector<float> host(n), stage;
+      for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>(i + dev);
+      CHECK(meshlib::read_back<meshlib::default_memory_space>(in.data() + 7) == 0.0f);  // zero-filled
+      meshlib::copy_from_host<meshlib::default_memory_space>(in.data(), host.data(), n);
+      float* y = out.data();
+      const float* x = in.data();
+      meshlib::launch<meshlib::default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = 2 * x[i]; });
+      got[dev].resize(n);
+      meshlib::copy_to_host<meshlib::default_memory_space>(got[dev].data(), view.data(), n);
+      last[dev] = meshlib::host_readable<meshlib::default_memory_space>(y, n, stage)[n - 1];
+      meshlib::edit_on_host<meshlib::default_memory_space>(y, 1, stage, [](float* q) { q[0] = -1.0f; });
+      first[dev] = meshlib::read_back<meshlib::default_memory_space>(y);
+    });
+  for (auto& t : threads) t.join();
+  static_assert(meshlib::host_accessible_v<Kokkos::HostSpace>);
+  for (std::size_t dev = 0; dev < devices; ++dev) {
+    INFO("device " << dev);
+    for (std::size_t i = 0; i < n; i += 111) CHECK(got[dev][i] == 2.0f * static_cast<float>(i + dev));
+    CHECK(last[dev] == 2.0f * static_cast<float>(n - 1 + dev));
+    CHECK(first[dev] == -1.0f);
+  }
+}
+
 }  // namespace MESHLIB_TEST_UNIT

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <limits>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -18,7 +19,7 @@ namespace meshlib::nn::detail {
 /// (each sequence and head contiguous for the products), and back (`unsplit_heads`).
 template <class Space, class T>
 void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) qh[((t * hl + h) * rows + i) * hd + e] = y[i * 3 * hl * hd + (h * 3 + t) * hd + e];
@@ -28,7 +29,7 @@ void split_heads(T* qh, const T* y, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `split_heads`.
 template <class Space, class T>
 void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t t = 0; t < 3; ++t)
         for (std::size_t e = 0; e < hd; ++e) y[i * 3 * hl * hd + (h * 3 + t) * hd + e] = qh[((t * hl + h) * rows + i) * hd + e];
@@ -39,7 +40,7 @@ void unsplit_heads(T* y, const T* qh, std::size_t rows, std::size_t hl, std::siz
 /// and back (`unmerge_heads`).
 template <class Space, class T>
 void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) o[i * hl * hd + h * hd + e] = oh[(h * rows + i) * hd + e];
   });
@@ -48,7 +49,7 @@ void merge_heads(T* o, const T* oh, std::size_t rows, std::size_t hl, std::size_
 /// The inverse of `merge_heads`.
 template <class Space, class T>
 void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::size_t hd) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t h = 0; h < hl; ++h)
       for (std::size_t e = 0; e < hd; ++e) oh[(h * rows + i) * hd + e] = o[i * hl * hd + h * hd + e];
   });
@@ -58,7 +59,7 @@ void unmerge_heads(T* oh, const T* o, std::size_t rows, std::size_t hl, std::siz
 /// `j <= i` with the maximum subtracted, 0 above.
 template <class Space, class T>
 void causal_softmax(T* s, std::size_t n, std::size_t seq) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     T* row = s + r * seq;
     const std::size_t last = r % seq;
     T m = -std::numeric_limits<T>::infinity();
@@ -75,7 +76,7 @@ void causal_softmax(T* s, std::size_t n, std::size_t seq) {
 /// the scores folded in); 0 above the diagonal.
 template <class Space, class T>
 void causal_softmax_backward(const T* p, T* dp, std::size_t n, std::size_t seq, T scale) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t r) {
     const T* pr = p + r * seq;
     T* d = dp + r * seq;
     const std::size_t last = r % seq;

@@ -25,6 +25,7 @@
 
 #include "meshlib/collectives/permutes.hpp"
 #include "meshlib/collectives/reductions.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -135,7 +136,7 @@ class device_buffers {
     if (s.view.extent(0) < n) {
       if (s.meter != nullptr) s.meter->remove(s.bytes);
       s.view = view_t();  // the old block goes before the new one comes: the meter's peak is real
-      s.view = meshlib::detail::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
+      s.view = meshlib::allocate<T, 1>({n}, "meshlib::nn::buffer", false);
       s.bytes = n * sizeof(T);
       s.meter = active_meter();
       if (s.meter != nullptr) s.meter->add(s.bytes);
@@ -146,17 +147,17 @@ class device_buffers {
   /// Device `dev`'s buffer of `n` elements, zero-filled (a Kokkos kernel on the running device's instance).
   T* zeros(std::size_t dev, std::size_t n) {
     T* p = get(dev, n);
-    meshlib::detail::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
+    meshlib::launch<default_memory_space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = T{}; });
     return p;
   }
   /// `n` values of the caller's host memory at `src`, readable by kernels in the buffers' memory
   /// space: `src` itself where the host's memory is that space's, else a copy in device `dev`'s buffer.
   const T* readable(std::size_t dev, const T* src, std::size_t n) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       return src;
     } else {
       T* p = get(dev, n);
-      meshlib::detail::copy_from_host<default_memory_space>(p, src, n);
+      meshlib::copy_from_host<default_memory_space>(p, src, n);
       return p;
     }
   }
@@ -174,7 +175,7 @@ class device_buffers {
   buffer_slot_ref slot_ref(std::size_t dev) { return {&bufs_.at(dev), &release_slot, &slot_holds}; }
 
  private:
-  using view_t = meshlib::detail::block_view_t<T, 1, default_memory_space>;
+  using view_t = meshlib::block_view<T, 1, default_memory_space>;
   struct slot {
     view_t view;
     buffer_meter* meter = nullptr;  // the meter that counted `bytes` (not owned)

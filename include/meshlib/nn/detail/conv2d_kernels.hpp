@@ -15,7 +15,7 @@
 /// (`conv2d::algorithm()` has the rule and what was measured.)
 ///
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
-/// (`meshlib::detail::launch`, see tensor/view.hpp), over raw pointers, one work item per output
+/// (`meshlib::launch`, see tensor/view.hpp), over raw pointers, one work item per output
 /// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
 /// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
 /// device code, which runs the plain loops.
@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -70,7 +71,7 @@ KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
 /// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
 template <class Space, class T>
 void bias_rows(T* y, const T* bias, std::size_t cout, std::size_t r0, std::size_t r1) {
-  meshlib::detail::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
+  meshlib::launch<Space>(r1 - r0, KOKKOS_LAMBDA(std::size_t q) { copy_run(y + (r0 + q) * cout, bias, cout); });
 }
 
 /// Rows `[r0, r1)` of the patch matrix into `cols` (`(r1 - r0) x K`, row-major): the `k x k` window
@@ -85,7 +86,7 @@ void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::siz
             const T* bias = nullptr) {
   if (r1 <= r0) return;
   const std::size_t t0 = r0 / g.wo, t1 = (r1 - 1) / g.wo + 1;  // output image rows (img * ho + oh)
-  meshlib::detail::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(t1 - t0, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t t = t0 + q, img = t / g.ho, oh = t % g.ho, run = g.k * g.cin, kk = g.patch();
     const std::size_t ow0 = t * g.wo < r0 ? r0 - t * g.wo : 0, ow1 = (t + 1) * g.wo > r1 ? r1 - t * g.wo : g.wo;
     if (g.k == 1 && g.p == 0) {  // a 1x1 window: a gather of every s-th pixel's channels
@@ -248,7 +249,7 @@ void direct_conv(T* y, const T* x, const T* wt, const T* bias, const conv_geomet
   // Output columns whose window lies inside the image: ow * s >= p and ow * s + k <= w + p.
   const std::size_t lo = (g.p + g.s - 1) / g.s, hi_end = g.w + g.p >= g.k ? (g.w + g.p - g.k) / g.s + 1 : 0;
   const std::size_t hi = hi_end < g.wo ? hi_end : g.wo;
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     constexpr std::size_t tile = direct_pixels<T>;
     std::size_t i0, i1, j0, j1;
     g.window(t % g.ho, g.h, i0, i1);
@@ -317,7 +318,7 @@ KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride,
 /// window, the output pixels whose window reads the image there. `direct_grad_w_sum` adds the blocks.
 template <class Space, class T>
 void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
+  meshlib::launch<Space>(images * g.ho, KOKKOS_LAMBDA(std::size_t t) {
     const std::size_t img = t / g.ho, oh = t % g.ho, kc = g.patch() * g.cout;
     T* acc = part + t * kc;
     copy_run(acc, static_cast<const T*>(nullptr), kc);
@@ -345,7 +346,7 @@ void direct_grad_w_rows(T* part, const T* x, const T* dy, const conv_geometry g,
 template <class Space, class T>
 void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t rows, bool overwrite) {
   constexpr std::size_t block = 64;
-  meshlib::detail::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
     if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
     for (std::size_t t = 0; t < rows; ++t)
@@ -358,7 +359,7 @@ void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t row
 /// patch entry, in kernel order (no atomics: the same bits on every run and mesh).
 template <class Space, class T>
 void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
-  meshlib::detail::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
     T* dst = dx + q * g.cin;
     for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};

@@ -3,7 +3,7 @@
 /// @file
 /// @brief The small Kokkos kernels the training layers share: fill, converting copy, and a launch
 /// over blocks of columns for column sums (bias gradients, norm parameters). Each is one RangePolicy
-/// `parallel_for` on the running device's execution-space instance (`meshlib::detail::launch`, the one
+/// `parallel_for` on the running device's execution-space instance (`meshlib::launch`, the one
 /// launch safe from concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp), over memory
 /// `Space`; the bodies are the plain loops they replaced, so the compiler vectorises them as before.
 ///
@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -30,14 +31,14 @@ namespace meshlib::nn::detail {
 /// `p[i] = v` for `[0, n)` of memory `Space`, as a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void fill_values(T* p, std::size_t n, std::type_identity_t<T> v) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { p[i] = v; });
 }
 
 /// `to[i] = To(from[i])` for `[0, n)` of memory `Space` (a copy, or a conversion such as float to
 /// bfloat16), as a Kokkos kernel on the running device's instance.
 template <class Space, class To, class From>
 void convert_copy(To* to, const From* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
 }
 
 /// Columns per work item of `for_column_blocks`: a layer of up to 1024 outputs is one work item,
@@ -65,7 +66,7 @@ struct column_blocks_kernel {
 /// on a mesh (nn/detail/layer_kernels.hpp says why).
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
-  meshlib::detail::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
+  meshlib::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
 }
 
 }  // namespace meshlib::nn::detail

@@ -3,7 +3,7 @@
 /// @file
 /// @brief The element-wise and row-wise kernels of the dense, activation, dropout, residual,
 /// positional-embedding and embedding layers. Each is one RangePolicy `parallel_for` on the running
-/// device's instance over memory `Space` (`meshlib::detail::launch`), or a launch over blocks of
+/// device's instance over memory `Space` (`meshlib::launch`), or a launch over blocks of
 /// columns for sums over rows (`for_column_blocks`, rows added in row order: the same bits on every
 /// mesh and backend); the bodies are the loops the layers ran before.
 ///
@@ -19,6 +19,7 @@
 
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/random.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -26,7 +27,7 @@ namespace meshlib::nn::detail {
 /// `y += bias` (`add`) or `y = bias` on every row of `y` (`rows x out`), one work item per row.
 template <class Space, class T>
 void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T* yi = y + i * out;
     const T* bj = bias;
     if (add)
@@ -53,7 +54,7 @@ void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh)
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
 }
 
 /// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
@@ -61,9 +62,9 @@ void activation_forward(T* y, const T* x, std::size_t n) {
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
   if constexpr (requires { Fn::vjp(T{}, T{}); })
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
   else
-    meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
 }
 
 /// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide
@@ -72,7 +73,7 @@ void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
 template <class Space, class T>
 void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t cols, std::size_t r0, std::size_t c0,
                      std::size_t gcols, rng_key key, float rate, T keep) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::uint64_t row = static_cast<std::uint64_t>((r0 + i) * gcols + c0);
     for (std::size_t j = 0; j < cols; ++j) {
       mask[i * cols + j] = uniform(key, row + j) >= rate ? keep : T{0};
@@ -84,19 +85,19 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
 }
 
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
 }
 
 /// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.
 template <class Space, class T>
 void add_positions(T* y, const T* xp, const T* w, std::size_t rows, std::size_t d, std::size_t seq) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* wr = w + (i % seq) * d;
     for (std::size_t j = 0; j < d; ++j) y[i * d + j] = xp[i * d + j] + wr[j];
   });
@@ -117,7 +118,7 @@ void position_grad(T* g, const T* dyp, std::size_t rows, std::size_t d, std::siz
 template <class Space, class T>
 void lookup_rows(T* y, const T* w, const std::int32_t* id, std::size_t rows, std::size_t d, std::size_t v0,
                  std::size_t vl) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const std::size_t v = static_cast<std::size_t>(id[i]);
     T* yi = y + i * d;
     if (v >= v0 && v < v0 + vl) {

@@ -2,7 +2,7 @@
 #pragma once
 /// @file
 /// @brief The kernels of the losses and of embedding's id check, each one RangePolicy `parallel_for`
-/// on the running device's instance over memory `Space` (`meshlib::detail::launch`), and the read-back
+/// on the running device's instance over memory `Space` (`meshlib::launch`), and the read-back
 /// of the one or two numbers the host needs from them (a copy only for device memory).
 ///
 /// Why free functions over pointers, templated on the element type and the memory space only: nvcc
@@ -21,6 +21,7 @@
 #include <limits>
 
 #include "meshlib/nn/loss_function.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -28,7 +29,7 @@ namespace meshlib::nn::detail {
 /// `mx[i]` = the largest of row `i`'s `cols` logits at `z` (row-major).
 template <class Space, class T>
 void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T m = -std::numeric_limits<T>::infinity();
     for (std::size_t j = 0; j < cols; ++j) m = m < z[i * cols + j] ? z[i * cols + j] : m;
     mx[i] = m;
@@ -40,7 +41,7 @@ void row_max(const T* z, std::size_t rows, std::size_t cols, T* mx) {
 template <class Space, class T>
 void exp_and_target(const T* z, std::size_t rows, std::size_t cols, std::size_t col0, const std::int32_t* lab,
                     const T* mx, T* g, T* sum, T* tgt) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     T s = 0;
     for (std::size_t j = 0; j < cols; ++j) s += (g[i * cols + j] = std::exp(z[i * cols + j] - mx[i]));
     sum[i] = s;
@@ -58,14 +59,14 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
                               const T* mx, const T* sum, const T* tgt, std::size_t global_batch, T* g, double* term) {
   const T inv_b = T{1} / static_cast<T>(global_batch);
   const double gb = static_cast<double>(global_batch);
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     term[i] = (static_cast<double>(std::log(sum[i])) + mx[i] - tgt[i]) / gb;
     const std::size_t l = static_cast<std::size_t>(lab[i]);
     const T inv = T{1} / sum[i];
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
     if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double loss = 0, correct = 0;
     for (std::size_t i = 0; i < rows; ++i) {
       loss += term[i];
@@ -75,7 +76,7 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
     term[rows + 1] = correct;
   });
   double totals[2];
-  meshlib::detail::copy_to_host<Space>(totals, term + rows, 2);
+  meshlib::copy_to_host<Space>(totals, term + rows, 2);
   return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
 }
 
@@ -85,10 +86,10 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
 template <class Space, class T>
 void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, std::size_t width, T two_scale,
                    double scale, T* g, double* sum) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = two_scale * (z[i * cols + j] - t[i * width + j]);
   });
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     double s = 0;
     for (std::size_t i = 0; i < rows; ++i)
       for (std::size_t j = 0; j < cols; ++j) {
@@ -103,7 +104,7 @@ void squared_error(const T* z, const T* t, std::size_t rows, std::size_t cols, s
 /// one work item writes it to `*res` (memory `Space`), read back here.
 template <class Space>
 std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int32_t vocab, std::size_t* res) {
-  meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
     std::size_t first = rows;
     for (std::size_t i = 0; i < rows; ++i)
       if (id[i] < 0 || id[i] >= vocab) {
@@ -112,7 +113,7 @@ std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int3
       }
     *res = first;
   });
-  return meshlib::detail::read_back<Space>(res);
+  return meshlib::read_back<Space>(res);
 }
 
 }  // namespace meshlib::nn::detail

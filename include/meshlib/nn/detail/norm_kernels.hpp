@@ -11,6 +11,7 @@
 #include <cstddef>
 
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -20,7 +21,7 @@ namespace meshlib::nn::detail {
 template <class Space, class T>
 void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T* bv, std::size_t rows, std::size_t n,
                         T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T mean = 0, var = 0;
     for (std::size_t j = 0; j < n; ++j) mean += xi[j];
@@ -39,7 +40,7 @@ void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T*
 template <class Space, class T>
 void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T* rstd, const T* gv, std::size_t rows,
                          std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s1 = 0, s2 = 0;  // mean of dxhat and of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) {
@@ -66,7 +67,7 @@ void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T
 /// RMSNorm's forward over `rows x n`: `rinv[i]` = 1 / rms of row `i`, `xh = x / rms`, `y = xh * g`.
 template <class Space, class T>
 void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_t rows, std::size_t n, T eps) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* xi = xp + i * n;
     T ms = 0;
     for (std::size_t j = 0; j < n; ++j) ms += xi[j] * xi[j];
@@ -84,7 +85,7 @@ void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_
 template <class Space, class T>
 void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, const T* gv, std::size_t rows,
                        std::size_t n) {
-  meshlib::detail::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
     const T* d = dyp + i * n;
     T s = 0;  // mean of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
@@ -123,7 +124,7 @@ void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size
 template <class Space, class T>
 void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, const T* q, std::size_t c, T count,
                       T eps, T mom, T unbias) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = s[j] / count;
     const T var = q[j] / count;
     rstd[j] = T{1} / std::sqrt(var + eps);
@@ -135,7 +136,7 @@ void batch_statistics(T* mean, T* rstd, T* run_mean, T* run_var, const T* s, con
 /// Batch norm in evaluation: the channels' `mean` and `rstd` from the running statistics.
 template <class Space, class T>
 void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, std::size_t c, T eps) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     mean[j] = run_mean[j];
     rstd[j] = T{1} / std::sqrt(run_var[j] + eps);
   });
@@ -145,7 +146,7 @@ void running_statistics(T* mean, T* rstd, const T* run_mean, const T* run_var, s
 template <class Space, class T>
 void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
                      std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) {
       xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
       y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
@@ -171,7 +172,7 @@ void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size
 /// `gg = beta_g gg + sum dy * xhat`, `gb = beta_b gb + sum dy` (batch norm's parameter gradients).
 template <class Space, class T>
 void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T beta_b) {
-  meshlib::detail::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
+  meshlib::launch<Space>(c, KOKKOS_LAMBDA(std::size_t j) {
     gg[j] = beta_g * gg[j] + sums[c + j];
     gb[j] = beta_b * gb[j] + sums[j];
   });
@@ -182,7 +183,7 @@ void batch_param_grads(T* gg, T* gb, const T* sums, std::size_t c, T beta_g, T b
 template <class Space, class T>
 void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
                    std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j)
       dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
   });
@@ -191,7 +192,7 @@ void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, c
 /// Batch norm's input cotangent in evaluation (constant statistics): `dx = g * rstd * dy`.
 template <class Space, class T>
 void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
-  meshlib::detail::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
+  meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
     for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
   });
 }

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn::detail {
@@ -19,7 +20,7 @@ namespace meshlib::nn::detail {
 template <class Space, bool Max, class T>
 void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::size_t h, std::size_t wd, std::size_t c,
                   std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
+  meshlib::launch<Space>(n * ho * wo, KOKKOS_LAMBDA(std::size_t r) {
     // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
     // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
     const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
@@ -53,7 +54,7 @@ void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::siz
 template <class Space, bool Max, class T>
 void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, std::size_t h, std::size_t wd,
                    std::size_t c, std::size_t ho, std::size_t wo, std::size_t k, std::size_t s, T inv) {
-  meshlib::detail::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
     T* dst = dx + q * c;
     for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
@@ -76,7 +77,7 @@ void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, s
 /// Global average pooling of `n` images of `hw` pixels and `c` channels (`inv` = 1 / hw).
 template <class Space, class T>
 void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t img) {
     T* yi = y + img * c;
     const T* xi = xp + img * hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) yi[ch] = T{0};
@@ -89,7 +90,7 @@ void global_pool_forward(T* y, const T* xp, std::size_t n, std::size_t hw, std::
 /// `dx = dy / (H * W)` on every pixel.
 template <class Space, class T>
 void global_pool_backward(T* dx, const T* d, std::size_t n, std::size_t hw, std::size_t c, T inv) {
-  meshlib::detail::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
+  meshlib::launch<Space>(n * hw, KOKKOS_LAMBDA(std::size_t q) {
     const T* di = d + q / hw * c;
     for (std::size_t ch = 0; ch < c; ++ch) dx[q * c + ch] = di[ch] * inv;
   });

@@ -163,7 +163,7 @@ std::string layer_name(std::size_t index, const L& l) {
 
 template <class Layer, class Receives, class From, class Needs>
 consteval bool sequential_layers_do_not_chain() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, From, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, From, Needs>,
                 "meshlib::nn: sequential: a layer cannot take what the layer before it returns: their shardings do "
                 "not chain. The condition spells out sequential_layers_do_not_chain<the layer (index, kind), the "
                 "layout it receives, the layer it receives it from (or the network input), what it needs>. A "

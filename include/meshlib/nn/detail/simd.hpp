@@ -5,7 +5,7 @@
 /// updates), written once as a generic body that runs on `float` (the tail, and compilers without
 /// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
 /// and the sum of squares of global-norm clipping, on the running device's execution-space
-/// instance (`meshlib::detail::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// instance (`meshlib::launch`: a RangePolicy `parallel_for`, the one launch safe from
 /// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
 ///
 /// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
@@ -34,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
 // Not in nvcc's device pass (`__CUDA_ARCH__`): a GPU thread runs the scalar form of the bodies.
@@ -125,7 +126,7 @@ struct lanes_kernel {
 /// refuses a generic extended lambda.
 template <class Space, std::size_t K, class F>
 void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  meshlib::detail::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
+  meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
 /// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
@@ -163,19 +164,19 @@ template <class Space>
 double sum_of_squares(const float* x, std::size_t n, double* scratch) {
   const std::size_t blocks = squares_scratch(n) - 1;
   double* part = scratch;
-  meshlib::detail::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+  meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
   if (blocks > 1) {
-    meshlib::detail::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
       double s = 0;
       for (std::size_t b = 0; b < blocks; ++b) s += part[b];
       part[blocks] = s;
     });
-    return meshlib::detail::read_back<Space>(part + blocks);
+    return meshlib::read_back<Space>(part + blocks);
   }
-  return blocks == 1 ? meshlib::detail::read_back<Space>(part) : 0.0;
+  return blocks == 1 ? meshlib::read_back<Space>(part) : 0.0;
 }
 
 }  // namespace meshlib::nn::detail

@@ -45,7 +45,7 @@ class elementwise_activation {
   template <class X>
   static constexpr bool accepts_input = X::partial == 0;
   /// For compile-time messages: the activation's name.
-  using diagnostic_name = meshlib::detail::diag_op_t<Fn::name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<Fn::name>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::complete_values;
 

@@ -47,6 +47,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 
@@ -116,7 +117,7 @@ class causal_self_attention {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"causal_self_attention">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"causal_self_attention">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -205,8 +206,8 @@ class causal_self_attention {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
   static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,

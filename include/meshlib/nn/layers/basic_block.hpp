@@ -121,7 +121,7 @@ class basic_block {
   template <class X>
   static constexpr bool accepts_input = conv2d<T, Mesh>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"basic_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"basic_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

@@ -119,7 +119,7 @@ class batch_norm {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>() && X::dims_type::at(0) == data_mask;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"batch_norm">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"batch_norm">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

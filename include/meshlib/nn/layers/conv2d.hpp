@@ -52,6 +52,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 
@@ -183,7 +184,7 @@ class conv2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<"conv2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"conv2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -315,8 +316,8 @@ class conv2d {
   }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
 
   /// The constructor's checks; returns `kernel * kernel` (the weight's rows per input channel).
   static std::size_t checked(const std::string& name, const image_shape& in, std::size_t out_channels,
@@ -341,7 +342,7 @@ class conv2d {
   /// Output pixels per im2col block (see `im2col_block_bytes`): all `m` of them in a memory space the
   /// host cannot read (a GPU wants one large product, not a cache-sized one).
   [[nodiscard]] std::size_t block_rows(std::size_t m) const noexcept {
-    if constexpr (!meshlib::detail::host_accessible_v<default_memory_space>) return m;
+    if constexpr (!meshlib::host_accessible_v<default_memory_space>) return m;
     const std::size_t rows = im2col_block_bytes / (kernel_ * kernel_ * in_.channels * sizeof(T));
     return std::max<std::size_t>(rows, im2col_min_rows);
   }

@@ -49,6 +49,7 @@
 #include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
@@ -101,7 +102,7 @@ consteval bool dense_accepts() {
 
 template <class Layer, class Receives, class Needs>
 consteval bool dense_input_does_not_fit() {
-  static_assert(meshlib::detail::always_false<Layer, Receives, Needs>,
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
                 "meshlib::nn: a dense layer cannot take this input: the condition spells out "
                 "dense_input_does_not_fit<the layer's kind, the input's layout, what it needs>. A row_dense needs its "
                 "features sharded over its model axis (the output of a column_dense); a dense or column_dense needs "
@@ -167,9 +168,9 @@ class basic_dense {
   template <class X>
   static constexpr bool accepts_input = detail::dense_accepts<X, Mesh, T, w_sharding::dim_mask(0), w_sharding::dim_mask(1)>();
   /// For compile-time messages: the kind, and what the input's features must be sharded over.
-  using diagnostic_name = meshlib::detail::diag_op_t<kind_name>;
+  using diagnostic_name = meshlib::diagnostic::op_t<kind_name>;
   /// @copydoc diagnostic_name
-  using input_requirement = diagnostic::features_sharded_over<meshlib::detail::diag_axes_t<Mesh, w_sharding::dim_mask(0)>>;
+  using input_requirement = diagnostic::features_sharded_over<meshlib::diagnostic::axes_t<Mesh, w_sharding::dim_mask(0)>>;
 
   /// `y = x W + b` (`row`: `psum<Model>(x W) + b`). Saves `x` for the backward pass.
   /// @throws sharding_error when `x`'s width is not the weight's input width.
@@ -177,7 +178,7 @@ class basic_dense {
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
     if constexpr (!accepts_input<X>) {
-      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::detail::diag_value_t<X>, input_requirement>());
+      static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {
       const std::size_t dev = x.device();
@@ -255,8 +256,8 @@ class basic_dense {
     std::size_t rows = 0, in = 0;
   };
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   /// `in`, after checking that the width the layer splits over `Model` divides evenly (the output of
   /// a `column_dense`, such as a language model's vocabulary, the input of a `row_dense`): the
   /// message names the layer, the width and the fix, where the sharding's own would name only a

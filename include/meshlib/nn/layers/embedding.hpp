@@ -45,6 +45,7 @@
 #include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
@@ -97,7 +98,7 @@ class embedding {
   static constexpr bool accepts_input = std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1 &&
                                         Ids::partial == 0 && (Ids::vary & model_mask) == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"embedding">;
 
   /// The output type for ids of type `Ids`: a row per id, rows sharded as the ids, features complete.
   template <class Ids>
@@ -182,7 +183,7 @@ class embedding {
     if (bad != rows)
       throw std::out_of_range("meshlib::nn: " + to_string() + ": token " + std::to_string(bad) + " on device " +
                               std::to_string(dev) + " has id " +
-                              std::to_string(meshlib::detail::read_back<default_memory_space>(id + bad)) +
+                              std::to_string(meshlib::read_back<default_memory_space>(id + bad)) +
                               ", not in [0, " + std::to_string(vocab_size()) +
                               "); map the text to ids below the vocabulary size");
   }

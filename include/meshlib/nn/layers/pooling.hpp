@@ -66,7 +66,7 @@ class pool2d {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"pool2d">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"pool2d">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -172,7 +172,7 @@ class global_avg_pool {
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"global_avg_pool">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"global_avg_pool">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

@@ -91,7 +91,7 @@ class positional_embedding {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"positional_embedding">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"positional_embedding">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

@@ -46,7 +46,7 @@ class row_norm {
   template <class X>
   static constexpr bool accepts_input = X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0;
   /// For compile-time messages: the kind, and what the input's features must be.
-  using diagnostic_name = meshlib::detail::diag_op_t<Kind>;
+  using diagnostic_name = meshlib::diagnostic::op_t<Kind>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

@@ -32,6 +32,7 @@
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/layers/embedding.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 
@@ -67,7 +68,7 @@ class tied_head {
   template <class X>
   static constexpr bool accepts_input = column_dense<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"tied_head">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"tied_head">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -123,8 +124,8 @@ class tied_head {
   void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
 
  private:
-  using cview = meshlib::detail::unmanaged_view_t<const T, 2, default_memory_space>;
-  using view = meshlib::detail::unmanaged_view_t<T, 2, default_memory_space>;
+  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
+  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
   struct saved {
     const T* x = nullptr;
     std::size_t rows = 0;

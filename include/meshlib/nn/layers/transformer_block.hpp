@@ -83,7 +83,7 @@ class transformer_block {
   template <class X>
   static constexpr bool accepts_input = causal_self_attention<T, Mesh, Model>::template accepts_input<X>;
   /// For compile-time messages.
-  using diagnostic_name = meshlib::detail::diag_op_t<"transformer_block">;
+  using diagnostic_name = meshlib::diagnostic::op_t<"transformer_block">;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 

@@ -53,6 +53,7 @@
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/sequential.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -99,7 +100,7 @@ namespace detail {
 /// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
 template <class Space, class T>
 void add_values(T* to, const T* from, std::size_t n) {
-  meshlib::detail::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
 }
 
 /// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
@@ -136,11 +137,11 @@ class fsdp_shard_layout final : public param_layout {
                                  [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
   }
   held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
-    using view_t = meshlib::detail::block_view_t<float, 1, default_memory_space>;
+    using view_t = meshlib::block_view<float, 1, default_memory_space>;
     auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
     held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
     for (std::size_t dev : devices) {
-      (*owned)[dev] = meshlib::detail::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
+      (*owned)[dev] = meshlib::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
       h.blocks.set(dev, (*owned)[dev].data(), count(dev));
     }
     return h;
@@ -231,8 +232,8 @@ class fsdp_engine final : public layer_hooks {
         gmax = std::max(gmax, used);
       }
       const std::size_t vn = reshard_ ? vmax : vall;
-      values_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
-      grads_[dev] = meshlib::detail::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
+      values_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
+      grads_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
       unsharded_[dev] = vn + gmax;
     }
     // The shards, with their layouts; each starts as its chunk of the parameter's current block.
@@ -416,7 +417,7 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::vector<std::function<void()>>> prefetched_;
   std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
   std::vector<std::vector<std::size_t>> voff_, goff_;
-  std::vector<meshlib::detail::block_view_t<T, 1, Space>> values_, grads_;
+  std::vector<meshlib::block_view<T, 1, Space>> values_, grads_;
   std::vector<double> seconds_;
   std::vector<std::size_t> unsharded_;
 };

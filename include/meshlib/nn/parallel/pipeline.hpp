@@ -69,6 +69,7 @@
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/parallel/pipeline_schedule.hpp"
+#include "meshlib/tensor/kernel.hpp"
 
 namespace meshlib::nn {
 
@@ -91,8 +92,8 @@ struct pipeline_options {
 };
 
 /// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
-/// `pipeline_llama`); a `parallel_policy`. Its schedule runs its own step
-/// (nn/parallel/pipeline_step.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
+/// `pipeline_llama`); a `parallel_policy`. Its schedule runs the step's micro-batches
+/// (nn/parallel/pipeline_run.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt,
 ///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 8});
@@ -507,7 +508,7 @@ struct pipeline_engine {
   device_buffers<float> inputs, dys, dlogits, send, scratch, stash;
   /// The blocks of the parameters a device's stage holds (moved out of the layers' own storage,
   /// which goes), and one zero block that the other stages' parameters point to on that device.
-  std::vector<meshlib::detail::block_view_t<float, 1, default_memory_space>> owned;
+  std::vector<meshlib::block_view<float, 1, default_memory_space>> owned;
   std::vector<double> busy;  ///< per device: seconds of the last step's rounds spent computing
   std::vector<double> span;  ///< per device: seconds of the last step's rounds, first to last
   std::vector<pipeline_stage_times> times;  ///< per device: the last step's compute, by kind
@@ -637,7 +638,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
   std::size_t most = 1;
   for (std::size_t i = 0; i < params.size(); ++i)
     for (std::size_t dev : local) most = std::max(most, e.block_elements(i, dev));
-  e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
+  e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({most}, "meshlib::nn::pipeline_released"));
   float* zero = e.owned.back().data();
   std::vector<float*> vs(e.devices, nullptr), gs(e.devices, nullptr);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -649,7 +650,7 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
         vs[dev] = gs[dev] = zero;
         continue;
       }
-      e.owned.push_back(meshlib::detail::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
+      e.owned.push_back(meshlib::allocate<float, 1, default_memory_space>({2 * n}, "meshlib::nn::pipeline_stage"));
       vs[dev] = e.owned.back().data();
       gs[dev] = vs[dev] + n;
       convert_copy<default_memory_space>(vs[dev], p.value[dev], n);

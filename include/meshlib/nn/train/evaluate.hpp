@@ -2,8 +2,8 @@
 #pragma once
 /// @file
 /// @brief `evaluate(state, data)`: loss and accuracy of the model, forward only, in batches split
-/// over the data axes. A state with a pipeline runs the pipeline's schedule instead
-/// (nn/parallel/pipeline_step.hpp).
+/// over the data axes; with a `pipeline` policy, each batch through the stages in turn
+/// (nn/train/microbatches.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -17,7 +17,7 @@
 #include "meshlib/exec/spmd.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/text_windows.hpp"
-#include "meshlib/nn/parallel/pipeline_step.hpp"
+#include "meshlib/nn/train/microbatches.hpp"
 #include "meshlib/nn/train/step_inputs.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/nn/train/train_state.hpp"
@@ -33,35 +33,37 @@ namespace detail {
 template <class State, input_element In, class Backend>
 step_metrics run_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
                           std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_evaluate(s, x, features, y, count, group, batch_rows, backend);
-  check_runner(s, backend, "evaluate");
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          auto logits = [&] {
-            const meter_scope metered(s.activation_meter(dev));  // new buffers are the model's too
-            return s.model.forward(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          }();
-          const loss_part part = s.loss().forward(logits, y.subspan(lo, hi - lo), count);
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
+  return with_microbatches<In>(s, [&](const auto& schedule) {
+    using Schedule = std::remove_cvref_t<decltype(schedule)>;
+    check_runner(s, backend, "evaluate");
+    const std::size_t dp = s.mesh.axes_size(State::data_axes);
+    s.model.begin_step(s.key, false);
+    std::vector<step_metrics> out(s.mesh.size());
+    meshlib::spmd(
+        s.mesh,
+        [&](std::size_t dev) {
+          const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
+          schedule.begin_evaluate(dev);
+          double sums[2] = {0, 0};
+          for (std::size_t start = 0; start < count; start += batch_rows) {
+            const std::size_t units = std::min(batch_rows, count - start) / group;
+            const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
+            const auto input = [&] { return make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features); };
+            auto on_output = [&](const auto& z) {
+              const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
+              sums[0] += part.loss;
+              sums[1] += static_cast<double>(part.correct);
+            };
+            schedule.evaluate(dev, input, hi - lo, on_output);
+          }
+          sum_over<Schedule::metric_axes>(s.mesh, dev, sums);
+          out[dev].loss = sums[0];
+          out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
+          out[dev].rows = count;
+        },
+        backend);
+    return out[s.local_devices().front()];
+  });
 }
 }  // namespace detail
 

@@ -2,7 +2,7 @@
 #pragma once
 /// @file
 /// @brief The argument checks and input blocks every step and evaluation share (the plain
-/// `train_step`, `evaluate` and the pipelined schedule's step, nn/parallel/pipeline_step.hpp): the
+/// `train_step`, `evaluate` and the pipeline's schedule, nn/parallel/pipeline_run.hpp): the
 /// batch splits over the data axes, the runner runs the state's devices, a device's rows as the
 /// model's input block.
 
@@ -73,8 +73,8 @@ void check_runner(const State& s, const Runner& runner, const char* what) {
   const std::vector<std::size_t> run = runner.local_devices(s.mesh.size());
   if (run == s.local_devices()) return;
   throw sharding_error("meshlib::nn: " + std::string(what) + ": the runner runs devices " +
-                       meshlib::detail::describe_devices(run) + " in this process, but the train state holds devices " +
-                       meshlib::detail::describe_devices(s.local_devices()) +
+                       meshlib::describe_devices(run) + " in this process, but the train state holds devices " +
+                       meshlib::describe_devices(s.local_devices()) +
                        "; pass the runner the state was made for, or make the state with the runner's devices "
                        "(train_state(..., runner.local_devices(mesh.size())))");
 }

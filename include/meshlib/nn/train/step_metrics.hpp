@@ -10,6 +10,7 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
@@ -21,7 +22,7 @@ namespace detail {
 template <axis_mask Axes, mesh_type Mesh, std::size_t N>
 void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
   if constexpr (Axes != 0) {
-    if constexpr (meshlib::detail::host_accessible_v<default_memory_space>) {
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Kokkos::HostSpace>;
       (void)psum_over<Axes>(wrap1<sums_t>(v, N, mesh, dev));
     } else {
@@ -29,9 +30,9 @@ void sum_over(const Mesh& mesh, std::size_t dev, double (&v)[N]) {
       // device block of the running device (reduced in place, then read back).
       using sums_t = local_tensor<double, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, default_memory_space>;
       const sums_t d(typename sums_t::shape_type{N}, mesh, dev);
-      meshlib::detail::copy_from_host<default_memory_space>(d.data(), v, N);
+      meshlib::copy_from_host<default_memory_space>(d.data(), v, N);
       (void)psum_over<Axes>(wrap1<sums_t>(d.data(), N, mesh, dev));  // donated: in place
-      meshlib::detail::copy_to_host<default_memory_space>(v, d.data(), N);
+      meshlib::copy_to_host<default_memory_space>(v, d.data(), N);
     }
   }
 }

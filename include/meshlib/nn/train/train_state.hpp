@@ -262,7 +262,7 @@ class train_state {
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/parallel/pipeline_step.hpp), not from the layer hooks.
+    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
     if (pipeline_ == nullptr) start_overlap();
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
@@ -506,7 +506,26 @@ class train_state {
   static train_options with_policies(train_options opts, const Ps&... ps) {
     detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
     (apply_policy(opts, ps), ...);
+    (refuse_clashes<Ps...>(ps), ...);
     return opts;
+  }
+  /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
+  /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
+  /// reduce-scatter runs after the backward). Values, not types: checked at construction.
+  template <class... Ps, class P>
+  static void refuse_clashes(const P& p) {
+    if constexpr (P::kind == parallelism::data) {
+      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
+      if constexpr (detail::policy_count_v<parallelism::fully_sharded, Ps...> != 0)
+        if (p.zero == 1)
+          throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
+                               std::string(detail::text_of(Fsdp)) + "\"> both shard the optimizer state; fully_shard "
+                               "already shards it (over '" + std::string(detail::text_of(Fsdp)) + "', the " + dp +
+                               " axis holding replicas of the shards: HSDP): drop .zero");
+      if (p.zero == 1 && p.overlap)
+        throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
+                             "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
+    }
   }
   template <fixed_string A>
   static void apply_policy(train_options& o, const data_parallel<A>& p) {

@@ -4,8 +4,9 @@
 /// @brief `train_step(state, batch)`, which a user calls in a loop as optax users do: forward and
 /// backward over `accumulation` micro-batches, one bucketed data-parallel synchronisation, global-norm
 /// clipping over every shard, and the optimizer update (`train_state::apply_gradients`), all on
-/// every device of the mesh at once. A state with a pipeline runs the pipeline's schedule instead
-/// (nn/parallel/pipeline_step.hpp).
+/// every device of the mesh at once. The forwards and backwards run in the state's schedule of
+/// micro-batches: one after another, or, with a `pipeline` policy, its schedule over the stages
+/// (nn/train/microbatches.hpp).
 ///
 /// The batch is the global batch (or this process's share of it, as `data_loader` gives it): device
 /// `i` of the data axis takes rows `[i B/n, (i+1) B/n)`, replicated over the model axis.
@@ -41,7 +42,7 @@
 #include "meshlib/nn/data/text_windows.hpp"
 #include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/loss_function.hpp"
-#include "meshlib/nn/parallel/pipeline_step.hpp"
+#include "meshlib/nn/train/microbatches.hpp"
 #include "meshlib/nn/train/step_inputs.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/nn/train/train_state.hpp"
@@ -52,93 +53,74 @@ namespace detail {
 
 /// The step of every `train_step` overload, with the loss `loss` (a `loss_function` of the model's
 /// output, checked by the caller), `x` this process's `rows` rows of input (float features, or one
-/// token id per row) and `y` holding `rows` rows of targets of equal width.
+/// token id per row) and `y` holding `rows` rows of targets of equal width. The state's schedule of
+/// micro-batches (nn/train/microbatches.hpp: one after another, or the pipeline policy's) runs the
+/// forwards and backwards; the rest is the same for every parallelism.
 template <class State, input_element In, class Target, class Loss, class Backend>
 step_metrics run_train_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
                             std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  if constexpr (State::pipeline_axes != 0)
-    if (s.pipeline() != nullptr) return run_pipeline_step(s, x, y, rows, global_offset, global_rows, loss, backend);
-  const std::size_t k = s.options.accumulation;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, k);
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp, micro = local_rows / k;
-  using X = input_block_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        // Last step's gradients: the layers that can overwrite them in the first backward do (no
-        // zeroing pass over the model), the others add to zeros.
-        for (const auto& p : s.params)
-          if (p.overwrite) p.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-        double sums[2] = {0, 0};
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        s.prepare_grad_overlap(dev);
-        for (std::size_t j = 0; j < k; ++j) {
-          const std::size_t r0 = first + j * micro - global_offset;
-          const X xb = make_input_block<In>(s, dev, x.data() + r0 * features, micro, features);
-          auto logits = [&] {
-            const meter_scope metered(meter);  // counts the model's buffers only
-            return s.model.forward(xb);
-          }();
-          out[dev].activation_bytes = meter->live;
-          using Z = decltype(logits);
-          Z dlogits(typename Z::view_type(s.output_grad_block(dev, logits.size()), logits.extent(0), logits.extent(1)),
-                    s.mesh, dev);
-          const loss_part part = as_loss_part(loss(std::as_const(logits), y.subspan(r0 * width, micro * width),
-                                                   global_rows, dlogits));
-          if (s.loss_scaling() || State::mixed) {
-            // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
-            scale_in_place(dlogits.data(), dlogits.size(), s.loss_scale());
-            round_to<typename State::compute_type>(dlogits.data(), dlogits.size());
-          }
-          if (j + 1 == k) s.begin_grad_overlap(dev);  // the last backward completes the gradients
-          {
-            const meter_scope metered(meter);
-            s.model.template backward<X>(dlogits);
-          }
-          sums[0] += part.loss;
-          sums[1] += static_cast<double>(part.correct);
-        }
-        // (Overlapped: the hooks did this for the gradients whose buckets they started.)
-        const std::span<const param_ref<float>> unstarted(s.params.data(), s.grad_overlap_unstarted(dev));
-        for (const auto& p : unstarted)
-          if (p.overwrite && p.overwrite[dev]) {  // no backward wrote it (its layer did not run): zero
-            fill_values<default_memory_space>(p.grad[dev], p.count[dev], 0.0f);
-            p.overwrite[dev] = 0;
-          }
-        if constexpr (State::mixed)
-          for (const auto& p : unstarted) round_to<typename State::compute_type>(p.grad[dev], p.count[dev]);
-        step_metrics& m = out[dev];
-        m.peak_activation_bytes = meter->peak;
-        m.loss_scale = s.loss_scale();
-        m.grad_norm = s.apply_gradients(dev, m.sync_seconds);
-        m.skipped = s.loss_scaling() && !std::isfinite(m.grad_norm);
-        sum_over<State::data_axes>(s.mesh, dev, sums);
-        m.loss = sums[0];
-        m.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        m.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  for (std::size_t dev : s.local_devices())
-    if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
-      throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
-                           std::to_string(dev) + ")");
-  s.finish_step(r.skipped);
-  return r;
+  return with_microbatches<In>(s, [&](const auto& schedule) {
+    using Schedule = std::remove_cvref_t<decltype(schedule)>;
+    const std::size_t k = s.options.accumulation, m = schedule.per_group();
+    check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, schedule.checked_groups(k));
+    const std::size_t dp = s.mesh.axes_size(State::data_axes);
+    const std::size_t local_rows = global_rows / dp;
+    schedule.check_split(local_rows, global_rows, dp, k);
+    const std::size_t features = rows == 0 ? 0 : x.size() / rows;
+    const std::size_t width = rows == 0 ? 0 : y.size() / rows;  // targets per row
+    const std::size_t micro = local_rows / (k * m);             // rows per micro-batch
+    s.model.begin_step(s.key.fold_in(s.step), true);
+    std::vector<step_metrics> out(s.mesh.size());
+    meshlib::spmd(
+        s.mesh,
+        [&](std::size_t dev) {
+          const std::size_t first = s.mesh.group_rank(dev, State::data_axes) * local_rows;
+          if (first < global_offset || first + local_rows > global_offset + rows)
+            throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
+                                 std::to_string(first) + ", " + std::to_string(first + local_rows) +
+                                 ") of the global batch, but this process holds rows [" +
+                                 std::to_string(global_offset) + ", " + std::to_string(global_offset + rows) + ")");
+          schedule.begin_step(dev);
+          step_metrics& mt = out[dev];
+          buffer_meter* meter = s.activation_meter(dev);
+          meter->reset_peak();
+          double sums[2] = {0, 0};  // loss, correct
+          // Micro-batch j: rows [first + j micro, first + (j + 1) micro) of the global batch.
+          const auto row0 = [&](std::size_t j) { return first + j * micro - global_offset; };
+          const auto input = [&](std::size_t j) {
+            return make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features);
+          };
+          const auto loss_on = [&](std::size_t j, const auto& z, auto& dz) {
+            const meter_scope unmetered(nullptr);  // the loss's scratch is not the model's
+            const loss_part part = as_loss_part(loss(z, y.subspan(row0(j) * width, micro * width), global_rows, dz));
+            if (s.loss_scaling() || State::mixed) {
+              // The scaled loss's cotangent, on the compute type's grid (float16 overflows here first).
+              scale_in_place(dz.data(), dz.size(), s.loss_scale());
+              round_to<typename State::compute_type>(dz.data(), dz.size());
+            }
+            sums[0] += part.loss;
+            sums[1] += static_cast<double>(part.correct);
+          };
+          schedule.run(dev, k, micro, input, loss_on, mt);
+          schedule.end_step(dev);
+          mt.peak_activation_bytes = meter->peak;
+          mt.loss_scale = s.loss_scale();
+          mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
+          mt.skipped = s.loss_scaling() && !std::isfinite(mt.grad_norm);
+          sum_over<Schedule::metric_axes>(s.mesh, dev, sums);
+          mt.loss = sums[0];
+          mt.correct = static_cast<std::size_t>(sums[1] + 0.5);
+          mt.rows = global_rows;
+        },
+        backend);
+    const step_metrics& r = out[s.local_devices().front()];
+    for (std::size_t dev : s.local_devices())
+      if (out[dev].skipped != r.skipped)  // cannot happen: the verdict comes from an all-reduced norm
+        throw sharding_error("meshlib::nn: train_step: devices disagree on skipping the step (device " +
+                             std::to_string(dev) + ")");
+    s.finish_step(r.skipped);
+    return r;
+  });
 }
 
 /// The model's output type for a train state's input of elements `In` (what a loss receives).

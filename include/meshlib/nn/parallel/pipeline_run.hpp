@@ -1,13 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief The pipelined `train_step` and `evaluate` (nn/parallel/pipeline.hpp has the design): each
-/// device runs its stage's layers of a `sequential` over the rounds of a `pipeline_plan`, exchanging
-/// activations and gradients with its neighbours by `ppermute` over the `pipeline` axis.
-///
-/// It uses the train state and the steps' shared helpers (nn/train/step_inputs.hpp: input blocks,
-/// argument checks; nn/train/step_metrics.hpp: `sum_over`); nn/train/train_step.hpp and
-/// nn/train/evaluate.hpp include it and forward a state with a pipeline to it.
+/// @brief How the pipeline policy runs a step's micro-batches and an evaluation's batches
+/// (nn/parallel/pipeline.hpp has the design): each device runs its stage's layers of a `sequential`
+/// over the rounds of a `pipeline_plan`, exchanging activations and gradients with its neighbours by
+/// `ppermute` over the pipeline axis. `pipelined_microbatches` is what the one `train_step` and the
+/// one `evaluate` run in place of running the micro-batches one after another
+/// (nn/train/microbatches.hpp); the inputs, the loss, the synchronisation and the update are theirs.
 
 #include <array>
 #include <chrono>
@@ -25,7 +24,6 @@
 #include "meshlib/nn/parallel/pipeline.hpp"
 #include "meshlib/nn/train/step_inputs.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
-#include "meshlib/nn/train/train_state.hpp"
 
 namespace meshlib::nn::detail {
 
@@ -320,20 +318,32 @@ void sync_buffers(Runner& run) {
   });
 }
 
-/// `run_train_step` on a mesh whose pipeline axis has more than one device (see the file comment).
-template <class State, class In, class Target, class Loss, class Backend>
-step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const Target> y, std::size_t rows,
-                               std::size_t global_offset, std::size_t global_rows, Loss& loss, const Backend& backend) {
-  pipeline_engine& e = *s.pipeline();
-  const std::size_t p = e.stages;
-  const std::size_t m = s.options.pipeline.microbatches == 0 ? p : s.options.pipeline.microbatches;
-  check_step_inputs<In>(s, backend, x.size(), y.size(), rows, global_rows, 1);
-  const std::size_t dp = s.mesh.axes_size(State::data_axes);
-  const std::size_t local_rows = global_rows / dp;
-  // train_options::accumulation: k groups of m micro-batches, each group a whole schedule, the
-  // gradients summed over all k m micro-batches before the one synchronisation (as without a pipeline).
-  const std::size_t k = s.options.accumulation;
-  if (local_rows % (k * m) != 0) {
+/// The pipeline policy's schedule of a step's micro-batches (see the file comment): what the one
+/// step (nn/train/train_step.hpp) and the one evaluation (nn/train/evaluate.hpp) run on a mesh
+/// whose pipeline axis has more than one device, in place of `accumulated_microbatches`
+/// (nn/train/microbatches.hpp), with the same members. Each device runs its stage's layers over
+/// the rounds of a `pipeline_plan`; the step's `accumulation = k` runs `k` whole schedules of `m`
+/// micro-batches before the one synchronisation.
+template <class State, class In>
+struct pipelined_microbatches {
+  /// The axes the step's loss sums run over: the last stage computes the loss, every stage reports it.
+  static constexpr axis_mask metric_axes = State::data_axes | State::pipeline_axes;
+  using X0 = pipeline_input_t<State, In>;
+
+  State& s;
+  pipeline_engine& e;
+
+  /// Micro-batches per accumulation step: `pipeline.microbatches` (0: one per stage).
+  [[nodiscard]] std::size_t per_group() const {
+    return s.options.pipeline.microbatches == 0 ? e.stages : s.options.pipeline.microbatches;
+  }
+  /// The accumulation steps the common batch check divides by (the pipeline checks its own split).
+  [[nodiscard]] static std::size_t checked_groups(std::size_t) { return 1; }
+  /// Throws unless the `k` accumulation steps of `per_group()` micro-batches divide each data
+  /// device's `local_rows` rows of a global batch of `global_rows` over `dp` devices.
+  void check_split(std::size_t local_rows, std::size_t global_rows, std::size_t dp, std::size_t k) const {
+    const std::size_t m = per_group();
+    if (local_rows % (k * m) == 0) return;
     const std::string what = k == 1 ? "the pipeline's " + std::to_string(m) + " micro-batches"
                                     : "the pipeline's " + std::to_string(m) + " micro-batches x " + std::to_string(k) +
                                           " accumulation steps";
@@ -344,231 +354,190 @@ step_metrics run_pipeline_step(State& s, std::span<const In> x, std::span<const 
                          std::to_string(local_rows) + ", or a batch of a multiple of " + std::to_string(dp * k * m) +
                          " rows");
   }
-  const std::size_t features = rows == 0 ? 0 : x.size() / rows;
-  const std::size_t width = rows == 0 ? 0 : y.size() / rows;
-  const std::size_t micro = local_rows / (k * m);
-  const pipeline_plan plan(s.options.pipeline.schedule, p, m);
-  using X0 = pipeline_input_t<State, In>;
-  s.model.begin_step(s.key.fold_in(s.step), true);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        using clock = std::chrono::steady_clock;
-        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
-        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        const std::size_t first = di * local_rows;
-        if (first < global_offset || first + local_rows > global_offset + rows)
-          throw sharding_error("meshlib::nn: train_step: device " + std::to_string(dev) + " needs rows [" +
-                               std::to_string(first) + ", " + std::to_string(first + local_rows) +
-                               ") of the global batch, but this process holds rows [" + std::to_string(global_offset) +
-                               ", " + std::to_string(global_offset + rows) + ")");
-        make_group_communicators(s.mesh, dev);
-        // Gradients: this stage's parameters as in run_train_step; a mirror's block from zero.
-        for (const auto& q : s.params)
-          if (q.count[dev] == 0) continue;
-          else if (q.overwrite) q.overwrite[dev] = 1;
-          else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
-        refresh_mirrors(s, e, dev, stage, true);
-        std::size_t g = 0;  // the accumulation group running: micro-batch j is rows [(g m + j) micro, ...)
-        const auto row0 = [&](std::size_t j) { return first + (g * m + j) * micro - global_offset; };
-        const auto x0_of = [&](std::size_t j) {
-          return [&, j] {
-            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + row0(j) * features, micro, features));
-          };
-        };
-        // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
-        // holds across the rounds, counted by the device's meter (nn/remat.hpp).
-        buffer_meter* meter = s.activation_meter(dev);
-        meter->reset_peak();
-        if (e.probed_rows[dev] == 0) {
-          const meter_scope metered(meter);
-          run.probe(x0_of(0), micro);
-        }
-        const std::size_t msg = micro * run.message_per_row();
-        const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
-        const pipeline_plan::holding held = plan.held(stage);
-        float *inputs = nullptr, *dys = nullptr, *dlogits = nullptr, *send = nullptr;
-        {
-          const meter_scope metered(meter);
-          inputs = e.inputs.get(dev, held.inputs * msg);
-          dys = e.dys.get(dev, held.cotangents * msg);
-          dlogits = e.dlogits.get(dev, held.loss_grads * zn);
-          send = e.send.get(dev, msg);
-        }
-        const auto input_of = [&](std::size_t j) { return stage == 0 ? nullptr : inputs + held.input_slot[j] * msg; };
-        const auto buffers = run.stage_buffers();
-        std::size_t buffer_elements = 0;
-        for (const auto& b : buffers) buffer_elements += b.count[dev];
-        float* stash = nullptr;
-        if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
-        double sums[2] = {0, 0};
-        double busy = 0;
-        pipeline_stage_times times;
-        bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
-        std::size_t j = 0;      // the micro-batch running
-        auto forward_sink = [&](auto at, const auto& out) {
-          if constexpr (decltype(at)::value == State::model_type::size) {
-            if (!with_loss) return;
-            const meter_scope unmetered(nullptr);  // the loss's scratch is not the model's (as run_train_step)
-            using Z = std::remove_cvref_t<decltype(out)>;
-            Z dz(typename Z::view_type(dlogits + held.loss_grad_slot[j] * zn, out.extent(0), out.extent(1)), s.mesh, dev);
-            const loss_part part = as_loss_part(loss(out, y.subspan(row0(j) * width, micro * width), global_rows, dz));
-            if (s.loss_scaling() || State::mixed) {
-              // The scaled loss's cotangent, on the compute type's grid (as run_train_step).
-              scale_in_place(dz.data(), dz.size(), s.loss_scale());
-              round_to<typename State::compute_type>(dz.data(), dz.size());
-            }
-            sums[0] += part.loss;
-            sums[1] += static_cast<double>(part.correct);
-          } else {
-            if (with_loss) convert_copy<default_memory_space>(send, out.data(), out.size());
-          }
-        };
-        auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
-        const auto& rounds = plan.rounds();
-        const auto start = clock::now();
-        for (g = 0; g < k; ++g)
-          for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
-            const auto& r = rounds[ri];
-            if (r[stage].forward != pipeline_slot::none) {
-              const auto t0 = clock::now();
-              const double c0 = thread_seconds();
-              j = r[stage].forward;
-              with_loss = true;
-              {
-                const meter_scope metered(meter);
-                run.forward(x0_of(j), input_of(j), micro, forward_sink);
-              }
-              times.forward += thread_seconds() - c0;
-              ++times.forwards;
-              if (g + 1 == k && j + 1 == m) out[dev].activation_bytes = meter->live;
-              busy += std::chrono::duration<double>(clock::now() - t0).count();
-            }
-            if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
-              if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
-                convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
-            }
-            if (r[stage].backward != pipeline_slot::none) {
-              const auto t0 = clock::now();
-              j = r[stage].backward;
-              const meter_scope metered(meter);
-              double c0 = thread_seconds();
-              if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
-                with_loss = false;
-                run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
-                run.forward(x0_of(j), input_of(j), micro, forward_sink);
-                run.stash_buffers(buffers, stash, false);
-                const double c1 = thread_seconds();
-                times.recompute += c1 - c0;
-                ++times.recomputes;
-                c0 = c1;
-              }
-              run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
-                           micro, backward_sink);
-              times.backward += thread_seconds() - c0;
-              ++times.backwards;
-              busy += std::chrono::duration<double>(clock::now() - t0).count();
-            }
-            if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
-              if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
-                convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
-            }
-          }
-        e.busy[dev] = busy;
-        e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
-        e.times[dev] = times;
-        out[dev].peak_activation_bytes = meter->peak;
-        for (const auto& q : s.params)
-          if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
-            fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
-            q.overwrite[dev] = 0;
-          }
-        // A mirror's gradient goes to the owner, which adds it to its own (the tied weight's sum).
-        for (const auto& t : e.mirrors) {
-          const auto& q = s.params[t.param];
-          const std::size_t n = e.block_elements(t.param, dev);
-          const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
-          if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
-        }
-        if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as run_train_step)
-          for (const auto& q : s.params)
-            if (q.count[dev] != 0) round_to<typename State::compute_type>(q.grad[dev], q.count[dev]);
-        sync_buffers(run);
-        step_metrics& mt = out[dev];
-        mt.loss_scale = s.loss_scale();
-        mt.grad_norm = s.apply_gradients(dev, mt.sync_seconds);
-        mt.skipped = s.loss_scaling() && !std::isfinite(mt.grad_norm);
-        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);  // the last stage's sums, to all
-        mt.loss = sums[0];
-        mt.correct = static_cast<std::size_t>(sums[1] + 0.5);
-        mt.rows = global_rows;
-      },
-      backend);
-  const step_metrics& r = out[s.local_devices().front()];
-  s.finish_step(r.skipped);
-  return r;
-}
 
-/// `run_evaluate` on a mesh whose pipeline axis has more than one device: each batch goes through
-/// the stages in turn (forward only, no overlap between batches), the loss on the last stage.
-template <class State, class In, class Backend>
-step_metrics run_pipeline_evaluate(State& s, std::span<const In> x, std::size_t features, std::span<const std::int32_t> y,
-                                   std::size_t count, std::size_t group, std::size_t batch_rows, const Backend& backend) {
-  check_runner(s, backend, "evaluate");
-  pipeline_engine& e = *s.pipeline();
-  const std::size_t p = e.stages, dp = s.mesh.axes_size(State::data_axes);
-  using X0 = pipeline_input_t<State, In>;
-  s.model.begin_step(s.key, false);
-  std::vector<step_metrics> out(s.mesh.size());
-  meshlib::spmd(
-      s.mesh,
-      [&](std::size_t dev) {
-        const std::size_t stage = s.mesh.group_rank(dev, State::pipeline_axes);
-        stage_runner<State, X0> run{s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
-        const std::size_t di = s.mesh.group_rank(dev, State::data_axes);
-        make_group_communicators(s.mesh, dev);
-        refresh_mirrors(s, e, dev, stage, false);
-        double sums[2] = {0, 0};
-        for (std::size_t start = 0; start < count; start += batch_rows) {
-          const std::size_t units = std::min(batch_rows, count - start) / group;
-          const std::size_t lo = start + units * di / dp * group, hi = start + units * (di + 1) / dp * group;
-          const auto x0 = [&] {
-            return meshlib::pvary<State::pipeline_axis>(make_input_block<In>(s, dev, x.data() + lo * features, hi - lo, features));
-          };
-          const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's (as run_evaluate)
-          if (e.probed_rows[dev] == 0 && hi > lo) run.probe(x0, hi - lo);
-          const std::size_t msg = (hi - lo) * run.message_per_row();
-          float* in = e.inputs.get(dev, msg);
-          float* send = e.send.get(dev, msg);
-          auto sink = [&](auto at, const auto& z) {
-            if constexpr (decltype(at)::value == State::model_type::size) {
-              const meter_scope unmetered(nullptr);
-              const loss_part part = s.loss().forward(z, y.subspan(lo, hi - lo), count);
-              sums[0] += part.loss;
-              sums[1] += static_cast<double>(part.correct);
-            } else {
-              convert_copy<default_memory_space>(send, z.data(), z.size());
-            }
-          };
-          for (std::size_t t = 0; t < p; ++t) {
-            if (stage == t) run.forward(x0, in, hi - lo, sink);
-            if (t + 1 < p) {
-              const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
-              if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
-            }
+  [[nodiscard]] std::size_t stage_of(std::size_t dev) const { return s.mesh.group_rank(dev, State::pipeline_axes); }
+  [[nodiscard]] stage_runner<State, X0> runner(std::size_t dev) const {
+    const std::size_t stage = stage_of(dev);
+    return {s, e, dev, stage, e.bounds[stage].first, e.bounds[stage].second};
+  }
+
+  /// Before device `dev`'s step: the group communicators in one order, this stage's gradients as
+  /// the step's (overwritten by the first backward, or zeroed), a mirror's from zero.
+  void begin_step(std::size_t dev) const {
+    make_group_communicators(s.mesh, dev);
+    for (const auto& q : s.params)
+      if (q.count[dev] == 0) continue;
+      else if (q.overwrite) q.overwrite[dev] = 1;
+      else fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+    refresh_mirrors(s, e, dev, stage_of(dev), true);
+  }
+
+  /// Device `dev`'s forwards and backwards of the step's `k * per_group()` micro-batches of `micro`
+  /// rows each in the plan's rounds: `input(j)` makes micro-batch `j`'s input block (on the first
+  /// stage), `loss_on(j, z, dz)` computes its loss on the last stage, its gradient into `dz`.
+  template <class Input, class LossOn>
+  void run(std::size_t dev, std::size_t k, std::size_t micro, const Input& input, LossOn& loss_on,
+           step_metrics& metrics) const {
+    using clock = std::chrono::steady_clock;
+    const std::size_t p = e.stages, m = per_group(), stage = stage_of(dev);
+    const pipeline_plan plan(s.options.pipeline.schedule, p, m);
+    stage_runner<State, X0> run = runner(dev);
+    std::size_t g = 0;  // the accumulation group running: micro-batch j is the step's g m + j
+    const auto x0_of = [&](std::size_t j) {
+      return [&, j] { return meshlib::pvary<State::pipeline_axis>(input(g * m + j)); };
+    };
+    // Activation memory (step_metrics): the stage's layer buffers and the boundary buffers it
+    // holds across the rounds, counted by the device's meter (nn/remat.hpp).
+    buffer_meter* meter = s.activation_meter(dev);
+    if (e.probed_rows[dev] == 0) {
+      const meter_scope metered(meter);
+      run.probe(x0_of(0), micro);
+    }
+    const std::size_t msg = micro * run.message_per_row();
+    const std::size_t zn = micro * run.per_row(State::model_type::size);  // logits per micro-batch
+    const pipeline_plan::holding held = plan.held(stage);
+    float *inputs = nullptr, *dys = nullptr, *dlogits = nullptr, *send = nullptr;
+    {
+      const meter_scope metered(meter);
+      inputs = e.inputs.get(dev, held.inputs * msg);
+      dys = e.dys.get(dev, held.cotangents * msg);
+      dlogits = e.dlogits.get(dev, held.loss_grads * zn);
+      send = e.send.get(dev, msg);
+    }
+    const auto input_of = [&](std::size_t j) { return stage == 0 ? nullptr : inputs + held.input_slot[j] * msg; };
+    const auto buffers = run.stage_buffers();
+    std::size_t buffer_elements = 0;
+    for (const auto& b : buffers) buffer_elements += b.count[dev];
+    float* stash = nullptr;
+    if (buffer_elements > 0) stash = e.stash.get(dev, buffer_elements);
+    double busy = 0;
+    pipeline_stage_times times;
+    bool with_loss = true;  // false while recomputing: the loss's gradient is kept from the forward
+    std::size_t j = 0;      // the micro-batch running
+    auto forward_sink = [&](auto at, const auto& out) {
+      if constexpr (decltype(at)::value == State::model_type::size) {
+        if (!with_loss) return;
+        using Z = std::remove_cvref_t<decltype(out)>;
+        Z dz(typename Z::view_type(dlogits + held.loss_grad_slot[j] * zn, out.extent(0), out.extent(1)), s.mesh, dev);
+        loss_on(g * m + j, out, dz);
+      } else {
+        if (with_loss) convert_copy<default_memory_space>(send, out.data(), out.size());
+      }
+    };
+    auto backward_sink = [&](const auto& dx) { convert_copy<default_memory_space>(send, dx.data(), dx.size()); };
+    const auto& rounds = plan.rounds();
+    const auto start = clock::now();
+    for (g = 0; g < k; ++g)
+      for (std::size_t ri = 0; ri < rounds.size(); ++ri) {
+        const auto& r = rounds[ri];
+        if (r[stage].forward != pipeline_slot::none) {
+          const auto t0 = clock::now();
+          const double c0 = thread_seconds();
+          j = r[stage].forward;
+          with_loss = true;
+          {
+            const meter_scope metered(meter);
+            run.forward(x0_of(j), input_of(j), micro, forward_sink);
           }
+          times.forward += thread_seconds() - c0;
+          ++times.forwards;
+          if (g + 1 == k && j + 1 == m) metrics.activation_bytes = meter->live;
+          busy += std::chrono::duration<double>(clock::now() - t0).count();
         }
-        sum_over<State::data_axes | State::pipeline_axes>(s.mesh, dev, sums);
-        out[dev].loss = sums[0];
-        out[dev].correct = static_cast<std::size_t>(sums[1] + 0.5);
-        out[dev].rows = count;
-      },
-      backend);
-  return out[s.local_devices().front()];
-}
+        if (const auto pairs = round_pairs(r, true); !pairs.empty()) {
+          const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
+          if (stage > 0 && r[stage - 1].forward != pipeline_slot::none)
+            convert_copy<default_memory_space>(input_of(r[stage - 1].forward), got, msg);
+        }
+        if (r[stage].backward != pipeline_slot::none) {
+          const auto t0 = clock::now();
+          j = r[stage].backward;
+          const meter_scope metered(meter);
+          double c0 = thread_seconds();
+          if (plan.recomputes(ri, stage)) {  // the layers hold another micro-batch's forward: run this one's again
+            with_loss = false;
+            run.stash_buffers(buffers, stash, true);  // running statistics move once per micro-batch
+            run.forward(x0_of(j), input_of(j), micro, forward_sink);
+            run.stash_buffers(buffers, stash, false);
+            const double c1 = thread_seconds();
+            times.recompute += c1 - c0;
+            ++times.recomputes;
+            c0 = c1;
+          }
+          run.backward(stage + 1 == p ? dlogits + held.loss_grad_slot[j] * zn : dys + held.cotangent_slot[j] * msg,
+                       micro, backward_sink);
+          times.backward += thread_seconds() - c0;
+          ++times.backwards;
+          busy += std::chrono::duration<double>(clock::now() - t0).count();
+        }
+        if (const auto pairs = round_pairs(r, false); !pairs.empty()) {
+          const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, pairs);
+          if (stage + 1 < p && r[stage + 1].backward != pipeline_slot::none)
+            convert_copy<default_memory_space>(dys + held.cotangent_slot[r[stage + 1].backward] * msg, got, msg);
+        }
+      }
+    e.busy[dev] = busy;
+    e.span[dev] = std::chrono::duration<double>(clock::now() - start).count();
+    e.times[dev] = times;
+  }
+
+  /// After device `dev`'s backwards: an unwritten gradient zeroed, a mirror's gradient added to its
+  /// owner's (the tied weight's sum), the sums on the compute type's grid, every stage's running
+  /// statistics on every stage.
+  void end_step(std::size_t dev) const {
+    const std::size_t stage = stage_of(dev);
+    for (const auto& q : s.params)
+      if (q.count[dev] != 0 && q.overwrite && q.overwrite[dev]) {  // no backward wrote it: zero
+        fill_values<default_memory_space>(q.grad[dev], q.count[dev], 0.0f);
+        q.overwrite[dev] = 0;
+      }
+    for (const auto& t : e.mirrors) {
+      const auto& q = s.params[t.param];
+      const std::size_t n = e.block_elements(t.param, dev);
+      const float* r = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, q.grad[dev], n, {{t.mirror, t.owner}});
+      if (stage == t.owner) add_values<default_memory_space>(q.grad[dev], r, n);
+    }
+    if constexpr (State::mixed)  // the summed gradients on the compute type's grid (as without a pipeline)
+      for (const auto& q : s.params)
+        if (q.count[dev] != 0) round_to<typename State::compute_type>(q.grad[dev], q.count[dev]);
+    stage_runner<State, X0> run = runner(dev);
+    sync_buffers(run);
+  }
+
+  /// Before device `dev`'s evaluation: the group communicators, the mirrors' values.
+  void begin_evaluate(std::size_t dev) const {
+    make_group_communicators(s.mesh, dev);
+    refresh_mirrors(s, e, dev, stage_of(dev), false);
+  }
+  /// Device `dev`'s forward of one evaluation batch of `rows` rows (`input()` its block on the
+  /// first stage) through the stages in turn (no overlap between batches); `on_output(z)` with the
+  /// model's output on the last stage.
+  template <class Input, class OnOutput>
+  void evaluate(std::size_t dev, const Input& input, std::size_t rows, OnOutput& on_output) const {
+    const std::size_t p = e.stages, stage = stage_of(dev);
+    stage_runner<State, X0> run = runner(dev);
+    const auto x0 = [&] { return meshlib::pvary<State::pipeline_axis>(input()); };
+    const meter_scope metered(s.activation_meter(dev));  // the stage's buffers are the model's
+    if (e.probed_rows[dev] == 0 && rows > 0) run.probe(x0, rows);
+    const std::size_t msg = rows * run.message_per_row();
+    float* in = e.inputs.get(dev, msg);
+    float* send = e.send.get(dev, msg);
+    auto sink = [&](auto at, const auto& z) {
+      if constexpr (decltype(at)::value == State::model_type::size) {
+        const meter_scope unmetered(nullptr);
+        on_output(z);
+      } else {
+        convert_copy<default_memory_space>(send, z.data(), z.size());
+      }
+    };
+    for (std::size_t t = 0; t < p; ++t) {
+      if (stage == t) run.forward(x0, in, rows, sink);
+      if (t + 1 < p) {
+        const float* got = pipeline_exchange<State::pipeline_axis>(s.mesh, dev, send, msg, {{t, t + 1}});
+        if (stage == t + 1) convert_copy<default_memory_space>(in, got, msg);
+      }
+    }
+  }
+};
 
 }  // namespace meshlib::nn::detail
