@@ -5986,15 +5986,32 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <cstddef>
 #include <string>
 
+// begin meshlib/nn/optim/detail/fusion.hpp
+/// @file
+/// @brief How built-in transforms share one kernel: a transform with a `step_type` (an elementwise
+/// step of optim/detail/kernels.hpp) and its `constants(run)` is `fusable`; a chain of fusable
+/// transforms runs their steps as one kernel (optim/chain.hpp), and its last stage adds the result
+/// to the parameter in that same pass (`update_and_apply`). A transform without them (a user's)
+/// runs on its own, and the parameter is updated by a pass of its own.
+
+#include <array>
+#include <cstddef>
+
 // begin meshlib/nn/optim/detail/kernels.hpp
 /// @file
-/// @brief The elementwise bodies of the built-in gradient transforms, run by `for_lanes`
-/// (nn/detail/simd.hpp) on `float` and `simd_float` alike. Each keeps the exact expression the
-/// fused optimizer kernels had before transforms composed (`(m * c1) / (sqrt(v * c2) + eps)`, ...):
-/// a chain of these gives the old `adam`, `adamw` and `sgd` bit for bit (tests/unit/nn/test_optim.cpp),
-/// because `p - lr * x == p + (-lr) * x` exactly in IEEE arithmetic. Classes, not generic lambdas,
-/// which nvcc refuses in device code.
+/// @brief The elementwise steps of the built-in gradient transforms, and `fused_body`, which runs a
+/// sequence of them as one kernel (`for_lanes`, nn/detail/simd.hpp, on `float` and `simd_float`
+/// alike): a chain of built-in transforms reads and writes each element once, as the fused
+/// optimizer kernels before transforms composed did. Each step keeps the exact expression of those
+/// kernels (`(m * c1) / (sqrt(v * c2) + eps)`, ...), so `adam`, `adamw` and `sgd` give their numbers
+/// bit for bit (tests/unit/nn/test_optim.cpp): `p - lr * x == p + (-lr) * x` exactly in IEEE
+/// arithmetic. Classes, not generic lambdas, which nvcc refuses in device code.
+///
+/// A step is a class with `constants` (floats per step it reads, `k[0..]`), `slots` (state floats
+/// per element) and `apply(i, x, k, s, p)`: the new update of element `i` from the update `x`, its
+/// constants `k`, its state slots `s` and the parameter `p`.
 
+#include <array>
 #include <cstddef>
 
 // begin meshlib/nn/detail/simd.hpp
@@ -6180,68 +6197,50 @@ double sum_of_squares(const float* x, std::size_t n, double* scratch) {
 
 namespace meshlib::nn::detail {
 
-/// `u *= k[0]`.
-struct scale_body {
-  float* u;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    store_at(u, i, load_as(u, i, k[0]) * k[0]);
+/// `x * k[0]`: clip, scale, schedule, learning rate.
+struct scale_step {
+  static constexpr std::size_t constants = 1, slots = 0;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t, L x, const K* k, float* const*, const float*) {
+    return x * k[0];
   }
 };
 
-/// `p += u` (optax's `apply_updates`); constants `{0}` only give the lane type.
-struct apply_body {
-  float* p;
-  const float* u;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    store_at(p, i, load_as(p, i, k[0]) + load_as(u, i, k[0]));
+/// `x + wd p` (`k = {wd}`): decoupled weight decay.
+struct decay_step {
+  static constexpr std::size_t constants = 1, slots = 0;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L x, const K* k, float* const*, const float* p) {
+    return x + k[0] * load_as(p, i, k[0]);
   }
 };
 
-/// `u += wd * p`: constants `{wd}`.
-struct decay_body {
-  float* u;
-  const float* p;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    store_at(u, i, load_as(u, i, k[0]) + k[0] * load_as(p, i, k[0]));
+/// Momentum: `m = decay m + x`, the update `m` (`k = {decay}`).
+struct trace_step {
+  static constexpr std::size_t constants = 1, slots = 1;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L x, const K* k, float* const* s, const float*) {
+    const L mi = k[0] * load_as(s[0], i, k[0]) + x;
+    store_at(s[0], i, mi);
+    return mi;
   }
 };
 
-/// Momentum: `m = decay * m + u; u = m`: constants `{decay}`.
-struct trace_body {
-  float* u;
-  float* m;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto mi = k[0] * load_as(m, i, k[0]) + load_as(u, i, k[0]);
-    store_at(m, i, mi);
-    store_at(u, i, mi);
-  }
-};
-
-/// Adam's scaling: constants `{b1, 1 - b1, b2, 1 - b2, c1, c2, eps}` (c1, c2: the bias corrections).
-struct adam_body {
-  float* u;
-  float* m;
-  float* v;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto [b1_, one_b1, b2_, one_b2, c1_, c2_, eps_] = k;
-    const auto gi = load_as(u, i, b1_);
-    const auto mi = b1_ * load_as(m, i, b1_) + one_b1 * gi;
-    const auto vi = b2_ * load_as(v, i, b1_) + one_b2 * gi * gi;
-    store_at(m, i, mi);
-    store_at(v, i, vi);
-    store_at(u, i, (mi * c1_) / (sqrt_of(vi * c2_) + eps_));
+/// Adam's scaling (`k = {b1, 1 - b1, b2, 1 - b2, c1, c2, eps}`; c1, c2: the bias corrections).
+struct adam_step {
+  static constexpr std::size_t constants = 7, slots = 2;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L gi, const K* k, float* const* s, const float*) {
+    const L mi = k[0] * load_as(s[0], i, k[0]) + k[1] * gi;
+    const L vi = k[2] * load_as(s[1], i, k[0]) + k[3] * gi * gi;
+    store_at(s[0], i, mi);
+    store_at(s[1], i, vi);
+    return (mi * k[4]) / (sqrt_of(vi * k[5]) + k[6]);
   }
 };
 
 /// -1, 0 or 1 as `x` is negative, zero or positive (NaN: 0).
-KOKKOS_INLINE_FUNCTION float sign_of(float x) noexcept {
-  return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-}
+KOKKOS_INLINE_FUNCTION float sign_of(float x) noexcept { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
 #if MESHLIB_NN_SIMD
 inline simd_float sign_of(simd_float x) noexcept {
   simd_float r;
@@ -6250,20 +6249,66 @@ inline simd_float sign_of(simd_float x) noexcept {
 }
 #endif
 
-/// Lion's scaling: `u = sign(b1 m + (1 - b1) g); m = b2 m + (1 - b2) g`: constants
-/// `{b1, 1 - b1, b2, 1 - b2}`.
-struct lion_body {
-  float* u;
-  float* m;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto [b1_, one_b1, b2_, one_b2] = k;
-    const auto gi = load_as(u, i, b1_);
-    const auto mi = load_as(m, i, b1_);
-    store_at(u, i, sign_of(one_b1 * gi + b1_ * mi));
-    store_at(m, i, b2_ * mi + one_b2 * gi);
+/// Lion's scaling: the update `sign(b1 m + (1 - b1) x)`, then `m = b2 m + (1 - b2) x`
+/// (`k = {b1, 1 - b1, b2, 1 - b2}`).
+struct lion_step {
+  static constexpr std::size_t constants = 4, slots = 1;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L gi, const K* k, float* const* s, const float*) {
+    const L mi = load_as(s[0], i, k[0]);
+    store_at(s[0], i, k[2] * mi + k[3] * gi);
+    return sign_of(k[1] * gi + k[0] * mi);
   }
 };
+
+/// Total constants and slots of `Steps`.
+template <class... Steps>
+inline constexpr std::size_t constants_of = (std::size_t{0} + ... + Steps::constants);
+template <class... Steps>
+inline constexpr std::size_t slots_of = (std::size_t{0} + ... + Steps::slots);
+
+/// The steps `Steps` one after the other on each element: the constants `k` are `{0}` (which only
+/// gives the lane type) then each step's, the slots each step's in order. Stores the update to `u`,
+/// or with `Apply` adds it to the parameter instead (optax's `apply_updates` in the same pass).
+template <bool Apply, class... Steps>
+struct fused_body {
+  float* u;        ///< the updates
+  const float* p;  ///< the parameter, read
+  float* out;      ///< with `Apply`: the parameter, written (`p`)
+  std::array<float*, slots_of<Steps...> + 1> s;  // + 1: no zero-length array when no step has state
+
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+    auto x = load_as(u, i, k[0]);
+    if constexpr (sizeof...(Steps) > 0) run<1, 0, Steps...>(i, x, k);
+    if constexpr (Apply) store_at(out, i, load_as(p, i, k[0]) + x);
+    else store_at(u, i, x);
+  }
+
+ private:
+  template <std::size_t C, std::size_t O, class Step, class... Rest, class L, class K>
+  KOKKOS_INLINE_FUNCTION void run(std::size_t i, L& x, const K& k) const {
+    x = Step::apply(i, x, k.data() + C, s.data() + O, p);
+    if constexpr (sizeof...(Rest) > 0) run<C + Step::constants, O + Step::slots, Rest...>(i, x, k);
+  }
+};
+
+/// Runs `Steps` over `n` elements (see `fused_body`): `k` their constants after the leading 0,
+/// `state` their slots, `out` the parameter to add the updates to (`Apply`; else they stay in `u`).
+template <bool Apply, class... Steps, std::size_t N>
+void run_steps(float* u, const float* p, float* out, float* const* state, std::size_t n,
+               const std::array<float, N>& k) {
+  static_assert(N == 1 + constants_of<Steps...>, "meshlib::nn: the steps' constants, after a leading 0");
+  fused_body<Apply, Steps...> body{u, p, out, {}};
+  if constexpr (slots_of<Steps...> > 0)  // (nvcc warns of `j < 0` otherwise)
+    for (std::size_t j = 0; j < slots_of<Steps...>; ++j) body.s[j] = state[j];
+  for_lanes<default_memory_space>(n, k, body);
+}
+
+/// `p += u` over `n` elements (optax's `apply_updates`; `u` is only read).
+inline void apply_updates(float* p, float* u, std::size_t n) {
+  run_steps<true>(u, p, p, nullptr, n, std::array<float, 1>{0.0f});
+}
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/optim/detail/kernels.hpp
@@ -6329,8 +6374,9 @@ struct update_run {
 
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
-/// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1) and
-/// `reads_global_norm(stage)` (default false).
+/// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
+/// `reads_global_norm(stage)` (default false) and `update_and_apply(run, float* params)`, the update
+/// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
 template <class T>
@@ -6452,6 +6498,39 @@ inline param_mask decay_mask() {
 }  // namespace meshlib::nn
 // end meshlib/nn/optim/transform.hpp
 
+namespace meshlib::nn::detail {
+
+/// A transform whose update is one elementwise step.
+template <class T>
+concept fusable = requires(const T& t, const update_run& r) {
+  typename T::step_type;
+  { t.constants(r) } -> std::same_as<std::array<float, T::step_type::constants>>;
+};
+
+/// `t`'s step alone over the run.
+template <fusable T>
+void run_step(const T& t, const update_run& r) {
+  using step = typename T::step_type;
+  std::array<float, 1 + step::constants> k{};
+  const auto kt = t.constants(r);
+  for (std::size_t j = 0; j < step::constants; ++j) k[1 + j] = kt[j];
+  run_steps<false, step>(r.updates, r.params, nullptr, r.state.data(), r.size, k);
+}
+
+/// `t.update(r)`, then `params += updates`: in one pass where `t` can (`update_and_apply`).
+template <class T>
+void update_and_apply_of(const T& t, const update_run& r, float* params) {
+  if constexpr (requires { t.update_and_apply(r, params); }) {
+    t.update_and_apply(r, params);
+  } else {
+    t.update(r);
+    apply_updates(params, r.updates, r.size);
+  }
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/optim/detail/fusion.hpp
+
 namespace meshlib::nn {
 
 /// @brief See the file comment.
@@ -6463,14 +6542,15 @@ struct scale_by_adam {
   [[nodiscard]] std::size_t slots() const noexcept { return 2; }
   [[nodiscard]] std::string name() const { return "scale_by_adam"; }
   [[nodiscard]] std::string kind() const { return "scale_by_adam"; }
-  void update(const update_run& r) const {
+  using step_type = detail::adam_step;
+  [[nodiscard]] std::array<float, 7> constants(const update_run& r) const {
     // The bias corrections 1 / (1 - b^t), in double as the fused kernel before them did.
     const double t = static_cast<double>(r.step + 1);
     const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
-    const std::array<float, 7> k{b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
-    detail::for_lanes<default_memory_space>(r.size, k, detail::adam_body{r.updates, r.state[0], r.state[1]});
+    return {b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
   }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn
@@ -6523,7 +6603,8 @@ class chain_transform {
   [[nodiscard]] bool reads_global_norm(std::size_t k) const {
     if (stages_[k].empty()) return false;
     bool reads = false;
-    visit(stages_[k].front().first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stages_[k].front().second); });
+    const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
+    visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
   }
   /// `chain(a, b, ...)` of the transforms' names.
@@ -6531,12 +6612,25 @@ class chain_transform {
   /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
   [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
   void update(const update_run& r) const {
-    for (const auto& [i, s] : stages_[r.stage]) {
-      update_run sub = r;
-      sub.state = r.state.subspan(offset_[i], offset_[i + 1] - offset_[i]);
-      sub.stage = s;
-      visit(i, [&](const auto& t) { t.update(sub); });
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<false>(r, nullptr);
     }
+    const auto& stage = stages_[r.stage];
+    for (const auto& at : stage) run_child(r, at, [](const auto& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`. A chain of built-in transforms in one stage (`adamw`)
+  /// does both in one kernel, as the fused optimizers did; else the stage's last transform applies
+  /// them if it can (a nested `adamw`), or a pass of their own does.
+  void update_and_apply(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<true>(r, params);
+    }
+    const auto& stage = stages_[r.stage];
+    if (stage.empty()) return detail::apply_updates(params, r.updates, r.size);
+    for (std::size_t j = 0; j + 1 < stage.size(); ++j)
+      run_child(r, stage[j], [](const auto& t, const update_run& sub) { t.update(sub); });
+    run_child(r, stage.back(),
+              [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
   }
   /// The transforms.
   [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
@@ -6563,6 +6657,30 @@ class chain_transform {
       out += f(t);
     });
     return out + ")";
+  }
+
+  static constexpr bool fusable_chain = sizeof...(Ts) > 0 && (detail::fusable<Ts> && ...);
+
+  /// `f(transform, its run)` for (transform, its stage) `at`.
+  template <class F>
+  void run_child(const update_run& r, const std::pair<std::size_t, std::size_t>& at, F&& f) const {
+    update_run sub = r;
+    sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
+    sub.stage = at.second;
+    visit(at.first, [&](const auto& t) { f(t, sub); });
+  }
+  /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to
+  /// `params` with `Apply`.
+  template <bool Apply>
+  void run_fused(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      std::array<float, 1 + detail::constants_of<typename Ts::step_type...>> k{};
+      std::size_t c = 1;
+      for_each([&](const auto& t) {
+        for (float x : t.constants(r)) k[c++] = x;
+      });
+      detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
   }
 
   std::tuple<Ts...> ts_;
@@ -6621,9 +6739,10 @@ class clip_by_global_norm {
   [[nodiscard]] float factor(double norm) const noexcept {
     return norm > max_norm_ ? static_cast<float>(max_norm_ / norm) : 1.0f;
   }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {factor(r.global_norm)}; }
   void update(const update_run& r) const {
-    const float f = factor(r.global_norm);
-    if (f != 1.0f) detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{f}, detail::scale_body{r.updates});
+    if (factor(r.global_norm) != 1.0f) detail::run_step(*this, r);
   }
 
  private:
@@ -6653,10 +6772,9 @@ struct scale_by_lion {
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
   [[nodiscard]] std::string name() const { return "scale_by_lion"; }
   [[nodiscard]] std::string kind() const { return "scale_by_lion"; }
-  void update(const update_run& r) const {
-    const std::array<float, 4> k{b1, 1.0f - b1, b2, 1.0f - b2};
-    detail::for_lanes<default_memory_space>(r.size, k, detail::lion_body{r.updates, r.state[0]});
-  }
+  using step_type = detail::lion_step;
+  [[nodiscard]] std::array<float, 4> constants(const update_run&) const { return {b1, 1.0f - b1, b2, 1.0f - b2}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn
@@ -6756,9 +6874,9 @@ class scale_by_schedule {
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
   [[nodiscard]] std::string name() const { return name_; }
   [[nodiscard]] std::string kind() const { return "scale_by_schedule"; }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{f_(r.step)}, detail::scale_body{r.updates});
-  }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {f_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
   step_function f_;
@@ -6784,9 +6902,9 @@ class scale_by_learning_rate {
   [[nodiscard]] std::string kind() const { return "scale_by_learning_rate"; }
   /// The rate at `step`.
   [[nodiscard]] float rate(std::size_t step) const { return lr_(step); }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{-lr_(r.step)}, detail::scale_body{r.updates});
-  }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {-lr_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
   step_function lr_;
@@ -6813,9 +6931,9 @@ struct trace {
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
   [[nodiscard]] std::string name() const { return "trace(" + detail::number_text(decay) + ")"; }
   [[nodiscard]] std::string kind() const { return "trace"; }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{decay}, detail::trace_body{r.updates, r.state[0]});
-  }
+  using step_type = detail::trace_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run&) const { return {decay}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn
@@ -6849,9 +6967,12 @@ class add_decayed_weights {
   [[nodiscard]] std::string kind() const { return "add_decayed_weights"; }
   /// The decay rate.
   [[nodiscard]] float weight_decay() const noexcept { return wd_; }
+  using step_type = detail::decay_step;
+  /// Fused into a chain's kernel, a parameter outside the mask decays by 0 (`update + 0 * param`,
+  /// which is `update` for any finite parameter; the fused AdamW kernel did the same).
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {mask_(r.param) ? wd_ : 0.0f}; }
   void update(const update_run& r) const {
-    if (!mask_(r.param)) return;
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{wd_}, detail::decay_body{r.updates, r.params});
+    if (mask_(r.param)) detail::run_step(*this, r);
   }
 
  private:
@@ -6875,6 +6996,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
+  virtual void update_and_apply(const update_run& r, float* params) const = 0;
 };
 template <class T>
 struct erased_model final : erased_transform {
@@ -6885,13 +7007,10 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
+  void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
   T t;
 };
 
-/// `p += u` over `n` elements (optax's `apply_updates`), after the whole chain.
-inline void apply_updates(float* p, const float* u, std::size_t n) {
-  for_lanes<default_memory_space>(n, std::array<float, 1>{0.0f}, apply_body{p, u});
-}
 }  // namespace detail
 
 /// @brief A gradient transform with its type erased (see the file comment); itself a
@@ -6931,6 +7050,9 @@ class optimizer {
   [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
   /// Transforms the run's updates in place (see `gradient_transform`).
   void update(const update_run& r) const { impl_->update(r); }
+  /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
+  /// built-in transforms. What the train state calls for the last stage.
+  void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
 
  private:
   std::shared_ptr<const detail::erased_transform> impl_;
@@ -7046,14 +7168,26 @@ class multi_transform_t {
   [[nodiscard]] std::string kind() const { return joined(",", [](const optimizer& o) { return o.kind(); }); }
   /// @throws std::invalid_argument when the label of the run's parameter names no group.
   void update(const update_run& r) const {
+    with_group(r, [](const optimizer& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`, in one pass where the group's transform can.
+  void update_and_apply(const update_run& r, float* params) const {
+    if (!with_group(r, [&](const optimizer& t, const update_run& sub) { t.update_and_apply(sub, params); }))
+      detail::apply_updates(params, r.updates, r.size);
+  }
+
+ private:
+  /// `f(the group's transform, r with its slots)` if `r.stage` is one of its stages; false if not.
+  template <class F>
+  bool with_group(const update_run& r, F&& f) const {
     const std::string label = label_(r.param);
     for (const auto& [name, t] : groups_)
       if (name == label) {
-        if (r.stage >= t.stages()) return;
+        if (r.stage >= t.stages()) return false;
         update_run sub = r;
         sub.state = r.state.first(t.slots());
-        t.update(sub);
-        return;
+        f(t, sub);
+        return true;
       }
     std::string names;
     for (const auto& g : groups_) names += (names.empty() ? "'" : ", '") + g.first + "'";
@@ -7061,8 +7195,6 @@ class multi_transform_t {
                                 "' has the label '" + label + "', which names no group (the groups are " + names +
                                 "); give it a group or change the label function");
   }
-
- private:
   template <class F>
   std::string joined(const char* sep, F&& f) const {
     std::string out = "multi_transform(";
@@ -10960,7 +11092,8 @@ class train_state {
     float* m = state_.zero_state(dev).data();
     std::vector<float*> slot(opt.slots());
     step_optimizer(dev, norm, data_axes, [&](auto&& f) {
-      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
+                                           std::size_t len) {
         for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
         f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
       });
@@ -11097,11 +11230,11 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, then
-  /// applies them (`param += update`). `for_runs(f)` calls `f(param index, offset in its block,
-  /// updates, length, state slots)` for every run (the gradient, transformed in place); `norm`: the
-  /// gradient's global norm; `except`: the axes over which a run's copies are not all alike (ZeRO-1's
-  /// data axes), as `share_of_squares` takes them for a later stage's norm.
+  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
+  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
+  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
+  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
+  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
   template <class ForRuns>
   void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
     for (std::size_t k = 0; k < opt.stages(); ++k) {
@@ -11114,15 +11247,15 @@ class train_state {
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
+      const bool last = k + 1 == opt.stages();
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}});
+        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                           param_info{p.name, p.shape, p.decay}};
+        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
+        else opt.update(r);
       });
     }
-    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const>) {
-      detail::apply_updates(master(i, dev) + off, u, len);
-    });
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.

@@ -26,7 +26,7 @@
 #include "meshlib/nn/optim/adam.hpp"
 #include "meshlib/nn/optim/chain.hpp"
 #include "meshlib/nn/optim/clip.hpp"
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/lion.hpp"
 #include "meshlib/nn/optim/masked.hpp"
 #include "meshlib/nn/optim/scale.hpp"
@@ -49,6 +49,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
+  virtual void update_and_apply(const update_run& r, float* params) const = 0;
 };
 template <class T>
 struct erased_model final : erased_transform {
@@ -59,13 +60,10 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
+  void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
   T t;
 };
 
-/// `p += u` over `n` elements (optax's `apply_updates`), after the whole chain.
-inline void apply_updates(float* p, const float* u, std::size_t n) {
-  for_lanes<default_memory_space>(n, std::array<float, 1>{0.0f}, apply_body{p, u});
-}
 }  // namespace detail
 
 /// @brief A gradient transform with its type erased (see the file comment); itself a
@@ -105,6 +103,9 @@ class optimizer {
   [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
   /// Transforms the run's updates in place (see `gradient_transform`).
   void update(const update_run& r) const { impl_->update(r); }
+  /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
+  /// built-in transforms. What the train state calls for the last stage.
+  void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
 
  private:
   std::shared_ptr<const detail::erased_transform> impl_;

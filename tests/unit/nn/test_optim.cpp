@@ -149,30 +149,34 @@ TEST_CASE("masked and multi_transform: per-parameter groups by name", "[nn][opti
   CHECK(u == std::vector<float>{3.0f, 6.0f});
   run_update(tx, u, p, st, 0, 0, "fc.w");
   CHECK(u == std::vector<float>{3.0f, 6.0f});
-  CHECK(meshlib_test::message_of<std::invalid_argument>([] { (void)nn::masked(nn::clip_by_global_norm(1.0f), nn::param_mask()); })
-            .starts_with("meshlib::nn: masked: clip_by_global_norm(1) reads the global norm"));
+  CHECK(meshlib_test::message_of<std::invalid_argument>([] {
+          (void)nn::masked(nn::clip_by_global_norm(1.0f), nn::param_mask());
+        }).starts_with("meshlib::nn: masked: clip_by_global_norm(1) reads the global norm"));
 
-  const auto groups = nn::multi_transform({{"embed", nn::sgd(0.5f, 0.0f)}, {"rest", nn::adam(0.1f)}},
-                                          [](std::string_view name) { return name.starts_with("embed") ? "embed" : "rest"; });
+  const auto groups =
+      nn::multi_transform({{"embed", nn::sgd(0.5f, 0.0f)}, {"rest", nn::adam(0.1f)}},
+                          [](std::string_view name) { return name.starts_with("embed") ? "embed" : "rest"; });
   CHECK(groups.slots() == 2);
   CHECK(groups.kind() == "multi_transform(embed:sgd,rest:adam)");
   CHECK(meshlib_test::message_of<std::invalid_argument>([] {
           (void)nn::multi_transform({{"a", nn::chain(nn::clip_by_global_norm(1.0f), nn::adam(0.1f))}},
                                     [](std::string_view) { return "a"; });
-        }) == "meshlib::nn: multi_transform: the transform of group 'a' (chain(clip_by_global_norm(1), adam)) reads "
-              "the global norm of every parameter's updates, which a group cannot restrict; clip in a chain around "
-              "multi_transform");
+        }) ==
+        "meshlib::nn: multi_transform: the transform of group 'a' (chain(clip_by_global_norm(1), adam)) reads "
+        "the global norm of every parameter's updates, which a group cannot restrict; clip in a chain around "
+        "multi_transform");
   u = {1.0f, -2.0f};
   run_update(groups, u, p, st, 0, 0, "embed.w");  // sgd: -0.5 g, its momentum in slot 0
   CHECK(u == std::vector<float>{-0.5f, 1.0f});
   u = {1.0f, -2.0f};
-  st.assign(2, std::vector<float>(2, 0.0f));  // another parameter's state
+  st.assign(2, std::vector<float>(2, 0.0f));   // another parameter's state
   run_update(groups, u, p, st, 0, 0, "fc.w");  // adam's first step: -0.1 sign(g)
   CHECK(u[0] == Approx(-0.1f).epsilon(1e-6));
   CHECK(u[1] == Approx(0.1f).epsilon(1e-6));
-  CHECK(meshlib_test::message_of<std::invalid_argument>([&] { run_update(nn::multi_transform({{"rest", nn::adam(0.1f)}},
-                                                                               [](std::string_view) { return "other"; }),
-                                                           u, p, st, 0, 0, "fc.w"); }) ==
+  CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
+          run_update(nn::multi_transform({{"rest", nn::adam(0.1f)}}, [](std::string_view) { return "other"; }), u, p,
+                     st, 0, 0, "fc.w");
+        }) ==
         "meshlib::nn: multi_transform: parameter 'fc.w' has the label 'other', which names no group (the groups are "
         "'rest'); give it a group or change the label function");
 }
@@ -211,18 +215,23 @@ TEST_CASE("adam, adamw and sgd give the fused kernels' numbers bit for bit", "[n
   const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f, rate = 3e-2f, clip = 0.7f;
   std::vector<float> p0(n);
   for (std::size_t i = 0; i < n; ++i) p0[i] = std::sin(0.3f * static_cast<float>(i)) + 0.1f;
-  const auto grad = [](std::size_t s, std::size_t i) { return std::cos(0.7f * static_cast<float>(i * (s + 1))) * 0.4f; };
+  const auto grad = [](std::size_t s, std::size_t i) {
+    return std::cos(0.7f * static_cast<float>(i * (s + 1))) * 0.4f;
+  };
   const std::size_t shape[1] = {n};
   for (const char* which : {"adam", "adamw", "sgd", "clipped adamw", "chain"}) {
     INFO(which);
     const std::string w = which;
-    const nn::optimizer opt = w == "adam"    ? nn::adam(rate, b1, b2, eps)
-                              : w == "sgd"   ? nn::sgd(rate, 0.9f)
-                              : w == "chain" ? nn::optimizer(nn::chain(nn::scale_by_adam{b1, b2, eps}, nn::add_decayed_weights(wd),
-                                                                       nn::scale_by_learning_rate(rate)))
-                              : w == "adamw" ? nn::adamw(rate, wd, b1, b2, eps)
-                                             : nn::optimizer(nn::chain(nn::clip_by_global_norm(clip), nn::adamw(rate, wd, b1, b2, eps)));
-    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), ref = p0, rm(n, 0.0f), rv(n, 0.0f);
+    const nn::optimizer opt =
+        w == "adam"    ? nn::adam(rate, b1, b2, eps)
+        : w == "sgd"   ? nn::sgd(rate, 0.9f)
+        : w == "chain" ? nn::optimizer(nn::chain(nn::scale_by_adam{b1, b2, eps}, nn::add_decayed_weights(wd),
+                                                 nn::scale_by_learning_rate(rate)))
+        : w == "adamw" ? nn::adamw(rate, wd, b1, b2, eps)
+                       : nn::optimizer(nn::chain(nn::clip_by_global_norm(clip), nn::adamw(rate, wd, b1, b2, eps)));
+    // p: update then apply_updates; q: update_and_apply (one kernel for a chain of built-ins).
+    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), q = p0, qm(n, 0.0f), qv(n, 0.0f), ref = p0, rm(n, 0.0f),
+                       rv(n, 0.0f);
     for (std::size_t s = 0; s < steps; ++s) {
       std::vector<float> g(n);
       double sq = 0;
@@ -248,13 +257,20 @@ TEST_CASE("adam, adamw and sgd give the fused kernels' numbers bit for bit", "[n
         rv[i] = b2 * rv[i] + (1.0f - b2) * gi * gi;
         ref[i] = ref[i] - rate * ((rm[i] * c1) / (std::sqrt(rv[i] * c2) + eps) + wdk * ref[i]);
       }
-      // The chain, as the train state runs it.
+      // The chain, in two passes and in one.
+      std::vector<float> h = g;
       float* slots[2] = {m.data(), v.data()};
       opt.update(nn::update_run{g.data(), p.data(), std::span<float* const>(slots, opt.slots()), n, 0, s, 0, norm,
                                 nn::param_info{"w", shape, true}});
       nn::detail::apply_updates(p.data(), g.data(), n);
+      float* qslots[2] = {qm.data(), qv.data()};
+      opt.update_and_apply(nn::update_run{h.data(), q.data(), std::span<float* const>(qslots, opt.slots()), n, 0, s, 0,
+                                          norm, nn::param_info{"w", shape, true}},
+                           q.data());
       REQUIRE(std::memcmp(p.data(), ref.data(), n * sizeof(float)) == 0);
       REQUIRE(std::memcmp(m.data(), rm.data(), n * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(q.data(), ref.data(), n * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(qm.data(), rm.data(), n * sizeof(float)) == 0);
     }
   }
 }
@@ -275,8 +291,7 @@ std::vector<double> train(State& state, std::size_t first, std::size_t steps) {
   const auto ds = meshlib_test::synthetic_problem(batch * (first + steps), features, classes);
   std::vector<double> losses;
   for (std::size_t s = first; s < first + steps; ++s)
-    losses.push_back(nn::train_step(state,
-                                    std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+    losses.push_back(nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
                                     std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch)
                          .loss);
   return losses;
@@ -297,14 +312,14 @@ void require_close(const std::vector<double>& a, const std::vector<double>& b, d
 
 }  // namespace
 
-TEST_CASE("a chain trains alike on every mesh and with ZeRO-1, its clip's norm over every shard",
-          "[nn][optim][zero]") {
+TEST_CASE("a chain trains alike on every mesh and with ZeRO-1, its clip's norm over every shard", "[nn][optim][zero]") {
   // A clip after Adam reads the norm of Adam's updates: a stage of its own, its norm summed over
   // the mesh (each element once) whatever the sharding.
   const nn::optimizer mid = nn::chain(nn::scale_by_adam(), nn::clip_by_global_norm(2.0f),
                                       nn::add_decayed_weights(1e-2f, [](std::string_view n) { return n != "fc3.w"; }),
                                       nn::scale_by_learning_rate([](std::size_t s) { return 1e-2f / (1.0f + s); }));
-  for (const nn::optimizer& opt : {mid, nn::lion(3e-3f), nn::optimizer(nn::chain(nn::clip_by_global_norm(0.5f), nn::sgd(5e-2f)))}) {
+  for (const nn::optimizer& opt :
+       {mid, nn::lion(3e-3f), nn::optimizer(nn::chain(nn::clip_by_global_norm(0.5f), nn::sgd(5e-2f)))}) {
     INFO(opt.name());
     const auto ref = run(mesh_t{1, 1}, opt, {});
     CHECK(ref.back() < ref.front());  // it learns
@@ -314,9 +329,37 @@ TEST_CASE("a chain trains alike on every mesh and with ZeRO-1, its clip's norm o
     require_close(run(mesh_t{2, 1}, opt, {.zero = true}), ref, 1e-5);
   }
   // The clip binds: without it the run differs.
-  const nn::optimizer unclipped = nn::chain(nn::scale_by_adam(), nn::add_decayed_weights(1e-2f, [](std::string_view n) { return n != "fc3.w"; }),
-                                            nn::scale_by_learning_rate([](std::size_t s) { return 1e-2f / (1.0f + s); }));
+  const nn::optimizer unclipped =
+      nn::chain(nn::scale_by_adam(), nn::add_decayed_weights(1e-2f, [](std::string_view n) { return n != "fc3.w"; }),
+                nn::scale_by_learning_rate([](std::size_t s) { return 1e-2f / (1.0f + s); }));
   CHECK(run(mesh_t{1, 1}, unclipped, {}) != run(mesh_t{1, 1}, mid, {}));
+}
+
+TEST_CASE("every transform on FSDP shards: the losses of one device", "[nn][optim][fsdp]") {
+  using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+  const auto fsdp_run = [](const fsdp_mesh_t& m, const nn::optimizer& opt) {
+    const nn::rng_key key{11};
+    nn::train_state state(m,
+                          nn::sequential(nn::column_dense<float, fsdp_mesh_t>(m, "fc1", features, hidden, key),
+                                         nn::relu<float>(m),
+                                         nn::row_dense<float, fsdp_mesh_t>(m, "fc2", hidden, hidden, key),
+                                         nn::gelu<float>(m),
+                                         nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
+                          opt, {.fsdp = true}, nn::rng_key{11});
+    return train(state, 0, 6);
+  };
+  const nn::optimizer mid = nn::chain(nn::trace{0.5f}, nn::clip_by_global_norm(0.05f), nn::scale_by_adam(),
+                                      nn::scale_by_learning_rate(1e-2f));
+  const nn::optimizer groups = nn::chain(
+      nn::clip_by_global_norm(0.5f),
+      nn::multi_transform({{"out", nn::lion(1e-3f)}, {"rest", nn::adamw(1e-2f, 1e-2f)}},
+                          [](std::string_view name) { return name.starts_with("fc3") ? "out" : "rest"; }));
+  for (const nn::optimizer& opt : {mid, nn::lion(3e-3f), groups}) {
+    INFO(opt.name());
+    const auto ref = run(mesh_t{1, 1}, opt, {});
+    require_close(fsdp_run(fsdp_mesh_t{4, 1}, opt), ref, 1e-5);
+    require_close(fsdp_run(fsdp_mesh_t{2, 2}, opt), ref, 1e-5);
+  }
 }
 
 TEST_CASE("a chain built by hand is nn::adamw in a train state, bit for bit", "[nn][optim]") {
@@ -330,7 +373,8 @@ TEST_CASE("a chain built by hand is nn::adamw in a train state, bit for bit", "[
     CHECK(train(a, 0, 5) == train(b, 0, 5));
     for (std::size_t i = 0; i < a.params.size(); ++i)
       for (std::size_t dev = 0; dev < m.size(); ++dev)
-        REQUIRE(std::memcmp(a.params[i].value[dev], b.params[i].value[dev], a.params[i].count[dev] * sizeof(float)) == 0);
+        REQUIRE(std::memcmp(a.params[i].value[dev], b.params[i].value[dev], a.params[i].count[dev] * sizeof(float)) ==
+                0);
   }
 }
 

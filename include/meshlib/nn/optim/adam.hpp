@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <string>
 
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -25,14 +25,15 @@ struct scale_by_adam {
   [[nodiscard]] std::size_t slots() const noexcept { return 2; }
   [[nodiscard]] std::string name() const { return "scale_by_adam"; }
   [[nodiscard]] std::string kind() const { return "scale_by_adam"; }
-  void update(const update_run& r) const {
+  using step_type = detail::adam_step;
+  [[nodiscard]] std::array<float, 7> constants(const update_run& r) const {
     // The bias corrections 1 / (1 - b^t), in double as the fused kernel before them did.
     const double t = static_cast<double>(r.step + 1);
     const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
-    const std::array<float, 7> k{b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
-    detail::for_lanes<default_memory_space>(r.size, k, detail::adam_body{r.updates, r.state[0], r.state[1]});
+    return {b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
   }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 
 namespace meshlib::nn {
@@ -48,7 +49,8 @@ class chain_transform {
   [[nodiscard]] bool reads_global_norm(std::size_t k) const {
     if (stages_[k].empty()) return false;
     bool reads = false;
-    visit(stages_[k].front().first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stages_[k].front().second); });
+    const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
+    visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
   }
   /// `chain(a, b, ...)` of the transforms' names.
@@ -56,12 +58,25 @@ class chain_transform {
   /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
   [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
   void update(const update_run& r) const {
-    for (const auto& [i, s] : stages_[r.stage]) {
-      update_run sub = r;
-      sub.state = r.state.subspan(offset_[i], offset_[i + 1] - offset_[i]);
-      sub.stage = s;
-      visit(i, [&](const auto& t) { t.update(sub); });
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<false>(r, nullptr);
     }
+    const auto& stage = stages_[r.stage];
+    for (const auto& at : stage) run_child(r, at, [](const auto& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`. A chain of built-in transforms in one stage (`adamw`)
+  /// does both in one kernel, as the fused optimizers did; else the stage's last transform applies
+  /// them if it can (a nested `adamw`), or a pass of their own does.
+  void update_and_apply(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<true>(r, params);
+    }
+    const auto& stage = stages_[r.stage];
+    if (stage.empty()) return detail::apply_updates(params, r.updates, r.size);
+    for (std::size_t j = 0; j + 1 < stage.size(); ++j)
+      run_child(r, stage[j], [](const auto& t, const update_run& sub) { t.update(sub); });
+    run_child(r, stage.back(),
+              [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
   }
   /// The transforms.
   [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
@@ -88,6 +103,30 @@ class chain_transform {
       out += f(t);
     });
     return out + ")";
+  }
+
+  static constexpr bool fusable_chain = sizeof...(Ts) > 0 && (detail::fusable<Ts> && ...);
+
+  /// `f(transform, its run)` for (transform, its stage) `at`.
+  template <class F>
+  void run_child(const update_run& r, const std::pair<std::size_t, std::size_t>& at, F&& f) const {
+    update_run sub = r;
+    sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
+    sub.stage = at.second;
+    visit(at.first, [&](const auto& t) { f(t, sub); });
+  }
+  /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to
+  /// `params` with `Apply`.
+  template <bool Apply>
+  void run_fused(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      std::array<float, 1 + detail::constants_of<typename Ts::step_type...>> k{};
+      std::size_t c = 1;
+      for_each([&](const auto& t) {
+        for (float x : t.constants(r)) k[c++] = x;
+      });
+      detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
   }
 
   std::tuple<Ts...> ts_;

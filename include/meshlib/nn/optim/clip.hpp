@@ -15,7 +15,7 @@
 #include <string>
 
 #include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -39,9 +39,10 @@ class clip_by_global_norm {
   [[nodiscard]] float factor(double norm) const noexcept {
     return norm > max_norm_ ? static_cast<float>(max_norm_ / norm) : 1.0f;
   }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {factor(r.global_norm)}; }
   void update(const update_run& r) const {
-    const float f = factor(r.global_norm);
-    if (f != 1.0f) detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{f}, detail::scale_body{r.updates});
+    if (factor(r.global_norm) != 1.0f) detail::run_step(*this, r);
   }
 
  private:

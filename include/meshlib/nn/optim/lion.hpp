@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <string>
 
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -23,10 +23,9 @@ struct scale_by_lion {
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
   [[nodiscard]] std::string name() const { return "scale_by_lion"; }
   [[nodiscard]] std::string kind() const { return "scale_by_lion"; }
-  void update(const update_run& r) const {
-    const std::array<float, 4> k{b1, 1.0f - b1, b2, 1.0f - b2};
-    detail::for_lanes<default_memory_space>(r.size, k, detail::lion_body{r.updates, r.state[0]});
-  }
+  using step_type = detail::lion_step;
+  [[nodiscard]] std::array<float, 4> constants(const update_run&) const { return {b1, 1.0f - b1, b2, 1.0f - b2}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn

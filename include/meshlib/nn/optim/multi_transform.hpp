@@ -78,14 +78,26 @@ class multi_transform_t {
   [[nodiscard]] std::string kind() const { return joined(",", [](const optimizer& o) { return o.kind(); }); }
   /// @throws std::invalid_argument when the label of the run's parameter names no group.
   void update(const update_run& r) const {
+    with_group(r, [](const optimizer& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`, in one pass where the group's transform can.
+  void update_and_apply(const update_run& r, float* params) const {
+    if (!with_group(r, [&](const optimizer& t, const update_run& sub) { t.update_and_apply(sub, params); }))
+      detail::apply_updates(params, r.updates, r.size);
+  }
+
+ private:
+  /// `f(the group's transform, r with its slots)` if `r.stage` is one of its stages; false if not.
+  template <class F>
+  bool with_group(const update_run& r, F&& f) const {
     const std::string label = label_(r.param);
     for (const auto& [name, t] : groups_)
       if (name == label) {
-        if (r.stage >= t.stages()) return;
+        if (r.stage >= t.stages()) return false;
         update_run sub = r;
         sub.state = r.state.first(t.slots());
-        t.update(sub);
-        return;
+        f(t, sub);
+        return true;
       }
     std::string names;
     for (const auto& g : groups_) names += (names.empty() ? "'" : ", '") + g.first + "'";
@@ -93,8 +105,6 @@ class multi_transform_t {
                                 "' has the label '" + label + "', which names no group (the groups are " + names +
                                 "); give it a group or change the label function");
   }
-
- private:
   template <class F>
   std::string joined(const char* sep, F&& f) const {
     std::string out = "multi_transform(";

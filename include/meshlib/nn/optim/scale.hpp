@@ -17,7 +17,7 @@
 #include <utility>
 
 #include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -40,9 +40,9 @@ class scale_by_schedule {
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
   [[nodiscard]] std::string name() const { return name_; }
   [[nodiscard]] std::string kind() const { return "scale_by_schedule"; }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{f_(r.step)}, detail::scale_body{r.updates});
-  }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {f_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
   step_function f_;
@@ -68,9 +68,9 @@ class scale_by_learning_rate {
   [[nodiscard]] std::string kind() const { return "scale_by_learning_rate"; }
   /// The rate at `step`.
   [[nodiscard]] float rate(std::size_t step) const { return lr_(step); }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{-lr_(r.step)}, detail::scale_body{r.updates});
-  }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {-lr_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
   step_function lr_;

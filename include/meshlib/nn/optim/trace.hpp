@@ -9,7 +9,7 @@
 #include <string>
 
 #include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -22,9 +22,9 @@ struct trace {
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
   [[nodiscard]] std::string name() const { return "trace(" + detail::number_text(decay) + ")"; }
   [[nodiscard]] std::string kind() const { return "trace"; }
-  void update(const update_run& r) const {
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{decay}, detail::trace_body{r.updates, r.state[0]});
-  }
+  using step_type = detail::trace_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run&) const { return {decay}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
 }  // namespace meshlib::nn

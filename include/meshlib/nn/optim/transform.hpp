@@ -61,8 +61,9 @@ struct update_run {
 
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
-/// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1) and
-/// `reads_global_norm(stage)` (default false).
+/// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
+/// `reads_global_norm(stage)` (default false) and `update_and_apply(run, float* params)`, the update
+/// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
 template <class T>

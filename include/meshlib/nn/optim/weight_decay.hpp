@@ -15,7 +15,7 @@
 #include <utility>
 
 #include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/optim/detail/kernels.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -32,9 +32,12 @@ class add_decayed_weights {
   [[nodiscard]] std::string kind() const { return "add_decayed_weights"; }
   /// The decay rate.
   [[nodiscard]] float weight_decay() const noexcept { return wd_; }
+  using step_type = detail::decay_step;
+  /// Fused into a chain's kernel, a parameter outside the mask decays by 0 (`update + 0 * param`,
+  /// which is `update` for any finite parameter; the fused AdamW kernel did the same).
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {mask_(r.param) ? wd_ : 0.0f}; }
   void update(const update_run& r) const {
-    if (!mask_(r.param)) return;
-    detail::for_lanes<default_memory_space>(r.size, std::array<float, 1>{wd_}, detail::decay_body{r.updates, r.params});
+    if (mask_(r.param)) detail::run_step(*this, r);
   }
 
  private:

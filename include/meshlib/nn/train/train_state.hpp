@@ -456,7 +456,8 @@ class train_state {
     float* m = state_.zero_state(dev).data();
     std::vector<float*> slot(opt.slots());
     step_optimizer(dev, norm, data_axes, [&](auto&& f) {
-      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
+      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
+                                           std::size_t len) {
         for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
         f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
       });
@@ -593,11 +594,11 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, then
-  /// applies them (`param += update`). `for_runs(f)` calls `f(param index, offset in its block,
-  /// updates, length, state slots)` for every run (the gradient, transformed in place); `norm`: the
-  /// gradient's global norm; `except`: the axes over which a run's copies are not all alike (ZeRO-1's
-  /// data axes), as `share_of_squares` takes them for a later stage's norm.
+  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
+  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
+  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
+  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
+  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
   template <class ForRuns>
   void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
     for (std::size_t k = 0; k < opt.stages(); ++k) {
@@ -610,15 +611,15 @@ class train_state {
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
+      const bool last = k + 1 == opt.stages();
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}});
+        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                           param_info{p.name, p.shape, p.decay}};
+        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
+        else opt.update(r);
       });
     }
-    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const>) {
-      detail::apply_updates(master(i, dev) + off, u, len);
-    });
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.
