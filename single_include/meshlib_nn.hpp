@@ -5975,19 +5975,65 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 // end meshlib/nn/schedule.hpp
 // begin meshlib/nn/optimizer.hpp
 /// @file
-/// @brief Optimizers as elementwise update rules (optax's `sgd(momentum)`, `adam`, `adamw`): the
-/// update of one element depends only on that element's gradient and state, which is what lets the
-/// same rule run on a replicated state or on a ZeRO-1 shard of it with identical numbers.
+/// @brief `optimizer`: any gradient transform (nn/optim/transform.hpp), held by value with its type
+/// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
+/// (optax's). Every transform updates one element from that element's gradient and state only
+/// (clipping aside, which reads one norm over the mesh), which is what lets the same chain run on a
+/// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
 /// @code
-/// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
-/// meshlib::nn::optimizer simple = meshlib::nn::adam(1e-3f);   // a number is a constant schedule
+/// namespace nn = meshlib::nn;
+/// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
+/// nn::optimizer simple = nn::adam(1e-3f);   // a number is a constant schedule
+/// nn::optimizer mine = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(),
+///                                nn::add_decayed_weights(1e-4f), nn::scale_by_learning_rate(1e-3f));
 /// @endcode
+
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// begin meshlib/nn/optim/adam.hpp
+/// @file
+/// @brief `scale_by_adam(b1, b2, eps)` (optax's): Adam's bias-corrected moment ratio
+/// `m_hat / (sqrt(v_hat) + eps)`, two state slots per element (first and second moments).
+/// `nn::adam` is `chain(scale_by_adam(...), scale_by_learning_rate(lr))`.
 
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <string>
-#include <string_view>
+
+// begin meshlib/nn/optim/detail/fusion.hpp
+/// @file
+/// @brief How built-in transforms share one kernel: a transform with a `step_type` (an elementwise
+/// step of optim/detail/kernels.hpp) and its `constants(run)` is `fusable`; a chain of fusable
+/// transforms runs their steps as one kernel (optim/chain.hpp), and its last stage adds the result
+/// to the parameter in that same pass (`update_and_apply`). A transform without them (a user's)
+/// runs on its own, and the parameter is updated by a pass of its own.
+
+#include <array>
+#include <cstddef>
+
+// begin meshlib/nn/optim/detail/kernels.hpp
+/// @file
+/// @brief The elementwise steps of the built-in gradient transforms, and `fused_body`, which runs a
+/// sequence of them as one kernel (`for_lanes`, nn/detail/simd.hpp, on `float` and `simd_float`
+/// alike): a chain of built-in transforms reads and writes each element once, as the fused
+/// optimizer kernels before transforms composed did. Each step keeps the exact expression of those
+/// kernels (`(m * c1) / (sqrt(v * c2) + eps)`, ...), so `adam`, `adamw` and `sgd` give their numbers
+/// bit for bit (tests/unit/nn/test_optim.cpp): `p - lr * x == p + (-lr) * x` exactly in IEEE
+/// arithmetic. Classes, not generic lambdas, which nvcc refuses in device code.
+///
+/// A step is a class with `constants` (floats per step it reads, `k[0..]`), `slots` (state floats
+/// per element) and `apply(i, x, k, s, p)`: the new update of element `i` from the update `x`, its
+/// constants `k`, its state slots `s` and the parameter `p`.
+
+#include <array>
+#include <cstddef>
 
 // begin meshlib/nn/detail/simd.hpp
 /// @file
@@ -6170,140 +6216,1026 @@ double sum_of_squares(const float* x, std::size_t n, double* scratch) {
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/simd.hpp
 
-namespace meshlib::nn {
+namespace meshlib::nn::detail {
 
-namespace detail {
-
-/// SGD with momentum on the elements a `for_lanes` work item gives (`K` = `float` or `simd_float`):
-/// constants `{momentum, scale, rate}`. Classes with a templated call operator, not generic lambdas,
-/// which nvcc refuses in device code.
-struct sgd_update {
-  float* p;
-  const float* g;
-  float* m;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
-    store_at(m, i, mi);
-    store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
+/// `x * k[0]`: clip, scale, schedule, learning rate.
+struct scale_step {
+  static constexpr std::size_t constants = 1, slots = 0;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t, L x, const K* k, float* const*, const float*) {
+    return x * k[0];
   }
 };
 
-/// Adam / AdamW on the elements a `for_lanes` work item gives: constants `{scale, b1, 1 - b1, b2,
-/// 1 - b2, rate, c1, c2, eps, weight decay}` (c1, c2: the bias corrections).
-struct adam_update {
-  float* p;
-  const float* g;
-  float* m;
-  float* v;
+/// `x + wd p` (`k = {wd}`): decoupled weight decay.
+struct decay_step {
+  static constexpr std::size_t constants = 1, slots = 0;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L x, const K* k, float* const*, const float* p) {
+    return x + k[0] * load_as(p, i, k[0]);
+  }
+};
+
+/// Momentum: `m = decay m + x`, the update `m` (`k = {decay}`).
+struct trace_step {
+  static constexpr std::size_t constants = 1, slots = 1;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L x, const K* k, float* const* s, const float*) {
+    const L mi = k[0] * load_as(s[0], i, k[0]) + x;
+    store_at(s[0], i, mi);
+    return mi;
+  }
+};
+
+/// Adam's scaling (`k = {b1, 1 - b1, b2, 1 - b2, c1, c2, eps}`; c1, c2: the bias corrections).
+struct adam_step {
+  static constexpr std::size_t constants = 7, slots = 2;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L gi, const K* k, float* const* s, const float*) {
+    const L mi = k[0] * load_as(s[0], i, k[0]) + k[1] * gi;
+    const L vi = k[2] * load_as(s[1], i, k[0]) + k[3] * gi * gi;
+    store_at(s[0], i, mi);
+    store_at(s[1], i, vi);
+    return (mi * k[4]) / (sqrt_of(vi * k[5]) + k[6]);
+  }
+};
+
+/// -1, 0 or 1 as `x` is negative, zero or positive (NaN: 0).
+KOKKOS_INLINE_FUNCTION float sign_of(float x) noexcept { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+#if MESHLIB_NN_SIMD
+inline simd_float sign_of(simd_float x) noexcept {
+  simd_float r;
+  for (std::size_t j = 0; j < simd_lanes; ++j) r[j] = sign_of(static_cast<float>(x[j]));
+  return r;
+}
+#endif
+
+/// Lion's scaling: the update `sign(b1 m + (1 - b1) x)`, then `m = b2 m + (1 - b2) x`
+/// (`k = {b1, 1 - b1, b2, 1 - b2}`).
+struct lion_step {
+  static constexpr std::size_t constants = 4, slots = 1;
+  template <class L, class K>
+  KOKKOS_INLINE_FUNCTION static L apply(std::size_t i, L gi, const K* k, float* const* s, const float*) {
+    const L mi = load_as(s[0], i, k[0]);
+    store_at(s[0], i, k[2] * mi + k[3] * gi);
+    return sign_of(k[1] * gi + k[0] * mi);
+  }
+};
+
+/// Total constants and slots of `Steps`.
+template <class... Steps>
+inline constexpr std::size_t constants_of = (std::size_t{0} + ... + Steps::constants);
+template <class... Steps>
+inline constexpr std::size_t slots_of = (std::size_t{0} + ... + Steps::slots);
+
+/// The steps `Steps` one after the other on each element: the constants `k` are `{0}` (which only
+/// gives the lane type) then each step's, the slots each step's in order. Stores the update to `u`,
+/// or with `Apply` adds it to the parameter instead (optax's `apply_updates` in the same pass).
+template <bool Apply, class... Steps>
+struct fused_body {
+  float* u;        ///< the updates
+  const float* p;  ///< the parameter, read
+  float* out;      ///< with `Apply`: the parameter, written (`p`)
+  std::array<float*, slots_of<Steps...> + 1> s;  // + 1: no zero-length array when no step has state
+
   template <class K>
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
-    const auto gi = load_as(g, i, scale_) * scale_;
-    const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
-    const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
-    const auto pi = load_as(p, i, scale_);
-    store_at(m, i, mi);
-    store_at(v, i, vi);
-    store_at(p, i, pi - rate_ * ((mi * c1_) / (sqrt_of(vi * c2_) + eps_) + wd_ * pi));
+    auto x = load_as(u, i, k[0]);
+    if constexpr (sizeof...(Steps) > 0) run<1, 0, Steps...>(i, x, k);
+    if constexpr (Apply) store_at(out, i, load_as(p, i, k[0]) + x);
+    else store_at(u, i, x);
   }
+
+ private:
+  template <std::size_t C, std::size_t O, class Step, class... Rest, class L, class K>
+  KOKKOS_INLINE_FUNCTION void run(std::size_t i, L& x, const K& k) const {
+    x = Step::apply(i, x, k.data() + C, s.data() + O, p);
+    if constexpr (sizeof...(Rest) > 0) run<C + Step::constants, O + Step::slots, Rest...>(i, x, k);
+  }
+};
+
+/// Runs `Steps` over `n` elements (see `fused_body`): `k` their constants after the leading 0,
+/// `state` their slots, `out` the parameter to add the updates to (`Apply`; else they stay in `u`).
+template <bool Apply, class... Steps, std::size_t N>
+void run_steps(float* u, const float* p, float* out, float* const* state, std::size_t n,
+               const std::array<float, N>& k) {
+  static_assert(N == 1 + constants_of<Steps...>, "meshlib::nn: the steps' constants, after a leading 0");
+  fused_body<Apply, Steps...> body{u, p, out, {}};
+  if constexpr (slots_of<Steps...> > 0)  // (nvcc warns of `j < 0` otherwise)
+    for (std::size_t j = 0; j < slots_of<Steps...>; ++j) body.s[j] = state[j];
+  for_lanes<default_memory_space>(n, k, body);
+}
+
+/// `p += u` over `n` elements (optax's `apply_updates`; `u` is only read).
+inline void apply_updates(float* p, float* u, std::size_t n) {
+  run_steps<true>(u, p, p, nullptr, n, std::array<float, 1>{0.0f});
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/optim/detail/kernels.hpp
+// begin meshlib/nn/optim/transform.hpp
+/// @file
+/// @brief `gradient_transform`: what an optax-style gradient transformation is here (optax's
+/// `GradientTransformation(init, update)`), and `update_run`, the elements one call updates.
+///
+/// A transform's state is `slots()` floats per element of every parameter, zero at the start
+/// (optax's `init` for elementwise state: `adam`'s moments, `trace`'s momentum). The train state
+/// stores them in its optimizer state, replicated or ZeRO-1 / FSDP sharded exactly like the
+/// parameter, so every transform runs unchanged on any sharding. `update` turns the updates of a
+/// run of elements (on entry to the chain, the gradient) into new updates, in place, reading and
+/// writing its state slots for those elements; after the whole chain the train state applies
+/// `param += update` (optax's `apply_updates`).
+///
+/// A run is a piece of one parameter's local block: the whole block (replicated state, FSDP's
+/// shards) or the part of it in this device's ZeRO-1 slice. An elementwise transform does not care
+/// which. A transform that needs the norm of every update over the whole mesh (clipping) says so
+/// with `reads_global_norm`: the train state then ends a stage there, sums the squares of the
+/// updates over every device, and passes the norm in `update_run::global_norm`.
+/// @code
+/// struct scale_by_sign {   // a user-written transform: update = sign(update), no state
+///   std::size_t slots() const { return 0; }
+///   void update(const meshlib::nn::update_run& r) const {
+///     for (std::size_t i = 0; i < r.size; ++i) r.updates[i] = float(r.updates[i] > 0) - float(r.updates[i] < 0);
+///   }
+/// };
+/// auto opt = meshlib::nn::chain(scale_by_sign{}, meshlib::nn::scale_by_learning_rate(1e-3f));
+/// @endcode
+
+#include <concepts>
+#include <cstddef>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+namespace meshlib::nn {
+
+/// @brief The parameter a run belongs to, as masks and label functions see it.
+struct param_info {
+  std::string_view name;               ///< the parameter's name, such as `"fc1.w"`
+  std::span<const std::size_t> shape;  ///< its global shape
+  bool decay = true;                   ///< the layer's own say: weights `true`, biases and norms `false`
+};
+
+/// @brief The elements one `update` call transforms: `size` consecutive elements of a parameter's
+/// local block, in the memory of the running device (`default_memory_space`).
+struct update_run {
+  float* updates = nullptr;        ///< the updates, transformed in place (on entry to the chain: the gradient)
+  const float* params = nullptr;   ///< the parameter's values there (float master weights)
+  std::span<float* const> state;   ///< this transform's `slots()` state slots, each `size` floats for these elements
+  std::size_t size = 0;            ///< elements in the run
+  std::size_t offset = 0;          ///< index of the first element in the parameter's local block
+  std::size_t step = 0;            ///< the optimizer step being taken, counted from 0
+  std::size_t stage = 0;           ///< which of the transform's `stages()` runs
+  double global_norm = 0;          ///< stages that `reads_global_norm`: the updates' norm over every device
+  param_info param;                ///< the parameter
+};
+
+/// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
+/// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
+/// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
+/// `reads_global_norm(stage)` (default false) and `update_and_apply(run, float* params)`, the update
+/// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
+/// (The members are tested first: a type without them is rejected before its copy constructor is
+/// asked for, which for `optimizer`'s converting constructor would ask itself.)
+template <class T>
+concept gradient_transform = requires(const T& t, const update_run& r) {
+  { t.slots() } -> std::convertible_to<std::size_t>;
+  { t.update(r) } -> std::same_as<void>;
+} && std::copy_constructible<T>;
+
+namespace detail {
+
+/// The diagnostics for a type that is not a `gradient_transform`, one per missing member; the
+/// type's name is in theirs (`transform_has_no_update<false, my_transform>`), since the message
+/// cannot spell it.
+template <bool Ok, class Transform>
+struct transform_has_no_slots {
+  static_assert(Ok, "meshlib::nn: the type is not a meshlib::nn::gradient_transform (the type in "
+                    "transform_has_no_slots<ok, Transform>): it has no const member slots() returning the number of "
+                    "state floats per element; add std::size_t slots() const { return 0; } for none");
+  static constexpr bool value = Ok;
+};
+template <bool Ok, class Transform>
+struct transform_has_no_update {
+  static_assert(Ok, "meshlib::nn: the type is not a meshlib::nn::gradient_transform (the type in "
+                    "transform_has_no_update<ok, Transform>): it has no const member "
+                    "void update(const meshlib::nn::update_run&) that transforms the run's updates in place");
+  static constexpr bool value = Ok;
+};
+template <bool Ok, class Transform>
+struct transform_is_not_copyable {
+  static_assert(Ok, "meshlib::nn: the type is not a meshlib::nn::gradient_transform (the type in "
+                    "transform_is_not_copyable<ok, Transform>): it is not copy-constructible (an optimizer copies "
+                    "its transforms); keep state in the update_run's slots, not in the object");
+  static constexpr bool value = Ok;
+};
+
+/// The one diagnostic for a type that is not a `gradient_transform` (STYLE.md: one static_assert,
+/// on the first unmet requirement, naming the concept and the member that is missing). True for a
+/// transform. Called outside a constant expression (Clang then reports no second error).
+template <class T>
+bool diagnose_gradient_transform() {
+  if constexpr (!requires(const T& t) {
+                  { t.slots() } -> std::convertible_to<std::size_t>;
+                })
+    return transform_has_no_slots<false, T>::value;
+  else if constexpr (!requires(const T& t, const update_run& r) {
+                       { t.update(r) } -> std::same_as<void>;
+                     })
+    return transform_has_no_update<false, T>::value;
+  else if constexpr (!std::copy_constructible<T>)
+    return transform_is_not_copyable<false, T>::value;
+  else
+    return true;
+}
+
+/// What a factory returns after `diagnose_gradient_transform` fired: a transform, so that the
+/// caller's code gives no second error.
+struct not_a_transform {
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  void update(const update_run&) const {}
+};
+
+/// `t.stages()`, or 1.
+template <class T>
+std::size_t stages_of(const T& t) {
+  if constexpr (requires { t.stages(); }) return t.stages();
+  else return 1;
+}
+/// `t.reads_global_norm(stage)`, or false.
+template <class T>
+bool reads_global_norm_of(const T& t, std::size_t stage) {
+  if constexpr (requires { t.reads_global_norm(stage); }) return t.reads_global_norm(stage);
+  else return false;
+}
+/// `t.name()`, or "custom".
+template <class T>
+std::string name_of(const T& t) {
+  if constexpr (requires { std::string(t.name()); }) return std::string(t.name());
+  else return "custom";
+}
+/// `t.kind()`, or "custom".
+template <class T>
+std::string kind_of(const T& t) {
+  if constexpr (requires { std::string(t.kind()); }) return std::string(t.kind());
+  else return "custom";
+}
+
+}  // namespace detail
+
+/// @brief Which parameters a transform applies to (optax's `mask`): a callable over the
+/// parameter's name (`bool(std::string_view)`) or over its `param_info` (`bool(const param_info&)`).
+class param_mask {
+ public:
+  /// Every parameter.
+  param_mask() : f_([](const param_info&) { return true; }) {}
+  /// The parameters for which `f` is true.
+  template <class F>
+    requires(!std::same_as<std::remove_cvref_t<F>, param_mask> &&
+             (std::is_invocable_r_v<bool, const F&, const param_info&> ||
+              std::is_invocable_r_v<bool, const F&, std::string_view>))
+  param_mask(F f) {  // NOLINT(google-explicit-constructor): a lambda is a mask
+    if constexpr (std::is_invocable_r_v<bool, const F&, const param_info&>)
+      f_ = std::move(f);
+    else
+      f_ = [g = std::move(f)](const param_info& p) { return static_cast<bool>(g(p.name)); };
+  }
+  /// Whether the transform applies to `p`.
+  [[nodiscard]] bool operator()(const param_info& p) const { return f_(p); }
+
+ private:
+  std::function<bool(const param_info&)> f_;
+};
+
+/// @brief The mask of the parameters whose layer marks them for weight decay (`param_ref::decay`:
+/// weights yes, biases and normalisation scales no): `adamw`'s default.
+inline param_mask decay_mask() {
+  return param_mask([](const param_info& p) { return p.decay; });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/transform.hpp
+
+namespace meshlib::nn::detail {
+
+/// A transform whose update is one elementwise step.
+template <class T>
+concept fusable = requires(const T& t, const update_run& r) {
+  typename T::step_type;
+  { t.constants(r) } -> std::same_as<std::array<float, T::step_type::constants>>;
+};
+
+/// `t`'s step alone over the run.
+template <fusable T>
+void run_step(const T& t, const update_run& r) {
+  using step = typename T::step_type;
+  std::array<float, 1 + step::constants> k{};
+  const auto kt = t.constants(r);
+  for (std::size_t j = 0; j < step::constants; ++j) k[1 + j] = kt[j];
+  run_steps<false, step>(r.updates, r.params, nullptr, r.state.data(), r.size, k);
+}
+
+/// `t.update(r)`, then `params += updates`: in one pass where `t` can (`update_and_apply`).
+template <class T>
+void update_and_apply_of(const T& t, const update_run& r, float* params) {
+  if constexpr (requires { t.update_and_apply(r, params); }) {
+    t.update_and_apply(r, params);
+  } else {
+    t.update(r);
+    apply_updates(params, r.updates, r.size);
+  }
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/optim/detail/fusion.hpp
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+struct scale_by_adam {
+  float b1 = 0.9f;    ///< decay rate of the first moment (the gradient's running mean)
+  float b2 = 0.999f;  ///< decay rate of the second moment (the squared gradient's running mean)
+  float eps = 1e-8f;  ///< added to the denominator's square root so the update stays finite
+
+  [[nodiscard]] std::size_t slots() const noexcept { return 2; }
+  [[nodiscard]] std::string name() const { return "scale_by_adam"; }
+  [[nodiscard]] std::string kind() const { return "scale_by_adam"; }
+  using step_type = detail::adam_step;
+  [[nodiscard]] std::array<float, 7> constants(const update_run& r) const {
+    // The bias corrections 1 / (1 - b^t), in double as the fused kernel before them did.
+    const double t = static_cast<double>(r.step + 1);
+    const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
+    const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
+    return {b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
+  }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/adam.hpp
+// begin meshlib/nn/optim/chain.hpp
+/// @file
+/// @brief `chain(t1, t2, ...)` (optax's `chain`): the transforms one after the other, each taking
+/// the updates the one before returned; its state is theirs side by side (`slots()` the sum). A
+/// transform that reads the global norm starts a new stage, so that the norm it reads is the one
+/// of the updates entering it, after every element went through the transforms before it.
+/// @code
+/// namespace nn = meshlib::nn;
+/// auto opt = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(), nn::add_decayed_weights(1e-4f),
+///                      nn::scale_by_learning_rate(nn::warmup_cosine(1e-3f, 100, 2000)));
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The transform `chain` returns (see the file comment).
+template <gradient_transform... Ts>
+class chain_transform {
+ public:
+  /// The transforms, in the order they run.
+  explicit chain_transform(Ts... ts) : ts_(std::move(ts)...) {
+    std::size_t i = 0, off = 0;
+    for_each([&](const auto& t) {
+      offset_[i] = off;
+      off += t.slots();
+      for (std::size_t s = 0; s < detail::stages_of(t); ++s) {
+        if (stages_.empty() || (detail::reads_global_norm_of(t, s) && !stages_.back().empty())) stages_.emplace_back();
+        stages_.back().push_back({i, s});
+      }
+      ++i;
+    });
+    offset_[sizeof...(Ts)] = off;
+    if (stages_.empty()) stages_.emplace_back();
+  }
+
+  [[nodiscard]] std::size_t slots() const noexcept { return offset_[sizeof...(Ts)]; }
+  [[nodiscard]] std::size_t stages() const noexcept { return stages_.size(); }
+  /// Whether stage `k` starts with a transform that reads the global norm of its updates.
+  [[nodiscard]] bool reads_global_norm(std::size_t k) const {
+    if (stages_[k].empty()) return false;
+    bool reads = false;
+    const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
+    visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
+    return reads;
+  }
+  /// `chain(a, b, ...)` of the transforms' names.
+  [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
+  /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
+  [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
+  void update(const update_run& r) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<false>(r, nullptr);
+    }
+    const auto& stage = stages_[r.stage];
+    for (const auto& at : stage) run_child(r, at, [](const auto& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`. A chain of built-in transforms in one stage (`adamw`)
+  /// does both in one kernel, as the fused optimizers did; else the stage's last transform applies
+  /// them if it can (a nested `adamw`), or a pass of their own does.
+  void update_and_apply(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<true>(r, params);
+    }
+    const auto& stage = stages_[r.stage];
+    if (stage.empty()) return detail::apply_updates(params, r.updates, r.size);
+    for (std::size_t j = 0; j + 1 < stage.size(); ++j)
+      run_child(r, stage[j], [](const auto& t, const update_run& sub) { t.update(sub); });
+    run_child(r, stage.back(),
+              [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
+  }
+  /// The transforms.
+  [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
+
+ private:
+  template <class F>
+  void for_each(F&& f) const {
+    std::apply([&](const auto&... t) { (f(t), ...); }, ts_);
+  }
+  /// `f(transform i)`.
+  template <class F>
+  void visit(std::size_t i, F&& f) const {
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((I == i ? (void)f(std::get<I>(ts_)) : void()), ...);
+    }(std::index_sequence_for<Ts...>{});
+  }
+  template <class F>
+  std::string joined(const char* sep, F&& f) const {
+    std::string out = "chain(";
+    bool first = true;
+    for_each([&](const auto& t) {
+      if (!first) out += sep;
+      first = false;
+      out += f(t);
+    });
+    return out + ")";
+  }
+
+  static constexpr bool fusable_chain = sizeof...(Ts) > 0 && (detail::fusable<Ts> && ...);
+
+  /// `f(transform, its run)` for (transform, its stage) `at`.
+  template <class F>
+  void run_child(const update_run& r, const std::pair<std::size_t, std::size_t>& at, F&& f) const {
+    update_run sub = r;
+    sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
+    sub.stage = at.second;
+    visit(at.first, [&](const auto& t) { f(t, sub); });
+  }
+  /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to
+  /// `params` with `Apply`.
+  template <bool Apply>
+  void run_fused(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      std::array<float, 1 + detail::constants_of<typename Ts::step_type...>> k{};
+      std::size_t c = 1;
+      for_each([&](const auto& t) {
+        for (float x : t.constants(r)) k[c++] = x;
+      });
+      detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
+  }
+
+  std::tuple<Ts...> ts_;
+  std::array<std::size_t, sizeof...(Ts) + 1> offset_{};
+  // Per stage: the (transform, transform's stage) pairs it runs, in order.
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> stages_;
+};
+
+/// @brief The transforms one after the other (see the file comment). Each argument must be a
+/// `gradient_transform`; one that is not is named in one error (`diagnose_gradient_transform`).
+template <class... Ts>
+auto chain(Ts... ts) {
+  if constexpr ((gradient_transform<Ts> && ...)) {
+    return chain_transform<Ts...>(std::move(ts)...);
+  } else {
+    (void)(detail::diagnose_gradient_transform<Ts>() && ...);
+    return detail::not_a_transform{};
+  }
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/chain.hpp
+// begin meshlib/nn/optim/clip.hpp
+/// @file
+/// @brief `clip_by_global_norm(max_norm)` (optax's, PyTorch's `clip_grad_norm_`): scales every
+/// update by `max_norm / norm` when the norm of all of them together exceeds `max_norm`. The norm
+/// is over every parameter and every device, each element counted once (the train state sums the
+/// squares over the mesh, `update_run::global_norm`), so it is the same on any sharding.
+/// @code
+/// auto opt = meshlib::nn::chain(meshlib::nn::clip_by_global_norm(1.0f), meshlib::nn::adamw(3e-4f, 0.1f));
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+class clip_by_global_norm {
+ public:
+  /// Clips to `max_norm` (> 0).
+  /// @throws std::invalid_argument when `max_norm` is not positive.
+  explicit clip_by_global_norm(float max_norm) : max_norm_(max_norm) {
+    if (!(max_norm > 0.0f))
+      throw std::invalid_argument("meshlib::nn: clip_by_global_norm: max_norm is " + detail::number_text(max_norm) +
+                                  "; it must be positive (leave the transform out to not clip)");
+  }
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  [[nodiscard]] bool reads_global_norm(std::size_t) const noexcept { return true; }
+  [[nodiscard]] std::string name() const { return "clip_by_global_norm(" + detail::number_text(max_norm_) + ")"; }
+  [[nodiscard]] std::string kind() const { return "clip_by_global_norm"; }
+  /// The factor for updates of norm `norm`: `max_norm / norm` when larger, else 1.
+  [[nodiscard]] float factor(double norm) const noexcept {
+    return norm > max_norm_ ? static_cast<float>(max_norm_ / norm) : 1.0f;
+  }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {factor(r.global_norm)}; }
+  void update(const update_run& r) const {
+    if (factor(r.global_norm) != 1.0f) detail::run_step(*this, r);
+  }
+
+ private:
+  float max_norm_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/clip.hpp
+// begin meshlib/nn/optim/lion.hpp
+/// @file
+/// @brief `scale_by_lion(b1, b2)` (optax's; Chen et al. 2023, "Symbolic Discovery of Optimization
+/// Algorithms"): `update = sign(b1 m + (1 - b1) g)`, then `m = b2 m + (1 - b2) g`; one state slot.
+/// `nn::lion` is `chain(scale_by_lion(...), add_decayed_weights(wd), scale_by_learning_rate(lr))`.
+
+#include <array>
+#include <cstddef>
+#include <string>
+
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+struct scale_by_lion {
+  float b1 = 0.9f;   ///< the interpolation of the sign's argument
+  float b2 = 0.99f;  ///< decay rate of the momentum
+
+  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  [[nodiscard]] std::string name() const { return "scale_by_lion"; }
+  [[nodiscard]] std::string kind() const { return "scale_by_lion"; }
+  using step_type = detail::lion_step;
+  [[nodiscard]] std::array<float, 4> constants(const update_run&) const { return {b1, 1.0f - b1, b2, 1.0f - b2}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/lion.hpp
+// begin meshlib/nn/optim/masked.hpp
+/// @file
+/// @brief `masked(inner, mask)` (optax's `masked`): `inner` on the parameters of `mask`, the others'
+/// updates passed through unchanged. Its state is `inner`'s, held for every parameter (the train
+/// state's slots are per element of all of them) and left at zero where the mask is false.
+/// @code
+/// namespace nn = meshlib::nn;
+/// auto embeddings = [](std::string_view name) { return name.starts_with("embed"); };
+/// auto tx = nn::chain(nn::masked(nn::scale(0.1f), embeddings), nn::scale_by_learning_rate(1e-3f));
+/// @endcode
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+
+namespace meshlib::nn {
+
+/// @brief The transform `masked` returns (see the file comment).
+template <gradient_transform T>
+class masked_transform {
+ public:
+  /// `inner` where `mask` holds.
+  /// @throws std::invalid_argument when `inner` reads the global norm (a clip): that norm is over
+  /// every parameter, which a mask cannot restrict.
+  masked_transform(T inner, param_mask mask) : inner_(std::move(inner)), mask_(std::move(mask)) {
+    for (std::size_t s = 0; s < detail::stages_of(inner_); ++s)
+      if (detail::reads_global_norm_of(inner_, s))
+        throw std::invalid_argument("meshlib::nn: masked: " + detail::name_of(inner_) +
+                                    " reads the global norm of every parameter's updates, which a mask cannot "
+                                    "restrict; put it outside masked, in the chain");
+  }
+  [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
+  [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
+  [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }
+  [[nodiscard]] std::string kind() const { return "masked(" + detail::kind_of(inner_) + ")"; }
+  void update(const update_run& r) const {
+    if (mask_(r.param)) inner_.update(r);
+  }
+
+ private:
+  T inner_;
+  param_mask mask_;
+};
+
+/// @brief `inner` on the parameters of `mask` only (see the file comment).
+template <class T>
+auto masked(T inner, param_mask mask) {
+  if constexpr (gradient_transform<T>) {
+    return masked_transform<T>(std::move(inner), std::move(mask));
+  } else {
+    (void)detail::diagnose_gradient_transform<T>();
+    return detail::not_a_transform{};
+  }
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/masked.hpp
+// begin meshlib/nn/optim/scale.hpp
+/// @file
+/// @brief Scaling transforms: `scale(c)`, `scale_by_schedule(f)` with any callable `f(step) ->
+/// float` (optax's `scale_by_schedule`) and `scale_by_learning_rate(lr)`, which multiplies by
+/// `-lr(step)` so that the train state's `param += update` descends (optax's convention).
+/// @code
+/// auto lr = meshlib::nn::scale_by_learning_rate([](std::size_t step) { return 1e-3f / std::sqrt(step + 1.0f); });
+/// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_adam(), lr);
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace meshlib::nn {
+
+/// @brief A function of the step (0-based) to a float: a number, `nn::schedule` or any callable.
+using step_function = std::function<float(std::size_t)>;
+
+/// @brief `update *= factor(step)`, no state (optax's `scale_by_schedule`; `scale` for a number).
+class scale_by_schedule {
+ public:
+  /// Multiplies by `f(step)`; a number is a constant.
+  template <class F>
+    requires std::is_invocable_r_v<float, const F&, std::size_t>
+  explicit scale_by_schedule(F f, std::string name = "scale_by_schedule") : f_(std::move(f)), name_(std::move(name)) {}
+  /// Multiplies by `c` at every step.
+  explicit scale_by_schedule(float c) : f_(schedule(c)), name_("scale(" + detail::number_text(c) + ")") {}
+
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  [[nodiscard]] std::string name() const { return name_; }
+  [[nodiscard]] std::string kind() const { return "scale_by_schedule"; }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {f_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
+
+ private:
+  step_function f_;
+  std::string name_;
+};
+
+/// @brief `update *= c` (optax's `scale`).
+inline scale_by_schedule scale(float c) { return scale_by_schedule(c); }
+
+/// @brief `update *= -lr(step)` (optax's `scale_by_learning_rate`): `lr` a number, an
+/// `nn::schedule` (`warmup_cosine`, ...) or any callable `float(std::size_t step)`.
+class scale_by_learning_rate {
+ public:
+  /// The rate `lr` (a number, a schedule or any callable of the step).
+  template <class F>
+    requires std::is_invocable_r_v<float, const F&, std::size_t>
+  explicit scale_by_learning_rate(F lr) : lr_(std::move(lr)) {}
+  /// A constant rate.
+  explicit scale_by_learning_rate(float lr) : lr_(schedule(lr)) {}
+
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  [[nodiscard]] std::string name() const { return "scale_by_learning_rate"; }
+  [[nodiscard]] std::string kind() const { return "scale_by_learning_rate"; }
+  /// The rate at `step`.
+  [[nodiscard]] float rate(std::size_t step) const { return lr_(step); }
+  using step_type = detail::scale_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {-lr_(r.step)}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
+
+ private:
+  step_function lr_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/scale.hpp
+// begin meshlib/nn/optim/trace.hpp
+/// @file
+/// @brief `trace(decay)` (optax's): heavy-ball momentum, `m = decay m + update; update = m`; one
+/// state slot. `nn::sgd` is `chain(trace(momentum), scale_by_learning_rate(lr))`.
+
+#include <array>
+#include <cstddef>
+#include <string>
+
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+struct trace {
+  float decay = 0.9f;  ///< the momentum
+
+  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  [[nodiscard]] std::string name() const { return "trace(" + detail::number_text(decay) + ")"; }
+  [[nodiscard]] std::string kind() const { return "trace"; }
+  using step_type = detail::trace_step;
+  [[nodiscard]] std::array<float, 1> constants(const update_run&) const { return {decay}; }
+  void update(const update_run& r) const { detail::run_step(*this, r); }
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/trace.hpp
+// begin meshlib/nn/optim/weight_decay.hpp
+/// @file
+/// @brief `add_decayed_weights(wd, mask)` (optax's): `update += wd * param` on the parameters of
+/// `mask` (default: those whose layer marks them for decay, `decay_mask()`). Before the learning
+/// rate in a chain, this is AdamW's decoupled weight decay.
+/// @code
+/// auto no_norms = [](std::string_view name) { return !name.ends_with(".scale"); };
+/// auto tx = meshlib::nn::add_decayed_weights(1e-4f, no_norms);
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <utility>
+
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+class add_decayed_weights {
+ public:
+  /// Decay `weight_decay` on the parameters of `mask`.
+  explicit add_decayed_weights(float weight_decay, param_mask mask = decay_mask())
+      : wd_(weight_decay), mask_(std::move(mask)) {}
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  [[nodiscard]] std::string name() const { return "add_decayed_weights(" + detail::number_text(wd_) + ")"; }
+  [[nodiscard]] std::string kind() const { return "add_decayed_weights"; }
+  /// The decay rate.
+  [[nodiscard]] float weight_decay() const noexcept { return wd_; }
+  using step_type = detail::decay_step;
+  /// Fused into a chain's kernel, a parameter outside the mask decays by 0 (`update + 0 * param`,
+  /// which is `update` for any finite parameter; the fused AdamW kernel did the same).
+  [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {mask_(r.param) ? wd_ : 0.0f}; }
+  void update(const update_run& r) const {
+    if (mask_(r.param)) detail::run_step(*this, r);
+  }
+
+ private:
+  float wd_;
+  param_mask mask_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/weight_decay.hpp
+
+namespace meshlib::nn {
+
+namespace detail {
+/// A transform behind a virtual interface: `optimizer`'s erased holder (one virtual call per run
+/// of elements, each of which launches kernels: the call is nothing beside them).
+struct erased_transform {
+  virtual ~erased_transform() = default;
+  [[nodiscard]] virtual std::size_t slots() const = 0;
+  [[nodiscard]] virtual std::size_t stages() const = 0;
+  [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual std::string kind() const = 0;
+  virtual void update(const update_run& r) const = 0;
+  virtual void update_and_apply(const update_run& r, float* params) const = 0;
+};
+template <class T>
+struct erased_model final : erased_transform {
+  explicit erased_model(T x) : t(std::move(x)) {}
+  [[nodiscard]] std::size_t slots() const override { return t.slots(); }
+  [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
+  [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
+  [[nodiscard]] std::string name() const override { return name_of(t); }
+  [[nodiscard]] std::string kind() const override { return kind_of(t); }
+  void update(const update_run& r) const override { t.update(r); }
+  void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
+  T t;
 };
 
 }  // namespace detail
 
-/// @brief Which rule `optimizer` applies.
-enum class optimizer_kind { sgd, adam, adamw };
+/// @brief A gradient transform with its type erased (see the file comment); itself a
+/// `gradient_transform`, so optimizers chain: `chain(clip_by_global_norm(1.0f), adamw(3e-4f))`.
+class optimizer {
+ public:
+  /// `adam(1e-3f)`.
+  optimizer();
+  /// Holds `t` (a `chain`, or any `gradient_transform`), named and recorded in checkpoints by its
+  /// own `name()` and `kind()`.
+  template <class T>
+    requires(!std::same_as<std::remove_cvref_t<T>, optimizer> && gradient_transform<std::remove_cvref_t<T>>)
+  optimizer(T t)  // NOLINT(google-explicit-constructor): a chain is an optimizer
+      : impl_(std::make_shared<const detail::erased_model<T>>(std::move(t))),
+        name_(impl_->name()),
+        kind_(impl_->kind()) {}
+  /// Holds `t` under the name `name` (logs) and the kind `kind` (checkpoints; no spaces): how
+  /// `adamw(...)` names its chain.
+  template <class T>  // the first test keeps the copy constructor's own check from asking itself
+    requires(!std::same_as<std::remove_cvref_t<T>, optimizer> && gradient_transform<T>)
+  optimizer(T t, std::string name, std::string kind)
+      : impl_(std::make_shared<const detail::erased_model<T>>(std::move(t))),
+        name_(std::move(name)),
+        kind_(std::move(kind)) {}
 
-/// @brief The rule's name as its factory is spelled (`"sgd"`, `"adam"`, `"adamw"`): what a
-/// checkpoint stores and what its messages name.
-[[nodiscard]] constexpr std::string_view to_string(optimizer_kind kind) noexcept {
-  switch (kind) {
-    case optimizer_kind::sgd: return "sgd";
-    case optimizer_kind::adam: return "adam";
-    case optimizer_kind::adamw: return "adamw";
-  }
-  return "?";
-}
+  /// State slots per element (0 for a stateless chain).
+  [[nodiscard]] std::size_t slots() const { return impl_->slots(); }
+  /// The stages the train state runs one after the other over every run (see nn/optim/chain.hpp).
+  [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
+  /// Whether stage `k` reads the global norm of the updates entering it.
+  [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
+  /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
+  /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// What a checkpoint records and a restore compares: the transforms without their numbers
+  /// (`adamw`, `chain(clip_by_global_norm,adamw)`), so a run may resume with another rate.
+  [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
+  /// Transforms the run's updates in place (see `gradient_transform`).
+  void update(const update_run& r) const { impl_->update(r); }
+  /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
+  /// built-in transforms. What the train state calls for the last stage.
+  void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
 
-/// @brief An optimizer's rule and hyperparameters (see the factories below).
-struct optimizer {
-  /// The update rule.
-  optimizer_kind kind = optimizer_kind::adam;
-  /// The learning rate per step.
-  schedule lr = constant(1e-3f);
-  float momentum = 0.0f;      ///< sgd
-  /// adam/adamw: decay rate of the first moment (the gradient's running mean).
-  float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-  /// @var b2
-  /// adam/adamw: decay rate of the second moment (the squared gradient's running mean).
-  /// @var eps
-  /// adam/adamw: added to the denominator's square root so the update stays finite.
-  float weight_decay = 0.0f;  ///< adamw (decoupled), on parameters marked `decay`
-  float clip_norm = 0.0f;     ///< > 0: clip the gradient to this global norm (over every shard)
-
-  /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
-  [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
-
-  /// The rule for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam` or
-  /// `adamw(weight decay 1e-4)`.
-  [[nodiscard]] std::string name() const {
-    switch (kind) {
-      case optimizer_kind::sgd: return "sgd(momentum " + detail::number_text(momentum) + ")";
-      case optimizer_kind::adam: return "adam";
-      case optimizer_kind::adamw: return "adamw(weight decay " + detail::number_text(weight_decay) + ")";
-    }
-    return "?";
-  }
-
-  /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
-  /// `m`, `v`: the state slots of these elements (`v` unused by sgd), in memory `Space`. One Kokkos
-  /// kernel over the arrays on the running device's instance, vectorised (nn/detail/simd.hpp: the
-  /// same numbers, bitwise, as the element-by-element rule).
-  template <class Space = default_memory_space>
-  void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
-              bool decay) const {
-    const float rate = lr(step);
-    if (kind == optimizer_kind::sgd) {
-      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, detail::sgd_update{p, g, m});
-      return;
-    }
-    const double t = static_cast<double>(step + 1);
-    const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
-    const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
-    const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
-    const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes<Space>(n, ks, detail::adam_update{p, g, m, v});
-  }
+ private:
+  std::shared_ptr<const detail::erased_transform> impl_;
+  std::string name_, kind_;
 };
 
-/// @brief SGD with (heavy-ball) momentum (`optax.sgd(lr, momentum)`).
+/// @brief SGD with (heavy-ball) momentum (`optax.sgd(lr, momentum)`): `chain(trace(momentum),
+/// scale_by_learning_rate(lr))`.
 inline optimizer sgd(schedule lr, float momentum = 0.9f) {
-  optimizer o;
-  o.kind = optimizer_kind::sgd;
-  o.lr = lr;
-  o.momentum = momentum;
-  return o;
+  return {chain(trace{momentum}, scale_by_learning_rate(lr)), "sgd(momentum " + detail::number_text(momentum) + ")",
+          "sgd"};
 }
-/// @brief Adam (`optax.adam`).
+/// @brief Adam (`optax.adam`): `chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))`.
 inline optimizer adam(schedule lr, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
-  optimizer o;
-  o.kind = optimizer_kind::adam;
-  o.lr = lr;
-  o.b1 = b1;
-  o.b2 = b2;
-  o.eps = eps;
-  return o;
+  return {chain(scale_by_adam{b1, b2, eps}, scale_by_learning_rate(lr)), "adam", "adam"};
 }
-/// @brief AdamW, decoupled weight decay (`optax.adamw`).
-inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
-  optimizer o = adam(lr, b1, b2, eps);
-  o.kind = optimizer_kind::adamw;
-  o.weight_decay = weight_decay;
-  return o;
+/// @brief AdamW, decoupled weight decay (`optax.adamw`): `chain(scale_by_adam(b1, b2, eps),
+/// add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))`; the mask defaults to the
+/// parameters their layer marks for decay (weights, not biases or norms).
+inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f,
+                       param_mask mask = decay_mask()) {
+  return {chain(scale_by_adam{b1, b2, eps}, add_decayed_weights(weight_decay, std::move(mask)),
+                scale_by_learning_rate(lr)),
+          "adamw(weight decay " + detail::number_text(weight_decay) + ")", "adamw"};
 }
+/// @brief Lion (`optax.lion`): `chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay,
+/// mask), scale_by_learning_rate(lr))`. Its updates are signs (norm sqrt(n)): it wants a learning
+/// rate 3-10x smaller than AdamW's and a weight decay as much larger.
+inline optimizer lion(schedule lr, float b1 = 0.9f, float b2 = 0.99f, float weight_decay = 1e-3f,
+                      param_mask mask = decay_mask()) {
+  return {chain(scale_by_lion{b1, b2}, add_decayed_weights(weight_decay, std::move(mask)), scale_by_learning_rate(lr)),
+          "lion(weight decay " + detail::number_text(weight_decay) + ")", "lion"};
+}
+
+inline optimizer::optimizer() : optimizer(adam(constant(1e-3f))) {}
 
 }  // namespace meshlib::nn
 // end meshlib/nn/optimizer.hpp
+// begin meshlib/nn/optim/multi_transform.hpp
+/// @file
+/// @brief `multi_transform(transforms, label)` (optax's `multi_transform`): parameter groups, each
+/// with its own transform; `label(param)` names the group of a parameter. Its state is as many
+/// slots as the largest group's transform has (every parameter holds them; a group uses the first
+/// ones).
+/// @code
+/// namespace nn = meshlib::nn;
+/// auto label = [](std::string_view name) { return name.starts_with("embed") ? "embed" : "rest"; };
+/// nn::optimizer opt = nn::multi_transform({{"embed", nn::sgd(1e-2f)}, {"rest", nn::adamw(1e-3f)}}, label);
+/// @endcode
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A parameter's group name: a callable over its name or its `param_info`, returning a
+/// string (or anything a `std::string` is made from).
+class param_label {
+ public:
+  /// The label `f` gives.
+  template <class F>
+    requires(!std::same_as<std::remove_cvref_t<F>, param_label> &&
+             (std::is_invocable_r_v<std::string, const F&, const param_info&> ||
+              std::is_invocable_r_v<std::string, const F&, std::string_view>))
+  param_label(F f) {  // NOLINT(google-explicit-constructor): a lambda is a label function
+    if constexpr (std::is_invocable_r_v<std::string, const F&, const param_info&>)
+      f_ = std::move(f);
+    else
+      f_ = [g = std::move(f)](const param_info& p) { return std::string(g(p.name)); };
+  }
+  /// The group of `p`.
+  [[nodiscard]] std::string operator()(const param_info& p) const { return f_(p); }
+
+ private:
+  std::function<std::string(const param_info&)> f_;
+};
+
+/// @brief The transform `multi_transform` returns (see the file comment).
+class multi_transform_t {
+ public:
+  /// @throws std::invalid_argument for no groups, a group named twice, or a group transform that
+  /// reads the global norm (that norm is over every parameter: clip in a chain around this).
+  multi_transform_t(std::vector<std::pair<std::string, optimizer>> groups, param_label label)
+      : groups_(std::move(groups)), label_(std::move(label)) {
+    if (groups_.empty())
+      throw std::invalid_argument("meshlib::nn: multi_transform: no groups; give at least one {label, transform}");
+    for (std::size_t i = 0; i < groups_.size(); ++i) {
+      const auto& [name, t] = groups_[i];
+      for (std::size_t j = 0; j < i; ++j)
+        if (groups_[j].first == name)
+          throw std::invalid_argument("meshlib::nn: multi_transform: the label '" + name +
+                                      "' is given twice; give each group one transform (chain them)");
+      for (std::size_t s = 0; s < t.stages(); ++s)
+        if (t.reads_global_norm(s))
+          throw std::invalid_argument("meshlib::nn: multi_transform: the transform of group '" + name + "' (" +
+                                      t.name() + ") reads the global norm of every parameter's updates, which a "
+                                      "group cannot restrict; clip in a chain around multi_transform");
+      slots_ = std::max(slots_, t.slots());
+      stages_ = std::max(stages_, t.stages());
+    }
+  }
+  [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
+  [[nodiscard]] std::string name() const { return joined(", ", [](const optimizer& o) { return o.name(); }); }
+  [[nodiscard]] std::string kind() const { return joined(",", [](const optimizer& o) { return o.kind(); }); }
+  /// @throws std::invalid_argument when the label of the run's parameter names no group.
+  void update(const update_run& r) const {
+    with_group(r, [](const optimizer& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`, in one pass where the group's transform can.
+  void update_and_apply(const update_run& r, float* params) const {
+    if (!with_group(r, [&](const optimizer& t, const update_run& sub) { t.update_and_apply(sub, params); }))
+      detail::apply_updates(params, r.updates, r.size);
+  }
+
+ private:
+  /// `f(the group's transform, r with its slots)` if `r.stage` is one of its stages; false if not.
+  template <class F>
+  bool with_group(const update_run& r, F&& f) const {
+    const std::string label = label_(r.param);
+    for (const auto& [name, t] : groups_)
+      if (name == label) {
+        if (r.stage >= t.stages()) return false;
+        update_run sub = r;
+        sub.state = r.state.first(t.slots());
+        f(t, sub);
+        return true;
+      }
+    std::string names;
+    for (const auto& g : groups_) names += (names.empty() ? "'" : ", '") + g.first + "'";
+    throw std::invalid_argument("meshlib::nn: multi_transform: parameter '" + std::string(r.param.name) +
+                                "' has the label '" + label + "', which names no group (the groups are " + names +
+                                "); give it a group or change the label function");
+  }
+  template <class F>
+  std::string joined(const char* sep, F&& f) const {
+    std::string out = "multi_transform(";
+    for (std::size_t i = 0; i < groups_.size(); ++i)
+      out += (i ? std::string(sep) : std::string()) + groups_[i].first + ":" + f(groups_[i].second);
+    return out + ")";
+  }
+
+  std::vector<std::pair<std::string, optimizer>> groups_;
+  param_label label_;
+  std::size_t slots_ = 0, stages_ = 1;
+};
+
+/// @brief Parameter groups with their own transforms (see the file comment).
+inline multi_transform_t multi_transform(std::vector<std::pair<std::string, optimizer>> groups, param_label label) {
+  return multi_transform_t(std::move(groups), std::move(label));
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/multi_transform.hpp
 // begin meshlib/nn/precision.hpp
 /// @file
 /// @brief Compute precisions for mixed-precision training: `float` (default), `meshlib::bfloat16`
@@ -8757,8 +9689,8 @@ class optimizer_state {
   /// ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_run(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t dev, F&& f) {
-    std::array<float*, 2> slot{};
-    const std::span<float* const> slots(slot.data(), slots_);
+    std::vector<float*> slot(slots_);  // a chain has any number of slots
+    const std::span<float* const> slots(slot);
     if (!zero_) {
       for (std::size_t i = 0; i < params.size(); ++i) {
         for (std::size_t s = 0; s < slots_; ++s) slot[s] = this->slot(i, s, dev);
@@ -10157,12 +11089,13 @@ class train_state {
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
       if (scaler_.enabled() && !std::isfinite(norm)) return norm;
-      const float scale = clip_scale(norm);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        float* m = state_slot(i, 0, dev);
-        float* v = opt.slots() > 1 ? state_slot(i, 1, dev) : m;
-        opt.update(master(i, dev), g[i], m, v, params[i].count[dev], step, scale, params[i].decay);
-      }
+      std::vector<float*> slot(opt.slots());
+      step_optimizer(dev, norm, 0, [&](auto&& f) {
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          for (std::size_t s = 0; s < slot.size(); ++s) slot[s] = state_slot(i, s, dev);
+          f(i, std::size_t{0}, g[i], params[i].count[dev], std::span<float* const>(slot));
+        }
+      });
       refresh_device(dev);
       return norm;
     }
@@ -10177,11 +11110,14 @@ class train_state {
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
-    const float scale = clip_scale(norm);
     float* m = state_.zero_state(dev).data();
-    float* v = opt.slots() > 1 ? m + size : m;
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
+    std::vector<float*> slot(opt.slots());
+    step_optimizer(dev, norm, data_axes, [&](auto&& f) {
+      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
+                                           std::size_t len) {
+        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
+        f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
+      });
     });
     // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
     T* send = gather_.get(dev, size * (dp + 1));
@@ -10334,8 +11270,32 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  float clip_scale(double norm) const {
-    return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
+  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
+  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
+  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
+  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
+  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
+  template <class ForRuns>
+  void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
+    for (std::size_t k = 0; k < opt.stages(); ++k) {
+      double stage_norm = norm;
+      if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
+        double sq[1] = {0};
+        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
+          sq[0] += share_of_squares(dev, params[i], u, len, except);
+        });
+        detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+        stage_norm = std::sqrt(sq[0]);
+      }
+      const bool last = k + 1 == opt.stages();
+      for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        const auto& p = params[i];
+        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                           param_info{p.name, p.shape, p.decay}};
+        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
+        else opt.update(r);
+      });
+    }
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.
@@ -12607,7 +13567,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     if (!first) return;
     std::ostringstream index;
     index << detail::index_magic << " 2\ngeneration " << generation << "\nstep " << state.step << "\nkey "
-          << state.key.value << "\noptimizer " << to_string(state.opt.kind) << " slots " << slots << "\nparameters "
+          << state.key.value << "\noptimizer " << state.opt.kind() << " slots " << slots << "\nparameters "
           << state.params.size() << "\n";
     for (const auto& p : state.params) {
       const std::size_t count = detail::product(p.shape);
@@ -12677,7 +13637,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     auto bad = [&](const std::string& what) {
       return checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "': " + what);
     };
-    if (idx.optimizer != to_string(state.opt.kind) || idx.slots != slots)
+    if (idx.optimizer != state.opt.kind() || idx.slots != slots)
       throw bad("saved with optimizer " + idx.optimizer + " (" + std::to_string(idx.slots) +
                 " state slots), but the train state's optimizer is " + state.opt.name() +
                 ": restore into a train state made with the optimizer it was saved with");

@@ -369,8 +369,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
   const nn::rng_key key{o.seed};
   const auto split = nn::split_text(corpus, 0.1, o.context + 1);
   const auto lr = nn::warmup_cosine(o.lr, std::max<std::size_t>(1, o.steps / 20), o.steps, 0.1f);
-  nn::optimizer opt = nn::adamw(lr, 0.01f, 0.9f, 0.99f);
-  opt.clip_norm = 1.0f;
+  const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(1.0f), nn::adamw(lr, 0.01f, 0.9f, 0.99f));
   // Untied, an fsdp axis shards the parameters (FSDP); tied, it splits the batch only.
   const bool fsdp = Untie && o.fsdp > 1;
   nn::train_state state(mesh, gpt<Remat, Untie>(mesh, o, key), opt,

@@ -31,6 +31,7 @@
 #include "meshlib/nn/collective_transpose.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/optim/multi_transform.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parallel/data_parallel.hpp"

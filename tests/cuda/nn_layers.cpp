@@ -116,8 +116,14 @@ void staged_block_io(float* block, std::size_t n) {
 
 // The optimizers' updates, loss scaling and the rounding into 16-bit compute types: the element-wise
 // kernels of the training step (scalar lanes on the GPU; AVX lanes on the host).
-template void meshlib::nn::optimizer::update<meshlib::default_memory_space>(float*, const float*, float*, float*,
-                                                                           std::size_t, std::size_t, float, bool) const;
+void optimizer_updates(float* u, float* p, float* const* slots, std::size_t n) {
+  namespace nn = meshlib::nn;
+  const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(), nn::scale_by_lion(),
+                                      nn::trace{0.9f}, nn::add_decayed_weights(1e-4f), nn::scale_by_learning_rate(1e-3f));
+  const std::size_t shape[1] = {n};
+  opt.update(nn::update_run{u, p, std::span<float* const>(slots, opt.slots()), n, 0, 0, 0, 2.0, {"w", shape, true}});
+  nn::detail::apply_updates(p, u, n);
+}
 template void meshlib::nn::detail::scale_in_place<meshlib::default_memory_space>(float*, std::size_t, float) noexcept;
 template void meshlib::nn::detail::round_to<meshlib::bfloat16, meshlib::default_memory_space>(float*, std::size_t) noexcept;
 template void meshlib::nn::detail::round_copy<meshlib::bfloat16, meshlib::default_memory_space>(float*, const float*,

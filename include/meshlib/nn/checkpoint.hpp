@@ -718,7 +718,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     if (!first) return;
     std::ostringstream index;
     index << detail::index_magic << " 2\ngeneration " << generation << "\nstep " << state.step << "\nkey "
-          << state.key.value << "\noptimizer " << to_string(state.opt.kind) << " slots " << slots << "\nparameters "
+          << state.key.value << "\noptimizer " << state.opt.kind() << " slots " << slots << "\nparameters "
           << state.params.size() << "\n";
     for (const auto& p : state.params) {
       const std::size_t count = detail::product(p.shape);
@@ -788,7 +788,7 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
     auto bad = [&](const std::string& what) {
       return checkpoint_error("meshlib::nn: restore_checkpoint: '" + index_path.string() + "': " + what);
     };
-    if (idx.optimizer != to_string(state.opt.kind) || idx.slots != slots)
+    if (idx.optimizer != state.opt.kind() || idx.slots != slots)
       throw bad("saved with optimizer " + idx.optimizer + " (" + std::to_string(idx.slots) +
                 " state slots), but the train state's optimizer is " + state.opt.name() +
                 ": restore into a train state made with the optimizer it was saved with");

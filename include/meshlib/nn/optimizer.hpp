@@ -1,155 +1,145 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Optimizers as elementwise update rules (optax's `sgd(momentum)`, `adam`, `adamw`): the
-/// update of one element depends only on that element's gradient and state, which is what lets the
-/// same rule run on a replicated state or on a ZeRO-1 shard of it with identical numbers.
+/// @brief `optimizer`: any gradient transform (nn/optim/transform.hpp), held by value with its type
+/// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
+/// (optax's). Every transform updates one element from that element's gradient and state only
+/// (clipping aside, which reads one norm over the mesh), which is what lets the same chain run on a
+/// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
 /// @code
-/// meshlib::nn::optimizer opt = meshlib::nn::adamw(meshlib::nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
-/// meshlib::nn::optimizer simple = meshlib::nn::adam(1e-3f);   // a number is a constant schedule
+/// namespace nn = meshlib::nn;
+/// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
+/// nn::optimizer simple = nn::adam(1e-3f);   // a number is a constant schedule
+/// nn::optimizer mine = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(),
+///                                nn::add_decayed_weights(1e-4f), nn::scale_by_learning_rate(1e-3f));
 /// @endcode
 
 #include <array>
-#include <cmath>
+#include <concepts>
 #include <cstddef>
+#include <memory>
 #include <string>
-#include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/detail/simd.hpp"
+#include "meshlib/nn/optim/adam.hpp"
+#include "meshlib/nn/optim/chain.hpp"
+#include "meshlib/nn/optim/clip.hpp"
+#include "meshlib/nn/optim/detail/fusion.hpp"
+#include "meshlib/nn/optim/lion.hpp"
+#include "meshlib/nn/optim/masked.hpp"
+#include "meshlib/nn/optim/scale.hpp"
+#include "meshlib/nn/optim/trace.hpp"
+#include "meshlib/nn/optim/transform.hpp"
+#include "meshlib/nn/optim/weight_decay.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
 
 namespace detail {
-
-/// SGD with momentum on the elements a `for_lanes` work item gives (`K` = `float` or `simd_float`):
-/// constants `{momentum, scale, rate}`. Classes with a templated call operator, not generic lambdas,
-/// which nvcc refuses in device code.
-struct sgd_update {
-  float* p;
-  const float* g;
-  float* m;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto mi = k[0] * load_as(m, i, k[0]) + load_as(g, i, k[0]) * k[1];
-    store_at(m, i, mi);
-    store_at(p, i, load_as(p, i, k[0]) - k[2] * mi);
-  }
+/// A transform behind a virtual interface: `optimizer`'s erased holder (one virtual call per run
+/// of elements, each of which launches kernels: the call is nothing beside them).
+struct erased_transform {
+  virtual ~erased_transform() = default;
+  [[nodiscard]] virtual std::size_t slots() const = 0;
+  [[nodiscard]] virtual std::size_t stages() const = 0;
+  [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual std::string kind() const = 0;
+  virtual void update(const update_run& r) const = 0;
+  virtual void update_and_apply(const update_run& r, float* params) const = 0;
 };
-
-/// Adam / AdamW on the elements a `for_lanes` work item gives: constants `{scale, b1, 1 - b1, b2,
-/// 1 - b2, rate, c1, c2, eps, weight decay}` (c1, c2: the bias corrections).
-struct adam_update {
-  float* p;
-  const float* g;
-  float* m;
-  float* v;
-  template <class K>
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-    const auto [scale_, b1_, one_b1, b2_, one_b2, rate_, c1_, c2_, eps_, wd_] = k;
-    const auto gi = load_as(g, i, scale_) * scale_;
-    const auto mi = b1_ * load_as(m, i, scale_) + one_b1 * gi;
-    const auto vi = b2_ * load_as(v, i, scale_) + one_b2 * gi * gi;
-    const auto pi = load_as(p, i, scale_);
-    store_at(m, i, mi);
-    store_at(v, i, vi);
-    store_at(p, i, pi - rate_ * ((mi * c1_) / (sqrt_of(vi * c2_) + eps_) + wd_ * pi));
-  }
+template <class T>
+struct erased_model final : erased_transform {
+  explicit erased_model(T x) : t(std::move(x)) {}
+  [[nodiscard]] std::size_t slots() const override { return t.slots(); }
+  [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
+  [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
+  [[nodiscard]] std::string name() const override { return name_of(t); }
+  [[nodiscard]] std::string kind() const override { return kind_of(t); }
+  void update(const update_run& r) const override { t.update(r); }
+  void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
+  T t;
 };
 
 }  // namespace detail
 
-/// @brief Which rule `optimizer` applies.
-enum class optimizer_kind { sgd, adam, adamw };
+/// @brief A gradient transform with its type erased (see the file comment); itself a
+/// `gradient_transform`, so optimizers chain: `chain(clip_by_global_norm(1.0f), adamw(3e-4f))`.
+class optimizer {
+ public:
+  /// `adam(1e-3f)`.
+  optimizer();
+  /// Holds `t` (a `chain`, or any `gradient_transform`), named and recorded in checkpoints by its
+  /// own `name()` and `kind()`.
+  template <class T>
+    requires(!std::same_as<std::remove_cvref_t<T>, optimizer> && gradient_transform<std::remove_cvref_t<T>>)
+  optimizer(T t)  // NOLINT(google-explicit-constructor): a chain is an optimizer
+      : impl_(std::make_shared<const detail::erased_model<T>>(std::move(t))),
+        name_(impl_->name()),
+        kind_(impl_->kind()) {}
+  /// Holds `t` under the name `name` (logs) and the kind `kind` (checkpoints; no spaces): how
+  /// `adamw(...)` names its chain.
+  template <class T>  // the first test keeps the copy constructor's own check from asking itself
+    requires(!std::same_as<std::remove_cvref_t<T>, optimizer> && gradient_transform<T>)
+  optimizer(T t, std::string name, std::string kind)
+      : impl_(std::make_shared<const detail::erased_model<T>>(std::move(t))),
+        name_(std::move(name)),
+        kind_(std::move(kind)) {}
 
-/// @brief The rule's name as its factory is spelled (`"sgd"`, `"adam"`, `"adamw"`): what a
-/// checkpoint stores and what its messages name.
-[[nodiscard]] constexpr std::string_view to_string(optimizer_kind kind) noexcept {
-  switch (kind) {
-    case optimizer_kind::sgd: return "sgd";
-    case optimizer_kind::adam: return "adam";
-    case optimizer_kind::adamw: return "adamw";
-  }
-  return "?";
-}
+  /// State slots per element (0 for a stateless chain).
+  [[nodiscard]] std::size_t slots() const { return impl_->slots(); }
+  /// The stages the train state runs one after the other over every run (see nn/optim/chain.hpp).
+  [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
+  /// Whether stage `k` reads the global norm of the updates entering it.
+  [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
+  /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
+  /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// What a checkpoint records and a restore compares: the transforms without their numbers
+  /// (`adamw`, `chain(clip_by_global_norm,adamw)`), so a run may resume with another rate.
+  [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
+  /// Transforms the run's updates in place (see `gradient_transform`).
+  void update(const update_run& r) const { impl_->update(r); }
+  /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
+  /// built-in transforms. What the train state calls for the last stage.
+  void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
 
-/// @brief An optimizer's rule and hyperparameters (see the factories below).
-struct optimizer {
-  /// The update rule.
-  optimizer_kind kind = optimizer_kind::adam;
-  /// The learning rate per step.
-  schedule lr = constant(1e-3f);
-  float momentum = 0.0f;      ///< sgd
-  /// adam/adamw: decay rate of the first moment (the gradient's running mean).
-  float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-  /// @var b2
-  /// adam/adamw: decay rate of the second moment (the squared gradient's running mean).
-  /// @var eps
-  /// adam/adamw: added to the denominator's square root so the update stays finite.
-  float weight_decay = 0.0f;  ///< adamw (decoupled), on parameters marked `decay`
-  float clip_norm = 0.0f;     ///< > 0: clip the gradient to this global norm (over every shard)
-
-  /// State slots per element: sgd 1 (velocity), adam/adamw 2 (first and second moments).
-  [[nodiscard]] std::size_t slots() const noexcept { return kind == optimizer_kind::sgd ? 1 : 2; }
-
-  /// The rule for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam` or
-  /// `adamw(weight decay 1e-4)`.
-  [[nodiscard]] std::string name() const {
-    switch (kind) {
-      case optimizer_kind::sgd: return "sgd(momentum " + detail::number_text(momentum) + ")";
-      case optimizer_kind::adam: return "adam";
-      case optimizer_kind::adamw: return "adamw(weight decay " + detail::number_text(weight_decay) + ")";
-    }
-    return "?";
-  }
-
-  /// Updates `n` elements: `p -= lr * rule(g * scale, state)` at (0-based) step `step`.
-  /// `m`, `v`: the state slots of these elements (`v` unused by sgd), in memory `Space`. One Kokkos
-  /// kernel over the arrays on the running device's instance, vectorised (nn/detail/simd.hpp: the
-  /// same numbers, bitwise, as the element-by-element rule).
-  template <class Space = default_memory_space>
-  void update(float* p, const float* g, float* m, float* v, std::size_t n, std::size_t step, float scale,
-              bool decay) const {
-    const float rate = lr(step);
-    if (kind == optimizer_kind::sgd) {
-      detail::for_lanes<Space>(n, std::array<float, 3>{momentum, scale, rate}, detail::sgd_update{p, g, m});
-      return;
-    }
-    const double t = static_cast<double>(step + 1);
-    const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
-    const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
-    const float wd = kind == optimizer_kind::adamw && decay ? weight_decay : 0.0f;
-    const std::array<float, 10> ks{scale, b1, 1.0f - b1, b2, 1.0f - b2, rate, c1, c2, eps, wd};
-    detail::for_lanes<Space>(n, ks, detail::adam_update{p, g, m, v});
-  }
+ private:
+  std::shared_ptr<const detail::erased_transform> impl_;
+  std::string name_, kind_;
 };
 
-/// @brief SGD with (heavy-ball) momentum (`optax.sgd(lr, momentum)`).
+/// @brief SGD with (heavy-ball) momentum (`optax.sgd(lr, momentum)`): `chain(trace(momentum),
+/// scale_by_learning_rate(lr))`.
 inline optimizer sgd(schedule lr, float momentum = 0.9f) {
-  optimizer o;
-  o.kind = optimizer_kind::sgd;
-  o.lr = lr;
-  o.momentum = momentum;
-  return o;
+  return {chain(trace{momentum}, scale_by_learning_rate(lr)), "sgd(momentum " + detail::number_text(momentum) + ")",
+          "sgd"};
 }
-/// @brief Adam (`optax.adam`).
+/// @brief Adam (`optax.adam`): `chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))`.
 inline optimizer adam(schedule lr, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
-  optimizer o;
-  o.kind = optimizer_kind::adam;
-  o.lr = lr;
-  o.b1 = b1;
-  o.b2 = b2;
-  o.eps = eps;
-  return o;
+  return {chain(scale_by_adam{b1, b2, eps}, scale_by_learning_rate(lr)), "adam", "adam"};
 }
-/// @brief AdamW, decoupled weight decay (`optax.adamw`).
-inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f) {
-  optimizer o = adam(lr, b1, b2, eps);
-  o.kind = optimizer_kind::adamw;
-  o.weight_decay = weight_decay;
-  return o;
+/// @brief AdamW, decoupled weight decay (`optax.adamw`): `chain(scale_by_adam(b1, b2, eps),
+/// add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))`; the mask defaults to the
+/// parameters their layer marks for decay (weights, not biases or norms).
+inline optimizer adamw(schedule lr, float weight_decay = 1e-4f, float b1 = 0.9f, float b2 = 0.999f, float eps = 1e-8f,
+                       param_mask mask = decay_mask()) {
+  return {chain(scale_by_adam{b1, b2, eps}, add_decayed_weights(weight_decay, std::move(mask)),
+                scale_by_learning_rate(lr)),
+          "adamw(weight decay " + detail::number_text(weight_decay) + ")", "adamw"};
 }
+/// @brief Lion (`optax.lion`): `chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay,
+/// mask), scale_by_learning_rate(lr))`. Its updates are signs (norm sqrt(n)): it wants a learning
+/// rate 3-10x smaller than AdamW's and a weight decay as much larger.
+inline optimizer lion(schedule lr, float b1 = 0.9f, float b2 = 0.99f, float weight_decay = 1e-3f,
+                      param_mask mask = decay_mask()) {
+  return {chain(scale_by_lion{b1, b2}, add_decayed_weights(weight_decay, std::move(mask)), scale_by_learning_rate(lr)),
+          "lion(weight decay " + detail::number_text(weight_decay) + ")", "lion"};
+}
+
+inline optimizer::optimizer() : optimizer(adam(constant(1e-3f))) {}
 
 }  // namespace meshlib::nn

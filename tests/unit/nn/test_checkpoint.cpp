@@ -194,7 +194,8 @@ TEST_CASE("a number is a constant learning-rate schedule: nn::adam(1e-2f) trains
   const nn::schedule from_number = 1e-2f;
   for (std::size_t step : {std::size_t{0}, std::size_t{1}, std::size_t{99}, std::size_t{1} << 40})
     CHECK(from_number(step) == 1e-2f);
-  CHECK(nn::adam(1e-3).lr(7) == 1e-3f);  // a double converts as well
+  CHECK(nn::scale_by_learning_rate(1e-3).rate(7) == 1e-3f);  // a double converts as well
+  CHECK(nn::adam(1e-3).name() == "adam");
   const data d;
   const mesh_t m{2, 2};
   nn::train_state a(m, make_net(m), nn::adam(1e-2f), {});

@@ -53,9 +53,7 @@ double step(State& s, std::size_t i) {
 }
 
 nn::optimizer clipped_adam() {
-  auto opt = nn::adamw(nn::constant(1e-2f), 1e-2f);
-  opt.clip_norm = 0.5f;  // the global norm over the shards
-  return opt;
+  return nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));  // norm over the shards
 }
 
 template <class Mesh>

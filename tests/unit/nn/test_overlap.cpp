@@ -87,9 +87,7 @@ void require_identical(const outcome& off, const outcome& on) {
 }
 
 nn::optimizer clipped_adam() {
-  auto opt = nn::adamw(nn::constant(1e-2f), 1e-2f);
-  opt.clip_norm = 0.5f;
-  return opt;
+  return nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
 }
 
 // ---- the small GPT (small_gpt.hpp) --------------------------------------------------------------

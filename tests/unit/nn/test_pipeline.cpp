@@ -139,8 +139,8 @@ TEST_CASE("pipeline: an MLP's losses on pipeline axes of 2 and 4 equal the 1-dev
 
 TEST_CASE("pipeline: clipping over every stage's gradients, and ZeRO-1 over the data axis within each stage",
           "[nn][pipeline][zero]") {
-  auto opt = nn::adamw(nn::constant(1e-2f), 1e-2f);
-  opt.clip_norm = 0.5f;  // the global norm sums every stage's blocks once
+  // The global norm sums every stage's blocks once.
+  const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
   const auto ref = mlp_losses({1, 1, 1}, {}, 12, opt);
   for (bool zero : {false, true})
     for (auto shape : {shape_t{2, 1, 2}, shape_t{1, 1, 4}, shape_t{2, 2, 2}}) {

@@ -50,9 +50,7 @@ std::vector<double> losses(State& s) {
 }
 
 nn::optimizer opt() {
-  auto o = nn::adamw(nn::constant(1e-2f), 1e-2f);
-  o.clip_norm = 0.5f;
-  return o;
+  return nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
 }
 
 }  // namespace

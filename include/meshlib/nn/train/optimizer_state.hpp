@@ -83,8 +83,8 @@ class optimizer_state {
   /// ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_run(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t dev, F&& f) {
-    std::array<float*, 2> slot{};
-    const std::span<float* const> slots(slot.data(), slots_);
+    std::vector<float*> slot(slots_);  // a chain has any number of slots
+    const std::span<float* const> slots(slot);
     if (!zero_) {
       for (std::size_t i = 0; i < params.size(); ++i) {
         for (std::size_t s = 0; s < slots_; ++s) slot[s] = this->slot(i, s, dev);

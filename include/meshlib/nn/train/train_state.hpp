@@ -432,12 +432,13 @@ class train_state {
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
       // of them: the skip verdict is the same on every device.
       if (scaler_.enabled() && !std::isfinite(norm)) return norm;
-      const float scale = clip_scale(norm);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        float* m = state_slot(i, 0, dev);
-        float* v = opt.slots() > 1 ? state_slot(i, 1, dev) : m;
-        opt.update(master(i, dev), g[i], m, v, params[i].count[dev], step, scale, params[i].decay);
-      }
+      std::vector<float*> slot(opt.slots());
+      step_optimizer(dev, norm, 0, [&](auto&& f) {
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          for (std::size_t s = 0; s < slot.size(); ++s) slot[s] = state_slot(i, s, dev);
+          f(i, std::size_t{0}, g[i], params[i].count[dev], std::span<float* const>(slot));
+        }
+      });
       refresh_device(dev);
       return norm;
     }
@@ -452,11 +453,14 @@ class train_state {
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
-    const float scale = clip_scale(norm);
     float* m = state_.zero_state(dev).data();
-    float* v = opt.slots() > 1 ? m + size : m;
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      opt.update(master_of(p, dev) + in_param, g + s, m + s, v + s, len, step, scale, p.decay);
+    std::vector<float*> slot(opt.slots());
+    step_optimizer(dev, norm, data_axes, [&](auto&& f) {
+      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
+                                           std::size_t len) {
+        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
+        f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
+      });
     });
     // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
     T* send = gather_.get(dev, size * (dp + 1));
@@ -609,8 +613,32 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  float clip_scale(double norm) const {
-    return opt.clip_norm > 0 && norm > opt.clip_norm ? static_cast<float>(opt.clip_norm / norm) : 1.0f;
+  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
+  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
+  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
+  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
+  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
+  template <class ForRuns>
+  void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
+    for (std::size_t k = 0; k < opt.stages(); ++k) {
+      double stage_norm = norm;
+      if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
+        double sq[1] = {0};
+        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
+          sq[0] += share_of_squares(dev, params[i], u, len, except);
+        });
+        detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+        stage_norm = std::sqrt(sq[0]);
+      }
+      const bool last = k + 1 == opt.stages();
+      for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        const auto& p = params[i];
+        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                           param_info{p.name, p.shape, p.decay}};
+        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
+        else opt.update(r);
+      });
+    }
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.

@@ -1,0 +1,150 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `chain(t1, t2, ...)` (optax's `chain`): the transforms one after the other, each taking
+/// the updates the one before returned; its state is theirs side by side (`slots()` the sum). A
+/// transform that reads the global norm starts a new stage, so that the norm it reads is the one
+/// of the updates entering it, after every element went through the transforms before it.
+/// @code
+/// namespace nn = meshlib::nn;
+/// auto opt = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(), nn::add_decayed_weights(1e-4f),
+///                      nn::scale_by_learning_rate(nn::warmup_cosine(1e-3f, 100, 2000)));
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "meshlib/nn/optim/detail/fusion.hpp"
+#include "meshlib/nn/optim/transform.hpp"
+
+namespace meshlib::nn {
+
+/// @brief The transform `chain` returns (see the file comment).
+template <gradient_transform... Ts>
+class chain_transform {
+ public:
+  /// The transforms, in the order they run.
+  explicit chain_transform(Ts... ts) : ts_(std::move(ts)...) {
+    std::size_t i = 0, off = 0;
+    for_each([&](const auto& t) {
+      offset_[i] = off;
+      off += t.slots();
+      for (std::size_t s = 0; s < detail::stages_of(t); ++s) {
+        if (stages_.empty() || (detail::reads_global_norm_of(t, s) && !stages_.back().empty())) stages_.emplace_back();
+        stages_.back().push_back({i, s});
+      }
+      ++i;
+    });
+    offset_[sizeof...(Ts)] = off;
+    if (stages_.empty()) stages_.emplace_back();
+  }
+
+  [[nodiscard]] std::size_t slots() const noexcept { return offset_[sizeof...(Ts)]; }
+  [[nodiscard]] std::size_t stages() const noexcept { return stages_.size(); }
+  /// Whether stage `k` starts with a transform that reads the global norm of its updates.
+  [[nodiscard]] bool reads_global_norm(std::size_t k) const {
+    if (stages_[k].empty()) return false;
+    bool reads = false;
+    const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
+    visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
+    return reads;
+  }
+  /// `chain(a, b, ...)` of the transforms' names.
+  [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
+  /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
+  [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
+  void update(const update_run& r) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<false>(r, nullptr);
+    }
+    const auto& stage = stages_[r.stage];
+    for (const auto& at : stage) run_child(r, at, [](const auto& t, const update_run& sub) { t.update(sub); });
+  }
+  /// `update(r)`, then `params += updates`. A chain of built-in transforms in one stage (`adamw`)
+  /// does both in one kernel, as the fused optimizers did; else the stage's last transform applies
+  /// them if it can (a nested `adamw`), or a pass of their own does.
+  void update_and_apply(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused<true>(r, params);
+    }
+    const auto& stage = stages_[r.stage];
+    if (stage.empty()) return detail::apply_updates(params, r.updates, r.size);
+    for (std::size_t j = 0; j + 1 < stage.size(); ++j)
+      run_child(r, stage[j], [](const auto& t, const update_run& sub) { t.update(sub); });
+    run_child(r, stage.back(),
+              [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
+  }
+  /// The transforms.
+  [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
+
+ private:
+  template <class F>
+  void for_each(F&& f) const {
+    std::apply([&](const auto&... t) { (f(t), ...); }, ts_);
+  }
+  /// `f(transform i)`.
+  template <class F>
+  void visit(std::size_t i, F&& f) const {
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((I == i ? (void)f(std::get<I>(ts_)) : void()), ...);
+    }(std::index_sequence_for<Ts...>{});
+  }
+  template <class F>
+  std::string joined(const char* sep, F&& f) const {
+    std::string out = "chain(";
+    bool first = true;
+    for_each([&](const auto& t) {
+      if (!first) out += sep;
+      first = false;
+      out += f(t);
+    });
+    return out + ")";
+  }
+
+  static constexpr bool fusable_chain = sizeof...(Ts) > 0 && (detail::fusable<Ts> && ...);
+
+  /// `f(transform, its run)` for (transform, its stage) `at`.
+  template <class F>
+  void run_child(const update_run& r, const std::pair<std::size_t, std::size_t>& at, F&& f) const {
+    update_run sub = r;
+    sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
+    sub.stage = at.second;
+    visit(at.first, [&](const auto& t) { f(t, sub); });
+  }
+  /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to
+  /// `params` with `Apply`.
+  template <bool Apply>
+  void run_fused(const update_run& r, float* params) const {
+    if constexpr (fusable_chain) {
+      std::array<float, 1 + detail::constants_of<typename Ts::step_type...>> k{};
+      std::size_t c = 1;
+      for_each([&](const auto& t) {
+        for (float x : t.constants(r)) k[c++] = x;
+      });
+      detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
+  }
+
+  std::tuple<Ts...> ts_;
+  std::array<std::size_t, sizeof...(Ts) + 1> offset_{};
+  // Per stage: the (transform, transform's stage) pairs it runs, in order.
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> stages_;
+};
+
+/// @brief The transforms one after the other (see the file comment). Each argument must be a
+/// `gradient_transform`; one that is not is named in one error (`diagnose_gradient_transform`).
+template <class... Ts>
+auto chain(Ts... ts) {
+  if constexpr ((gradient_transform<Ts> && ...)) {
+    return chain_transform<Ts...>(std::move(ts)...);
+  } else {
+    (void)(detail::diagnose_gradient_transform<Ts>() && ...);
+    return detail::not_a_transform{};
+  }
+}
+
+}  // namespace meshlib::nn

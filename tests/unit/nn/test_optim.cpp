@@ -1,0 +1,411 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// optax-style gradient transforms (nn/optim/): each built-in transform against hand-computed
+// updates of a few elements, chains and their stages, masks and parameter groups, the named
+// optimizers bit for bit as the fused kernels they replaced, a clip in the middle of a chain over
+// a sharded mesh and ZeRO-1, and a chain's state through a checkpoint.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+#include "message_of.hpp"
+#include "synthetic_problem.hpp"
+
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
+namespace {
+
+namespace nn = meshlib::nn;
+using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+
+const std::size_t shape_of_w[2] = {2, 2};
+
+/// One call of `t.update` on host vectors: `u` the updates, `p` the parameter, `state` the slots.
+template <class T>
+void run_update(const T& t, std::vector<float>& u, const std::vector<float>& p, std::vector<std::vector<float>>& state,
+                std::size_t step, double norm = 0, std::string_view name = "fc.w", std::size_t stage = 0) {
+  std::vector<float*> slots;
+  for (auto& s : state) slots.push_back(s.data());
+  t.update(nn::update_run{u.data(), p.data(), std::span<float* const>(slots), u.size(), 0, step, stage, norm,
+                          nn::param_info{name, shape_of_w, true}});
+}
+
+}  // namespace
+
+TEST_CASE("scale_by_adam: bias-corrected moments, by hand", "[nn][optim]") {
+  const nn::scale_by_adam adam{0.9f, 0.999f, 1e-8f};
+  REQUIRE(adam.slots() == 2);
+  std::vector<std::vector<float>> st(2, std::vector<float>(2, 0.0f));
+  std::vector<float> u{0.5f, -2.0f};
+  const std::vector<float> p{1.0f, 1.0f};
+  run_update(adam, u, p, st, 0);
+  // Step 0: m = 0.1 g, v = 0.001 g^2, corrections 10 and 1000: m_hat / sqrt(v_hat) = g / |g|.
+  CHECK(st[0][0] == Approx(0.05f));
+  CHECK(st[0][1] == Approx(-0.2f));
+  // (1 - b2 rounds to 0.00099998713 in float: v is that close.)
+  CHECK(st[1][0] == Approx(0.00025f).epsilon(2e-5));
+  CHECK(st[1][1] == Approx(0.004f).epsilon(2e-5));
+  CHECK(u[0] == Approx(1.0f).epsilon(1e-6));
+  CHECK(u[1] == Approx(-1.0f).epsilon(1e-6));
+  // Step 1 with g = (1, 1): m = 0.9 * 0.05 + 0.1 = 0.145, v = 0.999 * 0.00025 + 0.001 = 0.00124975,
+  // m_hat = 0.145 / 0.19 = 0.763158, v_hat = 0.00124975 / 0.001999 = 0.625188, u = 0.965184.
+  u = {1.0f, 1.0f};
+  run_update(adam, u, p, st, 1);
+  CHECK(st[0][0] == Approx(0.145f));
+  CHECK(st[1][0] == Approx(0.00124975f).epsilon(2e-5));
+  CHECK(u[0] == Approx(0.965184).epsilon(1e-5));
+  // m = 0.9 * -0.2 + 0.1 = -0.08, v = 0.999 * 0.004 + 0.001 = 0.004996: m_hat = -0.421053,
+  // v_hat = 2.499250, u = -0.266338.
+  CHECK(u[1] == Approx(-0.266338).epsilon(1e-5));
+}
+
+TEST_CASE("scale_by_lion: the sign of the interpolated momentum, by hand", "[nn][optim]") {
+  const nn::scale_by_lion lion{0.9f, 0.99f};
+  REQUIRE(lion.slots() == 1);
+  std::vector<std::vector<float>> st(1, std::vector<float>(3, 0.0f));
+  std::vector<float> u{0.5f, -2.0f, 0.0f};
+  const std::vector<float> p(3, 1.0f);
+  run_update(lion, u, p, st, 0);
+  CHECK(u == std::vector<float>{1.0f, -1.0f, 0.0f});
+  CHECK(st[0][0] == Approx(0.005f));
+  CHECK(st[0][1] == Approx(-0.02f));
+  CHECK(st[0][2] == 0.0f);
+  // 0.9 m + 0.1 g = (-0.0055, -0.118, 0.3); m = 0.99 m + 0.01 g = (0.00395, -0.0298, 0.03).
+  u = {-0.1f, -1.0f, 3.0f};
+  run_update(lion, u, p, st, 1);
+  CHECK(u == std::vector<float>{-1.0f, -1.0f, 1.0f});
+  CHECK(st[0][0] == Approx(0.00395f));
+  CHECK(st[0][1] == Approx(-0.0298f));
+  CHECK(st[0][2] == Approx(0.03f));
+}
+
+TEST_CASE("clip_by_global_norm, trace, schedules and weight decay, by hand", "[nn][optim]") {
+  std::vector<std::vector<float>> none;
+  const std::vector<float> p{2.0f, -4.0f};
+  SECTION("clip scales to max_norm only above it") {
+    const nn::clip_by_global_norm clip(1.0f);
+    CHECK(clip.reads_global_norm(0));
+    std::vector<float> u{3.0f, 4.0f};
+    run_update(clip, u, p, none, 0, 5.0);
+    CHECK(u[0] == Approx(0.6f));
+    CHECK(u[1] == Approx(0.8f));
+    u = {3.0f, 4.0f};
+    run_update(nn::clip_by_global_norm(10.0f), u, p, none, 0, 5.0);
+    CHECK(u == std::vector<float>{3.0f, 4.0f});
+    CHECK(meshlib_test::message_of<std::invalid_argument>([] { (void)nn::clip_by_global_norm(0.0f); }) ==
+          "meshlib::nn: clip_by_global_norm: max_norm is 0; it must be positive (leave the transform out to not clip)");
+  }
+  SECTION("trace is heavy-ball momentum") {
+    std::vector<std::vector<float>> st(1, std::vector<float>(2, 0.0f));
+    std::vector<float> u{1.0f, 2.0f};
+    run_update(nn::trace{0.5f}, u, p, st, 0);
+    CHECK(u == std::vector<float>{1.0f, 2.0f});
+    u = {1.0f, 2.0f};
+    run_update(nn::trace{0.5f}, u, p, st, 1);  // 0.5 * 1 + 1, 0.5 * 2 + 2
+    CHECK(u == std::vector<float>{1.5f, 3.0f});
+    CHECK(st[0] == std::vector<float>{1.5f, 3.0f});
+  }
+  SECTION("any callable schedule; the learning rate descends") {
+    const nn::scale_by_schedule sched([](std::size_t step) { return step == 3 ? 2.0f : 0.5f; });
+    std::vector<float> u{1.0f, -3.0f};
+    run_update(sched, u, p, none, 3);
+    CHECK(u == std::vector<float>{2.0f, -6.0f});
+    run_update(sched, u, p, none, 0);
+    CHECK(u == std::vector<float>{1.0f, -3.0f});
+    run_update(nn::scale_by_learning_rate([](std::size_t step) { return 0.25f * static_cast<float>(step); }), u, p,
+               none, 2);
+    CHECK(u == std::vector<float>{-0.5f, 1.5f});
+    u = {1.0f, -3.0f};
+    run_update(nn::scale_by_learning_rate(nn::linear_warmup(1.0f, 4)), u, p, none, 1);  // rate 2/4
+    CHECK(u == std::vector<float>{-0.5f, 1.5f});
+  }
+  SECTION("add_decayed_weights on the parameters of its mask") {
+    const nn::add_decayed_weights decay(0.5f, [](std::string_view name) { return name.ends_with(".w"); });
+    std::vector<float> u{1.0f, 1.0f};
+    run_update(decay, u, p, none, 0, 0, "fc.w");
+    CHECK(u == std::vector<float>{2.0f, -1.0f});
+    run_update(decay, u, p, none, 0, 0, "fc.b");
+    CHECK(u == std::vector<float>{2.0f, -1.0f});
+  }
+}
+
+TEST_CASE("masked and multi_transform: per-parameter groups by name", "[nn][optim]") {
+  std::vector<std::vector<float>> st(2, std::vector<float>(2, 0.0f));
+  const std::vector<float> p{1.0f, 1.0f};
+  const auto tx = nn::masked(nn::scale(3.0f), [](std::string_view name) { return name.starts_with("embed"); });
+  std::vector<float> u{1.0f, 2.0f};
+  run_update(tx, u, p, st, 0, 0, "embed.w");
+  CHECK(u == std::vector<float>{3.0f, 6.0f});
+  run_update(tx, u, p, st, 0, 0, "fc.w");
+  CHECK(u == std::vector<float>{3.0f, 6.0f});
+  CHECK(meshlib_test::message_of<std::invalid_argument>([] {
+          (void)nn::masked(nn::clip_by_global_norm(1.0f), nn::param_mask());
+        }).starts_with("meshlib::nn: masked: clip_by_global_norm(1) reads the global norm"));
+
+  const auto groups =
+      nn::multi_transform({{"embed", nn::sgd(0.5f, 0.0f)}, {"rest", nn::adam(0.1f)}},
+                          [](std::string_view name) { return name.starts_with("embed") ? "embed" : "rest"; });
+  CHECK(groups.slots() == 2);
+  CHECK(groups.kind() == "multi_transform(embed:sgd,rest:adam)");
+  CHECK(meshlib_test::message_of<std::invalid_argument>([] {
+          (void)nn::multi_transform({{"a", nn::chain(nn::clip_by_global_norm(1.0f), nn::adam(0.1f))}},
+                                    [](std::string_view) { return "a"; });
+        }) ==
+        "meshlib::nn: multi_transform: the transform of group 'a' (chain(clip_by_global_norm(1), adam)) reads "
+        "the global norm of every parameter's updates, which a group cannot restrict; clip in a chain around "
+        "multi_transform");
+  u = {1.0f, -2.0f};
+  run_update(groups, u, p, st, 0, 0, "embed.w");  // sgd: -0.5 g, its momentum in slot 0
+  CHECK(u == std::vector<float>{-0.5f, 1.0f});
+  u = {1.0f, -2.0f};
+  st.assign(2, std::vector<float>(2, 0.0f));   // another parameter's state
+  run_update(groups, u, p, st, 0, 0, "fc.w");  // adam's first step: -0.1 sign(g)
+  CHECK(u[0] == Approx(-0.1f).epsilon(1e-6));
+  CHECK(u[1] == Approx(0.1f).epsilon(1e-6));
+  CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
+          run_update(nn::multi_transform({{"rest", nn::adam(0.1f)}}, [](std::string_view) { return "other"; }), u, p,
+                     st, 0, 0, "fc.w");
+        }) ==
+        "meshlib::nn: multi_transform: parameter 'fc.w' has the label 'other', which names no group (the groups are "
+        "'rest'); give it a group or change the label function");
+}
+
+TEST_CASE("chain: state side by side, a new stage at each transform that reads the global norm", "[nn][optim]") {
+  const auto head = nn::chain(nn::clip_by_global_norm(1.0f), nn::scale_by_adam(), nn::add_decayed_weights(1e-4f),
+                              nn::scale_by_learning_rate(1e-3f));
+  CHECK(head.slots() == 2);
+  CHECK(head.stages() == 1);
+  CHECK(head.reads_global_norm(0));
+  CHECK(head.kind() == "chain(clip_by_global_norm,scale_by_adam,add_decayed_weights,scale_by_learning_rate)");
+  const auto mid = nn::chain(nn::trace{0.9f}, nn::scale_by_adam(), nn::clip_by_global_norm(1.0f), nn::scale(2.0f));
+  CHECK(mid.slots() == 3);
+  CHECK(mid.stages() == 2);
+  CHECK(!mid.reads_global_norm(0));
+  CHECK(mid.reads_global_norm(1));
+  // Stage 1 is the clip and the scale only, with the state of neither.
+  std::vector<std::vector<float>> st(3, std::vector<float>(2, 0.0f));
+  std::vector<float> u{3.0f, 4.0f};
+  run_update(mid, u, {0.0f, 0.0f}, st, 0, 10.0, "fc.w", 1);
+  CHECK(u[0] == Approx(0.6f));
+  CHECK(u[1] == Approx(0.8f));
+  CHECK(st == std::vector<std::vector<float>>(3, std::vector<float>(2, 0.0f)));
+  const nn::optimizer nested = nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(1e-2f, 1e-2f));
+  CHECK(nested.name() == "chain(clip_by_global_norm(0.5), adamw(weight decay 0.01))");
+  CHECK(nested.kind() == "chain(clip_by_global_norm,adamw)");
+  CHECK(nested.slots() == 2);
+  CHECK(nested.stages() == 1);
+  CHECK(nn::adamw(1e-3f, 1e-4f).name() == "adamw(weight decay 1e-4)");
+  CHECK(nn::sgd(0.1f).name() == "sgd(momentum 0.9)");
+}
+
+TEST_CASE("adam, adamw and sgd give the fused kernels' numbers bit for bit", "[nn][optim]") {
+  // The update rules as they were written before transforms composed (one expression per element).
+  const std::size_t n = 37, steps = 5;
+  const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f, rate = 3e-2f, clip = 0.7f;
+  std::vector<float> p0(n);
+  for (std::size_t i = 0; i < n; ++i) p0[i] = std::sin(0.3f * static_cast<float>(i)) + 0.1f;
+  const auto grad = [](std::size_t s, std::size_t i) {
+    return std::cos(0.7f * static_cast<float>(i * (s + 1))) * 0.4f;
+  };
+  const std::size_t shape[1] = {n};
+  for (const char* which : {"adam", "adamw", "sgd", "clipped adamw", "chain"}) {
+    INFO(which);
+    const std::string w = which;
+    const nn::optimizer opt =
+        w == "adam"    ? nn::adam(rate, b1, b2, eps)
+        : w == "sgd"   ? nn::sgd(rate, 0.9f)
+        : w == "chain" ? nn::optimizer(nn::chain(nn::scale_by_adam{b1, b2, eps}, nn::add_decayed_weights(wd),
+                                                 nn::scale_by_learning_rate(rate)))
+        : w == "adamw" ? nn::adamw(rate, wd, b1, b2, eps)
+                       : nn::optimizer(nn::chain(nn::clip_by_global_norm(clip), nn::adamw(rate, wd, b1, b2, eps)));
+    // p: update then apply_updates; q: update_and_apply (one kernel for a chain of built-ins).
+    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), q = p0, qm(n, 0.0f), qv(n, 0.0f), ref = p0, rm(n, 0.0f),
+                       rv(n, 0.0f);
+    for (std::size_t s = 0; s < steps; ++s) {
+      std::vector<float> g(n);
+      double sq = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        g[i] = grad(s, i);
+        sq += static_cast<double>(g[i]) * g[i];
+      }
+      const double norm = std::sqrt(sq);
+      // The old rule.
+      const float scale = w == "clipped adamw" && norm > clip ? static_cast<float>(clip / norm) : 1.0f;
+      const double t = static_cast<double>(s + 1);
+      const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
+      const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
+      const float wdk = w == "adam" ? 0.0f : wd;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (w == "sgd") {
+          rm[i] = 0.9f * rm[i] + g[i] * scale;
+          ref[i] = ref[i] - rate * rm[i];
+          continue;
+        }
+        const float gi = g[i] * scale;
+        rm[i] = b1 * rm[i] + (1.0f - b1) * gi;
+        rv[i] = b2 * rv[i] + (1.0f - b2) * gi * gi;
+        ref[i] = ref[i] - rate * ((rm[i] * c1) / (std::sqrt(rv[i] * c2) + eps) + wdk * ref[i]);
+      }
+      // The chain, in two passes and in one.
+      std::vector<float> h = g;
+      float* slots[2] = {m.data(), v.data()};
+      opt.update(nn::update_run{g.data(), p.data(), std::span<float* const>(slots, opt.slots()), n, 0, s, 0, norm,
+                                nn::param_info{"w", shape, true}});
+      nn::detail::apply_updates(p.data(), g.data(), n);
+      float* qslots[2] = {qm.data(), qv.data()};
+      opt.update_and_apply(nn::update_run{h.data(), q.data(), std::span<float* const>(qslots, opt.slots()), n, 0, s, 0,
+                                          norm, nn::param_info{"w", shape, true}},
+                           q.data());
+      REQUIRE(std::memcmp(p.data(), ref.data(), n * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(m.data(), rm.data(), n * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(q.data(), ref.data(), n * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(qm.data(), rm.data(), n * sizeof(float)) == 0);
+    }
+  }
+}
+
+namespace {
+
+constexpr std::size_t features = 12, hidden = 16, classes = 4, batch = 32;
+
+auto make_net(const mesh_t& m) {
+  const nn::rng_key key{11};
+  return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", features, hidden, key), nn::relu<float>(m),
+                        nn::row_dense<float, mesh_t>(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
+                        nn::dense<float, mesh_t>(m, "fc3", hidden, classes, key));
+}
+
+template <class State>
+std::vector<double> train(State& state, std::size_t first, std::size_t steps) {
+  const auto ds = meshlib_test::synthetic_problem(batch * (first + steps), features, classes);
+  std::vector<double> losses;
+  for (std::size_t s = first; s < first + steps; ++s)
+    losses.push_back(nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
+                                    std::span<const std::int32_t>(ds.y).subspan(s * batch, batch), batch, 0, batch)
+                         .loss);
+  return losses;
+}
+
+std::vector<double> run(const mesh_t& m, const nn::optimizer& opt, nn::train_options o, std::size_t steps = 6) {
+  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11});
+  return train(state, 0, steps);
+}
+
+void require_close(const std::vector<double>& a, const std::vector<double>& b, double rel) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i << ": " << a[i] << " vs " << b[i]);
+    REQUIRE(std::abs(a[i] - b[i]) <= rel * std::abs(b[i]));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a chain trains alike on every mesh and with ZeRO-1, its clip's norm over every shard", "[nn][optim][zero]") {
+  // A clip after Adam reads the norm of Adam's updates: a stage of its own, its norm summed over
+  // the mesh (each element once) whatever the sharding.
+  const nn::optimizer mid = nn::chain(nn::scale_by_adam(), nn::clip_by_global_norm(2.0f),
+                                      nn::add_decayed_weights(1e-2f, [](std::string_view n) { return n != "fc3.w"; }),
+                                      nn::scale_by_learning_rate([](std::size_t s) { return 1e-2f / (1.0f + s); }));
+  for (const nn::optimizer& opt :
+       {mid, nn::lion(3e-3f), nn::optimizer(nn::chain(nn::clip_by_global_norm(0.5f), nn::sgd(5e-2f)))}) {
+    INFO(opt.name());
+    const auto ref = run(mesh_t{1, 1}, opt, {});
+    CHECK(ref.back() < ref.front());  // it learns
+    require_close(run(mesh_t{4, 2}, opt, {}), ref, 1e-5);
+    require_close(run(mesh_t{2, 4}, opt, {}), ref, 1e-5);
+    require_close(run(mesh_t{4, 2}, opt, {.zero = true}), ref, 1e-5);
+    require_close(run(mesh_t{2, 1}, opt, {.zero = true}), ref, 1e-5);
+  }
+  // The clip binds: without it the run differs.
+  const nn::optimizer unclipped =
+      nn::chain(nn::scale_by_adam(), nn::add_decayed_weights(1e-2f, [](std::string_view n) { return n != "fc3.w"; }),
+                nn::scale_by_learning_rate([](std::size_t s) { return 1e-2f / (1.0f + s); }));
+  CHECK(run(mesh_t{1, 1}, unclipped, {}) != run(mesh_t{1, 1}, mid, {}));
+}
+
+TEST_CASE("every transform on FSDP shards: the losses of one device", "[nn][optim][fsdp]") {
+  using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+  const auto fsdp_run = [](const fsdp_mesh_t& m, const nn::optimizer& opt) {
+    const nn::rng_key key{11};
+    nn::train_state state(m,
+                          nn::sequential(nn::column_dense<float, fsdp_mesh_t>(m, "fc1", features, hidden, key),
+                                         nn::relu<float>(m),
+                                         nn::row_dense<float, fsdp_mesh_t>(m, "fc2", hidden, hidden, key),
+                                         nn::gelu<float>(m),
+                                         nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
+                          opt, {.fsdp = true}, nn::rng_key{11});
+    return train(state, 0, 6);
+  };
+  const nn::optimizer mid = nn::chain(nn::trace{0.5f}, nn::clip_by_global_norm(0.05f), nn::scale_by_adam(),
+                                      nn::scale_by_learning_rate(1e-2f));
+  const nn::optimizer groups = nn::chain(
+      nn::clip_by_global_norm(0.5f),
+      nn::multi_transform({{"out", nn::lion(1e-3f)}, {"rest", nn::adamw(1e-2f, 1e-2f)}},
+                          [](std::string_view name) { return name.starts_with("fc3") ? "out" : "rest"; }));
+  for (const nn::optimizer& opt : {mid, nn::lion(3e-3f), groups}) {
+    INFO(opt.name());
+    const auto ref = run(mesh_t{1, 1}, opt, {});
+    require_close(fsdp_run(fsdp_mesh_t{4, 1}, opt), ref, 1e-5);
+    require_close(fsdp_run(fsdp_mesh_t{2, 2}, opt), ref, 1e-5);
+  }
+}
+
+TEST_CASE("a chain built by hand is nn::adamw in a train state, bit for bit", "[nn][optim]") {
+  const auto hand = nn::chain(nn::scale_by_adam{0.9f, 0.999f, 1e-8f}, nn::add_decayed_weights(1e-2f),
+                              nn::scale_by_learning_rate(nn::warmup_cosine(1e-2f, 2, 6)));
+  for (const bool zero : {false, true}) {
+    INFO("zero " << zero);
+    const mesh_t m{4, 2};
+    nn::train_state a(m, make_net(m), nn::adamw(nn::warmup_cosine(1e-2f, 2, 6), 1e-2f), {.zero = zero});
+    nn::train_state b(m, make_net(m), hand, {.zero = zero});
+    CHECK(train(a, 0, 5) == train(b, 0, 5));
+    for (std::size_t i = 0; i < a.params.size(); ++i)
+      for (std::size_t dev = 0; dev < m.size(); ++dev)
+        REQUIRE(std::memcmp(a.params[i].value[dev], b.params[i].value[dev], a.params[i].count[dev] * sizeof(float)) ==
+                0);
+  }
+}
+
+TEST_CASE("checkpoints hold a chain's state, restored on another mesh with ZeRO-1", "[nn][optim][checkpoint]") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("meshlib_nn_optim_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const auto make = [] {
+    return nn::optimizer(nn::chain(nn::clip_by_global_norm(1.0f), nn::trace{0.5f}, nn::scale_by_adam(),
+                                   nn::scale_by_learning_rate(1e-2f)));
+  };
+  const mesh_t m1{2, 2}, m2{4, 1};
+  nn::train_state a(m1, make_net(m1), make(), {});
+  (void)train(a, 0, 3);
+  nn::save_checkpoint(dir, a);
+  nn::train_state b(m2, make_net(m2), make(), {.zero = true});
+  nn::restore_checkpoint(dir, b);
+  CHECK(b.step == 3);
+  // Every slot of every element came back: three slots, the trace's and Adam's two.
+  nn::train_state c(m1, make_net(m1), make(), {});
+  nn::restore_checkpoint(dir, c);
+  for (std::size_t dev = 0; dev < m1.size(); ++dev) CHECK(c.optimizer_state(dev) == a.optimizer_state(dev));
+  require_close(train(b, 3, 3), train(a, 3, 3), 1e-5);
+  // Another chain is refused, naming both.
+  nn::train_state d(m1, make_net(m1), nn::adam(1e-2f), {});
+  CHECK(meshlib_test::message_of<nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, d); }) ==
+        "meshlib::nn: restore_checkpoint: '" + (dir / "index").string() +
+            "': saved with optimizer chain(clip_by_global_norm,trace,scale_by_adam,scale_by_learning_rate) (3 state "
+            "slots), but the train state's optimizer is adam: restore into a train state made with the optimizer it "
+            "was saved with");
+  fs::remove_all(dir);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
