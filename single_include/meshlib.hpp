@@ -9070,13 +9070,13 @@ namespace meshlib::experimental {
 
 /// Where a device's communicator sits: the device, its group along `mask` and the axes' names.
 struct comm_site {
-  std::size_t device = 0;
-  std::string device_label;
-  axis_mask mask = 0;
-  std::string axes;  // "model", "data,model"
-  std::size_t color = 0;
-  std::vector<std::size_t> group;  // device ids in group-rank order
-  std::size_t group_rank = 0;
+  std::size_t device = 0;  ///< the device id
+  std::string device_label;  ///< the device as messages name it
+  axis_mask mask = 0;  ///< the mesh axes the group spans
+  std::string axes;  ///< their names, comma-separated ("model", "data,model")
+  std::size_t color = 0;  ///< which group of the split along `mask` this is
+  std::vector<std::size_t> group;  ///< the group's device ids in group-rank order
+  std::size_t group_rank = 0;  ///< this device's rank in `group`
   /// The observer's own state for this site, set by `comm_observer::open` (debug: its trace track).
   void* data = nullptr;
 };
@@ -9084,14 +9084,14 @@ struct comm_site {
 /// One collective as the decorator reports it: its user-level name, element type, the elements
 /// this device sends, its input and output (for checks), and its sequence number on the group.
 struct comm_call {
-  const char* name = "";
-  datatype dt = datatype::float32;
-  std::size_t send_count = 0;
-  const void* in = nullptr;
-  std::size_t in_count = 0;
-  const void* out = nullptr;
-  std::size_t out_count = 0;
-  std::uint64_t seq = 0;
+  const char* name = "";  ///< the collective's user-level name ("all_reduce")
+  datatype dt = datatype::float32;  ///< the element type
+  std::size_t send_count = 0;  ///< elements this device sends
+  const void* in = nullptr;  ///< the input buffer (for checks)
+  std::size_t in_count = 0;  ///< elements in `in`
+  const void* out = nullptr;  ///< the output buffer (for checks)
+  std::size_t out_count = 0;  ///< elements in `out`
+  std::uint64_t seq = 0;  ///< the call's sequence number on the group (from 0)
   /// When the observer saw it start (its clock; set by `enter`, read by `done`).
   std::int64_t start_ns = 0;
 };
@@ -9114,7 +9114,9 @@ class comm_observer {
  protected:
   comm_observer() = default;
   ~comm_observer() = default;
+  /// Copyable by the implementing class only (no slicing through the base).
   comm_observer(const comm_observer&) = default;
+  /// Assignable by the implementing class only.
   comm_observer& operator=(const comm_observer&) = default;
 };
 

@@ -6560,10 +6560,15 @@ struct scale_by_adam {
   float b2 = 0.999f;  ///< decay rate of the second moment (the squared gradient's running mean)
   float eps = 1e-8f;  ///< added to the denominator's square root so the update stays finite
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 2; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_adam"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_adam"; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::adam_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 7> constants(const update_run& r) const {
     // The bias corrections 1 / (1 - b^t), in double as the fused kernel before them did.
     const double t = static_cast<double>(r.step + 1);
@@ -6571,6 +6576,7 @@ struct scale_by_adam {
     const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
     return {b1, 1.0f - b1, b2, 1.0f - b2, c1, c2, eps};
   }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
@@ -6618,7 +6624,9 @@ class chain_transform {
     if (stages_.empty()) stages_.emplace_back();
   }
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return offset_[sizeof...(Ts)]; }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_.size(); }
   /// Whether stage `k` starts with a transform that reads the global norm of its updates.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const {
@@ -6632,6 +6640,7 @@ class chain_transform {
   [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
   /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
   [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if constexpr (fusable_chain) {
       if (stages_.size() == 1) return run_fused<false>(r, nullptr);
@@ -6752,16 +6761,23 @@ class clip_by_global_norm {
       throw std::invalid_argument("meshlib::nn: clip_by_global_norm: max_norm is " + detail::number_text(max_norm) +
                                   "; it must be positive (leave the transform out to not clip)");
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// True: the stage reads `update_run::global_norm`, the updates' norm over every device.
   [[nodiscard]] bool reads_global_norm(std::size_t) const noexcept { return true; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "clip_by_global_norm(" + detail::number_text(max_norm_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "clip_by_global_norm"; }
   /// The factor for updates of norm `norm`: `max_norm / norm` when larger, else 1.
   [[nodiscard]] float factor(double norm) const noexcept {
     return norm > max_norm_ ? static_cast<float>(max_norm_ / norm) : 1.0f;
   }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {factor(r.global_norm)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if (factor(r.global_norm) != 1.0f) detail::run_step(*this, r);
   }
@@ -6790,11 +6806,17 @@ struct scale_by_lion {
   float b1 = 0.9f;   ///< the interpolation of the sign's argument
   float b2 = 0.99f;  ///< decay rate of the momentum
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_lion"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_lion"; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::lion_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 4> constants(const update_run&) const { return {b1, 1.0f - b1, b2, 1.0f - b2}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
@@ -6833,10 +6855,15 @@ class masked_transform {
                                     " reads the global norm of every parameter's updates, which a mask cannot "
                                     "restrict; put it outside masked, in the chain");
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "masked(" + detail::kind_of(inner_) + ")"; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if (mask_(r.param)) inner_.update(r);
   }
@@ -6892,11 +6919,17 @@ class scale_by_schedule {
   /// Multiplies by `c` at every step.
   explicit scale_by_schedule(float c) : f_(schedule(c)), name_("scale(" + detail::number_text(c) + ")") {}
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return name_; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_schedule"; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {f_(r.step)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
@@ -6918,13 +6951,19 @@ class scale_by_learning_rate {
   /// A constant rate.
   explicit scale_by_learning_rate(float lr) : lr_(schedule(lr)) {}
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_learning_rate"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_learning_rate"; }
   /// The rate at `step`.
   [[nodiscard]] float rate(std::size_t step) const { return lr_(step); }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {-lr_(r.step)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
@@ -6949,11 +6988,17 @@ namespace meshlib::nn {
 struct trace {
   float decay = 0.9f;  ///< the momentum
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "trace(" + detail::number_text(decay) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "trace"; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::trace_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run&) const { return {decay}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 };
 
@@ -6983,15 +7028,20 @@ class add_decayed_weights {
   /// Decay `weight_decay` on the parameters of `mask`.
   explicit add_decayed_weights(float weight_decay, param_mask mask = decay_mask())
       : wd_(weight_decay), mask_(std::move(mask)) {}
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "add_decayed_weights(" + detail::number_text(wd_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "add_decayed_weights"; }
   /// The decay rate.
   [[nodiscard]] float weight_decay() const noexcept { return wd_; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::decay_step;
   /// Fused into a chain's kernel, a parameter outside the mask decays by 0 (`update + 0 * param`,
   /// which is `update` for any finite parameter; the fused AdamW kernel did the same).
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {mask_(r.param) ? wd_ : 0.0f}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if (mask_(r.param)) detail::run_step(*this, r);
   }
@@ -7183,9 +7233,13 @@ class multi_transform_t {
       stages_ = std::max(stages_, t.stages());
     }
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return joined(", ", [](const optimizer& o) { return o.name(); }); }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return joined(",", [](const optimizer& o) { return o.kind(); }); }
   /// @throws std::invalid_argument when the label of the run's parameter names no group.
   void update(const update_run& r) const {

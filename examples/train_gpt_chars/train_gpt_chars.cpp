@@ -389,7 +389,7 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
   std::printf("  data: %zu bytes from %zu files of %s: %zu training, %zu validation (the last 10%%)\n", corpus.bytes.size(),
               corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
   std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
-              "  lr %s warm-up + cosine, gradient clipping at norm 1\n",
+              "  lr %s warm-up + cosine\n",
               count, state.params.size(), o.batch, o.context, o.batch * o.context, o.batch / (o.data * o.fsdp),
               opt.name().c_str(), flagship::number_text(o.lr).c_str());
   if (fsdp) {

@@ -43,7 +43,9 @@ class chain_transform {
     if (stages_.empty()) stages_.emplace_back();
   }
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return offset_[sizeof...(Ts)]; }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_.size(); }
   /// Whether stage `k` starts with a transform that reads the global norm of its updates.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const {
@@ -57,6 +59,7 @@ class chain_transform {
   [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
   /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).
   [[nodiscard]] std::string kind() const { return joined(",", [](const auto& t) { return detail::kind_of(t); }); }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if constexpr (fusable_chain) {
       if (stages_.size() == 1) return run_fused<false>(r, nullptr);

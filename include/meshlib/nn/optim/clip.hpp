@@ -31,16 +31,23 @@ class clip_by_global_norm {
       throw std::invalid_argument("meshlib::nn: clip_by_global_norm: max_norm is " + detail::number_text(max_norm) +
                                   "; it must be positive (leave the transform out to not clip)");
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// True: the stage reads `update_run::global_norm`, the updates' norm over every device.
   [[nodiscard]] bool reads_global_norm(std::size_t) const noexcept { return true; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "clip_by_global_norm(" + detail::number_text(max_norm_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "clip_by_global_norm"; }
   /// The factor for updates of norm `norm`: `max_norm / norm` when larger, else 1.
   [[nodiscard]] float factor(double norm) const noexcept {
     return norm > max_norm_ ? static_cast<float>(max_norm_ / norm) : 1.0f;
   }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {factor(r.global_norm)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if (factor(r.global_norm) != 1.0f) detail::run_step(*this, r);
   }

@@ -33,10 +33,15 @@ class masked_transform {
                                     " reads the global norm of every parameter's updates, which a mask cannot "
                                     "restrict; put it outside masked, in the chain");
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "masked(" + detail::kind_of(inner_) + ")"; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const {
     if (mask_(r.param)) inner_.update(r);
   }

@@ -72,9 +72,13 @@ class multi_transform_t {
       stages_ = std::max(stages_, t.stages());
     }
   }
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return joined(", ", [](const optimizer& o) { return o.name(); }); }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return joined(",", [](const optimizer& o) { return o.kind(); }); }
   /// @throws std::invalid_argument when the label of the run's parameter names no group.
   void update(const update_run& r) const {

@@ -37,11 +37,17 @@ class scale_by_schedule {
   /// Multiplies by `c` at every step.
   explicit scale_by_schedule(float c) : f_(schedule(c)), name_("scale(" + detail::number_text(c) + ")") {}
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return name_; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_schedule"; }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {f_(r.step)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
@@ -63,13 +69,19 @@ class scale_by_learning_rate {
   /// A constant rate.
   explicit scale_by_learning_rate(float lr) : lr_(schedule(lr)) {}
 
+  /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_learning_rate"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "scale_by_learning_rate"; }
   /// The rate at `step`.
   [[nodiscard]] float rate(std::size_t step) const { return lr_(step); }
+  /// The elementwise step the fused chain runs for this transform (one kernel for the chain).
   using step_type = detail::scale_step;
+  /// The step's scalars, computed once per run on the host for `step_type`.
   [[nodiscard]] std::array<float, 1> constants(const update_run& r) const { return {-lr_(r.step)}; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
   void update(const update_run& r) const { detail::run_step(*this, r); }
 
  private:
