@@ -17,8 +17,9 @@
 #     directly by cmake/meshlib_compile_fail.cmake) and passes only when the compiler's
 #     output matches REGEX (the first words of the static_assert message we promise the user) and,
 #     when given, NAMES (what the diagnostic's condition spells out, in either order: GCC prints it
-#     after the message, Clang before). In NAMES, @model@ stands for the char pack 'm', 'o', 'd',
-#     'e', 'l' that both compilers print for the axis name "model" (core/diagnostics.hpp), and
+#     before and after the message, Clang before it). In NAMES, @model@ stands for the axis name
+#     "model" as each compiler prints it (core/diagnostics.hpp): the word
+#     meshlib::fixed_string<6>{"model"} on GCC, the char pack 'm', 'o', 'd', 'e', 'l' on Clang;
 #     ">>" matches Clang's ">>" and GCC's "> >".
 #     GCC_ONLY: no Clang leg (diagnostics not yet single-error on Clang). When clang++-14 is
 #     found (MESHLIB_COMPILE_FAIL_CLANG), a second test compile_fail_clang_<n> runs the same source
@@ -195,7 +196,14 @@ endfunction()
 find_program(MESHLIB_CLANGXX NAMES clang++-14 clang++ DOC "Clang for the compile-fail tests' second leg")
 option(MESHLIB_COMPILE_FAIL_CLANG "Also check every compile-fail test's message under Clang" ON)
 
-# "model" -> "'m', 'o', 'd', 'e', 'l'": an axis name as GCC and Clang print a char pack.
+# "model" -> "meshlib::fixed_string<6>{"model"}": an axis name as GCC prints a diagnostic name.
+function(_meshlib_word out name)
+  string(LENGTH "${name}" n)
+  math(EXPR n "${n} + 1")
+  set(${out} "meshlib::fixed_string<${n}>{\"${name}\"}" PARENT_SCOPE)
+endfunction()
+
+# "model" -> "'m', 'o', 'd', 'e', 'l'": an axis name as Clang prints a diagnostic name (a char pack).
 function(_meshlib_char_pack out name)
   string(LENGTH "${name}" n)
   set(r "")
@@ -213,16 +221,26 @@ endfunction()
 function(meshlib_add_compile_fail_test)
   cmake_parse_arguments(ARG "GCC_ONLY" "NAME;SOURCE;REGEX;NAMES" "LIBRARIES" ${ARGN})
   set(target compile_fail_${ARG_NAME})
+  # The regular expression each compiler's output must match: the message, and the names as that
+  # compiler prints them.
+  set(regex_gcc "${ARG_REGEX}")
+  set(regex_clang "${ARG_REGEX}")
   if(ARG_NAMES)
     string(REGEX MATCHALL "@[A-Za-z0-9_]+@" holes "${ARG_NAMES}")
     list(REMOVE_DUPLICATES holes)
+    set(names_gcc "${ARG_NAMES}")
+    set(names_clang "${ARG_NAMES}")
     foreach(hole IN LISTS holes)
       string(REPLACE "@" "" name "${hole}")
+      _meshlib_word(word "${name}")
       _meshlib_char_pack(pack "${name}")
-      string(REPLACE "${hole}" "${pack}" ARG_NAMES "${ARG_NAMES}")
+      string(REPLACE "${hole}" "${word}" names_gcc "${names_gcc}")
+      string(REPLACE "${hole}" "${pack}" names_clang "${names_clang}")
     endforeach()
-    string(REPLACE ">" "> ?" ARG_NAMES "${ARG_NAMES}")  # GCC closes nested templates with "> >", "> > >"
-    set(ARG_REGEX "(${ARG_REGEX}.*${ARG_NAMES}|${ARG_NAMES}.*${ARG_REGEX})")
+    foreach(c gcc clang)
+      string(REPLACE ">" "> ?" names_${c} "${names_${c}}")  # GCC closes nested templates with "> >", "> > >"
+      set(regex_${c} "(${ARG_REGEX}.*${names_${c}}|${names_${c}}.*${ARG_REGEX})")
+    endforeach()
   endif()
   # Never built: it gives the tests the flags a user's target gets (_meshlib_flags_file).
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})
@@ -231,11 +249,17 @@ function(meshlib_add_compile_fail_test)
   _meshlib_pch_args(pch)
   set(compilers ${CMAKE_CXX_COMPILER})
   set(names ${target})
+  if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    set(regexes "${regex_clang}")
+  else()
+    set(regexes "${regex_gcc}")
+  endif()
   if(MESHLIB_COMPILE_FAIL_CLANG AND MESHLIB_CLANGXX AND NOT ARG_GCC_ONLY)
     list(APPEND compilers ${MESHLIB_CLANGXX})
     list(APPEND names compile_fail_clang_${ARG_NAME})
+    list(APPEND regexes "${regex_clang}")
   endif()
-  foreach(compiler name IN ZIP_LISTS compilers names)
+  foreach(compiler name ARG_REGEX IN ZIP_LISTS compilers names regexes)
     add_test(NAME ${name}
       COMMAND ${CMAKE_COMMAND} -DCOMPILER=${compiler} -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/${ARG_SOURCE}
         "-DFLAGS=${flags}" ${pch} -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)

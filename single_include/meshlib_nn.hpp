@@ -952,7 +952,7 @@ void scatter_add_rows(T* g, const T* dyp, const std::int32_t* id, std::size_t n,
 
 
 namespace meshlib::diagnostic {
-/// Layer `Index` of a `sequential`, of kind `Kind` (`op<'r', 'o', 'w', ...>`, or the layer's type).
+/// Layer `Index` of a `sequential`, of kind `Kind` (an `op` naming it, or the layer's type).
 template <std::size_t Index, class Kind>
 struct layer {};
 /// What the first layer of a `sequential` receives: the network's input.

@@ -51,7 +51,7 @@ consteval bool has_repeated_axis() {
   return false;
 }
 
-/// The name of the `K`-th axis of dimension `D` of `Spec`, as a name class of `chars_of`.
+/// The name of the `K`-th axis of dimension `D` of `Spec`, as a name class of `diag_name`.
 template <class Spec, std::size_t D, std::size_t K>
 struct spec_axis_name {
   static constexpr std::string_view value = Spec::dims[D].axis(K);
@@ -61,7 +61,7 @@ template <class Spec, std::size_t D, class Seq = std::make_index_sequence<Spec::
 struct diag_spec_entry;
 template <class Spec, std::size_t D, std::size_t... K>
 struct diag_spec_entry<Spec, D, std::index_sequence<K...>> {
-  using type = diagnostic::axes<typename chars_of<diagnostic::axis, spec_axis_name<Spec, D, K>>::type...>;
+  using type = diagnostic::axes<typename diag_name<spec_axis_name<Spec, D, K>>::axis...>;
 };
 template <class Spec, class Seq = std::make_index_sequence<Spec::size>>
 struct diag_spec_impl;
@@ -108,7 +108,7 @@ template <class Mesh, class Spec>
 consteval bool diagnose_sharding() {
   constexpr auto bad = first_unknown_axis<Mesh, Spec>();
   if constexpr (bad.first < Spec::size) {
-    return spec_names_axis_not_in_mesh<typename chars_of<diagnostic::axis, spec_axis_name<Spec, bad.first, bad.second>>::type,
+    return spec_names_axis_not_in_mesh<typename diag_name<spec_axis_name<Spec, bad.first, bad.second>>::axis,
                                        diag_spec_t<Spec>, diag_axes_t<Mesh, Mesh::all_axes>>();
   } else if constexpr (has_repeated_axis<Spec>()) {
     return spec_uses_an_axis_twice<diag_spec_t<Spec>>();

@@ -32,7 +32,7 @@
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::diagnostic {
-/// Layer `Index` of a `sequential`, of kind `Kind` (`op<'r', 'o', 'w', ...>`, or the layer's type).
+/// Layer `Index` of a `sequential`, of kind `Kind` (an `op` naming it, or the layer's type).
 template <std::size_t Index, class Kind>
 struct layer {};
 /// What the first layer of a `sequential` receives: the network's input.
