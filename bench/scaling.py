@@ -21,12 +21,14 @@ a rate to three digits. Scaling efficiency is the rate at k cores / (k x the rat
 
   cmake --build build --target handwritten_mlp train_fashion_mnist train_resnet_fashion_mnist train_gpt_chars
   python3 bench/scaling.py [--build build] [--max-cores N] [--quick] [--data DIR] [--text PATH]
+                           [--timeout S] [--budget S]
 
 --build is a build folder (the programs under bench/ and examples/...) or a folder that holds them
 all by name (scripts/gpu-check.sh's bundle). --quick: tiny models and a few steps (the ctest
 bench_scaling_quick), numbers that say nothing about speed. Prints the table last, in Markdown.
 Bad options: a message and exit status 2; a program that fails: its output's tail and status 1.
-Budget: at most 3 minutes on 16 cores (5 core counts); each run is bounded by a timeout.
+Budget: 3 minutes (--budget 180), meant to be enough for 16 cores (5 core counts); a run that would
+pass it is stopped, the table shows the core counts measured, and the exit status is 1.
 """
 import argparse
 import math
@@ -75,6 +77,9 @@ def parse_args(argv):
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist", help="Fashion-MNIST folder")
     ap.add_argument("--text", default="/usr/share/games/fortunes", help="the GPT flagship's text (file or folder)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds one run may take (default 120)")
+    ap.add_argument("--budget", type=int, default=180,
+                    help="seconds for the whole benchmark (default 180): a run that would pass it is stopped, and "
+                         "the table shows the core counts measured by then")
     a = ap.parse_args(argv)  # argparse: a bad option is a message and status 2
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -87,6 +92,8 @@ def parse_args(argv):
                          f"(CPUs {','.join(map(str, cpus))}); use at most {len(cpus)}")
     if a.timeout < 1:
         raise UsageError(f"--timeout {a.timeout}: wants a positive number of seconds")
+    if a.budget < 1:
+        raise UsageError(f"--budget {a.budget}: wants a positive number of seconds")
     a.cpus = cpus[:a.max_cores]
     a.programs = {}
     for name, path in PROGRAMS.items():
@@ -132,10 +139,15 @@ def common_batch(ks, base):
 def run(args, cmd, cores, pattern, what):
     """Runs `cmd` pinned to the first `cores` CPUs; the last match of `pattern` in its output, a number."""
     pinned = ["taskset", "-c", ",".join(map(str, args.cpus[:cores]))] + cmd
+    left = args.deadline - time.monotonic()
+    if left < 1:
+        raise RunError(f"the budget of {args.budget} s is spent (--budget) before {what}")
+    limit = min(args.timeout, left)
     try:
-        p = subprocess.run(pinned, capture_output=True, text=True, timeout=args.timeout)
+        p = subprocess.run(pinned, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        raise RunError(f"{what}: timed out after {args.timeout} s: {' '.join(pinned)}")
+        cause = "the budget (--budget) is spent" if limit < args.timeout else f"timed out after {args.timeout} s"
+        raise RunError(f"{what}: {cause}: {' '.join(pinned)}")
     out = p.stdout.replace("\r", "\n")
     found = re.findall(pattern, out)
     if p.returncode != 0 or not found:
@@ -196,6 +208,7 @@ def main(argv):
     # One batch for every k, so that k divides it and the work per step is the same along a column.
     batches = {"gpt": common_batch(ks, 16), "resnet": common_batch(ks, 32 if args.quick else 128)}
     start = time.monotonic()
+    args.deadline = start + args.budget
     print(f"scaling.py: core counts {', '.join(map(str, ks))} on CPUs {','.join(map(str, args.cpus))}; "
           f"load average {os.getloadavg()[0]:.1f}{'; --quick: tiny models, not a measurement' if args.quick else ''}",
           flush=True)
@@ -208,6 +221,8 @@ def main(argv):
             print(f"  {k} core{'s' if k > 1 else ''} done after {time.monotonic() - start:.0f} s", flush=True)
     except RunError as e:
         print(f"scaling.py: {e}", file=sys.stderr)
+        if rows:  # what was measured is still worth its table
+            print(f"\nthe core counts measured before the failure above:\n\n{table(rows)}")
         return 1
     print()
     print(table(rows))
