@@ -11,6 +11,10 @@
 //
 // Usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] [--lr X]
 //                        [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]
+//                        [--steps N] [--no-floor]
+// --steps N stops each epoch after N steps (the schedule is then over epochs x N steps), and
+// --no-floor leaves out the sgemm rates (seconds of 2048^3 products): together they make the short
+// runs of bench/scaling.py, which times the peer at several core counts within minutes.
 //
 // Bad options (bench/bench_options.hpp) end it with a message and exit status 2.
 #include <cstdint>
@@ -31,12 +35,15 @@ struct options {
   int threads = 2;
   int elementwise_threads = 1;  // see handwritten_mlp.hpp
   std::optional<std::string> dir;
+  std::optional<std::size_t> steps;  // per epoch; default: the whole training set
+  bool floor = true;                 // time the sgemm floor after training
 };
 
 options parse_options(int argc, char** argv) {
   bench::command_line cl("handwritten_mlp",
                          "usage: handwritten_mlp [--epochs N] [--hidden H] [--batch B] [--optimizer adam|sgd] [--lr X]\n"
-                         "                       [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]\n",
+                         "                       [--momentum X] [--threads T] [--elementwise-threads E] [--seed S] [--data DIR]\n"
+                         "                       [--steps N] [--no-floor]\n",
                          argc, argv);
   options o;
   o.epochs = cl.count("--epochs", o.epochs);
@@ -50,6 +57,8 @@ options parse_options(int argc, char** argv) {
   if (cl.given("--seed"))
     o.seed = static_cast<std::uint64_t>(cl.integer("--seed", 0, 0, std::numeric_limits<long long>::max()));
   if (cl.given("--data")) o.dir = cl.text("--data", "");
+  if (cl.given("--steps")) o.steps = cl.count("--steps", 1);
+  o.floor = !cl.flag("--no-floor");
   cl.done();
   return o;
 }
@@ -122,7 +131,7 @@ int main(int argc, char** argv) {
   }
   const auto& train = data.train;
   const auto& test = data.test;
-  const std::size_t steps = train.count / config.batch;
+  const std::size_t steps = std::min(train.count / config.batch, opt.steps.value_or(train.count));
   // The flagship's schedule: warm-up over min(100, total / 10) steps, cosine to 2% at the end.
   config.total = steps * epochs;
   config.warmup = std::min<std::size_t>(100, config.total / 10);
@@ -168,6 +177,15 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  const auto summary = [&] {
+    if (epochs > 0)
+      std::printf("summary: %zu epochs, test accuracy %.2f%%, %.0f samples/s over the training steps\n", epochs,
+                  last_test_accuracy, static_cast<double>(epochs * steps * config.batch) / total_train_seconds);
+  };
+  if (!opt.floor) {
+    summary();
+    return 0;
+  }
   // The BLAS floor: the step's own sgemm calls, then one large square sgemm. Timed on the first
   // training rows (--epochs 0 times without training). Best of many: the machine is shared.
   for (std::size_t r = 0; r < config.batch; ++r) {
@@ -218,11 +236,7 @@ int main(int argc, char** argv) {
   std::printf("step rate / square sgemm rate: %.0f%% (wall), %.0f%% (CPU)\n",
               100.0 * gflops(flops, step_t.wall_best) / gflops(square_flops, square_t.wall_best),
               100.0 * gflops(flops, step_t.cpu_per_thread) / gflops(square_flops, square_t.cpu_per_thread));
-  if (epochs > 0) {
-    std::printf("summary: %zu epochs, test accuracy %.2f%%, %.0f samples/s over the training steps\n",
-                epochs, last_test_accuracy,
-                static_cast<double>(epochs * steps * config.batch) / total_train_seconds);
-  }
+  summary();
   return 0;
 }
 #else

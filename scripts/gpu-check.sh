@@ -23,11 +23,17 @@
 #   ref/*.txt                      the CPU runs' per-step losses (the same seeds, thread devices)
 #   data/fashion-mnist/*.gz        Fashion-MNIST (the loader reads the .gz files)
 #   data/fortunes/                 the GPT flagship's text (Debian's fortunes)
+#   bin/train_fashion_mnist, bin/train_resnet_fashion_mnist, bin/train_gpt_chars, bin/handwritten_mlp
+#                                  the CPU flagships and the hand-written peer, for bench/scaling.py
+#   scaling.py                     bench/scaling.py (run with GPU_CHECK_SCALING=1, below)
 #   lib/                           shared libraries of the g++ programs the GPU machine lacks
 # NCCL itself is not bundled: the run uses the machine's libnccl.so.2 (found with ldconfig or in
 # Python's site-packages, as the nvidia-nccl-cu13 wheel installs it) and prints its version.
 #
 # Environment: GPU_DIR (build folder, default build-gpu), KOKKOS_TARBALL, JOBS.
+# GPU_CHECK_SCALING=1 (--run): after the GPU checks, bench/scaling.py on the machine's CPU cores (the
+# GPU machines have 16): training throughput at 1, 2, 4, ... cores, its table in the report. Off by
+# default: it takes up to 3 more minutes (its own budget, on top of the 4), of the device time.
 # Exit status: 0 when every CHECKED line passed, 1 when one failed, 2 for a usage mistake.
 # The body is one { } block, read whole before it runs: editing the script while a bundle builds is safe.
 {
@@ -63,7 +69,7 @@ if [ "$mode" = --bundle ]; then
   export PATH="$CUDA_HOME/bin:$PATH"
   mkdir -p "$GPU_DIR" "$dir"
   dir="$(cd "$dir" && pwd)"
-  rm -rf "$dir"/{bin,lib,ref,data,MANIFEST}
+  rm -rf "$dir"/{bin,lib,ref,data,MANIFEST,scaling.py}
   mkdir -p "$dir"/{bin,lib,ref,data/fashion-mnist}
   build_fail() { fail "$1"; summary; exit 1; }
 
@@ -117,7 +123,8 @@ if [ "$mode" = --bundle ]; then
   BUILD_DIR="$build"
   if [ ! -f "$build/CMakeCache.txt" ]; then configure -DMESHLIB_SANITIZE_THREAD=OFF >"$GPU_DIR/meshlib-configure.log" 2>&1 ||
     { tail -n 20 "$GPU_DIR/meshlib-configure.log"; build_fail "configure of $build (scripts/install_deps.sh installs what it needs)"; }; fi
-  cpu_targets=(nccl_host_tests nccl_device_tests conformance_device nccl_bench train_fashion_mnist train_resnet_fashion_mnist train_gpt_chars)
+  cpu_targets=(nccl_host_tests nccl_device_tests conformance_device nccl_bench train_fashion_mnist train_resnet_fashion_mnist
+               train_gpt_chars handwritten_mlp)
   if cmake --build "$build" -j "$JOBS" --target "${cpu_targets[@]}" >"$GPU_DIR/meshlib-build.log" 2>&1; then
     ok "build of ${cpu_targets[*]}"
   else
@@ -126,6 +133,12 @@ if [ "$mode" = --bundle ]; then
   for p in tests/unit/nccl/nccl_host_tests tests/device/nccl_device_tests tests/conformance/conformance_device bench/nccl_bench; do
     cp "$build/$p" "$dir/bin/"
   done
+  # bench/scaling.py's programs (CPU thread devices), found by name in bin/ (its --build).
+  for p in examples/train_fashion_mnist/train_fashion_mnist examples/train_resnet_fashion_mnist/train_resnet_fashion_mnist \
+           examples/train_gpt_chars/train_gpt_chars bench/handwritten_mlp; do
+    cp "$build/$p" "$dir/bin/"
+  done
+  cp "$repo/bench/scaling.py" "$dir/"
 
   step "4. the CPU reference runs (thread devices, the same seeds as the GPU runs)"
   data_dir=/usr/share/datasets/fashion-mnist
@@ -317,6 +330,17 @@ else skip "conformance_device: $runs of $want runs passed, then out of time (bud
 step "8. nccl_bench (8 B .. 64 MiB)"
 RUN_TAIL=60 run_test nccl_bench "nccl_bench" 40 "$bin/nccl_bench" --max-bytes 64M
 skip "several NCCL ranks on different GPUs: this machine has $(nvidia-smi -L 2>/dev/null | grep -c '^GPU') GPU(s)"
+
+step "9. bench/scaling.py: training throughput at 1, 2, 4, ... of $(nproc) CPU cores (GPU_CHECK_SCALING=1)"
+if [ "${GPU_CHECK_SCALING:-0}" != 1 ]; then
+  skip "bench/scaling.py: not run (GPU_CHECK_SCALING=1 runs it, up to 3 more minutes)"
+elif ! command -v python3 >/dev/null || ! command -v taskset >/dev/null || [ ! -f "$dir/scaling.py" ]; then
+  skip "bench/scaling.py: needs python3, taskset and scaling.py in the bundle"
+else
+  budget=$((SECONDS + 200))  # its own: 3 minutes on 16 cores, and the loads
+  RUN_TAIL=12 run_test scaling "bench/scaling.py on $(nproc) cores (table above)" 200 \
+    python3 "$dir/scaling.py" --build "$bin" --data "$data" --text "$dir/data/fortunes"
+fi
 
 summary
 cp "$report" "$logs/" 2>/dev/null

@@ -10,6 +10,7 @@
 #include <meshlib/exec/default_runner.hpp>
 #include <meshlib/exec/gpu_runner.hpp>
 #include <meshlib/nn/data/errors.hpp>
+#include <meshlib/tensor/matmul_into.hpp>
 
 #include <cstdio>
 #include <exception>
@@ -47,6 +48,16 @@ int with_runner(bool gpu, F&& f) {
   (void)gpu;
 #endif
   return f(meshlib::default_runner{});
+}
+
+/// Applies `--threads-per-device` (threads_per_device): every device's matrix products on
+/// `c.threads` BLAS threads, through meshlib::set_blas_threads_per_device (OpenBLAS has one
+/// process-wide setting, so it is set once, before any device thread multiplies). Without an
+/// OpenBLAS in the process the products run on one thread whatever was asked, and the note says so
+/// rather than let the header line claim threads that do not run.
+inline void use_threads_per_device(threads_choice& c) {
+  if (!meshlib::set_blas_threads_per_device(static_cast<int>(c.threads)) && c.threads > 1)
+    c.why += " (no OpenBLAS in this process: products run on one thread)";
 }
 
 /// `--loss-log FILE`: one "step loss" line per step, to compare runs (scripts/gpu-check.sh).

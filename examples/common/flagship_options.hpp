@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 // What the flagships' command lines share (train_fashion_mnist, train_resnet_fashion_mnist,
-// train_gpt_chars): the usage error (argparse's exit status 2) and the parsers of numbers and mesh
-// shapes, written once so that all of them accept and refuse the same spellings with the same messages.
+// train_gpt_chars): the usage error (argparse's exit status 2), the parsers of numbers and mesh
+// shapes, and the defaults chosen for the machine (mesh, threads per device), written once so that
+// all of them accept and refuse the same spellings with the same messages.
 
 #include <cmath>
 #include <charconv>
@@ -13,7 +14,12 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "meshlib/nn/detail/number_text.hpp"
 
@@ -102,6 +108,57 @@ inline mesh_choice default_mesh(std::size_t cores, std::size_t data = 4, std::si
   c.why = "--mesh " + std::to_string(c.data) + "x" + std::to_string(c.model) + ": chosen for " + std::to_string(cores) +
           (cores == 1 ? " core" : " cores") + "; pass --mesh to choose";
   return c;
+}
+
+/// The cores this process may run on: its CPU affinity mask, as `nproc` counts them (`taskset -c 0-3`
+/// gives 4), else std::thread::hardware_concurrency(), else 0 (unknown). Not hardware_concurrency
+/// alone: it counts the machine's CPUs, so a run pinned to 4 of 16 cores (bench/scaling) would
+/// choose its mesh and threads for 16 and oversubscribe the 4 it has.
+inline std::size_t available_cores() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+    return static_cast<std::size_t>(CPU_COUNT(&set));
+#endif
+  return std::thread::hardware_concurrency();
+}
+
+/// The BLAS threads each device's matrix products run on (`--threads-per-device`), and the header
+/// line's note saying why.
+struct threads_choice {
+  std::size_t threads = 1;
+  std::string why;  ///< "--threads-per-device 4: chosen for 16 cores / 4 devices; pass --threads-per-device to choose"
+};
+
+/// `--threads-per-device`: `given` (already a positive integer: positive_integer), or when it is not
+/// given cores / devices where that is more than 1, else 1, so that a mesh smaller than the machine
+/// still multiplies on every core (issue 39: 16 one-core replicas all-reduce 7.4 MB a step where one
+/// 16-thread device reduces nothing). `cores`: available_cores() (0: unknown, taken as 1);
+/// `shared`: the cores are shared with other processes of the run (mpirun), whose devices this
+/// process cannot count, so the default stays 1. A given value above the cores is refused: threads
+/// beyond the cores only take turns on them, and a typo (`--threads-per-device 40` for 4) would
+/// slow every product down rather than fail. A given value whose devices x threads exceed the cores
+/// is run as asked (the note says so): the cores are the user's to share.
+inline threads_choice threads_per_device(std::optional<std::size_t> given, std::size_t cores, std::size_t devices,
+                                         bool shared = false) {
+  if (cores == 0) cores = 1;
+  if (devices == 0) devices = 1;
+  const std::string on = std::to_string(cores) + (cores == 1 ? " core" : " cores");
+  if (given) {
+    if (*given > cores)
+      throw usage_error("--threads-per-device " + std::to_string(*given) + " is more than the " + on +
+                        " this process may run on; use at most " + std::to_string(cores));
+    threads_choice c{*given, "--threads-per-device " + std::to_string(*given) + ": as given"};
+    if (!shared && *given > 1 && devices > cores / *given)
+      c.why += " (" + std::to_string(devices) + " devices x " + std::to_string(*given) + " threads on " + on +
+               ": oversubscribed)";
+    return c;
+  }
+  if (shared) return {1, "--threads-per-device 1: the default under a launcher; pass --threads-per-device to choose"};
+  const std::size_t n = cores / devices > 1 ? cores / devices : 1;
+  return {n, "--threads-per-device " + std::to_string(n) + ": chosen for " + on + " / " + std::to_string(devices) +
+                 (devices == 1 ? " device" : " devices") + "; pass --threads-per-device to choose"};
 }
 
 }  // namespace flagship

@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The flagships' host logic that needs no data (flagship_options.hpp), checked: the mesh
-// each flagship picks for a machine's cores when --mesh is not given, the parsers'
-// spellings, and numbers as printed. Exits non-zero naming each failed check (ctest: example_flagship_options).
+// each flagship picks for a machine's cores when --mesh is not given, the threads per device it
+// picks (or refuses) for --threads-per-device, the parsers' spellings, and numbers as printed.
+// Exits non-zero naming each failed check (ctest: example_flagship_options).
 #include "flagship_options.hpp"
 
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -27,6 +30,27 @@ void expect_mesh(std::size_t cores, std::size_t full_data, std::size_t full_mode
   check(c.data == data, at + "data " + std::to_string(c.data) + ", want " + std::to_string(data));
   check(c.model == model, at + "model " + std::to_string(c.model) + ", want " + std::to_string(model));
   check(c.why == why, at + "'" + c.why + "', want '" + why + "'");
+}
+
+/// threads_per_device(given, cores, devices, shared) == (threads, why).
+void expect_threads(std::optional<std::size_t> given, std::size_t cores, std::size_t devices, bool shared,
+                    std::size_t threads, const std::string& why) {
+  const auto c = flagship::threads_per_device(given, cores, devices, shared);
+  const std::string at = "threads_per_device(" + (given ? std::to_string(*given) : std::string("none")) + ", " +
+                         std::to_string(cores) + " cores, " + std::to_string(devices) + " devices" +
+                         (shared ? ", shared" : "") + "): ";
+  check(c.threads == threads, at + std::to_string(c.threads) + " threads, want " + std::to_string(threads));
+  check(c.why == why, at + "'" + c.why + "', want '" + why + "'");
+}
+
+/// threads_per_device(given, cores, devices) throws usage_error(message).
+void expect_threads_refused(std::size_t given, std::size_t cores, std::size_t devices, const std::string& message) {
+  try {
+    (void)flagship::threads_per_device(given, cores, devices);
+    check(false, "threads_per_device(" + std::to_string(given) + ", " + std::to_string(cores) + " cores) did not throw");
+  } catch (const flagship::usage_error& e) {
+    check(std::string(e.what()) == message, std::string("threads_per_device message: ") + e.what());
+  }
 }
 
 }  // namespace
@@ -59,6 +83,40 @@ int main() {
   expect_mesh(3, 2, 2, 2, 1, "--mesh 2x1: chosen for 3 cores; pass --mesh to choose");
   expect_mesh(4, 2, 2, 2, 2, "--mesh 2x2: chosen for 4 cores; pass --mesh to choose");
   expect_mesh(64, 2, 2, 2, 2, "--mesh 2x2: chosen for 64 cores; pass --mesh to choose");
+  // --threads-per-device's default over every (cores, devices) up to 64: at least 1, and threads
+  // beyond one per device only where every device's threads have cores of their own.
+  for (std::size_t cores = 1; cores <= 64; ++cores)
+    for (std::size_t devices = 1; devices <= 64; ++devices) {
+      const auto t = flagship::threads_per_device(std::nullopt, cores, devices);
+      const std::string at = std::to_string(cores) + " cores, " + std::to_string(devices) + " devices: ";
+      check(t.threads >= 1, at + "no thread");
+      check(t.threads == 1 || devices * t.threads <= cores, at + "oversubscribed by default");
+      check(devices * (t.threads + 1) > cores, at + "a core left idle by default");
+    }
+  const std::string pass = "; pass --threads-per-device to choose";
+  expect_threads(std::nullopt, 16, 4, false, 4, "--threads-per-device 4: chosen for 16 cores / 4 devices" + pass);
+  expect_threads(std::nullopt, 16, 3, false, 5, "--threads-per-device 5: chosen for 16 cores / 3 devices" + pass);
+  expect_threads(std::nullopt, 2, 2, false, 1, "--threads-per-device 1: chosen for 2 cores / 2 devices" + pass);
+  expect_threads(std::nullopt, 3, 2, false, 1, "--threads-per-device 1: chosen for 3 cores / 2 devices" + pass);
+  expect_threads(std::nullopt, 2, 8, false, 1, "--threads-per-device 1: chosen for 2 cores / 8 devices" + pass);
+  expect_threads(std::nullopt, 1, 1, false, 1, "--threads-per-device 1: chosen for 1 core / 1 device" + pass);
+  expect_threads(std::nullopt, 0, 4, false, 1, "--threads-per-device 1: chosen for 1 core / 4 devices" + pass);  // unknown
+  expect_threads(std::nullopt, 16, 2, true, 1, "--threads-per-device 1: the default under a launcher" + pass);
+  // Given: run as asked, the oversubscription said; above the cores: refused.
+  expect_threads(2, 16, 4, false, 2, "--threads-per-device 2: as given");
+  expect_threads(2, 16, 8, false, 2, "--threads-per-device 2: as given");
+  expect_threads(2, 2, 2, false, 2, "--threads-per-device 2: as given (2 devices x 2 threads on 2 cores: oversubscribed)");
+  expect_threads(4, 16, 8, false, 4, "--threads-per-device 4: as given (8 devices x 4 threads on 16 cores: oversubscribed)");
+  expect_threads(4, 16, 8, true, 4, "--threads-per-device 4: as given");  // other processes' cores: not counted
+  expect_threads(1, 2, 8, false, 1, "--threads-per-device 1: as given");
+  expect_threads_refused(3, 2, 1, "--threads-per-device 3 is more than the 2 cores this process may run on; use at most 2");
+  expect_threads_refused(2, 1, 1, "--threads-per-device 2 is more than the 1 core this process may run on; use at most 1");
+  expect_threads_refused(4096, 64, 1, "--threads-per-device 4096 is more than the 64 cores this process may run on; use at most 64");
+  // The cores counted are this process's (its affinity mask), never more than the machine's.
+  const std::size_t cores = flagship::available_cores(), machine = std::thread::hardware_concurrency();
+  check(cores >= 1, "available_cores() is 0");
+  check(machine == 0 || cores <= machine, "available_cores() " + std::to_string(cores) + " > hardware_concurrency() " +
+                                              std::to_string(machine));
   // The mesh parser names the program's second axis.
   try {
     (void)flagship::mesh_shape("2x", "2x2", "tensor");

@@ -13,6 +13,9 @@
 // block in GPU memory, one NCCL rank per GPU, or several mesh devices sharing one GPU, or one
 // process per GPU under a launcher; without such a build or a visible GPU it refuses, saying why.
 // `--loss-log FILE` writes every step's loss ("step loss" lines), to compare runs (gpu-check.sh).
+// `--threads-per-device N`: each thread device's products on N BLAS threads (default: the cores this
+// process may run on / the devices, when that is more than 1), so a mesh smaller than the machine
+// still multiplies on every core; the header line says what was chosen and why.
 //
 //   train_fashion_mnist [--mesh DxM] [--epochs 6] [--batch 256] [--lr 1e-3] ... (--help)
 //   train_fashion_mnist --advise [--mesh DxM] ...: measures every (data, fsdp, model) shape of the
@@ -59,6 +62,8 @@ struct options {
   bool zero = false, resume = false, advise = false, gpu = false;
   bool mesh_given = false;  // --mesh given; else main picks the mesh for the machine's cores
   std::string mesh_why;     // the header line's note on a mesh main picked
+  std::optional<std::size_t> threads_given;  // --threads-per-device; else main picks (flagship::threads_per_device)
+  std::string threads_why;  // the header line's note on the threads per device
   std::string loss_log;
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
@@ -70,13 +75,17 @@ constexpr const char* usage_line =
     "usage: train_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--hidden H] [--accumulation K]\n"
     "                           [--optimizer NAME] [--precision P] [--reduce-in R] [--zero] [--checkpoint-dir DIR]\n"
     "                           [--resume] [--fsdp N] [--data DIR] [--seed S] [--steps N] [--trace FILE] [--advise]\n"
-    "                           [--gpu] [--loss-log FILE] [--help]\n";
+    "                           [--gpu] [--loss-log FILE] [--threads-per-device N] [--help]\n";
 
 void usage() {
   std::cout << usage_line
             << "  --mesh DxM            (data, model) mesh shape (D x M thread devices); default: one that fits\n"
                "                        this machine's cores: 4x2 with 8 cores or more, else Dx1 with D the largest\n"
                "                        of 1, 2, 4 up to the cores (2x1 on 2 cores); the first line says which\n"
+               "  --threads-per-device N\n"
+               "                        BLAS threads each device's matrix products run on, at most the cores;\n"
+               "                        default: the cores / the devices where that is more than 1, else 1 (1 under\n"
+               "                        mpirun); the first line says which\n"
                "  --epochs N            default 6\n"
                "  --batch B             global batch, a multiple of D x accumulation; default 256\n"
                "  --lr R                peak learning rate (linear warm-up, cosine decay); default 1e-3\n"
@@ -141,6 +150,7 @@ options parse(int argc, char** argv) {
     else if (a == "--advise") o.advise = true;
     else if (a == "--gpu") o.gpu = true;
     else if (a == "--loss-log") o.loss_log = value();
+    else if (a == "--threads-per-device") o.threads_given = positive_integer(a, value());
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.precision != "f32" && o.precision != "bf16" && o.precision != "f16")
@@ -159,6 +169,8 @@ options parse(int argc, char** argv) {
 #endif
     if (o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
     if (!o.trace.empty()) throw usage_error("--trace with --gpu: the trace layer is not checked on device memory yet; leave out one");
+    if (o.threads_given)
+      throw usage_error("--threads-per-device sets the BLAS threads of CPU thread devices: leave it out with --gpu");
   }
   return o;
 }
@@ -239,7 +251,8 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   ao.opt = nn::adam(nn::constant(o.lr));
   ao.train.accumulation = o.accumulation;
   std::cout << "train_fashion_mnist --advise: MLP 784-" << o.hidden << "-" << o.hidden << "-10, batch " << rows << ", "
-            << devices << " thread devices" << (o.mesh_why.empty() ? std::string() : " (" + o.mesh_why + ")") << ": "
+            << devices << " thread devices" << (o.mesh_why.empty() ? std::string() : " (" + o.mesh_why + ")")
+            << (o.threads_why.empty() ? std::string() : ", " + o.threads_why) << ": "
             << ao.warmup_steps << " warm-up + " << ao.timed_steps << " timed steps per shape\n" << std::flush;
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) {
     return nn::sequential(nn::column_dense<float, mesh_t>(m, "fc1", 784, o.hidden, key), nn::relu<float>(m),
@@ -277,7 +290,8 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   out << "train_fashion_mnist: MLP 784-" << o.hidden << "-" << o.hidden << "-10 on " << mesh << " ("
             << (where.processes > 1 ? std::to_string(where.processes) + " processes x " + std::to_string(where.devices.size()) + " " + where.kind + ")"
                                     : std::to_string(mesh.size()) + " " + where.kind + ")")
-            << (o.mesh_why.empty() ? std::string() : ", " + o.mesh_why) << "\n"
+            << (o.mesh_why.empty() ? std::string() : ", " + o.mesh_why)
+            << (o.threads_why.empty() ? std::string() : ", " + o.threads_why) << "\n"
             << "  data: " << fm.train.count << " training / " << fm.test.count << " test images from " << o.data_dir << "\n"
             << "  batch " << o.batch << " (" << o.batch / (o.data * o.fsdp) << " rows per data device"
             << (o.accumulation > 1 ? ", " + std::to_string(o.accumulation) + " micro-batches" : std::string()) << "), "
@@ -372,12 +386,18 @@ int main(int argc, char** argv) {
   try {
     o = parse(argc, argv);
     if (!o.mesh_given && processes == 1) {  // under mpirun the mesh spans the processes: 4x2, as always
-      const auto c = flagship::default_mesh(std::thread::hardware_concurrency());
+      const auto c = flagship::default_mesh(flagship::available_cores());
       o.data = c.data;
       o.model = c.model;
       o.mesh_why = c.why;
     }
     check_options(o, processes);
+    if (!o.gpu) {  // a GPU's products run on cuBLAS, not on host threads
+      auto t = flagship::threads_per_device(o.threads_given, flagship::available_cores(), o.data * o.fsdp * o.model,
+                                            processes > 1);
+      flagship::use_threads_per_device(t);
+      o.threads_why = t.why;
+    }
   } catch (const usage_error& e) {
     std::cerr << usage_line << "train_fashion_mnist: error: " << e.what() << "\n";
     return 2;

@@ -26,6 +26,8 @@
 //   train_gpt_chars [--mesh 2x2] [--steps 2000] [--batch 16] [--lr 3e-3] ... (--help)
 //   --remat wraps every block in nn::remat (its activations recomputed in backward: less memory,
 //   one more forward per block); the run prints the activation memory per device either way.
+//   --threads-per-device N runs each thread device's products on N BLAS threads (default: the cores
+//   / the devices, when that is more than 1); the header line says what was chosen and why.
 //   train_gpt_chars --advise [--mesh 2x2] ...: measures every (data, fsdp, tensor, pipeline) shape of the
 //   mesh's device count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
 // A mistake in the options is found before the text is loaded: usage line, message, exit status 2.
@@ -44,6 +46,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -66,6 +69,8 @@ struct options {
   bool advise = false, remat = false, untie = false, gpu = false;
   std::string loss_log;
   std::string mesh_why;  // the header line's note on a mesh the flagship chose (no --mesh)
+  std::optional<std::size_t> threads_given;  // --threads-per-device
+  flagship::threads_choice threads;          // what runs, and the header line's note (empty with --gpu)
 };
 
 using flagship::usage_error;
@@ -74,7 +79,7 @@ constexpr const char* usage_line =
     "usage: train_gpt_chars [--mesh DxM] [--steps N] [--batch B] [--lr R] [--context T] [--layers L] [--heads H]\n"
     "                       [--width W] [--eval-every N] [--eval-windows N] [--data PATH] [--seed S]\n"
     "                       [--prompt TEXT] [--temperature X] [--generate N] [--remat] [--untie] [--advise]\n"
-    "                       [--final-windows N] [--gpu] [--loss-log FILE] [--help]\n"
+    "                       [--final-windows N] [--gpu] [--loss-log FILE] [--threads-per-device N] [--help]\n"
     "       train_gpt_chars --mesh DxFxTxP [--microbatches N] [--schedule gpipe|1f1b] ...   (the 4-axis mesh)\n";
 
 void usage() {
@@ -87,6 +92,10 @@ void usage() {
                "                      heads, MLP and vocabulary over tensor, the layers cut into P pipeline stages\n"
                "  --microbatches N    pipeline micro-batches per step (P > 1), dividing B / (D F); default P\n"
                "  --schedule S        pipeline schedule, gpipe or 1f1b; default 1f1b\n"
+               "  --threads-per-device N\n"
+               "                      BLAS threads each device's matrix products run on, at most the cores;\n"
+               "                      default: the cores / the devices where that is more than 1, else 1; the\n"
+               "                      first line says which\n"
                "  --steps N           training steps, default 2000\n"
                "  --batch B           windows per step (global), a multiple of D; default 16\n"
                "  --lr R              peak learning rate (linear warm-up, cosine decay to 10%); default 3e-3\n"
@@ -170,6 +179,7 @@ options parse(int argc, char** argv) {
     else if (a == "--final-windows") o.final_windows = positive_integer(a, value());
     else if (a == "--remat") o.remat = true;
     else if (a == "--untie") o.untie = true;
+    else if (a == "--threads-per-device") o.threads_given = positive_integer(a, value());
     else if (a == "--temperature") o.temperature = flagship::positive_number(a, value());
     else if (a == "--generate") {
       const std::string v = value();
@@ -181,11 +191,16 @@ options parse(int argc, char** argv) {
   flagship::check_gpu_flag(o.gpu);
   if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
   if (!mesh_given && !o.gpu) {  // thread devices: one per core at most
-    const auto c = flagship::default_mesh(std::thread::hardware_concurrency(), 2, 2);
+    const auto c = flagship::default_mesh(flagship::available_cores(), 2, 2);
     o.data = c.data;
     o.model = c.model;
     o.mesh_why = c.why;
   }
+  if (o.gpu && o.threads_given)
+    throw usage_error("--threads-per-device sets the BLAS threads of CPU thread devices: leave it out with --gpu");
+  if (!o.gpu)  // applied by train (flagship::use_threads_per_device); a GPU's products run on cuBLAS
+    o.threads = flagship::threads_per_device(o.threads_given, flagship::available_cores(),
+                                             o.data * o.fsdp * o.model * o.pipeline);
   // The checks that need no data, in the options' words, before the text is read (the library
   // would refuse these sizes later, in its own terms).
   const bool four = o.fsdp != 1 || o.pipeline != 1;
@@ -353,8 +368,9 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   ao.opt = nn::adamw(nn::constant(o.lr), 0.01f, 0.9f, 0.99f);
   const std::size_t devices = o.data * o.fsdp * o.model * o.pipeline;
   std::printf("train_gpt_chars --advise: GPT (%zu layers, %zu heads, width %zu, context %zu), batch %zu windows, %zu "
-              "thread devices: %zu warm-up + %zu timed steps per shape\n",
-              o.layers, o.heads, o.width, o.context, o.batch, devices, ao.warmup_steps, ao.timed_steps);
+              "thread devices%s: %zu warm-up + %zu timed steps per shape\n",
+              o.layers, o.heads, o.width, o.context, o.batch, devices,
+              o.threads.why.empty() ? "" : (" (" + o.threads.why + ")").c_str(), ao.warmup_steps, ao.timed_steps);
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat, Untie>(m, o, key); }, batch, ao);
   std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
@@ -383,9 +399,10 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
     for (auto e : p.shape) n *= e;
     count += n;
   }
-  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu %s%s)\n",
+  std::printf("train_gpt_chars: GPT (%zu layers, %zu heads, width %zu, context %zu, vocabulary 256 bytes) on %s (%zu %s%s)%s\n",
               o.layers, o.heads, o.width, o.context, mesh.to_string().c_str(), mesh.size(),
-              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str());
+              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str(),
+              o.threads.why.empty() ? "" : (", " + o.threads.why).c_str());
   std::printf("  data: %zu bytes from %zu files of %s: %zu training, %zu validation (the last 10%%)\n", corpus.bytes.size(),
               corpus.files.size(), o.data_path.c_str(), split.train.size(), split.validation.size());
   std::printf("  %zu parameters in %zu arrays; batch %zu windows of %zu (%zu tokens, %zu windows per data device), %s,\n"
@@ -462,7 +479,9 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
   return 0;
 }
 
-int train(const options& o, const meshlib::nn::text_corpus& corpus) {
+int train(const options& given, const meshlib::nn::text_corpus& corpus) {
+  options o = given;
+  if (!o.gpu) flagship::use_threads_per_device(o.threads);  // before any device thread multiplies
   return flagship::with_runner(o.gpu, [&](const auto& runner) {
     if (o.untie) return o.remat ? train_model<true, true>(o, corpus, runner) : train_model<false, true>(o, corpus, runner);
     return o.remat ? train_model<true, false>(o, corpus, runner) : train_model<false, false>(o, corpus, runner);

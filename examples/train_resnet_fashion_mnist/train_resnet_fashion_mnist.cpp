@@ -22,6 +22,8 @@
 //   train_resnet_fashion_mnist [--mesh 4x1] [--epochs 6] [--batch 128] [--lr 2e-3] ... (--help)
 //   train_resnet_fashion_mnist --advise [--mesh 4x1] ...: measures every (data, model) shape of the
 //   mesh's device count on this model and batch (nn::advise_mesh), prints the ranked table and exits.
+// --threads-per-device N runs each thread device's products on N BLAS threads (default: the cores /
+// the devices, when that is more than 1); the header line says what was chosen and why.
 // A mistake in the options is found before the data is loaded: usage line, message, exit status 2.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
@@ -58,6 +60,8 @@ struct options {
   std::uint64_t seed = 0;
   std::size_t limit_steps = 0;
   std::string mesh_why;  // the header line's note on a mesh the flagship chose (no --mesh)
+  std::optional<std::size_t> threads_given;  // --threads-per-device
+  flagship::threads_choice threads;          // what runs, and the header line's note (empty with --gpu)
 };
 
 using flagship::usage_error;
@@ -65,13 +69,17 @@ using flagship::usage_error;
 constexpr const char* usage_line =
     "usage: train_resnet_fashion_mnist [--mesh DxM] [--epochs N] [--batch B] [--lr R] [--width W] [--optimizer NAME]\n"
     "                                  [--checkpoint-dir DIR] [--resume] [--data DIR] [--seed S] [--steps N] [--advise]\n"
-    "                                  [--gpu] [--loss-log FILE] [--help]\n";
+    "                                  [--gpu] [--loss-log FILE] [--threads-per-device N] [--help]\n";
 
 void usage() {
   std::cout << usage_line
             << "  --mesh DxM            (data, model) mesh shape; default 4x1 (4 thread devices, data parallel) with 4\n"
                "                        cores or more, else one device per core (2x1 on 2 or 3 cores, 1x1 on 1; the\n"
                "                        first line says which); 4x1 with --gpu\n"
+               "  --threads-per-device N\n"
+               "                        BLAS threads each device's products (convolutions as im2col products\n"
+               "                        included) run on, at most the cores; default: the cores / the devices\n"
+               "                        where that is more than 1, else 1; the first line says which\n"
                "  --epochs N            default 6\n"
                "  --batch B             global batch, a multiple of D; default 128\n"
                "  --lr R                peak learning rate (linear warm-up, cosine decay); default 2e-3\n"
@@ -122,6 +130,7 @@ options parse(int argc, char** argv) {
     else if (a == "--advise") o.advise = true;
     else if (a == "--gpu") o.gpu = true;
     else if (a == "--loss-log") o.loss_log = value();
+    else if (a == "--threads-per-device") o.threads_given = positive_integer(a, value());
     else throw usage_error("unknown option '" + a + "' (see --help)");
   }
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd")
@@ -130,11 +139,15 @@ options parse(int argc, char** argv) {
   flagship::check_gpu_flag(o.gpu);
   if (o.gpu && o.advise) throw usage_error("--advise measures CPU thread devices: leave out --gpu");
   if (!mesh_given && !o.gpu) {  // thread devices: one per core at most
-    const auto c = flagship::default_mesh(std::thread::hardware_concurrency(), 4, 1);
+    const auto c = flagship::default_mesh(flagship::available_cores(), 4, 1);
     o.data = c.data;
     o.model = c.model;
     o.mesh_why = c.why;
   }
+  if (o.gpu && o.threads_given)
+    throw usage_error("--threads-per-device sets the BLAS threads of CPU thread devices: leave it out with --gpu");
+  if (!o.gpu)  // applied by train (flagship::use_threads_per_device); a GPU's products run on cuBLAS
+    o.threads = flagship::threads_per_device(o.threads_given, flagship::available_cores(), o.data * o.model);
   // The checks that need no data, in the options' words, before the seconds of loading (the
   // library would reject the batch later, in its own terms).
   if (!o.advise && o.batch % o.data != 0)  // --advise lists the shapes the batch does not split over
@@ -173,9 +186,10 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   b.features = fm.train.features;
   nn::advise_options ao;
   ao.opt = nn::adamw(nn::constant(o.lr), 1e-4f);
-  std::printf("train_resnet_fashion_mnist --advise: ResNet (stem %zu), batch %zu, %zu thread devices: %zu warm-up + %zu "
+  std::printf("train_resnet_fashion_mnist --advise: ResNet (stem %zu), batch %zu, %zu thread devices%s: %zu warm-up + %zu "
               "timed steps per shape\n",
-              o.width, rows, devices, ao.warmup_steps, ao.timed_steps);
+              o.width, rows, devices, o.threads.why.empty() ? "" : (" (" + o.threads.why + ")").c_str(), ao.warmup_steps,
+              ao.timed_steps);
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return resnet(m, o.width, key); }, b, ao);
   std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
@@ -195,9 +209,10 @@ int train_on(const options& o, const meshlib::nn::fashion_mnist& fm, const Runne
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adam" ? nn::adam(lr) : nn::adamw(lr, 1e-4f);
   nn::train_state state(mesh, resnet(mesh, o.width, key), opt);
 
-  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s%s)\n",
+  std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s%s)%s\n",
               o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size(),
-              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str());
+              o.gpu ? "GPU mesh devices" : "thread devices", o.mesh_why.empty() ? "" : (", " + o.mesh_why).c_str(),
+              o.threads.why.empty() ? "" : (", " + o.threads.why).c_str());
   std::printf("  data: %zu training / %zu test images from %s\n", fm.train.count, fm.test.count, o.data_dir.c_str());
   std::printf("  batch %zu (%zu images per data device), %s, lr %s warm-up + cosine, batch norm synchronised over 'data'\n",
               o.batch, o.batch / o.data, opt.name().c_str(), flagship::number_text(o.lr).c_str());
@@ -257,7 +272,9 @@ int train_on(const options& o, const meshlib::nn::fashion_mnist& fm, const Runne
   return 0;
 }
 
-int train(const options& o, const meshlib::nn::fashion_mnist& fm) {
+int train(const options& given, const meshlib::nn::fashion_mnist& fm) {
+  options o = given;
+  if (!o.gpu) flagship::use_threads_per_device(o.threads);  // before any device thread multiplies
   if (o.advise) return advise(o, fm);
   return flagship::with_runner(o.gpu, [&](const auto& runner) { return train_on(o, fm, runner); });
 }
