@@ -3,7 +3,9 @@
 # compile check, and prints the compiler's output for the test's regular expressions.
 #  - EXPECT=fail (compile-fail tests, the default): prints "meshlib-compile-fail: compiled" when the
 #    source compiles and "meshlib-compile-fail: N errors" when the compiler reports more than one
-#    error (the test's FAIL_REGULAR_EXPRESSION): every mistake must give exactly one error.
+#    error (the test's FAIL_REGULAR_EXPRESSION): every mistake must give exactly one error; with
+#    -D HEAD_NAMES=|name|name..., "meshlib-compile-fail: NAME is not in the first three lines" for
+#    each name missing from the diagnostic's first three lines (the include chain not counted).
 #  - EXPECT=compile (compile checks: the benchmarks, which the test command does not build):
 #    prints "meshlib-compile-check: compiled" when the source compiles.
 # The compiler is called directly, not through the build tree, so that the tests run in parallel
@@ -98,5 +100,31 @@ else()
   list(LENGTH errors n)
   if(NOT n EQUAL 1)
     message("meshlib-compile-fail: ${n} errors")
+  endif()
+  # HEAD_NAMES ("|name|name", as this compiler prints them): each must be in the first three lines
+  # of the diagnostic, the include chain ("In file included from", "from") not counted.
+  if(HEAD_NAMES)
+    # One list element per line: ";" escaped, and "[" "]" (which would join elements) made "(" ")".
+    string(REPLACE ";" "\\;" text "${out}")
+    string(REPLACE "[" "(" text "${text}")
+    string(REPLACE "]" ")" text "${text}")
+    string(REPLACE "\n" ";" lines "${text}")
+    set(head "")
+    set(taken 0)
+    foreach(line IN LISTS lines)
+      if(taken LESS 3 AND NOT line MATCHES "^(In file included from | +from )" AND NOT line STREQUAL "")
+        string(APPEND head "${line}\n")
+        math(EXPR taken "${taken} + 1")
+      endif()
+    endforeach()
+    string(REPLACE "|" ";" wanted "${HEAD_NAMES}")
+    foreach(name IN LISTS wanted)
+      if(NOT name STREQUAL "")
+        string(FIND "${head}" "${name}" at)
+        if(at EQUAL -1)
+          message("meshlib-compile-fail: ${name} is not in the first three lines:\n${head}")
+        endif()
+      endif()
+    endforeach()
   endif()
 endif()

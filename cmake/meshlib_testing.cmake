@@ -20,7 +20,8 @@
 #     before and after the message, Clang before it). In NAMES, @model@ stands for the axis name
 #     "model" as each compiler prints it (core/diagnostics.hpp): the word
 #     meshlib::fixed_string<6>{"model"} on GCC, the char pack 'm', 'o', 'd', 'e', 'l' on Clang;
-#     ">>" matches Clang's ">>" and GCC's "> >".
+#     ">>" matches Clang's ">>" and GCC's "> >". Each name in NAMES must also be in the first three
+#     lines of the diagnostic (the include chain not counted): where a user reads.
 #     GCC_ONLY: no Clang leg (diagnostics not yet single-error on Clang). When clang++-14 is
 #     found (MESHLIB_COMPILE_FAIL_CLANG), a second test compile_fail_clang_<n> runs the same source
 #     through Clang (-fsyntax-only, ~3 s each) and checks the same REGEX and that Clang reports
@@ -225,6 +226,8 @@ function(meshlib_add_compile_fail_test)
   # compiler prints them.
   set(regex_gcc "${ARG_REGEX}")
   set(regex_clang "${ARG_REGEX}")
+  set(head_gcc "")    # the names, as each compiler prints them, joined by "|": the script checks
+  set(head_clang "")  # that each is in the first three lines of the diagnostic
   if(ARG_NAMES)
     string(REGEX MATCHALL "@[A-Za-z0-9_]+@" holes "${ARG_NAMES}")
     list(REMOVE_DUPLICATES holes)
@@ -236,6 +239,8 @@ function(meshlib_add_compile_fail_test)
       _meshlib_char_pack(pack "${name}")
       string(REPLACE "${hole}" "${word}" names_gcc "${names_gcc}")
       string(REPLACE "${hole}" "${pack}" names_clang "${names_clang}")
+      string(APPEND head_gcc "|${word}")
+      string(APPEND head_clang "|${pack}")
     endforeach()
     foreach(c gcc clang)
       string(REPLACE ">" "> ?" names_${c} "${names_${c}}")  # GCC closes nested templates with "> >", "> > >"
@@ -251,22 +256,26 @@ function(meshlib_add_compile_fail_test)
   set(names ${target})
   if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
     set(regexes "${regex_clang}")
+    set(heads "-DHEAD_NAMES=${head_clang}")
   else()
     set(regexes "${regex_gcc}")
+    set(heads "-DHEAD_NAMES=${head_gcc}")
   endif()
   if(MESHLIB_COMPILE_FAIL_CLANG AND MESHLIB_CLANGXX AND NOT ARG_GCC_ONLY)
     list(APPEND compilers ${MESHLIB_CLANGXX})
     list(APPEND names compile_fail_clang_${ARG_NAME})
     list(APPEND regexes "${regex_clang}")
+    list(APPEND heads "-DHEAD_NAMES=${head_clang}")
   endif()
-  foreach(compiler name ARG_REGEX IN ZIP_LISTS compilers names regexes)
+  foreach(compiler name ARG_REGEX head IN ZIP_LISTS compilers names regexes heads)
     add_test(NAME ${name}
       COMMAND ${CMAKE_COMMAND} -DCOMPILER=${compiler} -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/${ARG_SOURCE}
-        "-DFLAGS=${flags}" ${pch} -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
+        "-DFLAGS=${flags}" ${pch} "${head}" -P ${PROJECT_SOURCE_DIR}/cmake/meshlib_compile_fail.cmake)
     # The compiler's output must carry the promised message; a program that compiles cannot print it.
+    # One mistake, one error, and the names it spells out within the diagnostic's first three lines.
     set_tests_properties(${name} PROPERTIES
       PASS_REGULAR_EXPRESSION "${ARG_REGEX}"
-      FAIL_REGULAR_EXPRESSION "meshlib-compile-fail: (compiled|[0-9]+ errors)"  # one mistake, one error
+      FAIL_REGULAR_EXPRESSION "meshlib-compile-fail: (compiled|[0-9]+ errors|.* is not in the first three lines)"
       LABELS "compile_fail"
       TIMEOUT 300)
   endforeach()
