@@ -27,6 +27,7 @@
 #include "meshlib/nn/loss.hpp"
 #include "meshlib/nn/mean_squared_error.hpp"
 #include "meshlib/nn/sequential.hpp"
+#include "meshlib/nn/check_gradients.hpp"
 #include "meshlib/nn/remat.hpp"
 #include "meshlib/nn/collective_transpose.hpp"
 #include "meshlib/nn/schedule.hpp"

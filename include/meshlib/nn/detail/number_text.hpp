@@ -13,11 +13,14 @@ namespace meshlib::nn::detail {
 
 /// `v` as the shortest decimal text that reads back as `v` (fixed or scientific, whichever is
 /// shorter): `number_text(1e-4f) == "1e-4"`, `number_text(0.01f) == "0.01"`, `number_text(3.0f) == "3"`,
-/// `number_text(2.5e10) == "2.5e10"`.
+/// `number_text(2.5e10) == "2.5e10"`. With `significant` > 0, rounded to that many significant digits
+/// first (`number_text(0.30000000004, 6) == "0.3"`): for values that carry noise, such as a finite
+/// difference, where the digits past the sixth say nothing to a reader.
 template <class T>
-std::string number_text(T v) {
+std::string number_text(T v, int significant = 0) {
   char buf[64];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  const auto r = significant > 0 ? std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general, significant)
+                                 : std::to_chars(buf, buf + sizeof buf, v);
   std::string s(buf, r.ptr);
   const auto e = s.find('e');
   if (e == std::string::npos) return s;
