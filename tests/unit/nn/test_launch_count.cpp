@@ -7,6 +7,8 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <sstream>
@@ -101,10 +103,11 @@ TEST_CASE("the MLP step launches a fixed number of kernels and products", "[nn][
   //   forward: add_bias x 3, activation_forward (relu) x 2
   //   loss: row_max, exp_and_target, cross_entropy_terms x 2 (the loss terms, the gradient)
   //   backward: bias_grad x 3, activation_backward x 2
-  //   gradient norm: sum_of_squares per parameter, one block kernel each (6) and a finishing
-  //     kernel for the 3 parameters of more than one 1024-element block (the weights)
+  //   gradient norm: one multi-tensor sum_of_squares over the 6 parameters' gradients, a kernel
+  //     of partial sums per block and one that adds them (2; it was 9 per step: a pair per
+  //     parameter of more than one block, one kernel for the others)
   //   optimizer: the fused Adam kernel (fused_body<adam_step, scale_step>), one per parameter (6)
-  constexpr std::size_t kernels = (3 + 2) + 4 + (3 + 2) + (6 + 3) + 6;
+  constexpr std::size_t kernels = (3 + 2) + 4 + (3 + 2) + 2 + 6;
   if (blas_products()) {
     CHECK(count.products() == products);
     CHECK(count.kernels() == kernels);
@@ -113,4 +116,45 @@ TEST_CASE("the MLP step launches a fixed number of kernels and products", "[nn][
     CHECK(count.kernels() == kernels + products);
   }
   CHECK(count.launches() == kernels + products);
+}
+TEST_CASE("a device's sum of squares is one multi-tensor reduction, bitwise the per-run sums in run order",
+          "[nn][launches][norm]") {
+  namespace d = meshlib::nn::detail;
+  constexpr std::size_t blk = d::kernel_block;
+  // Runs of every length class: empty, one element, one block less one, exactly one block, just over,
+  // several blocks and a tail; alone and together, in both orders.
+  const std::vector<std::size_t> lengths{0, 1, blk - 1, blk, blk + 1, 3 * blk + 17, 2 * blk};
+  std::vector<std::vector<std::size_t>> cases{{}, {0}};
+  for (std::size_t n : lengths) cases.push_back({n});
+  cases.push_back(lengths);
+  cases.emplace_back(lengths.rbegin(), lengths.rend());
+  for (const auto& lens : cases) {
+    std::size_t total = 0;
+    for (std::size_t n : lens) total += n;
+    auto data = meshlib::allocate<float, 1>({total + 1}, "norm_runs");
+    std::vector<float> host(total + 1);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(std::sin(0.7 * static_cast<double>(i)) * (1 + i % 13));
+    meshlib::copy_from_host<meshlib::default_memory_space>(data.data(), host.data(), host.size());
+    std::vector<d::float_run> runs;
+    double expected = 0;  // each run's blocks added from 0 in order, the runs' sums added in run order
+    std::size_t off = 0;
+    for (std::size_t n : lens) {
+      runs.push_back({data.data() + off, n});
+      double s = 0;
+      for (std::size_t i0 = 0; i0 < n; i0 += blk) s += d::squares_of_block(host.data() + off, i0, std::min(n, i0 + blk));
+      expected += s;
+      off += n;
+    }
+    std::vector<std::size_t> words;
+    const std::size_t blocks = d::run_table(runs, words);
+    auto table = meshlib::allocate<std::size_t, 1>({words.size() + 1}, "norm_table");
+    meshlib::copy_from_host<meshlib::default_memory_space>(table.data(), words.data(), words.size());
+    auto scratch = meshlib::allocate<double, 1>({blocks + 1}, "norm_scratch");
+    meshlib::launch_counter count;
+    const double got = d::sum_of_squares<meshlib::default_memory_space>(table.data(), words.size() / d::run_words, blocks,
+                                                                        scratch.data());
+    INFO("runs of " << lens.size() << ", " << blocks << " blocks");
+    CHECK(got == expected);
+    CHECK(count.kernels() == (blocks == 0 ? 0 : 2));
+  }
 }
