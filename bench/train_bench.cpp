@@ -2,7 +2,8 @@
 // Training benchmark (issue 8): samples/s of meshlib's training step (MLP 784-H-H-10, Adam, batch
 // 256, synthetic inputs) for hidden sizes 1024 and 2048 on meshes (1,1), (2,1), (1,2), (4,2),
 // (2,4) (with a data axis: also with ZeRO-1), the share of the step spent in the gradient
-// synchronisation, against two peers in the same run: the 1-device step and the hand-written
+// synchronisation and the kernel launches per step and device (meshlib::launch_counter, one extra
+// step after the timed ones), against two peers in the same run: the 1-device step and the hand-written
 // cblas_sgemm trainer (bench/handwritten_mlp.hpp) with 2 OpenBLAS threads. Both sides run the
 // same OpenBLAS kernels (OPENBLAS_CORETYPE as set in the environment, printed). Not a test: it
 // prints a table (docs/benchmarks.md keeps the numbers).
@@ -130,6 +131,7 @@ namespace nn = meshlib::nn;
 struct result {
   double samples_per_s = 0, sync_share = 0;
   double cpu_per_step = 0;  ///< the process's CPU time (user + system, every thread) per step, seconds
+  double kernels = 0, products = 0;  ///< Kokkos kernels and BLAS products per step, per device
 };
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -171,7 +173,12 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   const double cpu = cpu_now() - c0;
   if (sync_per_step) *sync_per_step = sync / static_cast<double>(steps);
   if (step_seconds) *step_seconds = t / static_cast<double>(steps);
-  return {static_cast<double>(steps * rows) / t, sync / t, cpu / static_cast<double>(steps)};
+  // One more step, counted: outside the timed ones, since counting takes a lock per launch.
+  meshlib::launch_counter count;
+  one(steps);
+  const auto devices = static_cast<double>(d * m);
+  return {static_cast<double>(steps * rows) / t, sync / t, cpu / static_cast<double>(steps),
+          static_cast<double>(count.kernels()) / devices, static_cast<double>(count.products()) / devices};
 }
 
 double median(std::vector<double> v) {
@@ -319,8 +326,9 @@ int main(int argc, char** argv) try {
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
               "OPENBLAS_CORETYPE=%s on both sides; overlap_grad_sync %s; load average %.1f\n\n",
               batch, steps, rounds, core ? core : "(unset)", table_overlap ? "on" : "off", bench::load_average());
-  std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share | CPU ms / step |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share | CPU ms / step "
+              "| launches / step (Kokkos + BLAS, per device) |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (std::size_t h : hiddens) {
     // Every round runs the peer and every mesh once, interleaved; a row keeps its best round (a
     // busy machine only ever slows a run down, and interleaving gives each row the same chances).
@@ -329,6 +337,7 @@ int main(int argc, char** argv) try {
       bool zero;
       result best;
       double cpu = 0;  ///< the least CPU time per step over the rounds
+      double kernels = 0, products = 0;  ///< per step and device (the same in every round)
     };
     std::vector<row> rows;
     const std::vector<std::pair<std::size_t, std::size_t>> fixed{{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}};
@@ -342,9 +351,11 @@ int main(int argc, char** argv) try {
         const auto got = run_meshlib(r.d, r.m, r.zero, h, steps, x, y, table_overlap);
         if (got.samples_per_s > r.best.samples_per_s) r.best = got;
         if (r.cpu == 0 || got.cpu_per_step < r.cpu) r.cpu = got.cpu_per_step;
+        r.kernels = got.kernels;
+        r.products = got.products;
       }
     }
-    std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | | |\n", h, peer);
+    std::printf("| %zu | hand-written cblas_sgemm, 2 threads | %.0f | | 1.00x | | | |\n", h, peer);
     // "vs 1 device" when the (1, 1) row was measured (a --mesh list may leave it out).
     double one = 0;
     for (const auto& r : rows)
@@ -352,8 +363,9 @@ int main(int argc, char** argv) try {
     for (const auto& r : rows) {
       char vs_one[32] = "";
       if (one > 0) std::snprintf(vs_one, sizeof vs_one, "%.2fx", r.best.samples_per_s / one);
-      std::printf("| %zu | (%zu, %zu)%s | %.0f | %s | %.2fx | %.0f%% | %.1f |\n", h, r.d, r.m, r.zero ? " ZeRO-1" : "",
-                  r.best.samples_per_s, vs_one, r.best.samples_per_s / peer, 100.0 * r.best.sync_share, 1e3 * r.cpu);
+      std::printf("| %zu | (%zu, %zu)%s | %.0f | %s | %.2fx | %.0f%% | %.1f | %.0f (%.0f + %.0f) |\n", h, r.d, r.m,
+                  r.zero ? " ZeRO-1" : "", r.best.samples_per_s, vs_one, r.best.samples_per_s / peer,
+                  100.0 * r.best.sync_share, 1e3 * r.cpu, r.kernels + r.products, r.kernels, r.products);
     }
     std::fflush(stdout);
   }

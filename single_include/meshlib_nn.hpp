@@ -708,6 +708,35 @@ std::size_t global_offset(const L& x, std::size_t d) {
   return x.mesh().group_rank(x.device(), L::dims_type::at(d)) * x.extent(d);
 }
 
+/// Per-device run tables of multi-tensor kernels (nn/detail/simd.hpp, `run_table`) in the kernels'
+/// memory. A step's runs are the same every step (the same parameters, gradients and state), so a
+/// table is copied to the device only when it differs from the one there: once, not per step (on a
+/// GPU each copy is a transfer the step would wait for). Only device `dev`'s thread uses slot `dev`.
+class run_table_buffers {
+ public:
+  run_table_buffers() = default;
+  explicit run_table_buffers(std::size_t devices) : tables_(devices), last_(devices) {}
+  /// Device `dev`'s copy of `words` in the kernels' memory, valid until the next call for `dev`.
+  const std::size_t* upload(std::size_t dev, const std::vector<std::size_t>& words) {
+    auto& last = last_.at(dev);
+    std::size_t* p = tables_.get(dev, words.size());
+    if (p != last.at || last.words != words) {
+      meshlib::copy_from_host<default_memory_space>(p, words.data(), words.size());
+      last.at = p;
+      last.words = words;
+    }
+    return p;
+  }
+
+ private:
+  struct uploaded {
+    const std::size_t* at = nullptr;  ///< where the table was copied to
+    std::vector<std::size_t> words;   ///< what was copied there
+  };
+  device_buffers<std::size_t> tables_;
+  std::vector<uploaded> last_;
+};
+
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/buffers.hpp
 // begin meshlib/nn/detail/kernels.hpp
@@ -6429,6 +6458,7 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -6545,34 +6575,80 @@ KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, s
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/// The scratch `sum_of_squares` needs for `n` elements: one partial sum per block, and the total.
-constexpr std::size_t squares_scratch(std::size_t n) noexcept { return (n + kernel_block - 1) / kernel_block + 1; }
+/// A run of a multi-tensor kernel: `n` floats at `x`, in the memory of the kernel's space.
+struct float_run {
+  const float* x;  ///< the first element
+  std::size_t n;   ///< the number of elements
+};
 
-/// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
-/// instance writes one partial sum per block of `kernel_block` elements into `scratch` (memory
-/// `Space`, `squares_scratch(n)` elements), one work item adds them in block order into its last
-/// element, and the host reads that one number back (a copy only for device memory).
+/// The words one run takes in a run table (`run_table`): its address, its length, its first block.
+inline constexpr std::size_t run_words = 3;
+
+/// Writes the run table of `runs` into `words` (`run_words` per run that is not empty, in order:
+/// address, length, index of its first block of `kernel_block` elements over all the runs) and
+/// returns the number of blocks over all the runs. A multi-tensor kernel reads the table from the
+/// kernel's memory (`run_table_buffers`), so one launch covers every run of a device.
+inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std::size_t>& words) {
+  words.clear();
+  std::size_t blocks = 0;
+  for (const float_run& r : runs) {
+    if (r.n == 0) continue;
+    words.push_back(reinterpret_cast<std::uintptr_t>(r.x));
+    words.push_back(r.n);
+    words.push_back(blocks);
+    blocks += (r.n + kernel_block - 1) / kernel_block;
+  }
+  return blocks;
+}
+
+/// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
+/// first block is at most `b`; no run of the table is empty).
+KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b) noexcept {
+  std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (table[mid * run_words + 2] <= b) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// Sum of `double(x[i])^2` over every element of the runs of `table` (memory `Space`; `runs` runs,
+/// `blocks` blocks, as `run_table` made it), one multi-tensor reduction for all of a device's runs:
+/// a Kokkos kernel on the running device's instance writes one partial sum per block of
+/// `kernel_block` elements of a run into `scratch` (memory `Space`, `blocks + 1` elements), one work
+/// item adds them into its last element, and the host reads that one number back (a copy only for
+/// device memory). Two launches and one read-back per device instead of as many per run (issue 38:
+/// few kernels per step).
 /// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
-/// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
-/// every backend and thread count. The order differs from one running sum only in the last bits of
-/// a double, which the float clip scale does not see.
+/// device threads at once (tensor/view.hpp). The blocks are fixed (they start at each run's first
+/// element) and the finishing item adds them in a fixed order, the blocks of a run into the run's
+/// sum (from 0), then the runs' sums into the total (from 0), in run order: the sum is bitwise
+/// reproducible on every backend and thread count, and the same bits as summing each run with its
+/// own reduction and adding the results in run order on the host. That order differs from one
+/// running sum only in the last bits of a double, which the float clip scale does not see.
 template <class Space>
-double sum_of_squares(const float* x, std::size_t n, double* scratch) {
-  const std::size_t blocks = squares_scratch(n) - 1;
+double sum_of_squares(const std::size_t* table, std::size_t runs, std::size_t blocks, double* scratch) {
+  if (blocks == 0) return 0.0;
   double* part = scratch;
   meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
-    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    const std::size_t* r = table + run_of_block(table, runs, b) * run_words;
+    const auto* x = reinterpret_cast<const float*>(r[0]);
+    const std::size_t n = r[1], i0 = (b - r[2]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
-  if (blocks > 1) {
-    meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double total = 0;
+    for (std::size_t k = 0; k < runs; ++k) {
+      const std::size_t* r = table + k * run_words;
+      const std::size_t b0 = r[2], b1 = b0 + (r[1] + kernel_block - 1) / kernel_block;
       double s = 0;
-      for (std::size_t b = 0; b < blocks; ++b) s += part[b];
-      part[blocks] = s;
-    });
-    return meshlib::read_back<Space>(part + blocks);
-  }
-  return blocks == 1 ? meshlib::read_back<Space>(part) : 0.0;
+      for (std::size_t b = b0; b < b1; ++b) s += part[b];
+      total += s;
+    }
+    part[blocks] = total;
+  });
+  return meshlib::read_back<Space>(part + blocks);
 }
 
 }  // namespace meshlib::nn::detail
@@ -11316,7 +11392,10 @@ class train_state {
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
-        squares_(m.size()) {
+        squares_(m.size()),
+        norm_runs_(m.size()),
+        norm_words_(m.size()),
+        norm_tables_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -11495,11 +11574,12 @@ class train_state {
       sync_seconds = overlapped ? overlap_->take_seconds(dev)
                                 : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-      double sq[1] = {0};
+      std::vector<detail::float_run>& runs = norm_runs(dev);
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
-        sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
+        runs.push_back(share_of(dev, params[i], g[i], params[i].count[dev], 0));
       }
+      double sq[1] = {sum_of_squares(dev, runs)};
       detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
@@ -11519,10 +11599,11 @@ class train_state {
     T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     unscale(g, size);
-    double sq[1] = {0};
+    std::vector<detail::float_run>& runs = norm_runs(dev);
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
-      sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
+      runs.push_back(share_of(dev, p, g + s, len, data_axes));
     });
+    double sq[1] = {sum_of_squares(dev, runs)};
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
@@ -11665,15 +11746,29 @@ class train_state {
       model.hooks = fsdp_.get();
     }
   }
-  /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
+  /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
-  double share_of_squares(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
+  detail::float_run share_of(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
-                                                        squares_.get(dev, detail::squares_scratch(hi - lo)));
+    return {g + lo, hi - lo};
+  }
+  /// Device `dev`'s list of runs for the next `sum_of_squares`, emptied (its capacity kept: a step
+  /// allocates nothing after its first).
+  std::vector<detail::float_run>& norm_runs(std::size_t dev) const {
+    auto& runs = norm_runs_.at(dev);
+    runs.clear();
+    return runs;
+  }
+  /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
+  /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
+  double sum_of_squares(std::size_t dev, const std::vector<detail::float_run>& runs) const {
+    std::vector<std::size_t>& words = norm_words_.at(dev);
+    const std::size_t blocks = detail::run_table(runs, words);
+    return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
+                                                        blocks, squares_.get(dev, blocks + 1));
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
@@ -11696,10 +11791,11 @@ class train_state {
     for (std::size_t k = 0; k < opt.stages(); ++k) {
       double stage_norm = norm;
       if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
-        double sq[1] = {0};
+        std::vector<detail::float_run>& runs = norm_runs(dev);
         for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
-          sq[0] += share_of_squares(dev, params[i], u, len, except);
+          runs.push_back(share_of(dev, params[i], u, len, except));
         });
+        double sq[1] = {sum_of_squares(dev, runs)};
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
@@ -11736,6 +11832,10 @@ class train_state {
   detail::device_buffers<T> output_grad_;
   // The clipping norm's partial sums (a const query writes them: each device only its own slot).
   mutable detail::device_buffers<double> squares_;
+  /// The gradient norm's runs, their table on the host and in the kernels' memory, per device.
+  mutable std::vector<std::vector<detail::float_run>> norm_runs_;
+  mutable std::vector<std::vector<std::size_t>> norm_words_;
+  mutable detail::run_table_buffers norm_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -100,7 +100,8 @@ template void meshlib::nn::detail::add_values<meshlib::default_memory_space, flo
 using cuda_mesh = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
 using cuda_rows = meshlib::local_tensor<float, 2, cuda_mesh>;  // in default_memory_space: CudaSpace here
 using cuda_ids = meshlib::local_tensor<std::int32_t, 1, cuda_mesh>;
-template double meshlib::nn::detail::sum_of_squares<meshlib::default_memory_space>(const float*, std::size_t, double*);
+template double meshlib::nn::detail::sum_of_squares<meshlib::default_memory_space>(const std::size_t*, std::size_t, std::size_t,
+                                                                                  double*);
 template meshlib::nn::loss_part meshlib::nn::softmax_cross_entropy<float>::compute<cuda_rows>(
     const cuda_rows&, std::span<const std::int32_t>, std::size_t, float*, float*);
 template meshlib::nn::loss_part meshlib::nn::mean_squared_error<float>::operator()<cuda_rows>(

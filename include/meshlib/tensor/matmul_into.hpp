@@ -54,6 +54,12 @@
 
 namespace meshlib {
 
+/// @brief The name of the Kokkos profiling region around each matrix product that the BLAS makes
+/// (`matmul_into`, and so `matmul` and the nn layers): Kokkos tools see no kernel launch for it,
+/// since the BLAS is not Kokkos. A product that runs as meshlib's own kernel is a Kokkos
+/// `parallel_for` instead, and has no such region. `launch_counter` counts the regions.
+inline constexpr const char* blas_product_region = "meshlib::matmul_into[BLAS]";
+
 namespace detail {
 
 inline std::atomic<bool>& blas_threads_chosen() {
@@ -104,6 +110,25 @@ inline bool blas_allowed() {
   }();
   return allowed;
 }
+
+/// Shows a product that a library outside Kokkos makes (the BLAS) to Kokkos tools as the profiling
+/// region `blas_product_region` for as long as it lives, because Kokkos tools see only Kokkos' own
+/// launches: `launch_counter` (debug/launch_counter.hpp) counts the products by it, a timeline tool
+/// shows their time. One check of a flag when no tool is loaded.
+class blas_product_scope {
+ public:
+  blas_product_scope() : on_(Kokkos::Profiling::profileLibraryLoaded()) {
+    if (on_) Kokkos::Profiling::pushRegion(blas_product_region);
+  }
+  ~blas_product_scope() {
+    if (on_) Kokkos::Profiling::popRegion();
+  }
+  blas_product_scope(const blas_product_scope&) = delete;
+  blas_product_scope& operator=(const blas_product_scope&) = delete;
+
+ private:
+  bool on_;
+};
 
 /// Whether products of `T` in memory `Space` go to `KokkosBlas::gemm` (see the file comment).
 template <class T, class Space>
@@ -297,6 +322,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
       const Kokkos::View<T**, layout, space, um> cv = c;
       const char* ta = o.transpose_a ? "T" : "N";
       const char* tb = o.transpose_b ? "T" : "N";
+      const detail::blas_product_scope region;
 #if KOKKOS_VERSION >= 40000
       if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
       else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);

@@ -254,4 +254,33 @@ std::size_t global_offset(const L& x, std::size_t d) {
   return x.mesh().group_rank(x.device(), L::dims_type::at(d)) * x.extent(d);
 }
 
+/// Per-device run tables of multi-tensor kernels (nn/detail/simd.hpp, `run_table`) in the kernels'
+/// memory. A step's runs are the same every step (the same parameters, gradients and state), so a
+/// table is copied to the device only when it differs from the one there: once, not per step (on a
+/// GPU each copy is a transfer the step would wait for). Only device `dev`'s thread uses slot `dev`.
+class run_table_buffers {
+ public:
+  run_table_buffers() = default;
+  explicit run_table_buffers(std::size_t devices) : tables_(devices), last_(devices) {}
+  /// Device `dev`'s copy of `words` in the kernels' memory, valid until the next call for `dev`.
+  const std::size_t* upload(std::size_t dev, const std::vector<std::size_t>& words) {
+    auto& last = last_.at(dev);
+    std::size_t* p = tables_.get(dev, words.size());
+    if (p != last.at || last.words != words) {
+      meshlib::copy_from_host<default_memory_space>(p, words.data(), words.size());
+      last.at = p;
+      last.words = words;
+    }
+    return p;
+  }
+
+ private:
+  struct uploaded {
+    const std::size_t* at = nullptr;  ///< where the table was copied to
+    std::vector<std::size_t> words;   ///< what was copied there
+  };
+  device_buffers<std::size_t> tables_;
+  std::vector<uploaded> last_;
+};
+
 }  // namespace meshlib::nn::detail

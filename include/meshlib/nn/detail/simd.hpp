@@ -31,6 +31,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -149,34 +150,80 @@ KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, s
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/// The scratch `sum_of_squares` needs for `n` elements: one partial sum per block, and the total.
-constexpr std::size_t squares_scratch(std::size_t n) noexcept { return (n + kernel_block - 1) / kernel_block + 1; }
+/// A run of a multi-tensor kernel: `n` floats at `x`, in the memory of the kernel's space.
+struct float_run {
+  const float* x;  ///< the first element
+  std::size_t n;   ///< the number of elements
+};
 
-/// Sum of `double(x[i])^2` over `[0, n)` of memory `Space`: a Kokkos kernel on the running device's
-/// instance writes one partial sum per block of `kernel_block` elements into `scratch` (memory
-/// `Space`, `squares_scratch(n)` elements), one work item adds them in block order into its last
-/// element, and the host reads that one number back (a copy only for device memory).
+/// The words one run takes in a run table (`run_table`): its address, its length, its first block.
+inline constexpr std::size_t run_words = 3;
+
+/// Writes the run table of `runs` into `words` (`run_words` per run that is not empty, in order:
+/// address, length, index of its first block of `kernel_block` elements over all the runs) and
+/// returns the number of blocks over all the runs. A multi-tensor kernel reads the table from the
+/// kernel's memory (`run_table_buffers`), so one launch covers every run of a device.
+inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std::size_t>& words) {
+  words.clear();
+  std::size_t blocks = 0;
+  for (const float_run& r : runs) {
+    if (r.n == 0) continue;
+    words.push_back(reinterpret_cast<std::uintptr_t>(r.x));
+    words.push_back(r.n);
+    words.push_back(blocks);
+    blocks += (r.n + kernel_block - 1) / kernel_block;
+  }
+  return blocks;
+}
+
+/// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
+/// first block is at most `b`; no run of the table is empty).
+KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b) noexcept {
+  std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (table[mid * run_words + 2] <= b) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// Sum of `double(x[i])^2` over every element of the runs of `table` (memory `Space`; `runs` runs,
+/// `blocks` blocks, as `run_table` made it), one multi-tensor reduction for all of a device's runs:
+/// a Kokkos kernel on the running device's instance writes one partial sum per block of
+/// `kernel_block` elements of a run into `scratch` (memory `Space`, `blocks + 1` elements), one work
+/// item adds them into its last element, and the host reads that one number back (a copy only for
+/// device memory). Two launches and one read-back per device instead of as many per run (issue 38:
+/// few kernels per step).
 /// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
-/// device threads at once (tensor/view.hpp); the fixed blocks keep the sum bitwise reproducible on
-/// every backend and thread count. The order differs from one running sum only in the last bits of
-/// a double, which the float clip scale does not see.
+/// device threads at once (tensor/view.hpp). The blocks are fixed (they start at each run's first
+/// element) and the finishing item adds them in a fixed order, the blocks of a run into the run's
+/// sum (from 0), then the runs' sums into the total (from 0), in run order: the sum is bitwise
+/// reproducible on every backend and thread count, and the same bits as summing each run with its
+/// own reduction and adding the results in run order on the host. That order differs from one
+/// running sum only in the last bits of a double, which the float clip scale does not see.
 template <class Space>
-double sum_of_squares(const float* x, std::size_t n, double* scratch) {
-  const std::size_t blocks = squares_scratch(n) - 1;
+double sum_of_squares(const std::size_t* table, std::size_t runs, std::size_t blocks, double* scratch) {
+  if (blocks == 0) return 0.0;
   double* part = scratch;
   meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
-    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    const std::size_t* r = table + run_of_block(table, runs, b) * run_words;
+    const auto* x = reinterpret_cast<const float*>(r[0]);
+    const std::size_t n = r[1], i0 = (b - r[2]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
     part[b] = squares_of_block(x, i0, i1);
   });
-  if (blocks > 1) {
-    meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double total = 0;
+    for (std::size_t k = 0; k < runs; ++k) {
+      const std::size_t* r = table + k * run_words;
+      const std::size_t b0 = r[2], b1 = b0 + (r[1] + kernel_block - 1) / kernel_block;
       double s = 0;
-      for (std::size_t b = 0; b < blocks; ++b) s += part[b];
-      part[blocks] = s;
-    });
-    return meshlib::read_back<Space>(part + blocks);
-  }
-  return blocks == 1 ? meshlib::read_back<Space>(part) : 0.0;
+      for (std::size_t b = b0; b < b1; ++b) s += part[b];
+      total += s;
+    }
+    part[blocks] = total;
+  });
+  return meshlib::read_back<Space>(part + blocks);
 }
 
 }  // namespace meshlib::nn::detail

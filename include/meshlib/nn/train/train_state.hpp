@@ -243,7 +243,10 @@ class train_state {
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
-        squares_(m.size()) {
+        squares_(m.size()),
+        norm_runs_(m.size()),
+        norm_words_(m.size()),
+        norm_tables_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -422,11 +425,12 @@ class train_state {
       sync_seconds = overlapped ? overlap_->take_seconds(dev)
                                 : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-      double sq[1] = {0};
+      std::vector<detail::float_run>& runs = norm_runs(dev);
       for (std::size_t i = 0; i < params.size(); ++i) {
         unscale(g[i], params[i].count[dev]);
-        sq[0] += share_of_squares(dev, params[i], g[i], params[i].count[dev], 0);
+        runs.push_back(share_of(dev, params[i], g[i], params[i].count[dev], 0));
       }
+      double sq[1] = {sum_of_squares(dev, runs)};
       detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
       const double norm = std::sqrt(sq[0]);
       // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
@@ -446,10 +450,11 @@ class train_state {
     T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     unscale(g, size);
-    double sq[1] = {0};
+    std::vector<detail::float_run>& runs = norm_runs(dev);
     for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
-      sq[0] += share_of_squares(dev, p, g + s, len, data_axes);
+      runs.push_back(share_of(dev, p, g + s, len, data_axes));
     });
+    double sq[1] = {sum_of_squares(dev, runs)};
     detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
     const double norm = std::sqrt(sq[0]);
     if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
@@ -592,15 +597,29 @@ class train_state {
       model.hooks = fsdp_.get();
     }
   }
-  /// This device's share of the sum of squares of `len` elements at `g`, a (piece of a) block of
+  /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
-  double share_of_squares(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
+  detail::float_run share_of(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
     const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
     const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
     const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return detail::sum_of_squares<default_memory_space>(g + lo, hi - lo,
-                                                        squares_.get(dev, detail::squares_scratch(hi - lo)));
+    return {g + lo, hi - lo};
+  }
+  /// Device `dev`'s list of runs for the next `sum_of_squares`, emptied (its capacity kept: a step
+  /// allocates nothing after its first).
+  std::vector<detail::float_run>& norm_runs(std::size_t dev) const {
+    auto& runs = norm_runs_.at(dev);
+    runs.clear();
+    return runs;
+  }
+  /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
+  /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
+  double sum_of_squares(std::size_t dev, const std::vector<detail::float_run>& runs) const {
+    std::vector<std::size_t>& words = norm_words_.at(dev);
+    const std::size_t blocks = detail::run_table(runs, words);
+    return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
+                                                        blocks, squares_.get(dev, blocks + 1));
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
@@ -623,10 +642,11 @@ class train_state {
     for (std::size_t k = 0; k < opt.stages(); ++k) {
       double stage_norm = norm;
       if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
-        double sq[1] = {0};
+        std::vector<detail::float_run>& runs = norm_runs(dev);
         for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
-          sq[0] += share_of_squares(dev, params[i], u, len, except);
+          runs.push_back(share_of(dev, params[i], u, len, except));
         });
+        double sq[1] = {sum_of_squares(dev, runs)};
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
@@ -663,6 +683,10 @@ class train_state {
   detail::device_buffers<T> output_grad_;
   // The clipping norm's partial sums (a const query writes them: each device only its own slot).
   mutable detail::device_buffers<double> squares_;
+  /// The gradient norm's runs, their table on the host and in the kernels' memory, per device.
+  mutable std::vector<std::vector<detail::float_run>> norm_runs_;
+  mutable std::vector<std::vector<std::size_t>> norm_words_;
+  mutable detail::run_table_buffers norm_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;
