@@ -273,6 +273,8 @@ int run_advisor(std::size_t steps, std::size_t rounds, const std::vector<float>&
   nn::advise_options o;
   o.only = {{{"data", "model"}, {4, 1}}, {{"data", "model"}, {2, 2}}, {{"data", "model"}, {1, 4}}};
   o.timed_steps = 9;
+  o.threads_per_device = {1};  // the shapes alone, as the longer runs below measure them
+  o.overlap = {false};
   std::printf("train_bench --advisor: advise_mesh on (4, 1), (2, 2), (1, 4) against %zu interleaved rounds of %zu steps "
               "(fastest round kept); load average %.1f\n\n",
               rounds, steps, bench::load_average());

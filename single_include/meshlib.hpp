@@ -7956,6 +7956,12 @@ inline std::atomic<bool>& blas_threads_chosen() {
   return chosen;
 }
 
+/// The threads the last `set_blas_threads_per_device` asked for (1 before any).
+inline std::atomic<int>& blas_threads_setting() {
+  static std::atomic<int> threads{1};
+  return threads;
+}
+
 /// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
 inline void (*openblas_setter())(int) {
   static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
@@ -7969,11 +7975,21 @@ inline void (*openblas_setter())(int) {
 /// @returns whether an OpenBLAS was found to apply it to.
 inline bool set_blas_threads_per_device(int threads) {
   detail::blas_threads_chosen() = true;
+  detail::blas_threads_setting() = threads < 1 ? 1 : threads;
   if (auto fn = detail::openblas_setter()) {
     fn(threads < 1 ? 1 : threads);
     return true;
   }
   return false;
+}
+
+/// @brief The BLAS threads per device last set (`set_blas_threads_per_device`, or
+/// `MESHLIB_BLAS_THREADS` at the first product); 1 before either. What to restore after trying
+/// another (the mesh advisor does).
+inline int blas_threads_per_device() noexcept {
+  if (!detail::blas_threads_chosen())  // what the first product will choose
+    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
+  return detail::blas_threads_setting();
 }
 
 namespace detail {
@@ -11851,6 +11867,35 @@ template <partition_spec_type ToSpec, sharded_tensor_type X>
 /// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` on a runner or the default one, and JAX's
 /// names for it (`device_put`, `with_sharding_constraint`).
 
+// begin meshlib/exec/available_cores.hpp
+/// @file
+/// @brief `available_cores()`: the cores this process may run its devices on.
+
+#include <cstddef>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+namespace meshlib {
+
+/// @brief The cores this process may run on: its CPU affinity mask, as `nproc` counts them
+/// (`taskset -c 0-3` gives 4), else `std::thread::hardware_concurrency()`, else 0 (unknown).
+///
+/// Not `hardware_concurrency` alone: it counts the machine's CPUs, so a run pinned to 4 of 16 cores
+/// would choose its mesh and threads per device for 16 and oversubscribe the 4 it has.
+inline std::size_t available_cores() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return static_cast<std::size_t>(CPU_COUNT(&set));
+#endif
+  return std::thread::hardware_concurrency();
+}
+
+}  // namespace meshlib
+// end meshlib/exec/available_cores.hpp
 // begin meshlib/exec/runner.hpp
 /// @file
 /// @brief The `runner` concept: what runs one program per device for `spmd`, `shard_map` and

@@ -13006,14 +13006,20 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 // end meshlib/nn/train/evaluate.hpp
 // begin meshlib/nn/advise_mesh.hpp
 /// @file
-/// @brief `advise_mesh`: which mesh shape trains a model fastest on this many devices, measured.
+/// @brief `advise_mesh`: which mesh shape, threads per device and gradient-sync overlap train a model
+/// fastest on this many devices, measured.
 ///
 /// Choosing the mesh shape matters more than most knobs ((4, 2) against (8, 1) can be 1.8x), and
 /// the right one depends on the model, the batch and the machine, so the advisor measures instead
 /// of modelling: it enumerates every factorisation of the device count over the mesh type's axes
 /// (`mesh_shapes`), builds the model on each (a shape the model refuses, heads or vocabulary or
 /// width not divisible by an axis, is kept as a row "not possible: <the library's message>"),
-/// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each row also has
+/// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each shape is tried
+/// with every threads-per-device count of `advise_options::threads_per_device` (by default 1 and,
+/// where larger, the cores this process may run on divided by the devices: a device's products on
+/// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
+/// synchronisation overlapped with the backward pass and not (`train_options::overlap_grad_sync`;
+/// `advise_options::overlap`): one row per combination. Each row also has
 /// samples per second, the share of the step spent in the gradient synchronisation
 /// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
 /// the bytes per device: parameters, gradients and optimizer state (`train_state::memory`, the
@@ -13039,6 +13045,7 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 #include <cstddef>
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -13083,6 +13090,8 @@ struct mesh_shape {
 /// @brief One shape's measurement (or why it cannot run).
 struct advice_row {
   mesh_shape shape;  ///< the mesh shape measured
+  std::size_t threads_per_device = 1;  ///< the BLAS threads of each device's products (`set_blas_threads_per_device`)
+  bool overlap = false;                ///< `train_options::overlap_grad_sync` of the row
   /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
   std::string refused;
   double step_seconds = 0;        ///< median wall time of a timed step
@@ -13102,6 +13111,8 @@ struct advice_row {
 struct advice {
   std::vector<advice_row> rows;  ///< every shape, ranked
   mesh_shape best;               ///< the fastest shape that ran
+  std::size_t best_threads_per_device = 1;  ///< its threads per device
+  bool best_overlap = false;                ///< and whether its gradient sync overlapped the backward
   std::size_t devices = 0;       ///< the device count the shapes factorise
   std::size_t batch = 0;  ///< samples (rows or windows) of the global batch
 
@@ -13112,16 +13123,17 @@ struct advice {
     std::string axes;
     if (!rows.empty())
       for (std::size_t i = 0; i < rows.front().shape.axes.size(); ++i) axes += (i ? ", " : "") + rows.front().shape.axes[i];
-    std::string s = "| rank | mesh (" + axes + ") | step time | samples/s | sync share | bubble | memory per device |\n"
-                    "| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
+    std::string s = "| rank | mesh (" + axes + ") | threads/device | overlap | step time | samples/s | sync share | bubble | memory per device |\n"
+                    "| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
     char buf[256];
     std::size_t rank = 0;
     std::string notes;
     std::size_t note = 0;
     for (const auto& r : rows) {
       if (r.possible()) {
-        std::snprintf(buf, sizeof buf, "| %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
-                      ++rank, r.shape.to_string().c_str(), 1e3 * r.step_seconds, r.samples_per_second,
+        std::snprintf(buf, sizeof buf, "| %zu | %s | %zu | %s | %.2f ms | %.1f | %.0f%% | %.0f%% | %.2f MiB (%.2f state + %.2f activations) |\n",
+                      ++rank, r.shape.to_string().c_str(), r.threads_per_device, r.overlap ? "on" : "off",
+                      1e3 * r.step_seconds, r.samples_per_second,
                       100.0 * r.sync_share, 100.0 * r.bubble, static_cast<double>(r.memory_bytes()) / 1048576.0,
                       static_cast<double>(r.state_bytes) / 1048576.0, static_cast<double>(r.activation_bytes) / 1048576.0);
         s += buf;
@@ -13131,7 +13143,8 @@ struct advice {
         const std::string_view why = std::string_view(r.refused).starts_with(prefix)
                                          ? std::string_view(r.refused).substr(prefix.size())
                                          : std::string_view(r.refused);
-        s += "| - | " + r.shape.to_string() + " | not possible, see below (" + n + ") | | | | |\n";
+        s += "| - | " + r.shape.to_string() + " | " + std::to_string(r.threads_per_device) + " | " +
+             (r.overlap ? "on" : "off") + " | not possible, see below (" + n + ") | | | | |\n";
         notes += n + ". " + r.shape.to_string() + " is not possible: " + std::string(why) + "\n";
       }
     }
@@ -13147,19 +13160,26 @@ struct advise_options {
   optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
   train_options train = {};      ///< the base options (`fsdp` is set per shape)
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
+  /// The threads per device to try on every shape; empty (the default): 1 and, where larger,
+  /// `available_cores()` / the shape's devices.
+  std::vector<std::size_t> threads_per_device;
+  /// The `overlap_grad_sync` settings to try on a shape whose "data" axis is larger than 1 (other
+  /// shapes take `train.overlap_grad_sync`); empty (the default): off and on.
+  std::vector<bool> overlap;
   /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
   /// wall time.
   ///
-  /// Called after each timed step with the shape, the step's index among the timed steps (0 to
+  /// Called after each timed step with the candidate (its `shape`, `threads_per_device` and `overlap`
+  /// set; the measurements not yet), the step's index among the timed steps (0 to
   /// `timed_steps - 1`) and its measured wall time in seconds; returns the seconds to record. The
   /// ranking, `advice_row::step_seconds` and `samples_per_second` use what it returns; `sync_share`
   /// stays the measured synchronisation over the measured step times. A seam for callers who time
   /// otherwise (a device's own clock, a cost model) and for tests: the ranking is then a function
   /// of the times given, not of the machine's load.
   /// @code
-  /// o.step_time = [](const nn::mesh_shape& s, std::size_t, double) { return s.size("model") == 4 ? 0.01 : 0.02; };
+  /// o.step_time = [](const nn::advice_row& c, std::size_t, double) { return c.shape.size("model") == 4 ? 0.01 : 0.02; };
   /// @endcode
-  std::function<double(const mesh_shape& shape, std::size_t step, double measured_seconds)> step_time;
+  std::function<double(const advice_row& candidate, std::size_t step, double measured_seconds)> step_time;
 };
 
 /// @brief Every factorisation of `devices` over the axes of `Mesh`, in lexicographic order of the
@@ -13244,10 +13264,40 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
   a.devices = devices;
   a.batch = detail::samples_of(batch);
   const std::vector<mesh_shape> shapes = o.only.empty() ? mesh_shapes<Mesh>(devices) : o.only;
+  std::vector<advice_row> candidates;
   for (const auto& shape : shapes) {
-    advice_row row;
-    row.shape = shape;
+    std::vector<std::size_t> threads = o.threads_per_device;
+    if (threads.empty()) {
+      threads.push_back(1);
+      if (const std::size_t t = available_cores() / std::max<std::size_t>(shape.devices(), 1); t > 1) threads.push_back(t);
+    }
+    // Overlap only changes a step with a data axis to synchronise over, and not under ZeRO-1 (whose
+    // sync is its reduce-scatter after the backward).
+    const bool overlap_matters = shape.size("data") > 1 && !o.train.zero;
+    std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.train.overlap_grad_sync};
+    if (overlap.empty()) overlap = {false, true};
+    for (std::size_t t : threads)
+      for (bool ov : overlap) {
+        if (t == 0)
+          throw std::invalid_argument("meshlib::nn: advise_mesh: advise_options::threads_per_device holds 0; give "
+                                      "counts of 1 or more");
+        advice_row c;
+        c.shape = shape;
+        c.threads_per_device = t;
+        c.overlap = ov;
+        candidates.push_back(std::move(c));
+      }
+  }
+  // The caller's BLAS threads come back however the loop ends.
+  struct restore_blas_threads {
+    int threads = blas_threads_per_device();
+    ~restore_blas_threads() { set_blas_threads_per_device(threads); }
+  } restore;
+  for (auto& row : candidates) {
+    const mesh_shape& shape = row.shape;
+    set_blas_threads_per_device(static_cast<int>(row.threads_per_device));
     train_options opts = o.train;
+    opts.overlap_grad_sync = row.overlap;
     if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
       row.refused = "not possible: " + why;
       a.rows.push_back(std::move(row));
@@ -13264,7 +13314,7 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
         const auto t0 = std::chrono::steady_clock::now();
         last = train_step(state, batch);
         const double measured = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        times.push_back(o.step_time ? o.step_time(shape, i, measured) : measured);
+        times.push_back(o.step_time ? o.step_time(row, i, measured) : measured);
         total += measured;
         sync += last.sync_seconds;
       }
@@ -13290,6 +13340,8 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
                          " devices can train this model on this batch" + why);
   }
   a.best = a.rows.front().shape;
+  a.best_threads_per_device = a.rows.front().threads_per_device;
+  a.best_overlap = a.rows.front().overlap;
   return a;
 }
 

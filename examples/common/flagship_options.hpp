@@ -14,13 +14,9 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
-#include <thread>
 #include <utility>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
+#include "meshlib/exec/available_cores.hpp"
 #include "meshlib/nn/detail/number_text.hpp"
 
 namespace flagship {
@@ -110,19 +106,8 @@ inline mesh_choice default_mesh(std::size_t cores, std::size_t data = 4, std::si
   return c;
 }
 
-/// The cores this process may run on: its CPU affinity mask, as `nproc` counts them (`taskset -c 0-3`
-/// gives 4), else std::thread::hardware_concurrency(), else 0 (unknown). Not hardware_concurrency
-/// alone: it counts the machine's CPUs, so a run pinned to 4 of 16 cores (bench/scaling) would
-/// choose its mesh and threads for 16 and oversubscribe the 4 it has.
-inline std::size_t available_cores() {
-#if defined(__linux__)
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-    return static_cast<std::size_t>(CPU_COUNT(&set));
-#endif
-  return std::thread::hardware_concurrency();
-}
+/// The cores this process may run on (meshlib::available_cores: its CPU affinity mask, as `nproc`).
+using meshlib::available_cores;
 
 /// The BLAS threads each device's matrix products run on (`--threads-per-device`), and the header
 /// line's note saying why.

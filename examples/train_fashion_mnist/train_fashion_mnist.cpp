@@ -261,7 +261,8 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   }, b, ao);
   const std::size_t f = a.best.size("fsdp");
   std::cout << "\n" << a.markdown() << "\nbest: --mesh " << a.best.size("data") << "x" << a.best.size("model")
-            << (f > 1 ? " --fsdp " + std::to_string(f) : std::string()) << "\n";
+            << (f > 1 ? " --fsdp " + std::to_string(f) : std::string()) << " --threads-per-device "
+            << a.best_threads_per_device << (a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "") << "\n";
   return 0;
 }
 

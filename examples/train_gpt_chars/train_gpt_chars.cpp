@@ -373,7 +373,8 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
               o.threads.why.empty() ? "" : (" (" + o.threads.why + ")").c_str(), ao.warmup_steps, ao.timed_steps);
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat, Untie>(m, o, key); }, batch, ao);
-  std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
+  std::printf("\n%s\nbest: --mesh %s --threads-per-device %zu%s\n", a.markdown().c_str(), a.best.flag().c_str(),
+              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "");
   return 0;
 }
 

@@ -192,7 +192,8 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
               ao.timed_steps);
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return resnet(m, o.width, key); }, b, ao);
-  std::printf("\n%s\nbest: --mesh %s\n", a.markdown().c_str(), a.best.flag().c_str());
+  std::printf("\n%s\nbest: --mesh %s --threads-per-device %zu%s\n", a.markdown().c_str(), a.best.flag().c_str(),
+              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "");
   return 0;
 }
 

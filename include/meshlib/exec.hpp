@@ -6,6 +6,7 @@
 /// `shard_map(fn, mesh, in_specs, out_specs)`, `reshard` on a runner or the default one, and JAX's
 /// names for it (`device_put`, `with_sharding_constraint`).
 
+#include "meshlib/exec/available_cores.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/exec/gpu_runner.hpp"

@@ -67,6 +67,12 @@ inline std::atomic<bool>& blas_threads_chosen() {
   return chosen;
 }
 
+/// The threads the last `set_blas_threads_per_device` asked for (1 before any).
+inline std::atomic<int>& blas_threads_setting() {
+  static std::atomic<int> threads{1};
+  return threads;
+}
+
 /// OpenBLAS's `openblas_set_num_threads`, when an OpenBLAS is loaded in the process.
 inline void (*openblas_setter())(int) {
   static void (*fn)(int) = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
@@ -80,11 +86,21 @@ inline void (*openblas_setter())(int) {
 /// @returns whether an OpenBLAS was found to apply it to.
 inline bool set_blas_threads_per_device(int threads) {
   detail::blas_threads_chosen() = true;
+  detail::blas_threads_setting() = threads < 1 ? 1 : threads;
   if (auto fn = detail::openblas_setter()) {
     fn(threads < 1 ? 1 : threads);
     return true;
   }
   return false;
+}
+
+/// @brief The BLAS threads per device last set (`set_blas_threads_per_device`, or
+/// `MESHLIB_BLAS_THREADS` at the first product); 1 before either. What to restore after trying
+/// another (the mesh advisor does).
+inline int blas_threads_per_device() noexcept {
+  if (!detail::blas_threads_chosen())  // what the first product will choose
+    if (const char* env = std::getenv("MESHLIB_BLAS_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
+  return detail::blas_threads_setting();
 }
 
 namespace detail {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -91,6 +92,8 @@ TEST_CASE("advise_mesh: the memory estimate is the state's bytes plus the step's
   nn::advise_options o;
   o.warmup_steps = 1;
   o.timed_steps = 2;
+  o.threads_per_device = {1};  // one row per shape (the candidates have their own test case)
+  o.overlap = {false};
   const auto a = nn::advise_mesh<mesh_t>(2, model, batch_of(r, w, c), o);
   REQUIRE(a.rows.size() == 2);
   const std::size_t params = n * (w * w + w) + w * c + c;
@@ -109,15 +112,18 @@ TEST_CASE("advise_mesh: the memory estimate is the state's bytes plus the step's
   CHECK(a.best == a.rows.front().shape);
   CHECK(a.rows.front().step_seconds <= a.rows.back().step_seconds);
   const std::string table = a.markdown();
-  CHECK(table.find("| rank | mesh (data, model) | step time | samples/s | sync share | bubble | memory per device |") == 0);
+  CHECK(table.find("| rank | mesh (data, model) | threads/device | overlap | step time | samples/s | sync share | bubble | "
+                   "memory per device |") == 0);
   CHECK(table.find(" | 0% | ") != std::string::npos);  // no pipeline axis: no bubble
-  CHECK(table.find("| 1 | " + a.best.to_string() + " | ") != std::string::npos);
+  CHECK(table.find("| 1 | " + a.best.to_string() + " | 1 | off | ") != std::string::npos);
 }
 
 TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the library's reason", "[nn][advisor][errors]") {
   nn::advise_options o;
   o.warmup_steps = 0;
   o.timed_steps = 1;
+  o.threads_per_device = {1};
+  o.overlap = {false};
   // 4 heads over a model axis of 8: the attention's own message.
   const auto a = nn::advise_mesh<mesh_t>(8, one_block_gpt, gpt_batch(8), o);
   REQUIRE(a.rows.size() == 4);
@@ -132,7 +138,7 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   const std::string why = last.refused.substr(std::string("not possible: ").size());
   const std::string md = a.markdown();
   INFO(md);
-  CHECK(md.find("| - | (1, 8) | not possible, see below (1) | | | | |\n\nNot possible:\n\n1. (1, 8) is not possible: " +
+  CHECK(md.find("| - | (1, 8) | 1 | off | not possible, see below (1) | | | | |\n\nNot possible:\n\n1. (1, 8) is not possible: " +
                 why + "\n") != std::string::npos);
   CHECK(md.substr(md.size() - why.size() - 1) == why + "\n");  // the list ends the text
   CHECK(md.find("| not possible: ") == std::string::npos);
@@ -140,7 +146,8 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   nn::advice twice = a;
   twice.rows.push_back(last);
   const std::string md2 = twice.markdown();
-  CHECK(md2.find("| - | (1, 8) | not possible, see below (1) | | | | |\n| - | (1, 8) | not possible, see below (2) | | | | |\n") !=
+  CHECK(md2.find("| - | (1, 8) | 1 | off | not possible, see below (1) | | | | |\n| - | (1, 8) | 1 | off | not possible, see "
+                 "below (2) | | | | |\n") !=
         std::string::npos);
   CHECK(md2.find("\n1. (1, 8) is not possible: " + why + "\n2. (1, 8) is not possible: " + why + "\n") != std::string::npos);
   // 6 windows over 4 data devices: train_step's message in sequences (before any layer runs); the
@@ -205,6 +212,8 @@ TEST_CASE("advise_mesh ranks shapes by the step times it is given", "[nn][adviso
   nn::advise_options o;
   o.warmup_steps = 0;
   o.timed_steps = 3;
+  o.threads_per_device = {1};
+  o.overlap = {false};
   // Every order of three distinct times: the rows come out sorted by them, the best is the fastest,
   // and a row's step time is the median of its steps' times (the middle step is 100x slower, an
   // outlier the median ignores).
@@ -212,8 +221,8 @@ TEST_CASE("advise_mesh ranks shapes by the step times it is given", "[nn][adviso
   std::sort(times.begin(), times.end());
   do {
     std::vector<std::pair<std::size_t, std::size_t>> calls;  // (shape, step) of every call
-    o.step_time = [&](const nn::mesh_shape& s, std::size_t step, double measured) {
-      const auto k = static_cast<std::size_t>(std::find(shapes.begin(), shapes.end(), s) - shapes.begin());
+    o.step_time = [&](const nn::advice_row& candidate, std::size_t step, double measured) {
+      const auto k = static_cast<std::size_t>(std::find(shapes.begin(), shapes.end(), candidate.shape) - shapes.begin());
       REQUIRE(k < shapes.size());
       CHECK(measured > 0);
       calls.emplace_back(k, step);
@@ -237,20 +246,20 @@ TEST_CASE("advise_mesh ranks shapes by the step times it is given", "[nn][adviso
       CHECK(a.rows[r].sync_share <= 1);  // measured, whatever the injected times
     }
     CHECK(a.best == shapes[sorted[0].second]);
-    CHECK(a.markdown().find("| 1 | " + a.best.to_string() + " | " + std::to_string(static_cast<int>(1e3 * sorted[0].first)) +
+    CHECK(a.markdown().find("| 1 | " + a.best.to_string() + " | 1 | off | " + std::to_string(static_cast<int>(1e3 * sorted[0].first)) +
                             ".00 ms | ") != std::string::npos);
   } while (std::next_permutation(times.begin(), times.end()));
   // Equal times: enumeration order.
-  o.step_time = [](const nn::mesh_shape&, std::size_t, double) { return 5e-3; };
+  o.step_time = [](const nn::advice_row&, std::size_t, double) { return 5e-3; };
   const auto tied = nn::advise_mesh<mesh_t>(4, model, b, o);
   REQUIRE(tied.rows.size() == 3);
   for (std::size_t r = 0; r < 3; ++r) CHECK(tied.rows[r].shape == shapes[r]);
   // A refused shape is last whatever time it would have been given, and is never timed: 6 rows do
   // not split over the 4 devices of (4, 1)'s data axis.
   std::size_t timed_41 = 0;
-  o.step_time = [&](const nn::mesh_shape& s, std::size_t, double) {
-    timed_41 += s == shapes[0];
-    return s == shapes[2] ? 1e-3 : 2e-3;
+  o.step_time = [&](const nn::advice_row& candidate, std::size_t, double) {
+    timed_41 += candidate.shape == shapes[0];
+    return candidate.shape == shapes[2] ? 1e-3 : 2e-3;
   };
   const auto r = nn::advise_mesh<mesh_t>(4, model, batch_of(6, 4, 2), o);
   REQUIRE(r.rows.size() == 3);
@@ -260,6 +269,49 @@ TEST_CASE("advise_mesh ranks shapes by the step times it is given", "[nn][adviso
   CHECK(r.rows[2].shape == shapes[0]);
   CHECK_FALSE(r.rows[2].possible());
   CHECK(r.best == shapes[2]);
+}
+
+TEST_CASE("advise_mesh tries every threads-per-device count and both overlap settings on each shape", "[nn][advisor]") {
+  auto model = [](const mesh_t& m) { return nn::sequential(nn::dense<float, mesh_t>(m, "fc", 4, 2, nn::rng_key{1})); };
+  nn::advise_options o;
+  o.warmup_steps = 0;
+  o.timed_steps = 1;
+  o.threads_per_device = {1, 2};
+  // Every candidate once, in enumeration order (shape, then threads, then overlap); the overlap is
+  // tried only where a data axis has something to synchronise: (2, 1) twice per thread count,
+  // (1, 2) once (with the base option, off). The BLAS threads of each candidate are set while it runs.
+  std::vector<std::string> seen;
+  o.step_time = [&](const nn::advice_row& c, std::size_t, double) {
+    seen.push_back(c.shape.to_string() + " t" + std::to_string(c.threads_per_device) + (c.overlap ? " on" : " off"));
+    CHECK(meshlib::blas_threads_per_device() == static_cast<int>(c.threads_per_device));
+    // The fastest: (2, 1) with 2 threads and the overlap on; the rest slower by how far they are from it.
+    return 1e-3 * (1 + (c.shape.size("data") == 2 ? 0 : 4) + (c.threads_per_device == 2 ? 0 : 2) + (c.overlap ? 0 : 1));
+  };
+  meshlib::set_blas_threads_per_device(1);
+  const auto a = nn::advise_mesh<mesh_t>(2, model, batch_of(4, 4, 2), o);
+  CHECK(seen == std::vector<std::string>{"(2, 1) t1 off", "(2, 1) t1 on", "(2, 1) t2 off", "(2, 1) t2 on", "(1, 2) t1 off",
+                                         "(1, 2) t2 off"});
+  REQUIRE(a.rows.size() == 6);
+  CHECK(a.best.to_string() == "(2, 1)");
+  CHECK(a.best_threads_per_device == 2);
+  CHECK(a.best_overlap);
+  CHECK(a.rows[0].step_seconds == 1e-3);
+  CHECK(a.rows[1].threads_per_device == 2);  // (2, 1) t2 off: 2 ms
+  CHECK_FALSE(a.rows[1].overlap);
+  CHECK(a.markdown().find("| 1 | (2, 1) | 2 | on | 1.00 ms | ") != std::string::npos);
+  CHECK(meshlib::blas_threads_per_device() == 1);  // the caller's setting is back
+  // The default counts: 1 and, where larger, the cores this process may run on / the devices.
+  o.threads_per_device.clear();
+  o.overlap = {false};
+  seen.clear();
+  (void)nn::advise_mesh<mesh_t>(1, model, batch_of(4, 4, 2), o);
+  std::vector<std::string> want{"(1, 1) t1 off"};
+  if (meshlib::available_cores() > 1) want.push_back("(1, 1) t" + std::to_string(meshlib::available_cores()) + " off");
+  CHECK(seen == want);
+  // A count of 0 is refused before anything runs.
+  o.threads_per_device = {0};
+  CHECK(meshlib_test::message_of<std::invalid_argument>([&] { (void)nn::advise_mesh<mesh_t>(2, model, batch_of(4, 4, 2), o); }) ==
+        "meshlib::nn: advise_mesh: advise_options::threads_per_device holds 0; give counts of 1 or more");
 }
 
 }  // namespace MESHLIB_TEST_UNIT
