@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // The convolutional layers (conv2d, pooling, sync batch norm, residual blocks): each forward against
-// a plain reference loop written here, each backward against central finite differences of the loss
-// in double on one device and on data-parallel meshes, sync batch norm on several devices equal to
-// batch norm over the global batch on one, mesh-invariant training of a tiny conv net, and the
-// messages of bad sizes.
+// a plain reference loop written here, each backward (and the input's cotangent) against central
+// finite differences of the loss by nn::check_gradients, in double on one device and on
+// data-parallel meshes, sync batch norm on several devices equal to batch norm over the global batch
+// on one, mesh-invariant training of a tiny conv net, and the messages of bad sizes.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -94,100 +94,55 @@ std::vector<double> reference_conv(const std::vector<double>& x, const nn::image
   return y;
 }
 
-// ---- finite differences (as test_gradients.cpp, with image rows) ----------------------------------
+// ---- gradients, through nn::check_gradients ------------------------------------------------------
 
-/// The mean cross-entropy of `net`'s output (`classes` logits per row) on `x`, and the analytic
-/// gradients left in its parameters when `backward`.
+/// A network's input (`batch` rows of `features`, split over "data") as a parameter, so that
+/// `nn::check_gradients` checks its cotangent along with the weights' gradients.
+using input_t = nn::parameter<double, 2, data_rows>;
+
+input_t input_of(const mesh_t& m, std::size_t features) {
+  const auto x = inputs(batch * features);
+  return input_t("x", data_rows{m}, {batch, features}, nn::rng_key{0}, [&x](nn::rng_key, std::uint64_t i) { return x[i]; });
+}
+
+/// The mean cross-entropy of `net`'s output (`classes` logits per row) on `x`, as
+/// `nn::check_gradients` runs it on each device: the devices' shares summed over "data"; with
+/// `backward`, the weights' gradients and the input's cotangent added into their gradient blocks.
 template <class Net>
-double loss_and_grad(const mesh_t& m, Net& net, const std::vector<double>& x, std::size_t features, std::size_t classes,
-                     bool backward) {
-  nn::softmax_cross_entropy<double> ce(m);
-  std::vector<nn::param_ref<double>> params;
-  net.collect(params);
+auto loss_of(const mesh_t& m, Net& net, input_t& x, std::size_t classes) {
   std::vector<std::int32_t> y(batch);
   for (std::size_t i = 0; i < batch; ++i) y[i] = static_cast<std::int32_t>((i * 3 + 1) % classes);
-  const auto xs = meshlib::from_host(data_rows{m}, std::array<std::size_t, 2>{batch, features}, x);
   const std::size_t rows = batch / m.axes_size(mesh_t::mask_of<"data">());
-  auto losses = meshlib::spmd(m, [&](std::size_t dev) {
-    for (const auto& p : params) std::fill_n(p.grad[dev], p.count[dev], 0.0);
-    auto xl = xs.local_value(dev);
+  return [&m, &net, &x, y = std::move(y), rows, ce = nn::softmax_cross_entropy<double>(m)](std::size_t dev,
+                                                                                          bool backward) mutable {
+    auto xl = x.local(dev);
     auto logits = net.forward(xl);
     const std::size_t di = meshlib::axis_index<"data">();
     auto part = ce.forward(logits, std::span<const std::int32_t>(y).subspan(di * rows, rows), batch);
-    if (backward) net.template backward<decltype(xl)>(ce.backward(logits), true);
+    if (backward) {
+      const auto dx = net.template backward<decltype(xl)>(ce.backward(logits), true);
+      double* gx = x.grad.local(dev).data();
+      for (std::size_t k = 0; k < dx.size(); ++k) gx[k] += dx.data()[k];
+    }
     using share_t = meshlib::local_tensor<double, 0, mesh_t, mesh_t::mask_of<"data">()>;
     share_t share(std::array<std::size_t, 0>{}, m, dev);
     share() = part.loss;
     return meshlib::psum<"data">(share)();
-  });
-  for (double l : losses) REQUIRE(std::abs(l - losses[0]) < 1e-12);
-  return losses[0];
+  };
 }
 
-/// Every element of every parameter of `net`, and every input element, against central differences.
+/// Every element of every parameter of `net`, and every input element, against central differences
+/// (step 1e-5, within 1e-6 (1 + |numeric|)), on every device that holds it: the weights are
+/// replicated, their gradients the data replicas' pending sums, summed over "data".
 template <class Net>
-void check_gradients(const mesh_t& m, Net& net, std::vector<double> x, std::size_t features, std::size_t classes) {
-  loss_and_grad(m, net, x, features, classes, true);
+void check_net(const mesh_t& m, Net& net, std::size_t features, std::size_t classes) {
+  auto x = input_of(m, features);
   std::vector<nn::param_ref<double>> params;
   net.collect(params);
-  // Parameters are replicated: the analytic gradient is the sum of the data replicas' pending sums.
-  const std::size_t model = m.axes_size(mesh_t::mask_of<"model">());
-  const double h = 1e-5;
-  std::vector<std::vector<double>> analytic;  // all of them first: the loss evaluations below zero the gradients
-  for (const auto& p : params) {
-    analytic.emplace_back(p.count[0], 0.0);
-    for (std::size_t dev = 0; dev < m.size(); dev += model)
-      for (std::size_t i = 0; i < p.count[dev]; ++i) analytic.back()[i] += p.grad[dev][i];
-  }
-  for (std::size_t pi = 0; pi < params.size(); ++pi) {
-    const auto& p = params[pi];
-    for (std::size_t i = 0; i < analytic[pi].size(); ++i) {
-      auto nudge = [&](double by) {
-        for (std::size_t dev = 0; dev < m.size(); ++dev) p.value[dev][i] += by;
-      };
-      nudge(h);
-      const double up = loss_and_grad(m, net, x, features, classes, false);
-      nudge(-2 * h);
-      const double down = loss_and_grad(m, net, x, features, classes, false);
-      nudge(h);
-      const double fd = (up - down) / (2 * h);
-      INFO(p.name << " element " << i << " on " << m);
-      REQUIRE(std::abs(fd - analytic[pi][i]) <= 1e-6 * (1.0 + std::abs(fd)));
-    }
-  }
-}
-
-/// The cotangent of the input, from the network's backward, against central differences in `x`.
-template <class Net>
-void check_input_gradient(const mesh_t& m, Net& net, std::vector<double> x, std::size_t features, std::size_t classes) {
-  nn::softmax_cross_entropy<double> ce(m);
-  std::vector<std::int32_t> y(batch);
-  for (std::size_t i = 0; i < batch; ++i) y[i] = static_cast<std::int32_t>((i * 3 + 1) % classes);
-  const auto xs = meshlib::from_host(data_rows{m}, std::array<std::size_t, 2>{batch, features}, x);
-  const std::size_t rows = batch / m.axes_size(mesh_t::mask_of<"data">());
-  auto blocks = meshlib::spmd(m, [&](std::size_t dev) {
-    auto xl = xs.local_value(dev);
-    auto logits = net.forward(xl);
-    const std::size_t di = meshlib::axis_index<"data">();
-    (void)ce.forward(logits, std::span<const std::int32_t>(y).subspan(di * rows, rows), batch);
-    auto dx = net.template backward<decltype(xl)>(ce.backward(logits), true);
-    return std::vector<double>(dx.data(), dx.data() + dx.size());
-  });
-  std::vector<double> analytic;
-  const std::size_t model = m.axes_size(mesh_t::mask_of<"model">());
-  for (std::size_t dev = 0; dev < m.size(); dev += model) analytic.insert(analytic.end(), blocks[dev].begin(), blocks[dev].end());
-  REQUIRE(analytic.size() == x.size());
-  const double h = 1e-5;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    x[i] += h;
-    const double up = loss_and_grad(m, net, x, features, classes, false);
-    x[i] -= 2 * h;
-    const double down = loss_and_grad(m, net, x, features, classes, false);
-    x[i] += h;
-    const double fd = (up - down) / (2 * h);
-    INFO("input element " << i << " on " << m);
-    REQUIRE(std::abs(fd - analytic[i]) <= 1e-6 * (1.0 + std::abs(fd)));
-  }
+  params.push_back(x.ref());
+  const auto r = nn::check_gradients(m, params, loss_of(m, net, x, classes),
+                                     {.eps = 1e-5, .atol = 1e-6, .rtol = 1e-6, .reduce_axes = {"data"}});
+  CHECK(r.passed);
 }
 
 template <class MakeNet>
@@ -195,12 +150,11 @@ void check_all_gradients(MakeNet make, std::size_t features, std::size_t classes
   for (auto d : {std::size_t{1}, std::size_t{2}, std::size_t{4}}) {
     const mesh_t m{d, 1};
     auto net = make(m);
-    check_gradients(m, net, inputs(batch * features), features, classes);
-    check_input_gradient(m, net, inputs(batch * features), features, classes);
+    check_net(m, net, features, classes);
   }
   const mesh_t m{2, 2};  // replicated over a model axis too
   auto net = make(m);
-  check_gradients(m, net, inputs(batch * features), features, classes);
+  check_net(m, net, features, classes);
 }
 
 }  // namespace
@@ -411,8 +365,7 @@ TEST_CASE("batch norm in evaluation mode: gradients of the affine map match fini
                        nn::dense<double, mesh_t>(m, "fc", c.out_features(), gap_classes, nn::rng_key{5}));
     (void)forward_all(m, net, inputs(batch * in.size()), in.size());  // running statistics away from (0, 1)
     net.begin_step(nn::rng_key{}, false);
-    check_gradients(m, net, inputs(batch * in.size()), in.size(), gap_classes);
-    check_input_gradient(m, net, inputs(batch * in.size()), in.size(), gap_classes);
+    check_net(m, net, in.size(), gap_classes);
   }
 }
 

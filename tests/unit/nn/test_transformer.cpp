@@ -61,18 +61,15 @@ std::vector<T> global_values(const nn::param_ref<T>& p, bool grad = false) {
   return g;
 }
 
-/// The mean softmax cross-entropy of `net`'s output over `labels` (one per global row), summed over
-/// the data devices with the public psum; when `backward`, the analytic gradients are left in the
-/// parameters. `input(dev)` gives device `dev`'s block of the network's input.
+/// The mean softmax cross-entropy of `net`'s output over `labels` (one per global row), as
+/// `nn::check_gradients` runs it on each device: the devices' shares summed over data with the
+/// public psum; when `backward`, the analytic gradients are added into the parameters.
+/// `input(dev)` gives device `dev`'s block of the network's input.
 template <class T, class Net, class Input>
-double loss_and_grad(const mesh_t& m, Net& net, const Input& input, const std::vector<std::int32_t>& labels,
-                     bool backward) {
-  nn::softmax_cross_entropy<T> ce(m);
-  std::vector<nn::param_ref<T>> params;
-  net.collect(params);
+auto loss_of(const mesh_t& m, Net& net, Input input, std::vector<std::int32_t> labels) {
   const std::size_t rows = labels.size() / m.axes_size(data_mask);
-  auto losses = meshlib::spmd(m, [&](std::size_t dev) {
-    for (const auto& p : params) std::fill_n(p.grad[dev], p.count[dev], T{0});
+  return [&m, &net, input, labels = std::move(labels), rows, ce = nn::softmax_cross_entropy<T>(m)](
+             std::size_t dev, bool backward) mutable {
     auto x = input(dev);
     auto logits = net.forward(x);
     const std::size_t di = meshlib::axis_index<"data">();
@@ -82,49 +79,24 @@ double loss_and_grad(const mesh_t& m, Net& net, const Input& input, const std::v
     share_t share(std::array<std::size_t, 0>{}, m, dev);
     share() = part.loss;
     return meshlib::psum<"data">(share)();
+  };
+}
+
+/// The loss of `net` (`loss_of`), with its gradients left in the parameters (a fresh `net`: they
+/// start at zero).
+template <class T, class Net, class Input>
+double loss_and_grad(const mesh_t& m, Net& net, const Input& input, const std::vector<std::int32_t>& labels) {
+  auto losses = meshlib::spmd(m, [loss = loss_of<T>(m, net, input, labels)](std::size_t dev) mutable {
+    return loss(dev, true);
   });
   for (double l : losses) REQUIRE(std::abs(l - losses[0]) < 1e-12);  // every device agrees
   return losses[0];
 }
 
-/// Checks every element of every parameter of `net` against central differences of the loss.
-template <class Net, class Input>
-void check_gradients(const mesh_t& m, Net& net, const Input& input, const std::vector<std::int32_t>& labels) {
-  loss_and_grad<double>(m, net, input, labels, true);
-  std::vector<nn::param_ref<double>> params;
-  net.collect(params);
-  // The analytic gradient of a global element: the data replicas' pending sums, each counted once.
-  std::vector<std::vector<double>> analytic;
-  for (const auto& p : params) {
-    std::size_t total = 1;
-    for (auto e : p.shape) total *= e;
-    std::vector<double> g(total, 0.0);
-    for (std::size_t dev = 0; dev < m.size(); ++dev) {
-      if (m.group_rank(dev, m.all_axes & ~p.sharded_axes & ~data_mask) != 0) continue;
-      for (std::size_t i = 0; i < p.count[dev]; ++i) g[nn::detail::global_index(p, dev, i)] += p.grad[dev][i];
-    }
-    analytic.push_back(std::move(g));
-  }
-  const double h = 1e-5;
-  for (std::size_t pi = 0; pi < params.size(); ++pi) {
-    const auto& p = params[pi];
-    for (std::size_t flat = 0; flat < analytic[pi].size(); ++flat) {
-      auto nudge = [&](double by) {  // every device holding the element
-        for (std::size_t dev = 0; dev < m.size(); ++dev)
-          for (std::size_t i = 0; i < p.count[dev]; ++i)
-            if (nn::detail::global_index(p, dev, i) == flat) p.value[dev][i] += by;
-      };
-      nudge(h);
-      const double up = loss_and_grad<double>(m, net, input, labels, false);
-      nudge(-2 * h);
-      const double down = loss_and_grad<double>(m, net, input, labels, false);
-      nudge(h);
-      const double fd = (up - down) / (2 * h);
-      INFO(p.name << " element " << flat << " on " << m);
-      REQUIRE(std::abs(fd - analytic[pi][flat]) <= 1e-6 * (1.0 + std::abs(fd)));
-    }
-  }
-}
+/// Every element of every parameter against central differences of `loss_of` (step 1e-5, within
+/// 1e-6 (1 + |numeric|)), on every device that holds it: gradients of parameters not split over
+/// data are the data replicas' pending sums, summed over "data".
+const nn::gradient_check_options<double> fd_options{.eps = 1e-5, .atol = 1e-6, .rtol = 1e-6, .reduce_axes = {"data"}};
 
 /// Float rows `(n, width)` sharded over data, from a wave.
 template <class T>
@@ -176,7 +148,8 @@ TEST_CASE("rms_norm: forward equals the formula, gradients match finite differen
                        nn::row_dense<double, mesh_t>(m, "r2", 8, 8, key), nn::rms_norm<double, mesh_t>(m, "norm", 8),
                        nn::dense<double, mesh_t>(m, "d3", 8, classes, key));
     const auto in = float_rows<double>(m, tokens, 6);
-    check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
+    const auto input = [&](std::size_t dev) { return in.local_value(dev); };
+    nn::check_gradients(m, net, loss_of<double>(m, net, input, labels_of(tokens)), fd_options);
   }
 }
 
@@ -227,7 +200,8 @@ TEST_CASE("embeddings: gradients match finite differences on 1 device, (1, 2) an
     auto ids = ids_of(tokens, 6);
     ids[3] = ids[1];
     const auto in = id_rows(m, ids);
-    check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
+    const auto input = [&](std::size_t dev) { return in.local_value(dev); };
+    nn::check_gradients(m, net, loss_of<double>(m, net, input, labels_of(tokens)), fd_options);
   }
 }
 
@@ -330,7 +304,8 @@ TEST_CASE("causal_self_attention: gradients match finite differences on 1 device
                        nn::causal_self_attention<double, mesh_t>(m, "attn", 8, 4, seq, key),
                        nn::dense<double, mesh_t>(m, "out", 8, classes, key));
     const auto in = float_rows<double>(m, tokens, 3);
-    check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
+    const auto input = [&](std::size_t dev) { return in.local_value(dev); };
+    nn::check_gradients(m, net, loss_of<double>(m, net, input, labels_of(tokens)), fd_options);
   }
 }
 
@@ -357,7 +332,7 @@ TEST_CASE("a language-model head: vocab-parallel embedding and cross-entropy equ
                        nn::rms_norm<float, mesh_t>(m, "norm", width),
                        nn::column_dense<float, mesh_t>(m, "head", width, vocab, key));
     const auto in = id_rows(m, ids);
-    result r{loss_and_grad<float>(m, net, [&](std::size_t dev) { return in.local_value(dev); }, next, true), {}};
+    result r{loss_and_grad<float>(m, net, [&](std::size_t dev) { return in.local_value(dev); }, next), {}};
     std::vector<nn::param_ref<float>> ps;
     net.collect(ps);
     for (const auto& p : ps) r.grads.push_back(global_values(p, true));
@@ -535,7 +510,8 @@ TEST_CASE("transformer_block: forward equals its layers composed by hand, gradie
                                                                                                      hidden, seq, key),
                        nn::dense<double, mesh_t>(m, "out", d, classes, key));
     const auto xin = float_rows<double>(m, tokens, 3);
-    check_gradients(m, net, [&](std::size_t dev) { return xin.local_value(dev); }, labels_of(tokens));
+    const auto input = [&](std::size_t dev) { return xin.local_value(dev); };
+    nn::check_gradients(m, net, loss_of<double>(m, net, input, labels_of(tokens)), fd_options);
   }
 }
 
@@ -584,7 +560,8 @@ TEST_CASE("tied_head: logits equal x E^T on every mesh; the tied table's gradien
     nn::sequential net(tok, nn::positional_embedding<double, mesh_t>(m, "pos", 5, width, seq, key, 0.5f),
                        nn::rms_norm<double, mesh_t>(m, "norm", width), head);
     const auto in = id_rows(m, ids_of(tokens, vocab));
-    check_gradients(m, net, [&](std::size_t dev) { return in.local_value(dev); }, labels_of(tokens));
+    const auto input = [&](std::size_t dev) { return in.local_value(dev); };
+    nn::check_gradients(m, net, loss_of<double>(m, net, input, labels_of(tokens)), fd_options);
   }
 }
 
