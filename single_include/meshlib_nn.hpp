@@ -13019,8 +13019,8 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 /// where larger, the cores this process may run on divided by the devices: a device's products on
 /// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
 /// synchronisation overlapped with the backward pass and not (`train_options::overlap_grad_sync`;
-/// `advise_options::overlap`): one row per combination. Each row also has
-/// samples per second, the share of the step spent in the gradient synchronisation
+/// `advise_options::overlap`): one row per combination (a shape the library refuses: one row).
+/// Each row also has samples per second, the share of the step spent in the gradient synchronisation
 /// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
 /// the bytes per device: parameters, gradients and optimizer state (`train_state::memory`, the
 /// largest over the devices) plus the step's peak of activation buffers
@@ -13293,13 +13293,17 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     int threads = blas_threads_per_device();
     ~restore_blas_threads() { set_blas_threads_per_device(threads); }
   } restore;
+  std::vector<mesh_shape> refused;  // a shape refused once is listed once (its reason does not depend on
+                                    // the threads or the overlap)
   for (auto& row : candidates) {
     const mesh_shape& shape = row.shape;
+    if (std::find(refused.begin(), refused.end(), shape) != refused.end()) continue;
     set_blas_threads_per_device(static_cast<int>(row.threads_per_device));
     train_options opts = o.train;
     opts.overlap_grad_sync = row.overlap;
     if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
       row.refused = "not possible: " + why;
+      refused.push_back(shape);
       a.rows.push_back(std::move(row));
       continue;
     }
@@ -13327,6 +13331,7 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     } catch (const meshlib::error& e) {
       row.refused = "not possible: " + detail::without_prefix(e.what());
     }
+    if (!row.possible()) refused.push_back(shape);
     a.rows.push_back(std::move(row));
   }
   std::stable_sort(a.rows.begin(), a.rows.end(), [](const advice_row& x, const advice_row& y) {

@@ -308,6 +308,16 @@ TEST_CASE("advise_mesh tries every threads-per-device count and both overlap set
   std::vector<std::string> want{"(1, 1) t1 off"};
   if (meshlib::available_cores() > 1) want.push_back("(1, 1) t" + std::to_string(meshlib::available_cores()) + " off");
   CHECK(seen == want);
+  // A shape the library refuses is one row, whatever the candidates: 3 rows do not split over the
+  // data axis of (2, 1).
+  o.threads_per_device = {1, 2};
+  o.overlap.clear();
+  const auto r = nn::advise_mesh<mesh_t>(2, model, batch_of(3, 4, 2), o);
+  REQUIRE(r.rows.size() == 3);  // (1, 2) with 1 and 2 threads, then (2, 1) once
+  CHECK(r.rows[0].shape.to_string() == "(1, 2)");
+  CHECK(r.rows[1].shape.to_string() == "(1, 2)");
+  CHECK(r.rows[2].shape.to_string() == "(2, 1)");
+  CHECK_FALSE(r.rows[2].possible());
   // A count of 0 is refused before anything runs.
   o.threads_per_device = {0};
   CHECK(meshlib_test::message_of<std::invalid_argument>([&] { (void)nn::advise_mesh<mesh_t>(2, model, batch_of(4, 4, 2), o); }) ==
