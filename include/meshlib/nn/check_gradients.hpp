@@ -129,10 +129,15 @@ axis_mask checked_reduce_axes(const Mesh& mesh, const gradient_check_options<T>&
   if (!(o.eps > 0) || !std::isfinite(o.eps))
     throw std::invalid_argument("meshlib::nn: check_gradients: eps is " + number_text(o.eps) +
                                 "; the central-difference step must be positive and finite" + defaults);
-  for (auto [name, v] : {std::pair<const char*, double>{"atol", o.atol}, {"rtol", o.rtol}})
+  // A lambda called per tolerance, not a loop over a braced list of pairs: nvcc's front end (13.0)
+  // does not parse `for (auto [n, v] : {std::pair<...>{...}, {...}})`.
+  const auto check_tolerance = [&](const char* name, double v) {
     if (!(v >= 0) || !std::isfinite(v))
       throw std::invalid_argument("meshlib::nn: check_gradients: " + std::string(name) + " is " + number_text(v) +
                                   "; tolerances must be non-negative and finite" + defaults);
+  };
+  check_tolerance("atol", static_cast<double>(o.atol));
+  check_tolerance("rtol", static_cast<double>(o.rtol));
   axis_mask mask = 0;
   for (const std::string& name : o.reduce_axes) {
     const std::size_t at = Mesh::find_axis(name);
