@@ -6410,9 +6410,15 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// transforms runs their steps as one kernel (optim/chain.hpp), and its last stage adds the result
 /// to the parameter in that same pass (`update_and_apply`). A transform without them (a user's)
 /// runs on its own, and the parameter is updated by a pass of its own.
+///
+/// The train state hands the last stage every run of a device at once (`update_batch`): a chain of
+/// fusable transforms updates and applies them all in one multi-tensor kernel (a run table, as the
+/// gradient norm's), other transforms run by run (`update_and_apply_all_of`).
 
 #include <array>
 #include <cstddef>
+#include <span>
+#include <vector>
 
 // begin meshlib/nn/optim/detail/kernels.hpp
 /// @file
@@ -6430,6 +6436,8 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 // begin meshlib/nn/detail/simd.hpp
 /// @file
@@ -6607,12 +6615,14 @@ inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std
 }
 
 /// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
-/// first block is at most `b`; no run of the table is empty).
-KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b) noexcept {
+/// first block is at most `b`; no run of the table is empty). `stride` words per run, the first
+/// block at word `at` of each (`run_table`'s layout by default; the optimizer's table is wider).
+KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b,
+                                                std::size_t stride = run_words, std::size_t at = 2) noexcept {
   std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
   while (hi - lo > 1) {
     const std::size_t mid = lo + (hi - lo) / 2;
-    if (table[mid * run_words + 2] <= b) lo = mid;
+    if (table[mid * stride + at] <= b) lo = mid;
     else hi = mid;
   }
   return lo;
@@ -6767,6 +6777,63 @@ void run_steps(float* u, const float* p, float* out, float* const* state, std::s
   if constexpr (slots_of<Steps...> > 0)  // (nvcc warns of `j < 0` otherwise)
     for (std::size_t j = 0; j < slots_of<Steps...>; ++j) body.s[j] = state[j];
   for_lanes<default_memory_space>(n, k, body);
+}
+
+/// Words per run of a multi-tensor optimizer table (`fused_runs_kernel`): the updates, the parameter
+/// read, the parameter written (with `Apply`), the run's first block over all the runs, its length,
+/// then its `slots_of<Steps...>` state slots and its `constants_of<Steps...>` constants (each float's
+/// bits in a word of its own).
+template <class... Steps>
+inline constexpr std::size_t fused_run_words = 5 + slots_of<Steps...> + constants_of<Steps...>;
+
+/// Block `b` of a multi-tensor optimizer update: the `fused_body` of its run over the block, with
+/// the run's own constants (a decay mask gives runs different ones; the bias corrections are the
+/// same). The blocks start at each run's first element and `lanes_of_block` runs each as
+/// `for_lanes` runs it, so every element goes through the same operations as in `run_steps` on
+/// its run alone: the numbers are bitwise those of one kernel per run (issue 38: one launch per
+/// device instead of one per parameter).
+template <bool Apply, class... Steps>
+struct fused_runs_kernel {
+  const std::size_t* table;  ///< `runs` runs of `fused_run_words<Steps...>` words, in the kernel's memory
+  std::size_t runs;          ///< runs in the table (none empty)
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
+    constexpr std::size_t words = fused_run_words<Steps...>, slots = slots_of<Steps...>;
+    constexpr std::size_t constants = constants_of<Steps...>;
+    const std::size_t* w = table + run_of_block(table, runs, b, words, 3) * words;
+    fused_body<Apply, Steps...> body{reinterpret_cast<float*>(w[0]), reinterpret_cast<const float*>(w[1]),
+                                     reinterpret_cast<float*>(w[2]), {}};
+    if constexpr (slots > 0)
+      for (std::size_t j = 0; j < slots; ++j) body.s[j] = reinterpret_cast<float*>(w[5 + j]);
+    std::array<float, 1 + constants> k{};
+    if constexpr (constants > 0)
+      for (std::size_t j = 0; j < constants; ++j) k[1 + j] = float_of_word(w[5 + slots + j]);
+    const std::size_t n = w[4], i0 = (b - w[3]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    lanes_of_block(i0, i1, k, body);
+  }
+
+  /// The float whose bits word `x` holds (`word_of_float`).
+  KOKKOS_INLINE_FUNCTION static float float_of_word(std::size_t x) noexcept {
+    const auto bits = static_cast<std::uint32_t>(x);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+};
+
+/// `f`'s bits in a table word (`fused_runs_kernel::float_of_word` reads them back).
+inline std::size_t word_of_float(float f) noexcept {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+/// Runs `Steps` over every run of `table` (`runs` runs, `blocks` blocks of `kernel_block` elements
+/// in all; see `fused_runs_kernel`) as one Kokkos kernel on memory `Space`.
+template <class Space, bool Apply, class... Steps>
+void run_steps_over_runs(const std::size_t* table, std::size_t runs, std::size_t blocks) {
+  if (blocks == 0) return;
+  meshlib::launch<Space>(blocks, fused_runs_kernel<Apply, Steps...>{table, runs});
 }
 
 /// `p += u` over `n` elements (optax's `apply_updates`; `u` is only read).
@@ -6992,6 +7059,28 @@ void update_and_apply_of(const T& t, const update_run& r, float* params) {
   }
 }
 
+/// Every run of one device in the last stage of a step, updated and applied together: `runs[i]`'s
+/// updates are added to `params[i]`. `tables` and `words` (device `dev`'s) hold the run table a
+/// multi-tensor kernel reads (`run_table_buffers`: copied to the device only when it changed).
+struct update_batch {
+  std::span<const update_run> runs;    ///< the runs, none overlapping another
+  std::span<float* const> params;      ///< per run: where its updates are added
+  run_table_buffers* tables = nullptr;  ///< the device's table in the kernels' memory
+  std::vector<std::size_t>* words = nullptr;  ///< the device's table on the host (scratch)
+  std::size_t dev = 0;                 ///< the device
+};
+
+/// `t.update_and_apply_all(b)` where `t` has it (a chain of fusable transforms: one kernel), else
+/// `update_and_apply_of` run by run.
+template <class T>
+void update_and_apply_all_of(const T& t, const update_batch& b) {
+  if constexpr (requires { t.update_and_apply_all(b); }) {
+    t.update_and_apply_all(b);
+  } else {
+    for (std::size_t i = 0; i < b.runs.size(); ++i) update_and_apply_of(t, b.runs[i], b.params[i]);
+  }
+}
+
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/optim/detail/fusion.hpp
 
@@ -7039,6 +7128,7 @@ struct scale_by_adam {
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -7105,6 +7195,15 @@ class chain_transform {
     run_child(r, stage.back(),
               [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
   }
+  /// `update_and_apply` over every run of a device's last stage (the train state's call): a chain
+  /// of built-in transforms in one stage updates and applies all of them in one multi-tensor
+  /// kernel, bitwise as run by run (`detail::fused_runs_kernel`); else run by run.
+  void update_and_apply_all(const detail::update_batch& b) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused_all(b);
+    }
+    for (std::size_t i = 0; i < b.runs.size(); ++i) update_and_apply(b.runs[i], b.params[i]);
+  }
   /// The transforms.
   [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
 
@@ -7153,6 +7252,35 @@ class chain_transform {
         for (float x : t.constants(r)) k[c++] = x;
       });
       detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
+  }
+
+  /// `run_fused<true>` over every run of `b` in one kernel: the table holds each run's pointers,
+  /// first block, length, state slots and constants (`detail::fused_run_words`).
+  void run_fused_all(const detail::update_batch& b) const {
+    if constexpr (fusable_chain) {
+      constexpr std::size_t slots = detail::slots_of<typename Ts::step_type...>;
+      std::vector<std::size_t>& words = *b.words;
+      words.clear();
+      std::size_t blocks = 0, runs = 0;
+      for (std::size_t i = 0; i < b.runs.size(); ++i) {
+        const update_run& r = b.runs[i];
+        if (r.size == 0) continue;  // (no run of a table is empty: `run_of_block`)
+        for (const void* a : {static_cast<const void*>(r.updates), static_cast<const void*>(r.params),
+                              static_cast<const void*>(b.params[i])})
+          words.push_back(reinterpret_cast<std::uintptr_t>(a));
+        words.push_back(blocks);
+        words.push_back(r.size);
+        for (std::size_t j = 0; j < slots; ++j) words.push_back(reinterpret_cast<std::uintptr_t>(r.state[j]));
+        for_each([&](const auto& t) {
+          for (float x : t.constants(r)) words.push_back(detail::word_of_float(x));
+        });
+        blocks += (r.size + detail::kernel_block - 1) / detail::kernel_block;
+        ++runs;
+      }
+      if (runs == 0) return;
+      detail::run_steps_over_runs<default_memory_space, true, typename Ts::step_type...>(
+          b.tables->upload(b.dev, words), runs, blocks);
     }
   }
 
@@ -7511,6 +7639,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
   virtual void update_and_apply(const update_run& r, float* params) const = 0;
+  virtual void update_and_apply_all(const update_batch& b) const = 0;
 };
 template <class T>
 struct erased_model final : erased_transform {
@@ -7522,6 +7651,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
   void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
+  void update_and_apply_all(const update_batch& b) const override { update_and_apply_all_of(t, b); }
   T t;
 };
 
@@ -7567,6 +7697,10 @@ class optimizer {
   /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
   /// built-in transforms. What the train state calls for the last stage.
   void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
+  /// `update_and_apply` over every run of a device's last stage: one multi-tensor kernel for a
+  /// chain of built-in transforms (`adam`, `adamw`, `sgd`); run by run for others. What the train
+  /// state calls.
+  void update_and_apply_all(const detail::update_batch& b) const { impl_->update_and_apply_all(b); }
 
  private:
   std::shared_ptr<const detail::erased_transform> impl_;
@@ -11400,7 +11534,12 @@ class train_state {
         squares_(m.size()),
         norm_runs_(m.size()),
         norm_words_(m.size()),
-        norm_tables_(m.size()) {
+        norm_tables_(m.size()),
+        batch_runs_(m.size()),
+        batch_slots_(m.size()),
+        batch_params_(m.size()),
+        update_words_(m.size()),
+        update_tables_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -11804,15 +11943,34 @@ class train_state {
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
-      const bool last = k + 1 == opt.stages();
+      if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                           param_info{p.name, p.shape, p.decay}};
-        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
-        else opt.update(r);
+        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                              param_info{p.name, p.shape, p.decay}});
       });
     }
+  }
+  /// The last stage `k` of `step_optimizer`: every run of device `dev` handed to the optimizer at
+  /// once, which updates and applies them in one multi-tensor kernel for a chain of built-in
+  /// transforms (issue 38: one launch per device, not one per parameter).
+  template <class ForRuns>
+  void apply_last_stage(std::size_t dev, std::size_t k, double norm, ForRuns& for_runs) {
+    auto& runs = batch_runs_.at(dev);
+    auto& slots = batch_slots_.at(dev);
+    auto& out = batch_params_.at(dev);
+    runs.clear();
+    slots.clear();
+    out.clear();
+    const std::size_t n_slots = opt.slots();
+    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+      const auto& p = params[i];
+      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay}});
+      slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
+      out.push_back(master(i, dev) + off);
+    });
+    for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+    opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.
@@ -11841,6 +11999,13 @@ class train_state {
   mutable std::vector<std::vector<detail::float_run>> norm_runs_;
   mutable std::vector<std::vector<std::size_t>> norm_words_;
   mutable detail::run_table_buffers norm_tables_;
+  /// The optimizer's last stage per device: its runs, their state slots and parameters, and the
+  /// multi-tensor kernel's table on the host and in the kernels' memory.
+  std::vector<std::vector<update_run>> batch_runs_;
+  std::vector<std::vector<float*>> batch_slots_;
+  std::vector<std::vector<float*>> batch_params_;
+  std::vector<std::vector<std::size_t>> update_words_;
+  detail::run_table_buffers update_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -50,6 +50,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
   virtual void update_and_apply(const update_run& r, float* params) const = 0;
+  virtual void update_and_apply_all(const update_batch& b) const = 0;
 };
 template <class T>
 struct erased_model final : erased_transform {
@@ -61,6 +62,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
   void update_and_apply(const update_run& r, float* params) const override { update_and_apply_of(t, r, params); }
+  void update_and_apply_all(const update_batch& b) const override { update_and_apply_all_of(t, b); }
   T t;
 };
 
@@ -106,6 +108,10 @@ class optimizer {
   /// `update(r)`, then `params += updates` (optax's `apply_updates`): one pass for a chain of
   /// built-in transforms. What the train state calls for the last stage.
   void update_and_apply(const update_run& r, float* params) const { impl_->update_and_apply(r, params); }
+  /// `update_and_apply` over every run of a device's last stage: one multi-tensor kernel for a
+  /// chain of built-in transforms (`adam`, `adamw`, `sgd`); run by run for others. What the train
+  /// state calls.
+  void update_and_apply_all(const detail::update_batch& b) const { impl_->update_and_apply_all(b); }
 
  private:
   std::shared_ptr<const detail::erased_transform> impl_;

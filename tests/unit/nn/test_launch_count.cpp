@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string_view>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -106,8 +109,9 @@ TEST_CASE("the MLP step launches a fixed number of kernels and products", "[nn][
   //   gradient norm: one multi-tensor sum_of_squares over the 6 parameters' gradients, a kernel
   //     of partial sums per block and one that adds them (2; it was 9 per step: a pair per
   //     parameter of more than one block, one kernel for the others)
-  //   optimizer: the fused Adam kernel (fused_body<adam_step, scale_step>), one per parameter (6)
-  constexpr std::size_t kernels = (3 + 2) + 4 + (3 + 2) + 2 + 6;
+  //   optimizer: one multi-tensor Adam kernel over the 6 parameters (fused_runs_kernel<adam_step,
+  //     scale_step>; it was one fused kernel per parameter, 6)
+  constexpr std::size_t kernels = (3 + 2) + 4 + (3 + 2) + 2 + 1;
   if (blas_products()) {
     CHECK(count.products() == products);
     CHECK(count.kernels() == kernels);
@@ -156,5 +160,86 @@ TEST_CASE("a device's sum of squares is one multi-tensor reduction, bitwise the 
     INFO("runs of " << lens.size() << ", " << blocks << " blocks");
     CHECK(got == expected);
     CHECK(count.kernels() == (blocks == 0 ? 0 : 2));
+  }
+}
+
+TEST_CASE("update_and_apply_all: one kernel over a device's runs, bitwise the update run by run",
+          "[nn][launches][optim]") {
+  namespace d = meshlib::nn::detail;
+  constexpr std::size_t blk = d::kernel_block;
+  // Runs of every length class (empty, one element, a block less one, a block, just over, several
+  // blocks and a tail), each of its own parameter; the names decide weight decay's mask, so adamw's
+  // runs carry different constants in one table.
+  const std::vector<std::size_t> lengths{3 * blk + 17, 0, 1, blk - 1, blk, blk + 1, 2 * blk};
+  const std::vector<std::string> names{"a.w", "b.w", "c.b", "d.w", "e.b", "f.w", "g.b"};
+  struct custom {  // a user's transform: no kernel of ours, handed the runs one at a time
+    std::size_t slots() const { return 0; }
+    void update(const nn::update_run& r) const {
+      for (std::size_t i = 0; i < r.size; ++i) r.updates[i] = 0.5f * r.updates[i] - 0.25f;
+    }
+  };
+  const std::size_t shape[1] = {1};
+  for (const char* which : {"adam", "adamw", "sgd", "clipped adamw", "custom"}) {
+    INFO(which);
+    const std::string w = which;
+    const nn::optimizer opt = w == "adam"    ? nn::adam(nn::warmup_cosine(3e-2f, 2, 10))
+                              : w == "adamw" ? nn::adamw(3e-2f, 1e-2f, 0.9f, 0.999f, 1e-8f,
+                                                         [](std::string_view name) { return name.ends_with(".w"); })
+                              : w == "sgd"   ? nn::sgd(3e-2f, 0.9f)
+                              : w == "custom"
+                                  ? nn::optimizer(nn::chain(custom{}, nn::scale_by_learning_rate(3e-2f)))
+                                  : nn::optimizer(nn::chain(nn::clip_by_global_norm(0.7f), nn::adamw(3e-2f, 1e-2f)));
+    const bool one_kernel = w == "adam" || w == "adamw" || w == "sgd";
+    const std::size_t slots = opt.slots(), stage = opt.stages() - 1;
+    // Two copies of every parameter, gradient and state slot: one updated run by run, one in a batch.
+    std::size_t total = 0;
+    for (std::size_t n : lengths) total += n;
+    auto mem = meshlib::allocate<float, 1>({2 * total * (2 + slots) + 1}, "update_all");
+    std::vector<float> host(2 * total * (2 + slots) + 1);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i)));
+    for (std::size_t i = 0; i < total; ++i) {  // the state slots start alike (the second moment >= 0)
+      for (std::size_t s = 0; s < slots; ++s) {
+        float& a = host[(2 + s) * total + i];
+        a = s == 1 ? std::abs(a) : a;
+        host[(2 + slots) * total + (2 + s) * total + i] = a;
+      }
+      host[(2 + slots) * total + i] = host[i];                  // the same gradient
+      host[(2 + slots) * total + total + i] = host[total + i];  // the same parameter
+    }
+    meshlib::copy_from_host<meshlib::default_memory_space>(mem.data(), host.data(), host.size());
+    std::vector<nn::update_run> runs[2];
+    std::vector<float*> params[2], slot_ptrs[2];
+    for (std::size_t c = 0; c < 2; ++c) {
+      float* base = mem.data() + c * total * (2 + slots);
+      std::size_t off = 0;
+      slot_ptrs[c].resize(lengths.size() * slots + 1);
+      for (std::size_t r = 0; r < lengths.size(); ++r) {
+        for (std::size_t s = 0; s < slots; ++s) slot_ptrs[c][r * slots + s] = base + (2 + s) * total + off;
+        runs[c].push_back(nn::update_run{base + off, base + total + off,
+                                         std::span<float* const>(slot_ptrs[c].data() + r * slots, slots), lengths[r], 0,
+                                         3, stage, 1.5, nn::param_info{names[r], shape, true}});
+        params[c].push_back(base + total + off);
+        off += lengths[r];
+      }
+    }
+    for (std::size_t r = 0; r < lengths.size(); ++r) opt.update_and_apply(runs[0][r], params[0][r]);
+    d::run_table_buffers tables(1);
+    std::vector<std::size_t> words;
+    meshlib::launch_counter count;
+    opt.update_and_apply_all(d::update_batch{runs[1], params[1], &tables, &words, 0});
+    if (one_kernel) {
+      CHECK(count.kernels() == 1);
+      REQUIRE(count.by_name().size() == 1);
+      CHECK(count.by_name().begin()->first.find("fused_runs_kernel") != std::string::npos);
+    } else {
+      CHECK(count.kernels() > 1);
+    }
+    std::vector<float> out(host.size());
+    meshlib::copy_to_host<meshlib::default_memory_space>(out.data(), mem.data(), out.size());
+    const std::size_t half = total * (2 + slots);
+    // Gradients (the updates), parameters and state: the batch's copy is the run-by-run copy's bits.
+    REQUIRE(std::memcmp(out.data(), out.data() + half, half * sizeof(float)) == 0);
+    // And the update did something: the parameters moved.
+    CHECK(std::memcmp(out.data() + total, host.data() + total, total * sizeof(float)) != 0);
   }
 }

@@ -177,12 +177,14 @@ inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std
 }
 
 /// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
-/// first block is at most `b`; no run of the table is empty).
-KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b) noexcept {
+/// first block is at most `b`; no run of the table is empty). `stride` words per run, the first
+/// block at word `at` of each (`run_table`'s layout by default; the optimizer's table is wider).
+KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b,
+                                                std::size_t stride = run_words, std::size_t at = 2) noexcept {
   std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
   while (hi - lo > 1) {
     const std::size_t mid = lo + (hi - lo) / 2;
-    if (table[mid * run_words + 2] <= b) lo = mid;
+    if (table[mid * stride + at] <= b) lo = mid;
     else hi = mid;
   }
   return lo;

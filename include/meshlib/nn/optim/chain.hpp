@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -81,6 +82,15 @@ class chain_transform {
     run_child(r, stage.back(),
               [&](const auto& t, const update_run& sub) { detail::update_and_apply_of(t, sub, params); });
   }
+  /// `update_and_apply` over every run of a device's last stage (the train state's call): a chain
+  /// of built-in transforms in one stage updates and applies all of them in one multi-tensor
+  /// kernel, bitwise as run by run (`detail::fused_runs_kernel`); else run by run.
+  void update_and_apply_all(const detail::update_batch& b) const {
+    if constexpr (fusable_chain) {
+      if (stages_.size() == 1) return run_fused_all(b);
+    }
+    for (std::size_t i = 0; i < b.runs.size(); ++i) update_and_apply(b.runs[i], b.params[i]);
+  }
   /// The transforms.
   [[nodiscard]] const std::tuple<Ts...>& transforms() const noexcept { return ts_; }
 
@@ -129,6 +139,35 @@ class chain_transform {
         for (float x : t.constants(r)) k[c++] = x;
       });
       detail::run_steps<Apply, typename Ts::step_type...>(r.updates, r.params, params, r.state.data(), r.size, k);
+    }
+  }
+
+  /// `run_fused<true>` over every run of `b` in one kernel: the table holds each run's pointers,
+  /// first block, length, state slots and constants (`detail::fused_run_words`).
+  void run_fused_all(const detail::update_batch& b) const {
+    if constexpr (fusable_chain) {
+      constexpr std::size_t slots = detail::slots_of<typename Ts::step_type...>;
+      std::vector<std::size_t>& words = *b.words;
+      words.clear();
+      std::size_t blocks = 0, runs = 0;
+      for (std::size_t i = 0; i < b.runs.size(); ++i) {
+        const update_run& r = b.runs[i];
+        if (r.size == 0) continue;  // (no run of a table is empty: `run_of_block`)
+        for (const void* a : {static_cast<const void*>(r.updates), static_cast<const void*>(r.params),
+                              static_cast<const void*>(b.params[i])})
+          words.push_back(reinterpret_cast<std::uintptr_t>(a));
+        words.push_back(blocks);
+        words.push_back(r.size);
+        for (std::size_t j = 0; j < slots; ++j) words.push_back(reinterpret_cast<std::uintptr_t>(r.state[j]));
+        for_each([&](const auto& t) {
+          for (float x : t.constants(r)) words.push_back(detail::word_of_float(x));
+        });
+        blocks += (r.size + detail::kernel_block - 1) / detail::kernel_block;
+        ++runs;
+      }
+      if (runs == 0) return;
+      detail::run_steps_over_runs<default_memory_space, true, typename Ts::step_type...>(
+          b.tables->upload(b.dev, words), runs, blocks);
     }
   }
 

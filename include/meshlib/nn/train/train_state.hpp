@@ -246,7 +246,12 @@ class train_state {
         squares_(m.size()),
         norm_runs_(m.size()),
         norm_words_(m.size()),
-        norm_tables_(m.size()) {
+        norm_tables_(m.size()),
+        batch_runs_(m.size()),
+        batch_slots_(m.size()),
+        batch_params_(m.size()),
+        update_words_(m.size()),
+        update_tables_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -650,15 +655,34 @@ class train_state {
         detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
         stage_norm = std::sqrt(sq[0]);
       }
-      const bool last = k + 1 == opt.stages();
+      if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        const update_run r{u,    master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                           param_info{p.name, p.shape, p.decay}};
-        if (last) opt.update_and_apply(r, master(i, dev) + off);  // one pass for built-in chains
-        else opt.update(r);
+        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
+                              param_info{p.name, p.shape, p.decay}});
       });
     }
+  }
+  /// The last stage `k` of `step_optimizer`: every run of device `dev` handed to the optimizer at
+  /// once, which updates and applies them in one multi-tensor kernel for a chain of built-in
+  /// transforms (issue 38: one launch per device, not one per parameter).
+  template <class ForRuns>
+  void apply_last_stage(std::size_t dev, std::size_t k, double norm, ForRuns& for_runs) {
+    auto& runs = batch_runs_.at(dev);
+    auto& slots = batch_slots_.at(dev);
+    auto& out = batch_params_.at(dev);
+    runs.clear();
+    slots.clear();
+    out.clear();
+    const std::size_t n_slots = opt.slots();
+    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+      const auto& p = params[i];
+      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay}});
+      slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
+      out.push_back(master(i, dev) + off);
+    });
+    for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+    opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
   /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
   /// lie in the flat slice `[begin, begin + size)`.
@@ -687,6 +711,13 @@ class train_state {
   mutable std::vector<std::vector<detail::float_run>> norm_runs_;
   mutable std::vector<std::vector<std::size_t>> norm_words_;
   mutable detail::run_table_buffers norm_tables_;
+  /// The optimizer's last stage per device: its runs, their state slots and parameters, and the
+  /// multi-tensor kernel's table on the host and in the kernels' memory.
+  std::vector<std::vector<update_run>> batch_runs_;
+  std::vector<std::vector<float*>> batch_slots_;
+  std::vector<std::vector<float*>> batch_params_;
+  std::vector<std::vector<std::size_t>> update_words_;
+  detail::run_table_buffers update_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -6,10 +6,17 @@
 /// transforms runs their steps as one kernel (optim/chain.hpp), and its last stage adds the result
 /// to the parameter in that same pass (`update_and_apply`). A transform without them (a user's)
 /// runs on its own, and the parameter is updated by a pass of its own.
+///
+/// The train state hands the last stage every run of a device at once (`update_batch`): a chain of
+/// fusable transforms updates and applies them all in one multi-tensor kernel (a run table, as the
+/// gradient norm's), other transforms run by run (`update_and_apply_all_of`).
 
 #include <array>
 #include <cstddef>
+#include <span>
+#include <vector>
 
+#include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/optim/detail/kernels.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 
@@ -40,6 +47,28 @@ void update_and_apply_of(const T& t, const update_run& r, float* params) {
   } else {
     t.update(r);
     apply_updates(params, r.updates, r.size);
+  }
+}
+
+/// Every run of one device in the last stage of a step, updated and applied together: `runs[i]`'s
+/// updates are added to `params[i]`. `tables` and `words` (device `dev`'s) hold the run table a
+/// multi-tensor kernel reads (`run_table_buffers`: copied to the device only when it changed).
+struct update_batch {
+  std::span<const update_run> runs;    ///< the runs, none overlapping another
+  std::span<float* const> params;      ///< per run: where its updates are added
+  run_table_buffers* tables = nullptr;  ///< the device's table in the kernels' memory
+  std::vector<std::size_t>* words = nullptr;  ///< the device's table on the host (scratch)
+  std::size_t dev = 0;                 ///< the device
+};
+
+/// `t.update_and_apply_all(b)` where `t` has it (a chain of fusable transforms: one kernel), else
+/// `update_and_apply_of` run by run.
+template <class T>
+void update_and_apply_all_of(const T& t, const update_batch& b) {
+  if constexpr (requires { t.update_and_apply_all(b); }) {
+    t.update_and_apply_all(b);
+  } else {
+    for (std::size_t i = 0; i < b.runs.size(); ++i) update_and_apply_of(t, b.runs[i], b.params[i]);
   }
 }
 

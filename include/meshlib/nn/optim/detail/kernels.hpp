@@ -15,6 +15,8 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 #include "meshlib/nn/detail/simd.hpp"
 
@@ -126,6 +128,63 @@ void run_steps(float* u, const float* p, float* out, float* const* state, std::s
   if constexpr (slots_of<Steps...> > 0)  // (nvcc warns of `j < 0` otherwise)
     for (std::size_t j = 0; j < slots_of<Steps...>; ++j) body.s[j] = state[j];
   for_lanes<default_memory_space>(n, k, body);
+}
+
+/// Words per run of a multi-tensor optimizer table (`fused_runs_kernel`): the updates, the parameter
+/// read, the parameter written (with `Apply`), the run's first block over all the runs, its length,
+/// then its `slots_of<Steps...>` state slots and its `constants_of<Steps...>` constants (each float's
+/// bits in a word of its own).
+template <class... Steps>
+inline constexpr std::size_t fused_run_words = 5 + slots_of<Steps...> + constants_of<Steps...>;
+
+/// Block `b` of a multi-tensor optimizer update: the `fused_body` of its run over the block, with
+/// the run's own constants (a decay mask gives runs different ones; the bias corrections are the
+/// same). The blocks start at each run's first element and `lanes_of_block` runs each as
+/// `for_lanes` runs it, so every element goes through the same operations as in `run_steps` on
+/// its run alone: the numbers are bitwise those of one kernel per run (issue 38: one launch per
+/// device instead of one per parameter).
+template <bool Apply, class... Steps>
+struct fused_runs_kernel {
+  const std::size_t* table;  ///< `runs` runs of `fused_run_words<Steps...>` words, in the kernel's memory
+  std::size_t runs;          ///< runs in the table (none empty)
+
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
+    constexpr std::size_t words = fused_run_words<Steps...>, slots = slots_of<Steps...>;
+    constexpr std::size_t constants = constants_of<Steps...>;
+    const std::size_t* w = table + run_of_block(table, runs, b, words, 3) * words;
+    fused_body<Apply, Steps...> body{reinterpret_cast<float*>(w[0]), reinterpret_cast<const float*>(w[1]),
+                                     reinterpret_cast<float*>(w[2]), {}};
+    if constexpr (slots > 0)
+      for (std::size_t j = 0; j < slots; ++j) body.s[j] = reinterpret_cast<float*>(w[5 + j]);
+    std::array<float, 1 + constants> k{};
+    if constexpr (constants > 0)
+      for (std::size_t j = 0; j < constants; ++j) k[1 + j] = float_of_word(w[5 + slots + j]);
+    const std::size_t n = w[4], i0 = (b - w[3]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    lanes_of_block(i0, i1, k, body);
+  }
+
+  /// The float whose bits word `x` holds (`word_of_float`).
+  KOKKOS_INLINE_FUNCTION static float float_of_word(std::size_t x) noexcept {
+    const auto bits = static_cast<std::uint32_t>(x);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+};
+
+/// `f`'s bits in a table word (`fused_runs_kernel::float_of_word` reads them back).
+inline std::size_t word_of_float(float f) noexcept {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+/// Runs `Steps` over every run of `table` (`runs` runs, `blocks` blocks of `kernel_block` elements
+/// in all; see `fused_runs_kernel`) as one Kokkos kernel on memory `Space`.
+template <class Space, bool Apply, class... Steps>
+void run_steps_over_runs(const std::size_t* table, std::size_t runs, std::size_t blocks) {
+  if (blocks == 0) return;
+  meshlib::launch<Space>(blocks, fused_runs_kernel<Apply, Steps...>{table, runs});
 }
 
 /// `p += u` over `n` elements (optax's `apply_updates`; `u` is only read).
