@@ -117,6 +117,10 @@ class softmax_cross_entropy {
                                 std::to_string(i) + " on device " + std::to_string(dev) + " is not in [0, " +
                                 std::to_string(classes) + ")");
     const std::int32_t* lab = labels_.readable(dev, labels.data(), rows);  // copied across for device memory
+    // Every class here: one kernel per row does the three passes (no maximum or normaliser to share).
+    if constexpr (class_axes == 0)
+      return detail::softmax_cross_entropy_rows<space>(z, rows, cols, lab, global_batch, g, mx, sum, tgt,
+                                                       terms_.get(dev, rows + 2));
     detail::row_max<space>(z, rows, cols, mx);
     if constexpr (class_axes != 0)
       (void)detail::pmax_over<class_axes>(detail::wrap1<row_values<Z>>(mx, rows, logits.mesh(), dev));

@@ -104,14 +104,15 @@ TEST_CASE("the MLP step launches a fixed number of kernels and products", "[nn][
   constexpr std::size_t products = 3 + 3 + 2;
   // Kokkos kernels:
   //   forward: add_bias x 3, activation_forward (relu) x 2
-  //   loss: row_max, exp_and_target, cross_entropy_terms x 2 (the loss terms, the gradient)
+  //   loss: softmax_cross_entropy_rows (per row: max, exp and normaliser, loss term, gradient; it
+  //     was 3 kernels) and cross_entropy_totals (the rows' terms added in row order)
   //   backward: bias_grad x 3, activation_backward x 2
   //   gradient norm: one multi-tensor sum_of_squares over the 6 parameters' gradients, a kernel
   //     of partial sums per block and one that adds them (2; it was 9 per step: a pair per
   //     parameter of more than one block, one kernel for the others)
   //   optimizer: one multi-tensor Adam kernel over the 6 parameters (fused_runs_kernel<adam_step,
   //     scale_step>; it was one fused kernel per parameter, 6)
-  constexpr std::size_t kernels = (3 + 2) + 4 + (3 + 2) + 2 + 1;
+  constexpr std::size_t kernels = (3 + 2) + 2 + (3 + 2) + 2 + 1;
   if (blas_products()) {
     CHECK(count.products() == products);
     CHECK(count.kernels() == kernels);
@@ -241,5 +242,65 @@ TEST_CASE("update_and_apply_all: one kernel over a device's runs, bitwise the up
     REQUIRE(std::memcmp(out.data(), out.data() + half, half * sizeof(float)) == 0);
     // And the update did something: the parameters moved.
     CHECK(std::memcmp(out.data() + total, host.data() + total, total * sizeof(float)) != 0);
+  }
+}
+
+TEST_CASE("softmax cross-entropy over every class in two kernels, bitwise the three-pass kernels",
+          "[nn][launches][loss]") {
+  namespace d = meshlib::nn::detail;
+  using space = meshlib::default_memory_space;
+  for (std::size_t rows : {1, 5, 33}) {
+    for (std::size_t cols : {1, 10, 257}) {
+      INFO(rows << " x " << cols);
+      const std::size_t global_batch = 2 * rows + 1;  // the mean is over more rows than this device's
+      std::vector<float> z(rows * cols);
+      std::vector<std::int32_t> lab(rows);
+      for (std::size_t i = 0; i < z.size(); ++i) z[i] = static_cast<float>(8 * std::sin(1.3 * static_cast<double>(i)));
+      for (std::size_t i = 0; i < rows; ++i) lab[i] = static_cast<std::int32_t>((7 * i + 3) % cols);
+      auto zd = meshlib::allocate<float, 1>({z.size()}, "z");
+      auto ld = meshlib::allocate<std::int32_t, 1>({rows}, "labels");
+      meshlib::copy_from_host<space>(zd.data(), z.data(), z.size());
+      meshlib::copy_from_host<space>(ld.data(), lab.data(), rows);
+      // The same buffers twice: [gradient | max | normaliser | target], and the terms.
+      auto buf = meshlib::allocate<float, 1>({2 * (z.size() + 3 * rows)}, "grad");
+      auto terms = meshlib::allocate<double, 1>({2 * (rows + 2)}, "terms");
+      float* g[2] = {buf.data(), buf.data() + z.size() + 3 * rows};
+      double* t[2] = {terms.data(), terms.data() + rows + 2};
+      d::row_max<space>(zd.data(), rows, cols, g[0] + z.size());
+      d::exp_and_target<space>(zd.data(), rows, cols, 0, ld.data(), g[0] + z.size(), g[0], g[0] + z.size() + rows,
+                               g[0] + z.size() + 2 * rows);
+      const nn::loss_part three =
+          d::cross_entropy_terms<space>(rows, cols, 0, ld.data(), g[0] + z.size(), g[0] + z.size() + rows,
+                                        g[0] + z.size() + 2 * rows, global_batch, g[0], t[0]);
+      meshlib::launch_counter count;
+      const nn::loss_part fused = d::softmax_cross_entropy_rows<space>(
+          zd.data(), rows, cols, ld.data(), global_batch, g[1], g[1] + z.size(), g[1] + z.size() + rows,
+          g[1] + z.size() + 2 * rows, t[1]);
+      CHECK(count.kernels() == 2);
+      CHECK(fused.loss == three.loss);
+      CHECK(fused.correct == three.correct);
+      std::vector<float> out(2 * (z.size() + 3 * rows));
+      meshlib::copy_to_host<space>(out.data(), buf.data(), out.size());
+      // The gradient and the per-row max, normaliser and target logit: the same bits.
+      REQUIRE(std::memcmp(out.data(), out.data() + out.size() / 2, out.size() / 2 * sizeof(float)) == 0);
+      // And both are softmax cross-entropy: a plain loop in double, to rounding.
+      double loss = 0;
+      std::size_t correct = 0;
+      for (std::size_t i = 0; i < rows; ++i) {
+        double m = -INFINITY, s = 0;
+        for (std::size_t j = 0; j < cols; ++j) m = std::max(m, static_cast<double>(z[i * cols + j]));
+        for (std::size_t j = 0; j < cols; ++j) s += std::exp(z[i * cols + j] - m);
+        const std::size_t l = static_cast<std::size_t>(lab[i]);
+        loss += (std::log(s) + m - z[i * cols + l]) / static_cast<double>(global_batch);
+        correct += z[i * cols + l] >= m ? 1 : 0;
+        for (std::size_t j = 0; j < cols; ++j) {
+          const double p = std::exp(z[i * cols + j] - m) / s;
+          const double want = (p - (j == l ? 1.0 : 0.0)) / static_cast<double>(global_batch);
+          REQUIRE(std::abs(out[i * cols + j] - want) <= 1e-6);
+        }
+      }
+      CHECK(std::abs(fused.loss - loss) <= 1e-5 * std::max(1.0, std::abs(loss)));
+      CHECK(fused.correct == correct);
+    }
   }
 }

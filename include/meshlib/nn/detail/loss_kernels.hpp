@@ -50,6 +50,25 @@ void exp_and_target(const T* z, std::size_t rows, std::size_t cols, std::size_t 
   });
 }
 
+/// Softmax cross-entropy's totals: one work item adds the rows' terms `term[i]` and counts the rows
+/// whose target logit is the maximum, in row order, into `term[rows]` and `term[rows + 1]`, which the
+/// host reads back. Returns {loss, correct} of these rows.
+template <class Space, class T>
+loss_part cross_entropy_totals(std::size_t rows, const T* mx, const T* tgt, double* term) {
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double loss = 0, correct = 0;
+    for (std::size_t i = 0; i < rows; ++i) {
+      loss += term[i];
+      correct += tgt[i] >= mx[i] ? 1 : 0;
+    }
+    term[rows] = loss;
+    term[rows + 1] = correct;
+  });
+  double totals[2];
+  meshlib::copy_to_host<Space>(totals, term + rows, 2);
+  return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
+}
+
 /// Softmax cross-entropy, last pass, with complete row maxima, normalisers and target logits:
 /// `term[i]` = row `i`'s loss / `global_batch`, `g` = the gradient of the mean loss; then one work item
 /// adds the terms and counts the rows whose target logit is the maximum, in row order, into
@@ -66,18 +85,37 @@ loss_part cross_entropy_terms(std::size_t rows, std::size_t cols, std::size_t co
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] *= inv * inv_b;
     if (l >= col0 && l < col0 + cols) g[i * cols + (l - col0)] -= inv_b;
   });
-  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
-    double loss = 0, correct = 0;
-    for (std::size_t i = 0; i < rows; ++i) {
-      loss += term[i];
-      correct += tgt[i] >= mx[i] ? 1 : 0;
-    }
-    term[rows] = loss;
-    term[rows + 1] = correct;
+  return cross_entropy_totals<Space>(rows, mx, tgt, term);
+}
+
+/// Softmax cross-entropy of rows whose classes are all on this device (no class axis), the three
+/// passes of `row_max`, `exp_and_target` and `cross_entropy_terms` in one kernel: a row needs no
+/// other device's maximum or normaliser, so its work item runs them one after the other, each with
+/// the same expressions in the same order (the loss and gradient are bitwise those of the three
+/// kernels; issue 38: fewer kernels per step). Then `cross_entropy_totals`. Returns {loss, correct}.
+template <class Space, class T>
+loss_part softmax_cross_entropy_rows(const T* z, std::size_t rows, std::size_t cols, const std::int32_t* lab,
+                                     std::size_t global_batch, T* g, T* mx, T* sum, T* tgt, double* term) {
+  const T inv_b = T{1} / static_cast<T>(global_batch);
+  const double gb = static_cast<double>(global_batch);
+  meshlib::launch<Space>(rows, KOKKOS_LAMBDA(std::size_t i) {
+    const T* zi = z + i * cols;
+    T* gi = g + i * cols;
+    T m = -std::numeric_limits<T>::infinity();
+    for (std::size_t j = 0; j < cols; ++j) m = m < zi[j] ? zi[j] : m;
+    T s = 0;
+    for (std::size_t j = 0; j < cols; ++j) s += (gi[j] = std::exp(zi[j] - m));
+    const std::size_t l = static_cast<std::size_t>(lab[i]);
+    const T t = zi[l];  // the labels were checked against the classes, all of them here
+    mx[i] = m;
+    sum[i] = s;
+    tgt[i] = t;
+    term[i] = (static_cast<double>(std::log(s)) + m - t) / gb;
+    const T inv = T{1} / s;
+    for (std::size_t j = 0; j < cols; ++j) gi[j] *= inv * inv_b;
+    gi[l] -= inv_b;
   });
-  double totals[2];
-  meshlib::copy_to_host<Space>(totals, term + rows, 2);
-  return loss_part{totals[0], static_cast<std::size_t>(totals[1])};
+  return cross_entropy_totals<Space>(rows, mx, tgt, term);
 }
 
 /// Mean squared error: `g = two_scale (z - t)` over a `rows x cols` block whose targets are rows of
