@@ -125,6 +125,13 @@ void optimizer_updates(float* u, float* p, float* const* slots, std::size_t n) {
   opt.update(nn::update_run{u, p, std::span<float* const>(slots, opt.slots()), n, 0, 0, 0, 2.0, {"w", shape, true}});
   nn::detail::apply_updates(p, u, n);
 }
+// The multi-tensor update of a device's runs (one kernel over a run table) of the built-in optimizers.
+void optimizer_updates_all(const meshlib::nn::update_run* runs, float* const* params, std::size_t n,
+                           meshlib::nn::detail::run_table_buffers& tables, std::vector<std::size_t>& words) {
+  namespace nn = meshlib::nn;
+  for (const nn::optimizer& opt : {nn::adam(1e-3f), nn::adamw(1e-3f), nn::sgd(1e-2f)})
+    opt.update_and_apply_all(nn::detail::update_batch{{runs, n}, {params, n}, &tables, &words, 0});
+}
 template void meshlib::nn::detail::scale_in_place<meshlib::default_memory_space>(float*, std::size_t, float) noexcept;
 template void meshlib::nn::detail::round_to<meshlib::bfloat16, meshlib::default_memory_space>(float*, std::size_t) noexcept;
 template void meshlib::nn::detail::round_copy<meshlib::bfloat16, meshlib::default_memory_space>(float*, const float*,
