@@ -645,6 +645,12 @@ TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shar
           const mesh_t m{1, 2};
           nn::train_state state(m, make_net(m), opt, {});
         }).starts_with(head + "parameter 'fc1.w' is sharded "));
+  // Inside masked and multi_transform too.
+  CHECK(nn::optimizer(nn::masked(opt, [](std::string_view) { return true; })).whole_parameters());
+  const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });
+  CHECK(groups.whole_parameters());
+  CHECK(!nn::optimizer(nn::multi_transform({{"a", nn::adam(1e-3f)}}, [](std::string_view) { return "a"; })).whole_parameters());
+  CHECK_THROWS_AS(run(mesh_t{2, 1}, groups, {.zero = true}), meshlib::sharding_error);
   using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
           const fsdp_mesh_t m{2, 1};
