@@ -6415,8 +6415,9 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// @file
 /// @brief `optimizer`: any gradient transform (nn/optim/transform.hpp), held by value with its type
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
-/// (optax's). Every transform updates one element from that element's gradient and state only
-/// (clipping aside, which reads one norm over the mesh), which is what lets the same chain run on a
+/// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
+/// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
+/// parameters and so refuses their shards), which is what lets the same chain run on a
 /// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
 /// @code
 /// namespace nn = meshlib::nn;
@@ -6430,6 +6431,7 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <concepts>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -6948,7 +6950,8 @@ struct update_run {
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
-/// `reads_global_norm(stage)` (default false) and `update_and_apply(run, float* params)`, the update
+/// `reads_global_norm(stage)` (default false), `whole_parameters()` (default false: true for a
+/// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
 /// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
@@ -7021,6 +7024,12 @@ std::size_t stages_of(const T& t) {
 template <class T>
 bool reads_global_norm_of(const T& t, std::size_t stage) {
   if constexpr (requires { t.reads_global_norm(stage); }) return t.reads_global_norm(stage);
+  else return false;
+}
+/// `t.whole_parameters()` (the transform reads every element of a parameter at once), or false.
+template <class T>
+bool whole_parameters_of(const T& t) {
+  if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();
   else return false;
 }
 /// `t.name()`, or "custom".
@@ -7156,6 +7165,352 @@ struct scale_by_adam {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/optim/adam.hpp
+// begin meshlib/nn/optim/block_rms.hpp
+/// @file
+/// @brief Per-parameter ("block") RMS transforms, optax's, as Adafactor uses them:
+/// `clip_by_block_rms(threshold)` divides a parameter's updates by `max(1, rms(updates) /
+/// threshold)`; `scale_by_param_block_rms(min_scale)` multiplies them by `max(rms(param),
+/// min_scale)`, so a step moves a parameter in proportion to its own size. The RMS is over the whole
+/// parameter: both need it whole on the device that updates it (`whole_parameters()`; see
+/// nn/optim/factored_rms.hpp).
+/// @code
+/// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
+///                              meshlib::nn::scale_by_param_block_rms(), meshlib::nn::scale(-1e-2f));
+/// @endcode
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+// begin meshlib/nn/optim/detail/block_kernels.hpp
+/// @file
+/// @brief The kernels of the transforms that read a whole parameter (nn/optim/factored_rms.hpp,
+/// nn/optim/block_rms.hpp): a deterministic sum of squares, and the row and column statistics of
+/// Adafactor's factored second moment. Classes, not lambdas: nvcc refuses extended lambdas in
+/// functions whose return type is deduced, and these are called from such code.
+///
+/// A parameter is a row-major array; its factored statistics are the arrays optax keeps, laid out
+/// row-major too: `v_row` is the parameter's shape without dimension `d0`, `v_col` without `d1`.
+/// `drop_dim` and `insert_dim` move between an element's index and the index of its statistic, so
+/// any pair of dimensions of any rank goes through one code path.
+
+#include <cstddef>
+#include <vector>
+
+
+namespace meshlib::nn::detail {
+
+/// The index in the array without one dimension (stride `s`, extent `n`) of element `i`.
+KOKKOS_INLINE_FUNCTION std::size_t drop_dim(std::size_t i, std::size_t s, std::size_t n) noexcept {
+  return (i / (s * n)) * s + i % s;
+}
+/// The inverse of `drop_dim`: the element whose coordinate along the dropped dimension is `c`.
+KOKKOS_INLINE_FUNCTION std::size_t insert_dim(std::size_t j, std::size_t s, std::size_t n, std::size_t c) noexcept {
+  return (j / s) * (s * n) + c * s + j % s;
+}
+
+/// `out[c]` = the sum of squares of chunk `c` of `x`, in double (fixed chunks: the same bits on
+/// every run and any number of threads).
+struct chunk_squares {
+  const float* x;
+  double* out;
+  std::size_t n, chunks;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t c) const {
+    const std::size_t b = c * n / chunks, e = (c + 1) * n / chunks;
+    double s = 0;
+    for (std::size_t i = b; i < e; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    out[c] = s;
+  }
+};
+
+/// The sum of the squares of the `n` floats at `x` (in the running device's memory).
+inline double block_sum_of_squares(const float* x, std::size_t n) {
+  if (n == 0) return 0;
+  const std::size_t chunks = n < 256 ? n : 256;
+  auto part = ::meshlib::allocate<double, 1>({chunks}, "meshlib::nn::block_sum_of_squares");
+  ::meshlib::launch<default_memory_space>(chunks, chunk_squares{x, part.data(), n, chunks});
+  std::vector<double> host(chunks);
+  ::meshlib::copy_to_host<default_memory_space>(host.data(), part.data(), chunks);
+  double s = 0;
+  for (double v : host) s += v;
+  return s;
+}
+
+/// A statistic of the factored second moment: `v[j] = beta v[j] + (1 - beta) mean_c (g^2 + eps)`,
+/// the mean over the `n` elements along the dimension of stride `s` that statistic `j` sums.
+struct factored_moment {
+  const float* g;
+  float* v;
+  std::size_t s, n;
+  float beta, eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      const float x = g[insert_dim(j, s, n, c)];
+      acc += static_cast<double>(x * x + eps);
+    }
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(acc / static_cast<double>(n));
+  }
+};
+
+/// `mean[o]`: the mean of `v_row` over dimension `d1` (stride `s` in `v_row`, extent `n`).
+struct row_mean {
+  const float* v_row;
+  float* mean;
+  std::size_t s, n;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t o) const {
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) acc += static_cast<double>(v_row[insert_dim(o, s, n, c)]);
+    mean[o] = static_cast<float>(acc / static_cast<double>(n));
+  }
+};
+
+/// The factored update: `u = g / sqrt(v_row / mean(v_row)) / sqrt(v_col)` (`u` may be `g`).
+struct factored_scale {
+  float* u;
+  const float* v_row;
+  const float* v_col;
+  const float* mean;
+  std::size_t s0, n0;  ///< stride and extent of `d0` (the largest dimension) in the parameter
+  std::size_t s1, n1;  ///< of `d1` in the parameter
+  std::size_t s1_row;  ///< of `d1` in `v_row`
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t r = drop_dim(i, s0, n0);
+    const float row = 1.0f / Kokkos::sqrt(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
+    const float col = 1.0f / Kokkos::sqrt(v_col[drop_dim(i, s1, n1)]);
+    u[i] = u[i] * row * col;
+  }
+};
+
+/// The unfactored update: `v = beta v + (1 - beta) (g^2 + eps)`, `u = g / sqrt(v)`.
+struct unfactored_scale {
+  float* u;
+  float* v;
+  float beta, eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const float g = u[i];
+    const float vi = beta * v[i] + (1.0f - beta) * (g * g + eps);
+    v[i] = vi;
+    u[i] = g / Kokkos::sqrt(vi);
+  }
+};
+
+/// `u[i] *= f`.
+struct scale_by_factor {
+  float* u;
+  float f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] * f; }
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/optim/detail/block_kernels.hpp
+// begin meshlib/nn/optim/factored_rms.hpp
+/// @file
+/// @brief `scale_by_factored_rms` (optax's; Shazeer and Stern 2018, "Adafactor: Adaptive Learning
+/// Rates with Sublinear Memory Cost"): the gradient divided by the root of a running mean of its
+/// square, that mean factored into a row and a column statistic for a parameter whose two largest
+/// dimensions are both at least `min_dim_size_to_factor`:
+/// - `beta_t = 1 - (step - decay_offset + 1)^-decay_rate`, `g2 = g^2 + eps`;
+/// - factored (`d0` the largest dimension, `d1` the second largest, ties to the later one, as
+///   numpy's `argsort` orders them): `v_row = beta_t v_row + (1 - beta_t) mean(g2, d0)`, `v_col`
+///   likewise over `d1`, `update = g / sqrt(v_row / mean(v_row, d1)) / sqrt(v_col)`;
+/// - otherwise (vectors, small matrices, `factored = false`): `v = beta_t v + (1 - beta_t) g2`,
+///   `update = g / sqrt(v)`.
+///
+/// The statistics of a parameter are a function of all its elements, so the transform needs each
+/// parameter whole on the device that updates it (`whole_parameters()`): replicated and
+/// data-parallel state; the train state refuses ZeRO-1, FSDP and tensor-parallel shards of a
+/// parameter. Its state is one slot (a float per element): `v` unfactored; factored, `v_row` then
+/// `v_col` in the slot's first floats (the rest stay zero), so checkpoints hold it as any slot.
+/// (The memory of the full slot is spent even where the statistics need less.)
+/// @code
+/// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
+///                              meshlib::nn::scale_by_learning_rate(1e-2f));
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The elements of a parameter of global shape `shape`.
+inline std::size_t element_count(std::span<const std::size_t> shape) {
+  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
+}
+/// The refusal of a run that is not a whole parameter, for the transform `who`.
+inline void require_whole_parameter(const char* who, const update_run& r) {
+  const std::size_t total = element_count(r.param.shape);
+  if (r.offset != 0 || r.size != total)
+    throw std::invalid_argument(
+        std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
+        std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
+        std::to_string(r.offset + r.size) +
+        ") only: its statistics need the whole parameter on the device that updates it; use replicated or "
+        "data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel sharding of it");
+}
+}  // namespace detail
+
+/// @brief See the file comment.
+class scale_by_factored_rms {
+ public:
+  /// optax's defaults.
+  /// @throws std::invalid_argument when `min_dim_size_to_factor` is below 2 (a factored
+  /// parameter's statistics must fit in its slot) or `decay_rate` is not positive.
+  explicit scale_by_factored_rms(bool factored = true, float decay_rate = 0.8f, std::size_t decay_offset = 0,
+                                 std::size_t min_dim_size_to_factor = 128, float eps = 1e-30f)
+      : factored_(factored), decay_rate_(decay_rate), decay_offset_(decay_offset), min_dim_(min_dim_size_to_factor),
+        eps_(eps) {
+    if (min_dim_size_to_factor < 2)
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms: min_dim_size_to_factor is " +
+                                  std::to_string(min_dim_size_to_factor) +
+                                  "; it must be at least 2 (pass factored = false to factor nothing)");
+    if (!(decay_rate > 0.0f))
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms: decay_rate is " +
+                                  detail::number_text(decay_rate) + "; it must be positive");
+  }
+
+  /// The `gradient_transform` requirement: state floats per element (see the file comment).
+  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// True: the statistics need every element of a parameter in one run.
+  [[nodiscard]] bool whole_parameters() const noexcept { return true; }
+  /// The transform as logs print it.
+  [[nodiscard]] std::string name() const { return "scale_by_factored_rms"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
+  [[nodiscard]] std::string kind() const { return "scale_by_factored_rms"; }
+
+  /// `beta_t` at `step` (0-based): `1 - (step - decay_offset + 1)^-decay_rate`, in float as optax.
+  [[nodiscard]] float decay(std::size_t step) const {
+    const float t = static_cast<float>(static_cast<double>(step) - static_cast<double>(decay_offset_) + 1.0);
+    return 1.0f - std::pow(t, -decay_rate_);
+  }
+  /// optax's `_factored_dims`: `{d1, d0}`, the second largest and the largest dimension, for a
+  /// parameter of `shape` that is factored; none for one that is not.
+  [[nodiscard]] std::optional<std::array<std::size_t, 2>> factored_dims(std::span<const std::size_t> shape) const {
+    if (!factored_ || shape.size() < 2) return std::nullopt;
+    std::vector<std::size_t> order(shape.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return shape[a] < shape[b]; });
+    const std::size_t d1 = order[order.size() - 2], d0 = order.back();
+    if (shape[d1] < min_dim_) return std::nullopt;
+    return std::array<std::size_t, 2>{d1, d0};
+  }
+
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
+  /// @throws std::invalid_argument when the run is not a whole parameter.
+  void update(const update_run& r) const {
+    detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
+    const float beta = decay(r.step);
+    const auto dims = factored_dims(r.param.shape);
+    if (!dims) {
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.state[0], beta, eps_});
+      return;
+    }
+    const auto shape = r.param.shape;
+    const auto stride = [&](std::size_t d) {
+      std::size_t s = 1;
+      for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
+      return s;
+    };
+    const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
+    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = stride(d0), s1 = stride(d1);
+    const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
+    // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
+    const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
+    float* v_row = r.state[0];
+    float* v_col = v_row + rows;
+    auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
+    ::meshlib::launch<default_memory_space>(rows, detail::factored_moment{r.updates, v_row, s0, n0, beta, eps_});
+    ::meshlib::launch<default_memory_space>(cols, detail::factored_moment{r.updates, v_col, s1, n1, beta, eps_});
+    ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
+    ::meshlib::launch<default_memory_space>(
+        r.size, detail::factored_scale{r.updates, v_row, v_col, mean.data(), s0, n0, s1, n1, s1_row});
+  }
+
+ private:
+  bool factored_;
+  float decay_rate_;
+  std::size_t decay_offset_;
+  std::size_t min_dim_;
+  float eps_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/factored_rms.hpp
+
+namespace meshlib::nn {
+
+/// @brief See the file comment.
+class clip_by_block_rms {
+ public:
+  /// Clips each parameter's updates to RMS `threshold` (> 0).
+  /// @throws std::invalid_argument when `threshold` is not positive.
+  explicit clip_by_block_rms(float threshold) : threshold_(threshold) {
+    if (!(threshold > 0.0f))
+      throw std::invalid_argument("meshlib::nn: clip_by_block_rms: threshold is " + detail::number_text(threshold) +
+                                  "; it must be positive (leave the transform out to not clip)");
+  }
+  /// The `gradient_transform` requirement: state floats per element.
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// True: the RMS is over every element of a parameter.
+  [[nodiscard]] bool whole_parameters() const noexcept { return true; }
+  /// The transform as logs print it.
+  [[nodiscard]] std::string name() const { return "clip_by_block_rms(" + detail::number_text(threshold_) + ")"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
+  [[nodiscard]] std::string kind() const { return "clip_by_block_rms"; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
+  /// @throws std::invalid_argument when the run is not a whole parameter.
+  void update(const update_run& r) const {
+    detail::require_whole_parameter("clip_by_block_rms (adafactor)", r);
+    const double rms = std::sqrt(detail::block_sum_of_squares(r.updates, r.size) / static_cast<double>(r.size));
+    const float denom = std::max(1.0f, static_cast<float>(rms) / threshold_);
+    if (denom != 1.0f) ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, 1.0f / denom});
+  }
+
+ private:
+  float threshold_;
+};
+
+/// @brief See the file comment.
+class scale_by_param_block_rms {
+ public:
+  /// Scales by each parameter's RMS, at least `min_scale` (optax's default 1e-3).
+  explicit scale_by_param_block_rms(float min_scale = 1e-3f) : min_scale_(min_scale) {}
+  /// The `gradient_transform` requirement: state floats per element.
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// True: the RMS is over every element of a parameter.
+  [[nodiscard]] bool whole_parameters() const noexcept { return true; }
+  /// The transform as logs print it.
+  [[nodiscard]] std::string name() const { return "scale_by_param_block_rms"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
+  [[nodiscard]] std::string kind() const { return "scale_by_param_block_rms"; }
+  /// The `gradient_transform` requirement: transforms the run's updates in place (the parameter's
+  /// values before this step's update: `update_run::params`).
+  /// @throws std::invalid_argument when the run is not a whole parameter.
+  void update(const update_run& r) const {
+    detail::require_whole_parameter("scale_by_param_block_rms (adafactor)", r);
+    const double rms = std::sqrt(detail::block_sum_of_squares(r.params, r.size) / static_cast<double>(r.size));
+    const float f = std::max(static_cast<float>(rms), min_scale_);
+    ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, f});
+  }
+
+ private:
+  float min_scale_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/optim/block_rms.hpp
 // begin meshlib/nn/optim/chain.hpp
 /// @file
 /// @brief `chain(t1, t2, ...)` (optax's `chain`): the transforms one after the other, each taking
@@ -7210,6 +7565,12 @@ class chain_transform {
     const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
     visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
+  }
+  /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
+  [[nodiscard]] bool whole_parameters() const {
+    bool any = false;
+    for_each([&](const auto& t) { any = any || detail::whole_parameters_of(t); });
+    return any;
   }
   /// `chain(a, b, ...)` of the transforms' names.
   [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
@@ -7472,6 +7833,8 @@ class masked_transform {
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
+  /// Whether `inner` needs each parameter whole in one run (`adafactor`).
+  [[nodiscard]] bool whole_parameters() const { return detail::whole_parameters_of(inner_); }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }
   /// What checkpoints record (no spaces): a resumed run must match it.
@@ -7677,6 +8040,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::size_t slots() const = 0;
   [[nodiscard]] virtual std::size_t stages() const = 0;
   [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
+  [[nodiscard]] virtual bool whole_parameters() const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
@@ -7689,6 +8053,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::size_t slots() const override { return t.slots(); }
   [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
   [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
+  [[nodiscard]] bool whole_parameters() const override { return whole_parameters_of(t); }
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
@@ -7728,6 +8093,9 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
+  /// Whether a transform in it needs each parameter whole on the device that updates it
+  /// (`adafactor`): the train state then refuses ZeRO-1, FSDP and tensor-parallel parameters.
+  [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
   /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
   /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -7775,6 +8143,45 @@ inline optimizer lion(schedule lr, float b1 = 0.9f, float b2 = 0.99f, float weig
                       param_mask mask = decay_mask()) {
   return {chain(scale_by_lion{b1, b2}, add_decayed_weights(weight_decay, std::move(mask)), scale_by_learning_rate(lr)),
           "lion(weight decay " + detail::number_text(weight_decay) + ")", "lion"};
+}
+
+/// @brief `adafactor`'s options other than the learning rate: optax's arguments and defaults
+/// (`optax.adafactor`), for designated initialisers: `adafactor(1e-2f, {.momentum = 0.9f})`.
+struct adafactor_options {
+  std::size_t min_dim_size_to_factor = 128;  ///< a parameter is factored when its two largest dimensions are at least this
+  float decay_rate = 0.8f;                   ///< the second moment's decay: `beta_t = 1 - (t + 1)^-decay_rate`
+  std::size_t decay_offset = 0;              ///< steps subtracted from `t` (for fine-tuning)
+  bool multiply_by_parameter_scale = true;   ///< scale each update by its parameter's RMS (at least 1e-3)
+  std::optional<float> clipping_threshold = 1.0f;  ///< clip each parameter's update to this RMS; none: no clip
+  std::optional<float> momentum = std::nullopt;    ///< an exponential moving average of the updates (no debias); none: none
+  std::optional<float> weight_decay_rate = std::nullopt;  ///< `update += rate * param` after the learning rate
+  float eps = 1e-30f;     ///< added to the squared gradient
+  bool factored = true;   ///< false: an unfactored (per-element) second moment for every parameter
+  param_mask weight_decay_mask = decay_mask();  ///< the parameters weight decay applies to
+};
+
+/// @brief Adafactor (`optax.adafactor`): `chain(scale_by_factored_rms(factored, decay_rate,
+/// decay_offset, min_dim_size_to_factor, eps), clip_by_block_rms(clipping_threshold),
+/// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
+/// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
+/// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
+/// scaled by it). Needs each parameter whole on the device that updates it (replicated or
+/// data-parallel state; see nn/optim/factored_rms.hpp).
+inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
+  optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
+  if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));
+  tx = chain(std::move(tx), scale_by_schedule(lr, "scale_by_learning_rate"));
+  if (o.multiply_by_parameter_scale) tx = chain(std::move(tx), scale_by_param_block_rms());
+  // optax's ema(momentum, debias=False): m = (1 - momentum) u + momentum m, the update m.
+  if (o.momentum) tx = chain(std::move(tx), scale(1.0f - *o.momentum), trace{*o.momentum});
+  if (o.weight_decay_rate)
+    tx = chain(std::move(tx), add_decayed_weights(*o.weight_decay_rate, std::move(o.weight_decay_mask)));
+  std::string options;
+  const auto add = [&](const std::string& part) { options += (options.empty() ? "" : ", ") + part; };
+  if (!o.factored) add("unfactored");
+  if (o.momentum) add("momentum " + detail::number_text(*o.momentum));
+  if (o.weight_decay_rate) add("weight decay " + detail::number_text(*o.weight_decay_rate));
+  return {chain(std::move(tx), scale(-1.0f)), options.empty() ? "adafactor" : "adafactor(" + options + ")", "adafactor"};
 }
 
 inline optimizer::optimizer() : optimizer(adam(constant(1e-3f))) {}
@@ -7856,6 +8263,10 @@ class multi_transform_t {
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
+  /// Whether a group's transform needs each parameter whole in one run (`adafactor`).
+  [[nodiscard]] bool whole_parameters() const {
+    return std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g.second.whole_parameters(); });
+  }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return joined(", ", [](const optimizer& o) { return o.name(); }); }
   /// What checkpoints record (no spaces): a resumed run must match it.
@@ -11559,7 +11970,8 @@ class train_state {
 
   /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
   /// `local_devices`: this process's devices (empty: all).
-  /// @throws sharding_error when `opts.accumulation` is 0.
+  /// @throws sharding_error when `opts.accumulation` is 0, and for an optimizer that reads whole
+  /// parameters (`adafactor`) with ZeRO-1, FSDP or a tensor-parallel parameter.
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : mesh(m),
@@ -11594,6 +12006,7 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    if (opt.whole_parameters()) refuse_parameter_shards();
     if (options.fsdp) shard_parameters();
     // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
@@ -11845,6 +12258,28 @@ class train_state {
   }
 
  private:
+  // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
+  // pieces of one: refused here, before any step, with the fix.
+  void refuse_parameter_shards() const {
+    const auto bad = [&](const std::string& why, const std::string& fix) {
+      return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
+                            " needs each parameter whole on the device that updates it (its statistics are per "
+                            "parameter), but " + why + "; " + fix);
+    };
+    if (options.zero)
+      throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
+                "use data_parallel without ZeRO (zero 0)");
+    if (options.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
+    for (const auto& p : params) {
+      std::size_t total = 1;
+      for (std::size_t d : p.shape) total *= d;
+      for (std::size_t dev : local_)
+        if (p.count[dev] != 0 && p.count[dev] != total)
+          throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " (" + std::to_string(p.count[dev]) +
+                        " of its " + std::to_string(total) + " elements on device " + std::to_string(dev) + ")",
+                    "replicate it (a mesh whose tensor-parallel axes have size 1)");
+    }
+  }
   /// `opts` with each policy's part set, after the compile-time checks of the policies.
   template <class... Ps>
   static train_options with_policies(train_options opts, const Ps&... ps) {

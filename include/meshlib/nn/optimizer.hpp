@@ -3,8 +3,9 @@
 /// @file
 /// @brief `optimizer`: any gradient transform (nn/optim/transform.hpp), held by value with its type
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
-/// (optax's). Every transform updates one element from that element's gradient and state only
-/// (clipping aside, which reads one norm over the mesh), which is what lets the same chain run on a
+/// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
+/// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
+/// parameters and so refuses their shards), which is what lets the same chain run on a
 /// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
 /// @code
 /// namespace nn = meshlib::nn;
@@ -18,15 +19,18 @@
 #include <concepts>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include "meshlib/nn/detail/number_text.hpp"
 #include "meshlib/nn/optim/adam.hpp"
+#include "meshlib/nn/optim/block_rms.hpp"
 #include "meshlib/nn/optim/chain.hpp"
 #include "meshlib/nn/optim/clip.hpp"
 #include "meshlib/nn/optim/detail/fusion.hpp"
+#include "meshlib/nn/optim/factored_rms.hpp"
 #include "meshlib/nn/optim/lion.hpp"
 #include "meshlib/nn/optim/masked.hpp"
 #include "meshlib/nn/optim/scale.hpp"
@@ -46,6 +50,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::size_t slots() const = 0;
   [[nodiscard]] virtual std::size_t stages() const = 0;
   [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
+  [[nodiscard]] virtual bool whole_parameters() const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
@@ -58,6 +63,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::size_t slots() const override { return t.slots(); }
   [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
   [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
+  [[nodiscard]] bool whole_parameters() const override { return whole_parameters_of(t); }
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
@@ -97,6 +103,9 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
+  /// Whether a transform in it needs each parameter whole on the device that updates it
+  /// (`adafactor`): the train state then refuses ZeRO-1, FSDP and tensor-parallel parameters.
+  [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
   /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
   /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -144,6 +153,45 @@ inline optimizer lion(schedule lr, float b1 = 0.9f, float b2 = 0.99f, float weig
                       param_mask mask = decay_mask()) {
   return {chain(scale_by_lion{b1, b2}, add_decayed_weights(weight_decay, std::move(mask)), scale_by_learning_rate(lr)),
           "lion(weight decay " + detail::number_text(weight_decay) + ")", "lion"};
+}
+
+/// @brief `adafactor`'s options other than the learning rate: optax's arguments and defaults
+/// (`optax.adafactor`), for designated initialisers: `adafactor(1e-2f, {.momentum = 0.9f})`.
+struct adafactor_options {
+  std::size_t min_dim_size_to_factor = 128;  ///< a parameter is factored when its two largest dimensions are at least this
+  float decay_rate = 0.8f;                   ///< the second moment's decay: `beta_t = 1 - (t + 1)^-decay_rate`
+  std::size_t decay_offset = 0;              ///< steps subtracted from `t` (for fine-tuning)
+  bool multiply_by_parameter_scale = true;   ///< scale each update by its parameter's RMS (at least 1e-3)
+  std::optional<float> clipping_threshold = 1.0f;  ///< clip each parameter's update to this RMS; none: no clip
+  std::optional<float> momentum = std::nullopt;    ///< an exponential moving average of the updates (no debias); none: none
+  std::optional<float> weight_decay_rate = std::nullopt;  ///< `update += rate * param` after the learning rate
+  float eps = 1e-30f;     ///< added to the squared gradient
+  bool factored = true;   ///< false: an unfactored (per-element) second moment for every parameter
+  param_mask weight_decay_mask = decay_mask();  ///< the parameters weight decay applies to
+};
+
+/// @brief Adafactor (`optax.adafactor`): `chain(scale_by_factored_rms(factored, decay_rate,
+/// decay_offset, min_dim_size_to_factor, eps), clip_by_block_rms(clipping_threshold),
+/// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
+/// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
+/// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
+/// scaled by it). Needs each parameter whole on the device that updates it (replicated or
+/// data-parallel state; see nn/optim/factored_rms.hpp).
+inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
+  optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
+  if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));
+  tx = chain(std::move(tx), scale_by_schedule(lr, "scale_by_learning_rate"));
+  if (o.multiply_by_parameter_scale) tx = chain(std::move(tx), scale_by_param_block_rms());
+  // optax's ema(momentum, debias=False): m = (1 - momentum) u + momentum m, the update m.
+  if (o.momentum) tx = chain(std::move(tx), scale(1.0f - *o.momentum), trace{*o.momentum});
+  if (o.weight_decay_rate)
+    tx = chain(std::move(tx), add_decayed_weights(*o.weight_decay_rate, std::move(o.weight_decay_mask)));
+  std::string options;
+  const auto add = [&](const std::string& part) { options += (options.empty() ? "" : ", ") + part; };
+  if (!o.factored) add("unfactored");
+  if (o.momentum) add("momentum " + detail::number_text(*o.momentum));
+  if (o.weight_decay_rate) add("weight decay " + detail::number_text(*o.weight_decay_rate));
+  return {chain(std::move(tx), scale(-1.0f)), options.empty() ? "adafactor" : "adafactor(" + options + ")", "adafactor"};
 }
 
 inline optimizer::optimizer() : optimizer(adam(constant(1e-3f))) {}

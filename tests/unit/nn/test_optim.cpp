@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -405,6 +407,288 @@ TEST_CASE("checkpoints hold a chain's state, restored on another mesh with ZeRO-
             "': saved with optimizer chain(clip_by_global_norm,trace,scale_by_adam,scale_by_learning_rate) (3 state "
             "slots), but the train state's optimizer is adam: restore into a train state made with the optimizer it "
             "was saved with");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+/// optax's Adafactor written out with plain loops in double, over any shape: the statistics kept
+/// by their coordinates (a map), independent of the library's layout.
+struct adafactor_reference {
+  std::vector<std::size_t> shape;
+  std::size_t min_dim;
+  bool factored;
+  float decay_rate = 0.8f;
+  double eps = 1e-30;
+  std::map<std::vector<std::size_t>, double> v_row, v_col;
+  std::vector<double> v;
+
+  adafactor_reference(std::vector<std::size_t> s, std::size_t min, bool f)
+      : shape(std::move(s)), min_dim(min), factored(f) {}
+
+  [[nodiscard]] std::vector<std::size_t> coords(std::size_t i) const {
+    std::vector<std::size_t> c(shape.size());
+    for (std::size_t k = shape.size(); k-- > 0;) {
+      c[k] = i % shape[k];
+      i /= shape[k];
+    }
+    return c;
+  }
+  static std::vector<std::size_t> without(std::vector<std::size_t> c, std::size_t d) {
+    c.erase(c.begin() + static_cast<std::ptrdiff_t>(d));
+    return c;
+  }
+  /// scale_by_factored_rms at `step` of gradient `g`.
+  std::vector<double> scale(const std::vector<double>& g, std::size_t step) {
+    const double beta = 1.0 - std::pow(static_cast<double>(step + 1), -static_cast<double>(decay_rate));
+    const std::size_t n = g.size();
+    std::vector<double> u(n);
+    // The two largest dimensions, ties to the later one (numpy's stable argsort).
+    std::size_t d0 = 0, d1 = 0;
+    bool fact = factored && shape.size() >= 2;
+    if (fact) {
+      d0 = shape.size() - 1;
+      for (std::size_t k = shape.size(); k-- > 0;)
+        if (shape[k] > shape[d0]) d0 = k;
+      d1 = d0 == 0 ? 1 : 0;
+      for (std::size_t k = 0; k < shape.size(); ++k)
+        if (k != d0 && shape[k] >= shape[d1]) d1 = k;
+      fact = shape[d1] >= min_dim;
+    }
+    if (!fact) {
+      v.resize(n, 0.0);
+      for (std::size_t i = 0; i < n; ++i) {
+        v[i] = beta * v[i] + (1 - beta) * (g[i] * g[i] + eps);
+        u[i] = g[i] / std::sqrt(v[i]);
+      }
+      return u;
+    }
+    std::map<std::vector<std::size_t>, double> row_sum, col_sum, row_mean;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto c = coords(i);
+      row_sum[without(c, d0)] += g[i] * g[i] + eps;
+      col_sum[without(c, d1)] += g[i] * g[i] + eps;
+    }
+    for (auto& [k, s] : row_sum) v_row[k] = beta * v_row[k] + (1 - beta) * s / static_cast<double>(shape[d0]);
+    for (auto& [k, s] : col_sum) v_col[k] = beta * v_col[k] + (1 - beta) * s / static_cast<double>(shape[d1]);
+    for (const auto& [k, x] : v_row) row_mean[without(k, d1 > d0 ? d1 - 1 : d1)] += x / static_cast<double>(shape[d1]);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto c = coords(i);
+      const auto r = without(c, d0);
+      u[i] = g[i] / std::sqrt(v_row[r] / row_mean[without(r, d1 > d0 ? d1 - 1 : d1)]) / std::sqrt(v_col[without(c, d1)]);
+    }
+    return u;
+  }
+};
+
+double rms_of(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v * v;
+  return std::sqrt(s / static_cast<double>(x.size()));
+}
+
+/// A deterministic gradient for element `i` at step `s`, of mixed signs and sizes.
+float gradient_at(std::size_t i, std::size_t s) {
+  return static_cast<float>(std::sin(0.7 * static_cast<double>(i) + 1.3 * static_cast<double>(s)) *
+                            (1.0 + static_cast<double>(i % 5)));
+}
+
+void require_near(const std::vector<float>& got, const std::vector<double>& want, double rel, double abs = 1e-12) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("element " << i << ": " << got[i] << " vs " << want[i]);
+    REQUIRE(std::abs(got[i] - want[i]) <= rel * std::abs(want[i]) + abs);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("scale_by_factored_rms: factored and unfactored, against plain loops", "[nn][optim][adafactor]") {
+  struct param_case {
+    std::vector<std::size_t> shape;
+    bool factored;  // whether the reference factors it (checked against factored_dims)
+  };
+  const nn::scale_by_factored_rms tx(true, 0.8f, 0, 4);
+  for (const param_case& pc : {param_case{{4, 6}, true}, param_case{{6, 4}, true}, param_case{{6, 2, 4}, true},
+                               param_case{{3, 5, 4}, true}, param_case{{3, 8}, false}, param_case{{7}, false}}) {
+    INFO("shape " << pc.shape.size() << "d, first " << pc.shape[0]);
+    CHECK(tx.factored_dims(pc.shape).has_value() == pc.factored);
+    adafactor_reference ref{pc.shape, 4, true};
+    const std::size_t n = nn::detail::element_count(pc.shape);
+    std::vector<float> slot(n, 0.0f);
+    for (std::size_t step = 0; step < 4; ++step) {
+      std::vector<float> u(n);
+      std::vector<double> g(n);
+      for (std::size_t i = 0; i < n; ++i) g[i] = u[i] = gradient_at(i, step);
+      const std::vector<float> p(n, 1.0f);
+      float* slots[1] = {slot.data()};
+      tx.update(nn::update_run{u.data(), p.data(), std::span<float* const>(slots, 1), n, 0, step, 0, 0,
+                               nn::param_info{"w", pc.shape, true}});
+      require_near(u, ref.scale(g, step), 2e-5);
+    }
+  }
+  // The statistics' layout: a [4, 6] matrix keeps v_row (4, over its columns) then v_col (6).
+  const std::size_t shape[2] = {4, 6};
+  std::vector<float> slot(24, 0.0f), u(24);
+  for (std::size_t i = 0; i < 24; ++i) u[i] = static_cast<float>(i);
+  const std::vector<float> p(24, 1.0f);
+  float* slots[1] = {slot.data()};
+  tx.update(nn::update_run{u.data(), p.data(), std::span<float* const>(slots, 1), 24, 0, 0, 0, 0,
+                           nn::param_info{"w", shape, true}});
+  // Step 0: beta 0, so v_row[r] = mean over c of (6r + c)^2, v_col[c] = mean over r.
+  for (std::size_t r = 0; r < 4; ++r) {
+    double s = 0;
+    for (std::size_t c = 0; c < 6; ++c) s += double(6 * r + c) * double(6 * r + c);
+    CHECK(slot[r] == Approx(s / 6).epsilon(1e-6));
+  }
+  for (std::size_t c = 0; c < 6; ++c) {
+    double s = 0;
+    for (std::size_t r = 0; r < 4; ++r) s += double(6 * r + c) * double(6 * r + c);
+    CHECK(slot[4 + c] == Approx(s / 4).epsilon(1e-6));
+  }
+  for (std::size_t i = 10; i < 24; ++i) CHECK(slot[i] == 0.0f);
+  // The decay: beta_t = 1 - (t + 1)^-0.8, and decay_offset shifts t.
+  CHECK(tx.decay(0) == 0.0f);
+  CHECK(tx.decay(3) == Approx(1.0 - std::pow(4.0, -0.8)));
+  CHECK(nn::scale_by_factored_rms(true, 0.5f, 2).decay(5) == Approx(1.0 - std::pow(4.0, -0.5)));
+  CHECK(meshlib_test::message_of<std::invalid_argument>([] { (void)nn::scale_by_factored_rms(true, 0.8f, 0, 1); }) ==
+        "meshlib::nn: scale_by_factored_rms: min_dim_size_to_factor is 1; it must be at least 2 (pass factored = "
+        "false to factor nothing)");
+  // A piece of a parameter is refused (the train state refuses such states before a step).
+  std::vector<float> half(12, 1.0f);
+  CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
+          tx.update(nn::update_run{half.data(), p.data(), std::span<float* const>(slots, 1), 12, 12, 0, 0, 0,
+                                   nn::param_info{"fc.w", shape, true}});
+        }) == "meshlib::nn: scale_by_factored_rms (adafactor): parameter 'fc.w' (24 elements) reached the optimizer "
+              "as elements [12, 24) only: its statistics need the whole parameter on the device that updates it; "
+              "use replicated or data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel "
+              "sharding of it");
+}
+
+TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][optim][adafactor]") {
+  struct variant {
+    nn::adafactor_options o;
+    std::string name;
+  };
+  const auto all = [](const nn::param_info&) { return true; };
+  const std::vector<variant> variants{
+      {{.min_dim_size_to_factor = 4}, "adafactor"},
+      {{.min_dim_size_to_factor = 4, .clipping_threshold = 0.05f, .momentum = 0.9f, .weight_decay_rate = 1e-2f,
+        .weight_decay_mask = all},
+       "adafactor(momentum 0.9, weight decay 0.01)"},
+      {{.min_dim_size_to_factor = 4, .multiply_by_parameter_scale = false, .clipping_threshold = std::nullopt,
+        .factored = false},
+       "adafactor(unfactored)"},
+  };
+  const float lr = 0.05f;
+  for (const auto& var : variants) {
+    const nn::optimizer opt = nn::adafactor(lr, var.o);
+    INFO(opt.name());
+    CHECK(opt.name() == var.name);
+    CHECK(opt.kind() == "adafactor");
+    CHECK(opt.slots() == (var.o.momentum ? 2u : 1u));
+    CHECK(opt.whole_parameters());
+    for (const std::vector<std::size_t>& shape : {std::vector<std::size_t>{5, 6}, std::vector<std::size_t>{7}}) {
+      const std::size_t n = nn::detail::element_count(shape);
+      adafactor_reference ref{shape, 4, var.o.factored};
+      std::vector<double> want(n), m(n, 0.0);
+      std::vector<float> p(n);
+      for (std::size_t i = 0; i < n; ++i) want[i] = p[i] = 0.5f - 0.1f * static_cast<float>(i % 7);
+      std::vector<std::vector<float>> state(opt.slots(), std::vector<float>(n, 0.0f));
+      for (std::size_t step = 0; step < 4; ++step) {
+        std::vector<float> u(n);
+        std::vector<double> g(n);
+        for (std::size_t i = 0; i < n; ++i) g[i] = u[i] = gradient_at(i, step);
+        std::vector<double> x = ref.scale(g, step);
+        if (var.o.clipping_threshold) {
+          const double denom = std::max(1.0, rms_of(x) / *var.o.clipping_threshold);
+          for (double& e : x) e /= denom;
+        }
+        for (double& e : x) e *= lr;
+        if (var.o.multiply_by_parameter_scale) {
+          const double s = std::max(rms_of(want), 1e-3);
+          for (double& e : x) e *= s;
+        }
+        if (var.o.momentum)
+          for (std::size_t i = 0; i < n; ++i) x[i] = m[i] = *var.o.momentum * m[i] + (1 - *var.o.momentum) * x[i];
+        if (var.o.weight_decay_rate)
+          for (std::size_t i = 0; i < n; ++i) x[i] += *var.o.weight_decay_rate * want[i];
+        for (std::size_t i = 0; i < n; ++i) want[i] -= x[i];
+        std::vector<float*> slots;
+        for (auto& s : state) slots.push_back(s.data());
+        opt.update_and_apply(nn::update_run{u.data(), p.data(), std::span<float* const>(slots), n, 0, step, 0, 0,
+                                            nn::param_info{"w", shape, true}},
+                             p.data());
+        // (Absolute too: a parameter may pass near 0, where float's rounding of p - x is not
+        // relatively small; the updates themselves are ~1e-2, 1e5 times the tolerance.)
+        require_near(p, want, 2e-5, 1e-7);
+      }
+    }
+  }
+}
+
+TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shards", "[nn][optim][adafactor]") {
+  const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
+  const auto ref = run(mesh_t{1, 1}, opt, {});
+  CHECK(ref.back() < 0.9 * ref.front());  // it learns
+  require_close(run(mesh_t{4, 1}, opt, {}), ref, 1e-5);
+  require_close(run(mesh_t{2, 1}, opt, {}), ref, 1e-5);
+  // Factoring matters: an unfactored run differs.
+  CHECK(run(mesh_t{1, 1}, nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f, .factored = false}),
+            {}) != ref);
+  const std::string head = "meshlib::nn: train_state: the optimizer adafactor(momentum 0.5) needs each parameter "
+                           "whole on the device that updates it (its statistics are per parameter), but ";
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {.zero = true}); }) ==
+        head + "ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes; use data_parallel "
+               "without ZeRO (zero 0)");
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          const mesh_t m{1, 2};
+          nn::train_state state(m, make_net(m), opt, {});
+        }).starts_with(head + "parameter 'fc1.w' is sharded "));
+  // Inside masked and multi_transform too.
+  CHECK(nn::optimizer(nn::masked(opt, [](std::string_view) { return true; })).whole_parameters());
+  const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });
+  CHECK(groups.whole_parameters());
+  CHECK(!nn::optimizer(nn::multi_transform({{"a", nn::adam(1e-3f)}}, [](std::string_view) { return "a"; })).whole_parameters());
+  CHECK_THROWS_AS(run(mesh_t{2, 1}, groups, {.zero = true}), meshlib::sharding_error);
+  using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          const fsdp_mesh_t m{2, 1};
+          const nn::rng_key key{11};
+          nn::train_state state(m,
+                                nn::sequential(nn::dense<float, fsdp_mesh_t>(m, "fc1", features, hidden, key),
+                                               nn::relu<float>(m),
+                                               nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
+                                opt, {.fsdp = true});
+        }) == head + "fully_shard shards the parameters; train without fully_shard");
+}
+
+TEST_CASE("checkpoints hold adafactor's state", "[nn][optim][adafactor][checkpoint]") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("meshlib_nn_adafactor_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
+  const mesh_t m1{2, 1}, m2{4, 1};
+  nn::train_state a(m1, make_net(m1), opt, {});
+  (void)train(a, 0, 3);
+  nn::save_checkpoint(dir, a);
+  nn::train_state b(m2, make_net(m2), opt, {});
+  nn::restore_checkpoint(dir, b);
+  CHECK(b.step == 3);
+  nn::train_state c(m1, make_net(m1), opt, {});
+  nn::restore_checkpoint(dir, c);
+  for (std::size_t dev = 0; dev < m1.size(); ++dev) CHECK(c.optimizer_state(dev) == a.optimizer_state(dev));
+  // The statistics carry on: a resumed run matches the uninterrupted one, and a fresh state does not.
+  const auto resumed = train(b, 3, 3);
+  require_close(resumed, train(a, 3, 3), 1e-5);
+  nn::train_state fresh(m1, make_net(m1), opt, {});
+  (void)train(fresh, 0, 3);
+  nn::train_state cold(m1, make_net(m1), opt, {});
+  for (std::size_t i = 0; i < cold.params.size(); ++i)
+    for (std::size_t dev = 0; dev < m1.size(); ++dev)
+      std::memcpy(cold.params[i].value[dev], fresh.params[i].value[dev], cold.params[i].count[dev] * sizeof(float));
+  cold.step = 3;
+  CHECK(train(cold, 3, 3) != resumed);
   fs::remove_all(dir);
 }
 

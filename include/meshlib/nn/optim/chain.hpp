@@ -56,6 +56,12 @@ class chain_transform {
     visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
   }
+  /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
+  [[nodiscard]] bool whole_parameters() const {
+    bool any = false;
+    for_each([&](const auto& t) { any = any || detail::whole_parameters_of(t); });
+    return any;
+  }
   /// `chain(a, b, ...)` of the transforms' names.
   [[nodiscard]] std::string name() const { return joined(", ", [](const auto& t) { return detail::name_of(t); }); }
   /// `chain(a,b,...)` of the transforms' kinds (no spaces: checkpoints record it).

@@ -76,6 +76,10 @@ class multi_transform_t {
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
+  /// Whether a group's transform needs each parameter whole in one run (`adafactor`).
+  [[nodiscard]] bool whole_parameters() const {
+    return std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g.second.whole_parameters(); });
+  }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return joined(", ", [](const optimizer& o) { return o.name(); }); }
   /// What checkpoints record (no spaces): a resumed run must match it.

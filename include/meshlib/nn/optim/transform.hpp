@@ -62,7 +62,8 @@ struct update_run {
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
-/// `reads_global_norm(stage)` (default false) and `update_and_apply(run, float* params)`, the update
+/// `reads_global_norm(stage)` (default false), `whole_parameters()` (default false: true for a
+/// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
 /// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
@@ -135,6 +136,12 @@ std::size_t stages_of(const T& t) {
 template <class T>
 bool reads_global_norm_of(const T& t, std::size_t stage) {
   if constexpr (requires { t.reads_global_norm(stage); }) return t.reads_global_norm(stage);
+  else return false;
+}
+/// `t.whole_parameters()` (the transform reads every element of a parameter at once), or false.
+template <class T>
+bool whole_parameters_of(const T& t) {
+  if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();
   else return false;
 }
 /// `t.name()`, or "custom".

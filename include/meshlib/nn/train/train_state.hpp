@@ -229,7 +229,8 @@ class train_state {
 
   /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
   /// `local_devices`: this process's devices (empty: all).
-  /// @throws sharding_error when `opts.accumulation` is 0.
+  /// @throws sharding_error when `opts.accumulation` is 0, and for an optimizer that reads whole
+  /// parameters (`adafactor`) with ZeRO-1, FSDP or a tensor-parallel parameter.
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : mesh(m),
@@ -264,6 +265,7 @@ class train_state {
     else
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
+    if (opt.whole_parameters()) refuse_parameter_shards();
     if (options.fsdp) shard_parameters();
     // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
@@ -515,6 +517,28 @@ class train_state {
   }
 
  private:
+  // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
+  // pieces of one: refused here, before any step, with the fix.
+  void refuse_parameter_shards() const {
+    const auto bad = [&](const std::string& why, const std::string& fix) {
+      return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
+                            " needs each parameter whole on the device that updates it (its statistics are per "
+                            "parameter), but " + why + "; " + fix);
+    };
+    if (options.zero)
+      throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
+                "use data_parallel without ZeRO (zero 0)");
+    if (options.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
+    for (const auto& p : params) {
+      std::size_t total = 1;
+      for (std::size_t d : p.shape) total *= d;
+      for (std::size_t dev : local_)
+        if (p.count[dev] != 0 && p.count[dev] != total)
+          throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " (" + std::to_string(p.count[dev]) +
+                        " of its " + std::to_string(total) + " elements on device " + std::to_string(dev) + ")",
+                    "replicate it (a mesh whose tensor-parallel axes have size 1)");
+    }
+  }
   /// `opts` with each policy's part set, after the compile-time checks of the policies.
   template <class... Ps>
   static train_options with_policies(train_options opts, const Ps&... ps) {

@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief The kernels of the transforms that read a whole parameter (nn/optim/factored_rms.hpp,
+/// nn/optim/block_rms.hpp): a deterministic sum of squares, and the row and column statistics of
+/// Adafactor's factored second moment. Classes, not lambdas: nvcc refuses extended lambdas in
+/// functions whose return type is deduced, and these are called from such code.
+///
+/// A parameter is a row-major array; its factored statistics are the arrays optax keeps, laid out
+/// row-major too: `v_row` is the parameter's shape without dimension `d0`, `v_col` without `d1`.
+/// `drop_dim` and `insert_dim` move between an element's index and the index of its statistic, so
+/// any pair of dimensions of any rank goes through one code path.
+
+#include <cstddef>
+#include <vector>
+
+#include "meshlib/tensor/kernel.hpp"
+
+namespace meshlib::nn::detail {
+
+/// The index in the array without one dimension (stride `s`, extent `n`) of element `i`.
+KOKKOS_INLINE_FUNCTION std::size_t drop_dim(std::size_t i, std::size_t s, std::size_t n) noexcept {
+  return (i / (s * n)) * s + i % s;
+}
+/// The inverse of `drop_dim`: the element whose coordinate along the dropped dimension is `c`.
+KOKKOS_INLINE_FUNCTION std::size_t insert_dim(std::size_t j, std::size_t s, std::size_t n, std::size_t c) noexcept {
+  return (j / s) * (s * n) + c * s + j % s;
+}
+
+/// `out[c]` = the sum of squares of chunk `c` of `x`, in double (fixed chunks: the same bits on
+/// every run and any number of threads).
+struct chunk_squares {
+  const float* x;
+  double* out;
+  std::size_t n, chunks;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t c) const {
+    const std::size_t b = c * n / chunks, e = (c + 1) * n / chunks;
+    double s = 0;
+    for (std::size_t i = b; i < e; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    out[c] = s;
+  }
+};
+
+/// The sum of the squares of the `n` floats at `x` (in the running device's memory).
+inline double block_sum_of_squares(const float* x, std::size_t n) {
+  if (n == 0) return 0;
+  const std::size_t chunks = n < 256 ? n : 256;
+  auto part = ::meshlib::allocate<double, 1>({chunks}, "meshlib::nn::block_sum_of_squares");
+  ::meshlib::launch<default_memory_space>(chunks, chunk_squares{x, part.data(), n, chunks});
+  std::vector<double> host(chunks);
+  ::meshlib::copy_to_host<default_memory_space>(host.data(), part.data(), chunks);
+  double s = 0;
+  for (double v : host) s += v;
+  return s;
+}
+
+/// A statistic of the factored second moment: `v[j] = beta v[j] + (1 - beta) mean_c (g^2 + eps)`,
+/// the mean over the `n` elements along the dimension of stride `s` that statistic `j` sums.
+struct factored_moment {
+  const float* g;
+  float* v;
+  std::size_t s, n;
+  float beta, eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      const float x = g[insert_dim(j, s, n, c)];
+      acc += static_cast<double>(x * x + eps);
+    }
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(acc / static_cast<double>(n));
+  }
+};
+
+/// `mean[o]`: the mean of `v_row` over dimension `d1` (stride `s` in `v_row`, extent `n`).
+struct row_mean {
+  const float* v_row;
+  float* mean;
+  std::size_t s, n;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t o) const {
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) acc += static_cast<double>(v_row[insert_dim(o, s, n, c)]);
+    mean[o] = static_cast<float>(acc / static_cast<double>(n));
+  }
+};
+
+/// The factored update: `u = g / sqrt(v_row / mean(v_row)) / sqrt(v_col)` (`u` may be `g`).
+struct factored_scale {
+  float* u;
+  const float* v_row;
+  const float* v_col;
+  const float* mean;
+  std::size_t s0, n0;  ///< stride and extent of `d0` (the largest dimension) in the parameter
+  std::size_t s1, n1;  ///< of `d1` in the parameter
+  std::size_t s1_row;  ///< of `d1` in `v_row`
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t r = drop_dim(i, s0, n0);
+    const float row = 1.0f / Kokkos::sqrt(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
+    const float col = 1.0f / Kokkos::sqrt(v_col[drop_dim(i, s1, n1)]);
+    u[i] = u[i] * row * col;
+  }
+};
+
+/// The unfactored update: `v = beta v + (1 - beta) (g^2 + eps)`, `u = g / sqrt(v)`.
+struct unfactored_scale {
+  float* u;
+  float* v;
+  float beta, eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const float g = u[i];
+    const float vi = beta * v[i] + (1.0f - beta) * (g * g + eps);
+    v[i] = vi;
+    u[i] = g / Kokkos::sqrt(vi);
+  }
+};
+
+/// `u[i] *= f`.
+struct scale_by_factor {
+  float* u;
+  float f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] * f; }
+};
+
+}  // namespace meshlib::nn::detail

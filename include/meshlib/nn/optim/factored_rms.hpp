@@ -1,0 +1,146 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+#pragma once
+/// @file
+/// @brief `scale_by_factored_rms` (optax's; Shazeer and Stern 2018, "Adafactor: Adaptive Learning
+/// Rates with Sublinear Memory Cost"): the gradient divided by the root of a running mean of its
+/// square, that mean factored into a row and a column statistic for a parameter whose two largest
+/// dimensions are both at least `min_dim_size_to_factor`:
+/// - `beta_t = 1 - (step - decay_offset + 1)^-decay_rate`, `g2 = g^2 + eps`;
+/// - factored (`d0` the largest dimension, `d1` the second largest, ties to the later one, as
+///   numpy's `argsort` orders them): `v_row = beta_t v_row + (1 - beta_t) mean(g2, d0)`, `v_col`
+///   likewise over `d1`, `update = g / sqrt(v_row / mean(v_row, d1)) / sqrt(v_col)`;
+/// - otherwise (vectors, small matrices, `factored = false`): `v = beta_t v + (1 - beta_t) g2`,
+///   `update = g / sqrt(v)`.
+///
+/// The statistics of a parameter are a function of all its elements, so the transform needs each
+/// parameter whole on the device that updates it (`whole_parameters()`): replicated and
+/// data-parallel state; the train state refuses ZeRO-1, FSDP and tensor-parallel shards of a
+/// parameter. Its state is one slot (a float per element): `v` unfactored; factored, `v_row` then
+/// `v_col` in the slot's first floats (the rest stay zero), so checkpoints hold it as any slot.
+/// (The memory of the full slot is spent even where the statistics need less.)
+/// @code
+/// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
+///                              meshlib::nn::scale_by_learning_rate(1e-2f));
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/optim/detail/block_kernels.hpp"
+#include "meshlib/nn/optim/transform.hpp"
+#include "meshlib/tensor/kernel.hpp"
+
+namespace meshlib::nn {
+
+namespace detail {
+/// The elements of a parameter of global shape `shape`.
+inline std::size_t element_count(std::span<const std::size_t> shape) {
+  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
+}
+/// The refusal of a run that is not a whole parameter, for the transform `who`.
+inline void require_whole_parameter(const char* who, const update_run& r) {
+  const std::size_t total = element_count(r.param.shape);
+  if (r.offset != 0 || r.size != total)
+    throw std::invalid_argument(
+        std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
+        std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
+        std::to_string(r.offset + r.size) +
+        ") only: its statistics need the whole parameter on the device that updates it; use replicated or "
+        "data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel sharding of it");
+}
+}  // namespace detail
+
+/// @brief See the file comment.
+class scale_by_factored_rms {
+ public:
+  /// optax's defaults.
+  /// @throws std::invalid_argument when `min_dim_size_to_factor` is below 2 (a factored
+  /// parameter's statistics must fit in its slot) or `decay_rate` is not positive.
+  explicit scale_by_factored_rms(bool factored = true, float decay_rate = 0.8f, std::size_t decay_offset = 0,
+                                 std::size_t min_dim_size_to_factor = 128, float eps = 1e-30f)
+      : factored_(factored), decay_rate_(decay_rate), decay_offset_(decay_offset), min_dim_(min_dim_size_to_factor),
+        eps_(eps) {
+    if (min_dim_size_to_factor < 2)
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms: min_dim_size_to_factor is " +
+                                  std::to_string(min_dim_size_to_factor) +
+                                  "; it must be at least 2 (pass factored = false to factor nothing)");
+    if (!(decay_rate > 0.0f))
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms: decay_rate is " +
+                                  detail::number_text(decay_rate) + "; it must be positive");
+  }
+
+  /// The `gradient_transform` requirement: state floats per element (see the file comment).
+  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// True: the statistics need every element of a parameter in one run.
+  [[nodiscard]] bool whole_parameters() const noexcept { return true; }
+  /// The transform as logs print it.
+  [[nodiscard]] std::string name() const { return "scale_by_factored_rms"; }
+  /// What checkpoints record (no spaces): a resumed run must match it.
+  [[nodiscard]] std::string kind() const { return "scale_by_factored_rms"; }
+
+  /// `beta_t` at `step` (0-based): `1 - (step - decay_offset + 1)^-decay_rate`, in float as optax.
+  [[nodiscard]] float decay(std::size_t step) const {
+    const float t = static_cast<float>(static_cast<double>(step) - static_cast<double>(decay_offset_) + 1.0);
+    return 1.0f - std::pow(t, -decay_rate_);
+  }
+  /// optax's `_factored_dims`: `{d1, d0}`, the second largest and the largest dimension, for a
+  /// parameter of `shape` that is factored; none for one that is not.
+  [[nodiscard]] std::optional<std::array<std::size_t, 2>> factored_dims(std::span<const std::size_t> shape) const {
+    if (!factored_ || shape.size() < 2) return std::nullopt;
+    std::vector<std::size_t> order(shape.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return shape[a] < shape[b]; });
+    const std::size_t d1 = order[order.size() - 2], d0 = order.back();
+    if (shape[d1] < min_dim_) return std::nullopt;
+    return std::array<std::size_t, 2>{d1, d0};
+  }
+
+  /// The `gradient_transform` requirement: transforms the run's updates in place.
+  /// @throws std::invalid_argument when the run is not a whole parameter.
+  void update(const update_run& r) const {
+    detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
+    const float beta = decay(r.step);
+    const auto dims = factored_dims(r.param.shape);
+    if (!dims) {
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.state[0], beta, eps_});
+      return;
+    }
+    const auto shape = r.param.shape;
+    const auto stride = [&](std::size_t d) {
+      std::size_t s = 1;
+      for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
+      return s;
+    };
+    const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
+    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = stride(d0), s1 = stride(d1);
+    const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
+    // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
+    const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
+    float* v_row = r.state[0];
+    float* v_col = v_row + rows;
+    auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
+    ::meshlib::launch<default_memory_space>(rows, detail::factored_moment{r.updates, v_row, s0, n0, beta, eps_});
+    ::meshlib::launch<default_memory_space>(cols, detail::factored_moment{r.updates, v_col, s1, n1, beta, eps_});
+    ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
+    ::meshlib::launch<default_memory_space>(
+        r.size, detail::factored_scale{r.updates, v_row, v_col, mean.data(), s0, n0, s1, n1, s1_row});
+  }
+
+ private:
+  bool factored_;
+  float decay_rate_;
+  std::size_t decay_offset_;
+  std::size_t min_dim_;
+  float eps_;
+};
+
+}  // namespace meshlib::nn
