@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// nn::value_and_grad / nn::grad (include/meshlib/nn/autodiff/): gradients of small programs
+// against hand-derived formulas, and of programs mixing every differentiable collective against
+// central finite differences of the loss, over a 1-D mesh of 4 devices and a 2x2 mesh. Each
+// device's gradient is compared with the finite difference of the global element its block holds,
+// so the gradients are checked to come back sharded like the inputs.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "meshlib_catch.hpp"
+
+namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
+
+namespace {
+
+namespace nn = meshlib::nn;
+
+using mesh1 = meshlib::mesh<meshlib::axis<"x">>;
+constexpr meshlib::axis_mask X = mesh1::mask_of<"x">();
+using rows1 = meshlib::local_tensor<double, 2, mesh1, X, 0, meshlib::dim_masks<X, 0>>;  // P<"x", none>
+using vary1 = meshlib::local_tensor<double, 2, mesh1, X, 0, meshlib::dim_masks<0, 0>>;  // varying, not sharded
+using repl1 = meshlib::local_tensor<double, 2, mesh1, 0, 0, meshlib::dim_masks<0, 0>>;  // P<none, none>
+
+using mesh2 = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
+constexpr meshlib::axis_mask D = mesh2::mask_of<"data">(), M = mesh2::mask_of<"model">();
+using x2_t = meshlib::local_tensor<double, 2, mesh2, D | M, 0, meshlib::dim_masks<D, M>>;  // P<"data", "model">
+using w2_t = meshlib::local_tensor<double, 2, mesh2, M, 0, meshlib::dim_masks<M, 0>>;      // P<"model", none>
+
+/// A global row-major array of `rows x cols` pseudo-random values in [-1, 1] (fixed seed).
+std::vector<double> random_array(std::size_t rows, std::size_t cols, unsigned seed) {
+  std::vector<double> v(rows * cols);
+  unsigned s = seed * 2654435761U + 12345U;
+  for (auto& x : v) {
+    s = s * 1664525U + 1013904223U;
+    x = static_cast<double>(s >> 8) / static_cast<double>(1U << 24) * 2.0 - 1.0;
+  }
+  return v;
+}
+
+/// Where a device's block lies in a global 2-D array: first row, first column, and its shape.
+struct block_at {
+  std::size_t row, col, rows, cols, global_cols;
+  [[nodiscard]] std::size_t global_index(std::size_t k) const { return (row + k / cols) * global_cols + col + k % cols; }
+};
+
+/// Device `dev`'s block of `global` as a local value of type `L`.
+template <class L, class Mesh>
+L block_of(const Mesh& m, std::size_t dev, const std::vector<double>& global, const block_at& b) {
+  L t(std::array<std::size_t, 2>{b.rows, b.cols}, m, dev);
+  for (std::size_t k = 0; k < t.size(); ++k) t.data()[k] = global[b.global_index(k)];
+  return t;
+}
+
+/// Checks every device's gradient block against central differences of `loss(globals)` at the
+/// global elements it holds. `grads[i][dev]` is the gradient of argument i on device `dev`,
+/// `where[i](dev)` its block.
+void check_against_differences(const std::function<double(const std::vector<std::vector<double>>&)>& loss,
+                               std::vector<std::vector<double>> globals,
+                               const std::vector<std::vector<std::vector<double>>>& grads,
+                               const std::vector<std::function<block_at(std::size_t)>>& where) {
+  const double h = 1e-6;
+  for (std::size_t i = 0; i < globals.size(); ++i) {
+    std::vector<double> numeric(globals[i].size());
+    for (std::size_t e = 0; e < globals[i].size(); ++e) {
+      const double keep = globals[i][e];
+      globals[i][e] = keep + h;
+      const double up = loss(globals);
+      globals[i][e] = keep - h;
+      const double down = loss(globals);
+      globals[i][e] = keep;
+      numeric[e] = (up - down) / (2 * h);
+    }
+    for (std::size_t dev = 0; dev < grads[i].size(); ++dev) {
+      const block_at b = where[i](dev);
+      REQUIRE(grads[i][dev].size() == b.rows * b.cols);
+      for (std::size_t k = 0; k < grads[i][dev].size(); ++k) {
+        INFO("argument " << i << ", device " << dev << ", local element " << k);
+        CHECK(std::abs(grads[i][dev][k] - numeric[b.global_index(k)]) <= 1e-6 * (1 + std::abs(numeric[b.global_index(k)])));
+      }
+    }
+  }
+}
+
+std::vector<double> host(const auto& t) { return meshlib::to_host(t); }
+
+}  // namespace
+
+TEST_CASE("value_and_grad of elementwise maps and a psum matches the hand-derived gradient", "[nn][autodiff]") {
+  // L = sum over the global (8, 3) array of c tanh(x) + x^2 - x / 2, rows sharded over 4 devices:
+  // dL/dx = c (1 - tanh(x)^2) + 2 x - 1/2, and every device's loss is the whole sum.
+  const mesh1 m{4};
+  const auto gx = random_array(8, 3, 1), gc = random_array(8, 3, 2);
+  double expected_loss = 0;
+  for (std::size_t e = 0; e < gx.size(); ++e) expected_loss += gc[e] * std::tanh(gx[e]) + gx[e] * gx[e] - gx[e] / 2;
+  auto loss_fn = [](const auto& x, const rows1& c) {
+    return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::tanh(x) * c + nn::square(x) - x * 0.5)));
+  };
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const block_at b{2 * dev, 0, 2, 3, 3};
+    const auto x = block_of<rows1>(m, dev, gx, b), c = block_of<rows1>(m, dev, gc, b);
+    auto [value, dx] = nn::value_and_grad(loss_fn)(x, c);
+    static_assert(std::is_same_v<decltype(dx), rows1>, "the gradient has the argument's type");
+    CHECK(std::abs(host(value)[0] - expected_loss) < 1e-12 * (1 + std::abs(expected_loss)));
+    const auto g = host(dx);
+    for (std::size_t k = 0; k < g.size(); ++k) {
+      const double xv = gx[b.global_index(k)], cv = gc[b.global_index(k)];
+      CHECK(std::abs(g[k] - (cv * (1 - std::tanh(xv) * std::tanh(xv)) + 2 * xv - 0.5)) < 1e-12);
+    }
+    // grad: the same gradient without the value
+    const auto g2 = host(nn::grad(loss_fn)(x, c));
+    CHECK(g2 == g);
+  });
+}
+
+TEST_CASE("value_and_grad of data-parallel least squares matches X^T R and R W^T", "[nn][autodiff]") {
+  // L = 1/2 sum (X W - Y)^2 with X, Y rows sharded over 4 devices, W replicated: dW = X^T R summed
+  // over the devices (R = X W - Y), each device's dX = its rows of R W^T.
+  const mesh1 m{4};
+  const std::size_t n = 8, k = 3, o = 2;
+  const auto gx = random_array(n, k, 3), gw = random_array(k, o, 4), gy = random_array(n, o, 5);
+  std::vector<double> r(n * o, 0.0), dw(k * o, 0.0), dx(n * k, 0.0);
+  double expected_loss = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < o; ++j) {
+      double s = -gy[i * o + j];
+      for (std::size_t q = 0; q < k; ++q) s += gx[i * k + q] * gw[q * o + j];
+      r[i * o + j] = s;
+      expected_loss += s * s / 2;
+    }
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t q = 0; q < k; ++q)
+      for (std::size_t j = 0; j < o; ++j) {
+        dw[q * o + j] += gx[i * k + q] * r[i * o + j];
+        dx[i * k + q] += r[i * o + j] * gw[q * o + j];
+      }
+  using y_t = meshlib::local_tensor<double, 2, mesh1, X, 0, meshlib::dim_masks<X, 0>>;
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, gx, {2 * dev, 0, 2, k, k});
+    const auto w = block_of<repl1>(m, dev, gw, {0, 0, k, o, o});
+    const auto y = block_of<y_t>(m, dev, gy, {2 * dev, 0, 2, o, o});
+    auto loss_fn = [](const auto& xs, const auto& ws, const y_t& ys) {
+      return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(nn::matmul(xs, ws) - ys)))) * 0.5;
+    };
+    auto [value, grads] = nn::value_and_grad<0, 1>(loss_fn)(x, w, y);
+    const auto& [gxs, gws] = grads;
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(gws)>, repl1>, "W's gradient is replicated, as W is");
+    CHECK(std::abs(host(value)[0] - expected_loss) < 1e-12 * (1 + expected_loss));
+    const auto hw = host(gws), hx = host(gxs);
+    for (std::size_t e = 0; e < hw.size(); ++e) CHECK(std::abs(hw[e] - dw[e]) < 1e-12);
+    for (std::size_t e = 0; e < hx.size(); ++e) CHECK(std::abs(hx[e] - dx[2 * dev * k + e]) < 1e-12);
+    // argnums 1 alone: W's gradient only, the same values
+    CHECK(host(nn::grad<1>(loss_fn)(x, w, y)) == hw);
+  });
+}
+
+TEST_CASE("value_and_grad: an argument the loss does not use gets a zero gradient", "[nn][autodiff]") {
+  const mesh1 m{4};
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, random_array(8, 3, 6), {2 * dev, 0, 2, 3, 3});
+    auto [value, grads] = nn::value_and_grad<0, 1>([](const auto& a, const auto&) {
+      return nn::psum<"x">(nn::sum<0>(nn::sum<1>(a)));
+    })(x, x);
+    CHECK(host(std::get<0>(grads)) == std::vector<double>(6, 1.0));
+    CHECK(host(std::get<1>(grads)) == std::vector<double>(6, 0.0));
+  });
+}
+
+TEST_CASE("value_and_grad refuses a loss of more than one element, saying how to reduce it", "[nn][autodiff]") {
+  const mesh1 m{4};
+  std::vector<std::string> what(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, random_array(8, 3, 7), {2 * dev, 0, 2, 3, 3});
+    try {
+      (void)nn::value_and_grad([](const auto& a) { return nn::psum<"x">(a); })(x);
+    } catch (const nn::autodiff_error& e) {
+      what[dev] = e.what();
+    }
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev)
+    CHECK(what[dev] == "meshlib: value_and_grad: the loss must be a scalar (one element), but the function returned "
+                       "a block of shape (2, 3) on device " + std::to_string(dev) +
+                           "; reduce it with nn::sum / nn::mean first");
+}
+
+TEST_CASE("value_and_grad through every collective on a 1-D mesh matches finite differences", "[nn][autodiff]") {
+  // x: (8, 3) rows sharded over 4 devices; w: (3, 4) replicated; c: a constant that varies by device.
+  const mesh1 m{4};
+  const auto gx0 = random_array(8, 3, 11), gw0 = random_array(3, 4, 12);
+  const std::vector<std::pair<std::size_t, std::size_t>> shift{{0, 1}, {1, 2}, {2, 3}, {3, 0}};
+  auto loss_fn = [&](const auto& x, const auto& w, const vary1& c) {
+    auto h = nn::tanh(nn::matmul(x, w));                          // (2, 4), rows sharded
+    auto g = nn::all_gather<"x", 0>(h);                           // (8, 4), invariant
+    auto s = nn::psum_scatter<"x", 1>(nn::pvary<"x">(g) * c);     // (8, 1), columns sharded
+    auto a = nn::all_to_all<"x", 0, 1>(nn::ppermute<"x">(s, shift));  // (2, 4), rows sharded
+    auto term_a = nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(a))));
+    auto term_h = nn::pmean<"x">(nn::mean<0>(nn::mean<1>(nn::exp(h))));
+    auto term_d = nn::psum<"x">(nn::sum<0>(nn::sum<1>(x / (nn::square(x) + 2.0))));
+    return term_a + term_h * 2.0 - term_d;
+  };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<rows1>(m, dev, gl[0], {2 * dev, 0, 2, 3, 3});
+      const auto w = block_of<repl1>(m, dev, gl[1], {0, 0, 3, 4, 4});
+      const auto c = block_of<vary1>(m, dev, random_array(8, 4, 13 + static_cast<unsigned>(dev)), {0, 0, 8, 4, 4});
+      auto [value, g] = nn::value_and_grad<0, 1>(loss_fn)(x, w, c);
+      loss[dev] = host(value)[0];
+      if (grads) {
+        (*grads)[0][dev] = host(std::get<0>(g));
+        (*grads)[1][dev] = host(std::get<1>(g));
+      }
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);  // one loss, every device
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(2, std::vector<std::vector<double>>(4));
+  run({gx0, gw0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0, gw0}, grads,
+                            {[](std::size_t dev) { return block_at{2 * dev, 0, 2, 3, 3}; },
+                             [](std::size_t) { return block_at{0, 0, 3, 4, 4}; }});
+}
+
+TEST_CASE("value_and_grad on a 2x2 mesh (contraction sharded on model) matches finite differences", "[nn][autodiff]") {
+  // x: (4, 6) as P<"data", "model">; w: (6, 4) as P<"model", none>: x w is a pending sum over model.
+  const mesh2 m{2, 2};
+  const auto gx0 = random_array(4, 6, 21), gw0 = random_array(6, 4, 22);
+  const std::vector<std::pair<std::size_t, std::size_t>> swap{{0, 1}, {1, 0}};
+  auto loss_fn = [&](const auto& x, const auto& w) {
+    auto s = nn::psum<"model">(nn::matmul(x, w));                 // (2, 4): varies over data
+    auto h = nn::tanh(s) * 0.7 + nn::square(s) * 0.1;
+    auto g = nn::all_gather<"data", 0>(h);                        // (4, 4): invariant
+    auto term1 = nn::mean<0>(nn::sum<1>(nn::log(nn::exp(g) + 1.0) + nn::maximum(g, 0.1)));
+    auto term2 = nn::psum<"data">(nn::sum<0>(nn::sum<1>(h / (nn::square(h) + 1.5))));
+    auto p = nn::ppermute<"model">(nn::psum_scatter<"model", 1>(nn::pvary<"model">(h)), swap);  // (2, 2)
+    auto term3 = nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(p))));
+    return term1 + term2 * 0.5 + term3 * 0.25;
+  };
+  auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
+  auto w_at = [](std::size_t dev) { return block_at{3 * (dev % 2), 0, 3, 4, 4}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      REQUIRE(m.coords(dev)[0] == dev / 2);  // row-major: data, then model
+      const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
+      const auto w = block_of<w2_t>(m, dev, gl[1], w_at(dev));
+      auto [value, g] = nn::value_and_grad<0, 1>(loss_fn)(x, w);
+      static_assert(std::is_same_v<std::tuple_element_t<1, decltype(g)>, w2_t>);
+      loss[dev] = host(value)[0];
+      if (grads) {
+        (*grads)[0][dev] = host(std::get<0>(g));
+        (*grads)[1][dev] = host(std::get<1>(g));
+      }
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(2, std::vector<std::vector<double>>(4));
+  run({gx0, gw0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0, gw0}, grads, {x_at, w_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
