@@ -89,9 +89,6 @@ struct maximum_back_fn {  // (ct, x) -> ct where x > s, else 0 (the subgradient 
   KOKKOS_INLINE_FUNCTION T operator()(T g, T x) const { return x > static_cast<T>(s) ? g : T(0); }
 };
 
-template <class A, class B>
-concept ad_binary = ad_operand<A> && ad_operand<B> && (traced_type<A> || traced_type<B>);
-
 template <class X, class S>
 concept ad_scalar_for = traced_type<X> && std::is_arithmetic_v<S>;
 

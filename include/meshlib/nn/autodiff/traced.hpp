@@ -181,6 +181,10 @@ const auto& primal_of(const X& x) {
   else return x;
 }
 
+/// Two operands of which at least one is traced (the other a constant `local_tensor`).
+template <class A, class B>
+concept ad_binary = ad_operand<A> && ad_operand<B> && (traced_type<A> || traced_type<B>);
+
 /// The tape of the first traced operand.
 template <class A, class B>
 tape* tape_of(const A& a, const B& b) {
