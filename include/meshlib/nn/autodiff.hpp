@@ -8,4 +8,5 @@
 #include "meshlib/nn/autodiff/elementwise.hpp"
 #include "meshlib/nn/autodiff/linalg.hpp"
 #include "meshlib/nn/autodiff/collectives.hpp"
+#include "meshlib/nn/autodiff/layer.hpp"
 #include "meshlib/nn/autodiff/value_and_grad.hpp"
