@@ -6405,7 +6405,7 @@ class tape {
 template <local_tensor_type To, local_tensor_type From>
 To retype(const From& x) {
   static_assert(std::is_same_v<typename To::view_type, typename From::view_type>,
-                "meshlib: autodiff: a cotangent retyped to another element type, rank or memory space");
+                "meshlib::nn: autodiff: a cotangent retyped to another element type, rank or memory space");
   return To(x.view(), x.mesh(), x.device());
 }
 
@@ -7098,7 +7098,7 @@ template <std::size_t I, std::size_t... Argnums, class X>
 auto enter(const X& x, tape& t) {
   if constexpr (differentiated_v<I, Argnums...>) {
     static_assert(local_tensor_type<X>,
-                  "meshlib: value_and_grad: an argument named by Argnums is not a local_tensor; differentiate "
+                  "meshlib::nn: value_and_grad: an argument named by Argnums is not a local_tensor; differentiate "
                   "with respect to local_tensor arguments only (pass parameters as local_tensors)");
     return traced<X>(x, &t, t.leaf());
   } else {
@@ -7106,19 +7106,34 @@ auto enter(const X& x, tape& t) {
   }
 }
 
+template <class... T>
+inline constexpr bool always_false_v = false;
+
+template <class Returned>
+consteval bool loss_is_not_traced() {
+  static_assert(always_false_v<Returned>,
+                "meshlib::nn: value_and_grad: the loss function must return a traced value computed from the "
+                "differentiated arguments with meshlib::nn operations (nn::sum, nn::psum, nn::matmul, ...); the type "
+                "it returned is spelled out in the condition");
+  return false;
+}
+
+template <class LossLayout>
+consteval bool loss_is_not_invariant() {
+  static_assert(always_false_v<LossLayout>,
+                "meshlib::nn: value_and_grad: the loss varies over, or is a pending sum over, the mesh axes spelled "
+                "out in the condition; the loss must be one value every device agrees on: reduce it with nn::psum "
+                "or nn::pmean over those axes before returning it");
+  return false;
+}
+
+/// True when `R` is a loss `value_and_grad` can start from; otherwise fires the one diagnostic that says why.
 template <class R>
 consteval bool check_loss_type() {
-  static_assert(traced_type<R>,
-                "meshlib: value_and_grad: the loss function must return a traced value computed from the "
-                "differentiated arguments with meshlib::nn operations (nn::sum, nn::psum, nn::matmul, ...); it "
-                "returned something else");
-  if constexpr (traced_type<R>) {
-    static_assert(R::vary == 0 && R::partial == 0,
-                  "meshlib: value_and_grad: the loss varies over, or is a pending sum over, some mesh axes; "
-                  "the loss must be one value every device agrees on: reduce it with nn::psum or nn::pmean "
-                  "over those axes before returning it");
-  }
-  return true;
+  if constexpr (!traced_type<R>) return loss_is_not_traced<R>();
+  else if constexpr (R::vary != 0 || R::partial != 0)
+    return loss_is_not_invariant<meshlib::diagnostic::value_t<typename R::primal_type>>();
+  else return true;
 }
 
 /// The gradient of argument `x` (node `id`): its cotangent, or zeros when the loss does not use it.
@@ -7139,7 +7154,7 @@ class value_and_grad_fn {
   template <class... Args>
   auto operator()(const Args&... args) const {
     static_assert(((Argnums < sizeof...(Args)) && ...),
-                  "meshlib: value_and_grad: an index in Argnums is past the last argument");
+                  "meshlib::nn: value_and_grad: an index in Argnums is past the last argument");
     return call(std::index_sequence_for<Args...>{}, args...);
   }
 
@@ -7151,20 +7166,23 @@ class value_and_grad_fn {
     std::tuple<decltype(enter<I, Argnums...>(args, t))...> in{enter<I, Argnums...>(args, t)...};
     auto out = std::apply([this](const auto&... a) { return f_(unwrap(a)...); }, in);
     using R = decltype(out);
-    static_assert(check_loss_type<R>());
-    if (out.size() != 1)
-      throw autodiff_error("meshlib: value_and_grad: the loss must be a scalar (one element), but the function "
-                           "returned a block of shape " + shape_text(out.shape()) + " on device " +
-                           std::to_string(out.device()) + "; reduce it with nn::sum / nn::mean first");
-    using L = typename R::primal_type;
-    t.accumulate<cotangent_t<L>>(out.id(), meshlib::map(one_fn{}, out.primal()));
-    t.run_backward();
-    auto grads = std::make_tuple(gradient_of(t, std::get<Argnums>(in).id(), std::get<Argnums>(std::tie(args...)))...);
-    if constexpr (sizeof...(Argnums) == 1) {
-      using G = std::tuple_element_t<0, decltype(grads)>;
-      return value_and_grad_result<L, G>{out.primal(), std::get<0>(grads)};
+    if constexpr (!check_loss_type<R>()) {
+      return;  // the one diagnostic above has fired
     } else {
-      return value_and_grad_result<L, decltype(grads)>{out.primal(), std::move(grads)};
+      if (out.size() != 1)
+        throw autodiff_error("meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function "
+                             "returned a block of shape " + shape_text(out.shape()) + " on device " +
+                             std::to_string(out.device()) + "; reduce it with nn::sum / nn::mean first");
+      using L = typename R::primal_type;
+      t.accumulate<cotangent_t<L>>(out.id(), meshlib::map(one_fn{}, out.primal()));
+      t.run_backward();
+      auto grads = std::make_tuple(gradient_of(t, std::get<Argnums>(in).id(), std::get<Argnums>(std::tie(args...)))...);
+      if constexpr (sizeof...(Argnums) == 1) {
+        using G = std::tuple_element_t<0, decltype(grads)>;
+        return value_and_grad_result<L, G>{out.primal(), std::get<0>(grads)};
+      } else {
+        return value_and_grad_result<L, decltype(grads)>{out.primal(), std::move(grads)};
+      }
     }
   }
 

@@ -187,7 +187,7 @@ TEST_CASE("value_and_grad refuses a loss of more than one element, saying how to
     }
   });
   for (std::size_t dev = 0; dev < 4; ++dev)
-    CHECK(what[dev] == "meshlib: value_and_grad: the loss must be a scalar (one element), but the function returned "
+    CHECK(what[dev] == "meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function returned "
                        "a block of shape (2, 3) on device " + std::to_string(dev) +
                            "; reduce it with nn::sum / nn::mean first");
 }

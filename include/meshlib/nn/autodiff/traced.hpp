@@ -93,7 +93,7 @@ class tape {
 template <local_tensor_type To, local_tensor_type From>
 To retype(const From& x) {
   static_assert(std::is_same_v<typename To::view_type, typename From::view_type>,
-                "meshlib: autodiff: a cotangent retyped to another element type, rank or memory space");
+                "meshlib::nn: autodiff: a cotangent retyped to another element type, rank or memory space");
   return To(x.view(), x.mesh(), x.device());
 }
 
