@@ -6801,10 +6801,8 @@ cotangent_t<X> reduce_backward(const X& x, const C& ct, typename X::value_type s
   using T = typename X::value_type;
   using space = typename X::memory_space;
   std::size_t outer = 1, inner = 1;
-  for (std::size_t d = 0; d < X::rank; ++d) {
-    if (d < D) outer *= x.extent(d);
-    if (d > D) inner *= x.extent(d);
-  }
+  for (std::size_t d = 0; d != D; ++d) outer *= x.extent(d);  // (d < D warns under nvcc for D = 0)
+  for (std::size_t d = D + 1; d < X::rank; ++d) inner *= x.extent(d);
   auto out = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
   broadcast_along<space, T>(out.data(), ct.data(), outer, x.extent(D), inner, scale);
   return cotangent_t<X>(out, x.mesh(), x.device());
