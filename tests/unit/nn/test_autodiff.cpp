@@ -357,3 +357,112 @@ TEST_CASE("value_and_grad of a Megatron MLP on a 2x2 mesh matches finite differe
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+namespace {
+
+/// A random program: every collective step (codes `first_collective` .. `codes - 1`) once and
+/// `extra` elementwise steps (codes 0 .. first_collective - 1), in a seeded random order.
+std::vector<int> random_program(unsigned seed, int first_collective, int codes, int extra) {
+  std::vector<int> ops;
+  for (int c = first_collective; c < codes; ++c) ops.push_back(c);
+  unsigned s = seed * 747796405U + 2891336453U;
+  auto next = [&s](unsigned n) {
+    s = s * 1664525U + 1013904223U;
+    return (s >> 8) % n;
+  };
+  for (int i = 0; i < extra; ++i) ops.push_back(static_cast<int>(next(static_cast<unsigned>(first_collective))));
+  for (std::size_t i = ops.size(); i > 1; --i) std::swap(ops[i - 1], ops[next(static_cast<unsigned>(i))]);
+  return ops;
+}
+
+/// One elementwise step of a random program (codes 0..6); `x` is the program's input.
+template <class V, class X>
+V elementwise_step(int op, const V& v, const X& x) {
+  switch (op) {
+    case 0: return nn::tanh(v);
+    case 1: return nn::square(v) * 0.5;
+    case 2: return nn::maximum(v, 0.1);
+    case 3: return v * 1.3 + 0.2;
+    case 4: return v * x;
+    case 5: return v / (nn::square(v) + 2.0);
+    default: return nn::exp(v * 0.3);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("value_and_grad of random programs mixing collectives on a 1-D mesh matches finite differences",
+          "[nn][autodiff]") {
+  const mesh1 m{4};  // x: (8, 4), rows sharded: all_to_all splits its 4 columns over the 4 devices
+  const auto gx0 = random_array(8, 4, 51);
+  const std::vector<std::pair<std::size_t, std::size_t>> perm{{0, 2}, {1, 0}, {2, 3}, {3, 1}};
+  for (unsigned seed = 1; seed <= 4; ++seed) {
+    const auto ops = random_program(seed, 7, 10, 5);
+    INFO("program " << seed);
+    auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+      std::vector<double> loss(4);
+      meshlib::spmd(m, [&](std::size_t dev) {
+        const auto x = block_of<rows1>(m, dev, gl[0], {2 * dev, 0, 2, 4, 4});
+        const auto c = block_of<rows1>(m, dev, random_array(8, 4, 52), {2 * dev, 0, 2, 4, 4});
+        const auto moved_c = meshlib::all_to_all<"x", 1, 0>(c);  // a constant laid out as the moved value
+        auto [value, g] = nn::value_and_grad([&](const auto& xs) {
+          auto v = xs;
+          for (int op : ops) {
+            if (op == 7) v = nn::ppermute<"x">(v, perm);
+            else if (op == 8) v = nn::all_to_all<"x", 0, 1>(nn::tanh(nn::all_to_all<"x", 1, 0>(v)) * moved_c);
+            else if (op == 9) v = nn::psum_scatter<"x", 0>(nn::pvary<"x">(nn::all_gather<"x", 0>(v) * 0.25));
+            else v = elementwise_step(op, v, xs);
+          }
+          return nn::psum<"x">(nn::sum<0>(nn::sum<1>(v * c)));
+        })(x);
+        loss[dev] = host(value)[0];
+        if (grads) (*grads)[0][dev] = host(g);
+      });
+      return loss[0];
+    };
+    std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+    run({gx0}, &grads);
+    check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads,
+                              {[](std::size_t dev) { return block_at{2 * dev, 0, 2, 4, 4}; }});
+  }
+}
+
+TEST_CASE("value_and_grad of random programs mixing collectives on a 2x2 mesh matches finite differences",
+          "[nn][autodiff]") {
+  const mesh2 m{2, 2};
+  const auto gx0 = random_array(4, 6, 61);
+  const std::vector<std::pair<std::size_t, std::size_t>> swap{{0, 1}, {1, 0}};
+  auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
+  for (unsigned seed = 1; seed <= 4; ++seed) {
+    const auto ops = random_program(seed, 7, 11, 5);
+    INFO("program " << seed);
+    auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+      std::vector<double> loss(4);
+      meshlib::spmd(m, [&](std::size_t dev) {
+        const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
+        const auto c = block_of<x2_t>(m, dev, random_array(4, 6, 62), x_at(dev));
+        auto [value, g] = nn::value_and_grad([&](const auto& xs) {
+          auto v = xs;
+          for (int op : ops) {
+            if (op == 7) v = nn::ppermute<"data">(v, swap);
+            else if (op == 8) v = nn::ppermute<"model">(v, swap);
+            else if (op == 9) v = nn::psum_scatter<"model", 1>(nn::pvary<"model">(nn::all_gather<"model", 1>(v) * 0.5));
+            else if (op == 10) v = nn::psum_scatter<"data", 0>(nn::pvary<"data">(nn::tanh(nn::all_gather<"data", 0>(v))));
+            else v = elementwise_step(op, v, xs);
+          }
+          return nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(v * c)));
+        })(x);
+        loss[dev] = host(value)[0];
+        if (grads) (*grads)[0][dev] = host(g);
+      });
+      return loss[0];
+    };
+    std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+    run({gx0}, &grads);
+    check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+  }
+}
+
+}  // namespace MESHLIB_TEST_UNIT
