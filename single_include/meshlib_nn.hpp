@@ -6336,7 +6336,6 @@ template <fixed_string Axis, local_tensor_type L>
 #include <any>
 #include <cstddef>
 #include <functional>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -6407,23 +6406,6 @@ To retype(const From& x) {
   static_assert(std::is_same_v<typename To::view_type, typename From::view_type>,
                 "meshlib::nn: autodiff: a cotangent retyped to another element type, rank or memory space");
   return To(x.view(), x.mesh(), x.device());
-}
-
-template <class Mesh, std::size_t I>
-struct axis_name_at;
-template <mesh_axis... Axes, std::size_t I>
-struct axis_name_at<mesh<Axes...>, I> {
-  static constexpr auto value = std::tuple_element_t<I, std::tuple<Axes...>>::name;
-};
-
-/// `psum` of `x` over every axis of `Mask`, one axis at a time in mesh order (the sum of a local
-/// contribution to an operand that the operation implicitly broadcast over those axes).
-template <axis_mask Mask, std::size_t I = 0, local_tensor_type L>
-auto psum_over(const L& x) {
-  using M = typename L::mesh_type;
-  if constexpr (I == M::ndim) return x;
-  else if constexpr (((Mask >> I) & 1U) != 0) return psum_over<Mask, I + 1>(meshlib::psum<axis_name_at<M, I>::value>(x));
-  else return psum_over<Mask, I + 1>(x);
 }
 
 }  // namespace detail
@@ -6818,7 +6800,7 @@ auto product_cotangent(const V& view, const X& x) {
     return ct_t(view, x.mesh(), x.device());
   } else {
     using local_t = with_vary_t<ct_t, ct_t::vary | extra>;
-    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));
+    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/detail/axis_mask_group.hpp
   }
 }
 
@@ -7085,7 +7067,7 @@ template <std::size_t I, std::size_t... Argnums>
 inline constexpr bool differentiated_v = ((I == Argnums) || ...);
 
 template <class Shape>
-std::string shape_text(const Shape& shape) {
+std::string loss_shape_text(const Shape& shape) {
   std::string s = "(";
   for (std::size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + (shape.size() == 1 ? ",)" : ")");
@@ -7169,7 +7151,7 @@ class value_and_grad_fn {
     } else {
       if (out.size() != 1)
         throw autodiff_error("meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function "
-                             "returned a block of shape " + shape_text(out.shape()) + " on device " +
+                             "returned a block of shape " + loss_shape_text(out.shape()) + " on device " +
                              std::to_string(out.device()) + "; reduce it with nn::sum / nn::mean first");
       using L = typename R::primal_type;
       t.accumulate<cotangent_t<L>>(out.id(), meshlib::map(one_fn{}, out.primal()));

@@ -105,21 +105,28 @@ TEST_CASE("value_and_grad of elementwise maps and a psum matches the hand-derive
   auto loss_fn = [](const auto& x, const rows1& c) {
     return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::tanh(x) * c + nn::square(x) - x * 0.5)));
   };
+  // Catch2's assertions are not thread-safe: the device threads record, the test thread checks.
+  std::vector<double> values(4);
+  std::vector<std::vector<double>> gs(4), g2s(4);
   meshlib::spmd(m, [&](std::size_t dev) {
     const block_at b{2 * dev, 0, 2, 3, 3};
     const auto x = block_of<rows1>(m, dev, gx, b), c = block_of<rows1>(m, dev, gc, b);
     auto [value, dx] = nn::value_and_grad(loss_fn)(x, c);
     static_assert(std::is_same_v<decltype(dx), rows1>, "the gradient has the argument's type");
-    CHECK(std::abs(host(value)[0] - expected_loss) < 1e-12 * (1 + std::abs(expected_loss)));
-    const auto g = host(dx);
-    for (std::size_t k = 0; k < g.size(); ++k) {
-      const double xv = gx[b.global_index(k)], cv = gc[b.global_index(k)];
-      CHECK(std::abs(g[k] - (cv * (1 - std::tanh(xv) * std::tanh(xv)) + 2 * xv - 0.5)) < 1e-12);
-    }
-    // grad: the same gradient without the value
-    const auto g2 = host(nn::grad(loss_fn)(x, c));
-    CHECK(g2 == g);
+    values[dev] = host(value)[0];
+    gs[dev] = host(dx);
+    g2s[dev] = host(nn::grad(loss_fn)(x, c));  // grad: the same gradient without the value
   });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    const block_at b{2 * dev, 0, 2, 3, 3};
+    CHECK(std::abs(values[dev] - expected_loss) < 1e-12 * (1 + std::abs(expected_loss)));
+    REQUIRE(gs[dev].size() == 6);
+    for (std::size_t k = 0; k < 6; ++k) {
+      const double xv = gx[b.global_index(k)], cv = gc[b.global_index(k)];
+      CHECK(std::abs(gs[dev][k] - (cv * (1 - std::tanh(xv) * std::tanh(xv)) + 2 * xv - 0.5)) < 1e-12);
+    }
+    CHECK(g2s[dev] == gs[dev]);
+  }
 }
 
 TEST_CASE("value_and_grad of data-parallel least squares matches X^T R and R W^T", "[nn][autodiff]") {
@@ -144,6 +151,8 @@ TEST_CASE("value_and_grad of data-parallel least squares matches X^T R and R W^T
         dx[i * k + q] += r[i * o + j] * gw[q * o + j];
       }
   using y_t = meshlib::local_tensor<double, 2, mesh1, X, 0, meshlib::dim_masks<X, 0>>;
+  std::vector<double> values(4);
+  std::vector<std::vector<double>> hws(4), hxs(4), hw1s(4);
   meshlib::spmd(m, [&](std::size_t dev) {
     const auto x = block_of<rows1>(m, dev, gx, {2 * dev, 0, 2, k, k});
     const auto w = block_of<repl1>(m, dev, gw, {0, 0, k, o, o});
@@ -154,25 +163,36 @@ TEST_CASE("value_and_grad of data-parallel least squares matches X^T R and R W^T
     auto [value, grads] = nn::value_and_grad<0, 1>(loss_fn)(x, w, y);
     const auto& [gxs, gws] = grads;
     static_assert(std::is_same_v<std::remove_cvref_t<decltype(gws)>, repl1>, "W's gradient is replicated, as W is");
-    CHECK(std::abs(host(value)[0] - expected_loss) < 1e-12 * (1 + expected_loss));
-    const auto hw = host(gws), hx = host(gxs);
-    for (std::size_t e = 0; e < hw.size(); ++e) CHECK(std::abs(hw[e] - dw[e]) < 1e-12);
-    for (std::size_t e = 0; e < hx.size(); ++e) CHECK(std::abs(hx[e] - dx[2 * dev * k + e]) < 1e-12);
-    // argnums 1 alone: W's gradient only, the same values
-    CHECK(host(nn::grad<1>(loss_fn)(x, w, y)) == hw);
+    values[dev] = host(value)[0];
+    hws[dev] = host(gws);
+    hxs[dev] = host(gxs);
+    hw1s[dev] = host(nn::grad<1>(loss_fn)(x, w, y));  // argnums 1 alone: W's gradient only
   });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    CHECK(std::abs(values[dev] - expected_loss) < 1e-12 * (1 + expected_loss));
+    REQUIRE(hws[dev].size() == k * o);
+    REQUIRE(hxs[dev].size() == 2 * k);
+    for (std::size_t e = 0; e < k * o; ++e) CHECK(std::abs(hws[dev][e] - dw[e]) < 1e-12);
+    for (std::size_t e = 0; e < 2 * k; ++e) CHECK(std::abs(hxs[dev][e] - dx[2 * dev * k + e]) < 1e-12);
+    CHECK(hw1s[dev] == hws[dev]);
+  }
 }
 
 TEST_CASE("value_and_grad: an argument the loss does not use gets a zero gradient", "[nn][autodiff]") {
   const mesh1 m{4};
+  std::vector<std::vector<double>> used(4), unused(4);
   meshlib::spmd(m, [&](std::size_t dev) {
     const auto x = block_of<rows1>(m, dev, random_array(8, 3, 6), {2 * dev, 0, 2, 3, 3});
     auto [value, grads] = nn::value_and_grad<0, 1>([](const auto& a, const auto&) {
       return nn::psum<"x">(nn::sum<0>(nn::sum<1>(a)));
     })(x, x);
-    CHECK(host(std::get<0>(grads)) == std::vector<double>(6, 1.0));
-    CHECK(host(std::get<1>(grads)) == std::vector<double>(6, 0.0));
+    used[dev] = host(std::get<0>(grads));
+    unused[dev] = host(std::get<1>(grads));
   });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    CHECK(used[dev] == std::vector<double>(6, 1.0));
+    CHECK(unused[dev] == std::vector<double>(6, 0.0));
+  }
 }
 
 TEST_CASE("value_and_grad refuses a loss of more than one element, saying how to reduce it", "[nn][autodiff]") {
@@ -245,12 +265,12 @@ TEST_CASE("value_and_grad on a 2x2 mesh (contraction sharded on model) matches f
     auto term3 = nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(p))));
     return term1 + term2 * 0.5 + term3 * 0.25;
   };
+  for (std::size_t dev = 0; dev < 4; ++dev) REQUIRE(m.coords(dev)[0] == dev / 2);  // row-major: data, then model
   auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
   auto w_at = [](std::size_t dev) { return block_at{3 * (dev % 2), 0, 3, 4, 4}; };
   auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
     std::vector<double> loss(4);
     meshlib::spmd(m, [&](std::size_t dev) {
-      REQUIRE(m.coords(dev)[0] == dev / 2);  // row-major: data, then model
       const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
       const auto w = block_of<w2_t>(m, dev, gl[1], w_at(dev));
       auto [value, g] = nn::value_and_grad<0, 1>(loss_fn)(x, w);

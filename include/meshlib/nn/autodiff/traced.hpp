@@ -19,12 +19,10 @@
 #include <any>
 #include <cstddef>
 #include <functional>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "meshlib/collectives/reductions.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/tensor/elementwise.hpp"
@@ -95,23 +93,6 @@ To retype(const From& x) {
   static_assert(std::is_same_v<typename To::view_type, typename From::view_type>,
                 "meshlib::nn: autodiff: a cotangent retyped to another element type, rank or memory space");
   return To(x.view(), x.mesh(), x.device());
-}
-
-template <class Mesh, std::size_t I>
-struct axis_name_at;
-template <mesh_axis... Axes, std::size_t I>
-struct axis_name_at<mesh<Axes...>, I> {
-  static constexpr auto value = std::tuple_element_t<I, std::tuple<Axes...>>::name;
-};
-
-/// `psum` of `x` over every axis of `Mask`, one axis at a time in mesh order (the sum of a local
-/// contribution to an operand that the operation implicitly broadcast over those axes).
-template <axis_mask Mask, std::size_t I = 0, local_tensor_type L>
-auto psum_over(const L& x) {
-  using M = typename L::mesh_type;
-  if constexpr (I == M::ndim) return x;
-  else if constexpr (((Mask >> I) & 1U) != 0) return psum_over<Mask, I + 1>(meshlib::psum<axis_name_at<M, I>::value>(x));
-  else return psum_over<Mask, I + 1>(x);
 }
 
 }  // namespace detail

@@ -65,7 +65,7 @@ template <std::size_t I, std::size_t... Argnums>
 inline constexpr bool differentiated_v = ((I == Argnums) || ...);
 
 template <class Shape>
-std::string shape_text(const Shape& shape) {
+std::string loss_shape_text(const Shape& shape) {
   std::string s = "(";
   for (std::size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + (shape.size() == 1 ? ",)" : ")");
@@ -149,7 +149,7 @@ class value_and_grad_fn {
     } else {
       if (out.size() != 1)
         throw autodiff_error("meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function "
-                             "returned a block of shape " + shape_text(out.shape()) + " on device " +
+                             "returned a block of shape " + loss_shape_text(out.shape()) + " on device " +
                              std::to_string(out.device()) + "; reduce it with nn::sum / nn::mean first");
       using L = typename R::primal_type;
       t.accumulate<cotangent_t<L>>(out.id(), meshlib::map(one_fn{}, out.primal()));
