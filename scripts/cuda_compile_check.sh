@@ -72,8 +72,8 @@ compile() {  # compile NAME [CASE]: tests/cuda/NAME.cpp (-DMESHLIB_CASE=CASE) ->
 start=$SECONDS
 # The ones that must compile run two at a time (one per core), the longest (the flagship) first;
 # then the one that must not.
-pairs=("device_arrays nn_layers")
-if [ $nccl -eq 1 ]; then pairs=("flagship_gpu device_arrays" "gpu_collectives nn_layers")
+pairs=("device_arrays nn_layers" "autodiff")
+if [ $nccl -eq 1 ]; then pairs=("flagship_gpu device_arrays" "gpu_collectives nn_layers" "autodiff")
 else echo "  SKIPPED (no nccl.h in $cuda_include or /usr/include): tests/cuda/gpu_collectives.cpp, tests/cuda/flagship_gpu.cpp"; fi
 for pair in "${pairs[@]}"; do
   jobs_=()

@@ -6353,6 +6353,890 @@ template <fixed_string Axis, local_tensor_type L>
 
 }  // namespace meshlib::nn
 // end meshlib/nn/collective_transpose.hpp
+// begin meshlib/nn/autodiff.hpp
+/// @file
+/// @brief Reverse-mode automatic differentiation of programs on local values: `value_and_grad`,
+/// `grad`, `traced`, and the differentiable operations. See docs/autodiff.md.
+
+// begin meshlib/nn/autodiff/traced.hpp
+/// @file
+/// @brief `traced<L>`: a `local_tensor` being differentiated by `value_and_grad`, and the per-device
+/// tape (define-by-run) that records, for every operation on traced values, how its cotangent flows
+/// back to its operands.
+///
+/// Why a tape per call and a pointer in each traced value: every device runs the loss function on
+/// its own thread, so the tape is a local of that call (no thread-local state, no locking), and two
+/// traced operands always name the tape they were recorded on.
+///
+/// Cotangents. A traced value's type is its primal's type, so a misuse fails to compile exactly as
+/// it does untraced. The cotangent of a value of type `L` has type `cotangent_t<L>`: `L` with no
+/// pending-sum axes. The cotangent of a part of a pending sum (`partial` over `a`) is the cotangent
+/// of the completed sum, the same on every device of `a` (each part moves the sum one for one), so
+/// it is invariant over `a`; for every other value the cotangent has the value's own type (JAX's
+/// `check_vma` rule: the cotangent of an invariant value is invariant).
+
+#include <any>
+#include <cstddef>
+#include <functional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief The type of the cotangent of a local value of type `L`: `L` without pending-sum axes
+/// (see the file comment).
+template <local_tensor_type L>
+using cotangent_t = with_vary_partial_t<L, L::vary, 0>;
+
+namespace detail {
+
+/// The tape of one `value_and_grad` call on one device: per node, its cotangent (once one has
+/// arrived) and the closure that sends it back to the node's operands.
+class tape {
+ public:
+  /// A node with no backward (an input being differentiated); returns its id.
+  std::size_t leaf() {
+    cts_.emplace_back();
+    backward_.emplace_back();
+    return cts_.size() - 1;
+  }
+
+  /// A node whose cotangent has type `C`; `back(t, ct)` sends `ct` to the operands. Returns its id.
+  template <class C, class F>
+  std::size_t node(F back) {
+    const std::size_t id = cts_.size();
+    cts_.emplace_back();
+    backward_.emplace_back([back = std::move(back), id](tape& t) {
+      const C ct = std::any_cast<const C&>(t.cts_[id]);
+      back(t, ct);
+    });
+    return id;
+  }
+
+  /// Adds `ct` into node `id`'s cotangent (the sum over every use of the node).
+  template <class C>
+  void accumulate(std::size_t id, const C& ct) {
+    std::any& slot = cts_[id];
+    if (!slot.has_value()) slot = ct;
+    else slot = C(std::any_cast<const C&>(slot) + ct);
+  }
+
+  /// Node `id`'s cotangent, or nothing when none reached it.
+  template <class C>
+  [[nodiscard]] const C* cotangent(std::size_t id) const {
+    return std::any_cast<C>(&cts_[id]);
+  }
+
+  /// Runs the backward of every node that has a cotangent, the last recorded first. Every device
+  /// records the same program, so all of them issue the backward collectives in the same order.
+  void run_backward() {
+    for (std::size_t i = cts_.size(); i-- > 0;)
+      if (backward_[i] && cts_[i].has_value()) backward_[i](*this);
+  }
+
+ private:
+  std::vector<std::any> cts_;
+  std::vector<std::function<void(tape&)>> backward_;
+};
+
+/// `x`'s block as a value of type `To` (same element type, rank and memory space): the
+/// cotangent rules move axes between invariant and varying where the data are already right.
+template <local_tensor_type To, local_tensor_type From>
+To retype(const From& x) {
+  static_assert(std::is_same_v<typename To::view_type, typename From::view_type>,
+                "meshlib::nn: autodiff: a cotangent retyped to another element type, rank or memory space");
+  return To(x.view(), x.mesh(), x.device());
+}
+
+}  // namespace detail
+
+/// @brief A `local_tensor` of type `L` being differentiated inside `value_and_grad`: its value (the
+/// primal) and its node on the device's tape. Operations on traced values (`+`, `*`, `matmul`,
+/// `sum`, `psum`, `all_gather`, ...; see docs/autodiff.md) compute the primal with meshlib's own
+/// operation, so they have its sharding rules and diagnostics, and record the backward.
+template <local_tensor_type L>
+class traced {
+ public:
+  /// Tag that opts the type into the `traced_type` concept.
+  using is_traced = void;
+  /// The type of the value (and of every operation's result on it, untraced).
+  using primal_type = L;
+  /// The element type.
+  using value_type = typename L::value_type;
+  /// The mesh type.
+  using mesh_type = typename L::mesh_type;
+  /// The number of dimensions.
+  static constexpr std::size_t rank = L::rank;
+  /// The mesh axes the value varies over (the primal's).
+  static constexpr axis_mask vary = L::vary;
+  /// The mesh axes the value is a pending sum over (the primal's).
+  static constexpr axis_mask partial = L::partial;
+
+  /// The value `primal` recorded as node `id` of tape `t`.
+  traced(L primal, detail::tape* t, std::size_t id) : primal_(std::move(primal)), tape_(t), id_(id) {}
+
+  /// The value (a `local_tensor`; reading it records nothing).
+  [[nodiscard]] const L& primal() const noexcept { return primal_; }
+  /// The tape the value was recorded on.
+  [[nodiscard]] detail::tape* tape() const noexcept { return tape_; }
+  /// The value's node on its tape.
+  [[nodiscard]] std::size_t id() const noexcept { return id_; }
+  /// The block's shape.
+  [[nodiscard]] auto shape() const { return primal_.shape(); }
+  /// The block's extent in dimension `d`.
+  [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return primal_.extent(d); }
+  /// The number of elements of the block.
+  [[nodiscard]] std::size_t size() const noexcept { return primal_.size(); }
+  /// The mesh the block belongs to.
+  [[nodiscard]] const mesh_type& mesh() const noexcept { return primal_.mesh(); }
+  /// The device whose block this is.
+  [[nodiscard]] std::size_t device() const noexcept { return primal_.device(); }
+
+ private:
+  L primal_;
+  detail::tape* tape_;
+  std::size_t id_;
+};
+
+/// @brief A `traced<...>` value.
+template <class T>
+concept traced_type = requires { typename std::remove_cvref_t<T>::is_traced; };
+
+/// @brief An operand of a differentiable operation: a traced value or a plain `local_tensor` (a constant).
+template <class T>
+concept ad_operand = traced_type<T> || local_tensor_type<T>;
+
+namespace detail {
+
+/// The value of an operand: the primal of a traced one, a plain local tensor itself.
+template <ad_operand X>
+const auto& primal_of(const X& x) {
+  if constexpr (traced_type<X>) return x.primal();
+  else return x;
+}
+
+/// Two operands of which at least one is traced (the other a constant `local_tensor`).
+template <class A, class B>
+concept ad_binary = ad_operand<A> && ad_operand<B> && (traced_type<A> || traced_type<B>);
+
+/// The tape of the first traced operand.
+template <class A, class B>
+tape* tape_of(const A& a, const B& b) {
+  if constexpr (traced_type<A>) return a.tape();
+  else return b.tape();
+}
+
+/// Records `value` as a node of `t` whose backward is `back(t, ct)`; returns the traced result.
+template <local_tensor_type L, class F>
+traced<L> record(tape* t, L value, F back) {
+  const std::size_t id = t->template node<cotangent_t<L>>(std::move(back));
+  return traced<L>(std::move(value), t, id);
+}
+
+/// Sends `ct` to operand `x` when it is traced (a constant takes no cotangent).
+template <ad_operand X, local_tensor_type C>
+void send(tape& t, const X& x, const C& ct) {
+  if constexpr (traced_type<X>) {
+    using to_t = cotangent_t<typename X::primal_type>;
+    t.accumulate<to_t>(x.id(), retype<to_t>(ct));
+  }
+}
+
+}  // namespace detail
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/traced.hpp
+// begin meshlib/nn/autodiff/elementwise.hpp
+/// @file
+/// @brief Differentiable elementwise operations on traced values: `+`, `-`, `*`, `/` between two
+/// operands (traced, or a plain `local_tensor` as a constant) and with a scalar, negation, and the
+/// maps `tanh`, `exp`, `log`, `square`, `maximum(x, s)` (`maximum(x, 0)` is relu). The primal is
+/// meshlib's own operation, so the layout rules (same layout on both sides, only linear
+/// operations on pending sums) are the untraced ones.
+/// @code
+/// auto h = meshlib::nn::tanh(x * 2.0 + 1.0);   // x traced: records three nodes
+/// auto r = meshlib::nn::maximum(h - b, 0.0);   // relu; b a plain local_tensor (a constant)
+/// @endcode
+
+#include <cmath>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+
+template <class T>
+KOKKOS_INLINE_FUNCTION T ad_tanh(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::tanh(x);
+#else
+  return std::tanh(x);
+#endif
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T ad_exp(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T ad_log(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+// Forward and backward element bodies: function objects, which nvcc compiles for the device where
+// a lambda in a deduced-return function would not be.
+struct tanh_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return ad_tanh(x); }
+};
+struct tanh_back_fn {  // (ct, y = tanh x) -> ct (1 - y^2)
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T y) const { return g * (T(1) - y * y); }
+};
+struct exp_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return ad_exp(x); }
+};
+struct log_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return ad_log(x); }
+};
+struct square_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return x * x; }
+};
+struct square_back_fn {  // (ct, x) -> 2 x ct
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T x) const { return T(2) * x * g; }
+};
+struct quotient_rhs_fn {  // (ct y, b) -> -ct y / b: the cotangent of b in y = a / b
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T gy, T b) const { return -gy / b; }
+};
+template <class S>
+struct maximum_fn {
+  S s;
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return x > static_cast<T>(s) ? x : static_cast<T>(s); }
+};
+template <class S>
+struct maximum_back_fn {  // (ct, x) -> ct where x > s, else 0 (the subgradient 0 at the kink, as jax.nn.relu)
+  S s;
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T x) const { return x > static_cast<T>(s) ? g : T(0); }
+};
+
+template <class X, class S>
+concept ad_scalar_for = traced_type<X> && std::is_arithmetic_v<S>;
+
+}  // namespace detail
+
+/// @brief `a + b` (either operand may be a constant `local_tensor`); backward: `ct` to both.
+template <class A, class B>
+  requires detail::ad_binary<A, B>
+auto operator+(const A& a, const B& b) {
+  auto y = detail::primal_of(a) + detail::primal_of(b);
+  return detail::record(detail::tape_of(a, b), y, [a, b](detail::tape& t, const auto& ct) {
+    detail::send(t, a, ct);
+    detail::send(t, b, ct);
+  });
+}
+
+/// @brief `a - b`; backward: `ct` to `a`, `-ct` to `b`.
+template <class A, class B>
+  requires detail::ad_binary<A, B>
+auto operator-(const A& a, const B& b) {
+  auto y = detail::primal_of(a) - detail::primal_of(b);
+  return detail::record(detail::tape_of(a, b), y, [a, b](detail::tape& t, const auto& ct) {
+    detail::send(t, a, ct);
+    if constexpr (traced_type<B>) detail::send(t, b, -ct);
+  });
+}
+
+/// @brief `a * b` elementwise; backward: `ct * b` to `a`, `ct * a` to `b`.
+template <class A, class B>
+  requires detail::ad_binary<A, B>
+auto operator*(const A& a, const B& b) {
+  auto y = detail::primal_of(a) * detail::primal_of(b);
+  return detail::record(detail::tape_of(a, b), y, [a, b](detail::tape& t, const auto& ct) {
+    if constexpr (traced_type<A>) detail::send(t, a, ct * detail::primal_of(b));
+    if constexpr (traced_type<B>) detail::send(t, b, ct * detail::primal_of(a));
+  });
+}
+
+/// @brief `a / b` elementwise; backward: `ct / b` to `a`, `-ct a / b^2` to `b`.
+template <class A, class B>
+  requires detail::ad_binary<A, B>
+auto operator/(const A& a, const B& b) {
+  auto y = detail::primal_of(a) / detail::primal_of(b);
+  return detail::record(detail::tape_of(a, b), y, [a, b, y](detail::tape& t, const auto& ct) {
+    if constexpr (traced_type<A>) detail::send(t, a, ct / detail::primal_of(b));
+    if constexpr (traced_type<B>) detail::send(t, b, meshlib::zip(detail::quotient_rhs_fn{}, ct * y, detail::primal_of(b)));
+  });
+}
+
+/// @brief `-x`; backward: `-ct`.
+template <traced_type X>
+auto operator-(const X& x) {
+  auto y = -x.primal();
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, -ct); });
+}
+
+/// @brief `x * s` (linear: allowed on pending sums); backward: `ct * s`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator*(const X& x, S s) {
+  auto y = x.primal() * s;
+  return detail::record(x.tape(), y, [x, s](detail::tape& t, const auto& ct) { detail::send(t, x, ct * s); });
+}
+/// @brief `s * x`; backward: `ct * s`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator*(S s, const X& x) {
+  return x * s;
+}
+/// @brief `x / s`; backward: `ct / s`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator/(const X& x, S s) {
+  auto y = x.primal() / s;
+  return detail::record(x.tape(), y, [x, s](detail::tape& t, const auto& ct) { detail::send(t, x, ct / s); });
+}
+/// @brief `x + s` (not on pending sums, as untraced); backward: `ct`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator+(const X& x, S s) {
+  auto y = x.primal() + s;
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, ct); });
+}
+/// @brief `s + x`; backward: `ct`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator+(S s, const X& x) {
+  return x + s;
+}
+/// @brief `x - s`; backward: `ct`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator-(const X& x, S s) {
+  auto y = x.primal() - s;
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, ct); });
+}
+/// @brief `s - x`; backward: `-ct`.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto operator-(S s, const X& x) {
+  auto y = s - x.primal();
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, -ct); });
+}
+
+/// @brief `tanh(x)` elementwise; backward: `ct (1 - tanh(x)^2)`.
+template <traced_type X>
+auto tanh(const X& x) {
+  auto y = meshlib::map(detail::tanh_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::tanh_back_fn{}, ct, y));
+  });
+}
+
+/// @brief `exp(x)` elementwise; backward: `ct exp(x)`.
+template <traced_type X>
+auto exp(const X& x) {
+  auto y = meshlib::map(detail::exp_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) { detail::send(t, x, ct * y); });
+}
+
+/// @brief `log(x)` elementwise; backward: `ct / x`.
+template <traced_type X>
+auto log(const X& x) {
+  auto y = meshlib::map(detail::log_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, ct / x.primal()); });
+}
+
+/// @brief `x * x` elementwise; backward: `2 x ct`.
+template <traced_type X>
+auto square(const X& x) {
+  auto y = meshlib::map(detail::square_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::square_back_fn{}, ct, x.primal()));
+  });
+}
+
+/// @brief `max(x, s)` elementwise (`maximum(x, 0)`: relu); backward: `ct` where `x > s`, else 0.
+template <class X, class S>
+  requires detail::ad_scalar_for<X, S>
+auto maximum(const X& x, S s) {
+  auto y = meshlib::map(detail::maximum_fn<S>{s}, x.primal());
+  return detail::record(x.tape(), y, [x, s](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::maximum_back_fn<S>{s}, ct, x.primal()));
+  });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/elementwise.hpp
+// begin meshlib/nn/autodiff/linalg.hpp
+/// @file
+/// @brief Differentiable reductions and products on traced values: `sum<D>`, `mean<D>`, `matmul`,
+/// `transpose` (rank 2). The primal is meshlib's own operation with its sharding rules.
+///
+/// Backward rules, with the layouts they imply:
+/// - `sum<D>` / `mean<D>`: `ct` broadcast along `D` (divided by `D`'s global extent for `mean`).
+///   Reducing a dimension sharded over `a` leaves a pending sum over `a`, whose cotangent is
+///   invariant over `a` (autodiff/traced.hpp); broadcast, it is the cotangent of every block.
+/// - `matmul(a, b)`: `ct b^T` to `a`, `a^T ct` to `b` (one `matmul_into` each, the transposes read
+///   in place). Where the product varies over an axis (or contracts a pending sum over it) that an
+///   operand does not vary over, the operand was used by every device of that axis (JAX inserts a
+///   `pvary` there), so its cotangent is `psum`med over the axis: data parallelism's gradient sum
+///   and Megatron's `f` / `g` pair come out of this one rule.
+/// @code
+/// auto loss = meshlib::nn::mean<0>(meshlib::nn::sum<1>(meshlib::nn::square(matmul(x, w) - y)));
+/// @endcode
+
+#include <cstddef>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+
+/// `out[o, k, j] = in[o, j] * scale` for `o < outer`, `k < n`, `j < inner`, on `Space`. A named
+/// function: nvcc refuses an extended device lambda inside a function whose return type is deduced.
+template <class Space, class T>
+void broadcast_along(T* out, const T* in, std::size_t outer, std::size_t n, std::size_t inner, T scale) {
+  meshlib::launch<Space>(outer * n * inner, KOKKOS_LAMBDA(std::size_t i) {
+    const std::size_t j = i % inner, o = i / (n * inner);
+    out[i] = in[o * inner + j] * scale;
+  });
+}
+
+/// The cotangent of `x` (of type `X`) for `sum<D>`/`mean<D>` with cotangent `ct` of the result.
+template <std::size_t D, local_tensor_type X, local_tensor_type C>
+cotangent_t<X> reduce_backward(const X& x, const C& ct, typename X::value_type scale) {
+  using T = typename X::value_type;
+  using space = typename X::memory_space;
+  std::size_t outer = 1, inner = 1;
+  for (std::size_t d = 0; d != D; ++d) outer *= x.extent(d);  // (d < D warns under nvcc for D = 0)
+  for (std::size_t d = D + 1; d < X::rank; ++d) inner *= x.extent(d);
+  auto out = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
+  broadcast_along<space, T>(out.data(), ct.data(), outer, x.extent(D), inner, scale);
+  return cotangent_t<X>(out, x.mesh(), x.device());
+}
+
+/// The cotangent of the operand `X` of a product whose other operand is `O` and whose cotangent is
+/// `C`, from its local contribution `view` (see the file comment for the sum).
+template <local_tensor_type X, local_tensor_type O, local_tensor_type C, class V>
+auto product_cotangent(const V& view, const X& x) {
+  using ct_t = cotangent_t<X>;
+  constexpr axis_mask extra = (O::vary | O::partial | C::vary) & ~X::vary & ~X::partial;
+  if constexpr (extra == 0) {
+    return ct_t(view, x.mesh(), x.device());
+  } else {
+    using local_t = with_vary_t<ct_t, ct_t::vary | extra>;
+    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/detail/axis_mask_group.hpp
+  }
+}
+
+}  // namespace detail
+
+/// @brief Sum over dimension `D` (the layout of `meshlib::sum<D>`); backward: `ct` broadcast along `D`.
+template <std::size_t D, traced_type X>
+auto sum(const X& x) {
+  auto y = meshlib::sum<D>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    t.accumulate<cotangent_t<typename X::primal_type>>(
+        x.id(), detail::reduce_backward<D>(x.primal(), ct, typename X::value_type(1)));
+  });
+}
+
+/// @brief Mean over dimension `D` (the layout of `meshlib::mean<D>`); backward: `ct / n` broadcast
+/// along `D`, `n` its global extent.
+template <std::size_t D, traced_type X>
+auto mean(const X& x) {
+  auto y = meshlib::mean<D>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    using T = typename X::value_type;
+    const T scale = T(1) / static_cast<T>(x.primal().global_extent(D));
+    t.accumulate<cotangent_t<typename X::primal_type>>(x.id(), detail::reduce_backward<D>(x.primal(), ct, scale));
+  });
+}
+
+/// @brief The product of two rank-2 operands (either may be a constant `local_tensor`), with
+/// `meshlib::matmul`'s layout; backward: `ct b^T` to `a`, `a^T ct` to `b`, each `psum`med over the
+/// axes the product used it across (see the file comment).
+template <class A, class B>
+  requires detail::ad_binary<A, B>
+auto matmul(const A& a, const B& b) {
+  auto y = meshlib::matmul(detail::primal_of(a), detail::primal_of(b));
+  return detail::record(detail::tape_of(a, b), y, [a, b](detail::tape& t, const auto& ct) {
+    using C = std::remove_cvref_t<decltype(ct)>;
+    const auto& pa = detail::primal_of(a);
+    const auto& pb = detail::primal_of(b);
+    using PA = std::remove_cvref_t<decltype(pa)>;
+    using PB = std::remove_cvref_t<decltype(pb)>;
+    if constexpr (traced_type<A>) {
+      auto da = meshlib::allocate<typename PA::value_type, 2, typename PA::memory_space>(pa.shape(), "meshlib::nn::autodiff", false);
+      meshlib::matmul_into(da, ct.view(), pb.view(), {.transpose_b = true});
+      t.accumulate<cotangent_t<PA>>(a.id(), detail::product_cotangent<PA, PB, C>(da, pa));
+    }
+    if constexpr (traced_type<B>) {
+      auto db = meshlib::allocate<typename PB::value_type, 2, typename PB::memory_space>(pb.shape(), "meshlib::nn::autodiff", false);
+      meshlib::matmul_into(db, pa.view(), ct.view(), {.transpose_a = true});
+      t.accumulate<cotangent_t<PB>>(b.id(), detail::product_cotangent<PB, PA, C>(db, pb));
+    }
+  });
+}
+
+/// @brief The transpose of a rank-2 traced value; backward: the transpose of `ct`.
+template <traced_type X>
+auto transpose(const X& x) {
+  auto y = meshlib::transpose(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::transpose(ct));
+  });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/linalg.hpp
+// begin meshlib/nn/autodiff/collectives.hpp
+/// @file
+/// @brief Differentiable collectives on traced values, each with meshlib's typed result and, as
+/// backward, its transpose (nn/collective_transpose.hpp); the varying / pending-sum state in the
+/// types decides which, as JAX's `vma` does at trace time:
+/// | forward | backward of `ct` |
+/// | --- | --- |
+/// | `psum<a>` (varying or pending sum -> invariant) | `ct` itself, now typed as the operand's cotangent (no data moves) |
+/// | `pmean<a>` | `ct / n`, `n` the size of the group |
+/// | `pvary<a>` (invariant -> varying) | `psum<a>(ct)` |
+/// | `all_gather<a, d>` (the result invariant over `a`) | this device's chunk of `ct` (no data moves) |
+/// | `psum_scatter<a, d>` | `all_gather<a, d>(ct)` |
+/// | `all_to_all<a, s, c>` | `all_to_all<a, c, s>(ct)` |
+/// | `ppermute<a>(x, perm)` | `ppermute<a>(ct, inverse(perm))` |
+/// Every device records the same collectives, so the backward ones run in the same order on all.
+/// @code
+/// auto s = meshlib::nn::psum<"data">(meshlib::nn::sum<0>(x));     // x traced, sharded on dim 0
+/// auto g = meshlib::nn::all_gather<"model", 1>(h);
+/// @endcode
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+/// A dimension number as the collectives take it (negative: from the end) made non-negative.
+template <int Dim, std::size_t Rank>
+inline constexpr std::size_t dim_index_v = Dim < 0 ? static_cast<std::size_t>(Dim + static_cast<int>(Rank))
+                                                   : static_cast<std::size_t>(Dim);
+}  // namespace detail
+
+/// @brief `meshlib::psum<Names...>` of a traced value; backward: `ct`, retyped (no communication).
+template <fixed_string... Names, traced_type X>
+auto psum(const X& x) {
+  auto y = meshlib::psum<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, ct); });
+}
+
+/// @brief `meshlib::pmean<Names...>` of a traced value; backward: `ct / n`, `n` the group's size.
+template <fixed_string... Names, traced_type X>
+auto pmean(const X& x) {
+  auto y = meshlib::pmean<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    using T = typename X::value_type;
+    const T n = static_cast<T>((meshlib::axis_size<Names>() * ... * std::size_t{1}));
+    detail::send(t, x, ct / n);
+  });
+}
+
+/// @brief `meshlib::pvary<Names...>` of a traced value; backward: `psum<Names...>(ct)`.
+template <fixed_string... Names, traced_type X>
+auto pvary(const X& x) {
+  auto y = meshlib::pvary<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, pvary_transpose<Names...>(ct));
+  });
+}
+
+/// @brief `meshlib::all_gather<Axis, Dim>` (tiled) of a traced value; backward: this device's chunk
+/// of the (invariant) cotangent.
+template <fixed_string Axis, int Dim, traced_type X>
+auto all_gather(const X& x) {
+  auto y = meshlib::all_gather<Axis, Dim>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, all_gather_transpose<Axis, detail::dim_index_v<Dim, X::rank>>(ct));
+  });
+}
+
+/// @brief `meshlib::psum_scatter<Axis, Dim>` (tiled) of a traced value; backward: `all_gather<Axis, Dim>(ct)`.
+template <fixed_string Axis, int Dim, traced_type X>
+auto psum_scatter(const X& x) {
+  auto y = meshlib::psum_scatter<Axis, Dim>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, psum_scatter_transpose<Axis, detail::dim_index_v<Dim, X::rank>>(ct));
+  });
+}
+
+/// @brief `meshlib::all_to_all<Axis, Split, Concat>` (tiled) of a traced value; backward: the reverse all-to-all.
+template <fixed_string Axis, int Split, int Concat, traced_type X>
+auto all_to_all(const X& x) {
+  auto y = meshlib::all_to_all<Axis, Split, Concat>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x,
+                 all_to_all_transpose<Axis, detail::dim_index_v<Split, X::rank>, detail::dim_index_v<Concat, X::rank>>(ct));
+  });
+}
+
+/// @brief `meshlib::ppermute<Axis>(x, perm)` of a traced value; backward: the inverse permutation of `ct`.
+template <fixed_string Axis, traced_type X>
+auto ppermute(const X& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
+  auto y = meshlib::ppermute<Axis>(x.primal(), perm);
+  return detail::record(x.tape(), y, [x, perm](detail::tape& t, const auto& ct) {
+    detail::send(t, x, ppermute_transpose<Axis>(ct, perm));
+  });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/collectives.hpp
+// begin meshlib/nn/autodiff/layer.hpp
+/// @file
+/// @brief `apply_layer(layer, x)`: an `nn` layer (anything with `forward(x)` and
+/// `backward(dy, need_dx)`: `dense`, `column_dense`, `row_dense`, activations, norms, ...) used
+/// inside `value_and_grad` as one primitive whose backward is the layer's own hand-written one.
+///
+/// The layer's parameter gradients go where its backward always puts them, the layer's
+/// `parameter::grad` blocks (added, as in `train_step`; nothing is summed over the data axis: that
+/// is the data-parallel policy's work); the input's cotangent flows on through the tape. A layer
+/// keeps one forward's state per device, so apply it once per loss evaluation.
+/// @code
+/// nn::dense<float, mesh_t> fc(mesh, "fc", 16, 4, nn::rng_key{0});
+/// auto [loss, dx] = nn::value_and_grad([&](const auto& x) {
+///   return nn::pmean<"data">(nn::mean<0>(nn::mean<1>(nn::square(nn::apply_layer(fc, x)))));
+/// })(x);                                     // fc.w.grad / fc.b.grad hold this device's dW, db
+/// @endcode
+
+
+namespace meshlib::nn {
+
+namespace detail {
+struct copy_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return x; }
+};
+}  // namespace detail
+
+/// @brief `layer.forward(x)` recorded as one node; backward: `layer.backward(ct, true)` (the
+/// parameter gradients into the layer, `dx` copied out of the layer's reused buffer onto the tape).
+template <class Layer, traced_type X>
+auto apply_layer(Layer& layer, const X& x) {
+  auto y = layer.forward(x.primal());
+  Layer* l = &layer;
+  return detail::record(x.tape(), y, [l, x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::map(detail::copy_fn{}, l->backward(ct, true)));
+  });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/layer.hpp
+// begin meshlib/nn/autodiff/value_and_grad.hpp
+/// @file
+/// @brief `value_and_grad` and `grad`, reverse mode, define by run, as `jax.value_and_grad` /
+/// `jax.grad` inside `shard_map` / `spmd`: each device calls the returned function on its
+/// `local_tensor`s; the arguments named by `Argnums` (default: the first) enter the loss function
+/// as `traced` values, every meshlib::nn operation on them is recorded on the device's tape, and
+/// the tape is walked back from the loss.
+///
+/// The loss must be one value every device agrees on: a traced value invariant over every mesh
+/// axis (no `vary`, no pending sum; a compile-time error otherwise) with one element (a run-time
+/// `autodiff_error` otherwise). Its value is then the loss of the whole program, and each gradient
+/// is this device's block of the gradient of that loss with respect to the global argument: it has
+/// the argument's type (the argument's sharding), as JAX's `shard_map` gradients do. An argument
+/// that is itself a pending sum gets the gradient of the completed sum (invariant over those axes).
+/// @code
+/// auto loss_fn = [](const auto& w, const auto& x) {          // w: (in, out), x: (batch / 4, in)
+///   namespace nn = meshlib::nn;
+///   auto y = nn::matmul(x, w);                               // varies over "data"
+///   return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(y)))) / 2.0;
+/// };
+/// meshlib::spmd(mesh, [&](std::size_t dev) {
+///   auto [loss, dw] = meshlib::nn::value_and_grad(loss_fn)(w_local, x_local);   // dw: w's type
+/// });
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+
+namespace meshlib::nn {
+
+/// @brief A loss function that `value_and_grad` cannot differentiate as called (a loss with more
+/// than one element): `what()` says what was returned and how to reduce it.
+class autodiff_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief What the function `value_and_grad` returns gives back: the loss and the gradients
+/// (one argument differentiated: its gradient; several: a `std::tuple` of them, in `Argnums` order).
+template <class V, class G>
+struct value_and_grad_result {
+  V value;  ///< the loss, a one-element `local_tensor` invariant over every axis (`to_host(value)[0]`)
+  G grad;   ///< the gradient(s), each of its argument's type
+};
+
+namespace detail {
+
+struct one_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T) const { return T(1); }
+};
+
+template <std::size_t I, std::size_t... Argnums>
+inline constexpr bool differentiated_v = ((I == Argnums) || ...);
+
+template <class Shape>
+std::string loss_shape_text(const Shape& shape) {
+  std::string s = "(";
+  for (std::size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+/// The argument `x` as the loss function sees it: traced when differentiated, as given otherwise.
+template <std::size_t I, std::size_t... Argnums, class X>
+auto enter(const X& x, tape& t) {
+  if constexpr (differentiated_v<I, Argnums...>) {
+    static_assert(local_tensor_type<X>,
+                  "meshlib::nn: value_and_grad: an argument named by Argnums is not a local_tensor; differentiate "
+                  "with respect to local_tensor arguments only (pass parameters as local_tensors)");
+    return traced<X>(x, &t, t.leaf());
+  } else {
+    return std::cref(x);
+  }
+}
+
+template <class... T>
+inline constexpr bool always_false_v = false;
+
+template <class Returned>
+consteval bool loss_is_not_traced() {
+  static_assert(always_false_v<Returned>,
+                "meshlib::nn: value_and_grad: the loss function must return a traced value computed from the "
+                "differentiated arguments with meshlib::nn operations (nn::sum, nn::psum, nn::matmul, ...); the type "
+                "it returned is spelled out in the condition");
+  return false;
+}
+
+template <class LossLayout>
+consteval bool loss_is_not_invariant() {
+  static_assert(always_false_v<LossLayout>,
+                "meshlib::nn: value_and_grad: the loss varies over, or is a pending sum over, the mesh axes spelled "
+                "out in the condition; the loss must be one value every device agrees on: reduce it with nn::psum "
+                "or nn::pmean over those axes before returning it");
+  return false;
+}
+
+/// True when `R` is a loss `value_and_grad` can start from; otherwise fires the one diagnostic that says why.
+template <class R>
+consteval bool check_loss_type() {
+  if constexpr (!traced_type<R>) return loss_is_not_traced<R>();
+  else if constexpr (R::vary != 0 || R::partial != 0)
+    return loss_is_not_invariant<meshlib::diagnostic::value_t<typename R::primal_type>>();
+  else return true;
+}
+
+/// The gradient of argument `x` (node `id`): its cotangent, or zeros when the loss does not use it.
+template <local_tensor_type X>
+cotangent_t<X> gradient_of(const tape& t, std::size_t id, const X& x) {
+  if (const auto* c = t.template cotangent<cotangent_t<X>>(id)) return *c;
+  auto zeros = meshlib::allocate<typename X::value_type, X::rank, typename X::memory_space>(x.shape(),
+                                                                                            "meshlib::nn::grad");
+  return cotangent_t<X>(zeros, x.mesh(), x.device());
+}
+
+/// The function `value_and_grad(f)` returns.
+template <class F, std::size_t... Argnums>
+class value_and_grad_fn {
+ public:
+  explicit value_and_grad_fn(F f) : f_(std::move(f)) {}
+
+  template <class... Args>
+  auto operator()(const Args&... args) const {
+    static_assert(((Argnums < sizeof...(Args)) && ...),
+                  "meshlib::nn: value_and_grad: an index in Argnums is past the last argument");
+    return call(std::index_sequence_for<Args...>{}, args...);
+  }
+
+ private:
+  template <std::size_t... I, class... Args>
+  auto call(std::index_sequence<I...>, const Args&... args) const {
+    tape t;
+    // Braced: the arguments enter the tape in order.
+    std::tuple<decltype(enter<I, Argnums...>(args, t))...> in{enter<I, Argnums...>(args, t)...};
+    auto out = std::apply([this](const auto&... a) { return f_(unwrap(a)...); }, in);
+    using R = decltype(out);
+    if constexpr (!check_loss_type<R>()) {
+      return;  // the one diagnostic above has fired
+    } else {
+      if (out.size() != 1)
+        throw autodiff_error("meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function "
+                             "returned a block of shape " + loss_shape_text(out.shape()) + " on device " +
+                             std::to_string(out.device()) + "; reduce it with nn::sum / nn::mean first");
+      using L = typename R::primal_type;
+      t.accumulate<cotangent_t<L>>(out.id(), meshlib::map(one_fn{}, out.primal()));
+      t.run_backward();
+      auto grads = std::make_tuple(gradient_of(t, std::get<Argnums>(in).id(), std::get<Argnums>(std::tie(args...)))...);
+      if constexpr (sizeof...(Argnums) == 1) {
+        using G = std::tuple_element_t<0, decltype(grads)>;
+        return value_and_grad_result<L, G>{out.primal(), std::get<0>(grads)};
+      } else {
+        return value_and_grad_result<L, decltype(grads)>{out.primal(), std::move(grads)};
+      }
+    }
+  }
+
+  template <class A>
+  static const auto& unwrap(const A& a) {
+    if constexpr (traced_type<A>) return a;
+    else return a.get();
+  }
+
+  F f_;
+};
+
+}  // namespace detail
+
+/// @brief `jax.value_and_grad(f, argnums=Argnums)`: a function that, called on a device's values,
+/// returns `{value, grad}` (see the file comment). `Argnums` defaults to the first argument; one
+/// index gives one gradient, several a `std::tuple` in that order.
+template <std::size_t... Argnums, class F>
+[[nodiscard]] auto value_and_grad(F f) {
+  if constexpr (sizeof...(Argnums) == 0) return detail::value_and_grad_fn<F, 0>(std::move(f));
+  else return detail::value_and_grad_fn<F, Argnums...>(std::move(f));
+}
+
+/// @brief `jax.grad(f, argnums=Argnums)`: `value_and_grad` without the value.
+template <std::size_t... Argnums, class F>
+[[nodiscard]] auto grad(F f) {
+  return [vg = value_and_grad<Argnums...>(std::move(f))](const auto&... args) { return vg(args...).grad; };
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/value_and_grad.hpp
+// end meshlib/nn/autodiff.hpp
 // begin meshlib/nn/schedule.hpp
 /// @file
 /// @brief Learning-rate schedules (optax's `constant_schedule`, `linear_schedule` warm-up and

@@ -30,6 +30,7 @@
 #include "meshlib/nn/check_gradients.hpp"
 #include "meshlib/nn/remat.hpp"
 #include "meshlib/nn/collective_transpose.hpp"
+#include "meshlib/nn/autodiff.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/nn/optimizer.hpp"
 #include "meshlib/nn/optim/multi_transform.hpp"

@@ -1,0 +1,26 @@
+// SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
+// CUDA compile check (scripts/cuda_compile_check.sh): nn::value_and_grad through every local
+// differentiable operation and a layer as a primitive, on device memory, so every forward and
+// backward kernel of nn/autodiff/ compiles for the GPU with nvcc. The one mesh axis is not used, so
+// no collective runs (a host collective on device memory is refused: host_collective_on_device.cpp).
+// Compiled for sm_90, not linked or run.
+#include <meshlib.hpp>
+#include <meshlib/nn.hpp>
+
+static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+              "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
+
+namespace nn = meshlib::nn;
+using mesh_t = meshlib::mesh<meshlib::axis<"x">>;
+using rows_t = meshlib::local_tensor<float, 2, mesh_t>;  // in CudaSpace: the default memory space here
+
+float differentiate(const mesh_t& m, const rows_t& x, const rows_t& w) {
+  auto [loss, grads] = nn::value_and_grad<0, 1>([](const auto& a, const auto& b) {
+    auto h = nn::maximum(nn::tanh(nn::matmul(a, nn::transpose(b))), 0.0f);
+    auto z = nn::log(nn::exp(h) + 1.0f) * h / (nn::square(h) + 2.0f) - h * 0.5f;
+    return nn::mean<0>(nn::sum<1>(-z + (1.0f - z) / 3.0f));
+  })(x, w);
+  nn::dense<float, mesh_t> fc(m, "fc", 8, 8, nn::rng_key{1});
+  auto dx = nn::grad([&](const auto& a) { return nn::sum<0>(nn::sum<1>(nn::apply_layer(fc, a))); })(x);
+  return meshlib::to_host(loss)[0] + meshlib::to_host(std::get<0>(grads))[0] + meshlib::to_host(dx)[0];
+}
