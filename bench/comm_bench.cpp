@@ -101,7 +101,7 @@ void wake_latency(bool pin) {
 #if defined(__linux__)
     cpu_set_t allowed;
     if (pin && pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 1)
-      meshlib::detail::pin_to(allowed, index);
+      meshlib::comm::detail::pin_to(allowed, index);
 #else
     (void)pin;
     (void)index;

@@ -94,7 +94,7 @@ struct start_threads_per_call {
   void run(std::size_t n, Body&& body) const {
     run_on_threads(static_cast<int>(n), [&](thread_communicator& c) { body(static_cast<std::size_t>(c.rank()), std::move(c)); });
   }
-  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return thread_runner(detail::process_wide_threads).local_devices(n); }
+  [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const { return thread_runner(exec::detail::process_wide_threads).local_devices(n); }
 };
 
 void bench_empty_call() {
@@ -318,7 +318,7 @@ void bench_psum8(int load) {
     raw_round.push_back(median(t));
     // The raw communicator on spmd's device threads (the process-wide pool): what the typed path
     // runs on, without the typed layer.
-    thread_runner(detail::process_wide_threads).run(2, [&](std::size_t dev, thread_communicator c) {
+    thread_runner(exec::detail::process_wide_threads).run(2, [&](std::size_t dev, thread_communicator c) {
       std::array<float, 2> buf{};
       c.barrier().wait();
       for (int i = 0; i < calls; ++i) {

@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   const int threads = o.threads, calls = o.calls;
   auto world = meshlib::mpi::world();
   const meshlib::mesh<meshlib::axis<"x">> m{static_cast<std::size_t>(world.size() * threads)};
-  const meshlib::hybrid_runner shared(meshlib::detail::process_wide_threads, world, threads);
+  const meshlib::hybrid_runner shared(meshlib::exec::detail::process_wide_threads, world, threads);
   const meshlib::hybrid_runner own(world, threads);
   meshlib::spmd(m, [] {}, shared);  // warm-up: threads started, Kokkos instances made
   meshlib::spmd(m, [] {}, own);

@@ -175,13 +175,13 @@ int main(int argc, char** argv) {
     ok &= d < 1e-2;
   }
 
-  // ---- 3. the one lock: View allocation under detail::kokkos_state_mutex() -----------------------
+  // ---- 3. the one lock: View allocation under tensor::detail::kokkos_state_mutex() -----------------------
   // Cost of allocating a 64 x 64 float block, alone and with 2 device threads allocating at once,
   // next to the cost of the smallest kernel that needs it (a 64 x 64 x 64 matmul).
   const int allocs = 20000;
   const double t_alloc1 = best_seconds(3, [&] {
     for (int i = 0; i < allocs; ++i) {
-      auto v = detail::allocate<float, 2>({64, 64}, "bench", false);
+      auto v = tensor::detail::allocate<float, 2>({64, 64}, "bench", false);
       (void)v;
     }
   }) / allocs;
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
     for (auto& t : ts)
       t = std::thread([&] {
         for (int i = 0; i < allocs; ++i) {
-          auto v = detail::allocate<float, 2>({64, 64}, "bench", false);
+          auto v = tensor::detail::allocate<float, 2>({64, 64}, "bench", false);
           (void)v;
         }
       });
@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
                 t_raw_two * 1e3, t_raw_one * 1e3, t_raw_one / t_raw_two);
   table += line;
   std::snprintf(line, sizeof line,
-                "\nThe one lock (View allocation, `detail::kokkos_state_mutex()`): a 64x64 float block takes %.2f us to "
+                "\nThe one lock (View allocation, `tensor::detail::kokkos_state_mutex()`): a 64x64 float block takes %.2f us to "
                 "allocate alone and %.2f us per allocation with 2 device threads allocating at once; the smallest "
                 "kernel that needs one, a 64x64x64 matmul, takes %.2f us.\n",
                 t_alloc1 * 1e6, t_alloc2 * 1e6, t_small * 1e6);

@@ -88,7 +88,7 @@ double time_lookup() {
   const mesh_t m{2};
   constexpr int n = 2000000;
   auto per_device = meshlib::spmd(m, [&] {
-    auto& ctx = meshlib::detail::current_device("trace_bench");
+    auto& ctx = meshlib::collectives::detail::current_device("trace_bench");
     int sink = 0;
     for (int i = 0; i < 1000; ++i) sink += ctx.comm(mesh_t::all_axes).size();
     const auto t0 = std::chrono::steady_clock::now();

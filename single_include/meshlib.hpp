@@ -257,7 +257,7 @@ class sharding_error : public error {
 #include <cstdint>
 #include <string_view>
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// @brief A running FNV-1a hash: feed it bytes or whole words, read `value`.
 struct fnv1a {
@@ -281,13 +281,18 @@ struct fnv1a {
 /// FNV-1a of a byte string (the standard 64-bit FNV-1a of those bytes).
 constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// FNV-1a, the one hash of the library: call fingerprints, plan keys.
+using core::detail::fnv1a;
+}  // namespace meshlib::experimental
 
 namespace meshlib {
 /// @brief FNV-1a, for the layers above core (parameter streams, checkpoint checksums) and a user's
 /// own checksums: the same entities as `detail::fnv1a` and `detail::fnv1a_of`.
-using detail::fnv1a;
-using detail::fnv1a_of;
+using core::detail::fnv1a;
+using core::detail::fnv1a_of;
 }  // namespace meshlib
 // end meshlib/core/hash.hpp
 // begin meshlib/core/axis.hpp
@@ -359,7 +364,7 @@ concept mesh_axis = requires {
 /// mesh, a byte count. Each throws a `meshlib::error` subtype naming what overflowed, instead of
 /// wrapping to a small number that passes a later size check and writes past a buffer.
 /// @code
-/// meshlib::detail::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
+/// meshlib::experimental::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
 /// @endcode
 
 #include <array>
@@ -370,7 +375,7 @@ concept mesh_axis = requires {
 #include <string_view>
 
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// A size that came from a negative signed value (e.g. `mesh{-1}`, `size_t(-8)`) reads as a number
 /// near 2^64; anything above 2^62 is refused as certainly not a real size.
@@ -419,7 +424,18 @@ std::size_t checked_bytes(std::size_t count, std::string_view what) {
   return checked_mul(count, sizeof(T), what);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// The byte size of `n` elements of `T`, throwing `sharding_error` on overflow.
+using core::detail::checked_bytes;
+
+/// The product of a shape's extents, throwing `sharding_error` on overflow.
+using core::detail::checked_product;
+
+/// `a * b`, throwing `sharding_error` (naming `what`) when the product overflows `std::size_t`.
+using core::detail::checked_mul;
+}  // namespace meshlib::experimental
 // end meshlib/core/checked_size.hpp
 // begin meshlib/core/diagnostics.hpp
 /// @file
@@ -441,7 +457,7 @@ std::size_t checked_bytes(std::size_t count, std::string_view what) {
 /// @code
 /// template <class Op, class Axis>
 /// consteval bool psum_over_invariant_axis() {
-///   static_assert(meshlib::detail::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
+///   static_assert(meshlib::diagnostic::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
 ///   return false;
 /// }
 /// // in the check: psum_over_invariant_axis<diag_op_t<"psum">, diag_axis_t<"model">>()
@@ -507,7 +523,7 @@ struct size {};
 
 }  // namespace meshlib::diagnostic
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// False for every argument list, but only once the arguments are known: the condition of every
 /// diagnostic, so that the compiler prints the arguments next to the message.
@@ -583,25 +599,28 @@ using diag_axes_t = typename diag_axes_impl<Mesh, Mask>::type;
 template <std::size_t N>
 using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
 
 /// What a layer written outside core (nn's, or a user's) spells its own compile-time errors with.
 namespace meshlib::diagnostic {
 /// False for every argument list, once the arguments are known: a diagnostic's condition.
-using detail::always_false;
+using core::detail::always_false;
 /// `op` for the name `"conv2d"`: how a layer names itself in errors (its
 /// `diagnostic_name`).
 template <fixed_string Name>
-using op_t = detail::diag_op_t<Name>;
+using op_t = core::detail::diag_op_t<Name>;
 /// The axes of `Mesh` in `Mask`, spelled out: `axes<axis<..."data"...>>`.
 template <class Mesh, unsigned Mask>
-using axes_t = detail::diag_axes_t<Mesh, Mask>;
+using axes_t = core::detail::diag_axes_t<Mesh, Mask>;
+/// `axis` for the name `"model"`: how a layer names an axis in its errors.
+template <fixed_string Name>
+using axis_t = core::detail::diag_axis_t<Name>;
 }  // namespace meshlib::diagnostic
 // end meshlib/core/diagnostics.hpp
 
 namespace meshlib {
 
-namespace detail {
+namespace core::detail {
 
 template <class... Axes>
 consteval bool axis_names_unique() {
@@ -620,7 +639,7 @@ consteval bool mesh_has_no_axis() {
   return false;
 }
 
-}  // namespace detail
+}  // namespace core::detail
 
 /// @brief A set of mesh axes, given by their positions in the mesh (bit i: axis i).
 /// Used for the device groups of collectives over several axes at once.
@@ -635,7 +654,7 @@ using axis_mask = unsigned;
 template <mesh_axis... Axes>
 class mesh {
   static_assert(sizeof...(Axes) > 0, "meshlib: a mesh needs at least one axis");
-  static_assert(detail::axis_names_unique<Axes...>(),
+  static_assert(core::detail::axis_names_unique<Axes...>(),
                 "meshlib: two axes of this mesh have the same name; each axis name must be unique");
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
@@ -667,7 +686,7 @@ class mesh {
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
     if constexpr (!has_axis<Name>)
-      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
+      core::detail::mesh_has_no_axis<core::detail::diag_axis_t<Name>, core::detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
@@ -816,7 +835,7 @@ class mesh {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
       // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
-      if (sizes_[i] > detail::max_sane_size)
+      if (sizes_[i] > core::detail::max_sane_size)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
                          " (" + std::to_string(static_cast<long long>(sizes_[i])) +
                          " as a signed number); a mesh axis size must be positive");
@@ -834,7 +853,7 @@ class mesh {
 template <class T>
 concept mesh_type = requires { typename T::is_mesh; };
 
-namespace detail {
+namespace core::detail {
 
 /// Throws `mesh_error` unless the devices of `m` can run: every communicator numbers its ranks
 /// with an `int` (MPI's, NCCL's, the thread communicator's), so `what` (`spmd`, `shard_map`,
@@ -858,7 +877,12 @@ void require_runnable(const Mesh& m, std::string_view what) {
                    "of at most " + std::to_string(limit) + " devices");
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// Throws a `mesh_error` when a mesh cannot be run (no devices, a zero-size axis), naming the caller.
+using core::detail::require_runnable;
+}  // namespace experimental
 
 /// @brief Builds a mesh and checks it against the number of devices, as `jax.make_mesh`.
 /// @throws mesh_error when the product of `sizes` is not `device_count`.
@@ -1064,7 +1088,7 @@ enum class shard_rule {
   uneven,
 };
 
-namespace detail {
+namespace core::detail {
 
 /// Position in `Mesh` of the first axis `Spec` names that the mesh lacks, as (dim, axis-in-dim),
 /// or {Spec::size, 0} when every axis exists.
@@ -1153,7 +1177,18 @@ consteval bool diagnose_sharding() {
   }
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// The one compile-time check of a (mesh, spec, rank) triple, fired as a single diagnostic; entry points above core call it first.
+using core::detail::diagnose_sharding;
+}  // namespace experimental
+
+namespace diagnostic {
+/// A partition spec spelled out for an error message: `spec<axes<axis<..."data"...>>, axes<>>`.
+template <class Spec>
+using spec_t = core::detail::diag_spec_t<Spec>;
+}  // namespace diagnostic
 
 /// @brief A partition spec `Spec` bound to a mesh of type `Mesh`.
 /// @code
@@ -1162,7 +1197,7 @@ consteval bool diagnose_sharding() {
 /// @endcode
 template <mesh_type Mesh, partition_spec_type Spec>
 class named_sharding {
-  static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
+  static_assert(core::detail::diagnosed(core::detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
   /// Tag that opts the sharding into the `sharding_type` concept.
@@ -1203,7 +1238,7 @@ class named_sharding {
     // True either way: a spec that is too long fires its one diagnostic here, and the
     // static_assert(check_rank<R>()) of every caller stays quiet.
     if constexpr (Spec::size <= Rank) return true;
-    else return detail::diagnosed(detail::spec_longer_than_rank<diagnostic::size<Rank>, detail::diag_spec_t<Spec>>());
+    else return core::detail::diagnosed(core::detail::spec_longer_than_rank<diagnostic::size<Rank>, core::detail::diag_spec_t<Spec>>());
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;
@@ -1355,7 +1390,7 @@ struct block {
   }
 };
 
-namespace detail {
+namespace core::detail {
 
 /// Offset and extent of shard `i` of `shards` of a dimension of size `n` (see the file comment).
 constexpr std::pair<std::size_t, std::size_t> split_dim(std::size_t n, std::size_t shards, std::size_t i,
@@ -1394,11 +1429,25 @@ inline std::string describe_devices(std::span<const std::size_t> devices) {
   return s + "}";
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// The dimension of a spec that an axis splits, or none: the lookup collectives and reshard plans share.
+using core::detail::split_dim;
+
+/// Writes the axes a dimension is split over, as a message names them.
+using core::detail::describe_dim_axes;
+
+/// Writes a list of device numbers for a message: the one spelling every layer uses.
+using core::detail::describe_devices;
+
+/// Writes a shape as `[4, 8]`: how every layer prints an extent in messages.
+using core::detail::describe_shape;
+}  // namespace experimental
 
 /// @brief A list of devices as meshlib's error messages show it: "{2, 3}" (for the messages of
 /// layers above core, and a user's).
-using detail::describe_devices;
+using core::detail::describe_devices;
 
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.
 /// @code
@@ -1420,14 +1469,14 @@ class shard_layout {
   /// overflows (naming the dimension and its size), and under `shard_rule::even` when a sharded dimension does not divide
   /// evenly; the message names the dimension, its size, the axes and their sizes.
   shard_layout(const S& sharding, const shape_type& global_shape) : sharding_(sharding), global_(global_shape) {
-    detail::checked_product(global_, "the global shape");
+    core::detail::checked_product(global_, "the global shape");
     for (std::size_t d = 0; d < Rank; ++d) {
       const std::size_t shards = sharding_.num_shards(d);
       if (sharding_.rule() == shard_rule::even && global_[d] % shards != 0) {
         std::ostringstream os;
-        os << "meshlib: dimension " << d << " of global shape " << detail::describe_shape(global_) << " has size "
+        os << "meshlib: dimension " << d << " of global shape " << core::detail::describe_shape(global_) << " has size "
            << global_[d] << ", which is not divisible by the " << shards << " shards of "
-           << detail::describe_dim_axes(sharding_, d) << " in " << typename S::spec_type{}
+           << core::detail::describe_dim_axes(sharding_, d) << " in " << typename S::spec_type{}
            << "; use a size divisible by " << shards << " or shard_rule::uneven";
         throw sharding_error(os.str());
       }
@@ -1445,7 +1494,7 @@ class shard_layout {
   [[nodiscard]] block<Rank> block_of(std::size_t device) const noexcept {
     block<Rank> b;
     for (std::size_t d = 0; d < Rank; ++d) {
-      const auto [off, ext] = detail::split_dim(global_[d], sharding_.num_shards(d), sharding_.shard_index(device, d),
+      const auto [off, ext] = core::detail::split_dim(global_[d], sharding_.num_shards(d), sharding_.shard_index(device, d),
                                                 sharding_.rule());
       b.offset[d] = off;
       b.extent[d] = ext;
@@ -1457,7 +1506,7 @@ class shard_layout {
   /// The largest local shape (every device's under the even rule): what a padded buffer needs.
   [[nodiscard]] shape_type max_local_shape() const noexcept {
     shape_type s;
-    for (std::size_t d = 0; d < Rank; ++d) s[d] = detail::split_dim(global_[d], sharding_.num_shards(d), 0, sharding_.rule()).second;
+    for (std::size_t d = 0; d < Rank; ++d) s[d] = core::detail::split_dim(global_[d], sharding_.num_shards(d), 0, sharding_.rule()).second;
     return s;
   }
 
@@ -1523,11 +1572,11 @@ std::array<std::size_t, Rank> global_shape_from_locals(const S& sharding,
     }
     for (auto e : extent) g[d] += e;
     for (std::size_t i = 0; i < shards; ++i) {
-      const auto expected = detail::split_dim(g[d], shards, i, sharding.rule()).second;
+      const auto expected = core::detail::split_dim(g[d], shards, i, sharding.rule()).second;
       const bool divisible = sharding.rule() == shard_rule::uneven || g[d] % shards == 0;
       if (!divisible || expected != extent[i]) {
         throw sharding_error("meshlib: dimension " + std::to_string(d) + " split over " +
-                             detail::describe_dim_axes(sharding, d) + ": shard " + std::to_string(i) + " (device " +
+                             core::detail::describe_dim_axes(sharding, d) + ": shard " + std::to_string(i) + " (device " +
                              std::to_string(holder[i]) + ") has size " + std::to_string(extent[i]) +
                              ", but a global size of " + std::to_string(g[d]) + " under the " +
                              (sharding.rule() == shard_rule::even ? "even" : "uneven") + " rule gives " +
@@ -1694,7 +1743,7 @@ inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_
   return 0;
 }
 
-namespace detail {
+namespace comm::detail {
 template <class T>
 consteval int datatype_index() {
   using U = std::remove_cv_t<T>;
@@ -1706,15 +1755,15 @@ consteval int datatype_index() {
   else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 8) return static_cast<int>(datatype::int64);
   else return -1;
 }
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief An element type that every communicator can send and reduce.
 template <class T>
-concept comm_element = (detail::datatype_index<T>() >= 0);
+concept comm_element = (comm::detail::datatype_index<T>() >= 0);
 
 /// @brief The run-time tag of element type `T`.
 template <comm_element T>
-inline constexpr datatype datatype_of = static_cast<datatype>(detail::datatype_index<T>());
+inline constexpr datatype datatype_of = static_cast<datatype>(comm::detail::datatype_index<T>());
 
 /// @brief Every element type, for loops in tests and benchmarks.
 inline constexpr datatype all_datatypes[] = {datatype::float32, datatype::float64, datatype::int32, datatype::int64,
@@ -1858,11 +1907,11 @@ struct permute_pair {
   friend constexpr bool operator==(const permute_pair&, const permute_pair&) = default;
 };
 
-namespace detail {
+namespace comm::detail {
 // The element type through which the concept checks the templated operations; a backend must
 // provide them for every comm_element, the concept can only spell out one.
 using concept_probe_t = float;
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief Types that opted in as communicators (nested `is_communicator` tag), with their handle types.
 template <class C>
@@ -1881,8 +1930,8 @@ concept communicator_group = requires(const C& c) {
 
 /// @brief The reducing collectives, out-of-place and in-place.
 template <class C>
-concept reducing_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                         std::span<detail::concept_probe_t> r, reduce_op op, int root) {
+concept reducing_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                         std::span<comm::detail::concept_probe_t> r, reduce_op op, int root) {
   { c.all_reduce(s, r, op) } -> std::same_as<typename C::request_type>;
   { c.all_reduce(r, op) } -> std::same_as<typename C::request_type>;
   { c.reduce(s, r, op, root) } -> std::same_as<typename C::request_type>;
@@ -1893,8 +1942,8 @@ concept reducing_communicator = requires(C& c, std::span<const detail::concept_p
 
 /// @brief The data-movement collectives, out-of-place and in-place.
 template <class C>
-concept moving_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                       std::span<detail::concept_probe_t> r, std::span<const std::int64_t> counts,
+concept moving_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                       std::span<comm::detail::concept_probe_t> r, std::span<const std::int64_t> counts,
                                        std::span<const permute_pair> pairs, int root) {
   { c.broadcast(s, r, root) } -> std::same_as<typename C::request_type>;
   { c.broadcast(r, root) } -> std::same_as<typename C::request_type>;
@@ -1909,8 +1958,8 @@ concept moving_communicator = requires(C& c, std::span<const detail::concept_pro
 
 /// @brief Point-to-point messages, matched by (source, tag) in send order.
 template <class C>
-concept point_to_point_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                               std::span<detail::concept_probe_t> r, int peer, int tag) {
+concept point_to_point_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                               std::span<comm::detail::concept_probe_t> r, int peer, int tag) {
   { c.send(s, peer, tag) } -> std::same_as<typename C::request_type>;
   { c.recv(r, peer, tag) } -> std::same_as<typename C::request_type>;
 };
@@ -1948,10 +1997,10 @@ concept communicator = communicator_tagged<C> && communicator_group<C> && reduci
 ///   int rank() const noexcept;  int size() const noexcept;
 ///   my_communicator split(int color, int key);    // (call check_split(color) first)
 ///  private:
-///   void ensure_usable(meshlib::detail::op_kind) const;   // throws on an empty or failed handle
+///   void ensure_usable(meshlib::comm::detail::op_kind) const;   // throws on an empty or failed handle
 ///   std::string label() const;                             // "rank 2", "MPI rank 1", ...
-///   template <meshlib::detail::op_kind K, class T>                    // the transport of operation K
-///   ready_request transport(const meshlib::detail::operation<T>&, host_context);
+///   template <meshlib::comm::detail::op_kind K, class T>                    // the transport of operation K
+///   ready_request transport(const meshlib::comm::detail::operation<T>&, host_context);
 /// };
 /// @endcode
 ///
@@ -1981,7 +2030,7 @@ concept communicator = communicator_tagged<C> && communicator_group<C> && reduci
 #include <span>
 #include <string>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
 /// nothing.
@@ -2003,7 +2052,7 @@ std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std
   return {};
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/detail/buffer_checks.hpp
 // begin meshlib/comm/detail/operation.hpp
 /// @file
@@ -2019,7 +2068,7 @@ std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std
 #include <string_view>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The operations of the `communicator` concept (the values are part of the MPI fingerprint).
 enum class op_kind : std::uint8_t {
@@ -2097,7 +2146,12 @@ struct operation {
   const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd (n each)
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// The kinds of communicator operation (`op_kind::send`, ...), as the front end and its callers name them.
+using comm::detail::op_kind;
+}  // namespace meshlib::experimental
 // end meshlib/comm/detail/operation.hpp
 
 namespace meshlib {
@@ -2120,14 +2174,14 @@ class communicator_frontend {
   template <comm_element T>
   request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                           context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_reduce;
+    constexpr auto k = comm::detail::op_kind::all_reduce;
     check_out_of_place(k, send, recv, send.size());
     return start<k>(reducing<T>(k, send.data(), recv.data(), send.size(), op, false), ctx);
   }
   /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
   template <comm_element T>
   request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_reduce;
+    constexpr auto k = comm::detail::op_kind::all_reduce;
     usable(k);
     return start<k>(reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true), ctx);
   }
@@ -2136,7 +2190,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
                       context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce;
+    constexpr auto k = comm::detail::op_kind::reduce;
     check_root(k, root);
     if (self().rank() == root) check_out_of_place(k, send, recv, send.size());
     auto o = reducing<T>(k, send.data(), self().rank() == root ? recv.data() : nullptr, send.size(), op, false);
@@ -2146,7 +2200,7 @@ class communicator_frontend {
   /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
   template <comm_element T>
   request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce;
+    constexpr auto k = comm::detail::op_kind::reduce;
     check_root(k, root);
     auto o = reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true);
     o.root = root;
@@ -2158,7 +2212,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                               context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce_scatter;
+    constexpr auto k = comm::detail::op_kind::reduce_scatter;
     const std::size_t count = recv.size();
     const std::size_t total = checked_mul(k, count);
     if (send.size() < total)
@@ -2171,7 +2225,7 @@ class communicator_frontend {
   /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
   template <comm_element T>
   request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce_scatter;
+    constexpr auto k = comm::detail::op_kind::reduce_scatter;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(reducing<T>(k, buf.data(), buf.data() + block(count), count, op, true), ctx);
   }
@@ -2182,7 +2236,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
                          context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::broadcast;
+    constexpr auto k = comm::detail::op_kind::broadcast;
     check_root(k, root);
     const bool is_root = self().rank() == root;
     if (is_root) {
@@ -2198,7 +2252,7 @@ class communicator_frontend {
   /// @brief In-place broadcast: every rank's buf receives root's buf.
   template <comm_element T>
   request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::broadcast;
+    constexpr auto k = comm::detail::op_kind::broadcast;
     check_root(k, root);
     auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
     o.root = root;
@@ -2208,7 +2262,7 @@ class communicator_frontend {
   /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
   template <comm_element T>
   request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_gather;
+    constexpr auto k = comm::detail::op_kind::all_gather;
     const std::size_t count = send.size();
     check_out_of_place(k, send, recv, checked_mul(k, count));
     return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
@@ -2216,7 +2270,7 @@ class communicator_frontend {
   /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
   template <comm_element T>
   request_type all_gather(std::span<T> buf, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_gather;
+    constexpr auto k = comm::detail::op_kind::all_gather;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(moving<T>(k, buf.data() + block(count), buf.data(), count, true), ctx);
   }
@@ -2224,7 +2278,7 @@ class communicator_frontend {
   /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
   template <comm_element T>
   request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all;
+    constexpr auto k = comm::detail::op_kind::all_to_all;
     const std::size_t count = blocks_of(k, send.size());
     check_out_of_place(k, send, recv, send.size());
     return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
@@ -2232,7 +2286,7 @@ class communicator_frontend {
   /// @brief In-place all_to_all.
   template <comm_element T>
   request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all;
+    constexpr auto k = comm::detail::op_kind::all_to_all;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(moving<T>(k, buf.data(), buf.data(), count, true), ctx);
   }
@@ -2245,11 +2299,11 @@ class communicator_frontend {
                             std::span<const std::int64_t> send_displs, std::span<T> recv,
                             std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                             context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all_v;
+    constexpr auto k = comm::detail::op_kind::all_to_all_v;
     usable(k);
     check_layout(k, "send", send.size(), send_counts, send_displs);
     check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    if (comm::detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
       bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
     auto o = moving<T>(k, send.data(), recv.data(), 0, false);
     o.v[0] = send_counts.data();
@@ -2265,7 +2319,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     check_pairs(pairs);
     check_out_of_place(k, send, recv, send.size());
     auto o = moving<T>(k, send.data(), recv.data(), send.size(), false);
@@ -2275,7 +2329,7 @@ class communicator_frontend {
   /// @brief In-place ppermute.
   template <comm_element T>
   request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     check_pairs(pairs);
     auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
     o.pairs = pairs;
@@ -2291,7 +2345,7 @@ class communicator_frontend {
     requires comm_element<std::remove_cv_t<T>>
   request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
     using U = std::remove_cv_t<T>;
-    constexpr auto k = detail::op_kind::send;
+    constexpr auto k = comm::detail::op_kind::send;
     check_peer(k, dest, "destination");
     check_tag(k, tag);
     auto o = moving<U>(k, buf.data(), nullptr, buf.size(), false);
@@ -2304,7 +2358,7 @@ class communicator_frontend {
   /// Its element type and count must be those of buf (else `collective_mismatch`).
   template <comm_element T>
   request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::recv;
+    constexpr auto k = comm::detail::op_kind::recv;
     check_peer(k, source, "source");
     check_tag(k, tag);
     auto o = moving<T>(k, nullptr, buf.data(), buf.size(), false);
@@ -2317,9 +2371,9 @@ class communicator_frontend {
 
   /// @brief Returns once every rank of the group has called barrier.
   request_type barrier(context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::barrier;
+    constexpr auto k = comm::detail::op_kind::barrier;
     usable(k);
-    detail::operation<float> o;
+    comm::detail::operation<float> o;
     o.kind = k;
     return start<k>(o, ctx);
   }
@@ -2328,23 +2382,23 @@ class communicator_frontend {
   communicator_frontend() = default;
 
   /// The default of the optional hook (see the file comment): nothing to release.
-  void on_argument_error(detail::op_kind, const std::string&) const {}
+  void on_argument_error(comm::detail::op_kind, const std::string&) const {}
 
   /// For `split`: refuses a negative color (after the usability check).
   void check_split(int color) const {
-    constexpr auto k = detail::op_kind::split;
+    constexpr auto k = comm::detail::op_kind::split;
     usable(k);
     if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
   }
 
   /// "all_reduce on rank 2 of 4": how messages name the call and the caller.
-  std::string where(detail::op_kind k) const {
-    return std::string(detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
+  std::string where(comm::detail::op_kind k) const {
+    return std::string(comm::detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
   }
 
   /// Throws `comm_argument_error` ("meshlib: invalid argument to <where>: <what>") after the
   /// backend's `on_argument_error` hook. For the backends' own limits too (MPI's int counts).
-  [[noreturn]] void bad_argument(detail::op_kind k, const std::string& what) const {
+  [[noreturn]] void bad_argument(comm::detail::op_kind k, const std::string& what) const {
     self().on_argument_error(k, what);
     throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
   }
@@ -2353,15 +2407,15 @@ class communicator_frontend {
   Backend& self() noexcept { return static_cast<Backend&>(*this); }
   const Backend& self() const noexcept { return static_cast<const Backend&>(*this); }
 
-  template <detail::op_kind K, class T>
-  request_type start(detail::operation<T> o, context_type ctx) {
+  template <comm::detail::op_kind K, class T>
+  request_type start(comm::detail::operation<T> o, context_type ctx) {
     o.kind = K;
     return self().template transport<K, T>(o, ctx);
   }
 
   template <class T>
-  static detail::operation<T> moving(detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
-    detail::operation<T> o;
+  static comm::detail::operation<T> moving(comm::detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
+    comm::detail::operation<T> o;
     o.kind = k;
     o.send = send;
     o.recv = recv;
@@ -2370,7 +2424,7 @@ class communicator_frontend {
     return o;
   }
   template <class T>
-  static detail::operation<T> reducing(detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
+  static comm::detail::operation<T> reducing(comm::detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
                                        bool in_place) {
     auto o = moving<T>(k, send, recv, count, in_place);
     o.op = op;
@@ -2379,34 +2433,34 @@ class communicator_frontend {
 
   std::size_t block(std::size_t count) const noexcept { return static_cast<std::size_t>(self().rank()) * count; }
 
-  void usable(detail::op_kind k) const { self().ensure_usable(k); }
+  void usable(comm::detail::op_kind k) const { self().ensure_usable(k); }
 
-  void check_root(detail::op_kind k, int root) const {
+  void check_root(comm::detail::op_kind k, int root) const {
     usable(k);
     if (root < 0 || root >= self().size())
       bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(self().size()) + ")");
   }
 
-  void check_peer(detail::op_kind k, int peer, const char* what) const {
+  void check_peer(comm::detail::op_kind k, int peer, const char* what) const {
     usable(k);
     if (peer < 0 || peer >= self().size())
       bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
                           std::to_string(self().size()) + ")");
   }
 
-  void check_tag(detail::op_kind k, int tag) const {
+  void check_tag(comm::detail::op_kind k, int tag) const {
     if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
   }
 
   /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
   template <class T>
-  void check_out_of_place(detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+  void check_out_of_place(comm::detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
     usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+    if (auto problem = comm::detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
   }
 
   /// count * size(), refused when it overflows.
-  std::size_t checked_mul(detail::op_kind k, std::size_t count) const {
+  std::size_t checked_mul(comm::detail::op_kind k, std::size_t count) const {
     usable(k);
     const auto n = static_cast<std::size_t>(self().size());
     if (count > std::numeric_limits<std::size_t>::max() / n)
@@ -2415,7 +2469,7 @@ class communicator_frontend {
   }
 
   /// The block length of a buffer of `size()` equal blocks.
-  std::size_t blocks_of(detail::op_kind k, std::size_t total) const {
+  std::size_t blocks_of(comm::detail::op_kind k, std::size_t total) const {
     usable(k);
     const auto n = static_cast<std::size_t>(self().size());
     if (total % n != 0)
@@ -2426,7 +2480,7 @@ class communicator_frontend {
 
   /// One side of an all_to_all_v: n counts and displacements, each block inside the buffer. The
   /// end of a block is compared without adding count and displacement first (int64 overflow).
-  void check_layout(detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+  void check_layout(comm::detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
                     std::span<const std::int64_t> displs) const {
     const auto n = static_cast<std::size_t>(self().size());
     const std::string w(which);
@@ -2447,7 +2501,7 @@ class communicator_frontend {
   }
 
   void check_pairs(std::span<const permute_pair> pairs) const {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     usable(k);
     const int n = self().size();
     std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
@@ -2656,7 +2710,7 @@ struct thread_comm_options {
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// How a group failed; decides the error type every participant rethrows. The values travel
 /// between processes in abort-channel reports.
@@ -2723,7 +2777,15 @@ inline void write_stderr_line(std::string line) {
   std::fflush(stderr);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Writes one whole line to stderr at once, so lines from concurrent device threads do not interleave.
+using comm::detail::write_stderr_line;
+
+/// The message of an exception pointer (its `what()`, or a placeholder for a non-standard exception).
+using comm::detail::what_of;
+}  // namespace meshlib::experimental
 // end meshlib/comm/detail/failure.hpp
 // begin meshlib/comm/detail/spin_then_block.hpp
 /// @file
@@ -2766,7 +2828,7 @@ inline void write_stderr_line(std::string line) {
 #define MESHLIB_DETAIL_HAS_MEMBARRIER 0
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
 /// avoids the memory-order mis-speculation penalty when the awaited line changes).
@@ -2824,7 +2886,18 @@ inline bool sleeper_fence() noexcept {
 #endif
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// The CPU the calling thread runs on, or -1 where unknown.
+using comm::detail::current_cpu;
+
+/// How long `poll_for` spins before it blocks.
+using comm::detail::spin_window;
+
+/// Spins for a while, then blocks: the wait every backend and runner uses.
+using comm::detail::poll_for;
+}  // namespace meshlib::experimental
 // end meshlib/comm/detail/spin_then_block.hpp
 // begin meshlib/comm/thread/detail/call_desc.hpp
 /// @file
@@ -2861,7 +2934,7 @@ inline bool sleeper_fence() noexcept {
 #include <string_view>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// One participant's call, as far as its backend's record of the call knows it. Which fields are
 /// shown follows from `kind` (`uses_dtype`, `uses_count`, `uses_op`, `uses_root`), so a backend
@@ -2952,10 +3025,10 @@ std::optional<counts_disagreement> first_counts_disagreement(std::size_t n, Sent
   return std::nullopt;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/detail/call_text.hpp
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
@@ -3026,7 +3099,7 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
   return true;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/call_desc.hpp
 // begin meshlib/comm/thread/detail/wait_policy.hpp
 /// @file
@@ -3043,7 +3116,7 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
 #include <thread>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
 /// line moves between cores in ~60 ns), for at most `spin_window` (comm/detail/spin_then_block.hpp:
@@ -3139,10 +3212,10 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
   return p;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/wait_policy.hpp
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 using comm_clock = std::chrono::steady_clock;
 
@@ -3378,7 +3451,7 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
   return g;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/group_state.hpp
 // begin meshlib/comm/thread/detail/reduce_kernels.hpp
 /// @file
@@ -3399,7 +3472,7 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
 #include <emmintrin.h>
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The type in which elements of T are combined: float for bfloat16 (NCCL's and PyTorch's
 /// accumulation type), the unsigned twin for integers (so that sum and prod wrap instead of
@@ -3599,7 +3672,7 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
   if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/reduce_kernels.hpp
 // begin meshlib/comm/thread/detail/step_protocol.hpp
 /// @file
@@ -3636,7 +3709,7 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
 /// in docs/benchmarks.md, "Overlapped gradient synchronisation"). The worker sets it for its
 /// lifetime; the thread backend's waits read it (comm/thread/detail/step_protocol.hpp).
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// This thread's hint (see the file comment); false unless the thread sets it.
 inline bool& prefer_blocking_waits() noexcept {
@@ -3644,10 +3717,15 @@ inline bool& prefer_blocking_waits() noexcept {
   return block;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Whether waits should block rather than spin (more device threads than cores).
+using comm::detail::prefer_blocking_waits;
+}  // namespace meshlib::experimental
 // end meshlib/comm/detail/blocking_waits.hpp
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Waits of every thread communicator of the process that went on to block, so far (tests: a
 /// waiter whose peer is late ends up blocked, not spinning or yielding for ever).
@@ -3989,7 +4067,7 @@ class step_protocol {
   std::chrono::nanoseconds patience_{0};
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/step_protocol.hpp
 
 namespace meshlib {
@@ -4002,7 +4080,7 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator : public communicator_frontend<thread_communicator>, private detail::step_protocol {
+class thread_communicator : public communicator_frontend<thread_communicator>, private comm::detail::step_protocol {
   friend class communicator_frontend<thread_communicator>;
   friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
 
@@ -4014,7 +4092,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   thread_communicator& operator=(const thread_communicator&) = delete;
   /// Movable: the moved-from communicator is no longer valid.
   thread_communicator(thread_communicator&& o) noexcept
-      : detail::step_protocol(std::move(o)) {}
+      : comm::detail::step_protocol(std::move(o)) {}
   /// Move assignment: the moved-from communicator is no longer valid.
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
@@ -4044,8 +4122,8 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// and later calls throw `comm_aborted` naming this rank and `reason`.
   /// @returns whether this call recorded the root cause (false when the world had already failed).
   bool abort(std::string_view reason) {
-    require_valid(detail::op_kind::barrier);
-    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
+    require_valid(comm::detail::op_kind::barrier);
+    return state_->world->fail(comm::detail::failure_kind::aborted, world_rank(),
                                "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
                                    std::string(reason));
   }
@@ -4059,9 +4137,9 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
   /// the same world: a failure in any of them fails all.
   thread_communicator split(int color, int key) {
-    constexpr auto k = detail::op_kind::split;
+    constexpr auto k = comm::detail::op_kind::split;
     check_split(color);
-    detail::call_desc d;
+    comm::detail::call_desc d;
     d.kind = k;
     d.color = color;
     d.key = key;
@@ -4080,21 +4158,21 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
       members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
     }
-    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
+    auto sub = comm::detail::claim_split_group(g.world, g.id, s, color, members);
     sub->slots[new_rank].claimed.store(true);
     return thread_communicator(std::move(sub), new_rank);
   }
 
  private:
   friend class thread_world;
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
-  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : detail::step_protocol(std::move(s), rank) {}
+  thread_communicator(std::shared_ptr<comm::detail::group_state> s, int rank) : comm::detail::step_protocol(std::move(s), rank) {}
 
   void depart() noexcept {
     if (!state_) return;
     if (std::uncaught_exceptions() > 0)
-      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
+      state_->slots[rank_].unwound_at.store(comm::detail::comm_clock::now().time_since_epoch().count() | 1,
                                             std::memory_order_relaxed);
     state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
     state_->wake_all_unconditionally();
@@ -4112,14 +4190,14 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   void require_valid(op_kind k) const {
     if (!state_)
-      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
+      throw comm_error("meshlib: " + std::string(comm::detail::op_name(k)) +
                        " called on an empty thread_communicator handle (default-constructed or moved from)");
   }
 
   /// Refuses every call once the world has failed.
   void ensure_usable(op_kind k) const {
     require_valid(k);
-    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
+    if (state_->word.load(std::memory_order_acquire) & comm::detail::failed_bit)
       state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
   }
 
@@ -4127,14 +4205,14 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// this rank are released at once.
   void on_argument_error(op_kind k, const std::string& what) const {
     require_valid(k);
-    state_->world->fail(detail::failure_kind::aborted, world_rank(),
+    state_->world->fail(comm::detail::failure_kind::aborted, world_rank(),
                         "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
-                            std::string(detail::op_name(k)) + ": " + what);
+                            std::string(comm::detail::op_name(k)) + ": " + what);
   }
 
   /// The transport of operation K (the front end has checked its arguments).
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
+  request_type transport(const comm::detail::operation<T>& o, context_type) {
     if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
     else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
     else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
@@ -4150,7 +4228,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       return {};
     } else {
       static_assert(K == op_kind::barrier);
-      detail::call_desc d;
+      comm::detail::call_desc d;
       d.kind = K;
       arrive(d, false);
       return {};
@@ -4159,12 +4237,12 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   /// Buffered send: the message is copied into the mailbox of (this rank, dest).
   request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
-    detail::p2p_message m;
+    comm::detail::p2p_message m;
     m.tag = tag;
     m.dtype = dt;
     m.count = count;
     m.data.resize(count * size_of(dt));
-    detail::copy_bytes(m.data.data(), data, m.data.size());
+    comm::detail::copy_bytes(m.data.data(), data, m.data.size());
     auto& g = *state_;
     {
       std::lock_guard lk(g.p2p_mutex);
@@ -4186,7 +4264,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// A zero-copy path's copy: streaming stores for big payloads.
   static void move_bytes(void* dst, const void* src, std::size_t bytes, bool stream) noexcept {
     if (bytes == 0 || dst == src) return;
-    if (stream) detail::stream_bytes(dst, src, bytes);
+    if (stream) comm::detail::stream_bytes(dst, src, bytes);
     else std::memcpy(dst, src, bytes);
   }
 
@@ -4210,8 +4288,8 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   }
 
   template <class T>
-  detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
-    detail::call_desc d;
+  comm::detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
+    comm::detail::call_desc d;
     d.kind = k;
     d.dtype = datatype_of<T>;
     d.count = count;
@@ -4230,7 +4308,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       d.src = stage(send, count * sizeof(T));
       const std::uint64_t s = arrive(d, false);
       for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
-      detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      comm::detail::reduce_into<T>(op, in, n, &recv, 1, count);
       return {};
     }
     d.src = send;
@@ -4242,7 +4320,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       in[r] = src_of<T>(s, r) + lo;
       out[r] = dst_of<T>(s, r) + lo;
     }
-    detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
+    comm::detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -4260,7 +4338,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       const std::uint64_t s = arrive(d, false);
       if (rank_ == root) {
         for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
-        detail::reduce_into<T>(op, in, n, &recv, 1, count);
+        comm::detail::reduce_into<T>(op, in, n, &recv, 1, count);
       }
       return {};
     }
@@ -4270,7 +4348,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
     T* out = dst_of<T>(s, root) + lo;
-    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
+    comm::detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -4288,7 +4366,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
     const std::uint64_t s = arrive(d, !staged);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
-    detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
+    comm::detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
     if (!staged) complete();
     return {};
   }
@@ -4338,7 +4416,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     } else if (send == recv) {
       // In place and zero-copy: peers read this rank's blocks while it overwrites them; give them a copy.
       std::byte* copy = scratch_.reserve(total);
-      detail::copy_bytes(copy, send, total);
+      comm::detail::copy_bytes(copy, send, total);
       d.src = copy;
     } else {
       d.src = send;
@@ -4366,7 +4444,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     for (int r = 0; r < n; ++r) {
       const auto& dr = state_->slots[r].desc[s & 1];
       const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
-      detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
+      comm::detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
     }
     complete();
     return {};
@@ -4382,7 +4460,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       d.src = stage(send, bytes);
     } else if (send == recv) {
       std::byte* copy = scratch_.reserve(bytes);
-      detail::copy_bytes(copy, send, bytes);
+      comm::detail::copy_bytes(copy, send, bytes);
       d.src = copy;
     } else {
       d.src = send;
@@ -4391,7 +4469,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     int from = -1;
     for (const auto& p : pairs)
       if (p.dest == rank_) from = p.source;
-    if (from >= 0) detail::copy_bytes(recv, src_of<T>(s, from), bytes);
+    if (from >= 0) comm::detail::copy_bytes(recv, src_of<T>(s, from), bytes);
     else std::fill_n(recv, count, T{});
     if (!staged) complete();
     return {};
@@ -4401,10 +4479,10 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     constexpr auto k = op_kind::recv;
     auto& g = *state_;
     auto& box = g.mailboxes[mailbox(source, rank_)];
-    const auto deadline = detail::comm_clock::now() + g.policy.timeout;
+    const auto deadline = comm::detail::comm_clock::now() + g.policy.timeout;
     std::unique_lock lk(g.p2p_mutex);
     for (;;) {
-      auto it = std::find_if(box.begin(), box.end(), [tag](const detail::p2p_message& m) { return m.tag == tag; });
+      auto it = std::find_if(box.begin(), box.end(), [tag](const comm::detail::p2p_message& m) { return m.tag == tag; });
       if (it != box.end()) {
         if (it->dtype != dt || it->count != count) {
           std::ostringstream os;
@@ -4412,28 +4490,28 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
              << it->dtype << " with tag " << tag << " but " << g.rank_label(rank_) << " receives " << count
              << " elements of " << dt;
           lk.unlock();
-          g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+          g.world->fail(comm::detail::failure_kind::mismatch, -1, os.str());
           g.world->rethrow("seen by " + where(k));
         }
-        detail::copy_bytes(buf, it->data.data(), it->data.size());
+        comm::detail::copy_bytes(buf, it->data.data(), it->data.size());
         box.erase(it);
         return;
       }
-      if (g.word.load(std::memory_order_acquire) & detail::failed_bit) {
+      if (g.word.load(std::memory_order_acquire) & comm::detail::failed_bit) {
         lk.unlock();
         g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
       }
-      const auto now = detail::comm_clock::now();
+      const auto now = comm::detail::comm_clock::now();
       if (departure_is_final(source) || now >= deadline) {
         lk.unlock();
         if (now >= deadline)
-          g.world->fail(detail::failure_kind::timeout, world_rank(),
+          g.world->fail(comm::detail::failure_kind::timeout, world_rank(),
                         "meshlib: recv from " + g.rank_label(source) + " with tag " + std::to_string(tag) +
                             " timed out on " + g.rank_label(rank_) + " after " +
                             std::to_string(std::chrono::duration<double>(g.policy.timeout).count()) + " s: " +
                             g.rank_label(source) + " never sent it");
         else
-          g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
+          g.world->fail(comm::detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
                         "meshlib: communicator aborted: " + g.rank_label(source) +
                             " left the communicator (its handle was destroyed or its thread ended) while " +
                             g.rank_label(rank_) + " waited to receive from it");
@@ -4445,7 +4523,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
-  detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+  comm::detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
 };
 
 static_assert(communicator<thread_communicator>);
@@ -4482,10 +4560,10 @@ class thread_world {
   explicit thread_world(int size, thread_comm_options options = {}) {
     if (size < 1)
       throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
-    world_ = std::make_shared<detail::world_state>(options, size);
+    world_ = std::make_shared<comm::detail::world_state>(options, size);
     std::vector<int> ranks(static_cast<std::size_t>(size));
     std::iota(ranks.begin(), ranks.end(), 0);
-    group_ = detail::make_group(world_, std::move(ranks));
+    group_ = comm::detail::make_group(world_, std::move(ranks));
   }
   thread_world(const thread_world&) = delete;
   thread_world& operator=(const thread_world&) = delete;
@@ -4498,7 +4576,7 @@ class thread_world {
     for (int r = 0; r < group_->n; ++r) {
       const auto& slot = group_->slots[r];
       if (slot.claimed.load() && !slot.departed.load()) {
-        world_->fail(detail::failure_kind::aborted, -1,
+        world_->fail(comm::detail::failure_kind::aborted, -1,
                      "meshlib: communicator aborted: the thread_world was destroyed while rank " + std::to_string(r) +
                          " still held its handle");
         break;
@@ -4531,20 +4609,20 @@ class thread_world {
   /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
   /// device; rank -1 is a participant outside this world (a device of another process).
   bool abort(int rank, std::string_view reason, std::string_view who) {
-    return world_->fail(detail::failure_kind::aborted, rank,
+    return world_->fail(comm::detail::failure_kind::aborted, rank,
                         "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
   /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
   /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
   /// participant being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as_mismatch(std::string_view message) { return fail_as(detail::failure_kind::mismatch, message); }
+  bool fail_as_mismatch(std::string_view message) { return fail_as(comm::detail::failure_kind::mismatch, message); }
 
   /// @brief Fails the world with an error detected elsewhere (by another process of a hybrid
   /// world, or by its leader's exchange between processes): every participant gets the error of
   /// `kind` (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with `message`, no participant
   /// of this world being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as(detail::failure_kind kind, std::string_view message) {
+  bool fail_as(comm::detail::failure_kind kind, std::string_view message) {
     return world_->fail(kind, -1, std::string(message));
   }
 
@@ -4554,8 +4632,8 @@ class thread_world {
   [[nodiscard]] int root_cause_rank() const { return world_->root_cause_rank(); }
 
  private:
-  std::shared_ptr<detail::world_state> world_;
-  std::shared_ptr<detail::group_state> group_;
+  std::shared_ptr<comm::detail::world_state> world_;
+  std::shared_ptr<comm::detail::group_state> group_;
 };
 
 }  // namespace meshlib
@@ -4600,7 +4678,7 @@ class thread_world {
 #include <string_view>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief What a run's participants on this process left behind (see the file comment). Ids
 /// named "global" count every participant of the run, on every process.
@@ -4686,12 +4764,17 @@ inline void rethrow_root_cause(const run_failures& f) {
   rethrow_root_cause(f, [&](int id) { return std::string(f.noun) + " " + std::to_string(id) + " of " + std::to_string(f.size); });
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Rethrows the failure that caused the others (not an abort it triggered): the one root-cause rule every runner uses.
+using comm::detail::rethrow_root_cause;
+}  // namespace meshlib::experimental
 // end meshlib/comm/detail/root_cause.hpp
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 /// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
 #if defined(__linux__)
 inline void pin_to(const cpu_set_t& allowed, int index) {
@@ -4747,7 +4830,12 @@ class participant_failures {
  private:
   std::vector<std::exception_ptr> errors_;
 };
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// The failures of the participants of a run, collected for `rethrow_root_cause`.
+using comm::detail::participant_failures;
+}  // namespace experimental
 
 /// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
 /// `thread_world(n, options)` (participant 0 on the calling thread), and returns when all have
@@ -4789,10 +4877,10 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
 #else
   (void)pin;
 #endif
-  detail::participant_failures failures(n);
+  comm::detail::participant_failures failures(n);
   auto body = [&](int r) {
 #if defined(__linux__)
-    if (can_pin) detail::pin_to(allowed, r);
+    if (can_pin) comm::detail::pin_to(allowed, r);
 #endif
     failures.run(world, r, fn);
   };
@@ -5028,7 +5116,7 @@ class axis_communicators {
 /// }
 /// @endcode
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// Holds `T` as `type`; a class template, so that `deferred<T, Tag>::type` depends on `Tag`.
 template <class T, class Tag>
@@ -5040,7 +5128,15 @@ struct deferred {
 template <class T, class Tag>
 using deferred_t = typename deferred<T, Tag>::type;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// `X`, but dependent on `T`: see `deferred`.
+using core::detail::deferred_t;
+
+/// A type made dependent on `T` (`deferred_t<X, T>` is `X`): delays lookup to instantiation, so a header may name a type completed by a later include.
+using core::detail::deferred;
+}  // namespace meshlib::experimental
 // end meshlib/core/deferred.hpp
 // begin meshlib/runtime/errors.hpp
 /// @file
@@ -5270,7 +5366,7 @@ std::string describe_claim(const claim& c) {
 template <class Tag = void>
 launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
                           std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  using claim = meshlib::detail::deferred_t<detail::claim, Tag>;  // compiled at the first call
+  using claim = meshlib::experimental::deferred_t<detail::claim, Tag>;  // compiled at the first call
   std::vector<claim> direct;
   if (given.process_id || given.num_processes) {
     if (!given.process_id || !given.num_processes)
@@ -5463,7 +5559,7 @@ void require_equal(std::string_view what, const std::vector<std::string>& all) {
   for (const auto& v : all) same = same && v == all.front();
   if (same) return;
   // Group processes by value so a 1024-process run prints each distinct value once.
-  meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
+  meshlib::experimental::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
   for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
   std::ostringstream os;
   os << "meshlib: the processes disagree about " << what << ": ";
@@ -5534,7 +5630,7 @@ void initialize(const options& opt = {}) {
                           opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
                                                    std::to_string(local) + " local devices"));
     const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
+    meshlib::experimental::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
     for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
     for (const auto& [idx, ranks] : seen)
       if (ranks.size() > 1)
@@ -5650,7 +5746,7 @@ using guard = basic_guard<>;
 /// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
 [[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
   const auto l = launch();
-  meshlib::detail::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
+  meshlib::experimental::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
                             std::to_string(l.process_count) + " aborts the run: " + std::string(reason));
   exchange()->abort(exit_code, reason);
 }
@@ -5722,7 +5818,7 @@ class kokkos_lifecycle_error : public error {
   using error::error;
 };
 
-namespace detail {
+namespace runtime::detail {
 
 /// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
 inline void require_kokkos(std::string_view what) {
@@ -5750,7 +5846,15 @@ inline void push_finalize_hook(std::function<void()> hook) {
   Kokkos::push_finalize_hook(std::move(hook));
 }
 
-}  // namespace detail
+}  // namespace runtime::detail
+
+namespace experimental {
+/// Registers a function to run before Kokkos finalises (frees views a layer caches).
+using runtime::detail::push_finalize_hook;
+
+/// Throws when Kokkos is not initialised, naming what needed it.
+using runtime::detail::require_kokkos;
+}  // namespace experimental
 }  // namespace meshlib
 
 namespace meshlib::distributed::detail {
@@ -5780,7 +5884,7 @@ namespace meshlib {
 /// @brief The memory space meshlib puts blocks in unless told otherwise.
 using default_memory_space = Kokkos::DefaultExecutionSpace::memory_space;
 
-namespace detail {
+namespace tensor::detail {
 
 /// `T*...*` with `N` stars: the Kokkos data type of a rank-`N` view.
 template <class T, std::size_t N>
@@ -5877,7 +5981,7 @@ class device_instance_cache {
       if (s.n == n && s.threads == threads) return s.instances[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
-      detail::push_finalize_hook([] {
+      experimental::push_finalize_hook([] {
         std::lock_guard l(cache.m_);
         cache.sets_.clear();
         cache.hooked_ = false;
@@ -5963,7 +6067,7 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
-  require_kokkos(label);
+  experimental::require_kokkos(label);
   view_t v;
   {
     std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
@@ -6088,7 +6192,30 @@ T read_back(const T* p) {
   return v;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
+
+namespace experimental {
+/// The extents of a view as a `std::array`.
+using tensor::detail::extents_of;
+
+/// Whether a CPU device may be a team of cores in this Kokkos build.
+using tensor::detail::has_thread_teams_v;
+
+/// The execution-space instance of device `d` of the process.
+using tensor::detail::device_instance;
+
+/// The execution-space instance of the running device (its stream on a GPU).
+using tensor::detail::current_exec;
+
+/// Whether a runner installed an execution-space instance on this thread.
+using tensor::detail::runner_installed_exec;
+
+/// Installs an execution-space instance as the calling device thread's for a scope (runners use it).
+using tensor::detail::scoped_exec_space;
+
+/// The Kokkos execution space that runs kernels on memory space `Space`.
+using tensor::detail::exec_space_for_t;
+}  // namespace experimental
 }  // namespace meshlib
 // end meshlib/tensor/view.hpp
 // begin meshlib/tensor/kernel.hpp
@@ -6124,21 +6251,21 @@ namespace meshlib {
 /// @brief The view of a rank-`Rank` block of `T` in memory `Space`: row-major, as NumPy and JAX lay
 /// arrays out; owns its memory (reference-counted: copy or drop it only on its device's thread).
 template <class T, std::size_t Rank, class Space = default_memory_space>
-using block_view = detail::block_view_t<T, Rank, Space>;
+using block_view = tensor::detail::block_view_t<T, Rank, Space>;
 
 /// @brief A `block_view` that does not own its memory (no reference count: safe to copy between
 /// device threads; the owner must outlive it).
 template <class T, std::size_t Rank, class Space = default_memory_space>
-using unmanaged_block_view = detail::unmanaged_view_t<T, Rank, Space>;
+using unmanaged_block_view = tensor::detail::unmanaged_view_t<T, Rank, Space>;
 
-using detail::allocate;
-using detail::copy_from_host;
-using detail::copy_to_host;
-using detail::edit_on_host;
-using detail::host_accessible_v;
-using detail::host_readable;
-using detail::launch;
-using detail::read_back;
+using tensor::detail::allocate;
+using tensor::detail::copy_from_host;
+using tensor::detail::copy_to_host;
+using tensor::detail::edit_on_host;
+using tensor::detail::host_accessible_v;
+using tensor::detail::host_readable;
+using tensor::detail::launch;
+using tensor::detail::read_back;
 
 }  // namespace meshlib
 // end meshlib/tensor/kernel.hpp
@@ -6153,7 +6280,7 @@ using detail::read_back;
 #include <utility>
 
 
-namespace meshlib::detail {
+namespace meshlib::tensor::detail {
 
 template <std::size_t N>
 constexpr std::size_t trimmed_length(const std::array<dim_spec, N>& dims) {
@@ -6217,7 +6344,7 @@ inline constexpr auto axes_names_v = [] {
   return s;
 }();
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::tensor::detail
 // end meshlib/tensor/spec_algebra.hpp
 // begin meshlib/tensor/local_tensor.hpp
 /// @file
@@ -6268,7 +6395,7 @@ struct dim_masks {
   static constexpr axis_mask at(std::size_t d) noexcept { return d < size ? values[d] : axis_mask{0}; }
 };
 
-namespace detail {
+namespace tensor::detail {
 
 template <class T>
 concept dim_masks_type = requires { typename T::is_dim_masks; };
@@ -6303,15 +6430,20 @@ struct permute_dims_impl<Dims, Perm, std::index_sequence<I...>> {
   using type = dim_masks<Dims::at(Perm[I])...>;
 };
 
-}  // namespace detail
+}  // namespace tensor::detail
+
+namespace experimental {
+/// The local layout with dimension `D` removed (a reduction over a dimension computes its result type with it).
+using tensor::detail::remove_dim_impl;
+}  // namespace experimental
 
 /// @brief `dim_masks` of rank `Rank` with no sharded dimension.
 template <std::size_t Rank>
-using replicated_dims = typename detail::replicated_dims_impl<Rank>::type;
+using replicated_dims = typename tensor::detail::replicated_dims_impl<Rank>::type;
 
 /// @brief The `dim_masks` of a rank-`Rank` array laid out by sharding `S`.
 template <sharding_type S, std::size_t Rank>
-using dims_of_t = typename detail::dims_of_impl<S, Rank>::type;
+using dims_of_t = typename tensor::detail::dims_of_impl<S, Rank>::type;
 
 /// @brief The value of type `T` one device holds inside `shard_map` / `spmd`.
 /// @tparam Vary    mesh axes the value varies over (see the file comment).
@@ -6322,7 +6454,7 @@ using dims_of_t = typename detail::dims_of_impl<S, Rank>::type;
 template <class T, std::size_t Rank, mesh_type Mesh, axis_mask Vary = 0, axis_mask Partial = 0,
           class Dims = replicated_dims<Rank>, class Space = default_memory_space>
 class local_tensor {
-  static_assert(detail::dim_masks_type<Dims> && Dims::size == Rank,
+  static_assert(tensor::detail::dim_masks_type<Dims> && Dims::size == Rank,
                 "meshlib: local_tensor: Dims must be a dim_masks<...> with one mask per dimension");
   static_assert((Vary & Partial) == 0,
                 "meshlib: local_tensor: a value cannot both vary over an axis and be a pending sum over it");
@@ -6341,7 +6473,7 @@ class local_tensor {
   /// The Kokkos memory space the block lives in.
   using memory_space = Space;
   /// The block's storage: a row-major `Kokkos::View` in `Space`.
-  using view_type = detail::block_view_t<T, Rank, Space>;
+  using view_type = tensor::detail::block_view_t<T, Rank, Space>;
   /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
   /// The number of dimensions.
@@ -6357,7 +6489,7 @@ class local_tensor {
   /// A zero block of `shape` on `device`. Throws `sharding_error` naming the dimension and its size
   /// when the element or byte count overflows (a wrapped count would allocate a small block).
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
-      : view_(detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
+      : view_(tensor::detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
         device_(device) {}
 
   /// The block's storage (shared, not copied).
@@ -6367,7 +6499,7 @@ class local_tensor {
   /// The device whose block this is.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
   /// The block's shape.
-  [[nodiscard]] shape_type shape() const { return detail::extents_of(view_); }
+  [[nodiscard]] shape_type shape() const { return tensor::detail::extents_of(view_); }
   /// The block's extent in dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return view_.extent(d); }
   /// The number of elements of the block.
@@ -6389,7 +6521,7 @@ class local_tensor {
 
   /// Prints `local_tensor<(4, 6) on device 3, vary {'data'}, partial {}>`.
   friend std::ostream& operator<<(std::ostream& os, const local_tensor& t) {
-    return os << "local_tensor<" << detail::describe_shape(t.shape()) << " on device " << t.device_
+    return os << "local_tensor<" << experimental::describe_shape(t.shape()) << " on device " << t.device_
               << ", vary " << describe_axes<Mesh>(Vary) << ", partial " << describe_axes<Mesh>(Partial) << '>';
   }
   /// The block as `operator<<` prints it.
@@ -6401,7 +6533,7 @@ class local_tensor {
 
  private:
   static const shape_type& checked_shape(const shape_type& shape) {
-    (void)detail::checked_bytes<T>(detail::checked_product(shape, "the local_tensor block shape"),
+    (void)experimental::checked_bytes<T>(experimental::checked_product(shape, "the local_tensor block shape"),
                                    "the byte count of the local_tensor block");
     return shape;
   }
@@ -6432,33 +6564,33 @@ inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
 template <local_tensor_type L>
 [[nodiscard]] std::vector<std::remove_const_t<typename L::value_type>> to_host(const L& x) {
   std::vector<std::remove_const_t<typename L::value_type>> out(x.size());
-  detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
+  tensor::detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
   return out;
 }
 
-namespace detail {
+namespace tensor::detail {
 /// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).
 template <class L, class Seq = std::make_index_sequence<L::rank>>
 struct diag_value_impl;
 template <class L, std::size_t... I>
 struct diag_value_impl<L, std::index_sequence<I...>> {
   using mesh_t = typename L::mesh_type;
-  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
-                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
-                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
+  using type = diagnostic::value<diagnostic::vary<diagnostic::axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diagnostic::axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diagnostic::axes_t<mesh_t, L::dims_type::at(I)>...>>;
 };
 /// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
 template <class L>
 using diag_value_t = typename diag_value_impl<L>::type;
-}  // namespace detail
+}  // namespace tensor::detail
 
 namespace diagnostic {
 /// The layout of local value `L` spelled out for a compile-time error: `value<vary<...>, partial<...>, dims<...>>`.
 template <class L>
-using value_t = detail::diag_value_t<L>;
+using value_t = tensor::detail::diag_value_t<L>;
 }  // namespace diagnostic
 
-namespace detail {
+namespace tensor::detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
 struct rebind_local;
 template <class T, std::size_t Rank, class M, axis_mask V0, axis_mask P0, class D0, class S, class U, std::size_t R,
@@ -6466,37 +6598,37 @@ template <class T, std::size_t Rank, class M, axis_mask V0, axis_mask P0, class 
 struct rebind_local<local_tensor<T, Rank, M, V0, P0, D0, S>, U, R, V, P, D> {
   using type = local_tensor<U, R, M, V, P, D, S>;
 };
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief `L` with every field but the named ones kept: the result types collectives and kernels compute.
 template <local_tensor_type L, axis_mask NewVary>
-using with_vary_t = typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
+using with_vary_t = typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
                                                   typename L::dims_type>::type;
 /// @brief `L` with its partial axes replaced.
 template <local_tensor_type L, axis_mask NewPartial>
-using with_partial_t = typename detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
+using with_partial_t = typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
                                                      typename L::dims_type>::type;
 /// @brief `L` with vary and partial both replaced (collectives move axes from one to the other).
 template <local_tensor_type L, axis_mask NewVary, axis_mask NewPartial>
 using with_vary_partial_t =
-    typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
+    typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
 /// @brief `L` with its per-dimension sharding masks replaced.
 template <local_tensor_type L, class NewDims>
 using with_dims_t =
-    typename detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
+    typename tensor::detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
 /// @brief `L` with element type `U`.
 template <local_tensor_type L, class U>
-using with_value_t = typename detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
+using with_value_t = typename tensor::detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
 /// @brief The general form: element type, rank, vary, partial and dims all given.
 template <local_tensor_type L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
-using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
+using rebind_local_t = typename tensor::detail::rebind_local<L, U, R, V, P, D>::type;
 
 /// @brief `Dims` without dimension `D`, and `Dims` permuted (`Perm[i]`: the source of entry `i`).
 template <class Dims, std::size_t D>
-using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
+using remove_dim_t = typename tensor::detail::remove_dim_impl<Dims, D>::type;
 /// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
 template <class Dims, auto Perm>
-using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
+using permute_dims_t = typename tensor::detail::permute_dims_impl<Dims, Perm>::type;
 
 /// @brief The local type of a block of a rank-`Rank` array laid out by `S`, entering `shard_map`:
 /// varying over every axis the spec uses, partial over none.
@@ -6541,7 +6673,7 @@ using entry_local_t = local_tensor<T, Rank, typename S::mesh_type, S::sharded_ax
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 /// Calls `f(local_index, global_index)` for every element of block `b`, row-major.
 template <std::size_t Rank, class F>
@@ -6568,10 +6700,10 @@ constexpr std::size_t flat_index(const std::array<std::size_t, Rank>& shape, con
 
 template <std::size_t Rank>
 std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
-  return checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
+  return experimental::checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief A global array of `T` of rank `Rank`, laid out by `Sharding` (a `named_sharding`), each
 /// local device's block in a row-major `Kokkos::View` in `Space`.
@@ -6594,7 +6726,7 @@ class sharded_tensor {
   /// The Kokkos memory space the blocks live in.
   using memory_space = Space;
   /// A block's storage: a row-major `Kokkos::View` in `Space`.
-  using view_type = detail::block_view_t<T, Rank, Space>;
+  using view_type = tensor::detail::block_view_t<T, Rank, Space>;
   /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
   /// Which block of the global array each device holds.
@@ -6612,12 +6744,12 @@ class sharded_tensor {
   /// Zero blocks for the devices in `local_devices` only (one process of a multi-process run).
   sharded_tensor(const Sharding& sharding, const shape_type& global_shape, std::span<const std::size_t> local_devices)
       : layout_(sharding, global_shape), blocks_(sharding.mesh().size()), local_(sharding.mesh().size(), false) {
-    detail::checked_bytes<T>(size(), "the byte count of the global shape");
+    experimental::checked_bytes<T>(size(), "the byte count of the global shape");
     for (std::size_t dev : local_devices) {
       if (dev >= blocks_.size())
         throw sharding_error("meshlib: sharded_tensor: local device " + std::to_string(dev) + " is not in mesh " +
                              sharding.mesh().to_string());
-      blocks_[dev] = detail::allocate<T, Rank, Space>(layout_.local_shape(dev), "meshlib::sharded_tensor");
+      blocks_[dev] = tensor::detail::allocate<T, Rank, Space>(layout_.local_shape(dev), "meshlib::sharded_tensor");
       local_[dev] = true;
     }
   }
@@ -6630,11 +6762,11 @@ class sharded_tensor {
     if (blocks_.size() != sharding.mesh().size() || local_.size() != blocks_.size())
       throw sharding_error("meshlib: sharded_tensor needs one block entry per device of " + sharding.mesh().to_string());
     for (std::size_t dev = 0; dev < blocks_.size(); ++dev)
-      if (local_[dev] && detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
+      if (local_[dev] && tensor::detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
         throw sharding_error("meshlib: sharded_tensor: device " + std::to_string(dev) + "'s block has shape " +
-                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
-                             " on global shape " + detail::describe_shape(global_shape) + " gives it shape " +
-                             detail::describe_shape(layout_.local_shape(dev)));
+                             experimental::describe_shape(tensor::detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
+                             " on global shape " + experimental::describe_shape(global_shape) + " gives it shape " +
+                             experimental::describe_shape(layout_.local_shape(dev)));
   }
 
   /// How the array is split over the mesh.
@@ -6648,7 +6780,7 @@ class sharded_tensor {
   /// The global extent of dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return layout_.global_shape()[d]; }
   /// Number of elements of the global array.
-  [[nodiscard]] std::size_t size() const noexcept { return detail::shape_size(global_shape()); }
+  [[nodiscard]] std::size_t size() const noexcept { return tensor::detail::shape_size(global_shape()); }
   /// The number of devices of the mesh, local or not.
   [[nodiscard]] std::size_t num_devices() const noexcept { return blocks_.size(); }
 
@@ -6697,7 +6829,7 @@ class sharded_tensor {
       if (b.size() == 0) continue;
       if (src == n)
         throw sharding_error("meshlib: to_host: block " + block_string(b) + " is held by devices " +
-                             detail::describe_devices(reps) + ", none of them local to this process");
+                             experimental::describe_devices(reps) + ", none of them local to this process");
       copy_block_out(src, b, out.data());
     }
     return out;
@@ -6705,7 +6837,7 @@ class sharded_tensor {
 
   /// Prints `sharded_tensor<(8, 6), named_sharding(mesh{'data': 2}, P<"data">)>`.
   friend std::ostream& operator<<(std::ostream& os, const sharded_tensor& t) {
-    return os << "sharded_tensor<" << detail::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
+    return os << "sharded_tensor<" << experimental::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
   }
   /// The array as `operator<<` prints it: global shape and sharding.
   [[nodiscard]] std::string to_string() const {
@@ -6734,9 +6866,9 @@ class sharded_tensor {
 
   void copy_block_out(std::size_t dev, const block<Rank>& b, T* out) const {
     auto host = Kokkos::create_mirror_view(blocks_[dev]);
-    if constexpr (!detail::host_accessible_v<Space>) Kokkos::deep_copy(host, blocks_[dev]);
+    if constexpr (!tensor::detail::host_accessible_v<Space>) Kokkos::deep_copy(host, blocks_[dev]);
     const T* src = host.data();
-    detail::for_each_in_block(b, [&](std::size_t i, const shape_type& g) { out[detail::flat_index(global_shape(), g)] = src[i]; });
+    tensor::detail::for_each_in_block(b, [&](std::size_t i, const shape_type& g) { out[tensor::detail::flat_index(global_shape(), g)] = src[i]; });
   }
 
   layout_type layout_;
@@ -6751,7 +6883,7 @@ concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sha
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 
-namespace detail {
+namespace tensor::detail {
 
 /// Builds a tensor whose local blocks `fill(dev, block, T* host_data)` writes, row-major.
 template <class T, std::size_t Rank, sharding_type S, class Space, class F>
@@ -6774,7 +6906,7 @@ std::vector<std::size_t> every_device(const S& s) {
   return d;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Scatters a global row-major host array into blocks (`jax.device_put(x, sharding)`).
 /// @throws sharding_error when `data.size()` is not the product of `shape`, or the shape does not fit.
@@ -6783,16 +6915,16 @@ sharded_tensor<std::remove_const_t<T>, Rank, S, Space> from_host(const S& shardi
                                                                  std::span<T> data,
                                                                  std::span<const std::size_t> local_devices = {}) {
   using U = std::remove_const_t<T>;
-  if (data.size() != detail::shape_size(shape))
-    throw sharding_error("meshlib: from_host: global shape " + detail::describe_shape(shape) + " has " +
-                         std::to_string(detail::shape_size(shape)) + " elements but the host array has " +
+  if (data.size() != tensor::detail::shape_size(shape))
+    throw sharding_error("meshlib: from_host: global shape " + experimental::describe_shape(shape) + " has " +
+                         std::to_string(tensor::detail::shape_size(shape)) + " elements but the host array has " +
                          std::to_string(data.size()));
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  return detail::fill_blocks<U, Rank, S, Space>(sharding, shape, local_devices,
+  return tensor::detail::fill_blocks<U, Rank, S, Space>(sharding, shape, local_devices,
                                                 [&](std::size_t, const block<Rank>& b, U* out) {
-                                                  detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
-                                                    out[i] = data[detail::flat_index(shape, g)];
+                                                  tensor::detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
+                                                    out[i] = data[tensor::detail::flat_index(shape, g)];
                                                   });
                                                 });
 }
@@ -6811,19 +6943,19 @@ sharded_tensor<T, Rank, S, Space> from_host(const S& sharding, const std::array<
 template <class T, class Space = default_memory_space, std::size_t Rank, sharding_type S, class F>
 sharded_tensor<T, Rank, S, Space> make_array_from_callback(const std::array<std::size_t, Rank>& shape, const S& sharding,
                                                            F&& cb, std::span<const std::size_t> local_devices = {}) {
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  using view_t = detail::block_view_t<T, Rank, Space>;
+  using view_t = tensor::detail::block_view_t<T, Rank, Space>;
   using host_t = typename view_t::HostMirror;
   if constexpr (std::invocable<F&, const std::array<std::size_t, Rank>&>) {
-    return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
-      detail::for_each_in_block(b, [&](std::size_t i, const auto& g) { out[i] = static_cast<T>(cb(g)); });
+    return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
+      tensor::detail::for_each_in_block(b, [&](std::size_t i, const auto& g) { out[i] = static_cast<T>(cb(g)); });
     });
   } else {
     static_assert(std::invocable<F&, std::size_t, const block<Rank>&, const host_t&>,
                   "meshlib: make_array_from_callback: the callback must be invocable as cb(global_index) -> T or as "
                   "cb(device, block, host_view)");
-    return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t dev, const block<Rank>& b, T* out) {
+    return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t dev, const block<Rank>& b, T* out) {
       host_t v = [&]<std::size_t... I>(std::index_sequence<I...>) {
         return host_t(out, b.extent[I]...);
       }(std::make_index_sequence<Rank>{});
@@ -6836,9 +6968,9 @@ sharded_tensor<T, Rank, S, Space> make_array_from_callback(const std::array<std:
 template <class T, class Space = default_memory_space, std::size_t Rank, sharding_type S>
 sharded_tensor<T, Rank, S, Space> full(const S& sharding, const std::array<std::size_t, Rank>& shape, const T& value,
                                        std::span<const std::size_t> local_devices = {}) {
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
+  return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
     std::fill(out, out + b.size(), value);
   });
 }
@@ -6902,7 +7034,7 @@ auto to_host(const X& x) {
 #include <span>
 
 
-namespace meshlib::detail {
+namespace meshlib::tensor::detail {
 
 /// Runs `call(ctx, i)` for every `i` in `[0, count)` at once and returns when all have returned;
 /// rethrows the exception of the lowest `i` that threw.
@@ -6936,7 +7068,15 @@ void for_each_device(std::span<const std::size_t> devices, std::size_t num_devic
   dispatch(devices.size(), &task, [](void* t, std::size_t i) { (*static_cast<decltype(task)*>(t))(i); });
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::tensor::detail
+
+namespace meshlib::experimental {
+/// The dispatcher `for_each_device` calls: a runner installs its own.
+using tensor::detail::device_dispatcher;
+
+/// Runs a function once per device of a mesh, through the installed dispatcher (a runner installs one).
+using tensor::detail::for_each_device;
+}  // namespace meshlib::experimental
 // end meshlib/tensor/for_each_device.hpp
 // begin meshlib/tensor/pointer_check.hpp
 /// @file
@@ -7048,7 +7188,7 @@ template <class Space>
     (void)p;
     return true;
   } else {
-    return is_device_readable<Space>(p, detail::current_device_id<Space>());
+    return is_device_readable<Space>(p, tensor::detail::current_device_id<Space>());
   }
 }
 
@@ -7073,25 +7213,25 @@ void check_device_readable(const void* p, std::string_view entry, std::string_vi
   }
 }
 
-namespace detail {
+namespace tensor::detail {
 /// The diagnostic of `require_accessible` (core/diagnostics.hpp: a function, so one error).
 template <class Entry, class Argument, class Exec, class Space>
 consteval bool argument_memory_is_not_accessible_from_kernel_space() {
-  static_assert(always_false<Entry, Argument, Exec, Space>,
+  static_assert(diagnostic::always_false<Entry, Argument, Exec, Space>,
                 "meshlib: an argument's memory space cannot be read by the execution space its kernel runs on "
                 "(the note names the call, the argument, the execution space and the memory space); copy it there "
                 "first with meshlib::nn::device_put (a batch), meshlib::device_put (an array) or Kokkos::deep_copy");
   return false;
 }
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Compile-time half of the check: `true` when execution space `Exec` can access memory
 /// space `Space`; otherwise one compile error that spells the call `Entry` and the `Argument`
-/// (`diag_op_t<"matmul_into">`, `diag_op_t<"A">`).
+/// (`diagnostic::op_t<"matmul_into">`, `diagnostic::op_t<"A">`).
 template <class Entry, class Argument, class Exec, class Space>
 consteval bool require_accessible() {
   if constexpr (Kokkos::SpaceAccessibility<Exec, Space>::accessible) return true;
-  else return detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
+  else return tensor::detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
 }
 
 /// @brief The compile-time check of a public entry whose kernels run on the running device's
@@ -7107,7 +7247,7 @@ consteval bool require_accessible() {
 /// @endcode
 template <fixed_string Entry, fixed_string Argument, class L, class KernelSpace = default_memory_space>
 consteval bool require_kernel_can_read() {
-  return require_accessible<detail::diag_op_t<Entry>, detail::diag_op_t<Argument>,
+  return require_accessible<diagnostic::op_t<Entry>, diagnostic::op_t<Argument>,
                             typename KernelSpace::execution_space, typename L::memory_space>();
 }
 
@@ -7116,7 +7256,7 @@ consteval bool require_kernel_can_read() {
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 // ---- diagnostics ------------------------------------------------------------------------------
 // Each is a function whose one static_assert names, in its failing condition, the operands' specs
@@ -7124,7 +7264,7 @@ namespace detail {
 
 template <class Op, class LhsSpec, class RhsSpec>
 consteval bool zip_needs_same_sharding() {
-  static_assert(always_false<Op, LhsSpec, RhsSpec>,
+  static_assert(diagnostic::always_false<Op, LhsSpec, RhsSpec>,
                 "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are "
                 "spelled out in the condition); meshlib moves no data implicitly: reshard one operand with "
                 "meshlib::reshard<Spec>(x) so both have the same spec");
@@ -7133,7 +7273,7 @@ consteval bool zip_needs_same_sharding() {
 
 template <class Op, class LhsValue, class RhsValue>
 consteval bool zip_needs_same_local_layout() {
-  static_assert(always_false<Op, LhsValue, RhsValue>,
+  static_assert(diagnostic::always_false<Op, LhsValue, RhsValue>,
                 "meshlib: zip / elementwise operator on local values: the operands vary over, are partial over, or are "
                 "sharded over different mesh axes (the two layouts are spelled out in the condition); make them "
                 "agree first: psum / all_gather the one, pbroadcast the other, or reshard the inputs of shard_map");
@@ -7142,20 +7282,20 @@ consteval bool zip_needs_same_local_layout() {
 
 template <class Op, class LhsRank, class RhsRank>
 consteval bool zip_of_different_ranks() {
-  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
+  static_assert(diagnostic::always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
   return false;
 }
 
 template <class Op, class LhsMesh, class RhsMesh>
 consteval bool zip_of_different_meshes() {
-  static_assert(always_false<Op, LhsMesh, RhsMesh>,
+  static_assert(diagnostic::always_false<Op, LhsMesh, RhsMesh>,
                 "meshlib: zip / elementwise operator on operands over different mesh types");
   return false;
 }
 
 template <class PartialAxes, class Value>
 consteval bool operation_is_not_linear_on_partial() {
-  static_assert(always_false<PartialAxes, Value>,
+  static_assert(diagnostic::always_false<PartialAxes, Value>,
                 "meshlib: this operation is not linear, but the operand is a pending sum over the axes spelled out in "
                 "the condition; complete the sum with psum over those axes first (only +, -, negation, and scaling "
                 "by a scalar keep a value partial)");
@@ -7166,13 +7306,13 @@ consteval bool operation_is_not_linear_on_partial() {
 template <class L>
 consteval bool check_not_partial() {
   if constexpr (L::partial != 0)
-    return operation_is_not_linear_on_partial<diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+    return operation_is_not_linear_on_partial<diagnostic::axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
   else return true;
 }
 
 template <class A, class B>
 consteval bool diagnose_zip_local() {
-  using op_t = diag_op_t<"zip">;
+  using op_t = diagnostic::op_t<"zip">;
   if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
     return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
   else if constexpr (A::rank != B::rank)
@@ -7184,13 +7324,13 @@ consteval bool diagnose_zip_local() {
 
 template <class A, class B>
 consteval bool diagnose_zip_global() {
-  using op_t = diag_op_t<"zip">;
+  using op_t = diagnostic::op_t<"zip">;
   if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
     return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
   else if constexpr (A::rank != B::rank)
     return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
   else if constexpr (!std::is_same_v<typename A::spec_type, typename B::spec_type>)
-    return zip_needs_same_sharding<op_t, diag_spec_t<typename A::spec_type>, diag_spec_t<typename B::spec_type>>();
+    return zip_needs_same_sharding<op_t, diagnostic::spec_t<typename A::spec_type>, diagnostic::spec_t<typename B::spec_type>>();
   else return true;
 }
 
@@ -7229,8 +7369,8 @@ auto zip_view(const VA& a, const VB& b, const F& f) {
   static_cast<void>(require_kernel_can_read<"zip", "b", VB, Space>());
   constexpr std::size_t rank = VA::rank;
   if (extents_of(a) != extents_of(b))
-    throw sharding_error("meshlib: zip: the local blocks have shapes " + describe_shape(extents_of(a)) + " and " +
-                         describe_shape(extents_of(b)) + "; elementwise operands need equal shapes");
+    throw sharding_error("meshlib: zip: the local blocks have shapes " + experimental::describe_shape(extents_of(a)) + " and " +
+                         experimental::describe_shape(extents_of(b)) + "; elementwise operands need equal shapes");
   auto out = allocate<U, rank, Space>(extents_of(a), "meshlib::zip", false);
   launch<Space>(a.span(), zip_functor<F, typename VA::value_type, typename VB::value_type, U>{f, a.data(), b.data(),
                                                                                                 out.data()});
@@ -7256,7 +7396,7 @@ void check_same_global(const X& x, const Y& y, const char* op) {
                            " is local to one operand and not the other");
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 // ---- local view ---------------------------------------------------------------------------------
 
@@ -7264,31 +7404,31 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  if constexpr (!detail::check_not_partial<L>()) {
+  if constexpr (!tensor::detail::check_not_partial<L>()) {
     return x;  // the diagnostic above has fired
   } else {
     using T = typename L::value_type;
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
     using out_t = with_value_t<L, U>;
-    return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+    return out_t(tensor::detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
   }
 }
 
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  if constexpr (!detail::diagnose_zip_local<A, B>()) {
+  if constexpr (!tensor::detail::diagnose_zip_local<A, B>()) {
     return a;  // the diagnostic above has fired
-  } else if constexpr (!detail::check_not_partial<A>()) {
+  } else if constexpr (!tensor::detail::check_not_partial<A>()) {
     return a;  // the diagnostic above has fired
   } else {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using out_t = with_value_t<A, U>;
-    return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+    return out_t(tensor::detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
   }
 }
 
-namespace detail {
+namespace tensor::detail {
 /// Zip allowed on partial operands (for the linear operators +, -).
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip_linear(F f, const A& a, const B& b) {
@@ -7339,75 +7479,75 @@ struct negate_fn {
 
 template <class S, class T>
 concept scalar_for = std::is_arithmetic_v<S> && std::is_arithmetic_v<T>;
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Elementwise sum and difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator+(const A& a, const B& b) {
-  return detail::zip_linear(detail::plus_fn{}, a, b);
+  return tensor::detail::zip_linear(tensor::detail::plus_fn{}, a, b);
 }
 /// @brief Elementwise difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator-(const A& a, const B& b) {
-  return detail::zip_linear(detail::minus_fn{}, a, b);
+  return tensor::detail::zip_linear(tensor::detail::minus_fn{}, a, b);
 }
 /// @brief Elementwise product and quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator*(const A& a, const B& b) {
-  return zip(detail::times_fn{}, a, b);
+  return zip(tensor::detail::times_fn{}, a, b);
 }
 /// @brief Elementwise quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator/(const A& a, const B& b) {
-  return zip(detail::divide_fn{}, a, b);
+  return zip(tensor::detail::divide_fn{}, a, b);
 }
 /// @brief Negation: linear, allowed on partial values.
 template <local_tensor_type L>
 L operator-(const L& x) {
-  return detail::map_linear(detail::negate_fn{}, x);
+  return tensor::detail::map_linear(tensor::detail::negate_fn{}, x);
 }
 
 /// @brief Scaling by a scalar: linear, allowed on partial values. The result keeps `x`'s element type.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator*(const L& x, S s) {
-  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::times_fn, false>{s}, x);
 }
 /// @brief Scaling by a scalar on the left: linear, allowed on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator*(S s, const L& x) {
-  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::times_fn, true>{s}, x);
 }
 /// @brief Division by a scalar: linear, allowed on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator/(const L& x, S s) {
-  return detail::map_linear(detail::scalar_fn<S, detail::divide_fn, false>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::divide_fn, false>{s}, x);
 }
 /// @brief Adding a scalar: not linear (it would be added once per part), so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator+(const L& x, S s) {
-  return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::plus_fn, false>{s}, x);
 }
 /// @brief Adding a scalar on the left: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator+(S s, const L& x) {
-  return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::plus_fn, true>{s}, x);
 }
 /// @brief Subtracting a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator-(const L& x, S s) {
-  return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::minus_fn, false>{s}, x);
 }
 /// @brief Subtracting from a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator-(S s, const L& x) {
-  return map(detail::scalar_fn<S, detail::minus_fn, true>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::minus_fn, true>{s}, x);
 }
 
 // ---- global view --------------------------------------------------------------------------------
@@ -7417,64 +7557,64 @@ template <class F, sharded_tensor_type X>
 auto map(F f, const X& x) {
   using T = typename X::value_type;
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
-  using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
+  using view_u = tensor::detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
-    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  tensor::detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = tensor::detail::map_view<U, typename X::memory_space>(x.local(d), f);
   });
-  return detail::rewrap_global<X, U>(x, std::move(out));
+  return tensor::detail::rewrap_global<X, U>(x, std::move(out));
 }
 
 /// @brief `f(a[i], b[i])` for every element; both tensors must have the same sharding.
 template <class F, sharded_tensor_type A, sharded_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_zip_global<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_zip_global<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
-    detail::check_same_global(a, b, "zip");
+    tensor::detail::check_same_global(a, b, "zip");
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-    using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
+    using view_u = tensor::detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
-      out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    tensor::detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
+      out[d] = tensor::detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
     });
-    return detail::rewrap_global<A, U>(a, std::move(out));
+    return tensor::detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
 
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator+(const A& a, const B& b) {
-  return zip(detail::plus_fn{}, a, b);
+  return zip(tensor::detail::plus_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator-(const A& a, const B& b) {
-  return zip(detail::minus_fn{}, a, b);
+  return zip(tensor::detail::minus_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator*(const A& a, const B& b) {
-  return zip(detail::times_fn{}, a, b);
+  return zip(tensor::detail::times_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator/(const A& a, const B& b) {
-  return zip(detail::divide_fn{}, a, b);
+  return zip(tensor::detail::divide_fn{}, a, b);
 }
 /// @brief Negation of every element of a sharded tensor.
 template <sharded_tensor_type X>
 X operator-(const X& x) {
-  return map(detail::negate_fn{}, x);
+  return map(tensor::detail::negate_fn{}, x);
 }
 
 #define MESHLIB_DETAIL_GLOBAL_SCALAR_OP(op, fn)                                                     \
   template <sharded_tensor_type X, class S>                                                        \
-    requires detail::scalar_for<S, typename X::value_type>                                         \
+    requires tensor::detail::scalar_for<S, typename X::value_type>                                         \
   X operator op(const X& x, S s) {                                                                 \
-    return map(detail::scalar_fn<S, detail::fn, false>{s}, x);                                     \
+    return map(tensor::detail::scalar_fn<S, tensor::detail::fn, false>{s}, x);                                     \
   }                                                                                                \
   template <sharded_tensor_type X, class S>                                                        \
-    requires detail::scalar_for<S, typename X::value_type>                                         \
+    requires tensor::detail::scalar_for<S, typename X::value_type>                                         \
   X operator op(S s, const X& x) {                                                                 \
-    return map(detail::scalar_fn<S, detail::fn, true>{s}, x);                                      \
+    return map(tensor::detail::scalar_fn<S, tensor::detail::fn, true>{s}, x);                                      \
   }
 MESHLIB_DETAIL_GLOBAL_SCALAR_OP(+, plus_fn)
 MESHLIB_DETAIL_GLOBAL_SCALAR_OP(-, minus_fn)
@@ -7522,7 +7662,7 @@ namespace meshlib {
 /// `<meshlib.hpp>` also includes).
 enum class reduce_kind { sum, max, mean };
 
-namespace detail {
+namespace tensor::detail {
 
 /// `Spec` of a rank-`Rank` array without entry `D`.
 template <class Spec, std::size_t Rank, std::size_t D>
@@ -7534,7 +7674,7 @@ constexpr std::array<dim_spec, Rank - 1> remove_spec_entry() {
 
 template <class Dim, class Rank>
 consteval bool reduction_over_missing_dim() {
-  static_assert(always_false<Dim, Rank>,
+  static_assert(diagnostic::always_false<Dim, Rank>,
                 "meshlib: reduction over a dimension the tensor does not have (the dimension and the rank are spelled "
                 "out in the condition)");
   return false;
@@ -7542,7 +7682,7 @@ consteval bool reduction_over_missing_dim() {
 
 template <class Op, class PartialAxes, class Value>
 consteval bool max_of_partial_value() {
-  static_assert(always_false<Op, PartialAxes, Value>,
+  static_assert(diagnostic::always_false<Op, PartialAxes, Value>,
                 "meshlib: max over a value that is a pending sum over the axes spelled out in the condition: the max "
                 "of the parts is not the max of the sum; psum over those axes first");
   return false;
@@ -7614,7 +7754,7 @@ template <reduce_kind Op, std::size_t D, class L>
 consteval bool check_reduce_local() {
   if constexpr (!check_reduce_dim<D, L::rank>()) return false;
   else if constexpr (Op == reduce_kind::max && L::partial != 0)
-    return max_of_partial_value<diag_op_t<"max">, diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+    return max_of_partial_value<diagnostic::op_t<"max">, diagnostic::axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
   else return true;
 }
 
@@ -7713,30 +7853,30 @@ auto reduce_global_checked(const X& x) {
   }
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Sum over dimension `D` (local view: partial over `D`'s axes; global view: complete).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto sum(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::sum, D>(x);
-  else return detail::reduce_global<reduce_kind::sum, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::sum, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::sum, D>(x);
 }
 
 /// @brief Mean over dimension `D` (local view: partial over `D`'s axes, scaled by the global extent).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto mean(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::mean, D>(x);
-  else return detail::reduce_global<reduce_kind::mean, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::mean, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::mean, D>(x);
 }
 
 /// @brief Max over dimension `D` (local view: the block's max, still varying over `D`'s axes: pmax completes it).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto max(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::max, D>(x);
-  else return detail::reduce_global<reduce_kind::max, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::max, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::max, D>(x);
 }
 
 }  // namespace meshlib
@@ -7756,7 +7896,7 @@ auto max(const X& x) {
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 template <class T>
 struct transpose_functor {
@@ -7786,7 +7926,7 @@ auto transpose_view(const View& in) {
 
 template <class Op, class Rank>
 consteval bool transpose_needs_rank_2() {
-  static_assert(always_false<Op, Rank>,
+  static_assert(diagnostic::always_false<Op, Rank>,
                 "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
                 "name the permutation: transpose<1, 0, 2>(x) (the rank is spelled out in the condition)");
   return false;
@@ -7822,7 +7962,7 @@ consteval bool is_permutation() {
 
 template <class Op, class Rank, class... Indices>
 consteval bool transpose_needs_a_permutation() {
-  static_assert(always_false<Op, Rank, Indices...>,
+  static_assert(diagnostic::always_false<Op, Rank, Indices...>,
                 "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (the "
                 "rank and the indices are spelled out in the condition)");
   return false;
@@ -7848,7 +7988,7 @@ auto permute_view(const View& in) {
   return out;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief `x` with its dimensions permuted (`transpose<1, 0, 2>(x)`), or, with no indices, the
 /// transpose of a rank-2 `x`. Local values and sharded tensors alike.
@@ -7856,32 +7996,32 @@ template <std::size_t... Perm, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
   if constexpr (sizeof...(Perm) == 0) {
-    if constexpr (X::rank != 2) return detail::transpose_needs_rank_2<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>>(), x;
+    if constexpr (X::rank != 2) return tensor::detail::transpose_needs_rank_2<diagnostic::op_t<"transpose">, diagnostic::size<X::rank>>(), x;
     else return transpose<1, 0>(x);
   } else if constexpr (sizeof...(Perm) != X::rank ||
-                       !detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
+                       !tensor::detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
     // the diagnostic fires; x is returned so that the caller sees one error only
-    return detail::transpose_needs_a_permutation<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>,
+    return tensor::detail::transpose_needs_a_permutation<diagnostic::op_t<"transpose">, diagnostic::size<X::rank>,
                                                  diagnostic::dim<Perm>...>(),
            x;
   } else {
     constexpr std::array<std::size_t, X::rank> perm{Perm...};
     using space = typename X::memory_space;
     auto kernel = [](const auto& v) {
-      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return detail::transpose_view<space>(v);  // cache-tiled
-      else return detail::permute_view<space, Perm...>(v);
+      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return tensor::detail::transpose_view<space>(v);  // cache-tiled
+      else return tensor::detail::permute_view<space, Perm...>(v);
     };
     if constexpr (local_tensor_type<X>) {
       using out_t = with_dims_t<X, permute_dims_t<typename X::dims_type, perm>>;
       return out_t(kernel(x.view()), x.mesh(), x.device());
     } else {
       using spec = typename X::spec_type;
-      using out_spec = detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
+      using out_spec = tensor::detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
       using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      tensor::detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
       for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);
@@ -7949,7 +8089,7 @@ namespace meshlib {
 /// `parallel_for` instead, and has no such region. `launch_counter` counts the regions.
 inline constexpr const char* blas_product_region = "meshlib::matmul_into[BLAS]";
 
-namespace detail {
+namespace tensor::detail {
 
 inline std::atomic<bool>& blas_threads_chosen() {
   static std::atomic<bool> chosen{false};
@@ -7968,15 +8108,15 @@ inline void (*openblas_setter())(int) {
   return fn;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
 /// has one setting). Call it before the device threads start.
 /// @returns whether an OpenBLAS was found to apply it to.
 inline bool set_blas_threads_per_device(int threads) {
-  detail::blas_threads_chosen() = true;
-  detail::blas_threads_setting() = threads < 1 ? 1 : threads;
-  if (auto fn = detail::openblas_setter()) {
+  tensor::detail::blas_threads_chosen() = true;
+  tensor::detail::blas_threads_setting() = threads < 1 ? 1 : threads;
+  if (auto fn = tensor::detail::openblas_setter()) {
     fn(threads < 1 ? 1 : threads);
     return true;
   }
@@ -7987,12 +8127,12 @@ inline bool set_blas_threads_per_device(int threads) {
 /// `MESHLIB_BLAS_THREADS` at the first product); 1 before either. What to restore after trying
 /// another (the mesh advisor does).
 inline int blas_threads_per_device() noexcept {
-  if (!detail::blas_threads_chosen())  // what the first product will choose
+  if (!tensor::detail::blas_threads_chosen())  // what the first product will choose
     if (const char* env = std::getenv("MESHLIB_BLAS_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
-  return detail::blas_threads_setting();
+  return tensor::detail::blas_threads_setting();
 }
 
-namespace detail {
+namespace tensor::detail {
 
 /// Applies the default of one BLAS thread per device once, unless the user chose.
 inline void ensure_blas_threads() {
@@ -8167,7 +8307,7 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   else launch_on(exec, m * n, matmul_into_element_functor<T>{f});
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief The options of `matmul_into`: the transpose of each operand, and `alpha`, `beta`
 /// (converted to the element type). Designated initialisers name what a positional BLAS call hides
@@ -8197,12 +8337,12 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
-  using entry = detail::diag_op_t<"matmul_into">;
-  constexpr bool accessible = require_accessible<entry, detail::diag_op_t<"C">, Exec, space>() &&
-                              require_accessible<entry, detail::diag_op_t<"A">, Exec, typename VA::memory_space>() &&
-                              require_accessible<entry, detail::diag_op_t<"B">, Exec, typename VB::memory_space>();
+  using entry = diagnostic::op_t<"matmul_into">;
+  constexpr bool accessible = require_accessible<entry, diagnostic::op_t<"C">, Exec, space>() &&
+                              require_accessible<entry, diagnostic::op_t<"A">, Exec, typename VA::memory_space>() &&
+                              require_accessible<entry, diagnostic::op_t<"B">, Exec, typename VB::memory_space>();
   if constexpr (accessible) {
-    detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+    tensor::detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
     // The views' types say device memory; their pointers may still be host memory (a view wrapped
     // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
     check_device_readable<space>(c.data(), "matmul_into", "C");
@@ -8210,15 +8350,15 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
     check_device_readable<typename VB::memory_space>(b.data(), "matmul_into", "B");
     const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
     const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
-    if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+    if constexpr (tensor::detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
                   std::is_same_v<typename VB::memory_space, space> &&
                   std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
-                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && tensor::detail::blas_layout_v<VC>) {
       if (c.extent(0) == 0 || c.extent(1) == 0) return;
-      if (k == 0 || alpha == T{0} || !detail::blas_allowed())
-        return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+      if (k == 0 || alpha == T{0} || !tensor::detail::blas_allowed())
+        return tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-      detail::ensure_blas_threads();
+      tensor::detail::ensure_blas_threads();
       // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
       using layout = typename VC::array_layout;
       using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
@@ -8227,7 +8367,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
       const Kokkos::View<T**, layout, space, um> cv = c;
       const char* ta = o.transpose_a ? "T" : "N";
       const char* tb = o.transpose_b ? "T" : "N";
-      const detail::blas_product_scope region;
+      const tensor::detail::blas_product_scope region;
 #if KOKKOS_VERSION >= 40000
       if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
       else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
@@ -8236,7 +8376,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 #endif
 #endif
     } else {
-      detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+      tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
     }
   }
 }
@@ -8246,7 +8386,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 template <class VC, class VA, class VB>
   requires(Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value && Kokkos::is_view<VB>::value)
 void matmul_into(const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
-  matmul_into(detail::current_exec<typename VC::memory_space>(), c, a, b, o);
+  matmul_into(tensor::detail::current_exec<typename VC::memory_space>(), c, a, b, o);
 }
 
 }  // namespace meshlib
@@ -8280,7 +8420,7 @@ void matmul_into(const VC& c, const VA& a, const VB& b, const matmul_into_option
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 /// C = A . B for row-major blocks, into a fresh view (`matmul_into` with `beta = 0` writes every
 /// element, so the block is not zero-filled first).
@@ -8303,7 +8443,7 @@ auto gemm_view(const VA& a, const VB& b) {
 
 template <class LhsContractionAxes, class RhsContractionAxes>
 consteval bool matmul_contraction_sharded_differently() {
-  static_assert(always_false<LhsContractionAxes, RhsContractionAxes>,
+  static_assert(diagnostic::always_false<LhsContractionAxes, RhsContractionAxes>,
                 "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
                 "but lhs dimension 1 and rhs dimension 0 are sharded over the axes spelled out in the condition "
                 "(lhs, rhs); reshard (or all_gather) one operand so that they match");
@@ -8312,7 +8452,7 @@ consteval bool matmul_contraction_sharded_differently() {
 
 template <class SharedAxes>
 consteval bool matmul_output_dims_share_an_axis() {
-  static_assert(always_false<SharedAxes>,
+  static_assert(diagnostic::always_false<SharedAxes>,
                 "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
                 "(rhs dimension 1) of the result (the axis is spelled out in the condition); reshard one operand "
                 "to replicate that dimension");
@@ -8321,7 +8461,7 @@ consteval bool matmul_output_dims_share_an_axis() {
 
 template <class Axes>
 consteval bool matmul_of_partial_value() {
-  static_assert(always_false<Axes>,
+  static_assert(diagnostic::always_false<Axes>,
                 "meshlib: matmul: one operand is a pending sum over the axes spelled out in the condition and the "
                 "other varies over (or is also partial over) them, so the product is not a pending sum of anything; "
                 "psum the partial operand first");
@@ -8330,7 +8470,7 @@ consteval bool matmul_of_partial_value() {
 
 template <class LhsSpec, class RhsSpec>
 consteval bool matmul_incompatible_shardings() {
-  static_assert(always_false<LhsSpec, RhsSpec>,
+  static_assert(diagnostic::always_false<LhsSpec, RhsSpec>,
                 "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
                 "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
                 "dimensions (the specs are spelled out in the condition); reshard one operand with "
@@ -8340,26 +8480,26 @@ consteval bool matmul_incompatible_shardings() {
 
 template <class Op, class LhsRank, class RhsRank>
 consteval bool matmul_needs_rank_2() {
-  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
+  static_assert(diagnostic::always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
   return false;
 }
 
 template <class Op, class LhsMesh, class RhsMesh>
 consteval bool matmul_of_different_meshes() {
-  static_assert(always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
+  static_assert(diagnostic::always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
   return false;
 }
 
 template <class Op, class LhsType, class RhsType>
 consteval bool matmul_of_different_element_types() {
-  static_assert(always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
+  static_assert(diagnostic::always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
   return false;
 }
 
 /// The checks both views share: ranks, mesh and element type.
 template <class A, class B>
 consteval bool diagnose_matmul_operands() {
-  using op_t = diag_op_t<"matmul">;
+  using op_t = diagnostic::op_t<"matmul">;
   if constexpr (A::rank != 2 || B::rank != 2)
     return matmul_needs_rank_2<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
   else if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
@@ -8378,9 +8518,9 @@ consteval bool diagnose_matmul_local() {
     constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
     constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
     constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
-    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diag_axes_t<M, a1>, diag_axes_t<M, b0>>();
-    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diag_axes_t<M, shared>>();
-    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diag_axes_t<M, bad_partial>>();
+    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diagnostic::axes_t<M, a1>, diagnostic::axes_t<M, b0>>();
+    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diagnostic::axes_t<M, shared>>();
+    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diagnostic::axes_t<M, bad_partial>>();
     else return true;
   }
 }
@@ -8395,16 +8535,16 @@ consteval bool diagnose_matmul_global() {
     using shA = typename A::sharding_type;
     using shB = typename B::sharding_type;
     if constexpr (SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0) return true;
-    else return matmul_incompatible_shardings<diag_spec_t<SA>, diag_spec_t<SB>>();
+    else return matmul_incompatible_shardings<diagnostic::spec_t<SA>, diagnostic::spec_t<SB>>();
   }
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief The product of two rank-2 local values (see the file comment for the result's layout).
 template <local_tensor_type A, local_tensor_type B>
 auto matmul(const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_matmul_local<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_matmul_local<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
@@ -8412,7 +8552,7 @@ auto matmul(const A& a, const B& b) {
   constexpr axis_mask vary = (A::vary | B::vary) & ~partial;
   using out_t = rebind_local_t<A, typename A::value_type, 2, vary, partial,
                                dim_masks<A::dims_type::at(0), B::dims_type::at(1)>>;
-  return out_t(detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
+  return out_t(tensor::detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
   }
 }
 
@@ -8420,7 +8560,7 @@ auto matmul(const A& a, const B& b) {
 /// contraction over `k`'s axes completed (summed over each group, in group-rank order).
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto matmul(const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_matmul_global<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_matmul_global<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
@@ -8429,7 +8569,7 @@ auto matmul(const A& a, const B& b) {
   using SB = typename B::spec_type;
   using M = typename A::mesh_type;
   using space = typename A::memory_space;
-  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
+  using out_spec = tensor::detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
   using out_sharding = named_sharding<M, out_spec>;
   using out_t = sharded_tensor<T, 2, out_sharding, space>;
   constexpr axis_mask c = A::sharding_type::dim_mask(1);
@@ -8446,8 +8586,8 @@ auto matmul(const A& a, const B& b) {
   }
   // Every device's block product at once, each on its own instance (for_each_device.hpp).
   const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
-  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  tensor::detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = tensor::detail::gemm_view<space>(a.local(dev), b.local(dev));
   });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
@@ -8461,9 +8601,9 @@ auto matmul(const A& a, const B& b) {
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
     // Each device sums its group's products in group-rank order (the same bits on every device).
-    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+    tensor::detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
       const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      sum[dev] = tensor::detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
       T* dst = sum[dev].data();
       for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();
@@ -8573,7 +8713,7 @@ class device_error : public error {
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// The reusable buffers of one device (see the file comment), by view type and extents. Used as
 /// `collective_workspace`: a template only so that its map and vectors are compiled where
@@ -8594,8 +8734,8 @@ class basic_collective_workspace {
 
   /// A block of `shape` (uninitialised) that nobody but the workspace holds.
   template <class T, std::size_t Rank, class Space>
-  block_view_t<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
-    using view_t = block_view_t<T, Rank, Space>;
+  block_view<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
+    using view_t = block_view<T, Rank, Space>;
     auto& entry = slots_[key_of<view_t>(shape)];
     entry.last_use = ++uses_;
     auto& kept = entry.buffers;
@@ -8630,14 +8770,14 @@ class basic_collective_workspace {
 
   /// A one-dimensional staging buffer of `n` elements, for use within one collective call.
   template <class T, class Space>
-  block_view_t<T, 1, Space> scratch(std::size_t n) {
+  block_view<T, 1, Space> scratch(std::size_t n) {
     return acquire<T, 1, Space>(std::array<std::size_t, 1>{n});
   }
 
   /// Whether `v` is one of the workspace's buffers (then the workspace holds one of its references).
   template <class View>
   [[nodiscard]] bool holds(const View& v) const {
-    const auto it = slots_.find(key_of<View>(extents_of(v)));
+    const auto it = slots_.find(key_of<View>(experimental::extents_of(v)));
     if (it == slots_.end()) return false;
     for (const auto& s : it->second.buffers)
       if (static_cast<const slot<View>&>(*s).view.data() == v.data()) return true;
@@ -8724,7 +8864,7 @@ class basic_workspace_registry {
     std::lock_guard lock(m_);
     if (hooked_.load(std::memory_order_relaxed)) return;
     hooked_.store(true, std::memory_order_release);
-    push_finalize_hook([this] {
+    experimental::push_finalize_hook([this] {
       // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
       // job hand-off orders their last use before this.
       std::lock_guard l(m_);
@@ -8759,7 +8899,12 @@ basic_collective_workspace<Tag>& thread_workspace() {
   return o.ws;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
+
+namespace meshlib::experimental {
+/// The per-process store of device workspaces a runner keeps alive across calls.
+using collectives::detail::workspace_registry;
+}  // namespace meshlib::experimental
 // end meshlib/collectives/workspace.hpp
 // begin meshlib/collectives/comm_stream.hpp
 /// @file
@@ -8807,7 +8952,7 @@ basic_collective_workspace<Tag>& thread_workspace() {
 #include <sched.h>
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// One queued operation's completion, shared by the worker and the request that waits for it.
 struct stream_op {
@@ -8884,7 +9029,7 @@ class comm_worker {
     sched_param param{};
     (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
 #endif
-    prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
+    experimental::prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
     std::unique_lock lock(m_);
     for (;;) {
       cv_.wait(lock, [&] { return quit_ || loop_ != nullptr; });
@@ -9035,7 +9180,7 @@ class comm_stream {
   std::unique_ptr<comm_worker> worker_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
 // end meshlib/collectives/comm_stream.hpp
 // begin meshlib/collectives/device_context.hpp
 /// @file
@@ -9097,7 +9242,7 @@ class comm_stream {
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// Inside this scope the calling thread's collectives are not observed: the debug layer's own
 /// collectives (ordered printing, replica checks) stay out of the trace and the checks.
@@ -9130,7 +9275,18 @@ inline std::string join_ids(const std::vector<std::size_t>& ids) {
   return s;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
+
+namespace meshlib::experimental {
+/// Writes a list of ids joined by commas, as messages and traces print them.
+using collectives::detail::join_ids;
+
+/// A device as messages and traces name it.
+using collectives::detail::device_label;
+
+/// Turns the device's observer off for a scope (an observer's own collectives are not observed).
+using collectives::detail::unobserved_scope;
+}  // namespace meshlib::experimental
 
 /// Interfaces that cross layers and may still change: the debug layer implements `comm_observer`,
 /// and a user may too (see the file comment).
@@ -9190,7 +9346,7 @@ class comm_observer {
 
 }  // namespace meshlib::experimental
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// The site of device `device`'s communicator over the axes in `mask` of `m`.
 template <mesh_type Mesh>
@@ -9298,7 +9454,7 @@ class observed_comm final : public Iface {
   std::uint64_t seq_ = 0;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
 // end meshlib/collectives/observer.hpp
 
 /// Set to 0 to compile the debug layer's hook out of the device context (only bench/trace_bench
@@ -9309,7 +9465,7 @@ class observed_comm final : public Iface {
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// Calls `f.template operator()<T>()` with the element type `T` that `dt` names.
 template <class F>
@@ -9648,22 +9804,42 @@ inline std::size_t current_axis(std::string_view what, std::string_view name) {
   return a;
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// The device context of a mesh type, as a runner builds it.
+using collectives::detail::device_context_for;
+
+/// Whether a communicator orders its operations on the device's stream (NCCL) rather than completing them on the host.
+using collectives::detail::stream_ordered_v;
+
+/// Makes a device context the calling thread's for a scope (runners use it).
+using collectives::detail::scoped_device;
+
+/// The calling thread's device context; throws outside a running device.
+using collectives::detail::current_device;
+
+/// The calling thread's device context, or null outside a running device.
+using collectives::detail::current_device_slot;
+
+/// What a running device knows: its mesh coordinates, communicators per axis group, workspace, observer.
+using collectives::detail::device_context;
+}  // namespace experimental
 
 /// @brief This device's index along mesh axis `Name` (JAX's `lax.axis_index`), inside `shard_map` / `spmd`.
 /// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
 template <fixed_string Name>
 [[nodiscard]] std::size_t axis_index() {
-  const std::size_t a = detail::current_axis("axis_index", Name.view());
-  return detail::current_device("axis_index").coord(a);
+  const std::size_t a = collectives::detail::current_axis("axis_index", Name.view());
+  return collectives::detail::current_device("axis_index").coord(a);
 }
 
 /// @brief The size of mesh axis `Name` (JAX's `lax.axis_size` / `psum(1, name)`), inside `shard_map` / `spmd`.
 /// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
 template <fixed_string Name>
 [[nodiscard]] std::size_t axis_size() {
-  const std::size_t a = detail::current_axis("axis_size", Name.view());
-  return detail::current_device("axis_size").axis_size(a);
+  const std::size_t a = collectives::detail::current_axis("axis_size", Name.view());
+  return collectives::detail::current_device("axis_size").axis_size(a);
 }
 
 /// @brief Makes this device's communicator of its group along the axes `Names...` now, inside
@@ -9684,12 +9860,12 @@ void prepare_group() {
   static_assert(sizeof...(Names) > 0, "meshlib: prepare_group<>() names no axis; name the group's axes, e.g. "
                                       "prepare_group<\"data\">()");
   axis_mask mask = 0;
-  ((mask |= axis_mask{1} << detail::current_axis("prepare_group", Names.view())), ...);
-  (void)detail::current_device("prepare_group").comm(mask);
+  ((mask |= axis_mask{1} << collectives::detail::current_axis("prepare_group", Names.view())), ...);
+  (void)collectives::detail::current_device("prepare_group").comm(mask);
 }
 
 /// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.
-[[nodiscard]] inline std::size_t device_index() { return detail::current_device("device_index").device(); }
+[[nodiscard]] inline std::size_t device_index() { return collectives::detail::current_device("device_index").device(); }
 
 }  // namespace meshlib
 // end meshlib/collectives/device_context.hpp
@@ -9725,7 +9901,7 @@ class [[nodiscard]] collective_request {
   collective_request() = default;
   /// Used by the `*_start` collectives: `op` completes on `stream`; `keep` holds the inputs the
   /// operation reads (released after completion, on the waiting thread).
-  collective_request(detail::comm_stream& stream, std::shared_ptr<detail::stream_op> op, Result result,
+  collective_request(collectives::detail::comm_stream& stream, std::shared_ptr<collectives::detail::stream_op> op, Result result,
                      std::any keep = {})
       : stream_(&stream), op_(std::move(op)), result_(std::move(result)), keep_(std::move(keep)) {}
   /// Takes over `o`'s operation (a moved-from request has none: its `wait()` is not called).
@@ -9763,7 +9939,7 @@ class [[nodiscard]] collective_request {
   }
 
   /// Whether the collective is complete (`wait()` will not block). Does not throw its error.
-  [[nodiscard]] bool test() const noexcept { return !op_ || detail::comm_stream::test(*op_); }
+  [[nodiscard]] bool test() const noexcept { return !op_ || collectives::detail::comm_stream::test(*op_); }
 
  private:
   void complete_quietly() noexcept {
@@ -9775,8 +9951,8 @@ class [[nodiscard]] collective_request {
     op_.reset();
   }
 
-  detail::comm_stream* stream_ = nullptr;
-  std::shared_ptr<detail::stream_op> op_;
+  collectives::detail::comm_stream* stream_ = nullptr;
+  std::shared_ptr<collectives::detail::stream_op> op_;
   Result result_{};
   std::any keep_;
 };
@@ -9827,7 +10003,7 @@ struct axis_group {
 template <class G>
 concept axis_group_type = requires { typename G::is_axis_group; };
 
-namespace detail {
+namespace collectives::detail {
 
 template <fixed_string... Names>
 struct group_traits_of {
@@ -9903,7 +10079,7 @@ std::vector<std::size_t> written_order_of(const Mesh& mesh) {
   return written_order(sizes, group_positions_v<Mesh, G>);
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
 /// the order written (JAX's `lax.axis_index(("i", "j"))`). One axis: see `axis_index<"i">()`.
@@ -9913,8 +10089,8 @@ template <fixed_string A, fixed_string B, fixed_string... More>
   constexpr std::array<std::string_view, 2 + sizeof...(More)> names{A.view(), B.view(), More.view()...};
   std::size_t w = 0;
   for (auto name : names) {
-    const std::size_t a = detail::current_axis("axis_index", name);
-    auto& dev = detail::current_device("axis_index");
+    const std::size_t a = collectives::detail::current_axis("axis_index", name);
+    auto& dev = collectives::detail::current_device("axis_index");
     w = w * dev.axis_size(a) + dev.coord(a);
   }
   return w;
@@ -9963,16 +10139,16 @@ template <fixed_string A, fixed_string B, fixed_string... More>
 #include <utility>
 
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
-// diag_value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
+// diagnostic::value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
 
 // Each diagnostic is a function whose one static_assert names, in its failing condition, the
 // operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.
 
 template <class Op, class Axis, class MeshAxes>
 consteval bool collective_axis_not_in_mesh() {
-  static_assert(always_false<Op, Axis, MeshAxes>,
+  static_assert(diagnostic::always_false<Op, Axis, MeshAxes>,
                 "meshlib: a collective names an axis that the mesh does not have (the operation, the axis and the "
                 "mesh's axes are spelled out in the condition); name one of the mesh's axes");
   return false;
@@ -9980,7 +10156,7 @@ consteval bool collective_axis_not_in_mesh() {
 
 template <class Op, class Axis, class Value>
 consteval bool psum_over_invariant_axis() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: psum / pmean / psum_scatter over an axis the value neither varies over nor is partial over: "
                 "it is already equal on every device of that axis, so the sum would only scale it by the axis size; "
                 "drop the axis, or write pvary<axis>(x) first if you mean the scaled sum");
@@ -9989,7 +10165,7 @@ consteval bool psum_over_invariant_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool reduction_over_invariant_axis() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pmax / pmin over an axis the value does not vary over: it is already equal on every device "
                 "of that axis; drop the axis, or write pvary<axis>(x) first");
   return false;
@@ -9997,7 +10173,7 @@ consteval bool reduction_over_invariant_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool extremum_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis: the max of the "
                 "summands is not the max of the sum; psum over the partial axes first");
   return false;
@@ -10005,7 +10181,7 @@ consteval bool extremum_of_partial_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool collective_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over: moving "
                 "summands does not move the sum; psum or psum_scatter over that axis first");
   return false;
@@ -10013,7 +10189,7 @@ consteval bool collective_of_partial_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool collective_needs_varying_input() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over: every device "
                 "of that axis already holds the same block; drop the collective, or write pvary<axis>(x) first if you "
                 "mean it");
@@ -10022,7 +10198,7 @@ consteval bool collective_needs_varying_input() {
 
 template <class Op, class Axis, class Dim, class ShardedDim, class Value>
 consteval bool gather_along_unsharded_dim() {
-  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, ShardedDim, Value>,
                 "meshlib: all_gather along a dimension that is not the one sharded on the axis (the second "
                 "diagnostic::dim is the sharded one); gather along the sharded dimension, all_to_all to move the "
                 "sharding first, or forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
@@ -10031,7 +10207,7 @@ consteval bool gather_along_unsharded_dim() {
 
 template <class Op, class Axis, class Dim, class ShardedDim, class Value>
 consteval bool concat_along_unsharded_dim() {
-  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, ShardedDim, Value>,
                 "meshlib: all_to_all concatenates along a dimension that is not the one sharded on the axis (the "
                 "second diagnostic::dim is the sharded one); concatenate along the sharded dimension, or "
                 "forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
@@ -10040,7 +10216,7 @@ consteval bool concat_along_unsharded_dim() {
 
 template <class Op, class Axis, class Dim, class Value>
 consteval bool dimension_already_sharded_on_axis() {
-  static_assert(always_false<Op, Axis, Dim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, Value>,
                 "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
                 "sharded on; split another dimension, or forget_dims<axis>(x) first to treat the block as "
                 "unlabelled (the JAX tutorial's psum_scatter of an already scattered block)");
@@ -10049,7 +10225,7 @@ consteval bool dimension_already_sharded_on_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool pvary_of_varying_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over; drop the "
                 "axis");
   return false;
@@ -10057,7 +10233,7 @@ consteval bool pvary_of_varying_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool broadcast_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: broadcast over an axis the value is a pending sum (partial) over: one summand is not the "
                 "sum; psum first");
   return false;
@@ -10065,7 +10241,7 @@ consteval bool broadcast_of_partial_value() {
 
 template <class Op, class Dim, class Rank>
 consteval bool collective_dimension_out_of_range() {
-  static_assert(always_false<Op, Dim, Rank>,
+  static_assert(diagnostic::always_false<Op, Dim, Rank>,
                 "meshlib: a collective names a dimension past the value's rank (negative numbers count from the "
                 "end, as in JAX)");
   return false;
@@ -10073,13 +10249,13 @@ consteval bool collective_dimension_out_of_range() {
 
 template <class Op, class Axis>
 consteval bool collective_axis_repeated() {
-  static_assert(always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
+  static_assert(diagnostic::always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
   return false;
 }
 
 template <class Op, class T>
 consteval bool collective_element_type() {
-  static_assert(always_false<Op, T>,
+  static_assert(diagnostic::always_false<Op, T>,
                 "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only");
   return false;
 }
@@ -10088,14 +10264,14 @@ consteval bool collective_element_type() {
 template <fixed_string Op, class T>
 consteval bool check_element_type() {
   if constexpr (comm_element<T>) return true;
-  else return collective_element_type<diag_op_t<Op>, T>();
+  else return collective_element_type<diagnostic::op_t<Op>, T>();
 }
 
 /// The axis-in-mesh check: true, or the diagnostic.
 template <fixed_string Op, fixed_string Axis, class Mesh>
 consteval bool check_axis_in_mesh() {
   if constexpr (Mesh::template has_axis<Axis>) return true;
-  else return collective_axis_not_in_mesh<diag_op_t<Op>, diag_axis_t<Axis>, diag_axes_t<Mesh, Mesh::all_axes>>();
+  else return collective_axis_not_in_mesh<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::axes_t<Mesh, Mesh::all_axes>>();
 }
 
 /// A dimension number as JAX counts it: negative numbers count from `Rank` (the rank, or the rank
@@ -10111,7 +10287,7 @@ consteval bool check_dim() {
   if constexpr (norm_dim_v<Dim, Rank> < Rank) return true;
   else {
     using dim_t = std::conditional_t<(Dim < 0), diagnostic::dim<static_cast<std::size_t>(-Dim)>, diagnostic::dim<static_cast<std::size_t>(Dim)>>;
-    return collective_dimension_out_of_range<diag_op_t<Op>, dim_t, diagnostic::size<Rank>>();
+    return collective_dimension_out_of_range<diagnostic::op_t<Op>, dim_t, diagnostic::size<Rank>>();
   }
 }
 
@@ -10157,7 +10333,7 @@ struct remove_dim_or_self {
 };
 template <class Dims, std::size_t D>
 struct remove_dim_or_self<Dims, D, true> {
-  using type = typename remove_dim_impl<Dims, D>::type;
+  using type = typename experimental::remove_dim_impl<Dims, D>::type;
 };
 /// `Dims` without dimension `D` (itself when it has no dimension: only in a refused call).
 template <class Dims, std::size_t D>
@@ -10173,7 +10349,7 @@ using dims_moved_to_t = typename dims_moved_impl<Dims, Bit, D>::type;
 template <class Dims, std::size_t D>
 using dims_insert_t = typename dims_insert_impl<Dims, D>::type;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
 // end meshlib/collectives/type_rules.hpp
 // begin meshlib/collectives/block_ops.hpp
 /// @file
@@ -10188,7 +10364,7 @@ using dims_insert_t = typename dims_insert_impl<Dims, D>::type;
 #include <span>
 
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// Number of elements of a box of shape `e`.
 template <std::size_t Rank>
@@ -10303,7 +10479,7 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
                     offset_along<Rank>(d, chunk_of(order, r) * chunk[d]), chunk);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
 // end meshlib/collectives/block_ops.hpp
 // begin meshlib/collectives/reductions.hpp
 /// @file
@@ -10329,7 +10505,7 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// A fresh, uninitialised block of `shape` for the result of a collective on `L`.
 template <class L, std::size_t R = L::rank>
@@ -10340,7 +10516,7 @@ auto result_view(const std::array<std::size_t, R>& shape) {
 /// A block of `shape` for the result of a collective, from the running device's workspace
 /// (collectives/workspace.hpp): reused when nobody holds it any more, so a repeated call allocates nothing.
 template <class T, std::size_t R, class Space>
-block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
+block_view<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
   return ctx.workspace().template acquire<T, R, Space>(shape);
 }
 
@@ -10373,13 +10549,13 @@ consteval bool check_reduction_axis() {
     return check_axis_in_mesh<Op, Axis, mesh_t>();
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    using op_t = diag_op_t<Op>;
-    using axis_t = diag_axis_t<Axis>;
-    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diag_value_t<L>>();
+    using op_t = diagnostic::op_t<Op>;
+    using axis_t = diagnostic::axis_t<Axis>;
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diagnostic::value_t<L>>();
     else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0)
-      return psum_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+      return psum_over_invariant_axis<op_t, axis_t, diagnostic::value_t<L>>();
     else if constexpr (!AllowPartial && (L::vary & bit) == 0)
-      return reduction_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+      return reduction_over_invariant_axis<op_t, axis_t, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -10498,14 +10674,19 @@ auto all_reduce_donated(L&& x, std::bool_constant<Async> async = {}) {
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// A view of a device's reusable scratch memory of the given extent.
+using collectives::detail::workspace_view;
+}  // namespace experimental
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
 /// partial over, each axis; the result is invariant over them. Sums in rank order: bitwise
 /// reproducible.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
-  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+  return collectives::detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
 }
 
 /// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
@@ -10524,7 +10705,7 @@ template <fixed_string... Names, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum(L&& x) {
-  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief `psum` started asynchronously: returns at once a `collective_request` whose `wait()`
@@ -10539,7 +10720,7 @@ template <fixed_string... Names, local_tensor_type L>
 /// @endcode
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum_start(const L& x) {
-  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
+  return collectives::detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
 }
 
 /// @brief `psum_start` of a donated value: summed in `x`'s buffer under `psum`'s donation rule, which
@@ -10552,7 +10733,7 @@ template <fixed_string... Names, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum_start(L&& x) {
-  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
+  return collectives::detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
@@ -10560,34 +10741,34 @@ template <fixed_string... Names, local_tensor_type L>
 /// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
 /// vary over each axis and be partial over none.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmax(const L& x) {
-  return detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
 }
 
 /// @brief Elementwise minimum over the devices of the axes `Names...` (JAX `lax.pmin`); the type rule of `pmax`.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmin(const L& x) {
-  return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
 }
 
 /// @brief `pmax` of a donated value: in `x`'s buffer under `psum`'s donation rule.
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto pmax(L&& x) {
-  return detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
 }
 
 /// @brief `pmin` of a donated value: in `x`'s buffer under `psum`'s donation rule.
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto pmin(L&& x) {
-  return detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
 }
 
 }  // namespace meshlib
@@ -10631,7 +10812,7 @@ struct untiled_t {
 /// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
-namespace detail {
+namespace collectives::detail {
 
 /// What a collective needs of the value, per axis of its group.
 enum class axis_rule {
@@ -10647,11 +10828,11 @@ consteval bool check_group_axis() {
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
     if constexpr (Rule == axis_rule::sums && ((L::vary | L::partial) & bit) == 0)
-      return psum_over_invariant_axis<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return psum_over_invariant_axis<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else if constexpr (Rule == axis_rule::moves && (L::partial & bit) != 0)
-      return collective_of_partial_value<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return collective_of_partial_value<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else if constexpr (Rule == axis_rule::moves && (L::vary & bit) == 0)
-      return collective_needs_varying_input<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return collective_needs_varying_input<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -10665,7 +10846,7 @@ struct group_checks_of {
     if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
     else if constexpr (!(check_group_axis<Op, L, Names, Rule>() && ...)) return false;
     else if constexpr (std::popcount(safe_mask_v<mesh_t, Names...>) != sizeof...(Names))
-      return collective_axis_repeated<diag_op_t<Op>, diag_axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
+      return collective_axis_repeated<diagnostic::op_t<Op>, diagnostic::axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
     else return true;
   }
   template <class Mesh>
@@ -10698,8 +10879,8 @@ consteval bool check_all_gather() {
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, dim);
     if constexpr (other != L::rank)
-      return gather_along_unsharded_dim<diag_op_t<"all_gather">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
-                                        diagnostic::dim<dim>, diagnostic::dim<other>, diag_value_t<L>>();
+      return gather_along_unsharded_dim<diagnostic::op_t<"all_gather">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<dim>, diagnostic::dim<other>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -10719,8 +10900,8 @@ consteval bool check_psum_scatter() {
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     if constexpr (Tiled && (L::dims_type::at(dim) & mask) != 0)
-      return dimension_already_sharded_on_axis<diag_op_t<"psum_scatter">, diag_axes_t<mesh_t, mask & L::dims_type::at(dim)>,
-                                               diagnostic::dim<dim>, diag_value_t<L>>();
+      return dimension_already_sharded_on_axis<diagnostic::op_t<"psum_scatter">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(dim)>,
+                                               diagnostic::dim<dim>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -10738,11 +10919,11 @@ consteval bool check_all_to_all() {
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, concat);
     if constexpr (split != concat && (L::dims_type::at(split) & mask) != 0)
-      return dimension_already_sharded_on_axis<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(split)>,
-                                               diagnostic::dim<split>, diag_value_t<L>>();
+      return dimension_already_sharded_on_axis<diagnostic::op_t<"all_to_all">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(split)>,
+                                               diagnostic::dim<split>, diagnostic::value_t<L>>();
     else if constexpr (other != L::rank)
-      return concat_along_unsharded_dim<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
-                                        diagnostic::dim<concat>, diagnostic::dim<other>, diag_value_t<L>>();
+      return concat_along_unsharded_dim<diagnostic::op_t<"all_to_all">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<concat>, diagnostic::dim<other>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -10803,7 +10984,7 @@ void gather_into(device_context& ctx, device_comm& comm, const T* src, const std
 /// The block a collective writes its result of `shape` into: `into`'s own when the caller gave
 /// one (`Into` a local tensor: its shape must be `shape`, contiguous), else one from the workspace.
 template <class T, std::size_t Rank, class Space, class Into>
-block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
+block_view<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
                                           const Into& into) {
   if constexpr (std::is_same_v<Into, std::nullptr_t>) {
     return workspace_view<T, Rank, Space>(ctx, shape);
@@ -10814,7 +10995,7 @@ block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view 
                   "and memory space");
     if (into.shape() != shape || (into.size() != 0 && !into.view().span_is_contiguous()))
       throw sharding_error("meshlib: " + std::string(op) + "_into: the output block has shape " +
-                           describe_shape(into.shape()) + ", but the result has shape " + describe_shape(shape) +
+                           experimental::describe_shape(into.shape()) + ", but the result has shape " + experimental::describe_shape(shape) +
                            " (a contiguous block is needed); pass a block of the result's shape");
     return into.view();
   }
@@ -10957,7 +11138,7 @@ auto all_to_all_impl(const L& x) {
     // Staging only where a packed buffer is not the block itself (chunks_contiguous).
     const bool direct_send = order.empty() && chunks_contiguous(x.shape(), split);
     const bool direct_recv = order.empty() && chunks_contiguous(chunk, concat);
-    block_view_t<T, 1, space_t> send, recv;
+    block_view<T, 1, space_t> send, recv;
     if (!direct_send) {
       send = ctx.workspace().template scratch<T, space_t>(x.size());
       pack_chunks<space_t>(src, x.shape(), split, n, send.data(), order);
@@ -10969,7 +11150,7 @@ auto all_to_all_impl(const L& x) {
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief Tiled all-gather over axis `Axis` along dimension `Dim` (JAX `all_gather(x, axis, axis=Dim,
 /// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
@@ -10977,12 +11158,12 @@ auto all_to_all_impl(const L& x) {
 /// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
 }
 /// @brief The tiled all-gather over several axes, in the order written (JAX `axis_name=('i', 'j')`).
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  return detail::all_gather_tiled<G, Dim>(x);
+  return collectives::detail::all_gather_tiled<G, Dim>(x);
 }
 
 /// @brief `all_gather<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
@@ -10997,12 +11178,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when `out` does not have the result's shape.
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
 }
 /// @brief `all_gather_into` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
-  return detail::all_gather_tiled<G, Dim>(x, out);
+  return collectives::detail::all_gather_tiled<G, Dim>(x, out);
 }
 
 /// @brief `all_gather_into` started asynchronously (see `psum_start`): returns a
@@ -11017,12 +11198,12 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// @endcode
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
 }
 /// @brief `all_gather_into_start` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
-  return detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
+  return collectives::detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
@@ -11030,12 +11211,12 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// trailing one). The type rule of the tiled form.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  return detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
+  return collectives::detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
 }
 /// @brief The untiled all-gather over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  return detail::all_gather_untiled<G, Dim>(x);
+  return collectives::detail::all_gather_untiled<G, Dim>(x);
 }
 
 /// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
@@ -11046,12 +11227,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when the axis size does not divide dimension `Dim`.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
 }
 /// @brief The tiled reduce-scatter over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  return detail::psum_scatter_impl<G, Dim, true>(x);
+  return collectives::detail::psum_scatter_impl<G, Dim, true>(x);
 }
 /// @brief `psum_scatter<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
 /// element type and memory space; contiguous): the result is a view of `out`'s buffer with the
@@ -11060,12 +11241,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// not have the result's shape.
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
 }
 /// @brief `psum_scatter_into` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
-  return detail::psum_scatter_impl<G, Dim, true>(x, out);
+  return collectives::detail::psum_scatter_impl<G, Dim, true>(x, out);
 }
 
 /// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
@@ -11073,11 +11254,11 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// @throws sharding_error when dimension `Dim` is not the group size.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
 }
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
-  return detail::psum_scatter_impl<G, Dim, false>(x);
+  return collectives::detail::psum_scatter_impl<G, Dim, false>(x);
 }
 
 /// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
@@ -11087,12 +11268,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when the axis size does not divide dimension `Split`.
 template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
+  return collectives::detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
 }
 /// @brief The tiled all-to-all over several axes, in the order written.
 template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  return detail::all_to_all_impl<G, Split, Concat, true>(x);
+  return collectives::detail::all_to_all_impl<G, Split, Concat, true>(x);
 }
 /// @brief Untiled all-to-all (JAX `tiled=False`): dimension `Split`, whose size must equal the group
 /// size `n`, is removed, and a dimension of size `n` is inserted at position `Concat` of the result;
@@ -11101,11 +11282,11 @@ template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 /// @throws sharding_error when dimension `Split` is not the group size.
 template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x, untiled_t) {
-  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
+  return collectives::detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
 }
 template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x, untiled_t) {
-  return detail::all_to_all_impl<G, Split, Concat, false>(x);
+  return collectives::detail::all_to_all_impl<G, Split, Concat, false>(x);
 }
 
 }  // namespace meshlib
@@ -11131,14 +11312,14 @@ template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 template <class L, fixed_string Axis>
 consteval bool check_pvary_axis() {
   using mesh_t = typename L::mesh_type;
   if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"pvary", Axis, mesh_t>();
   else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return pvary_of_varying_value<diag_op_t<"pvary">, diag_axis_t<Axis>, diag_value_t<L>>();
+    return pvary_of_varying_value<diagnostic::op_t<"pvary">, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
   else return true;
 }
 
@@ -11148,7 +11329,7 @@ consteval bool check_broadcast() {
   if constexpr (!check_element_type<"broadcast", typename L::value_type>()) return false;
   else if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"broadcast", Axis, mesh_t>();
   else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return broadcast_of_partial_value<diag_op_t<"broadcast">, diag_axis_t<Axis>, diag_value_t<L>>();
+    return broadcast_of_partial_value<diagnostic::op_t<"broadcast">, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
   else return true;
 }
 
@@ -11178,7 +11359,7 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief Sends this device's block to another index of axis `Axis` (JAX `lax.ppermute(x, axis,
 /// perm)`): `perm` holds (source, destination) axis indices; a device that no pair sends to gets
@@ -11187,13 +11368,13 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
 /// @throws comm_argument_error for an index out of range or repeated (from the communicator).
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  return detail::ppermute_impl<axis_group<Axis>>(x, perm);
+  return collectives::detail::ppermute_impl<axis_group<Axis>>(x, perm);
 }
 /// @brief `ppermute` over several axes: `perm` holds group positions, row-major over the axes in
 /// the order written (JAX `ppermute(x, ('i', 'j'), perm)`).
 template <axis_group_type G, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  return detail::ppermute_impl<G>(x, perm);
+  return collectives::detail::ppermute_impl<G>(x, perm);
 }
 
 /// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
@@ -11201,22 +11382,22 @@ template <axis_group_type G, local_tensor_type L>
 /// `Axis`; `x` must not be partial over it. A value already invariant over `Axis` passes through.
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto broadcast(const L& x, std::size_t root) {
-  constexpr bool ok = detail::check_broadcast<L, Axis>();
-  constexpr axis_mask bit = detail::safe_mask_v<typename L::mesh_type, Axis>;
-  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
+  constexpr bool ok = collectives::detail::check_broadcast<L, Axis>();
+  constexpr axis_mask bit = collectives::detail::safe_mask_v<typename L::mesh_type, Axis>;
+  using result_t = with_vary_t<with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
   if constexpr (!ok) {
     return result_t{};
   } else {
     using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "broadcast");
-    auto& ctx = detail::current_device("broadcast");
+    const T* src = collectives::detail::contiguous_data(x, "broadcast");
+    auto& ctx = collectives::detail::current_device("broadcast");
     auto& comm = ctx.comm(bit);
     if (root >= static_cast<std::size_t>(comm.size()))
       throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
                            " is out of range for an axis of size " + std::to_string(comm.size()));
     using space_t = typename L::memory_space;
-    auto out = detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
-    detail::copy_elements<space_t>(src, x.size(), out.data());
+    auto out = collectives::detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    collectives::detail::copy_elements<space_t>(src, x.size(), out.data());
     comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
     return result_t(out, x.mesh(), x.device());
   }
@@ -11228,8 +11409,8 @@ template <fixed_string Axis, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pvary(const L& x) {
   static_assert(sizeof...(Names) > 0, "meshlib: pvary needs at least one axis: pvary<\"data\">(x)");
-  constexpr bool ok = (detail::check_pvary_axis<L, Names>() && ...);
-  constexpr axis_mask mask = detail::safe_mask_v<typename L::mesh_type, Names...>;
+  constexpr bool ok = (collectives::detail::check_pvary_axis<L, Names>() && ...);
+  constexpr axis_mask mask = collectives::detail::safe_mask_v<typename L::mesh_type, Names...>;
   using result_t = with_vary_t<L, L::vary | mask>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());
@@ -11276,8 +11457,8 @@ template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto forget_dims(const L& x) {
   static_assert(sizeof...(Names) > 0, "meshlib: forget_dims needs at least one axis: forget_dims<\"data\">(x)");
   using mesh_t = typename L::mesh_type;
-  constexpr bool ok = (detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
-  using result_t = with_dims_t<L, detail::dims_without_t<typename L::dims_type, detail::safe_mask_v<mesh_t, Names...>>>;
+  constexpr bool ok = (collectives::detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
+  using result_t = with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, collectives::detail::safe_mask_v<mesh_t, Names...>>>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());
 }
@@ -11289,13 +11470,13 @@ template <fixed_string... Names, local_tensor_type L>
 template <std::size_t R, local_tensor_type L>
 [[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
   using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
-  const std::size_t n = detail::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  const std::size_t n = experimental::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
   if (n != x.size())
-    throw sharding_error("meshlib: reshape of a local block of shape " + detail::describe_shape(x.shape()) + " (" +
-                         std::to_string(x.size()) + " elements) to shape " + detail::describe_shape(shape) + " (" +
+    throw sharding_error("meshlib: reshape of a local block of shape " + experimental::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + experimental::describe_shape(shape) + " (" +
                          std::to_string(n) + " elements); the element counts must agree");
-  const auto* src = detail::contiguous_data(x, "reshape");
-  auto out = detail::result_view<L, R>(shape);
+  const auto* src = collectives::detail::contiguous_data(x, "reshape");
+  auto out = collectives::detail::result_view<L, R>(shape);
   std::copy_n(src, n, out.data());
   return result_t(out, x.mesh(), x.device());
 }
@@ -11308,8 +11489,8 @@ template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto axis_index(const L& like) {
   static_assert(sizeof...(Names) > 0, "meshlib: axis_index needs at least one axis: axis_index<\"data\">(x)");
   using mesh_t = typename L::mesh_type;
-  constexpr bool ok = (detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
-  using result_t = local_tensor<std::int32_t, 0, mesh_t, detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
+  constexpr bool ok = (collectives::detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
+  using result_t = local_tensor<std::int32_t, 0, mesh_t, collectives::detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
                                 typename L::memory_space>;
   if constexpr (!ok) {
     return result_t{};
@@ -11317,7 +11498,7 @@ template <fixed_string... Names, local_tensor_type L>
     std::size_t p = 0;
     if constexpr (sizeof...(Names) == 1) p = (axis_index<Names>(), ...);
     else p = axis_index<Names...>();
-    auto out = detail::allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
+    auto out = allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
     *out.data() = static_cast<std::int32_t>(p);
     return result_t(out, like.mesh(), like.device());
   }
@@ -11373,7 +11554,7 @@ enum class reshard_kind {
   return "unknown";
 }
 
-namespace detail {
+namespace collectives::detail {
 
 /// Run-time partition spec: per dimension, the mesh positions of its axes, major to minor.
 using dyn_spec = std::vector<std::vector<std::size_t>>;
@@ -11406,7 +11587,7 @@ block<Rank> dyn_block_of(const Mesh& m, const dyn_spec& spec, const std::array<s
   for (std::size_t d = 0; d < Rank; ++d) {
     std::size_t idx = 0;
     for (auto a : spec[d]) idx = idx * m.axis_size(a) + c[a];
-    const auto [off, ext] = split_dim(shape[d], dyn_shards(m, spec[d]), idx, rule);
+    const auto [off, ext] = experimental::split_dim(shape[d], dyn_shards(m, spec[d]), idx, rule);
     b.offset[d] = off;
     b.extent[d] = ext;
   }
@@ -11451,7 +11632,12 @@ std::string describe_dyn_spec(const dyn_spec& s) {
   return os.str();
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// The run-time spec of a compile-time `partition_spec` (reshard plans and checkpoints take it).
+using collectives::detail::to_dyn_spec;
+}  // namespace experimental
 
 /// @brief One step of a reshard plan.
 struct reshard_step {
@@ -11464,7 +11650,7 @@ struct reshard_step {
   /// all_to_all: the dimension concatenated (it stops being sharded on `axis`).
   std::size_t concat_dim = 0;
   /// The spec after this step.
-  detail::dyn_spec after;
+  collectives::detail::dyn_spec after;
   /// Bytes each device sends to other devices in this step, indexed by device.
   std::vector<std::size_t> bytes_sent;
   /// A line such as `all_gather over 'model' along dim 1 -> P<"data", none>`.
@@ -11544,7 +11730,7 @@ class reshard_plan {
   std::vector<reshard_step> steps_;
 };
 
-namespace detail {
+namespace collectives::detail {
 
 /// Whether the step-by-step plan is exact: every dimension divides evenly by the shard counts of
 /// both specs (then every intermediate spec, whose counts divide one of them, divides evenly too).
@@ -11670,7 +11856,7 @@ reshard_plan make_reshard_plan(const Mesh& m, const dyn_spec& from, shard_rule f
   return reshard_plan(describe_dyn_spec<Mesh>(from), describe_dyn_spec<Mesh>(to), n, std::move(steps));
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief The plan that moves an array of shape `shape` with elements of `elem_size` bytes from
 /// sharding `from` to spec `ToSpec` of the same mesh.
@@ -11678,8 +11864,8 @@ template <partition_spec_type ToSpec, sharding_type From, std::size_t Rank>
 reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, Rank>& shape, std::size_t elem_size) {
   using to_sharding = named_sharding<typename From::mesh_type, ToSpec>;
   static_assert(From::template check_rank<Rank>() && to_sharding::template check_rank<Rank>());
-  return detail::make_reshard_plan(from.mesh(), detail::to_dyn_spec<From>(Rank), from.rule(),
-                                   detail::to_dyn_spec<to_sharding>(Rank), from.rule(), shape, elem_size);
+  return collectives::detail::make_reshard_plan(from.mesh(), collectives::detail::to_dyn_spec<From>(Rank), from.rule(),
+                                   collectives::detail::to_dyn_spec<to_sharding>(Rank), from.rule(), shape, elem_size);
 }
 
 }  // namespace meshlib
@@ -11708,7 +11894,7 @@ reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, R
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// Runs `plan` on one device: `src` is its block under `from` (rule `from_rule`), the result its
 /// block under the plan's target (rule `to_rule`), written to `dst` (already of the target shape).
@@ -11720,7 +11906,7 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
                       T* dst) {
   device_context& ctx = current_device("reshard");
   using shape_t = std::array<std::size_t, Rank>;
-  using buffer_t = block_view_t<T, 1, Space>;
+  using buffer_t = block_view<T, 1, Space>;
   auto staging = [](std::size_t n, bool zero = false) {
     return allocate<T, 1, Space>(std::array<std::size_t, 1>{n}, "meshlib::reshard", zero);
   };
@@ -11834,7 +12020,12 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// Runs a reshard plan on one device's block: the steps `reshard` and global-view resharding share.
+using collectives::detail::run_reshard_plan;
+}  // namespace experimental
 
 /// @brief The plan `reshard(x, to)` runs, without running it.
 template <sharded_tensor_type X, sharding_type To>
@@ -11846,8 +12037,8 @@ template <sharded_tensor_type X, sharding_type To>
   if (!(x.mesh() == to.mesh()))
     throw sharding_error("meshlib: reshard from mesh " + x.mesh().to_string() + " to mesh " + to.mesh().to_string() +
                          ": both shardings must use the same mesh");
-  return detail::make_reshard_plan(x.mesh(), detail::to_dyn_spec<from_t>(X::rank), x.sharding().rule(),
-                                   detail::to_dyn_spec<To>(X::rank), to.rule(), x.global_shape(),
+  return collectives::detail::make_reshard_plan(x.mesh(), collectives::detail::to_dyn_spec<from_t>(X::rank), x.sharding().rule(),
+                                   collectives::detail::to_dyn_spec<To>(X::rank), to.rule(), x.global_shape(),
                                    sizeof(typename X::value_type));
 }
 
@@ -11916,14 +12107,14 @@ inline std::size_t available_cores() {
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 /// A device body as `run_devices` hands it to a runner: called once per local device with that
 /// device's world communicator, whatever its type.
 struct runner_body_archetype {
   template <class Communicator>
   void operator()(std::size_t, Communicator) const {}
 };
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief A runner: opts in with `using is_runner = void;` and provides
 /// - `r.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh that
@@ -11938,7 +12129,7 @@ struct runner_body_archetype {
 /// processes' device threads (a `hybrid_runner`, n / P devices per process).
 template <class R>
 concept runner = requires { typename R::is_runner; } &&
-                 requires(const R& r, std::size_t n, detail::runner_body_archetype body) {
+                 requires(const R& r, std::size_t n, exec::detail::runner_body_archetype body) {
                    r.run(n, body);
                    { r.local_devices(n) } -> std::same_as<std::vector<std::size_t>>;
                  };
@@ -12019,7 +12210,7 @@ concept runner = requires { typename R::is_runner; } &&
 #endif
 
 
-namespace meshlib::detail {
+namespace meshlib::exec::detail {
 
 /// Whether the calling thread is running an index of a `device_workers` job (any pool's).
 inline bool& in_device_worker() noexcept {
@@ -12133,7 +12324,7 @@ class device_workers {
   /// against 6 us when the cores were busy), more than the short calls of a training step take; a
   /// bounded spin keeps that cost off the common back-to-back calls and gives the core back soon after.
   static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
-    return poll_for([&] { return a.load(std::memory_order_acquire) != old; }, spin_window);
+    return experimental::poll_for([&] { return a.load(std::memory_order_acquire) != old; }, experimental::spin_window);
   }
 
   struct inside_guard {
@@ -12169,7 +12360,7 @@ class device_workers {
   }
 #endif
   /// The CPU the calling thread runs on, or -1.
-  static int caller_cpu() noexcept { return current_cpu(); }
+  static int caller_cpu() noexcept { return experimental::current_cpu(); }
 
 #if defined(__linux__)
   /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in
@@ -12265,16 +12456,16 @@ inline void run_on_device_workers(std::size_t count, void* ctx, void (*call)(voi
 /// tensor cannot include this layer, so it exposes the hook and this layer fills it (before
 /// `main`; a global-view operation run before that runs its devices one after another).
 inline const bool device_workers_installed = [] {
-  device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
+  experimental::device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
   return true;
 }();
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::exec::detail
 // end meshlib/exec/detail/device_workers.hpp
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 /// Tag of the `thread_runner` that runs on the process-wide device threads (what `spmd` and
 /// `shard_map` use without a runner, through `default_runner`).
 struct process_wide_threads_t {
@@ -12282,7 +12473,7 @@ struct process_wide_threads_t {
 };
 /// The tag's value.
 inline constexpr process_wide_threads_t process_wide_threads{};
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief One thread per device, all in this process (see the file comment). Device 0 runs on the
 /// calling thread and device `d` always on the pool's worker `d`, so repeated calls reuse the same
@@ -12302,7 +12493,7 @@ struct thread_runner {
   /// has a core (exec/detail/device_workers.hpp).
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
-  std::shared_ptr<detail::device_workers> workers{};
+  std::shared_ptr<exec::detail::device_workers> workers{};
   /// The cores each device computes on: its execution-space instance is a team of this many
   /// Kokkos threads (Kokkos 4 with the OpenMP backend; with any other backend only 1 is
   /// accepted), and its device thread is pinned to as many cores of its own while the machine has
@@ -12312,9 +12503,9 @@ struct thread_runner {
 
   /// A runner with device threads of its own, whose calls' communicators get `options`.
   explicit thread_runner(thread_comm_options options = {})
-      : options(std::move(options)), workers(std::make_shared<detail::device_workers>()) {}
+      : options(std::move(options)), workers(std::make_shared<exec::detail::device_workers>()) {}
   /// A runner on the process-wide device threads (`default_runner`'s in one process).
-  explicit thread_runner(detail::process_wide_threads_t, thread_comm_options options = {})
+  explicit thread_runner(exec::detail::process_wide_threads_t, thread_comm_options options = {})
       : options(std::move(options)) {}
 
   /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
@@ -12326,11 +12517,11 @@ struct thread_runner {
       body(d, std::move(c));
     };
     const int size = static_cast<int>(n);
-    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
+    exec::detail::device_workers& pool = workers ? *workers : exec::detail::device_workers::get();
     // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
     // a microsecond per device next to the wake-up of the threads.
     thread_world world(size, options);
-    detail::participant_failures failures(size);
+    experimental::participant_failures failures(size);
     auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
     if (!pool.try_run(n, task, threads_per_device)) {
       run_on_threads(size, device, options);
@@ -12352,7 +12543,7 @@ struct thread_runner {
 struct [[deprecated("use meshlib::thread_runner")]] thread_backend : thread_runner {
   /// Options of each call's `thread_world`.
   thread_backend(thread_comm_options options = {})  // NOLINT(google-explicit-constructor): as before
-      : thread_runner(detail::process_wide_threads, std::move(options)) {}
+      : thread_runner(exec::detail::process_wide_threads, std::move(options)) {}
 };
 
 static_assert(runner<thread_runner>);
@@ -12487,7 +12678,7 @@ static_assert(runner<thread_runner>);
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 struct call_fingerprint {
   op_kind op = op_kind::barrier;
@@ -12617,7 +12808,7 @@ class call_batch {
   std::vector<std::int64_t> pending_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_NCCL
 // end meshlib/comm/nccl/detail/call_fingerprint.hpp
@@ -12666,7 +12857,7 @@ class call_batch {
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 template <class T>
 consteval int nccl_type_index() {
   using U = std::remove_cv_t<T>;
@@ -12691,17 +12882,17 @@ consteval int nccl_type_index() {
     return -1;
   }
 }
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief An element type the NCCL communicator moves and reduces: every `comm_element`, plus CUDA's
 /// `__half` and `__nv_bfloat16` when their headers are included (`<cuda_fp16.h>`, `<cuda_bf16.h>`).
 template <class T>
-concept nccl_element = (detail::nccl_type_index<T>() >= 0);
+concept nccl_element = (comm::detail::nccl_type_index<T>() >= 0);
 
 /// @brief NCCL's data type of element type `T` (`ncclBfloat16` for meshlib's `bfloat16`,
 /// `ncclFloat16` for `__half`).
 template <nccl_element T>
-inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(detail::nccl_type_index<T>());
+inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(comm::detail::nccl_type_index<T>());
 
 /// @brief NCCL's data type of a run-time `datatype` tag.
 [[nodiscard]] constexpr ncclDataType_t to_nccl(datatype t) noexcept {
@@ -12728,7 +12919,7 @@ inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(d
   return ncclNumOps;
 }
 
-namespace detail {
+namespace comm::detail {
 
 /// Which meshlib exception an NCCL result becomes (see the file comment).
 enum class comm_failure_kind { argument, aborted, timeout, error };
@@ -12811,7 +13002,12 @@ inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view c
   throw_comm_failure(failure_kind_of(rc), failed_call_message(what, call, cuda_error_text(rc)));
 }
 
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// Throws `comm_error` naming the call when a CUDA runtime call failed.
+using comm::detail::check_cuda;
+}  // namespace experimental
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL
@@ -13098,7 +13294,7 @@ struct nccl_comm_options {
   std::size_t verify_each_first = 64;
 };
 
-namespace detail {
+namespace comm::detail {
 
 /// Makes `device` the calling thread's current CUDA device for a scope.
 class cuda_device_scope {
@@ -13220,7 +13416,7 @@ struct stream_state {
   }
 };
 
-}  // namespace detail
+}  // namespace comm::detail
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL
@@ -13297,11 +13493,11 @@ inline constexpr nccl_version_number nccl_min_version{2, 18, 0};
 /// @throws comm_error when `ncclGetVersion` fails.
 [[nodiscard]] inline nccl_version_number nccl_version() {
   int code = 0;
-  detail::check_nccl(ncclGetVersion(&code), "nccl_version", "ncclGetVersion");
+  comm::detail::check_nccl(ncclGetVersion(&code), "nccl_version", "ncclGetVersion");
   return nccl_version_number::from_code(code);
 }
 
-namespace detail {
+namespace comm::detail {
 
 /// "NCCL library 2.28.3, headers 2.28.9": what a message about NCCL's version shows.
 [[nodiscard]] inline std::string nccl_versions_text(nccl_version_number library,
@@ -13332,7 +13528,7 @@ inline void require_nccl_version(std::string_view what, nccl_version_number libr
 /// The same for the library this process loaded.
 inline void require_nccl_version(std::string_view what) { require_nccl_version(what, nccl_version()); }
 
-}  // namespace detail
+}  // namespace comm::detail
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL
@@ -13340,7 +13536,7 @@ inline void require_nccl_version(std::string_view what) { require_nccl_version(w
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// The NCCL communicator, stream and event pool shared by the handles and requests of one
 /// participant: the `Channel` of `basic_stream_request`.
@@ -13470,11 +13666,11 @@ struct nccl_comm_state : stream_state {
   }
 };
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief The request of the NCCL communicator: completes when the event recorded after the
 /// operation's NCCL calls does (see `basic_stream_request`).
-using nccl_request = basic_stream_request<detail::nccl_comm_state>;
+using nccl_request = basic_stream_request<comm::detail::nccl_comm_state>;
 
 /// @brief One GPU's handle on an NCCL communicator. Copies share it.
 class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
@@ -13494,10 +13690,10 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
                                 " is outside a group of " + std::to_string(nranks) +
                                 " participants; ranks are 0 <= rank < nranks and nranks >= 1");
-    detail::require_nccl_version("nccl_communicator");
+    comm::detail::require_nccl_version("nccl_communicator");
     auto s = make_state(options, rank, nranks, "nccl_communicator");
     {
-      detail::cuda_device_scope g(s->device, "nccl_communicator");
+      comm::detail::cuda_device_scope g(s->device, "nccl_communicator");
       ncclConfig_t config = nonblocking_config();
       ncclUniqueId copy = id;
       init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
@@ -13506,12 +13702,12 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
 
   /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
-  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
+  explicit nccl_communicator(std::shared_ptr<comm::detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
 
   /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
   [[nodiscard]] static ncclUniqueId new_unique_id() {
     ncclUniqueId id{};
-    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
+    comm::detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
     return id;
   }
 
@@ -13556,14 +13752,14 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
     check_split(color);
-    auto s = std::make_shared<detail::nccl_comm_state>();
+    auto s = std::make_shared<comm::detail::nccl_comm_state>();
     s->options = state_->options;
     s->batch = batch_of(s->options);
     s->device = state_->device;
     s->stream = state_->stream;
     s->stream_owner = state_->stream_owner;
     {
-      detail::cuda_device_scope g(s->device, state_->describe(k));
+      comm::detail::cuda_device_scope g(s->device, state_->describe(k));
       ncclConfig_t config = nonblocking_config();
       // NCCL writes the handle from its own thread when the split completes: into a cell that
       // outlives that write (leaked, 8 bytes, if the split is abandoned before it completes).
@@ -13574,7 +13770,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       settle_new(*s, state_->describe(k), "ncclCommSplit");
       call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
       call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
-      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
+      comm::detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
     }
     return nccl_communicator(std::move(s));
   }
@@ -13589,27 +13785,27 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
   /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
   /// communicator yet.
-  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
+  [[nodiscard]] static std::shared_ptr<comm::detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
                                                                            int nranks, std::string_view what) {
-    auto s = std::make_shared<detail::nccl_comm_state>();
+    auto s = std::make_shared<comm::detail::nccl_comm_state>();
     s->options = options;
     s->batch = batch_of(options);
     s->rank = rank;
     s->size = nranks;
     int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+    comm::detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
     int device = options.device;
-    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    if (device < 0) comm::detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
     if (device >= count)
       throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
                                 " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
     s->device = device;
-    detail::cuda_device_scope g(device, what);
+    comm::detail::cuda_device_scope g(device, what);
     if (options.stream.given()) {
       s->stream = options.stream.or_else(nullptr);
     } else {
       cudaStream_t st = nullptr;
-      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
+      comm::detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
       s->stream = st;
       s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
         int prev = 0;
@@ -13619,15 +13815,15 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         if (ok) (void)cudaSetDevice(prev);
       });
     }
-    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
+    comm::detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
     return s;
   }
   /// Checks the result of a communicator-creating call and polls the new communicator until it is
   /// ready (non-blocking creation returns ncclInProgress), against the timeout.
-  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
+  static void init_checked(comm::detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
     const std::string what = s.describe("nccl_communicator creation");
     if (rc != ncclSuccess && rc != ncclInProgress)
-      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
+      comm::detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
     settle_new(s, what, call_name);
   }
 
@@ -13635,9 +13831,9 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   // ---- enqueueing ------------------------------------------------------------------------------
 
   template <class F>
-  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
+  request_type enqueue(std::string_view k, context_type ctx, std::optional<comm::detail::call_fingerprint> fingerprint,
                        F&& calls) {
-    detail::cuda_device_scope g(state_->device, state_->describe(k));
+    comm::detail::cuda_device_scope g(state_->device, state_->describe(k));
     const cudaStream_t s = ctx.or_else(state_->stream);
     if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
     calls(s);
@@ -13646,9 +13842,9 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     return request_type(state_, ev, std::string(k), state_->options.timeout);
   }
   template <class T>
-  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+  static comm::detail::call_fingerprint fp(comm::detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
                                      int root = -1) {
-    detail::call_fingerprint f;
+    comm::detail::call_fingerprint f;
     f.op = op;
     if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
     else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
@@ -13667,14 +13863,14 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     const std::size_t per = st.batch.pending().size();
     const std::size_t every = st.batch.every();
     const auto n1 = static_cast<std::size_t>(st.size + 1) * every;
-    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
+    const auto slots = static_cast<std::size_t>(comm::detail::nccl_comm_state::check_slots);
     if (st.check_dev == nullptr) {
       cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
       cuda_call(k, "cudaHostAlloc",
                 cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
     }
     const int slot = st.next_slot;
-    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
+    st.next_slot = (st.next_slot + 1) % comm::detail::nccl_comm_state::check_slots;
     // The slot's previous check must have been compared before its memory is reused.
     const auto deadline = deadline_from_now();
     for (;;) {
@@ -13691,7 +13887,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         st.abort(m);
         throw collective_mismatch(m);
       }
-      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
+      if (!cuda_failure.empty()) comm::detail::throw_comm_failure(comm::detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
       if (deadline.passed()) {
         const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
         st.abort(t, true);
@@ -13715,8 +13911,8 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     st.checks.push_back({ev, slot, first, per});
   }
   /// A state's call schedule, from its options (`verify_every`, `verify_each_first`).
-  static detail::call_batch batch_of(const nccl_comm_options& o) {
-    return detail::call_batch(o.verify_every, o.verify_each_first);
+  static comm::detail::call_batch batch_of(const nccl_comm_options& o) {
+    return comm::detail::call_batch(o.verify_every, o.verify_each_first);
   }
   /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
   void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
@@ -13729,16 +13925,16 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
   [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
     const char* last = ncclGetLastError(state_->comm);
-    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
+    const std::string message = comm::detail::failed_call_message(state_->describe(k), name, comm::detail::nccl_result_text(rc),
                                                             last != nullptr ? std::string_view(last) : std::string_view{});
     // Argument errors leave the communicator usable; anything else may have left it half-way
     // through a collective, so it is aborted and later calls are refused.
-    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
-    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
+    if (comm::detail::failure_kind_of(rc) != comm::detail::comm_failure_kind::argument) state_->abort(message);
+    comm::detail::throw_comm_failure(comm::detail::failure_kind_of(rc), message);
   }
   void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
     if (rc == cudaSuccess) return;
-    detail::check_cuda(rc, state_->describe(k), name);
+    comm::detail::check_cuda(rc, state_->describe(k), name);
   }
   /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
   void settle(std::string_view k, std::string_view name) const {
@@ -13792,25 +13988,25 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     if (*cell == nullptr)
       throw comm_error("meshlib: " + state_->describe(k) + ": ncclCommSplit completed (color " + std::to_string(color) +
                        ") but gave no new communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
-                       detail::nccl_versions_text(nccl_version()) + ")");
+                       comm::detail::nccl_versions_text(nccl_version()) + ")");
     return *cell;
   }
-  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+  static void settle_new(comm::detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
     if (s.comm == nullptr)  // NCCL would answer ncclInvalidArgument ("comm argument is NULL"); say what happened
       throw comm_error("meshlib: " + what + ": " + std::string(name) +
                        " returned without a communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
-                       detail::nccl_versions_text(nccl_version()) + ")");
+                       comm::detail::nccl_versions_text(nccl_version()) + ")");
     const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
     for (;;) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
-      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
+      if (rc != ncclSuccess) comm::detail::check_nccl(rc, what, "ncclCommGetAsyncError");
       if (async == ncclSuccess) return;
       if (async != ncclInProgress) {
         const std::string last = ncclGetLastError(s.comm);
         (void)ncclCommAbort(s.comm);
         s.comm = nullptr;
-        detail::check_nccl(async, what, name, last.c_str());
+        comm::detail::check_nccl(async, what, name, last.c_str());
       }
       if (deadline.passed()) {
         (void)ncclCommAbort(s.comm);
@@ -13904,18 +14100,18 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  void ensure_usable(comm::detail::op_kind k) const { check_usable(comm::detail::op_name(k)); }
   /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
+  template <comm::detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
     if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The NCCL transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
+  template <comm::detail::op_kind K, class T>
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
+    using comm::detail::op_kind;
+    constexpr std::string_view k = comm::detail::op_name(K);
     const std::size_t n = static_cast<std::size_t>(size());
     const std::size_t c = o.count;
     const ncclDataType_t t = nccl_datatype_of<T>;
@@ -14008,13 +14204,13 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       }
     } else {
       static_assert(K == op_kind::barrier);
-      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
+      return enqueue(k, ctx, comm::detail::call_fingerprint{}, [&](cudaStream_t s) {
         call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
       });
     }
   }
 
-  std::shared_ptr<detail::nccl_comm_state> state_;
+  std::shared_ptr<comm::detail::nccl_comm_state> state_;
 };
 
 static_assert(communicator<nccl_communicator>);
@@ -14068,10 +14264,10 @@ namespace meshlib {
         throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
                                   " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
                                   "GPU, and the thread communicator between devices that share one)");
-  detail::require_nccl_version(what);
+  comm::detail::require_nccl_version(what);
   const int n = static_cast<int>(devices.size());
   const ncclUniqueId id = nccl_communicator::new_unique_id();
-  std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
+  std::vector<std::shared_ptr<comm::detail::nccl_comm_state>> states;
   for (int r = 0; r < n; ++r) {
     nccl_comm_options o = options;
     o.device = devices[static_cast<std::size_t>(r)];
@@ -14079,18 +14275,18 @@ namespace meshlib {
   }
   {
     ncclConfig_t config = nccl_communicator::nonblocking_config();
-    detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
+    comm::detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
     ncclResult_t first = ncclSuccess;
     for (int r = 0; r < n; ++r) {
       auto& s = *states[static_cast<std::size_t>(r)];
-      detail::cuda_device_scope g(s.device, what);
+      comm::detail::cuda_device_scope g(s.device, what);
       ncclUniqueId copy = id;
       const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, n, copy, r, &config);
       if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
     }
     const ncclResult_t end = ncclGroupEnd();
-    detail::check_nccl(first, what, "ncclCommInitRankConfig");
-    detail::check_nccl(end, what, "ncclGroupEnd");
+    comm::detail::check_nccl(first, what, "ncclCommInitRankConfig");
+    comm::detail::check_nccl(end, what, "ncclGroupEnd");
   }
   std::vector<nccl_communicator> out;
   for (auto& s : states) {
@@ -14125,14 +14321,14 @@ void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
   auto body = [&](int r) {
     auto& c = comms[static_cast<std::size_t>(r)];
     try {
-      detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
+      comm::detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
       fn(c);
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       int none = -1;
       first.compare_exchange_strong(none, r);
       const std::string why = "participant " + std::to_string(r) + " failed: " +
-                              detail::what_of(errors[static_cast<std::size_t>(r)]);
+                              comm::detail::what_of(errors[static_cast<std::size_t>(r)]);
       for (auto& other : comms) other.abort(why);
     }
   };
@@ -14150,7 +14346,7 @@ void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
     }
     for (auto& t : threads) t.join();
   }
-  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
+  comm::detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
     return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
            std::to_string(comms[static_cast<std::size_t>(r)].device()) + ")";
   });
@@ -14258,7 +14454,7 @@ void run_on_gpus(std::span<const int> devices, F&& fn, nccl_comm_options options
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Most participants one launch reduces (the pointer tables go by value in the kernel arguments).
 inline constexpr int max_local_devices = 32;
@@ -14429,7 +14625,7 @@ inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void
              "cudaLaunchKernel");
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_NCCL
 // end meshlib/comm/nccl/detail/reduce_kernel.hpp
@@ -14461,7 +14657,7 @@ inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void
 #include <utility>
 #include <vector>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief An event with a reference count. `Traits` provides `event_type` and
 /// `static void destroy(event_type, int device) noexcept`.
@@ -14536,12 +14732,12 @@ class peer_event_refs {
   std::vector<basic_shared_event<Traits>*> events_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/nccl/detail/shared_event.hpp
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// CUDA events for `basic_shared_event`.
 struct cuda_event_traits {
@@ -14644,10 +14840,10 @@ inline call_summary summary_of(const shared_gpu_call& call) {
   return c;
 }
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
-using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
+using shared_gpu_request = basic_stream_request<comm::detail::shared_gpu_state>;
 
 /// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
 /// handle belongs to one thread).
@@ -14663,27 +14859,27 @@ class shared_gpu_communicator
   /// bound to `options.stream` (default: a new non-blocking stream). Not collective.
   explicit shared_gpu_communicator(thread_communicator host, nccl_comm_options options = {}) {
     if (!host.valid()) throw comm_argument_error("meshlib: shared_gpu_communicator needs a valid thread_communicator");
-    if (host.size() > detail::max_local_devices)
+    if (host.size() > comm::detail::max_local_devices)
       throw comm_argument_error("meshlib: shared_gpu_communicator: " + std::to_string(host.size()) +
-                                " devices on one GPU; at most " + std::to_string(detail::max_local_devices) + " are supported");
+                                " devices on one GPU; at most " + std::to_string(comm::detail::max_local_devices) + " are supported");
     // The stream and device come from the same code as the NCCL communicator's.
     auto base = nccl_communicator::make_state(options, host.rank(), host.size(), "shared_gpu_communicator");
-    auto s = std::make_shared<detail::shared_gpu_state>();
+    auto s = std::make_shared<comm::detail::shared_gpu_state>();
     s->host = std::move(host);
     s->device = base->device;
     s->stream = base->stream;
     s->stream_owner = base->stream_owner;
     s->options = options;
     {
-      detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
-      s->ready = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
-      s->done = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      comm::detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
+      s->ready = comm::detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      s->done = comm::detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
     }
     state_ = std::move(s);
   }
 
   /// @brief Adopts a participant's state (for creation functions and tests).
-  explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
+  explicit shared_gpu_communicator(std::shared_ptr<comm::detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
 
   /// This participant's rank (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
@@ -14731,18 +14927,18 @@ class shared_gpu_communicator
   }
   // ---- the front end's hooks
   [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  void ensure_usable(comm::detail::op_kind k) const { check_usable(comm::detail::op_name(k)); }
   /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
+  template <comm::detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
     if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The shared-GPU transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
+  template <comm::detail::op_kind K, class T>
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
+    using comm::detail::op_kind;
+    constexpr std::string_view k = comm::detail::op_name(K);
     constexpr int code = static_cast<int>(K);
     const std::size_t n = static_cast<std::size_t>(size());
     const std::size_t c = o.count;
@@ -14800,13 +14996,13 @@ class shared_gpu_communicator
       std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
         rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs)); });
-        if (const auto bad = detail::first_counts_disagreement(
+        if (const auto bad = comm::detail::first_counts_disagreement(
                 n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
                 [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
           throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
                                     std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
                                     "): the counts disagree: " +
-                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
+                                    comm::detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
                                                                          "device " + std::to_string(bad->receiver),
                                                                          bad->sent, bad->expected));
         for (std::size_t j = 0; j < n; ++j) {
@@ -14817,7 +15013,7 @@ class shared_gpu_communicator
       });
     } else if constexpr (K == op_kind::send) {
       device_buffer<K>("send", o.send, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
+      comm::detail::cuda_device_scope g(state_->device, describe(k));
       const cudaStream_t s = ctx.or_else(state_->stream);
       cudaEvent_t ready = nullptr;
       cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -14834,7 +15030,7 @@ class shared_gpu_communicator
       return complete_on(k, s);
     } else if constexpr (K == op_kind::recv) {
       device_buffer<K>("receive", o.recv, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
+      comm::detail::cuda_device_scope g(state_->device, describe(k));
       const cudaStream_t s = ctx.or_else(state_->stream);
       std::int64_t msg[4] = {};
       rendezvous(k, [&] { (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag); });
@@ -14885,7 +15081,7 @@ class shared_gpu_communicator
     return "meshlib: " + describe(k) + ": " + std::string(host_what) + " (the devices' host communicator: its rank r is device r)";
   }
   void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
-    if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
+    if (rc != cudaSuccess) comm::detail::check_cuda(rc, describe(k), call);
   }
   template <class T>
   void copy(std::string_view k, T* to, const T* from, std::size_t n, cudaStream_t s) const {
@@ -14896,8 +15092,8 @@ class shared_gpu_communicator
   /// null for an empty one: never the caller's own memory (detail::in_place_scratch).
   template <class T>
   T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
-    detail::cuda_device_scope g(state_->device, describe(k));
-    return static_cast<T*>(detail::in_place_scratch(
+    comm::detail::cuda_device_scope g(state_->device, describe(k));
+    return static_cast<T*>(comm::detail::in_place_scratch(
         buf.size_bytes(),
         [&](std::size_t bytes) {
           void* p = nullptr;
@@ -14912,7 +15108,7 @@ class shared_gpu_communicator
     if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
   }
   static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    meshlib::detail::fnv1a h;  // over the pairs, in order
+    meshlib::experimental::fnv1a h;  // over the pairs, in order
     for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
     return static_cast<std::int64_t>(h.value);
   }
@@ -14941,17 +15137,17 @@ class shared_gpu_communicator
   /// destroy its communicator at once). Each event carries a reference for every peer, given back
   /// once its wait is enqueued (detail/shared_event.hpp); nothing else of a peer's is touched
   /// after a rendezvous but the buffers it passed, whose reuse the "done" events order.
-  std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
+  std::vector<comm::detail::shared_gpu_call> arrive(std::string_view k, comm::detail::shared_gpu_call mine, cudaStream_t s) {
     cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready->get(), s));
     mine.ready = state_->ready->handle();
     const auto n = static_cast<std::size_t>(size());
-    std::vector<detail::shared_gpu_call> all(n);
+    std::vector<comm::detail::shared_gpu_call> all(n);
     state_->ready->share(size() - 1);  // before the handle is published
     rendezvous(k, [&] {
       (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
                                     std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
     });
-    detail::peer_event_refs<detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
+    comm::detail::peer_event_refs<comm::detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
       return all[static_cast<std::size_t>(q)].ready;
     });
     bool agree = true;
@@ -14962,7 +15158,7 @@ class shared_gpu_communicator
       std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
                       " (seen by device " + std::to_string(rank()) + "):";
       for (std::size_t q = 0; q < n; ++q)
-        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
+        m += " device " + std::to_string(q) + " called " + comm::detail::describe_call(comm::detail::summary_of(all[q])) +
              (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
@@ -14980,7 +15176,7 @@ class shared_gpu_communicator
     rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all)); });
     // The last rendezvous of the operation: a peer may return, and destroy its communicator,
     // before this participant has enqueued its waits; its reference keeps the event alive.
-    detail::peer_event_refs<detail::cuda_event_traits> done(size(), rank(),
+    comm::detail::peer_event_refs<comm::detail::cuda_event_traits> done(size(), rank(),
                                                             [&](int q) { return all[static_cast<std::size_t>(q)]; });
     for (int q = 0; q < size(); ++q)
       if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done[q], 0));
@@ -14996,11 +15192,11 @@ class shared_gpu_communicator
   template <class T, class Body>
   request_type movement(std::string_view k, int op, const T* send, T* recv, std::size_t count, int root,
                         std::int64_t extra, context_type ctx, Body&& body) {
-    detail::cuda_device_scope g(state_->device, describe(k));
+    comm::detail::cuda_device_scope g(state_->device, describe(k));
     const cudaStream_t s = ctx.or_else(state_->stream);
-    detail::shared_gpu_call mine;
+    comm::detail::shared_gpu_call mine;
     mine.op = op;
-    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
+    mine.type = op == static_cast<int>(comm::detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
     mine.count = static_cast<std::int64_t>(count);
     mine.root = root;
     mine.extra = extra;
@@ -15036,11 +15232,11 @@ class shared_gpu_communicator
         else
           out.push_back(reinterpret_cast<T*>(all[static_cast<std::size_t>(root)].recv) + begin);
       }
-      detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
+      comm::detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
     });
   }
 
-  std::shared_ptr<detail::shared_gpu_state> state_;
+  std::shared_ptr<comm::detail::shared_gpu_state> state_;
 };
 
 static_assert(communicator<shared_gpu_communicator>);
@@ -15051,10 +15247,10 @@ static_assert(communicator<shared_gpu_communicator>);
 template <class F>
   requires std::is_invocable_v<F&, shared_gpu_communicator&>
 void run_on_shared_gpu(int n, F&& fn, nccl_comm_options options = {}, thread_comm_options host_options = {}) {
-  if (n > detail::max_local_devices)
+  if (n > comm::detail::max_local_devices)
     throw comm_argument_error("meshlib: run_on_shared_gpu: " + std::to_string(n) + " devices on one GPU; at most " +
-                              std::to_string(detail::max_local_devices) + " are supported");
-  if (options.device < 0) detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
+                              std::to_string(comm::detail::max_local_devices) + " are supported");
+  if (options.device < 0) comm::detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
   run_on_threads(
       n,
       [&](thread_communicator& host) {
@@ -15124,7 +15320,7 @@ using distributed::launch_info;
   const std::string address = bootstrap_address(env, info);
   if (options.device < 0) {
     int count = 0;
-    meshlib::detail::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
+    meshlib::experimental::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
     options.device = static_cast<int>(info.local_rank.value_or(info.process_index % static_cast<std::size_t>(count)) %
                                       static_cast<std::size_t>(count));
   }
@@ -15177,7 +15373,7 @@ namespace meshlib {
     MPI_Comm_rank(node, &local);
     MPI_Comm_free(&node);
     int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
+    comm::detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
     options.device = local % count;  // count >= 1 here: cudaGetDeviceCount fails without a device
   }
   ncclUniqueId id{};
@@ -15232,7 +15428,7 @@ struct gpu_plan {
   std::vector<int> gpus;
 };
 
-namespace detail {
+namespace exec::detail {
 
 /// The layout of an `n`-device mesh on `visible` GPUs for the launch `launch`, using the GPUs
 /// `wanted` (empty: all visible). Host code only: the runner's whole decision, tested without a GPU.
@@ -15309,7 +15505,7 @@ constexpr default_runner_kind choose_default_runner(bool gpu_build, int visible_
   return process_count > 1 ? default_runner_kind::processes : default_runner_kind::threads;
 }
 
-}  // namespace detail
+}  // namespace exec::detail
 
 #if MESHLIB_HAS_GPU_RUNNER
 
@@ -15346,7 +15542,7 @@ struct gpu_runner {
   /// The layout of an `n`-device mesh on this process's GPUs.
   /// @throws as `detail::plan_gpu_mesh`.
   [[nodiscard]] gpu_plan plan(std::size_t n) const {
-    return detail::plan_gpu_mesh(n, visible_gpu_count(), distributed::launch(), options.gpus);
+    return exec::detail::plan_gpu_mesh(n, visible_gpu_count(), distributed::launch(), options.gpus);
   }
 
   /// The devices this process runs of an `n`-device mesh.
@@ -15363,7 +15559,7 @@ struct gpu_runner {
         nccl_comm_options o = comm_options;
         o.device = p.gpus.front();
         o.stream = {};
-        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
         std::vector<nccl_communicator>& kept = keep(p, [&] {
           std::vector<nccl_communicator> v;
           v.push_back(connect(o));
@@ -15376,7 +15572,7 @@ struct gpu_runner {
         } catch (...) {
           const std::exception_ptr e = std::current_exception();
           const std::string why = "meshlib: process " + std::to_string(rank) + " of " + std::to_string(n) + " (GPU " +
-                                  std::to_string(o.device) + ") failed: " + meshlib::detail::what_of(e);
+                                  std::to_string(o.device) + ") failed: " + meshlib::experimental::what_of(e);
           world.abort(why);
           kept_->drop();
           throw participant_error(static_cast<int>(rank), why);  // nests the exception (in a handler)
@@ -15402,11 +15598,11 @@ struct gpu_runner {
         nccl_comm_options o = comm_options;
         o.device = p.gpus.front();
         o.stream = {};
-        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
         run_on_shared_gpu(
             static_cast<int>(n),
             [&](shared_gpu_communicator& c) {
-              meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+              meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
               const auto rank = static_cast<std::size_t>(c.rank());
               on_instance(c, [&] { body(rank, c); });
             },
@@ -15471,10 +15667,10 @@ struct gpu_runner {
         }
       }
     } fence{exec};
-    static_assert(std::is_same_v<meshlib::detail::exec_space_for_t<default_memory_space>, Kokkos::Cuda>,
+    static_assert(std::is_same_v<meshlib::experimental::exec_space_for_t<default_memory_space>, Kokkos::Cuda>,
                   "meshlib: gpu_runner needs Kokkos::Cuda as the default execution space (Kokkos_ENABLE_CUDA)");
-    meshlib::detail::scoped_exec_space<default_memory_space> on(exec);
-    meshlib::detail::runner_installed_exec() = true;  // read and cleared by run_devices
+    meshlib::experimental::scoped_exec_space<default_memory_space> on(exec);
+    meshlib::experimental::runner_installed_exec() = true;  // read and cleared by run_devices
     f();
   }
 
@@ -15677,7 +15873,7 @@ static_assert(runner<gpu_runner>);
 
 #include <mpi.h>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief Exchanges how many messages with tag `tag` each rank sent to each other rank on `comm`
 /// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
@@ -15741,7 +15937,7 @@ inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint6
   return true;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/settle.hpp
@@ -15765,7 +15961,7 @@ inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint6
 #include <utility>
 #include <vector>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief Runs jobs on parked threads, one job per thread at a time; a job that finds every thread
 /// busy (two hybrid calls at once from different threads) gets a new thread, which stays.
@@ -15867,10 +16063,10 @@ class watcher_threads {
   std::vector<std::shared_ptr<slot>> slots_;  // guarded by mutex_
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/mpi/detail/watcher_threads.hpp
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Fault propagation between processes, shared by the MPI communicator (one rank per process) and
 /// the hybrid world. Each process posts one receive on a duplicate communicator of its own. When a
@@ -16084,7 +16280,7 @@ struct abort_channel {
   }
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/abort_channel.hpp
@@ -16102,7 +16298,7 @@ struct abort_channel {
 #include <string>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// What a mismatch message shows of a call record of the mismatch fingerprint (`describe_call`):
 /// {call number, op_kind, datatype + 1 (0: none), count, reduce op, root, extra}. The record
@@ -16125,12 +16321,12 @@ inline std::string describe_record(const std::string& who, const std::uint64_t* 
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
 inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  fnv1a h;
+  experimental::fnv1a h;
   for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
   return h.value ^ pairs.size();
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/call_record.hpp
@@ -16297,7 +16493,7 @@ struct mpi_comm_options {
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/mpi_comm_options.hpp
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The MPI state shared by the handles of one communicator.
 struct mpi_comm_state {
@@ -16379,7 +16575,7 @@ struct mpi_comm_state {
   }
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/mpi_comm_state.hpp
@@ -16405,7 +16601,7 @@ struct mpi_comm_state {
 
 #include <mpi.h>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The text MPI gives for error code `rc`.
 inline std::string mpi_error_string(int rc) {
@@ -16516,7 +16712,7 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
   }
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI
 // end meshlib/comm/mpi/detail/mpi_types.hpp
@@ -16540,7 +16736,7 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
 #include <vector>
 
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Whether a reduction of T with `op` over `ranks` ranks must run in rank order to give the thread
 /// backend's bits (see the file comment).
@@ -16561,7 +16757,7 @@ void reduce_blocks_in_order(reduce_op op, const T* blocks, int n, std::size_t st
   reduce_into<T>(op, in.data(), n, outs, 1, len);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 // end meshlib/comm/mpi/detail/ordered_reduce.hpp
 
 namespace meshlib {
@@ -16572,7 +16768,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
   friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
   friend class fail_guard;           // fails the communicator when an exception unwinds it
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
  public:
 
@@ -16657,7 +16853,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
                        "meshlib::mpi::initialize)");
     if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
-    auto s = std::make_shared<detail::mpi_comm_state>();
+    auto s = std::make_shared<comm::detail::mpi_comm_state>();
     s->adopted = comm;
     s->options = options;
     s->fail_on_unwind = own_channel;
@@ -16665,12 +16861,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     finish(*s);
     if (own_channel) {
       // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
-      s->channel = std::make_shared<detail::abort_channel>();
+      s->channel = std::make_shared<comm::detail::abort_channel>();
       s->channel->open(s->comm, true);
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
+        comm::detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
         if (ch->poll(r, what, kind))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
@@ -16694,7 +16890,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
-    meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+    meshlib::comm::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
                               " aborts the run: " + std::string(reason));
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
@@ -16766,7 +16962,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     // Arrive first (polled, with the fingerprint), so that a rank that never splits is a timeout,
     // not a hang, and a rank that calls something else a mismatch.
     agree(op_kind::split, datatype::float32, 0, reduce_op::sum, 0);
-    auto s = std::make_shared<detail::mpi_comm_state>();
+    auto s = std::make_shared<comm::detail::mpi_comm_state>();
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
@@ -16793,18 +16989,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                        " called on an empty mpi_communicator handle (default-constructed or moved from)");
   }
   void ensure_usable(op_kind k) const {
-    require_valid(detail::op_name(k));
+    require_valid(comm::detail::op_name(k));
     if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
-      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
+      state_->channel->rethrow(" [refused " + where(comm::detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
-    const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
+    const std::string msg = "meshlib: refused " + where(comm::detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
     throw comm_timeout(msg);
   }
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
-                       ": " + detail::mpi_error_string(rc));
+                       ": " + comm::detail::mpi_error_string(rc));
   }
   void check_tag_bound(op_kind k, int tag) const {
     if (tag >= state_->tag_ub)
@@ -16830,7 +17026,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// The transport of operation K (the front end has checked its arguments).
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
+  request_type transport(const comm::detail::operation<T>& o, context_type) {
     const bool is_root = rank() == o.root;
     if constexpr (K == op_kind::all_reduce) {
       do_all_reduce<T>(o.in_place ? nullptr : o.send, o.recv, o.count, o.op);
@@ -16875,7 +17071,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
 
   template <class T>
-  void do_all_to_all_v(const detail::operation<T>& o) {
+  void do_all_to_all_v(const comm::detail::operation<T>& o) {
     constexpr auto k = op_kind::all_to_all_v;
     const auto sc = ints(k, "send_counts", o.v[0]);
     const auto sd = ints(k, "send_displs", o.v[1]);
@@ -16892,7 +17088,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::string mine;
       for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          mine = detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
+          mine = comm::detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
                                                       their[static_cast<std::size_t>(j)], rc[static_cast<std::size_t>(j)]);
       int bad = mine.empty() ? -1 : rank();
       int first_bad = -1;
@@ -16909,7 +17105,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       }
     }
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     std::size_t bytes = 0;
     for (int c : sc) bytes += static_cast<std::size_t>(c) * sizeof(T);
     timed("all_to_all_v", bytes,
@@ -16921,21 +17117,21 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// Buffered: the data is copied and sent in the background (progressed by later calls).
   template <class T>
-  void do_send(const detail::operation<T>& o) {
+  void do_send(const comm::detail::operation<T>& o) {
     check_tag_bound(op_kind::send, o.tag);
     check_count(op_kind::send, o.count);
     progress_sends();
-    detail::mpi_comm_state::pending_send p;
+    comm::detail::mpi_comm_state::pending_send p;
     p.data.resize(o.count * sizeof(T));
     if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), comm::detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
                        &p.request),
              "MPI_Isend");
     state_->sends.push_back(std::move(p));
   }
 
   template <class T>
-  void do_recv(const detail::operation<T>& o) {
+  void do_recv(const comm::detail::operation<T>& o) {
     check_tag_bound(op_kind::recv, o.tag);
     check_count(op_kind::recv, o.count);
     const int source = o.peer;
@@ -16949,7 +17145,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
     }, /*interruptible=*/true);  // a probe leaves nothing pending; a failed sender never sends
     int got = 0;
-    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    MPI_Get_count(&st, comm::detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
       // Consume the message so the stream stays in order, then report.
       std::vector<unsigned char> sink;
@@ -16963,7 +17159,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                 " (tag " + std::to_string(tag) + ") but the message holds " +
                                 (got == MPI_UNDEFINED ? std::to_string(bytes) + " bytes" : std::to_string(got)));
     }
-    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    check_rc(MPI_Mrecv(o.recv, got, comm::detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
   }
 
   // ---- waiting ---------------------------------------------------------------------------------
@@ -17007,7 +17203,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     throw comm_timeout(state_->failure);
   }
 
-  static constexpr int arrival_tag = detail::mpi_comm_state::arrival_tag;
+  static constexpr int arrival_tag = comm::detail::mpi_comm_state::arrival_tag;
 
   /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
   void drain_arrival_notes() {
@@ -17045,7 +17241,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         drain_arrival_notes();
         for (int peer = 0; peer < size(); ++peer) {
           if (peer == rank()) continue;
-          detail::mpi_comm_state::pending_send p;
+          comm::detail::mpi_comm_state::pending_send p;
           p.data.resize(sizeof(call));
           std::memcpy(p.data.data(), &call, sizeof(call));
           check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
@@ -17098,7 +17294,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   void progress_sends() {
     auto& v = state_->sends;
     v.erase(std::remove_if(v.begin(), v.end(),
-                           [&](detail::mpi_comm_state::pending_send& s) {
+                           [&](comm::detail::mpi_comm_state::pending_send& s) {
                              int done = 0;
                              check_rc(MPI_Test(&s.request, &done, MPI_STATUS_IGNORE), "MPI_Test");
                              return done != 0;
@@ -17116,8 +17312,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
   /// garbage, no hang).
   void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
-    const bool has_op = detail::uses_op(k);
-    const bool has_root = detail::uses_root(k);
+    const bool has_op = comm::detail::uses_op(k);
+    const bool has_root = comm::detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {state_->calls++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
@@ -17125,7 +17321,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             has_op ? static_cast<std::uint64_t>(op) : 0,
                                             has_root ? static_cast<std::uint64_t>(root) : 0,
                                             extra};
-    meshlib::detail::fnv1a fingerprint;  // over the record's words
+    meshlib::experimental::fnv1a fingerprint;  // over the record's words
     for (std::uint64_t w : rec) fingerprint.add(w);
     const std::uint64_t h = fingerprint.value;
     // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
@@ -17133,7 +17329,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
     const std::uint64_t* mine = fp->data();
     std::uint64_t* most = fp->data() + 2;
-    const std::string_view name = detail::op_name(k);
+    const std::string_view name = comm::detail::op_name(k);
     if (!has_deadline()) {
       check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
     } else {
@@ -17155,7 +17351,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
                       " ranks: the ranks called different collectives";
     for (int r = 0; r < size(); ++r)
-      msg += (r ? "; " : ": ") + detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
+      msg += (r ? "; " : ": ") + comm::detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
     state_->failed = true;
     state_->failed_by_mismatch = true;
     state_->failure = msg;
@@ -17170,7 +17366,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     agree(k, datatype_of<T>, count, op, root, extra);
   }
 
-  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return detail::pairs_hash(pairs); }
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return comm::detail::pairs_hash(pairs); }
 
   // ---- operations ------------------------------------------------------------------------------
 
@@ -17197,17 +17393,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_all_reduce<T>(send ? send : recv, recv, count, op);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     timed("all_reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   /// On root, send == nullptr means in place; elsewhere send is read.
@@ -17229,18 +17425,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_reduce<T>(is_root && !send ? recv : send, recv, count, op, root);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     const void* s = is_root ? in_place(send) : static_cast<const void*>(send);
     void* rb = is_root ? static_cast<void*>(recv) : nullptr;
     timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
           [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
-    if (is_root && op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (is_root && op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   /// send == nullptr: in place, the result at the start of recv (MPI's convention).
@@ -17260,17 +17456,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_reduce_scatter<T>(send ? send : recv, recv, count, op);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   // Float sum, prod and mean over more than two ranks, in rank order (detail/ordered_reduce.hpp):
@@ -17281,13 +17477,13 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   template <class T>
   void ordered_reduce_scatter(const T* src, T* recv, std::size_t count, reduce_op op) {
     const auto n = static_cast<std::size_t>(size());
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int c = static_cast<int>(count);
     std::vector<T> blocks(count * n);
     timed("reduce_scatter", count * n * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ialltoall(src, c, t, blocks.data(), c, t, state_->comm, r); },
           [&] { return MPI_Alltoall(src, c, t, blocks.data(), c, t, state_->comm); });
-    detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
+    comm::detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
   }
 
   /// A reduce-scatter of blocks of ceil(count / n) elements (the input padded), then an all-gather.
@@ -17299,7 +17495,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::vector<T> padded(c * n), mine(c), all(c * n);
     std::copy_n(src, count, padded.begin());
     ordered_reduce_scatter<T>(padded.data(), mine.data(), c, op);
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int ci = static_cast<int>(c);
     timed("all_reduce", c * n * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallgather(mine.data(), ci, t, all.data(), ci, t, state_->comm, r); },
@@ -17312,13 +17508,13 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   void ordered_reduce(const T* src, T* recv, std::size_t count, reduce_op op, int root) {
     const auto n = static_cast<std::size_t>(size());
     const bool is_root = rank() == root;
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int c = static_cast<int>(count);
     std::vector<T> all(is_root ? count * n : 0);
     timed("reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Igather(src, c, t, all.data(), c, t, root, state_->comm, r); },
           [&] { return MPI_Gather(src, c, t, all.data(), c, t, root, state_->comm); });
-    if (is_root) detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
+    if (is_root) comm::detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
   }
 
   template <class T>
@@ -17326,7 +17522,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::broadcast, count, reduce_op::sum, root);
     check_count(op_kind::broadcast, count);
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     timed("broadcast", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ibcast(buf, n, t, root, state_->comm, r); },
           [&] { return MPI_Bcast(buf, n, t, root, state_->comm); });
@@ -17338,7 +17534,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::all_gather, count, reduce_op::sum, 0);
     check_count(op_kind::all_gather, count * static_cast<std::size_t>(size()));
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     // MPI_IN_PLACE ignores the send count and type.
     timed("all_gather", count * static_cast<std::size_t>(size()) * sizeof(T),
@@ -17352,7 +17548,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::all_to_all, count, reduce_op::sum, 0);
     check_count(op_kind::all_to_all, count * static_cast<std::size_t>(size()));
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     timed("all_to_all", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ialltoall(in_place(send), n, t, recv, n, t, state_->comm, r); },
@@ -17364,7 +17560,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::ppermute, count, reduce_op::sum, 0, pairs_hash(pairs));
     check_count(op_kind::ppermute, count);
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     const int tag = state_->tag_ub;  // meshlib's own tag: never a user's
     MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -17382,11 +17578,11 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   static MPI_Op reduce_mpi_op(reduce_op op) {
-    if constexpr (std::is_same_v<T, bfloat16>) return detail::bf16_mpi_op(op);
-    else return detail::mpi_op<T>(op);
+    if constexpr (std::is_same_v<T, bfloat16>) return comm::detail::bf16_mpi_op(op);
+    else return comm::detail::mpi_op<T>(op);
   }
 
-  void finish(detail::mpi_comm_state& s) {
+  void finish(comm::detail::mpi_comm_state& s) {
     check_rc(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Comm_rank(s.comm, &s.rank);
     MPI_Comm_size(s.comm, &s.size);
@@ -17422,7 +17618,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     }
   }
 
-  std::shared_ptr<detail::mpi_comm_state> state_;
+  std::shared_ptr<comm::detail::mpi_comm_state> state_;
   /// `std::uncaught_exceptions()` when this handle was made: a larger count at its destruction
   /// means that an exception is unwinding it.
   int exceptions_at_birth_ = std::uncaught_exceptions();
@@ -17439,7 +17635,7 @@ static_assert(communicator<mpi_communicator>);
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
@@ -17519,13 +17715,13 @@ inline hybrid_group::~hybrid_group() {
   if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
 }
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief One device's handle on a hybrid group (P processes x T threads). Move-only, as the
 /// thread communicator it contains.
 class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   friend class communicator_frontend<hybrid_communicator>;
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
  public:
 
@@ -17573,9 +17769,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     const int my_process = g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process;
     if (local_.rank() == 0) {
       try {
-        std::map<int, std::shared_ptr<detail::hybrid_group>> made;
+        std::map<int, std::shared_ptr<comm::detail::hybrid_group>> made;
         for (const auto& [c, members] : by_color) {
-          auto ng = std::make_shared<detail::hybrid_group>();
+          auto ng = std::make_shared<comm::detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
           ng->patience = g.patience;
@@ -17604,7 +17800,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       }
     }
     local_.barrier();  // the leader has published
-    std::shared_ptr<detail::hybrid_group> ng;
+    std::shared_ptr<comm::detail::hybrid_group> ng;
     {
       std::lock_guard lk(g.handoff_mutex);
       auto it = g.handoff.find(seq);
@@ -17626,7 +17822,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::vector<unsigned char> data;
   };
 
-  static void set_tag_ub(detail::hybrid_group& g) {
+  static void set_tag_ub(comm::detail::hybrid_group& g) {
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(g.p2p, MPI_TAG_UB, &ub, &flag);
@@ -17660,7 +17856,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     auto context = [&](const std::exception& e) {
       std::string m = e.what();
       if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
-      return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
+      return m + " [seen by " + std::string(comm::detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
     };
     current_ = k;
     try {
@@ -17678,7 +17874,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
-                       detail::mpi_error_string(rc));
+                       comm::detail::mpi_error_string(rc));
   }
 
   // ---- failures seen by one process, told to all ------------------------------------------------
@@ -17693,7 +17889,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// report the other processes' watchers turn into the same error, then this process's thread
   /// world (unless it failed already, as it has when it detected the failure itself).
   /// `culprit`: the global device at fault, -1 when unknown.
-  void tell_everyone(detail::failure_kind k, int culprit, const std::string& msg) {
+  void tell_everyone(comm::detail::failure_kind k, int culprit, const std::string& msg) {
     auto& ch = *group_->channel;
     const bool remote = culprit >= 0 && culprit / group_->threads_per_process !=
                                             device_of_thread(0) / group_->threads_per_process;
@@ -17712,15 +17908,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// process is told; a timeout from elsewhere (another process's report, or the leader's exchange,
   /// `leader_failed`) is already in those terms.
   std::string restate_timeout(op_kind k, const comm_timeout& e) {
-    detail::missing_report facts;
+    comm::detail::missing_report facts;
     if (!local_.valid() || !local_.state_->world->timeout_facts(facts)) return e.what();
-    const std::string msg = detail::timeout_message(
-        detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
+    const std::string msg = comm::detail::timeout_message(
+        comm::detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
         local_.state_->policy.timeout,
-        detail::list_participants("hybrid device", facts.missing,
+        comm::detail::list_participants("hybrid device", facts.missing,
                                   [&](int t) { return std::to_string(device_of_thread(t)); }),
         "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
-    tell_everyone(detail::failure_kind::timeout,
+    tell_everyone(comm::detail::failure_kind::timeout,
                   device_of_thread(facts.missing.empty() ? facts.waiter : facts.missing.front()), msg);
     return msg;
   }
@@ -17749,12 +17945,12 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       for (int r = 0; r < g.n; ++r)
         if (g.member_proc_pos[static_cast<std::size_t>(r)] == pos) devices.push_back(g.member_device[static_cast<std::size_t>(r)]);
     std::sort(devices.begin(), devices.end());
-    const std::string who = detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
-    const std::string msg = detail::timeout_message(
-        detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
+    const std::string who = comm::detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
+    const std::string msg = comm::detail::timeout_message(
+        comm::detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
         size(), g.mpi.state_->options.timeout, who.empty() ? who : who + " (whole processes)",
         "thread_comm_options::timeout, mpi_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
-    tell_everyone(detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
+    tell_everyone(comm::detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
     throw comm_timeout(msg);
   }
 
@@ -17770,7 +17966,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// The transport of operation K (the front end has checked its arguments). Every collective
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
     return guarded(K, [&] {
       if constexpr (K != op_kind::send && K != op_kind::recv) {
         agree(K, o);
@@ -17787,16 +17983,16 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// `collective_mismatch` naming the operation it called and each device's call (global device
   /// ids), instead of an internal step failing on one process leader.
   template <class T>
-  void agree(op_kind k, const detail::operation<T>& o) {
-    const bool has_op = detail::uses_op(k);
-    const bool has_root = detail::uses_root(k);
+  void agree(op_kind k, const comm::detail::operation<T>& o) {
+    const bool has_op = comm::detail::uses_op(k);
+    const bool has_root = comm::detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {calls_++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
                                             static_cast<std::uint64_t>(o.count),
                                             has_op ? static_cast<std::uint64_t>(o.op) : 0,
                                             has_root ? static_cast<std::uint64_t>(o.root) : 0,
-                                            k == op_kind::ppermute ? detail::pairs_hash(o.pairs) : 0};
+                                            k == op_kind::ppermute ? comm::detail::pairs_hash(o.pairs) : 0};
     // int64 on the wire (a communicator element type); the bits are the record's.
     std::int64_t wire[call_fields];
     std::memcpy(wire, rec, sizeof(rec));
@@ -17814,7 +18010,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
       msg += (r ? "; " : ": ") +
-             detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+             comm::detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
                                    all.data() + call_fields * static_cast<std::size_t>(r));
     throw collective_mismatch(msg);
   }
@@ -17845,7 +18041,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <op_kind K, class T>
-  request_type transport_steps(const detail::operation<T>& o, context_type) {
+  request_type transport_steps(const comm::detail::operation<T>& o, context_type) {
     const auto n = static_cast<std::size_t>(size());
     if constexpr (K == op_kind::all_reduce) {
       reduce_to(std::span<const T>(o.send, o.count), o.recv, o.op, o.count, 0);
@@ -17879,7 +18075,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <class T>
-  void do_all_to_all_v(const detail::operation<T>& o) {
+  void do_all_to_all_v(const comm::detail::operation<T>& o) {
     const auto n = static_cast<std::size_t>(size());
     const std::int64_t* sc = o.v[0];
     const std::int64_t* sd = o.v[1];
@@ -17896,7 +18092,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
     std::copy(rcounts, rcounts + n, meta.begin() + static_cast<std::ptrdiff_t>(2 * n));
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
-    if (const auto bad = detail::first_counts_disagreement(
+    if (const auto bad = comm::detail::first_counts_disagreement(
             n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
             [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; })) {
       // Blamed on the receiver, whose expected count is the one that disagrees with what was sent
@@ -17905,7 +18101,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       throw collective_mismatch(
           "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
           " devices: the counts disagree: " +
-          detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
+          comm::detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
                                                "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
                                                bad->sent, bad->expected));
     }
@@ -17922,7 +18118,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// Buffered, as on the other backends: within a process through the thread communicator,
   /// between processes with `MPI_Isend` from this thread.
   template <class T>
-  request_type do_send(const detail::operation<T>& o) {
+  request_type do_send(const comm::detail::operation<T>& o) {
     const auto& g = *group_;
     const auto d = static_cast<std::size_t>(o.peer);
     if (g.member_proc_pos[d] == g.my_proc_pos)
@@ -17931,7 +18127,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     pending p;
     p.data.resize(o.count * sizeof(T));
     if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), g.member_proc_pos[d],
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), comm::detail::mpi_datatype<T>(), g.member_proc_pos[d],
                        wire_tag(o.tag, my_local(), g.member_local[d]), g.p2p, &p.request),
              "MPI_Isend");
     sends_.push_back(std::move(p));
@@ -17939,7 +18135,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <class T>
-  request_type do_recv(const detail::operation<T>& o) {
+  request_type do_recv(const comm::detail::operation<T>& o) {
     const auto& g = *group_;
     const int source = o.peer;
     const int tag = o.tag;
@@ -17961,7 +18157,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                            std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
     }
     int got = 0;
-    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    MPI_Get_count(&st, comm::detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
       int bytes = 0;
       MPI_Get_count(&st, MPI_BYTE, &bytes);
@@ -17971,7 +18167,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                                 std::to_string(o.count) + " elements from device " + std::to_string(source) +
                                 " but the message holds " + std::to_string(got));
     }
-    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    check_rc(MPI_Mrecv(o.recv, got, comm::detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
     return {};
   }
 
@@ -18057,7 +18253,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::vector<const T*> ptrs(static_cast<std::size_t>(size()));
     for (std::size_t r = 0; r < ptrs.size(); ++r) ptrs[r] = all.data() + r * per + offset;
     T* outs[1] = {out};
-    detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
+    comm::detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
   }
 
   template <class T>
@@ -18124,7 +18320,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     sends_.clear();
   }
 
-  std::shared_ptr<detail::hybrid_group> group_;
+  std::shared_ptr<comm::detail::hybrid_group> group_;
   thread_communicator local_;
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
@@ -18136,9 +18332,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// Refuses calls on an empty handle, and every call once the world has failed (here or in another
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
-  check_usable(detail::op_name(k));
+  check_usable(comm::detail::op_name(k));
   if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
-    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+    group_->channel->rethrow(" [refused " + std::string(comm::detail::op_name(k)) + " on " + label() + " of " +
                              std::to_string(size()) + ": the communicator has failed]");
 }
 
@@ -18191,7 +18387,7 @@ class hybrid_world {
       throw comm_error("meshlib: a hybrid mesh with " + std::to_string(threads) +
                        " threads per process needs MPI_THREAD_MULTIPLE, but MPI was initialised with a lower thread "
                        "level; initialise it with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or meshlib::mpi::initialize");
-    group_ = std::make_shared<detail::hybrid_group>();
+    group_ = std::make_shared<comm::detail::hybrid_group>();
     group_->threads_per_process = threads;
     group_->timeout = procs.options().timeout;
     // The leaders' exchange waits longer than a local step, and the members waiting for it longer
@@ -18257,13 +18453,13 @@ class hybrid_world {
   /// keeps the error's type when another device's failure would otherwise overtake it.
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
-    channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    channel_->interrupt(std::string(message), -1, comm::detail::failure_kind::mismatch);
     // The report names the device whose call differed (every member of the mismatched collective
     // computed it), so that processes that were not members blame it too; else this device.
     const int culprit = channel_->mismatch_culprit.load();
     if (channel_->remote_device.load() < 0)
       channel_->notify(culprit >= 0 ? culprit : process_ * threads_ + t, std::string(message),
-                       detail::failure_kind::mismatch);
+                       comm::detail::failure_kind::mismatch);
     return first;
   }
   /// Global device whose call differed in a collective mismatch of this world (the same on every
@@ -18289,20 +18485,20 @@ class hybrid_world {
     if (!ch.enabled) return;
     const int devices = size();
     // On a parked thread: starting one per call cost a fifth of an empty call (watcher_threads.hpp).
-    ch.watcher = detail::watcher_threads::get().run([this, channel, devices] {
+    ch.watcher = comm::detail::watcher_threads::get().run([this, channel, devices] {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        detail::failure_kind kind{};
+        comm::detail::failure_kind kind{};
         if (channel->poll(device, what, kind)) {
           // The channel first, then the thread world: a device that the thread world releases
           // and that leaves run_hybrid reports its error to the channel, which must already hold
           // the root cause (a leader released by the channel records the same in the thread world).
-          if (kind != detail::failure_kind::aborted) {
+          if (kind != comm::detail::failure_kind::aborted) {
             // A timeout or mismatch another process saw: the same error and message here, not an
             // abort (the message already names global devices and the user's operation).
             channel->interrupt(what, device, kind);
-            if (kind == detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
+            if (kind == comm::detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
             local_.fail_as(kind, what);
             return;
           }
@@ -18319,11 +18515,11 @@ class hybrid_world {
   int threads_;
   int process_ = 0;
   thread_world local_;
-  std::shared_ptr<detail::hybrid_group> group_;
-  std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
+  std::shared_ptr<comm::detail::hybrid_group> group_;
+  std::shared_ptr<comm::detail::abort_channel> channel_ = std::make_shared<comm::detail::abort_channel>();
 };
 
-namespace detail {
+namespace comm::detail {
 /// How `run_hybrid` runs its threads by default: `threads - 1` started for the call (thread 0 is
 /// the caller's), joined before it returns. A launcher `launch(threads, body)` must call
 /// `body(t)` for every `t` in `[0, threads)` at once and return when all have returned; `body`
@@ -18337,14 +18533,19 @@ struct start_hybrid_threads {
     for (auto& th : pool) th.join();
   }
 };
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// Starts the device threads of a hybrid (MPI + threads) run.
+using comm::detail::start_hybrid_threads;
+}  // namespace experimental
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
 /// failure as `participant_error` (with the device; for a collective mismatch, the device whose
 /// call differed, the same on every process). Collective over `procs`. `launch` runs the
 /// threads (default: started for this call; see `detail::start_hybrid_threads`).
-template <class F, class Launch = detail::start_hybrid_threads>
+template <class F, class Launch = comm::detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
 void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {},
                 Launch launch = {}) {
@@ -18359,14 +18560,14 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
       world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
-      world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
+      world.abort(t, comm::detail::what_of(errors[static_cast<std::size_t>(t)]));
     }
   };
   launch(threads, body);
   // The rule every runner shares (detail::find_root_cause); a mismatch is blamed on the device
   // whose call differed, which every process computed from every member's call (or learnt from the
   // report), and a failure another process reported on its device.
-  detail::rethrow_root_cause({.errors = errors,
+  comm::detail::rethrow_root_cause({.errors = errors,
                               .first = procs.rank() * threads,
                               .size = world.size(),
                               .local_root = world.root_cause_thread(),
@@ -18431,9 +18632,9 @@ struct mpi_runner {
       } catch (const collective_mismatch&) {
         // Every rank of the collective throws it.
       } catch (...) {
-        comm.fail(detail::what_of(e));  // the rank's own failure: release its peers at once
+        comm.fail(experimental::what_of(e));  // the rank's own failure: release its peers at once
       }
-      detail::rethrow_root_cause({.errors = std::span(&e, 1),
+      experimental::rethrow_root_cause({.errors = std::span(&e, 1),
                                   .first = comm.rank(),
                                   .size = comm.size(),
                                   .remote_root = remote,
@@ -18461,7 +18662,7 @@ struct mpi_runner {
 /// @brief Deprecated name of `mpi_runner`; removed in the next release.
 using mpi_backend [[deprecated("use meshlib::mpi_runner")]] = mpi_runner;
 
-namespace detail {
+namespace exec::detail {
 /// The process-wide device threads of hybrid meshes (not pinned: see the file comment). Apart
 /// from the process-wide threads of `thread_runner`, so that a hybrid mesh's devices never wait
 /// for, or pin, the threads that global-view operations use.
@@ -18477,10 +18678,10 @@ struct pool_launch {
   template <class Body>
   void operator()(int threads, Body& body) const {
     auto task = [&body](std::size_t t) { body(static_cast<int>(t)); };
-    if (!pool->try_run(static_cast<std::size_t>(threads), task)) start_hybrid_threads{}(threads, body);
+    if (!pool->try_run(static_cast<std::size_t>(threads), task)) experimental::start_hybrid_threads{}(threads, body);
   }
 };
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`, run by
 /// device threads of its own (they start on the first call, threads - 1 of them; the calling
@@ -18498,7 +18699,7 @@ struct hybrid_runner {
   /// Options of each process's thread world.
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
-  std::shared_ptr<detail::device_workers> workers{};
+  std::shared_ptr<exec::detail::device_workers> workers{};
 
   /// `threads` devices per rank of `comm`, on device threads of its own; each call's thread world
   /// gets `options`.
@@ -18506,11 +18707,11 @@ struct hybrid_runner {
       : comm(std::move(comm)),
         threads(threads),
         options(std::move(options)),
-        workers(std::make_shared<detail::device_workers>(false)) {
+        workers(std::make_shared<exec::detail::device_workers>(false)) {
     this->comm.set_fail_on_unwind(false);  // a failure of a call fails that call's hybrid world, not comm
   }
   /// The same on the process-wide hybrid device threads.
-  hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
+  hybrid_runner(exec::detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
       : comm(std::move(comm)), threads(threads), options(std::move(options)) {
     this->comm.set_fail_on_unwind(false);
   }
@@ -18525,7 +18726,7 @@ struct hybrid_runner {
           const auto device = static_cast<std::size_t>(c.rank());
           body(device, std::move(c));
         },
-        options, detail::pool_launch{workers ? workers.get() : &detail::hybrid_device_workers()});
+        options, exec::detail::pool_launch{workers ? workers.get() : &exec::detail::hybrid_device_workers()});
   }
 
   /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
@@ -18551,7 +18752,7 @@ struct hybrid_runner {
 struct [[deprecated("use meshlib::hybrid_runner")]] hybrid_backend : hybrid_runner {
   /// `threads` devices per rank of `comm`.
   hybrid_backend(mpi_communicator comm, int threads = 1, thread_comm_options options = {})
-      : hybrid_runner(detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
+      : hybrid_runner(exec::detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
 };
 
 static_assert(runner<mpi_runner>);
@@ -18679,13 +18880,16 @@ inline mpi_runtime_state& mpi_state() {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
   }
-  meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
+  meshlib::experimental::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
                             " aborts the run: " + std::string(reason));
   if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
 }
 
 }  // namespace detail
+
+/// The process's MPI state as `meshlib::mpi::initialize` left it (the default runner reads it).
+using detail::mpi_state;
 
 /// @brief Starts the run over MPI. Initialises MPI (`MPI_Init_thread`, asking for
 /// `MPI_THREAD_MULTIPLE`, which hybrid meshes need) when the program has not; adopts `comm`
@@ -18770,7 +18974,7 @@ class guard {
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 
 /// The multi-process part of the default runner: the processes' communicator and how many of
 /// an `n`-device mesh's devices each runs; empty when the default is the thread runner.
@@ -18779,14 +18983,14 @@ inline std::optional<hybrid_runner> default_process_runner(std::size_t n) {
 #else
 inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n) {
 #endif
-  if (current_device_slot() != nullptr) return std::nullopt;  // nested in a device: local threads
+  if (experimental::current_device_slot() != nullptr) return std::nullopt;  // nested in a device: local threads
   const auto launch = distributed::launch();
   const std::size_t procs = launch.process_count;
   if (procs <= 1) return std::nullopt;
   const std::string run = "the run has " + std::to_string(procs) + " processes (" +
                           std::string(distributed::to_string(launch.source)) + ")";
 #if MESHLIB_ENABLE_MPI
-  if (!mpi::detail::mpi_state().ex)
+  if (!mpi::mpi_state().ex)
 #endif
     throw distributed_error("meshlib: spmd / shard_map on the default runner: " + run +
                             ", but no MPI communicator joins them to run a mesh over them: start the run with "
@@ -18808,12 +19012,12 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 /// running device (`choose_default_runner`). The GPU count is read once per process.
 inline bool default_runs_on_gpus() {
   static const int gpus = visible_gpu_count();
-  return choose_default_runner(true, gpus, current_device_slot() != nullptr, distributed::launch().process_count) ==
+  return choose_default_runner(true, gpus, experimental::current_device_slot() != nullptr, distributed::launch().process_count) ==
          default_runner_kind::gpus;
 }
 #endif
 
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
 /// process-wide device threads, or, in a run of several processes started with
@@ -18828,34 +19032,34 @@ struct default_runner {
   template <class Body>
   void run(std::size_t n, Body&& body) const {
 #if MESHLIB_HAS_GPU_RUNNER
-    if (detail::default_runs_on_gpus()) {
+    if (exec::detail::default_runs_on_gpus()) {
       gpu_runner().run(n, body);
       return;
     }
 #endif
 #if MESHLIB_ENABLE_MPI
-    if (const auto procs = detail::default_process_runner(n)) {
+    if (const auto procs = exec::detail::default_process_runner(n)) {
       procs->run(n, body);
       return;
     }
 #else
-    (void)detail::default_process_runner(n);
+    (void)exec::detail::default_process_runner(n);
 #endif
-    thread_runner(detail::process_wide_threads).run(n, body);
+    thread_runner(exec::detail::process_wide_threads).run(n, body);
   }
 
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
   /// `n / P` consecutive ones.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
 #if MESHLIB_HAS_GPU_RUNNER
-    if (detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
+    if (exec::detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
 #endif
 #if MESHLIB_ENABLE_MPI
-    if (const auto procs = detail::default_process_runner(n)) return procs->local_devices(n);
+    if (const auto procs = exec::detail::default_process_runner(n)) return procs->local_devices(n);
 #else
-    (void)detail::default_process_runner(n);
+    (void)exec::detail::default_process_runner(n);
 #endif
-    return thread_runner(detail::process_wide_threads).local_devices(n);
+    return thread_runner(exec::detail::process_wide_threads).local_devices(n);
   }
 };
 
@@ -18907,7 +19111,7 @@ static_assert(runner<default_runner>);
 /// as a profiling region, checks its input and output for NaN/Inf, and marks the device's arrival
 /// on the run's board so that a watchdog can warn about a device that keeps the others waiting.
 /// When all three are off nothing is wrapped: the cost is one predictable branch per collective
-/// (on the observer pointer, in `device_context_for::comm`).
+/// (on the observer pointer, in `experimental::device_context_for::comm`).
 ///
 /// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
 /// @code
@@ -19019,7 +19223,7 @@ class nonfinite_error : public debug_check_error {
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 /// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
 /// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
 struct column_width {
@@ -19029,7 +19233,7 @@ struct column_width {
     return os;
   }
 };
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
 struct trace_summary_row {
@@ -19065,12 +19269,12 @@ struct trace_summary {
     os.precision(3);
     os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
-    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
-       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
+    os << std::left << debug::detail::column_width{14} << "op" << debug::detail::column_width{14} << "axes" << std::right << debug::detail::column_width{7} << "device"
+       << debug::detail::column_width{8} << "count" << debug::detail::column_width{12} << "bytes" << debug::detail::column_width{12} << "time ms" << debug::detail::column_width{12}
        << "wait ms" << '\n';
     for (const auto& r : s.rows)
-      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
-         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
+      os << std::left << debug::detail::column_width{14} << r.op << debug::detail::column_width{14} << r.axes << std::right << debug::detail::column_width{7} << r.device
+         << debug::detail::column_width{8} << r.count << debug::detail::column_width{12} << r.bytes << debug::detail::column_width{12} << r.time_s * 1e3 << debug::detail::column_width{12}
          << r.wait_s * 1e3 << '\n';
     if (s.slowest_device)
       os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
@@ -19088,7 +19292,7 @@ struct trace_summary {
   }
 };
 
-namespace detail {
+namespace debug::detail {
 
 /// One recorded event (a collective or a region) on one track.
 struct trace_event {
@@ -19295,8 +19499,8 @@ class basic_trace_recorder {
   trace_summary summarize() const {
     trace_summary s;
     const auto inst = instances();
-    deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
-    deferred_t<std::map<std::size_t, double>, Tag> lateness;
+    experimental::deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
+    experimental::deferred_t<std::map<std::size_t, double>, Tag> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
     for (const auto& t : snapshot_) {
       if (t.id != host_track) ++s.devices;
@@ -19448,7 +19652,7 @@ class basic_trace_recorder {
 /// The recorder (see `basic_trace_recorder`).
 using trace_recorder = basic_trace_recorder<>;
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
 /// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
@@ -19457,14 +19661,14 @@ using trace_recorder = basic_trace_recorder<>;
 /// @throws error when `path` cannot be opened for writing (naming it), before anything is recorded.
 template <class Tag = void>
 void start_trace(std::string path) {
-  detail::basic_trace_recorder<Tag>::get().start(std::move(path));
+  debug::detail::basic_trace_recorder<Tag>::get().start(std::move(path));
 }
 
 /// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
 /// @throws error when the file cannot be written (naming it).
 template <class Tag = void>
 trace_summary stop_trace() {
-  return detail::basic_trace_recorder<Tag>::get().stop();
+  return debug::detail::basic_trace_recorder<Tag>::get().stop();
 }
 
 /// @brief True while a trace is being recorded.
@@ -19472,7 +19676,7 @@ trace_summary stop_trace() {
 /// does): a program can call it first to report that at start.
 template <class Tag = void>
 [[nodiscard]] bool tracing() {
-  return detail::basic_trace_recorder<Tag>::get().on();
+  return debug::detail::basic_trace_recorder<Tag>::get().on();
 }
 
 /// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the
@@ -19544,7 +19748,7 @@ struct debug_options {
   std::function<void(const std::string&)> on_warning;
 };
 
-namespace detail {
+namespace debug::detail {
 
 struct debug_state {
   std::mutex m;
@@ -19563,35 +19767,35 @@ struct debug_state {
   }
 };
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
 inline void enable_debug_mode(debug_options options = {}) {
-  auto& s = detail::debug_state::get();
+  auto& s = debug::detail::debug_state::get();
   std::lock_guard lk(s.m);
   s.options = std::move(options);
   s.on.store(true);
 }
 
 /// @brief Turns debug mode off.
-inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
+inline void disable_debug_mode() { debug::detail::debug_state::get().on.store(false); }
 
 /// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
-[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
+[[nodiscard]] inline bool debug_mode() noexcept { return debug::detail::debug_state::get().on.load(std::memory_order_relaxed); }
 
 /// @brief Debug mode for a scope; restores the previous state.
 class scoped_debug_mode {
  public:
   /// Turns debug mode on with `options` until the scope ends.
   explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
-    auto& s = detail::debug_state::get();
+    auto& s = debug::detail::debug_state::get();
     std::lock_guard lk(s.m);
     previous_ = s.options;
     s.options = std::move(options);
     s.on.store(true);
   }
   ~scoped_debug_mode() {
-    auto& s = detail::debug_state::get();
+    auto& s = debug::detail::debug_state::get();
     std::lock_guard lk(s.m);
     s.options = std::move(previous_);
     s.on.store(was_);
@@ -19604,7 +19808,7 @@ class scoped_debug_mode {
   debug_options previous_;
 };
 
-namespace detail {
+namespace debug::detail {
 
 /// The first non-finite element of `n` elements of `dt` at `p`, or -1.
 inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
@@ -19664,7 +19868,7 @@ class basic_run_observer final : public experimental::comm_observer {
     local_.assign(m.size(), false);
     for (auto d : local) local_[d] = true;
     if (tracing_)
-      for (auto d : local) rec.name_track(d, device_label(m, d));
+      for (auto d : local) rec.name_track(d, experimental::device_label(m, d));
     if (debug_ && options_.slow_warning_fraction > 0) {
       threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
       watchdog_ = std::thread([this] { watch(); });
@@ -19732,7 +19936,7 @@ class basic_run_observer final : public experimental::comm_observer {
       e.mask = site.mask;
       e.color = site.color;
       e.seq = call.seq;
-      e.group = join_ids(site.group);
+      e.group = experimental::join_ids(site.group);
       rec.record(*static_cast<typename recorder::track*>(site.data), std::move(e));
     }
     if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
@@ -19814,12 +20018,12 @@ class basic_run_observer final : public experimental::comm_observer {
         p.warned = true;
         std::ostringstream os;
         os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
-        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << experimental::join_ids(p.group)
            << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
-           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
-        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
+           << (missing.size() == 1 ? " " : "s ") << experimental::join_ids(missing);
+        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << experimental::join_ids(elsewhere)
                                    << " of other processes";
-        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
+        os << " (not yet arrived; devices " << experimental::join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
            << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
         warn(os.str());
       }
@@ -19841,11 +20045,16 @@ class basic_run_observer final : public experimental::comm_observer {
 /// The debug layer's observer of one run (see `basic_run_observer`).
 using run_observer = basic_run_observer<>;
 
-}  // namespace detail
+}  // namespace debug::detail
+
+namespace experimental {
+/// The observer debug installs on a run's devices (exec installs it).
+using debug::detail::run_observer;
+}  // namespace experimental
 }  // namespace meshlib
 // end meshlib/debug/observe.hpp
 
-namespace meshlib::detail {
+namespace meshlib::exec::detail {
 
 /// The cores each device of `runner` computes on: its `threads_per_device` where it has one, else 1.
 template <class Runner>
@@ -19863,7 +20072,7 @@ void require_thread_teams(std::size_t threads) {
   if (threads == 0)
     throw error("meshlib: threads_per_device is 0; a device computes on at least one thread (1, the default, is one "
                 "core per device)");
-  if constexpr (!has_thread_teams_v<Exec>)
+  if constexpr (!experimental::has_thread_teams_v<Exec>)
     throw error("meshlib: threads_per_device = " + std::to_string(threads) + " needs Kokkos 4 with the OpenMP "
                 "backend (a team of threads per device), but devices here compute on Kokkos::" +
                 std::string(Exec::name()) + " (Kokkos " + std::to_string(KOKKOS_VERSION) +
@@ -19872,7 +20081,7 @@ void require_thread_teams(std::size_t threads) {
 
 /// Whether `Runner` always installs each device's execution-space instance itself (`gpu_runner`: a
 /// Kokkos CUDA instance on the stream of the device's communicator, so that kernels and collectives
-/// are ordered on one stream; it also sets `runner_installed_exec()` for each call); otherwise
+/// are ordered on one stream; it also sets `experimental::runner_installed_exec()` for each call); otherwise
 /// `run_devices` installs `device_instance`'s, unless the runner set that flag for the call.
 template <class Runner>
 inline constexpr bool runner_installs_instances_v = requires { typename Runner::installs_exec_instances; };
@@ -19884,47 +20093,47 @@ inline constexpr bool runner_installs_instances_v = requires { typename Runner::
 /// error, with the same message for every runner.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
-  require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
+  experimental::require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
   const std::vector<std::size_t> local = backend.local_devices(m.size());
   const std::size_t team = threads_per_device_of(backend);
-  require_thread_teams<exec_space_for_t<default_memory_space>>(team);
-  run_observer observer(m, local);  // installed: the debug layer's observer
+  require_thread_teams<experimental::exec_space_for_t<default_memory_space>>(team);
+  experimental::run_observer observer(m, local);  // installed: the debug layer's observer
   // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
   constexpr bool own_instances = !runner_installs_instances_v<Backend>;
   if constexpr (own_instances)
-    (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
-  workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
+    (void)experimental::device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  experimental::workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
-      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
-      scoped_device installed(ctx);
-      std::optional<scoped_exec_space<default_memory_space>> on;
+      experimental::device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
+      experimental::scoped_device installed(ctx);
+      std::optional<experimental::scoped_exec_space<default_memory_space>> on;
       // A runner chosen at run time (default_runner picking gpu_runner) says so per call.
-      const bool runner_instance = std::exchange(runner_installed_exec(), false);
+      const bool runner_instance = std::exchange(experimental::runner_installed_exec(), false);
       if (own_instances && !runner_instance) {
         const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
-        on.emplace(device_instance<default_memory_space>(index, local.size(), team));
+        on.emplace(experimental::device_instance<default_memory_space>(index, local.size(), team));
       }
       body(device);
       // A stream backend's collectives may still be enqueued: the call ends when they are
       // complete (or with their error, bounded by the communicator's timeout).
-      if constexpr (stream_ordered_v<C>) ctx.synchronize();
+      if constexpr (experimental::stream_ordered_v<C>) ctx.synchronize();
     });
   } catch (const participant_error& e) {
     const auto device = static_cast<std::size_t>(e.rank());
     const std::exception_ptr cause = e.nested_ptr();
-    const std::string what = cause ? what_of(cause) : std::string(e.what());
+    const std::string what = cause ? experimental::what_of(cause) : std::string(e.what());
     throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
                                           " failed: " + what);
   }
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::exec::detail
 // end meshlib/exec/detail/run_devices.hpp
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 template <class Fn>
 decltype(auto) call_on_device(Fn& fn, std::size_t device) {
   if constexpr (std::is_invocable_v<Fn&, std::size_t>) return fn(device);
@@ -19932,7 +20141,7 @@ decltype(auto) call_on_device(Fn& fn, std::size_t device) {
 }
 template <class Fn>
 using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
 /// `default_runner`, the process-wide persistent device threads, or the processes' device threads
@@ -19946,14 +20155,14 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 template <mesh_type Mesh, class Fn, runner Backend = default_runner>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
-  using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
-  detail::require_kokkos("spmd");
-  detail::require_runnable(m, "spmd");  // before the per-device results are allocated
+  using result_t = std::remove_cvref_t<exec::detail::spmd_result_t<Fn>>;
+  experimental::require_kokkos("spmd");
+  experimental::require_runnable(m, "spmd");  // before the per-device results are allocated
   if constexpr (std::is_void_v<result_t>) {
-    detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
+    exec::detail::run_devices(m, backend, [&](std::size_t device) { exec::detail::call_on_device(fn, device); });
   } else {
     std::vector<result_t> out(m.size());
-    detail::run_devices(m, backend, [&](std::size_t device) { out[device] = detail::call_on_device(fn, device); });
+    exec::detail::run_devices(m, backend, [&](std::size_t device) { out[device] = exec::detail::call_on_device(fn, device); });
     return out;
   }
 }
@@ -20012,7 +20221,7 @@ auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 template <local_tensor_type L>
 void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
@@ -20020,7 +20229,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
   using Mesh = typename L::mesh_type;
   mask &= Mesh::all_axes;
   if (mask == 0) return;
-  device_context& ctx = current_device(what);
+  experimental::device_context& ctx = experimental::current_device(what);
   const std::size_t count = x.size();
   std::vector<T> mine(count);
   const auto shape = x.shape();
@@ -20035,7 +20244,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
       }
     }
   }
-  unobserved_scope quiet;
+  experimental::unobserved_scope quiet;
   auto& comm = ctx.comm(mask);
   const auto n = static_cast<std::size_t>(comm.size());
   std::vector<T> all(count * n);
@@ -20063,7 +20272,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
     }
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
 /// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
@@ -20071,7 +20280,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
 /// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
 template <local_tensor_type L>
 void check_replicated(const L& x) {
-  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
+  debug::detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
 }
 
 /// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
@@ -20084,10 +20293,10 @@ void check_replicated(const L& x) {
   static_assert((mask & (L::vary | L::partial)) == 0,
                 "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
                 "so its copies are not expected to agree; check only axes its type is invariant over");
-  detail::check_replicated_over(x, mask, "check_replicated");
+  debug::detail::check_replicated_over(x, mask, "check_replicated");
 }
 
-namespace detail {
+namespace debug::detail {
 
 /// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
 template <class Tuple>
@@ -20109,7 +20318,12 @@ void debug_check_outputs(const Tuple& outputs) {
       outputs);
 }
 
-}  // namespace detail
+}  // namespace debug::detail
+
+namespace experimental {
+/// In debug mode, checks that outputs declared replicated are identical on every device of their group (exec calls it after a run).
+using debug::detail::debug_check_outputs;
+}  // namespace experimental
 }  // namespace meshlib
 // end meshlib/debug/check_replicated.hpp
 
@@ -20125,7 +20339,7 @@ struct specs {
   static constexpr std::size_t size = sizeof...(Specs);
 };
 
-namespace detail {
+namespace exec::detail {
 
 template <class S>
 struct spec_list {
@@ -20151,7 +20365,7 @@ struct spec_at<I, specs<S...>> {
 
 template <class Output, class Value>
 consteval bool shard_map_output_is_not_a_local_tensor() {
-  static_assert(always_false<Output, Value>,
+  static_assert(diagnostic::always_false<Output, Value>,
                 "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
                 "out_spec)");
   return false;
@@ -20159,7 +20373,7 @@ consteval bool shard_map_output_is_not_a_local_tensor() {
 
 template <class Output, class Axes, class OutSpec, class Value>
 consteval bool shard_map_output_is_partial() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
+  static_assert(diagnostic::always_false<Output, Axes, OutSpec, Value>,
                 "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
                 "psum_scatter, over that axis before returning it");
   return false;
@@ -20167,7 +20381,7 @@ consteval bool shard_map_output_is_partial() {
 
 template <class Output, class Axes, class OutSpec, class Value>
 consteval bool shard_map_output_varies_over_unsharded_axis() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
+  static_assert(diagnostic::always_false<Output, Axes, OutSpec, Value>,
                 "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
                 "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
                 "axis, or shard the output over it in out_specs");
@@ -20176,7 +20390,7 @@ consteval bool shard_map_output_varies_over_unsharded_axis() {
 
 template <class Output, class Value>
 consteval bool shard_map_output_on_another_mesh() {
-  static_assert(always_false<Output, Value>,
+  static_assert(diagnostic::always_false<Output, Value>,
                 "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
   return false;
 }
@@ -20189,7 +20403,7 @@ consteval bool check_output() {
     return shard_map_output_is_not_a_local_tensor<out_t, L>();
   } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
     return shard_map_output_on_another_mesh<out_t, L>();
-  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+  } else if constexpr (!experimental::diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
     return false;
   } else if constexpr (OutSpec::size > L::rank) {
     return false;  // check_rank fired the diagnostic
@@ -20197,10 +20411,10 @@ consteval bool check_output() {
     using S = named_sharding<Mesh, OutSpec>;
     constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
     if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
+      return shard_map_output_is_partial<out_t, diagnostic::axes_t<Mesh, L::partial>, diagnostic::spec_t<OutSpec>, diagnostic::value_t<L>>();
     else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
-                                                         diag_value_t<L>>();
+      return shard_map_output_varies_over_unsharded_axis<out_t, diagnostic::axes_t<Mesh, unsharded_vary>, diagnostic::spec_t<OutSpec>,
+                                                         diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -20220,14 +20434,14 @@ struct as_tuple<std::tuple<R...>> {
 template <class Mesh, class OutSpec, class L>
 using global_of_t = sharded_tensor<typename L::value_type, L::rank, named_sharding<Mesh, OutSpec>, typename L::memory_space>;
 
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief The function `shard_map` returns: call it with the global inputs.
 template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend>
 class shard_map_fn {
-  using in_list = typename detail::spec_list<InSpecs>::type;
-  using out_list = typename detail::spec_list<OutSpecs>::type;
-  static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
+  using in_list = typename exec::detail::spec_list<InSpecs>::type;
+  using out_list = typename exec::detail::spec_list<OutSpecs>::type;
+  static constexpr bool single_output = exec::detail::spec_list<OutSpecs>::single;
 
  public:
   /// Wraps `fn` to run on every device of `mesh` through `backend`.
@@ -20252,7 +20466,7 @@ class shard_map_fn {
  private:
   template <std::size_t I, class X>
   auto prepare(const X& x) const {
-    using spec_t = typename detail::spec_at<I, in_list>::type;
+    using spec_t = typename exec::detail::spec_at<I, in_list>::type;
     using sharding_t = named_sharding<Mesh, spec_t>;
     if (!(x.mesh() == mesh_))
       throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " lives on mesh " + x.mesh().to_string() +
@@ -20267,9 +20481,9 @@ class shard_map_fn {
     for (std::size_t d = 0; d < X::rank; ++d)
       if (x.global_shape()[d] % even.num_shards(d) != 0)
         throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
-                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             experimental::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
                              " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
-                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             std::to_string(even.num_shards(d)) + " shards of " + experimental::describe_dim_axes(even, d) +
                              " in its in_spec " + spec_t::to_string() +
                              "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
                              "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
@@ -20278,10 +20492,10 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
-    detail::require_kokkos("shard_map");
+    experimental::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
-    using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
+    using results_t = typename exec::detail::as_tuple<std::remove_cvref_t<result_t>>::type;
     constexpr std::size_t n_out = std::tuple_size_v<results_t>;
     static_assert(n_out == out_list::size,
                   "meshlib: shard_map: the function returns a different number of outputs than out_specs has specs");
@@ -20291,9 +20505,9 @@ class shard_map_fn {
     } else {
       const std::size_t n = mesh_.size();
       std::vector<results_t> per_device(n);
-      detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
-        per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
-        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
+      exec::detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
+        per_device[dev] = exec::detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        experimental::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));
@@ -20303,12 +20517,12 @@ class shard_map_fn {
 
   template <std::size_t... I>
   static consteval bool check_in_specs(std::index_sequence<I...>) {
-    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
+    return (experimental::diagnose_sharding<Mesh, typename exec::detail::spec_at<I, in_list>::type>() && ...);
   }
 
   template <class Results, std::size_t... O>
   static consteval bool check_outputs(std::index_sequence<O...>) {
-    return (detail::check_output<O, Mesh, typename detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
+    return (exec::detail::check_output<O, Mesh, typename exec::detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
             ...);
   }
 
@@ -20320,8 +20534,8 @@ class shard_map_fn {
   template <std::size_t O, class Results>
   auto assemble_one(std::vector<Results>& per_device) const {
     using local_t = std::tuple_element_t<O, Results>;
-    using spec_t = typename detail::spec_at<O, out_list>::type;
-    using global_t = detail::global_of_t<Mesh, spec_t, local_t>;
+    using spec_t = typename exec::detail::spec_at<O, out_list>::type;
+    using global_t = exec::detail::global_of_t<Mesh, spec_t, local_t>;
     using sharding_t = typename global_t::sharding_type;
     const sharding_t sharding(mesh_, shard_rule::even);
     const std::size_t n = mesh_.size();
@@ -20406,7 +20620,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend>
     if (!x.is_local(dev))
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
                            " in this process, but the tensor holds no block of it here (it holds devices " +
-                           detail::describe_devices(x.local_devices()) +
+                           experimental::describe_devices(x.local_devices()) +
                            "); pass the runner that runs the tensor's devices");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
@@ -20415,9 +20629,9 @@ template <sharded_tensor_type X, sharding_type To, class Backend>
       std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
     return out;
   }
-  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
-  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+  const auto from = experimental::to_dyn_spec<typename X::sharding_type>(Rank);
+  exec::detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
+    experimental::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
                                 x.local(dev).data(), out.local(dev).data());
   });
   return out;
@@ -20699,7 +20913,7 @@ namespace meshlib {
 /// that the recorder's code is compiled where it is used: see `detail::basic_trace_recorder`).
 template <class Tag = void>
 class basic_trace_region {
-  using recorder = detail::basic_trace_recorder<Tag>;
+  using recorder = debug::detail::basic_trace_recorder<Tag>;
 
  public:
   /// Opens the region `name`; it closes when the object is destroyed.
@@ -20710,8 +20924,8 @@ class basic_trace_region {
     if (kokkos_) Kokkos::Profiling::pushRegion(name);
 #endif
     if (!rec.on()) return;
-    const detail::device_context* ctx = detail::current_device_slot();
-    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
+    const experimental::device_context* ctx = experimental::current_device_slot();
+    track_ = &rec.track_of(ctx ? ctx->device() : debug::detail::host_track);
     name_ = std::move(name);
     start_ = rec.now_ns();
   }
@@ -20721,7 +20935,7 @@ class basic_trace_region {
 #endif
     if (track_ == nullptr) return;
     auto& rec = recorder::get();
-    detail::trace_event e;
+    debug::detail::trace_event e;
     e.name = std::move(name_);
     e.start_ns = start_;
     e.end_ns = rec.now_ns();
@@ -20932,7 +21146,7 @@ class launch_counter {
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 template <class T>
 void print_value(std::ostream& os, const T& v) {
@@ -20986,17 +21200,17 @@ inline std::ostream*& debug_print_stream() noexcept {
   return s;
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
 /// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
 template <class... Args>
 void debug_print(std::string_view format, const Args&... values) {
   std::ostringstream line;
-  detail::device_context* ctx = detail::current_device_slot();
-  std::ostream& out = *detail::debug_print_stream();
+  experimental::device_context* ctx = experimental::current_device_slot();
+  std::ostream& out = *debug::detail::debug_print_stream();
   if (ctx == nullptr) {
-    detail::format_into(line, format, values...);
+    debug::detail::format_into(line, format, values...);
     line << '\n';
     out << line.str() << std::flush;
     return;
@@ -21006,10 +21220,10 @@ void debug_print(std::string_view format, const Args&... values) {
   line << "[device " << ctx->device() << " (";
   for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
   line << ")] ";
-  detail::format_into(line, format, values...);
+  debug::detail::format_into(line, format, values...);
   line << '\n';
   const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
-  detail::unobserved_scope quiet;
+  experimental::unobserved_scope quiet;
   auto& world = ctx->comm(all);
   for (std::size_t d = 0; d < n; ++d) {
     if (d == ctx->device()) out << line.str() << std::flush;
@@ -21044,7 +21258,7 @@ void debug_print(std::string_view format, const Args&... values) {
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 /// Rank 3 and up: one row per device, `device | coordinates | block`.
 template <sharding_type S, std::size_t Rank>
@@ -21074,7 +21288,7 @@ std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) 
   return out;
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
 /// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
@@ -21086,7 +21300,7 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
   static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
   const shard_layout<S, Rank> layout(sharding, global_shape);
   if constexpr (Rank > 2) {
-    return detail::block_table(sharding, layout);
+    return debug::detail::block_table(sharding, layout);
   } else {
   const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
   const std::size_t cols = sharding.num_shards(Rank - 1);
@@ -21151,7 +21365,7 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 /// JAX's short dtype names.
 template <class T>
@@ -21169,7 +21383,7 @@ constexpr const char* short_dtype_name() noexcept {
   else return "?";
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
 /// split it (`@(data,model)` for several; nothing for a replicated dimension).
@@ -21177,7 +21391,7 @@ template <sharded_tensor_type X>
 [[nodiscard]] std::string describe(const X& x) {
   using S = typename X::sharding_type;
   using Mesh = typename X::mesh_type;
-  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
+  std::string s = std::string(debug::detail::short_dtype_name<typename X::value_type>()) + "[";
   for (std::size_t d = 0; d < X::rank; ++d) {
     s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
     const std::size_t k = S::dim_axis_count(d);

@@ -212,7 +212,7 @@ struct CUkern_st {
 
 namespace fake {
 template <class T, class Acc, class UAcc>
-void reduce(const meshlib::detail::reduce_pointers& p, int n_in, int n_out, unsigned long long count, int op) {
+void reduce(const meshlib::comm::detail::reduce_pointers& p, int n_in, int n_out, unsigned long long count, int op) {
   for (unsigned long long i = 0; i < count; ++i) {
     Acc a = static_cast<Acc>(static_cast<const T*>(p.in[0])[i]);
     for (int k = 1; k < n_in; ++k) {
@@ -220,8 +220,8 @@ void reduce(const meshlib::detail::reduce_pointers& p, int n_in, int n_out, unsi
       switch (op) {
         case 0: case 4: a = static_cast<Acc>(static_cast<UAcc>(a) + static_cast<UAcc>(b)); break;
         case 1: a = static_cast<Acc>(static_cast<UAcc>(a) * static_cast<UAcc>(b)); break;
-        case 2: a = meshlib::detail::reduce_min(a, b); break;
-        default: a = meshlib::detail::reduce_max(a, b); break;
+        case 2: a = meshlib::comm::detail::reduce_min(a, b); break;
+        default: a = meshlib::comm::detail::reduce_max(a, b); break;
       }
     }
     if (op == 4) a = static_cast<Acc>(a / static_cast<Acc>(n_in));
@@ -272,16 +272,16 @@ cudaError_t cudaLibraryLoadData(cudaLibrary_t* lib, const void*, enum cudaJitOpt
 }
 cudaError_t cudaLibraryGetKernel(cudaKernel_t* k, cudaLibrary_t, const char* name) {
   for (auto& kernel : fake::kernels)
-    if (meshlib::detail::reduce_kernel_name(kernel.type) == name) {
+    if (meshlib::comm::detail::reduce_kernel_name(kernel.type) == name) {
       *k = &kernel;
       return cudaSuccess;
     }
   return cudaErrorInvalidDeviceFunction;
 }
-// The arguments of detail::launch_reduce: the pointer tables, n_in, n_out, count, op.
+// The arguments of comm::detail::launch_reduce: the pointer tables, n_in, n_out, count, op.
 cudaError_t cudaLaunchKernel(const void* func, dim3, dim3, void** args, size_t, cudaStream_t s) {
   const auto type = static_cast<const CUkern_st*>(func)->type;
-  const auto p = *static_cast<const meshlib::detail::reduce_pointers*>(args[0]);
+  const auto p = *static_cast<const meshlib::comm::detail::reduce_pointers*>(args[0]);
   const int n_in = *static_cast<const int*>(args[1]);
   const int n_out = *static_cast<const int*>(args[2]);
   const auto count = *static_cast<const unsigned long long*>(args[3]);
@@ -637,10 +637,10 @@ std::vector<conformance::outcome> run_nccl(const ml::nccl_comm_options& o,
       cudaStream_t stream = nullptr;
       (void)cudaStreamCreateWithFlags(&stream, 0);
       {
-        auto st = std::make_shared<ml::detail::nccl_comm_state>();
+        auto st = std::make_shared<ml::comm::detail::nccl_comm_state>();
         st->options = o;
         st->options.check_pointers = false;
-        st->batch = ml::detail::call_batch(o.verify_every, o.verify_each_first);
+        st->batch = ml::comm::detail::call_batch(o.verify_every, o.verify_each_first);
         st->rank = r;
         st->size = n;
         st->device = r;

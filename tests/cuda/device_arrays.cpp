@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <vector>
 
-static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+static_assert(!meshlib::tensor::detail::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
 
 int main(int argc, char* argv[]) {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #if !MESHLIB_GPU_COLLECTIVES_ON_HOST  // (defined: the same checks on the thread runner, host memory)
-static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+static_assert(!meshlib::tensor::detail::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
 static_assert(MESHLIB_HAS_GPU_RUNNER == 1, "gpu_runner must exist with NCCL and Kokkos CUDA");
 static_assert(meshlib::runner<meshlib::gpu_runner>);

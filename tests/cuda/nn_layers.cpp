@@ -14,7 +14,7 @@
 #include <span>
 #include <vector>
 
-static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+static_assert(!meshlib::tensor::detail::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
 
 namespace nn = meshlib::nn;
@@ -111,8 +111,8 @@ template void meshlib::nn::embedding<float, cuda_mesh>::check_ids(const std::int
 // Checkpoints and `nn::params` read and write blocks on the host through these two.
 void staged_block_io(float* block, std::size_t n) {
   std::vector<float> stage;
-  meshlib::detail::edit_on_host<meshlib::default_memory_space>(block, n, stage, [](float* host) { host[0] = 1.0f; });
-  (void)meshlib::detail::host_readable<meshlib::default_memory_space>(block, n, stage);
+  meshlib::tensor::detail::edit_on_host<meshlib::default_memory_space>(block, n, stage, [](float* host) { host[0] = 1.0f; });
+  (void)meshlib::tensor::detail::host_readable<meshlib::default_memory_space>(block, n, stage);
 }
 
 // The optimizers' updates, loss scaling and the rounding into 16-bit compute types: the element-wise

@@ -26,7 +26,7 @@ int main(int argc, char* argv[]) {
   std::printf("%d CUDA device(s)\n", count);
   try {
     const auto library = meshlib::nccl_version();
-    std::printf("%s%s\n", meshlib::detail::nccl_versions_text(library).c_str(),
+    std::printf("%s%s\n", meshlib::comm::detail::nccl_versions_text(library).c_str(),
                 library < meshlib::nccl_min_version ? " (older than meshlib's minimum: NCCL tests will fail)" : "");
   } catch (const std::exception& e) {
     std::printf("%s\n", e.what());

@@ -357,7 +357,7 @@ TEST_CASE("hybrid_runner, own or on the process-wide threads, runs every call on
   for (int which = 0; which < 2; ++which) {
     INFO((which == 0 ? "own threads" : "process-wide threads"));
     const hybrid_runner runner =
-        which == 0 ? hybrid_runner(world, T) : hybrid_runner(meshlib::detail::process_wide_threads, world, T);
+        which == 0 ? hybrid_runner(world, T) : hybrid_runner(meshlib::exec::detail::process_wide_threads, world, T);
     CHECK((runner.workers == nullptr) == (which == 1));
     const auto a = probe(runner), b = probe(runner), c = probe(runner);
     CHECK(a[first] == std::this_thread::get_id());  // local thread 0 is the caller

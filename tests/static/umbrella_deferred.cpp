@@ -9,19 +9,19 @@
 #include <meshlib.hpp>
 
 #ifdef MESHLIB_DEFERRED_PROBE
-inline void meshlib_deferred_probe() { (void)meshlib::detail::trace_recorder::get().stop(); }
+inline void meshlib_deferred_probe() { (void)meshlib::debug::detail::trace_recorder::get().stop(); }
 #endif
 
 // The trace recorder's writer and summary, and the debug observer of a run.
 template <>
-meshlib::trace_summary meshlib::detail::basic_trace_recorder<void>::stop();
+meshlib::trace_summary meshlib::debug::detail::basic_trace_recorder<void>::stop();
 template <>
-meshlib::detail::basic_trace_recorder<void>::~basic_trace_recorder();
+meshlib::debug::detail::basic_trace_recorder<void>::~basic_trace_recorder();
 template <>
-meshlib::detail::basic_run_observer<void>::~basic_run_observer();
+meshlib::debug::detail::basic_run_observer<void>::~basic_run_observer();
 // The collectives' buffer cache.
 template <>
-void meshlib::detail::basic_collective_workspace<void>::release_held();
+void meshlib::collectives::detail::basic_collective_workspace<void>::release_held();
 // Launcher detection and start-up.
 template <>
 meshlib::distributed::launch_info meshlib::distributed::detect_launch<void>(

@@ -46,7 +46,7 @@ struct axis_group {
 template <class G>
 concept axis_group_type = requires { typename G::is_axis_group; };
 
-namespace detail {
+namespace collectives::detail {
 
 template <fixed_string... Names>
 struct group_traits_of {
@@ -122,7 +122,7 @@ std::vector<std::size_t> written_order_of(const Mesh& mesh) {
   return written_order(sizes, group_positions_v<Mesh, G>);
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief This device's position in the group of the axes `A, B, More...`, row-major over them in
 /// the order written (JAX's `lax.axis_index(("i", "j"))`). One axis: see `axis_index<"i">()`.
@@ -132,8 +132,8 @@ template <fixed_string A, fixed_string B, fixed_string... More>
   constexpr std::array<std::string_view, 2 + sizeof...(More)> names{A.view(), B.view(), More.view()...};
   std::size_t w = 0;
   for (auto name : names) {
-    const std::size_t a = detail::current_axis("axis_index", name);
-    auto& dev = detail::current_device("axis_index");
+    const std::size_t a = collectives::detail::current_axis("axis_index", name);
+    auto& dev = collectives::detail::current_device("axis_index");
     w = w * dev.axis_size(a) + dev.coord(a);
   }
   return w;

@@ -13,7 +13,7 @@
 
 #include "meshlib/tensor/view.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// Number of elements of a box of shape `e`.
 template <std::size_t Rank>
@@ -128,4 +128,4 @@ void unpack_chunks(const T* src, const std::array<std::size_t, Rank>& chunk, std
                     offset_along<Rank>(d, chunk_of(order, r) * chunk[d]), chunk);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail

@@ -33,7 +33,7 @@ class [[nodiscard]] collective_request {
   collective_request() = default;
   /// Used by the `*_start` collectives: `op` completes on `stream`; `keep` holds the inputs the
   /// operation reads (released after completion, on the waiting thread).
-  collective_request(detail::comm_stream& stream, std::shared_ptr<detail::stream_op> op, Result result,
+  collective_request(collectives::detail::comm_stream& stream, std::shared_ptr<collectives::detail::stream_op> op, Result result,
                      std::any keep = {})
       : stream_(&stream), op_(std::move(op)), result_(std::move(result)), keep_(std::move(keep)) {}
   /// Takes over `o`'s operation (a moved-from request has none: its `wait()` is not called).
@@ -71,7 +71,7 @@ class [[nodiscard]] collective_request {
   }
 
   /// Whether the collective is complete (`wait()` will not block). Does not throw its error.
-  [[nodiscard]] bool test() const noexcept { return !op_ || detail::comm_stream::test(*op_); }
+  [[nodiscard]] bool test() const noexcept { return !op_ || collectives::detail::comm_stream::test(*op_); }
 
  private:
   void complete_quietly() noexcept {
@@ -83,8 +83,8 @@ class [[nodiscard]] collective_request {
     op_.reset();
   }
 
-  detail::comm_stream* stream_ = nullptr;
-  std::shared_ptr<detail::stream_op> op_;
+  collectives::detail::comm_stream* stream_ = nullptr;
+  std::shared_ptr<collectives::detail::stream_op> op_;
   Result result_{};
   std::any keep_;
 };

@@ -46,7 +46,7 @@
 #include <sched.h>
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// One queued operation's completion, shared by the worker and the request that waits for it.
 struct stream_op {
@@ -123,7 +123,7 @@ class comm_worker {
     sched_param param{};
     (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
 #endif
-    prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
+    experimental::prefer_blocking_waits() = true;  // nothing waits on this thread but the busy device thread
     std::unique_lock lock(m_);
     for (;;) {
       cv_.wait(lock, [&] { return quit_ || loop_ != nullptr; });
@@ -274,4 +274,4 @@ class comm_stream {
   std::unique_ptr<comm_worker> worker_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail

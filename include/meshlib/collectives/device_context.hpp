@@ -50,7 +50,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// Calls `f.template operator()<T>()` with the element type `T` that `dt` names.
 template <class F>
@@ -389,22 +389,42 @@ inline std::size_t current_axis(std::string_view what, std::string_view name) {
   return a;
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// The device context of a mesh type, as a runner builds it.
+using collectives::detail::device_context_for;
+
+/// Whether a communicator orders its operations on the device's stream (NCCL) rather than completing them on the host.
+using collectives::detail::stream_ordered_v;
+
+/// Makes a device context the calling thread's for a scope (runners use it).
+using collectives::detail::scoped_device;
+
+/// The calling thread's device context; throws outside a running device.
+using collectives::detail::current_device;
+
+/// The calling thread's device context, or null outside a running device.
+using collectives::detail::current_device_slot;
+
+/// What a running device knows: its mesh coordinates, communicators per axis group, workspace, observer.
+using collectives::detail::device_context;
+}  // namespace experimental
 
 /// @brief This device's index along mesh axis `Name` (JAX's `lax.axis_index`), inside `shard_map` / `spmd`.
 /// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
 template <fixed_string Name>
 [[nodiscard]] std::size_t axis_index() {
-  const std::size_t a = detail::current_axis("axis_index", Name.view());
-  return detail::current_device("axis_index").coord(a);
+  const std::size_t a = collectives::detail::current_axis("axis_index", Name.view());
+  return collectives::detail::current_device("axis_index").coord(a);
 }
 
 /// @brief The size of mesh axis `Name` (JAX's `lax.axis_size` / `psum(1, name)`), inside `shard_map` / `spmd`.
 /// @throws spmd_context_error outside them, or when the running mesh has no axis `Name`.
 template <fixed_string Name>
 [[nodiscard]] std::size_t axis_size() {
-  const std::size_t a = detail::current_axis("axis_size", Name.view());
-  return detail::current_device("axis_size").axis_size(a);
+  const std::size_t a = collectives::detail::current_axis("axis_size", Name.view());
+  return collectives::detail::current_device("axis_size").axis_size(a);
 }
 
 /// @brief Makes this device's communicator of its group along the axes `Names...` now, inside
@@ -425,11 +445,11 @@ void prepare_group() {
   static_assert(sizeof...(Names) > 0, "meshlib: prepare_group<>() names no axis; name the group's axes, e.g. "
                                       "prepare_group<\"data\">()");
   axis_mask mask = 0;
-  ((mask |= axis_mask{1} << detail::current_axis("prepare_group", Names.view())), ...);
-  (void)detail::current_device("prepare_group").comm(mask);
+  ((mask |= axis_mask{1} << collectives::detail::current_axis("prepare_group", Names.view())), ...);
+  (void)collectives::detail::current_device("prepare_group").comm(mask);
 }
 
 /// @brief The id of the device running this code (its row-major index in the mesh), inside `shard_map` / `spmd`.
-[[nodiscard]] inline std::size_t device_index() { return detail::current_device("device_index").device(); }
+[[nodiscard]] inline std::size_t device_index() { return collectives::detail::current_device("device_index").device(); }
 
 }  // namespace meshlib

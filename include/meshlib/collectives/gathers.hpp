@@ -32,6 +32,7 @@
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/collectives/type_rules.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib {
@@ -45,7 +46,7 @@ struct untiled_t {
 /// @brief Tag for the untiled all_gather (a new leading dimension, as `lax.all_gather(tiled=False)`).
 inline constexpr untiled_t untiled{};
 
-namespace detail {
+namespace collectives::detail {
 
 /// What a collective needs of the value, per axis of its group.
 enum class axis_rule {
@@ -61,11 +62,11 @@ consteval bool check_group_axis() {
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
     if constexpr (Rule == axis_rule::sums && ((L::vary | L::partial) & bit) == 0)
-      return psum_over_invariant_axis<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return psum_over_invariant_axis<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else if constexpr (Rule == axis_rule::moves && (L::partial & bit) != 0)
-      return collective_of_partial_value<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return collective_of_partial_value<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else if constexpr (Rule == axis_rule::moves && (L::vary & bit) == 0)
-      return collective_needs_varying_input<diag_op_t<Op>, diag_axis_t<Axis>, diag_value_t<L>>();
+      return collective_needs_varying_input<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -79,7 +80,7 @@ struct group_checks_of {
     if constexpr (!check_element_type<Op, typename L::value_type>()) return false;
     else if constexpr (!(check_group_axis<Op, L, Names, Rule>() && ...)) return false;
     else if constexpr (std::popcount(safe_mask_v<mesh_t, Names...>) != sizeof...(Names))
-      return collective_axis_repeated<diag_op_t<Op>, diag_axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
+      return collective_axis_repeated<diagnostic::op_t<Op>, diagnostic::axes_t<mesh_t, safe_mask_v<mesh_t, Names...>>>();
     else return true;
   }
   template <class Mesh>
@@ -112,8 +113,8 @@ consteval bool check_all_gather() {
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, dim);
     if constexpr (other != L::rank)
-      return gather_along_unsharded_dim<diag_op_t<"all_gather">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
-                                        diagnostic::dim<dim>, diagnostic::dim<other>, diag_value_t<L>>();
+      return gather_along_unsharded_dim<diagnostic::op_t<"all_gather">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<dim>, diagnostic::dim<other>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -133,8 +134,8 @@ consteval bool check_psum_scatter() {
     using mesh_t = typename L::mesh_type;
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     if constexpr (Tiled && (L::dims_type::at(dim) & mask) != 0)
-      return dimension_already_sharded_on_axis<diag_op_t<"psum_scatter">, diag_axes_t<mesh_t, mask & L::dims_type::at(dim)>,
-                                               diagnostic::dim<dim>, diag_value_t<L>>();
+      return dimension_already_sharded_on_axis<diagnostic::op_t<"psum_scatter">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(dim)>,
+                                               diagnostic::dim<dim>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -152,11 +153,11 @@ consteval bool check_all_to_all() {
     constexpr axis_mask mask = group_mask_v<mesh_t, G>;
     constexpr std::size_t other = other_dim_sharded_on<typename L::dims_type>(mask, concat);
     if constexpr (split != concat && (L::dims_type::at(split) & mask) != 0)
-      return dimension_already_sharded_on_axis<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(split)>,
-                                               diagnostic::dim<split>, diag_value_t<L>>();
+      return dimension_already_sharded_on_axis<diagnostic::op_t<"all_to_all">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(split)>,
+                                               diagnostic::dim<split>, diagnostic::value_t<L>>();
     else if constexpr (other != L::rank)
-      return concat_along_unsharded_dim<diag_op_t<"all_to_all">, diag_axes_t<mesh_t, mask & L::dims_type::at(other)>,
-                                        diagnostic::dim<concat>, diagnostic::dim<other>, diag_value_t<L>>();
+      return concat_along_unsharded_dim<diagnostic::op_t<"all_to_all">, diagnostic::axes_t<mesh_t, mask & L::dims_type::at(other)>,
+                                        diagnostic::dim<concat>, diagnostic::dim<other>, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -217,7 +218,7 @@ void gather_into(device_context& ctx, device_comm& comm, const T* src, const std
 /// The block a collective writes its result of `shape` into: `into`'s own when the caller gave
 /// one (`Into` a local tensor: its shape must be `shape`, contiguous), else one from the workspace.
 template <class T, std::size_t Rank, class Space, class Into>
-block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
+block_view<T, Rank, Space> result_block(device_context& ctx, std::string_view op, const std::array<std::size_t, Rank>& shape,
                                           const Into& into) {
   if constexpr (std::is_same_v<Into, std::nullptr_t>) {
     return workspace_view<T, Rank, Space>(ctx, shape);
@@ -228,7 +229,7 @@ block_view_t<T, Rank, Space> result_block(device_context& ctx, std::string_view 
                   "and memory space");
     if (into.shape() != shape || (into.size() != 0 && !into.view().span_is_contiguous()))
       throw sharding_error("meshlib: " + std::string(op) + "_into: the output block has shape " +
-                           describe_shape(into.shape()) + ", but the result has shape " + describe_shape(shape) +
+                           experimental::describe_shape(into.shape()) + ", but the result has shape " + experimental::describe_shape(shape) +
                            " (a contiguous block is needed); pass a block of the result's shape");
     return into.view();
   }
@@ -371,7 +372,7 @@ auto all_to_all_impl(const L& x) {
     // Staging only where a packed buffer is not the block itself (chunks_contiguous).
     const bool direct_send = order.empty() && chunks_contiguous(x.shape(), split);
     const bool direct_recv = order.empty() && chunks_contiguous(chunk, concat);
-    block_view_t<T, 1, space_t> send, recv;
+    block_view<T, 1, space_t> send, recv;
     if (!direct_send) {
       send = ctx.workspace().template scratch<T, space_t>(x.size());
       pack_chunks<space_t>(src, x.shape(), split, n, send.data(), order);
@@ -383,7 +384,7 @@ auto all_to_all_impl(const L& x) {
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief Tiled all-gather over axis `Axis` along dimension `Dim` (JAX `all_gather(x, axis, axis=Dim,
 /// tiled=True)`): the blocks of the axis group, concatenated along `Dim` in axis-index order. `x`
@@ -391,12 +392,12 @@ auto all_to_all_impl(const L& x) {
 /// is invariant over `Axis` and dimension `Dim` is no longer sharded on it.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x);
 }
 /// @brief The tiled all-gather over several axes, in the order written (JAX `axis_name=('i', 'j')`).
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x) {
-  return detail::all_gather_tiled<G, Dim>(x);
+  return collectives::detail::all_gather_tiled<G, Dim>(x);
 }
 
 /// @brief `all_gather<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
@@ -411,12 +412,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when `out` does not have the result's shape.
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out);
 }
 /// @brief `all_gather_into` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into(const L& x, const O& out) {
-  return detail::all_gather_tiled<G, Dim>(x, out);
+  return collectives::detail::all_gather_tiled<G, Dim>(x, out);
 }
 
 /// @brief `all_gather_into` started asynchronously (see `psum_start`): returns a
@@ -431,12 +432,12 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// @endcode
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
-  return detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
+  return collectives::detail::all_gather_tiled<axis_group<Axis>, Dim>(x, out, std::true_type{});
 }
 /// @brief `all_gather_into_start` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto all_gather_into_start(const L& x, const O& out) {
-  return detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
+  return collectives::detail::all_gather_tiled<G, Dim>(x, out, std::true_type{});
 }
 
 /// @brief Untiled all-gather (JAX `tiled=False`): the blocks stacked along a new dimension inserted
@@ -444,12 +445,12 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// trailing one). The type rule of the tiled form.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  return detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
+  return collectives::detail::all_gather_untiled<axis_group<Axis>, Dim>(x);
 }
 /// @brief The untiled all-gather over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto all_gather(const L& x, untiled_t) {
-  return detail::all_gather_untiled<G, Dim>(x);
+  return collectives::detail::all_gather_untiled<G, Dim>(x);
 }
 
 /// @brief Reduce-scatter over axis `Axis` along dimension `Dim` (JAX `psum_scatter(x, axis,
@@ -460,12 +461,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when the axis size does not divide dimension `Dim`.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x);
 }
 /// @brief The tiled reduce-scatter over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x) {
-  return detail::psum_scatter_impl<G, Dim, true>(x);
+  return collectives::detail::psum_scatter_impl<G, Dim, true>(x);
 }
 /// @brief `psum_scatter<Axis, Dim>(x)` written into the caller's block `out` (the result's shape,
 /// element type and memory space; contiguous): the result is a view of `out`'s buffer with the
@@ -474,12 +475,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// not have the result's shape.
 template <fixed_string Axis, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, true>(x, out);
 }
 /// @brief `psum_scatter_into` over several axes, in the order written.
 template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 [[nodiscard]] auto psum_scatter_into(const L& x, const O& out) {
-  return detail::psum_scatter_impl<G, Dim, true>(x, out);
+  return collectives::detail::psum_scatter_impl<G, Dim, true>(x, out);
 }
 
 /// @brief Untiled reduce-scatter (JAX `tiled=False`): dimension `Dim`, whose size must equal the
@@ -487,11 +488,11 @@ template <axis_group_type G, int Dim, local_tensor_type L, local_tensor_type O>
 /// @throws sharding_error when dimension `Dim` is not the group size.
 template <fixed_string Axis, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
-  return detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
+  return collectives::detail::psum_scatter_impl<axis_group<Axis>, Dim, false>(x);
 }
 template <axis_group_type G, int Dim, local_tensor_type L>
 [[nodiscard]] auto psum_scatter(const L& x, untiled_t) {
-  return detail::psum_scatter_impl<G, Dim, false>(x);
+  return collectives::detail::psum_scatter_impl<G, Dim, false>(x);
 }
 
 /// @brief All-to-all over axis `Axis` (JAX `all_to_all(x, axis, split_axis=Split,
@@ -501,12 +502,12 @@ template <axis_group_type G, int Dim, local_tensor_type L>
 /// @throws sharding_error when the axis size does not divide dimension `Split`.
 template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
+  return collectives::detail::all_to_all_impl<axis_group<Axis>, Split, Concat, true>(x);
 }
 /// @brief The tiled all-to-all over several axes, in the order written.
 template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x) {
-  return detail::all_to_all_impl<G, Split, Concat, true>(x);
+  return collectives::detail::all_to_all_impl<G, Split, Concat, true>(x);
 }
 /// @brief Untiled all-to-all (JAX `tiled=False`): dimension `Split`, whose size must equal the group
 /// size `n`, is removed, and a dimension of size `n` is inserted at position `Concat` of the result;
@@ -515,11 +516,11 @@ template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 /// @throws sharding_error when dimension `Split` is not the group size.
 template <fixed_string Axis, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x, untiled_t) {
-  return detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
+  return collectives::detail::all_to_all_impl<axis_group<Axis>, Split, Concat, false>(x);
 }
 template <axis_group_type G, int Split, int Concat, local_tensor_type L>
 [[nodiscard]] auto all_to_all(const L& x, untiled_t) {
-  return detail::all_to_all_impl<G, Split, Concat, false>(x);
+  return collectives::detail::all_to_all_impl<G, Split, Concat, false>(x);
 }
 
 }  // namespace meshlib

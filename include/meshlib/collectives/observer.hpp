@@ -34,7 +34,7 @@
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/core/mesh.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// Inside this scope the calling thread's collectives are not observed: the debug layer's own
 /// collectives (ordered printing, replica checks) stay out of the trace and the checks.
@@ -67,7 +67,18 @@ inline std::string join_ids(const std::vector<std::size_t>& ids) {
   return s;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
+
+namespace meshlib::experimental {
+/// Writes a list of ids joined by commas, as messages and traces print them.
+using collectives::detail::join_ids;
+
+/// A device as messages and traces name it.
+using collectives::detail::device_label;
+
+/// Turns the device's observer off for a scope (an observer's own collectives are not observed).
+using collectives::detail::unobserved_scope;
+}  // namespace meshlib::experimental
 
 /// Interfaces that cross layers and may still change: the debug layer implements `comm_observer`,
 /// and a user may too (see the file comment).
@@ -127,7 +138,7 @@ class comm_observer {
 
 }  // namespace meshlib::experimental
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// The site of device `device`'s communicator over the axes in `mask` of `m`.
 template <mesh_type Mesh>
@@ -235,4 +246,4 @@ class observed_comm final : public Iface {
   std::uint64_t seq_ = 0;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail

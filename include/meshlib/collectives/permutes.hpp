@@ -27,14 +27,14 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 template <class L, fixed_string Axis>
 consteval bool check_pvary_axis() {
   using mesh_t = typename L::mesh_type;
   if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"pvary", Axis, mesh_t>();
   else if constexpr (((L::vary | L::partial) & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return pvary_of_varying_value<diag_op_t<"pvary">, diag_axis_t<Axis>, diag_value_t<L>>();
+    return pvary_of_varying_value<diagnostic::op_t<"pvary">, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
   else return true;
 }
 
@@ -44,7 +44,7 @@ consteval bool check_broadcast() {
   if constexpr (!check_element_type<"broadcast", typename L::value_type>()) return false;
   else if constexpr (!mesh_t::template has_axis<Axis>) return check_axis_in_mesh<"broadcast", Axis, mesh_t>();
   else if constexpr ((L::partial & (axis_mask{1} << mesh_t::find_axis(Axis.view()))) != 0)
-    return broadcast_of_partial_value<diag_op_t<"broadcast">, diag_axis_t<Axis>, diag_value_t<L>>();
+    return broadcast_of_partial_value<diagnostic::op_t<"broadcast">, diagnostic::axis_t<Axis>, diagnostic::value_t<L>>();
   else return true;
 }
 
@@ -74,7 +74,7 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief Sends this device's block to another index of axis `Axis` (JAX `lax.ppermute(x, axis,
 /// perm)`): `perm` holds (source, destination) axis indices; a device that no pair sends to gets
@@ -83,13 +83,13 @@ auto ppermute_impl(const L& x, const std::vector<std::pair<std::size_t, std::siz
 /// @throws comm_argument_error for an index out of range or repeated (from the communicator).
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  return detail::ppermute_impl<axis_group<Axis>>(x, perm);
+  return collectives::detail::ppermute_impl<axis_group<Axis>>(x, perm);
 }
 /// @brief `ppermute` over several axes: `perm` holds group positions, row-major over the axes in
 /// the order written (JAX `ppermute(x, ('i', 'j'), perm)`).
 template <axis_group_type G, local_tensor_type L>
 [[nodiscard]] auto ppermute(const L& x, const std::vector<std::pair<std::size_t, std::size_t>>& perm) {
-  return detail::ppermute_impl<G>(x, perm);
+  return collectives::detail::ppermute_impl<G>(x, perm);
 }
 
 /// @brief Every device of the `Axis` group gets the block of the device at axis index `root`
@@ -97,22 +97,22 @@ template <axis_group_type G, local_tensor_type L>
 /// `Axis`; `x` must not be partial over it. A value already invariant over `Axis` passes through.
 template <fixed_string Axis, local_tensor_type L>
 [[nodiscard]] auto broadcast(const L& x, std::size_t root) {
-  constexpr bool ok = detail::check_broadcast<L, Axis>();
-  constexpr axis_mask bit = detail::safe_mask_v<typename L::mesh_type, Axis>;
-  using result_t = with_vary_t<with_dims_t<L, detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
+  constexpr bool ok = collectives::detail::check_broadcast<L, Axis>();
+  constexpr axis_mask bit = collectives::detail::safe_mask_v<typename L::mesh_type, Axis>;
+  using result_t = with_vary_t<with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, bit>>, L::vary & ~bit>;
   if constexpr (!ok) {
     return result_t{};
   } else {
     using T = typename L::value_type;
-    const T* src = detail::contiguous_data(x, "broadcast");
-    auto& ctx = detail::current_device("broadcast");
+    const T* src = collectives::detail::contiguous_data(x, "broadcast");
+    auto& ctx = collectives::detail::current_device("broadcast");
     auto& comm = ctx.comm(bit);
     if (root >= static_cast<std::size_t>(comm.size()))
       throw sharding_error("meshlib: broadcast<\"" + std::string(Axis.view()) + "\">: root index " + std::to_string(root) +
                            " is out of range for an axis of size " + std::to_string(comm.size()));
     using space_t = typename L::memory_space;
-    auto out = detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
-    detail::copy_elements<space_t>(src, x.size(), out.data());
+    auto out = collectives::detail::workspace_view<T, L::rank, space_t>(ctx, x.shape());
+    collectives::detail::copy_elements<space_t>(src, x.size(), out.data());
     comm.broadcast(out.data(), x.size(), datatype_of<T>, static_cast<int>(root));
     return result_t(out, x.mesh(), x.device());
   }
@@ -124,8 +124,8 @@ template <fixed_string Axis, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pvary(const L& x) {
   static_assert(sizeof...(Names) > 0, "meshlib: pvary needs at least one axis: pvary<\"data\">(x)");
-  constexpr bool ok = (detail::check_pvary_axis<L, Names>() && ...);
-  constexpr axis_mask mask = detail::safe_mask_v<typename L::mesh_type, Names...>;
+  constexpr bool ok = (collectives::detail::check_pvary_axis<L, Names>() && ...);
+  constexpr axis_mask mask = collectives::detail::safe_mask_v<typename L::mesh_type, Names...>;
   using result_t = with_vary_t<L, L::vary | mask>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());

@@ -27,12 +27,13 @@
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/config.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// A fresh, uninitialised block of `shape` for the result of a collective on `L`.
 template <class L, std::size_t R = L::rank>
@@ -43,7 +44,7 @@ auto result_view(const std::array<std::size_t, R>& shape) {
 /// A block of `shape` for the result of a collective, from the running device's workspace
 /// (collectives/workspace.hpp): reused when nobody holds it any more, so a repeated call allocates nothing.
 template <class T, std::size_t R, class Space>
-block_view_t<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
+block_view<T, R, Space> workspace_view(device_context& ctx, const std::array<std::size_t, R>& shape) {
   return ctx.workspace().template acquire<T, R, Space>(shape);
 }
 
@@ -76,13 +77,13 @@ consteval bool check_reduction_axis() {
     return check_axis_in_mesh<Op, Axis, mesh_t>();
   } else {
     constexpr axis_mask bit = axis_mask{1} << mesh_t::find_axis(Axis.view());
-    using op_t = diag_op_t<Op>;
-    using axis_t = diag_axis_t<Axis>;
-    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diag_value_t<L>>();
+    using op_t = diagnostic::op_t<Op>;
+    using axis_t = diagnostic::axis_t<Axis>;
+    if constexpr (!AllowPartial && L::partial != 0) return extremum_of_partial_value<op_t, axis_t, diagnostic::value_t<L>>();
     else if constexpr (AllowPartial && ((L::vary | L::partial) & bit) == 0)
-      return psum_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+      return psum_over_invariant_axis<op_t, axis_t, diagnostic::value_t<L>>();
     else if constexpr (!AllowPartial && (L::vary & bit) == 0)
-      return reduction_over_invariant_axis<op_t, axis_t, diag_value_t<L>>();
+      return reduction_over_invariant_axis<op_t, axis_t, diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -201,14 +202,19 @@ auto all_reduce_donated(L&& x, std::bool_constant<Async> async = {}) {
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// A view of a device's reusable scratch memory of the given extent.
+using collectives::detail::workspace_view;
+}  // namespace experimental
 
 /// @brief Sum over the devices of the axes `Names...` (JAX `lax.psum`). `x` must vary over, or be
 /// partial over, each axis; the result is invariant over them. Sums in rank order: bitwise
 /// reproducible.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum(const L& x) {
-  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
+  return collectives::detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x);
 }
 
 /// @brief `psum` of a donated value (JAX's `donate_argnums`): `psum<"x">(std::move(x))` sums in
@@ -227,7 +233,7 @@ template <fixed_string... Names, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum(L&& x) {
-  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x));
 }
 
 /// @brief `psum` started asynchronously: returns at once a `collective_request` whose `wait()`
@@ -242,7 +248,7 @@ template <fixed_string... Names, local_tensor_type L>
 /// @endcode
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto psum_start(const L& x) {
-  return detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
+  return collectives::detail::all_reduce_over<"psum", reduce_op::sum, true, Names...>(x, std::true_type{});
 }
 
 /// @brief `psum_start` of a donated value: summed in `x`'s buffer under `psum`'s donation rule, which
@@ -255,7 +261,7 @@ template <fixed_string... Names, local_tensor_type L>
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto psum_start(L&& x) {
-  return detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
+  return collectives::detail::all_reduce_donated<"psum", reduce_op::sum, true, Names...>(std::move(x), std::true_type{});
 }
 
 /// @brief Mean over the devices of the axes `Names...` (JAX `lax.pmean`); the type rule of `psum`.
@@ -263,34 +269,34 @@ template <fixed_string... Names, local_tensor_type L>
 /// `double` for 64-bit ones; for a truncated integer mean write `psum` and divide.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmean(const L& x) {
-  return detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmean", reduce_op::mean, true, Names...>(x);
 }
 
 /// @brief Elementwise maximum over the devices of the axes `Names...` (JAX `lax.pmax`). `x` must
 /// vary over each axis and be partial over none.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmax(const L& x) {
-  return detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmax", reduce_op::max, false, Names...>(x);
 }
 
 /// @brief Elementwise minimum over the devices of the axes `Names...` (JAX `lax.pmin`); the type rule of `pmax`.
 template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto pmin(const L& x) {
-  return detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
+  return collectives::detail::all_reduce_over<"pmin", reduce_op::min, false, Names...>(x);
 }
 
 /// @brief `pmax` of a donated value: in `x`'s buffer under `psum`'s donation rule.
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto pmax(L&& x) {
-  return detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"pmax", reduce_op::max, false, Names...>(std::move(x));
 }
 
 /// @brief `pmin` of a donated value: in `x`'s buffer under `psum`'s donation rule.
 template <fixed_string... Names, local_tensor_type L>
   requires(!std::is_reference_v<L>)
 [[nodiscard]] auto pmin(L&& x) {
-  return detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
+  return collectives::detail::all_reduce_donated<"pmin", reduce_op::min, false, Names...>(std::move(x));
 }
 
 }  // namespace meshlib

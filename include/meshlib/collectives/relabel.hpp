@@ -29,6 +29,7 @@
 #include "meshlib/collectives/type_rules.hpp"
 #include "meshlib/core/checked_size.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib {
@@ -39,8 +40,8 @@ template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto forget_dims(const L& x) {
   static_assert(sizeof...(Names) > 0, "meshlib: forget_dims needs at least one axis: forget_dims<\"data\">(x)");
   using mesh_t = typename L::mesh_type;
-  constexpr bool ok = (detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
-  using result_t = with_dims_t<L, detail::dims_without_t<typename L::dims_type, detail::safe_mask_v<mesh_t, Names...>>>;
+  constexpr bool ok = (collectives::detail::check_axis_in_mesh<"forget_dims", Names, mesh_t>() && ...);
+  using result_t = with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, collectives::detail::safe_mask_v<mesh_t, Names...>>>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());
 }
@@ -52,13 +53,13 @@ template <fixed_string... Names, local_tensor_type L>
 template <std::size_t R, local_tensor_type L>
 [[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
   using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
-  const std::size_t n = detail::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  const std::size_t n = experimental::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
   if (n != x.size())
-    throw sharding_error("meshlib: reshape of a local block of shape " + detail::describe_shape(x.shape()) + " (" +
-                         std::to_string(x.size()) + " elements) to shape " + detail::describe_shape(shape) + " (" +
+    throw sharding_error("meshlib: reshape of a local block of shape " + experimental::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + experimental::describe_shape(shape) + " (" +
                          std::to_string(n) + " elements); the element counts must agree");
-  const auto* src = detail::contiguous_data(x, "reshape");
-  auto out = detail::result_view<L, R>(shape);
+  const auto* src = collectives::detail::contiguous_data(x, "reshape");
+  auto out = collectives::detail::result_view<L, R>(shape);
   std::copy_n(src, n, out.data());
   return result_t(out, x.mesh(), x.device());
 }
@@ -71,8 +72,8 @@ template <fixed_string... Names, local_tensor_type L>
 [[nodiscard]] auto axis_index(const L& like) {
   static_assert(sizeof...(Names) > 0, "meshlib: axis_index needs at least one axis: axis_index<\"data\">(x)");
   using mesh_t = typename L::mesh_type;
-  constexpr bool ok = (detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
-  using result_t = local_tensor<std::int32_t, 0, mesh_t, detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
+  constexpr bool ok = (collectives::detail::check_axis_in_mesh<"axis_index", Names, mesh_t>() && ...);
+  using result_t = local_tensor<std::int32_t, 0, mesh_t, collectives::detail::safe_mask_v<mesh_t, Names...>, 0, replicated_dims<0>,
                                 typename L::memory_space>;
   if constexpr (!ok) {
     return result_t{};
@@ -80,7 +81,7 @@ template <fixed_string... Names, local_tensor_type L>
     std::size_t p = 0;
     if constexpr (sizeof...(Names) == 1) p = (axis_index<Names>(), ...);
     else p = axis_index<Names...>();
-    auto out = detail::allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
+    auto out = allocate<std::int32_t, 0, typename L::memory_space>({}, "meshlib::axis_index", false);
     *out.data() = static_cast<std::int32_t>(p);
     return result_t(out, like.mesh(), like.device());
   }

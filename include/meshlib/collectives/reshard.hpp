@@ -25,11 +25,12 @@
 #include "meshlib/collectives/reshard_plan.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/core/named_sharding.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/sharded_tensor.hpp"
 
 namespace meshlib {
 
-namespace detail {
+namespace collectives::detail {
 
 /// Runs `plan` on one device: `src` is its block under `from` (rule `from_rule`), the result its
 /// block under the plan's target (rule `to_rule`), written to `dst` (already of the target shape).
@@ -41,7 +42,7 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
                       T* dst) {
   device_context& ctx = current_device("reshard");
   using shape_t = std::array<std::size_t, Rank>;
-  using buffer_t = block_view_t<T, 1, Space>;
+  using buffer_t = block_view<T, 1, Space>;
   auto staging = [](std::size_t n, bool zero = false) {
     return allocate<T, 1, Space>(std::array<std::size_t, 1>{n}, "meshlib::reshard", zero);
   };
@@ -155,7 +156,12 @@ void run_reshard_plan(const reshard_plan& plan, const Mesh& m, std::size_t devic
   }
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// Runs a reshard plan on one device's block: the steps `reshard` and global-view resharding share.
+using collectives::detail::run_reshard_plan;
+}  // namespace experimental
 
 /// @brief The plan `reshard(x, to)` runs, without running it.
 template <sharded_tensor_type X, sharding_type To>
@@ -167,8 +173,8 @@ template <sharded_tensor_type X, sharding_type To>
   if (!(x.mesh() == to.mesh()))
     throw sharding_error("meshlib: reshard from mesh " + x.mesh().to_string() + " to mesh " + to.mesh().to_string() +
                          ": both shardings must use the same mesh");
-  return detail::make_reshard_plan(x.mesh(), detail::to_dyn_spec<from_t>(X::rank), x.sharding().rule(),
-                                   detail::to_dyn_spec<To>(X::rank), to.rule(), x.global_shape(),
+  return collectives::detail::make_reshard_plan(x.mesh(), collectives::detail::to_dyn_spec<from_t>(X::rank), x.sharding().rule(),
+                                   collectives::detail::to_dyn_spec<To>(X::rank), to.rule(), x.global_shape(),
                                    sizeof(typename X::value_type));
 }
 

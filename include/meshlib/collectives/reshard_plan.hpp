@@ -49,7 +49,7 @@ enum class reshard_kind {
   return "unknown";
 }
 
-namespace detail {
+namespace collectives::detail {
 
 /// Run-time partition spec: per dimension, the mesh positions of its axes, major to minor.
 using dyn_spec = std::vector<std::vector<std::size_t>>;
@@ -82,7 +82,7 @@ block<Rank> dyn_block_of(const Mesh& m, const dyn_spec& spec, const std::array<s
   for (std::size_t d = 0; d < Rank; ++d) {
     std::size_t idx = 0;
     for (auto a : spec[d]) idx = idx * m.axis_size(a) + c[a];
-    const auto [off, ext] = split_dim(shape[d], dyn_shards(m, spec[d]), idx, rule);
+    const auto [off, ext] = experimental::split_dim(shape[d], dyn_shards(m, spec[d]), idx, rule);
     b.offset[d] = off;
     b.extent[d] = ext;
   }
@@ -127,7 +127,12 @@ std::string describe_dyn_spec(const dyn_spec& s) {
   return os.str();
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
+
+namespace experimental {
+/// The run-time spec of a compile-time `partition_spec` (reshard plans and checkpoints take it).
+using collectives::detail::to_dyn_spec;
+}  // namespace experimental
 
 /// @brief One step of a reshard plan.
 struct reshard_step {
@@ -140,7 +145,7 @@ struct reshard_step {
   /// all_to_all: the dimension concatenated (it stops being sharded on `axis`).
   std::size_t concat_dim = 0;
   /// The spec after this step.
-  detail::dyn_spec after;
+  collectives::detail::dyn_spec after;
   /// Bytes each device sends to other devices in this step, indexed by device.
   std::vector<std::size_t> bytes_sent;
   /// A line such as `all_gather over 'model' along dim 1 -> P<"data", none>`.
@@ -220,7 +225,7 @@ class reshard_plan {
   std::vector<reshard_step> steps_;
 };
 
-namespace detail {
+namespace collectives::detail {
 
 /// Whether the step-by-step plan is exact: every dimension divides evenly by the shard counts of
 /// both specs (then every intermediate spec, whose counts divide one of them, divides evenly too).
@@ -346,7 +351,7 @@ reshard_plan make_reshard_plan(const Mesh& m, const dyn_spec& from, shard_rule f
   return reshard_plan(describe_dyn_spec<Mesh>(from), describe_dyn_spec<Mesh>(to), n, std::move(steps));
 }
 
-}  // namespace detail
+}  // namespace collectives::detail
 
 /// @brief The plan that moves an array of shape `shape` with elements of `elem_size` bytes from
 /// sharding `from` to spec `ToSpec` of the same mesh.
@@ -354,8 +359,8 @@ template <partition_spec_type ToSpec, sharding_type From, std::size_t Rank>
 reshard_plan make_reshard_plan(const From& from, const std::array<std::size_t, Rank>& shape, std::size_t elem_size) {
   using to_sharding = named_sharding<typename From::mesh_type, ToSpec>;
   static_assert(From::template check_rank<Rank>() && to_sharding::template check_rank<Rank>());
-  return detail::make_reshard_plan(from.mesh(), detail::to_dyn_spec<From>(Rank), from.rule(),
-                                   detail::to_dyn_spec<to_sharding>(Rank), from.rule(), shape, elem_size);
+  return collectives::detail::make_reshard_plan(from.mesh(), collectives::detail::to_dyn_spec<From>(Rank), from.rule(),
+                                   collectives::detail::to_dyn_spec<to_sharding>(Rank), from.rule(), shape, elem_size);
 }
 
 }  // namespace meshlib

@@ -39,16 +39,16 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
-// diag_value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
+// diagnostic::value_t (a local value's layout spelled out) lives in tensor/local_tensor.hpp.
 
 // Each diagnostic is a function whose one static_assert names, in its failing condition, the
 // operation, the axis and the value's layout (see core/diagnostics.hpp); it returns false.
 
 template <class Op, class Axis, class MeshAxes>
 consteval bool collective_axis_not_in_mesh() {
-  static_assert(always_false<Op, Axis, MeshAxes>,
+  static_assert(diagnostic::always_false<Op, Axis, MeshAxes>,
                 "meshlib: a collective names an axis that the mesh does not have (the operation, the axis and the "
                 "mesh's axes are spelled out in the condition); name one of the mesh's axes");
   return false;
@@ -56,7 +56,7 @@ consteval bool collective_axis_not_in_mesh() {
 
 template <class Op, class Axis, class Value>
 consteval bool psum_over_invariant_axis() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: psum / pmean / psum_scatter over an axis the value neither varies over nor is partial over: "
                 "it is already equal on every device of that axis, so the sum would only scale it by the axis size; "
                 "drop the axis, or write pvary<axis>(x) first if you mean the scaled sum");
@@ -65,7 +65,7 @@ consteval bool psum_over_invariant_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool reduction_over_invariant_axis() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pmax / pmin over an axis the value does not vary over: it is already equal on every device "
                 "of that axis; drop the axis, or write pvary<axis>(x) first");
   return false;
@@ -73,7 +73,7 @@ consteval bool reduction_over_invariant_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool extremum_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pmax / pmin of a value that is a pending sum (partial) over some axis: the max of the "
                 "summands is not the max of the sum; psum over the partial axes first");
   return false;
@@ -81,7 +81,7 @@ consteval bool extremum_of_partial_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool collective_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: a data-movement collective over an axis the value is a pending sum (partial) over: moving "
                 "summands does not move the sum; psum or psum_scatter over that axis first");
   return false;
@@ -89,7 +89,7 @@ consteval bool collective_of_partial_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool collective_needs_varying_input() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: all_gather / all_to_all / ppermute over an axis the value does not vary over: every device "
                 "of that axis already holds the same block; drop the collective, or write pvary<axis>(x) first if you "
                 "mean it");
@@ -98,7 +98,7 @@ consteval bool collective_needs_varying_input() {
 
 template <class Op, class Axis, class Dim, class ShardedDim, class Value>
 consteval bool gather_along_unsharded_dim() {
-  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, ShardedDim, Value>,
                 "meshlib: all_gather along a dimension that is not the one sharded on the axis (the second "
                 "diagnostic::dim is the sharded one); gather along the sharded dimension, all_to_all to move the "
                 "sharding first, or forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
@@ -107,7 +107,7 @@ consteval bool gather_along_unsharded_dim() {
 
 template <class Op, class Axis, class Dim, class ShardedDim, class Value>
 consteval bool concat_along_unsharded_dim() {
-  static_assert(always_false<Op, Axis, Dim, ShardedDim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, ShardedDim, Value>,
                 "meshlib: all_to_all concatenates along a dimension that is not the one sharded on the axis (the "
                 "second diagnostic::dim is the sharded one); concatenate along the sharded dimension, or "
                 "forget_dims<axis>(x) first to treat the block as unlabelled, as JAX does");
@@ -116,7 +116,7 @@ consteval bool concat_along_unsharded_dim() {
 
 template <class Op, class Axis, class Dim, class Value>
 consteval bool dimension_already_sharded_on_axis() {
-  static_assert(always_false<Op, Axis, Dim, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Dim, Value>,
                 "meshlib: psum_scatter / all_to_all would split a dimension over an axis that dimension is already "
                 "sharded on; split another dimension, or forget_dims<axis>(x) first to treat the block as "
                 "unlabelled (the JAX tutorial's psum_scatter of an already scattered block)");
@@ -125,7 +125,7 @@ consteval bool dimension_already_sharded_on_axis() {
 
 template <class Op, class Axis, class Value>
 consteval bool pvary_of_varying_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: pvary / pbroadcast over an axis the value already varies over or is partial over; drop the "
                 "axis");
   return false;
@@ -133,7 +133,7 @@ consteval bool pvary_of_varying_value() {
 
 template <class Op, class Axis, class Value>
 consteval bool broadcast_of_partial_value() {
-  static_assert(always_false<Op, Axis, Value>,
+  static_assert(diagnostic::always_false<Op, Axis, Value>,
                 "meshlib: broadcast over an axis the value is a pending sum (partial) over: one summand is not the "
                 "sum; psum first");
   return false;
@@ -141,7 +141,7 @@ consteval bool broadcast_of_partial_value() {
 
 template <class Op, class Dim, class Rank>
 consteval bool collective_dimension_out_of_range() {
-  static_assert(always_false<Op, Dim, Rank>,
+  static_assert(diagnostic::always_false<Op, Dim, Rank>,
                 "meshlib: a collective names a dimension past the value's rank (negative numbers count from the "
                 "end, as in JAX)");
   return false;
@@ -149,13 +149,13 @@ consteval bool collective_dimension_out_of_range() {
 
 template <class Op, class Axis>
 consteval bool collective_axis_repeated() {
-  static_assert(always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
+  static_assert(diagnostic::always_false<Op, Axis>, "meshlib: a collective names the same axis twice; name each axis once");
   return false;
 }
 
 template <class Op, class T>
 consteval bool collective_element_type() {
-  static_assert(always_false<Op, T>,
+  static_assert(diagnostic::always_false<Op, T>,
                 "meshlib: collectives move float, double, bfloat16 and 32- or 64-bit signed integers only");
   return false;
 }
@@ -164,14 +164,14 @@ consteval bool collective_element_type() {
 template <fixed_string Op, class T>
 consteval bool check_element_type() {
   if constexpr (comm_element<T>) return true;
-  else return collective_element_type<diag_op_t<Op>, T>();
+  else return collective_element_type<diagnostic::op_t<Op>, T>();
 }
 
 /// The axis-in-mesh check: true, or the diagnostic.
 template <fixed_string Op, fixed_string Axis, class Mesh>
 consteval bool check_axis_in_mesh() {
   if constexpr (Mesh::template has_axis<Axis>) return true;
-  else return collective_axis_not_in_mesh<diag_op_t<Op>, diag_axis_t<Axis>, diag_axes_t<Mesh, Mesh::all_axes>>();
+  else return collective_axis_not_in_mesh<diagnostic::op_t<Op>, diagnostic::axis_t<Axis>, diagnostic::axes_t<Mesh, Mesh::all_axes>>();
 }
 
 /// A dimension number as JAX counts it: negative numbers count from `Rank` (the rank, or the rank
@@ -187,7 +187,7 @@ consteval bool check_dim() {
   if constexpr (norm_dim_v<Dim, Rank> < Rank) return true;
   else {
     using dim_t = std::conditional_t<(Dim < 0), diagnostic::dim<static_cast<std::size_t>(-Dim)>, diagnostic::dim<static_cast<std::size_t>(Dim)>>;
-    return collective_dimension_out_of_range<diag_op_t<Op>, dim_t, diagnostic::size<Rank>>();
+    return collective_dimension_out_of_range<diagnostic::op_t<Op>, dim_t, diagnostic::size<Rank>>();
   }
 }
 
@@ -233,7 +233,7 @@ struct remove_dim_or_self {
 };
 template <class Dims, std::size_t D>
 struct remove_dim_or_self<Dims, D, true> {
-  using type = typename remove_dim_impl<Dims, D>::type;
+  using type = typename experimental::remove_dim_impl<Dims, D>::type;
 };
 /// `Dims` without dimension `D` (itself when it has no dimension: only in a refused call).
 template <class Dims, std::size_t D>
@@ -249,4 +249,4 @@ using dims_moved_to_t = typename dims_moved_impl<Dims, Bit, D>::type;
 template <class Dims, std::size_t D>
 using dims_insert_t = typename dims_insert_impl<Dims, D>::type;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail

@@ -35,9 +35,10 @@
 #include <typeinfo>
 #include <vector>
 
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::collectives::detail {
 
 /// The reusable buffers of one device (see the file comment), by view type and extents. Used as
 /// `collective_workspace`: a template only so that its map and vectors are compiled where
@@ -58,8 +59,8 @@ class basic_collective_workspace {
 
   /// A block of `shape` (uninitialised) that nobody but the workspace holds.
   template <class T, std::size_t Rank, class Space>
-  block_view_t<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
-    using view_t = block_view_t<T, Rank, Space>;
+  block_view<T, Rank, Space> acquire(const std::array<std::size_t, Rank>& shape) {
+    using view_t = block_view<T, Rank, Space>;
     auto& entry = slots_[key_of<view_t>(shape)];
     entry.last_use = ++uses_;
     auto& kept = entry.buffers;
@@ -94,14 +95,14 @@ class basic_collective_workspace {
 
   /// A one-dimensional staging buffer of `n` elements, for use within one collective call.
   template <class T, class Space>
-  block_view_t<T, 1, Space> scratch(std::size_t n) {
+  block_view<T, 1, Space> scratch(std::size_t n) {
     return acquire<T, 1, Space>(std::array<std::size_t, 1>{n});
   }
 
   /// Whether `v` is one of the workspace's buffers (then the workspace holds one of its references).
   template <class View>
   [[nodiscard]] bool holds(const View& v) const {
-    const auto it = slots_.find(key_of<View>(extents_of(v)));
+    const auto it = slots_.find(key_of<View>(experimental::extents_of(v)));
     if (it == slots_.end()) return false;
     for (const auto& s : it->second.buffers)
       if (static_cast<const slot<View>&>(*s).view.data() == v.data()) return true;
@@ -188,7 +189,7 @@ class basic_workspace_registry {
     std::lock_guard lock(m_);
     if (hooked_.load(std::memory_order_relaxed)) return;
     hooked_.store(true, std::memory_order_release);
-    push_finalize_hook([this] {
+    experimental::push_finalize_hook([this] {
       // Every device thread is idle (Kokkos is finalised outside shard_map / spmd), and the pool's
       // job hand-off orders their last use before this.
       std::lock_guard l(m_);
@@ -223,4 +224,9 @@ basic_collective_workspace<Tag>& thread_workspace() {
   return o.ws;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::collectives::detail
+
+namespace meshlib::experimental {
+/// The per-process store of device workspaces a runner keeps alive across calls.
+using collectives::detail::workspace_registry;
+}  // namespace meshlib::experimental

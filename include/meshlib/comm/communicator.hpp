@@ -53,11 +53,11 @@ struct permute_pair {
   friend constexpr bool operator==(const permute_pair&, const permute_pair&) = default;
 };
 
-namespace detail {
+namespace comm::detail {
 // The element type through which the concept checks the templated operations; a backend must
 // provide them for every comm_element, the concept can only spell out one.
 using concept_probe_t = float;
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief Types that opted in as communicators (nested `is_communicator` tag), with their handle types.
 template <class C>
@@ -76,8 +76,8 @@ concept communicator_group = requires(const C& c) {
 
 /// @brief The reducing collectives, out-of-place and in-place.
 template <class C>
-concept reducing_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                         std::span<detail::concept_probe_t> r, reduce_op op, int root) {
+concept reducing_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                         std::span<comm::detail::concept_probe_t> r, reduce_op op, int root) {
   { c.all_reduce(s, r, op) } -> std::same_as<typename C::request_type>;
   { c.all_reduce(r, op) } -> std::same_as<typename C::request_type>;
   { c.reduce(s, r, op, root) } -> std::same_as<typename C::request_type>;
@@ -88,8 +88,8 @@ concept reducing_communicator = requires(C& c, std::span<const detail::concept_p
 
 /// @brief The data-movement collectives, out-of-place and in-place.
 template <class C>
-concept moving_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                       std::span<detail::concept_probe_t> r, std::span<const std::int64_t> counts,
+concept moving_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                       std::span<comm::detail::concept_probe_t> r, std::span<const std::int64_t> counts,
                                        std::span<const permute_pair> pairs, int root) {
   { c.broadcast(s, r, root) } -> std::same_as<typename C::request_type>;
   { c.broadcast(r, root) } -> std::same_as<typename C::request_type>;
@@ -104,8 +104,8 @@ concept moving_communicator = requires(C& c, std::span<const detail::concept_pro
 
 /// @brief Point-to-point messages, matched by (source, tag) in send order.
 template <class C>
-concept point_to_point_communicator = requires(C& c, std::span<const detail::concept_probe_t> s,
-                                               std::span<detail::concept_probe_t> r, int peer, int tag) {
+concept point_to_point_communicator = requires(C& c, std::span<const comm::detail::concept_probe_t> s,
+                                               std::span<comm::detail::concept_probe_t> r, int peer, int tag) {
   { c.send(s, peer, tag) } -> std::same_as<typename C::request_type>;
   { c.recv(r, peer, tag) } -> std::same_as<typename C::request_type>;
 };

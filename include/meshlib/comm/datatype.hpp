@@ -79,7 +79,7 @@ inline std::ostream& operator<<(std::ostream& os, datatype t) { return os << to_
   return 0;
 }
 
-namespace detail {
+namespace comm::detail {
 template <class T>
 consteval int datatype_index() {
   using U = std::remove_cv_t<T>;
@@ -91,15 +91,15 @@ consteval int datatype_index() {
   else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 8) return static_cast<int>(datatype::int64);
   else return -1;
 }
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief An element type that every communicator can send and reduce.
 template <class T>
-concept comm_element = (detail::datatype_index<T>() >= 0);
+concept comm_element = (comm::detail::datatype_index<T>() >= 0);
 
 /// @brief The run-time tag of element type `T`.
 template <comm_element T>
-inline constexpr datatype datatype_of = static_cast<datatype>(detail::datatype_index<T>());
+inline constexpr datatype datatype_of = static_cast<datatype>(comm::detail::datatype_index<T>());
 
 /// @brief Every element type, for loops in tests and benchmarks.
 inline constexpr datatype all_datatypes[] = {datatype::float32, datatype::float64, datatype::int32, datatype::int64,

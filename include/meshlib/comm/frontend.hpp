@@ -16,10 +16,10 @@
 ///   int rank() const noexcept;  int size() const noexcept;
 ///   my_communicator split(int color, int key);    // (call check_split(color) first)
 ///  private:
-///   void ensure_usable(meshlib::detail::op_kind) const;   // throws on an empty or failed handle
+///   void ensure_usable(meshlib::comm::detail::op_kind) const;   // throws on an empty or failed handle
 ///   std::string label() const;                             // "rank 2", "MPI rank 1", ...
-///   template <meshlib::detail::op_kind K, class T>                    // the transport of operation K
-///   ready_request transport(const meshlib::detail::operation<T>&, host_context);
+///   template <meshlib::comm::detail::op_kind K, class T>                    // the transport of operation K
+///   ready_request transport(const meshlib::comm::detail::operation<T>&, host_context);
 /// };
 /// @endcode
 ///
@@ -67,14 +67,14 @@ class communicator_frontend {
   template <comm_element T>
   request_type all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                           context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_reduce;
+    constexpr auto k = comm::detail::op_kind::all_reduce;
     check_out_of_place(k, send, recv, send.size());
     return start<k>(reducing<T>(k, send.data(), recv.data(), send.size(), op, false), ctx);
   }
   /// @brief In-place all_reduce: buf[i] = op over every rank of buf[i].
   template <comm_element T>
   request_type all_reduce(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_reduce;
+    constexpr auto k = comm::detail::op_kind::all_reduce;
     usable(k);
     return start<k>(reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true), ctx);
   }
@@ -83,7 +83,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op, int root,
                       context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce;
+    constexpr auto k = comm::detail::op_kind::reduce;
     check_root(k, root);
     if (self().rank() == root) check_out_of_place(k, send, recv, send.size());
     auto o = reducing<T>(k, send.data(), self().rank() == root ? recv.data() : nullptr, send.size(), op, false);
@@ -93,7 +93,7 @@ class communicator_frontend {
   /// @brief In-place reduce: root's buf receives the result; the others' buf is only read.
   template <comm_element T>
   request_type reduce(std::span<T> buf, reduce_op op, int root, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce;
+    constexpr auto k = comm::detail::op_kind::reduce;
     check_root(k, root);
     auto o = reducing<T>(k, buf.data(), buf.data(), buf.size(), op, true);
     o.root = root;
@@ -105,7 +105,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                               context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce_scatter;
+    constexpr auto k = comm::detail::op_kind::reduce_scatter;
     const std::size_t count = recv.size();
     const std::size_t total = checked_mul(k, count);
     if (send.size() < total)
@@ -118,7 +118,7 @@ class communicator_frontend {
   /// receives the reduction of every rank's block `rank()`; the other blocks are left as they were.
   template <comm_element T>
   request_type reduce_scatter(std::span<T> buf, reduce_op op, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::reduce_scatter;
+    constexpr auto k = comm::detail::op_kind::reduce_scatter;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(reducing<T>(k, buf.data(), buf.data() + block(count), count, op, true), ctx);
   }
@@ -129,7 +129,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type broadcast(std::span<const std::type_identity_t<T>> send, std::span<T> recv, int root,
                          context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::broadcast;
+    constexpr auto k = comm::detail::op_kind::broadcast;
     check_root(k, root);
     const bool is_root = self().rank() == root;
     if (is_root) {
@@ -145,7 +145,7 @@ class communicator_frontend {
   /// @brief In-place broadcast: every rank's buf receives root's buf.
   template <comm_element T>
   request_type broadcast(std::span<T> buf, int root, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::broadcast;
+    constexpr auto k = comm::detail::op_kind::broadcast;
     check_root(k, root);
     auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
     o.root = root;
@@ -155,7 +155,7 @@ class communicator_frontend {
   /// @brief recv = [send of rank 0, send of rank 1, ...]: `size() * send.size()` elements.
   template <comm_element T>
   request_type all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_gather;
+    constexpr auto k = comm::detail::op_kind::all_gather;
     const std::size_t count = send.size();
     check_out_of_place(k, send, recv, checked_mul(k, count));
     return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
@@ -163,7 +163,7 @@ class communicator_frontend {
   /// @brief In-place all_gather: buf holds `size()` blocks, this rank's own already in block `rank()`.
   template <comm_element T>
   request_type all_gather(std::span<T> buf, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_gather;
+    constexpr auto k = comm::detail::op_kind::all_gather;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(moving<T>(k, buf.data() + block(count), buf.data(), count, true), ctx);
   }
@@ -171,7 +171,7 @@ class communicator_frontend {
   /// @brief send holds `size()` equal blocks; block j goes to rank j, where it lands in block `rank()`.
   template <comm_element T>
   request_type all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all;
+    constexpr auto k = comm::detail::op_kind::all_to_all;
     const std::size_t count = blocks_of(k, send.size());
     check_out_of_place(k, send, recv, send.size());
     return start<k>(moving<T>(k, send.data(), recv.data(), count, false), ctx);
@@ -179,7 +179,7 @@ class communicator_frontend {
   /// @brief In-place all_to_all.
   template <comm_element T>
   request_type all_to_all(std::span<T> buf, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all;
+    constexpr auto k = comm::detail::op_kind::all_to_all;
     const std::size_t count = blocks_of(k, buf.size());
     return start<k>(moving<T>(k, buf.data(), buf.data(), count, true), ctx);
   }
@@ -192,11 +192,11 @@ class communicator_frontend {
                             std::span<const std::int64_t> send_displs, std::span<T> recv,
                             std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
                             context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::all_to_all_v;
+    constexpr auto k = comm::detail::op_kind::all_to_all_v;
     usable(k);
     check_layout(k, "send", send.size(), send_counts, send_displs);
     check_layout(k, "recv", recv.size(), recv_counts, recv_displs);
-    if (detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
+    if (comm::detail::buffers_overlap(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()))
       bad_argument(k, "the send and receive buffers overlap; all_to_all_v has no in-place form");
     auto o = moving<T>(k, send.data(), recv.data(), 0, false);
     o.v[0] = send_counts.data();
@@ -212,7 +212,7 @@ class communicator_frontend {
   template <comm_element T>
   request_type ppermute(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     check_pairs(pairs);
     check_out_of_place(k, send, recv, send.size());
     auto o = moving<T>(k, send.data(), recv.data(), send.size(), false);
@@ -222,7 +222,7 @@ class communicator_frontend {
   /// @brief In-place ppermute.
   template <comm_element T>
   request_type ppermute(std::span<T> buf, std::span<const permute_pair> pairs, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     check_pairs(pairs);
     auto o = moving<T>(k, buf.data(), buf.data(), buf.size(), true);
     o.pairs = pairs;
@@ -238,7 +238,7 @@ class communicator_frontend {
     requires comm_element<std::remove_cv_t<T>>
   request_type send(std::span<T> buf, int dest, int tag = 0, context_type ctx = {}) {
     using U = std::remove_cv_t<T>;
-    constexpr auto k = detail::op_kind::send;
+    constexpr auto k = comm::detail::op_kind::send;
     check_peer(k, dest, "destination");
     check_tag(k, tag);
     auto o = moving<U>(k, buf.data(), nullptr, buf.size(), false);
@@ -251,7 +251,7 @@ class communicator_frontend {
   /// Its element type and count must be those of buf (else `collective_mismatch`).
   template <comm_element T>
   request_type recv(std::span<T> buf, int source, int tag = 0, context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::recv;
+    constexpr auto k = comm::detail::op_kind::recv;
     check_peer(k, source, "source");
     check_tag(k, tag);
     auto o = moving<T>(k, nullptr, buf.data(), buf.size(), false);
@@ -264,9 +264,9 @@ class communicator_frontend {
 
   /// @brief Returns once every rank of the group has called barrier.
   request_type barrier(context_type ctx = {}) {
-    constexpr auto k = detail::op_kind::barrier;
+    constexpr auto k = comm::detail::op_kind::barrier;
     usable(k);
-    detail::operation<float> o;
+    comm::detail::operation<float> o;
     o.kind = k;
     return start<k>(o, ctx);
   }
@@ -275,23 +275,23 @@ class communicator_frontend {
   communicator_frontend() = default;
 
   /// The default of the optional hook (see the file comment): nothing to release.
-  void on_argument_error(detail::op_kind, const std::string&) const {}
+  void on_argument_error(comm::detail::op_kind, const std::string&) const {}
 
   /// For `split`: refuses a negative color (after the usability check).
   void check_split(int color) const {
-    constexpr auto k = detail::op_kind::split;
+    constexpr auto k = comm::detail::op_kind::split;
     usable(k);
     if (color < 0) bad_argument(k, "color " + std::to_string(color) + " is negative; colors are >= 0");
   }
 
   /// "all_reduce on rank 2 of 4": how messages name the call and the caller.
-  std::string where(detail::op_kind k) const {
-    return std::string(detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
+  std::string where(comm::detail::op_kind k) const {
+    return std::string(comm::detail::op_name(k)) + " on " + self().label() + " of " + std::to_string(self().size());
   }
 
   /// Throws `comm_argument_error` ("meshlib: invalid argument to <where>: <what>") after the
   /// backend's `on_argument_error` hook. For the backends' own limits too (MPI's int counts).
-  [[noreturn]] void bad_argument(detail::op_kind k, const std::string& what) const {
+  [[noreturn]] void bad_argument(comm::detail::op_kind k, const std::string& what) const {
     self().on_argument_error(k, what);
     throw comm_argument_error("meshlib: invalid argument to " + where(k) + ": " + what);
   }
@@ -300,15 +300,15 @@ class communicator_frontend {
   Backend& self() noexcept { return static_cast<Backend&>(*this); }
   const Backend& self() const noexcept { return static_cast<const Backend&>(*this); }
 
-  template <detail::op_kind K, class T>
-  request_type start(detail::operation<T> o, context_type ctx) {
+  template <comm::detail::op_kind K, class T>
+  request_type start(comm::detail::operation<T> o, context_type ctx) {
     o.kind = K;
     return self().template transport<K, T>(o, ctx);
   }
 
   template <class T>
-  static detail::operation<T> moving(detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
-    detail::operation<T> o;
+  static comm::detail::operation<T> moving(comm::detail::op_kind k, const T* send, T* recv, std::size_t count, bool in_place) {
+    comm::detail::operation<T> o;
     o.kind = k;
     o.send = send;
     o.recv = recv;
@@ -317,7 +317,7 @@ class communicator_frontend {
     return o;
   }
   template <class T>
-  static detail::operation<T> reducing(detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
+  static comm::detail::operation<T> reducing(comm::detail::op_kind k, const T* send, T* recv, std::size_t count, reduce_op op,
                                        bool in_place) {
     auto o = moving<T>(k, send, recv, count, in_place);
     o.op = op;
@@ -326,34 +326,34 @@ class communicator_frontend {
 
   std::size_t block(std::size_t count) const noexcept { return static_cast<std::size_t>(self().rank()) * count; }
 
-  void usable(detail::op_kind k) const { self().ensure_usable(k); }
+  void usable(comm::detail::op_kind k) const { self().ensure_usable(k); }
 
-  void check_root(detail::op_kind k, int root) const {
+  void check_root(comm::detail::op_kind k, int root) const {
     usable(k);
     if (root < 0 || root >= self().size())
       bad_argument(k, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(self().size()) + ")");
   }
 
-  void check_peer(detail::op_kind k, int peer, const char* what) const {
+  void check_peer(comm::detail::op_kind k, int peer, const char* what) const {
     usable(k);
     if (peer < 0 || peer >= self().size())
       bad_argument(k, std::string(what) + " rank " + std::to_string(peer) + " is out of range [0, " +
                           std::to_string(self().size()) + ")");
   }
 
-  void check_tag(detail::op_kind k, int tag) const {
+  void check_tag(comm::detail::op_kind k, int tag) const {
     if (tag < 0) bad_argument(k, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
   }
 
   /// Out-of-place forms: recv must hold `needed` elements and must not overlap send.
   template <class T>
-  void check_out_of_place(detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
+  void check_out_of_place(comm::detail::op_kind k, std::span<const T> send, std::span<T> recv, std::size_t needed) const {
     usable(k);
-    if (auto problem = detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
+    if (auto problem = comm::detail::out_of_place_problem(send, recv, needed); !problem.empty()) bad_argument(k, problem);
   }
 
   /// count * size(), refused when it overflows.
-  std::size_t checked_mul(detail::op_kind k, std::size_t count) const {
+  std::size_t checked_mul(comm::detail::op_kind k, std::size_t count) const {
     usable(k);
     const auto n = static_cast<std::size_t>(self().size());
     if (count > std::numeric_limits<std::size_t>::max() / n)
@@ -362,7 +362,7 @@ class communicator_frontend {
   }
 
   /// The block length of a buffer of `size()` equal blocks.
-  std::size_t blocks_of(detail::op_kind k, std::size_t total) const {
+  std::size_t blocks_of(comm::detail::op_kind k, std::size_t total) const {
     usable(k);
     const auto n = static_cast<std::size_t>(self().size());
     if (total % n != 0)
@@ -373,7 +373,7 @@ class communicator_frontend {
 
   /// One side of an all_to_all_v: n counts and displacements, each block inside the buffer. The
   /// end of a block is compared without adding count and displacement first (int64 overflow).
-  void check_layout(detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
+  void check_layout(comm::detail::op_kind k, const char* which, std::size_t buffer, std::span<const std::int64_t> counts,
                     std::span<const std::int64_t> displs) const {
     const auto n = static_cast<std::size_t>(self().size());
     const std::string w(which);
@@ -394,7 +394,7 @@ class communicator_frontend {
   }
 
   void check_pairs(std::span<const permute_pair> pairs) const {
-    constexpr auto k = detail::op_kind::ppermute;
+    constexpr auto k = comm::detail::op_kind::ppermute;
     usable(k);
     const int n = self().size();
     std::vector<char> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));

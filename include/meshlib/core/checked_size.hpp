@@ -5,7 +5,7 @@
 /// mesh, a byte count. Each throws a `meshlib::error` subtype naming what overflowed, instead of
 /// wrapping to a small number that passes a later size check and writes past a buffer.
 /// @code
-/// meshlib::detail::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
+/// meshlib::experimental::checked_mul(a, b, "the byte count");  // throws sharding_error on overflow
 /// @endcode
 
 #include <array>
@@ -17,7 +17,7 @@
 
 #include "meshlib/core/errors.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// A size that came from a negative signed value (e.g. `mesh{-1}`, `size_t(-8)`) reads as a number
 /// near 2^64; anything above 2^62 is refused as certainly not a real size.
@@ -66,4 +66,15 @@ std::size_t checked_bytes(std::size_t count, std::string_view what) {
   return checked_mul(count, sizeof(T), what);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// The byte size of `n` elements of `T`, throwing `sharding_error` on overflow.
+using core::detail::checked_bytes;
+
+/// The product of a shape's extents, throwing `sharding_error` on overflow.
+using core::detail::checked_product;
+
+/// `a * b`, throwing `sharding_error` (naming `what`) when the product overflows `std::size_t`.
+using core::detail::checked_mul;
+}  // namespace meshlib::experimental

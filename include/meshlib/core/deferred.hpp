@@ -19,7 +19,7 @@
 /// }
 /// @endcode
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// Holds `T` as `type`; a class template, so that `deferred<T, Tag>::type` depends on `Tag`.
 template <class T, class Tag>
@@ -31,4 +31,12 @@ struct deferred {
 template <class T, class Tag>
 using deferred_t = typename deferred<T, Tag>::type;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// `X`, but dependent on `T`: see `deferred`.
+using core::detail::deferred_t;
+
+/// A type made dependent on `T` (`deferred_t<X, T>` is `X`): delays lookup to instantiation, so a header may name a type completed by a later include.
+using core::detail::deferred;
+}  // namespace meshlib::experimental

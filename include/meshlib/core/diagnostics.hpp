@@ -19,7 +19,7 @@
 /// @code
 /// template <class Op, class Axis>
 /// consteval bool psum_over_invariant_axis() {
-///   static_assert(meshlib::detail::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
+///   static_assert(meshlib::diagnostic::always_false<Op, Axis>, "meshlib: psum over an axis ...; pvary first");
 ///   return false;
 /// }
 /// // in the check: psum_over_invariant_axis<diag_op_t<"psum">, diag_axis_t<"model">>()
@@ -86,7 +86,7 @@ struct size {};
 
 }  // namespace meshlib::diagnostic
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// False for every argument list, but only once the arguments are known: the condition of every
 /// diagnostic, so that the compiler prints the arguments next to the message.
@@ -162,17 +162,20 @@ using diag_axes_t = typename diag_axes_impl<Mesh, Mask>::type;
 template <std::size_t N>
 using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagnostic::dynamic, diagnostic::size<N>>;
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
 
 /// What a layer written outside core (nn's, or a user's) spells its own compile-time errors with.
 namespace meshlib::diagnostic {
 /// False for every argument list, once the arguments are known: a diagnostic's condition.
-using detail::always_false;
+using core::detail::always_false;
 /// `op` for the name `"conv2d"`: how a layer names itself in errors (its
 /// `diagnostic_name`).
 template <fixed_string Name>
-using op_t = detail::diag_op_t<Name>;
+using op_t = core::detail::diag_op_t<Name>;
 /// The axes of `Mesh` in `Mask`, spelled out: `axes<axis<..."data"...>>`.
 template <class Mesh, unsigned Mask>
-using axes_t = detail::diag_axes_t<Mesh, Mask>;
+using axes_t = core::detail::diag_axes_t<Mesh, Mask>;
+/// `axis` for the name `"model"`: how a layer names an axis in its errors.
+template <fixed_string Name>
+using axis_t = core::detail::diag_axis_t<Name>;
 }  // namespace meshlib::diagnostic

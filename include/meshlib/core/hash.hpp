@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string_view>
 
-namespace meshlib::detail {
+namespace meshlib::core::detail {
 
 /// @brief A running FNV-1a hash: feed it bytes or whole words, read `value`.
 struct fnv1a {
@@ -34,11 +34,16 @@ struct fnv1a {
 /// FNV-1a of a byte string (the standard 64-bit FNV-1a of those bytes).
 constexpr std::uint64_t fnv1a_of(std::string_view bytes) noexcept { return fnv1a{}.add_bytes(bytes).value; }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::core::detail
+
+namespace meshlib::experimental {
+/// FNV-1a, the one hash of the library: call fingerprints, plan keys.
+using core::detail::fnv1a;
+}  // namespace meshlib::experimental
 
 namespace meshlib {
 /// @brief FNV-1a, for the layers above core (parameter streams, checkpoint checksums) and a user's
 /// own checksums: the same entities as `detail::fnv1a` and `detail::fnv1a_of`.
-using detail::fnv1a;
-using detail::fnv1a_of;
+using core::detail::fnv1a;
+using core::detail::fnv1a_of;
 }  // namespace meshlib

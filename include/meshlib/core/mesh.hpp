@@ -25,7 +25,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace core::detail {
 
 template <class... Axes>
 consteval bool axis_names_unique() {
@@ -44,7 +44,7 @@ consteval bool mesh_has_no_axis() {
   return false;
 }
 
-}  // namespace detail
+}  // namespace core::detail
 
 /// @brief A set of mesh axes, given by their positions in the mesh (bit i: axis i).
 /// Used for the device groups of collectives over several axes at once.
@@ -59,7 +59,7 @@ using axis_mask = unsigned;
 template <mesh_axis... Axes>
 class mesh {
   static_assert(sizeof...(Axes) > 0, "meshlib: a mesh needs at least one axis");
-  static_assert(detail::axis_names_unique<Axes...>(),
+  static_assert(core::detail::axis_names_unique<Axes...>(),
                 "meshlib: two axes of this mesh have the same name; each axis name must be unique");
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
@@ -91,7 +91,7 @@ class mesh {
   template <fixed_string Name>
   static constexpr std::size_t axis_position = [] {
     if constexpr (!has_axis<Name>)
-      detail::mesh_has_no_axis<detail::diag_axis_t<Name>, detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
+      core::detail::mesh_has_no_axis<core::detail::diag_axis_t<Name>, core::detail::diag_axes_t<mesh, (ndim == 8 * sizeof(axis_mask) ? ~axis_mask{0} : (axis_mask{1} << ndim) - 1)>>();
     return find_axis(Name.view());
   }();
 
@@ -240,7 +240,7 @@ class mesh {
       if (sizes_[i] == 0)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size 0; every mesh axis needs at least one device");
       // A negative size converted to std::size_t (mesh{-1}) reads as a number near 2^64.
-      if (sizes_[i] > detail::max_sane_size)
+      if (sizes_[i] > core::detail::max_sane_size)
         throw mesh_error("meshlib: axis '" + std::string(axis_names[i]) + "' has size " + std::to_string(sizes_[i]) +
                          " (" + std::to_string(static_cast<long long>(sizes_[i])) +
                          " as a signed number); a mesh axis size must be positive");
@@ -258,7 +258,7 @@ class mesh {
 template <class T>
 concept mesh_type = requires { typename T::is_mesh; };
 
-namespace detail {
+namespace core::detail {
 
 /// Throws `mesh_error` unless the devices of `m` can run: every communicator numbers its ranks
 /// with an `int` (MPI's, NCCL's, the thread communicator's), so `what` (`spmd`, `shard_map`,
@@ -282,7 +282,12 @@ void require_runnable(const Mesh& m, std::string_view what) {
                    "of at most " + std::to_string(limit) + " devices");
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// Throws a `mesh_error` when a mesh cannot be run (no devices, a zero-size axis), naming the caller.
+using core::detail::require_runnable;
+}  // namespace experimental
 
 /// @brief Builds a mesh and checks it against the number of devices, as `jax.make_mesh`.
 /// @throws mesh_error when the product of `sizes` is not `device_count`.

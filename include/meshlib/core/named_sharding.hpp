@@ -28,7 +28,7 @@ enum class shard_rule {
   uneven,
 };
 
-namespace detail {
+namespace core::detail {
 
 /// Position in `Mesh` of the first axis `Spec` names that the mesh lacks, as (dim, axis-in-dim),
 /// or {Spec::size, 0} when every axis exists.
@@ -117,7 +117,18 @@ consteval bool diagnose_sharding() {
   }
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// The one compile-time check of a (mesh, spec, rank) triple, fired as a single diagnostic; entry points above core call it first.
+using core::detail::diagnose_sharding;
+}  // namespace experimental
+
+namespace diagnostic {
+/// A partition spec spelled out for an error message: `spec<axes<axis<..."data"...>>, axes<>>`.
+template <class Spec>
+using spec_t = core::detail::diag_spec_t<Spec>;
+}  // namespace diagnostic
 
 /// @brief A partition spec `Spec` bound to a mesh of type `Mesh`.
 /// @code
@@ -126,7 +137,7 @@ consteval bool diagnose_sharding() {
 /// @endcode
 template <mesh_type Mesh, partition_spec_type Spec>
 class named_sharding {
-  static_assert(detail::diagnosed(detail::diagnose_sharding<Mesh, Spec>()));
+  static_assert(core::detail::diagnosed(core::detail::diagnose_sharding<Mesh, Spec>()));
 
  public:
   /// Tag that opts the sharding into the `sharding_type` concept.
@@ -167,7 +178,7 @@ class named_sharding {
     // True either way: a spec that is too long fires its one diagnostic here, and the
     // static_assert(check_rank<R>()) of every caller stays quiet.
     if constexpr (Spec::size <= Rank) return true;
-    else return detail::diagnosed(detail::spec_longer_than_rank<diagnostic::size<Rank>, detail::diag_spec_t<Spec>>());
+    else return core::detail::diagnosed(core::detail::spec_longer_than_rank<diagnostic::size<Rank>, core::detail::diag_spec_t<Spec>>());
   }
 
   named_sharding() requires(Mesh::num_dynamic == 0) = default;

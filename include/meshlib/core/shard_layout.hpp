@@ -90,7 +90,7 @@ struct block {
   }
 };
 
-namespace detail {
+namespace core::detail {
 
 /// Offset and extent of shard `i` of `shards` of a dimension of size `n` (see the file comment).
 constexpr std::pair<std::size_t, std::size_t> split_dim(std::size_t n, std::size_t shards, std::size_t i,
@@ -129,11 +129,25 @@ inline std::string describe_devices(std::span<const std::size_t> devices) {
   return s + "}";
 }
 
-}  // namespace detail
+}  // namespace core::detail
+
+namespace experimental {
+/// The dimension of a spec that an axis splits, or none: the lookup collectives and reshard plans share.
+using core::detail::split_dim;
+
+/// Writes the axes a dimension is split over, as a message names them.
+using core::detail::describe_dim_axes;
+
+/// Writes a list of device numbers for a message: the one spelling every layer uses.
+using core::detail::describe_devices;
+
+/// Writes a shape as `[4, 8]`: how every layer prints an extent in messages.
+using core::detail::describe_shape;
+}  // namespace experimental
 
 /// @brief A list of devices as meshlib's error messages show it: "{2, 3}" (for the messages of
 /// layers above core, and a user's).
-using detail::describe_devices;
+using core::detail::describe_devices;
 
 /// @brief The blocks of a global array of shape `global_shape` laid out by sharding `S`.
 /// @code
@@ -155,14 +169,14 @@ class shard_layout {
   /// overflows (naming the dimension and its size), and under `shard_rule::even` when a sharded dimension does not divide
   /// evenly; the message names the dimension, its size, the axes and their sizes.
   shard_layout(const S& sharding, const shape_type& global_shape) : sharding_(sharding), global_(global_shape) {
-    detail::checked_product(global_, "the global shape");
+    core::detail::checked_product(global_, "the global shape");
     for (std::size_t d = 0; d < Rank; ++d) {
       const std::size_t shards = sharding_.num_shards(d);
       if (sharding_.rule() == shard_rule::even && global_[d] % shards != 0) {
         std::ostringstream os;
-        os << "meshlib: dimension " << d << " of global shape " << detail::describe_shape(global_) << " has size "
+        os << "meshlib: dimension " << d << " of global shape " << core::detail::describe_shape(global_) << " has size "
            << global_[d] << ", which is not divisible by the " << shards << " shards of "
-           << detail::describe_dim_axes(sharding_, d) << " in " << typename S::spec_type{}
+           << core::detail::describe_dim_axes(sharding_, d) << " in " << typename S::spec_type{}
            << "; use a size divisible by " << shards << " or shard_rule::uneven";
         throw sharding_error(os.str());
       }
@@ -180,7 +194,7 @@ class shard_layout {
   [[nodiscard]] block<Rank> block_of(std::size_t device) const noexcept {
     block<Rank> b;
     for (std::size_t d = 0; d < Rank; ++d) {
-      const auto [off, ext] = detail::split_dim(global_[d], sharding_.num_shards(d), sharding_.shard_index(device, d),
+      const auto [off, ext] = core::detail::split_dim(global_[d], sharding_.num_shards(d), sharding_.shard_index(device, d),
                                                 sharding_.rule());
       b.offset[d] = off;
       b.extent[d] = ext;
@@ -192,7 +206,7 @@ class shard_layout {
   /// The largest local shape (every device's under the even rule): what a padded buffer needs.
   [[nodiscard]] shape_type max_local_shape() const noexcept {
     shape_type s;
-    for (std::size_t d = 0; d < Rank; ++d) s[d] = detail::split_dim(global_[d], sharding_.num_shards(d), 0, sharding_.rule()).second;
+    for (std::size_t d = 0; d < Rank; ++d) s[d] = core::detail::split_dim(global_[d], sharding_.num_shards(d), 0, sharding_.rule()).second;
     return s;
   }
 
@@ -258,11 +272,11 @@ std::array<std::size_t, Rank> global_shape_from_locals(const S& sharding,
     }
     for (auto e : extent) g[d] += e;
     for (std::size_t i = 0; i < shards; ++i) {
-      const auto expected = detail::split_dim(g[d], shards, i, sharding.rule()).second;
+      const auto expected = core::detail::split_dim(g[d], shards, i, sharding.rule()).second;
       const bool divisible = sharding.rule() == shard_rule::uneven || g[d] % shards == 0;
       if (!divisible || expected != extent[i]) {
         throw sharding_error("meshlib: dimension " + std::to_string(d) + " split over " +
-                             detail::describe_dim_axes(sharding, d) + ": shard " + std::to_string(i) + " (device " +
+                             core::detail::describe_dim_axes(sharding, d) + ": shard " + std::to_string(i) + " (device " +
                              std::to_string(holder[i]) + ") has size " + std::to_string(extent[i]) +
                              ", but a global size of " + std::to_string(g[d]) + " under the " +
                              (sharding.rule() == shard_rule::even ? "even" : "uneven") + " rule gives " +

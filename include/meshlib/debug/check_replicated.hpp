@@ -28,7 +28,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 template <local_tensor_type L>
 void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
@@ -36,7 +36,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
   using Mesh = typename L::mesh_type;
   mask &= Mesh::all_axes;
   if (mask == 0) return;
-  device_context& ctx = current_device(what);
+  experimental::device_context& ctx = experimental::current_device(what);
   const std::size_t count = x.size();
   std::vector<T> mine(count);
   const auto shape = x.shape();
@@ -51,7 +51,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
       }
     }
   }
-  unobserved_scope quiet;
+  experimental::unobserved_scope quiet;
   auto& comm = ctx.comm(mask);
   const auto n = static_cast<std::size_t>(comm.size());
   std::vector<T> all(count * n);
@@ -79,7 +79,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
     }
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Checks, inside `shard_map` / `spmd`, that `x` is bitwise identical on every device of its
 /// groups along the axes its type says it is invariant over (all mesh axes it neither varies over
@@ -87,7 +87,7 @@ void check_replicated_over(const L& x, axis_mask mask, std::string_view what) {
 /// @throws replica_mismatch naming the first differing device (in group order), the element and both values.
 template <local_tensor_type L>
 void check_replicated(const L& x) {
-  detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
+  debug::detail::check_replicated_over(x, L::mesh_type::all_axes & ~L::vary & ~L::partial, "check_replicated");
 }
 
 /// @brief `check_replicated` over the axes `Names...` only; `x` must be invariant over each.
@@ -100,10 +100,10 @@ void check_replicated(const L& x) {
   static_assert((mask & (L::vary | L::partial)) == 0,
                 "meshlib: check_replicated<...>: the value varies over (or is a pending sum over) one of these axes, "
                 "so its copies are not expected to agree; check only axes its type is invariant over");
-  detail::check_replicated_over(x, mask, "check_replicated");
+  debug::detail::check_replicated_over(x, mask, "check_replicated");
 }
 
-namespace detail {
+namespace debug::detail {
 
 /// Debug mode's check of `shard_map` outputs (a tuple of local tensors), called on every device.
 template <class Tuple>
@@ -125,5 +125,10 @@ void debug_check_outputs(const Tuple& outputs) {
       outputs);
 }
 
-}  // namespace detail
+}  // namespace debug::detail
+
+namespace experimental {
+/// In debug mode, checks that outputs declared replicated are identical on every device of their group (exec calls it after a run).
+using debug::detail::debug_check_outputs;
+}  // namespace experimental
 }  // namespace meshlib

@@ -31,7 +31,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 template <class T>
 void print_value(std::ostream& os, const T& v) {
@@ -85,17 +85,17 @@ inline std::ostream*& debug_print_stream() noexcept {
   return s;
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Prints `format` with each `{}` replaced by the next value, once per device in device
 /// order (see the file comment). Values: anything with `operator<<`, and `local_tensor`s.
 template <class... Args>
 void debug_print(std::string_view format, const Args&... values) {
   std::ostringstream line;
-  detail::device_context* ctx = detail::current_device_slot();
-  std::ostream& out = *detail::debug_print_stream();
+  experimental::device_context* ctx = experimental::current_device_slot();
+  std::ostream& out = *debug::detail::debug_print_stream();
   if (ctx == nullptr) {
-    detail::format_into(line, format, values...);
+    debug::detail::format_into(line, format, values...);
     line << '\n';
     out << line.str() << std::flush;
     return;
@@ -105,10 +105,10 @@ void debug_print(std::string_view format, const Args&... values) {
   line << "[device " << ctx->device() << " (";
   for (std::size_t a = 0; a < ctx->axis_count(); ++a) line << (a ? ", " : "") << ctx->axis_name(a) << '=' << ctx->coord(a);
   line << ")] ";
-  detail::format_into(line, format, values...);
+  debug::detail::format_into(line, format, values...);
   line << '\n';
   const axis_mask all = (axis_mask{1} << ctx->axis_count()) - 1;  // every axis: the whole mesh
-  detail::unobserved_scope quiet;
+  experimental::unobserved_scope quiet;
   auto& world = ctx->comm(all);
   for (std::size_t d = 0; d < n; ++d) {
     if (d == ctx->device()) out << line.str() << std::flush;

@@ -26,7 +26,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 /// JAX's short dtype names.
 template <class T>
@@ -44,7 +44,7 @@ constexpr const char* short_dtype_name() noexcept {
   else return "?";
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief `f32[8@data,4@model]`: element type, then each global dimension with the mesh axes that
 /// split it (`@(data,model)` for several; nothing for a replicated dimension).
@@ -52,7 +52,7 @@ template <sharded_tensor_type X>
 [[nodiscard]] std::string describe(const X& x) {
   using S = typename X::sharding_type;
   using Mesh = typename X::mesh_type;
-  std::string s = std::string(detail::short_dtype_name<typename X::value_type>()) + "[";
+  std::string s = std::string(debug::detail::short_dtype_name<typename X::value_type>()) + "[";
   for (std::size_t d = 0; d < X::rank; ++d) {
     s += (d ? "," : "") + std::to_string(x.global_shape()[d]);
     const std::size_t k = S::dim_axis_count(d);

@@ -10,7 +10,7 @@
 /// as a profiling region, checks its input and output for NaN/Inf, and marks the device's arrival
 /// on the run's board so that a watchdog can warn about a device that keeps the others waiting.
 /// When all three are off nothing is wrapped: the cost is one predictable branch per collective
-/// (on the observer pointer, in `device_context_for::comm`).
+/// (on the observer pointer, in `experimental::device_context_for::comm`).
 ///
 /// Debug mode: `MESHLIB_DEBUG=1` in the environment, or `enable_debug_mode(options)`.
 /// @code
@@ -79,7 +79,7 @@ struct debug_options {
   std::function<void(const std::string&)> on_warning;
 };
 
-namespace detail {
+namespace debug::detail {
 
 struct debug_state {
   std::mutex m;
@@ -98,35 +98,35 @@ struct debug_state {
   }
 };
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Turns debug mode on (see the file comment); later runs check as `options` says.
 inline void enable_debug_mode(debug_options options = {}) {
-  auto& s = detail::debug_state::get();
+  auto& s = debug::detail::debug_state::get();
   std::lock_guard lk(s.m);
   s.options = std::move(options);
   s.on.store(true);
 }
 
 /// @brief Turns debug mode off.
-inline void disable_debug_mode() { detail::debug_state::get().on.store(false); }
+inline void disable_debug_mode() { debug::detail::debug_state::get().on.store(false); }
 
 /// @brief True while debug mode is on (`MESHLIB_DEBUG=1` or `enable_debug_mode`).
-[[nodiscard]] inline bool debug_mode() noexcept { return detail::debug_state::get().on.load(std::memory_order_relaxed); }
+[[nodiscard]] inline bool debug_mode() noexcept { return debug::detail::debug_state::get().on.load(std::memory_order_relaxed); }
 
 /// @brief Debug mode for a scope; restores the previous state.
 class scoped_debug_mode {
  public:
   /// Turns debug mode on with `options` until the scope ends.
   explicit scoped_debug_mode(debug_options options = {}) : was_(debug_mode()) {
-    auto& s = detail::debug_state::get();
+    auto& s = debug::detail::debug_state::get();
     std::lock_guard lk(s.m);
     previous_ = s.options;
     s.options = std::move(options);
     s.on.store(true);
   }
   ~scoped_debug_mode() {
-    auto& s = detail::debug_state::get();
+    auto& s = debug::detail::debug_state::get();
     std::lock_guard lk(s.m);
     s.options = std::move(previous_);
     s.on.store(was_);
@@ -139,7 +139,7 @@ class scoped_debug_mode {
   debug_options previous_;
 };
 
-namespace detail {
+namespace debug::detail {
 
 /// The first non-finite element of `n` elements of `dt` at `p`, or -1.
 inline std::ptrdiff_t first_nonfinite(const void* p, std::size_t n, datatype dt, double& value) {
@@ -199,7 +199,7 @@ class basic_run_observer final : public experimental::comm_observer {
     local_.assign(m.size(), false);
     for (auto d : local) local_[d] = true;
     if (tracing_)
-      for (auto d : local) rec.name_track(d, device_label(m, d));
+      for (auto d : local) rec.name_track(d, experimental::device_label(m, d));
     if (debug_ && options_.slow_warning_fraction > 0) {
       threshold_ = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.timeout * options_.slow_warning_fraction);
       watchdog_ = std::thread([this] { watch(); });
@@ -267,7 +267,7 @@ class basic_run_observer final : public experimental::comm_observer {
       e.mask = site.mask;
       e.color = site.color;
       e.seq = call.seq;
-      e.group = join_ids(site.group);
+      e.group = experimental::join_ids(site.group);
       rec.record(*static_cast<typename recorder::track*>(site.data), std::move(e));
     }
     if (check_nonfinite()) check_finite(site, call.name, "output", call.out, call.out_count, call.dt);
@@ -349,12 +349,12 @@ class basic_run_observer final : public experimental::comm_observer {
         p.warned = true;
         std::ostringstream os;
         os.precision(2);  // not std::setprecision: <iomanip> pulls <locale> into every TU
-        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << join_ids(p.group)
+        os << std::fixed << "meshlib: warning: " << p.what << " (devices " << experimental::join_ids(p.group)
            << ") has waited " << static_cast<double>(now - p.first_ns) * 1e-9 << " s for device"
-           << (missing.size() == 1 ? " " : "s ") << join_ids(missing);
-        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << join_ids(elsewhere)
+           << (missing.size() == 1 ? " " : "s ") << experimental::join_ids(missing);
+        if (!elsewhere.empty()) os << (missing.empty() ? "" : " and") << " devices " << experimental::join_ids(elsewhere)
                                    << " of other processes";
-        os << " (not yet arrived; devices " << join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
+        os << " (not yet arrived; devices " << experimental::join_ids(here) << " are waiting; the timeout is " << std::defaultfloat
            << std::chrono::duration<double>(options_.timeout).count() << " s); carrying on";
         warn(os.str());
       }
@@ -376,5 +376,10 @@ class basic_run_observer final : public experimental::comm_observer {
 /// The debug layer's observer of one run (see `basic_run_observer`).
 using run_observer = basic_run_observer<>;
 
-}  // namespace detail
+}  // namespace debug::detail
+
+namespace experimental {
+/// The observer debug installs on a run's devices (exec installs it).
+using debug::detail::run_observer;
+}  // namespace experimental
 }  // namespace meshlib

@@ -56,7 +56,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 /// `std::setw` without <iomanip>, which pulls <locale> into every translation unit that includes
 /// meshlib (exec installs the tracer, so this header is in the umbrella; docs/benchmarks.md).
 struct column_width {
@@ -66,7 +66,7 @@ struct column_width {
     return os;
   }
 };
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief One row of a `trace_summary`: one collective type over one set of axes on one device.
 struct trace_summary_row {
@@ -102,12 +102,12 @@ struct trace_summary {
     os.precision(3);
     os << "meshlib trace summary: " << s.devices << " device(s), " << std::fixed
        << s.traced_s * 1e3 << " ms traced" << (s.path.empty() ? "" : ", written to " + s.path) << '\n';
-    os << std::left << detail::column_width{14} << "op" << detail::column_width{14} << "axes" << std::right << detail::column_width{7} << "device"
-       << detail::column_width{8} << "count" << detail::column_width{12} << "bytes" << detail::column_width{12} << "time ms" << detail::column_width{12}
+    os << std::left << debug::detail::column_width{14} << "op" << debug::detail::column_width{14} << "axes" << std::right << debug::detail::column_width{7} << "device"
+       << debug::detail::column_width{8} << "count" << debug::detail::column_width{12} << "bytes" << debug::detail::column_width{12} << "time ms" << debug::detail::column_width{12}
        << "wait ms" << '\n';
     for (const auto& r : s.rows)
-      os << std::left << detail::column_width{14} << r.op << detail::column_width{14} << r.axes << std::right << detail::column_width{7} << r.device
-         << detail::column_width{8} << r.count << detail::column_width{12} << r.bytes << detail::column_width{12} << r.time_s * 1e3 << detail::column_width{12}
+      os << std::left << debug::detail::column_width{14} << r.op << debug::detail::column_width{14} << r.axes << std::right << debug::detail::column_width{7} << r.device
+         << debug::detail::column_width{8} << r.count << debug::detail::column_width{12} << r.bytes << debug::detail::column_width{12} << r.time_s * 1e3 << debug::detail::column_width{12}
          << r.wait_s * 1e3 << '\n';
     if (s.slowest_device)
       os << "slowest device: " << *s.slowest_device << " (its peers waited " << s.slowest_lateness_s * 1e3
@@ -125,7 +125,7 @@ struct trace_summary {
   }
 };
 
-namespace detail {
+namespace debug::detail {
 
 /// One recorded event (a collective or a region) on one track.
 struct trace_event {
@@ -332,8 +332,8 @@ class basic_trace_recorder {
   trace_summary summarize() const {
     trace_summary s;
     const auto inst = instances();
-    deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
-    deferred_t<std::map<std::size_t, double>, Tag> lateness;
+    experimental::deferred_t<std::map<std::tuple<std::string, std::string, std::size_t>, trace_summary_row>, Tag> rows;
+    experimental::deferred_t<std::map<std::size_t, double>, Tag> lateness;
     std::int64_t lo = started_ns_, hi = started_ns_;
     for (const auto& t : snapshot_) {
       if (t.id != host_track) ++s.devices;
@@ -485,7 +485,7 @@ class basic_trace_recorder {
 /// The recorder (see `basic_trace_recorder`).
 using trace_recorder = basic_trace_recorder<>;
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Starts recording a trace (as `jax.profiler.start_trace`); `stop_trace()` writes it to
 /// `path` (Chrome trace event JSON). An empty path records without writing (the summary only).
@@ -494,14 +494,14 @@ using trace_recorder = basic_trace_recorder<>;
 /// @throws error when `path` cannot be opened for writing (naming it), before anything is recorded.
 template <class Tag = void>
 void start_trace(std::string path) {
-  detail::basic_trace_recorder<Tag>::get().start(std::move(path));
+  debug::detail::basic_trace_recorder<Tag>::get().start(std::move(path));
 }
 
 /// @brief Stops the trace, writes the file given to `start_trace` and returns the summary.
 /// @throws error when the file cannot be written (naming it).
 template <class Tag = void>
 trace_summary stop_trace() {
-  return detail::basic_trace_recorder<Tag>::get().stop();
+  return debug::detail::basic_trace_recorder<Tag>::get().stop();
 }
 
 /// @brief True while a trace is being recorded.
@@ -509,7 +509,7 @@ trace_summary stop_trace() {
 /// does): a program can call it first to report that at start.
 template <class Tag = void>
 [[nodiscard]] bool tracing() {
-  return detail::basic_trace_recorder<Tag>::get().on();
+  return debug::detail::basic_trace_recorder<Tag>::get().on();
 }
 
 /// @brief Traces its scope (as `with jax.profiler.trace(dir):`): starts in the constructor; the

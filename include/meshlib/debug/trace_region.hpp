@@ -27,7 +27,7 @@ namespace meshlib {
 /// that the recorder's code is compiled where it is used: see `detail::basic_trace_recorder`).
 template <class Tag = void>
 class basic_trace_region {
-  using recorder = detail::basic_trace_recorder<Tag>;
+  using recorder = debug::detail::basic_trace_recorder<Tag>;
 
  public:
   /// Opens the region `name`; it closes when the object is destroyed.
@@ -38,8 +38,8 @@ class basic_trace_region {
     if (kokkos_) Kokkos::Profiling::pushRegion(name);
 #endif
     if (!rec.on()) return;
-    const detail::device_context* ctx = detail::current_device_slot();
-    track_ = &rec.track_of(ctx ? ctx->device() : detail::host_track);
+    const experimental::device_context* ctx = experimental::current_device_slot();
+    track_ = &rec.track_of(ctx ? ctx->device() : debug::detail::host_track);
     name_ = std::move(name);
     start_ = rec.now_ns();
   }
@@ -49,7 +49,7 @@ class basic_trace_region {
 #endif
     if (track_ == nullptr) return;
     auto& rec = recorder::get();
-    detail::trace_event e;
+    debug::detail::trace_event e;
     e.name = std::move(name_);
     e.start_ns = start_;
     e.end_ns = rec.now_ns();

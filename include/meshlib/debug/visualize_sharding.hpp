@@ -24,7 +24,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace debug::detail {
 
 /// Rank 3 and up: one row per device, `device | coordinates | block`.
 template <sharding_type S, std::size_t Rank>
@@ -54,7 +54,7 @@ std::string block_table(const S& sharding, const shard_layout<S, Rank>& layout) 
   return out;
 }
 
-}  // namespace detail
+}  // namespace debug::detail
 
 /// @brief Renders the blocks of a global array of shape `global_shape` under `sharding`. 1-D and
 /// 2-D: one cell per block (rows: blocks of dimension 0; columns: blocks of dimension 1), each
@@ -66,7 +66,7 @@ std::string visualize_sharding(const S& sharding, const std::array<std::size_t, 
   static_assert(Rank >= 1, "meshlib: visualize_sharding draws arrays of rank 1 and up");
   const shard_layout<S, Rank> layout(sharding, global_shape);
   if constexpr (Rank > 2) {
-    return detail::block_table(sharding, layout);
+    return debug::detail::block_table(sharding, layout);
   } else {
   const std::size_t rows = Rank == 2 ? sharding.num_shards(0) : 1;
   const std::size_t cols = sharding.num_shards(Rank - 1);

@@ -44,7 +44,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 
 /// The multi-process part of the default runner: the processes' communicator and how many of
 /// an `n`-device mesh's devices each runs; empty when the default is the thread runner.
@@ -53,14 +53,14 @@ inline std::optional<hybrid_runner> default_process_runner(std::size_t n) {
 #else
 inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n) {
 #endif
-  if (current_device_slot() != nullptr) return std::nullopt;  // nested in a device: local threads
+  if (experimental::current_device_slot() != nullptr) return std::nullopt;  // nested in a device: local threads
   const auto launch = distributed::launch();
   const std::size_t procs = launch.process_count;
   if (procs <= 1) return std::nullopt;
   const std::string run = "the run has " + std::to_string(procs) + " processes (" +
                           std::string(distributed::to_string(launch.source)) + ")";
 #if MESHLIB_ENABLE_MPI
-  if (!mpi::detail::mpi_state().ex)
+  if (!mpi::mpi_state().ex)
 #endif
     throw distributed_error("meshlib: spmd / shard_map on the default runner: " + run +
                             ", but no MPI communicator joins them to run a mesh over them: start the run with "
@@ -82,12 +82,12 @@ inline std::optional<int> default_process_runner([[maybe_unused]] std::size_t n)
 /// running device (`choose_default_runner`). The GPU count is read once per process.
 inline bool default_runs_on_gpus() {
   static const int gpus = visible_gpu_count();
-  return choose_default_runner(true, gpus, current_device_slot() != nullptr, distributed::launch().process_count) ==
+  return choose_default_runner(true, gpus, experimental::current_device_slot() != nullptr, distributed::launch().process_count) ==
          default_runner_kind::gpus;
 }
 #endif
 
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief The runner of `spmd` and `shard_map` when none is passed (see the file comment): the
 /// process-wide device threads, or, in a run of several processes started with
@@ -102,34 +102,34 @@ struct default_runner {
   template <class Body>
   void run(std::size_t n, Body&& body) const {
 #if MESHLIB_HAS_GPU_RUNNER
-    if (detail::default_runs_on_gpus()) {
+    if (exec::detail::default_runs_on_gpus()) {
       gpu_runner().run(n, body);
       return;
     }
 #endif
 #if MESHLIB_ENABLE_MPI
-    if (const auto procs = detail::default_process_runner(n)) {
+    if (const auto procs = exec::detail::default_process_runner(n)) {
       procs->run(n, body);
       return;
     }
 #else
-    (void)detail::default_process_runner(n);
+    (void)exec::detail::default_process_runner(n);
 #endif
-    thread_runner(detail::process_wide_threads).run(n, body);
+    thread_runner(exec::detail::process_wide_threads).run(n, body);
   }
 
   /// The devices this process runs of an `n`-device mesh: all of them in one process, else its
   /// `n / P` consecutive ones.
   [[nodiscard]] std::vector<std::size_t> local_devices(std::size_t n) const {
 #if MESHLIB_HAS_GPU_RUNNER
-    if (detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
+    if (exec::detail::default_runs_on_gpus()) return gpu_runner().local_devices(n);
 #endif
 #if MESHLIB_ENABLE_MPI
-    if (const auto procs = detail::default_process_runner(n)) return procs->local_devices(n);
+    if (const auto procs = exec::detail::default_process_runner(n)) return procs->local_devices(n);
 #else
-    (void)detail::default_process_runner(n);
+    (void)exec::detail::default_process_runner(n);
 #endif
-    return thread_runner(detail::process_wide_threads).local_devices(n);
+    return thread_runner(exec::detail::process_wide_threads).local_devices(n);
   }
 };
 

@@ -50,7 +50,7 @@ template <sharded_tensor_type X, sharding_type To, class Backend>
     if (!x.is_local(dev))
       throw sharding_error("meshlib: reshard: the runner runs device " + std::to_string(dev) +
                            " in this process, but the tensor holds no block of it here (it holds devices " +
-                           detail::describe_devices(x.local_devices()) +
+                           experimental::describe_devices(x.local_devices()) +
                            "); pass the runner that runs the tensor's devices");
   result_t out(to, x.global_shape(), std::span<const std::size_t>(run));
   if (plan.empty()) {
@@ -59,9 +59,9 @@ template <sharded_tensor_type X, sharding_type To, class Backend>
       std::copy_n(x.local(dev).data(), x.local(dev).size(), out.local(dev).data());
     return out;
   }
-  const auto from = detail::to_dyn_spec<typename X::sharding_type>(Rank);
-  detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
-    detail::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
+  const auto from = experimental::to_dyn_spec<typename X::sharding_type>(Rank);
+  exec::detail::run_devices(x.mesh(), backend, [&](std::size_t dev) {
+    experimental::run_reshard_plan<T, typename X::memory_space>(plan, x.mesh(), dev, from, x.sharding().rule(), to.rule(), x.global_shape(),
                                 x.local(dev).data(), out.local(dev).data());
   });
   return out;

@@ -94,7 +94,7 @@ struct gpu_plan {
   std::vector<int> gpus;
 };
 
-namespace detail {
+namespace exec::detail {
 
 /// The layout of an `n`-device mesh on `visible` GPUs for the launch `launch`, using the GPUs
 /// `wanted` (empty: all visible). Host code only: the runner's whole decision, tested without a GPU.
@@ -171,7 +171,7 @@ constexpr default_runner_kind choose_default_runner(bool gpu_build, int visible_
   return process_count > 1 ? default_runner_kind::processes : default_runner_kind::threads;
 }
 
-}  // namespace detail
+}  // namespace exec::detail
 
 #if MESHLIB_HAS_GPU_RUNNER
 
@@ -208,7 +208,7 @@ struct gpu_runner {
   /// The layout of an `n`-device mesh on this process's GPUs.
   /// @throws as `detail::plan_gpu_mesh`.
   [[nodiscard]] gpu_plan plan(std::size_t n) const {
-    return detail::plan_gpu_mesh(n, visible_gpu_count(), distributed::launch(), options.gpus);
+    return exec::detail::plan_gpu_mesh(n, visible_gpu_count(), distributed::launch(), options.gpus);
   }
 
   /// The devices this process runs of an `n`-device mesh.
@@ -225,7 +225,7 @@ struct gpu_runner {
         nccl_comm_options o = comm_options;
         o.device = p.gpus.front();
         o.stream = {};
-        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
         std::vector<nccl_communicator>& kept = keep(p, [&] {
           std::vector<nccl_communicator> v;
           v.push_back(connect(o));
@@ -238,7 +238,7 @@ struct gpu_runner {
         } catch (...) {
           const std::exception_ptr e = std::current_exception();
           const std::string why = "meshlib: process " + std::to_string(rank) + " of " + std::to_string(n) + " (GPU " +
-                                  std::to_string(o.device) + ") failed: " + meshlib::detail::what_of(e);
+                                  std::to_string(o.device) + ") failed: " + meshlib::experimental::what_of(e);
           world.abort(why);
           kept_->drop();
           throw participant_error(static_cast<int>(rank), why);  // nests the exception (in a handler)
@@ -264,11 +264,11 @@ struct gpu_runner {
         nccl_comm_options o = comm_options;
         o.device = p.gpus.front();
         o.stream = {};
-        meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+        meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
         run_on_shared_gpu(
             static_cast<int>(n),
             [&](shared_gpu_communicator& c) {
-              meshlib::detail::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
+              meshlib::experimental::check_cuda(cudaSetDevice(o.device), "gpu_runner", "cudaSetDevice");
               const auto rank = static_cast<std::size_t>(c.rank());
               on_instance(c, [&] { body(rank, c); });
             },
@@ -333,10 +333,10 @@ struct gpu_runner {
         }
       }
     } fence{exec};
-    static_assert(std::is_same_v<meshlib::detail::exec_space_for_t<default_memory_space>, Kokkos::Cuda>,
+    static_assert(std::is_same_v<meshlib::experimental::exec_space_for_t<default_memory_space>, Kokkos::Cuda>,
                   "meshlib: gpu_runner needs Kokkos::Cuda as the default execution space (Kokkos_ENABLE_CUDA)");
-    meshlib::detail::scoped_exec_space<default_memory_space> on(exec);
-    meshlib::detail::runner_installed_exec() = true;  // read and cleared by run_devices
+    meshlib::experimental::scoped_exec_space<default_memory_space> on(exec);
+    meshlib::experimental::runner_installed_exec() = true;  // read and cleared by run_devices
     f();
   }
 

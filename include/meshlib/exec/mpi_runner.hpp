@@ -94,9 +94,9 @@ struct mpi_runner {
       } catch (const collective_mismatch&) {
         // Every rank of the collective throws it.
       } catch (...) {
-        comm.fail(detail::what_of(e));  // the rank's own failure: release its peers at once
+        comm.fail(experimental::what_of(e));  // the rank's own failure: release its peers at once
       }
-      detail::rethrow_root_cause({.errors = std::span(&e, 1),
+      experimental::rethrow_root_cause({.errors = std::span(&e, 1),
                                   .first = comm.rank(),
                                   .size = comm.size(),
                                   .remote_root = remote,
@@ -124,7 +124,7 @@ struct mpi_runner {
 /// @brief Deprecated name of `mpi_runner`; removed in the next release.
 using mpi_backend [[deprecated("use meshlib::mpi_runner")]] = mpi_runner;
 
-namespace detail {
+namespace exec::detail {
 /// The process-wide device threads of hybrid meshes (not pinned: see the file comment). Apart
 /// from the process-wide threads of `thread_runner`, so that a hybrid mesh's devices never wait
 /// for, or pin, the threads that global-view operations use.
@@ -140,10 +140,10 @@ struct pool_launch {
   template <class Body>
   void operator()(int threads, Body& body) const {
     auto task = [&body](std::size_t t) { body(static_cast<int>(t)); };
-    if (!pool->try_run(static_cast<std::size_t>(threads), task)) start_hybrid_threads{}(threads, body);
+    if (!pool->try_run(static_cast<std::size_t>(threads), task)) experimental::start_hybrid_threads{}(threads, body);
   }
 };
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief `threads` devices (threads) per MPI rank of `comm`: device `rank * threads + t`, run by
 /// device threads of its own (they start on the first call, threads - 1 of them; the calling
@@ -161,7 +161,7 @@ struct hybrid_runner {
   /// Options of each process's thread world.
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
-  std::shared_ptr<detail::device_workers> workers{};
+  std::shared_ptr<exec::detail::device_workers> workers{};
 
   /// `threads` devices per rank of `comm`, on device threads of its own; each call's thread world
   /// gets `options`.
@@ -169,11 +169,11 @@ struct hybrid_runner {
       : comm(std::move(comm)),
         threads(threads),
         options(std::move(options)),
-        workers(std::make_shared<detail::device_workers>(false)) {
+        workers(std::make_shared<exec::detail::device_workers>(false)) {
     this->comm.set_fail_on_unwind(false);  // a failure of a call fails that call's hybrid world, not comm
   }
   /// The same on the process-wide hybrid device threads.
-  hybrid_runner(detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
+  hybrid_runner(exec::detail::process_wide_threads_t, mpi_communicator comm, int threads, thread_comm_options options = {})
       : comm(std::move(comm)), threads(threads), options(std::move(options)) {
     this->comm.set_fail_on_unwind(false);
   }
@@ -188,7 +188,7 @@ struct hybrid_runner {
           const auto device = static_cast<std::size_t>(c.rank());
           body(device, std::move(c));
         },
-        options, detail::pool_launch{workers ? workers.get() : &detail::hybrid_device_workers()});
+        options, exec::detail::pool_launch{workers ? workers.get() : &exec::detail::hybrid_device_workers()});
   }
 
   /// The devices this process runs: `rank * threads` up to `(rank + 1) * threads - 1`.
@@ -214,7 +214,7 @@ struct hybrid_runner {
 struct [[deprecated("use meshlib::hybrid_runner")]] hybrid_backend : hybrid_runner {
   /// `threads` devices per rank of `comm`.
   hybrid_backend(mpi_communicator comm, int threads = 1, thread_comm_options options = {})
-      : hybrid_runner(detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
+      : hybrid_runner(exec::detail::process_wide_threads, std::move(comm), threads, std::move(options)) {}
 };
 
 static_assert(runner<mpi_runner>);

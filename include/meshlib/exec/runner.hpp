@@ -19,14 +19,14 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 /// A device body as `run_devices` hands it to a runner: called once per local device with that
 /// device's world communicator, whatever its type.
 struct runner_body_archetype {
   template <class Communicator>
   void operator()(std::size_t, Communicator) const {}
 };
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief A runner: opts in with `using is_runner = void;` and provides
 /// - `r.run(n, body)`: calls `body(device, world)` once for each device of an `n`-device mesh that
@@ -41,7 +41,7 @@ struct runner_body_archetype {
 /// processes' device threads (a `hybrid_runner`, n / P devices per process).
 template <class R>
 concept runner = requires { typename R::is_runner; } &&
-                 requires(const R& r, std::size_t n, detail::runner_body_archetype body) {
+                 requires(const R& r, std::size_t n, exec::detail::runner_body_archetype body) {
                    r.run(n, body);
                    { r.local_devices(n) } -> std::same_as<std::vector<std::size_t>>;
                  };

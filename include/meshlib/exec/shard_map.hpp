@@ -54,7 +54,7 @@ struct specs {
   static constexpr std::size_t size = sizeof...(Specs);
 };
 
-namespace detail {
+namespace exec::detail {
 
 template <class S>
 struct spec_list {
@@ -80,7 +80,7 @@ struct spec_at<I, specs<S...>> {
 
 template <class Output, class Value>
 consteval bool shard_map_output_is_not_a_local_tensor() {
-  static_assert(always_false<Output, Value>,
+  static_assert(diagnostic::always_false<Output, Value>,
                 "meshlib: shard_map: the function must return a local_tensor (or a std::tuple of them, one per "
                 "out_spec)");
   return false;
@@ -88,7 +88,7 @@ consteval bool shard_map_output_is_not_a_local_tensor() {
 
 template <class Output, class Axes, class OutSpec, class Value>
 consteval bool shard_map_output_is_partial() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
+  static_assert(diagnostic::always_false<Output, Axes, OutSpec, Value>,
                 "meshlib: shard_map: an output is a pending sum (partial) over a mesh axis; complete it with psum, or "
                 "psum_scatter, over that axis before returning it");
   return false;
@@ -96,7 +96,7 @@ consteval bool shard_map_output_is_partial() {
 
 template <class Output, class Axes, class OutSpec, class Value>
 consteval bool shard_map_output_varies_over_unsharded_axis() {
-  static_assert(always_false<Output, Axes, OutSpec, Value>,
+  static_assert(diagnostic::always_false<Output, Axes, OutSpec, Value>,
                 "meshlib: shard_map: an output varies over a mesh axis that its out_spec does not shard it over: its "
                 "blocks differ along that axis, so no one global array holds them; psum / pmean / all_gather over the "
                 "axis, or shard the output over it in out_specs");
@@ -105,7 +105,7 @@ consteval bool shard_map_output_varies_over_unsharded_axis() {
 
 template <class Output, class Value>
 consteval bool shard_map_output_on_another_mesh() {
-  static_assert(always_false<Output, Value>,
+  static_assert(diagnostic::always_false<Output, Value>,
                 "meshlib: shard_map: an output lives on another mesh type than the shard_map's");
   return false;
 }
@@ -118,7 +118,7 @@ consteval bool check_output() {
     return shard_map_output_is_not_a_local_tensor<out_t, L>();
   } else if constexpr (!std::is_same_v<typename L::mesh_type, Mesh>) {
     return shard_map_output_on_another_mesh<out_t, L>();
-  } else if constexpr (!diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
+  } else if constexpr (!experimental::diagnose_sharding<Mesh, OutSpec>() || !named_sharding<Mesh, OutSpec>::template check_rank<L::rank>()) {
     return false;
   } else if constexpr (OutSpec::size > L::rank) {
     return false;  // check_rank fired the diagnostic
@@ -126,10 +126,10 @@ consteval bool check_output() {
     using S = named_sharding<Mesh, OutSpec>;
     constexpr axis_mask unsharded_vary = L::vary & ~S::sharded_axes;
     if constexpr (L::partial != 0)
-      return shard_map_output_is_partial<out_t, diag_axes_t<Mesh, L::partial>, diag_spec_t<OutSpec>, diag_value_t<L>>();
+      return shard_map_output_is_partial<out_t, diagnostic::axes_t<Mesh, L::partial>, diagnostic::spec_t<OutSpec>, diagnostic::value_t<L>>();
     else if constexpr (unsharded_vary != 0)
-      return shard_map_output_varies_over_unsharded_axis<out_t, diag_axes_t<Mesh, unsharded_vary>, diag_spec_t<OutSpec>,
-                                                         diag_value_t<L>>();
+      return shard_map_output_varies_over_unsharded_axis<out_t, diagnostic::axes_t<Mesh, unsharded_vary>, diagnostic::spec_t<OutSpec>,
+                                                         diagnostic::value_t<L>>();
     else return true;
   }
 }
@@ -149,14 +149,14 @@ struct as_tuple<std::tuple<R...>> {
 template <class Mesh, class OutSpec, class L>
 using global_of_t = sharded_tensor<typename L::value_type, L::rank, named_sharding<Mesh, OutSpec>, typename L::memory_space>;
 
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief The function `shard_map` returns: call it with the global inputs.
 template <class Fn, mesh_type Mesh, class InSpecs, class OutSpecs, class Backend>
 class shard_map_fn {
-  using in_list = typename detail::spec_list<InSpecs>::type;
-  using out_list = typename detail::spec_list<OutSpecs>::type;
-  static constexpr bool single_output = detail::spec_list<OutSpecs>::single;
+  using in_list = typename exec::detail::spec_list<InSpecs>::type;
+  using out_list = typename exec::detail::spec_list<OutSpecs>::type;
+  static constexpr bool single_output = exec::detail::spec_list<OutSpecs>::single;
 
  public:
   /// Wraps `fn` to run on every device of `mesh` through `backend`.
@@ -181,7 +181,7 @@ class shard_map_fn {
  private:
   template <std::size_t I, class X>
   auto prepare(const X& x) const {
-    using spec_t = typename detail::spec_at<I, in_list>::type;
+    using spec_t = typename exec::detail::spec_at<I, in_list>::type;
     using sharding_t = named_sharding<Mesh, spec_t>;
     if (!(x.mesh() == mesh_))
       throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " lives on mesh " + x.mesh().to_string() +
@@ -196,9 +196,9 @@ class shard_map_fn {
     for (std::size_t d = 0; d < X::rank; ++d)
       if (x.global_shape()[d] % even.num_shards(d) != 0)
         throw sharding_error("meshlib: shard_map: input " + std::to_string(I) + " has global shape " +
-                             detail::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
+                             experimental::describe_shape(x.global_shape()) + ", whose dimension " + std::to_string(d) +
                              " (size " + std::to_string(x.global_shape()[d]) + ") does not split evenly into the " +
-                             std::to_string(even.num_shards(d)) + " shards of " + detail::describe_dim_axes(even, d) +
+                             std::to_string(even.num_shards(d)) + " shards of " + experimental::describe_dim_axes(even, d) +
                              " in its in_spec " + spec_t::to_string() +
                              "; shard_map needs equal blocks on every device (as JAX's): pad the dimension to a "
                              "multiple of " + std::to_string(even.num_shards(d)) + ", or shard it over fewer devices");
@@ -207,10 +207,10 @@ class shard_map_fn {
 
   template <std::size_t... I, class... Xs>
   auto call(std::index_sequence<I...>, const Xs&... xs) const {
-    detail::require_kokkos("shard_map");
+    experimental::require_kokkos("shard_map");
     auto inputs = std::make_tuple(prepare<I>(xs)...);
     using result_t = std::invoke_result_t<const Fn&, typename std::tuple_element_t<I, decltype(inputs)>::local_type...>;
-    using results_t = typename detail::as_tuple<std::remove_cvref_t<result_t>>::type;
+    using results_t = typename exec::detail::as_tuple<std::remove_cvref_t<result_t>>::type;
     constexpr std::size_t n_out = std::tuple_size_v<results_t>;
     static_assert(n_out == out_list::size,
                   "meshlib: shard_map: the function returns a different number of outputs than out_specs has specs");
@@ -220,9 +220,9 @@ class shard_map_fn {
     } else {
       const std::size_t n = mesh_.size();
       std::vector<results_t> per_device(n);
-      detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
-        per_device[dev] = detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
-        detail::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
+      exec::detail::run_devices(mesh_, backend_, [&](std::size_t dev) {
+        per_device[dev] = exec::detail::as_tuple<std::remove_cvref_t<result_t>>::wrap(fn_(std::get<I>(inputs).local_value(dev)...));
+        experimental::debug_check_outputs(per_device[dev]);  // debug mode: replicated outputs must agree
       });
       auto outs = assemble<results_t>(per_device, std::make_index_sequence<n_out>{});
       if constexpr (single_output) return std::get<0>(std::move(outs));
@@ -232,12 +232,12 @@ class shard_map_fn {
 
   template <std::size_t... I>
   static consteval bool check_in_specs(std::index_sequence<I...>) {
-    return (detail::diagnose_sharding<Mesh, typename detail::spec_at<I, in_list>::type>() && ...);
+    return (experimental::diagnose_sharding<Mesh, typename exec::detail::spec_at<I, in_list>::type>() && ...);
   }
 
   template <class Results, std::size_t... O>
   static consteval bool check_outputs(std::index_sequence<O...>) {
-    return (detail::check_output<O, Mesh, typename detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
+    return (exec::detail::check_output<O, Mesh, typename exec::detail::spec_at<O, out_list>::type, std::tuple_element_t<O, Results>>() &&
             ...);
   }
 
@@ -249,8 +249,8 @@ class shard_map_fn {
   template <std::size_t O, class Results>
   auto assemble_one(std::vector<Results>& per_device) const {
     using local_t = std::tuple_element_t<O, Results>;
-    using spec_t = typename detail::spec_at<O, out_list>::type;
-    using global_t = detail::global_of_t<Mesh, spec_t, local_t>;
+    using spec_t = typename exec::detail::spec_at<O, out_list>::type;
+    using global_t = exec::detail::global_of_t<Mesh, spec_t, local_t>;
     using sharding_t = typename global_t::sharding_type;
     const sharding_t sharding(mesh_, shard_rule::even);
     const std::size_t n = mesh_.size();

@@ -22,7 +22,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 template <class Fn>
 decltype(auto) call_on_device(Fn& fn, std::size_t device) {
   if constexpr (std::is_invocable_v<Fn&, std::size_t>) return fn(device);
@@ -30,7 +30,7 @@ decltype(auto) call_on_device(Fn& fn, std::size_t device) {
 }
 template <class Fn>
 using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}));
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief Runs `fn()` (or `fn(device)`) once per device of `m` on `backend`, a `runner` (default:
 /// `default_runner`, the process-wide persistent device threads, or the processes' device threads
@@ -44,14 +44,14 @@ using spmd_result_t = decltype(call_on_device(std::declval<Fn&>(), std::size_t{}
 template <mesh_type Mesh, class Fn, runner Backend = default_runner>
   requires(std::is_invocable_v<Fn&> || std::is_invocable_v<Fn&, std::size_t>)
 auto spmd(const Mesh& m, Fn&& fn, const Backend& backend = {}) {
-  using result_t = std::remove_cvref_t<detail::spmd_result_t<Fn>>;
-  detail::require_kokkos("spmd");
-  detail::require_runnable(m, "spmd");  // before the per-device results are allocated
+  using result_t = std::remove_cvref_t<exec::detail::spmd_result_t<Fn>>;
+  experimental::require_kokkos("spmd");
+  experimental::require_runnable(m, "spmd");  // before the per-device results are allocated
   if constexpr (std::is_void_v<result_t>) {
-    detail::run_devices(m, backend, [&](std::size_t device) { detail::call_on_device(fn, device); });
+    exec::detail::run_devices(m, backend, [&](std::size_t device) { exec::detail::call_on_device(fn, device); });
   } else {
     std::vector<result_t> out(m.size());
-    detail::run_devices(m, backend, [&](std::size_t device) { out[device] = detail::call_on_device(fn, device); });
+    exec::detail::run_devices(m, backend, [&](std::size_t device) { out[device] = exec::detail::call_on_device(fn, device); });
     return out;
   }
 }

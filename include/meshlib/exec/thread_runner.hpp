@@ -32,7 +32,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace exec::detail {
 /// Tag of the `thread_runner` that runs on the process-wide device threads (what `spmd` and
 /// `shard_map` use without a runner, through `default_runner`).
 struct process_wide_threads_t {
@@ -40,7 +40,7 @@ struct process_wide_threads_t {
 };
 /// The tag's value.
 inline constexpr process_wide_threads_t process_wide_threads{};
-}  // namespace detail
+}  // namespace exec::detail
 
 /// @brief One thread per device, all in this process (see the file comment). Device 0 runs on the
 /// calling thread and device `d` always on the pool's worker `d`, so repeated calls reuse the same
@@ -60,7 +60,7 @@ struct thread_runner {
   /// has a core (exec/detail/device_workers.hpp).
   thread_comm_options options{};
   /// The device threads, shared by every copy of this runner; null: the process-wide ones.
-  std::shared_ptr<detail::device_workers> workers{};
+  std::shared_ptr<exec::detail::device_workers> workers{};
   /// The cores each device computes on: its execution-space instance is a team of this many
   /// Kokkos threads (Kokkos 4 with the OpenMP backend; with any other backend only 1 is
   /// accepted), and its device thread is pinned to as many cores of its own while the machine has
@@ -70,9 +70,9 @@ struct thread_runner {
 
   /// A runner with device threads of its own, whose calls' communicators get `options`.
   explicit thread_runner(thread_comm_options options = {})
-      : options(std::move(options)), workers(std::make_shared<detail::device_workers>()) {}
+      : options(std::move(options)), workers(std::make_shared<exec::detail::device_workers>()) {}
   /// A runner on the process-wide device threads (`default_runner`'s in one process).
-  explicit thread_runner(detail::process_wide_threads_t, thread_comm_options options = {})
+  explicit thread_runner(exec::detail::process_wide_threads_t, thread_comm_options options = {})
       : options(std::move(options)) {}
 
   /// @brief Runs `body(device, communicator)` on `n` threads, one per device; returns when all finish.
@@ -84,11 +84,11 @@ struct thread_runner {
       body(d, std::move(c));
     };
     const int size = static_cast<int>(n);
-    detail::device_workers& pool = workers ? *workers : detail::device_workers::get();
+    exec::detail::device_workers& pool = workers ? *workers : exec::detail::device_workers::get();
     // A fresh world for every call: a failed world stays failed, and a fresh one costs less than
     // a microsecond per device next to the wake-up of the threads.
     thread_world world(size, options);
-    detail::participant_failures failures(size);
+    experimental::participant_failures failures(size);
     auto task = [&](std::size_t d) { failures.run(world, static_cast<int>(d), device); };
     if (!pool.try_run(n, task, threads_per_device)) {
       run_on_threads(size, device, options);
@@ -110,7 +110,7 @@ struct thread_runner {
 struct [[deprecated("use meshlib::thread_runner")]] thread_backend : thread_runner {
   /// Options of each call's `thread_world`.
   thread_backend(thread_comm_options options = {})  // NOLINT(google-explicit-constructor): as before
-      : thread_runner(detail::process_wide_threads, std::move(options)) {}
+      : thread_runner(exec::detail::process_wide_threads, std::move(options)) {}
 };
 
 static_assert(runner<thread_runner>);

@@ -112,7 +112,7 @@ void require_equal(std::string_view what, const std::vector<std::string>& all) {
   for (const auto& v : all) same = same && v == all.front();
   if (same) return;
   // Group processes by value so a 1024-process run prints each distinct value once.
-  meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
+  meshlib::experimental::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> by_value;
   for (std::size_t p = 0; p < all.size(); ++p) by_value[all[p]].push_back(p);
   std::ostringstream os;
   os << "meshlib: the processes disagree about " << what << ": ";
@@ -183,7 +183,7 @@ void initialize(const options& opt = {}) {
                           opt.exchange->all_gather(std::to_string(launch.process_count) + " processes x " +
                                                    std::to_string(local) + " local devices"));
     const auto indices = opt.exchange->all_gather(std::to_string(launch.process_index));
-    meshlib::detail::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
+    meshlib::experimental::deferred_t<std::map<std::string, std::vector<std::size_t>>, Tag> seen;
     for (std::size_t r = 0; r < indices.size(); ++r) seen[indices[r]].push_back(r);
     for (const auto& [idx, ranks] : seen)
       if (ranks.size() > 1)
@@ -299,7 +299,7 @@ using guard = basic_guard<>;
 /// process through the transport (`MPI_Abort` under MPI; `std::abort` for one process).
 [[noreturn]] inline void abort(std::string_view reason, int exit_code = 1) {
   const auto l = launch();
-  meshlib::detail::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
+  meshlib::experimental::write_stderr_line("meshlib: process " + std::to_string(l.process_index) + " of " +
                             std::to_string(l.process_count) + " aborts the run: " + std::string(reason));
   exchange()->abort(exit_code, reason);
 }

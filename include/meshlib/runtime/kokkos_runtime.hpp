@@ -45,7 +45,7 @@ class kokkos_lifecycle_error : public error {
   using error::error;
 };
 
-namespace detail {
+namespace runtime::detail {
 
 /// Throws `kokkos_lifecycle_error` unless Kokkos is initialised; `what` names the entry point.
 inline void require_kokkos(std::string_view what) {
@@ -73,7 +73,15 @@ inline void push_finalize_hook(std::function<void()> hook) {
   Kokkos::push_finalize_hook(std::move(hook));
 }
 
-}  // namespace detail
+}  // namespace runtime::detail
+
+namespace experimental {
+/// Registers a function to run before Kokkos finalises (frees views a layer caches).
+using runtime::detail::push_finalize_hook;
+
+/// Throws when Kokkos is not initialised, naming what needed it.
+using runtime::detail::require_kokkos;
+}  // namespace experimental
 }  // namespace meshlib
 
 namespace meshlib::distributed::detail {

@@ -202,7 +202,7 @@ std::string describe_claim(const claim& c) {
 template <class Tag = void>
 launch_info detect_launch(const env_source& env, const explicit_launch& given = {},
                           std::optional<std::pair<std::size_t, std::size_t>> comm = std::nullopt) {
-  using claim = meshlib::detail::deferred_t<detail::claim, Tag>;  // compiled at the first call
+  using claim = meshlib::experimental::deferred_t<detail::claim, Tag>;  // compiled at the first call
   std::vector<claim> direct;
   if (given.process_id || given.num_processes) {
     if (!given.process_id || !given.num_processes)

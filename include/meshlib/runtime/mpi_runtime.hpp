@@ -121,13 +121,16 @@ inline mpi_runtime_state& mpi_state() {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
   }
-  meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
+  meshlib::experimental::write_stderr_line("meshlib: MPI rank " + std::to_string(rank) + " of " + std::to_string(size) +
                             " aborts the run: " + std::string(reason));
   if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
 }
 
 }  // namespace detail
+
+/// The process's MPI state as `meshlib::mpi::initialize` left it (the default runner reads it).
+using detail::mpi_state;
 
 /// @brief Starts the run over MPI. Initialises MPI (`MPI_Init_thread`, asking for
 /// `MPI_THREAD_MULTIPLE`, which hybrid meshes need) when the program has not; adopts `comm`

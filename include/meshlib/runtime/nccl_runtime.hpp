@@ -58,7 +58,7 @@ using distributed::launch_info;
   const std::string address = bootstrap_address(env, info);
   if (options.device < 0) {
     int count = 0;
-    meshlib::detail::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
+    meshlib::experimental::check_cuda(cudaGetDeviceCount(&count), "nccl::connect_from_environment", "cudaGetDeviceCount");
     options.device = static_cast<int>(info.local_rank.value_or(info.process_index % static_cast<std::size_t>(count)) %
                                       static_cast<std::size_t>(count));
   }

@@ -34,7 +34,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 // ---- diagnostics ------------------------------------------------------------------------------
 // Each is a function whose one static_assert names, in its failing condition, the operands' specs
@@ -42,7 +42,7 @@ namespace detail {
 
 template <class Op, class LhsSpec, class RhsSpec>
 consteval bool zip_needs_same_sharding() {
-  static_assert(always_false<Op, LhsSpec, RhsSpec>,
+  static_assert(diagnostic::always_false<Op, LhsSpec, RhsSpec>,
                 "meshlib: zip / elementwise operator: the operands have different shardings (the two specs are "
                 "spelled out in the condition); meshlib moves no data implicitly: reshard one operand with "
                 "meshlib::reshard<Spec>(x) so both have the same spec");
@@ -51,7 +51,7 @@ consteval bool zip_needs_same_sharding() {
 
 template <class Op, class LhsValue, class RhsValue>
 consteval bool zip_needs_same_local_layout() {
-  static_assert(always_false<Op, LhsValue, RhsValue>,
+  static_assert(diagnostic::always_false<Op, LhsValue, RhsValue>,
                 "meshlib: zip / elementwise operator on local values: the operands vary over, are partial over, or are "
                 "sharded over different mesh axes (the two layouts are spelled out in the condition); make them "
                 "agree first: psum / all_gather the one, pbroadcast the other, or reshard the inputs of shard_map");
@@ -60,20 +60,20 @@ consteval bool zip_needs_same_local_layout() {
 
 template <class Op, class LhsRank, class RhsRank>
 consteval bool zip_of_different_ranks() {
-  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
+  static_assert(diagnostic::always_false<Op, LhsRank, RhsRank>, "meshlib: zip / elementwise operator on operands of different ranks");
   return false;
 }
 
 template <class Op, class LhsMesh, class RhsMesh>
 consteval bool zip_of_different_meshes() {
-  static_assert(always_false<Op, LhsMesh, RhsMesh>,
+  static_assert(diagnostic::always_false<Op, LhsMesh, RhsMesh>,
                 "meshlib: zip / elementwise operator on operands over different mesh types");
   return false;
 }
 
 template <class PartialAxes, class Value>
 consteval bool operation_is_not_linear_on_partial() {
-  static_assert(always_false<PartialAxes, Value>,
+  static_assert(diagnostic::always_false<PartialAxes, Value>,
                 "meshlib: this operation is not linear, but the operand is a pending sum over the axes spelled out in "
                 "the condition; complete the sum with psum over those axes first (only +, -, negation, and scaling "
                 "by a scalar keep a value partial)");
@@ -84,13 +84,13 @@ consteval bool operation_is_not_linear_on_partial() {
 template <class L>
 consteval bool check_not_partial() {
   if constexpr (L::partial != 0)
-    return operation_is_not_linear_on_partial<diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+    return operation_is_not_linear_on_partial<diagnostic::axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
   else return true;
 }
 
 template <class A, class B>
 consteval bool diagnose_zip_local() {
-  using op_t = diag_op_t<"zip">;
+  using op_t = diagnostic::op_t<"zip">;
   if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
     return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
   else if constexpr (A::rank != B::rank)
@@ -102,13 +102,13 @@ consteval bool diagnose_zip_local() {
 
 template <class A, class B>
 consteval bool diagnose_zip_global() {
-  using op_t = diag_op_t<"zip">;
+  using op_t = diagnostic::op_t<"zip">;
   if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
     return zip_of_different_meshes<op_t, typename A::mesh_type, typename B::mesh_type>();
   else if constexpr (A::rank != B::rank)
     return zip_of_different_ranks<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
   else if constexpr (!std::is_same_v<typename A::spec_type, typename B::spec_type>)
-    return zip_needs_same_sharding<op_t, diag_spec_t<typename A::spec_type>, diag_spec_t<typename B::spec_type>>();
+    return zip_needs_same_sharding<op_t, diagnostic::spec_t<typename A::spec_type>, diagnostic::spec_t<typename B::spec_type>>();
   else return true;
 }
 
@@ -147,8 +147,8 @@ auto zip_view(const VA& a, const VB& b, const F& f) {
   static_cast<void>(require_kernel_can_read<"zip", "b", VB, Space>());
   constexpr std::size_t rank = VA::rank;
   if (extents_of(a) != extents_of(b))
-    throw sharding_error("meshlib: zip: the local blocks have shapes " + describe_shape(extents_of(a)) + " and " +
-                         describe_shape(extents_of(b)) + "; elementwise operands need equal shapes");
+    throw sharding_error("meshlib: zip: the local blocks have shapes " + experimental::describe_shape(extents_of(a)) + " and " +
+                         experimental::describe_shape(extents_of(b)) + "; elementwise operands need equal shapes");
   auto out = allocate<U, rank, Space>(extents_of(a), "meshlib::zip", false);
   launch<Space>(a.span(), zip_functor<F, typename VA::value_type, typename VB::value_type, U>{f, a.data(), b.data(),
                                                                                                 out.data()});
@@ -174,7 +174,7 @@ void check_same_global(const X& x, const Y& y, const char* op) {
                            " is local to one operand and not the other");
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 // ---- local view ---------------------------------------------------------------------------------
 
@@ -182,31 +182,31 @@ void check_same_global(const X& x, const Y& y, const char* op) {
 /// @pre `x` is not partial (map is not linear in general).
 template <class F, local_tensor_type L>
 auto map(F f, const L& x) {
-  if constexpr (!detail::check_not_partial<L>()) {
+  if constexpr (!tensor::detail::check_not_partial<L>()) {
     return x;  // the diagnostic above has fired
   } else {
     using T = typename L::value_type;
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
     using out_t = with_value_t<L, U>;
-    return out_t(detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
+    return out_t(tensor::detail::map_view<U, typename L::memory_space>(x.view(), f), x.mesh(), x.device());
   }
 }
 
 /// @brief `f(a[i], b[i])` for every element; both operands must have the same layout.
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  if constexpr (!detail::diagnose_zip_local<A, B>()) {
+  if constexpr (!tensor::detail::diagnose_zip_local<A, B>()) {
     return a;  // the diagnostic above has fired
-  } else if constexpr (!detail::check_not_partial<A>()) {
+  } else if constexpr (!tensor::detail::check_not_partial<A>()) {
     return a;  // the diagnostic above has fired
   } else {
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
     using out_t = with_value_t<A, U>;
-    return out_t(detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
+    return out_t(tensor::detail::zip_view<U, typename A::memory_space>(a.view(), b.view(), f), a.mesh(), a.device());
   }
 }
 
-namespace detail {
+namespace tensor::detail {
 /// Zip allowed on partial operands (for the linear operators +, -).
 template <class F, local_tensor_type A, local_tensor_type B>
 auto zip_linear(F f, const A& a, const B& b) {
@@ -257,75 +257,75 @@ struct negate_fn {
 
 template <class S, class T>
 concept scalar_for = std::is_arithmetic_v<S> && std::is_arithmetic_v<T>;
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Elementwise sum and difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator+(const A& a, const B& b) {
-  return detail::zip_linear(detail::plus_fn{}, a, b);
+  return tensor::detail::zip_linear(tensor::detail::plus_fn{}, a, b);
 }
 /// @brief Elementwise difference: linear, so allowed on partial values of the same layout.
 template <local_tensor_type A, local_tensor_type B>
 auto operator-(const A& a, const B& b) {
-  return detail::zip_linear(detail::minus_fn{}, a, b);
+  return tensor::detail::zip_linear(tensor::detail::minus_fn{}, a, b);
 }
 /// @brief Elementwise product and quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator*(const A& a, const B& b) {
-  return zip(detail::times_fn{}, a, b);
+  return zip(tensor::detail::times_fn{}, a, b);
 }
 /// @brief Elementwise quotient: not linear in the pair, so not on partial values.
 template <local_tensor_type A, local_tensor_type B>
 auto operator/(const A& a, const B& b) {
-  return zip(detail::divide_fn{}, a, b);
+  return zip(tensor::detail::divide_fn{}, a, b);
 }
 /// @brief Negation: linear, allowed on partial values.
 template <local_tensor_type L>
 L operator-(const L& x) {
-  return detail::map_linear(detail::negate_fn{}, x);
+  return tensor::detail::map_linear(tensor::detail::negate_fn{}, x);
 }
 
 /// @brief Scaling by a scalar: linear, allowed on partial values. The result keeps `x`'s element type.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator*(const L& x, S s) {
-  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, false>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::times_fn, false>{s}, x);
 }
 /// @brief Scaling by a scalar on the left: linear, allowed on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator*(S s, const L& x) {
-  return detail::map_linear(detail::scalar_fn<S, detail::times_fn, true>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::times_fn, true>{s}, x);
 }
 /// @brief Division by a scalar: linear, allowed on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator/(const L& x, S s) {
-  return detail::map_linear(detail::scalar_fn<S, detail::divide_fn, false>{s}, x);
+  return tensor::detail::map_linear(tensor::detail::scalar_fn<S, tensor::detail::divide_fn, false>{s}, x);
 }
 /// @brief Adding a scalar: not linear (it would be added once per part), so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator+(const L& x, S s) {
-  return map(detail::scalar_fn<S, detail::plus_fn, false>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::plus_fn, false>{s}, x);
 }
 /// @brief Adding a scalar on the left: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator+(S s, const L& x) {
-  return map(detail::scalar_fn<S, detail::plus_fn, true>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::plus_fn, true>{s}, x);
 }
 /// @brief Subtracting a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator-(const L& x, S s) {
-  return map(detail::scalar_fn<S, detail::minus_fn, false>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::minus_fn, false>{s}, x);
 }
 /// @brief Subtracting from a scalar: not linear, so not on partial values.
 template <local_tensor_type L, class S>
-  requires detail::scalar_for<S, typename L::value_type>
+  requires tensor::detail::scalar_for<S, typename L::value_type>
 L operator-(S s, const L& x) {
-  return map(detail::scalar_fn<S, detail::minus_fn, true>{s}, x);
+  return map(tensor::detail::scalar_fn<S, tensor::detail::minus_fn, true>{s}, x);
 }
 
 // ---- global view --------------------------------------------------------------------------------
@@ -335,64 +335,64 @@ template <class F, sharded_tensor_type X>
 auto map(F f, const X& x) {
   using T = typename X::value_type;
   using U = std::remove_cvref_t<std::invoke_result_t<F&, const T&>>;
-  using view_u = detail::block_view_t<U, X::rank, typename X::memory_space>;
+  using view_u = tensor::detail::block_view_t<U, X::rank, typename X::memory_space>;
   std::vector<view_u> out(x.num_devices());
-  detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
-    out[d] = detail::map_view<U, typename X::memory_space>(x.local(d), f);
+  tensor::detail::for_each_device<typename X::memory_space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) {
+    out[d] = tensor::detail::map_view<U, typename X::memory_space>(x.local(d), f);
   });
-  return detail::rewrap_global<X, U>(x, std::move(out));
+  return tensor::detail::rewrap_global<X, U>(x, std::move(out));
 }
 
 /// @brief `f(a[i], b[i])` for every element; both tensors must have the same sharding.
 template <class F, sharded_tensor_type A, sharded_tensor_type B>
 auto zip(F f, const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_zip_global<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_zip_global<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
-    detail::check_same_global(a, b, "zip");
+    tensor::detail::check_same_global(a, b, "zip");
     using U = std::remove_cvref_t<std::invoke_result_t<F&, const typename A::value_type&, const typename B::value_type&>>;
-    using view_u = detail::block_view_t<U, A::rank, typename A::memory_space>;
+    using view_u = tensor::detail::block_view_t<U, A::rank, typename A::memory_space>;
     std::vector<view_u> out(a.num_devices());
-    detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
-      out[d] = detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
+    tensor::detail::for_each_device<typename A::memory_space>(a.local_devices(), a.num_devices(), a.size(), [&](std::size_t d) {
+      out[d] = tensor::detail::zip_view<U, typename A::memory_space>(a.local(d), b.local(d), f);
     });
-    return detail::rewrap_global<A, U>(a, std::move(out));
+    return tensor::detail::rewrap_global<A, U>(a, std::move(out));
   }
 }
 
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator+(const A& a, const B& b) {
-  return zip(detail::plus_fn{}, a, b);
+  return zip(tensor::detail::plus_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator-(const A& a, const B& b) {
-  return zip(detail::minus_fn{}, a, b);
+  return zip(tensor::detail::minus_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator*(const A& a, const B& b) {
-  return zip(detail::times_fn{}, a, b);
+  return zip(tensor::detail::times_fn{}, a, b);
 }
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto operator/(const A& a, const B& b) {
-  return zip(detail::divide_fn{}, a, b);
+  return zip(tensor::detail::divide_fn{}, a, b);
 }
 /// @brief Negation of every element of a sharded tensor.
 template <sharded_tensor_type X>
 X operator-(const X& x) {
-  return map(detail::negate_fn{}, x);
+  return map(tensor::detail::negate_fn{}, x);
 }
 
 #define MESHLIB_DETAIL_GLOBAL_SCALAR_OP(op, fn)                                                     \
   template <sharded_tensor_type X, class S>                                                        \
-    requires detail::scalar_for<S, typename X::value_type>                                         \
+    requires tensor::detail::scalar_for<S, typename X::value_type>                                         \
   X operator op(const X& x, S s) {                                                                 \
-    return map(detail::scalar_fn<S, detail::fn, false>{s}, x);                                     \
+    return map(tensor::detail::scalar_fn<S, tensor::detail::fn, false>{s}, x);                                     \
   }                                                                                                \
   template <sharded_tensor_type X, class S>                                                        \
-    requires detail::scalar_for<S, typename X::value_type>                                         \
+    requires tensor::detail::scalar_for<S, typename X::value_type>                                         \
   X operator op(S s, const X& x) {                                                                 \
-    return map(detail::scalar_fn<S, detail::fn, true>{s}, x);                                      \
+    return map(tensor::detail::scalar_fn<S, tensor::detail::fn, true>{s}, x);                                      \
   }
 MESHLIB_DETAIL_GLOBAL_SCALAR_OP(+, plus_fn)
 MESHLIB_DETAIL_GLOBAL_SCALAR_OP(-, minus_fn)

@@ -18,7 +18,7 @@
 
 #include "meshlib/tensor/view.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::tensor::detail {
 
 /// Runs `call(ctx, i)` for every `i` in `[0, count)` at once and returns when all have returned;
 /// rethrows the exception of the lowest `i` that threw.
@@ -52,4 +52,12 @@ void for_each_device(std::span<const std::size_t> devices, std::size_t num_devic
   dispatch(devices.size(), &task, [](void* t, std::size_t i) { (*static_cast<decltype(task)*>(t))(i); });
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::tensor::detail
+
+namespace meshlib::experimental {
+/// The dispatcher `for_each_device` calls: a runner installs its own.
+using tensor::detail::device_dispatcher;
+
+/// Runs a function once per device of a mesh, through the installed dispatcher (a runner installs one).
+using tensor::detail::for_each_device;
+}  // namespace meshlib::experimental

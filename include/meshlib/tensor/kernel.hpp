@@ -33,20 +33,20 @@ namespace meshlib {
 /// @brief The view of a rank-`Rank` block of `T` in memory `Space`: row-major, as NumPy and JAX lay
 /// arrays out; owns its memory (reference-counted: copy or drop it only on its device's thread).
 template <class T, std::size_t Rank, class Space = default_memory_space>
-using block_view = detail::block_view_t<T, Rank, Space>;
+using block_view = tensor::detail::block_view_t<T, Rank, Space>;
 
 /// @brief A `block_view` that does not own its memory (no reference count: safe to copy between
 /// device threads; the owner must outlive it).
 template <class T, std::size_t Rank, class Space = default_memory_space>
-using unmanaged_block_view = detail::unmanaged_view_t<T, Rank, Space>;
+using unmanaged_block_view = tensor::detail::unmanaged_view_t<T, Rank, Space>;
 
-using detail::allocate;
-using detail::copy_from_host;
-using detail::copy_to_host;
-using detail::edit_on_host;
-using detail::host_accessible_v;
-using detail::host_readable;
-using detail::launch;
-using detail::read_back;
+using tensor::detail::allocate;
+using tensor::detail::copy_from_host;
+using tensor::detail::copy_to_host;
+using tensor::detail::edit_on_host;
+using tensor::detail::host_accessible_v;
+using tensor::detail::host_readable;
+using tensor::detail::launch;
+using tensor::detail::read_back;
 
 }  // namespace meshlib

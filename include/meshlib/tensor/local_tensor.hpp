@@ -54,7 +54,7 @@ struct dim_masks {
   static constexpr axis_mask at(std::size_t d) noexcept { return d < size ? values[d] : axis_mask{0}; }
 };
 
-namespace detail {
+namespace tensor::detail {
 
 template <class T>
 concept dim_masks_type = requires { typename T::is_dim_masks; };
@@ -89,15 +89,20 @@ struct permute_dims_impl<Dims, Perm, std::index_sequence<I...>> {
   using type = dim_masks<Dims::at(Perm[I])...>;
 };
 
-}  // namespace detail
+}  // namespace tensor::detail
+
+namespace experimental {
+/// The local layout with dimension `D` removed (a reduction over a dimension computes its result type with it).
+using tensor::detail::remove_dim_impl;
+}  // namespace experimental
 
 /// @brief `dim_masks` of rank `Rank` with no sharded dimension.
 template <std::size_t Rank>
-using replicated_dims = typename detail::replicated_dims_impl<Rank>::type;
+using replicated_dims = typename tensor::detail::replicated_dims_impl<Rank>::type;
 
 /// @brief The `dim_masks` of a rank-`Rank` array laid out by sharding `S`.
 template <sharding_type S, std::size_t Rank>
-using dims_of_t = typename detail::dims_of_impl<S, Rank>::type;
+using dims_of_t = typename tensor::detail::dims_of_impl<S, Rank>::type;
 
 /// @brief The value of type `T` one device holds inside `shard_map` / `spmd`.
 /// @tparam Vary    mesh axes the value varies over (see the file comment).
@@ -108,7 +113,7 @@ using dims_of_t = typename detail::dims_of_impl<S, Rank>::type;
 template <class T, std::size_t Rank, mesh_type Mesh, axis_mask Vary = 0, axis_mask Partial = 0,
           class Dims = replicated_dims<Rank>, class Space = default_memory_space>
 class local_tensor {
-  static_assert(detail::dim_masks_type<Dims> && Dims::size == Rank,
+  static_assert(tensor::detail::dim_masks_type<Dims> && Dims::size == Rank,
                 "meshlib: local_tensor: Dims must be a dim_masks<...> with one mask per dimension");
   static_assert((Vary & Partial) == 0,
                 "meshlib: local_tensor: a value cannot both vary over an axis and be a pending sum over it");
@@ -127,7 +132,7 @@ class local_tensor {
   /// The Kokkos memory space the block lives in.
   using memory_space = Space;
   /// The block's storage: a row-major `Kokkos::View` in `Space`.
-  using view_type = detail::block_view_t<T, Rank, Space>;
+  using view_type = tensor::detail::block_view_t<T, Rank, Space>;
   /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
   /// The number of dimensions.
@@ -143,7 +148,7 @@ class local_tensor {
   /// A zero block of `shape` on `device`. Throws `sharding_error` naming the dimension and its size
   /// when the element or byte count overflows (a wrapped count would allocate a small block).
   local_tensor(const shape_type& shape, const Mesh& mesh, std::size_t device)
-      : view_(detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
+      : view_(tensor::detail::allocate<T, Rank, Space>(checked_shape(shape), "meshlib::local_tensor")), mesh_(mesh),
         device_(device) {}
 
   /// The block's storage (shared, not copied).
@@ -153,7 +158,7 @@ class local_tensor {
   /// The device whose block this is.
   [[nodiscard]] std::size_t device() const noexcept { return device_; }
   /// The block's shape.
-  [[nodiscard]] shape_type shape() const { return detail::extents_of(view_); }
+  [[nodiscard]] shape_type shape() const { return tensor::detail::extents_of(view_); }
   /// The block's extent in dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return view_.extent(d); }
   /// The number of elements of the block.
@@ -175,7 +180,7 @@ class local_tensor {
 
   /// Prints `local_tensor<(4, 6) on device 3, vary {'data'}, partial {}>`.
   friend std::ostream& operator<<(std::ostream& os, const local_tensor& t) {
-    return os << "local_tensor<" << detail::describe_shape(t.shape()) << " on device " << t.device_
+    return os << "local_tensor<" << experimental::describe_shape(t.shape()) << " on device " << t.device_
               << ", vary " << describe_axes<Mesh>(Vary) << ", partial " << describe_axes<Mesh>(Partial) << '>';
   }
   /// The block as `operator<<` prints it.
@@ -187,7 +192,7 @@ class local_tensor {
 
  private:
   static const shape_type& checked_shape(const shape_type& shape) {
-    (void)detail::checked_bytes<T>(detail::checked_product(shape, "the local_tensor block shape"),
+    (void)experimental::checked_bytes<T>(experimental::checked_product(shape, "the local_tensor block shape"),
                                    "the byte count of the local_tensor block");
     return shape;
   }
@@ -218,33 +223,33 @@ inline constexpr bool is_local_tensor_v = local_tensor_type<T>;
 template <local_tensor_type L>
 [[nodiscard]] std::vector<std::remove_const_t<typename L::value_type>> to_host(const L& x) {
   std::vector<std::remove_const_t<typename L::value_type>> out(x.size());
-  detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
+  tensor::detail::copy_to_host<typename L::memory_space>(out.data(), x.data(), x.size());
   return out;
 }
 
-namespace detail {
+namespace tensor::detail {
 /// The layout of local value `L`, spelled out for a diagnostic (core/diagnostics.hpp).
 template <class L, class Seq = std::make_index_sequence<L::rank>>
 struct diag_value_impl;
 template <class L, std::size_t... I>
 struct diag_value_impl<L, std::index_sequence<I...>> {
   using mesh_t = typename L::mesh_type;
-  using type = diagnostic::value<diagnostic::vary<diag_axes_t<mesh_t, L::vary>>,
-                                 diagnostic::partial<diag_axes_t<mesh_t, L::partial>>,
-                                 diagnostic::dims<diag_axes_t<mesh_t, L::dims_type::at(I)>...>>;
+  using type = diagnostic::value<diagnostic::vary<diagnostic::axes_t<mesh_t, L::vary>>,
+                                 diagnostic::partial<diagnostic::axes_t<mesh_t, L::partial>>,
+                                 diagnostic::dims<diagnostic::axes_t<mesh_t, L::dims_type::at(I)>...>>;
 };
 /// `diagnostic::value<vary<...>, partial<...>, dims<...>>` of a local value `L`.
 template <class L>
 using diag_value_t = typename diag_value_impl<L>::type;
-}  // namespace detail
+}  // namespace tensor::detail
 
 namespace diagnostic {
 /// The layout of local value `L` spelled out for a compile-time error: `value<vary<...>, partial<...>, dims<...>>`.
 template <class L>
-using value_t = detail::diag_value_t<L>;
+using value_t = tensor::detail::diag_value_t<L>;
 }  // namespace diagnostic
 
-namespace detail {
+namespace tensor::detail {
 template <class L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
 struct rebind_local;
 template <class T, std::size_t Rank, class M, axis_mask V0, axis_mask P0, class D0, class S, class U, std::size_t R,
@@ -252,37 +257,37 @@ template <class T, std::size_t Rank, class M, axis_mask V0, axis_mask P0, class 
 struct rebind_local<local_tensor<T, Rank, M, V0, P0, D0, S>, U, R, V, P, D> {
   using type = local_tensor<U, R, M, V, P, D, S>;
 };
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief `L` with every field but the named ones kept: the result types collectives and kernels compute.
 template <local_tensor_type L, axis_mask NewVary>
-using with_vary_t = typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
+using with_vary_t = typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, NewVary, L::partial,
                                                   typename L::dims_type>::type;
 /// @brief `L` with its partial axes replaced.
 template <local_tensor_type L, axis_mask NewPartial>
-using with_partial_t = typename detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
+using with_partial_t = typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, L::vary, NewPartial,
                                                      typename L::dims_type>::type;
 /// @brief `L` with vary and partial both replaced (collectives move axes from one to the other).
 template <local_tensor_type L, axis_mask NewVary, axis_mask NewPartial>
 using with_vary_partial_t =
-    typename detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
+    typename tensor::detail::rebind_local<L, typename L::value_type, L::rank, NewVary, NewPartial, typename L::dims_type>::type;
 /// @brief `L` with its per-dimension sharding masks replaced.
 template <local_tensor_type L, class NewDims>
 using with_dims_t =
-    typename detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
+    typename tensor::detail::rebind_local<L, typename L::value_type, NewDims::size, L::vary, L::partial, NewDims>::type;
 /// @brief `L` with element type `U`.
 template <local_tensor_type L, class U>
-using with_value_t = typename detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
+using with_value_t = typename tensor::detail::rebind_local<L, U, L::rank, L::vary, L::partial, typename L::dims_type>::type;
 /// @brief The general form: element type, rank, vary, partial and dims all given.
 template <local_tensor_type L, class U, std::size_t R, axis_mask V, axis_mask P, class D>
-using rebind_local_t = typename detail::rebind_local<L, U, R, V, P, D>::type;
+using rebind_local_t = typename tensor::detail::rebind_local<L, U, R, V, P, D>::type;
 
 /// @brief `Dims` without dimension `D`, and `Dims` permuted (`Perm[i]`: the source of entry `i`).
 template <class Dims, std::size_t D>
-using remove_dim_t = typename detail::remove_dim_impl<Dims, D>::type;
+using remove_dim_t = typename tensor::detail::remove_dim_impl<Dims, D>::type;
 /// @brief `Dims` permuted: entry `i` is `Dims`' entry `Perm[i]`.
 template <class Dims, auto Perm>
-using permute_dims_t = typename detail::permute_dims_impl<Dims, Perm>::type;
+using permute_dims_t = typename tensor::detail::permute_dims_impl<Dims, Perm>::type;
 
 /// @brief The local type of a block of a rank-`Rank` array laid out by `S`, entering `shard_map`:
 /// varying over every axis the spec uses, partial over none.

@@ -38,7 +38,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 /// C = A . B for row-major blocks, into a fresh view (`matmul_into` with `beta = 0` writes every
 /// element, so the block is not zero-filled first).
@@ -61,7 +61,7 @@ auto gemm_view(const VA& a, const VB& b) {
 
 template <class LhsContractionAxes, class RhsContractionAxes>
 consteval bool matmul_contraction_sharded_differently() {
-  static_assert(always_false<LhsContractionAxes, RhsContractionAxes>,
+  static_assert(diagnostic::always_false<LhsContractionAxes, RhsContractionAxes>,
                 "meshlib: matmul: the contraction dimension must be sharded over the same mesh axes on both sides, "
                 "but lhs dimension 1 and rhs dimension 0 are sharded over the axes spelled out in the condition "
                 "(lhs, rhs); reshard (or all_gather) one operand so that they match");
@@ -70,7 +70,7 @@ consteval bool matmul_contraction_sharded_differently() {
 
 template <class SharedAxes>
 consteval bool matmul_output_dims_share_an_axis() {
-  static_assert(always_false<SharedAxes>,
+  static_assert(diagnostic::always_false<SharedAxes>,
                 "meshlib: matmul: the same mesh axis would shard both the rows (lhs dimension 0) and the columns "
                 "(rhs dimension 1) of the result (the axis is spelled out in the condition); reshard one operand "
                 "to replicate that dimension");
@@ -79,7 +79,7 @@ consteval bool matmul_output_dims_share_an_axis() {
 
 template <class Axes>
 consteval bool matmul_of_partial_value() {
-  static_assert(always_false<Axes>,
+  static_assert(diagnostic::always_false<Axes>,
                 "meshlib: matmul: one operand is a pending sum over the axes spelled out in the condition and the "
                 "other varies over (or is also partial over) them, so the product is not a pending sum of anything; "
                 "psum the partial operand first");
@@ -88,7 +88,7 @@ consteval bool matmul_of_partial_value() {
 
 template <class LhsSpec, class RhsSpec>
 consteval bool matmul_incompatible_shardings() {
-  static_assert(always_false<LhsSpec, RhsSpec>,
+  static_assert(diagnostic::always_false<LhsSpec, RhsSpec>,
                 "meshlib: matmul: incompatible shardings: the contraction dimension (lhs dimension 1, rhs dimension "
                 "0) must be sharded over the same mesh axes on both sides, and no axis may shard both output "
                 "dimensions (the specs are spelled out in the condition); reshard one operand with "
@@ -98,26 +98,26 @@ consteval bool matmul_incompatible_shardings() {
 
 template <class Op, class LhsRank, class RhsRank>
 consteval bool matmul_needs_rank_2() {
-  static_assert(always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
+  static_assert(diagnostic::always_false<Op, LhsRank, RhsRank>, "meshlib: matmul needs two rank-2 operands");
   return false;
 }
 
 template <class Op, class LhsMesh, class RhsMesh>
 consteval bool matmul_of_different_meshes() {
-  static_assert(always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
+  static_assert(diagnostic::always_false<Op, LhsMesh, RhsMesh>, "meshlib: matmul of operands over different mesh types");
   return false;
 }
 
 template <class Op, class LhsType, class RhsType>
 consteval bool matmul_of_different_element_types() {
-  static_assert(always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
+  static_assert(diagnostic::always_false<Op, LhsType, RhsType>, "meshlib: matmul operands must have the same element type");
   return false;
 }
 
 /// The checks both views share: ranks, mesh and element type.
 template <class A, class B>
 consteval bool diagnose_matmul_operands() {
-  using op_t = diag_op_t<"matmul">;
+  using op_t = diagnostic::op_t<"matmul">;
   if constexpr (A::rank != 2 || B::rank != 2)
     return matmul_needs_rank_2<op_t, diagnostic::size<A::rank>, diagnostic::size<B::rank>>();
   else if constexpr (!std::is_same_v<typename A::mesh_type, typename B::mesh_type>)
@@ -136,9 +136,9 @@ consteval bool diagnose_matmul_local() {
     constexpr axis_mask a1 = A::dims_type::at(1), b0 = B::dims_type::at(0);
     constexpr axis_mask shared = A::dims_type::at(0) & B::dims_type::at(1);
     constexpr axis_mask bad_partial = (A::partial & B::partial) | (A::partial & B::vary) | (B::partial & A::vary);
-    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diag_axes_t<M, a1>, diag_axes_t<M, b0>>();
-    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diag_axes_t<M, shared>>();
-    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diag_axes_t<M, bad_partial>>();
+    if constexpr (a1 != b0) return matmul_contraction_sharded_differently<diagnostic::axes_t<M, a1>, diagnostic::axes_t<M, b0>>();
+    else if constexpr (shared != 0) return matmul_output_dims_share_an_axis<diagnostic::axes_t<M, shared>>();
+    else if constexpr (bad_partial != 0) return matmul_of_partial_value<diagnostic::axes_t<M, bad_partial>>();
     else return true;
   }
 }
@@ -153,16 +153,16 @@ consteval bool diagnose_matmul_global() {
     using shA = typename A::sharding_type;
     using shB = typename B::sharding_type;
     if constexpr (SA::dim(1) == SB::dim(0) && (shA::dim_mask(0) & shB::dim_mask(1)) == 0) return true;
-    else return matmul_incompatible_shardings<diag_spec_t<SA>, diag_spec_t<SB>>();
+    else return matmul_incompatible_shardings<diagnostic::spec_t<SA>, diagnostic::spec_t<SB>>();
   }
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief The product of two rank-2 local values (see the file comment for the result's layout).
 template <local_tensor_type A, local_tensor_type B>
 auto matmul(const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_matmul_local<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_matmul_local<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
@@ -170,7 +170,7 @@ auto matmul(const A& a, const B& b) {
   constexpr axis_mask vary = (A::vary | B::vary) & ~partial;
   using out_t = rebind_local_t<A, typename A::value_type, 2, vary, partial,
                                dim_masks<A::dims_type::at(0), B::dims_type::at(1)>>;
-  return out_t(detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
+  return out_t(tensor::detail::gemm_view<typename A::memory_space>(a.view(), b.view()), a.mesh(), a.device());
   }
 }
 
@@ -178,7 +178,7 @@ auto matmul(const A& a, const B& b) {
 /// contraction over `k`'s axes completed (summed over each group, in group-rank order).
 template <sharded_tensor_type A, sharded_tensor_type B>
 auto matmul(const A& a, const B& b) {
-  constexpr bool ok = detail::diagnose_matmul_global<A, B>();
+  constexpr bool ok = tensor::detail::diagnose_matmul_global<A, B>();
   if constexpr (!ok) {
     return;  // the diagnostic above has fired
   } else {
@@ -187,7 +187,7 @@ auto matmul(const A& a, const B& b) {
   using SB = typename B::spec_type;
   using M = typename A::mesh_type;
   using space = typename A::memory_space;
-  using out_spec = detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
+  using out_spec = tensor::detail::spec_from_array_t<std::array<dim_spec, 2>{SA::dim(0), SB::dim(1)}>;
   using out_sharding = named_sharding<M, out_spec>;
   using out_t = sharded_tensor<T, 2, out_sharding, space>;
   constexpr axis_mask c = A::sharding_type::dim_mask(1);
@@ -204,8 +204,8 @@ auto matmul(const A& a, const B& b) {
   }
   // Every device's block product at once, each on its own instance (for_each_device.hpp).
   const std::size_t flops = a.extent(0) * a.extent(1) * b.extent(1);
-  detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
-    prod[dev] = detail::gemm_view<space>(a.local(dev), b.local(dev));
+  tensor::detail::for_each_device<space>(a.local_devices(), n, flops, [&](std::size_t dev) {
+    prod[dev] = tensor::detail::gemm_view<space>(a.local(dev), b.local(dev));
   });
   out_sharding s(a.mesh(), a.sharding().rule());
   if constexpr (c == 0) {
@@ -219,9 +219,9 @@ auto matmul(const A& a, const B& b) {
                                " needs device " + std::to_string(g) +
                                "'s block, which is not local; use the local view and psum");
     // Each device sums its group's products in group-rank order (the same bits on every device).
-    detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
+    tensor::detail::for_each_device<space>(a.local_devices(), n, a.extent(0) * b.extent(1) * n, [&](std::size_t dev) {
       const auto& first = prod[dev];
-      sum[dev] = detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
+      sum[dev] = tensor::detail::allocate<T, 2, space>({first.extent(0), first.extent(1)}, "meshlib::matmul", true);
       T* dst = sum[dev].data();
       for (std::size_t g : a.mesh().group(dev, c)) {
         const T* src = prod[g].data();

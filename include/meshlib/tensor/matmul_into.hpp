@@ -60,7 +60,7 @@ namespace meshlib {
 /// `parallel_for` instead, and has no such region. `launch_counter` counts the regions.
 inline constexpr const char* blas_product_region = "meshlib::matmul_into[BLAS]";
 
-namespace detail {
+namespace tensor::detail {
 
 inline std::atomic<bool>& blas_threads_chosen() {
   static std::atomic<bool> chosen{false};
@@ -79,15 +79,15 @@ inline void (*openblas_setter())(int) {
   return fn;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Sets how many threads the BLAS uses inside one device's `matmul` (process-wide: OpenBLAS
 /// has one setting). Call it before the device threads start.
 /// @returns whether an OpenBLAS was found to apply it to.
 inline bool set_blas_threads_per_device(int threads) {
-  detail::blas_threads_chosen() = true;
-  detail::blas_threads_setting() = threads < 1 ? 1 : threads;
-  if (auto fn = detail::openblas_setter()) {
+  tensor::detail::blas_threads_chosen() = true;
+  tensor::detail::blas_threads_setting() = threads < 1 ? 1 : threads;
+  if (auto fn = tensor::detail::openblas_setter()) {
     fn(threads < 1 ? 1 : threads);
     return true;
   }
@@ -98,12 +98,12 @@ inline bool set_blas_threads_per_device(int threads) {
 /// `MESHLIB_BLAS_THREADS` at the first product); 1 before either. What to restore after trying
 /// another (the mesh advisor does).
 inline int blas_threads_per_device() noexcept {
-  if (!detail::blas_threads_chosen())  // what the first product will choose
+  if (!tensor::detail::blas_threads_chosen())  // what the first product will choose
     if (const char* env = std::getenv("MESHLIB_BLAS_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
-  return detail::blas_threads_setting();
+  return tensor::detail::blas_threads_setting();
 }
 
-namespace detail {
+namespace tensor::detail {
 
 /// Applies the default of one BLAS thread per device once, unless the user chose.
 inline void ensure_blas_threads() {
@@ -278,7 +278,7 @@ void matmul_into_kernel(const Exec& exec, const VC& c, const VA& a, const VB& b,
   else launch_on(exec, m * n, matmul_into_element_functor<T>{f});
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief The options of `matmul_into`: the transpose of each operand, and `alpha`, `beta`
 /// (converted to the element type). Designated initialisers name what a positional BLAS call hides
@@ -308,12 +308,12 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
-  using entry = detail::diag_op_t<"matmul_into">;
-  constexpr bool accessible = require_accessible<entry, detail::diag_op_t<"C">, Exec, space>() &&
-                              require_accessible<entry, detail::diag_op_t<"A">, Exec, typename VA::memory_space>() &&
-                              require_accessible<entry, detail::diag_op_t<"B">, Exec, typename VB::memory_space>();
+  using entry = diagnostic::op_t<"matmul_into">;
+  constexpr bool accessible = require_accessible<entry, diagnostic::op_t<"C">, Exec, space>() &&
+                              require_accessible<entry, diagnostic::op_t<"A">, Exec, typename VA::memory_space>() &&
+                              require_accessible<entry, diagnostic::op_t<"B">, Exec, typename VB::memory_space>();
   if constexpr (accessible) {
-    detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
+    tensor::detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
     // The views' types say device memory; their pointers may still be host memory (a view wrapped
     // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
     check_device_readable<space>(c.data(), "matmul_into", "C");
@@ -321,15 +321,15 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
     check_device_readable<typename VB::memory_space>(b.data(), "matmul_into", "B");
     const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
     const std::size_t k = o.transpose_a ? a.extent(0) : a.extent(1);
-    if constexpr (detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
+    if constexpr (tensor::detail::use_blas_v<T, space> && std::is_same_v<typename VA::memory_space, space> &&
                   std::is_same_v<typename VB::memory_space, space> &&
                   std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
-                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && detail::blas_layout_v<VC>) {
+                  std::is_same_v<typename VB::array_layout, typename VC::array_layout> && tensor::detail::blas_layout_v<VC>) {
       if (c.extent(0) == 0 || c.extent(1) == 0) return;
-      if (k == 0 || alpha == T{0} || !detail::blas_allowed())
-        return detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+      if (k == 0 || alpha == T{0} || !tensor::detail::blas_allowed())
+        return tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
-      detail::ensure_blas_threads();
+      tensor::detail::ensure_blas_threads();
       // Unmanaged: no reference count is touched, so any device thread may call this (tensor/view.hpp).
       using layout = typename VC::array_layout;
       using um = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
@@ -338,7 +338,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
       const Kokkos::View<T**, layout, space, um> cv = c;
       const char* ta = o.transpose_a ? "T" : "N";
       const char* tb = o.transpose_b ? "T" : "N";
-      const detail::blas_product_scope region;
+      const tensor::detail::blas_product_scope region;
 #if KOKKOS_VERSION >= 40000
       if constexpr (std::is_same_v<Exec, typename space::execution_space>) KokkosBlas::gemm(exec, ta, tb, alpha, av, bv, beta, cv);
       else KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);
@@ -347,7 +347,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 #endif
 #endif
     } else {
-      detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+      tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
     }
   }
 }
@@ -357,7 +357,7 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 template <class VC, class VA, class VB>
   requires(Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value && Kokkos::is_view<VB>::value)
 void matmul_into(const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
-  matmul_into(detail::current_exec<typename VC::memory_space>(), c, a, b, o);
+  matmul_into(tensor::detail::current_exec<typename VC::memory_space>(), c, a, b, o);
 }
 
 }  // namespace meshlib

@@ -112,7 +112,7 @@ template <class Space>
     (void)p;
     return true;
   } else {
-    return is_device_readable<Space>(p, detail::current_device_id<Space>());
+    return is_device_readable<Space>(p, tensor::detail::current_device_id<Space>());
   }
 }
 
@@ -137,25 +137,25 @@ void check_device_readable(const void* p, std::string_view entry, std::string_vi
   }
 }
 
-namespace detail {
+namespace tensor::detail {
 /// The diagnostic of `require_accessible` (core/diagnostics.hpp: a function, so one error).
 template <class Entry, class Argument, class Exec, class Space>
 consteval bool argument_memory_is_not_accessible_from_kernel_space() {
-  static_assert(always_false<Entry, Argument, Exec, Space>,
+  static_assert(diagnostic::always_false<Entry, Argument, Exec, Space>,
                 "meshlib: an argument's memory space cannot be read by the execution space its kernel runs on "
                 "(the note names the call, the argument, the execution space and the memory space); copy it there "
                 "first with meshlib::nn::device_put (a batch), meshlib::device_put (an array) or Kokkos::deep_copy");
   return false;
 }
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Compile-time half of the check: `true` when execution space `Exec` can access memory
 /// space `Space`; otherwise one compile error that spells the call `Entry` and the `Argument`
-/// (`diag_op_t<"matmul_into">`, `diag_op_t<"A">`).
+/// (`diagnostic::op_t<"matmul_into">`, `diagnostic::op_t<"A">`).
 template <class Entry, class Argument, class Exec, class Space>
 consteval bool require_accessible() {
   if constexpr (Kokkos::SpaceAccessibility<Exec, Space>::accessible) return true;
-  else return detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
+  else return tensor::detail::argument_memory_is_not_accessible_from_kernel_space<Entry, Argument, Exec, Space>();
 }
 
 /// @brief The compile-time check of a public entry whose kernels run on the running device's
@@ -171,7 +171,7 @@ consteval bool require_accessible() {
 /// @endcode
 template <fixed_string Entry, fixed_string Argument, class L, class KernelSpace = default_memory_space>
 consteval bool require_kernel_can_read() {
-  return require_accessible<detail::diag_op_t<Entry>, detail::diag_op_t<Argument>,
+  return require_accessible<diagnostic::op_t<Entry>, diagnostic::op_t<Argument>,
                             typename KernelSpace::execution_space, typename L::memory_space>();
 }
 

@@ -46,7 +46,7 @@ namespace meshlib {
 /// `<meshlib.hpp>` also includes).
 enum class reduce_kind { sum, max, mean };
 
-namespace detail {
+namespace tensor::detail {
 
 /// `Spec` of a rank-`Rank` array without entry `D`.
 template <class Spec, std::size_t Rank, std::size_t D>
@@ -58,7 +58,7 @@ constexpr std::array<dim_spec, Rank - 1> remove_spec_entry() {
 
 template <class Dim, class Rank>
 consteval bool reduction_over_missing_dim() {
-  static_assert(always_false<Dim, Rank>,
+  static_assert(diagnostic::always_false<Dim, Rank>,
                 "meshlib: reduction over a dimension the tensor does not have (the dimension and the rank are spelled "
                 "out in the condition)");
   return false;
@@ -66,7 +66,7 @@ consteval bool reduction_over_missing_dim() {
 
 template <class Op, class PartialAxes, class Value>
 consteval bool max_of_partial_value() {
-  static_assert(always_false<Op, PartialAxes, Value>,
+  static_assert(diagnostic::always_false<Op, PartialAxes, Value>,
                 "meshlib: max over a value that is a pending sum over the axes spelled out in the condition: the max "
                 "of the parts is not the max of the sum; psum over those axes first");
   return false;
@@ -138,7 +138,7 @@ template <reduce_kind Op, std::size_t D, class L>
 consteval bool check_reduce_local() {
   if constexpr (!check_reduce_dim<D, L::rank>()) return false;
   else if constexpr (Op == reduce_kind::max && L::partial != 0)
-    return max_of_partial_value<diag_op_t<"max">, diag_axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
+    return max_of_partial_value<diagnostic::op_t<"max">, diagnostic::axes_t<typename L::mesh_type, L::partial>, diag_value_t<L>>();
   else return true;
 }
 
@@ -237,30 +237,30 @@ auto reduce_global_checked(const X& x) {
   }
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Sum over dimension `D` (local view: partial over `D`'s axes; global view: complete).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto sum(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::sum, D>(x);
-  else return detail::reduce_global<reduce_kind::sum, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::sum, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::sum, D>(x);
 }
 
 /// @brief Mean over dimension `D` (local view: partial over `D`'s axes, scaled by the global extent).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto mean(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::mean, D>(x);
-  else return detail::reduce_global<reduce_kind::mean, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::mean, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::mean, D>(x);
 }
 
 /// @brief Max over dimension `D` (local view: the block's max, still varying over `D`'s axes: pmax completes it).
 template <std::size_t D, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto max(const X& x) {
-  if constexpr (local_tensor_type<X>) return detail::reduce_local<reduce_kind::max, D>(x);
-  else return detail::reduce_global<reduce_kind::max, D>(x);
+  if constexpr (local_tensor_type<X>) return tensor::detail::reduce_local<reduce_kind::max, D>(x);
+  else return tensor::detail::reduce_global<reduce_kind::max, D>(x);
 }
 
 }  // namespace meshlib

@@ -40,7 +40,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 /// Calls `f(local_index, global_index)` for every element of block `b`, row-major.
 template <std::size_t Rank, class F>
@@ -67,10 +67,10 @@ constexpr std::size_t flat_index(const std::array<std::size_t, Rank>& shape, con
 
 template <std::size_t Rank>
 std::size_t shape_size(const std::array<std::size_t, Rank>& s) {
-  return checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
+  return experimental::checked_product(s, "the global shape");  // throws, never wraps (core/checked_size.hpp)
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief A global array of `T` of rank `Rank`, laid out by `Sharding` (a `named_sharding`), each
 /// local device's block in a row-major `Kokkos::View` in `Space`.
@@ -93,7 +93,7 @@ class sharded_tensor {
   /// The Kokkos memory space the blocks live in.
   using memory_space = Space;
   /// A block's storage: a row-major `Kokkos::View` in `Space`.
-  using view_type = detail::block_view_t<T, Rank, Space>;
+  using view_type = tensor::detail::block_view_t<T, Rank, Space>;
   /// A shape: one extent per dimension.
   using shape_type = std::array<std::size_t, Rank>;
   /// Which block of the global array each device holds.
@@ -111,12 +111,12 @@ class sharded_tensor {
   /// Zero blocks for the devices in `local_devices` only (one process of a multi-process run).
   sharded_tensor(const Sharding& sharding, const shape_type& global_shape, std::span<const std::size_t> local_devices)
       : layout_(sharding, global_shape), blocks_(sharding.mesh().size()), local_(sharding.mesh().size(), false) {
-    detail::checked_bytes<T>(size(), "the byte count of the global shape");
+    experimental::checked_bytes<T>(size(), "the byte count of the global shape");
     for (std::size_t dev : local_devices) {
       if (dev >= blocks_.size())
         throw sharding_error("meshlib: sharded_tensor: local device " + std::to_string(dev) + " is not in mesh " +
                              sharding.mesh().to_string());
-      blocks_[dev] = detail::allocate<T, Rank, Space>(layout_.local_shape(dev), "meshlib::sharded_tensor");
+      blocks_[dev] = tensor::detail::allocate<T, Rank, Space>(layout_.local_shape(dev), "meshlib::sharded_tensor");
       local_[dev] = true;
     }
   }
@@ -129,11 +129,11 @@ class sharded_tensor {
     if (blocks_.size() != sharding.mesh().size() || local_.size() != blocks_.size())
       throw sharding_error("meshlib: sharded_tensor needs one block entry per device of " + sharding.mesh().to_string());
     for (std::size_t dev = 0; dev < blocks_.size(); ++dev)
-      if (local_[dev] && detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
+      if (local_[dev] && tensor::detail::extents_of(blocks_[dev]) != layout_.local_shape(dev))
         throw sharding_error("meshlib: sharded_tensor: device " + std::to_string(dev) + "'s block has shape " +
-                             detail::describe_shape(detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
-                             " on global shape " + detail::describe_shape(global_shape) + " gives it shape " +
-                             detail::describe_shape(layout_.local_shape(dev)));
+                             experimental::describe_shape(tensor::detail::extents_of(blocks_[dev])) + " but " + sharding.to_string() +
+                             " on global shape " + experimental::describe_shape(global_shape) + " gives it shape " +
+                             experimental::describe_shape(layout_.local_shape(dev)));
   }
 
   /// How the array is split over the mesh.
@@ -147,7 +147,7 @@ class sharded_tensor {
   /// The global extent of dimension `d`.
   [[nodiscard]] std::size_t extent(std::size_t d) const noexcept { return layout_.global_shape()[d]; }
   /// Number of elements of the global array.
-  [[nodiscard]] std::size_t size() const noexcept { return detail::shape_size(global_shape()); }
+  [[nodiscard]] std::size_t size() const noexcept { return tensor::detail::shape_size(global_shape()); }
   /// The number of devices of the mesh, local or not.
   [[nodiscard]] std::size_t num_devices() const noexcept { return blocks_.size(); }
 
@@ -196,7 +196,7 @@ class sharded_tensor {
       if (b.size() == 0) continue;
       if (src == n)
         throw sharding_error("meshlib: to_host: block " + block_string(b) + " is held by devices " +
-                             detail::describe_devices(reps) + ", none of them local to this process");
+                             experimental::describe_devices(reps) + ", none of them local to this process");
       copy_block_out(src, b, out.data());
     }
     return out;
@@ -204,7 +204,7 @@ class sharded_tensor {
 
   /// Prints `sharded_tensor<(8, 6), named_sharding(mesh{'data': 2}, P<"data">)>`.
   friend std::ostream& operator<<(std::ostream& os, const sharded_tensor& t) {
-    return os << "sharded_tensor<" << detail::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
+    return os << "sharded_tensor<" << experimental::describe_shape(t.global_shape()) << ", " << t.sharding() << '>';
   }
   /// The array as `operator<<` prints it: global shape and sharding.
   [[nodiscard]] std::string to_string() const {
@@ -233,9 +233,9 @@ class sharded_tensor {
 
   void copy_block_out(std::size_t dev, const block<Rank>& b, T* out) const {
     auto host = Kokkos::create_mirror_view(blocks_[dev]);
-    if constexpr (!detail::host_accessible_v<Space>) Kokkos::deep_copy(host, blocks_[dev]);
+    if constexpr (!tensor::detail::host_accessible_v<Space>) Kokkos::deep_copy(host, blocks_[dev]);
     const T* src = host.data();
-    detail::for_each_in_block(b, [&](std::size_t i, const shape_type& g) { out[detail::flat_index(global_shape(), g)] = src[i]; });
+    tensor::detail::for_each_in_block(b, [&](std::size_t i, const shape_type& g) { out[tensor::detail::flat_index(global_shape(), g)] = src[i]; });
   }
 
   layout_type layout_;
@@ -250,7 +250,7 @@ concept sharded_tensor_type = requires { typename std::remove_cvref_t<T>::is_sha
 template <class T>
 inline constexpr bool is_sharded_tensor_v = sharded_tensor_type<T>;
 
-namespace detail {
+namespace tensor::detail {
 
 /// Builds a tensor whose local blocks `fill(dev, block, T* host_data)` writes, row-major.
 template <class T, std::size_t Rank, sharding_type S, class Space, class F>
@@ -273,7 +273,7 @@ std::vector<std::size_t> every_device(const S& s) {
   return d;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief Scatters a global row-major host array into blocks (`jax.device_put(x, sharding)`).
 /// @throws sharding_error when `data.size()` is not the product of `shape`, or the shape does not fit.
@@ -282,16 +282,16 @@ sharded_tensor<std::remove_const_t<T>, Rank, S, Space> from_host(const S& shardi
                                                                  std::span<T> data,
                                                                  std::span<const std::size_t> local_devices = {}) {
   using U = std::remove_const_t<T>;
-  if (data.size() != detail::shape_size(shape))
-    throw sharding_error("meshlib: from_host: global shape " + detail::describe_shape(shape) + " has " +
-                         std::to_string(detail::shape_size(shape)) + " elements but the host array has " +
+  if (data.size() != tensor::detail::shape_size(shape))
+    throw sharding_error("meshlib: from_host: global shape " + experimental::describe_shape(shape) + " has " +
+                         std::to_string(tensor::detail::shape_size(shape)) + " elements but the host array has " +
                          std::to_string(data.size()));
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  return detail::fill_blocks<U, Rank, S, Space>(sharding, shape, local_devices,
+  return tensor::detail::fill_blocks<U, Rank, S, Space>(sharding, shape, local_devices,
                                                 [&](std::size_t, const block<Rank>& b, U* out) {
-                                                  detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
-                                                    out[i] = data[detail::flat_index(shape, g)];
+                                                  tensor::detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
+                                                    out[i] = data[tensor::detail::flat_index(shape, g)];
                                                   });
                                                 });
 }
@@ -310,19 +310,19 @@ sharded_tensor<T, Rank, S, Space> from_host(const S& sharding, const std::array<
 template <class T, class Space = default_memory_space, std::size_t Rank, sharding_type S, class F>
 sharded_tensor<T, Rank, S, Space> make_array_from_callback(const std::array<std::size_t, Rank>& shape, const S& sharding,
                                                            F&& cb, std::span<const std::size_t> local_devices = {}) {
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  using view_t = detail::block_view_t<T, Rank, Space>;
+  using view_t = tensor::detail::block_view_t<T, Rank, Space>;
   using host_t = typename view_t::HostMirror;
   if constexpr (std::invocable<F&, const std::array<std::size_t, Rank>&>) {
-    return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
-      detail::for_each_in_block(b, [&](std::size_t i, const auto& g) { out[i] = static_cast<T>(cb(g)); });
+    return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
+      tensor::detail::for_each_in_block(b, [&](std::size_t i, const auto& g) { out[i] = static_cast<T>(cb(g)); });
     });
   } else {
     static_assert(std::invocable<F&, std::size_t, const block<Rank>&, const host_t&>,
                   "meshlib: make_array_from_callback: the callback must be invocable as cb(global_index) -> T or as "
                   "cb(device, block, host_view)");
-    return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t dev, const block<Rank>& b, T* out) {
+    return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t dev, const block<Rank>& b, T* out) {
       host_t v = [&]<std::size_t... I>(std::index_sequence<I...>) {
         return host_t(out, b.extent[I]...);
       }(std::make_index_sequence<Rank>{});
@@ -335,9 +335,9 @@ sharded_tensor<T, Rank, S, Space> make_array_from_callback(const std::array<std:
 template <class T, class Space = default_memory_space, std::size_t Rank, sharding_type S>
 sharded_tensor<T, Rank, S, Space> full(const S& sharding, const std::array<std::size_t, Rank>& shape, const T& value,
                                        std::span<const std::size_t> local_devices = {}) {
-  const auto all = detail::every_device(sharding);
+  const auto all = tensor::detail::every_device(sharding);
   if (local_devices.empty()) local_devices = all;
-  return detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
+  return tensor::detail::fill_blocks<T, Rank, S, Space>(sharding, shape, local_devices, [&](std::size_t, const block<Rank>& b, T* out) {
     std::fill(out, out + b.size(), value);
   });
 }

@@ -13,7 +13,7 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/core/partition_spec.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::tensor::detail {
 
 template <std::size_t N>
 constexpr std::size_t trimmed_length(const std::array<dim_spec, N>& dims) {
@@ -77,4 +77,4 @@ inline constexpr auto axes_names_v = [] {
   return s;
 }();
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::tensor::detail

@@ -22,7 +22,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace tensor::detail {
 
 template <class T>
 struct transpose_functor {
@@ -52,7 +52,7 @@ auto transpose_view(const View& in) {
 
 template <class Op, class Rank>
 consteval bool transpose_needs_rank_2() {
-  static_assert(always_false<Op, Rank>,
+  static_assert(diagnostic::always_false<Op, Rank>,
                 "meshlib: transpose(x) without indices swaps the two dimensions of a rank-2 tensor; for other ranks "
                 "name the permutation: transpose<1, 0, 2>(x) (the rank is spelled out in the condition)");
   return false;
@@ -88,7 +88,7 @@ consteval bool is_permutation() {
 
 template <class Op, class Rank, class... Indices>
 consteval bool transpose_needs_a_permutation() {
-  static_assert(always_false<Op, Rank, Indices...>,
+  static_assert(diagnostic::always_false<Op, Rank, Indices...>,
                 "meshlib: transpose<P...>: the indices must be a permutation of 0 .. rank-1, one per dimension (the "
                 "rank and the indices are spelled out in the condition)");
   return false;
@@ -114,7 +114,7 @@ auto permute_view(const View& in) {
   return out;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
 
 /// @brief `x` with its dimensions permuted (`transpose<1, 0, 2>(x)`), or, with no indices, the
 /// transpose of a rank-2 `x`. Local values and sharded tensors alike.
@@ -122,32 +122,32 @@ template <std::size_t... Perm, class X>
   requires(local_tensor_type<X> || sharded_tensor_type<X>)
 auto transpose(const X& x) {
   if constexpr (sizeof...(Perm) == 0) {
-    if constexpr (X::rank != 2) return detail::transpose_needs_rank_2<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>>(), x;
+    if constexpr (X::rank != 2) return tensor::detail::transpose_needs_rank_2<diagnostic::op_t<"transpose">, diagnostic::size<X::rank>>(), x;
     else return transpose<1, 0>(x);
   } else if constexpr (sizeof...(Perm) != X::rank ||
-                       !detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
+                       !tensor::detail::is_permutation<std::array<std::size_t, sizeof...(Perm)>{Perm...}>()) {
     // the diagnostic fires; x is returned so that the caller sees one error only
-    return detail::transpose_needs_a_permutation<detail::diag_op_t<"transpose">, diagnostic::size<X::rank>,
+    return tensor::detail::transpose_needs_a_permutation<diagnostic::op_t<"transpose">, diagnostic::size<X::rank>,
                                                  diagnostic::dim<Perm>...>(),
            x;
   } else {
     constexpr std::array<std::size_t, X::rank> perm{Perm...};
     using space = typename X::memory_space;
     auto kernel = [](const auto& v) {
-      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return detail::transpose_view<space>(v);  // cache-tiled
-      else return detail::permute_view<space, Perm...>(v);
+      if constexpr (X::rank == 2 && std::array<std::size_t, X::rank>{Perm...}[0] == 1) return tensor::detail::transpose_view<space>(v);  // cache-tiled
+      else return tensor::detail::permute_view<space, Perm...>(v);
     };
     if constexpr (local_tensor_type<X>) {
       using out_t = with_dims_t<X, permute_dims_t<typename X::dims_type, perm>>;
       return out_t(kernel(x.view()), x.mesh(), x.device());
     } else {
       using spec = typename X::spec_type;
-      using out_spec = detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
+      using out_spec = tensor::detail::spec_from_array_t<std::array<dim_spec, X::rank>{spec::dim(Perm)...}>;
       using out_sharding = named_sharding<typename X::mesh_type, out_spec>;
       using out_t = sharded_tensor<typename X::value_type, X::rank, out_sharding, space>;
       std::vector<typename out_t::view_type> blocks(x.num_devices());
       std::vector<bool> local(x.num_devices());
-      detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
+      tensor::detail::for_each_device<space>(x.local_devices(), x.num_devices(), x.size(), [&](std::size_t d) { blocks[d] = kernel(x.local(d)); });
       for (std::size_t d : x.local_devices()) local[d] = true;
       typename out_t::shape_type shape{};
       for (std::size_t d = 0; d < X::rank; ++d) shape[d] = x.extent(perm[d]);

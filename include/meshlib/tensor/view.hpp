@@ -50,7 +50,7 @@ namespace meshlib {
 /// @brief The memory space meshlib puts blocks in unless told otherwise.
 using default_memory_space = Kokkos::DefaultExecutionSpace::memory_space;
 
-namespace detail {
+namespace tensor::detail {
 
 /// `T*...*` with `N` stars: the Kokkos data type of a rank-`N` view.
 template <class T, std::size_t N>
@@ -147,7 +147,7 @@ class device_instance_cache {
       if (s.n == n && s.threads == threads) return s.instances[device];
     if (!cache.hooked_) {
       cache.hooked_ = true;
-      detail::push_finalize_hook([] {
+      experimental::push_finalize_hook([] {
         std::lock_guard l(cache.m_);
         cache.sets_.clear();
         cache.hooked_ = false;
@@ -233,7 +233,7 @@ block_view_t<T, Rank, Space> allocate(const std::array<std::size_t, Rank>& exten
                                       bool zero = true) {
   using view_t = block_view_t<T, Rank, Space>;
   static_assert(Rank <= 8, "meshlib: Kokkos views have at most 8 dimensions");
-  require_kokkos(label);
+  experimental::require_kokkos(label);
   view_t v;
   {
     std::unique_lock<std::mutex> lock(kokkos_state_mutex(), std::defer_lock);
@@ -358,5 +358,28 @@ T read_back(const T* p) {
   return v;
 }
 
-}  // namespace detail
+}  // namespace tensor::detail
+
+namespace experimental {
+/// The extents of a view as a `std::array`.
+using tensor::detail::extents_of;
+
+/// Whether a CPU device may be a team of cores in this Kokkos build.
+using tensor::detail::has_thread_teams_v;
+
+/// The execution-space instance of device `d` of the process.
+using tensor::detail::device_instance;
+
+/// The execution-space instance of the running device (its stream on a GPU).
+using tensor::detail::current_exec;
+
+/// Whether a runner installed an execution-space instance on this thread.
+using tensor::detail::runner_installed_exec;
+
+/// Installs an execution-space instance as the calling device thread's for a scope (runners use it).
+using tensor::detail::scoped_exec_space;
+
+/// The Kokkos execution space that runs kernels on memory space `Space`.
+using tensor::detail::exec_space_for_t;
+}  // namespace experimental
 }  // namespace meshlib

@@ -292,15 +292,15 @@ TEST_CASE("psum_start: a device thread's communication worker is reused by its n
         [&] {
           seen s;
           s.device = std::this_thread::get_id();
-          s.device_blocks = detail::prefer_blocking_waits();
+          s.device_blocks = comm::detail::prefer_blocking_waits();
           // A job on the worker, in the order of the device's asynchronous collectives.
-          auto op = detail::current_device("test").start(mesh1::mask_of<"x">(), [&](detail::device_comm&) {
+          auto op = collectives::detail::current_device("test").start(mesh1::mask_of<"x">(), [&](collectives::detail::device_comm&) {
             s.worker = std::this_thread::get_id();
-            s.worker_blocks = detail::prefer_blocking_waits();
+            s.worker_blocks = comm::detail::prefer_blocking_waits();
           });
           auto r = psum_start<"x">(coll_test::make_block<l1>(m, {1000}));
           s.sum = r.wait().data()[7];
-          detail::current_device("test").stream().wait(*op);
+          collectives::detail::current_device("test").stream().wait(*op);
           return s;
         },
         runner);

@@ -42,7 +42,7 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
     auto x = coll_test::make_block<L>(m, shape);
     // pmean of integers is a floating value (JAX's true division); seen here as T's mean type U.
     auto mean = pmean<"x">(x);
-    static_assert(std::is_same_v<typename decltype(mean)::value_type, detail::mean_value_t<T>>);
+    static_assert(std::is_same_v<typename decltype(mean)::value_type, collectives::detail::mean_value_t<T>>);
     return std::pair{std::array{coll_test::capture(psum<"x">(x)), coll_test::capture(pmax<"x">(x)),
                                 coll_test::capture(pmin<"x">(x))},
                      coll_test::capture(mean)};
@@ -63,7 +63,7 @@ void check_1d_reductions(std::size_t n, std::array<std::size_t, 2> shape) {
       }
       CHECK(r[0].data[i] == static_cast<T>(sum));
       // pmean: the sum (in T) divided by n in U, as JAX's psum(x) / n: never truncated for integers.
-      using U = detail::mean_value_t<T>;
+      using U = collectives::detail::mean_value_t<T>;
       CHECK(mean.data[i] == static_cast<U>(static_cast<U>(static_cast<T>(sum)) / static_cast<U>(n)));
       CHECK(r[1].data[i] == static_cast<T>(mx));
       CHECK(r[2].data[i] == static_cast<T>(mn));

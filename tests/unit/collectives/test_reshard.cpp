@@ -39,13 +39,13 @@ bool blocks_match(const X& t, const std::vector<T>& host, std::string& why) {
   for (std::size_t dev = 0; dev < t.num_devices(); ++dev) {
     const auto b = t.block_of(dev);
     const auto& v = t.local(dev);
-    if (detail::extents_of(v) != b.extent) {
+    if (tensor::detail::extents_of(v) != b.extent) {
       why = "device " + std::to_string(dev) + " has a block of the wrong shape";
       return false;
     }
     bool ok = true;
-    detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
-      if (v.data()[i] != host[detail::flat_index(t.global_shape(), g)]) ok = false;
+    tensor::detail::for_each_in_block(b, [&](std::size_t i, const auto& g) {
+      if (v.data()[i] != host[tensor::detail::flat_index(t.global_shape(), g)]) ok = false;
     });
     if (!ok) {
       why = "device " + std::to_string(dev) + " holds a wrong element";
@@ -65,11 +65,11 @@ template <class Mesh, class From, class To>
 case_result run_case(const Mesh& m, shard_rule rule, std::mt19937& rng) {
   using from_s = named_sharding<Mesh, From>;
   using to_s = named_sharding<Mesh, To>;
-  const auto fd = detail::to_dyn_spec<from_s>(2), td = detail::to_dyn_spec<to_s>(2);
+  const auto fd = collectives::detail::to_dyn_spec<from_s>(2), td = collectives::detail::to_dyn_spec<to_s>(2);
   std::array<std::size_t, 2> shape{};
   for (std::size_t d = 0; d < 2; ++d) {
     if (rule == shard_rule::even) {
-      const std::size_t a = detail::dyn_shards(m, fd[d]), b = detail::dyn_shards(m, td[d]);
+      const std::size_t a = collectives::detail::dyn_shards(m, fd[d]), b = collectives::detail::dyn_shards(m, td[d]);
       std::size_t l = a;
       while (l % b) l += a;  // lcm
       shape[d] = l * std::uniform_int_distribution<std::size_t>(1, 2)(rng);
@@ -85,7 +85,7 @@ case_result run_case(const Mesh& m, shard_rule rule, std::mt19937& rng) {
   case_result r;
   std::string why;
   std::ostringstream os;
-  os << m << " " << From{} << " -> " << To{} << " shape " << detail::describe_shape(shape)
+  os << m << " " << From{} << " -> " << To{} << " shape " << core::detail::describe_shape(shape)
      << (rule == shard_rule::uneven ? " uneven" : " even") << "\n" << plan;
   if (!blocks_match(y, host, why)) {
     r.ok = false;

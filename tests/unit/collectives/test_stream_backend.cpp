@@ -60,26 +60,26 @@ class stream_comm
 
  private:
   std::shared_ptr<scripted_stream> stream_;
-  void ensure_usable(ml::detail::op_kind) const {}
+  void ensure_usable(ml::comm::detail::op_kind) const {}
   std::string label() const { return "fake stream rank 0"; }
-  template <ml::detail::op_kind K, class T>
-  request_type transport(const ml::detail::operation<T>& o, fake_stream_context) {
-    ops.emplace_back(ml::detail::op_name(K));
+  template <ml::comm::detail::op_kind K, class T>
+  request_type transport(const ml::comm::detail::operation<T>& o, fake_stream_context) {
+    ops.emplace_back(ml::comm::detail::op_name(K));
     if (o.send != nullptr && o.recv != nullptr && o.send != o.recv)
       for (std::size_t i = 0; i < o.count; ++i) o.recv[i] = o.send[i];
-    return request_type(stream_, stream_->next_event++, std::string(ml::detail::op_name(K)), std::chrono::hours(1));
+    return request_type(stream_, stream_->next_event++, std::string(ml::comm::detail::op_name(K)), std::chrono::hours(1));
   }
 };
 static_assert(ml::communicator<stream_comm>);
-static_assert(ml::detail::stream_ordered_v<stream_comm>);
-static_assert(!ml::detail::stream_ordered_v<ml::thread_communicator>);
+static_assert(ml::collectives::detail::stream_ordered_v<stream_comm>);
+static_assert(!ml::collectives::detail::stream_ordered_v<ml::thread_communicator>);
 
 }  // namespace
 
 TEST_CASE("stream backend handle: operations are enqueued, not waited for; synchronize waits for the last") {
   auto s = std::make_shared<scripted_stream>();
   stream_comm c(s);
-  ml::detail::device_comm_for<stream_comm> h(c);
+  ml::collectives::detail::device_comm_for<stream_comm> h(c);
   const float in[3] = {1, 2, 3};
   float out[3] = {};
   h.all_reduce(in, out, 3, ml::datatype::float32, ml::reduce_op::sum);  // the stream never finishes yet
@@ -99,7 +99,7 @@ TEST_CASE("stream backend handle: operations are enqueued, not waited for; synch
 TEST_CASE("stream backend handle: a failed operation is reported at the next enqueue or at synchronize") {
   auto s = std::make_shared<scripted_stream>();
   stream_comm c(s);
-  ml::detail::device_comm_for<stream_comm> h(c);
+  ml::collectives::detail::device_comm_for<stream_comm> h(c);
   float buf[2] = {1, 2};
   h.all_reduce(buf, 2, ml::datatype::float32, ml::reduce_op::sum);
   s->fail_with = "unhandled cuda error";
@@ -113,7 +113,7 @@ TEST_CASE("stream backend handle: a failed operation is reported at the next enq
 
   auto s2 = std::make_shared<scripted_stream>();
   stream_comm c2(s2);
-  ml::detail::device_comm_for<stream_comm> h2(c2);
+  ml::collectives::detail::device_comm_for<stream_comm> h2(c2);
   h2.all_to_all(buf, buf + 1, 1, ml::datatype::float32);
   s2->fail_with = "peer gone";
   CHECK(meshlib_test::message_of<ml::comm_aborted>([&] { h2.synchronize(); }) ==
@@ -125,14 +125,14 @@ TEST_CASE("device contexts: a stream backend takes device memory, a host backend
   const mesh1 m{1};
   auto s = std::make_shared<scripted_stream>();
   s->done = true;
-  ml::detail::device_context_for<stream_comm, mesh1> gpu_like(m, 0, stream_comm(s));
+  ml::collectives::detail::device_context_for<stream_comm, mesh1> gpu_like(m, 0, stream_comm(s));
   CHECK(gpu_like.takes_device_memory());
   float buf[2] = {1, 2};
   gpu_like.comm(1).all_reduce(buf, 2, ml::datatype::float32, ml::reduce_op::sum);
   gpu_like.synchronize();  // drains the worker and waits for the handles' last operations
   CHECK(s->polls >= 1);
   ml::thread_world world(1);
-  ml::detail::device_context_for<ml::thread_communicator, mesh1> host(m, 0, world.communicator(0));
+  ml::collectives::detail::device_context_for<ml::thread_communicator, mesh1> host(m, 0, world.communicator(0));
   CHECK_FALSE(host.takes_device_memory());
   host.comm(1).all_reduce(buf, 2, ml::datatype::float32, ml::reduce_op::sum);  // completes in the call
   host.synchronize();                                                           // nothing to wait for

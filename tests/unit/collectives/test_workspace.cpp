@@ -51,7 +51,7 @@ std::tuple<long, long, std::size_t> allocations_of_100_calls(std::size_t n, Op o
     (void)op(x);  // warm-up: the workspace gets its buffers
     // Every device passes the warm-up before any counts (the counter is process-wide).
     (void)psum<"x">(x);
-    const std::size_t before_ws = detail::current_device("test").workspace().allocations();
+    const std::size_t before_ws = collectives::detail::current_device("test").workspace().allocations();
     const long start = kokkos_allocations.load();
     (void)psum<"x">(x);
     for (int i = 0; i < 100; ++i) {
@@ -60,7 +60,7 @@ std::tuple<long, long, std::size_t> allocations_of_100_calls(std::size_t n, Op o
     }
     (void)psum<"x">(x);  // every device is done calling op before any reads the count
     during += kokkos_allocations.load() - start;
-    workspace_count[dev] = detail::current_device("test").workspace().allocations() - before_ws;
+    workspace_count[dev] = collectives::detail::current_device("test").workspace().allocations() - before_ws;
   });
   long bad_total = 0;
   for (auto b : bad) bad_total += b;
@@ -78,7 +78,7 @@ TEST_CASE("typed collectives allocate nothing after warm-up", "[collectives][wor
     bool hook_live = false;
     {
       allocation_counter counter;
-      auto v = detail::allocate<float, 1>(std::array<std::size_t, 1>{3});
+      auto v = tensor::detail::allocate<float, 1>(std::array<std::size_t, 1>{3});
       hook_live = kokkos_allocations.load() == 1;
     }
 #if KOKKOS_VERSION < 40000
@@ -114,7 +114,7 @@ TEST_CASE("a held collective result is never overwritten by a later call", "[col
       for (std::size_t i = 0; i < y.size(); ++i) y.data()[i] = -5 * static_cast<std::int64_t>(dev + i) + 11;
       auto r1 = psum<"x">(x);
       auto g1 = all_gather<"x", 1>(x);
-      auto s1 = psum_scatter<"x", 1>(L(detail::allocate<std::int64_t, 2>({3, 4 * n}), m, dev));
+      auto s1 = psum_scatter<"x", 1>(L(tensor::detail::allocate<std::int64_t, 2>({3, 4 * n}), m, dev));
       auto r2 = psum<"x">(y);  // same shape and type as r1: must not reuse r1's buffer
       auto g2 = all_gather<"x", 1>(y);
       auto r3 = psum<"x">(std::move(y));  // donation must not pick r1's buffer either
@@ -216,7 +216,7 @@ TEST_CASE("the workspace outlives the call: the next call reuses its buffers, ne
         [&](std::size_t dev) {
           L y(shape, m, dev);
           for (std::size_t i = 0; i < y.size(); ++i) y.data()[i] = 2.0f * static_cast<float>(i) - static_cast<float>(dev);
-          auto& ws = detail::current_device("test").workspace();
+          auto& ws = collectives::detail::current_device("test").workspace();
           const std::size_t before = ws.allocations();
           auto r = psum<"x">(y);
           allocations[dev] = ws.allocations() - before;
@@ -249,18 +249,18 @@ TEST_CASE("a workspace keeps at most max_shapes shapes", "[collectives][workspac
   std::vector<std::size_t> kept(2);
   std::vector<int> ok(2, 1);
   spmd(m, [&](std::size_t dev) {
-    const std::size_t shapes = detail::collective_workspace::max_shapes + 8;
+    const std::size_t shapes = collectives::detail::collective_workspace::max_shapes + 8;
     for (std::size_t k = 1; k <= shapes; ++k) {
       auto x = coll_test::make_block<L>(m, {k, 3});
       auto r = psum<"x">(x);
       for (std::size_t i = 0; i < r.size(); ++i)
         if (r.data()[i] != value<float>(0, i) + value<float>(1, i)) ok[dev] = 0;
     }
-    kept[dev] = detail::current_device("test").workspace().shapes();
+    kept[dev] = collectives::detail::current_device("test").workspace().shapes();
   });
   for (std::size_t dev = 0; dev < 2; ++dev) {
     CHECK(ok[dev] == 1);
-    CHECK(kept[dev] <= detail::collective_workspace::max_shapes);
+    CHECK(kept[dev] <= collectives::detail::collective_workspace::max_shapes);
     CHECK(kept[dev] > 0);
   }
 }

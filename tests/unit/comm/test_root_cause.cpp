@@ -13,8 +13,8 @@
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
 
 namespace {
-using meshlib::detail::find_root_cause;
-using meshlib::detail::run_failures;
+using meshlib::comm::detail::find_root_cause;
+using meshlib::comm::detail::run_failures;
 
 template <class E>
 std::exception_ptr make(const char* what) {
@@ -30,7 +30,7 @@ TEST_CASE("root cause: nobody failed, nobody blamed", "[root_cause]") {
   std::vector<std::exception_ptr> errors(3);
   const auto b = find_root_cause({.errors = errors, .size = 3, .local_root = 1});
   CHECK(b.source == -1);
-  CHECK_NOTHROW(meshlib::detail::rethrow_root_cause({.errors = errors, .size = 3}));
+  CHECK_NOTHROW(meshlib::comm::detail::rethrow_root_cause({.errors = errors, .size = 3}));
 }
 
 TEST_CASE("root cause: the world's root cause, with its own exception", "[root_cause]") {
@@ -40,7 +40,7 @@ TEST_CASE("root cause: the world's root cause, with its own exception", "[root_c
   CHECK(b.participant == 2);
   CHECK(b.source == 2);
   try {
-    meshlib::detail::rethrow_root_cause({.errors = errors, .size = 3, .local_root = 2});
+    meshlib::comm::detail::rethrow_root_cause({.errors = errors, .size = 3, .local_root = 2});
     FAIL("no throw");
   } catch (const meshlib::participant_error& e) {
     CHECK(e.rank() == 2);
@@ -77,7 +77,7 @@ TEST_CASE("root cause: another process's failure is blamed on its device", "[roo
   const run_failures f{.errors = errors, .first = 2, .size = 4, .remote_root = 0, .noun = "hybrid device"};
   CHECK(find_root_cause(f).participant == 0);
   try {
-    meshlib::detail::rethrow_root_cause(f);
+    meshlib::comm::detail::rethrow_root_cause(f);
     FAIL("no throw");
   } catch (const meshlib::participant_error& e) {
     CHECK(e.rank() == 0);
@@ -116,7 +116,7 @@ TEST_CASE("root cause: one MPI rank, released by another's failure or failing it
 TEST_CASE("root cause: a custom name, as run_on_gpus gives it", "[root_cause]") {
   std::vector<std::exception_ptr> errors{nullptr, own("cuda")};
   try {
-    meshlib::detail::rethrow_root_cause({.errors = errors, .size = 2, .local_root = 1},
+    meshlib::comm::detail::rethrow_root_cause({.errors = errors, .size = 2, .local_root = 1},
                                         [](int r) { return "participant " + std::to_string(r) + " of 2 (GPU 5)"; });
     FAIL("no throw");
   } catch (const meshlib::participant_error& e) {

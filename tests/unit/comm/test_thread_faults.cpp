@@ -609,7 +609,7 @@ TEST_CASE("run_on_threads: pinned participants, the caller's affinity restored",
 
 TEST_CASE("adaptive_spin: a wait spun in vain cuts the spin budget, waits caught while spinning restore it",
           "[comm][threads]") {
-  using meshlib::detail::adaptive_spin;
+  using meshlib::comm::detail::adaptive_spin;
   using ns = std::chrono::nanoseconds;
   // On a fresh thread: the budget is thread-local, and this thread has never waited.
   std::thread([] {
@@ -729,9 +729,9 @@ TEST_CASE("a failure in a sub-communicator releases waiters of the whole world",
 TEST_CASE("describe_call: the text of a call in every backend's mismatch message", "[comm][mismatch]") {
   using meshlib::datatype;
   using meshlib::reduce_op;
-  using meshlib::detail::call_summary;
-  using meshlib::detail::describe_call;
-  using meshlib::detail::op_kind;
+  using meshlib::comm::detail::call_summary;
+  using meshlib::comm::detail::describe_call;
+  using meshlib::comm::detail::op_kind;
   auto call = [](op_kind k, std::optional<datatype> t, std::uint64_t count, reduce_op op = reduce_op::sum, int root = 0) {
     call_summary c;
     c.kind = k;

@@ -118,7 +118,7 @@ TEST_CASE("thread communicator: threads that prefer blocking and threads that sp
   for (int n : {2, 4}) {
     INFO(n << " threads");
     const auto wrong = on_own_threads(
-        n, {}, [](int r) { meshlib::detail::prefer_blocking_waits() = (r % 2) == 1; },
+        n, {}, [](int r) { meshlib::comm::detail::prefer_blocking_waits() = (r % 2) == 1; },
         [](thread_communicator& c) { return all_reduce_rounds(c, 400); });
     CHECK(wrong == std::vector<int>(static_cast<std::size_t>(n), 0));
   }
@@ -146,7 +146,7 @@ TEST_CASE("thread communicator: a waiter whose peer is late ends up blocked, the
   // peer-on-the-same-CPU path (yield, then block).
   for (bool same_cpu : {false, true}) {
     INFO((same_cpu ? "both on one CPU" : "unpinned"));
-    const std::uint64_t before = meshlib::detail::blocked_waits().load();
+    const std::uint64_t before = meshlib::comm::detail::blocked_waits().load();
     const auto wrong = on_own_threads(
         2, {},
         [&](int) {
@@ -156,18 +156,18 @@ TEST_CASE("thread communicator: a waiter whose peer is late ends up blocked, the
         },
         [&](thread_communicator& c) {
           if (c.rank() == 1)
-            while (meshlib::detail::blocked_waits().load() == before) std::this_thread::yield();
+            while (meshlib::comm::detail::blocked_waits().load() == before) std::this_thread::yield();
           std::int64_t x = 5 + c.rank();
           c.all_reduce(std::span<std::int64_t>(&x, 1), reduce_op::sum);
           return x == 11 ? 0 : 1;
         });
     CHECK(wrong == std::vector<int>{0, 0});
-    CHECK(meshlib::detail::blocked_waits().load() > before);
+    CHECK(meshlib::comm::detail::blocked_waits().load() > before);
   }
 }
 
 TEST_CASE("poll_for: true as soon as the condition holds, false once the budget ran out", "[comm][threads]") {
-  using meshlib::detail::poll_for;
+  using meshlib::comm::detail::poll_for;
   int polls = 0;
   CHECK(poll_for([&] { return ++polls == 1; }, ns(0)));  // already true: one poll
   CHECK(polls == 1);
@@ -177,7 +177,7 @@ TEST_CASE("poll_for: true as soon as the condition holds, false once the budget 
   polls = 0;
   CHECK_FALSE(poll_for([&] { return ++polls < 0; }, ns(0)));  // never true: gives up
   CHECK(polls >= 32);  // the clock is read every 32 polls
-  CHECK(meshlib::detail::spin_window == ns(50'000));
+  CHECK(meshlib::comm::detail::spin_window == ns(50'000));
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -13,7 +13,7 @@
 
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
 
-using meshlib::detail::watcher_threads;
+using meshlib::comm::detail::watcher_threads;
 
 TEST_CASE("watcher_threads: jobs one after another run on the same parked thread", "[comm][watcher]") {
   auto& pool = watcher_threads::get();

@@ -9,8 +9,8 @@
 
 namespace MESHLIB_TEST_UNIT {
 
-using meshlib::detail::fnv1a;
-using meshlib::detail::fnv1a_of;
+using meshlib::core::detail::fnv1a;
+using meshlib::core::detail::fnv1a_of;
 
 TEST_CASE("fnv1a_of gives the published FNV-1a 64-bit values", "[hash]") {
   // Test vectors of the FNV reference (Fowler, Noll, Vo): "", "a", "foobar".

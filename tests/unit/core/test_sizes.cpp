@@ -80,26 +80,26 @@ TEST_CASE("the issue's bad sizes get clear errors naming the dimension or axis a
 TEST_CASE("a mesh of more devices than an int counts cannot run, naming the axis that passes the limit",
           "[core][sizes]") {
   // spmd / shard_map / reshard call this before allocating anything per device.
-  CHECK(message_of<mesh_error>([] { detail::require_runnable(mesh1{(std::size_t{1} << 32) + 2}, "spmd"); }) ==
+  CHECK(message_of<mesh_error>([] { core::detail::require_runnable(mesh1{(std::size_t{1} << 32) + 2}, "spmd"); }) ==
         "meshlib: spmd on mesh{'x': 4294967298}: the mesh has 4294967298 devices, more than the 2147483647 that a "
         "communicator's int ranks can number; axis 'x' (size 4294967298) takes the device count past it: use a mesh "
         "of at most 2147483647 devices");
-  CHECK(message_of<mesh_error>([] { detail::require_runnable(mesh2{65536, 32768}, "shard_map"); }) ==
+  CHECK(message_of<mesh_error>([] { core::detail::require_runnable(mesh2{65536, 32768}, "shard_map"); }) ==
         "meshlib: shard_map on mesh{'data': 65536, 'model': 32768}: the mesh has 2147483648 devices, more than the "
         "2147483647 that a communicator's int ranks can number; axis 'model' (size 32768) takes the device count "
         "past it: use a mesh of at most 2147483647 devices");
-  CHECK(message_of<mesh_error>([] { detail::require_runnable(mesh2{std::size_t{1} << 31, 1}, "spmd"); })
+  CHECK(message_of<mesh_error>([] { core::detail::require_runnable(mesh2{std::size_t{1} << 31, 1}, "spmd"); })
             .find("axis 'data' (size 2147483648) takes the device count past it") != std::string::npos);
   // The largest runnable counts pass (nothing is allocated by the check).
-  detail::require_runnable(mesh1{2147483647}, "spmd");
-  detail::require_runnable(mesh2{65536, 32767}, "spmd");
+  core::detail::require_runnable(mesh1{2147483647}, "spmd");
+  core::detail::require_runnable(mesh2{65536, 32767}, "spmd");
   // The law over random meshes: refused exactly when the count passes INT_MAX.
   std::mt19937_64 rng(5);
   for (int trial = 0; trial < 2000; ++trial) {
     const std::size_t a = 1 + rng() % (std::size_t{1} << (rng() % 34)), b = 1 + rng() % (std::size_t{1} << (rng() % 34));
     if (u128{a} * u128{b} >= (u128{1} << 64)) continue;
     const mesh2 m{a, b};
-    const std::string msg = message_of<mesh_error>([&] { detail::require_runnable(m, "spmd"); });
+    const std::string msg = message_of<mesh_error>([&] { core::detail::require_runnable(m, "spmd"); });
     CHECK((msg == "(no exception)") == (m.size() <= 2147483647u));
     if (m.size() > 2147483647u)
       CHECK(msg.find(a > 2147483647u ? "axis 'data'" : "axis 'model'") != std::string::npos);

@@ -205,8 +205,8 @@ TEST_CASE("start_trace refuses a file it cannot write, at start and naming it", 
 TEST_CASE("debug_print prints one whole line per device, in device order", "[debug][print]") {
   mesh2 m{2, 2};
   std::ostringstream out;
-  std::ostream* old = detail::debug_print_stream();
-  detail::debug_print_stream() = &out;
+  std::ostream* old = debug::detail::debug_print_stream();
+  debug::detail::debug_print_stream() = &out;
   spmd(m, [&] {
     // Later devices reach the print first: the order must not depend on it.
     std::this_thread::sleep_for(std::chrono::milliseconds(5 * (3 - static_cast<int>(device_index()))));
@@ -215,7 +215,7 @@ TEST_CASE("debug_print prints one whole line per device, in device order", "[deb
     x.data()[1] = 0.5f;
     debug_print("x = {}, step {}", x, 7);
   });
-  detail::debug_print_stream() = old;
+  debug::detail::debug_print_stream() = old;
   CHECK(out.str() ==
         "[device 0 (data=0, model=0)] x = [0, 0.5], step 7\n"
         "[device 1 (data=0, model=1)] x = [1, 0.5], step 7\n"
@@ -226,14 +226,14 @@ TEST_CASE("debug_print prints one whole line per device, in device order", "[deb
 TEST_CASE("debug_print prints 2-D blocks nested", "[debug][print]") {
   mesh1 m{1};
   std::ostringstream out;
-  std::ostream* old = detail::debug_print_stream();
-  detail::debug_print_stream() = &out;
+  std::ostream* old = debug::detail::debug_print_stream();
+  debug::detail::debug_print_stream() = &out;
   spmd(m, [&] {
     local_tensor<int, 2, mesh1> x(std::array<std::size_t, 2>{2, 3}, m, 0);
     for (int i = 0; i < 6; ++i) x.data()[i] = i;
     debug_print("{}", x);
   });
-  detail::debug_print_stream() = old;
+  debug::detail::debug_print_stream() = old;
   CHECK(out.str() == "[device 0 (x=0)] [[0, 1, 2], [3, 4, 5]]\n");
 }
 

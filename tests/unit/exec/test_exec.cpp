@@ -230,7 +230,7 @@ TEST_CASE("spmd takes a runner: thread_runner options reach the communicator", "
 TEST_CASE("every device runs kernels on its own execution-space instance, the same on every call", "[exec][instances]") {
 #if KOKKOS_VERSION >= 40000
   mesh1 m{3};
-  auto mine = [] { return detail::current_exec<default_memory_space>(); };
+  auto mine = [] { return tensor::detail::current_exec<default_memory_space>(); };
   const auto first = spmd(m, mine);
   const auto again = spmd(m, mine);
   REQUIRE(first.size() == 3);
@@ -241,7 +241,7 @@ TEST_CASE("every device runs kernels on its own execution-space instance, the sa
     for (std::size_t e = d + 1; e < 3; ++e) CHECK(!(first[d] == first[e]));
   }
   // Outside any device: the default instance.
-  CHECK(detail::current_exec<default_memory_space>() == Kokkos::DefaultExecutionSpace());
+  CHECK(tensor::detail::current_exec<default_memory_space>() == Kokkos::DefaultExecutionSpace());
 #else
   SUCCEED("Kokkos " << KOKKOS_VERSION << ": one Serial instance for every device");
 #endif

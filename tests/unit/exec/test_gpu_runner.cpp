@@ -15,7 +15,7 @@
 namespace MESHLIB_TEST_UNIT {  // this file's own scope in a unity batch (cmake/meshlib_testing.cmake)
 
 using namespace meshlib;
-using meshlib::detail::plan_gpu_mesh;
+using meshlib::exec::detail::plan_gpu_mesh;
 
 namespace {
 distributed::launch_info one_process() { return {}; }
@@ -85,8 +85,8 @@ TEST_CASE("gpu_runner plan: refusals name what is wrong and the fix") {
 }
 
 TEST_CASE("default_runner's choice: the GPUs in a GPU build with a GPU, else processes or threads") {
-  using meshlib::detail::choose_default_runner;
-  using meshlib::detail::default_runner_kind;
+  using meshlib::exec::detail::choose_default_runner;
+  using meshlib::exec::detail::default_runner_kind;
   CHECK(choose_default_runner(true, 1, false, 1) == default_runner_kind::gpus);
   CHECK(choose_default_runner(true, 8, false, 4) == default_runner_kind::gpus);  // gpu_runner runs the processes
   CHECK(choose_default_runner(true, 0, false, 1) == default_runner_kind::threads);

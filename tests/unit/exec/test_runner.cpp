@@ -67,7 +67,7 @@ struct lookalike {
 /// A thread_runner on the process-wide device threads (the default runner's), default-constructible
 /// for the templated cases.
 struct process_wide_runner : thread_runner {
-  process_wide_runner() : thread_runner(meshlib::detail::process_wide_threads) {}
+  process_wide_runner() : thread_runner(meshlib::exec::detail::process_wide_threads) {}
 };
 
 }  // namespace

@@ -25,7 +25,7 @@ using namespace meshlib;
 namespace {
 
 using mesh1 = mesh<axis<"x">>;
-using host_exec = detail::exec_space_for_t<default_memory_space>;
+using host_exec = tensor::detail::exec_space_for_t<default_memory_space>;
 using L = local_tensor<double, 1, mesh1, mesh1::all_axes>;
 
 /// What each device of `m` sees on `runner`: its instance's concurrency, and how many distinct
@@ -41,7 +41,7 @@ std::vector<team_view> teams(const mesh1& m, const thread_runner& runner) {
   spmd(
       m,
       [&] {
-        const auto exec = detail::current_exec<default_memory_space>();
+        const auto exec = tensor::detail::current_exec<default_memory_space>();
         const std::size_t device = device_index();
         constexpr int n = 1 << 16;
         int ran = 0;
@@ -87,7 +87,7 @@ TEST_CASE("threads_per_device makes each device a team of cores, or is refused n
           "[exec][threads]") {
   thread_runner runner;
   runner.threads_per_device = 2;
-  if constexpr (detail::has_thread_teams_v<host_exec>) {
+  if constexpr (tensor::detail::has_thread_teams_v<host_exec>) {
     // Two devices of two threads on any machine (more threads than cores run unpinned), and one.
     for (std::size_t n : {1u, 2u}) {
       const auto seen = teams(mesh1{n}, runner);

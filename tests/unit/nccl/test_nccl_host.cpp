@@ -83,7 +83,7 @@ TEST_CASE("nccl: reduce ops map to NCCL's, avg to ncclAvg", "[nccl]") {
 // ---- error translation ---------------------------------------------------------------------------
 
 TEST_CASE("nccl: NCCL results become meshlib exceptions naming the operation, the call and NCCL's text", "[nccl]") {
-  using ml::detail::check_nccl;
+  using ml::comm::detail::check_nccl;
   const std::string where = "all_reduce on NCCL rank 1 of 4 (GPU 1)";
   CHECK_NOTHROW(check_nccl(ncclSuccess, where, "ncclAllReduce"));
   CHECK_NOTHROW(check_nccl(ncclInProgress, where, "ncclAllReduce"));  // non-blocking: settled by the caller
@@ -116,7 +116,7 @@ TEST_CASE("nccl: NCCL results become meshlib exceptions naming the operation, th
 }
 
 TEST_CASE("nccl: CUDA errors become meshlib exceptions with CUDA's name and text", "[nccl]") {
-  using ml::detail::check_cuda;
+  using ml::comm::detail::check_cuda;
   CHECK_NOTHROW(check_cuda(cudaSuccess, "x", "cudaMalloc"));
   CHECK(message_of<ml::comm_argument_error>([] { check_cuda(cudaErrorInvalidValue, "broadcast on NCCL rank 0 of 2 (GPU 0)", "cudaMemcpyAsync"); }) ==
         "meshlib: broadcast on NCCL rank 0 of 2 (GPU 0): cudaMemcpyAsync failed: cudaErrorInvalidValue (invalid argument)");
@@ -166,27 +166,27 @@ TEST_CASE("nccl version: the library this process loads is read, and is one mesh
   int code = 0;
   REQUIRE(ncclGetVersion(&code) == ncclSuccess);
   CHECK(library.code() == code);
-  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator"));
-  CHECK(ml::detail::nccl_versions_text({2, 28, 3}, {2, 28, 9}) == "NCCL library 2.28.3, headers 2.28.9");
+  CHECK_NOTHROW(ml::comm::detail::require_nccl_version("nccl_communicator"));
+  CHECK(ml::comm::detail::nccl_versions_text({2, 28, 3}, {2, 28, 9}) == "NCCL library 2.28.3, headers 2.28.9");
 }
 
 TEST_CASE("nccl version: a library older than 2.18 is refused naming it, the minimum and the fix; newer headers are fine",
           "[nccl][version]") {
   using v = ml::nccl_version_number;
   // Headers newer than the library (a wheel's older libnccl.so.2 first on the path): accepted.
-  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}).empty());
-  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 18, 0}, v{2, 28, 9}).empty());
-  CHECK(ml::detail::nccl_version_problem("nccl_communicator", v{2, 30, 1}, v{2, 28, 9}).empty());
-  CHECK_NOTHROW(ml::detail::require_nccl_version("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}));
+  CHECK(ml::comm::detail::nccl_version_problem("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}).empty());
+  CHECK(ml::comm::detail::nccl_version_problem("nccl_communicator", v{2, 18, 0}, v{2, 28, 9}).empty());
+  CHECK(ml::comm::detail::nccl_version_problem("nccl_communicator", v{2, 30, 1}, v{2, 28, 9}).empty());
+  CHECK_NOTHROW(ml::comm::detail::require_nccl_version("nccl_communicator", v{2, 28, 3}, v{2, 28, 9}));
   const std::string expected =
       "meshlib: nccl_communicators: the NCCL library this process loaded is 2.17.1, older than 2.18.0, the oldest "
       "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
       "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
       "libnccl.so.2 is the one loaded (LD_LIBRARY_PATH)";
-  CHECK(ml::detail::nccl_version_problem("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}) == expected);
-  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}); }) ==
+  CHECK(ml::comm::detail::nccl_version_problem("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}) == expected);
+  CHECK(message_of<ml::comm_error>([] { ml::comm::detail::require_nccl_version("nccl_communicators", v{2, 17, 1}, v{2, 28, 9}); }) ==
         expected);
-  CHECK(message_of<ml::comm_error>([] { ml::detail::require_nccl_version("nccl_communicator", v{2, 7, 8}, v{2, 28, 9}); }) ==
+  CHECK(message_of<ml::comm_error>([] { ml::comm::detail::require_nccl_version("nccl_communicator", v{2, 7, 8}, v{2, 28, 9}); }) ==
         "meshlib: nccl_communicator: the NCCL library this process loaded is 2.7.8, older than 2.18.0, the oldest "
         "meshlib supports (it calls ncclCommSplit, new in 2.18; meshlib was compiled against NCCL 2.28.9 headers); "
         "install a newer NCCL (pip install -U nvidia-nccl-cu13, or your CUDA toolkit's NCCL) and make sure its "
@@ -354,7 +354,7 @@ namespace {
 // A communicator of 4 ranks with no NCCL communicator behind it: every check runs before the first
 // CUDA or NCCL call, so a wrong argument is reported here exactly as on a GPU.
 ml::nccl_communicator fake_communicator(int rank, int size) {
-  auto s = std::make_shared<ml::detail::nccl_comm_state>();
+  auto s = std::make_shared<ml::comm::detail::nccl_comm_state>();
   s->rank = rank;
   s->size = size;
   s->device = 0;
@@ -441,7 +441,7 @@ TEST_CASE("nccl: without a CUDA device, creating a communicator says why", "[ncc
   }
   const ncclUniqueId id{};
   const std::string m = message_of<ml::comm_error>([&] { ml::nccl_communicator c(id, 1, 0); });
-  CHECK(m == "meshlib: nccl_communicator: cudaGetDeviceCount failed: " + ml::detail::cuda_error_text(rc));
+  CHECK(m == "meshlib: nccl_communicator: cudaGetDeviceCount failed: " + ml::comm::detail::cuda_error_text(rc));
 }
 
 // ---- the environment bootstrap -------------------------------------------------------------------
@@ -473,19 +473,19 @@ TEST_CASE("shared GPU: the reduction kernel compiles with NVRTC (no GPU needed) 
           "[nccl][shared_gpu]") {
   for (const char* arch : {"compute_80", "compute_90"}) {
     INFO(arch);
-    const std::string ptx = ml::detail::compile_reduce_kernels(arch);
+    const std::string ptx = ml::comm::detail::compile_reduce_kernels(arch);
     CHECK(ptx.find(".target sm_" + std::string(arch).substr(8)) != std::string::npos);
     for (ml::datatype t : ml::all_datatypes)
-      CHECK(ptx.find(".entry " + ml::detail::reduce_kernel_name(t)) != std::string::npos);
+      CHECK(ptx.find(".entry " + ml::comm::detail::reduce_kernel_name(t)) != std::string::npos);
   }
-  CHECK(message_of<ml::comm_error>([] { (void)ml::detail::compile_reduce_kernels("compute_1"); })
+  CHECK(message_of<ml::comm_error>([] { (void)ml::comm::detail::compile_reduce_kernels("compute_1"); })
             .starts_with("meshlib: compiling the device reduction kernel: nvrtcCompileProgram failed: "));
 }
 
 TEST_CASE("stream_state: buffer_problem checks pointers only when check_pointers is on, and only non-empty buffers",
           "[nccl]") {
   // Both device communicators' transports use this one check (no copy of it in either).
-  ml::detail::stream_state s;
+  ml::comm::detail::stream_state s;
   float host[4] = {};
   s.options.check_pointers = false;
   CHECK(s.buffer_problem("send", host, sizeof host).empty());
@@ -508,44 +508,44 @@ TEMPLATE_TEST_CASE("shared GPU: the kernel's min and max propagate NaN and order
   auto is_nan = [](F x) { return x != x; };
   for (F other : {F(1), F(-2), F(0), F(-0.0), inf, -inf}) {
     INFO(other);
-    CHECK(is_nan(ml::detail::reduce_max(nan, other)));
-    CHECK(is_nan(ml::detail::reduce_max(other, nan)));
-    CHECK(is_nan(ml::detail::reduce_min(nan, other)));
-    CHECK(is_nan(ml::detail::reduce_min(other, nan)));
+    CHECK(is_nan(ml::comm::detail::reduce_max(nan, other)));
+    CHECK(is_nan(ml::comm::detail::reduce_max(other, nan)));
+    CHECK(is_nan(ml::comm::detail::reduce_min(nan, other)));
+    CHECK(is_nan(ml::comm::detail::reduce_min(other, nan)));
   }
   const F pz = F(0);
   const F nz = F(-0.0);
   for (auto [a, b] : {std::pair{pz, nz}, std::pair{nz, pz}}) {
-    CHECK(!std::signbit(ml::detail::reduce_max(a, b)));
-    CHECK(std::signbit(ml::detail::reduce_min(a, b)));
+    CHECK(!std::signbit(ml::comm::detail::reduce_max(a, b)));
+    CHECK(std::signbit(ml::comm::detail::reduce_min(a, b)));
   }
-  CHECK(!std::signbit(ml::detail::reduce_max(pz, pz)));
-  CHECK(!std::signbit(ml::detail::reduce_min(pz, pz)));
-  CHECK(std::signbit(ml::detail::reduce_max(nz, nz)));
-  CHECK(std::signbit(ml::detail::reduce_min(nz, nz)));
-  CHECK(ml::detail::reduce_max(F(-3), inf) == inf);
-  CHECK(ml::detail::reduce_min(F(-3), inf) == F(-3));
-  CHECK(ml::detail::reduce_max(-inf, F(2)) == F(2));
-  CHECK(ml::detail::reduce_min(-inf, F(2)) == -inf);
-  CHECK(ml::detail::reduce_max(F(5), F(5)) == F(5));
-  CHECK(ml::detail::reduce_min(F(-5), F(-5)) == F(-5));
+  CHECK(!std::signbit(ml::comm::detail::reduce_max(pz, pz)));
+  CHECK(!std::signbit(ml::comm::detail::reduce_min(pz, pz)));
+  CHECK(std::signbit(ml::comm::detail::reduce_max(nz, nz)));
+  CHECK(std::signbit(ml::comm::detail::reduce_min(nz, nz)));
+  CHECK(ml::comm::detail::reduce_max(F(-3), inf) == inf);
+  CHECK(ml::comm::detail::reduce_min(F(-3), inf) == F(-3));
+  CHECK(ml::comm::detail::reduce_max(-inf, F(2)) == F(2));
+  CHECK(ml::comm::detail::reduce_min(-inf, F(2)) == -inf);
+  CHECK(ml::comm::detail::reduce_max(F(5), F(5)) == F(5));
+  CHECK(ml::comm::detail::reduce_min(F(-5), F(-5)) == F(-5));
 }
 
 TEST_CASE("shared GPU: the kernel's min and max on integers are the plain order", "[nccl][shared_gpu]") {
-  CHECK(ml::detail::reduce_max(-7, 3) == 3);
-  CHECK(ml::detail::reduce_min(-7, 3) == -7);
-  CHECK(ml::detail::reduce_max(0, 0) == 0);
-  CHECK(ml::detail::reduce_min(std::int64_t{-1}, std::int64_t{0}) == -1);
-  CHECK(ml::detail::reduce_max(std::numeric_limits<std::int64_t>::min(), std::int64_t{0}) == 0);
+  CHECK(ml::comm::detail::reduce_max(-7, 3) == 3);
+  CHECK(ml::comm::detail::reduce_min(-7, 3) == -7);
+  CHECK(ml::comm::detail::reduce_max(0, 0) == 0);
+  CHECK(ml::comm::detail::reduce_min(std::int64_t{-1}, std::int64_t{0}) == -1);
+  CHECK(ml::comm::detail::reduce_max(std::numeric_limits<std::int64_t>::min(), std::int64_t{0}) == 0);
 }
 
 TEST_CASE("shared GPU: the kernel source reduces min and max with the host-tested functions", "[nccl][shared_gpu]") {
   // The text NVRTC compiles holds the same definitions (the kernel test above compiles it).
-  const std::string minmax(ml::detail::reduce_minmax_source);
+  const std::string minmax(ml::comm::detail::reduce_minmax_source);
   CHECK(minmax.find("meshlib_device_function V reduce_max(V a, V b)") != std::string::npos);
   CHECK(minmax.find("meshlib_device_function V reduce_min(V a, V b)") != std::string::npos);
   CHECK(minmax.find("if (a == b) return a == V(0) ? -(-a - b) : a;") != std::string::npos);
-  const std::string kernel(ml::detail::reduce_kernel_source);
+  const std::string kernel(ml::comm::detail::reduce_kernel_source);
   CHECK(kernel.find("case 2: a = reduce_min(a, b); break;") != std::string::npos);
   CHECK(kernel.find("default: a = reduce_max(a, b); break;") != std::string::npos);
 }
@@ -553,7 +553,7 @@ TEST_CASE("shared GPU: the kernel source reduces min and max with the host-teste
 TEST_CASE("shared GPU: argument errors come from the same front end as NCCL's, naming the shared-GPU device",
           "[nccl][shared_gpu]") {
   ml::thread_world world(4);
-  auto s = std::make_shared<ml::detail::shared_gpu_state>();
+  auto s = std::make_shared<ml::comm::detail::shared_gpu_state>();
   s->host = world.communicator(1);
   s->options.check_pointers = false;
   ml::shared_gpu_communicator c(std::move(s));  // no stream, no events: every check runs before CUDA
@@ -614,7 +614,7 @@ struct fake_event_traits {
     delete e;
   }
 };
-using fake_shared_event = ml::detail::basic_shared_event<fake_event_traits>;
+using fake_shared_event = ml::comm::detail::basic_shared_event<fake_event_traits>;
 }  // namespace
 
 TEST_CASE("shared GPU: a device's events outlive it until every peer has waited on them (stress, 4 devices)",
@@ -642,7 +642,7 @@ TEST_CASE("shared GPU: a device's events outlive it until every peer has waited 
           mine->share(devices - 1);
           const std::int64_t handle = mine->handle();
           host.all_gather(std::span<const std::int64_t>(&handle, 1), std::span<std::int64_t>(all));
-          ml::detail::peer_event_refs<fake_event_traits> peers(devices, host.rank(),
+          ml::comm::detail::peer_event_refs<fake_event_traits> peers(devices, host.rank(),
                                                                [&](int q) { return all[static_cast<std::size_t>(q)]; });
           if (fails && op + 1 == ops && host.rank() == devices - 1) throw std::runtime_error("device failed");
           for (int q = 0; q < devices; ++q)
@@ -671,7 +671,7 @@ TEST_CASE("shared GPU: a shared event is destroyed by its last reference, on whi
   CHECK(events.live.size() == 1);
   {
     const std::int64_t handles[] = {e->handle(), 0, e->handle()};  // rank 1 is "self": its own slot is not taken
-    ml::detail::peer_event_refs<fake_event_traits> peers(3, 1, [&](int q) { return handles[q]; });
+    ml::comm::detail::peer_event_refs<fake_event_traits> peers(3, 1, [&](int q) { return handles[q]; });
     CHECK(peers[0] == peers[2]);
     events.wait(peers[0]);
   }  // both references given back by the holder's destruction: the event goes
@@ -698,10 +698,10 @@ TEST_CASE("shared GPU: an in-place all_to_all or ppermute of nothing makes no sc
     ++copies;
     CHECK(p == scratch.data());
   };
-  CHECK(ml::detail::in_place_scratch(0, allocate, copy) == nullptr);  // nothing moves: nothing to free
+  CHECK(ml::comm::detail::in_place_scratch(0, allocate, copy) == nullptr);  // nothing moves: nothing to free
   CHECK(allocations == 0);
   CHECK(copies == 0);
-  CHECK(ml::detail::in_place_scratch(48, allocate, copy) == scratch.data());  // the copy, which the caller frees
+  CHECK(ml::comm::detail::in_place_scratch(48, allocate, copy) == scratch.data());  // the copy, which the caller frees
   CHECK(allocations == 1);
   CHECK(copies == 1);
   CHECK(asked == 48);
@@ -710,8 +710,8 @@ TEST_CASE("shared GPU: an in-place all_to_all or ppermute of nothing makes no sc
 // ---- the call fingerprint of verify_collectives -------------------------------------------------------
 
 TEST_CASE("call fingerprint: packing is lossless for every operation, type, op and root", "[nccl][fingerprint]") {
-  using ml::detail::call_fingerprint;
-  using ml::detail::op_kind;
+  using ml::comm::detail::call_fingerprint;
+  using ml::comm::detail::op_kind;
   std::vector<std::int64_t> seen;
   for (int op = 0; op <= static_cast<int>(op_kind::recv); ++op)
     for (int type = -1; type <= 4; ++type)
@@ -732,16 +732,16 @@ TEST_CASE("call fingerprint: packing is lossless for every operation, type, op a
 }
 
 TEST_CASE("call fingerprint: agreeing calls give no message; disagreeing ones list every rank's call", "[nccl][fingerprint]") {
-  using ml::detail::call_fingerprint;
-  using ml::detail::op_kind;
+  using ml::comm::detail::call_fingerprint;
+  using ml::comm::detail::op_kind;
   const auto a = call_fingerprint{op_kind::all_reduce, 0, 0, -1, 8}.pack();
   const auto b = call_fingerprint{op_kind::all_gather, 0, -1, -1, 4}.pack();
   const auto c = call_fingerprint{op_kind::broadcast, 3, -1, 1, 3}.pack();
   const auto d = call_fingerprint{}.pack();
   const std::int64_t same[] = {a, a, a};
-  CHECK(ml::detail::mismatch_message("NCCL rank 0 of 3, GPU 0", same).empty());
+  CHECK(ml::comm::detail::mismatch_message("NCCL rank 0 of 3, GPU 0", same).empty());
   const std::int64_t differ[] = {a, b, c, d};
-  CHECK(ml::detail::mismatch_message("NCCL rank 2 of 4, GPU 2", differ) ==
+  CHECK(ml::comm::detail::mismatch_message("NCCL rank 2 of 4, GPU 2", differ) ==
         "meshlib: collective mismatch (seen by NCCL rank 2 of 4, GPU 2): rank 0 called all_reduce(float32, count 8, "
         "op sum); rank 1 called all_gather(float32, count 4); rank 2 called broadcast(int64, count 3, root 1); rank 3 "
         "called barrier()");
@@ -764,7 +764,7 @@ TEST_CASE("stream request: a mismatch reported by the channel is a collective_mi
 
 TEST_CASE("call batch: each of the first calls is exchanged alone, then every N; the schedule depends only on the count",
           "[nccl][fingerprint]") {
-  using ml::detail::call_batch;
+  using ml::comm::detail::call_batch;
   for (std::size_t every : {1u, 2u, 5u, 16u})
     for (std::size_t first : {0u, 3u, 64u}) {
       INFO("every " << every << ", each_first " << first);
@@ -790,25 +790,25 @@ TEST_CASE("call batch: each of the first calls is exchanged alone, then every N;
 
 TEST_CASE("call batch: the first disagreement of a gathered batch is named by its number and every rank's call",
           "[nccl][fingerprint]") {
-  using ml::detail::call_fingerprint;
-  using ml::detail::op_kind;
+  using ml::comm::detail::call_fingerprint;
+  using ml::comm::detail::op_kind;
   const auto ar8 = call_fingerprint{op_kind::all_reduce, 0, 0, -1, 8}.pack();
   const auto ar4 = call_fingerprint{op_kind::all_reduce, 0, 0, -1, 4}.pack();
   const auto bar = call_fingerprint{}.pack();
   // Two ranks, a batch of 3 calls (numbers 17, 18, 19), rank after rank: they differ at 18 and 19.
   const std::int64_t all[] = {bar, ar8, bar, /* rank 1 */ bar, ar4, ar8};
-  CHECK(ml::detail::batch_mismatch_message("NCCL rank 0 of 2, GPU 0", 17, 3, all) ==
+  CHECK(ml::comm::detail::batch_mismatch_message("NCCL rank 0 of 2, GPU 0", 17, 3, all) ==
         "meshlib: collective mismatch in collective 18 on this communicator (seen by NCCL rank 0 of 2, GPU 0): rank 0 "
         "called all_reduce(float32, count 8, op sum); rank 1 called all_reduce(float32, count 4, op sum)");
   const std::int64_t same[] = {bar, ar8, bar, ar8};
-  CHECK(ml::detail::batch_mismatch_message("x", 1, 2, same).empty());
+  CHECK(ml::comm::detail::batch_mismatch_message("x", 1, 2, same).empty());
 }
 
 TEST_CASE("call batch: a timeout's message lists the calls this rank made since its last check", "[nccl][request]") {
-  using ml::detail::call_fingerprint;
-  using ml::detail::op_kind;
+  using ml::comm::detail::call_fingerprint;
+  using ml::comm::detail::op_kind;
   struct batched_stream : fake_stream {
-    ml::detail::call_batch batch{16, 0};
+    ml::comm::detail::call_batch batch{16, 0};
     std::string unchecked_calls() const { return batch.describe_pending(); }
   };
   auto s = std::make_shared<batched_stream>();

@@ -131,7 +131,7 @@ TEST_CASE("control: Kokkos parallel_scan from 8 threads races on Kokkos 3.4.1", 
     threads.emplace_back([&, dev] {
       Kokkos::View<long*, Kokkos::HostSpace> out;
       {
-        std::lock_guard<std::mutex> lock(meshlib::detail::kokkos_state_mutex());
+        std::lock_guard<std::mutex> lock(meshlib::tensor::detail::kokkos_state_mutex());
         out = Kokkos::View<long*, Kokkos::HostSpace>("control", 1000);
       }
       long total = 0;
@@ -173,7 +173,7 @@ TEST_CASE("global-view map and zip run every device at once", "[tensor][concurre
   mesh1 m{4};
   named_sharding<mesh1, P<"x">> s{m};
   // Large enough to be worth the workers (detail::parallel_work_threshold).
-  const std::size_t size = 4 * meshlib::detail::parallel_work_threshold;
+  const std::size_t size = 4 * meshlib::tensor::detail::parallel_work_threshold;
   const auto h = ref::iota<float>(size, 1, 1000);
   std::vector<float> twice(size);
   for (std::size_t i = 0; i < size; ++i) twice[i] = h[i] + h[i];

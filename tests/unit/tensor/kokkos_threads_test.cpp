@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Kokkos 4 driven from several threads at once, each thread on its own execution-space instance
-// (the instances meshlib gives its devices: detail::make_device_instances, partition_space):
+// (the instances meshlib gives its devices: tensor::detail::make_device_instances, partition_space):
 // View allocation and release (also of one View shared by every thread, whose reference count
 // every thread changes), RangePolicy parallel_for / parallel_reduce / parallel_scan, TeamPolicy
 // with team scratch memory (what raced on Kokkos 3.4.1 Serial's one scratch buffer), deep_copy
@@ -119,7 +119,7 @@ void drive(const std::vector<Exec>& instances) {
 }  // namespace
 
 TEST_CASE("Kokkos 4 Serial: 4 threads, each on its own instance, give exact results", "[kokkos4][serial]") {
-  const auto instances = meshlib::detail::make_device_instances<Kokkos::Serial>(4);
+  const auto instances = meshlib::tensor::detail::make_device_instances<Kokkos::Serial>(4);
   REQUIRE(instances.size() == 4);
   // partition_space made independent instances, not four handles of one.
   // (Serial's impl_instance_id() is 1 for every instance; operator== compares the instances.)
@@ -134,7 +134,7 @@ TEST_CASE("Kokkos 4 OpenMP: threads, each on its own partition of the pool, give
   const int pool = Kokkos::OpenMP().concurrency();
   for (const int devices : {pool, 4}) {
     INFO(devices << " devices, pool of " << pool);
-    const auto instances = meshlib::detail::make_device_instances<Kokkos::OpenMP>(static_cast<std::size_t>(devices));
+    const auto instances = meshlib::tensor::detail::make_device_instances<Kokkos::OpenMP>(static_cast<std::size_t>(devices));
     REQUIRE(instances.size() == static_cast<std::size_t>(devices));
     drive(instances);
   }

@@ -52,10 +52,10 @@ TEST_CASE("local_value wraps the device's block without copying", "[tensor][loca
 }
 
 TEST_CASE("unmanaged views share data without touching the reference count", "[tensor][view]") {
-  auto v = meshlib::detail::allocate<double, 2>({3, 4});
+  auto v = meshlib::tensor::detail::allocate<double, 2>({3, 4});
   const auto before = v.use_count();
   {
-    auto u = meshlib::detail::unmanaged(v);
+    auto u = meshlib::tensor::detail::unmanaged(v);
     auto u2 = u;
     CHECK(u2.data() == v.data());
     CHECK(u2.extent(1) == 4);

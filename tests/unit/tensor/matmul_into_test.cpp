@@ -2,7 +2,7 @@
 // matmul_into against a naive triple loop over explicitly transposed copies: every transpose pair,
 // alpha and beta, the BLAS edge cases (beta = 0 ignores NaN in C, k = 0, empty C), strided views,
 // and the shape errors word for word; on the BLAS path (float, double with Kokkos Kernels) and on
-// meshlib's own Kokkos kernel (int, and float forced through detail::matmul_into_kernel).
+// meshlib's own Kokkos kernel (int, and float forced through tensor::detail::matmul_into_kernel).
 #include <cmath>
 #include <cstddef>
 #include <initializer_list>
@@ -25,7 +25,7 @@ using host_view = Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>;
 
 template <class T>
 host_view<T> make(std::size_t r, std::size_t c, int seed) {
-  auto v = meshlib::detail::allocate<T, 2, Kokkos::HostSpace>({r, c}, "test", false);
+  auto v = meshlib::tensor::detail::allocate<T, 2, Kokkos::HostSpace>({r, c}, "test", false);
   for (std::size_t i = 0; i < r; ++i)
     for (std::size_t j = 0; j < c; ++j) v(i, j) = static_cast<T>(static_cast<int>((i * 7 + j * 3 + static_cast<std::size_t>(seed)) % 11) - 5);
   return v;
@@ -65,8 +65,8 @@ template <bool Kernel, class VC, class VA, class VB>
 void run(const VC& c, const VA& a, const VB& b, bool ta, bool tb, double alpha, double beta) {
   using T = typename VC::non_const_value_type;
   if constexpr (Kernel) {
-    meshlib::detail::check_matmul_into_shapes(c, a, b, ta, tb);
-    meshlib::detail::matmul_into_kernel(Kokkos::DefaultHostExecutionSpace(), c, a, b, ta, tb, static_cast<T>(alpha),
+    meshlib::tensor::detail::check_matmul_into_shapes(c, a, b, ta, tb);
+    meshlib::tensor::detail::matmul_into_kernel(Kokkos::DefaultHostExecutionSpace(), c, a, b, ta, tb, static_cast<T>(alpha),
                                         static_cast<T>(beta));
   } else {
     meshlib::matmul_into(c, a, b, {.transpose_a = ta, .transpose_b = tb, .alpha = alpha, .beta = beta});
@@ -139,8 +139,8 @@ TEST_CASE("matmul_into: every transpose pair, alpha and beta, against a naive pr
   check_all_transposes<int, false>();     // no BLAS for int: meshlib's Kokkos kernel
   check_all_transposes<float, true>();    // meshlib's kernel, forced, for a type that has a BLAS
   check_all_transposes<double, true>();
-  STATIC_REQUIRE(!meshlib::detail::use_blas_v<int, Kokkos::HostSpace>);
-  STATIC_REQUIRE(meshlib::detail::use_blas_v<float, Kokkos::HostSpace> == meshlib::config::kokkos_kernels);
+  STATIC_REQUIRE(!meshlib::tensor::detail::use_blas_v<int, Kokkos::HostSpace>);
+  STATIC_REQUIRE(meshlib::tensor::detail::use_blas_v<float, Kokkos::HostSpace> == meshlib::config::kokkos_kernels);
 }
 
 TEST_CASE("matmul_into: beta = 0 ignores NaN in C, k = 0 scales C, empty results", "[tensor][matmul_into]") {
@@ -265,7 +265,7 @@ TEST_CASE("a host pointer handed to a device kernel is refused before the launch
   STATIC_REQUIRE(std::is_base_of_v<meshlib::error, meshlib::memory_space_error>);
   // The compile-time half is true where the execution space reads the memory (the refusal is a
   // compile error: tests/cuda/host_view_on_device.cpp in scripts/cuda_compile_check.sh).
-  STATIC_REQUIRE(meshlib::require_accessible<meshlib::detail::diag_op_t<"matmul_into">, meshlib::detail::diag_op_t<"A">,
+  STATIC_REQUIRE(meshlib::require_accessible<meshlib::core::detail::diag_op_t<"matmul_into">, meshlib::core::detail::diag_op_t<"A">,
                                              Kokkos::DefaultHostExecutionSpace, Kokkos::HostSpace>());
 }
 
@@ -295,7 +295,7 @@ TEST_CASE("the GPU's product kernel (one element per work item) against the plai
         auto c = make<float>(m, n, 3);
         const auto expected = reference(a, b, contents(c), ta, tb, alpha, beta);
         if (beta == 0) c(1, 1) = std::numeric_limits<float>::quiet_NaN();  // not read
-        const meshlib::detail::matmul_into_element_functor<float> f{{a.data(), b.data(), c.data(),
+        const meshlib::tensor::detail::matmul_into_element_functor<float> f{{a.data(), b.data(), c.data(),
                                                                     ta ? a.stride(1) : a.stride(0),
                                                                     ta ? a.stride(0) : a.stride(1),
                                                                     tb ? b.stride(1) : b.stride(0),
@@ -307,7 +307,7 @@ TEST_CASE("the GPU's product kernel (one element per work item) against the plai
       }
   auto c = make<float>(2, 2, 3);
   const auto before = contents(c);
-  const meshlib::detail::matmul_into_element_functor<float> f{{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f}};
+  const meshlib::tensor::detail::matmul_into_element_functor<float> f{{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f}};
   for (std::size_t e = 0; e < 4; ++e) f(e);  // k = 0: beta * C, A and B not read
   for (std::size_t e = 0; e < 4; ++e) CHECK(contents(c)[e] == 2 * before[e]);
 }

@@ -195,14 +195,14 @@ TEST_CASE("wrapping blocks checks their shapes against the layout", "[tensor][sh
   mesh1 m{2};
   named_sharding<mesh1, P<"x">> s{m};
   using t = sharded_tensor<float, 1, named_sharding<mesh1, P<"x">>>;
-  std::vector<t::view_type> blocks{meshlib::detail::allocate<float, 1>({3}), meshlib::detail::allocate<float, 1>({2})};
+  std::vector<t::view_type> blocks{meshlib::tensor::detail::allocate<float, 1>({3}), meshlib::tensor::detail::allocate<float, 1>({2})};
   try {
     t x(s, std::array<std::size_t, 1>{6}, blocks, std::vector<bool>{true, true});
     FAIL("expected sharding_error");
   } catch (const sharding_error& e) {
     CHECK(std::string(e.what()).find("device 1's block has shape (2,)") != std::string::npos);
   }
-  blocks[1] = meshlib::detail::allocate<float, 1>({3});
+  blocks[1] = meshlib::tensor::detail::allocate<float, 1>({3});
   t ok(s, std::array<std::size_t, 1>{6}, blocks, std::vector<bool>{true, true});
   CHECK(ok.local(1).data() == blocks[1].data());  // wrapped, not copied
 }

@@ -12,7 +12,7 @@
 /// in docs/benchmarks.md, "Overlapped gradient synchronisation"). The worker sets it for its
 /// lifetime; the thread backend's waits read it (comm/thread/detail/step_protocol.hpp).
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// This thread's hint (see the file comment); false unless the thread sets it.
 inline bool& prefer_blocking_waits() noexcept {
@@ -20,4 +20,9 @@ inline bool& prefer_blocking_waits() noexcept {
   return block;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Whether waits should block rather than spin (more device threads than cores).
+using comm::detail::prefer_blocking_waits;
+}  // namespace meshlib::experimental

@@ -9,7 +9,7 @@
 #include <span>
 #include <string>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Whether the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte; an empty range overlaps
 /// nothing.
@@ -31,4 +31,4 @@ std::string out_of_place_problem(std::span<const T> send, std::span<T> recv, std
   return {};
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

@@ -23,7 +23,7 @@
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// One participant's call, as far as its backend's record of the call knows it. Which fields are
 /// shown follows from `kind` (`uses_dtype`, `uses_count`, `uses_op`, `uses_root`), so a backend
@@ -114,4 +114,4 @@ std::optional<counts_disagreement> first_counts_disagreement(std::size_t n, Sent
   return std::nullopt;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

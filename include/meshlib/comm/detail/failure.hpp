@@ -18,7 +18,7 @@
 
 #include "meshlib/comm/errors.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// How a group failed; decides the error type every participant rethrows. The values travel
 /// between processes in abort-channel reports.
@@ -85,4 +85,12 @@ inline void write_stderr_line(std::string line) {
   std::fflush(stderr);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Writes one whole line to stderr at once, so lines from concurrent device threads do not interleave.
+using comm::detail::write_stderr_line;
+
+/// The message of an exception pointer (its `what()`, or a placeholder for a non-standard exception).
+using comm::detail::what_of;
+}  // namespace meshlib::experimental

@@ -16,7 +16,7 @@
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The operations of the `communicator` concept (the values are part of the MPI fingerprint).
 enum class op_kind : std::uint8_t {
@@ -94,4 +94,9 @@ struct operation {
   const std::int64_t* v[4] = {nullptr, nullptr, nullptr, nullptr};  ///< all_to_all_v: sc, sd, rc, rd (n each)
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// The kinds of communicator operation (`op_kind::send`, ...), as the front end and its callers name them.
+using comm::detail::op_kind;
+}  // namespace meshlib::experimental

@@ -19,7 +19,7 @@
 #include "meshlib/comm/detail/failure.hpp"
 #include "meshlib/comm/errors.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief What a run's participants on this process left behind (see the file comment). Ids
 /// named "global" count every participant of the run, on every process.
@@ -105,4 +105,9 @@ inline void rethrow_root_cause(const run_failures& f) {
   rethrow_root_cause(f, [&](int id) { return std::string(f.noun) + " " + std::to_string(id) + " of " + std::to_string(f.size); });
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// Rethrows the failure that caused the others (not an abort it triggered): the one root-cause rule every runner uses.
+using comm::detail::rethrow_root_cause;
+}  // namespace meshlib::experimental

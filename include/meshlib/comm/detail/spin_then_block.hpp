@@ -40,7 +40,7 @@
 #define MESHLIB_DETAIL_HAS_MEMBARRIER 0
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Tells the core that this is a spin-wait loop (frees resources for the sibling hyper-thread and
 /// avoids the memory-order mis-speculation penalty when the awaited line changes).
@@ -98,4 +98,15 @@ inline bool sleeper_fence() noexcept {
 #endif
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
+
+namespace meshlib::experimental {
+/// The CPU the calling thread runs on, or -1 where unknown.
+using comm::detail::current_cpu;
+
+/// How long `poll_for` spins before it blocks.
+using comm::detail::spin_window;
+
+/// Spins for a while, then blocks: the wait every backend and runner uses.
+using comm::detail::poll_for;
+}  // namespace meshlib::experimental

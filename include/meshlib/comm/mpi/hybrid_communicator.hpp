@@ -82,7 +82,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// One hybrid group as seen from one process: shared by that process's members of the group.
 struct hybrid_group {
@@ -162,13 +162,13 @@ inline hybrid_group::~hybrid_group() {
   if (!fin && !failed && p2p != MPI_COMM_NULL) MPI_Comm_free(&p2p);
 }
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief One device's handle on a hybrid group (P processes x T threads). Move-only, as the
 /// thread communicator it contains.
 class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   friend class communicator_frontend<hybrid_communicator>;
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
  public:
 
@@ -216,9 +216,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     const int my_process = g.member_device[static_cast<std::size_t>(rank_)] / g.threads_per_process;
     if (local_.rank() == 0) {
       try {
-        std::map<int, std::shared_ptr<detail::hybrid_group>> made;
+        std::map<int, std::shared_ptr<comm::detail::hybrid_group>> made;
         for (const auto& [c, members] : by_color) {
-          auto ng = std::make_shared<detail::hybrid_group>();
+          auto ng = std::make_shared<comm::detail::hybrid_group>();
           ng->threads_per_process = g.threads_per_process;
           ng->timeout = g.timeout;
           ng->patience = g.patience;
@@ -247,7 +247,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       }
     }
     local_.barrier();  // the leader has published
-    std::shared_ptr<detail::hybrid_group> ng;
+    std::shared_ptr<comm::detail::hybrid_group> ng;
     {
       std::lock_guard lk(g.handoff_mutex);
       auto it = g.handoff.find(seq);
@@ -269,7 +269,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::vector<unsigned char> data;
   };
 
-  static void set_tag_ub(detail::hybrid_group& g) {
+  static void set_tag_ub(comm::detail::hybrid_group& g) {
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(g.p2p, MPI_TAG_UB, &ub, &flag);
@@ -303,7 +303,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     auto context = [&](const std::exception& e) {
       std::string m = e.what();
       if (const auto at = m.rfind(" ["); at != std::string::npos && m.back() == ']') m.erase(at);
-      return m + " [seen by " + std::string(detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
+      return m + " [seen by " + std::string(comm::detail::op_name(k)) + " on " + label() + " of " + std::to_string(size()) + "]";
     };
     current_ = k;
     try {
@@ -321,7 +321,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed on hybrid device " + std::to_string(rank_) + ": " +
-                       detail::mpi_error_string(rc));
+                       comm::detail::mpi_error_string(rc));
   }
 
   // ---- failures seen by one process, told to all ------------------------------------------------
@@ -336,7 +336,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// report the other processes' watchers turn into the same error, then this process's thread
   /// world (unless it failed already, as it has when it detected the failure itself).
   /// `culprit`: the global device at fault, -1 when unknown.
-  void tell_everyone(detail::failure_kind k, int culprit, const std::string& msg) {
+  void tell_everyone(comm::detail::failure_kind k, int culprit, const std::string& msg) {
     auto& ch = *group_->channel;
     const bool remote = culprit >= 0 && culprit / group_->threads_per_process !=
                                             device_of_thread(0) / group_->threads_per_process;
@@ -355,15 +355,15 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// process is told; a timeout from elsewhere (another process's report, or the leader's exchange,
   /// `leader_failed`) is already in those terms.
   std::string restate_timeout(op_kind k, const comm_timeout& e) {
-    detail::missing_report facts;
+    comm::detail::missing_report facts;
     if (!local_.valid() || !local_.state_->world->timeout_facts(facts)) return e.what();
-    const std::string msg = detail::timeout_message(
-        detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
+    const std::string msg = comm::detail::timeout_message(
+        comm::detail::op_name(k), "hybrid device " + std::to_string(device_of_thread(facts.waiter)), size(),
         local_.state_->policy.timeout,
-        detail::list_participants("hybrid device", facts.missing,
+        comm::detail::list_participants("hybrid device", facts.missing,
                                   [&](int t) { return std::to_string(device_of_thread(t)); }),
         "thread_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
-    tell_everyone(detail::failure_kind::timeout,
+    tell_everyone(comm::detail::failure_kind::timeout,
                   device_of_thread(facts.missing.empty() ? facts.waiter : facts.missing.front()), msg);
     return msg;
   }
@@ -392,12 +392,12 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       for (int r = 0; r < g.n; ++r)
         if (g.member_proc_pos[static_cast<std::size_t>(r)] == pos) devices.push_back(g.member_device[static_cast<std::size_t>(r)]);
     std::sort(devices.begin(), devices.end());
-    const std::string who = detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
-    const std::string msg = detail::timeout_message(
-        detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
+    const std::string who = comm::detail::list_participants("hybrid device", devices, [](int d) { return std::to_string(d); });
+    const std::string msg = comm::detail::timeout_message(
+        comm::detail::op_name(current_), "hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(rank_)]),
         size(), g.mpi.state_->options.timeout, who.empty() ? who : who + " (whole processes)",
         "thread_comm_options::timeout, mpi_comm_options::timeout or MESHLIB_COMM_TIMEOUT");
-    tell_everyone(detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
+    tell_everyone(comm::detail::failure_kind::timeout, devices.empty() ? -1 : devices.front(), msg);
     throw comm_timeout(msg);
   }
 
@@ -413,7 +413,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// The transport of operation K (the front end has checked its arguments). Every collective
   /// gathers its inputs before it writes an output, so in-place calls need no copies.
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
     return guarded(K, [&] {
       if constexpr (K != op_kind::send && K != op_kind::recv) {
         agree(K, o);
@@ -430,16 +430,16 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// `collective_mismatch` naming the operation it called and each device's call (global device
   /// ids), instead of an internal step failing on one process leader.
   template <class T>
-  void agree(op_kind k, const detail::operation<T>& o) {
-    const bool has_op = detail::uses_op(k);
-    const bool has_root = detail::uses_root(k);
+  void agree(op_kind k, const comm::detail::operation<T>& o) {
+    const bool has_op = comm::detail::uses_op(k);
+    const bool has_root = comm::detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {calls_++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier ? 0 : static_cast<std::uint64_t>(datatype_of<T>) + 1,
                                             static_cast<std::uint64_t>(o.count),
                                             has_op ? static_cast<std::uint64_t>(o.op) : 0,
                                             has_root ? static_cast<std::uint64_t>(o.root) : 0,
-                                            k == op_kind::ppermute ? detail::pairs_hash(o.pairs) : 0};
+                                            k == op_kind::ppermute ? comm::detail::pairs_hash(o.pairs) : 0};
     // int64 on the wire (a communicator element type); the bits are the record's.
     std::int64_t wire[call_fields];
     std::memcpy(wire, rec, sizeof(rec));
@@ -457,7 +457,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                       " devices: the devices called different collectives";
     for (int r = 0; r < size(); ++r)
       msg += (r ? "; " : ": ") +
-             detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
+             comm::detail::describe_record("hybrid device " + std::to_string(g.member_device[static_cast<std::size_t>(r)]),
                                    all.data() + call_fields * static_cast<std::size_t>(r));
     throw collective_mismatch(msg);
   }
@@ -488,7 +488,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <op_kind K, class T>
-  request_type transport_steps(const detail::operation<T>& o, context_type) {
+  request_type transport_steps(const comm::detail::operation<T>& o, context_type) {
     const auto n = static_cast<std::size_t>(size());
     if constexpr (K == op_kind::all_reduce) {
       reduce_to(std::span<const T>(o.send, o.count), o.recv, o.op, o.count, 0);
@@ -522,7 +522,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <class T>
-  void do_all_to_all_v(const detail::operation<T>& o) {
+  void do_all_to_all_v(const comm::detail::operation<T>& o) {
     const auto n = static_cast<std::size_t>(size());
     const std::int64_t* sc = o.v[0];
     const std::int64_t* sd = o.v[1];
@@ -539,7 +539,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::copy(sd, sd + n, meta.begin() + static_cast<std::ptrdiff_t>(n));
     std::copy(rcounts, rcounts + n, meta.begin() + static_cast<std::ptrdiff_t>(2 * n));
     const auto metas = gather_all(std::span<const std::int64_t>(meta));
-    if (const auto bad = detail::first_counts_disagreement(
+    if (const auto bad = comm::detail::first_counts_disagreement(
             n, [&](std::size_t i, std::size_t j) { return metas[i * 3 * n + j]; },
             [&](std::size_t j, std::size_t i) { return metas[j * 3 * n + 2 * n + i]; })) {
       // Blamed on the receiver, whose expected count is the one that disagrees with what was sent
@@ -548,7 +548,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
       throw collective_mismatch(
           "meshlib: collective mismatch in all_to_all_v on a hybrid communicator of " + std::to_string(size()) +
           " devices: the counts disagree: " +
-          detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
+          comm::detail::describe_counts_disagreement("hybrid device " + std::to_string(group_->member_device[bad->sender]),
                                                "hybrid device " + std::to_string(group_->member_device[bad->receiver]),
                                                bad->sent, bad->expected));
     }
@@ -565,7 +565,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   /// Buffered, as on the other backends: within a process through the thread communicator,
   /// between processes with `MPI_Isend` from this thread.
   template <class T>
-  request_type do_send(const detail::operation<T>& o) {
+  request_type do_send(const comm::detail::operation<T>& o) {
     const auto& g = *group_;
     const auto d = static_cast<std::size_t>(o.peer);
     if (g.member_proc_pos[d] == g.my_proc_pos)
@@ -574,7 +574,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     pending p;
     p.data.resize(o.count * sizeof(T));
     if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), g.member_proc_pos[d],
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), comm::detail::mpi_datatype<T>(), g.member_proc_pos[d],
                        wire_tag(o.tag, my_local(), g.member_local[d]), g.p2p, &p.request),
              "MPI_Isend");
     sends_.push_back(std::move(p));
@@ -582,7 +582,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
   }
 
   template <class T>
-  request_type do_recv(const detail::operation<T>& o) {
+  request_type do_recv(const comm::detail::operation<T>& o) {
     const auto& g = *group_;
     const int source = o.peer;
     const int tag = o.tag;
@@ -604,7 +604,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                            std::to_string(source) + " (tag " + std::to_string(tag) + ") timed out");
     }
     int got = 0;
-    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    MPI_Get_count(&st, comm::detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
       int bytes = 0;
       MPI_Get_count(&st, MPI_BYTE, &bytes);
@@ -614,7 +614,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
                                 std::to_string(o.count) + " elements from device " + std::to_string(source) +
                                 " but the message holds " + std::to_string(got));
     }
-    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    check_rc(MPI_Mrecv(o.recv, got, comm::detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
     return {};
   }
 
@@ -700,7 +700,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     std::vector<const T*> ptrs(static_cast<std::size_t>(size()));
     for (std::size_t r = 0; r < ptrs.size(); ++r) ptrs[r] = all.data() + r * per + offset;
     T* outs[1] = {out};
-    detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
+    comm::detail::reduce_into<T>(op, ptrs.data(), size(), outs, 1, count);
   }
 
   template <class T>
@@ -767,7 +767,7 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
     sends_.clear();
   }
 
-  std::shared_ptr<detail::hybrid_group> group_;
+  std::shared_ptr<comm::detail::hybrid_group> group_;
   thread_communicator local_;
   int rank_ = 0;
   std::uint64_t split_seq_ = 0;
@@ -779,9 +779,9 @@ class hybrid_communicator : public communicator_frontend<hybrid_communicator> {
 /// Refuses calls on an empty handle, and every call once the world has failed (here or in another
 /// process), with the root cause's message.
 inline void hybrid_communicator::ensure_usable(op_kind k) const {
-  check_usable(detail::op_name(k));
+  check_usable(comm::detail::op_name(k));
   if (group_->channel && group_->channel->interrupted.load(std::memory_order_acquire))
-    group_->channel->rethrow(" [refused " + std::string(detail::op_name(k)) + " on " + label() + " of " +
+    group_->channel->rethrow(" [refused " + std::string(comm::detail::op_name(k)) + " on " + label() + " of " +
                              std::to_string(size()) + ": the communicator has failed]");
 }
 

@@ -52,7 +52,7 @@ class hybrid_world {
       throw comm_error("meshlib: a hybrid mesh with " + std::to_string(threads) +
                        " threads per process needs MPI_THREAD_MULTIPLE, but MPI was initialised with a lower thread "
                        "level; initialise it with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or meshlib::mpi::initialize");
-    group_ = std::make_shared<detail::hybrid_group>();
+    group_ = std::make_shared<comm::detail::hybrid_group>();
     group_->threads_per_process = threads;
     group_->timeout = procs.options().timeout;
     // The leaders' exchange waits longer than a local step, and the members waiting for it longer
@@ -118,13 +118,13 @@ class hybrid_world {
   /// keeps the error's type when another device's failure would otherwise overtake it.
   bool fail_mismatch(int t, std::string_view message) {
     const bool first = local_.fail_as_mismatch(message);
-    channel_->interrupt(std::string(message), -1, detail::failure_kind::mismatch);
+    channel_->interrupt(std::string(message), -1, comm::detail::failure_kind::mismatch);
     // The report names the device whose call differed (every member of the mismatched collective
     // computed it), so that processes that were not members blame it too; else this device.
     const int culprit = channel_->mismatch_culprit.load();
     if (channel_->remote_device.load() < 0)
       channel_->notify(culprit >= 0 ? culprit : process_ * threads_ + t, std::string(message),
-                       detail::failure_kind::mismatch);
+                       comm::detail::failure_kind::mismatch);
     return first;
   }
   /// Global device whose call differed in a collective mismatch of this world (the same on every
@@ -150,20 +150,20 @@ class hybrid_world {
     if (!ch.enabled) return;
     const int devices = size();
     // On a parked thread: starting one per call cost a fifth of an empty call (watcher_threads.hpp).
-    ch.watcher = detail::watcher_threads::get().run([this, channel, devices] {
+    ch.watcher = comm::detail::watcher_threads::get().run([this, channel, devices] {
       while (!channel->stop.load()) {
         int device = -1;
         std::string what;
-        detail::failure_kind kind{};
+        comm::detail::failure_kind kind{};
         if (channel->poll(device, what, kind)) {
           // The channel first, then the thread world: a device that the thread world releases
           // and that leaves run_hybrid reports its error to the channel, which must already hold
           // the root cause (a leader released by the channel records the same in the thread world).
-          if (kind != detail::failure_kind::aborted) {
+          if (kind != comm::detail::failure_kind::aborted) {
             // A timeout or mismatch another process saw: the same error and message here, not an
             // abort (the message already names global devices and the user's operation).
             channel->interrupt(what, device, kind);
-            if (kind == detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
+            if (kind == comm::detail::failure_kind::mismatch) channel->blame_mismatch(device);  // fail_mismatch names it
             local_.fail_as(kind, what);
             return;
           }
@@ -180,11 +180,11 @@ class hybrid_world {
   int threads_;
   int process_ = 0;
   thread_world local_;
-  std::shared_ptr<detail::hybrid_group> group_;
-  std::shared_ptr<detail::abort_channel> channel_ = std::make_shared<detail::abort_channel>();
+  std::shared_ptr<comm::detail::hybrid_group> group_;
+  std::shared_ptr<comm::detail::abort_channel> channel_ = std::make_shared<comm::detail::abort_channel>();
 };
 
-namespace detail {
+namespace comm::detail {
 /// How `run_hybrid` runs its threads by default: `threads - 1` started for the call (thread 0 is
 /// the caller's), joined before it returns. A launcher `launch(threads, body)` must call
 /// `body(t)` for every `t` in `[0, threads)` at once and return when all have returned; `body`
@@ -198,14 +198,19 @@ struct start_hybrid_threads {
     for (auto& th : pool) th.join();
   }
 };
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// Starts the device threads of a hybrid (MPI + threads) run.
+using comm::detail::start_hybrid_threads;
+}  // namespace experimental
 
 /// @brief Runs `fn(hybrid_communicator&)` on `threads` threads of this process, as device
 /// `process * threads + t` of a hybrid world over `procs`; joins them and rethrows the first
 /// failure as `participant_error` (with the device; for a collective mismatch, the device whose
 /// call differed, the same on every process). Collective over `procs`. `launch` runs the
 /// threads (default: started for this call; see `detail::start_hybrid_threads`).
-template <class F, class Launch = detail::start_hybrid_threads>
+template <class F, class Launch = comm::detail::start_hybrid_threads>
   requires std::is_invocable_v<F&, hybrid_communicator&>
 void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_options options = {},
                 Launch launch = {}) {
@@ -220,14 +225,14 @@ void run_hybrid(const mpi_communicator& procs, int threads, F&& fn, thread_comm_
       world.fail_mismatch(t, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = std::current_exception();
-      world.abort(t, detail::what_of(errors[static_cast<std::size_t>(t)]));
+      world.abort(t, comm::detail::what_of(errors[static_cast<std::size_t>(t)]));
     }
   };
   launch(threads, body);
   // The rule every runner shares (detail::find_root_cause); a mismatch is blamed on the device
   // whose call differed, which every process computed from every member's call (or learnt from the
   // report), and a failure another process reported on its device.
-  detail::rethrow_root_cause({.errors = errors,
+  comm::detail::rethrow_root_cause({.errors = errors,
                               .first = procs.rank() * threads,
                               .size = world.size(),
                               .local_root = world.root_cause_thread(),

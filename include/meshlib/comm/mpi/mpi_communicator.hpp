@@ -120,7 +120,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   friend class hybrid_world;  // installs check_interrupt on its own duplicate
   friend class hybrid_communicator;  // its leaders read which processes never arrived (mpi_comm_state::missing)
   friend class fail_guard;           // fails the communicator when an exception unwinds it
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
  public:
 
@@ -205,7 +205,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       throw comm_error("meshlib: mpi_communicator needs MPI to be initialised first (MPI_Init or "
                        "meshlib::mpi::initialize)");
     if (comm == MPI_COMM_NULL) throw comm_argument_error("meshlib: mpi_communicator cannot adopt MPI_COMM_NULL");
-    auto s = std::make_shared<detail::mpi_comm_state>();
+    auto s = std::make_shared<comm::detail::mpi_comm_state>();
     s->adopted = comm;
     s->options = options;
     s->fail_on_unwind = own_channel;
@@ -213,12 +213,12 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     finish(*s);
     if (own_channel) {
       // The abort channel is polled by the waiting thread itself (no watcher), at any thread level.
-      s->channel = std::make_shared<detail::abort_channel>();
+      s->channel = std::make_shared<comm::detail::abort_channel>();
       s->channel->open(s->comm, true);
       s->check_interrupt = [ch = s->channel.get()] {
         int r = -1;
         std::string what;
-        detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
+        comm::detail::failure_kind kind{};  // always aborted on a plain communicator: every rank detects the rest itself
         if (ch->poll(r, what, kind))
           ch->interrupt("meshlib: communicator aborted: MPI rank " + std::to_string(r) + " of " +
                         std::to_string(ch->processes) + " failed: " + what, r);
@@ -242,7 +242,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// @brief Ends every process of the run: prints "meshlib: MPI rank R of N aborts the run:
   /// <reason>" on stderr and calls `MPI_Abort` on this communicator.
   [[noreturn]] void abort(std::string_view reason, int exit_code = 1) const {
-    meshlib::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+    meshlib::comm::detail::write_stderr_line("meshlib: MPI rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
                               " aborts the run: " + std::string(reason));
     MPI_Abort(state_ ? state_->comm : MPI_COMM_WORLD, exit_code);
     std::abort();  // MPI_Abort does not return; this satisfies [[noreturn]] if it ever did
@@ -314,7 +314,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     // Arrive first (polled, with the fingerprint), so that a rank that never splits is a timeout,
     // not a hang, and a rank that calls something else a mismatch.
     agree(op_kind::split, datatype::float32, 0, reduce_op::sum, 0);
-    auto s = std::make_shared<detail::mpi_comm_state>();
+    auto s = std::make_shared<comm::detail::mpi_comm_state>();
     s->options = state_->options;
     s->oversubscribed = state_->oversubscribed;  // a property of the placement, not of the group
     s->check_interrupt = state_->check_interrupt;
@@ -341,18 +341,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                        " called on an empty mpi_communicator handle (default-constructed or moved from)");
   }
   void ensure_usable(op_kind k) const {
-    require_valid(detail::op_name(k));
+    require_valid(comm::detail::op_name(k));
     if (state_->channel && state_->channel->interrupted.load(std::memory_order_acquire))
-      state_->channel->rethrow(" [refused " + where(detail::op_name(k)) + ": the communicator has failed]");
+      state_->channel->rethrow(" [refused " + where(comm::detail::op_name(k)) + ": the communicator has failed]");
     if (!state_->failed) return;
-    const std::string msg = "meshlib: refused " + where(detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
+    const std::string msg = "meshlib: refused " + where(comm::detail::op_name(k)) + ": the communicator has failed: " + state_->failure;
     if (state_->failed_by_mismatch) throw collective_mismatch(msg);
     throw comm_timeout(msg);
   }
   void check_rc(int rc, std::string_view call) const {
     if (rc != MPI_SUCCESS)
       throw comm_error("meshlib: " + std::string(call) + " failed" + (state_ ? " on MPI rank " + std::to_string(rank()) : "") +
-                       ": " + detail::mpi_error_string(rc));
+                       ": " + comm::detail::mpi_error_string(rc));
   }
   void check_tag_bound(op_kind k, int tag) const {
     if (tag >= state_->tag_ub)
@@ -378,7 +378,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// The transport of operation K (the front end has checked its arguments).
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
+  request_type transport(const comm::detail::operation<T>& o, context_type) {
     const bool is_root = rank() == o.root;
     if constexpr (K == op_kind::all_reduce) {
       do_all_reduce<T>(o.in_place ? nullptr : o.send, o.recv, o.count, o.op);
@@ -423,7 +423,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   }
 
   template <class T>
-  void do_all_to_all_v(const detail::operation<T>& o) {
+  void do_all_to_all_v(const comm::detail::operation<T>& o) {
     constexpr auto k = op_kind::all_to_all_v;
     const auto sc = ints(k, "send_counts", o.v[0]);
     const auto sd = ints(k, "send_displs", o.v[1]);
@@ -440,7 +440,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       std::string mine;
       for (int j = 0; j < size() && mine.empty(); ++j)
         if (their[static_cast<std::size_t>(j)] != rc[static_cast<std::size_t>(j)])
-          mine = detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
+          mine = comm::detail::describe_counts_disagreement("rank " + std::to_string(j), "rank " + std::to_string(rank()),
                                                       their[static_cast<std::size_t>(j)], rc[static_cast<std::size_t>(j)]);
       int bad = mine.empty() ? -1 : rank();
       int first_bad = -1;
@@ -457,7 +457,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       }
     }
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     std::size_t bytes = 0;
     for (int c : sc) bytes += static_cast<std::size_t>(c) * sizeof(T);
     timed("all_to_all_v", bytes,
@@ -469,21 +469,21 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   /// Buffered: the data is copied and sent in the background (progressed by later calls).
   template <class T>
-  void do_send(const detail::operation<T>& o) {
+  void do_send(const comm::detail::operation<T>& o) {
     check_tag_bound(op_kind::send, o.tag);
     check_count(op_kind::send, o.count);
     progress_sends();
-    detail::mpi_comm_state::pending_send p;
+    comm::detail::mpi_comm_state::pending_send p;
     p.data.resize(o.count * sizeof(T));
     if (o.count != 0) std::memcpy(p.data.data(), o.send, o.count * sizeof(T));
-    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
+    check_rc(MPI_Isend(p.data.data(), static_cast<int>(o.count), comm::detail::mpi_datatype<T>(), o.peer, o.tag, state_->comm,
                        &p.request),
              "MPI_Isend");
     state_->sends.push_back(std::move(p));
   }
 
   template <class T>
-  void do_recv(const detail::operation<T>& o) {
+  void do_recv(const comm::detail::operation<T>& o) {
     check_tag_bound(op_kind::recv, o.tag);
     check_count(op_kind::recv, o.count);
     const int source = o.peer;
@@ -497,7 +497,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
       return MPI_Improbe(source, tag, state_->comm, done, &msg, &st);
     }, /*interruptible=*/true);  // a probe leaves nothing pending; a failed sender never sends
     int got = 0;
-    MPI_Get_count(&st, detail::mpi_datatype<T>(), &got);
+    MPI_Get_count(&st, comm::detail::mpi_datatype<T>(), &got);
     if (got != static_cast<int>(o.count)) {
       // Consume the message so the stream stays in order, then report.
       std::vector<unsigned char> sink;
@@ -511,7 +511,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                 " (tag " + std::to_string(tag) + ") but the message holds " +
                                 (got == MPI_UNDEFINED ? std::to_string(bytes) + " bytes" : std::to_string(got)));
     }
-    check_rc(MPI_Mrecv(o.recv, got, detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    check_rc(MPI_Mrecv(o.recv, got, comm::detail::mpi_datatype<T>(), &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
   }
 
   // ---- waiting ---------------------------------------------------------------------------------
@@ -555,7 +555,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     throw comm_timeout(state_->failure);
   }
 
-  static constexpr int arrival_tag = detail::mpi_comm_state::arrival_tag;
+  static constexpr int arrival_tag = comm::detail::mpi_comm_state::arrival_tag;
 
   /// Reads the arrival notes peers have sent so far (`peer_waits_in`).
   void drain_arrival_notes() {
@@ -593,7 +593,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         drain_arrival_notes();
         for (int peer = 0; peer < size(); ++peer) {
           if (peer == rank()) continue;
-          detail::mpi_comm_state::pending_send p;
+          comm::detail::mpi_comm_state::pending_send p;
           p.data.resize(sizeof(call));
           std::memcpy(p.data.data(), &call, sizeof(call));
           check_rc(MPI_Isend(p.data.data(), 1, MPI_UINT64_T, peer, arrival_tag, state_->side, &p.request), "MPI_Isend");
@@ -646,7 +646,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   void progress_sends() {
     auto& v = state_->sends;
     v.erase(std::remove_if(v.begin(), v.end(),
-                           [&](detail::mpi_comm_state::pending_send& s) {
+                           [&](comm::detail::mpi_comm_state::pending_send& s) {
                              int done = 0;
                              check_rc(MPI_Test(&s.request, &done, MPI_STATUS_IGNORE), "MPI_Test");
                              return done != 0;
@@ -664,8 +664,8 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   /// count, type, op, root or order never reaches MPI's data collectives (no MPI_ERR_TRUNCATE, no
   /// garbage, no hang).
   void agree(op_kind k, datatype dt, std::size_t count, reduce_op op, int root, std::uint64_t extra = 0) {
-    const bool has_op = detail::uses_op(k);
-    const bool has_root = detail::uses_root(k);
+    const bool has_op = comm::detail::uses_op(k);
+    const bool has_root = comm::detail::uses_root(k);
     const std::uint64_t rec[call_fields] = {state_->calls++,
                                             static_cast<std::uint64_t>(k),
                                             k == op_kind::barrier || k == op_kind::split ? 0 : static_cast<std::uint64_t>(dt) + 1,
@@ -673,7 +673,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
                                             has_op ? static_cast<std::uint64_t>(op) : 0,
                                             has_root ? static_cast<std::uint64_t>(root) : 0,
                                             extra};
-    meshlib::detail::fnv1a fingerprint;  // over the record's words
+    meshlib::experimental::fnv1a fingerprint;  // over the record's words
     for (std::uint64_t w : rec) fingerprint.add(w);
     const std::uint64_t h = fingerprint.value;
     // {mine[2], most[2]} on the heap: a wait that ends early (timeout, or a failure elsewhere)
@@ -681,7 +681,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     auto fp = std::make_unique<std::array<std::uint64_t, 4>>(std::array<std::uint64_t, 4>{h, ~h, 0, 0});
     const std::uint64_t* mine = fp->data();
     std::uint64_t* most = fp->data() + 2;
-    const std::string_view name = detail::op_name(k);
+    const std::string_view name = comm::detail::op_name(k);
     if (!has_deadline()) {
       check_rc(MPI_Allreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, state_->comm), name);
     } else {
@@ -703,7 +703,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::string msg = "meshlib: collective mismatch on an MPI communicator of " + std::to_string(size()) +
                       " ranks: the ranks called different collectives";
     for (int r = 0; r < size(); ++r)
-      msg += (r ? "; " : ": ") + detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
+      msg += (r ? "; " : ": ") + comm::detail::describe_record("rank " + std::to_string(r), all.data() + call_fields * r);
     state_->failed = true;
     state_->failed_by_mismatch = true;
     state_->failure = msg;
@@ -718,7 +718,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     agree(k, datatype_of<T>, count, op, root, extra);
   }
 
-  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return detail::pairs_hash(pairs); }
+  static std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept { return comm::detail::pairs_hash(pairs); }
 
   // ---- operations ------------------------------------------------------------------------------
 
@@ -745,17 +745,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   void all_reduce_raw(const T* send, T* recv, std::size_t count, reduce_op op) {
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_all_reduce<T>(send ? send : recv, recv, count, op);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     timed("all_reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallreduce(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Allreduce(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   /// On root, send == nullptr means in place; elsewhere send is read.
@@ -777,18 +777,18 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_reduce<T>(is_root && !send ? recv : send, recv, count, op, root);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     const void* s = is_root ? in_place(send) : static_cast<const void*>(send);
     void* rb = is_root ? static_cast<void*>(recv) : nullptr;
     timed("reduce", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ireduce(s, rb, n, t, o, root, state_->comm, r); },
           [&] { return MPI_Reduce(s, rb, n, t, o, root, state_->comm); });
-    if (is_root && op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (is_root && op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   /// send == nullptr: in place, the result at the start of recv (MPI's convention).
@@ -808,17 +808,17 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
         return;
       }
     }
-    if (detail::needs_rank_order<T>(op, size())) {
+    if (comm::detail::needs_rank_order<T>(op, size())) {
       ordered_reduce_scatter<T>(send ? send : recv, recv, count, op);
       return;
     }
-    const MPI_Datatype t = detail::mpi_datatype<T>(detail::wraps(op));
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>(comm::detail::wraps(op));
     const MPI_Op o = reduce_mpi_op<T>(op);
     const int n = static_cast<int>(count);
     timed("reduce_scatter", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(in_place(send), recv, n, t, o, state_->comm, r); },
           [&] { return MPI_Reduce_scatter_block(in_place(send), recv, n, t, o, state_->comm); });
-    if (op == reduce_op::mean) detail::finish_avg(recv, count, size());
+    if (op == reduce_op::mean) comm::detail::finish_avg(recv, count, size());
   }
 
   // Float sum, prod and mean over more than two ranks, in rank order (detail/ordered_reduce.hpp):
@@ -829,13 +829,13 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   template <class T>
   void ordered_reduce_scatter(const T* src, T* recv, std::size_t count, reduce_op op) {
     const auto n = static_cast<std::size_t>(size());
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int c = static_cast<int>(count);
     std::vector<T> blocks(count * n);
     timed("reduce_scatter", count * n * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ialltoall(src, c, t, blocks.data(), c, t, state_->comm, r); },
           [&] { return MPI_Alltoall(src, c, t, blocks.data(), c, t, state_->comm); });
-    detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
+    comm::detail::reduce_blocks_in_order(op, blocks.data(), size(), count, recv, count);
   }
 
   /// A reduce-scatter of blocks of ceil(count / n) elements (the input padded), then an all-gather.
@@ -847,7 +847,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     std::vector<T> padded(c * n), mine(c), all(c * n);
     std::copy_n(src, count, padded.begin());
     ordered_reduce_scatter<T>(padded.data(), mine.data(), c, op);
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int ci = static_cast<int>(c);
     timed("all_reduce", c * n * sizeof(T),
           [&](MPI_Request* r) { return MPI_Iallgather(mine.data(), ci, t, all.data(), ci, t, state_->comm, r); },
@@ -860,13 +860,13 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
   void ordered_reduce(const T* src, T* recv, std::size_t count, reduce_op op, int root) {
     const auto n = static_cast<std::size_t>(size());
     const bool is_root = rank() == root;
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int c = static_cast<int>(count);
     std::vector<T> all(is_root ? count * n : 0);
     timed("reduce", count * sizeof(T),
           [&](MPI_Request* r) { return MPI_Igather(src, c, t, all.data(), c, t, root, state_->comm, r); },
           [&] { return MPI_Gather(src, c, t, all.data(), c, t, root, state_->comm); });
-    if (is_root) detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
+    if (is_root) comm::detail::reduce_blocks_in_order(op, all.data(), size(), count, recv, count);
   }
 
   template <class T>
@@ -874,7 +874,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::broadcast, count, reduce_op::sum, root);
     check_count(op_kind::broadcast, count);
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     timed("broadcast", count * sizeof(T), [&](MPI_Request* r) { return MPI_Ibcast(buf, n, t, root, state_->comm, r); },
           [&] { return MPI_Bcast(buf, n, t, root, state_->comm); });
@@ -886,7 +886,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::all_gather, count, reduce_op::sum, 0);
     check_count(op_kind::all_gather, count * static_cast<std::size_t>(size()));
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     // MPI_IN_PLACE ignores the send count and type.
     timed("all_gather", count * static_cast<std::size_t>(size()) * sizeof(T),
@@ -900,7 +900,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::all_to_all, count, reduce_op::sum, 0);
     check_count(op_kind::all_to_all, count * static_cast<std::size_t>(size()));
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     timed("all_to_all", count * static_cast<std::size_t>(size()) * sizeof(T),
           [&](MPI_Request* r) { return MPI_Ialltoall(in_place(send), n, t, recv, n, t, state_->comm, r); },
@@ -912,7 +912,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     maybe_verify<T>(op_kind::ppermute, count, reduce_op::sum, 0, pairs_hash(pairs));
     check_count(op_kind::ppermute, count);
     progress_sends();
-    const MPI_Datatype t = detail::mpi_datatype<T>();
+    const MPI_Datatype t = comm::detail::mpi_datatype<T>();
     const int n = static_cast<int>(count);
     const int tag = state_->tag_ub;  // meshlib's own tag: never a user's
     MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -930,11 +930,11 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
 
   template <class T>
   static MPI_Op reduce_mpi_op(reduce_op op) {
-    if constexpr (std::is_same_v<T, bfloat16>) return detail::bf16_mpi_op(op);
-    else return detail::mpi_op<T>(op);
+    if constexpr (std::is_same_v<T, bfloat16>) return comm::detail::bf16_mpi_op(op);
+    else return comm::detail::mpi_op<T>(op);
   }
 
-  void finish(detail::mpi_comm_state& s) {
+  void finish(comm::detail::mpi_comm_state& s) {
     check_rc(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Comm_rank(s.comm, &s.rank);
     MPI_Comm_size(s.comm, &s.size);
@@ -970,7 +970,7 @@ class mpi_communicator : public communicator_frontend<mpi_communicator> {
     }
   }
 
-  std::shared_ptr<detail::mpi_comm_state> state_;
+  std::shared_ptr<comm::detail::mpi_comm_state> state_;
   /// `std::uncaught_exceptions()` when this handle was made: a larger count at its destruction
   /// means that an exception is unwinding it.
   int exceptions_at_birth_ = std::uncaught_exceptions();

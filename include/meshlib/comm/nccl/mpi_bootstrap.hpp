@@ -38,7 +38,7 @@ namespace meshlib {
     MPI_Comm_rank(node, &local);
     MPI_Comm_free(&node);
     int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
+    comm::detail::check_cuda(cudaGetDeviceCount(&count), "nccl_communicator_from_mpi", "cudaGetDeviceCount");
     options.device = local % count;  // count >= 1 here: cudaGetDeviceCount fails without a device
   }
   ncclUniqueId id{};

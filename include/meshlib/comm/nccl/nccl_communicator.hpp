@@ -82,7 +82,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// The NCCL communicator, stream and event pool shared by the handles and requests of one
 /// participant: the `Channel` of `basic_stream_request`.
@@ -212,11 +212,11 @@ struct nccl_comm_state : stream_state {
   }
 };
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief The request of the NCCL communicator: completes when the event recorded after the
 /// operation's NCCL calls does (see `basic_stream_request`).
-using nccl_request = basic_stream_request<detail::nccl_comm_state>;
+using nccl_request = basic_stream_request<comm::detail::nccl_comm_state>;
 
 /// @brief One GPU's handle on an NCCL communicator. Copies share it.
 class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_request, cuda_stream_ref> {
@@ -236,10 +236,10 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       throw comm_argument_error("meshlib: nccl_communicator: rank " + std::to_string(rank) +
                                 " is outside a group of " + std::to_string(nranks) +
                                 " participants; ranks are 0 <= rank < nranks and nranks >= 1");
-    detail::require_nccl_version("nccl_communicator");
+    comm::detail::require_nccl_version("nccl_communicator");
     auto s = make_state(options, rank, nranks, "nccl_communicator");
     {
-      detail::cuda_device_scope g(s->device, "nccl_communicator");
+      comm::detail::cuda_device_scope g(s->device, "nccl_communicator");
       ncclConfig_t config = nonblocking_config();
       ncclUniqueId copy = id;
       init_checked(*s, ncclCommInitRankConfig(&s->comm, nranks, copy, rank, &config), "ncclCommInitRankConfig");
@@ -248,12 +248,12 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
 
   /// @brief Adopts state made by a creation function (`run_on_gpus`, `split`).
-  explicit nccl_communicator(std::shared_ptr<detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
+  explicit nccl_communicator(std::shared_ptr<comm::detail::nccl_comm_state> s) noexcept : state_(std::move(s)) {}
 
   /// @brief A new unique id (`ncclGetUniqueId`), made by one participant and given to all.
   [[nodiscard]] static ncclUniqueId new_unique_id() {
     ncclUniqueId id{};
-    detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
+    comm::detail::check_nccl(ncclGetUniqueId(&id), "nccl_communicator", "ncclGetUniqueId");
     return id;
   }
 
@@ -298,14 +298,14 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   nccl_communicator split(int color, int key) {
     constexpr std::string_view k = "split";
     check_split(color);
-    auto s = std::make_shared<detail::nccl_comm_state>();
+    auto s = std::make_shared<comm::detail::nccl_comm_state>();
     s->options = state_->options;
     s->batch = batch_of(s->options);
     s->device = state_->device;
     s->stream = state_->stream;
     s->stream_owner = state_->stream_owner;
     {
-      detail::cuda_device_scope g(s->device, state_->describe(k));
+      comm::detail::cuda_device_scope g(s->device, state_->describe(k));
       ncclConfig_t config = nonblocking_config();
       // NCCL writes the handle from its own thread when the split completes: into a cell that
       // outlives that write (leaked, 8 bytes, if the split is abandoned before it completes).
@@ -316,7 +316,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       settle_new(*s, state_->describe(k), "ncclCommSplit");
       call(k, "ncclCommUserRank", ncclCommUserRank(s->comm, &s->rank));
       call(k, "ncclCommCount", ncclCommCount(s->comm, &s->size));
-      detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
+      comm::detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), state_->describe(k), "cudaMalloc");
     }
     return nccl_communicator(std::move(s));
   }
@@ -331,27 +331,27 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
   /// A state for participant `rank` of `nranks` on options' device and stream, without its NCCL
   /// communicator yet.
-  [[nodiscard]] static std::shared_ptr<detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
+  [[nodiscard]] static std::shared_ptr<comm::detail::nccl_comm_state> make_state(const nccl_comm_options& options, int rank,
                                                                            int nranks, std::string_view what) {
-    auto s = std::make_shared<detail::nccl_comm_state>();
+    auto s = std::make_shared<comm::detail::nccl_comm_state>();
     s->options = options;
     s->batch = batch_of(options);
     s->rank = rank;
     s->size = nranks;
     int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+    comm::detail::check_cuda(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
     int device = options.device;
-    if (device < 0) detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
+    if (device < 0) comm::detail::check_cuda(cudaGetDevice(&device), what, "cudaGetDevice");
     if (device >= count)
       throw comm_argument_error("meshlib: " + std::string(what) + ": GPU " + std::to_string(device) +
                                 " does not exist; this machine has " + std::to_string(count) + " CUDA device(s)");
     s->device = device;
-    detail::cuda_device_scope g(device, what);
+    comm::detail::cuda_device_scope g(device, what);
     if (options.stream.given()) {
       s->stream = options.stream.or_else(nullptr);
     } else {
       cudaStream_t st = nullptr;
-      detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
+      comm::detail::check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), what, "cudaStreamCreateWithFlags");
       s->stream = st;
       s->stream_owner = std::shared_ptr<void>(st, [device](void* p) {
         int prev = 0;
@@ -361,15 +361,15 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         if (ok) (void)cudaSetDevice(prev);
       });
     }
-    detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
+    comm::detail::check_cuda(cudaMalloc(reinterpret_cast<void**>(&s->scratch), sizeof(int)), what, "cudaMalloc");
     return s;
   }
   /// Checks the result of a communicator-creating call and polls the new communicator until it is
   /// ready (non-blocking creation returns ncclInProgress), against the timeout.
-  static void init_checked(detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
+  static void init_checked(comm::detail::nccl_comm_state& s, ncclResult_t rc, std::string_view call_name) {
     const std::string what = s.describe("nccl_communicator creation");
     if (rc != ncclSuccess && rc != ncclInProgress)
-      detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
+      comm::detail::check_nccl(rc, what, call_name, s.comm != nullptr ? ncclGetLastError(s.comm) : nullptr);
     settle_new(s, what, call_name);
   }
 
@@ -377,9 +377,9 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   // ---- enqueueing ------------------------------------------------------------------------------
 
   template <class F>
-  request_type enqueue(std::string_view k, context_type ctx, std::optional<detail::call_fingerprint> fingerprint,
+  request_type enqueue(std::string_view k, context_type ctx, std::optional<comm::detail::call_fingerprint> fingerprint,
                        F&& calls) {
-    detail::cuda_device_scope g(state_->device, state_->describe(k));
+    comm::detail::cuda_device_scope g(state_->device, state_->describe(k));
     const cudaStream_t s = ctx.or_else(state_->stream);
     if (fingerprint && state_->options.verify_collectives) verify(k, fingerprint->pack(), s);
     calls(s);
@@ -388,9 +388,9 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     return request_type(state_, ev, std::string(k), state_->options.timeout);
   }
   template <class T>
-  static detail::call_fingerprint fp(detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
+  static comm::detail::call_fingerprint fp(comm::detail::op_kind op, std::size_t count, std::optional<reduce_op> r = std::nullopt,
                                      int root = -1) {
-    detail::call_fingerprint f;
+    comm::detail::call_fingerprint f;
     f.op = op;
     if constexpr (comm_element<T>) f.type = static_cast<int>(datatype_of<T>);
     else f.type = 14;  // CUDA's own 16-bit types: compared, printed as "-"
@@ -409,14 +409,14 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     const std::size_t per = st.batch.pending().size();
     const std::size_t every = st.batch.every();
     const auto n1 = static_cast<std::size_t>(st.size + 1) * every;
-    const auto slots = static_cast<std::size_t>(detail::nccl_comm_state::check_slots);
+    const auto slots = static_cast<std::size_t>(comm::detail::nccl_comm_state::check_slots);
     if (st.check_dev == nullptr) {
       cuda_call(k, "cudaMalloc", cudaMalloc(reinterpret_cast<void**>(&st.check_dev), slots * n1 * sizeof(std::int64_t)));
       cuda_call(k, "cudaHostAlloc",
                 cudaHostAlloc(reinterpret_cast<void**>(&st.check_host), slots * n1 * sizeof(std::int64_t), cudaHostAllocDefault));
     }
     const int slot = st.next_slot;
-    st.next_slot = (st.next_slot + 1) % detail::nccl_comm_state::check_slots;
+    st.next_slot = (st.next_slot + 1) % comm::detail::nccl_comm_state::check_slots;
     // The slot's previous check must have been compared before its memory is reused.
     const auto deadline = deadline_from_now();
     for (;;) {
@@ -433,7 +433,7 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
         st.abort(m);
         throw collective_mismatch(m);
       }
-      if (!cuda_failure.empty()) detail::throw_comm_failure(detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
+      if (!cuda_failure.empty()) comm::detail::throw_comm_failure(comm::detail::comm_failure_kind::error, "meshlib: " + st.describe(k) + ": " + cuda_failure);
       if (deadline.passed()) {
         const std::string t = "meshlib: " + st.describe(k) + ": the check of an earlier collective did not complete within the timeout; the communicator was aborted";
         st.abort(t, true);
@@ -457,8 +457,8 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     st.checks.push_back({ev, slot, first, per});
   }
   /// A state's call schedule, from its options (`verify_every`, `verify_each_first`).
-  static detail::call_batch batch_of(const nccl_comm_options& o) {
-    return detail::call_batch(o.verify_every, o.verify_each_first);
+  static comm::detail::call_batch batch_of(const nccl_comm_options& o) {
+    return comm::detail::call_batch(o.verify_every, o.verify_each_first);
   }
   /// Checks an NCCL call of operation k; ncclInProgress (non-blocking) is settled first.
   void call(std::string_view k, std::string_view name, ncclResult_t rc) const {
@@ -471,16 +471,16 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
   }
   [[noreturn]] void fail_with(std::string_view k, std::string_view name, ncclResult_t rc) const {
     const char* last = ncclGetLastError(state_->comm);
-    const std::string message = detail::failed_call_message(state_->describe(k), name, detail::nccl_result_text(rc),
+    const std::string message = comm::detail::failed_call_message(state_->describe(k), name, comm::detail::nccl_result_text(rc),
                                                             last != nullptr ? std::string_view(last) : std::string_view{});
     // Argument errors leave the communicator usable; anything else may have left it half-way
     // through a collective, so it is aborted and later calls are refused.
-    if (detail::failure_kind_of(rc) != detail::comm_failure_kind::argument) state_->abort(message);
-    detail::throw_comm_failure(detail::failure_kind_of(rc), message);
+    if (comm::detail::failure_kind_of(rc) != comm::detail::comm_failure_kind::argument) state_->abort(message);
+    comm::detail::throw_comm_failure(comm::detail::failure_kind_of(rc), message);
   }
   void cuda_call(std::string_view k, std::string_view name, cudaError_t rc) const {
     if (rc == cudaSuccess) return;
-    detail::check_cuda(rc, state_->describe(k), name);
+    comm::detail::check_cuda(rc, state_->describe(k), name);
   }
   /// Polls `ncclCommGetAsyncError` until a non-blocking call has been issued.
   void settle(std::string_view k, std::string_view name) const {
@@ -534,25 +534,25 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     if (*cell == nullptr)
       throw comm_error("meshlib: " + state_->describe(k) + ": ncclCommSplit completed (color " + std::to_string(color) +
                        ") but gave no new communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
-                       detail::nccl_versions_text(nccl_version()) + ")");
+                       comm::detail::nccl_versions_text(nccl_version()) + ")");
     return *cell;
   }
-  static void settle_new(detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
+  static void settle_new(comm::detail::nccl_comm_state& s, const std::string& what, std::string_view name) {
     if (s.comm == nullptr)  // NCCL would answer ncclInvalidArgument ("comm argument is NULL"); say what happened
       throw comm_error("meshlib: " + what + ": " + std::string(name) +
                        " returned without a communicator (NULL); this NCCL does not fill the handle as meshlib expects (" +
-                       detail::nccl_versions_text(nccl_version()) + ")");
+                       comm::detail::nccl_versions_text(nccl_version()) + ")");
     const deadline_t deadline{s.options.timeout.count() > 0, std::chrono::steady_clock::now() + s.options.timeout};
     for (;;) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t rc = ncclCommGetAsyncError(s.comm, &async);
-      if (rc != ncclSuccess) detail::check_nccl(rc, what, "ncclCommGetAsyncError");
+      if (rc != ncclSuccess) comm::detail::check_nccl(rc, what, "ncclCommGetAsyncError");
       if (async == ncclSuccess) return;
       if (async != ncclInProgress) {
         const std::string last = ncclGetLastError(s.comm);
         (void)ncclCommAbort(s.comm);
         s.comm = nullptr;
-        detail::check_nccl(async, what, name, last.c_str());
+        comm::detail::check_nccl(async, what, name, last.c_str());
       }
       if (deadline.passed()) {
         (void)ncclCommAbort(s.comm);
@@ -646,18 +646,18 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
     require_valid(k);
     state_->refuse_if_failed(state_->describe(k));
   }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  void ensure_usable(comm::detail::op_kind k) const { check_usable(comm::detail::op_name(k)); }
   /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
+  template <comm::detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
     if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The NCCL transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
+  template <comm::detail::op_kind K, class T>
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
+    using comm::detail::op_kind;
+    constexpr std::string_view k = comm::detail::op_name(K);
     const std::size_t n = static_cast<std::size_t>(size());
     const std::size_t c = o.count;
     const ncclDataType_t t = nccl_datatype_of<T>;
@@ -750,13 +750,13 @@ class nccl_communicator : public communicator_frontend<nccl_communicator, nccl_r
       }
     } else {
       static_assert(K == op_kind::barrier);
-      return enqueue(k, ctx, detail::call_fingerprint{}, [&](cudaStream_t s) {
+      return enqueue(k, ctx, comm::detail::call_fingerprint{}, [&](cudaStream_t s) {
         call(k, "ncclAllReduce", ncclAllReduce(state_->scratch, state_->scratch, 1, ncclInt32, ncclSum, state_->comm, s));
       });
     }
   }
 
-  std::shared_ptr<detail::nccl_comm_state> state_;
+  std::shared_ptr<comm::detail::nccl_comm_state> state_;
 };
 
 static_assert(communicator<nccl_communicator>);

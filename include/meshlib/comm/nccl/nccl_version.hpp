@@ -73,11 +73,11 @@ inline constexpr nccl_version_number nccl_min_version{2, 18, 0};
 /// @throws comm_error when `ncclGetVersion` fails.
 [[nodiscard]] inline nccl_version_number nccl_version() {
   int code = 0;
-  detail::check_nccl(ncclGetVersion(&code), "nccl_version", "ncclGetVersion");
+  comm::detail::check_nccl(ncclGetVersion(&code), "nccl_version", "ncclGetVersion");
   return nccl_version_number::from_code(code);
 }
 
-namespace detail {
+namespace comm::detail {
 
 /// "NCCL library 2.28.3, headers 2.28.9": what a message about NCCL's version shows.
 [[nodiscard]] inline std::string nccl_versions_text(nccl_version_number library,
@@ -108,7 +108,7 @@ inline void require_nccl_version(std::string_view what, nccl_version_number libr
 /// The same for the library this process loaded.
 inline void require_nccl_version(std::string_view what) { require_nccl_version(what, nccl_version()); }
 
-}  // namespace detail
+}  // namespace comm::detail
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL

@@ -49,10 +49,10 @@ namespace meshlib {
         throw comm_argument_error("meshlib: nccl_communicators: GPU " + std::to_string(devices[i]) +
                                   " is listed twice; NCCL refuses two ranks on one GPU (use one communicator per "
                                   "GPU, and the thread communicator between devices that share one)");
-  detail::require_nccl_version(what);
+  comm::detail::require_nccl_version(what);
   const int n = static_cast<int>(devices.size());
   const ncclUniqueId id = nccl_communicator::new_unique_id();
-  std::vector<std::shared_ptr<detail::nccl_comm_state>> states;
+  std::vector<std::shared_ptr<comm::detail::nccl_comm_state>> states;
   for (int r = 0; r < n; ++r) {
     nccl_comm_options o = options;
     o.device = devices[static_cast<std::size_t>(r)];
@@ -60,18 +60,18 @@ namespace meshlib {
   }
   {
     ncclConfig_t config = nccl_communicator::nonblocking_config();
-    detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
+    comm::detail::check_nccl(ncclGroupStart(), what, "ncclGroupStart");
     ncclResult_t first = ncclSuccess;
     for (int r = 0; r < n; ++r) {
       auto& s = *states[static_cast<std::size_t>(r)];
-      detail::cuda_device_scope g(s.device, what);
+      comm::detail::cuda_device_scope g(s.device, what);
       ncclUniqueId copy = id;
       const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, n, copy, r, &config);
       if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
     }
     const ncclResult_t end = ncclGroupEnd();
-    detail::check_nccl(first, what, "ncclCommInitRankConfig");
-    detail::check_nccl(end, what, "ncclGroupEnd");
+    comm::detail::check_nccl(first, what, "ncclCommInitRankConfig");
+    comm::detail::check_nccl(end, what, "ncclGroupEnd");
   }
   std::vector<nccl_communicator> out;
   for (auto& s : states) {
@@ -106,14 +106,14 @@ void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
   auto body = [&](int r) {
     auto& c = comms[static_cast<std::size_t>(r)];
     try {
-      detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
+      comm::detail::check_cuda(cudaSetDevice(c.device()), "run_on_gpus", "cudaSetDevice");
       fn(c);
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       int none = -1;
       first.compare_exchange_strong(none, r);
       const std::string why = "participant " + std::to_string(r) + " failed: " +
-                              detail::what_of(errors[static_cast<std::size_t>(r)]);
+                              comm::detail::what_of(errors[static_cast<std::size_t>(r)]);
       for (auto& other : comms) other.abort(why);
     }
   };
@@ -131,7 +131,7 @@ void run_on_communicators(std::span<nccl_communicator> comms, F&& fn) {
     }
     for (auto& t : threads) t.join();
   }
-  detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
+  comm::detail::rethrow_root_cause({.errors = errors, .size = n, .local_root = first.load()}, [&](int r) {
     return "participant " + std::to_string(r) + " of " + std::to_string(n) + " (GPU " +
            std::to_string(comms[static_cast<std::size_t>(r)].device()) + ")";
   });

@@ -66,7 +66,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 
 /// CUDA events for `basic_shared_event`.
 struct cuda_event_traits {
@@ -169,10 +169,10 @@ inline call_summary summary_of(const shared_gpu_call& call) {
   return c;
 }
 
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief The request of `shared_gpu_communicator`: completes when its stream passes the operation.
-using shared_gpu_request = basic_stream_request<detail::shared_gpu_state>;
+using shared_gpu_request = basic_stream_request<comm::detail::shared_gpu_state>;
 
 /// @brief One mesh device's handle on a group of devices that share one GPU. Move-only (its host
 /// handle belongs to one thread).
@@ -188,27 +188,27 @@ class shared_gpu_communicator
   /// bound to `options.stream` (default: a new non-blocking stream). Not collective.
   explicit shared_gpu_communicator(thread_communicator host, nccl_comm_options options = {}) {
     if (!host.valid()) throw comm_argument_error("meshlib: shared_gpu_communicator needs a valid thread_communicator");
-    if (host.size() > detail::max_local_devices)
+    if (host.size() > comm::detail::max_local_devices)
       throw comm_argument_error("meshlib: shared_gpu_communicator: " + std::to_string(host.size()) +
-                                " devices on one GPU; at most " + std::to_string(detail::max_local_devices) + " are supported");
+                                " devices on one GPU; at most " + std::to_string(comm::detail::max_local_devices) + " are supported");
     // The stream and device come from the same code as the NCCL communicator's.
     auto base = nccl_communicator::make_state(options, host.rank(), host.size(), "shared_gpu_communicator");
-    auto s = std::make_shared<detail::shared_gpu_state>();
+    auto s = std::make_shared<comm::detail::shared_gpu_state>();
     s->host = std::move(host);
     s->device = base->device;
     s->stream = base->stream;
     s->stream_owner = base->stream_owner;
     s->options = options;
     {
-      detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
-      s->ready = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
-      s->done = detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      comm::detail::cuda_device_scope g(s->device, "shared_gpu_communicator");
+      s->ready = comm::detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
+      s->done = comm::detail::make_shared_cuda_event(s->device, "shared_gpu_communicator");
     }
     state_ = std::move(s);
   }
 
   /// @brief Adopts a participant's state (for creation functions and tests).
-  explicit shared_gpu_communicator(std::shared_ptr<detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
+  explicit shared_gpu_communicator(std::shared_ptr<comm::detail::shared_gpu_state> s) noexcept : state_(std::move(s)) {}
 
   /// This participant's rank (0 when moved from).
   [[nodiscard]] int rank() const noexcept { return state_ ? state_->host.rank() : 0; }
@@ -256,18 +256,18 @@ class shared_gpu_communicator
   }
   // ---- the front end's hooks
   [[nodiscard]] std::string label() const { return "shared-GPU device " + std::to_string(rank()); }
-  void ensure_usable(detail::op_kind k) const { check_usable(detail::op_name(k)); }
+  void ensure_usable(comm::detail::op_kind k) const { check_usable(comm::detail::op_name(k)); }
   /// A buffer of `elems` elements of T must be device memory of this GPU (stream_state's check).
-  template <detail::op_kind K, class T>
+  template <comm::detail::op_kind K, class T>
   void device_buffer(const char* name, const T* p, std::size_t elems) const {
     if (auto problem = state_->buffer_problem(name, p, elems * sizeof(T)); !problem.empty()) this->bad_argument(K, problem);
   }
 
   /// The shared-GPU transport of operation K, after the front end's checks.
-  template <detail::op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type ctx) {
-    using detail::op_kind;
-    constexpr std::string_view k = detail::op_name(K);
+  template <comm::detail::op_kind K, class T>
+  request_type transport(const comm::detail::operation<T>& o, context_type ctx) {
+    using comm::detail::op_kind;
+    constexpr std::string_view k = comm::detail::op_name(K);
     constexpr int code = static_cast<int>(K);
     const std::size_t n = static_cast<std::size_t>(size());
     const std::size_t c = o.count;
@@ -325,13 +325,13 @@ class shared_gpu_communicator
       std::vector<std::int64_t> theirs(3 * n * n);
       return movement<T>(k, code, o.send, o.recv, 0, -1, 0, ctx, [&](const auto& all, cudaStream_t s) {
         rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(theirs)); });
-        if (const auto bad = detail::first_counts_disagreement(
+        if (const auto bad = comm::detail::first_counts_disagreement(
                 n, [&](std::size_t i, std::size_t j) { return theirs[i * 3 * n + 2 * n + j]; },
                 [&](std::size_t j, std::size_t i) { return theirs[j * 3 * n + i]; }))
           throw collective_mismatch("meshlib: collective mismatch in all_to_all_v on the devices of GPU " +
                                     std::to_string(state_->device) + " (seen by device " + std::to_string(me) +
                                     "): the counts disagree: " +
-                                    detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
+                                    comm::detail::describe_counts_disagreement("device " + std::to_string(bad->sender),
                                                                          "device " + std::to_string(bad->receiver),
                                                                          bad->sent, bad->expected));
         for (std::size_t j = 0; j < n; ++j) {
@@ -342,7 +342,7 @@ class shared_gpu_communicator
       });
     } else if constexpr (K == op_kind::send) {
       device_buffer<K>("send", o.send, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
+      comm::detail::cuda_device_scope g(state_->device, describe(k));
       const cudaStream_t s = ctx.or_else(state_->stream);
       cudaEvent_t ready = nullptr;
       cuda(k, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -359,7 +359,7 @@ class shared_gpu_communicator
       return complete_on(k, s);
     } else if constexpr (K == op_kind::recv) {
       device_buffer<K>("receive", o.recv, c);
-      detail::cuda_device_scope g(state_->device, describe(k));
+      comm::detail::cuda_device_scope g(state_->device, describe(k));
       const cudaStream_t s = ctx.or_else(state_->stream);
       std::int64_t msg[4] = {};
       rendezvous(k, [&] { (void)state_->host.recv(std::span<std::int64_t>(msg), o.peer, o.tag); });
@@ -410,7 +410,7 @@ class shared_gpu_communicator
     return "meshlib: " + describe(k) + ": " + std::string(host_what) + " (the devices' host communicator: its rank r is device r)";
   }
   void cuda(std::string_view k, std::string_view call, cudaError_t rc) const {
-    if (rc != cudaSuccess) detail::check_cuda(rc, describe(k), call);
+    if (rc != cudaSuccess) comm::detail::check_cuda(rc, describe(k), call);
   }
   template <class T>
   void copy(std::string_view k, T* to, const T* from, std::size_t n, cudaStream_t s) const {
@@ -421,8 +421,8 @@ class shared_gpu_communicator
   /// null for an empty one: never the caller's own memory (detail::in_place_scratch).
   template <class T>
   T* scratch_copy(std::string_view k, std::span<T> buf, cudaStream_t s) const {
-    detail::cuda_device_scope g(state_->device, describe(k));
-    return static_cast<T*>(detail::in_place_scratch(
+    comm::detail::cuda_device_scope g(state_->device, describe(k));
+    return static_cast<T*>(comm::detail::in_place_scratch(
         buf.size_bytes(),
         [&](std::size_t bytes) {
           void* p = nullptr;
@@ -437,7 +437,7 @@ class shared_gpu_communicator
     if (p != nullptr) cuda(k, "cudaFreeAsync", cudaFreeAsync(p, s));
   }
   static std::int64_t hash_pairs(std::span<const permute_pair> pairs) {
-    meshlib::detail::fnv1a h;  // over the pairs, in order
+    meshlib::experimental::fnv1a h;  // over the pairs, in order
     for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
     return static_cast<std::int64_t>(h.value);
   }
@@ -466,17 +466,17 @@ class shared_gpu_communicator
   /// destroy its communicator at once). Each event carries a reference for every peer, given back
   /// once its wait is enqueued (detail/shared_event.hpp); nothing else of a peer's is touched
   /// after a rendezvous but the buffers it passed, whose reuse the "done" events order.
-  std::vector<detail::shared_gpu_call> arrive(std::string_view k, detail::shared_gpu_call mine, cudaStream_t s) {
+  std::vector<comm::detail::shared_gpu_call> arrive(std::string_view k, comm::detail::shared_gpu_call mine, cudaStream_t s) {
     cuda(k, "cudaEventRecord", cudaEventRecord(state_->ready->get(), s));
     mine.ready = state_->ready->handle();
     const auto n = static_cast<std::size_t>(size());
-    std::vector<detail::shared_gpu_call> all(n);
+    std::vector<comm::detail::shared_gpu_call> all(n);
     state_->ready->share(size() - 1);  // before the handle is published
     rendezvous(k, [&] {
       (void)state_->host.all_gather(std::span<const std::int64_t>(reinterpret_cast<const std::int64_t*>(&mine), 8),
                                     std::span<std::int64_t>(reinterpret_cast<std::int64_t*>(all.data()), 8 * n));
     });
-    detail::peer_event_refs<detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
+    comm::detail::peer_event_refs<comm::detail::cuda_event_traits> ready(size(), rank(), [&](int q) {
       return all[static_cast<std::size_t>(q)].ready;
     });
     bool agree = true;
@@ -487,7 +487,7 @@ class shared_gpu_communicator
       std::string m = "meshlib: collective mismatch on the devices of GPU " + std::to_string(state_->device) +
                       " (seen by device " + std::to_string(rank()) + "):";
       for (std::size_t q = 0; q < n; ++q)
-        m += " device " + std::to_string(q) + " called " + detail::describe_call(detail::summary_of(all[q])) +
+        m += " device " + std::to_string(q) + " called " + comm::detail::describe_call(comm::detail::summary_of(all[q])) +
              (q + 1 < n ? ";" : "");
       throw collective_mismatch(m);
     }
@@ -505,7 +505,7 @@ class shared_gpu_communicator
     rendezvous(k, [&] { (void)state_->host.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(all)); });
     // The last rendezvous of the operation: a peer may return, and destroy its communicator,
     // before this participant has enqueued its waits; its reference keeps the event alive.
-    detail::peer_event_refs<detail::cuda_event_traits> done(size(), rank(),
+    comm::detail::peer_event_refs<comm::detail::cuda_event_traits> done(size(), rank(),
                                                             [&](int q) { return all[static_cast<std::size_t>(q)]; });
     for (int q = 0; q < size(); ++q)
       if (q != rank()) cuda(k, "cudaStreamWaitEvent", cudaStreamWaitEvent(s, done[q], 0));
@@ -521,11 +521,11 @@ class shared_gpu_communicator
   template <class T, class Body>
   request_type movement(std::string_view k, int op, const T* send, T* recv, std::size_t count, int root,
                         std::int64_t extra, context_type ctx, Body&& body) {
-    detail::cuda_device_scope g(state_->device, describe(k));
+    comm::detail::cuda_device_scope g(state_->device, describe(k));
     const cudaStream_t s = ctx.or_else(state_->stream);
-    detail::shared_gpu_call mine;
+    comm::detail::shared_gpu_call mine;
     mine.op = op;
-    mine.type = op == static_cast<int>(detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
+    mine.type = op == static_cast<int>(comm::detail::op_kind::barrier) ? -1 : static_cast<std::int64_t>(datatype_of<T>);
     mine.count = static_cast<std::int64_t>(count);
     mine.root = root;
     mine.extra = extra;
@@ -561,11 +561,11 @@ class shared_gpu_communicator
         else
           out.push_back(reinterpret_cast<T*>(all[static_cast<std::size_t>(root)].recv) + begin);
       }
-      detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
+      comm::detail::launch_reduce(datatype_of<T>, op, in, out, len, s, describe(k));
     });
   }
 
-  std::shared_ptr<detail::shared_gpu_state> state_;
+  std::shared_ptr<comm::detail::shared_gpu_state> state_;
 };
 
 static_assert(communicator<shared_gpu_communicator>);
@@ -576,10 +576,10 @@ static_assert(communicator<shared_gpu_communicator>);
 template <class F>
   requires std::is_invocable_v<F&, shared_gpu_communicator&>
 void run_on_shared_gpu(int n, F&& fn, nccl_comm_options options = {}, thread_comm_options host_options = {}) {
-  if (n > detail::max_local_devices)
+  if (n > comm::detail::max_local_devices)
     throw comm_argument_error("meshlib: run_on_shared_gpu: " + std::to_string(n) + " devices on one GPU; at most " +
-                              std::to_string(detail::max_local_devices) + " are supported");
-  if (options.device < 0) detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
+                              std::to_string(comm::detail::max_local_devices) + " are supported");
+  if (options.device < 0) comm::detail::check_cuda(cudaGetDevice(&options.device), "run_on_shared_gpu", "cudaGetDevice");
   run_on_threads(
       n,
       [&](thread_communicator& host) {

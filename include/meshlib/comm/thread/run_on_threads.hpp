@@ -28,7 +28,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 /// Pins the calling thread to the `index`-th CPU of `allowed` (modulo their number).
 #if defined(__linux__)
 inline void pin_to(const cpu_set_t& allowed, int index) {
@@ -84,7 +84,12 @@ class participant_failures {
  private:
   std::vector<std::exception_ptr> errors_;
 };
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// The failures of the participants of a run, collected for `rethrow_root_cause`.
+using comm::detail::participant_failures;
+}  // namespace experimental
 
 /// @brief Runs `fn(thread_communicator&)` on `n` threads, one per participant of a new
 /// `thread_world(n, options)` (participant 0 on the calling thread), and returns when all have
@@ -126,10 +131,10 @@ void run_on_threads(int n, F&& fn, thread_comm_options options = {}) {
 #else
   (void)pin;
 #endif
-  detail::participant_failures failures(n);
+  comm::detail::participant_failures failures(n);
   auto body = [&](int r) {
 #if defined(__linux__)
-    if (can_pin) detail::pin_to(allowed, r);
+    if (can_pin) comm::detail::pin_to(allowed, r);
 #endif
     failures.run(world, r, fn);
   };

@@ -72,7 +72,7 @@ class thread_world;
 /// blocks that thread until the operation is complete, then returns an already-complete
 /// `ready_request`. Destroying a handle tells its peers that this rank has left: a peer that
 /// waits for it in a collective gets `comm_aborted` instead of waiting for the timeout.
-class thread_communicator : public communicator_frontend<thread_communicator>, private detail::step_protocol {
+class thread_communicator : public communicator_frontend<thread_communicator>, private comm::detail::step_protocol {
   friend class communicator_frontend<thread_communicator>;
   friend class hybrid_communicator;  // restates a timeout of its local steps (timeout_facts), sets patience_
 
@@ -84,7 +84,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   thread_communicator& operator=(const thread_communicator&) = delete;
   /// Movable: the moved-from communicator is no longer valid.
   thread_communicator(thread_communicator&& o) noexcept
-      : detail::step_protocol(std::move(o)) {}
+      : comm::detail::step_protocol(std::move(o)) {}
   /// Move assignment: the moved-from communicator is no longer valid.
   thread_communicator& operator=(thread_communicator&& o) noexcept {
     if (this != &o) {
@@ -114,8 +114,8 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// and later calls throw `comm_aborted` naming this rank and `reason`.
   /// @returns whether this call recorded the root cause (false when the world had already failed).
   bool abort(std::string_view reason) {
-    require_valid(detail::op_kind::barrier);
-    return state_->world->fail(detail::failure_kind::aborted, world_rank(),
+    require_valid(comm::detail::op_kind::barrier);
+    return state_->world->fail(comm::detail::failure_kind::aborted, world_rank(),
                                "meshlib: communicator aborted: " + state_->rank_label(rank_) + " failed: " +
                                    std::string(reason));
   }
@@ -129,9 +129,9 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// which they are ordered by (`key`, rank in this one), as `MPI_Comm_split`. Sub-groups belong to
   /// the same world: a failure in any of them fails all.
   thread_communicator split(int color, int key) {
-    constexpr auto k = detail::op_kind::split;
+    constexpr auto k = comm::detail::op_kind::split;
     check_split(color);
-    detail::call_desc d;
+    comm::detail::call_desc d;
     d.kind = k;
     d.color = color;
     d.key = key;
@@ -150,21 +150,21 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       if (keyed[i].second == rank_) new_rank = static_cast<int>(i);
       members.push_back(g.world_ranks[static_cast<std::size_t>(keyed[i].second)]);
     }
-    auto sub = detail::claim_split_group(g.world, g.id, s, color, members);
+    auto sub = comm::detail::claim_split_group(g.world, g.id, s, color, members);
     sub->slots[new_rank].claimed.store(true);
     return thread_communicator(std::move(sub), new_rank);
   }
 
  private:
   friend class thread_world;
-  using op_kind = detail::op_kind;
+  using op_kind = comm::detail::op_kind;
 
-  thread_communicator(std::shared_ptr<detail::group_state> s, int rank) : detail::step_protocol(std::move(s), rank) {}
+  thread_communicator(std::shared_ptr<comm::detail::group_state> s, int rank) : comm::detail::step_protocol(std::move(s), rank) {}
 
   void depart() noexcept {
     if (!state_) return;
     if (std::uncaught_exceptions() > 0)
-      state_->slots[rank_].unwound_at.store(detail::comm_clock::now().time_since_epoch().count() | 1,
+      state_->slots[rank_].unwound_at.store(comm::detail::comm_clock::now().time_since_epoch().count() | 1,
                                             std::memory_order_relaxed);
     state_->slots[rank_].departed.store(true, std::memory_order_seq_cst);
     state_->wake_all_unconditionally();
@@ -182,14 +182,14 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   void require_valid(op_kind k) const {
     if (!state_)
-      throw comm_error("meshlib: " + std::string(detail::op_name(k)) +
+      throw comm_error("meshlib: " + std::string(comm::detail::op_name(k)) +
                        " called on an empty thread_communicator handle (default-constructed or moved from)");
   }
 
   /// Refuses every call once the world has failed.
   void ensure_usable(op_kind k) const {
     require_valid(k);
-    if (state_->word.load(std::memory_order_acquire) & detail::failed_bit)
+    if (state_->word.load(std::memory_order_acquire) & comm::detail::failed_bit)
       state_->world->rethrow("refused " + where(k) + ": the communicator has failed");
   }
 
@@ -197,14 +197,14 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// this rank are released at once.
   void on_argument_error(op_kind k, const std::string& what) const {
     require_valid(k);
-    state_->world->fail(detail::failure_kind::aborted, world_rank(),
+    state_->world->fail(comm::detail::failure_kind::aborted, world_rank(),
                         "meshlib: communicator aborted: " + state_->rank_label(rank_) + " passed an invalid argument to " +
-                            std::string(detail::op_name(k)) + ": " + what);
+                            std::string(comm::detail::op_name(k)) + ": " + what);
   }
 
   /// The transport of operation K (the front end has checked its arguments).
   template <op_kind K, class T>
-  request_type transport(const detail::operation<T>& o, context_type) {
+  request_type transport(const comm::detail::operation<T>& o, context_type) {
     if constexpr (K == op_kind::all_reduce) return do_all_reduce<T>(o.send, o.recv, o.count, o.op);
     else if constexpr (K == op_kind::reduce) return do_reduce<T>(o.send, o.recv, o.count, o.op, o.root);
     else if constexpr (K == op_kind::reduce_scatter) return do_reduce_scatter<T>(o.send, o.recv, o.count, o.op);
@@ -220,7 +220,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       return {};
     } else {
       static_assert(K == op_kind::barrier);
-      detail::call_desc d;
+      comm::detail::call_desc d;
       d.kind = K;
       arrive(d, false);
       return {};
@@ -229,12 +229,12 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   /// Buffered send: the message is copied into the mailbox of (this rank, dest).
   request_type post(const void* data, std::size_t count, datatype dt, int dest, int tag) {
-    detail::p2p_message m;
+    comm::detail::p2p_message m;
     m.tag = tag;
     m.dtype = dt;
     m.count = count;
     m.data.resize(count * size_of(dt));
-    detail::copy_bytes(m.data.data(), data, m.data.size());
+    comm::detail::copy_bytes(m.data.data(), data, m.data.size());
     auto& g = *state_;
     {
       std::lock_guard lk(g.p2p_mutex);
@@ -256,7 +256,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   /// A zero-copy path's copy: streaming stores for big payloads.
   static void move_bytes(void* dst, const void* src, std::size_t bytes, bool stream) noexcept {
     if (bytes == 0 || dst == src) return;
-    if (stream) detail::stream_bytes(dst, src, bytes);
+    if (stream) comm::detail::stream_bytes(dst, src, bytes);
     else std::memcpy(dst, src, bytes);
   }
 
@@ -280,8 +280,8 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
   }
 
   template <class T>
-  detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
-    detail::call_desc d;
+  comm::detail::call_desc desc(op_kind k, std::size_t count) const noexcept {
+    comm::detail::call_desc d;
     d.kind = k;
     d.dtype = datatype_of<T>;
     d.count = count;
@@ -300,7 +300,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       d.src = stage(send, count * sizeof(T));
       const std::uint64_t s = arrive(d, false);
       for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
-      detail::reduce_into<T>(op, in, n, &recv, 1, count);
+      comm::detail::reduce_into<T>(op, in, n, &recv, 1, count);
       return {};
     }
     d.src = send;
@@ -312,7 +312,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       in[r] = src_of<T>(s, r) + lo;
       out[r] = dst_of<T>(s, r) + lo;
     }
-    detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
+    comm::detail::reduce_into<T>(op, in, n, out, n, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -330,7 +330,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       const std::uint64_t s = arrive(d, false);
       if (rank_ == root) {
         for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r);
-        detail::reduce_into<T>(op, in, n, &recv, 1, count);
+        comm::detail::reduce_into<T>(op, in, n, &recv, 1, count);
       }
       return {};
     }
@@ -340,7 +340,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     const auto [lo, hi] = slice(count, sizeof(T), rank_);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + lo;
     T* out = dst_of<T>(s, root) + lo;
-    detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
+    comm::detail::reduce_into<T>(op, in, n, &out, 1, hi - lo, streaming(count * sizeof(T)));
     complete();
     return {};
   }
@@ -358,7 +358,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     d.src = staged ? stage(send, total_bytes) : static_cast<const void*>(send);
     const std::uint64_t s = arrive(d, !staged);
     for (int r = 0; r < n; ++r) in[r] = src_of<T>(s, r) + mine;
-    detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
+    comm::detail::reduce_into<T>(op, in, n, &recv, 1, count, !staged && streaming(total_bytes));
     if (!staged) complete();
     return {};
   }
@@ -408,7 +408,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     } else if (send == recv) {
       // In place and zero-copy: peers read this rank's blocks while it overwrites them; give them a copy.
       std::byte* copy = scratch_.reserve(total);
-      detail::copy_bytes(copy, send, total);
+      comm::detail::copy_bytes(copy, send, total);
       d.src = copy;
     } else {
       d.src = send;
@@ -436,7 +436,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     for (int r = 0; r < n; ++r) {
       const auto& dr = state_->slots[r].desc[s & 1];
       const T* from = static_cast<const T*>(dr.src) + dr.v[1][rank_];
-      detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
+      comm::detail::copy_bytes(recv + rd[r], from, static_cast<std::size_t>(rc[r]) * sizeof(T));
     }
     complete();
     return {};
@@ -452,7 +452,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
       d.src = stage(send, bytes);
     } else if (send == recv) {
       std::byte* copy = scratch_.reserve(bytes);
-      detail::copy_bytes(copy, send, bytes);
+      comm::detail::copy_bytes(copy, send, bytes);
       d.src = copy;
     } else {
       d.src = send;
@@ -461,7 +461,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     int from = -1;
     for (const auto& p : pairs)
       if (p.dest == rank_) from = p.source;
-    if (from >= 0) detail::copy_bytes(recv, src_of<T>(s, from), bytes);
+    if (from >= 0) comm::detail::copy_bytes(recv, src_of<T>(s, from), bytes);
     else std::fill_n(recv, count, T{});
     if (!staged) complete();
     return {};
@@ -471,10 +471,10 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
     constexpr auto k = op_kind::recv;
     auto& g = *state_;
     auto& box = g.mailboxes[mailbox(source, rank_)];
-    const auto deadline = detail::comm_clock::now() + g.policy.timeout;
+    const auto deadline = comm::detail::comm_clock::now() + g.policy.timeout;
     std::unique_lock lk(g.p2p_mutex);
     for (;;) {
-      auto it = std::find_if(box.begin(), box.end(), [tag](const detail::p2p_message& m) { return m.tag == tag; });
+      auto it = std::find_if(box.begin(), box.end(), [tag](const comm::detail::p2p_message& m) { return m.tag == tag; });
       if (it != box.end()) {
         if (it->dtype != dt || it->count != count) {
           std::ostringstream os;
@@ -482,28 +482,28 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
              << it->dtype << " with tag " << tag << " but " << g.rank_label(rank_) << " receives " << count
              << " elements of " << dt;
           lk.unlock();
-          g.world->fail(detail::failure_kind::mismatch, -1, os.str());
+          g.world->fail(comm::detail::failure_kind::mismatch, -1, os.str());
           g.world->rethrow("seen by " + where(k));
         }
-        detail::copy_bytes(buf, it->data.data(), it->data.size());
+        comm::detail::copy_bytes(buf, it->data.data(), it->data.size());
         box.erase(it);
         return;
       }
-      if (g.word.load(std::memory_order_acquire) & detail::failed_bit) {
+      if (g.word.load(std::memory_order_acquire) & comm::detail::failed_bit) {
         lk.unlock();
         g.world->rethrow("seen by " + where(k) + " from " + g.rank_label(source));
       }
-      const auto now = detail::comm_clock::now();
+      const auto now = comm::detail::comm_clock::now();
       if (departure_is_final(source) || now >= deadline) {
         lk.unlock();
         if (now >= deadline)
-          g.world->fail(detail::failure_kind::timeout, world_rank(),
+          g.world->fail(comm::detail::failure_kind::timeout, world_rank(),
                         "meshlib: recv from " + g.rank_label(source) + " with tag " + std::to_string(tag) +
                             " timed out on " + g.rank_label(rank_) + " after " +
                             std::to_string(std::chrono::duration<double>(g.policy.timeout).count()) + " s: " +
                             g.rank_label(source) + " never sent it");
         else
-          g.world->fail(detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
+          g.world->fail(comm::detail::failure_kind::aborted, g.world_ranks[static_cast<std::size_t>(source)],
                         "meshlib: communicator aborted: " + g.rank_label(source) +
                             " left the communicator (its handle was destroyed or its thread ended) while " +
                             g.rank_label(rank_) + " waited to receive from it");
@@ -515,7 +515,7 @@ class thread_communicator : public communicator_frontend<thread_communicator>, p
 
   std::vector<const void*> ins_;  ///< scratch arrays of peer pointers, kept to avoid allocations
   std::vector<void*> outs_;
-  detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
+  comm::detail::staging_buffer scratch_;  ///< copy of an in-place buffer that peers read (zero-copy paths)
 };
 
 static_assert(communicator<thread_communicator>);

@@ -33,10 +33,10 @@ class thread_world {
   explicit thread_world(int size, thread_comm_options options = {}) {
     if (size < 1)
       throw comm_argument_error("meshlib: a thread_world needs at least 1 participant, got " + std::to_string(size));
-    world_ = std::make_shared<detail::world_state>(options, size);
+    world_ = std::make_shared<comm::detail::world_state>(options, size);
     std::vector<int> ranks(static_cast<std::size_t>(size));
     std::iota(ranks.begin(), ranks.end(), 0);
-    group_ = detail::make_group(world_, std::move(ranks));
+    group_ = comm::detail::make_group(world_, std::move(ranks));
   }
   thread_world(const thread_world&) = delete;
   thread_world& operator=(const thread_world&) = delete;
@@ -49,7 +49,7 @@ class thread_world {
     for (int r = 0; r < group_->n; ++r) {
       const auto& slot = group_->slots[r];
       if (slot.claimed.load() && !slot.departed.load()) {
-        world_->fail(detail::failure_kind::aborted, -1,
+        world_->fail(comm::detail::failure_kind::aborted, -1,
                      "meshlib: communicator aborted: the thread_world was destroyed while rank " + std::to_string(r) +
                          " still held its handle");
         break;
@@ -82,20 +82,20 @@ class thread_world {
   /// ("meshlib: communicator aborted: <who> failed: <reason>"): a hybrid world names the global
   /// device; rank -1 is a participant outside this world (a device of another process).
   bool abort(int rank, std::string_view reason, std::string_view who) {
-    return world_->fail(detail::failure_kind::aborted, rank,
+    return world_->fail(comm::detail::failure_kind::aborted, rank,
                         "meshlib: communicator aborted: " + std::string(who) + " failed: " + std::string(reason));
   }
 
   /// @brief Fails the world as a collective mismatch that was detected elsewhere (by another
   /// process of a hybrid world): every participant gets `collective_mismatch` with `message`, no
   /// participant being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as_mismatch(std::string_view message) { return fail_as(detail::failure_kind::mismatch, message); }
+  bool fail_as_mismatch(std::string_view message) { return fail_as(comm::detail::failure_kind::mismatch, message); }
 
   /// @brief Fails the world with an error detected elsewhere (by another process of a hybrid
   /// world, or by its leader's exchange between processes): every participant gets the error of
   /// `kind` (`comm_aborted`, `comm_timeout`, `collective_mismatch`) with `message`, no participant
   /// of this world being the root cause. @returns whether this call recorded the root cause.
-  bool fail_as(detail::failure_kind kind, std::string_view message) {
+  bool fail_as(comm::detail::failure_kind kind, std::string_view message) {
     return world_->fail(kind, -1, std::string(message));
   }
 
@@ -105,8 +105,8 @@ class thread_world {
   [[nodiscard]] int root_cause_rank() const { return world_->root_cause_rank(); }
 
  private:
-  std::shared_ptr<detail::world_state> world_;
-  std::shared_ptr<detail::group_state> group_;
+  std::shared_ptr<comm::detail::world_state> world_;
+  std::shared_ptr<comm::detail::group_state> group_;
 };
 
 }  // namespace meshlib

@@ -51,7 +51,7 @@
 #include "meshlib/comm/thread/run_on_threads.hpp"
 #include "meshlib/tensor/for_each_device.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::exec::detail {
 
 /// Whether the calling thread is running an index of a `device_workers` job (any pool's).
 inline bool& in_device_worker() noexcept {
@@ -165,7 +165,7 @@ class device_workers {
   /// against 6 us when the cores were busy), more than the short calls of a training step take; a
   /// bounded spin keeps that cost off the common back-to-back calls and gives the core back soon after.
   static bool spin_while_equal(const std::atomic<std::uint32_t>& a, std::uint32_t old) noexcept {
-    return poll_for([&] { return a.load(std::memory_order_acquire) != old; }, spin_window);
+    return experimental::poll_for([&] { return a.load(std::memory_order_acquire) != old; }, experimental::spin_window);
   }
 
   struct inside_guard {
@@ -201,7 +201,7 @@ class device_workers {
   }
 #endif
   /// The CPU the calling thread runs on, or -1.
-  static int caller_cpu() noexcept { return current_cpu(); }
+  static int caller_cpu() noexcept { return experimental::current_cpu(); }
 
 #if defined(__linux__)
   /// Pins worker `index` to `width` CPUs of its own beside the caller's: with the allowed CPUs in
@@ -297,8 +297,8 @@ inline void run_on_device_workers(std::size_t count, void* ctx, void (*call)(voi
 /// tensor cannot include this layer, so it exposes the hook and this layer fills it (before
 /// `main`; a global-view operation run before that runs its devices one after another).
 inline const bool device_workers_installed = [] {
-  device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
+  experimental::device_dispatcher.store(&run_on_device_workers, std::memory_order_release);
   return true;
 }();
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::exec::detail

@@ -27,7 +27,7 @@
 #include "meshlib/debug/observe.hpp"
 #include "meshlib/tensor/view.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::exec::detail {
 
 /// The cores each device of `runner` computes on: its `threads_per_device` where it has one, else 1.
 template <class Runner>
@@ -45,7 +45,7 @@ void require_thread_teams(std::size_t threads) {
   if (threads == 0)
     throw error("meshlib: threads_per_device is 0; a device computes on at least one thread (1, the default, is one "
                 "core per device)");
-  if constexpr (!has_thread_teams_v<Exec>)
+  if constexpr (!experimental::has_thread_teams_v<Exec>)
     throw error("meshlib: threads_per_device = " + std::to_string(threads) + " needs Kokkos 4 with the OpenMP "
                 "backend (a team of threads per device), but devices here compute on Kokkos::" +
                 std::string(Exec::name()) + " (Kokkos " + std::to_string(KOKKOS_VERSION) +
@@ -54,7 +54,7 @@ void require_thread_teams(std::size_t threads) {
 
 /// Whether `Runner` always installs each device's execution-space instance itself (`gpu_runner`: a
 /// Kokkos CUDA instance on the stream of the device's communicator, so that kernels and collectives
-/// are ordered on one stream; it also sets `runner_installed_exec()` for each call); otherwise
+/// are ordered on one stream; it also sets `experimental::runner_installed_exec()` for each call); otherwise
 /// `run_devices` installs `device_instance`'s, unless the runner set that flag for the call.
 template <class Runner>
 inline constexpr bool runner_installs_instances_v = requires { typename Runner::installs_exec_instances; };
@@ -66,39 +66,39 @@ inline constexpr bool runner_installs_instances_v = requires { typename Runner::
 /// error, with the same message for every runner.
 template <mesh_type Mesh, class Backend, class Body>
 void run_devices(const Mesh& m, const Backend& backend, Body&& body) {
-  require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
+  experimental::require_runnable(m, "spmd / shard_map / reshard");  // before anything is sized by the device count
   const std::vector<std::size_t> local = backend.local_devices(m.size());
   const std::size_t team = threads_per_device_of(backend);
-  require_thread_teams<exec_space_for_t<default_memory_space>>(team);
-  run_observer observer(m, local);  // installed: the debug layer's observer
+  require_thread_teams<experimental::exec_space_for_t<default_memory_space>>(team);
+  experimental::run_observer observer(m, local);  // installed: the debug layer's observer
   // Instances per local device: a process running devices 4..7 of 8 makes 4, not 8.
   constexpr bool own_instances = !runner_installs_instances_v<Backend>;
   if constexpr (own_instances)
-    (void)device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
-  workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
+    (void)experimental::device_instance<default_memory_space>(0, local.size(), team);  // made here, not in the device threads
+  experimental::workspace_registry::get().hook();  // likewise (Kokkos' hook stack has no lock)
   try {
     backend.run(m.size(), [&]<class C>(std::size_t device, C world) {
-      device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
-      scoped_device installed(ctx);
-      std::optional<scoped_exec_space<default_memory_space>> on;
+      experimental::device_context_for<C, Mesh> ctx(m, device, std::move(world), &observer);
+      experimental::scoped_device installed(ctx);
+      std::optional<experimental::scoped_exec_space<default_memory_space>> on;
       // A runner chosen at run time (default_runner picking gpu_runner) says so per call.
-      const bool runner_instance = std::exchange(runner_installed_exec(), false);
+      const bool runner_instance = std::exchange(experimental::runner_installed_exec(), false);
       if (own_instances && !runner_instance) {
         const auto index = static_cast<std::size_t>(std::lower_bound(local.begin(), local.end(), device) - local.begin());
-        on.emplace(device_instance<default_memory_space>(index, local.size(), team));
+        on.emplace(experimental::device_instance<default_memory_space>(index, local.size(), team));
       }
       body(device);
       // A stream backend's collectives may still be enqueued: the call ends when they are
       // complete (or with their error, bounded by the communicator's timeout).
-      if constexpr (stream_ordered_v<C>) ctx.synchronize();
+      if constexpr (experimental::stream_ordered_v<C>) ctx.synchronize();
     });
   } catch (const participant_error& e) {
     const auto device = static_cast<std::size_t>(e.rank());
     const std::exception_ptr cause = e.nested_ptr();
-    const std::string what = cause ? what_of(cause) : std::string(e.what());
+    const std::string what = cause ? experimental::what_of(cause) : std::string(e.what());
     throw device_error(device, cause, "meshlib: device " + std::to_string(device) + " of " + m.to_string() +
                                           " failed: " + what);
   }
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::exec::detail

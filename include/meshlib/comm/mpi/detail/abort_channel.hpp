@@ -26,7 +26,7 @@
 #include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/mpi/detail/watcher_threads.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Fault propagation between processes, shared by the MPI communicator (one rank per process) and
 /// the hybrid world. Each process posts one receive on a duplicate communicator of its own. When a
@@ -240,6 +240,6 @@ struct abort_channel {
   }
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI

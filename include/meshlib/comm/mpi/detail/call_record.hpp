@@ -19,7 +19,7 @@
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// What a mismatch message shows of a call record of the mismatch fingerprint (`describe_call`):
 /// {call number, op_kind, datatype + 1 (0: none), count, reduce op, root, extra}. The record
@@ -42,11 +42,11 @@ inline std::string describe_record(const std::string& who, const std::uint64_t* 
 
 /// A fingerprint of ppermute pairs (every participant must pass the same).
 inline std::uint64_t pairs_hash(std::span<const permute_pair> pairs) noexcept {
-  fnv1a h;
+  experimental::fnv1a h;
   for (const auto& p : pairs) h.add(static_cast<std::uint32_t>(p.source)).add(static_cast<std::uint32_t>(p.dest));
   return h.value ^ pairs.size();
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI

@@ -24,7 +24,7 @@
 #include "meshlib/comm/mpi/detail/settle.hpp"
 #include "meshlib/comm/mpi/mpi_comm_options.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The MPI state shared by the handles of one communicator.
 struct mpi_comm_state {
@@ -106,6 +106,6 @@ struct mpi_comm_state {
   }
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI

@@ -25,7 +25,7 @@
 
 #include <mpi.h>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The text MPI gives for error code `rc`.
 inline std::string mpi_error_string(int rc) {
@@ -136,6 +136,6 @@ void finish_avg(T* data, std::size_t count, int n) noexcept {
   }
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI

@@ -21,7 +21,7 @@
 #include "meshlib/comm/reduce_op.hpp"
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Whether a reduction of T with `op` over `ranks` ranks must run in rank order to give the thread
 /// backend's bits (see the file comment).
@@ -42,4 +42,4 @@ void reduce_blocks_in_order(reduce_op op, const T* blocks, int n, std::size_t st
   reduce_into<T>(op, in.data(), n, outs, 1, len);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

@@ -20,7 +20,7 @@
 
 #include <mpi.h>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief Exchanges how many messages with tag `tag` each rank sent to each other rank on `comm`
 /// (one all-to-all: freeing `comm` is collective anyway), then receives and drops the ones not
@@ -84,6 +84,6 @@ inline bool settle_messages(MPI_Comm comm, int tag, const std::vector<std::uint6
   return true;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_MPI

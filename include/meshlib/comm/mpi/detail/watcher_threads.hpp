@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief Runs jobs on parked threads, one job per thread at a time; a job that finds every thread
 /// busy (two hybrid calls at once from different threads) gets a new thread, which stays.
@@ -121,4 +121,4 @@ class watcher_threads {
   std::vector<std::shared_ptr<slot>> slots_;  // guarded by mutex_
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

@@ -23,7 +23,7 @@
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 struct call_fingerprint {
   op_kind op = op_kind::barrier;
@@ -153,6 +153,6 @@ class call_batch {
   std::vector<std::int64_t> pending_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_NCCL

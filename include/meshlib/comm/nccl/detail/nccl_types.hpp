@@ -47,7 +47,7 @@
 
 namespace meshlib {
 
-namespace detail {
+namespace comm::detail {
 template <class T>
 consteval int nccl_type_index() {
   using U = std::remove_cv_t<T>;
@@ -72,17 +72,17 @@ consteval int nccl_type_index() {
     return -1;
   }
 }
-}  // namespace detail
+}  // namespace comm::detail
 
 /// @brief An element type the NCCL communicator moves and reduces: every `comm_element`, plus CUDA's
 /// `__half` and `__nv_bfloat16` when their headers are included (`<cuda_fp16.h>`, `<cuda_bf16.h>`).
 template <class T>
-concept nccl_element = (detail::nccl_type_index<T>() >= 0);
+concept nccl_element = (comm::detail::nccl_type_index<T>() >= 0);
 
 /// @brief NCCL's data type of element type `T` (`ncclBfloat16` for meshlib's `bfloat16`,
 /// `ncclFloat16` for `__half`).
 template <nccl_element T>
-inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(detail::nccl_type_index<T>());
+inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(comm::detail::nccl_type_index<T>());
 
 /// @brief NCCL's data type of a run-time `datatype` tag.
 [[nodiscard]] constexpr ncclDataType_t to_nccl(datatype t) noexcept {
@@ -109,7 +109,7 @@ inline constexpr ncclDataType_t nccl_datatype_of = static_cast<ncclDataType_t>(d
   return ncclNumOps;
 }
 
-namespace detail {
+namespace comm::detail {
 
 /// Which meshlib exception an NCCL result becomes (see the file comment).
 enum class comm_failure_kind { argument, aborted, timeout, error };
@@ -192,7 +192,12 @@ inline void check_cuda(cudaError_t rc, std::string_view what, std::string_view c
   throw_comm_failure(failure_kind_of(rc), failed_call_message(what, call, cuda_error_text(rc)));
 }
 
-}  // namespace detail
+}  // namespace comm::detail
+
+namespace experimental {
+/// Throws `comm_error` naming the call when a CUDA runtime call failed.
+using comm::detail::check_cuda;
+}  // namespace experimental
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL

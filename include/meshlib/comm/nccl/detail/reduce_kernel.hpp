@@ -37,7 +37,7 @@
 #include "meshlib/comm/nccl/detail/nccl_types.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Most participants one launch reduces (the pointer tables go by value in the kernel arguments).
 inline constexpr int max_local_devices = 32;
@@ -208,6 +208,6 @@ inline void launch_reduce(datatype t, reduce_op op, const std::vector<const void
              "cudaLaunchKernel");
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
 
 #endif  // MESHLIB_ENABLE_NCCL

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// @brief An event with a reference count. `Traits` provides `event_type` and
 /// `static void destroy(event_type, int device) noexcept`.
@@ -102,4 +102,4 @@ class peer_event_refs {
   std::vector<basic_shared_event<Traits>*> events_;
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

@@ -82,7 +82,7 @@ struct nccl_comm_options {
   std::size_t verify_each_first = 64;
 };
 
-namespace detail {
+namespace comm::detail {
 
 /// Makes `device` the calling thread's current CUDA device for a scope.
 class cuda_device_scope {
@@ -204,7 +204,7 @@ struct stream_state {
   }
 };
 
-}  // namespace detail
+}  // namespace comm::detail
 }  // namespace meshlib
 
 #endif  // MESHLIB_ENABLE_NCCL

@@ -20,7 +20,7 @@
 #include "meshlib/comm/detail/operation.hpp"
 #include "meshlib/comm/reduce_op.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// What one rank called in one step: compared across ranks (mismatch detection), and the source
 /// of the peers' buffer addresses for the zero-copy algorithms.
@@ -91,4 +91,4 @@ inline bool same_call(const flag_line& a, const flag_line& b, const std::vector<
   return true;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

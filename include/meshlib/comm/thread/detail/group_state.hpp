@@ -47,7 +47,7 @@
 #include "meshlib/comm/thread/detail/wait_policy.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 using comm_clock = std::chrono::steady_clock;
 
@@ -283,4 +283,4 @@ inline std::shared_ptr<group_state> claim_split_group(const std::shared_ptr<worl
   return g;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

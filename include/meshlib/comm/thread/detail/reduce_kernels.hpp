@@ -20,7 +20,7 @@
 #include <emmintrin.h>
 #endif
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The type in which elements of T are combined: float for bfloat16 (NCCL's and PyTorch's
 /// accumulation type), the unsigned twin for integers (so that sum and prod wrap instead of
@@ -220,4 +220,4 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
   if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

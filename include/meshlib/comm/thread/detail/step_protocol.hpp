@@ -31,7 +31,7 @@
 #include "meshlib/comm/thread/detail/reduce_kernels.hpp"
 #include "meshlib/comm/thread/detail/wait_policy.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// Waits of every thread communicator of the process that went on to block, so far (tests: a
 /// waiter whose peer is late ends up blocked, not spinning or yielding for ever).
@@ -373,4 +373,4 @@ class step_protocol {
   std::chrono::nanoseconds patience_{0};
 };
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail

@@ -16,7 +16,7 @@
 #include "meshlib/comm/detail/spin_then_block.hpp"
 #include "meshlib/comm/thread/options.hpp"
 
-namespace meshlib::detail {
+namespace meshlib::comm::detail {
 
 /// The waiting policy of one group: spin while a peer on another core is about to arrive (a cache
 /// line moves between cores in ~60 ns), for at most `spin_window` (comm/detail/spin_then_block.hpp:
@@ -112,4 +112,4 @@ inline wait_policy make_wait_policy(const thread_comm_options& o, int threads) {
   return p;
 }
 
-}  // namespace meshlib::detail
+}  // namespace meshlib::comm::detail
