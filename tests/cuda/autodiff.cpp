@@ -7,7 +7,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
-static_assert(!meshlib::detail::host_accessible_v<meshlib::default_memory_space>,
+static_assert(!meshlib::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
 
 namespace nn = meshlib::nn;
