@@ -11,6 +11,7 @@
 /// `drop_dim` and `insert_dim` move between an element's index and the index of its statistic, so
 /// any pair of dimensions of any rank goes through one code path.
 
+#include <cmath>
 #include <cstddef>
 #include <vector>
 
@@ -25,6 +26,16 @@ KOKKOS_INLINE_FUNCTION std::size_t drop_dim(std::size_t i, std::size_t s, std::s
 /// The inverse of `drop_dim`: the element whose coordinate along the dropped dimension is `c`.
 KOKKOS_INLINE_FUNCTION std::size_t insert_dim(std::size_t j, std::size_t s, std::size_t n, std::size_t c) noexcept {
   return (j / s) * (s * n) + c * s + j % s;
+}
+
+/// `sqrt(x)` on the host and in device kernels: `Kokkos::sqrt` (Kokkos 4), `std::sqrt` on Kokkos 3,
+/// which has no `Kokkos::sqrt` (its builds run meshlib on the host only).
+KOKKOS_INLINE_FUNCTION float sqrt_in_kernel(float x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::sqrt(x);
+#else
+  return std::sqrt(x);
+#endif
 }
 
 /// `out[c]` = the sum of squares of chunk `c` of `x`, in double (fixed chunks: the same bits on
@@ -94,8 +105,8 @@ struct factored_scale {
   std::size_t s1_row;  ///< of `d1` in `v_row`
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
     const std::size_t r = drop_dim(i, s0, n0);
-    const float row = 1.0f / Kokkos::sqrt(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
-    const float col = 1.0f / Kokkos::sqrt(v_col[drop_dim(i, s1, n1)]);
+    const float row = 1.0f / sqrt_in_kernel(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
+    const float col = 1.0f / sqrt_in_kernel(v_col[drop_dim(i, s1, n1)]);
     u[i] = u[i] * row * col;
   }
 };
@@ -109,7 +120,7 @@ struct unfactored_scale {
     const float g = u[i];
     const float vi = beta * v[i] + (1.0f - beta) * (g * g + eps);
     v[i] = vi;
-    u[i] = g / Kokkos::sqrt(vi);
+    u[i] = g / sqrt_in_kernel(vi);
   }
 };
 
