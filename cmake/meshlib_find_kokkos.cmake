@@ -166,6 +166,16 @@ macro(meshlib_find_kokkos)
     if(Kokkos_ENABLE_CUDA)
       set_property(TARGET meshlib::kokkos APPEND PROPERTY
         INTERFACE_COMPILE_OPTIONS "$<$<COMPILE_LANGUAGE:CXX>:--expt-relaxed-constexpr>")
+      # matmul_into's products on CUDA memory go to cuBLAS on the device's stream
+      # (tensor/cublas_product.hpp); without cuBLAS they run meshlib's own kernel, far slower.
+      find_package(CUDAToolkit QUIET)
+      if(TARGET CUDA::cublas)
+        set_property(TARGET meshlib::kokkos APPEND PROPERTY INTERFACE_LINK_LIBRARIES CUDA::cublas)
+        set_property(TARGET meshlib::kokkos APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS MESHLIB_ENABLE_CUBLAS=1)
+      else()
+        message(WARNING "meshlib: Kokkos has CUDA but cuBLAS was not found (CUDAToolkit_ROOT): matrix products "
+          "on the GPU run meshlib's own kernel, far slower than cuBLAS")
+      endif()
     endif()
     if(NOT DEFINED MESHLIB_KOKKOS_WHERE)
       set(MESHLIB_KOKKOS_WHERE "")

@@ -52,6 +52,9 @@ OPTIONAL_PARTS = [
     ("MESHLIB_ENABLE_KOKKOS_KERNELS", "meshlib::kokkos_kernels", None,
      "matmul through KokkosBlas::gemm (BLAS speed; link Kokkos Kernels and a BLAS) instead of "
      "meshlib's own, much slower kernel"),
+    ("MESHLIB_ENABLE_CUBLAS", "meshlib::meshlib with a Kokkos built with CUDA", None,
+     "matmul_into's products of float and double in CUDA memory through cuBLAS on the device's "
+     "stream (link cuBLAS) instead of meshlib's own kernel"),
     ("MESHLIB_ENABLE_MPI", "meshlib::mpi", "meshlib/mpi.hpp",
      "<meshlib/mpi.hpp>: the MPI and hybrid process x thread communicators, meshlib::mpi::initialize "
      "(link MPI)"),
@@ -129,7 +132,7 @@ class Amalgamator:
             lines.append(f"//   {macro}=1  ({target} in CMake)\n")
             lines.extend(f"//       {part}\n" for part in wrap(what, 88))
         lines += [
-            "// To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at\n",
+            "// To see what was chosen: meshlib::config (kokkos_kernels, cublas, mpi, nccl, tbb, matmul_kernel) at\n",
             "// run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.\n",
             "// Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.\n",
         ]

@@ -56,9 +56,15 @@ status=0
 cuda_include="$(dirname "$(dirname "$nvcc_bin")")/include"
 nccl=0
 [ -f "$cuda_include/nccl.h" ] || [ -f /usr/include/nccl.h ] && nccl=1
+# matmul_into's products on CUDA memory go to cuBLAS where the toolkit has it (tensor/cublas_product.hpp),
+# as meshlib's CMake target arranges for a Kokkos with CUDA.
+cublas=()
+[ -f "$cuda_include/cublas_v2.h" ] && cublas=(-DMESHLIB_ENABLE_CUBLAS=1 -I"$cuda_include")
+if [ ${#cublas[@]} -gt 0 ]; then echo "  with cuBLAS: matmul_into's CUDA products (MESHLIB_ENABLE_CUBLAS=1)"
+else echo "  without cuBLAS (no cublas_v2.h in $cuda_include): matmul_into's CUDA products use meshlib's kernel"; fi
 compile() {  # compile NAME [CASE]: tests/cuda/NAME.cpp (-DMESHLIB_CASE=CASE) -> $work/NAME[CASE].o, output in .log
-  local extra=() out="$work/$1${2:-}"
-  case "$1" in gpu_collectives | flagship_gpu) extra=(-DMESHLIB_ENABLE_NCCL=1 -I"$cuda_include") ;; esac
+  local extra=("${cublas[@]}") out="$work/$1${2:-}"
+  case "$1" in gpu_collectives | flagship_gpu) extra+=(-DMESHLIB_ENABLE_NCCL=1 -I"$cuda_include") ;; esac
   [ -n "${2:-}" ] && extra+=(-DMESHLIB_CASE="$2")
   "$src/bin/nvcc_wrapper" "${flags[@]}" "${extra[@]}" -c "$repo_root/tests/cuda/$1.cpp" -o "$out.o" >"$out.log" 2>&1 || return 1
   # A kernel calling a host-only function compiles with a warning only (#20011/#20014/#20015:

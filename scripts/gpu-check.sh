@@ -177,7 +177,7 @@ if [ "$mode" = --bundle ]; then
   for b in "$dir"/bin/*; do ldd "$b" 2>/dev/null; done | awk '$3 ~ /^\// {print $1, $3}' | sort -u |
     while read -r name path; do
       case "$name" in
-        linux-vdso* | ld-linux* | libc.so* | libm.so* | libpthread* | libdl.so* | librt.so* | libcuda.so* | libcudart* | libnvrtc* | libnccl*) ;;
+        linux-vdso* | ld-linux* | libc.so* | libm.so* | libpthread* | libdl.so* | librt.so* | libcuda.so* | libcudart* | libnvrtc* | libnccl* | libcublas*) ;;
         *) cp -L "$path" "$dir/lib/$name" ;;
       esac
     done
@@ -244,7 +244,14 @@ if [ -z "$nccl_lib" ]; then
   nccl_lib="$(find / -xdev -name 'libnccl.so.2' -not -path '*/proc/*' 2>/dev/null | head -1)"
 fi
 echo "libnccl.so.2: ${nccl_lib:-not found}"
-export LD_LIBRARY_PATH="$dir/lib${nccl_lib:+:$(dirname "$nccl_lib")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuBLAS (the CUDA programs' products) is the machine's too: its toolkit's, or a CUDA 13 wheel's
+# (nvidia-cublas, beside PyTorch); it is too large to bundle (libcublasLt is 540 MB).
+cublas_lib="$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 / {print $NF; exit}')"
+if [ -z "$cublas_lib" ]; then
+  cublas_lib="$(find / -xdev -name 'libcublas.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)"
+fi
+echo "libcublas.so.13: ${cublas_lib:-not found}"
+export LD_LIBRARY_PATH="$dir/lib${nccl_lib:+:$(dirname "$nccl_lib")}${cublas_lib:+:$(dirname "$cublas_lib")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MESHLIB_COMM_TIMEOUT="${MESHLIB_COMM_TIMEOUT:-30}"
 bin="$dir/bin"
 if [ -f "$dir/programs.tar.xz" ]; then  # the bundle's programs and libraries, unpacked here
@@ -258,6 +265,15 @@ mkdir -p "$gpu"
 
 step "2. the flagship on the GPU (train_fashion_mnist --gpu): 100 steps against the CPU run, memcheck"
 fm="$bin/train_fashion_mnist_gpu"
+# The loss comparisons (steps 2 and 5) run meshlib's product kernel on the GPU, as the CPU reference
+# does (MESHLIB_NO_BLAS=1: no cuBLAS), so both round alike; step 6 and the cuBLAS row use cuBLAS.
+export MESHLIB_NO_BLAS=1
+if run_test fashion_cublas "train_fashion_mnist --gpu --mesh 1x1 --steps 100, products on cuBLAS" 40 \
+     env -u MESHLIB_NO_BLAS "$fm" --gpu --data "$data" --mesh 1x1 --batch 256 --seed 0 --steps 100 --loss-log "$gpu/fashion_cublas.txt"; then
+  # cuBLAS sums in another order than the CPU's kernel: the losses drift apart (OpenBLAS against the
+  # kernel on the CPU: 4e-3 by step 90), but a wrong product would not train at all.
+  check_losses fashion_cublas "train_fashion_mnist --gpu --mesh 1x1 (cuBLAS)" "$dir/ref/fashion_1x1.txt" "$gpu/fashion_cublas.txt" 100 2e-2
+fi
 for mesh in 1x1 2x1 4x2; do
   if run_test "fashion_$mesh" "train_fashion_mnist --gpu --mesh $mesh --steps 100" 40 \
        "$fm" --gpu --data "$data" --mesh "$mesh" --batch 256 --seed 0 --steps 100 --loss-log "$gpu/fashion_$mesh.txt"; then
@@ -303,6 +319,7 @@ for mesh in 1x1 2x2; do
 done
 
 step "6. the flagship on the GPU, 6 epochs"
+unset MESHLIB_NO_BLAS  # products on cuBLAS: the speed a user gets
 RUN_TAIL=4 run_test fashion_full "train_fashion_mnist --gpu --mesh 1x1, 6 epochs" 75 "$fm" --gpu --data "$data" --mesh 1x1 --seed 0
 acc=$(tr '\r' '\n' <"$logs/fashion_full.log" | sed -n 's/.*test accuracy \([0-9.]*\)%.*/\1/p' | tail -1)
 sps=$(tr '\r' '\n' <"$logs/fashion_full.log" | sed -n 's/.*  \([0-9]*\) samples\/s.*/\1/p' | tail -1)

@@ -9,6 +9,9 @@
 //   MESHLIB_ENABLE_KOKKOS_KERNELS=1  (meshlib::kokkos_kernels in CMake)
 //       matmul through KokkosBlas::gemm (BLAS speed; link Kokkos Kernels and a BLAS) instead of
 //       meshlib's own, much slower kernel
+//   MESHLIB_ENABLE_CUBLAS=1  (meshlib::meshlib with a Kokkos built with CUDA in CMake)
+//       matmul_into's products of float and double in CUDA memory through cuBLAS on the device's
+//       stream (link cuBLAS) instead of meshlib's own kernel
 //   MESHLIB_ENABLE_MPI=1  (meshlib::mpi in CMake)
 //       <meshlib/mpi.hpp>: the MPI and hybrid process x thread communicators,
 //       meshlib::mpi::initialize (link MPI)
@@ -18,7 +21,7 @@
 //       the oneTBB-backed parts, e.g. parallel data loading (link oneTBB)
 //   MESHLIB_ENABLE_ZLIB=1  (meshlib::zlib in CMake)
 //       the IDX reader of the data pipeline reads .gz files (link zlib)
-// To see what was chosen: meshlib::config (kokkos_kernels, mpi, nccl, tbb, matmul_kernel) at
+// To see what was chosen: meshlib::config (kokkos_kernels, cublas, mpi, nccl, tbb, matmul_kernel) at
 // run time or in `if constexpr`, or define MESHLIB_VERBOSE_CONFIG for a one-line compiler note.
 // Version: MESHLIB_VERSION_MAJOR/_MINOR/_PATCH, MESHLIB_VERSION_STRING, meshlib::version_string.
 #ifndef MESHLIB_SINGLE_INCLUDE_MESHLIB_HPP
@@ -72,6 +75,7 @@ inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
 /// | macro                               | CMake target             | what it enables                                       |
 /// | ----------------------------------- | ------------------------ | ----------------------------------------------------- |
 /// | `MESHLIB_ENABLE_KOKKOS_KERNELS=1`   | meshlib::kokkos_kernels  | matmul through `KokkosBlas::gemm` (BLAS speed) instead of meshlib's own kernel |
+/// | `MESHLIB_ENABLE_CUBLAS=1`           | meshlib::meshlib (Kokkos with CUDA) | `matmul_into`'s products in CUDA memory through cuBLAS |
 /// | `MESHLIB_ENABLE_MPI=1`              | meshlib::mpi             | `<meshlib/mpi.hpp>`: MPI and hybrid communicators, `meshlib::mpi::initialize` |
 /// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
 /// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
@@ -100,6 +104,11 @@ inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
 #else
 #define MESHLIB_CONFIG_MPI_ 0
 #endif
+#if defined(MESHLIB_ENABLE_CUBLAS) && MESHLIB_ENABLE_CUBLAS
+#define MESHLIB_CONFIG_CUBLAS_ 1
+#else
+#define MESHLIB_CONFIG_CUBLAS_ 0
+#endif
 #if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL
 #define MESHLIB_CONFIG_NCCL_ 1
 #else
@@ -119,6 +128,9 @@ struct config {
   static constexpr std::string_view version{MESHLIB_VERSION_STRING};
   /// @brief True when matmul calls `KokkosBlas::gemm` (`MESHLIB_ENABLE_KOKKOS_KERNELS`).
   static constexpr bool kokkos_kernels = MESHLIB_CONFIG_KOKKOS_KERNELS_ == 1;
+  /// @brief True when products in CUDA memory go to cuBLAS (`MESHLIB_ENABLE_CUBLAS`; it takes
+  /// effect where Kokkos has CUDA).
+  static constexpr bool cublas = MESHLIB_CONFIG_CUBLAS_ == 1;
   /// @brief True when the MPI communicators are available (`MESHLIB_ENABLE_MPI`).
   static constexpr bool mpi = MESHLIB_CONFIG_MPI_ == 1;
   /// @brief True when the NCCL communicator is available (`MESHLIB_ENABLE_NCCL`).
@@ -8044,7 +8056,9 @@ auto transpose(const X& x) {
 ///
 /// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
 /// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
-/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
+/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; cuBLAS on the
+/// instance's stream for `float` / `double` in CUDA memory (tensor/cublas_product.hpp, where
+/// meshlib was built with it); otherwise meshlib's
 /// own Kokkos kernel, a RangePolicy `parallel_for` on the given execution-space instance: over the
 /// rows of `C` on a host (`matmul_into_functor`), over its elements on a GPU
 /// (`matmul_into_element_functor`: coalesced, every thread busy). RangePolicy only, over raw pointers: safe from concurrent device
@@ -8076,6 +8090,178 @@ auto transpose(const X& x) {
 
 #include <Kokkos_Core.hpp>
 
+// begin meshlib/tensor/cublas_product.hpp
+/// @file
+/// @brief `matmul_into`'s products on CUDA memory through cuBLAS (`cublasSgemm` / `cublasDgemm`),
+/// on the stream of the device's execution-space instance: the BLAS of a GPU, as OpenBLAS is the
+/// host's (issue 38: meshlib's own kernel, one element per thread, is about 1% of an H200 for the
+/// products a training step is made of).
+///
+/// Built when `MESHLIB_ENABLE_CUBLAS` is 1 and Kokkos has CUDA: meshlib's CMake target defines it
+/// and links `CUDA::cublas` when Kokkos was built with CUDA and the toolkit has cuBLAS. As on the
+/// host, `MESHLIB_NO_BLAS=1` sends every product to meshlib's kernel instead (the same bits as the
+/// CPU's: the GPU check's loss comparison), and the product is shown to Kokkos tools as the region
+/// `blas_product_region`.
+///
+/// cuBLAS is column-major; meshlib's blocks are row-major (`LayoutRight`). A row-major `m x n`
+/// matrix is, read column-major, its `n x m` transpose with the same leading dimension, so
+/// `C = op(A) op(B)` is computed as `C^T = op(B)^T op(A)^T`: B first, A second, the sizes `n, m, k`
+/// (`column_major_product`, host code with host tests). The precision is float32's (cuBLAS's
+/// default math mode: no TF32, as PyTorch's default; JAX's default precision on a GPU may use it).
+
+#include <cstddef>
+#include <climits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Kokkos_Core.hpp>
+
+
+#if defined(MESHLIB_ENABLE_CUBLAS) && MESHLIB_ENABLE_CUBLAS && defined(KOKKOS_ENABLE_CUDA)
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+/// 1 where `matmul_into` calls cuBLAS: `MESHLIB_ENABLE_CUBLAS` is 1 and Kokkos has CUDA; else 0.
+#define MESHLIB_HAS_CUBLAS 1
+#else
+/// 1 where `matmul_into` calls cuBLAS: `MESHLIB_ENABLE_CUBLAS` is 1 and Kokkos has CUDA; else 0.
+#define MESHLIB_HAS_CUBLAS 0
+#endif
+
+namespace meshlib::tensor::detail {
+
+/// A product `C = alpha op(A) op(B) + beta C` of row-major (`LayoutRight`) or column-major
+/// (`LayoutLeft`) matrices as a column-major BLAS call's arguments: `gemm(trans_first,
+/// trans_second, m, n, k, alpha, first, ld_first, second, ld_second, beta, C, ld_c)`, where the
+/// first operand is B when `b_first` (row-major) and A otherwise.
+struct column_major_product {
+  bool b_first;                     ///< the first operand is B (row-major blocks), else A
+  bool trans_first, trans_second;   ///< the BLAS op of each operand (true: transposed)
+  std::size_t m, n, k;              ///< the BLAS sizes: op(first) is m x k, op(second) k x n
+  std::size_t ld_first, ld_second;  ///< the operands' leading dimensions
+  std::size_t ld_c;                 ///< C's leading dimension
+};
+
+/// The BLAS arguments of `op(A) . op(B)` into `C` (`C` is `rows x cols`, the contraction `k`),
+/// from the strides of row-major views (`row_major`: the stride of dimension 0 is the leading one)
+/// or column-major views (the stride of dimension 1). A leading dimension is at least 1, as BLAS
+/// requires even of an operand with no elements.
+inline column_major_product make_column_major_product(bool row_major, bool transpose_a, bool transpose_b,
+                                                      std::size_t rows, std::size_t cols, std::size_t k,
+                                                      std::size_t ld_a, std::size_t ld_b, std::size_t ld_c) {
+  const auto at_least_1 = [](std::size_t v) { return v < 1 ? std::size_t{1} : v; };
+  if (row_major)  // C^T = op(B)^T op(A)^T, each row-major matrix read as its column-major transpose
+    return {true, transpose_b, transpose_a, cols, rows, k, at_least_1(ld_b), at_least_1(ld_a), at_least_1(ld_c)};
+  return {false, transpose_a, transpose_b, rows, cols, k, at_least_1(ld_a), at_least_1(ld_b), at_least_1(ld_c)};
+}
+
+/// The distances between consecutive matrices of a batch of products (strided-batched BLAS), in
+/// the order of `p`'s operands: the first operand is B's when `p.b_first`.
+struct column_major_batch_strides {
+  std::size_t first, second, c;  ///< elements from one matrix to the next
+};
+
+/// `column_major_batch_strides` of A's, B's and C's batch strides for the product `p`.
+inline column_major_batch_strides make_batch_strides(const column_major_product& p, std::size_t stride_a,
+                                                     std::size_t stride_b, std::size_t stride_c) {
+  return p.b_first ? column_major_batch_strides{stride_b, stride_a, stride_c}
+                   : column_major_batch_strides{stride_a, stride_b, stride_c};
+}
+
+#if MESHLIB_HAS_CUBLAS
+
+/// Throws `meshlib::error` naming the cuBLAS call and its status when it failed.
+inline void check_cublas(cublasStatus_t status, const char* call) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw error(std::string("meshlib: matmul_into: ") + call + " failed: " + cublasGetStatusString(status) +
+              " (status " + std::to_string(static_cast<int>(status)) +
+              "); set MESHLIB_NO_BLAS=1 to run the products with meshlib's own kernel");
+}
+
+/// This thread's cuBLAS handle for GPU `device`, bound to `stream`. One handle per thread and GPU:
+/// a handle must not be used by two threads at once, and each mesh device runs on a thread of its
+/// own (cuBLAS's advice), so no lock is taken. Made on the first product and destroyed when the
+/// thread ends.
+inline cublasHandle_t cublas_handle(int device, cudaStream_t stream) {
+  struct handles {
+    std::vector<std::pair<int, cublasHandle_t>> of_device;
+    ~handles() {
+      for (auto& [d, h] : of_device) (void)cublasDestroy(h);
+    }
+  };
+  thread_local handles mine;
+  cublasHandle_t h = nullptr;
+  for (const auto& [d, handle] : mine.of_device)
+    if (d == device) h = handle;
+  if (h == nullptr) {
+    int previous = 0;
+    (void)cudaGetDevice(&previous);
+    if (previous != device) (void)cudaSetDevice(device);  // a handle belongs to the current GPU
+    const cublasStatus_t made = cublasCreate(&h);
+    if (previous != device) (void)cudaSetDevice(previous);
+    check_cublas(made, "cublasCreate");
+    mine.of_device.emplace_back(device, h);
+  }
+  check_cublas(cublasSetStream(h, stream), "cublasSetStream");
+  return h;
+}
+
+/// `c = alpha op(first) op(second) + beta c` (column-major `p`) on `exec`'s stream, for `batch`
+/// matrices `strides` apart (one strided-batched call: attention's products per head and
+/// sequence), then the instance fenced, as `launch_on` fences each of meshlib's kernels
+/// (`matmul_into`'s promise: `C` holds the result when it returns).
+template <class T>
+void cublas_product(const Kokkos::Cuda& exec, const column_major_product& p, T alpha, const T* a, const T* b, T beta,
+                    T* c, std::size_t batch = 1, column_major_batch_strides strides = {}) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "meshlib: cuBLAS products of float or double");
+  for (std::size_t v : {p.m, p.n, p.k, p.ld_first, p.ld_second, p.ld_c, batch})
+    if (v > static_cast<std::size_t>(INT_MAX))
+      throw error("meshlib: matmul_into: a size, leading dimension or batch of " + std::to_string(v) +
+                  " is beyond cuBLAS's int; split the product, or set MESHLIB_NO_BLAS=1");
+  const cublasHandle_t h = cublas_handle(exec.cuda_device(), exec.cuda_stream());
+  const T* first = p.b_first ? b : a;
+  const T* second = p.b_first ? a : b;
+  const auto op = [](bool t) { return t ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  const auto i = [](std::size_t v) { return static_cast<int>(v); };
+  const auto ll = [](std::size_t v) { return static_cast<long long>(v); };
+  if (batch == 1) {
+    if constexpr (std::is_same_v<T, float>)
+      check_cublas(cublasSgemm(h, op(p.trans_first), op(p.trans_second), i(p.m), i(p.n), i(p.k), &alpha, first,
+                               i(p.ld_first), second, i(p.ld_second), &beta, c, i(p.ld_c)),
+                   "cublasSgemm");
+    else
+      check_cublas(cublasDgemm(h, op(p.trans_first), op(p.trans_second), i(p.m), i(p.n), i(p.k), &alpha, first,
+                               i(p.ld_first), second, i(p.ld_second), &beta, c, i(p.ld_c)),
+                   "cublasDgemm");
+  } else if constexpr (std::is_same_v<T, float>) {
+    check_cublas(cublasSgemmStridedBatched(h, op(p.trans_first), op(p.trans_second), i(p.m), i(p.n), i(p.k), &alpha,
+                                           first, i(p.ld_first), ll(strides.first), second, i(p.ld_second),
+                                           ll(strides.second), &beta, c, i(p.ld_c), ll(strides.c), i(batch)),
+                 "cublasSgemmStridedBatched");
+  } else {
+    check_cublas(cublasDgemmStridedBatched(h, op(p.trans_first), op(p.trans_second), i(p.m), i(p.n), i(p.k), &alpha,
+                                           first, i(p.ld_first), ll(strides.first), second, i(p.ld_second),
+                                           ll(strides.second), &beta, c, i(p.ld_c), ll(strides.c), i(batch)),
+                 "cublasDgemmStridedBatched");
+  }
+  exec.fence("meshlib::matmul_into[cuBLAS]");
+}
+
+#endif  // MESHLIB_HAS_CUBLAS
+
+/// Whether `matmul_into` sends products of `T` in memory `Space` on `Exec` to cuBLAS.
+template <class T, class Space, class Exec>
+inline constexpr bool use_cublas_v =
+#if MESHLIB_HAS_CUBLAS
+    (std::is_same_v<T, float> || std::is_same_v<T, double>) && std::is_same_v<Exec, Kokkos::Cuda> &&
+    (std::is_same_v<Space, Kokkos::CudaSpace> || std::is_same_v<Space, Kokkos::CudaUVMSpace>);
+#else
+    false;
+#endif
+
+}  // namespace meshlib::tensor::detail
+// end meshlib/tensor/cublas_product.hpp
 
 #if defined(MESHLIB_ENABLE_KOKKOS_KERNELS) && MESHLIB_ENABLE_KOKKOS_KERNELS
 #include <KokkosBlas3_gemm.hpp>
@@ -8322,18 +8508,22 @@ struct matmul_into_options {
 
 /// @brief `C = alpha * op(A) * op(B) + beta * C` on `exec` (see the file comment for the kernel and
 /// the edge cases). `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`; any rank-2 views of one
-/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`).
+/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`). Rank-3
+/// views are a batch: `C[i] = alpha op(A[i]) op(B[i]) + beta C[i]` for each `i` of the first
+/// dimension (one strided-batched cuBLAS call on a GPU; each product in turn elsewhere).
 /// @pre `C` overlaps neither `A` nor `B`.
 /// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
 /// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
-/// differ or `C`'s shape is not `m x n`.
+/// differ or `C`'s shape is not `m x n`, and naming the three lengths when a batch's differ.
 template <class Exec, class VC, class VA, class VB>
   requires(Kokkos::is_execution_space<Exec>::value && Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value &&
            Kokkos::is_view<VB>::value)
 void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
   using T = typename VC::non_const_value_type;
   using space = typename VC::memory_space;
-  static_assert(VA::rank == 2 && VB::rank == 2 && VC::rank == 2, "meshlib: matmul_into needs three rank-2 views");
+  static_assert((VA::rank == 2 && VB::rank == 2 && VC::rank == 2) || (VA::rank == 3 && VB::rank == 3 && VC::rank == 3),
+                "meshlib: matmul_into needs three rank-2 views, or three rank-3 views (a batch of products over "
+                "their first dimension)");
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
@@ -8341,7 +8531,47 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   constexpr bool accessible = require_accessible<entry, diagnostic::op_t<"C">, Exec, space>() &&
                               require_accessible<entry, diagnostic::op_t<"A">, Exec, typename VA::memory_space>() &&
                               require_accessible<entry, diagnostic::op_t<"B">, Exec, typename VB::memory_space>();
-  if constexpr (accessible) {
+  if constexpr (accessible && VC::rank == 3) {
+    // A batch: C[i] = alpha op(A[i]) op(B[i]) + beta C[i]. One strided-batched cuBLAS call on a GPU
+    // (attention's products per head and sequence would otherwise be one launch each); elsewhere
+    // the rank-2 product of each matrix in turn, so the numbers are those of the separate calls.
+    const std::size_t batch = c.extent(0);
+    if (a.extent(0) != batch || b.extent(0) != batch)
+      throw sharding_error("meshlib: matmul_into: a batch of products needs as many matrices in A, B and C (their first "
+                           "dimension), but A has " + std::to_string(a.extent(0)) + ", B " + std::to_string(b.extent(0)) +
+                           " and C " + std::to_string(batch) + "; pass batches of one length");
+    if (batch == 0) return;
+    const auto slice = [](const auto& v, std::size_t i) {
+      using V = std::remove_cvref_t<decltype(v)>;  // unmanaged, so no reference count is touched
+      using um = Kokkos::View<typename V::data_type, typename V::array_layout, typename V::memory_space,
+                              Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+      return Kokkos::subview(um(v), i, Kokkos::ALL, Kokkos::ALL);
+    };
+    tensor::detail::check_matmul_into_shapes(slice(c, 0), slice(a, 0), slice(b, 0), o.transpose_a, o.transpose_b);
+    if constexpr (tensor::detail::use_cublas_v<T, space, Exec> && std::is_same_v<typename VA::memory_space, space> &&
+                  std::is_same_v<typename VB::memory_space, space> &&
+                  std::is_same_v<typename VA::array_layout, Kokkos::LayoutRight> &&
+                  std::is_same_v<typename VB::array_layout, Kokkos::LayoutRight> &&
+                  std::is_same_v<typename VC::array_layout, Kokkos::LayoutRight>) {
+      const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+      const std::size_t k = o.transpose_a ? a.extent(1) : a.extent(2);
+      if (c.extent(1) == 0 || c.extent(2) == 0) return;
+      if (k != 0 && alpha != T{0} && tensor::detail::blas_allowed()) {
+        check_device_readable<space>(c.data(), "matmul_into", "C");
+        check_device_readable<space>(a.data(), "matmul_into", "A");
+        check_device_readable<space>(b.data(), "matmul_into", "B");
+#if MESHLIB_HAS_CUBLAS
+        const auto product = tensor::detail::make_column_major_product(true, o.transpose_a, o.transpose_b, c.extent(1),
+                                                                       c.extent(2), k, a.stride(1), b.stride(1), c.stride(1));
+        const tensor::detail::blas_product_scope region;
+        tensor::detail::cublas_product(exec, product, alpha, a.data(), b.data(), beta, c.data(), batch,
+                                       tensor::detail::make_batch_strides(product, a.stride(0), b.stride(0), c.stride(0)));
+#endif
+        return;
+      }
+    }
+    for (std::size_t i = 0; i < batch; ++i) matmul_into(exec, slice(c, i), slice(a, i), slice(b, i), o);
+  } else if constexpr (accessible) {
     tensor::detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
     // The views' types say device memory; their pointers may still be host memory (a view wrapped
     // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
@@ -8374,6 +8604,25 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 #else
       KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
 #endif
+#endif
+    } else if constexpr (tensor::detail::use_cublas_v<T, space, Exec> &&
+                         std::is_same_v<typename VA::memory_space, space> &&
+                         std::is_same_v<typename VB::memory_space, space> &&
+                         std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                         std::is_same_v<typename VB::array_layout, typename VC::array_layout> &&
+                         tensor::detail::blas_layout_v<VC>) {
+      if (c.extent(0) == 0 || c.extent(1) == 0) return;
+      if (k == 0 || alpha == T{0} || !tensor::detail::blas_allowed())
+        return tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+#if MESHLIB_HAS_CUBLAS
+      constexpr bool row_major = std::is_same_v<typename VC::array_layout, Kokkos::LayoutRight>;
+      const auto lead = [](const auto& v) { return row_major ? v.stride(0) : v.stride(1); };
+      const tensor::detail::blas_product_scope region;
+      tensor::detail::cublas_product(
+          exec,
+          tensor::detail::make_column_major_product(row_major, o.transpose_a, o.transpose_b, c.extent(0), c.extent(1), k,
+                                                    lead(a), lead(b), lead(c)),
+          alpha, a.data(), b.data(), beta, c.data());
 #endif
     } else {
       tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);

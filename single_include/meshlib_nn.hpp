@@ -2952,15 +2952,12 @@ class causal_self_attention {
     T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
     T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    for (std::size_t h = 0; h < hl; ++h)
-      for (std::size_t b = 0; b < nb; ++b)
-        matmul_into(view(block_p(p, h, b, nb, seq), seq, seq), cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd),
-                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd), {.transpose_b = true, .alpha = scale});
+    // One batch of hl * nb products each (a strided-batched cuBLAS call on a GPU): S = scale Q K^T, O = P V.
+    const std::size_t g = hl * nb;
+    matmul_into(view3(p, g, seq, seq), cview3(part(qh, 0, hl, rows, hd), g, seq, hd), cview3(part(qh, 1, hl, rows, hd), g, seq, hd),
+                {.transpose_b = true, .alpha = scale});
     detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
-    for (std::size_t h = 0; h < hl; ++h)
-      for (std::size_t b = 0; b < nb; ++b)
-        matmul_into(view(block(oh, 0, h, b, hl, rows, seq, hd), seq, hd), cview(block_p(p, h, b, nb, seq), seq, seq),
-                    cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd));
+    matmul_into(view3(oh, g, seq, hd), cview3(p, g, seq, seq), cview3(part(qh, 2, hl, rows, hd), g, seq, hd));
     T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
     const T* ohp = oh;
     detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
@@ -2987,25 +2984,18 @@ class causal_self_attention {
     detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
     T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
     T* dp = dprobs_.get(dev, hl * nb * seq * seq);
-    for (std::size_t h = 0; h < hl; ++h)
-      for (std::size_t b = 0; b < nb; ++b) {
-        const auto pb = cview(block_p(p, h, b, nb, seq), seq, seq);
-        const auto dob = cview(block(doh, 0, h, b, hl, rows, seq, hd), seq, hd);
-        // dV = P^T dO; dP = dO V^T
-        matmul_into(view(block(dqh, 2, h, b, hl, rows, seq, hd), seq, hd), pb, dob, {.transpose_a = true});
-        matmul_into(view(block_p(dp, h, b, nb, seq), seq, seq), dob, cview(block(qh, 2, h, b, hl, rows, seq, hd), seq, hd),
-                    {.transpose_b = true});
-      }
+    const std::size_t g = hl * nb;
+    const auto pb = cview3(p, g, seq, seq);
+    const auto dob = cview3(doh, g, seq, hd);
+    // dV = P^T dO; dP = dO V^T (each a batch over heads and sequences)
+    matmul_into(view3(part(dqh, 2, hl, rows, hd), g, seq, hd), pb, dob, {.transpose_a = true});
+    matmul_into(view3(dp, g, seq, seq), dob, cview3(part(qh, 2, hl, rows, hd), g, seq, hd), {.transpose_b = true});
     detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
-    for (std::size_t h = 0; h < hl; ++h)
-      for (std::size_t b = 0; b < nb; ++b) {
-        const auto dsb = cview(block_p(dp, h, b, nb, seq), seq, seq);
-        // dQ = dS K; dK = dS^T Q (dS already holds the scale)
-        matmul_into(view(block(dqh, 0, h, b, hl, rows, seq, hd), seq, hd), dsb,
-                    cview(block(qh, 1, h, b, hl, rows, seq, hd), seq, hd));
-        matmul_into(view(block(dqh, 1, h, b, hl, rows, seq, hd), seq, hd), dsb,
-                    cview(block(qh, 0, h, b, hl, rows, seq, hd), seq, hd), {.transpose_a = true});
-      }
+    const auto dsb = cview3(dp, g, seq, seq);
+    // dQ = dS K; dK = dS^T Q (dS already holds the scale)
+    matmul_into(view3(part(dqh, 0, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 1, hl, rows, hd), g, seq, hd));
+    matmul_into(view3(part(dqh, 1, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 0, hl, rows, hd), g, seq, hd),
+                {.transpose_a = true});
     T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
     const T* dqhp = dqh;
     detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
@@ -3019,25 +3009,19 @@ class causal_self_attention {
   }
 
  private:
-  using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
-  using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
+  using cview3 = meshlib::unmanaged_block_view<const T, 3, default_memory_space>;
+  using view3 = meshlib::unmanaged_block_view<T, 3, default_memory_space>;
 
-  /// Sequence `b` of head `h` of part `t` (q, k, v) in a `[part][head][token][head_dim]` buffer.
-  static T* block(T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
-                  std::size_t seq, std::size_t hd) {
-    return base + ((t * hl + h) * rows + b * seq) * hd;
+  /// Part `t` (q, k, v) of a `[part][head][token][head_dim]` buffer: `hl * rows / seq` blocks of
+  /// `seq x head_dim`, one per (head, sequence), each contiguous and `seq * head_dim` apart, the
+  /// batch the products run over (the probabilities' `[head][sequence][i][j]` blocks likewise).
+  static T* part(T* base, std::size_t t, std::size_t hl, std::size_t rows, std::size_t hd) {
+    return base + t * hl * rows * hd;
   }
-  static const T* block(const T* base, std::size_t t, std::size_t h, std::size_t b, std::size_t hl, std::size_t rows,
-                        std::size_t seq, std::size_t hd) {
-    return base + ((t * hl + h) * rows + b * seq) * hd;
+  static const T* part(const T* base, std::size_t t, std::size_t hl, std::size_t rows, std::size_t hd) {
+    return base + t * hl * rows * hd;
   }
-  /// The `seq x seq` block of sequence `b`, head `h` in a `[head][sequence][i][j]` buffer.
-  static T* block_p(T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
-    return base + (h * nb + b) * seq * seq;
-  }
-  static const T* block_p(const T* base, std::size_t h, std::size_t b, std::size_t nb, std::size_t seq) {
-    return base + (h * nb + b) * seq * seq;
-  }
+
 
  private:
   static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t features, std::size_t heads) {

@@ -9,6 +9,7 @@
 /// | macro                               | CMake target             | what it enables                                       |
 /// | ----------------------------------- | ------------------------ | ----------------------------------------------------- |
 /// | `MESHLIB_ENABLE_KOKKOS_KERNELS=1`   | meshlib::kokkos_kernels  | matmul through `KokkosBlas::gemm` (BLAS speed) instead of meshlib's own kernel |
+/// | `MESHLIB_ENABLE_CUBLAS=1`           | meshlib::meshlib (Kokkos with CUDA) | `matmul_into`'s products in CUDA memory through cuBLAS |
 /// | `MESHLIB_ENABLE_MPI=1`              | meshlib::mpi             | `<meshlib/mpi.hpp>`: MPI and hybrid communicators, `meshlib::mpi::initialize` |
 /// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
 /// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
@@ -38,6 +39,11 @@
 #else
 #define MESHLIB_CONFIG_MPI_ 0
 #endif
+#if defined(MESHLIB_ENABLE_CUBLAS) && MESHLIB_ENABLE_CUBLAS
+#define MESHLIB_CONFIG_CUBLAS_ 1
+#else
+#define MESHLIB_CONFIG_CUBLAS_ 0
+#endif
 #if defined(MESHLIB_ENABLE_NCCL) && MESHLIB_ENABLE_NCCL
 #define MESHLIB_CONFIG_NCCL_ 1
 #else
@@ -57,6 +63,9 @@ struct config {
   static constexpr std::string_view version{MESHLIB_VERSION_STRING};
   /// @brief True when matmul calls `KokkosBlas::gemm` (`MESHLIB_ENABLE_KOKKOS_KERNELS`).
   static constexpr bool kokkos_kernels = MESHLIB_CONFIG_KOKKOS_KERNELS_ == 1;
+  /// @brief True when products in CUDA memory go to cuBLAS (`MESHLIB_ENABLE_CUBLAS`; it takes
+  /// effect where Kokkos has CUDA).
+  static constexpr bool cublas = MESHLIB_CONFIG_CUBLAS_ == 1;
   /// @brief True when the MPI communicators are available (`MESHLIB_ENABLE_MPI`).
   static constexpr bool mpi = MESHLIB_CONFIG_MPI_ == 1;
   /// @brief True when the NCCL communicator is available (`MESHLIB_ENABLE_NCCL`).

@@ -25,7 +25,8 @@ int main(int argc, char* argv[]) {
         auto t = meshlib::transpose(y);  // (4, rows) on the device
         // y y^T would shard both result dimensions over "data": refused at compile time (tested
         // on the host); y^T y sums over the rows, a product on the device's own block.
-        Kokkos::View<float**> g("g", 4, 4);
+        // Row-major as the blocks: the product goes to cuBLAS where meshlib has it (MESHLIB_ENABLE_CUBLAS).
+        Kokkos::View<float**, Kokkos::LayoutRight> g("g", 4, 4);
         meshlib::matmul_into(g, t.view(), y.view(), {.alpha = 0.5f, .beta = 0.0f});
         return meshlib::transpose(t);
       },

@@ -11,7 +11,9 @@
 ///
 /// Kernel: `KokkosBlas::gemm` when meshlib has Kokkos Kernels for the element type and memory
 /// space (`use_blas_v`: `float` / `double` in host-accessible memory; Debian's build calls the BLAS
-/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; otherwise meshlib's
+/// TPL, OpenBLAS) and the three views share a LayoutRight or LayoutLeft layout; cuBLAS on the
+/// instance's stream for `float` / `double` in CUDA memory (tensor/cublas_product.hpp, where
+/// meshlib was built with it); otherwise meshlib's
 /// own Kokkos kernel, a RangePolicy `parallel_for` on the given execution-space instance: over the
 /// rows of `C` on a host (`matmul_into_functor`), over its elements on a GPU
 /// (`matmul_into_element_functor`: coalesced, every thread busy). RangePolicy only, over raw pointers: safe from concurrent device
@@ -45,6 +47,7 @@
 
 #include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/cublas_product.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -293,18 +296,22 @@ struct matmul_into_options {
 
 /// @brief `C = alpha * op(A) * op(B) + beta * C` on `exec` (see the file comment for the kernel and
 /// the edge cases). `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`; any rank-2 views of one
-/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`).
+/// element type, in a memory space `exec` can access (`A` and `B` may be views of `const`). Rank-3
+/// views are a batch: `C[i] = alpha op(A[i]) op(B[i]) + beta C[i]` for each `i` of the first
+/// dimension (one strided-batched cuBLAS call on a GPU; each product in turn elsewhere).
 /// @pre `C` overlaps neither `A` nor `B`.
 /// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
 /// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
-/// differ or `C`'s shape is not `m x n`.
+/// differ or `C`'s shape is not `m x n`, and naming the three lengths when a batch's differ.
 template <class Exec, class VC, class VA, class VB>
   requires(Kokkos::is_execution_space<Exec>::value && Kokkos::is_view<VC>::value && Kokkos::is_view<VA>::value &&
            Kokkos::is_view<VB>::value)
 void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const matmul_into_options& o = {}) {
   using T = typename VC::non_const_value_type;
   using space = typename VC::memory_space;
-  static_assert(VA::rank == 2 && VB::rank == 2 && VC::rank == 2, "meshlib: matmul_into needs three rank-2 views");
+  static_assert((VA::rank == 2 && VB::rank == 2 && VC::rank == 2) || (VA::rank == 3 && VB::rank == 3 && VC::rank == 3),
+                "meshlib: matmul_into needs three rank-2 views, or three rank-3 views (a batch of products over "
+                "their first dimension)");
   static_assert(std::is_same_v<typename VA::non_const_value_type, T> && std::is_same_v<typename VB::non_const_value_type, T>,
                 "meshlib: matmul_into: A, B and C must have the same element type");
   static_assert(std::is_same_v<typename VC::value_type, T>, "meshlib: matmul_into: C must be writable (not a view of const)");
@@ -312,7 +319,47 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
   constexpr bool accessible = require_accessible<entry, diagnostic::op_t<"C">, Exec, space>() &&
                               require_accessible<entry, diagnostic::op_t<"A">, Exec, typename VA::memory_space>() &&
                               require_accessible<entry, diagnostic::op_t<"B">, Exec, typename VB::memory_space>();
-  if constexpr (accessible) {
+  if constexpr (accessible && VC::rank == 3) {
+    // A batch: C[i] = alpha op(A[i]) op(B[i]) + beta C[i]. One strided-batched cuBLAS call on a GPU
+    // (attention's products per head and sequence would otherwise be one launch each); elsewhere
+    // the rank-2 product of each matrix in turn, so the numbers are those of the separate calls.
+    const std::size_t batch = c.extent(0);
+    if (a.extent(0) != batch || b.extent(0) != batch)
+      throw sharding_error("meshlib: matmul_into: a batch of products needs as many matrices in A, B and C (their first "
+                           "dimension), but A has " + std::to_string(a.extent(0)) + ", B " + std::to_string(b.extent(0)) +
+                           " and C " + std::to_string(batch) + "; pass batches of one length");
+    if (batch == 0) return;
+    const auto slice = [](const auto& v, std::size_t i) {
+      using V = std::remove_cvref_t<decltype(v)>;  // unmanaged, so no reference count is touched
+      using um = Kokkos::View<typename V::data_type, typename V::array_layout, typename V::memory_space,
+                              Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+      return Kokkos::subview(um(v), i, Kokkos::ALL, Kokkos::ALL);
+    };
+    tensor::detail::check_matmul_into_shapes(slice(c, 0), slice(a, 0), slice(b, 0), o.transpose_a, o.transpose_b);
+    if constexpr (tensor::detail::use_cublas_v<T, space, Exec> && std::is_same_v<typename VA::memory_space, space> &&
+                  std::is_same_v<typename VB::memory_space, space> &&
+                  std::is_same_v<typename VA::array_layout, Kokkos::LayoutRight> &&
+                  std::is_same_v<typename VB::array_layout, Kokkos::LayoutRight> &&
+                  std::is_same_v<typename VC::array_layout, Kokkos::LayoutRight>) {
+      const T alpha = static_cast<T>(o.alpha), beta = static_cast<T>(o.beta);
+      const std::size_t k = o.transpose_a ? a.extent(1) : a.extent(2);
+      if (c.extent(1) == 0 || c.extent(2) == 0) return;
+      if (k != 0 && alpha != T{0} && tensor::detail::blas_allowed()) {
+        check_device_readable<space>(c.data(), "matmul_into", "C");
+        check_device_readable<space>(a.data(), "matmul_into", "A");
+        check_device_readable<space>(b.data(), "matmul_into", "B");
+#if MESHLIB_HAS_CUBLAS
+        const auto product = tensor::detail::make_column_major_product(true, o.transpose_a, o.transpose_b, c.extent(1),
+                                                                       c.extent(2), k, a.stride(1), b.stride(1), c.stride(1));
+        const tensor::detail::blas_product_scope region;
+        tensor::detail::cublas_product(exec, product, alpha, a.data(), b.data(), beta, c.data(), batch,
+                                       tensor::detail::make_batch_strides(product, a.stride(0), b.stride(0), c.stride(0)));
+#endif
+        return;
+      }
+    }
+    for (std::size_t i = 0; i < batch; ++i) matmul_into(exec, slice(c, i), slice(a, i), slice(b, i), o);
+  } else if constexpr (accessible) {
     tensor::detail::check_matmul_into_shapes(c, a, b, o.transpose_a, o.transpose_b);
     // The views' types say device memory; their pointers may still be host memory (a view wrapped
     // around a host buffer): asked at run time where the space has a pointer query (pointer_check.hpp).
@@ -345,6 +392,25 @@ void matmul_into(const Exec& exec, const VC& c, const VA& a, const VB& b, const 
 #else
       KokkosBlas::gemm(ta, tb, alpha, av, bv, beta, cv);  // Kokkos Kernels 3.x has no instance overload
 #endif
+#endif
+    } else if constexpr (tensor::detail::use_cublas_v<T, space, Exec> &&
+                         std::is_same_v<typename VA::memory_space, space> &&
+                         std::is_same_v<typename VB::memory_space, space> &&
+                         std::is_same_v<typename VA::array_layout, typename VC::array_layout> &&
+                         std::is_same_v<typename VB::array_layout, typename VC::array_layout> &&
+                         tensor::detail::blas_layout_v<VC>) {
+      if (c.extent(0) == 0 || c.extent(1) == 0) return;
+      if (k == 0 || alpha == T{0} || !tensor::detail::blas_allowed())
+        return tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);
+#if MESHLIB_HAS_CUBLAS
+      constexpr bool row_major = std::is_same_v<typename VC::array_layout, Kokkos::LayoutRight>;
+      const auto lead = [](const auto& v) { return row_major ? v.stride(0) : v.stride(1); };
+      const tensor::detail::blas_product_scope region;
+      tensor::detail::cublas_product(
+          exec,
+          tensor::detail::make_column_major_product(row_major, o.transpose_a, o.transpose_b, c.extent(0), c.extent(1), k,
+                                                    lead(a), lead(b), lead(c)),
+          alpha, a.data(), b.data(), beta, c.data());
 #endif
     } else {
       tensor::detail::matmul_into_kernel(exec, c, a, b, o.transpose_a, o.transpose_b, alpha, beta);

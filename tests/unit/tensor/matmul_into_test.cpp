@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -177,6 +178,45 @@ TEST_CASE("matmul_into: strided views and an explicit execution-space instance",
   CHECK(contents(out) == reference(t_copy, a_copy, contents(out), true, false, 1.0, 0.0));
 }
 
+TEST_CASE("matmul_into: a batch of rank-3 views is each matrix's product", "[tensor][matmul_into][batch]") {
+  // Attention's products per head and sequence: rank-3 views (batch, rows, cols). On the host each
+  // matrix goes through the rank-2 product (per-slice views stay LayoutRight, so the BLAS path), so
+  // a batch gives the bits of separate calls; each matrix is also checked against the naive product.
+  using v3 = Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  static_assert(std::is_same_v<decltype(Kokkos::subview(v3(), 0, Kokkos::ALL, Kokkos::ALL))::array_layout, Kokkos::LayoutRight>);
+  constexpr std::size_t batch = 3, m = 4, k = 6, n = 5;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      INFO("transpose_a " << ta << ", transpose_b " << tb);
+      v3 a("a", batch, ta ? k : m, ta ? m : k), b("b", batch, tb ? n : k, tb ? k : n), c("c", batch, m, n);
+      std::vector<host_view<float>> as, bs, cs;
+      for (std::size_t i = 0; i < batch; ++i) {
+        as.push_back(ta ? make<float>(k, m, static_cast<int>(i)) : make<float>(m, k, static_cast<int>(i)));
+        bs.push_back(tb ? make<float>(n, k, static_cast<int>(i) + 5) : make<float>(k, n, static_cast<int>(i) + 5));
+        cs.push_back(make<float>(m, n, static_cast<int>(i) + 9));
+        Kokkos::deep_copy(Kokkos::subview(a, i, Kokkos::ALL, Kokkos::ALL), as.back());
+        Kokkos::deep_copy(Kokkos::subview(b, i, Kokkos::ALL, Kokkos::ALL), bs.back());
+        Kokkos::deep_copy(Kokkos::subview(c, i, Kokkos::ALL, Kokkos::ALL), cs.back());
+      }
+      std::vector<std::vector<double>> expected;
+      for (std::size_t i = 0; i < batch; ++i) expected.push_back(reference(as[i], bs[i], contents(cs[i]), ta, tb, 2.0, 1.0));
+      meshlib::matmul_into(c, a, b, {.transpose_a = ta, .transpose_b = tb, .alpha = 2, .beta = 1});
+      for (std::size_t i = 0; i < batch; ++i) {
+        meshlib::matmul_into(cs[i], as[i], bs[i], {.transpose_a = ta, .transpose_b = tb, .alpha = 2, .beta = 1});
+        CHECK(contents(Kokkos::subview(c, i, Kokkos::ALL, Kokkos::ALL)) == expected[i]);
+        CHECK(contents(Kokkos::subview(c, i, Kokkos::ALL, Kokkos::ALL)) == contents(cs[i]));  // the separate call's bits
+      }
+    }
+  v3 a("a", 2, 4, 6), b("b", 3, 6, 5), c("c", 2, 4, 5);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(c, a, b); }) ==
+        "meshlib: matmul_into: a batch of products needs as many matrices in A, B and C (their first dimension), but "
+        "A has 2, B 3 and C 2; pass batches of one length");
+  v3 b2("b2", 2, 5, 5);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { meshlib::matmul_into(c, a, b2); }) ==
+        "meshlib: matmul_into: op(A) . op(B) with A (4, 6) not transposed and B (5, 5) not transposed is (4, 6) . (5, 5): "
+        "the contraction sizes 6 and 5 differ; check the operands' shapes and the transpose flags");
+}
+
 TEST_CASE("matmul_into: shapes that do not chain are refused naming the shapes and the transposes",
           "[tensor][matmul_into][errors]") {
   auto c = make<float>(3, 5, 0);
@@ -310,6 +350,88 @@ TEST_CASE("the GPU's product kernel (one element per work item) against the plai
   const meshlib::tensor::detail::matmul_into_element_functor<float> f{{nullptr, nullptr, c.data(), 0, 0, 0, 0, 2, 1, 2, 0, 1.0f, 2.0f}};
   for (std::size_t e = 0; e < 4; ++e) f(e);  // k = 0: beta * C, A and B not read
   for (std::size_t e = 0; e < 4; ++e) CHECK(contents(c)[e] == 2 * before[e]);
+}
+
+namespace {
+
+/// BLAS's column-major gemm as its reference documentation defines it, element by element:
+/// `C(i, j) = alpha sum_p op(X)(i, p) op(Y)(p, j) + beta C(i, j)`, `X(r, c) = x[r + c ldx]`.
+/// Independent of `make_column_major_product`, whose arguments it is fed.
+void column_major_gemm(bool tx, bool ty, std::size_t m, std::size_t n, std::size_t k, double alpha, const float* x,
+                       std::size_t ldx, const float* y, std::size_t ldy, double beta, float* c, std::size_t ldc) {
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (std::size_t p = 0; p < k; ++p)
+        s += static_cast<double>(tx ? x[p + i * ldx] : x[i + p * ldx]) * static_cast<double>(ty ? y[j + p * ldy] : y[p + j * ldy]);
+      c[i + j * ldc] = static_cast<float>(alpha * s + (beta == 0 ? 0.0 : beta * static_cast<double>(c[i + j * ldc])));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("cuBLAS's arguments for a row-major or column-major product, run through a column-major gemm",
+          "[tensor][matmul_into][cublas]") {
+  // What matmul_into hands cuBLAS on a GPU (tensor/cublas_product.hpp), checked on the host: the
+  // arguments fed to the BLAS definition give the naive product, for every transpose pair, padded
+  // leading dimensions and both layouts.
+  constexpr std::size_t m = 5, k = 7, n = 3, pad = 2;
+  for (bool row_major : {true, false})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        INFO("row_major " << row_major << ", transpose_a " << ta << ", transpose_b " << tb);
+        const std::size_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+        // Stored with padding: row-major rows of (cols + pad), column-major columns of (rows + pad).
+        const std::size_t lda = (row_major ? ac : ar) + pad, ldb = (row_major ? bc : br) + pad,
+                          ldc = (row_major ? n : m) + pad;
+        const auto at = [&](std::size_t r, std::size_t c, std::size_t ld) { return row_major ? r * ld + c : r + c * ld; };
+        std::vector<float> a((row_major ? ar : ac) * lda), b((row_major ? br : bc) * ldb), c((row_major ? m : n) * ldc);
+        for (std::size_t r = 0; r < ar; ++r)
+          for (std::size_t q = 0; q < ac; ++q) a[at(r, q, lda)] = static_cast<float>(static_cast<int>((r * 7 + q * 3 + 1) % 11) - 5);
+        for (std::size_t r = 0; r < br; ++r)
+          for (std::size_t q = 0; q < bc; ++q) b[at(r, q, ldb)] = static_cast<float>(static_cast<int>((r * 5 + q * 2 + 2) % 9) - 4);
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = 0; j < n; ++j) c[at(i, j, ldc)] = static_cast<float>(i + 2 * j);
+        std::vector<float> expected(m * n);
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (std::size_t p = 0; p < k; ++p)
+              s += static_cast<double>(ta ? a[at(p, i, lda)] : a[at(i, p, lda)]) *
+                   static_cast<double>(tb ? b[at(j, p, ldb)] : b[at(p, j, ldb)]);
+            expected[i * n + j] = static_cast<float>(2 * s + 3 * static_cast<double>(c[at(i, j, ldc)]));
+          }
+        const auto g = meshlib::tensor::detail::make_column_major_product(row_major, ta, tb, m, n, k, lda, ldb, ldc);
+        CHECK(g.b_first == row_major);
+        column_major_gemm(g.trans_first, g.trans_second, g.m, g.n, g.k, 2.0, g.b_first ? b.data() : a.data(), g.ld_first,
+                          g.b_first ? a.data() : b.data(), g.ld_second, 3.0, c.data(), g.ld_c);
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = 0; j < n; ++j) CHECK(c[at(i, j, ldc)] == expected[i * n + j]);
+      }
+  // A strided batch (attention's products): matrix i of each operand starts stride * i further on,
+  // the strides handed over in the operands' BLAS order.
+  {
+    constexpr std::size_t batch = 3, sa = m * k + 1, sb = k * n + 2, sc = m * n + 3;
+    std::vector<float> a(batch * sa), b(batch * sb), c(batch * sc, 1.0f);
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(static_cast<int>(i % 7) - 3);
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(static_cast<int>(i % 5) - 2);
+    const auto g = meshlib::tensor::detail::make_column_major_product(true, false, true, m, n, k, k, k, n);
+    const auto st = meshlib::tensor::detail::make_batch_strides(g, sa, sb, sc);
+    CHECK((st.first == sb && st.second == sa && st.c == sc));
+    for (std::size_t i = 0; i < batch; ++i)
+      column_major_gemm(g.trans_first, g.trans_second, g.m, g.n, g.k, 1.0, b.data() + i * st.first, g.ld_first,
+                        a.data() + i * st.second, g.ld_second, 0.0, c.data() + i * st.c, g.ld_c);
+    for (std::size_t i = 0; i < batch; ++i)
+      for (std::size_t r = 0; r < m; ++r)
+        for (std::size_t q = 0; q < n; ++q) {
+          double s = 0;  // row-major A[i] (m x k), B[i] stored n x k and transposed
+          for (std::size_t p = 0; p < k; ++p) s += static_cast<double>(a[i * sa + r * k + p]) * static_cast<double>(b[i * sb + q * k + p]);
+          CHECK(c[i * sc + r * n + q] == static_cast<float>(s));
+        }
+  }
+  // BLAS wants every leading dimension >= 1, even of an operand with no columns.
+  const auto empty = meshlib::tensor::detail::make_column_major_product(true, false, false, 4, 0, 3, 3, 0, 0);
+  CHECK((empty.ld_first == 1 && empty.ld_second == 3 && empty.ld_c == 1));
 }
 
 }  // namespace MESHLIB_TEST_UNIT
