@@ -26,6 +26,7 @@
 #   bin/train_fashion_mnist, bin/train_resnet_fashion_mnist, bin/train_gpt_chars, bin/handwritten_mlp
 #                                  the CPU flagships and the hand-written peer, for bench/scaling.py
 #   scaling.py                     bench/scaling.py (run with GPU_CHECK_SCALING=1, below)
+#   gpu_peers.py                   bench/gpu_peers.py: the flagships' models in JAX and PyTorch (GPU_CHECK_PEERS=1)
 #   lib/                           shared libraries of the g++ programs the GPU machine lacks
 # NCCL itself is not bundled: the run uses the machine's libnccl.so.2 (found with ldconfig or in
 # Python's site-packages, as the nvidia-nccl-cu13 wheel installs it) and prints its version.
@@ -34,6 +35,10 @@
 # GPU_CHECK_SCALING=1 (--run): after the GPU checks, bench/scaling.py on the machine's CPU cores (the
 # GPU machines have 16): training throughput at 1, 2, 4, ... cores, its table in the report. Off by
 # default: it takes up to 3 more minutes (its own budget, on top of the 4), of the device time.
+# GPU_CHECK_PEERS=1 (--run): the GPU benchmark of issue 38 item 5: the MLP flagship (6 epochs) and the
+# GPT flagship (300 steps) on the GPU beside the same models in JAX (jit) and PyTorch (eager,
+# torch.compile) from bench/gpu_peers.py, one table of samples/s and tokens/s with the ratios to meshlib.
+# Off by default: up to 3 more minutes (its own budget).
 # Exit status: 0 when every CHECKED line passed, 1 when one failed, 2 for a usage mistake.
 # The body is one { } block, read whole before it runs: editing the script while a bundle builds is safe.
 {
@@ -69,7 +74,7 @@ if [ "$mode" = --bundle ]; then
   export PATH="$CUDA_HOME/bin:$PATH"
   mkdir -p "$GPU_DIR" "$dir"
   dir="$(cd "$dir" && pwd)"
-  rm -rf "$dir"/{bin,lib,ref,data,MANIFEST,scaling.py}
+  rm -rf "$dir"/{bin,lib,ref,data,MANIFEST,scaling.py,gpu_peers.py}
   mkdir -p "$dir"/{bin,lib,ref,data/fashion-mnist}
   build_fail() { fail "$1"; summary; exit 1; }
 
@@ -138,7 +143,7 @@ if [ "$mode" = --bundle ]; then
            examples/train_gpt_chars/train_gpt_chars bench/handwritten_mlp; do
     cp "$build/$p" "$dir/bin/"
   done
-  cp "$repo/bench/scaling.py" "$dir/"
+  cp "$repo/bench/scaling.py" "$repo/bench/gpu_peers.py" "$dir/"
 
   step "4. the CPU reference runs (thread devices, the same seeds as the GPU runs)"
   data_dir=/usr/share/datasets/fashion-mnist
@@ -357,6 +362,22 @@ else
   budget=$((SECONDS + 200))  # its own: 3 minutes on 16 cores, and the loads
   RUN_TAIL=12 run_test scaling "bench/scaling.py on $(nproc) cores (table above)" 200 \
     python3 "$dir/scaling.py" --build "$bin" --data "$data" --text "$dir/data/fortunes"
+fi
+
+step "10. the GPU benchmark: meshlib's flagships against JAX and PyTorch on this GPU (GPU_CHECK_PEERS=1)"
+if [ "${GPU_CHECK_PEERS:-0}" != 1 ]; then
+  skip "bench/gpu_peers.py: not run (GPU_CHECK_PEERS=1 runs it, up to 3 more minutes)"
+elif ! command -v python3 >/dev/null || [ ! -f "$dir/gpu_peers.py" ]; then
+  skip "bench/gpu_peers.py: needs python3 and gpu_peers.py in the bundle"
+else
+  budget=$((SECONDS + 200))  # its own
+  # meshlib: the MLP's epochs 2-6 (step 6's run; again here if it did not run) and the GPT's steps 21-300.
+  [ -s "$logs/fashion_full.log" ] || run_test fashion_full "train_fashion_mnist --gpu --mesh 1x1, 6 epochs" 75 "$fm" --gpu --data "$data" --mesh 1x1 --seed 0
+  [ -x "$bin/train_gpt_gpu" ] && run_test gpt_speed "train_gpt_chars --gpu --mesh 1x1 --steps 300" 60 \
+    "$bin/train_gpt_gpu" --gpu --mesh 1x1 --seed 0 --steps 300 --eval-every 1000000 --final-windows 8 --generate 0 --data "$dir/data/fortunes"
+  RUN_TAIL=8 run_test peers "bench/gpu_peers.py: JAX jit, PyTorch eager and torch.compile (MLP, GPT)" 150 \
+    python3 "$dir/gpu_peers.py" --data "$data" --text "$dir/data/fortunes"
+  python3 "$dir/gpu_peers.py" --table "$logs/peers.log" --meshlib-mlp "$logs/fashion_full.log" --meshlib-gpt "$logs/gpt_speed.log"
 fi
 
 summary
