@@ -31,6 +31,11 @@ import os
 import sys
 import time
 
+# The benchmarks' option errors ("gpu_peers.py: <what is wrong>", the usage, status 2): scaling.py's
+# parser, which sits beside this file in bench/ and in the GPU bundle.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scaling import Parser  # noqa: E402
+
 
 def load_idx(path):
     import numpy as np
@@ -396,16 +401,6 @@ def table(peers_log, mlp_log, gpt_log):
             ratio = f"{mine / rate:.2f}" if mine else "-"
             print(f"| {model} | {r['framework']} ({r.get('device', '?')}) | {rate:,.0f} {unit[model]} | {ratio} | {r['last_loss']} |")
     return 0
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with the benchmarks' error form (bench/bench_options.hpp): "gpu_peers.py: <what is
-    wrong>" first on stderr, then the usage, exit status 2."""
-
-    def error(self, message):
-        print(f"{self.prog}: {message}", file=sys.stderr)
-        self.print_usage(sys.stderr)
-        sys.exit(2)
 
 
 def main(argv=None):
