@@ -5037,6 +5037,7 @@ class axis_communicators {
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -6120,15 +6121,40 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
+/// Whether kernels on a GPU's instance are left to run when their launch returns
+/// (`MESHLIB_ASYNC_KERNELS=1`, read once; experimental, off by default). Off, every launch waits
+/// for its kernel, the GPU path that has run; on, the host goes on while the instance's stream
+/// orders the kernels, products and collectives of a device, and only what must wait does: a copy
+/// to or from the host (`copy_across`), the end of a device's call (`run_devices`), and each
+/// collective of the shared-GPU communicator through its events. Issue 38: a fence per kernel is a
+/// host round trip per kernel, which bounds a GPU's training step by the host.
+inline bool async_device_kernels() {
+  static const bool on = [] {
+    const char* v = std::getenv("MESHLIB_ASYNC_KERNELS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+/// Waits for what was launched on `exec` where meshlib's contract says a launch has finished when it
+/// returns: always on a host backend (Kokkos 4's instances; 3.4.1's fence is a process-wide call,
+/// and meshlib runs only host backends there), on a GPU unless `async_device_kernels()`.
+template <class Exec>
+void finish_launch(const Exec& exec) {
+  if constexpr (kokkos_has_instances_v) {
+    if constexpr (!host_accessible_v<typename Exec::memory_space>)
+      if (async_device_kernels()) return;
+    exec.fence();
+  }
+}
+
 /// `launch` on the instance `exec` instead of the running device's: a caller that was handed an
 /// instance (`matmul_into(exec, ...)`).
 template <class Exec, class F>
 void launch_on(const Exec& exec, std::size_t n, const F& f) {
   if (n == 0) return;
   Kokkos::parallel_for(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
-  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
-  // fence is a process-wide call, and meshlib runs only host backends there.)
-  if constexpr (kokkos_has_instances_v) exec.fence();
+  finish_launch(exec);
 }
 
 /// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
@@ -8209,8 +8235,7 @@ inline cublasHandle_t cublas_handle(int device, cudaStream_t stream) {
 
 /// `c = alpha op(first) op(second) + beta c` (column-major `p`) on `exec`'s stream, for `batch`
 /// matrices `strides` apart (one strided-batched call: attention's products per head and
-/// sequence), then the instance fenced, as `launch_on` fences each of meshlib's kernels
-/// (`matmul_into`'s promise: `C` holds the result when it returns).
+/// sequence), waited for as each of meshlib's kernels is (`finish_launch`).
 template <class T>
 void cublas_product(const Kokkos::Cuda& exec, const column_major_product& p, T alpha, const T* a, const T* b, T beta,
                     T* c, std::size_t batch = 1, column_major_batch_strides strides = {}) {
@@ -8245,7 +8270,7 @@ void cublas_product(const Kokkos::Cuda& exec, const column_major_product& p, T a
                                            ll(strides.second), &beta, c, i(p.ld_c), ll(strides.c), i(batch)),
                  "cublasDgemmStridedBatched");
   }
-  exec.fence("meshlib::matmul_into[cuBLAS]");
+  finish_launch(exec);  // as a kernel of meshlib's (tensor/view.hpp)
 }
 
 #endif  // MESHLIB_HAS_CUBLAS
@@ -8512,7 +8537,8 @@ struct matmul_into_options {
 /// views are a batch: `C[i] = alpha op(A[i]) op(B[i]) + beta C[i]` for each `i` of the first
 /// dimension (one strided-batched cuBLAS call on a GPU; each product in turn elsewhere).
 /// @pre `C` overlaps neither `A` nor `B`.
-/// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
+/// @post `C` holds the result when the call returns (on a GPU too, unless `MESHLIB_ASYNC_KERNELS=1`:
+/// then the product is ordered on the instance's stream, `tensor/view.hpp`'s `finish_launch`).
 /// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
 /// differ or `C`'s shape is not `m x n`, and naming the three lengths when a batch's differ.
 template <class Exec, class VC, class VA, class VB>

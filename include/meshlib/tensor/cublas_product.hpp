@@ -28,6 +28,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "meshlib/core/errors.hpp"
+#include "meshlib/tensor/view.hpp"
 
 #if defined(MESHLIB_ENABLE_CUBLAS) && MESHLIB_ENABLE_CUBLAS && defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
@@ -119,8 +120,7 @@ inline cublasHandle_t cublas_handle(int device, cudaStream_t stream) {
 
 /// `c = alpha op(first) op(second) + beta c` (column-major `p`) on `exec`'s stream, for `batch`
 /// matrices `strides` apart (one strided-batched call: attention's products per head and
-/// sequence), then the instance fenced, as `launch_on` fences each of meshlib's kernels
-/// (`matmul_into`'s promise: `C` holds the result when it returns).
+/// sequence), waited for as each of meshlib's kernels is (`finish_launch`).
 template <class T>
 void cublas_product(const Kokkos::Cuda& exec, const column_major_product& p, T alpha, const T* a, const T* b, T beta,
                     T* c, std::size_t batch = 1, column_major_batch_strides strides = {}) {
@@ -155,7 +155,7 @@ void cublas_product(const Kokkos::Cuda& exec, const column_major_product& p, T a
                                            ll(strides.second), &beta, c, i(p.ld_c), ll(strides.c), i(batch)),
                  "cublasDgemmStridedBatched");
   }
-  exec.fence("meshlib::matmul_into[cuBLAS]");
+  finish_launch(exec);  // as a kernel of meshlib's (tensor/view.hpp)
 }
 
 #endif  // MESHLIB_HAS_CUBLAS

@@ -300,7 +300,8 @@ struct matmul_into_options {
 /// views are a batch: `C[i] = alpha op(A[i]) op(B[i]) + beta C[i]` for each `i` of the first
 /// dimension (one strided-batched cuBLAS call on a GPU; each product in turn elsewhere).
 /// @pre `C` overlaps neither `A` nor `B`.
-/// @post `C` holds the result when the call returns (host spaces; a device kernel is fenced).
+/// @post `C` holds the result when the call returns (on a GPU too, unless `MESHLIB_ASYNC_KERNELS=1`:
+/// then the product is ordered on the instance's stream, `tensor/view.hpp`'s `finish_launch`).
 /// @throws sharding_error naming the three shapes and the transposes when the contraction sizes
 /// differ or `C`'s shape is not `m x n`, and naming the three lengths when a batch's differ.
 template <class Exec, class VC, class VA, class VB>

@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -274,15 +275,40 @@ std::array<std::size_t, View::rank> extents_of(const View& v) {
   return e;
 }
 
+/// Whether kernels on a GPU's instance are left to run when their launch returns
+/// (`MESHLIB_ASYNC_KERNELS=1`, read once; experimental, off by default). Off, every launch waits
+/// for its kernel, the GPU path that has run; on, the host goes on while the instance's stream
+/// orders the kernels, products and collectives of a device, and only what must wait does: a copy
+/// to or from the host (`copy_across`), the end of a device's call (`run_devices`), and each
+/// collective of the shared-GPU communicator through its events. Issue 38: a fence per kernel is a
+/// host round trip per kernel, which bounds a GPU's training step by the host.
+inline bool async_device_kernels() {
+  static const bool on = [] {
+    const char* v = std::getenv("MESHLIB_ASYNC_KERNELS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+/// Waits for what was launched on `exec` where meshlib's contract says a launch has finished when it
+/// returns: always on a host backend (Kokkos 4's instances; 3.4.1's fence is a process-wide call,
+/// and meshlib runs only host backends there), on a GPU unless `async_device_kernels()`.
+template <class Exec>
+void finish_launch(const Exec& exec) {
+  if constexpr (kokkos_has_instances_v) {
+    if constexpr (!host_accessible_v<typename Exec::memory_space>)
+      if (async_device_kernels()) return;
+    exec.fence();
+  }
+}
+
 /// `launch` on the instance `exec` instead of the running device's: a caller that was handed an
 /// instance (`matmul_into(exec, ...)`).
 template <class Exec, class F>
 void launch_on(const Exec& exec, std::size_t n, const F& f) {
   if (n == 0) return;
   Kokkos::parallel_for(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, n), f);
-  // Host backends finish before returning; a device backend's kernel is asynchronous. (3.4.1's
-  // fence is a process-wide call, and meshlib runs only host backends there.)
-  if constexpr (kokkos_has_instances_v) exec.fence();
+  finish_launch(exec);
 }
 
 /// Runs `f(i)` for `i` in `[0, n)` as a RangePolicy `parallel_for` on the running device's
