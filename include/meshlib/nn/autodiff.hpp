@@ -11,3 +11,4 @@
 #include "meshlib/nn/autodiff/collectives.hpp"
 #include "meshlib/nn/autodiff/layer.hpp"
 #include "meshlib/nn/autodiff/value_and_grad.hpp"
+#include "meshlib/nn/autodiff/function_layer.hpp"

@@ -31,6 +31,12 @@ static_assert(std::is_same_v<decltype(reshape(std::declval<rows3>(), std::array<
                              local_tensor<double, 4, mesh1, D, 0, dim_masks<0, 0, 0, 0>>>);
 static_assert(std::is_same_v<decltype(reshape(std::declval<part3>(), std::array<std::size_t, 1>{})),
                              local_tensor<double, 1, mesh1, 0, D, dim_masks<0>>>);
+// broadcast_in_dim inserts an unsharded dimension, or one recorded as like's.
+static_assert(std::is_same_v<decltype(broadcast_in_dim<1>(std::declval<rows3>(), 4)),
+                             local_tensor<double, 4, mesh1, D, 0, dim_masks<D, 0, 0, 0>>>);
+static_assert(std::is_same_v<decltype(broadcast_in_dim<0>(std::declval<local_tensor<double, 2, mesh1, D>>(),
+                                                          std::declval<rows3>())),
+                             rows3>);
 // slice, pad and concatenate keep the type.
 static_assert(std::is_same_v<decltype(slice<2>(std::declval<rows3>(), 0, 1)), rows3>);
 static_assert(std::is_same_v<decltype(pad<1>(std::declval<part3>(), 0, 1)), part3>);
@@ -146,6 +152,31 @@ TEST_CASE("slice, pad and concatenate move the right elements along every dimens
     const auto twice = concatenate<1>(r, r);
     if (twice.extent(1) != 8 || host(slice<1>(twice, 4, 8)) != host(r)) fail = "concatenate<1>(r, r)";
     return fail;
+  });
+  for (const auto& f : failures) CHECK(f == "");
+}
+
+TEST_CASE("broadcast_in_dim repeats the block along the new dimension, at every position", "[tensor][broadcast]") {
+  const auto failures = on_two_devices([](const mesh1& m, std::size_t dev) -> std::string {
+    using two = local_tensor<double, 2, mesh1, D>;
+    two x(std::array<std::size_t, 2>{3, 4}, m, dev);
+    for (std::size_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<double>(dev * 100 + i);
+    const auto hx = host(x);
+    const auto b0 = host(broadcast_in_dim<0>(x, 5));  // (5, 3, 4)
+    const auto b1 = host(broadcast_in_dim<1>(x, 5));  // (3, 5, 4)
+    const auto b2 = host(broadcast_in_dim<2>(x, 5));  // (3, 4, 5)
+    for (std::size_t i = 0; i < 3; ++i)
+      for (std::size_t j = 0; j < 4; ++j)
+        for (std::size_t k = 0; k < 5; ++k) {
+          const double want = hx[i * 4 + j];
+          if (b0[(k * 3 + i) * 4 + j] != want || b1[(i * 5 + k) * 4 + j] != want || b2[(i * 4 + j) * 5 + k] != want)
+            return "broadcast_in_dim: element";
+        }
+    // sum<D>(broadcast_in_dim<D>(x, n)) is n x
+    if (host(sum<1>(broadcast_in_dim<1>(x, 5))) != host(x * 5.0)) return "sum of the broadcast";
+    const rows3 like(shape3{7, 3, 4}, m, dev);
+    if (broadcast_in_dim<0>(x, like).extent(0) != 7) return "broadcast_in_dim like: extent";
+    return "";
   });
   for (const auto& f : failures) CHECK(f == "");
 }

@@ -2,13 +2,14 @@
 #pragma once
 /// @file
 /// @brief Differentiable shape operations on traced values: `reshape`, `forget_dims`, `slice<D>`,
-/// `pad<D>` and `concatenate<D>`. The primal is the tensor layer's operation (tensor/reshape.hpp,
+/// `pad<D>`, `concatenate<D>` and `broadcast_in_dim<D>`. The primal is the tensor layer's operation (tensor/reshape.hpp,
 /// tensor/slice.hpp), with its sharding rules and diagnostics; each backward is the transpose of a
 /// linear map, so it moves the cotangent and communicates nothing:
 /// - `reshape(x, s)`: `reshape(ct, x.shape())`; `forget_dims<a>(x)`: `ct`;
 /// - `slice<D>(x, start, stop)`: `pad<D>(ct, start, n - stop)` (zeros where `x` was cut off);
 /// - `pad<D>(x, before, after)`: `slice<D>(ct, before, before + n)`;
-/// - `concatenate<D>(xs...)`: each operand its own slice of `ct`.
+/// - `concatenate<D>(xs...)`: each operand its own slice of `ct`;
+/// - `broadcast_in_dim<D>(x, n)`: `sum<D>(ct)` (the new dimension is not sharded: no pending sum).
 /// @code
 /// auto q = meshlib::nn::slice<1>(qkv, 0, c);                                   // qkv traced
 /// auto heads = meshlib::nn::reshape(q, std::array<std::size_t, 3>{t, h, c / h});
@@ -22,7 +23,10 @@
 #include "meshlib/collectives/relabel.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/nn/autodiff/traced.hpp"
+#include "meshlib/nn/detail/axis_mask_group.hpp"
+#include "meshlib/tensor/broadcast_in_dim.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/reduce.hpp"
 #include "meshlib/tensor/reshape.hpp"
 #include "meshlib/tensor/slice.hpp"
 
@@ -53,6 +57,32 @@ auto reshape(const X& x, const std::array<std::size_t, R>& shape) {
   auto y = meshlib::reshape(x.primal(), shape);
   return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
     detail::send(t, x, meshlib::reshape(ct, x.primal().shape()));
+  });
+}
+
+/// @brief `meshlib::broadcast_in_dim<D>(x, n)` on a traced value (a bias row over a batch: `y =
+/// matmul(x, w) + broadcast_in_dim<0>(b, x.extent(0))`); backward: `sum<D>(ct)`.
+template <std::size_t D, traced_type X>
+auto broadcast_in_dim(const X& x, std::size_t n) {
+  auto y = meshlib::broadcast_in_dim<D>(x.primal(), n);
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, meshlib::sum<D>(ct)); });
+}
+
+/// @brief `meshlib::broadcast_in_dim<D>(x, like)` with `x` traced (`like`, traced or not, gives the
+/// new dimension's extent and sharding record; it takes no cotangent); backward: `sum<D>(ct)` over
+/// this device's block. Where that dimension is a block of axes `x` varies over, each device's `x`
+/// filled only its own rows, so the local sum is its cotangent; where `x` is a pending sum over
+/// them, every part moved every row, so the sum is completed (`psum`).
+template <std::size_t D, traced_type X, ad_operand Like>
+auto broadcast_in_dim(const X& x, const Like& like) {
+  auto y = meshlib::broadcast_in_dim<D>(x.primal(), detail::primal_of(like));
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    auto s = meshlib::sum<D>(ct);
+    using S = decltype(s);
+    using to_t = cotangent_t<typename X::primal_type>;
+    constexpr axis_mask complete = S::partial & X::partial;
+    if constexpr (complete == 0) detail::send(t, x, detail::retype<to_t>(s));
+    else detail::send(t, x, detail::retype<to_t>(detail::psum_over<complete>(s)));
   });
 }
 
