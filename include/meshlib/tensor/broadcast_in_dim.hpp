@@ -7,7 +7,7 @@
 ///
 /// Sharding propagation: the new dimension is whole on every device (not sharded), or, in the form
 /// `broadcast_in_dim<D>(x, like)`, recorded as `like`'s dimension `D` is (so the result combines
-/// with `like`); the others keep their sharding; vary and partial are unchanged (the map is
+/// with `like`; `x` must vary over its axes); the others keep their sharding; vary and partial are unchanged (the map is
 /// linear). Its transpose is `sum<D>`.
 /// @post `sum<D>(broadcast_in_dim<D>(x, n))` is `n * x`; element `(..., k, ...)` of the result
 /// (index `k` in dimension `D`) is `x`'s element `(..., ...)` for every `k < n`.
@@ -53,7 +53,8 @@ template <class Op, class Like, class Value>
 consteval bool broadcast_like_needs_varying() {
   static_assert(diagnostic::always_false<Op, Like, Value>,
                 "meshlib: broadcast_in_dim<D>(x, like): dimension D of like is a block of mesh axes that x does not "
-                "vary over (both layouts are spelled out in the condition); pvary x over those axes first");
+                "vary over (both layouts are spelled out in the condition); pvary x over those axes first (psum a "
+                "pending sum first), or give the extent: broadcast_in_dim<D>(x, n)");
   return false;
 }
 
@@ -100,7 +101,8 @@ auto broadcast_in_dim(const X& x, std::size_t n) {
 /// @brief `x`'s block repeated along a new dimension `D` as `like`'s dimension `D` is: its extent,
 /// and its sharding record, so that the result combines with `like` elementwise (a bias over a
 /// batch whose rows are sharded: `matmul(x, w) + broadcast_in_dim<0>(b, y)`). `x` must vary over
-/// the axes that dimension is a block of (a compile-time error says to pvary it otherwise).
+/// the axes that dimension is a block of (a compile-time error says to pvary it otherwise; a value
+/// that is a pending sum over them has no rows of its own to spread: psum it first).
 template <std::size_t D, local_tensor_type X, local_tensor_type Like>
 auto broadcast_in_dim(const X& x, const Like& like) {
   constexpr axis_mask mask = Like::dims_type::at(D);
@@ -108,7 +110,7 @@ auto broadcast_in_dim(const X& x, const Like& like) {
     static_cast<void>(tensor::detail::broadcast_dim_past_rank<diagnostic::op_t<"broadcast_in_dim">, diagnostic::dim<D>,
                                                               diagnostic::size<X::rank + 1>>());
     return x;  // the diagnostic above has fired
-  } else if constexpr ((mask & ~(X::vary | X::partial)) != 0) {
+  } else if constexpr ((mask & ~X::vary) != 0) {
     static_cast<void>(tensor::detail::broadcast_like_needs_varying<diagnostic::op_t<"broadcast_in_dim">,
                                                                    diagnostic::value_t<Like>, diagnostic::value_t<X>>());
     return x;  // the diagnostic above has fired

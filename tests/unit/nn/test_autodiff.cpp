@@ -587,3 +587,44 @@ TEST_CASE("value_and_grad through all_gather, reshape, slice and pad on a 2x2 me
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad through broadcast_in_dim (a varying row, a pending sum) matches finite differences",
+          "[nn][autodiff][shape]") {
+  // x: (8, 3), rows sharded over 4 devices; b: (3,) replicated. b is pvary'd and broadcast over x's
+  // rows (its cotangent: the local column sums, then psum from pvary); the column sums of x, a
+  // pending sum, are broadcast over a new unsharded dimension and completed.
+  const mesh1 m{4};
+  using b_t = meshlib::local_tensor<double, 1, mesh1>;
+  const auto gx0 = random_array(8, 3, 81), gb0 = random_array(1, 3, 82);
+  auto x_at = [](std::size_t dev) { return block_at{2 * dev, 0, 2, 3, 3}; };
+  auto b_at = [](std::size_t) { return block_at{0, 0, 1, 3, 3}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<rows1>(m, dev, gl[0], x_at(dev));
+      b_t b(std::array<std::size_t, 1>{3}, m, dev);
+      for (std::size_t k = 0; k < 3; ++k) b(k) = gl[1][k];
+      auto [value, g] = nn::value_and_grad<0, 1>([](const auto& xs, const auto& bs) {
+        auto row = nn::broadcast_in_dim<0>(nn::pvary<"x">(bs), xs);                  // (2, 3), as xs
+        auto cols = nn::broadcast_in_dim<0>(nn::sum<0>(nn::square(xs)), 2);          // a pending sum over x
+        auto a = nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::tanh(xs + row))));
+        return a + nn::sum<0>(nn::sum<1>(nn::tanh(nn::psum<"x">(cols) * 0.3)));
+      })(x, b);
+      static_assert(std::is_same_v<std::tuple_element_t<1, decltype(g)>, b_t>);
+      loss[dev] = host(value)[0];
+      if (grads) {
+        (*grads)[0][dev] = host(std::get<0>(g));
+        (*grads)[1][dev] = host(std::get<1>(g));
+      }
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(2, std::vector<std::vector<double>>(4));
+  run({gx0, gb0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0, gb0}, grads, {x_at, b_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT

@@ -23,7 +23,6 @@
 #include "meshlib/collectives/relabel.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/nn/autodiff/traced.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
 #include "meshlib/tensor/broadcast_in_dim.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/reduce.hpp"
@@ -70,19 +69,14 @@ auto broadcast_in_dim(const X& x, std::size_t n) {
 
 /// @brief `meshlib::broadcast_in_dim<D>(x, like)` with `x` traced (`like`, traced or not, gives the
 /// new dimension's extent and sharding record; it takes no cotangent); backward: `sum<D>(ct)` over
-/// this device's block. Where that dimension is a block of axes `x` varies over, each device's `x`
-/// filled only its own rows, so the local sum is its cotangent; where `x` is a pending sum over
-/// them, every part moved every row, so the sum is completed (`psum`).
+/// this device's block. Where that dimension is a block of axes (which `x` varies over), each
+/// device's `x` filled only its own rows, so the local sum, a pending sum by its type, is `x`'s
+/// cotangent as it stands.
 template <std::size_t D, traced_type X, ad_operand Like>
 auto broadcast_in_dim(const X& x, const Like& like) {
   auto y = meshlib::broadcast_in_dim<D>(x.primal(), detail::primal_of(like));
   return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
-    auto s = meshlib::sum<D>(ct);
-    using S = decltype(s);
-    using to_t = cotangent_t<typename X::primal_type>;
-    constexpr axis_mask complete = S::partial & X::partial;
-    if constexpr (complete == 0) detail::send(t, x, detail::retype<to_t>(s));
-    else detail::send(t, x, detail::retype<to_t>(detail::psum_over<complete>(s)));
+    detail::send(t, x, detail::retype<cotangent_t<typename X::primal_type>>(meshlib::sum<D>(ct)));
   });
 }
 
