@@ -4999,7 +4999,7 @@ class axis_communicators {
 /// @file
 /// @brief The tensor layer: `sharded_tensor` (global view), `local_tensor` (the value a device sees
 /// inside `shard_map` / `spmd`), and local kernels with sharding propagation (elementwise,
-/// reductions, transpose, matmul). Needs Kokkos; Kokkos Kernels is used for matmul where found.
+/// reductions, transpose, reshape, slice / pad / concatenate, broadcast_in_dim, matmul). Needs Kokkos; Kokkos Kernels is used for matmul where found.
 
 // begin meshlib/tensor/view.hpp
 /// @file
@@ -8070,6 +8070,365 @@ auto transpose(const X& x) {
 
 }  // namespace meshlib
 // end meshlib/tensor/transpose.hpp
+// begin meshlib/tensor/reshape.hpp
+/// @file
+/// @brief `reshape(x, shape)`: a device's block with a new shape and rank, its elements in the same
+/// row-major order (`jnp.reshape` on the block inside `shard_map`), copied into a new block by a
+/// kernel on the device's instance (device memory too).
+///
+/// Sharding propagation, as JAX inside `shard_map`: a reshape is a local step on the block, so the
+/// per-dimension record of which dimension is a block of which axis is dropped (as after
+/// `forget_dims`: a reshaped dimension is no longer a block of the global array), and `vary` and
+/// `partial` are kept (a reshape is linear: a pending sum reshaped is the reshaped pending sum). A
+/// reduction over a dimension of the result is therefore a local one (the result varies; `psum` it
+/// yourself), and a `mean` divides by the local extent.
+/// @pre the product of `shape` is `x.size()` (a `sharding_error` otherwise).
+/// @post `reshape(reshape(x, s), x.shape())` equals `x` element for element.
+/// @code
+/// // x: a (2, 8, 16) block
+/// auto heads = meshlib::reshape(x, std::array<std::size_t, 4>{2, 8, 4, 4});   // split 16 into 4 x 4
+/// auto flat = meshlib::reshape(x, std::array<std::size_t, 1>{x.size()});      // flatten
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+
+
+namespace meshlib {
+
+namespace tensor::detail {
+
+/// `out[i] = in[i]`: a reshape moves no element.
+template <class T>
+struct copy_functor {
+  const T* in;
+  T* out;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { out[i] = in[i]; }
+};
+
+}  // namespace tensor::detail
+
+/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
+/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
+/// `partial` are kept (see the file comment).
+/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
+template <std::size_t R, local_tensor_type L>
+[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
+  using T = typename L::value_type;
+  using space = typename L::memory_space;
+  using result_t = rebind_local_t<L, T, R, L::vary, L::partial, replicated_dims<R>>;
+  const std::size_t n = experimental::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
+  if (n != x.size())
+    throw sharding_error("meshlib: reshape of a local block of shape " + experimental::describe_shape(x.shape()) + " (" +
+                         std::to_string(x.size()) + " elements) to shape " + experimental::describe_shape(shape) + " (" +
+                         std::to_string(n) + " elements); the element counts must agree");
+  auto out = tensor::detail::allocate<T, R, space>(shape, "meshlib::reshape", false);
+  tensor::detail::launch<space>(n, tensor::detail::copy_functor<T>{x.data(), out.data()});
+  return result_t(out, x.mesh(), x.device());
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/reshape.hpp
+// begin meshlib/tensor/slice.hpp
+/// @file
+/// @brief Slicing along one dimension of a device's block, and its two companions: `slice<D>(x,
+/// start, stop)` (`lax.slice_in_dim`, `x[..., start:stop, ...]`), `pad<D>(x, before, after)`
+/// (`lax.pad` with zeros along one dimension: the transpose of `slice`), and `concatenate<D>(xs...)`
+/// (`jnp.concatenate(xs, axis=D)`). Each is one copy kernel on the device's instance.
+///
+/// Sharding propagation: dimension `D` must be whole on every device (not sharded), so the slice of
+/// the block is the block of the slice, and every other dimension keeps its extent and sharding;
+/// slicing a sharded dimension does not compile (reshard it to none first). Vary and partial are
+/// unchanged (all three are linear). `concatenate` takes operands of one type (one layout).
+/// @pre `start <= stop <= x.extent(D)`; the operands of `concatenate` agree in every dimension but
+/// `D` (a `sharding_error` naming the dimension otherwise).
+/// @post `slice<D>(pad<D>(x, b, a), b, b + x.extent(D))` equals `x`, and `concatenate<D>(slice<D>(x,
+/// 0, k), slice<D>(x, k, n))` equals `x`; `pad<D>(slice<D>(x, s, e), s, n - e)` is `x` with the
+/// elements outside `[s, e)` along `D` set to zero.
+/// @code
+/// // qkv: (B / 4, 3 C) rows sharded over "data"; split the columns into q, k and v
+/// auto q = meshlib::slice<1>(qkv, 0, c), k = meshlib::slice<1>(qkv, c, 2 * c), v = meshlib::slice<1>(qkv, 2 * c, 3 * c);
+/// auto back = meshlib::concatenate<1>(q, k, v);   // qkv again
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib {
+
+namespace tensor::detail {
+
+/// With the block seen as `(outer, n, inner)` around dimension `D`: `out[o, out_off + k, j] = in[o,
+/// in_off + k, j]` for `k < count`; one iteration per element moved.
+template <class T>
+struct copy_along_functor {
+  const T* in;
+  T* out;
+  std::size_t n_in, n_out, inner, in_off, out_off, count;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t j = i % inner, k = (i / inner) % count, o = i / (inner * count);
+    out[(o * n_out + out_off + k) * inner + j] = in[(o * n_in + in_off + k) * inner + j];
+  }
+};
+
+/// The block `in` (shape `shape`) copied into `out` (same shape but `n_out` along `D`): `count`
+/// entries of dimension `D` from `in_off` to `out_off`.
+template <class Space, std::size_t D, class T, std::size_t R>
+void copy_along(const T* in, T* out, const std::array<std::size_t, R>& shape, std::size_t n_out, std::size_t in_off,
+                std::size_t out_off, std::size_t count) {
+  std::size_t outer = 1, inner = 1;
+  for (std::size_t d = 0; d != D; ++d) outer *= shape[d];  // (d < D warns under nvcc for D = 0)
+  for (std::size_t d = D + 1; d < R; ++d) inner *= shape[d];
+  if (outer * count * inner == 0) return;
+  launch<Space>(outer * count * inner, copy_along_functor<T>{in, out, shape[D], n_out, inner, in_off, out_off, count});
+}
+
+template <class Op, class Dim, class Value>
+consteval bool slice_of_sharded_dim() {
+  static_assert(diagnostic::always_false<Op, Dim, Value>,
+                "meshlib: slice / pad / concatenate along a dimension that is sharded (the dimension and the value's "
+                "layout are spelled out in the condition): each device holds only its block of that dimension; "
+                "reshard the dimension to none first (reshard<P<..., none, ...>>), or slice another dimension");
+  return false;
+}
+
+template <class Op, class Dim, class Rank>
+consteval bool slice_dim_past_rank() {
+  static_assert(diagnostic::always_false<Op, Dim, Rank>,
+                "meshlib: slice / pad / concatenate: the dimension is past the rank (both are spelled out in the "
+                "condition); name a dimension 0 .. rank-1");
+  return false;
+}
+
+template <class Op, class... Values>
+consteval bool concatenate_needs_one_layout() {
+  static_assert(diagnostic::always_false<Op, Values...>,
+                "meshlib: concatenate: the operands have different types (their layouts are spelled out in the "
+                "condition); concatenate blocks of one element type, rank, layout and memory space (pvary or psum "
+                "one of them first)");
+  return false;
+}
+
+/// True when the operands of `concatenate` have one type; otherwise fires the diagnostic.
+template <class X, class... Xs>
+consteval bool check_concatenate_types() {
+  if constexpr ((std::is_same_v<X, Xs> && ...)) return true;
+  else return concatenate_needs_one_layout<diagnostic::op_t<"concatenate">, diagnostic::value_t<X>, diagnostic::value_t<Xs>...>();
+}
+
+/// True when dimension `D` of `X` can be sliced; otherwise fires the one diagnostic that says why.
+template <std::size_t D, class X, class Op>
+consteval bool check_slice_dim() {
+  if constexpr (D >= X::rank) return slice_dim_past_rank<Op, diagnostic::dim<D>, diagnostic::size<X::rank>>();
+  else if constexpr (X::dims_type::at(D) != 0) return slice_of_sharded_dim<Op, diagnostic::dim<D>, diagnostic::value_t<X>>();
+  else return true;
+}
+
+}  // namespace tensor::detail
+
+/// @brief Entries `[start, stop)` of dimension `D` of `x`'s block (`x[..., start:stop, ...]`), as a
+/// new block of `x`'s type. `D` must not be sharded (a compile-time error says so).
+/// @throws sharding_error when `start > stop` or `stop > x.extent(D)`
+template <std::size_t D, local_tensor_type X>
+auto slice(const X& x, std::size_t start, std::size_t stop) {
+  if constexpr (!tensor::detail::check_slice_dim<D, X, diagnostic::op_t<"slice">>()) {
+    return x;  // the diagnostic above has fired
+  } else {
+    if (start > stop || stop > x.extent(D))
+      throw sharding_error("meshlib: slice<" + std::to_string(D) + ">: [" + std::to_string(start) + ", " +
+                           std::to_string(stop) + ") is not within dimension " + std::to_string(D) + " of the block " +
+                           experimental::describe_shape(x.shape()) + " on device " + std::to_string(x.device()) +
+                           "; give 0 <= start <= stop <= " + std::to_string(x.extent(D)));
+    using T = typename X::value_type;
+    using space = typename X::memory_space;
+    auto shape = x.shape();
+    shape[D] = stop - start;
+    auto out = tensor::detail::allocate<T, X::rank, space>(shape, "meshlib::slice", false);
+    tensor::detail::copy_along<space, D>(x.data(), out.data(), x.shape(), shape[D], start, 0, shape[D]);
+    return X(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief `x`'s block with `before` zero entries ahead of it and `after` behind it along dimension
+/// `D` (`lax.pad` with zero padding in one dimension), as a new block of `x`'s type. `D` must not
+/// be sharded.
+template <std::size_t D, local_tensor_type X>
+auto pad(const X& x, std::size_t before, std::size_t after) {
+  if constexpr (!tensor::detail::check_slice_dim<D, X, diagnostic::op_t<"pad">>()) {
+    return x;  // the diagnostic above has fired
+  } else {
+    using T = typename X::value_type;
+    using space = typename X::memory_space;
+    auto shape = x.shape();
+    shape[D] += before + after;
+    auto out = tensor::detail::allocate<T, X::rank, space>(shape, "meshlib::pad", before + after != 0);
+    tensor::detail::copy_along<space, D>(x.data(), out.data(), x.shape(), shape[D], 0, before, x.extent(D));
+    return X(out, x.mesh(), x.device());
+  }
+}
+
+/// @brief The blocks `xs...` (one type) joined along dimension `D` (`jnp.concatenate(xs, axis=D)`),
+/// as a new block of that type. `D` must not be sharded.
+/// @throws sharding_error when two operands differ in a dimension other than `D`
+template <std::size_t D, local_tensor_type X, local_tensor_type... Xs>
+auto concatenate(const X& x, const Xs&... xs) {
+  if constexpr (!tensor::detail::check_concatenate_types<X, Xs...>()) {
+    return x;  // the diagnostic above has fired
+  } else if constexpr (!tensor::detail::check_slice_dim<D, X, diagnostic::op_t<"concatenate">>()) {
+    return x;  // the diagnostic above has fired
+  } else {
+    using T = typename X::value_type;
+    using space = typename X::memory_space;
+    auto shape = x.shape();
+    const auto agree = [&](const X& y) {
+      for (std::size_t d = 0; d < X::rank; ++d)
+        if (d != D && y.extent(d) != shape[d])
+          throw sharding_error("meshlib: concatenate<" + std::to_string(D) + ">: the blocks " +
+                               experimental::describe_shape(x.shape()) + " and " +
+                               experimental::describe_shape(y.shape()) + " on device " + std::to_string(x.device()) +
+                               " differ in dimension " + std::to_string(d) +
+                               "; the operands may differ only in the dimension they are joined along");
+      shape[D] += y.extent(D);
+    };
+    (agree(xs), ...);
+    auto out = tensor::detail::allocate<T, X::rank, space>(shape, "meshlib::concatenate", false);
+    std::size_t at = 0;
+    const auto place = [&](const X& y) {
+      tensor::detail::copy_along<space, D>(y.data(), out.data(), y.shape(), shape[D], 0, at, y.extent(D));
+      at += y.extent(D);
+    };
+    place(x);
+    (place(xs), ...);
+    return X(out, x.mesh(), x.device());
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/slice.hpp
+// begin meshlib/tensor/broadcast_in_dim.hpp
+/// @file
+/// @brief `broadcast_in_dim<D>(x, n)`: a device's block repeated `n` times along a new dimension
+/// `D` (NumPy's broadcasting of a bias row over a batch, `jnp.broadcast_to(b, (n, k))` for one new
+/// leading dimension, `lax.broadcast_in_dim` with one new dimension), as a new block.
+///
+/// Sharding propagation: the new dimension is whole on every device (not sharded), or, in the form
+/// `broadcast_in_dim<D>(x, like)`, recorded as `like`'s dimension `D` is (so the result combines
+/// with `like`; `x` must vary over its axes); the others keep their sharding; vary and partial are unchanged (the map is
+/// linear). Its transpose is `sum<D>`.
+/// @post `sum<D>(broadcast_in_dim<D>(x, n))` is `n * x`; element `(..., k, ...)` of the result
+/// (index `k` in dimension `D`) is `x`'s element `(..., ...)` for every `k < n`.
+/// @code
+/// // y = x W + b with b (k,) a row added to each of the n rows of x W (n, k)
+/// auto xw = meshlib::matmul(x, w);
+/// auto y = xw + meshlib::broadcast_in_dim<0>(b, xw);   // or broadcast_in_dim<0>(b, n): unsharded rows
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <utility>
+
+
+namespace meshlib {
+
+namespace tensor::detail {
+
+/// `out[o, k, j] = in[o, j]` for `k < n`, `j < inner`: one iteration per output element.
+template <class T>
+struct broadcast_in_dim_functor {
+  const T* in;
+  T* out;
+  std::size_t n, inner;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t j = i % inner, o = i / (n * inner);
+    out[i] = in[o * inner + j];
+  }
+};
+
+/// `Dims` with a dimension sharded over `Mask` (0: unsharded) inserted at `D`.
+template <class Dims, std::size_t D, axis_mask Mask, class Seq = std::make_index_sequence<Dims::size + 1>>
+struct insert_dim_impl;
+template <class Dims, std::size_t D, axis_mask Mask, std::size_t... I>
+struct insert_dim_impl<Dims, D, Mask, std::index_sequence<I...>> {
+  using type = dim_masks<(I < D ? Dims::at(I) : I == D ? Mask : Dims::at(I - 1))...>;
+};
+
+template <class Op, class Like, class Value>
+consteval bool broadcast_like_needs_varying() {
+  static_assert(diagnostic::always_false<Op, Like, Value>,
+                "meshlib: broadcast_in_dim<D>(x, like): dimension D of like is a block of mesh axes that x does not "
+                "vary over (both layouts are spelled out in the condition); pvary x over those axes first (psum a "
+                "pending sum first), or give the extent: broadcast_in_dim<D>(x, n)");
+  return false;
+}
+
+template <class Op, class Dim, class Rank>
+consteval bool broadcast_dim_past_rank() {
+  static_assert(diagnostic::always_false<Op, Dim, Rank>,
+                "meshlib: broadcast_in_dim<D>: the new dimension D is past the rank of the result (both are spelled "
+                "out in the condition); name a dimension 0 .. rank of x");
+  return false;
+}
+
+}  // namespace tensor::detail
+
+namespace tensor::detail {
+template <std::size_t D, axis_mask Mask, class X>
+auto broadcast_in_dim_impl(const X& x, std::size_t n) {
+  using T = typename X::value_type;
+  using space = typename X::memory_space;
+  using dims = typename insert_dim_impl<typename X::dims_type, D, Mask>::type;
+  using out_t = rebind_local_t<X, T, X::rank + 1, X::vary, X::partial, dims>;
+  std::array<std::size_t, X::rank + 1> shape{};
+  std::size_t inner = 1;
+  for (std::size_t d = 0; d < X::rank + 1; ++d) shape[d] = d < D ? x.extent(d) : d == D ? n : x.extent(d - 1);
+  for (std::size_t d = D; d < X::rank; ++d) inner *= x.extent(d);
+  auto out = allocate<T, X::rank + 1, space>(shape, "meshlib::broadcast_in_dim", false);
+  if (inner != 0 && n != 0) launch<space>(out.size(), broadcast_in_dim_functor<T>{x.data(), out.data(), n, inner});
+  return out_t(out, x.mesh(), x.device());
+}
+}  // namespace tensor::detail
+
+/// @brief `x`'s block repeated `n` times along a new, unsharded dimension `D` (`0 <= D <= rank`),
+/// as a new block of rank `rank + 1` (see the file comment).
+template <std::size_t D, local_tensor_type X>
+auto broadcast_in_dim(const X& x, std::size_t n) {
+  if constexpr (D > X::rank) {
+    static_cast<void>(tensor::detail::broadcast_dim_past_rank<diagnostic::op_t<"broadcast_in_dim">, diagnostic::dim<D>,
+                                                              diagnostic::size<X::rank + 1>>());
+    return x;  // the diagnostic above has fired; x is returned so that the caller sees one error only
+  } else {
+    return tensor::detail::broadcast_in_dim_impl<D, 0>(x, n);
+  }
+}
+
+/// @brief `x`'s block repeated along a new dimension `D` as `like`'s dimension `D` is: its extent,
+/// and its sharding record, so that the result combines with `like` elementwise (a bias over a
+/// batch whose rows are sharded: `matmul(x, w) + broadcast_in_dim<0>(b, y)`). `x` must vary over
+/// the axes that dimension is a block of (a compile-time error says to pvary it otherwise; a value
+/// that is a pending sum over them has no rows of its own to spread: psum it first).
+template <std::size_t D, local_tensor_type X, local_tensor_type Like>
+auto broadcast_in_dim(const X& x, const Like& like) {
+  constexpr axis_mask mask = Like::dims_type::at(D);
+  if constexpr (D > X::rank) {
+    static_cast<void>(tensor::detail::broadcast_dim_past_rank<diagnostic::op_t<"broadcast_in_dim">, diagnostic::dim<D>,
+                                                              diagnostic::size<X::rank + 1>>());
+    return x;  // the diagnostic above has fired
+  } else if constexpr ((mask & ~X::vary) != 0) {
+    static_cast<void>(tensor::detail::broadcast_like_needs_varying<diagnostic::op_t<"broadcast_in_dim">,
+                                                                   diagnostic::value_t<Like>, diagnostic::value_t<X>>());
+    return x;  // the diagnostic above has fired
+  } else {
+    return tensor::detail::broadcast_in_dim_impl<D, mask>(x, like.extent(D));
+  }
+}
+
+}  // namespace meshlib
+// end meshlib/tensor/broadcast_in_dim.hpp
 // begin meshlib/tensor/matmul_into.hpp
 /// @file
 /// @brief `matmul_into`: `C = alpha * op(A) * op(B) + beta * C` on rank-2 Kokkos views that the
@@ -11703,7 +12062,8 @@ template <fixed_string... Names, local_tensor_type L>
 /// @file
 /// @brief Local steps that change what the type says about a per-device value, without
 /// communication: `forget_dims` (drop the record of which dimension is a block of which axis),
-/// `reshape` (a new local shape for the same elements) and `axis_index(x)` (this device's group
+/// `reshape` (a new local shape for the same elements: the tensor layer's, tensor/reshape.hpp,
+/// included here) and `axis_index(x)` (this device's group
 /// position as a per-device int32 scalar, as JAX's `lax.axis_index`).
 ///
 /// Why `forget_dims` exists: meshlib tracks, per dimension, the axes it is a block of, and uses it
@@ -11717,7 +12077,6 @@ template <fixed_string... Names, local_tensor_type L>
 /// auto k = meshlib::axis_index<"i">(x);   // local_tensor<std::int32_t, 0, ...> varying over 'i'
 /// @endcode
 
-#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -11736,24 +12095,6 @@ template <fixed_string... Names, local_tensor_type L>
   using result_t = with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, collectives::detail::safe_mask_v<mesh_t, Names...>>>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());
-}
-
-/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
-/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
-/// `partial` are kept.
-/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
-template <std::size_t R, local_tensor_type L>
-[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
-  using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
-  const std::size_t n = experimental::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
-  if (n != x.size())
-    throw sharding_error("meshlib: reshape of a local block of shape " + experimental::describe_shape(x.shape()) + " (" +
-                         std::to_string(x.size()) + " elements) to shape " + experimental::describe_shape(shape) + " (" +
-                         std::to_string(n) + " elements); the element counts must agree");
-  const auto* src = collectives::detail::contiguous_data(x, "reshape");
-  auto out = collectives::detail::result_view<L, R>(shape);
-  std::copy_n(src, n, out.data());
-  return result_t(out, x.mesh(), x.device());
 }
 
 /// @brief This device's position in the group of the axes `Names...` (row-major in the order

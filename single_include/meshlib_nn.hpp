@@ -6891,6 +6891,123 @@ auto transpose(const X& x) {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/autodiff/linalg.hpp
+// begin meshlib/nn/autodiff/shape.hpp
+/// @file
+/// @brief Differentiable shape operations on traced values: `reshape`, `forget_dims`, `slice<D>`,
+/// `pad<D>`, `concatenate<D>` and `broadcast_in_dim<D>`. The primal is the tensor layer's operation (tensor/reshape.hpp,
+/// tensor/slice.hpp), with its sharding rules and diagnostics; each backward is the transpose of a
+/// linear map, so it moves the cotangent and communicates nothing:
+/// - `reshape(x, s)`: `reshape(ct, x.shape())`; `forget_dims<a>(x)`: `ct`;
+/// - `slice<D>(x, start, stop)`: `pad<D>(ct, start, n - stop)` (zeros where `x` was cut off);
+/// - `pad<D>(x, before, after)`: `slice<D>(ct, before, before + n)`;
+/// - `concatenate<D>(xs...)`: each operand its own slice of `ct`;
+/// - `broadcast_in_dim<D>(x, n)`: `sum<D>(ct)` (the new dimension is not sharded: no pending sum).
+/// @code
+/// auto q = meshlib::nn::slice<1>(qkv, 0, c);                                   // qkv traced
+/// auto heads = meshlib::nn::reshape(q, std::array<std::size_t, 3>{t, h, c / h});
+/// @endcode
+
+#include <array>
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+
+/// The tape of `x` when it is traced, else `t`.
+template <ad_operand X>
+tape* tape_or(const X& x, tape* t) {
+  if constexpr (traced_type<X>) return t != nullptr ? t : x.tape();
+  else return t;
+}
+
+/// Sends operand `x` of a `concatenate<D>` its slice of `ct`, from `at` along `D`; advances `at`.
+template <std::size_t D, ad_operand X, local_tensor_type C>
+void send_slice(tape& t, const X& x, const C& ct, std::size_t& at) {
+  const std::size_t n = primal_of(x).extent(D);
+  if constexpr (traced_type<X>) send(t, x, meshlib::slice<D>(ct, at, at + n));
+  at += n;
+}
+
+}  // namespace detail
+
+/// @brief `meshlib::reshape(x, shape)` on a traced value; backward: `ct` reshaped back to `x`'s shape.
+template <traced_type X, std::size_t R>
+auto reshape(const X& x, const std::array<std::size_t, R>& shape) {
+  auto y = meshlib::reshape(x.primal(), shape);
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::reshape(ct, x.primal().shape()));
+  });
+}
+
+/// @brief `meshlib::broadcast_in_dim<D>(x, n)` on a traced value (a bias row over a batch: `y =
+/// matmul(x, w) + broadcast_in_dim<0>(b, x.extent(0))`); backward: `sum<D>(ct)`.
+template <std::size_t D, traced_type X>
+auto broadcast_in_dim(const X& x, std::size_t n) {
+  auto y = meshlib::broadcast_in_dim<D>(x.primal(), n);
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, meshlib::sum<D>(ct)); });
+}
+
+/// @brief `meshlib::broadcast_in_dim<D>(x, like)` with `x` traced (`like`, traced or not, gives the
+/// new dimension's extent and sharding record; it takes no cotangent); backward: `sum<D>(ct)` over
+/// this device's block. Where that dimension is a block of axes (which `x` varies over), each
+/// device's `x` filled only its own rows, so the local sum, a pending sum by its type, is `x`'s
+/// cotangent as it stands.
+template <std::size_t D, traced_type X, ad_operand Like>
+auto broadcast_in_dim(const X& x, const Like& like) {
+  auto y = meshlib::broadcast_in_dim<D>(x.primal(), detail::primal_of(like));
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
+    detail::send(t, x, detail::retype<cotangent_t<typename X::primal_type>>(meshlib::sum<D>(ct)));
+  });
+}
+
+/// @brief `meshlib::forget_dims<Names...>(x)` on a traced value (to combine a reshaped value with
+/// one that still records its sharded dimensions); backward: `ct` itself, retyped.
+template <fixed_string... Names, traced_type X>
+auto forget_dims(const X& x) {
+  auto y = meshlib::forget_dims<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) { detail::send(t, x, ct); });
+}
+
+/// @brief `meshlib::slice<D>(x, start, stop)` on a traced value; backward: `ct` padded with zeros
+/// back to `x`'s extent along `D`.
+template <std::size_t D, traced_type X>
+auto slice(const X& x, std::size_t start, std::size_t stop) {
+  auto y = meshlib::slice<D>(x.primal(), start, stop);
+  return detail::record(x.tape(), y, [x, start, stop](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::pad<D>(ct, start, x.primal().extent(D) - stop));
+  });
+}
+
+/// @brief `meshlib::pad<D>(x, before, after)` on a traced value; backward: the slice of `ct` that
+/// `x` occupies.
+template <std::size_t D, traced_type X>
+auto pad(const X& x, std::size_t before, std::size_t after) {
+  auto y = meshlib::pad<D>(x.primal(), before, after);
+  return detail::record(x.tape(), y, [x, before](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::slice<D>(ct, before, before + x.primal().extent(D)));
+  });
+}
+
+/// @brief `meshlib::concatenate<D>(xs...)` over operands of which at least one is traced (the
+/// others plain `local_tensor`s, constants); backward: each traced operand gets its slice of `ct`.
+template <std::size_t D, ad_operand... Xs>
+  requires(traced_type<Xs> || ...)
+auto concatenate(const Xs&... xs) {
+  auto y = meshlib::concatenate<D>(detail::primal_of(xs)...);
+  detail::tape* tp = nullptr;
+  ((tp = detail::tape_or(xs, tp)), ...);
+  return detail::record(tp, y, [ops = std::make_tuple(xs...)](detail::tape& t, const auto& ct) {
+    std::size_t at = 0;
+    std::apply([&](const auto&... x) { (detail::send_slice<D>(t, x, ct, at), ...); }, ops);
+  });
+}
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/shape.hpp
 // begin meshlib/nn/autodiff/collectives.hpp
 /// @file
 /// @brief Differentiable collectives on traced values, each with meshlib's typed result and, as
@@ -7220,6 +7337,202 @@ template <std::size_t... Argnums, class F>
 
 }  // namespace meshlib::nn
 // end meshlib/nn/autodiff/value_and_grad.hpp
+// begin meshlib/nn/autodiff/function_layer.hpp
+/// @file
+/// @brief `function_layer`: a layer written as plain forward code, as a flax `nn.Module`'s
+/// `__call__` or a haiku function: a forward function over traced values and the `parameter`s it
+/// owns; its backward is derived by the tape (nn/autodiff), so it goes into `nn::sequential`,
+/// `train_state` and `train_step` like any built-in layer, with no backward written by hand.
+///
+/// `forward(x)` records `f(x, p...)` on a tape of the running device (each parameter entering as
+/// its block on that device); `backward<X>(dy)` walks that tape back from `dy`, writes (or adds,
+/// as `parameter::grad_beta` says) every parameter's gradient into its `grad` block and returns the
+/// input's cotangent. One forward's tape is kept per device until its backward.
+///
+/// Gradients follow the built-in layers' convention, not `value_and_grad`'s: the parameters enter
+/// varying over the axes that shard the batch (the input's first dimension), so each device's
+/// gradient is its share of the batch's gradient, a pending sum that the data-parallel policy
+/// (or FSDP, ZeRO) completes, exactly as for `dense`. Axes that shard a parameter or that the
+/// forward function reduces over itself (`nn::psum<"model">`) are handled by the tape as in
+/// `value_and_grad`.
+/// @code
+/// using w_s = meshlib::named_sharding<mesh_t, meshlib::P<meshlib::none, meshlib::none>>;
+/// using b_s = meshlib::named_sharding<mesh_t, meshlib::P<meshlib::none>>;
+/// auto fc1 = meshlib::nn::function_layer(m, "fc1",
+///     [](const auto& x, const auto& w, const auto& b) {          // relu(x w + b), written forward only
+///       namespace nn = meshlib::nn;
+///       return nn::maximum(nn::matmul(x, w) + nn::broadcast_in_dim<0>(b, x.extent(0)), 0.0f);
+///     },
+///     meshlib::nn::parameter<float, 2, w_s>("fc1.w", w_s{m}, {784, 256}, key, meshlib::nn::init::uniform(0.08f)),
+///     meshlib::nn::parameter<float, 1, b_s>("fc1.b", b_s{m}, {256}, key, meshlib::nn::init::zeros(), false));
+/// meshlib::nn::sequential net(std::move(fc1), meshlib::nn::dense<float, mesh_t>(m, "fc2", 256, 10, key));
+/// @endcode
+
+#include <any>
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+namespace detail {
+
+/// `g[i] = c[i]` (`add` false: the first write of a step) or `g[i] += c[i]`.
+template <class T>
+struct grad_write_functor {
+  T* g;
+  const T* c;
+  bool add;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { g[i] = add ? g[i] + c[i] : c[i]; }
+};
+
+/// How parameter `P`'s block enters the tape when the batch is sharded over `Batch`: varying over
+/// those axes too (see the file comment).
+template <class P, axis_mask Batch>
+using entered_param_t = with_vary_t<typename P::local_type, P::local_type::vary | (Batch & ~P::local_type::partial)>;
+
+template <class Returned>
+consteval bool function_layer_returned_untraced() {
+  static_assert(always_false_v<Returned>,
+                "meshlib::nn: function_layer: the forward function must return a traced value computed from its "
+                "arguments with meshlib::nn operations (nn::matmul, nn::tanh, ...); the type it returned is spelled "
+                "out in the condition");
+  return false;
+}
+
+}  // namespace detail
+
+/// @brief A layer whose forward is `f(x, params...)` over traced values and whose backward the
+/// tape derives (see the file comment).
+/// @tparam Mesh   the mesh type
+/// @tparam F      the forward function: called with the traced input and one traced block per parameter
+/// @tparam Params `parameter<T, Rank, Sharding>` types, owned by the layer
+template <mesh_type Mesh, class F, class... Params>
+class function_layer {
+ public:
+  /// The parameters, in the order `f` receives them.
+  std::tuple<Params...> params;
+
+  /// A layer named `name` on `mesh` computing `f(x, params...)`.
+  function_layer(const Mesh& mesh, std::string name, F f, Params... ps)
+      : params(std::move(ps)...), f_(std::move(f)), name_(std::move(name)), state_(mesh.size()) {}
+
+  /// The layer's name (for messages).
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// `"fc1 (function_layer, 2 parameters)"`: how messages name the layer.
+  [[nodiscard]] std::string to_string() const {
+    return name_ + " (function_layer, " + std::to_string(sizeof...(Params)) + " parameters)";
+  }
+
+  /// The layer's output type for an input of type `X` (a `local_tensor`).
+  template <local_tensor_type X>
+  using output_t = typename std::remove_cvref_t<decltype(std::declval<const F&>()(
+      std::declval<const traced<X>&>(),
+      std::declval<const traced<detail::entered_param_t<Params, X::dims_type::at(0)>>&>()...))>::primal_type;
+
+  /// `f(x, params...)`, recorded on this device's tape for the backward.
+  template <local_tensor_type X>
+  auto forward(const X& x) {
+    const std::size_t dev = x.device();
+    auto st = std::make_shared<device_state>();
+    detail::tape& t = st->tape;
+    const traced<X> tx(x, &t, t.leaf());
+    constexpr axis_mask batch = X::dims_type::at(0);
+    // Braced: the parameters enter the tape in order.
+    std::tuple<traced<detail::entered_param_t<Params, batch>>...> tp = std::apply(
+        [&](const auto&... p) {
+          return std::tuple<traced<detail::entered_param_t<Params, batch>>...>{
+              enter<detail::entered_param_t<Params, batch>>(p, dev, t)...};
+        },
+        params);
+    auto y = std::apply([&](const auto&... p) { return f_(tx, p...); }, tp);
+    using R = decltype(y);
+    if constexpr (!traced_type<R>) {
+      static_cast<void>(detail::function_layer_returned_untraced<R>());
+      return x;  // the diagnostic above has fired
+    } else {
+      st->x = x;
+      st->x_id = tx.id();
+      st->out_id = y.id();
+      std::apply([&](const auto&... p) { st->param_ids = {p.id()...}; }, tp);
+      state_[dev] = std::move(st);
+      return y.primal();
+    }
+  }
+
+  /// Its backward names its input type (`backward<X>(dy)`), as `sequential` does.
+  static constexpr bool backward_names_input = true;
+
+  /// Walks the last forward's tape on `dy`'s device back from `dy`: writes (or adds, per
+  /// `parameter::grad_beta`) each parameter's gradient into its `grad` block and returns the
+  /// input's cotangent (zeros where the output does not depend on it; `need_dx` is not needed to
+  /// skip work: the tape computes only what reaches the input).
+  /// @throws sharding_error when no forward ran on the device since the last backward.
+  template <local_tensor_type X, local_tensor_type DY>
+  cotangent_t<X> backward(const DY& dy, bool need_dx = true) {
+    static_cast<void>(need_dx);
+    const std::size_t dev = dy.device();
+    std::shared_ptr<device_state> st = std::move(state_[dev]);
+    if (!st)
+      throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
+                           " without a forward there since the last backward; run forward first");
+    using Y = output_t<X>;
+    detail::tape& t = st->tape;
+    t.accumulate<cotangent_t<Y>>(st->out_id, detail::retype<cotangent_t<Y>>(dy));
+    t.run_backward();
+    constexpr axis_mask batch = X::dims_type::at(0);
+    write_grads<batch>(t, *st, dev, std::index_sequence_for<Params...>{});
+    return detail::gradient_of(t, st->x_id, std::any_cast<const X&>(st->x));
+  }
+
+  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints); the
+  /// gradients are written with `grad_beta`.
+  template <class T>
+  void collect(std::vector<param_ref<T>>& out) const {
+    std::apply([&](const auto&... p) { (out.push_back(p.ref(true)), ...); }, params);
+  }
+
+ private:
+  struct device_state {
+    detail::tape tape;
+    std::any x;  // the input (its shape gives a zero cotangent where none arrives)
+    std::size_t x_id = 0, out_id = 0;
+    std::array<std::size_t, sizeof...(Params)> param_ids{};
+  };
+
+  template <class E, class P>
+  static traced<E> enter(const P& p, std::size_t dev, detail::tape& t) {
+    return traced<E>(detail::retype<E>(p.local(dev)), &t, t.leaf());
+  }
+
+  template <axis_mask Batch, std::size_t... I>
+  void write_grads(const detail::tape& t, const device_state& st, std::size_t dev, std::index_sequence<I...>) {
+    (write_grad<Batch>(std::get<I>(params), t, st.param_ids[I], dev), ...);
+  }
+
+  template <axis_mask Batch, class P>
+  static void write_grad(P& p, const detail::tape& t, std::size_t id, std::size_t dev) {
+    using E = detail::entered_param_t<P, Batch>;
+    using T = typename E::value_type;
+    const E block = detail::retype<E>(p.local(dev));
+    const auto g = detail::gradient_of(t, id, block);
+    const bool add = p.grad_beta(dev) != T{0};
+    meshlib::launch<typename E::memory_space>(g.size(), detail::grad_write_functor<T>{p.grad.local(dev).data(), g.data(), add});
+  }
+
+  F f_;
+  std::string name_;
+  std::vector<std::shared_ptr<device_state>> state_;  // per device: the last forward's tape
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/autodiff/function_layer.hpp
 // end meshlib/nn/autodiff.hpp
 // begin meshlib/nn/schedule.hpp
 /// @file

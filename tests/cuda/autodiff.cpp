@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // CUDA compile check (scripts/cuda_compile_check.sh): nn::value_and_grad through every local
-// differentiable operation and a layer as a primitive, on device memory, so every forward and
+// differentiable operation (shape operations included) and a layer as a primitive, on device memory, so every forward and
 // backward kernel of nn/autodiff/ compiles for the GPU with nvcc. The one mesh axis is not used, so
 // no collective runs (a host collective on device memory is refused: host_collective_on_device.cpp).
 // Compiled for sm_90, not linked or run.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
+
+#include <array>
+#include <cstddef>
 
 static_assert(!meshlib::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
@@ -22,5 +25,12 @@ float differentiate(const mesh_t& m, const rows_t& x, const rows_t& w) {
   })(x, w);
   nn::dense<float, mesh_t> fc(m, "fc", 8, 8, nn::rng_key{1});
   auto dx = nn::grad([&](const auto& a) { return nn::sum<0>(nn::sum<1>(nn::apply_layer(fc, a))); })(x);
-  return meshlib::to_host(loss)[0] + meshlib::to_host(std::get<0>(grads))[0] + meshlib::to_host(dx)[0];
+  // the shape operations (tensor/reshape.hpp, tensor/slice.hpp) and their transposes
+  auto ds = nn::grad([](const auto& a) {
+    auto cut = nn::slice<1>(a, 1, 3);
+    auto joined = nn::concatenate<1>(cut, nn::pad<1>(cut, 1, 0));
+    return nn::sum<0>(nn::reshape(joined, std::array<std::size_t, 1>{joined.size()}));
+  })(x);
+  return meshlib::to_host(loss)[0] + meshlib::to_host(std::get<0>(grads))[0] + meshlib::to_host(dx)[0] +
+         meshlib::to_host(ds)[0];
 }

@@ -3,7 +3,8 @@
 /// @file
 /// @brief Local steps that change what the type says about a per-device value, without
 /// communication: `forget_dims` (drop the record of which dimension is a block of which axis),
-/// `reshape` (a new local shape for the same elements) and `axis_index(x)` (this device's group
+/// `reshape` (a new local shape for the same elements: the tensor layer's, tensor/reshape.hpp,
+/// included here) and `axis_index(x)` (this device's group
 /// position as a per-device int32 scalar, as JAX's `lax.axis_index`).
 ///
 /// Why `forget_dims` exists: meshlib tracks, per dimension, the axes it is a block of, and uses it
@@ -17,7 +18,6 @@
 /// auto k = meshlib::axis_index<"i">(x);   // local_tensor<std::int32_t, 0, ...> varying over 'i'
 /// @endcode
 
-#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -27,10 +27,10 @@
 #include "meshlib/collectives/device_context.hpp"
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/collectives/type_rules.hpp"
-#include "meshlib/core/checked_size.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/reshape.hpp"
 
 namespace meshlib {
 
@@ -44,24 +44,6 @@ template <fixed_string... Names, local_tensor_type L>
   using result_t = with_dims_t<L, collectives::detail::dims_without_t<typename L::dims_type, collectives::detail::safe_mask_v<mesh_t, Names...>>>;
   if constexpr (!ok) return result_t{};
   else return result_t(x.view(), x.mesh(), x.device());
-}
-
-/// @brief A copy of the local block `x` with local shape `shape` (row-major order kept, as
-/// `jnp.reshape`). The per-dimension record is dropped (as after `forget_dims`); `vary` and
-/// `partial` are kept.
-/// @throws sharding_error when `shape` does not hold exactly `x.size()` elements.
-template <std::size_t R, local_tensor_type L>
-[[nodiscard]] auto reshape(const L& x, const std::array<std::size_t, R>& shape) {
-  using result_t = rebind_local_t<L, typename L::value_type, R, L::vary, L::partial, replicated_dims<R>>;
-  const std::size_t n = experimental::checked_product(std::span<const std::size_t>(shape), "reshape: the new shape");
-  if (n != x.size())
-    throw sharding_error("meshlib: reshape of a local block of shape " + experimental::describe_shape(x.shape()) + " (" +
-                         std::to_string(x.size()) + " elements) to shape " + experimental::describe_shape(shape) + " (" +
-                         std::to_string(n) + " elements); the element counts must agree");
-  const auto* src = collectives::detail::contiguous_data(x, "reshape");
-  auto out = collectives::detail::result_view<L, R>(shape);
-  std::copy_n(src, n, out.data());
-  return result_t(out, x.mesh(), x.device());
 }
 
 /// @brief This device's position in the group of the axes `Names...` (row-major in the order

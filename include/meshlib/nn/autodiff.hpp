@@ -7,6 +7,8 @@
 #include "meshlib/nn/autodiff/traced.hpp"
 #include "meshlib/nn/autodiff/elementwise.hpp"
 #include "meshlib/nn/autodiff/linalg.hpp"
+#include "meshlib/nn/autodiff/shape.hpp"
 #include "meshlib/nn/autodiff/collectives.hpp"
 #include "meshlib/nn/autodiff/layer.hpp"
 #include "meshlib/nn/autodiff/value_and_grad.hpp"
+#include "meshlib/nn/autodiff/function_layer.hpp"

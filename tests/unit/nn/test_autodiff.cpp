@@ -486,3 +486,145 @@ TEST_CASE("value_and_grad of random programs mixing collectives on a 2x2 mesh ma
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad through slice and concatenate matches the hand-derived gradient", "[nn][autodiff][shape]") {
+  // L = sum over the global (8, 6) array of slice<1>(x, 2, 5) * c + 1/2 concatenate<1>(x, x)^2, rows
+  // sharded over 4 devices: dL/dx = c shifted to columns 2..4 (zeros elsewhere) + 2 x.
+  const mesh1 m{4};
+  const auto gx = random_array(8, 6, 71), gc = random_array(8, 3, 72);
+  auto loss_fn = [](const auto& x, const rows1& c) {
+    auto cut = nn::slice<1>(x, 2, 5) * c;
+    auto both = nn::concatenate<1>(x, x);
+    static_assert(std::is_same_v<typename std::remove_cvref_t<decltype(both)>::primal_type, rows1>);
+    return nn::psum<"x">(nn::sum<0>(nn::sum<1>(cut)) + nn::sum<0>(nn::sum<1>(nn::square(both))) * 0.5);
+  };
+  std::vector<std::vector<double>> gs(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, gx, {2 * dev, 0, 2, 6, 6});
+    const auto c = block_of<rows1>(m, dev, gc, {2 * dev, 0, 2, 3, 3});
+    gs[dev] = host(nn::grad(loss_fn)(x, c));
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    REQUIRE(gs[dev].size() == 12);
+    for (std::size_t k = 0; k < 12; ++k) {
+      const std::size_t row = 2 * dev + k / 6, col = k % 6;
+      const double want = 2 * gx[row * 6 + col] + (col >= 2 && col < 5 ? gc[row * 3 + col - 2] : 0.0);
+      CHECK(std::abs(gs[dev][k] - want) < 1e-12);
+    }
+  }
+}
+
+TEST_CASE("value_and_grad through reshape, slice, pad and concatenate on a 1-D mesh matches finite differences",
+          "[nn][autodiff][shape]") {
+  // x: (8, 6), rows sharded over 4 devices; overlapping slices (two uses of the same columns), a
+  // concatenation with a constant, reshapes that mix rows and columns and of a pending sum, a pad.
+  const mesh1 m{4};
+  const auto gx0 = random_array(8, 6, 73);
+  auto x_at = [](std::size_t dev) { return block_at{2 * dev, 0, 2, 6, 6}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<rows1>(m, dev, gl[0], x_at(dev));
+      const auto c2 = block_of<rows1>(m, dev, random_array(8, 2, 74), {2 * dev, 0, 2, 2, 2});
+      const auto c8 = block_of<rows1>(m, dev, random_array(8, 8, 75), {2 * dev, 0, 2, 8, 8});
+      auto [value, g] = nn::value_and_grad([&](const auto& xs) {
+        auto a = nn::slice<1>(xs, 0, 4);                                        // (2, 4)
+        auto b = nn::slice<1>(xs, 2, 6);                                        // (2, 4), columns 2, 3 again
+        auto h = nn::concatenate<1>(nn::tanh(a), a * b, c2);                    // (2, 10)
+        auto r = nn::reshape(h, std::array<std::size_t, 3>{5, 2, 2});           // (rows mixed with columns)
+        auto s = nn::reshape(nn::sum<2>(nn::square(r)), std::array<std::size_t, 2>{2, 5});
+        auto p = nn::pad<1>(s, 1, 2) * meshlib::forget_dims<"x">(c8);           // (2, 8)
+        auto q = nn::reshape(nn::sum<0>(p), std::array<std::size_t, 2>{2, 4});  // varies over x
+        auto z = nn::reshape(nn::sum<0>(nn::square(xs)), std::array<std::size_t, 2>{3, 2});  // a pending sum over x
+        static_assert(std::remove_cvref_t<decltype(z)>::partial == X);
+        return nn::sum<0>(nn::sum<1>(nn::tanh(nn::psum<"x">(q)))) + nn::sum<0>(nn::sum<1>(nn::tanh(nn::psum<"x">(z))));
+      })(x);
+      loss[dev] = host(value)[0];
+      if (grads) (*grads)[0][dev] = host(g);
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+  run({gx0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+}
+
+TEST_CASE("value_and_grad through all_gather, reshape, slice and pad on a 2x2 mesh matches finite differences",
+          "[nn][autodiff][shape]") {
+  // x: (4, 6) as P<"data", "model">; gathering the columns over model makes dimension 1 whole, so
+  // it can be sliced and reshaped; the gradient comes back as x's blocks.
+  const mesh2 m{2, 2};
+  using rows_t = meshlib::local_tensor<double, 2, mesh2, D, 0, meshlib::dim_masks<D, 0>>;
+  const auto gx0 = random_array(4, 6, 76);
+  auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
+      const auto c = block_of<rows_t>(m, dev, random_array(4, 4, 77), {2 * (dev / 2), 0, 2, 4, 4});
+      auto [value, g] = nn::value_and_grad([&](const auto& xs) {
+        auto full = nn::all_gather<"model", 1>(xs);                                     // (2, 6)
+        auto mid = nn::reshape(nn::slice<1>(full, 1, 5), std::array<std::size_t, 3>{2, 2, 2});
+        auto pairs = nn::sum<2>(nn::tanh(mid));                                         // (2, 2)
+        auto cols = nn::forget_dims<"data">(nn::slice<1>(nn::square(full), 0, 2));     // as reshaped values are
+        auto joined = nn::concatenate<1>(pairs, cols) * meshlib::forget_dims<"data">(c);  // (2, 4)
+        auto padded = nn::pad<1>(joined, 2, 0);                                          // (2, 6)
+        return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(padded + nn::forget_dims<"data">(full)))));
+      })(x);
+      static_assert(std::is_same_v<decltype(g), x2_t>, "the gradient has the argument's type");
+      loss[dev] = host(value)[0];
+      if (grads) (*grads)[0][dev] = host(g);
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+  run({gx0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad through broadcast_in_dim (a varying row, a pending sum) matches finite differences",
+          "[nn][autodiff][shape]") {
+  // x: (8, 3), rows sharded over 4 devices; b: (3,) replicated. b is pvary'd and broadcast over x's
+  // rows (its cotangent: the local column sums, then psum from pvary); the column sums of x, a
+  // pending sum, are broadcast over a new unsharded dimension and completed.
+  const mesh1 m{4};
+  using b_t = meshlib::local_tensor<double, 1, mesh1>;
+  const auto gx0 = random_array(8, 3, 81), gb0 = random_array(1, 3, 82);
+  auto x_at = [](std::size_t dev) { return block_at{2 * dev, 0, 2, 3, 3}; };
+  auto b_at = [](std::size_t) { return block_at{0, 0, 1, 3, 3}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<rows1>(m, dev, gl[0], x_at(dev));
+      b_t b(std::array<std::size_t, 1>{3}, m, dev);
+      for (std::size_t k = 0; k < 3; ++k) b(k) = gl[1][k];
+      auto [value, g] = nn::value_and_grad<0, 1>([](const auto& xs, const auto& bs) {
+        auto row = nn::broadcast_in_dim<0>(nn::pvary<"x">(bs), xs);                  // (2, 3), as xs
+        auto cols = nn::broadcast_in_dim<0>(nn::sum<0>(nn::square(xs)), 2);          // a pending sum over x
+        auto a = nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::tanh(xs + row))));
+        return a + nn::sum<0>(nn::sum<1>(nn::tanh(nn::psum<"x">(cols) * 0.3)));
+      })(x, b);
+      static_assert(std::is_same_v<std::tuple_element_t<1, decltype(g)>, b_t>);
+      loss[dev] = host(value)[0];
+      if (grads) {
+        (*grads)[0][dev] = host(std::get<0>(g));
+        (*grads)[1][dev] = host(std::get<1>(g));
+      }
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(2, std::vector<std::vector<double>>(4));
+  run({gx0, gb0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0, gb0}, grads, {x_at, b_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
