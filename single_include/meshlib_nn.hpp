@@ -7173,6 +7173,14 @@ auto apply_layer(Layer& layer, const X& x) {
 ///   auto [loss, dw] = meshlib::nn::value_and_grad(loss_fn)(w_local, x_local);   // dw: w's type
 /// });
 /// @endcode
+///
+/// With `nn::has_aux` (JAX's `has_aux=True`) the function returns a pair `(loss, aux)`: `aux` is
+/// carried out untouched and not differentiated (traced values in it come back as their primal
+/// `local_tensor`s), and the result's `value` is the pair `(loss, aux)`:
+/// @code
+/// auto [out, dw] = meshlib::nn::value_and_grad(loss_with_logits, meshlib::nn::has_aux)(w, x);
+/// auto& [loss, logits] = out;
+/// @endcode
 
 #include <array>
 #include <cstddef>
@@ -7198,6 +7206,16 @@ struct value_and_grad_result {
   V value;  ///< the loss, a one-element `local_tensor` invariant over every axis (`to_host(value)[0]`)
   G grad;   ///< the gradient(s), each of its argument's type
 };
+
+/// @brief The type of `has_aux`.
+struct has_aux_t {
+  explicit has_aux_t() = default;
+};
+
+/// @brief Passed to `value_and_grad` / `grad` (JAX's `has_aux=True`): the function returns a pair
+/// `(loss, aux)` (a `std::pair` or two-element `std::tuple`); `aux` is returned beside the loss,
+/// not differentiated (see the file comment).
+inline constexpr has_aux_t has_aux{};
 
 namespace detail {
 
@@ -7259,6 +7277,46 @@ consteval bool check_loss_type() {
   else return true;
 }
 
+template <class T>
+inline constexpr bool is_pair_like_v = false;
+template <class A, class B>
+inline constexpr bool is_pair_like_v<std::pair<A, B>> = true;
+template <class A, class B>
+inline constexpr bool is_pair_like_v<std::tuple<A, B>> = true;
+
+template <class Returned>
+consteval bool aux_loss_is_not_a_pair() {
+  static_assert(always_false_v<Returned>,
+                "meshlib::nn: value_and_grad with nn::has_aux: the loss function must return a pair (loss, aux), "
+                "a std::pair or a two-element std::tuple (the type it returned is spelled out in the condition); "
+                "return std::pair(loss, aux), or drop nn::has_aux");
+  return false;
+}
+
+/// The auxiliary output as it leaves `value_and_grad`: traced values (whose tape ends with the
+/// call) become their primal `local_tensor`s, pairs and tuples element by element, anything else
+/// a copy, untouched (JAX's `aux` comes back as arrays).
+template <class A>
+auto aux_out(const A& a);
+template <class A, class B>
+auto aux_out(const std::pair<A, B>& a);
+template <class... Ts>
+auto aux_out(const std::tuple<Ts...>& a);
+
+template <class A>
+auto aux_out(const A& a) {
+  if constexpr (traced_type<A>) return a.primal();
+  else return a;
+}
+template <class A, class B>
+auto aux_out(const std::pair<A, B>& a) {
+  return std::pair<decltype(aux_out(a.first)), decltype(aux_out(a.second))>(aux_out(a.first), aux_out(a.second));
+}
+template <class... Ts>
+auto aux_out(const std::tuple<Ts...>& a) {
+  return std::apply([](const auto&... e) { return std::tuple<decltype(aux_out(e))...>(aux_out(e)...); }, a);
+}
+
 /// The gradient of argument `x` (node `id`): its cotangent, or zeros when the loss does not use it.
 template <local_tensor_type X>
 cotangent_t<X> gradient_of(const tape& t, std::size_t id, const X& x) {
@@ -7268,8 +7326,8 @@ cotangent_t<X> gradient_of(const tape& t, std::size_t id, const X& x) {
   return cotangent_t<X>(zeros, x.mesh(), x.device());
 }
 
-/// The function `value_and_grad(f)` returns.
-template <class F, std::size_t... Argnums>
+/// The function `value_and_grad(f)` (`Aux`: `value_and_grad(f, has_aux)`) returns.
+template <class F, bool Aux, std::size_t... Argnums>
 class value_and_grad_fn {
  public:
   explicit value_and_grad_fn(F f) : f_(std::move(f)) {}
@@ -7287,10 +7345,34 @@ class value_and_grad_fn {
     tape t;
     // Braced: the arguments enter the tape in order.
     std::tuple<decltype(enter<I, Argnums...>(args, t))...> in{enter<I, Argnums...>(args, t)...};
-    auto out = std::apply([this](const auto&... a) { return f_(unwrap(a)...); }, in);
-    using R = decltype(out);
+    auto returned = std::apply([this](const auto&... a) { return f_(unwrap(a)...); }, in);
+    using Returned = decltype(returned);
+    if constexpr (!Aux) {
+      auto r = differentiate(t, in, returned, args...);
+      if constexpr (std::is_same_v<decltype(r), bool>) return;  // the loss diagnostic has fired
+      else return r;
+    } else if constexpr (!is_pair_like_v<Returned>) {
+      static_cast<void>(aux_loss_is_not_a_pair<Returned>());  // the one diagnostic has fired
+    } else {
+      // The aux leaves before the tape is walked: it holds the forward values, untouched.
+      auto aux = aux_out(std::get<1>(returned));
+      auto r = differentiate(t, in, std::get<0>(returned), args...);
+      if constexpr (std::is_same_v<decltype(r), bool>) {
+        return;  // the loss diagnostic has fired
+      } else {
+        using L = decltype(r.value);
+        return value_and_grad_result<std::pair<L, decltype(aux)>, decltype(r.grad)>{{std::move(r.value), std::move(aux)},
+                                                                                    std::move(r.grad)};
+      }
+    }
+  }
+
+  /// Walks the tape back from `out`; returns `{loss, grads}` (`false` when `out` is no loss: the
+  /// one diagnostic has fired).
+  template <class In, class R, class... Args>
+  static auto differentiate(tape& t, const In& in, const R& out, const Args&... args) {
     if constexpr (!check_loss_type<R>()) {
-      return;  // the one diagnostic above has fired
+      return false;
     } else {
       if (out.size() != 1)
         throw autodiff_error("meshlib::nn: value_and_grad: the loss must be a scalar (one element), but the function "
@@ -7325,14 +7407,33 @@ class value_and_grad_fn {
 /// index gives one gradient, several a `std::tuple` in that order.
 template <std::size_t... Argnums, class F>
 [[nodiscard]] auto value_and_grad(F f) {
-  if constexpr (sizeof...(Argnums) == 0) return detail::value_and_grad_fn<F, 0>(std::move(f));
-  else return detail::value_and_grad_fn<F, Argnums...>(std::move(f));
+  if constexpr (sizeof...(Argnums) == 0) return detail::value_and_grad_fn<F, false, 0>(std::move(f));
+  else return detail::value_and_grad_fn<F, false, Argnums...>(std::move(f));
+}
+
+/// @brief `jax.value_and_grad(f, argnums=Argnums, has_aux=True)`: `f` returns a pair `(loss, aux)`;
+/// the function returned gives back `{value, grad}` with `value` the `std::pair` `(loss, aux)`
+/// (JAX's `((value, aux), grads)`); `aux` is not differentiated (see the file comment).
+template <std::size_t... Argnums, class F>
+[[nodiscard]] auto value_and_grad(F f, has_aux_t) {
+  if constexpr (sizeof...(Argnums) == 0) return detail::value_and_grad_fn<F, true, 0>(std::move(f));
+  else return detail::value_and_grad_fn<F, true, Argnums...>(std::move(f));
 }
 
 /// @brief `jax.grad(f, argnums=Argnums)`: `value_and_grad` without the value.
 template <std::size_t... Argnums, class F>
 [[nodiscard]] auto grad(F f) {
   return [vg = value_and_grad<Argnums...>(std::move(f))](const auto&... args) { return vg(args...).grad; };
+}
+
+/// @brief `jax.grad(f, argnums=Argnums, has_aux=True)`: `f` returns `(loss, aux)`; the function
+/// returned gives back the `std::pair` `(grad, aux)`, as JAX's `(grads, aux)`.
+template <std::size_t... Argnums, class F>
+[[nodiscard]] auto grad(F f, has_aux_t) {
+  return [vg = value_and_grad<Argnums...>(std::move(f), has_aux)](const auto&... args) {
+    auto r = vg(args...);
+    return std::pair<decltype(r.grad), decltype(r.value.second)>(std::move(r.grad), std::move(r.value.second));
+  };
 }
 
 }  // namespace meshlib::nn

@@ -628,3 +628,86 @@ TEST_CASE("value_and_grad through broadcast_in_dim (a varying row, a pending sum
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad with has_aux returns the aux f computed and the gradients it gives without aux",
+          "[nn][autodiff][aux]") {
+  // f(x, w) = (loss, (tanh(x w), psum of the rows of x, a host number)): the aux holds a traced
+  // value (returned as its primal), a pending sum completed and a plain int, none differentiated.
+  const mesh1 m{4};
+  const auto gx = random_array(8, 3, 91), gw = random_array(3, 2, 92);
+  auto forward = [](const auto& x, const auto& w) {
+    auto h = nn::tanh(nn::matmul(x, w));
+    return std::pair(nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(h)))), h);
+  };
+  auto with_aux = [&](const auto& x, const auto& w) {
+    auto [loss, h] = forward(x, w);
+    return std::pair(loss, std::tuple(h, nn::psum<"x">(nn::sum<0>(x)), 7));
+  };
+  auto without_aux = [&](const auto& x, const auto& w) { return forward(x, w).first; };
+  std::vector<double> values(4), aux_values(4);
+  std::vector<std::vector<double>> h_aux(4), h_direct(4), s_aux(4), s_direct(4);
+  std::vector<std::vector<std::vector<double>>> g_aux(2, std::vector<std::vector<double>>(4)), g_plain = g_aux,
+                                                g_grad = g_aux;
+  std::vector<int> seven(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, gx, {2 * dev, 0, 2, 3, 3});
+    const auto w = block_of<repl1>(m, dev, gw, {0, 0, 3, 2, 2});
+    auto [out, g] = nn::value_and_grad<0, 1>(with_aux, nn::has_aux)(x, w);
+    auto& [loss, aux] = out;
+    using h_t = decltype(meshlib::matmul(x, w));
+    static_assert(std::is_same_v<std::tuple_element_t<0, std::remove_cvref_t<decltype(aux)>>, h_t>,
+                  "a traced value in the aux comes back as its primal local_tensor");
+    static_assert(std::is_same_v<std::tuple_element_t<2, std::remove_cvref_t<decltype(aux)>>, int>);
+    auto [value, g0] = nn::value_and_grad<0, 1>(without_aux)(x, w);
+    values[dev] = host(loss)[0];
+    aux_values[dev] = host(value)[0];
+    h_aux[dev] = host(std::get<0>(aux));
+    h_direct[dev] = host(meshlib::map([](double v) { return std::tanh(v); }, meshlib::matmul(x, w)));
+    s_aux[dev] = host(std::get<1>(aux));
+    s_direct[dev] = host(meshlib::psum<"x">(meshlib::sum<0>(x)));
+    seven[dev] = std::get<2>(aux);
+    g_aux[0][dev] = host(std::get<0>(g));
+    g_aux[1][dev] = host(std::get<1>(g));
+    g_plain[0][dev] = host(std::get<0>(g0));
+    g_plain[1][dev] = host(std::get<1>(g0));
+    auto [gg, aux2] = nn::grad<0, 1>(with_aux, nn::has_aux)(x, w);  // grad: (grads, aux), as JAX's
+    g_grad[0][dev] = host(std::get<0>(gg));
+    g_grad[1][dev] = host(std::get<1>(gg));
+    seven[dev] += std::get<2>(aux2) - 7;  // the aux of grad, too
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    CHECK(values[dev] == aux_values[dev]);
+    CHECK(h_aux[dev] == h_direct[dev]);
+    CHECK(s_aux[dev] == s_direct[dev]);
+    CHECK(seven[dev] == 7);
+    for (std::size_t i = 0; i < 2; ++i) {
+      CHECK(g_aux[i][dev] == g_plain[i][dev]);
+      CHECK(g_grad[i][dev] == g_plain[i][dev]);
+    }
+  }
+}
+
+TEST_CASE("value_and_grad with has_aux: one differentiated argument, a plain-value aux", "[nn][autodiff][aux]") {
+  const mesh1 m{4};
+  std::vector<double> loss(4), gsum(4);
+  std::vector<std::string> names(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = block_of<rows1>(m, dev, random_array(8, 3, 93), {2 * dev, 0, 2, 3, 3});
+    auto [out, dx] = nn::value_and_grad([](const auto& a) {
+      return std::tuple(nn::psum<"x">(nn::sum<0>(nn::sum<1>(a * 3.0))), std::string("three"));
+    }, nn::has_aux)(x);
+    static_assert(std::is_same_v<decltype(dx), rows1>);
+    loss[dev] = host(out.first)[0];
+    names[dev] = out.second;
+    for (double v : host(dx)) gsum[dev] += v;
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    CHECK(names[dev] == "three");
+    CHECK(gsum[dev] == 18.0);  // 6 elements, each 3
+  }
+  CHECK(loss[1] == loss[0]);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
