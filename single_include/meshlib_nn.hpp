@@ -6530,13 +6530,26 @@ void send(tape& t, const X& x, const C& ct) {
 
 }  // namespace detail
 
+/// @brief `jax.lax.stop_gradient`: `x`'s value as a traced value whose cotangent goes nowhere (a
+/// new leaf of `x`'s tape), so no gradient flows back through it; a plain `local_tensor` (already
+/// a constant) is returned as it is. The shift of a numerically safe softmax:
+/// @code
+/// auto z = x - meshlib::nn::broadcast_in_dim<1>(meshlib::nn::stop_gradient(meshlib::nn::max<1>(x)), x);
+/// @endcode
+template <ad_operand X>
+auto stop_gradient(const X& x) {
+  if constexpr (traced_type<X>) return X(x.primal(), x.tape(), x.tape()->leaf());
+  else return x;
+}
+
 }  // namespace meshlib::nn
 // end meshlib/nn/autodiff/traced.hpp
 // begin meshlib/nn/autodiff/elementwise.hpp
 /// @file
 /// @brief Differentiable elementwise operations on traced values: `+`, `-`, `*`, `/` between two
 /// operands (traced, or a plain `local_tensor` as a constant) and with a scalar, negation, and the
-/// maps `tanh`, `exp`, `log`, `square`, `maximum(x, s)` (`maximum(x, 0)` is relu). The primal is
+/// maps `tanh`, `exp`, `log`, `square`, `sqrt`, `rsqrt`, `maximum(x, s)` (`maximum(x, 0)` is
+/// relu). The primal is
 /// meshlib's own operation, so the layout rules (same layout on both sides, only linear
 /// operations on pending sums) are the untraced ones.
 /// @code
@@ -6577,6 +6590,15 @@ KOKKOS_INLINE_FUNCTION T ad_log(T x) {
 #endif
 }
 
+template <class T>
+KOKKOS_INLINE_FUNCTION T ad_sqrt(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::sqrt(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
 // Forward and backward element bodies: function objects, which nvcc compiles for the device where
 // a lambda in a deduced-return function would not be.
 struct tanh_fn {
@@ -6606,6 +6628,22 @@ struct square_back_fn {  // (ct, x) -> 2 x ct
 struct quotient_rhs_fn {  // (ct y, b) -> -ct y / b: the cotangent of b in y = a / b
   template <class T>
   KOKKOS_INLINE_FUNCTION T operator()(T gy, T b) const { return -gy / b; }
+};
+struct sqrt_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return ad_sqrt(x); }
+};
+struct sqrt_back_fn {  // (ct, y = sqrt x) -> ct / (2 y)
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T y) const { return g / (T(2) * y); }
+};
+struct rsqrt_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return T(1) / ad_sqrt(x); }
+};
+struct rsqrt_back_fn {  // (ct, y = x^(-1/2)) -> -ct y^3 / 2
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T y) const { return -g * y * y * y / T(2); }
 };
 template <class S>
 struct maximum_fn {
@@ -6756,6 +6794,25 @@ auto square(const X& x) {
   });
 }
 
+/// @brief `sqrt(x)` elementwise (`jnp.sqrt`); backward: `ct / (2 sqrt(x))` (infinite at 0, as JAX's).
+template <traced_type X>
+auto sqrt(const X& x) {
+  auto y = meshlib::map(detail::sqrt_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::sqrt_back_fn{}, ct, y));
+  });
+}
+
+/// @brief `1 / sqrt(x)` elementwise (`jax.lax.rsqrt`: a norm's scale `rsqrt(mean(x^2) + eps)`);
+/// backward: `-ct x^(-3/2) / 2`.
+template <traced_type X>
+auto rsqrt(const X& x) {
+  auto y = meshlib::map(detail::rsqrt_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::rsqrt_back_fn{}, ct, y));
+  });
+}
+
 /// @brief `max(x, s)` elementwise (`maximum(x, 0)`: relu); backward: `ct` where `x > s`, else 0.
 template <class X, class S>
   requires detail::ad_scalar_for<X, S>
@@ -6770,13 +6827,16 @@ auto maximum(const X& x, S s) {
 // end meshlib/nn/autodiff/elementwise.hpp
 // begin meshlib/nn/autodiff/linalg.hpp
 /// @file
-/// @brief Differentiable reductions and products on traced values: `sum<D>`, `mean<D>`, `matmul`,
-/// `transpose` (rank 2). The primal is meshlib's own operation with its sharding rules.
+/// @brief Differentiable reductions and products on traced values: `sum<D>`, `mean<D>`, `max<D>`,
+/// `matmul`, `transpose` (rank 2). The primal is meshlib's own operation with its sharding rules.
 ///
 /// Backward rules, with the layouts they imply:
 /// - `sum<D>` / `mean<D>`: `ct` broadcast along `D` (divided by `D`'s global extent for `mean`).
 ///   Reducing a dimension sharded over `a` leaves a pending sum over `a`, whose cotangent is
 ///   invariant over `a` (autodiff/traced.hpp); broadcast, it is the cotangent of every block.
+/// - `max<D>`: `ct` to the elements equal to the max along `D`, split equally between ties (JAX's
+///   rule for `jnp.max`); 0 elsewhere. Over a dimension sharded on `a` the result is this block's
+///   max (still varying over `a`, as untraced), and so is the rule.
 /// - `matmul(a, b)`: `ct b^T` to `a`, `a^T ct` to `b` (one `matmul_into` each, the transposes read
 ///   in place). Where the product varies over an axis (or contracts a pending sum over it) that an
 ///   operand does not vary over, the operand was used by every device of that axis (JAX inserts a
@@ -6801,6 +6861,37 @@ void broadcast_along(T* out, const T* in, std::size_t outer, std::size_t n, std:
     const std::size_t j = i % inner, o = i / (n * inner);
     out[i] = in[o * inner + j] * scale;
   });
+}
+
+/// One iteration per output element `(o, j)` of a max along a dimension of extent `n`: `out[o, k,
+/// j] = ct[o, j] / c` where `x[o, k, j]` equals the max `y[o, j]` (`c` such `k`), else 0.
+template <class T>
+struct max_back_functor {
+  const T* x;
+  const T* y;
+  const T* ct;
+  T* out;
+  std::size_t n, inner;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t idx) const {
+    const std::size_t base = (idx / inner) * n * inner + idx % inner;
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += x[base + k * inner] == y[idx] ? 1 : 0;
+    const T share = c == 0 ? T(0) : ct[idx] / static_cast<T>(c);
+    for (std::size_t k = 0; k < n; ++k) out[base + k * inner] = x[base + k * inner] == y[idx] ? share : T(0);
+  }
+};
+
+/// The cotangent of `x` for `y = max<D>(x)` with cotangent `ct` of `y`.
+template <std::size_t D, local_tensor_type X, local_tensor_type Y, local_tensor_type C>
+cotangent_t<X> max_backward(const X& x, const Y& y, const C& ct) {
+  using T = typename X::value_type;
+  using space = typename X::memory_space;
+  std::size_t outer = 1, inner = 1;
+  for (std::size_t d = 0; d != D; ++d) outer *= x.extent(d);
+  for (std::size_t d = D + 1; d < X::rank; ++d) inner *= x.extent(d);
+  auto out = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
+  meshlib::launch<space>(outer * inner, max_back_functor<T>{x.data(), y.data(), ct.data(), out.data(), x.extent(D), inner});
+  return cotangent_t<X>(out, x.mesh(), x.device());
 }
 
 /// The cotangent of `x` (of type `X`) for `sum<D>`/`mean<D>` with cotangent `ct` of the result.
@@ -6851,6 +6942,18 @@ auto mean(const X& x) {
     using T = typename X::value_type;
     const T scale = T(1) / static_cast<T>(x.primal().global_extent(D));
     t.accumulate<cotangent_t<typename X::primal_type>>(x.id(), detail::reduce_backward<D>(x.primal(), ct, scale));
+  });
+}
+
+/// @brief Max over dimension `D` (the layout of `meshlib::max<D>`: over a sharded dimension, this
+/// block's max); backward: `ct` to the maximal elements along `D`, split equally between ties
+/// (JAX's rule), 0 elsewhere. A numerically safe softmax shifts by it through `stop_gradient`:
+/// `exp(x - broadcast_in_dim<1>(stop_gradient(max<1>(x)), x))`.
+template <std::size_t D, traced_type X>
+auto max(const X& x) {
+  auto y = meshlib::max<D>(x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    t.accumulate<cotangent_t<typename X::primal_type>>(x.id(), detail::max_backward<D>(x.primal(), y, ct));
   });
 }
 

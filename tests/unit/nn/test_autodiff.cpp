@@ -7,6 +7,7 @@
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -708,6 +709,159 @@ TEST_CASE("value_and_grad with has_aux: one differentiated argument, a plain-val
     CHECK(gsum[dev] == 18.0);  // 6 elements, each 3
   }
   CHECK(loss[1] == loss[0]);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad through sqrt, rsqrt and stop_gradient matches the hand-derived gradient",
+          "[nn][autodiff][norms]") {
+  // L = sum c sqrt(x^2 + 1) + rsqrt(x^2 + 2) + x stop_gradient(x) over the global (8, 3) array:
+  // dL/dx = c x / sqrt(x^2 + 1) - x (x^2 + 2)^(-3/2) + x (the stopped factor takes no gradient).
+  const mesh1 m{4};
+  const auto gx = random_array(8, 3, 101), gc = random_array(8, 3, 102);
+  double expected_loss = 0;
+  for (std::size_t e = 0; e < gx.size(); ++e)
+    expected_loss += gc[e] * std::sqrt(gx[e] * gx[e] + 1) + 1 / std::sqrt(gx[e] * gx[e] + 2) + gx[e] * gx[e];
+  std::vector<double> values(4);
+  std::vector<std::vector<double>> gs(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const block_at b{2 * dev, 0, 2, 3, 3};
+    const auto x = block_of<rows1>(m, dev, gx, b), c = block_of<rows1>(m, dev, gc, b);
+    static_assert(std::is_same_v<decltype(nn::stop_gradient(c)), rows1>, "a constant stays a constant");
+    auto [value, dx] = nn::value_and_grad([](const auto& a, const rows1& cs) {
+      auto sq = nn::square(a);
+      auto terms = nn::sqrt(sq + 1.0) * cs + nn::rsqrt(sq + 2.0) + a * nn::stop_gradient(a);
+      return nn::psum<"x">(nn::sum<0>(nn::sum<1>(terms)));
+    })(x, c);
+    values[dev] = host(value)[0];
+    gs[dev] = host(dx);
+  });
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    const block_at b{2 * dev, 0, 2, 3, 3};
+    CHECK(std::abs(values[dev] - expected_loss) < 1e-12 * (1 + std::abs(expected_loss)));
+    REQUIRE(gs[dev].size() == 6);
+    for (std::size_t k = 0; k < 6; ++k) {
+      const double xv = gx[b.global_index(k)], cv = gc[b.global_index(k)];
+      const double expected = cv * xv / std::sqrt(xv * xv + 1) - xv / std::pow(xv * xv + 2, 1.5) + xv;
+      CHECK(std::abs(gs[dev][k] - expected) < 1e-12);
+    }
+  }
+}
+
+TEST_CASE("value_and_grad through max: the gradient goes to the argmax, split between ties", "[nn][autodiff][max]") {
+  // One device, x (3, 4) with rows [1 5 2 5], [7 0 7 7], [-1 -2 -3 -4]: L = sum_rows max_row * w_row
+  // with w = (1, 2, 3). dL/dx: w_row / (number of maxima of the row) at each maximum, else 0.
+  const mesh1 m{1};
+  using r2 = meshlib::local_tensor<double, 2, mesh1>;
+  using r1 = meshlib::local_tensor<double, 1, mesh1>;
+  const std::vector<double> gx{1, 5, 2, 5, 7, 0, 7, 7, -1, -2, -3, -4};
+  std::vector<double> loss, g, g0;
+  meshlib::spmd(m, [&](std::size_t dev) {
+    r2 x(std::array<std::size_t, 2>{3, 4}, m, dev);
+    for (std::size_t k = 0; k < gx.size(); ++k) x.data()[k] = gx[k];
+    r1 w(std::array<std::size_t, 1>{3}, m, dev);
+    for (std::size_t k = 0; k < 3; ++k) w(k) = static_cast<double>(k + 1);
+    auto [value, dx] = nn::value_and_grad([](const auto& a, const r1& ws) {
+      return nn::sum<0>(nn::max<1>(a) * ws);
+    })(x, w);
+    loss = host(value);
+    g = host(dx);
+    // max along dimension 0: the columns' maxima 7, 5, 7, 7, each at one row
+    g0 = host(nn::grad([](const auto& a) { return nn::sum<0>(nn::max<0>(a)); })(x));
+  });
+  CHECK(loss == std::vector<double>{1 * 5 + 2 * 7 + 3 * -1.0});
+  CHECK(g == std::vector<double>{0, 0.5, 0, 0.5, 2.0 / 3, 0, 2.0 / 3, 2.0 / 3, 3, 0, 0, 0});
+  CHECK(g0 == std::vector<double>{0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0});
+}
+
+TEST_CASE("a numerically safe softmax cross-entropy through max and stop_gradient matches p - onehot and finite "
+          "differences",
+          "[nn][autodiff][max]") {
+  // Logits x (8, 5), rows sharded over 4 devices; L = -1/8 sum_rows log softmax(x)[label]:
+  // dL/dx = (softmax(x) - onehot) / 8. The shift by the row max (its gradient stopped) keeps
+  // exp finite at logits near 1000, where exp(x) itself overflows.
+  const mesh1 m{4};
+  const std::size_t n = 8, k = 5;
+  auto loss_fn = [](const auto& x, const rows1& onehot) {
+    auto z = x - nn::broadcast_in_dim<1>(nn::stop_gradient(nn::max<1>(x)), x);
+    auto lse = nn::log(nn::sum<1>(nn::exp(z)));
+    auto logp = z - nn::broadcast_in_dim<1>(lse, z);
+    return nn::psum<"x">(nn::sum<0>(nn::sum<1>(logp * onehot))) * (-1.0 / 8);
+  };
+  auto onehot_of = [&](std::size_t dev) {
+    rows1 o(std::array<std::size_t, 2>{2, k}, m, dev);
+    for (std::size_t i = 0; i < 2; ++i) o(i, (2 * dev + i) * 3 % k) = 1.0;
+    return o;
+  };
+  auto x_at = [](std::size_t dev) { return block_at{2 * dev, 0, 2, 5, 5}; };
+  for (const double offset : {0.0, 1000.0}) {
+    auto gx0 = random_array(n, k, 111);
+    for (auto& v : gx0) v = 3 * v + offset;
+    auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+      std::vector<double> loss(4);
+      meshlib::spmd(m, [&](std::size_t dev) {
+        auto [value, dx] = nn::value_and_grad(loss_fn)(block_of<rows1>(m, dev, gl[0], x_at(dev)), onehot_of(dev));
+        loss[dev] = host(value)[0];
+        if (grads) (*grads)[0][dev] = host(dx);
+      });
+      for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+      return loss[0];
+    };
+    std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+    const double loss = run({gx0}, &grads);
+    double expected_loss = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double mx = gx0[i * k], s = 0;
+      for (std::size_t j = 0; j < k; ++j) mx = std::max(mx, gx0[i * k + j]);
+      for (std::size_t j = 0; j < k; ++j) s += std::exp(gx0[i * k + j] - mx);
+      const std::size_t label = i * 3 % k;
+      expected_loss -= (gx0[i * k + label] - mx - std::log(s)) / 8;
+      for (std::size_t j = 0; j < k; ++j) {
+        const double expected = (std::exp(gx0[i * k + j] - mx) / s - (j == label ? 1.0 : 0.0)) / 8;
+        const double got = grads[0][i / 2][(i % 2) * k + j];
+        INFO("offset " << offset << ", row " << i << ", class " << j);
+        CHECK(std::abs(got - expected) < 1e-12);
+      }
+    }
+    CHECK(std::isfinite(loss));
+    CHECK(std::abs(loss - expected_loss) < 1e-12 * (1 + std::abs(expected_loss)));
+    if (offset == 0.0) check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+  }
+}
+
+TEST_CASE("value_and_grad of an RMS norm (rsqrt) and row L2 norms (sqrt) on a 2x2 mesh matches finite differences",
+          "[nn][autodiff][norms]") {
+  // x: (4, 6) as P<"data", "model">. y = x rsqrt(mean over features of x^2 + eps), features
+  // completed with psum over model; plus the row norms sqrt(sum x^2) and a max over the local
+  // columns (varying over model: each block's own max).
+  const mesh2 m{2, 2};
+  const auto gx0 = random_array(4, 6, 121);
+  auto x_at = [](std::size_t dev) { return block_at{(dev / 2) * 2, (dev % 2) * 3, 2, 3, 6}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
+      auto [value, dx] = nn::value_and_grad([](const auto& a) {
+        auto ms = nn::psum<"model">(nn::mean<1>(nn::square(a)));            // (2,): rows' mean square
+        auto y = a * nn::broadcast_in_dim<1>(nn::pvary<"model">(nn::rsqrt(ms + 1e-3)), a);
+        auto norms = nn::sqrt(nn::psum<"model">(nn::sum<1>(nn::square(a))));  // (2,)
+        auto mx = nn::max<1>(a);                                              // (2,), varies over model
+        auto t1 = nn::psum<"data">(nn::psum<"model">(nn::sum<0>(nn::sum<1>(nn::tanh(y) * a))));
+        auto t2 = nn::psum<"data">(nn::sum<0>(norms * 0.5));
+        auto t3 = nn::psum<"data">(nn::psum<"model">(nn::sum<0>(nn::square(mx))));
+        return t1 + t2 + t3 * 0.25;
+      })(x);
+      loss[dev] = host(value)[0];
+      if (grads) (*grads)[0][dev] = host(dx);
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+  run({gx0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -3,7 +3,8 @@
 /// @file
 /// @brief Differentiable elementwise operations on traced values: `+`, `-`, `*`, `/` between two
 /// operands (traced, or a plain `local_tensor` as a constant) and with a scalar, negation, and the
-/// maps `tanh`, `exp`, `log`, `square`, `maximum(x, s)` (`maximum(x, 0)` is relu). The primal is
+/// maps `tanh`, `exp`, `log`, `square`, `sqrt`, `rsqrt`, `maximum(x, s)` (`maximum(x, 0)` is
+/// relu). The primal is
 /// meshlib's own operation, so the layout rules (same layout on both sides, only linear
 /// operations on pending sums) are the untraced ones.
 /// @code
@@ -46,6 +47,15 @@ KOKKOS_INLINE_FUNCTION T ad_log(T x) {
 #endif
 }
 
+template <class T>
+KOKKOS_INLINE_FUNCTION T ad_sqrt(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::sqrt(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
 // Forward and backward element bodies: function objects, which nvcc compiles for the device where
 // a lambda in a deduced-return function would not be.
 struct tanh_fn {
@@ -75,6 +85,22 @@ struct square_back_fn {  // (ct, x) -> 2 x ct
 struct quotient_rhs_fn {  // (ct y, b) -> -ct y / b: the cotangent of b in y = a / b
   template <class T>
   KOKKOS_INLINE_FUNCTION T operator()(T gy, T b) const { return -gy / b; }
+};
+struct sqrt_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return ad_sqrt(x); }
+};
+struct sqrt_back_fn {  // (ct, y = sqrt x) -> ct / (2 y)
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T y) const { return g / (T(2) * y); }
+};
+struct rsqrt_fn {
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T x) const { return T(1) / ad_sqrt(x); }
+};
+struct rsqrt_back_fn {  // (ct, y = x^(-1/2)) -> -ct y^3 / 2
+  template <class T>
+  KOKKOS_INLINE_FUNCTION T operator()(T g, T y) const { return -g * y * y * y / T(2); }
 };
 template <class S>
 struct maximum_fn {
@@ -222,6 +248,25 @@ auto square(const X& x) {
   auto y = meshlib::map(detail::square_fn{}, x.primal());
   return detail::record(x.tape(), y, [x](detail::tape& t, const auto& ct) {
     detail::send(t, x, meshlib::zip(detail::square_back_fn{}, ct, x.primal()));
+  });
+}
+
+/// @brief `sqrt(x)` elementwise (`jnp.sqrt`); backward: `ct / (2 sqrt(x))` (infinite at 0, as JAX's).
+template <traced_type X>
+auto sqrt(const X& x) {
+  auto y = meshlib::map(detail::sqrt_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::sqrt_back_fn{}, ct, y));
+  });
+}
+
+/// @brief `1 / sqrt(x)` elementwise (`jax.lax.rsqrt`: a norm's scale `rsqrt(mean(x^2) + eps)`);
+/// backward: `-ct x^(-3/2) / 2`.
+template <traced_type X>
+auto rsqrt(const X& x) {
+  auto y = meshlib::map(detail::rsqrt_fn{}, x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, meshlib::zip(detail::rsqrt_back_fn{}, ct, y));
   });
 }
 

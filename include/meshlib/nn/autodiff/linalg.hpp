@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Differentiable reductions and products on traced values: `sum<D>`, `mean<D>`, `matmul`,
-/// `transpose` (rank 2). The primal is meshlib's own operation with its sharding rules.
+/// @brief Differentiable reductions and products on traced values: `sum<D>`, `mean<D>`, `max<D>`,
+/// `matmul`, `transpose` (rank 2). The primal is meshlib's own operation with its sharding rules.
 ///
 /// Backward rules, with the layouts they imply:
 /// - `sum<D>` / `mean<D>`: `ct` broadcast along `D` (divided by `D`'s global extent for `mean`).
 ///   Reducing a dimension sharded over `a` leaves a pending sum over `a`, whose cotangent is
 ///   invariant over `a` (autodiff/traced.hpp); broadcast, it is the cotangent of every block.
+/// - `max<D>`: `ct` to the elements equal to the max along `D`, split equally between ties (JAX's
+///   rule for `jnp.max`); 0 elsewhere. Over a dimension sharded on `a` the result is this block's
+///   max (still varying over `a`, as untraced), and so is the rule.
 /// - `matmul(a, b)`: `ct b^T` to `a`, `a^T ct` to `b` (one `matmul_into` each, the transposes read
 ///   in place). Where the product varies over an axis (or contracts a pending sum over it) that an
 ///   operand does not vary over, the operand was used by every device of that axis (JAX inserts a
@@ -40,6 +43,37 @@ void broadcast_along(T* out, const T* in, std::size_t outer, std::size_t n, std:
     const std::size_t j = i % inner, o = i / (n * inner);
     out[i] = in[o * inner + j] * scale;
   });
+}
+
+/// One iteration per output element `(o, j)` of a max along a dimension of extent `n`: `out[o, k,
+/// j] = ct[o, j] / c` where `x[o, k, j]` equals the max `y[o, j]` (`c` such `k`), else 0.
+template <class T>
+struct max_back_functor {
+  const T* x;
+  const T* y;
+  const T* ct;
+  T* out;
+  std::size_t n, inner;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t idx) const {
+    const std::size_t base = (idx / inner) * n * inner + idx % inner;
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += x[base + k * inner] == y[idx] ? 1 : 0;
+    const T share = c == 0 ? T(0) : ct[idx] / static_cast<T>(c);
+    for (std::size_t k = 0; k < n; ++k) out[base + k * inner] = x[base + k * inner] == y[idx] ? share : T(0);
+  }
+};
+
+/// The cotangent of `x` for `y = max<D>(x)` with cotangent `ct` of `y`.
+template <std::size_t D, local_tensor_type X, local_tensor_type Y, local_tensor_type C>
+cotangent_t<X> max_backward(const X& x, const Y& y, const C& ct) {
+  using T = typename X::value_type;
+  using space = typename X::memory_space;
+  std::size_t outer = 1, inner = 1;
+  for (std::size_t d = 0; d != D; ++d) outer *= x.extent(d);
+  for (std::size_t d = D + 1; d < X::rank; ++d) inner *= x.extent(d);
+  auto out = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
+  meshlib::launch<space>(outer * inner, max_back_functor<T>{x.data(), y.data(), ct.data(), out.data(), x.extent(D), inner});
+  return cotangent_t<X>(out, x.mesh(), x.device());
 }
 
 /// The cotangent of `x` (of type `X`) for `sum<D>`/`mean<D>` with cotangent `ct` of the result.
@@ -90,6 +124,18 @@ auto mean(const X& x) {
     using T = typename X::value_type;
     const T scale = T(1) / static_cast<T>(x.primal().global_extent(D));
     t.accumulate<cotangent_t<typename X::primal_type>>(x.id(), detail::reduce_backward<D>(x.primal(), ct, scale));
+  });
+}
+
+/// @brief Max over dimension `D` (the layout of `meshlib::max<D>`: over a sharded dimension, this
+/// block's max); backward: `ct` to the maximal elements along `D`, split equally between ties
+/// (JAX's rule), 0 elsewhere. A numerically safe softmax shifts by it through `stop_gradient`:
+/// `exp(x - broadcast_in_dim<1>(stop_gradient(max<1>(x)), x))`.
+template <std::size_t D, traced_type X>
+auto max(const X& x) {
+  auto y = meshlib::max<D>(x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    t.accumulate<cotangent_t<typename X::primal_type>>(x.id(), detail::max_backward<D>(x.primal(), y, ct));
   });
 }
 

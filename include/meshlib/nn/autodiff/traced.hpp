@@ -191,4 +191,16 @@ void send(tape& t, const X& x, const C& ct) {
 
 }  // namespace detail
 
+/// @brief `jax.lax.stop_gradient`: `x`'s value as a traced value whose cotangent goes nowhere (a
+/// new leaf of `x`'s tape), so no gradient flows back through it; a plain `local_tensor` (already
+/// a constant) is returned as it is. The shift of a numerically safe softmax:
+/// @code
+/// auto z = x - meshlib::nn::broadcast_in_dim<1>(meshlib::nn::stop_gradient(meshlib::nn::max<1>(x)), x);
+/// @endcode
+template <ad_operand X>
+auto stop_gradient(const X& x) {
+  if constexpr (traced_type<X>) return X(x.primal(), x.tape(), x.tape()->leaf());
+  else return x;
+}
+
 }  // namespace meshlib::nn
