@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // CUDA compile check (scripts/cuda_compile_check.sh): nn::value_and_grad through every local
-// differentiable operation (shape operations included) and a layer as a primitive, on device memory, so every forward and
-// backward kernel of nn/autodiff/ compiles for the GPU with nvcc. The one mesh axis is not used, so
+// differentiable operation (shape operations, max, stop_gradient, sqrt and rsqrt included) and a
+// layer as a primitive, on device memory, so every forward and backward kernel of nn/autodiff/
+// compiles for the GPU with nvcc. The one mesh axis is not used, so
 // no collective runs (a host collective on device memory is refused: host_collective_on_device.cpp).
 // Compiled for sm_90, not linked or run.
 #include <meshlib.hpp>
@@ -31,6 +32,13 @@ float differentiate(const mesh_t& m, const rows_t& x, const rows_t& w) {
     auto joined = nn::concatenate<1>(cut, nn::pad<1>(cut, 1, 0));
     return nn::sum<0>(nn::reshape(joined, std::array<std::size_t, 1>{joined.size()}));
   })(x);
+  // a numerically safe softmax and an RMS norm: max, stop_gradient, sqrt, rsqrt
+  auto dn = nn::grad([](const auto& a) {
+    auto z = a - nn::broadcast_in_dim<1>(nn::stop_gradient(nn::max<1>(a)), a);
+    auto p = nn::exp(z - nn::broadcast_in_dim<1>(nn::log(nn::sum<1>(nn::exp(z))), z));
+    auto r = a * nn::broadcast_in_dim<1>(nn::rsqrt(nn::mean<1>(nn::square(a)) + 1e-5f), a);
+    return nn::sum<0>(nn::sum<1>(p * r) + nn::sqrt(nn::sum<1>(nn::square(r)) + 1.0f));
+  })(x);
   return meshlib::to_host(loss)[0] + meshlib::to_host(std::get<0>(grads))[0] + meshlib::to_host(dx)[0] +
-         meshlib::to_host(ds)[0];
+         meshlib::to_host(ds)[0] + meshlib::to_host(dn)[0];
 }
