@@ -7601,14 +7601,27 @@ struct grad_write_functor {
 template <class P, axis_mask Batch>
 using entered_param_t = with_vary_t<typename P::local_type, P::local_type::vary | (Batch & ~P::local_type::partial)>;
 
-template <class Returned>
+template <class Returned, class Forward>
 consteval bool function_layer_returned_untraced() {
-  static_assert(always_false_v<Returned>,
-                "meshlib::nn: function_layer: the forward function must return a traced value computed from its "
-                "arguments with meshlib::nn operations (nn::matmul, nn::tanh, ...); the type it returned is spelled "
-                "out in the condition");
+  static_assert(always_false_v<Returned, Forward>,
+                "meshlib::nn: function_layer: the forward function returned a value the tape never saw (the forward "
+                "function and the type it returned are spelled out in the condition), so no backward can be derived; "
+                "compute the output from the traced arguments with meshlib::nn operations (nn::matmul(x, w), "
+                "nn::tanh(h), ...), not with meshlib:: operations on .primal() or on local_tensors of your own");
   return false;
 }
+
+/// The output type of a forward that returned `R` for an input of type `X`: its primal type, or
+/// `X` when `R` is not traced (`forward` then fires the one diagnostic, and the layers after it
+/// are not checked against a type that does not exist).
+template <class R, class X>
+struct function_layer_output {
+  using type = X;
+};
+template <traced_type R, class X>
+struct function_layer_output<R, X> {
+  using type = typename R::primal_type;
+};
 
 }  // namespace detail
 
@@ -7636,9 +7649,11 @@ class function_layer {
 
   /// The layer's output type for an input of type `X` (a `local_tensor`).
   template <local_tensor_type X>
-  using output_t = typename std::remove_cvref_t<decltype(std::declval<const F&>()(
-      std::declval<const traced<X>&>(),
-      std::declval<const traced<detail::entered_param_t<Params, X::dims_type::at(0)>>&>()...))>::primal_type;
+  using output_t = typename detail::function_layer_output<
+      std::remove_cvref_t<decltype(std::declval<const F&>()(
+          std::declval<const traced<X>&>(),
+          std::declval<const traced<detail::entered_param_t<Params, X::dims_type::at(0)>>&>()...))>,
+      X>::type;
 
   /// `f(x, params...)`, recorded on this device's tape for the backward.
   template <local_tensor_type X>
@@ -7658,7 +7673,7 @@ class function_layer {
     auto y = std::apply([&](const auto&... p) { return f_(tx, p...); }, tp);
     using R = decltype(y);
     if constexpr (!traced_type<R>) {
-      static_cast<void>(detail::function_layer_returned_untraced<R>());
+      static_cast<void>(detail::function_layer_returned_untraced<R, F>());
       return x;  // the diagnostic above has fired
     } else {
       st->x = x;
