@@ -3749,13 +3749,17 @@ inline std::atomic<std::uint64_t>& blocked_waits() noexcept {
 
 /// @brief A handle's place in its thread group and the protocol of its steps. The base of
 /// `thread_communicator`; moving a handle moves its place (not its `patience_`).
-class step_protocol {
+/// A template over a tag only so that `MESHLIB_SEPARATE_COMPILATION` can declare its one
+/// instantiation `extern template` and compile it once (meshlib/separate_compilation.hpp); use
+/// `step_protocol`.
+template <class Tag = void>
+class basic_step_protocol {
  protected:
-  step_protocol() = default;
-  step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
-  step_protocol(step_protocol&& o) noexcept
+  basic_step_protocol() = default;
+  basic_step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+  basic_step_protocol(basic_step_protocol&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_), cpu_(o.cpu_) {}
-  step_protocol& operator=(const step_protocol&) = delete;
+  basic_step_protocol& operator=(const basic_step_protocol&) = delete;
 
   /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
   std::string step_where(op_kind k) const {
@@ -4079,6 +4083,9 @@ class step_protocol {
   /// reaches every process before a waiter elsewhere blames the innocent leader.
   std::chrono::nanoseconds patience_{0};
 };
+
+/// @brief The thread communicator's step protocol (`basic_step_protocol`'s one instantiation).
+using step_protocol = basic_step_protocol<>;
 
 }  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/step_protocol.hpp
@@ -21451,7 +21458,8 @@ template <sharded_tensor_type X>
 /// a program's meshes are compiled once, in `<meshlib/src.hpp>`, instead of in every translation unit.
 ///
 /// meshlib is header-only, and each program generates code again for its thread communicator
-/// (the reduce kernels of every operation and element type, the type-erased per-device handle),
+/// (the reduce kernels of every operation and element type, its step protocol, the type-erased
+/// per-device handle),
 /// the trace recorder, the debug observer, the collectives' workspace and the launcher detection:
 /// the same code for every program, two thirds of the object code of a small `shard_map` program
 /// (docs/fast-builds.md). Boost.Asio's `BOOST_ASIO_SEPARATE_COMPILATION` is the model:
@@ -21492,6 +21500,7 @@ template <sharded_tensor_type X>
   MESHLIB_REDUCE_KERNELS_(KW, std::int32_t)                                                                    \
   MESHLIB_REDUCE_KERNELS_(KW, std::int64_t)                                                                    \
   MESHLIB_REDUCE_KERNELS_(KW, meshlib::bfloat16)                                                             \
+  KW class meshlib::comm::detail::basic_step_protocol<void>;                                                  \
   KW class meshlib::communicator_frontend<meshlib::thread_communicator>;                                   \
   KW class meshlib::collectives::detail::device_comm_for<meshlib::thread_communicator>;                    \
   KW class meshlib::collectives::detail::observed_comm<meshlib::collectives::detail::device_comm>;         \

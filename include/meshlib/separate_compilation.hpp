@@ -5,7 +5,8 @@
 /// a program's meshes are compiled once, in `<meshlib/src.hpp>`, instead of in every translation unit.
 ///
 /// meshlib is header-only, and each program generates code again for its thread communicator
-/// (the reduce kernels of every operation and element type, the type-erased per-device handle),
+/// (the reduce kernels of every operation and element type, its step protocol, the type-erased
+/// per-device handle),
 /// the trace recorder, the debug observer, the collectives' workspace and the launcher detection:
 /// the same code for every program, two thirds of the object code of a small `shard_map` program
 /// (docs/fast-builds.md). Boost.Asio's `BOOST_ASIO_SEPARATE_COMPILATION` is the model:
@@ -55,6 +56,7 @@
   MESHLIB_REDUCE_KERNELS_(KW, std::int32_t)                                                                    \
   MESHLIB_REDUCE_KERNELS_(KW, std::int64_t)                                                                    \
   MESHLIB_REDUCE_KERNELS_(KW, meshlib::bfloat16)                                                             \
+  KW class meshlib::comm::detail::basic_step_protocol<void>;                                                  \
   KW class meshlib::communicator_frontend<meshlib::thread_communicator>;                                   \
   KW class meshlib::collectives::detail::device_comm_for<meshlib::thread_communicator>;                    \
   KW class meshlib::collectives::detail::observed_comm<meshlib::collectives::detail::device_comm>;         \

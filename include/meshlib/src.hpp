@@ -6,7 +6,7 @@
 /// `<boost/asio/impl/src.hpp>`; `<meshlib/separate_compilation.hpp>` says what it holds and why).
 ///
 /// It defines (explicitly instantiates) what the other translation units declare `extern
-/// template`: the thread communicator's reduce kernels and per-device handle, the trace recorder,
+/// template`: the thread communicator's reduce kernels, step protocol and per-device handle, the trace recorder,
 /// the debug observer, the collectives' workspace, the launcher detection. Compile it with the same
 /// configuration macros and Kokkos as the rest of the program. `meshlib_enable_fast_build(target
 /// RUNTIME)` builds it as the static library `meshlib_runtime` (docs/fast-builds.md). Without
