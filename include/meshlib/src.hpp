@@ -6,10 +6,11 @@
 /// `<boost/asio/impl/src.hpp>`; `<meshlib/separate_compilation.hpp>` says what it holds and why).
 ///
 /// It defines (explicitly instantiates) what the other translation units declare `extern
-/// template`: the thread communicator's reduce kernels, step protocol and per-device handle, the trace recorder,
-/// the debug observer, the collectives' workspace, the launcher detection. Compile it with the same
-/// configuration macros and Kokkos as the rest of the program. `meshlib_enable_fast_build(target
-/// RUNTIME)` builds it as the static library `meshlib_runtime` (docs/fast-builds.md). Without
+/// template`: the thread communicator's reduce kernels, step protocol and per-device handle, the
+/// trace recorder, the debug observer, the collectives' workspace, the launcher detection. Compile
+/// it with the same configuration macros and Kokkos as the rest of the program.
+/// `meshlib_enable_fast_build(target RUNTIME)` builds it as the static library `meshlib_runtime`
+/// (docs/fast-builds.md). Without
 /// `MESHLIB_SEPARATE_COMPILATION` it still compiles (the definitions are then weak duplicates of
 /// what every translation unit instantiates), so a program is never short of a definition.
 ///
