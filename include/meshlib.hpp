@@ -13,3 +13,4 @@
 #include "meshlib/exec.hpp"
 #include "meshlib/runtime.hpp"
 #include "meshlib/debug.hpp"
+#include "meshlib/separate_compilation.hpp"

@@ -80,6 +80,11 @@ inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
 /// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
 /// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
 ///
+/// One macro changes how meshlib is compiled, not what it does: `MESHLIB_SEPARATE_COMPILATION`
+/// (defined, with any value) declares the mesh-independent runtime `extern template`, to be
+/// compiled once by `<meshlib/src.hpp>` in one translation unit of the program
+/// (`<meshlib/separate_compilation.hpp>`; `meshlib_enable_fast_build(target RUNTIME)` sets both up).
+///
 /// None is switched on by finding a header with `__has_include`: each needs a library at link
 /// time too, and a header found without its library would turn into a link error far from the
 /// cause. Define `MESHLIB_VERBOSE_CONFIG` to have the compiler print one line saying which parts
@@ -114,6 +119,11 @@ inline constexpr std::string_view version_string{MESHLIB_VERSION_STRING};
 #else
 #define MESHLIB_CONFIG_NCCL_ 0
 #endif
+#if defined(MESHLIB_SEPARATE_COMPILATION)
+#define MESHLIB_CONFIG_SEPARATE_COMPILATION_ 1
+#else
+#define MESHLIB_CONFIG_SEPARATE_COMPILATION_ 0
+#endif
 #if defined(MESHLIB_ENABLE_TBB) && MESHLIB_ENABLE_TBB
 #define MESHLIB_CONFIG_TBB_ 1
 #else
@@ -137,6 +147,9 @@ struct config {
   static constexpr bool nccl = MESHLIB_CONFIG_NCCL_ == 1;
   /// @brief True when the oneTBB-backed parts are available (`MESHLIB_ENABLE_TBB`).
   static constexpr bool tbb = MESHLIB_CONFIG_TBB_ == 1;
+  /// @brief True when the mesh-independent runtime is compiled once, by `<meshlib/src.hpp>`, rather
+  /// than in this translation unit (`MESHLIB_SEPARATE_COMPILATION`).
+  static constexpr bool separate_compilation = MESHLIB_CONFIG_SEPARATE_COMPILATION_ == 1;
   /// @brief The kernel local matmuls use: "KokkosBlas::gemm" or "meshlib built-in".
   static constexpr std::string_view matmul_kernel = kokkos_kernels ? "KokkosBlas::gemm" : "meshlib built-in";
 };
@@ -3748,13 +3761,17 @@ inline std::atomic<std::uint64_t>& blocked_waits() noexcept {
 
 /// @brief A handle's place in its thread group and the protocol of its steps. The base of
 /// `thread_communicator`; moving a handle moves its place (not its `patience_`).
-class step_protocol {
+/// A template over a tag only so that `MESHLIB_SEPARATE_COMPILATION` can declare its one
+/// instantiation `extern template` and compile it once (meshlib/separate_compilation.hpp); use
+/// `step_protocol`.
+template <class Tag = void>
+class basic_step_protocol {
  protected:
-  step_protocol() = default;
-  step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
-  step_protocol(step_protocol&& o) noexcept
+  basic_step_protocol() = default;
+  basic_step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+  basic_step_protocol(basic_step_protocol&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_), cpu_(o.cpu_) {}
-  step_protocol& operator=(const step_protocol&) = delete;
+  basic_step_protocol& operator=(const basic_step_protocol&) = delete;
 
   /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
   std::string step_where(op_kind k) const {
@@ -4078,6 +4095,9 @@ class step_protocol {
   /// reaches every process before a waiter elsewhere blames the innocent leader.
   std::chrono::nanoseconds patience_{0};
 };
+
+/// @brief The thread communicator's step protocol (`basic_step_protocol`'s one instantiation).
+using step_protocol = basic_step_protocol<>;
 
 }  // namespace meshlib::comm::detail
 // end meshlib/comm/thread/detail/step_protocol.hpp
@@ -22048,6 +22068,79 @@ template <sharded_tensor_type X>
 }  // namespace meshlib
 // end meshlib/debug/describe.hpp
 // end meshlib/debug.hpp
+// begin meshlib/separate_compilation.hpp
+/// @file
+/// @brief With `MESHLIB_SEPARATE_COMPILATION`, the parts of meshlib's runtime that do not depend on
+/// a program's meshes are compiled once, in `<meshlib/src.hpp>`, instead of in every translation unit.
+///
+/// meshlib is header-only, and each program generates code again for its thread communicator
+/// (the reduce kernels of every operation and element type, its step protocol, the type-erased
+/// per-device handle), the trace recorder, the debug observer, the collectives' workspace and the
+/// launcher detection: the same code for every program, two thirds of the object code of a small
+/// `shard_map` program (docs/fast-builds.md). Boost.Asio's `BOOST_ASIO_SEPARATE_COMPILATION` is the model:
+///   - define `MESHLIB_SEPARATE_COMPILATION` for every translation unit of the program (and the
+///     precompiled header), so that this header declares those instantiations `extern template`:
+///     the compiler inlines what it wants from them but emits none;
+///   - compile `<meshlib/src.hpp>` in exactly one translation unit of the program (a `.cpp` that
+///     includes it), which defines them.
+/// `meshlib_enable_fast_build(target RUNTIME)` does both (a static library `meshlib_runtime`,
+/// compiled once per build tree; docs/fast-builds.md). Without the macro this header declares
+/// nothing and meshlib stays header-only, as before.
+///
+/// Both sides must be compiled with the same configuration macros (`MESHLIB_ENABLE_*`,
+/// `MESHLIB_DEBUG_HOOKS`) and the same Kokkos, as for any library. What is listed is only what is
+/// fixed for every program: mesh-, sharding- and layer-dependent templates stay in the program.
+///
+/// Example (one `.cpp` of the program, compiled with `-DMESHLIB_SEPARATE_COMPILATION` as the others):
+/// @code
+/// #include <meshlib/src.hpp>   // meshlib's runtime, compiled once
+/// @endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <utility>
+
+
+/// @brief `KW void reduce_into_op<reduce_op::Op, T>(...);`: one of the thread communicator's reduce
+/// kernels. Internal to this header and `<meshlib/src.hpp>`.
+#define MESHLIB_REDUCE_KERNEL_(KW, Op, T)                                                                     \
+  KW void meshlib::comm::detail::reduce_into_op<meshlib::reduce_op::Op, T>(const T* const*, int, T* const*, \
+                                                                          int, std::size_t, bool);
+
+/// @brief `MESHLIB_REDUCE_KERNEL_` for every reduce op, for element type `T`. Internal to this header
+/// and `<meshlib/src.hpp>`.
+#define MESHLIB_REDUCE_KERNELS_(KW, T)                                                                        \
+  MESHLIB_REDUCE_KERNEL_(KW, sum, T)                                                                          \
+  MESHLIB_REDUCE_KERNEL_(KW, prod, T)                                                                         \
+  MESHLIB_REDUCE_KERNEL_(KW, min, T)                                                                          \
+  MESHLIB_REDUCE_KERNEL_(KW, max, T)                                                                          \
+  MESHLIB_REDUCE_KERNEL_(KW, mean, T)
+
+/// @brief The runtime's fixed instantiations, each preceded by `KW`: `extern template` here (with
+/// `MESHLIB_SEPARATE_COMPILATION`), `template` in `<meshlib/src.hpp>`. One list, so that what is
+/// declared and what is defined cannot drift. Internal to this header and `<meshlib/src.hpp>`.
+#define MESHLIB_RUNTIME_INSTANTIATIONS_(KW)                                                                   \
+  MESHLIB_REDUCE_KERNELS_(KW, float)                                                                          \
+  MESHLIB_REDUCE_KERNELS_(KW, double)                                                                         \
+  MESHLIB_REDUCE_KERNELS_(KW, std::int32_t)                                                                   \
+  MESHLIB_REDUCE_KERNELS_(KW, std::int64_t)                                                                   \
+  MESHLIB_REDUCE_KERNELS_(KW, meshlib::bfloat16)                                                              \
+  KW class meshlib::comm::detail::basic_step_protocol<void>;                                                  \
+  KW class meshlib::communicator_frontend<meshlib::thread_communicator>;                                      \
+  KW class meshlib::collectives::detail::device_comm_for<meshlib::thread_communicator>;                       \
+  KW class meshlib::collectives::detail::observed_comm<meshlib::collectives::detail::device_comm>;            \
+  KW class meshlib::collectives::detail::basic_collective_workspace<void>;                                    \
+  KW meshlib::distributed::launch_info meshlib::distributed::detect_launch<void>(                             \
+      const meshlib::distributed::env_source&, const meshlib::distributed::explicit_launch&,                  \
+      std::optional<std::pair<std::size_t, std::size_t>>);                                                    \
+  KW class meshlib::debug::detail::basic_trace_recorder<void>;                                                \
+  KW class meshlib::debug::detail::basic_run_observer<void>;
+
+#if MESHLIB_CONFIG_SEPARATE_COMPILATION_
+MESHLIB_RUNTIME_INSTANTIATIONS_(extern template)
+#endif
+// end meshlib/separate_compilation.hpp
 // end meshlib.hpp
 #if defined(MESHLIB_ENABLE_MPI) && MESHLIB_ENABLE_MPI
 // begin meshlib/mpi.hpp

@@ -14,6 +14,11 @@
 /// | `MESHLIB_ENABLE_NCCL=1`             | meshlib::nccl            | the NCCL communicator (CUDA devices)                  |
 /// | `MESHLIB_ENABLE_TBB=1`              | meshlib::tbb             | the oneTBB-backed parts (parallel data loading)       |
 ///
+/// One macro changes how meshlib is compiled, not what it does: `MESHLIB_SEPARATE_COMPILATION`
+/// (defined, with any value) declares the mesh-independent runtime `extern template`, to be
+/// compiled once by `<meshlib/src.hpp>` in one translation unit of the program
+/// (`<meshlib/separate_compilation.hpp>`; `meshlib_enable_fast_build(target RUNTIME)` sets both up).
+///
 /// None is switched on by finding a header with `__has_include`: each needs a library at link
 /// time too, and a header found without its library would turn into a link error far from the
 /// cause. Define `MESHLIB_VERBOSE_CONFIG` to have the compiler print one line saying which parts
@@ -49,6 +54,11 @@
 #else
 #define MESHLIB_CONFIG_NCCL_ 0
 #endif
+#if defined(MESHLIB_SEPARATE_COMPILATION)
+#define MESHLIB_CONFIG_SEPARATE_COMPILATION_ 1
+#else
+#define MESHLIB_CONFIG_SEPARATE_COMPILATION_ 0
+#endif
 #if defined(MESHLIB_ENABLE_TBB) && MESHLIB_ENABLE_TBB
 #define MESHLIB_CONFIG_TBB_ 1
 #else
@@ -72,6 +82,9 @@ struct config {
   static constexpr bool nccl = MESHLIB_CONFIG_NCCL_ == 1;
   /// @brief True when the oneTBB-backed parts are available (`MESHLIB_ENABLE_TBB`).
   static constexpr bool tbb = MESHLIB_CONFIG_TBB_ == 1;
+  /// @brief True when the mesh-independent runtime is compiled once, by `<meshlib/src.hpp>`, rather
+  /// than in this translation unit (`MESHLIB_SEPARATE_COMPILATION`).
+  static constexpr bool separate_compilation = MESHLIB_CONFIG_SEPARATE_COMPILATION_ == 1;
   /// @brief The kernel local matmuls use: "KokkosBlas::gemm" or "meshlib built-in".
   static constexpr std::string_view matmul_kernel = kokkos_kernels ? "KokkosBlas::gemm" : "meshlib built-in";
 };

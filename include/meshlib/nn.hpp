@@ -50,3 +50,4 @@
 #include "meshlib/nn/checkpoint.hpp"
 #include "meshlib/nn/parallel/pipeline_schedule.hpp"
 #include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/separate_compilation.hpp"

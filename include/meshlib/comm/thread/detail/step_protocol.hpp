@@ -42,13 +42,17 @@ inline std::atomic<std::uint64_t>& blocked_waits() noexcept {
 
 /// @brief A handle's place in its thread group and the protocol of its steps. The base of
 /// `thread_communicator`; moving a handle moves its place (not its `patience_`).
-class step_protocol {
+/// A template over a tag only so that `MESHLIB_SEPARATE_COMPILATION` can declare its one
+/// instantiation `extern template` and compile it once (meshlib/separate_compilation.hpp); use
+/// `step_protocol`.
+template <class Tag = void>
+class basic_step_protocol {
  protected:
-  step_protocol() = default;
-  step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
-  step_protocol(step_protocol&& o) noexcept
+  basic_step_protocol() = default;
+  basic_step_protocol(std::shared_ptr<group_state> s, int rank) : state_(std::move(s)), rank_(rank) {}
+  basic_step_protocol(basic_step_protocol&& o) noexcept
       : state_(std::move(o.state_)), rank_(o.rank_), step_(o.step_), central_(o.central_), cpu_(o.cpu_) {}
-  step_protocol& operator=(const step_protocol&) = delete;
+  basic_step_protocol& operator=(const basic_step_protocol&) = delete;
 
   /// "all_reduce on rank 2 of 4", as the front end's `where` names the call and the caller.
   std::string step_where(op_kind k) const {
@@ -372,5 +376,8 @@ class step_protocol {
   /// reaches every process before a waiter elsewhere blames the innocent leader.
   std::chrono::nanoseconds patience_{0};
 };
+
+/// @brief The thread communicator's step protocol (`basic_step_protocol`'s one instantiation).
+using step_protocol = basic_step_protocol<>;
 
 }  // namespace meshlib::comm::detail
