@@ -7125,6 +7125,7 @@ auto concatenate(const Xs&... xs) {
 /// | `psum_scatter<a, d>` | `all_gather<a, d>(ct)` |
 /// | `all_to_all<a, s, c>` | `all_to_all<a, c, s>(ct)` |
 /// | `ppermute<a>(x, perm)` | `ppermute<a>(ct, inverse(perm))` |
+/// | `pmax<a>`, `pmin<a>` (varying -> invariant) | `ct * (x == y) / psum<a>(x == y)`: `ct` to the devices holding the extremum, split equally between ties |
 /// Every device records the same collectives, so the backward ones run in the same order on all.
 /// @code
 /// auto s = meshlib::nn::psum<"data">(meshlib::nn::sum<0>(x));     // x traced, sharded on dim 0
@@ -7143,6 +7144,43 @@ namespace detail {
 template <int Dim, std::size_t Rank>
 inline constexpr std::size_t dim_index_v = Dim < 0 ? static_cast<std::size_t>(Dim + static_cast<int>(Rank))
                                                    : static_cast<std::size_t>(Dim);
+
+/// `e[i] = 1` where `x[i]` equals the reduced value `y[i]` (this device holds the extremum), else
+/// 0. A function object, which nvcc compiles for the device where a lambda in a deduced-return
+/// function would not be.
+template <class T>
+struct extremum_indicator_functor {
+  const T* x;
+  const T* y;
+  T* e;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { e[i] = x[i] == y[i] ? T(1) : T(0); }
+};
+
+/// `out[i] = ct[i] / c[i]` where `e[i]` is 1 (`c[i] >= 1` devices hold the extremum), else 0.
+template <class T>
+struct extremum_share_functor {
+  const T* e;
+  const T* ct;
+  const T* c;
+  T* out;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { out[i] = e[i] != T(0) ? ct[i] / c[i] : T(0); }
+};
+
+/// The cotangent of `x` for `y = pmax<Names...>(x)` (or `pmin`) with cotangent `ct` of `y`: JAX's
+/// tie rule for a max, across the devices of the group. The count of ties is the one collective:
+/// a `psum` of the indicator, which every device of the group issues in the same backward step.
+template <fixed_string... Names, local_tensor_type X, local_tensor_type Y, local_tensor_type C>
+cotangent_t<X> extremum_backward(const X& x, const Y& y, const C& ct) {
+  using T = typename X::value_type;
+  using space = typename X::memory_space;
+  auto e = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
+  meshlib::launch<space>(x.size(), extremum_indicator_functor<T>{x.data(), y.data(), e.data()});
+  const auto count = meshlib::psum<Names...>(X(e, x.mesh(), x.device()));  // x varies over Names, partial over none
+  auto out = meshlib::allocate<T, X::rank, space>(x.shape(), "meshlib::nn::autodiff", false);
+  meshlib::launch<space>(x.size(), extremum_share_functor<T>{e.data(), ct.data(), count.data(), out.data()});
+  return cotangent_t<X>(out, x.mesh(), x.device());
+}
+
 }  // namespace detail
 
 /// @brief `meshlib::psum<Names...>` of a traced value; backward: `ct`, retyped (no communication).
@@ -7160,6 +7198,31 @@ auto pmean(const X& x) {
     using T = typename X::value_type;
     const T n = static_cast<T>((meshlib::axis_size<Names>() * ... * std::size_t{1}));
     detail::send(t, x, ct / n);
+  });
+}
+
+/// @brief `meshlib::pmax<Names...>` of a traced value (JAX's `lax.pmax` under `grad`); backward:
+/// `ct` to the devices whose `x` equals the max, split equally between ties across the group
+/// (`ct * (x == y) / psum<Names...>(x == y)`), 0 elsewhere. The shift of a softmax over classes
+/// sharded on `a`, its gradient stopped:
+/// @code
+/// auto shift = meshlib::nn::stop_gradient(meshlib::nn::pmax<"a">(meshlib::nn::max<1>(x)));  // invariant over a
+/// @endcode
+template <fixed_string... Names, traced_type X>
+auto pmax(const X& x) {
+  auto y = meshlib::pmax<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, detail::extremum_backward<Names...>(x.primal(), y, ct));
+  });
+}
+
+/// @brief `meshlib::pmin<Names...>` of a traced value (JAX's `lax.pmin` under `grad`); backward:
+/// `ct` to the devices whose `x` equals the min, split equally between ties across the group.
+template <fixed_string... Names, traced_type X>
+auto pmin(const X& x) {
+  auto y = meshlib::pmin<Names...>(x.primal());
+  return detail::record(x.tape(), y, [x, y](detail::tape& t, const auto& ct) {
+    detail::send(t, x, detail::extremum_backward<Names...>(x.primal(), y, ct));
   });
 }
 

@@ -2,10 +2,12 @@
 // CUDA compile check (scripts/cuda_compile_check.sh), and a GPU test where scripts/gpu-check.sh
 // links and runs it: the typed collectives on blocks in CudaSpace over the stream backends, through
 // gpu_runner (NCCL with one rank per GPU; the shared-GPU communicator for several mesh devices on
-// one GPU) and through default_runner, which picks gpu_runner when a GPU is visible. Each result
+// one GPU) and through default_runner, which picks gpu_runner when a GPU is visible, and
+// nn::pmax / nn::pmin under grad (a collective in the backward pass). Each result
 // is compared on the host with values computed here independently. Exit 0: passed; 77: skipped
 // (no GPU); 1: a value differs.
 #include <meshlib.hpp>
+#include <meshlib/nn.hpp>
 #if !MESHLIB_GPU_COLLECTIVES_ON_HOST
 #include <meshlib/nccl.hpp>
 #endif
@@ -105,6 +107,23 @@ void check_collectives(const mesh_t& mesh, Runner runner, const std::string& whe
   auto started = meshlib::shard_map([](auto b) { return meshlib::psum_start<"x">(b).wait(); }, mesh,
                                     meshlib::P<"x", meshlib::none>{}, meshlib::P<>{}, runner);
   expect(meshlib::to_host(started(x)) == s, where + ": psum_start");
+
+  // nn::pmax / nn::pmin under grad (their backward kernels and the psum counting the ties): every
+  // element's max is on the last device and its min on the first, which take the whole cotangent.
+  auto extrema = meshlib::shard_map(
+      [](auto b) {
+        namespace nn = meshlib::nn;
+        return nn::grad([](const auto& a) {
+          return nn::sum<0>(nn::sum<1>(nn::pmax<"x">(a))) + nn::sum<0>(nn::sum<1>(nn::pmin<"x">(a))) * 2.0f;
+        })(b);
+      },
+      mesh, meshlib::P<"x", meshlib::none>{}, meshlib::P<"x", meshlib::none>{}, runner);
+  std::vector<float> want(4 * n, 0.0f);
+  for (std::size_t e = 0; e < 4; ++e) {
+    want[(n - 1) * 4 + e] += 1.0f;
+    want[e] += 2.0f;
+  }
+  expect(meshlib::to_host(extrema(x)) == want, where + ": nn::pmax / nn::pmin under grad");
 }
 
 }  // namespace

@@ -865,3 +865,198 @@ TEST_CASE("value_and_grad of an RMS norm (rsqrt) and row L2 norms (sqrt) on a 2x
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+TEST_CASE("value_and_grad through pmax and pmin on a 1-D mesh: the gradient goes to the devices holding the "
+          "extremum, split between ties across devices",
+          "[nn][autodiff][pmax]") {
+  // x: a (2, 3) block per device (varying over x); L = sum_k pmax(x)[k] w[k] with w = 1..6 (a
+  // replicated constant). dL/dx on device d at k: w[k] / c_k where x_d[k] is the max over the 4
+  // devices (c_k devices hold it), else 0; the same for pmin.
+  const mesh1 m{4};
+  const std::array<std::array<double, 6>, 4> xs{{{0, 5, 4, -1, 2, 0.5},       // max at k = 4 alone
+                                                  {1, 1, 4, 7, -3, -0.5},      // min at k = 1, 5 alone
+                                                  {3, 2, 4, 7, -3, 0.25},      // max at k = 0 alone
+                                                  {2, 5, 4, 7, 0, 0.5}}};      // k = 2: a 4-way tie
+  std::vector<double> vmax(4), vmin(4);
+  std::vector<std::vector<double>> gmax(4), gmin(4), gsum(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    vary1 x(std::array<std::size_t, 2>{2, 3}, m, dev);
+    repl1 w(std::array<std::size_t, 2>{2, 3}, m, dev);
+    for (std::size_t k = 0; k < 6; ++k) {
+      x.data()[k] = xs[dev][k];
+      w.data()[k] = static_cast<double>(k + 1);
+    }
+    auto [v1, g1] = nn::value_and_grad([](const auto& a, const repl1& c) {
+      auto y = nn::pmax<"x">(a);
+      static_assert(std::is_same_v<typename decltype(y)::primal_type, repl1>, "pmax's result is invariant over x");
+      return nn::sum<0>(nn::sum<1>(y * c));
+    })(x, w);
+    static_assert(std::is_same_v<decltype(g1), vary1>, "the gradient has the argument's type");
+    auto [v2, g2] = nn::value_and_grad([](const auto& a, const repl1& c) {
+      return nn::sum<0>(nn::sum<1>(nn::pmin<"x">(a) * c));
+    })(x, w);
+    vmax[dev] = host(v1)[0];
+    vmin[dev] = host(v2)[0];
+    gmax[dev] = host(g1);
+    gmin[dev] = host(g2);
+    // both in one program: the cotangents add up
+    gsum[dev] = host(nn::grad([](const auto& a, const repl1& c) {
+      return nn::sum<0>(nn::sum<1>(nn::pmax<"x">(a) * c)) + nn::sum<0>(nn::sum<1>(nn::pmin<"x">(a) * c));
+    })(x, w));
+  });
+  const std::vector<std::vector<double>> expected_max{{0, 1, 0.75, 0, 5, 3},
+                                                      {0, 0, 0.75, 4.0 / 3, 0, 0},
+                                                      {1, 0, 0.75, 4.0 / 3, 0, 0},
+                                                      {0, 1, 0.75, 4.0 / 3, 0, 3}};
+  const std::vector<std::vector<double>> expected_min{{1, 0, 0.75, 4, 0, 0},
+                                                      {0, 2, 0.75, 0, 2.5, 6},
+                                                      {0, 0, 0.75, 0, 2.5, 0},
+                                                      {0, 0, 0.75, 0, 0, 0}};
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    INFO("device " << dev);
+    CHECK(vmax[dev] == 3 * 1 + 5 * 2 + 4 * 3 + 7 * 4 + 2 * 5 + 0.5 * 6);
+    CHECK(vmin[dev] == 0 * 1 + 1 * 2 + 4 * 3 - 1 * 4 - 3 * 5 - 0.5 * 6);
+    REQUIRE(gmax[dev].size() == 6);
+    REQUIRE(gmin[dev].size() == 6);
+    REQUIRE(gsum[dev].size() == 6);
+    for (std::size_t k = 0; k < 6; ++k) {
+      INFO("element " << k);
+      CHECK(std::abs(gmax[dev][k] - expected_max[dev][k]) < 1e-15);
+      CHECK(std::abs(gmin[dev][k] - expected_min[dev][k]) < 1e-15);
+      CHECK(std::abs(gsum[dev][k] - expected_max[dev][k] - expected_min[dev][k]) < 1e-15);
+    }
+  }
+  // the shares of a tie sum to the cotangent: every element's gradient, summed over devices, is w[k]
+  for (std::size_t k = 0; k < 6; ++k) {
+    double s = 0;
+    for (std::size_t dev = 0; dev < 4; ++dev) s += gmax[dev][k];
+    CHECK(std::abs(s - static_cast<double>(k + 1)) < 1e-14);
+  }
+}
+
+TEST_CASE("value_and_grad through pmax over one axis and pmin over both on a 2x2 mesh splits ties within each group",
+          "[nn][autodiff][pmax]") {
+  // x: (4, 6) as P<"data", "model">, values from {0, 1, 2} so that ties are common. L =
+  // psum<data>(sum(pmax<model>(x))) + 3 sum(pmin<data, model>(x)): on device d at k, 1 / c where
+  // x equals the max over d's model group (c devices of it hold it), plus 3 / c' where it equals
+  // the min over all four devices (c' devices hold it). Reference computed on the host.
+  const mesh2 m{2, 2};
+  auto value_at = [](std::size_t dev, std::size_t k) { return static_cast<double>((dev * 5 + k * 7 + dev * k) % 3); };
+  std::vector<double> values(4);
+  std::vector<std::vector<double>> gs(4);
+  meshlib::spmd(m, [&](std::size_t dev) {
+    x2_t x(std::array<std::size_t, 2>{2, 3}, m, dev);
+    for (std::size_t k = 0; k < 6; ++k) x.data()[k] = value_at(dev, k);
+    auto [value, dx] = nn::value_and_grad([](const auto& a) {
+      auto mx = nn::pmax<"model">(a);             // varies over data
+      auto mn = nn::pmin<"data", "model">(a);     // invariant
+      return nn::psum<"data">(nn::sum<0>(nn::sum<1>(mx))) + nn::sum<0>(nn::sum<1>(mn)) * 3.0;
+    })(x);
+    static_assert(std::is_same_v<decltype(dx), x2_t>);
+    values[dev] = host(value)[0];
+    gs[dev] = host(dx);
+  });
+  double expected_value = 0;
+  for (std::size_t k = 0; k < 6; ++k) {
+    double mn = value_at(0, k);
+    for (std::size_t d = 1; d < 4; ++d) mn = std::min(mn, value_at(d, k));
+    expected_value += 3 * mn;
+    for (std::size_t row = 0; row < 2; ++row) expected_value += std::max(value_at(2 * row, k), value_at(2 * row + 1, k));
+  }
+  for (std::size_t dev = 0; dev < 4; ++dev) {
+    INFO("device " << dev);
+    CHECK(values[dev] == expected_value);
+    REQUIRE(gs[dev].size() == 6);
+    for (std::size_t k = 0; k < 6; ++k) {
+      const double v = value_at(dev, k);
+      const std::size_t first = 2 * (dev / 2);  // the model group: devices first, first + 1
+      const double mx = std::max(value_at(first, k), value_at(first + 1, k));
+      const double c = (value_at(first, k) == mx ? 1.0 : 0.0) + (value_at(first + 1, k) == mx ? 1.0 : 0.0);
+      double mn = value_at(0, k), c_min = 0;
+      for (std::size_t d = 1; d < 4; ++d) mn = std::min(mn, value_at(d, k));
+      for (std::size_t d = 0; d < 4; ++d) c_min += value_at(d, k) == mn ? 1.0 : 0.0;
+      const double expected = (v == mx ? 1 / c : 0.0) + (v == mn ? 3 / c_min : 0.0);
+      INFO("element " << k);
+      CHECK(std::abs(gs[dev][k] - expected) < 1e-15);
+    }
+  }
+  // the values do tie across devices: some element is held by both devices of a model group
+  bool tie = false;
+  for (std::size_t k = 0; k < 6; ++k) tie = tie || value_at(0, k) == value_at(1, k) || value_at(2, k) == value_at(3, k);
+  CHECK(tie);
+}
+
+TEST_CASE("value_and_grad of programs through pmax and pmin on a 1-D mesh matches finite differences",
+          "[nn][autodiff][pmax]") {
+  // x: (8, 3) as rows stacked over 4 devices (each block varies over x), w: (3, 4) replicated;
+  // random values, so no ties. The exp term is shifted by the pmax (gradient through pvary, then pmax).
+  const mesh1 m{4};
+  const auto gx0 = random_array(8, 3, 131), gw0 = random_array(3, 4, 132);
+  auto loss_fn = [](const auto& x, const auto& w) {
+    auto h = nn::matmul(x, w);                                   // (2, 4), varies over x
+    auto mx = nn::pmax<"x">(h);                                  // (2, 4), invariant
+    auto mn = nn::pmin<"x">(nn::tanh(h));
+    auto z = h - nn::pvary<"x">(mx);
+    return nn::sum<0>(nn::sum<1>(nn::square(mx) * 0.5 + mn * mx)) + nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::exp(z))));
+  };
+  auto at = [](std::size_t dev) { return block_at{2 * dev, 0, 2, 3, 3}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<vary1>(m, dev, gl[0], at(dev));
+      const auto w = block_of<repl1>(m, dev, gl[1], {0, 0, 3, 4, 4});
+      auto [value, g] = nn::value_and_grad<0, 1>(loss_fn)(x, w);
+      loss[dev] = host(value)[0];
+      if (grads) {
+        (*grads)[0][dev] = host(std::get<0>(g));
+        (*grads)[1][dev] = host(std::get<1>(g));
+      }
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(2, std::vector<std::vector<double>>(4));
+  run({gx0, gw0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0, gw0}, grads,
+                            {at, [](std::size_t) { return block_at{0, 0, 3, 4, 4}; }});
+}
+
+TEST_CASE("value_and_grad through pmax on a 2x2 mesh, with a softmax over classes sharded on model, matches "
+          "finite differences",
+          "[nn][autodiff][pmax]") {
+  // x: (4, 6) as P<"data", "model">: the classes (dimension 1) are split over model. A log-softmax
+  // shifted by the row max over the whole row (pmax over model of each block's max, stopped), plus
+  // a pmax over model and a pmin over both axes that do carry gradient.
+  const mesh2 m{2, 2};
+  const auto gx0 = random_array(4, 6, 141);
+  auto x_at = [](std::size_t dev) { return block_at{(dev / 2) * 2, (dev % 2) * 3, 2, 3, 6}; };
+  auto run = [&](const std::vector<std::vector<double>>& gl, std::vector<std::vector<std::vector<double>>>* grads) {
+    std::vector<double> loss(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<x2_t>(m, dev, gl[0], x_at(dev));
+      auto [value, dx] = nn::value_and_grad([](const auto& a) {
+        auto shift = nn::pvary<"model">(nn::stop_gradient(nn::pmax<"model">(nn::max<1>(a))));  // (2,)
+        auto z = a - nn::broadcast_in_dim<1>(shift, a);
+        auto lse = nn::log(nn::psum<"model">(nn::sum<1>(nn::exp(z))));  // (2,), varies over data
+        auto logp = z - nn::broadcast_in_dim<1>(nn::pvary<"model">(lse), z);
+        auto t1 = nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(logp * 0.3)));
+        auto mx = nn::pmax<"model">(nn::tanh(a) * 1.3);                  // (2, 3), varies over data
+        auto t2 = nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(mx))));
+        auto mn = nn::pmin<"data", "model">(nn::square(a) - a);          // (2, 3), invariant
+        auto t3 = nn::sum<0>(nn::sum<1>(nn::exp(mn)));
+        return t1 + t2 + t3 * 0.5;
+      })(x);
+      loss[dev] = host(value)[0];
+      if (grads) (*grads)[0][dev] = host(dx);
+    });
+    for (std::size_t dev = 1; dev < 4; ++dev) CHECK(loss[dev] == loss[0]);
+    return loss[0];
+  };
+  std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
+  run({gx0}, &grads);
+  check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
