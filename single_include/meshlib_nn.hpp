@@ -9857,6 +9857,41 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::size_t> unsharded_;
 };
 
+/// `fully_shard`'s part of a `train_state` under construction (its `params` collected, nothing
+/// sized yet): shards `params` over `Axes` (the axis `axis_name` of `mesh`, or none: `Axes` 0), makes
+/// them the engine's shards and installs the engine as `model`'s layer hooks. `zero`: whether
+/// ZeRO-1 was asked for too, which FSDP refuses (it shards the optimizer state itself).
+/// @throws sharding_error for a mesh without the axis, a model that is not a `sequential`, ZeRO-1
+/// beside it, and as `fsdp_engine`'s constructor.
+template <axis_mask Axes, mesh_type Mesh, class Model, class T>
+std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
+                                                           std::vector<param_ref<T>>& params,
+                                                           const std::vector<std::size_t>& local,
+                                                           bool reshard_after_forward, bool prefetch,
+                                                           std::string_view axis_name, bool zero) {
+  if constexpr (Axes == 0) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                         std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
+                         ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
+                         "\">, axis<\"model\">>)");
+  } else if constexpr (!requires(Model& net) {
+                         net.hooks;
+                         net.template params_per_layer<T>();
+                       }) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                         "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+  } else {
+    if (zero)
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                           "shards the optimizer state (over '" + std::string(axis_name) + "'): turn zero off");
+    auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
+                                                            reshard_after_forward, axis_name, prefetch);
+    params = engine->shards();
+    model.hooks = engine.get();
+    return engine;
+  }
+}
+
 }  // namespace detail
 }  // namespace meshlib::nn
 // end meshlib/nn/parallel/fsdp.hpp
@@ -10348,7 +10383,8 @@ class grad_overlap final : public layer_hooks {
 /// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
 /// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
 /// @code
-/// // inside train_state: state_ = optimizer_state<Mesh, data_axes>(mesh, params, opt.slots(), options.zero, local_);
+/// // inside data_parallel_impl (nn/parallel/data_parallel.hpp), which owns it:
+/// // state_ = optimizer_state<Mesh, DataAxes>(mesh, params, opt.slots(), zero, local);
 /// @endcode
 
 #include <algorithm>
@@ -12939,7 +12975,7 @@ struct train_options {
 };
 
 namespace detail {
-/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
+/// The text of a `fixed_string` template argument (the fsdp axis's name in `train_state`'s messages).
 template <std::size_t N>
 constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
   return s.view();
@@ -13106,7 +13142,12 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (opt.whole_parameters()) refuse_parameter_shards();
-    if (options.fsdp) shard_parameters();
+    // FSDP (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks. nvcc's
+    // front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): its text is read through an overload for either.
+    if (options.fsdp)
+      fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, options.reshard_after_forward,
+                                                    options.fsdp_prefetch, detail::text_of(Fsdp), options.zero);
     data_parallel_.compose(fsdp_);
     // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
@@ -13359,33 +13400,6 @@ class train_state {
   template <fixed_string A>
   static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
     o.pipeline = p.options();
-  }
-  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
-  void shard_parameters() {
-    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
-    // ("expression must have class type"): read it through an overload for either.
-    const std::string_view fsdp_name = detail::text_of(Fsdp);
-    if constexpr (fsdp_axes == 0) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
-                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
-                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
-    } else if constexpr (!requires(Model& net) {
-                           net.hooks;
-                           net.template params_per_layer<T>();
-                         }) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
-                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
-    } else {
-      if (options.zero)
-        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
-      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, fsdp_name,
-                                                                      options.fsdp_prefetch);
-      params = fsdp_->shards();
-      model.hooks = fsdp_.get();
-    }
   }
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
