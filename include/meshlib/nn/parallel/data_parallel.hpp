@@ -103,10 +103,7 @@ class data_parallel_impl {
   /// rounds a gradient to the compute type (null in float).
   template <class Model>
   void install_hooks(const Mesh& mesh, Model& model, void (*round)(float*, std::size_t) noexcept) {
-    if constexpr (requires(Model& net) {
-                    net.hooks;
-                    net.template params_per_layer<T>();
-                  }) {
+    if constexpr (sequential_model<Model>) {
       if (!overlap_on_ || zero_) return;
       overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
       model.hooks = overlap_.get();

@@ -439,10 +439,7 @@ std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Mod
                          std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
                          ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
                          "\">, axis<\"model\">>)");
-  } else if constexpr (!requires(Model& net) {
-                         net.hooks;
-                         net.template params_per_layer<T>();
-                       }) {
+  } else if constexpr (!sequential_model<Model>) {
     throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
                          "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
   } else {
