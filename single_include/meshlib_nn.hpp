@@ -9927,7 +9927,7 @@ struct gradient_reduction_type_narrower_than_compute_type {
 /// names the mesh axis it applies to and says which parallelism it is (torchtitan's `apply_*`
 /// functions, one per parallelism over a sub-mesh); a `train_state` takes any of them, each at most
 /// once and each over an axis of its own, and checks that at compile time
-/// (`detail::check_policies`, nn/train/train_state.hpp). Tensor parallelism is not a policy: it is
+/// (`detail::check_policies`, below). Tensor parallelism is not a policy: it is
 /// in the layer types (`column_dense`, `row_dense`, ...), checked when the model is composed.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1},
@@ -9993,6 +9993,57 @@ constexpr bool policies_share_an_axis() {
     return false;
   }
 }
+
+/// The text of a `fixed_string` template argument (an axis's name in `train_state`'s checks and messages).
+template <std::size_t N>
+constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
+  return s.view();
+}
+/// The text of a template argument nvcc's front end has turned into a `const char*`.
+constexpr std::string_view text_of(const char* s) noexcept { return s; }
+
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
+  }
+}
 }  // namespace detail
 
 }  // namespace meshlib::nn
@@ -10005,13 +10056,472 @@ constexpr bool policies_share_an_axis() {
 /// the axis) and overlap (each bucket started during backward, nn/parallel/grad_overlap.hpp) as its
 /// options. With `fully_shard` on another axis the two compose (HSDP: shards over the fsdp axis,
 /// replicas over this one).
+///
+/// `detail::data_parallel_impl` is the policy at work inside a `train_state`: it owns the gradient
+/// buckets, the optimizer state's layout (replicated, or ZeRO-1's slices), the overlap's hooks and
+/// the two gradient paths (all-reduce, then the update of whole blocks; or reduce-scatter, the
+/// update of this device's slice, all-gather), composed over `fully_shard`'s engine when there is one.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1});
 /// meshlib::nn::train_state overlapped(mesh, std::move(net2), opt, meshlib::nn::data_parallel<"dp">{.overlap = true});
 /// @endcode
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstddef>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
 
+// begin meshlib/nn/parallel/fsdp.hpp
+/// @file
+/// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
+/// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
+/// `train_state` whose mesh has the axis (named `fsdp` by default).
+///
+/// Each parameter is *stored* sharded over the fsdp axis on its first dimension, on top of its own
+/// sharding (a `column_dense` weight `P<none, 'model'>` is stored as `P<'fsdp', 'model'>`, a
+/// `row_dense` weight `P<'model', none>` as `P<('model', 'fsdp'), none>`): device `r` of the axis
+/// keeps chunk `r` of its block's rows. The optimizer's state, the float master weights and the
+/// gradients follow the stored shard: the train state's `params` *are* the shards, so the
+/// replicated optimizer, clipping over every shard, and mesh-independent checkpoints work on them
+/// unchanged (a shard's layout is core's block of its parameter, cut along dimension 0).
+///
+/// The layers keep computing on whole blocks: just before a layer runs forward, and again before
+/// its backward, `sequential` calls the hooks here, which all-gather each of its parameters' shards
+/// over the fsdp axis (the public typed `all_gather_into`) into one buffer that every layer shares
+/// (the largest layer's size); just after its backward, its gradients are reduce-scattered
+/// (`psum_scatter_into`) back to the shards, the running shard folded into this device's chunk
+/// first so micro-batches accumulate with no extra buffer. `reshard_after_forward = false` (FSDP2's
+/// option of the same name) gives every layer a buffer of its own, gathered in forward and kept
+/// for backward: one all-gather fewer per layer and step, for the memory of unsharded parameters.
+///
+/// The fsdp axis also splits the batch (it is a data-parallel axis whose replicas hold different
+/// parameter shards): the gradients are pending sums over it, which the reduce-scatter completes;
+/// over the remaining data axes the shards' gradients are all-reduced as in plain data parallelism.
+///
+/// Shards are even: an fsdp axis that does not divide a parameter's first dimension (per device)
+/// is refused at construction with `sharding_error` naming the parameter, its shape, the axis and
+/// its size, and the fix. A model whose layers share a parameter (a tied head) is not supported.
+/// @code
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+/// mesh_t m{2, 2, 2};
+/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), {.fsdp = true});
+/// std::printf("%zu bytes per device\n", state.memory(0).total());
+/// @endcode
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief Fully sharded data parallelism over the mesh axis `Axis` (see the file comment; FSDP2's
+/// `fully_shard`); a `parallel_policy`. Composes with `data_parallel` on another axis (HSDP) and
+/// with `pipeline`.
+/// @code
+/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::fully_shard<"fsdp">{.reshard_after_forward = false});
+/// @endcode
+/// @tparam Axis the mesh axis parameters, gradients and optimizer state are sharded over (it splits
+/// the batch as a data axis does).
+template <fixed_string Axis = "fsdp">
+struct fully_shard {
+  /// The parallelism this policy applies.
+  static constexpr parallelism kind = parallelism::fully_sharded;
+  /// The mesh axis it applies over.
+  static constexpr auto axis = Axis;
+  /// Gather a layer's parameters again for its backward (true: least memory), or keep them from its
+  /// forward (false: one all-gather fewer per layer, unsharded parameters' memory).
+  bool reshard_after_forward = true;
+  /// With `reshard_after_forward = false`: start the next layer's parameter all-gathers before a
+  /// layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
+  bool prefetch = true;
+};
+
+/// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
+struct training_memory {
+  /// Parameter values this device stores (under FSDP its shards); with a 16-bit compute type, plus
+  /// their float master weights.
+  std::size_t parameters = 0;
+  std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
+  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
+  /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
+  /// largest layer's, or every layer's values with `reshard_after_forward = false`).
+  std::size_t unsharded = 0;
+  /// The sum of the four.
+  [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer_state + unsharded; }
+};
+
+namespace detail {
+
+/// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
+template <class Space, class T>
+void add_values(T* to, const T* from, std::size_t n) {
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
+}
+
+/// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
+/// parent's block along dimension 0 (so elements `[rank * c / shards, (rank + 1) * c / shards)` of
+/// the row-major block of `c` elements). Every position comes from the parent's (core's) block.
+class fsdp_shard_layout final : public param_layout {
+ public:
+  fsdp_shard_layout(std::shared_ptr<const param_layout> parent, const std::vector<std::size_t>& rank,
+                    std::size_t shards)
+      : parent_(std::move(parent)), shards_(shards), first_(rank.size()), offset_(rank.size()), extent_(rank.size()) {
+    for (std::size_t dev = 0; dev < rank.size(); ++dev) {
+      const auto off = parent_->offset(dev), ext = parent_->extent(dev);
+      offset_[dev].assign(off.begin(), off.end());
+      extent_[dev].assign(ext.begin(), ext.end());
+      std::size_t total = 1;
+      for (std::size_t e : ext) total *= e;
+      if (!ext.empty()) {
+        extent_[dev][0] = ext[0] / shards;
+        offset_[dev][0] = off[0] + rank[dev] * extent_[dev][0];
+      }
+      first_[dev] = rank[dev] * (total / shards);
+    }
+  }
+  std::span<const std::size_t> offset(std::size_t dev) const override { return offset_.at(dev); }
+  std::span<const std::size_t> extent(std::size_t dev) const override { return extent_.at(dev); }
+  std::size_t count(std::size_t dev) const override { return parent_->count(dev) / shards_; }
+  std::size_t global_index(std::size_t dev, std::size_t i) const override {
+    return parent_->global_index(dev, first_.at(dev) + i);
+  }
+  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
+                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
+    const std::size_t base = first_.at(dev);
+    parent_->for_each_global_run(dev, base + first, len,
+                                 [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
+  }
+  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
+    using view_t = meshlib::block_view<float, 1, default_memory_space>;
+    auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
+    held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
+    for (std::size_t dev : devices) {
+      (*owned)[dev] = meshlib::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
+      h.blocks.set(dev, (*owned)[dev].data(), count(dev));
+    }
+    return h;
+  }
+
+ private:
+  std::shared_ptr<const param_layout> parent_;
+  std::size_t shards_;
+  std::vector<std::size_t> first_;
+  std::vector<std::vector<std::size_t>> offset_, extent_;
+};
+
+/// "12x16" for a shape, "scalar" for none.
+inline std::string fsdp_shape_text(std::span<const std::size_t> s) {
+  std::string t;
+  for (std::size_t i = 0; i < s.size(); ++i) t += (i ? "x" : "") + std::to_string(s[i]);
+  return t.empty() ? "scalar" : t;
+}
+
+/// The FSDP machinery of one `train_state` (see the file comment): the shards, the shared buffers,
+/// and the hooks `sequential` calls around each layer. `Axes`: the fsdp axis (a mask of `Mesh`).
+template <mesh_type Mesh, axis_mask Axes>
+class fsdp_engine final : public layer_hooks {
+  using T = float;
+  using Space = default_memory_space;
+
+ public:
+  /// Shards the parameters `full` (every layer's, in layer order; layer `l` holds `per_layer[l]`
+  /// of them) over `Axes`: copies each device's chunk of each block into its shard, then points the
+  /// parameters' blocks into the shared buffers (their own storage is released).
+  /// @throws sharding_error when the axis does not divide a parameter's first dimension.
+  /// `prefetch` (with `reshard_after_forward` false, where every layer has its own buffer):
+  /// start the next layer's all-gathers before a layer runs forward (see `before_forward`).
+  fsdp_engine(const Mesh& mesh, std::vector<param_ref<T>> full, const std::vector<std::size_t>& per_layer,
+              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name,
+              bool prefetch = false)
+      : mesh_(mesh),
+        shards_n_(mesh.axes_size(Axes)),
+        full_(std::move(full)),
+        reshard_(reshard_after_forward),
+        prefetch_(prefetch && !reshard_after_forward),
+        prefetched_(mesh.size()),
+        prefetched_for_(mesh.size(), 0),
+        voff_(mesh.size()),
+        goff_(mesh.size()),
+        values_(mesh.size()),
+        grads_(mesh.size()),
+        seconds_(mesh.size(), 0.0),
+        unsharded_(mesh.size(), 0) {
+    unit_begin_.push_back(0);
+    for (std::size_t c : per_layer) unit_begin_.push_back(unit_begin_.back() + c);
+    if (unit_begin_.back() != full_.size())
+      throw sharding_error("meshlib::nn: train_state: FSDP: the model's layers report " +
+                           std::to_string(unit_begin_.back()) + " parameters, but it collects " +
+                           std::to_string(full_.size()));
+    const std::size_t f = shards_n_;
+    for (const auto& p : full_)
+      for (std::size_t dev : local) {
+        const auto ext = p.extent[dev];
+        if (ext.empty() || ext[0] % f != 0)
+          throw sharding_error(
+              "meshlib::nn: train_state: FSDP cannot shard parameter '" + p.name + "' (shape " +
+              fsdp_shape_text(p.shape) + ", " + p.sharding + ") over the " + std::to_string(f) +
+              " devices of the fsdp axis '" + std::string(axis_name) + "': " +
+              (ext.empty() ? std::string("it has no dimension to split")
+                           : "its dimension 0 (" + std::to_string(ext[0]) + " per device) is not divisible by " +
+                                 std::to_string(f)) +
+              "; use an fsdp axis whose size divides " + (ext.empty() ? std::string("1") : std::to_string(ext[0])) +
+              ", or make that dimension a multiple of " + std::to_string(f) + " (e.g. " +
+              std::to_string(ext.empty() ? f : (ext[0] + f - 1) / f * f) + ")");
+      }
+    std::vector<std::size_t> rank(mesh.size());
+    for (std::size_t dev = 0; dev < mesh.size(); ++dev) rank[dev] = mesh.group_rank(dev, Axes);
+    // Buffers: per device, each parameter's place in the value and gradient buffers.
+    for (std::size_t dev : local) {
+      voff_[dev].resize(full_.size());
+      goff_[dev].resize(full_.size());
+      std::size_t vmax = 0, gmax = 0, vall = 0;
+      for (std::size_t u = 0; u + 1 < unit_begin_.size(); ++u) {
+        std::size_t used = 0;
+        for (std::size_t k = unit_begin_[u]; k < unit_begin_[u + 1]; ++k) {
+          voff_[dev][k] = reshard_ ? used : vall + used;
+          goff_[dev][k] = used;
+          used += full_[k].count[dev];
+        }
+        vall += used;
+        vmax = std::max(vmax, used);
+        gmax = std::max(gmax, used);
+      }
+      const std::size_t vn = reshard_ ? vmax : vall;
+      values_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
+      grads_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
+      unsharded_[dev] = vn + gmax;
+    }
+    // The shards, with their layouts; each starts as its chunk of the parameter's current block.
+    for (const auto& p : full_) {
+      param_ref<T> s = p;
+      s.layout = std::make_shared<fsdp_shard_layout>(p.layout, rank, f);
+      s.count = {s.layout};
+      s.offset = {s.layout, false};
+      s.extent = {s.layout, true};
+      if (!s.dims.empty()) s.dims[0] |= Axes;
+      s.sharded_axes |= Axes;
+      s.sharding = stored_sharding(s.dims);
+      s.overwrite = nullptr;
+      s.rebind = {};
+      held_tensor<float> v = s.layout->zeros_like(local), g = s.layout->zeros_like(local);
+      s.value = v.blocks;
+      s.grad = g.blocks;
+      for (std::size_t dev : local)
+        convert_copy<Space>(s.value[dev], p.value[dev] + rank[dev] * s.count[dev], s.count[dev]);
+      owners_.push_back(std::move(v.owner));
+      owners_.push_back(std::move(g.owner));
+      shards_.push_back(std::move(s));
+    }
+    Kokkos::fence();
+    // The layers' blocks move into the shared buffers; their own storage goes.
+    std::vector<T*> vs(mesh.size(), nullptr), gs(mesh.size(), nullptr);
+    for (std::size_t k = 0; k < full_.size(); ++k) {
+      for (std::size_t dev : local) {
+        vs[dev] = values_[dev].data() + voff_[dev][k];
+        gs[dev] = grads_[dev].data() + goff_[dev][k];
+      }
+      if (!full_[k].rebind)
+        throw sharding_error("meshlib::nn: train_state: FSDP: parameter '" + full_[k].name +
+                             "' cannot be moved into the gather buffers (its layer's collect gives a view without "
+                             "rebind); FSDP needs parameters made as meshlib::nn::parameter");
+      full_[k].rebind(vs, gs);
+      for (std::size_t dev : local) {
+        full_[k].value.set(dev, vs[dev], full_[k].count[dev]);
+        full_[k].grad.set(dev, gs[dev], full_[k].count[dev]);
+      }
+    }
+  }
+
+  /// The stored shards, in the order of the parameters: what the train state optimizes and saves.
+  [[nodiscard]] const std::vector<param_ref<T>>& shards() const noexcept { return shards_; }
+  /// Elements of device `dev`'s gather buffers (values and gradients).
+  [[nodiscard]] std::size_t unsharded_elements(std::size_t dev) const { return unsharded_.at(dev); }
+  /// Seconds device `dev` spent in FSDP's collectives since the last call (then reset).
+  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
+
+  /// Gathers the layer's parameters, or (prefetch) waits for the gathers started before an earlier
+  /// layer, then starts those of the next layer that has parameters with `all_gather_into_start`,
+  /// which run on the device's communication worker while this layer (and any parameterless one
+  /// after it) computes: FSDP2's forward prefetch, one layer ahead. The gathered bits are the same.
+  void before_forward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto& pending = prefetched_[dev];
+    // A new forward, or gathers started for a layer already passed (an aborted forward's): dropped.
+    if (layer == 0 || prefetched_for_[dev] < layer) pending.clear();
+    if (!pending.empty() && prefetched_for_[dev] == layer) {
+      for (auto& w : pending) w();
+      pending.clear();
+    } else {
+      for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+    }
+    if (prefetch_ && pending.empty()) {
+      std::size_t next = layer + 1;
+      while (next + 1 < unit_begin_.size() && unit_begin_[next] == unit_begin_[next + 1]) ++next;
+      if (next + 1 < unit_begin_.size()) {
+        prefetched_for_[dev] = next;
+        for (std::size_t k = unit_begin_[next]; k < unit_begin_[next + 1]; ++k) start_gather(k, dev, pending);
+      }
+    }
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void before_backward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
+      if (reshard_) gather(k, dev);
+      // The shared gradient buffer holds another layer's gradients: this backward overwrites it
+      // (a layer that announces grad_beta), or adds to zeros.
+      const param_ref<T>& p = full_[k];
+      if (p.overwrite) p.overwrite[dev] = 1;
+      else fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
+    }
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void after_backward(std::size_t layer, std::size_t dev) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
+      const param_ref<T>& p = full_[k];
+      if (p.overwrite && p.overwrite[dev]) {  // the backward did not write it: no gradient
+        fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
+        p.overwrite[dev] = 0;
+      }
+      scatter(k, dev);
+    }
+    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  /// How a shard is laid out, as `named_sharding` prints it: `dims` per dimension, the parameter's
+  /// own axes (in mesh order) then, on dimension 0, the fsdp axis (minor: a chunk of the block).
+  std::string stored_sharding(const std::vector<axis_mask>& dims) const {
+    std::string t = "named_sharding(" + mesh_.to_string() + ", P<";
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      std::vector<std::string_view> names;
+      for (std::size_t i = 0; i < Mesh::ndim; ++i)
+        if ((dims[d] & ~(d == 0 ? Axes : axis_mask{0})) & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      if (d == 0)
+        for (std::size_t i = 0; i < Mesh::ndim; ++i)
+          if (Axes & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
+      std::string e = names.empty() ? "none" : names.size() == 1 ? "" : "axes(";
+      for (std::size_t i = 0; i < names.size(); ++i) e += (i ? ", \"" : "\"") + std::string(names[i]) + "\"";
+      if (names.size() > 1) e += ")";
+      t += (d ? ", " : "") + e;
+    }
+    return t + ">)";
+  }
+  /// Parameter `k`'s whole block on `dev` from the shards: the typed all-gather over `Axes`.
+  void gather(std::size_t k, std::size_t dev) {
+    const std::size_t s = shards_[k].count[dev];
+    T* out = full_[k].value[dev];
+    T* in = shards_[k].value[dev];
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        // The shard varies over every axis; gathered over the fsdp axis, the block no longer varies over it.
+        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+        (void)meshlib::all_gather_into<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
+                                                                 wrap1<slice_t>(out, s * shards_n_, mesh_, dev));
+        return;
+      }
+    }
+    convert_copy<Space>(out, in, s);
+  }
+  /// `gather(k, dev)` started: the request's wait goes into `pending` (a layer without parameters,
+  /// or a group of one, leaves a wait that only copies).
+  void start_gather(std::size_t k, std::size_t dev, std::vector<std::function<void()>>& pending) {
+    const std::size_t s = shards_[k].count[dev];
+    T* out = full_[k].value[dev];
+    T* in = shards_[k].value[dev];
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+        auto r = std::make_shared<decltype(meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(
+            wrap1<slice_t>(in, s, mesh_, dev), wrap1<slice_t>(out, s * shards_n_, mesh_, dev)))>(
+            meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
+                                                                        wrap1<slice_t>(out, s * shards_n_, mesh_, dev)));
+        pending.emplace_back([r] { (void)r->wait(); });
+        return;
+      }
+    }
+    pending.emplace_back([this, k, dev] { gather(k, dev); });
+  }
+  /// Parameter `k`'s gradient block on `dev` (a pending sum over `Axes`: its rows were this device's
+  /// batch) reduce-scattered into its shard's gradient, which it adds to.
+  void scatter(std::size_t k, std::size_t dev) {
+    const std::size_t s = shards_[k].count[dev], r = mesh_.group_rank(dev, Axes);
+    T* g = full_[k].grad[dev];
+    T* shard = shards_[k].grad[dev];
+    add_values<Space>(g + r * s, shard, s);  // the running sum rides in this device's chunk
+    if constexpr (Axes != 0) {
+      if (shards_n_ > 1) {
+        using B = local_tensor<T, 1, Mesh, Mesh::all_axes & ~Axes, Axes>;
+        (void)meshlib::psum_scatter_into<group_of_t<Mesh, Axes>, 0>(wrap1<B>(g, s * shards_n_, mesh_, dev),
+                                                                   wrap1<B>(shard, s, mesh_, dev));
+        return;
+      }
+    }
+    convert_copy<Space>(shard, g, s);
+  }
+
+  Mesh mesh_;
+  std::size_t shards_n_;
+  std::vector<param_ref<T>> full_, shards_;
+  std::vector<std::shared_ptr<const void>> owners_;
+  std::vector<std::size_t> unit_begin_;
+  bool reshard_;
+  bool prefetch_;
+  /// Per device: the waits of the next layer's started gathers (prefetch).
+  std::vector<std::vector<std::function<void()>>> prefetched_;
+  std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
+  std::vector<std::vector<std::size_t>> voff_, goff_;
+  std::vector<meshlib::block_view<T, 1, Space>> values_, grads_;
+  std::vector<double> seconds_;
+  std::vector<std::size_t> unsharded_;
+};
+
+/// `fully_shard`'s part of a `train_state` under construction (its `params` collected, nothing
+/// sized yet): shards `params` over `Axes` (the axis `axis_name` of `mesh`, or none: `Axes` 0), makes
+/// them the engine's shards and installs the engine as `model`'s layer hooks. `zero`: whether
+/// ZeRO-1 was asked for too, which FSDP refuses (it shards the optimizer state itself).
+/// @throws sharding_error for a mesh without the axis, a model that is not a `sequential`, ZeRO-1
+/// beside it, and as `fsdp_engine`'s constructor.
+template <axis_mask Axes, mesh_type Mesh, class Model, class T>
+std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
+                                                           std::vector<param_ref<T>>& params,
+                                                           const std::vector<std::size_t>& local,
+                                                           bool reshard_after_forward, bool prefetch,
+                                                           std::string_view axis_name, bool zero) {
+  if constexpr (Axes == 0) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                         std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
+                         ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
+                         "\">, axis<\"model\">>)");
+  } else if constexpr (!sequential_model<Model>) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                         "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+  } else {
+    if (zero)
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                           "shards the optimizer state (over '" + std::string(axis_name) + "'): turn zero off");
+    auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
+                                                            reshard_after_forward, axis_name, prefetch);
+    params = engine->shards();
+    model.hooks = engine.get();
+    return engine;
+  }
+}
+
+}  // namespace detail
+}  // namespace meshlib::nn
+// end meshlib/nn/parallel/fsdp.hpp
 // begin meshlib/nn/parallel/grad_overlap.hpp
 /// @file
 /// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
@@ -10491,6 +11001,132 @@ class grad_overlap final : public layer_hooks {
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/parallel/grad_overlap.hpp
+// begin meshlib/nn/train/optimizer_state.hpp
+/// @file
+/// @brief `optimizer_state`: where a `train_state`'s optimizer slots live, in one of two layouts.
+/// Replicated (and under FSDP, whose parameters are already the shards): slot `s` of parameter `i`
+/// is a float tensor with the parameter's own shape and sharding, the same blocks as its value and
+/// gradient. ZeRO-1 (`data_parallel{.zero = 1}`): each device holds `(slots, ceil(n / dp))`, its
+/// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
+/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
+/// @code
+/// // inside data_parallel_impl (nn/parallel/data_parallel.hpp), which owns it:
+/// // state_ = optimizer_state<Mesh, DataAxes>(mesh, params, opt.slots(), zero, local);
+/// @endcode
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+
+namespace meshlib::nn {
+
+/// @brief A train state's optimizer slots (see the file comment) over the mesh `Mesh`, ZeRO-1
+/// sharded over `DataAxes` when asked.
+template <mesh_type Mesh, axis_mask DataAxes>
+class optimizer_state {
+ public:
+  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
+  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
+  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
+  /// data axes, and the value varies over every axis (the flat vector itself differs over the
+  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
+  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
+  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
+  using zero_state_type =
+      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, DataAxes>, default_memory_space>;
+
+  /// No state.
+  optimizer_state() = default;
+  /// @brief Zeroed slots for `params` on this process's devices `local`: `slots` per element,
+  /// ZeRO-1 sharded over `DataAxes` when `zero`. Every tensor is made here, on the calling thread:
+  /// device threads only read and write blocks through unmanaged views (tensor/view.hpp).
+  optimizer_state(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t slots, bool zero,
+                  std::span<const std::size_t> local)
+      : slots_(slots), zero_(zero) {
+    if (zero) {
+      const std::size_t dp = mesh.axes_size(DataAxes);
+      zero_state_.reserve(mesh.size());
+      for (std::size_t dev = 0; dev < mesh.size(); ++dev)
+        if (std::find(local.begin(), local.end(), dev) == local.end()) {
+          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
+        } else {
+          const std::size_t n = flat_size(params, dev);
+          zero_state_.emplace_back(typename zero_state_type::shape_type{slots, (n + dp - 1) / dp}, mesh, dev);
+        }
+    } else {
+      for (const auto& p : params)
+        for (std::size_t s = 0; s < slots; ++s) state_.push_back(p.layout->zeros_like(local));
+    }
+  }
+
+  /// Whether the slots are ZeRO-1 sharded over the data axes.
+  [[nodiscard]] bool sharded() const noexcept { return zero_; }
+  /// Elements of state device `dev` holds (a device of this process) for `params`.
+  [[nodiscard]] std::size_t size(std::span<const param_ref<float>> params, std::size_t dev) const {
+    return zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev);
+  }
+  /// Slot `s` of parameter `i`'s block on device `dev` (replicated layout).
+  [[nodiscard]] float* slot(std::size_t i, std::size_t s, std::size_t dev) const {
+    return state_[i * slots_ + s].blocks[dev];
+  }
+  /// Device `dev`'s ZeRO-1 state (sharded layout).
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
+  /// Device `dev`'s ZeRO-1 state, to update (sharded layout).
+  [[nodiscard]] zero_state_type& zero_state(std::size_t dev) { return zero_state_.at(dev); }
+
+  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of state device `dev` holds, in
+  /// parameter order: elements `[offset, offset + len)` of the parameter's local block, whose slot
+  /// `s` starts at `slot[s]` (a `std::span<float* const>` of the slots). Replicated: whole blocks;
+  /// ZeRO-1: the pieces of this device's slice of the flat vector.
+  template <class F>
+  void for_each_run(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t dev, F&& f) {
+    std::vector<float*> slot(slots_);  // a chain has any number of slots
+    const std::span<float* const> slots(slot);
+    if (!zero_) {
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        for (std::size_t s = 0; s < slots_; ++s) slot[s] = this->slot(i, s, dev);
+        f(i, std::size_t{0}, params[i].count[dev], slots);
+      }
+      return;
+    }
+    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, DataAxes) * size;
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) {
+        for (std::size_t s = 0; s < slots_; ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
+        f(i, lo - off, hi - lo, slots);
+      }
+      off += p.count[dev];
+    }
+  }
+  /// Whether device `dev` is the one that writes parameter `p`'s state to a checkpoint (one device
+  /// of each group holding the same state).
+  [[nodiscard]] bool owns(const Mesh& mesh, std::size_t dev, const param_ref<float>& p) const {
+    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(zero_ ? DataAxes : axis_mask{0});
+    return mesh.group_rank(dev, replicas) == 0;
+  }
+
+ private:
+  static std::size_t flat_size(std::span<const param_ref<float>> params, std::size_t dev) {
+    std::size_t n = 0;
+    for (const auto& p : params) n += p.count[dev];
+    return n;
+  }
+
+  std::size_t slots_ = 0;
+  bool zero_ = false;
+  // Replicated: slot `s` of parameter `i` is `state_[i * slots + s]`. ZeRO-1: `zero_state_[dev]`.
+  std::vector<detail::held_tensor<float>> state_;
+  std::vector<zero_state_type> zero_state_;
+};
+
+}  // namespace meshlib::nn
+// end meshlib/nn/train/optimizer_state.hpp
 
 namespace meshlib::nn {
 
@@ -10513,423 +11149,198 @@ struct data_parallel {
   std::size_t bucket_elements = std::size_t{1} << 20;
 };
 
-}  // namespace meshlib::nn
-// end meshlib/nn/parallel/data_parallel.hpp
-// begin meshlib/nn/parallel/fsdp.hpp
-/// @file
-/// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
-/// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
-/// `train_state` whose mesh has the axis (named `fsdp` by default).
-///
-/// Each parameter is *stored* sharded over the fsdp axis on its first dimension, on top of its own
-/// sharding (a `column_dense` weight `P<none, 'model'>` is stored as `P<'fsdp', 'model'>`, a
-/// `row_dense` weight `P<'model', none>` as `P<('model', 'fsdp'), none>`): device `r` of the axis
-/// keeps chunk `r` of its block's rows. The optimizer's state, the float master weights and the
-/// gradients follow the stored shard: the train state's `params` *are* the shards, so the
-/// replicated optimizer, clipping over every shard, and mesh-independent checkpoints work on them
-/// unchanged (a shard's layout is core's block of its parameter, cut along dimension 0).
-///
-/// The layers keep computing on whole blocks: just before a layer runs forward, and again before
-/// its backward, `sequential` calls the hooks here, which all-gather each of its parameters' shards
-/// over the fsdp axis (the public typed `all_gather_into`) into one buffer that every layer shares
-/// (the largest layer's size); just after its backward, its gradients are reduce-scattered
-/// (`psum_scatter_into`) back to the shards, the running shard folded into this device's chunk
-/// first so micro-batches accumulate with no extra buffer. `reshard_after_forward = false` (FSDP2's
-/// option of the same name) gives every layer a buffer of its own, gathered in forward and kept
-/// for backward: one all-gather fewer per layer and step, for the memory of unsharded parameters.
-///
-/// The fsdp axis also splits the batch (it is a data-parallel axis whose replicas hold different
-/// parameter shards): the gradients are pending sums over it, which the reduce-scatter completes;
-/// over the remaining data axes the shards' gradients are all-reduced as in plain data parallelism.
-///
-/// Shards are even: an fsdp axis that does not divide a parameter's first dimension (per device)
-/// is refused at construction with `sharding_error` naming the parameter, its shape, the axis and
-/// its size, and the fix. A model whose layers share a parameter (a tied head) is not supported.
-/// @code
-/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
-/// mesh_t m{2, 2, 2};
-/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), {.fsdp = true});
-/// std::printf("%zu bytes per device\n", state.memory(0).total());
-/// @endcode
-
-#include <chrono>
-#include <cstddef>
-#include <functional>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-namespace meshlib::nn {
-
-/// @brief Fully sharded data parallelism over the mesh axis `Axis` (see the file comment; FSDP2's
-/// `fully_shard`); a `parallel_policy`. Composes with `data_parallel` on another axis (HSDP) and
-/// with `pipeline`.
-/// @code
-/// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::fully_shard<"fsdp">{.reshard_after_forward = false});
-/// @endcode
-/// @tparam Axis the mesh axis parameters, gradients and optimizer state are sharded over (it splits
-/// the batch as a data axis does).
-template <fixed_string Axis = "fsdp">
-struct fully_shard {
-  /// The parallelism this policy applies.
-  static constexpr parallelism kind = parallelism::fully_sharded;
-  /// The mesh axis it applies over.
-  static constexpr auto axis = Axis;
-  /// Gather a layer's parameters again for its backward (true: least memory), or keep them from its
-  /// forward (false: one all-gather fewer per layer, unsharded parameters' memory).
-  bool reshard_after_forward = true;
-  /// With `reshard_after_forward = false`: start the next layer's parameter all-gathers before a
-  /// layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
-  bool prefetch = true;
-};
-
-/// @brief The bytes one device holds for training (`train_state::memory`): what FSDP and ZeRO shrink.
-struct training_memory {
-  /// Parameter values this device stores (under FSDP its shards); with a 16-bit compute type, plus
-  /// their float master weights.
-  std::size_t parameters = 0;
-  std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
-  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
-  /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
-  /// largest layer's, or every layer's values with `reshard_after_forward = false`).
-  std::size_t unsharded = 0;
-  /// The sum of the four.
-  [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer_state + unsharded; }
-};
-
 namespace detail {
 
-/// `to[i] += from[i]` for `[0, n)` of memory `Space`, a Kokkos kernel on the running device's instance.
-template <class Space, class T>
-void add_values(T* to, const T* from, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] += from[i]; });
-}
-
-/// The layout of a parameter's FSDP shard: chunk `rank[dev]` of `shards` equal chunks of the
-/// parent's block along dimension 0 (so elements `[rank * c / shards, (rank + 1) * c / shards)` of
-/// the row-major block of `c` elements). Every position comes from the parent's (core's) block.
-class fsdp_shard_layout final : public param_layout {
+/// @brief `data_parallel`'s part of a `train_state` (see the file comment): the gradient buckets,
+/// the optimizer state's layout, the overlap's hooks and the gradient path, over the data axes
+/// `DataAxes` of `Mesh`. Composed with `fully_shard`'s engine (`compose`), the train state's
+/// parameters are that engine's shards, whose gradients its reduce-scatters have already summed
+/// over `FsdpAxes`: the buckets are then all-reduced over the replica axes only (HSDP).
+///
+/// The path is chosen once, at construction (ZeRO-1 or not); `apply_gradients` reads the train
+/// state `S` (a friend's view: its parameters, norm helpers, optimizer chain and master weights)
+/// and leaves the updated parameters in it.
+template <class T, class Wire, class Mesh, axis_mask DataAxes, axis_mask FsdpAxes>
+class data_parallel_impl {
  public:
-  fsdp_shard_layout(std::shared_ptr<const param_layout> parent, const std::vector<std::size_t>& rank,
-                    std::size_t shards)
-      : parent_(std::move(parent)), shards_(shards), first_(rank.size()), offset_(rank.size()), extent_(rank.size()) {
-    for (std::size_t dev = 0; dev < rank.size(); ++dev) {
-      const auto off = parent_->offset(dev), ext = parent_->extent(dev);
-      offset_[dev].assign(off.begin(), off.end());
-      extent_[dev].assign(ext.begin(), ext.end());
-      std::size_t total = 1;
-      for (std::size_t e : ext) total *= e;
-      if (!ext.empty()) {
-        extent_[dev][0] = ext[0] / shards;
-        offset_[dev][0] = off[0] + rank[dev] * extent_[dev][0];
-      }
-      first_[dev] = rank[dev] * (total / shards);
+  /// The data axes other than the fsdp axis: composed with FSDP, the shards' gradients are
+  /// all-reduced over these.
+  static constexpr axis_mask replica_axes = DataAxes & ~FsdpAxes;
+  /// The optimizer state's layout (nn/train/optimizer_state.hpp): replicated or ZeRO-1.
+  using layout_type = optimizer_state<Mesh, DataAxes>;
+  /// `fully_shard`'s engine this composes with (nn/parallel/fsdp.hpp).
+  using fsdp_type = fsdp_engine<Mesh, FsdpAxes>;
+  /// The overlap's hooks (nn/parallel/grad_overlap.hpp).
+  using overlap_type = grad_overlap<T, Wire, Mesh, DataAxes, replica_axes>;
+
+  /// Buckets of at most `bucket_elements` for `devices` devices; ZeRO-1 when `zero`, the buckets
+  /// started during backward when `overlap` (and the model is a `sequential`: `install_hooks`).
+  data_parallel_impl(std::size_t devices, std::size_t bucket_elements, bool zero, bool overlap)
+      : buckets_(devices, bucket_elements), gather_(devices), zero_(zero), overlap_on_(overlap) {}
+
+  /// Composes over `fully_shard`'s engine (null: none).
+  void compose(std::shared_ptr<fsdp_type> fsdp) { fsdp_ = std::move(fsdp); }
+  /// Sizes the optimizer state of `params` (`slots` per element) on this process's devices `local`.
+  void size_state(const Mesh& mesh, std::span<const param_ref<T>> params, std::size_t slots,
+                  std::span<const std::size_t> local) {
+    state_ = layout_type(mesh, params, slots, zero_, local);
+  }
+  /// With overlap (and without ZeRO-1, whose reduce-scatter runs after the backward): installs the
+  /// hooks that start the buckets during backward, around `fully_shard`'s when composed. `round`
+  /// rounds a gradient to the compute type (null in float).
+  template <class Model>
+  void install_hooks(const Mesh& mesh, Model& model, void (*round)(float*, std::size_t) noexcept) {
+    if constexpr (sequential_model<Model>) {
+      if (!overlap_on_ || zero_) return;
+      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
+      model.hooks = overlap_.get();
     }
   }
-  std::span<const std::size_t> offset(std::size_t dev) const override { return offset_.at(dev); }
-  std::span<const std::size_t> extent(std::size_t dev) const override { return extent_.at(dev); }
-  std::size_t count(std::size_t dev) const override { return parent_->count(dev) / shards_; }
-  std::size_t global_index(std::size_t dev, std::size_t i) const override {
-    return parent_->global_index(dev, first_.at(dev) + i);
+
+  /// At the start of the step on `dev`: the overlap's communicator (no-op without overlap).
+  void prepare(std::size_t dev) {
+    if (overlap_) overlap_->prepare(dev);
   }
-  void for_each_global_run(std::size_t dev, std::size_t first, std::size_t len,
-                           const std::function<void(std::size_t, std::size_t, std::size_t)>& f) const override {
-    const std::size_t base = first_.at(dev);
-    parent_->for_each_global_run(dev, base + first, len,
-                                 [&](std::size_t k, std::size_t g, std::size_t n) { f(k - base, g, n); });
+  /// Before the last micro-batch's backward on `dev`: arms the overlap's hooks (no-op without).
+  void arm(const std::vector<param_ref<T>>& params, std::size_t dev) {
+    if (overlap_) overlap_->arm(buckets_, params, dev);
   }
-  held_tensor<float> zeros_like(std::span<const std::size_t> devices) const override {
-    using view_t = meshlib::block_view<float, 1, default_memory_space>;
-    auto owned = std::make_shared<std::vector<view_t>>(offset_.size());
-    held_tensor<float> h{owned, device_blocks<float>(offset_.size())};
-    for (std::size_t dev : devices) {
-      (*owned)[dev] = meshlib::allocate<float, 1, default_memory_space>({count(dev)}, "meshlib::nn::fsdp_shard");
-      h.blocks.set(dev, (*owned)[dev].data(), count(dev));
-    }
-    return h;
+  /// The parameters `[0, n)` of `n` whose gradients the step still zeroes and rounds after the
+  /// backward (the overlap's hooks did the others').
+  [[nodiscard]] std::size_t unstarted(std::size_t dev, std::size_t n) const {
+    return overlap_ ? overlap_->unstarted(dev, n) : n;
+  }
+
+  /// The gradient buckets (their traffic).
+  [[nodiscard]] const grad_sync<T, Wire>& buckets() const noexcept { return buckets_; }
+  /// The optimizer state's layout.
+  [[nodiscard]] layout_type& state() noexcept { return state_; }
+  /// The optimizer state's layout (read-only).
+  [[nodiscard]] const layout_type& state() const noexcept { return state_; }
+
+  /// One device's share of a step of `s` after its backward passes: synchronise, clip, update.
+  /// Returns the global gradient norm; `sync_seconds` the time spent synchronising.
+  template <class S>
+  double apply_gradients(S& s, std::size_t dev, double& sync_seconds) {
+    return zero_ ? apply_sharded(s, dev, sync_seconds) : apply_replicated(s, dev, sync_seconds);
   }
 
  private:
-  std::shared_ptr<const param_layout> parent_;
-  std::size_t shards_;
-  std::vector<std::size_t> first_;
-  std::vector<std::vector<std::size_t>> offset_, extent_;
-};
-
-/// "12x16" for a shape, "scalar" for none.
-inline std::string fsdp_shape_text(std::span<const std::size_t> s) {
-  std::string t;
-  for (std::size_t i = 0; i < s.size(); ++i) t += (i ? "x" : "") + std::to_string(s[i]);
-  return t.empty() ? "scalar" : t;
-}
-
-/// The FSDP machinery of one `train_state` (see the file comment): the shards, the shared buffers,
-/// and the hooks `sequential` calls around each layer. `Axes`: the fsdp axis (a mask of `Mesh`).
-template <mesh_type Mesh, axis_mask Axes>
-class fsdp_engine final : public layer_hooks {
-  using T = float;
-  using Space = default_memory_space;
-
- public:
-  /// Shards the parameters `full` (every layer's, in layer order; layer `l` holds `per_layer[l]`
-  /// of them) over `Axes`: copies each device's chunk of each block into its shard, then points the
-  /// parameters' blocks into the shared buffers (their own storage is released).
-  /// @throws sharding_error when the axis does not divide a parameter's first dimension.
-  /// `prefetch` (with `reshard_after_forward` false, where every layer has its own buffer):
-  /// start the next layer's all-gathers before a layer runs forward (see `before_forward`).
-  fsdp_engine(const Mesh& mesh, std::vector<param_ref<T>> full, const std::vector<std::size_t>& per_layer,
-              const std::vector<std::size_t>& local, bool reshard_after_forward, std::string_view axis_name,
-              bool prefetch = false)
-      : mesh_(mesh),
-        shards_n_(mesh.axes_size(Axes)),
-        full_(std::move(full)),
-        reshard_(reshard_after_forward),
-        prefetch_(prefetch && !reshard_after_forward),
-        prefetched_(mesh.size()),
-        prefetched_for_(mesh.size(), 0),
-        voff_(mesh.size()),
-        goff_(mesh.size()),
-        values_(mesh.size()),
-        grads_(mesh.size()),
-        seconds_(mesh.size(), 0.0),
-        unsharded_(mesh.size(), 0) {
-    unit_begin_.push_back(0);
-    for (std::size_t c : per_layer) unit_begin_.push_back(unit_begin_.back() + c);
-    if (unit_begin_.back() != full_.size())
-      throw sharding_error("meshlib::nn: train_state: FSDP: the model's layers report " +
-                           std::to_string(unit_begin_.back()) + " parameters, but it collects " +
-                           std::to_string(full_.size()));
-    const std::size_t f = shards_n_;
-    for (const auto& p : full_)
-      for (std::size_t dev : local) {
-        const auto ext = p.extent[dev];
-        if (ext.empty() || ext[0] % f != 0)
-          throw sharding_error(
-              "meshlib::nn: train_state: FSDP cannot shard parameter '" + p.name + "' (shape " +
-              fsdp_shape_text(p.shape) + ", " + p.sharding + ") over the " + std::to_string(f) +
-              " devices of the fsdp axis '" + std::string(axis_name) + "': " +
-              (ext.empty() ? std::string("it has no dimension to split")
-                           : "its dimension 0 (" + std::to_string(ext[0]) + " per device) is not divisible by " +
-                                 std::to_string(f)) +
-              "; use an fsdp axis whose size divides " + (ext.empty() ? std::string("1") : std::to_string(ext[0])) +
-              ", or make that dimension a multiple of " + std::to_string(f) + " (e.g. " +
-              std::to_string(ext.empty() ? f : (ext[0] + f - 1) / f * f) + ")");
-      }
-    std::vector<std::size_t> rank(mesh.size());
-    for (std::size_t dev = 0; dev < mesh.size(); ++dev) rank[dev] = mesh.group_rank(dev, Axes);
-    // Buffers: per device, each parameter's place in the value and gradient buffers.
-    for (std::size_t dev : local) {
-      voff_[dev].resize(full_.size());
-      goff_[dev].resize(full_.size());
-      std::size_t vmax = 0, gmax = 0, vall = 0;
-      for (std::size_t u = 0; u + 1 < unit_begin_.size(); ++u) {
-        std::size_t used = 0;
-        for (std::size_t k = unit_begin_[u]; k < unit_begin_[u + 1]; ++k) {
-          voff_[dev][k] = reshard_ ? used : vall + used;
-          goff_[dev][k] = used;
-          used += full_[k].count[dev];
-        }
-        vall += used;
-        vmax = std::max(vmax, used);
-        gmax = std::max(gmax, used);
-      }
-      const std::size_t vn = reshard_ ? vmax : vall;
-      values_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(vn, 1)}, "meshlib::nn::fsdp_values", false);
-      grads_[dev] = meshlib::allocate<T, 1, Space>({std::max<std::size_t>(gmax, 1)}, "meshlib::nn::fsdp_grads", false);
-      unsharded_[dev] = vn + gmax;
+  // All-reduced gradients (over the replica axes when composed with FSDP, whose reduce-scatters
+  // after each backward did the fsdp axis's share; overlapped: the buckets started during the
+  // backward, nn/parallel/grad_overlap.hpp), then every device updates its whole blocks.
+  template <class S>
+  double apply_replicated(S& s, std::size_t dev, double& sync_seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto& params = s.params;
+    const bool overlapped = overlap_ && overlap_->armed(dev);
+    const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
+                               : fsdp_    ? buckets_.template all_reduce<replica_axes>(params, s.mesh, dev)
+                                          : buckets_.template all_reduce<DataAxes>(params, s.mesh, dev);
+    sync_seconds = overlapped ? overlap_->take_seconds(dev)
+                              : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
+    std::vector<float_run>& runs = s.norm_runs(dev);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      s.unscale(g[i], params[i].count[dev]);
+      runs.push_back(s.share_of(dev, params[i], g[i], params[i].count[dev], 0));
     }
-    // The shards, with their layouts; each starts as its chunk of the parameter's current block.
-    for (const auto& p : full_) {
-      param_ref<T> s = p;
-      s.layout = std::make_shared<fsdp_shard_layout>(p.layout, rank, f);
-      s.count = {s.layout};
-      s.offset = {s.layout, false};
-      s.extent = {s.layout, true};
-      if (!s.dims.empty()) s.dims[0] |= Axes;
-      s.sharded_axes |= Axes;
-      s.sharding = stored_sharding(s.dims);
-      s.overwrite = nullptr;
-      s.rebind = {};
-      held_tensor<float> v = s.layout->zeros_like(local), g = s.layout->zeros_like(local);
-      s.value = v.blocks;
-      s.grad = g.blocks;
-      for (std::size_t dev : local)
-        convert_copy<Space>(s.value[dev], p.value[dev] + rank[dev] * s.count[dev], s.count[dev]);
-      owners_.push_back(std::move(v.owner));
-      owners_.push_back(std::move(g.owner));
-      shards_.push_back(std::move(s));
-    }
-    Kokkos::fence();
-    // The layers' blocks move into the shared buffers; their own storage goes.
-    std::vector<T*> vs(mesh.size(), nullptr), gs(mesh.size(), nullptr);
-    for (std::size_t k = 0; k < full_.size(); ++k) {
-      for (std::size_t dev : local) {
-        vs[dev] = values_[dev].data() + voff_[dev][k];
-        gs[dev] = grads_[dev].data() + goff_[dev][k];
+    const double norm = s.global_norm(dev, runs);
+    // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
+    // of them: the skip verdict is the same on every device.
+    if (s.loss_scaling() && !std::isfinite(norm)) return norm;
+    std::vector<float*> slot(s.opt.slots());
+    s.step_optimizer(dev, norm, 0, [&](auto&& f) {
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = state_.slot(i, k, dev);
+        f(i, std::size_t{0}, g[i], params[i].count[dev], std::span<float* const>(slot));
       }
-      if (!full_[k].rebind)
-        throw sharding_error("meshlib::nn: train_state: FSDP: parameter '" + full_[k].name +
-                             "' cannot be moved into the gather buffers (its layer's collect gives a view without "
-                             "rebind); FSDP needs parameters made as meshlib::nn::parameter");
-      full_[k].rebind(vs, gs);
-      for (std::size_t dev : local) {
-        full_[k].value.set(dev, vs[dev], full_[k].count[dev]);
-        full_[k].grad.set(dev, gs[dev], full_[k].count[dev]);
-      }
-    }
+    });
+    s.refresh_device(dev);
+    return norm;
   }
 
-  /// The stored shards, in the order of the parameters: what the train state optimizes and saves.
-  [[nodiscard]] const std::vector<param_ref<T>>& shards() const noexcept { return shards_; }
-  /// Elements of device `dev`'s gather buffers (values and gradients).
-  [[nodiscard]] std::size_t unsharded_elements(std::size_t dev) const { return unsharded_.at(dev); }
-  /// Seconds device `dev` spent in FSDP's collectives since the last call (then reset).
-  double take_seconds(std::size_t dev) { return std::exchange(seconds_.at(dev), 0.0); }
-
-  /// Gathers the layer's parameters, or (prefetch) waits for the gathers started before an earlier
-  /// layer, then starts those of the next layer that has parameters with `all_gather_into_start`,
-  /// which run on the device's communication worker while this layer (and any parameterless one
-  /// after it) computes: FSDP2's forward prefetch, one layer ahead. The gathered bits are the same.
-  void before_forward(std::size_t layer, std::size_t dev) override {
+  // ZeRO-1: the gradients reduce-scattered over the data axes, each device updating its slice of
+  // the flat vector with its slice of the state, the updated slices all-gathered.
+  template <class S>
+  double apply_sharded(S& s, std::size_t dev, double& sync_seconds) {
+    const auto& params = s.params;
+    const std::size_t dp = s.mesh.axes_size(DataAxes);
     const auto t0 = std::chrono::steady_clock::now();
-    auto& pending = prefetched_[dev];
-    // A new forward, or gathers started for a layer already passed (an aborted forward's): dropped.
-    if (layer == 0 || prefetched_for_[dev] < layer) pending.clear();
-    if (!pending.empty() && prefetched_for_[dev] == layer) {
-      for (auto& w : pending) w();
-      pending.clear();
+    std::size_t begin = 0, size = 0;
+    T* g = buckets_.template reduce_scatter<DataAxes>(params, s.mesh, dev, begin, size);
+    sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    s.unscale(g, size);
+    std::vector<float_run>& runs = s.norm_runs(dev);
+    for_each_piece(params, dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t o, std::size_t len) {
+      runs.push_back(s.share_of(dev, p, g + o, len, DataAxes));
+    });
+    const double norm = s.global_norm(dev, runs);
+    if (s.loss_scaling() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
+    float* m = state_.zero_state(dev).data();
+    std::vector<float*> slot(s.opt.slots());
+    s.step_optimizer(dev, norm, DataAxes, [&](auto&& f) {
+      for_each_piece(params, dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t o,
+                                                   std::size_t len) {
+        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + o;
+        f(static_cast<std::size_t>(&p - params.data()), in_param, g + o, len, std::span<float* const>(slot));
+      });
+    });
+    // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
+    T* send = gather_.get(dev, size * (dp + 1));
+    T* recv = send + size;
+    fill_values<default_memory_space>(send, size, T{});
+    for_each_piece(params, dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t o,
+                                                 std::size_t len) {
+      convert_copy<default_memory_space>(send + o, s.master(static_cast<std::size_t>(&p - params.data()), dev) + in_param,
+                                         len);
+    });
+    const auto t1 = std::chrono::steady_clock::now();
+    if (dp > 1) {
+      // The slices vary over the data axes; gathered, every replica holds the whole vector.
+      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
+      (void)meshlib::all_gather_into<group_of_t<Mesh, DataAxes>, 0>(wrap1<slice_t>(send, size, s.mesh, dev),
+                                                                   wrap1<slice_t>(recv, size * dp, s.mesh, dev));
     } else {
-      for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) gather(k, dev);
+      convert_copy<default_memory_space>(recv, send, size);
     }
-    if (prefetch_ && pending.empty()) {
-      std::size_t next = layer + 1;
-      while (next + 1 < unit_begin_.size() && unit_begin_[next] == unit_begin_[next + 1]) ++next;
-      if (next + 1 < unit_begin_.size()) {
-        prefetched_for_[dev] = next;
-        for (std::size_t k = unit_begin_[next]; k < unit_begin_[next + 1]; ++k) start_gather(k, dev, pending);
-      }
+    sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      convert_copy<default_memory_space>(s.master(i, dev), recv + off, params[i].count[dev]);
+      off += params[i].count[dev];
     }
-    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  void before_backward(std::size_t layer, std::size_t dev) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
-      if (reshard_) gather(k, dev);
-      // The shared gradient buffer holds another layer's gradients: this backward overwrites it
-      // (a layer that announces grad_beta), or adds to zeros.
-      const param_ref<T>& p = full_[k];
-      if (p.overwrite) p.overwrite[dev] = 1;
-      else fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
-    }
-    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  void after_backward(std::size_t layer, std::size_t dev) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t k = unit_begin_.at(layer); k < unit_begin_.at(layer + 1); ++k) {
-      const param_ref<T>& p = full_[k];
-      if (p.overwrite && p.overwrite[dev]) {  // the backward did not write it: no gradient
-        fill_values<Space>(p.grad[dev], p.count[dev], 0.0f);
-        p.overwrite[dev] = 0;
-      }
-      scatter(k, dev);
-    }
-    seconds_[dev] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    s.refresh_device(dev);
+    return norm;
   }
 
- private:
-  /// How a shard is laid out, as `named_sharding` prints it: `dims` per dimension, the parameter's
-  /// own axes (in mesh order) then, on dimension 0, the fsdp axis (minor: a chunk of the block).
-  std::string stored_sharding(const std::vector<axis_mask>& dims) const {
-    std::string t = "named_sharding(" + mesh_.to_string() + ", P<";
-    for (std::size_t d = 0; d < dims.size(); ++d) {
-      std::vector<std::string_view> names;
-      for (std::size_t i = 0; i < Mesh::ndim; ++i)
-        if ((dims[d] & ~(d == 0 ? Axes : axis_mask{0})) & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
-      if (d == 0)
-        for (std::size_t i = 0; i < Mesh::ndim; ++i)
-          if (Axes & (axis_mask{1} << i)) names.push_back(Mesh::axis_names[i]);
-      std::string e = names.empty() ? "none" : names.size() == 1 ? "" : "axes(";
-      for (std::size_t i = 0; i < names.size(); ++i) e += (i ? ", \"" : "\"") + std::string(names[i]) + "\"";
-      if (names.size() > 1) e += ")";
-      t += (d ? ", " : "") + e;
+  // Calls `f(param, offset in param, offset in slice, length)` for the pieces of `params` that lie
+  // in the flat slice `[begin, begin + size)` of device `dev`'s flat vector.
+  template <class F>
+  static void for_each_piece(const std::vector<param_ref<T>>& params, std::size_t dev, std::size_t begin,
+                             std::size_t size, F&& f) {
+    std::size_t off = 0;
+    for (const auto& p : params) {
+      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
+      if (lo < hi) f(p, lo - off, lo - begin, hi - lo);
+      off += p.count[dev];
     }
-    return t + ">)";
-  }
-  /// Parameter `k`'s whole block on `dev` from the shards: the typed all-gather over `Axes`.
-  void gather(std::size_t k, std::size_t dev) {
-    const std::size_t s = shards_[k].count[dev];
-    T* out = full_[k].value[dev];
-    T* in = shards_[k].value[dev];
-    if constexpr (Axes != 0) {
-      if (shards_n_ > 1) {
-        // The shard varies over every axis; gathered over the fsdp axis, the block no longer varies over it.
-        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
-        (void)meshlib::all_gather_into<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
-                                                                 wrap1<slice_t>(out, s * shards_n_, mesh_, dev));
-        return;
-      }
-    }
-    convert_copy<Space>(out, in, s);
-  }
-  /// `gather(k, dev)` started: the request's wait goes into `pending` (a layer without parameters,
-  /// or a group of one, leaves a wait that only copies).
-  void start_gather(std::size_t k, std::size_t dev, std::vector<std::function<void()>>& pending) {
-    const std::size_t s = shards_[k].count[dev];
-    T* out = full_[k].value[dev];
-    T* in = shards_[k].value[dev];
-    if constexpr (Axes != 0) {
-      if (shards_n_ > 1) {
-        using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
-        auto r = std::make_shared<decltype(meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(
-            wrap1<slice_t>(in, s, mesh_, dev), wrap1<slice_t>(out, s * shards_n_, mesh_, dev)))>(
-            meshlib::all_gather_into_start<group_of_t<Mesh, Axes>, 0>(wrap1<slice_t>(in, s, mesh_, dev),
-                                                                        wrap1<slice_t>(out, s * shards_n_, mesh_, dev)));
-        pending.emplace_back([r] { (void)r->wait(); });
-        return;
-      }
-    }
-    pending.emplace_back([this, k, dev] { gather(k, dev); });
-  }
-  /// Parameter `k`'s gradient block on `dev` (a pending sum over `Axes`: its rows were this device's
-  /// batch) reduce-scattered into its shard's gradient, which it adds to.
-  void scatter(std::size_t k, std::size_t dev) {
-    const std::size_t s = shards_[k].count[dev], r = mesh_.group_rank(dev, Axes);
-    T* g = full_[k].grad[dev];
-    T* shard = shards_[k].grad[dev];
-    add_values<Space>(g + r * s, shard, s);  // the running sum rides in this device's chunk
-    if constexpr (Axes != 0) {
-      if (shards_n_ > 1) {
-        using B = local_tensor<T, 1, Mesh, Mesh::all_axes & ~Axes, Axes>;
-        (void)meshlib::psum_scatter_into<group_of_t<Mesh, Axes>, 0>(wrap1<B>(g, s * shards_n_, mesh_, dev),
-                                                                   wrap1<B>(shard, s, mesh_, dev));
-        return;
-      }
-    }
-    convert_copy<Space>(shard, g, s);
   }
 
-  Mesh mesh_;
-  std::size_t shards_n_;
-  std::vector<param_ref<T>> full_, shards_;
-  std::vector<std::shared_ptr<const void>> owners_;
-  std::vector<std::size_t> unit_begin_;
-  bool reshard_;
-  bool prefetch_;
-  /// Per device: the waits of the next layer's started gathers (prefetch).
-  std::vector<std::vector<std::function<void()>>> prefetched_;
-  std::vector<std::size_t> prefetched_for_;  ///< per device: the layer `prefetched_` gathers
-  std::vector<std::vector<std::size_t>> voff_, goff_;
-  std::vector<meshlib::block_view<T, 1, Space>> values_, grads_;
-  std::vector<double> seconds_;
-  std::vector<std::size_t> unsharded_;
+  grad_sync<T, Wire> buckets_;
+  layout_type state_;
+  device_buffers<T> gather_;  // ZeRO-1's all-gather of the updated slices
+  bool zero_ = false;
+  bool overlap_on_ = false;
+  // Shared by copies of the state, as the model's hooks pointing at them are.
+  std::shared_ptr<fsdp_type> fsdp_;
+  std::shared_ptr<overlap_type> overlap_;
 };
 
 }  // namespace detail
+
 }  // namespace meshlib::nn
-// end meshlib/nn/parallel/fsdp.hpp
+// end meshlib/nn/parallel/data_parallel.hpp
 // begin meshlib/nn/data.hpp
 /// @file
 /// @brief The data pipeline of meshlib's nn layer: datasets, IDX and Fashion-MNIST readers, the
@@ -12166,131 +12577,6 @@ class loss_scaler {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/train/loss_scaler.hpp
-// begin meshlib/nn/train/optimizer_state.hpp
-/// @file
-/// @brief `optimizer_state`: where a `train_state`'s optimizer slots live, in one of two layouts.
-/// Replicated (and under FSDP, whose parameters are already the shards): slot `s` of parameter `i`
-/// is a float tensor with the parameter's own shape and sharding, the same blocks as its value and
-/// gradient. ZeRO-1 (`data_parallel{.zero = 1}`): each device holds `(slots, ceil(n / dp))`, its
-/// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
-/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
-/// @code
-/// // inside train_state: state_ = optimizer_state<Mesh, data_axes>(mesh, params, opt.slots(), options.zero, local_);
-/// @endcode
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <span>
-#include <vector>
-
-
-namespace meshlib::nn {
-
-/// @brief A train state's optimizer slots (see the file comment) over the mesh `Mesh`, ZeRO-1
-/// sharded over `DataAxes` when asked.
-template <mesh_type Mesh, axis_mask DataAxes>
-class optimizer_state {
- public:
-  /// A device's ZeRO-1 optimizer state: shape `(slots, ceil(n / dp))`, row `s` slot `s` of this
-  /// device's slice of its flat gradient vector (`n` elements: its parameters' blocks in order;
-  /// `dp` devices over the data axes). Its type says what it is: dimension 1 is a block over the
-  /// data axes, and the value varies over every axis (the flat vector itself differs over the
-  /// axes parameters are sharded over). It is a local tensor, not a `sharded_tensor` with a global
-  /// shape: the flat vectors of devices that differ over a model axis may have different lengths
-  /// (uneven shardings), so no one global array is split into these slices (docs/design.md).
-  using zero_state_type =
-      local_tensor<float, 2, Mesh, Mesh::all_axes, 0, dim_masks<axis_mask{0}, DataAxes>, default_memory_space>;
-
-  /// No state.
-  optimizer_state() = default;
-  /// @brief Zeroed slots for `params` on this process's devices `local`: `slots` per element,
-  /// ZeRO-1 sharded over `DataAxes` when `zero`. Every tensor is made here, on the calling thread:
-  /// device threads only read and write blocks through unmanaged views (tensor/view.hpp).
-  optimizer_state(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t slots, bool zero,
-                  std::span<const std::size_t> local)
-      : slots_(slots), zero_(zero) {
-    if (zero) {
-      const std::size_t dp = mesh.axes_size(DataAxes);
-      zero_state_.reserve(mesh.size());
-      for (std::size_t dev = 0; dev < mesh.size(); ++dev)
-        if (std::find(local.begin(), local.end(), dev) == local.end()) {
-          zero_state_.emplace_back(typename zero_state_type::view_type(), mesh, dev);
-        } else {
-          const std::size_t n = flat_size(params, dev);
-          zero_state_.emplace_back(typename zero_state_type::shape_type{slots, (n + dp - 1) / dp}, mesh, dev);
-        }
-    } else {
-      for (const auto& p : params)
-        for (std::size_t s = 0; s < slots; ++s) state_.push_back(p.layout->zeros_like(local));
-    }
-  }
-
-  /// Whether the slots are ZeRO-1 sharded over the data axes.
-  [[nodiscard]] bool sharded() const noexcept { return zero_; }
-  /// Elements of state device `dev` holds (a device of this process) for `params`.
-  [[nodiscard]] std::size_t size(std::span<const param_ref<float>> params, std::size_t dev) const {
-    return zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev);
-  }
-  /// Slot `s` of parameter `i`'s block on device `dev` (replicated layout).
-  [[nodiscard]] float* slot(std::size_t i, std::size_t s, std::size_t dev) const {
-    return state_[i * slots_ + s].blocks[dev];
-  }
-  /// Device `dev`'s ZeRO-1 state (sharded layout).
-  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return zero_state_.at(dev); }
-  /// Device `dev`'s ZeRO-1 state, to update (sharded layout).
-  [[nodiscard]] zero_state_type& zero_state(std::size_t dev) { return zero_state_.at(dev); }
-
-  /// Calls `f(param_index, offset_in_block, len, slot)` for each run of state device `dev` holds, in
-  /// parameter order: elements `[offset, offset + len)` of the parameter's local block, whose slot
-  /// `s` starts at `slot[s]` (a `std::span<float* const>` of the slots). Replicated: whole blocks;
-  /// ZeRO-1: the pieces of this device's slice of the flat vector.
-  template <class F>
-  void for_each_run(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t dev, F&& f) {
-    std::vector<float*> slot(slots_);  // a chain has any number of slots
-    const std::span<float* const> slots(slot);
-    if (!zero_) {
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        for (std::size_t s = 0; s < slots_; ++s) slot[s] = this->slot(i, s, dev);
-        f(i, std::size_t{0}, params[i].count[dev], slots);
-      }
-      return;
-    }
-    const std::size_t size = zero_state_.at(dev).extent(1), begin = mesh.group_rank(dev, DataAxes) * size;
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) {
-        for (std::size_t s = 0; s < slots_; ++s) slot[s] = zero_state_[dev].data() + s * size + (lo - begin);
-        f(i, lo - off, hi - lo, slots);
-      }
-      off += p.count[dev];
-    }
-  }
-  /// Whether device `dev` is the one that writes parameter `p`'s state to a checkpoint (one device
-  /// of each group holding the same state).
-  [[nodiscard]] bool owns(const Mesh& mesh, std::size_t dev, const param_ref<float>& p) const {
-    const axis_mask replicas = mesh.all_axes & ~p.sharded_axes & ~(zero_ ? DataAxes : axis_mask{0});
-    return mesh.group_rank(dev, replicas) == 0;
-  }
-
- private:
-  static std::size_t flat_size(std::span<const param_ref<float>> params, std::size_t dev) {
-    std::size_t n = 0;
-    for (const auto& p : params) n += p.count[dev];
-    return n;
-  }
-
-  std::size_t slots_ = 0;
-  bool zero_ = false;
-  // Replicated: slot `s` of parameter `i` is `state_[i * slots + s]`. ZeRO-1: `zero_state_[dev]`.
-  std::vector<detail::held_tensor<float>> state_;
-  std::vector<zero_state_type> zero_state_;
-};
-
-}  // namespace meshlib::nn
-// end meshlib/nn/train/optimizer_state.hpp
 // begin meshlib/nn/train/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
@@ -13312,61 +13598,6 @@ struct train_options {
   bool fsdp_prefetch = true;
 };
 
-namespace detail {
-/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
-template <std::size_t N>
-constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
-  return s.view();
-}
-/// The text of a template argument nvcc's front end has turned into a `const char*`.
-constexpr std::string_view text_of(const char* s) noexcept { return s; }
-}  // namespace detail
-
-namespace detail {
-/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
-template <class Model>
-concept sequential_model = requires(Model& net) {
-  net.hooks;
-  net.template params_per_layer<float>();
-};
-
-/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
-/// one `static_assert`, on the first unmet requirement.
-template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
-constexpr void check_policies() {
-  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
-                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
-                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
-  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
-  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
-  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
-                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
-                                                                                             : text_of(Pipe))) &&
-                               ...);
-  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
-                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
-  if constexpr (!once) {
-    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
-                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
-  } else if constexpr (!own_axes) {
-    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
-                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
-                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
-  } else if constexpr (!in_mesh) {
-    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
-                           "add the axis to the mesh or give the policy one of the mesh's axes");
-  } else if constexpr (!state_axes) {
-    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
-                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
-                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
-                              "same axis in both");
-  } else if constexpr (!layered) {
-    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
-                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
-  }
-}
-}  // namespace detail
-
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
 /// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
 /// @code
@@ -13453,9 +13684,8 @@ class train_state {
         opt(o),
         options(opts),
         key(k),
-        sync_(m.size(), opts.bucket_elements),
+        data_parallel_(m.size(), opts.bucket_elements, opts.zero, opts.overlap_grad_sync),
         loss_(m.size()),
-        gather_(m.size()),
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
@@ -13481,17 +13711,27 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (opt.whole_parameters()) refuse_parameter_shards();
-    if (options.fsdp) shard_parameters();
+    // FSDP (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks. nvcc's
+    // front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): its text is read through an overload for either.
+    if (options.fsdp)
+      fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, options.reshard_after_forward,
+                                                    options.fsdp_prefetch, detail::text_of(Fsdp), options.zero);
+    data_parallel_.compose(fsdp_);
     // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
     // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
-    if (pipeline_ == nullptr) start_overlap();
+    if (pipeline_ == nullptr) {
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      data_parallel_.install_hooks(mesh, model, round);
+    }
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    state_ = optimizer_state_type(mesh, params, opt.slots(), options.zero, local_);
+    data_parallel_.size_state(mesh, params, opt.slots(), local_);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -13576,7 +13816,7 @@ class train_state {
   /// device of another process.
   [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
     if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
-    return state_.size(params, dev);
+    return data_parallel_.state().size(params, dev);
   }
   /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
   /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
@@ -13603,12 +13843,14 @@ class train_state {
     return out;
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
-  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return state_.zero_state(dev); }
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const {
+    return data_parallel_.state().zero_state(dev);
+  }
   /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
   /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
   [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
-  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
+  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return data_parallel_.buckets(); }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
@@ -13624,114 +13866,42 @@ class train_state {
   /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    state_.for_each_run(mesh, params, dev, std::forward<F>(f));
+    data_parallel_.state().for_each_run(mesh, params, dev, std::forward<F>(f));
   }
   /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
   /// (one device of each group holding the same state).
   [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
-    return state_.owns(mesh, dev, p);
+    return data_parallel_.state().owns(mesh, dev, p);
   }
 
-  /// One device's share of a step after its backward passes: synchronise, clip, update.
-  /// Returns the global gradient norm.
+  /// One device's share of a step after its backward passes: synchronise, clip, update (the
+  /// data-parallel policy's gradient path, `detail::data_parallel_impl`). Returns the global
+  /// gradient norm; `sync_seconds` the time spent synchronising.
   double apply_gradients(std::size_t dev, double& sync_seconds) {
-    const std::size_t dp = mesh.axes_size(data_axes);
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!options.zero) {
-      // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      // Overlapped: the buckets were started during backward (nn/parallel/grad_overlap.hpp).
-      const bool overlapped = overlap_ && overlap_->armed(dev);
-      const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
-                                 : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
-                                            : sync_.template all_reduce<data_axes>(params, mesh, dev);
-      sync_seconds = overlapped ? overlap_->take_seconds(dev)
-                                : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-      std::vector<detail::float_run>& runs = norm_runs(dev);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        unscale(g[i], params[i].count[dev]);
-        runs.push_back(share_of(dev, params[i], g[i], params[i].count[dev], 0));
-      }
-      double sq[1] = {sum_of_squares(dev, runs)};
-      detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-      const double norm = std::sqrt(sq[0]);
-      // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
-      // of them: the skip verdict is the same on every device.
-      if (scaler_.enabled() && !std::isfinite(norm)) return norm;
-      std::vector<float*> slot(opt.slots());
-      step_optimizer(dev, norm, 0, [&](auto&& f) {
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          for (std::size_t s = 0; s < slot.size(); ++s) slot[s] = state_slot(i, s, dev);
-          f(i, std::size_t{0}, g[i], params[i].count[dev], std::span<float* const>(slot));
-        }
-      });
-      refresh_device(dev);
-      return norm;
-    }
-    std::size_t begin = 0, size = 0;
-    T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
-    sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    unscale(g, size);
-    std::vector<detail::float_run>& runs = norm_runs(dev);
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
-      runs.push_back(share_of(dev, p, g + s, len, data_axes));
-    });
-    double sq[1] = {sum_of_squares(dev, runs)};
-    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-    const double norm = std::sqrt(sq[0]);
-    if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
-    float* m = state_.zero_state(dev).data();
-    std::vector<float*> slot(opt.slots());
-    step_optimizer(dev, norm, data_axes, [&](auto&& f) {
-      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
-                                           std::size_t len) {
-        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
-        f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
-      });
-    });
-    // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
-    T* send = gather_.get(dev, size * (dp + 1));
-    T* recv = send + size;
-    detail::fill_values<default_memory_space>(send, size, T{});
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      detail::convert_copy<default_memory_space>(send + s, master_of(p, dev) + in_param, len);
-    });
-    const auto t1 = std::chrono::steady_clock::now();
-    if (dp > 1) {
-      // The slices vary over the data axes; gathered, every replica holds the whole vector.
-      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
-      (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
-          detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
-    } else {
-      detail::convert_copy<default_memory_space>(recv, send, size);
-    }
-    sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      detail::convert_copy<default_memory_space>(master(i, dev), recv + off, params[i].count[dev]);
-      off += params[i].count[dev];
-    }
-    refresh_device(dev);
-    return norm;
+    return data_parallel_.apply_gradients(*this, dev, sync_seconds);
   }
 
   /// Overlapped gradient sync: before the last micro-batch's backward on `dev`, arms the hooks that
   /// start the buckets (no-op without overlap).
   void begin_grad_overlap(std::size_t dev) {
-    if (overlap_) overlap_->arm(sync_, params, dev);
+    data_parallel_.arm(params, dev);
   }
   /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
   /// (nn/parallel/grad_overlap.hpp, `prepare`; no-op without overlap).
   void prepare_grad_overlap(std::size_t dev) {
-    if (overlap_) overlap_->prepare(dev);
+    data_parallel_.prepare(dev);
   }
   /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
   /// (the hooks did the others' before starting their buckets).
   [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
-    return overlap_ ? overlap_->unstarted(dev, params.size()) : params.size();
+    return data_parallel_.unstarted(dev, params.size());
   }
 
  private:
+  // The data-parallel policy's gradient path reads the norm helpers, the optimizer chain and the masters.
+  template <class, class, class, axis_mask, axis_mask>
+  friend class detail::data_parallel_impl;
+
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
   // pieces of one: refused here, before any step, with the fix.
   void refuse_parameter_shards() const {
@@ -13800,47 +13970,6 @@ class train_state {
   static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
     o.pipeline = p.options();
   }
-  /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
-  void start_overlap() {
-    if constexpr (requires(Model& net) {
-                    net.hooks;
-                    net.template params_per_layer<T>();
-                  }) {
-      if (!options.overlap_grad_sync || options.zero) return;
-      void (*round)(float*, std::size_t) noexcept = nullptr;
-      if constexpr (mixed) round = &detail::round_to<Compute>;
-      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
-      model.hooks = overlap_.get();
-    }
-  }
-
-  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
-  void shard_parameters() {
-    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
-    // ("expression must have class type"): read it through an overload for either.
-    const std::string_view fsdp_name = detail::text_of(Fsdp);
-    if constexpr (fsdp_axes == 0) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
-                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
-                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
-    } else if constexpr (!requires(Model& net) {
-                           net.hooks;
-                           net.template params_per_layer<T>();
-                         }) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
-                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
-    } else {
-      if (options.zero)
-        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
-      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, fsdp_name,
-                                                                      options.fsdp_prefetch);
-      params = fsdp_->shards();
-      model.hooks = fsdp_.get();
-    }
-  }
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
@@ -13865,12 +13994,13 @@ class train_state {
     return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
                                                         blocks, squares_.get(dev, blocks + 1));
   }
-  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
-  /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
-  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_.slot(i, s, dev); }
-  float* master_of(const param_ref<T>& p, std::size_t dev) {
-    return master(static_cast<std::size_t>(&p - params.data()), dev);
+  /// The global norm whose square device `dev`'s `runs` are its share of (summed over every device).
+  double global_norm(std::size_t dev, const std::vector<detail::float_run>& runs) const {
+    double sq[1] = {sum_of_squares(dev, runs)};
+    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+    return std::sqrt(sq[0]);
   }
+  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
       for (std::size_t i = 0; i < params.size(); ++i)
@@ -13890,9 +14020,7 @@ class train_state {
         for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
           runs.push_back(share_of(dev, params[i], u, len, except));
         });
-        double sq[1] = {sum_of_squares(dev, runs)};
-        detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-        stage_norm = std::sqrt(sq[0]);
+        stage_norm = global_norm(dev, runs);
       }
       if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
@@ -13923,23 +14051,10 @@ class train_state {
     for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
-  /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
-  /// lie in the flat slice `[begin, begin + size)`.
-  template <class F>
-  void for_each_piece(std::size_t dev, std::size_t begin, std::size_t size, F&& f) const {
-    std::size_t off = 0;
-    for (const auto& p : params) {
-      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) f(p, lo - off, lo - begin, hi - lo);
-      off += p.count[dev];
-    }
-  }
-
-  grad_sync<T, Wire> sync_;
+  /// The data-parallel policy at work: the gradient buckets and path, the optimizer state's layout
+  /// (nn/train/optimizer_state.hpp: replicated or ZeRO-1) and the overlap's hooks.
+  detail::data_parallel_impl<T, Wire, Mesh, data_axes, fsdp_axes> data_parallel_;
   softmax_cross_entropy<T> loss_;
-  /// Optimizer state (nn/train/optimizer_state.hpp; docs/design.md): replicated or ZeRO-1.
-  optimizer_state_type state_;
-  detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
@@ -13968,9 +14083,6 @@ class train_state {
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
-  /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
-  using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
-  std::shared_ptr<overlap_type> overlap_;
   /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
   loss_scaler scaler_;
 };

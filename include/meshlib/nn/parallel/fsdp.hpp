@@ -422,5 +422,37 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::size_t> unsharded_;
 };
 
+/// `fully_shard`'s part of a `train_state` under construction (its `params` collected, nothing
+/// sized yet): shards `params` over `Axes` (the axis `axis_name` of `mesh`, or none: `Axes` 0), makes
+/// them the engine's shards and installs the engine as `model`'s layer hooks. `zero`: whether
+/// ZeRO-1 was asked for too, which FSDP refuses (it shards the optimizer state itself).
+/// @throws sharding_error for a mesh without the axis, a model that is not a `sequential`, ZeRO-1
+/// beside it, and as `fsdp_engine`'s constructor.
+template <axis_mask Axes, mesh_type Mesh, class Model, class T>
+std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
+                                                           std::vector<param_ref<T>>& params,
+                                                           const std::vector<std::size_t>& local,
+                                                           bool reshard_after_forward, bool prefetch,
+                                                           std::string_view axis_name, bool zero) {
+  if constexpr (Axes == 0) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
+                         std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
+                         ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
+                         "\">, axis<\"model\">>)");
+  } else if constexpr (!sequential_model<Model>) {
+    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
+                         "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
+  } else {
+    if (zero)
+      throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
+                           "shards the optimizer state (over '" + std::string(axis_name) + "'): turn zero off");
+    auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
+                                                            reshard_after_forward, axis_name, prefetch);
+    params = engine->shards();
+    model.hooks = engine.get();
+    return engine;
+  }
+}
+
 }  // namespace detail
 }  // namespace meshlib::nn

@@ -5,7 +5,7 @@
 /// names the mesh axis it applies to and says which parallelism it is (torchtitan's `apply_*`
 /// functions, one per parallelism over a sub-mesh); a `train_state` takes any of them, each at most
 /// once and each over an axis of its own, and checks that at compile time
-/// (`detail::check_policies`, nn/train/train_state.hpp). Tensor parallelism is not a policy: it is
+/// (`detail::check_policies`, below). Tensor parallelism is not a policy: it is
 /// in the layer types (`column_dense`, `row_dense`, ...), checked when the model is composed.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"data">{.zero = 1},
@@ -70,6 +70,57 @@ constexpr bool policies_share_an_axis() {
       for (std::size_t j = i + 1; j < n; ++j)
         if (names[i] == names[j]) return true;
     return false;
+  }
+}
+
+/// The text of a `fixed_string` template argument (an axis's name in `train_state`'s checks and messages).
+template <std::size_t N>
+constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
+  return s.view();
+}
+/// The text of a template argument nvcc's front end has turned into a `const char*`.
+constexpr std::string_view text_of(const char* s) noexcept { return s; }
+
+/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
+template <class Model>
+concept sequential_model = requires(Model& net) {
+  net.hooks;
+  net.template params_per_layer<float>();
+};
+
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// one `static_assert`, on the first unmet requirement.
+template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
+constexpr void check_policies() {
+  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
+                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
+                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
+  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
+                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
+                                                                                             : text_of(Pipe))) &&
+                               ...);
+  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
+                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
+  if constexpr (!once) {
+    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
+                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!own_axes) {
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
+                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
+  } else if constexpr (!in_mesh) {
+    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
+                           "add the axis to the mesh or give the policy one of the mesh's axes");
+  } else if constexpr (!state_axes) {
+    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
+                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
+                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
+                              "same axis in both");
+  } else if constexpr (!layered) {
+    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
+                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
   }
 }
 }  // namespace detail

@@ -8,7 +8,8 @@
 /// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
 /// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
 /// @code
-/// // inside train_state: state_ = optimizer_state<Mesh, data_axes>(mesh, params, opt.slots(), options.zero, local_);
+/// // inside data_parallel_impl (nn/parallel/data_parallel.hpp), which owns it:
+/// // state_ = optimizer_state<Mesh, DataAxes>(mesh, params, opt.slots(), zero, local);
 /// @endcode
 
 #include <algorithm>

@@ -97,61 +97,6 @@ struct train_options {
   bool fsdp_prefetch = true;
 };
 
-namespace detail {
-/// The text of a `fixed_string` template argument (see `train_state::shard_parameters`).
-template <std::size_t N>
-constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
-  return s.view();
-}
-/// The text of a template argument nvcc's front end has turned into a `const char*`.
-constexpr std::string_view text_of(const char* s) noexcept { return s; }
-}  // namespace detail
-
-namespace detail {
-/// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
-template <class Model>
-concept sequential_model = requires(Model& net) {
-  net.hooks;
-  net.template params_per_layer<float>();
-};
-
-/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
-/// one `static_assert`, on the first unmet requirement.
-template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
-constexpr void check_policies() {
-  constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
-                        policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
-                        policy_count_v<parallelism::pipelined, Ps...> <= 1;
-  constexpr bool own_axes = !policies_share_an_axis<Ps...>();
-  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
-  constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
-                                                    : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
-                                                                                             : text_of(Pipe))) &&
-                               ...);
-  constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
-                                                        policy_count_v<parallelism::pipelined, Ps...>) == 0;
-  if constexpr (!once) {
-    static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
-                        "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
-  } else if constexpr (!own_axes) {
-    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
-                            "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
-                            "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
-  } else if constexpr (!in_mesh) {
-    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
-                           "add the axis to the mesh or give the policy one of the mesh's axes");
-  } else if constexpr (!state_axes) {
-    static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
-                              "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
-                              "state's type (train_state state(mesh, net, opt, policies...)) or spell the "
-                              "same axis in both");
-  } else if constexpr (!layered) {
-    static_assert(layered, "meshlib::nn: train_state: fully_shard and pipeline need a sequential model (its "
-                           "layers are FSDP's units and the pipeline's stages); wrap the layers in nn::sequential");
-  }
-}
-}  // namespace detail
-
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
 /// Made with parallel policies (`data_parallel`, `fully_shard`, `pipeline`), the axes are theirs:
 /// @code
@@ -238,9 +183,8 @@ class train_state {
         opt(o),
         options(opts),
         key(k),
-        sync_(m.size(), opts.bucket_elements),
+        data_parallel_(m.size(), opts.bucket_elements, opts.zero, opts.overlap_grad_sync),
         loss_(m.size()),
-        gather_(m.size()),
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
@@ -266,17 +210,27 @@ class train_state {
       all.assign(local_devices.begin(), local_devices.end());
     local_ = all;
     if (opt.whole_parameters()) refuse_parameter_shards();
-    if (options.fsdp) shard_parameters();
+    // FSDP (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks. nvcc's
+    // front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
+    // ("expression must have class type"): its text is read through an overload for either.
+    if (options.fsdp)
+      fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, options.reshard_after_forward,
+                                                    options.fsdp_prefetch, detail::text_of(Fsdp), options.zero);
+    data_parallel_.compose(fsdp_);
     // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
     // stage's devices, before the optimizer state is sized from the parameters' blocks.
     if constexpr (pipeline_axes != 0)
       if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
     // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
     // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
-    if (pipeline_ == nullptr) start_overlap();
+    if (pipeline_ == nullptr) {
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      data_parallel_.install_hooks(mesh, model, round);
+    }
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    state_ = optimizer_state_type(mesh, params, opt.slots(), options.zero, local_);
+    data_parallel_.size_state(mesh, params, opt.slots(), local_);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -361,7 +315,7 @@ class train_state {
   /// device of another process.
   [[nodiscard]] std::size_t optimizer_state_size(std::size_t dev) const {
     if (std::find(local_.begin(), local_.end(), dev) == local_.end()) return 0;
-    return state_.size(params, dev);
+    return data_parallel_.state().size(params, dev);
   }
   /// @brief The bytes device `dev` holds for parameters, gradients and optimizer state (and, under
   /// FSDP, the buffers layers' parameters are gathered into); zero for a device of another process.
@@ -388,12 +342,14 @@ class train_state {
     return out;
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
-  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const { return state_.zero_state(dev); }
+  [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const {
+    return data_parallel_.state().zero_state(dev);
+  }
   /// Device `dev`'s count of the model's layer buffers (`step_metrics::peak_activation_bytes`);
   /// `train_step` and `evaluate` make it the device thread's meter while the model runs.
   [[nodiscard]] detail::buffer_meter* activation_meter(std::size_t dev) const { return &meters_->at(dev); }
   /// The gradient synchronisation (its buckets and traffic).
-  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return sync_; }
+  [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return data_parallel_.buckets(); }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
@@ -409,114 +365,42 @@ class train_state {
   /// pointers). Replicated: whole blocks; ZeRO-1: the pieces of this device's slice of the flat vector.
   template <class F>
   void for_each_state_run(std::size_t dev, F&& f) {
-    state_.for_each_run(mesh, params, dev, std::forward<F>(f));
+    data_parallel_.state().for_each_run(mesh, params, dev, std::forward<F>(f));
   }
   /// Whether device `dev` is the one that writes parameter `p`'s optimizer state to a checkpoint
   /// (one device of each group holding the same state).
   [[nodiscard]] bool owns_state(std::size_t dev, const param_ref<T>& p) const {
-    return state_.owns(mesh, dev, p);
+    return data_parallel_.state().owns(mesh, dev, p);
   }
 
-  /// One device's share of a step after its backward passes: synchronise, clip, update.
-  /// Returns the global gradient norm.
+  /// One device's share of a step after its backward passes: synchronise, clip, update (the
+  /// data-parallel policy's gradient path, `detail::data_parallel_impl`). Returns the global
+  /// gradient norm; `sync_seconds` the time spent synchronising.
   double apply_gradients(std::size_t dev, double& sync_seconds) {
-    const std::size_t dp = mesh.axes_size(data_axes);
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!options.zero) {
-      // FSDP: the fsdp axis's share of the sum was done by the reduce-scatters after each backward.
-      // Overlapped: the buckets were started during backward (nn/parallel/grad_overlap.hpp).
-      const bool overlapped = overlap_ && overlap_->armed(dev);
-      const std::vector<T*>& g = overlapped ? overlap_->finish(dev)
-                                 : fsdp_    ? sync_.template all_reduce<replica_axes>(params, mesh, dev)
-                                            : sync_.template all_reduce<data_axes>(params, mesh, dev);
-      sync_seconds = overlapped ? overlap_->take_seconds(dev)
-                                : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-      std::vector<detail::float_run>& runs = norm_runs(dev);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        unscale(g[i], params[i].count[dev]);
-        runs.push_back(share_of(dev, params[i], g[i], params[i].count[dev], 0));
-      }
-      double sq[1] = {sum_of_squares(dev, runs)};
-      detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-      const double norm = std::sqrt(sq[0]);
-      // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
-      // of them: the skip verdict is the same on every device.
-      if (scaler_.enabled() && !std::isfinite(norm)) return norm;
-      std::vector<float*> slot(opt.slots());
-      step_optimizer(dev, norm, 0, [&](auto&& f) {
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          for (std::size_t s = 0; s < slot.size(); ++s) slot[s] = state_slot(i, s, dev);
-          f(i, std::size_t{0}, g[i], params[i].count[dev], std::span<float* const>(slot));
-        }
-      });
-      refresh_device(dev);
-      return norm;
-    }
-    std::size_t begin = 0, size = 0;
-    T* g = sync_.template reduce_scatter<data_axes>(params, mesh, dev, begin, size);
-    sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    unscale(g, size);
-    std::vector<detail::float_run>& runs = norm_runs(dev);
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t s, std::size_t len) {
-      runs.push_back(share_of(dev, p, g + s, len, data_axes));
-    });
-    double sq[1] = {sum_of_squares(dev, runs)};
-    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-    const double norm = std::sqrt(sq[0]);
-    if (scaler_.enabled() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
-    float* m = state_.zero_state(dev).data();
-    std::vector<float*> slot(opt.slots());
-    step_optimizer(dev, norm, data_axes, [&](auto&& f) {
-      for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s,
-                                           std::size_t len) {
-        for (std::size_t k = 0; k < slot.size(); ++k) slot[k] = m + k * size + s;
-        f(static_cast<std::size_t>(&p - params.data()), in_param, g + s, len, std::span<float* const>(slot));
-      });
-    });
-    // all_gather the updated slices: every replica gets the whole updated flat parameter vector.
-    T* send = gather_.get(dev, size * (dp + 1));
-    T* recv = send + size;
-    detail::fill_values<default_memory_space>(send, size, T{});
-    for_each_piece(dev, begin, size, [&](const param_ref<T>& p, std::size_t in_param, std::size_t s, std::size_t len) {
-      detail::convert_copy<default_memory_space>(send + s, master_of(p, dev) + in_param, len);
-    });
-    const auto t1 = std::chrono::steady_clock::now();
-    if (dp > 1) {
-      // The slices vary over the data axes; gathered, every replica holds the whole vector.
-      using slice_t = local_tensor<T, 1, Mesh, Mesh::all_axes>;
-      (void)meshlib::all_gather_into<detail::group_of_t<Mesh, data_axes>, 0>(
-          detail::wrap1<slice_t>(send, size, mesh, dev), detail::wrap1<slice_t>(recv, size * dp, mesh, dev));
-    } else {
-      detail::convert_copy<default_memory_space>(recv, send, size);
-    }
-    sync_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      detail::convert_copy<default_memory_space>(master(i, dev), recv + off, params[i].count[dev]);
-      off += params[i].count[dev];
-    }
-    refresh_device(dev);
-    return norm;
+    return data_parallel_.apply_gradients(*this, dev, sync_seconds);
   }
 
   /// Overlapped gradient sync: before the last micro-batch's backward on `dev`, arms the hooks that
   /// start the buckets (no-op without overlap).
   void begin_grad_overlap(std::size_t dev) {
-    if (overlap_) overlap_->arm(sync_, params, dev);
+    data_parallel_.arm(params, dev);
   }
   /// Overlapped gradient sync: at the start of the step on `dev`, makes the buckets' communicator
   /// (nn/parallel/grad_overlap.hpp, `prepare`; no-op without overlap).
   void prepare_grad_overlap(std::size_t dev) {
-    if (overlap_) overlap_->prepare(dev);
+    data_parallel_.prepare(dev);
   }
   /// The parameters `[0, n)` whose gradients train_step still zeroes and rounds after the backward
   /// (the hooks did the others' before starting their buckets).
   [[nodiscard]] std::size_t grad_overlap_unstarted(std::size_t dev) const {
-    return overlap_ ? overlap_->unstarted(dev, params.size()) : params.size();
+    return data_parallel_.unstarted(dev, params.size());
   }
 
  private:
+  // The data-parallel policy's gradient path reads the norm helpers, the optimizer chain and the masters.
+  template <class, class, class, axis_mask, axis_mask>
+  friend class detail::data_parallel_impl;
+
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
   // pieces of one: refused here, before any step, with the fix.
   void refuse_parameter_shards() const {
@@ -585,47 +469,6 @@ class train_state {
   static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
     o.pipeline = p.options();
   }
-  /// `train_options::overlap_grad_sync`: installs the overlap hooks (around FSDP's, when on).
-  void start_overlap() {
-    if constexpr (requires(Model& net) {
-                    net.hooks;
-                    net.template params_per_layer<T>();
-                  }) {
-      if (!options.overlap_grad_sync || options.zero) return;
-      void (*round)(float*, std::size_t) noexcept = nullptr;
-      if constexpr (mixed) round = &detail::round_to<Compute>;
-      overlap_ = std::make_shared<overlap_type>(mesh, model.template params_per_layer<T>(), round, fsdp_.get());
-      model.hooks = overlap_.get();
-    }
-  }
-
-  /// FSDP: moves the parameters into their shards (nn/parallel/fsdp.hpp); `params` become the shards.
-  void shard_parameters() {
-    // nvcc's front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
-    // ("expression must have class type"): read it through an overload for either.
-    const std::string_view fsdp_name = detail::text_of(Fsdp);
-    if constexpr (fsdp_axes == 0) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                           std::string(fsdp_name) + "' to shard the parameters over; the mesh is " +
-                           mesh.to_string() + ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" +
-                           std::string(fsdp_name) + "\">, axis<\"model\">>)");
-    } else if constexpr (!requires(Model& net) {
-                           net.hooks;
-                           net.template params_per_layer<T>();
-                         }) {
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
-                           "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
-    } else {
-      if (options.zero)
-        throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                             "shards the optimizer state (over '" + std::string(fsdp_name) + "'): turn zero off");
-      fsdp_ = std::make_shared<detail::fsdp_engine<Mesh, fsdp_axes>>(mesh, params, model.template params_per_layer<T>(),
-                                                                      local_, options.reshard_after_forward, fsdp_name,
-                                                                      options.fsdp_prefetch);
-      params = fsdp_->shards();
-      model.hooks = fsdp_.get();
-    }
-  }
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
   /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
@@ -650,12 +493,13 @@ class train_state {
     return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
                                                         blocks, squares_.get(dev, blocks + 1));
   }
-  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
-  /// Slot `s` of parameter `i`'s optimizer state on device `dev` (replicated mode).
-  float* state_slot(std::size_t i, std::size_t s, std::size_t dev) const { return state_.slot(i, s, dev); }
-  float* master_of(const param_ref<T>& p, std::size_t dev) {
-    return master(static_cast<std::size_t>(&p - params.data()), dev);
+  /// The global norm whose square device `dev`'s `runs` are its share of (summed over every device).
+  double global_norm(std::size_t dev, const std::vector<detail::float_run>& runs) const {
+    double sq[1] = {sum_of_squares(dev, runs)};
+    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
+    return std::sqrt(sq[0]);
   }
+  void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {
     if constexpr (mixed)
       for (std::size_t i = 0; i < params.size(); ++i)
@@ -675,9 +519,7 @@ class train_state {
         for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
           runs.push_back(share_of(dev, params[i], u, len, except));
         });
-        double sq[1] = {sum_of_squares(dev, runs)};
-        detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-        stage_norm = std::sqrt(sq[0]);
+        stage_norm = global_norm(dev, runs);
       }
       if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
@@ -708,23 +550,10 @@ class train_state {
     for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
-  /// Calls `f(param, offset in param, offset in slice, length)` for the pieces of parameters that
-  /// lie in the flat slice `[begin, begin + size)`.
-  template <class F>
-  void for_each_piece(std::size_t dev, std::size_t begin, std::size_t size, F&& f) const {
-    std::size_t off = 0;
-    for (const auto& p : params) {
-      const std::size_t lo = std::max(off, begin), hi = std::min(off + p.count[dev], begin + size);
-      if (lo < hi) f(p, lo - off, lo - begin, hi - lo);
-      off += p.count[dev];
-    }
-  }
-
-  grad_sync<T, Wire> sync_;
+  /// The data-parallel policy at work: the gradient buckets and path, the optimizer state's layout
+  /// (nn/train/optimizer_state.hpp: replicated or ZeRO-1) and the overlap's hooks.
+  detail::data_parallel_impl<T, Wire, Mesh, data_axes, fsdp_axes> data_parallel_;
   softmax_cross_entropy<T> loss_;
-  /// Optimizer state (nn/train/optimizer_state.hpp; docs/design.md): replicated or ZeRO-1.
-  optimizer_state_type state_;
-  detail::device_buffers<T> gather_;
   std::vector<std::size_t> local_;
   detail::device_buffers<T> input_;
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
@@ -753,9 +582,6 @@ class train_state {
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
   /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
-  /// The overlapped gradient sync's hooks (null without it); shared by copies of the state.
-  using overlap_type = detail::grad_overlap<T, Wire, Mesh, data_axes, replica_axes>;
-  std::shared_ptr<overlap_type> overlap_;
   /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
   loss_scaler scaler_;
 };
