@@ -52,13 +52,14 @@ endfunction()
 # Unity builds of the test binaries (issue 28: the cold test command within 30 minutes on 2 cores).
 # Every test source parses Kokkos, meshlib and Catch2 and instantiates and compiles the same tensor,
 # collective and training templates as its neighbours; compiled MESHLIB_UNITY_TESTS_BATCH at a time,
-# that happens once per batch (measured: 4 nn test sources 129 CPU s apart, 39 s as one batch). Each
+# that happens once per batch (measured: 4 nn test sources 129 CPU s apart, 39 s as one batch; nn_unit
+# and collectives_tests from clean 516 CPU s in batches of 5, 354 in batches of 10, 2026-12-06). Each
 # source wraps its code in `namespace MESHLIB_TEST_UNIT { ... }`, which CMake defines to a name of
 # its own per source in a batch (UNITY_BUILD_UNIQUE_ID), so file-local names cannot collide; outside
 # a batch it is `meshlib_test_unit`. A source with compile options of its own (the -O0 one in
 # tests/unit/core) is compiled alone, as CMake does for such sources.
 option(MESHLIB_UNITY_TESTS "Compile each test binary's sources as unity batches" ON)
-set(MESHLIB_UNITY_TESTS_BATCH 5 CACHE STRING "Sources per unity batch of a test binary")
+set(MESHLIB_UNITY_TESTS_BATCH 10 CACHE STRING "Sources per unity batch of a test binary")
 function(meshlib_test_sources target)
   # A source that forgot the wrapper would compile today and collide with a neighbour's helper the
   # day one is named alike: refuse it at configure time, naming the file and the fix.
