@@ -125,8 +125,8 @@ function(meshlib_add_catch_test)
   endforeach()
   if(ARG_TSAN AND MESHLIB_SANITIZE_THREAD)
     # -g1 (line tables): a report names file and line, and -g's full debug information would cost
-    # the sanitizer copies a fifth of their compile time.
-    set(tsan_flags -fsanitize=thread -g1 -O1)
+    # the sanitizer copies a fifth of their compile time. -Og as the other test targets (tests/CMakeLists.txt).
+    set(tsan_flags -fsanitize=thread -g1 -Og)
     # An instrumented Catch2 main of its own, although it runs on the main thread only: the linker
     # keeps one copy of each inline function (shared_ptr's reference counting, say), and an
     # uninstrumented copy from the main hides its atomics from ThreadSanitizer, which then reports

@@ -4,7 +4,7 @@
 #
 # BUILD_DIR   the build directory (default: build/ in the repository root)
 # BUILD_TYPE  the CMake build type (default: Release, at -O2: quicker to compile than -O3, and
-#             assertions stay on because tests rely on them). The test targets get -O1 on top
+#             assertions stay on because tests rely on them). The test targets get -Og on top
 #             (MESHLIB_TEST_FLAGS, tests/CMakeLists.txt): they check results, not speed.
 # JOBS        parallel jobs (default: nproc)
 #
@@ -31,7 +31,7 @@ configure() {
   done
   cmake -S "$repo_root" -B "$BUILD_DIR" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
-    -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-O1" \
+    -DCMAKE_CXX_FLAGS_RELEASE="-O2" -DMESHLIB_TEST_FLAGS="-Og" \
     -DMESHLIB_BUILD_TESTS=ON -DMESHLIB_BUILD_EXAMPLES=ON -DMESHLIB_BUILD_BENCHMARKS=ON -DMESHLIB_BENCHMARKS_ON_DEMAND=ON \
     "$@"
 }

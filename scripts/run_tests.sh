@@ -10,7 +10,7 @@
 # Kokkos Kernels 4.6.01 are built once from the release snapshots in ../shared/vendor (or
 # $MESHLIB_VENDOR_DIR) into $BUILD_DIR/_deps/ (scripts/build_kokkos4.sh; cached by a stamp), a
 # second build directory $BUILD_DIR/kokkos4 is configured against them, and the tests that run
-# Kokkos kernels (tensor, collectives, exec, lifecycle, nn, debug, the training example) run again there, at -O1;
+# Kokkos kernels (tensor, collectives, exec, lifecycle, nn, debug, the training example) run again there (tests at -Og, the example at -O1);
 # MESHLIB_KOKKOS4_LEG=full runs every unit, compile-fail and MPI test there too (the
 # package-consumer tests run only in the first leg). Without the snapshots the leg says it skipped. The
 # exit status is non-zero when either leg failed; the last lines summarise both.
@@ -105,8 +105,9 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
     elapsed "Kokkos 4.6.01 ready"
     # No ThreadSanitizer copies (the first leg runs them); package consumers need an install, not Kokkos.
     # Benchmarks are not tests: the leg builds only what ctest runs.
-    # -O1: this leg checks what compiles and computes against Kokkos 4, not speed (the benchmarks
-    # say that), and -O1 compiles the Kokkos 4 headers' templates about a quarter faster.
+    # -Og tests, -O1 example: this leg checks what compiles and computes against Kokkos 4, not speed
+    # (the benchmarks say that); -O1 compiles the Kokkos 4 headers' templates about a quarter faster
+    # than -O2, and GCC's -Og the tests' a further quarter to 40% (tests/CMakeLists.txt).
     # MESHLIB_TEST_FEWER_PAIRS: the reshard property test instantiates each spec once as source
     # and once as target instead of all pairs (test_reshard.cpp; the first leg runs them all).
     # MESHLIB_TEST_NN_PARTS=OFF: nn_unit without the sources of nn_remat_unit, nn_pipeline_unit,
@@ -120,7 +121,7 @@ if [ "${MESHLIB_KOKKOS4_LEG:-1}" != 0 ]; then
     if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then k4_nn_parts=ON; k4_nn_kernels=OFF; fi
     BUILD_DIR="$k4_build" configure -DCMAKE_PREFIX_PATH="$k4_prefix" -DMESHLIB_SANITIZE_THREAD=OFF \
       -DMESHLIB_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
-      -DMESHLIB_TEST_FLAGS="-O1 -DMESHLIB_TEST_FEWER_PAIRS=1" -DMESHLIB_TEST_NN_PARTS="$k4_nn_parts" \
+      -DMESHLIB_TEST_FLAGS="-Og -DMESHLIB_TEST_FEWER_PAIRS=1" -DMESHLIB_TEST_NN_PARTS="$k4_nn_parts" \
       -DMESHLIB_TEST_NN_KERNELS_ONLY="$k4_nn_kernels" >/dev/null
     k4_build_status=0
     if [ "${MESHLIB_KOKKOS4_LEG:-1}" = full ]; then
