@@ -96,7 +96,7 @@ template <bool Lead, std::size_t P>
 auto make_state(const mesh_t& m, std::size_t mb, nn::pipeline_kind kind, std::size_t w) {
   std::vector<std::size_t> splits;
   for (std::size_t s = 1; s < P; ++s) splits.push_back(2 * s + (Lead ? 1 : 0));
-  const nn::train_options o{.pipeline = {.microbatches = mb, .schedule = kind, .split_points = splits}};
+  const nn::pipeline<"pipeline"> o{.schedule = kind, .microbatches = mb, .split_points = splits};
   if constexpr (P == 2) return nn::train_state(m, make_net2<Lead>(m, w), nn::sgd(nn::constant(1e-3f), 0.0f), o);
   else return nn::train_state(m, make_net4<Lead>(m, w), nn::sgd(nn::constant(1e-3f), 0.0f), o);
 }

@@ -10,11 +10,11 @@
 //
 //   train_bench [--steps N] [--hidden H] [--rounds R] [--mesh DxM]... [--overlap-grad-sync on|off]
 //   (R interleaved rounds, best kept; default 1. --mesh: only these meshes' rows (repeatable).
-//   --overlap-grad-sync: train_options::overlap_grad_sync for the table; default: the library's
+//   --overlap-grad-sync: data_parallel's overlap for the table; default: the library's
 //   default, printed in the header, so the table measures what a user's train_step does.)
 //
 // With --overlap (issue 26 item 4): the flagship's step (hidden 1024 unless --hidden) at (2, 1) and
-// (4, 2), train_options::overlap_grad_sync off and on, in interleaved rounds (off, on, off, on, ...);
+// (4, 2), data_parallel's overlap off and on, in interleaved rounds (off, on, off, on, ...);
 // per row the median over rounds of the exposed synchronisation per step (step_metrics::sync_seconds:
 // the device thread's time in the gradient synchronisation), of the step time and of the process's
 // CPU time per step, and the on/off ratios. "sync CPU": the CPU time per step beyond the same
@@ -146,7 +146,7 @@ double cpu_now() {
 }
 
 result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, std::size_t steps,
-                   const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = nn::train_options{}.overlap_grad_sync,
+                   const std::vector<float>& x, const std::vector<std::int32_t>& y, bool overlap = nn::data_parallel<"data">{}.overlap,
                    double* sync_per_step = nullptr, double* step_seconds = nullptr, std::size_t rows = batch) {
   meshlib::set_blas_threads_per_device(1);
   const mesh_t mesh{d, m};
@@ -154,10 +154,8 @@ result run_meshlib(std::size_t d, std::size_t m, bool zero, std::size_t hidden, 
   nn::sequential net(nn::column_dense<float, mesh_t>(mesh, "fc1", inputs, hidden, key), nn::relu<float>(mesh),
                      nn::row_dense<float, mesh_t>(mesh, "fc2", hidden, hidden, key), nn::relu<float>(mesh),
                      nn::dense<float, mesh_t>(mesh, "fc3", hidden, classes, key));
-  nn::train_options options;
-  options.zero = zero;
-  options.overlap_grad_sync = overlap;
-  nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)), options);
+  nn::train_state state(mesh, std::move(net), nn::adam(nn::constant(1e-3f)),
+                        nn::data_parallel<"data">{.zero = zero ? 1 : 0, .overlap = overlap});
   auto one = [&](std::size_t s) {
     const std::size_t b = s % 4;
     return nn::train_step(state, std::span<const float>(x).subspan(b * batch * inputs, rows * inputs),
@@ -187,7 +185,7 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/// --overlap: exposed synchronisation and step time with overlap_grad_sync off and on (file comment).
+/// --overlap: exposed synchronisation and step time with data_parallel's overlap off and on (file comment).
 int run_overlap(std::size_t hidden, std::size_t steps, std::size_t rounds, const std::vector<float>& x,
                 const std::vector<std::int32_t>& y) {
   std::printf("train_bench --overlap: MLP 784-%zu-%zu-10, Adam, batch %zu, %zu timed steps per run, %zu interleaved "
@@ -316,7 +314,7 @@ int main(int argc, char** argv) try {
   Kokkos::ScopeGuard kokkos(argc, argv);
   const std::size_t steps = opt.steps, rounds = opt.rounds;
   const std::vector<std::size_t>& hiddens = opt.hiddens;
-  const bool table_overlap = opt.table_overlap.value_or(nn::train_options{}.overlap_grad_sync);
+  const bool table_overlap = opt.table_overlap.value_or(nn::data_parallel<"data">{}.overlap);
   const auto& only = opt.only;
   std::vector<float> x(4 * batch * inputs);
   std::vector<std::int32_t> y(4 * batch);
@@ -326,7 +324,7 @@ int main(int argc, char** argv) try {
   if (opt.advisor) return run_advisor(steps, rounds, x, y);
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   std::printf("train_bench: MLP 784-H-H-10, Adam, batch %zu, %zu timed steps, best of %zu interleaved rounds; "
-              "OPENBLAS_CORETYPE=%s on both sides; overlap_grad_sync %s; load average %.1f\n\n",
+              "OPENBLAS_CORETYPE=%s on both sides; data_parallel overlap %s; load average %.1f\n\n",
               batch, steps, rounds, core ? core : "(unset)", table_overlap ? "on" : "off", bench::load_average());
   std::printf("| hidden | mesh (data, model) | samples/s | vs 1 device | vs hand-written (2 BLAS threads) | sync share | CPU ms / step "
               "| launches / step (Kokkos + BLAS, per device) |\n");

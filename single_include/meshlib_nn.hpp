@@ -10072,14 +10072,15 @@ constexpr void check_policies() {
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 // begin meshlib/nn/parallel/fsdp.hpp
 /// @file
 /// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
-/// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
-/// `train_state` whose mesh has the axis (named `fsdp` by default).
+/// `P('fsdp', ...)` on parameters) over a mesh axis: the policy `fully_shard<"axis">` given to a
+/// `train_state` (any axis of its mesh; `fsdp` by default).
 ///
 /// Each parameter is *stored* sharded over the fsdp axis on its first dimension, on top of its own
 /// sharding (a `column_dense` weight `P<none, 'model'>` is stored as `P<'fsdp', 'model'>`, a
@@ -10108,7 +10109,7 @@ constexpr void check_policies() {
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
 /// mesh_t m{2, 2, 2};
-/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), {.fsdp = true});
+/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), meshlib::nn::fully_shard<"fsdp">{});
 /// std::printf("%zu bytes per device\n", state.memory(0).total());
 /// @endcode
 
@@ -10487,36 +10488,22 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::size_t> unsharded_;
 };
 
-/// `fully_shard`'s part of a `train_state` under construction (its `params` collected, nothing
-/// sized yet): shards `params` over `Axes` (the axis `axis_name` of `mesh`, or none: `Axes` 0), makes
-/// them the engine's shards and installs the engine as `model`'s layer hooks. `zero`: whether
-/// ZeRO-1 was asked for too, which FSDP refuses (it shards the optimizer state itself).
-/// @throws sharding_error for a mesh without the axis, a model that is not a `sequential`, ZeRO-1
-/// beside it, and as `fsdp_engine`'s constructor.
-template <axis_mask Axes, mesh_type Mesh, class Model, class T>
+/// The policy `p` at work in a `train_state` under construction (its `params` collected, nothing
+/// sized yet): shards `params` over `Axes` (the mesh axis `A`), makes them the engine's shards and
+/// installs the engine as `model`'s layer hooks (the policy compiles only over a mesh axis, for a
+/// `sequential` model: `check_policies`).
+/// @throws sharding_error as `fsdp_engine`'s constructor.
+template <axis_mask Axes, mesh_type Mesh, class Model, class T, fixed_string A>
+  requires(Axes != 0 && sequential_model<Model>)
 std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
                                                            std::vector<param_ref<T>>& params,
                                                            const std::vector<std::size_t>& local,
-                                                           bool reshard_after_forward, bool prefetch,
-                                                           std::string_view axis_name, bool zero) {
-  if constexpr (Axes == 0) {
-    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                         std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
-                         ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
-                         "\">, axis<\"model\">>)");
-  } else if constexpr (!sequential_model<Model>) {
-    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
-                         "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
-  } else {
-    if (zero)
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                           "shards the optimizer state (over '" + std::string(axis_name) + "'): turn zero off");
-    auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
-                                                            reshard_after_forward, axis_name, prefetch);
-    params = engine->shards();
-    model.hooks = engine.get();
-    return engine;
-  }
+                                                           const fully_shard<A>& p) {
+  auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
+                                                          p.reshard_after_forward, text_of(A), p.prefetch);
+  params = engine->shards();
+  model.hooks = engine.get();
+  return engine;
 }
 
 }  // namespace detail
@@ -10526,7 +10513,7 @@ std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Mod
 /// @file
 /// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
 /// uses) that start the data-parallel gradient buckets during backward
-/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
+/// (`data_parallel{.overlap = true}`, PyTorch DDP's overlap). After each layer's backward, every
 /// parameter of that layer and of the layers after it has its final gradient (backward runs last
 /// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
 /// `psum_start`; the optimizer step waits for all of them.
@@ -10566,7 +10553,7 @@ std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Mod
 /// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
 /// Buckets are filled in parameter order. Synchronously (`all_reduce`) they run one after the other
 /// after the backward; overlapped (`begin_all_reduce` / `start_ready` / `finish_all_reduce`,
-/// `train_options::overlap_grad_sync`), each is started with `psum_start` as soon as the backward
+/// `data_parallel{.overlap = true}`), each is started with `psum_start` as soon as the backward
 /// has completed its gradients (the last layers' first), so its reduction runs on the device's
 /// communication worker while the backward of the earlier layers computes. Same buckets, same
 /// per-element rank-order sums: the same bits either way.
@@ -10634,7 +10621,7 @@ class grad_sync {
     return complete(dev);
   }
 
-  /// @name Overlapped all-reduce (`train_options::overlap_grad_sync`)
+  /// @name Overlapped all-reduce (`data_parallel{.overlap = true}`)
   /// The same buckets and the same sums as `all_reduce`, started as backward completes them:
   /// `begin_all_reduce` before the backward, `start_ready(first)` each time the gradients of
   /// parameters `first, first + 1, ...` are complete (backward runs last layer first), and
@@ -11173,10 +11160,13 @@ class data_parallel_impl {
   /// The overlap's hooks (nn/parallel/grad_overlap.hpp).
   using overlap_type = grad_overlap<T, Wire, Mesh, DataAxes, replica_axes>;
 
-  /// Buckets of at most `bucket_elements` for `devices` devices; ZeRO-1 when `zero`, the buckets
-  /// started during backward when `overlap` (and the model is a `sequential`: `install_hooks`).
-  data_parallel_impl(std::size_t devices, std::size_t bucket_elements, bool zero, bool overlap)
-      : buckets_(devices, bucket_elements), gather_(devices), zero_(zero), overlap_on_(overlap) {}
+  /// The policy `p` at work on `devices` devices: buckets of at most `p.bucket_elements`, ZeRO-1
+  /// when `p.zero` is 1, the buckets started during backward when `p.overlap` (and the model is a
+  /// `sequential`: `install_hooks`).
+  /// @throws sharding_error when `p.zero` is not 0 or 1.
+  template <fixed_string A>
+  data_parallel_impl(std::size_t devices, const data_parallel<A>& p)
+      : buckets_(devices, p.bucket_elements), gather_(devices), zero_(checked_zero(p.zero)), overlap_on_(p.overlap) {}
 
   /// Composes over `fully_shard`'s engine (null: none).
   void compose(std::shared_ptr<fsdp_type> fsdp) { fsdp_ = std::move(fsdp); }
@@ -11312,6 +11302,16 @@ class data_parallel_impl {
     }
     s.refresh_device(dev);
     return norm;
+  }
+
+  // ZeRO's stage as data_parallel takes it: 1 shards the optimizer state, 0 does not; stage 3 is
+  // fully_shard's, a policy of its own (on its own axis), not a number here.
+  static bool checked_zero(int zero) {
+    if (zero != 0 && zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    return zero == 1;
   }
 
   // Calls `f(param, offset in param, offset in slice, length)` for the pieces of `params` that lie
@@ -12580,10 +12580,10 @@ class loss_scaler {
 // begin meshlib/nn/train/train_state.hpp
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
-/// and `train_options`, how the steps run: accumulation micro-batches, replicated, ZeRO-1 (sharded
-/// over the data axis) or FSDP (nn/parallel/fsdp.hpp) optimizer state, loss scaling and the
-/// pipeline (nn/parallel/pipeline.hpp). The steps themselves are in nn/train/train_step.hpp and
-/// nn/train/evaluate.hpp.
+/// and `train_options` (accumulation micro-batches, loss scaling). The parallelism is the policies
+/// the state is made with (nn/parallel/: `data_parallel` with ZeRO-1 and overlap, `fully_shard`,
+/// `pipeline`); the state keeps them and builds each one's engine. The steps themselves are in
+/// nn/train/train_step.hpp and nn/train/evaluate.hpp.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
 /// @endcode
@@ -12596,6 +12596,7 @@ class loss_scaler {
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
@@ -12606,19 +12607,21 @@ class loss_scaler {
 
 // begin meshlib/nn/parallel/pipeline.hpp
 /// @file
-/// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
+/// @brief Pipeline-parallel training over a mesh axis (issue 26): a `sequential`
 /// model cut into stages (contiguous runs of layers), one stage per device of the axis, the batch
 /// cut into micro-batches that flow through the stages under a GPipe or 1F1B order, activations
 /// forward and gradients backward by the public typed `ppermute` between neighbouring stages
 /// (torch.distributed.pipelining's `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, or the JAX
 /// `shard_map` + `ppermute` pipeline loop).
 ///
-/// A `train_state` whose mesh has a `pipeline` axis of size `p > 1` trains this way; the options are
-/// `train_options::pipeline`:
+/// A `train_state` given the policy `pipeline<"axis">` (any axis of its mesh) over an axis of
+/// `p > 1` devices trains this way; the policy holds the micro-batches, schedule and stage split.
+/// A mesh axis is pipelined only by the policy, whatever its name: a state whose pipeline axis
+/// (`pipeline` by default) has more than one device and no policy is refused at construction.
 /// @code
-/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipeline">>;
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipe">>;
 /// meshlib::nn::train_state state(mesh_t{2, 2}, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)),
-///     {.pipeline = {.microbatches = 4, .schedule = meshlib::nn::pipeline_kind::gpipe}});
+///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 4});
 /// auto m = meshlib::nn::train_step(state, batch);  // m.loss: computed on the last stage, reported to all
 /// @endcode
 ///
@@ -12637,7 +12640,7 @@ class loss_scaler {
 /// first (stage-level activation checkpointing; the same numbers, dropout included: its mask is a
 /// function of the step's key and the rows).
 ///
-/// What it computes: what `train_options::accumulation = m` computes without a pipeline on the same
+/// What it computes: what `train_options{.accumulation = m}` computes without a pipeline on the same
 /// data mesh (the same rows per forward, the gradients summed over the micro-batches); so 16-bit
 /// compute rounds as there (each layer's output and cotangent, the loss's scaled gradient, the
 /// summed gradients), batch norm takes statistics per micro-batch and moves its running statistics
@@ -12889,18 +12892,6 @@ enum class pipeline_kind : std::uint8_t {
   one_f_one_b,  ///< after a warm-up, one forward and one backward in turn: fewer in flight
 };
 
-/// @brief `train_options::pipeline`: how a mesh's `pipeline` axis runs the model (see the file comment).
-struct pipeline_options {
-  /// Micro-batches per step, each `rows / (data devices x microbatches)` rows (0: as many as stages).
-  std::size_t microbatches = 0;
-  /// The order of forwards and backwards.
-  pipeline_kind schedule = pipeline_kind::one_f_one_b;
-  /// The index of the first layer of every stage after the first (torch's `split_spec`, as layer
-  /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
-  /// parameter count.
-  std::vector<std::size_t> split_points = {};
-};
-
 /// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
 /// `pipeline_llama`); a `parallel_policy`. Its schedule runs the step's micro-batches
 /// (nn/parallel/pipeline_run.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
@@ -12919,10 +12910,10 @@ struct pipeline {
   pipeline_kind schedule = pipeline_kind::one_f_one_b;
   /// Micro-batches per step (0: as many as stages).
   std::size_t microbatches = 0;
-  /// The index of the first layer of every stage after the first (empty: balanced by parameters).
+  /// The index of the first layer of every stage after the first (torch's `split_spec`, as layer
+  /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
+  /// parameter count.
   std::vector<std::size_t> split_points = {};
-  /// These options as `train_options::pipeline` holds them.
-  [[nodiscard]] pipeline_options options() const { return {microbatches, schedule, split_points}; }
 };
 
 /// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and
@@ -13305,6 +13296,8 @@ struct pipeline_engine {
     std::size_t param, owner, mirror;
   };
   std::size_t stages = 1;
+  std::size_t microbatches = 0;                              ///< the policy's micro-batches per step (0: one per stage)
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;       ///< the policy's order of forwards and backwards
   std::vector<std::pair<std::size_t, std::size_t>> bounds;  ///< per stage, its layers [begin, end)
   std::vector<std::size_t> stage_of_param;                  ///< per parameter, its stage
   std::vector<std::size_t> full_count;                      ///< per parameter and device (param * devices + dev)
@@ -13327,14 +13320,15 @@ struct pipeline_engine {
   [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
 };
 
-/// Cuts `model` into the stages of `opts` on `mesh`'s pipeline axis (`PipeMask`) and restricts
-/// every parameter in `params` to its stage's devices. `layer_params[l]`: how many of `params`
-/// layer `l` lists.
-template <axis_mask PipeMask, class Mesh, class Model, class T>
+/// The policy `opts` at work: cuts `model` into its stages on `mesh`'s pipeline axis (`PipeMask`)
+/// and restricts every parameter in `params` to its stage's devices.
+template <axis_mask PipeMask, class Mesh, class Model, class T, fixed_string A>
 std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
-                                                      const pipeline_options& opts) {
+                                                      const pipeline<A>& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
+  e->microbatches = opts.microbatches;
+  e->schedule = opts.schedule;
   e->devices = mesh.size();
   const std::vector<std::size_t> counts = model.template params_per_layer<T>();
   std::vector<std::size_t> elements(counts.size(), 0);
@@ -13475,28 +13469,28 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
   }
 }
 
-/// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
-/// cuts the model (`make_pipeline_engine`), refusing a model that is not a `sequential` and a tied
-/// parameter under FSDP.
-/// @throws sharding_error naming the option and the fix.
-template <axis_mask PipeMask, class State>
-std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
-  const std::string where = "meshlib::nn: train_state: the mesh's 'pipeline' axis has " +
-                            std::to_string(s.mesh.axes_size(PipeMask)) + " devices, ";
+/// The policy `p` at work in a `train_state` under construction (its `params` collected, nothing
+/// sized yet): cuts the model (`make_pipeline_engine`), refusing a tied parameter under FSDP
+/// (`sharded`: a `fully_shard` policy is given too). (The policy compiles only for a `sequential`
+/// model: `check_policies`.)
+/// @throws sharding_error naming the parameter and the fix.
+template <axis_mask PipeMask, class State, fixed_string A>
+std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>& p, bool sharded) {
   if constexpr (!requires(typename State::model_type& net) {
                   net.layers;
                   net.template params_per_layer<float>();
                 }) {
-    throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
-                                 "into stages; wrap the layers in nn::sequential");
+    return nullptr;  // not reached: check_policies refuses a pipeline of a model that is not a sequential
   } else {
-    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
-    if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
-    if (s.options.fsdp && !e->mirrors.empty())
-      throw sharding_error(where + "train_options::fsdp is set, and parameter '" + s.params[e->mirrors.front().param].name +
-                           "' is read by a layer of stage " + std::to_string(e->mirrors.front().mirror) +
+    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, p);
+    if (!sharded) release_other_stages(*e, s.params, s.local_devices());
+    if (sharded && !e->mirrors.empty())
+      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(A)) + "\"> over " +
+                           std::to_string(s.mesh.axes_size(PipeMask)) + " devices with fully_shard, and parameter '" +
+                           s.params[e->mirrors.front().param].name + "' is read by a layer of stage " +
+                           std::to_string(e->mirrors.front().mirror) +
                            " too (a tied head): FSDP does not shard a tied parameter; untie the head (a column_dense "
-                           "head) or use the 'fsdp' axis as a data axis (fsdp = false)");
+                           "head) or use the fsdp axis as a data axis (data_parallel<\"fsdp\"> instead of fully_shard)");
     return e;
   }
 }
@@ -13563,39 +13557,16 @@ struct step_metrics {
 
 namespace meshlib::nn {
 
-/// @brief How `train_step` runs (see the file comment).
+/// @brief How `train_step` runs, apart from the parallelism (which the policies given to the
+/// `train_state` say: `data_parallel`, `fully_shard`, `pipeline`).
 struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
-  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
-  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
-  /// axis, each layer's parameters all-gathered just before it runs (nn/parallel/fsdp.hpp).
-  bool fsdp = false;
-  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
-  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
-  bool reshard_after_forward = true;
-  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
   /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
   /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
   /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
   /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
   float loss_scale = 0.0f;
   std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
-  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
-  /// micro-batches, schedule and stage split (nn/parallel/pipeline.hpp).
-  pipeline_options pipeline = {};
-  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
-  /// has completed its gradients (PyTorch DDP's overlap; nn/parallel/grad_overlap.hpp), instead of
-  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
-  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
-  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
-  bool overlap_grad_sync = false;
-  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
-  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
-  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
-  /// overwrite: not prefetched.
-  bool fsdp_prefetch = true;
 };
 
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
@@ -13615,6 +13586,13 @@ class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
                        detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+
+  /// The policies a state runs: each parallelism at most once, over the state's axes.
+  struct policy_set {
+    data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
+    std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
+    std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
+  };
 
  public:
   /// The element type of parameters and optimizer state.
@@ -13643,9 +13621,12 @@ class train_state {
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
   /// The name of the pipeline axis (`Pipe`).
   static constexpr auto pipeline_axis = Pipe;
-  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
+  /// The mesh's pipeline axis `Pipe` (0 when it has none, or when it is the data or fsdp axis, as
+  /// with `data_parallel<"pipeline">`): stages of the model under a `pipeline` policy
+  /// (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
-    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
+    if constexpr (Mesh::template has_axis<Pipe>)
+      return (Mesh::template mask_of<Pipe>() & data_axes) != 0 ? axis_mask{0} : Mesh::template mask_of<Pipe>();
     else return axis_mask{0};
   }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
@@ -13664,7 +13645,7 @@ class train_state {
   Model model;
   /// The update rule and hyperparameters.
   optimizer opt;
-  /// Accumulation, ZeRO and bucketing options.
+  /// Accumulation and loss scaling (the parallelism is the policies').
   train_options options;
   /// Optimizer steps taken so far.
   std::size_t step = 0;
@@ -13673,87 +13654,45 @@ class train_state {
   /// Views of every parameter of `model`, in layer order.
   std::vector<param_ref<T>> params;
 
-  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
+  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device;
+  /// plain data parallelism over the data axes (`data_parallel<Data>{}`), nothing else.
   /// `local_devices`: this process's devices (empty: all).
-  /// @throws sharding_error when `opts.accumulation` is 0, and for an optimizer that reads whole
-  /// parameters (`adafactor`) with ZeRO-1, FSDP or a tensor-parallel parameter.
+  /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
+  /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
+  /// `Pipe` has more than one device (an axis is pipelined by a `pipeline` policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
-      : mesh(m),
-        model(std::move(net)),
-        opt(o),
-        options(opts),
-        key(k),
-        data_parallel_(m.size(), opts.bucket_elements, opts.zero, opts.overlap_grad_sync),
-        loss_(m.size()),
-        input_(m.size()),
-        ids_(m.size()),
-        output_grad_(m.size()),
-        squares_(m.size()),
-        norm_runs_(m.size()),
-        norm_words_(m.size()),
-        norm_tables_(m.size()),
-        batch_runs_(m.size()),
-        batch_slots_(m.size()),
-        batch_params_(m.size()),
-        update_words_(m.size()),
-        update_tables_(m.size()) {
-    model.collect(params);
-    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
-    if constexpr (mixed)
-      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
-        model.round_activations = &detail::round_to<Compute>;
-    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
-    std::vector<std::size_t> all;
-    if (local_devices.empty())
-      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
-    else
-      all.assign(local_devices.begin(), local_devices.end());
-    local_ = all;
-    if (opt.whole_parameters()) refuse_parameter_shards();
-    // FSDP (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks. nvcc's
-    // front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
-    // ("expression must have class type"): its text is read through an overload for either.
-    if (options.fsdp)
-      fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, options.reshard_after_forward,
-                                                    options.fsdp_prefetch, detail::text_of(Fsdp), options.zero);
-    data_parallel_.compose(fsdp_);
-    // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
-    // stage's devices, before the optimizer state is sized from the parameters' blocks.
-    if constexpr (pipeline_axes != 0)
-      if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
-    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
-    if (pipeline_ == nullptr) {
-      void (*round)(float*, std::size_t) noexcept = nullptr;
-      if constexpr (mixed) round = &detail::round_to<Compute>;
-      data_parallel_.install_hooks(mesh, model, round);
-    }
-    // Every tensor is made here, on the calling thread: device threads only read and write blocks
-    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    data_parallel_.size_state(mesh, params, opt.slots(), local_);
-    if constexpr (mixed)
-      for (const auto& p : params) {
-        masters_.push_back(p.layout->zeros_like(local_));
-        for (std::size_t dev : local_)
-          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
-      }
-    refresh_compute_copies();
-  }
+      : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
 
   /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
-  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
-  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
-  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
-  /// that is not a `sequential` do not compile.
-  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  /// `fully_shard`, `pipeline`) over the state's axes; the state keeps them (`data_parallel_policy`,
+  /// `fully_shard_policy`, `pipeline_policy`) and builds each one's engine. A policy given twice,
+  /// two policies over one axis, an axis the mesh lacks or that is not the state's, and
+  /// `fully_shard` or `pipeline` of a model that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
+  /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
+  /// `fully_shard` or with overlap, and for an optimizer that reads whole parameters with ZeRO-1 or
+  /// `fully_shard`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
+              std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, opts, k, local_devices, collect_policies(p, ps...)) {}
+  /// @brief As the constructor above, with a default key, on every device.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
-      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+      : train_state(m, std::move(net), o, opts, rng_key{}, {}, p, ps...) {}
   /// @brief As the constructor above, from the default `train_options`.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
       : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
+
+  /// The data-parallel policy the state runs (`data_parallel<Data>{}` when none was given).
+  [[nodiscard]] const data_parallel<Data>& data_parallel_policy() const noexcept { return policies_.data; }
+  /// The `fully_shard` policy the state runs (empty without FSDP).
+  [[nodiscard]] const std::optional<fully_shard<Fsdp>>& fully_shard_policy() const noexcept { return policies_.fsdp; }
+  /// The `pipeline` policy given (empty without one; with one over an axis of one device, the
+  /// step runs unpipelined: `pipeline()` is null).
+  [[nodiscard]] const std::optional<nn::pipeline<Pipe>>& pipeline_policy() const noexcept { return policies_.pipe; }
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
@@ -13853,7 +13792,7 @@ class train_state {
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return data_parallel_.buckets(); }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
-  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  /// The pipeline's stages and buffers (null without a `pipeline` policy over an axis of more than one device).
   [[nodiscard]] detail::pipeline_engine* pipeline() const noexcept { return pipeline_.get(); }
   /// The layers `[begin, end)` of each pipeline stage (empty without a pipeline).
   [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages() const {
@@ -13902,6 +13841,90 @@ class train_state {
   template <class, class, class, axis_mask, axis_mask>
   friend class detail::data_parallel_impl;
 
+  // Every public constructor ends here: the policies checked and collected into `ps`, each one's
+  // engine built from it.
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
+              std::span<const std::size_t> local_devices, policy_set ps)
+      : mesh(m),
+        model(std::move(net)),
+        opt(o),
+        options(opts),
+        key(k),
+        policies_(std::move(ps)),
+        data_parallel_(m.size(), policies_.data),
+        loss_(m.size()),
+        input_(m.size()),
+        ids_(m.size()),
+        output_grad_(m.size()),
+        squares_(m.size()),
+        norm_runs_(m.size()),
+        norm_words_(m.size()),
+        norm_tables_(m.size()),
+        batch_runs_(m.size()),
+        batch_slots_(m.size()),
+        batch_params_(m.size()),
+        update_words_(m.size()),
+        update_tables_(m.size()) {
+    model.collect(params);
+    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
+    if constexpr (mixed)
+      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
+        model.round_activations = &detail::round_to<Compute>;
+    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
+    refuse_unpipelined_axis();
+    std::vector<std::size_t> all;
+    if (local_devices.empty())
+      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
+    else
+      all.assign(local_devices.begin(), local_devices.end());
+    local_ = all;
+    if (opt.whole_parameters()) refuse_parameter_shards();
+    // fully_shard (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks.
+    // (The policy compiles only over a mesh axis, for a sequential model: `check_policies`.)
+    if constexpr (fsdp_axes != 0 && detail::sequential_model<Model>)
+      if (policies_.fsdp) fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, *policies_.fsdp);
+    data_parallel_.compose(fsdp_);
+    // pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks. Over an
+    // axis of one device there are no stages to cut: the step runs unpipelined.
+    if constexpr (pipeline_axes != 0)
+      if (policies_.pipe && m.axes_size(pipeline_axes) > 1)
+        pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this, *policies_.pipe, policies_.fsdp.has_value());
+    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
+    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
+    if (pipeline_ == nullptr) {
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      data_parallel_.install_hooks(mesh, model, round);
+    }
+    // Every tensor is made here, on the calling thread: device threads only read and write blocks
+    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
+    data_parallel_.size_state(mesh, params, opt.slots(), local_);
+    if constexpr (mixed)
+      for (const auto& p : params) {
+        masters_.push_back(p.layout->zeros_like(local_));
+        for (std::size_t dev : local_)
+          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
+      }
+    refresh_compute_copies();
+  }
+
+  // A mesh axis is pipelined by a `pipeline` policy, never by its name: the state's pipeline axis
+  // with more than one device and no policy for it would otherwise replicate the whole model over
+  // it silently (every stage's worth of devices computing the same thing), so it is refused with
+  // the fix. (An axis a data_parallel or fully_shard policy names is theirs: `pipeline_axes` is 0.)
+  void refuse_unpipelined_axis() const {
+    if constexpr (pipeline_axes != 0) {
+      const std::size_t n = mesh.axes_size(pipeline_axes);
+      if (!policies_.pipe && n > 1) {
+        const std::string name(detail::text_of(Pipe));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
+                             "not by its name: pass meshlib::nn::pipeline<\"" + name +
+                             "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
+      }
+    }
+  }
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
   // pieces of one: refused here, before any step, with the fix.
   void refuse_parameter_shards() const {
@@ -13910,10 +13933,10 @@ class train_state {
                             " needs each parameter whole on the device that updates it (its statistics are per "
                             "parameter), but " + why + "; " + fix);
     };
-    if (options.zero)
+    if (policies_.data.zero == 1)
       throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
                 "use data_parallel without ZeRO (zero 0)");
-    if (options.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
+    if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
     for (const auto& p : params) {
       std::size_t total = 1;
       for (std::size_t d : p.shape) total *= d;
@@ -13924,13 +13947,14 @@ class train_state {
                     "replicate it (a mesh whose tensor-parallel axes have size 1)");
     }
   }
-  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
   template <class... Ps>
-  static train_options with_policies(train_options opts, const Ps&... ps) {
+  static policy_set collect_policies(const Ps&... ps) {
     detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
-    (apply_policy(opts, ps), ...);
+    policy_set set;
+    (keep_policy(set, ps), ...);
     (refuse_clashes<Ps...>(ps), ...);
-    return opts;
+    return set;
   }
   /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
   /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
@@ -13950,25 +13974,19 @@ class train_state {
                              "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
     }
   }
+  // Each policy into its slot. (A policy over another axis than the state's has already fired
+  // `check_policies`' one static_assert: it is not kept, so that no second error follows.)
   template <fixed_string A>
-  static void apply_policy(train_options& o, const data_parallel<A>& p) {
-    if (p.zero != 0 && p.zero != 1)
-      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
-                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
-                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
-    o.zero = p.zero == 1;
-    o.overlap_grad_sync = p.overlap;
-    o.bucket_elements = p.bucket_elements;
+  static void keep_policy(policy_set& set, const data_parallel<A>& p) {
+    if constexpr (std::is_same_v<data_parallel<A>, data_parallel<Data>>) set.data = p;
   }
   template <fixed_string A>
-  static void apply_policy(train_options& o, const fully_shard<A>& p) {
-    o.fsdp = true;
-    o.reshard_after_forward = p.reshard_after_forward;
-    o.fsdp_prefetch = p.prefetch;
+  static void keep_policy(policy_set& set, const fully_shard<A>& p) {
+    if constexpr (std::is_same_v<fully_shard<A>, fully_shard<Fsdp>>) set.fsdp = p;
   }
   template <fixed_string A>
-  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
-    o.pipeline = p.options();
+  static void keep_policy(policy_set& set, const nn::pipeline<A>& p) {
+    if constexpr (std::is_same_v<nn::pipeline<A>, nn::pipeline<Pipe>>) set.pipe = p;
   }
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
@@ -14051,6 +14069,8 @@ class train_state {
     for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
+  /// The policies given (the data-parallel one defaulted).
+  policy_set policies_;
   /// The data-parallel policy at work: the gradient buckets and path, the optimizer state's layout
   /// (nn/train/optimizer_state.hpp: replicated or ZeRO-1) and the overlap's hooks.
   detail::data_parallel_impl<T, Wire, Mesh, data_axes, fsdp_axes> data_parallel_;
@@ -14081,7 +14101,7 @@ class train_state {
   /// model's buffers are; the buffers point at it).
   std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
-  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  /// The pipeline's stages and buffers (null without a `pipeline` policy over an axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
   /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
   loss_scaler scaler_;
@@ -14091,6 +14111,12 @@ class train_state {
 /// parallelisms not given), its parameters and compute float.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options`, a key and this process's devices before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, rng_key, std::span<const std::size_t>, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
                    detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
@@ -14613,10 +14639,8 @@ struct pipelined_microbatches {
   State& s;
   pipeline_engine& e;
 
-  /// Micro-batches per accumulation step: `pipeline.microbatches` (0: one per stage).
-  [[nodiscard]] std::size_t per_group() const {
-    return s.options.pipeline.microbatches == 0 ? e.stages : s.options.pipeline.microbatches;
-  }
+  /// Micro-batches per accumulation step: the policy's `microbatches` (0: one per stage).
+  [[nodiscard]] std::size_t per_group() const { return e.microbatches == 0 ? e.stages : e.microbatches; }
   /// The accumulation steps the common batch check divides by (the pipeline checks its own split).
   [[nodiscard]] static std::size_t checked_groups(std::size_t) { return 1; }
   /// Throws unless the `k` accumulation steps of `per_group()` micro-batches divide each data
@@ -14660,7 +14684,7 @@ struct pipelined_microbatches {
            step_metrics& metrics) const {
     using clock = std::chrono::steady_clock;
     const std::size_t p = e.stages, m = per_group(), stage = stage_of(dev);
-    const pipeline_plan plan(s.options.pipeline.schedule, p, m);
+    const pipeline_plan plan(e.schedule, p, m);
     stage_runner<State, X0> run = runner(dev);
     std::size_t g = 0;  // the accumulation group running: micro-batch j is the step's g m + j
     const auto x0_of = [&](std::size_t j) {
@@ -15251,7 +15275,7 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 /// with every threads-per-device count of `advise_options::threads_per_device` (by default 1 and,
 /// where larger, the cores this process may run on divided by the devices: a device's products on
 /// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
-/// synchronisation overlapped with the backward pass and not (`train_options::overlap_grad_sync`;
+/// synchronisation overlapped with the backward pass and not (`data_parallel::overlap`;
 /// `advise_options::overlap`): one row per combination (a shape the library refuses: one row).
 /// Each row also has samples per second, the share of the step spent in the gradient synchronisation
 /// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
@@ -15259,11 +15283,12 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 /// largest over the devices) plus the step's peak of activation buffers
 /// (`step_metrics::peak_activation_bytes`).
 ///
-/// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
-/// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
-/// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
-/// cuts the model into that many stages (nn/parallel/pipeline.hpp; micro-batches as the caller's train options
-/// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
+/// Axes: every axis of `Mesh` takes part, each shape trained with the policies its axes call for:
+/// `advise_options::data_policy` over "data", `fsdp_policy` (`fully_shard<"fsdp">`) where the
+/// "fsdp" axis is larger than 1, `pipeline_policy` (`pipeline<"pipeline">`, by default one
+/// micro-batch per stage) where the "pipeline" axis is larger than 1, with the measured bubble in
+/// its own column; the batch is split over "data" and "fsdp", and the layers' tensor parallelism
+/// runs over the axis they name ("model" by default). A shape the pipeline
 /// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
 /// not possible with its reason.
 /// @code
@@ -15324,7 +15349,7 @@ struct mesh_shape {
 struct advice_row {
   mesh_shape shape;  ///< the mesh shape measured
   std::size_t threads_per_device = 1;  ///< the BLAS threads of each device's products (`set_blas_threads_per_device`)
-  bool overlap = false;                ///< `train_options::overlap_grad_sync` of the row
+  bool overlap = false;                ///< `data_parallel::overlap` of the row
   /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
   std::string refused;
   double step_seconds = 0;        ///< median wall time of a timed step
@@ -15391,13 +15416,17 @@ struct advise_options {
   std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
   std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
   optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
-  train_options train = {};      ///< the base options (`fsdp` is set per shape)
+  train_options train = {};      ///< accumulation and loss scaling of every shape
+  /// The data parallelism over "data" (its `overlap` set per row, see `overlap`).
+  data_parallel<"data"> data_policy = {};
+  fully_shard<"fsdp"> fsdp_policy = {};           ///< applied on a shape whose "fsdp" axis is larger than 1
+  nn::pipeline<"pipeline"> pipeline_policy = {};  ///< applied on a shape whose "pipeline" axis is larger than 1
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
   /// The threads per device to try on every shape; empty (the default): 1 and, where larger,
   /// `available_cores()` / the shape's devices.
   std::vector<std::size_t> threads_per_device;
-  /// The `overlap_grad_sync` settings to try on a shape whose "data" axis is larger than 1 (other
-  /// shapes take `train.overlap_grad_sync`); empty (the default): off and on.
+  /// The `data_parallel::overlap` settings to try on a shape whose "data" axis is larger than 1
+  /// (other shapes, and ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
   std::vector<bool> overlap;
   /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
   /// wall time.
@@ -15458,13 +15487,47 @@ Mesh make_mesh(const mesh_shape& s) {
 }
 
 namespace detail {
-/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. Returns why the shape
-/// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
-inline std::string configure_shape(const mesh_shape& s, train_options& o) {
-  o.fsdp = s.size("fsdp") > 1;
-  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/parallel/pipeline.hpp), with the
-  // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
-  return {};
+/// The train state of `make_model`'s `net` on a shape `shape` of `mesh`, with the policies its axes
+/// call for (see `advise_mesh`), added one `Stage` at a time (data, fsdp, pipeline): the policies'
+/// set is a compile-time list, the shape's sizes are known at run time.
+/// @throws sharding_error for an fsdp or pipeline axis larger than 1 and a model that is not a
+/// `sequential` (the policies' units are its layers), as the train state's constructor otherwise.
+template <int Stage, class Mesh, class Model, class... Ps>
+train_state<Mesh, Model> advised_state(const Mesh& mesh, Model& net, const advise_options& o, const mesh_shape& shape,
+                                       bool overlap, const Ps&... ps) {
+  // Whether the shape's `axis` calls for `policy` (larger than 1), which needs a sequential model.
+  const auto wanted = [&](std::string_view axis, std::string_view policy) {
+    if (shape.size(axis) <= 1) return false;
+    if constexpr (!sequential_model<Model>)
+      throw sharding_error("meshlib::nn: advise_mesh: the shape's '" + std::string(axis) + "' axis is larger than 1 "
+                           "and " + std::string(policy) + " needs a sequential model (its layers); wrap the layers "
+                           "in nn::sequential or keep the axis at size 1 (advise_options::only)");
+    return true;
+  };
+  if constexpr (Stage == 0) {
+    if constexpr (Mesh::template has_axis<"data">) {
+      data_parallel<"data"> dp = o.data_policy;
+      dp.overlap = overlap;
+      return advised_state<1>(mesh, net, o, shape, overlap, dp);
+    } else {
+      return advised_state<1>(mesh, net, o, shape, overlap);
+    }
+  } else if constexpr (Stage == 1) {
+    if constexpr (Mesh::template has_axis<"fsdp">)
+      if (wanted("fsdp", "fully_shard"))
+        if constexpr (sequential_model<Model>) return advised_state<2>(mesh, net, o, shape, overlap, ps..., o.fsdp_policy);
+    return advised_state<2>(mesh, net, o, shape, overlap, ps...);
+  } else if constexpr (Stage == 2) {
+    if constexpr (Mesh::template has_axis<"pipeline">)
+      if (wanted("pipeline", "pipeline"))
+        if constexpr (sequential_model<Model>)
+          return advised_state<3>(mesh, net, o, shape, overlap, ps..., o.pipeline_policy);
+    return advised_state<3>(mesh, net, o, shape, overlap, ps...);
+  } else if constexpr (sizeof...(Ps) == 0) {
+    return train_state<Mesh, Model>(mesh, std::move(net), o.opt, o.train);
+  } else {
+    return train_state<Mesh, Model>(mesh, std::move(net), o.opt, o.train, ps...);
+  }
 }
 
 /// Samples of a global batch: rows of a `batch`, windows of a `token_batch`.
@@ -15506,8 +15569,8 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     }
     // Overlap only changes a step with a data axis to synchronise over, and not under ZeRO-1 (whose
     // sync is its reduce-scatter after the backward).
-    const bool overlap_matters = shape.size("data") > 1 && !o.train.zero;
-    std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.train.overlap_grad_sync};
+    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0;
+    std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.data_policy.overlap};
     if (overlap.empty()) overlap = {false, true};
     for (std::size_t t : threads)
       for (bool ov : overlap) {
@@ -15532,17 +15595,10 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     const mesh_shape& shape = row.shape;
     if (std::find(refused.begin(), refused.end(), shape) != refused.end()) continue;
     set_blas_threads_per_device(static_cast<int>(row.threads_per_device));
-    train_options opts = o.train;
-    opts.overlap_grad_sync = row.overlap;
-    if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
-      row.refused = "not possible: " + why;
-      refused.push_back(shape);
-      a.rows.push_back(std::move(row));
-      continue;
-    }
     try {
       const Mesh mesh = make_mesh<Mesh>(shape);
-      train_state state(mesh, make_model(mesh), o.opt, opts);
+      auto net = make_model(mesh);
+      auto state = detail::advised_state<0>(mesh, net, o, shape, row.overlap);
       for (std::size_t i = 0; i < o.warmup_steps; ++i) (void)train_step(state, batch);
       std::vector<double> times;
       double total = 0, sync = 0;  // measured: the synchronisation's share of the measured steps

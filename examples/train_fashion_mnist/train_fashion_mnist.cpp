@@ -262,7 +262,7 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   const std::size_t f = a.best.size("fsdp");
   std::cout << "\n" << a.markdown() << "\nbest: --mesh " << a.best.size("data") << "x" << a.best.size("model")
             << (f > 1 ? " --fsdp " + std::to_string(f) : std::string()) << " --threads-per-device "
-            << a.best_threads_per_device << (a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "") << "\n";
+            << a.best_threads_per_device << (a.best_overlap ? " (gradient sync overlapped: data_parallel overlap)" : "") << "\n";
   return 0;
 }
 
@@ -283,8 +283,13 @@ int train(const options& o, const meshlib::nn::fashion_mnist& fm, const placemen
   const std::size_t total = o.limit_steps ? o.limit_steps : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(100, total / 10), total, 0.02f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adamw" ? nn::adamw(lr, 1e-4f) : nn::adam(lr);
-  nn::train_state<mesh_t, decltype(net), "data", Wire, Compute> state(
-      mesh, std::move(net), opt, {.accumulation = o.accumulation, .zero = o.zero, .fsdp = o.fsdp > 1}, key, local);
+  // The parallelism as policies: data parallelism over 'data' (ZeRO-1 with --zero), and FSDP over
+  // 'fsdp' when that axis has more than one device (of size 1 it only splits the batch, as data does).
+  using state_t = nn::train_state<mesh_t, decltype(net), "data", Wire, Compute>;
+  const nn::train_options to{.accumulation = o.accumulation};
+  const nn::data_parallel<"data"> dp{.zero = o.zero ? 1 : 0};
+  state_t state = o.fsdp > 1 ? state_t(mesh, std::move(net), opt, to, key, local, dp, nn::fully_shard<"fsdp">{})
+                             : state_t(mesh, std::move(net), opt, to, key, local, dp);
   static std::ostream silent(nullptr);
   std::ostream& out = lead ? std::cout : silent;  // one process prints
 

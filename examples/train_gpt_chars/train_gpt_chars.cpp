@@ -306,7 +306,7 @@ meshlib::nn::token_batch spread_windows(std::span<const std::uint8_t> text, std:
 template <bool Remat, bool Untie, class State, class Runner>
 std::string generate(State& state, const options& o, meshlib::nn::rng_key key, const Runner& runner) {
   namespace nn = meshlib::nn;
-  if (state.pipeline() != nullptr || state.options.fsdp) {
+  if (state.pipeline() != nullptr || state.fully_shard_policy()) {
     // A device holds only its pipeline stage's parameters (under FSDP, its shards of them):
     // generate on one device, from a checkpoint of the state (a checkpoint restores on any mesh).
     const auto dir = std::filesystem::temp_directory_path() / ("train_gpt_chars_" + std::to_string(::getpid()));
@@ -374,7 +374,7 @@ int advise(const options& o, const meshlib::nn::text_corpus& corpus) {
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return gpt<Remat, Untie>(m, o, key); }, batch, ao);
   std::printf("\n%s\nbest: --mesh %s --threads-per-device %zu%s\n", a.markdown().c_str(), a.best.flag().c_str(),
-              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "");
+              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: data_parallel overlap)" : "");
   return 0;
 }
 
@@ -389,10 +389,13 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
   const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(1.0f), nn::adamw(lr, 0.01f, 0.9f, 0.99f));
   // Untied, an fsdp axis shards the parameters (FSDP); tied, it splits the batch only.
   const bool fsdp = Untie && o.fsdp > 1;
-  nn::train_state state(mesh, gpt<Remat, Untie>(mesh, o, key), opt,
-                        {.fsdp = fsdp,
-                         .pipeline = {.microbatches = o.microbatches,
-                                      .schedule = o.gpipe ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b}});
+  // The pipeline policy over 'pipeline' (with one device there, no stages: the step is the plain one).
+  const nn::pipeline<"pipeline"> pipe{.schedule = o.gpipe ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b,
+                                      .microbatches = o.microbatches};
+  using state_t = nn::train_state<mesh_t, decltype(gpt<Remat, Untie>(mesh, o, key))>;
+  const nn::data_parallel<"data"> dp{};
+  state_t state = fsdp ? state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, dp, nn::fully_shard<"fsdp">{}, pipe)
+                       : state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, dp, pipe);
 
   std::size_t count = 0;
   for (const auto& p : state.params) {

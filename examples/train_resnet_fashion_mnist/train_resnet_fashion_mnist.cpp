@@ -193,7 +193,7 @@ int advise(const options& o, const meshlib::nn::fashion_mnist& fm) {
   std::fflush(stdout);
   const auto a = nn::advise_mesh<mesh_t>(devices, [&](const mesh_t& m) { return resnet(m, o.width, key); }, b, ao);
   std::printf("\n%s\nbest: --mesh %s --threads-per-device %zu%s\n", a.markdown().c_str(), a.best.flag().c_str(),
-              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: overlap_grad_sync)" : "");
+              a.best_threads_per_device, a.best_overlap ? " (gradient sync overlapped: data_parallel overlap)" : "");
   return 0;
 }
 
@@ -208,7 +208,7 @@ int train_on(const options& o, const meshlib::nn::fashion_mnist& fm, const Runne
   const std::size_t total = o.limit_steps ? std::min(o.limit_steps, steps * o.epochs) : steps * o.epochs;
   const auto lr = nn::warmup_cosine(o.lr, std::min<std::size_t>(steps / 2, total / 10), total, 0.01f);
   nn::optimizer opt = o.optimizer == "sgd" ? nn::sgd(lr, 0.9f) : o.optimizer == "adam" ? nn::adam(lr) : nn::adamw(lr, 1e-4f);
-  nn::train_state state(mesh, resnet(mesh, o.width, key), opt);
+  nn::train_state state(mesh, resnet(mesh, o.width, key), opt, nn::data_parallel<"data">{});  // plain DDP over 'data'
 
   std::printf("train_resnet_fashion_mnist: ResNet (stem %zu, stages %zu-%zu-%zu, one basic block each) on %s (%zu %s%s)%s\n",
               o.width, o.width, 2 * o.width, 4 * o.width, mesh.to_string().c_str(), mesh.size(),

@@ -122,18 +122,18 @@ TEST_CASE("a checkpoint written by every process restores on another mesh, proce
   const meshlib::hybrid_runner backend(world, static_cast<int>(8 / P));
   for (const bool zero : {false, true}) {
     INFO("ZeRO-1 on save and on the multi-process restore: " << zero << "; process " << p << " of " << P);
-    nn::train_state first(a, make_net(a, local), opt, {.zero = zero}, nn::rng_key{}, local);
+    nn::train_state first(a, make_net(a, local), opt, {}, nn::rng_key{}, local, nn::data_parallel<"data">{.zero = zero ? 1 : 0});
     for (std::size_t s = 0; s < 2; ++s) CHECK(std::abs(d.share(first, s, backend) - ref[s]) <= 1e-5 * ref[s]);
     nn::save_checkpoint(dir, first, ex);
     CHECK(fs::exists(dir / "index"));
     CHECK(!fs::exists(fs::path(dir.string() + ".tmp")));
 
     // Every process on (2, 4), with its own blocks only.
-    nn::train_state second(b, make_net(b, local), opt, {.zero = zero}, nn::rng_key{}, local);
+    nn::train_state second(b, make_net(b, local), opt, {}, nn::rng_key{}, local, nn::data_parallel<"data">{.zero = zero ? 1 : 0});
     nn::restore_checkpoint(dir, second, ex);
     CHECK(second.step == 2);
     // One process holding the whole (2, 4) mesh (each process on its own: no exchange needed).
-    nn::train_state alone(b, make_net(b, {}), opt, {.zero = !zero});
+    nn::train_state alone(b, make_net(b, {}), opt, nn::data_parallel<"data">{.zero = zero ? 0 : 1});
     nn::restore_checkpoint(dir, alone);
     for (std::size_t s = 2; s < steps; ++s) {
       INFO("step " << s);

@@ -13,7 +13,7 @@
 /// with every threads-per-device count of `advise_options::threads_per_device` (by default 1 and,
 /// where larger, the cores this process may run on divided by the devices: a device's products on
 /// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
-/// synchronisation overlapped with the backward pass and not (`train_options::overlap_grad_sync`;
+/// synchronisation overlapped with the backward pass and not (`data_parallel::overlap`;
 /// `advise_options::overlap`): one row per combination (a shape the library refuses: one row).
 /// Each row also has samples per second, the share of the step spent in the gradient synchronisation
 /// (`step_metrics::sync_seconds`; the psums inside tensor-parallel layers count as compute), and
@@ -21,11 +21,12 @@
 /// largest over the devices) plus the step's peak of activation buffers
 /// (`step_metrics::peak_activation_bytes`).
 ///
-/// Axes: every axis of `Mesh` takes part. An axis named "fsdp" larger than 1 turns on FSDP
-/// (`train_options::fsdp`); the batch is split over "data" and "fsdp", the layers' tensor
-/// parallelism runs over the axis they name ("model" by default), and a "pipeline" axis larger than 1
-/// cuts the model into that many stages (nn/parallel/pipeline.hpp; micro-batches as the caller's train options
-/// say, by default one per stage), with the measured bubble in its own column. A shape the pipeline
+/// Axes: every axis of `Mesh` takes part, each shape trained with the policies its axes call for:
+/// `advise_options::data_policy` over "data", `fsdp_policy` (`fully_shard<"fsdp">`) where the
+/// "fsdp" axis is larger than 1, `pipeline_policy` (`pipeline<"pipeline">`, by default one
+/// micro-batch per stage) where the "pipeline" axis is larger than 1, with the measured bubble in
+/// its own column; the batch is split over "data" and "fsdp", and the layers' tensor parallelism
+/// runs over the axis they name ("model" by default). A shape the pipeline
 /// refuses (micro-batches that do not divide a device's rows, more stages than layers) is listed as
 /// not possible with its reason.
 /// @code
@@ -51,7 +52,10 @@
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/exec/available_cores.hpp"
 #include "meshlib/nn/optimizer.hpp"
+#include "meshlib/nn/parallel/data_parallel.hpp"
+#include "meshlib/nn/parallel/fsdp.hpp"
 #include "meshlib/nn/parallel/pipeline.hpp"
+#include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/schedule.hpp"
 #include "meshlib/nn/train/train_state.hpp"
 #include "meshlib/tensor/matmul_into.hpp"
@@ -94,7 +98,7 @@ struct mesh_shape {
 struct advice_row {
   mesh_shape shape;  ///< the mesh shape measured
   std::size_t threads_per_device = 1;  ///< the BLAS threads of each device's products (`set_blas_threads_per_device`)
-  bool overlap = false;                ///< `train_options::overlap_grad_sync` of the row
+  bool overlap = false;                ///< `data_parallel::overlap` of the row
   /// Empty when the shape ran; else `"not possible: <reason>"` (the library's own message).
   std::string refused;
   double step_seconds = 0;        ///< median wall time of a timed step
@@ -161,13 +165,17 @@ struct advise_options {
   std::size_t warmup_steps = 2;  ///< untimed steps first (allocation, caches)
   std::size_t timed_steps = 5;   ///< timed steps; the median is the step time
   optimizer opt = adam(constant(1e-3f));  ///< the optimizer of the timed steps
-  train_options train = {};      ///< the base options (`fsdp` is set per shape)
+  train_options train = {};      ///< accumulation and loss scaling of every shape
+  /// The data parallelism over "data" (its `overlap` set per row, see `overlap`).
+  data_parallel<"data"> data_policy = {};
+  fully_shard<"fsdp"> fsdp_policy = {};           ///< applied on a shape whose "fsdp" axis is larger than 1
+  nn::pipeline<"pipeline"> pipeline_policy = {};  ///< applied on a shape whose "pipeline" axis is larger than 1
   std::vector<mesh_shape> only;  ///< measure only these shapes (empty: every factorisation)
   /// The threads per device to try on every shape; empty (the default): 1 and, where larger,
   /// `available_cores()` / the shape's devices.
   std::vector<std::size_t> threads_per_device;
-  /// The `overlap_grad_sync` settings to try on a shape whose "data" axis is larger than 1 (other
-  /// shapes take `train.overlap_grad_sync`); empty (the default): off and on.
+  /// The `data_parallel::overlap` settings to try on a shape whose "data" axis is larger than 1
+  /// (other shapes, and ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
   std::vector<bool> overlap;
   /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
   /// wall time.
@@ -228,13 +236,47 @@ Mesh make_mesh(const mesh_shape& s) {
 }
 
 namespace detail {
-/// The train options of shape `s`: FSDP when its fsdp axis is larger than 1. Returns why the shape
-/// cannot run, or empty (every shape can be tried today; the library's own errors say the rest).
-inline std::string configure_shape(const mesh_shape& s, train_options& o) {
-  o.fsdp = s.size("fsdp") > 1;
-  // A "pipeline" axis larger than 1 makes train_step pipelined by itself (nn/parallel/pipeline.hpp), with the
-  // caller's pipeline options (as many micro-batches as stages unless they say otherwise).
-  return {};
+/// The train state of `make_model`'s `net` on a shape `shape` of `mesh`, with the policies its axes
+/// call for (see `advise_mesh`), added one `Stage` at a time (data, fsdp, pipeline): the policies'
+/// set is a compile-time list, the shape's sizes are known at run time.
+/// @throws sharding_error for an fsdp or pipeline axis larger than 1 and a model that is not a
+/// `sequential` (the policies' units are its layers), as the train state's constructor otherwise.
+template <int Stage, class Mesh, class Model, class... Ps>
+train_state<Mesh, Model> advised_state(const Mesh& mesh, Model& net, const advise_options& o, const mesh_shape& shape,
+                                       bool overlap, const Ps&... ps) {
+  // Whether the shape's `axis` calls for `policy` (larger than 1), which needs a sequential model.
+  const auto wanted = [&](std::string_view axis, std::string_view policy) {
+    if (shape.size(axis) <= 1) return false;
+    if constexpr (!sequential_model<Model>)
+      throw sharding_error("meshlib::nn: advise_mesh: the shape's '" + std::string(axis) + "' axis is larger than 1 "
+                           "and " + std::string(policy) + " needs a sequential model (its layers); wrap the layers "
+                           "in nn::sequential or keep the axis at size 1 (advise_options::only)");
+    return true;
+  };
+  if constexpr (Stage == 0) {
+    if constexpr (Mesh::template has_axis<"data">) {
+      data_parallel<"data"> dp = o.data_policy;
+      dp.overlap = overlap;
+      return advised_state<1>(mesh, net, o, shape, overlap, dp);
+    } else {
+      return advised_state<1>(mesh, net, o, shape, overlap);
+    }
+  } else if constexpr (Stage == 1) {
+    if constexpr (Mesh::template has_axis<"fsdp">)
+      if (wanted("fsdp", "fully_shard"))
+        if constexpr (sequential_model<Model>) return advised_state<2>(mesh, net, o, shape, overlap, ps..., o.fsdp_policy);
+    return advised_state<2>(mesh, net, o, shape, overlap, ps...);
+  } else if constexpr (Stage == 2) {
+    if constexpr (Mesh::template has_axis<"pipeline">)
+      if (wanted("pipeline", "pipeline"))
+        if constexpr (sequential_model<Model>)
+          return advised_state<3>(mesh, net, o, shape, overlap, ps..., o.pipeline_policy);
+    return advised_state<3>(mesh, net, o, shape, overlap, ps...);
+  } else if constexpr (sizeof...(Ps) == 0) {
+    return train_state<Mesh, Model>(mesh, std::move(net), o.opt, o.train);
+  } else {
+    return train_state<Mesh, Model>(mesh, std::move(net), o.opt, o.train, ps...);
+  }
 }
 
 /// Samples of a global batch: rows of a `batch`, windows of a `token_batch`.
@@ -276,8 +318,8 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     }
     // Overlap only changes a step with a data axis to synchronise over, and not under ZeRO-1 (whose
     // sync is its reduce-scatter after the backward).
-    const bool overlap_matters = shape.size("data") > 1 && !o.train.zero;
-    std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.train.overlap_grad_sync};
+    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0;
+    std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.data_policy.overlap};
     if (overlap.empty()) overlap = {false, true};
     for (std::size_t t : threads)
       for (bool ov : overlap) {
@@ -302,17 +344,10 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
     const mesh_shape& shape = row.shape;
     if (std::find(refused.begin(), refused.end(), shape) != refused.end()) continue;
     set_blas_threads_per_device(static_cast<int>(row.threads_per_device));
-    train_options opts = o.train;
-    opts.overlap_grad_sync = row.overlap;
-    if (std::string why = detail::configure_shape(shape, opts); !why.empty()) {
-      row.refused = "not possible: " + why;
-      refused.push_back(shape);
-      a.rows.push_back(std::move(row));
-      continue;
-    }
     try {
       const Mesh mesh = make_mesh<Mesh>(shape);
-      train_state state(mesh, make_model(mesh), o.opt, opts);
+      auto net = make_model(mesh);
+      auto state = detail::advised_state<0>(mesh, net, o, shape, row.overlap);
       for (std::size_t i = 0; i < o.warmup_steps; ++i) (void)train_step(state, batch);
       std::vector<double> times;
       double total = 0, sync = 0;  // measured: the synchronisation's share of the measured steps

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // A parallel policy over an axis the mesh does not have: one error from train_state naming the
-// requirement and the fix (with train_options::fsdp this was a run-time sharding_error).
+// requirement and the fix, at compile time (the policy's axis and the mesh's are both in the types).
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 

@@ -118,13 +118,13 @@ TEST_CASE("a checkpoint saved on (4, 2) and restored on (2, 4) continues with th
     for (std::size_t i = 0; i < steps; ++i) ref.push_back(step(whole, d, i));
 
     const auto dir = scratch("reshard");
-    nn::train_state first(a, make_net(a), opt, {.zero = save_zero});
+    nn::train_state first(a, make_net(a), opt, nn::data_parallel<"data">{.zero = save_zero ? 1 : 0});
     for (std::size_t i = 0; i < 3; ++i) CHECK(std::abs(step(first, d, i) - ref[i]) <= 1e-5 * ref[i]);
     nn::save_checkpoint(dir, first);
     CHECK(fs::exists(dir / "index"));
     CHECK(!fs::exists(fs::path(dir.string() + ".tmp")));
 
-    nn::train_state second(b, make_net(b), opt, {.zero = load_zero});
+    nn::train_state second(b, make_net(b), opt, nn::data_parallel<"data">{.zero = load_zero ? 1 : 0});
     nn::restore_checkpoint(dir, second);
     CHECK(second.step == 3);
     for (std::size_t i = 3; i < steps; ++i) {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// FSDP (train_options::fsdp): per-step losses equal replicated training on meshes with an fsdp axis
+// FSDP (fully_shard<"fsdp">): per-step losses equal replicated training on meshes with an fsdp axis
 // (with and without a data and a model axis, resharding after forward or not, with accumulation);
 // checkpoints cross between FSDP and replicated states both ways; the bytes per device are 1/fsdp
 // of the replicated ones plus the largest layer's unsharded parameters and gradients; an fsdp axis
@@ -56,9 +56,10 @@ nn::optimizer clipped_adam() {
   return nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));  // norm over the shards
 }
 
-template <class Mesh>
-std::vector<double> run(const Mesh& m, nn::train_options o, nn::optimizer opt = clipped_adam()) {
-  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{5});
+template <class Mesh, class... Policies>
+std::vector<double> run(const Mesh& m, nn::train_options o, nn::optimizer opt = clipped_adam(),
+                        const Policies&... policies) {
+  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{5}, {}, policies...);
   std::vector<double> losses;
   for (std::size_t i = 0; i < steps; ++i) losses.push_back(step(state, i));
   return losses;
@@ -88,21 +89,21 @@ TEST_CASE("FSDP gives the per-step losses of replicated training", "[nn][trainin
     for (const bool reshard : {true, false})
       for (auto [d, f, mo] : {std::array<std::size_t, 3>{1, 2, 1}, {2, 2, 1}, {1, 2, 2}, {1, 4, 1}, {2, 2, 2}}) {
         INFO("mesh (" << d << ", " << f << ", " << mo << "), reshard_after_forward " << reshard);
-        require_close(run(mesh3_t{d, f, mo}, {.fsdp = true, .reshard_after_forward = reshard}, opt), ref, 1e-5);
+        require_close(run(mesh3_t{d, f, mo}, {}, opt, nn::fully_shard<"fsdp">{.reshard_after_forward = reshard}), ref, 1e-5);
       }
     // k micro-batches: the shards' gradients accumulate over them.
-    require_close(run(mesh3_t{1, 2, 2}, {.accumulation = 2, .fsdp = true}, opt), ref, 1e-5);
+    require_close(run(mesh3_t{1, 2, 2}, {.accumulation = 2}, opt, nn::fully_shard<"fsdp">{}), ref, 1e-5);
     // A mesh of only ('fsdp', 'model'): the fsdp axis is the data-parallel axis.
-    require_close(run(mesh2_t{2, 2}, {.fsdp = true}, opt), ref, 1e-5);
-    require_close(run(mesh2_t{4, 1}, {.fsdp = true, .reshard_after_forward = false}, opt), ref, 1e-5);
-    // FSDP off on a mesh with an fsdp axis: plain data parallelism over ('data', 'fsdp').
+    require_close(run(mesh2_t{2, 2}, {}, opt, nn::fully_shard<"fsdp">{}), ref, 1e-5);
+    require_close(run(mesh2_t{4, 1}, {}, opt, nn::fully_shard<"fsdp">{.reshard_after_forward = false}), ref, 1e-5);
+    // No fully_shard on a mesh with an fsdp axis: plain data parallelism over ('data', 'fsdp').
     require_close(run(mesh3_t{2, 2, 1}, {}, opt), ref, 1e-5);
   }
 }
 
 TEST_CASE("FSDP stores parameters and optimizer state as shards of core's blocks", "[nn][training][fsdp]") {
   const mesh3_t m{1, 2, 2};
-  nn::train_state state(m, make_net(m), clipped_adam(), {.fsdp = true});
+  nn::train_state state(m, make_net(m), clipped_adam(), nn::fully_shard<"fsdp">{});
   // The train state's parameters are the shards: fc1.w (12 x 16, P(None, 'model')) is stored as
   // 6 x 8 blocks, rows split over 'fsdp', columns over 'model'.
   REQUIRE(state.params.size() == 6);
@@ -141,10 +142,15 @@ TEST_CASE("FSDP checkpoints restore on a replicated mesh and the reverse", "[nn]
     const auto dir = scratch(from_fsdp ? "from" : "to");
     const mesh3_t& a = from_fsdp ? sharded : replicated;
     const mesh3_t& b = from_fsdp ? replicated : sharded;
-    nn::train_state first(a, make_net(a), opt, {.fsdp = from_fsdp});
+    // The same state type with and without the policy: fully_shard over the state's own fsdp axis.
+    using state_t = decltype(nn::train_state(a, make_net(a), opt));
+    const auto make = [&](const mesh3_t& m, bool fsdp) {
+      return fsdp ? state_t(m, make_net(m), opt, nn::fully_shard<"fsdp">{}) : state_t(m, make_net(m), opt);
+    };
+    state_t first = make(a, from_fsdp);
     for (std::size_t i = 0; i < 3; ++i) CHECK(std::abs(step(first, i) - ref[i]) <= 1e-5 * ref[i]);
     nn::save_checkpoint(dir, first);
-    nn::train_state second(b, make_net(b), opt, {.fsdp = !from_fsdp});
+    state_t second = make(b, !from_fsdp);
     nn::restore_checkpoint(dir, second);
     CHECK(second.step == 3);
     for (std::size_t i = 3; i < steps; ++i) {
@@ -163,8 +169,8 @@ TEST_CASE("FSDP holds 1/fsdp of the replicated bytes plus the largest layer", "[
     INFO("fsdp " << f);
     const mesh3_t m{1, f, 1};
     nn::train_state replicated(m, make_net(m), nn::adam(nn::constant(1e-3f)), {});
-    nn::train_state sharded(m, make_net(m), nn::adam(nn::constant(1e-3f)), {.fsdp = true});
-    nn::train_state kept(m, make_net(m), nn::adam(nn::constant(1e-3f)), {.fsdp = true, .reshard_after_forward = false});
+    nn::train_state sharded(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{});
+    nn::train_state kept(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{.reshard_after_forward = false});
     for (std::size_t dev = 0; dev < m.size(); ++dev) {
       const nn::training_memory r = replicated.memory(dev), s = sharded.memory(dev), k = kept.memory(dev);
       // Replicated: value, gradient and Adam's two slots of every element.
@@ -189,26 +195,22 @@ TEST_CASE("FSDP holds 1/fsdp of the replicated bytes plus the largest layer", "[
 TEST_CASE("FSDP refuses an fsdp axis that does not divide a parameter", "[nn][training][fsdp][errors]") {
   const mesh3_t m{1, 4, 1};
   const auto msg = meshlib_test::message_of<meshlib::sharding_error>(
-      [&] { nn::train_state s(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), {.fsdp = true}); });
+      [&] { nn::train_state s(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{}); });
   CHECK(msg ==
         "meshlib::nn: train_state: FSDP cannot shard parameter 'fc3.b' (shape 3, " +
             nn::params(nn::train_state(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), {}))[5].sharding +
             ") over the 4 devices of the fsdp axis 'fsdp': its dimension 0 (3 per device) is not divisible by 4; use "
             "an fsdp axis whose size divides 3, or make that dimension a multiple of 4 (e.g. 4)");
   const mesh3_t two{1, 2, 1};
-  CHECK_NOTHROW(nn::train_state(two, make_net(two, 6), nn::adam(nn::constant(1e-3f)), {.fsdp = true}));
+  CHECK_NOTHROW(nn::train_state(two, make_net(two, 6), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{}));
 
-  using plain_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"model">>;
-  const plain_t p{2, 1};
+  // fully_shard over an axis the mesh lacks does not compile (compile_fail/nn/policy_axis_not_in_mesh.cpp).
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          nn::train_state s(p, make_net(p), nn::adam(nn::constant(1e-3f)), {.fsdp = true});
-        }) == "meshlib::nn: train_state: train_options::fsdp needs a mesh axis named 'fsdp' to shard the parameters "
-              "over; the mesh is " + p.to_string() +
-                 ": add the axis (e.g. mesh<axis<\"data\">, axis<\"fsdp\">, axis<\"model\">>)");
-  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          nn::train_state s(m, make_net(m), nn::adam(nn::constant(1e-3f)), {.zero = true, .fsdp = true});
-        }) == "meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already shards the optimizer "
-              "state (over 'fsdp'): turn zero off");
+          nn::train_state s(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::data_parallel<"data">{.zero = 1},
+                            nn::fully_shard<"fsdp">{});
+        }) == "meshlib::nn: train_state: data_parallel<\"data\">{.zero = 1} and fully_shard<\"fsdp\"> both shard the "
+              "optimizer state; fully_shard already shards it (over 'fsdp', the data_parallel<\"data\"> axis holding "
+              "replicas of the shards: HSDP): drop .zero");
 }
 
 }  // namespace MESHLIB_TEST_UNIT

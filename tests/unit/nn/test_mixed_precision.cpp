@@ -46,10 +46,10 @@ nn::step_metrics step_on(State& s, const nn::dataset& ds, std::size_t i) {
                         std::span<const std::int32_t>(ds.y).subspan(i * batch, batch), batch, 0, batch);
 }
 
-template <class Compute>
-std::vector<double> losses(const mesh_t& m, nn::train_options o = {}) {
+template <class Compute, class... Policies>
+std::vector<double> losses(const mesh_t& m, nn::train_options o = {}, const Policies&... policies) {
   const auto ds = synthetic(batch * steps);
-  state_t<Compute> s(m, make_net(m), nn::adam(nn::constant(1e-2f)), o);
+  state_t<Compute> s(m, make_net(m), nn::adam(nn::constant(1e-2f)), o, policies...);
   std::vector<double> out;
   for (std::size_t i = 0; i < steps; ++i) out.push_back(step_on(s, ds, i).loss);
   return out;
@@ -80,7 +80,7 @@ TEST_CASE("bfloat16 training is mesh-invariant within 0.03% (data, tensor and hy
     }
   }
   // ZeRO-1 updates slices of the float masters and all-gathers them: the same losses.
-  const auto zero = losses<meshlib::bfloat16>(mesh_t{4, 1}, {.zero = true});
+  const auto zero = losses<meshlib::bfloat16>(mesh_t{4, 1}, {}, nn::data_parallel<"data">{.zero = 1});
   const auto replicated = losses<meshlib::bfloat16>(mesh_t{4, 1});
   for (std::size_t i = 0; i < steps; ++i) {
     INFO("ZeRO-1 step " << i << ": " << zero[i] << " vs " << replicated[i]);

@@ -299,8 +299,10 @@ std::vector<double> train(State& state, std::size_t first, std::size_t steps) {
   return losses;
 }
 
-std::vector<double> run(const mesh_t& m, const nn::optimizer& opt, nn::train_options o, std::size_t steps = 6) {
-  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11});
+template <class... Policies>
+std::vector<double> run(const mesh_t& m, const nn::optimizer& opt, nn::train_options o, std::size_t steps = 6,
+                        const Policies&... policies) {
+  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11}, {}, policies...);
   return train(state, 0, steps);
 }
 
@@ -327,8 +329,8 @@ TEST_CASE("a chain trains alike on every mesh and with ZeRO-1, its clip's norm o
     CHECK(ref.back() < ref.front());  // it learns
     require_close(run(mesh_t{4, 2}, opt, {}), ref, 1e-5);
     require_close(run(mesh_t{2, 4}, opt, {}), ref, 1e-5);
-    require_close(run(mesh_t{4, 2}, opt, {.zero = true}), ref, 1e-5);
-    require_close(run(mesh_t{2, 1}, opt, {.zero = true}), ref, 1e-5);
+    require_close(run(mesh_t{4, 2}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}), ref, 1e-5);
+    require_close(run(mesh_t{2, 1}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}), ref, 1e-5);
   }
   // The clip binds: without it the run differs.
   const nn::optimizer unclipped =
@@ -347,7 +349,7 @@ TEST_CASE("every transform on FSDP shards: the losses of one device", "[nn][opti
                                          nn::row_dense<float, fsdp_mesh_t>(m, "fc2", hidden, hidden, key),
                                          nn::gelu<float>(m),
                                          nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
-                          opt, {.fsdp = true}, nn::rng_key{11});
+                          opt, {}, nn::rng_key{11}, {}, nn::fully_shard<"fsdp">{});
     return train(state, 0, 6);
   };
   const nn::optimizer mid = nn::chain(nn::trace{0.5f}, nn::clip_by_global_norm(0.05f), nn::scale_by_adam(),
@@ -370,8 +372,9 @@ TEST_CASE("a chain built by hand is nn::adamw in a train state, bit for bit", "[
   for (const bool zero : {false, true}) {
     INFO("zero " << zero);
     const mesh_t m{4, 2};
-    nn::train_state a(m, make_net(m), nn::adamw(nn::warmup_cosine(1e-2f, 2, 6), 1e-2f), {.zero = zero});
-    nn::train_state b(m, make_net(m), hand, {.zero = zero});
+    nn::train_state a(m, make_net(m), nn::adamw(nn::warmup_cosine(1e-2f, 2, 6), 1e-2f),
+                      nn::data_parallel<"data">{.zero = zero ? 1 : 0});
+    nn::train_state b(m, make_net(m), hand, nn::data_parallel<"data">{.zero = zero ? 1 : 0});
     CHECK(train(a, 0, 5) == train(b, 0, 5));
     for (std::size_t i = 0; i < a.params.size(); ++i)
       for (std::size_t dev = 0; dev < m.size(); ++dev)
@@ -392,7 +395,7 @@ TEST_CASE("checkpoints hold a chain's state, restored on another mesh with ZeRO-
   nn::train_state a(m1, make_net(m1), make(), {});
   (void)train(a, 0, 3);
   nn::save_checkpoint(dir, a);
-  nn::train_state b(m2, make_net(m2), make(), {.zero = true});
+  nn::train_state b(m2, make_net(m2), make(), nn::data_parallel<"data">{.zero = 1});
   nn::restore_checkpoint(dir, b);
   CHECK(b.step == 3);
   // Every slot of every element came back: three slots, the trace's and Adam's two.
@@ -638,7 +641,7 @@ TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shar
             {}) != ref);
   const std::string head = "meshlib::nn: train_state: the optimizer adafactor(momentum 0.5) needs each parameter "
                            "whole on the device that updates it (its statistics are per parameter), but ";
-  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {.zero = true}); }) ==
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}); }) ==
         head + "ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes; use data_parallel "
                "without ZeRO (zero 0)");
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
@@ -650,7 +653,7 @@ TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shar
   const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });
   CHECK(groups.whole_parameters());
   CHECK(!nn::optimizer(nn::multi_transform({{"a", nn::adam(1e-3f)}}, [](std::string_view) { return "a"; })).whole_parameters());
-  CHECK_THROWS_AS(run(mesh_t{2, 1}, groups, {.zero = true}), meshlib::sharding_error);
+  CHECK_THROWS_AS(run(mesh_t{2, 1}, groups, {}, 6, nn::data_parallel<"data">{.zero = 1}), meshlib::sharding_error);
   using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
           const fsdp_mesh_t m{2, 1};
@@ -659,7 +662,7 @@ TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shar
                                 nn::sequential(nn::dense<float, fsdp_mesh_t>(m, "fc1", features, hidden, key),
                                                nn::relu<float>(m),
                                                nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
-                                opt, {.fsdp = true});
+                                opt, nn::fully_shard<"fsdp">{});
         }) == head + "fully_shard shards the parameters; train without fully_shard");
 }
 

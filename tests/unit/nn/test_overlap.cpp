@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
-// Overlapped gradient synchronisation (train_options::overlap_grad_sync, issue 26 item 4): the
+// Overlapped gradient synchronisation (data_parallel{.overlap = true}, issue 26 item 4): the
 // buckets started during backward give bitwise the losses and parameters of the synchronisation
 // after backward, for the MLP and the GPT on (2, 1) and (2, 2), with small buckets (many, packed
 // and in place), accumulation, a bfloat16 wire, mixed precision and FSDP; the same number of
@@ -92,8 +92,8 @@ nn::optimizer clipped_adam() {
 
 // ---- the small GPT (small_gpt.hpp) --------------------------------------------------------------
 
-outcome train_gpt(const mesh_t& m, nn::train_options o) {
-  nn::train_state state(m, meshlib_test::small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
+outcome train_gpt(const mesh_t& m, const nn::data_parallel<"data">& dp) {
+  nn::train_state state(m, meshlib_test::small_gpt(m), nn::adam(nn::constant(1e-2f)), dp);
   outcome r;
   for (std::size_t s = 0; s < steps; ++s) {
     const auto st = nn::train_step(state, meshlib_test::gpt_windows(s));
@@ -113,11 +113,12 @@ TEST_CASE("overlap_grad_sync: the MLP trains bitwise alike with overlap on and o
     for (std::size_t bucket : {std::size_t{0}, std::size_t{64}, std::size_t{1} << 20}) {
       for (std::size_t acc : {1u, 2u}) {
         INFO("mesh " << m << ", bucket " << bucket << ", accumulation " << acc);
-        const nn::train_options off{.accumulation = acc, .bucket_elements = bucket, .overlap_grad_sync = false};
-        nn::train_options on = off;
-        on.overlap_grad_sync = true;
-        const outcome with = train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), on, nn::rng_key{7}));
-        require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), off, nn::rng_key{7})), with);
+        const nn::train_options o{.accumulation = acc};
+        const nn::data_parallel<"data"> off{.overlap = false, .bucket_elements = bucket};
+        nn::data_parallel<"data"> on = off;
+        on.overlap = true;
+        const outcome with = train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), o, nn::rng_key{7}, {}, on));
+        require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), o, nn::rng_key{7}, {}, off)), with);
         // Every bucket starts from a hook: one bucket (holding fc1's weight) when fc1's backward
         // ends; with 64-element buckets, fc3's and fc2's while the earlier layers' backward runs.
         if (bucket == 0) REQUIRE(with.started_early == steps);
@@ -129,8 +130,8 @@ TEST_CASE("overlap_grad_sync: the MLP trains bitwise alike with overlap on and o
     using wire_state = nn::train_state<mesh_t, model_t, "data", meshlib::bfloat16>;
     using mixed_state = nn::train_state<mesh_t, model_t, "data", float, meshlib::bfloat16>;
     for (std::size_t bucket : {std::size_t{64}, std::size_t{1} << 20}) {
-      const nn::train_options off{.bucket_elements = bucket, .overlap_grad_sync = false};
-      const nn::train_options on{.bucket_elements = bucket};
+      const nn::data_parallel<"data"> off{.overlap = false, .bucket_elements = bucket};
+      const nn::data_parallel<"data"> on{.overlap = true, .bucket_elements = bucket};
       require_identical(train_mlp(wire_state(m, make_mlp(m), clipped_adam(), off)),
                         train_mlp(wire_state(m, make_mlp(m), clipped_adam(), on)));
       require_identical(train_mlp(mixed_state(m, make_mlp(m), clipped_adam(), off)),
@@ -138,7 +139,7 @@ TEST_CASE("overlap_grad_sync: the MLP trains bitwise alike with overlap on and o
     }
   }
   // Off by default (docs/benchmarks.md, "Overlapped gradient synchronisation": no gain on a quiet machine).
-  CHECK_FALSE(nn::train_options{}.overlap_grad_sync);
+  CHECK_FALSE(nn::data_parallel<"data">{}.overlap);
 }
 
 TEST_CASE("overlap_grad_sync: FSDP and a data axis, and ZeRO (not overlapped), alike on and off",
@@ -146,29 +147,27 @@ TEST_CASE("overlap_grad_sync: FSDP and a data axis, and ZeRO (not overlapped), a
   const mesh3_t m{2, 2, 1};
   for (std::size_t bucket : {std::size_t{16}, std::size_t{1} << 20}) {
     INFO("bucket " << bucket);
-    const nn::train_options off{.fsdp = true, .bucket_elements = bucket, .overlap_grad_sync = false};
-    nn::train_options on = off;
-    on.overlap_grad_sync = true;
-    require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), off)),
-                      train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), on)));
+    const nn::data_parallel<"data"> off{.overlap = false, .bucket_elements = bucket};
+    nn::data_parallel<"data"> on = off;
+    on.overlap = true;
+    require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), off, nn::fully_shard<"fsdp">{})),
+                      train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), on, nn::fully_shard<"fsdp">{})));
   }
   // FSDP keeping the gathered parameters from forward: the next layer's all-gathers prefetched
-  // (fsdp_prefetch) or not, with and without overlapped gradient buckets.
+  // (fully_shard's prefetch) or not, with and without overlapped gradient buckets.
   for (const mesh3_t mesh : {mesh3_t{2, 2, 1}, mesh3_t{1, 2, 2}}) {
     INFO("mesh " << mesh << ", FSDP prefetch");
-    const nn::train_options plain{.fsdp = true, .reshard_after_forward = false, .overlap_grad_sync = false,
-                                  .fsdp_prefetch = false};
-    nn::train_options both = plain;
-    both.overlap_grad_sync = both.fsdp_prefetch = true;
-    nn::train_options prefetch_only = plain;
-    prefetch_only.fsdp_prefetch = true;
-    const outcome ref = train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), plain));
-    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), both)));
-    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), prefetch_only)));
+    const nn::data_parallel<"data"> no_overlap{.overlap = false}, overlap{.overlap = true};
+    const nn::fully_shard<"fsdp"> no_prefetch{.reshard_after_forward = false, .prefetch = false};
+    const nn::fully_shard<"fsdp"> prefetch{.reshard_after_forward = false, .prefetch = true};
+    const outcome ref = train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), no_overlap, no_prefetch));
+    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), overlap, prefetch)));
+    require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), no_overlap, prefetch)));
   }
-  const nn::train_options zoff{.zero = true, .overlap_grad_sync = false}, zon{.zero = true};
-  require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zoff)),
-                    train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zon)));
+  // ZeRO-1 with overlap is refused (nothing to overlap: test_policies.cpp); ZeRO-1 trains as before.
+  const nn::data_parallel<"data"> zero{.zero = 1};
+  require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zero)),
+                    train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zero)));
 }
 
 TEST_CASE("overlap_grad_sync: the GPT trains bitwise alike with overlap on and off", "[nn][gpt][overlap]") {
@@ -176,8 +175,8 @@ TEST_CASE("overlap_grad_sync: the GPT trains bitwise alike with overlap on and o
     const mesh_t m{shape[0], shape[1]};
     for (std::size_t bucket : {std::size_t{100}, std::size_t{1} << 20}) {
       INFO("mesh " << m << ", bucket " << bucket);
-      const outcome with = train_gpt(m, {.bucket_elements = bucket, .overlap_grad_sync = true});
-      require_identical(train_gpt(m, {.bucket_elements = bucket, .overlap_grad_sync = false}), with);
+      const outcome with = train_gpt(m, {.overlap = true, .bucket_elements = bucket});
+      require_identical(train_gpt(m, {.overlap = false, .bucket_elements = bucket}), with);
       if (bucket == 100) REQUIRE(with.started_early > 3 * steps);
     }
   }

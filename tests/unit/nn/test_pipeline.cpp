@@ -41,10 +41,13 @@ double mlp_step(State& state, std::size_t s) {
       .loss;
 }
 
-std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 12,
-                               nn::optimizer opt = nn::adam(nn::constant(1e-2f))) {
+/// The MLP's per-step losses with the pipeline policy `pipe` (on a pipeline axis of one device: no
+/// pipeline) and the data-parallel policy `dp`, then evaluate's loss and correct rows + 1.
+std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o = {}, nn::pipeline<"pipeline"> pipe = {},
+                               std::size_t steps = 12, nn::optimizer opt = nn::adam(nn::constant(1e-2f)),
+                               nn::data_parallel<"data"> dp = {}) {
   const mesh_t m{shape[0], shape[1], shape[2]};
-  nn::train_state state(m, make_mlp(m), opt, o);
+  nn::train_state state(m, make_mlp(m), opt, o, dp, pipe);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(mlp_step(state, s));
   // evaluate: batches of 44 rows (the last one smaller, split unevenly over the data axis).
@@ -67,9 +70,10 @@ using shape4_t = std::array<std::size_t, 4>;
 auto small_gpt4(const mesh4_t& m) { return small_gpt<"tensor">(m); }
 
 /// Per-step losses of `steps` steps of the small GPT, then the validation loss.
-std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o = {}, std::size_t steps = 10) {
+std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o = {}, nn::pipeline<"pipeline"> pipe = {},
+                               std::size_t steps = 10) {
   const mesh_t m{shape[0], shape[1], shape[2]};
-  nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
+  nn::train_state state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o, pipe);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
   out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
@@ -98,17 +102,17 @@ auto small_gpt4_remat(const mesh4_t& m) { return small_gpt<"tensor", true>(m); }
 
 /// Per-step losses of the GPT on a 4-axis mesh, then the validation loss (`remat`: every block in
 /// `nn::remat`).
-std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, std::size_t steps = 8,
-                                bool remat = false) {
+std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, nn::pipeline<"pipeline"> pipe = {},
+                                std::size_t steps = 8, bool remat = false) {
   const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
   if (remat) {
-    nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o);
+    nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o, pipe);
     std::vector<double> out;
     for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
     out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
     return out;
   }
-  nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
+  nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o, pipe);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
   out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
@@ -133,7 +137,7 @@ TEST_CASE("pipeline: an MLP's losses on pipeline axes of 2 and 4 equal the 1-dev
       for (std::size_t mb : {1, 2, 4}) {
         INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ") micro-batches " << mb << " "
                       << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
-        require_close(mlp_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
+        require_close(mlp_losses(shape, {}, {.schedule = kind, .microbatches = mb}), ref, 1e-5);
       }
 }
 
@@ -141,11 +145,11 @@ TEST_CASE("pipeline: clipping over every stage's gradients, and ZeRO-1 over the 
           "[nn][pipeline][zero]") {
   // The global norm sums every stage's blocks once.
   const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
-  const auto ref = mlp_losses({1, 1, 1}, {}, 12, opt);
+  const auto ref = mlp_losses({1, 1, 1}, {}, {}, 12, opt);
   for (bool zero : {false, true})
     for (auto shape : {shape_t{2, 1, 2}, shape_t{1, 1, 4}, shape_t{2, 2, 2}}) {
       INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ") zero " << zero);
-      require_close(mlp_losses(shape, {.zero = zero, .pipeline = {.microbatches = 2}}, 12, opt), ref, 1e-5);
+      require_close(mlp_losses(shape, {}, {.microbatches = 2}, 12, opt, {.zero = zero ? 1 : 0}), ref, 1e-5);
     }
 }
 
@@ -159,7 +163,7 @@ TEST_CASE("pipeline: a small GPT (head tied across stages) trains as on one devi
       const std::size_t mb = shape[0] == 2 ? 2 : 4;
       INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ") micro-batches " << mb << " "
                     << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
-      require_close(gpt_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
+      require_close(gpt_losses(shape, {}, {.schedule = kind, .microbatches = mb}), ref, 1e-5);
     }
 }
 
@@ -173,19 +177,19 @@ TEST_CASE("pipeline: the GPT on ('data', 'fsdp', 'tensor', 'pipeline') meshes of
       const std::size_t mb = 8 / (shape[0] * shape[1]) >= 4 ? 4 : 2;
       INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ") micro-batches " << mb
                     << " " << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
-      require_close(gpt4_losses(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref, 1e-5);
+      require_close(gpt4_losses(shape, {}, {.schedule = kind, .microbatches = mb}), ref, 1e-5);
     }
 }
 
 TEST_CASE("pipeline: the GPT with every block in remat on 4-axis meshes trains as on one device without remat",
           "[nn][pipeline][gpt][mesh4][remat]") {
   const auto ref = gpt4_losses({1, 1, 1, 1});
-  require_close(gpt4_losses({1, 1, 1, 1}, {}, 8, true), ref, 1e-5);
+  require_close(gpt4_losses({1, 1, 1, 1}, {}, {}, 8, true), ref, 1e-5);
   for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
     for (auto shape : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}}) {
       INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ") remat "
                     << (kind == nn::pipeline_kind::gpipe ? "GPipe" : "1F1B"));
-      require_close(gpt4_losses(shape, {.pipeline = {.microbatches = 2, .schedule = kind}}, 8, true), ref, 1e-5);
+      require_close(gpt4_losses(shape, {}, {.schedule = kind, .microbatches = 2}, 8, true), ref, 1e-5);
     }
 }
 
@@ -207,10 +211,10 @@ TEST_CASE("pipeline with FSDP: parameters sharded over 'fsdp' within each stage,
         const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
         INFO("mesh " << m << (kind == nn::pipeline_kind::gpipe ? " GPipe" : " 1F1B") << " reshard_after_forward "
                      << !keep);
-        const nn::train_options o{.fsdp = true, .reshard_after_forward = !keep,
-                                  .pipeline = {.microbatches = 2, .schedule = kind}};
-        nn::train_state a(m, make_mlp4(m), nn::adam(nn::constant(1e-2f)), o);
-        nn::train_state b(m, untied_gpt4(m), nn::adam(nn::constant(1e-2f)), o);
+        const nn::fully_shard<"fsdp"> fsdp{.reshard_after_forward = !keep};
+        const nn::pipeline<"pipeline"> pipe{.schedule = kind, .microbatches = 2};
+        nn::train_state a(m, make_mlp4(m), nn::adam(nn::constant(1e-2f)), fsdp, pipe);
+        nn::train_state b(m, untied_gpt4(m), nn::adam(nn::constant(1e-2f)), fsdp, pipe);
         for (std::size_t s = 0; s < 8; ++s) {
           INFO("step " << s);
           CHECK(std::abs(mlp_step(a, s) - mlp_ref[s]) <= 1e-5 * mlp_ref[s]);
@@ -224,25 +228,26 @@ TEST_CASE("pipeline with FSDP: parameters sharded over 'fsdp' within each stage,
   // A tied head is refused under FSDP.
   const mesh4_t m{1, 2, 1, 2};
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          nn::train_state s(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), {.fsdp = true});
+          nn::train_state s(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), nn::fully_shard<"fsdp">{},
+                            nn::pipeline<"pipeline">{});
         }).find("FSDP does not shard a tied parameter") != std::string::npos);
 }
 
 TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn][pipeline][gpt][mesh4][checkpoint]") {
   namespace fs = std::filesystem;
   const auto dir = fs::temp_directory_path() / ("meshlib_nn_pipeline_ckpt4_" + std::to_string(::getpid()));
-  const auto ref = gpt4_losses({1, 1, 1, 1}, {}, 6);
+  const auto ref = gpt4_losses({1, 1, 1, 1}, {}, {}, 6);
   for (auto from : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}}) {
     fs::remove_all(dir);
     const mesh4_t a{from[0], from[1], from[2], from[3]};
-    nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), {.pipeline = {.microbatches = 2}});
+    nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), nn::pipeline<"pipeline">{.microbatches = 2});
     for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
     nn::save_checkpoint(dir, first);
     for (auto to : {shape4_t{2, 1, 2, 2}, shape4_t{1, 2, 2, 2}, shape4_t{1, 1, 2, 4}, shape4_t{1, 1, 1, 1}}) {
       const mesh4_t b{to[0], to[1], to[2], to[3]};
       INFO("saved on " << a << ", restored on " << b);
       nn::train_state second(b, small_gpt4(b), nn::adam(nn::constant(1e-2f)),
-                             {.pipeline = {.microbatches = 2, .schedule = nn::pipeline_kind::gpipe}});
+                             nn::pipeline<"pipeline">{.schedule = nn::pipeline_kind::gpipe, .microbatches = 2});
       nn::restore_checkpoint(dir, second);
       for (std::size_t s = 3; s < 6; ++s) {
         INFO("step " << s);
@@ -365,7 +370,7 @@ TEST_CASE("pipeline: each device holds, and keeps optimizer state for, only its 
           "[nn][pipeline]") {
   const mesh_t one{1, 1, 1}, m{2, 1, 2};
   nn::train_state ref(one, make_mlp(one), nn::adam(nn::constant(1e-2f)));
-  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), {.pipeline = {.split_points = {2}}});
+  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), nn::pipeline<"pipeline">{.split_points = {2}});
   REQUIRE(state.pipeline_stages() == std::vector<std::pair<std::size_t, std::size_t>>{{0, 2}, {2, 5}});
   // fc1 (layer 0) on stage 0, fc2 and fc3 (layers 2 and 4) on stage 1; device d is at stage d % 2.
   for (std::size_t i = 0; i < state.params.size(); ++i)
@@ -388,7 +393,7 @@ TEST_CASE("pipeline: a GPT checkpoint saved on one pipeline shape continues on o
           "[nn][pipeline][gpt][checkpoint]") {
   namespace fs = std::filesystem;
   const auto dir = fs::temp_directory_path() / ("meshlib_nn_pipeline_ckpt_" + std::to_string(::getpid()));
-  const auto opts = [](std::size_t mb, nn::pipeline_kind k) { return nn::train_options{.pipeline = {.microbatches = mb, .schedule = k}}; };
+  const auto opts = [](std::size_t mb, nn::pipeline_kind k) { return nn::pipeline<"pipeline">{.schedule = k, .microbatches = mb}; };
   std::vector<double> ref;
   {
     const mesh_t one{1, 1, 1};
@@ -418,36 +423,36 @@ TEST_CASE("pipeline: a GPT checkpoint saved on one pipeline shape continues on o
 
 TEST_CASE("pipeline: bad stages, micro-batches and options are refused with the fix", "[nn][pipeline]") {
   using meshlib_test::message_of;
-  const auto make = [](shape_t shape, nn::train_options o) {
+  const auto make = [](shape_t shape, const nn::pipeline<"pipeline">& pipe) {
     const mesh_t m{shape[0], shape[1], shape[2]};
-    nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), o);
+    nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), pipe);
   };
   // More stages than layers (the MLP has five).
   CHECK(message_of<meshlib::sharding_error>([&] {
           const mesh_t m{1, 1, 6};
-          nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)));
+          nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), nn::pipeline<"pipeline">{});
         }) ==
         "meshlib::nn: pipeline: the mesh's 'pipeline' axis has 6 devices (one stage each) but the model has 5 layers; "
         "a stage needs at least one layer: use a pipeline axis of at most 5 devices or a model with more layers");
   // Split points that do not fit the mesh, do not increase, or lie outside the model.
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 4}, {.pipeline = {.split_points = {2}}}); }) ==
+  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 4}, {.split_points = {2}}); }) ==
         "meshlib::nn: pipeline: split_points {2} make 2 stages but the mesh's 'pipeline' axis has 4 devices (one stage "
         "each); give 3 split points, or none to balance the stages by parameter count");
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 3}, {.pipeline = {.split_points = {3, 2}}}); }) ==
+  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 3}, {.split_points = {3, 2}}); }) ==
         "meshlib::nn: pipeline: split_points {3, 2} must be strictly increasing layer indices in [1, 4] (the first "
         "layer of each stage after the first, for a model of 5 layers); split point 1 is 2");
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 3}, {.pipeline = {.split_points = {2, 2}}}); }) ==
+  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 3}, {.split_points = {2, 2}}); }) ==
         "meshlib::nn: pipeline: split_points {2, 2} must be strictly increasing layer indices in [1, 4] (the first "
         "layer of each stage after the first, for a model of 5 layers); split point 1 is 2");
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.pipeline = {.split_points = {5}}}); }) ==
+  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.split_points = {5}}); }) ==
         "meshlib::nn: pipeline: split_points {5} must be strictly increasing layer indices in [1, 4] (the first "
         "layer of each stage after the first, for a model of 5 layers); split point 0 is 5");
-  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.pipeline = {.split_points = {0}}}); }) ==
+  CHECK(message_of<meshlib::sharding_error>([&] { make({1, 1, 2}, {.split_points = {0}}); }) ==
         "meshlib::nn: pipeline: split_points {0} must be strictly increasing layer indices in [1, 4] (the first "
         "layer of each stage after the first, for a model of 5 layers); split point 0 is 0");
   // Micro-batches that do not divide a device's rows: 16 rows over data 2 is 8 per device.
   const mesh_t m{2, 1, 2};
-  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), {.pipeline = {.microbatches = 3}});
+  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), nn::pipeline<"pipeline">{.microbatches = 3});
   CHECK(message_of<meshlib::sharding_error>([&] { mlp_step(state, 0); }) ==
         "meshlib::nn: train_step: the pipeline's 3 micro-batches do not divide the 8 rows each device of the data "
         "axes gets (a global batch of 16 rows over 2 devices); choose pipeline.microbatches dividing 8, or a batch of "

@@ -2,7 +2,7 @@
 // Pipeline parallelism (nn/parallel/pipeline.hpp, issue 26) with what it used to refuse: 16-bit compute
 // (bfloat16, float16 with loss scaling), batch norm (statistics per micro-batch, running statistics
 // moved once per micro-batch, in order) and gradient accumulation over whole schedules; each against
-// the run without a pipeline on the same micro-batches (train_options::accumulation = micro-batches
+// the run without a pipeline on the same micro-batches (train_options{.accumulation} = micro-batches
 // x accumulation). And the activation memory a stage holds across the schedule
 // (step_metrics::peak_activation_bytes): 1F1B less than GPipe, by exactly the boundary buffers the
 // plans say each holds.
@@ -65,10 +65,13 @@ std::vector<double> run(State& state, std::size_t steps = 10) {
 template <class Compute>
 using state_t = nn::train_state<mesh_t, mlp_t, "data", float, Compute>;
 
+/// The MLP's losses with the pipeline policy `pipe` (on a pipeline axis of one device: no pipeline)
+/// and the data-parallel policy `dp`.
 template <class Compute = float>
-std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o) {
+std::vector<double> mlp_losses(const shape_t& shape, nn::train_options o, nn::pipeline<"pipeline"> pipe = {},
+                               nn::data_parallel<"data"> dp = {}) {
   const mesh_t m{shape[0], shape[1], shape[2]};
-  state_t<Compute> state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), o);
+  state_t<Compute> state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), o, dp, pipe);
   return run(state);
 }
 
@@ -89,9 +92,10 @@ using gpt_t = decltype(small_gpt(std::declval<const mesh_t&>()));
 /// `small_gpt` with its two blocks in `nn::remat`.
 auto small_gpt_remat(const mesh_t& m) { return small_gpt<"model", true>(m); }
 template <class Compute = float>
-std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o, std::size_t steps = 8) {
+std::vector<double> gpt_losses(const shape_t& shape, nn::train_options o, nn::pipeline<"pipeline"> pipe = {},
+                               std::size_t steps = 8) {
   const mesh_t m{shape[0], shape[1], shape[2]};
-  nn::train_state<mesh_t, gpt_t, "data", float, Compute> state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
+  nn::train_state<mesh_t, gpt_t, "data", float, Compute> state(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o, pipe);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
   return out;
@@ -110,21 +114,21 @@ TEST_CASE("pipeline in bfloat16: the rounding of the run without a pipeline on t
     for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b})
       for (auto shape : {shape_t{1, 1, 2}, shape_t{1, 1, 4}}) {
         INFO("mesh (" << shape[0] << ", " << shape[1] << ", " << shape[2] << ") micro-batches " << mb << " " << name(kind));
-        require_close(mlp_losses<meshlib::bfloat16>(shape, {.pipeline = {.microbatches = mb, .schedule = kind}}), ref,
+        require_close(mlp_losses<meshlib::bfloat16>(shape, {}, {.schedule = kind, .microbatches = mb}), ref,
                       1e-6);
       }
     // Beside a data axis (rows per device differ from the 1-device micro-batches: the data-parallel
     // run with accumulation is the reference) and a tensor axis (the products split: bfloat16 rounding
     // of a float sum in another order, within 0.1%).
     const auto dp_ref = mlp_losses<meshlib::bfloat16>({2, 1, 1}, {.accumulation = mb / 2});
-    require_close(mlp_losses<meshlib::bfloat16>({2, 1, 2}, {.pipeline = {.microbatches = mb / 2}}), dp_ref, 1e-6);
-    require_close(mlp_losses<meshlib::bfloat16>({1, 2, 2}, {.pipeline = {.microbatches = mb}}), ref, 1e-3);
+    require_close(mlp_losses<meshlib::bfloat16>({2, 1, 2}, {}, {.microbatches = mb / 2}), dp_ref, 1e-6);
+    require_close(mlp_losses<meshlib::bfloat16>({1, 2, 2}, {}, {.microbatches = mb}), ref, 1e-3);
   }
   // The small GPT, its tied table's two gradients summed across stages before the rounding.
   const auto ref = gpt_losses<meshlib::bfloat16>({1, 1, 1}, {.accumulation = 4});
   for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
     INFO(name(kind));
-    require_close(gpt_losses<meshlib::bfloat16>({1, 1, 2}, {.pipeline = {.microbatches = 4, .schedule = kind}}), ref, 1e-3);
+    require_close(gpt_losses<meshlib::bfloat16>({1, 1, 2}, {}, {.schedule = kind, .microbatches = 4}), ref, 1e-3);
   }
 }
 
@@ -138,10 +142,9 @@ TEST_CASE("pipeline in float16: dynamic loss scaling skips the same steps as wit
   ro.accumulation = 2;
   state_t<meshlib::float16> ref(one, make_mlp(one), nn::adam(nn::constant(1e-2f)), ro);
   for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
-    nn::train_options po = base;
-    po.pipeline = {.microbatches = 2, .schedule = kind};
+    const nn::pipeline<"pipeline"> pipe{.schedule = kind, .microbatches = 2};
     state_t<meshlib::float16> a(one, make_mlp(one), nn::adam(nn::constant(1e-2f)), ro);
-    state_t<meshlib::float16> b(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), po);
+    state_t<meshlib::float16> b(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), base, pipe);
     std::size_t skipped = 0;
     for (std::size_t s = 0; s < 12; ++s) {
       INFO(name(kind) << " step " << s);
@@ -185,7 +188,7 @@ TEST_CASE("pipeline with batch norm: statistics per micro-batch, running statist
           INFO("mesh " << m << " micro-batches " << mb << " " << name(kind));
           std::vector<std::size_t> split = p == 2 ? std::vector<std::size_t>{3} : std::vector<std::size_t>{2, 5};
           nn::train_state state(m, make_bn_mlp(m), nn::adam(nn::constant(1e-2f)),
-                                {.pipeline = {.microbatches = mb, .schedule = kind, .split_points = split}});
+                                nn::pipeline<"pipeline">{.schedule = kind, .microbatches = mb, .split_points = split});
           require_close(run(state), want, 1e-5);  // the evaluation (last) uses the running statistics
           // Every device holds them (each stage sends its layers' to the others after a step).
           for (std::size_t dev = 0; dev < m.size(); ++dev) {
@@ -213,21 +216,21 @@ TEST_CASE("pipeline with gradient accumulation: whole schedules summed before on
     INFO(name(kind));
     // accumulation k x micro-batches m: the run without a pipeline accumulating over k m micro-batches.
     const auto ref = mlp_losses({1, 1, 1}, {.accumulation = 4});
-    require_close(mlp_losses({1, 1, 2}, {.accumulation = 2, .pipeline = {.microbatches = 2, .schedule = kind}}), ref, 1e-5);
-    require_close(mlp_losses({1, 1, 4}, {.accumulation = 4, .pipeline = {.microbatches = 1, .schedule = kind}}), ref, 1e-5);
-    require_close(mlp_losses({1, 2, 2}, {.accumulation = 2, .pipeline = {.microbatches = 2, .schedule = kind}}), ref, 1e-5);
+    require_close(mlp_losses({1, 1, 2}, {.accumulation = 2}, {.schedule = kind, .microbatches = 2}), ref, 1e-5);
+    require_close(mlp_losses({1, 1, 4}, {.accumulation = 4}, {.schedule = kind, .microbatches = 1}), ref, 1e-5);
+    require_close(mlp_losses({1, 2, 2}, {.accumulation = 2}, {.schedule = kind, .microbatches = 2}), ref, 1e-5);
     const auto dp_ref = mlp_losses({2, 1, 1}, {.accumulation = 4});
-    require_close(mlp_losses({2, 1, 2}, {.accumulation = 2, .pipeline = {.microbatches = 2, .schedule = kind}}), dp_ref,
+    require_close(mlp_losses({2, 1, 2}, {.accumulation = 2}, {.schedule = kind, .microbatches = 2}), dp_ref,
                   1e-5);
-    require_close(mlp_losses({2, 1, 2}, {.accumulation = 2, .zero = true, .pipeline = {.microbatches = 2, .schedule = kind}}),
+    require_close(mlp_losses({2, 1, 2}, {.accumulation = 2}, {.schedule = kind, .microbatches = 2}, {.zero = 1}),
                   dp_ref, 1e-5);
     // The GPT: its mirrored head's gradient summed over all k m micro-batches.
-    require_close(gpt_losses({1, 1, 2}, {.accumulation = 2, .pipeline = {.microbatches = 2, .schedule = kind}}),
+    require_close(gpt_losses({1, 1, 2}, {.accumulation = 2}, {.schedule = kind, .microbatches = 2}),
                   gpt_losses({1, 1, 1}, {}), 1e-5);
   }
   // Micro-batches x accumulation steps that do not divide a device's rows.
   const mesh_t m{2, 1, 2};
-  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), {.accumulation = 3, .pipeline = {.microbatches = 2}});
+  nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)), {.accumulation = 3}, nn::pipeline<"pipeline">{.microbatches = 2});
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { step(state, 0); }) ==
         "meshlib::nn: train_step: the pipeline's 2 micro-batches x 3 accumulation steps do not divide the 8 rows each "
         "device of the data axes gets (a global batch of 16 rows over 2 devices); choose pipeline.microbatches x "
@@ -276,7 +279,7 @@ TEST_CASE("pipeline activation memory: each stage's peak is its layers' buffers 
       for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
         INFO(p << " stages, " << mb << " micro-batches of " << micro << " rows, " << name(kind));
         nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)),
-                              {.pipeline = {.microbatches = mb, .schedule = kind, .split_points = split}});
+                              nn::pipeline<"pipeline">{.schedule = kind, .microbatches = mb, .split_points = split});
         const nn::pipeline_plan plan(kind, p, mb);
         // The widest boundary activation is `hidden` (p = 4: fc1 | relu | fc2 gelu | fc3: all `hidden`).
         const std::size_t msg = micro * hidden * sizeof(float), zn = micro * classes * sizeof(float);
@@ -323,7 +326,7 @@ TEST_CASE("pipeline activation memory: remat inside a stage lowers its activatio
     INFO(name(kind));
     const mesh_t m{1, 1, 2};
     // Both blocks on stage 0: during h1's backward, remat has dropped h0's internal buffers.
-    const nn::train_options o{.pipeline = {.microbatches = 4, .schedule = kind, .split_points = {4}}};
+    const nn::pipeline<"pipeline"> o{.schedule = kind, .microbatches = 4, .split_points = {4}};
     nn::train_state plain(m, small_gpt(m), nn::adam(nn::constant(1e-2f)), o);
     nn::train_state remat(m, small_gpt_remat(m), nn::adam(nn::constant(1e-2f)), o);
     for (std::size_t s = 0; s < 3; ++s) {
@@ -370,7 +373,7 @@ TEST_CASE("pipeline_plan::bubble_with_costs: the plan's bubble with each stage's
   for (auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
     const mesh_t m{1, 1, 2};
     nn::train_state state(m, make_mlp(m), nn::adam(nn::constant(1e-2f)),
-                          {.accumulation = 2, .pipeline = {.microbatches = 4, .schedule = kind}});
+                          {.accumulation = 2}, nn::pipeline<"pipeline">{.schedule = kind, .microbatches = 4});
     (void)step(state, 0);
     const nn::pipeline_plan plan(kind, 2, 4);
     for (std::size_t st = 0; st < 2; ++st) {

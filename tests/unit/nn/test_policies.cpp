@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Parallelism as policies (nn/parallel/, issue 37): data_parallel, fully_shard and pipeline over any
-// axis names give bitwise the losses of the train_options they set on the default names, alone and
-// composed; the state's type is deduced from them; what a value cannot say at compile time is refused.
+// axis names give bitwise the losses of the same policies on the default names, alone and composed;
+// the state's type is deduced from them and keeps them; what a value cannot say at compile time is
+// refused; an axis is pipelined by the policy only, never by its name.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -55,7 +56,7 @@ nn::optimizer opt() {
 
 }  // namespace
 
-TEST_CASE("data_parallel over any axis name: bitwise the losses of train_options on 'data'", "[nn][policies]") {
+TEST_CASE("data_parallel over any axis name: bitwise the losses on 'data'", "[nn][policies]") {
   using ref_mesh = meshlib::mesh<axis<"data">, axis<"model">>;
   using dp_mesh = meshlib::mesh<axis<"dp">, axis<"model">>;
   const ref_mesh rm{4, 2};
@@ -64,12 +65,13 @@ TEST_CASE("data_parallel over any axis name: bitwise the losses of train_options
     for (const bool overlap : {false, true}) {
       if (zero && overlap) continue;  // overlap applies without ZeRO
       INFO("zero " << zero << ", overlap " << overlap);
-      nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.zero = zero, .overlap_grad_sync = overlap});
+      nn::train_state ref(rm, make_net(rm), opt(), nn::data_parallel<"data">{.zero = zero ? 1 : 0, .overlap = overlap});
       nn::train_state dp(dm, make_net(dm), opt(), nn::data_parallel<"dp">{.zero = zero ? 1 : 0, .overlap = overlap});
       static_assert(std::is_same_v<decltype(dp)::mesh_type, dp_mesh>);
       STATIC_REQUIRE(decltype(dp)::data_axes == dp_mesh::mask_of<"dp">());
-      CHECK(dp.options.zero == zero);
-      CHECK(dp.options.overlap_grad_sync == overlap);
+      CHECK(dp.data_parallel_policy().zero == (zero ? 1 : 0));
+      CHECK(dp.data_parallel_policy().overlap == overlap);
+      CHECK(dp.optimizer_state_size(0) == ref.optimizer_state_size(0));
       CHECK(losses(dp) == losses(ref));
     }
   }
@@ -82,7 +84,7 @@ TEST_CASE("fully_shard and data_parallel compose over any axis names (HSDP)", "[
   const my_mesh mm{2, 2, 2};
   for (const bool reshard : {true, false}) {
     INFO("reshard_after_forward " << reshard);
-    nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.fsdp = true, .reshard_after_forward = reshard});
+    nn::train_state ref(rm, make_net(rm), opt(), nn::fully_shard<"fsdp">{.reshard_after_forward = reshard});
     nn::train_state mine(mm, make_net(mm), opt(), nn::data_parallel<"replica">{},
                          nn::fully_shard<"shard">{.reshard_after_forward = reshard});
     STATIC_REQUIRE(decltype(mine)::fsdp_axes == my_mesh::mask_of<"shard">());
@@ -98,7 +100,7 @@ TEST_CASE("pipeline over any axis name: bitwise the losses of the 'pipeline' axi
   const ref_mesh rm{2, 1, 2};
   const my_mesh mm{2, 1, 2};
   for (const auto kind : {nn::pipeline_kind::gpipe, nn::pipeline_kind::one_f_one_b}) {
-    nn::train_state ref(rm, make_net(rm), opt(), nn::train_options{.pipeline = {.microbatches = 4, .schedule = kind}});
+    nn::train_state ref(rm, make_net(rm), opt(), nn::pipeline<"pipeline">{.schedule = kind, .microbatches = 4});
     nn::train_state mine(mm, make_net(mm), opt(), nn::data_parallel<"dp">{},
                          nn::pipeline<"pipe">{.schedule = kind, .microbatches = 4});
     STATIC_REQUIRE(decltype(mine)::pipeline_axes == my_mesh::mask_of<"pipe">());
@@ -137,10 +139,46 @@ TEST_CASE("data_parallel's ZeRO-1 beside fully_shard, and ZeRO-1 with overlap, a
               "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
   // ZeRO-1 alone, and fully_shard beside a plain data_parallel, are fine.
   nn::train_state zero(m, make_net(m), opt(), nn::data_parallel<"replica">{.zero = 1});
-  CHECK(zero.options.zero);
+  CHECK(zero.data_parallel_policy().zero == 1);
+  CHECK_FALSE(zero.fully_shard_policy().has_value());
   nn::train_state hsdp(m, make_net(m), opt(), nn::data_parallel<"replica">{}, nn::fully_shard<"shard">{});
-  CHECK(hsdp.options.fsdp);
-  CHECK_FALSE(hsdp.options.zero);
+  CHECK(hsdp.fully_shard_policy().has_value());
+  CHECK(hsdp.data_parallel_policy().zero == 0);
+}
+
+TEST_CASE("an axis is pipelined by a pipeline policy, not by its name", "[nn][policies][pipeline][errors]") {
+  using mesh_t = meshlib::mesh<axis<"data">, axis<"model">, axis<"pipeline">>;
+  // Without a policy, an axis named 'pipeline' of more than one device is refused with the fix
+  // (pipelining silently, or replicating the model over it silently, would both surprise).
+  const mesh_t two{2, 1, 2};
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(two, make_net(two), opt());
+        }) == "meshlib::nn: train_state: the mesh's 'pipeline' axis has 2 devices but no pipeline policy was given; an "
+              "axis is pipelined only by a policy, not by its name: pass meshlib::nn::pipeline<\"pipeline\">{} (with "
+              ".microbatches and .schedule) to the train_state, or make the axis size 1");
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(two, make_net(two), opt(), nn::data_parallel<"data">{});
+        }).find("no pipeline policy was given") != std::string::npos);
+  // With the policy it pipelines; the policy is kept.
+  nn::train_state piped(two, make_net(two), opt(), nn::pipeline<"pipeline">{.microbatches = 4});
+  REQUIRE(piped.pipeline() != nullptr);
+  REQUIRE(piped.pipeline_policy().has_value());
+  CHECK(piped.pipeline_policy()->microbatches == 4);
+  // The axis named by a data_parallel policy is a data axis, whatever its name.
+  using named_mesh = meshlib::mesh<axis<"pipeline">, axis<"model">>;
+  const named_mesh nm{4, 2};
+  using ref_mesh_t = meshlib::mesh<axis<"data">, axis<"model">>;
+  const ref_mesh_t rm{4, 2};
+  nn::train_state as_data(nm, make_net(nm), opt(), nn::data_parallel<"pipeline">{});
+  CHECK(as_data.pipeline() == nullptr);
+  nn::train_state ref(rm, make_net(rm), opt());
+  CHECK(losses(as_data) == losses(ref));
+  // Over an axis of one device there are no stages: the step is the unpipelined one, bit for bit.
+  const mesh_t one{2, 1, 1};
+  nn::train_state single(one, make_net(one), opt(), nn::pipeline<"pipeline">{.microbatches = 4});
+  CHECK(single.pipeline() == nullptr);
+  nn::train_state plain(one, make_net(one), opt());
+  CHECK(losses(single) == losses(plain));
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -123,13 +123,13 @@ auto fsdp_mlp(const Mesh& m) {
       nn::dense<float, Mesh>(m, "head", width, classes, key));
 }
 
-/// 8 steps of `fsdp_mlp` with train state options `o` and compute type `Compute`.
-template <bool Remat, class Compute = float, class Mesh>
-trace composed_run(const Mesh& m, nn::train_options o) {
+/// 8 steps of `fsdp_mlp` with the parallel policies `ps` and compute type `Compute`.
+template <bool Remat, class Compute = float, class Mesh, class... Policies>
+trace composed_run(const Mesh& m, const Policies&... ps) {
   const auto ds = meshlib_test::synthetic_problem(batch * 8, features, classes);
   using model_t = decltype(fsdp_mlp<Remat>(m));
-  nn::train_state<Mesh, model_t, "data", float, Compute> state(m, fsdp_mlp<Remat>(m), nn::adam(nn::constant(1e-2f)), o,
-                                                               nn::rng_key{3});
+  nn::train_state<Mesh, model_t, "data", float, Compute> state(m, fsdp_mlp<Remat>(m), nn::adam(nn::constant(1e-2f)), {},
+                                                               nn::rng_key{3}, {}, ps...);
   trace t;
   for (std::size_t s = 0; s < 8; ++s) {
     t.last = nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
@@ -262,11 +262,11 @@ TEST_CASE("remat: composes with FSDP (both resharding modes) and bfloat16 comput
   for (bool reshard : {true, false}) {
     INFO("reshard_after_forward " << reshard);
     const mesh3_t m{1, 2, 2};
-    const nn::train_options o{.fsdp = true, .reshard_after_forward = reshard};
+    const nn::fully_shard<"fsdp"> o{.reshard_after_forward = reshard};
     require_identical(composed_run<true>(m, o), composed_run<false>(m, o));
   }
   const mesh_t m{2, 2};
-  const trace without = composed_run<false, meshlib::bfloat16>(m, {}), with = composed_run<true, meshlib::bfloat16>(m, {});
+  const trace without = composed_run<false, meshlib::bfloat16>(m), with = composed_run<true, meshlib::bfloat16>(m);
   CHECK(without.losses.back() < without.losses.front());
   require_identical(with, without);
 }

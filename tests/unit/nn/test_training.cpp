@@ -33,9 +33,11 @@ auto make_net(const mesh_t& m) {
                         nn::dense<float, mesh_t>(m, "fc3", hidden, classes, key));
 }
 
-std::vector<double> run(const mesh_t& m, nn::optimizer opt, nn::train_options o, std::size_t steps = 6) {
+template <class... Policies>
+std::vector<double> run(const mesh_t& m, nn::optimizer opt, nn::train_options o, std::size_t steps = 6,
+                        const Policies&... policies) {
   const auto ds = synthetic(batch * steps);
-  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11});
+  nn::train_state state(m, make_net(m), opt, o, nn::rng_key{11}, {}, policies...);
   std::vector<double> losses;
   for (std::size_t s = 0; s < steps; ++s) {
     const auto r = nn::train_step(state, std::span<const float>(ds.x).subspan(s * batch * features, batch * features),
@@ -72,11 +74,11 @@ TEST_CASE("ZeRO-1 gives the replicated optimizer's losses with 1/n of its state"
   // Clipping over the shards too.
   const nn::optimizer opt = nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
   const auto ref = run(mesh_t{4, 2}, opt, {});
-  require_close(run(mesh_t{4, 2}, opt, {.zero = true}), ref, 1e-6);
-  require_close(run(mesh_t{2, 1}, opt, {.zero = true}), ref, 1e-5);
+  require_close(run(mesh_t{4, 2}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}), ref, 1e-6);
+  require_close(run(mesh_t{2, 1}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}), ref, 1e-5);
   const mesh_t m{4, 2};
   nn::train_state replicated(m, make_net(m), opt, {});
-  nn::train_state sharded(m, make_net(m), opt, {.zero = true});
+  nn::train_state sharded(m, make_net(m), opt, nn::data_parallel<"data">{.zero = 1});
   CHECK(sharded.optimizer_state_size(0) == (replicated.optimizer_state_size(0) / 2 + 3) / 4 * 2);
 }
 
@@ -86,7 +88,7 @@ TEST_CASE("parameters and optimizer state are tensors laid out by core's blocks"
   const float b1 = 0.9f, b2 = 0.999f;
   for (const bool zero : {false, true}) {
     INFO("zero " << zero);
-    nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-2f), b1, b2), {.zero = zero});
+    nn::train_state state(m, make_net(m), nn::adam(nn::constant(1e-2f), b1, b2), nn::data_parallel<"data">{.zero = zero ? 1 : 0});
     using state_t = decltype(state);
     static_assert(state_t::zero_state_type::vary == mesh_t::all_axes);  // a slice that differs on every device
     static_assert(state_t::zero_state_type::dims_type::at(1) == state_t::data_axes);  // blocked over data
@@ -148,10 +150,10 @@ TEST_CASE("k micro-batches of b rows equal one step of k*b rows", "[nn][training
 
 TEST_CASE("gradient buckets: the bucket size sets the number of collectives, not the result", "[nn][training][buckets]") {
   const auto opt = nn::adam(nn::constant(1e-2f));
-  const auto ref = run(mesh_t{4, 2}, opt, {.bucket_elements = 0}, 2);
-  require_close(run(mesh_t{4, 2}, opt, {.bucket_elements = 100}, 2), ref, 1e-6);
+  const auto ref = run(mesh_t{4, 2}, opt, {}, 2, nn::data_parallel<"data">{.bucket_elements = 0});
+  require_close(run(mesh_t{4, 2}, opt, {}, 2, nn::data_parallel<"data">{.bucket_elements = 100}), ref, 1e-6);
   const mesh_t m{4, 1};
-  nn::train_state state(m, make_net(m), opt, {.bucket_elements = 100});
+  nn::train_state state(m, make_net(m), opt, nn::data_parallel<"data">{.bucket_elements = 100});
   const auto ds = synthetic(batch);
   nn::train_step(state, std::span<const float>(ds.x), std::span<const std::int32_t>(ds.y), batch, 0, batch);
   // fc1 12x16+16, fc2 16x16+16, fc3 16x4+4 gradient elements per device. The weights of at least

@@ -23,10 +23,12 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "meshlib/collectives/gathers.hpp"
+#include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/detail/axis_mask_group.hpp"
@@ -86,10 +88,13 @@ class data_parallel_impl {
   /// The overlap's hooks (nn/parallel/grad_overlap.hpp).
   using overlap_type = grad_overlap<T, Wire, Mesh, DataAxes, replica_axes>;
 
-  /// Buckets of at most `bucket_elements` for `devices` devices; ZeRO-1 when `zero`, the buckets
-  /// started during backward when `overlap` (and the model is a `sequential`: `install_hooks`).
-  data_parallel_impl(std::size_t devices, std::size_t bucket_elements, bool zero, bool overlap)
-      : buckets_(devices, bucket_elements), gather_(devices), zero_(zero), overlap_on_(overlap) {}
+  /// The policy `p` at work on `devices` devices: buckets of at most `p.bucket_elements`, ZeRO-1
+  /// when `p.zero` is 1, the buckets started during backward when `p.overlap` (and the model is a
+  /// `sequential`: `install_hooks`).
+  /// @throws sharding_error when `p.zero` is not 0 or 1.
+  template <fixed_string A>
+  data_parallel_impl(std::size_t devices, const data_parallel<A>& p)
+      : buckets_(devices, p.bucket_elements), gather_(devices), zero_(checked_zero(p.zero)), overlap_on_(p.overlap) {}
 
   /// Composes over `fully_shard`'s engine (null: none).
   void compose(std::shared_ptr<fsdp_type> fsdp) { fsdp_ = std::move(fsdp); }
@@ -225,6 +230,16 @@ class data_parallel_impl {
     }
     s.refresh_device(dev);
     return norm;
+  }
+
+  // ZeRO's stage as data_parallel takes it: 1 shards the optimizer state, 0 does not; stage 3 is
+  // fully_shard's, a policy of its own (on its own axis), not a number here.
+  static bool checked_zero(int zero) {
+    if (zero != 0 && zero != 1)
+      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(zero) +
+                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
+                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
+    return zero == 1;
   }
 
   // Calls `f(param, offset in param, offset in slice, length)` for the pieces of `params` that lie

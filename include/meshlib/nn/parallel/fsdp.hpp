@@ -2,8 +2,8 @@
 #pragma once
 /// @file
 /// @brief Fully sharded data parallelism (ZeRO-3, PyTorch FSDP2's `fully_shard`, JAX's
-/// `P('fsdp', ...)` on parameters) over a mesh axis: `train_options{.fsdp = true}` on a
-/// `train_state` whose mesh has the axis (named `fsdp` by default).
+/// `P('fsdp', ...)` on parameters) over a mesh axis: the policy `fully_shard<"axis">` given to a
+/// `train_state` (any axis of its mesh; `fsdp` by default).
 ///
 /// Each parameter is *stored* sharded over the fsdp axis on its first dimension, on top of its own
 /// sharding (a `column_dense` weight `P<none, 'model'>` is stored as `P<'fsdp', 'model'>`, a
@@ -32,7 +32,7 @@
 /// @code
 /// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"fsdp">, meshlib::axis<"model">>;
 /// mesh_t m{2, 2, 2};
-/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), {.fsdp = true});
+/// meshlib::nn::train_state state(m, std::move(net), meshlib::nn::adam(1e-3f), meshlib::nn::fully_shard<"fsdp">{});
 /// std::printf("%zu bytes per device\n", state.memory(0).total());
 /// @endcode
 
@@ -422,36 +422,22 @@ class fsdp_engine final : public layer_hooks {
   std::vector<std::size_t> unsharded_;
 };
 
-/// `fully_shard`'s part of a `train_state` under construction (its `params` collected, nothing
-/// sized yet): shards `params` over `Axes` (the axis `axis_name` of `mesh`, or none: `Axes` 0), makes
-/// them the engine's shards and installs the engine as `model`'s layer hooks. `zero`: whether
-/// ZeRO-1 was asked for too, which FSDP refuses (it shards the optimizer state itself).
-/// @throws sharding_error for a mesh without the axis, a model that is not a `sequential`, ZeRO-1
-/// beside it, and as `fsdp_engine`'s constructor.
-template <axis_mask Axes, mesh_type Mesh, class Model, class T>
+/// The policy `p` at work in a `train_state` under construction (its `params` collected, nothing
+/// sized yet): shards `params` over `Axes` (the mesh axis `A`), makes them the engine's shards and
+/// installs the engine as `model`'s layer hooks (the policy compiles only over a mesh axis, for a
+/// `sequential` model: `check_policies`).
+/// @throws sharding_error as `fsdp_engine`'s constructor.
+template <axis_mask Axes, mesh_type Mesh, class Model, class T, fixed_string A>
+  requires(Axes != 0 && sequential_model<Model>)
 std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
                                                            std::vector<param_ref<T>>& params,
                                                            const std::vector<std::size_t>& local,
-                                                           bool reshard_after_forward, bool prefetch,
-                                                           std::string_view axis_name, bool zero) {
-  if constexpr (Axes == 0) {
-    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a mesh axis named '" +
-                         std::string(axis_name) + "' to shard the parameters over; the mesh is " + mesh.to_string() +
-                         ": add the axis (e.g. mesh<axis<\"data\">, axis<\"" + std::string(axis_name) +
-                         "\">, axis<\"model\">>)");
-  } else if constexpr (!sequential_model<Model>) {
-    throw sharding_error("meshlib::nn: train_state: train_options::fsdp needs a sequential model (its layers are "
-                         "FSDP's units: each is gathered just before it runs); wrap the layers in nn::sequential");
-  } else {
-    if (zero)
-      throw sharding_error("meshlib::nn: train_state: train_options::fsdp and zero are both set; FSDP already "
-                           "shards the optimizer state (over '" + std::string(axis_name) + "'): turn zero off");
-    auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
-                                                            reshard_after_forward, axis_name, prefetch);
-    params = engine->shards();
-    model.hooks = engine.get();
-    return engine;
-  }
+                                                           const fully_shard<A>& p) {
+  auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
+                                                          p.reshard_after_forward, text_of(A), p.prefetch);
+  params = engine->shards();
+  model.hooks = engine.get();
+  return engine;
 }
 
 }  // namespace detail

@@ -3,7 +3,7 @@
 /// @file
 /// @brief `detail::grad_overlap`: the layer hooks (`sequential`'s `layer_hooks`, the mechanism FSDP
 /// uses) that start the data-parallel gradient buckets during backward
-/// (`train_options::overlap_grad_sync`, PyTorch DDP's overlap). After each layer's backward, every
+/// (`data_parallel{.overlap = true}`, PyTorch DDP's overlap). After each layer's backward, every
 /// parameter of that layer and of the layers after it has its final gradient (backward runs last
 /// layer first), so every bucket (nn/parallel/grad_sync.hpp) made only of such parameters is started with
 /// `psum_start`; the optimizer step waits for all of them.

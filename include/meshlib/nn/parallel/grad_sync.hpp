@@ -22,7 +22,7 @@
 /// `psum_scatter_into` into the slice buffer; nothing is staged beyond what the buckets need.
 /// Buckets are filled in parameter order. Synchronously (`all_reduce`) they run one after the other
 /// after the backward; overlapped (`begin_all_reduce` / `start_ready` / `finish_all_reduce`,
-/// `train_options::overlap_grad_sync`), each is started with `psum_start` as soon as the backward
+/// `data_parallel{.overlap = true}`), each is started with `psum_start` as soon as the backward
 /// has completed its gradients (the last layers' first), so its reduction runs on the device's
 /// communication worker while the backward of the earlier layers computes. Same buckets, same
 /// per-element rank-order sums: the same bits either way.
@@ -98,7 +98,7 @@ class grad_sync {
     return complete(dev);
   }
 
-  /// @name Overlapped all-reduce (`train_options::overlap_grad_sync`)
+  /// @name Overlapped all-reduce (`data_parallel{.overlap = true}`)
   /// The same buckets and the same sums as `all_reduce`, started as backward completes them:
   /// `begin_all_reduce` before the backward, `start_ready(first)` each time the gradients of
   /// parameters `first, first + 1, ...` are complete (backward runs last layer first), and

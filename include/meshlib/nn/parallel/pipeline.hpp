@@ -1,19 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief Pipeline-parallel training over a mesh axis named `pipeline` (issue 26): a `sequential`
+/// @brief Pipeline-parallel training over a mesh axis (issue 26): a `sequential`
 /// model cut into stages (contiguous runs of layers), one stage per device of the axis, the batch
 /// cut into micro-batches that flow through the stages under a GPipe or 1F1B order, activations
 /// forward and gradients backward by the public typed `ppermute` between neighbouring stages
 /// (torch.distributed.pipelining's `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`, or the JAX
 /// `shard_map` + `ppermute` pipeline loop).
 ///
-/// A `train_state` whose mesh has a `pipeline` axis of size `p > 1` trains this way; the options are
-/// `train_options::pipeline`:
+/// A `train_state` given the policy `pipeline<"axis">` (any axis of its mesh) over an axis of
+/// `p > 1` devices trains this way; the policy holds the micro-batches, schedule and stage split.
+/// A mesh axis is pipelined only by the policy, whatever its name: a state whose pipeline axis
+/// (`pipeline` by default) has more than one device and no policy is refused at construction.
 /// @code
-/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipeline">>;
+/// using mesh_t = meshlib::mesh<meshlib::axis<"data">, meshlib::axis<"pipe">>;
 /// meshlib::nn::train_state state(mesh_t{2, 2}, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)),
-///     {.pipeline = {.microbatches = 4, .schedule = meshlib::nn::pipeline_kind::gpipe}});
+///     meshlib::nn::pipeline<"pipe">{.schedule = meshlib::nn::pipeline_kind::gpipe, .microbatches = 4});
 /// auto m = meshlib::nn::train_step(state, batch);  // m.loss: computed on the last stage, reported to all
 /// @endcode
 ///
@@ -32,7 +34,7 @@
 /// first (stage-level activation checkpointing; the same numbers, dropout included: its mask is a
 /// function of the step's key and the rows).
 ///
-/// What it computes: what `train_options::accumulation = m` computes without a pipeline on the same
+/// What it computes: what `train_options{.accumulation = m}` computes without a pipeline on the same
 /// data mesh (the same rows per forward, the gradients summed over the micro-batches); so 16-bit
 /// compute rounds as there (each layer's output and cotangent, the loss's scaled gradient, the
 /// summed gradients), batch norm takes statistics per micro-batch and moves its running statistics
@@ -79,18 +81,6 @@ enum class pipeline_kind : std::uint8_t {
   one_f_one_b,  ///< after a warm-up, one forward and one backward in turn: fewer in flight
 };
 
-/// @brief `train_options::pipeline`: how a mesh's `pipeline` axis runs the model (see the file comment).
-struct pipeline_options {
-  /// Micro-batches per step, each `rows / (data devices x microbatches)` rows (0: as many as stages).
-  std::size_t microbatches = 0;
-  /// The order of forwards and backwards.
-  pipeline_kind schedule = pipeline_kind::one_f_one_b;
-  /// The index of the first layer of every stage after the first (torch's `split_spec`, as layer
-  /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
-  /// parameter count.
-  std::vector<std::size_t> split_points = {};
-};
-
 /// @brief Pipeline parallelism over the mesh axis `Axis` (see the file comment; torchtitan's
 /// `pipeline_llama`); a `parallel_policy`. Its schedule runs the step's micro-batches
 /// (nn/parallel/pipeline_run.hpp). Composes with `data_parallel` and `fully_shard` on other axes.
@@ -109,10 +99,10 @@ struct pipeline {
   pipeline_kind schedule = pipeline_kind::one_f_one_b;
   /// Micro-batches per step (0: as many as stages).
   std::size_t microbatches = 0;
-  /// The index of the first layer of every stage after the first (empty: balanced by parameters).
+  /// The index of the first layer of every stage after the first (torch's `split_spec`, as layer
+  /// indices): `{2, 4}` on 3 stages runs layers [0, 2), [2, 4), [4, n). Empty: stages balanced by
+  /// parameter count.
   std::vector<std::size_t> split_points = {};
-  /// These options as `train_options::pipeline` holds them.
-  [[nodiscard]] pipeline_options options() const { return {microbatches, schedule, split_points}; }
 };
 
 /// @brief One stage's work in one round of a `pipeline_plan`: the micro-batch it runs forward and
@@ -495,6 +485,8 @@ struct pipeline_engine {
     std::size_t param, owner, mirror;
   };
   std::size_t stages = 1;
+  std::size_t microbatches = 0;                              ///< the policy's micro-batches per step (0: one per stage)
+  pipeline_kind schedule = pipeline_kind::one_f_one_b;       ///< the policy's order of forwards and backwards
   std::vector<std::pair<std::size_t, std::size_t>> bounds;  ///< per stage, its layers [begin, end)
   std::vector<std::size_t> stage_of_param;                  ///< per parameter, its stage
   std::vector<std::size_t> full_count;                      ///< per parameter and device (param * devices + dev)
@@ -517,14 +509,15 @@ struct pipeline_engine {
   [[nodiscard]] std::size_t block_elements(std::size_t i, std::size_t dev) const { return full_count[i * devices + dev]; }
 };
 
-/// Cuts `model` into the stages of `opts` on `mesh`'s pipeline axis (`PipeMask`) and restricts
-/// every parameter in `params` to its stage's devices. `layer_params[l]`: how many of `params`
-/// layer `l` lists.
-template <axis_mask PipeMask, class Mesh, class Model, class T>
+/// The policy `opts` at work: cuts `model` into its stages on `mesh`'s pipeline axis (`PipeMask`)
+/// and restricts every parameter in `params` to its stage's devices.
+template <axis_mask PipeMask, class Mesh, class Model, class T, fixed_string A>
 std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
-                                                      const pipeline_options& opts) {
+                                                      const pipeline<A>& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
+  e->microbatches = opts.microbatches;
+  e->schedule = opts.schedule;
   e->devices = mesh.size();
   const std::vector<std::size_t> counts = model.template params_per_layer<T>();
   std::vector<std::size_t> elements(counts.size(), 0);
@@ -665,28 +658,28 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
   }
 }
 
-/// The pipeline of a `train_state` under construction (its `params` collected, nothing sized yet):
-/// cuts the model (`make_pipeline_engine`), refusing a model that is not a `sequential` and a tied
-/// parameter under FSDP.
-/// @throws sharding_error naming the option and the fix.
-template <axis_mask PipeMask, class State>
-std::shared_ptr<pipeline_engine> make_pipeline_state(State& s) {
-  const std::string where = "meshlib::nn: train_state: the mesh's 'pipeline' axis has " +
-                            std::to_string(s.mesh.axes_size(PipeMask)) + " devices, ";
+/// The policy `p` at work in a `train_state` under construction (its `params` collected, nothing
+/// sized yet): cuts the model (`make_pipeline_engine`), refusing a tied parameter under FSDP
+/// (`sharded`: a `fully_shard` policy is given too). (The policy compiles only for a `sequential`
+/// model: `check_policies`.)
+/// @throws sharding_error naming the parameter and the fix.
+template <axis_mask PipeMask, class State, fixed_string A>
+std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>& p, bool sharded) {
   if constexpr (!requires(typename State::model_type& net) {
                   net.layers;
                   net.template params_per_layer<float>();
                 }) {
-    throw sharding_error(where + "but the model is not an nn::sequential: a pipeline cuts a sequential's layers "
-                                 "into stages; wrap the layers in nn::sequential");
+    return nullptr;  // not reached: check_policies refuses a pipeline of a model that is not a sequential
   } else {
-    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, s.options.pipeline);
-    if (!s.options.fsdp) release_other_stages(*e, s.params, s.local_devices());
-    if (s.options.fsdp && !e->mirrors.empty())
-      throw sharding_error(where + "train_options::fsdp is set, and parameter '" + s.params[e->mirrors.front().param].name +
-                           "' is read by a layer of stage " + std::to_string(e->mirrors.front().mirror) +
+    auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, p);
+    if (!sharded) release_other_stages(*e, s.params, s.local_devices());
+    if (sharded && !e->mirrors.empty())
+      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(A)) + "\"> over " +
+                           std::to_string(s.mesh.axes_size(PipeMask)) + " devices with fully_shard, and parameter '" +
+                           s.params[e->mirrors.front().param].name + "' is read by a layer of stage " +
+                           std::to_string(e->mirrors.front().mirror) +
                            " too (a tied head): FSDP does not shard a tied parameter; untie the head (a column_dense "
-                           "head) or use the 'fsdp' axis as a data axis (fsdp = false)");
+                           "head) or use the fsdp axis as a data axis (data_parallel<\"fsdp\"> instead of fully_shard)");
     return e;
   }
 }

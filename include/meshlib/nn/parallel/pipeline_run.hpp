@@ -333,10 +333,8 @@ struct pipelined_microbatches {
   State& s;
   pipeline_engine& e;
 
-  /// Micro-batches per accumulation step: `pipeline.microbatches` (0: one per stage).
-  [[nodiscard]] std::size_t per_group() const {
-    return s.options.pipeline.microbatches == 0 ? e.stages : s.options.pipeline.microbatches;
-  }
+  /// Micro-batches per accumulation step: the policy's `microbatches` (0: one per stage).
+  [[nodiscard]] std::size_t per_group() const { return e.microbatches == 0 ? e.stages : e.microbatches; }
   /// The accumulation steps the common batch check divides by (the pipeline checks its own split).
   [[nodiscard]] static std::size_t checked_groups(std::size_t) { return 1; }
   /// Throws unless the `k` accumulation steps of `per_group()` micro-batches divide each data
@@ -380,7 +378,7 @@ struct pipelined_microbatches {
            step_metrics& metrics) const {
     using clock = std::chrono::steady_clock;
     const std::size_t p = e.stages, m = per_group(), stage = stage_of(dev);
-    const pipeline_plan plan(s.options.pipeline.schedule, p, m);
+    const pipeline_plan plan(e.schedule, p, m);
     stage_runner<State, X0> run = runner(dev);
     std::size_t g = 0;  // the accumulation group running: micro-batch j is the step's g m + j
     const auto x0_of = [&](std::size_t j) {

@@ -2,10 +2,10 @@
 #pragma once
 /// @file
 /// @brief `train_state` (model parameters, optimizer state, step, random key: flax's `TrainState`)
-/// and `train_options`, how the steps run: accumulation micro-batches, replicated, ZeRO-1 (sharded
-/// over the data axis) or FSDP (nn/parallel/fsdp.hpp) optimizer state, loss scaling and the
-/// pipeline (nn/parallel/pipeline.hpp). The steps themselves are in nn/train/train_step.hpp and
-/// nn/train/evaluate.hpp.
+/// and `train_options` (accumulation micro-batches, loss scaling). The parallelism is the policies
+/// the state is made with (nn/parallel/: `data_parallel` with ZeRO-1 and overlap, `fully_shard`,
+/// `pipeline`); the state keeps them and builds each one's engine. The steps themselves are in
+/// nn/train/train_step.hpp and nn/train/evaluate.hpp.
 /// @code
 /// meshlib::nn::train_state state(mesh, std::move(net), meshlib::nn::adam(meshlib::nn::constant(1e-3f)));
 /// @endcode
@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
@@ -62,39 +63,16 @@
 
 namespace meshlib::nn {
 
-/// @brief How `train_step` runs (see the file comment).
+/// @brief How `train_step` runs, apart from the parallelism (which the policies given to the
+/// `train_state` say: `data_parallel`, `fully_shard`, `pipeline`).
 struct train_options {
   std::size_t accumulation = 1;            ///< micro-batches per step; one synchronisation per step
-  bool zero = false;                       ///< ZeRO-1: optimizer state and update sharded over the data axis
-  /// FSDP (ZeRO-3): parameters, gradients and optimizer state stored sharded over the mesh's fsdp
-  /// axis, each layer's parameters all-gathered just before it runs (nn/parallel/fsdp.hpp).
-  bool fsdp = false;
-  /// FSDP: gather a layer's parameters again for its backward (true: least memory), or keep them
-  /// from its forward (false: one all-gather fewer per layer, unsharded parameters' memory).
-  bool reshard_after_forward = true;
-  std::size_t bucket_elements = 1u << 20;  ///< most gradient elements per collective (0: no limit)
   /// Dynamic loss scaling: the initial scale (> 0 turns it on; 0: on with 32768 for float16
   /// compute, off otherwise). The loss is multiplied by the scale before backward and the summed
   /// gradients divided by it; a step whose gradients hold an inf or NaN on any device is skipped on
   /// every device and halves the scale; `scale_growth_interval` good steps in a row double it.
   float loss_scale = 0.0f;
   std::size_t scale_growth_interval = 2000;  ///< good steps before the scale doubles
-  /// Pipeline parallelism over the mesh's `pipeline` axis (used when it has more than one device):
-  /// micro-batches, schedule and stage split (nn/parallel/pipeline.hpp).
-  pipeline_options pipeline = {};
-  /// Start each gradient bucket's data-parallel all-reduce during backward, as soon as the backward
-  /// has completed its gradients (PyTorch DDP's overlap; nn/parallel/grad_overlap.hpp), instead of
-  /// after the whole backward. The same buckets and sums: bitwise the same training. Applies to a
-  /// `sequential` model without ZeRO (ZeRO's reduce-scatter runs after the backward). Off by
-  /// default: on the quiet 2-core machine the step took 1.00-1.02x the time with it at (2, 1) and
-  /// (4, 2) (the thread backend's sums need the cores the backward uses); under load it took
-  /// 0.54-0.58x at (4, 2) (docs/benchmarks.md, "Overlapped gradient synchronisation").
-  bool overlap_grad_sync = false;
-  /// FSDP with `reshard_after_forward = false`: start the next layer's parameter all-gathers
-  /// before a layer's forward, so they run while it computes (FSDP2's prefetch; the same bits).
-  /// With `reshard_after_forward` every layer shares one gather buffer, which a prefetch would
-  /// overwrite: not prefetched.
-  bool fsdp_prefetch = true;
 };
 
 /// @brief Parameters (inside `model`), optimizer state, step and key (see the file comment).
@@ -114,6 +92,13 @@ class train_state {
   // Instantiating the checker fires its one static_assert (naming both types) when they clash.
   static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
                        detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+
+  /// The policies a state runs: each parallelism at most once, over the state's axes.
+  struct policy_set {
+    data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
+    std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
+    std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
+  };
 
  public:
   /// The element type of parameters and optimizer state.
@@ -142,9 +127,12 @@ class train_state {
   static constexpr axis_mask replica_axes = data_axes & ~fsdp_axes;
   /// The name of the pipeline axis (`Pipe`).
   static constexpr auto pipeline_axis = Pipe;
-  /// The mesh's pipeline axis `Pipe` (0 when it has none): stages of the model (nn/parallel/pipeline.hpp).
+  /// The mesh's pipeline axis `Pipe` (0 when it has none, or when it is the data or fsdp axis, as
+  /// with `data_parallel<"pipeline">`): stages of the model under a `pipeline` policy
+  /// (nn/parallel/pipeline.hpp).
   static constexpr axis_mask pipeline_axes = [] {
-    if constexpr (Mesh::template has_axis<Pipe>) return Mesh::template mask_of<Pipe>();
+    if constexpr (Mesh::template has_axis<Pipe>)
+      return (Mesh::template mask_of<Pipe>() & data_axes) != 0 ? axis_mask{0} : Mesh::template mask_of<Pipe>();
     else return axis_mask{0};
   }();
   /// The type of a device's block of the input batch: rows sharded over the data axes.
@@ -163,7 +151,7 @@ class train_state {
   Model model;
   /// The update rule and hyperparameters.
   optimizer opt;
-  /// Accumulation, ZeRO and bucketing options.
+  /// Accumulation and loss scaling (the parallelism is the policies').
   train_options options;
   /// Optimizer steps taken so far.
   std::size_t step = 0;
@@ -172,87 +160,45 @@ class train_state {
   /// Views of every parameter of `model`, in layer order.
   std::vector<param_ref<T>> params;
 
-  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device.
+  /// @brief Collects the parameters of `net` and sizes the optimizer state of each local device;
+  /// plain data parallelism over the data axes (`data_parallel<Data>{}`), nothing else.
   /// `local_devices`: this process's devices (empty: all).
-  /// @throws sharding_error when `opts.accumulation` is 0, and for an optimizer that reads whole
-  /// parameters (`adafactor`) with ZeRO-1, FSDP or a tensor-parallel parameter.
+  /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
+  /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
+  /// `Pipe` has more than one device (an axis is pipelined by a `pipeline` policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
-      : mesh(m),
-        model(std::move(net)),
-        opt(o),
-        options(opts),
-        key(k),
-        data_parallel_(m.size(), opts.bucket_elements, opts.zero, opts.overlap_grad_sync),
-        loss_(m.size()),
-        input_(m.size()),
-        ids_(m.size()),
-        output_grad_(m.size()),
-        squares_(m.size()),
-        norm_runs_(m.size()),
-        norm_words_(m.size()),
-        norm_tables_(m.size()),
-        batch_runs_(m.size()),
-        batch_slots_(m.size()),
-        batch_params_(m.size()),
-        update_words_(m.size()),
-        update_tables_(m.size()) {
-    model.collect(params);
-    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
-    if constexpr (mixed)
-      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
-        model.round_activations = &detail::round_to<Compute>;
-    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
-    std::vector<std::size_t> all;
-    if (local_devices.empty())
-      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
-    else
-      all.assign(local_devices.begin(), local_devices.end());
-    local_ = all;
-    if (opt.whole_parameters()) refuse_parameter_shards();
-    // FSDP (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks. nvcc's
-    // front end takes `Fsdp`, whose default is a string literal, for a `const char*` here
-    // ("expression must have class type"): its text is read through an overload for either.
-    if (options.fsdp)
-      fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, options.reshard_after_forward,
-                                                    options.fsdp_prefetch, detail::text_of(Fsdp), options.zero);
-    data_parallel_.compose(fsdp_);
-    // Pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
-    // stage's devices, before the optimizer state is sized from the parameters' blocks.
-    if constexpr (pipeline_axes != 0)
-      if (m.axes_size(pipeline_axes) > 1) pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this);
-    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
-    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
-    if (pipeline_ == nullptr) {
-      void (*round)(float*, std::size_t) noexcept = nullptr;
-      if constexpr (mixed) round = &detail::round_to<Compute>;
-      data_parallel_.install_hooks(mesh, model, round);
-    }
-    // Every tensor is made here, on the calling thread: device threads only read and write blocks
-    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    data_parallel_.size_state(mesh, params, opt.slots(), local_);
-    if constexpr (mixed)
-      for (const auto& p : params) {
-        masters_.push_back(p.layout->zeros_like(local_));
-        for (std::size_t dev : local_)
-          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
-      }
-    refresh_compute_copies();
-  }
+      : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
 
   /// @brief As the constructor above, with the parallelism given as policies (`data_parallel`,
-  /// `fully_shard`, `pipeline`) over the state's axes: each sets its part of `opts` (ZeRO, overlap
-  /// and buckets; FSDP; the pipeline's schedule). A policy given twice, two policies over one axis,
-  /// an axis the mesh lacks or that is not the state's, and `fully_shard` or `pipeline` of a model
-  /// that is not a `sequential` do not compile.
-  /// @throws sharding_error as the constructor above, and when `data_parallel::zero` is not 0 or 1.
+  /// `fully_shard`, `pipeline`) over the state's axes; the state keeps them (`data_parallel_policy`,
+  /// `fully_shard_policy`, `pipeline_policy`) and builds each one's engine. A policy given twice,
+  /// two policies over one axis, an axis the mesh lacks or that is not the state's, and
+  /// `fully_shard` or `pipeline` of a model that is not a `sequential` do not compile.
+  /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
+  /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
+  /// `fully_shard` or with overlap, and for an optimizer that reads whole parameters with ZeRO-1 or
+  /// `fully_shard`.
+  template <parallel_policy P, parallel_policy... Ps>
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
+              std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
+      : train_state(m, std::move(net), o, opts, k, local_devices, collect_policies(p, ps...)) {}
+  /// @brief As the constructor above, with a default key, on every device.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
-      : train_state(m, std::move(net), o, with_policies(opts, p, ps...)) {}
+      : train_state(m, std::move(net), o, opts, rng_key{}, {}, p, ps...) {}
   /// @brief As the constructor above, from the default `train_options`.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, const P& p, const Ps&... ps)
       : train_state(m, std::move(net), o, train_options{}, p, ps...) {}
+
+  /// The data-parallel policy the state runs (`data_parallel<Data>{}` when none was given).
+  [[nodiscard]] const data_parallel<Data>& data_parallel_policy() const noexcept { return policies_.data; }
+  /// The `fully_shard` policy the state runs (empty without FSDP).
+  [[nodiscard]] const std::optional<fully_shard<Fsdp>>& fully_shard_policy() const noexcept { return policies_.fsdp; }
+  /// The `pipeline` policy given (empty without one; with one over an axis of one device, the
+  /// step runs unpipelined: `pipeline()` is null).
+  [[nodiscard]] const std::optional<nn::pipeline<Pipe>>& pipeline_policy() const noexcept { return policies_.pipe; }
 
   /// Parameter `i`'s float master block on device `dev`: the optimizer updates it; with a 16-bit
   /// `Compute` the parameter's value is its rounding (with float, the value itself).
@@ -352,7 +298,7 @@ class train_state {
   [[nodiscard]] const grad_sync<T, Wire>& sync() const noexcept { return data_parallel_.buckets(); }
   /// The loss function the training steps use.
   [[nodiscard]] softmax_cross_entropy<T>& loss() noexcept { return loss_; }
-  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  /// The pipeline's stages and buffers (null without a `pipeline` policy over an axis of more than one device).
   [[nodiscard]] detail::pipeline_engine* pipeline() const noexcept { return pipeline_.get(); }
   /// The layers `[begin, end)` of each pipeline stage (empty without a pipeline).
   [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> pipeline_stages() const {
@@ -401,6 +347,90 @@ class train_state {
   template <class, class, class, axis_mask, axis_mask>
   friend class detail::data_parallel_impl;
 
+  // Every public constructor ends here: the policies checked and collected into `ps`, each one's
+  // engine built from it.
+  train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
+              std::span<const std::size_t> local_devices, policy_set ps)
+      : mesh(m),
+        model(std::move(net)),
+        opt(o),
+        options(opts),
+        key(k),
+        policies_(std::move(ps)),
+        data_parallel_(m.size(), policies_.data),
+        loss_(m.size()),
+        input_(m.size()),
+        ids_(m.size()),
+        output_grad_(m.size()),
+        squares_(m.size()),
+        norm_runs_(m.size()),
+        norm_words_(m.size()),
+        norm_tables_(m.size()),
+        batch_runs_(m.size()),
+        batch_slots_(m.size()),
+        batch_params_(m.size()),
+        update_words_(m.size()),
+        update_tables_(m.size()) {
+    model.collect(params);
+    scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
+    if constexpr (mixed)
+      if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
+        model.round_activations = &detail::round_to<Compute>;
+    if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
+    refuse_unpipelined_axis();
+    std::vector<std::size_t> all;
+    if (local_devices.empty())
+      for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
+    else
+      all.assign(local_devices.begin(), local_devices.end());
+    local_ = all;
+    if (opt.whole_parameters()) refuse_parameter_shards();
+    // fully_shard (nn/parallel/fsdp.hpp): `params` become the shards, its engine the model's hooks.
+    // (The policy compiles only over a mesh axis, for a sequential model: `check_policies`.)
+    if constexpr (fsdp_axes != 0 && detail::sequential_model<Model>)
+      if (policies_.fsdp) fsdp_ = detail::fully_shard_model<fsdp_axes>(mesh, model, params, local_, *policies_.fsdp);
+    data_parallel_.compose(fsdp_);
+    // pipeline (nn/parallel/pipeline.hpp): each parameter (under FSDP, each shard) restricted to its
+    // stage's devices, before the optimizer state is sized from the parameters' blocks. Over an
+    // axis of one device there are no stages to cut: the step runs unpipelined.
+    if constexpr (pipeline_axes != 0)
+      if (policies_.pipe && m.axes_size(pipeline_axes) > 1)
+        pipeline_ = detail::make_pipeline_state<pipeline_axes>(*this, *policies_.pipe, policies_.fsdp.has_value());
+    // The overlapped gradient sync's hooks; a pipelined step synchronises each stage's gradients
+    // after its rounds (nn/parallel/pipeline_run.hpp), not from the layer hooks.
+    if (pipeline_ == nullptr) {
+      void (*round)(float*, std::size_t) noexcept = nullptr;
+      if constexpr (mixed) round = &detail::round_to<Compute>;
+      data_parallel_.install_hooks(mesh, model, round);
+    }
+    // Every tensor is made here, on the calling thread: device threads only read and write blocks
+    // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
+    data_parallel_.size_state(mesh, params, opt.slots(), local_);
+    if constexpr (mixed)
+      for (const auto& p : params) {
+        masters_.push_back(p.layout->zeros_like(local_));
+        for (std::size_t dev : local_)
+          detail::convert_copy<default_memory_space>(masters_.back().blocks[dev], p.value[dev], p.count[dev]);
+      }
+    refresh_compute_copies();
+  }
+
+  // A mesh axis is pipelined by a `pipeline` policy, never by its name: the state's pipeline axis
+  // with more than one device and no policy for it would otherwise replicate the whole model over
+  // it silently (every stage's worth of devices computing the same thing), so it is refused with
+  // the fix. (An axis a data_parallel or fully_shard policy names is theirs: `pipeline_axes` is 0.)
+  void refuse_unpipelined_axis() const {
+    if constexpr (pipeline_axes != 0) {
+      const std::size_t n = mesh.axes_size(pipeline_axes);
+      if (!policies_.pipe && n > 1) {
+        const std::string name(detail::text_of(Pipe));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
+                             "not by its name: pass meshlib::nn::pipeline<\"" + name +
+                             "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
+      }
+    }
+  }
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
   // pieces of one: refused here, before any step, with the fix.
   void refuse_parameter_shards() const {
@@ -409,10 +439,10 @@ class train_state {
                             " needs each parameter whole on the device that updates it (its statistics are per "
                             "parameter), but " + why + "; " + fix);
     };
-    if (options.zero)
+    if (policies_.data.zero == 1)
       throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
                 "use data_parallel without ZeRO (zero 0)");
-    if (options.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
+    if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
     for (const auto& p : params) {
       std::size_t total = 1;
       for (std::size_t d : p.shape) total *= d;
@@ -423,13 +453,14 @@ class train_state {
                     "replicate it (a mesh whose tensor-parallel axes have size 1)");
     }
   }
-  /// `opts` with each policy's part set, after the compile-time checks of the policies.
+  /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
   template <class... Ps>
-  static train_options with_policies(train_options opts, const Ps&... ps) {
+  static policy_set collect_policies(const Ps&... ps) {
     detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
-    (apply_policy(opts, ps), ...);
+    policy_set set;
+    (keep_policy(set, ps), ...);
     (refuse_clashes<Ps...>(ps), ...);
-    return opts;
+    return set;
   }
   /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
   /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
@@ -449,25 +480,19 @@ class train_state {
                              "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
     }
   }
+  // Each policy into its slot. (A policy over another axis than the state's has already fired
+  // `check_policies`' one static_assert: it is not kept, so that no second error follows.)
   template <fixed_string A>
-  static void apply_policy(train_options& o, const data_parallel<A>& p) {
-    if (p.zero != 0 && p.zero != 1)
-      throw sharding_error("meshlib::nn: data_parallel: zero = " + std::to_string(p.zero) +
-                           "; data_parallel shards the optimizer state with zero = 1 (ZeRO-1) or not at all "
-                           "(0); for ZeRO-3 use fully_shard<\"axis\"> on an axis of its own");
-    o.zero = p.zero == 1;
-    o.overlap_grad_sync = p.overlap;
-    o.bucket_elements = p.bucket_elements;
+  static void keep_policy(policy_set& set, const data_parallel<A>& p) {
+    if constexpr (std::is_same_v<data_parallel<A>, data_parallel<Data>>) set.data = p;
   }
   template <fixed_string A>
-  static void apply_policy(train_options& o, const fully_shard<A>& p) {
-    o.fsdp = true;
-    o.reshard_after_forward = p.reshard_after_forward;
-    o.fsdp_prefetch = p.prefetch;
+  static void keep_policy(policy_set& set, const fully_shard<A>& p) {
+    if constexpr (std::is_same_v<fully_shard<A>, fully_shard<Fsdp>>) set.fsdp = p;
   }
   template <fixed_string A>
-  static void apply_policy(train_options& o, const nn::pipeline<A>& p) {
-    o.pipeline = p.options();
+  static void keep_policy(policy_set& set, const nn::pipeline<A>& p) {
+    if constexpr (std::is_same_v<nn::pipeline<A>, nn::pipeline<Pipe>>) set.pipe = p;
   }
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
@@ -550,6 +575,8 @@ class train_state {
     for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
+  /// The policies given (the data-parallel one defaulted).
+  policy_set policies_;
   /// The data-parallel policy at work: the gradient buckets and path, the optimizer state's layout
   /// (nn/train/optimizer_state.hpp: replicated or ZeRO-1) and the overlap's hooks.
   detail::data_parallel_impl<T, Wire, Mesh, data_axes, fsdp_axes> data_parallel_;
@@ -580,7 +607,7 @@ class train_state {
   /// model's buffers are; the buffers point at it).
   std::shared_ptr<std::vector<detail::buffer_meter>> meters_ =
       std::make_shared<std::vector<detail::buffer_meter>>(mesh.size());
-  /// The pipeline's stages and buffers (null without a pipeline axis of more than one device).
+  /// The pipeline's stages and buffers (null without a `pipeline` policy over an axis of more than one device).
   std::shared_ptr<detail::pipeline_engine> pipeline_;
   /// Dynamic loss scaling (nn/train/loss_scaler.hpp).
   loss_scaler scaler_;
@@ -590,6 +617,12 @@ class train_state {
 /// parallelisms not given), its parameters and compute float.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
+    -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
+                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
+/// As above, with `train_options`, a key and this process's devices before the policies.
+template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
+train_state(const Mesh&, Model, optimizer, train_options, rng_key, std::span<const std::size_t>, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
                    detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
