@@ -430,7 +430,9 @@ TEST_CASE("sequential fuses each dense layer's backward with its activation's: b
     const mesh_t m{shape[0], shape[1]};
     const auto xs = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", meshlib::none>>{m},
                                        std::array<std::size_t, 2>{batch, in}, host_x);
-    for (const auto& [precision, rounding] : roundings) {
+    for (const auto& entry : roundings) {
+      const round_fn rounding = entry.second;  // not a structured binding: Clang before 16 cannot capture one
+      const std::string& precision = entry.first;
       INFO("mesh " << shape[0] << "x" << shape[1] << ", computing in " << precision);
       auto make = [&] {
         return nn::sequential(nn::column_dense<float, mesh_t>(m, "c1", in, hidden, key), nn::gelu<float>(m),
