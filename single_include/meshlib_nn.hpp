@@ -779,32 +779,42 @@ void convert_copy(To* to, const From* from, std::size_t n) {
   meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
 }
 
-/// Columns per work item of `for_column_blocks`: a layer of up to 1024 outputs is one work item,
-/// the row-by-row loop it replaced (its rows stream through memory in order); narrower blocks were
-/// measured slower there (256 columns: 10-30% on a 256 x 1024 bias gradient, GCC 12 -O2, Serial),
-/// and a wider layer still splits over a device's cores.
+/// Columns per work item of `for_column_blocks` on the host: a layer of up to 1024 outputs is one
+/// work item, the row-by-row loop it replaced (its rows stream through memory in order); narrower
+/// blocks were measured slower there (256 columns: 10-30% on a 256 x 1024 bias gradient, GCC 12
+/// -O2, Serial), and a wider layer still splits over a device's cores.
 inline constexpr std::size_t column_block = 1024;
 
-/// The work item of `for_column_blocks`: block `b` of `column_block` columns calls `f(j0, j1)`. A
-/// class rather than a lambda: nvcc refuses an extended device lambda in a function templated on a
-/// type local to another function (the caller's lambda `F`).
+/// Columns per work item of `for_column_blocks` in memory `Space`: `column_block` where the host
+/// runs the kernel, one column on a GPU. There a 1024-column block made a layer's whole bias
+/// gradient (and the activation's cotangent fused with it) one GPU thread; one column per thread
+/// spreads the columns over the GPU's cores and lets neighbouring threads read neighbouring
+/// elements of a row together. The sums are the same either way: every column's rows are added in
+/// row order by one work item (not measured on a GPU yet).
+template <class Space>
+inline constexpr std::size_t column_block_for = host_accessible_v<Space> ? column_block : 1;
+
+/// The work item of `for_column_blocks`: block `b` of `width` columns calls `f(j0, j1)`. A class
+/// rather than a lambda: nvcc refuses an extended device lambda in a function templated on a type
+/// local to another function (the caller's lambda `F`).
 template <class F>
 struct column_blocks_kernel {
-  std::size_t cols;
+  std::size_t cols, width;
   F f;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
-    const std::size_t j0 = b * column_block, j1 = j0 + column_block < cols ? j0 + column_block : cols;
+    const std::size_t j0 = b * width, j1 = j0 + width < cols ? j0 + width : cols;
     f(j0, j1);
   }
 };
 
-/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
-/// kernel on memory `Space` on the running device's instance, one work item per block (see the
-/// file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code templated
-/// on a mesh (nn/detail/layer_kernels.hpp says why).
+/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block_for<Space>` wide, as
+/// a Kokkos kernel on memory `Space` on the running device's instance, one work item per block (see
+/// the file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code
+/// templated on a mesh (nn/detail/layer_kernels.hpp says why).
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
-  meshlib::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
+  constexpr std::size_t width = column_block_for<Space>;
+  meshlib::launch<Space>((cols + width - 1) / width, column_blocks_kernel<F>{cols, width, f});
 }
 
 }  // namespace meshlib::nn::detail
@@ -863,14 +873,43 @@ void activation_forward(T* y, const T* x, std::size_t n) {
   meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
 }
 
+/// The cotangent an elementwise activation `Fn` hands back for `dy` at its input `x`: `Fn::vjp(dy,
+/// x)` where the activation has its own (branch-free) one, else `dy * Fn::df(x)`. One expression for
+/// `activation_backward` and `activation_bias_backward`, so the two kernels cannot drift apart.
+template <class Fn, class T>
+KOKKOS_INLINE_FUNCTION T activation_cotangent(T dy, T x) {
+  if constexpr (requires { Fn::vjp(T{}, T{}); }) return Fn::vjp(dy, x);
+  else return dy * Fn::df(x);
+}
+
 /// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
 /// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
-  if constexpr (requires { Fn::vjp(T{}, T{}); })
-    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
-  else
-    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = activation_cotangent<Fn>(d[i], x[i]); });
+}
+
+/// An activation's backward fused with the bias gradient of the dense layer below it, in one launch
+/// where `activation_backward` then `bias_grad` were two: `d = activation_cotangent<Fn>(dy, x)` over
+/// `rows x out`, and `gb (+)= the column sums of d` (`fresh`: write instead of add). Bitwise the two
+/// kernels: every element of `d` is the same expression, and every column's sum the same chain of
+/// additions in row order (a work item owns a block of columns, as in `bias_grad`). `d` is stored
+/// before it is added, so the sum adds the rounded value `bias_grad` read back.
+template <class Space, class Fn, class T>
+void activation_bias_backward(T* d, T* gb, const T* dy, const T* x, std::size_t rows, std::size_t out, bool fresh) {
+  for_column_blocks<Space>(out, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* s = gb;  // locals: the stores below cannot be taken to change them
+    T* dr = d;
+    const T* dyr = dy;
+    const T* xr = x;
+    if (fresh)
+      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    for (std::size_t i = 0; i < rows; ++i, dr += out, dyr += out, xr += out)
+      for (std::size_t j = j0; j < j1; ++j) {
+        dr[j] = activation_cotangent<Fn>(dyr[j], xr[j]);
+        s[j] += dr[j];
+      }
+  });
 }
 
 /// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide
@@ -1283,6 +1322,60 @@ class basic_dense {
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
     const std::size_t dev = dy.device();
+    const saved s = checked_saved(dy);
+    // db (+)= the column sums of dy, each column's rows added in row order (bitwise the same on every mesh).
+    detail::bias_grad<default_memory_space>(b.grad.local(dev).data(), dy.data(), s.rows, s.out, b.grad_beta(dev) == T{0});
+    return backward_products(dy, s, need_dx);
+  }
+
+  /// `backward` fused with the backward of the elementwise activation `Fn` that ran on this layer's
+  /// output (`sequential` calls it for a dense layer followed by `relu` or `gelu`): `dy` is the
+  /// cotangent of the activation's output, `act_x` the activation's saved input (this layer's
+  /// output) and `d` where the activation's cotangent goes (the activation's buffer). The
+  /// activation's cotangent and this layer's bias gradient are one kernel
+  /// (`detail::activation_bias_backward`) where they were two; the results are bitwise those of
+  /// the activation's `backward` followed by this `backward`.
+  /// @throws sharding_error as `backward` does.
+  template <class Fn, local_tensor_type DY>
+  auto backward_through(const DY& dy, const T* act_x, T* d, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
+    const std::size_t dev = dy.device();
+    const saved s = checked_saved(dy);
+    detail::activation_bias_backward<default_memory_space, Fn>(d, b.grad.local(dev).data(), dy.data(), act_x, s.rows,
+                                                               s.out, b.grad_beta(dev) == T{0});
+    return backward_products(DY(typename DY::view_type(d, s.rows, s.out), dy.mesh(), dev), s, need_dx);
+  }
+
+  /// Whether `sequential` may fuse the backward of an elementwise activation after this layer into
+  /// this layer's (`backward_through`).
+  static constexpr bool fuses_activation_backward = true;
+
+  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    out.push_back(b.ref(true));
+  }
+
+ private:
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, in = 0, out = 0;
+  };
+
+  /// This device's saved forward, after checking `dy` against it (`out`: the weight block's width).
+  template <class DY>
+  saved checked_saved(const DY& dy) const {
+    saved s = saved_[dy.device()];
+    s.out = w.local(dy.device()).extent(1);
+    check_cotangent(dy, s.x, s.rows, s.out);
+    return s;
+  }
+
+  /// The products of the backward pass, after the bias gradient: `dW (+)= x^T dy`, and `dx = dy W^T`
+  /// when `need_dx` (completed by a `psum` over `Model` for `column_dense`).
+  template <class DY>
+  auto backward_products(const DY& dy, const saved& s, bool need_dx) {
+    const std::size_t dev = dy.device();
     // The cotangent of psum's input is pvary of the cotangent (no data moves).
     using DYV = typename detail::pvary_if<Kind == dense_kind::row, DY, Model>::type;
     using DXP = decltype(meshlib::matmul(std::declval<const DYV&>(), std::declval<const detail::transposed_t<w_local>&>()));
@@ -1290,19 +1383,11 @@ class basic_dense {
     // transpose of the implicit pvary of the replicated input is the psum that completes it.
     constexpr axis_mask pending = DXP::partial & w_sharding::dim_mask(1);
     using DX = typename detail::psum_if<pending != 0, DXP, Model>::type;
-    const auto [x, rows, in] = saved_[dev];
     const w_local wl = w.local(dev);
-    const std::size_t out = wl.extent(1);
-    check_cotangent(dy, x, rows, out);
+    const std::size_t rows = s.rows, in = s.in, out = s.out;
     T* gw = w.grad.local(dev).data();
-    T* gb = b.grad.local(dev).data();
     const cview dyv(dy.data(), rows, out);
-    matmul_into(view(gw, in, out), cview(x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
-    // db (+)= the column sums of dy, each column's rows added in row order (bitwise the same on every mesh).
-    const T* d = dy.data();
-    const bool fresh = b.grad_beta(dev) == T{0};
-    const std::size_t nrows = rows;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::bias_grad<default_memory_space>(gb, d, nrows, out, fresh);
+    matmul_into(view(gw, in, out), cview(s.x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
@@ -1314,18 +1399,6 @@ class basic_dense {
     }
     return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
   }
-
-  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
-  void collect(std::vector<param_ref<T>>& out) const {
-    out.push_back(w.ref(true));  // backward writes them with grad_beta
-    out.push_back(b.ref(true));
-  }
-
- private:
-  struct saved {
-    const T* x = nullptr;
-    std::size_t rows = 0, in = 0;
-  };
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
   using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
   using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
@@ -1467,6 +1540,28 @@ class elementwise_activation {
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
+  /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward
+  /// (`basic_dense::backward_through`) evaluates in its kernel.
+  using activation_function = Fn;
+
+  /// Where a fused backward (`basic_dense::backward_through`, called by `sequential`) finds this
+  /// activation's saved input and puts its cotangent.
+  struct fused_operands {
+    const T* x;  ///< the last forward's input on the device
+    T* dx;       ///< this activation's cotangent buffer on the device, sized for `dy`
+  };
+  /// The operands of a fused backward for `dy`, after the checks `backward` makes (the same errors).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
+  template <local_tensor_type DY>
+  fused_operands fused_backward_operands(const DY& dy) {
+    static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
+    const std::size_t dev = dy.device();
+    const saved s = saved_[dev];
+    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
+    return {s.x, dx_.get(dev, dy.size())};
+  }
+
+  /// Appends nothing: an activation has no parameters.
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:
@@ -4973,6 +5068,14 @@ struct backward_cotangent_type_differs_from_input {
                 "does not transpose its forward collectives");
   static constexpr bool value = Ok;
 };
+
+/// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of
+/// `Below`, the dense layer whose output it takes (`basic_dense::backward_through`).
+template <class Below, class Above>
+inline constexpr bool fuses_backward = requires {
+  requires Below::fuses_activation_backward;
+  typename Above::activation_function;
+};
 }  // namespace detail
 
 /// @brief Layers in order (see the file comment).
@@ -5131,6 +5234,13 @@ class sequential {
 
   template <class X, std::size_t I, class DY>
   auto backward_from(const DY& dy, bool need_dx) {
+    // A dense layer and the activation after it: one kernel for the activation's cotangent and the
+    // bias gradient. Not with hooks (FSDP gathers and scatters around each layer on its own) nor
+    // with rounding (the unfused path rounds the activation's cotangent before the bias sums it).
+    if constexpr (I > 0) {
+      if constexpr (detail::fuses_backward<layer_t<I - 1>, layer_t<I>>)
+        if (hooks == nullptr && round_activations == nullptr) return backward_fused<X, I>(dy, need_dx);
+    }
     using in_t = typename input_of<X, I>::type;
     if (hooks != nullptr) hooks->before_backward(I, dy.device());
     auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
@@ -5140,6 +5250,19 @@ class sequential {
                                                                             decltype(dx)>) > 0);  // one error, its own
     if constexpr (I == 0) return dx;
     else return backward_from<X, I - 1>(dx, need_dx);
+  }
+
+  /// Layers `I - 1` (dense) and `I` (its activation) backward in one step (`backward_from`).
+  template <class X, std::size_t I, class DY>
+  auto backward_fused(const DY& dy, bool need_dx) {
+    using in_t = typename input_of<X, I - 1>::type;
+    using Fn = typename layer_t<I>::activation_function;
+    const auto act = std::get<I>(layers).fused_backward_operands(dy);
+    auto dx = std::get<I - 1>(layers).template backward_through<Fn>(dy, act.x, act.dx, I > 1 || need_dx);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I - 1,
+                                                                            in_t, decltype(dx)>) > 0);
+    if constexpr (I == 1) return dx;
+    else return backward_from<X, I - 2>(dx, need_dx);
   }
 
   template <class Y>

@@ -59,6 +59,11 @@ void every_layer(const mesh_t& m, const rows_t& x) {
   forward_backward(pos, x);
   auto res = nn::make_residual<float>(m, fc);
   forward_backward(res, x);
+  // sequential's fused backward of a dense layer and its activation (basic_dense::backward_through).
+  nn::sequential net(nn::dense<float, mesh_t>(m, "f1", 8, 8, key), nn::relu<float>(m),
+                     nn::dense<float, mesh_t>(m, "f2", 8, 8, key), nn::gelu<float>(m));
+  const auto out = net.forward(x);
+  (void)net.backward<rows_t>(out, true);
 }
 
 int main() { return 0; }

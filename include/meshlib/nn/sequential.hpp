@@ -61,6 +61,14 @@ struct backward_cotangent_type_differs_from_input {
                 "does not transpose its forward collectives");
   static constexpr bool value = Ok;
 };
+
+/// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of
+/// `Below`, the dense layer whose output it takes (`basic_dense::backward_through`).
+template <class Below, class Above>
+inline constexpr bool fuses_backward = requires {
+  requires Below::fuses_activation_backward;
+  typename Above::activation_function;
+};
 }  // namespace detail
 
 /// @brief Layers in order (see the file comment).
@@ -219,6 +227,13 @@ class sequential {
 
   template <class X, std::size_t I, class DY>
   auto backward_from(const DY& dy, bool need_dx) {
+    // A dense layer and the activation after it: one kernel for the activation's cotangent and the
+    // bias gradient. Not with hooks (FSDP gathers and scatters around each layer on its own) nor
+    // with rounding (the unfused path rounds the activation's cotangent before the bias sums it).
+    if constexpr (I > 0) {
+      if constexpr (detail::fuses_backward<layer_t<I - 1>, layer_t<I>>)
+        if (hooks == nullptr && round_activations == nullptr) return backward_fused<X, I>(dy, need_dx);
+    }
     using in_t = typename input_of<X, I>::type;
     if (hooks != nullptr) hooks->before_backward(I, dy.device());
     auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
@@ -228,6 +243,19 @@ class sequential {
                                                                             decltype(dx)>) > 0);  // one error, its own
     if constexpr (I == 0) return dx;
     else return backward_from<X, I - 1>(dx, need_dx);
+  }
+
+  /// Layers `I - 1` (dense) and `I` (its activation) backward in one step (`backward_from`).
+  template <class X, std::size_t I, class DY>
+  auto backward_fused(const DY& dy, bool need_dx) {
+    using in_t = typename input_of<X, I - 1>::type;
+    using Fn = typename layer_t<I>::activation_function;
+    const auto act = std::get<I>(layers).fused_backward_operands(dy);
+    auto dx = std::get<I - 1>(layers).template backward_through<Fn>(dy, act.x, act.dx, I > 1 || need_dx);
+    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I - 1,
+                                                                            in_t, decltype(dx)>) > 0);
+    if constexpr (I == 1) return dx;
+    else return backward_from<X, I - 2>(dx, need_dx);
   }
 
   template <class Y>

@@ -106,13 +106,15 @@ TEST_CASE("the MLP step launches a fixed number of kernels and products", "[nn][
   //   forward: add_bias x 3, activation_forward (relu) x 2
   //   loss: softmax_cross_entropy_rows (per row: max, exp and normaliser, loss term, gradient; it
   //     was 3 kernels) and cross_entropy_totals (the rows' terms added in row order)
-  //   backward: bias_grad x 3, activation_backward x 2
+  //   backward: bias_grad for fc3, and for fc2 and fc1 one activation_bias_backward each (the relu
+  //     above the layer's cotangent and the layer's bias gradient in one kernel; it was
+  //     activation_backward + bias_grad, 2 each): 3 (was 5)
   //   gradient norm: one multi-tensor sum_of_squares over the 6 parameters' gradients, a kernel
   //     of partial sums per block and one that adds them (2; it was 9 per step: a pair per
   //     parameter of more than one block, one kernel for the others)
   //   optimizer: one multi-tensor Adam kernel over the 6 parameters (fused_runs_kernel<adam_step,
   //     scale_step>; it was one fused kernel per parameter, 6)
-  constexpr std::size_t kernels = (3 + 2) + 2 + (3 + 2) + 2 + 1;
+  constexpr std::size_t kernels = (3 + 2) + 2 + (1 + 2) + 2 + 1;  // 13 kernels + 8 products = 21 launches (was 23)
   if (blas_products()) {
     CHECK(count.products() == products);
     CHECK(count.kernels() == kernels);
@@ -301,6 +303,179 @@ TEST_CASE("softmax cross-entropy over every class in two kernels, bitwise the th
       }
       CHECK(std::abs(fused.loss - loss) <= 1e-5 * std::max(1.0, std::abs(loss)));
       CHECK(fused.correct == correct);
+    }
+  }
+}
+
+namespace {
+
+/// `activation_bias_backward` against `activation_backward` then `bias_grad` (bitwise, and one
+/// launch where those are two) and against plain loops (bitwise: the same expression per element,
+/// each column's rows added in row order in `T`).
+template <class T, class Fn>
+void check_activation_bias_backward() {
+  namespace d = meshlib::nn::detail;
+  using space = meshlib::default_memory_space;
+  // Widths on both sides of a column block (one work item, several, a partial last one).
+  for (std::size_t rows : {1, 4, 33}) {
+    for (std::size_t cols : {std::size_t{1}, std::size_t{10}, d::column_block, d::column_block + 1, 2 * d::column_block + 7}) {
+      for (bool fresh : {true, false}) {
+        INFO(Fn::name.view() << ", " << sizeof(T) << "-byte values, " << rows << " x " << cols << (fresh ? ", fresh" : ", adding"));
+        const std::size_t n = rows * cols;
+        // dy, x, and the bias gradient's starting values: x of both signs and zeros (relu's edge).
+        std::vector<T> host(2 * n + cols);
+        for (std::size_t i = 0; i < host.size(); ++i)
+          host[i] = i % 7 == 3 ? T{0} : static_cast<T>(3 * std::sin(0.91 * static_cast<double>(i) + 0.3));
+        auto in = meshlib::allocate<T, 1>({host.size()}, "in");
+        meshlib::copy_from_host<space>(in.data(), host.data(), host.size());
+        const T* dy = in.data();
+        const T* x = in.data() + n;
+        // [d | gb] twice: the two kernels', the fused kernel's.
+        auto out = meshlib::allocate<T, 1>({2 * (n + cols)}, "out");
+        T* o = out.data();
+        meshlib::copy_from_host<space>(o + n, host.data() + 2 * n, cols);
+        meshlib::copy_from_host<space>(o + 2 * n + cols, host.data() + 2 * n, cols);
+        d::activation_backward<space, Fn>(o, dy, x, n);
+        d::bias_grad<space>(o + n, o, rows, cols, fresh);
+        meshlib::launch_counter count;
+        d::activation_bias_backward<space, Fn>(o + n + cols, o + 2 * n + cols, dy, x, rows, cols, fresh);
+        CHECK(count.kernels() == 1);
+        std::vector<T> got(2 * (n + cols));
+        meshlib::copy_to_host<space>(got.data(), o, got.size());
+        REQUIRE(std::memcmp(got.data(), got.data() + n + cols, (n + cols) * sizeof(T)) == 0);
+        // The plain loops.
+        std::vector<T> want_d(n), want_gb(cols);
+        for (std::size_t i = 0; i < n; ++i) {
+          const T dyi = host[i], xi = host[n + i];
+          if constexpr (std::is_same_v<Fn, d::relu_fn>) want_d[i] = xi > T{0} ? dyi : T{0};
+          else want_d[i] = dyi * Fn::df(xi);
+        }
+        for (std::size_t j = 0; j < cols; ++j) {
+          T s = fresh ? T{0} : host[2 * n + j];
+          for (std::size_t i = 0; i < rows; ++i) s += want_d[i * cols + j];
+          want_gb[j] = s;
+        }
+        CHECK(std::memcmp(got.data() + n + cols, want_d.data(), n * sizeof(T)) == 0);
+        CHECK(std::memcmp(got.data() + 2 * n + cols, want_gb.data(), cols * sizeof(T)) == 0);
+      }
+    }
+  }
+}
+
+/// Runs `net`'s layers forward and backward one by one (the unfused path: each layer's own
+/// `backward`), with `round` applied to every output and cotangent as `sequential` applies it.
+template <class Net, class X, std::size_t... I>
+auto layer_by_layer(Net& net, const X& x, void (*round)(float*, std::size_t) noexcept, std::index_sequence<I...>) {
+  constexpr std::size_t n = sizeof...(I);
+  auto fwd = [&](auto& self, auto idx, const auto& v) {
+    constexpr std::size_t k = decltype(idx)::value;
+    if constexpr (k == n) {
+      return v;
+    } else {
+      auto y = std::get<k>(net.layers).forward(v);
+      if (round != nullptr) round(y.data(), y.size());
+      return self(self, std::integral_constant<std::size_t, k + 1>{}, y);
+    }
+  };
+  const auto y = fwd(fwd, std::integral_constant<std::size_t, 0>{}, x);
+  auto bwd = [&](auto& self, auto idx, const auto& dy) {
+    constexpr std::size_t k = decltype(idx)::value;
+    auto dx = std::get<k>(net.layers).backward(dy, true);
+    if (round != nullptr) round(dx.data(), dx.size());
+    if constexpr (k == 0) return dx;
+    else return self(self, std::integral_constant<std::size_t, k - 1>{}, dx);
+  };
+  return bwd(bwd, std::integral_constant<std::size_t, n - 1>{}, y);  // the output as its own cotangent
+}
+
+/// Every parameter's gradient on `dev`, and `dx`, as host floats.
+template <class Net, class DX>
+std::vector<float> grads_and_dx(const Net& net, const DX& dx, std::size_t dev) {
+  std::vector<nn::param_ref<float>> params;
+  net.collect(params);
+  std::vector<float> out(dx.data(), dx.data() + dx.size());
+  for (const auto& p : params) {
+    const float* g = p.grad[dev];
+    out.insert(out.end(), g, g + p.count[dev]);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("an activation's backward and the dense bias gradient are one kernel, bitwise the two kernels",
+          "[nn][launches][dense]") {
+  check_activation_bias_backward<float, nn::detail::relu_fn>();
+  check_activation_bias_backward<float, nn::detail::gelu_fn>();
+  check_activation_bias_backward<double, nn::detail::relu_fn>();
+  check_activation_bias_backward<double, nn::detail::gelu_fn>();
+}
+
+TEST_CASE("sequential fuses each dense layer's backward with its activation's: bitwise the layers one by one",
+          "[nn][launches][dense]") {
+  // Every kind of dense layer before an activation (column_dense + gelu first: the pair whose
+  // fused backward hands back the network's dx; row_dense + relu; dense + relu last: the pair that
+  // receives the network's cotangent), on one device and with the model axis split over two.
+  constexpr std::size_t batch = 6, in = 5, hidden = 8, out = 4;
+  const nn::rng_key key{11};
+  std::vector<float> host_x(batch * in);
+  for (std::size_t i = 0; i < host_x.size(); ++i) host_x[i] = static_cast<float>(std::sin(1.7 * static_cast<double>(i)));
+  using round_fn = void (*)(float*, std::size_t) noexcept;
+  std::vector<std::pair<std::string, round_fn>> roundings{{"float32", nullptr},
+                                                          {"bfloat16", &nn::detail::round_to<meshlib::bfloat16>}};
+#if MESHLIB_HAS_FLOAT16
+  roundings.emplace_back("float16", &nn::detail::round_to<meshlib::float16>);
+#endif
+  for (auto shape : {std::array<std::size_t, 2>{1, 1}, std::array<std::size_t, 2>{1, 2}}) {
+    const mesh_t m{shape[0], shape[1]};
+    const auto xs = meshlib::from_host(meshlib::named_sharding<mesh_t, meshlib::P<"data", meshlib::none>>{m},
+                                       std::array<std::size_t, 2>{batch, in}, host_x);
+    for (const auto& entry : roundings) {
+      const round_fn rounding = entry.second;  // not a structured binding: Clang before 16 cannot capture one
+      const std::string& precision = entry.first;
+      INFO("mesh " << shape[0] << "x" << shape[1] << ", computing in " << precision);
+      auto make = [&] {
+        return nn::sequential(nn::column_dense<float, mesh_t>(m, "c1", in, hidden, key), nn::gelu<float>(m),
+                              nn::row_dense<float, mesh_t>(m, "r2", hidden, hidden, key), nn::relu<float>(m),
+                              nn::dense<float, mesh_t>(m, "d3", hidden, out, key), nn::relu<float>(m));
+      };
+      auto fused = make();
+      auto plain = make();
+      fused.round_activations = rounding;
+      std::vector<std::vector<float>> got(m.size()), want(m.size());
+      std::size_t launches[2] = {0, 0};
+      for (int pass = 0; pass < 2; ++pass) {  // the first overwrites the gradients, the second adds
+        for (auto* net : {&fused, &plain}) {
+          std::vector<nn::param_ref<float>> params;
+          net->collect(params);
+          for (const auto& p : params)
+            for (std::size_t dev = 0; dev < m.size(); ++dev)
+              if (p.overwrite != nullptr) p.overwrite[dev] = pass == 0 ? 1 : 0;
+        }
+        meshlib::launch_counter count_fused;
+        meshlib::spmd(m, [&](std::size_t dev) {
+          const auto x = xs.local_value(dev);
+          const auto y = fused.forward(x);
+          const auto dx = fused.template backward<std::remove_cvref_t<decltype(x)>>(y, true);
+          got[dev] = grads_and_dx(fused, dx, dev);
+        });
+        launches[0] = count_fused.kernels() + count_fused.products();
+        count_fused.reset();
+        meshlib::launch_counter count_plain;
+        meshlib::spmd(m, [&](std::size_t dev) {
+          const auto dx = layer_by_layer(plain, xs.local_value(dev), rounding, std::make_index_sequence<6>{});
+          want[dev] = grads_and_dx(plain, dx, dev);
+        });
+        launches[1] = count_plain.kernels() + count_plain.products();
+        for (std::size_t dev = 0; dev < m.size(); ++dev) {
+          INFO("pass " << pass << ", device " << dev);
+          REQUIRE(got[dev].size() == want[dev].size());
+          CHECK(std::memcmp(got[dev].data(), want[dev].data(), got[dev].size() * sizeof(float)) == 0);
+        }
+        // Three pairs fused on every device; rounding keeps the layers apart (it rounds the
+        // activation's cotangent before the bias gradient sums it).
+        CHECK(launches[1] - launches[0] == (rounding == nullptr ? 3 * m.size() : 0));
+      }
     }
   }
 }

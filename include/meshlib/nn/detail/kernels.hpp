@@ -41,32 +41,42 @@ void convert_copy(To* to, const From* from, std::size_t n) {
   meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { to[i] = static_cast<To>(from[i]); });
 }
 
-/// Columns per work item of `for_column_blocks`: a layer of up to 1024 outputs is one work item,
-/// the row-by-row loop it replaced (its rows stream through memory in order); narrower blocks were
-/// measured slower there (256 columns: 10-30% on a 256 x 1024 bias gradient, GCC 12 -O2, Serial),
-/// and a wider layer still splits over a device's cores.
+/// Columns per work item of `for_column_blocks` on the host: a layer of up to 1024 outputs is one
+/// work item, the row-by-row loop it replaced (its rows stream through memory in order); narrower
+/// blocks were measured slower there (256 columns: 10-30% on a 256 x 1024 bias gradient, GCC 12
+/// -O2, Serial), and a wider layer still splits over a device's cores.
 inline constexpr std::size_t column_block = 1024;
 
-/// The work item of `for_column_blocks`: block `b` of `column_block` columns calls `f(j0, j1)`. A
-/// class rather than a lambda: nvcc refuses an extended device lambda in a function templated on a
-/// type local to another function (the caller's lambda `F`).
+/// Columns per work item of `for_column_blocks` in memory `Space`: `column_block` where the host
+/// runs the kernel, one column on a GPU. There a 1024-column block made a layer's whole bias
+/// gradient (and the activation's cotangent fused with it) one GPU thread; one column per thread
+/// spreads the columns over the GPU's cores and lets neighbouring threads read neighbouring
+/// elements of a row together. The sums are the same either way: every column's rows are added in
+/// row order by one work item (not measured on a GPU yet).
+template <class Space>
+inline constexpr std::size_t column_block_for = host_accessible_v<Space> ? column_block : 1;
+
+/// The work item of `for_column_blocks`: block `b` of `width` columns calls `f(j0, j1)`. A class
+/// rather than a lambda: nvcc refuses an extended device lambda in a function templated on a type
+/// local to another function (the caller's lambda `F`).
 template <class F>
 struct column_blocks_kernel {
-  std::size_t cols;
+  std::size_t cols, width;
   F f;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
-    const std::size_t j0 = b * column_block, j1 = j0 + column_block < cols ? j0 + column_block : cols;
+    const std::size_t j0 = b * width, j1 = j0 + width < cols ? j0 + width : cols;
     f(j0, j1);
   }
 };
 
-/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block` wide, as a Kokkos
-/// kernel on memory `Space` on the running device's instance, one work item per block (see the
-/// file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code templated
-/// on a mesh (nn/detail/layer_kernels.hpp says why).
+/// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block_for<Space>` wide, as
+/// a Kokkos kernel on memory `Space` on the running device's instance, one work item per block (see
+/// the file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code
+/// templated on a mesh (nn/detail/layer_kernels.hpp says why).
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
-  meshlib::launch<Space>((cols + column_block - 1) / column_block, column_blocks_kernel<F>{cols, f});
+  constexpr std::size_t width = column_block_for<Space>;
+  meshlib::launch<Space>((cols + width - 1) / width, column_blocks_kernel<F>{cols, width, f});
 }
 
 }  // namespace meshlib::nn::detail

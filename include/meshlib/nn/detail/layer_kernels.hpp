@@ -57,14 +57,43 @@ void activation_forward(T* y, const T* x, std::size_t n) {
   meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
 }
 
+/// The cotangent an elementwise activation `Fn` hands back for `dy` at its input `x`: `Fn::vjp(dy,
+/// x)` where the activation has its own (branch-free) one, else `dy * Fn::df(x)`. One expression for
+/// `activation_backward` and `activation_bias_backward`, so the two kernels cannot drift apart.
+template <class Fn, class T>
+KOKKOS_INLINE_FUNCTION T activation_cotangent(T dy, T x) {
+  if constexpr (requires { Fn::vjp(T{}, T{}); }) return Fn::vjp(dy, x);
+  else return dy * Fn::df(x);
+}
+
 /// An activation's backward at inputs `x`: `dx = Fn::vjp(d, x)` where the activation has its own
 /// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
-  if constexpr (requires { Fn::vjp(T{}, T{}); })
-    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = Fn::vjp(d[i], x[i]); });
-  else
-    meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = d[i] * Fn::df(x[i]); });
+  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = activation_cotangent<Fn>(d[i], x[i]); });
+}
+
+/// An activation's backward fused with the bias gradient of the dense layer below it, in one launch
+/// where `activation_backward` then `bias_grad` were two: `d = activation_cotangent<Fn>(dy, x)` over
+/// `rows x out`, and `gb (+)= the column sums of d` (`fresh`: write instead of add). Bitwise the two
+/// kernels: every element of `d` is the same expression, and every column's sum the same chain of
+/// additions in row order (a work item owns a block of columns, as in `bias_grad`). `d` is stored
+/// before it is added, so the sum adds the rounded value `bias_grad` read back.
+template <class Space, class Fn, class T>
+void activation_bias_backward(T* d, T* gb, const T* dy, const T* x, std::size_t rows, std::size_t out, bool fresh) {
+  for_column_blocks<Space>(out, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
+    T* s = gb;  // locals: the stores below cannot be taken to change them
+    T* dr = d;
+    const T* dyr = dy;
+    const T* xr = x;
+    if (fresh)
+      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    for (std::size_t i = 0; i < rows; ++i, dr += out, dyr += out, xr += out)
+      for (std::size_t j = j0; j < j1; ++j) {
+        dr[j] = activation_cotangent<Fn>(dyr[j], xr[j]);
+        s[j] += dr[j];
+      }
+  });
 }
 
 /// Dropout's forward on a `rows x cols` block whose first element is `(r0, c0)` of a `gcols`-wide

@@ -75,6 +75,28 @@ class elementwise_activation {
     return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
   }
 
+  /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward
+  /// (`basic_dense::backward_through`) evaluates in its kernel.
+  using activation_function = Fn;
+
+  /// Where a fused backward (`basic_dense::backward_through`, called by `sequential`) finds this
+  /// activation's saved input and puts its cotangent.
+  struct fused_operands {
+    const T* x;  ///< the last forward's input on the device
+    T* dx;       ///< this activation's cotangent buffer on the device, sized for `dy`
+  };
+  /// The operands of a fused backward for `dy`, after the checks `backward` makes (the same errors).
+  /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
+  template <local_tensor_type DY>
+  fused_operands fused_backward_operands(const DY& dy) {
+    static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
+    const std::size_t dev = dy.device();
+    const saved s = saved_[dev];
+    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
+    return {s.x, dx_.get(dev, dy.size())};
+  }
+
+  /// Appends nothing: an activation has no parameters.
   void collect(std::vector<param_ref<T>>&) const {}
 
  private:

@@ -212,6 +212,60 @@ class basic_dense {
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
     const std::size_t dev = dy.device();
+    const saved s = checked_saved(dy);
+    // db (+)= the column sums of dy, each column's rows added in row order (bitwise the same on every mesh).
+    detail::bias_grad<default_memory_space>(b.grad.local(dev).data(), dy.data(), s.rows, s.out, b.grad_beta(dev) == T{0});
+    return backward_products(dy, s, need_dx);
+  }
+
+  /// `backward` fused with the backward of the elementwise activation `Fn` that ran on this layer's
+  /// output (`sequential` calls it for a dense layer followed by `relu` or `gelu`): `dy` is the
+  /// cotangent of the activation's output, `act_x` the activation's saved input (this layer's
+  /// output) and `d` where the activation's cotangent goes (the activation's buffer). The
+  /// activation's cotangent and this layer's bias gradient are one kernel
+  /// (`detail::activation_bias_backward`) where they were two; the results are bitwise those of
+  /// the activation's `backward` followed by this `backward`.
+  /// @throws sharding_error as `backward` does.
+  template <class Fn, local_tensor_type DY>
+  auto backward_through(const DY& dy, const T* act_x, T* d, bool need_dx = true) {
+    static_cast<void>(require_kernel_can_read<"dense.backward", "dy", DY>());
+    const std::size_t dev = dy.device();
+    const saved s = checked_saved(dy);
+    detail::activation_bias_backward<default_memory_space, Fn>(d, b.grad.local(dev).data(), dy.data(), act_x, s.rows,
+                                                               s.out, b.grad_beta(dev) == T{0});
+    return backward_products(DY(typename DY::view_type(d, s.rows, s.out), dy.mesh(), dev), s, need_dx);
+  }
+
+  /// Whether `sequential` may fuse the backward of an elementwise activation after this layer into
+  /// this layer's (`backward_through`).
+  static constexpr bool fuses_activation_backward = true;
+
+  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
+  void collect(std::vector<param_ref<T>>& out) const {
+    out.push_back(w.ref(true));  // backward writes them with grad_beta
+    out.push_back(b.ref(true));
+  }
+
+ private:
+  struct saved {
+    const T* x = nullptr;
+    std::size_t rows = 0, in = 0, out = 0;
+  };
+
+  /// This device's saved forward, after checking `dy` against it (`out`: the weight block's width).
+  template <class DY>
+  saved checked_saved(const DY& dy) const {
+    saved s = saved_[dy.device()];
+    s.out = w.local(dy.device()).extent(1);
+    check_cotangent(dy, s.x, s.rows, s.out);
+    return s;
+  }
+
+  /// The products of the backward pass, after the bias gradient: `dW (+)= x^T dy`, and `dx = dy W^T`
+  /// when `need_dx` (completed by a `psum` over `Model` for `column_dense`).
+  template <class DY>
+  auto backward_products(const DY& dy, const saved& s, bool need_dx) {
+    const std::size_t dev = dy.device();
     // The cotangent of psum's input is pvary of the cotangent (no data moves).
     using DYV = typename detail::pvary_if<Kind == dense_kind::row, DY, Model>::type;
     using DXP = decltype(meshlib::matmul(std::declval<const DYV&>(), std::declval<const detail::transposed_t<w_local>&>()));
@@ -219,19 +273,11 @@ class basic_dense {
     // transpose of the implicit pvary of the replicated input is the psum that completes it.
     constexpr axis_mask pending = DXP::partial & w_sharding::dim_mask(1);
     using DX = typename detail::psum_if<pending != 0, DXP, Model>::type;
-    const auto [x, rows, in] = saved_[dev];
     const w_local wl = w.local(dev);
-    const std::size_t out = wl.extent(1);
-    check_cotangent(dy, x, rows, out);
+    const std::size_t rows = s.rows, in = s.in, out = s.out;
     T* gw = w.grad.local(dev).data();
-    T* gb = b.grad.local(dev).data();
     const cview dyv(dy.data(), rows, out);
-    matmul_into(view(gw, in, out), cview(x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
-    // db (+)= the column sums of dy, each column's rows added in row order (bitwise the same on every mesh).
-    const T* d = dy.data();
-    const bool fresh = b.grad_beta(dev) == T{0};
-    const std::size_t nrows = rows;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::bias_grad<default_memory_space>(gb, d, nrows, out, fresh);
+    matmul_into(view(gw, in, out), cview(s.x, rows, in), dyv, {.transpose_a = true, .beta = static_cast<double>(w.grad_beta(dev))});
     T* dx = dx_.get(dev, rows * in);
     if (need_dx) {
       matmul_into(view(dx, rows, in), dyv, cview(wl.data(), in, out), {.transpose_b = true});
@@ -243,18 +289,6 @@ class basic_dense {
     }
     return detail::wrap2<DX>(dx, rows, in, dy.mesh(), dev);
   }
-
-  /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
-  void collect(std::vector<param_ref<T>>& out) const {
-    out.push_back(w.ref(true));  // backward writes them with grad_beta
-    out.push_back(b.ref(true));
-  }
-
- private:
-  struct saved {
-    const T* x = nullptr;
-    std::size_t rows = 0, in = 0;
-  };
   // Unmanaged views of the layer's buffers and the tensors' blocks (no reference count touched).
   using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
   using view = meshlib::unmanaged_block_view<T, 2, default_memory_space>;
