@@ -51,6 +51,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::size_t stages() const = 0;
   [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
   [[nodiscard]] virtual bool whole_parameters() const = 0;
+  [[nodiscard]] virtual std::size_t param_state_size(const param_info& p) const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
@@ -64,6 +65,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
   [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
   [[nodiscard]] bool whole_parameters() const override { return whole_parameters_of(t); }
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const override { return param_state_size_of(t, p); }
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
@@ -103,9 +105,12 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
-  /// Whether a transform in it needs each parameter whole on the device that updates it
-  /// (`adafactor`): the train state then refuses ZeRO-1, FSDP and tensor-parallel parameters.
+  /// Whether a transform in it needs each parameter whole in one run (`adafactor`): the train state
+  /// then refuses ZeRO-1 and FSDP (tensor-parallel blocks it passes with `update_run::blocks`).
   [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
+  /// Floats of per-parameter state the transforms keep for `p` (`adafactor`'s factored second
+  /// moment), beside the `slots()` per element.
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const { return impl_->param_state_size(p); }
   /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
   /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
