@@ -7880,8 +7880,9 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
 /// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
 /// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
-/// parameters and so refuses their shards), which is what lets the same chain run on a
-/// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
+/// parameters, summing over a tensor-parallel parameter's blocks, and so refuses ZeRO-1 and FSDP
+/// pieces), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
+/// shard of it with identical numbers.
 /// @code
 /// namespace nn = meshlib::nn;
 /// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
@@ -9884,8 +9885,9 @@ struct adafactor_options {
 /// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
-/// scaled by it). Needs each parameter whole on the device that updates it (replicated or
-/// data-parallel state; see nn/optim/factored_rms.hpp).
+/// scaled by it). Its second moment is per parameter (`rows + cols` floats for a factored
+/// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
+/// refused (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
   optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
   if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));
