@@ -9073,7 +9073,8 @@ class scale_by_factored_rms {
     }
     const auto shape = r.param.shape;
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
     // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
@@ -9113,7 +9114,8 @@ class scale_by_factored_rms {
       return;
     }
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
     const std::size_t b0 = extent[d0], b1 = extent[d1];
@@ -9545,7 +9547,9 @@ class masked_transform {
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
   /// Floats of per-parameter state for `p`: `inner`'s (kept for every parameter, as its slots).
-  [[nodiscard]] std::size_t param_state_size(const param_info& p) const { return detail::param_state_size_of(inner_, p); }
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    return detail::param_state_size_of(inner_, p);
+  }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
   /// Whether `inner` needs each parameter whole in one run (`adafactor`).
@@ -10407,7 +10411,7 @@ struct training_memory {
   /// their float master weights.
   std::size_t parameters = 0;
   std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
-  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
+  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1, FSDP) and per-parameter state
   /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
   /// largest layer's, or every layer's values with `reshard_after_forward = false`).
   std::size_t unsharded = 0;
@@ -16918,7 +16922,8 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
                   state.opt.name() + " keeps " + std::to_string(kept) +
                   " (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
       if (kept != 0)
-        param_state[i] = detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
+        param_state[i] =
+            detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
     }
     if (!idx.buffers.empty()) {
       detail::check_buffers(idx, buffers, bad);

@@ -856,7 +856,8 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
                   state.opt.name() + " keeps " + std::to_string(kept) +
                   " (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
       if (kept != 0)
-        param_state[i] = detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
+        param_state[i] =
+            detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
     }
     if (!idx.buffers.empty()) {
       detail::check_buffers(idx, buffers, bad);

@@ -634,9 +634,9 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
         for (std::size_t i = 0; i < n; ++i) want[i] -= x[i];
         std::vector<float*> slots;
         for (auto& s : state) slots.push_back(s.data());
-        opt.update_and_apply(
-            nn::update_run{u.data(), p.data(), std::span<float* const>(slots), n, 0, step, 0, 0, info, per_param.data()},
-            p.data());
+        opt.update_and_apply(nn::update_run{u.data(), p.data(), std::span<float* const>(slots), n, 0, step, 0, 0, info,
+                                            per_param.data()},
+                             p.data());
         // (Absolute too: a parameter may pass near 0, where float's rounding of p - x is not
         // relatively small; the updates themselves are ~1e-2, 1e5 times the tolerance.)
         require_near(p, want, 2e-5, 1e-7);
@@ -682,6 +682,17 @@ TEST_CASE("adafactor trains alike data- and tensor-parallel, refuses ZeRO-1 and 
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {.zero = true}); }) ==
         head + "ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes; use data_parallel "
                "without ZeRO (zero 0)");
+  // A parameter sharded over the data axis is not a tensor-parallel block: refused.
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          const mesh_t m{2, 1};
+          const nn::rng_key key{11};
+          nn::train_state state(m,
+                                nn::sequential(nn::column_dense<float, mesh_t, "data">(m, "fc1", features, hidden, key),
+                                               nn::relu<float>(m),
+                                               nn::row_dense<float, mesh_t, "data">(m, "fc2", hidden, classes, key)),
+                                opt, {});
+        }) == head + "parameter 'fc1.w' is sharded named_sharding(mesh{'data': 2, 'model': 1}, P<none, \"data\">) "
+                     "over a data or pipeline axis; shard it over model (tensor-parallel) axes only, or replicate it");
   // Inside masked and multi_transform too.
   CHECK(nn::optimizer(nn::masked(opt, [](std::string_view) { return true; })).whole_parameters());
   const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });

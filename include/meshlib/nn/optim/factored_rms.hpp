@@ -161,7 +161,8 @@ class scale_by_factored_rms {
     }
     const auto shape = r.param.shape;
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
     // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
@@ -201,7 +202,8 @@ class scale_by_factored_rms {
       return;
     }
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
     const std::size_t b0 = extent[d0], b1 = extent[d1];
