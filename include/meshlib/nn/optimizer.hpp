@@ -181,7 +181,7 @@ struct adafactor_options {
 /// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
-/// scaled by it). Its second moment is per parameter (`rows + cols` floats for a factored
+/// scaled by it). Its second moment is per parameter (rows + cols floats for a factored
 /// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
 /// refused (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
