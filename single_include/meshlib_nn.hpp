@@ -8003,8 +8003,9 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
 /// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
 /// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
-/// parameters and so refuses their shards), which is what lets the same chain run on a
-/// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
+/// parameters, summing over a tensor-parallel parameter's blocks, and so refuses ZeRO-1 and FSDP
+/// pieces), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
+/// shard of it with identical numbers.
 /// @code
 /// namespace nn = meshlib::nn;
 /// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
@@ -8491,6 +8492,13 @@ inline void apply_updates(float* p, float* u, std::size_t n) {
 /// which. A transform that needs the norm of every update over the whole mesh (clipping) says so
 /// with `reads_global_norm`: the train state then ends a stage there, sums the squares of the
 /// updates over every device, and passes the norm in `update_run::global_norm`.
+///
+/// A transform whose state is not per element (Adafactor's factored second moment: a row and a
+/// column vector per matrix, O(rows + cols) instead of O(rows x cols)) says so with
+/// `param_state_size(param)`: the floats it keeps per parameter, zero at the start. The train state
+/// holds them whole on every device that holds a block of the parameter (alike on all of them: such
+/// a transform makes them so, summing its statistics over the parameter's blocks through
+/// `update_run::blocks`), checkpoints save them once, and `update_run::param_state` points at them.
 /// @code
 /// struct scale_by_sign {   // a user-written transform: update = sign(update), no state
 ///   std::size_t slots() const { return 0; }
@@ -8519,6 +8527,27 @@ struct param_info {
   bool decay = true;                   ///< the layer's own say: weights `true`, biases and norms `false`
 };
 
+/// @brief Where a device's block of a parameter lies, for a transform whose statistics are over
+/// the whole parameter (`param_state_size`): the block's offset and extent per dimension, and a
+/// sum over the devices that hold the parameter's other blocks (its tensor-parallel axes), after
+/// which every one of them holds the same numbers (the collectives' sums are deterministic).
+class param_blocks {
+ public:
+  /// (Polymorphic: the train state implements it over its mesh.)
+  virtual ~param_blocks() = default;
+  /// Where the block starts in the parameter, per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> offset() const = 0;
+  /// The block's extent per dimension (row-major, as its elements lie in the run).
+  [[nodiscard]] virtual std::span<const std::size_t> extent() const = 0;
+  /// Whether the parameter is split over several devices (false: the block is all of it).
+  [[nodiscard]] virtual bool split() const = 0;
+  /// Sums `x` elementwise, in place, over the devices that hold the parameter's blocks (each calls
+  /// it, in the same order). `x` is in the running device's memory.
+  virtual void sum(std::span<float> x) const = 0;
+  /// As above, in double (a host span: block RMS sums).
+  virtual void sum(std::span<double> x) const = 0;
+};
+
 /// @brief The elements one `update` call transforms: `size` consecutive elements of a parameter's
 /// local block, in the memory of the running device (`default_memory_space`).
 struct update_run {
@@ -8531,12 +8560,15 @@ struct update_run {
   std::size_t stage = 0;           ///< which of the transform's `stages()` runs
   double global_norm = 0;          ///< stages that `reads_global_norm`: the updates' norm over every device
   param_info param;                ///< the parameter
+  float* param_state = nullptr;    ///< this transform's `param_state_size(param)` floats for the parameter (null: none)
+  const param_blocks* blocks = nullptr;  ///< where the run's block lies in the parameter (null: the run is all of it)
 };
 
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
-/// `reads_global_norm(stage)` (default false), `whole_parameters()` (default false: true for a
+/// `reads_global_norm(stage)` (default false), `param_state_size(const param_info&)` (default 0:
+/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true for a
 /// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
 /// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
@@ -8617,6 +8649,12 @@ template <class T>
 bool whole_parameters_of(const T& t) {
   if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();
   else return false;
+}
+/// `t.param_state_size(p)` (floats of per-parameter state), or 0.
+template <class T>
+std::size_t param_state_size_of(const T& t, const param_info& p) {
+  if constexpr (requires { t.param_state_size(p); }) return t.param_state_size(p);
+  else return 0;
 }
 /// `t.name()`, or "custom".
 template <class T>
@@ -8767,6 +8805,7 @@ struct scale_by_adam {
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -8894,6 +8933,102 @@ struct unfactored_scale {
   }
 };
 
+/// Where the elements of a device's block of a parameter lie in the parameter: block element `i`
+/// (row-major over the block's extents) to its row-major index in the whole parameter. Up to
+/// `max_rank` dimensions (a fixed array: a kernel functor copies it by value).
+struct block_map {
+  static constexpr std::size_t max_rank = 8;  ///< the most dimensions a mapped parameter has
+  std::size_t rank = 0;
+  std::size_t extent[max_rank] = {};   ///< the block's extents
+  std::size_t offset[max_rank] = {};   ///< where it starts in the parameter
+  std::size_t stride[max_rank] = {};   ///< the parameter's row-major strides
+  KOKKOS_INLINE_FUNCTION std::size_t global(std::size_t i) const noexcept {
+    std::size_t g = 0;
+    for (std::size_t d = rank; d-- > 0;) {
+      g += (i % extent[d] + offset[d]) * stride[d];
+      i /= extent[d];
+    }
+    return g;
+  }
+};
+
+/// The block's partial sums of a factored statistic: for each of the block's lines along the
+/// dimension of block stride `s` and extent `n` (line `j`: the block without that dimension),
+/// `sums[statistic of the line] = sum (g^2 + eps)`, the statistic's index in the whole parameter's
+/// statistic (global stride `gs`, extent `gn` of that dimension). `sums` starts at zero; a line is
+/// one statistic, so no two lines write one entry.
+struct factored_partial_sums {
+  const float* g;
+  float* sums;
+  block_map map;
+  std::size_t s, n, gs, gn;
+  float eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    const std::size_t first = insert_dim(j, s, n, 0);
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      const float x = g[first + c * s];
+      acc += static_cast<double>(x * x + eps);
+    }
+    sums[drop_dim(map.global(first), gs, gn)] = static_cast<float>(acc);
+  }
+};
+
+/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every block.
+struct moment_from_sums {
+  float* v;
+  const float* sums;
+  std::size_t n;
+  float beta;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(static_cast<double>(sums[j]) / static_cast<double>(n));
+  }
+};
+
+/// `factored_scale` of a block: its element `i` reads the statistics of its place in the parameter.
+struct factored_scale_block {
+  float* u;
+  const float* v_row;
+  const float* v_col;
+  const float* mean;
+  block_map map;
+  std::size_t s0, n0;  ///< stride and extent of `d0` in the whole parameter
+  std::size_t s1, n1;  ///< of `d1` in the whole parameter
+  std::size_t s1_row;  ///< of `d1` in `v_row`
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t gi = map.global(i);
+    const std::size_t r = drop_dim(gi, s0, n0);
+    const float row = 1.0f / sqrt_in_kernel(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
+    const float col = 1.0f / sqrt_in_kernel(v_col[drop_dim(gi, s1, n1)]);
+    u[i] = u[i] * row * col;
+  }
+};
+
+/// The unfactored second moment of a block: `sums[global(i)] = g^2 + eps` (the rest stay zero).
+struct squares_to_global {
+  const float* g;
+  float* sums;
+  block_map map;
+  float eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(i)] = g[i] * g[i] + eps; }
+};
+
+/// `v = beta v + (1 - beta) sums` over the whole parameter (the summed squares of every block).
+struct unfactored_moment {
+  float* v;
+  const float* sums;
+  float beta;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const { v[j] = beta * v[j] + (1.0f - beta) * sums[j]; }
+};
+
+/// `u[i] = u[i] / sqrt(v[global(i)])`: the unfactored update of a block.
+struct unfactored_scale_block {
+  float* u;
+  const float* v;
+  block_map map;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] / sqrt_in_kernel(v[map.global(i)]); }
+};
+
 /// `u[i] *= f`.
 struct scale_by_factor {
   float* u;
@@ -8917,11 +9052,15 @@ struct scale_by_factor {
 ///   `update = g / sqrt(v)`.
 ///
 /// The statistics of a parameter are a function of all its elements, so the transform needs each
-/// parameter whole on the device that updates it (`whole_parameters()`): replicated and
-/// data-parallel state; the train state refuses ZeRO-1, FSDP and tensor-parallel shards of a
-/// parameter. Its state is one slot (a float per element): `v` unfactored; factored, `v_row` then
-/// `v_col` in the slot's first floats (the rest stay zero), so checkpoints hold it as any slot.
-/// (The memory of the full slot is spent even where the statistics need less.)
+/// parameter in one run (`whole_parameters()`). Its state is per parameter, not per element
+/// (`param_state_size`): factored, `v_row` then `v_col`, `n / n0 + n / n1` floats for a parameter
+/// of `n` elements (a 1024 x 4096 matrix: 5,120 floats where Adam keeps 4,194,304 per moment);
+/// unfactored, `v`, `n` floats. A tensor-parallel parameter (`column_dense`, `row_dense`) is
+/// updated block by block: each device sums its block's lines, the sums are added over the devices
+/// holding the other blocks (`update_run::blocks`, an all-reduce of `n / n0 + n / n1` floats; `n`
+/// unfactored), and every one of them keeps the whole statistics, alike, so the update is the
+/// unsharded one. ZeRO-1 and FSDP, which hand the optimizer pieces of a flat vector, are refused by
+/// the train state.
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_learning_rate(1e-2f));
@@ -8946,16 +9085,41 @@ namespace detail {
 inline std::size_t element_count(std::span<const std::size_t> shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
 }
-/// The refusal of a run that is not a whole parameter, for the transform `who`.
+/// The refusal of a run that is not a whole parameter (or a device's whole block of it, with
+/// `r.blocks`), for the transform `who`.
 inline void require_whole_parameter(const char* who, const update_run& r) {
   const std::size_t total = element_count(r.param.shape);
-  if (r.offset != 0 || r.size != total)
+  const std::size_t whole = r.blocks != nullptr ? element_count(r.blocks->extent()) : total;
+  if (r.offset != 0 || r.size != whole)
     throw std::invalid_argument(
         std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
         std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
         std::to_string(r.offset + r.size) +
-        ") only: its statistics need the whole parameter on the device that updates it; use replicated or "
-        "data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel sharding of it");
+        ") only: its statistics need the whole parameter (or a device's whole tensor-parallel block) in one run; "
+        "use replicated or data_parallel state without ZeRO (zero 0), and no fully_shard");
+}
+/// The `block_map` of a device's block (`blocks`) of a parameter of global `shape`.
+inline block_map map_of(const param_blocks& blocks, std::span<const std::size_t> shape) {
+  if (shape.size() > block_map::max_rank)
+    throw std::invalid_argument("meshlib::nn: a tensor-parallel parameter of rank " + std::to_string(shape.size()) +
+                                " reached an optimizer that reads whole parameters (adafactor), which maps blocks of "
+                                "rank up to " + std::to_string(block_map::max_rank) + "; replicate it");
+  block_map m;
+  m.rank = shape.size();
+  std::size_t stride = 1;
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    m.extent[d] = blocks.extent()[d];
+    m.offset[d] = blocks.offset()[d];
+    m.stride[d] = stride;
+    stride *= shape[d];
+  }
+  return m;
+}
+/// Row-major stride of dimension `d` of `shape`.
+inline std::size_t stride_of(std::span<const std::size_t> shape, std::size_t d) {
+  std::size_t s = 1;
+  for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
+  return s;
 }
 }  // namespace detail
 
@@ -8964,7 +9128,7 @@ class scale_by_factored_rms {
  public:
   /// optax's defaults.
   /// @throws std::invalid_argument when `min_dim_size_to_factor` is below 2 (a factored
-  /// parameter's statistics must fit in its slot) or `decay_rate` is not positive.
+  /// dimension of 1 has nothing to factor) or `decay_rate` is not positive.
   explicit scale_by_factored_rms(bool factored = true, float decay_rate = 0.8f, std::size_t decay_offset = 0,
                                  std::size_t min_dim_size_to_factor = 128, float eps = 1e-30f)
       : factored_(factored), decay_rate_(decay_rate), decay_offset_(decay_offset), min_dim_(min_dim_size_to_factor),
@@ -8978,8 +9142,16 @@ class scale_by_factored_rms {
                                   detail::number_text(decay_rate) + "; it must be positive");
   }
 
-  /// The `gradient_transform` requirement: state floats per element (see the file comment).
-  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// The `gradient_transform` requirement: state floats per element: none (the state is per
+  /// parameter, `param_state_size`).
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// Floats of state for parameter `p`: factored, `v_row` and `v_col` (`n / n0 + n / n1` for `n`
+  /// elements, `n0` and `n1` its largest and second largest dimensions); else `v` (`n`).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    const std::size_t n = detail::element_count(p.shape);
+    const auto dims = factored_dims(p.shape);
+    return dims ? n / p.shape[(*dims)[1]] + n / p.shape[(*dims)[0]] : n;
+  }
   /// True: the statistics need every element of a parameter in one run.
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
@@ -9004,28 +9176,32 @@ class scale_by_factored_rms {
     return std::array<std::size_t, 2>{d1, d0};
   }
 
-  /// The `gradient_transform` requirement: transforms the run's updates in place.
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// The `gradient_transform` requirement: transforms the run's updates in place, its statistics
+  /// in `r.param_state`.
+  /// @throws std::invalid_argument when the run is not a whole parameter (or block), or has no
+  /// per-parameter state.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
+    if (r.param_state == nullptr)
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms (adafactor): the run of parameter '" +
+                                  std::string(r.param.name) + "' has no per-parameter state (update_run::param_state "
+                                  "is null); pass param_state_size(param) floats, zero at the start, as the train "
+                                  "state does");
+    if (r.blocks != nullptr && r.blocks->split()) return update_block(r);
     const float beta = decay(r.step);
     const auto dims = factored_dims(r.param.shape);
     if (!dims) {
-      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.state[0], beta, eps_});
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.param_state, beta, eps_});
       return;
     }
     const auto shape = r.param.shape;
-    const auto stride = [&](std::size_t d) {
-      std::size_t s = 1;
-      for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
-      return s;
-    };
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = stride(d0), s1 = stride(d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
     // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
-    float* v_row = r.state[0];
+    float* v_row = r.param_state;
     float* v_col = v_row + rows;
     auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
     ::meshlib::launch<default_memory_space>(rows, detail::factored_moment{r.updates, v_row, s0, n0, beta, eps_});
@@ -9041,12 +9217,66 @@ class scale_by_factored_rms {
   std::size_t decay_offset_;
   std::size_t min_dim_;
   float eps_;
+
+  // A device's block of a tensor-parallel parameter (see the file comment): the block's sums,
+  // summed over the parameter's blocks, then the statistics of the whole parameter, alike on every
+  // device holding a block, and the block's update read from them.
+  void update_block(const update_run& r) const {
+    const float beta = decay(r.step);
+    const auto shape = r.param.shape;
+    const auto extent = r.blocks->extent();
+    const detail::block_map map = detail::map_of(*r.blocks, shape);
+    const std::size_t total = detail::element_count(shape);
+    const auto dims = factored_dims(shape);
+    if (!dims) {
+      auto sums = ::meshlib::allocate<float, 1>({total}, "meshlib::nn::scale_by_factored_rms");
+      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_});
+      r.blocks->sum(std::span<float>(sums.data(), total));
+      ::meshlib::launch<default_memory_space>(total, detail::unfactored_moment{r.param_state, sums.data(), beta});
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale_block{r.updates, r.param_state, map});
+      return;
+    }
+    const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
+    const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
+    const std::size_t b0 = extent[d0], b1 = extent[d1];
+    auto sums = ::meshlib::allocate<float, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
+    if (r.size != 0) {
+      ::meshlib::launch<default_memory_space>(
+          r.size / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
+                                                     n0, eps_});
+      ::meshlib::launch<default_memory_space>(
+          r.size / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
+                                                     b1, s1, n1, eps_});
+    }
+    r.blocks->sum(std::span<float>(sums.data(), rows + cols));
+    float* v_row = r.param_state;
+    float* v_col = v_row + rows;
+    ::meshlib::launch<default_memory_space>(rows, detail::moment_from_sums{v_row, sums.data(), n0, beta});
+    ::meshlib::launch<default_memory_space>(cols, detail::moment_from_sums{v_col, sums.data() + rows, n1, beta});
+    auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
+    ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
+    ::meshlib::launch<default_memory_space>(
+        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row});
+  }
 };
 
 }  // namespace meshlib::nn
 // end meshlib/nn/optim/factored_rms.hpp
 
 namespace meshlib::nn {
+
+namespace detail {
+/// The RMS over the whole parameter of the run's values `x` (its updates or its parameter): the
+/// block's sum of squares, summed over the parameter's blocks when it is split.
+inline double block_rms(const update_run& r, const float* x) {
+  double sq[1] = {block_sum_of_squares(x, r.size)};
+  if (r.blocks != nullptr && r.blocks->split()) r.blocks->sum(std::span<double>(sq));
+  return std::sqrt(sq[0] / static_cast<double>(element_count(r.param.shape)));
+}
+}  // namespace detail
 
 /// @brief See the file comment.
 class clip_by_block_rms {
@@ -9070,7 +9300,7 @@ class clip_by_block_rms {
   /// @throws std::invalid_argument when the run is not a whole parameter.
   void update(const update_run& r) const {
     detail::require_whole_parameter("clip_by_block_rms (adafactor)", r);
-    const double rms = std::sqrt(detail::block_sum_of_squares(r.updates, r.size) / static_cast<double>(r.size));
+    const double rms = detail::block_rms(r, r.updates);
     const float denom = std::max(1.0f, static_cast<float>(rms) / threshold_);
     if (denom != 1.0f) ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, 1.0f / denom});
   }
@@ -9097,7 +9327,7 @@ class scale_by_param_block_rms {
   /// @throws std::invalid_argument when the run is not a whole parameter.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_param_block_rms (adafactor)", r);
-    const double rms = std::sqrt(detail::block_sum_of_squares(r.params, r.size) / static_cast<double>(r.size));
+    const double rms = detail::block_rms(r, r.params);
     const float f = std::max(static_cast<float>(rms), min_scale_);
     ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, f});
   }
@@ -9162,6 +9392,12 @@ class chain_transform {
     const std::size_t first = stages_[k].front().first, stage = stages_[k].front().second;
     visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
+  }
+  /// Floats of per-parameter state for `p`: the transforms' side by side.
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    std::size_t n = 0;
+    for_each([&](const auto& t) { n += detail::param_state_size_of(t, p); });
+    return n;
   }
   /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
   [[nodiscard]] bool whole_parameters() const {
@@ -9239,6 +9475,11 @@ class chain_transform {
     update_run sub = r;
     sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
     sub.stage = at.second;
+    if (r.param_state != nullptr) {  // the per-parameter state of the transforms before this one
+      std::size_t before = 0, i = 0;
+      for_each([&](const auto& t) { before += i++ < at.first ? detail::param_state_size_of(t, r.param) : 0; });
+      sub.param_state = r.param_state + before;
+    }
     visit(at.first, [&](const auto& t) { f(t, sub); });
   }
   /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to
@@ -9428,6 +9669,10 @@ class masked_transform {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
+  /// Floats of per-parameter state for `p`: `inner`'s (kept for every parameter, as its slots).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    return detail::param_state_size_of(inner_, p);
+  }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
   /// Whether `inner` needs each parameter whole in one run (`adafactor`).
@@ -9638,6 +9883,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::size_t stages() const = 0;
   [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
   [[nodiscard]] virtual bool whole_parameters() const = 0;
+  [[nodiscard]] virtual std::size_t param_state_size(const param_info& p) const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
@@ -9651,6 +9897,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
   [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
   [[nodiscard]] bool whole_parameters() const override { return whole_parameters_of(t); }
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const override { return param_state_size_of(t, p); }
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
@@ -9690,9 +9937,12 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
-  /// Whether a transform in it needs each parameter whole on the device that updates it
-  /// (`adafactor`): the train state then refuses ZeRO-1, FSDP and tensor-parallel parameters.
+  /// Whether a transform in it needs each parameter whole in one run (`adafactor`): the train state
+  /// then refuses ZeRO-1 and FSDP (tensor-parallel blocks it passes with `update_run::blocks`).
   [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
+  /// Floats of per-parameter state the transforms keep for `p` (`adafactor`'s factored second
+  /// moment), beside the `slots()` per element.
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const { return impl_->param_state_size(p); }
   /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
   /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -9762,8 +10012,9 @@ struct adafactor_options {
 /// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
-/// scaled by it). Needs each parameter whole on the device that updates it (replicated or
-/// data-parallel state; see nn/optim/factored_rms.hpp).
+/// scaled by it). Its second moment is per parameter (rows + cols floats for a factored
+/// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
+/// refused (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
   optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
   if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));
@@ -9858,6 +10109,14 @@ class multi_transform_t {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  /// Floats of per-parameter state for `p`: its group's transform's (none for a label of no group;
+  /// `update` names that mistake).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    const std::string label = label_(p);
+    for (const auto& [name, t] : groups_)
+      if (name == label) return t.param_state_size(p);
+    return 0;
+  }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
   /// Whether a group's transform needs each parameter whole in one run (`adafactor`).
@@ -10276,7 +10535,7 @@ struct training_memory {
   /// their float master weights.
   std::size_t parameters = 0;
   std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
-  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
+  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1, FSDP) and per-parameter state
   /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
   /// largest layer's, or every layer's values with `reshard_after_forward = false`).
   std::size_t unsharded = 0;
@@ -11118,7 +11377,9 @@ class grad_overlap final : public layer_hooks {
 /// is a float tensor with the parameter's own shape and sharding, the same blocks as its value and
 /// gradient. ZeRO-1 (`data_parallel{.zero = 1}`): each device holds `(slots, ceil(n / dp))`, its
 /// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
-/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
+/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`. Beside the
+/// slots, a transform may keep state per parameter (`param_state_size`: Adafactor's factored second
+/// moment): a flat array on every device that holds a block of the parameter, alike on all of them.
 /// @code
 /// // inside data_parallel_impl (nn/parallel/data_parallel.hpp), which owns it:
 /// // state_ = optimizer_state<Mesh, DataAxes>(mesh, params, opt.slots(), zero, local);
@@ -11153,9 +11414,19 @@ class optimizer_state {
   /// @brief Zeroed slots for `params` on this process's devices `local`: `slots` per element,
   /// ZeRO-1 sharded over `DataAxes` when `zero`. Every tensor is made here, on the calling thread:
   /// device threads only read and write blocks through unmanaged views (tensor/view.hpp).
+  /// `per_param[i]`: the floats of per-parameter state of parameter `i` (none when empty).
   optimizer_state(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t slots, bool zero,
-                  std::span<const std::size_t> local)
-      : slots_(slots), zero_(zero) {
+                  std::span<const std::size_t> local, std::span<const std::size_t> per_param = {})
+      : slots_(slots), zero_(zero), devices_(mesh.size()) {
+    param_state_size_.assign(params.size(), 0);
+    std::copy_n(per_param.begin(), std::min(per_param.size(), params.size()), param_state_size_.begin());
+    param_state_.resize(params.size() * devices_);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (param_state_size_[i] != 0)
+        for (std::size_t dev : local)
+          if (params[i].count[dev] != 0)
+            param_state_[i * devices_ + dev] =
+                ::meshlib::allocate<float, 1>({param_state_size_[i]}, "meshlib::nn::optimizer_state");
     if (zero) {
       const std::size_t dp = mesh.axes_size(DataAxes);
       zero_state_.reserve(mesh.size());
@@ -11176,7 +11447,19 @@ class optimizer_state {
   [[nodiscard]] bool sharded() const noexcept { return zero_; }
   /// Elements of state device `dev` holds (a device of this process) for `params`.
   [[nodiscard]] std::size_t size(std::span<const param_ref<float>> params, std::size_t dev) const {
-    return zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev);
+    std::size_t per_param = 0;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (param_state(i, dev) != nullptr) per_param += param_state_size_[i];
+    return (zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev)) + per_param;
+  }
+  /// Parameter `i`'s per-parameter state on device `dev`: `param_state_size(i)` floats, null where
+  /// it has none or the device holds no block of the parameter.
+  [[nodiscard]] float* param_state(std::size_t i, std::size_t dev) const {
+    return param_state_.empty() ? nullptr : param_state_.at(i * devices_ + dev).data();
+  }
+  /// The floats of parameter `i`'s per-parameter state (0: none).
+  [[nodiscard]] std::size_t param_state_size(std::size_t i) const {
+    return i < param_state_size_.size() ? param_state_size_[i] : 0;
   }
   /// Slot `s` of parameter `i`'s block on device `dev` (replicated layout).
   [[nodiscard]] float* slot(std::size_t i, std::size_t s, std::size_t dev) const {
@@ -11230,6 +11513,10 @@ class optimizer_state {
 
   std::size_t slots_ = 0;
   bool zero_ = false;
+  std::size_t devices_ = 0;
+  // Per parameter `i` and device `dev`: `param_state_[i * devices_ + dev]` (empty: none there).
+  std::vector<std::size_t> param_state_size_;
+  std::vector<block_view<float, 1>> param_state_;
   // Replicated: slot `s` of parameter `i` is `state_[i * slots + s]`. ZeRO-1: `zero_state_[dev]`.
   std::vector<detail::held_tensor<float>> state_;
   std::vector<zero_state_type> zero_state_;
@@ -11293,10 +11580,11 @@ class data_parallel_impl {
 
   /// Composes over `fully_shard`'s engine (null: none).
   void compose(std::shared_ptr<fsdp_type> fsdp) { fsdp_ = std::move(fsdp); }
-  /// Sizes the optimizer state of `params` (`slots` per element) on this process's devices `local`.
+  /// Sizes the optimizer state of `params` (`slots` per element, `per_param[i]` floats for
+  /// parameter `i`) on this process's devices `local`.
   void size_state(const Mesh& mesh, std::span<const param_ref<T>> params, std::size_t slots,
-                  std::span<const std::size_t> local) {
-    state_ = layout_type(mesh, params, slots, zero_, local);
+                  std::span<const std::size_t> local, std::span<const std::size_t> per_param = {}) {
+    state_ = layout_type(mesh, params, slots, zero_, local, per_param);
   }
   /// With overlap (and without ZeRO-1, whose reduce-scatter runs after the backward): installs the
   /// hooks that start the buckets during backward, around `fully_shard`'s when composed. `round`
@@ -13620,6 +13908,96 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/parallel/pipeline.hpp
+// begin meshlib/nn/train/param_blocks.hpp
+/// @file
+/// @brief `detail::mesh_param_blocks`: the train state's `param_blocks` (nn/optim/transform.hpp),
+/// where a device's block of a parameter lies and the sum over the devices holding its other blocks,
+/// for the transforms whose statistics are over a whole parameter (Adafactor's). A parameter's
+/// blocks differ over its sharded (tensor-parallel) axes, a run-time mask; the sum is the public
+/// donated `psum` over those axes, whose axes are compile-time: the mask is matched against each
+/// subset of the axes parameters may be sharded over, so only those are instantiated.
+/// @code
+/// // inside train_state::step_optimizer, for parameter i on device dev:
+/// // detail::mesh_param_blocks<Mesh, model_axes> b(mesh, dev, params[i]);  run.blocks = &b;
+/// @endcode
+
+#include <cstddef>
+#include <span>
+#include <utility>
+#include <vector>
+
+
+namespace meshlib::nn::detail {
+
+/// Sums the `n` values at `x` (in memory `Space`) over the axes `Axes`, in place (the donated psum).
+template <axis_mask Axes, class Space, class Mesh, class V>
+void sum_in_place(const Mesh& mesh, std::size_t dev, V* x, std::size_t n) {
+  using vec_t = local_tensor<V, 1, Mesh, Mesh::all_axes, 0, replicated_dims<1>, Space>;
+  (void)psum_over<Axes>(wrap1<vec_t>(x, n, mesh, dev));
+}
+
+/// `sum_in_place<m>` for the run-time mask `m`, one of the non-empty subsets of `Candidates`.
+template <axis_mask Candidates, class Space, class Mesh, class V, std::size_t... M>
+void sum_in_place_over(axis_mask m, const Mesh& mesh, std::size_t dev, V* x, std::size_t n,
+                       std::index_sequence<M...>) {
+  const auto one = [&]<axis_mask A>() {
+    if constexpr (A != 0 && (A & ~Candidates) == 0)
+      if (m == A) sum_in_place<A, Space>(mesh, dev, x, n);
+  };
+  (one.template operator()<static_cast<axis_mask>(M)>(), ...);
+}
+
+/// See the file comment. `Candidates`: the axes a parameter may be sharded over (the model axes).
+template <mesh_type Mesh, axis_mask Candidates>
+class mesh_param_blocks final : public param_blocks {
+ public:
+  /// Device `dev`'s block of `p` (of element type `T`: the layout is all that is read).
+  template <class T>
+  mesh_param_blocks(const Mesh& mesh, std::size_t dev, const param_ref<T>& p)
+      : mesh_(&mesh), dev_(dev), axes_(p.sharded_axes & Candidates), offset_(p.layout->offset(dev)),
+        extent_(p.layout->extent(dev)) {
+    std::size_t block = 1, total = 1;
+    for (std::size_t d = 0; d < p.shape.size(); ++d) {
+      block *= extent_[d];
+      total *= p.shape[d];
+    }
+    split_ = block != total;
+  }
+  /// See `param_blocks`.
+  [[nodiscard]] std::span<const std::size_t> offset() const override { return offset_; }
+  /// See `param_blocks`.
+  [[nodiscard]] std::span<const std::size_t> extent() const override { return extent_; }
+  /// See `param_blocks`.
+  [[nodiscard]] bool split() const override { return split_; }
+  /// See `param_blocks`: `x` in the running device's memory.
+  void sum(std::span<float> x) const override {
+    if (split_) sum_in_place_over<Candidates, default_memory_space>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
+  }
+  /// See `param_blocks`: `x` on the host (through a device block where the device cannot read it).
+  void sum(std::span<double> x) const override {
+    if (!split_) return;
+    if constexpr (host_accessible_v<default_memory_space>) {
+      sum_in_place_over<Candidates, Kokkos::HostSpace>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
+    } else {
+      auto d = ::meshlib::allocate<double, 1>({x.size()}, "meshlib::nn::param_blocks");
+      ::meshlib::copy_from_host<default_memory_space>(d.data(), x.data(), x.size());
+      sum_in_place_over<Candidates, default_memory_space>(axes_, *mesh_, dev_, d.data(), x.size(), masks());
+      ::meshlib::copy_to_host<default_memory_space>(x.data(), d.data(), x.size());
+    }
+  }
+
+ private:
+  static constexpr auto masks() { return std::make_index_sequence<static_cast<std::size_t>(Candidates) + 1>{}; }
+
+  const Mesh* mesh_;
+  std::size_t dev_;
+  axis_mask axes_;
+  std::span<const std::size_t> offset_, extent_;
+  bool split_ = false;
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/train/param_blocks.hpp
 // begin meshlib/nn/train/step_metrics.hpp
 /// @file
 /// @brief `step_metrics`, what one `train_step` or `evaluate` reports (equal on every device), and
@@ -13761,6 +14139,12 @@ class train_state {
   using optimizer_state_type = nn::optimizer_state<Mesh, data_axes>;
   /// A device's ZeRO-1 optimizer state (see `optimizer_state::zero_state_type`).
   using zero_state_type = typename optimizer_state_type::zero_state_type;
+  /// The axes parameters may be sharded over by their layers (tensor parallelism): every axis but
+  /// the data, fsdp and pipeline axes.
+  static constexpr axis_mask model_axes = Mesh::all_axes & ~data_axes & ~fsdp_axes & ~pipeline_axes;
+  /// What an optimizer that reads whole parameters learns of a device's block of one
+  /// (nn/train/param_blocks.hpp).
+  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -13893,8 +14277,9 @@ class train_state {
     return m;
   }
   /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
-  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
-  /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
+  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector), then each
+  /// parameter's per-parameter state (`param_state`): for tests and logs. Empty for a device of
+  /// another process. Checkpoints use `for_each_state_run` and `param_state`.
   [[nodiscard]] std::vector<float> optimizer_state(std::size_t dev) {
     std::vector<float> out;
     out.reserve(optimizer_state_size(dev));
@@ -13902,7 +14287,22 @@ class train_state {
       for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
         out.insert(out.end(), slot[s], slot[s] + len);
       });
+    std::vector<float> stage;
+    for (std::size_t i = 0; i < params.size() && out.capacity() > 0; ++i)
+      if (const float* v = param_state(i, dev)) {
+        const std::size_t n = data_parallel_.state().param_state_size(i);
+        const float* h = meshlib::host_readable<default_memory_space>(v, n, stage);
+        out.insert(out.end(), h, h + n);
+      }
     return out;
+  }
+  /// Floats of parameter `i`'s per-parameter optimizer state (the optimizer's `param_state_size`; 0: none).
+  [[nodiscard]] std::size_t param_state_size(std::size_t i) const { return data_parallel_.state().param_state_size(i); }
+  /// Parameter `i`'s per-parameter optimizer state on device `dev` (the optimizer's
+  /// `param_state_size` floats, in the device's memory; alike on every device holding a block of
+  /// the parameter), or null: none, or the device holds no block of it.
+  [[nodiscard]] float* param_state(std::size_t i, std::size_t dev) const {
+    return data_parallel_.state().param_state(i, dev);
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
   [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const {
@@ -13986,6 +14386,7 @@ class train_state {
         batch_runs_(m.size()),
         batch_slots_(m.size()),
         batch_params_(m.size()),
+        batch_blocks_(m.size()),
         update_words_(m.size()),
         update_tables_(m.size()) {
     model.collect(params);
@@ -14022,7 +14423,9 @@ class train_state {
     }
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    data_parallel_.size_state(mesh, params, opt.slots(), local_);
+    std::vector<std::size_t> per_param;
+    for (const auto& p : params) per_param.push_back(opt.param_state_size(param_info{p.name, p.shape, p.decay}));
+    data_parallel_.size_state(mesh, params, opt.slots(), local_, per_param);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -14053,22 +14456,19 @@ class train_state {
   void refuse_parameter_shards() const {
     const auto bad = [&](const std::string& why, const std::string& fix) {
       return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
-                            " needs each parameter whole on the device that updates it (its statistics are per "
-                            "parameter), but " + why + "; " + fix);
+                            " reads whole parameters (its statistics are per parameter, summed over a "
+                            "tensor-parallel parameter's blocks), but " + why + "; " + fix);
     };
     if (policies_.data.zero == 1)
       throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
                 "use data_parallel without ZeRO (zero 0)");
     if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
-    for (const auto& p : params) {
-      std::size_t total = 1;
-      for (std::size_t d : p.shape) total *= d;
-      for (std::size_t dev : local_)
-        if (p.count[dev] != 0 && p.count[dev] != total)
-          throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " (" + std::to_string(p.count[dev]) +
-                        " of its " + std::to_string(total) + " elements on device " + std::to_string(dev) + ")",
-                    "replicate it (a mesh whose tensor-parallel axes have size 1)");
-    }
+    // Tensor-parallel blocks are fine (the transforms sum their statistics over a parameter's
+    // blocks, nn/train/param_blocks.hpp); a parameter split over another axis is not.
+    for (const auto& p : params)
+      if ((p.sharded_axes & ~model_axes) != 0)
+        throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
+                  "shard it over model (tensor-parallel) axes only, or replicate it");
   }
   /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
   template <class... Ps>
@@ -14166,8 +14566,10 @@ class train_state {
       if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
+        const blocks_type blocks(mesh, dev, p);
         opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}});
+                              param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev),
+                              &blocks});
       });
     }
   }
@@ -14179,17 +14581,24 @@ class train_state {
     auto& runs = batch_runs_.at(dev);
     auto& slots = batch_slots_.at(dev);
     auto& out = batch_params_.at(dev);
+    auto& blocks = batch_blocks_.at(dev);
     runs.clear();
     slots.clear();
     out.clear();
+    blocks.clear();
     const std::size_t n_slots = opt.slots();
     for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
       const auto& p = params[i];
-      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay}});
+      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm,
+                                param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev)});
+      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
       slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
       out.push_back(master(i, dev) + off);
     });
-    for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+      if (!blocks.empty()) runs[r].blocks = &blocks[r];  // (after the last push_back: no reallocation moves them)
+    }
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
   /// The policies given (the data-parallel one defaulted).
@@ -14213,6 +14622,8 @@ class train_state {
   std::vector<std::vector<update_run>> batch_runs_;
   std::vector<std::vector<float*>> batch_slots_;
   std::vector<std::vector<float*>> batch_params_;
+  /// Where each run's block lies (optimizers that read whole parameters only).
+  std::vector<std::vector<blocks_type>> batch_blocks_;
   std::vector<std::vector<std::size_t>> update_words_;
   detail::run_table_buffers update_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
@@ -15856,6 +16267,9 @@ std::vector<param_array> params(const State& state) {
 ///                               filled from the blocks of the devices that own them (a
 ///                               replicated block once)
 ///     dir/<name>.g<G>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
+///     dir/<name>.g<G>.state.bin   the optimizer's per-parameter state (Adafactor's factored second
+///                               moment: `param_state_size` floats, the same on every mesh), when
+///                               it keeps any; the index line names its size and checksum
 ///     dir/pending               while a save runs: the files it creates (its own checksum)
 ///
 /// Why a save is atomic: the index names its generation, and a save never touches the files of
@@ -16123,11 +16537,18 @@ inline std::string data_file(const std::string& name, std::size_t g, std::size_t
   return name + ".g" + std::to_string(g) + (slot == std::size_t(-1) ? "" : ".opt" + std::to_string(slot)) + ".bin";
 }
 
+/// The file of parameter `name`'s per-parameter optimizer state in generation `g`.
+inline std::string state_file(const std::string& name, std::size_t g) {
+  return name + ".g" + std::to_string(g) + ".state.bin";
+}
+
 /// A parsed (and verified) index.
 struct index_file {
   struct param {
     std::string name, dtype, shape, sharding;
     std::vector<std::uint64_t> sums;  ///< the value's, then each optimizer slot's
+    std::size_t state_size = 0;       ///< floats of per-parameter optimizer state (0: none)
+    std::uint64_t state_sum = 0;      ///< their file's checksum
   };
   std::size_t generation = 0, step = 0, slots = 0;
   std::uint64_t key = 0;
@@ -16141,6 +16562,7 @@ struct index_file {
     for (const auto& p : params) {
       out.push_back(data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) out.push_back(data_file(p.name, generation, s));
+      if (p.state_size != 0) out.push_back(state_file(p.name, generation));
     }
     for (const auto& b : buffers) out.push_back(data_file(b.name, generation));
     return out;
@@ -16180,7 +16602,10 @@ inline index_file parse_index(const std::filesystem::path& path, std::string_vie
     p.sums.resize(1 + idx.slots);
     for (auto& s : p.sums)
       if (!(in >> s)) throw bad("missing checksum of parameter '" + p.name + "'");
-    if (!(in >> word) || word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
+    if (!(in >> word)) throw bad("malformed line for parameter '" + p.name + "'");
+    if (word == "state" && !(in >> p.state_size >> p.state_sum >> word))
+      throw bad("malformed optimizer state of parameter '" + p.name + "'");
+    if (word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
     std::getline(in, p.sharding);
     idx.params.push_back(std::move(p));
   }
@@ -16427,6 +16852,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   const auto opt_file = [&](const param_ref<float>& p, std::size_t s) {
     return dir / detail::data_file(p.name, generation, s);
   };
+  const auto state_file = [&](const param_ref<float>& p) { return dir / detail::state_file(p.name, generation); };
   // 1. Process 0: claim the directory (refusing one that is not meshlib's), clear what a save that
   // did not finish left, journal this save, create its files at their final sizes.
   detail::agreed_phase(ex, "save_checkpoint", [&] {
@@ -16485,6 +16911,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& p : state.params) {
       journal.fresh.push_back(detail::data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) journal.fresh.push_back(detail::data_file(p.name, generation, s));
+      if (state.param_state_size(static_cast<std::size_t>(&p - state.params.data())) != 0)
+        journal.fresh.push_back(detail::state_file(p.name, generation));
     }
     for (const auto& b : buffers) journal.fresh.push_back(detail::data_file(b.name, generation));
     journal.stale = current;  // and what could not be removed yet: this journal keeps track of it
@@ -16495,6 +16923,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       const std::size_t bytes = detail::product(p.shape) * sizeof(float);
       detail::out_file(io, value_file(p), true, bytes).finish(false);
       for (std::size_t s = 0; s < slots; ++s) detail::out_file(io, opt_file(p, s), true, bytes).finish(false);
+      if (const std::size_t n = state.param_state_size(static_cast<std::size_t>(&p - state.params.data())))
+        detail::out_file(io, state_file(p), true, n * sizeof(float)).finish(false);
     }
     for (const auto& b : buffers)
       detail::out_file(io, value_file(b), true, detail::product(b.shape) * sizeof(float)).finish(false);
@@ -16545,6 +16975,23 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         }
       });
     for (auto& o : opt) o.finish();
+    // Per-parameter state is alike on every device holding a block of the parameter: the device
+    // of its first block writes it (every process that has one writes the same bytes).
+    for (std::size_t i = 0; i < state.params.size(); ++i) {
+      const auto& p = state.params[i];
+      const std::size_t n = state.param_state_size(i);
+      if (n == 0) continue;
+      for (std::size_t dev : state.local_devices()) {
+        const auto offset = p.layout->offset(dev);
+        if (state.param_state(i, dev) == nullptr ||
+            std::any_of(offset.begin(), offset.end(), [](std::size_t o) { return o != 0; }))
+          continue;
+        detail::out_file out(io, state_file(p), false);
+        put(out, 0, meshlib::host_readable<space>(state.param_state(i, dev), n, stage), n);
+        out.finish();
+        break;
+      }
+    }
   });
   // 3. Process 0: the index (with the checksums of what every process wrote) as `index.tmp`, then
   // the commit, one atomic rename over `index`; then the previous generation's files go.
@@ -16559,6 +17006,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       index << "param " << p.name << " float32 " << detail::shape_text(p.shape) << " "
             << detail::checksum_of(value_file(p), count);
       for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
+      if (const std::size_t n = state.param_state_size(static_cast<std::size_t>(&p - state.params.data())))
+        index << " state " << n << " " << detail::checksum_of(state_file(p), n);
       index << " sharding " << p.sharding << "\n";
     }
     if (!buffers.empty()) index << "buffers " << buffers.size() << "\n";
@@ -16602,7 +17051,7 @@ template <class State>
 void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
   const std::size_t count = state.params.size(), slots = state.opt.slots();
-  std::vector<std::vector<float>> values(count), opt(count * slots);
+  std::vector<std::vector<float>> values(count), opt(count * slots), param_state(count);
   const auto buffers = detail::model_buffers(state);
   std::vector<std::vector<float>> buffer_values;  // empty: the checkpoint has none (left as they are)
   std::size_t step = 0;
@@ -16645,6 +17094,15 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
       for (std::size_t s = 0; s < slots; ++s)
         opt[i * slots + s] =
             detail::read_file(dir / detail::data_file(p.name, idx.generation, s), n, saved.sums[1 + s], p.name);
+      const std::size_t kept = state.param_state_size(i);
+      if (saved.state_size != kept)
+        throw bad("parameter '" + saved.name + "' has " + std::to_string(saved.state_size) +
+                  " floats of per-parameter optimizer state in the checkpoint, the train state's optimizer " +
+                  state.opt.name() + " keeps " + std::to_string(kept) +
+                  " (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
+      if (kept != 0)
+        param_state[i] =
+            detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
     }
     if (!idx.buffers.empty()) {
       detail::check_buffers(idx, buffers, bad);
@@ -16689,6 +17147,12 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
           });
         });
     });
+  for (std::size_t i = 0; i < count; ++i)
+    if (!param_state[i].empty())
+      for (std::size_t dev : state.local_devices())
+        if (float* v = state.param_state(i, dev))
+          meshlib::edit_on_host<space>(v, param_state[i].size(), stage,
+                                       [&](float* h) { std::copy(param_state[i].begin(), param_state[i].end(), h); });
   state.step = step;
   state.key = rng_key{key};
 }

@@ -15,6 +15,9 @@
 ///                               filled from the blocks of the devices that own them (a
 ///                               replicated block once)
 ///     dir/<name>.g<G>.opt<s>.bin  optimizer state slot s (momentum / Adam moments), same shape
+///     dir/<name>.g<G>.state.bin   the optimizer's per-parameter state (Adafactor's factored second
+///                               moment: `param_state_size` floats, the same on every mesh), when
+///                               it keeps any; the index line names its size and checksum
 ///     dir/pending               while a save runs: the files it creates (its own checksum)
 ///
 /// Why a save is atomic: the index names its generation, and a save never touches the files of
@@ -289,11 +292,18 @@ inline std::string data_file(const std::string& name, std::size_t g, std::size_t
   return name + ".g" + std::to_string(g) + (slot == std::size_t(-1) ? "" : ".opt" + std::to_string(slot)) + ".bin";
 }
 
+/// The file of parameter `name`'s per-parameter optimizer state in generation `g`.
+inline std::string state_file(const std::string& name, std::size_t g) {
+  return name + ".g" + std::to_string(g) + ".state.bin";
+}
+
 /// A parsed (and verified) index.
 struct index_file {
   struct param {
     std::string name, dtype, shape, sharding;
     std::vector<std::uint64_t> sums;  ///< the value's, then each optimizer slot's
+    std::size_t state_size = 0;       ///< floats of per-parameter optimizer state (0: none)
+    std::uint64_t state_sum = 0;      ///< their file's checksum
   };
   std::size_t generation = 0, step = 0, slots = 0;
   std::uint64_t key = 0;
@@ -307,6 +317,7 @@ struct index_file {
     for (const auto& p : params) {
       out.push_back(data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) out.push_back(data_file(p.name, generation, s));
+      if (p.state_size != 0) out.push_back(state_file(p.name, generation));
     }
     for (const auto& b : buffers) out.push_back(data_file(b.name, generation));
     return out;
@@ -346,7 +357,10 @@ inline index_file parse_index(const std::filesystem::path& path, std::string_vie
     p.sums.resize(1 + idx.slots);
     for (auto& s : p.sums)
       if (!(in >> s)) throw bad("missing checksum of parameter '" + p.name + "'");
-    if (!(in >> word) || word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
+    if (!(in >> word)) throw bad("malformed line for parameter '" + p.name + "'");
+    if (word == "state" && !(in >> p.state_size >> p.state_sum >> word))
+      throw bad("malformed optimizer state of parameter '" + p.name + "'");
+    if (word != "sharding") throw bad("malformed line for parameter '" + p.name + "'");
     std::getline(in, p.sharding);
     idx.params.push_back(std::move(p));
   }
@@ -593,6 +607,7 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
   const auto opt_file = [&](const param_ref<float>& p, std::size_t s) {
     return dir / detail::data_file(p.name, generation, s);
   };
+  const auto state_file = [&](const param_ref<float>& p) { return dir / detail::state_file(p.name, generation); };
   // 1. Process 0: claim the directory (refusing one that is not meshlib's), clear what a save that
   // did not finish left, journal this save, create its files at their final sizes.
   detail::agreed_phase(ex, "save_checkpoint", [&] {
@@ -651,6 +666,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
     for (const auto& p : state.params) {
       journal.fresh.push_back(detail::data_file(p.name, generation));
       for (std::size_t s = 0; s < slots; ++s) journal.fresh.push_back(detail::data_file(p.name, generation, s));
+      if (state.param_state_size(static_cast<std::size_t>(&p - state.params.data())) != 0)
+        journal.fresh.push_back(detail::state_file(p.name, generation));
     }
     for (const auto& b : buffers) journal.fresh.push_back(detail::data_file(b.name, generation));
     journal.stale = current;  // and what could not be removed yet: this journal keeps track of it
@@ -661,6 +678,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       const std::size_t bytes = detail::product(p.shape) * sizeof(float);
       detail::out_file(io, value_file(p), true, bytes).finish(false);
       for (std::size_t s = 0; s < slots; ++s) detail::out_file(io, opt_file(p, s), true, bytes).finish(false);
+      if (const std::size_t n = state.param_state_size(static_cast<std::size_t>(&p - state.params.data())))
+        detail::out_file(io, state_file(p), true, n * sizeof(float)).finish(false);
     }
     for (const auto& b : buffers)
       detail::out_file(io, value_file(b), true, detail::product(b.shape) * sizeof(float)).finish(false);
@@ -711,6 +730,23 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
         }
       });
     for (auto& o : opt) o.finish();
+    // Per-parameter state is alike on every device holding a block of the parameter: the device
+    // of its first block writes it (every process that has one writes the same bytes).
+    for (std::size_t i = 0; i < state.params.size(); ++i) {
+      const auto& p = state.params[i];
+      const std::size_t n = state.param_state_size(i);
+      if (n == 0) continue;
+      for (std::size_t dev : state.local_devices()) {
+        const auto offset = p.layout->offset(dev);
+        if (state.param_state(i, dev) == nullptr ||
+            std::any_of(offset.begin(), offset.end(), [](std::size_t o) { return o != 0; }))
+          continue;
+        detail::out_file out(io, state_file(p), false);
+        put(out, 0, meshlib::host_readable<space>(state.param_state(i, dev), n, stage), n);
+        out.finish();
+        break;
+      }
+    }
   });
   // 3. Process 0: the index (with the checksums of what every process wrote) as `index.tmp`, then
   // the commit, one atomic rename over `index`; then the previous generation's files go.
@@ -725,6 +761,8 @@ void save_checkpoint(const std::filesystem::path& dir, State& state, distributed
       index << "param " << p.name << " float32 " << detail::shape_text(p.shape) << " "
             << detail::checksum_of(value_file(p), count);
       for (std::size_t s = 0; s < slots; ++s) index << " " << detail::checksum_of(opt_file(p, s), count);
+      if (const std::size_t n = state.param_state_size(static_cast<std::size_t>(&p - state.params.data())))
+        index << " state " << n << " " << detail::checksum_of(state_file(p), n);
       index << " sharding " << p.sharding << "\n";
     }
     if (!buffers.empty()) index << "buffers " << buffers.size() << "\n";
@@ -768,7 +806,7 @@ template <class State>
 void restore_checkpoint(const std::filesystem::path& dir, State& state, distributed::process_exchange& ex_) {
   auto& ex = detail::exchange_for(state, &ex_, "restore_checkpoint");
   const std::size_t count = state.params.size(), slots = state.opt.slots();
-  std::vector<std::vector<float>> values(count), opt(count * slots);
+  std::vector<std::vector<float>> values(count), opt(count * slots), param_state(count);
   const auto buffers = detail::model_buffers(state);
   std::vector<std::vector<float>> buffer_values;  // empty: the checkpoint has none (left as they are)
   std::size_t step = 0;
@@ -811,6 +849,15 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
       for (std::size_t s = 0; s < slots; ++s)
         opt[i * slots + s] =
             detail::read_file(dir / detail::data_file(p.name, idx.generation, s), n, saved.sums[1 + s], p.name);
+      const std::size_t kept = state.param_state_size(i);
+      if (saved.state_size != kept)
+        throw bad("parameter '" + saved.name + "' has " + std::to_string(saved.state_size) +
+                  " floats of per-parameter optimizer state in the checkpoint, the train state's optimizer " +
+                  state.opt.name() + " keeps " + std::to_string(kept) +
+                  " (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
+      if (kept != 0)
+        param_state[i] =
+            detail::read_file(dir / detail::state_file(p.name, idx.generation), kept, saved.state_sum, p.name);
     }
     if (!idx.buffers.empty()) {
       detail::check_buffers(idx, buffers, bad);
@@ -855,6 +902,12 @@ void restore_checkpoint(const std::filesystem::path& dir, State& state, distribu
           });
         });
     });
+  for (std::size_t i = 0; i < count; ++i)
+    if (!param_state[i].empty())
+      for (std::size_t dev : state.local_devices())
+        if (float* v = state.param_state(i, dev))
+          meshlib::edit_on_host<space>(v, param_state[i].size(), stage,
+                                       [&](float* h) { std::copy(param_state[i].begin(), param_state[i].end(), h); });
   state.step = step;
   state.key = rng_key{key};
 }

@@ -5,8 +5,9 @@
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
 /// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
 /// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
-/// parameters and so refuses their shards), which is what lets the same chain run on a
-/// replicated state or on a ZeRO-1 / FSDP shard of it with identical numbers.
+/// parameters, summing over a tensor-parallel parameter's blocks, and so refuses ZeRO-1 and FSDP
+/// pieces), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
+/// shard of it with identical numbers.
 /// @code
 /// namespace nn = meshlib::nn;
 /// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
@@ -51,6 +52,7 @@ struct erased_transform {
   [[nodiscard]] virtual std::size_t stages() const = 0;
   [[nodiscard]] virtual bool reads_global_norm(std::size_t stage) const = 0;
   [[nodiscard]] virtual bool whole_parameters() const = 0;
+  [[nodiscard]] virtual std::size_t param_state_size(const param_info& p) const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::string kind() const = 0;
   virtual void update(const update_run& r) const = 0;
@@ -64,6 +66,7 @@ struct erased_model final : erased_transform {
   [[nodiscard]] std::size_t stages() const override { return stages_of(t); }
   [[nodiscard]] bool reads_global_norm(std::size_t stage) const override { return reads_global_norm_of(t, stage); }
   [[nodiscard]] bool whole_parameters() const override { return whole_parameters_of(t); }
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const override { return param_state_size_of(t, p); }
   [[nodiscard]] std::string name() const override { return name_of(t); }
   [[nodiscard]] std::string kind() const override { return kind_of(t); }
   void update(const update_run& r) const override { t.update(r); }
@@ -103,9 +106,12 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
-  /// Whether a transform in it needs each parameter whole on the device that updates it
-  /// (`adafactor`): the train state then refuses ZeRO-1, FSDP and tensor-parallel parameters.
+  /// Whether a transform in it needs each parameter whole in one run (`adafactor`): the train state
+  /// then refuses ZeRO-1 and FSDP (tensor-parallel blocks it passes with `update_run::blocks`).
   [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
+  /// Floats of per-parameter state the transforms keep for `p` (`adafactor`'s factored second
+  /// moment), beside the `slots()` per element.
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const { return impl_->param_state_size(p); }
   /// The optimizer for logs, its numbers as a user writes them: `sgd(momentum 0.9)`, `adam`,
   /// `adamw(weight decay 1e-4)`, `chain(clip_by_global_norm(1), adamw(weight decay 1e-4))`.
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -175,8 +181,9 @@ struct adafactor_options {
 /// scale_by_schedule(lr), scale_by_param_block_rms(), momentum as chain(scale(1 - momentum),
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
-/// scaled by it). Needs each parameter whole on the device that updates it (replicated or
-/// data-parallel state; see nn/optim/factored_rms.hpp).
+/// scaled by it). Its second moment is per parameter (rows + cols floats for a factored
+/// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
+/// refused (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
   optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
   if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));

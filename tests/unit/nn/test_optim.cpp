@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <span>
@@ -512,32 +514,39 @@ TEST_CASE("scale_by_factored_rms: factored and unfactored, against plain loops",
     bool factored;  // whether the reference factors it (checked against factored_dims)
   };
   const nn::scale_by_factored_rms tx(true, 0.8f, 0, 4);
+  CHECK(tx.slots() == 0);  // no state per element: it is per parameter
   for (const param_case& pc : {param_case{{4, 6}, true}, param_case{{6, 4}, true}, param_case{{6, 2, 4}, true},
                                param_case{{3, 5, 4}, true}, param_case{{3, 8}, false}, param_case{{7}, false}}) {
     INFO("shape " << pc.shape.size() << "d, first " << pc.shape[0]);
     CHECK(tx.factored_dims(pc.shape).has_value() == pc.factored);
     adafactor_reference ref{pc.shape, 4, true};
     const std::size_t n = nn::detail::element_count(pc.shape);
-    std::vector<float> slot(n, 0.0f);
+    // The state's size: v_row (the shape without the largest dimension) and v_col (without the
+    // second largest), or v (every element), as the reference keeps them.
+    const std::vector<double> g0(n, 1.0);
+    const nn::param_info info{"w", pc.shape, true};
+    {
+      adafactor_reference sized{pc.shape, 4, true};
+      (void)sized.scale(g0, 0);
+      CHECK(tx.param_state_size(info) == (pc.factored ? sized.v_row.size() + sized.v_col.size() : n));
+    }
+    std::vector<float> state(tx.param_state_size(info), 0.0f);
     for (std::size_t step = 0; step < 4; ++step) {
       std::vector<float> u(n);
       std::vector<double> g(n);
       for (std::size_t i = 0; i < n; ++i) g[i] = u[i] = gradient_at(i, step);
       const std::vector<float> p(n, 1.0f);
-      float* slots[1] = {slot.data()};
-      tx.update(nn::update_run{u.data(), p.data(), std::span<float* const>(slots, 1), n, 0, step, 0, 0,
-                               nn::param_info{"w", pc.shape, true}});
+      tx.update(nn::update_run{u.data(), p.data(), {}, n, 0, step, 0, 0, info, state.data()});
       require_near(u, ref.scale(g, step), 2e-5);
     }
   }
   // The statistics' layout: a [4, 6] matrix keeps v_row (4, over its columns) then v_col (6).
   const std::size_t shape[2] = {4, 6};
-  std::vector<float> slot(24, 0.0f), u(24);
+  REQUIRE(tx.param_state_size(nn::param_info{"w", shape, true}) == 10);
+  std::vector<float> slot(10, 0.0f), u(24);
   for (std::size_t i = 0; i < 24; ++i) u[i] = static_cast<float>(i);
   const std::vector<float> p(24, 1.0f);
-  float* slots[1] = {slot.data()};
-  tx.update(nn::update_run{u.data(), p.data(), std::span<float* const>(slots, 1), 24, 0, 0, 0, 0,
-                           nn::param_info{"w", shape, true}});
+  tx.update(nn::update_run{u.data(), p.data(), {}, 24, 0, 0, 0, 0, nn::param_info{"w", shape, true}, slot.data()});
   // Step 0: beta 0, so v_row[r] = mean over c of (6r + c)^2, v_col[c] = mean over r.
   for (std::size_t r = 0; r < 4; ++r) {
     double s = 0;
@@ -549,7 +558,6 @@ TEST_CASE("scale_by_factored_rms: factored and unfactored, against plain loops",
     for (std::size_t r = 0; r < 4; ++r) s += double(6 * r + c) * double(6 * r + c);
     CHECK(slot[4 + c] == Approx(s / 4).epsilon(1e-6));
   }
-  for (std::size_t i = 10; i < 24; ++i) CHECK(slot[i] == 0.0f);
   // The decay: beta_t = 1 - (t + 1)^-0.8, and decay_offset shifts t.
   CHECK(tx.decay(0) == 0.0f);
   CHECK(tx.decay(3) == Approx(1.0 - std::pow(4.0, -0.8)));
@@ -560,12 +568,18 @@ TEST_CASE("scale_by_factored_rms: factored and unfactored, against plain loops",
   // A piece of a parameter is refused (the train state refuses such states before a step).
   std::vector<float> half(12, 1.0f);
   CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
-          tx.update(nn::update_run{half.data(), p.data(), std::span<float* const>(slots, 1), 12, 12, 0, 0, 0,
-                                   nn::param_info{"fc.w", shape, true}});
+          tx.update(nn::update_run{half.data(), p.data(), {}, 12, 12, 0, 0, 0, nn::param_info{"fc.w", shape, true},
+                                   slot.data()});
         }) == "meshlib::nn: scale_by_factored_rms (adafactor): parameter 'fc.w' (24 elements) reached the optimizer "
-              "as elements [12, 24) only: its statistics need the whole parameter on the device that updates it; "
-              "use replicated or data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel "
-              "sharding of it");
+              "as elements [12, 24) only: its statistics need the whole parameter (or a device's whole "
+              "tensor-parallel block) in one run; use replicated or data_parallel state without ZeRO (zero 0), and "
+              "no fully_shard");
+  // A run without its per-parameter state is refused.
+  CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
+          tx.update(nn::update_run{u.data(), p.data(), {}, 24, 0, 0, 0, 0, nn::param_info{"fc.w", shape, true}});
+        }) == "meshlib::nn: scale_by_factored_rms (adafactor): the run of parameter 'fc.w' has no per-parameter state "
+              "(update_run::param_state is null); pass param_state_size(param) floats, zero at the start, as the "
+              "train state does");
 }
 
 TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][optim][adafactor]") {
@@ -589,7 +603,7 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
     INFO(opt.name());
     CHECK(opt.name() == var.name);
     CHECK(opt.kind() == "adafactor");
-    CHECK(opt.slots() == (var.o.momentum ? 2u : 1u));
+    CHECK(opt.slots() == (var.o.momentum ? 1u : 0u));  // momentum's; the second moment is per parameter
     CHECK(opt.whole_parameters());
     for (const std::vector<std::size_t>& shape : {std::vector<std::size_t>{5, 6}, std::vector<std::size_t>{7}}) {
       const std::size_t n = nn::detail::element_count(shape);
@@ -598,6 +612,10 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
       std::vector<float> p(n);
       for (std::size_t i = 0; i < n; ++i) want[i] = p[i] = 0.5f - 0.1f * static_cast<float>(i % 7);
       std::vector<std::vector<float>> state(opt.slots(), std::vector<float>(n, 0.0f));
+      const nn::param_info info{"w", shape, true};
+      // [5, 6] factored: 5 + 6 floats; [7] (and unfactored): one per element.
+      CHECK(opt.param_state_size(info) == (var.o.factored && shape.size() == 2 ? 11u : n));
+      std::vector<float> per_param(opt.param_state_size(info), 0.0f);
       for (std::size_t step = 0; step < 4; ++step) {
         std::vector<float> u(n);
         std::vector<double> g(n);
@@ -619,8 +637,8 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
         for (std::size_t i = 0; i < n; ++i) want[i] -= x[i];
         std::vector<float*> slots;
         for (auto& s : state) slots.push_back(s.data());
-        opt.update_and_apply(nn::update_run{u.data(), p.data(), std::span<float* const>(slots), n, 0, step, 0, 0,
-                                            nn::param_info{"w", shape, true}},
+        opt.update_and_apply(nn::update_run{u.data(), p.data(), std::span<float* const>(slots), n, 0, step, 0, 0, info,
+                                            per_param.data()},
                              p.data());
         // (Absolute too: a parameter may pass near 0, where float's rounding of p - x is not
         // relatively small; the updates themselves are ~1e-2, 1e5 times the tolerance.)
@@ -630,24 +648,54 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
   }
 }
 
-TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shards", "[nn][optim][adafactor]") {
+TEST_CASE("adafactor trains alike data- and tensor-parallel, refuses ZeRO-1 and FSDP", "[nn][optim][adafactor]") {
   const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
   const auto ref = run(mesh_t{1, 1}, opt, {});
   CHECK(ref.back() < 0.9 * ref.front());  // it learns
   require_close(run(mesh_t{4, 1}, opt, {}), ref, 1e-5);
   require_close(run(mesh_t{2, 1}, opt, {}), ref, 1e-5);
+  // Tensor-parallel (column_dense fc1 split along its largest dimension, row_dense fc2 along its
+  // second largest, fc1's bias unfactored and split): the statistics summed over the blocks give
+  // the unsharded update, and every device of a parameter keeps the same statistics.
+  const mesh_t one{1, 1};
+  nn::train_state single(one, make_net(one), opt, {}, nn::rng_key{11});
+  const auto single_losses = train(single, 0, 6);
+  for (const mesh_t& m : {mesh_t{1, 2}, mesh_t{2, 2}}) {
+    INFO("mesh (" << m.axis_size(0) << ", " << m.axis_size(1) << ")");
+    nn::train_state tp(m, make_net(m), opt, {}, nn::rng_key{11});
+    require_close(train(tp, 0, 6), single_losses, 1e-6);
+    for (std::size_t i = 0; i < tp.params.size(); ++i) {
+      INFO(tp.params[i].name);
+      const std::size_t n = tp.param_state_size(i);
+      REQUIRE(n == single.param_state_size(i));
+      const std::vector<float> want(single.param_state(i, 0), single.param_state(i, 0) + n);
+      for (std::size_t dev = 0; dev < m.size(); ++dev) {
+        const std::vector<float> got(tp.param_state(i, dev), tp.param_state(i, dev) + n);
+        CHECK(got == std::vector<float>(tp.param_state(i, 0), tp.param_state(i, 0) + n));  // alike, bit for bit
+        for (std::size_t k = 0; k < n; ++k) REQUIRE(std::abs(got[k] - want[k]) <= 1e-5 * std::abs(want[k]) + 1e-12);
+      }
+    }
+  }
   // Factoring matters: an unfactored run differs.
   CHECK(run(mesh_t{1, 1}, nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f, .factored = false}),
             {}) != ref);
-  const std::string head = "meshlib::nn: train_state: the optimizer adafactor(momentum 0.5) needs each parameter "
-                           "whole on the device that updates it (its statistics are per parameter), but ";
+  const std::string head = "meshlib::nn: train_state: the optimizer adafactor(momentum 0.5) reads whole parameters "
+                           "(its statistics are per parameter, summed over a tensor-parallel parameter's blocks), "
+                           "but ";
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}); }) ==
         head + "ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes; use data_parallel "
                "without ZeRO (zero 0)");
+  // A parameter sharded over the data axis is not a tensor-parallel block: refused.
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          const mesh_t m{1, 2};
-          nn::train_state state(m, make_net(m), opt, {});
-        }).starts_with(head + "parameter 'fc1.w' is sharded "));
+          const mesh_t m{2, 1};
+          const nn::rng_key key{11};
+          nn::train_state state(m,
+                                nn::sequential(nn::column_dense<float, mesh_t, "data">(m, "fc1", features, hidden, key),
+                                               nn::relu<float>(m),
+                                               nn::row_dense<float, mesh_t, "data">(m, "fc2", hidden, classes, key)),
+                                opt, {});
+        }) == head + "parameter 'fc1.w' is sharded named_sharding(mesh{'data': 2, 'model': 1}, P<none, \"data\">) "
+                     "over a data or pipeline axis; shard it over model (tensor-parallel) axes only, or replicate it");
   // Inside masked and multi_transform too.
   CHECK(nn::optimizer(nn::masked(opt, [](std::string_view) { return true; })).whole_parameters());
   const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });
@@ -664,6 +712,33 @@ TEST_CASE("adafactor trains, data-parallel as one device, refuses parameter shar
                                                nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
                                 opt, nn::fully_shard<"fsdp">{});
         }) == head + "fully_shard shards the parameters; train without fully_shard");
+}
+
+TEST_CASE("adafactor's optimizer state: O(rows + cols) per factored matrix", "[nn][optim][adafactor]") {
+  // make_net's parameters: fc1.w [12, 16] and fc2.w [16, 16] factored (both dimensions >= 8),
+  // fc3.w [16, 4] and the biases not. Bytes on a device = 4 x (momentum's one float per element of
+  // its blocks + per parameter: rows + cols when factored, every element when not).
+  const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
+  const std::size_t elements = 12 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4;
+  const std::size_t second_moment = (12 + 16) + 16 + (16 + 16) + 16 + 16 * 4 + 4;
+  const mesh_t one{1, 1};
+  nn::train_state a(one, make_net(one), opt, {});
+  CHECK(a.memory(0).optimizer_state == 4 * (elements + second_moment));
+  // Unfactored: the second moment is per element again, as Adam's.
+  nn::train_state full(one, make_net(one), nn::adafactor(0.1f, {.momentum = 0.5f, .factored = false}), {});
+  CHECK(full.memory(0).optimizer_state == 4 * (2 * elements));
+  // Tensor-parallel over 2: fc1 (w, b) and fc2.w are split, so momentum holds half of them; the
+  // statistics are whole on both devices.
+  const mesh_t tp{1, 2};
+  nn::train_state b(tp, make_net(tp), opt, {});
+  const std::size_t local = (12 * 16 + 16 + 16 * 16) / 2 + 16 + 16 * 4 + 4;
+  for (std::size_t dev = 0; dev < 2; ++dev) CHECK(b.memory(dev).optimizer_state == 4 * (local + second_moment));
+  // A larger matrix shows the saving: [256, 512] keeps 256 + 512 floats, not 131,072.
+  const std::size_t big[2] = {256, 512};
+  CHECK(opt.param_state_size(nn::param_info{"w", big, true}) == 768);
+  CHECK(nn::adafactor(0.1f).param_state_size(nn::param_info{"w", big, true}) == 768);  // optax's default 128
+  const std::size_t narrow[2] = {100, 4096};
+  CHECK(nn::adafactor(0.1f).param_state_size(nn::param_info{"w", narrow, true}) == 409600);  // 100 < 128
 }
 
 TEST_CASE("checkpoints hold adafactor's state", "[nn][optim][adafactor][checkpoint]") {
@@ -692,6 +767,42 @@ TEST_CASE("checkpoints hold adafactor's state", "[nn][optim][adafactor][checkpoi
       std::memcpy(cold.params[i].value[dev], fresh.params[i].value[dev], cold.params[i].count[dev] * sizeof(float));
   cold.step = 3;
   CHECK(train(cold, 3, 3) != resumed);
+  // Saved tensor-parallel, restored on one device and data-parallel: the statistics are the same
+  // floats on every mesh (one file per parameter, its size in the index).
+  const mesh_t tp{1, 2};
+  nn::train_state d(tp, make_net(tp), opt, {});
+  (void)train(d, 0, 2);
+  nn::save_checkpoint(dir, d);
+  {
+    std::ifstream index(dir / "index");
+    const std::string text((std::istreambuf_iterator<char>(index)), std::istreambuf_iterator<char>());
+    const auto at = text.find("param fc1.w float32 12x16 ");
+    REQUIRE(at != std::string::npos);
+    const std::string line = text.substr(at, text.find('\n', at) - at);
+    INFO(line);
+    CHECK(line.find(" state 28 ") != std::string::npos);  // fc1.w: 12 + 16 floats, then their checksum
+  }
+  std::vector<std::vector<float>> saved;
+  for (std::size_t i = 0; i < d.params.size(); ++i)
+    saved.emplace_back(d.param_state(i, 0), d.param_state(i, 0) + d.param_state_size(i));
+  const auto continued = train(d, 2, 2);
+  for (const mesh_t& m : {mesh_t{1, 1}, mesh_t{2, 1}}) {
+    nn::train_state e(m, make_net(m), opt, {});
+    nn::restore_checkpoint(dir, e);
+    for (std::size_t i = 0; i < e.params.size(); ++i) {
+      const std::size_t n = e.param_state_size(i);
+      REQUIRE(n == saved[i].size());
+      for (std::size_t dev = 0; dev < m.size(); ++dev)
+        CHECK(std::vector<float>(e.param_state(i, dev), e.param_state(i, dev) + n) == saved[i]);
+    }
+    require_close(train(e, 2, 2), continued, 1e-5);
+  }
+  // Other factoring options keep another state: refused, naming the parameter and the fix.
+  nn::train_state other(m1, make_net(m1), nn::adafactor(0.1f, {.min_dim_size_to_factor = 16, .momentum = 0.5f}), {});
+  CHECK(meshlib_test::message_of<meshlib::nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, other); }) ==
+        "meshlib::nn: restore_checkpoint: '" + (dir / "index").string() + "': parameter 'fc1.w' has 28 floats of "
+        "per-parameter optimizer state in the checkpoint, the train state's optimizer adafactor(momentum 0.5) keeps "
+        "192 (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
   fs::remove_all(dir);
 }
 

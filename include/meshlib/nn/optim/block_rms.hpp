@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -25,6 +26,16 @@
 #include "meshlib/tensor/kernel.hpp"
 
 namespace meshlib::nn {
+
+namespace detail {
+/// The RMS over the whole parameter of the run's values `x` (its updates or its parameter): the
+/// block's sum of squares, summed over the parameter's blocks when it is split.
+inline double block_rms(const update_run& r, const float* x) {
+  double sq[1] = {block_sum_of_squares(x, r.size)};
+  if (r.blocks != nullptr && r.blocks->split()) r.blocks->sum(std::span<double>(sq));
+  return std::sqrt(sq[0] / static_cast<double>(element_count(r.param.shape)));
+}
+}  // namespace detail
 
 /// @brief See the file comment.
 class clip_by_block_rms {
@@ -48,7 +59,7 @@ class clip_by_block_rms {
   /// @throws std::invalid_argument when the run is not a whole parameter.
   void update(const update_run& r) const {
     detail::require_whole_parameter("clip_by_block_rms (adafactor)", r);
-    const double rms = std::sqrt(detail::block_sum_of_squares(r.updates, r.size) / static_cast<double>(r.size));
+    const double rms = detail::block_rms(r, r.updates);
     const float denom = std::max(1.0f, static_cast<float>(rms) / threshold_);
     if (denom != 1.0f) ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, 1.0f / denom});
   }
@@ -75,7 +86,7 @@ class scale_by_param_block_rms {
   /// @throws std::invalid_argument when the run is not a whole parameter.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_param_block_rms (adafactor)", r);
-    const double rms = std::sqrt(detail::block_sum_of_squares(r.params, r.size) / static_cast<double>(r.size));
+    const double rms = detail::block_rms(r, r.params);
     const float f = std::max(static_cast<float>(rms), min_scale_);
     ::meshlib::launch<default_memory_space>(r.size, detail::scale_by_factor{r.updates, f});
   }

@@ -56,6 +56,12 @@ class chain_transform {
     visit(first, [&](const auto& t) { reads = detail::reads_global_norm_of(t, stage); });
     return reads;
   }
+  /// Floats of per-parameter state for `p`: the transforms' side by side.
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    std::size_t n = 0;
+    for_each([&](const auto& t) { n += detail::param_state_size_of(t, p); });
+    return n;
+  }
   /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
   [[nodiscard]] bool whole_parameters() const {
     bool any = false;
@@ -132,6 +138,11 @@ class chain_transform {
     update_run sub = r;
     sub.state = r.state.subspan(offset_[at.first], offset_[at.first + 1] - offset_[at.first]);
     sub.stage = at.second;
+    if (r.param_state != nullptr) {  // the per-parameter state of the transforms before this one
+      std::size_t before = 0, i = 0;
+      for_each([&](const auto& t) { before += i++ < at.first ? detail::param_state_size_of(t, r.param) : 0; });
+      sub.param_state = r.param_state + before;
+    }
     visit(at.first, [&](const auto& t) { f(t, sub); });
   }
   /// Every transform's step in one kernel (one stage of fusable transforms), adding the updates to

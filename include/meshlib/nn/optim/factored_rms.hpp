@@ -13,11 +13,15 @@
 ///   `update = g / sqrt(v)`.
 ///
 /// The statistics of a parameter are a function of all its elements, so the transform needs each
-/// parameter whole on the device that updates it (`whole_parameters()`): replicated and
-/// data-parallel state; the train state refuses ZeRO-1, FSDP and tensor-parallel shards of a
-/// parameter. Its state is one slot (a float per element): `v` unfactored; factored, `v_row` then
-/// `v_col` in the slot's first floats (the rest stay zero), so checkpoints hold it as any slot.
-/// (The memory of the full slot is spent even where the statistics need less.)
+/// parameter in one run (`whole_parameters()`). Its state is per parameter, not per element
+/// (`param_state_size`): factored, `v_row` then `v_col`, `n / n0 + n / n1` floats for a parameter
+/// of `n` elements (a 1024 x 4096 matrix: 5,120 floats where Adam keeps 4,194,304 per moment);
+/// unfactored, `v`, `n` floats. A tensor-parallel parameter (`column_dense`, `row_dense`) is
+/// updated block by block: each device sums its block's lines, the sums are added over the devices
+/// holding the other blocks (`update_run::blocks`, an all-reduce of `n / n0 + n / n1` floats; `n`
+/// unfactored), and every one of them keeps the whole statistics, alike, so the update is the
+/// unsharded one. ZeRO-1 and FSDP, which hand the optimizer pieces of a flat vector, are refused by
+/// the train state.
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_learning_rate(1e-2f));
@@ -46,16 +50,41 @@ namespace detail {
 inline std::size_t element_count(std::span<const std::size_t> shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
 }
-/// The refusal of a run that is not a whole parameter, for the transform `who`.
+/// The refusal of a run that is not a whole parameter (or a device's whole block of it, with
+/// `r.blocks`), for the transform `who`.
 inline void require_whole_parameter(const char* who, const update_run& r) {
   const std::size_t total = element_count(r.param.shape);
-  if (r.offset != 0 || r.size != total)
+  const std::size_t whole = r.blocks != nullptr ? element_count(r.blocks->extent()) : total;
+  if (r.offset != 0 || r.size != whole)
     throw std::invalid_argument(
         std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
         std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
         std::to_string(r.offset + r.size) +
-        ") only: its statistics need the whole parameter on the device that updates it; use replicated or "
-        "data_parallel state without ZeRO (zero 0), no fully_shard, and no tensor-parallel sharding of it");
+        ") only: its statistics need the whole parameter (or a device's whole tensor-parallel block) in one run; "
+        "use replicated or data_parallel state without ZeRO (zero 0), and no fully_shard");
+}
+/// The `block_map` of a device's block (`blocks`) of a parameter of global `shape`.
+inline block_map map_of(const param_blocks& blocks, std::span<const std::size_t> shape) {
+  if (shape.size() > block_map::max_rank)
+    throw std::invalid_argument("meshlib::nn: a tensor-parallel parameter of rank " + std::to_string(shape.size()) +
+                                " reached an optimizer that reads whole parameters (adafactor), which maps blocks of "
+                                "rank up to " + std::to_string(block_map::max_rank) + "; replicate it");
+  block_map m;
+  m.rank = shape.size();
+  std::size_t stride = 1;
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    m.extent[d] = blocks.extent()[d];
+    m.offset[d] = blocks.offset()[d];
+    m.stride[d] = stride;
+    stride *= shape[d];
+  }
+  return m;
+}
+/// Row-major stride of dimension `d` of `shape`.
+inline std::size_t stride_of(std::span<const std::size_t> shape, std::size_t d) {
+  std::size_t s = 1;
+  for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
+  return s;
 }
 }  // namespace detail
 
@@ -64,7 +93,7 @@ class scale_by_factored_rms {
  public:
   /// optax's defaults.
   /// @throws std::invalid_argument when `min_dim_size_to_factor` is below 2 (a factored
-  /// parameter's statistics must fit in its slot) or `decay_rate` is not positive.
+  /// dimension of 1 has nothing to factor) or `decay_rate` is not positive.
   explicit scale_by_factored_rms(bool factored = true, float decay_rate = 0.8f, std::size_t decay_offset = 0,
                                  std::size_t min_dim_size_to_factor = 128, float eps = 1e-30f)
       : factored_(factored), decay_rate_(decay_rate), decay_offset_(decay_offset), min_dim_(min_dim_size_to_factor),
@@ -78,8 +107,16 @@ class scale_by_factored_rms {
                                   detail::number_text(decay_rate) + "; it must be positive");
   }
 
-  /// The `gradient_transform` requirement: state floats per element (see the file comment).
-  [[nodiscard]] std::size_t slots() const noexcept { return 1; }
+  /// The `gradient_transform` requirement: state floats per element: none (the state is per
+  /// parameter, `param_state_size`).
+  [[nodiscard]] std::size_t slots() const noexcept { return 0; }
+  /// Floats of state for parameter `p`: factored, `v_row` and `v_col` (`n / n0 + n / n1` for `n`
+  /// elements, `n0` and `n1` its largest and second largest dimensions); else `v` (`n`).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    const std::size_t n = detail::element_count(p.shape);
+    const auto dims = factored_dims(p.shape);
+    return dims ? n / p.shape[(*dims)[1]] + n / p.shape[(*dims)[0]] : n;
+  }
   /// True: the statistics need every element of a parameter in one run.
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
@@ -104,28 +141,32 @@ class scale_by_factored_rms {
     return std::array<std::size_t, 2>{d1, d0};
   }
 
-  /// The `gradient_transform` requirement: transforms the run's updates in place.
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// The `gradient_transform` requirement: transforms the run's updates in place, its statistics
+  /// in `r.param_state`.
+  /// @throws std::invalid_argument when the run is not a whole parameter (or block), or has no
+  /// per-parameter state.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
+    if (r.param_state == nullptr)
+      throw std::invalid_argument("meshlib::nn: scale_by_factored_rms (adafactor): the run of parameter '" +
+                                  std::string(r.param.name) + "' has no per-parameter state (update_run::param_state "
+                                  "is null); pass param_state_size(param) floats, zero at the start, as the train "
+                                  "state does");
+    if (r.blocks != nullptr && r.blocks->split()) return update_block(r);
     const float beta = decay(r.step);
     const auto dims = factored_dims(r.param.shape);
     if (!dims) {
-      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.state[0], beta, eps_});
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale{r.updates, r.param_state, beta, eps_});
       return;
     }
     const auto shape = r.param.shape;
-    const auto stride = [&](std::size_t d) {
-      std::size_t s = 1;
-      for (std::size_t k = d + 1; k < shape.size(); ++k) s *= shape[k];
-      return s;
-    };
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
-    const std::size_t n0 = shape[d0], n1 = shape[d1], s0 = stride(d0), s1 = stride(d1);
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
     const std::size_t rows = r.size / n0, cols = r.size / n1, others = rows / n1;
     // d1's stride in v_row (the shape without d0): unchanged when d0 is the less significant.
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
-    float* v_row = r.state[0];
+    float* v_row = r.param_state;
     float* v_col = v_row + rows;
     auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
     ::meshlib::launch<default_memory_space>(rows, detail::factored_moment{r.updates, v_row, s0, n0, beta, eps_});
@@ -141,6 +182,50 @@ class scale_by_factored_rms {
   std::size_t decay_offset_;
   std::size_t min_dim_;
   float eps_;
+
+  // A device's block of a tensor-parallel parameter (see the file comment): the block's sums,
+  // summed over the parameter's blocks, then the statistics of the whole parameter, alike on every
+  // device holding a block, and the block's update read from them.
+  void update_block(const update_run& r) const {
+    const float beta = decay(r.step);
+    const auto shape = r.param.shape;
+    const auto extent = r.blocks->extent();
+    const detail::block_map map = detail::map_of(*r.blocks, shape);
+    const std::size_t total = detail::element_count(shape);
+    const auto dims = factored_dims(shape);
+    if (!dims) {
+      auto sums = ::meshlib::allocate<float, 1>({total}, "meshlib::nn::scale_by_factored_rms");
+      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_});
+      r.blocks->sum(std::span<float>(sums.data(), total));
+      ::meshlib::launch<default_memory_space>(total, detail::unfactored_moment{r.param_state, sums.data(), beta});
+      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale_block{r.updates, r.param_state, map});
+      return;
+    }
+    const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
+    const std::size_t n0 = shape[d0], n1 = shape[d1];
+    const std::size_t s0 = detail::stride_of(shape, d0), s1 = detail::stride_of(shape, d1);
+    const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
+    const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
+    const std::size_t b0 = extent[d0], b1 = extent[d1];
+    auto sums = ::meshlib::allocate<float, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
+    if (r.size != 0) {
+      ::meshlib::launch<default_memory_space>(
+          r.size / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
+                                                     n0, eps_});
+      ::meshlib::launch<default_memory_space>(
+          r.size / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
+                                                     b1, s1, n1, eps_});
+    }
+    r.blocks->sum(std::span<float>(sums.data(), rows + cols));
+    float* v_row = r.param_state;
+    float* v_col = v_row + rows;
+    ::meshlib::launch<default_memory_space>(rows, detail::moment_from_sums{v_row, sums.data(), n0, beta});
+    ::meshlib::launch<default_memory_space>(cols, detail::moment_from_sums{v_col, sums.data() + rows, n1, beta});
+    auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
+    ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
+    ::meshlib::launch<default_memory_space>(
+        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row});
+  }
 };
 
 }  // namespace meshlib::nn

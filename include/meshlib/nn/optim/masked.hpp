@@ -35,6 +35,10 @@ class masked_transform {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const { return inner_.slots(); }
+  /// Floats of per-parameter state for `p`: `inner`'s (kept for every parameter, as its slots).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    return detail::param_state_size_of(inner_, p);
+  }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
   /// Whether `inner` needs each parameter whole in one run (`adafactor`).

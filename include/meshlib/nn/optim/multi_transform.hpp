@@ -74,6 +74,14 @@ class multi_transform_t {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  /// Floats of per-parameter state for `p`: its group's transform's (none for a label of no group;
+  /// `update` names that mistake).
+  [[nodiscard]] std::size_t param_state_size(const param_info& p) const {
+    const std::string label = label_(p);
+    for (const auto& [name, t] : groups_)
+      if (name == label) return t.param_state_size(p);
+    return 0;
+  }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
   /// Whether a group's transform needs each parameter whole in one run (`adafactor`).

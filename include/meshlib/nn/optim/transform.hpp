@@ -17,6 +17,13 @@
 /// which. A transform that needs the norm of every update over the whole mesh (clipping) says so
 /// with `reads_global_norm`: the train state then ends a stage there, sums the squares of the
 /// updates over every device, and passes the norm in `update_run::global_norm`.
+///
+/// A transform whose state is not per element (Adafactor's factored second moment: a row and a
+/// column vector per matrix, O(rows + cols) instead of O(rows x cols)) says so with
+/// `param_state_size(param)`: the floats it keeps per parameter, zero at the start. The train state
+/// holds them whole on every device that holds a block of the parameter (alike on all of them: such
+/// a transform makes them so, summing its statistics over the parameter's blocks through
+/// `update_run::blocks`), checkpoints save them once, and `update_run::param_state` points at them.
 /// @code
 /// struct scale_by_sign {   // a user-written transform: update = sign(update), no state
 ///   std::size_t slots() const { return 0; }
@@ -45,6 +52,27 @@ struct param_info {
   bool decay = true;                   ///< the layer's own say: weights `true`, biases and norms `false`
 };
 
+/// @brief Where a device's block of a parameter lies, for a transform whose statistics are over
+/// the whole parameter (`param_state_size`): the block's offset and extent per dimension, and a
+/// sum over the devices that hold the parameter's other blocks (its tensor-parallel axes), after
+/// which every one of them holds the same numbers (the collectives' sums are deterministic).
+class param_blocks {
+ public:
+  /// (Polymorphic: the train state implements it over its mesh.)
+  virtual ~param_blocks() = default;
+  /// Where the block starts in the parameter, per dimension.
+  [[nodiscard]] virtual std::span<const std::size_t> offset() const = 0;
+  /// The block's extent per dimension (row-major, as its elements lie in the run).
+  [[nodiscard]] virtual std::span<const std::size_t> extent() const = 0;
+  /// Whether the parameter is split over several devices (false: the block is all of it).
+  [[nodiscard]] virtual bool split() const = 0;
+  /// Sums `x` elementwise, in place, over the devices that hold the parameter's blocks (each calls
+  /// it, in the same order). `x` is in the running device's memory.
+  virtual void sum(std::span<float> x) const = 0;
+  /// As above, in double (a host span: block RMS sums).
+  virtual void sum(std::span<double> x) const = 0;
+};
+
 /// @brief The elements one `update` call transforms: `size` consecutive elements of a parameter's
 /// local block, in the memory of the running device (`default_memory_space`).
 struct update_run {
@@ -57,12 +85,15 @@ struct update_run {
   std::size_t stage = 0;           ///< which of the transform's `stages()` runs
   double global_norm = 0;          ///< stages that `reads_global_norm`: the updates' norm over every device
   param_info param;                ///< the parameter
+  float* param_state = nullptr;    ///< this transform's `param_state_size(param)` floats for the parameter (null: none)
+  const param_blocks* blocks = nullptr;  ///< where the run's block lies in the parameter (null: the run is all of it)
 };
 
 /// @brief A gradient transformation (see the file comment). Required: `slots()`, the state floats
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
-/// `reads_global_norm(stage)` (default false), `whole_parameters()` (default false: true for a
+/// `reads_global_norm(stage)` (default false), `param_state_size(const param_info&)` (default 0:
+/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true for a
 /// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
 /// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
@@ -143,6 +174,12 @@ template <class T>
 bool whole_parameters_of(const T& t) {
   if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();
   else return false;
+}
+/// `t.param_state_size(p)` (floats of per-parameter state), or 0.
+template <class T>
+std::size_t param_state_size_of(const T& t, const param_info& p) {
+  if constexpr (requires { t.param_state_size(p); }) return t.param_state_size(p);
+  else return 0;
 }
 /// `t.name()`, or "custom".
 template <class T>

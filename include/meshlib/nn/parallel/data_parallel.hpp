@@ -98,10 +98,11 @@ class data_parallel_impl {
 
   /// Composes over `fully_shard`'s engine (null: none).
   void compose(std::shared_ptr<fsdp_type> fsdp) { fsdp_ = std::move(fsdp); }
-  /// Sizes the optimizer state of `params` (`slots` per element) on this process's devices `local`.
+  /// Sizes the optimizer state of `params` (`slots` per element, `per_param[i]` floats for
+  /// parameter `i`) on this process's devices `local`.
   void size_state(const Mesh& mesh, std::span<const param_ref<T>> params, std::size_t slots,
-                  std::span<const std::size_t> local) {
-    state_ = layout_type(mesh, params, slots, zero_, local);
+                  std::span<const std::size_t> local, std::span<const std::size_t> per_param = {}) {
+    state_ = layout_type(mesh, params, slots, zero_, local, per_param);
   }
   /// With overlap (and without ZeRO-1, whose reduce-scatter runs after the backward): installs the
   /// hooks that start the buckets during backward, around `fully_shard`'s when composed. `round`

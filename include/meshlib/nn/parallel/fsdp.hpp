@@ -87,7 +87,7 @@ struct training_memory {
   /// their float master weights.
   std::size_t parameters = 0;
   std::size_t gradients = 0;        ///< gradient blocks (under FSDP the shards' gradients)
-  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1 and FSDP)
+  std::size_t optimizer_state = 0;  ///< optimizer slots (sharded under ZeRO-1, FSDP) and per-parameter state
   /// FSDP: the buffers layers' parameters are gathered into and their gradients computed in (the
   /// largest layer's, or every layer's values with `reshard_after_forward = false`).
   std::size_t unsharded = 0;

@@ -6,7 +6,9 @@
 /// is a float tensor with the parameter's own shape and sharding, the same blocks as its value and
 /// gradient. ZeRO-1 (`data_parallel{.zero = 1}`): each device holds `(slots, ceil(n / dp))`, its
 /// slice of its flat gradient vector over the data axes (`zero_state_type`). The update rule
-/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`.
+/// (nn/optimizer.hpp) does not know which; checkpoints read both through `for_each_run`. Beside the
+/// slots, a transform may keep state per parameter (`param_state_size`: Adafactor's factored second
+/// moment): a flat array on every device that holds a block of the parameter, alike on all of them.
 /// @code
 /// // inside data_parallel_impl (nn/parallel/data_parallel.hpp), which owns it:
 /// // state_ = optimizer_state<Mesh, DataAxes>(mesh, params, opt.slots(), zero, local);
@@ -20,6 +22,7 @@
 
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
@@ -44,9 +47,19 @@ class optimizer_state {
   /// @brief Zeroed slots for `params` on this process's devices `local`: `slots` per element,
   /// ZeRO-1 sharded over `DataAxes` when `zero`. Every tensor is made here, on the calling thread:
   /// device threads only read and write blocks through unmanaged views (tensor/view.hpp).
+  /// `per_param[i]`: the floats of per-parameter state of parameter `i` (none when empty).
   optimizer_state(const Mesh& mesh, std::span<const param_ref<float>> params, std::size_t slots, bool zero,
-                  std::span<const std::size_t> local)
-      : slots_(slots), zero_(zero) {
+                  std::span<const std::size_t> local, std::span<const std::size_t> per_param = {})
+      : slots_(slots), zero_(zero), devices_(mesh.size()) {
+    param_state_size_.assign(params.size(), 0);
+    std::copy_n(per_param.begin(), std::min(per_param.size(), params.size()), param_state_size_.begin());
+    param_state_.resize(params.size() * devices_);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (param_state_size_[i] != 0)
+        for (std::size_t dev : local)
+          if (params[i].count[dev] != 0)
+            param_state_[i * devices_ + dev] =
+                ::meshlib::allocate<float, 1>({param_state_size_[i]}, "meshlib::nn::optimizer_state");
     if (zero) {
       const std::size_t dp = mesh.axes_size(DataAxes);
       zero_state_.reserve(mesh.size());
@@ -67,7 +80,19 @@ class optimizer_state {
   [[nodiscard]] bool sharded() const noexcept { return zero_; }
   /// Elements of state device `dev` holds (a device of this process) for `params`.
   [[nodiscard]] std::size_t size(std::span<const param_ref<float>> params, std::size_t dev) const {
-    return zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev);
+    std::size_t per_param = 0;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (param_state(i, dev) != nullptr) per_param += param_state_size_[i];
+    return (zero_ ? zero_state_.at(dev).size() : slots_ * flat_size(params, dev)) + per_param;
+  }
+  /// Parameter `i`'s per-parameter state on device `dev`: `param_state_size(i)` floats, null where
+  /// it has none or the device holds no block of the parameter.
+  [[nodiscard]] float* param_state(std::size_t i, std::size_t dev) const {
+    return param_state_.empty() ? nullptr : param_state_.at(i * devices_ + dev).data();
+  }
+  /// The floats of parameter `i`'s per-parameter state (0: none).
+  [[nodiscard]] std::size_t param_state_size(std::size_t i) const {
+    return i < param_state_size_.size() ? param_state_size_[i] : 0;
   }
   /// Slot `s` of parameter `i`'s block on device `dev` (replicated layout).
   [[nodiscard]] float* slot(std::size_t i, std::size_t s, std::size_t dev) const {
@@ -121,6 +146,10 @@ class optimizer_state {
 
   std::size_t slots_ = 0;
   bool zero_ = false;
+  std::size_t devices_ = 0;
+  // Per parameter `i` and device `dev`: `param_state_[i * devices_ + dev]` (empty: none there).
+  std::vector<std::size_t> param_state_size_;
+  std::vector<block_view<float, 1>> param_state_;
   // Replicated: slot `s` of parameter `i` is `state_[i * slots + s]`. ZeRO-1: `zero_state_[dev]`.
   std::vector<detail::held_tensor<float>> state_;
   std::vector<zero_state_type> zero_state_;

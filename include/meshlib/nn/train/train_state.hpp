@@ -58,6 +58,7 @@
 #include "meshlib/nn/random.hpp"
 #include "meshlib/nn/train/loss_scaler.hpp"
 #include "meshlib/nn/train/optimizer_state.hpp"
+#include "meshlib/nn/train/param_blocks.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 
@@ -144,6 +145,12 @@ class train_state {
   using optimizer_state_type = nn::optimizer_state<Mesh, data_axes>;
   /// A device's ZeRO-1 optimizer state (see `optimizer_state::zero_state_type`).
   using zero_state_type = typename optimizer_state_type::zero_state_type;
+  /// The axes parameters may be sharded over by their layers (tensor parallelism): every axis but
+  /// the data, fsdp and pipeline axes.
+  static constexpr axis_mask model_axes = Mesh::all_axes & ~data_axes & ~fsdp_axes & ~pipeline_axes;
+  /// What an optimizer that reads whole parameters learns of a device's block of one
+  /// (nn/train/param_blocks.hpp).
+  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -276,8 +283,9 @@ class train_state {
     return m;
   }
   /// A host copy of device `dev`'s optimizer state, slot after slot, each slot the device's flat
-  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector): for tests
-  /// and logs. Empty for a device of another process. Checkpoints use `for_each_state_run`.
+  /// vector (its parameters' blocks in order; under ZeRO-1, its slice of that vector), then each
+  /// parameter's per-parameter state (`param_state`): for tests and logs. Empty for a device of
+  /// another process. Checkpoints use `for_each_state_run` and `param_state`.
   [[nodiscard]] std::vector<float> optimizer_state(std::size_t dev) {
     std::vector<float> out;
     out.reserve(optimizer_state_size(dev));
@@ -285,7 +293,22 @@ class train_state {
       for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
         out.insert(out.end(), slot[s], slot[s] + len);
       });
+    std::vector<float> stage;
+    for (std::size_t i = 0; i < params.size() && out.capacity() > 0; ++i)
+      if (const float* v = param_state(i, dev)) {
+        const std::size_t n = data_parallel_.state().param_state_size(i);
+        const float* h = meshlib::host_readable<default_memory_space>(v, n, stage);
+        out.insert(out.end(), h, h + n);
+      }
     return out;
+  }
+  /// Floats of parameter `i`'s per-parameter optimizer state (the optimizer's `param_state_size`; 0: none).
+  [[nodiscard]] std::size_t param_state_size(std::size_t i) const { return data_parallel_.state().param_state_size(i); }
+  /// Parameter `i`'s per-parameter optimizer state on device `dev` (the optimizer's
+  /// `param_state_size` floats, in the device's memory; alike on every device holding a block of
+  /// the parameter), or null: none, or the device holds no block of it.
+  [[nodiscard]] float* param_state(std::size_t i, std::size_t dev) const {
+    return data_parallel_.state().param_state(i, dev);
   }
   /// Device `dev`'s ZeRO-1 optimizer state (`zero` on; see `zero_state_type`).
   [[nodiscard]] const zero_state_type& zero_state(std::size_t dev) const {
@@ -369,6 +392,7 @@ class train_state {
         batch_runs_(m.size()),
         batch_slots_(m.size()),
         batch_params_(m.size()),
+        batch_blocks_(m.size()),
         update_words_(m.size()),
         update_tables_(m.size()) {
     model.collect(params);
@@ -405,7 +429,9 @@ class train_state {
     }
     // Every tensor is made here, on the calling thread: device threads only read and write blocks
     // through unmanaged views (tensor/view.hpp: no reference count is touched off this thread).
-    data_parallel_.size_state(mesh, params, opt.slots(), local_);
+    std::vector<std::size_t> per_param;
+    for (const auto& p : params) per_param.push_back(opt.param_state_size(param_info{p.name, p.shape, p.decay}));
+    data_parallel_.size_state(mesh, params, opt.slots(), local_, per_param);
     if constexpr (mixed)
       for (const auto& p : params) {
         masters_.push_back(p.layout->zeros_like(local_));
@@ -436,22 +462,19 @@ class train_state {
   void refuse_parameter_shards() const {
     const auto bad = [&](const std::string& why, const std::string& fix) {
       return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
-                            " needs each parameter whole on the device that updates it (its statistics are per "
-                            "parameter), but " + why + "; " + fix);
+                            " reads whole parameters (its statistics are per parameter, summed over a "
+                            "tensor-parallel parameter's blocks), but " + why + "; " + fix);
     };
     if (policies_.data.zero == 1)
       throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
                 "use data_parallel without ZeRO (zero 0)");
     if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
-    for (const auto& p : params) {
-      std::size_t total = 1;
-      for (std::size_t d : p.shape) total *= d;
-      for (std::size_t dev : local_)
-        if (p.count[dev] != 0 && p.count[dev] != total)
-          throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " (" + std::to_string(p.count[dev]) +
-                        " of its " + std::to_string(total) + " elements on device " + std::to_string(dev) + ")",
-                    "replicate it (a mesh whose tensor-parallel axes have size 1)");
-    }
+    // Tensor-parallel blocks are fine (the transforms sum their statistics over a parameter's
+    // blocks, nn/train/param_blocks.hpp); a parameter split over another axis is not.
+    for (const auto& p : params)
+      if ((p.sharded_axes & ~model_axes) != 0)
+        throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
+                  "shard it over model (tensor-parallel) axes only, or replicate it");
   }
   /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
   template <class... Ps>
@@ -549,8 +572,10 @@ class train_state {
       if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
+        const blocks_type blocks(mesh, dev, p);
         opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}});
+                              param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev),
+                              &blocks});
       });
     }
   }
@@ -562,17 +587,24 @@ class train_state {
     auto& runs = batch_runs_.at(dev);
     auto& slots = batch_slots_.at(dev);
     auto& out = batch_params_.at(dev);
+    auto& blocks = batch_blocks_.at(dev);
     runs.clear();
     slots.clear();
     out.clear();
+    blocks.clear();
     const std::size_t n_slots = opt.slots();
     for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
       const auto& p = params[i];
-      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay}});
+      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm,
+                                param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev)});
+      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
       slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
       out.push_back(master(i, dev) + off);
     });
-    for (std::size_t r = 0; r < runs.size(); ++r) runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+      if (!blocks.empty()) runs[r].blocks = &blocks[r];  // (after the last push_back: no reallocation moves them)
+    }
     opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
   }
   /// The policies given (the data-parallel one defaulted).
@@ -596,6 +628,8 @@ class train_state {
   std::vector<std::vector<update_run>> batch_runs_;
   std::vector<std::vector<float*>> batch_slots_;
   std::vector<std::vector<float*>> batch_params_;
+  /// Where each run's block lies (optimizers that read whole parameters only).
+  std::vector<std::vector<blocks_type>> batch_blocks_;
   std::vector<std::vector<std::size_t>> update_words_;
   detail::run_table_buffers update_tables_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the

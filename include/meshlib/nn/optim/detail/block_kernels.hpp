@@ -124,6 +124,102 @@ struct unfactored_scale {
   }
 };
 
+/// Where the elements of a device's block of a parameter lie in the parameter: block element `i`
+/// (row-major over the block's extents) to its row-major index in the whole parameter. Up to
+/// `max_rank` dimensions (a fixed array: a kernel functor copies it by value).
+struct block_map {
+  static constexpr std::size_t max_rank = 8;  ///< the most dimensions a mapped parameter has
+  std::size_t rank = 0;
+  std::size_t extent[max_rank] = {};   ///< the block's extents
+  std::size_t offset[max_rank] = {};   ///< where it starts in the parameter
+  std::size_t stride[max_rank] = {};   ///< the parameter's row-major strides
+  KOKKOS_INLINE_FUNCTION std::size_t global(std::size_t i) const noexcept {
+    std::size_t g = 0;
+    for (std::size_t d = rank; d-- > 0;) {
+      g += (i % extent[d] + offset[d]) * stride[d];
+      i /= extent[d];
+    }
+    return g;
+  }
+};
+
+/// The block's partial sums of a factored statistic: for each of the block's lines along the
+/// dimension of block stride `s` and extent `n` (line `j`: the block without that dimension),
+/// `sums[statistic of the line] = sum (g^2 + eps)`, the statistic's index in the whole parameter's
+/// statistic (global stride `gs`, extent `gn` of that dimension). `sums` starts at zero; a line is
+/// one statistic, so no two lines write one entry.
+struct factored_partial_sums {
+  const float* g;
+  float* sums;
+  block_map map;
+  std::size_t s, n, gs, gn;
+  float eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    const std::size_t first = insert_dim(j, s, n, 0);
+    double acc = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      const float x = g[first + c * s];
+      acc += static_cast<double>(x * x + eps);
+    }
+    sums[drop_dim(map.global(first), gs, gn)] = static_cast<float>(acc);
+  }
+};
+
+/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every block.
+struct moment_from_sums {
+  float* v;
+  const float* sums;
+  std::size_t n;
+  float beta;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(static_cast<double>(sums[j]) / static_cast<double>(n));
+  }
+};
+
+/// `factored_scale` of a block: its element `i` reads the statistics of its place in the parameter.
+struct factored_scale_block {
+  float* u;
+  const float* v_row;
+  const float* v_col;
+  const float* mean;
+  block_map map;
+  std::size_t s0, n0;  ///< stride and extent of `d0` in the whole parameter
+  std::size_t s1, n1;  ///< of `d1` in the whole parameter
+  std::size_t s1_row;  ///< of `d1` in `v_row`
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    const std::size_t gi = map.global(i);
+    const std::size_t r = drop_dim(gi, s0, n0);
+    const float row = 1.0f / sqrt_in_kernel(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
+    const float col = 1.0f / sqrt_in_kernel(v_col[drop_dim(gi, s1, n1)]);
+    u[i] = u[i] * row * col;
+  }
+};
+
+/// The unfactored second moment of a block: `sums[global(i)] = g^2 + eps` (the rest stay zero).
+struct squares_to_global {
+  const float* g;
+  float* sums;
+  block_map map;
+  float eps;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(i)] = g[i] * g[i] + eps; }
+};
+
+/// `v = beta v + (1 - beta) sums` over the whole parameter (the summed squares of every block).
+struct unfactored_moment {
+  float* v;
+  const float* sums;
+  float beta;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const { v[j] = beta * v[j] + (1.0f - beta) * sums[j]; }
+};
+
+/// `u[i] = u[i] / sqrt(v[global(i)])`: the unfactored update of a block.
+struct unfactored_scale_block {
+  float* u;
+  const float* v;
+  block_map map;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] / sqrt_in_kernel(v[map.global(i)]); }
+};
+
 /// `u[i] *= f`.
 struct scale_by_factor {
   float* u;
