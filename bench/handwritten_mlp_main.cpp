@@ -79,7 +79,7 @@ options parse_options(int argc, char** argv) {
 
 #include "handwritten_mlp.hpp"
 #include "meshlib/nn/data.hpp"
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 
 namespace {
 using clock_type = std::chrono::steady_clock;

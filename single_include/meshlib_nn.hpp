@@ -459,7 +459,7 @@ struct parameter {
 #include <utility>
 #include <vector>
 
-// begin meshlib/nn/detail/buffers.hpp
+// begin meshlib/nn/buffers.hpp
 /// @file
 /// @brief Per-device scratch buffers of the training layers, so a training step allocates nothing
 /// after its first iteration.
@@ -738,7 +738,7 @@ class run_table_buffers {
 };
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/buffers.hpp
+// end meshlib/nn/buffers.hpp
 // begin meshlib/nn/detail/kernels.hpp
 /// @file
 /// @brief The small Kokkos kernels the training layers share: fill, converting copy, and a launch
@@ -991,7 +991,7 @@ void scatter_add_rows(T* g, const T* dyp, const std::int32_t* id, std::size_t n,
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/layer_kernels.hpp
-// begin meshlib/nn/detail/shape_checks.hpp
+// begin meshlib/nn/layers/shape_checks.hpp
 /// @file
 /// @brief What the layers and `sequential` check about the shapes and shardings they receive, and
 /// the words their errors use, written once so every layer's message reads alike.
@@ -1162,7 +1162,7 @@ consteval bool sequential_layers_do_not_chain() {
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/shape_checks.hpp
+// end meshlib/nn/layers/shape_checks.hpp
 
 namespace meshlib::nn {
 
@@ -3289,7 +3289,7 @@ class transformer_block {
 #include <string>
 #include <vector>
 
-// begin meshlib/nn/detail/number_text.hpp
+// begin meshlib/nn/number_text.hpp
 /// @file
 /// @brief `number_text`: a number in a message as a user would write it (`1e-4`, `0.9`, `0.01`),
 /// not as `std::to_string` prints it (`0.000100`, `0.900000`): the shortest text that reads back as
@@ -3322,7 +3322,7 @@ std::string number_text(T v, int significant = 0) {
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/number_text.hpp
+// end meshlib/nn/number_text.hpp
 
 namespace meshlib::nn {
 
@@ -5022,7 +5022,7 @@ residual<T, Main, Shortcut> make_residual(const Mesh& mesh, Main main, Shortcut 
 /// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
 /// communication does not mirror the forward's does not compile.
 ///
-/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
+/// Compositions are checked before anything runs (nn/layers/shape_checks.hpp has the protocol):
 /// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
 ///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
 ///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
@@ -5449,7 +5449,7 @@ class basic_block {
 #include <string>
 #include <vector>
 
-// begin meshlib/nn/detail/axis_mask_group.hpp
+// begin meshlib/nn/axis_mask_group.hpp
 /// @file
 /// @brief The public typed collectives over a compile-time *mask* of mesh axes. The training layer
 /// reads its axes from types as masks (`State::data_axes`, the axes that shard a dimension of the
@@ -5546,7 +5546,7 @@ auto pmax_over(L&& x) {
 }
 
 }  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/axis_mask_group.hpp
+// end meshlib/nn/axis_mask_group.hpp
 
 namespace meshlib::nn {
 
@@ -6143,7 +6143,7 @@ gradient_check_result check_gradients(const Mesh& mesh, const Model& model, Loss
 /// What it costs: one more forward of the block per step, including the block's own collectives
 /// (a tensor-parallel block's psums run again in backward, on every device alike). What it saves:
 /// the block's internal buffers between forward and backward; `step_metrics::peak_activation_bytes`
-/// measures it (the bytes of layer buffers live on a device during a step, nn/detail/buffers.hpp).
+/// measures it (the bytes of layer buffers live on a device during a step, nn/buffers.hpp).
 ///
 /// A block is anything `sequential` takes (a layer, a `transformer_block`, a `basic_block`, a
 /// `residual`, a nested `sequential`, another `remat`); something without `forward(x)` and
@@ -7040,7 +7040,7 @@ auto product_cotangent(const V& view, const X& x) {
     return ct_t(view, x.mesh(), x.device());
   } else {
     using local_t = with_vary_t<ct_t, ct_t::vary | extra>;
-    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/detail/axis_mask_group.hpp
+    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/axis_mask_group.hpp
   }
 }
 
@@ -10875,14 +10875,16 @@ class fsdp_engine final : public layer_hooks {
 /// installs the engine as `model`'s layer hooks (the policy compiles only over a mesh axis, for a
 /// `sequential` model: `check_policies`).
 /// @throws sharding_error as `fsdp_engine`'s constructor.
-template <axis_mask Axes, mesh_type Mesh, class Model, class T, fixed_string A>
-  requires(Axes != 0 && sequential_model<Model>)
+/// (`Policy` is `fully_shard<A>`, a type rather than a deduced `fixed_string A`: nvcc 13's front end
+/// deduces no class-type template argument from a specialisation.)
+template <axis_mask Axes, mesh_type Mesh, class Model, class T, class Policy>
+  requires(Axes != 0 && sequential_model<Model> && Policy::kind == parallelism::fully_sharded)
 std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
                                                            std::vector<param_ref<T>>& params,
                                                            const std::vector<std::size_t>& local,
-                                                           const fully_shard<A>& p) {
+                                                           const Policy& p) {
   auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
-                                                          p.reshard_after_forward, text_of(A), p.prefetch);
+                                                          p.reshard_after_forward, text_of(Policy::axis), p.prefetch);
   params = engine->shards();
   model.hooks = engine.get();
   return engine;
@@ -11574,8 +11576,11 @@ class data_parallel_impl {
   /// when `p.zero` is 1, the buckets started during backward when `p.overlap` (and the model is a
   /// `sequential`: `install_hooks`).
   /// @throws sharding_error when `p.zero` is not 0 or 1.
-  template <fixed_string A>
-  data_parallel_impl(std::size_t devices, const data_parallel<A>& p)
+  // (A policy type, not a `fixed_string A` deduced from `data_parallel<A>`: nvcc 13's front end
+  // deduces no class-type template argument from a specialisation.)
+  template <class Policy>
+    requires(Policy::kind == parallelism::data)
+  data_parallel_impl(std::size_t devices, const Policy& p)
       : buckets_(devices, p.bucket_elements), gather_(devices), zero_(checked_zero(p.zero)), overlap_on_(p.overlap) {}
 
   /// Composes over `fully_shard`'s engine (null: none).
@@ -11641,12 +11646,12 @@ class data_parallel_impl {
     sync_seconds = overlapped ? overlap_->take_seconds(dev)
                               : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-    std::vector<float_run>& runs = s.norm_runs(dev);
+    std::vector<float_run>& runs = s.optimizer_step_.norm_runs(dev);
     for (std::size_t i = 0; i < params.size(); ++i) {
       s.unscale(g[i], params[i].count[dev]);
-      runs.push_back(s.share_of(dev, params[i], g[i], params[i].count[dev], 0));
+      runs.push_back(s.optimizer_step_.share_of(s.mesh, dev, params[i], g[i], params[i].count[dev], 0));
     }
-    const double norm = s.global_norm(dev, runs);
+    const double norm = s.optimizer_step_.global_norm(s.mesh, dev, runs);
     // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
     // of them: the skip verdict is the same on every device.
     if (s.loss_scaling() && !std::isfinite(norm)) return norm;
@@ -11672,11 +11677,11 @@ class data_parallel_impl {
     T* g = buckets_.template reduce_scatter<DataAxes>(params, s.mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     s.unscale(g, size);
-    std::vector<float_run>& runs = s.norm_runs(dev);
+    std::vector<float_run>& runs = s.optimizer_step_.norm_runs(dev);
     for_each_piece(params, dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t o, std::size_t len) {
-      runs.push_back(s.share_of(dev, p, g + o, len, DataAxes));
+      runs.push_back(s.optimizer_step_.share_of(s.mesh, dev, p, g + o, len, DataAxes));
     });
-    const double norm = s.global_norm(dev, runs);
+    const double norm = s.optimizer_step_.global_norm(s.mesh, dev, runs);
     if (s.loss_scaling() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     float* m = state_.zero_state(dev).data();
     std::vector<float*> slot(s.opt.slots());
@@ -13733,9 +13738,12 @@ struct pipeline_engine {
 
 /// The policy `opts` at work: cuts `model` into its stages on `mesh`'s pipeline axis (`PipeMask`)
 /// and restricts every parameter in `params` to its stage's devices.
-template <axis_mask PipeMask, class Mesh, class Model, class T, fixed_string A>
+/// (`Policy` is `pipeline<A>`, a type rather than a deduced `fixed_string A`: nvcc 13's front end
+/// deduces no class-type template argument from a specialisation.)
+template <axis_mask PipeMask, class Mesh, class Model, class T, class Policy>
+  requires(Policy::kind == parallelism::pipelined)
 std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
-                                                      const pipeline<A>& opts) {
+                                                      const Policy& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
   e->microbatches = opts.microbatches;
@@ -13885,8 +13893,9 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
 /// (`sharded`: a `fully_shard` policy is given too). (The policy compiles only for a `sequential`
 /// model: `check_policies`.)
 /// @throws sharding_error naming the parameter and the fix.
-template <axis_mask PipeMask, class State, fixed_string A>
-std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>& p, bool sharded) {
+template <axis_mask PipeMask, class State, class Policy>
+  requires(Policy::kind == parallelism::pipelined)
+std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const Policy& p, bool sharded) {
   if constexpr (!requires(typename State::model_type& net) {
                   net.layers;
                   net.template params_per_layer<float>();
@@ -13896,7 +13905,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>
     auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, p);
     if (!sharded) release_other_stages(*e, s.params, s.local_devices());
     if (sharded && !e->mirrors.empty())
-      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(A)) + "\"> over " +
+      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(Policy::axis)) + "\"> over " +
                            std::to_string(s.mesh.axes_size(PipeMask)) + " devices with fully_shard, and parameter '" +
                            s.params[e->mirrors.front().param].name + "' is read by a layer of stage " +
                            std::to_string(e->mirrors.front().mirror) +
@@ -13908,6 +13917,21 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/parallel/pipeline.hpp
+// begin meshlib/nn/train/optimizer_step.hpp
+/// @file
+/// @brief `detail::optimizer_step`: what one device does with its synchronised gradients, whatever
+/// the parallelism: the global gradient norm (each device sums its share of every parameter, one
+/// multi-tensor reduction, then one all-reduce over the mesh) and the optimizer's chain, stage after
+/// stage, the last stage updating and applying every run at once (one multi-tensor kernel). The
+/// data-parallel policy's gradient paths (nn/parallel/data_parallel.hpp) hand it their runs; the
+/// train state holds one, with the per-device buffers that keep a step free of allocations after
+/// its first.
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <vector>
+
 // begin meshlib/nn/train/param_blocks.hpp
 /// @file
 /// @brief `detail::mesh_param_blocks`: the train state's `param_blocks` (nn/optim/transform.hpp),
@@ -14055,6 +14079,144 @@ struct step_metrics {
 
 }  // namespace meshlib::nn
 // end meshlib/nn/train/step_metrics.hpp
+
+namespace meshlib::nn::detail {
+
+/// The optimizer's step on each device of a `Mesh` whose parameters may be sharded over
+/// `ModelAxes` (tensor parallelism: what an optimizer reading whole parameters learns of a block).
+template <class Mesh, axis_mask ModelAxes>
+class optimizer_step {
+ public:
+  using T = float;
+  /// Where a device's block of a parameter lies (nn/train/param_blocks.hpp).
+  using blocks_type = mesh_param_blocks<Mesh, ModelAxes>;
+
+  explicit optimizer_step(std::size_t devices)
+      : squares_(devices),
+        norm_runs_(devices),
+        norm_words_(devices),
+        norm_tables_(devices),
+        batch_runs_(devices),
+        batch_slots_(devices),
+        batch_params_(devices),
+        batch_blocks_(devices),
+        update_words_(devices),
+        update_tables_(devices) {}
+
+  /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
+  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
+  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
+  [[nodiscard]] float_run share_of(const Mesh& mesh, std::size_t dev, const param_ref<T>& p, const T* g,
+                                   std::size_t len, axis_mask except) const {
+    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
+    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
+    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
+    return {g + lo, hi - lo};
+  }
+  /// Device `dev`'s list of runs for the next `global_norm`, emptied (its capacity kept: a step
+  /// allocates nothing after its first).
+  [[nodiscard]] std::vector<float_run>& norm_runs(std::size_t dev) const {
+    auto& runs = norm_runs_.at(dev);
+    runs.clear();
+    return runs;
+  }
+  /// The global norm whose square device `dev`'s `runs` are its share of (summed over every device).
+  [[nodiscard]] double global_norm(const Mesh& mesh, std::size_t dev, const std::vector<float_run>& runs) const {
+    double sq[1] = {sum_of_squares(dev, runs)};
+    sum_over<Mesh::all_axes>(mesh, dev, sq);
+    return std::sqrt(sq[0]);
+  }
+
+  /// Runs `opt`'s chain over device `dev`'s runs of updates, stage after stage, and applies them
+  /// (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in its block,
+  /// updates, length, state slots)` for every run (the gradient, transformed in place);
+  /// `master(i)` is parameter `i`'s float master block on `dev`, `param_state(i)` its
+  /// per-parameter optimizer state there (or null); `norm`: the gradient's global norm; `except`:
+  /// the axes over which a run's copies are not all alike (ZeRO-1's data axes), as `share_of`
+  /// takes them for a later stage's norm.
+  template <class Master, class ParamState, class ForRuns>
+  void run(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
+           const Master& master, const ParamState& param_state, std::size_t dev, double norm, axis_mask except,
+           ForRuns&& for_runs) {
+    for (std::size_t k = 0; k < opt.stages(); ++k) {
+      double stage_norm = norm;
+      if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
+        std::vector<float_run>& runs = norm_runs(dev);
+        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
+          runs.push_back(share_of(mesh, dev, params[i], u, len, except));
+        });
+        stage_norm = global_norm(mesh, dev, runs);
+      }
+      if (k + 1 == opt.stages())
+        return apply_last_stage(mesh, opt, params, step, master, param_state, dev, k, stage_norm, for_runs);
+      for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        const auto& p = params[i];
+        const blocks_type blocks(mesh, dev, p);
+        opt.update(update_run{u, master(i) + off, slot, len, off, step, k, stage_norm,
+                              param_info{p.name, p.shape, p.decay}, param_state(i), &blocks});
+      });
+    }
+  }
+
+ private:
+  /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
+  /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
+  double sum_of_squares(std::size_t dev, const std::vector<float_run>& runs) const {
+    std::vector<std::size_t>& words = norm_words_.at(dev);
+    const std::size_t blocks = run_table(runs, words);
+    return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / run_words,
+                                                        blocks, squares_.get(dev, blocks + 1));
+  }
+  /// The last stage `k` of `run`: every run of device `dev` handed to the optimizer at once, which
+  /// updates and applies them in one multi-tensor kernel for a chain of built-in transforms
+  /// (issue 38: one launch per device, not one per parameter).
+  template <class Master, class ParamState, class ForRuns>
+  void apply_last_stage(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
+                        const Master& master, const ParamState& param_state, std::size_t dev, std::size_t k,
+                        double norm, ForRuns& for_runs) {
+    auto& runs = batch_runs_.at(dev);
+    auto& slots = batch_slots_.at(dev);
+    auto& out = batch_params_.at(dev);
+    auto& blocks = batch_blocks_.at(dev);
+    runs.clear();
+    slots.clear();
+    out.clear();
+    blocks.clear();
+    const std::size_t n_slots = opt.slots();
+    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+      const auto& p = params[i];
+      runs.push_back(update_run{u, master(i) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay},
+                                param_state(i)});
+      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
+      slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
+      out.push_back(master(i) + off);
+    });
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
+      if (!blocks.empty()) runs[r].blocks = &blocks[r];  // (after the last push_back: no reallocation moves them)
+    }
+    opt.update_and_apply_all(update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
+  }
+
+  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
+  mutable device_buffers<double> squares_;
+  /// The gradient norm's runs, their table on the host and in the kernels' memory, per device.
+  mutable std::vector<std::vector<float_run>> norm_runs_;
+  mutable std::vector<std::vector<std::size_t>> norm_words_;
+  mutable run_table_buffers norm_tables_;
+  /// The optimizer's last stage per device: its runs, their state slots and parameters, and the
+  /// multi-tensor kernel's table on the host and in the kernels' memory.
+  std::vector<std::vector<update_run>> batch_runs_;
+  std::vector<std::vector<float*>> batch_slots_;
+  std::vector<std::vector<float*>> batch_params_;
+  /// Where each run's block lies (optimizers that read whole parameters only).
+  std::vector<std::vector<blocks_type>> batch_blocks_;
+  std::vector<std::vector<std::size_t>> update_words_;
+  run_table_buffers update_tables_;
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/train/optimizer_step.hpp
 
 namespace meshlib::nn {
 
@@ -14360,7 +14522,7 @@ class train_state {
   }
 
  private:
-  // The data-parallel policy's gradient path reads the norm helpers, the optimizer chain and the masters.
+  // The data-parallel policy's gradient path reads the global norm, the optimizer step and the masters.
   template <class, class, class, axis_mask, axis_mask>
   friend class detail::data_parallel_impl;
 
@@ -14379,16 +14541,7 @@ class train_state {
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
-        squares_(m.size()),
-        norm_runs_(m.size()),
-        norm_words_(m.size()),
-        norm_tables_(m.size()),
-        batch_runs_(m.size()),
-        batch_slots_(m.size()),
-        batch_params_(m.size()),
-        batch_blocks_(m.size()),
-        update_words_(m.size()),
-        update_tables_(m.size()) {
+        optimizer_step_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -14498,48 +14651,14 @@ class train_state {
     }
   }
   // Each policy into its slot. (A policy over another axis than the state's has already fired
-  // `check_policies`' one static_assert: it is not kept, so that no second error follows.)
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const data_parallel<A>& p) {
-    if constexpr (std::is_same_v<data_parallel<A>, data_parallel<Data>>) set.data = p;
-  }
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const fully_shard<A>& p) {
-    if constexpr (std::is_same_v<fully_shard<A>, fully_shard<Fsdp>>) set.fsdp = p;
-  }
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const nn::pipeline<A>& p) {
-    if constexpr (std::is_same_v<nn::pipeline<A>, nn::pipeline<Pipe>>) set.pipe = p;
-  }
-  /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
-  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
-  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
-  detail::float_run share_of(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
-    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
-    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
-    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return {g + lo, hi - lo};
-  }
-  /// Device `dev`'s list of runs for the next `sum_of_squares`, emptied (its capacity kept: a step
-  /// allocates nothing after its first).
-  std::vector<detail::float_run>& norm_runs(std::size_t dev) const {
-    auto& runs = norm_runs_.at(dev);
-    runs.clear();
-    return runs;
-  }
-  /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
-  /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
-  double sum_of_squares(std::size_t dev, const std::vector<detail::float_run>& runs) const {
-    std::vector<std::size_t>& words = norm_words_.at(dev);
-    const std::size_t blocks = detail::run_table(runs, words);
-    return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
-                                                        blocks, squares_.get(dev, blocks + 1));
-  }
-  /// The global norm whose square device `dev`'s `runs` are its share of (summed over every device).
-  double global_norm(std::size_t dev, const std::vector<detail::float_run>& runs) const {
-    double sq[1] = {sum_of_squares(dev, runs)};
-    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-    return std::sqrt(sq[0]);
+  // `check_policies`' one static_assert: it is not kept, so that no second error follows. One
+  // function over the policy's type: nvcc 13's front end deduces no `fixed_string A` from
+  // `data_parallel<A>`.)
+  template <class P>
+  static void keep_policy(policy_set& set, const P& p) {
+    if constexpr (std::is_same_v<P, data_parallel<Data>>) set.data = p;
+    else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
+    else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {
@@ -14547,59 +14666,14 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
-  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
-  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
-  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
-  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
+  /// Runs the optimizer over device `dev`'s runs of updates and applies them
+  /// (`detail::optimizer_step::run`, nn/train/optimizer_step.hpp).
   template <class ForRuns>
   void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
-    for (std::size_t k = 0; k < opt.stages(); ++k) {
-      double stage_norm = norm;
-      if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
-        std::vector<detail::float_run>& runs = norm_runs(dev);
-        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
-          runs.push_back(share_of(dev, params[i], u, len, except));
-        });
-        stage_norm = global_norm(dev, runs);
-      }
-      if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
-      for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
-        const auto& p = params[i];
-        const blocks_type blocks(mesh, dev, p);
-        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev),
-                              &blocks});
-      });
-    }
-  }
-  /// The last stage `k` of `step_optimizer`: every run of device `dev` handed to the optimizer at
-  /// once, which updates and applies them in one multi-tensor kernel for a chain of built-in
-  /// transforms (issue 38: one launch per device, not one per parameter).
-  template <class ForRuns>
-  void apply_last_stage(std::size_t dev, std::size_t k, double norm, ForRuns& for_runs) {
-    auto& runs = batch_runs_.at(dev);
-    auto& slots = batch_slots_.at(dev);
-    auto& out = batch_params_.at(dev);
-    auto& blocks = batch_blocks_.at(dev);
-    runs.clear();
-    slots.clear();
-    out.clear();
-    blocks.clear();
-    const std::size_t n_slots = opt.slots();
-    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
-      const auto& p = params[i];
-      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm,
-                                param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev)});
-      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
-      slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
-      out.push_back(master(i, dev) + off);
-    });
-    for (std::size_t r = 0; r < runs.size(); ++r) {
-      runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
-      if (!blocks.empty()) runs[r].blocks = &blocks[r];  // (after the last push_back: no reallocation moves them)
-    }
-    opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
+    optimizer_step_.run(
+        mesh, opt, params, step, [&](std::size_t i) { return master(i, dev); },
+        [&](std::size_t i) { return data_parallel_.state().param_state(i, dev); }, dev, norm, except,
+        std::forward<ForRuns>(for_runs));
   }
   /// The policies given (the data-parallel one defaulted).
   policy_set policies_;
@@ -14611,21 +14685,8 @@ class train_state {
   detail::device_buffers<T> input_;
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
-  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
-  mutable detail::device_buffers<double> squares_;
-  /// The gradient norm's runs, their table on the host and in the kernels' memory, per device.
-  mutable std::vector<std::vector<detail::float_run>> norm_runs_;
-  mutable std::vector<std::vector<std::size_t>> norm_words_;
-  mutable detail::run_table_buffers norm_tables_;
-  /// The optimizer's last stage per device: its runs, their state slots and parameters, and the
-  /// multi-tensor kernel's table on the host and in the kernels' memory.
-  std::vector<std::vector<update_run>> batch_runs_;
-  std::vector<std::vector<float*>> batch_slots_;
-  std::vector<std::vector<float*>> batch_params_;
-  /// Where each run's block lies (optimizers that read whole parameters only).
-  std::vector<std::vector<blocks_type>> batch_blocks_;
-  std::vector<std::vector<std::size_t>> update_words_;
-  detail::run_table_buffers update_tables_;
+  /// The global gradient norm and the optimizer's update, with their per-device buffers.
+  detail::optimizer_step<Mesh, model_axes> optimizer_step_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

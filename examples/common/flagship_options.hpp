@@ -17,7 +17,7 @@
 #include <utility>
 
 #include "meshlib/exec/available_cores.hpp"
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 
 namespace flagship {
 

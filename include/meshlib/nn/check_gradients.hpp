@@ -51,7 +51,7 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/mesh.hpp"
 #include "meshlib/exec/spmd.hpp"
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"

@@ -32,13 +32,13 @@
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/loss_function.hpp"
-#include "meshlib/tensor/view.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
+#include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
 

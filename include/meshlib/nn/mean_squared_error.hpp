@@ -33,8 +33,8 @@
 #include <type_traits>
 
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/loss_kernels.hpp"
 #include "meshlib/nn/loss_function.hpp"
 #include "meshlib/tensor/kernel.hpp"

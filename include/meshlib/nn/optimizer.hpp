@@ -25,7 +25,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/optim/adam.hpp"
 #include "meshlib/nn/optim/block_rms.hpp"
 #include "meshlib/nn/optim/chain.hpp"

@@ -18,7 +18,7 @@
 /// What it costs: one more forward of the block per step, including the block's own collectives
 /// (a tensor-parallel block's psums run again in backward, on every device alike). What it saves:
 /// the block's internal buffers between forward and backward; `step_metrics::peak_activation_bytes`
-/// measures it (the bytes of layer buffers live on a device during a step, nn/detail/buffers.hpp).
+/// measures it (the bytes of layer buffers live on a device during a step, nn/buffers.hpp).
 ///
 /// A block is anything `sequential` takes (a layer, a `transformer_block`, a `basic_block`, a
 /// `residual`, a nested `sequential`, another `remat`); something without `forward(x)` and
@@ -39,9 +39,9 @@
 #include <utility>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/local_tensor.hpp"

@@ -10,7 +10,7 @@
 /// type (vary, partial and per-dimension sharding) its forward input had, so a backward pass whose
 /// communication does not mirror the forward's does not compile.
 ///
-/// Compositions are checked before anything runs (nn/detail/shape_checks.hpp has the protocol):
+/// Compositions are checked before anything runs (nn/layers/shape_checks.hpp has the protocol):
 /// - at compile time, `forward<X>` / `backward<X>` first walk the layers with the types they would
 ///   receive; the first layer that cannot take its input (a `row_dense` after a layer whose features
 ///   are complete, a `column_dense` after one whose features are sharded) is one `static_assert`
@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/local_tensor.hpp"

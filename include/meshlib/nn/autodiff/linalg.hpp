@@ -23,7 +23,7 @@
 #include <cstddef>
 
 #include "meshlib/nn/autodiff/traced.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/matmul.hpp"
@@ -99,7 +99,7 @@ auto product_cotangent(const V& view, const X& x) {
     return ct_t(view, x.mesh(), x.device());
   } else {
     using local_t = with_vary_t<ct_t, ct_t::vary | extra>;
-    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/detail/axis_mask_group.hpp
+    return retype<ct_t>(psum_over<extra>(local_t(view, x.mesh(), x.device())));  // nn/axis_mask_group.hpp
   }
 }
 

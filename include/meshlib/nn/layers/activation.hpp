@@ -20,13 +20,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/tensor/pointer_check.hpp"
-#include "meshlib/tensor/view.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
+#include "meshlib/tensor/pointer_check.hpp"
+#include "meshlib/tensor/view.hpp"
 
 namespace meshlib::nn {
 

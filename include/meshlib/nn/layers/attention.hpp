@@ -42,10 +42,10 @@
 #include <string>
 #include <vector>
 
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/attention_kernels.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/dense.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul_into.hpp"

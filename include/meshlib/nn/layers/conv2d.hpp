@@ -45,12 +45,12 @@
 #include <vector>
 
 #include "meshlib/core/partition_spec.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/conv2d_kernels.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul_into.hpp"

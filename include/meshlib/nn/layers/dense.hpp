@@ -44,10 +44,10 @@
 
 #include "meshlib/collectives/reductions.hpp"
 #include "meshlib/core/partition_spec.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/matmul.hpp"

@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/nn/detail/number_text.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/pointer_check.hpp"

@@ -22,11 +22,11 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/pool_kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
 #include "meshlib/nn/layers/conv2d.hpp"
 #include "meshlib/nn/layers/image_shape.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 

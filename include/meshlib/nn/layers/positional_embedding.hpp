@@ -24,10 +24,10 @@
 #include <vector>
 
 #include "meshlib/core/partition_spec.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 

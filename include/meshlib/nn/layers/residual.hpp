@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/local_tensor.hpp"

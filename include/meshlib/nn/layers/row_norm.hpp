@@ -15,8 +15,8 @@
 
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/partition_spec.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
-#include "meshlib/nn/detail/shape_checks.hpp"
+#include "meshlib/nn/buffers.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
 namespace meshlib::nn {

@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/layer_kernels.hpp"
 #include "meshlib/nn/layers/activation.hpp"
 #include "meshlib/nn/layers/attention.hpp"

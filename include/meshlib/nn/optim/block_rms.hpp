@@ -19,7 +19,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/optim/detail/block_kernels.hpp"
 #include "meshlib/nn/optim/factored_rms.hpp"
 #include "meshlib/nn/optim/transform.hpp"

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/optim/detail/block_kernels.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/tensor/kernel.hpp"

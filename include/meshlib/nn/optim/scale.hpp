@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "meshlib/nn/detail/number_text.hpp"
+#include "meshlib/nn/number_text.hpp"
 #include "meshlib/nn/optim/detail/fusion.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/nn/schedule.hpp"

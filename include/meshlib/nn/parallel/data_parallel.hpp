@@ -31,8 +31,8 @@
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/fixed_string.hpp"
 #include "meshlib/core/mesh.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/parallel/fsdp.hpp"
@@ -92,8 +92,11 @@ class data_parallel_impl {
   /// when `p.zero` is 1, the buckets started during backward when `p.overlap` (and the model is a
   /// `sequential`: `install_hooks`).
   /// @throws sharding_error when `p.zero` is not 0 or 1.
-  template <fixed_string A>
-  data_parallel_impl(std::size_t devices, const data_parallel<A>& p)
+  // (A policy type, not a `fixed_string A` deduced from `data_parallel<A>`: nvcc 13's front end
+  // deduces no class-type template argument from a specialisation.)
+  template <class Policy>
+    requires(Policy::kind == parallelism::data)
+  data_parallel_impl(std::size_t devices, const Policy& p)
       : buckets_(devices, p.bucket_elements), gather_(devices), zero_(checked_zero(p.zero)), overlap_on_(p.overlap) {}
 
   /// Composes over `fully_shard`'s engine (null: none).
@@ -159,12 +162,12 @@ class data_parallel_impl {
     sync_seconds = overlapped ? overlap_->take_seconds(dev)
                               : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (fsdp_) sync_seconds += fsdp_->take_seconds(dev);
-    std::vector<float_run>& runs = s.norm_runs(dev);
+    std::vector<float_run>& runs = s.optimizer_step_.norm_runs(dev);
     for (std::size_t i = 0; i < params.size(); ++i) {
       s.unscale(g[i], params[i].count[dev]);
-      runs.push_back(s.share_of(dev, params[i], g[i], params[i].count[dev], 0));
+      runs.push_back(s.optimizer_step_.share_of(s.mesh, dev, params[i], g[i], params[i].count[dev], 0));
     }
-    const double norm = s.global_norm(dev, runs);
+    const double norm = s.optimizer_step_.global_norm(s.mesh, dev, runs);
     // The norm is summed over every device, so an inf or NaN anywhere makes it non-finite on all
     // of them: the skip verdict is the same on every device.
     if (s.loss_scaling() && !std::isfinite(norm)) return norm;
@@ -190,11 +193,11 @@ class data_parallel_impl {
     T* g = buckets_.template reduce_scatter<DataAxes>(params, s.mesh, dev, begin, size);
     sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     s.unscale(g, size);
-    std::vector<float_run>& runs = s.norm_runs(dev);
+    std::vector<float_run>& runs = s.optimizer_step_.norm_runs(dev);
     for_each_piece(params, dev, begin, size, [&](const param_ref<T>& p, std::size_t, std::size_t o, std::size_t len) {
-      runs.push_back(s.share_of(dev, p, g + o, len, DataAxes));
+      runs.push_back(s.optimizer_step_.share_of(s.mesh, dev, p, g + o, len, DataAxes));
     });
-    const double norm = s.global_norm(dev, runs);
+    const double norm = s.optimizer_step_.global_norm(s.mesh, dev, runs);
     if (s.loss_scaling() && !std::isfinite(norm)) return norm;  // same verdict everywhere (see above)
     float* m = state_.zero_state(dev).data();
     std::vector<float*> slot(s.opt.slots());

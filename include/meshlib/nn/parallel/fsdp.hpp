@@ -47,8 +47,8 @@
 
 #include "meshlib/collectives/gathers.hpp"
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
@@ -427,14 +427,16 @@ class fsdp_engine final : public layer_hooks {
 /// installs the engine as `model`'s layer hooks (the policy compiles only over a mesh axis, for a
 /// `sequential` model: `check_policies`).
 /// @throws sharding_error as `fsdp_engine`'s constructor.
-template <axis_mask Axes, mesh_type Mesh, class Model, class T, fixed_string A>
-  requires(Axes != 0 && sequential_model<Model>)
+/// (`Policy` is `fully_shard<A>`, a type rather than a deduced `fixed_string A`: nvcc 13's front end
+/// deduces no class-type template argument from a specialisation.)
+template <axis_mask Axes, mesh_type Mesh, class Model, class T, class Policy>
+  requires(Axes != 0 && sequential_model<Model> && Policy::kind == parallelism::fully_sharded)
 std::shared_ptr<fsdp_engine<Mesh, Axes>> fully_shard_model(const Mesh& mesh, Model& model,
                                                            std::vector<param_ref<T>>& params,
                                                            const std::vector<std::size_t>& local,
-                                                           const fully_shard<A>& p) {
+                                                           const Policy& p) {
   auto engine = std::make_shared<fsdp_engine<Mesh, Axes>>(mesh, params, model.template params_per_layer<T>(), local,
-                                                          p.reshard_after_forward, text_of(A), p.prefetch);
+                                                          p.reshard_after_forward, text_of(Policy::axis), p.prefetch);
   params = engine->shards();
   model.hooks = engine.get();
   return engine;

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "meshlib/core/mesh.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/parallel/grad_sync.hpp"
 #include "meshlib/nn/parameter.hpp"

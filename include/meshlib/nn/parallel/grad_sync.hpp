@@ -44,11 +44,11 @@
 #include "meshlib/collectives/gathers.hpp"
 #include "meshlib/comm/datatype.hpp"
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
-#include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/nn/parameter.hpp"
+#include "meshlib/tensor/local_tensor.hpp"
 
 namespace meshlib::nn {
 

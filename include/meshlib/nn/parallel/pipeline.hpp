@@ -66,11 +66,11 @@
 #include <vector>
 
 #include "meshlib/core/errors.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/parallel/pipeline_schedule.hpp"
 #include "meshlib/nn/parallel/policy.hpp"
 #include "meshlib/nn/parameter.hpp"
-#include "meshlib/nn/parallel/pipeline_schedule.hpp"
 #include "meshlib/tensor/kernel.hpp"
 
 namespace meshlib::nn {
@@ -511,9 +511,12 @@ struct pipeline_engine {
 
 /// The policy `opts` at work: cuts `model` into its stages on `mesh`'s pipeline axis (`PipeMask`)
 /// and restricts every parameter in `params` to its stage's devices.
-template <axis_mask PipeMask, class Mesh, class Model, class T, fixed_string A>
+/// (`Policy` is `pipeline<A>`, a type rather than a deduced `fixed_string A`: nvcc 13's front end
+/// deduces no class-type template argument from a specialisation.)
+template <axis_mask PipeMask, class Mesh, class Model, class T, class Policy>
+  requires(Policy::kind == parallelism::pipelined)
 std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
-                                                      const pipeline<A>& opts) {
+                                                      const Policy& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
   e->microbatches = opts.microbatches;
@@ -663,8 +666,9 @@ void release_other_stages(pipeline_engine& e, std::vector<param_ref<T>>& params,
 /// (`sharded`: a `fully_shard` policy is given too). (The policy compiles only for a `sequential`
 /// model: `check_policies`.)
 /// @throws sharding_error naming the parameter and the fix.
-template <axis_mask PipeMask, class State, fixed_string A>
-std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>& p, bool sharded) {
+template <axis_mask PipeMask, class State, class Policy>
+  requires(Policy::kind == parallelism::pipelined)
+std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const Policy& p, bool sharded) {
   if constexpr (!requires(typename State::model_type& net) {
                   net.layers;
                   net.template params_per_layer<float>();
@@ -674,7 +678,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const pipeline<A>
     auto e = make_pipeline_engine<PipeMask>(s.mesh, s.model, s.params, p);
     if (!sharded) release_other_stages(*e, s.params, s.local_devices());
     if (sharded && !e->mirrors.empty())
-      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(A)) + "\"> over " +
+      throw sharding_error("meshlib::nn: train_state: pipeline<\"" + std::string(text_of(Policy::axis)) + "\"> over " +
                            std::to_string(s.mesh.axes_size(PipeMask)) + " devices with fully_shard, and parameter '" +
                            s.params[e->mirrors.front().param].name + "' is read by a layer of stage " +
                            std::to_string(e->mirrors.front().mirror) +

@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "meshlib/core/mesh.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/tensor/kernel.hpp"

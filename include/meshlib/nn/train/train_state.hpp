@@ -28,36 +28,37 @@
 #include <vector>
 
 #include "meshlib/collectives/gathers.hpp"
-#include "meshlib/exec/thread_runner.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/core/named_sharding.hpp"
 #include "meshlib/core/partition_spec.hpp"
 #include "meshlib/exec/default_runner.hpp"
 #include "meshlib/exec/runner.hpp"
 #include "meshlib/exec/spmd.hpp"
+#include "meshlib/exec/thread_runner.hpp"
+#include "meshlib/nn/axis_mask_group.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/data/dataset.hpp"
 #include "meshlib/nn/data/loader.hpp"
 #include "meshlib/nn/data/text_windows.hpp"
-#include "meshlib/nn/device_put.hpp"
-#include "meshlib/nn/detail/axis_mask_group.hpp"
-#include "meshlib/nn/detail/buffers.hpp"
 #include "meshlib/nn/detail/kernels.hpp"
 #include "meshlib/nn/detail/simd.hpp"
-#include "meshlib/nn/parallel/data_parallel.hpp"
-#include "meshlib/nn/parallel/fsdp.hpp"
-#include "meshlib/nn/parallel/grad_overlap.hpp"
-#include "meshlib/nn/parallel/grad_sync.hpp"
+#include "meshlib/nn/device_put.hpp"
 #include "meshlib/nn/loss.hpp"
 #include "meshlib/nn/loss_function.hpp"
 #include "meshlib/nn/mean_squared_error.hpp"
 #include "meshlib/nn/optimizer.hpp"
-#include "meshlib/nn/parameter.hpp"
+#include "meshlib/nn/parallel/data_parallel.hpp"
+#include "meshlib/nn/parallel/fsdp.hpp"
+#include "meshlib/nn/parallel/grad_overlap.hpp"
+#include "meshlib/nn/parallel/grad_sync.hpp"
 #include "meshlib/nn/parallel/pipeline.hpp"
 #include "meshlib/nn/parallel/policy.hpp"
+#include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/nn/train/loss_scaler.hpp"
 #include "meshlib/nn/train/optimizer_state.hpp"
+#include "meshlib/nn/train/optimizer_step.hpp"
 #include "meshlib/nn/train/param_blocks.hpp"
 #include "meshlib/nn/train/step_metrics.hpp"
 #include "meshlib/tensor/local_tensor.hpp"
@@ -366,7 +367,7 @@ class train_state {
   }
 
  private:
-  // The data-parallel policy's gradient path reads the norm helpers, the optimizer chain and the masters.
+  // The data-parallel policy's gradient path reads the global norm, the optimizer step and the masters.
   template <class, class, class, axis_mask, axis_mask>
   friend class detail::data_parallel_impl;
 
@@ -385,16 +386,7 @@ class train_state {
         input_(m.size()),
         ids_(m.size()),
         output_grad_(m.size()),
-        squares_(m.size()),
-        norm_runs_(m.size()),
-        norm_words_(m.size()),
-        norm_tables_(m.size()),
-        batch_runs_(m.size()),
-        batch_slots_(m.size()),
-        batch_params_(m.size()),
-        batch_blocks_(m.size()),
-        update_words_(m.size()),
-        update_tables_(m.size()) {
+        optimizer_step_(m.size()) {
     model.collect(params);
     scaler_ = loss_scaler(options.loss_scale, needs_loss_scaling<Compute>);
     if constexpr (mixed)
@@ -504,48 +496,14 @@ class train_state {
     }
   }
   // Each policy into its slot. (A policy over another axis than the state's has already fired
-  // `check_policies`' one static_assert: it is not kept, so that no second error follows.)
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const data_parallel<A>& p) {
-    if constexpr (std::is_same_v<data_parallel<A>, data_parallel<Data>>) set.data = p;
-  }
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const fully_shard<A>& p) {
-    if constexpr (std::is_same_v<fully_shard<A>, fully_shard<Fsdp>>) set.fsdp = p;
-  }
-  template <fixed_string A>
-  static void keep_policy(policy_set& set, const nn::pipeline<A>& p) {
-    if constexpr (std::is_same_v<nn::pipeline<A>, nn::pipeline<Pipe>>) set.pipe = p;
-  }
-  /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
-  /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
-  /// the group splits it evenly, so each element counts once over the mesh and no device sums alone.
-  detail::float_run share_of(std::size_t dev, const param_ref<T>& p, const T* g, std::size_t len, axis_mask except) const {
-    const axis_mask copies = mesh.all_axes & ~p.sharded_axes & ~except;
-    const std::size_t r = mesh.axes_size(copies), q = mesh.group_rank(dev, copies);
-    const std::size_t lo = len * q / r, hi = len * (q + 1) / r;
-    return {g + lo, hi - lo};
-  }
-  /// Device `dev`'s list of runs for the next `sum_of_squares`, emptied (its capacity kept: a step
-  /// allocates nothing after its first).
-  std::vector<detail::float_run>& norm_runs(std::size_t dev) const {
-    auto& runs = norm_runs_.at(dev);
-    runs.clear();
-    return runs;
-  }
-  /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
-  /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
-  double sum_of_squares(std::size_t dev, const std::vector<detail::float_run>& runs) const {
-    std::vector<std::size_t>& words = norm_words_.at(dev);
-    const std::size_t blocks = detail::run_table(runs, words);
-    return detail::sum_of_squares<default_memory_space>(norm_tables_.upload(dev, words), words.size() / detail::run_words,
-                                                        blocks, squares_.get(dev, blocks + 1));
-  }
-  /// The global norm whose square device `dev`'s `runs` are its share of (summed over every device).
-  double global_norm(std::size_t dev, const std::vector<detail::float_run>& runs) const {
-    double sq[1] = {sum_of_squares(dev, runs)};
-    detail::sum_over<Mesh::all_axes>(mesh, dev, sq);
-    return std::sqrt(sq[0]);
+  // `check_policies`' one static_assert: it is not kept, so that no second error follows. One
+  // function over the policy's type: nvcc 13's front end deduces no `fixed_string A` from
+  // `data_parallel<A>`.)
+  template <class P>
+  static void keep_policy(policy_set& set, const P& p) {
+    if constexpr (std::is_same_v<P, data_parallel<Data>>) set.data = p;
+    else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
+    else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {
@@ -553,59 +511,14 @@ class train_state {
       for (std::size_t i = 0; i < params.size(); ++i)
         detail::round_copy<Compute>(params[i].value[dev], master(i, dev), params[i].count[dev]);
   }
-  /// Runs the optimizer's chain over device `dev`'s runs of updates, stage after stage, and
-  /// applies them (`param += update`) with the last. `for_runs(f)` calls `f(param index, offset in
-  /// its block, updates, length, state slots)` for every run (the gradient, transformed in place);
-  /// `norm`: the gradient's global norm; `except`: the axes over which a run's copies are not all
-  /// alike (ZeRO-1's data axes), as `share_of_squares` takes them for a later stage's norm.
+  /// Runs the optimizer over device `dev`'s runs of updates and applies them
+  /// (`detail::optimizer_step::run`, nn/train/optimizer_step.hpp).
   template <class ForRuns>
   void step_optimizer(std::size_t dev, double norm, axis_mask except, ForRuns&& for_runs) {
-    for (std::size_t k = 0; k < opt.stages(); ++k) {
-      double stage_norm = norm;
-      if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
-        std::vector<detail::float_run>& runs = norm_runs(dev);
-        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
-          runs.push_back(share_of(dev, params[i], u, len, except));
-        });
-        stage_norm = global_norm(dev, runs);
-      }
-      if (k + 1 == opt.stages()) return apply_last_stage(dev, k, stage_norm, for_runs);
-      for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
-        const auto& p = params[i];
-        const blocks_type blocks(mesh, dev, p);
-        opt.update(update_run{u, master(i, dev) + off, slot, len, off, step, k, stage_norm,
-                              param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev),
-                              &blocks});
-      });
-    }
-  }
-  /// The last stage `k` of `step_optimizer`: every run of device `dev` handed to the optimizer at
-  /// once, which updates and applies them in one multi-tensor kernel for a chain of built-in
-  /// transforms (issue 38: one launch per device, not one per parameter).
-  template <class ForRuns>
-  void apply_last_stage(std::size_t dev, std::size_t k, double norm, ForRuns& for_runs) {
-    auto& runs = batch_runs_.at(dev);
-    auto& slots = batch_slots_.at(dev);
-    auto& out = batch_params_.at(dev);
-    auto& blocks = batch_blocks_.at(dev);
-    runs.clear();
-    slots.clear();
-    out.clear();
-    blocks.clear();
-    const std::size_t n_slots = opt.slots();
-    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
-      const auto& p = params[i];
-      runs.push_back(update_run{u, master(i, dev) + off, {}, len, off, step, k, norm,
-                                param_info{p.name, p.shape, p.decay}, data_parallel_.state().param_state(i, dev)});
-      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
-      slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
-      out.push_back(master(i, dev) + off);
-    });
-    for (std::size_t r = 0; r < runs.size(); ++r) {
-      runs[r].state = std::span<float* const>(slots.data() + r * n_slots, n_slots);
-      if (!blocks.empty()) runs[r].blocks = &blocks[r];  // (after the last push_back: no reallocation moves them)
-    }
-    opt.update_and_apply_all(detail::update_batch{runs, out, &update_tables_, &update_words_.at(dev), dev});
+    optimizer_step_.run(
+        mesh, opt, params, step, [&](std::size_t i) { return master(i, dev); },
+        [&](std::size_t i) { return data_parallel_.state().param_state(i, dev); }, dev, norm, except,
+        std::forward<ForRuns>(for_runs));
   }
   /// The policies given (the data-parallel one defaulted).
   policy_set policies_;
@@ -617,21 +530,8 @@ class train_state {
   detail::device_buffers<T> input_;
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
-  // The clipping norm's partial sums (a const query writes them: each device only its own slot).
-  mutable detail::device_buffers<double> squares_;
-  /// The gradient norm's runs, their table on the host and in the kernels' memory, per device.
-  mutable std::vector<std::vector<detail::float_run>> norm_runs_;
-  mutable std::vector<std::vector<std::size_t>> norm_words_;
-  mutable detail::run_table_buffers norm_tables_;
-  /// The optimizer's last stage per device: its runs, their state slots and parameters, and the
-  /// multi-tensor kernel's table on the host and in the kernels' memory.
-  std::vector<std::vector<update_run>> batch_runs_;
-  std::vector<std::vector<float*>> batch_slots_;
-  std::vector<std::vector<float*>> batch_params_;
-  /// Where each run's block lies (optimizers that read whole parameters only).
-  std::vector<std::vector<blocks_type>> batch_blocks_;
-  std::vector<std::vector<std::size_t>> update_words_;
-  detail::run_table_buffers update_tables_;
+  /// The global gradient norm and the optimizer's update, with their per-device buffers.
+  detail::optimizer_step<Mesh, model_axes> optimizer_step_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

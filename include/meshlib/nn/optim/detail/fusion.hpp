@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-#include "meshlib/nn/detail/buffers.hpp"
+#include "meshlib/nn/buffers.hpp"
 #include "meshlib/nn/optim/detail/kernels.hpp"
 #include "meshlib/nn/optim/transform.hpp"
 
