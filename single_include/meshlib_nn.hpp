@@ -396,14 +396,13 @@ struct parameter {
   }
 
   /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
-  [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
+  /// Non-const: the view's `rebind` moves this parameter's blocks (FSDP's gather buffers, a
+  /// pipeline's stages), so a layer's `collect` that gives it is non-const too.
+  [[nodiscard]] param_ref<T> ref(bool overwrites = false) {
     param_ref<T> r = detail::tensor_ref(name, value);
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
-    // The layer's parameters are reached through a const collect; the state that rebinds owns the model.
-    r.rebind = [self = const_cast<parameter*>(this)](std::span<T* const> values, std::span<T* const> grads) {
-      self->rebind(values, grads);
-    };
+    r.rebind = [self = this](std::span<T* const> values, std::span<T* const> grads) { self->rebind(values, grads); };
     r.grad = detail::device_blocks<T>(value.num_devices());
     for (std::size_t dev : value.local_devices()) r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     return r;
@@ -1351,7 +1350,7 @@ class basic_dense {
   static constexpr bool fuses_activation_backward = true;
 
   /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }
@@ -1562,7 +1561,7 @@ class elementwise_activation {
   }
 
   /// Appends nothing: an activation has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct saved {
@@ -2023,7 +2022,7 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(this->g.ref());
     out.push_back(b.ref());
   }
@@ -2093,7 +2092,7 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(this->g.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(this->g.ref()); }
 };
 
 }  // namespace meshlib::nn
@@ -2514,7 +2513,7 @@ class embedding {
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(table.ref()); }
 
  private:
   static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features) {
@@ -2681,7 +2680,7 @@ class positional_embedding {
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(table.ref()); }
 
  private:
   struct shape {
@@ -2807,10 +2806,10 @@ class tied_head {
   }
 
   /// Nothing: the table is the embedding's, which lists it.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
   /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
   /// stage that holds this head but not the embedding mirrors the table (nn/parallel/pipeline.hpp).
-  void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
+  void collect_tied(std::vector<param_ref<T>>& out) { out.push_back(table_.ref()); }
 
  private:
   using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;
@@ -3098,7 +3097,7 @@ class causal_self_attention {
   }
 
   /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     qkv.collect(out);
     proj.collect(out);
   }
@@ -3257,7 +3256,7 @@ class transformer_block {
   }
 
   /// Appends the parameters in order: `ln1`, `attn`, `ln2`, `fc1`, `fc2`.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     ln1.collect(out);
     attn.collect(out);
     ln2.collect(out);
@@ -3388,7 +3387,7 @@ class dropout {
   }
 
   /// Adds nothing: dropout has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct shape {
@@ -4167,7 +4166,7 @@ class conv2d {
   }
 
   /// Appends the weight, and the bias when the layer uses one.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     if (opt_.use_bias) out.push_back(b.ref(true));
   }
@@ -4442,7 +4441,7 @@ class pool2d {
   }
 
   /// Adds nothing: pooling has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
@@ -4544,7 +4543,7 @@ class global_avg_pool {
   }
 
   /// Adds nothing: pooling has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct saved {
@@ -4752,7 +4751,7 @@ class batch_norm {
   }
 
   /// Appends `g` and `b` (the running statistics are not trained).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(g.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }
@@ -4839,7 +4838,7 @@ struct identity {
     return dy;
   }
   /// Adds nothing: no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 };
 
 namespace detail {
@@ -4957,7 +4956,7 @@ class residual {
   }
 
   /// Appends the main branch's parameters, then the shortcut's.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     main.collect(out);
     shortcut.collect(out);
   }
@@ -5145,8 +5144,8 @@ class sequential {
 
   /// Appends every layer's parameters to `out`, in layer order.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
-    std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
+  void collect(std::vector<param_ref<T>>& out) {
+    std::apply([&](auto&... l) { (l.collect(out), ...); }, layers);
   }
   /// Appends every layer's buffers (running statistics: what checkpoints keep beside the
   /// parameters, see `detail::tensor_ref`) to `out`, in layer order.
@@ -5157,9 +5156,9 @@ class sequential {
 
   /// How many parameters each layer appends in `collect`, in layer order (FSDP's units).
   template <class T>
-  [[nodiscard]] std::vector<std::size_t> params_per_layer() const {
+  [[nodiscard]] std::vector<std::size_t> params_per_layer() {
     std::vector<std::size_t> counts;
-    std::apply([&](const auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
+    std::apply([&](auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
     return counts;
   }
 
@@ -5272,7 +5271,7 @@ class sequential {
   }
 
   template <class T, class L>
-  static std::size_t count_params(const L& l) {
+  static std::size_t count_params(L& l) {
     std::vector<param_ref<T>> v;
     l.collect(v);
     return v.size();
@@ -5321,7 +5320,7 @@ class block_shortcut {
   void begin_step(rng_key key, bool train) {
     if (proj_) proj_->begin_step(key, train);
   }
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     if (proj_) proj_->collect(out);
   }
   void collect_buffers(std::vector<param_ref<T>>& out) const {
@@ -5393,7 +5392,7 @@ class basic_block {
     return body.backward(act_.backward(dy), need_dx);
   }
   /// Appends the main branch's parameters (conv1, bn1, conv2, bn2), then the projection's.
-  void collect(std::vector<param_ref<T>>& out) const { body.collect(out); }
+  void collect(std::vector<param_ref<T>>& out) { body.collect(out); }
   /// Appends its batch norms' running statistics (bn1, bn2, then the projection's), for checkpoints.
   void collect_buffers(std::vector<param_ref<T>>& out) const { body.collect_buffers(out); }
 
@@ -5871,7 +5870,7 @@ namespace detail {
 /// `param_ref<double>`, else float.
 template <class Model>
 using collected_type_t =
-    std::conditional_t<requires(const Model& m, std::vector<param_ref<double>>& v) { m.collect(v); }, double, float>;
+    std::conditional_t<requires(Model& m, std::vector<param_ref<double>>& v) { m.collect(v); }, double, float>;
 
 /// The options checked, and `reduce_axes` as a mask of `mesh`'s axes.
 template <class T, mesh_type Mesh>
@@ -6113,9 +6112,9 @@ gradient_check_result check_gradients(const Mesh& mesh, const std::vector<param_
 /// `collect(std::vector<param_ref<T>>&)`).
 /// @returns / @throws as the overload taking the parameters.
 template <mesh_type Mesh, class Model, class Loss, class T = detail::collected_type_t<Model>>
-  requires requires(const Model& m, std::vector<param_ref<T>>& v) { m.collect(v); } &&
+  requires requires(Model& m, std::vector<param_ref<T>>& v) { m.collect(v); } &&
            std::invocable<Loss&, std::size_t, bool>
-gradient_check_result check_gradients(const Mesh& mesh, const Model& model, Loss&& loss,
+gradient_check_result check_gradients(const Mesh& mesh, Model& model, Loss&& loss,
                                       const gradient_check_options<T>& options = {}) {
   std::vector<param_ref<T>> params;
   model.collect(params);
@@ -6294,7 +6293,7 @@ class remat {
 
   /// The wrapped layer's parameters.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     if constexpr (requires { layer.collect(out); }) layer.collect(out);
   }
   /// The wrapped layer's buffers (running statistics).
@@ -7899,8 +7898,8 @@ class function_layer {
   /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints); the
   /// gradients are written with `grad_beta`.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
-    std::apply([&](const auto&... p) { (out.push_back(p.ref(true)), ...); }, params);
+  void collect(std::vector<param_ref<T>>& out) {
+    std::apply([&](auto&... p) { (out.push_back(p.ref(true)), ...); }, params);
   }
 
  private:
@@ -13699,7 +13698,7 @@ class stage_param_layout final : public param_layout {
 /// A layer's parameters that it reads but another layer lists (`tied_head`'s table): what a layer
 /// appends in `collect_tied`, if it has one.
 template <class L, class T>
-void collect_tied_of(const L& l, std::vector<param_ref<T>>& out) {
+void collect_tied_of(L& l, std::vector<param_ref<T>>& out) {
   if constexpr (requires { l.collect_tied(out); }) l.collect_tied(out);
 }
 
@@ -13742,7 +13741,7 @@ struct pipeline_engine {
 /// deduces no class-type template argument from a specialisation.)
 template <axis_mask PipeMask, class Mesh, class Model, class T, class Policy>
   requires(Policy::kind == parallelism::pipelined)
-std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
+std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, Model& model, std::vector<param_ref<T>>& params,
                                                       const Policy& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
@@ -13769,7 +13768,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   // Tied parameters: a layer that reads another stage's parameter mirrors it.
   std::size_t l = 0;
   std::apply(
-      [&](const auto&... layer) {
+      [&](auto&... layer) {
         (
             [&] {
               std::vector<param_ref<T>> tied;

@@ -259,8 +259,8 @@ struct block_stack {
     for (std::size_t i = blocks.size(); i-- > 0;) g = blocks[i].backward(g, i > 0 || need_dx);
     return g;
   }
-  void collect(std::vector<meshlib::nn::param_ref<float>>& out) const {
-    for (const auto& b : blocks) b.collect(out);
+  void collect(std::vector<meshlib::nn::param_ref<float>>& out) {
+    for (auto& b : blocks) b.collect(out);
   }
 };
 

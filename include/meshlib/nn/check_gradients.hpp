@@ -117,7 +117,7 @@ namespace detail {
 /// `param_ref<double>`, else float.
 template <class Model>
 using collected_type_t =
-    std::conditional_t<requires(const Model& m, std::vector<param_ref<double>>& v) { m.collect(v); }, double, float>;
+    std::conditional_t<requires(Model& m, std::vector<param_ref<double>>& v) { m.collect(v); }, double, float>;
 
 /// The options checked, and `reduce_axes` as a mask of `mesh`'s axes.
 template <class T, mesh_type Mesh>
@@ -359,9 +359,9 @@ gradient_check_result check_gradients(const Mesh& mesh, const std::vector<param_
 /// `collect(std::vector<param_ref<T>>&)`).
 /// @returns / @throws as the overload taking the parameters.
 template <mesh_type Mesh, class Model, class Loss, class T = detail::collected_type_t<Model>>
-  requires requires(const Model& m, std::vector<param_ref<T>>& v) { m.collect(v); } &&
+  requires requires(Model& m, std::vector<param_ref<T>>& v) { m.collect(v); } &&
            std::invocable<Loss&, std::size_t, bool>
-gradient_check_result check_gradients(const Mesh& mesh, const Model& model, Loss&& loss,
+gradient_check_result check_gradients(const Mesh& mesh, Model& model, Loss&& loss,
                                       const gradient_check_options<T>& options = {}) {
   std::vector<param_ref<T>> params;
   model.collect(params);

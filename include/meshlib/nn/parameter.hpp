@@ -323,14 +323,13 @@ struct parameter {
   }
 
   /// The untyped view (see `param_ref`); `overwrites`: the layer writes the gradient with `grad_beta`.
-  [[nodiscard]] param_ref<T> ref(bool overwrites = false) const {
+  /// Non-const: the view's `rebind` moves this parameter's blocks (FSDP's gather buffers, a
+  /// pipeline's stages), so a layer's `collect` that gives it is non-const too.
+  [[nodiscard]] param_ref<T> ref(bool overwrites = false) {
     param_ref<T> r = detail::tensor_ref(name, value);
     r.decay = decay;
     r.overwrite = overwrites ? overwrite_.get() : nullptr;
-    // The layer's parameters are reached through a const collect; the state that rebinds owns the model.
-    r.rebind = [self = const_cast<parameter*>(this)](std::span<T* const> values, std::span<T* const> grads) {
-      self->rebind(values, grads);
-    };
+    r.rebind = [self = this](std::span<T* const> values, std::span<T* const> grads) { self->rebind(values, grads); };
     r.grad = detail::device_blocks<T>(value.num_devices());
     for (std::size_t dev : value.local_devices()) r.grad.set(dev, grad.local(dev).data(), grad.local(dev).size());
     return r;

@@ -175,7 +175,7 @@ class remat {
 
   /// The wrapped layer's parameters.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     if constexpr (requires { layer.collect(out); }) layer.collect(out);
   }
   /// The wrapped layer's buffers (running statistics).

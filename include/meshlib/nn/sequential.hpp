@@ -138,8 +138,8 @@ class sequential {
 
   /// Appends every layer's parameters to `out`, in layer order.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
-    std::apply([&](const auto&... l) { (l.collect(out), ...); }, layers);
+  void collect(std::vector<param_ref<T>>& out) {
+    std::apply([&](auto&... l) { (l.collect(out), ...); }, layers);
   }
   /// Appends every layer's buffers (running statistics: what checkpoints keep beside the
   /// parameters, see `detail::tensor_ref`) to `out`, in layer order.
@@ -150,9 +150,9 @@ class sequential {
 
   /// How many parameters each layer appends in `collect`, in layer order (FSDP's units).
   template <class T>
-  [[nodiscard]] std::vector<std::size_t> params_per_layer() const {
+  [[nodiscard]] std::vector<std::size_t> params_per_layer() {
     std::vector<std::size_t> counts;
-    std::apply([&](const auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
+    std::apply([&](auto&... l) { (counts.push_back(count_params<T>(l)), ...); }, layers);
     return counts;
   }
 
@@ -265,7 +265,7 @@ class sequential {
   }
 
   template <class T, class L>
-  static std::size_t count_params(const L& l) {
+  static std::size_t count_params(L& l) {
     std::vector<param_ref<T>> v;
     l.collect(v);
     return v.size();

@@ -59,7 +59,7 @@ void require_close(const std::vector<double>& got, const std::vector<double>& wa
 
 /// Parameter `name` of `net`, as a host vector (device 0's block of a replicated parameter).
 template <class Net>
-std::vector<double> param_values(const Net& net, const std::string& name) {
+std::vector<double> param_values(Net& net, const std::string& name) {
   std::vector<nn::param_ref<double>> ps;
   net.collect(ps);
   for (const auto& p : ps)

@@ -124,7 +124,7 @@ struct squared_gain {
       }
     return dx;
   }
-  void collect(std::vector<nn::param_ref<T>>& out) const { out.push_back(g.ref()); }
+  void collect(std::vector<nn::param_ref<T>>& out) { out.push_back(g.ref()); }
 };
 
 /// The layer's input as a parameter `x` (`x[r, j] = 1 + r + j`), so that its cotangent is checked

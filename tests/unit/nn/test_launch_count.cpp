@@ -390,7 +390,7 @@ auto layer_by_layer(Net& net, const X& x, void (*round)(float*, std::size_t) noe
 
 /// Every parameter's gradient on `dev`, and `dx`, as host floats.
 template <class Net, class DX>
-std::vector<float> grads_and_dx(const Net& net, const DX& dx, std::size_t dev) {
+std::vector<float> grads_and_dx(Net& net, const DX& dx, std::size_t dev) {
   std::vector<nn::param_ref<float>> params;
   net.collect(params);
   std::vector<float> out(dx.data(), dx.data() + dx.size());

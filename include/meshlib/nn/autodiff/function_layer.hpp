@@ -178,8 +178,8 @@ class function_layer {
   /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints); the
   /// gradients are written with `grad_beta`.
   template <class T>
-  void collect(std::vector<param_ref<T>>& out) const {
-    std::apply([&](const auto&... p) { (out.push_back(p.ref(true)), ...); }, params);
+  void collect(std::vector<param_ref<T>>& out) {
+    std::apply([&](auto&... p) { (out.push_back(p.ref(true)), ...); }, params);
   }
 
  private:

@@ -97,7 +97,7 @@ class elementwise_activation {
   }
 
   /// Appends nothing: an activation has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct saved {

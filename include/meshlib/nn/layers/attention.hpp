@@ -190,7 +190,7 @@ class causal_self_attention {
   }
 
   /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     qkv.collect(out);
     proj.collect(out);
   }

@@ -67,7 +67,7 @@ class block_shortcut {
   void begin_step(rng_key key, bool train) {
     if (proj_) proj_->begin_step(key, train);
   }
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     if (proj_) proj_->collect(out);
   }
   void collect_buffers(std::vector<param_ref<T>>& out) const {
@@ -139,7 +139,7 @@ class basic_block {
     return body.backward(act_.backward(dy), need_dx);
   }
   /// Appends the main branch's parameters (conv1, bn1, conv2, bn2), then the projection's.
-  void collect(std::vector<param_ref<T>>& out) const { body.collect(out); }
+  void collect(std::vector<param_ref<T>>& out) { body.collect(out); }
   /// Appends its batch norms' running statistics (bn1, bn2, then the projection's), for checkpoints.
   void collect_buffers(std::vector<param_ref<T>>& out) const { body.collect_buffers(out); }
 

@@ -203,7 +203,7 @@ class batch_norm {
   }
 
   /// Appends `g` and `b` (the running statistics are not trained).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(g.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }

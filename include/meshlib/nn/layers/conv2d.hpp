@@ -310,7 +310,7 @@ class conv2d {
   }
 
   /// Appends the weight, and the bias when the layer uses one.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     if (opt_.use_bias) out.push_back(b.ref(true));
   }

@@ -241,7 +241,7 @@ class basic_dense {
   static constexpr bool fuses_activation_backward = true;
 
   /// Appends the parameters' untyped views (optimizers, synchronisation, checkpoints).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(w.ref(true));  // backward writes them with grad_beta
     out.push_back(b.ref(true));
   }

@@ -88,7 +88,7 @@ class dropout {
   }
 
   /// Adds nothing: dropout has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct shape {

@@ -156,7 +156,7 @@ class embedding {
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(table.ref()); }
 
  private:
   static std::string checked_name(const Mesh& mesh, const std::string& name, std::size_t vocab, std::size_t features) {

@@ -65,7 +65,7 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     out.push_back(this->g.ref());
     out.push_back(b.ref());
   }

@@ -109,7 +109,7 @@ class pool2d {
   }
 
   /// Adds nothing: pooling has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
@@ -211,7 +211,7 @@ class global_avg_pool {
   }
 
   /// Adds nothing: pooling has no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 
  private:
   struct saved {

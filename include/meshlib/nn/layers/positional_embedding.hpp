@@ -130,7 +130,7 @@ class positional_embedding {
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(table.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(table.ref()); }
 
  private:
   struct shape {

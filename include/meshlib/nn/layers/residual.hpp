@@ -48,7 +48,7 @@ struct identity {
     return dy;
   }
   /// Adds nothing: no parameters.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
 };
 
 namespace detail {
@@ -166,7 +166,7 @@ class residual {
   }
 
   /// Appends the main branch's parameters, then the shortcut's.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     main.collect(out);
     shortcut.collect(out);
   }

@@ -65,7 +65,7 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).
-  void collect(std::vector<param_ref<T>>& out) const { out.push_back(this->g.ref()); }
+  void collect(std::vector<param_ref<T>>& out) { out.push_back(this->g.ref()); }
 };
 
 }  // namespace meshlib::nn

@@ -118,10 +118,10 @@ class tied_head {
   }
 
   /// Nothing: the table is the embedding's, which lists it.
-  void collect(std::vector<param_ref<T>>&) const {}
+  void collect(std::vector<param_ref<T>>&) {}
   /// The embedding's table, which it reads and adds gradients to without listing it: a pipeline
   /// stage that holds this head but not the embedding mirrors the table (nn/parallel/pipeline.hpp).
-  void collect_tied(std::vector<param_ref<T>>& out) const { out.push_back(table_.ref()); }
+  void collect_tied(std::vector<param_ref<T>>& out) { out.push_back(table_.ref()); }
 
  private:
   using cview = meshlib::unmanaged_block_view<const T, 2, default_memory_space>;

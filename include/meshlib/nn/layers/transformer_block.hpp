@@ -118,7 +118,7 @@ class transformer_block {
   }
 
   /// Appends the parameters in order: `ln1`, `attn`, `ln2`, `fc1`, `fc2`.
-  void collect(std::vector<param_ref<T>>& out) const {
+  void collect(std::vector<param_ref<T>>& out) {
     ln1.collect(out);
     attn.collect(out);
     ln2.collect(out);

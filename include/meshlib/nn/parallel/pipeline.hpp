@@ -472,7 +472,7 @@ class stage_param_layout final : public param_layout {
 /// A layer's parameters that it reads but another layer lists (`tied_head`'s table): what a layer
 /// appends in `collect_tied`, if it has one.
 template <class L, class T>
-void collect_tied_of(const L& l, std::vector<param_ref<T>>& out) {
+void collect_tied_of(L& l, std::vector<param_ref<T>>& out) {
   if constexpr (requires { l.collect_tied(out); }) l.collect_tied(out);
 }
 
@@ -515,7 +515,7 @@ struct pipeline_engine {
 /// deduces no class-type template argument from a specialisation.)
 template <axis_mask PipeMask, class Mesh, class Model, class T, class Policy>
   requires(Policy::kind == parallelism::pipelined)
-std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Model& model, std::vector<param_ref<T>>& params,
+std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, Model& model, std::vector<param_ref<T>>& params,
                                                       const Policy& opts) {
   auto e = std::make_shared<pipeline_engine>();
   e->stages = mesh.axes_size(PipeMask);
@@ -542,7 +542,7 @@ std::shared_ptr<pipeline_engine> make_pipeline_engine(const Mesh& mesh, const Mo
   // Tied parameters: a layer that reads another stage's parameter mirrors it.
   std::size_t l = 0;
   std::apply(
-      [&](const auto&... layer) {
+      [&](auto&... layer) {
         (
             [&] {
               std::vector<param_ref<T>> tied;
