@@ -334,6 +334,106 @@ TEST_CASE("a dense layer as a primitive: its hand-written backward equals value_
 
 namespace MESHLIB_TEST_UNIT {
 
+TEST_CASE("the norms and activations as primitives: their hand-written backwards equal value_and_grad of "
+          "the same forward code",
+          "[nn][autodiff][layers]") {
+  // L = sum over the global (8, 5) batch of tanh(layer(x))^2, rows sharded over 4 devices; each
+  // layer once through apply_layer (its own backward) and once written with the traced ops, its
+  // parameters as inputs (replicated: pvary'd onto the varying rows, so their cotangent is the psum
+  // over the devices, where the layer leaves the data sum to its policy).
+  const mesh1 m{4};
+  const auto gx = random_array(8, 5, 91);
+  const auto loss_of = [](const auto& y) { return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); };
+  const auto row = [](const auto& v, const auto& like) { return nn::broadcast_in_dim<1>(v, like); };
+  const auto col = [](const auto& p, const auto& like) { return nn::broadcast_in_dim<0>(nn::pvary<"x">(p), like); };
+  // One layer: `via_layer(x)` the loss through apply_layer, `written(x, params...)` the same loss as
+  // forward code; `params(dev)` the layer's parameters on `dev` and `grads(dev)` their gradients
+  // there (each a host vector), compared with the traced gradients.
+  const auto compare = [&](const char* what, auto& layer, auto written, auto params, auto grads) {
+    INFO(what);
+    constexpr std::size_t np = std::tuple_size_v<decltype(params(std::size_t{0}))>;
+    std::vector<double> loss_layer(4), loss_written(4);
+    std::vector<std::vector<double>> dx_layer(4), dx_written(4);
+    std::vector<std::array<std::vector<double>, np>> dp_layer(4), dp_written(4);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<rows1>(m, dev, gx, {2 * dev, 0, 2, 5, 5});
+      auto a = nn::value_and_grad([&](const auto& xs) { return loss_of(nn::apply_layer(layer, xs)); })(x);
+      loss_layer[dev] = host(a.value)[0];
+      dx_layer[dev] = host(a.grad);
+      dp_layer[dev] = grads(dev);
+      const auto f = [&](const auto& xs, const auto&... qs) { return loss_of(written(xs, qs...)); };
+      if constexpr (np == 0) {
+        auto b = nn::value_and_grad(f)(x);
+        loss_written[dev] = host(b.value)[0];
+        dx_written[dev] = host(b.grad);
+      } else {
+        std::apply(
+            [&](const auto&... ps) {
+              auto b = [&]<std::size_t... I>(std::index_sequence<I...>) {
+                return nn::value_and_grad<0, (I + 1)...>(f)(x, ps...);
+              }(std::make_index_sequence<np>{});
+              loss_written[dev] = host(b.value)[0];
+              dx_written[dev] = host(std::get<0>(b.grad));
+              std::size_t k = 0;
+              std::apply([&](const auto&, const auto&... gs) { ((dp_written[dev][k++] = host(gs)), ...); }, b.grad);
+            },
+            params(dev));
+      }
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) {
+      CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+      for (std::size_t e = 0; e < dx_layer[dev].size(); ++e) CHECK(std::abs(dx_layer[dev][e] - dx_written[dev][e]) < 1e-5);
+    }
+    for (std::size_t k = 0; k < np; ++k) {
+      std::vector<double> summed(dp_layer[0][k].size(), 0.0);
+      for (std::size_t dev = 0; dev < 4; ++dev)
+        for (std::size_t e = 0; e < summed.size(); ++e) summed[e] += dp_layer[dev][k][e];
+      for (std::size_t dev = 0; dev < 4; ++dev)
+        for (std::size_t e = 0; e < summed.size(); ++e) CHECK(std::abs(summed[e] - dp_written[dev][k][e]) < 1e-5);
+      CHECK(std::abs(summed[0]) > 1e-4);  // a real gradient, not zeros on both sides
+    }
+    CHECK(std::any_of(dx_layer[0].begin(), dx_layer[0].end(), [](double v) { return std::abs(v) > 1e-6; }));
+  };
+  const auto none = [](std::size_t) { return std::tuple<>{}; };
+  const auto no_grads = [](std::size_t) { return std::array<std::vector<double>, 0>{}; };
+
+  nn::rms_norm<double, mesh1> rms(m, "rms", 5, 1e-5);
+  compare(
+      "rms_norm", rms,
+      [&](const auto& xs, const auto& g) {
+        auto r = nn::rsqrt(nn::mean<1>(nn::square(xs)) + 1e-5);
+        return xs * row(r, xs) * col(g, xs);
+      },
+      [&](std::size_t dev) { return std::tuple{rms.g.local(dev)}; },
+      [&](std::size_t dev) { return std::array{host(rms.g.grad.local_value(dev))}; });
+
+  nn::layer_norm<double, mesh1> ln(m, "ln", 5, 1e-5);
+  compare(
+      "layer_norm", ln,
+      [&](const auto& xs, const auto& g, const auto& b) {
+        auto xc = xs - row(nn::mean<1>(xs), xs);
+        auto r = nn::rsqrt(nn::mean<1>(nn::square(xc)) + 1e-5);
+        return xc * row(r, xs) * col(g, xs) + col(b, xs);
+      },
+      [&](std::size_t dev) { return std::tuple{ln.g.local(dev), ln.b.local(dev)}; },
+      [&](std::size_t dev) { return std::array{host(ln.g.grad.local_value(dev)), host(ln.b.grad.local_value(dev))}; });
+
+  nn::gelu<double> gelu(m);
+  const double c = std::sqrt(2.0 / 3.141592653589793);
+  compare(
+      "gelu", gelu,
+      [&](const auto& xs) { return xs * 0.5 * (nn::tanh((xs + nn::square(xs) * xs * 0.044715) * c) + 1.0); }, none,
+      no_grads);
+
+  nn::relu<double> relu(m);
+  compare(
+      "relu", relu, [&](const auto& xs) { return nn::maximum(xs, 0.0); }, none, no_grads);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
 TEST_CASE("value_and_grad of a Megatron MLP on a 2x2 mesh matches finite differences", "[nn][autodiff]") {
   // x: (4, 3) as P<"data", none>; w1: (3, 4) as P<none, "model"> (column-parallel); w2: (4, 2) as
   // P<"model", none> (row-parallel). x's gradient needs the psum over model of x w1's backward
