@@ -334,8 +334,7 @@ TEST_CASE("a dense layer as a primitive: its hand-written backward equals value_
 
 namespace MESHLIB_TEST_UNIT {
 
-TEST_CASE("the norms and activations as primitives: their hand-written backwards equal value_and_grad of "
-          "the same forward code",
+TEST_CASE("norms and activations as primitives: their backwards equal value_and_grad of their forward code",
           "[nn][autodiff][layers]") {
   // L = sum over the global (8, 5) batch of tanh(layer(x))^2, rows sharded over 4 devices; each
   // layer once through apply_layer (its own backward) and once written with the traced ops, its
@@ -417,6 +416,19 @@ TEST_CASE("the norms and activations as primitives: their hand-written backwards
       },
       [&](std::size_t dev) { return std::tuple{ln.g.local(dev), ln.b.local(dev)}; },
       [&](std::size_t dev) { return std::array{host(ln.g.grad.local_value(dev)), host(ln.b.grad.local_value(dev))}; });
+
+  // batch_norm: the statistics over the global batch (8 rows on 4 devices: a psum over x), biased.
+  nn::batch_norm<double, mesh1, "x"> bn(m, "bn", 5, 0.1, 1e-5);
+  compare(
+      "batch_norm", bn,
+      [&](const auto& xs, const auto& g, const auto& b) {
+        const auto over_batch = [&](const auto& v) { return nn::pvary<"x">(nn::psum<"x">(nn::sum<0>(v)) * 0.125); };
+        auto xc = xs - nn::broadcast_in_dim<0>(over_batch(xs), xs);
+        auto r = nn::rsqrt(over_batch(nn::square(xc)) + 1e-5);
+        return xc * nn::broadcast_in_dim<0>(r, xs) * col(g, xs) + col(b, xs);
+      },
+      [&](std::size_t dev) { return std::tuple{bn.g.local(dev), bn.b.local(dev)}; },
+      [&](std::size_t dev) { return std::array{host(bn.g.grad.local_value(dev)), host(bn.b.grad.local_value(dev))}; });
 
   nn::gelu<double> gelu(m);
   const double c = std::sqrt(2.0 / 3.141592653589793);
