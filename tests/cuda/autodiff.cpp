@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // CUDA compile check (scripts/cuda_compile_check.sh): nn::value_and_grad through every local
-// differentiable operation (shape operations, max, stop_gradient, sqrt and rsqrt included) and a
-// layer as a primitive, on device memory, so every forward and backward kernel of nn/autodiff/
+// differentiable operation (shape operations, max, stop_gradient, sqrt and rsqrt included), a
+// layer as a primitive and a loss written as forward code (function_loss), on device memory, so every forward and backward kernel of nn/autodiff/
 // compiles for the GPU with nvcc. The one mesh axis is not used, so
 // no collective runs (a host collective on device memory is refused: host_collective_on_device.cpp).
 // Compiled for sm_90, not linked or run.
@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstddef>
+#include <span>
 
 static_assert(!meshlib::host_accessible_v<meshlib::default_memory_space>,
               "the CUDA compile check must compile for device memory: Kokkos was not configured with CUDA");
@@ -39,6 +40,15 @@ float differentiate(const mesh_t& m, const rows_t& x, const rows_t& w) {
     auto r = a * nn::broadcast_in_dim<1>(nn::rsqrt(nn::mean<1>(nn::square(a)) + 1e-5f), a);
     return nn::sum<0>(nn::sum<1>(p * r) + nn::sqrt(nn::sum<1>(nn::square(r)) + 1.0f));
   })(x);
+  // a loss written as forward code (function_loss): its targets copied to the device, its
+  // gradient copied into the caller's block (with a local lambda type as the loss: nvcc's limit on
+  // extended lambdas in functions templated on local types)
+  const auto mse = nn::function_loss([](const auto& z, const auto& t, std::size_t n) {
+    return nn::sum<0>(nn::sum<1>(nn::square(z - t))) * (1.0f / static_cast<float>(n));
+  });
+  rows_t dz(std::array<std::size_t, 2>{x.extent(0), x.extent(1)}, m, x.device());
+  const std::array<float, 64> targets{};
+  const double l = mse(x, std::span<const float>(targets.data(), x.size()), 8, dz);
   return meshlib::to_host(loss)[0] + meshlib::to_host(std::get<0>(grads))[0] + meshlib::to_host(dx)[0] +
-         meshlib::to_host(ds)[0] + meshlib::to_host(dn)[0];
+         meshlib::to_host(ds)[0] + meshlib::to_host(dn)[0] + static_cast<float>(l);
 }

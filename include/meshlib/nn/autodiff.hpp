@@ -12,3 +12,4 @@
 #include "meshlib/nn/autodiff/layer.hpp"
 #include "meshlib/nn/autodiff/value_and_grad.hpp"
 #include "meshlib/nn/autodiff/function_layer.hpp"
+#include "meshlib/nn/autodiff/function_loss.hpp"

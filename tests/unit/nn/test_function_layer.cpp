@@ -229,6 +229,46 @@ TEST_CASE("a tensor-parallel function_layer (Megatron's MLP written forward) tra
   }
 }
 
+TEST_CASE("a loss written as forward code (function_loss) trains as mean_squared_error", "[nn][autodiff][loss]") {
+  // Megatron's MLP on 2x2 (heads of the output complete after row_dense's psum) and 2x1, with 2
+  // accumulated micro-batches on one of them: the tape's gradient of the written mean squared
+  // error, and the step's loss (each device's rows' share of the value, added over 'data'), are
+  // the built-in loss's to float rounding.
+  std::vector<float> x(batch * features), y(batch * classes);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(std::sin(0.31 * static_cast<double>(i) + 0.2));
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(0.5 * std::cos(0.17 * static_cast<double>(i)));
+  const auto written = nn::function_loss([](const auto& z, const auto& t, std::size_t n) {
+    return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(z - t)))) * (1.0f / static_cast<float>(n * classes));
+  });
+  for (const auto& [m, k] : {std::pair{mesh_t{2, 2}, std::size_t{1}}, std::pair{mesh_t{2, 1}, std::size_t{2}}}) {
+    INFO("mesh with " << m.size() << " devices, accumulation " << k);
+    const auto run = [&](const auto& loss) {
+      nn::train_state state(m, builtin_megatron(m), nn::adam(nn::constant(1e-2f)), {.accumulation = k}, nn::rng_key{5});
+      std::vector<double> losses;
+      for (std::size_t s = 0; s < 6; ++s)
+        losses.push_back(
+            nn::train_step(state, std::span<const float>(x), std::span<const float>(y), batch, 0, batch, loss).loss);
+      return losses;
+    };
+    const auto builtin = run(nn::mean_squared_error{});
+    const auto traced = run(written);
+    for (std::size_t s = 0; s < builtin.size(); ++s) {
+      INFO("step " << s << ": " << builtin[s] << " vs " << traced[s]);
+      CHECK(std::abs(builtin[s] - traced[s]) <= 1e-5 * std::abs(builtin[s]));
+    }
+    CHECK(traced.back() < traced.front());
+  }
+  // Targets that are not one per output element: refused before any arithmetic.
+  const mesh_t m{2, 1};
+  nn::train_state state(m, builtin_megatron(m), nn::adam(nn::constant(1e-2f)));
+  const std::vector<float> short_y(batch * (classes - 1));
+  CHECK_THROWS_WITH(
+      nn::train_step(state, std::span<const float>(x), std::span<const float>(short_y), batch, 0, batch, written),
+      Catch::Matchers::Contains("meshlib::nn: function_loss: device ") &&
+          Catch::Matchers::Contains("received 48 targets for its 16 rows of 4 outputs; pass one float target per "
+                                    "output column of every row"));
+}
+
 TEST_CASE("a GPT block written as forward code trains to the losses of nn::transformer_block",
           "[nn][autodiff][function_layer][gpt]") {
   // Tolerance 1e-5 relative (about 3e-8 relative seen on the CPU build): the forward code's softmax
